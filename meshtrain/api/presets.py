@@ -1,0 +1,19 @@
+"""Named GPT decoder shapes a TrainingJob can ask for with ``model.preset``.
+
+The realistic shapes follow the GPT-3 paper's table of model sizes (125M, 350M,
+1.3B) and the common 7B decoder shape; the vocabulary is GPT-2's 50257 padded to
+50304 (a multiple of 128, so it splits evenly over tensor-parallel ranks).
+``tiny`` uses byte-level tokens (vocab 256) and is sized for CPU tests.
+"""
+
+from typing import Literal
+
+PresetName = Literal["tiny", "125m", "350m", "1.3b", "7b"]
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64},
+    "125m": {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50304, "seq_len": 2048},
+    "350m": {"layers": 24, "hidden": 1024, "heads": 16, "vocab": 50304, "seq_len": 2048},
+    "1.3b": {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50304, "seq_len": 2048},
+    "7b": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 50304, "seq_len": 4096},
+}

@@ -1,0 +1,219 @@
+"""Cross-field rules of a TrainingJob spec, each stated once for Python and for CEL.
+
+Every rule has a Python check (which sees the resolved model shape, presets
+included, and reports the actual values) and, where the API server can decide
+it from the object alone, a CEL expression that the CRD carries as an
+``x-kubernetes-validations`` entry so ``kubectl apply`` refuses the job.  The
+CEL form only judges explicit model fields; preset-based shapes are checked by
+the operator, which reports the same message in the job's status.
+
+Pure: no I/O.  Single-field constraints (minimums, enums) live on the model in
+:mod:`meshtrain.api.spec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pydantic
+
+if TYPE_CHECKING:
+    from meshtrain.api.spec import TrainingJobSpec
+
+
+class Problem(pydantic.BaseModel):
+    """One broken rule: the field path, and a message with the values and the fix."""
+
+    model_config = pydantic.ConfigDict(frozen=True)
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A cross-field invariant."""
+
+    name: str
+    """Short identifier used in tests and docs."""
+    path: str
+    """Field the message points at (YAML path from ``spec``)."""
+    cel: str | None
+    """CEL over the spec object (``self``) for the CRD; None when only Python can judge it."""
+    cel_message: str
+    """Static message the API server prints when the CEL rule fails."""
+    check: Callable[[TrainingJobSpec], str | None]
+    """Returns a message with the values when the rule is broken, else None."""
+
+
+def _tensor_divides_gpus(spec: TrainingJobSpec) -> str | None:
+    tp, gpus = spec.parallelism.tensor, spec.resources.gpus_per_node
+    if gpus % tp:
+        return (f"tensor={tp} does not divide gpusPerNode={gpus}; a tensor-parallel group must stay inside one "
+                f"node's NVLink domain: choose tensor from the divisors of {gpus}")
+    return None
+
+
+def _world_multiple_of_node(spec: TrainingJobSpec) -> str | None:
+    world, gpus = spec.world_size, spec.resources.gpus_per_node
+    if world % gpus:
+        return (f"world size data x pipeline x tensor = {spec.parallelism.layout_string} = {world} is not a multiple "
+                f"of gpusPerNode={gpus}; every pod runs gpusPerNode ranks: change the degrees or gpusPerNode")
+    return None
+
+
+def _batch_arithmetic(spec: TrainingJobSpec) -> str | None:
+    t, p = spec.training, spec.parallelism
+    if t.global_batch is not None and t.global_batch != t.effective_global_batch(p):
+        return (f"globalBatch={t.global_batch} but microBatch x microBatches x data = {t.micro_batch} x "
+                f"{p.micro_batches} x {p.data} = {t.effective_global_batch(p)}: make them equal or leave globalBatch empty")
+    return None
+
+
+def _layers_split_over_stages(spec: TrainingJobSpec) -> str | None:
+    shape, p = spec.model.shape(), spec.parallelism
+    chunks = p.pipeline * p.virtual_stages
+    if shape.layers % chunks:
+        return (f"layers={shape.layers} is not divisible by pipeline x virtualStages = {p.pipeline} x {p.virtual_stages} = "
+                f"{chunks}; stages must be balanced: change model.layers or the pipeline degree")
+    return None
+
+
+def _heads_split_over_tensor(spec: TrainingJobSpec) -> str | None:
+    shape, tp = spec.model.shape(), spec.parallelism.tensor
+    if shape.heads % tp:
+        return f"heads={shape.heads} is not divisible by tensor={tp}; each tensor-parallel rank owns whole heads"
+    return None
+
+
+def _hidden_split_over_heads(spec: TrainingJobSpec) -> str | None:
+    shape = spec.model.shape()
+    if shape.hidden % shape.heads:
+        return f"hidden={shape.hidden} is not divisible by heads={shape.heads}"
+    return None
+
+
+def _vocab_split_over_tensor(spec: TrainingJobSpec) -> str | None:
+    shape, tp = spec.model.shape(), spec.parallelism.tensor
+    if shape.vocab % tp:
+        return f"vocab={shape.vocab} is not divisible by tensor={tp}; pad the vocabulary to a multiple of {tp}"
+    return None
+
+
+def _ffn_split_over_tensor(spec: TrainingJobSpec) -> str | None:
+    shape, tp = spec.model.shape(), spec.parallelism.tensor
+    if shape.ffn_hidden % tp:
+        return f"ffnHidden={shape.ffn_hidden} is not divisible by tensor={tp}"
+    return None
+
+
+def _sequence_split_over_tensor(spec: TrainingJobSpec) -> str | None:
+    shape, p = spec.model.shape(), spec.parallelism
+    if p.sequence_parallel and shape.seq_len % p.tensor:
+        return f"sequenceParallel needs seqLen divisible by tensor: seqLen={shape.seq_len}, tensor={p.tensor}"
+    return None
+
+
+def _virtual_stages_need_interleaving(spec: TrainingJobSpec) -> str | None:
+    p = spec.parallelism
+    if p.schedule == "interleaved-1f1b" and (p.virtual_stages < 2 or p.pipeline < 2):
+        return (f"interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2 (got pipeline={p.pipeline}, "
+                f"virtualStages={p.virtual_stages}); use 1f1b otherwise")
+    if p.schedule != "interleaved-1f1b" and p.virtual_stages != 1:
+        return f"virtualStages={p.virtual_stages} only applies to schedule interleaved-1f1b (schedule is {p.schedule})"
+    return None
+
+
+def _interleaved_micro_batches(spec: TrainingJobSpec) -> str | None:
+    p = spec.parallelism
+    if p.schedule == "interleaved-1f1b" and p.micro_batches % p.pipeline:
+        return (f"interleaved-1f1b runs micro-batches in rounds of pipeline={p.pipeline}: microBatches={p.micro_batches} "
+                f"must be a multiple of it")
+    return None
+
+
+def _model_shape_complete(spec: TrainingJobSpec) -> str | None:
+    missing = spec.model.missing_fields()
+    if missing:
+        return f"no preset and no value for {', '.join(missing)}: set model.preset or give every shape field"
+    return None
+
+
+def _learning_rate_order(spec: TrainingJobSpec) -> str | None:
+    t = spec.training
+    if t.min_learning_rate > t.learning_rate:
+        return f"minLearningRate={t.min_learning_rate} exceeds learningRate={t.learning_rate}"
+    return None
+
+
+SHAPE_RULE = Rule("model-shape-complete", "spec.model", "has(self.preset) || (has(self.layers) && has(self.hidden) && has(self.heads) && has(self.vocab) && has(self.seqLen))",
+                  "model needs a preset or all of layers, hidden, heads, vocab, seqLen", _model_shape_complete)
+
+RULES: tuple[Rule, ...] = (
+    Rule("tensor-divides-gpus-per-node", "spec.parallelism.tensor",
+         "self.resources.gpusPerNode % self.parallelism.tensor == 0",
+         "parallelism.tensor must divide resources.gpusPerNode (a tensor-parallel group stays inside one NVLink domain)",
+         _tensor_divides_gpus),
+    Rule("world-multiple-of-gpus-per-node", "spec.parallelism",
+         "(self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor) % self.resources.gpusPerNode == 0",
+         "world size data x pipeline x tensor must be a multiple of resources.gpusPerNode (one pod runs gpusPerNode ranks)",
+         _world_multiple_of_node),
+    Rule("global-batch-arithmetic", "spec.training.globalBatch",
+         "!has(self.training.globalBatch) || self.training.globalBatch == self.training.microBatch * self.parallelism.microBatches * self.parallelism.data",
+         "training.globalBatch must equal training.microBatch x parallelism.microBatches x parallelism.data",
+         _batch_arithmetic),
+    Rule("virtual-stages-need-interleaving", "spec.parallelism.virtualStages",
+         "self.parallelism.schedule == 'interleaved-1f1b' ? (self.parallelism.virtualStages >= 2 && self.parallelism.pipeline >= 2) : self.parallelism.virtualStages == 1",
+         "interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2; other schedules need virtualStages == 1",
+         _virtual_stages_need_interleaving),
+    Rule("interleaved-micro-batches", "spec.parallelism.microBatches",
+         "self.parallelism.schedule != 'interleaved-1f1b' || self.parallelism.microBatches % self.parallelism.pipeline == 0",
+         "interleaved-1f1b needs parallelism.microBatches to be a multiple of parallelism.pipeline",
+         _interleaved_micro_batches),
+    Rule("layers-split-over-stages", "spec.model.layers",
+         "!has(self.model.layers) || self.model.layers % (self.parallelism.pipeline * self.parallelism.virtualStages) == 0",
+         "model.layers must be divisible by parallelism.pipeline x parallelism.virtualStages (balanced stages)",
+         _layers_split_over_stages),
+    Rule("heads-split-over-tensor", "spec.model.heads",
+         "!has(self.model.heads) || self.model.heads % self.parallelism.tensor == 0",
+         "model.heads must be divisible by parallelism.tensor",
+         _heads_split_over_tensor),
+    Rule("hidden-split-over-heads", "spec.model.hidden",
+         "!has(self.model.hidden) || !has(self.model.heads) || self.model.hidden % self.model.heads == 0",
+         "model.hidden must be divisible by model.heads",
+         _hidden_split_over_heads),
+    Rule("vocab-split-over-tensor", "spec.model.vocab",
+         "!has(self.model.vocab) || self.model.vocab % self.parallelism.tensor == 0",
+         "model.vocab must be divisible by parallelism.tensor (vocab-parallel embedding)",
+         _vocab_split_over_tensor),
+    Rule("ffn-split-over-tensor", "spec.model.ffnHidden",
+         "!has(self.model.ffnHidden) || self.model.ffnHidden % self.parallelism.tensor == 0",
+         "model.ffnHidden must be divisible by parallelism.tensor",
+         _ffn_split_over_tensor),
+    Rule("sequence-split-over-tensor", "spec.model.seqLen",
+         "!self.parallelism.sequenceParallel || !has(self.model.seqLen) || self.model.seqLen % self.parallelism.tensor == 0",
+         "sequenceParallel needs model.seqLen divisible by parallelism.tensor",
+         _sequence_split_over_tensor),
+    Rule("learning-rate-order", "spec.training.minLearningRate",
+         "self.training.minLearningRate <= self.training.learningRate",
+         "training.minLearningRate must not exceed training.learningRate",
+         _learning_rate_order),
+)
+
+
+def check(spec: TrainingJobSpec) -> list[Problem]:
+    """Every broken cross-field rule of ``spec`` (empty when valid)."""
+    shape_message = SHAPE_RULE.check(spec)
+    if shape_message:
+        return [Problem(path=SHAPE_RULE.path, message=shape_message)]
+    problems = []
+    for rule in RULES:
+        message = rule.check(spec)
+        if message:
+            problems.append(Problem(path=rule.path, message=message))
+    return problems

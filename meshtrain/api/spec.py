@@ -1,0 +1,386 @@
+"""The TrainingJob spec: one typed model shared by the operator and the trainer.
+
+This module is the single source of truth for what a TrainingJob may say.  The
+CRD's OpenAPI schema is generated from these classes (:mod:`meshtrain.api.crd`)
+and the cross-field rules live in :mod:`meshtrain.api.rules`, so the operator,
+the trainer and ``kubectl apply`` agree on what a valid job is.
+
+Attributes are snake_case in Python and camelCase in YAML (``micro_batches`` is
+``microBatches``).  The models are frozen: derive a changed spec with
+:func:`apply_overrides` or ``model_copy(update=...)``.
+
+This module does no I/O beyond reading a spec file; it never talks to a
+cluster or starts processes.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from meshtrain.api import presets, rules
+
+API_GROUP = "meshtrain.io"
+API_VERSION = "v1alpha1"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+SHORT_NAME = "tj"
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Precision = Literal["auto", "fp32", "bf16"]
+
+
+class _Model(pydantic.BaseModel):
+    """Base for every spec section: camelCase in YAML, frozen, no unknown keys."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        extra="forbid",
+    )
+
+
+class Parallelism(_Model):
+    """How the job is split: data x pipeline x tensor, and how each axis runs."""
+
+    data: int = Field(1, ge=1, description="Data-parallel degree: model replicas that split the global batch.")
+    pipeline: int = Field(1, ge=1, description="Pipeline-parallel degree: number of pipeline stages (layers split across them).")
+    tensor: int = Field(1, ge=1, description="Tensor-parallel degree: GPUs that split every layer; must divide gpusPerNode so a group stays inside one NVLink domain.")
+    schedule: Schedule = Field("1f1b", description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one backward, bounded activation memory), interleaved-1f1b (virtual stages, smaller bubble).")
+    virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank for interleaved-1f1b (v >= 2); must be 1 for other schedules.")
+    micro_batches: int = Field(1, ge=1, description="Micro-batches per optimizer step per data-parallel replica (gradient accumulation and pipeline depth).")
+    zero_stage: Literal[0, 1, 2] = Field(0, description="ZeRO sharding across the data-parallel group: 0 none, 1 optimizer state and master weights, 2 also gradients.")
+    sequence_parallel: bool = Field(False, description="Shard layer-norm and dropout activations along the sequence inside the tensor-parallel group.")
+    bucket_mb: float = Field(25.0, gt=0, description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job: data x pipeline x tensor."""
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def layout_string(self) -> str:
+        """Human layout such as ``dp2·pp4·tp8`` (printer column, logs)."""
+        return f"dp{self.data}·pp{self.pipeline}·tp{self.tensor}"
+
+
+class Toleration(_Model):
+    """A pod toleration, as in the core API."""
+
+    key: str | None = Field(None, description="Taint key the toleration applies to; empty matches all keys with operator Exists.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(None, description="Taint effect to tolerate; empty tolerates all effects.")
+    toleration_seconds: int | None = Field(None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears.")
+
+
+class Resources(_Model):
+    """What each pod (one per node slot) asks of its node."""
+
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per pod; one pod per node runs torchrun --nproc-per-node=gpusPerNode.")
+    gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Labels a node must carry to host this job's pods.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations added to every pod (e.g. for GPU node taints).")
+    extra_resources: dict[str, str] = Field(default_factory=dict, description="More extended resources per pod, e.g. {rdma/ib: '1'} for InfiniBand devices.")
+    cpu: str | None = Field(None, description="CPU request and limit per pod (Kubernetes quantity); empty leaves it unset.")
+    memory: str | None = Field(None, description="Memory request and limit per pod (Kubernetes quantity); empty leaves it unset.")
+    shm_size: str = Field("16Gi", description="Size of the in-memory /dev/shm volume (NCCL and data loader workers need more than the default 64Mi).")
+
+
+class ModelShape(_Model):
+    """A resolved GPT decoder shape (no preset names left)."""
+
+    layers: int = Field(ge=1, description="Transformer blocks.")
+    hidden: int = Field(ge=1, description="Model width.")
+    heads: int = Field(ge=1, description="Attention heads.")
+    vocab: int = Field(ge=2, description="Vocabulary size.")
+    seq_len: int = Field(ge=1, description="Sequence length in tokens.")
+    ffn_hidden: int = Field(ge=1, description="MLP inner width.")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden // self.heads
+
+
+class ModelSpec(_Model):
+    """The model: a named preset, explicit sizes, or a preset with overrides."""
+
+    preset: presets.PresetName | None = Field(None, description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b. Explicit fields override it.")
+    layers: int | None = Field(None, ge=1, description="Transformer blocks (overrides the preset).")
+    hidden: int | None = Field(None, ge=1, description="Model width (overrides the preset).")
+    heads: int | None = Field(None, ge=1, description="Attention heads (overrides the preset).")
+    vocab: int | None = Field(None, ge=2, description="Vocabulary size (overrides the preset); 256 for byte-level data.")
+    seq_len: int | None = Field(None, ge=1, description="Sequence length in tokens (overrides the preset).")
+    ffn_hidden: int | None = Field(None, ge=1, description="MLP inner width; defaults to 4 x hidden.")
+
+    def missing_fields(self) -> list[str]:
+        """Shape fields that neither the preset nor the spec gives."""
+        base = presets.PRESETS[self.preset] if self.preset else {}
+        return [f for f in ("layers", "hidden", "heads", "vocab", "seq_len") if getattr(self, f) is None and f not in base]
+
+    def shape(self) -> ModelShape:
+        """The resolved shape: preset values overridden by explicit fields."""
+        values: dict[str, Any] = dict(presets.PRESETS[self.preset]) if self.preset else {}
+        for name in ("layers", "hidden", "heads", "vocab", "seq_len"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        values["ffn_hidden"] = self.ffn_hidden or 4 * values["hidden"]
+        return ModelShape(**values)
+
+
+class Training(_Model):
+    """Optimisation: batch, steps, learning-rate schedule, precision, data."""
+
+    global_batch: int | None = Field(None, ge=1, description="Sequences per optimizer step; must equal microBatch x microBatches x data. Empty derives it.")
+    micro_batch: int = Field(1, ge=1, description="Sequences per micro-batch per data-parallel replica.")
+    steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    learning_rate: float = Field(3e-4, gt=0, description="Peak learning rate (after warmup).")
+    min_learning_rate: float = Field(3e-5, ge=0, description="Learning rate at the end of the cosine decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps from 0 to learningRate.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases).")
+    grad_clip: float = Field(1.0, ge=0, description="Clip gradients to this global L2 norm (0 disables).")
+    precision: Precision = Field("auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.")
+    seed: int = Field(1234, ge=0, description="Seed for weights and data order; the same seed gives the same run on every layout.")
+    dataset: str = Field("stdlib", min_length=1, description="'stdlib' (byte-level tokens of the Python standard library sources) or the path of a uint16 token file.")
+
+    def effective_global_batch(self, parallelism: Parallelism) -> int:
+        """The global batch the layout produces: microBatch x microBatches x data."""
+        return self.micro_batch * parallelism.micro_batches * parallelism.data
+
+
+class Checkpoint(_Model):
+    """Where and how often training state is saved; resume is automatic."""
+
+    path: str = Field("/checkpoints", min_length=1, description="Directory for checkpoints inside the pod (or on this machine for meshtrain run).")
+    claim_name: str | None = Field(None, description="PersistentVolumeClaim mounted at path; empty uses an emptyDir (lost with the pod).")
+    interval_steps: int = Field(100, ge=0, description="Save every N optimizer steps (0: only at the end).")
+    keep: int = Field(3, ge=1, description="Complete checkpoints to keep; older ones are pruned.")
+
+
+class FabricLevel(_Model):
+    """One level of the network fabric, named by a node label."""
+
+    label: str = Field(min_length=1, description="Node label whose value names the domain at this level, e.g. network.topology.nvidia.com/block.")
+    mode: Literal["required", "preferred"] = Field("preferred", description="required: the whole job must fit in one domain of this level; preferred: minimise traffic across it.")
+
+
+class Topology(_Model):
+    """How the cluster's network is described by node labels."""
+
+    nvlink_domain_label: str | None = Field(None, description="Node label naming a multi-node NVLink domain (e.g. nvidia.com/gpu.clique); empty: the node itself.")
+    levels: list[FabricLevel] = Field(default_factory=list, description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes.")
+
+
+class RunPolicy(_Model):
+    """Failure, time and lifetime policy."""
+
+    backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job fails.")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job when it has been active this long.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the job this long after it succeeded or failed.")
+    startup_timeout_seconds: int = Field(600, ge=1, description="Pods not all Running this long after creation count as a failed start.")
+    suspend: bool = Field(False, description="Remove the pods but keep the job and its status; setting it back to false re-places the job.")
+
+
+class Metrics(_Model):
+    """The trainer's Prometheus exporter."""
+
+    port: int = Field(9400, ge=1024, le=65535, description="Port of the Prometheus exporter in every pod.")
+    peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s per device for MFU; empty uses the detected GPU's bf16 peak (or a measured CPU figure).")
+
+
+class TrainingJobSpec(_Model):
+    """The spec of a TrainingJob."""
+
+    image: str = Field("ghcr.io/meshtrain/trainer:0.1.0", min_length=1, description="Trainer image; it must contain the meshtrain package.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy of the trainer image.")
+    parallelism: Parallelism = Field(default_factory=Parallelism, description="Data x pipeline x tensor layout and schedule.")
+    resources: Resources = Field(default_factory=Resources, description="Per-pod GPUs and other resources.")
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec(preset="tiny"), description="GPT decoder shape.")
+    training: Training = Field(default_factory=Training, description="Batch, steps, schedule, precision and data.")
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint location and frequency.")
+    topology: Topology = Field(default_factory=Topology, description="NVLink domain and fabric labels.")
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend.")
+    metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter settings.")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job."""
+        return self.parallelism.world_size
+
+    @property
+    def pods(self) -> int:
+        """Pods in the gang: one per node slot of gpusPerNode ranks."""
+        return self.world_size // self.resources.gpus_per_node
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.training.effective_global_batch(self.parallelism)
+
+
+class Phase(str, enum.Enum):
+    """Lifecycle phase of a TrainingJob (see docs/architecture.md)."""
+
+    PENDING = "Pending"
+    PLACING = "Placing"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(description="Condition type, e.g. Placed, Running, Succeeded, Failed, WontFit.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason, a constant of meshtrain.operator.conditions.")
+    message: str = Field("", description="Human explanation with the numbers.")
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+
+
+class PodPlacement(_Model):
+    """The node chosen for one pod of the gang."""
+
+    pod_index: int = Field(ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode).")
+    node: str = Field(description="Node name.")
+
+
+class Progress(_Model):
+    """Last training progress reported by rank 0."""
+
+    step: int = Field(0, ge=0, description="Last completed optimizer step.")
+    loss: float | None = Field(None, description="Loss at that step.")
+    tokens_per_second: float | None = Field(None, description="Throughput of the whole job.")
+    updated_at: str | None = Field(None, description="RFC 3339 time of the report.")
+
+
+class TrainingJobStatus(_Model):
+    """The status subresource of a TrainingJob."""
+
+    phase: Phase = Field(Phase.PENDING, description="Lifecycle phase.")
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions with reasons and messages.")
+    layout: str | None = Field(None, description="Layout such as dp2·pp4·tp8.")
+    world_size: int | None = Field(None, description="Processes in the job.")
+    gpus: int | None = Field(None, description="GPUs the job uses.")
+    placement: list[PodPlacement] = Field(default_factory=list, description="Node per pod (rank block).")
+    cross_level_bytes: dict[str, float] = Field(default_factory=dict, description="Predicted bytes per step crossing each fabric level.")
+    restarts: int = Field(0, ge=0, description="Gang restarts so far.")
+    last_checkpoint_step: int | None = Field(None, description="Step of the newest complete checkpoint.")
+    progress: Progress | None = Field(None, description="Last reported training progress.")
+    plan: dict[str, Any] = Field(default_factory=dict, description="Key numbers of the planner: memory per GPU, step time, bubble.")
+    start_time: str | None = Field(None, description="When the pods first ran.")
+    completion_time: str | None = Field(None, description="When the job succeeded or failed.")
+    observed_generation: int | None = Field(None, description="Spec generation the status describes.")
+
+
+class SpecError(ValueError):
+    """A spec that breaks one or more rules; ``problems`` lists every one."""
+
+    def __init__(self, problems: list[rules.Problem], source: str = "spec") -> None:
+        self.problems = problems
+        self.source = source
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source} is not a valid TrainingJob ({len(problems)} problem(s)):\n{lines}")
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    """Pydantic error location -> a YAML field path such as spec.parallelism.microBatches."""
+    parts = ["spec"]
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1] += f"[{item}]"
+        elif item not in ("function-after", "literal"):
+            parts.append(to_camel(str(item)))
+    return ".".join(parts)
+
+
+def parse_spec(raw: dict[str, Any] | None, source: str = "spec") -> TrainingJobSpec:
+    """Build a spec from a dict (the ``spec`` of a TrainingJob) and check every rule.
+
+    Raises :class:`SpecError` listing all problems: type and range errors from
+    the schema first, then the cross-field rules of :mod:`meshtrain.api.rules`.
+    """
+    try:
+        spec = TrainingJobSpec.model_validate(raw or {})
+    except pydantic.ValidationError as err:
+        problems = [rules.Problem(path=_location(e["loc"]), message=f"{e['msg']} (got {e.get('input')!r})") for e in err.errors()]
+        raise SpecError(problems, source) from None
+    problems = rules.check(spec)
+    if problems:
+        raise SpecError(problems, source)
+    return spec
+
+
+def parse_manifest(document: dict[str, Any], source: str = "manifest") -> tuple[dict[str, Any], TrainingJobSpec]:
+    """Validate a whole TrainingJob object; returns (metadata, spec)."""
+    kind = document.get("kind")
+    if kind != KIND:
+        raise SpecError([rules.Problem(path="kind", message=f"expected {KIND!r}, got {kind!r}")], source)
+    api_version = document.get("apiVersion")
+    if api_version != f"{API_GROUP}/{API_VERSION}":
+        raise SpecError([rules.Problem(path="apiVersion", message=f"expected '{API_GROUP}/{API_VERSION}', got {api_version!r}")], source)
+    return document.get("metadata") or {}, parse_spec(document.get("spec"), source)
+
+
+def load_manifest(path: str | Path) -> tuple[dict[str, Any], TrainingJobSpec]:
+    """Read a TrainingJob YAML file: the whole object, or just its spec."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError([rules.Problem(path=str(path), message="file not found")], str(path))
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError([rules.Problem(path=str(path), message=f"not valid YAML: {err}")], str(path)) from None
+    if not isinstance(document, dict):
+        raise SpecError([rules.Problem(path=str(path), message="expected a YAML mapping (a TrainingJob)")], str(path))
+    if "kind" in document:
+        return parse_manifest(document, str(path))
+    return {}, parse_spec(document, str(path))
+
+
+def load_spec_file(path: str | Path) -> TrainingJobSpec:
+    """Read a TrainingJob (or a bare spec) from YAML and validate it."""
+    return load_manifest(path)[1]
+
+
+def apply_overrides(spec: TrainingJobSpec, assignments: list[str]) -> TrainingJobSpec:
+    """Apply ``path=value`` overrides (camelCase or snake_case, YAML values) and revalidate.
+
+    ``apply_overrides(spec, ["training.steps=5", "parallelism.microBatches=4"])``
+    """
+    raw = spec.model_dump(by_alias=True, exclude_none=True)
+    for assignment in assignments:
+        if "=" not in assignment:
+            raise SpecError([rules.Problem(path=assignment, message="override must look like path=value, e.g. training.steps=5")], "--set")
+        dotted, value = assignment.split("=", 1)
+        keys = [to_camel(k) for k in dotted.strip().removeprefix("spec.").split(".")]
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise SpecError([rules.Problem(path=dotted, message=f"{key} is not a section")], "--set")
+        node[keys[-1]] = yaml.safe_load(value)
+    return parse_spec(raw, "spec with --set overrides")
+
+
+def to_manifest(name: str, spec: TrainingJobSpec, namespace: str | None = None) -> dict[str, Any]:
+    """A TrainingJob object for the API server (defaults included, nulls dropped)."""
+    metadata: dict[str, Any] = {"name": name}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    }

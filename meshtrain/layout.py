@@ -1,0 +1,112 @@
+"""Rank-layout arithmetic for data x pipeline x tensor parallelism.
+
+One object owns the mesh arithmetic: degrees, world size, the coordinates of a
+rank and the members of each process group.  The order is fixed by the design:
+pipeline outermost, then data, tensor innermost::
+
+    rank = (pp * data + dp) * tensor + tp
+
+so a tensor-parallel group is a block of consecutive ranks and therefore of
+consecutive local ranks of one pod.  Pure: no process groups, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCoords:
+    """Where one rank sits in the (pp, dp, tp) grid."""
+
+    pp: int
+    """Pipeline stage index."""
+    dp: int
+    """Data-parallel replica index."""
+    tp: int
+    """Tensor-parallel shard index."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """The degrees of a 3D-parallel job and the arithmetic on them."""
+
+    data: int
+    """Data-parallel degree."""
+    pipeline: int
+    """Pipeline-parallel degree (stages)."""
+    tensor: int
+    """Tensor-parallel degree."""
+
+    def __post_init__(self) -> None:
+        for name in ("data", "pipeline", "tensor"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} degree must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """Shape of the (pp, dp, tp) device mesh in rank order."""
+        return (self.pipeline, self.data, self.tensor)
+
+    def __str__(self) -> str:
+        return f"dp{self.data}·pp{self.pipeline}·tp{self.tensor}"
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        """Global rank at the given coordinates."""
+        if not (0 <= pp < self.pipeline and 0 <= dp < self.data and 0 <= tp < self.tensor):
+            raise ValueError(f"coordinates (pp={pp}, dp={dp}, tp={tp}) outside {self}")
+        return (pp * self.data + dp) * self.tensor + tp
+
+    def coords(self, rank: int) -> RankCoords:
+        """Coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size} of {self}")
+        tp = rank % self.tensor
+        dp = (rank // self.tensor) % self.data
+        pp = rank // (self.tensor * self.data)
+        return RankCoords(pp=pp, dp=dp, tp=tp)
+
+    def tp_group(self, rank: int) -> list[int]:
+        """Ranks sharing this rank's layers (same pp, dp)."""
+        c = self.coords(rank)
+        return [self.rank_of(c.pp, c.dp, t) for t in range(self.tensor)]
+
+    def dp_group(self, rank: int) -> list[int]:
+        """Ranks holding replicas of this rank's shard (same pp, tp)."""
+        c = self.coords(rank)
+        return [self.rank_of(c.pp, d, c.tp) for d in range(self.data)]
+
+    def pp_group(self, rank: int) -> list[int]:
+        """Ranks forming this rank's pipeline, stage 0 first (same dp, tp)."""
+        c = self.coords(rank)
+        return [self.rank_of(p, c.dp, c.tp) for p in range(self.pipeline)]
+
+    def all_groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis`` ('tp', 'dp' or 'pp'), each listed once, in rank order."""
+        member_of = {"tp": self.tp_group, "dp": self.dp_group, "pp": self.pp_group}[axis]
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.world_size):
+            seen.setdefault(tuple(member_of(rank)), None)
+        return [list(group) for group in seen]
+
+    def pod_of(self, rank: int, gpus_per_node: int) -> int:
+        """Pod (node slot) index holding a rank: pod i holds [i*g, (i+1)*g)."""
+        return rank // gpus_per_node
+
+    def ranks_of_pod(self, pod: int, gpus_per_node: int) -> range:
+        """Global ranks run by one pod."""
+        return range(pod * gpus_per_node, (pod + 1) * gpus_per_node)
+
+    def stages_of_pod(self, pod: int, gpus_per_node: int) -> list[int]:
+        """Pipeline stages a pod's ranks belong to (sorted, distinct)."""
+        return sorted({self.coords(r).pp for r in self.ranks_of_pod(pod, gpus_per_node)})
+
+
+def from_spec(parallelism) -> ParallelLayout:  # noqa: ANN001 - any object with data/pipeline/tensor
+    """The layout of a spec's ``parallelism`` section."""
+    return ParallelLayout(data=parallelism.data, pipeline=parallelism.pipeline, tensor=parallelism.tensor)
