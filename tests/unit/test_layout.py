@@ -1,0 +1,56 @@
+"""Rank-layout arithmetic: the DESIGN order pp > dp > tp, groups, pods."""
+
+import itertools
+
+import pytest
+
+from meshtrain.layout import ParallelLayout
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (2, 4, 8), (3, 2, 4)]
+
+
+@pytest.mark.parametrize("data,pipeline,tensor", LAYOUTS)
+def test_rank_formula_and_coords_are_inverse(data, pipeline, tensor):
+    layout = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor)
+    seen = set()
+    for pp, dp, tp in itertools.product(range(pipeline), range(data), range(tensor)):
+        rank = layout.rank_of(pp, dp, tp)
+        assert rank == (pp * data + dp) * tensor + tp
+        c = layout.coords(rank)
+        assert (c.pp, c.dp, c.tp) == (pp, dp, tp)
+        seen.add(rank)
+    assert seen == set(range(layout.world_size))
+
+
+@pytest.mark.parametrize("data,pipeline,tensor", LAYOUTS)
+def test_groups_partition_the_world(data, pipeline, tensor):
+    layout = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor)
+    for axis, size in (("tp", tensor), ("dp", data), ("pp", pipeline)):
+        groups = layout.all_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
+        assert all(len(g) == size for g in groups)
+
+
+def test_tensor_groups_are_consecutive_ranks_inside_one_pod():
+    layout = ParallelLayout(data=2, pipeline=4, tensor=8)
+    for group in layout.all_groups("tp"):
+        assert group == list(range(group[0], group[0] + 8))
+        assert len({layout.pod_of(r, gpus_per_node=8) for r in group}) == 1
+
+
+def test_pods_hold_contiguous_rank_blocks_and_know_their_stages():
+    layout = ParallelLayout(data=2, pipeline=2, tensor=1)
+    assert list(layout.ranks_of_pod(1, gpus_per_node=2)) == [2, 3]
+    assert layout.stages_of_pod(0, gpus_per_node=2) == [0]
+    assert layout.stages_of_pod(1, gpus_per_node=2) == [1]
+    assert ParallelLayout(1, 4, 1).stages_of_pod(0, gpus_per_node=4) == [0, 1, 2, 3]
+
+
+def test_out_of_range_is_refused():
+    layout = ParallelLayout(2, 2, 2)
+    with pytest.raises(ValueError, match="rank 8"):
+        layout.coords(8)
+    with pytest.raises(ValueError, match="pp=2"):
+        layout.rank_of(2, 0, 0)
+    with pytest.raises(ValueError, match="data degree"):
+        ParallelLayout(0, 1, 1)

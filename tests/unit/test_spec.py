@@ -1,0 +1,119 @@
+"""The TrainingJob spec model: defaults, every cross-field rule, overrides, files."""
+
+import pytest
+import yaml
+
+from meshtrain.api import rules, spec
+from tests.unit.builders import JobBuilder
+
+
+def test_defaults_give_a_valid_single_process_job():
+    job = spec.parse_spec(JobBuilder().raw())
+    assert job.world_size == 1 and job.pods == 1
+    assert job.parallelism.schedule == "1f1b"
+    assert job.training.precision == "auto"
+    assert job.model.shape().ffn_hidden == 4 * job.model.shape().hidden
+
+
+def test_layout_string_and_pods():
+    job = spec.parse_spec(JobBuilder().layout(2, 4, 8, gpus_per_node=8).model(preset="7b").raw())
+    assert job.parallelism.layout_string == "dp2·pp4·tp8"
+    assert job.world_size == 64 and job.pods == 8
+
+
+# (case, builder, field path the message must name, words the message must contain)
+INVALID = [
+    ("tensor does not divide gpusPerNode", JobBuilder().layout(1, 1, 3, gpus_per_node=4).model(preset="tiny", heads=3, hidden=63, vocab=255, ffnHidden=252),
+     "spec.parallelism.tensor", ["tensor=3", "gpusPerNode=4"]),
+    ("world not a multiple of gpusPerNode", JobBuilder().layout(3, 1, 1, gpus_per_node=2),
+     "spec.parallelism", ["= 3", "gpusPerNode=2"]),
+    ("layers not divisible by stages", JobBuilder().layout(1, 3, 1),
+     "spec.model.layers", ["layers=4", "3"]),
+    ("heads not divisible by tensor", JobBuilder().layout(1, 1, 8).model(preset="tiny", heads=4, hidden=64),
+     "spec.model.heads", ["heads=4", "tensor=8"]),
+    ("batch arithmetic off", JobBuilder().layout(2, 1, 1).parallelism(microBatches=4).training(microBatch=2, globalBatch=10),
+     "spec.training.globalBatch", ["globalBatch=10", "2 x 4 x 2 = 16"]),
+    ("virtual stages without interleaving", JobBuilder().layout(1, 2, 1).parallelism(virtualStages=2),
+     "spec.parallelism.virtualStages", ["virtualStages=2", "interleaved-1f1b"]),
+    ("interleaved needs virtual stages", JobBuilder().layout(1, 2, 1).parallelism(schedule="interleaved-1f1b"),
+     "spec.parallelism.virtualStages", ["virtualStages >= 2"]),
+    ("interleaved micro-batches in rounds", JobBuilder().layout(1, 2, 1).parallelism(schedule="interleaved-1f1b", virtualStages=2, microBatches=3),
+     "spec.parallelism.microBatches", ["microBatches=3", "pipeline=2"]),
+    ("vocab not divisible by tensor", JobBuilder().layout(1, 1, 2).model(preset="tiny", vocab=255),
+     "spec.model.vocab", ["vocab=255"]),
+    ("no shape at all", JobBuilder().model(preset=None, layers=2),
+     "spec.model", ["hidden", "heads"]),
+    ("sequence parallel needs divisible seqLen", JobBuilder().layout(1, 1, 2).parallelism(sequenceParallel=True).model(preset="tiny", seqLen=33),
+     "spec.model.seqLen", ["seqLen=33"]),
+    ("below a minimum", JobBuilder().parallelism(microBatches=0),
+     "spec.parallelism.microBatches", ["greater than or equal to 1"]),
+    ("unknown schedule", JobBuilder().parallelism(schedule="zigzag"),
+     "spec.parallelism.schedule", ["gpipe", "zigzag"]),
+    ("unknown field (typo)", JobBuilder().parallelism(microbatches=4),
+     "spec.parallelism.microbatches", ["not permitted"]),
+]
+
+
+@pytest.mark.parametrize("case,builder,path,words", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_spec_is_refused_naming_field_and_values(case, builder, path, words):
+    with pytest.raises(spec.SpecError) as err:
+        spec.parse_spec(builder.raw())
+    paths = [p.path for p in err.value.problems]
+    assert path in paths, f"{case}: expected a problem at {path}, got {paths}"
+    message = next(str(p) for p in err.value.problems if p.path == path)
+    for word in words:
+        assert word in message, f"{case}: {word!r} missing from {message!r}"
+
+
+def test_every_broken_rule_is_listed_at_once():
+    raw = JobBuilder().layout(2, 3, 3, gpus_per_node=4).training(globalBatch=7).raw()
+    with pytest.raises(spec.SpecError) as err:
+        spec.parse_spec(raw)
+    names = {p.path for p in err.value.problems}
+    assert {"spec.parallelism.tensor", "spec.parallelism", "spec.training.globalBatch", "spec.model.layers", "spec.model.heads"} <= names
+    assert len(err.value.problems) >= 5
+
+
+def test_every_rule_has_a_cel_expression_and_message():
+    for rule in rules.RULES + (rules.SHAPE_RULE,):
+        assert rule.cel and "self." in rule.cel, rule.name
+        assert rule.cel_message, rule.name
+
+
+def test_overrides_accept_camel_and_snake_case_and_revalidate():
+    job = spec.parse_spec(JobBuilder().layout(2, 1, 1).raw())
+    changed = spec.apply_overrides(job, ["training.steps=7", "parallelism.micro_batches=3"])
+    assert changed.training.steps == 7 and changed.parallelism.micro_batches == 3
+    with pytest.raises(spec.SpecError, match="spec.parallelism.tensor"):
+        spec.apply_overrides(job, ["parallelism.tensor=3"])
+    with pytest.raises(spec.SpecError, match="path=value"):
+        spec.apply_overrides(job, ["training.steps"])
+
+
+def test_load_manifest_round_trip(tmp_path):
+    job = spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.to_manifest("demo", job, namespace="ml")))
+    metadata, loaded = spec.load_manifest(path)
+    assert metadata == {"name": "demo", "namespace": "ml"}
+    assert loaded == job
+
+
+@pytest.mark.parametrize("content,words", [
+    ("kind: Deployment\napiVersion: apps/v1\n", ["kind", "TrainingJob"]),
+    ("kind: TrainingJob\napiVersion: meshtrain.io/v9\n", ["apiVersion", "v1alpha1"]),
+    ("spec: [unclosed\n", ["not valid YAML"]),
+    ("- a list\n", ["YAML mapping"]),
+])
+def test_bad_files_name_the_problem(tmp_path, content, words):
+    path = tmp_path / "job.yaml"
+    path.write_text(content)
+    with pytest.raises(spec.SpecError) as err:
+        spec.load_manifest(path)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(spec.SpecError, match="file not found"):
+        spec.load_spec_file(tmp_path / "nope.yaml")
