@@ -1,0 +1,51 @@
+"""Describe the machine a benchmark ran on and write its results file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def describe() -> dict[str, Any]:
+    """Host, CPU, core count, memory, Python/torch versions and any GPU."""
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/meminfo") as meminfo:
+            info["memory_kib"] = int(meminfo.readline().split()[1])
+        with open("/proc/cpuinfo") as cpuinfo:
+            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return info
+
+
+def write_results(name: str, results: Any) -> Path:
+    """Write ``results`` with the machine description to results/<name>-<host>.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    machine = describe()
+    path = RESULTS / f"{name}-{machine['host']}.json"
+    path.write_text(json.dumps({"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                "machine": machine, "results": results}, indent=2) + "\n")
+    return path
