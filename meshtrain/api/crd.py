@@ -1,0 +1,243 @@
+"""The TrainingJob CustomResourceDefinition, generated from the spec model.
+
+What it is: a pure translation of :class:`meshtrain.api.spec.TrainingJobSpec`
+and :class:`~meshtrain.api.spec.TrainingJobStatus` (their pydantic JSON
+schemas) into a *structural* OpenAPI v3 schema the API server accepts, plus
+the cross-field rules of :mod:`meshtrain.api.rules` as CEL
+``x-kubernetes-validations``, the status subresource, printer columns and
+names.  ``python -m meshtrain.api.crd`` (or ``meshtrain crd``) prints the YAML
+that is checked in at ``manifests/crd/trainingjobs.meshtrain.io.yaml``; a unit
+test fails when the two drift.
+
+What it is not: it talks to no cluster and does not install anything.
+
+Translation rules (JSON Schema 2020-12 from pydantic -> Kubernetes structural):
+
+* ``$ref``/``$defs`` are inlined (structural schemas have no references);
+* ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``;
+* ``exclusiveMinimum: n`` becomes ``minimum: n`` + ``exclusiveMinimum: true``;
+* a field built by ``default_factory`` gets the factory's value as ``default``
+  so the API server fills nested defaults (CEL rules may then read them);
+* ``title``, ``additionalProperties: false`` and null defaults are dropped
+  (unknown fields are pruned by the server, and refused by ``kubectl apply``
+  with server-side field validation);
+* ``dict[str, Any]`` becomes ``x-kubernetes-preserve-unknown-fields: true`` —
+  the only place the schema is open.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import pydantic
+import yaml
+
+from meshtrain.api import rules, spec
+
+CRD_NAME = f"{spec.PLURAL}.{spec.API_GROUP}"
+"""metadata.name of the CRD: plural.group."""
+
+MAX_NAME_LENGTH = 40
+"""Longest TrainingJob name: pod names ``<job>-r<restarts>-<index>`` are pod
+hostnames and must stay inside the 63-character DNS label limit."""
+
+_KEEP = ("type", "description", "default", "enum", "minimum", "maximum", "exclusiveMinimum",
+         "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "format")
+"""JSON-schema keywords carried over unchanged (after the rewrites above)."""
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    """Inline every ``$ref`` of ``node`` (siblings of a ref override the target)."""
+    if isinstance(node, list):
+        return [_resolve(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
+        siblings = {k: v for k, v in node.items() if k != "$ref"}
+        target.update(siblings)
+        return _resolve(target, defs)
+    if "allOf" in node and len(node["allOf"]) == 1:
+        merged = dict(node["allOf"][0])
+        merged.update({k: v for k, v in node.items() if k != "allOf"})
+        return _resolve(merged, defs)
+    return {key: _resolve(value, defs) for key, value in node.items()}
+
+
+def _structural(node: dict[str, Any]) -> dict[str, Any]:
+    """One resolved JSON-schema node -> one structural OpenAPI v3 node."""
+    node = dict(node)
+    nullable = False
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"cannot express anyOf with {len(options)} non-null options structurally: {options}")
+        nullable = True
+        inner = dict(options[0])
+        inner.update({k: v for k, v in node.items() if k not in inner or k in ("description", "default")})
+        node = inner
+    out: dict[str, Any] = {}
+    for key in _KEEP:
+        if key in node and not (key == "default" and node[key] is None):
+            out[key] = node[key]
+    if "enum" in out and "type" not in out:
+        kinds = {type(v) for v in out["enum"]}
+        out["type"] = "integer" if kinds == {int} else "string"
+    if "exclusiveMinimum" in out and not isinstance(out["exclusiveMinimum"], bool):
+        out["minimum"], out["exclusiveMinimum"] = out["exclusiveMinimum"], True
+    if "exclusiveMaximum" in out and not isinstance(out["exclusiveMaximum"], bool):
+        out["maximum"], out["exclusiveMaximum"] = out["exclusiveMaximum"], True
+    if nullable:
+        out["nullable"] = True
+    if out.get("type") == "object" or "properties" in node:
+        out["type"] = "object"
+        if "properties" in node:
+            out["properties"] = {name: _structural(sub) for name, sub in node["properties"].items()}
+            if node.get("required"):
+                out["required"] = list(node["required"])
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            if extra:
+                out["additionalProperties"] = _structural(extra)
+            else:
+                out["x-kubernetes-preserve-unknown-fields"] = True
+        elif extra is True or ("properties" not in node and extra is None):
+            out["x-kubernetes-preserve-unknown-fields"] = True
+    if out.get("type") == "array":
+        out["items"] = _structural(node["items"])
+    return out
+
+
+def _factory_defaults(model: type[pydantic.BaseModel], schema: dict[str, Any]) -> None:
+    """Write each ``default_factory`` value of ``model`` (recursively) into ``schema``."""
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        prop = schema.get("properties", {}).get(alias)
+        if prop is None:
+            continue
+        if field.default_factory is not None and "default" not in prop:
+            value = field.default_factory()  # type: ignore[call-arg]
+            if isinstance(value, pydantic.BaseModel):
+                prop["default"] = value.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True, mode="json")
+            else:
+                prop["default"] = value
+        annotation = field.annotation
+        sub_models = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+        if sub_models and prop.get("type") == "object":
+            _factory_defaults(sub_models[0], prop)
+        elif prop.get("type") == "array":
+            item_models = [a for a in getattr(annotation, "__args__", ()) if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+            if item_models:
+                _factory_defaults(item_models[0], prop["items"])
+
+
+def model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """Structural OpenAPI v3 schema of a pydantic model (camelCase field names)."""
+    raw = model.model_json_schema(by_alias=True)
+    defs = raw.pop("$defs", {})
+    schema = _structural(_resolve(raw, defs))
+    _factory_defaults(model, schema)
+    return schema
+
+
+def _field_path(rule_path: str, base: str) -> str:
+    """Rule path such as ``spec.parallelism.tensor`` -> CEL fieldPath relative to ``base``."""
+    relative = rule_path.removeprefix(base)
+    return relative if relative.startswith(".") else ""
+
+
+def _validation(rule: rules.Rule, base: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"rule": rule.cel, "message": rule.cel_message}
+    field_path = _field_path(rule.path, base)
+    if field_path:
+        entry["fieldPath"] = field_path
+        entry["reason"] = "FieldValueInvalid"
+    return entry
+
+
+def spec_schema() -> dict[str, Any]:
+    """Schema of ``spec`` with every CEL-expressible rule attached."""
+    schema = model_schema(spec.TrainingJobSpec)
+    schema["x-kubernetes-validations"] = [_validation(r, "spec") for r in rules.RULES if r.cel]
+    model_node = schema["properties"]["model"]
+    model_node["x-kubernetes-validations"] = [_validation(rules.SHAPE_RULE, rules.SHAPE_RULE.path)]
+    return schema
+
+
+def status_schema() -> dict[str, Any]:
+    """Schema of ``status`` (written only by the operator through the status subresource)."""
+    return model_schema(spec.TrainingJobStatus)
+
+
+def build() -> dict[str, Any]:
+    """The whole CustomResourceDefinition object."""
+    root = {
+        "type": "object",
+        "description": "A 3D-parallel (data x pipeline x tensor) training run placed by the meshtrain operator.",
+        "properties": {
+            "apiVersion": {"type": "string", "description": "meshtrain.io/v1alpha1."},
+            "kind": {"type": "string", "description": "TrainingJob."},
+            "metadata": {"type": "object"},
+            "spec": {**spec_schema(), "default": {}},
+            "status": status_schema(),
+        },
+        "x-kubernetes-validations": [{
+            "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (pod hostnames <name>-r<restarts>-<index> must fit a DNS label)",
+        }],
+    }
+    columns = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+        {"name": "Layout", "type": "string", "jsonPath": ".status.layout", "description": "dp x pp x tp layout."},
+        {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Processes in the job."},
+        {"name": "GPUs", "type": "integer", "jsonPath": ".status.gpus", "description": "GPUs the job uses."},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step", "description": "Last completed optimizer step."},
+        {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1, "description": "Gang restarts so far."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "annotations": {"meshtrain.io/generated-by": "python -m meshtrain.api.crd (do not edit by hand)"},
+        },
+        "spec": {
+            "group": spec.API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": spec.KIND,
+                "listKind": f"{spec.KIND}List",
+                "plural": spec.PLURAL,
+                "singular": spec.KIND.lower(),
+                "shortNames": [spec.SHORT_NAME],
+                "categories": ["all", "meshtrain"],
+            },
+            "versions": [{
+                "name": spec.API_VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": columns,
+                "schema": {"openAPIV3Schema": root},
+            }],
+        },
+    }
+
+
+def render() -> str:
+    """The CRD as the YAML text that is checked in."""
+    header = "# Generated by `python -m meshtrain.api.crd` from meshtrain/api/spec.py and rules.py; do not edit.\n"
+    return header + yaml.safe_dump(build(), sort_keys=False, allow_unicode=True, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the CRD YAML to stdout."""
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
