@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a TrainingJob YAML file against every rule")
     validate.add_argument("job", help="TrainingJob YAML file")
     validate.set_defaults(handler=_cmd_validate)
+
+    crd = sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model")
+    crd.set_defaults(handler=lambda args: __import__("meshtrain.api.crd").api.crd.main())
     return parser
 
 
