@@ -1,0 +1,40 @@
+"""Topology-aware gang placement: which node hosts each pod of a TrainingJob.
+
+Pure and deterministic: ``placement.plan(request, nodes, reservations)``
+returns a :class:`Placement` (a node per pod index and the predicted bytes per
+step crossing each fabric level) or an :class:`Unschedulable` with a reason
+constant and a message.  No Kubernetes imports, no I/O: the operator turns
+cluster objects into :class:`Node` and :class:`Reservation` values and the
+answer into pods.  See docs/placement.md for the cost model and algorithm.
+
+Modules: ``model`` (the values), ``topology`` (levels, label families, the
+domain tree), ``cost`` (traffic and bytes model), ``planner`` (``plan`` and the
+topology-blind ``first_fit`` reference), ``request`` (spec -> request).
+"""
+
+from meshtrain.operator.placement.model import (
+    INSUFFICIENT_GPUS,
+    TOPOLOGY_UNSATISFIABLE,
+    FabricLevel,
+    Node,
+    Placement,
+    PlacementRequest,
+    Reservation,
+    Unschedulable,
+)
+from meshtrain.operator.placement.planner import first_fit, plan
+from meshtrain.operator.placement.request import request_from_spec
+
+__all__ = [
+    "INSUFFICIENT_GPUS",
+    "TOPOLOGY_UNSATISFIABLE",
+    "FabricLevel",
+    "Node",
+    "Placement",
+    "PlacementRequest",
+    "Reservation",
+    "Unschedulable",
+    "first_fit",
+    "plan",
+    "request_from_spec",
+]

@@ -1,0 +1,100 @@
+"""The traffic and cost model of a placement.
+
+What it is: which pods talk to which and how many bytes per optimizer step
+(derived from the fixed rank layout of :mod:`meshtrain.layout`), the price of
+those bytes given the nodes the pods sit on, and the formulas that turn a
+model shape into bytes per step.  What it is not: it chooses nothing and does
+not measure anything; the numbers are a model (see docs/placement.md).
+
+Model, per optimizer step:
+
+* data parallel: every (stage, tp-index) group of ``data`` ranks runs a ring
+  all-reduce in dp order; each rank sends ``2 (N-1)/N x gradient bytes`` of its
+  shard to its successor (ZeRO-1/2 reduce-scatter + all-gather move the same);
+* pipeline parallel: rank ``(pp, dp, tp)`` exchanges activations (forward) and
+  their gradients (backward) of every micro-batch with ``(pp+1, dp, tp)``;
+* tensor parallel traffic never leaves a pod, so placement cannot change it
+  and it is not counted.
+
+Traffic between two pods is priced at the highest level their nodes' paths
+differ at: ``bytes x weight(level)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshtrain import layout
+from meshtrain.operator.placement import model, topology
+
+Edge = tuple[int, int, float]
+"""Traffic between two pods: (lower pod index, higher pod index, bytes per step)."""
+
+
+def pod_traffic(request: model.PlacementRequest) -> list[Edge]:
+    """Bytes per step between every pair of pods that talk, in pod order."""
+    grid = layout.ParallelLayout(data=request.data, pipeline=request.pipeline, tensor=request.tensor)
+    per_node = request.gpus_per_node
+    pairs: dict[tuple[int, int], float] = {}
+
+    def add(rank_a: int, rank_b: int, size: float) -> None:
+        pod_a, pod_b = grid.pod_of(rank_a, per_node), grid.pod_of(rank_b, per_node)
+        if pod_a != pod_b and size > 0:
+            key = (pod_a, pod_b) if pod_a < pod_b else (pod_b, pod_a)
+            pairs[key] = pairs.get(key, 0.0) + size
+
+    for pp in range(request.pipeline):
+        for tp in range(request.tensor):
+            ring = [grid.rank_of(pp, dp, tp) for dp in range(request.data)]
+            if len(ring) > 1:
+                for index, rank in enumerate(ring):
+                    add(rank, ring[(index + 1) % len(ring)], request.dp_bytes_per_step)
+            if pp + 1 < request.pipeline:
+                for dp, rank in enumerate(ring):
+                    add(rank, grid.rank_of(pp + 1, dp, tp), request.pp_bytes_per_step)
+    return [(a, b, size) for (a, b), size in sorted(pairs.items())]
+
+
+def evaluate(
+    edges: Sequence[Edge], pod_paths: Sequence[tuple[str, ...]], level_weights: Sequence[float]
+) -> tuple[list[float], float]:
+    """Bytes per step by crossed level (aligned with ``level_weights``) and the weighted cost.
+
+    ``pod_paths[i]`` is the path (see :func:`topology.node_path`) of pod i's node.
+    """
+    crossed = [0.0] * len(level_weights)
+    for pod_a, pod_b, size in edges:
+        crossed[topology.crossing(pod_paths[pod_a], pod_paths[pod_b])] += size
+    return crossed, sum(size * weight for size, weight in zip(crossed, level_weights))
+
+
+def gpt_parameters(layers: int, hidden: int, vocab: int, seq_len: int, ffn_hidden: int) -> int:
+    """Parameters of a GPT decoder: blocks, token and position embeddings, final norm."""
+    attention = 4 * hidden * hidden + 4 * hidden
+    mlp = 2 * hidden * ffn_hidden + ffn_hidden + hidden
+    norms = 4 * hidden
+    return layers * (attention + mlp + norms) + (vocab + seq_len) * hidden + 2 * hidden
+
+
+def dp_ring_bytes(stage_parameters: float, tensor: int, data: int, gradient_bytes: int = 4) -> float:
+    """Bytes one rank sends to its ring successor per step: 2 (N-1)/N x its gradient bytes."""
+    if data <= 1:
+        return 0.0
+    return 2.0 * (data - 1) / data * stage_parameters / tensor * gradient_bytes
+
+
+def pp_boundary_bytes(
+    micro_batch: int,
+    seq_len: int,
+    hidden: int,
+    micro_batches: int,
+    activation_bytes: int = 2,
+    virtual_stages: int = 1,
+) -> float:
+    """Bytes per step between two neighbouring stages' peer ranks.
+
+    One activation of ``micro_batch x seq_len x hidden`` forward and its
+    gradient backward for every micro-batch; interleaved schedules cross each
+    boundary once per virtual stage.
+    """
+    return float(micro_batch * seq_len * hidden * activation_bytes * micro_batches * 2 * virtual_stages)

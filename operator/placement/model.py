@@ -1,0 +1,141 @@
+"""Plain data of the placement: what the planner is given and what it returns.
+
+Frozen values only: cluster nodes, reservations, the request derived from a
+TrainingJob, and the two possible answers (:class:`Placement` or
+:class:`Unschedulable`).  This module computes nothing beyond checking that a
+request is self-consistent; it knows nothing of Kubernetes objects or of the
+spec model (see :mod:`meshtrain.operator.placement.request` for that bridge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+INSUFFICIENT_GPUS = "InsufficientGPUs"
+"""Reason: the eligible nodes do not have enough free GPUs for the whole gang."""
+
+TOPOLOGY_UNSATISFIABLE = "TopologyUnsatisfiable"
+"""Reason: enough GPUs exist, but not inside one domain of a ``required`` level."""
+
+NVLINK = "nvlink"
+"""Level key of traffic between pods of one NVLink domain (the same node or clique)."""
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+"""Level key of traffic that leaves an NVLink domain when the domain is the node."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A cluster node as the planner sees it."""
+
+    name: str
+    """Node name (unique in the cluster)."""
+    allocatable_gpus: int
+    """GPUs the node offers (its allocatable GPU resource)."""
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Node labels: NVLink domain, fabric levels, anything a node selector names."""
+    unschedulable: bool = False
+    """True when the node is cordoned; it then hosts no new pod."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """GPUs of one node already promised to another job or used by a pod."""
+
+    node: str
+    """Name of the node the GPUs belong to."""
+    gpus: int
+    """Number of GPUs taken."""
+    owner: str
+    """Who holds them (``namespace/job`` or a pod name), for messages."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FabricLevel:
+    """One level of the network fabric, named by a node label."""
+
+    label: str
+    """Node label whose value names the domain at this level."""
+    required: bool = False
+    """True: the whole job must fit in one domain of this level; False: only preferred."""
+    weight: float | None = None
+    """Cost of one byte crossing this level; None takes the default (see ``topology.weights``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRequest:
+    """What one gang needs: its pods, their layout and their traffic per step."""
+
+    gpus_per_node: int
+    """GPUs per pod; a pod runs ranks ``[i*gpus_per_node, (i+1)*gpus_per_node)``."""
+    data: int
+    """Data-parallel degree."""
+    pipeline: int
+    """Pipeline-parallel degree (stages)."""
+    tensor: int
+    """Tensor-parallel degree; must divide ``gpus_per_node`` (a TP group stays in one pod)."""
+    dp_bytes_per_step: float = 0.0
+    """Bytes one rank sends to its data-parallel ring successor per optimizer step."""
+    pp_bytes_per_step: float = 0.0
+    """Bytes between a rank and its next-stage peer per step (activations and their gradients)."""
+    nvlink_domain_label: str | None = None
+    """Node label naming a multi-node NVLink domain; None: each node is its own domain."""
+    levels: tuple[FabricLevel, ...] = ()
+    """Fabric levels, top (block) first; empty: detect a known label family on the nodes."""
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Labels a node must carry to host a pod of this job."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "data", "pipeline", "tensor"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpus_per_node % self.tensor:
+            raise ValueError(
+                f"tensor={self.tensor} must divide gpus_per_node={self.gpus_per_node}: "
+                "a tensor-parallel group must stay inside one pod"
+            )
+        if self.world_size % self.gpus_per_node:
+            raise ValueError(
+                f"world size {self.world_size} (data x pipeline x tensor) is not a multiple "
+                f"of gpus_per_node={self.gpus_per_node}"
+            )
+        if self.dp_bytes_per_step < 0 or self.pp_bytes_per_step < 0:
+            raise ValueError("bytes per step must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: data x pipeline x tensor."""
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def pods(self) -> int:
+        """Pods in the gang, one per node slot of ``gpus_per_node`` GPUs."""
+        return self.world_size // self.gpus_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A feasible placement of the whole gang and its predicted traffic."""
+
+    nodes: tuple[str, ...]
+    """Node of each pod: ``nodes[i]`` hosts pod ``i`` (node rank ``i``)."""
+    level_bytes: Mapping[str, float]
+    """Bytes per step between pods, by the highest level they cross (top first, then the
+    NVLink-domain label, then ``"nvlink"`` for pods in one domain)."""
+    cost: float
+    """Weighted cost: sum over level keys of bytes x the level's weight."""
+    levels: tuple[FabricLevel, ...]
+    """Fabric levels the plan used (the request's, or the detected defaults)."""
+    domains_used: Mapping[str, int]
+    """How many distinct domains of each level key the gang spans."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unschedulable:
+    """Why the gang cannot be placed now (nothing is placed)."""
+
+    reason: str
+    """A reason constant: ``INSUFFICIENT_GPUS`` or ``TOPOLOGY_UNSATISFIABLE``."""
+    message: str
+    """Human explanation with the numbers: needed, free, eligible."""

@@ -1,0 +1,291 @@
+"""The placement planner: which node hosts each pod of a gang.
+
+What it is: :func:`plan`, a pure and deterministic function from a request,
+the nodes and the existing reservations to a :class:`~model.Placement` (a node
+per pod index, its predicted traffic per fabric level) or an
+:class:`~model.Unschedulable` with a reason and a message; and
+:func:`first_fit`, the topology-blind packing the planner is measured against.
+What it is not: it does no I/O, holds no state between calls and does not
+reserve anything; the operator records the result and turns it into pods.
+
+Algorithm (docs/placement.md has the picture):
+
+1. Count free pod slots per eligible node (``free GPUs // gpus_per_node``).
+2. Build the domain tree (fabric levels top first, NVLink domain, node).
+3. Descend from the root into the child that holds the whole gang at the
+   deepest level (then the smallest such child): the smallest subtree that fits.
+4. Where no child holds the rest, split it over children, largest first and
+   the last one best-fit, cutting at unit boundaries (a whole pipeline stage,
+   or a whole pipeline column) when the spare capacity allows.
+5. Pods are laid along a pod order in consecutive runs, so ranks that talk
+   (DP ring neighbours, PP neighbours) land in the same subtree where they can.
+   Two orders are tried (stage-major keeps DP rings together, column-major
+   keeps pipelines together); the one with the lower modelled cost wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from meshtrain.operator.placement import cost, model, topology
+
+
+def plan(
+    request: model.PlacementRequest,
+    nodes: Iterable[model.Node],
+    reservations: Iterable[model.Reservation],
+) -> model.Placement | model.Unschedulable:
+    """Place the whole gang of ``request`` on ``nodes`` around ``reservations``, or say why not."""
+    nodes = _unique(nodes)
+    levels = request.levels or topology.detect_levels(nodes)
+    slots, refused = _free_slots(request, nodes, reservations)
+    shortage = _check_capacity(request, slots, refused, len(nodes))
+    if shortage is not None:
+        return shortage
+    paths = {node.name: topology.node_path(node, levels, request.nvlink_domain_label) for node in nodes if node.name in slots}
+    fabric = topology.build(
+        slots,
+        paths,
+        topology.level_keys(levels, request.nvlink_domain_label),
+        topology.weights(levels),
+    )
+    required = [index for index, level in enumerate(levels) if level.required]
+    if required and fabric.root.maxcap[required[-1] + 1] < request.pods:
+        return _unsatisfiable(request, fabric, levels[required[-1]], required[-1] + 1)
+
+    edges = cost.pod_traffic(request)
+    best: model.Placement | None = None
+    for order, unit in _orders(request):
+        assignment: list[str] = [""] * request.pods
+        _fill(fabric.root, order, 0, request.pods, unit, assignment)
+        candidate = _priced(assignment, edges, fabric.paths, fabric.keys, fabric.weights, levels)
+        if best is None or candidate.cost < best.cost:
+            best = candidate
+    assert best is not None
+    return best
+
+
+def first_fit(
+    request: model.PlacementRequest,
+    nodes: Iterable[model.Node],
+    reservations: Iterable[model.Reservation],
+) -> model.Placement | model.Unschedulable:
+    """Topology-blind reference: fill free slots in the order the nodes are given.
+
+    It honours eligibility and capacity like :func:`plan` but ignores fabric
+    levels (required ones too); pod i goes to the i-th free slot.  Its cost is
+    priced with the same model so the two can be compared.
+    """
+    nodes = _unique(nodes)
+    levels = request.levels or topology.detect_levels(nodes)
+    slots, refused = _free_slots(request, nodes, reservations)
+    shortage = _check_capacity(request, slots, refused, len(nodes))
+    if shortage is not None:
+        return shortage
+    assignment: list[str] = []
+    for node in nodes:
+        assignment.extend([node.name] * slots.get(node.name, 0))
+    assignment = assignment[: request.pods]
+    paths = {node.name: topology.node_path(node, levels, request.nvlink_domain_label) for node in nodes if node.name in slots}
+    keys = topology.level_keys(levels, request.nvlink_domain_label)
+    return _priced(assignment, cost.pod_traffic(request), paths, keys, topology.weights(levels), levels)
+
+
+def _unique(nodes: Iterable[model.Node]) -> list[model.Node]:
+    """The nodes as a list; duplicate names are a caller bug."""
+    listed = list(nodes)
+    if len({node.name for node in listed}) != len(listed):
+        raise ValueError("node names must be unique")
+    return listed
+
+
+def _free_slots(
+    request: model.PlacementRequest, nodes: Sequence[model.Node], reservations: Iterable[model.Reservation]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Free pod slots per eligible node (only nodes with >= 1), and why the others are out."""
+    reserved: dict[str, int] = {}
+    for reservation in reservations:
+        reserved[reservation.node] = reserved.get(reservation.node, 0) + reservation.gpus
+    slots: dict[str, int] = {}
+    refused = {"unschedulable": 0, "selector": 0, "full": 0}
+    for node in nodes:
+        if node.unschedulable:
+            refused["unschedulable"] += 1
+        elif any(node.labels.get(key) != value for key, value in request.node_selector.items()):
+            refused["selector"] += 1
+        else:
+            free = (node.allocatable_gpus - reserved.get(node.name, 0)) // request.gpus_per_node
+            if free > 0:
+                slots[node.name] = free
+            else:
+                refused["full"] += 1
+    return slots, refused
+
+
+def _check_capacity(
+    request: model.PlacementRequest, slots: dict[str, int], refused: dict[str, int], total_nodes: int
+) -> model.Unschedulable | None:
+    """InsufficientGPUs when the eligible nodes hold fewer slots than the gang has pods."""
+    free = sum(slots.values())
+    if free >= request.pods:
+        return None
+    per = request.gpus_per_node
+    message = (
+        f"needs {request.pods} pods of {per} GPUs ({request.pods * per} GPUs) on nodes with "
+        f"{per} free GPUs each; found {len(slots)} eligible nodes with {free} free pod slots "
+        f"among {total_nodes} nodes ({refused['unschedulable']} unschedulable, "
+        f"{refused['selector']} not matching the node selector, "
+        f"{refused['full']} with fewer than {per} free GPUs)"
+    )
+    return model.Unschedulable(reason=model.INSUFFICIENT_GPUS, message=message)
+
+
+def _unsatisfiable(
+    request: model.PlacementRequest, fabric: topology.Fabric, level: model.FabricLevel, depth: int
+) -> model.Unschedulable:
+    """TopologyUnsatisfiable naming the required level and its largest domain."""
+    largest: topology.Domain | None = None
+    frontier = [fabric.root]
+    while frontier and frontier[0].depth < depth:
+        frontier = [child for domain in frontier for child in domain.children]
+    for domain in frontier:
+        if largest is None or domain.cap > largest.cap:
+            largest = domain
+    assert largest is not None
+    message = (
+        f"needs {request.pods} pods of {request.gpus_per_node} GPUs inside one "
+        f"{level.label} domain (required); the largest, {largest.value!r}, has "
+        f"{largest.cap} free pod slots; {fabric.root.cap} free pod slots cluster-wide "
+        f"in {len(frontier)} domains"
+    )
+    return model.Unschedulable(reason=model.TOPOLOGY_UNSATISFIABLE, message=message)
+
+
+def _orders(request: model.PlacementRequest) -> list[tuple[list[int], int]]:
+    """Pod orders to lay along the tree, each with its alignment unit (in pods).
+
+    Stage-major is pod index order; its unit is the smallest run of pods that
+    starts and ends on a stage boundary.  Column-major (only when every stage
+    fills whole pods) walks one pipeline (a column of pods, one per stage)
+    after another; its unit is one column.
+    """
+    pods = request.pods
+    per_stage = request.data * request.tensor
+    unit = math.lcm(per_stage, request.gpus_per_node) // request.gpus_per_node
+    orders = [(list(range(pods)), unit)]
+    if per_stage % request.gpus_per_node == 0 and unit > 1 and request.pipeline > 1:
+        stages = request.pipeline
+        orders.append(([(q % stages) * unit + q // stages for q in range(pods)], stages))
+    return orders
+
+
+def _fill(domain: topology.Domain, order: list[int], start: int, count: int, unit: int, out: list[str]) -> None:
+    """Put the pods at positions ``[start, start+count)`` of ``order`` into ``domain``."""
+    if domain.node is not None:
+        for position in range(start, start + count):
+            out[order[position]] = domain.node
+        return
+    for child, child_start, child_count in _split(domain, start, count, unit, _choose):
+        _fill(child, order, child_start, child_count, unit, out)
+
+
+Chooser = Callable[[list[topology.Domain], int, int, int], topology.Domain]
+"""Picks the child that takes a run of pods: (candidates, start, count, unit) -> child."""
+
+
+def _split(
+    domain: topology.Domain, start: int, count: int, unit: int, choose: Chooser
+) -> list[tuple[topology.Domain, int, int]]:
+    """How ``domain`` shares the run ``[start, start+count)`` among its children.
+
+    One child when one holds it all (picked by ``choose``); else the largest
+    children first, each cut back to a unit boundary when the others can take
+    the rest, and the last run in the child ``choose`` picks among those that
+    hold it.
+    """
+    fitting = [child for child in domain.children if child.cap >= count]
+    if fitting:
+        return [(choose(fitting, start, count, unit), start, count)]
+    pool = sorted(domain.children, key=lambda child: -child.cap)
+    spare = domain.cap
+    position, end = start, start + count
+    parts: list[tuple[topology.Domain, int, int]] = []
+    for index, child in enumerate(pool):
+        need = end - position
+        if child.cap >= need:
+            fitting = [other for other in pool[index:] if other.cap >= need]
+            parts.append((choose(fitting, position, need, unit), position, need))
+            return parts
+        spare -= child.cap
+        take = child.cap
+        cut = (position + take) // unit * unit
+        if cut > position and spare >= end - cut:
+            take = cut - position
+        parts.append((child, position, take))
+        position += take
+    raise AssertionError("domain capacity was checked before splitting")
+
+
+def _choose(candidates: list[topology.Domain], start: int, count: int, unit: int) -> topology.Domain:
+    """The candidate where the run lands deepest, then with the smallest footprint, then the smallest.
+
+    The footprint (domains used at each depth, top first) is only simulated
+    when the run does not fit on one node of every deepest candidate.
+    """
+    depths = [child.fit_depth(count) for child in candidates]
+    deepest = max(depths)
+    best = [child for child, depth in zip(candidates, depths) if depth == deepest]
+    if len(best) == 1 or deepest == len(best[0].maxcap) - 1:
+        return min(best, key=lambda child: child.cap)
+    return min(best, key=lambda child: (_footprint(child, start, count, unit), child.cap))
+
+
+def _choose_quickly(candidates: list[topology.Domain], start: int, count: int, unit: int) -> topology.Domain:
+    """Cheaper chooser for footprint simulation: deepest fit, fewest children needed, smallest."""
+    return min(candidates, key=lambda child: (-child.fit_depth(count), _spread(child, count), child.cap))
+
+
+def _spread(domain: topology.Domain, count: int) -> int:
+    """Children of ``domain`` needed to hold ``count`` pods, largest first."""
+    needed = 0
+    for cap in sorted((child.cap for child in domain.children), reverse=True):
+        if count <= 0:
+            break
+        count -= cap
+        needed += 1
+    return needed
+
+
+def _footprint(domain: topology.Domain, start: int, count: int, unit: int) -> tuple[int, ...]:
+    """Domains a run would use at each depth below ``domain`` (quick chooser), top first."""
+    used = [0] * len(domain.maxcap)
+    stack = [(domain, start, count, 0)]
+    while stack:
+        current, run_start, run_count, depth = stack.pop()
+        used[depth] += 1
+        if current.node is None:
+            for child, child_start, child_count in _split(current, run_start, run_count, unit, _choose_quickly):
+                stack.append((child, child_start, child_count, depth + 1))
+    return tuple(used)
+
+
+def _priced(
+    assignment: Sequence[str],
+    edges: Sequence[cost.Edge],
+    paths: Mapping[str, tuple[str, ...]],
+    keys: Sequence[str],
+    level_weights: Sequence[float],
+    levels: Sequence[model.FabricLevel],
+) -> model.Placement:
+    """A Placement for ``assignment`` with its modelled traffic, cost and spread."""
+    pod_paths = [paths[name] for name in assignment]
+    crossed, total = cost.evaluate(edges, pod_paths, level_weights)
+    used = {key: len({path[: depth + 1] for path in pod_paths}) for depth, key in enumerate(keys[:-1])}
+    return model.Placement(
+        nodes=tuple(assignment),
+        level_bytes=dict(zip(keys, crossed)),
+        cost=total,
+        levels=tuple(levels),
+        domains_used=used,
+    )
