@@ -1,0 +1,194 @@
+"""Prometheus exporter of one rank, and the /progress endpoint of global rank 0.
+
+What it is: :class:`Exporter`, a :class:`~.context.Sink` that turns each
+step's :class:`~.stepstats.StepStats` into Prometheus metrics (names fixed by
+DESIGN.md and listed in docs/telemetry.md) in its own registry, and serves
+them over HTTP on ``metrics.port + local_rank``: one small server per rank, so
+a pod with g GPUs exposes ports ``port .. port + g - 1``.  Global rank 0 also
+answers ``GET /progress`` with JSON ``{step, loss, tokens_per_second,
+last_checkpoint_step, updated_at}`` for the operator.
+
+What it is not: a push client or an aggregator.  Every metric carries the
+rank's labels (job, namespace, pod, rank, dp, pp, tp); sums and quantiles
+across ranks are PromQL's job (dashboards/).  Scrape with ``honor_labels:
+true`` so that the exporter's ``job``/``namespace``/``pod`` labels win over the
+scrape target's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from http import server
+from typing import Any
+
+import prometheus_client
+from prometheus_client import exposition
+
+from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.telemetry import context, stepstats
+
+log = logging.getLogger(__name__)
+
+LABELS = ("job", "namespace", "pod", "rank", "dp", "pp", "tp")
+"""Labels every meshtrain trainer metric carries."""
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
+"""Step and compute durations: 5 ms (tiny CPU model) to 5 min (huge step)."""
+COMM_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Collective and exposed-communication durations: 100 us to 10 s."""
+
+
+class Metrics:
+    """The metric families of one rank, in a private registry."""
+
+    def __init__(self, identity: context.RankIdentity) -> None:
+        prometheus_client.disable_created_metrics()  # *_created series only add noise to every counter
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        """Registry served by this rank (not the process-global default)."""
+        base = identity.labels()
+        self.base = base
+        """Labels of this rank."""
+        reg = {"registry": self.registry, "labelnames": LABELS}
+        comm = (*LABELS, "group", "op")
+        self.tokens = prometheus_client.Counter("meshtrain_tokens", "Tokens of the global batches trained (job-wide, as seen by this rank).", **reg).labels(**base)
+        self.tokens_per_second = prometheus_client.Gauge("meshtrain_tokens_per_second", "Job throughput in tokens/s over the last step.", **reg).labels(**base)
+        self.step_seconds = prometheus_client.Histogram("meshtrain_step_seconds", "Wall time of an optimizer step.", buckets=STEP_BUCKETS, **reg).labels(**base)
+        self.compute_seconds = prometheus_client.Histogram("meshtrain_compute_seconds", "Forward+backward compute time of this rank in a step (straggler signal).", buckets=STEP_BUCKETS, **reg).labels(**base)
+        self.step = prometheus_client.Gauge("meshtrain_step", "Last completed optimizer step.", **reg).labels(**base)
+        self.last_step_time = prometheus_client.Gauge("meshtrain_last_step_timestamp_seconds", "Unix time the last step completed.", **reg).labels(**base)
+        self.loss = prometheus_client.Gauge("meshtrain_loss", "Mean training loss of the last step.", **reg).labels(**base)
+        self.mfu = prometheus_client.Gauge("meshtrain_model_flops_utilization_ratio", "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.", **reg).labels(**base)
+        self.peak_flops = prometheus_client.Gauge("meshtrain_device_peak_flops_per_second", "Peak FLOP/s per device used as the MFU denominator.", **reg).labels(**base)
+        self.bubble = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio", "Measured share of the last step this stage spent neither computing nor in exposed communication.", **reg).labels(**base)
+        self.bubble_theory = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio_theoretical", "(p-1)/(v*m+p-1) for this job's schedule.", **reg).labels(**base)
+        self.wait = prometheus_client.Counter("meshtrain_pipeline_wait_seconds", "Time blocked on pipeline sends and receives.", **reg).labels(**base)
+        self.exposed = prometheus_client.Histogram("meshtrain_exposed_comm_seconds", "Gradient reduction time not hidden behind backward compute, per step.", buckets=(0.0, *COMM_BUCKETS), **reg).labels(**base)
+        self.allreduce_seconds = prometheus_client.Histogram("meshtrain_allreduce_seconds", "Duration of one collective call (one gradient bucket for dp).", buckets=COMM_BUCKETS, registry=self.registry, labelnames=comm)
+        self.allreduce_bytes = prometheus_client.Counter("meshtrain_allreduce_bytes", "Payload bytes of collectives.", registry=self.registry, labelnames=comm)
+        self.bus_bandwidth = prometheus_client.Gauge("meshtrain_collective_bus_bandwidth_bytes_per_second", "Bus bandwidth of the last step's collectives (nccl-tests convention).", registry=self.registry, labelnames=comm)
+        self.memory = prometheus_client.Gauge("meshtrain_memory_bytes", "Bytes held by this rank: parameters, gradients, optimizer, peak_allocated.", registry=self.registry, labelnames=(*LABELS, "kind"))
+        self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+    def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
+        """(seconds histogram, bytes counter, bus-bandwidth gauge) children of (group, op)."""
+        key = (group, op)
+        if key not in self._comm_children:
+            labels = {**self.base, "group": group, "op": op}
+            self._comm_children[key] = (self.allreduce_seconds.labels(**labels), self.allreduce_bytes.labels(**labels),
+                                        self.bus_bandwidth.labels(**labels))
+        return self._comm_children[key]
+
+
+class Progress:
+    """What rank 0 tells the operator at GET /progress."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._doc: dict[str, Any] = {"step": 0, "loss": None, "tokens_per_second": None,
+                                     "last_checkpoint_step": None, "updated_at": None}
+
+    def update(self, **fields: Any) -> None:
+        """Set fields and stamp ``updated_at`` (RFC 3339, UTC)."""
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+        with self._lock:
+            self._doc.update(fields, updated_at=now)
+
+    def document(self) -> dict[str, Any]:
+        """A copy of the current JSON document."""
+        with self._lock:
+            return dict(self._doc)
+
+
+def _handler(registry: prometheus_client.CollectorRegistry, progress: Progress | None) -> type[server.BaseHTTPRequestHandler]:
+    class Handler(server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype = exposition.generate_latest(registry), exposition.CONTENT_TYPE_LATEST
+            elif path == "/progress" and progress is not None:
+                body, ctype = json.dumps(progress.document()).encode(), "application/json"
+            elif path == "/healthz":
+                body, ctype = b"ok\n", "text/plain"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+            """Scrapes every few seconds are not worth a log line."""
+
+    return Handler
+
+
+class Exporter:
+    """Metrics of one rank, served over HTTP; rank 0 adds /progress."""
+
+    def __init__(self, identity: context.RankIdentity, facts: stepstats.JobFacts, *, port: int,
+                 serve_progress: bool, host: str = "0.0.0.0") -> None:
+        self.metrics = Metrics(identity)
+        """The metric families."""
+        self.progress = Progress() if serve_progress else None
+        """The /progress document (global rank 0 only)."""
+        self.metrics.bubble_theory.set(facts.bubble_theoretical)
+        self.metrics.peak_flops.set(facts.peak_flops)
+        self.port = port
+        """TCP port of the HTTP server."""
+        self._server: server.ThreadingHTTPServer | None = None
+        try:
+            self._server = server.ThreadingHTTPServer((host, port), _handler(self.metrics.registry, self.progress))
+        except OSError as err:
+            log.warning("rank %d: metrics port %d unavailable (%s); metrics are not served", identity.rank, port, err)
+            return
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name=f"metrics-{port}", daemon=True).start()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the HTTP server is up."""
+        return self._server is not None
+
+    def publish(self, stats: stepstats.StepStats, events: Sequence[recording.Event], start: float,
+                memory: context.MemorySample | None) -> None:
+        m = self.metrics
+        m.tokens.inc(stats.tokens)
+        m.tokens_per_second.set(stats.tokens_per_second)
+        m.step_seconds.observe(stats.seconds)
+        m.compute_seconds.observe(stats.compute_seconds)
+        m.step.set(stats.step)
+        m.last_step_time.set_to_current_time()
+        m.loss.set(stats.loss)
+        m.mfu.set(stats.mfu)
+        m.bubble.set(stats.bubble_ratio)
+        m.bubble_theory.set(stats.bubble_ratio_theoretical)
+        m.wait.inc(stats.wait_seconds)
+        m.exposed.observe(stats.exposed_comm_seconds)
+        for e in events:
+            if e.what == "collective":
+                m.comm(e.group or "?", e.kind)[0].observe(e.end - e.start)
+        for c in stats.collectives:
+            _, nbytes, bus = m.comm(c.group, c.op)
+            nbytes.inc(c.nbytes)
+            bus.set(c.bus_bandwidth)
+        if memory is not None:
+            for kind, value in memory.as_dict().items():
+                m.memory.labels(**m.base, kind=kind).set(value)
+        if self.progress is not None:
+            self.progress.update(step=stats.step, loss=stats.loss, tokens_per_second=stats.tokens_per_second)
+
+    def checkpoint_saved(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.update(last_checkpoint_step=step)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,149 @@
+"""The trainer's telemetry recorder: the engine's :class:`StepRecorder`, made useful.
+
+What it is: :class:`TelemetryRecorder` collects one rank's timing events of a
+step (the engine calls it around every micro-batch, wait and collective),
+summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
+the summary to its sinks: the Prometheus exporter (:mod:`.exporter`) and the
+step log and event trace (:mod:`.steplog`).  :func:`make_recorder` builds the
+whole thing from a spec, the layout and a rank: the trainer's single point of
+construction.
+
+What it is not: a timer.  The engine measures; this module never wraps or
+patches engine code.  The per-event calls only append to a list under a lock
+(they may come from a communication thread); all arithmetic and I/O happen
+once per step in ``step_end``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from meshtrain import layout as layout_mod
+from meshtrain.trainer import model as model_mod
+from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.telemetry import context, exporter, peak, steplog, stepstats
+
+def _tensor_bytes(tensors: Iterable[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and hasattr(t, "element_size"))
+
+
+class TelemetryRecorder:
+    """A :class:`~meshtrain.trainer.parallel.recording.StepRecorder` that reports each step."""
+
+    def __init__(self, identity: context.RankIdentity, facts: stepstats.JobFacts, sinks: Sequence[context.Sink],
+                 device: Any = None) -> None:
+        self.identity = identity
+        """Labels of this rank."""
+        self.facts = facts
+        """Job facts the ratios need."""
+        self.sinks = list(sinks)
+        """Exporter, step log, ..."""
+        self.device = device
+        """Device of this rank (peak memory is read from it on a GPU)."""
+        self.last: stepstats.StepStats | None = None
+        """Summary of the last finished step."""
+        self._lock = threading.Lock()
+        self._events: list[recording.Event] = []
+        self._start = time.perf_counter()
+        self._params: list[Any] = []
+        self._optimizers: list[Any] = []
+
+    def watch(self, params: Iterable[Any] = (), optimizers: Iterable[Any] = ()) -> None:
+        """Count these parameters (and their gradients) and optimizers' state in the memory metrics."""
+        self._params.extend(params)
+        self._optimizers.extend(optimizers)
+
+    # -- StepRecorder --------------------------------------------------------
+
+    def step_start(self, step: int, start: float) -> None:
+        with self._lock:
+            self._events = []
+            self._start = start
+
+    def compute(self, kind: recording.ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+        with self._lock:
+            self._events.append(recording.Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk))
+
+    def wait(self, kind: recording.WaitKind, start: float, end: float) -> None:
+        with self._lock:
+            self._events.append(recording.Event("wait", kind, start, end))
+
+    def collective(self, group: recording.Group, op: str, nbytes: int, start: float, end: float,
+                   bucket: int | None = None) -> None:
+        with self._lock:
+            self._events.append(recording.Event("collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket))
+
+    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        with self._lock:
+            events, start = self._events, self._start
+            self._events = []
+        stats = stepstats.summarise(events, self.facts, step=step, loss=float(loss), tokens=int(tokens), seconds=seconds)
+        self.last = stats
+        memory = self.memory()
+        for sink in self.sinks:
+            sink.publish(stats, events, start, memory)
+
+    # -- beyond the protocol -------------------------------------------------
+
+    def checkpoint_saved(self, step: int) -> None:
+        """Tell the sinks (the /progress endpoint) that a checkpoint of ``step`` is complete."""
+        for sink in self.sinks:
+            sink.checkpoint_saved(step)
+
+    def memory(self) -> context.MemorySample:
+        """Bytes held now by the watched modules and optimizers, and the peak."""
+        peak_bytes = peak.peak_memory_bytes(self.device)
+        if not self._params and not self._optimizers:
+            return context.MemorySample(peak_allocated=peak_bytes)
+        params = self._params
+        states = [v for opt in self._optimizers for s in opt.state.values() for v in s.values()]
+        return context.MemorySample(
+            peak_allocated=peak_bytes,
+            parameters=_tensor_bytes(params),
+            gradients=_tensor_bytes(p.grad for p in params),
+            optimizer=_tensor_bytes(states),
+        )
+
+    def close(self) -> None:
+        """Close every sink (files, HTTP server)."""
+        for sink in self.sinks:
+            sink.close()
+
+
+def job_facts(spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flops: float) -> stepstats.JobFacts:
+    """The :class:`~.stepstats.JobFacts` of a spec."""
+    par = spec.parallelism
+    config = model_mod.GPTConfig.from_shape(spec.model.shape())
+    return stepstats.JobFacts(
+        stages=layout.pipeline, micro_batches=par.micro_batches,
+        virtual_stages=par.virtual_stages if par.schedule == "interleaved-1f1b" else 1,
+        world_size=layout.world_size,
+        group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
+        flops_per_token=model_mod.flops_per_token(config),
+        peak_flops=peak_flops,
+    )
+
+
+def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_dir: str | Path | None, *,
+                  local_rank: int | None = None, device: Any = None, serve: bool = True) -> TelemetryRecorder:
+    """The trainer's recorder: Prometheus exporter on ``spec.metrics.port + local_rank``
+    (rank 0 also serves /progress), steps.jsonl and the event trace under ``log_dir``.
+
+    ``serve=False`` skips the HTTP server (e.g. ``meshtrain run --no-metrics``).
+    """
+    identity = context.RankIdentity.from_env(layout, rank, local_rank)
+    facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
+    sinks: list[context.Sink] = []
+    if serve:
+        sinks.append(exporter.Exporter(identity, facts, port=spec.metrics.port + identity.local_rank,
+                                       serve_progress=rank == 0))
+    if log_dir is not None:
+        sinks.append(steplog.StepLog(Path(log_dir), identity, facts, schedule=spec.parallelism.schedule))
+    return TelemetryRecorder(identity, facts, sinks, device=device)
+
+
+__all__ = ["MemorySample", "RankIdentity", "Sink", "TelemetryRecorder", "job_facts", "make_recorder"]

@@ -1,0 +1,109 @@
+"""The step log and the per-rank event trace, as JSON lines under a run's log directory.
+
+What it is: :class:`StepLog`, a :class:`~.context.Sink` writing
+
+- ``DIR/steps.jsonl`` (global rank 0 only): one line per step with ``step,
+  loss, tokens, step_seconds, tokens_per_second, allreduce_seconds,
+  exposed_comm_seconds, bubble_ratio, bubble_ratio_theoretical, mfu`` (plus a
+  few more, see :meth:`~.stepstats.StepStats.log_record`);
+- ``DIR/trace/rank-N.jsonl`` (every rank): one line per step with the rank's
+  coordinates, the job facts, the wall-clock origin ``t0`` of the step and
+  every event (forward/backward per micro-batch and chunk, waits,
+  collectives with bucket and bytes) in seconds since ``t0``.
+
+:func:`read_trace` reads a trace back (the timeline and the tests use it).
+
+What it is not: a checkpoint or a metrics store.  Files are appended and
+flushed once per step; nothing is rotated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.telemetry import context, stepstats
+
+STEPS_FILE = "steps.jsonl"
+"""Step log of global rank 0, relative to the log directory."""
+TRACE_DIR = "trace"
+"""Directory of the per-rank event traces, relative to the log directory."""
+
+
+def trace_path(log_dir: Path, rank: int) -> Path:
+    """Event trace of one rank."""
+    return log_dir / TRACE_DIR / f"rank-{rank}.jsonl"
+
+
+def event_record(e: recording.Event, origin: float) -> dict[str, Any]:
+    """One event as JSON, times in seconds since ``origin``; absent fields left out."""
+    out: dict[str, Any] = {"what": e.what, "kind": e.kind, "start": round(e.start - origin, 7),
+                           "end": round(e.end - origin, 7)}
+    if e.what == "compute":
+        out.update(microbatch=e.microbatch, chunk=e.chunk)
+    elif e.what == "collective":
+        out.update(group=e.group, bytes=e.nbytes)
+        if e.bucket is not None:
+            out["bucket"] = e.bucket
+    return out
+
+
+class StepLog:
+    """Appends steps.jsonl (rank 0) and trace/rank-N.jsonl (every rank)."""
+
+    def __init__(self, log_dir: Path, identity: context.RankIdentity, facts: stepstats.JobFacts, *,
+                 schedule: str) -> None:
+        self.log_dir = log_dir
+        """Directory of the run's logs."""
+        self._header = {"rank": identity.rank, "pp": identity.coords.pp, "dp": identity.coords.dp,
+                        "tp": identity.coords.tp, "schedule": schedule, "stages": facts.stages,
+                        "micro_batches": facts.micro_batches, "virtual_stages": facts.virtual_stages}
+        trace = trace_path(log_dir, identity.rank)
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        self._trace = trace.open("a", encoding="utf-8")
+        self._steps = (log_dir / STEPS_FILE).open("a", encoding="utf-8") if identity.rank == 0 else None
+        # perf_counter is per-boot monotonic; wall time aligns ranks (and pods) in the timeline.
+        self._wall_offset = time.time() - time.perf_counter()
+
+    def publish(self, stats: stepstats.StepStats, events: Sequence[recording.Event], start: float,
+                memory: context.MemorySample | None) -> None:
+        line = {**self._header, "step": stats.step, "t0": start + self._wall_offset, "seconds": stats.seconds,
+                "compute_seconds": stats.compute_seconds, "exposed_comm_seconds": stats.exposed_comm_seconds,
+                "bubble_ratio": stats.bubble_ratio, "bubble_ratio_theoretical": stats.bubble_ratio_theoretical,
+                "events": [event_record(e, start) for e in sorted(events, key=lambda e: e.start)]}
+        self._trace.write(json.dumps(line) + "\n")
+        self._trace.flush()
+        if self._steps is not None:
+            record: dict[str, Any] = {**stats.log_record(), "time": time.time()}
+            if memory is not None:
+                record["memory_bytes"] = memory.as_dict()
+            self._steps.write(json.dumps(record) + "\n")
+            self._steps.flush()
+
+    def checkpoint_saved(self, step: int) -> None:
+        """Checkpoints are the engine's log lines, not the step log's."""
+
+    def close(self) -> None:
+        self._trace.close()
+        if self._steps is not None:
+            self._steps.close()
+
+
+def read_trace(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> its trace lines (one per step, in file order)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((Path(log_dir) / TRACE_DIR).glob("rank-*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if lines:
+            out[lines[0]["rank"]] = lines
+    return out
+
+
+def read_steps(log_dir: Path) -> list[dict[str, Any]]:
+    """The lines of steps.jsonl."""
+    path = Path(log_dir) / STEPS_FILE
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
