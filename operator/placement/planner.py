@@ -49,6 +49,7 @@ def plan(
         paths,
         topology.level_keys(levels, request.nvlink_domain_label),
         topology.weights(levels),
+        node_is_domain=request.nvlink_domain_label is None,
     )
     required = [index for index, level in enumerate(levels) if level.required]
     if required and fabric.root.maxcap[required[-1] + 1] < request.pods:
@@ -109,13 +110,15 @@ def _free_slots(
         reserved[reservation.node] = reserved.get(reservation.node, 0) + reservation.gpus
     slots: dict[str, int] = {}
     refused = {"unschedulable": 0, "selector": 0, "full": 0}
+    selector = tuple(request.node_selector.items())
+    per_node = request.gpus_per_node
     for node in nodes:
         if node.unschedulable:
             refused["unschedulable"] += 1
-        elif any(node.labels.get(key) != value for key, value in request.node_selector.items()):
+        elif selector and any(node.labels.get(key) != value for key, value in selector):
             refused["selector"] += 1
         else:
-            free = (node.allocatable_gpus - reserved.get(node.name, 0)) // request.gpus_per_node
+            free = (node.allocatable_gpus - reserved.get(node.name, 0)) // per_node
             if free > 0:
                 slots[node.name] = free
             else:

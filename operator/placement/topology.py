@@ -15,7 +15,6 @@ leaves.  A node without a level's label is a domain of its own at that level
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
 from meshtrain.operator.placement import model
@@ -57,18 +56,20 @@ def detect_levels(nodes: Iterable[model.Node]) -> tuple[model.FabricLevel, ...]:
     labelled with blocks and leaves but no spines has two levels, not a spine
     level where every node would be a domain of its own.
     """
-    counts = [0] * len(FAMILIES)
-    present: set[str] = set()
-    for node in nodes:
-        for index, (_, labels) in enumerate(FAMILIES):
-            carried = [label for label in labels if label in node.labels]
-            if carried:
-                counts[index] += 1
-                present.update(carried)
+    nodes = list(nodes)
+    counts = [sum(1 for node in nodes if not labels_set.isdisjoint(node.labels)) for labels_set in _FAMILY_SETS]
     best = max(range(len(FAMILIES)), key=lambda i: (counts[i], -i))
     if counts[best] == 0:
         return ()
-    return tuple(model.FabricLevel(label=label) for label in FAMILIES[best][1] if label in present)
+    return tuple(
+        model.FabricLevel(label=label)
+        for label in FAMILIES[best][1]
+        if any(label in node.labels for node in nodes)
+    )
+
+
+_FAMILY_SETS = tuple(frozenset(labels) for _, labels in FAMILIES)
+"""Each family's labels as a set, for fast detection."""
 
 
 def level_keys(levels: Sequence[model.FabricLevel], nvlink_domain_label: str | None) -> tuple[str, ...]:
@@ -134,12 +135,8 @@ class Domain:
         """Node name when this is a node, else None."""
         self.maxcap: list[int] = [cap]
         """Largest free pod slots of one sub-domain at each relative depth (0 = itself)."""
-        for child in children:
-            for offset, slots in enumerate(child.maxcap, start=1):
-                if offset == len(self.maxcap):
-                    self.maxcap.append(slots)
-                elif slots > self.maxcap[offset]:
-                    self.maxcap[offset] = slots
+        if children:
+            self.maxcap.extend(map(max, *(child.maxcap for child in children)) if len(children) > 1 else children[0].maxcap)
 
     def fit_depth(self, pods: int) -> int:
         """Deepest relative depth at which one sub-domain holds ``pods`` (-1 if none)."""
@@ -164,21 +161,36 @@ class Fabric:
 
 
 def build(
-    slots: Mapping[str, int], paths: Mapping[str, tuple[str, ...]], keys: tuple[str, ...], level_weights: tuple[float, ...]
+    slots: Mapping[str, int],
+    paths: Mapping[str, tuple[str, ...]],
+    keys: tuple[str, ...],
+    level_weights: tuple[float, ...],
+    node_is_domain: bool,
 ) -> Fabric:
-    """The domain tree of the nodes in ``slots`` (name -> free pod slots > 0)."""
-    ordered = sorted((paths[name] + (name,), slots[name]) for name in slots)
-    root = _subtree("", 0, ordered)
+    """The domain tree of the nodes in ``slots`` (name -> free pod slots > 0).
+
+    With ``node_is_domain`` (no NVLink-domain label) the node stands for its
+    own NVLink domain: the tree has one level less and the same answers.
+    """
+    if node_is_domain:
+        entries = sorted((paths[name][:-1], name, slots[name]) for name in slots)
+    else:
+        entries = sorted((paths[name], name, slots[name]) for name in slots)
+    root = _subtree("", 0, entries)
     return Fabric(root=root, paths=dict(paths), keys=keys, weights=level_weights)
 
 
-def _subtree(value: str, depth: int, entries: list[tuple[tuple[str, ...], int]]) -> Domain:
-    """Domain at ``depth`` over ``entries`` (full path incl. node name, slots), sorted."""
+def _subtree(value: str, depth: int, entries: list[tuple[tuple[str, ...], str, int]]) -> Domain:
+    """Domain at ``depth`` over sorted entries (path above the nodes, node name, slots)."""
     if depth == len(entries[0][0]):
-        (path, cap), = entries
-        return Domain(value, depth, [], cap, path[-1])
-    children = [
-        _subtree(child_value, depth + 1, list(group))
-        for child_value, group in itertools.groupby(entries, key=lambda entry: entry[0][depth])
-    ]
+        return Domain(value, depth, [Domain(name, depth + 1, [], cap, name) for _, name, cap in entries], sum(e[2] for e in entries), None)
+    children = []
+    start = 0
+    while start < len(entries):
+        child_value = entries[start][0][depth]
+        stop = start + 1
+        while stop < len(entries) and entries[stop][0][depth] == child_value:
+            stop += 1
+        children.append(_subtree(child_value, depth + 1, entries[start:stop]))
+        start = stop
     return Domain(value, depth, children, sum(child.cap for child in children), None)
