@@ -43,7 +43,7 @@ def plan(
     shortage = _check_capacity(request, slots, refused, len(nodes))
     if shortage is not None:
         return shortage
-    paths = {node.name: topology.node_path(node, levels, request.nvlink_domain_label) for node in nodes if node.name in slots}
+    paths = topology.paths(nodes, slots, levels, request.nvlink_domain_label)
     fabric = topology.build(
         slots,
         paths,
@@ -88,7 +88,7 @@ def first_fit(
     for node in nodes:
         assignment.extend([node.name] * slots.get(node.name, 0))
     assignment = assignment[: request.pods]
-    paths = {node.name: topology.node_path(node, levels, request.nvlink_domain_label) for node in nodes if node.name in slots}
+    paths = topology.paths(nodes, slots, levels, request.nvlink_domain_label)
     keys = topology.level_keys(levels, request.nvlink_domain_label)
     return _priced(assignment, cost.pod_traffic(request), paths, keys, topology.weights(levels), levels)
 

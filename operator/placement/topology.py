@@ -15,7 +15,7 @@ leaves.  A node without a level's label is a domain of its own at that level
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from meshtrain.operator.placement import model
 
@@ -106,6 +106,16 @@ def node_path(
     return tuple(values)
 
 
+def paths(
+    nodes: Iterable[model.Node],
+    names: Container[str],
+    levels: Sequence[model.FabricLevel],
+    nvlink_domain_label: str | None,
+) -> dict[str, tuple[str, ...]]:
+    """Path of every node whose name is in ``names``."""
+    return {node.name: node_path(node, levels, nvlink_domain_label) for node in nodes if node.name in names}
+
+
 def crossing(path_a: Sequence[str], path_b: Sequence[str]) -> int:
     """Index into :func:`level_keys` of the highest level two paths differ at."""
     for index, (a, b) in enumerate(zip(path_a, path_b)):
@@ -135,8 +145,10 @@ class Domain:
         """Node name when this is a node, else None."""
         self.maxcap: list[int] = [cap]
         """Largest free pod slots of one sub-domain at each relative depth (0 = itself)."""
-        if children:
-            self.maxcap.extend(map(max, *(child.maxcap for child in children)) if len(children) > 1 else children[0].maxcap)
+        if len(children) == 1:
+            self.maxcap.extend(children[0].maxcap)
+        elif children:
+            self.maxcap.extend(map(max, *(child.maxcap for child in children)))
 
     def fit_depth(self, pods: int) -> int:
         """Deepest relative depth at which one sub-domain holds ``pods`` (-1 if none)."""
@@ -183,7 +195,8 @@ def build(
 def _subtree(value: str, depth: int, entries: list[tuple[tuple[str, ...], str, int]]) -> Domain:
     """Domain at ``depth`` over sorted entries (path above the nodes, node name, slots)."""
     if depth == len(entries[0][0]):
-        return Domain(value, depth, [Domain(name, depth + 1, [], cap, name) for _, name, cap in entries], sum(e[2] for e in entries), None)
+        nodes = [Domain(name, depth + 1, [], cap, name) for _, name, cap in entries]
+        return Domain(value, depth, nodes, sum(node.cap for node in nodes), None)
     children = []
     start = 0
     while start < len(entries):
