@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     crd = sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model")
     crd.set_defaults(handler=lambda args: __import__("meshtrain.api.crd").api.crd.main())
+
+    timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
+    timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")
+    timeline.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
+    timeline.add_argument("--step", type=int, default=None, help="step to draw (default: the last one)")
+    timeline.set_defaults(handler=lambda args: __import__("meshtrain.trainer.telemetry.timeline").trainer.telemetry.timeline.main(args))
     return parser
 
 
