@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     crd = sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model")
     crd.set_defaults(handler=lambda args: __import__("meshtrain.api.crd").api.crd.main())
+    __import__("meshtrain.operator.command").operator.command.add_parser(sub)
 
     timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")
