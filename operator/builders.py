@@ -1,0 +1,229 @@
+"""Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap.
+
+What it is: pure ``build_*`` functions from a job (its identity, validated
+spec, gang attempt and planned nodes) to plain dict manifests, each with an
+owner reference to the job.  What it is not: nothing here creates, patches or
+reads objects (see ``kube``), chooses nodes (see ``placement``) or decides
+when a gang is (re)built (see ``lifecycle``).
+
+A pod runs ranks ``[i*gpusPerNode, (i+1)*gpusPerNode)`` as one torchrun node::
+
+    torchrun --nnodes=$(PET_NNODES) --nproc-per-node=$(PET_NPROC_PER_NODE)
+             --node-rank=$(PET_NODE_RANK) --master-addr=$(MASTER_ADDR)
+             --master-port=$(MASTER_PORT) -m meshtrain.trainer
+
+It carries the gang scheduling gate and a required node affinity to its
+planned node (``matchFields`` on ``metadata.name``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from meshtrain import layout
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import naming
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRef:
+    """Identity of a TrainingJob object."""
+
+    name: str
+    """metadata.name."""
+    namespace: str
+    """metadata.namespace."""
+    uid: str
+    """metadata.uid (owner references need it)."""
+
+
+def owner_reference(job: JobRef) -> dict[str, Any]:
+    """Controller owner reference to the job: the garbage collector deletes children with it."""
+    return {
+        "apiVersion": naming.API_VERSION,
+        "kind": api_spec.KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: JobRef, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY, **(labels or {})},
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
+    """Pipeline stages of the ranks pod ``index`` runs: ``"2"`` or ``"0-1"``."""
+    grid = layout.ParallelLayout(data=spec.parallelism.data, pipeline=spec.parallelism.pipeline,
+                                 tensor=spec.parallelism.tensor)
+    per_pod = spec.resources.gpus_per_node
+    stages = [grid.coords(rank).pp for rank in range(index * per_pod, (index + 1) * per_pod)]
+    low, high = min(stages), max(stages)
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def build_configmap(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """The ConfigMap with the whole TrainingJob (defaults filled in) as ``job.yaml``."""
+    document = api_spec.to_manifest(job.name, spec, job.namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, naming.configmap_name(job.name)),
+        "data": {"job.yaml": yaml.safe_dump(document, sort_keys=False, allow_unicode=True)},
+    }
+
+
+def build_service(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """Headless Service: stable DNS names for the pods, published before they are ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, naming.service_name(job.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {naming.LABEL_JOB: job.name},
+            "ports": [
+                {"name": "rendezvous", "port": naming.MASTER_PORT, "targetPort": naming.MASTER_PORT},
+                {"name": "metrics", "port": spec.metrics.port, "targetPort": spec.metrics.port},
+            ],
+        },
+    }
+
+
+def _env(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int) -> list[dict[str, Any]]:
+    p = spec.parallelism
+    plain = {
+        "PET_NNODES": spec.pods,
+        "PET_NPROC_PER_NODE": spec.resources.gpus_per_node,
+        "PET_NODE_RANK": index,
+        "WORLD_SIZE": spec.world_size,
+        "MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
+        "MASTER_PORT": naming.MASTER_PORT,
+        "MESHTRAIN_TP": p.tensor,
+        "MESHTRAIN_PP": p.pipeline,
+        "MESHTRAIN_DP": p.data,
+        "MESHTRAIN_JOB_NAME": job.name,
+        "MESHTRAIN_NAMESPACE": job.namespace,
+        "MESHTRAIN_ATTEMPT": attempt,
+        "MESHTRAIN_SPEC_FILE": naming.SPEC_FILE,
+        "MESHTRAIN_CHECKPOINT_DIR": spec.checkpoint.path,
+        "MESHTRAIN_METRICS_PORT": spec.metrics.port,
+    }
+    env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
+    env.append({"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    env.append({"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return env
+
+
+def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    r = spec.resources
+    amounts: dict[str, str] = {r.gpu_resource_name: str(r.gpus_per_node), **r.extra_resources}
+    if r.cpu:
+        amounts["cpu"] = r.cpu
+    if r.memory:
+        amounts["memory"] = r.memory
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _volumes(job: JobRef, spec: api_spec.TrainingJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    checkpoint: dict[str, Any] = (
+        {"persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}} if spec.checkpoint.claim_name else {"emptyDir": {}}
+    )
+    volumes = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+        {"name": "checkpoints", **checkpoint},
+        {"name": "spec", "configMap": {"name": naming.configmap_name(job.name)}},
+    ]
+    mounts = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "checkpoints", "mountPath": spec.checkpoint.path},
+        {"name": "spec", "mountPath": naming.SPEC_DIR, "readOnly": True},
+    ]
+    return volumes, mounts
+
+
+def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int, node: str) -> dict[str, Any]:
+    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``."""
+    name = naming.pod_name(job.name, attempt, index)
+    volumes, mounts = _volumes(job, spec)
+    labels = {
+        naming.LABEL_NODE_RANK: str(index),
+        naming.LABEL_ATTEMPT: str(attempt),
+        naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
+    }
+    metadata = _metadata(job, name, labels)
+    metadata["annotations"] = {naming.ANNOTATION_NODE: node}
+    container = {
+        "name": naming.CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["torchrun"],
+        "args": [
+            "--nnodes=$(PET_NNODES)",
+            "--nproc-per-node=$(PET_NPROC_PER_NODE)",
+            "--node-rank=$(PET_NODE_RANK)",
+            "--master-addr=$(MASTER_ADDR)",
+            "--master-port=$(MASTER_PORT)",
+            "-m",
+            "meshtrain.trainer",
+        ],
+        "env": _env(job, spec, attempt, index),
+        "ports": [
+            {"name": "metrics", "containerPort": spec.metrics.port},
+            {"name": "rendezvous", "containerPort": naming.MASTER_PORT},
+        ],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "hostname": name,
+        "subdomain": naming.service_name(job.name),
+        "enableServiceLinks": False,
+        "schedulingGates": [{"name": naming.GANG_GATE}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]},
+        ]}}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in spec.resources.tolerations]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def build_pods(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, nodes: Sequence[str]) -> list[dict[str, Any]]:
+    """The whole gang: pod ``i`` on ``nodes[i]``."""
+    if len(nodes) != spec.pods:
+        raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
+    return [build_pod(job, spec, attempt, index, node) for index, node in enumerate(nodes)]
+
+
+def planned_node(pod: dict[str, Any]) -> str | None:
+    """The node a pod is bound to, or the one its required affinity pins it to."""
+    bound = (pod.get("spec") or {}).get("nodeName")
+    if bound:
+        return str(bound)
+    annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get(naming.ANNOTATION_NODE)
+    if annotated:
+        return str(annotated)
+    terms = (((((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {})
+              .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or [])
+    for term in terms:
+        for field in term.get("matchFields") or []:
+            if field.get("key") == "metadata.name" and field.get("operator") == "In" and len(field.get("values") or []) == 1:
+                return str(field["values"][0])
+    return None

@@ -1,0 +1,89 @@
+"""Cluster objects -> the planner's values: nodes with GPUs, and GPUs already taken.
+
+What it is: pure functions that read Node and Pod manifests into
+:class:`placement.Node` and :class:`placement.Reservation`.  Reservations are
+derived from pods alone (their bound node, or the node their required affinity
+pins them to, and their GPU request), so they survive an operator restart:
+GPUs planned for one gang are held by that gang's (gated) pods from the moment
+they are created.  What it is not: it lists nothing (see ``kube``) and does
+not plan (see ``placement``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from meshtrain.operator import builders, naming, placement
+
+
+def _quantity(value: Any) -> int:
+    """An extended-resource quantity (a plain integer string such as ``"8"``)."""
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def node_from_manifest(node: dict[str, Any], gpu_resource: str) -> placement.Node:
+    """A Node object as the planner sees it: allocatable GPUs, labels, cordon."""
+    metadata = node.get("metadata") or {}
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    return placement.Node(
+        name=metadata.get("name", ""),
+        allocatable_gpus=_quantity(allocatable.get(gpu_resource, 0)),
+        labels=dict(metadata.get("labels") or {}),
+        unschedulable=bool((node.get("spec") or {}).get("unschedulable")),
+    )
+
+
+def pod_gpus(pod: dict[str, Any], gpu_resource: str) -> int:
+    """GPUs a pod requests (limits count where requests are absent, as for extended resources)."""
+    total = 0
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        amount = (resources.get("requests") or {}).get(gpu_resource, (resources.get("limits") or {}).get(gpu_resource, 0))
+        total += _quantity(amount)
+    return total
+
+
+def holds_gpus(pod: dict[str, Any]) -> bool:
+    """False for pods that finished: Succeeded and Failed pods free their GPUs."""
+    return ((pod.get("status") or {}).get("phase")) not in ("Succeeded", "Failed")
+
+
+def belongs_to(pod: dict[str, Any], namespace: str, job: str) -> bool:
+    """True when the pod is a child of TrainingJob ``namespace/job``."""
+    metadata = pod.get("metadata") or {}
+    return metadata.get("namespace") == namespace and (metadata.get("labels") or {}).get(naming.LABEL_JOB) == job
+
+
+def reservations(
+    pods: Iterable[dict[str, Any]],
+    gpu_resource: str,
+    *,
+    exclude: tuple[str, str] | None = None,
+) -> list[placement.Reservation]:
+    """GPUs held on each node by live pods, except those of job ``exclude`` = (namespace, name)."""
+    result = []
+    for pod in pods:
+        if not holds_gpus(pod):
+            continue
+        if exclude is not None and belongs_to(pod, *exclude):
+            continue
+        gpus = pod_gpus(pod, gpu_resource)
+        node = builders.planned_node(pod)
+        if gpus <= 0 or not node:
+            continue
+        metadata = pod.get("metadata") or {}
+        result.append(placement.Reservation(node=node, gpus=gpus, owner=f"{metadata.get('namespace')}/{metadata.get('name')}"))
+    return result
+
+
+def free_gpus(nodes: Iterable[placement.Node], taken: Iterable[placement.Reservation]) -> dict[str, int]:
+    """Free GPUs per schedulable node."""
+    free = {node.name: node.allocatable_gpus for node in nodes if not node.unschedulable}
+    for reservation in taken:
+        if reservation.node in free:
+            free[reservation.node] -= reservation.gpus
+    return free

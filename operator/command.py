@@ -1,0 +1,73 @@
+"""``meshtrain operator``: the command-line entry of the operator process.
+
+What it is: :func:`add_parser` (the subcommand's flags, registered by
+``meshtrain.cli``) and :func:`run`, which configures JSON logging, starts the
+metrics endpoint and runs kopf with the handlers of :mod:`handlers`
+(namespaces or cluster-wide, liveness endpoint, peering).  What it is not:
+the handlers or any reconcile logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+DEFAULT_PEERING = "meshtrain"
+"""Name of the (Cluster)KopfPeering object replicas use to elect the active one."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register ``meshtrain operator`` and its flags on the CLI's subparsers."""
+    parser = sub.add_parser("operator", help="run the TrainingJob operator (kopf)")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable); default: --all-namespaces")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                        help="kopf liveness endpoint; empty disables it (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 disables it")
+    parser.add_argument("--peering", default=DEFAULT_PEERING, metavar="NAME",
+                        help="kopf peering object so that only one replica acts (default: %(default)s)")
+    parser.add_argument("--standalone", action="store_true", help="no peering (a single replica, e.g. tests)")
+    parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    parser.add_argument("--resync-seconds", type=float, default=float(os.environ.get("MESHTRAIN_RESYNC_SECONDS", 30)),
+                        help="longest wait between two reconciles of a job (env MESHTRAIN_RESYNC_SECONDS)")
+    parser.add_argument("--progress-seconds", type=float,
+                        default=float(os.environ.get("MESHTRAIN_PROGRESS_SECONDS", 10)),
+                        help="interval of /progress polls of running jobs (env MESHTRAIN_PROGRESS_SECONDS)")
+    parser.add_argument("--log-format", choices=["json", "text"], default="json", help="log format (default: json)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the operator until it is interrupted."""
+    import kopf  # noqa: PLC0415 - heavy; only the operator subcommand needs it
+
+    from meshtrain.operator import handlers, metrics, reconciler  # noqa: F401,PLC0415 - registers the handlers
+
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
+    kopf.configure(verbose=args.verbose,
+                   log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    memo = kopf.Memo(
+        kubeconfig=args.kubeconfig,
+        settings=reconciler.Settings(resync_seconds=args.resync_seconds, progress_seconds=args.progress_seconds),
+    )
+    clusterwide = not args.namespace
+    kopf.run(
+        clusterwide=clusterwide,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+        standalone=args.standalone or None,
+        peering_name=None if args.standalone else args.peering,
+        priority=args.priority,
+        memo=memo,
+        loop=asyncio.new_event_loop(),
+    )
+    return 0

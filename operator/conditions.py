@@ -1,0 +1,92 @@
+"""Condition types and reasons of a TrainingJob, and the one function that sets one.
+
+What it is: the constants every other module uses for ``status.conditions``
+and :func:`set`, which returns a new condition list where ``lastTransitionTime``
+changes only when a condition's status changes.  What it is not: it decides
+nothing about when a condition changes (see ``lifecycle``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from typing import Any
+
+# Condition types.
+PLACED = "Placed"
+"""True while a placement for the current gang exists; False with the reason it cannot be placed."""
+RUNNING = "Running"
+"""True while every pod of the gang runs."""
+SUSPENDED = "Suspended"
+"""True while spec.runPolicy.suspend holds the job without pods."""
+SUCCEEDED = "Succeeded"
+"""True once every pod of the gang exited 0."""
+FAILED = "Failed"
+"""True once the job failed for good (see the reasons below)."""
+
+# Reasons.
+GANG_PLACED = "GangPlaced"
+INSUFFICIENT_GPUS = "InsufficientGPUs"
+TOPOLOGY_UNSATISFIABLE = "TopologyUnsatisfiable"
+ALL_PODS_RUNNING = "AllPodsRunning"
+GANG_RESTARTING = "GangRestarting"
+STARTUP_TIMEOUT = "StartupTimeout"
+POD_FAILED = "PodFailed"
+PERMANENT_FAILURE = "PermanentFailure"
+BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+DEADLINE_EXCEEDED = "DeadlineExceeded"
+INVALID_SPEC = "InvalidSpec"
+SUSPENDED_BY_USER = "SuspendedByUser"
+RESUMED = "Resumed"
+COMPLETED = "Completed"
+
+TRUE, FALSE = "True", "False"
+
+
+def timestamp(now: datetime.datetime) -> str:
+    """RFC 3339 UTC timestamp with a Z, as the API server writes them."""
+    return now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> datetime.datetime | None:
+    """An RFC 3339 timestamp from the API (``...Z``) as an aware datetime, or None."""
+    if not value:
+        return None
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def find(conditions: Iterable[dict[str, Any]], type_: str) -> dict[str, Any] | None:
+    """The condition of ``type_``, if present."""
+    for condition in conditions:
+        if condition.get("type") == type_:
+            return condition
+    return None
+
+
+def set(  # noqa: A001 - called as conditions.set(...)
+    conditions: Iterable[dict[str, Any]],
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+) -> list[dict[str, Any]]:
+    """A copy of ``conditions`` with ``type_`` set; lastTransitionTime kept unless status changes."""
+    result = []
+    found = False
+    for condition in conditions:
+        if condition.get("type") == type_:
+            found = True
+            transition = condition.get("lastTransitionTime") if condition.get("status") == status else None
+            condition = {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": transition or timestamp(now),
+            }
+        result.append(dict(condition))
+    if not found:
+        result.append({"type": type_, "status": status, "reason": reason, "message": message,
+                       "lastTransitionTime": timestamp(now)})
+    return result

@@ -1,0 +1,133 @@
+"""Failure policy: is a pod of the gang failed, and may the gang be retried?
+
+What it is: :class:`PodState` (the few facts of a pod the lifecycle needs, read
+from its manifest) and :func:`classify`, which says whether a pod failed and
+whether that failure is *permanent* (restarting cannot help: the job fails at
+once) or *retryable* (the gang is restarted, up to ``runPolicy.backoffLimit``).
+What it is not: it does not count restarts or act (see ``lifecycle``).
+
+Classification:
+
+* exit code 2 — the trainer refused its configuration (bad spec, missing
+  dataset): permanent;
+* exit codes 126/127 — the command is not executable / not found in the image:
+  permanent;
+* exit code 128+N — killed by signal N (OOM killer, preemption): retryable;
+* any other non-zero exit code, pod phase Failed without an exit code
+  (evicted, node shutdown), phase Unknown (node lost), a ``DisruptionTarget``
+  condition, or a pod deleted by someone else: retryable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from meshtrain.operator import builders, conditions, naming
+
+PERMANENT_EXIT_CODES: dict[int, str] = {
+    2: "the trainer rejected its configuration",
+    126: "the container command is not executable",
+    127: "the container command was not found in the image",
+}
+"""Exit codes after which restarting the gang cannot help."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PodState:
+    """What the lifecycle needs to know about one pod."""
+
+    name: str
+    """Pod name."""
+    index: int
+    """Node rank in the gang (label meshtrain.io/node-rank)."""
+    attempt: int
+    """Gang attempt (label meshtrain.io/attempt)."""
+    phase: str
+    """Pod phase: Pending, Running, Succeeded, Failed, Unknown."""
+    gated: bool
+    """Still carries the gang scheduling gate."""
+    deleting: bool
+    """Has a deletionTimestamp."""
+    created_at: datetime.datetime | None
+    """metadata.creationTimestamp."""
+    node: str | None = None
+    """Node it is bound or pinned to."""
+    ip: str | None = None
+    """status.podIP once it has one."""
+    exit_code: int | None = None
+    """Exit code of the trainer container once it terminated."""
+    reason: str | None = None
+    """status.reason of the pod (Evicted, NodeLost, ...)."""
+    disrupted: bool = False
+    """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
+
+    @property
+    def terminal(self) -> bool:
+        """Succeeded or Failed: holds no GPUs any more."""
+        return self.phase in ("Succeeded", "Failed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A failed pod and what that means for the job."""
+
+    pod: str
+    """Pod name."""
+    permanent: bool
+    """True: fail the job now; False: restart the gang if the backoff limit allows."""
+    message: str
+    """What happened, with the exit code or reason."""
+
+
+def pod_state(pod: dict[str, Any]) -> PodState | None:
+    """Read a pod manifest; None when it lacks the operator's labels (not one of ours)."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    index = naming.int_label(labels, naming.LABEL_NODE_RANK)
+    attempt = naming.int_label(labels, naming.LABEL_ATTEMPT)
+    if index is None or attempt is None:
+        return None
+    status = pod.get("status") or {}
+    exit_code = None
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") == naming.CONTAINER:
+            terminated = (container.get("state") or {}).get("terminated")
+            if terminated and terminated.get("exitCode") is not None:
+                exit_code = int(terminated["exitCode"])
+    disrupted = any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return PodState(
+        name=metadata.get("name", ""),
+        index=index,
+        attempt=attempt,
+        phase=status.get("phase") or "Pending",
+        gated=bool((pod.get("spec") or {}).get("schedulingGates")),
+        deleting=bool(metadata.get("deletionTimestamp")),
+        created_at=conditions.parse_time(metadata.get("creationTimestamp")),
+        node=builders.planned_node(pod),
+        ip=status.get("podIP"),
+        exit_code=exit_code,
+        reason=status.get("reason"),
+        disrupted=disrupted,
+    )
+
+
+def classify(pod: PodState) -> Failure | None:
+    """The failure of ``pod``, or None while it is healthy (pending, running or succeeded)."""
+    if pod.phase == "Failed":
+        code = pod.exit_code
+        if code in PERMANENT_EXIT_CODES:
+            return Failure(pod.name, True, f"pod {pod.name} exited with code {code}: {PERMANENT_EXIT_CODES[code]}")
+        if code is not None and code > 128:
+            return Failure(pod.name, False, f"pod {pod.name} was killed by signal {code - 128} (exit code {code})")
+        if code is not None and code != 0:
+            return Failure(pod.name, False, f"pod {pod.name} exited with code {code}")
+        return Failure(pod.name, False, f"pod {pod.name} failed ({pod.reason or 'no exit code'})")
+    if pod.phase == "Unknown":
+        return Failure(pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)")
+    if pod.disrupted and not pod.terminal:
+        return Failure(pod.name, False, f"pod {pod.name} is being disrupted ({pod.reason or 'DisruptionTarget'})")
+    if pod.deleting and not pod.terminal:
+        return Failure(pod.name, False, f"pod {pod.name} is being deleted")
+    return None

@@ -1,0 +1,145 @@
+"""kopf handlers of the meshtrain operator: thin wiring of watches to the reconciler.
+
+What it is: one kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
+by events of the job, its pods and the cluster's nodes, or by a timer), a
+deletion handler that removes the job's children, and start-up/clean-up of
+the shared API client.  Daemons are stopped by kopf when the job is deleted,
+when the operator exits, and while a peer with higher priority is active.
+
+What it is not: no decisions (``lifecycle``), no manifests (``builders``), no
+API calls of its own (``reconciler`` through ``kube``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import kopf
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import kube, naming, reconciler
+
+RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
+ERROR_BACKOFF_SECONDS = 2.0
+"""Wait after a failed reconcile pass (API unreachable, conflict) before the next try."""
+MAX_IMMEDIATE_PASSES = 25
+"""Back-to-back passes allowed while each one changes something, before waiting for an event."""
+
+logger = logging.getLogger("meshtrain.operator")
+
+
+class Wakeups:
+    """Per-job wake-up events: pod and job events wake their job, node and freed-GPU events wake waiting jobs."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self._waiting: set[tuple[str, str]] = set()
+
+    def event(self, key: tuple[str, str]) -> asyncio.Event:
+        return self._events.setdefault(key, asyncio.Event())
+
+    def poke(self, key: tuple[str, str]) -> None:
+        if key in self._events:
+            self._events[key].set()
+
+    def set_waiting(self, key: tuple[str, str], waiting: bool) -> None:
+        """Mark a job as waiting for capacity (woken when nodes change or GPUs are freed)."""
+        if waiting:
+            self._waiting.add(key)
+        else:
+            self._waiting.discard(key)
+
+    def poke_waiting(self) -> None:
+        for key in list(self._waiting):
+            self.poke(key)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self._events.pop(key, None)
+        self._waiting.discard(key)
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Create the API client and the reconciler; keep kopf's own bookkeeping in meshtrain.io annotations."""
+    settings.persistence.finalizer = f"{naming.GROUP}/cleanup"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=naming.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=naming.GROUP, key="last-handled-configuration")
+    settings.posting.enabled = False  # events are written by the reconciler, with reasons of our own
+    settings.watching.server_timeout = 300
+    client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
+    memo.reconciler = reconciler.Reconciler(client=client, settings=memo.settings)
+    memo.wakeups = Wakeups()
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    await memo.reconciler.client.close()
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> None:
+    """Until the job is poked, the daemon is stopped, or ``timeout`` passes."""
+    waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
+async def run_job(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """Reconcile one job until it is deleted, finished for good, or the operator stops."""
+    key = (namespace, name)
+    wake = memo.wakeups.event(key)
+    settings: reconciler.Settings = memo.settings
+    passes = 0
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                outcome = await memo.reconciler.reconcile(namespace=namespace, name=name)
+            except (kube.ApiError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+                logger.warning("reconcile of %s/%s failed, retrying: %s", namespace, name, err)
+                outcome = reconciler.Outcome(changed=False, requeue_after=ERROR_BACKOFF_SECONDS)
+            if outcome.gone or outcome.done:
+                return
+            memo.wakeups.set_waiting(key, outcome.waiting_for_capacity)
+            passes = passes + 1 if outcome.changed else 0
+            if outcome.changed and passes < MAX_IMMEDIATE_PASSES:
+                continue
+            timeout = settings.resync_seconds
+            if outcome.requeue_after is not None:
+                timeout = min(timeout, max(outcome.requeue_after, 0.05))
+            await _sleep(wake, stopped, timeout)
+    finally:
+        memo.wakeups.forget(key)
+
+
+@kopf.on.event(*RESOURCE)
+def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """Spec or status changes wake the job's daemon (e.g. suspend toggled)."""
+    memo.wakeups.poke((namespace, name))
+
+
+@kopf.on.event("", "v1", "pods", labels={naming.LABEL_JOB: kopf.PRESENT})
+def pod_event(type: str | None, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
+    """A pod of a job changed: wake its job; a pod that finished or went away frees GPUs for waiting jobs."""
+    memo.wakeups.poke((namespace, labels[naming.LABEL_JOB]))
+    if type == "DELETED" or (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        memo.wakeups.poke_waiting()
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(memo: kopf.Memo, **_: Any) -> None:
+    """Nodes appeared, changed or went away: jobs waiting for capacity try again."""
+    memo.wakeups.poke_waiting()
+
+
+@kopf.on.delete(*RESOURCE)
+async def delete_children(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """Delete the job's pods, Service and ConfigMap (also done by the garbage collector where one runs)."""
+    await memo.reconciler.delete_children(namespace=namespace, name=name)
+    memo.wakeups.forget((namespace, name))

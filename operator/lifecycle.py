@@ -1,0 +1,344 @@
+"""The TrainingJob state machine: observed job + pods + time -> actions.
+
+What it is: :func:`decide`, a pure function from what the operator observes
+(the job object and its pods) and the current time to the actions that move
+the job towards its desired state, plus the status changes a placement answer
+produces (:func:`placed`, :func:`unschedulable`).  What it is not: it performs
+no I/O, plans no placement and builds no manifests (the reconciler does that
+with ``placement`` and ``builders``).
+
+States (``status.phase``)::
+
+    Pending --place--> Placing --all pods Running--> Running --all pods exit 0--> Succeeded
+       ^  (unschedulable: stays Pending, condition Placed=False with the reason)
+       |                  |                            |
+       |                  +------ a pod fails ---------+--> Restarting --place--> Placing
+       |                         (retryable, restarts < backoffLimit)
+       |                  permanent exit code / backoff exhausted / deadline --> Failed
+    Suspended <--- spec.runPolicy.suspend (any non-final phase); resume -> Pending
+
+The gang attempt is ``status.restarts``: pods carry it as a label, so pods of
+an older attempt are recognised (and deleted) after any crash, and a failure
+is counted exactly once — the restart increments ``restarts`` before the old
+pods are deleted, which makes them stale.  ``status.placement`` is written
+before the pods are created; pods missing from a still-gated gang are
+re-created on the recorded nodes (crash recovery), while a pod missing from a
+released gang is a failure.  Every decision is idempotent: applying it twice,
+or crashing between its actions, leads to the same next decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import builders, conditions, failure
+
+Phase = api_spec.Phase
+FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobState:
+    """A TrainingJob as the state machine sees it."""
+
+    ref: builders.JobRef
+    """Name, namespace and uid."""
+    generation: int
+    """metadata.generation (becomes status.observedGeneration)."""
+    spec: api_spec.TrainingJobSpec | None
+    """The validated spec, or None when it breaks a rule."""
+    problems: tuple[str, ...]
+    """Why the spec is invalid (empty when valid)."""
+    status: Mapping[str, Any]
+    """The current status (camelCase, as stored)."""
+    ttl_seconds_after_finished: int | None = None
+    """runPolicy.ttlSecondsAfterFinished, read even when the rest of the spec is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SetStatus:
+    """Merge these fields into status (a JSON merge patch of the status subresource)."""
+
+    changes: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Emit:
+    """Record a Kubernetes Event on the job."""
+
+    type: str
+    """Normal or Warning."""
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeletePods:
+    """Delete these pods (already-gone ones are fine)."""
+
+    names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Plan and create the gang of ``attempt`` (all pods), or re-create ``missing`` on the recorded nodes."""
+
+    attempt: int
+    missing: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LiftGates:
+    """Remove the gang scheduling gate from these pods (the whole gang exists)."""
+
+    names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteJob:
+    """Delete the TrainingJob itself (TTL after finishing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PollProgress:
+    """Read rank 0's /progress and store it in the status."""
+
+    pod: str
+    ip: str
+    port: int
+
+
+Action = SetStatus | Emit | DeletePods | Place | LiftGates | DeleteJob | PollProgress
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do now, and when to look again at the latest (None: on the next event or resync)."""
+
+    actions: tuple[Action, ...] = ()
+    requeue_after: float | None = None
+
+
+def job_state(body: Mapping[str, Any]) -> JobState:
+    """Read a TrainingJob object; an invalid spec gives ``spec=None`` and the problems."""
+    metadata = body.get("metadata") or {}
+    ref = builders.JobRef(name=metadata.get("name", ""), namespace=metadata.get("namespace", ""), uid=metadata.get("uid", ""))
+    raw_spec = body.get("spec") or {}
+    ttl = (raw_spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    try:
+        parsed, problems = api_spec.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"), ()
+    except api_spec.SpecError as err:
+        parsed, problems = None, tuple(str(p) for p in err.problems)
+    return JobState(ref=ref, generation=int(metadata.get("generation") or 0), spec=parsed, problems=problems,
+                    status=dict(body.get("status") or {}), ttl_seconds_after_finished=ttl if isinstance(ttl, int) else None)
+
+
+def _conds(job: JobState) -> list[dict[str, Any]]:
+    return list(job.status.get("conditions") or [])
+
+
+def _changes(job: JobState, **fields: Any) -> SetStatus:
+    return SetStatus({**fields, "observedGeneration": job.generation})
+
+
+def _shape(job: JobState) -> dict[str, Any]:
+    assert job.spec is not None
+    return {"layout": job.spec.parallelism.layout_string, "worldSize": job.spec.world_size, "gpus": job.spec.world_size}
+
+
+def _live(pods: Sequence[failure.PodState]) -> tuple[str, ...]:
+    """Names of pods to delete when freeing the job's GPUs (not already finished or going)."""
+    return tuple(p.name for p in pods if not p.deleting and not p.terminal)
+
+
+def _fail(job: JobState, pods: Sequence[failure.PodState], reason: str, message: str, now: datetime.datetime) -> Decision:
+    conds = conditions.set(_conds(job), conditions.FAILED, conditions.TRUE, reason, message, now)
+    conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
+    actions: list[Action] = [
+        _changes(job, phase=Phase.FAILED.value, conditions=conds, completionTime=conditions.timestamp(now)),
+        Emit("Warning", reason, message),
+    ]
+    if _live(pods):
+        actions.append(DeletePods(_live(pods)))
+    return Decision(tuple(actions), requeue_after=0)
+
+
+def _finished(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
+    actions: list[Action] = []
+    if _live(pods):
+        actions.append(DeletePods(_live(pods)))
+    completion = conditions.parse_time(job.status.get("completionTime"))
+    ttl = job.ttl_seconds_after_finished
+    if ttl is None or completion is None:
+        return Decision(tuple(actions))
+    remaining = (completion + datetime.timedelta(seconds=ttl) - now).total_seconds()
+    if remaining <= 0:
+        return Decision((*actions, DeleteJob()))
+    return Decision(tuple(actions), requeue_after=remaining)
+
+
+def _suspend(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
+    actions: list[Action] = []
+    if _live(pods) or any(not p.deleting for p in pods):
+        actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
+    if job.status.get("phase") != Phase.SUSPENDED.value:
+        message = "spec.runPolicy.suspend is true: pods removed, status kept"
+        conds = conditions.set(_conds(job), conditions.SUSPENDED, conditions.TRUE, conditions.SUSPENDED_BY_USER, message, now)
+        conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.SUSPENDED_BY_USER, message, now)
+        conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, conditions.SUSPENDED_BY_USER, message, now)
+        actions += [_changes(job, phase=Phase.SUSPENDED.value, conditions=conds, placement=[]),
+                    Emit("Normal", conditions.SUSPENDED_BY_USER, message)]
+    return Decision(tuple(actions))
+
+
+def _resume(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
+    if pods:  # the suspended gang is still going away: wait, so it is not mistaken for a failure
+        return Decision((DeletePods(tuple(p.name for p in pods if not p.deleting)),) if _live(pods) else (), requeue_after=1.0)
+    message = "spec.runPolicy.suspend is false: placing the job again"
+    conds = conditions.set(_conds(job), conditions.SUSPENDED, conditions.FALSE, conditions.RESUMED, message, now)
+    return Decision((_changes(job, phase=Phase.PENDING.value, conditions=conds, startTime=None),
+                     Emit("Normal", conditions.RESUMED, message)), requeue_after=0)
+
+
+def _on_failure(job: JobState, current: Sequence[failure.PodState], failures: Sequence[failure.Failure],
+                now: datetime.datetime) -> Decision:
+    assert job.spec is not None
+    restarts = int(job.status.get("restarts") or 0)
+    limit = job.spec.run_policy.backoff_limit
+    permanent = [f for f in failures if f.permanent]
+    if permanent:
+        return _fail(job, current, conditions.PERMANENT_FAILURE, f"{permanent[0].message}; not retried", now)
+    message = "; ".join(f.message for f in failures[:3])
+    if restarts >= limit:
+        return _fail(job, current, conditions.BACKOFF_LIMIT_EXCEEDED,
+                     f"{message}; backoffLimit={limit} restart(s) already used", now)
+    note = f"{message}; restarting the gang (restart {restarts + 1} of {limit})"
+    conds = conditions.set(_conds(job), conditions.RUNNING, conditions.FALSE, conditions.GANG_RESTARTING, note, now)
+    conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, note, now)
+    actions: list[Action] = [
+        _changes(job, phase=Phase.RESTARTING.value, restarts=restarts + 1, placement=[], conditions=conds),
+        Emit("Warning", conditions.GANG_RESTARTING, note),
+    ]
+    doomed = tuple(p.name for p in current if not p.deleting)
+    if doomed:
+        actions.append(DeletePods(doomed))
+    return Decision(tuple(actions), requeue_after=0)
+
+
+def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
+    """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``."""
+    phase = job.status.get("phase") or Phase.PENDING.value
+    if phase in FINAL:
+        return _finished(job, pods, now)
+    if job.spec is None:
+        return _fail(job, pods, conditions.INVALID_SPEC, "spec breaks the rules: " + "; ".join(job.problems), now)
+    spec = job.spec
+    if spec.run_policy.suspend:
+        return _suspend(job, pods, now)
+    if phase == Phase.SUSPENDED.value:
+        return _resume(job, pods, now)
+
+    attempt = int(job.status.get("restarts") or 0)
+    actions: list[Action] = []
+    stale = tuple(p.name for p in pods if p.attempt != attempt and not p.deleting)
+    if stale:
+        actions.append(DeletePods(stale))
+    current = [p for p in pods if p.attempt == attempt]
+
+    started = conditions.parse_time(job.status.get("startTime"))
+    deadline = spec.run_policy.active_deadline_seconds
+    if deadline is not None and started is not None:
+        left = (started + datetime.timedelta(seconds=deadline) - now).total_seconds()
+        if left <= 0:
+            return _fail(job, current, conditions.DEADLINE_EXCEEDED,
+                         f"job active for more than activeDeadlineSeconds={deadline}", now)
+
+    if not job.status.get("placement"):
+        if current:  # pods without a recorded placement: only after a lost status write; rebuild cleanly
+            actions.append(DeletePods(tuple(p.name for p in current if not p.deleting)))
+            return Decision(tuple(actions), requeue_after=1.0)
+        return Decision((*actions, Place(attempt)))
+
+    failures = [f for f in (failure.classify(p) for p in current) if f is not None]
+    present = {p.index for p in current}
+    missing = tuple(i for i in range(spec.pods) if i not in present)
+    if missing and not failures and any(not p.gated for p in current):
+        failures = [failure.Failure(f"index {missing[0]}", False, f"pod of node rank {missing[0]} disappeared")]
+    if failures:
+        decision = _on_failure(job, current, failures, now)
+        return Decision((*actions, *decision.actions), decision.requeue_after)
+    if missing:
+        return Decision((*actions, Place(attempt, missing)))
+
+    if all(p.phase == "Succeeded" for p in current):
+        message = f"all {spec.pods} pod(s) exited 0"
+        conds = conditions.set(_conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now)
+        conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now)
+        actions += [_changes(job, phase=Phase.SUCCEEDED.value, conditions=conds, completionTime=conditions.timestamp(now)),
+                    Emit("Normal", conditions.COMPLETED, message)]
+        return Decision(tuple(actions), requeue_after=0)
+
+    gated = tuple(p.name for p in current if p.gated)
+    if gated:
+        actions.append(LiftGates(gated))
+    if not gated and all(p.phase in ("Running", "Succeeded") for p in current):
+        if phase != Phase.RUNNING.value:
+            message = f"all {spec.pods} pod(s) of {spec.parallelism.layout_string} running"
+            conds = conditions.set(_conds(job), conditions.RUNNING, conditions.TRUE, conditions.ALL_PODS_RUNNING, message, now)
+            actions.append(_changes(job, phase=Phase.RUNNING.value, conditions=conds))
+        rank0 = next(p for p in current if p.index == 0)
+        if rank0.ip and rank0.phase == "Running":
+            actions.append(PollProgress(rank0.name, rank0.ip, spec.metrics.port))
+        return Decision(tuple(actions))
+
+    created = [p.created_at for p in current if p.created_at is not None]
+    timeout = spec.run_policy.startup_timeout_seconds
+    if created:
+        left = (min(created) + datetime.timedelta(seconds=timeout) - now).total_seconds()
+        if left <= 0:
+            waiting = [p.name for p in current if p.phase != "Running"]
+            slow = failure.Failure(waiting[0] if waiting else "gang", False,
+                                   f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}")
+            decision = _on_failure(job, current, [slow], now)
+            return Decision((*actions, *decision.actions), decision.requeue_after)
+        return Decision(tuple(actions), requeue_after=left)
+    return Decision(tuple(actions))
+
+
+def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float], now: datetime.datetime) -> dict[str, Any]:
+    """Status fields once a gang of ``nodes`` (node per pod index) has been planned."""
+    message = f"{len(nodes)} pod(s) on {len(set(nodes))} node(s)"
+    conds = conditions.set(_conds(job), conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, message, now)
+    fields: dict[str, Any] = {
+        "phase": Phase.PLACING.value,
+        "conditions": conds,
+        "placement": [{"podIndex": i, "node": node} for i, node in enumerate(nodes)],
+        "crossLevelBytes": dict(level_bytes),
+        "observedGeneration": job.generation,
+        **_shape(job),
+    }
+    if not job.status.get("startTime"):
+        fields["startTime"] = conditions.timestamp(now)
+    return fields
+
+
+def unschedulable(job: JobState, reason: str, message: str, now: datetime.datetime) -> dict[str, Any]:
+    """Status fields when the gang cannot be placed now (no pods are created)."""
+    phase = job.status.get("phase") or Phase.PENDING.value
+    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
+    return {
+        "phase": Phase.RESTARTING.value if phase == Phase.RESTARTING.value else Phase.PENDING.value,
+        "conditions": conds,
+        "observedGeneration": job.generation,
+        **_shape(job),
+    }
+
+
+def unplaced(job: JobState, now: datetime.datetime, message: str) -> dict[str, Any]:
+    """Status fields that drop a recorded placement whose nodes are no longer free (re-plan, not a restart)."""
+    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, message, now)
+    return {"placement": [], "conditions": conds, "observedGeneration": job.generation}

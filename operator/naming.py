@@ -1,0 +1,76 @@
+"""Names, labels and annotations the operator puts on the objects it owns.
+
+What it is: the constants and the few pure functions that name a job's
+children (pods, headless Service, ConfigMap) and read the operator's own
+labels back.  What it is not: it builds no manifests (see ``builders``) and
+talks to no API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from meshtrain.api import spec as api_spec
+
+GROUP = api_spec.API_GROUP
+API_VERSION = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+
+LABEL_JOB = f"{GROUP}/job"
+"""Name of the TrainingJob a child object belongs to."""
+LABEL_NODE_RANK = f"{GROUP}/node-rank"
+"""Pod index in the gang (torchrun --node-rank)."""
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+"""Gang attempt the pod belongs to: ``status.restarts`` when it was created."""
+LABEL_PIPELINE_STAGES = f"{GROUP}/pipeline-stages"
+"""Pipeline stages whose ranks the pod runs, ``"0"`` or ``"0-1"``."""
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "meshtrain-operator"
+"""Value of ``app.kubernetes.io/managed-by`` on every child."""
+
+ANNOTATION_NODE = f"{GROUP}/planned-node"
+"""Node the planner chose for a pod (also its required node affinity)."""
+
+GANG_GATE = f"{GROUP}/gang"
+"""Scheduling gate on every pod until the whole gang exists."""
+
+CONTAINER = "trainer"
+"""Name of the trainer container."""
+MASTER_PORT = 29500
+"""torchrun rendezvous port on the rank-0 pod."""
+SPEC_DIR = "/etc/meshtrain"
+SPEC_FILE = f"{SPEC_DIR}/job.yaml"
+"""Where the job's spec (the ConfigMap) is mounted inside each pod."""
+
+
+def pod_name(job: str, attempt: int, index: int) -> str:
+    """Pod ``index`` of gang attempt ``attempt``: ``<job>-r<attempt>-<index>`` (also its hostname)."""
+    return f"{job}-r{attempt}-{index}"
+
+
+def service_name(job: str) -> str:
+    """The headless Service giving pods DNS names (``<pod>.<service>.<ns>.svc``)."""
+    return job
+
+
+def configmap_name(job: str) -> str:
+    """The ConfigMap holding the job's spec YAML."""
+    return f"{job}-spec"
+
+
+def master_addr(job: str, namespace: str, attempt: int) -> str:
+    """DNS name of the rank-0 pod through the headless Service (cluster-domain independent)."""
+    return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"
+
+
+def job_selector(job: str) -> str:
+    """Label selector of every child of ``job``."""
+    return f"{LABEL_JOB}={job}"
+
+
+def int_label(labels: Mapping[str, str] | None, key: str) -> int | None:
+    """An integer label value, or None when absent or malformed."""
+    value = (labels or {}).get(key)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,215 @@
+"""One reconcile pass of a TrainingJob: observe -> decide -> act.
+
+What it is: :class:`Reconciler`, which reads the job and its pods, asks
+:func:`lifecycle.decide` what to do and performs the actions through
+:mod:`kube`.  The only decision made here is the placement step, under one
+process-wide lock: list nodes and live pods, derive reservations, ``plan``,
+record the placement in the status and create the gated pods — all before the
+next job may plan, so two jobs never plan onto the same free GPUs.  (Peering
+makes sure only one operator process acts at a time.)
+
+What it is not: it owns no watch and no loop (see ``handlers``), and builds
+no manifest itself (see ``builders``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import time
+from typing import Any
+
+from meshtrain.operator import builders, capacity, conditions, failure, kube, lifecycle, metrics, naming, placement, progress
+
+logger = logging.getLogger("meshtrain.operator")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Timers of the operator (flags of ``meshtrain operator``)."""
+
+    resync_seconds: float = 30.0
+    """Longest wait between two reconciles of a job without events."""
+    progress_seconds: float = 10.0
+    """How often rank 0's /progress is read while a job runs."""
+    progress_timeout_seconds: float = 2.0
+    """Timeout of one /progress request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """Result of one pass: whether it changed anything, and when to look again."""
+
+    changed: bool
+    requeue_after: float | None
+    waiting_for_capacity: bool = False
+    gone: bool = False
+    done: bool = False
+    """The job is finished and nothing is left to do for it (no TTL pending)."""
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _same(status: dict[str, Any], changes: dict[str, Any]) -> bool:
+    """True when merging ``changes`` would not change ``status``."""
+    return all(status.get(key) == value for key, value in changes.items())
+
+
+class Reconciler:
+    """Reconciles TrainingJobs through one API client; shared by every job of the process."""
+
+    def __init__(self, *, client: kube.Client, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.placement_lock = asyncio.Lock()
+        self._last_progress: dict[tuple[str, str], float] = {}
+
+    async def reconcile(self, *, namespace: str, name: str) -> Outcome:
+        """One pass over ``namespace/name``."""
+        started = time.perf_counter()
+        try:
+            return await self._reconcile(namespace, name)
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+    async def _reconcile(self, namespace: str, name: str) -> Outcome:
+        body = await self.client.get_job(namespace=namespace, name=name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            metrics.forget(namespace, name)
+            return Outcome(changed=False, requeue_after=None, gone=True)
+        pods = await self.client.list_pods(namespace=namespace, selector=naming.job_selector(name))
+        states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
+        job = lifecycle.job_state(body)
+        decision = lifecycle.decide(job, states, _now())
+        changed = False
+        for action in decision.actions:
+            body, job, did = await self._act(action, body, job)
+            changed = changed or did
+        phase = (body.get("status") or {}).get("phase") or "Pending"
+        placed = conditions.find((body.get("status") or {}).get("conditions") or [], conditions.PLACED) or {}
+        waiting = placed.get("status") == conditions.FALSE and placed.get("reason") in (
+            conditions.INSUFFICIENT_GPUS, conditions.TOPOLOGY_UNSATISFIABLE)
+        metrics.observe_job(namespace, name, phase, unschedulable=waiting)
+        requeue = decision.requeue_after
+        if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
+            requeue = self.settings.progress_seconds if requeue is None else min(requeue, self.settings.progress_seconds)
+        done = phase in lifecycle.FINAL and requeue is None and not changed
+        return Outcome(changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done)
+
+    async def _set_status(self, body: dict[str, Any], job: lifecycle.JobState,
+                          changes: dict[str, Any]) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        if _same(dict(job.status), changes):
+            return body, job, False
+        ref = job.ref
+        answer = await self.client.patch_job_status(namespace=ref.namespace, name=ref.name, status=changes)
+        if answer is None:
+            return body, job, False
+        if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
+            metrics.RESTARTS.inc()
+        return answer, lifecycle.job_state(answer), True
+
+    async def _emit(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        try:
+            await self.client.create_event(job=body, type_=type_, reason=reason, message=message,
+                                           now=conditions.timestamp(_now()))
+        except (kube.ApiError, OSError) as err:  # events are best effort
+            logger.warning("could not record event %s: %s", reason, err)
+
+    async def _act(self, action: lifecycle.Action, body: dict[str, Any],
+                   job: lifecycle.JobState) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        ref = job.ref
+        if isinstance(action, lifecycle.SetStatus):
+            return await self._set_status(body, job, dict(action.changes))
+        if isinstance(action, lifecycle.Emit):
+            await self._emit(body, action.type, action.reason, action.message)
+            return body, job, False
+        if isinstance(action, lifecycle.DeletePods):
+            await self.client.delete_pods(namespace=ref.namespace, names=action.names)
+            return body, job, True
+        if isinstance(action, lifecycle.LiftGates):
+            await self.client.lift_gates(namespace=ref.namespace, names=action.names)
+            logger.info("gang of %s/%s complete: lifted %d gate(s)", ref.namespace, ref.name, len(action.names))
+            return body, job, True
+        if isinstance(action, lifecycle.DeleteJob):
+            logger.info("deleting %s/%s: ttlSecondsAfterFinished elapsed", ref.namespace, ref.name)
+            await self.client.delete_job(namespace=ref.namespace, name=ref.name)
+            return body, job, True
+        if isinstance(action, lifecycle.PollProgress):
+            return await self._poll(action, body, job)
+        if isinstance(action, lifecycle.Place):
+            return await self._place(action, body, job)
+        raise TypeError(f"unknown action {action!r}")
+
+    async def _poll(self, action: lifecycle.PollProgress, body: dict[str, Any],
+                    job: lifecycle.JobState) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        key = (job.ref.namespace, job.ref.name)
+        if time.monotonic() - self._last_progress.get(key, 0.0) < self.settings.progress_seconds:
+            return body, job, False
+        self._last_progress[key] = time.monotonic()
+        try:
+            report = await self.client.get_progress(ip=action.ip, port=action.port,
+                                                    timeout=self.settings.progress_timeout_seconds)
+        except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
+            logger.debug("progress of %s unavailable: %s", action.pod, err)
+            return body, job, False
+        changes = progress.status_changes(report)
+        if not changes:
+            return body, job, False
+        body, job, _ = await self._set_status(body, job, changes)
+        return body, job, False
+
+    async def _place(self, action: lifecycle.Place, body: dict[str, Any],
+                     job: lifecycle.JobState) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        assert job.spec is not None
+        ref, spec = job.ref, job.spec
+        gpu = spec.resources.gpu_resource_name
+        async with self.placement_lock:
+            started = time.perf_counter()
+            nodes = [capacity.node_from_manifest(n, gpu) for n in await self.client.list_nodes()]
+            live = await self.client.list_pods(namespace=None, live_only=True)
+            taken = capacity.reservations(live, gpu, exclude=(ref.namespace, ref.name))
+            now = _now()
+            if action.missing is not None:
+                recorded = {p["podIndex"]: p["node"] for p in job.status.get("placement") or []}
+                own = [p for p in live if capacity.belongs_to(p, ref.namespace, ref.name)]
+                free = capacity.free_gpus(nodes, [*taken, *capacity.reservations(own, gpu)])
+                for index in action.missing:
+                    free[recorded.get(index, "")] = free.get(recorded.get(index, ""), 0) - spec.resources.gpus_per_node
+                if all(free.get(recorded.get(i, ""), -1) >= 0 for i in action.missing):
+                    pods = [builders.build_pod(ref, spec, action.attempt, i, recorded[i]) for i in action.missing]
+                    await self.client.create_many(manifests=pods)
+                    logger.info("re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name)
+                    return body, job, True
+                message = "recorded nodes are no longer free; planning the gang again"
+                await self.client.delete_pods(namespace=ref.namespace, names=[p["metadata"]["name"] for p in own])
+                return await self._set_status(body, job, lifecycle.unplaced(job, now, message))
+            answer = placement.plan(placement.request_from_spec(spec), nodes, taken)
+            metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
+            if isinstance(answer, placement.Unschedulable):
+                before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
+                body, job, changed = await self._set_status(body, job, lifecycle.unschedulable(job, answer.reason, answer.message, now))
+                if (before.get("reason"), before.get("message")) != (answer.reason, answer.message):
+                    logger.info("%s/%s unschedulable: %s: %s", ref.namespace, ref.name, answer.reason, answer.message)
+                    await self._emit(body, "Warning", answer.reason, answer.message)
+                return body, job, changed
+            body, job, _ = await self._set_status(body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now))
+            await self.client.create_many(manifests=[builders.build_configmap(ref, spec), builders.build_service(ref, spec)])
+            await self.client.create_many(manifests=builders.build_pods(ref, spec, action.attempt, answer.nodes))
+        logger.info("placed %s/%s %s on %d node(s)", ref.namespace, ref.name, spec.parallelism.layout_string,
+                    len(set(answer.nodes)))
+        await self._emit(body, "Normal", conditions.GANG_PLACED,
+                         f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)")
+        return body, job, True
+
+    async def delete_children(self, *, namespace: str, name: str) -> None:
+        """Remove every child of a job (idempotent; owner references do the same where a GC runs)."""
+        pods = await self.client.list_pods(namespace=namespace, selector=naming.job_selector(name))
+        await self.client.delete_pods(namespace=namespace, names=[p["metadata"]["name"] for p in pods])
+        await self.client.delete_service(namespace=namespace, name=naming.service_name(name))
+        await self.client.delete_configmap(namespace=namespace, name=naming.configmap_name(name))
+        self._last_progress.pop((namespace, name), None)
+        metrics.forget(namespace, name)
