@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
     timeline.add_argument("--step", type=int, default=None, help="step to draw (default: the last one)")
     timeline.set_defaults(handler=lambda args: __import__("meshtrain.trainer.telemetry.timeline").trainer.telemetry.timeline.main(args))
+
+    plan = sub.add_parser("plan", help="predict memory, communication and step time of a TrainingJob (and its placement)")
+    __import__("meshtrain.planner.command").planner.command.configure(plan)
     return parser
 
 
