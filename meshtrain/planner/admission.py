@@ -1,0 +1,115 @@
+"""What the operator asks the planner: does the job fit, and which numbers go in the status.
+
+What it is: three small pure functions for the operator's reconcile path:
+
+* :func:`check` ``(spec, profile) -> None | WontFit``: refuse a job whose
+  worst rank needs more device memory than the profile has, with a message
+  carrying the numbers by component;
+* :func:`status_summary` ``(plan) -> dict``: the key numbers of a plan for
+  ``status.plan`` of the TrainingJob (JSON-ready, camelCase keys, stable);
+* :func:`profile_for_labels` ``(labels) -> Profile | None``: the profile of
+  a node from the GPU product label that NVIDIA's GPU feature discovery sets
+  (``nvidia.com/gpu.product``), so the operator can pick the profile from
+  the nodes it places on.
+
+What it is not: Kubernetes I/O or condition handling; the operator turns a
+:class:`WontFit` into a condition and an Event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import estimate, memory, profiles
+
+REASON_WONT_FIT = "WontFit"
+"""Condition reason for a job whose ranks exceed device memory."""
+
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""Node label naming the GPU model (set by NVIDIA GPU feature discovery)."""
+
+_PRODUCTS = (
+    ("H200", "h200"),
+    ("H100", "h100-sxm"),
+    ("A100-SXM4-80GB", "a100-80g"),
+    ("A100-80GB", "a100-80g"),
+    ("A100", "a100-40g"),
+    ("L40S", "l40s"),
+)
+"""Substrings of the product label (checked in order) and the profile they map to."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WontFit:
+    """A job whose worst rank does not fit in device memory."""
+
+    reason: str
+    """Condition reason: :data:`REASON_WONT_FIT`."""
+    message: str
+    """Human explanation with the numbers (bytes by component, capacity, what to change)."""
+    stage: int
+    """Pipeline stage of the worst rank."""
+    needed_bytes: float
+    """Bytes the worst rank needs."""
+    capacity_bytes: float
+    """Device memory of the profile."""
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def check(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> WontFit | None:
+    """None when every rank fits in ``profile``'s memory, else a :class:`WontFit` with the numbers."""
+    plan = memory.plan_memory(job, profile)
+    if plan.fits:
+        return None
+    worst = plan.worst
+    par = job.parallelism
+    message = (
+        f"{par.layout_string} on {profile.name}: pipeline stage {worst.stage} needs {_gib(worst.total)} per GPU "
+        f"(weights {_gib(worst.weights)}, gradients {_gib(worst.grads)}, optimizer {_gib(worst.optimizer)}, "
+        f"activations {_gib(worst.activations)} for {worst.in_flight:g} micro-batch(es) in flight) but the GPU "
+        f"has {_gib(plan.capacity)}; {plan.total_params:,} parameters, {worst.params:,} on this rank. "
+        f"Raise parallelism.tensor or parallelism.pipeline, set parallelism.zeroStage, or lower training.microBatch"
+    )
+    return WontFit(reason=REASON_WONT_FIT, message=message, stage=worst.stage, needed_bytes=worst.total,
+                   capacity_bytes=plan.capacity)
+
+
+def status_summary(plan: estimate.Plan) -> dict[str, Any]:
+    """Key numbers of a plan for ``status.plan`` (JSON-ready, camelCase keys)."""
+    mem, tp = plan.memory, plan.time
+    worst = tp.worst
+    ratio = tp.compute_comm_ratio
+    return {
+        "profile": plan.profile.name,
+        "parameters": mem.total_params,
+        "memoryPerGpuBytes": int(mem.worst.total),
+        "memoryHeadroomBytes": int(mem.headroom),
+        "fits": mem.fits,
+        "stepSeconds": round(tp.step_seconds, 6),
+        "tokensPerSecond": round(tp.tokens_per_second, 1),
+        "bubbleRatio": round(tp.bubble, 6),
+        "computeCommRatio": round(ratio, 4) if ratio != float("inf") else None,
+        "verdict": tp.verdict,
+        "dpBytesPerStep": int(plan.comm[worst.stage].payload("dp")),
+        "tpBytesPerStep": int(plan.comm[worst.stage].payload("tp")),
+        "ppBytesPerStep": int(plan.comm[worst.stage].payload("pp")),
+        "globalBatchTokens": plan.batch.tokens,
+        "warnings": plan.warnings,
+    }
+
+
+def profile_for_labels(labels: Mapping[str, str], extra_dirs: tuple[str, ...] = ()) -> profiles.Profile | None:
+    """The profile of a node from its ``nvidia.com/gpu.product`` label, or None when unknown."""
+    product = labels.get(PRODUCT_LABEL, "").upper()
+    if not product:
+        return None
+    for needle, name in _PRODUCTS:
+        if needle in product:
+            return profiles.get(name, extra_dirs)
+    return None

@@ -1,0 +1,39 @@
+"""Reading the nodes of a live cluster for ``meshtrain plan --from-cluster``.
+
+What it is: the planner's only Kubernetes I/O, one function that lists the
+cluster's Node objects with the official ``kubernetes`` client (kubeconfig
+from ``$KUBECONFIG`` or ``~/.kube/config``, or the in-cluster service
+account) and turns each into a placement :class:`~meshtrain.operator.placement.Node`
+with the operator's own converter (:func:`meshtrain.operator.capacity.node_from_manifest`),
+so the planner and the operator see the same allocatable GPUs and labels.
+
+What it is not: a view of what is free.  GPUs already used by running pods
+are not subtracted: the plan answers "where would this job go on an empty
+cluster of this shape".
+"""
+
+from __future__ import annotations
+
+from meshtrain.operator import capacity, placement
+
+
+class ClusterUnavailable(RuntimeError):
+    """The cluster could not be reached or listed."""
+
+
+def list_nodes(*, kubeconfig: str | None = None, context: str | None = None,
+               gpu_resource: str = "nvidia.com/gpu") -> list[placement.Node]:
+    """Every node of the cluster as the placement planner sees it."""
+    import kubernetes  # noqa: PLC0415 - the client is heavy and only --from-cluster needs it
+
+    try:
+        try:
+            kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_incluster_config()
+        api = kubernetes.client.ApiClient()
+        listed = kubernetes.client.CoreV1Api(api).list_node()
+        manifests = [api.sanitize_for_serialization(item) for item in listed.items]
+    except Exception as err:  # noqa: BLE001 - any client failure becomes one clear message
+        raise ClusterUnavailable(f"cannot list nodes of the cluster: {err}") from None
+    return [capacity.node_from_manifest(manifest, gpu_resource) for manifest in manifests]

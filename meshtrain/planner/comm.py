@@ -1,0 +1,212 @@
+"""Communication model: the collectives one rank runs per optimizer step, and their bytes.
+
+What it is: an enumeration, per pipeline stage, of every collective the
+trainer's engine issues in one step (group, op, calls, payload bytes), built
+from the model shape, the layout and the precision scheme.  It follows what
+:mod:`meshtrain.trainer.parallel` does, call for call, so that a test can
+compare it exactly with the bytes the trainer's recorder measures:
+
+* **dp**: the gradient reducer packs this rank's parameters (reverse
+  registration order) into buckets of ``bucketMb`` MiB and all-reduces each
+  bucket once per step (payload: every gradient once).  With ZeRO the plan
+  is a reduce-scatter (stage 2) or all-reduce (stage 1) of the gradients and
+  an all-gather of the updated parameters.
+* **tp** (tensor > 1), per micro-batch: Megatron's two reductions per
+  sub-layer (attention, MLP), one forward (row-parallel output) and one
+  backward (column-parallel input gradient); under sequence parallelism each
+  becomes an all-gather and a reduce-scatter in each direction.  The
+  vocabulary-parallel embedding reduces its output, the head's input
+  gradient is reduced, and the vocabulary-parallel cross entropy all-reduces
+  a max and a (target logit, sum of exp) pair per token.  Per step: the
+  global gradient norm (one fp64 scalar) and, under sequence parallelism,
+  one all-reduce of the replicated parameters' gradients.
+* **pp** (pipeline > 1): one activation sent forward per micro-batch and
+  model chunk (except from the last virtual stage) and one gradient sent
+  back (except from the first), shaped (micro batch, seq [/ tp under SP],
+  hidden); per step the global-norm scalar.  The trainer records pipeline
+  waits, not pipeline bytes, so only the dp and tp figures are measured.
+
+Payload bytes follow the recorder's convention (the full buffer, also for
+all-gather and reduce-scatter); :attr:`Collective.wire_bytes` is what a rank
+actually sends under ring algorithms.  Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import memory
+
+NORM_BYTES = 8
+"""The global gradient norm travels as one fp64 scalar per axis."""
+
+LOSS_BYTES = 4
+"""The vocabulary-parallel cross entropy works in fp32."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """Calls of one collective op over one group during one step on one rank."""
+
+    group: str
+    """Axis of the process group: ``dp``, ``tp`` or ``pp``."""
+    op: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``send`` (pipeline point-to-point)."""
+    calls: int
+    """Number of calls per step."""
+    nbytes: int
+    """Payload bytes summed over the calls (the full buffer, as the trainer's recorder counts)."""
+    members: int
+    """Ranks in the group (2 for a pipeline send: the two peers)."""
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends on its links: ring all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n."""
+        n = self.members
+        if self.op == "all_reduce":
+            return 2 * (n - 1) / n * self.nbytes
+        if self.op in ("all_gather", "reduce_scatter"):
+            return (n - 1) / n * self.nbytes
+        return float(self.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageComm:
+    """All collectives of one rank of one pipeline stage."""
+
+    stage: int
+    """Pipeline stage (0-based)."""
+    collectives: tuple[Collective, ...]
+    """Every (group, op) with its calls and bytes."""
+
+    def payload(self, group: str) -> int:
+        """Payload bytes per step over ``group``."""
+        return sum(c.nbytes for c in self.collectives if c.group == group)
+
+    def wire(self, group: str) -> float:
+        """Bytes this rank sends per step over ``group``."""
+        return sum(c.wire_bytes for c in self.collectives if c.group == group)
+
+    def by_key(self) -> dict[tuple[str, str], Collective]:
+        """Collectives keyed by (group, op)."""
+        return {(c.group, c.op): c for c in self.collectives}
+
+
+def chunk_param_sizes(shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool) -> list[int]:
+    """Element counts of one model chunk's parameters in registration order (after TP sharding).
+
+    Order of :class:`meshtrain.trainer.model.GPT`: token and position tables,
+    then per block ln1 (weight, bias), qkv, attention proj, ln2, mlp fc, mlp
+    proj, then the final norm and the head.
+    """
+    h, f, v = shape.hidden, shape.ffn_hidden, shape.vocab
+    sizes: list[int] = []
+    if first:
+        sizes += [v // tensor * h, shape.seq_len * h]
+    for _ in range(layers):
+        sizes += [h, h, 3 * h // tensor * h, h * h // tensor, h, h, f // tensor * h, h * f // tensor]
+    if last:
+        sizes += [h, h, v // tensor * h]
+    return sizes
+
+
+def bucket_count(sizes: list[int], element_size: int, bucket_mb: float) -> int:
+    """Buckets the gradient reducer forms: consecutive tensors (reverse order) until ``bucket_mb`` MiB is reached."""
+    limit = int(bucket_mb * 2**20)
+    buckets, filled = 0, 0
+    for numel in reversed(sizes):
+        if buckets == 0 or filled >= limit:
+            buckets += 1
+            filled = 0
+        filled += numel * element_size
+    return buckets
+
+
+def _add(out: dict[tuple[str, str], list[int]], group: str, op: str, calls: int, nbytes: float) -> None:
+    if calls <= 0:
+        return
+    entry = out.setdefault((group, op), [0, 0])
+    entry[0] += calls
+    entry[1] += int(nbytes)
+
+
+def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateScheme) -> StageComm:
+    """The collectives of one rank of pipeline ``stage`` in one optimizer step."""
+    shape = job.model.shape()
+    par = job.parallelism
+    p, t, d, m = par.pipeline, par.tensor, par.data, par.micro_batches
+    v = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    sp = par.sequence_parallel and t > 1
+    b, s, h = job.training.micro_batch, shape.seq_len, shape.hidden
+    layers_per_chunk = shape.layers // (p * v)
+    last_virtual = p * v - 1
+    virtuals = [chunk * p + stage for chunk in range(v)]
+    holds_first = 0 in virtuals
+    holds_last = last_virtual in virtuals
+    out: dict[tuple[str, str], list[int]] = {}
+
+    # Parameters of this rank, chunk by chunk in the order the trainer registers them.
+    sizes: list[int] = []
+    for j in virtuals:
+        sizes += chunk_param_sizes(shape, t, layers_per_chunk, first=j == 0, last=j == last_virtual)
+    params = sum(sizes)
+
+    # Data parallel: gradient buckets (and the ZeRO parameter gather).
+    if d > 1:
+        grad_bytes = params * scheme.grads
+        buckets = bucket_count(sizes, scheme.grads, par.bucket_mb)
+        _add(out, "dp", "reduce_scatter" if par.zero_stage == 2 else "all_reduce", buckets, grad_bytes)
+        if par.zero_stage >= 1:
+            _add(out, "dp", "all_gather", 1, params * scheme.weights)
+
+    # Tensor parallel: activations per micro-batch, then per-step reductions.
+    if t > 1:
+        stream = b * s * h * scheme.stream_bytes  # a full (B, T, H) residual-stream tensor
+        matmul = b * s * h * scheme.matmul_bytes  # a full (B, T, H) row-parallel output
+        blocks = layers_per_chunk * v
+        if sp:
+            # Per sub-layer: gather in / reduce-scatter out forward, the reverse backward.
+            # Each op runs once on a stream tensor and once on a matmul output per sub-layer.
+            _add(out, "tp", "all_gather", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
+            _add(out, "tp", "reduce_scatter", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
+        else:
+            # Per sub-layer: reduce the row-parallel output forward, the column-parallel input gradient backward.
+            _add(out, "tp", "all_reduce", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
+        if holds_first:  # vocabulary-parallel embedding: sum of the partial lookups
+            if sp:
+                _add(out, "tp", "reduce_scatter", m, m * stream)
+                _add(out, "tp", "all_gather", m, m * stream)
+            else:
+                _add(out, "tp", "all_reduce", m, m * stream)
+        if holds_last:  # head input gradient, then the cross entropy's max and (target, sum-exp)
+            if sp:
+                _add(out, "tp", "all_gather", m, m * stream)
+                _add(out, "tp", "reduce_scatter", m, m * stream)
+            else:
+                _add(out, "tp", "all_reduce", m, m * stream)
+            _add(out, "tp", "all_reduce", 2 * m, m * b * s * LOSS_BYTES * 3)
+        if sp:  # replicated parameters' gradients are per-slice partials under SP
+            replicated = 4 * h * layers_per_chunk * v + (s * h if holds_first else 0) + (2 * h if holds_last else 0)
+            _add(out, "tp", "all_reduce", 1, replicated * scheme.grads)
+        _add(out, "tp", "all_reduce", 1, NORM_BYTES)
+
+    # Pipeline: activations forward, their gradients backward, then the norm scalar.
+    if p > 1:
+        seq = s // t if sp else s
+        message = b * seq * h * scheme.stream_bytes
+        sends = sum((j != last_virtual) + (j != 0) for j in virtuals) * m
+        _add(out, "pp", "send", sends, sends * message)
+        _add(out, "pp", "all_reduce", 1, NORM_BYTES)
+
+    members = {"dp": d, "tp": t, "pp": p}
+    collectives = tuple(
+        Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=2 if op == "send" else members[g])
+        for (g, op), (calls, nbytes) in sorted(out.items())
+    )
+    return StageComm(stage=stage, collectives=collectives)
+
+
+def plan_comm(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[StageComm, ...]:
+    """Collectives of every pipeline stage (ranks of one stage send alike)."""
+    return tuple(stage_comm(job, stage, scheme) for stage in range(job.parallelism.pipeline))

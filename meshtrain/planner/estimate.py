@@ -1,0 +1,131 @@
+"""The whole plan of one TrainingJob on one device profile (and optionally a cluster).
+
+What it is: :func:`make_plan`, which runs the memory, communication and time
+models and, given cluster nodes, the operator's placement planner, and
+returns one :class:`Plan` value that :mod:`.report` prints and
+:mod:`.admission` summarises.  What it is not: a printer or a reader of
+files; it works on values only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import placement
+from meshtrain.planner import comm, cost, memory, profiles
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchCheck:
+    """The global batch against the critical batch size."""
+
+    sequences: int
+    """Sequences per optimizer step: microBatch x microBatches x data."""
+    tokens: int
+    """Tokens per optimizer step: sequences x seq_len."""
+    critical_tokens: int
+    """Threshold in tokens past which larger batches stop paying off."""
+
+    @property
+    def warning(self) -> str | None:
+        """A warning when the batch passes the critical size, else None."""
+        if self.tokens <= self.critical_tokens:
+            return None
+        return (f"global batch of {self.tokens:,} tokens exceeds the critical batch size of "
+                f"{self.critical_tokens:,} tokens: more data parallelism buys little loss per token "
+                f"(lower microBatches or data, or raise --critical-batch-tokens if you know better)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementResult:
+    """What the operator's placement planner would do on the given nodes."""
+
+    nodes: tuple[str, ...]
+    """Node per pod index (empty when unschedulable)."""
+    level_bytes: dict[str, float]
+    """Bytes per step crossing each fabric level, as the placement module predicts them."""
+    domains_used: dict[str, int]
+    """Distinct domains of each level the gang spans."""
+    unschedulable_reason: str | None = None
+    """Reason constant when the gang cannot be placed."""
+    message: str | None = None
+    """Human explanation when the gang cannot be placed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the planner predicts for a job."""
+
+    job: api_spec.TrainingJobSpec
+    """The job planned."""
+    profile: profiles.Profile
+    """Device profile used."""
+    precision: str
+    """Training precision resolved from the spec and the profile (bf16 or fp32)."""
+    recipe: str
+    """How bf16 state is accounted (``meshtrain`` or ``mixed``)."""
+    memory: memory.MemoryPlan
+    """Per-stage memory."""
+    comm: tuple[comm.StageComm, ...]
+    """Per-stage collectives."""
+    time: cost.TimePlan
+    """Predicted step."""
+    batch: BatchCheck
+    """Global batch and its warning."""
+    placement: PlacementResult | None
+    """Placement on the given cluster (None without one)."""
+
+    @property
+    def warnings(self) -> list[str]:
+        """Every warning of the plan (memory, batch, placement)."""
+        out = []
+        if not self.memory.fits:
+            worst = self.memory.worst
+            out.append(f"does not fit: stage {worst.stage} needs {worst.total / 2**30:.2f} GiB per GPU, "
+                       f"{self.profile.name} has {self.memory.capacity / 2**30:.2f} GiB")
+        if self.batch.warning:
+            out.append(self.batch.warning)
+        if self.placement is not None and self.placement.unschedulable_reason:
+            out.append(f"unschedulable ({self.placement.unschedulable_reason}): {self.placement.message}")
+        return out
+
+
+def _pod_domains(job: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node], chosen: Sequence[str]) -> list[str]:
+    """NVLink domain of each pod: the node's clique label value when the job names one, else the node."""
+    by_name = {node.name: node for node in nodes}
+    label = job.topology.nvlink_domain_label
+    out = []
+    for name in chosen:
+        labels = by_name[name].labels
+        out.append(f"{label}={labels[label]}" if label and label in labels else f"node={name}")
+    return out
+
+
+def place(job: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]) -> PlacementResult:
+    """The operator's placement of ``job`` on free ``nodes`` (no reservations)."""
+    result = placement.plan(placement.request_from_spec(job), nodes, [])
+    if isinstance(result, placement.Unschedulable):
+        return PlacementResult(nodes=(), level_bytes={}, domains_used={}, unschedulable_reason=result.reason,
+                               message=result.message)
+    return PlacementResult(nodes=tuple(result.nodes), level_bytes=dict(result.level_bytes),
+                           domains_used=dict(result.domains_used))
+
+
+def make_plan(job: api_spec.TrainingJobSpec, profile: profiles.Profile, *, recipe: str = "meshtrain",
+              nodes: Sequence[placement.Node] | None = None,
+              critical_batch_tokens: int = cost.DEFAULT_CRITICAL_BATCH_TOKENS) -> Plan:
+    """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
+    precision = memory.resolve_precision(job, profile)
+    scheme = memory.scheme_for(precision, recipe)
+    mem = memory.plan_memory(job, profile, recipe)
+    stage_comms = comm.plan_comm(job, scheme)
+    placed = place(job, nodes) if nodes is not None else None
+    domains = _pod_domains(job, nodes, placed.nodes) if placed is not None and placed.nodes else None
+    time_plan = cost.plan_time(job, profile, scheme, stage_comms, domains)
+    shape = job.model.shape()
+    batch = BatchCheck(sequences=job.global_batch, tokens=job.global_batch * shape.seq_len,
+                       critical_tokens=critical_batch_tokens)
+    return Plan(job=job, profile=profile, precision=precision, recipe=recipe, memory=mem, comm=stage_comms,
+                time=time_plan, batch=batch, placement=placed)

@@ -1,0 +1,317 @@
+"""Memory model: parameters and bytes per GPU by component for a TrainingJob layout.
+
+What it is: pure arithmetic on the model shape and the layout.
+
+* Parameter counts of meshtrain's GPT (:mod:`meshtrain.trainer.model`: untied
+  token embedding, learned positions, pre-norm blocks without biases in the
+  linears, final LayerNorm, LM head), for the whole model and for the shard
+  one rank holds (its pipeline stage, split over the tensor-parallel group;
+  the token embedding and the head are split along the vocabulary, the
+  position table and the LayerNorms are replicated).
+* Model state per rank (weights, gradients, optimizer state) with the
+  bytes-per-parameter of the precision and the division ZeRO applies.
+* Activation memory per micro-batch per layer (the accounting of Korthikanti
+  et al. 2022, adapted to this model) times the micro-batches a stage keeps
+  in flight under the chosen pipeline schedule.
+
+docs/planner.md states every formula and its source.  What it is not: a
+measurement.  No torch import, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import profiles
+
+
+@dataclasses.dataclass(frozen=True)
+class StateScheme:
+    """Bytes per parameter of the model state and per activation element for one precision recipe."""
+
+    name: str
+    """Short name: ``mixed``, ``autocast`` or ``fp32``."""
+    weights: int
+    """Bytes of the weights the forward pass reads."""
+    grads: int
+    """Bytes of a gradient (also the element size of the data-parallel gradient reduction)."""
+    optimizer: int
+    """Bytes of optimizer state (fp32 master copy where there is one, Adam first and second moments)."""
+    stream_bytes: int
+    """Bytes of a residual-stream element: block inputs, LayerNorm outputs, pipeline activations."""
+    matmul_bytes: int
+    """Bytes of a matmul output element (Q, K, V, attention output, MLP hidden, row-parallel outputs)."""
+
+    @property
+    def total(self) -> int:
+        """Bytes per parameter without sharding (16 for Adam in every recipe)."""
+        return self.weights + self.grads + self.optimizer
+
+
+MIXED = StateScheme("mixed", weights=2, grads=2, optimizer=12, stream_bytes=2, matmul_bytes=2)
+"""Mixed-precision Adam as in the ZeRO paper (Rajbhandari et al. 2020) and Megatron-LM:
+16-bit weights and gradients, fp32 master weights and Adam moments (4 + 4 + 4), 16-bit activations."""
+
+AUTOCAST = StateScheme("autocast", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=2)
+"""What meshtrain's trainer does for bf16: fp32 weights (the master copy), fp32 gradients and
+Adam moments, bf16 autocast for matmuls while LayerNorms and the residual stream stay fp32."""
+
+FP32 = StateScheme("fp32", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=4)
+"""Plain fp32 Adam (CPU training): 4 + 4 + (4 m + 4 v), fp32 activations."""
+
+RECIPES = ("meshtrain", "mixed")
+"""How bf16 training is accounted: as meshtrain's trainer runs it, or the 2+2+12 literature recipe."""
+
+
+def resolve_precision(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> str:
+    """The precision a job trains in on a device: ``auto`` takes the profile's."""
+    return profile.precision if job.training.precision == "auto" else job.training.precision
+
+
+def scheme_for(precision: str, recipe: str = "meshtrain") -> StateScheme:
+    """The state scheme of a precision: fp32 -> :data:`FP32`; bf16 -> :data:`AUTOCAST` or :data:`MIXED`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    if precision == "fp32":
+        return FP32
+    if precision == "bf16":
+        return AUTOCAST if recipe == "meshtrain" else MIXED
+    raise ValueError(f"unknown precision {precision!r}; known: bf16, fp32")
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def layer_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
+    """Parameters of one block on one tensor-parallel rank.
+
+    Two LayerNorms (weight and bias, replicated: 4h) plus QKV (3h^2), the
+    attention output projection (h^2) and the MLP (2hf), the matrices split
+    over ``tensor`` ranks.
+    """
+    h, f = shape.hidden, shape.ffn_hidden
+    return 4 * h + (4 * h * h + 2 * h * f) // tensor
+
+
+def embedding_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
+    """Token table (split along the vocabulary) plus the replicated position table."""
+    return shape.vocab * shape.hidden // tensor + shape.seq_len * shape.hidden
+
+
+def head_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
+    """Final LayerNorm (replicated) plus the untied LM head (split along the vocabulary)."""
+    return 2 * shape.hidden + shape.vocab * shape.hidden // tensor
+
+
+def total_params(shape: api_spec.ModelShape) -> int:
+    """Parameters of the whole model: L blocks + embeddings + final norm and head."""
+    return shape.layers * layer_params(shape) + embedding_params(shape) + head_params(shape)
+
+
+def rank_params(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int) -> int:
+    """Parameters held by one rank of pipeline ``stage`` (0-based): its layers' TP shard.
+
+    Layers split evenly over stages (interleaving changes which layers a rank
+    holds, not how many); the embeddings live on stage 0 and the final norm
+    and head on the last stage.
+    """
+    if not 0 <= stage < pipeline:
+        raise ValueError(f"stage {stage} outside 0..{pipeline - 1}")
+    count = shape.layers // pipeline * layer_params(shape, tensor)
+    if stage == 0:
+        count += embedding_params(shape, tensor)
+    if stage == pipeline - 1:
+        count += head_params(shape, tensor)
+    return count
+
+
+# --------------------------------------------------------------------------- model state
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes on one rank."""
+
+    weights: float
+    """Bytes of weights."""
+    grads: float
+    """Bytes of gradients (kept for the whole step under gradient accumulation)."""
+    optimizer: float
+    """Bytes of optimizer state (master weights and Adam moments)."""
+
+    @property
+    def total(self) -> float:
+        """Sum of the three."""
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes(params: float, scheme: StateScheme, zero_stage: int, data: int) -> StateBytes:
+    """Weights, gradients and optimizer state of ``params`` parameters on one rank.
+
+    ZeRO (Rajbhandari et al. 2020) shards over the ``data`` ranks holding the
+    same parameters: stage 1 the optimizer state, stage 2 also the gradients,
+    stage 3 also the weights.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {zero_stage}")
+    if data < 1:
+        raise ValueError(f"data-parallel degree must be >= 1, got {data}")
+    shard = {0: (1, 1, 1), 1: (1, 1, data), 2: (1, data, data), 3: (data, data, data)}[zero_stage]
+    return StateBytes(
+        weights=params * scheme.weights / shard[0],
+        grads=params * scheme.grads / shard[1],
+        optimizer=params * scheme.optimizer / shard[2],
+    )
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme, *,
+                           sequence_parallel: bool, fused_attention: bool = True) -> float:
+    """Activation bytes one block keeps for backward, per micro-batch, on one TP rank.
+
+    Counting as Korthikanti et al. 2022 (sec. 4.1) do, for this model (no
+    dropout, MLP width f), per token:
+
+    * residual-stream tensors (``scheme.stream_bytes`` each): the two
+      LayerNorm inputs and the two LayerNorm outputs that feed QKV and the
+      MLP, 4h elements, replicated over the TP group unless sequence
+      parallelism shards them;
+    * matmul outputs (``scheme.matmul_bytes`` each): Q, K, V, the attention
+      output, the MLP up-projection and the GELU output, 4h + 2f elements,
+      split over TP;
+    * attention internals: fused attention (``scaled_dot_product_attention``'s
+      flash kernels) keeps one fp32 log-sum-exp per head and token; unfused
+      it keeps the scores and the softmax, 2 a s elements per token.
+
+    With 16-bit activations and f = 4h this is ``s b h (8 + 24/t)`` bytes, the
+    paper's ``10 + 24/t`` minus its two dropout masks (``34/t`` minus 2/t under
+    sequence parallelism).
+    """
+    s, b, h, f, a = shape.seq_len, micro_batch, shape.hidden, shape.ffn_hidden, shape.heads
+    stream = 4 * h * scheme.stream_bytes
+    split = (4 * h + 2 * f) * scheme.matmul_bytes
+    per_token = (stream + split) / tensor if sequence_parallel else stream + split / tensor
+    if fused_attention:
+        per_token += 4 * a / tensor
+    else:
+        per_token += 2 * a * s * scheme.matmul_bytes / tensor
+    return s * b * per_token
+
+
+def head_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme) -> float:
+    """Activation bytes of the last stage's final norm, head and loss per micro-batch.
+
+    The final-norm input and output (2 s b h stream elements) and the logits
+    of this rank's vocabulary shard (s b V / t) as the head writes them plus
+    the fp32 copy the cross entropy works on.
+    """
+    s, b = shape.seq_len, micro_batch
+    return 2 * s * b * shape.hidden * scheme.stream_bytes + s * b * shape.vocab / tensor * (scheme.matmul_bytes + 4)
+
+
+def in_flight_microbatches(schedule: str, pipeline: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage's layers.
+
+    * gpipe (Huang et al. 2019): every forward runs before any backward: ``m``.
+    * 1f1b (PipeDream-Flush, Narayanan et al. 2021): stage i warms up with
+      ``p - i`` forwards: ``min(p - i, m)``.
+    * interleaved-1f1b (Megatron-LM, Narayanan et al. 2021): rank i runs
+      ``2 (p - i - 1) + (v - 1) p + 1`` chunk-forwards before its first
+      backward, each chunk holding 1/v of the stage's layers; for rank 0 that
+      is Korthikanti's factor ``1 + (p - 1)/(p v)`` times 1F1B's ``p``.
+    """
+    if not 0 <= stage < pipeline:
+        raise ValueError(f"stage {stage} outside 0..{pipeline - 1}")
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "1f1b":
+        return float(min(pipeline - stage, micro_batches))
+    if schedule == "interleaved-1f1b":
+        chunks = min(2 * (pipeline - stage - 1) + (virtual_stages - 1) * pipeline + 1, micro_batches * virtual_stages)
+        return chunks / virtual_stages
+    raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved-1f1b")
+
+
+# --------------------------------------------------------------------------- per rank
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """Predicted peak memory of one rank of one pipeline stage."""
+
+    stage: int
+    """Pipeline stage (0-based)."""
+    params: int
+    """Parameters this rank holds."""
+    weights: float
+    """Bytes of weights."""
+    grads: float
+    """Bytes of gradients."""
+    optimizer: float
+    """Bytes of optimizer state."""
+    activations: float
+    """Bytes of activations at the schedule's peak."""
+    in_flight: float
+    """Micro-batches in flight at the peak (stage-layer units)."""
+
+    @property
+    def total(self) -> float:
+        """All components."""
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Memory of every pipeline stage's ranks and the worst one against the device."""
+
+    total_params: int
+    """Parameters of the whole model."""
+    scheme: StateScheme
+    """Bytes-per-parameter scheme used."""
+    stages: tuple[RankMemory, ...]
+    """One entry per pipeline stage (ranks of a stage are alike)."""
+    capacity: float
+    """Device memory in bytes."""
+
+    @property
+    def worst(self) -> RankMemory:
+        """The stage whose ranks need the most memory."""
+        return max(self.stages, key=lambda r: r.total)
+
+    @property
+    def headroom(self) -> float:
+        """Device memory left on the worst rank (negative: it does not fit)."""
+        return self.capacity - self.worst.total
+
+    @property
+    def fits(self) -> bool:
+        """True when the worst rank fits in device memory."""
+        return self.headroom >= 0
+
+
+def plan_memory(job: api_spec.TrainingJobSpec, profile: profiles.Profile, recipe: str = "meshtrain") -> MemoryPlan:
+    """Per-stage memory of a job on a device profile (``recipe``: see :data:`RECIPES`)."""
+    shape = job.model.shape()
+    par = job.parallelism
+    scheme = scheme_for(resolve_precision(job, profile), recipe)
+    virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    # One stage is plain gradient accumulation: the trainer runs it as 1F1B.
+    schedule = par.schedule if par.pipeline > 1 else "1f1b"
+    micro_batch = job.training.micro_batch
+    per_layer = layer_activation_bytes(shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel)
+    layers_per_stage = shape.layers // par.pipeline
+    stages = []
+    for stage in range(par.pipeline):
+        params = rank_params(shape, par.pipeline, par.tensor, stage)
+        state = state_bytes(params, scheme, par.zero_stage, par.data)
+        flight = in_flight_microbatches(schedule, par.pipeline, par.micro_batches, stage, virtual)
+        activations = flight * layers_per_stage * per_layer
+        if stage == par.pipeline - 1:
+            head_flight = par.micro_batches if schedule == "gpipe" else 1
+            activations += head_flight * head_activation_bytes(shape, micro_batch, par.tensor, scheme)
+        stages.append(RankMemory(stage=stage, params=params, weights=state.weights, grads=state.grads,
+                                 optimizer=state.optimizer, activations=activations, in_flight=flight))
+    return MemoryPlan(total_params=total_params(shape), scheme=scheme, stages=tuple(stages), capacity=profile.memory_bytes)

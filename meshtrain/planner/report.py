@@ -1,0 +1,233 @@
+"""Presenting a plan: the text report and the versioned JSON document.
+
+What it is: :func:`to_json` builds the ``meshtrain.plan/v1`` document (every
+key is documented in docs/planner.md; within v1 keys are only ever added,
+never renamed or removed) and :func:`to_text` the human table printed by
+``meshtrain plan``.  What it is not: a computation; every number comes from
+the :class:`~.estimate.Plan` it is given.  No I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from meshtrain.planner import cost, estimate
+
+SCHEMA = "meshtrain.plan/v1"
+"""Name and version of the JSON document."""
+
+GROUPS = ("dp", "tp", "pp")
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float]]:
+    stage_comm = plan.comm[stage]
+    times = plan.time.stages[stage]
+    seconds = {"dp": times.dp, "tp": times.tp, "pp": times.pp}
+    return {
+        g: {"payload_bytes": stage_comm.payload(g), "wire_bytes": stage_comm.wire(g), "seconds": seconds[g],
+            "link": plan.time.links[g].name}
+        for g in GROUPS
+    }
+
+
+def to_json(plan: estimate.Plan) -> dict[str, Any]:
+    """The ``meshtrain.plan/v1`` document of a plan."""
+    job, profile, mem, tp = plan.job, plan.profile, plan.memory, plan.time
+    par, shape = job.parallelism, job.model.shape()
+    worst_t = tp.worst
+    placement: dict[str, Any] | None = None
+    if plan.placement is not None:
+        placement = {
+            "schedulable": plan.placement.unschedulable_reason is None,
+            "nodes": list(plan.placement.nodes),
+            "level_bytes": dict(plan.placement.level_bytes),
+            "domains_used": dict(plan.placement.domains_used),
+            "reason": plan.placement.unschedulable_reason,
+            "message": plan.placement.message,
+        }
+    return {
+        "schema": SCHEMA,
+        "job": {
+            "layout": par.layout_string,
+            "world_size": job.world_size,
+            "pods": job.pods,
+            "gpus_per_node": job.resources.gpus_per_node,
+            "schedule": par.schedule,
+            "virtual_stages": par.virtual_stages,
+            "micro_batches": par.micro_batches,
+            "micro_batch": job.training.micro_batch,
+            "zero_stage": par.zero_stage,
+            "sequence_parallel": par.sequence_parallel,
+            "precision": plan.precision,
+            "recipe": plan.recipe,
+        },
+        "model": {
+            "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
+            "seq_len": shape.seq_len, "ffn_hidden": shape.ffn_hidden,
+            "parameters": mem.total_params,
+            "parameters_per_rank_max": max(s.params for s in mem.stages),
+            "flops_per_token": tp.model_flops / tp.tokens_per_step,
+        },
+        "profile": {
+            "name": profile.name, "source": profile.source, "peak_flops": profile.peak_flops,
+            "achievable_fraction": profile.achievable_fraction, "memory_bytes": profile.memory_bytes,
+            "memory_bandwidth": profile.memory_bandwidth,
+            "nvlink_bandwidth": profile.nvlink_bandwidth, "nvlink_latency": profile.nvlink_latency,
+            "nic_bandwidth": profile.nic_bandwidth, "nic_latency": profile.nic_latency,
+        },
+        "memory": {
+            "capacity_bytes": mem.capacity,
+            "bytes_per_param": {"weights": mem.scheme.weights, "grads": mem.scheme.grads,
+                                "optimizer": mem.scheme.optimizer},
+            "worst_stage": mem.worst.stage,
+            "peak_bytes": mem.worst.total,
+            "headroom_bytes": mem.headroom,
+            "fits": mem.fits,
+            "per_stage": [
+                {"stage": s.stage, "parameters": s.params, "weights_bytes": s.weights, "grads_bytes": s.grads,
+                 "optimizer_bytes": s.optimizer, "activations_bytes": s.activations,
+                 "in_flight_microbatches": s.in_flight, "total_bytes": s.total}
+                for s in mem.stages
+            ],
+        },
+        "communication": {
+            "links": {g: tp.links[g].name for g in GROUPS},
+            "per_stage": [
+                {"stage": c.stage, "groups": _stage_groups(plan, c.stage),
+                 "collectives": [{"group": x.group, "op": x.op, "calls": x.calls, "payload_bytes": x.nbytes,
+                                  "wire_bytes": x.wire_bytes, "members": x.members} for x in c.collectives]}
+                for c in plan.comm
+            ],
+        },
+        "time": {
+            "step_seconds": tp.step_seconds,
+            "pacing_stage": worst_t.stage,
+            "compute_seconds": worst_t.compute,
+            "tp_seconds": worst_t.tp,
+            "pp_seconds": worst_t.pp,
+            "dp_seconds": worst_t.dp,
+            "dp_exposed_seconds": worst_t.dp_exposed,
+            "optimizer_seconds": worst_t.optimizer,
+            "bubble": tp.bubble,
+            "compute_comm_ratio": _finite(tp.compute_comm_ratio),
+            "verdict": tp.verdict,
+            "tokens_per_second": tp.tokens_per_second,
+            "mfu": tp.mfu,
+        },
+        "batch": {
+            "global_batch": plan.batch.sequences,
+            "tokens_per_step": plan.batch.tokens,
+            "critical_batch_tokens": plan.batch.critical_tokens,
+            "warning": plan.batch.warning,
+        },
+        "placement": placement,
+        "warnings": plan.warnings,
+    }
+
+
+def human_bytes(value: float) -> str:
+    """Binary-prefixed bytes: ``1.50 GiB``."""
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(value: float) -> str:
+    """Seconds with a readable unit."""
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def _count(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for index, row in enumerate(rows):
+        lines.append("  " + "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        if index == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
+def to_text(plan: estimate.Plan) -> str:
+    """The report ``meshtrain plan`` prints."""
+    job, profile, mem, tp = plan.job, plan.profile, plan.memory, plan.time
+    par, shape = job.parallelism, job.model.shape()
+    lines = [
+        f"meshtrain plan: {par.layout_string} ({job.world_size} GPUs in {job.pods} pod(s) of "
+        f"{job.resources.gpus_per_node}), schedule {par.schedule}"
+        + (f" v={par.virtual_stages}" if par.schedule == "interleaved-1f1b" else "")
+        + f", m={par.micro_batches}, ZeRO-{par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else ""),
+        f"device: {profile.name} ({profile.description}); precision {plan.precision}, "
+        f"state {mem.scheme.weights}+{mem.scheme.grads}+{mem.scheme.optimizer} bytes/param ({mem.scheme.name})",
+        "",
+        f"model: {_count(mem.total_params)} parameters ({mem.total_params:,}): layers {shape.layers}, hidden "
+        f"{shape.hidden}, heads {shape.heads}, ffn {shape.ffn_hidden}, vocab {shape.vocab}, seq {shape.seq_len}",
+        "",
+        "memory per GPU by pipeline stage:",
+    ]
+    rows = [["stage", "params", "weights", "grads", "optimizer", "activations", "in flight", "total"]]
+    for s in mem.stages:
+        rows.append([str(s.stage), _count(s.params), human_bytes(s.weights), human_bytes(s.grads),
+                     human_bytes(s.optimizer), human_bytes(s.activations), f"{s.in_flight:g}", human_bytes(s.total)])
+    lines += _table(rows)
+    verdict = "fits" if mem.fits else "DOES NOT FIT"
+    lines += [f"  device memory {human_bytes(mem.capacity)}; worst stage {mem.worst.stage}: headroom "
+              f"{human_bytes(mem.headroom)} ({verdict})", "", "communication per rank per step:"]
+    rows = [["stage", "group", "link", "op", "calls", "payload", "on the wire", "time"]]
+    for c in plan.comm:
+        for x in c.collectives:
+            link = tp.links[x.group]
+            rows.append([str(c.stage), x.group, link.name, x.op, str(x.calls), human_bytes(x.nbytes),
+                         human_bytes(x.wire_bytes), human_seconds(cost.collective_seconds(x, link))])
+        if not c.collectives:
+            rows.append([str(c.stage), "-", "-", "(none)", "0", "0 B", "0 B", "0"])
+    lines += _table(rows)
+    w = tp.worst
+    ratio = tp.compute_comm_ratio
+    lines += [
+        "",
+        f"time per step (pacing stage {w.stage}):",
+        f"  compute {human_seconds(w.compute)} at {profile.achievable_flops / 1e12:.3g} TFLOP/s achievable; "
+        f"tp {human_seconds(w.tp)}, pp {human_seconds(w.pp)}, dp {human_seconds(w.dp)} "
+        f"(exposed {human_seconds(w.dp_exposed)}), optimizer {human_seconds(w.optimizer)}",
+        f"  pipeline bubble {tp.bubble:.1%} = (p-1)/(v*m+p-1) with p={par.pipeline}, "
+        f"v={par.virtual_stages if par.schedule == 'interleaved-1f1b' else 1}, m={par.micro_batches}",
+        f"  predicted step {human_seconds(tp.step_seconds)}, {tp.tokens_per_second:,.0f} tokens/s, MFU {tp.mfu:.1%}",
+        f"  compute/communication ratio {'inf' if not math.isfinite(ratio) else f'{ratio:.2f}'}: {tp.verdict}",
+        "",
+        f"global batch: {plan.batch.sequences} sequences = {plan.batch.tokens:,} tokens per step "
+        f"(critical batch {plan.batch.critical_tokens:,} tokens)",
+    ]
+    if plan.placement is not None:
+        lines += ["", "placement (what the operator would do):"]
+        if plan.placement.unschedulable_reason:
+            lines.append(f"  unschedulable: {plan.placement.unschedulable_reason}: {plan.placement.message}")
+        else:
+            for index, node in enumerate(plan.placement.nodes):
+                lines.append(f"  pod {index} (ranks {index * job.resources.gpus_per_node}.."
+                             f"{(index + 1) * job.resources.gpus_per_node - 1}) -> {node}")
+            for level, nbytes in plan.placement.level_bytes.items():
+                lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
+    if plan.warnings:
+        lines += [""] + [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
