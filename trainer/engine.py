@@ -1,0 +1,162 @@
+"""The training engine: one optimizer step of this rank, from batch to updated weights.
+
+What it is: :class:`Engine`, built from a validated TrainingJob spec and the
+process-group mesh.  Every rank builds the same dense model from the seed
+(so any layout starts from the same weights), hands it to
+:func:`~meshtrain.trainer.parallel.parallelize.parallelize`, and then runs
+steps: draw this rank's micro-batches, run the pipeline schedule (forward,
+backward, gradient reduction overlapped), finish the reductions, clip by the
+global norm, AdamW with warmup + cosine learning rate, and agree on the
+step's mean loss.
+
+What it is not: process management (:mod:`.launch`, :mod:`.worker`),
+logging to files (:mod:`.steplog`) or checkpointing (later issue; the state
+to save is the chunks' parameters, the optimizer and ``sampler.state_dict()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.trainer import data, optim
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import parallelize, recording
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did (identical on every rank)."""
+
+    step: int
+    """1-based optimizer step."""
+    loss: float
+    """Mean loss over the global batch."""
+    tokens: int
+    """Tokens in the global batch."""
+    seconds: float
+    """Wall time of the step on this rank."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used."""
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Throughput of the whole job over this step."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' means bf16 on GPU and fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+class Engine:
+    """This rank's model share, optimizer and data, and the step loop body."""
+
+    def __init__(self, spec, mesh: mesh_mod.Mesh, *, recorder: recording.StepRecorder | None = None,  # noqa: ANN001
+                 param_dtype: torch.dtype = torch.float32) -> None:
+        """``param_dtype`` is the master-weight dtype (fp32; float64 for numerical checks)."""
+        self.spec = spec
+        self.mesh = mesh
+        self.recorder = recorder or recording.NullRecorder()
+        training, par = spec.training, spec.parallelism
+        self.config = gpt.GPTConfig.from_shape(spec.model.shape())
+        torch.manual_seed(training.seed)
+        dense = gpt.GPT(self.config).to(param_dtype)  # same weights on every rank and layout
+        self.precision = resolve_precision(training.precision, mesh.device)
+        autocast = (functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
+                    if self.precision == "bf16" else contextlib.nullcontext)
+        self.model = parallelize.parallelize(
+            dense, mesh, schedule=par.schedule, virtual_stages=par.virtual_stages, micro_batches=par.micro_batches,
+            micro_batch=training.micro_batch, sequence_parallel=par.sequence_parallel, bucket_mb=par.bucket_mb,
+            recorder=self.recorder, autocast=autocast)
+        self.optimizer = optim.build_adamw(self.model.named_params, lr=training.learning_rate,
+                                           weight_decay=training.weight_decay)
+        tokens = data.load_tokens(training.dataset, vocab=self.config.vocab, seq_len=self.config.seq_len)
+        self.sampler = data.BatchSampler(tokens, seq_len=self.config.seq_len, micro_batch=training.micro_batch,
+                                         micro_batches=par.micro_batches, dp_rank=mesh.coords.dp,
+                                         dp_size=mesh.layout.data, seed=training.seed)
+        self._norm_counted = self.model.norm_counted(mesh.coords.tp)
+        self._norm_groups = [(axis, mesh.group(axis)) for axis, degree in
+                             (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline)) if degree > 1]
+        self.step = 0
+        """Optimizer steps done."""
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters."""
+        return [p for _, p in self.model.named_params]
+
+    def forward_backward(self) -> torch.Tensor:
+        """Draw the next batch, run the schedule, finish every gradient reduction; returns this stage's loss sum."""
+        micro = self.sampler.next()
+        executor = self.model.executor
+        inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
+        targets = [mb.targets for mb in micro] if executor.holds_loss else None
+        loss = executor.run(inputs, targets)
+        if self.model.reducer is not None:
+            self.model.reducer.finish()
+        if self.model.tp_plan is not None and self.model.tp_plan.sequence_partial:
+            self._sum_sequence_partial_grads()
+        return loss
+
+    def _sum_sequence_partial_grads(self) -> None:
+        """Under SP, norm and position-table gradients are per-sequence-slice partials: sum over TP."""
+        wanted = set(self.model.tp_plan.sequence_partial)
+        grads = [p.grad for n, p in self.model.named_params if n in wanted and p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=self.mesh.group("tp"))
+        self.recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, time.perf_counter())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean loss of the global batch on every rank: sum over pipeline stages, mean over replicas."""
+        value = loss_sum.detach().double().reshape(1)
+        if self.mesh.layout.pipeline > 1:
+            dist.all_reduce(value, group=self.mesh.group("pp"))
+        if self.mesh.layout.data > 1:
+            dist.all_reduce(value, group=self.mesh.group("dp"))
+            value /= self.mesh.layout.data
+        return float(value)
+
+    def zero_grad(self) -> None:
+        """Clear gradients (in place when they live in reducer buckets)."""
+        if self.model.reducer is not None:
+            self.model.reducer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step."""
+        training = self.spec.training
+        step = self.step + 1
+        start = time.perf_counter()
+        self.recorder.step_start(step, start)
+        lr = optim.lr_at(step, peak=training.learning_rate, minimum=training.min_learning_rate,
+                         warmup=training.warmup_steps, total=training.steps)
+        optim.set_lr(self.optimizer, lr)
+        loss_sum = self.forward_backward()
+        norm = optim.clip_grad_norm(self.params, counted=self._norm_counted, max_norm=training.grad_clip,
+                                    groups=self._norm_groups, recorder=self.recorder)
+        self.optimizer.step()
+        self.zero_grad()
+        loss = self._global_loss(loss_sum)
+        self.step = step
+        seconds = time.perf_counter() - start
+        tokens = self.sampler.global_batch * self.config.seq_len
+        self.recorder.step_end(step, loss, tokens, seconds)
+        return StepResult(step=step, loss=loss, tokens=tokens, seconds=seconds, grad_norm=norm, lr=lr)

@@ -1,0 +1,161 @@
+"""``meshtrain run``: train a TrainingJob on this machine with one process per rank.
+
+What it is: :func:`run_local`.  It validates the spec and the dataset before
+any process starts (an invalid spec is refused with the lead's field-naming
+message), prepares the default corpus once, then starts ``world_size``
+processes of ``python -m meshtrain.trainer`` with torchrun's environment
+variables and a free port (gloo on CPU; NCCL when this machine has a GPU per
+rank).  While they run it drives a progress bar from rank 0's
+``steps.jsonl`` (step, loss, tokens/s, ETA).  When any rank exits non-zero
+it kills the others at once and returns that rank's exit code, printing the
+end of its log; at the end it prints a summary table.
+
+Own spawner rather than ``torch.distributed.run``: the agent's restart and
+rendezvous machinery is what the operator does in a cluster; here we want
+the opposite (fail fast, one log per rank, a progress bar).
+
+What it is not: the Kubernetes path (pods run ``torchrun ... -m
+meshtrain.trainer`` directly) or the training itself (:mod:`.worker`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import tqdm
+
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import data, steplog
+
+POLL_S = 0.2
+KILL_GRACE_S = 3.0
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_log_dir(name: str) -> Path:
+    """runs/<name>-<timestamp>."""
+    return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MESHTRAIN_LOG_DIR=str(log_dir),
+               MESHTRAIN_DEVICE="cuda" if cuda else "cpu")
+    if not cuda:  # share the cores instead of every rank spawning one thread per core
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    return env
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate every live process, then kill what is left after a grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _summary(job: spec_mod.TrainingJobSpec, records: list[dict], seconds: float, log_dir: Path) -> str:
+    rows = [("layout", job.parallelism.layout_string), ("schedule", job.parallelism.schedule),
+            ("steps", str(len(records))), ("wall time", f"{seconds:.1f} s")]
+    if records:
+        steady = records[1:] or records
+        tps = sum(r["tokens"] for r in steady) / max(1e-9, sum(r["step_seconds"] for r in steady))
+        rows += [("first loss", f"{records[0]['loss']:.4f}"), ("last loss", f"{records[-1]['loss']:.4f}"),
+                 ("tokens/s (after step 1)", f"{tps:,.0f}"),
+                 ("mean step time", f"{sum(r['step_seconds'] for r in steady) / len(steady):.3f} s")]
+    rows.append(("step log", str(log_dir / steplog.FILENAME)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str | Path | None = None,
+              overrides: list[str] | tuple[str, ...] = ()) -> int:
+    """Train ``spec_path`` with local processes; returns the exit code (0 success)."""
+    try:
+        metadata, job = spec_mod.load_manifest(spec_path)
+        extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
+        if extra:
+            job = spec_mod.apply_overrides(job, extra)
+        data.dataset_path(job.training.dataset)  # a missing file fails here; the corpus is built once here
+    except spec_mod.SpecError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except data.DatasetError as err:
+        print(err, file=sys.stderr)
+        return 3
+    name = metadata.get("name") or Path(spec_path).stem
+    log_dir = Path(log_dir) if log_dir else default_log_dir(name)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / steplog.FILENAME).unlink(missing_ok=True)
+    world = job.world_size
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    port = free_port()
+    command = [sys.executable, "-m", "meshtrain.trainer", "--spec", str(spec_path), "--log-dir", str(log_dir)]
+    command += [arg for item in extra for arg in ("--set", item)]
+    procs, logs = [], []
+    started = time.monotonic()
+    for rank in range(world):
+        logs.append((log_dir / f"rank-{rank}.log").open("w"))
+        procs.append(subprocess.Popen(command, env=_rank_env(rank, world, port, log_dir, cuda),
+                                      stdout=logs[-1], stderr=subprocess.STDOUT))
+    total = job.training.steps
+    bar = tqdm.tqdm(total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr)
+    records: list[dict] = []
+    code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            records = steplog.read(log_dir / steplog.FILENAME) if (log_dir / steplog.FILENAME).exists() else []
+            if len(records) > bar.n:
+                last = records[-1]
+                bar.update(len(records) - bar.n)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}")
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                _stop(procs)
+                bar.close()
+                print(f"rank {rank} exited with code {code}; stopped the other ranks. "
+                      f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}", file=sys.stderr)
+                return code
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        _stop(procs)
+        bar.close()
+        return 130
+    finally:
+        for handle in logs:
+            handle.close()
+    bar.close()
+    print(f"meshtrain run {name}: done\n{_summary(job, records, time.monotonic() - started, log_dir)}")
+    return code

@@ -1,0 +1,80 @@
+"""Process groups: the default group from torchrun's environment and the (pp, dp, tp) mesh.
+
+What it is: :func:`init_process_group` (gloo on CPU, NCCL on GPU, with a
+timeout so a dead peer turns into an error rather than a hang) and
+:func:`build_mesh`, which creates the DeviceMesh of shape
+``(pipeline, data, tensor)`` named ``("pp", "dp", "tp")``.  Row-major order
+over that shape gives exactly DESIGN's ``rank = (pp*data + dp)*tensor + tp``;
+:class:`Mesh` checks it against :mod:`meshtrain.layout` and adds a second
+pipeline group so activations and gradients travel on separate channels.
+
+What it is not: the rank arithmetic itself (that is
+:class:`meshtrain.layout.ParallelLayout`, pure and shared with the operator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed import device_mesh
+
+from meshtrain import layout as layout_mod
+
+DEFAULT_TIMEOUT_S = 300
+"""Collective timeout; a peer that died is reported after this at worst (the launcher kills sooner)."""
+
+
+def device_for(local_rank: int, *, use_cuda: bool) -> torch.device:
+    """The device a rank computes on."""
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(*, use_cuda: bool, timeout_s: float | None = None) -> None:
+    """Join the default group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    timeout_s = timeout_s or float(os.environ.get("MESHTRAIN_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@dataclasses.dataclass
+class Mesh:
+    """This rank's groups along each axis of the layout."""
+
+    layout: layout_mod.ParallelLayout
+    """Degrees and rank arithmetic."""
+    rank: int
+    """Global rank."""
+    coords: layout_mod.RankCoords
+    """(pp, dp, tp) of this rank."""
+    device_mesh: device_mesh.DeviceMesh
+    """The DeviceMesh named (pp, dp, tp)."""
+    device: torch.device
+    """Where this rank computes."""
+    pp_backward_group: dist.ProcessGroup
+    """A second pipeline group, for gradients."""
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group along ``axis`` ('pp', 'dp' or 'tp')."""
+        return self.device_mesh.get_group(axis)
+
+
+def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
+    """Create every group of the layout (collective: all ranks call it together)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != layout.world_size:
+        raise RuntimeError(f"WORLD_SIZE={world} but the layout {layout} needs {layout.world_size} processes")
+    mesh = device_mesh.init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("pp", "dp", "tp"))
+    coords = layout.coords(rank)
+    got = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_local_rank("tp"))
+    if got != (coords.pp, coords.dp, coords.tp):
+        raise RuntimeError(f"DeviceMesh places rank {rank} at {got}, meshtrain.layout at {coords}")
+    backward_group, _ = dist.new_subgroups_by_enumeration(layout.all_groups("pp"))
+    return Mesh(layout=layout, rank=rank, coords=coords, device_mesh=mesh, device=device,
+                pp_backward_group=backward_group)

@@ -1,0 +1,108 @@
+"""``parallelize``: turn a dense GPT into this rank's share of a dp x pp x tp job.
+
+What it is: the one function that composes the parallelisms, in this order:
+
+1. **Pipeline split** first: keep only this stage's blocks (and embeddings
+   or head).  Everything after works on what the rank keeps, so tensor
+   sharding never touches layers another stage owns.
+2. **Tensor parallel** next: swap the kept linears/embeddings for sharded
+   ones.  This replaces parameters, so it must come before anything that
+   holds on to parameter objects.
+3. **Data parallel** last: the gradient reducer hooks the final parameter
+   objects (after TP swapped them) and makes their ``.grad`` views into
+   its buckets.
+4. The **executor** is built around the result: it drives the schedule and
+   tells the reducer when gradients are final.
+
+Precision is not a module transform here: weights stay fp32 (master
+weights) and bf16 is an autocast context the executor enters (GPU only).
+
+What it is not: model construction (:mod:`meshtrain.trainer.model`) or the
+training loop (:mod:`meshtrain.trainer.engine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import pipeline, recording, reducer, tensor
+
+
+@dataclasses.dataclass
+class ParallelModel:
+    """This rank's share of the model and the machinery to train it."""
+
+    chunks: list[gpt.GPT]
+    """Model chunks of this pipeline stage (one per virtual stage)."""
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    """Every parameter of this rank, by its dense-model name."""
+    tp_plan: tensor.TPPlan | None
+    """How parameters are sharded over TP (None without TP)."""
+    executor: pipeline.PipelineExecutor
+    """Runs the pipeline schedule (or plain gradient accumulation with one stage)."""
+    reducer: reducer.GradReducer | None
+    """Data-parallel gradient reducer (None without DP)."""
+    tp: tensor.TPContext | None
+    """Tensor-parallel context (None without TP)."""
+
+    def norm_counted(self, tp_rank: int) -> list[bool]:
+        """Per parameter: does this rank count it in the global gradient norm?"""
+        sharded = self.tp_plan.shards if self.tp_plan else {}
+        return [name in sharded or tp_rank == 0 for name, _ in self.named_params]
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_stages: int, micro_batches: int,
+                micro_batch: int, sequence_parallel: bool, bucket_mb: float, recorder: recording.StepRecorder,
+                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> ParallelModel:
+    """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank."""
+    layout, coords = mesh.layout, mesh.coords
+    config = model.config
+
+    # 1. Pipeline: this stage's chunks (the rest of the model is dropped).
+    chunks = pipeline.split_model(model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages)
+
+    # 2. Tensor parallel: shard what this stage kept.
+    tp_ctx, tp_plan = None, None
+    if layout.tensor > 1:
+        tp_ctx = tensor.TPContext(group=mesh.group("tp"), rank=coords.tp, size=layout.tensor,
+                                  sequence_parallel=sequence_parallel, recorder=recorder)
+        plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
+        tp_plan = tensor.TPPlan(shards={k: v for p in plans for k, v in p.shards.items()},
+                                sequence_partial=[n for p in plans for n in p.sequence_partial])
+    for chunk in chunks:
+        chunk.to(mesh.device)
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+
+    # 3. Data parallel: hook the final parameters.
+    grad_reducer = None
+    if layout.data > 1:
+        grad_reducer = reducer.GradReducer([p for _, p in named], group=mesh.group("dp"), group_size=layout.data,
+                                           bucket_mb=bucket_mb, recorder=recorder)
+
+    # 4. The schedule executor around it all.
+    ranks = [layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)]
+    many = layout.pipeline > 1
+    ctx = pipeline.PipelineContext(stage=coords.pp, stages=layout.pipeline, ranks=ranks,
+                                   forward_group=mesh.group("pp") if many else None,
+                                   backward_group=mesh.pp_backward_group if many else None)
+    seq = config.seq_len // layout.tensor if (tp_ctx and sequence_parallel) else config.seq_len
+    loss_fn = functools.partial(tensor.vocab_parallel_cross_entropy, ctx=tp_ctx) if tp_ctx else _cross_entropy
+    executor = pipeline.PipelineExecutor(
+        chunks, ctx, schedule=schedule if many else "1f1b", micro_batches=micro_batches,
+        activation_shape=(micro_batch, seq, config.hidden), activation_dtype=named[0][1].dtype, device=mesh.device,
+        loss_fn=loss_fn, recorder=recorder, grad_sync=grad_reducer.set_sync if grad_reducer else None,
+        autocast=autocast)
+    return ParallelModel(chunks=chunks, named_params=named, tp_plan=tp_plan, executor=executor,
+                         reducer=grad_reducer, tp=tp_ctx)

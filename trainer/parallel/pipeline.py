@@ -1,0 +1,181 @@
+"""Pipeline parallelism: splitting the model into stages and running a schedule.
+
+What it is: :func:`split_model` cuts a :class:`~meshtrain.trainer.model.GPT`
+into this rank's chunks (balanced blocks; embeddings on the first virtual
+stage, final norm and head on the last), and :class:`PipelineExecutor`, which
+walks the action list of :mod:`.schedules` for one optimizer step.  Forwards
+receive activations from the previous virtual stage and send theirs on;
+backwards receive output gradients and send input gradients back.  Every
+send is an ``isend`` kept in flight until the end of the step and every
+receive blocks only when its data is needed, so a valid schedule cannot
+deadlock on gloo.  Activations and gradients travel on two separate process
+groups, so each direction keeps its own FIFO order (the order NCCL needs).
+
+Each forward, backward and blocking wait is reported to the step recorder;
+before each backward the executor tells the gradient reducer whether it is
+the chunk's last one in the step (only then are gradients reduced).
+
+What it is not: a schedule generator (:mod:`.schedules`) or a tensor-parallel
+layer; it treats chunks as opaque modules.  Why not
+``torch.distributed.pipelining``: see docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import recording, schedules
+
+
+def split_layers(layers: int, parts: int) -> list[range]:
+    """Balanced contiguous block ranges for ``parts`` virtual stages (extras go to the middle)."""
+    base, extra = divmod(layers, parts)
+    # The first part carries the embeddings and the last the head: give any
+    # extra layers to the parts in between first.
+    order = list(range(1, parts - 1)) + [parts - 1, 0] if parts > 2 else list(range(parts))
+    sizes = [base] * parts
+    for i in order[:extra]:
+        sizes[i] += 1
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    return [range(starts[i], starts[i] + sizes[i]) for i in range(parts)]
+
+
+def split_model(model: gpt.GPT, *, stage: int, stages: int, virtual_stages: int = 1) -> list[gpt.GPT]:
+    """This stage's chunks, chunk ``c`` being virtual stage ``c * stages + stage``.
+
+    With one chunk the model is pruned in place; with several, each chunk is a
+    pruned copy (the caller drops the full model afterwards).
+    """
+    parts = stages * virtual_stages
+    ranges = split_layers(model.config.layers, parts)
+    chunks = []
+    for chunk in range(virtual_stages):
+        j = schedules.virtual_stage(stage, chunk, stages)
+        part = model if virtual_stages == 1 else copy.deepcopy(model)
+        for name in list(part.blocks.keys()):
+            if int(name) not in ranges[j]:
+                del part.blocks[name]
+        if j != 0:
+            part.tok_emb = part.pos_emb = None
+        if j != parts - 1:
+            part.norm = part.head = None
+        chunks.append(part)
+    return chunks
+
+
+@dataclasses.dataclass
+class PipelineContext:
+    """This rank's place in its pipeline."""
+
+    stage: int
+    """Pipeline stage index."""
+    stages: int
+    """Pipeline degree p."""
+    ranks: list[int]
+    """Global rank of each stage of this pipeline."""
+    forward_group: dist.ProcessGroup | None
+    """Group carrying activations (None when stages == 1)."""
+    backward_group: dist.ProcessGroup | None
+    """Group carrying gradients (None when stages == 1)."""
+
+
+class PipelineExecutor:
+    """Runs one stage's schedule for one optimizer step."""
+
+    def __init__(self, chunks: list[torch.nn.Module], ctx: PipelineContext, *, schedule: str, micro_batches: int,
+                 activation_shape: tuple[int, ...], activation_dtype: torch.dtype, device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 recorder: recording.StepRecorder,
+                 grad_sync: Callable[[bool], None] | None = None,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        self.chunks = chunks
+        self.ctx = ctx
+        self.virtual_stages = len(chunks)
+        self.micro_batches = micro_batches
+        self.actions = schedules.actions(schedule, ctx.stages, micro_batches, ctx.stage, self.virtual_stages)
+        self.last_backward = schedules.last_backward(self.actions)
+        self.activation_shape = activation_shape
+        self.activation_dtype = activation_dtype
+        self.device = device
+        self.loss_fn = loss_fn
+        self.recorder = recorder
+        self.grad_sync = grad_sync
+        self.autocast = autocast
+        self.last_virtual = ctx.stages * self.virtual_stages - 1
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this stage computes the loss (it holds the last virtual stage)."""
+        return self.ctx.stage == self.ctx.stages - 1
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this stage reads token ids (it holds virtual stage 0)."""
+        return self.ctx.stage == 0
+
+    def _peer(self, j: int) -> int:
+        return self.ctx.ranks[j % self.ctx.stages]
+
+    def _recv(self, src_virtual: int, group: dist.ProcessGroup) -> torch.Tensor:
+        buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+        start = time.perf_counter()
+        dist.irecv(buffer, src=self._peer(src_virtual), group=group).wait()
+        self.recorder.wait("recv", start, time.perf_counter())
+        return buffer
+
+    def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> torch.Tensor:
+        """One step: every forward and backward of this stage; returns the summed loss/m (0 off the last stage).
+
+        ``inputs`` are needed on the first stage and ``targets`` on the last
+        (each a list of (micro_batch, seq_len) tensors).  Gradients are left
+        accumulated in the parameters (the reducer syncs them).
+        """
+        m, p = self.micro_batches, self.ctx.stages
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # keep each sent tensor alive until done
+        loss_sum = torch.zeros((), device=self.device)
+        for action in self.actions:
+            j = schedules.virtual_stage(self.ctx.stage, action.chunk, p)
+            key = (action.microbatch, action.chunk)
+            if action.kind == "forward":
+                if j == 0:
+                    x = inputs[action.microbatch].to(self.device)
+                else:
+                    x = self._recv(j - 1, self.ctx.forward_group).requires_grad_()
+                start = time.perf_counter()
+                with self.autocast():
+                    out = self.chunks[action.chunk](x)
+                    if j == self.last_virtual:
+                        out = self.loss_fn(out, targets[action.microbatch].to(self.device)) / m
+                self.recorder.compute("forward", action.microbatch, action.chunk, start, time.perf_counter())
+                saved[key] = (x if j > 0 else None, out)
+                if j == self.last_virtual:
+                    loss_sum += out.detach()
+                else:
+                    sent = out.detach().contiguous()
+                    in_flight.append((dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group), sent))
+            else:
+                x, out = saved.pop(key)
+                grad = None if j == self.last_virtual else self._recv(j + 1, self.ctx.backward_group)
+                if self.grad_sync is not None:
+                    self.grad_sync(self.last_backward[action.chunk] == action)
+                start = time.perf_counter()
+                torch.autograd.backward(out, grad)
+                self.recorder.compute("backward", action.microbatch, action.chunk, start, time.perf_counter())
+                if x is not None:
+                    sent = x.grad.contiguous()
+                    in_flight.append((dist.isend(sent, dst=self._peer(j - 1), group=self.ctx.backward_group), sent))
+        if in_flight:
+            start = time.perf_counter()
+            for work, _ in in_flight:
+                work.wait()
+            self.recorder.wait("send", start, time.perf_counter())
+        return loss_sum

@@ -1,0 +1,145 @@
+"""The engine's one telemetry interface: what happened, when, during a step.
+
+What it is: the :class:`StepRecorder` protocol the engine calls around every
+micro-batch forward/backward, every pipeline wait, every collective and at
+the end of each optimizer step; a no-op :class:`NullRecorder`; and
+:class:`MemoryRecorder`, which keeps the events in lists (tests, summaries).
+Times are ``time.perf_counter()`` seconds on this process.  For asynchronous
+collectives ``end`` is when completion was observed (a future callback, so
+close to the real end on gloo).
+
+What it is not: an exporter.  Prometheus metrics, the step log and the
+timeline live in :mod:`meshtrain.trainer.telemetry`, which implements this
+protocol (or wraps :class:`MemoryRecorder`).  Calls may come from a
+communication thread (collective completion), so implementations must be
+cheap and thread-safe (appending to a list is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Literal, Protocol
+
+ComputeKind = Literal["forward", "backward"]
+WaitKind = Literal["recv", "send"]
+Group = Literal["dp", "tp", "pp"]
+
+
+class StepRecorder(Protocol):
+    """Receives timing events from the engine."""
+
+    def step_start(self, step: int, start: float) -> None:
+        """Optimizer step ``step`` (1-based) begins."""
+
+    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+        """A forward or backward of one micro-batch through one model chunk (virtual stage)."""
+
+    def wait(self, kind: WaitKind, start: float, end: float) -> None:
+        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends)."""
+
+    def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
+        """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank."""
+
+    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        """Optimizer step ``step`` done: mean loss, tokens of the global batch, wall seconds."""
+
+
+class NullRecorder:
+    """Drops everything (the default)."""
+
+    def step_start(self, step: int, start: float) -> None:
+        pass
+
+    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+        pass
+
+    def wait(self, kind: WaitKind, start: float, end: float) -> None:
+        pass
+
+    def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
+        pass
+
+    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One recorded event."""
+
+    what: str
+    """compute, wait or collective."""
+    kind: str
+    """forward/backward, recv/send, or the collective's op."""
+    start: float
+    """perf_counter seconds."""
+    end: float
+    """perf_counter seconds."""
+    group: str | None = None
+    """Process group axis of a collective."""
+    nbytes: int = 0
+    """Payload of a collective."""
+    microbatch: int | None = None
+    """Micro-batch of a compute event."""
+    chunk: int | None = None
+    """Model chunk of a compute event."""
+    bucket: int | None = None
+    """Gradient bucket of a data-parallel collective."""
+
+
+class MemoryRecorder:
+    """Keeps every event of the current step in memory; summarises a step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events: list[Event] = []
+        """Events since the last ``step_start``."""
+        self.steps: list[dict[str, float]] = []
+        """One summary per finished step (see :meth:`summary`)."""
+        self.step_started = 0.0
+
+    def step_start(self, step: int, start: float) -> None:
+        with self._lock:
+            self.events = []
+            self.step_started = start
+
+    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+        with self._lock:
+            self.events.append(Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk))
+
+    def wait(self, kind: WaitKind, start: float, end: float) -> None:
+        with self._lock:
+            self.events.append(Event("wait", kind, start, end))
+
+    def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
+        with self._lock:
+            self.events.append(Event("collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket))
+
+    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        summary = self.summary()
+        summary.update(step=step, loss=loss, tokens=tokens, step_seconds=seconds)
+        with self._lock:
+            self.steps.append(summary)
+
+    def count(self, what: str, group: str | None = None) -> int:
+        """Events of one sort in the current step (e.g. ``count('collective', 'dp')``)."""
+        with self._lock:
+            return sum(1 for e in self.events if e.what == what and (group is None or e.group == group))
+
+    def summary(self) -> dict[str, float]:
+        """Per-step totals: compute, wait and collective seconds and bytes per group."""
+        with self._lock:
+            events = list(self.events)
+        out: dict[str, float] = {"compute_seconds": 0.0, "wait_seconds": 0.0}
+        for e in events:
+            if e.what == "compute":
+                out["compute_seconds"] += e.end - e.start
+            elif e.what == "wait":
+                out["wait_seconds"] += e.end - e.start
+            else:
+                key = f"{e.group}_collective"
+                out[f"{key}_seconds"] = out.get(f"{key}_seconds", 0.0) + (e.end - e.start)
+                out[f"{key}_bytes"] = out.get(f"{key}_bytes", 0.0) + e.nbytes
+                out[f"{key}_count"] = out.get(f"{key}_count", 0.0) + 1
+        return out

@@ -1,0 +1,141 @@
+"""Data parallelism: bucketed gradient reduction overlapped with backward.
+
+What it is: :class:`GradReducer`.  At construction it packs the parameters,
+in reverse registration order (roughly the order backward produces their
+gradients), into buckets of about ``bucket_mb`` MiB and makes every ``.grad``
+a view into its bucket's flat buffer, so reducing a bucket is one collective
+on one contiguous tensor with no copies.  A post-accumulate-grad hook counts
+the gradients of a bucket that are final; when the last one arrives the
+bucket's collective is launched asynchronously while backward goes on
+computing earlier layers.  During gradient accumulation (micro-batches other
+than the last) the hooks do nothing, so there is no traffic until the last
+micro-batch.  One step therefore makes exactly ``len(buckets)`` collectives.
+
+:meth:`GradReducer.finish` waits for them and turns sums into means.  The
+collective is one method, :meth:`GradReducer._launch`: a ZeRO-2 reducer
+overrides it with a reduce-scatter of the bucket (each rank keeps its shard)
+and :meth:`finish` accordingly; ZeRO-1 keeps the all-reduce and shards only
+the optimizer state.
+
+What it is not: the optimizer, or the tensor-parallel reductions (those are
+in :mod:`.tensor`).  It assumes each parameter is used once per forward (no
+weight tying), which holds for meshtrain's GPT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.trainer.parallel import recording
+
+
+@dataclasses.dataclass
+class Bucket:
+    """A group of parameters whose gradients are reduced together."""
+
+    index: int
+    """Position in launch order."""
+    params: list[torch.nn.Parameter]
+    """Members (their ``.grad`` are views into ``buffer``)."""
+    buffer: torch.Tensor
+    """Flat gradient storage of the members."""
+    ready: int = 0
+    """Members whose final gradient arrived this step."""
+    work: dist.Work | None = None
+    """The in-flight collective, if launched."""
+
+
+def plan_buckets(sizes: list[int], element_size: int, bucket_bytes: int) -> list[list[int]]:
+    """Group consecutive tensors (given by numel) into buckets of at least ``bucket_bytes`` (the last may be smaller)."""
+    buckets: list[list[int]] = [[]]
+    filled = 0
+    for index, numel in enumerate(sizes):
+        if buckets[-1] and filled >= bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += numel * element_size
+    return [b for b in buckets if b]
+
+
+class GradReducer:
+    """Averages gradients over a data-parallel group, bucket by bucket, during backward."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup, group_size: int,
+                 bucket_mb: float, recorder: recording.StepRecorder) -> None:
+        self.group = group
+        self.group_size = group_size
+        self.recorder = recorder
+        self.sync = True
+        """Whether gradients arriving now are final (set per backward by the pipeline executor)."""
+        ordered = [p for p in reversed(params) if p.requires_grad]
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in ordered:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, members in by_dtype.items():
+            element = torch.empty((), dtype=dtype).element_size()
+            for indices in plan_buckets([p.numel() for p in members], element, int(bucket_mb * 2**20)):
+                self._add_bucket([members[i] for i in indices])
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+
+    def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
+        buffer = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+        offset = 0
+        for p in members:
+            p.grad = buffer[offset: offset + p.numel()].view_as(p)  # autograd accumulates into it in place
+            offset += p.numel()
+        bucket = Bucket(index=len(self.buckets), params=members, buffer=buffer)
+        for p in members:
+            self._bucket_of[id(p)] = bucket
+        self.buckets.append(bucket)
+
+    def set_sync(self, final: bool) -> None:
+        """Say whether the coming backward produces final gradients (last micro-batch)."""
+        self.sync = final
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's collective (all-reduce of the sum); ZeRO-2 would reduce-scatter here."""
+        start = time.perf_counter()
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+        def done(_future) -> None:  # noqa: ANN001 - runs on the communication thread
+            self.recorder.collective("dp", "all_reduce", nbytes, start, time.perf_counter(), bucket=bucket.index)
+
+        bucket.work.get_future().add_done_callback(done)
+
+    def finish(self) -> None:
+        """Wait for every bucket (launching any still pending) and divide by the group size."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.buffer.div_(self.group_size)
+            bucket.work = None
+            bucket.ready = 0
+        self.sync = True
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers in place (the ``.grad`` views must survive)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for hook in self._hooks:
+            hook.remove()

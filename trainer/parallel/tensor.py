@@ -1,0 +1,297 @@
+"""Tensor parallelism: Megatron-style sharded layers and the rules to apply them.
+
+What it is: four autograd functions that move activations in and out of the
+tensor-parallel region (copy / reduce, and their sequence-parallel variants
+gather / reduce-scatter along the sequence), the layers built on them
+(column- and row-parallel linear, vocabulary-parallel embedding, a
+sequence-parallel position embedding), the vocabulary-parallel cross-entropy
+(never materialises the full logits on one rank), and
+:func:`apply_tensor_parallel`, which swaps the dense modules of a
+:class:`~meshtrain.trainer.model.GPT` for sharded ones.
+
+Every collective goes through :func:`_timed`, which reports it to the
+:class:`~meshtrain.trainer.parallel.recording.StepRecorder` as group ``tp``:
+that is why meshtrain has its own layers instead of
+``torch.distributed.tensor.parallel`` (see docs/trainer.md).
+
+What it is not: process-group setup (:mod:`.mesh`) or gradient reduction
+across data-parallel replicas (:mod:`.reducer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import recording
+
+
+@dataclasses.dataclass
+class TPContext:
+    """The tensor-parallel group of this rank and how it runs."""
+
+    group: dist.ProcessGroup
+    """Process group of the ranks sharing this rank's layers."""
+    rank: int
+    """This rank's index inside the group (0..size-1)."""
+    size: int
+    """Tensor-parallel degree."""
+    sequence_parallel: bool = False
+    """Shard norm/residual activations along the sequence (Megatron SP)."""
+    recorder: recording.StepRecorder = dataclasses.field(default_factory=recording.NullRecorder)
+    """Where collective timings go."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How a dense parameter is split over the tensor-parallel ranks."""
+
+    dim: int
+    """Dimension of the dense tensor that is split."""
+    groups: int = 1
+    """The dense ``dim`` is ``groups`` equal blocks, each split separately (fused QKV: 3)."""
+
+
+def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
+    """This rank's piece of a dense tensor."""
+    blocks = full.chunk(spec.groups, dim=spec.dim)
+    return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).clone()
+
+
+def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The dense tensor from every rank's piece (inverse of :func:`shard`)."""
+    per_rank = [p.chunk(spec.groups, dim=spec.dim) for p in pieces]  # [rank][group]
+    return torch.cat([torch.cat([r[g] for r in per_rank], dim=spec.dim) for g in range(spec.groups)], dim=spec.dim)
+
+
+# --- timed collectives --------------------------------------------------------
+
+def _timed(ctx: TPContext, op: str, tensor: torch.Tensor, fn) -> None:  # noqa: ANN001 - a closure
+    start = time.perf_counter()
+    fn()
+    ctx.recorder.collective("tp", op, tensor.numel() * tensor.element_size(), start, time.perf_counter())
+
+
+def _all_reduce(x: torch.Tensor, ctx: TPContext, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.contiguous()
+    _timed(ctx, "all_reduce", x, lambda: dist.all_reduce(x, op=op, group=ctx.group))
+    return x
+
+
+def _gather_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """(B, T/tp, H) on each rank -> (B, T, H) on each rank."""
+    local = x.transpose(0, 1).contiguous()  # (T/tp, B, H): the split dim first
+    out = local.new_empty((local.shape[0] * ctx.size, *local.shape[1:]))  # (T, B, H)
+    _timed(ctx, "all_gather", out, lambda: dist.all_gather_single(out, local, group=ctx.group))
+    return out.transpose(0, 1)  # (B, T, H)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """(B, T, H) partial sums -> this rank's (B, T/tp, H) of the total."""
+    full = x.transpose(0, 1).contiguous()  # (T, B, H)
+    out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))  # (T/tp, B, H)
+    _timed(ctx, "reduce_scatter", full, lambda: dist.reduce_scatter_single(out, full, group=ctx.group))
+    return out.transpose(0, 1)  # (B, T/tp, H)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Enter the TP region: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
+        fctx.tp = ctx
+        return x
+
+    @staticmethod
+    def backward(fctx, grad):  # noqa: ANN001, ANN205
+        return _all_reduce(grad, fctx.tp), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Leave the TP region: all-reduce of partial sums forward, identity backward."""
+
+    @staticmethod
+    def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
+        return _all_reduce(x, ctx)
+
+    @staticmethod
+    def backward(fctx, grad):  # noqa: ANN001, ANN205
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """SP: enter the TP region by gathering the sequence; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
+        fctx.tp = ctx
+        return _gather_seq(x, ctx)
+
+    @staticmethod
+    def backward(fctx, grad):  # noqa: ANN001, ANN205
+        return _reduce_scatter_seq(grad, fctx.tp), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """SP: leave the TP region by reduce-scattering along the sequence; backward gathers."""
+
+    @staticmethod
+    def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
+        fctx.tp = ctx
+        return _reduce_scatter_seq(x, ctx)
+
+    @staticmethod
+    def backward(fctx, grad):  # noqa: ANN001, ANN205
+        return _gather_seq(grad, fctx.tp), None
+
+
+def enter_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Input of a column-parallel layer: replicated (B, T, H)."""
+    return _GatherSeq.apply(x, ctx) if ctx.sequence_parallel else _CopyToTP.apply(x, ctx)
+
+
+def leave_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Output of a row-parallel layer: summed, and sequence-split under SP."""
+    return _ReduceScatterSeq.apply(x, ctx) if ctx.sequence_parallel else _ReduceFromTP.apply(x, ctx)
+
+
+# --- layers -------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows; output stays split (B, T, out/tp)."""
+
+    def __init__(self, weight: torch.Tensor, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (out/tp, in)
+        self.tp = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(enter_region(x, self.tp), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial outputs are summed over TP."""
+
+    def __init__(self, weight: torch.Tensor, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (out, in/tp)
+        self.tp = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return leave_region(F.linear(x, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose table rows (the vocabulary) are split over TP ranks."""
+
+    def __init__(self, weight: torch.Tensor, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (V/tp, H)
+        self.tp = ctx
+        self.vocab_start = ctx.rank * weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        emb = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, H), rows of other ranks wrong
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)  # ...so zero them; the sum over TP fills them in
+        return leave_region(emb, self.tp)
+
+
+class SequenceParallelPositionEmbedding(nn.Module):
+    """Position table (replicated) that returns only this rank's sequence slice under SP."""
+
+    def __init__(self, weight: torch.Tensor, ctx: TPContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (T_max, H), the full table
+        self.tp = ctx
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        emb = F.embedding(positions, self.weight)  # (T, H)
+        return emb.chunk(self.tp.size, dim=0)[self.tp.rank]  # (T/tp, H)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocabulary-sharded logits (N, V/tp)."""
+
+    @staticmethod
+    def forward(fctx, logits, targets, ctx):  # noqa: ANN001, ANN205
+        vocab_local = logits.shape[-1]
+        start = ctx.rank * vocab_local
+        # Softmax is shift-invariant: subtract the global max for stability.
+        shift = _all_reduce(logits.max(dim=-1).values, ctx, dist.ReduceOp.MAX)  # (N,)
+        shifted = logits - shift.unsqueeze(-1)  # (N, V/tp)
+        local_t = targets - start
+        inside = (local_t >= 0) & (local_t < vocab_local)  # (N,) target on this rank
+        local_t = local_t.masked_fill(~inside, 0)
+        target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1) * inside  # (N,)
+        exp = shifted.exp()  # (N, V/tp)
+        # One all-reduce for both sums: [target logit, sum of exp] -> (2, N).
+        both = _all_reduce(torch.stack([target_logit, exp.sum(dim=-1)]), ctx)
+        loss = torch.log(both[1]) - both[0]  # (N,)
+        fctx.save_for_backward(exp.div_(both[1].unsqueeze(-1)), local_t, inside)  # softmax shard
+        return loss
+
+    @staticmethod
+    def backward(fctx, grad_loss):  # noqa: ANN001, ANN205
+        softmax, local_t, inside = fctx.saved_tensors
+        grad = softmax.clone()  # d loss / d logits = softmax - onehot(target)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= inside.to(grad.dtype)
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Mean cross-entropy; ``logits`` (B, T, V/tp) this rank's vocab shard, ``targets`` (B, T)."""
+    flat = logits.float().reshape(-1, logits.shape[-1])  # (B*T, V/tp)
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), ctx).mean()
+
+
+# --- applying TP to the model -------------------------------------------------
+
+@dataclasses.dataclass
+class TPPlan:
+    """What :func:`apply_tensor_parallel` did, by parameter name."""
+
+    shards: dict[str, ShardSpec]
+    """Sharded parameters and how (their gradients are shards too)."""
+    sequence_partial: list[str]
+    """Replicated parameters whose gradients are partial per rank under SP (sum over TP)."""
+
+
+def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
+    """Swap ``model``'s dense modules for sharded ones, in place.
+
+    Attention heads and the MLP are split column-then-row, so each block
+    needs one reduction forward and one backward per sub-layer; embedding and
+    LM head are split over the vocabulary.  Parts a pipeline stage dropped
+    (``None``) are skipped.  Norms stay replicated.
+    """
+    shards: dict[str, ShardSpec] = {}
+    column, row, qkv, vocab = ShardSpec(0), ShardSpec(1), ShardSpec(0, groups=3), ShardSpec(0)
+
+    def swap(owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec) -> None:
+        dense = getattr(owner, attr)
+        setattr(owner, attr, cls(shard(dense.weight.detach(), spec, ctx.rank, ctx.size), ctx))
+        shards[f"{prefix}{attr}.weight"] = spec
+
+    for index, block in model.blocks.items():
+        base = f"blocks.{index}."
+        swap(block.attn, "qkv", base + "attn.", ColumnParallelLinear, qkv)
+        swap(block.attn, "proj", base + "attn.", RowParallelLinear, row)
+        swap(block.mlp, "fc", base + "mlp.", ColumnParallelLinear, column)
+        swap(block.mlp, "proj", base + "mlp.", RowParallelLinear, row)
+    if model.tok_emb is not None:
+        swap(model, "tok_emb", "", VocabParallelEmbedding, vocab)
+        if ctx.sequence_parallel:
+            model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb.weight.detach().clone(), ctx)
+    if model.head is not None:
+        swap(model, "head", "", ColumnParallelLinear, vocab)
+    partial = [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []
+    return TPPlan(shards=shards, sequence_partial=partial)

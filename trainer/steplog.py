@@ -1,0 +1,48 @@
+"""The step log: ``DIR/steps.jsonl``, one JSON object per optimizer step, written by rank 0.
+
+What it is: :class:`StepLog`, an append-only writer (each line flushed, so
+the launcher's progress bar and anyone tailing the file see steps as they
+finish), and :func:`read`, which parses a log.  Every record has at least
+``step, loss, tokens, step_seconds, tokens_per_second``; the engine adds the
+learning rate, the gradient norm and rank 0's timing summary.
+
+What it is not: the Prometheus exporter or the timeline (those belong to
+:mod:`meshtrain.trainer.telemetry`, which may take this file over).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FILENAME = "steps.jsonl"
+
+
+class StepLog:
+    """Appends step records to ``directory/steps.jsonl``."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.path = Path(directory) / FILENAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record and flush it."""
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+def read(path: str | Path) -> list[dict[str, Any]]:
+    """All complete records of a step log (a partly written last line is skipped)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

@@ -1,0 +1,110 @@
+"""One training process: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`).
+
+What it is: reads the spec (``--spec`` or ``$MESHTRAIN_SPEC_FILE``), applies
+``--set`` overrides, joins the process group from torchrun's environment
+(``WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT``), builds the
+mesh and the :class:`~meshtrain.trainer.engine.Engine`, and trains.  Rank 0
+appends one record per step to ``steps.jsonl`` in the log directory
+(``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
+
+Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 1 anything else
+(traceback on stderr), 17 injected fault (:mod:`.faults`).
+
+What it is not: a launcher; it never starts other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import data, engine, faults, steplog
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import recording, schedules
+
+EXIT_SPEC, EXIT_DATA = 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m meshtrain.trainer", description="Run one meshtrain training rank.")
+    parser.add_argument("--spec", default=os.environ.get("MESHTRAIN_SPEC_FILE"),
+                        help="TrainingJob YAML (default: $MESHTRAIN_SPEC_FILE)")
+    parser.add_argument("--log-dir", default=os.environ.get("MESHTRAIN_LOG_DIR"),
+                        help="where rank 0 writes steps.jsonl (default: $MESHTRAIN_LOG_DIR; none: no log)")
+    parser.add_argument("--steps", type=int, default=None, help="override training.steps")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="override a spec field, e.g. --set parallelism.microBatches=4 (repeatable)")
+    return parser
+
+
+def load_spec(path: str | None, overrides: list[str], steps: int | None) -> spec_mod.TrainingJobSpec:
+    """The spec with overrides applied (raises SpecError)."""
+    if not path:
+        raise spec_mod.SpecError([spec_mod.rules.Problem(path="--spec", message="no spec file: pass --spec or set MESHTRAIN_SPEC_FILE")])
+    job = spec_mod.load_spec_file(path)
+    extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
+    return spec_mod.apply_overrides(job, extra) if extra else job
+
+
+def use_cuda() -> bool:
+    """GPU unless $MESHTRAIN_DEVICE=cpu or there is none for this local rank."""
+    wanted = os.environ.get("MESHTRAIN_DEVICE", "auto")
+    if wanted == "cpu":
+        return False
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.cuda.is_available() and torch.cuda.device_count() > local
+
+
+def step_record(result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec) -> dict:
+    """The steps.jsonl record of one step."""
+    par = job.parallelism
+    record = {
+        "step": result.step, "loss": result.loss, "tokens": result.tokens, "step_seconds": result.seconds,
+        "tokens_per_second": result.tokens_per_second, "lr": result.lr, "grad_norm": result.grad_norm,
+        "time": time.time(), "layout": par.layout_string,
+        "bubble_ratio_theoretical": schedules.bubble_ratio(par.pipeline, par.micro_batches, par.virtual_stages),
+    }
+    record.update({f"rank0_{k}": v for k, v in summary.items()})
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        job = load_spec(args.spec, args.overrides, args.steps)
+        data.check_dataset(job.training.dataset)
+    except spec_mod.SpecError as err:
+        print(err, file=sys.stderr)
+        return EXIT_SPEC
+    except data.DatasetError as err:
+        print(err, file=sys.stderr)
+        return EXIT_DATA
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = use_cuda()
+    device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
+    mesh_mod.init_process_group(use_cuda=cuda)
+    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
+    recorder = recording.MemoryRecorder()
+    try:
+        trainer = engine.Engine(job, mesh, recorder=recorder)
+    except data.DatasetError as err:
+        print(err, file=sys.stderr)
+        return EXIT_DATA
+    log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    for step in range(1, job.training.steps + 1):
+        faults.maybe_fail(rank, step)
+        result = trainer.train_step()
+        if log is not None:
+            log.write(step_record(result, recorder.steps[-1], job))
+    if log is not None:
+        log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
