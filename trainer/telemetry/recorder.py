@@ -31,6 +31,10 @@ def _tensor_bytes(tensors: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None and hasattr(t, "element_size"))
 
 
+KEEP_STEPS = 100
+"""Step records kept in :attr:`TelemetryRecorder.steps`."""
+
+
 class TelemetryRecorder:
     """A :class:`~meshtrain.trainer.parallel.recording.StepRecorder` that reports each step."""
 
@@ -46,6 +50,8 @@ class TelemetryRecorder:
         """Device of this rank (peak memory is read from it on a GPU)."""
         self.last: stepstats.StepStats | None = None
         """Summary of the last finished step."""
+        self.steps: list[dict[str, float | int]] = []
+        """steps.jsonl records of the recent steps (newest last, at most ``KEEP_STEPS``)."""
         self._lock = threading.Lock()
         self._events: list[recording.Event] = []
         self._start = time.perf_counter()
@@ -83,6 +89,8 @@ class TelemetryRecorder:
             self._events = []
         stats = stepstats.summarise(events, self.facts, step=step, loss=float(loss), tokens=int(tokens), seconds=seconds)
         self.last = stats
+        self.steps.append(stats.log_record())
+        del self.steps[:-KEEP_STEPS]
         memory = self.memory()
         for sink in self.sinks:
             sink.publish(stats, events, start, memory)
@@ -129,11 +137,13 @@ def job_facts(spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flop
 
 
 def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_dir: str | Path | None, *,
-                  local_rank: int | None = None, device: Any = None, serve: bool = True) -> TelemetryRecorder:
+                  local_rank: int | None = None, device: Any = None, serve: bool = True,
+                  steps_log: bool = True) -> TelemetryRecorder:
     """The trainer's recorder: Prometheus exporter on ``spec.metrics.port + local_rank``
-    (rank 0 also serves /progress), steps.jsonl and the event trace under ``log_dir``.
+    (rank 0 also serves /progress), steps.jsonl (rank 0) and the event trace under ``log_dir``.
 
-    ``serve=False`` skips the HTTP server (e.g. ``meshtrain run --no-metrics``).
+    ``serve=False`` skips the HTTP server; ``steps_log=False`` leaves steps.jsonl
+    to a caller that writes it itself from :attr:`TelemetryRecorder.steps`.
     """
     identity = context.RankIdentity.from_env(layout, rank, local_rank)
     facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
@@ -142,7 +152,8 @@ def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_d
         sinks.append(exporter.Exporter(identity, facts, port=spec.metrics.port + identity.local_rank,
                                        serve_progress=rank == 0))
     if log_dir is not None:
-        sinks.append(steplog.StepLog(Path(log_dir), identity, facts, schedule=spec.parallelism.schedule))
+        sinks.append(steplog.StepLog(Path(log_dir), identity, facts, schedule=spec.parallelism.schedule,
+                                       steps=steps_log))
     return TelemetryRecorder(identity, facts, sinks, device=device)
 
 

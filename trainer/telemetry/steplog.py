@@ -56,7 +56,8 @@ class StepLog:
     """Appends steps.jsonl (rank 0) and trace/rank-N.jsonl (every rank)."""
 
     def __init__(self, log_dir: Path, identity: context.RankIdentity, facts: stepstats.JobFacts, *,
-                 schedule: str) -> None:
+                 schedule: str, steps: bool = True) -> None:
+        """``steps=False``: write only the trace (someone else writes steps.jsonl)."""
         self.log_dir = log_dir
         """Directory of the run's logs."""
         self._header = {"rank": identity.rank, "pp": identity.coords.pp, "dp": identity.coords.dp,
@@ -65,7 +66,7 @@ class StepLog:
         trace = trace_path(log_dir, identity.rank)
         trace.parent.mkdir(parents=True, exist_ok=True)
         self._trace = trace.open("a", encoding="utf-8")
-        self._steps = (log_dir / STEPS_FILE).open("a", encoding="utf-8") if identity.rank == 0 else None
+        self._steps = (log_dir / STEPS_FILE).open("a", encoding="utf-8") if steps and identity.rank == 0 else None
         # perf_counter is per-boot monotonic; wall time aligns ranks (and pods) in the timeline.
         self._wall_offset = time.time() - time.perf_counter()
 

@@ -102,7 +102,8 @@ def pick_step(traces: dict[int, list[dict[str, Any]]], step: int | None = None) 
 
 def step_view(traces: dict[int, list[dict[str, Any]]], step: int) -> StepView:
     """The blocks of ``step``: compute rows per stage, then bucket rows per stage."""
-    lines = {stage: next(line for line in lines if line["step"] == step) for stage, lines in traces.items()}
+    # The last line of that step: a restarted run appends to the same trace.
+    lines = {stage: [line for line in lines if line["step"] == step][-1] for stage, lines in traces.items()}
     origin = min(line["t0"] for line in lines.values())
     blocks: list[Block] = []
     span = 0.0
