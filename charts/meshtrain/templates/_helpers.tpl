@@ -1,0 +1,114 @@
+{{/*
+Names, labels and the operator's RBAC rules, shared by the templates.
+The rules are written once here and used by the ClusterRole (watch mode "all")
+or by one Role per namespace (watch mode "namespaces"), so both modes grant
+the same verbs.  docs/operator.md lists why the operator needs each verb.
+*/}}
+
+{{- define "meshtrain.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "meshtrain.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "meshtrain.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "meshtrain.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "meshtrain.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "meshtrain.labels" -}}
+helm.sh/chart: {{ include "meshtrain.chart" . }}
+{{ include "meshtrain.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: meshtrain
+{{- end }}
+
+{{- define "meshtrain.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "meshtrain.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "meshtrain.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* Labels that let Prometheus pick up the monitoring objects. */}}
+{{- define "meshtrain.monitoringLabels" -}}
+{{ include "meshtrain.labels" . }}
+{{- with .Values.monitoring.selectorLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Rules on namespaced resources, in every watched namespace (operator/kube.py
+and operator/handlers.py are the callers):
+- trainingjobs: kopf lists and watches them and patches its finalizer and
+  progress annotations; the reconciler reads one (get) and deletes finished
+  jobs after ttlSecondsAfterFinished.  status: phase, placement, conditions.
+- pods: kopf watches the gang pods; the reconciler creates them gated,
+  patches the gate away, deletes them on gang restart, suspend and finish.
+- services, configmaps: the headless Service (rank 0's DNS name) and the spec
+  ConfigMap of each job, created and deleted, never read back.
+- events: the reconciler's Events about each job (kopf's own posting is off).
+*/}}
+{{- define "meshtrain.namespacedRules" -}}
+- apiGroups: ["meshtrain.io"]
+  resources: ["trainingjobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: ["meshtrain.io"]
+  resources: ["trainingjobs/status"]
+  verbs: ["patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["create", "delete"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
+- nodes: kopf watches them and the planner lists them (topology labels, GPUs).
+- pods, cluster-wide list: GPUs already taken on each node, by any pod in any
+  namespace, so that two jobs never plan onto the same free GPUs.
+- customresourcedefinitions: kopf's resource observer notices CRD changes.
+*/}}
+{{- define "meshtrain.clusterRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}

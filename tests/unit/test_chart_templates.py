@@ -1,0 +1,63 @@
+"""Static checks of the chart's templates (every template has a test; helm renders them in tests/integration).
+
+Reading the template source catches the hardening and least-privilege rules
+even where helm is not installed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TEMPLATES = ROOT / "charts" / "meshtrain" / "templates"
+
+
+def _text(name: str) -> str:
+    return (TEMPLATES / name).read_text()
+
+
+def test_deployment_is_hardened() -> None:
+    text = _text("deployment.yaml")
+    for needle in ("runAsNonRoot: true", "readOnlyRootFilesystem: true", "allowPrivilegeEscalation: false",
+                   'drop: ["ALL"]', "type: RuntimeDefault", "livenessProbe:", 'command: ["meshtrain", "operator"]',
+                   "resources:"):
+        assert needle in text, needle
+
+
+def test_rbac_has_no_wildcards_and_no_secrets() -> None:
+    rules = _text("_helpers.tpl") + _text("rbac.yaml")
+    assert '"*"' not in rules and "'*'" not in rules
+    assert "secrets" not in rules
+
+
+def test_namespaced_rules_are_shared_by_both_watch_modes() -> None:
+    text = _text("rbac.yaml")
+    assert text.count('include "meshtrain.namespacedRules"') == 2
+    assert "kind: Role\n" in text and "kind: ClusterRole\n" in text
+
+
+def test_monitoring_objects_carry_the_selector_labels() -> None:
+    text = _text("monitoring.yaml")
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        assert f"kind: {kind}" in text
+    assert text.count('include "meshtrain.monitoringLabels"') == 3
+    assert '.Files.Get "files/rules.yaml"' in text
+
+
+def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
+    text = _text("dashboards.yaml")
+    assert "kind: ConfigMap" in text and '.Files.Glob "files/dashboards/*.json"' in text
+    assert "$dash.folderAnnotation" in text and "$dash.label" in text
+
+
+def test_every_template_is_tested() -> None:
+    tested = {"deployment.yaml", "rbac.yaml", "monitoring.yaml", "dashboards.yaml", "serviceaccount.yaml",
+              "_helpers.tpl", "NOTES.txt"}
+    assert {p.name for p in TEMPLATES.iterdir()} == tested
+
+
+def test_notes_say_what_to_apply_next() -> None:
+    text = _text("NOTES.txt")
+    assert "kubectl apply -f manifests/examples/" in text
+    assert re.search(r"kubectl get trainingjobs -w", text)
