@@ -1,0 +1,104 @@
+"""Manifests of a TrainingJob's children: pods, headless Service, ConfigMap."""
+
+from __future__ import annotations
+
+import yaml
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import builders, naming
+from tests.unit.builders import JobBuilder
+
+REF = builders.JobRef(name="llm", namespace="research", uid="1234")
+
+
+def spec_of(builder: JobBuilder) -> api_spec.TrainingJobSpec:
+    return api_spec.parse_spec(builder.raw())
+
+
+def env_of(pod):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_one_gated_pod_per_node_slot_pinned_to_its_planned_node():
+    spec = spec_of(JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4))
+    pods = builders.build_pods(REF, spec, 0, ["n-a", "n-b"])
+    assert [p["metadata"]["name"] for p in pods] == ["llm-r0-0", "llm-r0-1"]
+    for index, pod in enumerate(pods):
+        assert pod["spec"]["schedulingGates"] == [{"name": "meshtrain.io/gang"}]
+        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+        assert term == {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [["n-a", "n-b"][index]]}]}
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"] and pod["spec"]["subdomain"] == "llm"
+        assert pod["metadata"]["labels"][naming.LABEL_NODE_RANK] == str(index)
+        assert pod["metadata"]["ownerReferences"][0] == {
+            "apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob", "name": "llm", "uid": "1234",
+            "controller": True, "blockOwnerDeletion": True}
+    # pp outermost: pod 0 holds ranks 0-3 (stage 0), pod 1 ranks 4-7 (stage 1)
+    assert [p["metadata"]["labels"][naming.LABEL_PIPELINE_STAGES] for p in pods] == ["0", "1"]
+
+
+def test_pod_spanning_two_stages_is_labelled_with_the_range():
+    spec = spec_of(JobBuilder().layout(data=1, pipeline=2, tensor=1, gpus_per_node=2))
+    assert builders.pipeline_stages(spec, 0) == "0-1"
+
+
+def test_torchrun_command_and_env():
+    spec = spec_of(JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4))
+    pod = builders.build_pod(REF, spec, 3, 1, "n-b")
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["torchrun"]
+    assert container["args"][-2:] == ["-m", "meshtrain.trainer"]
+    assert "--node-rank=$(PET_NODE_RANK)" in container["args"]
+    env = env_of(pod)
+    assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "4" and env["PET_NODE_RANK"] == "1"
+    assert env["WORLD_SIZE"] == "8"
+    assert env["MASTER_ADDR"] == "llm-r3-0.llm.research.svc" and env["MASTER_PORT"] == "29500"
+    assert (env["MESHTRAIN_TP"], env["MESHTRAIN_PP"], env["MESHTRAIN_DP"]) == ("2", "2", "2")
+    assert env["MESHTRAIN_SPEC_FILE"] == "/etc/meshtrain/job.yaml"
+    assert env["MESHTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["MESHTRAIN_CHECKPOINT_DIR"] == "/checkpoints" and env["MESHTRAIN_METRICS_PORT"] == "9400"
+    assert {"name": "metrics", "containerPort": 9400} in container["ports"]
+
+
+def test_resources_volumes_selector_tolerations():
+    raw = JobBuilder().layout(data=8, gpus_per_node=8).resources(
+        extraResources={"rdma/ib": "1"}, shmSize="32Gi", nodeSelector={"pool": "h100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]).raw()
+    spec = api_spec.parse_spec(raw | {"checkpoint": {"claimName": "ckpt", "path": "/ckpt"}})
+    pod = builders.build_pod(REF, spec, 0, 0, "n-a")
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"} == resources["requests"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts == {"shm": "/dev/shm", "checkpoints": "/ckpt", "spec": "/etc/meshtrain"}
+    assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
+    assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_checkpoint_without_claim_is_an_empty_dir():
+    pod = builders.build_pod(REF, spec_of(JobBuilder()), 0, 0, "n")
+    assert {v["name"]: v for v in pod["spec"]["volumes"]}["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+
+
+def test_headless_service_and_spec_configmap():
+    spec = spec_of(JobBuilder())
+    service = builders.build_service(REF, spec)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {naming.LABEL_JOB: "llm"}
+    configmap = builders.build_configmap(REF, spec)
+    document = yaml.safe_load(configmap["data"]["job.yaml"])
+    assert api_spec.parse_manifest(document)[1] == spec
+    assert configmap["metadata"]["ownerReferences"][0]["uid"] == "1234"
+
+
+def test_planned_node_from_binding_annotation_or_affinity():
+    spec = spec_of(JobBuilder())
+    pod = builders.build_pod(REF, spec, 0, 0, "n-a")
+    assert builders.planned_node(pod) == "n-a"
+    del pod["metadata"]["annotations"]
+    assert builders.planned_node(pod) == "n-a"
+    pod["spec"]["nodeName"] = "n-z"
+    assert builders.planned_node(pod) == "n-z"
+    assert builders.planned_node({"spec": {}}) is None

@@ -1,0 +1,226 @@
+"""The TrainingJob state machine, table-driven: (job, pods, now) -> actions."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import pytest
+
+from meshtrain.operator import conditions, failure, lifecycle
+from tests.unit.builders import JobBuilder
+
+T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+
+
+def at(seconds: float) -> datetime.datetime:
+    return T0 + datetime.timedelta(seconds=seconds)
+
+
+def job(spec: dict[str, Any] | None = None, **status: Any) -> lifecycle.JobState:
+    """A job of 2 pods (dp2, 1 GPU per pod) unless ``spec`` says otherwise."""
+    raw = spec if spec is not None else JobBuilder().layout(data=2, gpus_per_node=1).raw()
+    body = {"metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 3}, "spec": raw, "status": status}
+    return lifecycle.job_state(body)
+
+
+def placed_status(**extra: Any) -> dict[str, Any]:
+    return {"phase": "Placing", "placement": [{"podIndex": 0, "node": "n0"}, {"podIndex": 1, "node": "n1"}],
+            "startTime": conditions.timestamp(T0), **extra}
+
+
+def pod(index: int, phase: str = "Pending", *, attempt: int = 0, gated: bool = False, deleting: bool = False,
+        exit_code: int | None = None, created: float = 0, ip: str | None = None, disrupted: bool = False) -> failure.PodState:
+    return failure.PodState(name=f"j-r{attempt}-{index}", index=index, attempt=attempt, phase=phase, gated=gated,
+                            deleting=deleting, created_at=at(created), node=f"n{index}", ip=ip, exit_code=exit_code,
+                            disrupted=disrupted)
+
+
+def kinds(decision: lifecycle.Decision) -> list[str]:
+    return [type(a).__name__ for a in decision.actions]
+
+
+def status_of(decision: lifecycle.Decision) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for action in decision.actions:
+        if isinstance(action, lifecycle.SetStatus):
+            merged.update(action.changes)
+    return merged
+
+
+def condition(decision: lifecycle.Decision, type_: str) -> dict[str, Any] | None:
+    return conditions.find(status_of(decision).get("conditions") or [], type_)
+
+
+def running_gang(**kw: Any) -> list[failure.PodState]:
+    return [pod(0, "Running", ip="10.0.0.1", **kw), pod(1, "Running", **kw)]
+
+
+CASES = [
+    # name, job, pods, now, expected action kinds, expected status fields
+    ("new job is placed", job(), [], 0, ["Place"], {}),
+    ("placed gang still gated: gates lifted", job(**placed_status()), [pod(0, gated=True), pod(1, gated=True)], 1,
+     ["LiftGates"], {}),
+    ("crash mid-creation: missing pod re-created", job(**placed_status()), [pod(0, gated=True)], 1, ["Place"], {}),
+    ("all running: phase Running and progress polled", job(**placed_status()), running_gang(), 5,
+     ["SetStatus", "PollProgress"], {"phase": "Running"}),
+    ("running stays running: only progress", job(**placed_status(phase="Running")), running_gang(), 5,
+     ["PollProgress"], {}),
+    ("all exited 0: Succeeded", job(**placed_status(phase="Running")), [pod(0, "Succeeded"), pod(1, "Succeeded")], 9,
+     ["SetStatus", "Emit"], {"phase": "Succeeded"}),
+    ("retryable failure restarts the gang", job(**placed_status(phase="Running")),
+     [pod(0, "Running"), pod(1, "Failed", exit_code=137)], 9,
+     ["SetStatus", "Emit", "DeletePods"], {"phase": "Restarting", "restarts": 1, "placement": []}),
+    ("permanent exit code 2 fails at once", job(**placed_status(phase="Running")),
+     [pod(0, "Running"), pod(1, "Failed", exit_code=2)], 9,
+     ["SetStatus", "Emit", "DeletePods"], {"phase": "Failed"}),
+    ("backoff exhausted fails", job(**placed_status(phase="Running", restarts=3)),
+     [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)], 9,
+     ["SetStatus", "Emit", "DeletePods"], {"phase": "Failed"}),
+    ("evicted pod restarts", job(**placed_status(phase="Running")),
+     [pod(0, "Running"), pod(1, "Running", disrupted=True)], 9, ["SetStatus", "Emit", "DeletePods"],
+     {"phase": "Restarting", "restarts": 1}),
+    ("pod vanished from a released gang restarts", job(**placed_status(phase="Running")), [pod(0, "Running")], 9,
+     ["SetStatus", "Emit", "DeletePods"], {"restarts": 1}),
+    ("after a restart the old gang is stale and deleted, then re-placed", job(phase="Restarting", restarts=1),
+     [pod(0, "Running"), pod(1, "Failed", exit_code=1)], 10, ["DeletePods", "Place"], {}),
+    ("startup timeout counts as a failed start", job(**placed_status()), [pod(0, "Running"), pod(1, "Pending")], 601,
+     ["SetStatus", "Emit", "DeletePods"], {"phase": "Restarting", "restarts": 1}),
+    ("suspend removes pods and keeps status", job(JobBuilder().layout(data=2, gpus_per_node=1).raw()
+                                                  | {"runPolicy": {"suspend": True}}, **placed_status(phase="Running", restarts=1)),
+     running_gang(attempt=1), 9, ["DeletePods", "SetStatus", "Emit"], {"phase": "Suspended", "placement": []}),
+    ("resume waits until the suspended pods are gone", job(phase="Suspended"), [pod(0, "Running", deleting=True)], 9,
+     [], {}),
+    ("resume goes back to Pending", job(phase="Suspended", startTime="2026-01-01T00:00:00Z"), [], 9,
+     ["SetStatus", "Emit"], {"phase": "Pending", "startTime": None}),
+    ("active deadline fails the job", job(JobBuilder().layout(data=2, gpus_per_node=1).raw()
+                                          | {"runPolicy": {"activeDeadlineSeconds": 60}}, **placed_status(phase="Running")),
+     running_gang(), 61, ["SetStatus", "Emit", "DeletePods"], {"phase": "Failed"}),
+    ("invalid spec fails with InvalidSpec", job(JobBuilder().layout(tensor=2, gpus_per_node=2).model(heads=3).raw()), [], 0,
+     ["SetStatus", "Emit"], {"phase": "Failed"}),
+    ("finished job: nothing to do", job(phase="Succeeded", completionTime=conditions.timestamp(T0)), [], 99, [], {}),
+    ("TTL elapsed deletes the job", job(JobBuilder().raw() | {"runPolicy": {"ttlSecondsAfterFinished": 30}},
+                                        phase="Failed", completionTime=conditions.timestamp(T0)), [], 31, ["DeleteJob"], {}),
+]
+
+
+@pytest.mark.parametrize(("name", "state", "pods", "now", "expected", "fields"), CASES, ids=[c[0] for c in CASES])
+def test_decide(name, state, pods, now, expected, fields):
+    decision = lifecycle.decide(state, pods, at(now))
+    assert kinds(decision) == expected
+    status = status_of(decision)
+    for key, value in fields.items():
+        assert status[key] == value, key
+
+
+def test_invalid_spec_condition_names_the_rule():
+    decision = lifecycle.decide(job(JobBuilder().layout(tensor=2, gpus_per_node=2).model(heads=3).raw()), [], T0)
+    failed = condition(decision, conditions.FAILED)
+    assert failed["reason"] == conditions.INVALID_SPEC
+    assert "heads=3 is not divisible by tensor=2" in failed["message"]
+    emitted = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert emitted[0].type == "Warning" and emitted[0].reason == conditions.INVALID_SPEC
+
+
+def test_permanent_failure_is_not_retried_even_with_backoff_left():
+    decision = lifecycle.decide(job(**placed_status(phase="Running")), [pod(0, "Failed", exit_code=2), pod(1)], at(3))
+    assert condition(decision, conditions.FAILED)["reason"] == conditions.PERMANENT_FAILURE
+    assert status_of(decision).get("restarts") is None
+
+
+def test_backoff_message_says_how_many_restarts_were_used():
+    state = job(**placed_status(phase="Running", restarts=3))
+    decision = lifecycle.decide(state, [pod(0, "Failed", attempt=3, exit_code=1), pod(1, attempt=3)], at(3))
+    assert "backoffLimit=3" in condition(decision, conditions.FAILED)["message"]
+
+
+def test_restart_is_counted_once_even_if_applied_twice():
+    state = job(**placed_status(phase="Running"))
+    gang = [pod(0, "Running"), pod(1, "Failed", exit_code=1)]
+    first = lifecycle.decide(state, gang, at(5))
+    after = job(**{**placed_status(phase="Running"), **status_of(first)})
+    second = lifecycle.decide(after, gang, at(6))  # old pods still listed: now stale
+    assert kinds(second) == ["DeletePods", "Place"]
+    assert status_of(second) == {}
+
+
+def test_gates_are_not_lifted_while_a_pod_is_missing():
+    decision = lifecycle.decide(job(**placed_status()), [pod(1, gated=True)], at(1))
+    assert kinds(decision) == ["Place"]
+    assert decision.actions[0] == lifecycle.Place(attempt=0, missing=(0,))
+
+
+def test_startup_timeout_requeues_for_the_remaining_time():
+    decision = lifecycle.decide(job(**placed_status()), [pod(0, "Running"), pod(1, "Pending")], at(100))
+    assert decision.requeue_after == pytest.approx(500)
+
+
+def test_ttl_requeues_until_due():
+    state = job(JobBuilder().raw() | {"runPolicy": {"ttlSecondsAfterFinished": 30}}, phase="Succeeded",
+                completionTime=conditions.timestamp(T0))
+    assert lifecycle.decide(state, [], at(10)).requeue_after == pytest.approx(20)
+
+
+def test_finished_job_frees_gpus_of_pods_still_running():
+    state = job(phase="Failed", completionTime=conditions.timestamp(T0))
+    decision = lifecycle.decide(state, [pod(0, "Running"), pod(1, "Failed")], at(1))
+    assert decision.actions == (lifecycle.DeletePods(("j-r0-0",)),)
+
+
+def test_every_status_change_records_the_observed_generation():
+    decision = lifecycle.decide(job(**placed_status()), running_gang(), at(5))
+    assert status_of(decision)["observedGeneration"] == 3
+
+
+def test_placed_and_unschedulable_status():
+    state = job()
+    fields = lifecycle.placed(state, ["a", "b"], {"nvlink": 0.0, "kubernetes.io/hostname": 10.0}, T0)
+    assert fields["phase"] == "Placing"
+    assert fields["placement"] == [{"podIndex": 0, "node": "a"}, {"podIndex": 1, "node": "b"}]
+    assert fields["layout"] == "dp2·pp1·tp1" and fields["gpus"] == 2
+    assert fields["startTime"] == conditions.timestamp(T0)
+    waiting = lifecycle.unschedulable(state, "InsufficientGPUs", "need 2, free 1", T0)
+    assert waiting["phase"] == "Pending"
+    placed_condition = conditions.find(waiting["conditions"], conditions.PLACED)
+    assert placed_condition["reason"] == "InsufficientGPUs" and placed_condition["message"] == "need 2, free 1"
+
+
+def test_decisions_are_stable_once_applied():
+    """Applying a decision's status and deciding again asks for no further status change."""
+    state = job(**placed_status())
+    gang = running_gang()
+    first = lifecycle.decide(state, gang, at(5))
+    again = lifecycle.decide(job(**{**placed_status(), **status_of(first)}), gang, at(6))
+    assert status_of(again) == {}
+
+
+def test_pod_state_reads_labels_gates_and_exit_code():
+    manifest = {
+        "metadata": {"name": "j-r1-3", "labels": {"meshtrain.io/node-rank": "3", "meshtrain.io/attempt": "1"},
+                     "creationTimestamp": "2026-01-01T12:00:00Z"},
+        "spec": {"schedulingGates": [{"name": "meshtrain.io/gang"}], "nodeName": "n7"},
+        "status": {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 139}}}]},
+    }
+    state = failure.pod_state(manifest)
+    assert dataclasses.astuple(state)[:6] == ("j-r1-3", 3, 1, "Failed", True, False)
+    assert state.node == "n7" and state.exit_code == 139
+    assert failure.pod_state({"metadata": {"name": "other"}}) is None
+
+
+@pytest.mark.parametrize(("phase", "code", "permanent", "text"), [
+    ("Failed", 2, True, "rejected its configuration"),
+    ("Failed", 127, True, "not found"),
+    ("Failed", 137, False, "signal 9"),
+    ("Failed", 1, False, "exited with code 1"),
+    ("Failed", None, False, "failed"),
+    ("Unknown", None, False, "lost"),
+])
+def test_failure_classification(phase, code, permanent, text):
+    found = failure.classify(pod(0, phase, exit_code=code))
+    assert found.permanent is permanent and text in found.message
+
+
+@pytest.mark.parametrize("phase", ["Pending", "Running", "Succeeded"])
+def test_healthy_pods_are_not_failures(phase):
+    assert failure.classify(pod(0, phase)) is None

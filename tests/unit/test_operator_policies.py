@@ -1,0 +1,89 @@
+"""Small operator policies: conditions, reservations from pods, progress reports, CLI flags."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from meshtrain import cli
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import builders, capacity, conditions, progress
+from tests.unit.builders import JobBuilder
+
+T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+T1 = T0 + datetime.timedelta(minutes=5)
+
+
+@pytest.mark.parametrize(("old_status", "new_status", "keeps_time"), [
+    ("True", "True", True),
+    ("False", "True", False),
+    ("True", "False", False),
+])
+def test_condition_transition_time_changes_only_with_status(old_status, new_status, keeps_time):
+    before = conditions.set([], "Placed", old_status, "A", "first", T0)
+    after = conditions.set(before, "Placed", new_status, "B", "second", T1)
+    assert len(after) == 1 and after[0]["reason"] == "B" and after[0]["message"] == "second"
+    expected = conditions.timestamp(T0 if keeps_time else T1)
+    assert after[0]["lastTransitionTime"] == expected
+    assert before[0]["reason"] == "A"  # the input is not mutated
+
+
+def test_condition_set_keeps_other_types_in_order():
+    conds = conditions.set(conditions.set([], "Placed", "True", "A", "", T0), "Running", "True", "B", "", T0)
+    conds = conditions.set(conds, "Placed", "False", "C", "", T1)
+    assert [c["type"] for c in conds] == ["Placed", "Running"]
+
+
+def _pod(name, node, gpus, phase="Pending", job=None, namespace="ns", bound=False):
+    spec = api_spec.parse_spec(JobBuilder().resources(gpusPerNode=gpus).layout(data=gpus, gpus_per_node=gpus).raw())
+    manifest = builders.build_pod(builders.JobRef(job or name, namespace, "u"), spec, 0, 0, node)
+    manifest["metadata"]["name"] = name
+    if bound:
+        manifest["spec"]["nodeName"] = node
+    manifest["status"] = {"phase": phase}
+    return manifest
+
+
+def test_reservations_come_from_live_pods_with_their_planned_node():
+    pods = [
+        _pod("a", "n1", 4, job="a"),
+        _pod("b", "n1", 2, phase="Running", job="b", bound=True),
+        _pod("c", "n2", 8, phase="Succeeded", job="c"),  # finished: frees its GPUs
+        _pod("mine", "n2", 8, job="me"),  # excluded: the job being planned
+    ]
+    taken = capacity.reservations(pods, "nvidia.com/gpu", exclude=("ns", "me"))
+    assert sorted((r.node, r.gpus) for r in taken) == [("n1", 2), ("n1", 4)]
+    nodes = [capacity.node_from_manifest({"metadata": {"name": n, "labels": {"x": "y"}},
+                                          "status": {"allocatable": {"nvidia.com/gpu": "8"}}}, "nvidia.com/gpu")
+             for n in ("n1", "n2")]
+    assert nodes[0].allocatable_gpus == 8 and nodes[0].labels == {"x": "y"}
+    assert capacity.free_gpus(nodes, taken) == {"n1": 2, "n2": 8}
+
+
+def test_cordoned_nodes_offer_nothing():
+    node = capacity.node_from_manifest({"metadata": {"name": "n"}, "spec": {"unschedulable": True},
+                                        "status": {"allocatable": {"nvidia.com/gpu": "8"}}}, "nvidia.com/gpu")
+    assert node.unschedulable and capacity.free_gpus([node], []) == {}
+
+
+def test_progress_report_to_status():
+    report = {"step": 42, "loss": 2.5, "tokens_per_second": 1000, "last_checkpoint_step": 40, "updated_at": "2026-01-01T12:00:00Z"}
+    assert progress.status_changes(report) == {
+        "progress": {"step": 42, "loss": 2.5, "tokensPerSecond": 1000.0, "updatedAt": "2026-01-01T12:00:00Z"},
+        "lastCheckpointStep": 40,
+    }
+
+
+@pytest.mark.parametrize("report", [{}, {"step": "x"}, {"step": -1}, {"step": True}])
+def test_unusable_progress_reports_change_nothing(report):
+    assert progress.status_changes(report) == {}
+
+
+def test_operator_cli_flags():
+    args = cli.build_parser().parse_args(["operator", "--namespace", "a", "--namespace", "b", "--kubeconfig", "k",
+                                          "--standalone", "--resync-seconds", "1"])
+    assert args.namespace == ["a", "b"] and args.kubeconfig == "k" and args.standalone
+    assert args.resync_seconds == 1.0
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["operator", "--namespace", "a", "--all-namespaces"])
