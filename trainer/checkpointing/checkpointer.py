@@ -1,0 +1,182 @@
+"""When to save, and resuming at start: the checkpoint policy the worker calls.
+
+What it is: :class:`Checkpointer`, built around a running
+:class:`~meshtrain.trainer.engine.Engine`.  :meth:`Checkpointer.restore`
+(at start, every rank) loads the newest complete checkpoint under
+``spec.checkpoint.path`` and puts the engine at the step after it;
+:meth:`Checkpointer.after_step` saves every ``checkpoint.intervalSteps``
+steps and at the last step, publishes atomically and prunes to
+``checkpoint.keep``.  Rank 0 makes every file-system decision (which
+checkpoint, the temporary name, publish, prune) and broadcasts it, so all
+ranks act on the same answer and an error on rank 0 is raised on every rank.
+
+Fault injection for tests: ``MESHTRAIN_FAULT_INJECT_SAVE=STEP[:MODE]`` stops
+the save of step ``STEP`` after every rank's data is written and before the
+checkpoint is published: ``die`` (default) exits at once with code 17,
+``pause`` prints a line and sleeps so a test can SIGKILL the run there.
+
+What it is not: the file format (:mod:`.state`) or the directory protocol (:mod:`.store`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from meshtrain.trainer.checkpointing import state, store
+
+FAULT_ENV = "MESHTRAIN_FAULT_INJECT_SAVE"
+FAULT_EXIT_CODE = 17
+
+
+def parse_fault(value: str | None) -> tuple[int, str] | None:
+    """``"4"`` -> (4, 'die'); ``"4:pause"`` -> (4, 'pause'); empty -> None."""
+    if not value:
+        return None
+    step, _, mode = value.partition(":")
+    mode = mode or "die"
+    if not step.isdigit() or mode not in ("die", "pause"):
+        raise ValueError(f"{FAULT_ENV}={value!r}: expected STEP or STEP:die or STEP:pause, e.g. 4:pause")
+    return int(step), mode
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"[checkpoint] {message}\n")
+    sys.stderr.flush()
+
+
+def _agree(payload: Any) -> Any:
+    """Rank 0's ``payload`` on every rank; an exception instance there is raised everywhere."""
+    box = [payload if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], store.CheckpointError):
+        raise store.CheckpointError(str(box[0]))
+    return box[0]
+
+
+def _on_rank0(fn: Any) -> Any:
+    """Run ``fn`` on rank 0 and share its result (or its CheckpointError) with every rank."""
+    result: Any = None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except store.CheckpointError as err:
+            result = err
+    return _agree(result)
+
+
+class Checkpointer:
+    """Saves and restores one engine's state under ``spec.checkpoint.path``."""
+
+    def __init__(self, engine: Any, *, root: str | Path | None = None) -> None:
+        """``root`` overrides ``spec.checkpoint.path`` (``meshtrain run`` puts checkpoints beside its logs)."""
+        self.engine = engine
+        spec = engine.spec
+        self.root = Path(root or spec.checkpoint.path)
+        self.interval = spec.checkpoint.interval_steps
+        self.keep = spec.checkpoint.keep
+        self.total = spec.training.steps
+        self.last_saved: int | None = None
+        """Step of the newest checkpoint this run wrote or loaded."""
+        self.fault = parse_fault(os.environ.get(FAULT_ENV))
+
+    # --- resume ----------------------------------------------------------------
+
+    def _model_shape(self) -> dict[str, int]:
+        return self.engine.spec.model.shape().model_dump()
+
+    def _layout(self) -> dict[str, int]:
+        par = self.engine.spec.parallelism
+        return {"data": par.data, "pipeline": par.pipeline, "tensor": par.tensor, "zero_stage": par.zero_stage}
+
+    def restore(self) -> int | None:
+        """Load the newest complete checkpoint, if any (collective); returns its step.
+
+        Damage, a foreign directory or another model shape raise
+        :class:`~.store.CheckpointError` on every rank: never a silent fresh start.
+        """
+        state.init_optimizer_state(self.engine.optimizer)
+
+        def find() -> tuple[str, dict[str, int], int] | None:
+            found = store.latest(self.root)
+            if found is None:
+                return None
+            published, marker = found
+            return str(published.path), marker.model, marker.step
+
+        found = _on_rank0(find)
+        if found is None:
+            return None
+        path, model, step = Path(found[0]), found[1], found[2]
+        mine = self._model_shape()
+        if model != mine:
+            raise store.CheckpointError(
+                f"{path / store.MARKER}: model shape mismatch: the checkpoint has {_shape_text(model)}, "
+                f"this job (spec.model) has {_shape_text(mine)}; refusing to load")
+        start = time.perf_counter()
+        record = state.load_from(path, self.engine)
+        self.engine.step = record["step"]
+        self.engine.sampler.load_state_dict(record["data"])
+        state.set_optimizer_step(self.engine.optimizer, record["optimizer_step"])
+        self.last_saved = step
+        if dist.get_rank() == 0:
+            _say(f"resumed from {path} (step {step}) in {time.perf_counter() - start:.2f}s")
+        return step
+
+    # --- save ------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a checkpoint step: every ``intervalSteps``, and the last one."""
+        return step == self.total or (self.interval > 0 and step % self.interval == 0)
+
+    def after_step(self, step: int) -> Path | None:
+        """Save if ``step`` is due (collective); returns the published directory."""
+        if not self.due(step) or self.last_saved == step:
+            return None
+        return self.save()
+
+    def save(self) -> Path:
+        """Write, publish and prune a checkpoint of the engine's current step (collective)."""
+        step = self.engine.step
+        start = time.perf_counter()
+        tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        entries = state.state_dict(self.engine)
+        state.save_into(tmp, entries)
+        dist.barrier()
+        written = time.perf_counter() - start
+        self._maybe_fault(step)
+
+        def publish() -> str:
+            marker = store.Marker(step=step, layout=self._layout(), model=self._model_shape(),
+                                  files=store.describe_files(tmp),
+                                  extra={"entries": len(entries), "write_seconds": round(written, 3),
+                                         "world_size": dist.get_world_size()})
+            final = store.publish(tmp, marker)
+            store.prune(self.root, self.keep)
+            return str(final)
+
+        final = Path(_on_rank0(publish))
+        self.last_saved = step
+        if dist.get_rank() == 0:
+            _say(f"saved step {step} to {final} in {time.perf_counter() - start:.2f}s")
+        return final
+
+    def _maybe_fault(self, step: int) -> None:
+        if self.fault is None or self.fault[0] != step:
+            return
+        if dist.get_rank() == 0:
+            _say(f"{FAULT_ENV}: {self.fault[1]} in the save of step {step} (data written, not published)")
+        if self.fault[1] == "die":
+            os._exit(FAULT_EXIT_CODE)
+        while True:
+            time.sleep(3600)
+
+
+def _shape_text(shape: dict[str, int]) -> str:
+    keys = ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_hidden")
+    return ", ".join(f"{k}={shape.get(k)}" for k in keys)

@@ -1,0 +1,128 @@
+"""Memory accounting: bytes of weights, gradients and optimizer state one rank really holds.
+
+What it is: :func:`measure`, which walks the tensors that exist on this rank
+(parameters, gradient buffers of the data-parallel reducer or ``.grad``,
+the optimizer's state) and adds up their storage, each storage counted once,
+and :class:`MemoryReport`, which sets the result beside the ZeRO paper's
+per-parameter formula for the layout (:func:`meshtrain.trainer.parallel.zero.expected_bytes_per_param`).
+The trainer logs the report at start and the telemetry exporter can publish
+it (``as_metrics``).
+
+Measured, not computed: a lazily created tensor (``torch.optim.AdamW``'s
+moments before the first step, ``.grad`` without a reducer before the first
+backward) counts only once it exists.  The checkpointer creates AdamW's state
+up front, so after start-up only the no-DP gradients are missing.
+
+What it is not: a CUDA allocator profile (activations, workspace and
+fragmentation are outside this; ``torch.cuda.max_memory_allocated`` covers those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from meshtrain.trainer.parallel import zero
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-rank bytes of the training state, measured, with the formula beside it."""
+
+    params: int
+    """Elements of the parameters this rank holds (its TP shard of its PP stage)."""
+    param_bytes: int
+    """Bytes of parameter storage."""
+    grad_bytes: int
+    """Bytes of gradient storage (reducer buckets or shards, or ``.grad``)."""
+    optimizer_bytes: int
+    """Bytes of optimizer state (AdamW moments and step counters)."""
+    zero_stage: int
+    """ZeRO stage in effect."""
+    dp: int
+    """Data-parallel degree (ZeRO's divisor)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + gradients + optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def per_param(self) -> dict[str, float]:
+        """Measured bytes per parameter element of each kind."""
+        n = max(1, self.params)
+        return {"params": self.param_bytes / n, "grads": self.grad_bytes / n, "optimizer": self.optimizer_bytes / n}
+
+    def expected(self) -> dict[str, float]:
+        """The formula's bytes per parameter (fp32 weights and gradients, two fp32 AdamW moments)."""
+        return zero.expected_bytes_per_param(stage=self.zero_stage, dp=self.dp)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything, for logs and JSON."""
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "per_param": self.per_param(),
+                "expected_per_param": self.expected()}
+
+    def as_metrics(self) -> dict[str, float]:
+        """Gauge values keyed by the ``kind`` label of ``meshtrain_state_memory_bytes``."""
+        return {"params": float(self.param_bytes), "grads": float(self.grad_bytes),
+                "optimizer": float(self.optimizer_bytes)}
+
+    def summary(self) -> str:
+        """One log line."""
+        per, exp = self.per_param(), self.expected()
+        return (f"state memory (zero {self.zero_stage}, dp {self.dp}, {self.params} params): "
+                f"weights {self.param_bytes / 2**20:.1f} MiB ({per['params']:.2f} B/param, formula {exp['params']:.2f}), "
+                f"grads {self.grad_bytes / 2**20:.1f} MiB ({per['grads']:.2f}, {exp['grads']:.2f}), "
+                f"optimizer {self.optimizer_bytes / 2**20:.1f} MiB ({per['optimizer']:.2f}, {exp['optimizer']:.2f})")
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage, once)."""
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    if isinstance(optimizer, zero.ZeroAdamW):
+        return [t for b in optimizer.buckets for t in (b.exp_avg, b.exp_avg_sq)]
+    found = []
+    for state in optimizer.state.values():
+        found += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _params_of(model: Any) -> list[torch.nn.Parameter]:
+    if hasattr(model, "named_params"):  # meshtrain.trainer.parallel.parallelize.ParallelModel
+        return [p for _, p in model.named_params]
+    if isinstance(model, torch.nn.Module):
+        return list(model.parameters())
+    return list(model)
+
+
+def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
+    """Measure this rank's weights, gradients and optimizer state from the tensors themselves.
+
+    ``model`` is the rank's ParallelModel (or a module, or a list of
+    parameters); ``grad_reducer`` the data-parallel reducer (None without
+    DP), whose bucket buffers are the gradients (full buckets, or shards under
+    ZeRO-2).  The ZeRO stage is the optimizer's, the divisor the reducer's group.
+    """
+    params = _params_of(model)
+    seen: set[int] = set()
+    param_bytes = _storage_bytes(params, seen)
+    grads = [b.buffer for b in grad_reducer.buckets] if grad_reducer is not None else []
+    grads += [p.grad for p in params if p.grad is not None]
+    grad_bytes = _storage_bytes(grads, seen)
+    optimizer_bytes = _storage_bytes(_optimizer_tensors(optimizer), seen)
+    return MemoryReport(params=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,
+                        optimizer_bytes=optimizer_bytes, zero_stage=getattr(optimizer, "stage", 0),
+                        dp=grad_reducer.group_size if grad_reducer is not None else 1)
