@@ -1,0 +1,85 @@
+"""The generated CRD on a real API server: kubectl explain, and invalid specs refused at apply time."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from meshtrain.api import rules
+
+pytestmark = pytest.mark.integration
+
+VALID = {
+    "apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "bad"},
+    "spec": {"parallelism": {"data": 2, "pipeline": 2, "tensor": 2}, "resources": {"gpusPerNode": 4},
+             "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 64}},
+}
+
+
+def _rule(name: str) -> str:
+    return next(r.cel_message for r in (*rules.RULES, rules.SHAPE_RULE) if r.name == name)
+
+
+def _with(path: str, value) -> dict:
+    body = copy.deepcopy(VALID)
+    node = body
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return body
+
+
+def _sequence_parallel_with_odd_seq_len() -> dict:
+    body = _with("spec.parallelism.sequenceParallel", True)
+    body["spec"]["model"]["seqLen"] = 63
+    return body
+
+
+INVALID = [
+    ("tensor does not divide gpusPerNode", _with("spec.parallelism.tensor", 3), _rule("tensor-divides-gpus-per-node")),
+    ("world not a multiple of gpusPerNode", _with("spec.resources.gpusPerNode", 16), _rule("world-multiple-of-gpus-per-node")),
+    ("global batch arithmetic", _with("spec.training", {"globalBatch": 7}), _rule("global-batch-arithmetic")),
+    ("virtual stages without interleaving", _with("spec.parallelism.virtualStages", 2), _rule("virtual-stages-need-interleaving")),
+    ("interleaved micro-batches", _with("spec.parallelism", {"data": 2, "pipeline": 2, "tensor": 2, "schedule": "interleaved-1f1b",
+                                                             "virtualStages": 2, "microBatches": 3}), _rule("interleaved-micro-batches")),
+    ("layers over stages", _with("spec.model.layers", 3), _rule("layers-split-over-stages")),
+    ("heads over tensor", _with("spec.model.heads", 3), _rule("heads-split-over-tensor")),
+    ("hidden over heads", _with("spec.model.hidden", 66), _rule("hidden-split-over-heads")),
+    ("vocab over tensor", _with("spec.model.vocab", 255), _rule("vocab-split-over-tensor")),
+    ("ffn over tensor", _with("spec.model.ffnHidden", 255), _rule("ffn-split-over-tensor")),
+    ("sequence parallel over tensor", _sequence_parallel_with_odd_seq_len(), _rule("sequence-split-over-tensor")),
+    ("learning rate order", _with("spec.training", {"learningRate": 0.001, "minLearningRate": 0.01}), _rule("learning-rate-order")),
+    ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
+    ("unknown schedule (enum)", _with("spec.parallelism.schedule", "zero-bubble"), "Unsupported value: \"zero-bubble\""),
+    ("data below its minimum", _with("spec.parallelism.data", 0), "should be greater than or equal to 1"),
+    ("name too long", _with("metadata.name", "x" * 41), "metadata.name must be at most 40 characters"),
+]
+
+
+def test_kubectl_explain_shows_the_model_descriptions(cluster):
+    result = cluster.kubectl("explain", "trainingjob.spec.parallelism")
+    assert result.returncode == 0, result.stderr
+    assert "Tensor-parallel degree" in result.stdout
+    assert "Pipeline schedule" in result.stdout
+    short = cluster.kubectl("explain", "tj.spec.runPolicy.backoffLimit")
+    assert "Gang restarts allowed before the job fails" in short.stdout
+
+
+def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
+    body = _with("metadata.name", "good")
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-o", "yaml", "-f", "-", stdin=yaml.safe_dump(body))
+    assert result.returncode == 0, result.stderr
+    stored = yaml.safe_load(result.stdout)
+    assert stored["spec"]["parallelism"]["schedule"] == "1f1b"
+    assert stored["spec"]["runPolicy"]["backoffLimit"] == 3
+    assert stored["spec"]["resources"]["gpuResourceName"] == "nvidia.com/gpu"
+
+
+@pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_spec_is_refused_by_kubectl_apply(cluster, namespace, case, body, message):
+    result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body))
+    assert result.returncode != 0, f"{case}: accepted"
+    assert message in result.stderr, result.stderr
