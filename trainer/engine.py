@@ -27,7 +27,7 @@ import torch.distributed as dist
 from meshtrain.trainer import data, optim
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import parallelize, recording
+from meshtrain.trainer.parallel import parallelize, recording, zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,14 @@ class Engine:
         self.model = parallelize.parallelize(
             dense, mesh, schedule=par.schedule, virtual_stages=par.virtual_stages, micro_batches=par.micro_batches,
             micro_batch=training.micro_batch, sequence_parallel=par.sequence_parallel, bucket_mb=par.bucket_mb,
-            recorder=self.recorder, autocast=autocast)
-        self.optimizer = optim.build_adamw(self.model.named_params, lr=training.learning_rate,
-                                           weight_decay=training.weight_decay)
+            recorder=self.recorder, autocast=autocast, zero_stage=par.zero_stage)
+        if par.zero_stage and self.model.reducer is not None:  # ZeRO 1/2: moments sharded over dp
+            self.optimizer = zero.ZeroAdamW(self.model.named_params, self.model.reducer, stage=par.zero_stage,
+                                            lr=training.learning_rate, weight_decay=training.weight_decay,
+                                            recorder=self.recorder)
+        else:
+            self.optimizer = optim.build_adamw(self.model.named_params, lr=training.learning_rate,
+                                               weight_decay=training.weight_decay)
         tokens = data.load_tokens(training.dataset, vocab=self.config.vocab, seq_len=self.config.seq_len)
         self.sampler = data.BatchSampler(tokens, seq_len=self.config.seq_len, micro_batch=training.micro_batch,
                                          micro_batches=par.micro_batches, dp_rank=mesh.coords.dp,
@@ -150,8 +155,9 @@ class Engine:
                          warmup=training.warmup_steps, total=training.steps)
         optim.set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward()
-        norm = optim.clip_grad_norm(self.params, counted=self._norm_counted, max_norm=training.grad_clip,
-                                    groups=self._norm_groups, recorder=self.recorder)
+        clip = self.optimizer.clip_grad_norm if isinstance(self.optimizer, zero.ZeroAdamW) else optim.clip_grad_norm
+        norm = clip(self.params, counted=self._norm_counted, max_norm=training.grad_clip,
+                    groups=self._norm_groups, recorder=self.recorder)
         self.optimizer.step()
         self.zero_grad()
         loss = self._global_loss(loss_sum)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import pipeline, recording, reducer, tensor
+from meshtrain.trainer.parallel import pipeline, recording, reducer, tensor, zero
 
 
 @dataclasses.dataclass
@@ -65,7 +65,8 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_stages: int, micro_batches: int,
                 micro_batch: int, sequence_parallel: bool, bucket_mb: float, recorder: recording.StepRecorder,
-                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> ParallelModel:
+                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                zero_stage: int = 0) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank."""
     layout, coords = mesh.layout, mesh.coords
     config = model.config
@@ -88,8 +89,10 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
     # 3. Data parallel: hook the final parameters.
     grad_reducer = None
     if layout.data > 1:
-        grad_reducer = reducer.GradReducer([p for _, p in named], group=mesh.group("dp"), group_size=layout.data,
-                                           bucket_mb=bucket_mb, recorder=recorder)
+        # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce.
+        reducer_cls = zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
+        grad_reducer = reducer_cls([p for _, p in named], group=mesh.group("dp"), group_size=layout.data,
+                                   bucket_mb=bucket_mb, recorder=recorder)
 
     # 4. The schedule executor around it all.
     ranks = [layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)]

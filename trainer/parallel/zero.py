@@ -100,13 +100,13 @@ def expected_bytes_per_param(*, stage: int, dp: int, weight: int = 4, grad: int 
 def _reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, size: int) -> dist.Work:
     """Sum ``full`` over the group, leaving this rank's 1/size slice in ``out`` (asynchronous).
 
-    torch 2.13's gloo implements ``reduce_scatter_tensor`` for fp32 and bf16
+    torch 2.13's gloo implements ``reduce_scatter_single`` for fp32 and bf16
     CPU tensors; for a backend or dtype that lacks it, the fallback
     all-reduces ``full`` and copies the slice when waited on (same sums,
     more traffic).
     """
     try:
-        return dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+        return dist.reduce_scatter_single(out, full, group=group, async_op=True)
     except (RuntimeError, NotImplementedError):
         work = dist.all_reduce(full, group=group, async_op=True)
         work.wait()
@@ -127,7 +127,7 @@ class ShardedGradReducer(reducer.GradReducer):
 
     def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup, group_size: int,
                  bucket_mb: float, recorder: recording.StepRecorder) -> None:
-        self._pending: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(params, group=group, group_size=group_size, bucket_mb=bucket_mb, recorder=recorder)
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
@@ -150,19 +150,24 @@ class ShardedGradReducer(reducer.GradReducer):
                 full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
                 p.grad = None
             offset += p.numel()
-        self._pending[bucket.index] = full  # kept alive until the collective is done
-        nbytes = full.numel() * full.element_size()
+        # gloo's reduce-scatter work has no future to hang a callback on: time it from launch to wait.
+        self._pending[bucket.index] = (full, start)  # the packed buffer lives until the collective is done
         bucket.work = _reduce_scatter(shard, full, self.group, self.group_size)
-
-        def done(_future) -> None:  # noqa: ANN001 - runs on the communication thread
-            self.recorder.collective("dp", "reduce_scatter", nbytes, start, time.perf_counter(), bucket=bucket.index)
-
-        bucket.work.get_future().add_done_callback(done)
 
     def finish(self) -> None:
         """Wait for every bucket's reduce-scatter and turn sums into means; only shards remain."""
-        super().finish()
-        self._pending.clear()
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            full, start = self._pending.pop(bucket.index)
+            self.recorder.collective("dp", "reduce_scatter", full.numel() * full.element_size(), start,
+                                     time.perf_counter(), bucket=bucket.index)
+            bucket.buffer.div_(self.group_size)
+            bucket.work = None
+            bucket.ready = 0
+        self.sync = True
 
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shard of every bucket, in bucket order."""
@@ -236,22 +241,26 @@ class ZeroAdamW:
         flat = self.reducer.buckets[index].buffer  # stage 1: the full all-reduced bucket
         return flat.narrow(0, state.start, state.stop - state.start)
 
-    def clip_grad_norm(self, *, counted: dict[int, bool], max_norm: float,
-                       groups: list[tuple[str, dist.ProcessGroup]]) -> float:
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], *, counted: list[bool], max_norm: float,
+                       groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder | None = None) -> float:
         """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
 
-        ``counted`` maps ``id(param)`` to whether this rank counts it (tensor-parallel replicas count once).
+        Same signature as :func:`meshtrain.trainer.optim.clip_grad_norm`:
+        ``counted[i]`` says whether this rank counts ``params[i]``
+        (tensor-parallel replicas count once).
         """
+        counted_by_id = {id(p): c for p, c in zip(params, counted)}
+        recorder = recorder or self.recorder
         square = torch.zeros((), dtype=torch.float64, device=self.buckets[0].exp_avg.device if self.buckets else "cpu")
         for index, state in enumerate(self.buckets):
             grad = self._owned_grad(index)
             for seg in state.segments:
-                if counted.get(id(state.params[seg.member]), True):
+                if counted_by_id.get(id(state.params[seg.member]), True):
                     square += grad.narrow(0, seg.shard_offset, seg.numel).double().pow(2).sum()
         for axis, group in [("dp", self.group), *groups]:
             start = time.perf_counter()
             dist.all_reduce(square, group=group)
-            self.recorder.collective(axis, "all_reduce", square.element_size(), start, time.perf_counter())
+            recorder.collective(axis, "all_reduce", square.element_size(), start, time.perf_counter())
         norm = float(square.sqrt())
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))
@@ -297,7 +306,7 @@ class ZeroAdamW:
         else:
             full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
             start = time.perf_counter()
-            dist.all_gather_into_tensor(full, work, group=self.group)
+            dist.all_gather_single(full, work, group=self.group)
             self.recorder.collective("dp", "all_gather", full.numel() * full.element_size(), start, time.perf_counter())
         offset = 0
         for p in state.params:
