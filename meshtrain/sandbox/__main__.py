@@ -1,0 +1,113 @@
+"""``python -m meshtrain.sandbox up|down|status|run-example|logs``: the sandbox's commands.
+
+What it is: argument parsing and printing; the work is in :mod:`.supervisor`
+(processes) and :mod:`.example` (applying and following a job).  Make calls
+these (``make sandbox-up`` ...); nothing here is needed by the operator or
+the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from meshtrain.sandbox import example, supervisor
+
+
+def _print_ready(paths: supervisor.Paths, state: dict) -> None:
+    print(f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
+          f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}")
+    print("8 simulated GPU nodes (2 blocks x 2 leaves x 2 nodes x 4 GPUs); pods run as LOCAL PROCESSES, images are not pulled;")
+    print(f"`kubectl logs` cannot work (no kubelet API): read {paths.root}/pods/<ns>/<pod>/<container>.log "
+          "or `python -m meshtrain.sandbox logs POD`.")
+    print(f"export KUBECONFIG={state['kubeconfig']}")
+    print(f"Prometheus: {state['prometheus_url']}")
+
+
+def _cmd_up(paths: supervisor.Paths, args: argparse.Namespace) -> int:
+    try:
+        state = supervisor.up(paths)
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
+    _print_ready(paths, state)
+    return 0
+
+
+def _cmd_down(paths: supervisor.Paths, args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    leftovers = supervisor.down(paths)
+    if leftovers:
+        print(f"sandbox down in {time.monotonic() - started:.1f}s; had to kill leftover processes {leftovers}")
+    else:
+        print(f"sandbox down in {time.monotonic() - started:.1f}s; no process left behind")
+    return 0
+
+
+def _cmd_status(paths: supervisor.Paths, args: argparse.Namespace) -> int:
+    state = supervisor.status(paths)
+    print(json.dumps({k: state.get(k) for k in ("status", "kubeconfig", "prometheus_url", "timings", "alive", "exited") if k in state}, indent=2))
+    return 0 if state.get("status") == "ready" else 3
+
+
+def _cmd_logs(paths: supervisor.Paths, args: argparse.Namespace) -> int:
+    matches = sorted((paths.root / "pods").glob(f"*/{args.pod}/*.log"))
+    if not matches:
+        print(f"no logs for pod {args.pod} under {paths.root / 'pods'}", file=sys.stderr)
+        return 1
+    for path in matches:
+        print(f"==> {path} <==")
+        print(path.read_text(errors="replace")[-args.bytes:])
+    return 0
+
+
+def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        state = supervisor.up(paths)
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
+    _print_ready(paths, state)
+    namespace, name = example.apply(paths, pathlib.Path(args.example))
+    print(f"applied {args.example}: TrainingJob {namespace}/{name}")
+    final = example.follow(paths, namespace, name, timeout=args.timeout)
+    phase = final["status"]["phase"]
+    print(f"TrainingJob {namespace}/{name} {phase} after {time.monotonic() - started:.0f}s "
+          f"(restarts {final['status'].get('restarts', 0)}, last checkpoint step {final['status'].get('lastCheckpointStep')})")
+    print(f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
+          f"(e.g. sum by (job) (meshtrain_tokens_per_second{{job=\"{name}\"}}))")
+    print(f"pod logs: {paths.root}/pods/{namespace}/")
+    print(f"timeline picture: meshtrain timeline --help (reads the step trace the trainer writes beside its checkpoints in "
+          f"{paths.root}/volumes/{namespace}/)")
+    return 0 if phase == "Succeeded" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshtrain.sandbox", description=__doc__.splitlines()[0])
+    parser.add_argument("--state-dir", type=pathlib.Path, default=None, help="default: $MESHTRAIN_SANDBOX_DIR or .sandbox/")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start the sandbox (or show the running one)").set_defaults(handler=_cmd_up)
+    sub.add_parser("down", help="stop everything; no process is left behind").set_defaults(handler=_cmd_down)
+    sub.add_parser("status", help="what runs, where the kubeconfig and Prometheus are").set_defaults(handler=_cmd_status)
+    logs = sub.add_parser("logs", help="a pod's container logs (kubectl logs cannot work here)")
+    logs.add_argument("pod")
+    logs.add_argument("--bytes", type=int, default=20000)
+    logs.set_defaults(handler=_cmd_logs)
+    run = sub.add_parser("run-example", help="up, apply an example TrainingJob, follow it to the end")
+    run.add_argument("example", nargs="?", default=str(example.DEFAULT_EXAMPLE))
+    run.add_argument("--timeout", type=float, default=1800.0)
+    run.set_defaults(handler=_cmd_run_example)
+    serve = sub.add_parser("serve", help="(internal) the supervisor process that `up` starts")
+    serve.set_defaults(handler=lambda paths, _args: supervisor.serve(paths))
+    args = parser.parse_args(argv)
+    paths = supervisor.Paths((args.state_dir or supervisor.default_state_dir()).resolve())
+    paths.root.mkdir(parents=True, exist_ok=True)
+    return int(args.handler(paths, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
