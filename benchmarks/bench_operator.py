@@ -1,0 +1,186 @@
+"""Benchmark of the operator against a real kube-apiserver + etcd.
+
+What it measures:
+
+1. gang latency: ``apply`` of a 128-pod TrainingJob -> all 128 pods created and
+   every scheduling gate lifted (target < 2 s), repeated ``--repeat`` times;
+2. memory: resident set size of the ``meshtrain operator`` process once it has
+   reconciled 1,000 TrainingJobs (target < 300 MB): ``--placed`` of them run a
+   1-pod gang, the rest are suspended.
+
+It starts its own control plane (:class:`meshtrain.controlplane.ControlPlane`),
+installs the CRDs, creates Node objects with GPU capacity (no kubelet) and runs
+the operator as a subprocess, as a user would.  It prints a table and writes
+``benchmarks/results/operator-<host>.json``.
+
+What it is not: a scheduler or kubelet benchmark — no pod is bound or started.
+
+    python benchmarks/bench_operator.py [--repeat 3] [--jobs 1000] [--placed 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import kubernetes
+import yaml
+
+from meshtrain import controlplane
+from meshtrain.api import crd
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import machine  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait(check, timeout: float, interval: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError("benchmark condition not reached")
+
+
+def _install(api: kubernetes.client.ApiClient, kubeconfig: str, kubectl: str) -> None:
+    ext = kubernetes.client.ApiextensionsV1Api(api)
+    for document in [crd.build(), *yaml.safe_load_all((REPO / "manifests/crd/kopf-peering.yaml").read_text())]:
+        ext.create_custom_resource_definition(document)
+    _wait(lambda: subprocess.run([kubectl, "--kubeconfig", kubeconfig, "get", "trainingjobs,clusterkopfpeerings", "-A"],
+                                 capture_output=True).returncode == 0, 60, 0.2)
+    subprocess.run([kubectl, "--kubeconfig", kubeconfig, "apply", "-f", str(REPO / "manifests/operator/peering.yaml")],
+                   check=True, capture_output=True)
+
+
+def _add_nodes(core: kubernetes.client.CoreV1Api, count: int, gpus: int) -> None:
+    for index in range(count):
+        name = f"gpu-{index:04d}"
+        core.create_node({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}})
+        amounts = {"nvidia.com/gpu": str(gpus), "cpu": "96", "memory": "1Ti", "pods": "110"}
+        core.patch_node_status(name, {"status": {"capacity": amounts, "allocatable": amounts}})
+
+
+def _job(name: str, namespace: str, pods: int, suspend: bool = False) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"parallelism": {"data": pods}, "resources": {"gpusPerNode": 1}, "model": {"preset": "tiny"},
+                     "runPolicy": {"suspend": suspend}}}
+
+
+def _start_operator(kubeconfig: str, log: pathlib.Path) -> tuple[subprocess.Popen[bytes], int]:
+    health = _free_port()
+    command = [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--kubeconfig", kubeconfig,
+               "--liveness", f"http://127.0.0.1:{health}/healthz", "--metrics-port", str(_free_port()),
+               "--resync-seconds", "30"]
+    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=REPO)
+
+    def alive() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+    _wait(alive, 60, 0.2)
+    return process, health
+
+
+def _rss_mb(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def gang_latency(core, custom, namespace: str, repeat: int, pods: int) -> list[float]:
+    """Seconds from create to every pod existing with no gate, per repetition."""
+    timings = []
+    for attempt in range(repeat):
+        name = f"gang{attempt}"
+        started = time.perf_counter()
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _job(name, namespace, pods))
+
+        def done() -> bool:
+            items = core.list_namespaced_pod(namespace, label_selector=f"meshtrain.io/job={name}").items
+            return len(items) == pods and all(not p.spec.scheduling_gates for p in items)
+        _wait(done, 60)
+        timings.append(time.perf_counter() - started)
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        _wait(lambda: not core.list_namespaced_pod(namespace, label_selector=f"meshtrain.io/job={name}").items, 60, 0.1)
+    return timings
+
+
+def memory_with_jobs(custom, namespace: str, jobs: int, placed: int, pid: int) -> dict[str, float]:
+    before = _rss_mb(pid)
+    started = time.perf_counter()
+    for index in range(jobs):
+        body = _job(f"m{index:04d}", namespace, 1, suspend=index >= placed)
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+
+    def reconciled() -> bool:
+        items = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+        return sum(1 for i in items if (i.get("status") or {}).get("phase") in ("Placing", "Suspended")) == jobs
+    _wait(reconciled, 600, 1.0)
+    settle = time.perf_counter() - started
+    time.sleep(5)
+    return {"jobs": jobs, "placed": placed, "rss_before_mb": before, "rss_after_mb": _rss_mb(pid), "reconciled_seconds": settle}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pods", type=int, default=128)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--placed", type=int, default=100)
+    args = parser.parse_args(argv)
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-operator-"))
+    with controlplane.ControlPlane() as plane:
+        kubeconfig = str(plane.kubeconfig_path)
+        api = kubernetes.config.new_client_from_config(config_file=kubeconfig)
+        core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
+        _install(api, kubeconfig, str(plane.binaries.kubectl))
+        _add_nodes(core, max(args.pods, args.placed) // 8 + 2, 8)
+        for namespace in ("bench", "memory"):
+            core.create_namespace({"metadata": {"name": namespace}})
+        process, _ = _start_operator(kubeconfig, workdir / "operator.log")
+        try:
+            timings = gang_latency(core, custom, "bench", args.repeat, args.pods)
+            memory = memory_with_jobs(custom, "memory", args.jobs, args.placed, process.pid)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+    results = {
+        "gang_latency_seconds": timings, "gang_pods": args.pods, "gang_target_seconds": 2.0,
+        "memory": memory, "memory_target_mb": 300, "operator_log": str(workdir / "operator.log"),
+    }
+    path = machine.write_results("operator", results)
+    print(f"{'measure':<44} {'value':>10} {'target':>8}")
+    print(f"{f'apply -> {args.pods} pods ungated, best (s)':<44} {min(timings):>10.2f} {'< 2':>8}")
+    print(f"{f'apply -> {args.pods} pods ungated, median (s)':<44} {sorted(timings)[len(timings) // 2]:>10.2f} {'< 2':>8}")
+    print(f"{f'operator RSS, {args.jobs} jobs (MB)':<44} {memory['rss_after_mb']:>10.1f} {'< 300':>8}")
+    print(f"{'operator RSS before the jobs (MB)':<44} {memory['rss_before_mb']:>10.1f}")
+    print(f"{f'{args.jobs} jobs reconciled after (s)':<44} {memory['reconciled_seconds']:>10.1f}")
+    print(f"results: {path}")
+    print(json.dumps(results["memory"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
