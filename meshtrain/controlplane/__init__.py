@@ -1,0 +1,16 @@
+"""A real, local Kubernetes control plane for tests and the sandbox.
+
+What it is: :class:`ControlPlane` starts etcd and kube-apiserver (optionally
+kube-scheduler and kube-controller-manager) from binaries that
+``scripts/bootstrap.sh`` builds from the pinned Kubernetes release
+(:mod:`.binaries` finds them); :mod:`.pki`, :mod:`.kubeconfig`, :mod:`.ports`
+and :mod:`.rest` are its parts.
+
+What it is not: a cluster with nodes. No kubelet runs; the sandbox adds a node
+agent on top. It never downloads or builds binaries itself.
+"""
+
+from meshtrain.controlplane.binaries import Binaries, BinariesMissingError, locate
+from meshtrain.controlplane.server import ControlPlane, StartupError
+
+__all__ = ["Binaries", "BinariesMissingError", "ControlPlane", "StartupError", "locate"]

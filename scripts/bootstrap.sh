@@ -1,0 +1,290 @@
+#!/usr/bin/env bash
+# bootstrap.sh — provide the real Kubernetes control-plane binaries the tests
+# and the local sandbox run against, plus helm and Prometheus.
+#
+# What it does:
+#   * kube-apiserver, kube-controller-manager, kube-scheduler, kubectl: built
+#     from the k8s.io/kubernetes Go module of ONE pinned release. A throw-away
+#     wrapper module (under the cache dir, never in the repo) requires
+#     k8s.io/kubernetes and pins every k8s.io/* staging module with `replace`
+#     to the matching v0.X.Y tag. The replace list is read from that release's
+#     own go.mod (its `k8s.io/... => ./staging/...` lines), not typed here.
+#   * etcd: built from go.etcd.io/etcd/server/v3 at the version that Kubernetes
+#     release recommends (its build/dependencies.yaml).
+#   * helm: built from helm.sh/helm/v3/cmd/helm at HELM_VERSION.
+#   * prometheus/promtool: Debian's `prometheus` package (service left stopped).
+#
+# What it is not: a cluster installer. It only provides binaries.
+#
+# Binaries land in ${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}/bin/<k8s-version>/
+# next to a `versions` file. A second run builds nothing. Binaries found in
+# $KUBEBUILDER_ASSETS or on PATH at the pinned version are linked, not rebuilt.
+#
+# Usage:
+#   scripts/bootstrap.sh                  build/verify everything, print bin dir
+#   scripts/bootstrap.sh --print-bin-dir  print the bin dir only, build nothing
+#   scripts/bootstrap.sh --no-prometheus  skip the apt step
+#
+# Environment:
+#   MESHTRAIN_K8S_VERSION   Kubernetes release (default below)
+#   MESHTRAIN_CACHE         cache root (default $HOME/.cache/meshtrain)
+#   KUBEBUILDER_ASSETS      directory with prebuilt binaries to reuse
+set -euo pipefail
+
+K8S_VERSION="${MESHTRAIN_K8S_VERSION:-v1.36.3}"
+HELM_VERSION="${MESHTRAIN_HELM_VERSION:-v3.22.0}"
+CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
+BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
+BUILD_ROOT="$CACHE_ROOT/build"
+KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+
+WITH_PROMETHEUS=1
+for arg in "$@"; do
+  case "$arg" in
+    --print-bin-dir) echo "$BIN_DIR"; exit 0 ;;
+    --no-prometheus) WITH_PROMETHEUS=0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e 's/^# \{0,1\}//' -e '/^set -euo/d'; exit 0 ;;
+    *) echo "bootstrap: unknown argument: $arg (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+START_SECONDS=$SECONDS
+log() { printf '[bootstrap %4ds] %s\n' "$((SECONDS - START_SECONDS))" "$*"; }
+die() { printf 'bootstrap: error: %s\n' "$*" >&2; exit 1; }
+
+# --- versions reported by each binary -------------------------------------
+
+# Prints the version a binary reports, in the same spelling as our pins
+# (v1.36.3, 3.6.8, v3.22.0), or nothing if it cannot tell.
+reported_version() {
+  local name="$1" path="$2" out
+  case "$name" in
+    kubectl) out="$("$path" version --client 2>/dev/null | sed -n 's/^Client Version: //p')" ;;
+    kube-*)  out="$("$path" --version 2>/dev/null | sed -n 's/^Kubernetes //p')" ;;
+    etcd)    out="$("$path" --version 2>/dev/null | sed -n 's/^etcd Version: //p')" ;;
+    helm)    out="$("$path" version --short 2>/dev/null | sed 's/+.*//')" ;;
+  esac
+  echo "${out:-}"
+}
+
+wanted_version() {
+  case "$1" in
+    kube-*|kubectl) echo "$K8S_VERSION" ;;
+    etcd)           echo "${ETCD_VERSION:-}" ;;
+    helm)           echo "$HELM_VERSION" ;;
+  esac
+}
+
+# True when $BIN_DIR/<name> exists and reports the pinned version. When it
+# does not, a binary from KUBEBUILDER_ASSETS or PATH at the pinned version is
+# linked into $BIN_DIR instead (and counts as present).
+have_binary() {
+  local name="$1" want candidate
+  want="$(wanted_version "$name")"
+  [[ -n "$want" ]] || return 1
+  if [[ -x "$BIN_DIR/$name" && "$(reported_version "$name" "$BIN_DIR/$name")" == "$want" ]]; then
+    return 0
+  fi
+  for candidate in "${KUBEBUILDER_ASSETS:+$KUBEBUILDER_ASSETS/$name}" "$(command -v "$name" || true)"; do
+    [[ -n "$candidate" && -x "$candidate" ]] || continue
+    [[ "$(readlink -f "$candidate")" == "$(readlink -f "$BIN_DIR/$name" 2>/dev/null)" ]] && continue
+    if [[ "$(reported_version "$name" "$candidate")" == "$want" ]]; then
+      mkdir -p "$BIN_DIR"
+      ln -sfn "$(readlink -f "$candidate")" "$BIN_DIR/$name"
+      log "$name: using existing $candidate ($want)"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# --- Go toolchain -----------------------------------------------------------
+
+require_go() {
+  command -v go >/dev/null 2>&1 || die "Go is missing: 'go' is not on PATH.
+  Building the Kubernetes binaries needs Go >= ${1:-1.26} (the version the
+  Kubernetes release's go.mod states). Debian's 'apt-get install golang' is too
+  old; install Go from https://go.dev/dl/ (or the distro's backports) and put
+  its bin directory on PATH, then run scripts/bootstrap.sh again."
+}
+
+# Fails unless the local Go is at least $1 (e.g. 1.26.0).
+require_go_at_least() {
+  local need="$1" have
+  have="$(go env GOVERSION)"; have="${have#go}"
+  if [[ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n1)" != "$need" ]]; then
+    die "Go $have is too old: Kubernetes $K8S_VERSION needs Go >= $need.
+  Debian's 'apt-get install golang' is too old; install Go >= $need from
+  https://go.dev/dl/ (or the distro's backports) and run this script again."
+  fi
+}
+
+# Prints the directory of a downloaded module, or fails with the list of
+# versions the module proxy does have.
+module_dir() {
+  local module="$1" version="$2" json
+  if ! json="$(go mod download -json "$module@$version" 2>&1)" || ! grep -q '"Dir"' <<<"$json"; then
+    local latest
+    latest="$(go list -m -versions "$module" 2>/dev/null | tr ' ' '\n' | tail -n +2 \
+              | grep -v -- '-' | sort -V | tail -n 5 | tr '\n' ' ')"
+    die "version $version of $module does not exist on the Go module proxy ($(go env GOPROXY)).
+  Latest available: ${latest:-(could not list versions)}
+  Set MESHTRAIN_K8S_VERSION to one of them."
+  fi
+  sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$json"
+}
+
+# --- building -----------------------------------------------------------------
+
+# Writes a wrapper module to $1: `module`, `go`, requires ($3), replaces ($4).
+write_wrapper() {
+  local dir="$1" go_line="$2" requires="$3" replaces="$4"
+  mkdir -p "$dir"
+  {
+    echo "// Generated by meshtrain scripts/bootstrap.sh; safe to delete."
+    echo "module meshtrain.local/build"
+    echo
+    echo "go $go_line"
+    echo
+    printf 'require (\n%s\n)\n' "$requires"
+    if [[ -n "$replaces" ]]; then printf '\nreplace (\n%s\n)\n' "$replaces"; fi
+  } >"$dir/go.mod"
+}
+
+# Builds package $3 inside wrapper module $2 into $BIN_DIR/$1 with ldflags $4.
+build_binary() {
+  local name="$1" wrapper="$2" package="$3" ldflags="$4" started=$SECONDS ticker
+  log "building $name from $package ..."
+  ( while sleep 60; do log "  ... still building $name ($((SECONDS - started))s)"; done ) &
+  ticker=$!
+  if ! (cd "$wrapper" && CGO_ENABLED=0 GOFLAGS="-mod=mod" GOTOOLCHAIN=local \
+          go build -trimpath -ldflags "-s -w $ldflags" -o "$BIN_DIR/.$name.tmp" "$package"); then
+    kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+    die "building $name failed (wrapper module: $wrapper)"
+  fi
+  kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+  mv -f "$BIN_DIR/.$name.tmp" "$BIN_DIR/$name"
+  log "built $name in $((SECONDS - started))s ($(du -h "$BIN_DIR/$name" | cut -f1))"
+}
+
+# Version stamps, the same variables kubernetes' hack/lib/version.sh sets.
+kube_ldflags() {
+  local major minor flags="" key val pkg
+  major="${K8S_VERSION#v}"; major="${major%%.*}"
+  minor="${K8S_VERSION#v*.}"; minor="${minor%%.*}"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    for key in gitVersion=$K8S_VERSION gitMajor=$major gitMinor=$minor gitTreeState=clean \
+               buildDate=1970-01-01T00:00:00Z; do
+      flags+=" -X $pkg.${key%%=*}=${key#*=}"
+    done
+  done
+  echo "$flags"
+}
+
+build_kubernetes() {
+  local kube_dir="$1" wrapper="$BUILD_ROOT/kubernetes-$K8S_VERSION" staging_version replaces name
+  staging_version="v0.${K8S_VERSION#v1.}"
+  # Derive the pins from the release's own go.mod: every `k8s.io/x => ./staging/...`
+  # becomes `k8s.io/x => k8s.io/x v0.X.Y`.
+  replaces="$(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/.*$#\t\1 => \1 '"$staging_version"'#p' \
+              "$kube_dir/go.mod")"
+  [[ -n "$replaces" ]] || die "found no staging replaces in $kube_dir/go.mod"
+  log "pinning $(wc -l <<<"$replaces") k8s.io staging modules to $staging_version"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$kube_dir/go.mod")" \
+    "$(printf '\tk8s.io/kubernetes %s\n' "$K8S_VERSION")" "$replaces"
+  for name in "${KUBE_BINARIES[@]}"; do
+    have_binary "$name" && continue
+    build_binary "$name" "$wrapper" "k8s.io/kubernetes/cmd/$name" "$(kube_ldflags)"
+  done
+}
+
+build_etcd() {
+  local wrapper="$BUILD_ROOT/etcd-v$ETCD_VERSION" etcd_dir
+  etcd_dir="$(module_dir go.etcd.io/etcd/server/v3 "v$ETCD_VERSION")"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$etcd_dir/go.mod")" \
+    "$(printf '\tgo.etcd.io/etcd/server/v3 v%s\n' "$ETCD_VERSION")" ""
+  build_binary etcd "$wrapper" go.etcd.io/etcd/server/v3 ""
+}
+
+build_helm() {
+  local wrapper="$BUILD_ROOT/helm-$HELM_VERSION" helm_dir kube_minor
+  helm_dir="$(module_dir helm.sh/helm/v3 "$HELM_VERSION")"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$helm_dir/go.mod")" \
+    "$(printf '\thelm.sh/helm/v3 %s\n' "$HELM_VERSION")" ""
+  # helm's Makefile stamps the Kubernetes version its client-go speaks.
+  kube_minor="$(sed -n 's#^[[:space:]]*k8s.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$helm_dir/go.mod")"
+  build_binary helm "$wrapper" helm.sh/helm/v3/cmd/helm \
+    "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean \
+     -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kube_minor \
+     -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$kube_minor"
+}
+
+# --- prometheus ---------------------------------------------------------------
+
+install_prometheus() {
+  if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
+    log "prometheus: $(prometheus --version 2>&1 | head -n1)"
+    return
+  fi
+  local sudo=""
+  [[ "$(id -u)" == 0 ]] || sudo="sudo"
+  log "installing Debian's prometheus package (apt-get) ..."
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus
+  # The tests start their own Prometheus on loopback; do not leave the
+  # distribution's service running or enabled.
+  if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+    $sudo systemctl disable --now prometheus >/dev/null 2>&1 || true
+  else
+    $sudo service prometheus stop >/dev/null 2>&1 || true
+    $sudo update-rc.d prometheus disable >/dev/null 2>&1 || true
+  fi
+  log "prometheus: $(prometheus --version 2>&1 | head -n1)"
+}
+
+# --- main -----------------------------------------------------------------------
+
+main() {
+  mkdir -p "$BIN_DIR"
+  # The versions file remembers the etcd version derived from the Kubernetes
+  # module, so a warm run needs neither Go nor the network.
+  if [[ -f "$BIN_DIR/versions" ]]; then
+    ETCD_VERSION="$(sed -n 's/^etcd=//p' "$BIN_DIR/versions")"
+  fi
+
+  local missing=() name
+  for name in "${KUBE_BINARIES[@]}" etcd helm; do
+    have_binary "$name" || missing+=("$name")
+  done
+
+  if ((${#missing[@]})); then
+    log "to build: ${missing[*]}"
+    require_go
+    export GOTOOLCHAIN=local
+    local kube_dir go_need
+    kube_dir="$(module_dir k8s.io/kubernetes "$K8S_VERSION")"
+    go_need="$(sed -n 's/^go //p' "$kube_dir/go.mod")"
+    require_go_at_least "$go_need"
+    log "using $(go version | cut -d' ' -f3-) for Kubernetes $K8S_VERSION (needs go >= $go_need)"
+    ETCD_VERSION="$(grep -A1 'name: "etcd"' "$kube_dir/build/dependencies.yaml" \
+                    | sed -n 's/^[[:space:]]*version: //p')"
+    [[ -n "$ETCD_VERSION" ]] || die "could not read the etcd version from $kube_dir/build/dependencies.yaml"
+    log "Kubernetes $K8S_VERSION recommends etcd $ETCD_VERSION"
+    build_kubernetes "$kube_dir"
+    have_binary etcd || build_etcd
+    have_binary helm || build_helm
+  fi
+
+  printf 'kubernetes=%s\netcd=%s\nhelm=%s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
+    >"$BIN_DIR/versions"
+  for name in "${KUBE_BINARIES[@]}" etcd helm; do
+    have_binary "$name" || die "$name in $BIN_DIR does not report version $(wanted_version "$name")"
+  done
+  log "all binaries present: ${KUBE_BINARIES[*]} etcd helm"
+
+  ((WITH_PROMETHEUS)) && install_prometheus
+  log "done in $((SECONDS - START_SECONDS))s"
+  echo "$BIN_DIR"
+}
+
+main
