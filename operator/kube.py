@@ -170,7 +170,6 @@ class Client:
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,
-            "reportingComponent": naming.MANAGED_BY,
         }
         await self._call("POST", f"/api/v1/namespaces/{namespace}/events", body=event)
 

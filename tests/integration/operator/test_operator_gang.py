@@ -64,7 +64,7 @@ def test_gates_are_lifted_only_after_the_last_pod_exists(cluster, operator, name
     cluster.wait_gang(namespace, "wide", 16)
     time.sleep(0.5)
     stop.set()
-    cluster.core.create_namespaced_config_map(namespace, {"metadata": {"name": "nudge"}})  # wake the watch
+    cluster.core.patch_namespaced_pod("wide-r0-0", namespace, {"metadata": {"labels": {"nudge": "1"}}})  # wake the watch
     watcher.join(timeout=10)
     first_ungated = next(i for i, (_, _, gated) in enumerate(seen) if not gated)
     created_before = {name for kind, name, _ in seen[:first_ungated] if kind == "ADDED"}
