@@ -63,16 +63,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 class Engine:
     """This rank's model share, optimizer and data, and the step loop body."""
 
-    def __init__(self, spec, mesh: mesh_mod.Mesh, *, recorder: recording.StepRecorder | None = None,  # noqa: ANN001
-                 param_dtype: torch.dtype = torch.float32) -> None:
-        """``param_dtype`` is the master-weight dtype (fp32; float64 for numerical checks)."""
+    def __init__(self, spec, mesh: mesh_mod.Mesh, *, recorder: recording.StepRecorder | None = None) -> None:  # noqa: ANN001
+        """``spec`` is a validated TrainingJobSpec; weights are fp32 (master weights under bf16 autocast)."""
         self.spec = spec
         self.mesh = mesh
         self.recorder = recorder or recording.NullRecorder()
         training, par = spec.training, spec.parallelism
         self.config = gpt.GPTConfig.from_shape(spec.model.shape())
         torch.manual_seed(training.seed)
-        dense = gpt.GPT(self.config).to(param_dtype)  # same weights on every rank and layout
+        dense = gpt.GPT(self.config)  # same weights on every rank and layout
         self.precision = resolve_precision(training.precision, mesh.device)
         autocast = (functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
                     if self.precision == "bf16" else contextlib.nullcontext)

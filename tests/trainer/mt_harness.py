@@ -1,0 +1,82 @@
+"""Multi-process test harness: run a function on N local gloo ranks and collect the results.
+
+What it is: :func:`run_distributed` spawns ``world`` processes (torch
+multiprocessing, spawn start method), gives each torchrun's environment and
+a joined gloo process group, calls ``fn(*args)`` and returns every rank's
+return value (through ``torch.save`` files), or raises if a rank fails or
+the deadline passes.  Also :func:`make_spec`, a builder for small specs.
+
+What it is not: the product launcher (:mod:`meshtrain.trainer.launch`).
+Unique module name on purpose: child processes import it by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshtrain.api import spec as spec_mod
+
+TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
+
+
+def make_spec(*, data: int = 1, pipeline: int = 1, tensor: int = 1, schedule: str = "1f1b", virtual: int = 1,
+              micro_batches: int = 1, global_batch: int = 8, sequence_parallel: bool = False, bucket_mb: float = 25.0,
+              steps: int = 5, model: dict | None = None, **training: Any) -> dict:
+    """A valid spec dict (camelCase) for a tiny CPU run; training fields override the defaults."""
+    world = data * pipeline * tensor
+    train = {"microBatch": global_batch // (data * micro_batches), "globalBatch": global_batch, "steps": steps,
+             "learningRate": 3e-3, "minLearningRate": 3e-4, "warmupSteps": 2, "weightDecay": 0.1, "gradClip": 1.0,
+             "precision": "fp32", "seed": 7, "dataset": "stdlib"}
+    train.update(training)
+    return {
+        "parallelism": {"data": data, "pipeline": pipeline, "tensor": tensor, "schedule": schedule,
+                        "virtualStages": virtual, "microBatches": micro_batches,
+                        "sequenceParallel": sequence_parallel, "bucketMb": bucket_mb},
+        "resources": {"gpusPerNode": world},
+        "model": dict(model or TINY),
+        "training": train,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:  # noqa: ANN001
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    result = fn(*args)
+    torch.save(result, Path(out_dir) / f"rank-{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:  # noqa: ANN001
+    """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order."""
+    with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
+        context = mp.start_processes(_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return [torch.load(Path(out_dir) / f"rank-{r}.pt", weights_only=False) for r in range(world)]

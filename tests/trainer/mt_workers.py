@@ -1,0 +1,94 @@
+"""Functions the multi-process tests run on every rank, and the single-device reference.
+
+What it is: :func:`train_cases` (build the mesh, take step-1 gradients
+gathered to dense tensors, then train a few steps and return the losses) for
+a list of specs of one world size, and :func:`reference`, a plain one-process
+training loop written without any meshtrain parallel code (dense GPT,
+``F.cross_entropy`` on the whole global batch, ``clip_grad_norm_``).
+
+What it is not: tests; assertions live in the test modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import data, engine, optim
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import recording, tensor
+
+
+def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:
+    """Gradients of this rank's parameters as dense tensors (gathered over TP); only dp0/tp0 ranks return them."""
+    mesh, plan = eng.mesh, eng.model.tp_plan
+    out = {}
+    for name, param in eng.model.named_params:
+        grad = param.grad.detach().clone()
+        if plan is not None and name in plan.shards:
+            pieces = [torch.empty_like(grad) for _ in range(mesh.layout.tensor)]
+            dist.all_gather(pieces, grad.contiguous(), group=mesh.group("tp"))
+            grad = tensor.unshard(pieces, plan.shards[name])
+        out[name] = grad
+    return out if mesh.coords.dp == 0 and mesh.coords.tp == 0 else {}
+
+
+def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
+    """For each (id, spec dict): step-1 dense gradients and ``steps`` losses, plus DP collective counts."""
+    results = {}
+    for case_id, raw in cases:
+        job = spec_mod.parse_spec(raw)
+        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        first = engine.Engine(job, mesh)
+        first.forward_backward()
+        grads = dense_grads(first)
+        recorder = recording.MemoryRecorder()
+        eng = engine.Engine(job, mesh, recorder=recorder)
+        losses, dp_collectives = [], []
+        for _ in range(steps):
+            losses.append(eng.train_step().loss)
+            dp_collectives.append(sum(1 for e in recorder.events if e.what == "collective" and e.group == "dp"
+                                      and e.kind == "all_reduce" and e.bucket is not None))
+        buckets = len(eng.model.reducer.buckets) if eng.model.reducer else 0
+        results[case_id] = {"grads": grads, "losses": losses, "dp_collectives": dp_collectives, "buckets": buckets,
+                            "param_tensors": len(eng.model.named_params)}
+    return results
+
+
+def reference(raw: dict, steps: int) -> dict:
+    """Single process, no parallel code: step-1 gradients and per-step losses."""
+    job = spec_mod.parse_spec(raw)
+    t = job.training
+    config = gpt.GPTConfig.from_shape(job.model.shape())
+    tokens = data.load_tokens(t.dataset, vocab=config.vocab, seq_len=config.seq_len)
+    sampler = data.BatchSampler(tokens, seq_len=config.seq_len, micro_batch=job.global_batch, micro_batches=1,
+                                dp_rank=0, dp_size=1, seed=t.seed)
+
+    def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
+        batch = sampler.global_batch_at(index)  # (G, T+1)
+        logits = model(batch[:, :-1])  # (G, T, V)
+        return F.cross_entropy(logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1))
+
+    torch.manual_seed(t.seed)
+    model = gpt.GPT(config)
+    loss_of(model, 0).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(t.seed)
+    model = gpt.GPT(config)
+    opt = optim.build_adamw(list(model.named_parameters()), lr=t.learning_rate, weight_decay=t.weight_decay)
+    losses = []
+    for step in range(1, steps + 1):
+        optim.set_lr(opt, optim.lr_at(step, peak=t.learning_rate, minimum=t.min_learning_rate,
+                                      warmup=t.warmup_steps, total=t.steps))
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, step - 1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    return {"grads": grads, "losses": losses}

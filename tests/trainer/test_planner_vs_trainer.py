@@ -1,0 +1,135 @@
+"""The planner's predictions against a real local run of the trainer (CPU, gloo).
+
+For a table of layouts, every rank of a real multi-process run trains two
+steps with a :class:`~meshtrain.trainer.parallel.recording.MemoryRecorder`
+and measures its model state with :func:`meshtrain.trainer.memory.measure`;
+the test then checks, rank by rank:
+
+* the collectives of the planner's communication model
+  (:func:`meshtrain.planner.comm.stage_comm`) equal the recorded ones
+  exactly: same (group, op) keys, same number of calls, same bytes;
+* the planner's weights, gradients and optimizer bytes
+  (:func:`meshtrain.planner.memory.plan_memory`) are within 10% of the measured ones.
+
+This file is also the worker: the test starts ``python THIS_FILE`` once per
+rank with torchrun's environment variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import comm, memory, profiles
+
+STEPS = 2
+TIMEOUT_S = 300
+
+LAYOUTS = [
+    # (id, parallelism overrides)
+    ("dp2", {"data": 2}),
+    ("dp2-pp2-tp2-sp", {"data": 2, "pipeline": 2, "tensor": 2, "sequenceParallel": True}),
+    ("dp2-tp2", {"data": 2, "tensor": 2}),
+    ("pp2-tp2-gpipe", {"data": 2, "pipeline": 2, "tensor": 2, "schedule": "gpipe"}),
+    ("dp2-pp2-interleaved", {"data": 2, "pipeline": 2, "schedule": "interleaved-1f1b", "virtualStages": 2}),
+]
+
+
+def _job(parallelism: dict) -> api_spec.TrainingJobSpec:
+    raw = {
+        "parallelism": {"microBatches": 4, "bucketMb": 0.05, **parallelism},
+        "resources": {"gpusPerNode": 2},
+        "model": {"preset": "tiny", "layers": 4, "hidden": 64, "heads": 4, "seqLen": 32},
+        "training": {"microBatch": 2, "steps": STEPS, "precision": "fp32", "dataset": "stdlib"},
+    }
+    return api_spec.parse_spec(raw, "test")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(spec_json: str, out_dir: str) -> None:
+    """One rank: train STEPS steps, dump the last step's collectives and the measured state bytes."""
+    import torch  # noqa: PLC0415 - only the worker processes need torch
+
+    from meshtrain.trainer import engine
+    from meshtrain.trainer import memory as trainer_memory
+    from meshtrain.trainer.parallel import mesh as mesh_mod
+    from meshtrain.trainer.parallel import recording
+
+    job = api_spec.parse_spec(json.loads(spec_json), "worker")
+    mesh_mod.init_process_group(use_cuda=False)
+    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    recorder = recording.MemoryRecorder()
+    trainer = engine.Engine(job, mesh, recorder=recorder)
+    for _ in range(STEPS):
+        trainer.train_step()
+    collectives: dict[str, list[int]] = {}
+    for event in recorder.events:  # the last step's events
+        if event.what == "collective":
+            entry = collectives.setdefault(f"{event.group}/{event.kind}", [0, 0])
+            entry[0] += 1
+            entry[1] += event.nbytes
+    state = trainer_memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
+    rank = mesh.rank
+    result = {"rank": rank, "stage": mesh.coords.pp, "collectives": collectives,
+              "weights": state.param_bytes, "grads": state.grad_bytes, "optimizer": state.optimizer_bytes}
+    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
+    world = job.world_size
+    port = _free_port()
+    spec_json = json.dumps(job.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MESHTRAIN_PG_TIMEOUT_S="120")
+        procs.append(subprocess.Popen([sys.executable, __file__, spec_json, str(out_dir)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        outputs.append(out)
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    return [json.loads(Path(out_dir, f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", [p for _, p in LAYOUTS], ids=[i for i, _ in LAYOUTS])
+def test_predicted_comm_bytes_and_state_memory_match_a_real_run(parallelism: dict, tmp_path: Path) -> None:
+    job = _job(parallelism)
+    measured = _run(job, tmp_path)
+    cpu = profiles.get("cpu")
+    scheme = memory.scheme_for(memory.resolve_precision(job, cpu))
+    mem = memory.plan_memory(job, cpu)
+    for rank in measured:
+        predicted = comm.stage_comm(job, rank["stage"], scheme)
+        expected = {f"{c.group}/{c.op}": [c.calls, c.nbytes] for c in predicted.collectives if c.op != "send"}
+        assert rank["collectives"] == expected, f"rank {rank['rank']} (stage {rank['stage']})"
+        stage = mem.stages[rank["stage"]]
+        for kind, value in (("weights", stage.weights), ("grads", stage.grads), ("optimizer", stage.optimizer)):
+            assert value == pytest.approx(rank[kind], rel=0.10), f"rank {rank['rank']} {kind}"
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])

@@ -1,0 +1,99 @@
+"""Resume: a run restored from its checkpoint continues with exactly the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mt_harness
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import engine
+from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.parallel import mesh as mesh_mod
+
+STEPS, SAVE_AT = 5, 2
+
+
+def _engine(raw: dict) -> engine.Engine:
+    job = spec_mod.parse_spec(raw)
+    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+
+
+def resume_case(raw: dict, root: str) -> dict:
+    """Uninterrupted losses, then: train to SAVE_AT, save, rebuild from scratch, restore, train to the end."""
+    straight = _engine(raw)
+    uninterrupted = [straight.train_step().loss for _ in range(STEPS)]
+    first = _engine(raw)
+    for _ in range(SAVE_AT):
+        first.train_step()
+    published = checkpointer.Checkpointer(first, root=root).save()
+    second = _engine(raw)
+    restored = checkpointer.Checkpointer(second, root=root).restore()
+    resumed = [second.train_step().loss for _ in range(STEPS - SAVE_AT)]
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "restored": restored, "published": str(published),
+            "rank": dist.get_rank()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_resume_gives_identical_losses_dp2(tmp_path: Path, zero_stage: int) -> None:
+    raw = mt_harness.make_spec(data=2, steps=STEPS)
+    raw["parallelism"]["zeroStage"] = zero_stage
+    results = mt_harness.run_distributed(resume_case, 2, raw, str(tmp_path))
+    for result in results:
+        assert result["restored"] == SAVE_AT
+        assert result["resumed"] == result["uninterrupted"][SAVE_AT:]  # bit-for-bit
+    published, marker = store.latest(tmp_path)
+    assert published.step == SAVE_AT and marker.layout == {"data": 2, "pipeline": 1, "tensor": 1, "zero_stage": zero_stage}
+
+
+def shape_mismatch_case(raw_saved: dict, raw_other: dict, root: str) -> str:
+    """Save with one model shape; restoring another must refuse (the error text is returned)."""
+    first = _engine(raw_saved)
+    first.train_step()
+    checkpointer.Checkpointer(first, root=root).save()
+    try:
+        checkpointer.Checkpointer(_engine(raw_other), root=root).restore()
+    except store.CheckpointError as err:
+        return str(err)
+    return "restored without complaint"
+
+
+@pytest.mark.slow
+def test_model_shape_mismatch_is_refused_with_both_shapes(tmp_path: Path) -> None:
+    saved = mt_harness.make_spec(data=2, steps=2)
+    other = mt_harness.make_spec(data=2, steps=2, model={**mt_harness.TINY, "hidden": 64})
+    messages = mt_harness.run_distributed(shape_mismatch_case, 2, saved, other, str(tmp_path))
+    for message in messages:  # every rank refuses, with both shapes
+        assert "model shape mismatch" in message
+        assert "hidden=32" in message and "hidden=64" in message
+        assert "COMPLETE" in message
+
+
+def corrupt_case(raw: dict, root: str) -> str:
+    """Save, damage a data file (rank 0, between barriers), then restore: the error names the file."""
+    first = _engine(raw)
+    first.train_step()
+    published = checkpointer.Checkpointer(first, root=root).save()
+    if dist.get_rank() == 0:
+        victim = sorted(published.glob("*.distcp"))[0]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        checkpointer.Checkpointer(_engine(raw), root=root).restore()
+    except store.CheckpointError as err:
+        return str(err)
+    return "restored without complaint"
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    raw = mt_harness.make_spec(data=2, steps=2)
+    for message in mt_harness.run_distributed(corrupt_case, 2, raw, str(tmp_path)):
+        assert "sha256" in message and ".distcp" in message and "step-00000001" in message
