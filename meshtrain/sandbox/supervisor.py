@@ -164,7 +164,7 @@ class _Supervisor:
         operator_metrics, operator_health = ports.pick_free_port(), ports.pick_free_port()
         env = {**os.environ, "MESHTRAIN_PROGRESS_SECONDS": "3", "MESHTRAIN_RESYNC_SECONDS": "5"}
         env.pop("KUBECONFIG", None)
-        self._spawn("operator", [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--standalone",
+        self._spawn("operator", [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--peering", RELEASE,
                                  "--kubeconfig", str(self.paths.operator_kubeconfig), "--metrics-port", str(operator_metrics),
                                  "--liveness", f"http://127.0.0.1:{operator_health}/healthz", "--log-format", "text"], env=env)
         self.state["operator_metrics"] = f"127.0.0.1:{operator_metrics}"

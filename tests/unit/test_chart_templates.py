@@ -53,7 +53,7 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
 
 def test_every_template_is_tested() -> None:
     tested = {"deployment.yaml", "rbac.yaml", "monitoring.yaml", "dashboards.yaml", "serviceaccount.yaml",
-              "_helpers.tpl", "NOTES.txt"}
+              "_helpers.tpl", "NOTES.txt", "peering.yaml"}
     assert {p.name for p in TEMPLATES.iterdir()} == tested
 
 
@@ -61,3 +61,10 @@ def test_notes_say_what_to_apply_next() -> None:
     text = _text("NOTES.txt")
     assert "kubectl apply -f manifests/examples/" in text
     assert re.search(r"kubectl get trainingjobs -w", text)
+
+
+def test_peering_objects_follow_the_watch_mode() -> None:
+    text = _text("peering.yaml")
+    assert "kind: ClusterKopfPeering" in text and "kind: KopfPeering" in text
+    deployment = _text("deployment.yaml")
+    assert "--peering=" in deployment and "--standalone" in deployment

@@ -75,6 +75,8 @@ and operator/handlers.py are the callers):
 - services, configmaps: the headless Service (rank 0's DNS name) and the spec
   ConfigMap of each job, created and deleted, never read back.
 - events: the reconciler's Events about each job (kopf's own posting is off).
+- kopfpeerings: (watch mode "namespaces" with peering) replicas announce
+  themselves in the namespace's KopfPeering.
 */}}
 {{- define "meshtrain.namespacedRules" -}}
 - apiGroups: ["meshtrain.io"]
@@ -85,13 +87,18 @@ and operator/handlers.py are the callers):
   verbs: ["patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["create", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if and .Values.operator.peering (ne .Values.watch.mode "all") }}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
 {{- end }}
 
 {{/*
@@ -99,7 +106,10 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 - nodes: kopf watches them and the planner lists them (topology labels, GPUs).
 - pods, cluster-wide list: GPUs already taken on each node, by any pod in any
   namespace, so that two jobs never plan onto the same free GPUs.
-- customresourcedefinitions: kopf's resource observer notices CRD changes.
+- customresourcedefinitions, namespaces: kopf's resource and namespace
+  discovery.
+- clusterkopfpeerings: (watch mode "all" with peering) replicas announce
+  themselves in the ClusterKopfPeering.
 */}}
 {{- define "meshtrain.clusterRules" -}}
 - apiGroups: [""]
@@ -108,7 +118,15 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- if and .Values.operator.peering (eq .Values.watch.mode "all") }}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
 {{- end }}
