@@ -1,0 +1,1 @@
+"""Telemetry tests against real processes: local trainer runs and a real Prometheus."""
