@@ -8,9 +8,11 @@ compare it exactly with the bytes the trainer's recorder measures:
 
 * **dp**: the gradient reducer packs this rank's parameters (reverse
   registration order) into buckets of ``bucketMb`` MiB and all-reduces each
-  bucket once per step (payload: every gradient once).  With ZeRO the plan
-  is a reduce-scatter (stage 2) or all-reduce (stage 1) of the gradients and
-  an all-gather of the updated parameters.
+  bucket once per step (payload: every gradient once).  With ZeRO
+  (:mod:`meshtrain.trainer.parallel.zero`) stage 1 keeps the all-reduce,
+  stage 2 reduce-scatters each bucket padded to a multiple of the group
+  size, and both all-gather each bucket's updated weights (padded) and sum
+  the gradient norm over the group (one fp64 scalar).
 * **tp** (tensor > 1), per micro-batch: Megatron's two reductions per
   sub-layer (attention, MLP), one forward (row-parallel output) and one
   backward (column-parallel input gradient); under sequence parallelism each
@@ -111,16 +113,28 @@ def chunk_param_sizes(shape: api_spec.ModelShape, tensor: int, layers: int, *, f
     return sizes
 
 
-def bucket_count(sizes: list[int], element_size: int, bucket_mb: float) -> int:
-    """Buckets the gradient reducer forms: consecutive tensors (reverse order) until ``bucket_mb`` MiB is reached."""
+def bucket_numels(sizes: list[int], element_size: int, bucket_mb: float) -> list[int]:
+    """Element counts of the gradient reducer's buckets, in launch order.
+
+    The reducer walks the parameters in reverse registration order and
+    starts a new bucket once the current one holds at least ``bucket_mb`` MiB
+    (so a bucket may overshoot by its last tensor, and the last may be small).
+    """
     limit = int(bucket_mb * 2**20)
-    buckets, filled = 0, 0
+    buckets: list[int] = []
+    filled = 0
     for numel in reversed(sizes):
-        if buckets == 0 or filled >= limit:
-            buckets += 1
+        if not buckets or filled >= limit:
+            buckets.append(0)
             filled = 0
+        buckets[-1] += numel
         filled += numel * element_size
     return buckets
+
+
+def padded(numel: int, members: int) -> int:
+    """A bucket padded to a multiple of the group size, as ZeRO shards it (``N x ceil(n / N)``)."""
+    return -(-numel // members) * members
 
 
 def _add(out: dict[tuple[str, str], list[int]], group: str, op: str, calls: int, nbytes: float) -> None:
@@ -152,13 +166,16 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
         sizes += chunk_param_sizes(shape, t, layers_per_chunk, first=j == 0, last=j == last_virtual)
     params = sum(sizes)
 
-    # Data parallel: gradient buckets (and the ZeRO parameter gather).
+    # Data parallel: gradient buckets, and under ZeRO the gather of the updated weights.
     if d > 1:
-        grad_bytes = params * scheme.grads
-        buckets = bucket_count(sizes, scheme.grads, par.bucket_mb)
-        _add(out, "dp", "reduce_scatter" if par.zero_stage == 2 else "all_reduce", buckets, grad_bytes)
-        if par.zero_stage >= 1:
-            _add(out, "dp", "all_gather", 1, params * scheme.weights)
+        buckets = bucket_numels(sizes, scheme.grads, par.bucket_mb)
+        if par.zero_stage == 2:  # each bucket reduce-scattered from a padded flat buffer
+            _add(out, "dp", "reduce_scatter", len(buckets), sum(padded(n, d) for n in buckets) * scheme.grads)
+        else:
+            _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
+        if par.zero_stage >= 1:  # owned weights all-gathered bucket by bucket; the norm summed over dp
+            _add(out, "dp", "all_gather", len(buckets), sum(padded(n, d) for n in buckets) * scheme.weights)
+            _add(out, "dp", "all_reduce", 1, NORM_BYTES)
 
     # Tensor parallel: activations per micro-batch, then per-step reductions.
     if t > 1:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshtrain plan: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report.to_json(plan), indent=2))
+        print(json.dumps(report.to_json(plan), indent=2, ensure_ascii=False))
     else:
         print(report.to_text(plan))
     return 0
