@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, faults, steplog
+from meshtrain.trainer import data, engine, faults, steplog, telemetry
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording, schedules
+from meshtrain.trainer.parallel import schedules
 
 EXIT_SPEC, EXIT_DATA = 2, 3
 
@@ -71,7 +71,7 @@ def step_record(result: engine.StepResult, summary: dict[str, float], job: spec_
         "time": time.time(), "layout": par.layout_string,
         "bubble_ratio_theoretical": schedules.bubble_ratio(par.pipeline, par.micro_batches, par.virtual_stages),
     }
-    record.update({f"rank0_{k}": v for k, v in summary.items()})
+    record.update(summary)  # the telemetry recorder's step record (docs/telemetry.md)
     return record
 
 
@@ -91,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
     mesh_mod.init_process_group(use_cuda=cuda)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
-    recorder = recording.MemoryRecorder()
+    recorder = telemetry.make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
+        recorder.watch(trainer.params, [trainer.optimizer])
     except data.DatasetError as err:
         print(err, file=sys.stderr)
         return EXIT_DATA
