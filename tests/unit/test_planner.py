@@ -1,0 +1,213 @@
+"""The planner's arithmetic: literature figures reproduced, and agreement with the trainer's own code.
+
+Pure and fast: the trainer's model is built (tiny shapes) only to count its
+parameters; no process groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import comm, cost, memory, profiles
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
+from meshtrain.trainer.telemetry import stepstats
+from tests.unit.builders import JobBuilder
+
+
+def job(**parallelism) -> api_spec.TrainingJobSpec:
+    """A tiny valid job; parallelism keys in camelCase."""
+    p = {"data": 1, "pipeline": 1, "tensor": 1, **parallelism}
+    builder = JobBuilder().layout(p.pop("data"), p.pop("pipeline"), p.pop("tensor"))
+    return api_spec.parse_spec(builder.parallelism(**p).training(precision="fp32").raw())
+
+
+SHAPES = [
+    api_spec.ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq_len=64, ffn_hidden=256),
+    api_spec.ModelShape(layers=6, hidden=48, heads=6, vocab=96, seq_len=32, ffn_hidden=80),
+]
+
+
+# --- literature arithmetic ------------------------------------------------------------------------
+
+def test_7b_mixed_precision_adam_needs_112_gb_per_replicated_worker() -> None:
+    state = memory.state_bytes(7e9, memory.MIXED, zero_stage=0, data=64)
+    assert memory.MIXED.total == 16
+    assert state.total == pytest.approx(112e9)
+
+
+def test_zero_stages_divide_the_right_components() -> None:
+    n, params = 64, 7e9
+    assert memory.state_bytes(params, memory.MIXED, 1, n).total == pytest.approx(params * (2 + 2 + 12 / n))
+    assert memory.state_bytes(params, memory.MIXED, 2, n).total == pytest.approx(params * (2 + (2 + 12) / n))
+    assert memory.state_bytes(params, memory.MIXED, 3, n).total == pytest.approx(params * 16 / n)
+    zero1 = memory.state_bytes(params, memory.MIXED, 1, n)
+    assert (zero1.weights, zero1.grads) == (2 * params, 2 * params)
+    assert zero1.optimizer == pytest.approx(12 * params / 64)
+    assert memory.FP32.total == 16 and memory.state_bytes(1, memory.FP32, 1, 4).optimizer == 2
+
+
+def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> None:
+    link = cost.Link("fabric", bandwidth=100e9 / 8, latency=0.0)
+    seconds = cost.ring_allreduce_seconds(2 * 1e9, members=1024, link=link)
+    assert seconds == pytest.approx(2 * 2e9 / 12.5e9, rel=1e-3)
+    assert seconds == pytest.approx(0.32, rel=1e-3)
+    with_latency = cost.ring_allreduce_seconds(2e9, 8, cost.Link("x", 12.5e9, 1e-5))
+    assert with_latency == pytest.approx(2 * 7 * 1e-5 + 2 * 7 / 8 * 2e9 / 12.5e9)
+    assert cost.ring_allreduce_seconds(2e9, 1, link) == 0.0
+
+
+@pytest.mark.parametrize("p,m,v", [(1, 4, 1), (2, 4, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (4, 8, 4)])
+def test_bubble_agrees_with_the_trainer_and_telemetry(p: int, m: int, v: int) -> None:
+    ours = cost.bubble_ratio(p, m, v)
+    assert ours == pytest.approx((p - 1) / (v * m + p - 1))
+    assert ours == schedules.bubble_ratio(p, m, v)
+    facts = stepstats.JobFacts(stages=p, micro_batches=m, virtual_stages=v, world_size=p, group_sizes={},
+                               flops_per_token=1.0, peak_flops=1.0)
+    assert ours == facts.bubble_theoretical
+
+
+def test_activations_follow_korthikanti_without_dropout() -> None:
+    shape = api_spec.ModelShape(layers=1, hidden=1024, heads=16, vocab=256, seq_len=2048, ffn_hidden=4096)
+    s, b, h, a = 2048, 2, 1024, 16
+    for t in (1, 2, 8):
+        unfused = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=False, fused_attention=False)
+        assert unfused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * s * b / t)
+        sp = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=True, fused_attention=False)
+        assert sp == pytest.approx(s * b * h * 32 / t + 4 * a * s * s * b / t)
+        fused = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=False)
+        assert fused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * b / t)
+
+
+# --- agreement with the trainer's code ------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "odd-ffn"])
+def test_parameter_count_matches_the_trainer_model(shape: api_spec.ModelShape) -> None:
+    model = gpt.GPT(gpt.GPTConfig.from_shape(shape))
+    assert memory.total_params(shape) == sum(p.numel() for p in model.parameters())
+    assert memory.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
+
+
+@pytest.mark.parametrize("p,t,v", [(1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)])
+def test_rank_params_and_registration_order_match_the_sharded_stages(p: int, t: int, v: int) -> None:
+    shape = api_spec.ModelShape(layers=8, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=96)
+    for stage in range(p):
+        for tp_rank in range(t):
+            torch.manual_seed(0)
+            chunks = pipeline.split_model(gpt.GPT(gpt.GPTConfig.from_shape(shape)), stage=stage, stages=p,
+                                          virtual_stages=v)
+            if t > 1:
+                ctx = tensor.TPContext(group=None, rank=tp_rank, size=t)
+                for chunk in chunks:
+                    tensor.apply_tensor_parallel(chunk, ctx)
+            real = [param.numel() for chunk in chunks for param in chunk.parameters()]
+            planned: list[int] = []
+            for chunk in range(v):
+                j = chunk * p + stage
+                planned += comm.chunk_param_sizes(shape, t, shape.layers // (p * v), first=j == 0,
+                                                  last=j == p * v - 1)
+            assert planned == real
+            assert memory.rank_params(shape, p, t, stage) == sum(real)
+
+
+def _peak_in_flight(actions: list[schedules.Action]) -> int:
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.kind == "forward" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
+                                            ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 2, 4, 3),
+                                            ("interleaved-1f1b", 4, 4, 2)])
+def test_in_flight_microbatches_match_the_trainer_schedules(schedule: str, p: int, m: int, v: int) -> None:
+    for stage in range(p):
+        peak_chunks = _peak_in_flight(schedules.actions(schedule, p, m, stage, v))
+        assert memory.in_flight_microbatches(schedule, p, m, stage, v) == pytest.approx(peak_chunks / v)
+
+
+def test_interleaved_first_stage_matches_korthikantis_factor() -> None:
+    p, v, m = 4, 2, 16
+    assert memory.in_flight_microbatches("interleaved-1f1b", p, m, 0, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_comm_payloads_per_group() -> None:
+    spec = job(data=2, tensor=2, microBatches=3)
+    shape = spec.model.shape()
+    stage = comm.stage_comm(spec, 0, memory.FP32)
+    b, s, h = spec.training.micro_batch, shape.seq_len, shape.hidden
+    keys = stage.by_key()
+    assert keys[("dp", "all_reduce")].nbytes == memory.rank_params(shape, 1, 2, 0) * 4
+    # 4 reductions per block per micro-batch, the embedding, the head and the loss (3 floats per token), the norm.
+    tp = keys[("tp", "all_reduce")]
+    assert tp.calls == 4 * shape.layers * 3 + 3 + 3 + 2 * 3 + 1
+    assert tp.nbytes == (4 * shape.layers + 2) * 3 * b * s * h * 4 + 3 * 3 * b * s * 4 + 8
+    assert tp.wire_bytes == pytest.approx(tp.nbytes)  # 2 (n-1)/n = 1 for n = 2
+    assert stage.payload("pp") == 0
+
+
+def test_pipeline_sends_and_interleaving() -> None:
+    spec = job(pipeline=2, microBatches=4, schedule="interleaved-1f1b", virtualStages=2)
+    shape = spec.model.shape()
+    message = spec.training.micro_batch * shape.seq_len * shape.hidden * 4
+    first, last = comm.plan_comm(spec, memory.FP32)
+    # virtual stages 0,2 on stage 0 and 1,3 on stage 1: 3 forward and 3 backward hops over 4 chunks.
+    assert first.by_key()[("pp", "send")].calls == (1 + 2) * 4
+    assert last.by_key()[("pp", "send")].calls == (2 + 1) * 4
+    assert first.payload("pp") == 12 * message + 8
+
+
+def test_zero_buckets_are_padded_to_the_group() -> None:
+    assert comm.padded(10, 4) == 12 and comm.padded(12, 4) == 12
+    assert comm.bucket_numels([100, 200, 300], 4, 1300 / 2**20) == [300 + 200, 100]
+    sizes = [7, 300, 5, 1000, 64, 64, 9]
+    for limit in (100, 1300, 5000):
+        theirs = [sum(sizes[::-1][i] for i in bucket) for bucket in reducer.plan_buckets(sizes[::-1], 4, limit)]
+        assert comm.bucket_numels(sizes, 4, limit / 2**20) == theirs
+    spec = job(data=4, zeroStage=2, bucketMb=0.01)
+    keys = comm.stage_comm(spec, 0, memory.FP32).by_key()
+    assert keys[("dp", "reduce_scatter")].nbytes == keys[("dp", "all_gather")].nbytes
+    assert keys[("dp", "all_reduce")].nbytes == 8
+
+
+# --- time ---------------------------------------------------------------------------------------
+
+def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
+    inside = api_spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=8).raw())
+    assert cost.group_links(inside) == {"dp": "nvlink", "tp": "nvlink", "pp": "nvlink"}
+    split = api_spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
+    assert cost.group_links(split) == {"dp": "nvlink", "tp": "nvlink", "pp": "fabric"}
+    dp_out = api_spec.parse_spec(JobBuilder().layout(4, 1, 2, gpus_per_node=2).raw())
+    assert cost.group_links(dp_out) == {"dp": "fabric", "tp": "nvlink", "pp": "nvlink"}
+    # Two pods on one NVLink clique: everything stays on NVLink.
+    assert cost.group_links(split, ["clique-a", "clique-a"])["pp"] == "nvlink"
+
+
+def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:
+    shape = SHAPES[0]
+    whole = cost.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
+    assert whole == pytest.approx(cost.model_flops_per_token(shape) * 2 * shape.seq_len)
+    config = gpt.GPTConfig.from_shape(shape)
+    assert cost.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
+    parts = sum(cost.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
+    assert parts == pytest.approx(whole)
+
+
+def test_step_time_adds_the_bubble_and_verdicts() -> None:
+    h100 = profiles.get("h100-sxm")
+    big = api_spec.parse_spec(JobBuilder().layout(1, 4, 8, gpus_per_node=8).model(preset="7b")
+                              .parallelism(microBatches=8).raw())
+    scheme = memory.scheme_for("bf16")
+    plan = cost.plan_time(big, h100, scheme, comm.plan_comm(big, scheme))
+    assert plan.bubble == pytest.approx(3 / 11)
+    assert plan.step_seconds >= max(s.busy for s in plan.stages) * 11 / 8
+    assert plan.verdict == "compute-bound" and plan.compute_comm_ratio > 1
+    assert 0 < plan.mfu < h100.achievable_fraction
+    # The tiny model over a slow fabric is dominated by communication.
+    tiny = api_spec.parse_spec(JobBuilder().layout(8, 1, 1, gpus_per_node=1).raw())
+    slow = cost.plan_time(tiny, h100, scheme, comm.plan_comm(tiny, scheme))
+    assert slow.links["dp"].name == "fabric"
+    assert slow.verdict == "communication-bound"
