@@ -16,8 +16,10 @@ Translation rules (JSON Schema 2020-12 from pydantic -> Kubernetes structural):
 * ``$ref``/``$defs`` are inlined (structural schemas have no references);
 * ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``;
 * ``exclusiveMinimum: n`` becomes ``minimum: n`` + ``exclusiveMinimum: true``;
-* a field built by ``default_factory`` gets the factory's value as ``default``
-  so the API server fills nested defaults (CEL rules may then read them);
+* a field built by ``default_factory`` gets the factory's whole value as
+  ``default`` so the API server fills every default (CEL rules then read
+  them; it validates a default against the rules as written, without
+  filling nested defaults first);
 * ``title``, ``additionalProperties: false`` and null defaults are dropped
   (unknown fields are pruned by the server, and refused by ``kubectl apply``
   with server-side field validation);
@@ -120,7 +122,7 @@ def _factory_defaults(model: type[pydantic.BaseModel], schema: dict[str, Any]) -
         if field.default_factory is not None and "default" not in prop:
             value = field.default_factory()  # type: ignore[call-arg]
             if isinstance(value, pydantic.BaseModel):
-                prop["default"] = value.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True, mode="json")
+                prop["default"] = value.model_dump(by_alias=True, exclude_none=True, mode="json")
             else:
                 prop["default"] = value
         annotation = field.annotation
@@ -176,11 +178,14 @@ def build() -> dict[str, Any]:
     root = {
         "type": "object",
         "description": "A 3D-parallel (data x pipeline x tensor) training run placed by the meshtrain operator.",
+        "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string", "description": "meshtrain.io/v1alpha1."},
             "kind": {"type": "string", "description": "TrainingJob."},
             "metadata": {"type": "object"},
-            "spec": {**spec_schema(), "default": {}},
+            # No default: the model's all-default spec breaks a rule (1 rank, 8 GPUs per pod),
+            # and the API server checks a default against the CEL rules as written.
+            "spec": spec_schema(),
             "status": status_schema(),
         },
         "x-kubernetes-validations": [{
