@@ -38,17 +38,6 @@ def resume_case(raw: dict, root: str) -> dict:
             "rank": dist.get_rank()}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_resume_gives_identical_losses_dp2(tmp_path: Path, zero_stage: int) -> None:
-    raw = mt_harness.make_spec(data=2, steps=STEPS)
-    raw["parallelism"]["zeroStage"] = zero_stage
-    results = mt_harness.run_distributed(resume_case, 2, raw, str(tmp_path))
-    for result in results:
-        assert result["restored"] == SAVE_AT
-        assert result["resumed"] == result["uninterrupted"][SAVE_AT:]  # bit-for-bit
-    published, marker = store.latest(tmp_path)
-    assert published.step == SAVE_AT and marker.layout == {"data": 2, "pipeline": 1, "tensor": 1, "zero_stage": zero_stage}
 
 
 def shape_mismatch_case(raw_saved: dict, raw_other: dict, root: str) -> str:
@@ -63,12 +52,6 @@ def shape_mismatch_case(raw_saved: dict, raw_other: dict, root: str) -> str:
     return "restored without complaint"
 
 
-@pytest.mark.slow
-def test_model_shape_mismatch_is_refused_with_both_shapes(tmp_path: Path) -> None:
-    saved = mt_harness.make_spec(data=2, steps=2)
-    other = mt_harness.make_spec(data=2, steps=2, model={**mt_harness.TINY, "hidden": 64})
-    messages = mt_harness.run_distributed(shape_mismatch_case, 2, saved, other, str(tmp_path))
-    for message in messages:  # every rank refuses, with both shapes
         assert "model shape mismatch" in message
         assert "hidden=32" in message and "hidden=64" in message
         assert "COMPLETE" in message
@@ -92,8 +75,50 @@ def corrupt_case(raw: dict, root: str) -> str:
     return "restored without complaint"
 
 
+def scenarios(root: str) -> dict:
+    """Every scenario of this module in one 2-rank session (process start-up dominates on small machines)."""
+    out = {}
+    for stage in (0, 2):
+        raw = mt_harness.make_spec(data=2, steps=STEPS)
+        raw["parallelism"]["zeroStage"] = stage
+        out[f"resume-zero{stage}"] = resume_case(raw, f"{root}/resume-zero{stage}")
+    saved = mt_harness.make_spec(data=2, steps=2)
+    other = mt_harness.make_spec(data=2, steps=2, model={**mt_harness.TINY, "hidden": 64})
+    out["shape"] = shape_mismatch_case(saved, other, f"{root}/shape")
+    out["corrupt"] = corrupt_case(saved, f"{root}/corrupt")
+    return out
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("resume")
+    return root, mt_harness.run_distributed(scenarios, 2, str(root))
+
+
 @pytest.mark.slow
-def test_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
-    raw = mt_harness.make_spec(data=2, steps=2)
-    for message in mt_harness.run_distributed(corrupt_case, 2, raw, str(tmp_path)):
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_resume_gives_identical_losses_dp2(session: tuple[Path, list[dict]], zero_stage: int) -> None:
+    root, results = session
+    for result in results:
+        case = result[f"resume-zero{zero_stage}"]
+        assert case["restored"] == SAVE_AT
+        assert case["resumed"] == case["uninterrupted"][SAVE_AT:]  # bit-for-bit
+    published, marker = store.latest(root / f"resume-zero{zero_stage}")
+    assert published.step == SAVE_AT
+    assert marker.layout == {"data": 2, "pipeline": 1, "tensor": 1, "zero_stage": zero_stage}
+
+
+@pytest.mark.slow
+def test_model_shape_mismatch_is_refused_with_both_shapes(session: tuple[Path, list[dict]]) -> None:
+    for result in session[1]:  # every rank refuses, with both shapes
+        message = result["shape"]
+        assert "model shape mismatch" in message
+        assert "hidden=32" in message and "hidden=64" in message
+        assert "COMPLETE" in message
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_an_error_naming_the_file(session: tuple[Path, list[dict]]) -> None:
+    for result in session[1]:
+        message = result["corrupt"]
         assert "sha256" in message and ".distcp" in message and "step-00000001" in message

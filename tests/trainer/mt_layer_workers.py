@@ -1,0 +1,105 @@
+"""Per-rank checks of the parallel layers and the gradient reducer against dense computations.
+
+Each function runs on every rank of a 2-rank gloo world (one TP or DP group)
+and returns {check name: max abs difference} for the test to judge.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshtrain.trainer.parallel import recording, reducer, tensor
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def tp_layers(sequence_parallel: bool) -> dict[str, float]:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ctx = tensor.TPContext(group=dist.group.WORLD, rank=rank, size=size, sequence_parallel=sequence_parallel)
+    out: dict[str, float] = {}
+    torch.manual_seed(0)  # same dense tensors on every rank
+    h, f, b, t, v = 8, 16, 2, 4, 32
+    w1, w2 = torch.randn(f, h), torch.randn(h, f)
+    x, probe = torch.randn(b, t, h), torch.randn(b, t, h)
+    emb, ids = torch.randn(v, h), torch.randint(0, v, (b, t))
+    logits, targets = torch.randn(b * t, v), torch.randint(0, v, (b * t,))
+
+    # Dense references (forward and backward).
+    dw1, dw2, dx = (w1.clone().requires_grad_(), w2.clone().requires_grad_(), x.clone().requires_grad_())
+    hidden = F.linear(dx, dw1)
+    y = F.linear(F.gelu(hidden), dw2)
+    (y * probe).sum().backward()
+    demb = emb.clone().requires_grad_()
+    e = F.embedding(ids, demb)
+    (e * probe).sum().backward()
+    dlogits = logits.clone().requires_grad_()
+    ce = F.cross_entropy(dlogits, targets)
+    ce.backward()
+
+    # Column -> row parallel MLP.
+    col = tensor.ColumnParallelLinear(tensor.shard(w1, tensor.ShardSpec(0), rank, size), ctx)
+    row = tensor.RowParallelLinear(tensor.shard(w2, tensor.ShardSpec(1), rank, size), ctx)
+    seq = slice(rank * t // size, (rank + 1) * t // size) if sequence_parallel else slice(None)
+    px = x[:, seq].clone().requires_grad_()
+    partial_hidden = col(px)
+    py = row(F.gelu(partial_hidden))
+    (py * probe[:, seq]).sum().backward()
+    out["column forward"] = _diff(partial_hidden, tensor.shard(hidden.detach(), tensor.ShardSpec(2), rank, size))
+    out["row forward"] = _diff(py, y.detach()[:, seq])
+    out["input grad"] = _diff(px.grad, dx.grad[:, seq])
+    out["column weight grad"] = _diff(col.weight.grad, tensor.shard(dw1.grad, tensor.ShardSpec(0), rank, size))
+    out["row weight grad"] = _diff(row.weight.grad, tensor.shard(dw2.grad, tensor.ShardSpec(1), rank, size))
+
+    # Vocabulary-parallel embedding.
+    pemb = tensor.VocabParallelEmbedding(tensor.shard(emb, tensor.ShardSpec(0), rank, size), ctx)
+    pe = pemb(ids)
+    (pe * probe[:, seq]).sum().backward()
+    out["embedding forward"] = _diff(pe, e.detach()[:, seq])
+    out["embedding grad"] = _diff(pemb.weight.grad, tensor.shard(demb.grad, tensor.ShardSpec(0), rank, size))
+
+    # Vocabulary-parallel cross-entropy: never sees more than V/tp logits per row.
+    plogits = tensor.shard(logits, tensor.ShardSpec(1), rank, size).requires_grad_()
+    pce = tensor.vocab_parallel_cross_entropy(plogits.reshape(b, t, v // size), targets.reshape(b, t), ctx)
+    pce.backward()
+    out["cross-entropy forward"] = abs(pce.item() - ce.item())
+    out["cross-entropy grad"] = _diff(plogits.grad, tensor.shard(dlogits.grad, tensor.ShardSpec(1), rank, size))
+    return out
+
+
+def reducer_counts(tensors: int, bucket_mb: float) -> dict:
+    """A model of ``tensors`` parameter tensors; 2 micro-batches; collectives counted per step."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(tensors // 2)])
+    rec = recording.MemoryRecorder()
+    red = reducer.GradReducer(list(layers.parameters()), group=dist.group.WORLD, group_size=size,
+                              bucket_mb=bucket_mb, recorder=rec)
+    torch.manual_seed(100 + rank)  # different data per rank
+    batches = [torch.randn(4, 16) for _ in range(2)]
+    counts = []
+    red.set_sync(False)
+    layers(batches[0]).square().mean().backward()
+    counts.append(rec.count("collective", "dp"))  # after the non-final micro-batch
+    red.set_sync(True)
+    layers(batches[1]).square().mean().backward()
+    red.finish()
+    counts.append(rec.count("collective", "dp"))
+    # Reference: plain per-tensor all-reduce of locally accumulated grads.
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(tensors // 2)])
+    for batch in batches:
+        dense(batch).square().mean().backward()
+    worst = 0.0
+    for p, q in zip(layers.parameters(), dense.parameters()):
+        dist.all_reduce(q.grad)
+        worst = max(worst, _diff(p.grad, q.grad / size))
+    return {"counts": counts, "buckets": len(red.buckets), "grad diff": worst}
+
+
+def all_checks() -> dict:
+    """Everything above in one process group (spawning dominates the test's cost)."""
+    return {"tp": tp_layers(False), "tp+sp": tp_layers(True), "reducer": reducer_counts(120, 0.004)}

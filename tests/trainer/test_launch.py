@@ -1,0 +1,72 @@
+"""``run_local``: refuses bad input before starting processes, trains and logs, and fails fast when a rank dies."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import yaml
+
+import mt_harness
+from meshtrain.trainer import faults, launch, steplog
+
+
+def _write(tmp_path, raw: dict, name: str = "job.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
+                                    "metadata": {"name": "t"}, "spec": raw}))
+    return path
+
+
+def test_invalid_spec_refused_before_any_process(tmp_path, capsys):
+    raw = mt_harness.make_spec(tensor=3)  # 4 heads do not split over 3 ranks
+    code = launch.run_local(_write(tmp_path, raw), log_dir=tmp_path / "logs")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "spec.model.heads" in err and "tensor=3" in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_invalid_override_refused(tmp_path, capsys):
+    code = launch.run_local(_write(tmp_path, mt_harness.make_spec()), log_dir=tmp_path / "logs",
+                            overrides=["parallelism.microBatches=0"])
+    assert code == 2
+    assert "microBatches" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "corpus.bin"
+    code = launch.run_local(_write(tmp_path, mt_harness.make_spec(dataset=str(missing))), log_dir=tmp_path / "logs")
+    assert code == 3
+    err = capsys.readouterr().err
+    assert str(missing) in err and "spec.training.dataset" in err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_run_trains_and_writes_step_log(tmp_path, capsys):
+    path = _write(tmp_path, mt_harness.make_spec(pipeline=2, micro_batches=2, steps=20))
+    code = launch.run_local(path, steps=3, log_dir=tmp_path / "logs")
+    assert code == 0
+    records = steplog.read(tmp_path / "logs" / steplog.FILENAME)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert {"step", "loss", "tokens", "step_seconds", "tokens_per_second"} <= set(r)
+        assert r["tokens"] == 8 * 32
+    out = capsys.readouterr().out
+    assert "last loss" in out and "dp1·pp2·tp1" in out
+
+
+@pytest.mark.slow
+def test_dead_rank_stops_the_run_within_seconds(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1:3")
+    path = _write(tmp_path, mt_harness.make_spec(data=2, steps=50))
+    code = launch.run_local(path, log_dir=tmp_path / "logs")
+    returned = time.time()
+    assert code == faults.EXIT_CODE
+    died = os.stat(tmp_path / "logs" / "rank-1.log").st_mtime  # its last words: the fault message
+    assert "rank 1 dies before step 3" in (tmp_path / "logs" / "rank-1.log").read_text()
+    assert returned - died < 10, f"the run took {returned - died:.1f} s to stop after rank 1 died"
+    assert len(steplog.read(tmp_path / "logs" / steplog.FILENAME)) == 2

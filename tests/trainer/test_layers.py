@@ -1,0 +1,33 @@
+"""Parallel layers alone (2 TP ranks) equal their dense counterparts, forward and backward;
+the gradient reducer makes one collective per bucket and none before the last micro-batch."""
+
+from __future__ import annotations
+
+import pytest
+
+import mt_harness
+import mt_layer_workers
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return mt_harness.run_distributed(mt_layer_workers.all_checks, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tp", "tp+sp"])
+def test_tensor_parallel_layers_equal_dense(mode, checks):
+    for rank, result in enumerate(checks):
+        diffs = result[mode]
+        assert len(diffs) == 9
+        for check, diff in diffs.items():
+            assert diff < 1e-5, f"rank {rank}: {check} differs by {diff:.2e}"
+
+
+@pytest.mark.slow
+def test_reducer_one_collective_per_bucket_after_last_microbatch(checks):
+    for result in (r["reducer"] for r in checks):
+        assert result["counts"][0] == 0, "gradients were communicated before the last micro-batch"
+        assert 1 < result["buckets"] < 120
+        assert result["counts"][1] == result["buckets"]
+        assert result["grad diff"] < 1e-6
