@@ -1,0 +1,238 @@
+"""The planner's edges: the JSON schema, the text report, profiles, cluster files, the CLI, admission."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain import cli
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import admission, cluster, estimate, profiles, report
+from tests.unit.builders import JobBuilder
+
+GOLDEN_KEYS = {
+    "": ["batch", "communication", "job", "memory", "model", "placement", "profile", "schema", "time", "warnings"],
+    "job": ["gpus_per_node", "layout", "micro_batch", "micro_batches", "pods", "precision", "recipe", "schedule",
+            "sequence_parallel", "virtual_stages", "world_size", "zero_stage"],
+    "model": ["ffn_hidden", "flops_per_token", "heads", "hidden", "layers", "parameters", "parameters_per_rank_max",
+              "seq_len", "vocab"],
+    "profile": ["achievable_fraction", "memory_bandwidth", "memory_bytes", "name", "nic_bandwidth", "nic_latency",
+                "nvlink_bandwidth", "nvlink_latency", "peak_flops", "source"],
+    "memory": ["bytes_per_param", "capacity_bytes", "fits", "headroom_bytes", "peak_bytes", "per_stage", "worst_stage"],
+    "memory.bytes_per_param": ["grads", "optimizer", "weights"],
+    "memory.per_stage[]": ["activations_bytes", "grads_bytes", "in_flight_microbatches", "optimizer_bytes",
+                           "parameters", "stage", "total_bytes", "weights_bytes"],
+    "communication": ["links", "per_stage"],
+    "communication.links": ["dp", "pp", "tp"],
+    "communication.per_stage[]": ["collectives", "groups", "stage"],
+    "communication.per_stage[].groups.dp": ["link", "payload_bytes", "seconds", "wire_bytes"],
+    "communication.per_stage[].collectives[]": ["calls", "group", "members", "op", "payload_bytes", "wire_bytes"],
+    "time": ["bubble", "compute_comm_ratio", "compute_seconds", "dp_exposed_seconds", "dp_seconds", "mfu",
+             "optimizer_seconds", "pacing_stage", "pp_seconds", "step_seconds", "tokens_per_second", "tp_seconds",
+             "verdict"],
+    "batch": ["critical_batch_tokens", "global_batch", "tokens_per_step", "warning"],
+    "placement": ["domains_used", "level_bytes", "message", "nodes", "reason", "schedulable"],
+}
+
+CLUSTER = textwrap.dedent("""\
+    nodes:
+      - name: a1
+        gpus: 4
+        labels: {network.topology.nvidia.com/block: b1, network.topology.nvidia.com/leaf: l1}
+      - name: a2
+        gpus: 4
+        labels: {network.topology.nvidia.com/block: b1, network.topology.nvidia.com/leaf: l1}
+      - name: c1
+        gpus: 4
+        labels: {network.topology.nvidia.com/block: b2, network.topology.nvidia.com/leaf: l9}
+""")
+
+
+def _job(tmp_path: Path, raw: dict | None = None) -> Path:
+    raw = raw or JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
+                                    "metadata": {"name": "t"}, "spec": raw}))
+    return path
+
+
+def _plan(raw: dict, gpu: str = "h100-sxm", nodes=None) -> estimate.Plan:  # noqa: ANN001
+    return estimate.make_plan(api_spec.parse_spec(raw), profiles.get(gpu), nodes=nodes)
+
+
+def _value(doc: dict, path: str):  # noqa: ANN202
+    node = doc
+    for part in filter(None, path.split(".")):
+        many = part.endswith("[]")
+        node = node[part.removesuffix("[]")]
+        if many:
+            node = node[0]
+    return node
+
+
+# --- JSON schema ---------------------------------------------------------------------------------
+
+def test_json_schema_keys_are_stable() -> None:
+    raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
+    doc = report.to_json(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
+    assert doc["schema"] == "meshtrain.plan/v1"
+    for path, keys in GOLDEN_KEYS.items():
+        assert sorted(_value(doc, path)) == keys, path
+    json.dumps(doc, allow_nan=False)  # strict JSON: no inf/nan
+
+
+def test_json_without_cluster_has_null_placement_and_documented_keys() -> None:
+    doc = report.to_json(_plan(JobBuilder().raw(), gpu="cpu"))
+    assert doc["placement"] is None
+    documented = Path(__file__).parents[2].joinpath("docs/planner.md").read_text()
+    for path, keys in GOLDEN_KEYS.items():
+        for key in keys:
+            assert f"`{key}`" in documented, f"docs/planner.md does not document {path}.{key}"
+
+
+def test_text_report_has_every_section() -> None:
+    raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
+    text = report.to_text(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
+    for needle in ("parameters", "memory per GPU", "headroom", "communication per rank", "pipeline bubble",
+                   "compute/communication ratio", "global batch", "placement", "pod 1", "bytes per step crossing"):
+        assert needle in text
+
+
+# --- warnings and admission ----------------------------------------------------------------------
+
+def test_critical_batch_warning() -> None:
+    raw = JobBuilder().layout(64, 1, 1, gpus_per_node=8).model(preset="1.3b").training(microBatch=64).raw()
+    plan = _plan(raw)
+    assert plan.batch.tokens == 64 * 64 * 2048
+    assert plan.batch.warning and "critical batch" in plan.batch.warning
+    assert not _plan(JobBuilder().raw()).batch.warning
+
+
+def test_admission_refuses_a_7b_model_on_one_a100_40g_with_numbers() -> None:
+    job = api_spec.parse_spec(JobBuilder().layout(2, 1, 1, gpus_per_node=2).model(preset="7b").raw())
+    verdict = admission.check(job, profiles.get("a100-40g"))
+    assert isinstance(verdict, admission.WontFit)
+    assert verdict.reason == "WontFit" and verdict.needed_bytes > verdict.capacity_bytes
+    for needle in ("40.00 GiB", "weights", "optimizer", "activations", "parallelism.tensor"):
+        assert needle in verdict.message
+    sharded = api_spec.parse_spec(JobBuilder().layout(1, 4, 8, gpus_per_node=8).model(preset="7b").raw())
+    assert admission.check(sharded, profiles.get("h100-sxm")) is None
+
+
+def test_status_summary_is_json_ready() -> None:
+    summary = admission.status_summary(_plan(JobBuilder().layout(2, 1, 2, gpus_per_node=4).raw()))
+    assert {"memoryPerGpuBytes", "memoryHeadroomBytes", "stepSeconds", "bubbleRatio", "verdict", "fits"} <= set(summary)
+    json.dumps(summary, allow_nan=False)
+
+
+def test_profile_from_node_labels() -> None:
+    assert admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}).name == "h100-sxm"
+    assert admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}).name == "a100-80g"
+    assert admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}).name == "a100-40g"
+    assert admission.profile_for_labels({}) is None
+
+
+# --- profiles ------------------------------------------------------------------------------------
+
+def test_builtin_profiles_have_sources() -> None:
+    known = profiles.load_all()
+    assert {"h100-sxm", "h200", "a100-80g", "a100-40g", "l40s", "cpu"} <= set(known)
+    assert known["h100-sxm"].peak_flops == pytest.approx(989e12)
+    assert known["h200"].memory_bytes > known["h100-sxm"].memory_bytes
+    assert all(p.source for p in known.values())
+
+
+def test_unknown_profile_lists_the_known_ones() -> None:
+    with pytest.raises(profiles.ProfileError, match="known profiles: a100-40g, a100-80g, cpu, h100-sxm"):
+        profiles.get("h99")
+
+
+def test_user_profiles_from_a_directory_and_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = yaml.safe_load(profiles.BUILTIN_DIR.joinpath("h100-sxm.yaml").read_text())
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({**base, "name": "b200ish", "peak_flops": 2.2e15}))
+    assert profiles.get("b200ish", [tmp_path]).peak_flops == 2.2e15
+    monkeypatch.setenv(profiles.ENV_VAR, str(tmp_path))
+    assert "b200ish" in profiles.load_all()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"peak_flops": -1}, "'peak_flops' must be a positive number"),
+    ({"achievable_fraction": 1.5}, "must be <= 1"),
+    ({"source": ""}, "'source' must be a non-empty string"),
+    ({"colour": "green"}, "unknown key"),
+    ({"precision": "fp8"}, "'precision' must be bf16 or fp32"),
+])
+def test_malformed_profiles_are_refused(tmp_path: Path, change: dict, message: str) -> None:
+    base = yaml.safe_load(profiles.BUILTIN_DIR.joinpath("h100-sxm.yaml").read_text())
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**base, **change}))
+    with pytest.raises(profiles.ProfileError, match=message):
+        profiles.load_file(path)
+
+
+# --- cluster files -------------------------------------------------------------------------------
+
+def test_cluster_file_parses() -> None:
+    nodes = cluster.parse_text(CLUSTER)
+    assert [n.name for n in nodes] == ["a1", "a2", "c1"]
+    assert nodes[0].allocatable_gpus == 4 and nodes[2].labels["network.topology.nvidia.com/leaf"] == "l9"
+    assert [n.name for n in cluster.parse_text("- {name: x, gpus: 8}")] == ["x"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nodes: []", "non-empty list of nodes"),
+    ("nodes:\n  - name: a\n    gpus: 8\n  - name: b\n    gpus: eight\n", r"nodes\[1\] 'b' \(line 5\): 'gpus' must be an integer"),
+    ("nodes:\n  - gpus: 8\n", r"nodes\[0\] \(line 2\): 'name' must be a non-empty string"),
+    ("nodes:\n  - {name: a, gpus: 1}\n  - {name: a, gpus: 1}\n", r"duplicate node name \(first at nodes\[0\]\)"),
+    ("nodes:\n  - {name: a, gpus: 1, colour: red}\n", "unknown key"),
+    ("nodes:\n  - {name: a, gpus: 1, labels: [x]}\n", "'labels' must be a mapping"),
+    ("nodes: [\n", "not valid YAML"),
+    ("machines: []", "unknown top-level key"),
+])
+def test_malformed_cluster_files_name_the_entry_and_line(text: str, message: str) -> None:
+    with pytest.raises(cluster.ClusterError, match=message):
+        cluster.parse_text(text, "c.yaml")
+
+
+def test_missing_cluster_file(tmp_path: Path) -> None:
+    with pytest.raises(cluster.ClusterError, match="cannot read cluster file"):
+        cluster.load(tmp_path / "nope.yaml")
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+def test_cli_plan_text_json_and_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job(tmp_path)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    assert cli.main(["plan", str(job), "--gpu", "a100-80g", "--cluster", str(tmp_path / "cluster.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "a100-80g" in out and "pod 0" in out and "-> a" in out
+    assert cli.main(["plan", str(job), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "meshtrain.plan/v1" and doc["profile"]["name"] == "h100-sxm"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "h99"], "unknown GPU profile 'h99'; known profiles:"),
+    (["--cluster", "missing.yaml"], "cannot read cluster file"),
+    (["--critical-batch-tokens", "0"], "--critical-batch-tokens must be >= 1"),
+])
+def test_cli_plan_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert cli.main(["plan", str(_job(tmp_path)), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_plan_refuses_an_invalid_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = JobBuilder().layout(2, 1, 3, gpus_per_node=4).raw()
+    assert cli.main(["plan", str(_job(tmp_path, bad))]) == 2
+    assert "spec.parallelism.tensor" in capsys.readouterr().err
+
+
+def test_cli_plan_reports_an_unschedulable_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "small.yaml").write_text("- {name: only, gpus: 4}\n")
+    assert cli.main(["plan", str(_job(tmp_path)), "--cluster", str(tmp_path / "small.yaml")]) == 0
+    assert "unschedulable" in capsys.readouterr().out
