@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 
 DEFAULT_PEERING = "meshtrain"
@@ -49,14 +50,14 @@ def run(args: argparse.Namespace) -> int:
 
     from meshtrain.operator import handlers, metrics, reconciler  # noqa: F401,PLC0415 - registers the handlers
 
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+    if not args.verbose:  # kopf logs every handler call at INFO; keep the operator's own lines
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     memo = kopf.Memo(
-        kubeconfig=args.kubeconfig,
+        kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
         settings=reconciler.Settings(resync_seconds=args.resync_seconds, progress_seconds=args.progress_seconds),
     )
     clusterwide = not args.namespace

@@ -61,6 +61,22 @@ class Wakeups:
         self._waiting.discard(key)
 
 
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches use the same credentials as the operator's client (``--kubeconfig`` or in-cluster)."""
+    config = kube.load_configuration(kubeconfig=memo.kubeconfig)
+    token = kube.bearer_token(config)
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        scheme="Bearer" if token else None,
+        token=token,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
+
+
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Create the API client and the reconciler; keep kopf's own bookkeeping in meshtrain.io annotations."""

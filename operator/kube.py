@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +28,23 @@ from meshtrain.operator import naming
 MERGE_PATCH = "application/merge-patch+json"
 CONCURRENCY = 32
 """Requests in flight at once for one batch (pods of a gang)."""
+
+
+def load_configuration(*, kubeconfig: str | None = None) -> kubernetes.client.Configuration:
+    """Connection settings from ``kubeconfig`` (else $KUBECONFIG, ~/.kube/config, then in-cluster)."""
+    config = kubernetes.client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    if kubeconfig or os.path.exists(path):
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=config)
+    else:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    return config
+
+
+def bearer_token(config: kubernetes.client.Configuration) -> str | None:
+    """The bearer token of a configuration, without its ``Bearer`` prefix."""
+    token = config.api_key.get("authorization") or config.api_key.get("BearerToken")
+    return token.removeprefix("Bearer ").strip() if token else None
 
 
 class ApiError(RuntimeError):
@@ -49,20 +67,14 @@ class Client:
     @classmethod
     async def connect(cls, *, kubeconfig: str | None = None) -> Client:
         """Credentials from ``kubeconfig`` (or $KUBECONFIG / ~/.kube/config), else in-cluster."""
-        config = kubernetes.client.Configuration()
-        try:
-            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
-        except (kubernetes.config.ConfigException, FileNotFoundError, TypeError):
-            if kubeconfig:
-                raise
-            kubernetes.config.load_incluster_config(client_configuration=config)
+        config = load_configuration(kubeconfig=kubeconfig)
         context = ssl.create_default_context(cafile=config.ssl_ca_cert) if config.verify_ssl else False
         if context and config.cert_file:
             context.load_cert_chain(config.cert_file, config.key_file)
         headers = {"Accept": "application/json"}
-        token = config.api_key.get("authorization") or config.api_key.get("BearerToken")
+        token = bearer_token(config)
         if token:
-            headers["Authorization"] = token if token.startswith("Bearer ") else f"Bearer {token}"
+            headers["Authorization"] = f"Bearer {token}"
         connector = aiohttp.TCPConnector(ssl=context, limit=CONCURRENCY * 2)
         session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30))
         return cls(host=config.host, session=session, headers=headers)

@@ -60,7 +60,7 @@ def test_gates_are_lifted_only_after_the_last_pod_exists(cluster, operator, name
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     time.sleep(0.5)
-    cluster.apply(Job("wide", namespace, pool).layout(data=16).gpus(2))
+    cluster.apply(Job("wide", namespace, pool).layout(data=32).gpus(2))
     cluster.wait_gang(namespace, "wide", 16)
     time.sleep(0.5)
     stop.set()
@@ -73,7 +73,7 @@ def test_gates_are_lifted_only_after_the_last_pod_exists(cluster, operator, name
 
 def test_job_larger_than_free_capacity_waits_then_places_when_nodes_arrive(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("big", namespace, pool).layout(data=4, tensor=8).gpus(8))
+    cluster.apply(Job("big", namespace, pool).layout(data=32).gpus(8))
     placed = wait_for("Placed=False", lambda: cluster.condition(namespace, "big", "Placed").get("status") == "False"
                       and cluster.condition(namespace, "big", "Placed"))
     assert placed["reason"] == "InsufficientGPUs" and "32" in placed["message"]
@@ -88,7 +88,7 @@ def test_job_larger_than_free_capacity_waits_then_places_when_nodes_arrive(clust
 def test_required_fabric_level_that_cannot_hold_the_job_is_topology_unsatisfiable(cluster, operator, namespace, pool):
     for rack in ("r1", "r1", "r2", "r2"):
         cluster.add_node(pool, gpus=8, labels={"meshtrain.test/rack": f"{pool}-{rack}"})
-    job = Job("racked", namespace, pool).layout(data=3, tensor=8).gpus(8)
+    job = Job("racked", namespace, pool).layout(data=24).gpus(8)
     job.set("topology", levels=[{"label": "meshtrain.test/rack", "mode": "required"}])
     cluster.apply(job)
     placed = wait_for("Placed=False", lambda: cluster.condition(namespace, "racked", "Placed").get("reason"))
@@ -100,7 +100,7 @@ def test_competing_jobs_never_share_gpus(cluster, operator, namespace, pool):
     for _ in range(4):
         cluster.add_node(pool, gpus=8)
     for name in ("a", "b", "c"):  # 3 x 16 GPUs on 32: exactly two fit
-        cluster.apply(Job(name, namespace, pool).layout(data=4).gpus(4))
+        cluster.apply(Job(name, namespace, pool).layout(data=16).gpus(4))
     wait_for("two gangs placed and one waiting", lambda: sorted(
         cluster.status(namespace, n).get("phase", "") for n in ("a", "b", "c")) == ["Pending", "Placing", "Placing"],
         timeout=30)
