@@ -22,7 +22,7 @@ def _fail_pod(cluster, namespace, job, index=0, exit_code=1, attempt=0):
 
 def test_pod_failure_restarts_the_gang_until_the_backoff_limit(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("flaky", namespace, pool).layout(data=2).gpus(2).run_policy(backoffLimit=1))
+    cluster.apply(Job("flaky", namespace, pool).layout(data=4).gpus(2).run_policy(backoffLimit=1))
     cluster.wait_gang(namespace, "flaky", 2)
     # step 1: a retryable failure (killed by SIGKILL) -> new gang, restarts 1
     _fail_pod(cluster, namespace, "flaky", index=1, exit_code=137)
