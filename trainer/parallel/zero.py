@@ -329,6 +329,11 @@ class ZeroAdamW:
                             state.exp_avg_sq.narrow(0, seg.shard_offset, seg.numel)))
         return out
 
+    @property
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The moments by bucket, shaped like ``torch.optim.Optimizer.state`` for code that walks it (telemetry)."""
+        return {i: {"exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq} for i, b in enumerate(self.buckets)}
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (both moments, padding included)."""
         return sum(t.numel() * t.element_size() for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq))

@@ -1,0 +1,161 @@
+"""Benchmark: checkpoint save/load time for the 125m preset, and the step-time cost of checkpointing every N steps.
+
+What it is, in two parts, on local gloo ranks:
+
+1. **save/load**: ranks build the Engine for ``--preset`` (default 125m; the
+   sequence length cut to 64, which only shrinks the position table), create
+   the AdamW state, then time :meth:`Checkpointer.save` (DCP write, sha256 of
+   every file, marker, atomic rename) and :meth:`Checkpointer.restore`
+   (verify hashes, DCP read into the live tensors), at dp1 (ZeRO 0) and dp2
+   (ZeRO 1).  Reports checkpoint bytes and MB/s.
+2. **interval cost**: a small model trains ``--steps`` steps with no
+   checkpoint and with a checkpoint every N steps (N in ``--intervals``),
+   variants run back to back in one process group; the cost is the extra
+   wall time per step relative to no checkpointing.
+
+Prints both tables and writes ``benchmarks/results/checkpoint-<host>.json``.
+
+What it is not: a storage benchmark (the checkpoint goes to a local temporary
+directory; a PVC over the network will be slower).
+
+    python benchmarks/bench_checkpoint.py [--preset 125m] [--steps 20] [--intervals 10 5 2 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import machine  # noqa: E402
+from meshtrain import layout as layout_mod  # noqa: E402
+from meshtrain.api import spec as spec_mod  # noqa: E402
+from meshtrain.trainer import engine  # noqa: E402
+from meshtrain.trainer.checkpointing import checkpointer, state, store  # noqa: E402
+from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
+
+SMALL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 64}
+
+
+def _engine(model: dict, dp: int, stage: int, steps: int, interval: int) -> engine.Engine:
+    job = spec_mod.parse_spec({
+        "parallelism": {"data": dp, "zeroStage": stage},
+        "resources": {"gpusPerNode": dp},
+        "model": model,
+        "training": {"microBatch": 2, "steps": steps, "precision": "fp32", "dataset": "stdlib"},
+        "checkpoint": {"intervalSteps": interval, "keep": 2},
+    })
+    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _save_load(preset: str, dp: int, stage: int, root: Path) -> dict:
+    eng = _engine({"preset": preset, "seqLen": 64}, dp, stage, 10, 0)
+    state.init_optimizer_state(eng.optimizer)
+    saver = checkpointer.Checkpointer(eng, root=root)
+    dist.barrier()
+    start = time.perf_counter()
+    published = saver.save()
+    save_s = time.perf_counter() - start
+    marker = store.read_marker(published)
+    fresh = _engine({"preset": preset, "seqLen": 64}, dp, stage, 10, 0)
+    dist.barrier()
+    start = time.perf_counter()
+    checkpointer.Checkpointer(fresh, root=root).restore()
+    load_s = time.perf_counter() - start
+    size = _dir_bytes(published)
+    params = sum(p.numel() for p in eng.params)
+    del eng, fresh
+    gc.collect()
+    return {"preset": preset, "dp": dp, "zero_stage": stage, "params_per_rank": params, "bytes": size,
+            "save_seconds": save_s, "dcp_write_seconds": marker.extra.get("write_seconds"), "load_seconds": load_s}
+
+
+def _interval_cost(steps: int, intervals: list[int], dp: int, root: Path) -> list[dict]:
+    rows = []
+    for interval in [0, *intervals]:
+        eng = _engine(SMALL, dp, 1 if dp > 1 else 0, steps, interval)
+        eng.train_step()  # warm-up step, not timed
+        saver = checkpointer.Checkpointer(eng, root=root / f"every-{interval}")
+        saver.total = 10**9  # no end-of-run save inside the timed window
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            eng.train_step()
+            if interval:
+                saver.after_step(eng.step)
+        seconds = time.perf_counter() - start
+        rows.append({"interval": interval, "steps": steps, "seconds": seconds, "step_seconds": seconds / steps,
+                     "saves": steps // interval if interval else 0})
+        del eng
+        gc.collect()
+    base = rows[0]["step_seconds"]
+    for row in rows:
+        row["overhead_ratio"] = row["step_seconds"] / base - 1.0
+    return rows
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    with tempfile.TemporaryDirectory(prefix="mt-bench-ckpt-") as scratch:
+        root = Path(scratch) if rank == 0 else None
+        shared = [str(root) if root else None]
+        dist.broadcast_object_list(shared, src=0)
+        root = Path(shared[0])
+        result = {"save_load": _save_load(args.preset, world, 1 if world > 1 else 0, root / "big")}
+        result["interval"] = _interval_cost(args.steps, args.intervals, world, root / "small")
+        if rank == 0:
+            torch.save(result, Path(out) / "result.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--dps", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--intervals", type=int, nargs="+", default=[10, 5, 2, 1])
+    args = parser.parse_args()
+    results = []
+    for dp in args.dps:
+        with tempfile.TemporaryDirectory() as out:
+            port = 29700 + os.getpid() % 1000 + dp
+            mp.start_processes(_rank, args=(dp, port, args, out), nprocs=dp, start_method="spawn")
+            results.append({"dp": dp, **torch.load(Path(out) / "result.pt")})
+    print(f"checkpoint save/load, preset {args.preset} (seq 64), local disk")
+    print(f"{'dp':>3} {'zero':>4} {'MiB':>8} | {'save s':>7} {'(dcp write)':>11} {'load s':>7} | {'save MB/s':>9} {'load MB/s':>9}")
+    for r in results:
+        s = r["save_load"]
+        mb = s["bytes"] / 1e6
+        print(f"{r['dp']:>3} {s['zero_stage']:>4} {s['bytes'] / 2**20:>8.1f} | {s['save_seconds']:>7.2f} "
+              f"{s['dcp_write_seconds']:>11.2f} {s['load_seconds']:>7.2f} | {mb / s['save_seconds']:>9.1f} "
+              f"{mb / s['load_seconds']:>9.1f}")
+    print(f"\nstep-time cost of checkpointing every N steps (model {SMALL}, {args.steps} steps)")
+    print(f"{'dp':>3} {'every':>6} {'saves':>6} {'step s':>8} {'overhead':>9}")
+    for r in results:
+        for row in r["interval"]:
+            every = str(row["interval"]) if row["interval"] else "never"
+            print(f"{r['dp']:>3} {every:>6} {row['saves']:>6} {row['step_seconds']:>8.4f} {row['overhead_ratio']:>+9.1%}")
+    path = machine.write_results("checkpoint", {"preset": args.preset, "runs": results})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
