@@ -31,7 +31,8 @@ def build_adamw(named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float
     decay = [p for _, p in named_params if p.dim() >= 2]
     no_decay = [p for _, p in named_params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    fused = bool(decay) and decay[0].is_cuda  # one kernel for all tensors on GPU
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 def lr_at(step: int, *, peak: float, minimum: float, warmup: int, total: int) -> float:
@@ -60,8 +61,9 @@ def clip_grad_norm(params: list[torch.nn.Parameter], *, counted: list[bool], max
     mine = [p.grad for p, c in zip(params, counted) if c and p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float64, device=device)
-    for g in mine:
-        square += g.detach().double().pow(2).sum()
+    if mine:  # per-tensor norms in fp32 (no big temporaries), their squares summed in fp64
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in mine])
+        square += norms.double().pow(2).sum()
     for axis, group in groups:
         start = time.perf_counter()
         dist.all_reduce(square, group=group)

@@ -39,10 +39,13 @@ def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:
 
 def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
     """For each (id, spec dict): step-1 dense gradients and ``steps`` losses, plus DP collective counts."""
-    results = {}
+    results, meshes = {}, {}
     for case_id, raw in cases:
         job = spec_mod.parse_spec(raw)
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        layout = layout_mod.from_spec(job.parallelism)
+        if layout not in meshes:  # group creation is slow on a busy machine: one mesh per layout
+            meshes[layout] = mesh_mod.build_mesh(layout, torch.device("cpu"))
+        mesh = meshes[layout]
         first = engine.Engine(job, mesh)
         first.forward_backward()
         grads = dense_grads(first)

@@ -1,0 +1,118 @@
+"""Benchmark: meshtrain's data-parallel reducer vs ``torch.nn.parallel.DistributedDataParallel``.
+
+What it is: on ``--world`` local gloo ranks, two identical copies of a GPT
+(8 blocks, hidden 256) train side by side on the same batches, one with
+meshtrain's :class:`~meshtrain.trainer.parallel.reducer.GradReducer` and one
+wrapped in DDP, both with 25 MiB buckets and AdamW; steps alternate between
+the two so machine noise hits both alike.  It checks that both give the same
+weights, prints median step times and writes
+``benchmarks/results/ddp-<host>.json``.  Target: meshtrain <= 1.05 x DDP.
+
+What it is not: the full engine (no pipeline executor, clipping or data
+loader): only the data-parallel part differs between the two sides.
+
+    python benchmarks/bench_ddp.py [--world 2] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import machine  # noqa: E402
+from meshtrain.trainer import model as gpt  # noqa: E402
+from meshtrain.trainer.parallel import recording, reducer  # noqa: E402
+
+CONFIG = gpt.GPTConfig(vocab=256, seq_len=64, layers=8, hidden=256, heads=8, ffn_hidden=1024)
+BATCH = 4
+BUCKET_MB = 25.0
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, CONFIG.vocab), batch[:, 1:].reshape(-1))
+
+
+def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    ours = gpt.GPT(CONFIG)
+    theirs = DistributedDataParallel(copy.deepcopy(ours), bucket_cap_mb=BUCKET_MB)
+    red = reducer.GradReducer(list(ours.parameters()), group=dist.group.WORLD, group_size=world,
+                              bucket_mb=BUCKET_MB, recorder=recording.NullRecorder())
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
+    torch.manual_seed(rank)
+    times: dict[str, list[float]] = {"meshtrain": [], "ddp": []}
+    for step in range(steps + 3):
+        batch = torch.randint(0, 256, (BATCH, CONFIG.seq_len + 1))
+        for name in ("meshtrain", "ddp") if step % 2 else ("ddp", "meshtrain"):
+            dist.barrier()
+            start = time.perf_counter()
+            if name == "meshtrain":
+                _loss(ours, batch).backward()
+                red.finish()
+                opt_ours.step()
+                red.zero_grad()
+            else:
+                _loss(theirs, batch).backward()
+                opt_theirs.step()
+                opt_theirs.zero_grad(set_to_none=True)
+            if step >= 3:
+                times[name].append(time.perf_counter() - start)
+    worst = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.module.parameters()))
+    if rank == 0:
+        torch.save({"times": times, "max_weight_diff": worst, "buckets": len(red.buckets),
+                    "params": sum(p.numel() for p in ours.parameters())}, Path(out) / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-ddp-{os.getpid()}"
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank, args=(args.world, port, args.steps, str(out)), nprocs=args.world)
+    raw = torch.load(out / "result.pt")
+    (out / "result.pt").unlink()
+    ours, theirs = statistics.median(raw["times"]["meshtrain"]), statistics.median(raw["times"]["ddp"])
+    ratio = ours / theirs
+    print(f"GPT {raw['params'] / 1e6:.1f}M params, {args.world} gloo ranks, batch {BATCH}x{CONFIG.seq_len} per rank, "
+          f"{BUCKET_MB:g} MiB buckets, {args.steps} timed steps (median)")
+    print(f"{'side':<10} {'step ms':>9}")
+    print(f"{'meshtrain':<10} {ours * 1e3:>9.1f}\n{'ddp':<10} {theirs * 1e3:>9.1f}")
+    print(f"ratio meshtrain/ddp {ratio:.3f} (target <= 1.05 -> {'met' if ratio <= 1.05 else 'NOT met'}); "
+          f"max weight difference after training {raw['max_weight_diff']:.2e}")
+    path = machine.write_results("ddp", {"world": args.world, "model": CONFIG.__dict__, "batch_per_rank": BATCH,
+                                         "bucket_mb": BUCKET_MB, "meshtrain_median_step_seconds": ours,
+                                         "ddp_median_step_seconds": theirs, "ratio": ratio, "target": 1.05,
+                                         "max_weight_diff": raw["max_weight_diff"], "buckets": raw["buckets"],
+                                         "step_seconds": raw["times"]})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
