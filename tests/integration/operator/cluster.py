@@ -196,6 +196,8 @@ class OperatorProcess:
         self.health_port = free_port()
         self.metrics_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.identity = f"operator-{uuid.uuid4().hex[:6]}"
+        """kopf peering identity (POD_ID): a restart keeps it, as a container restart keeps its pod name."""
 
     def start(self) -> None:
         command = [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces",
@@ -203,7 +205,8 @@ class OperatorProcess:
                    "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
                    "--metrics-port", str(self.metrics_port), "--resync-seconds", "2", "--progress-seconds", "0.5"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        env = {**os.environ, "POD_ID": self.identity}
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         wait_for("operator liveness endpoint", self.alive, timeout=60, interval=0.2)
 
     def alive(self) -> bool:
