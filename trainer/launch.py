@@ -51,6 +51,16 @@ def default_log_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def checkpoint_dir(job: spec_mod.TrainingJobSpec, log_dir: Path) -> Path:
+    """Where a local run keeps checkpoints: spec.checkpoint.path if the spec changes it, else <log-dir>/checkpoints.
+
+    So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
+    local runs never share the pod default ``/checkpoints``.
+    """
+    pod_default = spec_mod.Checkpoint.model_fields["path"].default
+    return Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
+
+
 def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -124,7 +134,9 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
     started = time.monotonic()
     for rank in range(world):
         logs.append((log_dir / f"rank-{rank}.log").open("w"))
-        procs.append(subprocess.Popen(command, env=_rank_env(rank, world, port, log_dir, cuda),
+        env = _rank_env(rank, world, port, log_dir, cuda)
+        env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
+        procs.append(subprocess.Popen(command, env=env,
                                       stdout=logs[-1], stderr=subprocess.STDOUT))
     total = job.training.steps
     bar = tqdm.tqdm(total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr)

@@ -7,8 +7,14 @@ mesh and the :class:`~meshtrain.trainer.engine.Engine`, and trains.  Rank 0
 appends one record per step to ``steps.jsonl`` in the log directory
 (``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
 
-Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 1 anything else
-(traceback on stderr), 17 injected fault (:mod:`.faults`).
+Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
+directory (:mod:`.checkpointing`), 1 anything else (traceback on stderr), 17
+injected fault (:mod:`.faults`).
+
+Checkpoints: at start the newest complete checkpoint under
+``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
+loaded and training continues from the step after it; one is saved every
+``checkpoint.intervalSteps`` and at the end.
 
 What it is not: a launcher; it never starts other processes.
 """
@@ -25,11 +31,13 @@ import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, faults, steplog, telemetry
+from meshtrain.trainer import data, engine, faults, memory, steplog, telemetry
+from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import schedules
 
-EXIT_SPEC, EXIT_DATA = 2, 3
+EXIT_SPEC, EXIT_DATA, EXIT_CHECKPOINT = 2, 3, 4
+CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,12 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     except data.DatasetError as err:
         print(err, file=sys.stderr)
         return EXIT_DATA
+    saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
+    try:
+        saver.restore()  # continue after the newest complete checkpoint, if there is one
+    except store.CheckpointError as err:
+        print(err, file=sys.stderr)
+        return EXIT_CHECKPOINT
+    if rank == 0:
+        print(memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(), file=sys.stderr)
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
-    for step in range(1, job.training.steps + 1):
+    for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
         result = trainer.train_step()
         if log is not None:
             log.write(step_record(result, recorder.steps[-1], job))
+        saver.after_step(step)
     if log is not None:
         log.close()
     dist.barrier()

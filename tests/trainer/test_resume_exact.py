@@ -38,8 +38,6 @@ def resume_case(raw: dict, root: str) -> dict:
             "rank": dist.get_rank()}
 
 
-
-
 def shape_mismatch_case(raw_saved: dict, raw_other: dict, root: str) -> str:
     """Save with one model shape; restoring another must refuse (the error text is returned)."""
     first = _engine(raw_saved)
@@ -50,11 +48,6 @@ def shape_mismatch_case(raw_saved: dict, raw_other: dict, root: str) -> str:
     except store.CheckpointError as err:
         return str(err)
     return "restored without complaint"
-
-
-        assert "model shape mismatch" in message
-        assert "hidden=32" in message and "hidden=64" in message
-        assert "COMPLETE" in message
 
 
 def corrupt_case(raw: dict, root: str) -> str:
