@@ -80,9 +80,10 @@ def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
           f"(restarts {final['status'].get('restarts', 0)}, last checkpoint step {final['status'].get('lastCheckpointStep')})")
     print(f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
           f"(e.g. sum by (job) (meshtrain_tokens_per_second{{job=\"{name}\"}}))")
-    print(f"pod logs: {paths.root}/pods/{namespace}/")
-    print(f"timeline picture: meshtrain timeline --help (reads the step trace the trainer writes beside its checkpoints in "
-          f"{paths.root}/volumes/{namespace}/)")
+    print(f"pod logs: {paths.root}/pods/{namespace}/  (python -m meshtrain.sandbox logs POD)")
+    picture = example.timeline(paths, namespace, name)
+    print(f"timeline picture: {picture}" if picture else
+          f"timeline picture: none (no traces in {paths.root}/runs/{namespace}/{name})")
     return 0 if phase == "Succeeded" else 1
 
 

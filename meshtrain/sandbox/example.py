@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,3 +93,14 @@ def follow(paths: supervisor.Paths, namespace: str, name: str, *, timeout: float
             return obj
         time.sleep(1.0)
     raise TimeoutError(f"TrainingJob {namespace}/{name} did not finish in {timeout:.0f}s")
+
+
+def timeline(paths: supervisor.Paths, namespace: str, name: str) -> pathlib.Path | None:
+    """Draw the job's last pipeline step with ``meshtrain timeline``; returns the PNG, or None without traces."""
+    log_dir = paths.root / "runs" / namespace / name
+    if not (log_dir / "trace").is_dir():
+        return None
+    picture = log_dir / "timeline.png"
+    result = subprocess.run([sys.executable, "-m", "meshtrain.cli", "timeline", str(log_dir), "-o", str(picture)],
+                            capture_output=True, text=True)
+    return picture if result.returncode == 0 and picture.exists() else None

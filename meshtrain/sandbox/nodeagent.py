@@ -26,6 +26,7 @@ import logging
 import os
 import pathlib
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from meshtrain.sandbox import nodes, podspec, podstatus, shim
+from meshtrain.sandbox import nodes, podspec, podstatus, procs, shim
 
 log = logging.getLogger("meshtrain.sandbox.nodeagent")
 
@@ -80,6 +81,7 @@ class NodeAgent:
         self.shim_dir = shim.write(state_dir / "shim")
         self.targets_file = state_dir / "prometheus" / "targets.json"
         self._used_ips: set[str] = set()
+        self._gone: set[str] = set()  # uids of pods whose deletion this agent completed
 
     # --- nodes ---------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class NodeAgent:
     def _on_event(self, kind: str, obj: dict[str, Any]) -> None:
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
         key = (meta.get("namespace", "default"), meta["name"])
-        if spec.get("nodeName") not in self.sim_nodes:
+        if spec.get("nodeName") not in self.sim_nodes or meta.get("uid") in self._gone:
             return
         pod = self.pods.get(key)
         if pod is not None and pod.uid != meta.get("uid"):
@@ -192,6 +194,8 @@ class NodeAgent:
         ip = next(f"{IP_PREFIX}{n}" for n in range(1, 255) if f"{IP_PREFIX}{n}" not in self._used_ips)
         self._used_ips.add(ip)
         directory = self.state_dir / "pods" / key[0] / key[1]
+        if directory.exists():  # an earlier pod of the same name: start clean
+            shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
         pod = _Pod(key=key, uid=obj["metadata"]["uid"], ip=ip, obj=obj, directory=directory)
         self.pods[key] = pod
@@ -228,6 +232,11 @@ class NodeAgent:
             "PYTHONPATH": str(self.shim_dir), shim.POD_IP_ENV: pod.ip,
             # gloo finds its address through the loopback interface, not the (unresolvable) pod hostname.
             "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MESHTRAIN_SANDBOX": "1",
+            # Step log and per-rank traces of the whole job in one place (for `meshtrain timeline`);
+            # the pod's own env wins if it sets one.
+            "MESHTRAIN_LOG_DIR": str(run_dir(self.state_dir, pod.obj)),
+            # Marks every pod process so `down` finds stragglers (torchrun's workers run in their own sessions).
+            procs.MARKER_ENV: str(self.state_dir),
         }
 
     def _try_start(self, pod: _Pod) -> None:
@@ -333,9 +342,10 @@ class NodeAgent:
     # --- stopping ------------------------------------------------------------
 
     def _kill(self, pod: _Pod, *, grace: int) -> None:
+        """SIGTERM (or SIGKILL for grace 0) to every container's process tree; _advance_kill finishes."""
         for proc in pod.procs:
             if proc.popen is not None and proc.popen.poll() is None:
-                _signal_group(proc.popen.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+                procs.kill_tree(proc.popen.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
         pod.kill_deadline = time.monotonic() + grace
 
     def _advance_kill(self, pod: _Pod) -> None:
@@ -343,13 +353,15 @@ class NodeAgent:
         if alive and time.monotonic() < (pod.kill_deadline or 0):
             return
         for proc in alive:
-            _signal_group(proc.popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            procs.kill_tree(proc.popen.pid)  # type: ignore[union-attr]
             proc.popen.wait(timeout=10)  # type: ignore[union-attr]
-        for proc in pod.procs:  # the whole group: torchrun's workers too
+        for proc in pod.procs:  # stragglers: the group, and workers re-parented away from torchrun
             if proc.popen is not None:
                 _signal_group(proc.popen.pid, signal.SIGKILL)
+        procs.signal_all(self._orphans(pod), signal.SIGKILL)
         if pod.obj["metadata"].get("deletionTimestamp"):
             self._finish_deletion(pod.key, pod.uid)
+        self._gone.add(pod.uid)
         self._forget(pod)
 
     def _finish_deletion(self, key: tuple[str, str], uid: str) -> None:
@@ -362,17 +374,32 @@ class NodeAgent:
             if err.status not in (404, 409):
                 raise
 
+    def _orphans(self, pod: _Pod) -> list[int]:
+        """Processes of this pod still alive (found by their pod address in the environment)."""
+        needle = f"{shim.POD_IP_ENV}={pod.ip}".encode()
+        found = []
+        for pid in procs.marked(str(self.state_dir)):
+            try:
+                if needle in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append(pid)
+            except OSError:
+                continue
+        return found
+
     def shutdown(self) -> None:
         """Kill every pod's processes (the sandbox is going down)."""
         for pod in list(self.pods.values()):
             for proc in pod.procs:
                 if proc.popen is not None:
+                    procs.kill_tree(proc.popen.pid)
                     _signal_group(proc.popen.pid, signal.SIGKILL)
                     try:
                         proc.popen.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         log.error("process %d did not exit", proc.popen.pid)
-        log.info("node agent stopped; no pod process left")
+        left = procs.marked(str(self.state_dir))
+        procs.signal_all(left, signal.SIGKILL)
+        log.info("node agent stopped; no pod process left%s", f" (killed stragglers {left})" if left else "")
 
     def _write_targets(self) -> None:
         groups = []
@@ -384,6 +411,13 @@ class NodeAgent:
         tmp = self.targets_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(podstatus.file_sd(groups), indent=2))
         tmp.replace(self.targets_file)
+
+
+def run_dir(state_dir: pathlib.Path, pod: dict[str, Any]) -> pathlib.Path:
+    """``<state>/runs/<ns>/<job>``: where a job's ranks write their step log and traces."""
+    meta = pod.get("metadata") or {}
+    job = (meta.get("labels") or {}).get("meshtrain.io/job") or meta.get("name", "pod")
+    return state_dir / "runs" / meta.get("namespace", "default") / job
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -31,7 +31,7 @@ import yaml
 from meshtrain.controlplane import binaries as binaries_mod
 from meshtrain.controlplane import kubeconfig as kubeconfig_mod
 from meshtrain.controlplane import ports, server
-from meshtrain.sandbox import prometheus
+from meshtrain.sandbox import procs, prometheus
 
 log = logging.getLogger("meshtrain.sandbox")
 
@@ -146,7 +146,7 @@ class _Supervisor:
         self.plane = server.ControlPlane(binaries=found, with_scheduler=True, with_controller_manager=True,
                                          data_root=self.paths.root, startup_timeout=180.0)
         self.plane.start()
-        self.state["groups"].update({f"controlplane-{k}": v for k, v in self.plane.pids.items()})
+        self.state["groups"].update({f"controlplane-{k}": v for k, v in self.plane.pids().items()})
         shutil.copyfile(self.plane.kubeconfig_path, self.paths.kubeconfig)
         self.state.update(kubeconfig=str(self.paths.kubeconfig), server=self.plane.server)
         self._timed("control plane", t0)
@@ -316,12 +316,15 @@ def down(paths: Paths, *, timeout: float = 90.0) -> list[int]:
     leftovers: list[int] = []
     groups = [pid] if pid else []
     groups += list((state.get("groups") or {}).values())
-    groups += [int(p.read_text()) for p in (paths.root / "pods").glob("*/*/*.pid") if p.read_text().strip().isdigit()]
     for pgid in groups:
         members = group_members(pgid)
         if members:
             leftovers.extend(members)
             _signal_group(pgid, signal.SIGKILL)
+    strays = procs.marked(str(paths.root))  # pod processes, whatever their group or parent
+    if strays:
+        leftovers.extend(strays)
+        procs.signal_all(strays, signal.SIGKILL)
     if state:
         state["status"] = "down"
         _write_state(paths, state)

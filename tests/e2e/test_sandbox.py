@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from meshtrain.sandbox import example, supervisor
+from meshtrain.sandbox import example, procs, supervisor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -45,6 +45,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[supervis
         leftovers = supervisor.down(paths)
         assert leftovers == [], f"processes left behind after down: {leftovers}"
         assert not [g for g in groups if supervisor.group_members(g)]
+        assert procs.marked(str(paths.root)) == [], "pod processes left behind"
 
 
 def _pods(paths: supervisor.Paths, name: str) -> list[dict]:
@@ -103,28 +104,29 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supe
 
 def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tuple[supervisor.Paths, dict]) -> None:
     paths, _state = sandbox
-    name = "sandbox-restart"
-    namespace, _ = example.apply(paths, _variant(paths, name, "restart-checkpoints", steps=60))
+    name, claim, steps = "sandbox-restart", "restart-checkpoints", 300
+    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
+    checkpoints = paths.root / "volumes" / namespace / claim
     deadline = time.monotonic() + 600
     victim = None
     while time.monotonic() < deadline and victim is None:
-        obj = example.job(paths, namespace, name) or {}
-        status = obj.get("status") or {}
-        assert status.get("phase") not in ("Succeeded", "Failed"), "the job ended before a checkpoint could be interrupted"
-        step = (status.get("progress") or {}).get("step", 0)
-        if (status.get("lastCheckpointStep") or 0) >= 5 and step < 50:
+        status = (example.job(paths, namespace, name) or {}).get("status") or {}
+        assert status.get("phase") not in ("Succeeded", "Failed"), "the job ended before it could be interrupted"
+        saved = sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
+        if saved and saved[-1] >= 10:
             pod = next(p for p in _pods(paths, name) if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1")
             leader = int((paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text())
-            workers = [pid for pid in supervisor.group_members(leader) if pid != leader]
+            workers = [pid for pid in procs.tree(leader) if pid != leader]
             assert workers, "torchrun's worker processes"
             victim = workers[0]
-            print(f"killing rank process {victim} of pod {pod['metadata']['name']} at step {step}")
+            print(f"killing rank process {victim} of pod {pod['metadata']['name']} after checkpoint step {saved[-1]}")
             os.kill(victim, signal.SIGKILL)
-        time.sleep(0.5)
+        time.sleep(0.3)
     assert victim is not None, "never saw a checkpoint mid-run"
     final = example.follow(paths, namespace, name, timeout=900)
     status = final["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
     assert status["restarts"] == 1
-    logs = " ".join(p.read_text(errors="replace") for p in (paths.root / "pods" / namespace).glob(f"{name}-*/trainer.log"))
-    assert "resum" in logs.lower(), "the restarted gang resumes from the checkpoint"
+    assert status["progress"]["step"] == steps
+    restarted = " ".join(p.read_text(errors="replace") for p in (paths.root / "pods" / namespace).glob(f"{name}-r1-*/trainer.log"))
+    assert "resumed from" in restarted, "the restarted gang resumes from the checkpoint"
