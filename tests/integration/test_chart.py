@@ -138,7 +138,10 @@ def test_bad_values_fail_at_install_with_the_schema_message(tools: dict, values:
 
 
 def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> bool:
+    """``kubectl auth can-i`` as the ServiceAccount; ``pods/exec`` means the exec subresource (not a pod named exec)."""
+    resource, _, subresource = resource.partition("/")
     args = ["auth", "can-i", verb, resource, f"--as={sa}"] + (["-n", ns] if ns else [])
+    args += [f"--subresource={subresource}"] if subresource else []
     return run(tools, "kubectl", *args).stdout.strip() == "yes"
 
 
@@ -172,6 +175,7 @@ def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> 
         assert can_i(tools, sa, "patch", "kopfpeerings.kopf.dev", watched)
         assert not can_i(tools, sa, "create", "pods", other)
         assert not can_i(tools, sa, "patch", "trainingjobs.meshtrain.io/status", other)
+        assert not can_i(tools, sa, "update", "trainingjobs.meshtrain.io/status", watched)
         assert can_i(tools, sa, "list", "pods", None), "cluster-wide pod list: GPU reservations of every namespace"
         assert not can_i(tools, sa, "get", "secrets", watched)
     finally:
