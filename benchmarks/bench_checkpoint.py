@@ -71,14 +71,16 @@ def _save_load(preset: str, dp: int, stage: int, root: Path) -> dict:
     published = saver.save()
     save_s = time.perf_counter() - start
     marker = store.read_marker(published)
+    params = sum(p.numel() for p in eng.params)
+    del eng, saver
+    gc.collect()
     fresh = _engine({"preset": preset, "seqLen": 64}, dp, stage, 10, 0)
     dist.barrier()
     start = time.perf_counter()
     checkpointer.Checkpointer(fresh, root=root).restore()
     load_s = time.perf_counter() - start
     size = _dir_bytes(published)
-    params = sum(p.numel() for p in eng.params)
-    del eng, fresh
+    del fresh
     gc.collect()
     return {"preset": preset, "dp": dp, "zero_stage": stage, "params_per_rank": params, "bytes": size,
             "save_seconds": save_s, "dcp_write_seconds": marker.extra.get("write_seconds"), "load_seconds": load_s}

@@ -8,7 +8,8 @@ What it is: :class:`Checkpointer`, built around a running
 steps and at the last step, publishes atomically and prunes to
 ``checkpoint.keep``.  Rank 0 makes every file-system decision (which
 checkpoint, the temporary name, publish, prune) and broadcasts it, so all
-ranks act on the same answer and an error on rank 0 is raised on every rank.
+ranks act on the same answer; hashing the files (at save and at load) is
+split over all ranks.  An error on any rank is raised on every rank.
 
 Fault injection for tests: ``MESHTRAIN_FAULT_INJECT_SAVE=STEP[:MODE]`` stops
 the save of step ``STEP`` after every rank's data is written and before the
@@ -59,6 +60,20 @@ def _agree(payload: Any) -> Any:
     return box[0]
 
 
+def _everywhere(fn: Any) -> None:
+    """Run ``fn`` on every rank; a CheckpointError on any rank is raised on all of them (the lowest rank's)."""
+    try:
+        fn()
+        mine = None
+    except store.CheckpointError as err:
+        mine = str(err)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, mine)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise store.CheckpointError(first)
+
+
 def _on_rank0(fn: Any) -> Any:
     """Run ``fn`` on rank 0 and share its result (or its CheckpointError) with every rank."""
     result: Any = None
@@ -102,17 +117,17 @@ class Checkpointer:
         """
         state.init_optimizer_state(self.engine.optimizer)
 
-        def find() -> tuple[str, dict[str, int], int] | None:
-            found = store.latest(self.root)
-            if found is None:
-                return None
-            published, marker = found
-            return str(published.path), marker.model, marker.step
+        def find() -> tuple[str, store.Marker] | None:
+            found = store.latest(self.root, hashes=False)  # names, marker, sizes; the hashes are split below
+            return None if found is None else (str(found[0].path), found[1])
 
         found = _on_rank0(find)
         if found is None:
             return None
-        path, model, step = Path(found[0]), found[1], found[2]
+        path, marker = Path(found[0]), found[1]
+        model, step = marker.model, marker.step
+        rank, world = dist.get_rank(), dist.get_world_size()
+        _everywhere(lambda: store.verify(path, marker, hashes=True, part=rank, parts=world))
         mine = self._model_shape()
         if model != mine:
             raise store.CheckpointError(
@@ -150,10 +165,12 @@ class Checkpointer:
         dist.barrier()
         written = time.perf_counter() - start
         self._maybe_fault(step)
+        shares: list[dict[str, Any]] = [{}] * dist.get_world_size()  # every rank hashes its share of the files
+        dist.all_gather_object(shares, store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size()))
 
         def publish() -> str:
-            marker = store.Marker(step=step, layout=self._layout(), model=self._model_shape(),
-                                  files=store.describe_files(tmp),
+            files = {name: facts for share in shares for name, facts in share.items()}
+            marker = store.Marker(step=step, layout=self._layout(), model=self._model_shape(), files=files,
                                   extra={"entries": len(entries), "write_seconds": round(written, 3),
                                          "world_size": dist.get_world_size()})
             final = store.publish(tmp, marker)

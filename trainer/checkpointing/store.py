@@ -98,13 +98,17 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def describe_files(directory: Path) -> dict[str, dict[str, Any]]:
-    """Size and hash of every file under ``directory`` except the marker (relative POSIX paths)."""
-    found = {}
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.name != MARKER:
-            found[path.relative_to(directory).as_posix()] = file_digest(path)
-    return found
+def data_files(directory: Path) -> list[str]:
+    """Every file under ``directory`` except the marker, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MARKER)
+
+
+def describe_files(directory: Path, *, part: int = 0, parts: int = 1) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the data files of ``directory``; with ``parts`` > 1 only every parts-th from ``part``.
+
+    The ranks of a job split the hashing this way (each takes its share, rank 0 merges).
+    """
+    return {name: file_digest(directory / name) for i, name in enumerate(data_files(directory)) if i % parts == part}
 
 
 def _fsync_path(path: Path) -> None:
@@ -161,16 +165,19 @@ def read_marker(directory: Path) -> Marker:
     return marker
 
 
-def verify(directory: Path, marker: Marker, *, hashes: bool) -> None:
-    """Check that every file the marker lists is there with its size (and hash); raise naming the first bad file."""
-    for name, facts in sorted(marker.files.items()):
+def verify(directory: Path, marker: Marker, *, hashes: bool, part: int = 0, parts: int = 1) -> None:
+    """Check that every file the marker lists is there with its size (and hash); raise naming the first bad file.
+
+    With ``parts`` > 1 only every parts-th file from ``part`` is hashed (ranks split the reading).
+    """
+    for index, (name, facts) in enumerate(sorted(marker.files.items())):
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in {directory / MARKER} but missing")
         size = path.stat().st_size
         if size != facts["bytes"]:
             raise CheckpointError(f"{path}: {size} bytes, the marker says {facts['bytes']} (truncated or overwritten)")
-        if hashes:
+        if hashes and index % parts == part:
             digest = file_digest(path)["sha256"]
             if digest != facts["sha256"]:
                 raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the marker's "
