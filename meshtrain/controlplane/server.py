@@ -346,6 +346,9 @@ class ControlPlane:
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
             "--profiling=false",
+            # API priority and fairness only matters under contention from many
+            # clients; its bootstrap costs ~20% of startup on 2 cores.
+            "--enable-priority-and-fairness=false",
             *([f"--disable-admission-plugins={','.join(disabled)}"] if disabled else []),
             *self._extra_apiserver_args,
         ]
