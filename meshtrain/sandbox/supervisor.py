@@ -280,7 +280,7 @@ def up(paths: Paths, *, timeout: float = 600.0) -> dict[str, Any]:
     state = read_state(paths)
     if state and state.get("status") == "ready" and alive(state["supervisor_pid"]):
         return state
-    if state and alive(state.get("supervisor_pid", -1)):
+    if state:  # a sandbox that failed, is stopping, or whose supervisor died: clear it all first
         down(paths)
     for stale in ("pods", "prometheus", "logs"):
         shutil.rmtree(paths.root / stale, ignore_errors=True)
