@@ -87,3 +87,21 @@ def test_operator_image_libraries_cover_the_operator_dependencies() -> None:
     text = (ROOT / "operator" / "Dockerfile").read_text()
     for lib in ("kopf", "kubernetes", "prometheus-client", "pyyaml", "pydantic"):
         assert f'"{lib}' in text, lib
+
+
+def test_operator_runs_without_the_trainer_dependencies() -> None:
+    """The operator image leaves out torch, numpy, matplotlib, tqdm and cryptography: the operator must not import them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'matplotlib', 'tqdm', 'numpy', 'cryptography'):\n"
+        "            raise ImportError('not in the operator image: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import meshtrain.cli, meshtrain.operator.command, meshtrain.operator.handlers\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
