@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -91,9 +93,6 @@ def test_operator_image_libraries_cover_the_operator_dependencies() -> None:
 
 def test_operator_runs_without_the_trainer_dependencies() -> None:
     """The operator image leaves out torch, numpy, matplotlib, tqdm and cryptography: the operator must not import them."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, importlib.abc\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
