@@ -14,6 +14,8 @@ cluster of this shape".
 
 from __future__ import annotations
 
+import kubernetes
+
 from meshtrain.operator import capacity, placement
 
 
@@ -24,8 +26,6 @@ class ClusterUnavailable(RuntimeError):
 def list_nodes(*, kubeconfig: str | None = None, context: str | None = None,
                gpu_resource: str = "nvidia.com/gpu") -> list[placement.Node]:
     """Every node of the cluster as the placement planner sees it."""
-    import kubernetes  # noqa: PLC0415 - the client is heavy and only --from-cluster needs it
-
     try:
         try:
             kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
