@@ -60,6 +60,26 @@ def test_missing_go_is_reported_with_how_to_install(tmp_path: pathlib.Path) -> N
     assert "Go >= 1." in result.stderr
 
 
+def test_too_old_go_is_reported_with_the_required_version(tmp_path: pathlib.Path) -> None:
+    real_go = shutil.which("go")
+    if real_go is None:
+        pytest.fail("this test needs Go on PATH (the bootstrap asks the module proxy)")
+    # A `go` that claims to be 1.20 and otherwise is the real one.
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "go").write_text(
+        '#!/bin/sh\n'
+        'if [ "$1 $2" = "env GOVERSION" ]; then echo go1.20.0; exit 0; fi\n'
+        f'exec {real_go} "$@"\n'
+    )
+    (shim / "go").chmod(0o755)
+    result = _run(_env(tmp_path, PATH=f"{shim}:{os.environ['PATH']}"), "--no-prometheus")
+    assert result.returncode != 0
+    assert "Go 1.20.0 is too old" in result.stderr
+    assert re.search(r"needs Go >= 1\.\d+", result.stderr), result.stderr
+    assert "go.dev" in result.stderr
+
+
 def test_print_bin_dir_builds_nothing_and_matches_the_python_lookup(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
