@@ -133,8 +133,8 @@ def step_view(traces: dict[int, list[dict[str, Any]]], step: int) -> StepView:
 
 def draw(view: StepView, out: Path) -> Path:
     """Draw ``view`` as a PNG at ``out``."""
-    height = 0.9 + 0.55 * len(view.rows)
-    fig, ax = plt.subplots(figsize=(14, height), dpi=110)
+    height = 1.6 + 0.5 * len(view.rows)
+    fig, ax = plt.subplots(figsize=(15, height), dpi=110)
     scale, unit = (1e3, "ms") if view.seconds < 10 else (1.0, "s")
     index = {row: i for i, row in enumerate(view.rows)}
     for row, i in index.items():
@@ -157,8 +157,8 @@ def draw(view: StepView, out: Path) -> Path:
     ax.set_xlabel(f"time since the step began ({unit})")
     ax.set_title(view.title, fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (FORWARD_COLOURS[0], BACKWARD_COLOURS[0], BUCKET_COLOUR, IDLE_COLOUR)]
-    ax.legend(handles, ["forward", "backward", "dp all-reduce bucket", "idle"], loc="upper center",
-              bbox_to_anchor=(0.5, -0.45 / height * 2.2), ncol=4, fontsize=8, frameon=False)
+    ax.legend(handles, ["forward", "backward", "dp all-reduce\nbucket", "idle"], loc="center left",
+              bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,106 @@
+"""The Grafana dashboards and Prometheus rules: generated, consistent, about real metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from meshtrain import layout as layout_mod
+from meshtrain.trainer.telemetry import context, exporter
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS = REPO / "dashboards"
+OPERATOR_METRICS = {"meshtrain_operator_reconcile_seconds", "meshtrain_operator_jobs", "meshtrain_operator_restarts_total",
+                    "meshtrain_operator_placement_seconds", "meshtrain_operator_unschedulable_jobs"}
+METRIC = re.compile(r"\b(meshtrain_[a-z_]+|DCGM_[A-Z_]+)\b")
+HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
+
+
+def load(name: str) -> dict:
+    return json.loads((DASHBOARDS / name).read_text())
+
+
+def exported_names() -> set[str]:
+    """Sample names the trainer's exporter serves."""
+    identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
+    metrics = exporter.Metrics(identity)
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+    return {f.name + suffix for f in metrics.registry.collect() for suffix in ("", *suffixes.get(f.type, ()))}
+
+
+def test_json_files_are_what_build_py_generates():
+    sys.path.insert(0, str(DASHBOARDS))
+    try:
+        import build  # noqa: PLC0415 - the generator is a script beside the JSON, not a package module
+    finally:
+        sys.path.pop(0)
+    for name, board in build.build().items():
+        assert (DASHBOARDS / name).read_text() == build.render(board), f"{name} is stale: run python dashboards/build.py"
+
+
+def test_training_dashboard_variables_and_datasource():
+    board = load("meshtrain-training.json")
+    variables = [v["name"] for v in board["templating"]["list"]]
+    assert variables == ["datasource", "namespace", "job"]
+    for panel in board["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            if "DCGM" not in target["expr"]:
+                assert 'namespace="$namespace"' in target["expr"] and 'job="$job"' in target["expr"], panel["title"]
+
+
+def test_training_dashboard_queries_only_exported_metrics():
+    names = exported_names()
+    board = load("meshtrain-training.json")
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            for metric in METRIC.findall(target["expr"]):
+                if metric.startswith("DCGM_"):
+                    assert panel.get("meshtrainOptional") == "dcgm", panel["title"]
+                else:
+                    assert metric in names, f"{panel['title']}: {metric} is not exported"
+
+
+def test_training_dashboard_covers_the_issue():
+    titles = " | ".join(p["title"] for p in load("meshtrain-training.json")["panels"]).lower()
+    for words in ("throughput", "flops", "loss", "step time p50 / p99", "all-reduce time p50 / p99", "bus bandwidth",
+                  "exposed communication", "measured vs theoretical", "stragglers", "memory", "gpu utilisation",
+                  "tensor core"):
+        assert words in titles, words
+
+
+def test_operator_dashboard_uses_the_agreed_names():
+    used = set()
+    for panel in load("meshtrain-operator.json")["panels"]:
+        for target in panel["targets"]:
+            used |= {HISTOGRAM_SUFFIX.sub("", m) for m in METRIC.findall(target["expr"])}
+    assert used == OPERATOR_METRICS
+
+
+def test_rules_reference_exported_metrics_or_recorded_series():
+    doc = yaml.safe_load((DASHBOARDS / "rules.yaml").read_text())
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    recorded = {r["record"] for r in rules if "record" in r}
+    names = exported_names()
+    for rule in rules:
+        for metric in METRIC.findall(rule["expr"]):
+            assert metric in names, (rule.get("record") or rule.get("alert"), metric)
+        for series in re.findall(r"\bmeshtrain:[a-z_0-9:]+", rule["expr"]):
+            assert series in recorded, series
+    assert {r["alert"] for r in rules if "alert" in r} == {
+        "MeshtrainJobStalled", "MeshtrainStragglerRank", "MeshtrainPipelineBubbleAboveTheory",
+        "MeshtrainAllreduceBandwidthCollapse"}
+
+
+def test_promtool_checks_and_unit_tests_the_rules():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: apt-get install -y prometheus (make bootstrap does it)"
+    for args in (["check", "rules", "rules.yaml"], ["test", "rules", "rules_test.yaml"]):
+        done = subprocess.run([promtool, *args], cwd=DASHBOARDS, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr

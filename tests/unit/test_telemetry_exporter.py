@@ -1,0 +1,145 @@
+"""The per-rank Prometheus exporter and rank 0's /progress, fed by a synthetic pipeline."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import parser
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import telemetry
+from meshtrain.trainer.telemetry import context, exporter, stepstats
+from tests.unit import telemetry_feed
+
+DESIGN_NAMES = {"meshtrain_tokens", "meshtrain_tokens_per_second", "meshtrain_step_seconds", "meshtrain_allreduce_seconds",
+                "meshtrain_allreduce_bytes", "meshtrain_pipeline_bubble_ratio",
+                "meshtrain_pipeline_bubble_ratio_theoretical", "meshtrain_loss",
+                "meshtrain_model_flops_utilization_ratio"}
+LABELS = {"job", "namespace", "pod", "rank", "dp", "pp", "tp"}
+
+
+def free_base(count: int) -> int:
+    for base in range(23000, 30000, count + 1):
+        try:
+            socks = [socket.create_server(("0.0.0.0", base + i)) for i in range(count)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError("no free ports")
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, b""
+
+
+@pytest.fixture()
+def pipeline(tmp_path, monkeypatch):
+    """Two stages x two replicas (dp2·pp2) of recorders serving on free ports, fed two steps."""
+    monkeypatch.setenv("MESHTRAIN_JOB_NAME", "demo")
+    monkeypatch.setenv("MESHTRAIN_NAMESPACE", "team-a")
+    monkeypatch.setenv("MESHTRAIN_POD_NAME", "demo-0")
+    base = free_base(4)
+    job = spec_mod.parse_spec({"parallelism": {"data": 2, "pipeline": 2, "microBatches": 4},
+                               "resources": {"gpusPerNode": 4}, "model": {"preset": "tiny"},
+                               "metrics": {"port": base, "peakFlops": 1e12}})
+    layout = layout_mod.from_spec(job.parallelism)
+    recorders = [telemetry.make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)]
+    events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4, fwd=0.01, bwd=0.02, buckets=3, bucket_seconds=0.002)
+    for step in (1, 2):
+        for rank, rec in enumerate(recorders):
+            telemetry_feed.feed(rec, step, events[layout.coords(rank).pp], seconds, origin=10.0 * step, tokens=4096)
+    yield base, recorders
+    for rec in recorders:
+        rec.close()
+
+
+def families(base: int, rank: int) -> dict[str, parser.Metric]:
+    status, body = get(f"http://127.0.0.1:{base + rank}/metrics")
+    assert status == 200
+    return {f.name: f for f in parser.text_string_to_metric_families(body.decode())}
+
+
+def test_every_design_metric_is_served_with_the_rank_labels(pipeline):
+    base, _ = pipeline
+    fams = families(base, 2)  # rank 2 = pp 1, dp 0
+    assert DESIGN_NAMES <= set(fams)
+    for name in DESIGN_NAMES:
+        for sample in fams[name].samples:
+            assert LABELS <= set(sample.labels), (name, sample.labels)
+            assert (sample.labels["job"], sample.labels["namespace"], sample.labels["pod"]) == ("demo", "team-a", "demo-0")
+            assert (sample.labels["rank"], sample.labels["pp"], sample.labels["dp"], sample.labels["tp"]) == ("2", "1", "0", "0")
+
+
+def test_values_follow_the_steps(pipeline):
+    base, recorders = pipeline
+    fams = families(base, 0)
+
+    def value(name: str, suffix: str = "", **labels: str) -> float:
+        return next(s.value for s in fams[name].samples if s.name == name + suffix
+                    and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("meshtrain_tokens", "_total") == 2 * 4096
+    assert value("meshtrain_step_seconds", "_count") == 2
+    assert value("meshtrain_allreduce_seconds", "_count", group="dp", op="all_reduce") == 6  # 3 buckets x 2 steps
+    assert value("meshtrain_allreduce_bytes", "_total", group="dp") == 6 * (1 << 20)
+    assert value("meshtrain_pipeline_bubble_ratio_theoretical") == pytest.approx(0.2)
+    assert value("meshtrain_pipeline_bubble_ratio") == pytest.approx(recorders[0].last.bubble_ratio)
+    assert value("meshtrain_loss") == 2.0
+    assert value("meshtrain_model_flops_utilization_ratio") == pytest.approx(recorders[0].last.mfu)
+    assert value("meshtrain_collective_bus_bandwidth_bytes_per_second", group="dp") > 0
+    assert value("meshtrain_exposed_comm_seconds", "_sum") == pytest.approx(2 * 3 * 0.002)
+    assert value("meshtrain_memory_bytes", kind="peak_allocated") > 0
+    assert value("meshtrain_step") == 2
+
+
+def test_progress_only_on_global_rank_zero(pipeline):
+    base, recorders = pipeline
+    status, body = get(f"http://127.0.0.1:{base}/progress")
+    doc = json.loads(body)
+    assert status == 200 and set(doc) == {"step", "loss", "tokens_per_second", "last_checkpoint_step", "updated_at"}
+    assert (doc["step"], doc["loss"], doc["last_checkpoint_step"]) == (2, 2.0, None)
+    assert doc["updated_at"].endswith("Z")
+    recorders[0].checkpoint_saved(2)
+    assert json.loads(get(f"http://127.0.0.1:{base}/progress")[1])["last_checkpoint_step"] == 2
+    assert get(f"http://127.0.0.1:{base + 1}/progress")[0] == 404
+    assert get(f"http://127.0.0.1:{base + 1}/healthz")[0] == 200
+
+
+def test_memory_of_watched_parameters_and_optimizer():
+    layout = layout_mod.ParallelLayout(1, 1, 1)
+    identity = context.RankIdentity.from_env(layout, 0, 0, env={})
+    rec = telemetry.TelemetryRecorder(identity, telemetry_feed_facts(), [])
+    weight = torch.nn.Parameter(torch.zeros(10, 10))
+    opt = torch.optim.AdamW([weight])
+    weight.grad = torch.ones(10, 10)
+    opt.step()
+    rec.watch([weight], [opt])
+    sample = rec.memory()
+    assert (sample.parameters, sample.gradients) == (400, 400)
+    assert sample.optimizer >= 800  # exp_avg + exp_avg_sq (+ the step counter)
+    assert (identity.job, identity.namespace) == ("local", "local")
+
+
+def telemetry_feed_facts() -> stepstats.JobFacts:
+    return stepstats.JobFacts(1, 1, 1, 1, {"dp": 1, "tp": 1, "pp": 1}, 1.0, 1.0)
+
+
+def test_a_busy_port_does_not_stop_training(tmp_path):
+    with socket.create_server(("0.0.0.0", 0)) as busy:
+        port = busy.getsockname()[1]
+        identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
+        exp = exporter.Exporter(identity, telemetry_feed_facts(), port=port, serve_progress=True)
+        assert not exp.serving
+        exp.close()
