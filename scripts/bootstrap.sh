@@ -222,24 +222,37 @@ build_helm() {
 # --- prometheus ---------------------------------------------------------------
 
 install_prometheus() {
-  if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
-    log "prometheus: $(prometheus --version 2>&1 | head -n1)"
-    return
-  fi
   local sudo=""
   [[ "$(id -u)" == 0 ]] || sudo="sudo"
-  log "installing Debian's prometheus package (apt-get) ..."
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus
-  # The tests start their own Prometheus on loopback; do not leave the
-  # distribution's service running or enabled.
-  if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
-    $sudo systemctl disable --now prometheus >/dev/null 2>&1 || true
-  else
-    $sudo service prometheus stop >/dev/null 2>&1 || true
-    $sudo update-rc.d prometheus disable >/dev/null 2>&1 || true
+  if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+    log "installing Debian's prometheus package (apt-get) ..."
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus
   fi
+  quiet_prometheus_service "$sudo"
   log "prometheus: $(prometheus --version 2>&1 | head -n1)"
+}
+
+# The tests start their own Prometheus on loopback; the distribution's service
+# must be neither running nor enabled. Only the packaged service is touched
+# (systemd unit, or the init script's pidfile): other prometheus processes,
+# e.g. a test's, are left alone.
+quiet_prometheus_service() {
+  local sudo="$1"
+  if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+    if systemctl is-enabled --quiet prometheus 2>/dev/null || systemctl is-active --quiet prometheus 2>/dev/null; then
+      log "stopping and disabling the packaged prometheus service"
+      $sudo systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+  elif [[ -x /etc/init.d/prometheus ]]; then
+    if [[ -f /run/prometheus/prometheus.pid ]]; then
+      log "stopping the packaged prometheus service"
+      $sudo /etc/init.d/prometheus stop >/dev/null 2>&1 || true
+    fi
+    if compgen -G '/etc/rc[2-5].d/S*prometheus' >/dev/null && command -v update-rc.d >/dev/null; then
+      $sudo update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
+  fi
 }
 
 # --- main -----------------------------------------------------------------------
