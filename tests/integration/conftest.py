@@ -34,7 +34,8 @@ def control_plane_binaries() -> binaries.Binaries:
     try:
         return binaries.locate()
     except binaries.BinariesMissingError as error:
-        pytest.fail(str(error), pytrace=False)
+        message = str(error)
+    pytest.fail(message, pytrace=False)
 
 
 def _started(found: binaries.Binaries, **options: bool) -> Iterator[controlplane.ControlPlane]:
