@@ -40,6 +40,8 @@ LAYOUTS = [
     ("dp2-tp2", {"data": 2, "tensor": 2}),
     ("pp2-tp2-gpipe", {"data": 2, "pipeline": 2, "tensor": 2, "schedule": "gpipe"}),
     ("dp2-pp2-interleaved", {"data": 2, "pipeline": 2, "schedule": "interleaved-1f1b", "virtualStages": 2}),
+    ("dp2-zero1", {"data": 2, "zeroStage": 1}),
+    ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
 ]
 
 
