@@ -14,9 +14,16 @@ cluster of this shape".
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import kubernetes
 
 from meshtrain.operator import capacity, placement
+
+
+DEFAULT_KUBECONFIG = "~/.kube/config"
+"""Kubeconfig read when neither an argument nor ``$KUBECONFIG`` names one."""
 
 
 class ClusterUnavailable(RuntimeError):
@@ -26,14 +33,18 @@ class ClusterUnavailable(RuntimeError):
 def list_nodes(*, kubeconfig: str | None = None, context: str | None = None,
                gpu_resource: str = "nvidia.com/gpu") -> list[placement.Node]:
     """Every node of the cluster as the placement planner sees it."""
+    config_file = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or DEFAULT_KUBECONFIG
     try:
-        try:
-            kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_incluster_config()
-        api = kubernetes.client.ApiClient()
-        listed = kubernetes.client.CoreV1Api(api).list_node()
-        manifests = [api.sanitize_for_serialization(item) for item in listed.items]
+        if Path(config_file).expanduser().is_file():
+            api = kubernetes.config.new_client_from_config(config_file=str(Path(config_file).expanduser()),
+                                                           context=context)
+        else:  # running in a pod: the service account
+            configuration = kubernetes.client.Configuration()
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+            api = kubernetes.client.ApiClient(configuration)
+        with api:
+            listed = kubernetes.client.CoreV1Api(api).list_node()
+            manifests = [api.sanitize_for_serialization(item) for item in listed.items]
     except Exception as err:  # noqa: BLE001 - any client failure becomes one clear message
-        raise ClusterUnavailable(f"cannot list nodes of the cluster: {err}") from None
+        raise ClusterUnavailable(f"cannot list nodes of the cluster ({config_file}): {err}") from None
     return [capacity.node_from_manifest(manifest, gpu_resource) for manifest in manifests]
