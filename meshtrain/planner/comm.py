@@ -227,3 +227,24 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
 def plan_comm(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[StageComm, ...]:
     """Collectives of every pipeline stage (ranks of one stage send alike)."""
     return tuple(stage_comm(job, stage, scheme) for stage in range(job.parallelism.pipeline))
+
+
+def placement_traffic(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[float, float]:
+    """Bytes per step in the placement module's terms, from this model: (dp, pp).
+
+    ``dp``: bytes one rank sends to its data-parallel ring successor (the
+    wire bytes of its dp collectives, largest stage); ``pp``: bytes between a
+    rank and its next-stage peer (activations forward plus gradients back,
+    ``v`` crossings per micro-batch).  These are the two figures
+    :class:`meshtrain.operator.placement.PlacementRequest` weighs.
+    """
+    stages = plan_comm(job, scheme)
+    dp = max(stage.wire("dp") for stage in stages)
+    par = job.parallelism
+    if par.pipeline == 1:
+        return dp, 0.0
+    shape = job.model.shape()
+    v = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    seq = shape.seq_len // par.tensor if par.sequence_parallel and par.tensor > 1 else shape.seq_len
+    message = job.training.micro_batch * seq * shape.hidden * scheme.stream_bytes
+    return dp, float(2 * par.micro_batches * v * message)

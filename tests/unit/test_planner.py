@@ -211,3 +211,12 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
     slow = cost.plan_time(tiny, h100, scheme, comm.plan_comm(tiny, scheme))
     assert slow.links["dp"].name == "fabric"
     assert slow.verdict == "communication-bound"
+
+
+def test_placement_traffic_in_the_placement_modules_terms() -> None:
+    spec = job(data=2, pipeline=2, microBatches=4)
+    shape = spec.model.shape()
+    dp, pp = comm.placement_traffic(spec, memory.FP32)
+    assert dp == pytest.approx(max(s.wire("dp") for s in comm.plan_comm(spec, memory.FP32)))
+    assert dp == pytest.approx(2 * (2 - 1) / 2 * memory.rank_params(shape, 2, 1, 0) * 4)
+    assert pp == 2 * 4 * spec.training.micro_batch * shape.seq_len * shape.hidden * 4
