@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         metrics.serve(args.metrics_port)
     memo = kopf.Memo(
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
+        namespaces=list(args.namespace),
         settings=reconciler.Settings(resync_seconds=args.resync_seconds, progress_seconds=args.progress_seconds),
     )
     clusterwide = not args.namespace

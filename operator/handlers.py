@@ -1,7 +1,8 @@
 """kopf handlers of the meshtrain operator: thin wiring of watches to the reconciler.
 
 What it is: one kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
-by events of the job, its pods and the cluster's nodes, or by a timer), a
+by events of the job, by the pod and node watches of ``watcher``, or by a
+timer), a
 deletion handler that removes the job's children, and start-up/clean-up of
 the shared API client.  Daemons are stopped by kopf when the job is deleted,
 when the operator exits, and while a peer with higher priority is active.
@@ -20,7 +21,7 @@ import aiohttp
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import kube, naming, reconciler
+from meshtrain.operator import kube, naming, reconciler, watcher
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
 ERROR_BACKOFF_SECONDS = 2.0
@@ -88,10 +89,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
     memo.reconciler = reconciler.Reconciler(client=client, settings=memo.settings)
     memo.wakeups = Wakeups()
+    memo.watches = asyncio.create_task(watcher.run(client, memo.wakeups, memo.namespaces))
 
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
+    memo.watches.cancel()
     await memo.reconciler.client.close()
 
 
@@ -135,23 +138,9 @@ async def run_job(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: 
 
 
 @kopf.on.event(*RESOURCE)
-def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Spec or status changes wake the job's daemon (e.g. suspend toggled)."""
     memo.wakeups.poke((namespace, name))
-
-
-@kopf.on.event("", "v1", "pods", labels={naming.LABEL_JOB: kopf.PRESENT})
-def pod_event(type: str | None, body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
-    """A pod of a job changed: wake its job; a pod that finished or went away frees GPUs for waiting jobs."""
-    memo.wakeups.poke((namespace, labels[naming.LABEL_JOB]))
-    if type == "DELETED" or (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-        memo.wakeups.poke_waiting()
-
-
-@kopf.on.event("", "v1", "nodes")
-def node_event(memo: kopf.Memo, **_: Any) -> None:
-    """Nodes appeared, changed or went away: jobs waiting for capacity try again."""
-    memo.wakeups.poke_waiting()
 
 
 @kopf.on.delete(*RESOURCE)

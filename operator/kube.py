@@ -17,7 +17,7 @@ import asyncio
 import json
 import os
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -26,6 +26,8 @@ import kubernetes
 from meshtrain.operator import naming
 
 MERGE_PATCH = "application/merge-patch+json"
+WATCH_SECONDS = 300
+"""Server-side timeout of one watch request; the watcher then resumes from the last version."""
 CONCURRENCY = 32
 """Requests in flight at once for one batch (pods of a gang)."""
 
@@ -161,6 +163,33 @@ class Client:
     async def list_nodes(self) -> list[dict[str, Any]]:
         answer = await self._call("GET", "/api/v1/nodes")
         return list((answer or {}).get("items") or [])
+
+    # Pods and nodes: watch (lightweight wake-up streams; kopf watches only TrainingJobs).
+    async def watch(self, *, path: str, selector: str | None = None,
+                    resource_version: str | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yield (type, object) of a watch on ``path`` (``/api/v1/pods``, ``/api/v1/nodes``, ...).
+
+        Without ``resource_version`` the server first replays every existing object as
+        ADDED.  Ends when the server closes the stream (after ``WATCH_SECONDS``); an
+        ``ERROR`` event (e.g. 410 Gone: the version is too old) raises :class:`ApiError`.
+        """
+        params = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_SECONDS)}
+        if selector:
+            params["labelSelector"] = selector
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=WATCH_SECONDS + 30)
+        async with self._session.get(self._host + path, params=params, headers=self._headers, timeout=timeout) as response:
+            if response.status >= 300:
+                raise ApiError(response.status, "WATCH", path, await response.text())
+            async for line in response.content:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    status = event.get("object") or {}
+                    raise ApiError(int(status.get("code") or 500), "WATCH", path, str(status.get("message")))
+                yield event.get("type", ""), event.get("object") or {}
 
     # Events: create.
     async def create_event(self, *, job: dict[str, Any], type_: str, reason: str, message: str, now: str) -> None:
