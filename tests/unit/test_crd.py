@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from meshtrain import cli
 from meshtrain.api import crd, rules, spec
 
 CHECKED_IN = pathlib.Path(__file__).resolve().parents[2] / "manifests" / "crd" / "trainingjobs.meshtrain.io.yaml"
@@ -114,3 +115,8 @@ def test_names_subresource_and_printer_columns():
     assert columns["Layout"] == ".status.layout"
     assert columns["Step"] == ".status.progress.step"
     assert columns["Age"] == ".metadata.creationTimestamp"
+
+
+def test_meshtrain_crd_command_prints_the_same_yaml(capsys):
+    assert cli.main(["crd"]) == 0
+    assert capsys.readouterr().out == crd.render()

@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain import cli
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, capacity, conditions, progress
+from meshtrain.operator import builders, capacity, conditions, progress, watcher
 from tests.unit.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -87,3 +87,32 @@ def test_operator_cli_flags():
     assert args.resync_seconds == 1.0
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["operator", "--namespace", "a", "--all-namespaces"])
+
+
+class _Waker:
+    def __init__(self):
+        self.poked: list[tuple[str, str]] = []
+        self.waiting = 0
+
+    def poke(self, key):
+        self.poked.append(key)
+
+    def poke_waiting(self):
+        self.waiting += 1
+
+
+@pytest.mark.parametrize(("type_", "phase", "wakes_waiting"), [
+    ("ADDED", "Pending", False), ("MODIFIED", "Running", False), ("MODIFIED", "Failed", True),
+    ("MODIFIED", "Succeeded", True), ("DELETED", "Running", True),
+])
+def test_pod_events_wake_their_job_and_freed_gpus_wake_waiting_jobs(type_, phase, wakes_waiting):
+    waker = _Waker()
+    watcher._on_pod(waker, type_, {"metadata": {"namespace": "ns", "labels": {"meshtrain.io/job": "j"}},
+                                   "status": {"phase": phase}})
+    assert waker.poked == [("ns", "j")] and waker.waiting == int(wakes_waiting)
+
+
+def test_node_events_wake_waiting_jobs():
+    waker = _Waker()
+    watcher._on_node(waker, "ADDED", {"metadata": {"name": "n"}})
+    assert waker.waiting == 1 and waker.poked == []
