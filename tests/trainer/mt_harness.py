@@ -65,7 +65,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
     dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:  # noqa: ANN001
+def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:  # noqa: ANN001
     """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order."""
     with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
         context = mp.start_processes(_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world,

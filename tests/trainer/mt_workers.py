@@ -51,14 +51,17 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
         grads = dense_grads(first)
         recorder = recording.MemoryRecorder()
         eng = engine.Engine(job, mesh, recorder=recorder)
-        losses, dp_collectives = [], []
+        losses, dp_collectives, computes = [], [], []
         for _ in range(steps):
             losses.append(eng.train_step().loss)
             dp_collectives.append(sum(1 for e in recorder.events if e.what == "collective" and e.group == "dp"
                                       and e.kind == "all_reduce" and e.bucket is not None))
+            computes.append(sorted((e.kind, e.microbatch, e.chunk) for e in recorder.events if e.what == "compute"))
         buckets = len(eng.model.reducer.buckets) if eng.model.reducer else 0
         results[case_id] = {"grads": grads, "losses": losses, "dp_collectives": dp_collectives, "buckets": buckets,
-                            "param_tensors": len(eng.model.named_params)}
+                            "param_tensors": len(eng.model.named_params), "computes": computes,
+                            "tp_collectives": recorder.count("collective", "tp"),
+                            "recv_waits": recorder.count("wait")}
     return results
 
 

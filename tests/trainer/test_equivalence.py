@@ -98,3 +98,16 @@ def test_gradient_collectives_per_step_equal_buckets(world2, world8):
             assert rank_result["dp_collectives"] == [rank_result["buckets"]] * STEPS
     small = world2["dp2-accum2-smallbuckets"]["ranks"][0]
     assert 1 < small["buckets"] < small["param_tensors"]
+
+
+@pytest.mark.slow
+def test_recorder_sees_every_microbatch_and_collective(world2, world8):
+    cases = [(name, kw, world2) for name, kw in CASES_2.items()] + [(name, kw, world8) for name, kw in CASES_8.items()]
+    for name, kw, result_set in cases:
+        m, v = kw.get("micro_batches", 1), kw.get("virtual", 1)
+        expected = sorted((k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v))
+        for rank_result in result_set[name]["ranks"]:
+            assert all(step == expected for step in rank_result["computes"]), name
+            assert (rank_result["tp_collectives"] > 0) == (kw.get("tensor", 1) > 1), name
+            if kw.get("pipeline", 1) > 1:
+                assert rank_result["recv_waits"] > 0, name

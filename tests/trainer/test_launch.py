@@ -70,3 +70,10 @@ def test_dead_rank_stops_the_run_within_seconds(tmp_path, monkeypatch):
     assert "rank 1 dies before step 3" in (tmp_path / "logs" / "rank-1.log").read_text()
     assert returned - died < 10, f"the run took {returned - died:.1f} s to stop after rank 1 died"
     assert len(steplog.read(tmp_path / "logs" / steplog.FILENAME)) == 2
+
+
+def test_fault_injection_variable():
+    assert faults.parse("3:2") == (3, 2)
+    assert faults.parse("") is None
+    with pytest.raises(ValueError, match="RANK:STEP"):
+        faults.parse("three")
