@@ -1,9 +1,11 @@
 """Benchmark: per-rank memory of weights, gradients and optimizer state for ZeRO 0/1/2 at dp 1, 2, 4.
 
-What it is: for each data-parallel degree it starts that many local gloo
-ranks; each builds the meshtrain Engine for the preset at ZeRO 0, 1 and 2 in
-turn, trains one step (so every lazily created tensor exists) and measures
-its state with :func:`meshtrain.trainer.memory.measure`.  It prints measured
+What it is: for each data-parallel degree and ZeRO stage it starts that many
+fresh local gloo ranks; each builds the meshtrain Engine for the preset,
+creates AdamW's state, runs one forward/backward (so every lazily created
+tensor exists) and measures its state with
+:func:`meshtrain.trainer.memory.measure`.  A configuration that would not fit
+in the memory available now is skipped (and listed).  It prints measured
 bytes per parameter beside the formula (fp32 weights and AdamW:
 4 + 4 + 8 replicated, 4 + 4 + 8/N at stage 1, 4 + (4 + 8)/N at stage 2) and
 writes ``benchmarks/results/zero_memory-<host>.json``.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import sys
 import tempfile
@@ -35,6 +36,8 @@ from benchmarks import machine  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
 from meshtrain.api import spec as spec_mod  # noqa: E402
 from meshtrain.trainer import engine, memory  # noqa: E402
+from meshtrain.trainer import model as gpt  # noqa: E402
+from meshtrain.trainer.checkpointing import state  # noqa: E402
 from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
 from meshtrain.trainer.parallel import zero  # noqa: E402
 
@@ -48,23 +51,27 @@ def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJo
     })
 
 
-def _rank(rank: int, world: int, port: int, preset: str, seq_len: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, preset: str, stage: int, seq_len: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
-    rows = []
-    for stage in (0, 1, 2):
-        job = _spec(preset, world, stage, seq_len)
-        eng = engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
-        eng.train_step()
-        report = memory.measure(eng.model, eng.optimizer, eng.model.reducer)
-        rows.append(report.as_dict())
-        del eng
-        gc.collect()
+    job = _spec(preset, world, stage, seq_len)
+    eng = engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+    state.init_optimizer_state(eng.optimizer)  # AdamW's moments exist from the start (as the worker does)
+    eng.forward_backward()  # ...and gradients, also without DP
+    report = memory.measure(eng.model, eng.optimizer, eng.model.reducer)
     if rank == 0:
-        torch.save(rows, Path(out) / "rows.pt")
+        torch.save(report.as_dict(), Path(out) / "row.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> int:
@@ -73,16 +80,25 @@ def main() -> int:
     parser.add_argument("--dps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
-    results = []
+    results, skipped = [], []
+    dense = _spec(args.preset, 1, 0, args.seq_len).model.shape()
+    params = gpt.dense_param_count(gpt.GPTConfig.from_shape(dense))
     for dp in args.dps:
-        with tempfile.TemporaryDirectory() as out:
-            port = 29500 + os.getpid() % 1000 + dp
-            mp.start_processes(_rank, args=(dp, port, args.preset, args.seq_len, out), nprocs=dp, start_method="spawn")
-            for row in torch.load(Path(out) / "rows.pt"):
-                results.append({"dp": dp, **row})
+        for stage in (0, 1, 2):
+            # one fresh process group per configuration, so freed memory of the last one cannot inflate this one
+            need = int(1.5 * 16 * params * dp)  # weights + grads + moments with headroom, all ranks
+            if need > _available_bytes():
+                skipped.append({"dp": dp, "zero_stage": stage, "needs_bytes": need, "available_bytes": _available_bytes()})
+                continue
+            with tempfile.TemporaryDirectory() as out:
+                port = 29500 + os.getpid() % 1000 + 10 * dp + stage
+                mp.start_processes(_rank, args=(dp, port, args.preset, stage, args.seq_len, out), nprocs=dp,
+                                   start_method="spawn")
+                results.append({"dp": dp, **torch.load(Path(out) / "row.pt")})
     header = f"{'dp':>3} {'zero':>4} {'params':>12} | {'weights B/p':>11} {'grads B/p':>9} {'optim B/p':>9} | " \
              f"{'formula w/g/o':>17} | {'total MiB':>9}"
-    print(f"per-rank training state, preset {args.preset} (seq {args.seq_len}), fp32 + AdamW, measured after one step")
+    print(f"per-rank training state, preset {args.preset} (seq {args.seq_len}, {params:,} params), fp32 + AdamW, "
+          f"measured after one forward/backward")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -91,7 +107,11 @@ def main() -> int:
         print(f"{r['dp']:>3} {r['zero_stage']:>4} {r['params']:>12,} | {per['params']:>11.3f} {per['grads']:>9.3f} "
               f"{per['optimizer']:>9.3f} | {formula:>17} | {r['total_bytes'] / 2**20:>9.1f}")
         r["expected_per_param"] = exp
-    path = machine.write_results("zero_memory", {"preset": args.preset, "seq_len": args.seq_len, "rows": results})
+    for skip in skipped:
+        print(f"skipped dp {skip['dp']} zero {skip['zero_stage']}: needs about {skip['needs_bytes'] / 2**30:.1f} GiB, "
+              f"{skip['available_bytes'] / 2**30:.1f} GiB available")
+    path = machine.write_results("zero_memory", {"preset": args.preset, "seq_len": args.seq_len, "params": params,
+                                                 "rows": results, "skipped": skipped})
     print(f"wrote {path}")
     return 0
 

@@ -117,6 +117,9 @@ class Engine:
     def _sum_sequence_partial_grads(self) -> None:
         """Under SP, norm and position-table gradients are per-sequence-slice partials: sum over TP."""
         wanted = set(self.model.tp_plan.sequence_partial)
+        if isinstance(self.optimizer, zero.ZeroAdamW) and self.optimizer.stage == 2:  # only dp shards of grads exist
+            self.optimizer.all_reduce_grads(wanted, self.mesh.group("tp"), self.recorder)
+            return
         grads = [p.grad for n, p in self.model.named_params if n in wanted and p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
         start = time.perf_counter()

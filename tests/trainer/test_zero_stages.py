@@ -51,6 +51,7 @@ def test_zero_matches_zero0_at_dp2() -> None:
 
 
 @pytest.mark.slow
-def test_zero_matches_zero0_at_dp2_pp2_tp2() -> None:
-    layout = {"data": 2, "pipeline": 2, "tensor": 2, "micro_batches": 2}
+def test_zero_matches_zero0_at_dp2_pp2_tp2_sp() -> None:
+    # sequence parallel too: its TP-partial norm gradients must be summed on ZeRO-2's shards
+    layout = {"data": 2, "pipeline": 2, "tensor": 2, "micro_batches": 2, "sequence_parallel": True}
     _check(mt_harness.run_distributed(train_zero_stages, 8, layout, STEPS, timeout_s=400), dp=2)

@@ -269,6 +269,31 @@ class ZeroAdamW:
                     self._owned_grad(index).mul_(coef)
         return norm
 
+    def all_reduce_grads(self, names: set[str], group: dist.ProcessGroup, recorder: recording.StepRecorder) -> None:
+        """Sum the owned gradient elements of the parameters ``names`` over ``group`` (stage 2).
+
+        Sequence parallelism leaves norm and position-table gradients as
+        per-slice partials to be summed over the tensor-parallel group; under
+        ZeRO-2 only the owned range exists, and it is the same range on every
+        tensor-parallel peer (their buckets have identical shapes), so the
+        owned elements are summed.
+        """
+        views = []
+        for index, state in enumerate(self.buckets):
+            grad = self._owned_grad(index)
+            views += [grad.narrow(0, seg.shard_offset, seg.numel) for seg in state.segments
+                      if self.names[id(state.params[seg.member])] in names]
+        if not views:  # the same on every peer: their owned ranges are identical
+            return
+        flat = torch.cat(views)  # one collective for all of them
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=group)
+        recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, time.perf_counter())
+        offset = 0
+        for view in views:
+            view.copy_(flat.narrow(0, offset, view.numel()))
+            offset += view.numel()
+
     # --- the update --------------------------------------------------------------
 
     @torch.no_grad()
