@@ -73,11 +73,16 @@ def run_preset(preset: str, micro_batch: int, steps: int, device: torch.device) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=["350m", "1.3b"])
+    parser.add_argument("--presets", nargs="+", default=None, help="default: 350m 1.3b (on a GPU)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per preset (after 3 warm-up steps)")
     parser.add_argument("--micro-batch", nargs="*", default=[], metavar="PRESET=N")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    if args.presets is None:
+        if args.device != "cuda":  # `python -m benchmarks` on a CPU machine: nothing meaningful to measure
+            print("no GPU: MFU benchmark skipped (smoke test on CPU: --device cpu --presets tiny)")
+            return 0
+        args.presets = ["350m", "1.3b"]
     sizes = dict(MICRO_BATCH, **{k: int(v) for k, v in (item.split("=") for item in args.micro_batch)})
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
