@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshtrain.api import spec as spec_mod
 
 TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
 
