@@ -22,8 +22,9 @@ def simulate_step(schedule: str, p: int, m: int, v: int = 1, *, fwd: float = 1.0
 
     Chunk times are ``fwd / v`` and ``bwd / v``.  After a stage's last
     backward, ``buckets`` data-parallel all-reduces of ``bucket_seconds`` each
-    run back to back; ``tail`` seconds (optimizer) end the step, which lasts
-    until the slowest stage is done.
+    run back to back; then, as in the engine, the gradient-norm all-reduce
+    over the pipeline group (p > 1) waits for the slowest stage; ``tail``
+    seconds (optimizer update) end the step.
     """
     lists = [schedules.actions(schedule, p, m, s, v) for s in range(p)]
     last = p * v - 1
@@ -60,7 +61,11 @@ def simulate_step(schedule: str, p: int, m: int, v: int = 1, *, fwd: float = 1.0
                                              nbytes=bucket_bytes, bucket=b))
             t += bucket_seconds
         clock[s] = t
-    return events, max(clock) + tail
+    end = max(clock)
+    if p > 1:
+        for s in range(p):
+            events[s].append(recording.Event("collective", "all_reduce", clock[s], end, group="pp", nbytes=8))
+    return events, end + tail
 
 
 def feed(recorder: recording.StepRecorder, step: int, events: list[recording.Event], seconds: float,

@@ -69,14 +69,14 @@ def test_tp_collectives_are_never_exposed_dp_time():
 def test_balanced_pipeline_bubble_equals_theory_on_every_stage(schedule, v, p, m):
     events, seconds = telemetry_feed.simulate_step(schedule, p, m, v, fwd=1.0, bwd=2.0)
     for stage_events in events:
-        stats = stepstats.summarise(stage_events, facts(p, m, v), step=1, loss=1.0, tokens=10, seconds=seconds)
+        stats = stepstats.summarise(stage_events, facts(p, m, v), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
         assert stats.bubble_ratio == pytest.approx(schedules.bubble_ratio(p, m, v))
         assert stats.bubble_ratio_theoretical == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_exposed_communication_is_not_bubble():
     events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4, fwd=1.0, bwd=2.0, buckets=2, bucket_seconds=0.5)
-    stage0 = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds)
+    stage0 = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
     # stage 0 finishes last: 12 compute + 1 exposed of a 16 s step
     assert seconds == pytest.approx(16.0)
     assert stage0.exposed_comm_seconds == pytest.approx(1.0)
@@ -86,15 +86,25 @@ def test_exposed_communication_is_not_bubble():
     assert dp.bus_bandwidth == pytest.approx((2 << 20) / 1.0 * 1.0)  # n = 2: factor 1
 
 
-def test_time_after_the_pipeline_counts_as_bubble():
+def test_the_update_after_the_pipeline_is_reported_apart_from_the_bubble():
     events, seconds = telemetry_feed.simulate_step("gpipe", 2, 4, tail=5.0)
-    stats = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds)
-    assert stats.bubble_ratio == pytest.approx(1 - 12 / (15 + 5))
+    for stage_events in events:
+        stats = stepstats.summarise(stage_events, facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
+        assert stats.bubble_ratio == pytest.approx(1 - 12 / 15)
+        assert stats.update_seconds == pytest.approx(5.0)
+
+
+def test_waiting_in_the_stage_synchronising_all_reduce_is_bubble():
+    events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4)
+    last_stage = stepstats.summarise(events[1], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
+    pp = next(c for c in last_stage.collectives if c.group == "pp")
+    assert pp.seconds == pytest.approx(2.0)  # stage 1 finishes one backward before stage 0
+    assert last_stage.bubble_ratio == pytest.approx(0.2)
 
 
 def test_mfu_and_throughput():
     stats = stepstats.summarise([], facts(world_size=4, flops_per_token=6e6, peak_flops=1e12), step=3, loss=2.0,
-                                tokens=8192, seconds=0.5)
+                                tokens=8192, seconds=0.5, start=0.0)
     assert stats.model_flops == pytest.approx(6e6 * 8192)
     assert stats.mfu == pytest.approx(6e6 * 8192 / (0.5 * 4 * 1e12))
     assert stats.tokens_per_second == pytest.approx(16384)
@@ -102,7 +112,7 @@ def test_mfu_and_throughput():
 
 def test_log_record_has_the_documented_fields():
     events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4, buckets=1, bucket_seconds=0.1)
-    record = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds).log_record()
+    record = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0).log_record()
     assert {"step", "loss", "tokens", "step_seconds", "tokens_per_second", "allreduce_seconds",
             "exposed_comm_seconds", "bubble_ratio", "bubble_ratio_theoretical", "mfu"} <= set(record)
     assert record["allreduce_seconds"] == pytest.approx(0.1)

@@ -44,7 +44,7 @@ def test_steps_jsonl_from_rank_zero_and_a_trace_per_rank(tmp_path):
     assert (line["pp"], line["dp"], line["tp"], line["schedule"], line["micro_batches"]) == (1, 1, 0, "1f1b", 4)
     forwards = [e for e in line["events"] if e["what"] == "compute" and e["kind"] == "forward"]
     assert sorted(e["microbatch"] for e in forwards) == [0, 1, 2, 3]
-    buckets = [e for e in line["events"] if e["what"] == "collective"]
+    buckets = [e for e in line["events"] if e["what"] == "collective" and e["group"] == "dp"]
     assert [(e["group"], e["bucket"], e["bytes"]) for e in buckets] == [("dp", 0, 1 << 20), ("dp", 1, 1 << 20)]
     assert all(0 <= e["start"] <= e["end"] <= line["seconds"] + 1e-9 for e in line["events"])
 

@@ -63,7 +63,7 @@ class Metrics:
         self.loss = prometheus_client.Gauge("meshtrain_loss", "Mean training loss of the last step.", **reg).labels(**base)
         self.mfu = prometheus_client.Gauge("meshtrain_model_flops_utilization_ratio", "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.", **reg).labels(**base)
         self.peak_flops = prometheus_client.Gauge("meshtrain_device_peak_flops_per_second", "Peak FLOP/s per device used as the MFU denominator.", **reg).labels(**base)
-        self.bubble = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio", "Measured share of the last step this stage spent neither computing nor in exposed communication.", **reg).labels(**base)
+        self.bubble = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio", "Measured share of the last step's pipeline window this stage spent neither computing nor in exposed communication.", **reg).labels(**base)
         self.bubble_theory = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio_theoretical", "(p-1)/(v*m+p-1) for this job's schedule.", **reg).labels(**base)
         self.wait = prometheus_client.Counter("meshtrain_pipeline_wait_seconds", "Time blocked on pipeline sends and receives.", **reg).labels(**base)
         self.exposed = prometheus_client.Histogram("meshtrain_exposed_comm_seconds", "Gradient reduction time not hidden behind backward compute, per step.", buckets=(0.0, *COMM_BUCKETS), **reg).labels(**base)
@@ -101,6 +101,15 @@ class Progress:
         """A copy of the current JSON document."""
         with self._lock:
             return dict(self._doc)
+
+
+class _Server(server.ThreadingHTTPServer):
+    """A threading HTTP server that does not print a traceback when a scraper hangs up."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Scrapers time out and disconnect; that is not worth a traceback on the training log."""
 
 
 def _handler(registry: prometheus_client.CollectorRegistry, progress: Progress | None) -> type[server.BaseHTTPRequestHandler]:
@@ -143,11 +152,10 @@ class Exporter:
         """TCP port of the HTTP server."""
         self._server: server.ThreadingHTTPServer | None = None
         try:
-            self._server = server.ThreadingHTTPServer((host, port), _handler(self.metrics.registry, self.progress))
+            self._server = _Server((host, port), _handler(self.metrics.registry, self.progress))
         except OSError as err:
             log.warning("rank %d: metrics port %d unavailable (%s); metrics are not served", identity.rank, port, err)
             return
-        self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name=f"metrics-{port}", daemon=True).start()
 
     @property

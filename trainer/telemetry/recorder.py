@@ -87,7 +87,8 @@ class TelemetryRecorder:
         with self._lock:
             events, start = self._events, self._start
             self._events = []
-        stats = stepstats.summarise(events, self.facts, step=step, loss=float(loss), tokens=int(tokens), seconds=seconds)
+        stats = stepstats.summarise(events, self.facts, step=step, loss=float(loss), tokens=int(tokens), seconds=seconds,
+                                    start=start)
         self.last = stats
         self.steps.append(stats.log_record())
         del self.steps[:-KEEP_STEPS]

@@ -74,6 +74,7 @@ class StepLog:
                 memory: context.MemorySample | None) -> None:
         line = {**self._header, "step": stats.step, "t0": start + self._wall_offset, "seconds": stats.seconds,
                 "compute_seconds": stats.compute_seconds, "exposed_comm_seconds": stats.exposed_comm_seconds,
+                "update_seconds": stats.update_seconds,
                 "bubble_ratio": stats.bubble_ratio, "bubble_ratio_theoretical": stats.bubble_ratio_theoretical,
                 "memory_bytes": memory.as_dict() if memory is not None else {},
                 "events": [event_record(e, start) for e in sorted(events, key=lambda e: e.start)]}

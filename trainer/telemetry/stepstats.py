@@ -14,8 +14,12 @@ Definitions (docs/telemetry.md explains them with a figure):
 - *compute*: union of this rank's forward/backward intervals.
 - *exposed communication*: from the end of the last backward compute until
   the last data-parallel gradient bucket completes (0 if it completed first).
-- *measured bubble*: share of the step (``step_start`` .. ``step_end``) spent
-  neither computing nor in exposed communication.
+- *measured bubble*: share of the step's pipeline window spent neither
+  computing nor in exposed communication.  The window runs from
+  ``step_start`` to the end of the last event the engine reported (the
+  gradient-norm all-reduce that synchronises the stages, the last bucket or
+  the last backward); the optimizer update after it is reported apart as
+  ``update_seconds`` (it is not a property of the schedule).
 - *theoretical bubble*: ``(p - 1) / (v * m + p - 1)`` for every schedule
   (gpipe and 1f1b share it; interleaving divides the fill/drain by ``v``).
 - *bus bandwidth* (nccl-tests convention): ``algbw = bytes / seconds``, times
@@ -103,8 +107,10 @@ class StepStats:
     """Time blocked on pipeline sends and receives."""
     exposed_comm_seconds: float
     """Gradient reduction not hidden behind backward compute."""
+    update_seconds: float
+    """Step time after the pipeline window (optimizer update, loss reduction)."""
     bubble_ratio: float
-    """Measured idle share of the step on this stage."""
+    """Measured idle share of the pipeline window on this stage."""
     bubble_ratio_theoretical: float
     """(p - 1) / (v * m + p - 1)."""
     tokens_per_second: float
@@ -132,6 +138,7 @@ class StepStats:
             "tp_allreduce_seconds": self.allreduce_seconds("tp"),
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "compute_seconds": self.compute_seconds,
+            "update_seconds": self.update_seconds,
             "bubble_ratio": self.bubble_ratio,
             "bubble_ratio_theoretical": self.bubble_ratio_theoretical,
             "mfu": self.mfu,
@@ -198,15 +205,23 @@ def collective_stats(events: Sequence[recording.Event], group_sizes: dict[str, i
     return tuple(out)
 
 
+def pipeline_window(events: Sequence[recording.Event], start: float, seconds: float) -> float:
+    """Seconds from ``start`` to the end of the last event (the whole step if there is none)."""
+    if not events:
+        return seconds
+    return min(seconds, max(e.end for e in events) - start)
+
+
 def summarise(events: Sequence[recording.Event], facts: JobFacts, *, step: int, loss: float, tokens: int,
-              seconds: float) -> StepStats:
-    """The :class:`StepStats` of one step from this rank's events."""
+              seconds: float, start: float) -> StepStats:
+    """The :class:`StepStats` of one step from this rank's events; ``start`` is the step's origin."""
     compute = [e for e in events if e.what == "compute"]
     compute_union = union_seconds((e.start, e.end) for e in compute)
     exposed = exposed_comm(events)
+    window = pipeline_window(events, start, seconds)
     bubble = 0.0
-    if seconds > 0:
-        bubble = min(1.0, max(0.0, 1.0 - (compute_union + exposed) / seconds))
+    if window > 0:
+        bubble = min(1.0, max(0.0, 1.0 - (compute_union + exposed) / window))
     model_flops = facts.flops_per_token * tokens
     mfu = 0.0
     if seconds > 0 and facts.peak_flops > 0:
@@ -218,6 +233,7 @@ def summarise(events: Sequence[recording.Event], facts: JobFacts, *, step: int, 
         compute_seconds=compute_union,
         wait_seconds=sum(e.end - e.start for e in events if e.what == "wait"),
         exposed_comm_seconds=exposed,
+        update_seconds=max(0.0, seconds - window),
         bubble_ratio=bubble,
         bubble_ratio_theoretical=facts.bubble_theoretical,
         tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
