@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,6 +86,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+class _Terminated(Exception):
+    """The launcher itself got SIGTERM."""
+
+
+def _on_sigterm(signum: int, frame) -> None:  # noqa: ANN001
+    raise _Terminated
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -141,14 +150,18 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
     total = job.training.steps
     bar = tqdm.tqdm(total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr)
     records: list[dict] = []
+    tail = steplog.Tail(log_dir / steplog.FILENAME)
     code = 0
+    # A terminated launcher (Ctrl-C, SIGTERM from CI or a pod) takes its ranks with it.
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     try:
         while True:
             codes = [p.poll() for p in procs]
-            records = steplog.read(log_dir / steplog.FILENAME) if (log_dir / steplog.FILENAME).exists() else []
-            if len(records) > bar.n:
-                last = records[-1]
-                bar.update(len(records) - bar.n)
+            fresh = tail.new_records()
+            if fresh:
+                records += fresh
+                last = fresh[-1]
+                bar.update(last["step"] - bar.n)  # by step number: a resumed run starts past 0
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}")
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -161,11 +174,13 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
             if all(c == 0 for c in codes):
                 break
             time.sleep(POLL_S)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):
         _stop(procs)
         bar.close()
         return 130
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for handle in logs:
             handle.close()
     bar.close()

@@ -46,3 +46,23 @@ def read(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+class Tail:
+    """Follows a growing step log: each call returns only the records appended since the last."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+
+    def new_records(self) -> list[dict[str, Any]]:
+        """Complete records written since the previous call (none if the file does not exist yet)."""
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # leave a partly written last line for next time
+        self._offset += len(complete)
+        return [json.loads(line) for line in complete.decode("utf-8").splitlines() if line.strip()]

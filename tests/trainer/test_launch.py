@@ -77,3 +77,19 @@ def test_fault_injection_variable():
     assert faults.parse("") is None
     with pytest.raises(ValueError, match="RANK:STEP"):
         faults.parse("three")
+
+
+def test_step_log_tail_returns_only_new_complete_records(tmp_path):
+    log = steplog.StepLog(tmp_path)
+    tail = steplog.Tail(tmp_path / steplog.FILENAME)
+    log.write({"step": 1})
+    log.write({"step": 2})
+    assert [r["step"] for r in tail.new_records()] == [1, 2]
+    assert tail.new_records() == []
+    with (tmp_path / steplog.FILENAME).open("a") as handle:
+        handle.write('{"step": 3')  # a line being written
+    assert tail.new_records() == []
+    with (tmp_path / steplog.FILENAME).open("a") as handle:
+        handle.write("}\n")
+    assert [r["step"] for r in tail.new_records()] == [3]
+    assert steplog.Tail(tmp_path / "missing.jsonl").new_records() == []
