@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,19 +176,12 @@ def render(log_dir: Path, out: Path, step: int | None = None) -> StepView:
     return view
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``meshtrain timeline``."""
-    parser.add_argument("log_dir", type=Path, help="log directory of a run (holds trace/rank-N.jsonl)")
-    parser.add_argument("-o", "--output", type=Path, default=Path("timeline.png"), help="PNG to write")
-    parser.add_argument("--step", type=int, default=None, help="step to draw (default: the last one)")
-
-
 def main(args: argparse.Namespace) -> int:
     """``meshtrain timeline DIR -o timeline.png``: returns the exit status."""
     try:
         view = render(args.log_dir, args.output, args.step)
     except (FileNotFoundError, ValueError) as err:
-        print(f"meshtrain timeline: {err}")
+        print(f"meshtrain timeline: {err}", file=sys.stderr)
         return 2
     print(f"{args.output}: step {view.step}, {len(view.blocks)} blocks; {view.title.splitlines()[1]}")
     return 0
