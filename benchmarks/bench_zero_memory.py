@@ -86,7 +86,8 @@ def main() -> int:
     for dp in args.dps:
         for stage in (0, 1, 2):
             # one fresh process group per configuration, so freed memory of the last one cannot inflate this one
-            need = int(1.5 * 16 * params * dp)  # weights + grads + moments with headroom, all ranks
+            per_rank = sum(zero.expected_bytes_per_param(stage=stage, dp=dp).values()) * params + 2**29
+            need = int(1.25 * per_rank * dp)  # the formula's state plus ~0.5 GiB of runtime per rank, with headroom
             if need > _available_bytes():
                 skipped.append({"dp": dp, "zero_stage": stage, "needs_bytes": need, "available_bytes": _available_bytes()})
                 continue
@@ -94,17 +95,17 @@ def main() -> int:
                 port = 29500 + os.getpid() % 1000 + 10 * dp + stage
                 mp.start_processes(_rank, args=(dp, port, args.preset, stage, args.seq_len, out), nprocs=dp,
                                    start_method="spawn")
-                results.append({"dp": dp, **torch.load(Path(out) / "row.pt")})
+                results.append({"dp": dp, "requested_zero": stage, **torch.load(Path(out) / "row.pt")})
     header = f"{'dp':>3} {'zero':>4} {'params':>12} | {'weights B/p':>11} {'grads B/p':>9} {'optim B/p':>9} | " \
              f"{'formula w/g/o':>17} | {'total MiB':>9}"
     print(f"per-rank training state, preset {args.preset} (seq {args.seq_len}, {params:,} params), fp32 + AdamW, "
           f"measured after one forward/backward")
     print(header)
     print("-" * len(header))
-    for r in results:
-        per, exp = r["per_param"], zero.expected_bytes_per_param(stage=r["zero_stage"], dp=r["dp"])
+    for r in results:  # ZeRO over one rank is plain AdamW: the effective stage is 0, the formula the same
+        per, exp = r["per_param"], zero.expected_bytes_per_param(stage=r["requested_zero"], dp=r["dp"])
         formula = f"{exp['params']:.0f}/{exp['grads']:.2f}/{exp['optimizer']:.2f}"
-        print(f"{r['dp']:>3} {r['zero_stage']:>4} {r['params']:>12,} | {per['params']:>11.3f} {per['grads']:>9.3f} "
+        print(f"{r['dp']:>3} {r['requested_zero']:>4} {r['params']:>12,} | {per['params']:>11.3f} {per['grads']:>9.3f} "
               f"{per['optimizer']:>9.3f} | {formula:>17} | {r['total_bytes'] / 2**20:>9.1f}")
         r["expected_per_param"] = exp
     for skip in skipped:
