@@ -1,26 +1,29 @@
 """The ``meshtrain`` command line: one subcommand per user task.
 
-Each subcommand parses its arguments and calls into the package; the work
-itself lives in the modules named in each handler.  This module holds no
-training, placement or Kubernetes logic.
+This module only parses arguments and hands over to the module that does the
+work.  Those modules are imported when their subcommand runs, not before:
+``meshtrain --help`` and ``meshtrain validate`` should not pay for importing
+torch, kopf or matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import meshtrain
+from meshtrain.api import spec
+from meshtrain.operator import command as operator_command
+from meshtrain.planner import command as plan_command
 
 
-def _cmd_version(args: argparse.Namespace) -> int:
+def _version(args: argparse.Namespace) -> int:
     print(f"meshtrain {meshtrain.__version__}")
     return 0
 
 
-def _cmd_validate(args: argparse.Namespace) -> int:
-    from meshtrain.api import spec
-
+def _validate(args: argparse.Namespace) -> int:
     try:
         job = spec.load_spec_file(args.job)
     except spec.SpecError as err:
@@ -31,30 +34,52 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    launch = importlib.import_module("meshtrain.trainer.launch")
+    return launch.run_local(args.job, steps=args.steps, log_dir=args.log_dir, overrides=args.set)
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    return importlib.import_module("meshtrain.trainer.telemetry.timeline").main(args)
+
+
+def _crd(args: argparse.Namespace) -> int:
+    return importlib.import_module("meshtrain.api.crd").main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtrain", description="Topology-aware 3D-parallel training on Kubernetes.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    version = sub.add_parser("version", help="print the meshtrain version")
-    version.set_defaults(handler=_cmd_version)
+    sub.add_parser("version", help="print the meshtrain version").set_defaults(handler=_version)
 
     validate = sub.add_parser("validate", help="check a TrainingJob YAML file against every rule")
     validate.add_argument("job", help="TrainingJob YAML file")
-    validate.set_defaults(handler=_cmd_validate)
+    validate.set_defaults(handler=_validate)
 
-    crd = sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model")
-    crd.set_defaults(handler=lambda args: __import__("meshtrain.api.crd").api.crd.main())
-    __import__("meshtrain.operator.command").operator.command.add_parser(sub)
+    run = sub.add_parser("run", help="train a TrainingJob on this machine with local processes (no cluster)")
+    run.add_argument("job", help="TrainingJob YAML file")
+    run.add_argument("--steps", type=int, default=None, help="override training.steps")
+    run.add_argument("--log-dir", default=None, help="where steps.jsonl, traces and checkpoints go "
+                                                     "(default: runs/<job>-<time>; reuse a directory to resume)")
+    run.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                     help="override a spec field, e.g. --set parallelism.microBatches=8 (repeatable)")
+    run.set_defaults(handler=_run)
+
+    plan = sub.add_parser("plan", help="predict memory, communication and step time of a TrainingJob (and its placement)")
+    plan_command.configure(plan)
 
     timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")
     timeline.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
     timeline.add_argument("--step", type=int, default=None, help="step to draw (default: the last one)")
-    timeline.set_defaults(handler=lambda args: __import__("meshtrain.trainer.telemetry.timeline").trainer.telemetry.timeline.main(args))
+    timeline.set_defaults(handler=_timeline)
 
-    plan = sub.add_parser("plan", help="predict memory, communication and step time of a TrainingJob (and its placement)")
-    __import__("meshtrain.planner.command").planner.command.configure(plan)
+    operator_command.add_parser(sub)
+
+    sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model"
+                   ).set_defaults(handler=_crd)
     return parser
 
 
