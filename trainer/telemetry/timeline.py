@@ -149,7 +149,7 @@ def draw(view: StepView, out: Path) -> Path:
             colour, height_b = palette[min(b.chunk, len(palette) - 1)], 0.8
         width = (b.end - b.start) * scale
         ax.barh(y, width, left=b.start * scale, height=height_b, color=colour, edgecolor="black", linewidth=0.4)
-        if width > view.seconds * scale * 0.012:
+        if width > view.seconds * scale * 0.008:
             ax.text((b.start + b.end) / 2 * scale, y, b.label, ha="center", va="center", fontsize=7,
                     color="white" if b.kind != "bucket" and b.chunk == 0 else "black")
     ax.set_yticks(range(len(view.rows)), view.rows)
