@@ -8,10 +8,10 @@ What it is, in two parts, on local gloo ranks:
    every file, marker, atomic rename) and :meth:`Checkpointer.restore`
    (verify hashes, DCP read into the live tensors), at dp1 (ZeRO 0) and dp2
    (ZeRO 1).  Reports checkpoint bytes and MB/s.
-2. **interval cost**: a small model trains ``--steps`` steps with no
-   checkpoint and with a checkpoint every N steps (N in ``--intervals``),
-   variants run back to back in one process group; the cost is the extra
-   wall time per step relative to no checkpointing.
+2. **interval cost**: a small model trains ``--steps`` steps and saves after
+   every one; the median save time over the median step time gives the
+   step-time overhead of a save every N steps, ``save / (N * step)``, for N in
+   ``--intervals`` (side by side in one run, as machine noise demands).
 
 Prints both tables and writes ``benchmarks/results/checkpoint-<host>.json``.
 
@@ -27,6 +27,7 @@ import argparse
 import datetime
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -86,28 +87,31 @@ def _save_load(preset: str, dp: int, stage: int, root: Path) -> dict:
             "save_seconds": save_s, "dcp_write_seconds": marker.extra.get("write_seconds"), "load_seconds": load_s}
 
 
-def _interval_cost(steps: int, intervals: list[int], dp: int, root: Path) -> list[dict]:
-    rows = []
-    for interval in [0, *intervals]:
-        eng = _engine(SMALL, dp, 1 if dp > 1 else 0, steps, interval)
-        eng.train_step()  # warm-up step, not timed
-        saver = checkpointer.Checkpointer(eng, root=root / f"every-{interval}")
-        saver.total = 10**9  # no end-of-run save inside the timed window
+def _interval_cost(steps: int, intervals: list[int], dp: int, root: Path) -> dict:
+    """Median step time and median save time, measured side by side; the cost of saving every N steps from them.
+
+    Saving after every step gives ``steps`` samples of each in one run, so
+    machine noise hits both alike; the overhead of a save every N steps is
+    then ``save / (N * step)``.
+    """
+    eng = _engine(SMALL, dp, 1 if dp > 1 else 0, steps, 1)
+    eng.train_step()  # warm-up step, not timed
+    saver = checkpointer.Checkpointer(eng, root=root)
+    saver.total = 10**9  # no end-of-run save
+    step_times, save_times = [], []
+    for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(steps):
-            eng.train_step()
-            if interval:
-                saver.after_step(eng.step)
-        seconds = time.perf_counter() - start
-        rows.append({"interval": interval, "steps": steps, "seconds": seconds, "step_seconds": seconds / steps,
-                     "saves": steps // interval if interval else 0})
-        del eng
-        gc.collect()
-    base = rows[0]["step_seconds"]
-    for row in rows:
-        row["overhead_ratio"] = row["step_seconds"] / base - 1.0
-    return rows
+        eng.train_step()
+        step_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        saver.after_step(eng.step)
+        save_times.append(time.perf_counter() - start)
+    step_s, save_s = statistics.median(step_times), statistics.median(save_times)
+    rows = [{"interval": n, "overhead_ratio": save_s / (n * step_s)} for n in intervals]
+    del eng
+    gc.collect()
+    return {"steps": steps, "median_step_seconds": step_s, "median_save_seconds": save_s, "rows": rows}
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -148,12 +152,12 @@ def main() -> int:
         print(f"{r['dp']:>3} {s['zero_stage']:>4} {s['bytes'] / 2**20:>8.1f} | {s['save_seconds']:>7.2f} "
               f"{s['dcp_write_seconds']:>11.2f} {s['load_seconds']:>7.2f} | {mb / s['save_seconds']:>9.1f} "
               f"{mb / s['load_seconds']:>9.1f}")
-    print(f"\nstep-time cost of checkpointing every N steps (model {SMALL}, {args.steps} steps)")
-    print(f"{'dp':>3} {'every':>6} {'saves':>6} {'step s':>8} {'overhead':>9}")
+    print(f"\nstep-time cost of checkpointing every N steps (model {SMALL}; medians of {args.steps} steps and saves)")
+    print(f"{'dp':>3} {'step s':>8} {'save s':>8} | " + " ".join(f"{'every ' + str(n):>9}" for n in args.intervals))
     for r in results:
-        for row in r["interval"]:
-            every = str(row["interval"]) if row["interval"] else "never"
-            print(f"{r['dp']:>3} {every:>6} {row['saves']:>6} {row['step_seconds']:>8.4f} {row['overhead_ratio']:>+9.1%}")
+        cost = r["interval"]
+        print(f"{r['dp']:>3} {cost['median_step_seconds']:>8.4f} {cost['median_save_seconds']:>8.4f} | "
+              + " ".join(f"{row['overhead_ratio']:>+9.1%}" for row in cost["rows"]))
     path = machine.write_results("checkpoint", {"preset": args.preset, "runs": results})
     print(f"wrote {path}")
     return 0
