@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from meshtrain.operator import placement
-from meshtrain.operator.placement import cost
+from meshtrain.api import spec as api_spec
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -41,7 +41,7 @@ NODES_PER_LEAF, LEAVES_PER_SPINE, SPINES_PER_BLOCK = 16, 8, 8
 CLUSTERS = (512, 4096, 16384)
 JOBS = {64: (4, 2, 8), 1024: (16, 8, 8), 8192: (64, 16, 8)}
 """GPUs -> (data, pipeline, tensor)."""
-SHAPE = {"layers": 32, "hidden": 4096, "vocab": 32000, "seq_len": 4096, "ffn_hidden": 16384}
+SHAPE = {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seqLen": 4096, "ffnHidden": 16384}
 """A 7B-class GPT decoder for the bytes per step."""
 BUSY_SHARE = 0.5
 """Share of nodes with some GPUs already taken (1 to 8 of them)."""
@@ -64,17 +64,14 @@ def cluster(size: int, seed: int) -> tuple[list[placement.Node], list[placement.
 
 
 def request(gpus: int) -> placement.PlacementRequest:
-    """The benchmark job of ``gpus`` GPUs with 7B-class bytes per step."""
+    """The benchmark job of ``gpus`` GPUs: a 7B-class model, bytes per step from the planner's model."""
     data, pipeline, tensor = JOBS[gpus]
-    parameters = cost.gpt_parameters(**SHAPE)
-    return placement.PlacementRequest(
-        gpus_per_node=GPUS_PER_NODE,
-        data=data,
-        pipeline=pipeline,
-        tensor=tensor,
-        dp_bytes_per_step=cost.dp_ring_bytes(parameters / pipeline, tensor, data),
-        pp_bytes_per_step=cost.pp_boundary_bytes(1, SHAPE["seq_len"], SHAPE["hidden"], micro_batches=4 * pipeline),
-    )
+    job = api_spec.parse_spec({
+        "parallelism": {"data": data, "pipeline": pipeline, "tensor": tensor, "microBatches": 4 * pipeline},
+        "resources": {"gpusPerNode": GPUS_PER_NODE},
+        "model": SHAPE,
+    })
+    return placement.request_from_spec(job)
 
 
 def timed(function, repeat: int) -> tuple[float, object]:

@@ -66,35 +66,3 @@ def evaluate(
     for pod_a, pod_b, size in edges:
         crossed[topology.crossing(pod_paths[pod_a], pod_paths[pod_b])] += size
     return crossed, sum(size * weight for size, weight in zip(crossed, level_weights))
-
-
-def gpt_parameters(layers: int, hidden: int, vocab: int, seq_len: int, ffn_hidden: int) -> int:
-    """Parameters of a GPT decoder: blocks, token and position embeddings, final norm."""
-    attention = 4 * hidden * hidden + 4 * hidden
-    mlp = 2 * hidden * ffn_hidden + ffn_hidden + hidden
-    norms = 4 * hidden
-    return layers * (attention + mlp + norms) + (vocab + seq_len) * hidden + 2 * hidden
-
-
-def dp_ring_bytes(stage_parameters: float, tensor: int, data: int, gradient_bytes: int = 4) -> float:
-    """Bytes one rank sends to its ring successor per step: 2 (N-1)/N x its gradient bytes."""
-    if data <= 1:
-        return 0.0
-    return 2.0 * (data - 1) / data * stage_parameters / tensor * gradient_bytes
-
-
-def pp_boundary_bytes(
-    micro_batch: int,
-    seq_len: int,
-    hidden: int,
-    micro_batches: int,
-    activation_bytes: int = 2,
-    virtual_stages: int = 1,
-) -> float:
-    """Bytes per step between two neighbouring stages' peer ranks.
-
-    One activation of ``micro_batch x seq_len x hidden`` forward and its
-    gradient backward for every micro-batch; interleaved schedules cross each
-    boundary once per virtual stage.
-    """
-    return float(micro_batch * seq_len * hidden * activation_bytes * micro_batches * 2 * virtual_stages)

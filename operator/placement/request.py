@@ -1,45 +1,36 @@
 """Build a :class:`~model.PlacementRequest` from a TrainingJob spec.
 
 What it is: the bridge from the typed spec (:mod:`meshtrain.api.spec`) to the
-planner's plain request, including the bytes-per-step model of the job's DP
-and PP traffic (formulas in :mod:`meshtrain.operator.placement.cost`).  What it
-is not: it does not validate the spec (the spec rules do) and does not plan.
+planner's plain request.  The bytes per step that placement weighs come from
+the planner's communication model (:func:`meshtrain.planner.comm.placement_traffic`),
+the same model that ``meshtrain plan`` reports and that tests hold equal to
+the bytes the trainer measures.  What it is not: it does not validate the spec
+(the spec rules do) and does not plan.
 
-Assumptions, written down in docs/placement.md: gradients are all-reduced in
-fp32 (4 bytes; the trainer keeps fp32 master weights under bf16 autocast),
-activations cross stages in bf16 (2 bytes) unless the precision is fp32, and
-every stage holds an equal share of the parameters.
+Placement happens on a GPU cluster, so ``precision: auto`` is priced as bf16
+autocast (fp32 master weights and gradients, fp32 residual stream between
+stages), which is how the trainer runs there.
 """
 
 from __future__ import annotations
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.placement import cost, model
-
-GRADIENT_BYTES = 4
-"""Bytes per gradient element in the DP all-reduce (fp32 gradients of fp32 master weights)."""
+from meshtrain.operator.placement import model
+from meshtrain.planner import comm, memory
 
 
 def request_from_spec(job: api_spec.TrainingJobSpec) -> model.PlacementRequest:
     """The placement request of a (validated) TrainingJob spec."""
     par = job.parallelism
-    shape = job.model.shape()
-    parameters = cost.gpt_parameters(shape.layers, shape.hidden, shape.vocab, shape.seq_len, shape.ffn_hidden)
-    activation_bytes = 4 if job.training.precision == "fp32" else 2
-    virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    precision = "fp32" if job.training.precision == "fp32" else "bf16"
+    dp_bytes, pp_bytes = comm.placement_traffic(job, memory.scheme_for(precision))
     return model.PlacementRequest(
         gpus_per_node=job.resources.gpus_per_node,
         data=par.data,
         pipeline=par.pipeline,
         tensor=par.tensor,
-        dp_bytes_per_step=cost.dp_ring_bytes(parameters / par.pipeline, par.tensor, par.data, GRADIENT_BYTES),
-        pp_bytes_per_step=(
-            cost.pp_boundary_bytes(
-                job.training.micro_batch, shape.seq_len, shape.hidden, par.micro_batches, activation_bytes, virtual
-            )
-            if par.pipeline > 1
-            else 0.0
-        ),
+        dp_bytes_per_step=dp_bytes,
+        pp_bytes_per_step=pp_bytes,
         nvlink_domain_label=job.topology.nvlink_domain_label,
         levels=tuple(
             model.FabricLevel(label=level.label, required=level.mode == "required") for level in job.topology.levels

@@ -9,6 +9,7 @@ import pytest
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import placement
 from meshtrain.operator.placement import cost, topology
+from meshtrain.planner import comm, memory
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -242,14 +243,6 @@ def test_pod_traffic_of_a_small_layout() -> None:
     assert cost.pod_traffic(job(data=2)) == [(0, 1, 16000.0)]
 
 
-def test_bytes_formulas() -> None:
-    assert cost.dp_ring_bytes(1000, tensor=2, data=4) == pytest.approx(2 * 3 / 4 * 500 * 4)
-    assert cost.dp_ring_bytes(1000, tensor=2, data=1) == 0
-    assert cost.pp_boundary_bytes(2, 128, 64, 4) == 2 * 128 * 64 * 2 * 4 * 2
-    assert cost.pp_boundary_bytes(1, 1, 1, 1, activation_bytes=4, virtual_stages=2) == 16
-    assert cost.gpt_parameters(layers=12, hidden=768, vocab=50304, seq_len=1024, ffn_hidden=3072) == pytest.approx(124e6, rel=0.01)
-
-
 def test_request_from_spec() -> None:
     spec = api_spec.parse_spec(
         {
@@ -264,6 +257,7 @@ def test_request_from_spec() -> None:
     assert (request.data, request.pipeline, request.tensor, request.gpus_per_node, request.pods) == (2, 2, 4, 8, 2)
     assert request.levels == (placement.FabricLevel(BLOCK, required=True), placement.FabricLevel(LEAF))
     assert request.nvlink_domain_label == CLIQUE and dict(request.node_selector) == {"pool": "gpu"}
-    parameters = cost.gpt_parameters(4, 64, 256, 32, 256)
-    assert request.dp_bytes_per_step == pytest.approx(2 * 1 / 2 * parameters / 2 / 4 * 4)
-    assert request.pp_bytes_per_step == 2 * 32 * 64 * 2 * 4 * 2
+    dp_bytes, pp_bytes = comm.placement_traffic(spec, memory.scheme_for("bf16"))
+    assert (request.dp_bytes_per_step, request.pp_bytes_per_step) == (dp_bytes, pp_bytes)
+    # pipeline traffic: fp32 activations forward and gradients back, per micro-batch
+    assert pp_bytes == 2 * 4 * (2 * 32 * 64 * 4)
