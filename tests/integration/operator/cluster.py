@@ -190,8 +190,9 @@ class Cluster:
 class OperatorProcess:
     """``meshtrain operator`` as a subprocess with short timers; start, kill, restart."""
 
-    def __init__(self, kubeconfig: str, log_path: str) -> None:
+    def __init__(self, kubeconfig: str, log_path: str, scope: tuple[str, ...] = ("--all-namespaces",)) -> None:
         self.kubeconfig = kubeconfig
+        self.scope = scope
         self.log_path = log_path
         self.health_port = free_port()
         self.metrics_port = free_port()
@@ -200,7 +201,7 @@ class OperatorProcess:
         """kopf peering identity (POD_ID): a restart keeps it, as a container restart keeps its pod name."""
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces",
+        command = [sys.executable, "-m", "meshtrain.cli", "operator", *self.scope,
                    "--kubeconfig", self.kubeconfig, "--peering", "meshtrain",
                    "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
                    "--metrics-port", str(self.metrics_port), "--resync-seconds", "2", "--progress-seconds", "0.5"]

@@ -9,7 +9,7 @@ import time
 import kubernetes
 import pytest
 
-from tests.integration.operator.cluster import Job, wait_for
+from tests.integration.operator.cluster import Job, OperatorProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +132,24 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, ope
     assert len(cluster.core.list_namespaced_config_map(namespace, label_selector="meshtrain.io/job=crash").items) == 1
     assert cluster.status(namespace, "crash")["restarts"] == 0
     print(f"killed with {partial}/64 pods created")
+
+
+def test_namespaced_operator_handles_only_its_namespaces(cluster, operator, namespace, pool, control_plane, tmp_path):
+    other = f"{namespace}-x"
+    cluster.core.create_namespace({"metadata": {"name": other}})
+    cluster.custom.create_namespaced_custom_object("kopf.dev", "v1", namespace, "kopfpeerings", {
+        "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "meshtrain"}})
+    cluster.add_node(pool, gpus=8)
+    operator.stop()  # the cluster-wide operator would act on both namespaces
+    scoped = OperatorProcess(str(control_plane.kubeconfig_path), str(tmp_path / "scoped.log"), scope=("--namespace", namespace))
+    try:
+        scoped.start()
+        for ns in (namespace, other):
+            cluster.apply(Job("scoped", ns, pool).layout(data=2).gpus(1))
+        cluster.wait_gang(namespace, "scoped", 2)
+        time.sleep(2)
+        assert cluster.pods(other, "scoped") == [] and cluster.status(other, "scoped") == {}
+    finally:
+        scoped.stop()
+        operator.start()
+    cluster.wait_gang(other, "scoped", 2)  # the cluster-wide operator picks it up again
