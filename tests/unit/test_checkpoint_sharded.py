@@ -56,6 +56,7 @@ def _pieces_from_flat_shards(dense: torch.Tensor, spec: tp.ShardSpec, dp: int) -
     return owners
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: intended
 def test_dcp_round_trip_from_zero_flat_ranges_to_whole_tensor(tmp_path: Path) -> None:
     dense = torch.randn(12, 5)
     spec = tp.ShardSpec(0, groups=3)
