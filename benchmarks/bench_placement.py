@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import random
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from meshtrain.operator import placement
-from meshtrain.api import spec as api_spec
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import machine  # noqa: E402
+from meshtrain.api import spec as api_spec  # noqa: E402
+from meshtrain.operator import placement  # noqa: E402
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -142,17 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = run(args.repeat, args.seed)
     print(table(rows))
-    machine = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }
-    out = Path(__file__).resolve().parent / "results" / f"placement-{machine['hostname']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"repeat": args.repeat, "seed": args.seed, "busy_share": BUSY_SHARE, "shape": SHAPE, "jobs": JOBS}
-    out.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=2) + "\n")
+    out = machine.write_results("placement", {"settings": settings, "rows": rows})
     print(f"\nwrote {out}")
     return 0
 
