@@ -14,7 +14,12 @@ injected fault (:mod:`.faults`).
 Checkpoints: at start the newest complete checkpoint under
 ``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
 loaded and training continues from the step after it; one is saved every
-``checkpoint.intervalSteps`` and at the end.
+``checkpoint.intervalSteps`` and at the end.  Each published checkpoint (and
+the one loaded) becomes ``last_checkpoint_step`` of rank 0's ``/progress``.
+
+Final progress: when the run succeeds, global rank 0 writes its ``/progress``
+document to ``$MESHTRAIN_TERMINATION_LOG`` if that is set (the operator sets
+``/dev/termination-log``; :mod:`.telemetry.progress`).
 
 What it is not: a launcher; it never starts other processes.
 """
@@ -33,6 +38,7 @@ from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import data, engine, faults, memory, steplog, telemetry
 from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.telemetry import progress
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import schedules
 
@@ -108,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DATA
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
     try:
-        saver.restore()  # continue after the newest complete checkpoint, if there is one
+        restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
     except store.CheckpointError as err:
         print(err, file=sys.stderr)
         return EXIT_CHECKPOINT
+    if restored is not None:
+        recorder.checkpoint_saved(restored)
     if rank == 0:
         print(memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(), file=sys.stderr)
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
@@ -120,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.train_step()
         if log is not None:
             log.write(step_record(result, recorder.steps[-1], job))
-        saver.after_step(step)
+        if saver.after_step(step) is not None:  # published (COMPLETE, renamed): /progress may report it
+            recorder.checkpoint_saved(step)
     if log is not None:
         log.close()
     dist.barrier()
+    if recorder.progress is not None:  # global rank 0: the final progress for the operator
+        progress.write_termination_log(recorder.progress.document())
     dist.destroy_process_group()
     return 0

@@ -14,7 +14,7 @@ from prometheus_client import parser
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import telemetry
-from meshtrain.trainer.telemetry import context, exporter, stepstats
+from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
 from tests.unit import telemetry_feed
 
 DESIGN_NAMES = {"meshtrain_tokens", "meshtrain_tokens_per_second", "meshtrain_step_seconds", "meshtrain_allreduce_seconds",
@@ -140,6 +140,40 @@ def test_a_busy_port_does_not_stop_training(tmp_path):
     with socket.create_server(("0.0.0.0", 0)) as busy:
         port = busy.getsockname()[1]
         identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
-        exp = exporter.Exporter(identity, telemetry_feed_facts(), port=port, serve_progress=True)
+        exp = exporter.Exporter(identity, telemetry_feed_facts(), port=port, progress=progress.Progress())
         assert not exp.serving
         exp.close()
+
+
+def test_final_progress_goes_to_the_termination_log(tmp_path, monkeypatch):
+    doc = progress.Progress()
+    doc.update(step=7, loss=2.5, tokens_per_second=100.0)
+    doc.checkpoint_saved(6)
+    target = tmp_path / "termination-log"
+    monkeypatch.setenv(progress.TERMINATION_LOG_ENV, str(target))
+    assert progress.write_termination_log(doc.document()) == target
+    written = json.loads(target.read_text())
+    assert written == doc.document()
+    assert (written["step"], written["last_checkpoint_step"], written["loss"]) == (7, 6, 2.5)
+    assert len(target.read_bytes()) < 4096  # the kubelet keeps at most 4096 bytes of a termination message
+
+
+def test_no_termination_log_without_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(progress.TERMINATION_LOG_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert progress.write_termination_log(progress.Progress().document()) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_termination_log_write_error_is_a_warning(tmp_path, monkeypatch, caplog):
+    target = tmp_path / "missing-dir" / "termination-log"
+    monkeypatch.setenv(progress.TERMINATION_LOG_ENV, str(target))
+    with caplog.at_level("WARNING"):
+        assert progress.write_termination_log(progress.Progress().document()) is None
+    assert str(target) in caplog.text and not target.exists()
+
+
+def test_a_loaded_checkpoint_counts_as_done_steps():
+    doc = progress.Progress()
+    doc.checkpoint_saved(40)  # a resumed run: nothing trained yet, checkpoint 40 loaded
+    assert (doc.document()["step"], doc.document()["last_checkpoint_step"]) == (40, 40)

@@ -17,7 +17,6 @@ scrape target's.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import threading
@@ -30,6 +29,7 @@ from prometheus_client import exposition
 
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, stepstats
+from meshtrain.trainer.telemetry import progress as progress_mod
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +83,6 @@ class Metrics:
         return self._comm_children[key]
 
 
-class Progress:
-    """What rank 0 tells the operator at GET /progress."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._doc: dict[str, Any] = {"step": 0, "loss": None, "tokens_per_second": None,
-                                     "last_checkpoint_step": None, "updated_at": None}
-
-    def update(self, **fields: Any) -> None:
-        """Set fields and stamp ``updated_at`` (RFC 3339, UTC)."""
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-        with self._lock:
-            self._doc.update(fields, updated_at=now)
-
-    def document(self) -> dict[str, Any]:
-        """A copy of the current JSON document."""
-        with self._lock:
-            return dict(self._doc)
-
-
 class _Server(server.ThreadingHTTPServer):
     """A threading HTTP server that does not print a traceback when a scraper hangs up."""
 
@@ -112,7 +92,7 @@ class _Server(server.ThreadingHTTPServer):
         """Scrapers time out and disconnect; that is not worth a traceback on the training log."""
 
 
-def _handler(registry: prometheus_client.CollectorRegistry, progress: Progress | None) -> type[server.BaseHTTPRequestHandler]:
+def _handler(registry: prometheus_client.CollectorRegistry, progress: progress_mod.Progress | None) -> type[server.BaseHTTPRequestHandler]:
     class Handler(server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]
@@ -141,11 +121,11 @@ class Exporter:
     """Metrics of one rank, served over HTTP; rank 0 adds /progress."""
 
     def __init__(self, identity: context.RankIdentity, facts: stepstats.JobFacts, *, port: int,
-                 serve_progress: bool, host: str = "0.0.0.0") -> None:
+                 progress: progress_mod.Progress | None, host: str = "0.0.0.0") -> None:
         self.metrics = Metrics(identity)
         """The metric families."""
-        self.progress = Progress() if serve_progress else None
-        """The /progress document (global rank 0 only)."""
+        self.progress = progress
+        """The /progress document served (global rank 0 only; another sink keeps it up to date)."""
         self.metrics.bubble_theory.set(facts.bubble_theoretical)
         self.metrics.peak_flops.set(facts.peak_flops)
         self.port = port
@@ -188,12 +168,9 @@ class Exporter:
         if memory is not None:
             for kind, value in memory.as_dict().items():
                 m.memory.labels(**m.base, kind=kind).set(value)
-        if self.progress is not None:
-            self.progress.update(step=stats.step, loss=stats.loss, tokens_per_second=stats.tokens_per_second)
 
     def checkpoint_saved(self, step: int) -> None:
-        if self.progress is not None:
-            self.progress.update(last_checkpoint_step=step)
+        """The /progress document is its own sink (:class:`.progress.Progress`)."""
 
     def close(self) -> None:
         if self._server is not None:

@@ -25,7 +25,7 @@ from typing import Any
 from meshtrain import layout as layout_mod
 from meshtrain.trainer import model as model_mod
 from meshtrain.trainer.parallel import recording
-from meshtrain.trainer.telemetry import context, exporter, peak, steplog, stepstats
+from meshtrain.trainer.telemetry import context, exporter, peak, progress, steplog, stepstats
 
 def _tensor_bytes(tensors: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None and hasattr(t, "element_size"))
@@ -48,6 +48,8 @@ class TelemetryRecorder:
         """Exporter, step log, ..."""
         self.device = device
         """Device of this rank (peak memory is read from it on a GPU)."""
+        self.progress = next((s for s in self.sinks if isinstance(s, progress.Progress)), None)
+        """The progress document of global rank 0 (None on other ranks)."""
         self.last: stepstats.StepStats | None = None
         """Summary of the last finished step."""
         self.steps: list[dict[str, float | int]] = []
@@ -99,7 +101,7 @@ class TelemetryRecorder:
     # -- beyond the protocol -------------------------------------------------
 
     def checkpoint_saved(self, step: int) -> None:
-        """Tell the sinks (the /progress endpoint) that a checkpoint of ``step`` is complete."""
+        """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete (published)."""
         for sink in self.sinks:
             sink.checkpoint_saved(step)
 
@@ -141,7 +143,8 @@ def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_d
                   local_rank: int | None = None, device: Any = None, serve: bool = True,
                   steps_log: bool = True) -> TelemetryRecorder:
     """The trainer's recorder: Prometheus exporter on ``spec.metrics.port + local_rank``
-    (rank 0 also serves /progress), steps.jsonl (rank 0) and the event trace under ``log_dir``.
+    (rank 0 also keeps and serves the /progress document), steps.jsonl (rank 0)
+    and the event trace under ``log_dir``.
 
     ``serve=False`` skips the HTTP server; ``steps_log=False`` leaves steps.jsonl
     to a caller that writes it itself from :attr:`TelemetryRecorder.steps`.
@@ -149,9 +152,12 @@ def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_d
     identity = context.RankIdentity.from_env(layout, rank, local_rank)
     facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
     sinks: list[context.Sink] = []
+    document = progress.Progress() if rank == 0 else None  # kept even when not served: the final copy
+    if document is not None:
+        sinks.append(document)
     if serve:
         sinks.append(exporter.Exporter(identity, facts, port=spec.metrics.port + identity.local_rank,
-                                       serve_progress=rank == 0))
+                                       progress=document))
     if log_dir is not None:
         sinks.append(steplog.StepLog(Path(log_dir), identity, facts, schedule=spec.parallelism.schedule,
                                        steps=steps_log))

@@ -1,0 +1,88 @@
+"""What rank 0 tells the operator: ``last_checkpoint_step`` on /progress and the final progress file.
+
+A one-rank ``meshtrain run`` with a checkpoint every 2 of 6 steps is paused
+inside the save of step 4 (``MESHTRAIN_FAULT_INJECT_SAVE=4:pause``: data
+written, not published).  At that moment /progress must say step 4 with
+``last_checkpoint_step`` 2: a checkpoint counts once it is published, not
+when its save begins.  The run is then SIGKILLed (no final progress file:
+it did not succeed) and re-run with the same log directory: it resumes from
+step 2, finishes, and writes its final progress document, with the same keys
+as /progress, to ``$MESHTRAIN_TERMINATION_LOG``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import mt_harness
+import pytest
+import yaml
+
+from meshtrain.trainer.checkpointing import checkpointer
+from meshtrain.trainer.telemetry import progress
+
+STEPS = 6
+LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
+KEYS = {"step", "loss", "tokens_per_second", "last_checkpoint_step", "updated_at"}
+
+
+def _spec(tmp_path: Path, port: int) -> Path:
+    raw = mt_harness.make_spec(steps=STEPS)
+    raw["checkpoint"] = {"intervalSteps": 2, "keep": 2}
+    raw["metrics"] = {"port": port}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _start(spec: Path, log_dir: Path, **env: str) -> subprocess.Popen:
+    clean = {k: v for k, v in os.environ.items() if k != progress.TERMINATION_LOG_ENV}
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, str(spec), str(log_dir)],
+                            env={**clean, "MESHTRAIN_METRICS_HOST": "127.0.0.1", **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _progress(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=5) as resp:
+        return json.load(resp)
+
+
+@pytest.mark.slow
+def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path: Path) -> None:
+    port = mt_harness.free_port()
+    spec, log_dir = _spec(tmp_path, port), tmp_path / "run"
+    final = tmp_path / "termination-log"
+
+    proc = _start(spec, log_dir, **{checkpointer.FAULT_ENV: "4:pause", progress.TERMINATION_LOG_ENV: str(final)})
+    rank_log = log_dir / "rank-0.log"
+    deadline = time.monotonic() + 300
+    try:
+        while f"{checkpointer.FAULT_ENV}: pause" not in (rank_log.read_text() if rank_log.exists() else ""):
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the run never reached the save of step 4"
+            time.sleep(0.2)
+        during = _progress(port)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    assert set(during) == KEYS
+    assert (during["step"], during["last_checkpoint_step"]) == (4, 2), during  # step 4's save is not published
+    assert not final.exists(), "a killed run must not write the final progress"
+
+    proc = _start(spec, log_dir, **{progress.TERMINATION_LOG_ENV: str(final)})
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    assert "resumed from" in rank_log.read_text()
+    doc = json.loads(final.read_text())
+    assert set(doc) == KEYS
+    assert (doc["step"], doc["last_checkpoint_step"]) == (STEPS, STEPS), doc
+    assert doc["loss"] > 0 and doc["tokens_per_second"] > 0 and doc["updated_at"].endswith("Z")
+
