@@ -13,7 +13,10 @@ A pod runs ranks ``[i*gpusPerNode, (i+1)*gpusPerNode)`` as one torchrun node::
              --master-port=$(MASTER_PORT) -m meshtrain.trainer
 
 It carries the gang scheduling gate and a required node affinity to its
-planned node (``matchFields`` on ``metadata.name``).
+planned node (``matchFields`` on ``metadata.name``), declares one named
+container port per local rank's exporter (``metrics-<r>`` = metrics.port + r)
+for the chart's PodMonitor, writes its logs to ``<checkpoint.path>/logs`` and
+rank 0's final progress to the termination message.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ def _env(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int) 
         "MESHTRAIN_ATTEMPT": attempt,
         "MESHTRAIN_SPEC_FILE": naming.SPEC_FILE,
         "MESHTRAIN_CHECKPOINT_DIR": spec.checkpoint.path,
+        "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path),
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
+        "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
     }
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
     env.append({"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
@@ -180,11 +185,15 @@ def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: 
         ],
         "env": _env(job, spec, attempt, index),
         "ports": [
-            {"name": "metrics", "containerPort": spec.metrics.port},
+            *({"name": naming.metrics_port_name(r), "containerPort": spec.metrics.port + r}
+              for r in range(spec.resources.gpus_per_node)),
             {"name": "rendezvous", "containerPort": naming.MASTER_PORT},
         ],
         "resources": _resources(spec),
         "volumeMounts": mounts,
+        # Rank 0 writes its final progress here; a failed container reports its log's end instead.
+        "terminationMessagePath": naming.TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -13,9 +13,21 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
+
+from meshtrain.planner import admission, profiles
 
 DEFAULT_PEERING = "meshtrain"
 """Name of the (Cluster)KopfPeering object replicas use to elect the active one."""
+DEFAULT_GPU_PROFILE = "h100-sxm"
+"""Profile for nodes that do not name their GPU: the common training GPU, as ``meshtrain plan`` assumes for bf16."""
+NO_PROFILE = "none"
+"""``--gpu-profile`` value that admits jobs unchecked when no node names its GPU."""
+
+
+def gpu_profile(name: str) -> profiles.Profile | None:
+    """The ``--gpu-profile`` value as a profile (None for ``none``); raises ProfileError for an unknown name."""
+    return None if name == NO_PROFILE else profiles.get(name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -38,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     parser.add_argument("--progress-seconds", type=float,
                         default=float(os.environ.get("MESHTRAIN_PROGRESS_SECONDS", 10)),
                         help="interval of /progress polls of running jobs (env MESHTRAIN_PROGRESS_SECONDS)")
+    parser.add_argument("--gpu-profile", default=os.environ.get("MESHTRAIN_GPU_PROFILE", DEFAULT_GPU_PROFILE),
+                        metavar="PROFILE",
+                        help="device profile a job's memory plan is judged by when no candidate node names its GPU "
+                             f"({admission.PRODUCT_LABEL}): a profile of `meshtrain plan --gpu`, or 'none' to admit "
+                             "such jobs unchecked (env MESHTRAIN_GPU_PROFILE; default: %(default)s)")
     parser.add_argument("--log-format", choices=["json", "text"], default="json", help="log format (default: json)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     parser.set_defaults(handler=run)
@@ -45,7 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the operator until it is interrupted."""
+    """Run the operator until it is interrupted (exit status 2 at once for an unknown ``--gpu-profile``)."""
+    try:
+        default_profile = gpu_profile(args.gpu_profile)
+    except profiles.ProfileError as err:
+        print(f"meshtrain operator: --gpu-profile: {err}", file=sys.stderr)
+        return 2
     import kopf  # noqa: PLC0415 - heavy; only the operator subcommand needs it
 
     from meshtrain.operator import handlers, metrics, reconciler  # noqa: F401,PLC0415 - registers the handlers
@@ -59,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
         namespaces=list(args.namespace),
-        settings=reconciler.Settings(resync_seconds=args.resync_seconds, progress_seconds=args.progress_seconds),
+        settings=reconciler.Settings(resync_seconds=args.resync_seconds, progress_seconds=args.progress_seconds,
+                                     gpu_profile=default_profile),
     )
     clusterwide = not args.namespace
     kopf.run(

@@ -23,6 +23,8 @@ SUCCEEDED = "Succeeded"
 """True once every pod of the gang exited 0."""
 FAILED = "Failed"
 """True once the job failed for good (see the reasons below)."""
+WONT_FIT = "WontFit"
+"""True when the planner says the job's worst rank needs more memory than the GPU has (the job failed)."""
 
 # Reasons.
 GANG_PLACED = "GangPlaced"
@@ -39,6 +41,8 @@ INVALID_SPEC = "InvalidSpec"
 SUSPENDED_BY_USER = "SuspendedByUser"
 RESUMED = "Resumed"
 COMPLETED = "Completed"
+WONT_FIT_REASON = "WontFit"
+"""Reason of the WontFit, Failed and Placed conditions of a job refused by plan."""
 
 TRUE, FALSE = "True", "False"
 

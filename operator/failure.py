@@ -62,6 +62,8 @@ class PodState:
     """status.reason of the pod (Evicted, NodeLost, ...)."""
     disrupted: bool = False
     """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
+    termination_message: str | None = None
+    """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
 
     @property
     def terminal(self) -> bool:
@@ -90,12 +92,14 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
     if index is None or attempt is None:
         return None
     status = pod.get("status") or {}
-    exit_code = None
+    exit_code, message = None, None
     for container in status.get("containerStatuses") or []:
         if container.get("name") == naming.CONTAINER:
             terminated = (container.get("state") or {}).get("terminated")
             if terminated and terminated.get("exitCode") is not None:
                 exit_code = int(terminated["exitCode"])
+            if terminated and isinstance(terminated.get("message"), str):
+                message = terminated["message"]
     disrupted = any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in status.get("conditions") or [])
     return PodState(
         name=metadata.get("name", ""),
@@ -110,6 +114,7 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
         exit_code=exit_code,
         reason=status.get("reason"),
         disrupted=disrupted,
+        termination_message=message,
     )
 
 

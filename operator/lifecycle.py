@@ -3,7 +3,7 @@
 What it is: :func:`decide`, a pure function from what the operator observes
 (the job object and its pods) and the current time to the actions that move
 the job towards its desired state, plus the status changes a placement answer
-produces (:func:`placed`, :func:`unschedulable`).  What it is not: it performs
+produces (:func:`placed`, :func:`unschedulable`, :func:`wont_fit`).  What it is not: it performs
 no I/O, plans no placement and builds no manifests (the reconciler does that
 with ``placement`` and ``builders``).
 
@@ -16,6 +16,7 @@ States (``status.phase``)::
        |                         (retryable, restarts < backoffLimit)
        |                  permanent exit code / backoff exhausted / deadline --> Failed
     Suspended <--- spec.runPolicy.suspend (any non-final phase); resume -> Pending
+    Pending/Restarting --place: the planner says a rank needs more GPU memory than there is--> Failed (WontFit)
 
 The gang attempt is ``status.restarts``: pods carry it as a label, so pods of
 an older attempt are recognised (and deleted) after any crash, and a failure
@@ -35,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, conditions, failure
+from meshtrain.operator import builders, conditions, failure, progress
 
 Phase = api_spec.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
@@ -278,7 +279,10 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
         message = f"all {spec.pods} pod(s) exited 0"
         conds = conditions.set(_conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now)
         conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now)
-        actions += [_changes(job, phase=Phase.SUCCEEDED.value, conditions=conds, completionTime=conditions.timestamp(now)),
+        rank0 = next(p for p in current if p.index == 0)
+        final = progress.from_termination_message(rank0.termination_message)  # the step /progress never saw
+        actions += [_changes(job, **final, phase=Phase.SUCCEEDED.value, conditions=conds,
+                             completionTime=conditions.timestamp(now)),
                     Emit("Normal", conditions.COMPLETED, message)]
         return Decision(tuple(actions), requeue_after=0)
 
@@ -309,8 +313,14 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     return Decision(tuple(actions))
 
 
-def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float], now: datetime.datetime) -> dict[str, Any]:
-    """Status fields once a gang of ``nodes`` (node per pod index) has been planned."""
+def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``status.plan`` when the job was judged by a profile (nothing otherwise)."""
+    return {"plan": dict(plan)} if plan else {}
+
+
+def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float], now: datetime.datetime,
+           plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Status fields once a gang of ``nodes`` (node per pod index) has been planned; ``plan`` -> status.plan."""
     message = f"{len(nodes)} pod(s) on {len(set(nodes))} node(s)"
     conds = conditions.set(_conds(job), conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, message, now)
     fields: dict[str, Any] = {
@@ -320,14 +330,16 @@ def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float]
         "crossLevelBytes": dict(level_bytes),
         "observedGeneration": job.generation,
         **_shape(job),
+        **_plan(plan),
     }
     if not job.status.get("startTime"):
         fields["startTime"] = conditions.timestamp(now)
     return fields
 
 
-def unschedulable(job: JobState, reason: str, message: str, now: datetime.datetime) -> dict[str, Any]:
-    """Status fields when the gang cannot be placed now (no pods are created)."""
+def unschedulable(job: JobState, reason: str, message: str, now: datetime.datetime,
+                  plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Status fields when the gang cannot be placed now (no pods are created); ``plan`` -> status.plan."""
     phase = job.status.get("phase") or Phase.PENDING.value
     conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
     return {
@@ -335,6 +347,27 @@ def unschedulable(job: JobState, reason: str, message: str, now: datetime.dateti
         "conditions": conds,
         "observedGeneration": job.generation,
         **_shape(job),
+        **_plan(plan),
+    }
+
+
+def wont_fit(job: JobState, message: str, now: datetime.datetime, plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Status fields of a job refused by plan: Failed, with WontFit (and Failed, Placed) conditions; no pods.
+
+    Final like any failure: the job's worst rank needs more memory than the
+    GPU has, and only a spec change (a new job) can alter that.
+    """
+    reason = conditions.WONT_FIT_REASON
+    conds = conditions.set(_conds(job), conditions.WONT_FIT, conditions.TRUE, reason, message, now)
+    conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
+    conds = conditions.set(conds, conditions.FAILED, conditions.TRUE, reason, message, now)
+    return {
+        "phase": Phase.FAILED.value,
+        "conditions": conds,
+        "completionTime": conditions.timestamp(now),
+        "observedGeneration": job.generation,
+        **_shape(job),
+        **_plan(plan),
     }
 
 

@@ -40,6 +40,22 @@ MASTER_PORT = 29500
 SPEC_DIR = "/etc/meshtrain"
 SPEC_FILE = f"{SPEC_DIR}/job.yaml"
 """Where the job's spec (the ConfigMap) is mounted inside each pod."""
+TERMINATION_LOG = "/dev/termination-log"
+"""The trainer container's terminationMessagePath: rank 0 writes its final progress there."""
+LOG_SUBDIR = "logs"
+"""Directory under ``checkpoint.path`` (on the checkpoint volume) for steps.jsonl and the rank traces."""
+METRICS_PORT_PREFIX = "metrics-"
+"""Container port names of the per-rank exporters: ``metrics-0`` .. ``metrics-<gpusPerNode-1>``."""
+
+
+def metrics_port_name(local_rank: int) -> str:
+    """Name of the container port of local rank ``local_rank``'s exporter (metrics.port + local_rank)."""
+    return f"{METRICS_PORT_PREFIX}{local_rank}"
+
+
+def log_dir(checkpoint_path: str) -> str:
+    """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/logs``, so logs outlive the pods with the claim."""
+    return f"{checkpoint_path.rstrip('/')}/{LOG_SUBDIR}"
 
 
 def pod_name(job: str, attempt: int, index: int) -> str:

@@ -3,13 +3,19 @@
 What it is: :func:`status_changes`, a pure translation of the JSON that the
 trainer's exporter serves at ``GET /progress`` (``step``, ``loss``,
 ``tokens_per_second``, ``last_checkpoint_step``, ``updated_at``) into the
-status fields ``progress`` and ``lastCheckpointStep``.  Malformed values are
+status fields ``progress`` and ``lastCheckpointStep``; and
+:func:`from_termination_message`, the same for the final copy of that
+document that rank 0 writes to ``$MESHTRAIN_TERMINATION_LOG`` at the end of a
+successful run (the kubelet reports it as the container's
+``state.terminated.message``), so the status of a finished job shows its last
+step even though the last poll came before it.  Malformed values are
 dropped, never raised.  What it is not: the HTTP request (see ``kube``) or the
 polling schedule (see ``reconciler``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -38,3 +44,27 @@ def status_changes(report: dict[str, Any]) -> dict[str, Any]:
     if checkpoint is not None and checkpoint >= 0:
         changes["lastCheckpointStep"] = checkpoint
     return changes
+
+
+def _document(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def from_termination_message(message: str | None) -> dict[str, Any]:
+    """Status fields from rank 0's termination message (empty when absent or not a progress document).
+
+    The message is the JSON document itself; with ``FallbackToLogsOnError``
+    a failed container's message is the end of its log instead, so the last
+    line that is a JSON object is taken, and anything else is ignored.
+    """
+    if not message or not message.strip():
+        return {}
+    found = _document(message.strip())
+    if found is None:
+        lines = [line.strip() for line in message.splitlines() if line.strip().startswith("{")]
+        found = next((doc for doc in (_document(line) for line in reversed(lines)) if doc is not None), None)
+    return status_changes(found) if found is not None else {}

@@ -3,10 +3,12 @@
 What it is: :class:`Reconciler`, which reads the job and its pods, asks
 :func:`lifecycle.decide` what to do and performs the actions through
 :mod:`kube`.  The only decision made here is the placement step, under one
-process-wide lock: list nodes and live pods, derive reservations, ``plan``,
-record the placement in the status and create the gated pods — all before the
-next job may plan, so two jobs never plan onto the same free GPUs.  (Peering
-makes sure only one operator process acts at a time.)
+process-wide lock: list nodes and live pods, judge the job's memory plan on
+the GPU profile of its candidate nodes (``sizing``: a job that won't fit fails
+with ``WontFit`` and gets no pods), derive reservations, ``plan``, record the
+placement and the plan's numbers in the status and create the gated pods —
+all before the next job may plan, so two jobs never plan onto the same free
+GPUs.  (Peering makes sure only one operator process acts at a time.)
 
 What it is not: it owns no watch and no loop (see ``handlers``), and builds
 no manifest itself (see ``builders``).
@@ -19,9 +21,23 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.operator import builders, capacity, conditions, failure, kube, lifecycle, metrics, naming, placement, progress
+from meshtrain.operator import (
+    builders,
+    capacity,
+    conditions,
+    failure,
+    kube,
+    lifecycle,
+    metrics,
+    naming,
+    placement,
+    progress,
+    sizing,
+)
+from meshtrain.planner import admission, profiles
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -36,6 +52,8 @@ class Settings:
     """How often rank 0's /progress is read while a job runs."""
     progress_timeout_seconds: float = 2.0
     """Timeout of one /progress request."""
+    gpu_profile: profiles.Profile | None = None
+    """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +85,10 @@ class Reconciler:
         self.settings = settings
         self.placement_lock = asyncio.Lock()
         self._last_progress: dict[tuple[str, str], float] = {}
+        self._products: dict[str, profiles.Profile | None] = {}
+        """GPU product label value -> profile (profile files are read once per product)."""
+        self._verdicts: dict[tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]] = {}
+        """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
         """One pass over ``namespace/name``."""
@@ -187,16 +209,24 @@ class Reconciler:
                 message = "recorded nodes are no longer free; planning the gang again"
                 await self.client.delete_pods(namespace=ref.namespace, names=[p["metadata"]["name"] for p in own])
                 return await self._set_status(body, job, lifecycle.unplaced(job, now, message))
+            verdict = self._admit(job, nodes)
+            if isinstance(verdict, sizing.Refused):
+                logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
+                body, job, changed = await self._set_status(body, job, lifecycle.wont_fit(job, verdict.message, now, verdict.summary))
+                await self._emit(body, "Warning", verdict.reason, verdict.message)
+                return body, job, changed
+            plan = verdict.summary if verdict is not None else None
             answer = placement.plan(placement.request_from_spec(spec), nodes, taken)
             metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
             if isinstance(answer, placement.Unschedulable):
                 before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
-                body, job, changed = await self._set_status(body, job, lifecycle.unschedulable(job, answer.reason, answer.message, now))
+                body, job, changed = await self._set_status(
+                    body, job, lifecycle.unschedulable(job, answer.reason, answer.message, now, plan))
                 if (before.get("reason"), before.get("message")) != (answer.reason, answer.message):
                     logger.info("%s/%s unschedulable: %s: %s", ref.namespace, ref.name, answer.reason, answer.message)
                     await self._emit(body, "Warning", answer.reason, answer.message)
                 return body, job, changed
-            body, job, _ = await self._set_status(body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now))
+            body, job, _ = await self._set_status(body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan))
             await self.client.create_many(manifests=[builders.build_configmap(ref, spec), builders.build_service(ref, spec)])
             await self.client.create_many(manifests=builders.build_pods(ref, spec, action.attempt, answer.nodes))
         logger.info("placed %s/%s %s on %d node(s)", ref.namespace, ref.name, spec.parallelism.layout_string,
@@ -205,6 +235,31 @@ class Reconciler:
                          f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)")
         return body, job, True
 
+    def _profile_of(self, labels: Mapping[str, str]) -> profiles.Profile | None:
+        """The profile a node's GPU product label names (cached per product), or None."""
+        product = labels.get(admission.PRODUCT_LABEL, "")
+        if product not in self._products:
+            try:
+                self._products[product] = admission.profile_for_labels(labels)
+            except profiles.ProfileError as err:  # a broken user profile directory: judge by the default
+                logger.warning("GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err)
+                self._products[product] = None
+        return self._products[product]
+
+    def _admit(self, job: lifecycle.JobState, nodes: list[placement.Node]) -> sizing.Admitted | sizing.Refused | None:
+        """Admission by plan on the profile of the job's candidate nodes (see ``sizing``)."""
+        assert job.spec is not None
+        candidates = sizing.candidates(job.spec, nodes)
+        choice = sizing.choose_profile([(n.name, self._profile_of(n.labels)) for n in candidates],
+                                       self.settings.gpu_profile)
+        key = (job.ref.uid, job.generation, choice)
+        cached = self._verdicts.get((job.ref.namespace, job.ref.name))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        verdict = sizing.admit(job.spec, choice)
+        self._verdicts[(job.ref.namespace, job.ref.name)] = (key, verdict)
+        return verdict
+
     async def delete_children(self, *, namespace: str, name: str) -> None:
         """Remove every child of a job (idempotent; owner references do the same where a GC runs)."""
         pods = await self.client.list_pods(namespace=namespace, selector=naming.job_selector(name))
@@ -212,4 +267,5 @@ class Reconciler:
         await self.client.delete_service(namespace=namespace, name=naming.service_name(name))
         await self.client.delete_configmap(namespace=namespace, name=naming.configmap_name(name))
         self._last_progress.pop((namespace, name), None)
+        self._verdicts.pop((namespace, name), None)
         metrics.forget(namespace, name)

@@ -166,7 +166,9 @@ class _Supervisor:
         env.pop("KUBECONFIG", None)
         self._spawn("operator", [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--peering", RELEASE,
                                  "--kubeconfig", str(self.paths.operator_kubeconfig), "--metrics-port", str(operator_metrics),
-                                 "--liveness", f"http://127.0.0.1:{operator_health}/healthz", "--log-format", "text"], env=env)
+                                 "--liveness", f"http://127.0.0.1:{operator_health}/healthz", "--log-format", "text",
+                                 # The simulated nodes' GPUs are CPU worker processes: plan and admit jobs as such.
+                                 "--gpu-profile", "cpu"], env=env)
         self.state["operator_metrics"] = f"127.0.0.1:{operator_metrics}"
         self._start_prometheus(f"127.0.0.1:{operator_metrics}")
         self._wait_nodes_ready(found.kubectl)

@@ -49,6 +49,18 @@ def test_empty_or_missing_directory_has_no_checkpoint(tmp_path: Path) -> None:
     assert store.latest(tmp_path) is None
 
 
+def test_the_pods_log_directory_beside_the_checkpoints_is_left_alone(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    write_checkpoint(tmp_path, 20)
+    (tmp_path / "logs" / "trace").mkdir(parents=True)  # MESHTRAIN_LOG_DIR=<checkpoint.path>/logs
+    (tmp_path / "logs" / "steps.jsonl").write_text("{}\n")
+    published, _ = store.latest(tmp_path)
+    assert published.step == 20
+    store.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "step-00000020"]
+    assert (tmp_path / "logs" / "steps.jsonl").exists()
+
+
 def test_prune_keeps_newest_and_clears_tmp(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
         write_checkpoint(tmp_path, step)

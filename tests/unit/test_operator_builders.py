@@ -57,7 +57,33 @@ def test_torchrun_command_and_env():
     assert env["MESHTRAIN_SPEC_FILE"] == "/etc/meshtrain/job.yaml"
     assert env["MESHTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["MESHTRAIN_CHECKPOINT_DIR"] == "/checkpoints" and env["MESHTRAIN_METRICS_PORT"] == "9400"
-    assert {"name": "metrics", "containerPort": 9400} in container["ports"]
+    assert (env["MESHTRAIN_JOB_NAME"], env["MESHTRAIN_NAMESPACE"]) == ("llm", "research")
+
+
+def test_every_local_rank_exporter_is_a_named_container_port():
+    spec = api_spec.parse_spec(JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4).raw()
+                               | {"metrics": {"port": 9500}})
+    ports = builders.build_pod(REF, spec, 0, 1, "n-b")["spec"]["containers"][0]["ports"]
+    assert ports == [{"name": "metrics-0", "containerPort": 9500}, {"name": "metrics-1", "containerPort": 9501},
+                     {"name": "metrics-2", "containerPort": 9502}, {"name": "metrics-3", "containerPort": 9503},
+                     {"name": "rendezvous", "containerPort": 29500}]
+    names = [p["name"] for p in ports]
+    assert len(set(names)) == len(names) and all(len(n) <= 15 for n in names)  # IANA_SVC_NAME limits
+
+
+def test_logs_on_the_checkpoint_volume_and_final_progress_in_the_termination_message():
+    spec = api_spec.parse_spec(JobBuilder().layout(data=2, gpus_per_node=1).raw()
+                               | {"checkpoint": {"path": "/ckpt/run1/", "claimName": "c"}})
+    pod = builders.build_pod(REF, spec, 0, 0, "n-a")
+    container, env = pod["spec"]["containers"][0], env_of(pod)
+    assert env["MESHTRAIN_LOG_DIR"] == "/ckpt/run1/logs"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "checkpoints")
+    assert env["MESHTRAIN_LOG_DIR"].startswith(mount["mountPath"].rstrip("/") + "/")  # persists with the claim
+    assert env["MESHTRAIN_TERMINATION_LOG"] == container["terminationMessagePath"] == "/dev/termination-log"
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # downward API and identity for the exporter's labels
+    assert env["MESHTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert (env["MESHTRAIN_JOB_NAME"], env["MESHTRAIN_NAMESPACE"]) == ("llm", "research")
 
 
 def test_resources_volumes_selector_tolerations():

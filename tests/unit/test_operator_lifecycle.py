@@ -31,10 +31,11 @@ def placed_status(**extra: Any) -> dict[str, Any]:
 
 
 def pod(index: int, phase: str = "Pending", *, attempt: int = 0, gated: bool = False, deleting: bool = False,
-        exit_code: int | None = None, created: float = 0, ip: str | None = None, disrupted: bool = False) -> failure.PodState:
+        exit_code: int | None = None, created: float = 0, ip: str | None = None, disrupted: bool = False,
+        message: str | None = None) -> failure.PodState:
     return failure.PodState(name=f"j-r{attempt}-{index}", index=index, attempt=attempt, phase=phase, gated=gated,
                             deleting=deleting, created_at=at(created), node=f"n{index}", ip=ip, exit_code=exit_code,
-                            disrupted=disrupted)
+                            disrupted=disrupted, termination_message=message)
 
 
 def kinds(decision: lifecycle.Decision) -> list[str]:
@@ -69,6 +70,11 @@ CASES = [
      ["PollProgress"], {}),
     ("all exited 0: Succeeded", job(**placed_status(phase="Running")), [pod(0, "Succeeded"), pod(1, "Succeeded")], 9,
      ["SetStatus", "Emit"], {"phase": "Succeeded"}),
+    ("all exited 0: rank 0's final progress recorded with Succeeded",
+     job(**placed_status(phase="Running", progress={"step": 34}, lastCheckpointStep=30)),
+     [pod(0, "Succeeded", message='{"step": 40, "loss": 1.5, "last_checkpoint_step": 40}'),
+      pod(1, "Succeeded", message='{"step": 7}')], 9,
+     ["SetStatus", "Emit"], {"phase": "Succeeded", "progress": {"step": 40, "loss": 1.5}, "lastCheckpointStep": 40}),
     ("retryable failure restarts the gang", job(**placed_status(phase="Running")),
      [pod(0, "Running"), pod(1, "Failed", exit_code=137)], 9,
      ["SetStatus", "Emit", "DeletePods"], {"phase": "Restarting", "restarts": 1, "placement": []}),
@@ -224,3 +230,37 @@ def test_failure_classification(phase, code, permanent, text):
 @pytest.mark.parametrize("phase", ["Pending", "Running", "Succeeded"])
 def test_healthy_pods_are_not_failures(phase):
     assert failure.classify(pod(0, phase)) is None
+
+
+def test_success_without_a_termination_message_keeps_the_polled_progress():
+    state = job(**placed_status(phase="Running", progress={"step": 34}, lastCheckpointStep=30))
+    decision = lifecycle.decide(state, [pod(0, "Succeeded", message=""), pod(1, "Succeeded")], at(9))
+    fields = status_of(decision)
+    assert fields["phase"] == "Succeeded" and "progress" not in fields and "lastCheckpointStep" not in fields
+
+
+def test_pod_state_reads_the_termination_message():
+    manifest = {"metadata": {"name": "j-r0-0", "labels": {"meshtrain.io/node-rank": "0", "meshtrain.io/attempt": "0"}},
+                "status": {"phase": "Succeeded", "containerStatuses": [
+                    {"name": "trainer", "state": {"terminated": {"exitCode": 0, "message": '{"step": 40}\n'}}}]}}
+    assert failure.pod_state(manifest).termination_message == '{"step": 40}\n'
+
+
+def test_wont_fit_fails_the_job_with_the_numbers_and_keeps_the_plan():
+    state = job(phase="Pending")
+    fields = lifecycle.wont_fit(state, "stage 0 needs 104.36 GiB per GPU but the GPU has 80.00 GiB", T0,
+                                {"fits": False, "memoryPerGpuBytes": 112})
+    assert fields["phase"] == "Failed" and fields["completionTime"] == conditions.timestamp(T0)
+    assert fields["plan"] == {"fits": False, "memoryPerGpuBytes": 112}
+    for type_, status in ((conditions.WONT_FIT, "True"), (conditions.FAILED, "True"), (conditions.PLACED, "False")):
+        found = conditions.find(fields["conditions"], type_)
+        assert (found["status"], found["reason"]) == (status, "WontFit") and "80.00 GiB" in found["message"]
+    # final: the next pass only waits for the TTL, it never places the job
+    assert kinds(lifecycle.decide(job(**fields), [], at(5))) == []
+
+
+def test_placed_and_unschedulable_publish_the_plan():
+    plan = {"profile": "h100-sxm", "fits": True}
+    assert lifecycle.placed(job(), ["a", "b"], {}, T0, plan)["plan"] == plan
+    assert lifecycle.unschedulable(job(), "InsufficientGPUs", "m", T0, plan)["plan"] == plan
+    assert "plan" not in lifecycle.placed(job(), ["a", "b"], {}, T0)  # not judged: status.plan untouched

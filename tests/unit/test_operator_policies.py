@@ -8,7 +8,8 @@ import pytest
 
 from meshtrain import cli
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, capacity, conditions, progress, watcher
+from meshtrain.operator import builders, capacity, command, conditions, progress, watcher
+from meshtrain.planner import profiles
 from tests.unit.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -87,6 +88,17 @@ def test_operator_cli_flags():
     assert args.resync_seconds == 1.0
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["operator", "--namespace", "a", "--all-namespaces"])
+
+
+def test_operator_gpu_profile_flag(monkeypatch):
+    monkeypatch.delenv("MESHTRAIN_GPU_PROFILE", raising=False)
+    assert cli.build_parser().parse_args(["operator"]).gpu_profile == "h100-sxm"
+    assert command.gpu_profile("h100-sxm").memory_bytes == 80 * 2**30
+    assert command.gpu_profile("cpu").name == "cpu"
+    assert command.gpu_profile("none") is None
+    with pytest.raises(profiles.ProfileError, match="known profiles"):
+        command.gpu_profile("tpu-v9")
+    assert cli.main(["operator", "--gpu-profile", "tpu-v9"]) == 2  # refused before kopf starts
 
 
 class _Waker:

@@ -37,8 +37,10 @@ MARKER = "COMPLETE"
 """Name of the completion marker inside a published checkpoint."""
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
-IGNORED = {"lost+found"}
-"""Entries a volume may carry that are not ours and not a problem."""
+IGNORED = {"lost+found", "logs"}
+"""Entries a volume may carry that are not checkpoints and not a problem: ``lost+found`` of a fresh
+filesystem, and ``logs``, where the operator's pods keep steps.jsonl and the rank traces
+(``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs``)."""
 
 
 class CheckpointError(RuntimeError):

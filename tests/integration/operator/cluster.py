@@ -169,13 +169,15 @@ class Cluster:
         return wait_for(f"gang of {count} pod(s) of {namespace}/{job} ungated", ready, timeout)
 
     def set_pod_phase(self, namespace: str, pod: str, phase: str, exit_code: int | None = None,
-                      ip: str | None = None) -> None:
-        """What a kubelet would report: phase, container state, pod IP."""
+                      ip: str | None = None, message: str | None = None) -> None:
+        """What a kubelet would report: phase, container state (with a termination ``message``), pod IP."""
         if phase == "Running":
             state: dict[str, Any] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
         elif phase in ("Succeeded", "Failed"):
             state = {"terminated": {"exitCode": exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1),
                                     "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:01:00Z"}}
+            if message is not None:
+                state["terminated"]["message"] = message
         else:
             state = {"waiting": {"reason": "ContainerCreating"}}
         status: dict[str, Any] = {"phase": phase, "containerStatuses": [{

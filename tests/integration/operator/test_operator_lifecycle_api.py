@@ -131,3 +131,24 @@ def test_progress_of_rank_zero_reaches_the_status(cluster, operator, namespace, 
         assert "dp2·pp1·tp1" in result.stdout and "17" in result.stdout, result.stdout
     finally:
         server.shutdown()
+
+
+def test_final_progress_from_rank_zero_termination_message_on_success(cluster, operator, namespace, pool):
+    cluster.add_node(pool, gpus=8)
+    cluster.apply(Job("ends", namespace, pool).layout(data=2).gpus(1).set("training", steps=40))
+    pods = cluster.wait_gang(namespace, "ends", 2)
+    container = pods[0].spec.containers[0]
+    assert container.termination_message_path == "/dev/termination-log"
+    assert container.termination_message_policy == "FallbackToLogsOnError"
+    assert {e.name: e.value for e in container.env}["MESHTRAIN_TERMINATION_LOG"] == "/dev/termination-log"
+    for pod in pods:  # no IP: nothing is polled, the last report before the end is all the operator could know
+        cluster.set_pod_phase(namespace, pod.metadata.name, "Running")
+    cluster.wait_phase(namespace, "ends", "Running")
+    final = {"step": 40, "loss": 1.75, "tokens_per_second": 2048.0, "last_checkpoint_step": 40,
+             "updated_at": "2026-01-01T00:01:00Z"}
+    cluster.set_pod_phase(namespace, "ends-r0-1", "Succeeded", message="not rank 0\n")
+    cluster.set_pod_phase(namespace, "ends-r0-0", "Succeeded", message=json.dumps(final) + "\n")
+    status = cluster.wait_phase(namespace, "ends", "Succeeded")
+    assert status["progress"] == {"step": 40, "loss": 1.75, "tokensPerSecond": 2048.0, "updatedAt": "2026-01-01T00:01:00Z"}
+    assert status["lastCheckpointStep"] == 40
+    assert "40" in cluster.kubectl("get", "tj", "ends", "-n", namespace).stdout

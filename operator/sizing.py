@@ -1,0 +1,102 @@
+"""Admission by plan: does a TrainingJob fit the memory of the GPUs it would run on?
+
+What it is: the pure policy the operator applies before it places a gang.
+
+* :func:`candidates`: the nodes a job could be placed on (they match its
+  ``resources.nodeSelector`` and offer its GPU resource; cordoned nodes count,
+  their hardware is what it is);
+* :func:`choose_profile`: the device profile to judge the job by — the
+  *smallest* GPU among the candidates whose ``nvidia.com/gpu.product`` label
+  names a known profile (placement may use any candidate, so the job must fit
+  the smallest), else the operator's default (``--gpu-profile``), else none;
+* :func:`admit`: :class:`Admitted` with the numbers for ``status.plan``, or
+  :class:`Refused` with the planner's WontFit message (and the same numbers),
+  or None when there is no profile to judge by.
+
+What it is not: the arithmetic (``meshtrain.planner``), the reading of profile
+files (the reconciler resolves each node's label to a profile and passes the
+values in), or the status and Event writes (``lifecycle.wont_fit`` and the
+reconciler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import placement
+from meshtrain.planner import admission, estimate, profiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The profile a job is judged by, and why that one."""
+
+    profile: profiles.Profile | None
+    """The profile, or None (no node names its GPU and no default is configured)."""
+    source: str
+    """Where it comes from, for messages: the node label or the operator default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """The job fits every GPU it may be placed on."""
+
+    choice: Choice
+    """Profile used."""
+    summary: dict[str, Any]
+    """``status.plan``: the planner's key numbers (``admission.status_summary``) and ``profileSource``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """The job's worst rank needs more memory than the GPU has."""
+
+    choice: Choice
+    """Profile used."""
+    reason: str
+    """Condition reason: ``WontFit``."""
+    message: str
+    """The planner's message with the numbers, and where the profile comes from."""
+    summary: dict[str, Any]
+    """``status.plan`` of the refused job (``fits`` is false), so the numbers stay visible."""
+
+
+def candidates(spec: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]) -> list[placement.Node]:
+    """Nodes matching the job's node selector that offer at least one GPU of its resource."""
+    selector = tuple(spec.resources.node_selector.items())
+    return [node for node in nodes
+            if node.allocatable_gpus > 0 and all(node.labels.get(key) == value for key, value in selector)]
+
+
+def choose_profile(node_profiles: Sequence[tuple[str, profiles.Profile | None]],
+                   default: profiles.Profile | None) -> Choice:
+    """The smallest known GPU among ``(node name, profile)`` candidates, else ``default``.
+
+    Ties on memory go to the profile name, then the node name, so the answer
+    does not depend on the order nodes are listed in.
+    """
+    known = [(p.memory_bytes, p.name, node, p) for node, p in node_profiles if p is not None]
+    if known:
+        _, _, node, smallest = min(known, key=lambda item: item[:3])
+        kinds = sorted({item[1] for item in known})
+        others = f" (smallest of {', '.join(kinds)})" if len(kinds) > 1 else ""
+        return Choice(smallest, f"node {node} label {admission.PRODUCT_LABEL}{others}")
+    if default is not None:
+        return Choice(default, f"operator default --gpu-profile {default.name}: "
+                               f"no candidate node names a known GPU in {admission.PRODUCT_LABEL}")
+    return Choice(None, f"no candidate node names a known GPU in {admission.PRODUCT_LABEL} and --gpu-profile is none")
+
+
+def admit(spec: api_spec.TrainingJobSpec, choice: Choice) -> Admitted | Refused | None:
+    """Judge ``spec`` on ``choice``'s profile; None when there is no profile (nothing is checked)."""
+    if choice.profile is None:
+        return None
+    summary = {**admission.status_summary(estimate.make_plan(spec, choice.profile)), "profileSource": choice.source}
+    verdict = admission.check(spec, choice.profile)
+    if verdict is None:
+        return Admitted(choice=choice, summary=summary)
+    return Refused(choice=choice, reason=verdict.reason, message=f"{verdict.message} (profile from {choice.source})",
+                   summary=summary)
