@@ -17,6 +17,7 @@ import subprocess
 import uuid
 
 import pytest
+import yaml
 
 from meshtrain import controlplane
 from meshtrain.controlplane import binaries
@@ -106,6 +107,12 @@ def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(to
     assert 'grafana_dashboard: "1"' in text and 'grafana_folder: "meshtrain"' in text
     assert "meshtrain-training.json" in text and "meshtrain-operator.json" in text
     assert "groups:" in text
+    monitor = next(d for d in yaml.safe_load_all(text) if d and d["kind"] == "PodMonitor")
+    endpoint, = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["honorLabels"] is True and "port" not in endpoint
+    keep = [r for r in endpoint["relabelings"] if r.get("action") == "keep"]
+    assert keep == [{"sourceLabels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics-[0-9]+",
+                     "action": "keep"}]
 
 
 def test_install_and_uninstall(tools: dict) -> None:

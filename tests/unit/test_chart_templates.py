@@ -9,6 +9,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+from meshtrain.operator import naming
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "charts" / "meshtrain" / "templates"
 
@@ -43,6 +45,22 @@ def test_monitoring_objects_carry_the_selector_labels() -> None:
         assert f"kind: {kind}" in text
     assert text.count('include "meshtrain.monitoringLabels"') == 3
     assert '.Files.Get "files/rules.yaml"' in text
+
+
+def test_trainer_pod_monitor_scrapes_every_rank_port_and_honours_the_exporters_labels() -> None:
+    text = _text("monitoring.yaml")
+    monitor = text[text.index("kind: PodMonitor"):text.index("kind: PrometheusRule")]
+    endpoints = monitor[monitor.index("podMetricsEndpoints:"):]
+    assert "honorLabels: true" in endpoints
+    assert "- port:" not in endpoints and "port: metrics\n" not in endpoints  # not only one rank's port
+    assert "sourceLabels: [__meta_kubernetes_pod_container_port_name]" in endpoints
+    assert "regex: metrics-[0-9]+" in endpoints and "action: keep" in endpoints
+    # the names the operator gives the ports match the keep rule
+    assert re.fullmatch("metrics-[0-9]+", naming.metrics_port_name(0)) and re.fullmatch("metrics-[0-9]+", naming.metrics_port_name(7))
+
+
+def test_operator_is_given_the_default_gpu_profile() -> None:
+    assert "--gpu-profile={{ .Values.operator.gpuProfile }}" in _text("deployment.yaml")
 
 
 def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
