@@ -118,7 +118,9 @@ def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(to
 def test_install_and_uninstall(tools: dict) -> None:
     release_ns = namespace(tools, "chart-install")
     release = f"it-{uuid.uuid4().hex[:5]}"
-    installed = run(tools, "helm", "install", release, str(CHART), "--namespace", release_ns)
+    # A peering name of its own: the operator tests share this control plane and own `meshtrain`.
+    installed = run(tools, "helm", "install", release, str(CHART), "--namespace", release_ns,
+                    "--set", f"operator.peering={release}")
     assert installed.returncode == 0, installed.stderr
     assert "kubectl get trainingjobs -w" in installed.stdout, "NOTES.txt tells what to do next"
     objects = run(tools, "kubectl", "get", "deployment,serviceaccount", "-n", release_ns, "-o", "name")
@@ -155,7 +157,9 @@ def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> boo
 def test_rbac_all_namespaces_is_sufficient_and_no_more(tools: dict) -> None:
     release_ns = namespace(tools, "chart-rbac")
     other = namespace(tools, "chart-other")
-    assert run(tools, "helm", "install", "rbac", str(CHART), "--namespace", release_ns).returncode == 0
+    installed = run(tools, "helm", "install", "rbac", str(CHART), "--namespace", release_ns,
+                    "--set", f"operator.peering={release_ns}")
+    assert installed.returncode == 0, installed.stderr
     sa = f"system:serviceaccount:{release_ns}:rbac-meshtrain"
     try:
         missing = [(v, r) for v, r in NAMESPACED_ALLOWED if not can_i(tools, sa, v, r, other)]
