@@ -83,7 +83,7 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     rec = telemetry.make_recorder(job, layout, rank, log_dir)
     switch = Switch(rec, recording.NullRecorder())
     trainer = engine.Engine(job, mesh, recorder=switch)
-    rec.watch(trainer.params, [trainer.optimizer])
+    rec.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
     times = []
     for step in range(STEPS):
         switch.on = telemetry_on(step)

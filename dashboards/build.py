@@ -68,8 +68,10 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
      "Forward+backward compute per step; ranks of one stage do the same work, so a higher line is a slow device."),
     ("Step-time spread across ranks", "percentunit", [("max/min - 1", f"max by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) / min by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) - 1")],
      "How much slower the slowest rank computes than the fastest."),
-    ("Memory per stage", "bytes", [("stage {{pp}} {{kind}}", f"max by (pp, kind) (meshtrain_memory_bytes{{{SEL}}})")],
-     "Parameters, gradients, optimizer state and the peak allocated (CUDA) or resident (CPU) bytes."),
+    ("Memory per stage", "bytes", [("stage {{pp}} {{component}}", f"max by (pp, component) (meshtrain_memory_bytes{{{SEL}}})"),
+                                   ("stage {{pp}} peak", f"max by (pp) (meshtrain_memory_peak_bytes{{{SEL}}})")],
+     "Parameters, gradients and optimizer state of the largest rank of each stage, and its peak: "
+     "CUDA max_memory_allocated on a GPU, the process' peak resident set (ru_maxrss) on CPU."),
     ("GPU utilisation (DCGM)", "percent", [("{{pod}}", _dcgm("DCGM_FI_DEV_GPU_UTIL"))], OPTIONAL_DCGM),
     ("Tensor core activity (DCGM)", "percentunit", [("{{pod}}", _dcgm("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"))], OPTIONAL_DCGM),
 ]

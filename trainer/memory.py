@@ -5,8 +5,8 @@ What it is: :func:`measure`, which walks the tensors that exist on this rank
 the optimizer's state) and adds up their storage, each storage counted once,
 and :class:`MemoryReport`, which sets the result beside the ZeRO paper's
 per-parameter formula for the layout (:func:`meshtrain.trainer.parallel.zero.expected_bytes_per_param`).
-The trainer logs the report at start and the telemetry exporter can publish
-it (``as_metrics``).
+The trainer logs the report at start and the telemetry recorder measures it
+at every step for the exporter (``as_metrics``: ``meshtrain_memory_bytes{component}``).
 
 Measured, not computed: a lazily created tensor (``torch.optim.AdamW``'s
 moments before the first step, ``.grad`` without a reducer before the first
@@ -64,10 +64,9 @@ class MemoryReport:
         return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "per_param": self.per_param(),
                 "expected_per_param": self.expected()}
 
-    def as_metrics(self) -> dict[str, float]:
-        """Gauge values keyed by the ``kind`` label of ``meshtrain_state_memory_bytes``."""
-        return {"params": float(self.param_bytes), "grads": float(self.grad_bytes),
-                "optimizer": float(self.optimizer_bytes)}
+    def as_metrics(self) -> dict[str, int]:
+        """Bytes keyed by the ``component`` label of the exporter's ``meshtrain_memory_bytes`` gauge."""
+        return {"parameters": self.param_bytes, "gradients": self.grad_bytes, "optimizer": self.optimizer_bytes}
 
     def summary(self) -> str:
         """One log line."""

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     recorder = telemetry.make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
-        recorder.watch(trainer.params, [trainer.optimizer])
+        recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
     except data.DatasetError as err:
         print(err, file=sys.stderr)
         return EXIT_DATA

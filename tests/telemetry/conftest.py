@@ -1,6 +1,6 @@
 """Fixtures: one real dp2·pp2·tp1 local run scraped by a real Prometheus.
 
-The run (``run_local``, 4 processes on gloo) trains long enough for the
+The run (``run_local``, 4 processes on gloo) trains long enough, even on a quiet machine, for the
 dashboards' rate windows (the test substitutes ``$__rate_interval`` = 10s
 with a 1 s scrape interval) while a thread polls rank 0's ``/progress``.
 Queries are then evaluated at a time inside the run, before the exporters
@@ -28,7 +28,7 @@ from tests.telemetry import promserver
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "dashboards" / "rules.yaml"
 JOB, NAMESPACE = "telemetry-e2e", "tests"
-STEPS = 200
+STEPS = 400  # ~22 s on a quiet 2-core machine: the rate windows need more than 12 s of training
 MICRO_BATCHES = 4
 
 

@@ -20,6 +20,7 @@ OPERATOR_METRICS = {"meshtrain_operator_reconcile_seconds", "meshtrain_operator_
                     "meshtrain_operator_placement_seconds", "meshtrain_operator_unschedulable_jobs"}
 METRIC = re.compile(r"\b(meshtrain_[a-z_]+|DCGM_[A-Z_]+)\b")
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
+GROUPING = re.compile(r"\bby \(([^)]*)\)")
 
 
 def load(name: str) -> dict:
@@ -32,6 +33,22 @@ def exported_names() -> set[str]:
     metrics = exporter.Metrics(identity)
     suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
     return {f.name + suffix for f in metrics.registry.collect() for suffix in ("", *suffixes.get(f.type, ()))}
+
+
+def exported_labels() -> dict[str, set[str]]:
+    """Label names of every sample name the trainer's exporter serves (``le`` on histogram buckets)."""
+    identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
+    metrics = exporter.Metrics(identity)
+    labels: dict[str, set[str]] = {}
+    for family in vars(metrics).values():
+        names = getattr(family, "_labelnames", None)
+        if names is None or not hasattr(family, "_name"):
+            continue
+        kind = getattr(family, "_type", "")
+        base = family._name
+        for suffix in {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(kind, ("",)):
+            labels[base + suffix] = set(names) | ({"le"} if suffix == "_bucket" else set())
+    return labels
 
 
 def test_json_files_are_what_build_py_generates():
@@ -65,6 +82,20 @@ def test_training_dashboard_queries_only_exported_metrics():
                     assert panel.get("meshtrainOptional") == "dcgm", panel["title"]
                 else:
                     assert metric in names, f"{panel['title']}: {metric} is not exported"
+
+
+def test_training_dashboard_groups_by_labels_the_metrics_carry():
+    """``max by (pp, kind)`` of a metric without ``kind`` still returns data: check the label names here."""
+    labels = exported_labels()
+    for panel in load("meshtrain-training.json")["panels"]:
+        if panel.get("meshtrainOptional") == "dcgm":
+            continue
+        for target in panel["targets"]:
+            metrics = METRIC.findall(target["expr"])
+            carried = set.union(*(labels[m] for m in metrics))
+            for group in GROUPING.findall(target["expr"]):
+                wanted = {name.strip() for name in group.split(",")}
+                assert wanted <= carried, f"{panel['title']}: grouping by {wanted - carried} that {metrics} do not carry"
 
 
 def test_training_dashboard_covers_the_issue():

@@ -100,7 +100,7 @@ def test_values_follow_the_steps(pipeline):
     assert value("meshtrain_model_flops_utilization_ratio") == pytest.approx(recorders[0].last.mfu)
     assert value("meshtrain_collective_bus_bandwidth_bytes_per_second", group="dp") > 0
     assert value("meshtrain_exposed_comm_seconds", "_sum") == pytest.approx(2 * 3 * 0.002)
-    assert value("meshtrain_memory_bytes", kind="peak_allocated") > 0
+    assert value("meshtrain_memory_peak_bytes") > 0
     assert value("meshtrain_step") == 2
 
 
@@ -117,18 +117,32 @@ def test_progress_only_on_global_rank_zero(pipeline):
     assert get(f"http://127.0.0.1:{base + 1}/healthz")[0] == 200
 
 
-def test_memory_of_watched_parameters_and_optimizer():
+def test_memory_of_the_watched_state_is_exported_by_component(tmp_path):
     layout = layout_mod.ParallelLayout(1, 1, 1)
     identity = context.RankIdentity.from_env(layout, 0, 0, env={})
-    rec = telemetry.TelemetryRecorder(identity, telemetry_feed_facts(), [])
+    base = free_base(1)
+    exp = exporter.Exporter(identity, telemetry_feed_facts(), port=base, progress=None, host="127.0.0.1")
+    rec = telemetry.TelemetryRecorder(identity, telemetry_feed_facts(), [exp])
     weight = torch.nn.Parameter(torch.zeros(10, 10))
+    view = torch.nn.Parameter(weight.detach().view(100)[:50])  # shares weight's storage: counted once
     opt = torch.optim.AdamW([weight])
     weight.grad = torch.ones(10, 10)
     opt.step()
-    rec.watch([weight], [opt])
+    rec.watch([weight, view], opt, None)
     sample = rec.memory()
     assert (sample.parameters, sample.gradients) == (400, 400)
-    assert sample.optimizer >= 800  # exp_avg + exp_avg_sq (+ the step counter)
+    assert sample.optimizer == 2 * 400 + 4  # exp_avg + exp_avg_sq + the step counter
+    assert sample.peak_allocated > 0
+    events, seconds = telemetry_feed.simulate_step("1f1b", 1, 1)
+    telemetry_feed.feed(rec, 1, events[0], seconds)
+    try:
+        fams = families(base, 0)
+    finally:
+        rec.close()
+    by_component = {s.labels["component"]: s.value for s in fams["meshtrain_memory_bytes"].samples}
+    assert by_component == {"parameters": 400, "gradients": 400, "optimizer": 804}
+    assert LABELS <= set(fams["meshtrain_memory_peak_bytes"].samples[0].labels)
+    assert fams["meshtrain_memory_peak_bytes"].samples[0].value == pytest.approx(sample.peak_allocated, rel=0.5)
     assert (identity.job, identity.namespace) == ("local", "local")
 
 

@@ -69,17 +69,21 @@ class MemorySample:
     """Bytes held by this rank at the end of a step."""
 
     peak_allocated: int
-    """CUDA max_memory_allocated on GPU; the process' peak RSS on CPU."""
+    """CUDA max_memory_allocated on GPU; the process' peak resident set (ru_maxrss) on CPU."""
     parameters: int | None = None
-    """Parameter tensors of the model chunks this rank owns (None: nothing watched)."""
+    """Parameter storage of the model chunks this rank owns (None: nothing watched)."""
     gradients: int | None = None
-    """Gradient tensors present at step end."""
+    """Gradient storage at step end: reducer buckets (shards under ZeRO-2) or ``.grad``."""
     optimizer: int | None = None
-    """Optimizer state tensors."""
+    """Optimizer state storage (AdamW moments; this rank's shard under ZeRO-1/2)."""
 
     def as_dict(self) -> dict[str, int]:
-        """kind -> bytes, for the kinds that were measured."""
+        """kind -> bytes, for the kinds that were measured (the trace's ``memory_bytes``)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def components(self) -> dict[str, int]:
+        """The ``component`` label values of ``meshtrain_memory_bytes`` that were measured."""
+        return {k: v for k, v in self.as_dict().items() if k != "peak_allocated"}
 
 
 class Sink(Protocol):

@@ -70,7 +70,8 @@ class Metrics:
         self.allreduce_seconds = prometheus_client.Histogram("meshtrain_allreduce_seconds", "Duration of one collective call (one gradient bucket for dp).", buckets=COMM_BUCKETS, registry=self.registry, labelnames=comm)
         self.allreduce_bytes = prometheus_client.Counter("meshtrain_allreduce_bytes", "Payload bytes of collectives.", registry=self.registry, labelnames=comm)
         self.bus_bandwidth = prometheus_client.Gauge("meshtrain_collective_bus_bandwidth_bytes_per_second", "Bus bandwidth of the last step's collectives (nccl-tests convention).", registry=self.registry, labelnames=comm)
-        self.memory = prometheus_client.Gauge("meshtrain_memory_bytes", "Bytes held by this rank: parameters, gradients, optimizer, peak_allocated.", registry=self.registry, labelnames=(*LABELS, "kind"))
+        self.memory = prometheus_client.Gauge("meshtrain_memory_bytes", "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.", registry=self.registry, labelnames=(*LABELS, "component"))
+        self.memory_peak = prometheus_client.Gauge("meshtrain_memory_peak_bytes", "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.", **reg).labels(**base)
         self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
@@ -166,8 +167,9 @@ class Exporter:
             nbytes.inc(c.nbytes)
             bus.set(c.bus_bandwidth)
         if memory is not None:
-            for kind, value in memory.as_dict().items():
-                m.memory.labels(**m.base, kind=kind).set(value)
+            for component, value in memory.components().items():
+                m.memory.labels(**m.base, component=component).set(value)
+            m.memory_peak.set(memory.peak_allocated)
 
     def checkpoint_saved(self, step: int) -> None:
         """The /progress document is its own sink (:class:`.progress.Progress`)."""

@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from meshtrain import layout as layout_mod
+from meshtrain.trainer import memory as memory_mod
 from meshtrain.trainer import model as model_mod
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, exporter, peak, progress, steplog, stepstats
-
-def _tensor_bytes(tensors: Iterable[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None and hasattr(t, "element_size"))
-
 
 KEEP_STEPS = 100
 """Step records kept in :attr:`TelemetryRecorder.steps`."""
@@ -57,13 +54,15 @@ class TelemetryRecorder:
         self._lock = threading.Lock()
         self._events: list[recording.Event] = []
         self._start = time.perf_counter()
-        self._params: list[Any] = []
-        self._optimizers: list[Any] = []
+        self._watched: tuple[Any, Any, Any] | None = None
 
-    def watch(self, params: Iterable[Any] = (), optimizers: Iterable[Any] = ()) -> None:
-        """Count these parameters (and their gradients) and optimizers' state in the memory metrics."""
-        self._params.extend(params)
-        self._optimizers.extend(optimizers)
+    def watch(self, model: Any, optimizer: Any, grad_reducer: Any) -> None:
+        """Measure this rank's training state at every step (:func:`meshtrain.trainer.memory.measure`).
+
+        ``model`` is the rank's ParallelModel (or a module, or a list of
+        parameters), ``grad_reducer`` the data-parallel reducer or None.
+        """
+        self._watched = (model, optimizer, grad_reducer)
 
     # -- StepRecorder --------------------------------------------------------
 
@@ -106,18 +105,13 @@ class TelemetryRecorder:
             sink.checkpoint_saved(step)
 
     def memory(self) -> context.MemorySample:
-        """Bytes held now by the watched modules and optimizers, and the peak."""
+        """Bytes of the watched training state now (each storage once), and the peak."""
         peak_bytes = peak.peak_memory_bytes(self.device)
-        if not self._params and not self._optimizers:
+        if self._watched is None:
             return context.MemorySample(peak_allocated=peak_bytes)
-        params = self._params
-        states = [v for opt in self._optimizers for s in opt.state.values() for v in s.values()]
-        return context.MemorySample(
-            peak_allocated=peak_bytes,
-            parameters=_tensor_bytes(params),
-            gradients=_tensor_bytes(p.grad for p in params),
-            optimizer=_tensor_bytes(states),
-        )
+        state = memory_mod.measure(*self._watched).as_metrics()
+        return context.MemorySample(peak_allocated=peak_bytes, parameters=state["parameters"],
+                                    gradients=state["gradients"], optimizer=state["optimizer"])
 
     def close(self) -> None:
         """Close every sink (files, HTTP server)."""
