@@ -22,7 +22,6 @@ import argparse
 import copy
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,11 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
+from benchmarks import machine, ranks  # noqa: E402
 from meshtrain.trainer import model as gpt  # noqa: E402
 from meshtrain.trainer.parallel import recording, reducer  # noqa: E402
 
@@ -78,7 +76,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     if rank == 0:
         tensors = sum(1 for _ in base.parameters())
         torch.save({"times": times, "counts": counts, "tensors": tensors,
-                    "buckets": {n: len(s[1].buckets) for n, s in setups.items()}}, Path(out) / "result.pt")
+                    "buckets": {n: len(s[1].buckets) for n, s in setups.items()}}, Path(out) / ranks.RESULT)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -88,14 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-buckets-{os.getpid()}"
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(args.world, port, args.steps, str(out)), nprocs=args.world)
-    raw = torch.load(out / "result.pt")
-    (out / "result.pt").unlink()
+    raw = ranks.spawn(_rank, args.world, args.steps)
     rows = []
     print(f"{raw['tensors']} parameter tensors, {args.world} gloo ranks, {args.steps} timed steps (median)")
     print(f"{'batch':>5} {'variant':<18} {'buckets':>8} {'collectives/step':>17} {'step ms':>9} {'vs per-tensor':>14}")

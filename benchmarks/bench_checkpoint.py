@@ -35,10 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
+from benchmarks import machine, ranks  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
 from meshtrain.api import spec as spec_mod  # noqa: E402
 from meshtrain.trainer import engine  # noqa: E402
@@ -126,7 +125,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         result = {"save_load": _save_load(args.preset, world, 1 if world > 1 else 0, root / "big")}
         result["interval"] = _interval_cost(args.steps, args.intervals, world, root / "small")
         if rank == 0:
-            torch.save(result, Path(out) / "result.pt")
+            torch.save(result, Path(out) / ranks.RESULT)
         dist.barrier()
     dist.destroy_process_group()
 
@@ -140,10 +139,7 @@ def main() -> int:
     args = parser.parse_args()
     results = []
     for dp in args.dps:
-        with tempfile.TemporaryDirectory() as out:
-            port = 29700 + os.getpid() % 1000 + dp
-            mp.start_processes(_rank, args=(dp, port, args, out), nprocs=dp, start_method="spawn")
-            results.append({"dp": dp, **torch.load(Path(out) / "result.pt")})
+        results.append({"dp": dp, **ranks.spawn(_rank, dp, args)})
     print(f"checkpoint save/load, preset {args.preset} (seq 64), local disk")
     print(f"{'dp':>3} {'zero':>4} {'MiB':>8} | {'save s':>7} {'(dcp write)':>11} {'load s':>7} | {'save MB/s':>9} {'load MB/s':>9}")
     for r in results:

@@ -20,7 +20,6 @@ import argparse
 import copy
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -28,12 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
+from benchmarks import machine, ranks  # noqa: E402
 from meshtrain.trainer import model as gpt  # noqa: E402
 from meshtrain.trainer.parallel import recording, reducer  # noqa: E402
 
@@ -79,7 +77,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     worst = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.module.parameters()))
     if rank == 0:
         torch.save({"times": times, "max_weight_diff": worst, "buckets": len(red.buckets),
-                    "params": sum(p.numel() for p in ours.parameters())}, Path(out) / "result.pt")
+                    "params": sum(p.numel() for p in ours.parameters())}, Path(out) / ranks.RESULT)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -89,14 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-ddp-{os.getpid()}"
-    out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(args.world, port, args.steps, str(out)), nprocs=args.world)
-    raw = torch.load(out / "result.pt")
-    (out / "result.pt").unlink()
+    raw = ranks.spawn(_rank, args.world, args.steps)
     ours, theirs = statistics.median(raw["times"]["meshtrain"]), statistics.median(raw["times"]["ddp"])
     ratio = ours / theirs
     print(f"GPT {raw['params'] / 1e6:.1f}M params, {args.world} gloo ranks, batch {BATCH}x{CONFIG.seq_len} per rank, "

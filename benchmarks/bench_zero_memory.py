@@ -24,15 +24,13 @@ import argparse
 import datetime
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
+from benchmarks import machine, ranks  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
 from meshtrain.api import spec as spec_mod  # noqa: E402
 from meshtrain.trainer import engine, memory  # noqa: E402
@@ -61,7 +59,7 @@ def _rank(rank: int, world: int, port: int, preset: str, stage: int, seq_len: in
     eng.forward_backward()  # ...and gradients, also without DP
     report = memory.measure(eng.model, eng.optimizer, eng.model.reducer)
     if rank == 0:
-        torch.save(report.as_dict(), Path(out) / "row.pt")
+        torch.save(report.as_dict(), Path(out) / ranks.RESULT)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -91,11 +89,8 @@ def main() -> int:
             if need > _available_bytes():
                 skipped.append({"dp": dp, "zero_stage": stage, "needs_bytes": need, "available_bytes": _available_bytes()})
                 continue
-            with tempfile.TemporaryDirectory() as out:
-                port = 29500 + os.getpid() % 1000 + 10 * dp + stage
-                mp.start_processes(_rank, args=(dp, port, args.preset, stage, args.seq_len, out), nprocs=dp,
-                                   start_method="spawn")
-                results.append({"dp": dp, "requested_zero": stage, **torch.load(Path(out) / "row.pt")})
+            row = ranks.spawn(_rank, dp, args.preset, stage, args.seq_len)
+            results.append({"dp": dp, "requested_zero": stage, **row})
     header = f"{'dp':>3} {'zero':>4} {'params':>12} | {'weights B/p':>11} {'grads B/p':>9} {'optim B/p':>9} | " \
              f"{'formula w/g/o':>17} | {'total MiB':>9}"
     print(f"per-rank training state, preset {args.preset} (seq {args.seq_len}, {params:,} params), fp32 + AdamW, "
