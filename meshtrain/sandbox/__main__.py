@@ -82,8 +82,9 @@ def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
           f"(e.g. sum by (job) (meshtrain_tokens_per_second{{job=\"{name}\"}}))")
     print(f"pod logs: {paths.root}/pods/{namespace}/  (python -m meshtrain.sandbox logs POD)")
     picture = example.timeline(paths, namespace, name)
-    print(f"timeline picture: {picture}" if picture else
-          f"timeline picture: none (no traces in {paths.root}/runs/{namespace}/{name})")
+    claim = (((final.get("spec") or {}).get("checkpoint") or {}).get("claimName"))
+    searched = " or ".join(str(d) for d in example.log_dirs(paths, namespace, name, claim))
+    print(f"timeline picture: {picture}" if picture else f"timeline picture: none (no traces in {searched})")
     return 0 if phase == "Succeeded" else 1
 
 

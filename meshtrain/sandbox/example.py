@@ -95,10 +95,22 @@ def follow(paths: supervisor.Paths, namespace: str, name: str, *, timeout: float
     raise TimeoutError(f"TrainingJob {namespace}/{name} did not finish in {timeout:.0f}s")
 
 
+def log_dirs(paths: supervisor.Paths, namespace: str, name: str, claim: str | None) -> list[pathlib.Path]:
+    """Where a job's step log and traces may be, in order: ``logs`` on its checkpoint claim, then the run dir.
+
+    The operator sets ``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs`` (on the claim,
+    ``<state>/volumes/<ns>/<claim>/logs`` here); the node agent's per-job run
+    directory is the default of pods that do not set it.
+    """
+    found = [paths.root / "volumes" / namespace / claim / "logs"] if claim else []
+    return [*found, paths.root / "runs" / namespace / name]
+
+
 def timeline(paths: supervisor.Paths, namespace: str, name: str) -> pathlib.Path | None:
     """Draw the job's last pipeline step with ``meshtrain timeline``; returns the PNG, or None without traces."""
-    log_dir = paths.root / "runs" / namespace / name
-    if not (log_dir / "trace").is_dir():
+    claim = (((job(paths, namespace, name) or {}).get("spec") or {}).get("checkpoint") or {}).get("claimName")
+    log_dir = next((d for d in log_dirs(paths, namespace, name, claim) if (d / "trace").is_dir()), None)
+    if log_dir is None:
         return None
     picture = log_dir / "timeline.png"
     result = subprocess.run([sys.executable, "-m", "meshtrain.cli", "timeline", str(log_dir), "-o", str(picture)],

@@ -14,7 +14,8 @@ the container runtime would provide is emulated here, with the same rules:
   ``persistentVolumeClaim`` is a host directory per claim, ``hostPath`` stays.
   A container's mount paths do not exist on this machine, so every mount path
   found in env values, arguments and ConfigMap files is rewritten to its host
-  directory.
+  directory.  So is a container's ``terminationMessagePath``: it becomes a
+  file of the pod directory (:attr:`ContainerProcess.termination_log`).
 - networking: each pod has its own loopback address (``127.0.1.N``).  Cluster
   DNS names (``host.subdomain[.ns[.svc[.cluster.local]]]`` and
   ``service.ns.svc...``) in env values and arguments are replaced by the pod
@@ -36,6 +37,8 @@ from typing import Any
 
 CLUSTER_DOMAIN = "cluster.local"
 """The cluster DNS domain the sandbox pretends to serve."""
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+"""The kubelet's default ``terminationMessagePath``."""
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _HOST_RE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})+$")
@@ -72,6 +75,10 @@ class ContainerProcess:
     """True for an init container (run to completion before the main containers)."""
     ports: tuple[tuple[str, int], ...]
     """Declared container ports as (name, number)."""
+    termination_log: str = ""
+    """Host file standing for the container's ``terminationMessagePath`` (default /dev/termination-log):
+    a file of the pod directory, so processes never write the host's /dev; the agent may report its
+    content as ``state.terminated.message``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +129,8 @@ def translate(pod: Mapping[str, Any], *, ip: str, pod_dir: str, base_env: Mappin
     all_containers = [(c, True) for c in spec.get("initContainers") or []] + [(c, False) for c in spec.get("containers") or []]
     for container, init in all_containers:
         mounts = _mounts(container, volumes)
+        termination_log = f"{pod_dir}/termination-log-{container['name']}"
+        mounts[container.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH] = termination_log
         path_map.update(mounts)
         env = _container_env(container, pod, ip=ip, cluster=cluster, base_env=base_env)
         env = {k: _rewrite(v, mounts, namespace, cluster, unresolved) for k, v in env.items()}
@@ -133,7 +142,8 @@ def translate(pod: Mapping[str, Any], *, ip: str, pod_dir: str, base_env: Mappin
         working_dir = container.get("workingDir")
         cwd = _rewrite_paths(working_dir, mounts) if working_dir else pod_dir
         ports = tuple((p.get("name", ""), int(p["containerPort"])) for p in container.get("ports") or [])
-        containers.append(ContainerProcess(name=container["name"], argv=argv, env=env, cwd=cwd, init=init, ports=ports))
+        containers.append(ContainerProcess(name=container["name"], argv=argv, env=env, cwd=cwd, init=init, ports=ports,
+                                           termination_log=termination_log))
     if unresolved:
         raise Unresolved(unresolved)
     files = {path: _rewrite_paths(text, path_map) for path, text in volumes.files.items()}

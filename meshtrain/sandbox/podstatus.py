@@ -14,6 +14,8 @@ from typing import Any
 
 SANDBOX_IMAGE_ID = "sandbox://local-process"
 """imageID reported for every container: nothing was pulled."""
+TERMINATION_MESSAGE_LIMIT = 4096
+"""Bytes of a termination-log file the kubelet reports (and the agent should read)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,9 @@ class ContainerState:
     """When it ended."""
     restart_count: int = 0
     """How often the agent restarted it (restartPolicy Always/OnFailure)."""
+    message: str = ""
+    """Termination message once it ended: the content of its termination-log file (at most
+    :data:`TERMINATION_MESSAGE_LIMIT` bytes, as the kubelet reads it)."""
 
     @property
     def running(self) -> bool:
@@ -62,6 +67,8 @@ def _container_status(state: ContainerState) -> dict[str, Any]:
             "exitCode": state.exit_code, "reason": "Completed" if state.exit_code == 0 else "Error",
             "startedAt": state.started_at, "finishedAt": state.finished_at,
             "containerID": f"sandbox://{state.pid}"}}
+        if state.message:
+            status["state"]["terminated"]["message"] = state.message[-TERMINATION_MESSAGE_LIMIT:]
     return status
 
 

@@ -100,6 +100,12 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supe
         time.sleep(2)
     assert {s["metric"]["rank"] for s in series} == {"0", "1", "2", "3"}, series
     assert all(float(s["value"][1]) > 0 for s in series)
+    # MESHTRAIN_LOG_DIR=<checkpoint.path>/logs: the step log and every rank's trace outlive the pods on the claim
+    claim = yaml.safe_load(EXAMPLE.read_text())["spec"]["checkpoint"]["claimName"]
+    logs = paths.root / "volumes" / namespace / claim / "logs"
+    assert (logs / "steps.jsonl").is_file(), sorted(p.name for p in logs.parent.iterdir())
+    assert sorted(p.name for p in (logs / "trace").glob("rank-*.jsonl")) == [f"rank-{r}.jsonl" for r in range(4)]
+    assert example.timeline(paths, namespace, name) is not None, "meshtrain timeline draws from the claim's logs"
 
 
 def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tuple[supervisor.Paths, dict]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 from meshtrain.sandbox import nodes, podstatus, prometheus
@@ -61,10 +62,25 @@ def test_status_reports_ip_ready_and_exit_code() -> None:
     assert failed["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137
 
 
+def test_terminated_state_carries_the_termination_message() -> None:
+    done = dataclasses.replace(_state(0), message='{"step": 40}\n')
+    status = podstatus.build_status(ip="127.0.1.3", started_at="t", now="t", init_done=True, init=[],
+                                    containers=[done], restart_policy="Never")
+    assert status["containerStatuses"][0]["state"]["terminated"]["message"] == '{"step": 40}\n'
+    plain = podstatus.build_status(ip="127.0.1.3", started_at="t", now="t", init_done=True, init=[],
+                                   containers=[_state(0)], restart_policy="Never")
+    assert "message" not in plain["containerStatuses"][0]["state"]["terminated"]
+
+
 def test_metrics_targets_cover_every_rank_port() -> None:
     pod = {"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "2"}},
                                     "ports": [{"name": "metrics", "containerPort": 9400}, {"name": "rendezvous", "containerPort": 29500}]}]}}
     assert podstatus.metrics_targets(pod, "127.0.1.1") == [9400, 9401]
+    named = {"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "2"}},  # the operator's per-rank names
+                                      "ports": [{"name": "metrics-0", "containerPort": 9400},
+                                                {"name": "metrics-1", "containerPort": 9401},
+                                                {"name": "rendezvous", "containerPort": 29500}]}]}}
+    assert podstatus.metrics_targets(named, "127.0.1.1") == [9400, 9401]
     sd = podstatus.file_sd([("127.0.1.1", [9400, 9401], {"sandbox_pod": "p"})])
     assert sd == [{"targets": ["127.0.1.1:9400", "127.0.1.1:9401"], "labels": {"sandbox_pod": "p"}}]
 

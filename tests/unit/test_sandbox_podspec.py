@@ -148,3 +148,16 @@ def test_init_containers_come_first() -> None:
 
 def test_ports_are_reported() -> None:
     assert plan().containers[0].ports == (("metrics", 9400),)
+
+
+def test_termination_message_path_becomes_a_file_of_the_pod_directory():
+    pod = trainer_pod()
+    container = pod["spec"]["containers"][0]
+    container["terminationMessagePath"] = "/dev/termination-log"
+    container["env"].append({"name": "MESHTRAIN_TERMINATION_LOG", "value": "/dev/termination-log"})
+    process = plan(pod).containers[0]
+    assert process.termination_log == "/state/pods/team/job-0-0/termination-log-trainer"
+    assert process.env["MESHTRAIN_TERMINATION_LOG"] == process.termination_log  # never the host's /dev
+    other = trainer_pod()  # no terminationMessagePath: the kubelet's default, mapped the same way
+    other["spec"]["containers"][0]["env"].append({"name": "OUT", "value": "/dev/termination-log"})
+    assert plan(other).containers[0].env["OUT"] == "/state/pods/team/job-0-0/termination-log-trainer"
