@@ -64,6 +64,16 @@ def clip_grad_norm(params: list[torch.nn.Parameter], *, counted: list[bool], max
     if mine:  # per-tensor norms in fp32 (no big temporaries), their squares summed in fp64
         norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in mine])
         square += norms.double().pow(2).sum()
+    return reduce_norm_and_clip(square, grads, max_norm=max_norm, groups=groups, recorder=recorder)
+
+
+def reduce_norm_and_clip(square: torch.Tensor, grads: list[torch.Tensor], *, max_norm: float,
+                         groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder) -> float:
+    """Sum this rank's squared-norm share over ``groups``, then scale ``grads`` as ``clip_grad_norm_`` would.
+
+    ``square`` is the sum of squares of the gradient elements this rank owns;
+    ``grads`` are the tensors this rank scales.  Returns the global norm.
+    """
     for axis, group in groups:
         start = time.perf_counter()
         dist.all_reduce(square, group=group)

@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshtrain.trainer import optim
 from meshtrain.trainer.parallel import recording, reducer
 
 
@@ -257,17 +258,9 @@ class ZeroAdamW:
             for seg in state.segments:
                 if counted_by_id.get(id(state.params[seg.member]), True):
                     square += grad.narrow(0, seg.shard_offset, seg.numel).double().pow(2).sum()
-        for axis, group in [("dp", self.group), *groups]:
-            start = time.perf_counter()
-            dist.all_reduce(square, group=group)
-            recorder.collective(axis, "all_reduce", square.element_size(), start, time.perf_counter())
-        norm = float(square.sqrt())
-        if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for index in range(len(self.buckets)):
-                    self._owned_grad(index).mul_(coef)
-        return norm
+        owned = [self._owned_grad(index) for index in range(len(self.buckets))]
+        return optim.reduce_norm_and_clip(square, owned, max_norm=max_norm, groups=[("dp", self.group), *groups],
+                                          recorder=recorder)
 
     def all_reduce_grads(self, names: set[str], group: dist.ProcessGroup, recorder: recording.StepRecorder) -> None:
         """Sum the owned gradient elements of the parameters ``names`` over ``group`` (stage 2).
