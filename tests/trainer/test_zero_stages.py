@@ -1,4 +1,9 @@
-"""ZeRO 1 and 2 train exactly like ZeRO 0, with 1/N_dp of the optimizer state (and gradients) per rank."""
+"""ZeRO 1 and 2 train exactly like ZeRO 0, with 1/N_dp of the optimizer state (and gradients) per rank.
+
+Also the bytes ZeRO's collectives report: a reduce-scatter or all-gather
+counts the full, unsharded (padded) bucket, as nccl-tests does, so that the
+bus bandwidth ``bytes / time x (n - 1) / n`` is right.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine, memory
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import recording, zero
+from meshtrain.trainer.telemetry import stepstats
 
 STEPS = 5
 
@@ -55,3 +62,44 @@ def test_zero_matches_zero0_at_dp2_pp2_tp2_sp() -> None:
     # sequence parallel too: its TP-partial norm gradients must be summed on ZeRO-2's shards
     layout = {"data": 2, "pipeline": 2, "tensor": 2, "micro_batches": 2, "sequence_parallel": True}
     _check(mt_harness.run_distributed(train_zero_stages, 8, layout, STEPS, timeout_s=400), dp=2)
+
+
+def zero_collectives() -> dict[int, dict]:
+    """On every rank: per ZeRO stage, the dp collectives of the second step and the buckets' element counts."""
+    out = {}
+    for stage in (0, 1, 2):
+        raw = mt_harness.make_spec(data=2, bucket_mb=0.05, steps=2)  # several buckets of ~13k elements
+        raw["parallelism"]["zeroStage"] = stage
+        job = spec_mod.parse_spec(raw)
+        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        recorder = recording.MemoryRecorder()
+        eng = engine.Engine(job, mesh, recorder=recorder)
+        for _ in range(2):
+            eng.train_step()
+        out[stage] = {
+            "numels": [sum(p.numel() for p in b.params) for b in eng.model.reducer.buckets],
+            "calls": [(e.kind, e.nbytes, e.end - e.start) for e in recorder.events  # not ZeRO's 8-byte norm sum
+                      if e.what == "collective" and e.group == "dp" and (e.bucket is not None or e.kind != "all_reduce")],
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_zero_collectives_report_the_full_unsharded_buffer() -> None:
+    for result in mt_harness.run_distributed(zero_collectives, 2):
+        numels = result[0]["numels"]
+        assert len(numels) > 1 and result[1]["numels"] == result[2]["numels"] == numels
+        full = sorted(zero.shard_size(n, 2) * 2 * 4 for n in numels)  # padded bucket, fp32
+        by_op = {stage: {} for stage in (0, 1, 2)}
+        for stage in (0, 1, 2):
+            for op, nbytes, _ in result[stage]["calls"]:
+                by_op[stage].setdefault(op, []).append(nbytes)
+        assert sorted(by_op[0]["all_reduce"]) == sorted(4 * n for n in numels)  # ZeRO 0: whole buckets
+        assert sorted(by_op[1]["all_reduce"]) == sorted(4 * n for n in numels)  # ZeRO 1 reduces like ZeRO 0
+        assert sorted(by_op[1]["all_gather"]) == full
+        assert sorted(by_op[2]["reduce_scatter"]) == full
+        assert sorted(by_op[2]["all_gather"]) == full
+        assert set(by_op[2]) == {"reduce_scatter", "all_gather"}
+        # and the bus bandwidth of a reduce-scatter is (n-1)/n of full bytes over time: half of it at dp2
+        op, nbytes, seconds = next(c for c in result[2]["calls"] if c[0] == "reduce_scatter")
+        assert stepstats.bus_bandwidth(op, nbytes, seconds, 2) == pytest.approx(nbytes / seconds / 2)
