@@ -37,12 +37,16 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from meshtrain.sandbox import nodes, podspec, podstatus, procs, shim
+from meshtrain.sandbox import nodes, podspec, podstatus, procs
 
 log = logging.getLogger("meshtrain.sandbox.nodeagent")
 
 IP_PREFIX = "127.0.1."
 """Pod addresses are 127.0.1.1 .. 127.0.1.254 (all loopback on Linux)."""
+POD_IP_ENV = "MESHTRAIN_SANDBOX_POD_IP"
+"""Environment variable holding the pod's address in its processes (finds a pod's orphans)."""
+METRICS_HOST_ENV = "MESHTRAIN_METRICS_HOST"
+"""Where the trainer's exporters bind (``meshtrain.trainer.telemetry.exporter.HOST_ENV``; not imported: no torch here)."""
 
 
 @dataclasses.dataclass
@@ -78,7 +82,6 @@ class NodeAgent:
         self.pods: dict[tuple[str, str], _Pod] = {}
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.stopping = threading.Event()
-        self.shim_dir = shim.write(state_dir / "shim")
         self.targets_file = state_dir / "prometheus" / "targets.json"
         self._used_ips: set[str] = set()
         self._gone: set[str] = set()  # uids of pods whose deletion this agent completed
@@ -222,26 +225,9 @@ class NodeAgent:
         return podspec.Cluster(config_maps=config_maps, claim_dir=claim_dir,
                                resolve=lambda name, ns: podspec.resolve(name, ns, pods=records, services=services))
 
-    def _base_env(self, pod: _Pod) -> dict[str, str]:
-        spec = pod.obj["spec"]
-        return {
-            "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-            "HOME": str(pod.directory), "TMPDIR": str(pod.directory), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
-            "HOSTNAME": spec.get("hostname") or pod.key[1],
-            # The pod's own address: the shim makes binds to 0.0.0.0 use it, as in a pod's network namespace.
-            "PYTHONPATH": str(self.shim_dir), shim.POD_IP_ENV: pod.ip,
-            # gloo finds its address through the loopback interface, not the (unresolvable) pod hostname.
-            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MESHTRAIN_SANDBOX": "1",
-            # Step log and per-rank traces of the whole job in one place (for `meshtrain timeline`);
-            # the pod's own env wins if it sets one.
-            "MESHTRAIN_LOG_DIR": str(run_dir(self.state_dir, pod.obj)),
-            # Marks every pod process so `down` finds stragglers (torchrun's workers run in their own sessions).
-            procs.MARKER_ENV: str(self.state_dir),
-        }
-
     def _try_start(self, pod: _Pod) -> None:
         try:
-            plan = podspec.translate(pod.obj, ip=pod.ip, pod_dir=str(pod.directory), base_env=self._base_env(pod), cluster=self._cluster())
+            plan = podspec.translate(pod.obj, ip=pod.ip, pod_dir=str(pod.directory), base_env=base_env(self.state_dir, pod.obj, ip=pod.ip, directory=pod.directory), cluster=self._cluster())
         except podspec.Unresolved as err:
             if pod.waiting != str(err):
                 log.info("pod %s/%s: %s", *pod.key, err)
@@ -376,7 +362,7 @@ class NodeAgent:
 
     def _orphans(self, pod: _Pod) -> list[int]:
         """Processes of this pod still alive (found by their pod address in the environment)."""
-        needle = f"{shim.POD_IP_ENV}={pod.ip}".encode()
+        needle = f"{POD_IP_ENV}={pod.ip}".encode()
         found = []
         for pid in procs.marked(str(self.state_dir)):
             try:
@@ -411,6 +397,26 @@ class NodeAgent:
         tmp = self.targets_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(podstatus.file_sd(groups), indent=2))
         tmp.replace(self.targets_file)
+
+
+def base_env(state_dir: pathlib.Path, pod: dict[str, Any], *, ip: str, directory: pathlib.Path) -> dict[str, str]:
+    """The environment every container of ``pod`` starts from (its own ``env`` is applied on top)."""
+    spec = pod.get("spec") or {}
+    return {
+        "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": str(directory), "TMPDIR": str(directory), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+        "HOSTNAME": spec.get("hostname") or (pod.get("metadata") or {}).get("name", ""),
+        # The pod's own address.  Pods share this machine's network, so the trainer's exporters bind it
+        # instead of 0.0.0.0: every pod keeps ports 9400.. as in its own network namespace.
+        METRICS_HOST_ENV: ip, POD_IP_ENV: ip,
+        # gloo finds its address through the loopback interface, not the (unresolvable) pod hostname.
+        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MESHTRAIN_SANDBOX": "1",
+        # Step log and per-rank traces of the whole job in one place (for `meshtrain timeline`);
+        # the pod's own env wins if it sets one.
+        "MESHTRAIN_LOG_DIR": str(run_dir(state_dir, pod)),
+        # Marks every pod process so `down` finds stragglers (torchrun's workers run in their own sessions).
+        procs.MARKER_ENV: str(state_dir),
+    }
 
 
 def run_dir(state_dir: pathlib.Path, pod: dict[str, Any]) -> pathlib.Path:

@@ -93,3 +93,16 @@ def test_prometheus_config_honours_exporter_labels() -> None:
     assert config["rule_files"] == ["/r.yaml"]
     cmd = prometheus.command(pathlib.Path("/usr/bin/prometheus"), config_file=pathlib.Path("/c"), data_dir=pathlib.Path("/d"), port=1)
     assert "--web.listen-address=127.0.0.1:1" in cmd
+
+
+def test_pod_processes_bind_their_exporters_to_the_pod_address(tmp_path: pathlib.Path) -> None:
+    from meshtrain.sandbox import nodeagent  # noqa: PLC0415 - kubernetes client import, only this test needs it
+    from meshtrain.trainer.telemetry import exporter  # noqa: PLC0415 - torch, only this test needs it
+
+    pod = {"metadata": {"name": "job-a0-0", "namespace": "default", "labels": {"meshtrain.io/job": "job"}},
+           "spec": {"hostname": "job-a0-0"}}
+    env = nodeagent.base_env(tmp_path, pod, ip="127.0.1.7", directory=tmp_path / "pod")
+    assert nodeagent.METRICS_HOST_ENV == exporter.HOST_ENV
+    assert env[exporter.HOST_ENV] == "127.0.1.7" and env[nodeagent.POD_IP_ENV] == "127.0.1.7"
+    assert "PYTHONPATH" not in env  # no sitecustomize shim rewriting binds any more
+    assert env["MESHTRAIN_LOG_DIR"] == str(tmp_path / "runs" / "default" / "job")

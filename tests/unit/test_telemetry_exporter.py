@@ -191,3 +191,22 @@ def test_a_loaded_checkpoint_counts_as_done_steps():
     doc = progress.Progress()
     doc.checkpoint_saved(40)  # a resumed run: nothing trained yet, checkpoint 40 loaded
     assert (doc.document()["step"], doc.document()["last_checkpoint_step"]) == (40, 40)
+
+
+def test_exporters_bind_the_configured_host(monkeypatch):
+    monkeypatch.setenv(exporter.HOST_ENV, "127.0.0.2")  # a loopback address of its own, as a sandbox pod has
+    base = free_base(1)
+    job = spec_mod.parse_spec({"resources": {"gpusPerNode": 1}, "model": {"preset": "tiny"},
+                               "metrics": {"port": base, "peakFlops": 1e12}})
+    rec = telemetry.make_recorder(job, layout_mod.from_spec(job.parallelism), 0, None, local_rank=0)
+    try:
+        assert get(f"http://127.0.0.2:{base}/healthz")[0] == 200
+        with pytest.raises(urllib.error.URLError):  # not on every interface
+            urllib.request.urlopen(f"http://127.0.0.1:{base}/healthz", timeout=5)
+    finally:
+        rec.close()
+
+
+def test_exporters_bind_every_interface_by_default(monkeypatch):
+    monkeypatch.delenv(exporter.HOST_ENV, raising=False)
+    assert exporter.bind_host() == "0.0.0.0"

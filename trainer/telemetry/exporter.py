@@ -4,7 +4,8 @@ What it is: :class:`Exporter`, a :class:`~.context.Sink` that turns each
 step's :class:`~.stepstats.StepStats` into Prometheus metrics (names fixed by
 DESIGN.md and listed in docs/telemetry.md) in its own registry, and serves
 them over HTTP on ``metrics.port + local_rank``: one small server per rank, so
-a pod with g GPUs exposes ports ``port .. port + g - 1``.  Global rank 0 also
+a pod with g GPUs exposes ports ``port .. port + g - 1``, bound to
+``$MESHTRAIN_METRICS_HOST`` (default ``0.0.0.0``).  Global rank 0 also
 answers ``GET /progress`` with JSON ``{step, loss, tokens_per_second,
 last_checkpoint_step, updated_at}`` for the operator.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from http import server
@@ -35,6 +37,16 @@ log = logging.getLogger(__name__)
 
 LABELS = ("job", "namespace", "pod", "rank", "dp", "pp", "tp")
 """Labels every meshtrain trainer metric carries."""
+
+HOST_ENV = "MESHTRAIN_METRICS_HOST"
+"""Environment variable naming the address the HTTP servers bind (default ``0.0.0.0``: every interface)."""
+DEFAULT_HOST = "0.0.0.0"
+
+
+def bind_host() -> str:
+    """The address to serve metrics on: ``$MESHTRAIN_METRICS_HOST``, else every IPv4 interface."""
+    return os.environ.get(HOST_ENV) or DEFAULT_HOST
+
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 """Step and compute durations: 5 ms (tiny CPU model) to 5 min (huge step)."""
@@ -122,7 +134,7 @@ class Exporter:
     """Metrics of one rank, served over HTTP; rank 0 adds /progress."""
 
     def __init__(self, identity: context.RankIdentity, facts: stepstats.JobFacts, *, port: int,
-                 progress: progress_mod.Progress | None, host: str = "0.0.0.0") -> None:
+                 progress: progress_mod.Progress | None, host: str = DEFAULT_HOST) -> None:
         self.metrics = Metrics(identity)
         """The metric families."""
         self.progress = progress
@@ -135,7 +147,7 @@ class Exporter:
         try:
             self._server = _Server((host, port), _handler(self.metrics.registry, self.progress))
         except OSError as err:
-            log.warning("rank %d: metrics port %d unavailable (%s); metrics are not served", identity.rank, port, err)
+            log.warning("rank %d: metrics address %s:%d unavailable (%s); metrics are not served", identity.rank, host, port, err)
             return
         threading.Thread(target=self._server.serve_forever, name=f"metrics-{port}", daemon=True).start()
 

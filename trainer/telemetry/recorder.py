@@ -136,7 +136,7 @@ def job_facts(spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flop
 def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_dir: str | Path | None, *,
                   local_rank: int | None = None, device: Any = None, serve: bool = True,
                   steps_log: bool = True) -> TelemetryRecorder:
-    """The trainer's recorder: Prometheus exporter on ``spec.metrics.port + local_rank``
+    """The trainer's recorder: Prometheus exporter on ``$MESHTRAIN_METRICS_HOST:spec.metrics.port + local_rank``
     (rank 0 also keeps and serves the /progress document), steps.jsonl (rank 0)
     and the event trace under ``log_dir``.
 
@@ -151,7 +151,7 @@ def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_d
         sinks.append(document)
     if serve:
         sinks.append(exporter.Exporter(identity, facts, port=spec.metrics.port + identity.local_rank,
-                                       progress=document))
+                                       progress=document, host=exporter.bind_host()))
     if log_dir is not None:
         sinks.append(steplog.StepLog(Path(log_dir), identity, facts, schedule=spec.parallelism.schedule,
                                        steps=steps_log))
