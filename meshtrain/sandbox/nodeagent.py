@@ -285,7 +285,8 @@ class NodeAgent:
         for proc in pod.procs:
             if proc.popen is not None and proc.state.exit_code is None and proc.popen.poll() is not None:
                 code = podstatus.exit_code(proc.popen.returncode)
-                proc.state = dataclasses.replace(proc.state, exit_code=code, finished_at=nodes.now())
+                proc.state = dataclasses.replace(proc.state, exit_code=code, finished_at=nodes.now(),
+                                                 message=_termination_message(proc.spec.termination_log))
                 log.info("pod %s/%s container %s exited with %d", *pod.key, proc.spec.name, code)
         next_init = next((p for p in init if p.state.exit_code != 0), None)
         if next_init is not None:
@@ -431,6 +432,20 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+
+def _termination_message(path: str) -> str:
+    """A container's termination message: the tail of its termination-log file, as the kubelet reports it."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - podstatus.TERMINATION_MESSAGE_LIMIT))
+            return handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

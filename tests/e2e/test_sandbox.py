@@ -86,6 +86,8 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supe
     status = final["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
     assert status["layout"] == "dp2·pp2·tp1"
+    steps = yaml.safe_load(EXAMPLE.read_text())["spec"]["training"]["steps"]
+    assert status["progress"]["step"] == steps, f"final progress from rank 0's termination message: {status['progress']}"
     planned = {p["node"] for p in status["placement"]}
     assert len(status["placement"]) == 2
     assert set(seen_pods.values()) <= planned and seen_pods, (seen_pods, status["placement"])
