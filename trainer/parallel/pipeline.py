@@ -8,7 +8,8 @@ receive activations from the previous virtual stage and send theirs on;
 backwards receive output gradients and send input gradients back.  Every
 send is an ``isend`` kept in flight until the end of the step and every
 receive blocks only when its data is needed, so a valid schedule cannot
-deadlock on gloo.  Activations and gradients travel on two separate process
+deadlock on gloo; on gloo the next action's receive is posted before this
+action computes (:meth:`PipelineExecutor._prefetch`).  Activations and gradients travel on two separate process
 groups, so each direction keeps its own FIFO order (the order NCCL needs).
 
 Each forward, backward and blocking wait is reported to the step recorder;
@@ -124,12 +125,43 @@ class PipelineExecutor:
     def _peer(self, j: int) -> int:
         return self.ctx.ranks[j % self.ctx.stages]
 
-    def _recv(self, src_virtual: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def _post_recv(self, index: int) -> tuple[dist.Work, torch.Tensor] | None:
+        """Post the receive action ``index`` needs (None: it needs none, or it is out of range)."""
+        if index >= len(self.actions):
+            return None
+        action = self.actions[index]
+        j = schedules.virtual_stage(self.ctx.stage, action.chunk, self.ctx.stages)
+        if action.kind == "forward" and j > 0:
+            src, group = j - 1, self.ctx.forward_group
+        elif action.kind == "backward" and j < self.last_virtual:
+            src, group = j + 1, self.ctx.backward_group
+        else:
+            return None
         buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+        return dist.irecv(buffer, src=self._peer(src), group=group), buffer
+
+    def _wait_recv(self, posted: tuple[dist.Work, torch.Tensor]) -> torch.Tensor:
         start = time.perf_counter()
-        dist.irecv(buffer, src=self._peer(src_virtual), group=group).wait()
+        posted[0].wait()
         self.recorder.wait("recv", start, time.perf_counter())
-        return buffer
+        return posted[1]
+
+    def _prefetch(self) -> bool:
+        """Whether to post the next action's receive before this action computes.
+
+        gloo matches a send with its receive only once the receive is posted
+        and then copies the data: a receive posted when its data is needed puts
+        that hand-over (milliseconds for a few hundred KiB) on the critical path
+        of every micro-batch.  gloo runs point-to-point operations
+        independently, so posting early reorders nothing.  NCCL queues a
+        communicator's operations on one stream, where an early receive would
+        hold back this rank's next send on the same group; there (and with the
+        interleaved schedule, whose p = 2 sends both ways on one group) the
+        receive is posted when needed.
+        """
+        if self.virtual_stages != 1 or self.ctx.forward_group is None:
+            return False
+        return all(dist.get_backend(g) == "gloo" for g in (self.ctx.forward_group, self.ctx.backward_group))
 
     def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> torch.Tensor:
         """One step: every forward and backward of this stage; returns the summed loss/m (0 off the last stage).
@@ -142,14 +174,19 @@ class PipelineExecutor:
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # keep each sent tensor alive until done
         loss_sum = torch.zeros((), device=self.device)
-        for action in self.actions:
+        prefetch = self._prefetch()
+        posted: dict[int, tuple[dist.Work, torch.Tensor] | None] = {}  # action index -> its receive
+        for index, action in enumerate(self.actions):
             j = schedules.virtual_stage(self.ctx.stage, action.chunk, p)
             key = (action.microbatch, action.chunk)
+            recv = posted.pop(index) if index in posted else self._post_recv(index)
+            if prefetch:  # each group's receives are still posted in schedule order
+                posted[index + 1] = self._post_recv(index + 1)
             if action.kind == "forward":
                 if j == 0:
                     x = inputs[action.microbatch].to(self.device)
                 else:
-                    x = self._recv(j - 1, self.ctx.forward_group).requires_grad_()
+                    x = self._wait_recv(recv).requires_grad_()
                 start = time.perf_counter()
                 with self.autocast():
                     out = self.chunks[action.chunk](x)
@@ -164,7 +201,7 @@ class PipelineExecutor:
                     in_flight.append((dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group), sent))
             else:
                 x, out = saved.pop(key)
-                grad = None if j == self.last_virtual else self._recv(j + 1, self.ctx.backward_group)
+                grad = None if j == self.last_virtual else self._wait_recv(recv)
                 if self.grad_sync is not None:
                     self.grad_sync(self.last_backward[action.chunk] == action)
                 start = time.perf_counter()
