@@ -144,7 +144,7 @@ def recorder_cost(repeats: int = 300) -> float:
     from meshtrain import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import spec as spec_mod  # noqa: PLC0415
     from meshtrain.trainer import telemetry  # noqa: PLC0415
-    from meshtrain.trainer.parallel import recording, schedules  # noqa: PLC0415
+    from meshtrain.trainer.parallel import schedules  # noqa: PLC0415
 
     job = spec_mod.parse_spec({"parallelism": {"data": 2, "pipeline": 2, "microBatches": 8},
                                "resources": {"gpusPerNode": 4}, "model": {"preset": "tiny"},

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any

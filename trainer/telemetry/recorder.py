@@ -158,4 +158,4 @@ def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_d
     return TelemetryRecorder(identity, facts, sinks, device=device)
 
 
-__all__ = ["MemorySample", "RankIdentity", "Sink", "TelemetryRecorder", "job_facts", "make_recorder"]
+__all__ = ["TelemetryRecorder", "job_facts", "make_recorder"]
