@@ -337,15 +337,3 @@ def test_startup_failure_raises_with_the_component_log_tail(control_plane_binari
     with pytest.raises(controlplane.StartupError, match="unknown flag: --no-such-flag"):
         plane.start()
     assert plane.pids() == {}
-
-
-def test_startup_is_fast(control_plane: controlplane.ControlPlane) -> None:
-    # The budget is 10 s on an idle machine (see docs/controlplane.md for the
-    # measurements). On shared CI machines other jobs compete for the cores, so
-    # the budget grows with the run queue beyond the number of cores.
-    assert control_plane.startup_seconds is not None
-    crowding = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-    budget = 10.0 * crowding
-    assert control_plane.startup_seconds < budget, (
-        f"startup took {control_plane.startup_seconds:.1f}s, budget {budget:.1f}s (load x{crowding:.1f})"
-    )
