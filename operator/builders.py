@@ -22,6 +22,8 @@ rank 0's final progress to the termination message.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +65,16 @@ def _metadata(job: JobRef, name: str, labels: dict[str, str] | None = None) -> d
         "labels": {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY, **(labels or {})},
         "ownerReferences": [owner_reference(job)],
     }
+
+
+def spec_hash(spec: api_spec.TrainingJobSpec) -> str:
+    """Short hash of everything in ``spec`` that shapes the gang's pods.
+
+    ``runPolicy`` is left out: suspending, or changing a deadline or the
+    backoff limit, must not rebuild a running gang.
+    """
+    shaping = spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"})
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
@@ -166,6 +178,7 @@ def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: 
         naming.LABEL_NODE_RANK: str(index),
         naming.LABEL_ATTEMPT: str(attempt),
         naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
+        naming.LABEL_SPEC_HASH: spec_hash(spec),
     }
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}

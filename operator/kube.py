@@ -132,11 +132,20 @@ class Client:
         answer = await self._call("GET", path, params=params)
         return list((answer or {}).get("items") or [])
 
+    @staticmethod
+    def _collection_path(manifest: dict[str, Any]) -> str:
+        plural = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}[manifest["kind"]]
+        return f"/api/v1/namespaces/{manifest['metadata']['namespace']}/{plural}"
+
     async def create(self, *, manifest: dict[str, Any]) -> dict[str, Any] | None:
         """Create a namespaced core/v1 object (Pod, Service, ConfigMap); None when it already exists."""
-        plural = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}[manifest["kind"]]
-        namespace = manifest["metadata"]["namespace"]
-        return await self._call("POST", f"/api/v1/namespaces/{namespace}/{plural}", body=manifest, ok_statuses=(409,))
+        return await self._call("POST", self._collection_path(manifest), body=manifest, ok_statuses=(409,))
+
+    async def create_or_patch(self, *, manifest: dict[str, Any]) -> None:
+        """Create a Service or ConfigMap, or merge ``manifest`` into the existing one (a rebuilt gang's new spec)."""
+        if await self.create(manifest=manifest) is None:
+            path = f"{self._collection_path(manifest)}/{manifest['metadata']['name']}"
+            await self._call("PATCH", path, body=manifest, content_type=MERGE_PATCH)
 
     async def create_many(self, *, manifests: list[dict[str, Any]]) -> None:
         """Create objects concurrently (bounded); existing ones are left as they are."""
@@ -152,7 +161,7 @@ class Client:
         await asyncio.gather(*(self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
                                           ok_statuses=(404,)) for name in names))
 
-    # Services and ConfigMaps: delete (create is ``create``).
+    # Services and ConfigMaps: delete (create is ``create_or_patch``).
     async def delete_service(self, *, namespace: str, name: str) -> None:
         await self._call("DELETE", f"/api/v1/namespaces/{namespace}/services/{name}", ok_statuses=(404,))
 

@@ -17,6 +17,7 @@ States (``status.phase``)::
        |                  permanent exit code / backoff exhausted / deadline --> Failed
     Suspended <--- spec.runPolicy.suspend (any non-final phase); resume -> Pending
     Pending/Restarting --place: the planner says a rank needs more GPU memory than there is--> Failed (WontFit)
+    Placing/Running --spec changed (runPolicy aside)--> Restarting (SpecChanged: old pods deleted, restarts unchanged) --place--> Placing
 
 The gang attempt is ``status.restarts``: pods carry it as a label, so pods of
 an older attempt are recognised (and deleted) after any crash, and a failure
@@ -24,7 +25,8 @@ is counted exactly once — the restart increments ``restarts`` before the old
 pods are deleted, which makes them stale.  ``status.placement`` is written
 before the pods are created; pods missing from a still-gated gang are
 re-created on the recorded nodes (crash recovery), while a pod missing from a
-released gang is a failure.  Every decision is idempotent: applying it twice,
+released gang is a failure.  ``status.specHash`` records the spec a placement
+was made for; when the spec no longer hashes the same, the gang is rebuilt.  Every decision is idempotent: applying it twice,
 or crashing between its actions, leads to the same next decision.
 """
 
@@ -230,6 +232,44 @@ def _on_failure(job: JobState, current: Sequence[failure.PodState], failures: Se
     return Decision(tuple(actions), requeue_after=0)
 
 
+def _succeeded(job: JobState, gang: Sequence[failure.PodState], actions: list[Action], now: datetime.datetime) -> Decision:
+    """Every pod of the gang exited 0: Succeeded, with rank 0's final progress."""
+    message = f"all {len(gang)} pod(s) exited 0"
+    conds = conditions.set(_conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now)
+    conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now)
+    rank0 = next(p for p in gang if p.index == 0)
+    final = progress.from_termination_message(rank0.termination_message)  # the step /progress never saw
+    return Decision((*actions, _changes(job, **final, phase=Phase.SUCCEEDED.value, conditions=conds,
+                                        completionTime=conditions.timestamp(now)),
+                     Emit("Normal", conditions.COMPLETED, message)), requeue_after=0)
+
+
+def _rebuild_for_new_spec(job: JobState, current: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
+    """The spec changed under a placed gang: drop the placement and the old pods; the next pass places the new spec.
+
+    Not a restart (``restarts`` is unchanged): the pods are not at fault.  The
+    checkpoint format is layout-independent, so a new parallel layout resumes
+    from the last checkpoint; the CRD refuses changes to ``spec.model``, which
+    no checkpoint could survive.
+    """
+    assert job.spec is not None
+    spec = job.spec
+    step = job.status.get("lastCheckpointStep")
+    resume = f"training resumes from the checkpoint of step {step}" if step else "training resumes from its last checkpoint, if any"
+    message = (f"spec changed (generation {job.generation}): rebuilding the gang as {spec.parallelism.layout_string} "
+               f"({spec.pods} pod(s)); {resume}")
+    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, conditions.SPEC_CHANGED, message, now)
+    conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.SPEC_CHANGED, message, now)
+    actions: list[Action] = [
+        _changes(job, phase=Phase.RESTARTING.value, placement=[], specHash=None, conditions=conds),
+        Emit("Normal", conditions.SPEC_CHANGED, message),
+    ]
+    doomed = tuple(p.name for p in current if not p.deleting)
+    if doomed:
+        actions.append(DeletePods(doomed))
+    return Decision(tuple(actions), requeue_after=0)
+
+
 def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``."""
     phase = job.status.get("phase") or Phase.PENDING.value
@@ -264,6 +304,14 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
             return Decision(tuple(actions), requeue_after=1.0)
         return Decision((*actions, Place(attempt)))
 
+    built_from = job.status.get("specHash")
+    if built_from and built_from != builders.spec_hash(spec):
+        recorded = len(job.status["placement"])
+        if len(current) == recorded and all(p.phase == "Succeeded" for p in current):  # too late: the old gang is done
+            return _succeeded(job, current, actions, now)
+        decision = _rebuild_for_new_spec(job, current, now)
+        return Decision((*actions, *decision.actions), decision.requeue_after)
+
     failures = [f for f in (failure.classify(p) for p in current) if f is not None]
     present = {p.index for p in current}
     missing = tuple(i for i in range(spec.pods) if i not in present)
@@ -276,15 +324,7 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
         return Decision((*actions, Place(attempt, missing)))
 
     if all(p.phase == "Succeeded" for p in current):
-        message = f"all {spec.pods} pod(s) exited 0"
-        conds = conditions.set(_conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now)
-        conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now)
-        rank0 = next(p for p in current if p.index == 0)
-        final = progress.from_termination_message(rank0.termination_message)  # the step /progress never saw
-        actions += [_changes(job, **final, phase=Phase.SUCCEEDED.value, conditions=conds,
-                             completionTime=conditions.timestamp(now)),
-                    Emit("Normal", conditions.COMPLETED, message)]
-        return Decision(tuple(actions), requeue_after=0)
+        return _succeeded(job, current, actions, now)
 
     gated = tuple(p.name for p in current if p.gated)
     if gated:
@@ -328,6 +368,7 @@ def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float]
         "conditions": conds,
         "placement": [{"podIndex": i, "node": node} for i, node in enumerate(nodes)],
         "crossLevelBytes": dict(level_bytes),
+        "specHash": builders.spec_hash(job.spec),
         "observedGeneration": job.generation,
         **_shape(job),
         **_plan(plan),

@@ -227,7 +227,8 @@ class Reconciler:
                     await self._emit(body, "Warning", answer.reason, answer.message)
                 return body, job, changed
             body, job, _ = await self._set_status(body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan))
-            await self.client.create_many(manifests=[builders.build_configmap(ref, spec), builders.build_service(ref, spec)])
+            await asyncio.gather(self.client.create_or_patch(manifest=builders.build_configmap(ref, spec)),
+                                 self.client.create_or_patch(manifest=builders.build_service(ref, spec)))
             await self.client.create_many(manifests=builders.build_pods(ref, spec, action.attempt, answer.nodes))
         logger.info("placed %s/%s %s on %d node(s)", ref.namespace, ref.name, spec.parallelism.layout_string,
                     len(set(answer.nodes)))

@@ -159,12 +159,20 @@ def _validation(rule: rules.Rule, base: str) -> dict[str, Any]:
     return entry
 
 
+MODEL_IMMUTABLE = {
+    "rule": "self == oldSelf",
+    "message": "spec.model is immutable: a checkpoint of one model shape cannot resume another; "
+               "create a new TrainingJob (any other spec change rebuilds the gang and resumes from the last checkpoint)",
+}
+"""Transition rule on ``spec.model`` (checked on update only)."""
+
+
 def spec_schema() -> dict[str, Any]:
     """Schema of ``spec`` with every CEL-expressible rule attached."""
     schema = model_schema(spec.TrainingJobSpec)
     schema["x-kubernetes-validations"] = [_validation(r, "spec") for r in rules.RULES if r.cel]
     model_node = schema["properties"]["model"]
-    model_node["x-kubernetes-validations"] = [_validation(rules.SHAPE_RULE, rules.SHAPE_RULE.path)]
+    model_node["x-kubernetes-validations"] = [_validation(rules.SHAPE_RULE, rules.SHAPE_RULE.path), MODEL_IMMUTABLE]
     return schema
 
 

@@ -281,6 +281,8 @@ class TrainingJobStatus(_Model):
     start_time: str | None = Field(None, description="When the pods first ran.")
     completion_time: str | None = Field(None, description="When the job succeeded or failed.")
     observed_generation: int | None = Field(None, description="Spec generation the status describes.")
+    spec_hash: str | None = Field(None, description="Hash of the spec (runPolicy left out) the placed gang was built from; "
+                                                     "a spec with another hash makes the operator rebuild the gang.")
 
 
 class SpecError(ValueError):

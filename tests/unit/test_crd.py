@@ -101,7 +101,7 @@ def test_every_cel_rule_is_attached_with_its_message_and_field_path():
         assert attached[rule.cel]["message"] == rule.cel_message
         assert attached[rule.cel]["fieldPath"] == rule.path.removeprefix("spec")
     model_rules = spec_node["properties"]["model"]["x-kubernetes-validations"]
-    assert model_rules == [{"rule": rules.SHAPE_RULE.cel, "message": rules.SHAPE_RULE.cel_message}]
+    assert model_rules == [{"rule": rules.SHAPE_RULE.cel, "message": rules.SHAPE_RULE.cel_message}, crd.MODEL_IMMUTABLE]
 
 
 def test_names_subresource_and_printer_columns():

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from meshtrain.operator import conditions, failure, lifecycle
+from meshtrain.operator import builders, conditions, failure, lifecycle
 from tests.unit.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -177,6 +177,47 @@ def test_finished_job_frees_gpus_of_pods_still_running():
 def test_every_status_change_records_the_observed_generation():
     decision = lifecycle.decide(job(**placed_status()), running_gang(), at(5))
     assert status_of(decision)["observedGeneration"] == 3
+
+
+def _spec_of(data: int, **run_policy: Any) -> dict[str, Any]:
+    raw = JobBuilder().layout(data=data, gpus_per_node=1).raw()
+    return raw | {"runPolicy": run_policy} if run_policy else raw
+
+
+def _hash_of(raw: dict[str, Any]) -> str:
+    return builders.spec_hash(job(raw).spec)
+
+
+def test_changed_spec_rebuilds_the_gang_without_counting_a_restart():
+    state = job(_spec_of(4), **placed_status(phase="Running", specHash=_hash_of(_spec_of(2)), lastCheckpointStep=20))
+    decision = lifecycle.decide(state, running_gang(), at(9))
+    assert kinds(decision) == ["SetStatus", "Emit", "DeletePods"]
+    status = status_of(decision)
+    assert status["phase"] == "Restarting" and status["placement"] == [] and status["specHash"] is None
+    assert "restarts" not in status
+    placed_condition = condition(decision, conditions.PLACED)
+    assert placed_condition["reason"] == conditions.SPEC_CHANGED
+    assert "dp4·pp1·tp1" in placed_condition["message"] and "step 20" in placed_condition["message"]
+    assert decision.actions[2].names == ("j-r0-0", "j-r0-1")
+
+
+def test_rebuilt_gang_waits_for_the_old_pods_then_places_the_new_spec():
+    state = job(_spec_of(4), phase="Restarting")
+    assert kinds(lifecycle.decide(state, [pod(0, "Running", deleting=True)], at(10))) == ["DeletePods"]
+    assert kinds(lifecycle.decide(state, [], at(11))) == ["Place"]
+    assert lifecycle.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(_spec_of(4))
+
+
+def test_run_policy_changes_do_not_rebuild_the_gang():
+    assert _hash_of(_spec_of(2, backoffLimit=9, activeDeadlineSeconds=60)) == _hash_of(_spec_of(2))
+    state = job(_spec_of(2, backoffLimit=9), **placed_status(phase="Running", specHash=_hash_of(_spec_of(2))))
+    assert kinds(lifecycle.decide(state, running_gang(), at(9))) == ["PollProgress"]
+
+
+def test_a_finished_gang_is_not_rebuilt_for_a_late_spec_change():
+    state = job(_spec_of(4), **placed_status(phase="Running", specHash=_hash_of(_spec_of(2))))
+    decision = lifecycle.decide(state, [pod(0, "Succeeded"), pod(1, "Succeeded")], at(9))
+    assert status_of(decision)["phase"] == "Succeeded"
 
 
 def test_placed_and_unschedulable_status():

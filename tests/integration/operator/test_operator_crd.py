@@ -83,3 +83,16 @@ def test_invalid_spec_is_refused_by_kubectl_apply(cluster, namespace, case, body
     result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body))
     assert result.returncode != 0, f"{case}: accepted"
     assert message in result.stderr, result.stderr
+
+
+def test_model_is_immutable_but_the_layout_may_change(cluster, namespace):
+    body = _with("metadata.name", "fixedmodel")
+    created = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body))
+    assert created.returncode == 0, created.stderr
+    reshaped = cluster.kubectl("patch", "tj", "fixedmodel", "-n", namespace, "--type", "merge",
+                               "-p", '{"spec": {"parallelism": {"data": 1}, "resources": {"gpusPerNode": 4}}}')
+    assert reshaped.returncode == 0, reshaped.stderr
+    grown = cluster.kubectl("patch", "tj", "fixedmodel", "-n", namespace, "--type", "merge",
+                            "-p", '{"spec": {"model": {"layers": 8}}}')
+    assert grown.returncode != 0, "a change of spec.model was accepted"
+    assert "spec.model is immutable" in grown.stderr, grown.stderr

@@ -10,6 +10,7 @@ import json
 import threading
 
 import pytest
+import yaml
 
 from tests.integration.operator.cluster import Job, free_port, wait_for
 
@@ -72,6 +73,25 @@ def test_suspend_removes_pods_keeps_status_and_resume_places_again(cluster, oper
     cluster.patch_job(namespace, "pausable", {"runPolicy": {"suspend": False}})
     cluster.wait_gang(namespace, "pausable", 2)
     assert cluster.condition(namespace, "pausable", "Suspended")["status"] == "False"
+
+
+def test_spec_change_rebuilds_the_gang_from_the_new_spec(cluster, operator, namespace, pool):
+    cluster.add_node(pool, gpus=8)
+    cluster.apply(Job("reshape", namespace, pool).layout(data=2).gpus(1))
+    old_uids = {p.metadata.uid for p in cluster.wait_gang(namespace, "reshape", 2)}
+    old_hash = cluster.status(namespace, "reshape")["specHash"]
+    cluster.patch_job(namespace, "reshape", {"parallelism": {"data": 4}})
+    pods = wait_for("the gang rebuilt as dp4", lambda: (
+        (gang := cluster.wait_gang(namespace, "reshape", 4)) and not old_uids & {p.metadata.uid for p in gang} and gang))
+    status = cluster.status(namespace, "reshape")
+    assert status["restarts"] == 0 and status["layout"] == "dp4·pp1·tp1"
+    assert status["specHash"] != old_hash
+    assert {p.metadata.labels["meshtrain.io/spec-hash"] for p in pods} == {status["specHash"]}
+    config = cluster.core.read_namespaced_config_map("reshape-spec", namespace)
+    assert yaml.safe_load(config.data["job.yaml"])["spec"]["parallelism"]["data"] == 4
+    events = wait_for("SpecChanged event", lambda: [
+        e for e in cluster.core.list_namespaced_event(namespace).items if e.reason == "SpecChanged"])
+    assert "dp4·pp1·tp1" in events[0].message
 
 
 def test_delete_removes_every_child(cluster, operator, namespace, pool):
