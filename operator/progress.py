@@ -26,7 +26,14 @@ def _number(value: Any, kind: type) -> Any:
 
 
 def status_changes(report: dict[str, Any]) -> dict[str, Any]:
-    """Status fields from one /progress report (empty when it says nothing usable)."""
+    """Status fields from one /progress report (empty when it says nothing usable).
+
+    ``updated_at: null`` is the trainer's "nothing yet" document (rank 0 is up
+    but has neither finished a step nor loaded a checkpoint): its step 0 would
+    wipe the progress of a gang that is about to resume.
+    """
+    if "updated_at" in report and report["updated_at"] is None:
+        return {}
     step = _number(report.get("step"), int)
     if step is None or step < 0:
         return {}

@@ -7,7 +7,9 @@
    operator planned, train to Succeeded, and their metrics are in Prometheus.
 3. The same job again, and one rank's process killed mid-run: the gang
    restarts, resumes from its checkpoint and succeeds with status.restarts == 1.
-4. ``down`` leaves no process behind.
+4. The same job again, re-laid-out mid-run with ``kubectl patch`` (dp2·pp2 ->
+   dp4·pp1): the gang is rebuilt and resumes from the checkpoint, resharded.
+5. ``down`` leaves no process behind.
 """
 
 from __future__ import annotations
@@ -110,32 +112,68 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supe
     assert example.timeline(paths, namespace, name) is not None, "meshtrain timeline draws from the claim's logs"
 
 
+def _saved_steps(checkpoints: pathlib.Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
+
+
+def _wait_for_checkpoint(paths: supervisor.Paths, namespace: str, name: str, checkpoints: pathlib.Path,
+                         at_least: int, timeout: float = 600) -> int:
+    """The newest checkpoint step once one of ``at_least`` steps or more is complete, the job still running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = (example.job(paths, namespace, name) or {}).get("status") or {}
+        assert status.get("phase") not in ("Succeeded", "Failed"), "the job ended before it could be interrupted"
+        saved = _saved_steps(checkpoints)
+        if saved and saved[-1] >= at_least:
+            return saved[-1]
+        time.sleep(0.3)
+    raise AssertionError(f"no checkpoint of step {at_least} or later within {timeout}s")
+
+
+def _gang_logs(paths: supervisor.Paths, namespace: str, pods: str) -> str:
+    return " ".join(p.read_text(errors="replace") for p in (paths.root / "pods" / namespace).glob(f"{pods}/trainer.log"))
+
+
 def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tuple[supervisor.Paths, dict]) -> None:
     paths, _state = sandbox
     name, claim, steps = "sandbox-restart", "restart-checkpoints", 300
     namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
     checkpoints = paths.root / "volumes" / namespace / claim
-    deadline = time.monotonic() + 600
-    victim = None
-    while time.monotonic() < deadline and victim is None:
-        status = (example.job(paths, namespace, name) or {}).get("status") or {}
-        assert status.get("phase") not in ("Succeeded", "Failed"), "the job ended before it could be interrupted"
-        saved = sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
-        if saved and saved[-1] >= 10:
-            pod = next(p for p in _pods(paths, name) if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1")
-            leader = int((paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text())
-            workers = [pid for pid in procs.tree(leader) if pid != leader]
-            assert workers, "torchrun's worker processes"
-            victim = workers[0]
-            print(f"killing rank process {victim} of pod {pod['metadata']['name']} after checkpoint step {saved[-1]}")
-            os.kill(victim, signal.SIGKILL)
-        time.sleep(0.3)
-    assert victim is not None, "never saw a checkpoint mid-run"
+    saved = _wait_for_checkpoint(paths, namespace, name, checkpoints, at_least=10)
+    pod = next(p for p in _pods(paths, name) if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1")
+    leader = int((paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text())
+    workers = [pid for pid in procs.tree(leader) if pid != leader]
+    assert workers, "torchrun's worker processes"
+    print(f"killing rank process {workers[0]} of pod {pod['metadata']['name']} after checkpoint step {saved}")
+    os.kill(workers[0], signal.SIGKILL)
     final = example.follow(paths, namespace, name, timeout=900)
     status = final["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
     assert status["restarts"] == 1
-    final_saved = sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
+    final_saved = _saved_steps(checkpoints)
     assert final_saved[-1] == steps, f"trained to the last step: checkpoints {final_saved}"
-    restarted = " ".join(p.read_text(errors="replace") for p in (paths.root / "pods" / namespace).glob(f"{name}-r1-*/trainer.log"))
-    assert "resumed from" in restarted, "the restarted gang resumes from the checkpoint"
+    assert "resumed from" in _gang_logs(paths, namespace, f"{name}-r1-*"), "the restarted gang resumes from the checkpoint"
+
+
+def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[supervisor.Paths, dict]) -> None:
+    """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted."""
+    paths, _state = sandbox
+    name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60
+    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
+    checkpoints = paths.root / "volumes" / namespace / claim
+    saved = _wait_for_checkpoint(paths, namespace, name, checkpoints, at_least=10)
+    old_pods = {p["metadata"]["uid"] for p in _pods(paths, name)}
+    print(f"patching {name} to dp4·pp1·tp1 after checkpoint step {saved}")
+    example.kubectl(paths, "patch", "tj", name, "-n", namespace, "--type", "merge",
+                    "-p", json.dumps({"spec": {"parallelism": {"data": 4, "pipeline": 1, "microBatches": 2}}}))
+    final = example.follow(paths, namespace, name, timeout=900)
+    status = final["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
+    assert status["layout"] == "dp4·pp1·tp1" and status["restarts"] == 0
+    assert not old_pods & {p["metadata"]["uid"] for p in _pods(paths, name)}
+    assert _saved_steps(checkpoints)[-1] == steps
+    resumed = _gang_logs(paths, namespace, f"{name}-r0-*")
+    assert "resumed from" in resumed, "the rebuilt gang resumes from the checkpoint"
+    events = json.loads(example.kubectl(paths, "get", "events", "-n", namespace, "--field-selector",
+                                        "reason=SpecChanged", "-o", "json"))["items"]
+    assert any(e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events), events

@@ -76,7 +76,8 @@ def test_progress_report_to_status():
     }
 
 
-@pytest.mark.parametrize("report", [{}, {"step": "x"}, {"step": -1}, {"step": True}])
+@pytest.mark.parametrize("report", [{}, {"step": "x"}, {"step": -1}, {"step": True},
+                                    {"step": 0, "loss": None, "last_checkpoint_step": None, "updated_at": None}])
 def test_unusable_progress_reports_change_nothing(report):
     assert progress.status_changes(report) == {}
 
