@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshtrain.api import rules
 from meshtrain.api import spec as api_spec
 
 GROUP = api_spec.API_GROUP
@@ -37,7 +38,7 @@ GANG_GATE = f"{GROUP}/gang"
 
 CONTAINER = "trainer"
 """Name of the trainer container."""
-MASTER_PORT = 29500
+MASTER_PORT = rules.RENDEZVOUS_PORT
 """torchrun rendezvous port on the rank-0 pod."""
 SPEC_DIR = "/etc/meshtrain"
 SPEC_FILE = f"{SPEC_DIR}/job.yaml"

@@ -151,6 +151,22 @@ def _learning_rate_order(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+RENDEZVOUS_PORT = 29500
+"""torchrun's rendezvous port in every pod (``meshtrain.operator.naming.MASTER_PORT``)."""
+
+
+def _metrics_ports(spec: TrainingJobSpec) -> str | None:
+    first, count = spec.metrics.port, spec.resources.gpus_per_node
+    last = first + count - 1
+    if last > 65535:
+        return (f"metrics.port={first} with gpusPerNode={count} needs ports {first}-{last}, past 65535 "
+                f"(each local rank serves metrics.port + its local rank): choose a port <= {65536 - count}")
+    if first <= RENDEZVOUS_PORT <= last:
+        return (f"metrics.port={first} with gpusPerNode={count} takes ports {first}-{last}, which include the "
+                f"rendezvous port {RENDEZVOUS_PORT}: choose a port above {RENDEZVOUS_PORT} or at most {RENDEZVOUS_PORT - count}")
+    return None
+
+
 SHAPE_RULE = Rule("model-shape-complete", "spec.model", "has(self.preset) || (has(self.layers) && has(self.hidden) && has(self.heads) && has(self.vocab) && has(self.seqLen))",
                   "model needs a preset or all of layers, hidden, heads, vocab, seqLen", _model_shape_complete)
 
@@ -203,6 +219,12 @@ RULES: tuple[Rule, ...] = (
          "self.training.minLearningRate <= self.training.learningRate",
          "training.minLearningRate must not exceed training.learningRate",
          _learning_rate_order),
+    Rule("metrics-ports-fit", "spec.metrics.port",
+         f"self.metrics.port + self.resources.gpusPerNode <= 65536 && (self.metrics.port > {RENDEZVOUS_PORT} "
+         f"|| self.metrics.port + self.resources.gpusPerNode <= {RENDEZVOUS_PORT})",
+         f"metrics.port + gpusPerNode - 1 must be at most 65535 and the range must not contain the rendezvous port {RENDEZVOUS_PORT} "
+         "(local rank r serves metrics on metrics.port + r)",
+         _metrics_ports),
 )
 
 

@@ -36,5 +36,8 @@ class JobBuilder:
     def resources(self, **values: Any) -> JobBuilder:
         return self._section("resources", **values)
 
+    def metrics(self, **values: Any) -> JobBuilder:
+        return self._section("metrics", **values)
+
     def raw(self) -> dict[str, Any]:
         return copy.deepcopy(self._raw)

@@ -51,6 +51,7 @@ INVALID = [
     ("vocab over tensor", _with("spec.model.vocab", 255), _rule("vocab-split-over-tensor")),
     ("ffn over tensor", _with("spec.model.ffnHidden", 255), _rule("ffn-split-over-tensor")),
     ("sequence parallel over tensor", _sequence_parallel_with_odd_seq_len(), _rule("sequence-split-over-tensor")),
+    ("metrics ports over the rendezvous port", _with("spec.metrics", {"port": 29498}), _rule("metrics-ports-fit")),
     ("learning rate order", _with("spec.training", {"learningRate": 0.001, "minLearningRate": 0.01}), _rule("learning-rate-order")),
     ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
     ("unknown schedule (enum)", _with("spec.parallelism.schedule", "zero-bubble"), "Unsupported value: \"zero-bubble\""),
