@@ -116,16 +116,19 @@ def _saved_steps(checkpoints: pathlib.Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
 
 
-def _wait_for_checkpoint(paths: supervisor.Paths, namespace: str, name: str, checkpoints: pathlib.Path,
-                         at_least: int, timeout: float = 600) -> int:
-    """The newest checkpoint step once one of ``at_least`` steps or more is complete, the job still running."""
+def _run_until_checkpoint(paths: supervisor.Paths, name: str, claim: str, steps: int,
+                          at_least: int = 10, timeout: float = 600) -> tuple[str, pathlib.Path, int]:
+    """Apply a variant of the example; once a checkpoint of ``at_least`` steps or more is complete, the job
+    still running, return its namespace, checkpoint directory and newest checkpoint step."""
+    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
+    checkpoints = paths.root / "volumes" / namespace / claim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = (example.job(paths, namespace, name) or {}).get("status") or {}
         assert status.get("phase") not in ("Succeeded", "Failed"), "the job ended before it could be interrupted"
         saved = _saved_steps(checkpoints)
         if saved and saved[-1] >= at_least:
-            return saved[-1]
+            return namespace, checkpoints, saved[-1]
         time.sleep(0.3)
     raise AssertionError(f"no checkpoint of step {at_least} or later within {timeout}s")
 
@@ -136,10 +139,8 @@ def _gang_logs(paths: supervisor.Paths, namespace: str, pods: str) -> str:
 
 def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tuple[supervisor.Paths, dict]) -> None:
     paths, _state = sandbox
-    name, claim, steps = "sandbox-restart", "restart-checkpoints", 300
-    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
-    checkpoints = paths.root / "volumes" / namespace / claim
-    saved = _wait_for_checkpoint(paths, namespace, name, checkpoints, at_least=10)
+    name, steps = "sandbox-restart", 300
+    namespace, checkpoints, saved = _run_until_checkpoint(paths, name, "restart-checkpoints", steps)
     pod = next(p for p in _pods(paths, name) if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1")
     leader = int((paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text())
     workers = [pid for pid in procs.tree(leader) if pid != leader]
@@ -158,10 +159,8 @@ def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tupl
 def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[supervisor.Paths, dict]) -> None:
     """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted."""
     paths, _state = sandbox
-    name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60
-    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
-    checkpoints = paths.root / "volumes" / namespace / claim
-    saved = _wait_for_checkpoint(paths, namespace, name, checkpoints, at_least=10)
+    name, steps = "sandbox-reshape", 60
+    namespace, checkpoints, saved = _run_until_checkpoint(paths, name, "reshape-checkpoints", steps)
     old_pods = {p["metadata"]["uid"] for p in _pods(paths, name)}
     print(f"patching {name} to dp4·pp1·tp1 after checkpoint step {saved}")
     example.kubectl(paths, "patch", "tj", name, "-n", namespace, "--type", "merge",
