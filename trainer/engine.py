@@ -7,7 +7,10 @@ process-group mesh.  Every rank builds the same dense model from the seed
 steps: draw this rank's micro-batches, run the pipeline schedule (forward,
 backward, gradient reduction overlapped), finish the reductions, clip by the
 global norm, AdamW with warmup + cosine learning rate, and agree on the
-step's mean loss.
+step's mean loss.  Telemetry is timed with one clock chosen from the device
+(:mod:`.parallel.clocks`); on CUDA its stamps are events, so the recorder is
+wrapped in a :class:`~.parallel.recording.DeferredRecorder` that reads them
+after the step.
 
 What it is not: process management (:mod:`.launch`, :mod:`.worker`),
 logging to files (:mod:`.steplog`) or checkpointing (later issue; the state
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from meshtrain.trainer import data, optim
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import parallelize, recording, zero
+from meshtrain.trainer.parallel import clocks, parallelize, recording, zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +70,12 @@ class Engine:
         """``spec`` is a validated TrainingJobSpec; weights are fp32 (master weights under bf16 autocast)."""
         self.spec = spec
         self.mesh = mesh
-        self.recorder = recorder or recording.NullRecorder()
+        self.clock = clocks.for_device(mesh.device)
+        """Times every event reported to the recorder."""
+        recorder = recorder or recording.NullRecorder()
+        self.recorder = (recording.DeferredRecorder(recorder, self.clock) if isinstance(self.clock, clocks.CudaClock)
+                         else recorder)
+        """``recorder``, behind a DeferredRecorder when the clock's stamps are CUDA events."""
         training, par = spec.training, spec.parallelism
         self.config = gpt.GPTConfig.from_shape(spec.model.shape())
         torch.manual_seed(training.seed)
@@ -78,11 +86,11 @@ class Engine:
         self.model = parallelize.parallelize(
             dense, mesh, schedule=par.schedule, virtual_stages=par.virtual_stages, micro_batches=par.micro_batches,
             micro_batch=training.micro_batch, sequence_parallel=par.sequence_parallel, bucket_mb=par.bucket_mb,
-            recorder=self.recorder, autocast=autocast, zero_stage=par.zero_stage)
+            recorder=self.recorder, clock=self.clock, autocast=autocast, zero_stage=par.zero_stage)
         if par.zero_stage and self.model.reducer is not None:  # ZeRO 1/2: moments sharded over dp
             self.optimizer = zero.ZeroAdamW(self.model.named_params, self.model.reducer, stage=par.zero_stage,
                                             lr=training.learning_rate, weight_decay=training.weight_decay,
-                                            recorder=self.recorder)
+                                            recorder=self.recorder, clock=self.clock)
         else:
             self.optimizer = optim.build_adamw(self.model.named_params, lr=training.learning_rate,
                                                weight_decay=training.weight_decay)
@@ -118,13 +126,13 @@ class Engine:
         """Under SP, norm and position-table gradients are per-sequence-slice partials: sum over TP."""
         wanted = set(self.model.tp_plan.sequence_partial)
         if isinstance(self.optimizer, zero.ZeroAdamW) and self.optimizer.stage == 2:  # only dp shards of grads exist
-            self.optimizer.all_reduce_grads(wanted, self.mesh.group("tp"), self.recorder)
+            self.optimizer.all_reduce_grads(wanted, self.mesh.group("tp"), self.recorder, self.clock)
             return
         grads = [p.grad for n, p in self.model.named_params if n in wanted and p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
-        start = time.perf_counter()
+        start = self.clock.now()
         dist.all_reduce(flat, group=self.mesh.group("tp"))
-        self.recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, time.perf_counter())
+        self.recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, self.clock.now())
         offset = 0
         for g in grads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
@@ -151,7 +159,7 @@ class Engine:
         """One optimizer step."""
         training = self.spec.training
         step = self.step + 1
-        start = time.perf_counter()
+        start = self.clock.start_step()  # host time on every device
         self.recorder.step_start(step, start)
         lr = optim.lr_at(step, peak=training.learning_rate, minimum=training.min_learning_rate,
                          warmup=training.warmup_steps, total=training.steps)
@@ -159,7 +167,7 @@ class Engine:
         loss_sum = self.forward_backward()
         clip = self.optimizer.clip_grad_norm if isinstance(self.optimizer, zero.ZeroAdamW) else optim.clip_grad_norm
         norm = clip(self.params, counted=self._norm_counted, max_norm=training.grad_clip,
-                    groups=self._norm_groups, recorder=self.recorder)
+                    groups=self._norm_groups, recorder=self.recorder, clock=self.clock)
         self.optimizer.step()
         self.zero_grad()
         loss = self._global_loss(loss_sum)

@@ -17,12 +17,11 @@ only which gradient elements a rank counts.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.parallel import clocks, recording
 
 
 def build_adamw(named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float, weight_decay: float,
@@ -50,7 +49,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], *, counted: list[bool], max_norm: float,
-                   groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder) -> float:
+                   groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder,
+                   clock: clocks.Clock) -> float:
     """Scale gradients so the global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
     ``counted[i]`` says whether this rank counts ``params[i]`` in the norm;
@@ -64,20 +64,21 @@ def clip_grad_norm(params: list[torch.nn.Parameter], *, counted: list[bool], max
     if mine:  # per-tensor norms in fp32 (no big temporaries), their squares summed in fp64
         norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in mine])
         square += norms.double().pow(2).sum()
-    return reduce_norm_and_clip(square, grads, max_norm=max_norm, groups=groups, recorder=recorder)
+    return reduce_norm_and_clip(square, grads, max_norm=max_norm, groups=groups, recorder=recorder, clock=clock)
 
 
 def reduce_norm_and_clip(square: torch.Tensor, grads: list[torch.Tensor], *, max_norm: float,
-                         groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder) -> float:
+                         groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder,
+                         clock: clocks.Clock) -> float:
     """Sum this rank's squared-norm share over ``groups``, then scale ``grads`` as ``clip_grad_norm_`` would.
 
     ``square`` is the sum of squares of the gradient elements this rank owns;
     ``grads`` are the tensors this rank scales.  Returns the global norm.
     """
     for axis, group in groups:
-        start = time.perf_counter()
+        start = clock.now()
         dist.all_reduce(square, group=group)
-        recorder.collective(axis, "all_reduce", square.element_size(), start, time.perf_counter())
+        recorder.collective(axis, "all_reduce", square.element_size(), start, clock.now())
     norm = float(square.sqrt())
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))

@@ -3,5 +3,6 @@
 :func:`meshtrain.trainer.parallel.parallelize.parallelize` composes them (its
 docstring explains the order).  :mod:`.schedules` is pure (no processes);
 :mod:`.recording` is the one interface through which the engine reports
-timings to telemetry.  Nothing here builds the model or loops over steps.
+timings to telemetry, and :mod:`.clocks` takes those times (host seconds on
+CPU, CUDA events on a GPU).  Nothing here builds the model or loops over steps.
 """

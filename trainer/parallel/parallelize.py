@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import pipeline, recording, reducer, tensor, zero
+from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero
 
 
 @dataclasses.dataclass
@@ -65,9 +65,12 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_stages: int, micro_batches: int,
                 micro_batch: int, sequence_parallel: bool, bucket_mb: float, recorder: recording.StepRecorder,
-                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                clock: clocks.Clock, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                 zero_stage: int = 0) -> ParallelModel:
-    """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank."""
+    """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
+
+    Every part that reports to ``recorder`` times its work with ``clock``.
+    """
     layout, coords = mesh.layout, mesh.coords
     config = model.config
 
@@ -78,7 +81,7 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
     tp_ctx, tp_plan = None, None
     if layout.tensor > 1:
         tp_ctx = tensor.TPContext(group=mesh.group("tp"), rank=coords.tp, size=layout.tensor,
-                                  sequence_parallel=sequence_parallel, recorder=recorder)
+                                  sequence_parallel=sequence_parallel, recorder=recorder, clock=clock)
         plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
         tp_plan = tensor.TPPlan(shards={k: v for p in plans for k, v in p.shards.items()},
                                 sequence_partial=[n for p in plans for n in p.sequence_partial])
@@ -92,7 +95,7 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
         # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce.
         reducer_cls = zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
         grad_reducer = reducer_cls([p for _, p in named], group=mesh.group("dp"), group_size=layout.data,
-                                   bucket_mb=bucket_mb, recorder=recorder)
+                                   bucket_mb=bucket_mb, recorder=recorder, clock=clock)
 
     # 4. The schedule executor around it all.
     ranks = [layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)]
@@ -105,7 +108,7 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
     executor = pipeline.PipelineExecutor(
         chunks, ctx, schedule=schedule if many else "1f1b", micro_batches=micro_batches,
         activation_shape=(micro_batch, seq, config.hidden), activation_dtype=named[0][1].dtype, device=mesh.device,
-        loss_fn=loss_fn, recorder=recorder, grad_sync=grad_reducer.set_sync if grad_reducer else None,
+        loss_fn=loss_fn, recorder=recorder, clock=clock, grad_sync=grad_reducer.set_sync if grad_reducer else None,
         autocast=autocast)
     return ParallelModel(chunks=chunks, named_params=named, tp_plan=tp_plan, executor=executor,
                          reducer=grad_reducer, tp=tp_ctx)

@@ -12,7 +12,9 @@ deadlock on gloo; on gloo the next action's receive is posted before this
 action computes (:meth:`PipelineExecutor._prefetch`).  Activations and gradients travel on two separate process
 groups, so each direction keeps its own FIFO order (the order NCCL needs).
 
-Each forward, backward and blocking wait is reported to the step recorder;
+Each forward, backward and blocking wait is reported to the step recorder,
+timed with the engine's clock (:mod:`.clocks`: host time on CPU, GPU time
+on CUDA);
 before each backward the executor tells the gradient reducer whether it is
 the chunk's last one in the step (only then are gradients reduced).
 
@@ -26,14 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import recording, schedules
+from meshtrain.trainer.parallel import clocks, recording, schedules
 
 
 def split_layers(layers: int, parts: int) -> list[range]:
@@ -94,7 +95,7 @@ class PipelineExecutor:
     def __init__(self, chunks: list[torch.nn.Module], ctx: PipelineContext, *, schedule: str, micro_batches: int,
                  activation_shape: tuple[int, ...], activation_dtype: torch.dtype, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 recorder: recording.StepRecorder,
+                 recorder: recording.StepRecorder, clock: clocks.Clock,
                  grad_sync: Callable[[bool], None] | None = None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.chunks = chunks
@@ -108,6 +109,7 @@ class PipelineExecutor:
         self.device = device
         self.loss_fn = loss_fn
         self.recorder = recorder
+        self.clock = clock
         self.grad_sync = grad_sync
         self.autocast = autocast
         self.last_virtual = ctx.stages * self.virtual_stages - 1
@@ -141,9 +143,9 @@ class PipelineExecutor:
         return dist.irecv(buffer, src=self._peer(src), group=group), buffer
 
     def _wait_recv(self, posted: tuple[dist.Work, torch.Tensor]) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self.clock.now()
         posted[0].wait()
-        self.recorder.wait("recv", start, time.perf_counter())
+        self.recorder.wait("recv", start, self.clock.now())
         return posted[1]
 
     def _prefetch(self) -> bool:
@@ -187,12 +189,12 @@ class PipelineExecutor:
                     x = inputs[action.microbatch].to(self.device)
                 else:
                     x = self._wait_recv(recv).requires_grad_()
-                start = time.perf_counter()
+                start = self.clock.now()
                 with self.autocast():
                     out = self.chunks[action.chunk](x)
                     if j == self.last_virtual:
                         out = self.loss_fn(out, targets[action.microbatch].to(self.device)) / m
-                self.recorder.compute("forward", action.microbatch, action.chunk, start, time.perf_counter())
+                self.recorder.compute("forward", action.microbatch, action.chunk, start, self.clock.now())
                 saved[key] = (x if j > 0 else None, out)
                 if j == self.last_virtual:
                     loss_sum += out.detach()
@@ -204,15 +206,15 @@ class PipelineExecutor:
                 grad = None if j == self.last_virtual else self._wait_recv(recv)
                 if self.grad_sync is not None:
                     self.grad_sync(self.last_backward[action.chunk] == action)
-                start = time.perf_counter()
+                start = self.clock.now()
                 torch.autograd.backward(out, grad)
-                self.recorder.compute("backward", action.microbatch, action.chunk, start, time.perf_counter())
+                self.recorder.compute("backward", action.microbatch, action.chunk, start, self.clock.now())
                 if x is not None:
                     sent = x.grad.contiguous()
                     in_flight.append((dist.isend(sent, dst=self._peer(j - 1), group=self.ctx.backward_group), sent))
         if in_flight:
-            start = time.perf_counter()
+            start = self.clock.now()
             for work, _ in in_flight:
                 work.wait()
-            self.recorder.wait("send", start, time.perf_counter())
+            self.recorder.wait("send", start, self.clock.now())
         return loss_sum

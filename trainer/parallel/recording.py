@@ -2,24 +2,41 @@
 
 What it is: the :class:`StepRecorder` protocol the engine calls around every
 micro-batch forward/backward, every pipeline wait, every collective and at
-the end of each optimizer step; a no-op :class:`NullRecorder`; and
-:class:`MemoryRecorder`, which keeps the events in lists (tests, summaries).
-Times are ``time.perf_counter()`` seconds on this process.  For asynchronous
-collectives ``end`` is when completion was observed (a future callback, so
-close to the real end on gloo).
+the end of each optimizer step; a no-op :class:`NullRecorder`;
+:class:`MemoryRecorder`, which keeps the events in lists (tests, summaries);
+and :class:`DeferredRecorder`, which holds a step's GPU events until they
+can be read.
+
+Times, as every recorder receives them, are seconds on this process'
+``time.perf_counter()`` timeline; what they measure depends on the device
+(:mod:`.clocks`):
+
+* CPU (gloo): host time around the work.  For asynchronous collectives
+  ``end`` is when completion was observed (a future callback, so close to the
+  real end on gloo).
+* CUDA (NCCL): when the GPU ran the work.  The engine stamps with CUDA events
+  on the stream the work runs on and wraps its recorder in a
+  :class:`DeferredRecorder`, which converts them to perf_counter seconds after
+  the step's sync and forwards the step's events, in order, just before
+  ``step_end``.  ``step_start``'s time and ``step_end``'s seconds are host
+  time on both.
 
 What it is not: an exporter.  Prometheus metrics, the step log and the
 timeline live in :mod:`meshtrain.trainer.telemetry`, which implements this
 protocol (or wraps :class:`MemoryRecorder`).  Calls may come from a
-communication thread (collective completion), so implementations must be
-cheap and thread-safe (appending to a list is).
+communication or autograd thread (collective completion, gradient hooks), so
+implementations must be cheap and thread-safe (appending to a list is).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
+from collections.abc import Callable
 from typing import Literal, Protocol
+
+from meshtrain.trainer.parallel import clocks
 
 ComputeKind = Literal["forward", "backward"]
 WaitKind = Literal["recv", "send"]
@@ -27,7 +44,7 @@ Group = Literal["dp", "tp", "pp"]
 
 
 class StepRecorder(Protocol):
-    """Receives timing events from the engine."""
+    """Receives timing events from the engine: perf_counter seconds (see the module docstring per device)."""
 
     def step_start(self, step: int, start: float) -> None:
         """Optimizer step ``step`` (1-based) begins."""
@@ -36,7 +53,7 @@ class StepRecorder(Protocol):
         """A forward or backward of one micro-batch through one model chunk (virtual stage)."""
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
-        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends)."""
+        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends; on CUDA, the stream's)."""
 
     def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
         """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank."""
@@ -73,9 +90,9 @@ class Event:
     kind: str
     """forward/backward, recv/send, or the collective's op."""
     start: float
-    """perf_counter seconds."""
+    """perf_counter seconds (on CUDA, when the GPU started the work)."""
     end: float
-    """perf_counter seconds."""
+    """perf_counter seconds (on CUDA, when the GPU finished the work)."""
     group: str | None = None
     """Process group axis of a collective."""
     nbytes: int = 0
@@ -143,3 +160,50 @@ class MemoryRecorder:
                 out[f"{key}_bytes"] = out.get(f"{key}_bytes", 0.0) + e.nbytes
                 out[f"{key}_count"] = out.get(f"{key}_count", 0.0) + 1
         return out
+
+
+class DeferredRecorder:
+    """Holds a step's events until their CUDA event stamps can be read, then forwards them as seconds, in order.
+
+    ``step_start`` passes through at once (its time is the host's).  Every
+    other event is kept until ``step_end``, which synchronises the device,
+    converts the stamps with :meth:`.clocks.CudaClock.seconds` and forwards the
+    events in the order they were reported, then ``step_end`` itself.  Events
+    reported outside a step (no reference event to measure from) are dropped
+    at the next ``step_start``, as every recorder here drops them.
+    """
+
+    def __init__(self, inner: StepRecorder, clock: clocks.CudaClock) -> None:
+        self.inner = inner
+        """The recorder that receives seconds."""
+        self.clock = clock
+        """The clock whose stamps the engine passes."""
+        self._lock = threading.Lock()
+        self._held: list[tuple[Callable[[float, float], None], clocks.Stamp, clocks.Stamp]] = []
+
+    def _hold(self, forward: Callable[[float, float], None], start: clocks.Stamp, end: clocks.Stamp) -> None:
+        with self._lock:
+            self._held.append((forward, start, end))
+
+    def step_start(self, step: int, start: float) -> None:
+        with self._lock:
+            self._held = []
+        self.inner.step_start(step, start)
+
+    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: clocks.Stamp, end: clocks.Stamp) -> None:
+        self._hold(functools.partial(self.inner.compute, kind, microbatch, chunk), start, end)
+
+    def wait(self, kind: WaitKind, start: clocks.Stamp, end: clocks.Stamp) -> None:
+        self._hold(functools.partial(self.inner.wait, kind), start, end)
+
+    def collective(self, group: Group, op: str, nbytes: int, start: clocks.Stamp, end: clocks.Stamp,
+                   bucket: int | None = None) -> None:
+        self._hold(functools.partial(self.inner.collective, group, op, nbytes, bucket=bucket), start, end)
+
+    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        self.clock.synchronize()
+        with self._lock:
+            held, self._held = self._held, []
+        for forward, start, end in held:
+            forward(self.clock.seconds(start), self.clock.seconds(end))
+        self.inner.step_end(step, loss, tokens, seconds)

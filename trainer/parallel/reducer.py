@@ -11,7 +11,10 @@ computing earlier layers.  During gradient accumulation (micro-batches other
 than the last) the hooks do nothing, so there is no traffic until the last
 micro-batch.  One step therefore makes exactly ``len(buckets)`` collectives.
 
-:meth:`GradReducer.finish` waits for them and turns sums into means.  The
+:meth:`GradReducer.finish` waits for them and turns sums into means.  Each
+collective is started and timed through the engine's clock (its ``launch``,
+:mod:`.clocks`: on CUDA from a side stream, so timing its end holds back
+neither the host nor backward's stream).  The
 collective is one method, :meth:`GradReducer._launch`: a ZeRO-2 reducer
 overrides it with a reduce-scatter of the bucket (each rank keeps its shard)
 and :meth:`finish` accordingly; ZeRO-1 keeps the all-reduce and shards only
@@ -25,12 +28,11 @@ weight tying), which holds for meshtrain's GPT.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.parallel import clocks, recording
 
 
 @dataclasses.dataclass
@@ -45,8 +47,8 @@ class Bucket:
     """Flat gradient storage of the members."""
     ready: int = 0
     """Members whose final gradient arrived this step."""
-    work: dist.Work | None = None
-    """The in-flight collective, if launched."""
+    work: clocks.Launch | None = None
+    """The in-flight collective (launched through the clock), if launched."""
 
 
 def plan_buckets(sizes: list[int], element_size: int, bucket_bytes: int) -> list[list[int]]:
@@ -66,10 +68,12 @@ class GradReducer:
     """Averages gradients over a data-parallel group, bucket by bucket, during backward."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup, group_size: int,
-                 bucket_mb: float, recorder: recording.StepRecorder) -> None:
+                 bucket_mb: float, recorder: recording.StepRecorder, clock: clocks.Clock | None = None) -> None:
         self.group = group
         self.group_size = group_size
         self.recorder = recorder
+        self.clock = clock or clocks.HostClock()
+        """Starts and times the collectives (the engine's)."""
         self.sync = True
         """Whether gradients arriving now are final (set per backward by the pipeline executor)."""
         ordered = [p for p in reversed(params) if p.requires_grad]
@@ -109,14 +113,10 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's collective (all-reduce of the sum); ZeRO-2 would reduce-scatter here."""
-        start = time.perf_counter()
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-
-        def done(_future) -> None:  # noqa: ANN001 - runs on the communication thread
-            self.recorder.collective("dp", "all_reduce", nbytes, start, time.perf_counter(), bucket=bucket.index)
-
-        bucket.work.get_future().add_done_callback(done)
+        bucket.work = self.clock.launch(lambda: dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+        bucket.work.report_when_done(  # host: on completion, from the communication thread; CUDA: now, as events
+            lambda start, end: self.recorder.collective("dp", "all_reduce", nbytes, start, end, bucket=bucket.index))
 
     def finish(self) -> None:
         """Wait for every bucket (launching any still pending) and divide by the group size."""

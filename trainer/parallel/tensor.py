@@ -9,7 +9,8 @@ sequence-parallel position embedding), the vocabulary-parallel cross-entropy
 :func:`apply_tensor_parallel`, which swaps the dense modules of a
 :class:`~meshtrain.trainer.model.GPT` for sharded ones.
 
-Every collective goes through :func:`_timed`, which reports it to the
+Every collective goes through :func:`_timed`, which times it with the
+engine's clock (:mod:`.clocks`) and reports it to the
 :class:`~meshtrain.trainer.parallel.recording.StepRecorder` as group ``tp``:
 that is why meshtrain has its own layers instead of
 ``torch.distributed.tensor.parallel`` (see docs/trainer.md).
@@ -21,7 +22,6 @@ across data-parallel replicas (:mod:`.reducer`).
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.parallel import clocks, recording
 
 
 @dataclasses.dataclass
@@ -46,6 +46,8 @@ class TPContext:
     """Shard norm/residual activations along the sequence (Megatron SP)."""
     recorder: recording.StepRecorder = dataclasses.field(default_factory=recording.NullRecorder)
     """Where collective timings go."""
+    clock: clocks.Clock = dataclasses.field(default_factory=clocks.HostClock)
+    """What times them (the engine's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +75,9 @@ def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
 # --- timed collectives --------------------------------------------------------
 
 def _timed(ctx: TPContext, op: str, tensor: torch.Tensor, fn) -> None:  # noqa: ANN001 - a closure
-    start = time.perf_counter()
+    start = ctx.clock.now()
     fn()
-    ctx.recorder.collective("tp", op, tensor.numel() * tensor.element_size(), start, time.perf_counter())
+    ctx.recorder.collective("tp", op, tensor.numel() * tensor.element_size(), start, ctx.clock.now())
 
 
 def _all_reduce(x: torch.Tensor, ctx: TPContext, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:

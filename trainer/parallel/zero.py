@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.trainer import optim
-from meshtrain.trainer.parallel import recording, reducer
+from meshtrain.trainer.parallel import clocks, recording, reducer
 
 
 def shard_size(numel: int, size: int) -> int:
@@ -127,9 +126,10 @@ class ShardedGradReducer(reducer.GradReducer):
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup, group_size: int,
-                 bucket_mb: float, recorder: recording.StepRecorder) -> None:
-        self._pending: dict[int, tuple[torch.Tensor, float]] = {}
-        super().__init__(params, group=group, group_size=group_size, bucket_mb=bucket_mb, recorder=recorder)
+                 bucket_mb: float, recorder: recording.StepRecorder, clock: clocks.Clock | None = None) -> None:
+        self._pending: dict[int, tuple[torch.Tensor, clocks.Stamp]] = {}
+        super().__init__(params, group=group, group_size=group_size, bucket_mb=bucket_mb, recorder=recorder,
+                         clock=clock)
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
         numel = sum(p.numel() for p in members)
@@ -142,7 +142,7 @@ class ShardedGradReducer(reducer.GradReducer):
 
     def _launch(self, bucket: reducer.Bucket) -> None:
         """Pack the members' gradients, release them, and reduce-scatter the packed buffer into the shard."""
-        start = time.perf_counter()
+        start = self.clock.now()
         shard = bucket.buffer
         full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
         offset = 0
@@ -151,9 +151,10 @@ class ShardedGradReducer(reducer.GradReducer):
                 full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
                 p.grad = None
             offset += p.numel()
-        # gloo's reduce-scatter work has no future to hang a callback on: time it from launch to wait.
+        # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
+        # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
         self._pending[bucket.index] = (full, start)  # the packed buffer lives until the collective is done
-        bucket.work = _reduce_scatter(shard, full, self.group, self.group_size)
+        bucket.work = self.clock.launch(lambda: _reduce_scatter(shard, full, self.group, self.group_size))
 
     def finish(self) -> None:
         """Wait for every bucket's reduce-scatter and turn sums into means; only shards remain."""
@@ -161,10 +162,10 @@ class ShardedGradReducer(reducer.GradReducer):
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()
+            end = bucket.work.wait()
             full, start = self._pending.pop(bucket.index)
-            self.recorder.collective("dp", "reduce_scatter", full.numel() * full.element_size(), start,
-                                     time.perf_counter(), bucket=bucket.index)
+            self.recorder.collective("dp", "reduce_scatter", full.numel() * full.element_size(), start, end,
+                                     bucket=bucket.index)
             bucket.buffer.div_(self.group_size)
             bucket.work = None
             bucket.ready = 0
@@ -203,7 +204,8 @@ class ZeroAdamW:
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], grad_reducer: reducer.GradReducer, *,
                  stage: int, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, recorder: recording.StepRecorder | None = None) -> None:
+                 eps: float = 1e-8, recorder: recording.StepRecorder | None = None,
+                 clock: clocks.Clock | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroAdamW is for ZeRO stages 1 and 2, got {stage}")
         if stage == 2 and not isinstance(grad_reducer, ShardedGradReducer):
@@ -213,6 +215,7 @@ class ZeroAdamW:
         self.group, self.size = grad_reducer.group, grad_reducer.group_size
         self.rank = dist.get_rank(self.group)
         self.recorder = recorder or recording.NullRecorder()
+        self.clock = clock or clocks.HostClock()
         self.names = {id(p): n for n, p in named_params}
         self.param_groups = [
             {"name": "decay", "lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps},
@@ -243,7 +246,8 @@ class ZeroAdamW:
         return flat.narrow(0, state.start, state.stop - state.start)
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], *, counted: list[bool], max_norm: float,
-                       groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder | None = None) -> float:
+                       groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder | None = None,
+                       clock: clocks.Clock | None = None) -> float:
         """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
 
         Same signature as :func:`meshtrain.trainer.optim.clip_grad_norm`:
@@ -252,6 +256,7 @@ class ZeroAdamW:
         """
         counted_by_id = {id(p): c for p, c in zip(params, counted)}
         recorder = recorder or self.recorder
+        clock = clock or self.clock
         square = torch.zeros((), dtype=torch.float64, device=self.buckets[0].exp_avg.device if self.buckets else "cpu")
         for index, state in enumerate(self.buckets):
             grad = self._owned_grad(index)
@@ -260,9 +265,10 @@ class ZeroAdamW:
                     square += grad.narrow(0, seg.shard_offset, seg.numel).double().pow(2).sum()
         owned = [self._owned_grad(index) for index in range(len(self.buckets))]
         return optim.reduce_norm_and_clip(square, owned, max_norm=max_norm, groups=[("dp", self.group), *groups],
-                                          recorder=recorder)
+                                          recorder=recorder, clock=clock)
 
-    def all_reduce_grads(self, names: set[str], group: dist.ProcessGroup, recorder: recording.StepRecorder) -> None:
+    def all_reduce_grads(self, names: set[str], group: dist.ProcessGroup, recorder: recording.StepRecorder,
+                         clock: clocks.Clock) -> None:
         """Sum the owned gradient elements of the parameters ``names`` over ``group`` (stage 2).
 
         Sequence parallelism leaves norm and position-table gradients as
@@ -279,9 +285,9 @@ class ZeroAdamW:
         if not views:  # the same on every peer: their owned ranges are identical
             return
         flat = torch.cat(views)  # one collective for all of them
-        start = time.perf_counter()
+        start = clock.now()
         dist.all_reduce(flat, group=group)
-        recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, time.perf_counter())
+        recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, clock.now())
         offset = 0
         for view in views:
             view.copy_(flat.narrow(0, offset, view.numel()))
@@ -323,9 +329,9 @@ class ZeroAdamW:
             full = work
         else:
             full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
-            start = time.perf_counter()
+            start = self.clock.now()
             dist.all_gather_single(full, work, group=self.group)
-            self.recorder.collective("dp", "all_gather", full.numel() * full.element_size(), start, time.perf_counter())
+            self.recorder.collective("dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now())
         offset = 0
         for p in state.params:
             p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))

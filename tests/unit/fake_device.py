@@ -1,0 +1,91 @@
+"""A stand-in for ``torch.cuda``'s timing surface, so the CUDA clock runs on a CPU.
+
+What it is: :class:`FakeDevice`, with the ``Event``, ``Stream``, ``stream``,
+``current_stream`` and ``synchronize`` that
+:class:`~meshtrain.trainer.parallel.clocks.CudaClock` uses.  An event takes its
+time from ``now`` (a callable returning seconds) when it is recorded, and
+``elapsed_time`` answers in milliseconds as CUDA's does.  Every stream
+operation is appended to :attr:`FakeDevice.log` as a tuple, so a test can
+check their order.
+
+What it is not: a model of asynchrony.  Everything runs when it is issued;
+the multi-process test uses it with ``now = time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class FakeStream:
+    """A named stream that logs what waits on what."""
+
+    def __init__(self, name: str, device: FakeDevice) -> None:
+        self.name = name
+        self.device = device
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.device.log.append(("wait_stream", self.name, other.name))
+
+
+class FakeEvent:
+    """A timing event: its time is read when it is recorded."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device = device
+        self.at: float | None = None
+        self.stream: str | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or self.device.current
+        self.at, self.stream = self.device.now(), stream.name
+        self.device.log.append(("record", stream.name))
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        """Milliseconds from this event to ``end`` (both recorded, as CUDA requires)."""
+        if self.at is None or end.at is None:
+            raise RuntimeError("elapsed_time on an event that was not recorded")
+        return (end.at - self.at) * 1000.0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeDevice:
+    """The ``torch.cuda`` functions CudaClock calls, on a host time source."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
+        """Where event times come from (seconds)."""
+        self.log: list[tuple[str, ...]] = []
+        """Stream operations in issue order."""
+        self.compute = FakeStream("compute", self)
+        """The default stream."""
+        self.current = self.compute
+        """The stream work is issued on now."""
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802 - torch.cuda.Event
+        assert enable_timing, "CudaClock must ask for timing events"
+        return FakeEvent(self)
+
+    def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 - torch.cuda.Stream
+        return FakeStream("side", self)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        previous, self.current = self.current, stream
+        self.log.append(("enter", stream.name))
+        try:
+            yield
+        finally:
+            self.current = previous
+            self.log.append(("exit", stream.name))
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return self.current
+
+    def synchronize(self, device: Any = None) -> None:
+        self.log.append(("synchronize",))

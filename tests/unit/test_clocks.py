@@ -1,0 +1,200 @@
+"""Telemetry clocks: host time, CUDA events resolved against the step's reference, the side-stream launch, and
+the recorder that holds a step's events until they can be read (a stand-in device: no GPU here)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from meshtrain.trainer.parallel import clocks, recording
+from tests.unit import fake_device
+
+
+class ManualTime:
+    """A device time source the test moves by hand (seconds)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def __call__(self) -> float:
+        return self.at
+
+
+class CallLog:
+    """A StepRecorder that notes every call in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def step_start(self, step, start):  # noqa: ANN001, ANN201
+        self.calls.append(("step_start", step, start))
+
+    def compute(self, kind, microbatch, chunk, start, end):  # noqa: ANN001, ANN201
+        self.calls.append(("compute", kind, microbatch, chunk, start, end))
+
+    def wait(self, kind, start, end):  # noqa: ANN001, ANN201
+        self.calls.append(("wait", kind, start, end))
+
+    def collective(self, group, op, nbytes, start, end, bucket=None):  # noqa: ANN001, ANN201
+        self.calls.append(("collective", group, op, nbytes, start, end, bucket))
+
+    def step_end(self, step, loss, tokens, seconds):  # noqa: ANN001, ANN201
+        self.calls.append(("step_end", step, loss, tokens, seconds))
+
+
+class FakeWork:
+    """A collective handle that logs on which stream it was waited for."""
+
+    def __init__(self, device: fake_device.FakeDevice) -> None:
+        self.device = device
+        self.future: torch.futures.Future = torch.futures.Future()
+
+    def wait(self) -> bool:
+        self.device.log.append(("work.wait", self.device.current.name))
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+
+def relative(call: tuple, origin: float) -> tuple:
+    """``call`` with its float fields (the times) as seconds after ``origin``, rounded to the microsecond."""
+    return tuple(round(v - origin, 6) if isinstance(v, float) else v for v in call)
+
+
+def cuda_clock(at: float) -> tuple[clocks.CudaClock, fake_device.FakeDevice, ManualTime]:
+    device_time = ManualTime(at)
+    device = fake_device.FakeDevice(now=device_time)
+    return clocks.CudaClock(torch.device("cuda", 0), device_api=device), device, device_time
+
+
+# --- host ---------------------------------------------------------------------
+
+def test_host_clock_reads_perf_counter():
+    clock = clocks.HostClock()
+    before = time.perf_counter()
+    now, start = clock.now(), clock.start_step()
+    assert isinstance(now, float) and before <= now <= start <= time.perf_counter()
+
+
+def test_host_launch_reports_when_the_collective_completes():
+    work = FakeWork(fake_device.FakeDevice())
+    launch = clocks.HostClock().launch(lambda: work)
+    reports = []
+    launch.report_when_done(lambda start, end: reports.append((start, end)))
+    assert reports == []  # not before completion
+    work.future.set_result(None)
+    assert len(reports) == 1
+    start, end = reports[0]
+    assert start == launch.start <= end <= launch.wait()
+
+
+def test_cpu_devices_get_the_host_clock():
+    assert isinstance(clocks.for_device(torch.device("cpu")), clocks.HostClock)
+
+
+# --- CUDA events --------------------------------------------------------------
+
+def test_cuda_stamps_resolve_against_the_step_reference():
+    clock, device, device_time = cuda_clock(100.0)
+    host = clock.start_step()
+    assert device.log[:2] == [("synchronize",), ("record", "compute")]  # idle device, then the reference
+    device_time.at = 100.25
+    first = clock.now()
+    device_time.at = 100.75
+    second = clock.now()
+    assert clock.seconds(first) == pytest.approx(host + 0.25)
+    assert clock.seconds(second) == pytest.approx(host + 0.75)
+    device_time.at = 500.0  # the next step measures from its own reference
+    host_next = clock.start_step()
+    device_time.at = 500.5
+    assert clock.seconds(clock.now()) == pytest.approx(host_next + 0.5)
+
+
+def test_cuda_stamps_need_a_step_reference():
+    clock, _, _ = cuda_clock(0.0)
+    with pytest.raises(RuntimeError, match="start_step"):
+        clock.seconds(clock.now())
+
+
+def test_cuda_launch_times_the_collective_on_the_side_stream():
+    clock, device, device_time = cuda_clock(10.0)
+    work = FakeWork(device)
+
+    def collective() -> FakeWork:
+        device.log.append(("collective", device.current.name))
+        return work
+
+    launch = clock.launch(collective)
+    assert device.log == [
+        ("wait_stream", "side", "compute"),  # the side stream starts where backward is
+        ("enter", "side"),
+        ("record", "side"),  # start
+        ("collective", "side"),  # issued from the side stream
+        ("work.wait", "side"),  # the side stream, not the compute stream, waits for the collective
+        ("record", "side"),  # end
+        ("exit", "side"),
+    ]
+    assert device.current is device.compute
+    reports = []
+    launch.report_when_done(lambda start, end: reports.append((start, end)))
+    assert reports == [(launch.start, launch.end)]  # at once: the events are timed on the device
+    del device.log[:]
+    assert launch.wait() is launch.end
+    assert device.log == [("wait_stream", "compute", "side")]  # where the reducer needs the result
+
+
+# --- the deferred recorder ----------------------------------------------------
+
+def test_deferred_recorder_forwards_resolved_events_in_order_at_step_end():
+    clock, device, device_time = cuda_clock(50.0)
+    inner = CallLog()
+    deferred = recording.DeferredRecorder(inner, clock)
+    deferred.compute("forward", 9, 9, clock.now(), clock.now())  # outside a step: dropped
+    start = clock.start_step()
+    deferred.step_start(1, start)
+    assert inner.calls == [("step_start", 1, start)]  # host time: passed on at once
+
+    def stamp(at: float):  # noqa: ANN202
+        device_time.at = 50.0 + at
+        return clock.now()
+
+    deferred.compute("forward", 0, 0, stamp(0.1), stamp(0.3))
+    deferred.wait("recv", stamp(0.3), stamp(0.4))
+    hook = threading.Thread(target=lambda: deferred.collective("dp", "all_reduce", 64, stamp(0.4), stamp(0.9),
+                                                               bucket=0))
+    hook.start()
+    hook.join()
+    deferred.compute("backward", 0, 0, stamp(0.4), stamp(0.8))
+    assert inner.calls == [("step_start", 1, start)]  # nothing before step_end
+    syncs = device.log.count(("synchronize",))
+    deferred.step_end(1, 2.5, 100, 1.0)
+    assert device.log.count(("synchronize",)) == syncs + 1
+    assert inner.calls[0] == ("step_start", 1, start)
+    assert inner.calls[-1] == ("step_end", 1, 2.5, 100, 1.0)
+    assert [relative(call, start) for call in inner.calls[1:-1]] == [  # seconds after the step start, call order
+        ("compute", "forward", 0, 0, 0.1, 0.3),
+        ("wait", "recv", 0.3, 0.4),
+        ("collective", "dp", "all_reduce", 64, 0.4, 0.9, 0),
+        ("compute", "backward", 0, 0, 0.4, 0.8),
+    ]
+    deferred.step_start(2, clock.start_step())
+    deferred.step_end(2, 2.0, 100, 1.0)
+    assert [c[0] for c in inner.calls[-2:]] == ["step_start", "step_end"]  # step 1's events are gone
+
+
+def test_deferred_recorder_feeds_a_memory_recorder_seconds():
+    clock, _, device_time = cuda_clock(7.0)
+    inner = recording.MemoryRecorder()
+    deferred = recording.DeferredRecorder(inner, clock)
+    start = clock.start_step()
+    deferred.step_start(1, start)
+    first = clock.now()
+    device_time.at = 7.5
+    deferred.compute("forward", 0, 0, first, clock.now())
+    deferred.step_end(1, 1.0, 10, 0.5)
+    assert inner.steps[-1]["compute_seconds"] == pytest.approx(0.5)
+    assert inner.events[0].start == pytest.approx(start) and inner.events[0].end == pytest.approx(start + 0.5)
