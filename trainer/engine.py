@@ -49,6 +49,8 @@ class StepResult:
     """Global gradient norm before clipping."""
     lr: float
     """Learning rate used."""
+    stop: bool = False
+    """Some rank was asked to stop (:mod:`..stopping`): every rank stops after this step."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -138,15 +140,20 @@ class Engine:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Mean loss of the global batch on every rank: sum over pipeline stages, mean over replicas."""
-        value = loss_sum.detach().double().reshape(1)
-        if self.mesh.layout.pipeline > 1:
-            dist.all_reduce(value, group=self.mesh.group("pp"))
-        if self.mesh.layout.data > 1:
-            dist.all_reduce(value, group=self.mesh.group("dp"))
-            value /= self.mesh.layout.data
-        return float(value)
+    def _agree(self, loss_sum: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
+        """The global batch's mean loss, and whether any rank asked to stop: one all-reduce over the world.
+
+        Only the last stage holds a loss, each of its tensor-parallel ranks the
+        same one: dividing by tensor x data before the sum leaves the mean over
+        the data-parallel replicas.
+        """
+        layout = self.mesh.layout
+        share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
+        flag = torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64, device=share.device)
+        value = torch.cat([share, flag])
+        dist.all_reduce(value)
+        loss, stops = value.tolist()
+        return loss, stops > 0
 
     def zero_grad(self) -> None:
         """Clear gradients (in place when they live in reducer buckets)."""
@@ -155,8 +162,8 @@ class Engine:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self) -> StepResult:
-        """One optimizer step."""
+    def train_step(self, stop_requested: bool = False) -> StepResult:
+        """One optimizer step; ``stop_requested``: this rank wants the run to stop after it (see ``StepResult.stop``)."""
         training = self.spec.training
         step = self.step + 1
         start = self.clock.start_step()  # host time on every device
@@ -170,9 +177,9 @@ class Engine:
                     groups=self._norm_groups, recorder=self.recorder, clock=self.clock)
         self.optimizer.step()
         self.zero_grad()
-        loss = self._global_loss(loss_sum)
+        loss, stop = self._agree(loss_sum, stop_requested)
         self.step = step
         seconds = time.perf_counter() - start
         tokens = self.sampler.global_batch * self.config.seq_len
         self.recorder.step_end(step, loss, tokens, seconds)
-        return StepResult(step=step, loss=loss, tokens=tokens, seconds=seconds, grad_norm=norm, lr=lr)
+        return StepResult(step=step, loss=loss, tokens=tokens, seconds=seconds, grad_norm=norm, lr=lr, stop=stop)

@@ -8,7 +8,10 @@ variables and a free port (gloo on CPU; NCCL when this machine has a GPU per
 rank).  While they run it drives a progress bar from rank 0's
 ``steps.jsonl`` (step, loss, tokens/s, ETA).  When any rank exits non-zero
 it kills the others at once and returns that rank's exit code, printing the
-end of its log; at the end it prints a summary table.
+end of its log; at the end it prints a summary table.  Interrupted (Ctrl-C,
+SIGTERM), it gives the ranks :data:`STOP_GRACE_S` to agree on a last step and
+checkpoint it (:mod:`.stopping`), so the same command with the same
+``--log-dir`` resumes there.
 
 Own spawner rather than ``torch.distributed.run``: the agent's restart and
 rendezvous machinery is what the operator does in a cluster; here we want
@@ -38,6 +41,9 @@ from meshtrain.trainer import data, steplog
 
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
+"""After a rank failed: how long the others get before they are killed."""
+STOP_GRACE_S = 60.0
+"""After an interrupt: how long the ranks get to finish a step and save it."""
 
 
 def free_port() -> int:
@@ -72,12 +78,12 @@ def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> di
     return env
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Terminate every live process, then kill what is left after a grace period."""
+def _stop(procs: list[subprocess.Popen], grace: float = KILL_GRACE_S) -> None:
+    """Terminate every live process, then kill what is left after ``grace`` seconds."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + KILL_GRACE_S
+    deadline = time.monotonic() + grace
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -175,8 +181,10 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
                 break
             time.sleep(POLL_S)
     except (KeyboardInterrupt, _Terminated):
-        _stop(procs)
         bar.close()
+        print(f"interrupted: asking the ranks to save their last step (up to {STOP_GRACE_S:.0f}s; "
+              f"the same command with --log-dir {log_dir} resumes)", file=sys.stderr)
+        _stop(procs, grace=STOP_GRACE_S)
         return 130
     finally:
         if previous is not None:

@@ -8,14 +8,17 @@ appends one record per step to ``steps.jsonl`` in the log directory
 (``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
 
 Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
-directory (:mod:`.checkpointing`), 1 anything else (traceback on stderr), 17
-injected fault (:mod:`.faults`).
+directory (:mod:`.checkpointing`), 143 stopped by SIGTERM/SIGINT after saving
+(:mod:`.stopping`), 1 anything else (traceback on stderr), 17 injected fault
+(:mod:`.faults`).
 
 Checkpoints: at start the newest complete checkpoint under
 ``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
 loaded and training continues from the step after it; one is saved every
-``checkpoint.intervalSteps`` and at the end.  Each published checkpoint (and
-the one loaded) becomes ``last_checkpoint_step`` of rank 0's ``/progress``.
+``checkpoint.intervalSteps``, at the end, and after the step at which the
+ranks agreed to stop on a signal (pod deletion: suspend, spec change, drain).
+Each published checkpoint (and the one loaded) becomes
+``last_checkpoint_step`` of rank 0's ``/progress``.
 
 Final progress: when the run succeeds, global rank 0 writes its ``/progress``
 document to ``$MESHTRAIN_TERMINATION_LOG`` if that is set (the operator sets
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, faults, memory, steplog, telemetry
+from meshtrain.trainer import data, engine, faults, memory, steplog, stopping, telemetry
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.telemetry import progress
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except data.DatasetError as err:
         print(err, file=sys.stderr)
         return EXIT_DATA
+    stop = stopping.StopRequest().install()  # before the slow start: a signal during it still stops cleanly
     rank = int(os.environ.get("RANK", "0"))
     cuda = use_cuda()
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
@@ -125,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
-        result = trainer.train_step()
+        result = trainer.train_step(stop_requested=stop.requested)
         if log is not None:
             log.write(step_record(result, recorder.steps[-1], job))
         if saver.after_step(step) is not None:  # published (COMPLETE, renamed): /progress may report it
             recorder.checkpoint_saved(step)
+        if result.stop and step < job.training.steps:
+            return _stop_after(step, saver, recorder, log, stop)
     if log is not None:
         log.close()
     dist.barrier()
@@ -137,3 +143,19 @@ def main(argv: list[str] | None = None) -> int:
         progress.write_termination_log(recorder.progress.document())
     dist.destroy_process_group()
     return 0
+
+
+def _stop_after(step: int, saver: checkpointer.Checkpointer, recorder: telemetry.TelemetryRecorder,
+                log: steplog.StepLog | None, stop: stopping.StopRequest) -> int:
+    """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave."""
+    if saver.last_saved != step:
+        saver.save()
+        recorder.checkpoint_saved(step)
+    if log is not None:
+        log.close()
+    if dist.get_rank() == 0:
+        reason = stop.signal_name or "a signal on another rank"
+        print(f"stopped after step {step} ({reason}); checkpoint of step {step} saved, a new run resumes from it",
+              file=sys.stderr)
+    dist.destroy_process_group()
+    return stopping.EXIT_STOPPED
