@@ -8,7 +8,8 @@
 3. The same job again, and one rank's process killed mid-run: the gang
    restarts, resumes from its checkpoint and succeeds with status.restarts == 1.
 4. The same job again, re-laid-out mid-run with ``kubectl patch`` (dp2·pp2 ->
-   dp4·pp1): the gang is rebuilt and resumes from the checkpoint, resharded.
+   dp4·pp1) between two periodic checkpoints: the deleted gang saves the step
+   it stopped at, and the rebuilt gang resumes there, resharded.
 5. ``down`` leaves no process behind.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import time
 import urllib.parse
@@ -133,6 +135,18 @@ def _run_until_checkpoint(paths: supervisor.Paths, name: str, claim: str, steps:
     raise AssertionError(f"no checkpoint of step {at_least} or later within {timeout}s")
 
 
+def _wait_for_step_between_checkpoints(step_log: pathlib.Path, interval: int = 5, timeout: float = 300) -> int:
+    """The last step in ``step_log`` once it is not a checkpoint step (so only a graceful stop can save it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = step_log.read_text().splitlines() if step_log.exists() else []
+        last = json.loads(lines[-1])["step"] if lines else 0
+        if last and last % interval:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"{step_log} never showed a step between checkpoints")
+
+
 def _gang_logs(paths: supervisor.Paths, namespace: str, pods: str) -> str:
     return " ".join(p.read_text(errors="replace") for p in (paths.root / "pods" / namespace).glob(f"{pods}/trainer.log"))
 
@@ -159,10 +173,12 @@ def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tupl
 def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[supervisor.Paths, dict]) -> None:
     """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted."""
     paths, _state = sandbox
-    name, steps = "sandbox-reshape", 60
-    namespace, checkpoints, saved = _run_until_checkpoint(paths, name, "reshape-checkpoints", steps)
+    name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60
+    namespace, checkpoints, saved = _run_until_checkpoint(paths, name, claim, steps)
+    step_log = checkpoints / "logs" / "steps.jsonl"
+    trained = _wait_for_step_between_checkpoints(step_log)
     old_pods = {p["metadata"]["uid"] for p in _pods(paths, name)}
-    print(f"patching {name} to dp4·pp1·tp1 after checkpoint step {saved}")
+    print(f"patching {name} to dp4·pp1·tp1 after step {trained} (last periodic checkpoint: step {saved})")
     example.kubectl(paths, "patch", "tj", name, "-n", namespace, "--type", "merge",
                     "-p", json.dumps({"spec": {"parallelism": {"data": 4, "pipeline": 1, "microBatches": 2}}}))
     final = example.follow(paths, namespace, name, timeout=900)
@@ -171,8 +187,9 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[su
     assert status["layout"] == "dp4·pp1·tp1" and status["restarts"] == 0
     assert not old_pods & {p["metadata"]["uid"] for p in _pods(paths, name)}
     assert _saved_steps(checkpoints)[-1] == steps
-    resumed = _gang_logs(paths, namespace, f"{name}-r0-*")
-    assert "resumed from" in resumed, "the rebuilt gang resumes from the checkpoint"
+    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, f"{name}-r0-*"))
+    assert resumed, "the rebuilt gang resumes from the checkpoint"
+    assert int(resumed.group(1)) >= trained, "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)"
     events = json.loads(example.kubectl(paths, "get", "events", "-n", namespace, "--field-selector",
                                         "reason=SpecChanged", "-o", "json"))["items"]
     assert any(e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events), events
