@@ -10,13 +10,16 @@ A pod runs ranks ``[i*gpusPerNode, (i+1)*gpusPerNode)`` as one torchrun node::
 
     torchrun --nnodes=$(PET_NNODES) --nproc-per-node=$(PET_NPROC_PER_NODE)
              --node-rank=$(PET_NODE_RANK) --master-addr=$(MASTER_ADDR)
-             --master-port=$(MASTER_PORT) -m meshtrain.trainer
+             --master-port=$(MASTER_PORT) --shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)
+             -m meshtrain.trainer
 
 It carries the gang scheduling gate and a required node affinity to its
 planned node (``matchFields`` on ``metadata.name``), declares one named
 container port per local rank's exporter (``metrics-<r>`` = metrics.port + r)
 for the chart's PodMonitor, writes its logs to ``<checkpoint.path>/logs`` and
-rank 0's final progress to the termination message.
+rank 0's final progress to the termination message.  A deleted pod gets
+``runPolicy.terminationGracePeriodSeconds`` for its ranks to checkpoint the
+step they stop at (torchrun waits 5 s less before killing them).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ import yaml
 from meshtrain import layout
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import naming
+
+
+SHUTDOWN_MARGIN_SECONDS = 5
+"""torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +143,17 @@ def _env(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int) 
         "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path),
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
+        "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
     }
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
     env.append({"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     env.append({"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return env
+
+
+def torchrun_shutdown_timeout(spec: api_spec.TrainingJobSpec) -> int:
+    """Seconds torchrun gives its ranks after SIGTERM: the pod's grace period less a margin to exit before SIGKILL."""
+    return spec.run_policy.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS
 
 
 def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
@@ -193,6 +206,7 @@ def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: 
             "--node-rank=$(PET_NODE_RANK)",
             "--master-addr=$(MASTER_ADDR)",
             "--master-port=$(MASTER_PORT)",
+            "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)",
             "-m",
             "meshtrain.trainer",
         ],
@@ -210,6 +224,7 @@ def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: 
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
         "hostname": name,
         "subdomain": naming.service_name(job.name),
         "enableServiceLinks": False,

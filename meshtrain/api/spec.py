@@ -187,6 +187,10 @@ class RunPolicy(_Model):
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the job this long after it succeeded or failed.")
     startup_timeout_seconds: int = Field(600, ge=1, description="Pods not all Running this long after creation count as a failed start.")
     suspend: bool = Field(False, description="Remove the pods but keep the job and its status; setting it back to false re-places the job.")
+    termination_grace_period_seconds: int = Field(
+        60, ge=10, le=86400,
+        description="How long a deleted pod (suspend, spec change, drain) gets to stop: its ranks finish the current step "
+                    "and checkpoint it. The pods' terminationGracePeriodSeconds; torchrun waits 5 s less before killing the ranks.")
 
 
 class Metrics(_Model):

@@ -36,6 +36,9 @@ class JobBuilder:
     def resources(self, **values: Any) -> JobBuilder:
         return self._section("resources", **values)
 
+    def run_policy(self, **values: Any) -> JobBuilder:
+        return self._section("runPolicy", **values)
+
     def metrics(self, **values: Any) -> JobBuilder:
         return self._section("metrics", **values)
 

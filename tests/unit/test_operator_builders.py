@@ -42,6 +42,16 @@ def test_pod_spanning_two_stages_is_labelled_with_the_range():
     assert builders.pipeline_stages(spec, 0) == "0-1"
 
 
+def test_deleted_pods_get_the_grace_period_to_checkpoint_and_torchrun_a_little_less():
+    spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1).run_policy(terminationGracePeriodSeconds=120))
+    pod = builders.build_pod(REF, spec, 0, 0, "n-a")
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 120
+    assert "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)" in pod["spec"]["containers"][0]["args"]
+    assert env_of(pod)["PET_SHUTDOWN_TIMEOUT"] == "115"
+    default = builders.build_pod(REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1)), 0, 0, "n-a")
+    assert default["spec"]["terminationGracePeriodSeconds"] == 60 and env_of(default)["PET_SHUTDOWN_TIMEOUT"] == "55"
+
+
 def test_torchrun_command_and_env():
     spec = spec_of(JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4))
     pod = builders.build_pod(REF, spec, 3, 1, "n-b")
