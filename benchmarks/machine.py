@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+RESULTS_ENV = "MESHTRAIN_BENCH_RESULTS"
+"""Directory for results files instead of benchmarks/results (a device machine's $OUT, a test's tmp dir)."""
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -42,10 +44,11 @@ def describe() -> dict[str, Any]:
 
 
 def write_results(name: str, results: Any) -> Path:
-    """Write ``results`` with the machine description to results/<name>-<host>.json."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write ``results`` with the machine description to results/<name>-<host>.json (or under $MESHTRAIN_BENCH_RESULTS)."""
+    directory = Path(os.environ.get(RESULTS_ENV) or RESULTS)
+    directory.mkdir(parents=True, exist_ok=True)
     machine = describe()
-    path = RESULTS / f"{name}-{machine['host']}.json"
+    path = directory / f"{name}-{machine['host']}.json"
     path.write_text(json.dumps({"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                 "machine": machine, "results": results}, indent=2) + "\n")
     return path
