@@ -13,6 +13,11 @@
 #     release recommends (its build/dependencies.yaml).
 #   * helm: built from helm.sh/helm/v3/cmd/helm at HELM_VERSION.
 #   * prometheus/promtool: Debian's `prometheus` package (service left stopped).
+#   * the Prometheus Operator's PodMonitor, ServiceMonitor and PrometheusRule
+#     CRDs, from the github.com/prometheus-operator/prometheus-operator Go
+#     module at PROMETHEUS_OPERATOR_VERSION (its example/prometheus-operator-crd
+#     files), so the chart's monitoring objects are dry-run against the real
+#     schemas. They land in $CACHE_ROOT/crds/prometheus-operator-<version>/.
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -33,10 +38,13 @@ set -euo pipefail
 
 K8S_VERSION="${MESHTRAIN_K8S_VERSION:-v1.36.3}"
 HELM_VERSION="${MESHTRAIN_HELM_VERSION:-v3.22.0}"
+PROMETHEUS_OPERATOR_VERSION="${MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
 KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+MONITORING_CRD_DIR="$CACHE_ROOT/crds/prometheus-operator-$PROMETHEUS_OPERATOR_VERSION"
+MONITORING_CRDS=(podmonitors servicemonitors prometheusrules)
 
 WITH_PROMETHEUS=1
 for arg in "$@"; do
@@ -129,7 +137,7 @@ module_dir() {
               | grep -v -- '-' | sort -V | tail -n 5 | tr '\n' ' ')"
     die "version $version of $module does not exist on the Go module proxy ($(go env GOPROXY)).
   Latest available: ${latest:-(could not list versions)}
-  Set MESHTRAIN_K8S_VERSION to one of them."
+  Set the matching MESHTRAIN_*_VERSION to one of them."
   fi
   sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$json"
 }
@@ -255,6 +263,24 @@ quiet_prometheus_service() {
   fi
 }
 
+# --- CRDs of the Prometheus Operator -------------------------------------------
+
+fetch_monitoring_crds() {
+  local name missing=0 module_root
+  for name in "${MONITORING_CRDS[@]}"; do
+    [[ -s "$MONITORING_CRD_DIR/monitoring.coreos.com_$name.yaml" ]] || missing=1
+  done
+  ((missing)) || { log "Prometheus Operator CRDs present: $MONITORING_CRD_DIR"; return; }
+  require_go
+  module_root="$(module_dir github.com/prometheus-operator/prometheus-operator "$PROMETHEUS_OPERATOR_VERSION")"
+  mkdir -p "$MONITORING_CRD_DIR"
+  for name in "${MONITORING_CRDS[@]}"; do
+    cp "$module_root/example/prometheus-operator-crd/monitoring.coreos.com_$name.yaml" "$MONITORING_CRD_DIR/"
+  done
+  chmod u+w "$MONITORING_CRD_DIR"/*.yaml  # the module cache is read-only
+  log "Prometheus Operator $PROMETHEUS_OPERATOR_VERSION CRDs: $MONITORING_CRD_DIR"
+}
+
 # --- main -----------------------------------------------------------------------
 
 main() {
@@ -294,6 +320,7 @@ main() {
     have_binary "$name" || die "$name in $BIN_DIR does not report version $(wanted_version "$name")"
   done
   log "all binaries present: ${KUBE_BINARIES[*]} etcd helm"
+  fetch_monitoring_crds
 
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

@@ -1,6 +1,7 @@
 """Find the control-plane binaries that ``scripts/bootstrap.sh`` provides.
 
-What it is: a lookup, per binary, through (1) ``$KUBEBUILDER_ASSETS``, (2) the
+What it is: a lookup of the Prometheus Operator CRD files the bootstrap
+fetched (:func:`monitoring_crds`), and a lookup, per binary, through (1) ``$KUBEBUILDER_ASSETS``, (2) the
 bootstrap's cache directory ``${MESHTRAIN_CACHE:-~/.cache/meshtrain}/bin/<k8s
 version>/``, (3) ``PATH``; a binary from (1) or (3) is used only if it reports
 the pinned version. The result is a frozen :class:`Binaries` of absolute paths.
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_K8S_VERSION = "v1.36.3"
 #: The helm release the project pins (same check).
 DEFAULT_HELM_VERSION = "v3.22.0"
+#: The Prometheus Operator release whose CRDs the chart's monitoring objects are checked against (same check).
+DEFAULT_PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+MONITORING_CRDS = ("podmonitors", "servicemonitors", "prometheusrules")
 
 KUBE_NAMES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 ALL_NAMES = (*KUBE_NAMES, "etcd", "helm")
@@ -74,8 +78,23 @@ def k8s_version() -> str:
 
 def cache_bin_dir() -> pathlib.Path:
     """The directory the bootstrap writes binaries to (same rule as the script)."""
-    root = os.environ.get("MESHTRAIN_CACHE") or str(pathlib.Path.home() / ".cache" / "meshtrain")
-    return pathlib.Path(root) / "bin" / k8s_version()
+    return _cache_root() / "bin" / k8s_version()
+
+
+def _cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("MESHTRAIN_CACHE") or str(pathlib.Path.home() / ".cache" / "meshtrain"))
+
+
+def monitoring_crds() -> list[pathlib.Path]:
+    """The Prometheus Operator CRD files the bootstrap fetched, or :class:`BinariesMissingError`."""
+    version = os.environ.get("MESHTRAIN_PROMETHEUS_OPERATOR_VERSION", DEFAULT_PROMETHEUS_OPERATOR_VERSION)
+    directory = _cache_root() / "crds" / f"prometheus-operator-{version}"
+    files = [directory / f"monitoring.coreos.com_{name}.yaml" for name in MONITORING_CRDS]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise BinariesMissingError(f"Prometheus Operator {version} CRDs missing in {directory}: {', '.join(missing)}. "
+                                   "Run `make bootstrap` (or `scripts/bootstrap.sh`) to fetch them from the Go module proxy.")
+    return files
 
 
 def locate() -> Binaries:

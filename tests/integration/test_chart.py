@@ -1,7 +1,8 @@
 """The Helm chart against a real kube-apiserver: lint, server dry-run, install, schema, RBAC.
 
 - ``helm lint --strict`` is clean;
-- ``helm template`` output passes ``kubectl apply --dry-run=server`` (both watch modes);
+- ``helm template`` output passes ``kubectl apply --dry-run=server`` (both watch modes), and so
+  do the monitoring objects against the Prometheus Operator's own CRDs;
 - ``helm install`` creates the objects and ``helm uninstall`` removes them;
 - bad values fail at install time with the schema's message;
 - the ServiceAccount may do exactly what docs/operator.md lists and no more
@@ -33,7 +34,8 @@ NAMESPACED_ALLOWED = [
     ("patch", "trainingjobs.meshtrain.io"), ("delete", "trainingjobs.meshtrain.io"),
     ("patch", "trainingjobs.meshtrain.io/status"),
     ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("create", "pods"), ("patch", "pods"), ("delete", "pods"),
-    ("create", "services"), ("delete", "services"), ("create", "configmaps"), ("delete", "configmaps"),
+    ("create", "services"), ("patch", "services"), ("delete", "services"),
+    ("create", "configmaps"), ("patch", "configmaps"), ("delete", "configmaps"),
     ("create", "events"),
 ]
 CLUSTER_ALLOWED = [("list", "nodes"), ("watch", "nodes"), ("list", "pods"), ("list", "namespaces"), ("watch", "namespaces"),
@@ -93,6 +95,25 @@ def test_template_passes_server_side_dry_run(tools: dict, mode: str) -> None:
     applied = run(tools, "kubectl", "apply", "--dry-run=server", "-f", "-", stdin=rendered.stdout)
     assert applied.returncode == 0, applied.stderr
     assert "deployment.apps/dry-meshtrain created (server dry run)" in applied.stdout
+
+
+def test_monitoring_objects_pass_server_side_dry_run_against_the_prometheus_operator_crds(tools: dict) -> None:
+    crds = binaries.monitoring_crds()  # fetched by scripts/bootstrap.sh from the Go module proxy
+    installed = run(tools, "kubectl", "apply", "--server-side", *(arg for path in crds for arg in ("-f", str(path))))
+    assert installed.returncode == 0, installed.stderr
+    for name in binaries.MONITORING_CRDS:
+        established = run(tools, "kubectl", "wait", "--for=condition=Established", "--timeout=60s",
+                          f"crd/{name}.monitoring.coreos.com")
+        assert established.returncode == 0, established.stderr
+    release_ns = namespace(tools, "chart-mon")
+    rendered = run(tools, "helm", "template", "mon", str(CHART), "--namespace", release_ns,
+                   "--set", "monitoring.trainerPodMonitor.enabled=true", "--set", "monitoring.operatorServiceMonitor.enabled=true",
+                   "--set", "monitoring.prometheusRule.enabled=true")
+    assert rendered.returncode == 0, rendered.stderr
+    applied = run(tools, "kubectl", "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=rendered.stdout)
+    assert applied.returncode == 0, applied.stderr
+    for kind in ("podmonitor", "servicemonitor", "prometheusrule"):
+        assert f"{kind}.monitoring.coreos.com/mon-meshtrain" in applied.stdout, applied.stdout
 
 
 def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(tools: dict) -> None:

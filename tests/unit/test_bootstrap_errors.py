@@ -96,6 +96,9 @@ def test_script_and_python_pin_the_same_versions() -> None:
     text = SCRIPT.read_text()
     assert f'K8S_VERSION="${{MESHTRAIN_K8S_VERSION:-{binaries.DEFAULT_K8S_VERSION}}}"' in text
     assert f'HELM_VERSION="${{MESHTRAIN_HELM_VERSION:-{binaries.DEFAULT_HELM_VERSION}}}"' in text
+    assert (f'PROMETHEUS_OPERATOR_VERSION="${{MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-'
+            f'{binaries.DEFAULT_PROMETHEUS_OPERATOR_VERSION}}}"') in text
+    assert f"MONITORING_CRDS=({' '.join(binaries.MONITORING_CRDS)})" in text
 
 
 def test_missing_binaries_error_says_how_to_get_them(
