@@ -63,11 +63,13 @@ def _prometheus(state: dict, query: str) -> list[dict]:
         return json.loads(answer.read())["data"]["result"]
 
 
-def _variant(paths: supervisor.Paths, name: str, claim: str, steps: int) -> pathlib.Path:
+def _variant(paths: supervisor.Paths, name: str, claim: str, steps: int, interval: int | None = None) -> pathlib.Path:
     document = yaml.safe_load(EXAMPLE.read_text())
     document["metadata"]["name"] = name
     document["spec"]["checkpoint"]["claimName"] = claim
     document["spec"]["training"]["steps"] = steps
+    if interval is not None:
+        document["spec"]["checkpoint"]["intervalSteps"] = interval
     path = paths.root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
@@ -135,16 +137,16 @@ def _run_until_checkpoint(paths: supervisor.Paths, name: str, claim: str, steps:
     raise AssertionError(f"no checkpoint of step {at_least} or later within {timeout}s")
 
 
-def _wait_for_step_between_checkpoints(step_log: pathlib.Path, interval: int = 5, timeout: float = 300) -> int:
-    """The last step in ``step_log`` once it is not a checkpoint step (so only a graceful stop can save it)."""
+def _wait_for_logged_step(step_log: pathlib.Path, at_least: int, timeout: float = 300) -> int:
+    """The last step in ``step_log`` once it is ``at_least`` or more."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lines = step_log.read_text().splitlines() if step_log.exists() else []
         last = json.loads(lines[-1])["step"] if lines else 0
-        if last and last % interval:
+        if last >= at_least:
             return last
         time.sleep(0.1)
-    raise AssertionError(f"{step_log} never showed a step between checkpoints")
+    raise AssertionError(f"{step_log} never reached step {at_least}")
 
 
 def _gang_logs(paths: supervisor.Paths, namespace: str, pods: str) -> str:
@@ -171,14 +173,20 @@ def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tupl
 
 
 def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[supervisor.Paths, dict]) -> None:
-    """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted."""
+    """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted.
+
+    No periodic checkpoints: the only one before the end is the one the
+    deleted gang saves when SIGTERM stops it (``trainer/stopping.py``).
+    """
     paths, _state = sandbox
     name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60
-    namespace, checkpoints, saved = _run_until_checkpoint(paths, name, claim, steps)
+    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps, interval=1000))
+    checkpoints = paths.root / "volumes" / namespace / claim
     step_log = checkpoints / "logs" / "steps.jsonl"
-    trained = _wait_for_step_between_checkpoints(step_log)
+    trained = _wait_for_logged_step(step_log, at_least=10)
+    assert _saved_steps(checkpoints) == [], "no periodic checkpoint in this variant"
     old_pods = {p["metadata"]["uid"] for p in _pods(paths, name)}
-    print(f"patching {name} to dp4·pp1·tp1 after step {trained} (last periodic checkpoint: step {saved})")
+    print(f"patching {name} to dp4·pp1·tp1 after step {trained}")
     example.kubectl(paths, "patch", "tj", name, "-n", namespace, "--type", "merge",
                     "-p", json.dumps({"spec": {"parallelism": {"data": 4, "pipeline": 1, "microBatches": 2}}}))
     final = example.follow(paths, namespace, name, timeout=900)
@@ -190,6 +198,8 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[su
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, f"{name}-r0-*"))
     assert resumed, "the rebuilt gang resumes from the checkpoint"
     assert int(resumed.group(1)) >= trained, "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)"
+    logged = [json.loads(line)["step"] for line in step_log.read_text().splitlines()]
+    assert logged == list(range(1, steps + 1)), f"no step lost and trained twice across the rebuild: {logged}"
     events = json.loads(example.kubectl(paths, "get", "events", "-n", namespace, "--field-selector",
                                         "reason=SpecChanged", "-o", "json"))["items"]
     assert any(e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events), events
