@@ -49,8 +49,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    torch.manual_seed(0)
-    ours = gpt.GPT(CONFIG)
+    ours = gpt.GPT(CONFIG, seed=0)  # the same weights on every rank
     theirs = DistributedDataParallel(copy.deepcopy(ours), bucket_cap_mb=BUCKET_MB)
     red = reducer.GradReducer(list(ours.parameters()), group=dist.group.WORLD, group_size=world,
                               bucket_mb=BUCKET_MB, recorder=recording.NullRecorder())

@@ -80,8 +80,8 @@ class Engine:
         """``recorder``, behind a DeferredRecorder when the clock's stamps are CUDA events."""
         training, par = spec.training, spec.parallelism
         self.config = gpt.GPTConfig.from_shape(spec.model.shape())
-        torch.manual_seed(training.seed)
-        dense = gpt.GPT(self.config)  # same weights on every rank and layout
+        with torch.device("meta"):  # shapes only: parallelize builds just this rank's pieces, by name and seed
+            dense = gpt.GPT(self.config, seed=training.seed)
         self.precision = resolve_precision(training.precision, mesh.device)
         autocast = (functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
                     if self.precision == "bf16" else contextlib.nullcontext)

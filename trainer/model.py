@@ -5,6 +5,13 @@ self-attention through ``F.scaled_dot_product_attention``, then a GELU MLP), a
 final LayerNorm and an untied LM head.  It also counts its parameters and its
 training FLOPs per token (see docs/trainer.md for the formula).
 
+Initial weights are a function of (seed, parameter name) alone
+(:func:`initial_value`), not of the order a global generator is drawn in.  So
+a model built on the ``meta`` device (shapes only, no memory) can be given
+its weights piece by piece: a rank materialises just the tensors it keeps,
+one at a time (:func:`materialize`, :func:`dense_value`), and every layout
+still starts from the same weights as a single device.
+
 What it is not: distributed.  This module imports only torch.  Tensor,
 pipeline and data parallelism are applied from outside by
 :mod:`meshtrain.trainer.parallel`, which swaps the linear and embedding
@@ -17,6 +24,7 @@ that it runs unchanged on a tensor-parallel shard.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import torch
@@ -53,6 +61,24 @@ class GPTConfig:
         """Config from a resolved spec shape (``spec.model.shape()``)."""
         return cls(vocab=shape.vocab, seq_len=shape.seq_len, layers=shape.layers, hidden=shape.hidden,
                    heads=shape.heads, ffn_hidden=shape.ffn_hidden)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def initial_value(config: GPTConfig, seed: int, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The dense model's initial value of parameter ``name`` (CPU, fp32).
+
+    GPT-2 init: LayerNorm weight 1 and biases 0; matrices normal(0, 0.02),
+    residual projections (``*proj.weight``) scaled by 1/sqrt(2 x layers).
+    """
+    if len(shape) == 1:
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    std = config.init_std / math.sqrt(2 * config.layers) if name.endswith("proj.weight") else config.init_std
+    generator = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
 class Attention(nn.Module):
@@ -113,26 +139,25 @@ class GPT(nn.Module):
     global index so parameter names are the same on every layout.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
+        """Built under ``torch.device("meta")`` the parameters stay shapes only (see :func:`materialize`)."""
         super().__init__()
         self.config = config
+        self.seed = seed
+        """Seed of the initial weights."""
         self.tok_emb: nn.Module | None = nn.Embedding(config.vocab, config.hidden)
         self.pos_emb: nn.Module | None = nn.Embedding(config.seq_len, config.hidden)
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
         self.norm: nn.Module | None = nn.LayerNorm(config.hidden)
         self.head: nn.Module | None = nn.Linear(config.hidden, config.vocab, bias=False)
-        self.reset_parameters()
+        if not self.head.weight.is_meta:
+            self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 init: normal(0.02), residual projections scaled by 1/sqrt(2 * layers)."""
-        std = self.config.init_std
+        """Every parameter to its :func:`initial_value`."""
         for name, param in self.named_parameters():
-            if param.dim() == 1:  # LayerNorm: weight 1, bias 0
-                nn.init.ones_(param) if name.endswith("weight") else nn.init.zeros_(param)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=std / math.sqrt(2 * self.config.layers))
-            else:
-                nn.init.normal_(param, mean=0.0, std=std)
+            param.copy_(initial_value(self.config, self.seed, name, param.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
@@ -180,3 +205,17 @@ def flops_per_token(config: GPTConfig, *, causal_half: bool = False) -> float:
     if causal_half:
         attention /= 2
     return 6 * n + attention
+
+
+def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The dense tensor of parameter ``name``: ``param`` itself, or its initial value while it is on ``meta``."""
+    return initial_value(model.config, model.seed, name, param.shape) if param.is_meta else param.detach()
+
+
+def materialize(model: GPT) -> None:
+    """Give every parameter of ``model`` still on the ``meta`` device its initial value (CPU), one at a time."""
+    for module_name, module in model.named_modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                name = f"{module_name}.{key}" if module_name else key
+                module._parameters[key] = nn.Parameter(dense_value(model, name, param), requires_grad=param.requires_grad)

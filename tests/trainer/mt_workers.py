@@ -79,13 +79,11 @@ def reference(raw: dict, steps: int) -> dict:
         logits = model(batch[:, :-1])  # (G, T, V)
         return F.cross_entropy(logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1))
 
-    torch.manual_seed(t.seed)
-    model = gpt.GPT(config)
+    model = gpt.GPT(config, seed=t.seed)
     loss_of(model, 0).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
-    torch.manual_seed(t.seed)
-    model = gpt.GPT(config)
+    model = gpt.GPT(config, seed=t.seed)
     opt = optim.build_adamw(list(model.named_parameters()), lr=t.learning_rate, weight_decay=t.weight_decay)
     losses = []
     for step in range(1, steps + 1):

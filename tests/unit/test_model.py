@@ -26,13 +26,32 @@ def test_attention_is_causal():
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
-def test_same_seed_same_weights():
-    torch.manual_seed(3)
-    a = gpt.GPT(CONFIG)
-    torch.manual_seed(3)
-    b = gpt.GPT(CONFIG)
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+def test_same_seed_same_weights_and_another_seed_others():
+    a, b, c = gpt.GPT(CONFIG, seed=3), gpt.GPT(CONFIG, seed=3), gpt.GPT(CONFIG, seed=4)
+    for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.equal(p, q), name
+        assert p.dim() == 1 or not torch.equal(p, r), name
+
+
+def test_a_meta_model_materialized_equals_the_eager_one():
+    eager = gpt.GPT(CONFIG, seed=5)
+    with torch.device("meta"):
+        lazy = gpt.GPT(CONFIG, seed=5)
+    assert all(p.is_meta for p in lazy.parameters())
+    del lazy.blocks["0"]  # a pipeline stage keeps only some blocks
+    gpt.materialize(lazy)
+    eager_params = dict(eager.named_parameters())
+    for name, param in lazy.named_parameters():
+        assert torch.equal(param, eager_params[name]), name
+    assert torch.equal(gpt.dense_value(lazy, "head.weight", lazy.head.weight), eager.head.weight)
+
+
+def test_initial_values_follow_the_gpt2_recipe():
+    model = gpt.GPT(CONFIG, seed=0)
+    residual = model.blocks["0"].attn.proj.weight
+    assert abs(residual.std().item() - 0.02 / (2 * CONFIG.layers) ** 0.5) < 0.002
+    assert abs(model.head.weight.std().item() - 0.02) < 0.002
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
 
 
 def test_param_count_matches_formula():

@@ -2,6 +2,9 @@
 
 What it is: the one function that composes the parallelisms, in this order:
 
+0. The dense model may be on the ``meta`` device (shapes only): each
+   parameter gets its weights when a step below needs them, so a rank never
+   holds more than its own share plus one dense matrix.
 1. **Pipeline split** first: keep only this stage's blocks (and embeddings
    or head).  Everything after works on what the rank keeps, so tensor
    sharding never touches layers another stage owns.
@@ -85,7 +88,8 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
         plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
         tp_plan = tensor.TPPlan(shards={k: v for p in plans for k, v in p.shards.items()},
                                 sequence_partial=[n for p in plans for n in p.sequence_partial])
-    for chunk in chunks:
+    for chunk in chunks:  # a model built on meta gets the weights TP did not already build (norms, biases, ...)
+        gpt.materialize(chunk)
         chunk.to(mesh.device)
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
 

@@ -279,8 +279,8 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     column, row, qkv, vocab = ShardSpec(0), ShardSpec(1), ShardSpec(0, groups=3), ShardSpec(0)
 
     def swap(owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec) -> None:
-        dense = getattr(owner, attr)
-        setattr(owner, attr, cls(shard(dense.weight.detach(), spec, ctx.rank, ctx.size), ctx))
+        full = gpt.dense_value(model, f"{prefix}{attr}.weight", getattr(owner, attr).weight)  # one dense matrix at a time
+        setattr(owner, attr, cls(shard(full, spec, ctx.rank, ctx.size), ctx))
         shards[f"{prefix}{attr}.weight"] = spec
 
     for index, block in model.blocks.items():
@@ -292,7 +292,8 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     if model.tok_emb is not None:
         swap(model, "tok_emb", "", VocabParallelEmbedding, vocab)
         if ctx.sequence_parallel:
-            model.pos_emb = SequenceParallelPositionEmbedding(model.pos_emb.weight.detach().clone(), ctx)
+            model.pos_emb = SequenceParallelPositionEmbedding(
+                gpt.dense_value(model, "pos_emb.weight", model.pos_emb.weight).clone(), ctx)
     if model.head is not None:
         swap(model, "head", "", ColumnParallelLinear, vocab)
     partial = [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []
