@@ -81,7 +81,7 @@ class Engine:
         training, par = spec.training, spec.parallelism
         self.config = gpt.GPTConfig.from_shape(spec.model.shape())
         with torch.device("meta"):  # shapes only: parallelize builds just this rank's pieces, by name and seed
-            dense = gpt.GPT(self.config, seed=training.seed)
+            dense = gpt.GPT(self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing)
         self.precision = resolve_precision(training.precision, mesh.device)
         autocast = (functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
                     if self.precision == "bf16" else contextlib.nullcontext)

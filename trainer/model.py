@@ -30,6 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +140,14 @@ class GPT(nn.Module):
     global index so parameter names are the same on every layout.
     """
 
-    def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: GPTConfig, *, seed: int = 0, recompute_blocks: bool = False) -> None:
         """Built under ``torch.device("meta")`` the parameters stay shapes only (see :func:`materialize`)."""
         super().__init__()
         self.config = config
         self.seed = seed
         """Seed of the initial weights."""
+        self.recompute_blocks = recompute_blocks
+        """Activation checkpointing: keep only each block's input and recompute the block in backward."""
         self.tok_emb: nn.Module | None = nn.Embedding(config.vocab, config.hidden)
         self.pos_emb: nn.Module | None = nn.Embedding(config.seq_len, config.hidden)
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
@@ -163,8 +166,9 @@ class GPT(nn.Module):
         if self.tok_emb is not None:
             positions = torch.arange(x.shape[1], device=x.device)  # (T,)
             x = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, H)
+        recompute = self.recompute_blocks and torch.is_grad_enabled()
         for block in self.blocks.values():
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:

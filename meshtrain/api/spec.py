@@ -149,6 +149,9 @@ class Training(_Model):
     grad_clip: float = Field(1.0, ge=0, description="Clip gradients to this global L2 norm (0 disables).")
     precision: Precision = Field("auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.")
     seed: int = Field(1234, ge=0, description="Seed for weights and data order; the same seed gives the same run on every layout.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward instead of keeping them: a block keeps only its "
+                           "input, for about one more forward pass of compute (not counted in MFU).")
     dataset: str = Field("stdlib", min_length=1, description="'stdlib' (byte-level tokens of the Python standard library sources) or the path of a uint16 token file.")
 
     def effective_global_batch(self, parallelism: Parallelism) -> int:

@@ -152,6 +152,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     p, t, d, m = par.pipeline, par.tensor, par.data, par.micro_batches
     v = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
     sp = par.sequence_parallel and t > 1
+    # Activation checkpointing replays each block's forward in backward, and PyTorch stops the replay once
+    # the last tensor backward needs exists: the MLP output's collective (its result saves nothing) is skipped.
+    recompute = job.training.activation_checkpointing
     b, s, h = job.training.micro_batch, shape.seq_len, shape.hidden
     layers_per_chunk = shape.layers // (p * v)
     last_virtual = p * v - 1
@@ -187,9 +190,14 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             # Each op runs once on a stream tensor and once on a matmul output per sub-layer.
             _add(out, "tp", "all_gather", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
             _add(out, "tp", "reduce_scatter", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
+            if recompute:  # the replayed forward: both gathers, and the attention output's reduce-scatter
+                _add(out, "tp", "all_gather", 2 * blocks * m, 2 * blocks * m * stream)
+                _add(out, "tp", "reduce_scatter", blocks * m, blocks * m * matmul)
         else:
             # Per sub-layer: reduce the row-parallel output forward, the column-parallel input gradient backward.
             _add(out, "tp", "all_reduce", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
+            if recompute:  # the replayed forward: the attention output's reduction
+                _add(out, "tp", "all_reduce", blocks * m, blocks * m * matmul)
         if holds_first:  # vocabulary-parallel embedding: sum of the partial lookups
             if sp:
                 _add(out, "tp", "reduce_scatter", m, m * stream)

@@ -132,6 +132,16 @@ def rank_flops_per_microbatch(shape: api_spec.ModelShape, pipeline: int, tensor:
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
 
+def recompute_flops_per_microbatch(shape: api_spec.ModelShape, pipeline: int, tensor: int, micro_batch: int) -> float:
+    """Extra FLOPs of activation checkpointing: one more forward of the stage's blocks, (2 N_blocks + 4 l s h / t) x tokens.
+
+    Hardware work, not model work: MFU does not count it.
+    """
+    layers = shape.layers // pipeline
+    forward = 2 * layers * memory.layer_params(shape, tensor) + 4 * layers * shape.seq_len * shape.hidden / tensor
+    return forward * micro_batch * shape.seq_len
+
+
 @dataclasses.dataclass(frozen=True)
 class StageTime:
     """Predicted seconds of one rank of one pipeline stage in one step."""
@@ -229,6 +239,8 @@ def plan_time(job: api_spec.TrainingJobSpec, profile: profiles.Profile, scheme: 
     for stage_comm in stage_comms:
         stage = stage_comm.stage
         per_mb = rank_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, job.training.micro_batch)
+        if job.training.activation_checkpointing:
+            per_mb += recompute_flops_per_microbatch(shape, par.pipeline, par.tensor, job.training.micro_batch)
         compute = per_mb * par.micro_batches / profile.achievable_flops
         seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
         dp_calls = 0

@@ -201,6 +201,17 @@ def layer_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor:
     return s * b * per_token
 
 
+def checkpointed_layer_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme, *,
+                             sequence_parallel: bool) -> float:
+    """Activation bytes one block keeps per micro-batch under activation checkpointing: its input only.
+
+    The (s, b, h) residual-stream input, replicated over the TP group unless
+    sequence parallelism shards it; the rest is recomputed in backward.
+    """
+    stream = shape.seq_len * micro_batch * shape.hidden * scheme.stream_bytes
+    return stream / tensor if sequence_parallel else stream
+
+
 def head_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme) -> float:
     """Activation bytes of the last stage's final norm, head and loss per micro-batch.
 
@@ -302,13 +313,18 @@ def plan_memory(job: api_spec.TrainingJobSpec, profile: profiles.Profile, recipe
     schedule = par.schedule if par.pipeline > 1 else "1f1b"
     micro_batch = job.training.micro_batch
     per_layer = layer_activation_bytes(shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel)
+    kept_per_layer = checkpointed_layer_bytes(shape, micro_batch, par.tensor, scheme,
+                                              sequence_parallel=par.sequence_parallel)
     layers_per_stage = shape.layers // par.pipeline
     stages = []
     for stage in range(par.pipeline):
         params = rank_params(shape, par.pipeline, par.tensor, stage)
         state = state_bytes(params, scheme, par.zero_stage, par.data)
         flight = in_flight_microbatches(schedule, par.pipeline, par.micro_batches, stage, virtual)
-        activations = flight * layers_per_stage * per_layer
+        if job.training.activation_checkpointing:  # block inputs kept; one block's working set rebuilt at a time
+            activations = flight * layers_per_stage * kept_per_layer + per_layer
+        else:
+            activations = flight * layers_per_stage * per_layer
         if stage == par.pipeline - 1:
             head_flight = par.micro_batches if schedule == "gpipe" else 1
             activations += head_flight * head_activation_bytes(shape, micro_batch, par.tensor, scheme)

@@ -24,6 +24,8 @@ CASES_2 = {
     "pp2-interleaved": dict(pipeline=2, schedule="interleaved-1f1b", virtual=2, micro_batches=4),
     "tp2": dict(tensor=2),
     "tp2-sp-accum2": dict(tensor=2, sequence_parallel=True, micro_batches=2),
+    "tp2-sp-recompute": dict(tensor=2, sequence_parallel=True, activationCheckpointing=True),
+    "pp2-1f1b-recompute": dict(pipeline=2, schedule="1f1b", micro_batches=4, activationCheckpointing=True),
 }
 CASES_8 = {
     "dp2-pp2-tp2-1f1b": dict(data=2, pipeline=2, tensor=2, micro_batches=2),

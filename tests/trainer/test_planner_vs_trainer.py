@@ -34,7 +34,7 @@ STEPS = 2
 TIMEOUT_S = 300
 
 LAYOUTS = [
-    # (id, parallelism overrides)
+    # (id, parallelism overrides[, training overrides])
     ("dp2", {"data": 2}),
     ("dp2-pp2-tp2-sp", {"data": 2, "pipeline": 2, "tensor": 2, "sequenceParallel": True}),
     ("dp2-tp2", {"data": 2, "tensor": 2}),
@@ -42,15 +42,21 @@ LAYOUTS = [
     ("dp2-pp2-interleaved", {"data": 2, "pipeline": 2, "schedule": "interleaved-1f1b", "virtualStages": 2}),
     ("dp2-zero1", {"data": 2, "zeroStage": 1}),
     ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
+    ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
+    ("dp2-tp2-sp-recompute", {"data": 2, "tensor": 2, "sequenceParallel": True}, {"activationCheckpointing": True}),
 ]
 
 
-def _job(parallelism: dict) -> api_spec.TrainingJobSpec:
+def _cases() -> list:
+    return [pytest.param(case[1], case[2] if len(case) > 2 else {}, id=case[0]) for case in LAYOUTS]
+
+
+def _job(parallelism: dict, training: dict | None = None) -> api_spec.TrainingJobSpec:
     raw = {
         "parallelism": {"microBatches": 4, "bucketMb": 0.05, **parallelism},
         "resources": {"gpusPerNode": 2},
         "model": {"preset": "tiny", "layers": 4, "hidden": 64, "heads": 4, "seqLen": 32},
-        "training": {"microBatch": 2, "steps": STEPS, "precision": "fp32", "dataset": "stdlib"},
+        "training": {"microBatch": 2, "steps": STEPS, "precision": "fp32", "dataset": "stdlib", **(training or {})},
     }
     return api_spec.parse_spec(raw, "test")
 
@@ -117,9 +123,9 @@ def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelism", [p for _, p in LAYOUTS], ids=[i for i, _ in LAYOUTS])
-def test_predicted_comm_bytes_and_state_memory_match_a_real_run(parallelism: dict, tmp_path: Path) -> None:
-    job = _job(parallelism)
+@pytest.mark.parametrize(("parallelism", "training"), _cases())
+def test_predicted_comm_bytes_and_state_memory_match_a_real_run(parallelism: dict, training: dict, tmp_path: Path) -> None:
+    job = _job(parallelism, training)
     measured = _run(job, tmp_path)
     cpu = profiles.get("cpu")
     scheme = memory.scheme_for(memory.resolve_precision(job, cpu))

@@ -81,6 +81,48 @@ def test_activations_follow_korthikanti_without_dropout() -> None:
         assert fused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * b / t)
 
 
+def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> None:
+    raw = {"parallelism": {"data": 1, "pipeline": 2, "tensor": 2, "microBatches": 8, "sequenceParallel": True},
+           "resources": {"gpusPerNode": 4}, "model": {"preset": "1.3b"}, "training": {"microBatch": 1}}
+    plain = api_spec.parse_spec(raw)
+    recompute = api_spec.parse_spec({**raw, "training": {"microBatch": 1, "activationCheckpointing": True}})
+    h100 = profiles.get("h100-sxm")
+    shape, scheme = plain.model.shape(), memory.scheme_for(memory.resolve_precision(plain, h100))
+    per_layer = memory.layer_activation_bytes(shape, 1, 2, scheme, sequence_parallel=True)
+    kept = memory.checkpointed_layer_bytes(shape, 1, 2, scheme, sequence_parallel=True)
+    assert kept == shape.seq_len * shape.hidden * scheme.stream_bytes / 2
+    before, after = memory.plan_memory(plain, h100).stages[0], memory.plan_memory(recompute, h100).stages[0]
+    layers = shape.layers // 2
+    assert before.activations == pytest.approx(before.in_flight * layers * per_layer)
+    assert after.activations == pytest.approx(after.in_flight * layers * kept + per_layer)
+    assert after.activations < before.activations / 5
+
+
+def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None:
+    shape = api_spec.ModelShape(layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096)
+    training = cost.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
+    assert cost.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
+
+
+def test_checkpointed_blocks_save_only_their_inputs() -> None:
+    """What autograd keeps from a forward of checkpointed blocks is exactly the planner's kept bytes."""
+    shape = api_spec.ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=128)
+    model = gpt.GPT(gpt.GPTConfig.from_shape(shape), recompute_blocks=True)
+    model.tok_emb = model.pos_emb = model.norm = model.head = None  # a middle pipeline stage: hidden in, hidden out
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    x = torch.randn(2, shape.seq_len, shape.hidden, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = model(x)
+    out.sum().backward()
+    kept = memory.checkpointed_layer_bytes(shape, 2, 1, memory.FP32, sequence_parallel=False)
+    assert sum(saved.values()) == shape.layers * kept
+
+
 # --- agreement with the trainer's code ------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "odd-ffn"])
