@@ -62,6 +62,27 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f} GiB"
 
 
+REMEDIES = ("training.activationCheckpointing=true", "parallelism.zeroStage=1", "parallelism.zeroStage=2",
+            "parallelism.sequenceParallel=true", "training.microBatch=1")
+"""Single spec changes tried on a job that does not fit (each kept only if the spec stays valid)."""
+
+
+def fitting_remedies(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> list[tuple[str, float]]:
+    """Which one of :data:`REMEDIES` alone makes ``job`` fit ``profile``, with the bytes per GPU it would need."""
+    found = []
+    for remedy in REMEDIES:
+        try:
+            changed = api_spec.apply_overrides(job, [remedy])
+        except api_spec.SpecError:  # e.g. ZeRO without data parallelism, or a fixed globalBatch
+            continue
+        if changed == job:
+            continue
+        plan = memory.plan_memory(changed, profile)
+        if plan.fits:
+            found.append((remedy, plan.worst.total))
+    return found
+
+
 def check(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> WontFit | None:
     """None when every rank fits in ``profile``'s memory, else a :class:`WontFit` with the numbers."""
     plan = memory.plan_memory(job, profile)
@@ -76,6 +97,9 @@ def check(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> WontFit |
         f"has {_gib(plan.capacity)}; {plan.total_params:,} parameters, {worst.params:,} on this rank. "
         f"Raise parallelism.tensor or parallelism.pipeline, set parallelism.zeroStage, or lower training.microBatch"
     )
+    remedies = fitting_remedies(job, profile)
+    if remedies:
+        message += "; each of these alone would fit: " + ", ".join(f"{r} ({_gib(need)})" for r, need in remedies)
     return WontFit(reason=REASON_WONT_FIT, message=message, stage=worst.stage, needed_bytes=worst.total,
                    capacity_bytes=plan.capacity)
 

@@ -123,6 +123,19 @@ def test_admission_refuses_a_7b_model_on_one_a100_40g_with_numbers() -> None:
     assert admission.check(sharded, profiles.get("h100-sxm")) is None
 
 
+def test_refusal_names_the_single_changes_that_would_fit() -> None:
+    job = api_spec.parse_spec(JobBuilder().layout(1, 1, 1).model(preset="1.3b").training(microBatch=16).raw())
+    l40s = profiles.get("l40s")
+    verdict = admission.check(job, l40s)
+    assert isinstance(verdict, admission.WontFit)
+    remedies = dict(admission.fitting_remedies(job, l40s))
+    assert set(remedies) == {"training.activationCheckpointing=true", "training.microBatch=1"}
+    recomputed = api_spec.apply_overrides(job, ["training.activationCheckpointing=true"])
+    assert admission.check(recomputed, l40s) is None
+    assert f"training.activationCheckpointing=true ({remedies['training.activationCheckpointing=true'] / 2**30:.2f} GiB)" \
+        in verdict.message
+
+
 def test_status_summary_is_json_ready() -> None:
     summary = admission.status_summary(_plan(JobBuilder().layout(2, 1, 2, gpus_per_node=4).raw()))
     assert {"memoryPerGpuBytes", "memoryHeadroomBytes", "stepSeconds", "bubbleRatio", "verdict", "fits"} <= set(summary)
