@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--critical-batch-tokens", type=int, default=cost.DEFAULT_CRITICAL_BATCH_TOKENS,
                         metavar="N", help="warn when the global batch has more tokens than this")
     parser.add_argument("--json", action="store_true", help=f"print the {report.SCHEMA} JSON document")
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                        help="try a spec change without editing the file, e.g. --set "
+                             "training.activationCheckpointing=true (repeatable)")
     parser.set_defaults(handler=run)
 
 
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     """Handle ``meshtrain plan``; returns the exit status."""
     try:
         job = api_spec.load_spec_file(args.job)
+        if args.set:
+            job = api_spec.apply_overrides(job, args.set)
         profile = profiles.get(args.gpu or _default_profile(job), args.profiles_dir)
         nodes = None
         if args.cluster:

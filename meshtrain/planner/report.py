@@ -63,6 +63,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "micro_batch": job.training.micro_batch,
             "zero_stage": par.zero_stage,
             "sequence_parallel": par.sequence_parallel,
+            "activation_checkpointing": job.training.activation_checkpointing,
             "precision": plan.precision,
             "recipe": plan.recipe,
         },
@@ -175,7 +176,8 @@ def to_text(plan: estimate.Plan) -> str:
         f"meshtrain plan: {par.layout_string} ({job.world_size} GPUs in {job.pods} pod(s) of "
         f"{job.resources.gpus_per_node}), schedule {par.schedule}"
         + (f" v={par.virtual_stages}" if par.schedule == "interleaved-1f1b" else "")
-        + f", m={par.micro_batches}, ZeRO-{par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else ""),
+        + f", m={par.micro_batches}, ZeRO-{par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
+        + (", activation checkpointing" if job.training.activation_checkpointing else ""),
         f"device: {profile.name} ({profile.description}); precision {plan.precision}, "
         f"state {mem.scheme.weights}+{mem.scheme.grads}+{mem.scheme.optimizer} bytes/param ({mem.scheme.name})",
         "",

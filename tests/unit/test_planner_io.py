@@ -16,8 +16,8 @@ from tests.unit.builders import JobBuilder
 
 GOLDEN_KEYS = {
     "": ["batch", "communication", "job", "memory", "model", "placement", "profile", "schema", "time", "warnings"],
-    "job": ["gpus_per_node", "layout", "micro_batch", "micro_batches", "pods", "precision", "recipe", "schedule",
-            "sequence_parallel", "virtual_stages", "world_size", "zero_stage"],
+    "job": ["activation_checkpointing", "gpus_per_node", "layout", "micro_batch", "micro_batches", "pods", "precision",
+            "recipe", "schedule", "sequence_parallel", "virtual_stages", "world_size", "zero_stage"],
     "model": ["ffn_hidden", "flops_per_token", "heads", "hidden", "layers", "parameters", "parameters_per_rank_max",
               "seq_len", "vocab"],
     "profile": ["achievable_fraction", "memory_bandwidth", "memory_bytes", "name", "nic_bandwidth", "nic_latency",
@@ -229,7 +229,18 @@ def test_cli_plan_text_json_and_placement(tmp_path: Path, capsys: pytest.Capture
     assert doc["schema"] == "meshtrain.plan/v1" and doc["profile"]["name"] == "h100-sxm"
 
 
+def test_cli_plan_tries_spec_changes_with_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job(tmp_path)
+    assert cli.main(["plan", str(job), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", str(job), "--json", "--set", "training.activationCheckpointing=true"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert not before["job"]["activation_checkpointing"] and after["job"]["activation_checkpointing"]
+    assert after["memory"]["peak_bytes"] < before["memory"]["peak_bytes"]
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--set", "parallelism.tensor=3"], "spec.parallelism.tensor"),
     (["--gpu", "h99"], "unknown GPU profile 'h99'; known profiles:"),
     (["--cluster", "missing.yaml"], "cannot read cluster file"),
     (["--critical-batch-tokens", "0"], "--critical-batch-tokens must be >= 1"),
