@@ -157,8 +157,10 @@ class Client:
         await asyncio.gather(*(self._call("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", body=patch,
                                           content_type=MERGE_PATCH, ok_statuses=(404,)) for name in names))
 
-    async def delete_pods(self, *, namespace: str, names: Iterable[str]) -> None:
-        await asyncio.gather(*(self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+    async def delete_pods(self, *, namespace: str, names: Iterable[str], grace_seconds: int | None = None) -> None:
+        """Delete pods (gone ones are fine); ``grace_seconds`` overrides their terminationGracePeriodSeconds."""
+        body = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
+        await asyncio.gather(*(self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body=body,
                                           ok_statuses=(404,)) for name in names))
 
     # Services and ConfigMaps: delete (create is ``create_or_patch``).

@@ -79,11 +79,18 @@ class Emit:
     message: str
 
 
+BROKEN_GANG_GRACE_SECONDS = 5
+"""Grace period of the surviving pods of a failed gang: a checkpoint is collective, so with a rank gone they
+cannot save and their full ``runPolicy.terminationGracePeriodSeconds`` would only delay the restart."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DeletePods:
     """Delete these pods (already-gone ones are fine)."""
 
     names: tuple[str, ...]
+    grace_seconds: int | None = None
+    """None: the pods' own grace period (time to checkpoint the step they stop at)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +165,8 @@ def _live(pods: Sequence[failure.PodState]) -> tuple[str, ...]:
     return tuple(p.name for p in pods if not p.deleting and not p.terminal)
 
 
-def _fail(job: JobState, pods: Sequence[failure.PodState], reason: str, message: str, now: datetime.datetime) -> Decision:
+def _fail(job: JobState, pods: Sequence[failure.PodState], reason: str, message: str, now: datetime.datetime,
+          grace_seconds: int | None = None) -> Decision:
     conds = conditions.set(_conds(job), conditions.FAILED, conditions.TRUE, reason, message, now)
     conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
     actions: list[Action] = [
@@ -166,7 +174,7 @@ def _fail(job: JobState, pods: Sequence[failure.PodState], reason: str, message:
         Emit("Warning", reason, message),
     ]
     if _live(pods):
-        actions.append(DeletePods(_live(pods)))
+        actions.append(DeletePods(_live(pods), grace_seconds=grace_seconds))
     return Decision(tuple(actions), requeue_after=0)
 
 
@@ -214,11 +222,12 @@ def _on_failure(job: JobState, current: Sequence[failure.PodState], failures: Se
     limit = job.spec.run_policy.backoff_limit
     permanent = [f for f in failures if f.permanent]
     if permanent:
-        return _fail(job, current, conditions.PERMANENT_FAILURE, f"{permanent[0].message}; not retried", now)
+        return _fail(job, current, conditions.PERMANENT_FAILURE, f"{permanent[0].message}; not retried", now,
+                     grace_seconds=BROKEN_GANG_GRACE_SECONDS)
     message = "; ".join(f.message for f in failures[:3])
     if restarts >= limit:
         return _fail(job, current, conditions.BACKOFF_LIMIT_EXCEEDED,
-                     f"{message}; backoffLimit={limit} restart(s) already used", now)
+                     f"{message}; backoffLimit={limit} restart(s) already used", now, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
     note = f"{message}; restarting the gang (restart {restarts + 1} of {limit})"
     conds = conditions.set(_conds(job), conditions.RUNNING, conditions.FALSE, conditions.GANG_RESTARTING, note, now)
     conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, note, now)
@@ -228,7 +237,7 @@ def _on_failure(job: JobState, current: Sequence[failure.PodState], failures: Se
     ]
     doomed = tuple(p.name for p in current if not p.deleting)
     if doomed:
-        actions.append(DeletePods(doomed))
+        actions.append(DeletePods(doomed, grace_seconds=BROKEN_GANG_GRACE_SECONDS))
     return Decision(tuple(actions), requeue_after=0)
 
 

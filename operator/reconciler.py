@@ -150,7 +150,7 @@ class Reconciler:
             await self._emit(body, action.type, action.reason, action.message)
             return body, job, False
         if isinstance(action, lifecycle.DeletePods):
-            await self.client.delete_pods(namespace=ref.namespace, names=action.names)
+            await self.client.delete_pods(namespace=ref.namespace, names=action.names, grace_seconds=action.grace_seconds)
             return body, job, True
         if isinstance(action, lifecycle.LiftGates):
             await self.client.lift_gates(namespace=ref.namespace, names=action.names)

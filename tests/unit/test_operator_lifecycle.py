@@ -188,6 +188,16 @@ def _hash_of(raw: dict[str, Any]) -> str:
     return builders.spec_hash(job(raw).spec)
 
 
+def test_a_broken_gang_is_deleted_quickly_a_healthy_one_with_time_to_save():
+    failed = lifecycle.decide(job(**placed_status(phase="Running")), [pod(0, "Running"), pod(1, "Failed", exit_code=137)], at(9))
+    [deleted] = [a for a in failed.actions if isinstance(a, lifecycle.DeletePods)]
+    assert deleted.names == ("j-r0-0", "j-r0-1") and deleted.grace_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
+    suspended = lifecycle.decide(job(_spec_of(2) | {"runPolicy": {"suspend": True}}, **placed_status(phase="Running")),
+                                 running_gang(), at(9))
+    [deleted] = [a for a in suspended.actions if isinstance(a, lifecycle.DeletePods)]
+    assert deleted.grace_seconds is None
+
+
 def test_changed_spec_rebuilds_the_gang_without_counting_a_restart():
     state = job(_spec_of(4), **placed_status(phase="Running", specHash=_hash_of(_spec_of(2)), lastCheckpointStep=20))
     decision = lifecycle.decide(state, running_gang(), at(9))
