@@ -2,8 +2,8 @@
 
 Why: Kubernetes deletes a gang's pods when the job is suspended, its spec
 changes or a node is drained; it sends SIGTERM (torchrun passes it on to the
-ranks) and kills what is still running after the grace period (30 s by
-default).  Killing at once would lose every step since the last checkpoint.
+ranks) and kills what is still running after the pods' grace period
+(``runPolicy.terminationGracePeriodSeconds``, 60 s by default).  Killing at once would lose every step since the last checkpoint.
 Locally, Ctrl-C on ``meshtrain run`` reaches every rank as SIGINT.
 
 How: the signal only sets :attr:`StopRequest.requested`.  Ranks see a signal
