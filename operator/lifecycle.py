@@ -26,8 +26,9 @@ pods are deleted, which makes them stale.  ``status.placement`` is written
 before the pods are created; pods missing from a still-gated gang are
 re-created on the recorded nodes (crash recovery), while a pod missing from a
 released gang is a failure.  ``status.specHash`` records the spec a placement
-was made for; when the spec no longer hashes the same, the gang is rebuilt.  Every decision is idempotent: applying it twice,
-or crashing between its actions, leads to the same next decision.
+was made for; when the spec no longer hashes the same, the gang is rebuilt.
+Every decision is idempotent: applying it twice, or crashing between its
+actions, leads to the same next decision.
 """
 
 from __future__ import annotations
@@ -256,17 +257,18 @@ def _succeeded(job: JobState, gang: Sequence[failure.PodState], actions: list[Ac
 def _rebuild_for_new_spec(job: JobState, current: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
     """The spec changed under a placed gang: drop the placement and the old pods; the next pass places the new spec.
 
-    Not a restart (``restarts`` is unchanged): the pods are not at fault.  The
-    checkpoint format is layout-independent, so a new parallel layout resumes
-    from the last checkpoint; the CRD refuses changes to ``spec.model``, which
-    no checkpoint could survive.
+    Not a restart (``restarts`` is unchanged): the pods are not at fault, and
+    they get their full grace period to checkpoint the step they stop at.
+    The checkpoint format is layout-independent, so a new parallel layout
+    resumes from it; the CRD refuses changes to ``spec.model``, which no
+    checkpoint could survive.
     """
     assert job.spec is not None
     spec = job.spec
     step = job.status.get("lastCheckpointStep")
-    resume = f"training resumes from the checkpoint of step {step}" if step else "training resumes from its last checkpoint, if any"
+    since = f" (last checkpoint so far: step {step})" if step else ""
     message = (f"spec changed (generation {job.generation}): rebuilding the gang as {spec.parallelism.layout_string} "
-               f"({spec.pods} pod(s)); {resume}")
+               f"({spec.pods} pod(s)); the old pods checkpoint the step they stop at and training resumes there{since}")
     conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, conditions.SPEC_CHANGED, message, now)
     conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.SPEC_CHANGED, message, now)
     actions: list[Action] = [
