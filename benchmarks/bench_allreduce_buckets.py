@@ -18,10 +18,7 @@ latency dominates, which is exactly what bucketing removes.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import os
 import statistics
 import sys
 import time
@@ -43,9 +40,7 @@ VARIANTS = {"per-tensor": 0.0, "bucketed 1 MiB": 1.0, "bucketed 25 MiB": 25.0}
 
 
 def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    ranks.join(rank, world, port)
     base = gpt.GPT(CONFIG, seed=0)  # the same weights on every rank
     setups = {}
     for name, mb in VARIANTS.items():
@@ -81,11 +76,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args(argv)
-    raw = ranks.spawn(_rank, args.world, args.steps)
+    args, raw = ranks.spawn_from_command_line(_rank, __doc__.splitlines()[0], argv)
     rows = []
     print(f"{raw['tensors']} parameter tensors, {args.world} gloo ranks, {args.steps} timed steps (median)")
     print(f"{'batch':>5} {'variant':<18} {'buckets':>8} {'collectives/step':>17} {'step ms':>9} {'vs per-tensor':>14}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,17 +32,13 @@ from pathlib import Path
 
 import machine
 
+from meshtrain.controlplane.ports import pick_free_port
+
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 STAGES = (2, 4)
 MICRO_BATCHES = (4, 8, 16)
 WARMUP = 2
 MODEL = {"layers": 8, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 128}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spec_for(p: int, schedule: str, v: int, m: int, steps: int) -> dict:
@@ -95,7 +90,7 @@ def worker(p: int, steps: int, out_dir: str) -> None:
 
 
 def run_stages(p: int, steps: int, work: Path) -> None:
-    port = free_port()
+    port = pick_free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(p), str(steps), str(work)],
                               env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(p),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))

@@ -24,9 +24,7 @@ directory; a PVC over the network will be slower).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
 import statistics
 import sys
 import tempfile
@@ -114,9 +112,7 @@ def _interval_cost(steps: int, intervals: list[int], dp: int, root: Path) -> dic
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=1800)
     with tempfile.TemporaryDirectory(prefix="mt-bench-ckpt-") as scratch:
         root = Path(scratch) if rank == 0 else None
         shared = [str(root) if root else None]

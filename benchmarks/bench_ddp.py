@@ -16,10 +16,7 @@ loader): only the data-parallel part differs between the two sides.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import os
 import statistics
 import sys
 import time
@@ -46,9 +43,7 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    ranks.join(rank, world, port)
     ours = gpt.GPT(CONFIG, seed=0)  # the same weights on every rank
     theirs = DistributedDataParallel(copy.deepcopy(ours), bucket_cap_mb=BUCKET_MB)
     red = reducer.GradReducer(list(ours.parameters()), group=dist.group.WORLD, group_size=world,
@@ -82,11 +77,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args(argv)
-    raw = ranks.spawn(_rank, args.world, args.steps)
+    args, raw = ranks.spawn_from_command_line(_rank, __doc__.splitlines()[0], argv)
     ours, theirs = statistics.median(raw["times"]["meshtrain"]), statistics.median(raw["times"]["ddp"])
     ratio = ours / theirs
     print(f"GPT {raw['params'] / 1e6:.1f}M params, {args.world} gloo ranks, batch {BATCH}x{CONFIG.seq_len} per rank, "

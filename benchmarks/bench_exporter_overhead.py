@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,15 +36,11 @@ from pathlib import Path
 
 import machine
 
+from meshtrain.controlplane.ports import pick_free_port
+
 LAYOUTS = {"dp1·pp2·tp1 1f1b m=4": {"data": 1, "pipeline": 2, "microBatches": 4},
            "dp2·pp1·tp1 m=1": {"data": 2, "pipeline": 1, "microBatches": 1}}
 STEPS, WARMUP = 160, 10
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def telemetry_on(step: int) -> bool:
@@ -107,13 +102,13 @@ def scrape(ports: list[int], stop: threading.Event) -> None:
 
 def run_layout(parallelism: dict, work: Path) -> dict:
     world = parallelism["data"] * parallelism["pipeline"]
-    metrics_port = free_port()
+    metrics_port = pick_free_port()
     spec = {"parallelism": {**parallelism, "tensor": 1, "schedule": "1f1b"}, "resources": {"gpusPerNode": world},
             "model": {"preset": "tiny"}, "training": {"steps": STEPS, "microBatch": 2, "precision": "fp32"},
             "metrics": {"port": metrics_port, "peakFlops": 1e11}}
     spec_path, out_path = work / "job.json", work / "times.json"
     spec_path.write_text(json.dumps(spec))  # JSON is YAML
-    port = free_port()
+    port = pick_free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -148,7 +143,7 @@ def recorder_cost(repeats: int = 300) -> float:
 
     job = spec_mod.parse_spec({"parallelism": {"data": 2, "pipeline": 2, "microBatches": 8},
                                "resources": {"gpusPerNode": 4}, "model": {"preset": "tiny"},
-                               "metrics": {"port": free_port(), "peakFlops": 1e11}})
+                               "metrics": {"port": pick_free_port(), "peakFlops": 1e11}})
     with tempfile.TemporaryDirectory() as tmp:
         rec = telemetry.make_recorder(job, layout_mod.from_spec(job.parallelism), 0, tmp)
         actions = schedules.actions("1f1b", 2, 8, 0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
 from meshtrain.api import spec as spec_mod  # noqa: E402
+from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine  # noqa: E402
 from meshtrain.trainer import model as gpt  # noqa: E402
 from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.presets = ["350m", "1.3b"]
     sizes = dict(MICRO_BATCH, **{k: int(v) for k, v in (item.split("=") for item in args.micro_batch)})
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = pick_free_port()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = args.device == "cuda"
     device = mesh_mod.device_for(0, use_cuda=cuda)

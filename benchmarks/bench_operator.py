@@ -30,7 +30,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import yaml
 from meshtrain import controlplane
 from meshtrain.api import crd
 from meshtrain.api import spec as api_spec
+from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.operator import builders, kube
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -52,12 +52,6 @@ from benchmarks import machine  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait(check, timeout: float, interval: float = 0.01):
@@ -95,9 +89,9 @@ def _job(name: str, namespace: str, pods: int, suspend: bool = False) -> dict[st
 
 
 def _start_operator(kubeconfig: str, log: pathlib.Path) -> tuple[subprocess.Popen[bytes], int]:
-    health = _free_port()
+    health = pick_free_port()
     command = [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--kubeconfig", kubeconfig,
-               "--liveness", f"http://127.0.0.1:{health}/healthz", "--metrics-port", str(_free_port()),
+               "--liveness", f"http://127.0.0.1:{health}/healthz", "--metrics-port", str(pick_free_port()),
                "--resync-seconds", "30"]
     process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=REPO)
 

@@ -24,7 +24,6 @@ import dataclasses
 import io
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine  # noqa: E402
 from meshtrain.api import spec as api_spec  # noqa: E402
+from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import estimate, profiles  # noqa: E402
 from meshtrain.trainer import launch, steplog  # noqa: E402
 
@@ -113,9 +113,7 @@ def _ping_pong(rank: int, port: int, out: str) -> None:
 
 def gloo_alpha_beta() -> tuple[float, float, dict[int, float]]:
     """One-way message time ``alpha + M / B`` from a gloo ping-pong: (alpha, B, measured times)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = pick_free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "pingpong.json")
         mp.spawn(_ping_pong, args=(port, out), nprocs=2, join=True)

@@ -21,8 +21,6 @@ What it is not: a peak-memory profile (activations are not counted).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 from pathlib import Path
 
@@ -50,9 +48,7 @@ def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJo
 
 
 def _rank(rank: int, world: int, port: int, preset: str, stage: int, seq_len: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(preset, world, stage, seq_len)
     eng = engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
     state.init_optimizer_state(eng.optimizer)  # AdamW's moments exist from the start (as the worker does)

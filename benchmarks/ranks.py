@@ -1,34 +1,56 @@
 """Run a benchmark body in ``world`` local gloo processes and collect rank 0's result.
 
 The body is ``rank_fn(rank, world, port, *args, out)``: it joins a process
-group on ``127.0.0.1:port`` and, on rank 0, saves its result with
-``torch.save(result, Path(out) / RESULT)``.  :func:`spawn` picks a free port,
-gives the ranks a scratch directory and returns what rank 0 saved.
+group on ``127.0.0.1:port`` (:func:`join`) and, on rank 0, saves its result
+with ``torch.save(result, Path(out) / RESULT)``.  :func:`spawn` picks a free
+port, gives the ranks a scratch directory and returns what rank 0 saved;
+:func:`spawn_from_command_line` does the same for ``--world`` and ``--steps``
+given on the command line.
 """
 
 from __future__ import annotations
 
-import socket
+import argparse
+import datetime
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshtrain.controlplane.ports import pick_free_port
+
 RESULT = "result.pt"
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spawn(rank_fn: Callable[..., None], world: int, *args: Any) -> Any:
     """Run ``rank_fn`` in ``world`` spawned processes; returns rank 0's saved result."""
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as out:
-        mp.start_processes(rank_fn, args=(world, free_port(), *args, out), nprocs=world, start_method="spawn")
+        mp.start_processes(rank_fn, args=(world, pick_free_port(), *args, out), nprocs=world, start_method="spawn")
         return torch.load(Path(out) / RESULT)
+
+
+def spawn_from_command_line(rank_fn: Callable[..., None], description: str,
+                            argv: list[str] | None) -> tuple[argparse.Namespace, Any]:
+    """Parse ``--world`` (default 2) and ``--steps`` (default 20), then :func:`spawn` ``rank_fn(..., steps, out)``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    return args, spawn(rank_fn, args.world, args.steps)
+
+
+def cores_per_rank(world: int) -> int:
+    """This machine's cores shared out over ``world`` ranks (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def join(rank: int, world: int, port: int, *, threads: int = 1, timeout_s: float = 300) -> None:
+    """Join the gloo group of the spawned ranks, with ``threads`` intra-op threads for this rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshtrain.controlplane.ports import pick_free_port
 
 TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
 
@@ -47,12 +47,6 @@ def make_spec(*, data: int = 1, pipeline: int = 1, tensor: int = 1, schedule: st
     }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:  # noqa: ANN001
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -67,7 +61,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
 def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:  # noqa: ANN001
     """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order."""
     with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
-        context = mp.start_processes(_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world,
+        context = mp.start_processes(_entry, args=(world, pick_free_port(), fn, args, out_dir), nprocs=world,
                                      join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

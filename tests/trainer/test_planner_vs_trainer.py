@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
+from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import comm, memory, profiles
 
 STEPS = 2
@@ -59,12 +59,6 @@ def _job(parallelism: dict, training: dict | None = None) -> api_spec.TrainingJo
         "training": {"microBatch": 2, "steps": STEPS, "precision": "fp32", "dataset": "stdlib", **(training or {})},
     }
     return api_spec.parse_spec(raw, "test")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(spec_json: str, out_dir: str) -> None:
@@ -100,7 +94,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
 
 def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
     world = job.world_size
-    port = _free_port()
+    port = pick_free_port()
     spec_json = json.dumps(job.model_dump(by_alias=True, exclude_none=True, mode="json"))
     procs = []
     for rank in range(world):

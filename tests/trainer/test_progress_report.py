@@ -25,6 +25,7 @@ import mt_harness
 import pytest
 import yaml
 
+from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.trainer.checkpointing import checkpointer
 from meshtrain.trainer.telemetry import progress
 
@@ -56,7 +57,7 @@ def _progress(port: int) -> dict:
 
 @pytest.mark.slow
 def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path: Path) -> None:
-    port = mt_harness.free_port()
+    port = pick_free_port()
     spec, log_dir = _spec(tmp_path, port), tmp_path / "run"
     final = tmp_path / "termination-log"
 

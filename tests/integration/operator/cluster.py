@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ import kubernetes
 import yaml
 
 from meshtrain.api import crd
+from meshtrain.controlplane.ports import pick_free_port
 
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
@@ -196,8 +190,8 @@ class OperatorProcess:
         self.kubeconfig = kubeconfig
         self.scope = scope
         self.log_path = log_path
-        self.health_port = free_port()
-        self.metrics_port = free_port()
+        self.health_port = pick_free_port()
+        self.metrics_port = pick_free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.identity = f"operator-{uuid.uuid4().hex[:6]}"
         """kopf peering identity (POD_ID): a restart keeps it, as a container restart keeps its pod name."""

@@ -12,7 +12,8 @@ import threading
 import pytest
 import yaml
 
-from tests.integration.operator.cluster import Job, free_port, wait_for
+from meshtrain.controlplane.ports import pick_free_port
+from tests.integration.operator.cluster import Job, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +136,7 @@ def test_progress_of_rank_zero_reaches_the_status(cluster, operator, namespace, 
         def log_message(self, *args):
             pass
 
-    port = free_port()
+    port = pick_free_port()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Progress)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
