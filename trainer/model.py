@@ -219,7 +219,7 @@ def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
 def materialize(model: GPT) -> None:
     """Give every parameter of ``model`` still on the ``meta`` device its initial value (CPU), one at a time."""
     for module_name, module in model.named_modules():
-        for key, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
+        for key, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
                 name = f"{module_name}.{key}" if module_name else key
-                module._parameters[key] = nn.Parameter(dense_value(model, name, param), requires_grad=param.requires_grad)
+                setattr(module, key, nn.Parameter(dense_value(model, name, param), requires_grad=param.requires_grad))
