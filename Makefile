@@ -4,21 +4,30 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv bootstrap run run-local test test-unit test-e2e benchmarks clean \
+.PHONY: help venv lock verify bootstrap run run-local test test-unit test-e2e benchmarks clean \
         chart-sync manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -r requirements.lock
+	$(BIN)/pip install --quiet --no-deps -e .
 	@rm -f $(VENV)/.installed-* && touch $@
 
-venv: $(STAMP)  ## create .venv and install meshtrain with its test extras (idempotent)
+venv: $(STAMP)  ## create .venv with the locked dependencies and meshtrain (idempotent)
+
+lock: venv  ## re-resolve requirements.lock from pyproject.toml (the one pin of every dependency)
+	$(BIN)/uv pip compile pyproject.toml --extra test --extra dev --python-version 3.11 \
+	  --python-platform x86_64-manylinux_2_28 -o requirements.lock -q
+
+verify: venv  ## static checks CI runs before the tests: ruff lint + format
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bootstrap:  ## build/locate kube-apiserver, etcd, kubectl, helm and install prometheus (cached)
 	scripts/bootstrap.sh

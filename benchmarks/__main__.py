@@ -24,10 +24,15 @@ def main(argv: list[str]) -> int:
         print(f"\n=== {script.stem} ===", flush=True)
         started = time.perf_counter()
         code = subprocess.call([sys.executable, str(script)], cwd=HERE.parent)
-        print(f"--- {script.stem}: exit {code} after {time.perf_counter() - started:.1f}s", flush=True)
+        print(
+            f"--- {script.stem}: exit {code} after {time.perf_counter() - started:.1f}s", flush=True
+        )
         if code:
             failed.append(script.stem)
-    print(f"\n{len(scripts) - len(failed)} of {len(scripts)} benchmarks completed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"\n{len(scripts) - len(failed)} of {len(scripts)} benchmarks completed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -46,8 +46,13 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     for name, mb in VARIANTS.items():
         model = copy.deepcopy(base)
         rec = recording.MemoryRecorder()
-        red = reducer.GradReducer(list(model.parameters()), group=dist.group.WORLD, group_size=world,
-                                  bucket_mb=mb, recorder=rec)
+        red = reducer.GradReducer(
+            list(model.parameters()),
+            group=dist.group.WORLD,
+            group_size=world,
+            bucket_mb=mb,
+            recorder=rec,
+        )
         setups[name] = (model, red, rec)
     times: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
@@ -60,7 +65,9 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
                 rec.step_start(step, time.perf_counter())
                 start = time.perf_counter()
                 logits = model(batch[:, :-1])
-                F.cross_entropy(logits.reshape(-1, CONFIG.vocab), batch[:, 1:].reshape(-1)).backward()
+                F.cross_entropy(
+                    logits.reshape(-1, CONFIG.vocab), batch[:, 1:].reshape(-1)
+                ).backward()
                 red.finish()
                 elapsed = time.perf_counter() - start
                 red.zero_grad()
@@ -69,8 +76,15 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
                     times.setdefault(f"{size}|{name}", []).append(elapsed)
     if rank == 0:
         tensors = sum(1 for _ in base.parameters())
-        torch.save({"times": times, "counts": counts, "tensors": tensors,
-                    "buckets": {n: len(s[1].buckets) for n, s in setups.items()}}, Path(out) / ranks.RESULT)
+        torch.save(
+            {
+                "times": times,
+                "counts": counts,
+                "tensors": tensors,
+                "buckets": {n: len(s[1].buckets) for n, s in setups.items()},
+            },
+            Path(out) / ranks.RESULT,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -78,25 +92,53 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, raw = ranks.spawn_from_command_line(_rank, __doc__.splitlines()[0], argv)
     rows = []
-    print(f"{raw['tensors']} parameter tensors, {args.world} gloo ranks, {args.steps} timed steps (median)")
-    print(f"{'batch':>5} {'variant':<18} {'buckets':>8} {'collectives/step':>17} {'step ms':>9} {'vs per-tensor':>14}")
+    print(
+        f"{raw['tensors']} parameter tensors, {args.world} gloo ranks, {args.steps} timed steps (median)"
+    )
+    print(
+        f"{'batch':>5} {'variant':<18} {'buckets':>8} {'collectives/step':>17} {'step ms':>9} {'vs per-tensor':>14}"
+    )
     for size in BATCHES:
         baseline = statistics.median(raw["times"][f"{size}|per-tensor"])
         for name in VARIANTS:
             median = statistics.median(raw["times"][f"{size}|{name}"])
-            rows.append({"batch_per_rank": size, "variant": name, "bucket_mb": VARIANTS[name],
-                         "buckets": raw["buckets"][name], "collectives_per_step": raw["counts"][name],
-                         "median_step_seconds": median, "ratio_to_per_tensor": median / baseline,
-                         "step_seconds": raw["times"][f"{size}|{name}"]})
-            print(f"{size:>5} {name:<18} {raw['buckets'][name]:>8} {raw['counts'][name]:>17} {median * 1e3:>9.1f} "
-                  f"{median / baseline:>13.2f}x")
-    best = {size: min(r["ratio_to_per_tensor"] for r in rows if r["batch_per_rank"] == size and r["bucket_mb"])
-            for size in BATCHES}
+            rows.append(
+                {
+                    "batch_per_rank": size,
+                    "variant": name,
+                    "bucket_mb": VARIANTS[name],
+                    "buckets": raw["buckets"][name],
+                    "collectives_per_step": raw["counts"][name],
+                    "median_step_seconds": median,
+                    "ratio_to_per_tensor": median / baseline,
+                    "step_seconds": raw["times"][f"{size}|{name}"],
+                }
+            )
+            print(
+                f"{size:>5} {name:<18} {raw['buckets'][name]:>8} {raw['counts'][name]:>17} {median * 1e3:>9.1f} "
+                f"{median / baseline:>13.2f}x"
+            )
+    best = {
+        size: min(
+            r["ratio_to_per_tensor"] for r in rows if r["batch_per_rank"] == size and r["bucket_mb"]
+        )
+        for size in BATCHES
+    }
     for size, ratio in best.items():
-        print(f"batch {size}: target bucketed <= 0.70x per-tensor: best {ratio:.2f}x -> {'met' if ratio <= 0.7 else 'NOT met'}")
-    path = machine.write_results("allreduce_buckets", {"world": args.world, "parameter_tensors": raw["tensors"],
-                                                       "model": CONFIG.__dict__, "rows": rows, "target": 0.7,
-                                                       "best_ratio_by_batch": best})
+        print(
+            f"batch {size}: target bucketed <= 0.70x per-tensor: best {ratio:.2f}x -> {'met' if ratio <= 0.7 else 'NOT met'}"
+        )
+    path = machine.write_results(
+        "allreduce_buckets",
+        {
+            "world": args.world,
+            "parameter_tensors": raw["tensors"],
+            "model": CONFIG.__dict__,
+            "rows": rows,
+            "target": 0.7,
+            "best_ratio_by_batch": best,
+        },
+    )
     print(f"wrote {path}")
     return 0
 

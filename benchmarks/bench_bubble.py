@@ -42,11 +42,20 @@ MODEL = {"layers": 8, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 128}
 
 
 def spec_for(p: int, schedule: str, v: int, m: int, steps: int) -> dict:
-    return {"parallelism": {"data": 1, "pipeline": p, "tensor": 1, "schedule": schedule, "virtualStages": v,
-                            "microBatches": m},
-            "resources": {"gpusPerNode": p}, "model": MODEL,
-            "training": {"steps": steps, "microBatch": 2, "precision": "fp32"},
-            "metrics": {"peakFlops": 1e11}}
+    return {
+        "parallelism": {
+            "data": 1,
+            "pipeline": p,
+            "tensor": 1,
+            "schedule": schedule,
+            "virtualStages": v,
+            "microBatches": m,
+        },
+        "resources": {"gpusPerNode": p},
+        "model": MODEL,
+        "training": {"steps": steps, "microBatch": 2, "precision": "fp32"},
+        "metrics": {"peakFlops": 1e11},
+    }
 
 
 def worker(p: int, steps: int, out_dir: str) -> None:
@@ -65,7 +74,9 @@ def worker(p: int, steps: int, out_dir: str) -> None:
     weights: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:  # weights saved for backward are not activations
+        if (
+            t.untyped_storage().data_ptr() not in weights
+        ):  # weights saved for backward are not activations
             saved[0] += t.numel() * t.element_size()
         return t
 
@@ -83,7 +94,9 @@ def worker(p: int, steps: int, out_dir: str) -> None:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 for _ in range(steps):
                     trainer.train_step()
-            (log_dir / f"saved-rank-{rank}.json").write_text(json.dumps({"bytes_per_step": saved[0] / steps}))
+            (log_dir / f"saved-rank-{rank}.json").write_text(
+                json.dumps({"bytes_per_step": saved[0] / steps})
+            )
             rec.close()
             torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -91,10 +104,21 @@ def worker(p: int, steps: int, out_dir: str) -> None:
 
 def run_stages(p: int, steps: int, work: Path) -> None:
     port = pick_free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(p), str(steps), str(work)],
-                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(p),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
-             for r in range(p)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(p), str(steps), str(work)],
+            env=dict(
+                os.environ,
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(p),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            ),
+        )
+        for r in range(p)
+    ]
     codes = [proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"p={p}: ranks exited {codes}")
@@ -109,22 +133,34 @@ def analyse(log_dir: Path, p: int, m: int, v: int) -> dict:
         for line in lines:
             if line["step"] > WARMUP:
                 by_step.setdefault(line["step"], []).append(line)
-    per_step = [statistics.fmean(line["bubble_ratio"] for line in group) for group in by_step.values()]
+    per_step = [
+        statistics.fmean(line["bubble_ratio"] for line in group) for group in by_step.values()
+    ]
     in_flight = {}
     for rank, lines in traces.items():
         peak = 0
         for line in lines[WARMUP:]:
             level = 0
-            for e in sorted((e for e in line["events"] if e["what"] == "compute"), key=lambda e: e["start"]):
+            for e in sorted(
+                (e for e in line["events"] if e["what"] == "compute"), key=lambda e: e["start"]
+            ):
                 level += 1 if e["kind"] == "forward" else -1
                 peak = max(peak, level)
         in_flight[rank] = peak
-    saved = {r: json.loads((log_dir / f"saved-rank-{r}.json").read_text())["bytes_per_step"] for r in traces}
+    saved = {
+        r: json.loads((log_dir / f"saved-rank-{r}.json").read_text())["bytes_per_step"]
+        for r in traces
+    }
     per_microbatch = {r: saved[r] / (m * v) for r in traces}
-    return {"measured": statistics.median(per_step), "measured_min": min(per_step),
-            "theoretical": (p - 1) / (v * m + p - 1), "steps": len(per_step),
-            "peak_in_flight_chunks": in_flight, "saved_bytes_per_chunk_microbatch": per_microbatch,
-            "peak_activation_bytes": {r: in_flight[r] * per_microbatch[r] for r in traces}}
+    return {
+        "measured": statistics.median(per_step),
+        "measured_min": min(per_step),
+        "theoretical": (p - 1) / (v * m + p - 1),
+        "steps": len(per_step),
+        "peak_in_flight_chunks": in_flight,
+        "saved_bytes_per_chunk_microbatch": per_microbatch,
+        "peak_activation_bytes": {r: in_flight[r] * per_microbatch[r] for r in traces},
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -137,9 +173,21 @@ def plot(results: dict, path: Path) -> None:
     for ax, p in zip(axes, STAGES):
         for (schedule, v), colour in zip(SCHEDULES, ("#3b75af", "#e0823d", "#4c9a4c")):
             rows = [results[f"{schedule}-p{p}-m{m}"] for m in MICRO_BATCHES]
-            ax.plot(MICRO_BATCHES, [r["measured"] for r in rows], "o-", color=colour, label=f"{schedule} measured")
-            ax.plot(MICRO_BATCHES, [r["theoretical"] for r in rows], "--", color=colour, alpha=0.7,
-                    label=f"{schedule} theory")
+            ax.plot(
+                MICRO_BATCHES,
+                [r["measured"] for r in rows],
+                "o-",
+                color=colour,
+                label=f"{schedule} measured",
+            )
+            ax.plot(
+                MICRO_BATCHES,
+                [r["theoretical"] for r in rows],
+                "--",
+                color=colour,
+                alpha=0.7,
+                label=f"{schedule} theory",
+            )
         ax.set_title(f"p = {p}")
         ax.set_xlabel("micro-batches m")
         ax.set_xscale("log", base=2)
@@ -155,7 +203,9 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="steps per configuration (the first 2 are warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="steps per configuration (the first 2 are warm-up)"
+    )
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -172,23 +222,44 @@ def main() -> int:
             for schedule, v in SCHEDULES:
                 for m in MICRO_BATCHES:
                     name = f"{schedule}-p{p}-m{m}"
-                    results[name] = {"schedule": schedule, "p": p, "m": m, "v": v,
-                                     **analyse(Path(tmp) / name, p, m, v)}
+                    results[name] = {
+                        "schedule": schedule,
+                        "p": p,
+                        "m": m,
+                        "v": v,
+                        **analyse(Path(tmp) / name, p, m, v),
+                    }
     print(f"{'schedule':<18} {'p':>2} {'m':>3} {'measured':>9} {'theory':>7} {'diff':>7}")
     for r in results.values():
-        print(f"{r['schedule']:<18} {r['p']:>2} {r['m']:>3} {r['measured']:>9.3f} {r['theoretical']:>7.3f} "
-              f"{r['measured'] - r['theoretical']:>+7.3f}")
-    print("\npeak activation memory at p=4, m=16 (in-flight micro-batches x saved bytes per micro-batch)")
-    print(f"{'stage':>5} {'gpipe in-flight':>15} {'gpipe MiB':>10} {'1f1b in-flight':>15} {'1f1b MiB':>9} {'ratio':>6}")
+        print(
+            f"{r['schedule']:<18} {r['p']:>2} {r['m']:>3} {r['measured']:>9.3f} {r['theoretical']:>7.3f} "
+            f"{r['measured'] - r['theoretical']:>+7.3f}"
+        )
+    print(
+        "\npeak activation memory at p=4, m=16 (in-flight micro-batches x saved bytes per micro-batch)"
+    )
+    print(
+        f"{'stage':>5} {'gpipe in-flight':>15} {'gpipe MiB':>10} {'1f1b in-flight':>15} {'1f1b MiB':>9} {'ratio':>6}"
+    )
     memory = {}
     for stage in range(4):
         g, o = results["gpipe-p4-m16"], results["1f1b-p4-m16"]
         gb, ob = g["peak_activation_bytes"][stage], o["peak_activation_bytes"][stage]
         memory[stage] = {"gpipe_bytes": gb, "1f1b_bytes": ob, "ratio": gb / ob if ob else None}
-        print(f"{stage:>5} {g['peak_in_flight_chunks'][stage]:>15} {gb / 2**20:>10.1f} "
-              f"{o['peak_in_flight_chunks'][stage]:>15} {ob / 2**20:>9.1f} {gb / ob:>6.1f}")
-    out = machine.write_results("bench_bubble", {"model": MODEL, "steps": args.steps, "warmup": WARMUP,
-                                                 "configurations": results, "activation_memory_p4_m16": memory})
+        print(
+            f"{stage:>5} {g['peak_in_flight_chunks'][stage]:>15} {gb / 2**20:>10.1f} "
+            f"{o['peak_in_flight_chunks'][stage]:>15} {ob / 2**20:>9.1f} {gb / ob:>6.1f}"
+        )
+    out = machine.write_results(
+        "bench_bubble",
+        {
+            "model": MODEL,
+            "steps": args.steps,
+            "warmup": WARMUP,
+            "configurations": results,
+            "activation_memory_p4_m16": memory,
+        },
+    )
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

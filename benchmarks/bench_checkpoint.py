@@ -46,14 +46,18 @@ SMALL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 64}
 
 
 def _engine(model: dict, dp: int, stage: int, steps: int, interval: int) -> engine.Engine:
-    job = spec_mod.parse_spec({
-        "parallelism": {"data": dp, "zeroStage": stage},
-        "resources": {"gpusPerNode": dp},
-        "model": model,
-        "training": {"microBatch": 2, "steps": steps, "precision": "fp32", "dataset": "stdlib"},
-        "checkpoint": {"intervalSteps": interval, "keep": 2},
-    })
-    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+    job = spec_mod.parse_spec(
+        {
+            "parallelism": {"data": dp, "zeroStage": stage},
+            "resources": {"gpusPerNode": dp},
+            "model": model,
+            "training": {"microBatch": 2, "steps": steps, "precision": "fp32", "dataset": "stdlib"},
+            "checkpoint": {"intervalSteps": interval, "keep": 2},
+        }
+    )
+    return engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
 
 
 def _dir_bytes(path: Path) -> int:
@@ -80,8 +84,16 @@ def _save_load(preset: str, dp: int, stage: int, root: Path) -> dict:
     size = _dir_bytes(published)
     del fresh
     gc.collect()
-    return {"preset": preset, "dp": dp, "zero_stage": stage, "params_per_rank": params, "bytes": size,
-            "save_seconds": save_s, "dcp_write_seconds": marker.extra.get("write_seconds"), "load_seconds": load_s}
+    return {
+        "preset": preset,
+        "dp": dp,
+        "zero_stage": stage,
+        "params_per_rank": params,
+        "bytes": size,
+        "save_seconds": save_s,
+        "dcp_write_seconds": marker.extra.get("write_seconds"),
+        "load_seconds": load_s,
+    }
 
 
 def _interval_cost(steps: int, intervals: list[int], dp: int, root: Path) -> dict:
@@ -108,7 +120,12 @@ def _interval_cost(steps: int, intervals: list[int], dp: int, root: Path) -> dic
     rows = [{"interval": n, "overhead_ratio": save_s / (n * step_s)} for n in intervals]
     del eng
     gc.collect()
-    return {"steps": steps, "median_step_seconds": step_s, "median_save_seconds": save_s, "rows": rows}
+    return {
+        "steps": steps,
+        "median_step_seconds": step_s,
+        "median_save_seconds": save_s,
+        "rows": rows,
+    }
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -137,19 +154,30 @@ def main() -> int:
     for dp in args.dps:
         results.append({"dp": dp, **ranks.spawn(_rank, dp, args)})
     print(f"checkpoint save/load, preset {args.preset} (seq 64), local disk")
-    print(f"{'dp':>3} {'zero':>4} {'MiB':>8} | {'save s':>7} {'(dcp write)':>11} {'load s':>7} | {'save MB/s':>9} {'load MB/s':>9}")
+    print(
+        f"{'dp':>3} {'zero':>4} {'MiB':>8} | {'save s':>7} {'(dcp write)':>11} {'load s':>7} | {'save MB/s':>9} {'load MB/s':>9}"
+    )
     for r in results:
         s = r["save_load"]
         mb = s["bytes"] / 1e6
-        print(f"{r['dp']:>3} {s['zero_stage']:>4} {s['bytes'] / 2**20:>8.1f} | {s['save_seconds']:>7.2f} "
-              f"{s['dcp_write_seconds']:>11.2f} {s['load_seconds']:>7.2f} | {mb / s['save_seconds']:>9.1f} "
-              f"{mb / s['load_seconds']:>9.1f}")
-    print(f"\nstep-time cost of checkpointing every N steps (model {SMALL}; medians of {args.steps} steps and saves)")
-    print(f"{'dp':>3} {'step s':>8} {'save s':>8} | " + " ".join(f"{'every ' + str(n):>9}" for n in args.intervals))
+        print(
+            f"{r['dp']:>3} {s['zero_stage']:>4} {s['bytes'] / 2**20:>8.1f} | {s['save_seconds']:>7.2f} "
+            f"{s['dcp_write_seconds']:>11.2f} {s['load_seconds']:>7.2f} | {mb / s['save_seconds']:>9.1f} "
+            f"{mb / s['load_seconds']:>9.1f}"
+        )
+    print(
+        f"\nstep-time cost of checkpointing every N steps (model {SMALL}; medians of {args.steps} steps and saves)"
+    )
+    print(
+        f"{'dp':>3} {'step s':>8} {'save s':>8} | "
+        + " ".join(f"{'every ' + str(n):>9}" for n in args.intervals)
+    )
     for r in results:
         cost = r["interval"]
-        print(f"{r['dp']:>3} {cost['median_step_seconds']:>8.4f} {cost['median_save_seconds']:>8.4f} | "
-              + " ".join(f"{row['overhead_ratio']:>+9.1%}" for row in cost["rows"]))
+        print(
+            f"{r['dp']:>3} {cost['median_step_seconds']:>8.4f} {cost['median_save_seconds']:>8.4f} | "
+            + " ".join(f"{row['overhead_ratio']:>+9.1%}" for row in cost["rows"])
+        )
     path = machine.write_results("checkpoint", {"preset": args.preset, "runs": results})
     print(f"wrote {path}")
     return 0

@@ -32,16 +32,26 @@ def startup_seconds(full: bool) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3, help="starts per variant; the median is reported")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="starts per variant; the median is reported"
+    )
     args = parser.parse_args(argv)
     rows = []
     for full in (False, True):
         times = [startup_seconds(full) for _ in range(args.repeat)]
-        rows.append({"components": "all four" if full else "etcd + kube-apiserver", "seconds": times,
-                     "median_seconds": statistics.median(times), "load_average": os.getloadavg()})
+        rows.append(
+            {
+                "components": "all four" if full else "etcd + kube-apiserver",
+                "seconds": times,
+                "median_seconds": statistics.median(times),
+                "load_average": os.getloadavg(),
+            }
+        )
     print(f"{'components':<24} {'median s':>9}   target < {TARGET_SECONDS:.0f} s")
     for row in rows:
-        print(f"{row['components']:<24} {row['median_seconds']:>9.2f}   load {row['load_average'][0]:.1f}")
+        print(
+            f"{row['components']:<24} {row['median_seconds']:>9.2f}   load {row['load_average'][0]:.1f}"
+        )
     out = machine.write_results("controlplane", {"target_seconds": TARGET_SECONDS, "rows": rows})
     print(f"wrote {out}")
     return 0

@@ -46,8 +46,13 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     ranks.join(rank, world, port)
     ours = gpt.GPT(CONFIG, seed=0)  # the same weights on every rank
     theirs = DistributedDataParallel(copy.deepcopy(ours), bucket_cap_mb=BUCKET_MB)
-    red = reducer.GradReducer(list(ours.parameters()), group=dist.group.WORLD, group_size=world,
-                              bucket_mb=BUCKET_MB, recorder=recording.NullRecorder())
+    red = reducer.GradReducer(
+        list(ours.parameters()),
+        group=dist.group.WORLD,
+        group_size=world,
+        bucket_mb=BUCKET_MB,
+        recorder=recording.NullRecorder(),
+    )
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
     torch.manual_seed(rank)
@@ -68,29 +73,56 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
                 opt_theirs.zero_grad(set_to_none=True)
             if step >= 3:
                 times[name].append(time.perf_counter() - start)
-    worst = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.module.parameters()))
+    worst = max(
+        (p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.module.parameters())
+    )
     if rank == 0:
-        torch.save({"times": times, "max_weight_diff": worst, "buckets": len(red.buckets),
-                    "params": sum(p.numel() for p in ours.parameters())}, Path(out) / ranks.RESULT)
+        torch.save(
+            {
+                "times": times,
+                "max_weight_diff": worst,
+                "buckets": len(red.buckets),
+                "params": sum(p.numel() for p in ours.parameters()),
+            },
+            Path(out) / ranks.RESULT,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
     args, raw = ranks.spawn_from_command_line(_rank, __doc__.splitlines()[0], argv)
-    ours, theirs = statistics.median(raw["times"]["meshtrain"]), statistics.median(raw["times"]["ddp"])
+    ours, theirs = (
+        statistics.median(raw["times"]["meshtrain"]),
+        statistics.median(raw["times"]["ddp"]),
+    )
     ratio = ours / theirs
-    print(f"GPT {raw['params'] / 1e6:.1f}M params, {args.world} gloo ranks, batch {BATCH}x{CONFIG.seq_len} per rank, "
-          f"{BUCKET_MB:g} MiB buckets, {args.steps} timed steps (median)")
+    print(
+        f"GPT {raw['params'] / 1e6:.1f}M params, {args.world} gloo ranks, batch {BATCH}x{CONFIG.seq_len} per rank, "
+        f"{BUCKET_MB:g} MiB buckets, {args.steps} timed steps (median)"
+    )
     print(f"{'side':<10} {'step ms':>9}")
     print(f"{'meshtrain':<10} {ours * 1e3:>9.1f}\n{'ddp':<10} {theirs * 1e3:>9.1f}")
-    print(f"ratio meshtrain/ddp {ratio:.3f} (target <= 1.05 -> {'met' if ratio <= 1.05 else 'NOT met'}); "
-          f"max weight difference after training {raw['max_weight_diff']:.2e}")
-    path = machine.write_results("ddp", {"world": args.world, "model": CONFIG.__dict__, "batch_per_rank": BATCH,
-                                         "bucket_mb": BUCKET_MB, "meshtrain_median_step_seconds": ours,
-                                         "ddp_median_step_seconds": theirs, "ratio": ratio, "target": 1.05,
-                                         "max_weight_diff": raw["max_weight_diff"], "buckets": raw["buckets"],
-                                         "step_seconds": raw["times"]})
+    print(
+        f"ratio meshtrain/ddp {ratio:.3f} (target <= 1.05 -> {'met' if ratio <= 1.05 else 'NOT met'}); "
+        f"max weight difference after training {raw['max_weight_diff']:.2e}"
+    )
+    path = machine.write_results(
+        "ddp",
+        {
+            "world": args.world,
+            "model": CONFIG.__dict__,
+            "batch_per_rank": BATCH,
+            "bucket_mb": BUCKET_MB,
+            "meshtrain_median_step_seconds": ours,
+            "ddp_median_step_seconds": theirs,
+            "ratio": ratio,
+            "target": 1.05,
+            "max_weight_diff": raw["max_weight_diff"],
+            "buckets": raw["buckets"],
+            "step_seconds": raw["times"],
+        },
+    )
     print(f"wrote {path}")
     return 0
 

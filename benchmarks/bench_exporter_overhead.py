@@ -38,8 +38,10 @@ import machine
 
 from meshtrain.controlplane.ports import pick_free_port
 
-LAYOUTS = {"dp1·pp2·tp1 1f1b m=4": {"data": 1, "pipeline": 2, "microBatches": 4},
-           "dp2·pp1·tp1 m=1": {"data": 2, "pipeline": 1, "microBatches": 1}}
+LAYOUTS = {
+    "dp1·pp2·tp1 1f1b m=4": {"data": 1, "pipeline": 2, "microBatches": 4},
+    "dp2·pp1·tp1 m=1": {"data": 2, "pipeline": 1, "microBatches": 1},
+}
 STEPS, WARMUP = 160, 10
 
 
@@ -103,20 +105,44 @@ def scrape(ports: list[int], stop: threading.Event) -> None:
 def run_layout(parallelism: dict, work: Path) -> dict:
     world = parallelism["data"] * parallelism["pipeline"]
     metrics_port = pick_free_port()
-    spec = {"parallelism": {**parallelism, "tensor": 1, "schedule": "1f1b"}, "resources": {"gpusPerNode": world},
-            "model": {"preset": "tiny"}, "training": {"steps": STEPS, "microBatch": 2, "precision": "fp32"},
-            "metrics": {"port": metrics_port, "peakFlops": 1e11}}
+    spec = {
+        "parallelism": {**parallelism, "tensor": 1, "schedule": "1f1b"},
+        "resources": {"gpusPerNode": world},
+        "model": {"preset": "tiny"},
+        "training": {"steps": STEPS, "microBatch": 2, "precision": "fp32"},
+        "metrics": {"port": metrics_port, "peakFlops": 1e11},
+    }
     spec_path, out_path = work / "job.json", work / "times.json"
     spec_path.write_text(json.dumps(spec))  # JSON is YAML
     port = pick_free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path), str(out_path), str(work / "logs")],
-                                      env=env))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    str(spec_path),
+                    str(out_path),
+                    str(work / "logs"),
+                ],
+                env=env,
+            )
+        )
     stop = threading.Event()
-    scraper = threading.Thread(target=scrape, args=([metrics_port + r for r in range(world)], stop), daemon=True)
+    scraper = threading.Thread(
+        target=scrape, args=([metrics_port + r for r in range(world)], stop), daemon=True
+    )
     scraper.start()
     codes = [p.wait() for p in procs]
     stop.set()
@@ -127,11 +153,19 @@ def run_layout(parallelism: dict, work: Path) -> dict:
     on = [t for flag, t in times[WARMUP:] if flag]
     off = [t for flag, t in times[WARMUP:] if not flag]
     # ABBA: steps (4k, 4k+1) and (4k+3, 4k+2) are neighbouring (on, off) pairs
-    pairs = [(times[i][1], times[j][1]) for k in range(WARMUP // 4 + 1, STEPS // 4)
-             for i, j in ((4 * k, 4 * k + 1), (4 * k + 3, 4 * k + 2))]
-    return {"steps_on": len(on), "steps_off": len(off), "median_on_s": statistics.median(on),
-            "median_off_s": statistics.median(off), "ratio": statistics.median(on) / statistics.median(off),
-            "paired_ratio": statistics.median(a / b for a, b in pairs)}
+    pairs = [
+        (times[i][1], times[j][1])
+        for k in range(WARMUP // 4 + 1, STEPS // 4)
+        for i, j in ((4 * k, 4 * k + 1), (4 * k + 3, 4 * k + 2))
+    ]
+    return {
+        "steps_on": len(on),
+        "steps_off": len(off),
+        "median_on_s": statistics.median(on),
+        "median_off_s": statistics.median(off),
+        "ratio": statistics.median(on) / statistics.median(off),
+        "paired_ratio": statistics.median(a / b for a, b in pairs),
+    }
 
 
 def recorder_cost(repeats: int = 300) -> float:
@@ -141,9 +175,14 @@ def recorder_cost(repeats: int = 300) -> float:
     from meshtrain.trainer import telemetry  # noqa: PLC0415
     from meshtrain.trainer.parallel import schedules  # noqa: PLC0415
 
-    job = spec_mod.parse_spec({"parallelism": {"data": 2, "pipeline": 2, "microBatches": 8},
-                               "resources": {"gpusPerNode": 4}, "model": {"preset": "tiny"},
-                               "metrics": {"port": pick_free_port(), "peakFlops": 1e11}})
+    job = spec_mod.parse_spec(
+        {
+            "parallelism": {"data": 2, "pipeline": 2, "microBatches": 8},
+            "resources": {"gpusPerNode": 4},
+            "model": {"preset": "tiny"},
+            "metrics": {"port": pick_free_port(), "peakFlops": 1e11},
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         rec = telemetry.make_recorder(job, layout_mod.from_spec(job.parallelism), 0, tmp)
         actions = schedules.actions("1f1b", 2, 8, 0)
@@ -165,7 +204,9 @@ def recorder_cost(repeats: int = 300) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", nargs=3, metavar=("SPEC", "OUT", "LOGDIR"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=3, metavar=("SPEC", "OUT", "LOGDIR"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
@@ -181,16 +222,30 @@ def main() -> int:
             results[name] = run_layout(parallelism, Path(tmp))
             results[name]["cost_bound"] = 1 + cost / results[name]["median_off_s"]
     print(f"recorder CPU cost per step (1f1b m=8, 4 buckets): {cost * 1e6:.0f} us")
-    print(f"{'layout':<24} {'steps on/off':>12} {'median on':>11} {'median off':>11} {'on/off':>7} {'paired':>7} {'bound':>7}")
+    print(
+        f"{'layout':<24} {'steps on/off':>12} {'median on':>11} {'median off':>11} {'on/off':>7} {'paired':>7} {'bound':>7}"
+    )
     for name, r in results.items():
-        print(f"{name:<24} {r['steps_on']:>5}/{r['steps_off']:<6} {r['median_on_s'] * 1e3:>9.2f}ms "
-              f"{r['median_off_s'] * 1e3:>9.2f}ms {r['ratio']:>7.3f} {r['paired_ratio']:>7.3f} {r['cost_bound']:>7.4f}")
+        print(
+            f"{name:<24} {r['steps_on']:>5}/{r['steps_off']:<6} {r['median_on_s'] * 1e3:>9.2f}ms "
+            f"{r['median_off_s'] * 1e3:>9.2f}ms {r['ratio']:>7.3f} {r['paired_ratio']:>7.3f} {r['cost_bound']:>7.4f}"
+        )
     worst = max(r["paired_ratio"] for r in results.values())
-    print(f"worst paired ratio {worst:.3f}, worst cost bound {max(r['cost_bound'] for r in results.values()):.4f} "
-          f"(target <= 1.03)")
-    path = machine.write_results("bench_exporter_overhead", {"layouts": results, "target_ratio": 1.03,
-                                                             "recorder_cost_s": cost, "worst_paired_ratio": worst,
-                                                             "steps": STEPS, "warmup": WARMUP})
+    print(
+        f"worst paired ratio {worst:.3f}, worst cost bound {max(r['cost_bound'] for r in results.values()):.4f} "
+        f"(target <= 1.03)"
+    )
+    path = machine.write_results(
+        "bench_exporter_overhead",
+        {
+            "layouts": results,
+            "target_ratio": 1.03,
+            "recorder_cost_s": cost,
+            "worst_paired_ratio": worst,
+            "steps": STEPS,
+            "warmup": WARMUP,
+        },
+    )
     print(f"wrote {path}")
     return 0
 

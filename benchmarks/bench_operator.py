@@ -66,12 +66,41 @@ def _wait(check, timeout: float, interval: float = 0.01):
 
 def _install(api: kubernetes.client.ApiClient, kubeconfig: str, kubectl: str) -> None:
     ext = kubernetes.client.ApiextensionsV1Api(api)
-    for document in [crd.build(), *yaml.safe_load_all((REPO / "manifests/crd/kopf-peering.yaml").read_text())]:
+    for document in [
+        crd.build(),
+        *yaml.safe_load_all((REPO / "manifests/crd/kopf-peering.yaml").read_text()),
+    ]:
         ext.create_custom_resource_definition(document)
-    _wait(lambda: subprocess.run([kubectl, "--kubeconfig", kubeconfig, "get", "trainingjobs,clusterkopfpeerings", "-A"],
-                                 capture_output=True).returncode == 0, 60, 0.2)
-    subprocess.run([kubectl, "--kubeconfig", kubeconfig, "apply", "-f", str(REPO / "manifests/operator/peering.yaml")],
-                   check=True, capture_output=True)
+    _wait(
+        lambda: (
+            subprocess.run(
+                [
+                    kubectl,
+                    "--kubeconfig",
+                    kubeconfig,
+                    "get",
+                    "trainingjobs,clusterkopfpeerings",
+                    "-A",
+                ],
+                capture_output=True,
+            ).returncode
+            == 0
+        ),
+        60,
+        0.2,
+    )
+    subprocess.run(
+        [
+            kubectl,
+            "--kubeconfig",
+            kubeconfig,
+            "apply",
+            "-f",
+            str(REPO / "manifests/operator/peering.yaml"),
+        ],
+        check=True,
+        capture_output=True,
+    )
 
 
 def _add_nodes(core: kubernetes.client.CoreV1Api, count: int, gpus: int) -> None:
@@ -83,24 +112,47 @@ def _add_nodes(core: kubernetes.client.CoreV1Api, count: int, gpus: int) -> None
 
 
 def _job(name: str, namespace: str, pods: int, suspend: bool = False) -> dict[str, Any]:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name, "namespace": namespace},
-            "spec": {"parallelism": {"data": pods}, "resources": {"gpusPerNode": 1}, "model": {"preset": "tiny"},
-                     "runPolicy": {"suspend": suspend}}}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "parallelism": {"data": pods},
+            "resources": {"gpusPerNode": 1},
+            "model": {"preset": "tiny"},
+            "runPolicy": {"suspend": suspend},
+        },
+    }
 
 
 def _start_operator(kubeconfig: str, log: pathlib.Path) -> tuple[subprocess.Popen[bytes], int]:
     health = pick_free_port()
-    command = [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--kubeconfig", kubeconfig,
-               "--liveness", f"http://127.0.0.1:{health}/healthz", "--metrics-port", str(pick_free_port()),
-               "--resync-seconds", "30"]
+    command = [
+        sys.executable,
+        "-m",
+        "meshtrain.cli",
+        "operator",
+        "--all-namespaces",
+        "--kubeconfig",
+        kubeconfig,
+        "--liveness",
+        f"http://127.0.0.1:{health}/healthz",
+        "--metrics-port",
+        str(pick_free_port()),
+        "--resync-seconds",
+        "30",
+    ]
     process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=REPO)
 
     def alive() -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1) as response:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{health}/healthz", timeout=1
+            ) as response:
                 return response.status == 200
         except OSError:
             return False
+
     _wait(alive, 60, 0.2)
     return process, health
 
@@ -122,8 +174,12 @@ def _wait_for_ungated_gang(core, namespace: str, job: str, pods: int) -> None:
     """Follow a pod watch (not polling, which would load the API server under test) until the gang is released."""
     gated: dict[str, bool] = {}
     stream = kubernetes.watch.Watch()
-    for event in stream.stream(core.list_namespaced_pod, namespace, label_selector=f"meshtrain.io/job={job}",
-                               timeout_seconds=60):
+    for event in stream.stream(
+        core.list_namespaced_pod,
+        namespace,
+        label_selector=f"meshtrain.io/job={job}",
+        timeout_seconds=60,
+    ):
         pod = event["object"]
         if event["type"] == "DELETED":
             gated.pop(pod.metadata.name, None)
@@ -141,7 +197,13 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
     Measured side by side with the operator runs (same API server, same moment), it is
     the floor the operator's latency is compared to on a shared, noisy machine.
     """
-    spec = api_spec.parse_spec({"parallelism": {"data": pods}, "resources": {"gpusPerNode": 1}, "model": {"preset": "tiny"}})
+    spec = api_spec.parse_spec(
+        {
+            "parallelism": {"data": pods},
+            "resources": {"gpusPerNode": 1},
+            "model": {"preset": "tiny"},
+        }
+    )
     job = builders.JobRef(f"floor{attempt}", namespace, "00000000-0000-0000-0000-000000000000")
     manifests = builders.build_pods(job, spec, 0, [f"gpu-{i // 8:04d}" for i in range(pods)])
     for manifest in manifests:
@@ -152,29 +214,45 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
         try:
             started = time.perf_counter()
             await client.create_many(manifests=manifests)
-            await client.lift_gates(namespace=namespace, names=[m["metadata"]["name"] for m in manifests])
+            await client.lift_gates(
+                namespace=namespace, names=[m["metadata"]["name"] for m in manifests]
+            )
             elapsed = time.perf_counter() - started
-            await client.delete_pods(namespace=namespace, names=[m["metadata"]["name"] for m in manifests])
+            await client.delete_pods(
+                namespace=namespace, names=[m["metadata"]["name"] for m in manifests]
+            )
             return elapsed
         finally:
             await client.close()
+
     return asyncio.run(run())
 
 
-def gang_latency(core, custom, kubeconfig: str, namespace: str, repeat: int, pods: int,
-                 pids: dict[str, int]) -> tuple[list[float], list[dict[str, float]], list[float]]:
+def gang_latency(
+    core, custom, kubeconfig: str, namespace: str, repeat: int, pods: int, pids: dict[str, int]
+) -> tuple[list[float], list[dict[str, float]], list[float]]:
     """Seconds from create to every pod existing with no gate, CPU seconds spent, and the API floor, per repetition."""
     timings, cpu, floors = [], [], []
     for attempt in range(repeat):
         name = f"gang{attempt}"
         cpu_before = {k: _cpu_seconds(pid) for k, pid in pids.items()}
         started = time.perf_counter()
-        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _job(name, namespace, pods))
+        custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, _job(name, namespace, pods)
+        )
         _wait_for_ungated_gang(core, namespace, name, pods)
         timings.append(time.perf_counter() - started)
         cpu.append({k: _cpu_seconds(pid) - cpu_before[k] for k, pid in pids.items()})
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        _wait(lambda: not core.list_namespaced_pod(namespace, label_selector=f"meshtrain.io/job={name}").items, 60, 0.1)
+        _wait(
+            lambda: (
+                not core.list_namespaced_pod(
+                    namespace, label_selector=f"meshtrain.io/job={name}"
+                ).items
+            ),
+            60,
+            0.1,
+        )
         floors.append(api_floor(kubeconfig, "floor", pods, attempt))
     return timings, cpu, floors
 
@@ -188,11 +266,23 @@ def memory_with_jobs(custom, namespace: str, jobs: int, placed: int, pid: int) -
 
     def reconciled() -> bool:
         items = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
-        return sum(1 for i in items if (i.get("status") or {}).get("phase") in ("Placing", "Suspended")) == jobs
+        return (
+            sum(
+                1 for i in items if (i.get("status") or {}).get("phase") in ("Placing", "Suspended")
+            )
+            == jobs
+        )
+
     _wait(reconciled, 600, 1.0)
     settle = time.perf_counter() - started
     time.sleep(5)
-    return {"jobs": jobs, "placed": placed, "rss_before_mb": before, "rss_after_mb": _rss_mb(pid), "reconciled_seconds": settle}
+    return {
+        "jobs": jobs,
+        "placed": placed,
+        "rss_before_mb": before,
+        "rss_after_mb": _rss_mb(pid),
+        "reconciled_seconds": settle,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,30 +303,48 @@ def main(argv: list[str] | None = None) -> int:
             core.create_namespace({"metadata": {"name": namespace}})
         process, _ = _start_operator(kubeconfig, workdir / "operator.log")
         try:
-            pids = {"operator": process.pid, "kube-apiserver": plane.pids()["kube-apiserver"], "etcd": plane.pids()["etcd"]}
-            timings, cpu, floors = gang_latency(core, custom, kubeconfig, "bench", args.repeat, args.pods, pids)
+            pids = {
+                "operator": process.pid,
+                "kube-apiserver": plane.pids()["kube-apiserver"],
+                "etcd": plane.pids()["etcd"],
+            }
+            timings, cpu, floors = gang_latency(
+                core, custom, kubeconfig, "bench", args.repeat, args.pods, pids
+            )
             load = os.getloadavg()
             memory = memory_with_jobs(custom, "memory", args.jobs, args.placed, process.pid)
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
     results = {
-        "gang_latency_seconds": timings, "gang_pods": args.pods, "gang_target_seconds": 2.0,
-        "gang_cpu_seconds": cpu, "load_average_during_gangs": load, "api_floor_seconds": floors,
+        "gang_latency_seconds": timings,
+        "gang_pods": args.pods,
+        "gang_target_seconds": 2.0,
+        "gang_cpu_seconds": cpu,
+        "load_average_during_gangs": load,
+        "api_floor_seconds": floors,
         "gang_over_floor_ratio_median": statistics.median(t / f for t, f in zip(timings, floors)),
-        "memory": memory, "memory_target_mb": 300, "operator_log": str(workdir / "operator.log"),
+        "memory": memory,
+        "memory_target_mb": 300,
+        "operator_log": str(workdir / "operator.log"),
     }
     path = machine.write_results("operator", results)
     print(f"{'measure':<44} {'value':>10} {'target':>8}")
     print(f"{f'apply -> {args.pods} pods ungated, best (s)':<44} {min(timings):>10.2f} {'< 2':>8}")
-    print(f"{f'apply -> {args.pods} pods ungated, median (s)':<44} {statistics.median(timings):>10.2f} {'< 2':>8}")
+    print(
+        f"{f'apply -> {args.pods} pods ungated, median (s)':<44} {statistics.median(timings):>10.2f} {'< 2':>8}"
+    )
     print(f"{'same calls without operator, median (s)':<44} {statistics.median(floors):>10.2f}")
-    print(f"{'operator / no-operator ratio, median':<44} {results['gang_over_floor_ratio_median']:>10.2f}")
+    print(
+        f"{'operator / no-operator ratio, median':<44} {results['gang_over_floor_ratio_median']:>10.2f}"
+    )
     best = min(range(len(timings)), key=lambda i: timings[i])
     for component in cpu[best]:
         print(f"{f'  CPU seconds of {component} (that run)':<44} {cpu[best][component]:>10.2f}")
     print(f"{'load average (1, 5, 15 min) meanwhile':<44} {' '.join(f'{x:.1f}' for x in load):>10}")
-    print(f"{f'operator RSS, {args.jobs} jobs (MB)':<44} {memory['rss_after_mb']:>10.1f} {'< 300':>8}")
+    print(
+        f"{f'operator RSS, {args.jobs} jobs (MB)':<44} {memory['rss_after_mb']:>10.1f} {'< 300':>8}"
+    )
     print(f"{'operator RSS before the jobs (MB)':<44} {memory['rss_before_mb']:>10.1f}")
     print(f"{f'{args.jobs} jobs reconciled after (s)':<44} {memory['reconciled_seconds']:>10.1f}")
     print(f"results: {path}")

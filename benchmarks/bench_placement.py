@@ -39,7 +39,14 @@ NODES_PER_LEAF, LEAVES_PER_SPINE, SPINES_PER_BLOCK = 16, 8, 8
 CLUSTERS = (512, 4096, 16384)
 JOBS = {64: (4, 2, 8), 1024: (16, 8, 8), 8192: (64, 16, 8)}
 """GPUs -> (data, pipeline, tensor)."""
-SHAPE = {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seqLen": 4096, "ffnHidden": 16384}
+SHAPE = {
+    "layers": 32,
+    "hidden": 4096,
+    "heads": 32,
+    "vocab": 32000,
+    "seqLen": 4096,
+    "ffnHidden": 16384,
+}
 """A 7B-class GPT decoder for the bytes per step."""
 BUSY_SHARE = 0.5
 """Share of nodes with some GPUs already taken (1 to 8 of them)."""
@@ -57,18 +64,27 @@ def cluster(size: int, seed: int) -> tuple[list[placement.Node], list[placement.
         labels = {BLOCK: f"block-{block}", SPINE: f"spine-{spine}", LEAF: f"leaf-{leaf}"}
         nodes.append(placement.Node(name, GPUS_PER_NODE, labels))
         if rng.random() < BUSY_SHARE:
-            reservations.append(placement.Reservation(name, rng.randint(1, GPUS_PER_NODE), "other/job"))
+            reservations.append(
+                placement.Reservation(name, rng.randint(1, GPUS_PER_NODE), "other/job")
+            )
     return nodes, reservations
 
 
 def request(gpus: int) -> placement.PlacementRequest:
     """The benchmark job of ``gpus`` GPUs: a 7B-class model, bytes per step from the planner's model."""
     data, pipeline, tensor = JOBS[gpus]
-    job = api_spec.parse_spec({
-        "parallelism": {"data": data, "pipeline": pipeline, "tensor": tensor, "microBatches": 4 * pipeline},
-        "resources": {"gpusPerNode": GPUS_PER_NODE},
-        "model": SHAPE,
-    })
+    job = api_spec.parse_spec(
+        {
+            "parallelism": {
+                "data": data,
+                "pipeline": pipeline,
+                "tensor": tensor,
+                "microBatches": 4 * pipeline,
+            },
+            "resources": {"gpusPerNode": GPUS_PER_NODE},
+            "model": SHAPE,
+        }
+    )
     return placement.request_from_spec(job)
 
 
@@ -92,12 +108,19 @@ def run(repeat: int, seed: int) -> list[dict]:
         for gpus in JOBS:
             job = request(gpus)
             seconds, result = timed(lambda: placement.plan(job, nodes, reservations), repeat)
-            row = {"cluster_nodes": size, "job_gpus": gpus, "pods": job.pods, "plan_ms": seconds * 1e3}
+            row = {
+                "cluster_nodes": size,
+                "job_gpus": gpus,
+                "pods": job.pods,
+                "plan_ms": seconds * 1e3,
+            }
             if isinstance(result, placement.Unschedulable):
                 row.update(reason=result.reason, message=result.message)
                 rows.append(row)
                 continue
-            blind_seconds, rack = timed(lambda: placement.first_fit(job, nodes, reservations), repeat)
+            blind_seconds, rack = timed(
+                lambda: placement.first_fit(job, nodes, reservations), repeat
+            )
             shuffled_result = placement.first_fit(job, shuffled, reservations)
             row.update(
                 first_fit_ms=blind_seconds * 1e3,
@@ -121,10 +144,15 @@ def table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         if "reason" in row:
-            lines.append(f"{row['cluster_nodes']:>6} {row['job_gpus']:>5} {row['plan_ms']:>8.1f}  {row['reason']}")
+            lines.append(
+                f"{row['cluster_nodes']:>6} {row['job_gpus']:>5} {row['plan_ms']:>8.1f}  {row['reason']}"
+            )
             continue
         plan_gb = "/".join(f"{row['level_bytes'][key] / 1e9:.0f}" for key in (BLOCK, SPINE, LEAF))
-        rack_gb = "/".join(f"{row['level_bytes_first_fit_rack_order'][key] / 1e9:.0f}" for key in (BLOCK, SPINE, LEAF))
+        rack_gb = "/".join(
+            f"{row['level_bytes_first_fit_rack_order'][key] / 1e9:.0f}"
+            for key in (BLOCK, SPINE, LEAF)
+        )
         lines.append(
             f"{row['cluster_nodes']:>6} {row['job_gpus']:>5} {row['plan_ms']:>8.1f} {row['first_fit_ms']:>6.1f}"
             f"  {row['cost'] / row['cost_first_fit_rack_order']:>13.3f} {row['cost'] / row['cost_first_fit_random_order']:>13.3f}"
@@ -135,12 +163,20 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5, help="timed calls per case; the median is reported")
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="timed calls per case; the median is reported"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the cluster fragmentation")
     args = parser.parse_args(argv)
     rows = run(args.repeat, args.seed)
     print(table(rows))
-    settings = {"repeat": args.repeat, "seed": args.seed, "busy_share": BUSY_SHARE, "shape": SHAPE, "jobs": JOBS}
+    settings = {
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "busy_share": BUSY_SHARE,
+        "shape": SHAPE,
+        "jobs": JOBS,
+    }
     out = machine.write_results("placement", {"settings": settings, "rows": rows})
     print(f"\nwrote {out}")
     return 0

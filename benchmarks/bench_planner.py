@@ -61,6 +61,7 @@ PING_SIZES = [4, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22]
 
 # --- calibration ------------------------------------------------------------------------------
 
+
 def matmul_flops(rows: int, inner: int, cols: int, threads: int, seconds: float = 1.0) -> float:
     """FLOP/s of ``(rows x inner) @ (inner x cols)`` forward-and-backward-like matmuls with ``threads`` threads."""
     previous = torch.get_num_threads()
@@ -127,19 +128,33 @@ def gloo_alpha_beta() -> tuple[float, float, dict[int, float]]:
 
 # --- runs -------------------------------------------------------------------------------------
 
+
 def job_raw(parallelism: dict, steps: int, checkpoints: str = "runs/bench-planner-ckpt") -> dict:
     """A TrainingJob spec for one benchmark layout (all ranks on this host: one pod; fresh checkpoint dir)."""
     par = {"data": 1, "pipeline": 1, "tensor": 1, "microBatches": 4, "bucketMb": 1, **parallelism}
     world = par["data"] * par["pipeline"] * par["tensor"]
-    return {"parallelism": par, "resources": {"gpusPerNode": world}, "model": MODEL,
-            "training": {**TRAINING, "steps": steps}, "checkpoint": {"path": checkpoints, "intervalSteps": 0}}
+    return {
+        "parallelism": par,
+        "resources": {"gpusPerNode": world},
+        "model": MODEL,
+        "training": {**TRAINING, "steps": steps},
+        "checkpoint": {"path": checkpoints, "intervalSteps": 0},
+    }
 
 
 def measure(raw: dict, workdir: Path, name: str) -> list[float]:
     """Step seconds of every step of a real ``run_local`` of the spec."""
     path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
-                                    "metadata": {"name": f"bench-{name}"}, "spec": raw}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "meshtrain.io/v1alpha1",
+                "kind": "TrainingJob",
+                "metadata": {"name": f"bench-{name}"},
+                "spec": raw,
+            }
+        )
+    )
     log_dir = workdir / name
     with contextlib.redirect_stdout(io.StringIO()):
         code = launch.run_local(path, log_dir=log_dir)
@@ -152,18 +167,23 @@ def rank_flops_table(rows: int, hidden: int, ffn: int) -> dict[int, float]:
     """Best-of-three matmul FLOP/s for every thread count ``meshtrain run`` may give a rank."""
     cores = os.cpu_count() or 1
     counts = sorted({max(1, cores // world) for world in (1, 2, 4, 8)})
-    return {t: max(matmul_flops(rows, hidden, ffn, t, seconds=0.3) for _ in range(3)) for t in counts}
+    return {
+        t: max(matmul_flops(rows, hidden, ffn, t, seconds=0.3) for _ in range(3)) for t in counts
+    }
 
 
-def calibrated_profile(world: int, flops_by_threads: dict[int, float], alpha: float, bandwidth: float,
-                       mem_bw: float) -> tuple[profiles.Profile, float]:
+def calibrated_profile(
+    world: int, flops_by_threads: dict[int, float], alpha: float, bandwidth: float, mem_bw: float
+) -> tuple[profiles.Profile, float]:
     """The cpu profile with this machine's figures for a job of ``world`` ranks on this host."""
     cores = os.cpu_count() or 1
     threads = max(1, cores // world)  # what meshtrain run gives each rank
     share = min(1.0, cores / (world * threads))  # ranks beyond the cores time-share them
     flops = flops_by_threads[threads] * share
     base = profiles.get("cpu")
-    profile = profiles.calibrated(base, flops=flops, link_bandwidth=bandwidth, link_latency=alpha, name="cpu-calibrated")
+    profile = profiles.calibrated(
+        base, flops=flops, link_bandwidth=bandwidth, link_latency=alpha, name="cpu-calibrated"
+    )
     return dataclasses.replace(profile, memory_bandwidth=mem_bw * share), flops
 
 
@@ -178,52 +198,88 @@ def main(argv: list[str] | None = None) -> int:
     mem_bw = copy_bandwidth()
     probe = api_spec.parse_spec(job_raw({}, 1), "probe")
     probe_shape = probe.model.shape()
-    flops_by_threads = rank_flops_table(probe.training.micro_batch * probe_shape.seq_len, probe_shape.hidden,
-                                        probe_shape.ffn_hidden)
-    print(f"gloo ping-pong: alpha {alpha * 1e6:.1f} us, bandwidth {bandwidth / 1e9:.2f} GB/s; "
-          f"copy bandwidth {mem_bw / 1e9:.1f} GB/s; {os.cpu_count()} cores; matmul GFLOP/s by threads "
-          + ", ".join(f"{t}: {f / 1e9:.1f}" for t, f in flops_by_threads.items()))
+    flops_by_threads = rank_flops_table(
+        probe.training.micro_batch * probe_shape.seq_len, probe_shape.hidden, probe_shape.ffn_hidden
+    )
+    print(
+        f"gloo ping-pong: alpha {alpha * 1e6:.1f} us, bandwidth {bandwidth / 1e9:.2f} GB/s; "
+        f"copy bandwidth {mem_bw / 1e9:.1f} GB/s; {os.cpu_count()} cores; matmul GFLOP/s by threads "
+        + ", ".join(f"{t}: {f / 1e9:.1f}" for t, f in flops_by_threads.items())
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, parallelism in layouts:
             raw = job_raw(parallelism, args.steps, str(Path(tmp) / name / "checkpoints"))
             job = api_spec.parse_spec(raw, name)
-            profile, flops = calibrated_profile(job.world_size, flops_by_threads, alpha, bandwidth, mem_bw)
+            profile, flops = calibrated_profile(
+                job.world_size, flops_by_threads, alpha, bandwidth, mem_bw
+            )
             plan = estimate.make_plan(job, profile)
             steps = measure(raw, Path(tmp), name)
             measured = statistics.median(steps[1:] or steps)
             worst = plan.time.worst
-            rows.append({
-                "layout": name, "spec_layout": job.parallelism.layout_string, "schedule": job.parallelism.schedule,
-                "world_size": job.world_size, "rank_flops": flops,
-                "predicted_step_seconds": plan.time.step_seconds, "measured_step_seconds": measured,
-                "ratio_measured_over_predicted": measured / plan.time.step_seconds,
-                "predicted_compute_seconds": worst.compute, "predicted_tp_seconds": worst.tp,
-                "predicted_pp_seconds": worst.pp, "predicted_dp_seconds": worst.dp,
-                "predicted_bubble": plan.time.bubble, "measured_steps": steps,
-            })
-            print(f"  {name:<10} predicted {plan.time.step_seconds * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
-                  f"ratio {measured / plan.time.step_seconds:5.2f}", flush=True)
+            rows.append(
+                {
+                    "layout": name,
+                    "spec_layout": job.parallelism.layout_string,
+                    "schedule": job.parallelism.schedule,
+                    "world_size": job.world_size,
+                    "rank_flops": flops,
+                    "predicted_step_seconds": plan.time.step_seconds,
+                    "measured_step_seconds": measured,
+                    "ratio_measured_over_predicted": measured / plan.time.step_seconds,
+                    "predicted_compute_seconds": worst.compute,
+                    "predicted_tp_seconds": worst.tp,
+                    "predicted_pp_seconds": worst.pp,
+                    "predicted_dp_seconds": worst.dp,
+                    "predicted_bubble": plan.time.bubble,
+                    "measured_steps": steps,
+                }
+            )
+            print(
+                f"  {name:<10} predicted {plan.time.step_seconds * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
+                f"ratio {measured / plan.time.step_seconds:5.2f}",
+                flush=True,
+            )
 
-    header = f"{'layout':<10} {'world':>5} {'predicted ms':>12} {'measured ms':>11} {'meas/pred':>9} " \
-             f"{'compute ms':>10} {'tp ms':>7} {'pp ms':>7} {'dp ms':>7} {'bubble':>6}"
+    header = (
+        f"{'layout':<10} {'world':>5} {'predicted ms':>12} {'measured ms':>11} {'meas/pred':>9} "
+        f"{'compute ms':>10} {'tp ms':>7} {'pp ms':>7} {'dp ms':>7} {'bubble':>6}"
+    )
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['layout']:<10} {r['world_size']:>5} {r['predicted_step_seconds'] * 1e3:>12.1f} "
-              f"{r['measured_step_seconds'] * 1e3:>11.1f} {r['ratio_measured_over_predicted']:>9.2f} "
-              f"{r['predicted_compute_seconds'] * 1e3:>10.1f} {r['predicted_tp_seconds'] * 1e3:>7.1f} "
-              f"{r['predicted_pp_seconds'] * 1e3:>7.1f} {r['predicted_dp_seconds'] * 1e3:>7.1f} "
-              f"{r['predicted_bubble']:>6.2f}")
+        print(
+            f"{r['layout']:<10} {r['world_size']:>5} {r['predicted_step_seconds'] * 1e3:>12.1f} "
+            f"{r['measured_step_seconds'] * 1e3:>11.1f} {r['ratio_measured_over_predicted']:>9.2f} "
+            f"{r['predicted_compute_seconds'] * 1e3:>10.1f} {r['predicted_tp_seconds'] * 1e3:>7.1f} "
+            f"{r['predicted_pp_seconds'] * 1e3:>7.1f} {r['predicted_dp_seconds'] * 1e3:>7.1f} "
+            f"{r['predicted_bubble']:>6.2f}"
+        )
     ratios = [r["ratio_measured_over_predicted"] for r in rows]
-    print(f"\nmeasured/predicted: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}..{max(ratios):.2f}")
-    path = machine.write_results("planner", {
-        "model": MODEL, "training": TRAINING, "steps": args.steps,
-        "calibration": {"gloo_alpha_seconds": alpha, "gloo_bandwidth_bytes_per_second": bandwidth,
-                        "ping_pong_one_way_seconds": pings, "copy_bandwidth_bytes_per_second": mem_bw,
-                        "matmul_flops_by_threads": flops_by_threads},
-        "layouts": rows,
-        "summary": {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)},
-    })
+    print(
+        f"\nmeasured/predicted: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}..{max(ratios):.2f}"
+    )
+    path = machine.write_results(
+        "planner",
+        {
+            "model": MODEL,
+            "training": TRAINING,
+            "steps": args.steps,
+            "calibration": {
+                "gloo_alpha_seconds": alpha,
+                "gloo_bandwidth_bytes_per_second": bandwidth,
+                "ping_pong_one_way_seconds": pings,
+                "copy_bandwidth_bytes_per_second": mem_bw,
+                "matmul_flops_by_threads": flops_by_threads,
+            },
+            "layouts": rows,
+            "summary": {
+                "median_ratio": statistics.median(ratios),
+                "min_ratio": min(ratios),
+                "max_ratio": max(ratios),
+            },
+        },
+    )
     print(f"results: {path}")
     return 0
 

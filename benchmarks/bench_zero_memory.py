@@ -39,19 +39,27 @@ from meshtrain.trainer.parallel import zero  # noqa: E402
 
 
 def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJobSpec:
-    return spec_mod.parse_spec({
-        "parallelism": {"data": dp, "zeroStage": stage},
-        "resources": {"gpusPerNode": dp},
-        "model": {"preset": preset, "seqLen": seq_len},
-        "training": {"microBatch": 1, "steps": 10, "precision": "fp32", "dataset": "stdlib"},
-    })
+    return spec_mod.parse_spec(
+        {
+            "parallelism": {"data": dp, "zeroStage": stage},
+            "resources": {"gpusPerNode": dp},
+            "model": {"preset": preset, "seqLen": seq_len},
+            "training": {"microBatch": 1, "steps": 10, "precision": "fp32", "dataset": "stdlib"},
+        }
+    )
 
 
-def _rank(rank: int, world: int, port: int, preset: str, stage: int, seq_len: int, out: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, preset: str, stage: int, seq_len: int, out: str
+) -> None:
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(preset, world, stage, seq_len)
-    eng = engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
-    state.init_optimizer_state(eng.optimizer)  # AdamW's moments exist from the start (as the worker does)
+    eng = engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
+    state.init_optimizer_state(
+        eng.optimizer
+    )  # AdamW's moments exist from the start (as the worker does)
     eng.forward_backward()  # ...and gradients, also without DP
     report = memory.measure(eng.model, eng.optimizer, eng.model.reducer)
     if rank == 0:
@@ -80,30 +88,62 @@ def main() -> int:
     for dp in args.dps:
         for stage in (0, 1, 2):
             # one fresh process group per configuration, so freed memory of the last one cannot inflate this one
-            per_rank = sum(zero.expected_bytes_per_param(stage=stage, dp=dp).values()) * params + 2**29
-            need = int(1.25 * per_rank * dp)  # the formula's state plus ~0.5 GiB of runtime per rank, with headroom
+            per_rank = (
+                sum(zero.expected_bytes_per_param(stage=stage, dp=dp).values()) * params + 2**29
+            )
+            need = int(
+                1.25 * per_rank * dp
+            )  # the formula's state plus ~0.5 GiB of runtime per rank, with headroom
             if need > _available_bytes():
-                skipped.append({"dp": dp, "zero_stage": stage, "needs_bytes": need, "available_bytes": _available_bytes()})
+                skipped.append(
+                    {
+                        "dp": dp,
+                        "zero_stage": stage,
+                        "needs_bytes": need,
+                        "available_bytes": _available_bytes(),
+                    }
+                )
                 continue
             row = ranks.spawn(_rank, dp, args.preset, stage, args.seq_len)
             results.append({"dp": dp, "requested_zero": stage, **row})
-    header = f"{'dp':>3} {'zero':>4} {'params':>12} | {'weights B/p':>11} {'grads B/p':>9} {'optim B/p':>9} | " \
-             f"{'formula w/g/o':>17} | {'total MiB':>9}"
-    print(f"per-rank training state, preset {args.preset} (seq {args.seq_len}, {params:,} params), fp32 + AdamW, "
-          f"measured after one forward/backward")
+    header = (
+        f"{'dp':>3} {'zero':>4} {'params':>12} | {'weights B/p':>11} {'grads B/p':>9} {'optim B/p':>9} | "
+        f"{'formula w/g/o':>17} | {'total MiB':>9}"
+    )
+    print(
+        f"per-rank training state, preset {args.preset} (seq {args.seq_len}, {params:,} params), fp32 + AdamW, "
+        f"measured after one forward/backward"
+    )
     print(header)
     print("-" * len(header))
-    for r in results:  # ZeRO over one rank is plain AdamW: the effective stage is 0, the formula the same
-        per, exp = r["per_param"], zero.expected_bytes_per_param(stage=r["requested_zero"], dp=r["dp"])
+    for r in (
+        results
+    ):  # ZeRO over one rank is plain AdamW: the effective stage is 0, the formula the same
+        per, exp = (
+            r["per_param"],
+            zero.expected_bytes_per_param(stage=r["requested_zero"], dp=r["dp"]),
+        )
         formula = f"{exp['params']:.0f}/{exp['grads']:.2f}/{exp['optimizer']:.2f}"
-        print(f"{r['dp']:>3} {r['requested_zero']:>4} {r['params']:>12,} | {per['params']:>11.3f} {per['grads']:>9.3f} "
-              f"{per['optimizer']:>9.3f} | {formula:>17} | {r['total_bytes'] / 2**20:>9.1f}")
+        print(
+            f"{r['dp']:>3} {r['requested_zero']:>4} {r['params']:>12,} | {per['params']:>11.3f} {per['grads']:>9.3f} "
+            f"{per['optimizer']:>9.3f} | {formula:>17} | {r['total_bytes'] / 2**20:>9.1f}"
+        )
         r["expected_per_param"] = exp
     for skip in skipped:
-        print(f"skipped dp {skip['dp']} zero {skip['zero_stage']}: needs about {skip['needs_bytes'] / 2**30:.1f} GiB, "
-              f"{skip['available_bytes'] / 2**30:.1f} GiB available")
-    path = machine.write_results("zero_memory", {"preset": args.preset, "seq_len": args.seq_len, "params": params,
-                                                 "rows": results, "skipped": skipped})
+        print(
+            f"skipped dp {skip['dp']} zero {skip['zero_stage']}: needs about {skip['needs_bytes'] / 2**30:.1f} GiB, "
+            f"{skip['available_bytes'] / 2**30:.1f} GiB available"
+        )
+    path = machine.write_results(
+        "zero_memory",
+        {
+            "preset": args.preset,
+            "seq_len": args.seq_len,
+            "params": params,
+            "rows": results,
+            "skipped": skipped,
+        },
+    )
     print(f"wrote {path}")
     return 0
 

@@ -28,7 +28,14 @@ def describe() -> dict[str, Any]:
         with open("/proc/meminfo") as meminfo:
             info["memory_kib"] = int(meminfo.readline().split()[1])
         with open("/proc/cpuinfo") as cpuinfo:
-            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+            info["cpu_model"] = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in cpuinfo
+                    if line.startswith("model name")
+                ),
+                None,
+            )
     except OSError:
         pass
     try:
@@ -49,6 +56,16 @@ def write_results(name: str, results: Any) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     machine = describe()
     path = directory / f"{name}-{machine['host']}.json"
-    path.write_text(json.dumps({"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                "machine": machine, "results": results}, indent=2) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "benchmark": name,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": machine,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return path

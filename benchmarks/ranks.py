@@ -30,12 +30,15 @@ RESULT = "result.pt"
 def spawn(rank_fn: Callable[..., None], world: int, *args: Any) -> Any:
     """Run ``rank_fn`` in ``world`` spawned processes; returns rank 0's saved result."""
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as out:
-        mp.start_processes(rank_fn, args=(world, pick_free_port(), *args, out), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            rank_fn, args=(world, pick_free_port(), *args, out), nprocs=world, start_method="spawn"
+        )
         return torch.load(Path(out) / RESULT)
 
 
-def spawn_from_command_line(rank_fn: Callable[..., None], description: str,
-                            argv: list[str] | None) -> tuple[argparse.Namespace, Any]:
+def spawn_from_command_line(
+    rank_fn: Callable[..., None], description: str, argv: list[str] | None
+) -> tuple[argparse.Namespace, Any]:
     """Parse ``--world`` (default 2) and ``--steps`` (default 20), then :func:`spawn` ``rank_fn(..., steps, out)``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--world", type=int, default=2)
@@ -51,6 +54,10 @@ def cores_per_rank(world: int) -> int:
 
 def join(rank: int, world: int, port: int, *, threads: int = 1, timeout_s: float = 300) -> None:
     """Join the gloo group of the spawned ranks, with ``threads`` intra-op threads for this rank."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )

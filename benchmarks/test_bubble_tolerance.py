@@ -64,8 +64,12 @@ def measured_bubble(log_dir: Path) -> float:
     by_step: dict[int, list[dict]] = {}
     for line in lines:
         by_step.setdefault(line["step"], []).append(line)
-    fastest = sorted(by_step.values(), key=lambda group: max(line["seconds"] for line in group))[:FASTEST]
-    return statistics.median(statistics.fmean(line["bubble_ratio"] for line in group) for group in fastest)
+    fastest = sorted(by_step.values(), key=lambda group: max(line["seconds"] for line in group))[
+        :FASTEST
+    ]
+    return statistics.median(
+        statistics.fmean(line["bubble_ratio"] for line in group) for group in fastest
+    )
 
 
 @contextlib.contextmanager
@@ -103,12 +107,20 @@ def bubbles(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], f
     out = {}
     for schedule in SCHEDULES:
         for m in MICRO_BATCHES:
-            spec = {"parallelism": {"data": 1, "pipeline": 2, "tensor": 1, "schedule": schedule, "microBatches": m},
-                    "resources": {"gpusPerNode": 2},
-                    "model": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 256, "seqLen": 128},
-                    "training": {"steps": STEPS, "microBatch": 4},
-                    "checkpoint": {"path": str(work / f"ckpt-{schedule}-m{m}"), "intervalSteps": 0},
-                    "metrics": {"port": promserver.free_port_block(2)}}
+            spec = {
+                "parallelism": {
+                    "data": 1,
+                    "pipeline": 2,
+                    "tensor": 1,
+                    "schedule": schedule,
+                    "microBatches": m,
+                },
+                "resources": {"gpusPerNode": 2},
+                "model": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 256, "seqLen": 128},
+                "training": {"steps": STEPS, "microBatch": 4},
+                "checkpoint": {"path": str(work / f"ckpt-{schedule}-m{m}"), "intervalSteps": 0},
+                "metrics": {"port": promserver.free_port_block(2)},
+            }
             path = work / f"{schedule}-m{m}.yaml"
             path.write_text(yaml.safe_dump(spec))
             log_dir = work / f"{schedule}-m{m}"
@@ -124,10 +136,14 @@ def bubbles(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], f
 def test_measured_bubble_matches_theory(bubbles, schedule, m):
     theory = schedules.bubble_ratio(2, m)
     measured = bubbles[(schedule, m)]
-    assert abs(measured - theory) <= TOLERANCE, f"{schedule} m={m}: measured {measured:.3f} vs theory {theory:.3f}"
+    assert abs(measured - theory) <= TOLERANCE, (
+        f"{schedule} m={m}: measured {measured:.3f} vs theory {theory:.3f}"
+    )
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_measured_bubble_falls_as_micro_batches_grow(bubbles, schedule):
     series = [bubbles[(schedule, m)] for m in MICRO_BATCHES]
-    assert series == sorted(series, reverse=True), f"{schedule}: bubble for m={MICRO_BATCHES} is {series}"
+    assert series == sorted(series, reverse=True), (
+        f"{schedule}: bubble for m={MICRO_BATCHES} is {series}"
+    )

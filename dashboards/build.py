@@ -23,8 +23,10 @@ OPTIONAL_DCGM = "Optional: needs the NVIDIA DCGM exporter in the cluster; empty 
 
 
 def _mean(metric: str, by: str) -> str:
-    return (f"sum by ({by}) (rate({metric}_sum{{{SEL}}}[{RI}])) / "
-            f"sum by ({by}) (rate({metric}_count{{{SEL}}}[{RI}]))")
+    return (
+        f"sum by ({by}) (rate({metric}_sum{{{SEL}}}[{RI}])) / "
+        f"sum by ({by}) (rate({metric}_count{{{SEL}}}[{RI}]))"
+    )
 
 
 def _quantile(q: float, metric: str, by: str = "") -> str:
@@ -33,87 +35,267 @@ def _quantile(q: float, metric: str, by: str = "") -> str:
 
 
 def _dcgm(metric: str) -> str:
-    return f'avg by (pod) ({metric} and on (namespace, pod) group by (namespace, pod) (meshtrain_step{{{SEL}}}))'
+    return f"avg by (pod) ({metric} and on (namespace, pod) group by (namespace, pod) (meshtrain_step{{{SEL}}}))"
 
 
 # (title, unit, [(legend, expr)], description)
 TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
-    ("Throughput", "short", [("tokens/s", f"max by (namespace, job) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))")],
-     "Tokens of the global batch per second (every rank counts the whole job, so max over ranks)."),
-    ("Model FLOPs utilisation", "percentunit", [("MFU", f"avg by (namespace, job) (avg_over_time(meshtrain_model_flops_utilization_ratio{{{SEL}}}[{RI}]))")],
-     "Model FLOPs (6N + attention, docs/telemetry.md) over world size x peak FLOP/s x step time."),
-    ("Loss", "short", [("loss", f'max by (namespace, job) (meshtrain_loss{{{SEL}, rank="0"}})')],
-     "Mean training loss of the last step (identical on every rank)."),
-    ("Training progress", "short", [("step", f"max by (namespace, job) (meshtrain_step{{{SEL}}})")],
-     "Last completed optimizer step."),
-    ("Step time p50 / p99", "s", [("p50", _quantile(0.5, "meshtrain_step_seconds")), ("p99", _quantile(0.99, "meshtrain_step_seconds"))],
-     "Wall time of an optimizer step over all ranks."),
-    ("All-reduce time p50 / p99 by group", "s", [("p50 {{group}}", _quantile(0.5, "meshtrain_allreduce_seconds", "group")),
-                                                ("p99 {{group}}", _quantile(0.99, "meshtrain_allreduce_seconds", "group"))],
-     "Duration of one collective call: a gradient bucket for dp, a layer's reduction for tp."),
-    ("Bus bandwidth by group", "Bps", [("{{group}} {{op}}", f'avg by (group, op) (meshtrain_collective_bus_bandwidth_bytes_per_second{{{SEL}, group=~"dp|tp"}})')],
-     "nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (reduce-scatter, all-gather)."),
-    ("Exposed communication per step", "s", [("stage {{pp}}", _mean("meshtrain_exposed_comm_seconds", "pp"))],
-     "Gradient reduction still running after the last backward (not hidden by compute)."),
-    ("Exposed communication share of step", "percentunit", [("stage {{pp}}", f"sum by (pp) (rate(meshtrain_exposed_comm_seconds_sum{{{SEL}}}[{RI}])) / sum by (pp) (rate(meshtrain_step_seconds_sum{{{SEL}}}[{RI}]))")],
-     "Exposed communication over step time, per pipeline stage."),
-    ("Pipeline bubble: measured vs theoretical", "percentunit", [("measured stage {{pp}}", f"avg by (pp) (meshtrain_pipeline_bubble_ratio{{{SEL}}})"),
-                                                               ("theoretical", f"max by (namespace, job) (meshtrain_pipeline_bubble_ratio_theoretical{{{SEL}}})")],
-     "Measured idle share of each stage's step vs (p-1)/(v*m+p-1)."),
-    ("Pipeline wait per step", "s", [("stage {{pp}}", f"sum by (pp) (rate(meshtrain_pipeline_wait_seconds_total{{{SEL}}}[{RI}])) / sum by (pp) (rate(meshtrain_step_seconds_count{{{SEL}}}[{RI}]))")],
-     "Time blocked on pipeline sends/receives per step."),
-    ("Step time per rank (stragglers)", "s", [("rank {{rank}}", _mean("meshtrain_step_seconds", "rank"))],
-     "Mean step time of each rank; synchronous training makes them equal unless a rank lags at the end."),
-    ("Compute time per rank (stragglers)", "s", [("rank {{rank}} (stage {{pp}})", _mean("meshtrain_compute_seconds", "rank, pp"))],
-     "Forward+backward compute per step; ranks of one stage do the same work, so a higher line is a slow device."),
-    ("Step-time spread across ranks", "percentunit", [("max/min - 1", f"max by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) / min by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) - 1")],
-     "How much slower the slowest rank computes than the fastest."),
-    ("Memory per stage", "bytes", [("stage {{pp}} {{component}}", f"max by (pp, component) (meshtrain_memory_bytes{{{SEL}}})"),
-                                   ("stage {{pp}} peak", f"max by (pp) (meshtrain_memory_peak_bytes{{{SEL}}})")],
-     "Parameters, gradients and optimizer state of the largest rank of each stage, and its peak: "
-     "CUDA max_memory_allocated on a GPU, the process' peak resident set (ru_maxrss) on CPU."),
-    ("GPU utilisation (DCGM)", "percent", [("{{pod}}", _dcgm("DCGM_FI_DEV_GPU_UTIL"))], OPTIONAL_DCGM),
-    ("Tensor core activity (DCGM)", "percentunit", [("{{pod}}", _dcgm("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"))], OPTIONAL_DCGM),
+    (
+        "Throughput",
+        "short",
+        [("tokens/s", f"max by (namespace, job) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))")],
+        "Tokens of the global batch per second (every rank counts the whole job, so max over ranks).",
+    ),
+    (
+        "Model FLOPs utilisation",
+        "percentunit",
+        [
+            (
+                "MFU",
+                f"avg by (namespace, job) (avg_over_time(meshtrain_model_flops_utilization_ratio{{{SEL}}}[{RI}]))",
+            )
+        ],
+        "Model FLOPs (6N + attention, docs/telemetry.md) over world size x peak FLOP/s x step time.",
+    ),
+    (
+        "Loss",
+        "short",
+        [("loss", f'max by (namespace, job) (meshtrain_loss{{{SEL}, rank="0"}})')],
+        "Mean training loss of the last step (identical on every rank).",
+    ),
+    (
+        "Training progress",
+        "short",
+        [("step", f"max by (namespace, job) (meshtrain_step{{{SEL}}})")],
+        "Last completed optimizer step.",
+    ),
+    (
+        "Step time p50 / p99",
+        "s",
+        [
+            ("p50", _quantile(0.5, "meshtrain_step_seconds")),
+            ("p99", _quantile(0.99, "meshtrain_step_seconds")),
+        ],
+        "Wall time of an optimizer step over all ranks.",
+    ),
+    (
+        "All-reduce time p50 / p99 by group",
+        "s",
+        [
+            ("p50 {{group}}", _quantile(0.5, "meshtrain_allreduce_seconds", "group")),
+            ("p99 {{group}}", _quantile(0.99, "meshtrain_allreduce_seconds", "group")),
+        ],
+        "Duration of one collective call: a gradient bucket for dp, a layer's reduction for tp.",
+    ),
+    (
+        "Bus bandwidth by group",
+        "Bps",
+        [
+            (
+                "{{group}} {{op}}",
+                f'avg by (group, op) (meshtrain_collective_bus_bandwidth_bytes_per_second{{{SEL}, group=~"dp|tp"}})',
+            )
+        ],
+        "nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (reduce-scatter, all-gather).",
+    ),
+    (
+        "Exposed communication per step",
+        "s",
+        [("stage {{pp}}", _mean("meshtrain_exposed_comm_seconds", "pp"))],
+        "Gradient reduction still running after the last backward (not hidden by compute).",
+    ),
+    (
+        "Exposed communication share of step",
+        "percentunit",
+        [
+            (
+                "stage {{pp}}",
+                f"sum by (pp) (rate(meshtrain_exposed_comm_seconds_sum{{{SEL}}}[{RI}])) / sum by (pp) (rate(meshtrain_step_seconds_sum{{{SEL}}}[{RI}]))",
+            )
+        ],
+        "Exposed communication over step time, per pipeline stage.",
+    ),
+    (
+        "Pipeline bubble: measured vs theoretical",
+        "percentunit",
+        [
+            ("measured stage {{pp}}", f"avg by (pp) (meshtrain_pipeline_bubble_ratio{{{SEL}}})"),
+            (
+                "theoretical",
+                f"max by (namespace, job) (meshtrain_pipeline_bubble_ratio_theoretical{{{SEL}}})",
+            ),
+        ],
+        "Measured idle share of each stage's step vs (p-1)/(v*m+p-1).",
+    ),
+    (
+        "Pipeline wait per step",
+        "s",
+        [
+            (
+                "stage {{pp}}",
+                f"sum by (pp) (rate(meshtrain_pipeline_wait_seconds_total{{{SEL}}}[{RI}])) / sum by (pp) (rate(meshtrain_step_seconds_count{{{SEL}}}[{RI}]))",
+            )
+        ],
+        "Time blocked on pipeline sends/receives per step.",
+    ),
+    (
+        "Step time per rank (stragglers)",
+        "s",
+        [("rank {{rank}}", _mean("meshtrain_step_seconds", "rank"))],
+        "Mean step time of each rank; synchronous training makes them equal unless a rank lags at the end.",
+    ),
+    (
+        "Compute time per rank (stragglers)",
+        "s",
+        [("rank {{rank}} (stage {{pp}})", _mean("meshtrain_compute_seconds", "rank, pp"))],
+        "Forward+backward compute per step; ranks of one stage do the same work, so a higher line is a slow device.",
+    ),
+    (
+        "Step-time spread across ranks",
+        "percentunit",
+        [
+            (
+                "max/min - 1",
+                f"max by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) / min by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) - 1",
+            )
+        ],
+        "How much slower the slowest rank computes than the fastest.",
+    ),
+    (
+        "Memory per stage",
+        "bytes",
+        [
+            (
+                "stage {{pp}} {{component}}",
+                f"max by (pp, component) (meshtrain_memory_bytes{{{SEL}}})",
+            ),
+            ("stage {{pp}} peak", f"max by (pp) (meshtrain_memory_peak_bytes{{{SEL}}})"),
+        ],
+        "Parameters, gradients and optimizer state of the largest rank of each stage, and its peak: "
+        "CUDA max_memory_allocated on a GPU, the process' peak resident set (ru_maxrss) on CPU.",
+    ),
+    (
+        "GPU utilisation (DCGM)",
+        "percent",
+        [("{{pod}}", _dcgm("DCGM_FI_DEV_GPU_UTIL"))],
+        OPTIONAL_DCGM,
+    ),
+    (
+        "Tensor core activity (DCGM)",
+        "percentunit",
+        [("{{pod}}", _dcgm("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"))],
+        OPTIONAL_DCGM,
+    ),
 ]
 
 OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
-    ("Reconcile duration p50 / p99", "s", [("p50", "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_reconcile_seconds_bucket[$__rate_interval])))"),
-                                           ("p99", "histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_seconds_bucket[$__rate_interval])))")],
-     "Time of one reconcile of a TrainingJob."),
-    ("Reconciles per second", "ops", [("reconciles/s", "sum(rate(meshtrain_operator_reconcile_seconds_count[$__rate_interval]))")],
-     "Reconcile rate of the operator."),
-    ("Jobs by phase", "short", [("{{phase}}", "sum by (phase) (meshtrain_operator_jobs)")],
-     "TrainingJobs in each phase."),
-    ("Gang restarts", "short", [("restarts", "sum(increase(meshtrain_operator_restarts_total[$__rate_interval]))")],
-     "Gang restarts in the interval."),
-    ("Placement duration p50 / p99", "s", [("p50", "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_placement_seconds_bucket[$__rate_interval])))"),
-                                           ("p99", "histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_seconds_bucket[$__rate_interval])))")],
-     "Time the planner takes to place a gang."),
-    ("Unschedulable jobs", "short", [("unschedulable", "sum(meshtrain_operator_unschedulable_jobs)")],
-     "Jobs that do not fit the cluster now."),
+    (
+        "Reconcile duration p50 / p99",
+        "s",
+        [
+            (
+                "p50",
+                "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_reconcile_seconds_bucket[$__rate_interval])))",
+            ),
+            (
+                "p99",
+                "histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_seconds_bucket[$__rate_interval])))",
+            ),
+        ],
+        "Time of one reconcile of a TrainingJob.",
+    ),
+    (
+        "Reconciles per second",
+        "ops",
+        [
+            (
+                "reconciles/s",
+                "sum(rate(meshtrain_operator_reconcile_seconds_count[$__rate_interval]))",
+            )
+        ],
+        "Reconcile rate of the operator.",
+    ),
+    (
+        "Jobs by phase",
+        "short",
+        [("{{phase}}", "sum by (phase) (meshtrain_operator_jobs)")],
+        "TrainingJobs in each phase.",
+    ),
+    (
+        "Gang restarts",
+        "short",
+        [("restarts", "sum(increase(meshtrain_operator_restarts_total[$__rate_interval]))")],
+        "Gang restarts in the interval.",
+    ),
+    (
+        "Placement duration p50 / p99",
+        "s",
+        [
+            (
+                "p50",
+                "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_placement_seconds_bucket[$__rate_interval])))",
+            ),
+            (
+                "p99",
+                "histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_seconds_bucket[$__rate_interval])))",
+            ),
+        ],
+        "Time the planner takes to place a gang.",
+    ),
+    (
+        "Unschedulable jobs",
+        "short",
+        [("unschedulable", "sum(meshtrain_operator_unschedulable_jobs)")],
+        "Jobs that do not fit the cluster now.",
+    ),
 ]
 
 
 def _datasource_var() -> dict:
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "refresh": 1}
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "refresh": 1,
+    }
 
 
 def _query_var(name: str, query: str) -> dict:
-    return {"name": name, "label": name, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "query": {"query": query, "refId": f"{name}-var"}, "definition": query, "refresh": 2, "sort": 1,
-            "current": {}, "hide": 0, "includeAll": False, "multi": False}
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "query": {"query": query, "refId": f"{name}-var"},
+        "definition": query,
+        "refresh": 2,
+        "sort": 1,
+        "current": {},
+        "hide": 0,
+        "includeAll": False,
+        "multi": False,
+    }
 
 
-def _panel(index: int, title: str, unit: str, targets: list[tuple[str, str]], description: str) -> dict:
+def _panel(
+    index: int, title: str, unit: str, targets: list[tuple[str, str]], description: str
+) -> dict:
     panel = {
-        "id": index + 1, "type": "timeseries", "title": title, "description": description,
+        "id": index + 1,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "gridPos": {"x": (index % 2) * 12, "y": (index // 2) * 8, "w": 12, "h": 8},
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-        "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "range": True}
-                    for i, (legend, expr) in enumerate(targets)],
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "range": True}
+            for i, (legend, expr) in enumerate(targets)
+        ],
     }
     if description == OPTIONAL_DCGM:
         panel["meshtrainOptional"] = "dcgm"
@@ -123,9 +305,17 @@ def _panel(index: int, title: str, unit: str, targets: list[tuple[str, str]], de
 def dashboard(uid: str, title: str, panels: list, variables: list[dict], tags: list[str]) -> dict:
     """A Grafana dashboard (schema 39) with the given panels and template variables."""
     return {
-        "uid": uid, "title": title, "tags": tags, "schemaVersion": 39, "version": 1, "editable": True,
-        "timezone": "browser", "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": variables}, "annotations": {"list": []},
+        "uid": uid,
+        "title": title,
+        "tags": tags,
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "timezone": "browser",
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": variables},
+        "annotations": {"list": []},
         "panels": [_panel(i, *p) for i, p in enumerate(panels)],
     }
 
@@ -133,11 +323,23 @@ def dashboard(uid: str, title: str, panels: list, variables: list[dict], tags: l
 def build() -> dict[str, dict]:
     """file name -> dashboard."""
     training = dashboard(
-        "meshtrain-training", "meshtrain / training", TRAINING_PANELS,
-        [_datasource_var(), _query_var("namespace", "label_values(meshtrain_step, namespace)"),
-         _query_var("job", 'label_values(meshtrain_step{namespace="$namespace"}, job)')], ["meshtrain", "training"])
-    operator = dashboard("meshtrain-operator", "meshtrain / operator", OPERATOR_PANELS, [_datasource_var()],
-                         ["meshtrain", "operator"])
+        "meshtrain-training",
+        "meshtrain / training",
+        TRAINING_PANELS,
+        [
+            _datasource_var(),
+            _query_var("namespace", "label_values(meshtrain_step, namespace)"),
+            _query_var("job", 'label_values(meshtrain_step{namespace="$namespace"}, job)'),
+        ],
+        ["meshtrain", "training"],
+    )
+    operator = dashboard(
+        "meshtrain-operator",
+        "meshtrain / operator",
+        OPERATOR_PANELS,
+        [_datasource_var()],
+        ["meshtrain", "operator"],
+    )
     return {"meshtrain-training.json": training, "meshtrain-operator.json": operator}
 
 

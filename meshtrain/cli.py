@@ -29,8 +29,10 @@ def _validate(args: argparse.Namespace) -> int:
     except spec.SpecError as err:
         print(err, file=sys.stderr)
         return 2
-    print(f"{args.job}: valid TrainingJob {job.parallelism.layout_string}, world size {job.world_size}, "
-          f"{job.pods} pod(s) of {job.resources.gpus_per_node} GPU(s), global batch {job.global_batch}")
+    print(
+        f"{args.job}: valid TrainingJob {job.parallelism.layout_string}, world size {job.world_size}, "
+        f"{job.pods} pod(s) of {job.resources.gpus_per_node} GPU(s), global batch {job.global_batch}"
+    )
     return 0
 
 
@@ -48,7 +50,9 @@ def _crd(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshtrain", description="Topology-aware 3D-parallel training on Kubernetes.")
+    parser = argparse.ArgumentParser(
+        prog="meshtrain", description="Topology-aware 3D-parallel training on Kubernetes."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -58,28 +62,45 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("job", help="TrainingJob YAML file")
     validate.set_defaults(handler=_validate)
 
-    run = sub.add_parser("run", help="train a TrainingJob on this machine with local processes (no cluster)")
+    run = sub.add_parser(
+        "run", help="train a TrainingJob on this machine with local processes (no cluster)"
+    )
     run.add_argument("job", help="TrainingJob YAML file")
     run.add_argument("--steps", type=int, default=None, help="override training.steps")
-    run.add_argument("--log-dir", default=None, help="where steps.jsonl, traces and checkpoints go "
-                                                     "(default: runs/<job>-<time>; reuse a directory to resume)")
-    run.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                     help="override a spec field, e.g. --set parallelism.microBatches=8 (repeatable)")
+    run.add_argument(
+        "--log-dir",
+        default=None,
+        help="where steps.jsonl, traces and checkpoints go "
+        "(default: runs/<job>-<time>; reuse a directory to resume)",
+    )
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field, e.g. --set parallelism.microBatches=8 (repeatable)",
+    )
     run.set_defaults(handler=_run)
 
-    plan = sub.add_parser("plan", help="predict memory, communication and step time of a TrainingJob (and its placement)")
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory, communication and step time of a TrainingJob (and its placement)",
+    )
     plan_command.configure(plan)
 
     timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")
     timeline.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
-    timeline.add_argument("--step", type=int, default=None, help="step to draw (default: the last one)")
+    timeline.add_argument(
+        "--step", type=int, default=None, help="step to draw (default: the last one)"
+    )
     timeline.set_defaults(handler=_timeline)
 
     operator_command.add_parser(sub)
 
-    sub.add_parser("crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model"
-                   ).set_defaults(handler=_crd)
+    sub.add_parser(
+        "crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model"
+    ).set_defaults(handler=_crd)
     return parser
 
 

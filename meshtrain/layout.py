@@ -109,4 +109,6 @@ class ParallelLayout:
 
 def from_spec(parallelism) -> ParallelLayout:  # noqa: ANN001 - any object with data/pipeline/tensor
     """The layout of a spec's ``parallelism`` section."""
-    return ParallelLayout(data=parallelism.data, pipeline=parallelism.pipeline, tensor=parallelism.tensor)
+    return ParallelLayout(
+        data=parallelism.data, pipeline=parallelism.pipeline, tensor=parallelism.tensor
+    )

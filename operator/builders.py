@@ -36,7 +36,6 @@ from meshtrain import layout
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import naming
 
-
 SHUTDOWN_MARGIN_SECONDS = 5
 """torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
 
@@ -69,7 +68,11 @@ def _metadata(job: JobRef, name: str, labels: dict[str, str] | None = None) -> d
     return {
         "name": name,
         "namespace": job.namespace,
-        "labels": {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY, **(labels or {})},
+        "labels": {
+            naming.LABEL_JOB: job.name,
+            naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
+            **(labels or {}),
+        },
         "ownerReferences": [owner_reference(job)],
     }
 
@@ -86,8 +89,11 @@ def spec_hash(spec: api_spec.TrainingJobSpec) -> str:
 
 def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
     """Pipeline stages of the ranks pod ``index`` runs: ``"2"`` or ``"0-1"``."""
-    grid = layout.ParallelLayout(data=spec.parallelism.data, pipeline=spec.parallelism.pipeline,
-                                 tensor=spec.parallelism.tensor)
+    grid = layout.ParallelLayout(
+        data=spec.parallelism.data,
+        pipeline=spec.parallelism.pipeline,
+        tensor=spec.parallelism.tensor,
+    )
     per_pod = spec.resources.gpus_per_node
     stages = [grid.coords(rank).pp for rank in range(index * per_pod, (index + 1) * per_pod)]
     low, high = min(stages), max(stages)
@@ -116,14 +122,20 @@ def build_service(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]
             "publishNotReadyAddresses": True,
             "selector": {naming.LABEL_JOB: job.name},
             "ports": [
-                {"name": "rendezvous", "port": naming.MASTER_PORT, "targetPort": naming.MASTER_PORT},
+                {
+                    "name": "rendezvous",
+                    "port": naming.MASTER_PORT,
+                    "targetPort": naming.MASTER_PORT,
+                },
                 {"name": "metrics", "port": spec.metrics.port, "targetPort": spec.metrics.port},
             ],
         },
     }
 
 
-def _env(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int) -> list[dict[str, Any]]:
+def _env(
+    job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int
+) -> list[dict[str, Any]]:
     p = spec.parallelism
     plain = {
         "PET_NNODES": spec.pods,
@@ -146,8 +158,12 @@ def _env(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int) 
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
     }
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
-    env.append({"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
-    env.append({"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    env.append(
+        {"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    )
+    env.append(
+        {"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    )
     return env
 
 
@@ -166,9 +182,13 @@ def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _volumes(job: JobRef, spec: api_spec.TrainingJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    job: JobRef, spec: api_spec.TrainingJobSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     checkpoint: dict[str, Any] = (
-        {"persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}} if spec.checkpoint.claim_name else {"emptyDir": {}}
+        {"persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}}
+        if spec.checkpoint.claim_name
+        else {"emptyDir": {}}
     )
     volumes = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
@@ -183,7 +203,9 @@ def _volumes(job: JobRef, spec: api_spec.TrainingJobSpec) -> tuple[list[dict[str
     return volumes, mounts
 
 
-def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int, node: str) -> dict[str, Any]:
+def build_pod(
+    job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int, node: str
+) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``."""
     name = naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
@@ -212,8 +234,10 @@ def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: 
         ],
         "env": _env(job, spec, attempt, index),
         "ports": [
-            *({"name": naming.metrics_port_name(r), "containerPort": spec.metrics.port + r}
-              for r in range(spec.resources.gpus_per_node)),
+            *(
+                {"name": naming.metrics_port_name(r), "containerPort": spec.metrics.port + r}
+                for r in range(spec.resources.gpus_per_node)
+            ),
             {"name": "rendezvous", "containerPort": naming.MASTER_PORT},
         ],
         "resources": _resources(spec),
@@ -229,20 +253,35 @@ def build_pod(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: 
         "subdomain": naming.service_name(job.name),
         "enableServiceLinks": False,
         "schedulingGates": [{"name": naming.GANG_GATE}],
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]},
-        ]}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
+                        },
+                    ]
+                }
+            }
+        },
         "containers": [container],
         "volumes": volumes,
     }
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in spec.resources.tolerations]
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for t in spec.resources.tolerations
+        ]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
-def build_pods(job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, nodes: Sequence[str]) -> list[dict[str, Any]]:
+def build_pods(
+    job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, nodes: Sequence[str]
+) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
         raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
@@ -257,10 +296,18 @@ def planned_node(pod: dict[str, Any]) -> str | None:
     annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get(naming.ANNOTATION_NODE)
     if annotated:
         return str(annotated)
-    terms = (((((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {})
-              .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or [])
+    terms = (
+        (((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        or {}
+    ).get("nodeSelectorTerms") or []
     for term in terms:
         for field in term.get("matchFields") or []:
-            if field.get("key") == "metadata.name" and field.get("operator") == "In" and len(field.get("values") or []) == 1:
+            if (
+                field.get("key") == "metadata.name"
+                and field.get("operator") == "In"
+                and len(field.get("values") or []) == 1
+            ):
                 return str(field["values"][0])
     return None

@@ -42,7 +42,9 @@ def pod_gpus(pod: dict[str, Any], gpu_resource: str) -> int:
     total = 0
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
-        amount = (resources.get("requests") or {}).get(gpu_resource, (resources.get("limits") or {}).get(gpu_resource, 0))
+        amount = (resources.get("requests") or {}).get(
+            gpu_resource, (resources.get("limits") or {}).get(gpu_resource, 0)
+        )
         total += _quantity(amount)
     return total
 
@@ -55,7 +57,10 @@ def holds_gpus(pod: dict[str, Any]) -> bool:
 def belongs_to(pod: dict[str, Any], namespace: str, job: str) -> bool:
     """True when the pod is a child of TrainingJob ``namespace/job``."""
     metadata = pod.get("metadata") or {}
-    return metadata.get("namespace") == namespace and (metadata.get("labels") or {}).get(naming.LABEL_JOB) == job
+    return (
+        metadata.get("namespace") == namespace
+        and (metadata.get("labels") or {}).get(naming.LABEL_JOB) == job
+    )
 
 
 def reservations(
@@ -76,11 +81,17 @@ def reservations(
         if gpus <= 0 or not node:
             continue
         metadata = pod.get("metadata") or {}
-        result.append(placement.Reservation(node=node, gpus=gpus, owner=f"{metadata.get('namespace')}/{metadata.get('name')}"))
+        result.append(
+            placement.Reservation(
+                node=node, gpus=gpus, owner=f"{metadata.get('namespace')}/{metadata.get('name')}"
+            )
+        )
     return result
 
 
-def free_gpus(nodes: Iterable[placement.Node], taken: Iterable[placement.Reservation]) -> dict[str, int]:
+def free_gpus(
+    nodes: Iterable[placement.Node], taken: Iterable[placement.Reservation]
+) -> dict[str, int]:
     """Free GPUs per schedulable node."""
     free = {node.name: node.allocatable_gpus for node in nodes if not node.unschedulable}
     for reservation in taken:

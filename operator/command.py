@@ -34,28 +34,60 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     """Register ``meshtrain operator`` and its flags on the CLI's subparsers."""
     parser = sub.add_parser("operator", help="run the TrainingJob operator (kopf)")
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
-                       help="watch this namespace (repeatable); default: --all-namespaces")
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable); default: --all-namespaces",
+    )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
-                        help="kopf liveness endpoint; empty disables it (default: %(default)s)")
-    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 disables it")
-    parser.add_argument("--peering", default=DEFAULT_PEERING, metavar="NAME",
-                        help="kopf peering object so that only one replica acts (default: %(default)s)")
-    parser.add_argument("--standalone", action="store_true", help="no peering (a single replica, e.g. tests)")
+    parser.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)"
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        metavar="URL",
+        help="kopf liveness endpoint; empty disables it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 disables it"
+    )
+    parser.add_argument(
+        "--peering",
+        default=DEFAULT_PEERING,
+        metavar="NAME",
+        help="kopf peering object so that only one replica acts (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true", help="no peering (a single replica, e.g. tests)"
+    )
     parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
-    parser.add_argument("--resync-seconds", type=float, default=float(os.environ.get("MESHTRAIN_RESYNC_SECONDS", 30)),
-                        help="longest wait between two reconciles of a job (env MESHTRAIN_RESYNC_SECONDS)")
-    parser.add_argument("--progress-seconds", type=float,
-                        default=float(os.environ.get("MESHTRAIN_PROGRESS_SECONDS", 10)),
-                        help="interval of /progress polls of running jobs (env MESHTRAIN_PROGRESS_SECONDS)")
-    parser.add_argument("--gpu-profile", default=os.environ.get("MESHTRAIN_GPU_PROFILE", DEFAULT_GPU_PROFILE),
-                        metavar="PROFILE",
-                        help="device profile a job's memory plan is judged by when no candidate node names its GPU "
-                             f"({admission.PRODUCT_LABEL}): a profile of `meshtrain plan --gpu`, or 'none' to admit "
-                             "such jobs unchecked (env MESHTRAIN_GPU_PROFILE; default: %(default)s)")
-    parser.add_argument("--log-format", choices=["json", "text"], default="json", help="log format (default: json)")
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=float(os.environ.get("MESHTRAIN_RESYNC_SECONDS", 30)),
+        help="longest wait between two reconciles of a job (env MESHTRAIN_RESYNC_SECONDS)",
+    )
+    parser.add_argument(
+        "--progress-seconds",
+        type=float,
+        default=float(os.environ.get("MESHTRAIN_PROGRESS_SECONDS", 10)),
+        help="interval of /progress polls of running jobs (env MESHTRAIN_PROGRESS_SECONDS)",
+    )
+    parser.add_argument(
+        "--gpu-profile",
+        default=os.environ.get("MESHTRAIN_GPU_PROFILE", DEFAULT_GPU_PROFILE),
+        metavar="PROFILE",
+        help="device profile a job's memory plan is judged by when no candidate node names its GPU "
+        f"({admission.PRODUCT_LABEL}): a profile of `meshtrain plan --gpu`, or 'none' to admit "
+        "such jobs unchecked (env MESHTRAIN_GPU_PROFILE; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format", choices=["json", "text"], default="json", help="log format (default: json)"
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     parser.set_defaults(handler=run)
     return parser
@@ -72,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
 
     from meshtrain.operator import handlers, metrics, reconciler  # noqa: F401,PLC0415 - registers the handlers
 
-    kopf.configure(verbose=args.verbose,
-                   log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
+    )
     if not args.verbose:  # kopf logs every handler call at INFO; keep the operator's own lines
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.metrics_port:
@@ -81,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
         namespaces=list(args.namespace),
-        settings=reconciler.Settings(resync_seconds=args.resync_seconds, progress_seconds=args.progress_seconds,
-                                     gpu_profile=default_profile),
+        settings=reconciler.Settings(
+            resync_seconds=args.resync_seconds,
+            progress_seconds=args.progress_seconds,
+            gpu_profile=default_profile,
+        ),
     )
     clusterwide = not args.namespace
     kopf.run(

@@ -83,7 +83,9 @@ def set(  # noqa: A001 - called as conditions.set(...)
     for condition in conditions:
         if condition.get("type") == type_:
             found = True
-            transition = condition.get("lastTransitionTime") if condition.get("status") == status else None
+            transition = (
+                condition.get("lastTransitionTime") if condition.get("status") == status else None
+            )
             condition = {
                 "type": type_,
                 "status": status,
@@ -93,6 +95,13 @@ def set(  # noqa: A001 - called as conditions.set(...)
             }
         result.append(dict(condition))
     if not found:
-        result.append({"type": type_, "status": status, "reason": reason, "message": message,
-                       "lastTransitionTime": timestamp(now)})
+        result.append(
+            {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": timestamp(now),
+            }
+        )
     return result

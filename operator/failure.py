@@ -100,7 +100,10 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
                 exit_code = int(terminated["exitCode"])
             if terminated and isinstance(terminated.get("message"), str):
                 message = terminated["message"]
-    disrupted = any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in status.get("conditions") or [])
+    disrupted = any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
     return PodState(
         name=metadata.get("name", ""),
         index=index,
@@ -123,16 +126,30 @@ def classify(pod: PodState) -> Failure | None:
     if pod.phase == "Failed":
         code = pod.exit_code
         if code in PERMANENT_EXIT_CODES:
-            return Failure(pod.name, True, f"pod {pod.name} exited with code {code}: {PERMANENT_EXIT_CODES[code]}")
+            return Failure(
+                pod.name,
+                True,
+                f"pod {pod.name} exited with code {code}: {PERMANENT_EXIT_CODES[code]}",
+            )
         if code is not None and code > 128:
-            return Failure(pod.name, False, f"pod {pod.name} was killed by signal {code - 128} (exit code {code})")
+            return Failure(
+                pod.name,
+                False,
+                f"pod {pod.name} was killed by signal {code - 128} (exit code {code})",
+            )
         if code is not None and code != 0:
             return Failure(pod.name, False, f"pod {pod.name} exited with code {code}")
         return Failure(pod.name, False, f"pod {pod.name} failed ({pod.reason or 'no exit code'})")
     if pod.phase == "Unknown":
-        return Failure(pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)")
+        return Failure(
+            pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)"
+        )
     if pod.disrupted and not pod.terminal:
-        return Failure(pod.name, False, f"pod {pod.name} is being disrupted ({pod.reason or 'DisruptionTarget'})")
+        return Failure(
+            pod.name,
+            False,
+            f"pod {pod.name} is being disrupted ({pod.reason or 'DisruptionTarget'})",
+        )
     if pod.deleting and not pod.terminal:
         return Failure(pod.name, False, f"pod {pod.name} is being deleted")
     return None

@@ -83,8 +83,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     """Create the API client and the reconciler; keep kopf's own bookkeeping in meshtrain.io annotations."""
     settings.persistence.finalizer = f"{naming.GROUP}/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=naming.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=naming.GROUP, key="last-handled-configuration")
-    settings.posting.enabled = False  # events are written by the reconciler, with reasons of our own
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=naming.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.enabled = (
+        False  # events are written by the reconciler, with reasons of our own
+    )
     settings.watching.server_timeout = 300
     client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
     memo.reconciler = reconciler.Reconciler(client=client, settings=memo.settings)
@@ -109,7 +113,9 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: floa
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
-async def run_job(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def run_job(
+    stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, **_: Any
+) -> None:
     """Reconcile one job until it is deleted, finished for good, or the operator stops."""
     key = (namespace, name)
     wake = memo.wakeups.event(key)
@@ -120,7 +126,7 @@ async def run_job(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: 
             wake.clear()
             try:
                 outcome = await memo.reconciler.reconcile(namespace=namespace, name=name)
-            except (kube.ApiError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            except (TimeoutError, kube.ApiError, aiohttp.ClientError, OSError) as err:
                 logger.warning("reconcile of %s/%s failed, retrying: %s", namespace, name, err)
                 outcome = reconciler.Outcome(changed=False, requeue_after=ERROR_BACKOFF_SECONDS)
             if outcome.gone or outcome.done:

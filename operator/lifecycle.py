@@ -137,15 +137,28 @@ class Decision:
 def job_state(body: Mapping[str, Any]) -> JobState:
     """Read a TrainingJob object; an invalid spec gives ``spec=None`` and the problems."""
     metadata = body.get("metadata") or {}
-    ref = builders.JobRef(name=metadata.get("name", ""), namespace=metadata.get("namespace", ""), uid=metadata.get("uid", ""))
+    ref = builders.JobRef(
+        name=metadata.get("name", ""),
+        namespace=metadata.get("namespace", ""),
+        uid=metadata.get("uid", ""),
+    )
     raw_spec = body.get("spec") or {}
     ttl = (raw_spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
     try:
-        parsed, problems = api_spec.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"), ()
+        parsed, problems = (
+            api_spec.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"),
+            (),
+        )
     except api_spec.SpecError as err:
         parsed, problems = None, tuple(str(p) for p in err.problems)
-    return JobState(ref=ref, generation=int(metadata.get("generation") or 0), spec=parsed, problems=problems,
-                    status=dict(body.get("status") or {}), ttl_seconds_after_finished=ttl if isinstance(ttl, int) else None)
+    return JobState(
+        ref=ref,
+        generation=int(metadata.get("generation") or 0),
+        spec=parsed,
+        problems=problems,
+        status=dict(body.get("status") or {}),
+        ttl_seconds_after_finished=ttl if isinstance(ttl, int) else None,
+    )
 
 
 def _conds(job: JobState) -> list[dict[str, Any]]:
@@ -158,7 +171,11 @@ def _changes(job: JobState, **fields: Any) -> SetStatus:
 
 def _shape(job: JobState) -> dict[str, Any]:
     assert job.spec is not None
-    return {"layout": job.spec.parallelism.layout_string, "worldSize": job.spec.world_size, "gpus": job.spec.world_size}
+    return {
+        "layout": job.spec.parallelism.layout_string,
+        "worldSize": job.spec.world_size,
+        "gpus": job.spec.world_size,
+    }
 
 
 def _live(pods: Sequence[failure.PodState]) -> tuple[str, ...]:
@@ -166,12 +183,23 @@ def _live(pods: Sequence[failure.PodState]) -> tuple[str, ...]:
     return tuple(p.name for p in pods if not p.deleting and not p.terminal)
 
 
-def _fail(job: JobState, pods: Sequence[failure.PodState], reason: str, message: str, now: datetime.datetime,
-          grace_seconds: int | None = None) -> Decision:
+def _fail(
+    job: JobState,
+    pods: Sequence[failure.PodState],
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+    grace_seconds: int | None = None,
+) -> Decision:
     conds = conditions.set(_conds(job), conditions.FAILED, conditions.TRUE, reason, message, now)
     conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
     actions: list[Action] = [
-        _changes(job, phase=Phase.FAILED.value, conditions=conds, completionTime=conditions.timestamp(now)),
+        _changes(
+            job,
+            phase=Phase.FAILED.value,
+            conditions=conds,
+            completionTime=conditions.timestamp(now),
+        ),
         Emit("Warning", reason, message),
     ]
     if _live(pods):
@@ -199,41 +227,86 @@ def _suspend(job: JobState, pods: Sequence[failure.PodState], now: datetime.date
         actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
     if job.status.get("phase") != Phase.SUSPENDED.value:
         message = "spec.runPolicy.suspend is true: pods removed, status kept"
-        conds = conditions.set(_conds(job), conditions.SUSPENDED, conditions.TRUE, conditions.SUSPENDED_BY_USER, message, now)
-        conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.SUSPENDED_BY_USER, message, now)
-        conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, conditions.SUSPENDED_BY_USER, message, now)
-        actions += [_changes(job, phase=Phase.SUSPENDED.value, conditions=conds, placement=[]),
-                    Emit("Normal", conditions.SUSPENDED_BY_USER, message)]
+        conds = conditions.set(
+            _conds(job),
+            conditions.SUSPENDED,
+            conditions.TRUE,
+            conditions.SUSPENDED_BY_USER,
+            message,
+            now,
+        )
+        conds = conditions.set(
+            conds, conditions.RUNNING, conditions.FALSE, conditions.SUSPENDED_BY_USER, message, now
+        )
+        conds = conditions.set(
+            conds, conditions.PLACED, conditions.FALSE, conditions.SUSPENDED_BY_USER, message, now
+        )
+        actions += [
+            _changes(job, phase=Phase.SUSPENDED.value, conditions=conds, placement=[]),
+            Emit("Normal", conditions.SUSPENDED_BY_USER, message),
+        ]
     return Decision(tuple(actions))
 
 
 def _resume(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
     if pods:  # the suspended gang is still going away: wait, so it is not mistaken for a failure
-        return Decision((DeletePods(tuple(p.name for p in pods if not p.deleting)),) if _live(pods) else (), requeue_after=1.0)
+        return Decision(
+            (DeletePods(tuple(p.name for p in pods if not p.deleting)),) if _live(pods) else (),
+            requeue_after=1.0,
+        )
     message = "spec.runPolicy.suspend is false: placing the job again"
-    conds = conditions.set(_conds(job), conditions.SUSPENDED, conditions.FALSE, conditions.RESUMED, message, now)
-    return Decision((_changes(job, phase=Phase.PENDING.value, conditions=conds, startTime=None),
-                     Emit("Normal", conditions.RESUMED, message)), requeue_after=0)
+    conds = conditions.set(
+        _conds(job), conditions.SUSPENDED, conditions.FALSE, conditions.RESUMED, message, now
+    )
+    return Decision(
+        (
+            _changes(job, phase=Phase.PENDING.value, conditions=conds, startTime=None),
+            Emit("Normal", conditions.RESUMED, message),
+        ),
+        requeue_after=0,
+    )
 
 
-def _on_failure(job: JobState, current: Sequence[failure.PodState], failures: Sequence[failure.Failure],
-                now: datetime.datetime) -> Decision:
+def _on_failure(
+    job: JobState,
+    current: Sequence[failure.PodState],
+    failures: Sequence[failure.Failure],
+    now: datetime.datetime,
+) -> Decision:
     assert job.spec is not None
     restarts = int(job.status.get("restarts") or 0)
     limit = job.spec.run_policy.backoff_limit
     permanent = [f for f in failures if f.permanent]
     if permanent:
-        return _fail(job, current, conditions.PERMANENT_FAILURE, f"{permanent[0].message}; not retried", now,
-                     grace_seconds=BROKEN_GANG_GRACE_SECONDS)
+        return _fail(
+            job,
+            current,
+            conditions.PERMANENT_FAILURE,
+            f"{permanent[0].message}; not retried",
+            now,
+            grace_seconds=BROKEN_GANG_GRACE_SECONDS,
+        )
     message = "; ".join(f.message for f in failures[:3])
     if restarts >= limit:
-        return _fail(job, current, conditions.BACKOFF_LIMIT_EXCEEDED,
-                     f"{message}; backoffLimit={limit} restart(s) already used", now, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
+        return _fail(
+            job,
+            current,
+            conditions.BACKOFF_LIMIT_EXCEEDED,
+            f"{message}; backoffLimit={limit} restart(s) already used",
+            now,
+            grace_seconds=BROKEN_GANG_GRACE_SECONDS,
+        )
     note = f"{message}; restarting the gang (restart {restarts + 1} of {limit})"
-    conds = conditions.set(_conds(job), conditions.RUNNING, conditions.FALSE, conditions.GANG_RESTARTING, note, now)
-    conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, note, now)
+    conds = conditions.set(
+        _conds(job), conditions.RUNNING, conditions.FALSE, conditions.GANG_RESTARTING, note, now
+    )
+    conds = conditions.set(
+        conds, conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, note, now
+    )
     actions: list[Action] = [
-        _changes(job, phase=Phase.RESTARTING.value, restarts=restarts + 1, placement=[], conditions=conds),
+        _changes(
+            job, phase=Phase.RESTARTING.value, restarts=restarts + 1, placement=[], conditions=conds
+        ),
         Emit("Warning", conditions.GANG_RESTARTING, note),
     ]
     doomed = tuple(p.name for p in current if not p.deleting)
@@ -242,19 +315,40 @@ def _on_failure(job: JobState, current: Sequence[failure.PodState], failures: Se
     return Decision(tuple(actions), requeue_after=0)
 
 
-def _succeeded(job: JobState, gang: Sequence[failure.PodState], actions: list[Action], now: datetime.datetime) -> Decision:
+def _succeeded(
+    job: JobState, gang: Sequence[failure.PodState], actions: list[Action], now: datetime.datetime
+) -> Decision:
     """Every pod of the gang exited 0: Succeeded, with rank 0's final progress."""
     message = f"all {len(gang)} pod(s) exited 0"
-    conds = conditions.set(_conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now)
-    conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now)
+    conds = conditions.set(
+        _conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now
+    )
+    conds = conditions.set(
+        conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now
+    )
     rank0 = next(p for p in gang if p.index == 0)
-    final = progress.from_termination_message(rank0.termination_message)  # the step /progress never saw
-    return Decision((*actions, _changes(job, **final, phase=Phase.SUCCEEDED.value, conditions=conds,
-                                        completionTime=conditions.timestamp(now)),
-                     Emit("Normal", conditions.COMPLETED, message)), requeue_after=0)
+    final = progress.from_termination_message(
+        rank0.termination_message
+    )  # the step /progress never saw
+    return Decision(
+        (
+            *actions,
+            _changes(
+                job,
+                **final,
+                phase=Phase.SUCCEEDED.value,
+                conditions=conds,
+                completionTime=conditions.timestamp(now),
+            ),
+            Emit("Normal", conditions.COMPLETED, message),
+        ),
+        requeue_after=0,
+    )
 
 
-def _rebuild_for_new_spec(job: JobState, current: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
+def _rebuild_for_new_spec(
+    job: JobState, current: Sequence[failure.PodState], now: datetime.datetime
+) -> Decision:
     """The spec changed under a placed gang: drop the placement and the old pods; the next pass places the new spec.
 
     Not a restart (``restarts`` is unchanged): the pods are not at fault, and
@@ -267,10 +361,16 @@ def _rebuild_for_new_spec(job: JobState, current: Sequence[failure.PodState], no
     spec = job.spec
     step = job.status.get("lastCheckpointStep")
     since = f" (last checkpoint so far: step {step})" if step else ""
-    message = (f"spec changed (generation {job.generation}): rebuilding the gang as {spec.parallelism.layout_string} "
-               f"({spec.pods} pod(s)); the old pods checkpoint the step they stop at and training resumes there{since}")
-    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, conditions.SPEC_CHANGED, message, now)
-    conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, conditions.SPEC_CHANGED, message, now)
+    message = (
+        f"spec changed (generation {job.generation}): rebuilding the gang as {spec.parallelism.layout_string} "
+        f"({spec.pods} pod(s)); the old pods checkpoint the step they stop at and training resumes there{since}"
+    )
+    conds = conditions.set(
+        _conds(job), conditions.PLACED, conditions.FALSE, conditions.SPEC_CHANGED, message, now
+    )
+    conds = conditions.set(
+        conds, conditions.RUNNING, conditions.FALSE, conditions.SPEC_CHANGED, message, now
+    )
     actions: list[Action] = [
         _changes(job, phase=Phase.RESTARTING.value, placement=[], specHash=None, conditions=conds),
         Emit("Normal", conditions.SPEC_CHANGED, message),
@@ -287,7 +387,13 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     if phase in FINAL:
         return _finished(job, pods, now)
     if job.spec is None:
-        return _fail(job, pods, conditions.INVALID_SPEC, "spec breaks the rules: " + "; ".join(job.problems), now)
+        return _fail(
+            job,
+            pods,
+            conditions.INVALID_SPEC,
+            "spec breaks the rules: " + "; ".join(job.problems),
+            now,
+        )
     spec = job.spec
     if spec.run_policy.suspend:
         return _suspend(job, pods, now)
@@ -306,11 +412,18 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     if deadline is not None and started is not None:
         left = (started + datetime.timedelta(seconds=deadline) - now).total_seconds()
         if left <= 0:
-            return _fail(job, current, conditions.DEADLINE_EXCEEDED,
-                         f"job active for more than activeDeadlineSeconds={deadline}", now)
+            return _fail(
+                job,
+                current,
+                conditions.DEADLINE_EXCEEDED,
+                f"job active for more than activeDeadlineSeconds={deadline}",
+                now,
+            )
 
     if not job.status.get("placement"):
-        if current:  # pods without a recorded placement: only after a lost status write; rebuild cleanly
+        if (
+            current
+        ):  # pods without a recorded placement: only after a lost status write; rebuild cleanly
             actions.append(DeletePods(tuple(p.name for p in current if not p.deleting)))
             return Decision(tuple(actions), requeue_after=1.0)
         return Decision((*actions, Place(attempt)))
@@ -318,7 +431,9 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     built_from = job.status.get("specHash")
     if built_from and built_from != builders.spec_hash(spec):
         recorded = len(job.status["placement"])
-        if len(current) == recorded and all(p.phase == "Succeeded" for p in current):  # too late: the old gang is done
+        if len(current) == recorded and all(
+            p.phase == "Succeeded" for p in current
+        ):  # too late: the old gang is done
             return _succeeded(job, current, actions, now)
         decision = _rebuild_for_new_spec(job, current, now)
         return Decision((*actions, *decision.actions), decision.requeue_after)
@@ -327,7 +442,11 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     present = {p.index for p in current}
     missing = tuple(i for i in range(spec.pods) if i not in present)
     if missing and not failures and any(not p.gated for p in current):
-        failures = [failure.Failure(f"index {missing[0]}", False, f"pod of node rank {missing[0]} disappeared")]
+        failures = [
+            failure.Failure(
+                f"index {missing[0]}", False, f"pod of node rank {missing[0]} disappeared"
+            )
+        ]
     if failures:
         decision = _on_failure(job, current, failures, now)
         return Decision((*actions, *decision.actions), decision.requeue_after)
@@ -343,7 +462,14 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     if not gated and all(p.phase in ("Running", "Succeeded") for p in current):
         if phase != Phase.RUNNING.value:
             message = f"all {spec.pods} pod(s) of {spec.parallelism.layout_string} running"
-            conds = conditions.set(_conds(job), conditions.RUNNING, conditions.TRUE, conditions.ALL_PODS_RUNNING, message, now)
+            conds = conditions.set(
+                _conds(job),
+                conditions.RUNNING,
+                conditions.TRUE,
+                conditions.ALL_PODS_RUNNING,
+                message,
+                now,
+            )
             actions.append(_changes(job, phase=Phase.RUNNING.value, conditions=conds))
         rank0 = next(p for p in current if p.index == 0)
         if rank0.ip and rank0.phase == "Running":
@@ -356,8 +482,11 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
         left = (min(created) + datetime.timedelta(seconds=timeout) - now).total_seconds()
         if left <= 0:
             waiting = [p.name for p in current if p.phase != "Running"]
-            slow = failure.Failure(waiting[0] if waiting else "gang", False,
-                                   f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}")
+            slow = failure.Failure(
+                waiting[0] if waiting else "gang",
+                False,
+                f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}",
+            )
             decision = _on_failure(job, current, [slow], now)
             return Decision((*actions, *decision.actions), decision.requeue_after)
         return Decision(tuple(actions), requeue_after=left)
@@ -369,11 +498,18 @@ def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"plan": dict(plan)} if plan else {}
 
 
-def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float], now: datetime.datetime,
-           plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def placed(
+    job: JobState,
+    nodes: Sequence[str],
+    level_bytes: Mapping[str, float],
+    now: datetime.datetime,
+    plan: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Status fields once a gang of ``nodes`` (node per pod index) has been planned; ``plan`` -> status.plan."""
     message = f"{len(nodes)} pod(s) on {len(set(nodes))} node(s)"
-    conds = conditions.set(_conds(job), conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, message, now)
+    conds = conditions.set(
+        _conds(job), conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, message, now
+    )
     fields: dict[str, Any] = {
         "phase": Phase.PLACING.value,
         "conditions": conds,
@@ -389,8 +525,13 @@ def placed(job: JobState, nodes: Sequence[str], level_bytes: Mapping[str, float]
     return fields
 
 
-def unschedulable(job: JobState, reason: str, message: str, now: datetime.datetime,
-                  plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def unschedulable(
+    job: JobState,
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+    plan: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Status fields when the gang cannot be placed now (no pods are created); ``plan`` -> status.plan."""
     phase = job.status.get("phase") or Phase.PENDING.value
     conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
@@ -403,7 +544,9 @@ def unschedulable(job: JobState, reason: str, message: str, now: datetime.dateti
     }
 
 
-def wont_fit(job: JobState, message: str, now: datetime.datetime, plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def wont_fit(
+    job: JobState, message: str, now: datetime.datetime, plan: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Status fields of a job refused by plan: Failed, with WontFit (and Failed, Placed) conditions; no pods.
 
     Final like any failure: the job's worst rank needs more memory than the
@@ -425,5 +568,7 @@ def wont_fit(job: JobState, message: str, now: datetime.datetime, plan: Mapping[
 
 def unplaced(job: JobState, now: datetime.datetime, message: str) -> dict[str, Any]:
     """Status fields that drop a recorded placement whose nodes are no longer free (re-plan, not a restart)."""
-    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, message, now)
+    conds = conditions.set(
+        _conds(job), conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, message, now
+    )
     return {"placement": [], "conditions": conds, "observedGeneration": job.generation}

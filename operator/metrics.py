@@ -21,13 +21,18 @@ from prometheus_client.registry import Collector
 from meshtrain.api import spec as api_spec
 
 RECONCILE_SECONDS = prometheus_client.Histogram(
-    "meshtrain_operator_reconcile_duration_seconds", "Duration of one reconcile pass of a TrainingJob.",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+    "meshtrain_operator_reconcile_duration_seconds",
+    "Duration of one reconcile pass of a TrainingJob.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 PLACEMENT_SECONDS = prometheus_client.Histogram(
-    "meshtrain_operator_placement_duration_seconds", "Duration of planning one gang (list nodes and pods, plan).",
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+    "meshtrain_operator_placement_duration_seconds",
+    "Duration of planning one gang (list nodes and pods, plan).",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
 RESTARTS = prometheus_client.Counter(
-    "meshtrain_operator_gang_restarts", "Gang restarts performed after a pod failure.")
+    "meshtrain_operator_gang_restarts", "Gang restarts performed after a pod failure."
+)
 
 _jobs: dict[tuple[str, str], tuple[str, bool]] = {}
 """(namespace, name) -> (phase, unschedulable), as of the job's last reconcile."""
@@ -46,12 +51,16 @@ def forget(namespace: str, name: str) -> None:
 class _JobCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         by_phase = _Tally(phase for phase, _ in _jobs.values())
-        jobs = GaugeMetricFamily("meshtrain_operator_jobs", "TrainingJobs by phase.", labels=["phase"])
+        jobs = GaugeMetricFamily(
+            "meshtrain_operator_jobs", "TrainingJobs by phase.", labels=["phase"]
+        )
         for phase in api_spec.Phase:
             jobs.add_metric([phase.value], by_phase.get(phase.value, 0))
         yield jobs
-        waiting = GaugeMetricFamily("meshtrain_operator_unschedulable_jobs",
-                                    "TrainingJobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).")
+        waiting = GaugeMetricFamily(
+            "meshtrain_operator_unschedulable_jobs",
+            "TrainingJobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).",
+        )
         waiting.add_metric([], sum(1 for _, stuck in _jobs.values() if stuck))
         yield waiting
 

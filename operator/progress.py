@@ -73,5 +73,7 @@ def from_termination_message(message: str | None) -> dict[str, Any]:
     found = _document(message.strip())
     if found is None:
         lines = [line.strip() for line in message.splitlines() if line.strip().startswith("{")]
-        found = next((doc for doc in (_document(line) for line in reversed(lines)) if doc is not None), None)
+        found = next(
+            (doc for doc in (_document(line) for line in reversed(lines)) if doc is not None), None
+        )
     return status_changes(found) if found is not None else {}

@@ -87,7 +87,9 @@ class Reconciler:
         self._last_progress: dict[tuple[str, str], float] = {}
         self._products: dict[str, profiles.Profile | None] = {}
         """GPU product label value -> profile (profile files are read once per product)."""
-        self._verdicts: dict[tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]] = {}
+        self._verdicts: dict[
+            tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]
+        ] = {}
         """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
@@ -112,22 +114,36 @@ class Reconciler:
             body, job, did = await self._act(action, body, job)
             changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
-        placed = conditions.find((body.get("status") or {}).get("conditions") or [], conditions.PLACED) or {}
+        placed = (
+            conditions.find((body.get("status") or {}).get("conditions") or [], conditions.PLACED)
+            or {}
+        )
         waiting = placed.get("status") == conditions.FALSE and placed.get("reason") in (
-            conditions.INSUFFICIENT_GPUS, conditions.TOPOLOGY_UNSATISFIABLE)
+            conditions.INSUFFICIENT_GPUS,
+            conditions.TOPOLOGY_UNSATISFIABLE,
+        )
         metrics.observe_job(namespace, name, phase, unschedulable=waiting)
         requeue = decision.requeue_after
         if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
-            requeue = self.settings.progress_seconds if requeue is None else min(requeue, self.settings.progress_seconds)
+            requeue = (
+                self.settings.progress_seconds
+                if requeue is None
+                else min(requeue, self.settings.progress_seconds)
+            )
         done = phase in lifecycle.FINAL and requeue is None and not changed
-        return Outcome(changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done)
+        return Outcome(
+            changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
+        )
 
-    async def _set_status(self, body: dict[str, Any], job: lifecycle.JobState,
-                          changes: dict[str, Any]) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+    async def _set_status(
+        self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         if _same(dict(job.status), changes):
             return body, job, False
         ref = job.ref
-        answer = await self.client.patch_job_status(namespace=ref.namespace, name=ref.name, status=changes)
+        answer = await self.client.patch_job_status(
+            namespace=ref.namespace, name=ref.name, status=changes
+        )
         if answer is None:
             return body, job, False
         if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
@@ -136,13 +152,19 @@ class Reconciler:
 
     async def _emit(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
         try:
-            await self.client.create_event(job=body, type_=type_, reason=reason, message=message,
-                                           now=conditions.timestamp(_now()))
+            await self.client.create_event(
+                job=body,
+                type_=type_,
+                reason=reason,
+                message=message,
+                now=conditions.timestamp(_now()),
+            )
         except (kube.ApiError, OSError) as err:  # events are best effort
             logger.warning("could not record event %s: %s", reason, err)
 
-    async def _act(self, action: lifecycle.Action, body: dict[str, Any],
-                   job: lifecycle.JobState) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+    async def _act(
+        self, action: lifecycle.Action, body: dict[str, Any], job: lifecycle.JobState
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         ref = job.ref
         if isinstance(action, lifecycle.SetStatus):
             return await self._set_status(body, job, dict(action.changes))
@@ -150,11 +172,18 @@ class Reconciler:
             await self._emit(body, action.type, action.reason, action.message)
             return body, job, False
         if isinstance(action, lifecycle.DeletePods):
-            await self.client.delete_pods(namespace=ref.namespace, names=action.names, grace_seconds=action.grace_seconds)
+            await self.client.delete_pods(
+                namespace=ref.namespace, names=action.names, grace_seconds=action.grace_seconds
+            )
             return body, job, True
         if isinstance(action, lifecycle.LiftGates):
             await self.client.lift_gates(namespace=ref.namespace, names=action.names)
-            logger.info("gang of %s/%s complete: lifted %d gate(s)", ref.namespace, ref.name, len(action.names))
+            logger.info(
+                "gang of %s/%s complete: lifted %d gate(s)",
+                ref.namespace,
+                ref.name,
+                len(action.names),
+            )
             return body, job, True
         if isinstance(action, lifecycle.DeleteJob):
             logger.info("deleting %s/%s: ttlSecondsAfterFinished elapsed", ref.namespace, ref.name)
@@ -166,15 +195,17 @@ class Reconciler:
             return await self._place(action, body, job)
         raise TypeError(f"unknown action {action!r}")
 
-    async def _poll(self, action: lifecycle.PollProgress, body: dict[str, Any],
-                    job: lifecycle.JobState) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+    async def _poll(
+        self, action: lifecycle.PollProgress, body: dict[str, Any], job: lifecycle.JobState
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         key = (job.ref.namespace, job.ref.name)
         if time.monotonic() - self._last_progress.get(key, 0.0) < self.settings.progress_seconds:
             return body, job, False
         self._last_progress[key] = time.monotonic()
         try:
-            report = await self.client.get_progress(ip=action.ip, port=action.port,
-                                                    timeout=self.settings.progress_timeout_seconds)
+            report = await self.client.get_progress(
+                ip=action.ip, port=action.port, timeout=self.settings.progress_timeout_seconds
+            )
         except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
             logger.debug("progress of %s unavailable: %s", action.pod, err)
             return body, job, False
@@ -184,8 +215,9 @@ class Reconciler:
         body, job, _ = await self._set_status(body, job, changes)
         return body, job, False
 
-    async def _place(self, action: lifecycle.Place, body: dict[str, Any],
-                     job: lifecycle.JobState) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+    async def _place(
+        self, action: lifecycle.Place, body: dict[str, Any], job: lifecycle.JobState
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         assert job.spec is not None
         ref, spec = job.ref, job.spec
         gpu = spec.resources.gpu_resource_name
@@ -200,40 +232,77 @@ class Reconciler:
                 own = [p for p in live if capacity.belongs_to(p, ref.namespace, ref.name)]
                 free = capacity.free_gpus(nodes, [*taken, *capacity.reservations(own, gpu)])
                 for index in action.missing:
-                    free[recorded.get(index, "")] = free.get(recorded.get(index, ""), 0) - spec.resources.gpus_per_node
+                    free[recorded.get(index, "")] = (
+                        free.get(recorded.get(index, ""), 0) - spec.resources.gpus_per_node
+                    )
                 if all(free.get(recorded.get(i, ""), -1) >= 0 for i in action.missing):
-                    pods = [builders.build_pod(ref, spec, action.attempt, i, recorded[i]) for i in action.missing]
+                    pods = [
+                        builders.build_pod(ref, spec, action.attempt, i, recorded[i])
+                        for i in action.missing
+                    ]
                     await self.client.create_many(manifests=pods)
-                    logger.info("re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name)
+                    logger.info(
+                        "re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name
+                    )
                     return body, job, True
                 message = "recorded nodes are no longer free; planning the gang again"
-                await self.client.delete_pods(namespace=ref.namespace, names=[p["metadata"]["name"] for p in own])
+                await self.client.delete_pods(
+                    namespace=ref.namespace, names=[p["metadata"]["name"] for p in own]
+                )
                 return await self._set_status(body, job, lifecycle.unplaced(job, now, message))
             verdict = self._admit(job, nodes)
             if isinstance(verdict, sizing.Refused):
                 logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
-                body, job, changed = await self._set_status(body, job, lifecycle.wont_fit(job, verdict.message, now, verdict.summary))
+                body, job, changed = await self._set_status(
+                    body, job, lifecycle.wont_fit(job, verdict.message, now, verdict.summary)
+                )
                 await self._emit(body, "Warning", verdict.reason, verdict.message)
                 return body, job, changed
             plan = verdict.summary if verdict is not None else None
             answer = placement.plan(placement.request_from_spec(spec), nodes, taken)
             metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
             if isinstance(answer, placement.Unschedulable):
-                before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
+                before = (
+                    conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
+                )
                 body, job, changed = await self._set_status(
-                    body, job, lifecycle.unschedulable(job, answer.reason, answer.message, now, plan))
+                    body,
+                    job,
+                    lifecycle.unschedulable(job, answer.reason, answer.message, now, plan),
+                )
                 if (before.get("reason"), before.get("message")) != (answer.reason, answer.message):
-                    logger.info("%s/%s unschedulable: %s: %s", ref.namespace, ref.name, answer.reason, answer.message)
+                    logger.info(
+                        "%s/%s unschedulable: %s: %s",
+                        ref.namespace,
+                        ref.name,
+                        answer.reason,
+                        answer.message,
+                    )
                     await self._emit(body, "Warning", answer.reason, answer.message)
                 return body, job, changed
-            body, job, _ = await self._set_status(body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan))
-            await asyncio.gather(self.client.create_or_patch(manifest=builders.build_configmap(ref, spec)),
-                                 self.client.create_or_patch(manifest=builders.build_service(ref, spec)))
-            await self.client.create_many(manifests=builders.build_pods(ref, spec, action.attempt, answer.nodes))
-        logger.info("placed %s/%s %s on %d node(s)", ref.namespace, ref.name, spec.parallelism.layout_string,
-                    len(set(answer.nodes)))
-        await self._emit(body, "Normal", conditions.GANG_PLACED,
-                         f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)")
+            body, job, _ = await self._set_status(
+                body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
+            )
+            await asyncio.gather(
+                self.client.create_or_patch(manifest=builders.build_configmap(ref, spec)),
+                self.client.create_or_patch(manifest=builders.build_service(ref, spec)),
+            )
+            await self.client.create_many(
+                manifests=builders.build_pods(ref, spec, action.attempt, answer.nodes)
+            )
+        logger.info(
+            "placed %s/%s %s on %d node(s)",
+            ref.namespace,
+            ref.name,
+            spec.parallelism.layout_string,
+            len(set(answer.nodes)),
+        )
+        await self._emit(
+            body,
+            "Normal",
+            conditions.GANG_PLACED,
+            f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)",
+        )
         return body, job, True
 
     def _profile_of(self, labels: Mapping[str, str]) -> profiles.Profile | None:
@@ -242,17 +311,24 @@ class Reconciler:
         if product not in self._products:
             try:
                 self._products[product] = admission.profile_for_labels(labels)
-            except profiles.ProfileError as err:  # a broken user profile directory: judge by the default
-                logger.warning("GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err)
+            except (
+                profiles.ProfileError
+            ) as err:  # a broken user profile directory: judge by the default
+                logger.warning(
+                    "GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err
+                )
                 self._products[product] = None
         return self._products[product]
 
-    def _admit(self, job: lifecycle.JobState, nodes: list[placement.Node]) -> sizing.Admitted | sizing.Refused | None:
+    def _admit(
+        self, job: lifecycle.JobState, nodes: list[placement.Node]
+    ) -> sizing.Admitted | sizing.Refused | None:
         """Admission by plan on the profile of the job's candidate nodes (see ``sizing``)."""
         assert job.spec is not None
         candidates = sizing.candidates(job.spec, nodes)
-        choice = sizing.choose_profile([(n.name, self._profile_of(n.labels)) for n in candidates],
-                                       self.settings.gpu_profile)
+        choice = sizing.choose_profile(
+            [(n.name, self._profile_of(n.labels)) for n in candidates], self.settings.gpu_profile
+        )
         key = (job.ref.uid, job.generation, choice)
         cached = self._verdicts.get((job.ref.namespace, job.ref.name))
         if cached is not None and cached[0] == key:
@@ -264,7 +340,9 @@ class Reconciler:
     async def delete_children(self, *, namespace: str, name: str) -> None:
         """Remove every child of a job (idempotent; owner references do the same where a GC runs)."""
         pods = await self.client.list_pods(namespace=namespace, selector=naming.job_selector(name))
-        await self.client.delete_pods(namespace=namespace, names=[p["metadata"]["name"] for p in pods])
+        await self.client.delete_pods(
+            namespace=namespace, names=[p["metadata"]["name"] for p in pods]
+        )
         await self.client.delete_service(namespace=namespace, name=naming.service_name(name))
         await self.client.delete_configmap(namespace=namespace, name=naming.configmap_name(name))
         self._last_progress.pop((namespace, name), None)

@@ -64,15 +64,22 @@ class Refused:
     """``status.plan`` of the refused job (``fits`` is false), so the numbers stay visible."""
 
 
-def candidates(spec: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]) -> list[placement.Node]:
+def candidates(
+    spec: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]
+) -> list[placement.Node]:
     """Nodes matching the job's node selector that offer at least one GPU of its resource."""
     selector = tuple(spec.resources.node_selector.items())
-    return [node for node in nodes
-            if node.allocatable_gpus > 0 and all(node.labels.get(key) == value for key, value in selector)]
+    return [
+        node
+        for node in nodes
+        if node.allocatable_gpus > 0
+        and all(node.labels.get(key) == value for key, value in selector)
+    ]
 
 
-def choose_profile(node_profiles: Sequence[tuple[str, profiles.Profile | None]],
-                   default: profiles.Profile | None) -> Choice:
+def choose_profile(
+    node_profiles: Sequence[tuple[str, profiles.Profile | None]], default: profiles.Profile | None
+) -> Choice:
     """The smallest known GPU among ``(node name, profile)`` candidates, else ``default``.
 
     Ties on memory go to the profile name, then the node name, so the answer
@@ -85,18 +92,31 @@ def choose_profile(node_profiles: Sequence[tuple[str, profiles.Profile | None]],
         others = f" (smallest of {', '.join(kinds)})" if len(kinds) > 1 else ""
         return Choice(smallest, f"node {node} label {admission.PRODUCT_LABEL}{others}")
     if default is not None:
-        return Choice(default, f"operator default --gpu-profile {default.name}: "
-                               f"no candidate node names a known GPU in {admission.PRODUCT_LABEL}")
-    return Choice(None, f"no candidate node names a known GPU in {admission.PRODUCT_LABEL} and --gpu-profile is none")
+        return Choice(
+            default,
+            f"operator default --gpu-profile {default.name}: "
+            f"no candidate node names a known GPU in {admission.PRODUCT_LABEL}",
+        )
+    return Choice(
+        None,
+        f"no candidate node names a known GPU in {admission.PRODUCT_LABEL} and --gpu-profile is none",
+    )
 
 
 def admit(spec: api_spec.TrainingJobSpec, choice: Choice) -> Admitted | Refused | None:
     """Judge ``spec`` on ``choice``'s profile; None when there is no profile (nothing is checked)."""
     if choice.profile is None:
         return None
-    summary = {**admission.status_summary(estimate.make_plan(spec, choice.profile)), "profileSource": choice.source}
+    summary = {
+        **admission.status_summary(estimate.make_plan(spec, choice.profile)),
+        "profileSource": choice.source,
+    }
     verdict = admission.check(spec, choice.profile)
     if verdict is None:
         return Admitted(choice=choice, summary=summary)
-    return Refused(choice=choice, reason=verdict.reason, message=f"{verdict.message} (profile from {choice.source})",
-                   summary=summary)
+    return Refused(
+        choice=choice,
+        reason=verdict.reason,
+        message=f"{verdict.message} (profile from {choice.source})",
+        summary=summary,
+    )

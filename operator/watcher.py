@@ -50,12 +50,16 @@ def _on_node(waker: Waker, type_: str, node: dict[str, Any]) -> None:
     waker.poke_waiting()
 
 
-async def _follow(client: kube.Client, path: str, selector: str | None, handle, waker: Waker) -> None:
+async def _follow(
+    client: kube.Client, path: str, selector: str | None, handle, waker: Waker
+) -> None:
     """Watch ``path`` forever, resuming from the last resourceVersion; start over after 410 Gone."""
     version: str | None = None
     while True:
         try:
-            async for type_, obj in client.watch(path=path, selector=selector, resource_version=version):
+            async for type_, obj in client.watch(
+                path=path, selector=selector, resource_version=version
+            ):
                 version = (obj.get("metadata") or {}).get("resourceVersion") or version
                 if type_ != "BOOKMARK":
                     handle(waker, type_, obj)
@@ -65,7 +69,7 @@ async def _follow(client: kube.Client, path: str, selector: str | None, handle, 
             else:
                 logger.warning("watch of %s failed: %s", path, err)
                 await asyncio.sleep(RETRY_SECONDS)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as err:
             logger.warning("watch of %s interrupted: %s", path, err)
             await asyncio.sleep(RETRY_SECONDS)
 

@@ -82,8 +82,10 @@ def dataset_path(dataset: str) -> Path:
         return stdlib_corpus()
     path = Path(dataset).expanduser()
     if not path.is_file():
-        raise DatasetError(f"{DATASET_FIELD}: token file {str(path)!r} does not exist (expected raw uint16 tokens, "
-                           f"or '{STDLIB}' for the built-in corpus)")
+        raise DatasetError(
+            f"{DATASET_FIELD}: token file {str(path)!r} does not exist (expected raw uint16 tokens, "
+            f"or '{STDLIB}' for the built-in corpus)"
+        )
     return path
 
 
@@ -98,13 +100,19 @@ def load_tokens(dataset: str, *, vocab: int, seq_len: int) -> np.ndarray:
     path = dataset_path(dataset)
     size = path.stat().st_size
     if size % 2:
-        raise DatasetError(f"{DATASET_FIELD}: {str(path)!r} has an odd byte count ({size}); expected uint16 tokens")
+        raise DatasetError(
+            f"{DATASET_FIELD}: {str(path)!r} has an odd byte count ({size}); expected uint16 tokens"
+        )
     if size // 2 < seq_len + 2:
-        raise DatasetError(f"{DATASET_FIELD}: {str(path)!r} holds {size // 2} tokens, fewer than seqLen + 2 = {seq_len + 2}")
+        raise DatasetError(
+            f"{DATASET_FIELD}: {str(path)!r} holds {size // 2} tokens, fewer than seqLen + 2 = {seq_len + 2}"
+        )
     tokens = np.memmap(path, dtype="<u2", mode="r")
     largest = int(tokens[: 1 << 20].max())
     if largest >= vocab:
-        raise DatasetError(f"{DATASET_FIELD}: {str(path)!r} has token id {largest} >= model vocab {vocab}")
+        raise DatasetError(
+            f"{DATASET_FIELD}: {str(path)!r} has token id {largest} >= model vocab {vocab}"
+        )
     return tokens
 
 
@@ -121,8 +129,17 @@ class MicroBatch:
 class BatchSampler:
     """Deterministic global batches, sliced for one data-parallel rank."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch: int, micro_batches: int,
-                 dp_rank: int, dp_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        micro_batches: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.micro_batch = micro_batch
@@ -143,7 +160,9 @@ class BatchSampler:
 
     def global_batch_at(self, index: int) -> torch.Tensor:
         """All windows of batch ``index``: (global_batch, seq_len + 1) int64."""
-        rows = [np.asarray(self.tokens[o: o + self.seq_len + 1]) for o in self.offsets(index).tolist()]
+        rows = [
+            np.asarray(self.tokens[o : o + self.seq_len + 1]) for o in self.offsets(index).tolist()
+        ]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def next(self) -> list[MicroBatch]:
@@ -151,8 +170,10 @@ class BatchSampler:
         batch = self.global_batch_at(self.position)  # (G, T+1)
         self.position += 1
         per_rank = self.global_batch // self.dp_size
-        mine = batch[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]  # (G/dp, T+1)
-        return [MicroBatch(inputs=mb[:, :-1], targets=mb[:, 1:]) for mb in mine.split(self.micro_batch)]
+        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]  # (G/dp, T+1)
+        return [
+            MicroBatch(inputs=mb[:, :-1], targets=mb[:, 1:]) for mb in mine.split(self.micro_batch)
+        ]
 
     def state_dict(self) -> dict[str, int]:
         """The data position, for checkpoints."""
@@ -161,5 +182,7 @@ class BatchSampler:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at a saved position (the seed must match)."""
         if state["seed"] != self.seed:
-            raise ValueError(f"data state was saved with seed {state['seed']}, this run uses {self.seed}")
+            raise ValueError(
+                f"data state was saved with seed {state['seed']}, this run uses {self.seed}"
+            )
         self.position = int(state["position"])

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from meshtrain.trainer import data, optim
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import clocks, parallelize, recording, zero
+from meshtrain.trainer.parallel import mesh as mesh_mod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,41 +68,83 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 class Engine:
     """This rank's model share, optimizer and data, and the step loop body."""
 
-    def __init__(self, spec, mesh: mesh_mod.Mesh, *, recorder: recording.StepRecorder | None = None) -> None:  # noqa: ANN001
+    def __init__(
+        self, spec, mesh: mesh_mod.Mesh, *, recorder: recording.StepRecorder | None = None
+    ) -> None:  # noqa: ANN001
         """``spec`` is a validated TrainingJobSpec; weights are fp32 (master weights under bf16 autocast)."""
         self.spec = spec
         self.mesh = mesh
         self.clock = clocks.for_device(mesh.device)
         """Times every event reported to the recorder."""
         recorder = recorder or recording.NullRecorder()
-        self.recorder = (recording.DeferredRecorder(recorder, self.clock) if isinstance(self.clock, clocks.CudaClock)
-                         else recorder)
+        self.recorder = (
+            recording.DeferredRecorder(recorder, self.clock)
+            if isinstance(self.clock, clocks.CudaClock)
+            else recorder
+        )
         """``recorder``, behind a DeferredRecorder when the clock's stamps are CUDA events."""
         training, par = spec.training, spec.parallelism
         self.config = gpt.GPTConfig.from_shape(spec.model.shape())
-        with torch.device("meta"):  # shapes only: parallelize builds just this rank's pieces, by name and seed
-            dense = gpt.GPT(self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing)
+        with torch.device(
+            "meta"
+        ):  # shapes only: parallelize builds just this rank's pieces, by name and seed
+            dense = gpt.GPT(
+                self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing
+            )
         self.precision = resolve_precision(training.precision, mesh.device)
-        autocast = (functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
-                    if self.precision == "bf16" else contextlib.nullcontext)
+        autocast = (
+            functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
+            if self.precision == "bf16"
+            else contextlib.nullcontext
+        )
         self.model = parallelize.parallelize(
-            dense, mesh, schedule=par.schedule, virtual_stages=par.virtual_stages, micro_batches=par.micro_batches,
-            micro_batch=training.micro_batch, sequence_parallel=par.sequence_parallel, bucket_mb=par.bucket_mb,
-            recorder=self.recorder, clock=self.clock, autocast=autocast, zero_stage=par.zero_stage)
+            dense,
+            mesh,
+            schedule=par.schedule,
+            virtual_stages=par.virtual_stages,
+            micro_batches=par.micro_batches,
+            micro_batch=training.micro_batch,
+            sequence_parallel=par.sequence_parallel,
+            bucket_mb=par.bucket_mb,
+            recorder=self.recorder,
+            clock=self.clock,
+            autocast=autocast,
+            zero_stage=par.zero_stage,
+        )
         if par.zero_stage and self.model.reducer is not None:  # ZeRO 1/2: moments sharded over dp
-            self.optimizer = zero.ZeroAdamW(self.model.named_params, self.model.reducer, stage=par.zero_stage,
-                                            lr=training.learning_rate, weight_decay=training.weight_decay,
-                                            recorder=self.recorder, clock=self.clock)
+            self.optimizer = zero.ZeroAdamW(
+                self.model.named_params,
+                self.model.reducer,
+                stage=par.zero_stage,
+                lr=training.learning_rate,
+                weight_decay=training.weight_decay,
+                recorder=self.recorder,
+                clock=self.clock,
+            )
         else:
-            self.optimizer = optim.build_adamw(self.model.named_params, lr=training.learning_rate,
-                                               weight_decay=training.weight_decay)
-        tokens = data.load_tokens(training.dataset, vocab=self.config.vocab, seq_len=self.config.seq_len)
-        self.sampler = data.BatchSampler(tokens, seq_len=self.config.seq_len, micro_batch=training.micro_batch,
-                                         micro_batches=par.micro_batches, dp_rank=mesh.coords.dp,
-                                         dp_size=mesh.layout.data, seed=training.seed)
+            self.optimizer = optim.build_adamw(
+                self.model.named_params,
+                lr=training.learning_rate,
+                weight_decay=training.weight_decay,
+            )
+        tokens = data.load_tokens(
+            training.dataset, vocab=self.config.vocab, seq_len=self.config.seq_len
+        )
+        self.sampler = data.BatchSampler(
+            tokens,
+            seq_len=self.config.seq_len,
+            micro_batch=training.micro_batch,
+            micro_batches=par.micro_batches,
+            dp_rank=mesh.coords.dp,
+            dp_size=mesh.layout.data,
+            seed=training.seed,
+        )
         self._norm_counted = self.model.norm_counted(mesh.coords.tp)
-        self._norm_groups = [(axis, mesh.group(axis)) for axis, degree in
-                             (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline)) if degree > 1]
+        self._norm_groups = [
+            (axis, mesh.group(axis))
+            for axis, degree in (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline))
+            if degree > 1
+        ]
         self.step = 0
         """Optimizer steps done."""
 
@@ -127,17 +169,23 @@ class Engine:
     def _sum_sequence_partial_grads(self) -> None:
         """Under SP, norm and position-table gradients are per-sequence-slice partials: sum over TP."""
         wanted = set(self.model.tp_plan.sequence_partial)
-        if isinstance(self.optimizer, zero.ZeroAdamW) and self.optimizer.stage == 2:  # only dp shards of grads exist
-            self.optimizer.all_reduce_grads(wanted, self.mesh.group("tp"), self.recorder, self.clock)
+        if (
+            isinstance(self.optimizer, zero.ZeroAdamW) and self.optimizer.stage == 2
+        ):  # only dp shards of grads exist
+            self.optimizer.all_reduce_grads(
+                wanted, self.mesh.group("tp"), self.recorder, self.clock
+            )
             return
         grads = [p.grad for n, p in self.model.named_params if n in wanted and p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
         start = self.clock.now()
         dist.all_reduce(flat, group=self.mesh.group("tp"))
-        self.recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, self.clock.now())
+        self.recorder.collective(
+            "tp", "all_reduce", flat.numel() * flat.element_size(), start, self.clock.now()
+        )
         offset = 0
         for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
     def _agree(self, loss_sum: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
@@ -149,7 +197,9 @@ class Engine:
         """
         layout = self.mesh.layout
         share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
-        flag = torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64, device=share.device)
+        flag = torch.tensor(
+            [1.0 if stop_requested else 0.0], dtype=torch.float64, device=share.device
+        )
         value = torch.cat([share, flag])
         dist.all_reduce(value)
         loss, stops = value.tolist()
@@ -168,13 +218,28 @@ class Engine:
         step = self.step + 1
         start = self.clock.start_step()  # host time on every device
         self.recorder.step_start(step, start)
-        lr = optim.lr_at(step, peak=training.learning_rate, minimum=training.min_learning_rate,
-                         warmup=training.warmup_steps, total=training.steps)
+        lr = optim.lr_at(
+            step,
+            peak=training.learning_rate,
+            minimum=training.min_learning_rate,
+            warmup=training.warmup_steps,
+            total=training.steps,
+        )
         optim.set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward()
-        clip = self.optimizer.clip_grad_norm if isinstance(self.optimizer, zero.ZeroAdamW) else optim.clip_grad_norm
-        norm = clip(self.params, counted=self._norm_counted, max_norm=training.grad_clip,
-                    groups=self._norm_groups, recorder=self.recorder, clock=self.clock)
+        clip = (
+            self.optimizer.clip_grad_norm
+            if isinstance(self.optimizer, zero.ZeroAdamW)
+            else optim.clip_grad_norm
+        )
+        norm = clip(
+            self.params,
+            counted=self._norm_counted,
+            max_norm=training.grad_clip,
+            groups=self._norm_groups,
+            recorder=self.recorder,
+            clock=self.clock,
+        )
         self.optimizer.step()
         self.zero_grad()
         loss, stop = self._agree(loss_sum, stop_requested)
@@ -182,4 +247,6 @@ class Engine:
         seconds = time.perf_counter() - start
         tokens = self.sampler.global_batch * self.config.seq_len
         self.recorder.step_end(step, loss, tokens, seconds)
-        return StepResult(step=step, loss=loss, tokens=tokens, seconds=seconds, grad_norm=norm, lr=lr, stop=stop)
+        return StepResult(
+            step=step, loss=loss, tokens=tokens, seconds=seconds, grad_norm=norm, lr=lr, stop=stop
+        )

@@ -65,14 +65,24 @@ def checkpoint_dir(job: spec_mod.TrainingJobSpec, log_dir: Path) -> Path:
     local runs never share the pod default ``/checkpoints``.
     """
     pod_default = spec_mod.Checkpoint.model_fields["path"].default
-    return Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
+    return (
+        Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
+    )
 
 
 def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MESHTRAIN_LOG_DIR=str(log_dir),
-               MESHTRAIN_DEVICE="cuda" if cuda else "cpu")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MESHTRAIN_LOG_DIR=str(log_dir),
+        MESHTRAIN_DEVICE="cuda" if cuda else "cpu",
+    )
     if not cuda:  # share the cores instead of every rank spawning one thread per core
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     return env
@@ -107,29 +117,45 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def _summary(job: spec_mod.TrainingJobSpec, records: list[dict], seconds: float, log_dir: Path) -> str:
-    rows = [("layout", job.parallelism.layout_string), ("schedule", job.parallelism.schedule),
-            ("steps", str(len(records))), ("wall time", f"{seconds:.1f} s")]
+def _summary(
+    job: spec_mod.TrainingJobSpec, records: list[dict], seconds: float, log_dir: Path
+) -> str:
+    rows = [
+        ("layout", job.parallelism.layout_string),
+        ("schedule", job.parallelism.schedule),
+        ("steps", str(len(records))),
+        ("wall time", f"{seconds:.1f} s"),
+    ]
     if records:
         steady = records[1:] or records
         tps = sum(r["tokens"] for r in steady) / max(1e-9, sum(r["step_seconds"] for r in steady))
-        rows += [("first loss", f"{records[0]['loss']:.4f}"), ("last loss", f"{records[-1]['loss']:.4f}"),
-                 ("tokens/s (after step 1)", f"{tps:,.0f}"),
-                 ("mean step time", f"{sum(r['step_seconds'] for r in steady) / len(steady):.3f} s")]
+        rows += [
+            ("first loss", f"{records[0]['loss']:.4f}"),
+            ("last loss", f"{records[-1]['loss']:.4f}"),
+            ("tokens/s (after step 1)", f"{tps:,.0f}"),
+            ("mean step time", f"{sum(r['step_seconds'] for r in steady) / len(steady):.3f} s"),
+        ]
     rows.append(("step log", str(log_dir / steplog.FILENAME)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str | Path | None = None,
-              overrides: list[str] | tuple[str, ...] = ()) -> int:
+def run_local(
+    spec_path: str | Path,
+    *,
+    steps: int | None = None,
+    log_dir: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> int:
     """Train ``spec_path`` with local processes; returns the exit code (0 success)."""
     try:
         metadata, job = spec_mod.load_manifest(spec_path)
         extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
         if extra:
             job = spec_mod.apply_overrides(job, extra)
-        data.dataset_path(job.training.dataset)  # a missing file fails here; the corpus is built once here
+        data.dataset_path(
+            job.training.dataset
+        )  # a missing file fails here; the corpus is built once here
     except spec_mod.SpecError as err:
         print(err, file=sys.stderr)
         return 2
@@ -143,7 +169,15 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
     world = job.world_size
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     port = free_port()
-    command = [sys.executable, "-m", "meshtrain.trainer", "--spec", str(spec_path), "--log-dir", str(log_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "meshtrain.trainer",
+        "--spec",
+        str(spec_path),
+        "--log-dir",
+        str(log_dir),
+    ]
     command += [arg for item in extra for arg in ("--set", item)]
     procs, logs = [], []
     started = time.monotonic()
@@ -151,15 +185,20 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
         logs.append((log_dir / f"rank-{rank}.log").open("w"))
         env = _rank_env(rank, world, port, log_dir, cuda)
         env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
-        procs.append(subprocess.Popen(command, env=env,
-                                      stdout=logs[-1], stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     total = job.training.steps
-    bar = tqdm.tqdm(total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr)
+    bar = tqdm.tqdm(
+        total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr
+    )
     records: list[dict] = []
     tail = steplog.Tail(log_dir / steplog.FILENAME)
     code = 0
     # A terminated launcher (Ctrl-C, SIGTERM from CI or a pod) takes its ranks with it.
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -168,22 +207,30 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
                 records += fresh
                 last = fresh[-1]
                 bar.update(last["step"] - bar.n)  # by step number: a resumed run starts past 0
-                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}")
+                bar.set_postfix(
+                    loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}"
+                )
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
                 _stop(procs)
                 bar.close()
-                print(f"rank {rank} exited with code {code}; stopped the other ranks. "
-                      f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}", file=sys.stderr)
+                print(
+                    f"rank {rank} exited with code {code}; stopped the other ranks. "
+                    f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}",
+                    file=sys.stderr,
+                )
                 return code
             if all(c == 0 for c in codes):
                 break
             time.sleep(POLL_S)
     except (KeyboardInterrupt, _Terminated):
         bar.close()
-        print(f"interrupted: asking the ranks to save their last step (up to {STOP_GRACE_S:.0f}s; "
-              f"the same command with --log-dir {log_dir} resumes)", file=sys.stderr)
+        print(
+            f"interrupted: asking the ranks to save their last step (up to {STOP_GRACE_S:.0f}s; "
+            f"the same command with --log-dir {log_dir} resumes)",
+            file=sys.stderr,
+        )
         _stop(procs, grace=STOP_GRACE_S)
         return 130
     finally:
@@ -192,5 +239,7 @@ def run_local(spec_path: str | Path, *, steps: int | None = None, log_dir: str |
         for handle in logs:
             handle.close()
     bar.close()
-    print(f"meshtrain run {name}: done\n{_summary(job, records, time.monotonic() - started, log_dir)}")
+    print(
+        f"meshtrain run {name}: done\n{_summary(job, records, time.monotonic() - started, log_dir)}"
+    )
     return code

@@ -53,7 +53,11 @@ class MemoryReport:
     def per_param(self) -> dict[str, float]:
         """Measured bytes per parameter element of each kind."""
         n = max(1, self.params)
-        return {"params": self.param_bytes / n, "grads": self.grad_bytes / n, "optimizer": self.optimizer_bytes / n}
+        return {
+            "params": self.param_bytes / n,
+            "grads": self.grad_bytes / n,
+            "optimizer": self.optimizer_bytes / n,
+        }
 
     def expected(self) -> dict[str, float]:
         """The formula's bytes per parameter (fp32 weights and gradients, two fp32 AdamW moments)."""
@@ -61,20 +65,30 @@ class MemoryReport:
 
     def as_dict(self) -> dict[str, Any]:
         """Everything, for logs and JSON."""
-        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "per_param": self.per_param(),
-                "expected_per_param": self.expected()}
+        return {
+            **dataclasses.asdict(self),
+            "total_bytes": self.total_bytes,
+            "per_param": self.per_param(),
+            "expected_per_param": self.expected(),
+        }
 
     def as_metrics(self) -> dict[str, int]:
         """Bytes keyed by the ``component`` label of the exporter's ``meshtrain_memory_bytes`` gauge."""
-        return {"parameters": self.param_bytes, "gradients": self.grad_bytes, "optimizer": self.optimizer_bytes}
+        return {
+            "parameters": self.param_bytes,
+            "gradients": self.grad_bytes,
+            "optimizer": self.optimizer_bytes,
+        }
 
     def summary(self) -> str:
         """One log line."""
         per, exp = self.per_param(), self.expected()
-        return (f"state memory (zero {self.zero_stage}, dp {self.dp}, {self.params} params): "
-                f"weights {self.param_bytes / 2**20:.1f} MiB ({per['params']:.2f} B/param, formula {exp['params']:.2f}), "
-                f"grads {self.grad_bytes / 2**20:.1f} MiB ({per['grads']:.2f}, {exp['grads']:.2f}), "
-                f"optimizer {self.optimizer_bytes / 2**20:.1f} MiB ({per['optimizer']:.2f}, {exp['optimizer']:.2f})")
+        return (
+            f"state memory (zero {self.zero_stage}, dp {self.dp}, {self.params} params): "
+            f"weights {self.param_bytes / 2**20:.1f} MiB ({per['params']:.2f} B/param, formula {exp['params']:.2f}), "
+            f"grads {self.grad_bytes / 2**20:.1f} MiB ({per['grads']:.2f}, {exp['grads']:.2f}), "
+            f"optimizer {self.optimizer_bytes / 2**20:.1f} MiB ({per['optimizer']:.2f}, {exp['optimizer']:.2f})"
+        )
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -122,6 +136,11 @@ def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
     grads += [p.grad for p in params if p.grad is not None]
     grad_bytes = _storage_bytes(grads, seen)
     optimizer_bytes = _storage_bytes(_optimizer_tensors(optimizer), seen)
-    return MemoryReport(params=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,
-                        optimizer_bytes=optimizer_bytes, zero_stage=getattr(optimizer, "stage", 0),
-                        dp=grad_reducer.group_size if grad_reducer is not None else 1)
+    return MemoryReport(
+        params=sum(p.numel() for p in params),
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes,
+        zero_stage=getattr(optimizer, "stage", 0),
+        dp=grad_reducer.group_size if grad_reducer is not None else 1,
+    )

@@ -60,8 +60,14 @@ class GPTConfig:
     @classmethod
     def from_shape(cls, shape) -> GPTConfig:  # noqa: ANN001 - any object with the ModelShape fields
         """Config from a resolved spec shape (``spec.model.shape()``)."""
-        return cls(vocab=shape.vocab, seq_len=shape.seq_len, layers=shape.layers, hidden=shape.hidden,
-                   heads=shape.heads, ffn_hidden=shape.ffn_hidden)
+        return cls(
+            vocab=shape.vocab,
+            seq_len=shape.seq_len,
+            layers=shape.layers,
+            hidden=shape.hidden,
+            heads=shape.heads,
+            ffn_hidden=shape.ffn_hidden,
+        )
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -69,7 +75,9 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def initial_value(config: GPTConfig, seed: int, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def initial_value(
+    config: GPTConfig, seed: int, name: str, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
     """The dense model's initial value of parameter ``name`` (CPU, fp32).
 
     GPT-2 init: LayerNorm weight 1 and biases 0; matrices normal(0, 0.02),
@@ -77,7 +85,11 @@ def initial_value(config: GPTConfig, seed: int, name: str, shape: torch.Size | t
     """
     if len(shape) == 1:
         return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
-    std = config.init_std / math.sqrt(2 * config.layers) if name.endswith("proj.weight") else config.init_std
+    std = (
+        config.init_std / math.sqrt(2 * config.layers)
+        if name.endswith("proj.weight")
+        else config.init_std
+    )
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
@@ -213,7 +225,11 @@ def flops_per_token(config: GPTConfig, *, causal_half: bool = False) -> float:
 
 def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
     """The dense tensor of parameter ``name``: ``param`` itself, or its initial value while it is on ``meta``."""
-    return initial_value(model.config, model.seed, name, param.shape) if param.is_meta else param.detach()
+    return (
+        initial_value(model.config, model.seed, name, param.shape)
+        if param.is_meta
+        else param.detach()
+    )
 
 
 def materialize(model: GPT) -> None:
@@ -222,4 +238,10 @@ def materialize(model: GPT) -> None:
         for key, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 name = f"{module_name}.{key}" if module_name else key
-                setattr(module, key, nn.Parameter(dense_value(model, name, param), requires_grad=param.requires_grad))
+                setattr(
+                    module,
+                    key,
+                    nn.Parameter(
+                        dense_value(model, name, param), requires_grad=param.requires_grad
+                    ),
+                )

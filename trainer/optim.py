@@ -24,12 +24,21 @@ import torch.distributed as dist
 from meshtrain.trainer.parallel import clocks, recording
 
 
-def build_adamw(named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float, weight_decay: float,
-                betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
+def build_adamw(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
     """AdamW with decay on matrices only; beta2 0.95 as in GPT-3 (steadier for large batches)."""
     decay = [p for _, p in named_params if p.dim() >= 2]
     no_decay = [p for _, p in named_params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     fused = bool(decay) and decay[0].is_cuda  # one kernel for all tensors on GPU
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 
@@ -48,9 +57,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], *, counted: list[bool], max_norm: float,
-                   groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder,
-                   clock: clocks.Clock) -> float:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter],
+    *,
+    counted: list[bool],
+    max_norm: float,
+    groups: list[tuple[str, dist.ProcessGroup]],
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+) -> float:
     """Scale gradients so the global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
     ``counted[i]`` says whether this rank counts ``params[i]`` in the norm;
@@ -62,14 +77,24 @@ def clip_grad_norm(params: list[torch.nn.Parameter], *, counted: list[bool], max
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float64, device=device)
     if mine:  # per-tensor norms in fp32 (no big temporaries), their squares summed in fp64
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in mine])
+        norms = torch.stack(
+            [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in mine]
+        )
         square += norms.double().pow(2).sum()
-    return reduce_norm_and_clip(square, grads, max_norm=max_norm, groups=groups, recorder=recorder, clock=clock)
+    return reduce_norm_and_clip(
+        square, grads, max_norm=max_norm, groups=groups, recorder=recorder, clock=clock
+    )
 
 
-def reduce_norm_and_clip(square: torch.Tensor, grads: list[torch.Tensor], *, max_norm: float,
-                         groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder,
-                         clock: clocks.Clock) -> float:
+def reduce_norm_and_clip(
+    square: torch.Tensor,
+    grads: list[torch.Tensor],
+    *,
+    max_norm: float,
+    groups: list[tuple[str, dist.ProcessGroup]],
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+) -> float:
     """Sum this rank's squared-norm share over ``groups``, then scale ``grads`` as ``clip_grad_norm_`` would.
 
     ``square`` is the sum of squares of the gradient elements this rank owns;

@@ -41,30 +41,52 @@ from meshtrain import layout as layout_mod
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import data, engine, faults, memory, steplog, stopping, telemetry
 from meshtrain.trainer.checkpointing import checkpointer, store
-from meshtrain.trainer.telemetry import progress
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.telemetry import progress
 
 EXIT_SPEC, EXIT_DATA, EXIT_CHECKPOINT = 2, 3, 4
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m meshtrain.trainer", description="Run one meshtrain training rank.")
-    parser.add_argument("--spec", default=os.environ.get("MESHTRAIN_SPEC_FILE"),
-                        help="TrainingJob YAML (default: $MESHTRAIN_SPEC_FILE)")
-    parser.add_argument("--log-dir", default=os.environ.get("MESHTRAIN_LOG_DIR"),
-                        help="where rank 0 writes steps.jsonl (default: $MESHTRAIN_LOG_DIR; none: no log)")
+    parser = argparse.ArgumentParser(
+        prog="python -m meshtrain.trainer", description="Run one meshtrain training rank."
+    )
+    parser.add_argument(
+        "--spec",
+        default=os.environ.get("MESHTRAIN_SPEC_FILE"),
+        help="TrainingJob YAML (default: $MESHTRAIN_SPEC_FILE)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=os.environ.get("MESHTRAIN_LOG_DIR"),
+        help="where rank 0 writes steps.jsonl (default: $MESHTRAIN_LOG_DIR; none: no log)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="override training.steps")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                        help="override a spec field, e.g. --set parallelism.microBatches=4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field, e.g. --set parallelism.microBatches=4 (repeatable)",
+    )
     return parser
 
 
-def load_spec(path: str | None, overrides: list[str], steps: int | None) -> spec_mod.TrainingJobSpec:
+def load_spec(
+    path: str | None, overrides: list[str], steps: int | None
+) -> spec_mod.TrainingJobSpec:
     """The spec with overrides applied (raises SpecError)."""
     if not path:
-        raise spec_mod.SpecError([spec_mod.rules.Problem(path="--spec", message="no spec file: pass --spec or set MESHTRAIN_SPEC_FILE")])
+        raise spec_mod.SpecError(
+            [
+                spec_mod.rules.Problem(
+                    path="--spec", message="no spec file: pass --spec or set MESHTRAIN_SPEC_FILE"
+                )
+            ]
+        )
     job = spec_mod.load_spec_file(path)
     extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
     return spec_mod.apply_overrides(job, extra) if extra else job
@@ -79,14 +101,24 @@ def use_cuda() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > local
 
 
-def step_record(result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec) -> dict:
+def step_record(
+    result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec
+) -> dict:
     """The steps.jsonl record of one step."""
     par = job.parallelism
     record = {
-        "step": result.step, "loss": result.loss, "tokens": result.tokens, "step_seconds": result.seconds,
-        "tokens_per_second": result.tokens_per_second, "lr": result.lr, "grad_norm": result.grad_norm,
-        "time": time.time(), "layout": par.layout_string,
-        "bubble_ratio_theoretical": schedules.bubble_ratio(par.pipeline, par.micro_batches, par.virtual_stages),
+        "step": result.step,
+        "loss": result.loss,
+        "tokens": result.tokens,
+        "step_seconds": result.seconds,
+        "tokens_per_second": result.tokens_per_second,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "time": time.time(),
+        "layout": par.layout_string,
+        "bubble_ratio_theoretical": schedules.bubble_ratio(
+            par.pipeline, par.micro_batches, par.virtual_stages
+        ),
     }
     record.update(summary)  # the telemetry recorder's step record (docs/telemetry.md)
     return record
@@ -103,13 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     except data.DatasetError as err:
         print(err, file=sys.stderr)
         return EXIT_DATA
-    stop = stopping.StopRequest().install()  # before the slow start: a signal during it still stops cleanly
+    stop = (
+        stopping.StopRequest().install()
+    )  # before the slow start: a signal during it still stops cleanly
     rank = int(os.environ.get("RANK", "0"))
     cuda = use_cuda()
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
     mesh_mod.init_process_group(use_cuda=cuda)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
-    recorder = telemetry.make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
+    recorder = telemetry.make_recorder(
+        job, mesh.layout, rank, args.log_dir, device=device, steps_log=False
+    )
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
         recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
@@ -125,14 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     if restored is not None:
         recorder.checkpoint_saved(restored)
     if rank == 0:
-        print(memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(), file=sys.stderr)
+        print(
+            memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(),
+            file=sys.stderr,
+        )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
         result = trainer.train_step(stop_requested=stop.requested)
         if log is not None:
             log.write(step_record(result, recorder.steps[-1], job))
-        if saver.after_step(step) is not None:  # published (COMPLETE, renamed): /progress may report it
+        if (
+            saver.after_step(step) is not None
+        ):  # published (COMPLETE, renamed): /progress may report it
             recorder.checkpoint_saved(step)
         if result.stop and step < job.training.steps:
             return _stop_after(step, saver, recorder, log, stop)
@@ -145,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stop_after(step: int, saver: checkpointer.Checkpointer, recorder: telemetry.TelemetryRecorder,
-                log: steplog.StepLog | None, stop: stopping.StopRequest) -> int:
+def _stop_after(
+    step: int,
+    saver: checkpointer.Checkpointer,
+    recorder: telemetry.TelemetryRecorder,
+    log: steplog.StepLog | None,
+    stop: stopping.StopRequest,
+) -> int:
     """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave."""
     if saver.last_saved != step:
         saver.save()
@@ -155,7 +201,9 @@ def _stop_after(step: int, saver: checkpointer.Checkpointer, recorder: telemetry
         log.close()
     if dist.get_rank() == 0:
         reason = stop.signal_name or "a signal on another rank"
-        print(f"stopped after step {step} ({reason}); checkpoint of step {step} saved, a new run resumes from it",
-              file=sys.stderr)
+        print(
+            f"stopped after step {step} ({reason}); checkpoint of step {step} saved, a new run resumes from it",
+            file=sys.stderr,
+        )
     dist.destroy_process_group()
     return stopping.EXIT_STOPPED

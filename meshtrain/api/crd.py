@@ -45,8 +45,22 @@ MAX_NAME_LENGTH = 40
 """Longest TrainingJob name: pod names ``<job>-r<restarts>-<index>`` are pod
 hostnames and must stay inside the 63-character DNS label limit."""
 
-_KEEP = ("type", "description", "default", "enum", "minimum", "maximum", "exclusiveMinimum",
-         "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "format")
+_KEEP = (
+    "type",
+    "description",
+    "default",
+    "enum",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "format",
+)
 """JSON-schema keywords carried over unchanged (after the rewrites above)."""
 
 
@@ -75,10 +89,14 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     if "anyOf" in node:
         options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
         if len(options) != 1:
-            raise ValueError(f"cannot express anyOf with {len(options)} non-null options structurally: {options}")
+            raise ValueError(
+                f"cannot express anyOf with {len(options)} non-null options structurally: {options}"
+            )
         nullable = True
         inner = dict(options[0])
-        inner.update({k: v for k, v in node.items() if k not in inner or k in ("description", "default")})
+        inner.update(
+            {k: v for k, v in node.items() if k not in inner or k in ("description", "default")}
+        )
         node = inner
     out: dict[str, Any] = {}
     for key in _KEEP:
@@ -126,11 +144,19 @@ def _factory_defaults(model: type[pydantic.BaseModel], schema: dict[str, Any]) -
             else:
                 prop["default"] = value
         annotation = field.annotation
-        sub_models = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+        sub_models = [
+            a
+            for a in getattr(annotation, "__args__", (annotation,))
+            if isinstance(a, type) and issubclass(a, pydantic.BaseModel)
+        ]
         if sub_models and prop.get("type") == "object":
             _factory_defaults(sub_models[0], prop)
         elif prop.get("type") == "array":
-            item_models = [a for a in getattr(annotation, "__args__", ()) if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+            item_models = [
+                a
+                for a in getattr(annotation, "__args__", ())
+                if isinstance(a, type) and issubclass(a, pydantic.BaseModel)
+            ]
             if item_models:
                 _factory_defaults(item_models[0], prop["items"])
 
@@ -162,7 +188,7 @@ def _validation(rule: rules.Rule, base: str) -> dict[str, Any]:
 MODEL_IMMUTABLE = {
     "rule": "self == oldSelf",
     "message": "spec.model is immutable: a checkpoint of one model shape cannot resume another; "
-               "create a new TrainingJob (any other spec change rebuilds the gang and resumes from the last checkpoint)",
+    "create a new TrainingJob (any other spec change rebuilds the gang and resumes from the last checkpoint)",
 }
 """Transition rule on ``spec.model`` (checked on update only)."""
 
@@ -172,7 +198,10 @@ def spec_schema() -> dict[str, Any]:
     schema = model_schema(spec.TrainingJobSpec)
     schema["x-kubernetes-validations"] = [_validation(r, "spec") for r in rules.RULES if r.cel]
     model_node = schema["properties"]["model"]
-    model_node["x-kubernetes-validations"] = [_validation(rules.SHAPE_RULE, rules.SHAPE_RULE.path), MODEL_IMMUTABLE]
+    model_node["x-kubernetes-validations"] = [
+        _validation(rules.SHAPE_RULE, rules.SHAPE_RULE.path),
+        MODEL_IMMUTABLE,
+    ]
     return schema
 
 
@@ -196,18 +225,51 @@ def build() -> dict[str, Any]:
             "spec": spec_schema(),
             "status": status_schema(),
         },
-        "x-kubernetes-validations": [{
-            "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (pod hostnames <name>-r<restarts>-<index> must fit a DNS label)",
-        }],
+        "x-kubernetes-validations": [
+            {
+                "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+                "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (pod hostnames <name>-r<restarts>-<index> must fit a DNS label)",
+            }
+        ],
     }
     columns = [
-        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
-        {"name": "Layout", "type": "string", "jsonPath": ".status.layout", "description": "dp x pp x tp layout."},
-        {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Processes in the job."},
-        {"name": "GPUs", "type": "integer", "jsonPath": ".status.gpus", "description": "GPUs the job uses."},
-        {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step", "description": "Last completed optimizer step."},
-        {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1, "description": "Gang restarts so far."},
+        {
+            "name": "Phase",
+            "type": "string",
+            "jsonPath": ".status.phase",
+            "description": "Lifecycle phase.",
+        },
+        {
+            "name": "Layout",
+            "type": "string",
+            "jsonPath": ".status.layout",
+            "description": "dp x pp x tp layout.",
+        },
+        {
+            "name": "World",
+            "type": "integer",
+            "jsonPath": ".status.worldSize",
+            "description": "Processes in the job.",
+        },
+        {
+            "name": "GPUs",
+            "type": "integer",
+            "jsonPath": ".status.gpus",
+            "description": "GPUs the job uses.",
+        },
+        {
+            "name": "Step",
+            "type": "integer",
+            "jsonPath": ".status.progress.step",
+            "description": "Last completed optimizer step.",
+        },
+        {
+            "name": "Restarts",
+            "type": "integer",
+            "jsonPath": ".status.restarts",
+            "priority": 1,
+            "description": "Gang restarts so far.",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {
@@ -215,7 +277,9 @@ def build() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": CRD_NAME,
-            "annotations": {"meshtrain.io/generated-by": "python -m meshtrain.api.crd (do not edit by hand)"},
+            "annotations": {
+                "meshtrain.io/generated-by": "python -m meshtrain.api.crd (do not edit by hand)"
+            },
         },
         "spec": {
             "group": spec.API_GROUP,
@@ -228,14 +292,16 @@ def build() -> dict[str, Any]:
                 "shortNames": [spec.SHORT_NAME],
                 "categories": ["all", "meshtrain"],
             },
-            "versions": [{
-                "name": spec.API_VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": columns,
-                "schema": {"openAPIV3Schema": root},
-            }],
+            "versions": [
+                {
+                    "name": spec.API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
         },
     }
 

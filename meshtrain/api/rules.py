@@ -54,24 +54,30 @@ class Rule:
 def _tensor_divides_gpus(spec: TrainingJobSpec) -> str | None:
     tp, gpus = spec.parallelism.tensor, spec.resources.gpus_per_node
     if gpus % tp:
-        return (f"tensor={tp} does not divide gpusPerNode={gpus}; a tensor-parallel group must stay inside one "
-                f"node's NVLink domain: choose tensor from the divisors of {gpus}")
+        return (
+            f"tensor={tp} does not divide gpusPerNode={gpus}; a tensor-parallel group must stay inside one "
+            f"node's NVLink domain: choose tensor from the divisors of {gpus}"
+        )
     return None
 
 
 def _world_multiple_of_node(spec: TrainingJobSpec) -> str | None:
     world, gpus = spec.world_size, spec.resources.gpus_per_node
     if world % gpus:
-        return (f"world size data x pipeline x tensor = {spec.parallelism.layout_string} = {world} is not a multiple "
-                f"of gpusPerNode={gpus}; every pod runs gpusPerNode ranks: change the degrees or gpusPerNode")
+        return (
+            f"world size data x pipeline x tensor = {spec.parallelism.layout_string} = {world} is not a multiple "
+            f"of gpusPerNode={gpus}; every pod runs gpusPerNode ranks: change the degrees or gpusPerNode"
+        )
     return None
 
 
 def _batch_arithmetic(spec: TrainingJobSpec) -> str | None:
     t, p = spec.training, spec.parallelism
     if t.global_batch is not None and t.global_batch != t.effective_global_batch(p):
-        return (f"globalBatch={t.global_batch} but microBatch x microBatches x data = {t.micro_batch} x "
-                f"{p.micro_batches} x {p.data} = {t.effective_global_batch(p)}: make them equal or leave globalBatch empty")
+        return (
+            f"globalBatch={t.global_batch} but microBatch x microBatches x data = {t.micro_batch} x "
+            f"{p.micro_batches} x {p.data} = {t.effective_global_batch(p)}: make them equal or leave globalBatch empty"
+        )
     return None
 
 
@@ -79,8 +85,10 @@ def _layers_split_over_stages(spec: TrainingJobSpec) -> str | None:
     shape, p = spec.model.shape(), spec.parallelism
     chunks = p.pipeline * p.virtual_stages
     if shape.layers % chunks:
-        return (f"layers={shape.layers} is not divisible by pipeline x virtualStages = {p.pipeline} x {p.virtual_stages} = "
-                f"{chunks}; stages must be balanced: change model.layers or the pipeline degree")
+        return (
+            f"layers={shape.layers} is not divisible by pipeline x virtualStages = {p.pipeline} x {p.virtual_stages} = "
+            f"{chunks}; stages must be balanced: change model.layers or the pipeline degree"
+        )
     return None
 
 
@@ -122,8 +130,10 @@ def _sequence_split_over_tensor(spec: TrainingJobSpec) -> str | None:
 def _virtual_stages_need_interleaving(spec: TrainingJobSpec) -> str | None:
     p = spec.parallelism
     if p.schedule == "interleaved-1f1b" and (p.virtual_stages < 2 or p.pipeline < 2):
-        return (f"interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2 (got pipeline={p.pipeline}, "
-                f"virtualStages={p.virtual_stages}); use 1f1b otherwise")
+        return (
+            f"interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2 (got pipeline={p.pipeline}, "
+            f"virtualStages={p.virtual_stages}); use 1f1b otherwise"
+        )
     if p.schedule != "interleaved-1f1b" and p.virtual_stages != 1:
         return f"virtualStages={p.virtual_stages} only applies to schedule interleaved-1f1b (schedule is {p.schedule})"
     return None
@@ -132,8 +142,10 @@ def _virtual_stages_need_interleaving(spec: TrainingJobSpec) -> str | None:
 def _interleaved_micro_batches(spec: TrainingJobSpec) -> str | None:
     p = spec.parallelism
     if p.schedule == "interleaved-1f1b" and p.micro_batches % p.pipeline:
-        return (f"interleaved-1f1b runs micro-batches in rounds of pipeline={p.pipeline}: microBatches={p.micro_batches} "
-                f"must be a multiple of it")
+        return (
+            f"interleaved-1f1b runs micro-batches in rounds of pipeline={p.pipeline}: microBatches={p.micro_batches} "
+            f"must be a multiple of it"
+        )
     return None
 
 
@@ -159,72 +171,120 @@ def _metrics_ports(spec: TrainingJobSpec) -> str | None:
     first, count = spec.metrics.port, spec.resources.gpus_per_node
     last = first + count - 1
     if last > 65535:
-        return (f"metrics.port={first} with gpusPerNode={count} needs ports {first}-{last}, past 65535 "
-                f"(each local rank serves metrics.port + its local rank): choose a port <= {65536 - count}")
+        return (
+            f"metrics.port={first} with gpusPerNode={count} needs ports {first}-{last}, past 65535 "
+            f"(each local rank serves metrics.port + its local rank): choose a port <= {65536 - count}"
+        )
     if first <= RENDEZVOUS_PORT <= last:
-        return (f"metrics.port={first} with gpusPerNode={count} takes ports {first}-{last}, which include the "
-                f"rendezvous port {RENDEZVOUS_PORT}: choose a port above {RENDEZVOUS_PORT} or at most {RENDEZVOUS_PORT - count}")
+        return (
+            f"metrics.port={first} with gpusPerNode={count} takes ports {first}-{last}, which include the "
+            f"rendezvous port {RENDEZVOUS_PORT}: choose a port above {RENDEZVOUS_PORT} or at most {RENDEZVOUS_PORT - count}"
+        )
     return None
 
 
-SHAPE_RULE = Rule("model-shape-complete", "spec.model", "has(self.preset) || (has(self.layers) && has(self.hidden) && has(self.heads) && has(self.vocab) && has(self.seqLen))",
-                  "model needs a preset or all of layers, hidden, heads, vocab, seqLen", _model_shape_complete)
+SHAPE_RULE = Rule(
+    "model-shape-complete",
+    "spec.model",
+    "has(self.preset) || (has(self.layers) && has(self.hidden) && has(self.heads) && has(self.vocab) && has(self.seqLen))",
+    "model needs a preset or all of layers, hidden, heads, vocab, seqLen",
+    _model_shape_complete,
+)
 
 RULES: tuple[Rule, ...] = (
-    Rule("tensor-divides-gpus-per-node", "spec.parallelism.tensor",
-         "self.resources.gpusPerNode % self.parallelism.tensor == 0",
-         "parallelism.tensor must divide resources.gpusPerNode (a tensor-parallel group stays inside one NVLink domain)",
-         _tensor_divides_gpus),
-    Rule("world-multiple-of-gpus-per-node", "spec.parallelism",
-         "(self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor) % self.resources.gpusPerNode == 0",
-         "world size data x pipeline x tensor must be a multiple of resources.gpusPerNode (one pod runs gpusPerNode ranks)",
-         _world_multiple_of_node),
-    Rule("global-batch-arithmetic", "spec.training.globalBatch",
-         "!has(self.training.globalBatch) || self.training.globalBatch == self.training.microBatch * self.parallelism.microBatches * self.parallelism.data",
-         "training.globalBatch must equal training.microBatch x parallelism.microBatches x parallelism.data",
-         _batch_arithmetic),
-    Rule("virtual-stages-need-interleaving", "spec.parallelism.virtualStages",
-         "self.parallelism.schedule == 'interleaved-1f1b' ? (self.parallelism.virtualStages >= 2 && self.parallelism.pipeline >= 2) : self.parallelism.virtualStages == 1",
-         "interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2; other schedules need virtualStages == 1",
-         _virtual_stages_need_interleaving),
-    Rule("interleaved-micro-batches", "spec.parallelism.microBatches",
-         "self.parallelism.schedule != 'interleaved-1f1b' || self.parallelism.microBatches % self.parallelism.pipeline == 0",
-         "interleaved-1f1b needs parallelism.microBatches to be a multiple of parallelism.pipeline",
-         _interleaved_micro_batches),
-    Rule("layers-split-over-stages", "spec.model.layers",
-         "!has(self.model.layers) || self.model.layers % (self.parallelism.pipeline * self.parallelism.virtualStages) == 0",
-         "model.layers must be divisible by parallelism.pipeline x parallelism.virtualStages (balanced stages)",
-         _layers_split_over_stages),
-    Rule("heads-split-over-tensor", "spec.model.heads",
-         "!has(self.model.heads) || self.model.heads % self.parallelism.tensor == 0",
-         "model.heads must be divisible by parallelism.tensor",
-         _heads_split_over_tensor),
-    Rule("hidden-split-over-heads", "spec.model.hidden",
-         "!has(self.model.hidden) || !has(self.model.heads) || self.model.hidden % self.model.heads == 0",
-         "model.hidden must be divisible by model.heads",
-         _hidden_split_over_heads),
-    Rule("vocab-split-over-tensor", "spec.model.vocab",
-         "!has(self.model.vocab) || self.model.vocab % self.parallelism.tensor == 0",
-         "model.vocab must be divisible by parallelism.tensor (vocab-parallel embedding)",
-         _vocab_split_over_tensor),
-    Rule("ffn-split-over-tensor", "spec.model.ffnHidden",
-         "!has(self.model.ffnHidden) || self.model.ffnHidden % self.parallelism.tensor == 0",
-         "model.ffnHidden must be divisible by parallelism.tensor",
-         _ffn_split_over_tensor),
-    Rule("sequence-split-over-tensor", "spec.model.seqLen",
-         "!self.parallelism.sequenceParallel || !has(self.model.seqLen) || self.model.seqLen % self.parallelism.tensor == 0",
-         "sequenceParallel needs model.seqLen divisible by parallelism.tensor",
-         _sequence_split_over_tensor),
-    Rule("learning-rate-order", "spec.training.minLearningRate",
-         "self.training.minLearningRate <= self.training.learningRate",
-         "training.minLearningRate must not exceed training.learningRate",
-         _learning_rate_order),
-    Rule("metrics-ports-fit", "spec.metrics.port",
-         f"self.metrics.port + self.resources.gpusPerNode <= 65536 && (self.metrics.port > {RENDEZVOUS_PORT} "
-         f"|| self.metrics.port + self.resources.gpusPerNode <= {RENDEZVOUS_PORT})",
-         f"metrics.port + gpusPerNode - 1 must be at most 65535 and the range must not contain the rendezvous port {RENDEZVOUS_PORT} "
-         "(local rank r serves metrics on metrics.port + r)",
-         _metrics_ports),
+    Rule(
+        "tensor-divides-gpus-per-node",
+        "spec.parallelism.tensor",
+        "self.resources.gpusPerNode % self.parallelism.tensor == 0",
+        "parallelism.tensor must divide resources.gpusPerNode (a tensor-parallel group stays inside one NVLink domain)",
+        _tensor_divides_gpus,
+    ),
+    Rule(
+        "world-multiple-of-gpus-per-node",
+        "spec.parallelism",
+        "(self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor) % self.resources.gpusPerNode == 0",
+        "world size data x pipeline x tensor must be a multiple of resources.gpusPerNode (one pod runs gpusPerNode ranks)",
+        _world_multiple_of_node,
+    ),
+    Rule(
+        "global-batch-arithmetic",
+        "spec.training.globalBatch",
+        "!has(self.training.globalBatch) || self.training.globalBatch == self.training.microBatch * self.parallelism.microBatches * self.parallelism.data",
+        "training.globalBatch must equal training.microBatch x parallelism.microBatches x parallelism.data",
+        _batch_arithmetic,
+    ),
+    Rule(
+        "virtual-stages-need-interleaving",
+        "spec.parallelism.virtualStages",
+        "self.parallelism.schedule == 'interleaved-1f1b' ? (self.parallelism.virtualStages >= 2 && self.parallelism.pipeline >= 2) : self.parallelism.virtualStages == 1",
+        "interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2; other schedules need virtualStages == 1",
+        _virtual_stages_need_interleaving,
+    ),
+    Rule(
+        "interleaved-micro-batches",
+        "spec.parallelism.microBatches",
+        "self.parallelism.schedule != 'interleaved-1f1b' || self.parallelism.microBatches % self.parallelism.pipeline == 0",
+        "interleaved-1f1b needs parallelism.microBatches to be a multiple of parallelism.pipeline",
+        _interleaved_micro_batches,
+    ),
+    Rule(
+        "layers-split-over-stages",
+        "spec.model.layers",
+        "!has(self.model.layers) || self.model.layers % (self.parallelism.pipeline * self.parallelism.virtualStages) == 0",
+        "model.layers must be divisible by parallelism.pipeline x parallelism.virtualStages (balanced stages)",
+        _layers_split_over_stages,
+    ),
+    Rule(
+        "heads-split-over-tensor",
+        "spec.model.heads",
+        "!has(self.model.heads) || self.model.heads % self.parallelism.tensor == 0",
+        "model.heads must be divisible by parallelism.tensor",
+        _heads_split_over_tensor,
+    ),
+    Rule(
+        "hidden-split-over-heads",
+        "spec.model.hidden",
+        "!has(self.model.hidden) || !has(self.model.heads) || self.model.hidden % self.model.heads == 0",
+        "model.hidden must be divisible by model.heads",
+        _hidden_split_over_heads,
+    ),
+    Rule(
+        "vocab-split-over-tensor",
+        "spec.model.vocab",
+        "!has(self.model.vocab) || self.model.vocab % self.parallelism.tensor == 0",
+        "model.vocab must be divisible by parallelism.tensor (vocab-parallel embedding)",
+        _vocab_split_over_tensor,
+    ),
+    Rule(
+        "ffn-split-over-tensor",
+        "spec.model.ffnHidden",
+        "!has(self.model.ffnHidden) || self.model.ffnHidden % self.parallelism.tensor == 0",
+        "model.ffnHidden must be divisible by parallelism.tensor",
+        _ffn_split_over_tensor,
+    ),
+    Rule(
+        "sequence-split-over-tensor",
+        "spec.model.seqLen",
+        "!self.parallelism.sequenceParallel || !has(self.model.seqLen) || self.model.seqLen % self.parallelism.tensor == 0",
+        "sequenceParallel needs model.seqLen divisible by parallelism.tensor",
+        _sequence_split_over_tensor,
+    ),
+    Rule(
+        "learning-rate-order",
+        "spec.training.minLearningRate",
+        "self.training.minLearningRate <= self.training.learningRate",
+        "training.minLearningRate must not exceed training.learningRate",
+        _learning_rate_order,
+    ),
+    Rule(
+        "metrics-ports-fit",
+        "spec.metrics.port",
+        f"self.metrics.port + self.resources.gpusPerNode <= 65536 && (self.metrics.port > {RENDEZVOUS_PORT} "
+        f"|| self.metrics.port + self.resources.gpusPerNode <= {RENDEZVOUS_PORT})",
+        f"metrics.port + gpusPerNode - 1 must be at most 65535 and the range must not contain the rendezvous port {RENDEZVOUS_PORT} "
+        "(local rank r serves metrics on metrics.port + r)",
+        _metrics_ports,
+    ),
 )
 
 

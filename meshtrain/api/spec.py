@@ -50,15 +50,46 @@ class _Model(pydantic.BaseModel):
 class Parallelism(_Model):
     """How the job is split: data x pipeline x tensor, and how each axis runs."""
 
-    data: int = Field(1, ge=1, description="Data-parallel degree: model replicas that split the global batch.")
-    pipeline: int = Field(1, ge=1, description="Pipeline-parallel degree: number of pipeline stages (layers split across them).")
-    tensor: int = Field(1, ge=1, description="Tensor-parallel degree: GPUs that split every layer; must divide gpusPerNode so a group stays inside one NVLink domain.")
-    schedule: Schedule = Field("1f1b", description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one backward, bounded activation memory), interleaved-1f1b (virtual stages, smaller bubble).")
-    virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank for interleaved-1f1b (v >= 2); must be 1 for other schedules.")
-    micro_batches: int = Field(1, ge=1, description="Micro-batches per optimizer step per data-parallel replica (gradient accumulation and pipeline depth).")
-    zero_stage: Literal[0, 1, 2] = Field(0, description="ZeRO sharding across the data-parallel group: 0 none, 1 optimizer state and master weights, 2 also gradients.")
-    sequence_parallel: bool = Field(False, description="Shard layer-norm and dropout activations along the sequence inside the tensor-parallel group.")
-    bucket_mb: float = Field(25.0, gt=0, description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.")
+    data: int = Field(
+        1, ge=1, description="Data-parallel degree: model replicas that split the global batch."
+    )
+    pipeline: int = Field(
+        1,
+        ge=1,
+        description="Pipeline-parallel degree: number of pipeline stages (layers split across them).",
+    )
+    tensor: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel degree: GPUs that split every layer; must divide gpusPerNode so a group stays inside one NVLink domain.",
+    )
+    schedule: Schedule = Field(
+        "1f1b",
+        description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one backward, bounded activation memory), interleaved-1f1b (virtual stages, smaller bubble).",
+    )
+    virtual_stages: int = Field(
+        1,
+        ge=1,
+        description="Model chunks per pipeline rank for interleaved-1f1b (v >= 2); must be 1 for other schedules.",
+    )
+    micro_batches: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step per data-parallel replica (gradient accumulation and pipeline depth).",
+    )
+    zero_stage: Literal[0, 1, 2] = Field(
+        0,
+        description="ZeRO sharding across the data-parallel group: 0 none, 1 optimizer state and master weights, 2 also gradients.",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="Shard layer-norm and dropout activations along the sequence inside the tensor-parallel group.",
+    )
+    bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -74,24 +105,56 @@ class Parallelism(_Model):
 class Toleration(_Model):
     """A pod toleration, as in the core API."""
 
-    key: str | None = Field(None, description="Taint key the toleration applies to; empty matches all keys with operator Exists.")
+    key: str | None = Field(
+        None,
+        description="Taint key the toleration applies to; empty matches all keys with operator Exists.",
+    )
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
     value: str | None = Field(None, description="Taint value for operator Equal.")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(None, description="Taint effect to tolerate; empty tolerates all effects.")
-    toleration_seconds: int | None = Field(None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; empty tolerates all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None,
+        ge=0,
+        description="For NoExecute: how long the pod stays bound after the taint appears.",
+    )
 
 
 class Resources(_Model):
     """What each pod (one per node slot) asks of its node."""
 
-    gpus_per_node: int = Field(8, ge=1, description="GPUs per pod; one pod per node runs torchrun --nproc-per-node=gpusPerNode.")
-    gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Labels a node must carry to host this job's pods.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations added to every pod (e.g. for GPU node taints).")
-    extra_resources: dict[str, str] = Field(default_factory=dict, description="More extended resources per pod, e.g. {rdma/ib: '1'} for InfiniBand devices.")
-    cpu: str | None = Field(None, description="CPU request and limit per pod (Kubernetes quantity); empty leaves it unset.")
-    memory: str | None = Field(None, description="Memory request and limit per pod (Kubernetes quantity); empty leaves it unset.")
-    shm_size: str = Field("16Gi", description="Size of the in-memory /dev/shm volume (NCCL and data loader workers need more than the default 64Mi).")
+    gpus_per_node: int = Field(
+        8,
+        ge=1,
+        description="GPUs per pod; one pod per node runs torchrun --nproc-per-node=gpusPerNode.",
+    )
+    gpu_resource_name: str = Field(
+        "nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Labels a node must carry to host this job's pods."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        description="Tolerations added to every pod (e.g. for GPU node taints).",
+    )
+    extra_resources: dict[str, str] = Field(
+        default_factory=dict,
+        description="More extended resources per pod, e.g. {rdma/ib: '1'} for InfiniBand devices.",
+    )
+    cpu: str | None = Field(
+        None,
+        description="CPU request and limit per pod (Kubernetes quantity); empty leaves it unset.",
+    )
+    memory: str | None = Field(
+        None,
+        description="Memory request and limit per pod (Kubernetes quantity); empty leaves it unset.",
+    )
+    shm_size: str = Field(
+        "16Gi",
+        description="Size of the in-memory /dev/shm volume (NCCL and data loader workers need more than the default 64Mi).",
+    )
 
 
 class ModelShape(_Model):
@@ -113,18 +176,31 @@ class ModelShape(_Model):
 class ModelSpec(_Model):
     """The model: a named preset, explicit sizes, or a preset with overrides."""
 
-    preset: presets.PresetName | None = Field(None, description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b. Explicit fields override it.")
+    preset: presets.PresetName | None = Field(
+        None,
+        description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b. Explicit fields override it.",
+    )
     layers: int | None = Field(None, ge=1, description="Transformer blocks (overrides the preset).")
     hidden: int | None = Field(None, ge=1, description="Model width (overrides the preset).")
     heads: int | None = Field(None, ge=1, description="Attention heads (overrides the preset).")
-    vocab: int | None = Field(None, ge=2, description="Vocabulary size (overrides the preset); 256 for byte-level data.")
-    seq_len: int | None = Field(None, ge=1, description="Sequence length in tokens (overrides the preset).")
-    ffn_hidden: int | None = Field(None, ge=1, description="MLP inner width; defaults to 4 x hidden.")
+    vocab: int | None = Field(
+        None, ge=2, description="Vocabulary size (overrides the preset); 256 for byte-level data."
+    )
+    seq_len: int | None = Field(
+        None, ge=1, description="Sequence length in tokens (overrides the preset)."
+    )
+    ffn_hidden: int | None = Field(
+        None, ge=1, description="MLP inner width; defaults to 4 x hidden."
+    )
 
     def missing_fields(self) -> list[str]:
         """Shape fields that neither the preset nor the spec gives."""
         base = presets.PRESETS[self.preset] if self.preset else {}
-        return [f for f in ("layers", "hidden", "heads", "vocab", "seq_len") if getattr(self, f) is None and f not in base]
+        return [
+            f
+            for f in ("layers", "hidden", "heads", "vocab", "seq_len")
+            if getattr(self, f) is None and f not in base
+        ]
 
     def shape(self) -> ModelShape:
         """The resolved shape: preset values overridden by explicit fields."""
@@ -139,20 +215,44 @@ class ModelSpec(_Model):
 class Training(_Model):
     """Optimisation: batch, steps, learning-rate schedule, precision, data."""
 
-    global_batch: int | None = Field(None, ge=1, description="Sequences per optimizer step; must equal microBatch x microBatches x data. Empty derives it.")
-    micro_batch: int = Field(1, ge=1, description="Sequences per micro-batch per data-parallel replica.")
+    global_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimizer step; must equal microBatch x microBatches x data. Empty derives it.",
+    )
+    micro_batch: int = Field(
+        1, ge=1, description="Sequences per micro-batch per data-parallel replica."
+    )
     steps: int = Field(100, ge=1, description="Optimizer steps to train.")
     learning_rate: float = Field(3e-4, gt=0, description="Peak learning rate (after warmup).")
-    min_learning_rate: float = Field(3e-5, ge=0, description="Learning rate at the end of the cosine decay.")
+    min_learning_rate: float = Field(
+        3e-5, ge=0, description="Learning rate at the end of the cosine decay."
+    )
     warmup_steps: int = Field(10, ge=0, description="Linear warmup steps from 0 to learningRate.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases).")
-    grad_clip: float = Field(1.0, ge=0, description="Clip gradients to this global L2 norm (0 disables).")
-    precision: Precision = Field("auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.")
-    seed: int = Field(1234, ge=0, description="Seed for weights and data order; the same seed gives the same run on every layout.")
+    weight_decay: float = Field(
+        0.1, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases)."
+    )
+    grad_clip: float = Field(
+        1.0, ge=0, description="Clip gradients to this global L2 norm (0 disables)."
+    )
+    precision: Precision = Field(
+        "auto", description="auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU."
+    )
+    seed: int = Field(
+        1234,
+        ge=0,
+        description="Seed for weights and data order; the same seed gives the same run on every layout.",
+    )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each block's activations in backward instead of keeping them: a block keeps only its "
-                           "input, for about one more forward pass of compute (not counted in MFU).")
-    dataset: str = Field("stdlib", min_length=1, description="'stdlib' (byte-level tokens of the Python standard library sources) or the path of a uint16 token file.")
+        False,
+        description="Recompute each block's activations in backward instead of keeping them: a block keeps only its "
+        "input, for about one more forward pass of compute (not counted in MFU).",
+    )
+    dataset: str = Field(
+        "stdlib",
+        min_length=1,
+        description="'stdlib' (byte-level tokens of the Python standard library sources) or the path of a uint16 token file.",
+    )
 
     def effective_global_batch(self, parallelism: Parallelism) -> int:
         """The global batch the layout produces: microBatch x microBatches x data."""
@@ -162,59 +262,120 @@ class Training(_Model):
 class Checkpoint(_Model):
     """Where and how often training state is saved; resume is automatic."""
 
-    path: str = Field("/checkpoints", min_length=1, description="Directory for checkpoints inside the pod (or on this machine for meshtrain run).")
-    claim_name: str | None = Field(None, description="PersistentVolumeClaim mounted at path; empty uses an emptyDir (lost with the pod).")
-    interval_steps: int = Field(100, ge=0, description="Save every N optimizer steps (0: only at the end).")
+    path: str = Field(
+        "/checkpoints",
+        min_length=1,
+        description="Directory for checkpoints inside the pod (or on this machine for meshtrain run).",
+    )
+    claim_name: str | None = Field(
+        None,
+        description="PersistentVolumeClaim mounted at path; empty uses an emptyDir (lost with the pod).",
+    )
+    interval_steps: int = Field(
+        100, ge=0, description="Save every N optimizer steps (0: only at the end)."
+    )
     keep: int = Field(3, ge=1, description="Complete checkpoints to keep; older ones are pruned.")
 
 
 class FabricLevel(_Model):
     """One level of the network fabric, named by a node label."""
 
-    label: str = Field(min_length=1, description="Node label whose value names the domain at this level, e.g. network.topology.nvidia.com/block.")
-    mode: Literal["required", "preferred"] = Field("preferred", description="required: the whole job must fit in one domain of this level; preferred: minimise traffic across it.")
+    label: str = Field(
+        min_length=1,
+        description="Node label whose value names the domain at this level, e.g. network.topology.nvidia.com/block.",
+    )
+    mode: Literal["required", "preferred"] = Field(
+        "preferred",
+        description="required: the whole job must fit in one domain of this level; preferred: minimise traffic across it.",
+    )
 
 
 class Topology(_Model):
     """How the cluster's network is described by node labels."""
 
-    nvlink_domain_label: str | None = Field(None, description="Node label naming a multi-node NVLink domain (e.g. nvidia.com/gpu.clique); empty: the node itself.")
-    levels: list[FabricLevel] = Field(default_factory=list, description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes.")
+    nvlink_domain_label: str | None = Field(
+        None,
+        description="Node label naming a multi-node NVLink domain (e.g. nvidia.com/gpu.clique); empty: the node itself.",
+    )
+    levels: list[FabricLevel] = Field(
+        default_factory=list,
+        description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes.",
+    )
 
 
 class RunPolicy(_Model):
     """Failure, time and lifetime policy."""
 
     backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job fails.")
-    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job when it has been active this long.")
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the job this long after it succeeded or failed.")
-    startup_timeout_seconds: int = Field(600, ge=1, description="Pods not all Running this long after creation count as a failed start.")
-    suspend: bool = Field(False, description="Remove the pods but keep the job and its status; setting it back to false re-places the job.")
+    active_deadline_seconds: int | None = Field(
+        None, ge=1, description="Fail the job when it has been active this long."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job this long after it succeeded or failed."
+    )
+    startup_timeout_seconds: int = Field(
+        600,
+        ge=1,
+        description="Pods not all Running this long after creation count as a failed start.",
+    )
+    suspend: bool = Field(
+        False,
+        description="Remove the pods but keep the job and its status; setting it back to false re-places the job.",
+    )
     termination_grace_period_seconds: int = Field(
-        60, ge=10, le=86400,
+        60,
+        ge=10,
+        le=86400,
         description="How long a deleted pod (suspend, spec change, drain) gets to stop: its ranks finish the current step "
-                    "and checkpoint it. The pods' terminationGracePeriodSeconds; torchrun waits 5 s less before killing the ranks.")
+        "and checkpoint it. The pods' terminationGracePeriodSeconds; torchrun waits 5 s less before killing the ranks.",
+    )
 
 
 class Metrics(_Model):
     """The trainer's Prometheus exporter."""
 
-    port: int = Field(9400, ge=1024, le=65535, description="Port of the Prometheus exporter in every pod.")
-    peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s per device for MFU; empty uses the detected GPU's bf16 peak (or a measured CPU figure).")
+    port: int = Field(
+        9400, ge=1024, le=65535, description="Port of the Prometheus exporter in every pod."
+    )
+    peak_flops: float | None = Field(
+        None,
+        gt=0,
+        description="Peak FLOP/s per device for MFU; empty uses the detected GPU's bf16 peak (or a measured CPU figure).",
+    )
 
 
 class TrainingJobSpec(_Model):
     """The spec of a TrainingJob."""
 
-    image: str = Field("ghcr.io/meshtrain/trainer:0.1.0", min_length=1, description="Trainer image; it must contain the meshtrain package.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy of the trainer image.")
-    parallelism: Parallelism = Field(default_factory=Parallelism, description="Data x pipeline x tensor layout and schedule.")
-    resources: Resources = Field(default_factory=Resources, description="Per-pod GPUs and other resources.")
-    model: ModelSpec = Field(default_factory=lambda: ModelSpec(preset="tiny"), description="GPT decoder shape.")
-    training: Training = Field(default_factory=Training, description="Batch, steps, schedule, precision and data.")
-    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint location and frequency.")
-    topology: Topology = Field(default_factory=Topology, description="NVLink domain and fabric labels.")
-    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend.")
+    image: str = Field(
+        "ghcr.io/meshtrain/trainer:0.1.0",
+        min_length=1,
+        description="Trainer image; it must contain the meshtrain package.",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the trainer image."
+    )
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism, description="Data x pipeline x tensor layout and schedule."
+    )
+    resources: Resources = Field(
+        default_factory=Resources, description="Per-pod GPUs and other resources."
+    )
+    model: ModelSpec = Field(
+        default_factory=lambda: ModelSpec(preset="tiny"), description="GPT decoder shape."
+    )
+    training: Training = Field(
+        default_factory=Training, description="Batch, steps, schedule, precision and data."
+    )
+    checkpoint: Checkpoint = Field(
+        default_factory=Checkpoint, description="Checkpoint location and frequency."
+    )
+    topology: Topology = Field(
+        default_factory=Topology, description="NVLink domain and fabric labels."
+    )
+    run_policy: RunPolicy = Field(
+        default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend."
+    )
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter settings.")
 
     @property
@@ -248,9 +409,13 @@ class Phase(str, enum.Enum):
 class Condition(_Model):
     """A Kubernetes-style condition."""
 
-    type: str = Field(description="Condition type, e.g. Placed, Running, Succeeded, Failed, WontFit.")
+    type: str = Field(
+        description="Condition type, e.g. Placed, Running, Succeeded, Failed, WontFit."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str = Field(description="CamelCase reason, a constant of meshtrain.operator.conditions.")
+    reason: str = Field(
+        description="CamelCase reason, a constant of meshtrain.operator.conditions."
+    )
     message: str = Field("", description="Human explanation with the numbers.")
     last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
 
@@ -258,7 +423,9 @@ class Condition(_Model):
 class PodPlacement(_Model):
     """The node chosen for one pod of the gang."""
 
-    pod_index: int = Field(ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode).")
+    pod_index: int = Field(
+        ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode)."
+    )
     node: str = Field(description="Node name.")
 
 
@@ -275,21 +442,37 @@ class TrainingJobStatus(_Model):
     """The status subresource of a TrainingJob."""
 
     phase: Phase = Field(Phase.PENDING, description="Lifecycle phase.")
-    conditions: list[Condition] = Field(default_factory=list, description="Conditions with reasons and messages.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Conditions with reasons and messages."
+    )
     layout: str | None = Field(None, description="Layout such as dp2·pp4·tp8.")
     world_size: int | None = Field(None, description="Processes in the job.")
     gpus: int | None = Field(None, description="GPUs the job uses.")
-    placement: list[PodPlacement] = Field(default_factory=list, description="Node per pod (rank block).")
-    cross_level_bytes: dict[str, float] = Field(default_factory=dict, description="Predicted bytes per step crossing each fabric level.")
+    placement: list[PodPlacement] = Field(
+        default_factory=list, description="Node per pod (rank block)."
+    )
+    cross_level_bytes: dict[str, float] = Field(
+        default_factory=dict, description="Predicted bytes per step crossing each fabric level."
+    )
     restarts: int = Field(0, ge=0, description="Gang restarts so far.")
-    last_checkpoint_step: int | None = Field(None, description="Step of the newest complete checkpoint.")
+    last_checkpoint_step: int | None = Field(
+        None, description="Step of the newest complete checkpoint."
+    )
     progress: Progress | None = Field(None, description="Last reported training progress.")
-    plan: dict[str, Any] = Field(default_factory=dict, description="Key numbers of the planner: memory per GPU, step time, bubble.")
+    plan: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Key numbers of the planner: memory per GPU, step time, bubble.",
+    )
     start_time: str | None = Field(None, description="When the pods first ran.")
     completion_time: str | None = Field(None, description="When the job succeeded or failed.")
-    observed_generation: int | None = Field(None, description="Spec generation the status describes.")
-    spec_hash: str | None = Field(None, description="Hash of the spec (runPolicy left out) the placed gang was built from; "
-                                                     "a spec with another hash makes the operator rebuild the gang.")
+    observed_generation: int | None = Field(
+        None, description="Spec generation the status describes."
+    )
+    spec_hash: str | None = Field(
+        None,
+        description="Hash of the spec (runPolicy left out) the placed gang was built from; "
+        "a spec with another hash makes the operator rebuild the gang.",
+    )
 
 
 class SpecError(ValueError):
@@ -299,7 +482,9 @@ class SpecError(ValueError):
         self.problems = problems
         self.source = source
         lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{source} is not a valid TrainingJob ({len(problems)} problem(s)):\n{lines}")
+        super().__init__(
+            f"{source} is not a valid TrainingJob ({len(problems)} problem(s)):\n{lines}"
+        )
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -322,7 +507,10 @@ def parse_spec(raw: dict[str, Any] | None, source: str = "spec") -> TrainingJobS
     try:
         spec = TrainingJobSpec.model_validate(raw or {})
     except pydantic.ValidationError as err:
-        problems = [rules.Problem(path=_location(e["loc"]), message=f"{e['msg']} (got {e.get('input')!r})") for e in err.errors()]
+        problems = [
+            rules.Problem(path=_location(e["loc"]), message=f"{e['msg']} (got {e.get('input')!r})")
+            for e in err.errors()
+        ]
         raise SpecError(problems, source) from None
     problems = rules.check(spec)
     if problems:
@@ -330,14 +518,26 @@ def parse_spec(raw: dict[str, Any] | None, source: str = "spec") -> TrainingJobS
     return spec
 
 
-def parse_manifest(document: dict[str, Any], source: str = "manifest") -> tuple[dict[str, Any], TrainingJobSpec]:
+def parse_manifest(
+    document: dict[str, Any], source: str = "manifest"
+) -> tuple[dict[str, Any], TrainingJobSpec]:
     """Validate a whole TrainingJob object; returns (metadata, spec)."""
     kind = document.get("kind")
     if kind != KIND:
-        raise SpecError([rules.Problem(path="kind", message=f"expected {KIND!r}, got {kind!r}")], source)
+        raise SpecError(
+            [rules.Problem(path="kind", message=f"expected {KIND!r}, got {kind!r}")], source
+        )
     api_version = document.get("apiVersion")
     if api_version != f"{API_GROUP}/{API_VERSION}":
-        raise SpecError([rules.Problem(path="apiVersion", message=f"expected '{API_GROUP}/{API_VERSION}', got {api_version!r}")], source)
+        raise SpecError(
+            [
+                rules.Problem(
+                    path="apiVersion",
+                    message=f"expected '{API_GROUP}/{API_VERSION}', got {api_version!r}",
+                )
+            ],
+            source,
+        )
     return document.get("metadata") or {}, parse_spec(document.get("spec"), source)
 
 
@@ -349,9 +549,14 @@ def load_manifest(path: str | Path) -> tuple[dict[str, Any], TrainingJobSpec]:
     try:
         document = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise SpecError([rules.Problem(path=str(path), message=f"not valid YAML: {err}")], str(path)) from None
+        raise SpecError(
+            [rules.Problem(path=str(path), message=f"not valid YAML: {err}")], str(path)
+        ) from None
     if not isinstance(document, dict):
-        raise SpecError([rules.Problem(path=str(path), message="expected a YAML mapping (a TrainingJob)")], str(path))
+        raise SpecError(
+            [rules.Problem(path=str(path), message="expected a YAML mapping (a TrainingJob)")],
+            str(path),
+        )
     if "kind" in document:
         return parse_manifest(document, str(path))
     return {}, parse_spec(document, str(path))
@@ -370,14 +575,24 @@ def apply_overrides(spec: TrainingJobSpec, assignments: list[str]) -> TrainingJo
     raw = spec.model_dump(by_alias=True, exclude_none=True)
     for assignment in assignments:
         if "=" not in assignment:
-            raise SpecError([rules.Problem(path=assignment, message="override must look like path=value, e.g. training.steps=5")], "--set")
+            raise SpecError(
+                [
+                    rules.Problem(
+                        path=assignment,
+                        message="override must look like path=value, e.g. training.steps=5",
+                    )
+                ],
+                "--set",
+            )
         dotted, value = assignment.split("=", 1)
         keys = [to_camel(k) for k in dotted.strip().removeprefix("spec.").split(".")]
         node = raw
         for key in keys[:-1]:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
-                raise SpecError([rules.Problem(path=dotted, message=f"{key} is not a section")], "--set")
+                raise SpecError(
+                    [rules.Problem(path=dotted, message=f"{key} is not a section")], "--set"
+                )
         node[keys[-1]] = yaml.safe_load(value)
     return parse_spec(raw, "spec with --set overrides")
 

@@ -82,18 +82,24 @@ def cache_bin_dir() -> pathlib.Path:
 
 
 def _cache_root() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("MESHTRAIN_CACHE") or str(pathlib.Path.home() / ".cache" / "meshtrain"))
+    return pathlib.Path(
+        os.environ.get("MESHTRAIN_CACHE") or str(pathlib.Path.home() / ".cache" / "meshtrain")
+    )
 
 
 def monitoring_crds() -> list[pathlib.Path]:
     """The Prometheus Operator CRD files the bootstrap fetched, or :class:`BinariesMissingError`."""
-    version = os.environ.get("MESHTRAIN_PROMETHEUS_OPERATOR_VERSION", DEFAULT_PROMETHEUS_OPERATOR_VERSION)
+    version = os.environ.get(
+        "MESHTRAIN_PROMETHEUS_OPERATOR_VERSION", DEFAULT_PROMETHEUS_OPERATOR_VERSION
+    )
     directory = _cache_root() / "crds" / f"prometheus-operator-{version}"
     files = [directory / f"monitoring.coreos.com_{name}.yaml" for name in MONITORING_CRDS]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise BinariesMissingError(f"Prometheus Operator {version} CRDs missing in {directory}: {', '.join(missing)}. "
-                                   "Run `make bootstrap` (or `scripts/bootstrap.sh`) to fetch them from the Go module proxy.")
+        raise BinariesMissingError(
+            f"Prometheus Operator {version} CRDs missing in {directory}: {', '.join(missing)}. "
+            "Run `make bootstrap` (or `scripts/bootstrap.sh`) to fetch them from the Go module proxy."
+        )
     return files
 
 

@@ -39,7 +39,10 @@ def build(
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
-            {"name": "meshtrain-local", "cluster": {"server": server, "certificate-authority-data": _b64(ca_file)}}
+            {
+                "name": "meshtrain-local",
+                "cluster": {"server": server, "certificate-authority-data": _b64(ca_file)},
+            }
         ],
         "users": [{"name": user, "user": credentials}],
         "contexts": [{"name": user, "context": context}],

@@ -59,7 +59,7 @@ def generate(directory: pathlib.Path) -> Pki:
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshtrain-local-ca")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_cert = (
         _builder(ca_name, ca_name, ca_key.public_key(), now)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
@@ -68,7 +68,9 @@ def generate(directory: pathlib.Path) -> Pki:
     )
     ca = _write(directory, "ca", ca_cert, ca_key)
 
-    def leaf(stem: str, common_name: str, *, org: str | None = None, serving: bool = False) -> CertPair:
+    def leaf(
+        stem: str, common_name: str, *, org: str | None = None, serving: bool = False
+    ) -> CertPair:
         key = ec.generate_private_key(ec.SECP256R1())
         attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
         if org:
@@ -109,7 +111,10 @@ def generate(directory: pathlib.Path) -> Pki:
 
 
 def _builder(
-    subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey, now: datetime.datetime
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: ec.EllipticCurvePublicKey,
+    now: datetime.datetime,
 ) -> x509.CertificateBuilder:
     return (
         x509.CertificateBuilder()
@@ -138,13 +143,22 @@ def _key_usage(*, ca: bool) -> x509.KeyUsage:
 
 def _serving_names() -> list[x509.GeneralName]:
     """Loopback plus the names pods use for the in-cluster ``kubernetes`` Service."""
-    dns = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-           "kubernetes.default.svc.cluster.local"]
+    dns = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ]
     ips = ["127.0.0.1", "::1", "10.0.0.1"]  # 10.0.0.1: first IP of --service-cluster-ip-range
-    return [x509.DNSName(name) for name in dns] + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    return [x509.DNSName(name) for name in dns] + [
+        x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips
+    ]
 
 
-def _write(directory: pathlib.Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> CertPair:
+def _write(
+    directory: pathlib.Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
+) -> CertPair:
     pair = CertPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
     pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_private(pair.key, key)
@@ -154,7 +168,9 @@ def _write(directory: pathlib.Path, stem: str, cert: x509.Certificate, key: ec.E
 def _write_private(path: pathlib.Path, key: ec.EllipticCurvePrivateKey) -> None:
     path.write_bytes(
         key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
         )
     )
     path.chmod(0o600)

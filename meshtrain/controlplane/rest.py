@@ -53,7 +53,9 @@ class Client:
     token: str | None = None
     """Bearer token, if authenticating by token."""
 
-    def request(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0) -> Response:
+    def request(
+        self, method: str, path: str, body: Any = None, *, timeout: float = 10.0
+    ) -> Response:
         """Send one request; raise :class:`ApiError` on an HTTP error status."""
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.server + path, data=data, method=method)
@@ -63,10 +65,14 @@ class Client:
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(request, context=self._context(), timeout=timeout) as answer:
+            with urllib.request.urlopen(
+                request, context=self._context(), timeout=timeout
+            ) as answer:
                 return Response(status=answer.status, body=_decode(answer.read()))
         except urllib.error.HTTPError as error:
-            raise ApiError(error.code, method, path, error.read().decode(errors="replace")) from None
+            raise ApiError(
+                error.code, method, path, error.read().decode(errors="replace")
+            ) from None
 
     def create(self, path: str, body: dict[str, Any]) -> Response:
         """POST ``body``; an existing object (409) counts as success."""

@@ -133,8 +133,11 @@ class ControlPlane:
             "control plane ready in %.1fs at %s",
             self.startup_seconds,
             self._server,
-            extra={"server": self._server, "data_dir": str(self._data_dir),
-                   "components": [c.name for c in self._components]},
+            extra={
+                "server": self._server,
+                "data_dir": str(self._data_dir),
+                "components": [c.name for c in self._components],
+            },
         )
         return self
 
@@ -222,37 +225,64 @@ class ControlPlane:
         token valid ``token_seconds``.
         """
         client = self.admin_client()
-        client.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        client.create(
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        )
         meta = {"name": name, "namespace": namespace}
-        client.create(f"/api/v1/namespaces/{namespace}/serviceaccounts",
-                      {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta})
+        client.create(
+            f"/api/v1/namespaces/{namespace}/serviceaccounts",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        )
         rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
-        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-                "rules": [dict(rule) for rule in rules]}
+        role = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [dict(rule) for rule in rules],
+        }
         try:
             client.request("PUT", f"{rbac}/roles/{name}", role)
         except rest.ApiError as error:
             if error.status != 404:
                 raise
             client.create(f"{rbac}/roles", role)
-        client.create(f"{rbac}/rolebindings", {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-        })
+        client.create(
+            f"{rbac}/rolebindings",
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": meta,
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+            },
+        )
         answer = client.request(
-            "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-             "spec": {"expirationSeconds": token_seconds}},
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": token_seconds},
+            },
         )
         token = answer.body["status"]["token"]
-        config = kubeconfig.build(server=self.server, ca_file=self.ca_file,
-                                  user=f"{namespace}-{name}", token=token, namespace=namespace)
-        return kubeconfig.write(self.data_dir / "kubeconfigs" / f"{namespace}-{name}.kubeconfig", config)
+        config = kubeconfig.build(
+            server=self.server,
+            ca_file=self.ca_file,
+            user=f"{namespace}-{name}",
+            token=token,
+            namespace=namespace,
+        )
+        return kubeconfig.write(
+            self.data_dir / "kubeconfigs" / f"{namespace}-{name}.kubeconfig", config
+        )
 
     # --- components ----------------------------------------------------------------
 
-    def _start_component(self, name: str, launch: Callable[[], tuple[list[str], Callable[[], bool]]]) -> None:
+    def _start_component(
+        self, name: str, launch: Callable[[], tuple[list[str], Callable[[], bool]]]
+    ) -> None:
         """Launch ``name`` until it is ready, retrying with fresh ports if a bind fails."""
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             command, ready = launch()
@@ -260,28 +290,45 @@ class ControlPlane:
             started = time.monotonic()
             outcome = self._wait_ready(component, ready)
             if outcome == "ready":
-                logger.info("%s ready in %.1fs", name, time.monotonic() - started,
-                            extra={"component": name, "pid": component.process.pid})
+                logger.info(
+                    "%s ready in %.1fs",
+                    name,
+                    time.monotonic() - started,
+                    extra={"component": name, "pid": component.process.pid},
+                )
                 return
             tail = _tail(component.log_path)
             self._components.remove(component)
             _kill_group(component.process)
             component.log_file.close()
             if outcome == "exited" and ports.bind_failed(tail) and attempt < _PORT_ATTEMPTS:
-                logger.warning("%s could not bind its port; retrying with new ports", name,
-                               extra={"component": name, "attempt": attempt})
+                logger.warning(
+                    "%s could not bind its port; retrying with new ports",
+                    name,
+                    extra={"component": name, "attempt": attempt},
+                )
                 component.log_path.rename(component.log_path.with_suffix(f".attempt{attempt}.log"))
                 continue
-            reason = "exited" if outcome == "exited" else f"was not ready after {self._startup_timeout:.0f}s"
-            raise StartupError(f"{name} {reason}; last lines of its log ({component.log_path.name}):\n{tail}")
+            reason = (
+                "exited"
+                if outcome == "exited"
+                else f"was not ready after {self._startup_timeout:.0f}s"
+            )
+            raise StartupError(
+                f"{name} {reason}; last lines of its log ({component.log_path.name}):\n{tail}"
+            )
 
     def _spawn(self, name: str, command: list[str]) -> _Component:
         log_path = self.data_dir / "logs" / f"{name}.log"
         log_file = log_path.open("ab")
         logger.debug("starting %s", name, extra={"component": name, "command": command})
         process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            cwd=self.data_dir, start_new_session=True,  # own process group: stop() kills it whole
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
+            start_new_session=True,  # own process group: stop() kills it whole
         )
         component = _Component(name=name, process=process, log_path=log_path, log_file=log_file)
         self._components.append(component)
@@ -359,7 +406,9 @@ class ControlPlane:
         return command, ready
 
     def _launch_scheduler(self) -> tuple[list[str], Callable[[], bool]]:
-        config = self._write_component_kubeconfig("kube-scheduler", _required(self._pki, "pki").scheduler)
+        config = self._write_component_kubeconfig(
+            "kube-scheduler", _required(self._pki, "pki").scheduler
+        )
         port = ports.pick_free_port()
         command = [
             str(self.binaries.kube_scheduler),
@@ -373,7 +422,9 @@ class ControlPlane:
 
     def _launch_controller_manager(self) -> tuple[list[str], Callable[[], bool]]:
         material = _required(self._pki, "pki")
-        config = self._write_component_kubeconfig("kube-controller-manager", material.controller_manager)
+        config = self._write_component_kubeconfig(
+            "kube-controller-manager", material.controller_manager
+        )
         port = ports.pick_free_port()
         command = [
             str(self.binaries.kube_controller_manager),
@@ -392,12 +443,18 @@ class ControlPlane:
         return command, _healthz(port)
 
     def _write_component_kubeconfig(self, user: str, pair: pki.CertPair) -> pathlib.Path:
-        config = kubeconfig.build(server=self.server, ca_file=self.ca_file, user=user, cert=(pair.cert, pair.key))
+        config = kubeconfig.build(
+            server=self.server, ca_file=self.ca_file, user=user, cert=(pair.cert, pair.key)
+        )
         return kubeconfig.write(self.data_dir / "kubeconfigs" / f"{user}.kubeconfig", config)
 
 
 def _component_auth_args(config: pathlib.Path) -> list[str]:
-    return [f"--kubeconfig={config}", f"--authentication-kubeconfig={config}", f"--authorization-kubeconfig={config}"]
+    return [
+        f"--kubeconfig={config}",
+        f"--authentication-kubeconfig={config}",
+        f"--authorization-kubeconfig={config}",
+    ]
 
 
 def _healthz(port: int) -> Callable[[], bool]:
@@ -442,4 +499,3 @@ def _required(value: _T | None, what: str) -> _T:
     if value is None:
         raise RuntimeError(f"ControlPlane.{what} is only available after start()")
     return value
-

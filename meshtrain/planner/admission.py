@@ -62,12 +62,19 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f} GiB"
 
 
-REMEDIES = ("training.activationCheckpointing=true", "parallelism.zeroStage=1", "parallelism.zeroStage=2",
-            "parallelism.sequenceParallel=true", "training.microBatch=1")
+REMEDIES = (
+    "training.activationCheckpointing=true",
+    "parallelism.zeroStage=1",
+    "parallelism.zeroStage=2",
+    "parallelism.sequenceParallel=true",
+    "training.microBatch=1",
+)
 """Single spec changes tried on a job that does not fit (each kept only if the spec stays valid)."""
 
 
-def fitting_remedies(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> list[tuple[str, float]]:
+def fitting_remedies(
+    job: api_spec.TrainingJobSpec, profile: profiles.Profile
+) -> list[tuple[str, float]]:
     """Which one of :data:`REMEDIES` alone makes ``job`` fit ``profile``, with the bytes per GPU it would need."""
     found = []
     for remedy in REMEDIES:
@@ -99,9 +106,16 @@ def check(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> WontFit |
     )
     remedies = fitting_remedies(job, profile)
     if remedies:
-        message += "; each of these alone would fit: " + ", ".join(f"{r} ({_gib(need)})" for r, need in remedies)
-    return WontFit(reason=REASON_WONT_FIT, message=message, stage=worst.stage, needed_bytes=worst.total,
-                   capacity_bytes=plan.capacity)
+        message += "; each of these alone would fit: " + ", ".join(
+            f"{r} ({_gib(need)})" for r, need in remedies
+        )
+    return WontFit(
+        reason=REASON_WONT_FIT,
+        message=message,
+        stage=worst.stage,
+        needed_bytes=worst.total,
+        capacity_bytes=plan.capacity,
+    )
 
 
 def status_summary(plan: estimate.Plan) -> dict[str, Any]:
@@ -128,7 +142,9 @@ def status_summary(plan: estimate.Plan) -> dict[str, Any]:
     }
 
 
-def profile_for_labels(labels: Mapping[str, str], extra_dirs: tuple[str, ...] = ()) -> profiles.Profile | None:
+def profile_for_labels(
+    labels: Mapping[str, str], extra_dirs: tuple[str, ...] = ()
+) -> profiles.Profile | None:
     """The profile of a node from its ``nvidia.com/gpu.product`` label, or None when unknown."""
     product = labels.get(PRODUCT_LABEL, "").upper()
     if not product:

@@ -44,7 +44,11 @@ def _entry_nodes(root: yaml.Node | None) -> list[yaml.Node] | None:
         return list(root.value)
     if isinstance(root, yaml.MappingNode):
         for key, value in root.value:
-            if isinstance(key, yaml.ScalarNode) and key.value == "nodes" and isinstance(value, yaml.SequenceNode):
+            if (
+                isinstance(key, yaml.ScalarNode)
+                and key.value == "nodes"
+                and isinstance(value, yaml.SequenceNode)
+            ):
                 return list(value.value)
     return None
 
@@ -68,19 +72,27 @@ def parse_text(text: str, source: str = "cluster") -> list[placement.Node]:
     if isinstance(data, dict):
         unknown = sorted(set(data) - {"nodes"})
         if unknown:
-            raise ClusterError(f"{source}: unknown top-level key(s) {', '.join(map(str, unknown))}; expected 'nodes'")
+            raise ClusterError(
+                f"{source}: unknown top-level key(s) {', '.join(map(str, unknown))}; expected 'nodes'"
+            )
     if not isinstance(entries, list) or not entries:
-        raise ClusterError(f"{source}: expected a non-empty list of nodes (a top-level list, or under 'nodes:')")
+        raise ClusterError(
+            f"{source}: expected a non-empty list of nodes (a top-level list, or under 'nodes:')"
+        )
     yaml_entries = _entry_nodes(root) or [None] * len(entries)
     nodes: list[placement.Node] = []
     seen: dict[str, int] = {}
     for index, (entry, ynode) in enumerate(zip(entries, yaml_entries)):
         where = f"{source}: nodes[{index}] ({_line(ynode)})"
         if not isinstance(entry, dict):
-            raise ClusterError(f"{where}: expected a mapping with name, gpus, labels; got {entry!r}")
+            raise ClusterError(
+                f"{where}: expected a mapping with name, gpus, labels; got {entry!r}"
+            )
         unknown = sorted(set(map(str, entry)) - set(NODE_KEYS))
         if unknown:
-            raise ClusterError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(NODE_KEYS)}")
+            raise ClusterError(
+                f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(NODE_KEYS)}"
+            )
         name = entry.get("name")
         if not isinstance(name, str) or not name:
             raise ClusterError(f"{where}: 'name' must be a non-empty string, got {name!r}")
@@ -91,18 +103,32 @@ def parse_text(text: str, source: str = "cluster") -> list[placement.Node]:
         gpus = entry.get("gpus")
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
             line = _line(_value_line(ynode, "gpus")) if ynode is not None else "unknown line"
-            raise ClusterError(f"{source}: nodes[{index}] {name!r} ({line}): 'gpus' must be an integer >= 0, got {gpus!r}")
+            raise ClusterError(
+                f"{source}: nodes[{index}] {name!r} ({line}): 'gpus' must be an integer >= 0, got {gpus!r}"
+            )
         labels = entry.get("labels") or {}
         if not isinstance(labels, dict) or not all(isinstance(k, str) for k in labels):
-            raise ClusterError(f"{where}: 'labels' must be a mapping of label name to value, got {labels!r}")
+            raise ClusterError(
+                f"{where}: 'labels' must be a mapping of label name to value, got {labels!r}"
+            )
         bad = [k for k, v in labels.items() if isinstance(v, (dict, list)) or v is None]
         if bad:
-            raise ClusterError(f"{where}: label {bad[0]!r} must have a scalar value, got {labels[bad[0]]!r}")
+            raise ClusterError(
+                f"{where}: label {bad[0]!r} must have a scalar value, got {labels[bad[0]]!r}"
+            )
         unschedulable = entry.get("unschedulable", False)
         if not isinstance(unschedulable, bool):
-            raise ClusterError(f"{where}: 'unschedulable' must be true or false, got {unschedulable!r}")
-        nodes.append(placement.Node(name=name, allocatable_gpus=gpus,
-                                    labels={k: str(v) for k, v in labels.items()}, unschedulable=unschedulable))
+            raise ClusterError(
+                f"{where}: 'unschedulable' must be true or false, got {unschedulable!r}"
+            )
+        nodes.append(
+            placement.Node(
+                name=name,
+                allocatable_gpus=gpus,
+                labels={k: str(v) for k, v in labels.items()},
+                unschedulable=unschedulable,
+            )
+        )
     return nodes
 
 

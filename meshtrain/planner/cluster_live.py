@@ -21,7 +21,6 @@ import kubernetes
 
 from meshtrain.operator import capacity, placement
 
-
 DEFAULT_KUBECONFIG = "~/.kube/config"
 """Kubeconfig read when neither an argument nor ``$KUBECONFIG`` names one."""
 
@@ -30,14 +29,21 @@ class ClusterUnavailable(RuntimeError):
     """The cluster could not be reached or listed."""
 
 
-def list_nodes(*, kubeconfig: str | None = None, context: str | None = None,
-               gpu_resource: str = "nvidia.com/gpu") -> list[placement.Node]:
+def list_nodes(
+    *,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    gpu_resource: str = "nvidia.com/gpu",
+) -> list[placement.Node]:
     """Every node of the cluster as the placement planner sees it."""
-    config_file = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or DEFAULT_KUBECONFIG
+    config_file = (
+        kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or DEFAULT_KUBECONFIG
+    )
     try:
         if Path(config_file).expanduser().is_file():
-            api = kubernetes.config.new_client_from_config(config_file=str(Path(config_file).expanduser()),
-                                                           context=context)
+            api = kubernetes.config.new_client_from_config(
+                config_file=str(Path(config_file).expanduser()), context=context
+            )
         else:  # running in a pod: the service account
             configuration = kubernetes.client.Configuration()
             kubernetes.config.load_incluster_config(client_configuration=configuration)
@@ -46,5 +52,7 @@ def list_nodes(*, kubeconfig: str | None = None, context: str | None = None,
             listed = kubernetes.client.CoreV1Api(api).list_node()
             manifests = [api.sanitize_for_serialization(item) for item in listed.items]
     except Exception as err:  # noqa: BLE001 - any client failure becomes one clear message
-        raise ClusterUnavailable(f"cannot list nodes of the cluster ({config_file}): {err}") from None
+        raise ClusterUnavailable(
+            f"cannot list nodes of the cluster ({config_file}): {err}"
+        ) from None
     return [capacity.node_from_manifest(manifest, gpu_resource) for manifest in manifests]

@@ -95,7 +95,9 @@ class StageComm:
         return {(c.group, c.op): c for c in self.collectives}
 
 
-def chunk_param_sizes(shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool) -> list[int]:
+def chunk_param_sizes(
+    shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
+) -> list[int]:
     """Element counts of one model chunk's parameters in registration order (after TP sharding).
 
     Order of :class:`meshtrain.trainer.model.GPT`: token and position tables,
@@ -107,7 +109,16 @@ def chunk_param_sizes(shape: api_spec.ModelShape, tensor: int, layers: int, *, f
     if first:
         sizes += [v // tensor * h, shape.seq_len * h]
     for _ in range(layers):
-        sizes += [h, h, 3 * h // tensor * h, h * h // tensor, h, h, f // tensor * h, h * f // tensor]
+        sizes += [
+            h,
+            h,
+            3 * h // tensor * h,
+            h * h // tensor,
+            h,
+            h,
+            f // tensor * h,
+            h * f // tensor,
+        ]
     if last:
         sizes += [h, h, v // tensor * h]
     return sizes
@@ -137,7 +148,9 @@ def padded(numel: int, members: int) -> int:
     return -(-numel // members) * members
 
 
-def _add(out: dict[tuple[str, str], list[int]], group: str, op: str, calls: int, nbytes: float) -> None:
+def _add(
+    out: dict[tuple[str, str], list[int]], group: str, op: str, calls: int, nbytes: float
+) -> None:
     if calls <= 0:
         return
     entry = out.setdefault((group, op), [0, 0])
@@ -173,11 +186,25 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     if d > 1:
         buckets = bucket_numels(sizes, scheme.grads, par.bucket_mb)
         if par.zero_stage == 2:  # each bucket reduce-scattered from a padded flat buffer
-            _add(out, "dp", "reduce_scatter", len(buckets), sum(padded(n, d) for n in buckets) * scheme.grads)
+            _add(
+                out,
+                "dp",
+                "reduce_scatter",
+                len(buckets),
+                sum(padded(n, d) for n in buckets) * scheme.grads,
+            )
         else:
             _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
-        if par.zero_stage >= 1:  # owned weights all-gathered bucket by bucket; the norm summed over dp
-            _add(out, "dp", "all_gather", len(buckets), sum(padded(n, d) for n in buckets) * scheme.weights)
+        if (
+            par.zero_stage >= 1
+        ):  # owned weights all-gathered bucket by bucket; the norm summed over dp
+            _add(
+                out,
+                "dp",
+                "all_gather",
+                len(buckets),
+                sum(padded(n, d) for n in buckets) * scheme.weights,
+            )
             _add(out, "dp", "all_reduce", 1, NORM_BYTES)
 
     # Tensor parallel: activations per micro-batch, then per-step reductions.
@@ -190,7 +217,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             # Each op runs once on a stream tensor and once on a matmul output per sub-layer.
             _add(out, "tp", "all_gather", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
             _add(out, "tp", "reduce_scatter", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
-            if recompute:  # the replayed forward: both gathers, and the attention output's reduce-scatter
+            if (
+                recompute
+            ):  # the replayed forward: both gathers, and the attention output's reduce-scatter
                 _add(out, "tp", "all_gather", 2 * blocks * m, 2 * blocks * m * stream)
                 _add(out, "tp", "reduce_scatter", blocks * m, blocks * m * matmul)
         else:
@@ -212,7 +241,11 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 _add(out, "tp", "all_reduce", m, m * stream)
             _add(out, "tp", "all_reduce", 2 * m, m * b * s * LOSS_BYTES * 3)
         if sp:  # replicated parameters' gradients are per-slice partials under SP
-            replicated = 4 * h * layers_per_chunk * v + (s * h if holds_first else 0) + (2 * h if holds_last else 0)
+            replicated = (
+                4 * h * layers_per_chunk * v
+                + (s * h if holds_first else 0)
+                + (2 * h if holds_last else 0)
+            )
             _add(out, "tp", "all_reduce", 1, replicated * scheme.grads)
         _add(out, "tp", "all_reduce", 1, NORM_BYTES)
 
@@ -226,7 +259,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
 
     members = {"dp": d, "tp": t, "pp": p}
     collectives = tuple(
-        Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=2 if op == "send" else members[g])
+        Collective(
+            group=g, op=op, calls=calls, nbytes=nbytes, members=2 if op == "send" else members[g]
+        )
         for (g, op), (calls, nbytes) in sorted(out.items())
     )
     return StageComm(stage=stage, collectives=collectives)
@@ -237,7 +272,9 @@ def plan_comm(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tupl
     return tuple(stage_comm(job, stage, scheme) for stage in range(job.parallelism.pipeline))
 
 
-def placement_traffic(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[float, float]:
+def placement_traffic(
+    job: api_spec.TrainingJobSpec, scheme: memory.StateScheme
+) -> tuple[float, float]:
     """Bytes per step in the placement module's terms, from this model: (dp, pp).
 
     ``dp``: bytes one rank sends to its data-parallel ring successor (the

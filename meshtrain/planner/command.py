@@ -22,24 +22,55 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``meshtrain plan``'s arguments to ``parser``."""
     parser.add_argument("job", help="TrainingJob YAML file")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--cluster", metavar="CLUSTER.yaml",
-                        help="nodes to place the job on (list of name, gpus, labels; see docs/planner.md)")
-    source.add_argument("--from-cluster", action="store_true",
-                        help="read the nodes from the current kubeconfig's cluster")
-    parser.add_argument("--gpu", default=None, metavar="PROFILE",
-                        help="device profile (h100-sxm, h200, a100-80g, a100-40g, l40s, cpu, or a user profile); "
-                             "default: cpu when the job's precision is fp32, else h100-sxm")
-    parser.add_argument("--profiles-dir", action="append", default=[], metavar="DIR",
-                        help=f"extra directory of profile YAML files (also ${profiles.ENV_VAR})")
-    parser.add_argument("--recipe", choices=memory.RECIPES, default="meshtrain",
-                        help="bf16 state accounting: meshtrain (fp32 master weights, 4+4+8 B/param, as the "
-                             "trainer runs) or mixed (16-bit weights and grads, 2+2+12 B/param)")
-    parser.add_argument("--critical-batch-tokens", type=int, default=cost.DEFAULT_CRITICAL_BATCH_TOKENS,
-                        metavar="N", help="warn when the global batch has more tokens than this")
-    parser.add_argument("--json", action="store_true", help=f"print the {report.SCHEMA} JSON document")
-    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                        help="try a spec change without editing the file, e.g. --set "
-                             "training.activationCheckpointing=true (repeatable)")
+    source.add_argument(
+        "--cluster",
+        metavar="CLUSTER.yaml",
+        help="nodes to place the job on (list of name, gpus, labels; see docs/planner.md)",
+    )
+    source.add_argument(
+        "--from-cluster",
+        action="store_true",
+        help="read the nodes from the current kubeconfig's cluster",
+    )
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        metavar="PROFILE",
+        help="device profile (h100-sxm, h200, a100-80g, a100-40g, l40s, cpu, or a user profile); "
+        "default: cpu when the job's precision is fp32, else h100-sxm",
+    )
+    parser.add_argument(
+        "--profiles-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help=f"extra directory of profile YAML files (also ${profiles.ENV_VAR})",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=memory.RECIPES,
+        default="meshtrain",
+        help="bf16 state accounting: meshtrain (fp32 master weights, 4+4+8 B/param, as the "
+        "trainer runs) or mixed (16-bit weights and grads, 2+2+12 B/param)",
+    )
+    parser.add_argument(
+        "--critical-batch-tokens",
+        type=int,
+        default=cost.DEFAULT_CRITICAL_BATCH_TOKENS,
+        metavar="N",
+        help="warn when the global batch has more tokens than this",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help=f"print the {report.SCHEMA} JSON document"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="try a spec change without editing the file, e.g. --set "
+        "training.activationCheckpointing=true (repeatable)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -62,10 +93,23 @@ def run(args: argparse.Namespace) -> int:
 
             nodes = cluster_live.list_nodes(gpu_resource=job.resources.gpu_resource_name)
         if args.critical_batch_tokens < 1:
-            raise ValueError(f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}")
-        plan = estimate.make_plan(job, profile, recipe=args.recipe, nodes=nodes,
-                                  critical_batch_tokens=args.critical_batch_tokens)
-    except (api_spec.SpecError, profiles.ProfileError, cluster.ClusterError, ValueError, RuntimeError) as err:
+            raise ValueError(
+                f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}"
+            )
+        plan = estimate.make_plan(
+            job,
+            profile,
+            recipe=args.recipe,
+            nodes=nodes,
+            critical_batch_tokens=args.critical_batch_tokens,
+        )
+    except (
+        api_spec.SpecError,
+        profiles.ProfileError,
+        cluster.ClusterError,
+        ValueError,
+        RuntimeError,
+    ) as err:
         print(f"meshtrain plan: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -99,7 +99,9 @@ def bubble_ratio(pipeline: int, micro_batches: int, virtual_stages: int = 1) -> 
     return (pipeline - 1) / (virtual_stages * micro_batches + pipeline - 1)
 
 
-def group_links(job: api_spec.TrainingJobSpec, pod_domains: Sequence[str] | None = None) -> dict[str, str]:
+def group_links(
+    job: api_spec.TrainingJobSpec, pod_domains: Sequence[str] | None = None
+) -> dict[str, str]:
     """Which link kind each group axis uses: ``nvlink`` if every group of the axis stays in one domain.
 
     ``pod_domains[i]`` names the NVLink domain of pod ``i`` (its node, or its
@@ -107,16 +109,22 @@ def group_links(job: api_spec.TrainingJobSpec, pod_domains: Sequence[str] | None
     """
     grid = layout_mod.from_spec(job.parallelism)
     per_node = job.resources.gpus_per_node
-    domains = list(pod_domains) if pod_domains is not None else [f"pod-{i}" for i in range(job.pods)]
+    domains = (
+        list(pod_domains) if pod_domains is not None else [f"pod-{i}" for i in range(job.pods)]
+    )
     out = {}
     for axis in ("dp", "tp", "pp"):
-        spans = any(len({domains[grid.pod_of(r, per_node)] for r in group}) > 1 for group in grid.all_groups(axis))
+        spans = any(
+            len({domains[grid.pod_of(r, per_node)] for r in group}) > 1
+            for group in grid.all_groups(axis)
+        )
         out[axis] = "fabric" if spans else "nvlink"
     return out
 
 
-def rank_flops_per_microbatch(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int,
-                              micro_batch: int) -> float:
+def rank_flops_per_microbatch(
+    shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
+) -> float:
     """Training FLOPs of one micro-batch on one rank of ``stage``: (6 N_rank + 12 l s h / t) x tokens.
 
     ``N_rank`` counts the parameters the rank multiplies with (its blocks and,
@@ -132,13 +140,18 @@ def rank_flops_per_microbatch(shape: api_spec.ModelShape, pipeline: int, tensor:
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
 
-def recompute_flops_per_microbatch(shape: api_spec.ModelShape, pipeline: int, tensor: int, micro_batch: int) -> float:
+def recompute_flops_per_microbatch(
+    shape: api_spec.ModelShape, pipeline: int, tensor: int, micro_batch: int
+) -> float:
     """Extra FLOPs of activation checkpointing: one more forward of the stage's blocks, (2 N_blocks + 4 l s h / t) x tokens.
 
     Hardware work, not model work: MFU does not count it.
     """
     layers = shape.layers // pipeline
-    forward = 2 * layers * memory.layer_params(shape, tensor) + 4 * layers * shape.seq_len * shape.hidden / tensor
+    forward = (
+        2 * layers * memory.layer_params(shape, tensor)
+        + 4 * layers * shape.seq_len * shape.hidden / tensor
+    )
     return forward * micro_batch * shape.seq_len
 
 
@@ -227,8 +240,13 @@ def model_flops_per_token(shape: api_spec.ModelShape) -> float:
     return 6 * n + 12 * shape.layers * shape.seq_len * shape.hidden
 
 
-def plan_time(job: api_spec.TrainingJobSpec, profile: profiles.Profile, scheme: memory.StateScheme,
-              stage_comms: Sequence[comm.StageComm], pod_domains: Sequence[str] | None = None) -> TimePlan:
+def plan_time(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    scheme: memory.StateScheme,
+    stage_comms: Sequence[comm.StageComm],
+    pod_domains: Sequence[str] | None = None,
+) -> TimePlan:
     """Price every stage's compute and collectives and assemble the step."""
     shape = job.model.shape()
     par = job.parallelism
@@ -238,9 +256,13 @@ def plan_time(job: api_spec.TrainingJobSpec, profile: profiles.Profile, scheme: 
     stages = []
     for stage_comm in stage_comms:
         stage = stage_comm.stage
-        per_mb = rank_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, job.training.micro_batch)
+        per_mb = rank_flops_per_microbatch(
+            shape, par.pipeline, par.tensor, stage, job.training.micro_batch
+        )
         if job.training.activation_checkpointing:
-            per_mb += recompute_flops_per_microbatch(shape, par.pipeline, par.tensor, job.training.micro_batch)
+            per_mb += recompute_flops_per_microbatch(
+                shape, par.pipeline, par.tensor, job.training.micro_batch
+            )
         compute = per_mb * par.micro_batches / profile.achievable_flops
         seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
         dp_calls = 0
@@ -248,21 +270,40 @@ def plan_time(job: api_spec.TrainingJobSpec, profile: profiles.Profile, scheme: 
             seconds[c.group] += collective_seconds(c, used[c.group])
             if c.group == "dp" and c.op != "all_gather":
                 dp_calls += c.calls
-        gather = sum(collective_seconds(c, used["dp"]) for c in stage_comm.collectives
-                     if c.group == "dp" and c.op == "all_gather")
+        gather = sum(
+            collective_seconds(c, used["dp"])
+            for c in stage_comm.collectives
+            if c.group == "dp" and c.op == "all_gather"
+        )
         reduce = seconds["dp"] - gather
         window = BACKWARD_SHARE * compute / par.micro_batches
         exposed = max(reduce - window, reduce / dp_calls) if dp_calls else 0.0
         params = memory.rank_params(shape, par.pipeline, par.tensor, stage)
         updated = params / par.data if par.zero_stage >= 1 else params
         optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / profile.memory_bandwidth
-        stages.append(StageTime(stage=stage, compute=compute, tp=seconds["tp"], pp=seconds["pp"], dp=seconds["dp"],
-                                dp_exposed=exposed + gather, optimizer=optimizer))
+        stages.append(
+            StageTime(
+                stage=stage,
+                compute=compute,
+                tp=seconds["tp"],
+                pp=seconds["pp"],
+                dp=seconds["dp"],
+                dp_exposed=exposed + gather,
+                optimizer=optimizer,
+            )
+        )
     bubble = bubble_ratio(par.pipeline, par.micro_batches, virtual)
     pace = max(st.busy for st in stages)
     tail = max(st.dp_exposed + st.optimizer for st in stages)
     step = pace / (1 - bubble) + tail
     tokens = job.global_batch * shape.seq_len
-    return TimePlan(links=used, stages=tuple(stages), bubble=bubble, step_seconds=step, tokens_per_step=tokens,
-                    model_flops=model_flops_per_token(shape) * tokens, world_size=job.world_size,
-                    peak_flops=profile.peak_flops)
+    return TimePlan(
+        links=used,
+        stages=tuple(stages),
+        bubble=bubble,
+        step_seconds=step,
+        tokens_per_step=tokens,
+        model_flops=model_flops_per_token(shape) * tokens,
+        world_size=job.world_size,
+        peak_flops=profile.peak_flops,
+    )

@@ -33,9 +33,11 @@ class BatchCheck:
         """A warning when the batch passes the critical size, else None."""
         if self.tokens <= self.critical_tokens:
             return None
-        return (f"global batch of {self.tokens:,} tokens exceeds the critical batch size of "
-                f"{self.critical_tokens:,} tokens: more data parallelism buys little loss per token "
-                f"(lower microBatches or data, or raise --critical-batch-tokens if you know better)")
+        return (
+            f"global batch of {self.tokens:,} tokens exceeds the critical batch size of "
+            f"{self.critical_tokens:,} tokens: more data parallelism buys little loss per token "
+            f"(lower microBatches or data, or raise --critical-batch-tokens if you know better)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +85,22 @@ class Plan:
         out = []
         if not self.memory.fits:
             worst = self.memory.worst
-            out.append(f"does not fit: stage {worst.stage} needs {worst.total / 2**30:.2f} GiB per GPU, "
-                       f"{self.profile.name} has {self.memory.capacity / 2**30:.2f} GiB")
+            out.append(
+                f"does not fit: stage {worst.stage} needs {worst.total / 2**30:.2f} GiB per GPU, "
+                f"{self.profile.name} has {self.memory.capacity / 2**30:.2f} GiB"
+            )
         if self.batch.warning:
             out.append(self.batch.warning)
         if self.placement is not None and self.placement.unschedulable_reason:
-            out.append(f"unschedulable ({self.placement.unschedulable_reason}): {self.placement.message}")
+            out.append(
+                f"unschedulable ({self.placement.unschedulable_reason}): {self.placement.message}"
+            )
         return out
 
 
-def _pod_domains(job: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node], chosen: Sequence[str]) -> list[str]:
+def _pod_domains(
+    job: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node], chosen: Sequence[str]
+) -> list[str]:
     """NVLink domain of each pod: the node's clique label value when the job names one, else the node."""
     by_name = {node.name: node for node in nodes}
     label = job.topology.nvlink_domain_label
@@ -107,25 +115,52 @@ def place(job: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]) -> Pla
     """The operator's placement of ``job`` on free ``nodes`` (no reservations)."""
     result = placement.plan(placement.request_from_spec(job), nodes, [])
     if isinstance(result, placement.Unschedulable):
-        return PlacementResult(nodes=(), level_bytes={}, domains_used={}, unschedulable_reason=result.reason,
-                               message=result.message)
-    return PlacementResult(nodes=tuple(result.nodes), level_bytes=dict(result.level_bytes),
-                           domains_used=dict(result.domains_used))
+        return PlacementResult(
+            nodes=(),
+            level_bytes={},
+            domains_used={},
+            unschedulable_reason=result.reason,
+            message=result.message,
+        )
+    return PlacementResult(
+        nodes=tuple(result.nodes),
+        level_bytes=dict(result.level_bytes),
+        domains_used=dict(result.domains_used),
+    )
 
 
-def make_plan(job: api_spec.TrainingJobSpec, profile: profiles.Profile, *, recipe: str = "meshtrain",
-              nodes: Sequence[placement.Node] | None = None,
-              critical_batch_tokens: int = cost.DEFAULT_CRITICAL_BATCH_TOKENS) -> Plan:
+def make_plan(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    *,
+    recipe: str = "meshtrain",
+    nodes: Sequence[placement.Node] | None = None,
+    critical_batch_tokens: int = cost.DEFAULT_CRITICAL_BATCH_TOKENS,
+) -> Plan:
     """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
     precision = memory.resolve_precision(job, profile)
     scheme = memory.scheme_for(precision, recipe)
     mem = memory.plan_memory(job, profile, recipe)
     stage_comms = comm.plan_comm(job, scheme)
     placed = place(job, nodes) if nodes is not None else None
-    domains = _pod_domains(job, nodes, placed.nodes) if placed is not None and placed.nodes else None
+    domains = (
+        _pod_domains(job, nodes, placed.nodes) if placed is not None and placed.nodes else None
+    )
     time_plan = cost.plan_time(job, profile, scheme, stage_comms, domains)
     shape = job.model.shape()
-    batch = BatchCheck(sequences=job.global_batch, tokens=job.global_batch * shape.seq_len,
-                       critical_tokens=critical_batch_tokens)
-    return Plan(job=job, profile=profile, precision=precision, recipe=recipe, memory=mem, comm=stage_comms,
-                time=time_plan, batch=batch, placement=placed)
+    batch = BatchCheck(
+        sequences=job.global_batch,
+        tokens=job.global_batch * shape.seq_len,
+        critical_tokens=critical_batch_tokens,
+    )
+    return Plan(
+        job=job,
+        profile=profile,
+        precision=precision,
+        recipe=recipe,
+        memory=mem,
+        comm=stage_comms,
+        time=time_plan,
+        batch=batch,
+        placement=placed,
+    )

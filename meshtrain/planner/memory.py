@@ -168,8 +168,15 @@ def state_bytes(params: float, scheme: StateScheme, zero_stage: int, data: int) 
 # --------------------------------------------------------------------------- activations
 
 
-def layer_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme, *,
-                           sequence_parallel: bool, fused_attention: bool = True) -> float:
+def layer_activation_bytes(
+    shape: api_spec.ModelShape,
+    micro_batch: int,
+    tensor: int,
+    scheme: StateScheme,
+    *,
+    sequence_parallel: bool,
+    fused_attention: bool = True,
+) -> float:
     """Activation bytes one block keeps for backward, per micro-batch, on one TP rank.
 
     Counting as Korthikanti et al. 2022 (sec. 4.1) do, for this model (no
@@ -201,8 +208,14 @@ def layer_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor:
     return s * b * per_token
 
 
-def checkpointed_layer_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme, *,
-                             sequence_parallel: bool) -> float:
+def checkpointed_layer_bytes(
+    shape: api_spec.ModelShape,
+    micro_batch: int,
+    tensor: int,
+    scheme: StateScheme,
+    *,
+    sequence_parallel: bool,
+) -> float:
     """Activation bytes one block keeps per micro-batch under activation checkpointing: its input only.
 
     The (s, b, h) residual-stream input, replicated over the TP group unless
@@ -212,7 +225,9 @@ def checkpointed_layer_bytes(shape: api_spec.ModelShape, micro_batch: int, tenso
     return stream / tensor if sequence_parallel else stream
 
 
-def head_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme) -> float:
+def head_activation_bytes(
+    shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme
+) -> float:
     """Activation bytes of the last stage's final norm, head and loss per micro-batch.
 
     The final-norm input and output (2 s b h stream elements) and the logits
@@ -220,10 +235,14 @@ def head_activation_bytes(shape: api_spec.ModelShape, micro_batch: int, tensor: 
     the fp32 copy the cross entropy works on.
     """
     s, b = shape.seq_len, micro_batch
-    return 2 * s * b * shape.hidden * scheme.stream_bytes + s * b * shape.vocab / tensor * (scheme.matmul_bytes + 4)
+    return 2 * s * b * shape.hidden * scheme.stream_bytes + s * b * shape.vocab / tensor * (
+        scheme.matmul_bytes + 4
+    )
 
 
-def in_flight_microbatches(schedule: str, pipeline: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> float:
+def in_flight_microbatches(
+    schedule: str, pipeline: int, micro_batches: int, stage: int, virtual_stages: int = 1
+) -> float:
     """Micro-batches whose activations a stage holds at its peak, in units of the whole stage's layers.
 
     * gpipe (Huang et al. 2019): every forward runs before any backward: ``m``.
@@ -241,7 +260,10 @@ def in_flight_microbatches(schedule: str, pipeline: int, micro_batches: int, sta
     if schedule == "1f1b":
         return float(min(pipeline - stage, micro_batches))
     if schedule == "interleaved-1f1b":
-        chunks = min(2 * (pipeline - stage - 1) + (virtual_stages - 1) * pipeline + 1, micro_batches * virtual_stages)
+        chunks = min(
+            2 * (pipeline - stage - 1) + (virtual_stages - 1) * pipeline + 1,
+            micro_batches * virtual_stages,
+        )
         return chunks / virtual_stages
     raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved-1f1b")
 
@@ -303,7 +325,9 @@ class MemoryPlan:
         return self.headroom >= 0
 
 
-def plan_memory(job: api_spec.TrainingJobSpec, profile: profiles.Profile, recipe: str = "meshtrain") -> MemoryPlan:
+def plan_memory(
+    job: api_spec.TrainingJobSpec, profile: profiles.Profile, recipe: str = "meshtrain"
+) -> MemoryPlan:
     """Per-stage memory of a job on a device profile (``recipe``: see :data:`RECIPES`)."""
     shape = job.model.shape()
     par = job.parallelism
@@ -312,22 +336,43 @@ def plan_memory(job: api_spec.TrainingJobSpec, profile: profiles.Profile, recipe
     # One stage is plain gradient accumulation: the trainer runs it as 1F1B.
     schedule = par.schedule if par.pipeline > 1 else "1f1b"
     micro_batch = job.training.micro_batch
-    per_layer = layer_activation_bytes(shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel)
-    kept_per_layer = checkpointed_layer_bytes(shape, micro_batch, par.tensor, scheme,
-                                              sequence_parallel=par.sequence_parallel)
+    per_layer = layer_activation_bytes(
+        shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
+    )
+    kept_per_layer = checkpointed_layer_bytes(
+        shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
+    )
     layers_per_stage = shape.layers // par.pipeline
     stages = []
     for stage in range(par.pipeline):
         params = rank_params(shape, par.pipeline, par.tensor, stage)
         state = state_bytes(params, scheme, par.zero_stage, par.data)
         flight = in_flight_microbatches(schedule, par.pipeline, par.micro_batches, stage, virtual)
-        if job.training.activation_checkpointing:  # block inputs kept; one block's working set rebuilt at a time
+        if (
+            job.training.activation_checkpointing
+        ):  # block inputs kept; one block's working set rebuilt at a time
             activations = flight * layers_per_stage * kept_per_layer + per_layer
         else:
             activations = flight * layers_per_stage * per_layer
         if stage == par.pipeline - 1:
             head_flight = par.micro_batches if schedule == "gpipe" else 1
-            activations += head_flight * head_activation_bytes(shape, micro_batch, par.tensor, scheme)
-        stages.append(RankMemory(stage=stage, params=params, weights=state.weights, grads=state.grads,
-                                 optimizer=state.optimizer, activations=activations, in_flight=flight))
-    return MemoryPlan(total_params=total_params(shape), scheme=scheme, stages=tuple(stages), capacity=profile.memory_bytes)
+            activations += head_flight * head_activation_bytes(
+                shape, micro_batch, par.tensor, scheme
+            )
+        stages.append(
+            RankMemory(
+                stage=stage,
+                params=params,
+                weights=state.weights,
+                grads=state.grads,
+                optimizer=state.optimizer,
+                activations=activations,
+                in_flight=flight,
+            )
+        )
+    return MemoryPlan(
+        total_params=total_params(shape),
+        scheme=scheme,
+        stages=tuple(stages),
+        capacity=profile.memory_bytes,
+    )

@@ -85,11 +85,15 @@ class Profile:
 def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
     """Build a profile from a parsed YAML mapping; errors name the file and the key."""
     if not isinstance(data, Mapping):
-        raise ProfileError(f"{origin}: expected a mapping of profile fields, got {type(data).__name__}")
+        raise ProfileError(
+            f"{origin}: expected a mapping of profile fields, got {type(data).__name__}"
+        )
     known = {f.name for f in dataclasses.fields(Profile)} - {"path"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ProfileError(f"{origin}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ProfileError(
+            f"{origin}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     values: dict[str, Any] = {}
     for key in ("name", "source"):
         if not isinstance(data.get(key), str) or not data[key].strip():
@@ -103,11 +107,18 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
                 raw = float(raw)
             except ValueError:
                 pass
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw > 0 or raw == float("inf"):
+        if (
+            isinstance(raw, bool)
+            or not isinstance(raw, (int, float))
+            or not raw > 0
+            or raw == float("inf")
+        ):
             raise ProfileError(f"{origin}: '{key}' must be a positive number, got {raw!r}")
         values[key] = float(raw)
     if values["achievable_fraction"] > 1:
-        raise ProfileError(f"{origin}: 'achievable_fraction' must be <= 1, got {values['achievable_fraction']}")
+        raise ProfileError(
+            f"{origin}: 'achievable_fraction' must be <= 1, got {values['achievable_fraction']}"
+        )
     precision = data.get("precision", "bf16")
     if precision not in ("bf16", "fp32"):
         raise ProfileError(f"{origin}: 'precision' must be bf16 or fp32, got {precision!r}")
@@ -152,12 +163,20 @@ def get(name: str, extra_dirs: Iterable[str | Path] = ()) -> Profile:
     """The profile called ``name``; an unknown name raises an error listing the known ones."""
     known = load_all(extra_dirs)
     if name not in known:
-        raise ProfileError(f"unknown GPU profile {name!r}; known profiles: {', '.join(sorted(known))}")
+        raise ProfileError(
+            f"unknown GPU profile {name!r}; known profiles: {', '.join(sorted(known))}"
+        )
     return known[name]
 
 
-def calibrated(base: Profile, *, flops: float | None = None, link_bandwidth: float | None = None,
-               link_latency: float | None = None, name: str | None = None) -> Profile:
+def calibrated(
+    base: Profile,
+    *,
+    flops: float | None = None,
+    link_bandwidth: float | None = None,
+    link_latency: float | None = None,
+    name: str | None = None,
+) -> Profile:
     """A copy of ``base`` with measured figures: achievable FLOP/s and the intra-host link's beta/alpha.
 
     A measured FLOP/s becomes ``peak_flops`` with ``achievable_fraction`` 1, so

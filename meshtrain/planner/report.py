@@ -29,8 +29,12 @@ def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float]
     times = plan.time.stages[stage]
     seconds = {"dp": times.dp, "tp": times.tp, "pp": times.pp}
     return {
-        g: {"payload_bytes": stage_comm.payload(g), "wire_bytes": stage_comm.wire(g), "seconds": seconds[g],
-            "link": plan.time.links[g].name}
+        g: {
+            "payload_bytes": stage_comm.payload(g),
+            "wire_bytes": stage_comm.wire(g),
+            "seconds": seconds[g],
+            "link": plan.time.links[g].name,
+        }
         for g in GROUPS
     }
 
@@ -68,40 +72,71 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "recipe": plan.recipe,
         },
         "model": {
-            "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
-            "seq_len": shape.seq_len, "ffn_hidden": shape.ffn_hidden,
+            "layers": shape.layers,
+            "hidden": shape.hidden,
+            "heads": shape.heads,
+            "vocab": shape.vocab,
+            "seq_len": shape.seq_len,
+            "ffn_hidden": shape.ffn_hidden,
             "parameters": mem.total_params,
             "parameters_per_rank_max": max(s.params for s in mem.stages),
             "flops_per_token": tp.model_flops / tp.tokens_per_step,
         },
         "profile": {
-            "name": profile.name, "source": profile.source, "peak_flops": profile.peak_flops,
-            "achievable_fraction": profile.achievable_fraction, "memory_bytes": profile.memory_bytes,
+            "name": profile.name,
+            "source": profile.source,
+            "peak_flops": profile.peak_flops,
+            "achievable_fraction": profile.achievable_fraction,
+            "memory_bytes": profile.memory_bytes,
             "memory_bandwidth": profile.memory_bandwidth,
-            "nvlink_bandwidth": profile.nvlink_bandwidth, "nvlink_latency": profile.nvlink_latency,
-            "nic_bandwidth": profile.nic_bandwidth, "nic_latency": profile.nic_latency,
+            "nvlink_bandwidth": profile.nvlink_bandwidth,
+            "nvlink_latency": profile.nvlink_latency,
+            "nic_bandwidth": profile.nic_bandwidth,
+            "nic_latency": profile.nic_latency,
         },
         "memory": {
             "capacity_bytes": mem.capacity,
-            "bytes_per_param": {"weights": mem.scheme.weights, "grads": mem.scheme.grads,
-                                "optimizer": mem.scheme.optimizer},
+            "bytes_per_param": {
+                "weights": mem.scheme.weights,
+                "grads": mem.scheme.grads,
+                "optimizer": mem.scheme.optimizer,
+            },
             "worst_stage": mem.worst.stage,
             "peak_bytes": mem.worst.total,
             "headroom_bytes": mem.headroom,
             "fits": mem.fits,
             "per_stage": [
-                {"stage": s.stage, "parameters": s.params, "weights_bytes": s.weights, "grads_bytes": s.grads,
-                 "optimizer_bytes": s.optimizer, "activations_bytes": s.activations,
-                 "in_flight_microbatches": s.in_flight, "total_bytes": s.total}
+                {
+                    "stage": s.stage,
+                    "parameters": s.params,
+                    "weights_bytes": s.weights,
+                    "grads_bytes": s.grads,
+                    "optimizer_bytes": s.optimizer,
+                    "activations_bytes": s.activations,
+                    "in_flight_microbatches": s.in_flight,
+                    "total_bytes": s.total,
+                }
                 for s in mem.stages
             ],
         },
         "communication": {
             "links": {g: tp.links[g].name for g in GROUPS},
             "per_stage": [
-                {"stage": c.stage, "groups": _stage_groups(plan, c.stage),
-                 "collectives": [{"group": x.group, "op": x.op, "calls": x.calls, "payload_bytes": x.nbytes,
-                                  "wire_bytes": x.wire_bytes, "members": x.members} for x in c.collectives]}
+                {
+                    "stage": c.stage,
+                    "groups": _stage_groups(plan, c.stage),
+                    "collectives": [
+                        {
+                            "group": x.group,
+                            "op": x.op,
+                            "calls": x.calls,
+                            "payload_bytes": x.nbytes,
+                            "wire_bytes": x.wire_bytes,
+                            "members": x.members,
+                        }
+                        for x in c.collectives
+                    ],
+                }
                 for c in plan.comm
             ],
         },
@@ -162,7 +197,13 @@ def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for index, row in enumerate(rows):
-        lines.append("  " + "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  "
+            + "  ".join(
+                cell.rjust(w) if i else cell.ljust(w)
+                for i, (cell, w) in enumerate(zip(row, widths))
+            )
+        )
         if index == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
     return lines
@@ -176,7 +217,8 @@ def to_text(plan: estimate.Plan) -> str:
         f"meshtrain plan: {par.layout_string} ({job.world_size} GPUs in {job.pods} pod(s) of "
         f"{job.resources.gpus_per_node}), schedule {par.schedule}"
         + (f" v={par.virtual_stages}" if par.schedule == "interleaved-1f1b" else "")
-        + f", m={par.micro_batches}, ZeRO-{par.zero_stage}" + (", sequence parallel" if par.sequence_parallel else "")
+        + f", m={par.micro_batches}, ZeRO-{par.zero_stage}"
+        + (", sequence parallel" if par.sequence_parallel else "")
         + (", activation checkpointing" if job.training.activation_checkpointing else ""),
         f"device: {profile.name} ({profile.description}); precision {plan.precision}, "
         f"state {mem.scheme.weights}+{mem.scheme.grads}+{mem.scheme.optimizer} bytes/param ({mem.scheme.name})",
@@ -186,20 +228,46 @@ def to_text(plan: estimate.Plan) -> str:
         "",
         "memory per GPU by pipeline stage:",
     ]
-    rows = [["stage", "params", "weights", "grads", "optimizer", "activations", "in flight", "total"]]
+    rows = [
+        ["stage", "params", "weights", "grads", "optimizer", "activations", "in flight", "total"]
+    ]
     for s in mem.stages:
-        rows.append([str(s.stage), _count(s.params), human_bytes(s.weights), human_bytes(s.grads),
-                     human_bytes(s.optimizer), human_bytes(s.activations), f"{s.in_flight:g}", human_bytes(s.total)])
+        rows.append(
+            [
+                str(s.stage),
+                _count(s.params),
+                human_bytes(s.weights),
+                human_bytes(s.grads),
+                human_bytes(s.optimizer),
+                human_bytes(s.activations),
+                f"{s.in_flight:g}",
+                human_bytes(s.total),
+            ]
+        )
     lines += _table(rows)
     verdict = "fits" if mem.fits else "DOES NOT FIT"
-    lines += [f"  device memory {human_bytes(mem.capacity)}; worst stage {mem.worst.stage}: headroom "
-              f"{human_bytes(mem.headroom)} ({verdict})", "", "communication per rank per step:"]
+    lines += [
+        f"  device memory {human_bytes(mem.capacity)}; worst stage {mem.worst.stage}: headroom "
+        f"{human_bytes(mem.headroom)} ({verdict})",
+        "",
+        "communication per rank per step:",
+    ]
     rows = [["stage", "group", "link", "op", "calls", "payload", "on the wire", "time"]]
     for c in plan.comm:
         for x in c.collectives:
             link = tp.links[x.group]
-            rows.append([str(c.stage), x.group, link.name, x.op, str(x.calls), human_bytes(x.nbytes),
-                         human_bytes(x.wire_bytes), human_seconds(cost.collective_seconds(x, link))])
+            rows.append(
+                [
+                    str(c.stage),
+                    x.group,
+                    link.name,
+                    x.op,
+                    str(x.calls),
+                    human_bytes(x.nbytes),
+                    human_bytes(x.wire_bytes),
+                    human_seconds(cost.collective_seconds(x, link)),
+                ]
+            )
         if not c.collectives:
             rows.append([str(c.stage), "-", "-", "(none)", "0", "0 B", "0 B", "0"])
     lines += _table(rows)
@@ -222,14 +290,17 @@ def to_text(plan: estimate.Plan) -> str:
     if plan.placement is not None:
         lines += ["", "placement (what the operator would do):"]
         if plan.placement.unschedulable_reason:
-            lines.append(f"  unschedulable: {plan.placement.unschedulable_reason}: {plan.placement.message}")
+            lines.append(
+                f"  unschedulable: {plan.placement.unschedulable_reason}: {plan.placement.message}"
+            )
         else:
             for index, node in enumerate(plan.placement.nodes):
-                lines.append(f"  pod {index} (ranks {index * job.resources.gpus_per_node}.."
-                             f"{(index + 1) * job.resources.gpus_per_node - 1}) -> {node}")
+                lines.append(
+                    f"  pod {index} (ranks {index * job.resources.gpus_per_node}.."
+                    f"{(index + 1) * job.resources.gpus_per_node - 1}) -> {node}"
+                )
             for level, nbytes in plan.placement.level_bytes.items():
                 lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
     if plan.warnings:
         lines += [""] + [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)
-

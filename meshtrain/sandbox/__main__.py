@@ -18,11 +18,17 @@ from meshtrain.sandbox import example, supervisor
 
 
 def _print_ready(paths: supervisor.Paths, state: dict) -> None:
-    print(f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
-          f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}")
-    print("8 simulated GPU nodes (2 blocks x 2 leaves x 2 nodes x 4 GPUs); pods run as LOCAL PROCESSES, images are not pulled;")
-    print(f"`kubectl logs` cannot work (no kubelet API): read {paths.root}/pods/<ns>/<pod>/<container>.log "
-          "or `python -m meshtrain.sandbox logs POD`.")
+    print(
+        f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
+        f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}"
+    )
+    print(
+        "8 simulated GPU nodes (2 blocks x 2 leaves x 2 nodes x 4 GPUs); pods run as LOCAL PROCESSES, images are not pulled;"
+    )
+    print(
+        f"`kubectl logs` cannot work (no kubelet API): read {paths.root}/pods/<ns>/<pod>/<container>.log "
+        "or `python -m meshtrain.sandbox logs POD`."
+    )
     print(f"export KUBECONFIG={state['kubeconfig']}")
     print(f"Prometheus: {state['prometheus_url']}")
 
@@ -41,7 +47,9 @@ def _cmd_down(paths: supervisor.Paths, args: argparse.Namespace) -> int:
     started = time.monotonic()
     leftovers = supervisor.down(paths)
     if leftovers:
-        print(f"sandbox down in {time.monotonic() - started:.1f}s; had to kill leftover processes {leftovers}")
+        print(
+            f"sandbox down in {time.monotonic() - started:.1f}s; had to kill leftover processes {leftovers}"
+        )
     else:
         print(f"sandbox down in {time.monotonic() - started:.1f}s; no process left behind")
     return 0
@@ -49,7 +57,16 @@ def _cmd_down(paths: supervisor.Paths, args: argparse.Namespace) -> int:
 
 def _cmd_status(paths: supervisor.Paths, args: argparse.Namespace) -> int:
     state = supervisor.status(paths)
-    print(json.dumps({k: state.get(k) for k in ("status", "kubeconfig", "prometheus_url", "timings", "alive", "exited") if k in state}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: state.get(k)
+                for k in ("status", "kubeconfig", "prometheus_url", "timings", "alive", "exited")
+                if k in state
+            },
+            indent=2,
+        )
+    )
     return 0 if state.get("status") == "ready" else 3
 
 
@@ -60,7 +77,7 @@ def _cmd_logs(paths: supervisor.Paths, args: argparse.Namespace) -> int:
         return 1
     for path in matches:
         print(f"==> {path} <==")
-        print(path.read_text(errors="replace")[-args.bytes:])
+        print(path.read_text(errors="replace")[-args.bytes :])
     return 0
 
 
@@ -76,30 +93,53 @@ def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
     print(f"applied {args.example}: TrainingJob {namespace}/{name}")
     final = example.follow(paths, namespace, name, timeout=args.timeout)
     phase = final["status"]["phase"]
-    print(f"TrainingJob {namespace}/{name} {phase} after {time.monotonic() - started:.0f}s "
-          f"(restarts {final['status'].get('restarts', 0)}, last checkpoint step {final['status'].get('lastCheckpointStep')})")
-    print(f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
-          f"(e.g. sum by (job) (meshtrain_tokens_per_second{{job=\"{name}\"}}))")
+    print(
+        f"TrainingJob {namespace}/{name} {phase} after {time.monotonic() - started:.0f}s "
+        f"(restarts {final['status'].get('restarts', 0)}, last checkpoint step {final['status'].get('lastCheckpointStep')})"
+    )
+    print(
+        f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
+        f'(e.g. sum by (job) (meshtrain_tokens_per_second{{job="{name}"}}))'
+    )
     print(f"pod logs: {paths.root}/pods/{namespace}/  (python -m meshtrain.sandbox logs POD)")
     picture = example.timeline(paths, namespace, name)
-    claim = (((final.get("spec") or {}).get("checkpoint") or {}).get("claimName"))
+    claim = ((final.get("spec") or {}).get("checkpoint") or {}).get("claimName")
     searched = " or ".join(str(d) for d in example.log_dirs(paths, namespace, name, claim))
-    print(f"timeline picture: {picture}" if picture else f"timeline picture: none (no traces in {searched})")
+    print(
+        f"timeline picture: {picture}"
+        if picture
+        else f"timeline picture: none (no traces in {searched})"
+    )
     return 0 if phase == "Succeeded" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshtrain.sandbox", description=__doc__.splitlines()[0])
-    parser.add_argument("--state-dir", type=pathlib.Path, default=None, help="default: $MESHTRAIN_SANDBOX_DIR or .sandbox/")
+    parser = argparse.ArgumentParser(
+        prog="python -m meshtrain.sandbox", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=pathlib.Path,
+        default=None,
+        help="default: $MESHTRAIN_SANDBOX_DIR or .sandbox/",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start the sandbox (or show the running one)").set_defaults(handler=_cmd_up)
-    sub.add_parser("down", help="stop everything; no process is left behind").set_defaults(handler=_cmd_down)
-    sub.add_parser("status", help="what runs, where the kubeconfig and Prometheus are").set_defaults(handler=_cmd_status)
+    sub.add_parser("up", help="start the sandbox (or show the running one)").set_defaults(
+        handler=_cmd_up
+    )
+    sub.add_parser("down", help="stop everything; no process is left behind").set_defaults(
+        handler=_cmd_down
+    )
+    sub.add_parser(
+        "status", help="what runs, where the kubeconfig and Prometheus are"
+    ).set_defaults(handler=_cmd_status)
     logs = sub.add_parser("logs", help="a pod's container logs (kubectl logs cannot work here)")
     logs.add_argument("pod")
     logs.add_argument("--bytes", type=int, default=20000)
     logs.set_defaults(handler=_cmd_logs)
-    run = sub.add_parser("run-example", help="up, apply an example TrainingJob, follow it to the end")
+    run = sub.add_parser(
+        "run-example", help="up, apply an example TrainingJob, follow it to the end"
+    )
     run.add_argument("example", nargs="?", default=str(example.DEFAULT_EXAMPLE))
     run.add_argument("--timeout", type=float, default=1800.0)
     run.set_defaults(handler=_cmd_run_example)

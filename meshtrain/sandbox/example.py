@@ -29,7 +29,9 @@ DEFAULT_EXAMPLE = supervisor.REPO / "manifests" / "examples" / "sandbox-dp2-pp2.
 TERMINAL = ("Succeeded", "Failed")
 
 
-def kubectl(paths: supervisor.Paths, *args: str, stdin: str | None = None, check: bool = True) -> str:
+def kubectl(
+    paths: supervisor.Paths, *args: str, stdin: str | None = None, check: bool = True
+) -> str:
     """Run the pinned kubectl against the sandbox; returns stdout."""
     command = [str(binaries_mod.locate().kubectl), "--kubeconfig", str(paths.kubeconfig), *args]
     result = subprocess.run(command, input=stdin, capture_output=True, text=True)
@@ -38,19 +40,38 @@ def kubectl(paths: supervisor.Paths, *args: str, stdin: str | None = None, check
     return result.stdout
 
 
-def ensure_claim(paths: supervisor.Paths, *, namespace: str, claim: str, size: str = "10Gi") -> pathlib.Path:
+def ensure_claim(
+    paths: supervisor.Paths, *, namespace: str, claim: str, size: str = "10Gi"
+) -> pathlib.Path:
     """A PVC bound to a hostPath PV on ``<state>/volumes/<ns>/<claim>`` (the sandbox's storage)."""
     directory = paths.root / "volumes" / namespace / claim
     directory.mkdir(parents=True, exist_ok=True)
     pv_name = f"sandbox-{namespace}-{claim}"[:63]
     objects = [
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name, "labels": {"meshtrain.io/sandbox-volume": "true"}},
-         "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"], "persistentVolumeReclaimPolicy": "Retain",
-                  "storageClassName": "", "hostPath": {"path": str(directory), "type": "DirectoryOrCreate"},
-                  "claimRef": {"namespace": namespace, "name": claim}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": namespace},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv_name,
-                  "resources": {"requests": {"storage": size}}}},
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv_name, "labels": {"meshtrain.io/sandbox-volume": "true"}},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(directory), "type": "DirectoryOrCreate"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": pv_name,
+                "resources": {"requests": {"storage": size}},
+            },
+        },
     ]
     kubectl(paths, "apply", "-f", "-", stdin="\n---\n".join(yaml.safe_dump(o) for o in objects))
     return directory
@@ -70,12 +91,20 @@ def apply(paths: supervisor.Paths, example: pathlib.Path) -> tuple[str, str]:
 
 def job(paths: supervisor.Paths, namespace: str, name: str) -> dict[str, Any] | None:
     """The TrainingJob object, or None."""
-    out = kubectl(paths, "get", "trainingjobs.meshtrain.io", name, "-n", namespace, "-o", "json", check=False)
+    out = kubectl(
+        paths, "get", "trainingjobs.meshtrain.io", name, "-n", namespace, "-o", "json", check=False
+    )
     return json.loads(out) if out.strip() else None
 
 
-def follow(paths: supervisor.Paths, namespace: str, name: str, *, timeout: float = 1800.0,
-           on_change: Callable[[str], None] = print) -> dict[str, Any]:
+def follow(
+    paths: supervisor.Paths,
+    namespace: str,
+    name: str,
+    *,
+    timeout: float = 1800.0,
+    on_change: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Poll the job until it is Succeeded or Failed; report each change; returns the final object."""
     started = time.monotonic()
     last = None
@@ -84,10 +113,20 @@ def follow(paths: supervisor.Paths, namespace: str, name: str, *, timeout: float
         obj = job(paths, namespace, name) or {}
         status = obj.get("status") or {}
         progress = status.get("progress") or {}
-        pods = ",".join(f"{p.get('podIndex')}@{p.get('node')}" for p in status.get("placement") or [])
-        row = (status.get("phase", "-"), status.get("layout", "-"), progress.get("step", 0), status.get("restarts", 0), pods)
+        pods = ",".join(
+            f"{p.get('podIndex')}@{p.get('node')}" for p in status.get("placement") or []
+        )
+        row = (
+            status.get("phase", "-"),
+            status.get("layout", "-"),
+            progress.get("step", 0),
+            status.get("restarts", 0),
+            pods,
+        )
         if row != last:
-            on_change(f"{time.monotonic() - started:7.1f}s  {row[0]:<11} {row[1] or '-':<14} {row[2]:>5} {row[3]:>8}  {row[4]}")
+            on_change(
+                f"{time.monotonic() - started:7.1f}s  {row[0]:<11} {row[1] or '-':<14} {row[2]:>5} {row[3]:>8}  {row[4]}"
+            )
             last = row
         if status.get("phase") in TERMINAL:
             return obj
@@ -95,7 +134,9 @@ def follow(paths: supervisor.Paths, namespace: str, name: str, *, timeout: float
     raise TimeoutError(f"TrainingJob {namespace}/{name} did not finish in {timeout:.0f}s")
 
 
-def log_dirs(paths: supervisor.Paths, namespace: str, name: str, claim: str | None) -> list[pathlib.Path]:
+def log_dirs(
+    paths: supervisor.Paths, namespace: str, name: str, claim: str | None
+) -> list[pathlib.Path]:
     """Where a job's step log and traces may be, in order: ``logs`` on its checkpoint claim, then the run dir.
 
     The operator sets ``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs`` (on the claim,
@@ -108,11 +149,18 @@ def log_dirs(paths: supervisor.Paths, namespace: str, name: str, claim: str | No
 
 def timeline(paths: supervisor.Paths, namespace: str, name: str) -> pathlib.Path | None:
     """Draw the job's last pipeline step with ``meshtrain timeline``; returns the PNG, or None without traces."""
-    claim = (((job(paths, namespace, name) or {}).get("spec") or {}).get("checkpoint") or {}).get("claimName")
-    log_dir = next((d for d in log_dirs(paths, namespace, name, claim) if (d / "trace").is_dir()), None)
+    claim = (((job(paths, namespace, name) or {}).get("spec") or {}).get("checkpoint") or {}).get(
+        "claimName"
+    )
+    log_dir = next(
+        (d for d in log_dirs(paths, namespace, name, claim) if (d / "trace").is_dir()), None
+    )
     if log_dir is None:
         return None
     picture = log_dir / "timeline.png"
-    result = subprocess.run([sys.executable, "-m", "meshtrain.cli", "timeline", str(log_dir), "-o", str(picture)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshtrain.cli", "timeline", str(log_dir), "-o", str(picture)],
+        capture_output=True,
+        text=True,
+    )
     return picture if result.returncode == 0 and picture.exists() else None

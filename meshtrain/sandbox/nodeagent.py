@@ -74,8 +74,12 @@ class _Pod:
 class NodeAgent:
     """Registers the simulated nodes and runs the pods bound to them."""
 
-    def __init__(self, *, kubeconfig: str, state_dir: pathlib.Path, sim_nodes: list[nodes.SimNode]) -> None:
-        self.api = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(config_file=kubeconfig))
+    def __init__(
+        self, *, kubeconfig: str, state_dir: pathlib.Path, sim_nodes: list[nodes.SimNode]
+    ) -> None:
+        self.api = kubernetes.client.CoreV1Api(
+            kubernetes.config.new_client_from_config(config_file=kubeconfig)
+        )
         self.coord = kubernetes.client.CoordinationV1Api(self.api.api_client)
         self.state_dir = state_dir
         self.sim_nodes = {n.name: n for n in sim_nodes}
@@ -97,22 +101,33 @@ class NodeAgent:
             except ApiException as err:
                 if err.status != 409:
                     raise
-            self.api.patch_node_status(node.name, nodes.build_node_status(node, heartbeat=since, ready_since=since))
+            self.api.patch_node_status(
+                node.name, nodes.build_node_status(node, heartbeat=since, ready_since=since)
+            )
         self._renew_leases(create=True)
-        log.info("registered %d simulated GPU nodes (%d GPUs): images are not pulled, containers run as local processes",
-                 len(self.sim_nodes), sum(n.gpus for n in self.sim_nodes.values()))
+        log.info(
+            "registered %d simulated GPU nodes (%d GPUs): images are not pulled, containers run as local processes",
+            len(self.sim_nodes),
+            sum(n.gpus for n in self.sim_nodes.values()),
+        )
 
     def _renew_leases(self, *, create: bool = False) -> None:
         for node in self.sim_nodes.values():
             renew = nodes.now_micro()
             try:
-                self.coord.patch_namespaced_lease(node.name, nodes.LEASE_NAMESPACE, {"spec": {"renewTime": renew, "holderIdentity": node.name}})
+                self.coord.patch_namespaced_lease(
+                    node.name,
+                    nodes.LEASE_NAMESPACE,
+                    {"spec": {"renewTime": renew, "holderIdentity": node.name}},
+                )
             except ApiException as err:
                 if err.status != 404 or not create:
                     log.warning("lease renewal of %s failed: %s", node.name, err.reason)
                     continue
                 uid = self.api.read_node(node.name).metadata.uid
-                self.coord.create_namespaced_lease(nodes.LEASE_NAMESPACE, nodes.build_lease(node.name, uid=uid, renew_time=renew))
+                self.coord.create_namespaced_lease(
+                    nodes.LEASE_NAMESPACE, nodes.build_lease(node.name, uid=uid, renew_time=renew)
+                )
 
     def _heartbeat_loop(self) -> None:
         beats = 0
@@ -123,8 +138,21 @@ class NodeAgent:
                 if beats % 6 == 0:  # status heartbeat every minute, like a kubelet's status update
                     since = nodes.now()
                     for node in self.sim_nodes.values():
-                        self.api.patch_node_status(node.name, {"status": {"conditions": [
-                            {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": since}]}})
+                        self.api.patch_node_status(
+                            node.name,
+                            {
+                                "status": {
+                                    "conditions": [
+                                        {
+                                            "type": "Ready",
+                                            "status": "True",
+                                            "reason": "KubeletReady",
+                                            "lastHeartbeatTime": since,
+                                        }
+                                    ]
+                                }
+                            },
+                        )
             except Exception:  # noqa: BLE001 - a missed beat is logged, the next one retries
                 log.exception("heartbeat failed")
 
@@ -137,8 +165,12 @@ class NodeAgent:
                 for item in listing.items:
                     self.events.put(("SYNC", self.api.api_client.sanitize_for_serialization(item)))
                 watch = kubernetes.watch.Watch()
-                for event in watch.stream(self.api.list_pod_for_all_namespaces, resource_version=listing.metadata.resource_version,
-                                          timeout_seconds=60, allow_watch_bookmarks=False):
+                for event in watch.stream(
+                    self.api.list_pod_for_all_namespaces,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=False,
+                ):
                     if self.stopping.is_set():
                         watch.stop()
                         break
@@ -194,7 +226,9 @@ class NodeAgent:
             self._kill(pod, grace=grace)
 
     def _admit(self, key: tuple[str, str], obj: dict[str, Any]) -> _Pod:
-        ip = next(f"{IP_PREFIX}{n}" for n in range(1, 255) if f"{IP_PREFIX}{n}" not in self._used_ips)
+        ip = next(
+            f"{IP_PREFIX}{n}" for n in range(1, 255) if f"{IP_PREFIX}{n}" not in self._used_ips
+        )
         self._used_ips.add(ip)
         directory = self.state_dir / "pods" / key[0] / key[1]
         if directory.exists():  # an earlier pod of the same name: start clean
@@ -213,21 +247,45 @@ class NodeAgent:
     # --- starting ------------------------------------------------------------
 
     def _cluster(self) -> podspec.Cluster:
-        records = [podspec.PodRecord(namespace=p.key[0], name=p.key[1], hostname=(p.obj["spec"].get("hostname") or p.key[1]),
-                                     subdomain=p.obj["spec"].get("subdomain") or "", labels=p.obj["metadata"].get("labels") or {},
-                                     ip=p.ip) for p in self.pods.values() if p.kill_deadline is None]
-        services = {(s.metadata.namespace, s.metadata.name): (s.spec.selector or {}) for s in self.api.list_service_for_all_namespaces().items}
-        config_maps = {(c.metadata.namespace, c.metadata.name): (c.data or {}) for c in self.api.list_config_map_for_all_namespaces().items}
+        records = [
+            podspec.PodRecord(
+                namespace=p.key[0],
+                name=p.key[1],
+                hostname=(p.obj["spec"].get("hostname") or p.key[1]),
+                subdomain=p.obj["spec"].get("subdomain") or "",
+                labels=p.obj["metadata"].get("labels") or {},
+                ip=p.ip,
+            )
+            for p in self.pods.values()
+            if p.kill_deadline is None
+        ]
+        services = {
+            (s.metadata.namespace, s.metadata.name): (s.spec.selector or {})
+            for s in self.api.list_service_for_all_namespaces().items
+        }
+        config_maps = {
+            (c.metadata.namespace, c.metadata.name): (c.data or {})
+            for c in self.api.list_config_map_for_all_namespaces().items
+        }
 
         def claim_dir(namespace: str, claim: str) -> str:
             return str(self.state_dir / "volumes" / namespace / claim)
 
-        return podspec.Cluster(config_maps=config_maps, claim_dir=claim_dir,
-                               resolve=lambda name, ns: podspec.resolve(name, ns, pods=records, services=services))
+        return podspec.Cluster(
+            config_maps=config_maps,
+            claim_dir=claim_dir,
+            resolve=lambda name, ns: podspec.resolve(name, ns, pods=records, services=services),
+        )
 
     def _try_start(self, pod: _Pod) -> None:
         try:
-            plan = podspec.translate(pod.obj, ip=pod.ip, pod_dir=str(pod.directory), base_env=base_env(self.state_dir, pod.obj, ip=pod.ip, directory=pod.directory), cluster=self._cluster())
+            plan = podspec.translate(
+                pod.obj,
+                ip=pod.ip,
+                pod_dir=str(pod.directory),
+                base_env=base_env(self.state_dir, pod.obj, ip=pod.ip, directory=pod.directory),
+                cluster=self._cluster(),
+            )
         except podspec.Unresolved as err:
             if pod.waiting != str(err):
                 log.info("pod %s/%s: %s", *pod.key, err)
@@ -236,29 +294,62 @@ class NodeAgent:
         except podspec.Unsupported as err:
             log.error("pod %s/%s cannot run in the sandbox: %s", *pod.key, err)
             pod.finished = True
-            self._patch_status(pod, {"phase": "Failed", "reason": "SandboxUnsupported", "message": str(err)})
+            self._patch_status(
+                pod, {"phase": "Failed", "reason": "SandboxUnsupported", "message": str(err)}
+            )
             return
         for directory in plan.directories:
             pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
         for path, text in plan.files.items():
             pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(path).write_text(text)
-        (pod.directory / "plan.json").write_text(json.dumps({"ip": plan.ip, "paths": dict(plan.path_map),
-                                                            "containers": [{"name": c.name, "argv": c.argv} for c in plan.containers]}, indent=2))
-        images = {c["name"]: c.get("image", "") for c in (pod.obj["spec"].get("initContainers") or []) + pod.obj["spec"]["containers"]}
-        pod.procs = [_Proc(spec=c, state=podstatus.ContainerState(name=c.name, image=images.get(c.name, ""), pid=None, started_at=None))
-                     for c in plan.containers]
+        (pod.directory / "plan.json").write_text(
+            json.dumps(
+                {
+                    "ip": plan.ip,
+                    "paths": dict(plan.path_map),
+                    "containers": [{"name": c.name, "argv": c.argv} for c in plan.containers],
+                },
+                indent=2,
+            )
+        )
+        images = {
+            c["name"]: c.get("image", "")
+            for c in (pod.obj["spec"].get("initContainers") or []) + pod.obj["spec"]["containers"]
+        }
+        pod.procs = [
+            _Proc(
+                spec=c,
+                state=podstatus.ContainerState(
+                    name=c.name, image=images.get(c.name, ""), pid=None, started_at=None
+                ),
+            )
+            for c in plan.containers
+        ]
         pod.started_at = nodes.now()
-        log.info("pod %s/%s starting %d container process(es) at %s (image not pulled: local processes)",
-                 *pod.key, len(pod.procs), pod.ip)
+        log.info(
+            "pod %s/%s starting %d container process(es) at %s (image not pulled: local processes)",
+            *pod.key,
+            len(pod.procs),
+            pod.ip,
+        )
 
     def _launch(self, pod: _Pod, proc: _Proc) -> None:
         log_path = pod.directory / f"{proc.spec.name}.log"
         with open(log_path, "ab") as out:
-            proc.popen = subprocess.Popen(list(proc.spec.argv), env=dict(proc.spec.env), cwd=proc.spec.cwd, stdout=out,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc.popen = subprocess.Popen(
+                list(proc.spec.argv),
+                env=dict(proc.spec.env),
+                cwd=proc.spec.cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         (pod.directory / f"{proc.spec.name}.pid").write_text(str(proc.popen.pid))
-        proc.state = dataclasses.replace(proc.state, pid=proc.popen.pid, started_at=nodes.now(), exit_code=None, finished_at=None)
+        proc.state = dataclasses.replace(
+            proc.state, pid=proc.popen.pid, started_at=nodes.now(), exit_code=None, finished_at=None
+        )
 
     # --- the periodic pass ---------------------------------------------------
 
@@ -283,14 +374,24 @@ class NodeAgent:
         init = [p for p in pod.procs if p.spec.init]
         main = [p for p in pod.procs if not p.spec.init]
         for proc in pod.procs:
-            if proc.popen is not None and proc.state.exit_code is None and proc.popen.poll() is not None:
+            if (
+                proc.popen is not None
+                and proc.state.exit_code is None
+                and proc.popen.poll() is not None
+            ):
                 code = podstatus.exit_code(proc.popen.returncode)
-                proc.state = dataclasses.replace(proc.state, exit_code=code, finished_at=nodes.now(),
-                                                 message=_termination_message(proc.spec.termination_log))
+                proc.state = dataclasses.replace(
+                    proc.state,
+                    exit_code=code,
+                    finished_at=nodes.now(),
+                    message=_termination_message(proc.spec.termination_log),
+                )
                 log.info("pod %s/%s container %s exited with %d", *pod.key, proc.spec.name, code)
         next_init = next((p for p in init if p.state.exit_code != 0), None)
         if next_init is not None:
-            if next_init.popen is None or (next_init.state.exit_code not in (None, 0) and restart != "Never"):
+            if next_init.popen is None or (
+                next_init.state.exit_code not in (None, 0) and restart != "Never"
+            ):
                 self._launch(pod, next_init)
             elif next_init.state.exit_code not in (None, 0):
                 pod.finished = True
@@ -298,12 +399,21 @@ class NodeAgent:
             for proc in main:
                 if proc.popen is None:
                     self._launch(pod, proc)
-                elif proc.state.exit_code is not None and (restart == "Always" or (restart == "OnFailure" and proc.state.exit_code)):
+                elif proc.state.exit_code is not None and (
+                    restart == "Always" or (restart == "OnFailure" and proc.state.exit_code)
+                ):
                     count = proc.state.restart_count + 1
                     self._launch(pod, proc)
                     proc.state = dataclasses.replace(proc.state, restart_count=count)
-        status = podstatus.build_status(ip=pod.ip, started_at=pod.started_at, now=nodes.now(), init_done=next_init is None,
-                                        init=[p.state for p in init], containers=[p.state for p in main], restart_policy=restart)
+        status = podstatus.build_status(
+            ip=pod.ip,
+            started_at=pod.started_at,
+            now=nodes.now(),
+            init_done=next_init is None,
+            init=[p.state for p in init],
+            containers=[p.state for p in main],
+            restart_policy=restart,
+        )
         if status["phase"] in ("Succeeded", "Failed") or (next_init is not None and pod.finished):
             pod.finished = True
             if next_init is not None:
@@ -311,8 +421,14 @@ class NodeAgent:
         self._report(pod, status)
 
     def _report(self, pod: _Pod, status: dict[str, Any]) -> None:
-        fingerprint = json.dumps([status["phase"], [c["state"] for c in status["containerStatuses"]],
-                                  [c["status"] for c in status["conditions"]]], sort_keys=True)
+        fingerprint = json.dumps(
+            [
+                status["phase"],
+                [c["state"] for c in status["containerStatuses"]],
+                [c["status"] for c in status["conditions"]],
+            ],
+            sort_keys=True,
+        )
         if fingerprint == pod.reported:
             return
         self._patch_status(pod, status)
@@ -321,7 +437,9 @@ class NodeAgent:
 
     def _patch_status(self, pod: _Pod, status: dict[str, Any]) -> None:
         try:
-            self.api.patch_namespaced_pod_status(pod.key[1], pod.key[0], {"metadata": {"uid": pod.uid}, "status": status})
+            self.api.patch_namespaced_pod_status(
+                pod.key[1], pod.key[0], {"metadata": {"uid": pod.uid}, "status": status}
+            )
         except ApiException as err:
             if err.status not in (404, 409):
                 raise
@@ -354,9 +472,14 @@ class NodeAgent:
     def _finish_deletion(self, key: tuple[str, str], uid: str) -> None:
         """What the kubelet does last: delete the pod with grace 0 once its containers are gone."""
         try:
-            self.api.delete_namespaced_pod(key[1], key[0], grace_period_seconds=0,
-                                           body=kubernetes.client.V1DeleteOptions(grace_period_seconds=0,
-                                                                                  preconditions=kubernetes.client.V1Preconditions(uid=uid)))
+            self.api.delete_namespaced_pod(
+                key[1],
+                key[0],
+                grace_period_seconds=0,
+                body=kubernetes.client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=kubernetes.client.V1Preconditions(uid=uid)
+                ),
+            )
         except ApiException as err:
             if err.status not in (404, 409):
                 raise
@@ -386,13 +509,20 @@ class NodeAgent:
                         log.error("process %d did not exit", proc.popen.pid)
         left = procs.marked(str(self.state_dir))
         procs.signal_all(left, signal.SIGKILL)
-        log.info("node agent stopped; no pod process left%s", f" (killed stragglers {left})" if left else "")
+        log.info(
+            "node agent stopped; no pod process left%s",
+            f" (killed stragglers {left})" if left else "",
+        )
 
     def _write_targets(self) -> None:
         groups = []
         for pod in self.pods.values():
             if pod.procs and any(p.state.running for p in pod.procs):
-                labels = {"sandbox_node": pod.obj["spec"]["nodeName"], "sandbox_pod": pod.key[1], "sandbox_namespace": pod.key[0]}
+                labels = {
+                    "sandbox_node": pod.obj["spec"]["nodeName"],
+                    "sandbox_pod": pod.key[1],
+                    "sandbox_namespace": pod.key[0],
+                }
                 groups.append((pod.ip, podstatus.metrics_targets(pod.obj, pod.ip), labels))
         self.targets_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.targets_file.with_suffix(".tmp")
@@ -400,18 +530,26 @@ class NodeAgent:
         tmp.replace(self.targets_file)
 
 
-def base_env(state_dir: pathlib.Path, pod: dict[str, Any], *, ip: str, directory: pathlib.Path) -> dict[str, str]:
+def base_env(
+    state_dir: pathlib.Path, pod: dict[str, Any], *, ip: str, directory: pathlib.Path
+) -> dict[str, str]:
     """The environment every container of ``pod`` starts from (its own ``env`` is applied on top)."""
     spec = pod.get("spec") or {}
     return {
         "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "HOME": str(directory), "TMPDIR": str(directory), "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+        "HOME": str(directory),
+        "TMPDIR": str(directory),
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
         "HOSTNAME": spec.get("hostname") or (pod.get("metadata") or {}).get("name", ""),
         # The pod's own address.  Pods share this machine's network, so the trainer's exporters bind it
         # instead of 0.0.0.0: every pod keeps ports 9400.. as in its own network namespace.
-        METRICS_HOST_ENV: ip, POD_IP_ENV: ip,
+        METRICS_HOST_ENV: ip,
+        POD_IP_ENV: ip,
         # gloo finds its address through the loopback interface, not the (unresolvable) pod hostname.
-        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MESHTRAIN_SANDBOX": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "MESHTRAIN_SANDBOX": "1",
         # Step log and per-rank traces of the whole job in one place (for `meshtrain timeline`);
         # the pod's own env wins if it sets one.
         "MESHTRAIN_LOG_DIR": str(run_dir(state_dir, pod)),
@@ -434,7 +572,6 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-
 def _termination_message(path: str) -> str:
     """A container's termination message: the tail of its termination-log file, as the kubelet reports it."""
     if not path:
@@ -450,7 +587,9 @@ def _termination_message(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m meshtrain.sandbox.nodeagent --kubeconfig K --state-dir D``."""
-    parser = argparse.ArgumentParser(prog="meshtrain-sandbox-nodeagent", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="meshtrain-sandbox-nodeagent", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--state-dir", required=True, type=pathlib.Path)
     parser.add_argument("--blocks", type=int, default=2)
@@ -458,8 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes-per-leaf", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=4)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s nodeagent %(levelname)s %(message)s")
-    sim = nodes.topology(blocks=args.blocks, leaves=args.leaves, nodes_per_leaf=args.nodes_per_leaf, gpus=args.gpus)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s nodeagent %(levelname)s %(message)s"
+    )
+    sim = nodes.topology(
+        blocks=args.blocks, leaves=args.leaves, nodes_per_leaf=args.nodes_per_leaf, gpus=args.gpus
+    )
     NodeAgent(kubeconfig=args.kubeconfig, state_dir=args.state_dir, sim_nodes=sim).run()
     return 0
 

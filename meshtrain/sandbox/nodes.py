@@ -43,7 +43,9 @@ class SimNode:
     """GPUs (capacity and allocatable of nvidia.com/gpu)."""
 
 
-def topology(*, blocks: int = 2, leaves: int = 2, nodes_per_leaf: int = 2, gpus: int = 4) -> list[SimNode]:
+def topology(
+    *, blocks: int = 2, leaves: int = 2, nodes_per_leaf: int = 2, gpus: int = 4
+) -> list[SimNode]:
     """The sandbox fabric: ``blocks x leaves x nodes_per_leaf`` nodes of ``gpus`` GPUs.
 
     The default is 2 blocks x 2 leaves x 2 nodes x 4 GPUs = 8 nodes, 32 GPUs:
@@ -51,18 +53,20 @@ def topology(*, blocks: int = 2, leaves: int = 2, nodes_per_leaf: int = 2, gpus:
     """
     return [
         SimNode(name=f"gpu-b{b}-l{l}-n{n}", block=f"block-{b}", leaf=f"leaf-{b}-{l}", gpus=gpus)
-        for b in range(blocks) for l in range(leaves) for n in range(nodes_per_leaf)
+        for b in range(blocks)
+        for l in range(leaves)
+        for n in range(nodes_per_leaf)
     ]
 
 
 def now() -> str:
     """RFC 3339 UTC time with seconds, as Kubernetes writes it."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def now_micro() -> str:
     """RFC 3339 UTC time with microseconds (Lease renewTime is a MicroTime)."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def build_node(node: SimNode) -> dict:
@@ -90,29 +94,57 @@ def build_node(node: SimNode) -> dict:
 
 def build_node_status(node: SimNode, *, heartbeat: str, ready_since: str) -> dict:
     """The node's status: capacity with GPUs, Ready and the pressure conditions, addresses."""
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti", GPU_RESOURCE: str(node.gpus)}
+    resources = {
+        "cpu": "64",
+        "memory": "512Gi",
+        "pods": "110",
+        "ephemeral-storage": "1Ti",
+        GPU_RESOURCE: str(node.gpus),
+    }
 
     def condition(kind: str, status: str, reason: str, message: str) -> dict:
-        return {"type": kind, "status": status, "reason": reason, "message": message,
-                "lastHeartbeatTime": heartbeat, "lastTransitionTime": ready_since}
+        return {
+            "type": kind,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastHeartbeatTime": heartbeat,
+            "lastTransitionTime": ready_since,
+        }
 
     return {
         "status": {
             "capacity": resources,
             "allocatable": resources,
             "conditions": [
-                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "simulated node"),
+                condition(
+                    "MemoryPressure", "False", "KubeletHasSufficientMemory", "simulated node"
+                ),
                 condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "simulated node"),
                 condition("PIDPressure", "False", "KubeletHasSufficientPID", "simulated node"),
-                condition("Ready", "True", "KubeletReady", "meshtrain sandbox node agent: pods run as local processes"),
+                condition(
+                    "Ready",
+                    "True",
+                    "KubeletReady",
+                    "meshtrain sandbox node agent: pods run as local processes",
+                ),
             ],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": node.name}],
+            "addresses": [
+                {"type": "InternalIP", "address": "127.0.0.1"},
+                {"type": "Hostname", "address": node.name},
+            ],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
             "nodeInfo": {
-                "machineID": node.name, "systemUUID": node.name, "bootID": "sandbox",
-                "kernelVersion": "sandbox", "osImage": "meshtrain sandbox (local processes)",
-                "containerRuntimeVersion": "sandbox://0", "kubeletVersion": "v0.0.0-sandbox",
-                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+                "machineID": node.name,
+                "systemUUID": node.name,
+                "bootID": "sandbox",
+                "kernelVersion": "sandbox",
+                "osImage": "meshtrain sandbox (local processes)",
+                "containerRuntimeVersion": "sandbox://0",
+                "kubeletVersion": "v0.0.0-sandbox",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
             },
         }
     }
@@ -126,7 +158,13 @@ def build_lease(node_name: str, *, uid: str, renew_time: str) -> dict:
         "metadata": {
             "name": node_name,
             "namespace": LEASE_NAMESPACE,
-            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": uid}],
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": uid}
+            ],
         },
-        "spec": {"holderIdentity": node_name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": renew_time},
+        "spec": {
+            "holderIdentity": node_name,
+            "leaseDurationSeconds": LEASE_SECONDS,
+            "renewTime": renew_time,
+        },
     }

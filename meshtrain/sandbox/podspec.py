@@ -54,7 +54,9 @@ class Unresolved(LookupError):
     """A cluster DNS name in the pod's env or args does not resolve yet."""
 
     def __init__(self, names: list[str]) -> None:
-        super().__init__(f"waiting for cluster DNS names to resolve: {', '.join(sorted(set(names)))}")
+        super().__init__(
+            f"waiting for cluster DNS names to resolve: {', '.join(sorted(set(names)))}"
+        )
         self.names = names
         """The names that did not resolve."""
 
@@ -114,7 +116,9 @@ class Cluster:
     """(namespace, claim name) -> host directory of a PersistentVolumeClaim."""
 
 
-def translate(pod: Mapping[str, Any], *, ip: str, pod_dir: str, base_env: Mapping[str, str], cluster: Cluster) -> PodPlan:
+def translate(
+    pod: Mapping[str, Any], *, ip: str, pod_dir: str, base_env: Mapping[str, str], cluster: Cluster
+) -> PodPlan:
     """The processes, files and directories that emulate ``pod`` on this machine.
 
     Raises :class:`Unresolved` when a cluster DNS name cannot be resolved yet and
@@ -122,33 +126,61 @@ def translate(pod: Mapping[str, Any], *, ip: str, pod_dir: str, base_env: Mappin
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     namespace, name = meta.get("namespace", "default"), meta["name"]
-    volumes = _volumes(spec.get("volumes") or [], namespace=namespace, pod_dir=pod_dir, cluster=cluster)
+    volumes = _volumes(
+        spec.get("volumes") or [], namespace=namespace, pod_dir=pod_dir, cluster=cluster
+    )
     unresolved: list[str] = []
     containers: list[ContainerProcess] = []
     path_map: dict[str, str] = {}
-    all_containers = [(c, True) for c in spec.get("initContainers") or []] + [(c, False) for c in spec.get("containers") or []]
+    all_containers = [(c, True) for c in spec.get("initContainers") or []] + [
+        (c, False) for c in spec.get("containers") or []
+    ]
     for container, init in all_containers:
         mounts = _mounts(container, volumes)
         termination_log = f"{pod_dir}/termination-log-{container['name']}"
-        mounts[container.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH] = termination_log
+        mounts[container.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH] = (
+            termination_log
+        )
         path_map.update(mounts)
         env = _container_env(container, pod, ip=ip, cluster=cluster, base_env=base_env)
         env = {k: _rewrite(v, mounts, namespace, cluster, unresolved) for k, v in env.items()}
         command = [_expand(part, env) for part in container.get("command") or []]
         args = [_expand(part, env) for part in container.get("args") or []]
-        argv = tuple(_rewrite(part, mounts, namespace, cluster, unresolved) for part in command + args)
+        argv = tuple(
+            _rewrite(part, mounts, namespace, cluster, unresolved) for part in command + args
+        )
         if not argv:
-            raise Unsupported(f"container {container.get('name')!r} has no command: the sandbox cannot read an image's entrypoint")
+            raise Unsupported(
+                f"container {container.get('name')!r} has no command: the sandbox cannot read an image's entrypoint"
+            )
         working_dir = container.get("workingDir")
         cwd = _rewrite_paths(working_dir, mounts) if working_dir else pod_dir
-        ports = tuple((p.get("name", ""), int(p["containerPort"])) for p in container.get("ports") or [])
-        containers.append(ContainerProcess(name=container["name"], argv=argv, env=env, cwd=cwd, init=init, ports=ports,
-                                           termination_log=termination_log))
+        ports = tuple(
+            (p.get("name", ""), int(p["containerPort"])) for p in container.get("ports") or []
+        )
+        containers.append(
+            ContainerProcess(
+                name=container["name"],
+                argv=argv,
+                env=env,
+                cwd=cwd,
+                init=init,
+                ports=ports,
+                termination_log=termination_log,
+            )
+        )
     if unresolved:
         raise Unresolved(unresolved)
     files = {path: _rewrite_paths(text, path_map) for path, text in volumes.files.items()}
-    return PodPlan(namespace=namespace, name=name, ip=ip, directories=tuple(volumes.directories), files=files,
-                   path_map=path_map, containers=tuple(containers))
+    return PodPlan(
+        namespace=namespace,
+        name=name,
+        ip=ip,
+        directories=tuple(volumes.directories),
+        files=files,
+        path_map=path_map,
+        containers=tuple(containers),
+    )
 
 
 # --- volumes -------------------------------------------------------------------
@@ -162,7 +194,9 @@ class _Volumes:
     files: dict[str, str]
 
 
-def _volumes(volumes: list[Mapping[str, Any]], *, namespace: str, pod_dir: str, cluster: Cluster) -> _Volumes:
+def _volumes(
+    volumes: list[Mapping[str, Any]], *, namespace: str, pod_dir: str, cluster: Cluster
+) -> _Volumes:
     result = _Volumes(host_dirs={}, directories=[], files={})
     for volume in volumes:
         name = volume["name"]
@@ -196,9 +230,13 @@ def _volumes(volumes: list[Mapping[str, Any]], *, namespace: str, pod_dir: str, 
             result.host_dirs[name] = host  # service-account token projections: an empty directory
             result.directories.append(host)
         elif "secret" in volume:
-            raise Unsupported(f"volume {name!r} is a Secret: the sandbox does not materialise Secrets")
+            raise Unsupported(
+                f"volume {name!r} is a Secret: the sandbox does not materialise Secrets"
+            )
         else:
-            raise Unsupported(f"volume {name!r} has a type the sandbox does not emulate: {sorted(volume)}")
+            raise Unsupported(
+                f"volume {name!r} has a type the sandbox does not emulate: {sorted(volume)}"
+            )
     return result
 
 
@@ -229,8 +267,14 @@ def _rewrite_paths(text: str, mounts: Mapping[str, str]) -> str:
 # --- environment ---------------------------------------------------------------
 
 
-def _container_env(container: Mapping[str, Any], pod: Mapping[str, Any], *, ip: str, cluster: Cluster,
-                   base_env: Mapping[str, str]) -> dict[str, str]:
+def _container_env(
+    container: Mapping[str, Any],
+    pod: Mapping[str, Any],
+    *,
+    ip: str,
+    cluster: Cluster,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
     namespace = (pod.get("metadata") or {}).get("namespace", "default")
     env: dict[str, str] = dict(base_env)
     for source in container.get("envFrom") or []:
@@ -294,18 +338,22 @@ def _resource_value(container: Mapping[str, Any], resource: str) -> str:
 
 def _expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes ``$(VAR)`` expansion: defined names are replaced, ``$$`` is a literal ``$``."""
+
     def substitute(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
         name = match.group(1)
         return env[name] if name in env else match.group(0)
+
     return _VAR_RE.sub(substitute, text)
 
 
 # --- names ---------------------------------------------------------------------
 
 
-def _rewrite(text: str, mounts: Mapping[str, str], namespace: str, cluster: Cluster, unresolved: list[str]) -> str:
+def _rewrite(
+    text: str, mounts: Mapping[str, str], namespace: str, cluster: Cluster, unresolved: list[str]
+) -> str:
     """Rewrite mount paths, then a cluster DNS name that is the value (or after ``--flag=``, before ``:port``)."""
     text = _rewrite_paths(text, mounts)
     prefix, sep, value = text.rpartition("=") if text.startswith("-") else ("", "", text)
@@ -340,7 +388,13 @@ class PodRecord:
     """The pod's address once the agent assigned one."""
 
 
-def resolve(name: str, namespace: str, *, pods: list[PodRecord], services: Mapping[tuple[str, str], Mapping[str, str]]) -> str | None:
+def resolve(
+    name: str,
+    namespace: str,
+    *,
+    pods: list[PodRecord],
+    services: Mapping[tuple[str, str], Mapping[str, str]],
+) -> str | None:
     """Resolve a cluster DNS name like the cluster's DNS would.
 
     ``services`` maps (namespace, name) to the Service's selector.  Returns the
@@ -361,7 +415,13 @@ def resolve(name: str, namespace: str, *, pods: list[PodRecord], services: Mappi
     # service.namespace: the first pod the Service selects (no kube-proxy, no virtual IPs).
     if len(labels) == 2 and (labels[1], labels[0]) in services:
         selector = services[(labels[1], labels[0])]
-        ready = [p for p in pods if p.namespace == labels[1] and selector and all(p.labels.get(k) == v for k, v in selector.items())]
+        ready = [
+            p
+            for p in pods
+            if p.namespace == labels[1]
+            and selector
+            and all(p.labels.get(k) == v for k, v in selector.items())
+        ]
         ready.sort(key=lambda p: p.name)
         return ready[0].ip if ready else None
     raise KeyError(name)

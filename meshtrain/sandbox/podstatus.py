@@ -53,20 +53,34 @@ def exit_code(returncode: int) -> int:
 
 def _container_status(state: ContainerState) -> dict[str, Any]:
     status: dict[str, Any] = {
-        "name": state.name, "image": state.image, "imageID": SANDBOX_IMAGE_ID,
-        "restartCount": state.restart_count, "ready": state.running, "started": state.running,
+        "name": state.name,
+        "image": state.image,
+        "imageID": SANDBOX_IMAGE_ID,
+        "restartCount": state.restart_count,
+        "ready": state.running,
+        "started": state.running,
     }
     if state.pid is not None:
         status["containerID"] = f"sandbox://{state.pid}"
     if state.started_at is None:
-        status["state"] = {"waiting": {"reason": "ContainerCreating", "message": "waiting for the pod's names and volumes"}}
+        status["state"] = {
+            "waiting": {
+                "reason": "ContainerCreating",
+                "message": "waiting for the pod's names and volumes",
+            }
+        }
     elif state.exit_code is None:
         status["state"] = {"running": {"startedAt": state.started_at}}
     else:
-        status["state"] = {"terminated": {
-            "exitCode": state.exit_code, "reason": "Completed" if state.exit_code == 0 else "Error",
-            "startedAt": state.started_at, "finishedAt": state.finished_at,
-            "containerID": f"sandbox://{state.pid}"}}
+        status["state"] = {
+            "terminated": {
+                "exitCode": state.exit_code,
+                "reason": "Completed" if state.exit_code == 0 else "Error",
+                "startedAt": state.started_at,
+                "finishedAt": state.finished_at,
+                "containerID": f"sandbox://{state.pid}",
+            }
+        }
         if state.message:
             status["state"]["terminated"]["message"] = state.message[-TERMINATION_MESSAGE_LIMIT:]
     return status
@@ -83,14 +97,28 @@ def phase(containers: Sequence[ContainerState], restart_policy: str) -> str:
     return "Failed" if restart_policy == "Never" else "Running"
 
 
-def build_status(*, ip: str, started_at: str, now: str, init_done: bool, init: Sequence[ContainerState],
-                 containers: Sequence[ContainerState], restart_policy: str, message: str = "") -> dict[str, Any]:
+def build_status(
+    *,
+    ip: str,
+    started_at: str,
+    now: str,
+    init_done: bool,
+    init: Sequence[ContainerState],
+    containers: Sequence[ContainerState],
+    restart_policy: str,
+    message: str = "",
+) -> dict[str, Any]:
     """The ``status`` object of a pod run by the agent."""
     pod_phase = phase(containers, restart_policy) if init_done else "Pending"
     ready = pod_phase == "Running" and all(c.running for c in containers)
 
     def condition(kind: str, value: bool, reason: str = "") -> dict[str, Any]:
-        cond = {"type": kind, "status": "True" if value else "False", "lastTransitionTime": now, "lastProbeTime": None}
+        cond = {
+            "type": kind,
+            "status": "True" if value else "False",
+            "lastTransitionTime": now,
+            "lastProbeTime": None,
+        }
         if reason:
             cond["reason"] = reason
         return cond
@@ -98,14 +126,24 @@ def build_status(*, ip: str, started_at: str, now: str, init_done: bool, init: S
     finished = pod_phase in ("Succeeded", "Failed")
     status: dict[str, Any] = {
         "phase": pod_phase,
-        "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-        "podIP": ip, "podIPs": [{"ip": ip}],
+        "hostIP": "127.0.0.1",
+        "hostIPs": [{"ip": "127.0.0.1"}],
+        "podIP": ip,
+        "podIPs": [{"ip": ip}],
         "startTime": started_at,
         "conditions": [
             condition("PodScheduled", True),
             condition("Initialized", init_done, "" if init_done else "ContainersNotInitialized"),
-            condition("ContainersReady", ready, "" if ready else ("PodCompleted" if finished else "ContainersNotReady")),
-            condition("Ready", ready, "" if ready else ("PodCompleted" if finished else "ContainersNotReady")),
+            condition(
+                "ContainersReady",
+                ready,
+                "" if ready else ("PodCompleted" if finished else "ContainersNotReady"),
+            ),
+            condition(
+                "Ready",
+                ready,
+                "" if ready else ("PodCompleted" if finished else "ContainersNotReady"),
+            ),
         ],
         "containerStatuses": [_container_status(c) for c in containers],
     }
@@ -116,7 +154,9 @@ def build_status(*, ip: str, started_at: str, now: str, init_done: bool, init: S
     return status
 
 
-def metrics_targets(pod: Mapping[str, Any], ip: str, *, gpu_resource: str = "nvidia.com/gpu") -> list[int]:
+def metrics_targets(
+    pod: Mapping[str, Any], ip: str, *, gpu_resource: str = "nvidia.com/gpu"
+) -> list[int]:
     """Ports Prometheus should scrape on a running pod.
 
     Every container port whose name starts with ``metrics``; for the port named
@@ -126,7 +166,11 @@ def metrics_targets(pod: Mapping[str, Any], ip: str, *, gpu_resource: str = "nvi
     ports: list[int] = []
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
-        gpus = int((resources.get("limits") or {}).get(gpu_resource) or (resources.get("requests") or {}).get(gpu_resource) or 1)
+        gpus = int(
+            (resources.get("limits") or {}).get(gpu_resource)
+            or (resources.get("requests") or {}).get(gpu_resource)
+            or 1
+        )
         for port in container.get("ports") or []:
             name = port.get("name", "")
             if not name.startswith("metrics"):
@@ -138,4 +182,8 @@ def metrics_targets(pod: Mapping[str, Any], ip: str, *, gpu_resource: str = "nvi
 
 def file_sd(groups: Sequence[tuple[str, Sequence[int], Mapping[str, str]]]) -> list[dict[str, Any]]:
     """Prometheus file_sd content from (ip, ports, labels) groups."""
-    return [{"targets": [f"{ip}:{port}" for port in ports], "labels": dict(labels)} for ip, ports, labels in groups if ports]
+    return [
+        {"targets": [f"{ip}:{port}" for port in ports], "labels": dict(labels)}
+        for ip, ports, labels in groups
+        if ports
+    ]

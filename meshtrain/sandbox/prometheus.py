@@ -20,21 +20,31 @@ SCRAPE_INTERVAL = "2s"
 
 def find_binary() -> pathlib.Path:
     """The prometheus binary (Debian package: /usr/bin/prometheus)."""
-    found = shutil.which("prometheus") or ("/usr/bin/prometheus" if pathlib.Path("/usr/bin/prometheus").exists() else None)
+    found = shutil.which("prometheus") or (
+        "/usr/bin/prometheus" if pathlib.Path("/usr/bin/prometheus").exists() else None
+    )
     if not found:
-        raise FileNotFoundError("prometheus not found: run `make bootstrap` (installs Debian's prometheus package)")
+        raise FileNotFoundError(
+            "prometheus not found: run `make bootstrap` (installs Debian's prometheus package)"
+        )
     return pathlib.Path(found)
 
 
-def build_config(*, targets_file: pathlib.Path, operator_target: str | None, rule_files: list[pathlib.Path]) -> dict[str, Any]:
+def build_config(
+    *, targets_file: pathlib.Path, operator_target: str | None, rule_files: list[pathlib.Path]
+) -> dict[str, Any]:
     """The prometheus.yml of the sandbox."""
-    scrape: list[dict[str, Any]] = [{
-        "job_name": "meshtrain-trainer",
-        "honor_labels": True,
-        "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}],
-    }]
+    scrape: list[dict[str, Any]] = [
+        {
+            "job_name": "meshtrain-trainer",
+            "honor_labels": True,
+            "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}],
+        }
+    ]
     if operator_target:
-        scrape.append({"job_name": "meshtrain-operator", "static_configs": [{"targets": [operator_target]}]})
+        scrape.append(
+            {"job_name": "meshtrain-operator", "static_configs": [{"targets": [operator_target]}]}
+        )
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "5s"},
         "rule_files": [str(p) for p in rule_files],
@@ -42,7 +52,9 @@ def build_config(*, targets_file: pathlib.Path, operator_target: str | None, rul
     }
 
 
-def command(binary: pathlib.Path, *, config_file: pathlib.Path, data_dir: pathlib.Path, port: int) -> list[str]:
+def command(
+    binary: pathlib.Path, *, config_file: pathlib.Path, data_dir: pathlib.Path, port: int
+) -> list[str]:
     """Command line of the sandbox's Prometheus (loopback only)."""
     return [
         str(binary),

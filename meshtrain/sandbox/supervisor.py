@@ -124,13 +124,27 @@ class _Supervisor:
         self.paths = paths
         self.plane: server.ControlPlane | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.state: dict[str, Any] = {"status": "starting", "supervisor_pid": os.getpid(), "groups": {}, "timings": {}}
+        self.state: dict[str, Any] = {
+            "status": "starting",
+            "supervisor_pid": os.getpid(),
+            "groups": {},
+            "timings": {},
+        }
         self.stopping = False
 
-    def _spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with open(self.paths.logs / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env, cwd=self.paths.root)
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+                cwd=self.paths.root,
+            )
         self.children[name] = proc
         self.state["groups"][name] = proc.pid
         _write_state(self.paths, self.state)
@@ -143,8 +157,13 @@ class _Supervisor:
     def start(self) -> None:
         t0 = time.monotonic()
         found = binaries_mod.locate()
-        self.plane = server.ControlPlane(binaries=found, with_scheduler=True, with_controller_manager=True,
-                                         data_root=self.paths.root, startup_timeout=180.0)
+        self.plane = server.ControlPlane(
+            binaries=found,
+            with_scheduler=True,
+            with_controller_manager=True,
+            data_root=self.paths.root,
+            startup_timeout=180.0,
+        )
         self.plane.start()
         self.state["groups"].update({f"controlplane-{k}": v for k, v in self.plane.pids().items()})
         shutil.copyfile(self.plane.kubeconfig_path, self.paths.kubeconfig)
@@ -152,23 +171,68 @@ class _Supervisor:
         self._timed("control plane", t0)
 
         t1 = time.monotonic()
-        subprocess.run([str(found.helm), "install", RELEASE, str(REPO / "charts" / "meshtrain"), "--namespace", NAMESPACE,
-                        "--create-namespace", "--set", "operator.deploy=false", "--kubeconfig", str(self.paths.kubeconfig), "--wait"],
-                       check=True, stdout=open(self.paths.logs / "helm.log", "ab"), stderr=subprocess.STDOUT)
+        subprocess.run(
+            [
+                str(found.helm),
+                "install",
+                RELEASE,
+                str(REPO / "charts" / "meshtrain"),
+                "--namespace",
+                NAMESPACE,
+                "--create-namespace",
+                "--set",
+                "operator.deploy=false",
+                "--kubeconfig",
+                str(self.paths.kubeconfig),
+                "--wait",
+            ],
+            check=True,
+            stdout=open(self.paths.logs / "helm.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
         self._timed("helm install (CRD, RBAC)", t1)
 
         t2 = time.monotonic()
-        self._spawn("nodeagent", [sys.executable, "-m", "meshtrain.sandbox.nodeagent", "--kubeconfig", str(self.paths.kubeconfig),
-                                  "--state-dir", str(self.paths.root)])
+        self._spawn(
+            "nodeagent",
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.sandbox.nodeagent",
+                "--kubeconfig",
+                str(self.paths.kubeconfig),
+                "--state-dir",
+                str(self.paths.root),
+            ],
+        )
         self._write_operator_kubeconfig()
         operator_metrics, operator_health = ports.pick_free_port(), ports.pick_free_port()
         env = {**os.environ, "MESHTRAIN_PROGRESS_SECONDS": "3", "MESHTRAIN_RESYNC_SECONDS": "5"}
         env.pop("KUBECONFIG", None)
-        self._spawn("operator", [sys.executable, "-m", "meshtrain.cli", "operator", "--all-namespaces", "--peering", RELEASE,
-                                 "--kubeconfig", str(self.paths.operator_kubeconfig), "--metrics-port", str(operator_metrics),
-                                 "--liveness", f"http://127.0.0.1:{operator_health}/healthz", "--log-format", "text",
-                                 # The simulated nodes' GPUs are CPU worker processes: plan and admit jobs as such.
-                                 "--gpu-profile", "cpu"], env=env)
+        self._spawn(
+            "operator",
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.cli",
+                "operator",
+                "--all-namespaces",
+                "--peering",
+                RELEASE,
+                "--kubeconfig",
+                str(self.paths.operator_kubeconfig),
+                "--metrics-port",
+                str(operator_metrics),
+                "--liveness",
+                f"http://127.0.0.1:{operator_health}/healthz",
+                "--log-format",
+                "text",
+                # The simulated nodes' GPUs are CPU worker processes: plan and admit jobs as such.
+                "--gpu-profile",
+                "cpu",
+            ],
+            env=env,
+        )
         self.state["operator_metrics"] = f"127.0.0.1:{operator_metrics}"
         self._start_prometheus(f"127.0.0.1:{operator_metrics}")
         self._wait_nodes_ready(found.kubectl)
@@ -181,10 +245,21 @@ class _Supervisor:
         """A token for the chart's ServiceAccount (TokenRequest API, 24 h)."""
         assert self.plane is not None
         answer = self.plane.admin_client().request(
-            "POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{SERVICE_ACCOUNT}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 86400}})
-        config = kubeconfig_mod.build(server=self.plane.server, ca_file=self.plane.ca_file, user=f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}",
-                                      token=answer.body["status"]["token"], namespace=NAMESPACE)
+            "POST",
+            f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{SERVICE_ACCOUNT}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": 86400},
+            },
+        )
+        config = kubeconfig_mod.build(
+            server=self.plane.server,
+            ca_file=self.plane.ca_file,
+            user=f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}",
+            token=answer.body["status"]["token"],
+            namespace=NAMESPACE,
+        )
         kubeconfig_mod.write(self.paths.operator_kubeconfig, config)
 
     def _start_prometheus(self, operator_target: str) -> None:
@@ -197,11 +272,20 @@ class _Supervisor:
         if (REPO / "dashboards" / "rules.yaml").exists():
             shutil.copyfile(REPO / "dashboards" / "rules.yaml", directory / "rules.yaml")
             rules.append(directory / "rules.yaml")
-        config = prometheus.build_config(targets_file=targets, operator_target=operator_target, rule_files=rules)
+        config = prometheus.build_config(
+            targets_file=targets, operator_target=operator_target, rule_files=rules
+        )
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
         port = ports.pick_free_port()
-        self._spawn("prometheus", prometheus.command(prometheus.find_binary(), config_file=directory / "prometheus.yml",
-                                                      data_dir=directory / "data", port=port))
+        self._spawn(
+            "prometheus",
+            prometheus.command(
+                prometheus.find_binary(),
+                config_file=directory / "prometheus.yml",
+                data_dir=directory / "data",
+                port=port,
+            ),
+        )
         self.state["prometheus_url"] = f"http://127.0.0.1:{port}"
 
     def _wait_nodes_ready(self, kubectl: pathlib.Path, timeout: float = 120.0) -> None:
@@ -209,9 +293,24 @@ class _Supervisor:
         while time.monotonic() < deadline:
             for name, proc in self.children.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}: see {self.paths.logs / (name + '.log')}")
-            out = subprocess.run([str(kubectl), "--kubeconfig", str(self.paths.kubeconfig), "get", "nodes", "-l",
-                                  "meshtrain.io/sandbox-node=true", "-o", "name"], capture_output=True, text=True)
+                    raise RuntimeError(
+                        f"{name} exited with {proc.returncode}: see {self.paths.logs / (name + '.log')}"
+                    )
+            out = subprocess.run(
+                [
+                    str(kubectl),
+                    "--kubeconfig",
+                    str(self.paths.kubeconfig),
+                    "get",
+                    "nodes",
+                    "-l",
+                    "meshtrain.io/sandbox-node=true",
+                    "-o",
+                    "name",
+                ],
+                capture_output=True,
+                text=True,
+            )
             if len(out.stdout.split()) >= 1 and out.returncode == 0:
                 return
             time.sleep(1.0)
@@ -255,7 +354,11 @@ def serve(paths: Paths) -> int:
     signal.signal(signal.SIGINT, lambda *_: setattr(supervisor, "stopping", True))
     try:
         supervisor.start()
-        log.info("sandbox ready: export KUBECONFIG=%s ; Prometheus %s", paths.kubeconfig, supervisor.state.get("prometheus_url"))
+        log.info(
+            "sandbox ready: export KUBECONFIG=%s ; Prometheus %s",
+            paths.kubeconfig,
+            supervisor.state.get("prometheus_url"),
+        )
         supervisor.wait()
         return 0
     except Exception as err:  # noqa: BLE001 - recorded for `up`, then everything is stopped
@@ -290,8 +393,13 @@ def up(paths: Paths, *, timeout: float = 600.0) -> dict[str, Any]:
     paths.state.unlink(missing_ok=True)
     started = time.monotonic()
     with open(paths.logs / "supervisor.log", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.sandbox", "--state-dir", str(paths.root), "serve"],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshtrain.sandbox", "--state-dir", str(paths.root), "serve"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     while time.monotonic() - started < timeout:
         state = read_state(paths)
         if state and state.get("status") == "ready":
@@ -300,7 +408,9 @@ def up(paths: Paths, *, timeout: float = 600.0) -> dict[str, Any]:
         if proc.poll() is not None or (state and state.get("status") == "failed"):
             proc.wait()
             tail = (paths.logs / "supervisor.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the sandbox failed to start ({(state or {}).get('error', 'supervisor exited')}):\n{tail}")
+            raise RuntimeError(
+                f"the sandbox failed to start ({(state or {}).get('error', 'supervisor exited')}):\n{tail}"
+            )
         time.sleep(0.5)
     down(paths)
     raise RuntimeError(f"the sandbox was not ready after {timeout:.0f}s; see {paths.logs}")
@@ -338,7 +448,13 @@ def down(paths: Paths, *, timeout: float = 90.0) -> list[int]:
 def status(paths: Paths) -> dict[str, Any]:
     """The recorded state plus which of its processes are alive."""
     state = read_state(paths) or {"status": "absent"}
-    if state.get("supervisor_pid") and not alive(state["supervisor_pid"]) and state.get("status") == "ready":
+    if (
+        state.get("supervisor_pid")
+        and not alive(state["supervisor_pid"])
+        and state.get("status") == "ready"
+    ):
         state["status"] = "dead (supervisor gone; run down)"
-    state["alive"] = {name: bool(group_members(pgid)) for name, pgid in (state.get("groups") or {}).items()}
+    state["alive"] = {
+        name: bool(group_members(pgid)) for name, pgid in (state.get("groups") or {}).items()
+    }
     return state

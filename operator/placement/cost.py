@@ -33,7 +33,9 @@ Edge = tuple[int, int, float]
 
 def pod_traffic(request: model.PlacementRequest) -> list[Edge]:
     """Bytes per step between every pair of pods that talk, in pod order."""
-    grid = layout.ParallelLayout(data=request.data, pipeline=request.pipeline, tensor=request.tensor)
+    grid = layout.ParallelLayout(
+        data=request.data, pipeline=request.pipeline, tensor=request.tensor
+    )
     per_node = request.gpus_per_node
     pairs: dict[tuple[int, int], float] = {}
 

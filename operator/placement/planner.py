@@ -90,7 +90,9 @@ def first_fit(
     assignment = assignment[: request.pods]
     paths = topology.paths(nodes, slots, levels, request.nvlink_domain_label)
     keys = topology.level_keys(levels, request.nvlink_domain_label)
-    return _priced(assignment, cost.pod_traffic(request), paths, keys, topology.weights(levels), levels)
+    return _priced(
+        assignment, cost.pod_traffic(request), paths, keys, topology.weights(levels), levels
+    )
 
 
 def _unique(nodes: Iterable[model.Node]) -> list[model.Node]:
@@ -102,7 +104,9 @@ def _unique(nodes: Iterable[model.Node]) -> list[model.Node]:
 
 
 def _free_slots(
-    request: model.PlacementRequest, nodes: Sequence[model.Node], reservations: Iterable[model.Reservation]
+    request: model.PlacementRequest,
+    nodes: Sequence[model.Node],
+    reservations: Iterable[model.Reservation],
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Free pod slots per eligible node (only nodes with >= 1), and why the others are out."""
     reserved: dict[str, int] = {}
@@ -127,7 +131,10 @@ def _free_slots(
 
 
 def _check_capacity(
-    request: model.PlacementRequest, slots: dict[str, int], refused: dict[str, int], total_nodes: int
+    request: model.PlacementRequest,
+    slots: dict[str, int],
+    refused: dict[str, int],
+    total_nodes: int,
 ) -> model.Unschedulable | None:
     """InsufficientGPUs when the eligible nodes hold fewer slots than the gang has pods."""
     free = sum(slots.values())
@@ -183,7 +190,9 @@ def _orders(request: model.PlacementRequest) -> list[tuple[list[int], int]]:
     return orders
 
 
-def _fill(domain: topology.Domain, order: list[int], start: int, count: int, unit: int, out: list[str]) -> None:
+def _fill(
+    domain: topology.Domain, order: list[int], start: int, count: int, unit: int, out: list[str]
+) -> None:
     """Put the pods at positions ``[start, start+count)`` of ``order`` into ``domain``."""
     if domain.node is not None:
         for position in range(start, start + count):
@@ -230,7 +239,9 @@ def _split(
     raise AssertionError("domain capacity was checked before splitting")
 
 
-def _choose(candidates: list[topology.Domain], start: int, count: int, unit: int) -> topology.Domain:
+def _choose(
+    candidates: list[topology.Domain], start: int, count: int, unit: int
+) -> topology.Domain:
     """The candidate where the run lands deepest, then with the smallest footprint, then the smallest.
 
     The footprint (domains used at each depth, top first) is only simulated
@@ -244,9 +255,13 @@ def _choose(candidates: list[topology.Domain], start: int, count: int, unit: int
     return min(best, key=lambda child: (_footprint(child, start, count, unit), child.cap))
 
 
-def _choose_quickly(candidates: list[topology.Domain], start: int, count: int, unit: int) -> topology.Domain:
+def _choose_quickly(
+    candidates: list[topology.Domain], start: int, count: int, unit: int
+) -> topology.Domain:
     """Cheaper chooser for footprint simulation: deepest fit, fewest children needed, smallest."""
-    return min(candidates, key=lambda child: (-child.fit_depth(count), _spread(child, count), child.cap))
+    return min(
+        candidates, key=lambda child: (-child.fit_depth(count), _spread(child, count), child.cap)
+    )
 
 
 def _spread(domain: topology.Domain, count: int) -> int:
@@ -268,7 +283,9 @@ def _footprint(domain: topology.Domain, start: int, count: int, unit: int) -> tu
         current, run_start, run_count, depth = stack.pop()
         used[depth] += 1
         if current.node is None:
-            for child, child_start, child_count in _split(current, run_start, run_count, unit, _choose_quickly):
+            for child, child_start, child_count in _split(
+                current, run_start, run_count, unit, _choose_quickly
+            ):
                 stack.append((child, child_start, child_count, depth + 1))
     return tuple(used)
 
@@ -284,7 +301,9 @@ def _priced(
     """A Placement for ``assignment`` with its modelled traffic, cost and spread."""
     pod_paths = [paths[name] for name in assignment]
     crossed, total = cost.evaluate(edges, pod_paths, level_weights)
-    used = {key: len({path[: depth + 1] for path in pod_paths}) for depth, key in enumerate(keys[:-1])}
+    used = {
+        key: len({path[: depth + 1] for path in pod_paths}) for depth, key in enumerate(keys[:-1])
+    }
     return model.Placement(
         nodes=tuple(assignment),
         level_bytes=dict(zip(keys, crossed)),

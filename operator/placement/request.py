@@ -33,7 +33,8 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> model.PlacementRequest:
         pp_bytes_per_step=pp_bytes,
         nvlink_domain_label=job.topology.nvlink_domain_label,
         levels=tuple(
-            model.FabricLevel(label=level.label, required=level.mode == "required") for level in job.topology.levels
+            model.FabricLevel(label=level.label, required=level.mode == "required")
+            for level in job.topology.levels
         ),
         node_selector=dict(job.resources.node_selector),
     )

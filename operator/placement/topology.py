@@ -57,7 +57,10 @@ def detect_levels(nodes: Iterable[model.Node]) -> tuple[model.FabricLevel, ...]:
     level where every node would be a domain of its own.
     """
     nodes = list(nodes)
-    counts = [sum(1 for node in nodes if not labels_set.isdisjoint(node.labels)) for labels_set in _FAMILY_SETS]
+    counts = [
+        sum(1 for node in nodes if not labels_set.isdisjoint(node.labels))
+        for labels_set in _FAMILY_SETS
+    ]
     best = max(range(len(FAMILIES)), key=lambda i: (counts[i], -i))
     if counts[best] == 0:
         return ()
@@ -72,7 +75,9 @@ _FAMILY_SETS = tuple(frozenset(labels) for _, labels in FAMILIES)
 """Each family's labels as a set, for fast detection."""
 
 
-def level_keys(levels: Sequence[model.FabricLevel], nvlink_domain_label: str | None) -> tuple[str, ...]:
+def level_keys(
+    levels: Sequence[model.FabricLevel], nvlink_domain_label: str | None
+) -> tuple[str, ...]:
     """Keys of the places traffic can cross, most expensive first.
 
     The fabric level labels (top first), then the NVLink-domain label (or
@@ -113,7 +118,11 @@ def paths(
     nvlink_domain_label: str | None,
 ) -> dict[str, tuple[str, ...]]:
     """Path of every node whose name is in ``names``."""
-    return {node.name: node_path(node, levels, nvlink_domain_label) for node in nodes if node.name in names}
+    return {
+        node.name: node_path(node, levels, nvlink_domain_label)
+        for node in nodes
+        if node.name in names
+    }
 
 
 def crossing(path_a: Sequence[str], path_b: Sequence[str]) -> int:
@@ -132,7 +141,9 @@ class Domain:
 
     __slots__ = ("value", "depth", "children", "cap", "maxcap", "node")
 
-    def __init__(self, value: str, depth: int, children: list[Domain], cap: int, node: str | None) -> None:
+    def __init__(
+        self, value: str, depth: int, children: list[Domain], cap: int, node: str | None
+    ) -> None:
         self.value = value
         """Domain value at its level (the node name for a node)."""
         self.depth = depth

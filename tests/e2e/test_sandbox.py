@@ -53,7 +53,9 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[supervis
 
 
 def _pods(paths: supervisor.Paths, name: str) -> list[dict]:
-    out = example.kubectl(paths, "get", "pods", "-n", "default", "-l", f"meshtrain.io/job={name}", "-o", "json")
+    out = example.kubectl(
+        paths, "get", "pods", "-n", "default", "-l", f"meshtrain.io/job={name}", "-o", "json"
+    )
     return json.loads(out)["items"]
 
 
@@ -63,7 +65,9 @@ def _prometheus(state: dict, query: str) -> list[dict]:
         return json.loads(answer.read())["data"]["result"]
 
 
-def _variant(paths: supervisor.Paths, name: str, claim: str, steps: int, interval: int | None = None) -> pathlib.Path:
+def _variant(
+    paths: supervisor.Paths, name: str, claim: str, steps: int, interval: int | None = None
+) -> pathlib.Path:
     document = yaml.safe_load(EXAMPLE.read_text())
     document["metadata"]["name"] = name
     document["spec"]["checkpoint"]["claimName"] = claim
@@ -75,7 +79,9 @@ def _variant(paths: supervisor.Paths, name: str, claim: str, steps: int, interva
     return path
 
 
-def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supervisor.Paths, dict]) -> None:
+def test_example_trains_on_planned_nodes_and_exports_metrics(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
     paths, state = sandbox
     started = time.monotonic()
     namespace, name = example.apply(paths, EXAMPLE)
@@ -93,18 +99,35 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supe
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
     assert status["layout"] == "dp2·pp2·tp1"
     steps = yaml.safe_load(EXAMPLE.read_text())["spec"]["training"]["steps"]
-    assert status["progress"]["step"] == steps, f"final progress from rank 0's termination message: {status['progress']}"
+    assert status["progress"]["step"] == steps, (
+        f"final progress from rank 0's termination message: {status['progress']}"
+    )
     planned = {p["node"] for p in status["placement"]}
     assert len(status["placement"]) == 2
     assert set(seen_pods.values()) <= planned and seen_pods, (seen_pods, status["placement"])
-    events = example.kubectl(paths, "get", "events", "-n", namespace, "--field-selector", "reason=Scheduled", "-o", "json")
+    events = example.kubectl(
+        paths,
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        "reason=Scheduled",
+        "-o",
+        "json",
+    )
     scheduled = [e for e in json.loads(events)["items"] if e["involvedObject"]["name"] in seen_pods]
-    assert scheduled and all(e.get("reportingComponent") == "default-scheduler" or e["source"].get("component") == "default-scheduler"
-                             for e in scheduled), "pods are bound by the real scheduler"
+    assert scheduled and all(
+        e.get("reportingComponent") == "default-scheduler"
+        or e["source"].get("component") == "default-scheduler"
+        for e in scheduled
+    ), "pods are bound by the real scheduler"
     deadline = time.monotonic() + 30
     series: list[dict] = []
     while time.monotonic() < deadline and not series:
-        series = _prometheus(state, f'max by (rank) (max_over_time(meshtrain_tokens_total{{job="{name}"}}[30m]))')
+        series = _prometheus(
+            state, f'max by (rank) (max_over_time(meshtrain_tokens_total{{job="{name}"}}[30m]))'
+        )
         time.sleep(2)
     assert {s["metric"]["rank"] for s in series} == {"0", "1", "2", "3"}, series
     assert all(float(s["value"][1]) > 0 for s in series)
@@ -112,16 +135,26 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(sandbox: tuple[supe
     claim = yaml.safe_load(EXAMPLE.read_text())["spec"]["checkpoint"]["claimName"]
     logs = paths.root / "volumes" / namespace / claim / "logs"
     assert (logs / "steps.jsonl").is_file(), sorted(p.name for p in logs.parent.iterdir())
-    assert sorted(p.name for p in (logs / "trace").glob("rank-*.jsonl")) == [f"rank-{r}.jsonl" for r in range(4)]
-    assert example.timeline(paths, namespace, name) is not None, "meshtrain timeline draws from the claim's logs"
+    assert sorted(p.name for p in (logs / "trace").glob("rank-*.jsonl")) == [
+        f"rank-{r}.jsonl" for r in range(4)
+    ]
+    assert example.timeline(paths, namespace, name) is not None, (
+        "meshtrain timeline draws from the claim's logs"
+    )
 
 
 def _saved_steps(checkpoints: pathlib.Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
 
 
-def _run_until_checkpoint(paths: supervisor.Paths, name: str, claim: str, steps: int,
-                          at_least: int = 10, timeout: float = 600) -> tuple[str, pathlib.Path, int]:
+def _run_until_checkpoint(
+    paths: supervisor.Paths,
+    name: str,
+    claim: str,
+    steps: int,
+    at_least: int = 10,
+    timeout: float = 600,
+) -> tuple[str, pathlib.Path, int]:
     """Apply a variant of the example; once a checkpoint of ``at_least`` steps or more is complete, the job
     still running, return its namespace, checkpoint directory and newest checkpoint step."""
     namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
@@ -129,7 +162,9 @@ def _run_until_checkpoint(paths: supervisor.Paths, name: str, claim: str, steps:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = (example.job(paths, namespace, name) or {}).get("status") or {}
-        assert status.get("phase") not in ("Succeeded", "Failed"), "the job ended before it could be interrupted"
+        assert status.get("phase") not in ("Succeeded", "Failed"), (
+            "the job ended before it could be interrupted"
+        )
         saved = _saved_steps(checkpoints)
         if saved and saved[-1] >= at_least:
             return namespace, checkpoints, saved[-1]
@@ -150,18 +185,31 @@ def _wait_for_logged_step(step_log: pathlib.Path, at_least: int, timeout: float 
 
 
 def _gang_logs(paths: supervisor.Paths, namespace: str, pods: str) -> str:
-    return " ".join(p.read_text(errors="replace") for p in (paths.root / "pods" / namespace).glob(f"{pods}/trainer.log"))
+    return " ".join(
+        p.read_text(errors="replace")
+        for p in (paths.root / "pods" / namespace).glob(f"{pods}/trainer.log")
+    )
 
 
-def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tuple[supervisor.Paths, dict]) -> None:
+def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
     paths, _state = sandbox
     name, steps = "sandbox-restart", 300
     namespace, checkpoints, saved = _run_until_checkpoint(paths, name, "restart-checkpoints", steps)
-    pod = next(p for p in _pods(paths, name) if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1")
-    leader = int((paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text())
+    pod = next(
+        p
+        for p in _pods(paths, name)
+        if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1"
+    )
+    leader = int(
+        (paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text()
+    )
     workers = [pid for pid in procs.tree(leader) if pid != leader]
     assert workers, "torchrun's worker processes"
-    print(f"killing rank process {workers[0]} of pod {pod['metadata']['name']} after checkpoint step {saved}")
+    print(
+        f"killing rank process {workers[0]} of pod {pod['metadata']['name']} after checkpoint step {saved}"
+    )
     os.kill(workers[0], signal.SIGKILL)
     final = example.follow(paths, namespace, name, timeout=900)
     status = final["status"]
@@ -169,10 +217,14 @@ def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(sandbox: tupl
     assert status["restarts"] == 1
     final_saved = _saved_steps(checkpoints)
     assert final_saved[-1] == steps, f"trained to the last step: checkpoints {final_saved}"
-    assert "resumed from" in _gang_logs(paths, namespace, f"{name}-r1-*"), "the restarted gang resumes from the checkpoint"
+    assert "resumed from" in _gang_logs(paths, namespace, f"{name}-r1-*"), (
+        "the restarted gang resumes from the checkpoint"
+    )
 
 
-def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[supervisor.Paths, dict]) -> None:
+def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
     """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted.
 
     No periodic checkpoints: the only one before the end is the one the
@@ -187,19 +239,48 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(sandbox: tuple[su
     assert _saved_steps(checkpoints) == [], "no periodic checkpoint in this variant"
     old_pods = {p["metadata"]["uid"] for p in _pods(paths, name)}
     print(f"patching {name} to dp4·pp1·tp1 after step {trained}")
-    example.kubectl(paths, "patch", "tj", name, "-n", namespace, "--type", "merge",
-                    "-p", json.dumps({"spec": {"parallelism": {"data": 4, "pipeline": 1, "microBatches": 2}}}))
+    example.kubectl(
+        paths,
+        "patch",
+        "tj",
+        name,
+        "-n",
+        namespace,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"parallelism": {"data": 4, "pipeline": 1, "microBatches": 2}}}),
+    )
     final = example.follow(paths, namespace, name, timeout=900)
     status = final["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
     assert status["layout"] == "dp4·pp1·tp1" and status["restarts"] == 0
     assert not old_pods & {p["metadata"]["uid"] for p in _pods(paths, name)}
     assert _saved_steps(checkpoints)[-1] == steps
-    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, f"{name}-r0-*"))
+    resumed = re.search(
+        r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, f"{name}-r0-*")
+    )
     assert resumed, "the rebuilt gang resumes from the checkpoint"
-    assert int(resumed.group(1)) >= trained, "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)"
+    assert int(resumed.group(1)) >= trained, (
+        "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)"
+    )
     logged = [json.loads(line)["step"] for line in step_log.read_text().splitlines()]
-    assert logged == list(range(1, steps + 1)), f"no step lost and trained twice across the rebuild: {logged}"
-    events = json.loads(example.kubectl(paths, "get", "events", "-n", namespace, "--field-selector",
-                                        "reason=SpecChanged", "-o", "json"))["items"]
-    assert any(e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events), events
+    assert logged == list(range(1, steps + 1)), (
+        f"no step lost and trained twice across the rebuild: {logged}"
+    )
+    events = json.loads(
+        example.kubectl(
+            paths,
+            "get",
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            "reason=SpecChanged",
+            "-o",
+            "json",
+        )
+    )["items"]
+    assert any(
+        e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events
+    ), events

@@ -51,7 +51,9 @@ def control_plane(control_plane_binaries: binaries.Binaries) -> Iterator[control
 
 
 @pytest.fixture(scope="session")
-def control_plane_full(control_plane_binaries: binaries.Binaries) -> Iterator[controlplane.ControlPlane]:
+def control_plane_full(
+    control_plane_binaries: binaries.Binaries,
+) -> Iterator[controlplane.ControlPlane]:
     """A separate instance that also runs kube-scheduler and kube-controller-manager."""
     yield from _started(control_plane_binaries, with_scheduler=True, with_controller_manager=True)
 
@@ -71,7 +73,9 @@ def kube_api(control_plane: controlplane.ControlPlane) -> Iterator[kubernetes.cl
 
 
 @pytest.fixture(scope="session")
-def kube_api_full(control_plane_full: controlplane.ControlPlane) -> Iterator[kubernetes.client.ApiClient]:
+def kube_api_full(
+    control_plane_full: controlplane.ControlPlane,
+) -> Iterator[kubernetes.client.ApiClient]:
     """ApiClient authenticated as the admin of ``control_plane_full``."""
     yield from _api_client(control_plane_full)
 
@@ -81,6 +85,8 @@ def namespace(kube_api: kubernetes.client.ApiClient) -> Iterator[str]:
     """A fresh namespace on ``control_plane``, deleted after the test."""
     name = f"t-{uuid.uuid4().hex[:8]}"
     core = kubernetes.client.CoreV1Api(kube_api)
-    core.create_namespace(kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name)))
+    core.create_namespace(
+        kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name))
+    )
     yield name
     core.delete_namespace(name)

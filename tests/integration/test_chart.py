@@ -30,44 +30,102 @@ CHART = ROOT / "charts" / "meshtrain"
 
 # (verb, resource) the operator needs in a watched namespace (docs/operator.md, RBAC table).
 NAMESPACED_ALLOWED = [
-    ("get", "trainingjobs.meshtrain.io"), ("list", "trainingjobs.meshtrain.io"), ("watch", "trainingjobs.meshtrain.io"),
-    ("patch", "trainingjobs.meshtrain.io"), ("delete", "trainingjobs.meshtrain.io"),
+    ("get", "trainingjobs.meshtrain.io"),
+    ("list", "trainingjobs.meshtrain.io"),
+    ("watch", "trainingjobs.meshtrain.io"),
+    ("patch", "trainingjobs.meshtrain.io"),
+    ("delete", "trainingjobs.meshtrain.io"),
     ("patch", "trainingjobs.meshtrain.io/status"),
-    ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("create", "pods"), ("patch", "pods"), ("delete", "pods"),
-    ("create", "services"), ("patch", "services"), ("delete", "services"),
-    ("create", "configmaps"), ("patch", "configmaps"), ("delete", "configmaps"),
+    ("get", "pods"),
+    ("list", "pods"),
+    ("watch", "pods"),
+    ("create", "pods"),
+    ("patch", "pods"),
+    ("delete", "pods"),
+    ("create", "services"),
+    ("patch", "services"),
+    ("delete", "services"),
+    ("create", "configmaps"),
+    ("patch", "configmaps"),
+    ("delete", "configmaps"),
     ("create", "events"),
 ]
-CLUSTER_ALLOWED = [("list", "nodes"), ("watch", "nodes"), ("list", "pods"), ("list", "namespaces"), ("watch", "namespaces"),
-                   ("list", "customresourcedefinitions.apiextensions.k8s.io"),
-                   ("watch", "customresourcedefinitions.apiextensions.k8s.io")]
-DENIED = [
-    ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),
-    ("update", "trainingjobs.meshtrain.io"), ("create", "trainingjobs.meshtrain.io"),
-    ("update", "pods"), ("deletecollection", "pods"), ("create", "pods/exec"),
-    ("get", "services"), ("get", "configmaps"), ("update", "configmaps"),
-    ("create", "roles.rbac.authorization.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
-    ("create", "serviceaccounts/token"), ("impersonate", "serviceaccounts"),
+CLUSTER_ALLOWED = [
+    ("list", "nodes"),
+    ("watch", "nodes"),
+    ("list", "pods"),
+    ("list", "namespaces"),
+    ("watch", "namespaces"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
 ]
-CLUSTER_DENIED = [("patch", "nodes"), ("delete", "nodes"), ("create", "namespaces"),
-                  ("create", "customresourcedefinitions.apiextensions.k8s.io")]
+DENIED = [
+    ("get", "secrets"),
+    ("list", "secrets"),
+    ("watch", "secrets"),
+    ("update", "trainingjobs.meshtrain.io"),
+    ("create", "trainingjobs.meshtrain.io"),
+    ("update", "pods"),
+    ("deletecollection", "pods"),
+    ("create", "pods/exec"),
+    ("get", "services"),
+    ("get", "configmaps"),
+    ("update", "configmaps"),
+    ("create", "roles.rbac.authorization.k8s.io"),
+    ("create", "rolebindings.rbac.authorization.k8s.io"),
+    ("create", "serviceaccounts/token"),
+    ("impersonate", "serviceaccounts"),
+]
+CLUSTER_DENIED = [
+    ("patch", "nodes"),
+    ("delete", "nodes"),
+    ("create", "namespaces"),
+    ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+]
 
 
 @pytest.fixture(scope="module")
-def tools(control_plane: controlplane.ControlPlane, control_plane_binaries: binaries.Binaries) -> dict[str, str]:
+def tools(
+    control_plane: controlplane.ControlPlane, control_plane_binaries: binaries.Binaries
+) -> dict[str, str]:
     """helm and kubectl pointed at the session's control plane, with the chart's CRDs applied."""
-    env = {"KUBECONFIG": str(control_plane.kubeconfig_path), "HOME": os.environ.get("HOME", "/tmp"),
-           "PATH": os.environ.get("PATH", "")}
-    result = subprocess.run([str(control_plane_binaries.kubectl), "apply", "--server-side", "-f", str(CHART / "crds")],
-                            env=env, capture_output=True, text=True)
+    env = {
+        "KUBECONFIG": str(control_plane.kubeconfig_path),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "PATH": os.environ.get("PATH", ""),
+    }
+    result = subprocess.run(
+        [str(control_plane_binaries.kubectl), "apply", "--server-side", "-f", str(CHART / "crds")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
-    subprocess.run([str(control_plane_binaries.kubectl), "wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/trainingjobs.meshtrain.io"], env=env, check=True, capture_output=True)
-    return {"helm": str(control_plane_binaries.helm), "kubectl": str(control_plane_binaries.kubectl), **{"env": env}}  # type: ignore[dict-item]
+    subprocess.run(
+        [
+            str(control_plane_binaries.kubectl),
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/trainingjobs.meshtrain.io",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    return {
+        "helm": str(control_plane_binaries.helm),
+        "kubectl": str(control_plane_binaries.kubectl),
+        **{"env": env},
+    }  # type: ignore[dict-item]
 
 
-def run(tools: dict, tool: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([tools[tool], *args], input=stdin, capture_output=True, text=True, env=tools["env"])
+def run(
+    tools: dict, tool: str, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tools[tool], *args], input=stdin, capture_output=True, text=True, env=tools["env"]
+    )
 
 
 def namespace(tools: dict, prefix: str) -> str:
@@ -77,9 +135,16 @@ def namespace(tools: dict, prefix: str) -> str:
 
 
 def test_helm_lint_strict_is_clean(tools: dict) -> None:
-    for extra in ([], ["--set", "watch.mode=namespaces", "--set", "watch.namespaces={a,b}"],
-                  ["--set", "monitoring.trainerPodMonitor.enabled=true,monitoring.operatorServiceMonitor.enabled=true",
-                   "--set", "monitoring.prometheusRule.enabled=true,grafana.dashboards.enabled=true"]):
+    for extra in (
+        [],
+        ["--set", "watch.mode=namespaces", "--set", "watch.namespaces={a,b}"],
+        [
+            "--set",
+            "monitoring.trainerPodMonitor.enabled=true,monitoring.operatorServiceMonitor.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.enabled=true,grafana.dashboards.enabled=true",
+        ],
+    ):
         result = run(tools, "helm", "lint", "--strict", str(CHART), *extra)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
@@ -89,7 +154,9 @@ def test_helm_lint_strict_is_clean(tools: dict) -> None:
 def test_template_passes_server_side_dry_run(tools: dict, mode: str) -> None:
     release_ns = namespace(tools, "chart-dry")
     watched = namespace(tools, "chart-watched")
-    values = ["--set", f"watch.mode={mode}"] + (["--set", f"watch.namespaces={{{watched}}}"] if mode == "namespaces" else [])
+    values = ["--set", f"watch.mode={mode}"] + (
+        ["--set", f"watch.namespaces={{{watched}}}"] if mode == "namespaces" else []
+    )
     rendered = run(tools, "helm", "template", "dry", str(CHART), "--namespace", release_ns, *values)
     assert rendered.returncode == 0, rendered.stderr
     applied = run(tools, "kubectl", "apply", "--dry-run=server", "-f", "-", stdin=rendered.stdout)
@@ -97,29 +164,78 @@ def test_template_passes_server_side_dry_run(tools: dict, mode: str) -> None:
     assert "deployment.apps/dry-meshtrain created (server dry run)" in applied.stdout
 
 
-def test_monitoring_objects_pass_server_side_dry_run_against_the_prometheus_operator_crds(tools: dict) -> None:
+def test_monitoring_objects_pass_server_side_dry_run_against_the_prometheus_operator_crds(
+    tools: dict,
+) -> None:
     crds = binaries.monitoring_crds()  # fetched by scripts/bootstrap.sh from the Go module proxy
-    installed = run(tools, "kubectl", "apply", "--server-side", *(arg for path in crds for arg in ("-f", str(path))))
+    installed = run(
+        tools,
+        "kubectl",
+        "apply",
+        "--server-side",
+        *(arg for path in crds for arg in ("-f", str(path))),
+    )
     assert installed.returncode == 0, installed.stderr
     for name in binaries.MONITORING_CRDS:
-        established = run(tools, "kubectl", "wait", "--for=condition=Established", "--timeout=60s",
-                          f"crd/{name}.monitoring.coreos.com")
+        established = run(
+            tools,
+            "kubectl",
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            f"crd/{name}.monitoring.coreos.com",
+        )
         assert established.returncode == 0, established.stderr
     release_ns = namespace(tools, "chart-mon")
-    rendered = run(tools, "helm", "template", "mon", str(CHART), "--namespace", release_ns,
-                   "--set", "monitoring.trainerPodMonitor.enabled=true", "--set", "monitoring.operatorServiceMonitor.enabled=true",
-                   "--set", "monitoring.prometheusRule.enabled=true")
+    rendered = run(
+        tools,
+        "helm",
+        "template",
+        "mon",
+        str(CHART),
+        "--namespace",
+        release_ns,
+        "--set",
+        "monitoring.trainerPodMonitor.enabled=true",
+        "--set",
+        "monitoring.operatorServiceMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+    )
     assert rendered.returncode == 0, rendered.stderr
-    applied = run(tools, "kubectl", "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=rendered.stdout)
+    applied = run(
+        tools,
+        "kubectl",
+        "apply",
+        "--dry-run=server",
+        "--validate=strict",
+        "-f",
+        "-",
+        stdin=rendered.stdout,
+    )
     assert applied.returncode == 0, applied.stderr
     for kind in ("podmonitor", "servicemonitor", "prometheusrule"):
         assert f"{kind}.monitoring.coreos.com/mon-meshtrain" in applied.stdout, applied.stdout
 
 
 def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(tools: dict) -> None:
-    rendered = run(tools, "helm", "template", "mon", str(CHART), "--set", "monitoring.trainerPodMonitor.enabled=true",
-                   "--set", "monitoring.operatorServiceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
-                   "--set", "grafana.dashboards.enabled=true", "--set", "monitoring.selectorLabels.release=prom")
+    rendered = run(
+        tools,
+        "helm",
+        "template",
+        "mon",
+        str(CHART),
+        "--set",
+        "monitoring.trainerPodMonitor.enabled=true",
+        "--set",
+        "monitoring.operatorServiceMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+        "--set",
+        "grafana.dashboards.enabled=true",
+        "--set",
+        "monitoring.selectorLabels.release=prom",
+    )
     assert rendered.returncode == 0, rendered.stderr
     text = rendered.stdout
     for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
@@ -129,39 +245,78 @@ def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(to
     assert "meshtrain-training.json" in text and "meshtrain-operator.json" in text
     assert "groups:" in text
     monitor = next(d for d in yaml.safe_load_all(text) if d and d["kind"] == "PodMonitor")
-    endpoint, = monitor["spec"]["podMetricsEndpoints"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["honorLabels"] is True and "port" not in endpoint
     keep = [r for r in endpoint["relabelings"] if r.get("action") == "keep"]
-    assert keep == [{"sourceLabels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics-[0-9]+",
-                     "action": "keep"}]
+    assert keep == [
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_container_port_name"],
+            "regex": "metrics-[0-9]+",
+            "action": "keep",
+        }
+    ]
 
 
 def test_install_and_uninstall(tools: dict) -> None:
     release_ns = namespace(tools, "chart-install")
     release = f"it-{uuid.uuid4().hex[:5]}"
     # A peering name of its own: the operator tests share this control plane and own `meshtrain`.
-    installed = run(tools, "helm", "install", release, str(CHART), "--namespace", release_ns,
-                    "--set", f"operator.peering={release}")
+    installed = run(
+        tools,
+        "helm",
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        release_ns,
+        "--set",
+        f"operator.peering={release}",
+    )
     assert installed.returncode == 0, installed.stderr
     assert "kubectl get trainingjobs -w" in installed.stdout, "NOTES.txt tells what to do next"
-    objects = run(tools, "kubectl", "get", "deployment,serviceaccount", "-n", release_ns, "-o", "name")
+    objects = run(
+        tools, "kubectl", "get", "deployment,serviceaccount", "-n", release_ns, "-o", "name"
+    )
     assert f"deployment.apps/{release}-meshtrain" in objects.stdout
     assert run(tools, "kubectl", "get", "clusterrole", f"{release}-meshtrain-jobs").returncode == 0
     uninstalled = run(tools, "helm", "uninstall", release, "--namespace", release_ns, "--wait")
     assert uninstalled.returncode == 0, uninstalled.stderr
     assert run(tools, "kubectl", "get", "clusterrole", f"{release}-meshtrain-jobs").returncode != 0
-    assert f"{release}-meshtrain" not in run(tools, "kubectl", "get", "deployment", "-n", release_ns, "-o", "name").stdout
+    assert (
+        f"{release}-meshtrain"
+        not in run(tools, "kubectl", "get", "deployment", "-n", release_ns, "-o", "name").stdout
+    )
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    (["--set", "replicaCount=-1"], "at '/replicaCount': minimum: got -1, want 0"),
-    (["--set", "watch.mode=some"], "at '/watch/mode': value must be one of 'all', 'namespaces'"),
-    (["--set", "watch.mode=namespaces"], "at '/watch/namespaces'"),
-    (["--set", "operator.peering=,replicaCount=2"], "at '/replicaCount': maximum: got 2, want 1"),
-    (["--set", "typo=1"], "additional properties 'typo' not allowed"),
-])
-def test_bad_values_fail_at_install_with_the_schema_message(tools: dict, values: list[str], message: str) -> None:
-    result = run(tools, "helm", "install", f"bad-{uuid.uuid4().hex[:5]}", str(CHART), "--namespace", "default", *values)
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "replicaCount=-1"], "at '/replicaCount': minimum: got -1, want 0"),
+        (
+            ["--set", "watch.mode=some"],
+            "at '/watch/mode': value must be one of 'all', 'namespaces'",
+        ),
+        (["--set", "watch.mode=namespaces"], "at '/watch/namespaces'"),
+        (
+            ["--set", "operator.peering=,replicaCount=2"],
+            "at '/replicaCount': maximum: got 2, want 1",
+        ),
+        (["--set", "typo=1"], "additional properties 'typo' not allowed"),
+    ],
+)
+def test_bad_values_fail_at_install_with_the_schema_message(
+    tools: dict, values: list[str], message: str
+) -> None:
+    result = run(
+        tools,
+        "helm",
+        "install",
+        f"bad-{uuid.uuid4().hex[:5]}",
+        str(CHART),
+        "--namespace",
+        "default",
+        *values,
+    )
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr
     assert message in result.stderr, result.stderr
@@ -178,15 +333,30 @@ def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> boo
 def test_rbac_all_namespaces_is_sufficient_and_no_more(tools: dict) -> None:
     release_ns = namespace(tools, "chart-rbac")
     other = namespace(tools, "chart-other")
-    installed = run(tools, "helm", "install", "rbac", str(CHART), "--namespace", release_ns,
-                    "--set", f"operator.peering={release_ns}")
+    installed = run(
+        tools,
+        "helm",
+        "install",
+        "rbac",
+        str(CHART),
+        "--namespace",
+        release_ns,
+        "--set",
+        f"operator.peering={release_ns}",
+    )
     assert installed.returncode == 0, installed.stderr
     sa = f"system:serviceaccount:{release_ns}:rbac-meshtrain"
     try:
         missing = [(v, r) for v, r in NAMESPACED_ALLOWED if not can_i(tools, sa, v, r, other)]
         missing += [(v, r) for v, r in CLUSTER_ALLOWED if not can_i(tools, sa, v, r, None)]
-        missing += [(v, r) for v, r in [("get", "clusterkopfpeerings.kopf.dev"), ("patch", "clusterkopfpeerings.kopf.dev")]
-                    if not can_i(tools, sa, v, r, None)]
+        missing += [
+            (v, r)
+            for v, r in [
+                ("get", "clusterkopfpeerings.kopf.dev"),
+                ("patch", "clusterkopfpeerings.kopf.dev"),
+            ]
+            if not can_i(tools, sa, v, r, None)
+        ]
         assert not missing, f"the operator needs {missing}"
         extra = [(v, r) for v, r in DENIED if can_i(tools, sa, v, r, other)]
         extra += [(v, r) for v, r in CLUSTER_DENIED if can_i(tools, sa, v, r, None)]
@@ -198,8 +368,19 @@ def test_rbac_all_namespaces_is_sufficient_and_no_more(tools: dict) -> None:
 def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> None:
     release_ns = namespace(tools, "chart-rbacns")
     watched, other = namespace(tools, "chart-w"), namespace(tools, "chart-o")
-    result = run(tools, "helm", "install", "rbacns", str(CHART), "--namespace", release_ns,
-                 "--set", "watch.mode=namespaces", "--set", f"watch.namespaces={{{watched}}}")
+    result = run(
+        tools,
+        "helm",
+        "install",
+        "rbacns",
+        str(CHART),
+        "--namespace",
+        release_ns,
+        "--set",
+        "watch.mode=namespaces",
+        "--set",
+        f"watch.namespaces={{{watched}}}",
+    )
     assert result.returncode == 0, result.stderr
     sa = f"system:serviceaccount:{release_ns}:rbacns-meshtrain"
     try:
@@ -208,13 +389,21 @@ def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> 
         assert not can_i(tools, sa, "create", "pods", other)
         assert not can_i(tools, sa, "patch", "trainingjobs.meshtrain.io/status", other)
         assert not can_i(tools, sa, "update", "trainingjobs.meshtrain.io/status", watched)
-        assert can_i(tools, sa, "list", "pods", None), "cluster-wide pod list: GPU reservations of every namespace"
+        assert can_i(tools, sa, "list", "pods", None), (
+            "cluster-wide pod list: GPU reservations of every namespace"
+        )
         assert not can_i(tools, sa, "get", "secrets", watched)
     finally:
         run(tools, "helm", "uninstall", "rbacns", "--namespace", release_ns, "--wait")
 
 
 def test_plain_manifests_equal_fresh_helm_template(tools: dict) -> None:
-    result = subprocess.run([str(ROOT / "scripts" / "render-manifests.sh"), "--check"], capture_output=True, text=True,
-                            env={**tools["env"], "HELM": tools["helm"]})
-    assert result.returncode == 0, f"run scripts/render-manifests.sh: {result.stdout}{result.stderr}"
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "render-manifests.sh"), "--check"],
+        capture_output=True,
+        text=True,
+        env={**tools["env"], "HELM": tools["helm"]},
+    )
+    assert result.returncode == 0, (
+        f"run scripts/render-manifests.sh: {result.stdout}{result.stderr}"
+    )

@@ -28,27 +28,56 @@ def gpu_nodes(kube_api: kubernetes.client.ApiClient) -> Iterator[list[str]]:
     names = [f"plan-{suffix}-{i}" for i in range(3)]
     for name, block in zip(names, ("b1", "b1", "b2")):
         labels = {BLOCK: f"{block}-{suffix}", "meshtrain.io/test": suffix}
-        core.create_node(kubernetes.client.V1Node(metadata=kubernetes.client.V1ObjectMeta(name=name, labels=labels)))
-        core.patch_node_status(name, {"status": {"capacity": {"nvidia.com/gpu": "4"},
-                                                 "allocatable": {"nvidia.com/gpu": "4"}}})
+        core.create_node(
+            kubernetes.client.V1Node(
+                metadata=kubernetes.client.V1ObjectMeta(name=name, labels=labels)
+            )
+        )
+        core.patch_node_status(
+            name,
+            {
+                "status": {
+                    "capacity": {"nvidia.com/gpu": "4"},
+                    "allocatable": {"nvidia.com/gpu": "4"},
+                }
+            },
+        )
     yield names
     for name in names:
         core.delete_node(name)
 
 
-def test_list_nodes_and_plan_from_cluster(gpu_nodes: list[str], control_plane, tmp_path: Path,  # noqa: ANN001
-                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_nodes_and_plan_from_cluster(
+    gpu_nodes: list[str],
+    control_plane,
+    tmp_path: Path,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig_path))
     nodes = {n.name: n for n in cluster_live.list_nodes()}
     assert all(nodes[name].allocatable_gpus == 4 for name in gpu_nodes)
     assert nodes[gpu_nodes[2]].labels[BLOCK].startswith("b2-")
 
     suffix = nodes[gpu_nodes[0]].labels["meshtrain.io/test"]
-    raw = (JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4)
-           .resources(nodeSelector={"meshtrain.io/test": suffix}).raw())
+    raw = (
+        JobBuilder()
+        .layout(2, 2, 2, gpus_per_node=4)
+        .parallelism(microBatches=4)
+        .resources(nodeSelector={"meshtrain.io/test": suffix})
+        .raw()
+    )
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
-                                   "metadata": {"name": "p"}, "spec": raw}))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "meshtrain.io/v1alpha1",
+                "kind": "TrainingJob",
+                "metadata": {"name": "p"},
+                "spec": raw,
+            }
+        )
+    )
     assert cli.main(["plan", str(job), "--from-cluster", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)["placement"]
     assert placement["schedulable"]
@@ -56,12 +85,17 @@ def test_list_nodes_and_plan_from_cluster(gpu_nodes: list[str], control_plane, t
     assert sorted(placement["nodes"]) == sorted(gpu_nodes[:2])
 
 
-def test_unreachable_cluster_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    config = {"apiVersion": "v1", "kind": "Config", "current-context": "x",
-              "clusters": [{"name": "x", "cluster": {"server": "https://127.0.0.1:1"}}],
-              "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}],
-              "users": [{"name": "x", "user": {"token": "nope"}}]}
+def test_unreachable_cluster_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "x",
+        "clusters": [{"name": "x", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}],
+        "users": [{"name": "x", "user": {"token": "nope"}}],
+    }
     (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
     job = tmp_path / "job.yaml"

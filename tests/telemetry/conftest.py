@@ -70,23 +70,40 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
     world = 4
     base = promserver.free_port_block(world)
     manifest = {
-        "apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB},
-        "spec": {"parallelism": {"data": 2, "pipeline": 2, "tensor": 1, "schedule": "1f1b",
-                                 "microBatches": MICRO_BATCHES},
-                 "resources": {"gpusPerNode": world}, "model": {"preset": "tiny"},
-                 "training": {"steps": STEPS, "microBatch": 2, "warmupSteps": 2},
-                 "checkpoint": {"path": str(work / "ckpt"), "intervalSteps": 0},
-                 "metrics": {"port": base}},
+        "apiVersion": "meshtrain.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": JOB},
+        "spec": {
+            "parallelism": {
+                "data": 2,
+                "pipeline": 2,
+                "tensor": 1,
+                "schedule": "1f1b",
+                "microBatches": MICRO_BATCHES,
+            },
+            "resources": {"gpusPerNode": world},
+            "model": {"preset": "tiny"},
+            "training": {"steps": STEPS, "microBatch": 2, "warmupSteps": 2},
+            "checkpoint": {"path": str(work / "ckpt"), "intervalSteps": 0},
+            "metrics": {"port": base},
+        },
     }
     spec_path = work / "job.yaml"
     spec_path.write_text(yaml.safe_dump(manifest))
-    prom = promserver.PrometheusServer(work / "prometheus", [f"127.0.0.1:{base + r}" for r in range(world)],
-                                       [fast_rules(RULES, work / "rules.yaml")])
+    prom = promserver.PrometheusServer(
+        work / "prometheus",
+        [f"127.0.0.1:{base + r}" for r in range(world)],
+        [fast_rules(RULES, work / "rules.yaml")],
+    )
     saved = {k: os.environ.get(k) for k in ("MESHTRAIN_JOB_NAME", "MESHTRAIN_NAMESPACE")}
     os.environ.update(MESHTRAIN_JOB_NAME=JOB, MESHTRAIN_NAMESPACE=NAMESPACE)
     progress: list[dict[str, Any]] = []
     stop = threading.Event()
-    poller = threading.Thread(target=_poll_progress, args=(f"http://127.0.0.1:{base}/progress", progress, stop), daemon=True)
+    poller = threading.Thread(
+        target=_poll_progress,
+        args=(f"http://127.0.0.1:{base}/progress", progress, stop),
+        daemon=True,
+    )
     poller.start()
     try:
         code = launch.run_local(spec_path, log_dir=work / "run")
@@ -104,7 +121,12 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
         assert len(records) == STEPS
         trained = records[-1]["time"] - records[0]["time"]
         assert trained > 12, f"the run trained only {trained:.1f}s: too short for the rate windows"
-        yield ScrapedRun(prom=prom, log_dir=work / "run", at=records[-1]["time"] - 1.5, progress=progress,
-                         records=records)
+        yield ScrapedRun(
+            prom=prom,
+            log_dir=work / "run",
+            at=records[-1]["time"] - 1.5,
+            progress=progress,
+            records=records,
+        )
     finally:
         prom.stop()

@@ -50,30 +50,50 @@ class PrometheusServer:
     def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = ()) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
-            raise RuntimeError("prometheus is not installed: run `make bootstrap` or `apt-get install -y prometheus`")
+            raise RuntimeError(
+                "prometheus is not installed: run `make bootstrap` or `apt-get install -y prometheus`"
+            )
         self.port = free_port_block(1, start=41000, stop=49000)
         self.url = f"http://127.0.0.1:{self.port}"
         workdir.mkdir(parents=True, exist_ok=True)
         config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+            "global": {
+                "scrape_interval": "1s",
+                "scrape_timeout": "900ms",
+                "evaluation_interval": "1s",
+            },
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": "meshtrain-trainer", "honor_labels": True,
-                                "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [
+                {
+                    "job_name": "meshtrain-trainer",
+                    "honor_labels": True,
+                    "static_configs": [{"targets": targets}],
+                }
+            ],
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log_path = workdir / "prometheus.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"prometheus exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
                     if resp.status == 200:
@@ -81,7 +101,9 @@ class PrometheusServer:
             except OSError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"prometheus not ready after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"prometheus not ready after {timeout}s:\n{self.log_path.read_text()[-3000:]}"
+        )
 
     def api(self, path: str, **params: Any) -> Any:
         """GET /api/v1/<path>; returns ``data`` or raises with Prometheus' error."""

@@ -22,11 +22,17 @@ def test_timeline_png_of_the_real_run(scraped_run, tmp_path):
     for stage, rank in ((0, 0), (1, 2)):  # dp 0, tp 0 of each stage
         blocks = [b for b in view.blocks if b.row == f"stage {stage}"]
         for kind in ("forward", "backward"):
-            assert sorted(int(b.label) for b in blocks if b.kind == kind) == list(range(MICRO_BATCHES))
+            assert sorted(int(b.label) for b in blocks if b.kind == kind) == list(
+                range(MICRO_BATCHES)
+            )
         line = next(line for line in traces[rank] if line["step"] == view.step)
         buckets = [e for e in line["events"] if e["what"] == "collective" and e["group"] == "dp"]
-        assert len([b for b in view.blocks if b.row == f"stage {stage} all-reduce"]) == len(buckets) >= 1
+        assert (
+            len([b for b in view.blocks if b.row == f"stage {stage} all-reduce"])
+            == len(buckets)
+            >= 1
+        )
         # 1f1b: a stage's blocks never overlap and follow the schedule's order
         ordered = sorted(blocks, key=lambda b: b.start)
         assert all(a.end <= b.start + 1e-6 for a, b in zip(ordered, ordered[1:]))
-    assert 0.0 <= min(view.bubble.values()) and max(view.bubble.values()) < 1.0
+    assert min(view.bubble.values()) >= 0.0 and max(view.bubble.values()) < 1.0

@@ -28,19 +28,48 @@ from meshtrain.controlplane.ports import pick_free_port
 TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
 
 
-def make_spec(*, data: int = 1, pipeline: int = 1, tensor: int = 1, schedule: str = "1f1b", virtual: int = 1,
-              micro_batches: int = 1, global_batch: int = 8, sequence_parallel: bool = False, bucket_mb: float = 25.0,
-              steps: int = 5, model: dict | None = None, **training: Any) -> dict:
+def make_spec(
+    *,
+    data: int = 1,
+    pipeline: int = 1,
+    tensor: int = 1,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+    micro_batches: int = 1,
+    global_batch: int = 8,
+    sequence_parallel: bool = False,
+    bucket_mb: float = 25.0,
+    steps: int = 5,
+    model: dict | None = None,
+    **training: Any,
+) -> dict:
     """A valid spec dict (camelCase) for a tiny CPU run; training fields override the defaults."""
     world = data * pipeline * tensor
-    train = {"microBatch": global_batch // (data * micro_batches), "globalBatch": global_batch, "steps": steps,
-             "learningRate": 3e-3, "minLearningRate": 3e-4, "warmupSteps": 2, "weightDecay": 0.1, "gradClip": 1.0,
-             "precision": "fp32", "seed": 7, "dataset": "stdlib"}
+    train = {
+        "microBatch": global_batch // (data * micro_batches),
+        "globalBatch": global_batch,
+        "steps": steps,
+        "learningRate": 3e-3,
+        "minLearningRate": 3e-4,
+        "warmupSteps": 2,
+        "weightDecay": 0.1,
+        "gradClip": 1.0,
+        "precision": "fp32",
+        "seed": 7,
+        "dataset": "stdlib",
+    }
     train.update(training)
     return {
-        "parallelism": {"data": data, "pipeline": pipeline, "tensor": tensor, "schedule": schedule,
-                        "virtualStages": virtual, "microBatches": micro_batches,
-                        "sequenceParallel": sequence_parallel, "bucketMb": bucket_mb},
+        "parallelism": {
+            "data": data,
+            "pipeline": pipeline,
+            "tensor": tensor,
+            "schedule": schedule,
+            "virtualStages": virtual,
+            "microBatches": micro_batches,
+            "sequenceParallel": sequence_parallel,
+            "bucketMb": bucket_mb,
+        },
         "resources": {"gpusPerNode": world},
         "model": dict(model or TINY),
         "training": train,
@@ -48,8 +77,14 @@ def make_spec(*, data: int = 1, pipeline: int = 1, tensor: int = 1, schedule: st
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:  # noqa: ANN001
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     result = fn(*args)
@@ -61,15 +96,24 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
 def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:  # noqa: ANN001
     """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order."""
     with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
-        context = mp.start_processes(_entry, args=(world, pick_free_port(), fn, args, out_dir), nprocs=world,
-                                     join=False, start_method="spawn")
+        context = mp.start_processes(
+            _entry,
+            args=(world, pick_free_port(), fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=1.0):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s} s")
+                    raise TimeoutError(
+                        f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s} s"
+                    )
         finally:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-        return [torch.load(Path(out_dir) / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+        return [
+            torch.load(Path(out_dir) / f"rank-{r}.pt", weights_only=False) for r in range(world)
+        ]

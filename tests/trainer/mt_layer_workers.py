@@ -19,7 +19,9 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tp_layers(sequence_parallel: bool) -> dict[str, float]:
     rank, size = dist.get_rank(), dist.get_world_size()
-    ctx = tensor.TPContext(group=dist.group.WORLD, rank=rank, size=size, sequence_parallel=sequence_parallel)
+    ctx = tensor.TPContext(
+        group=dist.group.WORLD, rank=rank, size=size, sequence_parallel=sequence_parallel
+    )
     out: dict[str, float] = {}
     torch.manual_seed(0)  # same dense tensors on every rank
     h, f, b, t, v = 8, 16, 2, 4, 32
@@ -29,7 +31,11 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
     logits, targets = torch.randn(b * t, v), torch.randint(0, v, (b * t,))
 
     # Dense references (forward and backward).
-    dw1, dw2, dx = (w1.clone().requires_grad_(), w2.clone().requires_grad_(), x.clone().requires_grad_())
+    dw1, dw2, dx = (
+        w1.clone().requires_grad_(),
+        w2.clone().requires_grad_(),
+        x.clone().requires_grad_(),
+    )
     hidden = F.linear(dx, dw1)
     y = F.linear(F.gelu(hidden), dw2)
     (y * probe).sum().backward()
@@ -48,25 +54,37 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
     partial_hidden = col(px)
     py = row(F.gelu(partial_hidden))
     (py * probe[:, seq]).sum().backward()
-    out["column forward"] = _diff(partial_hidden, tensor.shard(hidden.detach(), tensor.ShardSpec(2), rank, size))
+    out["column forward"] = _diff(
+        partial_hidden, tensor.shard(hidden.detach(), tensor.ShardSpec(2), rank, size)
+    )
     out["row forward"] = _diff(py, y.detach()[:, seq])
     out["input grad"] = _diff(px.grad, dx.grad[:, seq])
-    out["column weight grad"] = _diff(col.weight.grad, tensor.shard(dw1.grad, tensor.ShardSpec(0), rank, size))
-    out["row weight grad"] = _diff(row.weight.grad, tensor.shard(dw2.grad, tensor.ShardSpec(1), rank, size))
+    out["column weight grad"] = _diff(
+        col.weight.grad, tensor.shard(dw1.grad, tensor.ShardSpec(0), rank, size)
+    )
+    out["row weight grad"] = _diff(
+        row.weight.grad, tensor.shard(dw2.grad, tensor.ShardSpec(1), rank, size)
+    )
 
     # Vocabulary-parallel embedding.
     pemb = tensor.VocabParallelEmbedding(tensor.shard(emb, tensor.ShardSpec(0), rank, size), ctx)
     pe = pemb(ids)
     (pe * probe[:, seq]).sum().backward()
     out["embedding forward"] = _diff(pe, e.detach()[:, seq])
-    out["embedding grad"] = _diff(pemb.weight.grad, tensor.shard(demb.grad, tensor.ShardSpec(0), rank, size))
+    out["embedding grad"] = _diff(
+        pemb.weight.grad, tensor.shard(demb.grad, tensor.ShardSpec(0), rank, size)
+    )
 
     # Vocabulary-parallel cross-entropy: never sees more than V/tp logits per row.
     plogits = tensor.shard(logits, tensor.ShardSpec(1), rank, size).requires_grad_()
-    pce = tensor.vocab_parallel_cross_entropy(plogits.reshape(b, t, v // size), targets.reshape(b, t), ctx)
+    pce = tensor.vocab_parallel_cross_entropy(
+        plogits.reshape(b, t, v // size), targets.reshape(b, t), ctx
+    )
     pce.backward()
     out["cross-entropy forward"] = abs(pce.item() - ce.item())
-    out["cross-entropy grad"] = _diff(plogits.grad, tensor.shard(dlogits.grad, tensor.ShardSpec(1), rank, size))
+    out["cross-entropy grad"] = _diff(
+        plogits.grad, tensor.shard(dlogits.grad, tensor.ShardSpec(1), rank, size)
+    )
     return out
 
 
@@ -76,8 +94,13 @@ def reducer_counts(tensors: int, bucket_mb: float) -> dict:
     torch.manual_seed(0)
     layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(tensors // 2)])
     rec = recording.MemoryRecorder()
-    red = reducer.GradReducer(list(layers.parameters()), group=dist.group.WORLD, group_size=size,
-                              bucket_mb=bucket_mb, recorder=rec)
+    red = reducer.GradReducer(
+        list(layers.parameters()),
+        group=dist.group.WORLD,
+        group_size=size,
+        bucket_mb=bucket_mb,
+        recorder=rec,
+    )
     torch.manual_seed(100 + rank)  # different data per rank
     batches = [torch.randn(4, 16) for _ in range(2)]
     counts = []

@@ -54,14 +54,32 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
         losses, dp_collectives, computes = [], [], []
         for _ in range(steps):
             losses.append(eng.train_step().loss)
-            dp_collectives.append(sum(1 for e in recorder.events if e.what == "collective" and e.group == "dp"
-                                      and e.kind == "all_reduce" and e.bucket is not None))
-            computes.append(sorted((e.kind, e.microbatch, e.chunk) for e in recorder.events if e.what == "compute"))
+            dp_collectives.append(
+                sum(
+                    1
+                    for e in recorder.events
+                    if e.what == "collective"
+                    and e.group == "dp"
+                    and e.kind == "all_reduce"
+                    and e.bucket is not None
+                )
+            )
+            computes.append(
+                sorted(
+                    (e.kind, e.microbatch, e.chunk) for e in recorder.events if e.what == "compute"
+                )
+            )
         buckets = len(eng.model.reducer.buckets) if eng.model.reducer else 0
-        results[case_id] = {"grads": grads, "losses": losses, "dp_collectives": dp_collectives, "buckets": buckets,
-                            "param_tensors": len(eng.model.named_params), "computes": computes,
-                            "tp_collectives": recorder.count("collective", "tp"),
-                            "recv_waits": recorder.count("wait")}
+        results[case_id] = {
+            "grads": grads,
+            "losses": losses,
+            "dp_collectives": dp_collectives,
+            "buckets": buckets,
+            "param_tensors": len(eng.model.named_params),
+            "computes": computes,
+            "tp_collectives": recorder.count("collective", "tp"),
+            "recv_waits": recorder.count("wait"),
+        }
     return results
 
 
@@ -71,8 +89,15 @@ def reference(raw: dict, steps: int) -> dict:
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
     tokens = data.load_tokens(t.dataset, vocab=config.vocab, seq_len=config.seq_len)
-    sampler = data.BatchSampler(tokens, seq_len=config.seq_len, micro_batch=job.global_batch, micro_batches=1,
-                                dp_rank=0, dp_size=1, seed=t.seed)
+    sampler = data.BatchSampler(
+        tokens,
+        seq_len=config.seq_len,
+        micro_batch=job.global_batch,
+        micro_batches=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=t.seed,
+    )
 
     def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
         batch = sampler.global_batch_at(index)  # (G, T+1)
@@ -84,11 +109,21 @@ def reference(raw: dict, steps: int) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
     model = gpt.GPT(config, seed=t.seed)
-    opt = optim.build_adamw(list(model.named_parameters()), lr=t.learning_rate, weight_decay=t.weight_decay)
+    opt = optim.build_adamw(
+        list(model.named_parameters()), lr=t.learning_rate, weight_decay=t.weight_decay
+    )
     losses = []
     for step in range(1, steps + 1):
-        optim.set_lr(opt, optim.lr_at(step, peak=t.learning_rate, minimum=t.min_learning_rate,
-                                      warmup=t.warmup_steps, total=t.steps))
+        optim.set_lr(
+            opt,
+            optim.lr_at(
+                step,
+                peak=t.learning_rate,
+                minimum=t.min_learning_rate,
+                warmup=t.warmup_steps,
+                total=t.steps,
+            ),
+        )
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model, step - 1)
         loss.backward()

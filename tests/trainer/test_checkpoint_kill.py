@@ -37,8 +37,13 @@ def _spec(tmp_path: Path) -> Path:
 
 
 def _start(spec: Path, log_dir: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", LAUNCH, str(spec), str(log_dir)], env={**os.environ, **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, str(spec), str(log_dir)],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _losses(log_dir: Path) -> dict[int, float]:
@@ -70,11 +75,15 @@ def test_sigkill_during_save_resumes_from_last_complete_checkpoint(tmp_path: Pat
     root = killed / "checkpoints"
     assert [p.step for p in store.scan(root)] == [2]
     unpublished = list(root.glob(".tmp-step-00000004-*"))
-    assert unpublished and (unpublished[0] / ".metadata").exists()  # complete DCP data, but never published
+    assert (
+        unpublished and (unpublished[0] / ".metadata").exists()
+    )  # complete DCP data, but never published
 
     _finish(_start(spec, killed))
     assert "resumed from" in (killed / "rank-0.log").read_text()
     resumed, uninterrupted = _losses(killed), _losses(reference)
     assert sorted(resumed) == [3, 4, 5, 6]
-    assert [resumed[s] for s in range(3, 7)] == [uninterrupted[s] for s in range(3, 7)]  # bit-for-bit
+    assert [resumed[s] for s in range(3, 7)] == [
+        uninterrupted[s] for s in range(3, 7)
+    ]  # bit-for-bit
     assert [p.step for p in store.scan(root)] == [4, 6] and not list(root.glob(".tmp-*"))

@@ -34,8 +34,12 @@ CASES = [  # (case, layout, ZeRO stage): every call site that reports a time
 ]
 
 
-def _engine(job: spec_mod.TrainingJobSpec, mesh: mesh_mod.Mesh, recorder: recording.MemoryRecorder,
-            clock: str) -> engine.Engine:
+def _engine(
+    job: spec_mod.TrainingJobSpec,
+    mesh: mesh_mod.Mesh,
+    recorder: recording.MemoryRecorder,
+    clock: str,
+) -> engine.Engine:
     """An engine on ``mesh`` whose clock is the host's or the CUDA clock on a stand-in device."""
     if clock == "host":
         return engine.Engine(job, mesh, recorder=recorder)
@@ -63,13 +67,22 @@ def run_cases(steps: int) -> dict:
             records = []
             for _ in range(steps):
                 result = eng.train_step()
-                records.append({
-                    "loss": result.loss, "start": recorder.step_started, "seconds": result.seconds,
-                    "counts": collections.Counter((e.what, e.kind, e.group) for e in recorder.events),
-                    "spans": [(e.start, e.end) for e in recorder.events],
-                    "compute_seconds": recorder.steps[-1]["compute_seconds"],
-                })
-            out[(case, clock)] = {"deferred": isinstance(eng.recorder, recording.DeferredRecorder), "steps": records}
+                records.append(
+                    {
+                        "loss": result.loss,
+                        "start": recorder.step_started,
+                        "seconds": result.seconds,
+                        "counts": collections.Counter(
+                            (e.what, e.kind, e.group) for e in recorder.events
+                        ),
+                        "spans": [(e.start, e.end) for e in recorder.events],
+                        "compute_seconds": recorder.steps[-1]["compute_seconds"],
+                    }
+                )
+            out[(case, clock)] = {
+                "deferred": isinstance(eng.recorder, recording.DeferredRecorder),
+                "steps": records,
+            }
     return out
 
 
@@ -82,10 +95,19 @@ def test_cuda_clock_path_reports_what_the_host_clock_reports():
             for h, d in zip(host["steps"], device["steps"], strict=True):
                 assert d["counts"] == h["counts"], case
                 assert d["loss"] == pytest.approx(h["loss"], rel=1e-6), case
-                assert sum(n for (what, _, group), n in h["counts"].items() if group == "dp") > 1, case
+                assert sum(n for (what, _, group), n in h["counts"].items() if group == "dp") > 1, (
+                    case
+                )
                 for step in (h, d):
                     window_end = step["start"] + step["seconds"]
                     for start, end in step["spans"]:
-                        where = (case, "device" if step is d else "host", start, end, step["start"], window_end)
+                        where = (
+                            case,
+                            "device" if step is d else "host",
+                            start,
+                            end,
+                            step["start"],
+                            window_end,
+                        )
                         assert step["start"] <= start <= end <= window_end, where
                     assert 0 < step["compute_seconds"] <= step["seconds"], case

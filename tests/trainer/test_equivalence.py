@@ -8,11 +8,10 @@ processes (spawning dominates the cost on a small machine).
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import mt_harness
 import mt_workers
+import pytest
+import torch
 
 STEPS = 5
 # id -> (spec overrides); global batch 8 everywhere.
@@ -25,14 +24,25 @@ CASES_2 = {
     "tp2": dict(tensor=2),
     "tp2-sp-accum2": dict(tensor=2, sequence_parallel=True, micro_batches=2),
     "tp2-sp-recompute": dict(tensor=2, sequence_parallel=True, activationCheckpointing=True),
-    "pp2-1f1b-recompute": dict(pipeline=2, schedule="1f1b", micro_batches=4, activationCheckpointing=True),
+    "pp2-1f1b-recompute": dict(
+        pipeline=2, schedule="1f1b", micro_batches=4, activationCheckpointing=True
+    ),
 }
 CASES_8 = {
     "dp2-pp2-tp2-1f1b": dict(data=2, pipeline=2, tensor=2, micro_batches=2),
-    "dp2-pp2-tp2-gpipe-sp": dict(data=2, pipeline=2, tensor=2, schedule="gpipe", micro_batches=2,
-                                 sequence_parallel=True),
-    "dp2-pp2-tp2-interleaved-sp": dict(data=2, pipeline=2, tensor=2, schedule="interleaved-1f1b", virtual=2,
-                                       micro_batches=2, sequence_parallel=True, bucket_mb=0.02),
+    "dp2-pp2-tp2-gpipe-sp": dict(
+        data=2, pipeline=2, tensor=2, schedule="gpipe", micro_batches=2, sequence_parallel=True
+    ),
+    "dp2-pp2-tp2-interleaved-sp": dict(
+        data=2,
+        pipeline=2,
+        tensor=2,
+        schedule="interleaved-1f1b",
+        virtual=2,
+        micro_batches=2,
+        sequence_parallel=True,
+        bucket_mb=0.02,
+    ),
 }
 
 
@@ -66,10 +76,16 @@ def _compare(result: dict, reference: dict) -> None:
     ref_losses = torch.tensor(reference["losses"])
     losses = torch.tensor(result["losses"])
     rel = ((losses - ref_losses).abs() / ref_losses.abs()).max().item()
-    assert rel < 1e-4, f"losses {result['losses']} vs reference {reference['losses']} (max rel diff {rel:.2e})"
-    assert set(result["grads"]) == set(reference["grads"]), "gathered parameters differ from the dense model's"
+    assert rel < 1e-4, (
+        f"losses {result['losses']} vs reference {reference['losses']} (max rel diff {rel:.2e})"
+    )
+    assert set(result["grads"]) == set(reference["grads"]), (
+        "gathered parameters differ from the dense model's"
+    )
     for name, ref in reference["grads"].items():
-        torch.testing.assert_close(result["grads"][name], ref, rtol=1e-5, atol=4e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            result["grads"][name], ref, rtol=1e-5, atol=4e-5, msg=lambda m: f"{name}: {m}"
+        )
     # every rank agrees on the loss
     for rank_result in result["ranks"]:
         assert rank_result["losses"] == result["losses"]
@@ -94,7 +110,11 @@ def test_loss_falls(reference):
 
 @pytest.mark.slow
 def test_gradient_collectives_per_step_equal_buckets(world2, world8):
-    for result in (world2["dp2-accum2-smallbuckets"], world8["dp2-pp2-tp2-interleaved-sp"], world2["dp2"]):
+    for result in (
+        world2["dp2-accum2-smallbuckets"],
+        world8["dp2-pp2-tp2-interleaved-sp"],
+        world2["dp2"],
+    ):
         for rank_result in result["ranks"]:
             assert rank_result["buckets"] >= 1
             assert rank_result["dp_collectives"] == [rank_result["buckets"]] * STEPS
@@ -104,10 +124,14 @@ def test_gradient_collectives_per_step_equal_buckets(world2, world8):
 
 @pytest.mark.slow
 def test_recorder_sees_every_microbatch_and_collective(world2, world8):
-    cases = [(name, kw, world2) for name, kw in CASES_2.items()] + [(name, kw, world8) for name, kw in CASES_8.items()]
+    cases = [(name, kw, world2) for name, kw in CASES_2.items()] + [
+        (name, kw, world8) for name, kw in CASES_8.items()
+    ]
     for name, kw, result_set in cases:
         m, v = kw.get("micro_batches", 1), kw.get("virtual", 1)
-        expected = sorted((k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v))
+        expected = sorted(
+            (k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v)
+        )
         for rank_result in result_set[name]["ranks"]:
             assert all(step == expected for step in rank_result["computes"]), name
             assert (rank_result["tp_collectives"] > 0) == (kw.get("tensor", 1) > 1), name

@@ -26,9 +26,14 @@ REPO = Path(__file__).resolve().parents[2]
 def agreement_case(raw: dict, asking_rank: int, ask_at: int) -> list[bool]:
     """Only ``asking_rank`` asks to stop, from step ``ask_at`` on; returns what every step said on this rank."""
     job = spec_mod.parse_spec(raw)
-    trainer = engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+    trainer = engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
     rank = torch.distributed.get_rank()
-    return [trainer.train_step(stop_requested=rank == asking_rank and step >= ask_at).stop for step in range(1, 5)]
+    return [
+        trainer.train_step(stop_requested=rank == asking_rank and step >= ask_at).stop
+        for step in range(1, 5)
+    ]
 
 
 @pytest.mark.slow
@@ -52,8 +57,13 @@ def test_stop_signals_only_set_the_flag():
 
 
 def _meshtrain_run(job: Path, log_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshtrain.cli", "run", str(job), "--log-dir", str(log_dir), *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshtrain.cli", "run", str(job), "--log-dir", str(log_dir), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _steps(log_dir: Path) -> list[int]:
@@ -64,10 +74,20 @@ def _steps(log_dir: Path) -> list[int]:
 @pytest.mark.slow
 def test_interrupted_run_saves_its_last_step_and_the_same_command_resumes_there(tmp_path):
     raw = mt_harness.make_spec(data=2, steps=400)
-    raw["checkpoint"] = {"intervalSteps": 1000}  # no periodic checkpoint: the only one is the stop's
+    raw["checkpoint"] = {
+        "intervalSteps": 1000
+    }  # no periodic checkpoint: the only one is the stop's
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
-                                   "metadata": {"name": "stoppable"}, "spec": raw}))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "meshtrain.io/v1alpha1",
+                "kind": "TrainingJob",
+                "metadata": {"name": "stoppable"},
+                "spec": raw,
+            }
+        )
+    )
     log_dir = tmp_path / "logs"
     first = _meshtrain_run(job, log_dir)
     deadline = time.monotonic() + 300
@@ -87,5 +107,7 @@ def test_interrupted_run_saves_its_last_step_and_the_same_command_resumes_there(
     second = _meshtrain_run(job, log_dir, "--steps", str(stopped_at + 2))
     output, _ = second.communicate(timeout=300)
     assert second.returncode == 0, output
-    assert f"(step {stopped_at})" in (log_dir / "rank-0.log").read_text()  # "resumed from <dir> (step N)"
+    assert (
+        f"(step {stopped_at})" in (log_dir / "rank-0.log").read_text()
+    )  # "resumed from <dir> (step N)"
     assert _steps(log_dir)[-2:] == [stopped_at + 1, stopped_at + 2]

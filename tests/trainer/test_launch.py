@@ -5,17 +5,25 @@ from __future__ import annotations
 import os
 import time
 
+import mt_harness
 import pytest
 import yaml
 
-import mt_harness
 from meshtrain.trainer import faults, launch, steplog
 
 
 def _write(tmp_path, raw: dict, name: str = "job.yaml"):
     path = tmp_path / name
-    path.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
-                                    "metadata": {"name": "t"}, "spec": raw}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "meshtrain.io/v1alpha1",
+                "kind": "TrainingJob",
+                "metadata": {"name": "t"},
+                "spec": raw,
+            }
+        )
+    )
     return path
 
 
@@ -29,8 +37,11 @@ def test_invalid_spec_refused_before_any_process(tmp_path, capsys):
 
 
 def test_invalid_override_refused(tmp_path, capsys):
-    code = launch.run_local(_write(tmp_path, mt_harness.make_spec()), log_dir=tmp_path / "logs",
-                            overrides=["parallelism.microBatches=0"])
+    code = launch.run_local(
+        _write(tmp_path, mt_harness.make_spec()),
+        log_dir=tmp_path / "logs",
+        overrides=["parallelism.microBatches=0"],
+    )
     assert code == 2
     assert "microBatches" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
@@ -38,7 +49,9 @@ def test_invalid_override_refused(tmp_path, capsys):
 
 def test_missing_dataset_is_a_clear_error(tmp_path, capsys):
     missing = tmp_path / "corpus.bin"
-    code = launch.run_local(_write(tmp_path, mt_harness.make_spec(dataset=str(missing))), log_dir=tmp_path / "logs")
+    code = launch.run_local(
+        _write(tmp_path, mt_harness.make_spec(dataset=str(missing))), log_dir=tmp_path / "logs"
+    )
     assert code == 3
     err = capsys.readouterr().err
     assert str(missing) in err and "spec.training.dataset" in err

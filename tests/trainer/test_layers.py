@@ -3,10 +3,9 @@ the gradient reducer makes one collective per bucket and none before the last mi
 
 from __future__ import annotations
 
-import pytest
-
 import mt_harness
 import mt_layer_workers
+import pytest
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,18 @@ def built_names_case(raw: dict) -> dict:
     gpt.initial_value = recording
     try:
         job = spec_mod.parse_spec(raw)
-        trainer = engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+        trainer = engine.Engine(
+            job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        )
     finally:
         gpt.initial_value = original
     kept = [name for name, _ in trainer.model.named_params]
     reference = dict(gpt.GPT(trainer.config, seed=job.training.seed).named_parameters())
-    unsharded_equal = all(torch.equal(p.detach(), reference[n]) for n, p in trainer.model.named_params
-                          if trainer.model.tp_plan is None or n not in trainer.model.tp_plan.shards)
+    unsharded_equal = all(
+        torch.equal(p.detach(), reference[n])
+        for n, p in trainer.model.named_params
+        if trainer.model.tp_plan is None or n not in trainer.model.tp_plan.shards
+    )
     return {"built": built, "kept": kept, "unsharded_equal": unsharded_equal}
 
 
@@ -39,8 +44,16 @@ def built_names_case(raw: dict) -> dict:
 def test_each_rank_builds_only_its_own_parameters_once():
     raw = mt_harness.make_spec(pipeline=2, tensor=2, micro_batches=2, steps=1)
     results = mt_harness.run_distributed(built_names_case, 4, raw)
-    everything = set(dict(gpt.GPT(gpt.GPTConfig.from_shape(spec_mod.parse_spec(raw).model.shape())).named_parameters()))
+    everything = set(
+        dict(
+            gpt.GPT(
+                gpt.GPTConfig.from_shape(spec_mod.parse_spec(raw).model.shape())
+            ).named_parameters()
+        )
+    )
     for result in results:
-        assert sorted(result["built"]) == sorted(result["kept"]), "built exactly the kept parameters, each once"
+        assert sorted(result["built"]) == sorted(result["kept"]), (
+            "built exactly the kept parameters, each once"
+        )
         assert set(result["kept"]) < everything, "a pipeline stage keeps only part of the model"
         assert result["unsharded_equal"], "replicated weights equal a single device's"

@@ -28,7 +28,9 @@ from meshtrain.trainer.parallel import recording
 
 def posting_order(schedule: str, virtual: int) -> dict:
     """This rank's stage, when each receive was posted and when each compute began, for one step."""
-    raw = mt_harness.make_spec(pipeline=2, schedule=schedule, virtual=virtual, micro_batches=4, steps=1)
+    raw = mt_harness.make_spec(
+        pipeline=2, schedule=schedule, virtual=virtual, micro_batches=4, steps=1
+    )
     job = spec_mod.parse_spec(raw)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     recorder = recording.MemoryRecorder()
@@ -45,12 +47,24 @@ def posting_order(schedule: str, virtual: int) -> dict:
         eng.train_step()
     finally:
         dist.irecv = real_irecv
-    computes = [e.start for e in recorder.events if e.what == "compute"]  # one per action, in action order
+    computes = [
+        e.start for e in recorder.events if e.what == "compute"
+    ]  # one per action, in action order
     stage = mesh.coords.pp
-    needs = [i for i, a in enumerate(eng.model.executor.actions)  # p = 2: stage 0 receives gradients, 1 activations
-             if a.kind == ("backward" if stage == 0 else "forward")]
-    return {"stage": stage, "posts": posts, "computes": computes, "needs": needs,
-            "prefetch": eng.model.executor._prefetch()}
+    needs = [
+        i
+        for i, a in enumerate(
+            eng.model.executor.actions
+        )  # p = 2: stage 0 receives gradients, 1 activations
+        if a.kind == ("backward" if stage == 0 else "forward")
+    ]
+    return {
+        "stage": stage,
+        "posts": posts,
+        "computes": computes,
+        "needs": needs,
+        "prefetch": eng.model.executor._prefetch(),
+    }
 
 
 @pytest.mark.slow
@@ -61,7 +75,9 @@ def test_receives_are_posted_one_action_ahead_on_gloo(schedule: str) -> None:
         posts, computes, needs = result["posts"], result["computes"], result["needs"]
         assert len(posts) == len(needs) == 4  # stage 0: 4 gradients; stage 1: 4 activations
         for post, action in zip(posts, needs):
-            if action > 0:  # posted before the action ahead of the one that needs it began computing
+            if (
+                action > 0
+            ):  # posted before the action ahead of the one that needs it began computing
                 assert post < computes[action - 1], (result["stage"], action, posts, computes)
 
 

@@ -39,11 +39,18 @@ LAYOUTS = [
     ("dp2-pp2-tp2-sp", {"data": 2, "pipeline": 2, "tensor": 2, "sequenceParallel": True}),
     ("dp2-tp2", {"data": 2, "tensor": 2}),
     ("pp2-tp2-gpipe", {"data": 2, "pipeline": 2, "tensor": 2, "schedule": "gpipe"}),
-    ("dp2-pp2-interleaved", {"data": 2, "pipeline": 2, "schedule": "interleaved-1f1b", "virtualStages": 2}),
+    (
+        "dp2-pp2-interleaved",
+        {"data": 2, "pipeline": 2, "schedule": "interleaved-1f1b", "virtualStages": 2},
+    ),
     ("dp2-zero1", {"data": 2, "zeroStage": 1}),
     ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
     ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
-    ("dp2-tp2-sp-recompute", {"data": 2, "tensor": 2, "sequenceParallel": True}, {"activationCheckpointing": True}),
+    (
+        "dp2-tp2-sp-recompute",
+        {"data": 2, "tensor": 2, "sequenceParallel": True},
+        {"activationCheckpointing": True},
+    ),
 ]
 
 
@@ -56,7 +63,13 @@ def _job(parallelism: dict, training: dict | None = None) -> api_spec.TrainingJo
         "parallelism": {"microBatches": 4, "bucketMb": 0.05, **parallelism},
         "resources": {"gpusPerNode": 2},
         "model": {"preset": "tiny", "layers": 4, "hidden": 64, "heads": 4, "seqLen": 32},
-        "training": {"microBatch": 2, "steps": STEPS, "precision": "fp32", "dataset": "stdlib", **(training or {})},
+        "training": {
+            "microBatch": 2,
+            "steps": STEPS,
+            "precision": "fp32",
+            "dataset": "stdlib",
+            **(training or {}),
+        },
     }
     return api_spec.parse_spec(raw, "test")
 
@@ -85,8 +98,14 @@ def _worker(spec_json: str, out_dir: str) -> None:
             entry[1] += event.nbytes
     state = trainer_memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
     rank = mesh.rank
-    result = {"rank": rank, "stage": mesh.coords.pp, "collectives": collectives,
-              "weights": state.param_bytes, "grads": state.grad_bytes, "optimizer": state.optimizer_bytes}
+    result = {
+        "rank": rank,
+        "stage": mesh.coords.pp,
+        "collectives": collectives,
+        "weights": state.param_bytes,
+        "grads": state.grad_bytes,
+        "optimizer": state.optimizer_bytes,
+    }
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -98,10 +117,25 @@ def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
     spec_json = json.dumps(job.model_dump(by_alias=True, exclude_none=True, mode="json"))
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MESHTRAIN_PG_TIMEOUT_S="120")
-        procs.append(subprocess.Popen([sys.executable, __file__, spec_json, str(out_dir)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            MESHTRAIN_PG_TIMEOUT_S="120",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, spec_json, str(out_dir)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     for proc in procs:
         try:
@@ -118,7 +152,9 @@ def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("parallelism", "training"), _cases())
-def test_predicted_comm_bytes_and_state_memory_match_a_real_run(parallelism: dict, training: dict, tmp_path: Path) -> None:
+def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
+    parallelism: dict, training: dict, tmp_path: Path
+) -> None:
     job = _job(parallelism, training)
     measured = _run(job, tmp_path)
     cpu = profiles.get("cpu")
@@ -126,10 +162,18 @@ def test_predicted_comm_bytes_and_state_memory_match_a_real_run(parallelism: dic
     mem = memory.plan_memory(job, cpu)
     for rank in measured:
         predicted = comm.stage_comm(job, rank["stage"], scheme)
-        expected = {f"{c.group}/{c.op}": [c.calls, c.nbytes] for c in predicted.collectives if c.op != "send"}
+        expected = {
+            f"{c.group}/{c.op}": [c.calls, c.nbytes]
+            for c in predicted.collectives
+            if c.op != "send"
+        }
         assert rank["collectives"] == expected, f"rank {rank['rank']} (stage {rank['stage']})"
         stage = mem.stages[rank["stage"]]
-        for kind, value in (("weights", stage.weights), ("grads", stage.grads), ("optimizer", stage.optimizer)):
+        for kind, value in (
+            ("weights", stage.weights),
+            ("grads", stage.grads),
+            ("optimizer", stage.optimizer),
+        ):
             assert value == pytest.approx(rank[kind], rel=0.10), f"rank {rank['rank']} {kind}"
 
 

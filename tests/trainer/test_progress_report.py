@@ -45,9 +45,13 @@ def _spec(tmp_path: Path, port: int) -> Path:
 
 def _start(spec: Path, log_dir: Path, **env: str) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if k != progress.TERMINATION_LOG_ENV}
-    return subprocess.Popen([sys.executable, "-c", LAUNCH, str(spec), str(log_dir)],
-                            env={**clean, "MESHTRAIN_METRICS_HOST": "127.0.0.1", **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, str(spec), str(log_dir)],
+        env={**clean, "MESHTRAIN_METRICS_HOST": "127.0.0.1", **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _progress(port: int) -> dict:
@@ -61,11 +65,17 @@ def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path:
     spec, log_dir = _spec(tmp_path, port), tmp_path / "run"
     final = tmp_path / "termination-log"
 
-    proc = _start(spec, log_dir, **{checkpointer.FAULT_ENV: "4:pause", progress.TERMINATION_LOG_ENV: str(final)})
+    proc = _start(
+        spec,
+        log_dir,
+        **{checkpointer.FAULT_ENV: "4:pause", progress.TERMINATION_LOG_ENV: str(final)},
+    )
     rank_log = log_dir / "rank-0.log"
     deadline = time.monotonic() + 300
     try:
-        while f"{checkpointer.FAULT_ENV}: pause" not in (rank_log.read_text() if rank_log.exists() else ""):
+        while f"{checkpointer.FAULT_ENV}: pause" not in (
+            rank_log.read_text() if rank_log.exists() else ""
+        ):
             assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the run never reached the save of step 4"
             time.sleep(0.2)
@@ -75,7 +85,9 @@ def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path:
         proc.wait()
         proc.stderr.close()
     assert set(during) == KEYS
-    assert (during["step"], during["last_checkpoint_step"]) == (4, 2), during  # step 4's save is not published
+    assert (during["step"], during["last_checkpoint_step"]) == (4, 2), (
+        during
+    )  # step 4's save is not published
     assert not final.exists(), "a killed run must not write the final progress"
 
     proc = _start(spec, log_dir, **{progress.TERMINATION_LOG_ENV: str(final)})
@@ -86,4 +98,3 @@ def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path:
     assert set(doc) == KEYS
     assert (doc["step"], doc["last_checkpoint_step"]) == (STEPS, STEPS), doc
     assert doc["loss"] > 0 and doc["tokens_per_second"] > 0 and doc["updated_at"].endswith("Z")
-

@@ -27,7 +27,9 @@ STEPS, SAVE_AT = 5, 3
 
 def _engine(raw: dict) -> engine.Engine:
     job = spec_mod.parse_spec(raw)
-    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+    return engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
 
 
 def dense_params(eng: engine.Engine) -> dict[str, torch.Tensor]:
@@ -59,7 +61,11 @@ def load_and_continue(raw: dict, root: str) -> dict:
     eng = _engine(raw)
     step = checkpointer.Checkpointer(eng, root=root).restore()
     params = dense_params(eng)
-    return {"step": step, "params": params, "losses": [eng.train_step().loss for _ in range(STEPS - SAVE_AT)]}
+    return {
+        "step": step,
+        "params": params,
+        "losses": [eng.train_step().loss for _ in range(STEPS - SAVE_AT)],
+    }
 
 
 def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
@@ -78,16 +84,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("target", "zero_stage", "world"), [({"data": 4, "tensor": 2}, 2, 8), ({}, 0, 1)],
-                         ids=["dp4-pp1-tp2-zero2", "dp1-pp1-tp1-zero0"])
-def test_reshard_loads_equal_params_and_continues_the_same(saved: tuple[Path, list[dict]], target: dict,
-                                                           zero_stage: int, world: int) -> None:
+@pytest.mark.parametrize(
+    ("target", "zero_stage", "world"),
+    [({"data": 4, "tensor": 2}, 2, 8), ({}, 0, 1)],
+    ids=["dp4-pp1-tp2-zero2", "dp1-pp1-tp1-zero0"],
+)
+def test_reshard_loads_equal_params_and_continues_the_same(
+    saved: tuple[Path, list[dict]], target: dict, zero_stage: int, world: int
+) -> None:
     root, written = saved
     raw = mt_harness.make_spec(**target, steps=STEPS)
     raw["parallelism"]["zeroStage"] = zero_stage
     loaded = mt_harness.run_distributed(load_and_continue, world, raw, str(root), timeout_s=400)
     before, after = _merged(written), _merged(loaded)
-    assert sorted(before) == sorted(after) and len(before) == 4 * 8 + 5  # 8 tensors per block + embeddings, final norm, head
+    assert (
+        sorted(before) == sorted(after) and len(before) == 4 * 8 + 5
+    )  # 8 tensors per block + embeddings, final norm, head
     for name in before:
         assert torch.equal(before[name], after[name]), name
     reference = written[0]["losses"]

@@ -20,7 +20,9 @@ STEPS, SAVE_AT = 5, 2
 
 def _engine(raw: dict) -> engine.Engine:
     job = spec_mod.parse_spec(raw)
-    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")))
+    return engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
 
 
 def resume_case(raw: dict, root: str) -> dict:
@@ -34,8 +36,13 @@ def resume_case(raw: dict, root: str) -> dict:
     second = _engine(raw)
     restored = checkpointer.Checkpointer(second, root=root).restore()
     resumed = [second.train_step().loss for _ in range(STEPS - SAVE_AT)]
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "restored": restored, "published": str(published),
-            "rank": dist.get_rank()}
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "restored": restored,
+        "published": str(published),
+        "rank": dist.get_rank(),
+    }
 
 
 def shape_mismatch_case(raw_saved: dict, raw_other: dict, root: str) -> str:
@@ -90,7 +97,9 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 2])
-def test_resume_gives_identical_losses_dp2(session: tuple[Path, list[dict]], zero_stage: int) -> None:
+def test_resume_gives_identical_losses_dp2(
+    session: tuple[Path, list[dict]], zero_stage: int
+) -> None:
     root, results = session
     for result in results:
         case = result[f"resume-zero{zero_stage}"]

@@ -22,18 +22,25 @@ def test_segments_split_parameters_at_shard_boundaries() -> None:
     numels = [6, 3, 5]  # flat 0..14 -> owners of 2 ranks: [0, 7), [7, 14)
     first = zero.segments(numels, 0, 7)
     second = zero.segments(numels, 7, 14)
-    assert first == [zero.Segment(member=0, start=0, stop=6, shard_offset=0),
-                     zero.Segment(member=1, start=0, stop=1, shard_offset=6)]
-    assert second == [zero.Segment(member=1, start=1, stop=3, shard_offset=0),
-                      zero.Segment(member=2, start=0, stop=5, shard_offset=2)]
+    assert first == [
+        zero.Segment(member=0, start=0, stop=6, shard_offset=0),
+        zero.Segment(member=1, start=0, stop=1, shard_offset=6),
+    ]
+    assert second == [
+        zero.Segment(member=1, start=1, stop=3, shard_offset=0),
+        zero.Segment(member=2, start=0, stop=5, shard_offset=2),
+    ]
     assert sum(s.numel for s in first + second) == sum(numels)
 
 
-@pytest.mark.parametrize(("stage", "dp", "expected"), [
-    (0, 4, {"params": 4, "grads": 4, "optimizer": 8}),
-    (1, 4, {"params": 4, "grads": 4, "optimizer": 2}),
-    (2, 4, {"params": 4, "grads": 1, "optimizer": 2}),
-])
+@pytest.mark.parametrize(
+    ("stage", "dp", "expected"),
+    [
+        (0, 4, {"params": 4, "grads": 4, "optimizer": 8}),
+        (1, 4, {"params": 4, "grads": 4, "optimizer": 2}),
+        (2, 4, {"params": 4, "grads": 1, "optimizer": 2}),
+    ],
+)
 def test_expected_bytes_follow_the_zero_paper(stage: int, dp: int, expected: dict) -> None:
     assert zero.expected_bytes_per_param(stage=stage, dp=dp) == expected
     mixed = zero.expected_bytes_per_param(stage=stage, dp=dp, weight=2, grad=2, optimizer=12)

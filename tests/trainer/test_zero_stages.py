@@ -68,7 +68,9 @@ def zero_collectives() -> dict[int, dict]:
     """On every rank: per ZeRO stage, the dp collectives of the second step and the buckets' element counts."""
     out = {}
     for stage in (0, 1, 2):
-        raw = mt_harness.make_spec(data=2, bucket_mb=0.05, steps=2)  # several buckets of ~13k elements
+        raw = mt_harness.make_spec(
+            data=2, bucket_mb=0.05, steps=2
+        )  # several buckets of ~13k elements
         raw["parallelism"]["zeroStage"] = stage
         job = spec_mod.parse_spec(raw)
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
@@ -78,8 +80,13 @@ def zero_collectives() -> dict[int, dict]:
             eng.train_step()
         out[stage] = {
             "numels": [sum(p.numel() for p in b.params) for b in eng.model.reducer.buckets],
-            "calls": [(e.kind, e.nbytes, e.end - e.start) for e in recorder.events  # not ZeRO's 8-byte norm sum
-                      if e.what == "collective" and e.group == "dp" and (e.bucket is not None or e.kind != "all_reduce")],
+            "calls": [
+                (e.kind, e.nbytes, e.end - e.start)
+                for e in recorder.events  # not ZeRO's 8-byte norm sum
+                if e.what == "collective"
+                and e.group == "dp"
+                and (e.bucket is not None or e.kind != "all_reduce")
+            ],
         }
     return out
 
@@ -94,12 +101,18 @@ def test_zero_collectives_report_the_full_unsharded_buffer() -> None:
         for stage in (0, 1, 2):
             for op, nbytes, _ in result[stage]["calls"]:
                 by_op[stage].setdefault(op, []).append(nbytes)
-        assert sorted(by_op[0]["all_reduce"]) == sorted(4 * n for n in numels)  # ZeRO 0: whole buckets
-        assert sorted(by_op[1]["all_reduce"]) == sorted(4 * n for n in numels)  # ZeRO 1 reduces like ZeRO 0
+        assert sorted(by_op[0]["all_reduce"]) == sorted(
+            4 * n for n in numels
+        )  # ZeRO 0: whole buckets
+        assert sorted(by_op[1]["all_reduce"]) == sorted(
+            4 * n for n in numels
+        )  # ZeRO 1 reduces like ZeRO 0
         assert sorted(by_op[1]["all_gather"]) == full
         assert sorted(by_op[2]["reduce_scatter"]) == full
         assert sorted(by_op[2]["all_gather"]) == full
         assert set(by_op[2]) == {"reduce_scatter", "all_gather"}
         # and the bus bandwidth of a reduce-scatter is (n-1)/n of full bytes over time: half of it at dp2
         op, nbytes, seconds = next(c for c in result[2]["calls"] if c[0] == "reduce_scatter")
-        assert stepstats.bus_bandwidth(op, nbytes, seconds, 2) == pytest.approx(nbytes / seconds / 2)
+        assert stepstats.bus_bandwidth(op, nbytes, seconds, 2) == pytest.approx(
+            nbytes / seconds / 2
+        )

@@ -20,7 +20,9 @@ class JobBuilder:
         self._raw.setdefault(name, {}).update(values)
         return self
 
-    def layout(self, data: int = 1, pipeline: int = 1, tensor: int = 1, gpus_per_node: int | None = None) -> JobBuilder:
+    def layout(
+        self, data: int = 1, pipeline: int = 1, tensor: int = 1, gpus_per_node: int | None = None
+    ) -> JobBuilder:
         self._section("parallelism", data=data, pipeline=pipeline, tensor=tensor)
         return self._section("resources", gpusPerNode=gpus_per_node or data * pipeline * tensor)
 

@@ -18,7 +18,22 @@ from meshtrain.controlplane import binaries
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh"
 # Tools the script runs before it looks for Go.
-_TOOLS = ("bash", "env", "sed", "grep", "mkdir", "readlink", "cut", "tr", "sort", "head", "tail", "wc", "id", "du")
+_TOOLS = (
+    "bash",
+    "env",
+    "sed",
+    "grep",
+    "mkdir",
+    "readlink",
+    "cut",
+    "tr",
+    "sort",
+    "head",
+    "tail",
+    "wc",
+    "id",
+    "du",
+)
 
 
 def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -28,7 +43,11 @@ def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _env(tmp_path: pathlib.Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KUBEBUILDER_ASSETS", "MESHTRAIN_K8S_VERSION")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KUBEBUILDER_ASSETS", "MESHTRAIN_K8S_VERSION")
+    }
     env["MESHTRAIN_CACHE"] = str(tmp_path / "cache")
     env.update(extra)
     return env
@@ -68,7 +87,7 @@ def test_too_old_go_is_reported_with_the_required_version(tmp_path: pathlib.Path
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "go").write_text(
-        '#!/bin/sh\n'
+        "#!/bin/sh\n"
         'if [ "$1 $2" = "env GOVERSION" ]; then echo go1.20.0; exit 0; fi\n'
         f'exec {real_go} "$@"\n'
     )
@@ -96,8 +115,10 @@ def test_script_and_python_pin_the_same_versions() -> None:
     text = SCRIPT.read_text()
     assert f'K8S_VERSION="${{MESHTRAIN_K8S_VERSION:-{binaries.DEFAULT_K8S_VERSION}}}"' in text
     assert f'HELM_VERSION="${{MESHTRAIN_HELM_VERSION:-{binaries.DEFAULT_HELM_VERSION}}}"' in text
-    assert (f'PROMETHEUS_OPERATOR_VERSION="${{MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-'
-            f'{binaries.DEFAULT_PROMETHEUS_OPERATOR_VERSION}}}"') in text
+    assert (
+        f'PROMETHEUS_OPERATOR_VERSION="${{MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-'
+        f'{binaries.DEFAULT_PROMETHEUS_OPERATOR_VERSION}}}"'
+    ) in text
     assert f"MONITORING_CRDS=({' '.join(binaries.MONITORING_CRDS)})" in text
 
 

@@ -21,9 +21,16 @@ def _text(name: str) -> str:
 
 def test_deployment_is_hardened() -> None:
     text = _text("deployment.yaml")
-    for needle in ("runAsNonRoot: true", "readOnlyRootFilesystem: true", "allowPrivilegeEscalation: false",
-                   'drop: ["ALL"]', "type: RuntimeDefault", "livenessProbe:", 'command: ["meshtrain", "operator"]',
-                   "resources:"):
+    for needle in (
+        "runAsNonRoot: true",
+        "readOnlyRootFilesystem: true",
+        "allowPrivilegeEscalation: false",
+        'drop: ["ALL"]',
+        "type: RuntimeDefault",
+        "livenessProbe:",
+        'command: ["meshtrain", "operator"]',
+        "resources:",
+    ):
         assert needle in text, needle
 
 
@@ -49,14 +56,18 @@ def test_monitoring_objects_carry_the_selector_labels() -> None:
 
 def test_trainer_pod_monitor_scrapes_every_rank_port_and_honours_the_exporters_labels() -> None:
     text = _text("monitoring.yaml")
-    monitor = text[text.index("kind: PodMonitor"):text.index("kind: PrometheusRule")]
-    endpoints = monitor[monitor.index("podMetricsEndpoints:"):]
+    monitor = text[text.index("kind: PodMonitor") : text.index("kind: PrometheusRule")]
+    endpoints = monitor[monitor.index("podMetricsEndpoints:") :]
     assert "honorLabels: true" in endpoints
-    assert "- port:" not in endpoints and "port: metrics\n" not in endpoints  # not only one rank's port
+    assert (
+        "- port:" not in endpoints and "port: metrics\n" not in endpoints
+    )  # not only one rank's port
     assert "sourceLabels: [__meta_kubernetes_pod_container_port_name]" in endpoints
     assert "regex: metrics-[0-9]+" in endpoints and "action: keep" in endpoints
     # the names the operator gives the ports match the keep rule
-    assert re.fullmatch("metrics-[0-9]+", naming.metrics_port_name(0)) and re.fullmatch("metrics-[0-9]+", naming.metrics_port_name(7))
+    assert re.fullmatch("metrics-[0-9]+", naming.metrics_port_name(0)) and re.fullmatch(
+        "metrics-[0-9]+", naming.metrics_port_name(7)
+    )
 
 
 def test_operator_is_given_the_default_gpu_profile() -> None:
@@ -70,8 +81,16 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
 
 
 def test_every_template_is_tested() -> None:
-    tested = {"deployment.yaml", "rbac.yaml", "monitoring.yaml", "dashboards.yaml", "serviceaccount.yaml",
-              "_helpers.tpl", "NOTES.txt", "peering.yaml"}
+    tested = {
+        "deployment.yaml",
+        "rbac.yaml",
+        "monitoring.yaml",
+        "dashboards.yaml",
+        "serviceaccount.yaml",
+        "_helpers.tpl",
+        "NOTES.txt",
+        "peering.yaml",
+    }
     assert {p.name for p in TEMPLATES.iterdir()} == tested
 
 

@@ -79,4 +79,6 @@ def test_chart_versions() -> None:
     pyproject = (CHART.parents[1] / "pyproject.toml").read_text()
     version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)  # type: ignore[union-attr]
     assert chart["apiVersion"] == "v2"
-    assert chart["appVersion"] == version, "appVersion must follow the meshtrain version (image tags)"
+    assert chart["appVersion"] == version, (
+        "appVersion must follow the meshtrain version (image tags)"
+    )

@@ -72,16 +72,27 @@ def test_prune_keeps_newest_and_clears_tmp(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda d: (d / "__0_0.distcp").write_bytes(b"dat"), "__0_0.distcp: 3 bytes, the marker says 4"),
+        (
+            lambda d: (d / "__0_0.distcp").write_bytes(b"dat"),
+            "__0_0.distcp: 3 bytes, the marker says 4",
+        ),
         (lambda d: (d / "__0_0.distcp").write_bytes(b"DATA"), "__0_0.distcp: sha256"),
         (lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp: listed in"),
-        (lambda d: (d / store.MARKER).write_text("{not json"), "COMPLETE: not a valid completion marker"),
+        (
+            lambda d: (d / store.MARKER).write_text("{not json"),
+            "COMPLETE: not a valid completion marker",
+        ),
         (lambda d: (d / store.MARKER).unlink(), "COMPLETE: missing"),
-        (lambda d: (d / store.MARKER).write_text(json.dumps({"format": "other/2"})), "is not a meshtrain checkpoint"),
+        (
+            lambda d: (d / store.MARKER).write_text(json.dumps({"format": "other/2"})),
+            "is not a meshtrain checkpoint",
+        ),
     ],
     ids=["truncated", "corrupt", "missing-file", "bad-marker", "no-marker", "foreign-format"],
 )
-def test_damaged_newest_checkpoint_is_an_error_naming_the_file(tmp_path: Path, damage, message: str) -> None:  # noqa: ANN001
+def test_damaged_newest_checkpoint_is_an_error_naming_the_file(
+    tmp_path: Path, damage, message: str
+) -> None:  # noqa: ANN001
     write_checkpoint(tmp_path, 10)
     newest = write_checkpoint(tmp_path, 20)
     damage(newest)
@@ -100,7 +111,9 @@ def test_foreign_entries_refuse_the_directory(tmp_path: Path) -> None:
 def test_marker_step_must_match_directory(tmp_path: Path) -> None:
     final = write_checkpoint(tmp_path, 10)
     final.rename(tmp_path / "step-00000011")
-    with pytest.raises(store.CheckpointError, match="says step 10 but the directory is step-00000011"):
+    with pytest.raises(
+        store.CheckpointError, match="says step 10 but the directory is step-00000011"
+    ):
         store.latest(tmp_path)
 
 

@@ -73,6 +73,7 @@ def cuda_clock(at: float) -> tuple[clocks.CudaClock, fake_device.FakeDevice, Man
 
 # --- host ---------------------------------------------------------------------
 
+
 def test_host_clock_reads_perf_counter():
     clock = clocks.HostClock()
     before = time.perf_counter()
@@ -98,10 +99,14 @@ def test_cpu_devices_get_the_host_clock():
 
 # --- CUDA events --------------------------------------------------------------
 
+
 def test_cuda_stamps_resolve_against_the_step_reference():
     clock, device, device_time = cuda_clock(100.0)
     host = clock.start_step()
-    assert device.log[:2] == [("synchronize",), ("record", "compute")]  # idle device, then the reference
+    assert device.log[:2] == [
+        ("synchronize",),
+        ("record", "compute"),
+    ]  # idle device, then the reference
     device_time.at = 100.25
     first = clock.now()
     device_time.at = 100.75
@@ -149,6 +154,7 @@ def test_cuda_launch_times_the_collective_on_the_side_stream():
 
 # --- the deferred recorder ----------------------------------------------------
 
+
 def test_deferred_recorder_forwards_resolved_events_in_order_at_step_end():
     clock, device, device_time = cuda_clock(50.0)
     inner = CallLog()
@@ -164,8 +170,9 @@ def test_deferred_recorder_forwards_resolved_events_in_order_at_step_end():
 
     deferred.compute("forward", 0, 0, stamp(0.1), stamp(0.3))
     deferred.wait("recv", stamp(0.3), stamp(0.4))
-    hook = threading.Thread(target=lambda: deferred.collective("dp", "all_reduce", 64, stamp(0.4), stamp(0.9),
-                                                               bucket=0))
+    hook = threading.Thread(
+        target=lambda: deferred.collective("dp", "all_reduce", 64, stamp(0.4), stamp(0.9), bucket=0)
+    )
     hook.start()
     hook.join()
     deferred.compute("backward", 0, 0, stamp(0.4), stamp(0.8))
@@ -175,7 +182,9 @@ def test_deferred_recorder_forwards_resolved_events_in_order_at_step_end():
     assert device.log.count(("synchronize",)) == syncs + 1
     assert inner.calls[0] == ("step_start", 1, start)
     assert inner.calls[-1] == ("step_end", 1, 2.5, 100, 1.0)
-    assert [relative(call, start) for call in inner.calls[1:-1]] == [  # seconds after the step start, call order
+    assert [
+        relative(call, start) for call in inner.calls[1:-1]
+    ] == [  # seconds after the step start, call order
         ("compute", "forward", 0, 0, 0.1, 0.3),
         ("wait", "recv", 0.3, 0.4),
         ("collective", "dp", "all_reduce", 64, 0.4, 0.9, 0),
@@ -183,7 +192,10 @@ def test_deferred_recorder_forwards_resolved_events_in_order_at_step_end():
     ]
     deferred.step_start(2, clock.start_step())
     deferred.step_end(2, 2.0, 100, 1.0)
-    assert [c[0] for c in inner.calls[-2:]] == ["step_start", "step_end"]  # step 1's events are gone
+    assert [c[0] for c in inner.calls[-2:]] == [
+        "step_start",
+        "step_end",
+    ]  # step 1's events are gone
 
 
 def test_deferred_recorder_feeds_a_memory_recorder_seconds():
@@ -197,4 +209,6 @@ def test_deferred_recorder_feeds_a_memory_recorder_seconds():
     deferred.compute("forward", 0, 0, first, clock.now())
     deferred.step_end(1, 1.0, 10, 0.5)
     assert inner.steps[-1]["compute_seconds"] == pytest.approx(0.5)
-    assert inner.events[0].start == pytest.approx(start) and inner.events[0].end == pytest.approx(start + 0.5)
+    assert inner.events[0].start == pytest.approx(start) and inner.events[0].end == pytest.approx(
+        start + 0.5
+    )

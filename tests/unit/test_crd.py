@@ -11,7 +11,12 @@ import yaml
 from meshtrain import cli
 from meshtrain.api import crd, rules, spec
 
-CHECKED_IN = pathlib.Path(__file__).resolve().parents[2] / "manifests" / "crd" / "trainingjobs.meshtrain.io.yaml"
+CHECKED_IN = (
+    pathlib.Path(__file__).resolve().parents[2]
+    / "manifests"
+    / "crd"
+    / "trainingjobs.meshtrain.io.yaml"
+)
 
 
 def _root() -> dict[str, Any]:
@@ -44,14 +49,18 @@ def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 def test_checked_in_crd_matches_the_generator():
     assert CHECKED_IN.read_text() == crd.render(), (
         "manifests/crd/trainingjobs.meshtrain.io.yaml is stale: run "
-        "`python -m meshtrain.api.crd > manifests/crd/trainingjobs.meshtrain.io.yaml`")
+        "`python -m meshtrain.api.crd > manifests/crd/trainingjobs.meshtrain.io.yaml`"
+    )
 
 
 def test_every_spec_and_status_field_has_a_description():
     root = _root()
     for section in ("spec", "status"):
-        missing = [path for path, node in _walk(root["properties"][section], section)
-                   if not node.get("description") and not path.endswith("{}")]  # map values are not fields
+        missing = [
+            path
+            for path, node in _walk(root["properties"][section], section)
+            if not node.get("description") and not path.endswith("{}")
+        ]  # map values are not fields
         assert not missing, f"fields without description: {missing}"
 
 
@@ -81,15 +90,24 @@ def test_server_defaulting_of_an_empty_spec_equals_the_model_defaults():
 
 def test_enums_minimums_and_nullables_come_from_the_model():
     props = _root()["properties"]["spec"]["properties"]
-    assert props["parallelism"]["properties"]["schedule"]["enum"] == ["gpipe", "1f1b", "interleaved-1f1b"]
+    assert props["parallelism"]["properties"]["schedule"]["enum"] == [
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+    ]
     assert props["parallelism"]["properties"]["zeroStage"]["enum"] == [0, 1, 2]
     assert props["parallelism"]["properties"]["zeroStage"]["type"] == "integer"
     assert props["parallelism"]["properties"]["data"]["minimum"] == 1
     assert props["metrics"]["properties"]["port"]["maximum"] == 65535
     assert props["training"]["properties"]["globalBatch"]["nullable"] is True
     assert props["training"]["properties"]["learningRate"] == {
-        **props["training"]["properties"]["learningRate"], "minimum": 0, "exclusiveMinimum": True}
-    assert props["resources"]["properties"]["nodeSelector"]["additionalProperties"] == {"type": "string"}
+        **props["training"]["properties"]["learningRate"],
+        "minimum": 0,
+        "exclusiveMinimum": True,
+    }
+    assert props["resources"]["properties"]["nodeSelector"]["additionalProperties"] == {
+        "type": "string"
+    }
 
 
 def test_every_cel_rule_is_attached_with_its_message_and_field_path():
@@ -101,7 +119,10 @@ def test_every_cel_rule_is_attached_with_its_message_and_field_path():
         assert attached[rule.cel]["message"] == rule.cel_message
         assert attached[rule.cel]["fieldPath"] == rule.path.removeprefix("spec")
     model_rules = spec_node["properties"]["model"]["x-kubernetes-validations"]
-    assert model_rules == [{"rule": rules.SHAPE_RULE.cel, "message": rules.SHAPE_RULE.cel_message}, crd.MODEL_IMMUTABLE]
+    assert model_rules == [
+        {"rule": rules.SHAPE_RULE.cel, "message": rules.SHAPE_RULE.cel_message},
+        crd.MODEL_IMMUTABLE,
+    ]
 
 
 def test_names_subresource_and_printer_columns():

@@ -48,8 +48,15 @@ def test_user_token_file_checked_against_vocab(tmp_path):
 
 
 def _sampler(tokens, dp_rank, dp, m, seed=5):
-    return data.BatchSampler(tokens, seq_len=8, micro_batch=8 // (dp * m), micro_batches=m, dp_rank=dp_rank,
-                             dp_size=dp, seed=seed)
+    return data.BatchSampler(
+        tokens,
+        seq_len=8,
+        micro_batch=8 // (dp * m),
+        micro_batches=m,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        seed=seed,
+    )
 
 
 def test_every_layout_sees_the_same_global_batch():

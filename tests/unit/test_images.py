@@ -50,7 +50,9 @@ def test_base_images_are_pinned(path: pathlib.Path) -> None:
         image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
         if image in {r.split()[-1] for w, r in instructions if w == "FROM" and " AS " in r.upper()}:
             continue  # a previous stage
-        assert "@sha256:" in image or re.search(r":\d+\.\d+\.\d+[-\w.]*$", image), f"{path}: base {image} not pinned"
+        assert "@sha256:" in image or re.search(r":\d+\.\d+\.\d+[-\w.]*$", image), (
+            f"{path}: base {image} not pinned"
+        )
         assert not image.endswith(":latest")
 
 
@@ -80,7 +82,9 @@ def test_trainer_installs_exact_torch_from_pypi_and_operator_has_no_torch() -> N
     trainer = (ROOT / "trainer" / "Dockerfile").read_text()
     assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", trainer)
     assert '"torch==${TORCH_VERSION}"' in trainer
-    runs = " ".join(rest for word, rest in _instructions(ROOT / "operator" / "Dockerfile") if word == "RUN")
+    runs = " ".join(
+        rest for word, rest in _instructions(ROOT / "operator" / "Dockerfile") if word == "RUN"
+    )
     assert "torch" not in runs
 
 

@@ -28,7 +28,9 @@ def test_attention_is_causal():
 
 def test_same_seed_same_weights_and_another_seed_others():
     a, b, c = gpt.GPT(CONFIG, seed=3), gpt.GPT(CONFIG, seed=3), gpt.GPT(CONFIG, seed=4)
-    for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+    for (name, p), (_, q), (_, r) in zip(
+        a.named_parameters(), b.named_parameters(), c.named_parameters()
+    ):
         assert torch.equal(p, q), name
         assert p.dim() == 1 or not torch.equal(p, r), name
 
@@ -70,7 +72,9 @@ def test_flops_per_token_is_6n_plus_attention():
 
 def test_known_size_of_gpt2_small_shape():
     # GPT-2 small (tied embeddings) has 124M; meshtrain's head is untied, so +V*H.
-    config = gpt.GPTConfig(vocab=50257, seq_len=1024, layers=12, hidden=768, heads=12, ffn_hidden=3072)
+    config = gpt.GPTConfig(
+        vocab=50257, seq_len=1024, layers=12, hidden=768, heads=12, ffn_hidden=3072
+    )
     with_tied_head = gpt.dense_param_count(config) - 50257 * 768
     # GPT-2 also has biases (~0.1M) that meshtrain leaves out.
     assert abs(with_tied_head - 124_439_808) < 0.2e6

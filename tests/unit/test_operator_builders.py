@@ -16,7 +16,9 @@ def spec_of(builder: JobBuilder) -> api_spec.TrainingJobSpec:
 
 
 def env_of(pod):
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+    return {
+        e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]
+    }
 
 
 def test_one_gated_pod_per_node_slot_pinned_to_its_planned_node():
@@ -25,14 +27,27 @@ def test_one_gated_pod_per_node_slot_pinned_to_its_planned_node():
     assert [p["metadata"]["name"] for p in pods] == ["llm-r0-0", "llm-r0-1"]
     for index, pod in enumerate(pods):
         assert pod["spec"]["schedulingGates"] == [{"name": "meshtrain.io/gang"}]
-        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
-        assert term == {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [["n-a", "n-b"][index]]}]}
+        term = pod["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"][0]
+        assert term == {
+            "matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [["n-a", "n-b"][index]]}
+            ]
+        }
         assert pod["spec"]["restartPolicy"] == "Never"
-        assert pod["spec"]["hostname"] == pod["metadata"]["name"] and pod["spec"]["subdomain"] == "llm"
+        assert (
+            pod["spec"]["hostname"] == pod["metadata"]["name"] and pod["spec"]["subdomain"] == "llm"
+        )
         assert pod["metadata"]["labels"][naming.LABEL_NODE_RANK] == str(index)
         assert pod["metadata"]["ownerReferences"][0] == {
-            "apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob", "name": "llm", "uid": "1234",
-            "controller": True, "blockOwnerDeletion": True}
+            "apiVersion": "meshtrain.io/v1alpha1",
+            "kind": "TrainingJob",
+            "name": "llm",
+            "uid": "1234",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
     # pp outermost: pod 0 holds ranks 0-3 (stage 0), pod 1 ranks 4-7 (stage 1)
     assert [p["metadata"]["labels"][naming.LABEL_PIPELINE_STAGES] for p in pods] == ["0", "1"]
 
@@ -43,13 +58,20 @@ def test_pod_spanning_two_stages_is_labelled_with_the_range():
 
 
 def test_deleted_pods_get_the_grace_period_to_checkpoint_and_torchrun_a_little_less():
-    spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1).run_policy(terminationGracePeriodSeconds=120))
+    spec = spec_of(
+        JobBuilder().layout(data=2, gpus_per_node=1).run_policy(terminationGracePeriodSeconds=120)
+    )
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120
     assert "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)" in pod["spec"]["containers"][0]["args"]
     assert env_of(pod)["PET_SHUTDOWN_TIMEOUT"] == "115"
-    default = builders.build_pod(REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1)), 0, 0, "n-a")
-    assert default["spec"]["terminationGracePeriodSeconds"] == 60 and env_of(default)["PET_SHUTDOWN_TIMEOUT"] == "55"
+    default = builders.build_pod(
+        REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1)), 0, 0, "n-a"
+    )
+    assert (
+        default["spec"]["terminationGracePeriodSeconds"] == 60
+        and env_of(default)["PET_SHUTDOWN_TIMEOUT"] == "55"
+    )
 
 
 def test_torchrun_command_and_env():
@@ -60,36 +82,59 @@ def test_torchrun_command_and_env():
     assert container["args"][-2:] == ["-m", "meshtrain.trainer"]
     assert "--node-rank=$(PET_NODE_RANK)" in container["args"]
     env = env_of(pod)
-    assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "4" and env["PET_NODE_RANK"] == "1"
+    assert (
+        env["PET_NNODES"] == "2"
+        and env["PET_NPROC_PER_NODE"] == "4"
+        and env["PET_NODE_RANK"] == "1"
+    )
     assert env["WORLD_SIZE"] == "8"
     assert env["MASTER_ADDR"] == "llm-r3-0.llm.research.svc" and env["MASTER_PORT"] == "29500"
     assert (env["MESHTRAIN_TP"], env["MESHTRAIN_PP"], env["MESHTRAIN_DP"]) == ("2", "2", "2")
     assert env["MESHTRAIN_SPEC_FILE"] == "/etc/meshtrain/job.yaml"
     assert env["MESHTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert env["MESHTRAIN_CHECKPOINT_DIR"] == "/checkpoints" and env["MESHTRAIN_METRICS_PORT"] == "9400"
+    assert (
+        env["MESHTRAIN_CHECKPOINT_DIR"] == "/checkpoints"
+        and env["MESHTRAIN_METRICS_PORT"] == "9400"
+    )
     assert (env["MESHTRAIN_JOB_NAME"], env["MESHTRAIN_NAMESPACE"]) == ("llm", "research")
 
 
 def test_every_local_rank_exporter_is_a_named_container_port():
-    spec = api_spec.parse_spec(JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4).raw()
-                               | {"metrics": {"port": 9500}})
+    spec = api_spec.parse_spec(
+        JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4).raw()
+        | {"metrics": {"port": 9500}}
+    )
     ports = builders.build_pod(REF, spec, 0, 1, "n-b")["spec"]["containers"][0]["ports"]
-    assert ports == [{"name": "metrics-0", "containerPort": 9500}, {"name": "metrics-1", "containerPort": 9501},
-                     {"name": "metrics-2", "containerPort": 9502}, {"name": "metrics-3", "containerPort": 9503},
-                     {"name": "rendezvous", "containerPort": 29500}]
+    assert ports == [
+        {"name": "metrics-0", "containerPort": 9500},
+        {"name": "metrics-1", "containerPort": 9501},
+        {"name": "metrics-2", "containerPort": 9502},
+        {"name": "metrics-3", "containerPort": 9503},
+        {"name": "rendezvous", "containerPort": 29500},
+    ]
     names = [p["name"] for p in ports]
-    assert len(set(names)) == len(names) and all(len(n) <= 15 for n in names)  # IANA_SVC_NAME limits
+    assert len(set(names)) == len(names) and all(
+        len(n) <= 15 for n in names
+    )  # IANA_SVC_NAME limits
 
 
 def test_logs_on_the_checkpoint_volume_and_final_progress_in_the_termination_message():
-    spec = api_spec.parse_spec(JobBuilder().layout(data=2, gpus_per_node=1).raw()
-                               | {"checkpoint": {"path": "/ckpt/run1/", "claimName": "c"}})
+    spec = api_spec.parse_spec(
+        JobBuilder().layout(data=2, gpus_per_node=1).raw()
+        | {"checkpoint": {"path": "/ckpt/run1/", "claimName": "c"}}
+    )
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
     container, env = pod["spec"]["containers"][0], env_of(pod)
     assert env["MESHTRAIN_LOG_DIR"] == "/ckpt/run1/logs"
     mount = next(m for m in container["volumeMounts"] if m["name"] == "checkpoints")
-    assert env["MESHTRAIN_LOG_DIR"].startswith(mount["mountPath"].rstrip("/") + "/")  # persists with the claim
-    assert env["MESHTRAIN_TERMINATION_LOG"] == container["terminationMessagePath"] == "/dev/termination-log"
+    assert env["MESHTRAIN_LOG_DIR"].startswith(
+        mount["mountPath"].rstrip("/") + "/"
+    )  # persists with the claim
+    assert (
+        env["MESHTRAIN_TERMINATION_LOG"]
+        == container["terminationMessagePath"]
+        == "/dev/termination-log"
+    )
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     # downward API and identity for the exporter's labels
     assert env["MESHTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -97,9 +142,17 @@ def test_logs_on_the_checkpoint_volume_and_final_progress_in_the_termination_mes
 
 
 def test_resources_volumes_selector_tolerations():
-    raw = JobBuilder().layout(data=8, gpus_per_node=8).resources(
-        extraResources={"rdma/ib": "1"}, shmSize="32Gi", nodeSelector={"pool": "h100"},
-        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]).raw()
+    raw = (
+        JobBuilder()
+        .layout(data=8, gpus_per_node=8)
+        .resources(
+            extraResources={"rdma/ib": "1"},
+            shmSize="32Gi",
+            nodeSelector={"pool": "h100"},
+            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        )
+        .raw()
+    )
     spec = api_spec.parse_spec(raw | {"checkpoint": {"claimName": "ckpt", "path": "/ckpt"}})
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
     resources = pod["spec"]["containers"][0]["resources"]
@@ -110,18 +163,26 @@ def test_resources_volumes_selector_tolerations():
     mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
     assert mounts == {"shm": "/dev/shm", "checkpoints": "/ckpt", "spec": "/etc/meshtrain"}
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
-    assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
 
 
 def test_checkpoint_without_claim_is_an_empty_dir():
     pod = builders.build_pod(REF, spec_of(JobBuilder()), 0, 0, "n")
-    assert {v["name"]: v for v in pod["spec"]["volumes"]}["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    assert {v["name"]: v for v in pod["spec"]["volumes"]}["checkpoints"] == {
+        "name": "checkpoints",
+        "emptyDir": {},
+    }
 
 
 def test_headless_service_and_spec_configmap():
     spec = spec_of(JobBuilder())
     service = builders.build_service(REF, spec)
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert (
+        service["spec"]["clusterIP"] == "None"
+        and service["spec"]["publishNotReadyAddresses"] is True
+    )
     assert service["spec"]["selector"] == {naming.LABEL_JOB: "llm"}
     configmap = builders.build_configmap(REF, spec)
     document = yaml.safe_load(configmap["data"]["job.yaml"])

@@ -21,21 +21,50 @@ def at(seconds: float) -> datetime.datetime:
 def job(spec: dict[str, Any] | None = None, **status: Any) -> lifecycle.JobState:
     """A job of 2 pods (dp2, 1 GPU per pod) unless ``spec`` says otherwise."""
     raw = spec if spec is not None else JobBuilder().layout(data=2, gpus_per_node=1).raw()
-    body = {"metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 3}, "spec": raw, "status": status}
+    body = {
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 3},
+        "spec": raw,
+        "status": status,
+    }
     return lifecycle.job_state(body)
 
 
 def placed_status(**extra: Any) -> dict[str, Any]:
-    return {"phase": "Placing", "placement": [{"podIndex": 0, "node": "n0"}, {"podIndex": 1, "node": "n1"}],
-            "startTime": conditions.timestamp(T0), **extra}
+    return {
+        "phase": "Placing",
+        "placement": [{"podIndex": 0, "node": "n0"}, {"podIndex": 1, "node": "n1"}],
+        "startTime": conditions.timestamp(T0),
+        **extra,
+    }
 
 
-def pod(index: int, phase: str = "Pending", *, attempt: int = 0, gated: bool = False, deleting: bool = False,
-        exit_code: int | None = None, created: float = 0, ip: str | None = None, disrupted: bool = False,
-        message: str | None = None) -> failure.PodState:
-    return failure.PodState(name=f"j-r{attempt}-{index}", index=index, attempt=attempt, phase=phase, gated=gated,
-                            deleting=deleting, created_at=at(created), node=f"n{index}", ip=ip, exit_code=exit_code,
-                            disrupted=disrupted, termination_message=message)
+def pod(
+    index: int,
+    phase: str = "Pending",
+    *,
+    attempt: int = 0,
+    gated: bool = False,
+    deleting: bool = False,
+    exit_code: int | None = None,
+    created: float = 0,
+    ip: str | None = None,
+    disrupted: bool = False,
+    message: str | None = None,
+) -> failure.PodState:
+    return failure.PodState(
+        name=f"j-r{attempt}-{index}",
+        index=index,
+        attempt=attempt,
+        phase=phase,
+        gated=gated,
+        deleting=deleting,
+        created_at=at(created),
+        node=f"n{index}",
+        ip=ip,
+        exit_code=exit_code,
+        disrupted=disrupted,
+        termination_message=message,
+    )
 
 
 def kinds(decision: lifecycle.Decision) -> list[str]:
@@ -61,57 +90,186 @@ def running_gang(**kw: Any) -> list[failure.PodState]:
 CASES = [
     # name, job, pods, now, expected action kinds, expected status fields
     ("new job is placed", job(), [], 0, ["Place"], {}),
-    ("placed gang still gated: gates lifted", job(**placed_status()), [pod(0, gated=True), pod(1, gated=True)], 1,
-     ["LiftGates"], {}),
-    ("crash mid-creation: missing pod re-created", job(**placed_status()), [pod(0, gated=True)], 1, ["Place"], {}),
-    ("all running: phase Running and progress polled", job(**placed_status()), running_gang(), 5,
-     ["SetStatus", "PollProgress"], {"phase": "Running"}),
-    ("running stays running: only progress", job(**placed_status(phase="Running")), running_gang(), 5,
-     ["PollProgress"], {}),
-    ("all exited 0: Succeeded", job(**placed_status(phase="Running")), [pod(0, "Succeeded"), pod(1, "Succeeded")], 9,
-     ["SetStatus", "Emit"], {"phase": "Succeeded"}),
-    ("all exited 0: rank 0's final progress recorded with Succeeded",
-     job(**placed_status(phase="Running", progress={"step": 34}, lastCheckpointStep=30)),
-     [pod(0, "Succeeded", message='{"step": 40, "loss": 1.5, "last_checkpoint_step": 40}'),
-      pod(1, "Succeeded", message='{"step": 7}')], 9,
-     ["SetStatus", "Emit"], {"phase": "Succeeded", "progress": {"step": 40, "loss": 1.5}, "lastCheckpointStep": 40}),
-    ("retryable failure restarts the gang", job(**placed_status(phase="Running")),
-     [pod(0, "Running"), pod(1, "Failed", exit_code=137)], 9,
-     ["SetStatus", "Emit", "DeletePods"], {"phase": "Restarting", "restarts": 1, "placement": []}),
-    ("permanent exit code 2 fails at once", job(**placed_status(phase="Running")),
-     [pod(0, "Running"), pod(1, "Failed", exit_code=2)], 9,
-     ["SetStatus", "Emit", "DeletePods"], {"phase": "Failed"}),
-    ("backoff exhausted fails", job(**placed_status(phase="Running", restarts=3)),
-     [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)], 9,
-     ["SetStatus", "Emit", "DeletePods"], {"phase": "Failed"}),
-    ("evicted pod restarts", job(**placed_status(phase="Running")),
-     [pod(0, "Running"), pod(1, "Running", disrupted=True)], 9, ["SetStatus", "Emit", "DeletePods"],
-     {"phase": "Restarting", "restarts": 1}),
-    ("pod vanished from a released gang restarts", job(**placed_status(phase="Running")), [pod(0, "Running")], 9,
-     ["SetStatus", "Emit", "DeletePods"], {"restarts": 1}),
-    ("after a restart the old gang is stale and deleted, then re-placed", job(phase="Restarting", restarts=1),
-     [pod(0, "Running"), pod(1, "Failed", exit_code=1)], 10, ["DeletePods", "Place"], {}),
-    ("startup timeout counts as a failed start", job(**placed_status()), [pod(0, "Running"), pod(1, "Pending")], 601,
-     ["SetStatus", "Emit", "DeletePods"], {"phase": "Restarting", "restarts": 1}),
-    ("suspend removes pods and keeps status", job(JobBuilder().layout(data=2, gpus_per_node=1).raw()
-                                                  | {"runPolicy": {"suspend": True}}, **placed_status(phase="Running", restarts=1)),
-     running_gang(attempt=1), 9, ["DeletePods", "SetStatus", "Emit"], {"phase": "Suspended", "placement": []}),
-    ("resume waits until the suspended pods are gone", job(phase="Suspended"), [pod(0, "Running", deleting=True)], 9,
-     [], {}),
-    ("resume goes back to Pending", job(phase="Suspended", startTime="2026-01-01T00:00:00Z"), [], 9,
-     ["SetStatus", "Emit"], {"phase": "Pending", "startTime": None}),
-    ("active deadline fails the job", job(JobBuilder().layout(data=2, gpus_per_node=1).raw()
-                                          | {"runPolicy": {"activeDeadlineSeconds": 60}}, **placed_status(phase="Running")),
-     running_gang(), 61, ["SetStatus", "Emit", "DeletePods"], {"phase": "Failed"}),
-    ("invalid spec fails with InvalidSpec", job(JobBuilder().layout(tensor=2, gpus_per_node=2).model(heads=3).raw()), [], 0,
-     ["SetStatus", "Emit"], {"phase": "Failed"}),
-    ("finished job: nothing to do", job(phase="Succeeded", completionTime=conditions.timestamp(T0)), [], 99, [], {}),
-    ("TTL elapsed deletes the job", job(JobBuilder().raw() | {"runPolicy": {"ttlSecondsAfterFinished": 30}},
-                                        phase="Failed", completionTime=conditions.timestamp(T0)), [], 31, ["DeleteJob"], {}),
+    (
+        "placed gang still gated: gates lifted",
+        job(**placed_status()),
+        [pod(0, gated=True), pod(1, gated=True)],
+        1,
+        ["LiftGates"],
+        {},
+    ),
+    (
+        "crash mid-creation: missing pod re-created",
+        job(**placed_status()),
+        [pod(0, gated=True)],
+        1,
+        ["Place"],
+        {},
+    ),
+    (
+        "all running: phase Running and progress polled",
+        job(**placed_status()),
+        running_gang(),
+        5,
+        ["SetStatus", "PollProgress"],
+        {"phase": "Running"},
+    ),
+    (
+        "running stays running: only progress",
+        job(**placed_status(phase="Running")),
+        running_gang(),
+        5,
+        ["PollProgress"],
+        {},
+    ),
+    (
+        "all exited 0: Succeeded",
+        job(**placed_status(phase="Running")),
+        [pod(0, "Succeeded"), pod(1, "Succeeded")],
+        9,
+        ["SetStatus", "Emit"],
+        {"phase": "Succeeded"},
+    ),
+    (
+        "all exited 0: rank 0's final progress recorded with Succeeded",
+        job(**placed_status(phase="Running", progress={"step": 34}, lastCheckpointStep=30)),
+        [
+            pod(0, "Succeeded", message='{"step": 40, "loss": 1.5, "last_checkpoint_step": 40}'),
+            pod(1, "Succeeded", message='{"step": 7}'),
+        ],
+        9,
+        ["SetStatus", "Emit"],
+        {"phase": "Succeeded", "progress": {"step": 40, "loss": 1.5}, "lastCheckpointStep": 40},
+    ),
+    (
+        "retryable failure restarts the gang",
+        job(**placed_status(phase="Running")),
+        [pod(0, "Running"), pod(1, "Failed", exit_code=137)],
+        9,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Restarting", "restarts": 1, "placement": []},
+    ),
+    (
+        "permanent exit code 2 fails at once",
+        job(**placed_status(phase="Running")),
+        [pod(0, "Running"), pod(1, "Failed", exit_code=2)],
+        9,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Failed"},
+    ),
+    (
+        "backoff exhausted fails",
+        job(**placed_status(phase="Running", restarts=3)),
+        [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)],
+        9,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Failed"},
+    ),
+    (
+        "evicted pod restarts",
+        job(**placed_status(phase="Running")),
+        [pod(0, "Running"), pod(1, "Running", disrupted=True)],
+        9,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Restarting", "restarts": 1},
+    ),
+    (
+        "pod vanished from a released gang restarts",
+        job(**placed_status(phase="Running")),
+        [pod(0, "Running")],
+        9,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"restarts": 1},
+    ),
+    (
+        "after a restart the old gang is stale and deleted, then re-placed",
+        job(phase="Restarting", restarts=1),
+        [pod(0, "Running"), pod(1, "Failed", exit_code=1)],
+        10,
+        ["DeletePods", "Place"],
+        {},
+    ),
+    (
+        "startup timeout counts as a failed start",
+        job(**placed_status()),
+        [pod(0, "Running"), pod(1, "Pending")],
+        601,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Restarting", "restarts": 1},
+    ),
+    (
+        "suspend removes pods and keeps status",
+        job(
+            JobBuilder().layout(data=2, gpus_per_node=1).raw() | {"runPolicy": {"suspend": True}},
+            **placed_status(phase="Running", restarts=1),
+        ),
+        running_gang(attempt=1),
+        9,
+        ["DeletePods", "SetStatus", "Emit"],
+        {"phase": "Suspended", "placement": []},
+    ),
+    (
+        "resume waits until the suspended pods are gone",
+        job(phase="Suspended"),
+        [pod(0, "Running", deleting=True)],
+        9,
+        [],
+        {},
+    ),
+    (
+        "resume goes back to Pending",
+        job(phase="Suspended", startTime="2026-01-01T00:00:00Z"),
+        [],
+        9,
+        ["SetStatus", "Emit"],
+        {"phase": "Pending", "startTime": None},
+    ),
+    (
+        "active deadline fails the job",
+        job(
+            JobBuilder().layout(data=2, gpus_per_node=1).raw()
+            | {"runPolicy": {"activeDeadlineSeconds": 60}},
+            **placed_status(phase="Running"),
+        ),
+        running_gang(),
+        61,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Failed"},
+    ),
+    (
+        "invalid spec fails with InvalidSpec",
+        job(JobBuilder().layout(tensor=2, gpus_per_node=2).model(heads=3).raw()),
+        [],
+        0,
+        ["SetStatus", "Emit"],
+        {"phase": "Failed"},
+    ),
+    (
+        "finished job: nothing to do",
+        job(phase="Succeeded", completionTime=conditions.timestamp(T0)),
+        [],
+        99,
+        [],
+        {},
+    ),
+    (
+        "TTL elapsed deletes the job",
+        job(
+            JobBuilder().raw() | {"runPolicy": {"ttlSecondsAfterFinished": 30}},
+            phase="Failed",
+            completionTime=conditions.timestamp(T0),
+        ),
+        [],
+        31,
+        ["DeleteJob"],
+        {},
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "state", "pods", "now", "expected", "fields"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "state", "pods", "now", "expected", "fields"), CASES, ids=[c[0] for c in CASES]
+)
 def test_decide(name, state, pods, now, expected, fields):
     decision = lifecycle.decide(state, pods, at(now))
     assert kinds(decision) == expected
@@ -121,7 +279,9 @@ def test_decide(name, state, pods, now, expected, fields):
 
 
 def test_invalid_spec_condition_names_the_rule():
-    decision = lifecycle.decide(job(JobBuilder().layout(tensor=2, gpus_per_node=2).model(heads=3).raw()), [], T0)
+    decision = lifecycle.decide(
+        job(JobBuilder().layout(tensor=2, gpus_per_node=2).model(heads=3).raw()), [], T0
+    )
     failed = condition(decision, conditions.FAILED)
     assert failed["reason"] == conditions.INVALID_SPEC
     assert "heads=3 is not divisible by tensor=2" in failed["message"]
@@ -130,14 +290,18 @@ def test_invalid_spec_condition_names_the_rule():
 
 
 def test_permanent_failure_is_not_retried_even_with_backoff_left():
-    decision = lifecycle.decide(job(**placed_status(phase="Running")), [pod(0, "Failed", exit_code=2), pod(1)], at(3))
+    decision = lifecycle.decide(
+        job(**placed_status(phase="Running")), [pod(0, "Failed", exit_code=2), pod(1)], at(3)
+    )
     assert condition(decision, conditions.FAILED)["reason"] == conditions.PERMANENT_FAILURE
     assert status_of(decision).get("restarts") is None
 
 
 def test_backoff_message_says_how_many_restarts_were_used():
     state = job(**placed_status(phase="Running", restarts=3))
-    decision = lifecycle.decide(state, [pod(0, "Failed", attempt=3, exit_code=1), pod(1, attempt=3)], at(3))
+    decision = lifecycle.decide(
+        state, [pod(0, "Failed", attempt=3, exit_code=1), pod(1, attempt=3)], at(3)
+    )
     assert "backoffLimit=3" in condition(decision, conditions.FAILED)["message"]
 
 
@@ -158,13 +322,18 @@ def test_gates_are_not_lifted_while_a_pod_is_missing():
 
 
 def test_startup_timeout_requeues_for_the_remaining_time():
-    decision = lifecycle.decide(job(**placed_status()), [pod(0, "Running"), pod(1, "Pending")], at(100))
+    decision = lifecycle.decide(
+        job(**placed_status()), [pod(0, "Running"), pod(1, "Pending")], at(100)
+    )
     assert decision.requeue_after == pytest.approx(500)
 
 
 def test_ttl_requeues_until_due():
-    state = job(JobBuilder().raw() | {"runPolicy": {"ttlSecondsAfterFinished": 30}}, phase="Succeeded",
-                completionTime=conditions.timestamp(T0))
+    state = job(
+        JobBuilder().raw() | {"runPolicy": {"ttlSecondsAfterFinished": 30}},
+        phase="Succeeded",
+        completionTime=conditions.timestamp(T0),
+    )
     assert lifecycle.decide(state, [], at(10)).requeue_after == pytest.approx(20)
 
 
@@ -189,21 +358,36 @@ def _hash_of(raw: dict[str, Any]) -> str:
 
 
 def test_a_broken_gang_is_deleted_quickly_a_healthy_one_with_time_to_save():
-    failed = lifecycle.decide(job(**placed_status(phase="Running")), [pod(0, "Running"), pod(1, "Failed", exit_code=137)], at(9))
+    failed = lifecycle.decide(
+        job(**placed_status(phase="Running")),
+        [pod(0, "Running"), pod(1, "Failed", exit_code=137)],
+        at(9),
+    )
     [deleted] = [a for a in failed.actions if isinstance(a, lifecycle.DeletePods)]
-    assert deleted.names == ("j-r0-0", "j-r0-1") and deleted.grace_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
-    suspended = lifecycle.decide(job(_spec_of(2) | {"runPolicy": {"suspend": True}}, **placed_status(phase="Running")),
-                                 running_gang(), at(9))
+    assert (
+        deleted.names == ("j-r0-0", "j-r0-1")
+        and deleted.grace_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
+    )
+    suspended = lifecycle.decide(
+        job(_spec_of(2) | {"runPolicy": {"suspend": True}}, **placed_status(phase="Running")),
+        running_gang(),
+        at(9),
+    )
     [deleted] = [a for a in suspended.actions if isinstance(a, lifecycle.DeletePods)]
     assert deleted.grace_seconds is None
 
 
 def test_changed_spec_rebuilds_the_gang_without_counting_a_restart():
-    state = job(_spec_of(4), **placed_status(phase="Running", specHash=_hash_of(_spec_of(2)), lastCheckpointStep=20))
+    state = job(
+        _spec_of(4),
+        **placed_status(phase="Running", specHash=_hash_of(_spec_of(2)), lastCheckpointStep=20),
+    )
     decision = lifecycle.decide(state, running_gang(), at(9))
     assert kinds(decision) == ["SetStatus", "Emit", "DeletePods"]
     status = status_of(decision)
-    assert status["phase"] == "Restarting" and status["placement"] == [] and status["specHash"] is None
+    assert (
+        status["phase"] == "Restarting" and status["placement"] == [] and status["specHash"] is None
+    )
     assert "restarts" not in status
     placed_condition = condition(decision, conditions.PLACED)
     assert placed_condition["reason"] == conditions.SPEC_CHANGED
@@ -213,14 +397,19 @@ def test_changed_spec_rebuilds_the_gang_without_counting_a_restart():
 
 def test_rebuilt_gang_waits_for_the_old_pods_then_places_the_new_spec():
     state = job(_spec_of(4), phase="Restarting")
-    assert kinds(lifecycle.decide(state, [pod(0, "Running", deleting=True)], at(10))) == ["DeletePods"]
+    assert kinds(lifecycle.decide(state, [pod(0, "Running", deleting=True)], at(10))) == [
+        "DeletePods"
+    ]
     assert kinds(lifecycle.decide(state, [], at(11))) == ["Place"]
     assert lifecycle.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(_spec_of(4))
 
 
 def test_run_policy_changes_do_not_rebuild_the_gang():
     assert _hash_of(_spec_of(2, backoffLimit=9, activeDeadlineSeconds=60)) == _hash_of(_spec_of(2))
-    state = job(_spec_of(2, backoffLimit=9), **placed_status(phase="Running", specHash=_hash_of(_spec_of(2))))
+    state = job(
+        _spec_of(2, backoffLimit=9),
+        **placed_status(phase="Running", specHash=_hash_of(_spec_of(2))),
+    )
     assert kinds(lifecycle.decide(state, running_gang(), at(9))) == ["PollProgress"]
 
 
@@ -232,7 +421,9 @@ def test_a_finished_gang_is_not_rebuilt_for_a_late_spec_change():
 
 def test_placed_and_unschedulable_status():
     state = job()
-    fields = lifecycle.placed(state, ["a", "b"], {"nvlink": 0.0, "kubernetes.io/hostname": 10.0}, T0)
+    fields = lifecycle.placed(
+        state, ["a", "b"], {"nvlink": 0.0, "kubernetes.io/hostname": 10.0}, T0
+    )
     assert fields["phase"] == "Placing"
     assert fields["placement"] == [{"podIndex": 0, "node": "a"}, {"podIndex": 1, "node": "b"}]
     assert fields["layout"] == "dp2·pp1·tp1" and fields["gpus"] == 2
@@ -240,7 +431,10 @@ def test_placed_and_unschedulable_status():
     waiting = lifecycle.unschedulable(state, "InsufficientGPUs", "need 2, free 1", T0)
     assert waiting["phase"] == "Pending"
     placed_condition = conditions.find(waiting["conditions"], conditions.PLACED)
-    assert placed_condition["reason"] == "InsufficientGPUs" and placed_condition["message"] == "need 2, free 1"
+    assert (
+        placed_condition["reason"] == "InsufficientGPUs"
+        and placed_condition["message"] == "need 2, free 1"
+    )
 
 
 def test_decisions_are_stable_once_applied():
@@ -254,10 +448,16 @@ def test_decisions_are_stable_once_applied():
 
 def test_pod_state_reads_labels_gates_and_exit_code():
     manifest = {
-        "metadata": {"name": "j-r1-3", "labels": {"meshtrain.io/node-rank": "3", "meshtrain.io/attempt": "1"},
-                     "creationTimestamp": "2026-01-01T12:00:00Z"},
+        "metadata": {
+            "name": "j-r1-3",
+            "labels": {"meshtrain.io/node-rank": "3", "meshtrain.io/attempt": "1"},
+            "creationTimestamp": "2026-01-01T12:00:00Z",
+        },
         "spec": {"schedulingGates": [{"name": "meshtrain.io/gang"}], "nodeName": "n7"},
-        "status": {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 139}}}]},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 139}}}],
+        },
     }
     state = failure.pod_state(manifest)
     assert dataclasses.astuple(state)[:6] == ("j-r1-3", 3, 1, "Failed", True, False)
@@ -265,14 +465,17 @@ def test_pod_state_reads_labels_gates_and_exit_code():
     assert failure.pod_state({"metadata": {"name": "other"}}) is None
 
 
-@pytest.mark.parametrize(("phase", "code", "permanent", "text"), [
-    ("Failed", 2, True, "rejected its configuration"),
-    ("Failed", 127, True, "not found"),
-    ("Failed", 137, False, "signal 9"),
-    ("Failed", 1, False, "exited with code 1"),
-    ("Failed", None, False, "failed"),
-    ("Unknown", None, False, "lost"),
-])
+@pytest.mark.parametrize(
+    ("phase", "code", "permanent", "text"),
+    [
+        ("Failed", 2, True, "rejected its configuration"),
+        ("Failed", 127, True, "not found"),
+        ("Failed", 137, False, "signal 9"),
+        ("Failed", 1, False, "exited with code 1"),
+        ("Failed", None, False, "failed"),
+        ("Unknown", None, False, "lost"),
+    ],
+)
 def test_failure_classification(phase, code, permanent, text):
     found = failure.classify(pod(0, phase, exit_code=code))
     assert found.permanent is permanent and text in found.message
@@ -285,27 +488,55 @@ def test_healthy_pods_are_not_failures(phase):
 
 def test_success_without_a_termination_message_keeps_the_polled_progress():
     state = job(**placed_status(phase="Running", progress={"step": 34}, lastCheckpointStep=30))
-    decision = lifecycle.decide(state, [pod(0, "Succeeded", message=""), pod(1, "Succeeded")], at(9))
+    decision = lifecycle.decide(
+        state, [pod(0, "Succeeded", message=""), pod(1, "Succeeded")], at(9)
+    )
     fields = status_of(decision)
-    assert fields["phase"] == "Succeeded" and "progress" not in fields and "lastCheckpointStep" not in fields
+    assert (
+        fields["phase"] == "Succeeded"
+        and "progress" not in fields
+        and "lastCheckpointStep" not in fields
+    )
 
 
 def test_pod_state_reads_the_termination_message():
-    manifest = {"metadata": {"name": "j-r0-0", "labels": {"meshtrain.io/node-rank": "0", "meshtrain.io/attempt": "0"}},
-                "status": {"phase": "Succeeded", "containerStatuses": [
-                    {"name": "trainer", "state": {"terminated": {"exitCode": 0, "message": '{"step": 40}\n'}}}]}}
+    manifest = {
+        "metadata": {
+            "name": "j-r0-0",
+            "labels": {"meshtrain.io/node-rank": "0", "meshtrain.io/attempt": "0"},
+        },
+        "status": {
+            "phase": "Succeeded",
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "state": {"terminated": {"exitCode": 0, "message": '{"step": 40}\n'}},
+                }
+            ],
+        },
+    }
     assert failure.pod_state(manifest).termination_message == '{"step": 40}\n'
 
 
 def test_wont_fit_fails_the_job_with_the_numbers_and_keeps_the_plan():
     state = job(phase="Pending")
-    fields = lifecycle.wont_fit(state, "stage 0 needs 104.36 GiB per GPU but the GPU has 80.00 GiB", T0,
-                                {"fits": False, "memoryPerGpuBytes": 112})
+    fields = lifecycle.wont_fit(
+        state,
+        "stage 0 needs 104.36 GiB per GPU but the GPU has 80.00 GiB",
+        T0,
+        {"fits": False, "memoryPerGpuBytes": 112},
+    )
     assert fields["phase"] == "Failed" and fields["completionTime"] == conditions.timestamp(T0)
     assert fields["plan"] == {"fits": False, "memoryPerGpuBytes": 112}
-    for type_, status in ((conditions.WONT_FIT, "True"), (conditions.FAILED, "True"), (conditions.PLACED, "False")):
+    for type_, status in (
+        (conditions.WONT_FIT, "True"),
+        (conditions.FAILED, "True"),
+        (conditions.PLACED, "False"),
+    ):
         found = conditions.find(fields["conditions"], type_)
-        assert (found["status"], found["reason"]) == (status, "WontFit") and "80.00 GiB" in found["message"]
+        assert (found["status"], found["reason"]) == (status, "WontFit") and "80.00 GiB" in found[
+            "message"
+        ]
     # final: the next pass only waits for the TTL, it never places the job
     assert kinds(lifecycle.decide(job(**fields), [], at(5))) == []
 
@@ -314,4 +545,6 @@ def test_placed_and_unschedulable_publish_the_plan():
     plan = {"profile": "h100-sxm", "fits": True}
     assert lifecycle.placed(job(), ["a", "b"], {}, T0, plan)["plan"] == plan
     assert lifecycle.unschedulable(job(), "InsufficientGPUs", "m", T0, plan)["plan"] == plan
-    assert "plan" not in lifecycle.placed(job(), ["a", "b"], {}, T0)  # not judged: status.plan untouched
+    assert "plan" not in lifecycle.placed(
+        job(), ["a", "b"], {}, T0
+    )  # not judged: status.plan untouched

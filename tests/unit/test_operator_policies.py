@@ -16,11 +16,14 @@ T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 T1 = T0 + datetime.timedelta(minutes=5)
 
 
-@pytest.mark.parametrize(("old_status", "new_status", "keeps_time"), [
-    ("True", "True", True),
-    ("False", "True", False),
-    ("True", "False", False),
-])
+@pytest.mark.parametrize(
+    ("old_status", "new_status", "keeps_time"),
+    [
+        ("True", "True", True),
+        ("False", "True", False),
+        ("True", "False", False),
+    ],
+)
 def test_condition_transition_time_changes_only_with_status(old_status, new_status, keeps_time):
     before = conditions.set([], "Placed", old_status, "A", "first", T0)
     after = conditions.set(before, "Placed", new_status, "B", "second", T1)
@@ -31,13 +34,17 @@ def test_condition_transition_time_changes_only_with_status(old_status, new_stat
 
 
 def test_condition_set_keeps_other_types_in_order():
-    conds = conditions.set(conditions.set([], "Placed", "True", "A", "", T0), "Running", "True", "B", "", T0)
+    conds = conditions.set(
+        conditions.set([], "Placed", "True", "A", "", T0), "Running", "True", "B", "", T0
+    )
     conds = conditions.set(conds, "Placed", "False", "C", "", T1)
     assert [c["type"] for c in conds] == ["Placed", "Running"]
 
 
 def _pod(name, node, gpus, phase="Pending", job=None, namespace="ns", bound=False):
-    spec = api_spec.parse_spec(JobBuilder().resources(gpusPerNode=gpus).layout(data=gpus, gpus_per_node=gpus).raw())
+    spec = api_spec.parse_spec(
+        JobBuilder().resources(gpusPerNode=gpus).layout(data=gpus, gpus_per_node=gpus).raw()
+    )
     manifest = builders.build_pod(builders.JobRef(job or name, namespace, "u"), spec, 0, 0, node)
     manifest["metadata"]["name"] = name
     if bound:
@@ -55,36 +62,80 @@ def test_reservations_come_from_live_pods_with_their_planned_node():
     ]
     taken = capacity.reservations(pods, "nvidia.com/gpu", exclude=("ns", "me"))
     assert sorted((r.node, r.gpus) for r in taken) == [("n1", 2), ("n1", 4)]
-    nodes = [capacity.node_from_manifest({"metadata": {"name": n, "labels": {"x": "y"}},
-                                          "status": {"allocatable": {"nvidia.com/gpu": "8"}}}, "nvidia.com/gpu")
-             for n in ("n1", "n2")]
+    nodes = [
+        capacity.node_from_manifest(
+            {
+                "metadata": {"name": n, "labels": {"x": "y"}},
+                "status": {"allocatable": {"nvidia.com/gpu": "8"}},
+            },
+            "nvidia.com/gpu",
+        )
+        for n in ("n1", "n2")
+    ]
     assert nodes[0].allocatable_gpus == 8 and nodes[0].labels == {"x": "y"}
     assert capacity.free_gpus(nodes, taken) == {"n1": 2, "n2": 8}
 
 
 def test_cordoned_nodes_offer_nothing():
-    node = capacity.node_from_manifest({"metadata": {"name": "n"}, "spec": {"unschedulable": True},
-                                        "status": {"allocatable": {"nvidia.com/gpu": "8"}}}, "nvidia.com/gpu")
+    node = capacity.node_from_manifest(
+        {
+            "metadata": {"name": "n"},
+            "spec": {"unschedulable": True},
+            "status": {"allocatable": {"nvidia.com/gpu": "8"}},
+        },
+        "nvidia.com/gpu",
+    )
     assert node.unschedulable and capacity.free_gpus([node], []) == {}
 
 
 def test_progress_report_to_status():
-    report = {"step": 42, "loss": 2.5, "tokens_per_second": 1000, "last_checkpoint_step": 40, "updated_at": "2026-01-01T12:00:00Z"}
+    report = {
+        "step": 42,
+        "loss": 2.5,
+        "tokens_per_second": 1000,
+        "last_checkpoint_step": 40,
+        "updated_at": "2026-01-01T12:00:00Z",
+    }
     assert progress.status_changes(report) == {
-        "progress": {"step": 42, "loss": 2.5, "tokensPerSecond": 1000.0, "updatedAt": "2026-01-01T12:00:00Z"},
+        "progress": {
+            "step": 42,
+            "loss": 2.5,
+            "tokensPerSecond": 1000.0,
+            "updatedAt": "2026-01-01T12:00:00Z",
+        },
         "lastCheckpointStep": 40,
     }
 
 
-@pytest.mark.parametrize("report", [{}, {"step": "x"}, {"step": -1}, {"step": True},
-                                    {"step": 0, "loss": None, "last_checkpoint_step": None, "updated_at": None}])
+@pytest.mark.parametrize(
+    "report",
+    [
+        {},
+        {"step": "x"},
+        {"step": -1},
+        {"step": True},
+        {"step": 0, "loss": None, "last_checkpoint_step": None, "updated_at": None},
+    ],
+)
 def test_unusable_progress_reports_change_nothing(report):
     assert progress.status_changes(report) == {}
 
 
 def test_operator_cli_flags():
-    args = cli.build_parser().parse_args(["operator", "--namespace", "a", "--namespace", "b", "--kubeconfig", "k",
-                                          "--standalone", "--resync-seconds", "1"])
+    args = cli.build_parser().parse_args(
+        [
+            "operator",
+            "--namespace",
+            "a",
+            "--namespace",
+            "b",
+            "--kubeconfig",
+            "k",
+            "--standalone",
+            "--resync-seconds",
+            "1",
+        ]
+    )
     assert args.namespace == ["a", "b"] and args.kubeconfig == "k" and args.standalone
     assert args.resync_seconds == 1.0
     with pytest.raises(SystemExit):
@@ -114,14 +165,26 @@ class _Waker:
         self.waiting += 1
 
 
-@pytest.mark.parametrize(("type_", "phase", "wakes_waiting"), [
-    ("ADDED", "Pending", False), ("MODIFIED", "Running", False), ("MODIFIED", "Failed", True),
-    ("MODIFIED", "Succeeded", True), ("DELETED", "Running", True),
-])
+@pytest.mark.parametrize(
+    ("type_", "phase", "wakes_waiting"),
+    [
+        ("ADDED", "Pending", False),
+        ("MODIFIED", "Running", False),
+        ("MODIFIED", "Failed", True),
+        ("MODIFIED", "Succeeded", True),
+        ("DELETED", "Running", True),
+    ],
+)
 def test_pod_events_wake_their_job_and_freed_gpus_wake_waiting_jobs(type_, phase, wakes_waiting):
     waker = _Waker()
-    watcher._on_pod(waker, type_, {"metadata": {"namespace": "ns", "labels": {"meshtrain.io/job": "j"}},
-                                   "status": {"phase": phase}})
+    watcher._on_pod(
+        waker,
+        type_,
+        {
+            "metadata": {"namespace": "ns", "labels": {"meshtrain.io/job": "j"}},
+            "status": {"phase": phase},
+        },
+    )
     assert waker.poked == [("ns", "j")] and waker.waiting == int(wakes_waiting)
 
 

@@ -12,7 +12,9 @@ from meshtrain.trainer import optim
 from meshtrain.trainer.parallel import pipeline, reducer, tensor
 
 
-@pytest.mark.parametrize("spec", [tensor.ShardSpec(0), tensor.ShardSpec(1), tensor.ShardSpec(0, groups=3)])
+@pytest.mark.parametrize(
+    "spec", [tensor.ShardSpec(0), tensor.ShardSpec(1), tensor.ShardSpec(0, groups=3)]
+)
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_shard_unshard_roundtrip(spec, size):
     full = torch.randn(24, 12)
@@ -44,7 +46,10 @@ def test_split_model_chunks_compose_to_the_full_model():
     full = gpt.GPT(config)
     ids = torch.randint(0, 64, (2, 8))
     expected = full(ids)
-    stages = [pipeline.split_model(copy.deepcopy(full), stage=s, stages=2, virtual_stages=2) for s in range(2)]
+    stages = [
+        pipeline.split_model(copy.deepcopy(full), stage=s, stages=2, virtual_stages=2)
+        for s in range(2)
+    ]
     x = ids
     for j in range(4):  # virtual stage j = chunk * stages + stage
         x = stages[j % 2][j // 2](x)

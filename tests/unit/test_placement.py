@@ -26,7 +26,9 @@ class ClusterBuilder:
     nodes: list[placement.Node] = dataclasses.field(default_factory=list)
     reservations: list[placement.Reservation] = dataclasses.field(default_factory=list)
 
-    def fabric(self, blocks: int, spines: int, leaves: int, per_leaf: int, gpus: int = 8) -> ClusterBuilder:
+    def fabric(
+        self, blocks: int, spines: int, leaves: int, per_leaf: int, gpus: int = 8
+    ) -> ClusterBuilder:
         for b in range(blocks):
             for s in range(spines):
                 for leaf in range(leaves):
@@ -35,7 +37,9 @@ class ClusterBuilder:
                         self.nodes.append(placement.Node(f"n{b}{s}{leaf}{n:02d}", gpus, labels))
         return self
 
-    def node(self, name: str, gpus: int = 8, unschedulable: bool = False, **labels: str) -> ClusterBuilder:
+    def node(
+        self, name: str, gpus: int = 8, unschedulable: bool = False, **labels: str
+    ) -> ClusterBuilder:
         self.nodes.append(placement.Node(name, gpus, dict(labels), unschedulable))
         return self
 
@@ -44,17 +48,26 @@ class ClusterBuilder:
         return self
 
     def cordon(self, *names: str) -> ClusterBuilder:
-        self.nodes = [dataclasses.replace(node, unschedulable=node.unschedulable or node.name in names) for node in self.nodes]
+        self.nodes = [
+            dataclasses.replace(node, unschedulable=node.unschedulable or node.name in names)
+            for node in self.nodes
+        ]
         return self
 
-    def plan(self, request: placement.PlacementRequest) -> placement.Placement | placement.Unschedulable:
+    def plan(
+        self, request: placement.PlacementRequest
+    ) -> placement.Placement | placement.Unschedulable:
         return placement.plan(request, self.nodes, self.reservations)
 
 
-def job(data: int = 1, pipeline: int = 1, tensor: int = 8, per_node: int = 8, **extra) -> placement.PlacementRequest:
+def job(
+    data: int = 1, pipeline: int = 1, tensor: int = 8, per_node: int = 8, **extra
+) -> placement.PlacementRequest:
     extra.setdefault("dp_bytes_per_step", 1000.0)
     extra.setdefault("pp_bytes_per_step", 10.0)
-    return placement.PlacementRequest(gpus_per_node=per_node, data=data, pipeline=pipeline, tensor=tensor, **extra)
+    return placement.PlacementRequest(
+        gpus_per_node=per_node, data=data, pipeline=pipeline, tensor=tensor, **extra
+    )
 
 
 def placed(result: placement.Placement | placement.Unschedulable) -> placement.Placement:
@@ -92,7 +105,9 @@ def test_job_that_fits_a_leaf_stays_in_one_leaf() -> None:
         (("n00000", "n00100"), {"l002", "l003"}),
     ],
 )
-def test_dp_groups_of_a_stage_share_a_leaf(taken: tuple[str, ...], expected_leaves: set[str]) -> None:
+def test_dp_groups_of_a_stage_share_a_leaf(
+    taken: tuple[str, ...], expected_leaves: set[str]
+) -> None:
     cluster = ClusterBuilder().fabric(1, 1, 4, 4).reserve(*taken)
     result = placed(cluster.plan(job(data=4, pipeline=2)))
     leaves = leaves_of(result, cluster)
@@ -103,7 +118,9 @@ def test_dp_groups_of_a_stage_share_a_leaf(taken: tuple[str, ...], expected_leav
 
 def test_pipeline_heavy_job_keeps_each_pipeline_in_a_leaf() -> None:
     cluster = ClusterBuilder().fabric(1, 1, 2, 4)
-    result = placed(cluster.plan(job(data=2, pipeline=4, dp_bytes_per_step=1.0, pp_bytes_per_step=1e6)))
+    result = placed(
+        cluster.plan(job(data=2, pipeline=4, dp_bytes_per_step=1.0, pp_bytes_per_step=1e6))
+    )
     leaves = leaves_of(result, cluster)
     assert [leaves[stage * 2] for stage in range(4)] == [leaves[0]] * 4
     assert [leaves[stage * 2 + 1] for stage in range(4)] == [leaves[1]] * 4
@@ -148,7 +165,10 @@ def test_nvlink_clique_keeps_talking_pods_together() -> None:
         ({BLOCK: "b", SPINE: "s", LEAF: "l"}, (BLOCK, SPINE, LEAF)),
         ({BLOCK: "b", LEAF: "l"}, (BLOCK, LEAF)),
         (
-            {"cloud.google.com/gce-topology-block": "b", "cloud.google.com/gce-topology-subblock": "s"},
+            {
+                "cloud.google.com/gce-topology-block": "b",
+                "cloud.google.com/gce-topology-subblock": "s",
+            },
             ("cloud.google.com/gce-topology-block", "cloud.google.com/gce-topology-subblock"),
         ),
         (
@@ -166,8 +186,18 @@ def test_label_family_is_detected(labels: dict[str, str], expected: tuple[str, .
 
 
 def test_default_weights_rise_towards_the_top() -> None:
-    levels = [placement.FabricLevel(BLOCK), placement.FabricLevel(SPINE, weight=10.0), placement.FabricLevel(LEAF)]
-    assert topology.level_keys(levels, None) == (BLOCK, SPINE, LEAF, "kubernetes.io/hostname", "nvlink")
+    levels = [
+        placement.FabricLevel(BLOCK),
+        placement.FabricLevel(SPINE, weight=10.0),
+        placement.FabricLevel(LEAF),
+    ]
+    assert topology.level_keys(levels, None) == (
+        BLOCK,
+        SPINE,
+        LEAF,
+        "kubernetes.io/hostname",
+        "nvlink",
+    )
     assert topology.weights(levels) == (64.0, 10.0, 4.0, 1.0, 0.0)
 
 
@@ -189,7 +219,12 @@ def test_missing_label_is_a_domain_of_its_own() -> None:
             ClusterBuilder().fabric(1, 1, 1, 3).reserve("n00001", gpus=1).cordon("n00002"),
             job(data=4, pipeline=2),
             placement.INSUFFICIENT_GPUS,
-            ["needs 8 pods of 8 GPUs (64 GPUs)", "1 eligible nodes with 1 free pod slots", "1 unschedulable", "1 with fewer than 8 free GPUs"],
+            [
+                "needs 8 pods of 8 GPUs (64 GPUs)",
+                "1 eligible nodes with 1 free pod slots",
+                "1 unschedulable",
+                "1 with fewer than 8 free GPUs",
+            ],
         ),
         (
             ClusterBuilder().fabric(1, 1, 1, 2),
@@ -199,9 +234,16 @@ def test_missing_label_is_a_domain_of_its_own() -> None:
         ),
         (
             ClusterBuilder().fabric(3, 1, 1, 4).reserve("n00000", "n10000"),
-            job(data=5, levels=(placement.FabricLevel(BLOCK, required=True), placement.FabricLevel(LEAF))),
+            job(
+                data=5,
+                levels=(placement.FabricLevel(BLOCK, required=True), placement.FabricLevel(LEAF)),
+            ),
             placement.TOPOLOGY_UNSATISFIABLE,
-            ["needs 5 pods of 8 GPUs inside one network.topology.nvidia.com/block domain", "'b2', has 4 free pod slots", "10 free pod slots cluster-wide in 3 domains"],
+            [
+                "needs 5 pods of 8 GPUs inside one network.topology.nvidia.com/block domain",
+                "'b2', has 4 free pod slots",
+                "10 free pod slots cluster-wide in 3 domains",
+            ],
         ),
     ],
 )
@@ -215,7 +257,14 @@ def test_unschedulable_reason_and_message(cluster, request_, reason: str, words:
 
 def test_required_level_is_honoured_when_it_can_be() -> None:
     cluster = ClusterBuilder().fabric(2, 2, 1, 3).reserve("n00000", "n00001", "n01000", "n10000")
-    required = job(data=4, levels=(placement.FabricLevel(BLOCK, required=True), placement.FabricLevel(SPINE), placement.FabricLevel(LEAF)))
+    required = job(
+        data=4,
+        levels=(
+            placement.FabricLevel(BLOCK, required=True),
+            placement.FabricLevel(SPINE),
+            placement.FabricLevel(LEAF),
+        ),
+    )
     result = placed(cluster.plan(required))
     assert {name[1] for name in result.nodes} == {"1"}
     preferred = placed(cluster.plan(dataclasses.replace(required, levels=())))
@@ -238,7 +287,12 @@ def test_pod_traffic_of_a_small_layout() -> None:
     # dp2 pp2 tp4 on 8-GPU pods: pod 0 = stage 0 (both replicas), pod 1 = stage 1; DP stays inside
     assert cost.pod_traffic(job(data=2, pipeline=2, tensor=4)) == [(0, 1, 8 * 10.0)]
     # dp4 pp1 tp8: a ring of 4 pods, 8 edges (one per tp index) between neighbours
-    assert cost.pod_traffic(job(data=4)) == [(0, 1, 8000.0), (0, 3, 8000.0), (1, 2, 8000.0), (2, 3, 8000.0)]
+    assert cost.pod_traffic(job(data=4)) == [
+        (0, 1, 8000.0),
+        (0, 3, 8000.0),
+        (1, 2, 8000.0),
+        (2, 3, 8000.0),
+    ]
     # dp2 tp8: both ring directions join the same pair
     assert cost.pod_traffic(job(data=2)) == [(0, 1, 16000.0)]
 
@@ -250,12 +304,24 @@ def test_request_from_spec() -> None:
             "resources": {"gpusPerNode": 8, "nodeSelector": {"pool": "gpu"}},
             "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32},
             "training": {"microBatch": 2},
-            "topology": {"nvlinkDomainLabel": CLIQUE, "levels": [{"label": BLOCK, "mode": "required"}, {"label": LEAF}]},
+            "topology": {
+                "nvlinkDomainLabel": CLIQUE,
+                "levels": [{"label": BLOCK, "mode": "required"}, {"label": LEAF}],
+            },
         }
     )
     request = placement.request_from_spec(spec)
-    assert (request.data, request.pipeline, request.tensor, request.gpus_per_node, request.pods) == (2, 2, 4, 8, 2)
-    assert request.levels == (placement.FabricLevel(BLOCK, required=True), placement.FabricLevel(LEAF))
+    assert (
+        request.data,
+        request.pipeline,
+        request.tensor,
+        request.gpus_per_node,
+        request.pods,
+    ) == (2, 2, 4, 8, 2)
+    assert request.levels == (
+        placement.FabricLevel(BLOCK, required=True),
+        placement.FabricLevel(LEAF),
+    )
     assert request.nvlink_domain_label == CLIQUE and dict(request.node_selector) == {"pool": "gpu"}
     dp_bytes, pp_bytes = comm.placement_traffic(spec, memory.scheme_for("bf16"))
     assert (request.dp_bytes_per_step, request.pp_bytes_per_step) == (dp_bytes, pp_bytes)

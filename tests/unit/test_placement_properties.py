@@ -18,9 +18,17 @@ from meshtrain.operator import placement
 from meshtrain.operator.placement import topology
 
 FAMILIES = {
-    "nvidia": ("network.topology.nvidia.com/block", "network.topology.nvidia.com/spine", "network.topology.nvidia.com/leaf"),
+    "nvidia": (
+        "network.topology.nvidia.com/block",
+        "network.topology.nvidia.com/spine",
+        "network.topology.nvidia.com/leaf",
+    ),
     "gke": ("cloud.google.com/gce-topology-block", "cloud.google.com/gce-topology-subblock"),
-    "aws": ("topology.k8s.aws/network-node-layer-1", "topology.k8s.aws/network-node-layer-2", "topology.k8s.aws/network-node-layer-3"),
+    "aws": (
+        "topology.k8s.aws/network-node-layer-1",
+        "topology.k8s.aws/network-node-layer-2",
+        "topology.k8s.aws/network-node-layer-3",
+    ),
     "none": (),
 }
 CLIQUE = "nvidia.com/gpu.clique"
@@ -58,23 +66,34 @@ def draw(seed: int) -> Case:
             coords.append(rest % width)
             rest //= width
         coords.reverse()
-        node_labels = {label: f"{label.rsplit('/', 1)[-1]}-{'.'.join(map(str, coords[: depth + 1]))}" for depth, label in enumerate(labels)}
+        node_labels = {
+            label: f"{label.rsplit('/', 1)[-1]}-{'.'.join(map(str, coords[: depth + 1]))}"
+            for depth, label in enumerate(labels)
+        }
         if clique:
             node_labels[CLIQUE] = f"clique-{index // per_leaf}-{(index % per_leaf) // 2}"
         if rng.random() < 0.05 and node_labels:
             node_labels.pop(rng.choice(sorted(node_labels)))
-        nodes.append(placement.Node(f"node-{name:05d}", gpus, node_labels, unschedulable=rng.random() < 0.05))
+        nodes.append(
+            placement.Node(f"node-{name:05d}", gpus, node_labels, unschedulable=rng.random() < 0.05)
+        )
     reservations = []
     for node in nodes:
         if rng.random() < 0.4:
-            reservations.append(placement.Reservation(node.name, rng.randint(1, gpus), f"other-{rng.randint(0, 9)}"))
+            reservations.append(
+                placement.Reservation(node.name, rng.randint(1, gpus), f"other-{rng.randint(0, 9)}")
+            )
     per_node = rng.choice([4, 8, 8, 8])
     tensor = rng.choice([t for t in (1, 2, 4, 8) if per_node % t == 0])
     pipeline = rng.choice([1, 2, 3, 4])
     data = rng.choice([1, 2, 3, 4, 6, 8])
     while (data * pipeline * tensor) % per_node:
         data += 1
-    levels = tuple(placement.FabricLevel(label, required=rng.random() < 0.1) for label in labels) if rng.random() < 0.5 else ()
+    levels = (
+        tuple(placement.FabricLevel(label, required=rng.random() < 0.1) for label in labels)
+        if rng.random() < 0.5
+        else ()
+    )
     request = placement.PlacementRequest(
         gpus_per_node=per_node,
         data=data,
@@ -101,7 +120,8 @@ def free_slots(case: Case) -> dict[str, int]:
     for reservation in case.reservations:
         reserved[reservation.node] = reserved.get(reservation.node, 0) + reservation.gpus
     return {
-        node.name: (node.allocatable_gpus - reserved.get(node.name, 0)) // case.request.gpus_per_node
+        node.name: (node.allocatable_gpus - reserved.get(node.name, 0))
+        // case.request.gpus_per_node
         for node in case.nodes
         if not node.unschedulable
     }
@@ -113,7 +133,10 @@ def effective_levels(case: Case) -> tuple[placement.FabricLevel, ...]:
 
 def paths(case: Case) -> dict[str, tuple[str, ...]]:
     levels = effective_levels(case)
-    return {node.name: topology.node_path(node, levels, case.request.nvlink_domain_label) for node in case.nodes}
+    return {
+        node.name: topology.node_path(node, levels, case.request.nvlink_domain_label)
+        for node in case.nodes
+    }
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +170,14 @@ def test_tensor_groups_never_leave_an_nvlink_domain(cases) -> None:
         if not isinstance(result, placement.Placement):
             continue
         request = case.request
-        grid = layout.ParallelLayout(data=request.data, pipeline=request.pipeline, tensor=request.tensor)
+        grid = layout.ParallelLayout(
+            data=request.data, pipeline=request.pipeline, tensor=request.tensor
+        )
         node_paths = paths(case)
         for group in grid.all_groups("tp"):
-            domains = {node_paths[result.nodes[grid.pod_of(rank, request.gpus_per_node)]] for rank in group}
+            domains = {
+                node_paths[result.nodes[grid.pod_of(rank, request.gpus_per_node)]] for rank in group
+            }
             assert len(domains) == 1, case.seed
 
 
@@ -210,7 +237,9 @@ def test_cheaper_than_topology_blind_first_fit_on_fragmented_clusters(cases) -> 
     planned_top = blind_top = 0.0
     wins = ties = losses = 0
     for case, result in cases:
-        if not isinstance(result, placement.Placement) or any(level.required for level in effective_levels(case)):
+        if not isinstance(result, placement.Placement) or any(
+            level.required for level in effective_levels(case)
+        ):
             continue
         node_paths = paths(case)
         by_name = sorted(case.nodes, key=lambda node: node.name)

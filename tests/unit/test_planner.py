@@ -32,6 +32,7 @@ SHAPES = [
 
 # --- literature arithmetic ------------------------------------------------------------------------
 
+
 def test_7b_mixed_precision_adam_needs_112_gb_per_replicated_worker() -> None:
     state = memory.state_bytes(7e9, memory.MIXED, zero_stage=0, data=64)
     assert memory.MIXED.total == 16
@@ -40,8 +41,12 @@ def test_7b_mixed_precision_adam_needs_112_gb_per_replicated_worker() -> None:
 
 def test_zero_stages_divide_the_right_components() -> None:
     n, params = 64, 7e9
-    assert memory.state_bytes(params, memory.MIXED, 1, n).total == pytest.approx(params * (2 + 2 + 12 / n))
-    assert memory.state_bytes(params, memory.MIXED, 2, n).total == pytest.approx(params * (2 + (2 + 12) / n))
+    assert memory.state_bytes(params, memory.MIXED, 1, n).total == pytest.approx(
+        params * (2 + 2 + 12 / n)
+    )
+    assert memory.state_bytes(params, memory.MIXED, 2, n).total == pytest.approx(
+        params * (2 + (2 + 12) / n)
+    )
     assert memory.state_bytes(params, memory.MIXED, 3, n).total == pytest.approx(params * 16 / n)
     zero1 = memory.state_bytes(params, memory.MIXED, 1, n)
     assert (zero1.weights, zero1.grads) == (2 * params, 2 * params)
@@ -59,39 +64,69 @@ def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> Non
     assert cost.ring_allreduce_seconds(2e9, 1, link) == 0.0
 
 
-@pytest.mark.parametrize("p,m,v", [(1, 4, 1), (2, 4, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (4, 8, 4)])
+@pytest.mark.parametrize(
+    "p,m,v", [(1, 4, 1), (2, 4, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (4, 8, 4)]
+)
 def test_bubble_agrees_with_the_trainer_and_telemetry(p: int, m: int, v: int) -> None:
     ours = cost.bubble_ratio(p, m, v)
     assert ours == pytest.approx((p - 1) / (v * m + p - 1))
     assert ours == schedules.bubble_ratio(p, m, v)
-    facts = stepstats.JobFacts(stages=p, micro_batches=m, virtual_stages=v, world_size=p, group_sizes={},
-                               flops_per_token=1.0, peak_flops=1.0)
+    facts = stepstats.JobFacts(
+        stages=p,
+        micro_batches=m,
+        virtual_stages=v,
+        world_size=p,
+        group_sizes={},
+        flops_per_token=1.0,
+        peak_flops=1.0,
+    )
     assert ours == facts.bubble_theoretical
 
 
 def test_activations_follow_korthikanti_without_dropout() -> None:
-    shape = api_spec.ModelShape(layers=1, hidden=1024, heads=16, vocab=256, seq_len=2048, ffn_hidden=4096)
+    shape = api_spec.ModelShape(
+        layers=1, hidden=1024, heads=16, vocab=256, seq_len=2048, ffn_hidden=4096
+    )
     s, b, h, a = 2048, 2, 1024, 16
     for t in (1, 2, 8):
-        unfused = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=False, fused_attention=False)
+        unfused = memory.layer_activation_bytes(
+            shape, b, t, memory.MIXED, sequence_parallel=False, fused_attention=False
+        )
         assert unfused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * s * b / t)
-        sp = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=True, fused_attention=False)
+        sp = memory.layer_activation_bytes(
+            shape, b, t, memory.MIXED, sequence_parallel=True, fused_attention=False
+        )
         assert sp == pytest.approx(s * b * h * 32 / t + 4 * a * s * s * b / t)
         fused = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=False)
         assert fused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * b / t)
 
 
 def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> None:
-    raw = {"parallelism": {"data": 1, "pipeline": 2, "tensor": 2, "microBatches": 8, "sequenceParallel": True},
-           "resources": {"gpusPerNode": 4}, "model": {"preset": "1.3b"}, "training": {"microBatch": 1}}
+    raw = {
+        "parallelism": {
+            "data": 1,
+            "pipeline": 2,
+            "tensor": 2,
+            "microBatches": 8,
+            "sequenceParallel": True,
+        },
+        "resources": {"gpusPerNode": 4},
+        "model": {"preset": "1.3b"},
+        "training": {"microBatch": 1},
+    }
     plain = api_spec.parse_spec(raw)
-    recompute = api_spec.parse_spec({**raw, "training": {"microBatch": 1, "activationCheckpointing": True}})
+    recompute = api_spec.parse_spec(
+        {**raw, "training": {"microBatch": 1, "activationCheckpointing": True}}
+    )
     h100 = profiles.get("h100-sxm")
     shape, scheme = plain.model.shape(), memory.scheme_for(memory.resolve_precision(plain, h100))
     per_layer = memory.layer_activation_bytes(shape, 1, 2, scheme, sequence_parallel=True)
     kept = memory.checkpointed_layer_bytes(shape, 1, 2, scheme, sequence_parallel=True)
     assert kept == shape.seq_len * shape.hidden * scheme.stream_bytes / 2
-    before, after = memory.plan_memory(plain, h100).stages[0], memory.plan_memory(recompute, h100).stages[0]
+    before, after = (
+        memory.plan_memory(plain, h100).stages[0],
+        memory.plan_memory(recompute, h100).stages[0],
+    )
     layers = shape.layers // 2
     assert before.activations == pytest.approx(before.in_flight * layers * per_layer)
     assert after.activations == pytest.approx(after.in_flight * layers * kept + per_layer)
@@ -99,7 +134,9 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> No
 
 
 def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None:
-    shape = api_spec.ModelShape(layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096)
+    shape = api_spec.ModelShape(
+        layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096
+    )
     training = cost.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
     assert cost.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
 
@@ -108,7 +145,9 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
     """What autograd keeps from a forward of checkpointed blocks is exactly the planner's kept bytes."""
     shape = api_spec.ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=128)
     model = gpt.GPT(gpt.GPTConfig.from_shape(shape), recompute_blocks=True)
-    model.tok_emb = model.pos_emb = model.norm = model.head = None  # a middle pipeline stage: hidden in, hidden out
+    model.tok_emb = model.pos_emb = model.norm = model.head = (
+        None  # a middle pipeline stage: hidden in, hidden out
+    )
     saved: dict[int, int] = {}
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,6 +164,7 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
 
 # --- agreement with the trainer's code ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "odd-ffn"])
 def test_parameter_count_matches_the_trainer_model(shape: api_spec.ModelShape) -> None:
     model = gpt.GPT(gpt.GPTConfig.from_shape(shape))
@@ -133,13 +173,16 @@ def test_parameter_count_matches_the_trainer_model(shape: api_spec.ModelShape) -
 
 
 @pytest.mark.parametrize("p,t,v", [(1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)])
-def test_rank_params_and_registration_order_match_the_sharded_stages(p: int, t: int, v: int) -> None:
+def test_rank_params_and_registration_order_match_the_sharded_stages(
+    p: int, t: int, v: int
+) -> None:
     shape = api_spec.ModelShape(layers=8, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=96)
     for stage in range(p):
         for tp_rank in range(t):
             torch.manual_seed(0)
-            chunks = pipeline.split_model(gpt.GPT(gpt.GPTConfig.from_shape(shape)), stage=stage, stages=p,
-                                          virtual_stages=v)
+            chunks = pipeline.split_model(
+                gpt.GPT(gpt.GPTConfig.from_shape(shape)), stage=stage, stages=p, virtual_stages=v
+            )
             if t > 1:
                 ctx = tensor.TPContext(group=None, rank=tp_rank, size=t)
                 for chunk in chunks:
@@ -148,8 +191,9 @@ def test_rank_params_and_registration_order_match_the_sharded_stages(p: int, t: 
             planned: list[int] = []
             for chunk in range(v):
                 j = chunk * p + stage
-                planned += comm.chunk_param_sizes(shape, t, shape.layers // (p * v), first=j == 0,
-                                                  last=j == p * v - 1)
+                planned += comm.chunk_param_sizes(
+                    shape, t, shape.layers // (p * v), first=j == 0, last=j == p * v - 1
+                )
             assert planned == real
             assert memory.rank_params(shape, p, t, stage) == sum(real)
 
@@ -162,18 +206,32 @@ def _peak_in_flight(actions: list[schedules.Action]) -> int:
     return peak
 
 
-@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
-                                            ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 2, 4, 3),
-                                            ("interleaved-1f1b", 4, 4, 2)])
-def test_in_flight_microbatches_match_the_trainer_schedules(schedule: str, p: int, m: int, v: int) -> None:
+@pytest.mark.parametrize(
+    "schedule,p,m,v",
+    [
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 4, 2, 1),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("interleaved-1f1b", 2, 4, 3),
+        ("interleaved-1f1b", 4, 4, 2),
+    ],
+)
+def test_in_flight_microbatches_match_the_trainer_schedules(
+    schedule: str, p: int, m: int, v: int
+) -> None:
     for stage in range(p):
         peak_chunks = _peak_in_flight(schedules.actions(schedule, p, m, stage, v))
-        assert memory.in_flight_microbatches(schedule, p, m, stage, v) == pytest.approx(peak_chunks / v)
+        assert memory.in_flight_microbatches(schedule, p, m, stage, v) == pytest.approx(
+            peak_chunks / v
+        )
 
 
 def test_interleaved_first_stage_matches_korthikantis_factor() -> None:
     p, v, m = 4, 2, 16
-    assert memory.in_flight_microbatches("interleaved-1f1b", p, m, 0, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert memory.in_flight_microbatches("interleaved-1f1b", p, m, 0, v) == pytest.approx(
+        p * (1 + (p - 1) / (p * v))
+    )
 
 
 def test_comm_payloads_per_group() -> None:
@@ -207,7 +265,10 @@ def test_zero_buckets_are_padded_to_the_group() -> None:
     assert comm.bucket_numels([100, 200, 300], 4, 1300 / 2**20) == [300 + 200, 100]
     sizes = [7, 300, 5, 1000, 64, 64, 9]
     for limit in (100, 1300, 5000):
-        theirs = [sum(sizes[::-1][i] for i in bucket) for bucket in reducer.plan_buckets(sizes[::-1], 4, limit)]
+        theirs = [
+            sum(sizes[::-1][i] for i in bucket)
+            for bucket in reducer.plan_buckets(sizes[::-1], 4, limit)
+        ]
         assert comm.bucket_numels(sizes, 4, limit / 2**20) == theirs
     spec = job(data=4, zeroStage=2, bucketMb=0.01)
     keys = comm.stage_comm(spec, 0, memory.FP32).by_key()
@@ -216,6 +277,7 @@ def test_zero_buckets_are_padded_to_the_group() -> None:
 
 
 # --- time ---------------------------------------------------------------------------------------
+
 
 def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
     inside = api_spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=8).raw())
@@ -240,8 +302,13 @@ def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:
 
 def test_step_time_adds_the_bubble_and_verdicts() -> None:
     h100 = profiles.get("h100-sxm")
-    big = api_spec.parse_spec(JobBuilder().layout(1, 4, 8, gpus_per_node=8).model(preset="7b")
-                              .parallelism(microBatches=8).raw())
+    big = api_spec.parse_spec(
+        JobBuilder()
+        .layout(1, 4, 8, gpus_per_node=8)
+        .model(preset="7b")
+        .parallelism(microBatches=8)
+        .raw()
+    )
     scheme = memory.scheme_for("bf16")
     plan = cost.plan_time(big, h100, scheme, comm.plan_comm(big, scheme))
     assert plan.bubble == pytest.approx(3 / 11)

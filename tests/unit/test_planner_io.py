@@ -15,25 +15,103 @@ from meshtrain.planner import admission, cluster, estimate, profiles, report
 from tests.unit.builders import JobBuilder
 
 GOLDEN_KEYS = {
-    "": ["batch", "communication", "job", "memory", "model", "placement", "profile", "schema", "time", "warnings"],
-    "job": ["activation_checkpointing", "gpus_per_node", "layout", "micro_batch", "micro_batches", "pods", "precision",
-            "recipe", "schedule", "sequence_parallel", "virtual_stages", "world_size", "zero_stage"],
-    "model": ["ffn_hidden", "flops_per_token", "heads", "hidden", "layers", "parameters", "parameters_per_rank_max",
-              "seq_len", "vocab"],
-    "profile": ["achievable_fraction", "memory_bandwidth", "memory_bytes", "name", "nic_bandwidth", "nic_latency",
-                "nvlink_bandwidth", "nvlink_latency", "peak_flops", "source"],
-    "memory": ["bytes_per_param", "capacity_bytes", "fits", "headroom_bytes", "peak_bytes", "per_stage", "worst_stage"],
+    "": [
+        "batch",
+        "communication",
+        "job",
+        "memory",
+        "model",
+        "placement",
+        "profile",
+        "schema",
+        "time",
+        "warnings",
+    ],
+    "job": [
+        "activation_checkpointing",
+        "gpus_per_node",
+        "layout",
+        "micro_batch",
+        "micro_batches",
+        "pods",
+        "precision",
+        "recipe",
+        "schedule",
+        "sequence_parallel",
+        "virtual_stages",
+        "world_size",
+        "zero_stage",
+    ],
+    "model": [
+        "ffn_hidden",
+        "flops_per_token",
+        "heads",
+        "hidden",
+        "layers",
+        "parameters",
+        "parameters_per_rank_max",
+        "seq_len",
+        "vocab",
+    ],
+    "profile": [
+        "achievable_fraction",
+        "memory_bandwidth",
+        "memory_bytes",
+        "name",
+        "nic_bandwidth",
+        "nic_latency",
+        "nvlink_bandwidth",
+        "nvlink_latency",
+        "peak_flops",
+        "source",
+    ],
+    "memory": [
+        "bytes_per_param",
+        "capacity_bytes",
+        "fits",
+        "headroom_bytes",
+        "peak_bytes",
+        "per_stage",
+        "worst_stage",
+    ],
     "memory.bytes_per_param": ["grads", "optimizer", "weights"],
-    "memory.per_stage[]": ["activations_bytes", "grads_bytes", "in_flight_microbatches", "optimizer_bytes",
-                           "parameters", "stage", "total_bytes", "weights_bytes"],
+    "memory.per_stage[]": [
+        "activations_bytes",
+        "grads_bytes",
+        "in_flight_microbatches",
+        "optimizer_bytes",
+        "parameters",
+        "stage",
+        "total_bytes",
+        "weights_bytes",
+    ],
     "communication": ["links", "per_stage"],
     "communication.links": ["dp", "pp", "tp"],
     "communication.per_stage[]": ["collectives", "groups", "stage"],
     "communication.per_stage[].groups.dp": ["link", "payload_bytes", "seconds", "wire_bytes"],
-    "communication.per_stage[].collectives[]": ["calls", "group", "members", "op", "payload_bytes", "wire_bytes"],
-    "time": ["bubble", "compute_comm_ratio", "compute_seconds", "dp_exposed_seconds", "dp_seconds", "mfu",
-             "optimizer_seconds", "pacing_stage", "pp_seconds", "step_seconds", "tokens_per_second", "tp_seconds",
-             "verdict"],
+    "communication.per_stage[].collectives[]": [
+        "calls",
+        "group",
+        "members",
+        "op",
+        "payload_bytes",
+        "wire_bytes",
+    ],
+    "time": [
+        "bubble",
+        "compute_comm_ratio",
+        "compute_seconds",
+        "dp_exposed_seconds",
+        "dp_seconds",
+        "mfu",
+        "optimizer_seconds",
+        "pacing_stage",
+        "pp_seconds",
+        "step_seconds",
+        "tokens_per_second",
+        "tp_seconds",
+        "verdict",
+    ],
     "batch": ["critical_batch_tokens", "global_batch", "tokens_per_step", "warning"],
     "placement": ["domains_used", "level_bytes", "message", "nodes", "reason", "schedulable"],
 }
@@ -55,8 +133,16 @@ CLUSTER = textwrap.dedent("""\
 def _job(tmp_path: Path, raw: dict | None = None) -> Path:
     raw = raw or JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob",
-                                    "metadata": {"name": "t"}, "spec": raw}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "meshtrain.io/v1alpha1",
+                "kind": "TrainingJob",
+                "metadata": {"name": "t"},
+                "spec": raw,
+            }
+        )
+    )
     return path
 
 
@@ -75,6 +161,7 @@ def _value(doc: dict, path: str):  # noqa: ANN202
 
 
 # --- JSON schema ---------------------------------------------------------------------------------
+
 
 def test_json_schema_keys_are_stable() -> None:
     raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
@@ -97,15 +184,32 @@ def test_json_without_cluster_has_null_placement_and_documented_keys() -> None:
 def test_text_report_has_every_section() -> None:
     raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
     text = report.to_text(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
-    for needle in ("parameters", "memory per GPU", "headroom", "communication per rank", "pipeline bubble",
-                   "compute/communication ratio", "global batch", "placement", "pod 1", "bytes per step crossing"):
+    for needle in (
+        "parameters",
+        "memory per GPU",
+        "headroom",
+        "communication per rank",
+        "pipeline bubble",
+        "compute/communication ratio",
+        "global batch",
+        "placement",
+        "pod 1",
+        "bytes per step crossing",
+    ):
         assert needle in text
 
 
 # --- warnings and admission ----------------------------------------------------------------------
 
+
 def test_critical_batch_warning() -> None:
-    raw = JobBuilder().layout(64, 1, 1, gpus_per_node=8).model(preset="1.3b").training(microBatch=64).raw()
+    raw = (
+        JobBuilder()
+        .layout(64, 1, 1, gpus_per_node=8)
+        .model(preset="1.3b")
+        .training(microBatch=64)
+        .raw()
+    )
     plan = _plan(raw)
     assert plan.batch.tokens == 64 * 64 * 2048
     assert plan.batch.warning and "critical batch" in plan.batch.warning
@@ -113,18 +217,24 @@ def test_critical_batch_warning() -> None:
 
 
 def test_admission_refuses_a_7b_model_on_one_a100_40g_with_numbers() -> None:
-    job = api_spec.parse_spec(JobBuilder().layout(2, 1, 1, gpus_per_node=2).model(preset="7b").raw())
+    job = api_spec.parse_spec(
+        JobBuilder().layout(2, 1, 1, gpus_per_node=2).model(preset="7b").raw()
+    )
     verdict = admission.check(job, profiles.get("a100-40g"))
     assert isinstance(verdict, admission.WontFit)
     assert verdict.reason == "WontFit" and verdict.needed_bytes > verdict.capacity_bytes
     for needle in ("40.00 GiB", "weights", "optimizer", "activations", "parallelism.tensor"):
         assert needle in verdict.message
-    sharded = api_spec.parse_spec(JobBuilder().layout(1, 4, 8, gpus_per_node=8).model(preset="7b").raw())
+    sharded = api_spec.parse_spec(
+        JobBuilder().layout(1, 4, 8, gpus_per_node=8).model(preset="7b").raw()
+    )
     assert admission.check(sharded, profiles.get("h100-sxm")) is None
 
 
 def test_refusal_names_the_single_changes_that_would_fit() -> None:
-    job = api_spec.parse_spec(JobBuilder().layout(1, 1, 1).model(preset="1.3b").training(microBatch=16).raw())
+    job = api_spec.parse_spec(
+        JobBuilder().layout(1, 1, 1).model(preset="1.3b").training(microBatch=16).raw()
+    )
     l40s = profiles.get("l40s")
     verdict = admission.check(job, l40s)
     assert isinstance(verdict, admission.WontFit)
@@ -132,24 +242,43 @@ def test_refusal_names_the_single_changes_that_would_fit() -> None:
     assert set(remedies) == {"training.activationCheckpointing=true", "training.microBatch=1"}
     recomputed = api_spec.apply_overrides(job, ["training.activationCheckpointing=true"])
     assert admission.check(recomputed, l40s) is None
-    assert f"training.activationCheckpointing=true ({remedies['training.activationCheckpointing=true'] / 2**30:.2f} GiB)" \
+    assert (
+        f"training.activationCheckpointing=true ({remedies['training.activationCheckpointing=true'] / 2**30:.2f} GiB)"
         in verdict.message
+    )
 
 
 def test_status_summary_is_json_ready() -> None:
     summary = admission.status_summary(_plan(JobBuilder().layout(2, 1, 2, gpus_per_node=4).raw()))
-    assert {"memoryPerGpuBytes", "memoryHeadroomBytes", "stepSeconds", "bubbleRatio", "verdict", "fits"} <= set(summary)
+    assert {
+        "memoryPerGpuBytes",
+        "memoryHeadroomBytes",
+        "stepSeconds",
+        "bubbleRatio",
+        "verdict",
+        "fits",
+    } <= set(summary)
     json.dumps(summary, allow_nan=False)
 
 
 def test_profile_from_node_labels() -> None:
-    assert admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}).name == "h100-sxm"
-    assert admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}).name == "a100-80g"
-    assert admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}).name == "a100-40g"
+    assert (
+        admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}).name
+        == "h100-sxm"
+    )
+    assert (
+        admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}).name
+        == "a100-80g"
+    )
+    assert (
+        admission.profile_for_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}).name
+        == "a100-40g"
+    )
     assert admission.profile_for_labels({}) is None
 
 
 # --- profiles ------------------------------------------------------------------------------------
+
 
 def test_builtin_profiles_have_sources() -> None:
     known = profiles.load_all()
@@ -160,25 +289,34 @@ def test_builtin_profiles_have_sources() -> None:
 
 
 def test_unknown_profile_lists_the_known_ones() -> None:
-    with pytest.raises(profiles.ProfileError, match="known profiles: a100-40g, a100-80g, cpu, h100-sxm"):
+    with pytest.raises(
+        profiles.ProfileError, match="known profiles: a100-40g, a100-80g, cpu, h100-sxm"
+    ):
         profiles.get("h99")
 
 
-def test_user_profiles_from_a_directory_and_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_profiles_from_a_directory_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base = yaml.safe_load(profiles.BUILTIN_DIR.joinpath("h100-sxm.yaml").read_text())
-    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({**base, "name": "b200ish", "peak_flops": 2.2e15}))
+    (tmp_path / "mine.yaml").write_text(
+        yaml.safe_dump({**base, "name": "b200ish", "peak_flops": 2.2e15})
+    )
     assert profiles.get("b200ish", [tmp_path]).peak_flops == 2.2e15
     monkeypatch.setenv(profiles.ENV_VAR, str(tmp_path))
     assert "b200ish" in profiles.load_all()
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"peak_flops": -1}, "'peak_flops' must be a positive number"),
-    ({"achievable_fraction": 1.5}, "must be <= 1"),
-    ({"source": ""}, "'source' must be a non-empty string"),
-    ({"colour": "green"}, "unknown key"),
-    ({"precision": "fp8"}, "'precision' must be bf16 or fp32"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"peak_flops": -1}, "'peak_flops' must be a positive number"),
+        ({"achievable_fraction": 1.5}, "must be <= 1"),
+        ({"source": ""}, "'source' must be a non-empty string"),
+        ({"colour": "green"}, "unknown key"),
+        ({"precision": "fp8"}, "'precision' must be bf16 or fp32"),
+    ],
+)
 def test_malformed_profiles_are_refused(tmp_path: Path, change: dict, message: str) -> None:
     base = yaml.safe_load(profiles.BUILTIN_DIR.joinpath("h100-sxm.yaml").read_text())
     path = tmp_path / "bad.yaml"
@@ -189,23 +327,36 @@ def test_malformed_profiles_are_refused(tmp_path: Path, change: dict, message: s
 
 # --- cluster files -------------------------------------------------------------------------------
 
+
 def test_cluster_file_parses() -> None:
     nodes = cluster.parse_text(CLUSTER)
     assert [n.name for n in nodes] == ["a1", "a2", "c1"]
-    assert nodes[0].allocatable_gpus == 4 and nodes[2].labels["network.topology.nvidia.com/leaf"] == "l9"
+    assert (
+        nodes[0].allocatable_gpus == 4
+        and nodes[2].labels["network.topology.nvidia.com/leaf"] == "l9"
+    )
     assert [n.name for n in cluster.parse_text("- {name: x, gpus: 8}")] == ["x"]
 
 
-@pytest.mark.parametrize("text,message", [
-    ("nodes: []", "non-empty list of nodes"),
-    ("nodes:\n  - name: a\n    gpus: 8\n  - name: b\n    gpus: eight\n", r"nodes\[1\] 'b' \(line 5\): 'gpus' must be an integer"),
-    ("nodes:\n  - gpus: 8\n", r"nodes\[0\] \(line 2\): 'name' must be a non-empty string"),
-    ("nodes:\n  - {name: a, gpus: 1}\n  - {name: a, gpus: 1}\n", r"duplicate node name \(first at nodes\[0\]\)"),
-    ("nodes:\n  - {name: a, gpus: 1, colour: red}\n", "unknown key"),
-    ("nodes:\n  - {name: a, gpus: 1, labels: [x]}\n", "'labels' must be a mapping"),
-    ("nodes: [\n", "not valid YAML"),
-    ("machines: []", "unknown top-level key"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("nodes: []", "non-empty list of nodes"),
+        (
+            "nodes:\n  - name: a\n    gpus: 8\n  - name: b\n    gpus: eight\n",
+            r"nodes\[1\] 'b' \(line 5\): 'gpus' must be an integer",
+        ),
+        ("nodes:\n  - gpus: 8\n", r"nodes\[0\] \(line 2\): 'name' must be a non-empty string"),
+        (
+            "nodes:\n  - {name: a, gpus: 1}\n  - {name: a, gpus: 1}\n",
+            r"duplicate node name \(first at nodes\[0\]\)",
+        ),
+        ("nodes:\n  - {name: a, gpus: 1, colour: red}\n", "unknown key"),
+        ("nodes:\n  - {name: a, gpus: 1, labels: [x]}\n", "'labels' must be a mapping"),
+        ("nodes: [\n", "not valid YAML"),
+        ("machines: []", "unknown top-level key"),
+    ],
+)
 def test_malformed_cluster_files_name_the_entry_and_line(text: str, message: str) -> None:
     with pytest.raises(cluster.ClusterError, match=message):
         cluster.parse_text(text, "c.yaml")
@@ -218,10 +369,18 @@ def test_missing_cluster_file(tmp_path: Path) -> None:
 
 # --- the command ---------------------------------------------------------------------------------
 
-def test_cli_plan_text_json_and_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+
+def test_cli_plan_text_json_and_placement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job = _job(tmp_path)
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
-    assert cli.main(["plan", str(job), "--gpu", "a100-80g", "--cluster", str(tmp_path / "cluster.yaml")]) == 0
+    assert (
+        cli.main(
+            ["plan", str(job), "--gpu", "a100-80g", "--cluster", str(tmp_path / "cluster.yaml")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "a100-80g" in out and "pod 0" in out and "-> a" in out
     assert cli.main(["plan", str(job), "--json"]) == 0
@@ -229,34 +388,50 @@ def test_cli_plan_text_json_and_placement(tmp_path: Path, capsys: pytest.Capture
     assert doc["schema"] == "meshtrain.plan/v1" and doc["profile"]["name"] == "h100-sxm"
 
 
-def test_cli_plan_tries_spec_changes_with_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plan_tries_spec_changes_with_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job = _job(tmp_path)
     assert cli.main(["plan", str(job), "--json"]) == 0
     before = json.loads(capsys.readouterr().out)
-    assert cli.main(["plan", str(job), "--json", "--set", "training.activationCheckpointing=true"]) == 0
+    assert (
+        cli.main(["plan", str(job), "--json", "--set", "training.activationCheckpointing=true"])
+        == 0
+    )
     after = json.loads(capsys.readouterr().out)
-    assert not before["job"]["activation_checkpointing"] and after["job"]["activation_checkpointing"]
+    assert (
+        not before["job"]["activation_checkpointing"] and after["job"]["activation_checkpointing"]
+    )
     assert after["memory"]["peak_bytes"] < before["memory"]["peak_bytes"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--set", "parallelism.tensor=3"], "spec.parallelism.tensor"),
-    (["--gpu", "h99"], "unknown GPU profile 'h99'; known profiles:"),
-    (["--cluster", "missing.yaml"], "cannot read cluster file"),
-    (["--critical-batch-tokens", "0"], "--critical-batch-tokens must be >= 1"),
-])
-def test_cli_plan_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--set", "parallelism.tensor=3"], "spec.parallelism.tensor"),
+        (["--gpu", "h99"], "unknown GPU profile 'h99'; known profiles:"),
+        (["--cluster", "missing.yaml"], "cannot read cluster file"),
+        (["--critical-batch-tokens", "0"], "--critical-batch-tokens must be >= 1"),
+    ],
+)
+def test_cli_plan_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
     assert cli.main(["plan", str(_job(tmp_path)), *args]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_cli_plan_refuses_an_invalid_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plan_refuses_an_invalid_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = JobBuilder().layout(2, 1, 3, gpus_per_node=4).raw()
     assert cli.main(["plan", str(_job(tmp_path, bad))]) == 2
     assert "spec.parallelism.tensor" in capsys.readouterr().err
 
 
-def test_cli_plan_reports_an_unschedulable_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plan_reports_an_unschedulable_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "small.yaml").write_text("- {name: only, gpus: 4}\n")
     assert cli.main(["plan", str(_job(tmp_path)), "--cluster", str(tmp_path / "small.yaml")]) == 0
     assert "unschedulable" in capsys.readouterr().out

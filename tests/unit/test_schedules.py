@@ -8,16 +8,23 @@ import pytest
 
 from meshtrain.trainer.parallel import schedules
 
-CASES = [("gpipe", p, m, 1) for p, m in [(1, 1), (2, 4), (4, 4), (4, 8), (3, 5)]] + \
-        [("1f1b", p, m, 1) for p, m in [(1, 3), (2, 4), (4, 4), (4, 8), (3, 5), (4, 2)]] + \
-        [("interleaved-1f1b", p, m, v) for p, m, v in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 4, 3), (3, 6, 2)]]
+CASES = (
+    [("gpipe", p, m, 1) for p, m in [(1, 1), (2, 4), (4, 4), (4, 8), (3, 5)]]
+    + [("1f1b", p, m, 1) for p, m in [(1, 3), (2, 4), (4, 4), (4, 8), (3, 5), (4, 2)]]
+    + [
+        ("interleaved-1f1b", p, m, v)
+        for p, m, v in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 4, 3), (3, 6, 2)]
+    ]
+)
 
 
 @pytest.mark.parametrize("schedule,p,m,v", CASES)
 def test_every_microbatch_and_chunk_once_forward_before_backward(schedule, p, m, v):
     for stage in range(p):
         acts = schedules.actions(schedule, p, m, stage, v)
-        expected = {(k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v)}
+        expected = {
+            (k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v)
+        }
         assert sorted((a.kind, a.microbatch, a.chunk) for a in acts) == sorted(expected)
         seen = set()
         for a in acts:
@@ -42,7 +49,11 @@ def test_1f1b_bounds_activations_in_flight(p, m):
             live += 1 if a.kind == "forward" else -1
             peak = max(peak, live)
         assert peak == min(p - stage, m)
-    gpipe_peak = max(itertools.accumulate(1 if a.kind == "forward" else -1 for a in schedules.actions("gpipe", p, m, 0)))
+    gpipe_peak = max(
+        itertools.accumulate(
+            1 if a.kind == "forward" else -1 for a in schedules.actions("gpipe", p, m, 0)
+        )
+    )
     assert gpipe_peak == m
 
 
@@ -69,8 +80,15 @@ def test_bubble_formula_values():
     assert schedules.bubble_ratio(1, 8) == 0
 
 
-@pytest.mark.parametrize("bad", [dict(schedule="zigzag"), dict(schedule="interleaved-1f1b", v=1),
-                                 dict(schedule="interleaved-1f1b", v=2, m=3), dict(schedule="1f1b", stage=5)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(schedule="zigzag"),
+        dict(schedule="interleaved-1f1b", v=1),
+        dict(schedule="interleaved-1f1b", v=2, m=3),
+        dict(schedule="1f1b", stage=5),
+    ],
+)
 def test_bad_arguments_refused(bad):
     with pytest.raises(ValueError):
         schedules.actions(bad["schedule"], 2, bad.get("m", 4), bad.get("stage", 0), bad.get("v", 1))

@@ -23,38 +23,112 @@ def test_layout_string_and_pods():
 
 # (case, builder, field path the message must name, words the message must contain)
 INVALID = [
-    ("tensor does not divide gpusPerNode", JobBuilder().layout(1, 1, 3, gpus_per_node=4).model(preset="tiny", heads=3, hidden=63, vocab=255, ffnHidden=252),
-     "spec.parallelism.tensor", ["tensor=3", "gpusPerNode=4"]),
-    ("world not a multiple of gpusPerNode", JobBuilder().layout(3, 1, 1, gpus_per_node=2),
-     "spec.parallelism", ["= 3", "gpusPerNode=2"]),
-    ("layers not divisible by stages", JobBuilder().layout(1, 3, 1),
-     "spec.model.layers", ["layers=4", "3"]),
-    ("heads not divisible by tensor", JobBuilder().layout(1, 1, 8).model(preset="tiny", heads=4, hidden=64),
-     "spec.model.heads", ["heads=4", "tensor=8"]),
-    ("batch arithmetic off", JobBuilder().layout(2, 1, 1).parallelism(microBatches=4).training(microBatch=2, globalBatch=10),
-     "spec.training.globalBatch", ["globalBatch=10", "2 x 4 x 2 = 16"]),
-    ("virtual stages without interleaving", JobBuilder().layout(1, 2, 1).parallelism(virtualStages=2),
-     "spec.parallelism.virtualStages", ["virtualStages=2", "interleaved-1f1b"]),
-    ("interleaved needs virtual stages", JobBuilder().layout(1, 2, 1).parallelism(schedule="interleaved-1f1b"),
-     "spec.parallelism.virtualStages", ["virtualStages >= 2"]),
-    ("interleaved micro-batches in rounds", JobBuilder().layout(1, 2, 1).parallelism(schedule="interleaved-1f1b", virtualStages=2, microBatches=3),
-     "spec.parallelism.microBatches", ["microBatches=3", "pipeline=2"]),
-    ("vocab not divisible by tensor", JobBuilder().layout(1, 1, 2).model(preset="tiny", vocab=255),
-     "spec.model.vocab", ["vocab=255"]),
-    ("no shape at all", JobBuilder().model(preset=None, layers=2),
-     "spec.model", ["hidden", "heads"]),
-    ("sequence parallel needs divisible seqLen", JobBuilder().layout(1, 1, 2).parallelism(sequenceParallel=True).model(preset="tiny", seqLen=33),
-     "spec.model.seqLen", ["seqLen=33"]),
-    ("metrics ports past 65535", JobBuilder().layout(8, 1, 1).metrics(port=65530),
-     "spec.metrics.port", ["65530-65537", "65528"]),
-    ("metrics ports over the rendezvous port", JobBuilder().layout(8, 1, 1).metrics(port=29495),
-     "spec.metrics.port", ["29495-29502", "29500"]),
-    ("below a minimum", JobBuilder().parallelism(microBatches=0),
-     "spec.parallelism.microBatches", ["greater than or equal to 1"]),
-    ("unknown schedule", JobBuilder().parallelism(schedule="zigzag"),
-     "spec.parallelism.schedule", ["gpipe", "zigzag"]),
-    ("unknown field (typo)", JobBuilder().parallelism(microbatches=4),
-     "spec.parallelism.microbatches", ["not permitted"]),
+    (
+        "tensor does not divide gpusPerNode",
+        JobBuilder()
+        .layout(1, 1, 3, gpus_per_node=4)
+        .model(preset="tiny", heads=3, hidden=63, vocab=255, ffnHidden=252),
+        "spec.parallelism.tensor",
+        ["tensor=3", "gpusPerNode=4"],
+    ),
+    (
+        "world not a multiple of gpusPerNode",
+        JobBuilder().layout(3, 1, 1, gpus_per_node=2),
+        "spec.parallelism",
+        ["= 3", "gpusPerNode=2"],
+    ),
+    (
+        "layers not divisible by stages",
+        JobBuilder().layout(1, 3, 1),
+        "spec.model.layers",
+        ["layers=4", "3"],
+    ),
+    (
+        "heads not divisible by tensor",
+        JobBuilder().layout(1, 1, 8).model(preset="tiny", heads=4, hidden=64),
+        "spec.model.heads",
+        ["heads=4", "tensor=8"],
+    ),
+    (
+        "batch arithmetic off",
+        JobBuilder()
+        .layout(2, 1, 1)
+        .parallelism(microBatches=4)
+        .training(microBatch=2, globalBatch=10),
+        "spec.training.globalBatch",
+        ["globalBatch=10", "2 x 4 x 2 = 16"],
+    ),
+    (
+        "virtual stages without interleaving",
+        JobBuilder().layout(1, 2, 1).parallelism(virtualStages=2),
+        "spec.parallelism.virtualStages",
+        ["virtualStages=2", "interleaved-1f1b"],
+    ),
+    (
+        "interleaved needs virtual stages",
+        JobBuilder().layout(1, 2, 1).parallelism(schedule="interleaved-1f1b"),
+        "spec.parallelism.virtualStages",
+        ["virtualStages >= 2"],
+    ),
+    (
+        "interleaved micro-batches in rounds",
+        JobBuilder()
+        .layout(1, 2, 1)
+        .parallelism(schedule="interleaved-1f1b", virtualStages=2, microBatches=3),
+        "spec.parallelism.microBatches",
+        ["microBatches=3", "pipeline=2"],
+    ),
+    (
+        "vocab not divisible by tensor",
+        JobBuilder().layout(1, 1, 2).model(preset="tiny", vocab=255),
+        "spec.model.vocab",
+        ["vocab=255"],
+    ),
+    (
+        "no shape at all",
+        JobBuilder().model(preset=None, layers=2),
+        "spec.model",
+        ["hidden", "heads"],
+    ),
+    (
+        "sequence parallel needs divisible seqLen",
+        JobBuilder()
+        .layout(1, 1, 2)
+        .parallelism(sequenceParallel=True)
+        .model(preset="tiny", seqLen=33),
+        "spec.model.seqLen",
+        ["seqLen=33"],
+    ),
+    (
+        "metrics ports past 65535",
+        JobBuilder().layout(8, 1, 1).metrics(port=65530),
+        "spec.metrics.port",
+        ["65530-65537", "65528"],
+    ),
+    (
+        "metrics ports over the rendezvous port",
+        JobBuilder().layout(8, 1, 1).metrics(port=29495),
+        "spec.metrics.port",
+        ["29495-29502", "29500"],
+    ),
+    (
+        "below a minimum",
+        JobBuilder().parallelism(microBatches=0),
+        "spec.parallelism.microBatches",
+        ["greater than or equal to 1"],
+    ),
+    (
+        "unknown schedule",
+        JobBuilder().parallelism(schedule="zigzag"),
+        "spec.parallelism.schedule",
+        ["gpipe", "zigzag"],
+    ),
+    (
+        "unknown field (typo)",
+        JobBuilder().parallelism(microbatches=4),
+        "spec.parallelism.microbatches",
+        ["not permitted"],
+    ),
 ]
 
 
@@ -74,7 +148,13 @@ def test_every_broken_rule_is_listed_at_once():
     with pytest.raises(spec.SpecError) as err:
         spec.parse_spec(raw)
     names = {p.path for p in err.value.problems}
-    assert {"spec.parallelism.tensor", "spec.parallelism", "spec.training.globalBatch", "spec.model.layers", "spec.model.heads"} <= names
+    assert {
+        "spec.parallelism.tensor",
+        "spec.parallelism",
+        "spec.training.globalBatch",
+        "spec.model.layers",
+        "spec.model.heads",
+    } <= names
     assert len(err.value.problems) >= 5
 
 
@@ -103,12 +183,15 @@ def test_load_manifest_round_trip(tmp_path):
     assert loaded == job
 
 
-@pytest.mark.parametrize("content,words", [
-    ("kind: Deployment\napiVersion: apps/v1\n", ["kind", "TrainingJob"]),
-    ("kind: TrainingJob\napiVersion: meshtrain.io/v9\n", ["apiVersion", "v1alpha1"]),
-    ("spec: [unclosed\n", ["not valid YAML"]),
-    ("- a list\n", ["YAML mapping"]),
-])
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        ("kind: Deployment\napiVersion: apps/v1\n", ["kind", "TrainingJob"]),
+        ("kind: TrainingJob\napiVersion: meshtrain.io/v9\n", ["apiVersion", "v1alpha1"]),
+        ("spec: [unclosed\n", ["not valid YAML"]),
+        ("- a list\n", ["YAML mapping"]),
+    ],
+)
 def test_bad_files_name_the_problem(tmp_path, content, words):
     path = tmp_path / "job.yaml"
     path.write_text(content)

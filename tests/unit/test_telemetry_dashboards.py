@@ -16,8 +16,13 @@ from meshtrain.trainer.telemetry import context, exporter
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
-OPERATOR_METRICS = {"meshtrain_operator_reconcile_seconds", "meshtrain_operator_jobs", "meshtrain_operator_restarts_total",
-                    "meshtrain_operator_placement_seconds", "meshtrain_operator_unschedulable_jobs"}
+OPERATOR_METRICS = {
+    "meshtrain_operator_reconcile_seconds",
+    "meshtrain_operator_jobs",
+    "meshtrain_operator_restarts_total",
+    "meshtrain_operator_placement_seconds",
+    "meshtrain_operator_unschedulable_jobs",
+}
 METRIC = re.compile(r"\b(meshtrain_[a-z_]+|DCGM_[A-Z_]+)\b")
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 GROUPING = re.compile(r"\bby \(([^)]*)\)")
@@ -32,7 +37,11 @@ def exported_names() -> set[str]:
     identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
     metrics = exporter.Metrics(identity)
     suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
-    return {f.name + suffix for f in metrics.registry.collect() for suffix in ("", *suffixes.get(f.type, ()))}
+    return {
+        f.name + suffix
+        for f in metrics.registry.collect()
+        for suffix in ("", *suffixes.get(f.type, ()))
+    }
 
 
 def exported_labels() -> dict[str, set[str]]:
@@ -46,7 +55,9 @@ def exported_labels() -> dict[str, set[str]]:
             continue
         kind = getattr(family, "_type", "")
         base = family._name
-        for suffix in {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(kind, ("",)):
+        for suffix in {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(
+            kind, ("",)
+        ):
             labels[base + suffix] = set(names) | ({"le"} if suffix == "_bucket" else set())
     return labels
 
@@ -58,7 +69,9 @@ def test_json_files_are_what_build_py_generates():
     finally:
         sys.path.pop(0)
     for name, board in build.build().items():
-        assert (DASHBOARDS / name).read_text() == build.render(board), f"{name} is stale: run python dashboards/build.py"
+        assert (DASHBOARDS / name).read_text() == build.render(board), (
+            f"{name} is stale: run python dashboards/build.py"
+        )
 
 
 def test_training_dashboard_variables_and_datasource():
@@ -69,7 +82,9 @@ def test_training_dashboard_variables_and_datasource():
         assert panel["datasource"]["uid"] == "${datasource}"
         for target in panel["targets"]:
             if "DCGM" not in target["expr"]:
-                assert 'namespace="$namespace"' in target["expr"] and 'job="$job"' in target["expr"], panel["title"]
+                assert (
+                    'namespace="$namespace"' in target["expr"] and 'job="$job"' in target["expr"]
+                ), panel["title"]
 
 
 def test_training_dashboard_queries_only_exported_metrics():
@@ -95,14 +110,27 @@ def test_training_dashboard_groups_by_labels_the_metrics_carry():
             carried = set.union(*(labels[m] for m in metrics))
             for group in GROUPING.findall(target["expr"]):
                 wanted = {name.strip() for name in group.split(",")}
-                assert wanted <= carried, f"{panel['title']}: grouping by {wanted - carried} that {metrics} do not carry"
+                assert wanted <= carried, (
+                    f"{panel['title']}: grouping by {wanted - carried} that {metrics} do not carry"
+                )
 
 
 def test_training_dashboard_covers_the_issue():
     titles = " | ".join(p["title"] for p in load("meshtrain-training.json")["panels"]).lower()
-    for words in ("throughput", "flops", "loss", "step time p50 / p99", "all-reduce time p50 / p99", "bus bandwidth",
-                  "exposed communication", "measured vs theoretical", "stragglers", "memory", "gpu utilisation",
-                  "tensor core"):
+    for words in (
+        "throughput",
+        "flops",
+        "loss",
+        "step time p50 / p99",
+        "all-reduce time p50 / p99",
+        "bus bandwidth",
+        "exposed communication",
+        "measured vs theoretical",
+        "stragglers",
+        "memory",
+        "gpu utilisation",
+        "tensor core",
+    ):
         assert words in titles, words
 
 
@@ -125,8 +153,11 @@ def test_rules_reference_exported_metrics_or_recorded_series():
         for series in re.findall(r"\bmeshtrain:[a-z_0-9:]+", rule["expr"]):
             assert series in recorded, series
     assert {r["alert"] for r in rules if "alert" in r} == {
-        "MeshtrainJobStalled", "MeshtrainStragglerRank", "MeshtrainPipelineBubbleAboveTheory",
-        "MeshtrainAllreduceBandwidthCollapse"}
+        "MeshtrainJobStalled",
+        "MeshtrainStragglerRank",
+        "MeshtrainPipelineBubbleAboveTheory",
+        "MeshtrainAllreduceBandwidthCollapse",
+    }
 
 
 def test_promtool_checks_and_unit_tests_the_rules():

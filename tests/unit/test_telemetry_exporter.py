@@ -17,10 +17,17 @@ from meshtrain.trainer import telemetry
 from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
 from tests.unit import telemetry_feed
 
-DESIGN_NAMES = {"meshtrain_tokens", "meshtrain_tokens_per_second", "meshtrain_step_seconds", "meshtrain_allreduce_seconds",
-                "meshtrain_allreduce_bytes", "meshtrain_pipeline_bubble_ratio",
-                "meshtrain_pipeline_bubble_ratio_theoretical", "meshtrain_loss",
-                "meshtrain_model_flops_utilization_ratio"}
+DESIGN_NAMES = {
+    "meshtrain_tokens",
+    "meshtrain_tokens_per_second",
+    "meshtrain_step_seconds",
+    "meshtrain_allreduce_seconds",
+    "meshtrain_allreduce_bytes",
+    "meshtrain_pipeline_bubble_ratio",
+    "meshtrain_pipeline_bubble_ratio_theoretical",
+    "meshtrain_loss",
+    "meshtrain_model_flops_utilization_ratio",
+}
 LABELS = {"job", "namespace", "pod", "rank", "dp", "pp", "tp"}
 
 
@@ -51,15 +58,26 @@ def pipeline(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRAIN_NAMESPACE", "team-a")
     monkeypatch.setenv("MESHTRAIN_POD_NAME", "demo-0")
     base = free_base(4)
-    job = spec_mod.parse_spec({"parallelism": {"data": 2, "pipeline": 2, "microBatches": 4},
-                               "resources": {"gpusPerNode": 4}, "model": {"preset": "tiny"},
-                               "metrics": {"port": base, "peakFlops": 1e12}})
+    job = spec_mod.parse_spec(
+        {
+            "parallelism": {"data": 2, "pipeline": 2, "microBatches": 4},
+            "resources": {"gpusPerNode": 4},
+            "model": {"preset": "tiny"},
+            "metrics": {"port": base, "peakFlops": 1e12},
+        }
+    )
     layout = layout_mod.from_spec(job.parallelism)
-    recorders = [telemetry.make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)]
-    events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4, fwd=0.01, bwd=0.02, buckets=3, bucket_seconds=0.002)
+    recorders = [
+        telemetry.make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)
+    ]
+    events, seconds = telemetry_feed.simulate_step(
+        "1f1b", 2, 4, fwd=0.01, bwd=0.02, buckets=3, bucket_seconds=0.002
+    )
     for step in (1, 2):
         for rank, rec in enumerate(recorders):
-            telemetry_feed.feed(rec, step, events[layout.coords(rank).pp], seconds, origin=10.0 * step, tokens=4096)
+            telemetry_feed.feed(
+                rec, step, events[layout.coords(rank).pp], seconds, origin=10.0 * step, tokens=4096
+            )
     yield base, recorders
     for rec in recorders:
         rec.close()
@@ -74,12 +92,21 @@ def families(base: int, rank: int) -> dict[str, parser.Metric]:
 def test_every_design_metric_is_served_with_the_rank_labels(pipeline):
     base, _ = pipeline
     fams = families(base, 2)  # rank 2 = pp 1, dp 0
-    assert DESIGN_NAMES <= set(fams)
+    assert set(fams) >= DESIGN_NAMES
     for name in DESIGN_NAMES:
         for sample in fams[name].samples:
-            assert LABELS <= set(sample.labels), (name, sample.labels)
-            assert (sample.labels["job"], sample.labels["namespace"], sample.labels["pod"]) == ("demo", "team-a", "demo-0")
-            assert (sample.labels["rank"], sample.labels["pp"], sample.labels["dp"], sample.labels["tp"]) == ("2", "1", "0", "0")
+            assert set(sample.labels) >= LABELS, (name, sample.labels)
+            assert (sample.labels["job"], sample.labels["namespace"], sample.labels["pod"]) == (
+                "demo",
+                "team-a",
+                "demo-0",
+            )
+            assert (
+                sample.labels["rank"],
+                sample.labels["pp"],
+                sample.labels["dp"],
+                sample.labels["tp"],
+            ) == ("2", "1", "0", "0")
 
 
 def test_values_follow_the_steps(pipeline):
@@ -87,12 +114,17 @@ def test_values_follow_the_steps(pipeline):
     fams = families(base, 0)
 
     def value(name: str, suffix: str = "", **labels: str) -> float:
-        return next(s.value for s in fams[name].samples if s.name == name + suffix
-                    and all(s.labels.get(k) == v for k, v in labels.items()))
+        return next(
+            s.value
+            for s in fams[name].samples
+            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     assert value("meshtrain_tokens", "_total") == 2 * 4096
     assert value("meshtrain_step_seconds", "_count") == 2
-    assert value("meshtrain_allreduce_seconds", "_count", group="dp", op="all_reduce") == 6  # 3 buckets x 2 steps
+    assert (
+        value("meshtrain_allreduce_seconds", "_count", group="dp", op="all_reduce") == 6
+    )  # 3 buckets x 2 steps
     assert value("meshtrain_allreduce_bytes", "_total", group="dp") == 6 * (1 << 20)
     assert value("meshtrain_pipeline_bubble_ratio_theoretical") == pytest.approx(0.2)
     assert value("meshtrain_pipeline_bubble_ratio") == pytest.approx(recorders[0].last.bubble_ratio)
@@ -108,7 +140,13 @@ def test_progress_only_on_global_rank_zero(pipeline):
     base, recorders = pipeline
     status, body = get(f"http://127.0.0.1:{base}/progress")
     doc = json.loads(body)
-    assert status == 200 and set(doc) == {"step", "loss", "tokens_per_second", "last_checkpoint_step", "updated_at"}
+    assert status == 200 and set(doc) == {
+        "step",
+        "loss",
+        "tokens_per_second",
+        "last_checkpoint_step",
+        "updated_at",
+    }
     assert (doc["step"], doc["loss"], doc["last_checkpoint_step"]) == (2, 2.0, None)
     assert doc["updated_at"].endswith("Z")
     recorders[0].checkpoint_saved(2)
@@ -121,10 +159,14 @@ def test_memory_of_the_watched_state_is_exported_by_component(tmp_path):
     layout = layout_mod.ParallelLayout(1, 1, 1)
     identity = context.RankIdentity.from_env(layout, 0, 0, env={})
     base = free_base(1)
-    exp = exporter.Exporter(identity, telemetry_feed_facts(), port=base, progress=None, host="127.0.0.1")
+    exp = exporter.Exporter(
+        identity, telemetry_feed_facts(), port=base, progress=None, host="127.0.0.1"
+    )
     rec = telemetry.TelemetryRecorder(identity, telemetry_feed_facts(), [exp])
     weight = torch.nn.Parameter(torch.zeros(10, 10))
-    view = torch.nn.Parameter(weight.detach().view(100)[:50])  # shares weight's storage: counted once
+    view = torch.nn.Parameter(
+        weight.detach().view(100)[:50]
+    )  # shares weight's storage: counted once
     opt = torch.optim.AdamW([weight])
     weight.grad = torch.ones(10, 10)
     opt.step()
@@ -141,8 +183,10 @@ def test_memory_of_the_watched_state_is_exported_by_component(tmp_path):
         rec.close()
     by_component = {s.labels["component"]: s.value for s in fams["meshtrain_memory_bytes"].samples}
     assert by_component == {"parameters": 400, "gradients": 400, "optimizer": 804}
-    assert LABELS <= set(fams["meshtrain_memory_peak_bytes"].samples[0].labels)
-    assert fams["meshtrain_memory_peak_bytes"].samples[0].value == pytest.approx(sample.peak_allocated, rel=0.5)
+    assert set(fams["meshtrain_memory_peak_bytes"].samples[0].labels) >= LABELS
+    assert fams["meshtrain_memory_peak_bytes"].samples[0].value == pytest.approx(
+        sample.peak_allocated, rel=0.5
+    )
     assert (identity.job, identity.namespace) == ("local", "local")
 
 
@@ -154,7 +198,9 @@ def test_a_busy_port_does_not_stop_training(tmp_path):
     with socket.create_server(("0.0.0.0", 0)) as busy:
         port = busy.getsockname()[1]
         identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
-        exp = exporter.Exporter(identity, telemetry_feed_facts(), port=port, progress=progress.Progress())
+        exp = exporter.Exporter(
+            identity, telemetry_feed_facts(), port=port, progress=progress.Progress()
+        )
         assert not exp.serving
         exp.close()
 
@@ -169,7 +215,9 @@ def test_final_progress_goes_to_the_termination_log(tmp_path, monkeypatch):
     written = json.loads(target.read_text())
     assert written == doc.document()
     assert (written["step"], written["last_checkpoint_step"], written["loss"]) == (7, 6, 2.5)
-    assert len(target.read_bytes()) < 4096  # the kubelet keeps at most 4096 bytes of a termination message
+    assert (
+        len(target.read_bytes()) < 4096
+    )  # the kubelet keeps at most 4096 bytes of a termination message
 
 
 def test_no_termination_log_without_the_variable(tmp_path, monkeypatch):
@@ -194,10 +242,17 @@ def test_a_loaded_checkpoint_counts_as_done_steps():
 
 
 def test_exporters_bind_the_configured_host(monkeypatch):
-    monkeypatch.setenv(exporter.HOST_ENV, "127.0.0.2")  # a loopback address of its own, as a sandbox pod has
+    monkeypatch.setenv(
+        exporter.HOST_ENV, "127.0.0.2"
+    )  # a loopback address of its own, as a sandbox pod has
     base = free_base(1)
-    job = spec_mod.parse_spec({"resources": {"gpusPerNode": 1}, "model": {"preset": "tiny"},
-                               "metrics": {"port": base, "peakFlops": 1e12}})
+    job = spec_mod.parse_spec(
+        {
+            "resources": {"gpusPerNode": 1},
+            "model": {"preset": "tiny"},
+            "metrics": {"port": base, "peakFlops": 1e12},
+        }
+    )
     rec = telemetry.make_recorder(job, layout_mod.from_spec(job.parallelism), 0, None, local_rank=0)
     try:
         assert get(f"http://127.0.0.2:{base}/healthz")[0] == 200

@@ -10,28 +10,45 @@ from tests.unit import telemetry_feed
 
 
 def facts(p: int = 2, m: int = 4, v: int = 1, **kw) -> stepstats.JobFacts:
-    base = dict(stages=p, micro_batches=m, virtual_stages=v, world_size=p, group_sizes={"dp": 2, "tp": 1, "pp": p},
-                flops_per_token=1.0, peak_flops=1.0)
+    base = dict(
+        stages=p,
+        micro_batches=m,
+        virtual_stages=v,
+        world_size=p,
+        group_sizes={"dp": 2, "tp": 1, "pp": p},
+        flops_per_token=1.0,
+        peak_flops=1.0,
+    )
     base.update(kw)
     return stepstats.JobFacts(**base)
 
 
-@pytest.mark.parametrize("intervals,expected", [
-    ([], 0.0),
-    ([(0, 1)], 1.0),
-    ([(0, 1), (2, 3)], 2.0),
-    ([(0, 2), (1, 3)], 3.0),
-    ([(1, 3), (0, 4), (5, 6)], 5.0),
-    ([(0, 1), (1, 2)], 2.0),
-])
+@pytest.mark.parametrize(
+    "intervals,expected",
+    [
+        ([], 0.0),
+        ([(0, 1)], 1.0),
+        ([(0, 1), (2, 3)], 2.0),
+        ([(0, 2), (1, 3)], 3.0),
+        ([(1, 3), (0, 4), (5, 6)], 5.0),
+        ([(0, 1), (1, 2)], 2.0),
+    ],
+)
 def test_union_seconds(intervals, expected):
     assert stepstats.union_seconds(intervals) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("op,n,factor", [
-    ("all_reduce", 1, 0.0), ("all_reduce", 2, 1.0), ("all_reduce", 8, 1.75),
-    ("reduce_scatter", 4, 0.75), ("all_gather", 2, 0.5), ("broadcast", 4, 1.0),
-])
+@pytest.mark.parametrize(
+    "op,n,factor",
+    [
+        ("all_reduce", 1, 0.0),
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 8, 1.75),
+        ("reduce_scatter", 4, 0.75),
+        ("all_gather", 2, 0.5),
+        ("broadcast", 4, 1.0),
+    ],
+)
 def test_bus_factor_follows_nccl_tests(op, n, factor):
     assert stepstats.bus_factor(op, n) == pytest.approx(factor)
 
@@ -43,23 +60,36 @@ def test_bus_bandwidth_is_algbw_times_factor():
 
 
 def _events(backward_end: float, bucket_ends: list[float]) -> list[recording.Event]:
-    out = [recording.Event("compute", "backward", backward_end - 1, backward_end, microbatch=0, chunk=0)]
-    out += [recording.Event("collective", "all_reduce", end - 0.5, end, group="dp", nbytes=100, bucket=i)
-            for i, end in enumerate(bucket_ends)]
+    out = [
+        recording.Event(
+            "compute", "backward", backward_end - 1, backward_end, microbatch=0, chunk=0
+        )
+    ]
+    out += [
+        recording.Event(
+            "collective", "all_reduce", end - 0.5, end, group="dp", nbytes=100, bucket=i
+        )
+        for i, end in enumerate(bucket_ends)
+    ]
     return out
 
 
-@pytest.mark.parametrize("backward_end,bucket_ends,exposed", [
-    (10.0, [], 0.0),
-    (10.0, [9.0, 9.8], 0.0),
-    (10.0, [9.5, 10.5, 12.0], 2.0),
-])
+@pytest.mark.parametrize(
+    "backward_end,bucket_ends,exposed",
+    [
+        (10.0, [], 0.0),
+        (10.0, [9.0, 9.8], 0.0),
+        (10.0, [9.5, 10.5, 12.0], 2.0),
+    ],
+)
 def test_exposed_comm_runs_from_last_backward_to_last_bucket(backward_end, bucket_ends, exposed):
     assert stepstats.exposed_comm(_events(backward_end, bucket_ends)) == pytest.approx(exposed)
 
 
 def test_tp_collectives_are_never_exposed_dp_time():
-    events = _events(10.0, []) + [recording.Event("collective", "all_reduce", 10, 11, group="tp", nbytes=8)]
+    events = _events(10.0, []) + [
+        recording.Event("collective", "all_reduce", 10, 11, group="tp", nbytes=8)
+    ]
     assert stepstats.exposed_comm(events) == 0.0
 
 
@@ -69,14 +99,20 @@ def test_tp_collectives_are_never_exposed_dp_time():
 def test_balanced_pipeline_bubble_equals_theory_on_every_stage(schedule, v, p, m):
     events, seconds = telemetry_feed.simulate_step(schedule, p, m, v, fwd=1.0, bwd=2.0)
     for stage_events in events:
-        stats = stepstats.summarise(stage_events, facts(p, m, v), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
+        stats = stepstats.summarise(
+            stage_events, facts(p, m, v), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0
+        )
         assert stats.bubble_ratio == pytest.approx(schedules.bubble_ratio(p, m, v))
         assert stats.bubble_ratio_theoretical == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_exposed_communication_is_not_bubble():
-    events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4, fwd=1.0, bwd=2.0, buckets=2, bucket_seconds=0.5)
-    stage0 = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
+    events, seconds = telemetry_feed.simulate_step(
+        "1f1b", 2, 4, fwd=1.0, bwd=2.0, buckets=2, bucket_seconds=0.5
+    )
+    stage0 = stepstats.summarise(
+        events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0
+    )
     # stage 0 finishes last: 12 compute + 1 exposed of a 16 s step
     assert seconds == pytest.approx(16.0)
     assert stage0.exposed_comm_seconds == pytest.approx(1.0)
@@ -89,22 +125,33 @@ def test_exposed_communication_is_not_bubble():
 def test_the_update_after_the_pipeline_is_reported_apart_from_the_bubble():
     events, seconds = telemetry_feed.simulate_step("gpipe", 2, 4, tail=5.0)
     for stage_events in events:
-        stats = stepstats.summarise(stage_events, facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
+        stats = stepstats.summarise(
+            stage_events, facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0
+        )
         assert stats.bubble_ratio == pytest.approx(1 - 12 / 15)
         assert stats.update_seconds == pytest.approx(5.0)
 
 
 def test_waiting_in_the_stage_synchronising_all_reduce_is_bubble():
     events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4)
-    last_stage = stepstats.summarise(events[1], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0)
+    last_stage = stepstats.summarise(
+        events[1], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0
+    )
     pp = next(c for c in last_stage.collectives if c.group == "pp")
     assert pp.seconds == pytest.approx(2.0)  # stage 1 finishes one backward before stage 0
     assert last_stage.bubble_ratio == pytest.approx(0.2)
 
 
 def test_mfu_and_throughput():
-    stats = stepstats.summarise([], facts(world_size=4, flops_per_token=6e6, peak_flops=1e12), step=3, loss=2.0,
-                                tokens=8192, seconds=0.5, start=0.0)
+    stats = stepstats.summarise(
+        [],
+        facts(world_size=4, flops_per_token=6e6, peak_flops=1e12),
+        step=3,
+        loss=2.0,
+        tokens=8192,
+        seconds=0.5,
+        start=0.0,
+    )
     assert stats.model_flops == pytest.approx(6e6 * 8192)
     assert stats.mfu == pytest.approx(6e6 * 8192 / (0.5 * 4 * 1e12))
     assert stats.tokens_per_second == pytest.approx(16384)
@@ -112,9 +159,21 @@ def test_mfu_and_throughput():
 
 def test_log_record_has_the_documented_fields():
     events, seconds = telemetry_feed.simulate_step("1f1b", 2, 4, buckets=1, bucket_seconds=0.1)
-    record = stepstats.summarise(events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0).log_record()
-    assert {"step", "loss", "tokens", "step_seconds", "tokens_per_second", "allreduce_seconds",
-            "exposed_comm_seconds", "bubble_ratio", "bubble_ratio_theoretical", "mfu"} <= set(record)
+    record = stepstats.summarise(
+        events[0], facts(), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0
+    ).log_record()
+    assert {
+        "step",
+        "loss",
+        "tokens",
+        "step_seconds",
+        "tokens_per_second",
+        "allreduce_seconds",
+        "exposed_comm_seconds",
+        "bubble_ratio",
+        "bubble_ratio_theoretical",
+        "mfu",
+    } <= set(record)
     assert record["allreduce_seconds"] == pytest.approx(0.1)
 
 

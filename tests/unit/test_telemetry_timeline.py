@@ -17,16 +17,33 @@ from tests.unit import telemetry_feed
 
 def run(tmp_path, schedule: str, p: int, m: int, v: int = 1, dp: int = 1, steps: int = 2):
     """A dp x pp synthetic run of ``steps`` steps logged under tmp_path; returns the log dir."""
-    job = spec_mod.parse_spec({"parallelism": {"data": dp, "pipeline": p, "microBatches": m, "schedule": schedule,
-                                               "virtualStages": v},
-                               "resources": {"gpusPerNode": dp * p}, "model": {"preset": "tiny", "layers": 8},
-                               "metrics": {"peakFlops": 1e12}})
+    job = spec_mod.parse_spec(
+        {
+            "parallelism": {
+                "data": dp,
+                "pipeline": p,
+                "microBatches": m,
+                "schedule": schedule,
+                "virtualStages": v,
+            },
+            "resources": {"gpusPerNode": dp * p},
+            "model": {"preset": "tiny", "layers": 8},
+            "metrics": {"peakFlops": 1e12},
+        }
+    )
     layout = layout_mod.from_spec(job.parallelism)
-    recorders = [telemetry.make_recorder(job, layout, r, tmp_path, serve=False) for r in range(layout.world_size)]
-    events, seconds = telemetry_feed.simulate_step(schedule, p, m, v, fwd=0.01, bwd=0.02, buckets=2, bucket_seconds=0.003)
+    recorders = [
+        telemetry.make_recorder(job, layout, r, tmp_path, serve=False)
+        for r in range(layout.world_size)
+    ]
+    events, seconds = telemetry_feed.simulate_step(
+        schedule, p, m, v, fwd=0.01, bwd=0.02, buckets=2, bucket_seconds=0.003
+    )
     for step in range(1, steps + 1):
         for rank, rec in enumerate(recorders):
-            telemetry_feed.feed(rec, step, events[layout.coords(rank).pp], seconds, origin=100.0 + step)
+            telemetry_feed.feed(
+                rec, step, events[layout.coords(rank).pp], seconds, origin=100.0 + step
+            )
     for rec in recorders:
         rec.close()
     return tmp_path
@@ -36,26 +53,49 @@ def test_steps_jsonl_from_rank_zero_and_a_trace_per_rank(tmp_path):
     log_dir = run(tmp_path, "1f1b", 2, 4, dp=2)
     records = steplog.read_steps(log_dir)
     assert [r["step"] for r in records] == [1, 2]
-    assert {"step", "loss", "tokens", "step_seconds", "tokens_per_second", "allreduce_seconds",
-            "exposed_comm_seconds", "bubble_ratio", "bubble_ratio_theoretical", "mfu"} <= set(records[0])
+    assert {
+        "step",
+        "loss",
+        "tokens",
+        "step_seconds",
+        "tokens_per_second",
+        "allreduce_seconds",
+        "exposed_comm_seconds",
+        "bubble_ratio",
+        "bubble_ratio_theoretical",
+        "mfu",
+    } <= set(records[0])
     traces = steplog.read_trace(log_dir)
     assert sorted(traces) == [0, 1, 2, 3]
     line = traces[3][0]
-    assert (line["pp"], line["dp"], line["tp"], line["schedule"], line["micro_batches"]) == (1, 1, 0, "1f1b", 4)
+    assert (line["pp"], line["dp"], line["tp"], line["schedule"], line["micro_batches"]) == (
+        1,
+        1,
+        0,
+        "1f1b",
+        4,
+    )
     forwards = [e for e in line["events"] if e["what"] == "compute" and e["kind"] == "forward"]
     assert sorted(e["microbatch"] for e in forwards) == [0, 1, 2, 3]
     buckets = [e for e in line["events"] if e["what"] == "collective" and e["group"] == "dp"]
-    assert [(e["group"], e["bucket"], e["bytes"]) for e in buckets] == [("dp", 0, 1 << 20), ("dp", 1, 1 << 20)]
+    assert [(e["group"], e["bucket"], e["bytes"]) for e in buckets] == [
+        ("dp", 0, 1 << 20),
+        ("dp", 1, 1 << 20),
+    ]
     assert all(0 <= e["start"] <= e["end"] <= line["seconds"] + 1e-9 for e in line["events"])
 
 
-@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2)])
+@pytest.mark.parametrize(
+    "schedule,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2)]
+)
 def test_timeline_has_a_block_per_micro_batch_and_chunk_on_every_stage(tmp_path, schedule, p, m, v):
     log_dir = run(tmp_path / "logs", schedule, p, m, v)
     out = tmp_path / "timeline.png"
     view = timeline.render(log_dir, out)
     assert view.step == 2
-    assert view.rows == [f"stage {s}" for s in range(p)] + [f"stage {s} all-reduce" for s in range(p)]
+    assert view.rows == [f"stage {s}" for s in range(p)] + [
+        f"stage {s} all-reduce" for s in range(p)
+    ]
     for s in range(p):
         blocks = [b for b in view.blocks if b.row == f"stage {s}"]
         for kind in ("forward", "backward"):

@@ -42,7 +42,9 @@ def parse_fault(value: str | None) -> tuple[int, str] | None:
     step, _, mode = value.partition(":")
     mode = mode or "die"
     if not step.isdigit() or mode not in ("die", "pause"):
-        raise ValueError(f"{FAULT_ENV}={value!r}: expected STEP or STEP:die or STEP:pause, e.g. 4:pause")
+        raise ValueError(
+            f"{FAULT_ENV}={value!r}: expected STEP or STEP:die or STEP:pause, e.g. 4:pause"
+        )
     return int(step), mode
 
 
@@ -107,7 +109,12 @@ class Checkpointer:
 
     def _layout(self) -> dict[str, int]:
         par = self.engine.spec.parallelism
-        return {"data": par.data, "pipeline": par.pipeline, "tensor": par.tensor, "zero_stage": par.zero_stage}
+        return {
+            "data": par.data,
+            "pipeline": par.pipeline,
+            "tensor": par.tensor,
+            "zero_stage": par.zero_stage,
+        }
 
     def restore(self) -> int | None:
         """Load the newest complete checkpoint, if any (collective); returns its step.
@@ -118,7 +125,9 @@ class Checkpointer:
         state.init_optimizer_state(self.engine.optimizer)
 
         def find() -> tuple[str, store.Marker] | None:
-            found = store.latest(self.root, hashes=False)  # names, marker, sizes; the hashes are split below
+            found = store.latest(
+                self.root, hashes=False
+            )  # names, marker, sizes; the hashes are split below
             return None if found is None else (str(found[0].path), found[1])
 
         found = _on_rank0(find)
@@ -132,7 +141,8 @@ class Checkpointer:
         if model != mine:
             raise store.CheckpointError(
                 f"{path / store.MARKER}: model shape mismatch: the checkpoint has {_shape_text(model)}, "
-                f"this job (spec.model) has {_shape_text(mine)}; refusing to load")
+                f"this job (spec.model) has {_shape_text(mine)}; refusing to load"
+            )
         start = time.perf_counter()
         record = state.load_from(path, self.engine)
         self.engine.step = record["step"]
@@ -165,14 +175,26 @@ class Checkpointer:
         dist.barrier()
         written = time.perf_counter() - start
         self._maybe_fault(step)
-        shares: list[dict[str, Any]] = [{}] * dist.get_world_size()  # every rank hashes its share of the files
-        dist.all_gather_object(shares, store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size()))
+        shares: list[dict[str, Any]] = [
+            {}
+        ] * dist.get_world_size()  # every rank hashes its share of the files
+        dist.all_gather_object(
+            shares, store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size())
+        )
 
         def publish() -> str:
             files = {name: facts for share in shares for name, facts in share.items()}
-            marker = store.Marker(step=step, layout=self._layout(), model=self._model_shape(), files=files,
-                                  extra={"entries": len(entries), "write_seconds": round(written, 3),
-                                         "world_size": dist.get_world_size()})
+            marker = store.Marker(
+                step=step,
+                layout=self._layout(),
+                model=self._model_shape(),
+                files=files,
+                extra={
+                    "entries": len(entries),
+                    "write_seconds": round(written, 3),
+                    "world_size": dist.get_world_size(),
+                },
+            )
             final = store.publish(tmp, marker)
             store.prune(self.root, self.keep)
             return str(final)
@@ -187,7 +209,9 @@ class Checkpointer:
         if self.fault is None or self.fault[0] != step:
             return
         if dist.get_rank() == 0:
-            _say(f"{FAULT_ENV}: {self.fault[1]} in the save of step {step} (data written, not published)")
+            _say(
+                f"{FAULT_ENV}: {self.fault[1]} in the save of step {step} (data written, not published)"
+            )
         if self.fault[1] == "die":
             os._exit(FAULT_EXIT_CODE)
         while True:

@@ -28,7 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 
@@ -60,7 +64,9 @@ def whole(shape: Sequence[int]) -> list[Box]:
     return [Box(local=zeros, offsets=zeros, sizes=tuple(shape))]
 
 
-def split_boxes(local_shape: Sequence[int], *, dim: int, groups: int, rank: int, size: int) -> tuple[tuple[int, ...], list[Box]]:
+def split_boxes(
+    local_shape: Sequence[int], *, dim: int, groups: int, rank: int, size: int
+) -> tuple[tuple[int, ...], list[Box]]:
     """Dense shape and boxes of a tensor-parallel shard.
 
     The dense ``dim`` is ``groups`` equal blocks; each block is split into
@@ -84,7 +90,9 @@ def split_boxes(local_shape: Sequence[int], *, dim: int, groups: int, rank: int,
     return tuple(dense), boxes
 
 
-def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+def flat_range_boxes(
+    shape: Sequence[int], start: int, stop: int
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """Cut the row-major flat range [start, stop) of ``shape`` into rectangles contiguous in that order.
 
     Returns (flat start, offsets, sizes) per rectangle: at most 2*ndim - 1 of
@@ -102,7 +110,9 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
 
     def within(row: int, lo: int, hi: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
         # the flat range [lo, hi) of the outer slice ``row``
-        return [(f + row * inner, (row, *o), (1, *s)) for f, o, s in flat_range_boxes(shape[1:], lo, hi)]
+        return [
+            (f + row * inner, (row, *o), (1, *s)) for f, o, s in flat_range_boxes(shape[1:], lo, hi)
+        ]
 
     if first == last:
         return within(first, start - first * inner, stop - first * inner)
@@ -118,7 +128,9 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
     return out
 
 
-def _intersect(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _intersect(
+    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     lo = [max(x, y) for x, y in zip(a_off, b_off)]
     hi = [min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size)]
     if any(h <= l for l, h in zip(lo, hi)):
@@ -126,7 +138,9 @@ def _intersect(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int]
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
-def _view(data: torch.Tensor, origin: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+def _view(
+    data: torch.Tensor, origin: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
     """The sub-rectangle (offsets, sizes) of ``data``, which itself starts at ``origin``."""
     for dim, (o, start, size) in enumerate(zip(origin, offsets, sizes)):
         data = data.narrow(dim, start - o, size)
@@ -135,10 +149,16 @@ def _view(data: torch.Tensor, origin: Sequence[int], offsets: Sequence[int], siz
 
 def pieces_of(local: torch.Tensor, boxes: list[Box]) -> list[Piece]:
     """The pieces of a whole local tensor."""
-    return [Piece(offsets=b.offsets, data=_view(local, (0,) * local.dim(), b.local, b.sizes)) for b in boxes if math.prod(b.sizes)]
+    return [
+        Piece(offsets=b.offsets, data=_view(local, (0,) * local.dim(), b.local, b.sizes))
+        for b in boxes
+        if math.prod(b.sizes)
+    ]
 
 
-def pieces_of_flat(flat: torch.Tensor, start: int, local_shape: Sequence[int], boxes: list[Box]) -> list[Piece]:
+def pieces_of_flat(
+    flat: torch.Tensor, start: int, local_shape: Sequence[int], boxes: list[Box]
+) -> list[Piece]:
     """The pieces of a flat range: ``flat`` holds elements [start, start + len) of a local tensor of ``local_shape``."""
     out = []
     for flat_start, off, sizes in flat_range_boxes(local_shape, start, start + flat.numel()):
@@ -159,7 +179,9 @@ class ChunkedTensor(torch.Tensor):
     _pieces: list[Piece]
 
     @staticmethod
-    def __new__(cls, shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype) -> ChunkedTensor:
+    def __new__(
+        cls, shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype
+    ) -> ChunkedTensor:
         device = pieces[0].data.device if pieces else torch.device("cpu")
         made = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
         made._pieces = pieces
@@ -167,7 +189,9 @@ class ChunkedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        raise RuntimeError(f"ChunkedTensor is a checkpoint descriptor; {func} is not supported on it")
+        raise RuntimeError(
+            f"ChunkedTensor is a checkpoint descriptor; {func} is not supported on it"
+        )
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"ChunkedTensor(shape={tuple(self.shape)}, pieces={len(self._pieces)})"
@@ -180,8 +204,11 @@ class ChunkedTensor(torch.Tensor):
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(p.offsets)),
                 type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=self._chunk(p), properties=TensorProperties.create_from_tensor(p.data),
-                                            size=self.shape),
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(p),
+                    properties=TensorProperties.create_from_tensor(p.data),
+                    size=self.shape,
+                ),
             )
             for p in self._pieces
         ]
@@ -190,12 +217,18 @@ class ChunkedTensor(torch.Tensor):
         return [self._chunk(p) for p in self._pieces]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        if index.index is not None and index.index < len(self._pieces) and torch.Size(self._pieces[index.index].offsets) == index.offset:
+        if (
+            index.index is not None
+            and index.index < len(self._pieces)
+            and torch.Size(self._pieces[index.index].offsets) == index.offset
+        ):
             return self._pieces[index.index].data
         for piece in self._pieces:
             if torch.Size(piece.offsets) == index.offset:
                 return piece.data
-        raise ValueError(f"{index.fqn}: no piece at offsets {tuple(index.offset or ())} on this rank")
+        raise ValueError(
+            f"{index.fqn}: no piece at offsets {tuple(index.offset or ())} on this rank"
+        )
 
 
 def chunked(shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype) -> ChunkedTensor:

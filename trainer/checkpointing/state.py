@@ -56,7 +56,9 @@ def dense_layout(engine: Any) -> dict[str, tuple[tuple[int, ...], list[sharded.B
         if spec is None:
             out[name] = (tuple(p.shape), sharded.whole(p.shape))
         else:
-            out[name] = sharded.split_boxes(tuple(p.shape), dim=spec.dim, groups=spec.groups, rank=rank, size=size)
+            out[name] = sharded.split_boxes(
+                tuple(p.shape), dim=spec.dim, groups=spec.groups, rank=rank, size=size
+            )
     return out
 
 
@@ -93,14 +95,18 @@ def set_optimizer_step(optimizer: Any, step: int) -> None:
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
-def _moment_pieces(engine: Any, layouts: dict[str, tuple[tuple[int, ...], list[sharded.Box]]]) -> dict[str, list[sharded.Piece]]:
+def _moment_pieces(
+    engine: Any, layouts: dict[str, tuple[tuple[int, ...], list[sharded.Box]]]
+) -> dict[str, list[sharded.Piece]]:
     optimizer = engine.optimizer
     pieces: dict[str, list[sharded.Piece]] = {f"{n}.{m}": [] for n in layouts for m in MOMENTS}
     if isinstance(optimizer, zero.ZeroAdamW):
         for name, p, start, exp_avg, exp_avg_sq in optimizer.owned_state():
             boxes = layouts[name][1]
             for moment, flat in zip(MOMENTS, (exp_avg, exp_avg_sq)):
-                pieces[f"{name}.{moment}"] += sharded.pieces_of_flat(flat, start, tuple(p.shape), boxes)
+                pieces[f"{name}.{moment}"] += sharded.pieces_of_flat(
+                    flat, start, tuple(p.shape), boxes
+                )
         return pieces
     init_optimizer_state(optimizer)
     for name, p in engine.model.named_params:
@@ -117,9 +123,14 @@ def trainer_record(engine: Any) -> dict[str, Any]:
         "step": engine.step,
         "optimizer_step": optimizer_step(engine.optimizer),
         "data": engine.sampler.state_dict(),
-        "schedule": {"kind": "warmup-cosine", "peak": training.learning_rate, "minimum": training.min_learning_rate,
-                     "warmup": training.warmup_steps, "total": training.steps,
-                     "lr": engine.optimizer.param_groups[0]["lr"]},
+        "schedule": {
+            "kind": "warmup-cosine",
+            "peak": training.learning_rate,
+            "minimum": training.min_learning_rate,
+            "warmup": training.warmup_steps,
+            "total": training.steps,
+            "lr": engine.optimizer.param_groups[0]["lr"],
+        },
     }
 
 
@@ -130,7 +141,9 @@ def state_dict(engine: Any, *, rng: bool = True) -> dict[str, Any]:
     named = dict(engine.model.named_params)
     for name, (shape, boxes) in layouts.items():
         p = named[name]
-        entries[f"model.{name}"] = sharded.chunked(shape, sharded.pieces_of(p.detach(), boxes), p.dtype)
+        entries[f"model.{name}"] = sharded.chunked(
+            shape, sharded.pieces_of(p.detach(), boxes), p.dtype
+        )
     for key, pieces in _moment_pieces(engine, layouts).items():
         name = key.rsplit(".", 1)[0]
         entries[f"optim.{key}"] = sharded.chunked(layouts[name][0], pieces, named[name].dtype)
@@ -151,7 +164,9 @@ def read_metadata(directory: Path) -> Any:
     try:
         return dcp.FileSystemReader(str(directory)).read_metadata()
     except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file
-        raise store.CheckpointError(f"{directory / '.metadata'}: unreadable DCP metadata ({err})") from None
+        raise store.CheckpointError(
+            f"{directory / '.metadata'}: unreadable DCP metadata ({err})"
+        ) from None
 
 
 def check_compatible(directory: Path, entries: dict[str, Any], metadata: Any) -> None:
@@ -164,9 +179,13 @@ def check_compatible(directory: Path, entries: dict[str, Any], metadata: Any) ->
         if key not in stored:
             problems.append(f"{key}: not in the checkpoint")
         elif tuple(stored[key].size) != tuple(value.shape):
-            problems.append(f"{key}: checkpoint has shape {tuple(stored[key].size)}, this job has {tuple(value.shape)}")
+            problems.append(
+                f"{key}: checkpoint has shape {tuple(stored[key].size)}, this job has {tuple(value.shape)}"
+            )
     if problems:
-        listing = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        listing = "\n  ".join(problems[:10]) + (
+            f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        )
         raise store.CheckpointError(f"{directory}: does not fit this job's model:\n  {listing}")
 
 
@@ -176,7 +195,9 @@ def load_from(directory: Path, engine: Any) -> dict[str, Any]:
     entries = state_dict(engine)
     metadata = read_metadata(directory)
     rng_key = f"rng.{dist.get_rank()}"
-    rng_ok = rng_key in metadata.state_dict_metadata and tuple(metadata.state_dict_metadata[rng_key].size) == tuple(entries[rng_key].shape)
+    rng_ok = rng_key in metadata.state_dict_metadata and tuple(
+        metadata.state_dict_metadata[rng_key].size
+    ) == tuple(entries[rng_key].shape)
     if not rng_ok:
         del entries[rng_key]
     check_compatible(directory, entries, metadata)

@@ -102,7 +102,11 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 def data_files(directory: Path) -> list[str]:
     """Every file under ``directory`` except the marker, as sorted relative POSIX paths."""
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MARKER)
+    return sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MARKER
+    )
 
 
 def describe_files(directory: Path, *, part: int = 0, parts: int = 1) -> dict[str, dict[str, Any]]:
@@ -110,7 +114,11 @@ def describe_files(directory: Path, *, part: int = 0, parts: int = 1) -> dict[st
 
     The ranks of a job split the hashing this way (each takes its share, rank 0 merges).
     """
-    return {name: file_digest(directory / name) for i, name in enumerate(data_files(directory)) if i % parts == part}
+    return {
+        name: file_digest(directory / name)
+        for i, name in enumerate(data_files(directory))
+        if i % parts == part
+    }
 
 
 def _fsync_path(path: Path) -> None:
@@ -138,7 +146,9 @@ def publish(tmp: Path, marker: Marker) -> Path:
     _fsync_path(tmp)
     final = tmp.parent / step_dir_name(marker.step)
     if final.exists():
-        raise CheckpointError(f"{final} already exists; refusing to overwrite a published checkpoint")
+        raise CheckpointError(
+            f"{final} already exists; refusing to overwrite a published checkpoint"
+        )
     os.rename(tmp, final)
     _fsync_path(tmp.parent)
     return final
@@ -148,22 +158,28 @@ def read_marker(directory: Path) -> Marker:
     """Parse and check a checkpoint's COMPLETE file; raises :class:`CheckpointError` naming it."""
     path = directory / MARKER
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing; {directory} is named like a published checkpoint but has no "
-                              f"completion marker (damaged or not written by meshtrain); remove it to continue")
+        raise CheckpointError(
+            f"{path}: missing; {directory} is named like a published checkpoint but has no "
+            f"completion marker (damaged or not written by meshtrain); remove it to continue"
+        )
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: not a valid completion marker ({err})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
-        raise CheckpointError(f"{path}: format {got!r} is not {FORMAT!r}; this is not a meshtrain checkpoint")
+        raise CheckpointError(
+            f"{path}: format {got!r} is not {FORMAT!r}; this is not a meshtrain checkpoint"
+        )
     try:
         marker = Marker(**raw)
     except TypeError as err:
         raise CheckpointError(f"{path}: unexpected marker fields ({err})") from None
     expected = STEP_DIR.match(directory.name)
     if expected and int(expected.group(1)) != marker.step:
-        raise CheckpointError(f"{path}: says step {marker.step} but the directory is {directory.name}")
+        raise CheckpointError(
+            f"{path}: says step {marker.step} but the directory is {directory.name}"
+        )
     return marker
 
 
@@ -178,12 +194,16 @@ def verify(directory: Path, marker: Marker, *, hashes: bool, part: int = 0, part
             raise CheckpointError(f"{path}: listed in {directory / MARKER} but missing")
         size = path.stat().st_size
         if size != facts["bytes"]:
-            raise CheckpointError(f"{path}: {size} bytes, the marker says {facts['bytes']} (truncated or overwritten)")
+            raise CheckpointError(
+                f"{path}: {size} bytes, the marker says {facts['bytes']} (truncated or overwritten)"
+            )
         if hashes and index % parts == part:
             digest = file_digest(path)["sha256"]
             if digest != facts["sha256"]:
-                raise CheckpointError(f"{path}: sha256 {digest[:16]}... differs from the marker's "
-                                      f"{facts['sha256'][:16]}... (corrupt)")
+                raise CheckpointError(
+                    f"{path}: sha256 {digest[:16]}... differs from the marker's "
+                    f"{facts['sha256'][:16]}... (corrupt)"
+                )
     if not marker.files:
         raise CheckpointError(f"{directory / MARKER}: lists no data files")
 
@@ -205,8 +225,10 @@ def scan(root: Path) -> list[Published]:
             continue
         match = STEP_DIR.match(entry.name)
         if not match or not entry.is_dir():
-            raise CheckpointError(f"{entry}: not a meshtrain checkpoint (expected only step-NNNNNNNN directories "
-                                  f"in {root}); point spec.checkpoint.path at a directory of its own")
+            raise CheckpointError(
+                f"{entry}: not a meshtrain checkpoint (expected only step-NNNNNNNN directories "
+                f"in {root}); point spec.checkpoint.path at a directory of its own"
+            )
         found.append(Published(step=int(match.group(1)), path=entry))
     return sorted(found, key=lambda p: p.step)
 

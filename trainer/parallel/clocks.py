@@ -58,7 +58,9 @@ class HostLaunch:
 
     def report_when_done(self, report: Callable[[float, float], None]) -> None:
         """Call ``report(start, end)`` when the collective completes (a future callback: the communication thread)."""
-        self.work.get_future().add_done_callback(lambda _future: report(self.start, time.perf_counter()))
+        self.work.get_future().add_done_callback(
+            lambda _future: report(self.start, time.perf_counter())
+        )
 
     def wait(self) -> float:
         """Block until the collective is done; returns the time it was seen done."""
@@ -96,7 +98,9 @@ class DeviceLaunch:
     clock: CudaClock
     """The clock that issued it."""
 
-    def report_when_done(self, report: Callable[[torch.cuda.Event, torch.cuda.Event], None]) -> None:
+    def report_when_done(
+        self, report: Callable[[torch.cuda.Event, torch.cuda.Event], None]
+    ) -> None:
         """Call ``report(start, end)`` now: the events get their times on the GPU, read after the step's sync."""
         report(self.start, self.end)
 

@@ -39,8 +39,9 @@ def device_for(local_rank: int, *, use_cuda: bool) -> torch.device:
 def init_process_group(*, use_cuda: bool, timeout_s: float | None = None) -> None:
     """Join the default group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     timeout_s = timeout_s or float(os.environ.get("MESHTRAIN_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 @dataclasses.dataclass
@@ -69,12 +70,22 @@ def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
     """Create every group of the layout (collective: all ranks call it together)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.world_size:
-        raise RuntimeError(f"WORLD_SIZE={world} but the layout {layout} needs {layout.world_size} processes")
-    mesh = device_mesh.init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("pp", "dp", "tp"))
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but the layout {layout} needs {layout.world_size} processes"
+        )
+    mesh = device_mesh.init_device_mesh(
+        device.type, layout.mesh_shape, mesh_dim_names=("pp", "dp", "tp")
+    )
     coords = layout.coords(rank)
     got = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_local_rank("tp"))
     if got != (coords.pp, coords.dp, coords.tp):
         raise RuntimeError(f"DeviceMesh places rank {rank} at {got}, meshtrain.layout at {coords}")
     backward_group, _ = dist.new_subgroups_by_enumeration(layout.all_groups("pp"))
-    return Mesh(layout=layout, rank=rank, coords=coords, device_mesh=mesh, device=device,
-                pp_backward_group=backward_group)
+    return Mesh(
+        layout=layout,
+        rank=rank,
+        coords=coords,
+        device_mesh=mesh,
+        device=device,
+        pp_backward_group=backward_group,
+    )

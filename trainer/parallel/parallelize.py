@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero
+from meshtrain.trainer.parallel import mesh as mesh_mod
 
 
 @dataclasses.dataclass
@@ -66,10 +66,21 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_stages: int, micro_batches: int,
-                micro_batch: int, sequence_parallel: bool, bucket_mb: float, recorder: recording.StepRecorder,
-                clock: clocks.Clock, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                zero_stage: int = 0) -> ParallelModel:
+def parallelize(
+    model: gpt.GPT,
+    mesh: mesh_mod.Mesh,
+    *,
+    schedule: str,
+    virtual_stages: int,
+    micro_batches: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    bucket_mb: float,
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    zero_stage: int = 0,
+) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
     Every part that reports to ``recorder`` times its work with ``clock``.
@@ -78,17 +89,29 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
     config = model.config
 
     # 1. Pipeline: this stage's chunks (the rest of the model is dropped).
-    chunks = pipeline.split_model(model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages)
+    chunks = pipeline.split_model(
+        model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages
+    )
 
     # 2. Tensor parallel: shard what this stage kept.
     tp_ctx, tp_plan = None, None
     if layout.tensor > 1:
-        tp_ctx = tensor.TPContext(group=mesh.group("tp"), rank=coords.tp, size=layout.tensor,
-                                  sequence_parallel=sequence_parallel, recorder=recorder, clock=clock)
+        tp_ctx = tensor.TPContext(
+            group=mesh.group("tp"),
+            rank=coords.tp,
+            size=layout.tensor,
+            sequence_parallel=sequence_parallel,
+            recorder=recorder,
+            clock=clock,
+        )
         plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
-        tp_plan = tensor.TPPlan(shards={k: v for p in plans for k, v in p.shards.items()},
-                                sequence_partial=[n for p in plans for n in p.sequence_partial])
-    for chunk in chunks:  # a model built on meta gets the weights TP did not already build (norms, biases, ...)
+        tp_plan = tensor.TPPlan(
+            shards={k: v for p in plans for k, v in p.shards.items()},
+            sequence_partial=[n for p in plans for n in p.sequence_partial],
+        )
+    for chunk in (
+        chunks
+    ):  # a model built on meta gets the weights TP did not already build (norms, biases, ...)
         gpt.materialize(chunk)
         chunk.to(mesh.device)
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
@@ -98,21 +121,50 @@ def parallelize(model: gpt.GPT, mesh: mesh_mod.Mesh, *, schedule: str, virtual_s
     if layout.data > 1:
         # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce.
         reducer_cls = zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
-        grad_reducer = reducer_cls([p for _, p in named], group=mesh.group("dp"), group_size=layout.data,
-                                   bucket_mb=bucket_mb, recorder=recorder, clock=clock)
+        grad_reducer = reducer_cls(
+            [p for _, p in named],
+            group=mesh.group("dp"),
+            group_size=layout.data,
+            bucket_mb=bucket_mb,
+            recorder=recorder,
+            clock=clock,
+        )
 
     # 4. The schedule executor around it all.
     ranks = [layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)]
     many = layout.pipeline > 1
-    ctx = pipeline.PipelineContext(stage=coords.pp, stages=layout.pipeline, ranks=ranks,
-                                   forward_group=mesh.group("pp") if many else None,
-                                   backward_group=mesh.pp_backward_group if many else None)
+    ctx = pipeline.PipelineContext(
+        stage=coords.pp,
+        stages=layout.pipeline,
+        ranks=ranks,
+        forward_group=mesh.group("pp") if many else None,
+        backward_group=mesh.pp_backward_group if many else None,
+    )
     seq = config.seq_len // layout.tensor if (tp_ctx and sequence_parallel) else config.seq_len
-    loss_fn = functools.partial(tensor.vocab_parallel_cross_entropy, ctx=tp_ctx) if tp_ctx else _cross_entropy
+    loss_fn = (
+        functools.partial(tensor.vocab_parallel_cross_entropy, ctx=tp_ctx)
+        if tp_ctx
+        else _cross_entropy
+    )
     executor = pipeline.PipelineExecutor(
-        chunks, ctx, schedule=schedule if many else "1f1b", micro_batches=micro_batches,
-        activation_shape=(micro_batch, seq, config.hidden), activation_dtype=named[0][1].dtype, device=mesh.device,
-        loss_fn=loss_fn, recorder=recorder, clock=clock, grad_sync=grad_reducer.set_sync if grad_reducer else None,
-        autocast=autocast)
-    return ParallelModel(chunks=chunks, named_params=named, tp_plan=tp_plan, executor=executor,
-                         reducer=grad_reducer, tp=tp_ctx)
+        chunks,
+        ctx,
+        schedule=schedule if many else "1f1b",
+        micro_batches=micro_batches,
+        activation_shape=(micro_batch, seq, config.hidden),
+        activation_dtype=named[0][1].dtype,
+        device=mesh.device,
+        loss_fn=loss_fn,
+        recorder=recorder,
+        clock=clock,
+        grad_sync=grad_reducer.set_sync if grad_reducer else None,
+        autocast=autocast,
+    )
+    return ParallelModel(
+        chunks=chunks,
+        named_params=named,
+        tp_plan=tp_plan,
+        executor=executor,
+        reducer=grad_reducer,
+        tp=tp_ctx,
+    )

@@ -50,7 +50,9 @@ def split_layers(layers: int, parts: int) -> list[range]:
     return [range(starts[i], starts[i] + sizes[i]) for i in range(parts)]
 
 
-def split_model(model: gpt.GPT, *, stage: int, stages: int, virtual_stages: int = 1) -> list[gpt.GPT]:
+def split_model(
+    model: gpt.GPT, *, stage: int, stages: int, virtual_stages: int = 1
+) -> list[gpt.GPT]:
     """This stage's chunks, chunk ``c`` being virtual stage ``c * stages + stage``.
 
     With one chunk the model is pruned in place; with several, each chunk is a
@@ -92,17 +94,29 @@ class PipelineContext:
 class PipelineExecutor:
     """Runs one stage's schedule for one optimizer step."""
 
-    def __init__(self, chunks: list[torch.nn.Module], ctx: PipelineContext, *, schedule: str, micro_batches: int,
-                 activation_shape: tuple[int, ...], activation_dtype: torch.dtype, device: torch.device,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 recorder: recording.StepRecorder, clock: clocks.Clock,
-                 grad_sync: Callable[[bool], None] | None = None,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        ctx: PipelineContext,
+        *,
+        schedule: str,
+        micro_batches: int,
+        activation_shape: tuple[int, ...],
+        activation_dtype: torch.dtype,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        recorder: recording.StepRecorder,
+        clock: clocks.Clock,
+        grad_sync: Callable[[bool], None] | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.chunks = chunks
         self.ctx = ctx
         self.virtual_stages = len(chunks)
         self.micro_batches = micro_batches
-        self.actions = schedules.actions(schedule, ctx.stages, micro_batches, ctx.stage, self.virtual_stages)
+        self.actions = schedules.actions(
+            schedule, ctx.stages, micro_batches, ctx.stage, self.virtual_stages
+        )
         self.last_backward = schedules.last_backward(self.actions)
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
@@ -163,9 +177,13 @@ class PipelineExecutor:
         """
         if self.virtual_stages != 1 or self.ctx.forward_group is None:
             return False
-        return all(dist.get_backend(g) == "gloo" for g in (self.ctx.forward_group, self.ctx.backward_group))
+        return all(
+            dist.get_backend(g) == "gloo" for g in (self.ctx.forward_group, self.ctx.backward_group)
+        )
 
-    def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> torch.Tensor:
+    def run(
+        self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
+    ) -> torch.Tensor:
         """One step: every forward and backward of this stage; returns the summed loss/m (0 off the last stage).
 
         ``inputs`` are needed on the first stage and ``targets`` on the last
@@ -174,7 +192,9 @@ class PipelineExecutor:
         """
         m, p = self.micro_batches, self.ctx.stages
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # keep each sent tensor alive until done
+        in_flight: list[
+            tuple[dist.Work, torch.Tensor]
+        ] = []  # keep each sent tensor alive until done
         loss_sum = torch.zeros((), device=self.device)
         prefetch = self._prefetch()
         posted: dict[int, tuple[dist.Work, torch.Tensor] | None] = {}  # action index -> its receive
@@ -194,13 +214,20 @@ class PipelineExecutor:
                     out = self.chunks[action.chunk](x)
                     if j == self.last_virtual:
                         out = self.loss_fn(out, targets[action.microbatch].to(self.device)) / m
-                self.recorder.compute("forward", action.microbatch, action.chunk, start, self.clock.now())
+                self.recorder.compute(
+                    "forward", action.microbatch, action.chunk, start, self.clock.now()
+                )
                 saved[key] = (x if j > 0 else None, out)
                 if j == self.last_virtual:
                     loss_sum += out.detach()
                 else:
                     sent = out.detach().contiguous()
-                    in_flight.append((dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group), sent))
+                    in_flight.append(
+                        (
+                            dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group),
+                            sent,
+                        )
+                    )
             else:
                 x, out = saved.pop(key)
                 grad = None if j == self.last_virtual else self._wait_recv(recv)
@@ -208,10 +235,17 @@ class PipelineExecutor:
                     self.grad_sync(self.last_backward[action.chunk] == action)
                 start = self.clock.now()
                 torch.autograd.backward(out, grad)
-                self.recorder.compute("backward", action.microbatch, action.chunk, start, self.clock.now())
+                self.recorder.compute(
+                    "backward", action.microbatch, action.chunk, start, self.clock.now()
+                )
                 if x is not None:
                     sent = x.grad.contiguous()
-                    in_flight.append((dist.isend(sent, dst=self._peer(j - 1), group=self.ctx.backward_group), sent))
+                    in_flight.append(
+                        (
+                            dist.isend(sent, dst=self._peer(j - 1), group=self.ctx.backward_group),
+                            sent,
+                        )
+                    )
         if in_flight:
             start = self.clock.now()
             for work, _ in in_flight:

@@ -49,13 +49,23 @@ class StepRecorder(Protocol):
     def step_start(self, step: int, start: float) -> None:
         """Optimizer step ``step`` (1-based) begins."""
 
-    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+    def compute(
+        self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float
+    ) -> None:
         """A forward or backward of one micro-batch through one model chunk (virtual stage)."""
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
         """Time blocked on pipeline point-to-point traffic (a receive, or draining sends; on CUDA, the stream's)."""
 
-    def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
+    def collective(
+        self,
+        group: Group,
+        op: str,
+        nbytes: int,
+        start: float,
+        end: float,
+        bucket: int | None = None,
+    ) -> None:
         """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank."""
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
@@ -68,13 +78,23 @@ class NullRecorder:
     def step_start(self, step: int, start: float) -> None:
         pass
 
-    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+    def compute(
+        self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float
+    ) -> None:
         pass
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
         pass
 
-    def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
+    def collective(
+        self,
+        group: Group,
+        op: str,
+        nbytes: int,
+        start: float,
+        end: float,
+        bucket: int | None = None,
+    ) -> None:
         pass
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
@@ -121,17 +141,31 @@ class MemoryRecorder:
             self.events = []
             self.step_started = start
 
-    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+    def compute(
+        self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float
+    ) -> None:
         with self._lock:
-            self.events.append(Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk))
+            self.events.append(
+                Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk)
+            )
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
         with self._lock:
             self.events.append(Event("wait", kind, start, end))
 
-    def collective(self, group: Group, op: str, nbytes: int, start: float, end: float, bucket: int | None = None) -> None:
+    def collective(
+        self,
+        group: Group,
+        op: str,
+        nbytes: int,
+        start: float,
+        end: float,
+        bucket: int | None = None,
+    ) -> None:
         with self._lock:
-            self.events.append(Event("collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket))
+            self.events.append(
+                Event("collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket)
+            )
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         summary = self.summary()
@@ -142,7 +176,9 @@ class MemoryRecorder:
     def count(self, what: str, group: str | None = None) -> int:
         """Events of one sort in the current step (e.g. ``count('collective', 'dp')``)."""
         with self._lock:
-            return sum(1 for e in self.events if e.what == what and (group is None or e.group == group))
+            return sum(
+                1 for e in self.events if e.what == what and (group is None or e.group == group)
+            )
 
     def summary(self) -> dict[str, float]:
         """Per-step totals: compute, wait and collective seconds and bytes per group."""
@@ -181,7 +217,9 @@ class DeferredRecorder:
         self._lock = threading.Lock()
         self._held: list[tuple[Callable[[float, float], None], clocks.Stamp, clocks.Stamp]] = []
 
-    def _hold(self, forward: Callable[[float, float], None], start: clocks.Stamp, end: clocks.Stamp) -> None:
+    def _hold(
+        self, forward: Callable[[float, float], None], start: clocks.Stamp, end: clocks.Stamp
+    ) -> None:
         with self._lock:
             self._held.append((forward, start, end))
 
@@ -190,15 +228,26 @@ class DeferredRecorder:
             self._held = []
         self.inner.step_start(step, start)
 
-    def compute(self, kind: ComputeKind, microbatch: int, chunk: int, start: clocks.Stamp, end: clocks.Stamp) -> None:
+    def compute(
+        self, kind: ComputeKind, microbatch: int, chunk: int, start: clocks.Stamp, end: clocks.Stamp
+    ) -> None:
         self._hold(functools.partial(self.inner.compute, kind, microbatch, chunk), start, end)
 
     def wait(self, kind: WaitKind, start: clocks.Stamp, end: clocks.Stamp) -> None:
         self._hold(functools.partial(self.inner.wait, kind), start, end)
 
-    def collective(self, group: Group, op: str, nbytes: int, start: clocks.Stamp, end: clocks.Stamp,
-                   bucket: int | None = None) -> None:
-        self._hold(functools.partial(self.inner.collective, group, op, nbytes, bucket=bucket), start, end)
+    def collective(
+        self,
+        group: Group,
+        op: str,
+        nbytes: int,
+        start: clocks.Stamp,
+        end: clocks.Stamp,
+        bucket: int | None = None,
+    ) -> None:
+        self._hold(
+            functools.partial(self.inner.collective, group, op, nbytes, bucket=bucket), start, end
+        )
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         self.clock.synchronize()

@@ -67,8 +67,16 @@ def plan_buckets(sizes: list[int], element_size: int, bucket_bytes: int) -> list
 class GradReducer:
     """Averages gradients over a data-parallel group, bucket by bucket, during backward."""
 
-    def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup, group_size: int,
-                 bucket_mb: float, recorder: recording.StepRecorder, clock: clocks.Clock | None = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        group: dist.ProcessGroup,
+        group_size: int,
+        bucket_mb: float,
+        recorder: recording.StepRecorder,
+        clock: clocks.Clock | None = None,
+    ) -> None:
         self.group = group
         self.group_size = group_size
         self.recorder = recorder
@@ -84,15 +92,21 @@ class GradReducer:
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, members in by_dtype.items():
             element = torch.empty((), dtype=dtype).element_size()
-            for indices in plan_buckets([p.numel() for p in members], element, int(bucket_mb * 2**20)):
+            for indices in plan_buckets(
+                [p.numel() for p in members], element, int(bucket_mb * 2**20)
+            ):
                 self._add_bucket([members[i] for i in indices])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
-        buffer = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+        buffer = torch.zeros(
+            sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device
+        )
         offset = 0
         for p in members:
-            p.grad = buffer[offset: offset + p.numel()].view_as(p)  # autograd accumulates into it in place
+            p.grad = buffer[offset : offset + p.numel()].view_as(
+                p
+            )  # autograd accumulates into it in place
             offset += p.numel()
         bucket = Bucket(index=len(self.buckets), params=members, buffer=buffer)
         for p in members:
@@ -114,9 +128,14 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's collective (all-reduce of the sum); ZeRO-2 would reduce-scatter here."""
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        bucket.work = self.clock.launch(lambda: dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+        bucket.work = self.clock.launch(
+            lambda: dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        )
         bucket.work.report_when_done(  # host: on completion, from the communication thread; CUDA: now, as events
-            lambda start, end: self.recorder.collective("dp", "all_reduce", nbytes, start, end, bucket=bucket.index))
+            lambda start, end: self.recorder.collective(
+                "dp", "all_reduce", nbytes, start, end, bucket=bucket.index
+            )
+        )
 
     def finish(self) -> None:
         """Wait for every bucket (launching any still pending) and divide by the group size."""

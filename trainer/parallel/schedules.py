@@ -90,7 +90,9 @@ def _interleaved(p: int, v: int, m: int, s: int) -> list[Action]:
     return out
 
 
-def actions(schedule: str, stages: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
+def actions(
+    schedule: str, stages: int, micro_batches: int, stage: int, virtual_stages: int = 1
+) -> list[Action]:
     """The ordered actions of ``stage`` for one optimizer step."""
     p, m, v, s = stages, micro_batches, virtual_stages, stage
     if not 0 <= s < p:
@@ -101,7 +103,9 @@ def actions(schedule: str, stages: int, micro_batches: int, stage: int, virtual_
         return _one_f_one_b(p, m, s)
     if schedule == "interleaved-1f1b":
         if v < 2 or m % p:
-            raise ValueError(f"interleaved-1f1b needs virtual_stages >= 2 and micro_batches % stages == 0 (v={v}, m={m}, p={p})")
+            raise ValueError(
+                f"interleaved-1f1b needs virtual_stages >= 2 and micro_batches % stages == 0 (v={v}, m={m}, p={p})"
+            )
         return _interleaved(p, v, m, s)
     raise ValueError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
 
@@ -111,7 +115,9 @@ def last_backward(stage_actions: list[Action]) -> dict[int, Action]:
     return {a.chunk: a for a in stage_actions if a.kind == "backward"}
 
 
-def simulate(schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> list[list[tuple[int, Action]]]:
+def simulate(
+    schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1
+) -> list[list[tuple[int, Action]]]:
     """Run every stage's list with unit-time actions; returns per-stage (time, action).
 
     A forward of virtual stage ``j > 0`` waits for the forward of ``j - 1``;
@@ -135,7 +141,9 @@ def simulate(schedule: str, stages: int, micro_batches: int, virtual_stages: int
             if a.kind == "forward":
                 needs = [("forward", a.microbatch, j - 1)] if j > 0 else []
             else:
-                needs = [("forward", a.microbatch, j)] + ([("backward", a.microbatch, j + 1)] if j < last else [])
+                needs = [("forward", a.microbatch, j)] + (
+                    [("backward", a.microbatch, j + 1)] if j < last else []
+                )
             if all(n in done for n in needs):
                 key = (a.kind, a.microbatch, j)
                 if key in done:

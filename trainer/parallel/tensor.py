@@ -69,18 +69,26 @@ def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Te
 def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The dense tensor from every rank's piece (inverse of :func:`shard`)."""
     per_rank = [p.chunk(spec.groups, dim=spec.dim) for p in pieces]  # [rank][group]
-    return torch.cat([torch.cat([r[g] for r in per_rank], dim=spec.dim) for g in range(spec.groups)], dim=spec.dim)
+    return torch.cat(
+        [torch.cat([r[g] for r in per_rank], dim=spec.dim) for g in range(spec.groups)],
+        dim=spec.dim,
+    )
 
 
 # --- timed collectives --------------------------------------------------------
 
+
 def _timed(ctx: TPContext, op: str, tensor: torch.Tensor, fn) -> None:  # noqa: ANN001 - a closure
     start = ctx.clock.now()
     fn()
-    ctx.recorder.collective("tp", op, tensor.numel() * tensor.element_size(), start, ctx.clock.now())
+    ctx.recorder.collective(
+        "tp", op, tensor.numel() * tensor.element_size(), start, ctx.clock.now()
+    )
 
 
-def _all_reduce(x: torch.Tensor, ctx: TPContext, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(
+    x: torch.Tensor, ctx: TPContext, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
     x = x.contiguous()
     _timed(ctx, "all_reduce", x, lambda: dist.all_reduce(x, op=op, group=ctx.group))
     return x
@@ -98,7 +106,9 @@ def _reduce_scatter_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """(B, T, H) partial sums -> this rank's (B, T/tp, H) of the total."""
     full = x.transpose(0, 1).contiguous()  # (T, B, H)
     out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))  # (T/tp, B, H)
-    _timed(ctx, "reduce_scatter", full, lambda: dist.reduce_scatter_single(out, full, group=ctx.group))
+    _timed(
+        ctx, "reduce_scatter", full, lambda: dist.reduce_scatter_single(out, full, group=ctx.group)
+    )
     return out.transpose(0, 1)  # (B, T/tp, H)
 
 
@@ -165,6 +175,7 @@ def leave_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
 
 # --- layers -------------------------------------------------------------------
 
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows; output stays split (B, T, out/tp)."""
 
@@ -201,8 +212,12 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        emb = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, H), rows of other ranks wrong
-        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)  # ...so zero them; the sum over TP fills them in
+        emb = F.embedding(
+            local.masked_fill(outside, 0), self.weight
+        )  # (B, T, H), rows of other ranks wrong
+        emb = emb.masked_fill(
+            outside.unsqueeze(-1), 0.0
+        )  # ...so zero them; the sum over TP fills them in
         return leave_region(emb, self.tp)
 
 
@@ -249,13 +264,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, ctx: TPContext
+) -> torch.Tensor:
     """Mean cross-entropy; ``logits`` (B, T, V/tp) this rank's vocab shard, ``targets`` (B, T)."""
     flat = logits.float().reshape(-1, logits.shape[-1])  # (B*T, V/tp)
     return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), ctx).mean()
 
 
 # --- applying TP to the model -------------------------------------------------
+
 
 @dataclasses.dataclass
 class TPPlan:
@@ -278,8 +296,12 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     shards: dict[str, ShardSpec] = {}
     column, row, qkv, vocab = ShardSpec(0), ShardSpec(1), ShardSpec(0, groups=3), ShardSpec(0)
 
-    def swap(owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec) -> None:
-        full = gpt.dense_value(model, f"{prefix}{attr}.weight", getattr(owner, attr).weight)  # one dense matrix at a time
+    def swap(
+        owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec
+    ) -> None:
+        full = gpt.dense_value(
+            model, f"{prefix}{attr}.weight", getattr(owner, attr).weight
+        )  # one dense matrix at a time
         setattr(owner, attr, cls(shard(full, spec, ctx.rank, ctx.size), ctx))
         shards[f"{prefix}{attr}.weight"] = spec
 
@@ -293,8 +315,11 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
         swap(model, "tok_emb", "", VocabParallelEmbedding, vocab)
         if ctx.sequence_parallel:
             model.pos_emb = SequenceParallelPositionEmbedding(
-                gpt.dense_value(model, "pos_emb.weight", model.pos_emb.weight).clone(), ctx)
+                gpt.dense_value(model, "pos_emb.weight", model.pos_emb.weight).clone(), ctx
+            )
     if model.head is not None:
         swap(model, "head", "", ColumnParallelLinear, vocab)
-    partial = [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []
+    partial = (
+        [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []
+    )
     return TPPlan(shards=shards, sequence_partial=partial)

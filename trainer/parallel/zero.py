@@ -79,12 +79,16 @@ def segments(numels: list[int], start: int, stop: int) -> list[Segment]:
     for member, numel in enumerate(numels):
         lo, hi = max(start, offset), min(stop, offset + numel)
         if lo < hi:
-            found.append(Segment(member=member, start=lo - offset, stop=hi - offset, shard_offset=lo - start))
+            found.append(
+                Segment(member=member, start=lo - offset, stop=hi - offset, shard_offset=lo - start)
+            )
         offset += numel
     return found
 
 
-def expected_bytes_per_param(*, stage: int, dp: int, weight: int = 4, grad: int = 4, optimizer: int = 8) -> dict[str, float]:
+def expected_bytes_per_param(
+    *, stage: int, dp: int, weight: int = 4, grad: int = 4, optimizer: int = 8
+) -> dict[str, float]:
     """The ZeRO paper's per-parameter bytes: weights, gradients, optimizer state on one rank.
 
     Defaults are meshtrain's fp32 weights with AdamW (two fp32 moments);
@@ -97,7 +101,9 @@ def expected_bytes_per_param(*, stage: int, dp: int, weight: int = 4, grad: int 
     }
 
 
-def _reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, size: int) -> dist.Work:
+def _reduce_scatter(
+    out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, size: int
+) -> dist.Work:
     """Sum ``full`` over the group, leaving this rank's 1/size slice in ``out`` (asynchronous).
 
     torch 2.13's gloo implements ``reduce_scatter_single`` for fp32 and bf16
@@ -125,15 +131,31 @@ class ShardedGradReducer(reducer.GradReducer):
     is launched.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup, group_size: int,
-                 bucket_mb: float, recorder: recording.StepRecorder, clock: clocks.Clock | None = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        group: dist.ProcessGroup,
+        group_size: int,
+        bucket_mb: float,
+        recorder: recording.StepRecorder,
+        clock: clocks.Clock | None = None,
+    ) -> None:
         self._pending: dict[int, tuple[torch.Tensor, clocks.Stamp]] = {}
-        super().__init__(params, group=group, group_size=group_size, bucket_mb=bucket_mb, recorder=recorder,
-                         clock=clock)
+        super().__init__(
+            params,
+            group=group,
+            group_size=group_size,
+            bucket_mb=bucket_mb,
+            recorder=recorder,
+            clock=clock,
+        )
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
         numel = sum(p.numel() for p in members)
-        shard = torch.zeros(shard_size(numel, self.group_size), dtype=members[0].dtype, device=members[0].device)
+        shard = torch.zeros(
+            shard_size(numel, self.group_size), dtype=members[0].dtype, device=members[0].device
+        )
         bucket = reducer.Bucket(index=len(self.buckets), params=members, buffer=shard)
         for p in members:
             p.grad = None
@@ -153,8 +175,13 @@ class ShardedGradReducer(reducer.GradReducer):
             offset += p.numel()
         # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
         # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
-        self._pending[bucket.index] = (full, start)  # the packed buffer lives until the collective is done
-        bucket.work = self.clock.launch(lambda: _reduce_scatter(shard, full, self.group, self.group_size))
+        self._pending[bucket.index] = (
+            full,
+            start,
+        )  # the packed buffer lives until the collective is done
+        bucket.work = self.clock.launch(
+            lambda: _reduce_scatter(shard, full, self.group, self.group_size)
+        )
 
     def finish(self) -> None:
         """Wait for every bucket's reduce-scatter and turn sums into means; only shards remain."""
@@ -164,8 +191,14 @@ class ShardedGradReducer(reducer.GradReducer):
         for bucket in self.buckets:
             end = bucket.work.wait()
             full, start = self._pending.pop(bucket.index)
-            self.recorder.collective("dp", "reduce_scatter", full.numel() * full.element_size(), start, end,
-                                     bucket=bucket.index)
+            self.recorder.collective(
+                "dp",
+                "reduce_scatter",
+                full.numel() * full.element_size(),
+                start,
+                end,
+                bucket=bucket.index,
+            )
             bucket.buffer.div_(self.group_size)
             bucket.work = None
             bucket.ready = 0
@@ -202,10 +235,19 @@ class ZeroAdamW:
     :func:`meshtrain.trainer.optim.set_lr` works unchanged.
     """
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], grad_reducer: reducer.GradReducer, *,
-                 stage: int, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, recorder: recording.StepRecorder | None = None,
-                 clock: clocks.Clock | None = None) -> None:
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        grad_reducer: reducer.GradReducer,
+        *,
+        stage: int,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        recorder: recording.StepRecorder | None = None,
+        clock: clocks.Clock | None = None,
+    ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroAdamW is for ZeRO stages 1 and 2, got {stage}")
         if stage == 2 and not isinstance(grad_reducer, ShardedGradReducer):
@@ -230,10 +272,17 @@ class ZeroAdamW:
             segs = segments([p.numel() for p in bucket.params], start, stop)
             s = shard_size(numel, self.size)
             like = bucket.params[0]
-            self.buckets.append(_BucketState(
-                params=bucket.params, start=start, stop=stop, segments=segs, numel=numel,
-                exp_avg=torch.zeros(s, dtype=like.dtype, device=like.device),
-                exp_avg_sq=torch.zeros(s, dtype=like.dtype, device=like.device)))
+            self.buckets.append(
+                _BucketState(
+                    params=bucket.params,
+                    start=start,
+                    stop=stop,
+                    segments=segs,
+                    numel=numel,
+                    exp_avg=torch.zeros(s, dtype=like.dtype, device=like.device),
+                    exp_avg_sq=torch.zeros(s, dtype=like.dtype, device=like.device),
+                )
+            )
 
     # --- gradients of the owned range ------------------------------------------
 
@@ -245,9 +294,16 @@ class ZeroAdamW:
         flat = self.reducer.buckets[index].buffer  # stage 1: the full all-reduced bucket
         return flat.narrow(0, state.start, state.stop - state.start)
 
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], *, counted: list[bool], max_norm: float,
-                       groups: list[tuple[str, dist.ProcessGroup]], recorder: recording.StepRecorder | None = None,
-                       clock: clocks.Clock | None = None) -> float:
+    def clip_grad_norm(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        counted: list[bool],
+        max_norm: float,
+        groups: list[tuple[str, dist.ProcessGroup]],
+        recorder: recording.StepRecorder | None = None,
+        clock: clocks.Clock | None = None,
+    ) -> float:
         """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
 
         Same signature as :func:`meshtrain.trainer.optim.clip_grad_norm`:
@@ -257,18 +313,33 @@ class ZeroAdamW:
         counted_by_id = {id(p): c for p, c in zip(params, counted)}
         recorder = recorder or self.recorder
         clock = clock or self.clock
-        square = torch.zeros((), dtype=torch.float64, device=self.buckets[0].exp_avg.device if self.buckets else "cpu")
+        square = torch.zeros(
+            (),
+            dtype=torch.float64,
+            device=self.buckets[0].exp_avg.device if self.buckets else "cpu",
+        )
         for index, state in enumerate(self.buckets):
             grad = self._owned_grad(index)
             for seg in state.segments:
                 if counted_by_id.get(id(state.params[seg.member]), True):
                     square += grad.narrow(0, seg.shard_offset, seg.numel).double().pow(2).sum()
         owned = [self._owned_grad(index) for index in range(len(self.buckets))]
-        return optim.reduce_norm_and_clip(square, owned, max_norm=max_norm, groups=[("dp", self.group), *groups],
-                                          recorder=recorder, clock=clock)
+        return optim.reduce_norm_and_clip(
+            square,
+            owned,
+            max_norm=max_norm,
+            groups=[("dp", self.group), *groups],
+            recorder=recorder,
+            clock=clock,
+        )
 
-    def all_reduce_grads(self, names: set[str], group: dist.ProcessGroup, recorder: recording.StepRecorder,
-                         clock: clocks.Clock) -> None:
+    def all_reduce_grads(
+        self,
+        names: set[str],
+        group: dist.ProcessGroup,
+        recorder: recording.StepRecorder,
+        clock: clocks.Clock,
+    ) -> None:
         """Sum the owned gradient elements of the parameters ``names`` over ``group`` (stage 2).
 
         Sequence parallelism leaves norm and position-table gradients as
@@ -280,14 +351,19 @@ class ZeroAdamW:
         views = []
         for index, state in enumerate(self.buckets):
             grad = self._owned_grad(index)
-            views += [grad.narrow(0, seg.shard_offset, seg.numel) for seg in state.segments
-                      if self.names[id(state.params[seg.member])] in names]
+            views += [
+                grad.narrow(0, seg.shard_offset, seg.numel)
+                for seg in state.segments
+                if self.names[id(state.params[seg.member])] in names
+            ]
         if not views:  # the same on every peer: their owned ranges are identical
             return
         flat = torch.cat(views)  # one collective for all of them
         start = clock.now()
         dist.all_reduce(flat, group=group)
-        recorder.collective("tp", "all_reduce", flat.numel() * flat.element_size(), start, clock.now())
+        recorder.collective(
+            "tp", "all_reduce", flat.numel() * flat.element_size(), start, clock.now()
+        )
         offset = 0
         for view in views:
             view.copy_(flat.narrow(0, offset, view.numel()))
@@ -301,22 +377,36 @@ class ZeroAdamW:
         self.step_count += 1
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        bias1 = 1 - beta1 ** self.step_count
-        bias2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
-        decay_of = {"decay": self.param_groups[0]["weight_decay"], "no_decay": self.param_groups[1]["weight_decay"]}
+        bias1 = 1 - beta1**self.step_count
+        bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
+        decay_of = {
+            "decay": self.param_groups[0]["weight_decay"],
+            "no_decay": self.param_groups[1]["weight_decay"],
+        }
         for index, state in enumerate(self.buckets):
             s = state.exp_avg.numel()
             owned = state.stop - state.start
-            work = torch.zeros(s, dtype=state.exp_avg.dtype, device=state.exp_avg.device)  # owned weights, flat
+            work = torch.zeros(
+                s, dtype=state.exp_avg.dtype, device=state.exp_avg.device
+            )  # owned weights, flat
             for seg in state.segments:
                 work.narrow(0, seg.shard_offset, seg.numel).copy_(
-                    state.params[seg.member].detach().reshape(-1).narrow(0, seg.start, seg.numel))
+                    state.params[seg.member].detach().reshape(-1).narrow(0, seg.start, seg.numel)
+                )
             for seg in state.segments:
-                wd = decay_of["decay"] if state.params[seg.member].dim() >= 2 else decay_of["no_decay"]
+                wd = (
+                    decay_of["decay"]
+                    if state.params[seg.member].dim() >= 2
+                    else decay_of["no_decay"]
+                )
                 if wd:
                     work.narrow(0, seg.shard_offset, seg.numel).mul_(1 - lr * wd)
             grad = self._owned_grad(index).narrow(0, 0, owned)
-            w, m, v = work.narrow(0, 0, owned), state.exp_avg.narrow(0, 0, owned), state.exp_avg_sq.narrow(0, 0, owned)
+            w, m, v = (
+                work.narrow(0, 0, owned),
+                state.exp_avg.narrow(0, 0, owned),
+                state.exp_avg_sq.narrow(0, 0, owned),
+            )
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(eps)
@@ -331,7 +421,9 @@ class ZeroAdamW:
             full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
             start = self.clock.now()
             dist.all_gather_single(full, work, group=self.group)
-            self.recorder.collective("dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now())
+            self.recorder.collective(
+                "dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now()
+            )
         offset = 0
         for p in state.params:
             p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))
@@ -349,15 +441,27 @@ class ZeroAdamW:
         for state in self.buckets:
             for seg in state.segments:
                 p = state.params[seg.member]
-                out.append((self.names[id(p)], p, seg.start, state.exp_avg.narrow(0, seg.shard_offset, seg.numel),
-                            state.exp_avg_sq.narrow(0, seg.shard_offset, seg.numel)))
+                out.append(
+                    (
+                        self.names[id(p)],
+                        p,
+                        seg.start,
+                        state.exp_avg.narrow(0, seg.shard_offset, seg.numel),
+                        state.exp_avg_sq.narrow(0, seg.shard_offset, seg.numel),
+                    )
+                )
         return out
 
     @property
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         """The moments by bucket, shaped like ``torch.optim.Optimizer.state`` for code that walks it (telemetry)."""
-        return {i: {"exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq} for i, b in enumerate(self.buckets)}
+        return {
+            i: {"exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
+            for i, b in enumerate(self.buckets)
+        }
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (both moments, padding included)."""
-        return sum(t.numel() * t.element_size() for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq))
+        return sum(
+            t.numel() * t.element_size() for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq)
+        )

@@ -46,12 +46,24 @@ class RankIdentity:
 
     def labels(self) -> dict[str, str]:
         """Prometheus labels: job, namespace, pod, rank, dp, pp, tp."""
-        return {"job": self.job, "namespace": self.namespace, "pod": self.pod, "rank": str(self.rank),
-                "dp": str(self.coords.dp), "pp": str(self.coords.pp), "tp": str(self.coords.tp)}
+        return {
+            "job": self.job,
+            "namespace": self.namespace,
+            "pod": self.pod,
+            "rank": str(self.rank),
+            "dp": str(self.coords.dp),
+            "pp": str(self.coords.pp),
+            "tp": str(self.coords.tp),
+        }
 
     @classmethod
-    def from_env(cls, layout: layout_mod.ParallelLayout, rank: int, local_rank: int | None = None,
-                 env: dict[str, str] | None = None) -> RankIdentity:
+    def from_env(
+        cls,
+        layout: layout_mod.ParallelLayout,
+        rank: int,
+        local_rank: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RankIdentity:
         """Identity from the operator's environment variables (defaults for local runs)."""
         env = dict(os.environ) if env is None else env
         if local_rank is None:
@@ -59,8 +71,13 @@ class RankIdentity:
         return cls(
             job=env.get(JOB_ENV) or "local",
             namespace=env.get(NAMESPACE_ENV) or env.get("POD_NAMESPACE") or "local",
-            pod=env.get(POD_ENV) or env.get("POD_NAME") or env.get("HOSTNAME") or socket.gethostname(),
-            rank=rank, local_rank=local_rank, coords=layout.coords(rank),
+            pod=env.get(POD_ENV)
+            or env.get("POD_NAME")
+            or env.get("HOSTNAME")
+            or socket.gethostname(),
+            rank=rank,
+            local_rank=local_rank,
+            coords=layout.coords(rank),
         )
 
 
@@ -89,8 +106,13 @@ class MemorySample:
 class Sink(Protocol):
     """Where a step's summary goes."""
 
-    def publish(self, stats: stepstats.StepStats, events: Sequence[recording.Event], start: float,
-                memory: MemorySample | None) -> None:
+    def publish(
+        self,
+        stats: stepstats.StepStats,
+        events: Sequence[recording.Event],
+        start: float,
+        memory: MemorySample | None,
+    ) -> None:
         """One finished step; ``start`` is its perf_counter origin."""
 
     def checkpoint_saved(self, step: int) -> None:
@@ -98,5 +120,3 @@ class Sink(Protocol):
 
     def close(self) -> None:
         """Release files and sockets."""
-
-

@@ -48,9 +48,42 @@ def bind_host() -> str:
     return os.environ.get(HOST_ENV) or DEFAULT_HOST
 
 
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
+STEP_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    60.0,
+    120.0,
+    300.0,
+)
 """Step and compute durations: 5 ms (tiny CPU model) to 5 min (huge step)."""
-COMM_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COMM_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 """Collective and exposed-communication durations: 100 us to 10 s."""
 
 
@@ -66,24 +99,91 @@ class Metrics:
         """Labels of this rank."""
         reg = {"registry": self.registry, "labelnames": LABELS}
         comm = (*LABELS, "group", "op")
-        self.tokens = prometheus_client.Counter("meshtrain_tokens", "Tokens of the global batches trained (job-wide, as seen by this rank).", **reg).labels(**base)
-        self.tokens_per_second = prometheus_client.Gauge("meshtrain_tokens_per_second", "Job throughput in tokens/s over the last step.", **reg).labels(**base)
-        self.step_seconds = prometheus_client.Histogram("meshtrain_step_seconds", "Wall time of an optimizer step.", buckets=STEP_BUCKETS, **reg).labels(**base)
-        self.compute_seconds = prometheus_client.Histogram("meshtrain_compute_seconds", "Forward+backward compute time of this rank in a step (straggler signal).", buckets=STEP_BUCKETS, **reg).labels(**base)
-        self.step = prometheus_client.Gauge("meshtrain_step", "Last completed optimizer step.", **reg).labels(**base)
-        self.last_step_time = prometheus_client.Gauge("meshtrain_last_step_timestamp_seconds", "Unix time the last step completed.", **reg).labels(**base)
-        self.loss = prometheus_client.Gauge("meshtrain_loss", "Mean training loss of the last step.", **reg).labels(**base)
-        self.mfu = prometheus_client.Gauge("meshtrain_model_flops_utilization_ratio", "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.", **reg).labels(**base)
-        self.peak_flops = prometheus_client.Gauge("meshtrain_device_peak_flops_per_second", "Peak FLOP/s per device used as the MFU denominator.", **reg).labels(**base)
-        self.bubble = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio", "Measured share of the last step's pipeline window this stage spent neither computing nor in exposed communication.", **reg).labels(**base)
-        self.bubble_theory = prometheus_client.Gauge("meshtrain_pipeline_bubble_ratio_theoretical", "(p-1)/(v*m+p-1) for this job's schedule.", **reg).labels(**base)
-        self.wait = prometheus_client.Counter("meshtrain_pipeline_wait_seconds", "Time blocked on pipeline sends and receives.", **reg).labels(**base)
-        self.exposed = prometheus_client.Histogram("meshtrain_exposed_comm_seconds", "Gradient reduction time not hidden behind backward compute, per step.", buckets=(0.0, *COMM_BUCKETS), **reg).labels(**base)
-        self.allreduce_seconds = prometheus_client.Histogram("meshtrain_allreduce_seconds", "Duration of one collective call (one gradient bucket for dp).", buckets=COMM_BUCKETS, registry=self.registry, labelnames=comm)
-        self.allreduce_bytes = prometheus_client.Counter("meshtrain_allreduce_bytes", "Payload bytes of collectives.", registry=self.registry, labelnames=comm)
-        self.bus_bandwidth = prometheus_client.Gauge("meshtrain_collective_bus_bandwidth_bytes_per_second", "Bus bandwidth of the last step's collectives (nccl-tests convention).", registry=self.registry, labelnames=comm)
-        self.memory = prometheus_client.Gauge("meshtrain_memory_bytes", "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.", registry=self.registry, labelnames=(*LABELS, "component"))
-        self.memory_peak = prometheus_client.Gauge("meshtrain_memory_peak_bytes", "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.", **reg).labels(**base)
+        self.tokens = prometheus_client.Counter(
+            "meshtrain_tokens",
+            "Tokens of the global batches trained (job-wide, as seen by this rank).",
+            **reg,
+        ).labels(**base)
+        self.tokens_per_second = prometheus_client.Gauge(
+            "meshtrain_tokens_per_second", "Job throughput in tokens/s over the last step.", **reg
+        ).labels(**base)
+        self.step_seconds = prometheus_client.Histogram(
+            "meshtrain_step_seconds", "Wall time of an optimizer step.", buckets=STEP_BUCKETS, **reg
+        ).labels(**base)
+        self.compute_seconds = prometheus_client.Histogram(
+            "meshtrain_compute_seconds",
+            "Forward+backward compute time of this rank in a step (straggler signal).",
+            buckets=STEP_BUCKETS,
+            **reg,
+        ).labels(**base)
+        self.step = prometheus_client.Gauge(
+            "meshtrain_step", "Last completed optimizer step.", **reg
+        ).labels(**base)
+        self.last_step_time = prometheus_client.Gauge(
+            "meshtrain_last_step_timestamp_seconds", "Unix time the last step completed.", **reg
+        ).labels(**base)
+        self.loss = prometheus_client.Gauge(
+            "meshtrain_loss", "Mean training loss of the last step.", **reg
+        ).labels(**base)
+        self.mfu = prometheus_client.Gauge(
+            "meshtrain_model_flops_utilization_ratio",
+            "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
+            **reg,
+        ).labels(**base)
+        self.peak_flops = prometheus_client.Gauge(
+            "meshtrain_device_peak_flops_per_second",
+            "Peak FLOP/s per device used as the MFU denominator.",
+            **reg,
+        ).labels(**base)
+        self.bubble = prometheus_client.Gauge(
+            "meshtrain_pipeline_bubble_ratio",
+            "Measured share of the last step's pipeline window this stage spent neither computing nor in exposed communication.",
+            **reg,
+        ).labels(**base)
+        self.bubble_theory = prometheus_client.Gauge(
+            "meshtrain_pipeline_bubble_ratio_theoretical",
+            "(p-1)/(v*m+p-1) for this job's schedule.",
+            **reg,
+        ).labels(**base)
+        self.wait = prometheus_client.Counter(
+            "meshtrain_pipeline_wait_seconds", "Time blocked on pipeline sends and receives.", **reg
+        ).labels(**base)
+        self.exposed = prometheus_client.Histogram(
+            "meshtrain_exposed_comm_seconds",
+            "Gradient reduction time not hidden behind backward compute, per step.",
+            buckets=(0.0, *COMM_BUCKETS),
+            **reg,
+        ).labels(**base)
+        self.allreduce_seconds = prometheus_client.Histogram(
+            "meshtrain_allreduce_seconds",
+            "Duration of one collective call (one gradient bucket for dp).",
+            buckets=COMM_BUCKETS,
+            registry=self.registry,
+            labelnames=comm,
+        )
+        self.allreduce_bytes = prometheus_client.Counter(
+            "meshtrain_allreduce_bytes",
+            "Payload bytes of collectives.",
+            registry=self.registry,
+            labelnames=comm,
+        )
+        self.bus_bandwidth = prometheus_client.Gauge(
+            "meshtrain_collective_bus_bandwidth_bytes_per_second",
+            "Bus bandwidth of the last step's collectives (nccl-tests convention).",
+            registry=self.registry,
+            labelnames=comm,
+        )
+        self.memory = prometheus_client.Gauge(
+            "meshtrain_memory_bytes",
+            "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.",
+            registry=self.registry,
+            labelnames=(*LABELS, "component"),
+        )
+        self.memory_peak = prometheus_client.Gauge(
+            "meshtrain_memory_peak_bytes",
+            "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.",
+            **reg,
+        ).labels(**base)
         self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
@@ -91,8 +191,11 @@ class Metrics:
         key = (group, op)
         if key not in self._comm_children:
             labels = {**self.base, "group": group, "op": op}
-            self._comm_children[key] = (self.allreduce_seconds.labels(**labels), self.allreduce_bytes.labels(**labels),
-                                        self.bus_bandwidth.labels(**labels))
+            self._comm_children[key] = (
+                self.allreduce_seconds.labels(**labels),
+                self.allreduce_bytes.labels(**labels),
+                self.bus_bandwidth.labels(**labels),
+            )
         return self._comm_children[key]
 
 
@@ -105,7 +208,9 @@ class _Server(server.ThreadingHTTPServer):
         """Scrapers time out and disconnect; that is not worth a traceback on the training log."""
 
 
-def _handler(registry: prometheus_client.CollectorRegistry, progress: progress_mod.Progress | None) -> type[server.BaseHTTPRequestHandler]:
+def _handler(
+    registry: prometheus_client.CollectorRegistry, progress: progress_mod.Progress | None
+) -> type[server.BaseHTTPRequestHandler]:
     class Handler(server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]
@@ -133,8 +238,15 @@ def _handler(registry: prometheus_client.CollectorRegistry, progress: progress_m
 class Exporter:
     """Metrics of one rank, served over HTTP; rank 0 adds /progress."""
 
-    def __init__(self, identity: context.RankIdentity, facts: stepstats.JobFacts, *, port: int,
-                 progress: progress_mod.Progress | None, host: str = DEFAULT_HOST) -> None:
+    def __init__(
+        self,
+        identity: context.RankIdentity,
+        facts: stepstats.JobFacts,
+        *,
+        port: int,
+        progress: progress_mod.Progress | None,
+        host: str = DEFAULT_HOST,
+    ) -> None:
         self.metrics = Metrics(identity)
         """The metric families."""
         self.progress = progress
@@ -147,17 +259,30 @@ class Exporter:
         try:
             self._server = _Server((host, port), _handler(self.metrics.registry, self.progress))
         except OSError as err:
-            log.warning("rank %d: metrics address %s:%d unavailable (%s); metrics are not served", identity.rank, host, port, err)
+            log.warning(
+                "rank %d: metrics address %s:%d unavailable (%s); metrics are not served",
+                identity.rank,
+                host,
+                port,
+                err,
+            )
             return
-        threading.Thread(target=self._server.serve_forever, name=f"metrics-{port}", daemon=True).start()
+        threading.Thread(
+            target=self._server.serve_forever, name=f"metrics-{port}", daemon=True
+        ).start()
 
     @property
     def serving(self) -> bool:
         """Whether the HTTP server is up."""
         return self._server is not None
 
-    def publish(self, stats: stepstats.StepStats, events: Sequence[recording.Event], start: float,
-                memory: context.MemorySample | None) -> None:
+    def publish(
+        self,
+        stats: stepstats.StepStats,
+        events: Sequence[recording.Event],
+        start: float,
+        memory: context.MemorySample | None,
+    ) -> None:
         m = self.metrics
         m.tokens.inc(stats.tokens)
         m.tokens_per_second.set(stats.tokens_per_second)

@@ -44,12 +44,19 @@ class Progress:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._doc: dict[str, Any] = {"step": 0, "loss": None, "tokens_per_second": None,
-                                     "last_checkpoint_step": None, "updated_at": None}
+        self._doc: dict[str, Any] = {
+            "step": 0,
+            "loss": None,
+            "tokens_per_second": None,
+            "last_checkpoint_step": None,
+            "updated_at": None,
+        }
 
     def update(self, **fields: Any) -> None:
         """Set fields and stamp ``updated_at`` (RFC 3339, UTC)."""
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+        now = (
+            datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        )
         with self._lock:
             self._doc.update(fields, updated_at=now)
 
@@ -60,14 +67,21 @@ class Progress:
 
     # -- Sink ----------------------------------------------------------------
 
-    def publish(self, stats: stepstats.StepStats, events: Sequence[recording.Event], start: float,
-                memory: context.MemorySample | None) -> None:
+    def publish(
+        self,
+        stats: stepstats.StepStats,
+        events: Sequence[recording.Event],
+        start: float,
+        memory: context.MemorySample | None,
+    ) -> None:
         self.update(step=stats.step, loss=stats.loss, tokens_per_second=stats.tokens_per_second)
 
     def checkpoint_saved(self, step: int) -> None:
         """A published checkpoint of ``step`` (a resumed run reports the one it loaded)."""
         with self._lock:
-            done = max(self._doc["step"] or 0, step)  # a checkpoint of step S means S steps are done
+            done = max(
+                self._doc["step"] or 0, step
+            )  # a checkpoint of step S means S steps are done
         self.update(last_checkpoint_step=step, step=done)
 
     def close(self) -> None:
@@ -89,6 +103,8 @@ def write_termination_log(document: Mapping[str, Any]) -> Path | None:
         with path.open("w", encoding="utf-8") as out:
             out.write(json.dumps({key: document.get(key) for key in FIELDS}) + "\n")
     except OSError as err:
-        log.warning("could not write the final progress to %s=%s: %s", TERMINATION_LOG_ENV, target, err)
+        log.warning(
+            "could not write the final progress to %s=%s: %s", TERMINATION_LOG_ENV, target, err
+        )
         return None
     return path

@@ -35,8 +35,13 @@ KEEP_STEPS = 100
 class TelemetryRecorder:
     """A :class:`~meshtrain.trainer.parallel.recording.StepRecorder` that reports each step."""
 
-    def __init__(self, identity: context.RankIdentity, facts: stepstats.JobFacts, sinks: Sequence[context.Sink],
-                 device: Any = None) -> None:
+    def __init__(
+        self,
+        identity: context.RankIdentity,
+        facts: stepstats.JobFacts,
+        sinks: Sequence[context.Sink],
+        device: Any = None,
+    ) -> None:
         self.identity = identity
         """Labels of this rank."""
         self.facts = facts
@@ -71,25 +76,47 @@ class TelemetryRecorder:
             self._events = []
             self._start = start
 
-    def compute(self, kind: recording.ComputeKind, microbatch: int, chunk: int, start: float, end: float) -> None:
+    def compute(
+        self, kind: recording.ComputeKind, microbatch: int, chunk: int, start: float, end: float
+    ) -> None:
         with self._lock:
-            self._events.append(recording.Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk))
+            self._events.append(
+                recording.Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk)
+            )
 
     def wait(self, kind: recording.WaitKind, start: float, end: float) -> None:
         with self._lock:
             self._events.append(recording.Event("wait", kind, start, end))
 
-    def collective(self, group: recording.Group, op: str, nbytes: int, start: float, end: float,
-                   bucket: int | None = None) -> None:
+    def collective(
+        self,
+        group: recording.Group,
+        op: str,
+        nbytes: int,
+        start: float,
+        end: float,
+        bucket: int | None = None,
+    ) -> None:
         with self._lock:
-            self._events.append(recording.Event("collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket))
+            self._events.append(
+                recording.Event(
+                    "collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket
+                )
+            )
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         with self._lock:
             events, start = self._events, self._start
             self._events = []
-        stats = stepstats.summarise(events, self.facts, step=step, loss=float(loss), tokens=int(tokens), seconds=seconds,
-                                    start=start)
+        stats = stepstats.summarise(
+            events,
+            self.facts,
+            step=step,
+            loss=float(loss),
+            tokens=int(tokens),
+            seconds=seconds,
+            start=start,
+        )
         self.last = stats
         self.steps.append(stats.log_record())
         del self.steps[:-KEEP_STEPS]
@@ -110,8 +137,12 @@ class TelemetryRecorder:
         if self._watched is None:
             return context.MemorySample(peak_allocated=peak_bytes)
         state = memory_mod.measure(*self._watched).as_metrics()
-        return context.MemorySample(peak_allocated=peak_bytes, parameters=state["parameters"],
-                                    gradients=state["gradients"], optimizer=state["optimizer"])
+        return context.MemorySample(
+            peak_allocated=peak_bytes,
+            parameters=state["parameters"],
+            gradients=state["gradients"],
+            optimizer=state["optimizer"],
+        )
 
     def close(self) -> None:
         """Close every sink (files, HTTP server)."""
@@ -119,12 +150,15 @@ class TelemetryRecorder:
             sink.close()
 
 
-def job_facts(spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flops: float) -> stepstats.JobFacts:
+def job_facts(
+    spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flops: float
+) -> stepstats.JobFacts:
     """The :class:`~.stepstats.JobFacts` of a spec."""
     par = spec.parallelism
     config = model_mod.GPTConfig.from_shape(spec.model.shape())
     return stepstats.JobFacts(
-        stages=layout.pipeline, micro_batches=par.micro_batches,
+        stages=layout.pipeline,
+        micro_batches=par.micro_batches,
         virtual_stages=par.virtual_stages if par.schedule == "interleaved-1f1b" else 1,
         world_size=layout.world_size,
         group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
@@ -133,9 +167,17 @@ def job_facts(spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flop
     )
 
 
-def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_dir: str | Path | None, *,
-                  local_rank: int | None = None, device: Any = None, serve: bool = True,
-                  steps_log: bool = True) -> TelemetryRecorder:
+def make_recorder(
+    spec: Any,
+    layout: layout_mod.ParallelLayout,
+    rank: int,
+    log_dir: str | Path | None,
+    *,
+    local_rank: int | None = None,
+    device: Any = None,
+    serve: bool = True,
+    steps_log: bool = True,
+) -> TelemetryRecorder:
     """The trainer's recorder: Prometheus exporter on ``$MESHTRAIN_METRICS_HOST:spec.metrics.port + local_rank``
     (rank 0 also keeps and serves the /progress document), steps.jsonl (rank 0)
     and the event trace under ``log_dir``.
@@ -146,15 +188,27 @@ def make_recorder(spec: Any, layout: layout_mod.ParallelLayout, rank: int, log_d
     identity = context.RankIdentity.from_env(layout, rank, local_rank)
     facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
     sinks: list[context.Sink] = []
-    document = progress.Progress() if rank == 0 else None  # kept even when not served: the final copy
+    document = (
+        progress.Progress() if rank == 0 else None
+    )  # kept even when not served: the final copy
     if document is not None:
         sinks.append(document)
     if serve:
-        sinks.append(exporter.Exporter(identity, facts, port=spec.metrics.port + identity.local_rank,
-                                       progress=document, host=exporter.bind_host()))
+        sinks.append(
+            exporter.Exporter(
+                identity,
+                facts,
+                port=spec.metrics.port + identity.local_rank,
+                progress=document,
+                host=exporter.bind_host(),
+            )
+        )
     if log_dir is not None:
-        sinks.append(steplog.StepLog(Path(log_dir), identity, facts, schedule=spec.parallelism.schedule,
-                                       steps=steps_log))
+        sinks.append(
+            steplog.StepLog(
+                Path(log_dir), identity, facts, schedule=spec.parallelism.schedule, steps=steps_log
+            )
+        )
     return TelemetryRecorder(identity, facts, sinks, device=device)
 
 

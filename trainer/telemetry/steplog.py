@@ -41,8 +41,12 @@ def trace_path(log_dir: Path, rank: int) -> Path:
 
 def event_record(e: recording.Event, origin: float) -> dict[str, Any]:
     """One event as JSON, times in seconds since ``origin``; absent fields left out."""
-    out: dict[str, Any] = {"what": e.what, "kind": e.kind, "start": round(e.start - origin, 7),
-                           "end": round(e.end - origin, 7)}
+    out: dict[str, Any] = {
+        "what": e.what,
+        "kind": e.kind,
+        "start": round(e.start - origin, 7),
+        "end": round(e.end - origin, 7),
+    }
     if e.what == "compute":
         out.update(microbatch=e.microbatch, chunk=e.chunk)
     elif e.what == "collective":
@@ -55,29 +59,59 @@ def event_record(e: recording.Event, origin: float) -> dict[str, Any]:
 class StepLog:
     """Appends steps.jsonl (rank 0) and trace/rank-N.jsonl (every rank)."""
 
-    def __init__(self, log_dir: Path, identity: context.RankIdentity, facts: stepstats.JobFacts, *,
-                 schedule: str, steps: bool = True) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        identity: context.RankIdentity,
+        facts: stepstats.JobFacts,
+        *,
+        schedule: str,
+        steps: bool = True,
+    ) -> None:
         """``steps=False``: write only the trace (someone else writes steps.jsonl)."""
         self.log_dir = log_dir
         """Directory of the run's logs."""
-        self._header = {"rank": identity.rank, "pp": identity.coords.pp, "dp": identity.coords.dp,
-                        "tp": identity.coords.tp, "schedule": schedule, "stages": facts.stages,
-                        "micro_batches": facts.micro_batches, "virtual_stages": facts.virtual_stages}
+        self._header = {
+            "rank": identity.rank,
+            "pp": identity.coords.pp,
+            "dp": identity.coords.dp,
+            "tp": identity.coords.tp,
+            "schedule": schedule,
+            "stages": facts.stages,
+            "micro_batches": facts.micro_batches,
+            "virtual_stages": facts.virtual_stages,
+        }
         trace = trace_path(log_dir, identity.rank)
         trace.parent.mkdir(parents=True, exist_ok=True)
         self._trace = trace.open("a", encoding="utf-8")
-        self._steps = (log_dir / STEPS_FILE).open("a", encoding="utf-8") if steps and identity.rank == 0 else None
+        self._steps = (
+            (log_dir / STEPS_FILE).open("a", encoding="utf-8")
+            if steps and identity.rank == 0
+            else None
+        )
         # perf_counter is per-boot monotonic; wall time aligns ranks (and pods) in the timeline.
         self._wall_offset = time.time() - time.perf_counter()
 
-    def publish(self, stats: stepstats.StepStats, events: Sequence[recording.Event], start: float,
-                memory: context.MemorySample | None) -> None:
-        line = {**self._header, "step": stats.step, "t0": start + self._wall_offset, "seconds": stats.seconds,
-                "compute_seconds": stats.compute_seconds, "exposed_comm_seconds": stats.exposed_comm_seconds,
-                "update_seconds": stats.update_seconds,
-                "bubble_ratio": stats.bubble_ratio, "bubble_ratio_theoretical": stats.bubble_ratio_theoretical,
-                "memory_bytes": memory.as_dict() if memory is not None else {},
-                "events": [event_record(e, start) for e in sorted(events, key=lambda e: e.start)]}
+    def publish(
+        self,
+        stats: stepstats.StepStats,
+        events: Sequence[recording.Event],
+        start: float,
+        memory: context.MemorySample | None,
+    ) -> None:
+        line = {
+            **self._header,
+            "step": stats.step,
+            "t0": start + self._wall_offset,
+            "seconds": stats.seconds,
+            "compute_seconds": stats.compute_seconds,
+            "exposed_comm_seconds": stats.exposed_comm_seconds,
+            "update_seconds": stats.update_seconds,
+            "bubble_ratio": stats.bubble_ratio,
+            "bubble_ratio_theoretical": stats.bubble_ratio_theoretical,
+            "memory_bytes": memory.as_dict() if memory is not None else {},
+            "events": [event_record(e, start) for e in sorted(events, key=lambda e: e.start)],
+        }
         self._trace.write(json.dumps(line) + "\n")
         self._trace.flush()
         if self._steps is not None:
@@ -100,7 +134,11 @@ def read_trace(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
     """rank -> its trace lines (one per step, in file order)."""
     out: dict[int, list[dict[str, Any]]] = {}
     for path in sorted((Path(log_dir) / TRACE_DIR).glob("rank-*.jsonl")):
-        lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [
+            json.loads(line)
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
         if lines:
             out[lines[0]["rank"]] = lines
     return out
@@ -109,4 +147,6 @@ def read_trace(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
 def read_steps(log_dir: Path) -> list[dict[str, Any]]:
     """The lines of steps.jsonl."""
     path = Path(log_dir) / STEPS_FILE
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]

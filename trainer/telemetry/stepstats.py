@@ -37,7 +37,9 @@ from collections.abc import Iterable, Sequence
 from meshtrain.trainer.parallel import recording, schedules
 
 ALL_REDUCE_OPS = frozenset({"all_reduce", "allreduce"})
-SHARDED_OPS = frozenset({"reduce_scatter", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor"})
+SHARDED_OPS = frozenset(
+    {"reduce_scatter", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +186,15 @@ def exposed_comm(events: Sequence[recording.Event]) -> float:
     if not dp_ends:
         return 0.0
     if not backward_ends:
-        return union_seconds((e.start, e.end) for e in events if e.what == "collective" and e.group == "dp")
+        return union_seconds(
+            (e.start, e.end) for e in events if e.what == "collective" and e.group == "dp"
+        )
     return max(0.0, max(dp_ends) - max(backward_ends))
 
 
-def collective_stats(events: Sequence[recording.Event], group_sizes: dict[str, int]) -> tuple[CollectiveStats, ...]:
+def collective_stats(
+    events: Sequence[recording.Event], group_sizes: dict[str, int]
+) -> tuple[CollectiveStats, ...]:
     """Per (group, op) totals of the collective events, sorted by group then op."""
     by_key: dict[tuple[str, str], list[recording.Event]] = {}
     for e in events:
@@ -198,10 +204,17 @@ def collective_stats(events: Sequence[recording.Event], group_sizes: dict[str, i
     for (group, op), calls in sorted(by_key.items()):
         busy = union_seconds((c.start, c.end) for c in calls)
         nbytes = sum(c.nbytes for c in calls)
-        out.append(CollectiveStats(
-            group=group, op=op, count=len(calls), seconds=sum(c.end - c.start for c in calls),
-            busy_seconds=busy, nbytes=nbytes, bus_bandwidth=bus_bandwidth(op, nbytes, busy, group_sizes.get(group, 1)),
-        ))
+        out.append(
+            CollectiveStats(
+                group=group,
+                op=op,
+                count=len(calls),
+                seconds=sum(c.end - c.start for c in calls),
+                busy_seconds=busy,
+                nbytes=nbytes,
+                bus_bandwidth=bus_bandwidth(op, nbytes, busy, group_sizes.get(group, 1)),
+            )
+        )
     return tuple(out)
 
 
@@ -212,8 +225,16 @@ def pipeline_window(events: Sequence[recording.Event], start: float, seconds: fl
     return min(seconds, max(e.end for e in events) - start)
 
 
-def summarise(events: Sequence[recording.Event], facts: JobFacts, *, step: int, loss: float, tokens: int,
-              seconds: float, start: float) -> StepStats:
+def summarise(
+    events: Sequence[recording.Event],
+    facts: JobFacts,
+    *,
+    step: int,
+    loss: float,
+    tokens: int,
+    seconds: float,
+    start: float,
+) -> StepStats:
     """The :class:`StepStats` of one step from this rank's events; ``start`` is the step's origin."""
     compute = [e for e in events if e.what == "compute"]
     compute_union = union_seconds((e.start, e.end) for e in compute)
@@ -227,7 +248,10 @@ def summarise(events: Sequence[recording.Event], facts: JobFacts, *, step: int, 
     if seconds > 0 and facts.peak_flops > 0:
         mfu = model_flops / (seconds * facts.world_size * facts.peak_flops)
     return StepStats(
-        step=step, loss=loss, tokens=tokens, seconds=seconds,
+        step=step,
+        loss=loss,
+        tokens=tokens,
+        seconds=seconds,
         forward_seconds=sum(e.end - e.start for e in compute if e.kind == "forward"),
         backward_seconds=sum(e.end - e.start for e in compute if e.kind == "backward"),
         compute_seconds=compute_union,

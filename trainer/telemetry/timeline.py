@@ -96,7 +96,9 @@ def pick_step(traces: dict[int, list[dict[str, Any]]], step: int | None = None) 
         raise ValueError("the stages' traces share no step")
     if step is not None:
         if step not in common:
-            raise ValueError(f"step {step} not in every stage's trace (have {min(common)}..{max(common)})")
+            raise ValueError(
+                f"step {step} not in every stage's trace (have {min(common)}..{max(common)})"
+            )
         return step
     return max(common)
 
@@ -104,7 +106,10 @@ def pick_step(traces: dict[int, list[dict[str, Any]]], step: int | None = None) 
 def step_view(traces: dict[int, list[dict[str, Any]]], step: int) -> StepView:
     """The blocks of ``step``: compute rows per stage, then bucket rows per stage."""
     # The last line of that step: a restarted run appends to the same trace.
-    lines = {stage: [line for line in lines if line["step"] == step][-1] for stage, lines in traces.items()}
+    lines = {
+        stage: [line for line in lines if line["step"] == step][-1]
+        for stage, lines in traces.items()
+    }
     origin = min(line["t0"] for line in lines.values())
     blocks: list[Block] = []
     span = 0.0
@@ -113,23 +118,53 @@ def step_view(traces: dict[int, list[dict[str, Any]]], step: int) -> StepView:
         span = max(span, shift + line["seconds"])
         for e in line["events"]:
             if e["what"] == "compute":
-                blocks.append(Block(f"stage {stage}", e["kind"], shift + e["start"], shift + e["end"],
-                                    str(e["microbatch"]), e.get("chunk") or 0))
+                blocks.append(
+                    Block(
+                        f"stage {stage}",
+                        e["kind"],
+                        shift + e["start"],
+                        shift + e["end"],
+                        str(e["microbatch"]),
+                        e.get("chunk") or 0,
+                    )
+                )
             elif e["what"] == "collective" and e.get("group") == "dp" and "bucket" in e:
-                blocks.append(Block(f"stage {stage} all-reduce", "bucket", shift + e["start"], shift + e["end"],
-                                    f"b{e['bucket']}"))
+                blocks.append(
+                    Block(
+                        f"stage {stage} all-reduce",
+                        "bucket",
+                        shift + e["start"],
+                        shift + e["end"],
+                        f"b{e['bucket']}",
+                    )
+                )
     stages = list(lines)
     rows = [f"stage {s}" for s in stages]
-    rows += [f"stage {s} all-reduce" for s in stages if any(b.row == f"stage {s} all-reduce" for b in blocks)]
+    rows += [
+        f"stage {s} all-reduce"
+        for s in stages
+        if any(b.row == f"stage {s} all-reduce" for b in blocks)
+    ]
     head = next(iter(lines.values()))
     bubble = {s: line["bubble_ratio"] for s, line in lines.items()}
     theory = head["bubble_ratio_theoretical"]
-    schedule = head["schedule"] + (f" v={head['virtual_stages']}" if head["virtual_stages"] > 1 else "")
+    schedule = head["schedule"] + (
+        f" v={head['virtual_stages']}" if head["virtual_stages"] > 1 else ""
+    )
     measured = ", ".join(f"s{s} {b:.3f}" for s, b in bubble.items())
-    title = (f"step {step} · {schedule} · p={head['stages']} m={head['micro_batches']}\n"
-             f"bubble measured {measured}  |  theoretical {theory:.3f}")
-    return StepView(step=step, title=title, rows=rows, blocks=blocks, seconds=span, bubble=bubble,
-                    bubble_theoretical=theory)
+    title = (
+        f"step {step} · {schedule} · p={head['stages']} m={head['micro_batches']}\n"
+        f"bubble measured {measured}  |  theoretical {theory:.3f}"
+    )
+    return StepView(
+        step=step,
+        title=title,
+        rows=rows,
+        blocks=blocks,
+        seconds=span,
+        bubble=bubble,
+        bubble_theoretical=theory,
+    )
 
 
 def draw(view: StepView, out: Path) -> Path:
@@ -148,18 +183,42 @@ def draw(view: StepView, out: Path) -> Path:
             palette = FORWARD_COLOURS if b.kind == "forward" else BACKWARD_COLOURS
             colour, height_b = palette[min(b.chunk, len(palette) - 1)], 0.8
         width = (b.end - b.start) * scale
-        ax.barh(y, width, left=b.start * scale, height=height_b, color=colour, edgecolor="black", linewidth=0.4)
+        ax.barh(
+            y,
+            width,
+            left=b.start * scale,
+            height=height_b,
+            color=colour,
+            edgecolor="black",
+            linewidth=0.4,
+        )
         if width > view.seconds * scale * 0.008:
-            ax.text((b.start + b.end) / 2 * scale, y, b.label, ha="center", va="center", fontsize=7,
-                    color="white" if b.kind != "bucket" and b.chunk == 0 else "black")
+            ax.text(
+                (b.start + b.end) / 2 * scale,
+                y,
+                b.label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if b.kind != "bucket" and b.chunk == 0 else "black",
+            )
     ax.set_yticks(range(len(view.rows)), view.rows)
     ax.invert_yaxis()
     ax.set_xlim(0, view.seconds * scale)
     ax.set_xlabel(f"time since the step began ({unit})")
     ax.set_title(view.title, fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (FORWARD_COLOURS[0], BACKWARD_COLOURS[0], BUCKET_COLOUR, IDLE_COLOUR)]
-    ax.legend(handles, ["forward", "backward", "dp all-reduce\nbucket", "idle"], loc="center left",
-              bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False)
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=c)
+        for c in (FORWARD_COLOURS[0], BACKWARD_COLOURS[0], BUCKET_COLOUR, IDLE_COLOUR)
+    ]
+    ax.legend(
+        handles,
+        ["forward", "backward", "dp all-reduce\nbucket", "idle"],
+        loc="center left",
+        bbox_to_anchor=(1.005, 0.5),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -183,5 +242,7 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"meshtrain timeline: {err}", file=sys.stderr)
         return 2
-    print(f"{args.output}: step {view.step}, {len(view.blocks)} blocks; {view.title.splitlines()[1]}")
+    print(
+        f"{args.output}: step {view.step}, {len(view.blocks)} blocks; {view.title.splitlines()[1]}"
+    )
     return 0

@@ -28,7 +28,9 @@ GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
+def wait_for(
+    what: str, check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1
+) -> Any:
     """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -45,10 +47,15 @@ class Job:
 
     def __init__(self, name: str, namespace: str, pool: str | None = None) -> None:
         self._body: dict[str, Any] = {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "TrainingJob",
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"parallelism": {"data": 1, "pipeline": 1, "tensor": 1}, "resources": {"gpusPerNode": 1},
-                     "model": {"preset": "tiny"}, "runPolicy": {}},
+            "spec": {
+                "parallelism": {"data": 1, "pipeline": 1, "tensor": 1},
+                "resources": {"gpusPerNode": 1},
+                "model": {"preset": "tiny"},
+                "runPolicy": {},
+            },
         }
         if pool:
             self._body["spec"]["resources"]["nodeSelector"] = {"meshtrain.test/pool": pool}
@@ -85,7 +92,10 @@ class Cluster:
 
     # CRDs
     def install_crds(self) -> None:
-        documents = [crd.build(), *yaml.safe_load_all(open(os.path.join(REPO, "manifests/crd/kopf-peering.yaml")))]
+        documents = [
+            crd.build(),
+            *yaml.safe_load_all(open(os.path.join(REPO, "manifests/crd/kopf-peering.yaml"))),
+        ]
         for document in documents:
             try:
                 self.extensions.create_custom_resource_definition(document)
@@ -94,24 +104,68 @@ class Cluster:
                     raise
         for document in documents:
             name = document["metadata"]["name"]
-            wait_for(f"CRD {name} established", lambda n=name: any(
-                c.type == "Established" and c.status == "True"
-                for c in (self.extensions.read_custom_resource_definition(n).status.conditions or [])))
+            wait_for(
+                f"CRD {name} established",
+                lambda n=name: any(
+                    c.type == "Established" and c.status == "True"
+                    for c in (
+                        self.extensions.read_custom_resource_definition(n).status.conditions or []
+                    )
+                ),
+            )
         # discovery of the new group may lag a moment behind Established
-        wait_for("trainingjobs served", lambda: self.kubectl("get", "trainingjobs", "-A").returncode == 0)
+        wait_for(
+            "trainingjobs served", lambda: self.kubectl("get", "trainingjobs", "-A").returncode == 0
+        )
 
     def kubectl(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([self.kubectl_path, "--kubeconfig", self.kubeconfig, *args], input=stdin,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [self.kubectl_path, "--kubeconfig", self.kubeconfig, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     # Nodes
-    def add_node(self, pool: str, gpus: int = 8, labels: dict[str, str] | None = None, name: str | None = None) -> str:
+    def add_node(
+        self,
+        pool: str,
+        gpus: int = 8,
+        labels: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> str:
         name = name or f"{pool}-{uuid.uuid4().hex[:6]}"
-        body = {"metadata": {"name": name, "labels": {"meshtrain.test/pool": pool, "kubernetes.io/hostname": name,
-                                                      **(labels or {})}}}
+        body = {
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "meshtrain.test/pool": pool,
+                    "kubernetes.io/hostname": name,
+                    **(labels or {}),
+                },
+            }
+        }
         self.core.create_node(body)
-        self.core.patch_node_status(name, {"status": {"capacity": {"nvidia.com/gpu": str(gpus), "cpu": "64", "memory": "512Gi", "pods": "110"},
-                                                      "allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}}})
+        self.core.patch_node_status(
+            name,
+            {
+                "status": {
+                    "capacity": {
+                        "nvidia.com/gpu": str(gpus),
+                        "cpu": "64",
+                        "memory": "512Gi",
+                        "pods": "110",
+                    },
+                    "allocatable": {
+                        "nvidia.com/gpu": str(gpus),
+                        "cpu": "64",
+                        "memory": "512Gi",
+                        "pods": "110",
+                    },
+                }
+            },
+        )
         return name
 
     def delete_nodes(self, pool: str) -> None:
@@ -121,7 +175,9 @@ class Cluster:
     # Jobs
     def apply(self, job: Job) -> dict[str, Any]:
         body = job.manifest()
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, body["metadata"]["namespace"], PLURAL, body)
+        return self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, body["metadata"]["namespace"], PLURAL, body
+        )
 
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -132,7 +188,9 @@ class Cluster:
             raise
 
     def patch_job(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": spec})
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, {"spec": spec}
+        )
 
     def delete_job(self, namespace: str, name: str) -> None:
         self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
@@ -141,42 +199,82 @@ class Cluster:
         return (self.job(namespace, name) or {}).get("status") or {}
 
     def condition(self, namespace: str, name: str, type_: str) -> dict[str, Any]:
-        return next((c for c in self.status(namespace, name).get("conditions") or [] if c["type"] == type_), {})
+        return next(
+            (c for c in self.status(namespace, name).get("conditions") or [] if c["type"] == type_),
+            {},
+        )
 
-    def wait_phase(self, namespace: str, name: str, phase: str, timeout: float = 30) -> dict[str, Any]:
-        return wait_for(f"{namespace}/{name} phase {phase}",
-                        lambda: (s := self.status(namespace, name)).get("phase") == phase and s, timeout)
+    def wait_phase(
+        self, namespace: str, name: str, phase: str, timeout: float = 30
+    ) -> dict[str, Any]:
+        return wait_for(
+            f"{namespace}/{name} phase {phase}",
+            lambda: (s := self.status(namespace, name)).get("phase") == phase and s,
+            timeout,
+        )
 
     # Pods
     def pods(self, namespace: str, job: str | None = None) -> list[Any]:
         selector = f"meshtrain.io/job={job}" if job else "meshtrain.io/job"
-        return sorted(self.core.list_namespaced_pod(namespace, label_selector=selector).items,
-                      key=lambda p: p.metadata.name)
+        return sorted(
+            self.core.list_namespaced_pod(namespace, label_selector=selector).items,
+            key=lambda p: p.metadata.name,
+        )
 
-    def wait_gang(self, namespace: str, job: str, count: int, timeout: float = 30, attempt: int = 0) -> list[Any]:
+    def wait_gang(
+        self, namespace: str, job: str, count: int, timeout: float = 30, attempt: int = 0
+    ) -> list[Any]:
         """Wait until ``count`` pods of ``attempt`` exist, none gated, none older left; returns them."""
+
         def ready() -> list[Any] | None:
             pods = self.pods(namespace, job)
-            if len(pods) != count or any(p.metadata.labels["meshtrain.io/attempt"] != str(attempt) for p in pods):
+            if len(pods) != count or any(
+                p.metadata.labels["meshtrain.io/attempt"] != str(attempt) for p in pods
+            ):
                 return None
             return pods if all(not p.spec.scheduling_gates for p in pods) else None
+
         return wait_for(f"gang of {count} pod(s) of {namespace}/{job} ungated", ready, timeout)
 
-    def set_pod_phase(self, namespace: str, pod: str, phase: str, exit_code: int | None = None,
-                      ip: str | None = None, message: str | None = None) -> None:
+    def set_pod_phase(
+        self,
+        namespace: str,
+        pod: str,
+        phase: str,
+        exit_code: int | None = None,
+        ip: str | None = None,
+        message: str | None = None,
+    ) -> None:
         """What a kubelet would report: phase, container state (with a termination ``message``), pod IP."""
         if phase == "Running":
             state: dict[str, Any] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
         elif phase in ("Succeeded", "Failed"):
-            state = {"terminated": {"exitCode": exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1),
-                                    "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:01:00Z"}}
+            state = {
+                "terminated": {
+                    "exitCode": exit_code
+                    if exit_code is not None
+                    else (0 if phase == "Succeeded" else 1),
+                    "startedAt": "2026-01-01T00:00:00Z",
+                    "finishedAt": "2026-01-01T00:01:00Z",
+                }
+            }
             if message is not None:
                 state["terminated"]["message"] = message
         else:
             state = {"waiting": {"reason": "ContainerCreating"}}
-        status: dict[str, Any] = {"phase": phase, "containerStatuses": [{
-            "name": "trainer", "ready": phase == "Running", "restartCount": 0, "image": "trainer", "imageID": "",
-            "state": state}]}
+        status: dict[str, Any] = {
+            "phase": phase,
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "ready": phase == "Running",
+                    "restartCount": 0,
+                    "image": "trainer",
+                    "imageID": "",
+                    "state": state,
+                }
+            ],
+        }
         if ip:
             status["podIP"] = ip
             status["podIPs"] = [{"ip": ip}]
@@ -186,7 +284,9 @@ class Cluster:
 class OperatorProcess:
     """``meshtrain operator`` as a subprocess with short timers; start, kill, restart."""
 
-    def __init__(self, kubeconfig: str, log_path: str, scope: tuple[str, ...] = ("--all-namespaces",)) -> None:
+    def __init__(
+        self, kubeconfig: str, log_path: str, scope: tuple[str, ...] = ("--all-namespaces",)
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.scope = scope
         self.log_path = log_path
@@ -197,26 +297,47 @@ class OperatorProcess:
         """kopf peering identity (POD_ID): a restart keeps it, as a container restart keeps its pod name."""
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "meshtrain.cli", "operator", *self.scope,
-                   "--kubeconfig", self.kubeconfig, "--peering", "meshtrain",
-                   "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
-                   "--metrics-port", str(self.metrics_port), "--resync-seconds", "2", "--progress-seconds", "0.5"]
+        command = [
+            sys.executable,
+            "-m",
+            "meshtrain.cli",
+            "operator",
+            *self.scope,
+            "--kubeconfig",
+            self.kubeconfig,
+            "--peering",
+            "meshtrain",
+            "--liveness",
+            f"http://127.0.0.1:{self.health_port}/healthz",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--resync-seconds",
+            "2",
+            "--progress-seconds",
+            "0.5",
+        ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
         env = {**os.environ, "POD_ID": self.identity}
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
+        )
         wait_for("operator liveness endpoint", self.alive, timeout=60, interval=0.2)
 
     def alive(self) -> bool:
         if self.process is None or self.process.poll() is not None:
             raise AssertionError(f"operator exited; see {self.log_path}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=1) as response:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.health_port}/healthz", timeout=1
+            ) as response:
                 return response.status == 200
         except OSError:
             return False
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as response:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2
+        ) as response:
             return response.read().decode()
 
     def kill(self) -> None:

@@ -20,7 +20,9 @@ from tests.integration.operator import cluster as helpers
 
 @pytest.fixture(scope="session")
 def cluster(control_plane, kube_api, control_plane_binaries) -> helpers.Cluster:
-    found = helpers.Cluster(kube_api, str(control_plane.kubeconfig_path), str(control_plane_binaries.kubectl))
+    found = helpers.Cluster(
+        kube_api, str(control_plane.kubeconfig_path), str(control_plane_binaries.kubectl)
+    )
     found.install_crds()
     result = found.kubectl("apply", "-f", f"{helpers.REPO}/manifests/operator/peering.yaml")
     assert result.returncode == 0, result.stderr

@@ -35,18 +35,29 @@ def test_seven_b_on_one_80gb_gpu_wont_fit_and_gets_no_pods(cluster, operator, na
     assert "GiB per GPU" in message and "nvidia.com/gpu.product" in message, message
     assert cluster.condition(namespace, "toobig", "Failed")["reason"] == "WontFit"
     assert status["completionTime"] and status["plan"]["fits"] is False
-    assert status["plan"]["memoryPerGpuBytes"] > 80 * 2**30 and status["plan"]["memoryHeadroomBytes"] < 0
-    events = wait_for("WontFit event", lambda: [
-        e for e in cluster.core.list_namespaced_event(namespace).items if e.reason == "WontFit"])
+    assert (
+        status["plan"]["memoryPerGpuBytes"] > 80 * 2**30
+        and status["plan"]["memoryHeadroomBytes"] < 0
+    )
+    events = wait_for(
+        "WontFit event",
+        lambda: [
+            e for e in cluster.core.list_namespaced_event(namespace).items if e.reason == "WontFit"
+        ],
+    )
     assert events[0].involved_object.name == "toobig" and events[0].type == "Warning"
     assert "80.00 GiB" in events[0].message
     time.sleep(3)  # a resync or two of the operator later: still no pods, still Failed
     assert cluster.pods(namespace, "toobig") == []
     assert cluster.status(namespace, "toobig")["phase"] == "Failed"
-    assert not cluster.core.list_namespaced_config_map(namespace, label_selector="meshtrain.io/job=toobig").items
+    assert not cluster.core.list_namespaced_config_map(
+        namespace, label_selector="meshtrain.io/job=toobig"
+    ).items
 
 
-def test_the_same_job_is_admitted_on_141gb_gpus_with_its_plan_in_the_status(cluster, operator, namespace, pool):
+def test_the_same_job_is_admitted_on_141gb_gpus_with_its_plan_in_the_status(
+    cluster, operator, namespace, pool
+):
     cluster.add_node(pool, gpus=8, labels=H200)
     cluster.apply(_seven_b("fits", namespace, pool))
     cluster.wait_gang(namespace, "fits", 1)
@@ -62,15 +73,25 @@ def test_a_fitting_job_gets_status_plan(cluster, operator, namespace, pool):
     cluster.wait_gang(namespace, "small", 2)
     plan = cluster.status(namespace, "small")["plan"]
     assert plan["profile"] == "h100-sxm" and plan["fits"] is True
-    for key in ("memoryPerGpuBytes", "stepSeconds", "tokensPerSecond", "bubbleRatio", "globalBatchTokens"):
+    for key in (
+        "memoryPerGpuBytes",
+        "stepSeconds",
+        "tokensPerSecond",
+        "bubbleRatio",
+        "globalBatchTokens",
+    ):
         assert plan[key] > 0, key
     assert plan["memoryHeadroomBytes"] < 80 * 2**30 and plan["warnings"] == []
-    result = cluster.kubectl("get", "tj", "small", "-n", namespace, "-o", "jsonpath={.status.plan.profile}")
+    result = cluster.kubectl(
+        "get", "tj", "small", "-n", namespace, "-o", "jsonpath={.status.plan.profile}"
+    )
     assert result.stdout == "h100-sxm", result.stderr
 
 
 def test_unlabelled_nodes_are_judged_by_the_default_profile(cluster, operator, namespace, pool):
-    cluster.add_node(pool, gpus=8)  # no product label: the operator's --gpu-profile (h100-sxm) judges
+    cluster.add_node(
+        pool, gpus=8
+    )  # no product label: the operator's --gpu-profile (h100-sxm) judges
     cluster.apply(_seven_b("nolabel", namespace, pool))
     cluster.wait_phase(namespace, "nolabel", "Failed")
     message = cluster.condition(namespace, "nolabel", "WontFit")["message"]

@@ -12,9 +12,14 @@ from meshtrain.api import rules
 pytestmark = pytest.mark.integration
 
 VALID = {
-    "apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "bad"},
-    "spec": {"parallelism": {"data": 2, "pipeline": 2, "tensor": 2}, "resources": {"gpusPerNode": 4},
-             "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 64}},
+    "apiVersion": "meshtrain.io/v1alpha1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "bad"},
+    "spec": {
+        "parallelism": {"data": 2, "pipeline": 2, "tensor": 2},
+        "resources": {"gpusPerNode": 4},
+        "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 64},
+    },
 }
 
 
@@ -39,24 +44,77 @@ def _sequence_parallel_with_odd_seq_len() -> dict:
 
 
 INVALID = [
-    ("tensor does not divide gpusPerNode", _with("spec.parallelism.tensor", 3), _rule("tensor-divides-gpus-per-node")),
-    ("world not a multiple of gpusPerNode", _with("spec.resources.gpusPerNode", 16), _rule("world-multiple-of-gpus-per-node")),
-    ("global batch arithmetic", _with("spec.training", {"globalBatch": 7}), _rule("global-batch-arithmetic")),
-    ("virtual stages without interleaving", _with("spec.parallelism.virtualStages", 2), _rule("virtual-stages-need-interleaving")),
-    ("interleaved micro-batches", _with("spec.parallelism", {"data": 2, "pipeline": 2, "tensor": 2, "schedule": "interleaved-1f1b",
-                                                             "virtualStages": 2, "microBatches": 3}), _rule("interleaved-micro-batches")),
+    (
+        "tensor does not divide gpusPerNode",
+        _with("spec.parallelism.tensor", 3),
+        _rule("tensor-divides-gpus-per-node"),
+    ),
+    (
+        "world not a multiple of gpusPerNode",
+        _with("spec.resources.gpusPerNode", 16),
+        _rule("world-multiple-of-gpus-per-node"),
+    ),
+    (
+        "global batch arithmetic",
+        _with("spec.training", {"globalBatch": 7}),
+        _rule("global-batch-arithmetic"),
+    ),
+    (
+        "virtual stages without interleaving",
+        _with("spec.parallelism.virtualStages", 2),
+        _rule("virtual-stages-need-interleaving"),
+    ),
+    (
+        "interleaved micro-batches",
+        _with(
+            "spec.parallelism",
+            {
+                "data": 2,
+                "pipeline": 2,
+                "tensor": 2,
+                "schedule": "interleaved-1f1b",
+                "virtualStages": 2,
+                "microBatches": 3,
+            },
+        ),
+        _rule("interleaved-micro-batches"),
+    ),
     ("layers over stages", _with("spec.model.layers", 3), _rule("layers-split-over-stages")),
     ("heads over tensor", _with("spec.model.heads", 3), _rule("heads-split-over-tensor")),
     ("hidden over heads", _with("spec.model.hidden", 66), _rule("hidden-split-over-heads")),
     ("vocab over tensor", _with("spec.model.vocab", 255), _rule("vocab-split-over-tensor")),
     ("ffn over tensor", _with("spec.model.ffnHidden", 255), _rule("ffn-split-over-tensor")),
-    ("sequence parallel over tensor", _sequence_parallel_with_odd_seq_len(), _rule("sequence-split-over-tensor")),
-    ("metrics ports over the rendezvous port", _with("spec.metrics", {"port": 29498}), _rule("metrics-ports-fit")),
-    ("learning rate order", _with("spec.training", {"learningRate": 0.001, "minLearningRate": 0.01}), _rule("learning-rate-order")),
+    (
+        "sequence parallel over tensor",
+        _sequence_parallel_with_odd_seq_len(),
+        _rule("sequence-split-over-tensor"),
+    ),
+    (
+        "metrics ports over the rendezvous port",
+        _with("spec.metrics", {"port": 29498}),
+        _rule("metrics-ports-fit"),
+    ),
+    (
+        "learning rate order",
+        _with("spec.training", {"learningRate": 0.001, "minLearningRate": 0.01}),
+        _rule("learning-rate-order"),
+    ),
     ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
-    ("unknown schedule (enum)", _with("spec.parallelism.schedule", "zero-bubble"), "Unsupported value: \"zero-bubble\""),
-    ("data below its minimum", _with("spec.parallelism.data", 0), "should be greater than or equal to 1"),
-    ("name too long", _with("metadata.name", "x" * 41), "metadata.name must be at most 40 characters"),
+    (
+        "unknown schedule (enum)",
+        _with("spec.parallelism.schedule", "zero-bubble"),
+        'Unsupported value: "zero-bubble"',
+    ),
+    (
+        "data below its minimum",
+        _with("spec.parallelism.data", 0),
+        "should be greater than or equal to 1",
+    ),
+    (
+        "name too long",
+        _with("metadata.name", "x" * 41),
+        "metadata.name must be at most 40 characters",
+    ),
 ]
 
 
@@ -71,7 +129,17 @@ def test_kubectl_explain_shows_the_model_descriptions(cluster):
 
 def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
     body = _with("metadata.name", "good")
-    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-o", "yaml", "-f", "-", stdin=yaml.safe_dump(body))
+    result = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-o",
+        "yaml",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump(body),
+    )
     assert result.returncode == 0, result.stderr
     stored = yaml.safe_load(result.stdout)
     assert stored["spec"]["parallelism"]["schedule"] == "1f1b"
@@ -81,19 +149,41 @@ def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
 
 @pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_spec_is_refused_by_kubectl_apply(cluster, namespace, case, body, message):
-    result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body))
+    result = cluster.kubectl(
+        "apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body)
+    )
     assert result.returncode != 0, f"{case}: accepted"
     assert message in result.stderr, result.stderr
 
 
 def test_model_is_immutable_but_the_layout_may_change(cluster, namespace):
     body = _with("metadata.name", "fixedmodel")
-    created = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body))
+    created = cluster.kubectl(
+        "apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body)
+    )
     assert created.returncode == 0, created.stderr
-    reshaped = cluster.kubectl("patch", "tj", "fixedmodel", "-n", namespace, "--type", "merge",
-                               "-p", '{"spec": {"parallelism": {"data": 1}, "resources": {"gpusPerNode": 4}}}')
+    reshaped = cluster.kubectl(
+        "patch",
+        "tj",
+        "fixedmodel",
+        "-n",
+        namespace,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"parallelism": {"data": 1}, "resources": {"gpusPerNode": 4}}}',
+    )
     assert reshaped.returncode == 0, reshaped.stderr
-    grown = cluster.kubectl("patch", "tj", "fixedmodel", "-n", namespace, "--type", "merge",
-                            "-p", '{"spec": {"model": {"layers": 8}}}')
+    grown = cluster.kubectl(
+        "patch",
+        "tj",
+        "fixedmodel",
+        "-n",
+        namespace,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"model": {"layers": 8}}}',
+    )
     assert grown.returncode != 0, "a change of spec.model was accepted"
     assert "spec.model is immutable" in grown.stderr, grown.stderr
