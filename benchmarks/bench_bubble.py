@@ -171,7 +171,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(STAGES), figsize=(11, 4), sharey=True)
     for ax, p in zip(axes, STAGES):
-        for (schedule, v), colour in zip(SCHEDULES, ("#3b75af", "#e0823d", "#4c9a4c")):
+        for (schedule, _virtual), colour in zip(SCHEDULES, ("#3b75af", "#e0823d", "#4c9a4c")):
             rows = [results[f"{schedule}-p{p}-m{m}"] for m in MICRO_BATCHES]
             ax.plot(
                 MICRO_BATCHES,

@@ -36,7 +36,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import kubernetes
 import yaml
@@ -54,7 +55,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
 
 
-def _wait(check, timeout: float, interval: float = 0.01):
+_T = TypeVar("_T")
+
+
+def _wait(check: Callable[[], _T], timeout: float, interval: float = 0.01) -> _T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -170,7 +174,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_for_ungated_gang(core, namespace: str, job: str, pods: int) -> None:
+def _wait_for_ungated_gang(
+    core: kubernetes.client.CoreV1Api, namespace: str, job: str, pods: int
+) -> None:
     """Follow a pod watch (not polling, which would load the API server under test) until the gang is released."""
     gated: dict[str, bool] = {}
     stream = kubernetes.watch.Watch()
@@ -229,7 +235,13 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
 
 
 def gang_latency(
-    core, custom, kubeconfig: str, namespace: str, repeat: int, pods: int, pids: dict[str, int]
+    core: kubernetes.client.CoreV1Api,
+    custom: kubernetes.client.CustomObjectsApi,
+    kubeconfig: str,
+    namespace: str,
+    repeat: int,
+    pods: int,
+    pids: dict[str, int],
 ) -> tuple[list[float], list[dict[str, float]], list[float]]:
     """Seconds from create to every pod existing with no gate, CPU seconds spent, and the API floor, per repetition."""
     timings, cpu, floors = [], [], []
@@ -245,7 +257,7 @@ def gang_latency(
         cpu.append({k: _cpu_seconds(pid) - cpu_before[k] for k, pid in pids.items()})
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         _wait(
-            lambda: (
+            lambda name=name: (
                 not core.list_namespaced_pod(
                     namespace, label_selector=f"meshtrain.io/job={name}"
                 ).items
@@ -257,7 +269,9 @@ def gang_latency(
     return timings, cpu, floors
 
 
-def memory_with_jobs(custom, namespace: str, jobs: int, placed: int, pid: int) -> dict[str, float]:
+def memory_with_jobs(
+    custom: kubernetes.client.CustomObjectsApi, namespace: str, jobs: int, placed: int, pid: int
+) -> dict[str, float]:
     before = _rss_mb(pid)
     started = time.perf_counter()
     for index in range(jobs):

@@ -17,11 +17,13 @@ model's prediction (docs/placement.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -88,7 +90,7 @@ def request(gpus: int) -> placement.PlacementRequest:
     return placement.request_from_spec(job)
 
 
-def timed(function, repeat: int) -> tuple[float, object]:
+def timed(function: Callable[[], object], repeat: int) -> tuple[float, object]:
     """Median wall time in seconds of ``repeat`` calls (each after a full collection), and the last result."""
     times, result = [], None
     for _ in range(repeat):
@@ -107,7 +109,9 @@ def run(repeat: int, seed: int) -> list[dict]:
         random.Random(seed + 1).shuffle(shuffled)
         for gpus in JOBS:
             job = request(gpus)
-            seconds, result = timed(lambda: placement.plan(job, nodes, reservations), repeat)
+            seconds, result = timed(
+                functools.partial(placement.plan, job, nodes, reservations), repeat
+            )
             row = {
                 "cluster_nodes": size,
                 "job_gpus": gpus,
@@ -119,7 +123,7 @@ def run(repeat: int, seed: int) -> list[dict]:
                 rows.append(row)
                 continue
             blind_seconds, rack = timed(
-                lambda: placement.first_fit(job, nodes, reservations), repeat
+                functools.partial(placement.first_fit, job, nodes, reservations), repeat
             )
             shuffled_result = placement.first_fit(job, shuffled, reservations)
             row.update(

@@ -39,7 +39,7 @@ def describe() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        import torch
+        import torch  # noqa: PLC0415 - optional: the machine record works without torch
 
         info["torch"] = torch.__version__
         if torch.cuda.is_available():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -51,7 +51,11 @@ def _on_node(waker: Waker, type_: str, node: dict[str, Any]) -> None:
 
 
 async def _follow(
-    client: kube.Client, path: str, selector: str | None, handle, waker: Waker
+    client: kube.Client,
+    path: str,
+    selector: str | None,
+    handle: Callable[[Waker, str, dict[str, Any]], None],
+    waker: Waker,
 ) -> None:
     """Watch ``path`` forever, resuming from the last resourceVersion; start over after 410 Gone."""
     version: str | None = None

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer import data, optim
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, parallelize, recording, zero
@@ -69,9 +70,13 @@ class Engine:
     """This rank's model share, optimizer and data, and the step loop body."""
 
     def __init__(
-        self, spec, mesh: mesh_mod.Mesh, *, recorder: recording.StepRecorder | None = None
-    ) -> None:  # noqa: ANN001
-        """``spec`` is a validated TrainingJobSpec; weights are fp32 (master weights under bf16 autocast)."""
+        self,
+        spec: api_spec.TrainingJobSpec,
+        mesh: mesh_mod.Mesh,
+        *,
+        recorder: recording.StepRecorder | None = None,
+    ) -> None:
+        """Weights are fp32 (master weights under bf16 autocast)."""
         self.spec = spec
         self.mesh = mesh
         self.clock = clocks.for_device(mesh.device)

@@ -52,9 +52,9 @@ def topology(
     enough for a job to span leaves and blocks, small enough for one machine.
     """
     return [
-        SimNode(name=f"gpu-b{b}-l{l}-n{n}", block=f"block-{b}", leaf=f"leaf-{b}-{l}", gpus=gpus)
+        SimNode(name=f"gpu-b{b}-l{lf}-n{n}", block=f"block-{b}", leaf=f"leaf-{b}-{lf}", gpus=gpus)
         for b in range(blocks)
-        for l in range(leaves)
+        for lf in range(leaves)
         for n in range(nodes_per_leaf)
     ]
 

@@ -171,25 +171,26 @@ class _Supervisor:
         self._timed("control plane", t0)
 
         t1 = time.monotonic()
-        subprocess.run(
-            [
-                str(found.helm),
-                "install",
-                RELEASE,
-                str(REPO / "charts" / "meshtrain"),
-                "--namespace",
-                NAMESPACE,
-                "--create-namespace",
-                "--set",
-                "operator.deploy=false",
-                "--kubeconfig",
-                str(self.paths.kubeconfig),
-                "--wait",
-            ],
-            check=True,
-            stdout=open(self.paths.logs / "helm.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )
+        with open(self.paths.logs / "helm.log", "ab") as helm_log:
+            subprocess.run(
+                [
+                    str(found.helm),
+                    "install",
+                    RELEASE,
+                    str(REPO / "charts" / "meshtrain"),
+                    "--namespace",
+                    NAMESPACE,
+                    "--create-namespace",
+                    "--set",
+                    "operator.deploy=false",
+                    "--kubeconfig",
+                    str(self.paths.kubeconfig),
+                    "--wait",
+                ],
+                check=True,
+                stdout=helm_log,
+                stderr=subprocess.STDOUT,
+            )
         self._timed("helm install (CRD, RBAC)", t1)
 
         t2 = time.monotonic()

@@ -84,7 +84,11 @@ def _compare(result: dict, reference: dict) -> None:
     )
     for name, ref in reference["grads"].items():
         torch.testing.assert_close(
-            result["grads"][name], ref, rtol=1e-5, atol=4e-5, msg=lambda m: f"{name}: {m}"
+            result["grads"][name],
+            ref,
+            rtol=1e-5,
+            atol=4e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
         )
     # every rank agrees on the loss
     for rank_result in result["ranks"]:

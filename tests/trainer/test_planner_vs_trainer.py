@@ -78,10 +78,10 @@ def _worker(spec_json: str, out_dir: str) -> None:
     """One rank: train STEPS steps, dump the last step's collectives and the measured state bytes."""
     import torch  # noqa: PLC0415 - only the worker processes need torch
 
-    from meshtrain.trainer import engine
-    from meshtrain.trainer import memory as trainer_memory
-    from meshtrain.trainer.parallel import mesh as mesh_mod
-    from meshtrain.trainer.parallel import recording
+    from meshtrain.trainer import engine  # noqa: PLC0415
+    from meshtrain.trainer import memory as trainer_memory  # noqa: PLC0415
+    from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
+    from meshtrain.trainer.parallel import recording  # noqa: PLC0415
 
     job = api_spec.parse_spec(json.loads(spec_json), "worker")
     mesh_mod.init_process_group(use_cuda=False)

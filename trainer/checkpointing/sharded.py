@@ -133,9 +133,9 @@ def _intersect(
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     lo = [max(x, y) for x, y in zip(a_off, b_off)]
     hi = [min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size)]
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(high <= low for low, high in zip(lo, hi)):
         return None
-    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+    return tuple(lo), tuple(high - low for low, high in zip(lo, hi))
 
 
 def _view(
@@ -168,7 +168,7 @@ def pieces_of_flat(
             if hit is None:
                 continue
             lo, extent = hit
-            dense = tuple(g + l - b for g, l, b in zip(box.offsets, lo, box.local))
+            dense = tuple(g + low - b for g, low, b in zip(box.offsets, lo, box.local))
             out.append(Piece(offsets=dense, data=_view(data, off, lo, extent)))
     return out
 
@@ -180,7 +180,7 @@ class ChunkedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype
+        cls: type[ChunkedTensor], shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype
     ) -> ChunkedTensor:
         device = pieces[0].data.device if pieces else torch.device("cpu")
         made = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)

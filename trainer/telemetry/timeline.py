@@ -173,7 +173,7 @@ def draw(view: StepView, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(15, height), dpi=110)
     scale, unit = (1e3, "ms") if view.seconds < 10 else (1.0, "s")
     index = {row: i for i, row in enumerate(view.rows)}
-    for row, i in index.items():
+    for i in index.values():
         ax.barh(i, view.seconds * scale, left=0, height=0.8, color=IDLE_COLOUR, edgecolor="none")
     for b in view.blocks:
         y = index[b.row]

@@ -92,10 +92,8 @@ class Cluster:
 
     # CRDs
     def install_crds(self) -> None:
-        documents = [
-            crd.build(),
-            *yaml.safe_load_all(open(os.path.join(REPO, "manifests/crd/kopf-peering.yaml"))),
-        ]
+        with open(os.path.join(REPO, "manifests/crd/kopf-peering.yaml")) as peering:
+            documents = [crd.build(), *yaml.safe_load_all(peering)]
         for document in documents:
             try:
                 self.extensions.create_custom_resource_definition(document)
