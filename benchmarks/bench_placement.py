@@ -28,8 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine  # noqa: E402
+from meshtrain import placement  # noqa: E402
 from meshtrain.api import spec as api_spec  # noqa: E402
-from meshtrain.operator import placement  # noqa: E402
+from meshtrain.planner import placement_request  # noqa: E402
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -87,7 +88,7 @@ def request(gpus: int) -> placement.PlacementRequest:
             "model": SHAPE,
         }
     )
-    return placement.request_from_spec(job)
+    return placement_request.request_from_spec(job)
 
 
 def timed(function: Callable[[], object], repeat: int) -> tuple[float, object]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from meshtrain.operator import builders, naming, placement
+from meshtrain import placement
+from meshtrain.operator import builders, naming
 
 
 def _quantity(value: Any) -> int:

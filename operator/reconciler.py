@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from meshtrain import placement
 from meshtrain.operator import (
     builders,
     capacity,
@@ -33,11 +34,10 @@ from meshtrain.operator import (
     lifecycle,
     metrics,
     naming,
-    placement,
     progress,
     sizing,
 )
-from meshtrain.planner import admission, profiles
+from meshtrain.planner import admission, placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -259,7 +259,7 @@ class Reconciler:
                 await self._emit(body, "Warning", verdict.reason, verdict.message)
                 return body, job, changed
             plan = verdict.summary if verdict is not None else None
-            answer = placement.plan(placement.request_from_spec(spec), nodes, taken)
+            answer = placement.plan(placement_request.request_from_spec(spec), nodes, taken)
             metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
             if isinstance(answer, placement.Unschedulable):
                 before = (

@@ -25,8 +25,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import placement
 from meshtrain.planner import admission, estimate, profiles
 
 

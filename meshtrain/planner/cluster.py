@@ -2,7 +2,7 @@
 
 What it is: the parser of a small YAML format (a list of nodes with a name,
 a GPU count and labels) into the placement module's
-:class:`~meshtrain.operator.placement.Node` values, with errors that name the
+:class:`~meshtrain.placement.Node` values, with errors that name the
 file, the line and the entry and say what is wrong::
 
     nodes:
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from meshtrain.operator import placement
+from meshtrain import placement
 
 NODE_KEYS = ("name", "gpus", "labels", "unschedulable")
 """Keys a node entry may have."""

@@ -3,7 +3,7 @@
 What it is: the planner's only Kubernetes I/O, one function that lists the
 cluster's Node objects with the official ``kubernetes`` client (kubeconfig
 from ``$KUBECONFIG`` or ``~/.kube/config``, or the in-cluster service
-account) and turns each into a placement :class:`~meshtrain.operator.placement.Node`
+account) and turns each into a placement :class:`~meshtrain.placement.Node`
 with the operator's own converter (:func:`meshtrain.operator.capacity.node_from_manifest`),
 so the planner and the operator see the same allocatable GPUs and labels.
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import kubernetes
 
-from meshtrain.operator import capacity, placement
+from meshtrain import placement
+from meshtrain.operator import capacity
 
 DEFAULT_KUBECONFIG = "~/.kube/config"
 """Kubeconfig read when neither an argument nor ``$KUBECONFIG`` names one."""

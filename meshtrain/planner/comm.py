@@ -281,7 +281,7 @@ def placement_traffic(
     wire bytes of its dp collectives, largest stage); ``pp``: bytes between a
     rank and its next-stage peer (activations forward plus gradients back,
     ``v`` crossings per micro-batch).  These are the two figures
-    :class:`meshtrain.operator.placement.PlacementRequest` weighs.
+    :class:`meshtrain.placement.PlacementRequest` weighs.
     """
     stages = plan_comm(job, scheme)
     dp = max(stage.wire("dp") for stage in stages)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import placement
-from meshtrain.planner import comm, cost, memory, profiles
+from meshtrain.planner import comm, cost, memory, placement_request, profiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _pod_domains(
 
 def place(job: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]) -> PlacementResult:
     """The operator's placement of ``job`` on free ``nodes`` (no reservations)."""
-    result = placement.plan(placement.request_from_spec(job), nodes, [])
+    result = placement.plan(placement_request.request_from_spec(job), nodes, [])
     if isinstance(result, placement.Unschedulable):
         return PlacementResult(
             nodes=(),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import capacity, placement, progress, sizing
+from meshtrain.operator import capacity, progress, sizing
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodes as sandbox_nodes
 from tests.unit.builders import JobBuilder

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import placement
-from meshtrain.operator.placement import cost, topology
-from meshtrain.planner import comm, memory
+from meshtrain.placement import cost, topology
+from meshtrain.planner import comm, memory, placement_request
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -310,7 +310,7 @@ def test_request_from_spec() -> None:
             },
         }
     )
-    request = placement.request_from_spec(spec)
+    request = placement_request.request_from_spec(spec)
     assert (
         request.data,
         request.pipeline,

@@ -13,9 +13,8 @@ import random
 
 import pytest
 
-from meshtrain import layout
-from meshtrain.operator import placement
-from meshtrain.operator.placement import topology
+from meshtrain import layout, placement
+from meshtrain.placement import topology
 
 FAMILIES = {
     "nvidia": (

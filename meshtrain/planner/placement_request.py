@@ -15,7 +15,7 @@ stages), which is how the trainer runs there.
 from __future__ import annotations
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.placement import model
+from meshtrain.placement import model
 from meshtrain.planner import comm, memory
 
 

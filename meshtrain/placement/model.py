@@ -4,7 +4,7 @@ Frozen values only: cluster nodes, reservations, the request derived from a
 TrainingJob, and the two possible answers (:class:`Placement` or
 :class:`Unschedulable`).  This module computes nothing beyond checking that a
 request is self-consistent; it knows nothing of Kubernetes objects or of the
-spec model (see :mod:`meshtrain.operator.placement.request` for that bridge).
+spec model (see :mod:`meshtrain.planner.placement_request` for that bridge).
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ answer into pods.  See docs/placement.md for the cost model and algorithm.
 
 Modules: ``model`` (the values), ``topology`` (levels, label families, the
 domain tree), ``cost`` (traffic and bytes model), ``planner`` (``plan`` and the
-topology-blind ``first_fit`` reference), ``request`` (spec -> request).
+topology-blind ``first_fit`` reference).  The request of a TrainingJob spec is
+built by :mod:`meshtrain.planner.placement_request`, whose traffic model it uses.
 """
 
-from meshtrain.operator.placement.model import (
+from meshtrain.placement.model import (
     INSUFFICIENT_GPUS,
     TOPOLOGY_UNSATISFIABLE,
     FabricLevel,
@@ -22,8 +23,7 @@ from meshtrain.operator.placement.model import (
     Reservation,
     Unschedulable,
 )
-from meshtrain.operator.placement.planner import first_fit, plan
-from meshtrain.operator.placement.request import request_from_spec
+from meshtrain.placement.planner import first_fit, plan
 
 __all__ = [
     "INSUFFICIENT_GPUS",
@@ -36,5 +36,4 @@ __all__ = [
     "Unschedulable",
     "first_fit",
     "plan",
-    "request_from_spec",
 ]

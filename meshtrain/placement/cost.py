@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshtrain import layout
-from meshtrain.operator.placement import model, topology
+from meshtrain.placement import model, topology
 
 Edge = tuple[int, int, float]
 """Traffic between two pods: (lower pod index, higher pod index, bytes per step)."""

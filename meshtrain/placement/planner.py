@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from meshtrain.operator.placement import cost, model, topology
+from meshtrain.placement import cost, model, topology
 
 
 def plan(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Container, Iterable, Mapping, Sequence
 
-from meshtrain.operator.placement import model
+from meshtrain.placement import model
 
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
