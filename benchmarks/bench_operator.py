@@ -46,7 +46,7 @@ from meshtrain import controlplane
 from meshtrain.api import crd
 from meshtrain.api import spec as api_spec
 from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.operator import builders, kube
+from meshtrain.operator import builders, identity, kube
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import machine  # noqa: E402
@@ -210,7 +210,7 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
             "model": {"preset": "tiny"},
         }
     )
-    job = builders.JobRef(f"floor{attempt}", namespace, "00000000-0000-0000-0000-000000000000")
+    job = identity.JobRef(f"floor{attempt}", namespace, "00000000-0000-0000-0000-000000000000")
     manifests = builders.build_pods(job, spec, 0, [f"gpu-{i // 8:04d}" for i in range(pods)])
     for manifest in manifests:
         manifest["metadata"].pop("ownerReferences")

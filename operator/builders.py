@@ -24,9 +24,6 @@ step they stop at (torchrun waits 5 s less before killing them).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,25 +31,13 @@ import yaml
 
 from meshtrain import layout
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import naming
+from meshtrain.operator import identity, naming
 
 SHUTDOWN_MARGIN_SECONDS = 5
 """torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
 
 
-@dataclasses.dataclass(frozen=True)
-class JobRef:
-    """Identity of a TrainingJob object."""
-
-    name: str
-    """metadata.name."""
-    namespace: str
-    """metadata.namespace."""
-    uid: str
-    """metadata.uid (owner references need it)."""
-
-
-def owner_reference(job: JobRef) -> dict[str, Any]:
+def owner_reference(job: identity.JobRef) -> dict[str, Any]:
     """Controller owner reference to the job: the garbage collector deletes children with it."""
     return {
         "apiVersion": naming.API_VERSION,
@@ -64,7 +49,9 @@ def owner_reference(job: JobRef) -> dict[str, Any]:
     }
 
 
-def _metadata(job: JobRef, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def _metadata(
+    job: identity.JobRef, name: str, labels: dict[str, str] | None = None
+) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": job.namespace,
@@ -75,16 +62,6 @@ def _metadata(job: JobRef, name: str, labels: dict[str, str] | None = None) -> d
         },
         "ownerReferences": [owner_reference(job)],
     }
-
-
-def spec_hash(spec: api_spec.TrainingJobSpec) -> str:
-    """Short hash of everything in ``spec`` that shapes the gang's pods.
-
-    ``runPolicy`` is left out: suspending, or changing a deadline or the
-    backoff limit, must not rebuild a running gang.
-    """
-    shaping = spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"})
-    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
@@ -100,7 +77,7 @@ def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
-def build_configmap(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+def build_configmap(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     """The ConfigMap with the whole TrainingJob (defaults filled in) as ``job.yaml``."""
     document = api_spec.to_manifest(job.name, spec, job.namespace)
     return {
@@ -111,7 +88,7 @@ def build_configmap(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, An
     }
 
 
-def build_service(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+def build_service(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     """Headless Service: stable DNS names for the pods, published before they are ready."""
     return {
         "apiVersion": "v1",
@@ -134,7 +111,7 @@ def build_service(job: JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]
 
 
 def _env(
-    job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int
 ) -> list[dict[str, Any]]:
     p = spec.parallelism
     plain = {
@@ -183,7 +160,7 @@ def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
 
 
 def _volumes(
-    job: JobRef, spec: api_spec.TrainingJobSpec
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     checkpoint: dict[str, Any] = (
         {"persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}}
@@ -204,7 +181,7 @@ def _volumes(
 
 
 def build_pod(
-    job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int, node: str
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int, node: str
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``."""
     name = naming.pod_name(job.name, attempt, index)
@@ -213,7 +190,7 @@ def build_pod(
         naming.LABEL_NODE_RANK: str(index),
         naming.LABEL_ATTEMPT: str(attempt),
         naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
-        naming.LABEL_SPEC_HASH: spec_hash(spec),
+        naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
     }
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
@@ -280,34 +257,9 @@ def build_pod(
 
 
 def build_pods(
-    job: JobRef, spec: api_spec.TrainingJobSpec, attempt: int, nodes: Sequence[str]
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, nodes: Sequence[str]
 ) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
         raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
     return [build_pod(job, spec, attempt, index, node) for index, node in enumerate(nodes)]
-
-
-def planned_node(pod: dict[str, Any]) -> str | None:
-    """The node a pod is bound to, or the one its required affinity pins it to."""
-    bound = (pod.get("spec") or {}).get("nodeName")
-    if bound:
-        return str(bound)
-    annotated = ((pod.get("metadata") or {}).get("annotations") or {}).get(naming.ANNOTATION_NODE)
-    if annotated:
-        return str(annotated)
-    terms = (
-        (((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        or {}
-    ).get("nodeSelectorTerms") or []
-    for term in terms:
-        for field in term.get("matchFields") or []:
-            if (
-                field.get("key") == "metadata.name"
-                and field.get("operator") == "In"
-                and len(field.get("values") or []) == 1
-            ):
-                return str(field["values"][0])
-    return None

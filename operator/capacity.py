@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import builders, naming
+from meshtrain.operator import identity, naming
 
 
 def _quantity(value: Any) -> int:
@@ -78,7 +78,7 @@ def reservations(
         if exclude is not None and belongs_to(pod, *exclude):
             continue
         gpus = pod_gpus(pod, gpu_resource)
-        node = builders.planned_node(pod)
+        node = identity.planned_node(pod)
         if gpus <= 0 or not node:
             continue
         metadata = pod.get("metadata") or {}

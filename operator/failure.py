@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 from typing import Any
 
-from meshtrain.operator import builders, conditions, naming
+from meshtrain.operator import conditions, identity, naming
 
 PERMANENT_EXIT_CODES: dict[int, str] = {
     2: "the trainer rejected its configuration",
@@ -112,7 +112,7 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
         gated=bool((pod.get("spec") or {}).get("schedulingGates")),
         deleting=bool(metadata.get("deletionTimestamp")),
         created_at=conditions.parse_time(metadata.get("creationTimestamp")),
-        node=builders.planned_node(pod),
+        node=identity.planned_node(pod),
         ip=status.get("podIP"),
         exit_code=exit_code,
         reason=status.get("reason"),

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, conditions, failure, progress
+from meshtrain.operator import conditions, failure, identity, progress
 
 Phase = api_spec.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
@@ -49,7 +49,7 @@ FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
 class JobState:
     """A TrainingJob as the state machine sees it."""
 
-    ref: builders.JobRef
+    ref: identity.JobRef
     """Name, namespace and uid."""
     generation: int
     """metadata.generation (becomes status.observedGeneration)."""
@@ -137,7 +137,7 @@ class Decision:
 def job_state(body: Mapping[str, Any]) -> JobState:
     """Read a TrainingJob object; an invalid spec gives ``spec=None`` and the problems."""
     metadata = body.get("metadata") or {}
-    ref = builders.JobRef(
+    ref = identity.JobRef(
         name=metadata.get("name", ""),
         namespace=metadata.get("namespace", ""),
         uid=metadata.get("uid", ""),
@@ -429,7 +429,7 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
         return Decision((*actions, Place(attempt)))
 
     built_from = job.status.get("specHash")
-    if built_from and built_from != builders.spec_hash(spec):
+    if built_from and built_from != identity.spec_hash(spec):
         recorded = len(job.status["placement"])
         if len(current) == recorded and all(
             p.phase == "Succeeded" for p in current
@@ -515,7 +515,7 @@ def placed(
         "conditions": conds,
         "placement": [{"podIndex": i, "node": node} for i, node in enumerate(nodes)],
         "crossLevelBytes": dict(level_bytes),
-        "specHash": builders.spec_hash(job.spec),
+        "specHash": identity.spec_hash(job.spec),
         "observedGeneration": job.generation,
         **_shape(job),
         **_plan(plan),

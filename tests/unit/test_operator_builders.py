@@ -5,10 +5,10 @@ from __future__ import annotations
 import yaml
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, naming
+from meshtrain.operator import builders, identity, naming
 from tests.unit.builders import JobBuilder
 
-REF = builders.JobRef(name="llm", namespace="research", uid="1234")
+REF = identity.JobRef(name="llm", namespace="research", uid="1234")
 
 
 def spec_of(builder: JobBuilder) -> api_spec.TrainingJobSpec:
@@ -193,9 +193,9 @@ def test_headless_service_and_spec_configmap():
 def test_planned_node_from_binding_annotation_or_affinity():
     spec = spec_of(JobBuilder())
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
-    assert builders.planned_node(pod) == "n-a"
+    assert identity.planned_node(pod) == "n-a"
     del pod["metadata"]["annotations"]
-    assert builders.planned_node(pod) == "n-a"
+    assert identity.planned_node(pod) == "n-a"
     pod["spec"]["nodeName"] = "n-z"
-    assert builders.planned_node(pod) == "n-z"
-    assert builders.planned_node({"spec": {}}) is None
+    assert identity.planned_node(pod) == "n-z"
+    assert identity.planned_node({"spec": {}}) is None

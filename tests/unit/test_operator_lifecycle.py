@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from meshtrain.operator import builders, conditions, failure, lifecycle
+from meshtrain.operator import conditions, failure, identity, lifecycle
 from tests.unit.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -354,7 +354,7 @@ def _spec_of(data: int, **run_policy: Any) -> dict[str, Any]:
 
 
 def _hash_of(raw: dict[str, Any]) -> str:
-    return builders.spec_hash(job(raw).spec)
+    return identity.spec_hash(job(raw).spec)
 
 
 def test_a_broken_gang_is_deleted_quickly_a_healthy_one_with_time_to_save():

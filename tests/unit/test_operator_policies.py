@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain import cli
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, capacity, command, conditions, progress, watcher
+from meshtrain.operator import builders, capacity, command, conditions, identity, progress, watcher
 from meshtrain.planner import profiles
 from tests.unit.builders import JobBuilder
 
@@ -45,7 +45,7 @@ def _pod(name, node, gpus, phase="Pending", job=None, namespace="ns", bound=Fals
     spec = api_spec.parse_spec(
         JobBuilder().resources(gpusPerNode=gpus).layout(data=gpus, gpus_per_node=gpus).raw()
     )
-    manifest = builders.build_pod(builders.JobRef(job or name, namespace, "u"), spec, 0, 0, node)
+    manifest = builders.build_pod(identity.JobRef(job or name, namespace, "u"), spec, 0, 0, node)
     manifest["metadata"]["name"] = name
     if bound:
         manifest["spec"]["nodeName"] = node
