@@ -6,9 +6,11 @@ What it is:
   library sources that every machine with Python has: the sorted ``*.py``
   files under ``sysconfig.get_paths()['stdlib']``, concatenated, capped to a
   few MB and cached as a uint16 ``.bin`` file;
-* a user token file: raw little-endian uint16 tokens, memory-mapped;
+* user token files (:mod:`.tokens`): raw uint16 or uint32 ids, one file, a
+  glob, or several with mixing weights, every id checked when opened;
 * :class:`BatchSampler`, which draws the global batch of every step from the
-  seed alone (random windows of ``seq_len + 1`` tokens), so every layout sees
+  seed alone (random windows of ``seq_len + 1`` tokens, each from a source
+  picked by weight), so every layout and every resume sees
   the same global batches; each data-parallel rank takes a disjoint
   contiguous slice of it and splits that into micro-batches.  Its position
   (the next step) is saved and restored with ``state_dict``.
@@ -29,11 +31,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshtrain.trainer import tokens as token_files
+
 STDLIB = "stdlib"
 """Dataset name of the default corpus."""
 STDLIB_CAP_BYTES = 4 * 1024 * 1024
 """Bytes of standard-library source kept (enough for tests and demos, built in about a second)."""
 DATASET_FIELD = "spec.training.dataset"
+DATASETS_FIELD = "spec.training.datasets"
+UINT16_VOCAB = 65536
+"""Largest vocabulary uint16 token files can hold."""
 
 
 class DatasetError(ValueError):
@@ -76,44 +83,66 @@ def stdlib_corpus(directory: Path | None = None, cap_bytes: int = STDLIB_CAP_BYT
     return target
 
 
-def dataset_path(dataset: str) -> Path:
-    """The token file a ``training.dataset`` value names; checks it exists without building anything."""
-    if dataset == STDLIB:
-        return stdlib_corpus()
-    path = Path(dataset).expanduser()
-    if not path.is_file():
-        raise DatasetError(
-            f"{DATASET_FIELD}: token file {str(path)!r} does not exist (expected raw uint16 tokens, "
-            f"or '{STDLIB}' for the built-in corpus)"
-        )
-    return path
+def dataset_entries(training) -> list[tuple[str, float]]:  # noqa: ANN001 - a spec Training section
+    """(path or glob, weight) of every source ``training`` names ('stdlib' left as is)."""
+    if training.datasets:
+        return [(source.path, source.weight) for source in training.datasets]
+    return [(training.dataset, 1.0)]
 
 
-def check_dataset(dataset: str) -> None:
-    """Raise :class:`DatasetError` early (before processes start) for a missing user file."""
-    if dataset != STDLIB:
-        dataset_path(dataset)
+def _field(training, index: int) -> str:  # noqa: ANN001
+    return f"{DATASETS_FIELD}[{index}]" if training.datasets else DATASET_FIELD
 
 
-def load_tokens(dataset: str, *, vocab: int, seq_len: int) -> np.ndarray:
-    """The token stream as a read-only uint16 memmap, checked against the model shape."""
-    path = dataset_path(dataset)
-    size = path.stat().st_size
-    if size % 2:
+def check_dataset(training, *, vocab: int) -> None:  # noqa: ANN001
+    """Raise :class:`DatasetError` early (before processes start): a missing file, an empty glob,
+    or uint16 files for a vocabulary they cannot hold."""
+    entries = dataset_entries(training)
+    try:
+        for index, (pattern, _) in enumerate(entries):
+            if pattern == STDLIB:
+                continue
+            files = token_files.expand(pattern, _field(training, index))
+            if training.token_dtype == "uint16" and vocab > UINT16_VOCAB:
+                raise token_files.TokenFileError(
+                    f"{_field(training, index)}: {str(files[0])!r} is read as uint16 (ids up to "
+                    f"{UINT16_VOCAB - 1}) but spec.model.vocab={vocab}: write uint32 tokens and set "
+                    "spec.training.tokenDtype: uint32"
+                )
+    except token_files.TokenFileError as err:
         raise DatasetError(
-            f"{DATASET_FIELD}: {str(path)!r} has an odd byte count ({size}); expected uint16 tokens"
+            f"{err} (expected raw {training.token_dtype} tokens, or '{STDLIB}' for the built-in corpus)"
+        ) from None
+
+
+def open_dataset(training, *, vocab: int, seq_len: int) -> list[token_files.TokenFile]:  # noqa: ANN001
+    """Every source of ``training`` opened and checked, id by id, against the model vocabulary."""
+    check_dataset(training, vocab=vocab)
+    if not training.datasets and training.dataset == STDLIB:  # byte tokens, always uint16
+        tokens = load_tokens(STDLIB, vocab=vocab, seq_len=seq_len)
+        return [token_files.TokenFile(path=stdlib_corpus(), tokens=tokens, weight=1.0)]
+    try:
+        entries = [
+            (pattern, weight, _field(training, index))
+            for index, (pattern, weight) in enumerate(dataset_entries(training))
+        ]
+        return token_files.open_sources(
+            entries, dtype=training.token_dtype, vocab=vocab, seq_len=seq_len
         )
-    if size // 2 < seq_len + 2:
-        raise DatasetError(
-            f"{DATASET_FIELD}: {str(path)!r} holds {size // 2} tokens, fewer than seqLen + 2 = {seq_len + 2}"
+    except token_files.TokenFileError as err:
+        raise DatasetError(str(err)) from None
+
+
+def load_tokens(dataset: str, *, vocab: int, seq_len: int, dtype: str = "uint16") -> np.ndarray:
+    """One token file (or 'stdlib') as a read-only memmap, every id checked against ``vocab``."""
+    path = stdlib_corpus() if dataset == STDLIB else Path(dataset).expanduser()
+    try:
+        token_files.expand(str(path), DATASET_FIELD)
+        return token_files.open_token_file(
+            path, dtype=dtype, vocab=vocab, seq_len=seq_len, field=DATASET_FIELD
         )
-    tokens = np.memmap(path, dtype="<u2", mode="r")
-    largest = int(tokens[: 1 << 20].max())
-    if largest >= vocab:
-        raise DatasetError(
-            f"{DATASET_FIELD}: {str(path)!r} has token id {largest} >= model vocab {vocab}"
-        )
-    return tokens
+    except token_files.TokenFileError as err:
+        raise DatasetError(str(err)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +160,7 @@ class BatchSampler:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | list[token_files.TokenFile],
         *,
         seq_len: int,
         micro_batch: int,
@@ -140,7 +169,13 @@ class BatchSampler:
         dp_size: int,
         seed: int,
     ) -> None:
-        self.tokens = tokens
+        files = tokens if isinstance(tokens, list) else None
+        self.sources = [f.tokens for f in files] if files else [tokens]
+        """Token arrays windows are drawn from."""
+        self.weights = torch.tensor(
+            [f.weight for f in files] if files else [1.0], dtype=torch.float64
+        )
+        """Share of the windows drawn from each source."""
         self.seq_len = seq_len
         self.micro_batch = micro_batch
         self.micro_batches = micro_batches
@@ -152,18 +187,31 @@ class BatchSampler:
         self.position = 0
         """Index of the next global batch (steps drawn so far)."""
 
-    def offsets(self, index: int) -> torch.Tensor:
-        """Start offsets of the ``global_batch`` windows of batch ``index``: a function of seed and index only."""
+    def windows(self, index: int) -> list[tuple[int, int]]:
+        """(source, start offset) of the ``global_batch`` windows of batch ``index``: a function of seed and index only.
+
+        With several sources each window first picks its source by weight,
+        then a uniform start inside it; one source keeps the plain draw.
+        """
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        high = len(self.tokens) - self.seq_len - 1
-        return torch.randint(0, high, (self.global_batch,), generator=generator)
+        highs = [len(t) - self.seq_len - 1 for t in self.sources]
+        if len(self.sources) == 1:
+            starts = torch.randint(0, highs[0], (self.global_batch,), generator=generator)
+            return [(0, o) for o in starts.tolist()]
+        picks = torch.multinomial(self.weights, self.global_batch, True, generator=generator)
+        uniform = torch.rand(self.global_batch, generator=generator, dtype=torch.float64)
+        return [
+            (s, min(int(u * highs[s]), highs[s] - 1))
+            for s, u in zip(picks.tolist(), uniform.tolist())
+        ]
 
     def global_batch_at(self, index: int) -> torch.Tensor:
         """All windows of batch ``index``: (global_batch, seq_len + 1) int64."""
         rows = [
-            np.asarray(self.tokens[o : o + self.seq_len + 1]) for o in self.offsets(index).tolist()
+            np.asarray(self.sources[s][o : o + self.seq_len + 1], dtype=np.int64)
+            for s, o in self.windows(index)
         ]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return torch.from_numpy(np.stack(rows))
 
     def next(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next global batch; advances the position."""

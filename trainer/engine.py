@@ -132,9 +132,7 @@ class Engine:
                 lr=training.learning_rate,
                 weight_decay=training.weight_decay,
             )
-        tokens = data.load_tokens(
-            training.dataset, vocab=self.config.vocab, seq_len=self.config.seq_len
-        )
+        tokens = data.open_dataset(training, vocab=self.config.vocab, seq_len=self.config.seq_len)
         self.sampler = data.BatchSampler(
             tokens,
             seq_len=self.config.seq_len,

@@ -153,9 +153,10 @@ def run_local(
         extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
         if extra:
             job = spec_mod.apply_overrides(job, extra)
-        data.dataset_path(
-            job.training.dataset
-        )  # a missing file fails here; the corpus is built once here
+        # a missing file fails here; the corpus is built once here
+        data.check_dataset(job.training, vocab=job.model.shape().vocab)
+        if job.training.dataset == data.STDLIB:
+            data.stdlib_corpus()
     except spec_mod.SpecError as err:
         print(err, file=sys.stderr)
         return 2

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
-        data.check_dataset(job.training.dataset)
+        data.check_dataset(job.training, vocab=job.model.shape().vocab)
     except spec_mod.SpecError as err:
         print(err, file=sys.stderr)
         return EXIT_SPEC

@@ -156,6 +156,16 @@ def _model_shape_complete(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _one_dataset_field(spec: TrainingJobSpec) -> str | None:
+    t = spec.training
+    if t.datasets and t.dataset != "stdlib":
+        return (
+            f"both dataset={t.dataset!r} and datasets ({len(t.datasets)} sources) are set: "
+            "datasets replaces dataset, so remove one of them"
+        )
+    return None
+
+
 def _learning_rate_order(spec: TrainingJobSpec) -> str | None:
     t = spec.training
     if t.min_learning_rate > t.learning_rate:
@@ -268,6 +278,13 @@ RULES: tuple[Rule, ...] = (
         "!self.parallelism.sequenceParallel || !has(self.model.seqLen) || self.model.seqLen % self.parallelism.tensor == 0",
         "sequenceParallel needs model.seqLen divisible by parallelism.tensor",
         _sequence_split_over_tensor,
+    ),
+    Rule(
+        "one-dataset-field",
+        "spec.training.datasets",
+        "!has(self.training.datasets) || size(self.training.datasets) == 0 || self.training.dataset == 'stdlib'",
+        "set training.dataset or training.datasets, not both",
+        _one_dataset_field,
     ),
     Rule(
         "learning-rate-order",

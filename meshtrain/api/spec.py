@@ -34,6 +34,7 @@ SHORT_NAME = "tj"
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Precision = Literal["auto", "fp32", "bf16"]
+TokenDtype = Literal["uint16", "uint32"]
 
 
 class _Model(pydantic.BaseModel):
@@ -212,6 +213,18 @@ class ModelSpec(_Model):
         return ModelShape(**values)
 
 
+class DatasetSource(_Model):
+    """One source of a data mixture."""
+
+    path: str = Field(
+        min_length=1,
+        description="A token file, or a glob of them (its files share the weight by token count).",
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Relative share of the training windows drawn from this source."
+    )
+
+
 class Training(_Model):
     """Optimisation: batch, steps, learning-rate schedule, precision, data."""
 
@@ -251,7 +264,16 @@ class Training(_Model):
     dataset: str = Field(
         "stdlib",
         min_length=1,
-        description="'stdlib' (byte-level tokens of the Python standard library sources) or the path of a uint16 token file.",
+        description="'stdlib' (byte-level tokens of the Python standard library sources), the path of a token file, "
+        "or a glob of token files (each weighted by its token count).",
+    )
+    datasets: list[DatasetSource] = Field(
+        default_factory=list,
+        description="Several token files (paths or globs) with mixing weights; replaces dataset when set.",
+    )
+    token_dtype: TokenDtype = Field(
+        "uint16",
+        description="Element type of the token files: uint16 (vocabulary up to 65,536) or uint32 (larger ones, e.g. Llama 3's 128,256).",
     )
 
     def effective_global_batch(self, parallelism: Parallelism) -> int:

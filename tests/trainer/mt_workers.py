@@ -88,7 +88,7 @@ def reference(raw: dict, steps: int) -> dict:
     job = spec_mod.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
-    tokens = data.load_tokens(t.dataset, vocab=config.vocab, seq_len=config.seq_len)
+    tokens = data.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
     sampler = data.BatchSampler(
         tokens,
         seq_len=config.seq_len,

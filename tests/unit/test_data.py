@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.trainer import data
+from meshtrain.api import spec
+from meshtrain.trainer import data, tokens
 
 
 @pytest.fixture()
@@ -29,21 +30,31 @@ def test_corpus_is_cached(corpus):
     assert corpus.stat().st_mtime_ns == before
 
 
+def _training(**fields):
+    return spec.Training.model_validate(fields)
+
+
 def test_missing_token_file_names_path_and_field(tmp_path):
     missing = tmp_path / "nope.bin"
     with pytest.raises(data.DatasetError) as err:
-        data.check_dataset(str(missing))
+        data.check_dataset(_training(dataset=str(missing)), vocab=256)
     assert str(missing) in str(err.value) and "spec.training.dataset" in str(err.value)
+    missing.touch()
+    mixture = _training(datasets=[{"path": str(missing)}, {"path": str(tmp_path / "x*.bin")}])
+    with pytest.raises(
+        data.DatasetError, match=r"spec.training.datasets\[1\]: the glob .* matches no"
+    ):
+        data.check_dataset(mixture, vocab=256)
 
 
 def test_user_token_file_checked_against_vocab(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype="<u2").tofile(path)
     assert len(data.load_tokens(str(path), vocab=1000, seq_len=16)) == 1000
-    with pytest.raises(data.DatasetError, match="token id 999 >= model vocab 500"):
+    with pytest.raises(data.DatasetError, match="token id 500 >= model vocab 500 at position 500"):
         data.load_tokens(str(path), vocab=500, seq_len=16)
     path.write_bytes(b"abc")
-    with pytest.raises(data.DatasetError, match="odd byte count"):
+    with pytest.raises(data.DatasetError, match="not a multiple of 2"):
         data.load_tokens(str(path), vocab=1000, seq_len=16)
 
 
@@ -87,3 +98,73 @@ def test_seed_decides_order_and_position_restores():
     assert torch.equal(fresh.next()[0].inputs, third)
     with pytest.raises(ValueError, match="seed"):
         b.load_state_dict(state)
+
+
+def test_every_token_is_checked_not_just_the_first_million(tmp_path, monkeypatch):
+    path = tmp_path / "tokens.bin"
+    ids = np.arange(3_000_000, dtype=np.uint32) % 1000
+    ids[2_999_990] = 1000  # far past the first 2**20 tokens
+    ids.astype("<u4").tofile(path)
+    monkeypatch.setattr(tokens, "CHECK_CHUNK_TOKENS", 1 << 18)  # several chunks
+    with pytest.raises(data.DatasetError) as err:
+        data.open_dataset(_training(dataset=str(path), tokenDtype="uint32"), vocab=1000, seq_len=8)
+    message = str(err.value)
+    assert "token id 1000 >= model vocab 1000 at position 2999990" in message
+    assert str(path) in message and "spec.training.dataset" in message
+
+
+def test_uint32_ids_above_uint16_load_and_uint16_refuses_a_large_vocab(tmp_path):
+    path = tmp_path / "big.bin"
+    np.arange(70_000, 70_100, dtype="<u4").tofile(path)
+    opened = data.open_dataset(
+        _training(dataset=str(path), tokenDtype="uint32"), vocab=128_256, seq_len=8
+    )
+    assert int(opened[0].tokens.max()) == 70_099
+    with pytest.raises(data.DatasetError) as err:
+        data.open_dataset(_training(dataset=str(path)), vocab=128_256, seq_len=8)
+    assert str(path) in str(err.value) and "spec.training.tokenDtype: uint32" in str(err.value)
+
+
+def test_prepared_metadata_with_another_dtype_is_refused(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(100, dtype="<u2").tofile(path)
+    (tmp_path / "t.bin.json").write_text('{"dtype": "uint32", "vocab": 100}')
+    with pytest.raises(data.DatasetError, match="holds uint32 tokens .* set tokenDtype: uint32"):
+        data.open_dataset(_training(dataset=str(path)), vocab=100, seq_len=8)
+
+
+def _mixture(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    (np.arange(4000) % 100).astype("<u2").tofile(a)  # ids 0..99
+    (100 + np.arange(4000) % 100).astype("<u2").tofile(b)  # ids 100..199
+    return _training(datasets=[{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}])
+
+
+def test_mixture_draws_by_weight_the_same_on_every_layout_and_resume(tmp_path):
+    files = data.open_dataset(_mixture(tmp_path), vocab=200, seq_len=8)
+    reference = _sampler(files, 0, 1, 1)
+    batches = [reference.next()[0].inputs for _ in range(200)]
+    from_b = sum(int((batch[:, 0] >= 100).sum()) for batch in batches)
+    share = from_b / (200 * 8)
+    assert 0.2 < share < 0.3, share  # weight 1 of 4
+    for batch in batches:  # a window never straddles two sources
+        assert ((batch >= 100).all(dim=1) | (batch < 100).all(dim=1)).all()
+    for dp, m in [(2, 1), (4, 2)]:
+        parts = [mb for r in range(dp) for mb in _sampler(files, r, dp, m).next()]
+        assert torch.equal(torch.cat([p.inputs for p in parts]), batches[0])
+    resumed = _sampler(files, 0, 1, 1)
+    resumed.load_state_dict({"position": 150, "seed": 5})
+    assert torch.equal(resumed.next()[0].inputs, batches[150])
+
+
+def test_glob_weights_files_by_their_tokens(tmp_path):
+    for name, count in (("p1.bin", 3000), ("p2.bin", 1000)):
+        np.zeros(count, dtype="<u2").tofile(tmp_path / name)
+    files = data.open_dataset(_training(dataset=str(tmp_path / "p*.bin")), vocab=10, seq_len=8)
+    assert [f.path.name for f in files] == ["p1.bin", "p2.bin"]
+    assert [f.weight for f in files] == [0.75, 0.25]
+
+
+def test_spec_refuses_dataset_and_datasets_together():
+    with pytest.raises(spec.SpecError, match="spec.training.datasets: both dataset="):
+        spec.parse_spec({"training": {"dataset": "/x.bin", "datasets": [{"path": "/y.bin"}]}})
