@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
 .PHONY: help venv lock verify bootstrap run run-local test test-unit test-e2e benchmarks clean \
-        chart-sync manifests lint-chart sandbox-up sandbox-down sandbox-status
+        chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -61,6 +61,9 @@ chart-sync:  ## copy the CRD, dashboards and rules into the chart (a test checks
 
 manifests: bootstrap  ## regenerate manifests/rbac and manifests/operator from the chart
 	scripts/render-manifests.sh
+
+chart-package: bootstrap  ## helm package the chart into dist/meshtrain-VERSION.tgz (VERSION = meshtrain.__version__)
+	scripts/chart-package.sh dist
 
 lint-chart: bootstrap  ## helm lint --strict the chart
 	"$$(scripts/bootstrap.sh --print-bin-dir)/helm" lint --strict charts/meshtrain

@@ -6,4 +6,4 @@ line.  The operator lives in :mod:`meshtrain.operator`, the trainer in
 :mod:`meshtrain.trainer`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -181,9 +181,15 @@ def _volumes(
 
 
 def build_pod(
-    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int, node: str
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    index: int,
+    node: str,
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
 ) -> dict[str, Any]:
-    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``."""
+    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty."""
     name = naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
     labels = {
@@ -196,7 +202,7 @@ def build_pod(
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
     container = {
         "name": naming.CONTAINER,
-        "image": spec.image,
+        "image": spec.image or default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["torchrun"],
         "args": [
@@ -257,9 +263,17 @@ def build_pod(
 
 
 def build_pods(
-    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, nodes: Sequence[str]
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    nodes: Sequence[str],
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
 ) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
         raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
-    return [build_pod(job, spec, attempt, index, node) for index, node in enumerate(nodes)]
+    return [
+        build_pod(job, spec, attempt, index, node, default_image=default_image)
+        for index, node in enumerate(nodes)
+    ]

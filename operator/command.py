@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from meshtrain.operator import naming
 from meshtrain.planner import admission, profiles
 
 DEFAULT_PEERING = "meshtrain"
@@ -86,6 +87,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "such jobs unchecked (env MESHTRAIN_GPU_PROFILE; default: %(default)s)",
     )
     parser.add_argument(
+        "--trainer-image",
+        default=os.environ.get("MESHTRAIN_TRAINER_IMAGE", naming.DEFAULT_TRAINER_IMAGE),
+        metavar="IMAGE",
+        help="trainer image of jobs whose spec.image is empty (env MESHTRAIN_TRAINER_IMAGE; "
+        "default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-format", choices=["json", "text"], default="json", help="log format (default: json)"
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             resync_seconds=args.resync_seconds,
             progress_seconds=args.progress_seconds,
             gpu_profile=default_profile,
+            trainer_image=args.trainer_image,
         ),
     )
     clusterwide = not args.namespace

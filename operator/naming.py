@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import meshtrain
 from meshtrain.api import rules
 from meshtrain.api import spec as api_spec
 
@@ -37,6 +38,10 @@ GANG_GATE = f"{GROUP}/gang"
 """Scheduling gate on every pod until the whole gang exists."""
 
 CONTAINER = "trainer"
+
+# The trainer image of this meshtrain release, for jobs with an empty spec.image when the
+# operator runs without --trainer-image (the chart always passes one).
+DEFAULT_TRAINER_IMAGE = f"ghcr.io/meshtrain/trainer:{meshtrain.__version__}"
 """Name of the trainer container."""
 MASTER_PORT = rules.RENDEZVOUS_PORT
 """torchrun rendezvous port on the rank-0 pod."""

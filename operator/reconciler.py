@@ -53,6 +53,8 @@ class Settings:
     progress_timeout_seconds: float = 2.0
     """Timeout of one /progress request."""
     gpu_profile: profiles.Profile | None = None
+    trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
+    """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
     """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
 
 
@@ -237,7 +239,14 @@ class Reconciler:
                     )
                 if all(free.get(recorded.get(i, ""), -1) >= 0 for i in action.missing):
                     pods = [
-                        builders.build_pod(ref, spec, action.attempt, i, recorded[i])
+                        builders.build_pod(
+                            ref,
+                            spec,
+                            action.attempt,
+                            i,
+                            recorded[i],
+                            default_image=self.settings.trainer_image,
+                        )
                         for i in action.missing
                     ]
                     await self.client.create_many(manifests=pods)

@@ -370,9 +370,9 @@ class TrainingJobSpec(_Model):
     """The spec of a TrainingJob."""
 
     image: str = Field(
-        "ghcr.io/meshtrain/trainer:0.1.0",
-        min_length=1,
-        description="Trainer image; it must contain the meshtrain package.",
+        "",
+        description="Trainer image; it must contain the meshtrain package. Empty: the cluster's "
+        "default trainer image (the operator's --trainer-image, set by the Helm chart).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the trainer image."

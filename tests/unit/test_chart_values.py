@@ -12,6 +12,8 @@ import re
 
 import yaml
 
+import meshtrain
+
 CHART = pathlib.Path(__file__).resolve().parents[2] / "charts" / "meshtrain"
 
 
@@ -76,9 +78,9 @@ def test_defaults_are_least_surprise() -> None:
 
 def test_chart_versions() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    pyproject = (CHART.parents[1] / "pyproject.toml").read_text()
-    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)  # type: ignore[union-attr]
     assert chart["apiVersion"] == "v2"
-    assert chart["appVersion"] == version, (
-        "appVersion must follow the meshtrain version (image tags)"
+    # One version: the package's (pyproject reads meshtrain.__version__), the chart's and the
+    # images' tags, so `make chart-package` never ships a chart naming images of another release.
+    assert chart["appVersion"] == chart["version"] == meshtrain.__version__, (
+        "set Chart.yaml version and appVersion to meshtrain.__version__"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import yaml
 
+import meshtrain
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import builders, identity, naming
 from tests.unit.builders import JobBuilder
@@ -50,6 +51,19 @@ def test_one_gated_pod_per_node_slot_pinned_to_its_planned_node():
         }
     # pp outermost: pod 0 holds ranks 0-3 (stage 0), pod 1 ranks 4-7 (stage 1)
     assert [p["metadata"]["labels"][naming.LABEL_PIPELINE_STAGES] for p in pods] == ["0", "1"]
+
+
+def test_empty_image_runs_the_clusters_default_trainer_image():
+    spec = spec_of(JobBuilder())
+    assert spec.image == ""
+    [pod] = builders.build_pods(REF, spec, 0, ["n-a"], default_image="registry.local/trainer:9")
+    assert pod["spec"]["containers"][0]["image"] == "registry.local/trainer:9"
+    [pod] = builders.build_pods(REF, spec, 0, ["n-a"])
+    assert pod["spec"]["containers"][0]["image"] == naming.DEFAULT_TRAINER_IMAGE
+    assert naming.DEFAULT_TRAINER_IMAGE.endswith(":" + meshtrain.__version__)
+    named = spec_of(JobBuilder()).model_copy(update={"image": "mine/trainer:1"})
+    [pod] = builders.build_pods(REF, named, 0, ["n-a"], default_image="registry.local/trainer:9")
+    assert pod["spec"]["containers"][0]["image"] == "mine/trainer:1"
 
 
 def test_pod_spanning_two_stages_is_labelled_with_the_range():

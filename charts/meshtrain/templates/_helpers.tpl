@@ -130,3 +130,13 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 {{- end }}
+
+{{/* The trainer image the operator gives jobs whose spec.image is empty. */}}
+{{- define "meshtrain.trainerImage" -}}
+{{- $image := .Values.trainer.image }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- end }}
+{{- end }}
