@@ -188,44 +188,72 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
     ),
 ]
 
+OPSEL = 'namespace=~"$namespace"'
 OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
+    (
+        "Unfinished jobs by restarts left",
+        "short",
+        [
+            (
+                "{{namespace}}/{{trainingjob}}",
+                f"min by (namespace, trainingjob) (meshtrain_operator_job_restarts_remaining{{{OPSEL}}})",
+            )
+        ],
+        "backoffLimit - restarts of every job not yet finished; at 0 the next failure fails the job.",
+    ),
+    (
+        "Failed and unschedulable jobs",
+        "short",
+        [
+            (
+                "failed",
+                f'sum(meshtrain_operator_job_status_phase{{{OPSEL}, phase="Failed"}})',
+            ),
+            ("unschedulable", "sum(meshtrain_operator_unschedulable_jobs)"),
+        ],
+        "Jobs in phase Failed, and jobs waiting for capacity.",
+    ),
+    (
+        "Jobs by phase",
+        "short",
+        [("{{phase}} {{queue}}", "sum by (phase, queue) (meshtrain_operator_jobs) > 0")],
+        "TrainingJobs the operator reconciles, by phase and queue (Kueue's queue-name label).",
+    ),
+    (
+        "Time from apply to Running p50 / p99",
+        "s",
+        [
+            (
+                "p50",
+                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket[{RI}])))",
+            ),
+            (
+                "p99",
+                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket[{RI}])))",
+            ),
+        ],
+        "From a TrainingJob's creation to its first Running phase (placement, pod start, gang gate).",
+    ),
     (
         "Reconcile duration p50 / p99",
         "s",
         [
             (
                 "p50",
-                "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_reconcile_seconds_bucket[$__rate_interval])))",
+                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket[{RI}])))",
             ),
             (
                 "p99",
-                "histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_seconds_bucket[$__rate_interval])))",
+                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket[{RI}])))",
             ),
         ],
-        "Time of one reconcile of a TrainingJob.",
+        "Time of one reconcile pass of a TrainingJob.",
     ),
     (
         "Reconciles per second",
         "ops",
-        [
-            (
-                "reconciles/s",
-                "sum(rate(meshtrain_operator_reconcile_seconds_count[$__rate_interval]))",
-            )
-        ],
+        [("reconciles/s", f"sum(rate(meshtrain_operator_reconcile_duration_seconds_count[{RI}]))")],
         "Reconcile rate of the operator.",
-    ),
-    (
-        "Jobs by phase",
-        "short",
-        [("{{phase}}", "sum by (phase) (meshtrain_operator_jobs)")],
-        "TrainingJobs in each phase.",
-    ),
-    (
-        "Gang restarts",
-        "short",
-        [("restarts", "sum(increase(meshtrain_operator_restarts_total[$__rate_interval]))")],
-        "Gang restarts in the interval.",
     ),
     (
         "Placement duration p50 / p99",
@@ -233,20 +261,53 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         [
             (
                 "p50",
-                "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_placement_seconds_bucket[$__rate_interval])))",
+                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket[{RI}])))",
             ),
             (
                 "p99",
-                "histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_seconds_bucket[$__rate_interval])))",
+                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket[{RI}])))",
             ),
         ],
-        "Time the planner takes to place a gang.",
+        "Time the planner takes to place a gang (list nodes and pods, plan).",
     ),
     (
-        "Unschedulable jobs",
+        "Placement failures by reason",
+        "ops",
+        [
+            (
+                "{{reason}}",
+                f"sum by (reason) (rate(meshtrain_operator_placement_failures_total[{RI}]))",
+            )
+        ],
+        "Placement attempts that placed nothing (a waiting job is retried at every resync).",
+    ),
+    (
+        "Gang restarts",
         "short",
-        [("unschedulable", "sum(meshtrain_operator_unschedulable_jobs)")],
-        "Jobs that do not fit the cluster now.",
+        [
+            (
+                "{{namespace}}/{{trainingjob}}",
+                f"sum by (namespace, trainingjob) (meshtrain_operator_job_restarts{{{OPSEL}}})",
+            )
+        ],
+        "status.restarts of each TrainingJob.",
+    ),
+    (
+        "Unschedulable for",
+        "s",
+        [
+            (
+                "{{namespace}}/{{trainingjob}}",
+                f"max by (namespace, trainingjob) (meshtrain_operator_job_unschedulable_seconds{{{OPSEL}}})",
+            )
+        ],
+        "How long each unfinished job has waited for capacity (0 once placed).",
+    ),
+    (
+        "Kubernetes API errors by verb",
+        "ops",
+        [("{{verb}}", f"sum by (verb) (rate(meshtrain_operator_api_errors_total[{RI}]))")],
+        "Failed Kubernetes API requests of the operator (expected NotFound/AlreadyExists answers are not errors).",
     ),
 ]
 
@@ -263,7 +324,7 @@ def _datasource_var() -> dict:
     }
 
 
-def _query_var(name: str, query: str) -> dict:
+def _query_var(name: str, query: str, *, multi: bool = False) -> dict:
     return {
         "name": name,
         "label": name,
@@ -275,8 +336,9 @@ def _query_var(name: str, query: str) -> dict:
         "sort": 1,
         "current": {},
         "hide": 0,
-        "includeAll": False,
-        "multi": False,
+        "includeAll": multi,
+        "multi": multi,
+        **({"allValue": ".*"} if multi else {}),
     }
 
 
@@ -302,7 +364,44 @@ def _panel(
     return panel
 
 
-def dashboard(uid: str, title: str, panels: list, variables: list[dict], tags: list[str]) -> dict:
+def _annotation(name: str, expr: str, color: str, text: str) -> dict:
+    return {
+        "name": name,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "enable": True,
+        "iconColor": color,
+        "expr": expr,
+        "step": "30s",
+        "titleFormat": name,
+        "textFormat": text,
+        "useValueForTime": False,
+    }
+
+
+OPERATOR_ANNOTATIONS = [
+    _annotation(
+        "Gang restarts",
+        f"sum by (namespace, trainingjob) (increase(meshtrain_operator_gang_restarts_total{{{OPSEL}}}[1m])) > 0",
+        "red",
+        "{{namespace}}/{{trainingjob}} restarted its gang",
+    ),
+    _annotation(
+        "Spec changes",
+        f"max by (namespace, trainingjob) (changes(meshtrain_operator_job_spec_generation{{{OPSEL}}}[1m])) > 0",
+        "blue",
+        "{{namespace}}/{{trainingjob}}: spec changed",
+    ),
+]
+
+
+def dashboard(
+    uid: str,
+    title: str,
+    panels: list,
+    variables: list[dict],
+    tags: list[str],
+    annotations: list[dict] = (),
+) -> dict:
     """A Grafana dashboard (schema 39) with the given panels and template variables."""
     return {
         "uid": uid,
@@ -315,7 +414,7 @@ def dashboard(uid: str, title: str, panels: list, variables: list[dict], tags: l
         "refresh": "30s",
         "time": {"from": "now-1h", "to": "now"},
         "templating": {"list": variables},
-        "annotations": {"list": []},
+        "annotations": {"list": list(annotations)},
         "panels": [_panel(i, *p) for i, p in enumerate(panels)],
     }
 
@@ -337,8 +436,16 @@ def build() -> dict[str, dict]:
         "meshtrain-operator",
         "meshtrain / operator",
         OPERATOR_PANELS,
-        [_datasource_var()],
+        [
+            _datasource_var(),
+            _query_var(
+                "namespace",
+                "label_values(meshtrain_operator_job_status_phase, namespace)",
+                multi=True,
+            ),
+        ],
         ["meshtrain", "operator"],
+        OPERATOR_ANNOTATIONS,
     )
     return {"meshtrain-training.json": training, "meshtrain-operator.json": operator}
 

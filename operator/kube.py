@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import kubernetes
 
-from meshtrain.operator import naming
+from meshtrain.operator import metrics, naming
 
 MERGE_PATCH = "application/merge-patch+json"
 WATCH_SECONDS = 300
@@ -105,18 +105,23 @@ class Client:
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
-        async with (
-            self._limit,
-            self._session.request(
-                method, self._host + path, params=params, data=data, headers=headers
-            ) as response,
-        ):
-            text = await response.text()
-            if response.status in tuple(ok_statuses):
-                return None
-            if response.status >= 300:
-                raise ApiError(response.status, method, path, text)
-            return json.loads(text) if text else {}
+        try:
+            async with (
+                self._limit,
+                self._session.request(
+                    method, self._host + path, params=params, data=data, headers=headers
+                ) as response,
+            ):
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            metrics.api_error(method, path)
+            raise
+        if response.status in tuple(ok_statuses):
+            return None
+        if response.status >= 300:
+            metrics.api_error(method, path)
+            raise ApiError(response.status, method, path, text)
+        return json.loads(text) if text else {}
 
     # TrainingJobs: get, patch (status), delete.
     @staticmethod
@@ -255,6 +260,7 @@ class Client:
             self._host + path, params=params, headers=self._headers, timeout=timeout
         ) as response:
             if response.status >= 300:
+                metrics.api_error("WATCH", path)
                 raise ApiError(response.status, "WATCH", path, await response.text())
             async for line in response.content:
                 if not line.strip():

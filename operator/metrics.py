@@ -1,24 +1,34 @@
-"""The operator's own Prometheus metrics.
+"""The operator's own Prometheus metrics (``meshtrain_operator_*``, base units).
 
-What it is: the metric objects (reconcile and placement duration histograms,
-gang restarts counter) and a collector that reports jobs by phase and
-unschedulable jobs from what the reconciler last saw; :func:`serve` exposes
-them over HTTP.  What it is not: the trainer's metrics (see
-``meshtrain.trainer.telemetry``), and it decides nothing.
-
-Names follow Prometheus conventions: ``meshtrain_operator_*``, base units.
+Counters and histograms are incremented where the thing happens (reconcile,
+placement, API client); the per-job gauges come from a collector over what the
+reconciler last saw of each job, so a scrape always reports the current
+phase, restarts left and time spent unschedulable.  Per-job series carry
+``namespace`` and ``trainingjob``; docs/telemetry.md lists every series.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import time
 from collections import Counter as _Tally
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from meshtrain.api import spec as api_spec
+from meshtrain.operator import conditions
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Metadata label naming a job's queue (Kueue's convention); jobs without it have an empty ``queue``."""
+JOB_LABELS = ("namespace", "trainingjob")
+FINAL_PHASES = frozenset({api_spec.Phase.SUCCEEDED.value, api_spec.Phase.FAILED.value})
+
+prometheus_client.disable_created_metrics()  # *_created series only add noise to every counter
 
 RECONCILE_SECONDS = prometheus_client.Histogram(
     "meshtrain_operator_reconcile_duration_seconds",
@@ -31,38 +41,186 @@ PLACEMENT_SECONDS = prometheus_client.Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 RESTARTS = prometheus_client.Counter(
-    "meshtrain_operator_gang_restarts", "Gang restarts performed after a pod failure."
+    "meshtrain_operator_gang_restarts",
+    "Gang restarts performed after a pod failure.",
+    labelnames=JOB_LABELS,
 )
+APPLY_TO_RUNNING_SECONDS = prometheus_client.Histogram(
+    "meshtrain_operator_job_apply_to_running_seconds",
+    "Time from a TrainingJob's creation to its first Running phase.",
+    buckets=(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0),
+)
+PLACEMENT_FAILURES = prometheus_client.Counter(
+    "meshtrain_operator_placement_failures",
+    "Placement attempts that placed nothing, by reason (a waiting job counts once per attempt).",
+    labelnames=("reason",),
+)
+API_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
+API_ERRORS = prometheus_client.Counter(
+    "meshtrain_operator_api_errors",
+    "Kubernetes API requests that failed (an error status other than an expected NotFound or"
+    " AlreadyExists, or no answer), by verb.",
+    labelnames=("verb",),
+)
+for _verb in API_VERBS:  # known label values start at 0, so a rate reads 0, not "no data"
+    API_ERRORS.labels(verb=_verb)
+for _reason in (
+    conditions.INSUFFICIENT_GPUS,
+    conditions.TOPOLOGY_UNSATISFIABLE,
+    conditions.WONT_FIT_REASON,
+):
+    PLACEMENT_FAILURES.labels(reason=_reason)
 
-_jobs: dict[tuple[str, str], tuple[str, bool]] = {}
-"""(namespace, name) -> (phase, unschedulable), as of the job's last reconcile."""
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """What the last reconcile of a job left, as far as metrics are concerned."""
+
+    phase: str
+    """status.phase."""
+    queue: str
+    """Value of the job's queue label, empty without one."""
+    restarts: int
+    """status.restarts."""
+    backoff_limit: int
+    """spec.runPolicy.backoffLimit."""
+    unschedulable_since: float | None
+    """Unix time the job became unschedulable (its Placed condition's transition), None when it is not."""
+    uid: str
+    """metadata.uid."""
+    generation: int
+    """metadata.generation: grows with every spec change."""
 
 
-def observe_job(namespace: str, name: str, phase: str, *, unschedulable: bool) -> None:
-    """Record the phase the reconciler left a job in."""
-    _jobs[(namespace, name)] = (phase, unschedulable)
+_jobs: dict[tuple[str, str], JobView] = {}
+"""(namespace, name) -> view, as of the job's last reconcile."""
+_reached_running: set[str] = set()
+"""uids of jobs whose first Running phase was seen (or that were Running when first seen)."""
+
+
+def _unix(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def observe_job(
+    body: Mapping[str, Any],
+    *,
+    unschedulable: bool,
+    placed_condition: Mapping[str, Any] | None,
+    now: float | None = None,
+) -> None:
+    """Record the state the reconciler left a job in; the first Running of a job is timed from its creation."""
+    metadata = body.get("metadata") or {}
+    status = body.get("status") or {}
+    spec = body.get("spec") or {}
+    key = (metadata.get("namespace", ""), metadata.get("name", ""))
+    phase = status.get("phase") or api_spec.Phase.PENDING.value
+    since = None
+    if unschedulable:
+        since = _unix((placed_condition or {}).get("lastTransitionTime")) or time.time()
+    previous = _jobs.get(key)
+    _jobs[key] = JobView(
+        phase=phase,
+        queue=(metadata.get("labels") or {}).get(QUEUE_LABEL, ""),
+        restarts=int(status.get("restarts") or 0),
+        backoff_limit=int(
+            (spec.get("runPolicy") or {}).get("backoffLimit", api_spec.RunPolicy().backoff_limit)
+        ),
+        unschedulable_since=since,
+        uid=metadata.get("uid", ""),
+        generation=int(metadata.get("generation") or 0),
+    )
+    uid = _jobs[key].uid
+    if phase != api_spec.Phase.RUNNING.value or uid in _reached_running:
+        return
+    _reached_running.add(uid)
+    created = _unix(metadata.get("creationTimestamp"))
+    if previous is not None and previous.phase != phase and created is not None:
+        APPLY_TO_RUNNING_SECONDS.observe(max(0.0, (now or time.time()) - created))
 
 
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted job."""
-    _jobs.pop((namespace, name), None)
+    view = _jobs.pop((namespace, name), None)
+    if view is not None:
+        _reached_running.discard(view.uid)
+
+
+def api_verb(method: str, path: str) -> str:
+    """The Kubernetes verb of a REST request (``GET`` of a collection is ``list``)."""
+    if method != "GET":
+        return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+            method, method.lower()
+        )
+    segments = [s for s in path.split("?", 1)[0].split("/") if s]
+    prefix = 2 if segments[:1] == ["api"] else 3  # /api/v1 or /apis/<group>/<version>
+    return "list" if len(segments[prefix:]) % 2 == 1 else "get"
+
+
+def api_error(method: str, path: str) -> None:
+    """Count one failed API request."""
+    API_ERRORS.labels(verb=api_verb(method, path)).inc()
 
 
 class _JobCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        by_phase = _Tally(phase for phase, _ in _jobs.values())
+        now = time.time()
+        views = dict(_jobs)
+        queues = sorted({""} | {v.queue for v in views.values()})
+        by_phase = _Tally((v.phase, v.queue) for v in views.values())
         jobs = GaugeMetricFamily(
-            "meshtrain_operator_jobs", "TrainingJobs by phase.", labels=["phase"]
+            "meshtrain_operator_jobs", "TrainingJobs by phase and queue.", labels=["phase", "queue"]
         )
-        for phase in api_spec.Phase:
-            jobs.add_metric([phase.value], by_phase.get(phase.value, 0))
+        for queue in queues:
+            for phase in api_spec.Phase:
+                jobs.add_metric([phase.value, queue], by_phase.get((phase.value, queue), 0))
         yield jobs
         waiting = GaugeMetricFamily(
             "meshtrain_operator_unschedulable_jobs",
             "TrainingJobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).",
         )
-        waiting.add_metric([], sum(1 for _, stuck in _jobs.values() if stuck))
+        waiting.add_metric([], sum(1 for v in views.values() if v.unschedulable_since is not None))
         yield waiting
+        labels = [*JOB_LABELS]
+        phase_of = GaugeMetricFamily(
+            "meshtrain_operator_job_status_phase",
+            "1 for the phase a TrainingJob is in, 0 for the others.",
+            labels=[*labels, "phase"],
+        )
+        restarts = GaugeMetricFamily(
+            "meshtrain_operator_job_restarts",
+            "Gang restarts of a TrainingJob (status.restarts).",
+            labels=labels,
+        )
+        generation = GaugeMetricFamily(
+            "meshtrain_operator_job_spec_generation",
+            "metadata.generation of a TrainingJob (a change is a spec change).",
+            labels=labels,
+        )
+        remaining = GaugeMetricFamily(
+            "meshtrain_operator_job_restarts_remaining",
+            "Gang restarts a job not yet finished may still use (backoffLimit - restarts).",
+            labels=labels,
+        )
+        waited = GaugeMetricFamily(
+            "meshtrain_operator_job_unschedulable_seconds",
+            "How long a job not yet finished has been unschedulable (0 when it is placed or placeable).",
+            labels=labels,
+        )
+        for (namespace, name), view in sorted(views.items()):
+            key = [namespace, name]
+            for phase in api_spec.Phase:
+                phase_of.add_metric([*key, phase.value], 1.0 if view.phase == phase.value else 0.0)
+            restarts.add_metric(key, view.restarts)
+            generation.add_metric(key, view.generation)
+            if view.phase in FINAL_PHASES:
+                continue
+            remaining.add_metric(key, max(0, view.backoff_limit - view.restarts))
+            since = view.unschedulable_since
+            waited.add_metric(key, 0.0 if since is None else max(0.0, now - since))
+        yield from (phase_of, restarts, generation, remaining, waited)
 
 
 prometheus_client.REGISTRY.register(_JobCollector())

@@ -124,7 +124,7 @@ class Reconciler:
             conditions.INSUFFICIENT_GPUS,
             conditions.TOPOLOGY_UNSATISFIABLE,
         )
-        metrics.observe_job(namespace, name, phase, unschedulable=waiting)
+        metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
         if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
             requeue = (
@@ -149,7 +149,7 @@ class Reconciler:
         if answer is None:
             return body, job, False
         if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
-            metrics.RESTARTS.inc()
+            metrics.RESTARTS.labels(namespace=job.ref.namespace, trainingjob=job.ref.name).inc()
         return answer, lifecycle.job_state(answer), True
 
     async def _emit(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
@@ -262,6 +262,7 @@ class Reconciler:
             verdict = self._admit(job, nodes)
             if isinstance(verdict, sizing.Refused):
                 logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
+                metrics.PLACEMENT_FAILURES.labels(reason=verdict.reason).inc()
                 body, job, changed = await self._set_status(
                     body, job, lifecycle.wont_fit(job, verdict.message, now, verdict.summary)
                 )
@@ -271,6 +272,7 @@ class Reconciler:
             answer = placement.plan(placement_request.request_from_spec(spec), nodes, taken)
             metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
             if isinstance(answer, placement.Unschedulable):
+                metrics.PLACEMENT_FAILURES.labels(reason=answer.reason).inc()
                 before = (
                     conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
                 )

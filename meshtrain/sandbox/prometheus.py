@@ -43,7 +43,11 @@ def build_config(
     ]
     if operator_target:
         scrape.append(
-            {"job_name": "meshtrain-operator", "static_configs": [{"targets": [operator_target]}]}
+            {
+                "job_name": "meshtrain-operator",
+                "honor_labels": True,
+                "static_configs": [{"targets": [operator_target]}],
+            }
         )
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "5s"},

@@ -265,3 +265,45 @@ def test_exporters_bind_the_configured_host(monkeypatch):
 def test_exporters_bind_every_interface_by_default(monkeypatch):
     monkeypatch.delenv(exporter.HOST_ENV, raising=False)
     assert exporter.bind_host() == "0.0.0.0"
+
+
+def test_checkpoint_age_and_target_step_are_exported():
+    identity = context.RankIdentity.from_env(layout_mod.ParallelLayout(1, 1, 1), 0, 0, env={})
+    facts = stepstats.JobFacts(
+        1,
+        1,
+        1,
+        1,
+        {"dp": 1, "tp": 1, "pp": 1},
+        1.0,
+        1.0,
+        training_steps=500,
+        checkpoint_interval_steps=50,
+    )
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    exp = exporter.Exporter(identity, facts, port=port, progress=None, host="127.0.0.1")
+    try:
+
+        def scrape() -> dict[str, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            return {
+                f.name: f.samples[0].value
+                for f in parser.text_string_to_metric_families(text)
+                if f.name.startswith(("meshtrain_checkpoint", "meshtrain_training"))
+            }
+
+        started = scrape()
+        assert started["meshtrain_training_steps"] == 500
+        assert started["meshtrain_checkpoint_interval_steps"] == 50
+        assert started["meshtrain_checkpoint_last_step"] == 0
+        assert started["meshtrain_checkpoint_last_timestamp_seconds"] > 0  # training start
+        exp.checkpoint_saved(50)
+        saved = scrape()
+        assert saved["meshtrain_checkpoint_last_step"] == 50
+        assert (
+            saved["meshtrain_checkpoint_last_timestamp_seconds"]
+            >= started["meshtrain_checkpoint_last_timestamp_seconds"]
+        )
+    finally:
+        exp.close()

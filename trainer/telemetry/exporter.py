@@ -184,6 +184,23 @@ class Metrics:
             "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.",
             **reg,
         ).labels(**base)
+        self.training_steps = prometheus_client.Gauge(
+            "meshtrain_training_steps", "training.steps: the step the job ends at.", **reg
+        ).labels(**base)
+        self.checkpoint_interval = prometheus_client.Gauge(
+            "meshtrain_checkpoint_interval_steps",
+            "checkpoint.intervalSteps (0: saved only at the end).",
+            **reg,
+        ).labels(**base)
+        self.checkpoint_step = prometheus_client.Gauge(
+            "meshtrain_checkpoint_last_step", "Step of the newest complete checkpoint.", **reg
+        ).labels(**base)
+        self.checkpoint_time = prometheus_client.Gauge(
+            "meshtrain_checkpoint_last_timestamp_seconds",
+            "Unix time the newest complete checkpoint was saved or resumed from; the start of"
+            " training before the first.",
+            **reg,
+        ).labels(**base)
         self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
@@ -253,6 +270,9 @@ class Exporter:
         """The /progress document served (global rank 0 only; another sink keeps it up to date)."""
         self.metrics.bubble_theory.set(facts.bubble_theoretical)
         self.metrics.peak_flops.set(facts.peak_flops)
+        self.metrics.training_steps.set(facts.training_steps)
+        self.metrics.checkpoint_interval.set(facts.checkpoint_interval_steps)
+        self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
         self.port = port
         """TCP port of the HTTP server."""
         self._server: server.ThreadingHTTPServer | None = None
@@ -309,7 +329,8 @@ class Exporter:
             m.memory_peak.set(memory.peak_allocated)
 
     def checkpoint_saved(self, step: int) -> None:
-        """The /progress document is its own sink (:class:`.progress.Progress`)."""
+        self.metrics.checkpoint_step.set(step)
+        self.metrics.checkpoint_time.set_to_current_time()
 
     def close(self) -> None:
         if self._server is not None:

@@ -164,6 +164,8 @@ def job_facts(
         group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
         flops_per_token=model_mod.flops_per_token(config),
         peak_flops=peak_flops,
+        training_steps=spec.training.steps,
+        checkpoint_interval_steps=spec.checkpoint.interval_steps,
     )
 
 

@@ -60,6 +60,10 @@ class JobFacts:
     """Training FLOPs per token of the whole model (see docs/telemetry.md)."""
     peak_flops: float
     """Peak FLOP/s of one device."""
+    training_steps: int = 0
+    """training.steps: the step the job ends at (0: unknown)."""
+    checkpoint_interval_steps: int = 0
+    """checkpoint.intervalSteps (0: saved only at the end)."""
 
     @property
     def bubble_theoretical(self) -> float:

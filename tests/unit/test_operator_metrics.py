@@ -1,0 +1,134 @@
+"""The operator's per-job gauges, apply-to-Running histogram and API verbs, read back from its registry."""
+
+from __future__ import annotations
+
+import uuid
+
+import prometheus_client
+import pytest
+
+from meshtrain.operator import metrics
+
+REGISTRY = prometheus_client.REGISTRY
+
+
+def body(name: str, phase: str, **extra: object) -> dict:
+    status = {"phase": phase, "restarts": extra.get("restarts", 0)}
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": extra.get("uid", name),
+            "generation": extra.get("generation", 1),
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+            "labels": extra.get("labels", {}),
+        },
+        "spec": {"runPolicy": {"backoffLimit": extra.get("backoff", 3)}},
+        "status": status,
+    }
+
+
+def sample(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+@pytest.fixture
+def job_name():
+    name = f"j{uuid.uuid4().hex[:6]}"
+    yield name
+    metrics.forget("ns", name)
+
+
+def test_phase_restarts_left_and_generation_of_a_running_job(job_name):
+    metrics.observe_job(
+        body(job_name, "Running", restarts=1, backoff=3, generation=4),
+        unschedulable=False,
+        placed_condition=None,
+    )
+    key = {"namespace": "ns", "trainingjob": job_name}
+    assert sample("meshtrain_operator_job_status_phase", **key, phase="Running") == 1
+    assert sample("meshtrain_operator_job_status_phase", **key, phase="Failed") == 0
+    assert sample("meshtrain_operator_job_restarts", **key) == 1
+    assert sample("meshtrain_operator_job_restarts_remaining", **key) == 2
+    assert sample("meshtrain_operator_job_spec_generation", **key) == 4
+    assert sample("meshtrain_operator_job_unschedulable_seconds", **key) == 0
+
+
+def test_a_finished_job_has_no_restarts_left_or_waiting_time(job_name):
+    metrics.observe_job(
+        body(job_name, "Failed", restarts=3), unschedulable=False, placed_condition=None
+    )
+    key = {"namespace": "ns", "trainingjob": job_name}
+    assert sample("meshtrain_operator_job_status_phase", **key, phase="Failed") == 1
+    assert sample("meshtrain_operator_job_restarts_remaining", **key) is None
+    assert sample("meshtrain_operator_job_unschedulable_seconds", **key) is None
+
+
+def test_unschedulable_time_counts_from_the_placed_condition(job_name):
+    before = sample("meshtrain_operator_unschedulable_jobs")
+    placed = {"type": "Placed", "status": "False", "lastTransitionTime": "2020-01-01T00:00:00Z"}
+    metrics.observe_job(body(job_name, "Pending"), unschedulable=True, placed_condition=placed)
+    waited = sample(
+        "meshtrain_operator_job_unschedulable_seconds", namespace="ns", trainingjob=job_name
+    )
+    assert waited > 5 * 365 * 86400  # since 2020
+    assert sample("meshtrain_operator_unschedulable_jobs") == before + 1
+
+
+def test_jobs_by_phase_and_queue(job_name):
+    labels = {metrics.QUEUE_LABEL: "team-a"}
+    metrics.observe_job(
+        body(job_name, "Placing", labels=labels), unschedulable=False, placed_condition=None
+    )
+    assert sample("meshtrain_operator_jobs", phase="Placing", queue="team-a") == 1
+    assert sample("meshtrain_operator_jobs", phase="Running", queue="team-a") == 0
+
+
+def test_first_running_is_timed_from_creation_once(job_name):
+    count = "meshtrain_operator_job_apply_to_running_seconds_count"
+    total = "meshtrain_operator_job_apply_to_running_seconds_sum"
+    n0, s0 = sample(count), sample(total)
+    created = 1767225600.0  # 2026-01-01T00:00:00Z
+    metrics.observe_job(body(job_name, "Placing"), unschedulable=False, placed_condition=None)
+    metrics.observe_job(
+        body(job_name, "Running"), unschedulable=False, placed_condition=None, now=created + 42
+    )
+    assert sample(count) == n0 + 1 and sample(total) == pytest.approx(s0 + 42)
+    for phase in ("Restarting", "Running"):  # a gang restart is not a second start
+        metrics.observe_job(body(job_name, phase), unschedulable=False, placed_condition=None)
+    assert sample(count) == n0 + 1
+
+
+def test_a_job_already_running_when_first_seen_is_not_timed(job_name):
+    count = "meshtrain_operator_job_apply_to_running_seconds_count"
+    n0 = sample(count)
+    metrics.observe_job(body(job_name, "Running"), unschedulable=False, placed_condition=None)
+    assert sample(count) == n0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "verb"),
+    [
+        ("GET", "/api/v1/nodes", "list"),
+        ("GET", "/api/v1/pods", "list"),
+        ("GET", "/api/v1/namespaces/ns/pods", "list"),
+        ("GET", "/api/v1/namespaces/ns/pods/p-0", "get"),
+        ("GET", "/api/v1/namespaces/ns", "get"),
+        ("GET", "/apis/meshtrain.io/v1alpha1/namespaces/ns/trainingjobs/j", "get"),
+        ("PATCH", "/apis/meshtrain.io/v1alpha1/namespaces/ns/trainingjobs/j/status", "patch"),
+        ("POST", "/api/v1/namespaces/ns/events", "create"),
+        ("DELETE", "/api/v1/namespaces/ns/pods/p-0", "delete"),
+        ("PUT", "/api/v1/namespaces/ns/configmaps/c", "update"),
+        ("WATCH", "/api/v1/pods", "watch"),
+    ],
+)
+def test_api_verbs(method, path, verb):
+    assert metrics.api_verb(method, path) == verb
+
+
+def test_api_errors_start_at_zero_for_every_verb_and_count_by_verb():
+    for verb in metrics.API_VERBS:
+        assert sample("meshtrain_operator_api_errors_total", verb=verb) is not None
+    before = sample("meshtrain_operator_api_errors_total", verb="patch")
+    metrics.api_error("PATCH", "/api/v1/namespaces/ns/pods/p-0")
+    assert sample("meshtrain_operator_api_errors_total", verb="patch") == before + 1
