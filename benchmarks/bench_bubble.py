@@ -63,7 +63,7 @@ def worker(p: int, steps: int, out_dir: str) -> None:
     import torch  # noqa: PLC0415 - the parent never needs torch
 
     from meshtrain import layout as layout_mod  # noqa: PLC0415
-    from meshtrain.api import spec as spec_mod  # noqa: PLC0415
+    from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer import engine, telemetry  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
 
@@ -82,7 +82,7 @@ def worker(p: int, steps: int, out_dir: str) -> None:
 
     for schedule, v in SCHEDULES:
         for m in MICRO_BATCHES:
-            job = spec_mod.parse_spec(spec_for(p, schedule, v, m, steps))
+            job = loading.parse_spec(spec_for(p, schedule, v, m, steps))
             layout = layout_mod.from_spec(job.parallelism)
             mesh = mesh_mod.build_mesh(layout, torch.device("cpu"))
             log_dir = Path(out_dir) / f"{schedule}-p{p}-m{m}"

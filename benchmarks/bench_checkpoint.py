@@ -37,7 +37,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
-from meshtrain.api import spec as spec_mod  # noqa: E402
+from meshtrain.api import loading  # noqa: E402
 from meshtrain.trainer import engine  # noqa: E402
 from meshtrain.trainer.checkpointing import checkpointer, state, store  # noqa: E402
 from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
@@ -46,7 +46,7 @@ SMALL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 64}
 
 
 def _engine(model: dict, dp: int, stage: int, steps: int, interval: int) -> engine.Engine:
-    job = spec_mod.parse_spec(
+    job = loading.parse_spec(
         {
             "parallelism": {"data": dp, "zeroStage": stage},
             "resources": {"gpusPerNode": dp},

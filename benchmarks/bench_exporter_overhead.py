@@ -66,14 +66,14 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     import torch  # noqa: PLC0415 - the parent process never needs torch
 
     from meshtrain import layout as layout_mod  # noqa: PLC0415
-    from meshtrain.api import spec as spec_mod  # noqa: PLC0415
+    from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer import engine, telemetry  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
     from meshtrain.trainer.parallel import recording  # noqa: PLC0415
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    job = spec_mod.load_spec_file(spec_path)
+    job = loading.load_spec_file(spec_path)
     layout = layout_mod.from_spec(job.parallelism)
     mesh_mod.init_process_group(use_cuda=False)
     mesh = mesh_mod.build_mesh(layout, torch.device("cpu"))
@@ -171,11 +171,11 @@ def run_layout(parallelism: dict, work: Path) -> dict:
 def recorder_cost(repeats: int = 300) -> float:
     """CPU seconds per step of the telemetry recorder on a 1f1b p=2 m=8 step with 4 buckets (no training)."""
     from meshtrain import layout as layout_mod  # noqa: PLC0415
-    from meshtrain.api import spec as spec_mod  # noqa: PLC0415
+    from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer import telemetry  # noqa: PLC0415
     from meshtrain.trainer.parallel import schedules  # noqa: PLC0415
 
-    job = spec_mod.parse_spec(
+    job = loading.parse_spec(
         {
             "parallelism": {"data": 2, "pipeline": 2, "microBatches": 8},
             "resources": {"gpusPerNode": 4},

@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
-from meshtrain.api import spec as spec_mod  # noqa: E402
+from meshtrain.api import loading  # noqa: E402
 from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine  # noqa: E402
 from meshtrain.trainer import model as gpt  # noqa: E402
@@ -44,7 +44,7 @@ WARMUP = 3
 
 def run_preset(preset: str, micro_batch: int, steps: int, device: torch.device) -> dict:
     precision = "bf16" if device.type == "cuda" else "fp32"
-    job = spec_mod.parse_spec(
+    job = loading.parse_spec(
         {
             "model": {"preset": preset},
             "resources": {"gpusPerNode": 1},

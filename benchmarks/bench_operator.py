@@ -43,8 +43,7 @@ import kubernetes
 import yaml
 
 from meshtrain import controlplane
-from meshtrain.api import crd
-from meshtrain.api import spec as api_spec
+from meshtrain.api import crd, loading
 from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.operator import builders, identity, kube
 
@@ -203,7 +202,7 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
     Measured side by side with the operator runs (same API server, same moment), it is
     the floor the operator's latency is compared to on a shared, noisy machine.
     """
-    spec = api_spec.parse_spec(
+    spec = loading.parse_spec(
         {
             "parallelism": {"data": pods},
             "resources": {"gpusPerNode": 1},

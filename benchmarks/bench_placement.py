@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine  # noqa: E402
 from meshtrain import placement  # noqa: E402
-from meshtrain.api import spec as api_spec  # noqa: E402
+from meshtrain.api import loading  # noqa: E402
 from meshtrain.planner import placement_request  # noqa: E402
 
 BLOCK, SPINE, LEAF = (
@@ -76,7 +76,7 @@ def cluster(size: int, seed: int) -> tuple[list[placement.Node], list[placement.
 def request(gpus: int) -> placement.PlacementRequest:
     """The benchmark job of ``gpus`` GPUs: a 7B-class model, bytes per step from the planner's model."""
     data, pipeline, tensor = JOBS[gpus]
-    job = api_spec.parse_spec(
+    job = loading.parse_spec(
         {
             "parallelism": {
                 "data": data,

@@ -38,7 +38,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine  # noqa: E402
-from meshtrain.api import spec as api_spec  # noqa: E402
+from meshtrain.api import loading  # noqa: E402
 from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import estimate, profiles  # noqa: E402
 from meshtrain.trainer import launch, steplog  # noqa: E402
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     alpha, bandwidth, pings = gloo_alpha_beta()
     mem_bw = copy_bandwidth()
-    probe = api_spec.parse_spec(job_raw({}, 1), "probe")
+    probe = loading.parse_spec(job_raw({}, 1), "probe")
     probe_shape = probe.model.shape()
     flops_by_threads = rank_flops_table(
         probe.training.micro_batch * probe_shape.seq_len, probe_shape.hidden, probe_shape.ffn_hidden
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, parallelism in layouts:
             raw = job_raw(parallelism, args.steps, str(Path(tmp) / name / "checkpoints"))
-            job = api_spec.parse_spec(raw, name)
+            job = loading.parse_spec(raw, name)
             profile, flops = calibrated_profile(
                 job.world_size, flops_by_threads, alpha, bandwidth, mem_bw
             )

@@ -30,6 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
+from meshtrain.api import loading  # noqa: E402
 from meshtrain.api import spec as spec_mod  # noqa: E402
 from meshtrain.trainer import engine, memory  # noqa: E402
 from meshtrain.trainer import model as gpt  # noqa: E402
@@ -39,7 +40,7 @@ from meshtrain.trainer.parallel import zero  # noqa: E402
 
 
 def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJobSpec:
-    return spec_mod.parse_spec(
+    return loading.parse_spec(
         {
             "parallelism": {"data": dp, "zeroStage": stage},
             "resources": {"gpusPerNode": dp},

@@ -13,7 +13,7 @@ import importlib
 import sys
 
 import meshtrain
-from meshtrain.api import spec
+from meshtrain.api import loading
 from meshtrain.operator import command as operator_command
 from meshtrain.planner import command as plan_command
 
@@ -25,8 +25,8 @@ def _version(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     try:
-        job = spec.load_spec_file(args.job)
-    except spec.SpecError as err:
+        job = loading.load_spec_file(args.job)
+    except loading.SpecError as err:
         print(err, file=sys.stderr)
         return 2
     print(

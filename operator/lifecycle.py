@@ -38,6 +38,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import conditions, failure, identity, progress
 
@@ -146,10 +147,10 @@ def job_state(body: Mapping[str, Any]) -> JobState:
     ttl = (raw_spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
     try:
         parsed, problems = (
-            api_spec.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"),
+            loading.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"),
             (),
         )
-    except api_spec.SpecError as err:
+    except loading.SpecError as err:
         parsed, problems = None, tuple(str(p) for p in err.problems)
     return JobState(
         ref=ref,

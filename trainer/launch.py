@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import tqdm
 
+from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import data, steplog
 
@@ -149,15 +150,15 @@ def run_local(
 ) -> int:
     """Train ``spec_path`` with local processes; returns the exit code (0 success)."""
     try:
-        metadata, job = spec_mod.load_manifest(spec_path)
+        metadata, job = loading.load_manifest(spec_path)
         extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
         if extra:
-            job = spec_mod.apply_overrides(job, extra)
+            job = loading.apply_overrides(job, extra)
         # a missing file fails here; the corpus is built once here
         data.check_dataset(job.training, vocab=job.model.shape().vocab)
         if job.training.dataset == data.STDLIB:
             data.stdlib_corpus()
-    except spec_mod.SpecError as err:
+    except loading.SpecError as err:
         print(err, file=sys.stderr)
         return 2
     except data.DatasetError as err:

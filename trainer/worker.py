@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
+from meshtrain.api import loading, rules
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import data, engine, faults, memory, steplog, stopping, telemetry
 from meshtrain.trainer.checkpointing import checkpointer, store
@@ -80,16 +81,16 @@ def load_spec(
 ) -> spec_mod.TrainingJobSpec:
     """The spec with overrides applied (raises SpecError)."""
     if not path:
-        raise spec_mod.SpecError(
+        raise loading.SpecError(
             [
-                spec_mod.rules.Problem(
+                rules.Problem(
                     path="--spec", message="no spec file: pass --spec or set MESHTRAIN_SPEC_FILE"
                 )
             ]
         )
-    job = spec_mod.load_spec_file(path)
+    job = loading.load_spec_file(path)
     extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
-    return spec_mod.apply_overrides(job, extra) if extra else job
+    return loading.apply_overrides(job, extra) if extra else job
 
 
 def use_cuda() -> bool:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
         data.check_dataset(job.training, vocab=job.model.shape().vocab)
-    except spec_mod.SpecError as err:
+    except loading.SpecError as err:
         print(err, file=sys.stderr)
         return EXIT_SPEC
     except data.DatasetError as err:

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import pydantic
 
-if TYPE_CHECKING:
-    from meshtrain.api.spec import TrainingJobSpec
+from meshtrain.api.spec import TrainingJobSpec
 
 
 class Problem(pydantic.BaseModel):

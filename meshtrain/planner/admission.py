@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, memory, profiles
 
@@ -79,8 +80,8 @@ def fitting_remedies(
     found = []
     for remedy in REMEDIES:
         try:
-            changed = api_spec.apply_overrides(job, [remedy])
-        except api_spec.SpecError:  # e.g. ZeRO without data parallelism, or a fixed globalBatch
+            changed = loading.apply_overrides(job, [remedy])
+        except loading.SpecError:  # e.g. ZeRO without data parallelism, or a fixed globalBatch
             continue
         if changed == job:
             continue

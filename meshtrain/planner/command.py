@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import cluster, cost, estimate, memory, profiles, report
 
@@ -81,9 +82,9 @@ def _default_profile(job: api_spec.TrainingJobSpec) -> str:
 def run(args: argparse.Namespace) -> int:
     """Handle ``meshtrain plan``; returns the exit status."""
     try:
-        job = api_spec.load_spec_file(args.job)
+        job = loading.load_spec_file(args.job)
         if args.set:
-            job = api_spec.apply_overrides(job, args.set)
+            job = loading.apply_overrides(job, args.set)
         profile = profiles.get(args.gpu or _default_profile(job), args.profiles_dir)
         nodes = None
         if args.cluster:
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             critical_batch_tokens=args.critical_batch_tokens,
         )
     except (
-        api_spec.SpecError,
+        loading.SpecError,
         profiles.ProfileError,
         cluster.ClusterError,
         ValueError,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import data, engine, optim
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -41,7 +41,7 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
     """For each (id, spec dict): step-1 dense gradients and ``steps`` losses, plus DP collective counts."""
     results, meshes = {}, {}
     for case_id, raw in cases:
-        job = spec_mod.parse_spec(raw)
+        job = loading.parse_spec(raw)
         layout = layout_mod.from_spec(job.parallelism)
         if layout not in meshes:  # group creation is slow on a busy machine: one mesh per layout
             meshes[layout] = mesh_mod.build_mesh(layout, torch.device("cpu"))
@@ -85,7 +85,7 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
 
 def reference(raw: dict, steps: int) -> dict:
     """Single process, no parallel code: step-1 gradients and per-step losses."""
-    job = spec_mod.parse_spec(raw)
+    job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
     tokens = data.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from meshtrain import layout as layout_mod
+from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import clocks, recording
@@ -57,7 +58,7 @@ def run_cases(steps: int) -> dict:
     for case, layout, zero_stage in CASES:
         raw = mt_harness.make_spec(**layout, bucket_mb=0.05, steps=steps)  # several buckets
         raw["parallelism"]["zeroStage"] = zero_stage
-        job = spec_mod.parse_spec(raw)
+        job = loading.parse_spec(raw)
         shape = layout_mod.from_spec(job.parallelism)
         if shape not in meshes:
             meshes[shape] = mesh_mod.build_mesh(shape, torch.device("cpu"))

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import engine, steplog, stopping
 from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def agreement_case(raw: dict, asking_rank: int, ask_at: int) -> list[bool]:
     """Only ``asking_rank`` asks to stop, from step ``ask_at`` on; returns what every step said on this rank."""
-    job = spec_mod.parse_spec(raw)
+    job = loading.parse_spec(raw)
     trainer = engine.Engine(
         job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -24,7 +24,7 @@ def built_names_case(raw: dict) -> dict:
 
     gpt.initial_value = recording
     try:
-        job = spec_mod.parse_spec(raw)
+        job = loading.parse_spec(raw)
         trainer = engine.Engine(
             job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         )
@@ -47,7 +47,7 @@ def test_each_rank_builds_only_its_own_parameters_once():
     everything = set(
         dict(
             gpt.GPT(
-                gpt.GPTConfig.from_shape(spec_mod.parse_spec(raw).model.shape())
+                gpt.GPTConfig.from_shape(loading.parse_spec(raw).model.shape())
             ).named_parameters()
         )
     )

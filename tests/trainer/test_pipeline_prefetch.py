@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import recording
@@ -31,7 +31,7 @@ def posting_order(schedule: str, virtual: int) -> dict:
     raw = mt_harness.make_spec(
         pipeline=2, schedule=schedule, virtual=virtual, micro_batches=4, steps=1
     )
-    job = spec_mod.parse_spec(raw)
+    job = loading.parse_spec(raw)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     recorder = recording.MemoryRecorder()
     eng = engine.Engine(job, mesh, recorder=recorder)

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain import layout as layout_mod
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import comm, memory, profiles
@@ -71,7 +72,7 @@ def _job(parallelism: dict, training: dict | None = None) -> api_spec.TrainingJo
             **(training or {}),
         },
     }
-    return api_spec.parse_spec(raw, "test")
+    return loading.parse_spec(raw, "test")
 
 
 def _worker(spec_json: str, out_dir: str) -> None:
@@ -83,7 +84,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
     from meshtrain.trainer.parallel import recording  # noqa: PLC0415
 
-    job = api_spec.parse_spec(json.loads(spec_json), "worker")
+    job = loading.parse_spec(json.loads(spec_json), "worker")
     mesh_mod.init_process_group(use_cuda=False)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     recorder = recording.MemoryRecorder()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -26,7 +26,7 @@ STEPS, SAVE_AT = 5, 3
 
 
 def _engine(raw: dict) -> engine.Engine:
-    job = spec_mod.parse_spec(raw)
+    job = loading.parse_spec(raw)
     return engine.Engine(
         job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import engine, memory
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import recording, zero
@@ -27,7 +27,7 @@ def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
     for stage in (0, 1, 2):
         raw = mt_harness.make_spec(**layout, steps=steps)
         raw["parallelism"]["zeroStage"] = stage
-        job = spec_mod.parse_spec(raw)
+        job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         losses = [eng.train_step().loss for _ in range(steps)]
@@ -72,7 +72,7 @@ def zero_collectives() -> dict[int, dict]:
             data=2, bucket_mb=0.05, steps=2
         )  # several buckets of ~13k elements
         raw["parallelism"]["zeroStage"] = stage
-        job = spec_mod.parse_spec(raw)
+        job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         recorder = recording.MemoryRecorder()
         eng = engine.Engine(job, mesh, recorder=recorder)

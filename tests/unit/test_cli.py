@@ -3,7 +3,7 @@
 import yaml
 
 from meshtrain import cli
-from meshtrain.api import spec
+from meshtrain.api import loading, spec
 from tests.unit.builders import JobBuilder
 
 
@@ -12,7 +12,7 @@ def test_validate_accepts_a_good_job(tmp_path, capsys):
     path.write_text(
         yaml.safe_dump(
             spec.to_manifest(
-                "ok", spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
+                "ok", loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
             )
         )
     )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.api import spec
+from meshtrain.api import loading, spec
 from meshtrain.trainer import data, tokens
 
 
@@ -166,5 +166,5 @@ def test_glob_weights_files_by_their_tokens(tmp_path):
 
 
 def test_spec_refuses_dataset_and_datasets_together():
-    with pytest.raises(spec.SpecError, match="spec.training.datasets: both dataset="):
-        spec.parse_spec({"training": {"dataset": "/x.bin", "datasets": [{"path": "/y.bin"}]}})
+    with pytest.raises(loading.SpecError, match="spec.training.datasets: both dataset="):
+        loading.parse_spec({"training": {"dataset": "/x.bin", "datasets": [{"path": "/y.bin"}]}})

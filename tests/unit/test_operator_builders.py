@@ -5,6 +5,7 @@ from __future__ import annotations
 import yaml
 
 import meshtrain
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import builders, identity, naming
 from tests.unit.builders import JobBuilder
@@ -13,7 +14,7 @@ REF = identity.JobRef(name="llm", namespace="research", uid="1234")
 
 
 def spec_of(builder: JobBuilder) -> api_spec.TrainingJobSpec:
-    return api_spec.parse_spec(builder.raw())
+    return loading.parse_spec(builder.raw())
 
 
 def env_of(pod):
@@ -114,7 +115,7 @@ def test_torchrun_command_and_env():
 
 
 def test_every_local_rank_exporter_is_a_named_container_port():
-    spec = api_spec.parse_spec(
+    spec = loading.parse_spec(
         JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4).raw()
         | {"metrics": {"port": 9500}}
     )
@@ -133,7 +134,7 @@ def test_every_local_rank_exporter_is_a_named_container_port():
 
 
 def test_logs_on_the_checkpoint_volume_and_final_progress_in_the_termination_message():
-    spec = api_spec.parse_spec(
+    spec = loading.parse_spec(
         JobBuilder().layout(data=2, gpus_per_node=1).raw()
         | {"checkpoint": {"path": "/ckpt/run1/", "claimName": "c"}}
     )
@@ -167,7 +168,7 @@ def test_resources_volumes_selector_tolerations():
         )
         .raw()
     )
-    spec = api_spec.parse_spec(raw | {"checkpoint": {"claimName": "ckpt", "path": "/ckpt"}})
+    spec = loading.parse_spec(raw | {"checkpoint": {"claimName": "ckpt", "path": "/ckpt"}})
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
     resources = pod["spec"]["containers"][0]["resources"]
     assert resources["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"} == resources["requests"]
@@ -200,7 +201,7 @@ def test_headless_service_and_spec_configmap():
     assert service["spec"]["selector"] == {naming.LABEL_JOB: "llm"}
     configmap = builders.build_configmap(REF, spec)
     document = yaml.safe_load(configmap["data"]["job.yaml"])
-    assert api_spec.parse_manifest(document)[1] == spec
+    assert loading.parse_manifest(document)[1] == spec
     assert configmap["metadata"]["ownerReferences"][0]["uid"] == "1234"
 
 

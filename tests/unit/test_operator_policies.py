@@ -7,7 +7,7 @@ import datetime
 import pytest
 
 from meshtrain import cli
-from meshtrain.api import spec as api_spec
+from meshtrain.api import loading
 from meshtrain.operator import builders, capacity, command, conditions, identity, progress, watcher
 from meshtrain.planner import profiles
 from tests.unit.builders import JobBuilder
@@ -42,7 +42,7 @@ def test_condition_set_keeps_other_types_in_order():
 
 
 def _pod(name, node, gpus, phase="Pending", job=None, namespace="ns", bound=False):
-    spec = api_spec.parse_spec(
+    spec = loading.parse_spec(
         JobBuilder().resources(gpusPerNode=gpus).layout(data=gpus, gpus_per_node=gpus).raw()
     )
     manifest = builders.build_pod(identity.JobRef(job or name, namespace, "u"), spec, 0, 0, node)

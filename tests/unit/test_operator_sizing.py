@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshtrain import placement
-from meshtrain.api import spec as api_spec
+from meshtrain.api import loading
 from meshtrain.operator import capacity, progress, sizing
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodes as sandbox_nodes
@@ -51,7 +51,7 @@ def node(name: str, product: str | None = None, gpus: int = 8, **labels: str) ->
     ],
 )
 def test_candidates(name, selector, nodes, expected):
-    spec = api_spec.parse_spec(JobBuilder().resources(nodeSelector=selector).raw())
+    spec = loading.parse_spec(JobBuilder().resources(nodeSelector=selector).raw())
     assert [n.name for n in sizing.candidates(spec, nodes)] == expected
 
 
@@ -116,7 +116,7 @@ def test_choose_profile(name, node_profiles, default, expected, source_has):
     ],
 )
 def test_admit(name, raw, profile, verdict):
-    spec = api_spec.parse_spec(raw)
+    spec = loading.parse_spec(raw)
     choice = sizing.Choice(profile, "test")
     result = sizing.admit(spec, choice)
     assert (type(result).__name__ if result is not None else None) == verdict
@@ -129,7 +129,7 @@ def test_admit(name, raw, profile, verdict):
 
 
 def test_refusal_message_has_the_numbers_and_the_profile_source():
-    spec = api_spec.parse_spec(SEVEN_B_ONE_GPU)
+    spec = loading.parse_spec(SEVEN_B_ONE_GPU)
     refused = sizing.admit(spec, sizing.choose_profile([("gpu-7", H100)], None))
     assert isinstance(refused, sizing.Refused) and refused.reason == "WontFit"
     assert "dp1·pp1·tp1 on h100-sxm" in refused.message and "GiB" in refused.message
@@ -143,7 +143,7 @@ def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
         sandbox_nodes.build_node_status(sandbox_nodes.topology()[0], heartbeat="t", ready_since="t")
     )
     found = capacity.node_from_manifest(manifest, "nvidia.com/gpu")
-    spec = api_spec.parse_spec(TINY_FP32)
+    spec = loading.parse_spec(TINY_FP32)
     assert sizing.candidates(spec, [found]) == [found]
     assert admission.profile_for_labels(found.labels) is None
     choice = sizing.choose_profile([(found.name, None)], CPU)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from meshtrain import placement
-from meshtrain.api import spec as api_spec
+from meshtrain.api import loading
 from meshtrain.placement import cost, topology
 from meshtrain.planner import comm, memory, placement_request
 
@@ -298,7 +298,7 @@ def test_pod_traffic_of_a_small_layout() -> None:
 
 
 def test_request_from_spec() -> None:
-    spec = api_spec.parse_spec(
+    spec = loading.parse_spec(
         {
             "parallelism": {"data": 2, "pipeline": 2, "tensor": 4, "microBatches": 4},
             "resources": {"gpusPerNode": 8, "nodeSelector": {"pool": "gpu"}},

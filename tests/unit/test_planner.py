@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, cost, memory, profiles
 from meshtrain.trainer import model as gpt
@@ -21,7 +22,7 @@ def job(**parallelism) -> api_spec.TrainingJobSpec:
     """A tiny valid job; parallelism keys in camelCase."""
     p = {"data": 1, "pipeline": 1, "tensor": 1, **parallelism}
     builder = JobBuilder().layout(p.pop("data"), p.pop("pipeline"), p.pop("tensor"))
-    return api_spec.parse_spec(builder.parallelism(**p).training(precision="fp32").raw())
+    return loading.parse_spec(builder.parallelism(**p).training(precision="fp32").raw())
 
 
 SHAPES = [
@@ -114,8 +115,8 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> No
         "model": {"preset": "1.3b"},
         "training": {"microBatch": 1},
     }
-    plain = api_spec.parse_spec(raw)
-    recompute = api_spec.parse_spec(
+    plain = loading.parse_spec(raw)
+    recompute = loading.parse_spec(
         {**raw, "training": {"microBatch": 1, "activationCheckpointing": True}}
     )
     h100 = profiles.get("h100-sxm")
@@ -280,11 +281,11 @@ def test_zero_buckets_are_padded_to_the_group() -> None:
 
 
 def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
-    inside = api_spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=8).raw())
+    inside = loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=8).raw())
     assert cost.group_links(inside) == {"dp": "nvlink", "tp": "nvlink", "pp": "nvlink"}
-    split = api_spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
+    split = loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
     assert cost.group_links(split) == {"dp": "nvlink", "tp": "nvlink", "pp": "fabric"}
-    dp_out = api_spec.parse_spec(JobBuilder().layout(4, 1, 2, gpus_per_node=2).raw())
+    dp_out = loading.parse_spec(JobBuilder().layout(4, 1, 2, gpus_per_node=2).raw())
     assert cost.group_links(dp_out) == {"dp": "fabric", "tp": "nvlink", "pp": "nvlink"}
     # Two pods on one NVLink clique: everything stays on NVLink.
     assert cost.group_links(split, ["clique-a", "clique-a"])["pp"] == "nvlink"
@@ -302,7 +303,7 @@ def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:
 
 def test_step_time_adds_the_bubble_and_verdicts() -> None:
     h100 = profiles.get("h100-sxm")
-    big = api_spec.parse_spec(
+    big = loading.parse_spec(
         JobBuilder()
         .layout(1, 4, 8, gpus_per_node=8)
         .model(preset="7b")
@@ -316,7 +317,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
     assert plan.verdict == "compute-bound" and plan.compute_comm_ratio > 1
     assert 0 < plan.mfu < h100.achievable_fraction
     # The tiny model over a slow fabric is dominated by communication.
-    tiny = api_spec.parse_spec(JobBuilder().layout(8, 1, 1, gpus_per_node=1).raw())
+    tiny = loading.parse_spec(JobBuilder().layout(8, 1, 1, gpus_per_node=1).raw())
     slow = cost.plan_time(tiny, h100, scheme, comm.plan_comm(tiny, scheme))
     assert slow.links["dp"].name == "fabric"
     assert slow.verdict == "communication-bound"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from meshtrain import cli
-from meshtrain.api import spec as api_spec
+from meshtrain.api import loading
 from meshtrain.planner import admission, cluster, estimate, profiles, report
 from tests.unit.builders import JobBuilder
 
@@ -147,7 +147,7 @@ def _job(tmp_path: Path, raw: dict | None = None) -> Path:
 
 
 def _plan(raw: dict, gpu: str = "h100-sxm", nodes=None) -> estimate.Plan:  # noqa: ANN001
-    return estimate.make_plan(api_spec.parse_spec(raw), profiles.get(gpu), nodes=nodes)
+    return estimate.make_plan(loading.parse_spec(raw), profiles.get(gpu), nodes=nodes)
 
 
 def _value(doc: dict, path: str):  # noqa: ANN202
@@ -217,22 +217,20 @@ def test_critical_batch_warning() -> None:
 
 
 def test_admission_refuses_a_7b_model_on_one_a100_40g_with_numbers() -> None:
-    job = api_spec.parse_spec(
-        JobBuilder().layout(2, 1, 1, gpus_per_node=2).model(preset="7b").raw()
-    )
+    job = loading.parse_spec(JobBuilder().layout(2, 1, 1, gpus_per_node=2).model(preset="7b").raw())
     verdict = admission.check(job, profiles.get("a100-40g"))
     assert isinstance(verdict, admission.WontFit)
     assert verdict.reason == "WontFit" and verdict.needed_bytes > verdict.capacity_bytes
     for needle in ("40.00 GiB", "weights", "optimizer", "activations", "parallelism.tensor"):
         assert needle in verdict.message
-    sharded = api_spec.parse_spec(
+    sharded = loading.parse_spec(
         JobBuilder().layout(1, 4, 8, gpus_per_node=8).model(preset="7b").raw()
     )
     assert admission.check(sharded, profiles.get("h100-sxm")) is None
 
 
 def test_refusal_names_the_single_changes_that_would_fit() -> None:
-    job = api_spec.parse_spec(
+    job = loading.parse_spec(
         JobBuilder().layout(1, 1, 1).model(preset="1.3b").training(microBatch=16).raw()
     )
     l40s = profiles.get("l40s")
@@ -240,7 +238,7 @@ def test_refusal_names_the_single_changes_that_would_fit() -> None:
     assert isinstance(verdict, admission.WontFit)
     remedies = dict(admission.fitting_remedies(job, l40s))
     assert set(remedies) == {"training.activationCheckpointing=true", "training.microBatch=1"}
-    recomputed = api_spec.apply_overrides(job, ["training.activationCheckpointing=true"])
+    recomputed = loading.apply_overrides(job, ["training.activationCheckpointing=true"])
     assert admission.check(recomputed, l40s) is None
     assert (
         f"training.activationCheckpointing=true ({remedies['training.activationCheckpointing=true'] / 2**30:.2f} GiB)"

@@ -3,12 +3,12 @@
 import pytest
 import yaml
 
-from meshtrain.api import rules, spec
+from meshtrain.api import loading, rules, spec
 from tests.unit.builders import JobBuilder
 
 
 def test_defaults_give_a_valid_single_process_job():
-    job = spec.parse_spec(JobBuilder().raw())
+    job = loading.parse_spec(JobBuilder().raw())
     assert job.world_size == 1 and job.pods == 1
     assert job.parallelism.schedule == "1f1b"
     assert job.training.precision == "auto"
@@ -16,7 +16,7 @@ def test_defaults_give_a_valid_single_process_job():
 
 
 def test_layout_string_and_pods():
-    job = spec.parse_spec(JobBuilder().layout(2, 4, 8, gpus_per_node=8).model(preset="7b").raw())
+    job = loading.parse_spec(JobBuilder().layout(2, 4, 8, gpus_per_node=8).model(preset="7b").raw())
     assert job.parallelism.layout_string == "dp2·pp4·tp8"
     assert job.world_size == 64 and job.pods == 8
 
@@ -134,8 +134,8 @@ INVALID = [
 
 @pytest.mark.parametrize("case,builder,path,words", INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_spec_is_refused_naming_field_and_values(case, builder, path, words):
-    with pytest.raises(spec.SpecError) as err:
-        spec.parse_spec(builder.raw())
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(builder.raw())
     paths = [p.path for p in err.value.problems]
     assert path in paths, f"{case}: expected a problem at {path}, got {paths}"
     message = next(str(p) for p in err.value.problems if p.path == path)
@@ -145,8 +145,8 @@ def test_invalid_spec_is_refused_naming_field_and_values(case, builder, path, wo
 
 def test_every_broken_rule_is_listed_at_once():
     raw = JobBuilder().layout(2, 3, 3, gpus_per_node=4).training(globalBatch=7).raw()
-    with pytest.raises(spec.SpecError) as err:
-        spec.parse_spec(raw)
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(raw)
     names = {p.path for p in err.value.problems}
     assert {
         "spec.parallelism.tensor",
@@ -165,20 +165,20 @@ def test_every_rule_has_a_cel_expression_and_message():
 
 
 def test_overrides_accept_camel_and_snake_case_and_revalidate():
-    job = spec.parse_spec(JobBuilder().layout(2, 1, 1).raw())
-    changed = spec.apply_overrides(job, ["training.steps=7", "parallelism.micro_batches=3"])
+    job = loading.parse_spec(JobBuilder().layout(2, 1, 1).raw())
+    changed = loading.apply_overrides(job, ["training.steps=7", "parallelism.micro_batches=3"])
     assert changed.training.steps == 7 and changed.parallelism.micro_batches == 3
-    with pytest.raises(spec.SpecError, match="spec.parallelism.tensor"):
-        spec.apply_overrides(job, ["parallelism.tensor=3"])
-    with pytest.raises(spec.SpecError, match="path=value"):
-        spec.apply_overrides(job, ["training.steps"])
+    with pytest.raises(loading.SpecError, match="spec.parallelism.tensor"):
+        loading.apply_overrides(job, ["parallelism.tensor=3"])
+    with pytest.raises(loading.SpecError, match="path=value"):
+        loading.apply_overrides(job, ["training.steps"])
 
 
 def test_load_manifest_round_trip(tmp_path):
-    job = spec.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
+    job = loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec.to_manifest("demo", job, namespace="ml")))
-    metadata, loaded = spec.load_manifest(path)
+    metadata, loaded = loading.load_manifest(path)
     assert metadata == {"name": "demo", "namespace": "ml"}
     assert loaded == job
 
@@ -195,12 +195,12 @@ def test_load_manifest_round_trip(tmp_path):
 def test_bad_files_name_the_problem(tmp_path, content, words):
     path = tmp_path / "job.yaml"
     path.write_text(content)
-    with pytest.raises(spec.SpecError) as err:
-        spec.load_manifest(path)
+    with pytest.raises(loading.SpecError) as err:
+        loading.load_manifest(path)
     for word in words:
         assert word in str(err.value)
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(spec.SpecError, match="file not found"):
-        spec.load_spec_file(tmp_path / "nope.yaml")
+    with pytest.raises(loading.SpecError, match="file not found"):
+        loading.load_spec_file(tmp_path / "nope.yaml")

@@ -12,7 +12,7 @@ import torch
 from prometheus_client import parser
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import telemetry
 from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
 from tests.unit import telemetry_feed
@@ -58,7 +58,7 @@ def pipeline(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRAIN_NAMESPACE", "team-a")
     monkeypatch.setenv("MESHTRAIN_POD_NAME", "demo-0")
     base = free_base(4)
-    job = spec_mod.parse_spec(
+    job = loading.parse_spec(
         {
             "parallelism": {"data": 2, "pipeline": 2, "microBatches": 4},
             "resources": {"gpusPerNode": 4},
@@ -246,7 +246,7 @@ def test_exporters_bind_the_configured_host(monkeypatch):
         exporter.HOST_ENV, "127.0.0.2"
     )  # a loopback address of its own, as a sandbox pod has
     base = free_base(1)
-    job = spec_mod.parse_spec(
+    job = loading.parse_spec(
         {
             "resources": {"gpusPerNode": 1},
             "model": {"preset": "tiny"},

@@ -9,7 +9,7 @@ import pytest
 
 from meshtrain import cli
 from meshtrain import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import loading
 from meshtrain.trainer import telemetry
 from meshtrain.trainer.telemetry import steplog, timeline
 from tests.unit import telemetry_feed
@@ -17,7 +17,7 @@ from tests.unit import telemetry_feed
 
 def run(tmp_path, schedule: str, p: int, m: int, v: int = 1, dp: int = 1, steps: int = 2):
     """A dp x pp synthetic run of ``steps`` steps logged under tmp_path; returns the log dir."""
-    job = spec_mod.parse_spec(
+    job = loading.parse_spec(
         {
             "parallelism": {
                 "data": dp,
