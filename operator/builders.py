@@ -259,7 +259,29 @@ def build_pod(
             t.model_dump(by_alias=True, exclude_none=True, mode="json")
             for t in spec.resources.tolerations
         ]
+    _apply_pod_settings(spec.pod, metadata, container, pod_spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _apply_pod_settings(
+    settings: api_spec.PodSettings,
+    metadata: dict[str, Any],
+    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+) -> None:
+    """The job's spec.pod: its labels and annotations never replace the operator's own."""
+    metadata["labels"] = {**settings.labels, **metadata["labels"]}
+    metadata["annotations"] = {**settings.annotations, **metadata.get("annotations", {})}
+    container["env"] = [
+        *container["env"],
+        *(v.model_dump(by_alias=True, exclude_none=True, mode="json") for v in settings.env),
+    ]
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if settings.service_account_name:
+        pod_spec["serviceAccountName"] = settings.service_account_name
+    if settings.priority_class_name:
+        pod_spec["priorityClassName"] = settings.priority_class_name
 
 
 def build_pods(

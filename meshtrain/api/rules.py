@@ -14,6 +14,7 @@ Pure: no I/O.  Single-field constraints (minimums, enums) live on the model in
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import pydantic
@@ -199,6 +200,74 @@ SHAPE_RULE = Rule(
     _model_shape_complete,
 )
 
+# Environment the operator sets for torchrun and the trainer; a job may not override it.
+RESERVED_ENV_PREFIXES = ("MESHTRAIN_", "PET_", "TORCHELASTIC_")
+RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+# A plain `value` under such a name is almost certainly a credential.
+SECRET_ENV_NAME = r"(?i)(secret|token|passw(or)?d|api_?key|access_?key|private_?key|credential)"
+# Labels the operator selects its pods by.
+RESERVED_LABEL_PREFIX = "meshtrain.io/"
+RESERVED_LABELS = ("app.kubernetes.io/managed-by",)
+
+
+def _env_value_or_source(spec: TrainingJobSpec) -> str | None:
+    for i, var in enumerate(spec.pod.env):
+        sources = var.value_from and [
+            s
+            for s in (
+                var.value_from.secret_key_ref,
+                var.value_from.config_map_key_ref,
+                var.value_from.field_ref,
+            )
+            if s is not None
+        ]
+        if (var.value is None) == (var.value_from is None) or (
+            var.value_from is not None and len(sources or []) != 1
+        ):
+            return (
+                f"env[{i}] {var.name} must set exactly one of value or valueFrom, and valueFrom exactly "
+                "one of secretKeyRef, configMapKeyRef, fieldRef"
+            )
+    return None
+
+
+def _env_not_reserved(spec: TrainingJobSpec) -> str | None:
+    for i, var in enumerate(spec.pod.env):
+        if var.name.startswith(RESERVED_ENV_PREFIXES) or var.name in RESERVED_ENV_NAMES:
+            return (
+                f"env[{i}] {var.name} is set by the operator for torchrun and the trainer "
+                f"({', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)}, {', '.join(RESERVED_ENV_NAMES)}): "
+                "remove it; the layout comes from spec.parallelism"
+            )
+    return None
+
+
+def _env_no_plain_secrets(spec: TrainingJobSpec) -> str | None:
+    for i, var in enumerate(spec.pod.env):
+        if var.value is not None and re.search(SECRET_ENV_NAME, var.name):
+            return (
+                f"env[{i}] {var.name} looks like a credential but has a plain value, which anyone who "
+                "can read the TrainingJob sees: put it in a Secret and use valueFrom.secretKeyRef"
+            )
+    return None
+
+
+def _labels_not_reserved(spec: TrainingJobSpec) -> str | None:
+    taken = sorted(
+        k for k in spec.pod.labels if k.startswith(RESERVED_LABEL_PREFIX) or k in RESERVED_LABELS
+    )
+    if taken:
+        return (
+            f"labels {taken} are the operator's own (it selects its pods by them): "
+            f"choose keys outside {RESERVED_LABEL_PREFIX}* and {', '.join(RESERVED_LABELS)}"
+        )
+    return None
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "tensor-divides-gpus-per-node",
@@ -299,6 +368,43 @@ RULES: tuple[Rule, ...] = (
         f"metrics.port + gpusPerNode - 1 must be at most 65535 and the range must not contain the rendezvous port {RENDEZVOUS_PORT} "
         "(local rank r serves metrics on metrics.port + r)",
         _metrics_ports,
+    ),
+    Rule(
+        "env-value-or-source",
+        "spec.pod.env",
+        "self.pod.env.all(e, has(e.value) != has(e.valueFrom) && (!has(e.valueFrom) || "
+        "(has(e.valueFrom.secretKeyRef) ? 1 : 0) + (has(e.valueFrom.configMapKeyRef) ? 1 : 0) "
+        "+ (has(e.valueFrom.fieldRef) ? 1 : 0) == 1))",
+        "every pod.env entry sets exactly one of value or valueFrom, and valueFrom exactly one of "
+        "secretKeyRef, configMapKeyRef, fieldRef",
+        _env_value_or_source,
+    ),
+    Rule(
+        "env-not-reserved",
+        "spec.pod.env",
+        "self.pod.env.all(e, "
+        + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
+        + f" && !(e.name in {_cel_list(RESERVED_ENV_NAMES)}))",
+        f"pod.env may not set {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} or "
+        f"{', '.join(RESERVED_ENV_NAMES)}: the operator sets them for torchrun and the trainer",
+        _env_not_reserved,
+    ),
+    Rule(
+        "env-no-plain-secrets",
+        "spec.pod.env",
+        f"self.pod.env.all(e, !has(e.value) || !e.name.matches('{SECRET_ENV_NAME}'))",
+        "a pod.env name that looks like a credential (secret, token, password, api key) needs "
+        "valueFrom.secretKeyRef, not a plain value",
+        _env_no_plain_secrets,
+    ),
+    Rule(
+        "labels-not-reserved",
+        "spec.pod.labels",
+        f"self.pod.labels.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}') && "
+        f"!(k in {_cel_list(RESERVED_LABELS)}))",
+        f"pod.labels may not use {RESERVED_LABEL_PREFIX}* or {', '.join(RESERVED_LABELS)} "
+        "(the operator selects its pods by them)",
+        _labels_not_reserved,
     ),
 )
 

@@ -14,7 +14,7 @@ Reading and validating a job (model and rules together) is :mod:`meshtrain.api.l
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import ConfigDict, Field
@@ -115,6 +115,88 @@ class Toleration(_Model):
         None,
         ge=0,
         description="For NoExecute: how long the pod stays bound after the taint appears.",
+    )
+
+
+class KeyRef(_Model):
+    """One key of a Secret or ConfigMap in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Name of the Secret or ConfigMap.")
+    key: str = Field(min_length=1, max_length=253, description="Key within it.")
+    optional: bool | None = Field(None, description="Start the pod even if the key is missing.")
+
+
+class FieldRef(_Model):
+    """A field of the pod itself (Downward API)."""
+
+    field_path: str = Field(
+        min_length=1,
+        max_length=253,
+        description="e.g. metadata.name, status.hostIP, spec.nodeName.",
+    )
+
+
+class EnvSource(_Model):
+    """Where an environment variable's value comes from; exactly one member is set."""
+
+    secret_key_ref: KeyRef | None = Field(None, description="A key of a Secret.")
+    config_map_key_ref: KeyRef | None = Field(None, description="A key of a ConfigMap.")
+    field_ref: FieldRef | None = Field(None, description="A field of the pod.")
+
+
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class EnvVar(_Model):
+    """An environment variable of the trainer container, e.g. an NCCL_* setting."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=ENV_NAME_PATTERN,
+        description="Variable name: a C identifier (letters, digits, underscores; no leading digit).",
+    )
+    value: str | None = Field(
+        None, max_length=4096, description="Literal value (never a secret: use valueFrom)."
+    )
+    value_from: EnvSource | None = Field(
+        None, description="Value from a Secret, ConfigMap or pod field."
+    )
+
+
+class PodSettings(_Model):
+    """Settings of every pod of the gang that clusters need beyond the training itself."""
+
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Extra environment variables of the trainer container (NCCL_*, proxies, "
+        "experiment trackers); secrets through valueFrom.secretKeyRef.",
+    )
+    image_pull_secrets: list[
+        Annotated[str, Field(min_length=1, max_length=253, description="A Secret's name.")]
+    ] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Names of Secrets in the job's namespace used to pull the trainer image.",
+    )
+    service_account_name: str | None = Field(
+        None,
+        max_length=253,
+        description="ServiceAccount the pods run as; its token is mounted only when this is set.",
+    )
+    priority_class_name: str | None = Field(
+        None, max_length=253, description="PriorityClass of the pods (preemption order)."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Extra pod labels (not meshtrain.io/* nor app.kubernetes.io/managed-by).",
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Extra pod annotations, e.g. k8s.v1.cni.cncf.io/networks for Multus.",
     )
 
 
@@ -395,6 +477,10 @@ class TrainingJobSpec(_Model):
         default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend."
     )
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter settings.")
+    pod: PodSettings = Field(
+        default_factory=PodSettings,
+        description="Pod settings: env, image pull secrets, ServiceAccount, priority, labels, annotations.",
+    )
 
     @property
     def world_size(self) -> int:

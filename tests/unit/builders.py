@@ -44,5 +44,8 @@ class JobBuilder:
     def metrics(self, **values: Any) -> JobBuilder:
         return self._section("metrics", **values)
 
+    def pod(self, **values: Any) -> JobBuilder:
+        return self._section("pod", **values)
+
     def raw(self) -> dict[str, Any]:
         return copy.deepcopy(self._raw)

@@ -67,6 +67,36 @@ def test_empty_image_runs_the_clusters_default_trainer_image():
     assert pod["spec"]["containers"][0]["image"] == "mine/trainer:1"
 
 
+def test_pod_settings_reach_every_pod_without_replacing_the_operators_own():
+    builder = JobBuilder().layout(data=2, gpus_per_node=1)
+    spec = spec_of(
+        builder.pod(
+            env=[
+                {"name": "NCCL_IB_HCA", "value": "mlx5_0,mlx5_1"},
+                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            ],
+            imagePullSecrets=["corp-registry"],
+            serviceAccountName="trainer",
+            priorityClassName="research-high",
+            labels={"team": "llm"},
+            annotations={"k8s.v1.cni.cncf.io/networks": "ib-sriov"},
+        )
+    )
+    for pod in builders.build_pods(REF, spec, 0, ["n-a", "n-b"]):
+        env = env_of(pod)
+        assert env["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
+        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+        assert env["MESHTRAIN_JOB_NAME"] == "llm"  # the operator's variables stay
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "corp-registry"}]
+        assert pod["spec"]["serviceAccountName"] == "trainer"
+        assert pod["spec"]["priorityClassName"] == "research-high"
+        assert pod["metadata"]["labels"]["team"] == "llm"
+        assert pod["metadata"]["labels"][naming.LABEL_JOB] == "llm"
+        annotations = pod["metadata"]["annotations"]
+        assert annotations["k8s.v1.cni.cncf.io/networks"] == "ib-sriov"
+        assert naming.ANNOTATION_NODE in annotations
+
+
 def test_pod_spanning_two_stages_is_labelled_with_the_range():
     spec = spec_of(JobBuilder().layout(data=1, pipeline=2, tensor=1, gpus_per_node=2))
     assert builders.pipeline_stages(spec, 0) == "0-1"

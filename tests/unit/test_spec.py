@@ -129,6 +129,44 @@ INVALID = [
         "spec.parallelism.microbatches",
         ["not permitted"],
     ),
+    (
+        "env name not a C identifier",
+        JobBuilder().pod(env=[{"name": "NCCL-IB-HCA", "value": "mlx5"}]),
+        "spec.pod.env[0].name",
+        ["pattern", "^[A-Za-z_]"],
+    ),
+    (
+        "env credential as a plain value",
+        JobBuilder().pod(env=[{"name": "WANDB_API_KEY", "value": "abc"}]),
+        "spec.pod.env",
+        ["env[0] WANDB_API_KEY", "valueFrom.secretKeyRef"],
+    ),
+    (
+        "env overriding torchrun's variables",
+        JobBuilder().pod(env=[{"name": "MASTER_ADDR", "value": "10.0.0.1"}]),
+        "spec.pod.env",
+        ["env[0] MASTER_ADDR", "set by the operator"],
+    ),
+    (
+        "env with both value and valueFrom",
+        JobBuilder().pod(
+            env=[
+                {
+                    "name": "X",
+                    "value": "1",
+                    "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                }
+            ]
+        ),
+        "spec.pod.env",
+        ["env[0] X", "exactly one of value or valueFrom"],
+    ),
+    (
+        "pod label the operator selects by",
+        JobBuilder().pod(labels={"meshtrain.io/job": "other"}),
+        "spec.pod.labels",
+        ["meshtrain.io/job", "operator's own"],
+    ),
 ]
 
 

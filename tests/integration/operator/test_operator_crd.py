@@ -101,6 +101,44 @@ INVALID = [
     ),
     ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
     (
+        "env name not a C identifier",
+        _with("spec.pod", {"env": [{"name": "NCCL-IB-HCA", "value": "mlx5"}]}),
+        "spec.pod.env[0].name in body should match",
+    ),
+    (
+        "env credential as a plain value",
+        _with("spec.pod", {"env": [{"name": "HF_TOKEN", "value": "hf_x"}]}),
+        _rule("env-no-plain-secrets"),
+    ),
+    (
+        "env overriding the operator's variables",
+        _with("spec.pod", {"env": [{"name": "PET_NNODES", "value": "1"}]}),
+        _rule("env-not-reserved"),
+    ),
+    (
+        "env valueFrom with two sources",
+        _with(
+            "spec.pod",
+            {
+                "env": [
+                    {
+                        "name": "X",
+                        "valueFrom": {
+                            "fieldRef": {"fieldPath": "spec.nodeName"},
+                            "secretKeyRef": {"name": "s", "key": "k"},
+                        },
+                    }
+                ]
+            },
+        ),
+        _rule("env-value-or-source"),
+    ),
+    (
+        "pod label the operator selects by",
+        _with("spec.pod", {"labels": {"meshtrain.io/attempt": "9"}}),
+        _rule("labels-not-reserved"),
+    ),
+    (
         "unknown schedule (enum)",
         _with("spec.parallelism.schedule", "zero-bubble"),
         'Unsupported value: "zero-bubble"',
