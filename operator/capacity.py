@@ -11,11 +11,11 @@ not plan (see ``placement``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import identity, naming
+from meshtrain.operator import feasibility, identity, naming
 
 
 def _quantity(value: Any) -> int:
@@ -99,3 +99,79 @@ def free_gpus(
         if reservation.node in free:
             free[reservation.node] -= reservation.gpus
     return free
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """True when ``obj`` carries an ownerReference to the object with ``uid``."""
+    return any(
+        ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
+    )
+
+
+def pods_by_node(
+    pods: Iterable[dict[str, Any]], *, skip_owner: str | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Live pods per node they are bound or pinned to; pods owned by UID ``skip_owner`` are left out."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        if not feasibility.holds_resources(pod) or (skip_owner and owned_by(pod, skip_owner)):
+            continue
+        node = identity.planned_node(pod)
+        if node:
+            found.setdefault(node, []).append(pod)
+    return found
+
+
+def offered_nodes(
+    demand: feasibility.Demand,
+    nodes: Iterable[dict[str, Any]],
+    occupants: Mapping[str, list[dict[str, Any]]],
+    *,
+    gpus_per_pod: int,
+    pods_wanted: int,
+) -> tuple[list[placement.Node], list[str]]:
+    """The nodes as the planner should see them, and why the others take no pod.
+
+    A node offers ``slots x gpus_per_pod`` GPUs, where ``slots`` is how many
+    pods of ``demand`` kube-scheduler would bind there together (every filter,
+    every resource; :mod:`feasibility`), so the planner needs no reservations.
+    """
+    offered, refused = [], []
+    for node in nodes:
+        used = feasibility.usage(occupants.get((node.get("metadata") or {}).get("name", ""), []))
+        slots = feasibility.slots(demand, node, used, pods_wanted)
+        if slots == 0:
+            refused.append(feasibility.verdict(demand, node, used) or "no room")
+            continue
+        metadata = node.get("metadata") or {}
+        offered.append(
+            placement.Node(
+                name=metadata.get("name", ""),
+                allocatable_gpus=slots * gpus_per_pod,
+                labels=dict(metadata.get("labels") or {}),
+            )
+        )
+    return offered, refused
+
+
+def infeasible_nodes(
+    demand: feasibility.Demand,
+    planned: Mapping[str, int],
+    nodes: Iterable[dict[str, Any]],
+    occupants: Mapping[str, list[dict[str, Any]]],
+) -> dict[str, str]:
+    """Planned nodes (name -> pods of the gang there) that can no longer take those pods, with why."""
+    by_name = {(n.get("metadata") or {}).get("name"): n for n in nodes}
+    problems = {}
+    for name, count in planned.items():
+        node = by_name.get(name)
+        if node is None:
+            problems[name] = "node deleted"
+            continue
+        used = feasibility.usage(occupants.get(name, []))
+        reason = feasibility.refusal(demand, node) or feasibility.shortage(
+            demand, node, used, count
+        )
+        if reason:
+            problems[name] = reason
+    return problems

@@ -47,7 +47,7 @@ class PodState:
     phase: str
     """Pod phase: Pending, Running, Succeeded, Failed, Unknown."""
     gated: bool
-    """Still carries the gang scheduling gate."""
+    """Still carries the operator's gang scheduling gate (other controllers' gates do not count)."""
     deleting: bool
     """Has a deletionTimestamp."""
     created_at: datetime.datetime | None
@@ -109,7 +109,10 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
         index=index,
         attempt=attempt,
         phase=status.get("phase") or "Pending",
-        gated=bool((pod.get("spec") or {}).get("schedulingGates")),
+        gated=any(
+            gate.get("name") == naming.GANG_GATE
+            for gate in (pod.get("spec") or {}).get("schedulingGates") or []
+        ),
         deleting=bool(metadata.get("deletionTimestamp")),
         created_at=conditions.parse_time(metadata.get("creationTimestamp")),
         node=identity.planned_node(pod),

@@ -26,6 +26,7 @@ import kubernetes
 from meshtrain.operator import metrics, naming
 
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 WATCH_SECONDS = 300
 """Server-side timeout of one watch request; the watcher then resumes from the last version."""
 CONCURRENCY = 32
@@ -188,15 +189,19 @@ class Client:
         await asyncio.gather(*(self.create(manifest=m) for m in manifests))
 
     async def lift_gates(self, *, namespace: str, names: Iterable[str]) -> None:
-        """Remove every scheduling gate from these pods (gone pods are skipped)."""
-        patch = {"spec": {"schedulingGates": None}}
+        """Remove the gang gate, and only it, from these pods (gone pods are skipped).
+
+        A strategic merge patch deletes one entry of the list by its merge key
+        (``name``), so another controller's gate (e.g. Kueue's) stays.
+        """
+        patch = {"spec": {"schedulingGates": [{"name": naming.GANG_GATE, "$patch": "delete"}]}}
         await asyncio.gather(
             *(
                 self._call(
                     "PATCH",
                     f"/api/v1/namespaces/{namespace}/pods/{name}",
                     body=patch,
-                    content_type=MERGE_PATCH,
+                    content_type=STRATEGIC_MERGE_PATCH,
                     ok_statuses=(404,),
                 )
                 for name in names

@@ -567,9 +567,12 @@ def wont_fit(
     }
 
 
-def unplaced(job: JobState, now: datetime.datetime, message: str) -> dict[str, Any]:
+def unplaced(
+    job: JobState,
+    now: datetime.datetime,
+    message: str,
+    reason: str = conditions.GANG_RESTARTING,
+) -> dict[str, Any]:
     """Status fields that drop a recorded placement whose nodes are no longer free (re-plan, not a restart)."""
-    conds = conditions.set(
-        _conds(job), conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, message, now
-    )
+    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
     return {"placement": [], "conditions": conds, "observedGeneration": job.generation}

@@ -17,6 +17,7 @@ no manifest itself (see ``builders``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import datetime
 import logging
@@ -30,6 +31,8 @@ from meshtrain.operator import (
     capacity,
     conditions,
     failure,
+    feasibility,
+    identity,
     kube,
     lifecycle,
     metrics,
@@ -72,6 +75,10 @@ class Outcome:
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
+
+
+def _describe(problems: Mapping[str, str]) -> str:
+    return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
 
 
 def _same(status: dict[str, Any], changes: dict[str, Any]) -> bool:
@@ -179,7 +186,11 @@ class Reconciler:
             )
             return body, job, True
         if isinstance(action, lifecycle.LiftGates):
-            await self.client.lift_gates(namespace=ref.namespace, names=action.names)
+            async with self.placement_lock:
+                moved = await self._planned_nodes_changed(job)
+                if moved:
+                    return await self._replace(body, job, moved)
+                await self.client.lift_gates(namespace=ref.namespace, names=action.names)
             logger.info(
                 "gang of %s/%s complete: lifted %d gate(s)",
                 ref.namespace,
@@ -196,6 +207,50 @@ class Reconciler:
         if isinstance(action, lifecycle.Place):
             return await self._place(action, body, job)
         raise TypeError(f"unknown action {action!r}")
+
+    async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
+        """Planned nodes that, read fresh, can no longer take their pods of the gang (name -> why)."""
+        assert job.spec is not None
+        ref = job.ref
+        live = await self.client.list_pods(namespace=None, live_only=True)
+        gang = [p for p in live if capacity.owned_by(p, ref.uid)]
+        planned = collections.Counter(identity.planned_node(p) or "" for p in gang)
+        if not gang:
+            return {}
+        demand = feasibility.demand_of(gang[0])
+        return capacity.infeasible_nodes(
+            demand,
+            planned,
+            await self.client.list_nodes(),
+            capacity.pods_by_node(live, skip_owner=ref.uid),
+        )
+
+    async def _replace(
+        self, body: dict[str, Any], job: lifecycle.JobState, moved: Mapping[str, str]
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        """The gang is still gated but a planned node changed: delete its pods and place it again.
+
+        A re-placement, not a restart: no pod ran, ``restarts`` is unchanged.
+        """
+        ref = job.ref
+        message = (
+            f"planned node(s) can no longer take the gang before its gates were lifted "
+            f"({_describe(moved)}); placing it again"
+        )
+        logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+        pods = await self.client.list_pods(
+            namespace=ref.namespace, selector=naming.job_selector(ref.name)
+        )
+        await self.client.delete_pods(
+            namespace=ref.namespace,
+            names=[p["metadata"]["name"] for p in pods if capacity.owned_by(p, ref.uid)],
+            grace_seconds=0,
+        )
+        body, job, _ = await self._set_status(
+            body, job, lifecycle.unplaced(job, _now(), message, conditions.NODES_CHANGED)
+        )
+        await self._emit(body, "Warning", conditions.NODES_CHANGED, message)
+        return body, job, True
 
     async def _poll(
         self, action: lifecycle.PollProgress, body: dict[str, Any], job: lifecycle.JobState
@@ -225,19 +280,18 @@ class Reconciler:
         gpu = spec.resources.gpu_resource_name
         async with self.placement_lock:
             started = time.perf_counter()
-            nodes = [capacity.node_from_manifest(n, gpu) for n in await self.client.list_nodes()]
+            raw_nodes = await self.client.list_nodes()
+            nodes = [capacity.node_from_manifest(n, gpu) for n in raw_nodes]
             live = await self.client.list_pods(namespace=None, live_only=True)
-            taken = capacity.reservations(live, gpu, exclude=(ref.namespace, ref.name))
+            demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
             now = _now()
             if action.missing is not None:
                 recorded = {p["podIndex"]: p["node"] for p in job.status.get("placement") or []}
-                own = [p for p in live if capacity.belongs_to(p, ref.namespace, ref.name)]
-                free = capacity.free_gpus(nodes, [*taken, *capacity.reservations(own, gpu)])
-                for index in action.missing:
-                    free[recorded.get(index, "")] = (
-                        free.get(recorded.get(index, ""), 0) - spec.resources.gpus_per_node
-                    )
-                if all(free.get(recorded.get(i, ""), -1) >= 0 for i in action.missing):
+                wanted = collections.Counter(recorded.get(i, "") for i in action.missing)
+                blocked = capacity.infeasible_nodes(
+                    demand, wanted, raw_nodes, capacity.pods_by_node(live)
+                )
+                if not blocked:
                     pods = [
                         builders.build_pod(
                             ref,
@@ -254,7 +308,8 @@ class Reconciler:
                         "re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name
                     )
                     return body, job, True
-                message = "recorded nodes are no longer free; planning the gang again"
+                own = [p for p in live if capacity.owned_by(p, ref.uid)]
+                message = f"recorded nodes can no longer take the gang ({_describe(blocked)}); planning it again"
                 await self.client.delete_pods(
                     namespace=ref.namespace, names=[p["metadata"]["name"] for p in own]
                 )
@@ -268,11 +323,22 @@ class Reconciler:
                 )
                 await self._emit(body, "Warning", verdict.reason, verdict.message)
                 return body, job, changed
+            offered, refused = capacity.offered_nodes(
+                demand,
+                raw_nodes,
+                capacity.pods_by_node(live, skip_owner=ref.uid),
+                gpus_per_pod=spec.resources.gpus_per_node,
+                pods_wanted=spec.pods,
+            )
             plan = verdict.summary if verdict is not None else None
-            answer = placement.plan(placement_request.request_from_spec(spec), nodes, taken)
+            answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
             metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
             if isinstance(answer, placement.Unschedulable):
                 metrics.PLACEMENT_FAILURES.labels(reason=answer.reason).inc()
+                answer = dataclasses.replace(
+                    answer,
+                    message=f"{answer.message}; {feasibility.summary(refused, len(raw_nodes))}",
+                )
                 before = (
                     conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
                 )
@@ -299,7 +365,13 @@ class Reconciler:
                 self.client.create_or_patch(manifest=builders.build_service(ref, spec)),
             )
             await self.client.create_many(
-                manifests=builders.build_pods(ref, spec, action.attempt, answer.nodes)
+                manifests=builders.build_pods(
+                    ref,
+                    spec,
+                    action.attempt,
+                    answer.nodes,
+                    default_image=self.settings.trainer_image,
+                )
             )
         logger.info(
             "placed %s/%s %s on %d node(s)",

@@ -1,0 +1,276 @@
+"""The operator's feasibility verdict against the real kube-scheduler, node by node.
+
+Random small clusters (taints, Ready states, cordons, labels, allocatable cpu,
+memory, ephemeral storage, GPUs, RDMA devices and pod capacity) get random
+foreign pods bound to their nodes (containers, init containers, sidecars,
+finished pods).  For every node, a probe — the pod the operator would create
+for a random TrainingJob, ungated, pinned to that node — is handed to
+kube-scheduler.  The scheduler binding it or reporting it Unschedulable is the
+truth; ``feasibility.verdict`` on the same objects read back from the API
+server must agree for every node.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from meshtrain import controlplane
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import builders, feasibility
+from tests.integration.operator.cluster import wait_for
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 12
+NODE_TAINTS = (
+    {"key": "dedicated", "value": "other", "effect": "NoSchedule"},
+    {"key": "dedicated", "value": "train", "effect": "NoSchedule"},
+    {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+    {"key": "maintenance", "value": "soon", "effect": "NoExecute"},
+    {"key": "spot", "value": "yes", "effect": "PreferNoSchedule"},
+)
+JOB_TOLERATIONS = (
+    {"key": "dedicated", "operator": "Equal", "value": "train", "effect": "NoSchedule"},
+    {"key": "nvidia.com/gpu", "operator": "Exists"},
+    {"key": "maintenance", "operator": "Exists", "effect": "NoExecute"},
+    {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"},
+)
+NOT_READY_TAINTS = {
+    "False": {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"},
+    "Unknown": {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+}
+"""What the node lifecycle controller adds for a Ready condition that is not True."""
+
+
+@pytest.fixture(scope="module")
+def scheduled(control_plane_binaries) -> Iterator[kubernetes.client.CoreV1Api]:
+    """An API server with kube-scheduler and no controller-manager (nobody rewrites node state)."""
+    with controlplane.ControlPlane(binaries=control_plane_binaries, with_scheduler=True) as plane:
+        api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+        core = kubernetes.client.CoreV1Api(api)
+        core.create_namespace({"metadata": {"name": "probe"}})
+        wait_for(
+            "default service account not needed; namespace active",
+            lambda: core.read_namespace("probe").status.phase == "Active",
+        )
+        yield core
+        api.close()
+
+
+def _random_node(rng: random.Random, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(Node object, status patch)."""
+    ready = rng.choices(["True", "False", "Unknown"], weights=[12, 1, 1])[0]
+    taints: list[dict[str, str]] = []
+    for taint in NODE_TAINTS:  # unique by (key, effect), as the API requires
+        if rng.random() < 0.12 and all(t["key"] != taint["key"] for t in taints):
+            taints.append(dict(taint))
+    if ready in NOT_READY_TAINTS:
+        taints.append(dict(NOT_READY_TAINTS[ready]))
+    node = {
+        "metadata": {
+            "name": name,
+            "labels": {"kubernetes.io/hostname": name, "pool": rng.choice(["a", "b"])},
+        },
+        "spec": {"unschedulable": rng.random() < 0.1, "taints": taints},
+    }
+    allocatable = {
+        "cpu": rng.choice(["4", "8", "15500m"]),
+        "memory": rng.choice(["16Gi", "64Gi", "100000Mi"]),
+        "pods": rng.choice(["2", "4", "110"]),
+        "nvidia.com/gpu": rng.choice(["0", "2", "4", "8"]),
+    }
+    if rng.random() < 0.7:
+        allocatable["ephemeral-storage"] = rng.choice(["20Gi", "100Gi"])
+    if rng.random() < 0.5:
+        allocatable["rdma/ib"] = rng.choice(["1", "4"])
+    status = {
+        "capacity": dict(allocatable),
+        "allocatable": allocatable,
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": ready,
+                "reason": "KubeletReady" if ready == "True" else "Simulated",
+                "message": "simulated node",
+                "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
+    }
+    return node, {"status": status}
+
+
+def _requests(rng: random.Random) -> dict[str, str]:
+    amounts: dict[str, str] = {}
+    if rng.random() < 0.7:
+        amounts["cpu"] = rng.choice(["250m", "1", "2500m", "4"])
+    if rng.random() < 0.7:
+        amounts["memory"] = rng.choice(["512Mi", "4Gi", "16Gi", "30Gi"])
+    if rng.random() < 0.3:
+        amounts["ephemeral-storage"] = rng.choice(["1Gi", "10Gi", "60Gi"])
+    if rng.random() < 0.3:
+        amounts["nvidia.com/gpu"] = rng.choice(["1", "2", "4"])
+    if rng.random() < 0.15:
+        amounts["rdma/ib"] = "1"
+    return amounts
+
+
+def _container(rng: random.Random, name: str) -> dict[str, Any]:
+    requests = _requests(rng)
+    extended = {k: v for k, v in requests.items() if "/" in k}
+    resources: dict[str, Any] = {"requests": requests}
+    if extended:
+        resources["limits"] = extended  # extended resources need limit == request
+    return {"name": name, "image": "pause", "resources": resources}
+
+
+def _foreign_pod(rng: random.Random, node: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "nodeName": node,
+        "containers": [_container(rng, f"c{i}") for i in range(rng.randint(1, 2))],
+    }
+    init = []
+    for i in range(rng.choice([0, 0, 1, 2])):
+        container = _container(rng, f"i{i}")
+        if rng.random() < 0.5:
+            container["restartPolicy"] = "Always"  # a sidecar
+        init.append(container)
+    if init:
+        spec["initContainers"] = init
+    return {"metadata": {"name": f"foreign-{uuid.uuid4().hex[:8]}"}, "spec": spec}
+
+
+def _probe(rng: random.Random, node: str) -> dict[str, Any]:
+    """The pod the operator would create for a random job, pinned to ``node``, without its gate."""
+    gpus = rng.choice([1, 2, 4])
+    resources: dict[str, Any] = {"gpusPerNode": gpus}
+    if rng.random() < 0.6:
+        resources["cpu"] = rng.choice(["1", "3", "8"])
+    if rng.random() < 0.6:
+        resources["memory"] = rng.choice(["2Gi", "20Gi", "48Gi"])
+    if rng.random() < 0.3:
+        resources["extraResources"] = {"rdma/ib": "1"}
+    if rng.random() < 0.5:
+        resources["tolerations"] = [t for t in JOB_TOLERATIONS if rng.random() < 0.5]
+    if rng.random() < 0.3:
+        resources["nodeSelector"] = {"pool": "a"}
+    spec = api_spec.parse_spec(
+        {
+            "parallelism": {"data": gpus, "pipeline": 1, "tensor": 1},
+            "resources": resources,
+            "model": {"preset": "tiny"},
+        }
+    )
+    ref = builders.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
+    pod = builders.build_pod(ref, spec, 0, 0, node)
+    pod["metadata"].pop("ownerReferences")
+    pod["spec"].pop("schedulingGates")
+    if rng.random() < 0.3:
+        requests = pod["spec"]["containers"][0]["resources"]["requests"]
+        requests["ephemeral-storage"] = rng.choice(["5Gi", "50Gi"])
+    return pod
+
+
+def _scheduler_verdict(core: kubernetes.client.CoreV1Api, name: str) -> tuple[bool, str] | None:
+    pod = core.read_namespaced_pod(name, "probe")
+    if pod.spec.node_name:
+        return True, ""
+    for condition in pod.status.conditions or []:
+        if (
+            condition.type == "PodScheduled"
+            and condition.status == "False"
+            and condition.reason == "Unschedulable"
+        ):
+            return False, condition.message or ""
+    return None
+
+
+def _ignore_missing(call: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        call(*args, **kwargs)
+    except kubernetes.client.ApiException as err:
+        if err.status != 404:
+            raise
+
+
+def _round(core: kubernetes.client.CoreV1Api, rng: random.Random) -> list[dict[str, Any]]:
+    """One random cluster; every node's verdicts (operator's and scheduler's)."""
+    api = core.api_client
+    names = [f"n{uuid.uuid4().hex[:6]}" for _ in range(rng.randint(3, 6))]
+    foreign: list[str] = []
+    probes: dict[str, str] = {}
+    try:
+        for name in names:
+            node, status = _random_node(rng, name)
+            core.create_node(node)
+            # the TaintNodesByCondition admission plugin taints every new node not-ready; the
+            # node lifecycle controller would lift it once Ready is True (there is none here)
+            core.patch_node(name, {"spec": {"taints": node["spec"]["taints"]}})
+            core.patch_node_status(name, status)
+        for name in names:
+            for _ in range(rng.randint(0, 4)):
+                pod = core.create_namespaced_pod("probe", _foreign_pod(rng, name))
+                foreign.append(pod.metadata.name)
+                if rng.random() < 0.25:
+                    core.patch_namespaced_pod_status(
+                        pod.metadata.name, "probe", {"status": {"phase": "Succeeded"}}
+                    )
+        time.sleep(1.0)  # the scheduler's cache follows the pod watch
+        for name in names:
+            probe = _probe(rng, name)
+            core.create_namespaced_pod("probe", probe)
+            probes[name] = probe["metadata"]["name"]
+        results = []
+        for name in names:
+            truth = wait_for(
+                f"scheduler decision on {probes[name]}",
+                lambda n=name: _scheduler_verdict(core, probes[n]),
+                timeout=30,
+            )
+            node_obj = api.sanitize_for_serialization(core.read_node(name))
+            pods = [
+                api.sanitize_for_serialization(p)
+                for p in core.list_namespaced_pod(
+                    "probe", field_selector=f"spec.nodeName={name}"
+                ).items
+                if p.metadata.name != probes[name]
+            ]
+            probe_obj = api.sanitize_for_serialization(
+                core.read_namespaced_pod(probes[name], "probe")
+            )
+            reason = feasibility.verdict(
+                feasibility.demand_of(probe_obj), node_obj, feasibility.usage(pods)
+            )
+            results.append(
+                {
+                    "node": name,
+                    "scheduler_binds": truth[0],
+                    "scheduler_message": truth[1],
+                    "operator_reason": reason,
+                }
+            )
+        return results
+    finally:
+        for pod in [*foreign, *probes.values()]:
+            _ignore_missing(core.delete_namespaced_pod, pod, "probe", grace_period_seconds=0)
+        for name in names:
+            _ignore_missing(core.delete_node, name)
+
+
+def test_operator_verdict_equals_the_scheduler_on_every_node_of_random_clusters(scheduled):
+    rng = random.Random(20261123)
+    results = [verdict for _ in range(ROUNDS) for verdict in _round(scheduled, rng)]
+    disagreements = [r for r in results if r["scheduler_binds"] != (r["operator_reason"] is None)]
+    assert not disagreements, disagreements
+    reasons = collections.Counter(r["operator_reason"] for r in results)
+    # the clusters must exercise both answers and several filters, or agreement proves little
+    assert reasons[None] >= 5 and len(results) - reasons[None] >= 5, reasons
+    assert len(reasons) >= 5, reasons
