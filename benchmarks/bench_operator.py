@@ -110,8 +110,12 @@ def _add_nodes(core: kubernetes.client.CoreV1Api, count: int, gpus: int) -> None
     for index in range(count):
         name = f"gpu-{index:04d}"
         core.create_node({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}})
+        core.patch_node(name, {"spec": {"taints": []}})  # as the node lifecycle controller would
         amounts = {"nvidia.com/gpu": str(gpus), "cpu": "96", "memory": "1Ti", "pods": "110"}
-        core.patch_node_status(name, {"status": {"capacity": amounts, "allocatable": amounts}})
+        ready = [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": ""}]
+        core.patch_node_status(
+            name, {"status": {"capacity": amounts, "allocatable": amounts, "conditions": ready}}
+        )
 
 
 def _job(name: str, namespace: str, pods: int, suspend: bool = False) -> dict[str, Any]:

@@ -56,9 +56,9 @@ class Settings:
     progress_timeout_seconds: float = 2.0
     """Timeout of one /progress request."""
     gpu_profile: profiles.Profile | None = None
+    """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
     trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
     """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
-    """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,7 +132,9 @@ class Cluster:
         gpus: int = 8,
         labels: dict[str, str] | None = None,
         name: str | None = None,
+        taints: list[dict[str, str]] | None = None,
     ) -> str:
+        """A Ready node of ``pool`` with ``gpus`` GPUs (and plenty of cpu, memory and pod slots)."""
         name = name or f"{pool}-{uuid.uuid4().hex[:6]}"
         body = {
             "metadata": {
@@ -145,10 +147,21 @@ class Cluster:
             }
         }
         self.core.create_node(body)
+        # What the node lifecycle controller does once the kubelet reports Ready (neither runs
+        # here): drop the not-ready taint the TaintNodesByCondition admission plugin adds.
+        self.core.patch_node(name, {"spec": {"taints": taints or []}})
         self.core.patch_node_status(
             name,
             {
                 "status": {
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "reason": "KubeletReady",
+                            "message": "simulated node",
+                        }
+                    ],
                     "capacity": {
                         "nvidia.com/gpu": str(gpus),
                         "cpu": "64",

@@ -24,7 +24,7 @@ import pytest
 
 from meshtrain import controlplane
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, feasibility
+from meshtrain.operator import builders, feasibility, identity
 from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
@@ -169,7 +169,7 @@ def _probe(rng: random.Random, node: str) -> dict[str, Any]:
             "model": {"preset": "tiny"},
         }
     )
-    ref = builders.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
+    ref = identity.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
     pod = builders.build_pod(ref, spec, 0, 0, node)
     pod["metadata"].pop("ownerReferences")
     pod["spec"].pop("schedulingGates")

@@ -1,0 +1,106 @@
+"""The gang gate against a real API server: only ours is lifted, and only onto nodes that still fit.
+
+The reconciler runs in this process, one pass at a time, on a private API
+server (no operator subprocess races it), so the test can change the cluster
+between the pass that creates the gated gang and the pass that lifts its gates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+
+from meshtrain import controlplane
+from meshtrain.operator import conditions, failure, kube, naming, reconciler
+from tests.integration.operator.cluster import Cluster, Job
+
+pytestmark = pytest.mark.integration
+
+OTHER_GATE = "kueue.x-k8s.io/admission"
+
+
+@pytest.fixture(scope="module")
+def private(control_plane_binaries) -> Iterator[Cluster]:
+    with controlplane.ControlPlane(binaries=control_plane_binaries) as plane:
+        api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+        found = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
+        found.install_crds()
+        found.core.create_namespace({"metadata": {"name": "gates"}})
+        yield found
+        api.close()
+
+
+def _pass(cluster: Cluster, name: str, passes: int = 1) -> None:
+    async def run() -> None:
+        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
+        try:
+            worker = reconciler.Reconciler(client=client, settings=reconciler.Settings())
+            for _ in range(passes):
+                await worker.reconcile(namespace="gates", name=name)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
+    pod = {
+        "metadata": {"name": "two-gates", "labels": {naming.LABEL_JOB: "x"}},
+        "spec": {
+            "schedulingGates": [{"name": OTHER_GATE}, {"name": naming.GANG_GATE}],
+            "containers": [{"name": "c", "image": "pause"}],
+        },
+    }
+    private.core.create_namespaced_pod("gates", pod)
+
+    async def lift() -> None:
+        client = await kube.Client.connect(kubeconfig=private.kubeconfig)
+        try:
+            await client.lift_gates(namespace="gates", names=["two-gates"])
+        finally:
+            await client.close()
+
+    asyncio.run(lift())
+    read = private.core.read_namespaced_pod("two-gates", "gates")
+    assert [g.name for g in read.spec.scheduling_gates] == [OTHER_GATE]
+    state = failure.pod_state(
+        {
+            **private.core.api_client.sanitize_for_serialization(read),
+            "metadata": {
+                "name": "two-gates",
+                "labels": {naming.LABEL_NODE_RANK: "0", naming.LABEL_ATTEMPT: "0"},
+            },
+        }
+    )
+    assert state is not None and not state.gated  # another controller's gate is not ours
+
+
+def test_a_planned_node_tainted_before_the_gates_lift_gets_the_gang_placed_again(private):
+    pool = "replace"
+    first = private.add_node(pool, gpus=4, name="replace-a")
+    private.apply(Job("moved", "gates", pool).layout(data=4).gpus(4))
+    _pass(private, "moved")  # plans onto the only node and creates the gated pod
+    [pod] = private.pods("gates", "moved")
+    assert (
+        pod.spec.scheduling_gates
+        and private.status("gates", "moved")["placement"][0]["node"] == first
+    )
+
+    private.core.patch_node(first, {"spec": {"taints": [{"key": "maint", "effect": "NoSchedule"}]}})
+    second = private.add_node(pool, gpus=4, name="replace-b")
+    _pass(private, "moved")  # would lift the gate: re-verifies the node instead
+    placed = private.condition("gates", "moved", conditions.PLACED)
+    assert placed["status"] == "False" and placed["reason"] == conditions.NODES_CHANGED
+    assert "replace-a: node(s) had untolerated taint(s)" in placed["message"]
+    events = private.core.list_namespaced_event("gates").items
+    assert any(e.reason == conditions.NODES_CHANGED for e in events)
+
+    _pass(private, "moved", passes=4)  # old pod gone, placed again, gate lifted
+    [pod] = private.pods("gates", "moved")
+    assert pod.metadata.annotations[naming.ANNOTATION_NODE] == second
+    assert not pod.spec.scheduling_gates
+    status = private.status("gates", "moved")
+    assert status.get("restarts", 0) == 0  # a re-placement, not a restart
