@@ -23,7 +23,7 @@ import kubernetes
 import pytest
 
 from meshtrain import controlplane
-from meshtrain.api import spec as api_spec
+from meshtrain.api import loading
 from meshtrain.operator import builders, feasibility, identity
 from tests.integration.operator.cluster import wait_for
 
@@ -162,7 +162,7 @@ def _probe(rng: random.Random, node: str) -> dict[str, Any]:
         resources["tolerations"] = [t for t in JOB_TOLERATIONS if rng.random() < 0.5]
     if rng.random() < 0.3:
         resources["nodeSelector"] = {"pool": "a"}
-    spec = api_spec.parse_spec(
+    spec = loading.parse_spec(
         {
             "parallelism": {"data": gpus, "pipeline": 1, "tensor": 1},
             "resources": resources,
