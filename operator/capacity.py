@@ -1,7 +1,8 @@
 """Cluster objects -> the planner's values: nodes with GPUs, and GPUs already taken.
 
-What it is: pure functions that read Node and Pod manifests into
-:class:`placement.Node` and :class:`placement.Reservation`.  Reservations are
+What it is: pure functions that read Pod manifests into
+:class:`placement.Reservation` (Node manifests are read by
+:func:`placement.node_from_manifest`, which the planner shares).  Reservations are
 derived from pods alone (their bound node, or the node their required affinity
 pins them to, and their GPU request), so they survive an operator restart:
 GPUs planned for one gang are held by that gang's (gated) pods from the moment
@@ -18,26 +19,6 @@ from meshtrain import placement
 from meshtrain.operator import feasibility, identity, naming
 
 
-def _quantity(value: Any) -> int:
-    """An extended-resource quantity (a plain integer string such as ``"8"``)."""
-    try:
-        return int(str(value))
-    except ValueError:
-        return 0
-
-
-def node_from_manifest(node: dict[str, Any], gpu_resource: str) -> placement.Node:
-    """A Node object as the planner sees it: allocatable GPUs, labels, cordon."""
-    metadata = node.get("metadata") or {}
-    allocatable = (node.get("status") or {}).get("allocatable") or {}
-    return placement.Node(
-        name=metadata.get("name", ""),
-        allocatable_gpus=_quantity(allocatable.get(gpu_resource, 0)),
-        labels=dict(metadata.get("labels") or {}),
-        unschedulable=bool((node.get("spec") or {}).get("unschedulable")),
-    )
-
-
 def pod_gpus(pod: dict[str, Any], gpu_resource: str) -> int:
     """GPUs a pod requests (limits count where requests are absent, as for extended resources)."""
     total = 0
@@ -46,7 +27,7 @@ def pod_gpus(pod: dict[str, Any], gpu_resource: str) -> int:
         amount = (resources.get("requests") or {}).get(
             gpu_resource, (resources.get("limits") or {}).get(gpu_resource, 0)
         )
-        total += _quantity(amount)
+        total += placement.resource_count(amount)
     return total
 
 

@@ -281,7 +281,7 @@ class Reconciler:
         async with self.placement_lock:
             started = time.perf_counter()
             raw_nodes = await self.client.list_nodes()
-            nodes = [capacity.node_from_manifest(n, gpu) for n in raw_nodes]
+            nodes = [placement.node_from_manifest(n, gpu) for n in raw_nodes]
             live = await self.client.list_pods(namespace=None, live_only=True)
             demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
             now = _now()

@@ -23,6 +23,7 @@ from meshtrain.placement.model import (
     Reservation,
     Unschedulable,
 )
+from meshtrain.placement.nodes import node_from_manifest, resource_count
 from meshtrain.placement.planner import first_fit, plan
 
 __all__ = [
@@ -35,5 +36,7 @@ __all__ = [
     "Reservation",
     "Unschedulable",
     "first_fit",
+    "node_from_manifest",
     "plan",
+    "resource_count",
 ]

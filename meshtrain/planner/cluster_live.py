@@ -4,7 +4,7 @@ What it is: the planner's only Kubernetes I/O, one function that lists the
 cluster's Node objects with the official ``kubernetes`` client (kubeconfig
 from ``$KUBECONFIG`` or ``~/.kube/config``, or the in-cluster service
 account) and turns each into a placement :class:`~meshtrain.placement.Node`
-with the operator's own converter (:func:`meshtrain.operator.capacity.node_from_manifest`),
+with the converter the operator uses too (:func:`meshtrain.placement.node_from_manifest`),
 so the planner and the operator see the same allocatable GPUs and labels.
 
 What it is not: a view of what is free.  GPUs already used by running pods
@@ -20,7 +20,6 @@ from pathlib import Path
 import kubernetes
 
 from meshtrain import placement
-from meshtrain.operator import capacity
 
 DEFAULT_KUBECONFIG = "~/.kube/config"
 """Kubeconfig read when neither an argument nor ``$KUBECONFIG`` names one."""
@@ -56,4 +55,4 @@ def list_nodes(
         raise ClusterUnavailable(
             f"cannot list nodes of the cluster ({config_file}): {err}"
         ) from None
-    return [capacity.node_from_manifest(manifest, gpu_resource) for manifest in manifests]
+    return [placement.node_from_manifest(manifest, gpu_resource) for manifest in manifests]

@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from meshtrain import cli
+from meshtrain import cli, placement
 from meshtrain.api import loading
 from meshtrain.operator import builders, capacity, command, conditions, identity, progress, watcher
 from meshtrain.planner import profiles
@@ -63,7 +63,7 @@ def test_reservations_come_from_live_pods_with_their_planned_node():
     taken = capacity.reservations(pods, "nvidia.com/gpu", exclude=("ns", "me"))
     assert sorted((r.node, r.gpus) for r in taken) == [("n1", 2), ("n1", 4)]
     nodes = [
-        capacity.node_from_manifest(
+        placement.node_from_manifest(
             {
                 "metadata": {"name": n, "labels": {"x": "y"}},
                 "status": {"allocatable": {"nvidia.com/gpu": "8"}},
@@ -77,7 +77,7 @@ def test_reservations_come_from_live_pods_with_their_planned_node():
 
 
 def test_cordoned_nodes_offer_nothing():
-    node = capacity.node_from_manifest(
+    node = placement.node_from_manifest(
         {
             "metadata": {"name": "n"},
             "spec": {"unschedulable": True},

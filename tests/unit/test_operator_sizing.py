@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
-from meshtrain.operator import capacity, progress, sizing
+from meshtrain.operator import progress, sizing
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodes as sandbox_nodes
 from tests.unit.builders import JobBuilder
@@ -142,7 +142,7 @@ def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
     manifest.update(
         sandbox_nodes.build_node_status(sandbox_nodes.topology()[0], heartbeat="t", ready_since="t")
     )
-    found = capacity.node_from_manifest(manifest, "nvidia.com/gpu")
+    found = placement.node_from_manifest(manifest, "nvidia.com/gpu")
     spec = loading.parse_spec(TINY_FP32)
     assert sizing.candidates(spec, [found]) == [found]
     assert admission.profile_for_labels(found.labels) is None
