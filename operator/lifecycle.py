@@ -1,11 +1,9 @@
 """The TrainingJob state machine: observed job + pods + time -> actions.
 
-What it is: :func:`decide`, a pure function from what the operator observes
-(the job object and its pods) and the current time to the actions that move
-the job towards its desired state, plus the status changes a placement answer
-produces (:func:`placed`, :func:`unschedulable`, :func:`wont_fit`).  What it is not: it performs
-no I/O, plans no placement and builds no manifests (the reconciler does that
-with ``placement`` and ``builders``).
+:func:`decide` maps what the operator observes (the job object and its pods)
+and the current time to the actions that move the job towards its desired
+state; :func:`placed`, :func:`unschedulable`, :func:`wont_fit` and
+:func:`recover_missing` turn a placement answer into status changes.
 
 States (``status.phase``)::
 
@@ -33,6 +31,7 @@ actions, leads to the same next decision.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,6 @@ class JobState:
     """A TrainingJob as the state machine sees it."""
 
     ref: identity.JobRef
-    """Name, namespace and uid."""
     generation: int
     """metadata.generation (becomes status.observedGeneration)."""
     spec: api_spec.TrainingJobSpec | None
@@ -576,3 +574,40 @@ def unplaced(
     """Status fields that drop a recorded placement whose nodes are no longer free (re-plan, not a restart)."""
     conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
     return {"placement": [], "conditions": conds, "observedGeneration": job.generation}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recreate:
+    """Re-create the missing pods of a still-gated gang on their recorded nodes."""
+
+    nodes: tuple[tuple[int, str], ...]
+    """(pod index, recorded node) of each missing pod."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replan:
+    """Delete the gang's pods and drop its placement: a recorded node can no longer take its pods."""
+
+    status: dict[str, Any]
+
+
+def _recorded(job: JobState) -> dict[int, str]:
+    return {p["podIndex"]: p["node"] for p in job.status.get("placement") or []}
+
+
+def missing_per_node(job: JobState, missing: Sequence[int]) -> collections.Counter[str]:
+    """Recorded node -> how many ``missing`` pods it must take again ("" for an index without one)."""
+    recorded = _recorded(job)
+    return collections.Counter(recorded.get(i, "") for i in missing)
+
+
+def recover_missing(
+    job: JobState, missing: Sequence[int], blocked: Mapping[str, str], now: datetime.datetime
+) -> Recreate | Replan:
+    """Crash recovery of a gated gang, given the recorded nodes that can no longer take their pods."""
+    if not blocked:
+        recorded = _recorded(job)
+        return Recreate(tuple((i, recorded[i]) for i in missing))
+    why = ", ".join(f"{node}: {reason}" for node, reason in sorted(blocked.items()))
+    message = f"recorded nodes can no longer take the gang ({why}); planning it again"
+    return Replan(unplaced(job, now, message))

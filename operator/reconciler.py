@@ -286,22 +286,22 @@ class Reconciler:
             demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
             now = _now()
             if action.missing is not None:
-                recorded = {p["podIndex"]: p["node"] for p in job.status.get("placement") or []}
-                wanted = collections.Counter(recorded.get(i, "") for i in action.missing)
+                wanted = lifecycle.missing_per_node(job, action.missing)
                 blocked = capacity.infeasible_nodes(
                     demand, wanted, raw_nodes, capacity.pods_by_node(live)
                 )
-                if not blocked:
+                recovery = lifecycle.recover_missing(job, action.missing, blocked, now)
+                if isinstance(recovery, lifecycle.Recreate):
                     pods = [
                         builders.build_pod(
                             ref,
                             spec,
                             action.attempt,
                             i,
-                            recorded[i],
+                            node,
                             default_image=self.settings.trainer_image,
                         )
-                        for i in action.missing
+                        for i, node in recovery.nodes
                     ]
                     await self.client.create_many(manifests=pods)
                     logger.info(
@@ -309,11 +309,10 @@ class Reconciler:
                     )
                     return body, job, True
                 own = [p for p in live if capacity.owned_by(p, ref.uid)]
-                message = f"recorded nodes can no longer take the gang ({_describe(blocked)}); planning it again"
                 await self.client.delete_pods(
                     namespace=ref.namespace, names=[p["metadata"]["name"] for p in own]
                 )
-                return await self._set_status(body, job, lifecycle.unplaced(job, now, message))
+                return await self._set_status(body, job, recovery.status)
             verdict = self._admit(job, nodes)
             if isinstance(verdict, sizing.Refused):
                 logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)

@@ -321,6 +321,28 @@ def test_gates_are_not_lifted_while_a_pod_is_missing():
     assert decision.actions[0] == lifecycle.Place(attempt=0, missing=(0,))
 
 
+def test_missing_pods_are_counted_on_their_recorded_nodes():
+    state = job(**placed_status())
+    assert lifecycle.missing_per_node(state, (0, 1)) == {"n0": 1, "n1": 1}
+    assert lifecycle.missing_per_node(job(phase="Placing"), (0,)) == {"": 1}
+
+
+def test_missing_pods_are_recreated_where_the_recorded_nodes_still_take_them():
+    recovery = lifecycle.recover_missing(job(**placed_status()), (1,), {}, at(1))
+    assert recovery == lifecycle.Recreate(nodes=((1, "n1"),))
+
+
+def test_a_blocked_recorded_node_drops_the_placement_to_plan_again():
+    recovery = lifecycle.recover_missing(
+        job(**placed_status()), (0,), {"n0": "node deleted"}, at(1)
+    )
+    assert isinstance(recovery, lifecycle.Replan)
+    assert recovery.status["placement"] == []
+    placed = conditions.find(recovery.status["conditions"], conditions.PLACED)
+    assert placed["status"] == conditions.FALSE
+    assert "n0: node deleted" in placed["message"]
+
+
 def test_startup_timeout_requeues_for_the_remaining_time():
     decision = lifecycle.decide(
         job(**placed_status()), [pod(0, "Running"), pod(1, "Pending")], at(100)
