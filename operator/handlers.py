@@ -1,7 +1,7 @@
 """kopf handlers of the meshtrain operator: thin wiring of watches to the reconciler.
 
 What it is: one kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
-by events of the job, by the pod and node watches of ``watcher``, or by a
+by events of the job, by the pod and node informers of ``informer``, or by a
 timer), a
 deletion handler that removes the job's children, and start-up/clean-up of
 the shared API client.  Daemons are stopped by kopf when the job is deleted,
@@ -17,11 +17,10 @@ import asyncio
 import logging
 from typing import Any
 
-import aiohttp
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import kube, naming, reconciler, watcher
+from meshtrain.operator import informer, kube, naming, reconciler
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
 ERROR_BACKOFF_SECONDS = 2.0
@@ -63,19 +62,10 @@ class Wakeups:
 
 
 @kopf.on.login()
-def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """kopf's watches use the same credentials as the operator's client (``--kubeconfig`` or in-cluster)."""
-    config = kube.load_configuration(kubeconfig=memo.kubeconfig)
-    token = kube.bearer_token(config)
-    return kopf.ConnectionInfo(
-        server=config.host,
-        ca_path=config.ssl_ca_cert,
-        insecure=not config.verify_ssl,
-        scheme="Bearer" if token else None,
-        token=token,
-        certificate_path=config.cert_file,
-        private_key_path=config.key_file,
-    )
+    found = await kube.connection(memo.kubeconfig)
+    return kopf.ConnectionInfo(scheme="Bearer" if found["token"] else None, **found)
 
 
 @kopf.on.startup()
@@ -91,9 +81,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     )
     settings.watching.server_timeout = 300
     client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
-    memo.reconciler = reconciler.Reconciler(client=client, settings=memo.settings)
+    cache = informer.Cache()
+    client.on_write = cache.learn
+    memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=memo.settings)
     memo.wakeups = Wakeups()
-    memo.watches = asyncio.create_task(watcher.run(client, memo.wakeups, memo.namespaces))
+    memo.watches = asyncio.create_task(cache.run(client, memo.wakeups))
 
 
 @kopf.on.cleanup()
@@ -126,7 +118,10 @@ async def run_job(
             wake.clear()
             try:
                 outcome = await memo.reconciler.reconcile(namespace=namespace, name=name)
-            except (TimeoutError, kube.ApiError, aiohttp.ClientError, OSError) as err:
+            except kube.Conflict as err:  # the job changed under the pass: decide again from it
+                logger.info("reconcile of %s/%s raced a write, again: %s", namespace, name, err)
+                outcome = reconciler.Outcome(changed=True, requeue_after=0)
+            except (TimeoutError, kube.ApiError, OSError) as err:
                 logger.warning("reconcile of %s/%s failed, retrying: %s", namespace, name, err)
                 outcome = reconciler.Outcome(changed=False, requeue_after=ERROR_BACKOFF_SECONDS)
             if outcome.gone or outcome.done:

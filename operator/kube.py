@@ -1,14 +1,16 @@
-"""The operator's Kubernetes API client: the only module that sends API requests.
+"""The operator's Kubernetes API client: every API request the operator sends goes through here.
 
-What it is: a small asyncio client over aiohttp with one keyword-only method
-per API call the operator makes (so ``docs/operator.md`` can list the exact
-RBAC verbs), each returning plain dict bodies.  Credentials come from a
-kubeconfig or the in-cluster service account, read with the ``kubernetes``
-package's loaders.  ``AlreadyExists`` on create and ``NotFound`` on delete are
-answers, not errors: every write is idempotent.
-
-What it is not: no caching, no retries beyond the caller's reconcile loop, no
-watches (kopf owns those), and no decisions.
+Built on ``kubernetes_asyncio`` (why: docs/architecture.md), which loads a
+kubeconfig or the in-cluster service account and keeps credentials fresh
+(projected tokens re-read, exec plugins re-run), and honours proxies.  One
+keyword-only coroutine per API call, so docs/operator.md can list the RBAC
+verbs; lists are paginated.  Bodies are the API server's JSON as plain dicts
+(``_preload_content=False``): generated model classes would cost seconds and
+hundreds of MB on 100,000 pods.  Every call passes through
+:meth:`Client._request`, the one place that counts requests by verb.
+``AlreadyExists`` on create and ``NotFound`` on delete are answers, not
+errors: every write is idempotent.  A write guarded by a resourceVersion
+raises :class:`Conflict` when the object changed meanwhile.
 """
 
 from __future__ import annotations
@@ -16,175 +18,283 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import ssl
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeAlias
 
-import aiohttp
-import kubernetes
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
 
 from meshtrain.operator import metrics, naming
 
-MERGE_PATCH = "application/merge-patch+json"
-STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+Body: TypeAlias = dict[str, Any]
+"""An API object as the server sends it (camelCase JSON)."""
+
 WATCH_SECONDS = 300
-"""Server-side timeout of one watch request; the watcher then resumes from the last version."""
+"""Server-side timeout of one watch request; the caller then resumes from the last version."""
 CONCURRENCY = 32
 """Requests in flight at once for one batch (pods of a gang)."""
-
-
-def load_configuration(*, kubeconfig: str | None = None) -> kubernetes.client.Configuration:
-    """Connection settings from ``kubeconfig`` (else $KUBECONFIG, ~/.kube/config, then in-cluster)."""
-    config = kubernetes.client.Configuration()
-    path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-    if kubeconfig or os.path.exists(path):
-        kubernetes.config.load_kube_config(config_file=path, client_configuration=config)
-    else:
-        kubernetes.config.load_incluster_config(client_configuration=config)
-    return config
-
-
-def bearer_token(config: kubernetes.client.Configuration) -> str | None:
-    """The bearer token of a configuration, without its ``Bearer`` prefix."""
-    token = config.api_key.get("authorization") or config.api_key.get("BearerToken")
-    return token.removeprefix("Bearer ").strip() if token else None
+PAGE_SIZE = 500
+"""Objects per page of a list (``limit``/``continue``)."""
+REQUEST_SECONDS = 30
+"""Client-side timeout of one non-watch request."""
+GROUP, VERSION = naming.GROUP, naming.API_VERSION.split("/")[1]
+PLURAL = "trainingjobs"
 
 
 class ApiError(RuntimeError):
-    """A non-2xx answer of the API server."""
+    """A non-2xx answer of the API server (``status`` 0: the server could not be reached)."""
 
-    def __init__(self, status: int, method: str, path: str, body: str) -> None:
-        super().__init__(f"{method} {path} -> {status}: {body[:500]}")
+    def __init__(self, status: int, verb: str, what: str, body: str) -> None:
+        super().__init__(f"{verb} {what} -> {status or 'unreachable'}: {body[:500]}")
         self.status = status
+        self.body = body
+
+
+class Conflict(ApiError):
+    """409 on a write guarded by resourceVersion: re-read and decide again."""
+
+
+def _transport_error(err: BaseException) -> bool:
+    """Connection refused or reset, a timeout, a broken stream: the server was not reached.
+
+    Matched by module so that aiohttp, the library's transport, is not imported here.
+    """
+    return isinstance(err, OSError | TimeoutError) or type(err).__module__.startswith("aiohttp")
+
+
+def _message(body: str) -> str:
+    try:
+        return str(json.loads(body).get("message") or body)
+    except ValueError:
+        return body
+
+
+async def _configuration(kubeconfig: str | None) -> tuple[k8s.Configuration, Any]:
+    """Settings from ``kubeconfig`` (else $KUBECONFIG, ~/.kube/config, then in-cluster) and the loader."""
+    configuration = k8s.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    if kubeconfig or os.path.exists(path):
+        loader = await k8s_config.load_kube_config(
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+        return configuration, loader
+    k8s_config.load_incluster_config(client_configuration=configuration)
+    return configuration, None
+
+
+async def connection(kubeconfig: str | None = None) -> dict[str, Any]:
+    """Server, CA, client certificate and current bearer token: what kopf's login needs."""
+    configuration, _ = await _configuration(kubeconfig)
+    token = await configuration.get_api_key_with_prefix("BearerToken")
+    return {
+        "server": configuration.host,
+        "ca_path": configuration.ssl_ca_cert,
+        "insecure": not configuration.verify_ssl,
+        "token": token.removeprefix("Bearer ").strip() if token else None,
+        "certificate_path": configuration.cert_file,
+        "private_key_path": configuration.key_file,
+    }
 
 
 class Client:
-    """Async API client; create one per process with :meth:`connect`, close with :meth:`close`."""
+    """Async API client; one per process (:meth:`connect`), closed with :meth:`close`."""
 
-    def __init__(
-        self, *, host: str, session: aiohttp.ClientSession, headers: dict[str, str]
-    ) -> None:
-        self._host = host.rstrip("/")
-        self._session = session
-        self._headers = headers
+    def __init__(self, *, api: k8s.ApiClient, refresher: asyncio.Task[None] | None) -> None:
+        self._api = api
+        self._core = k8s.CoreV1Api(api)
+        self._custom = k8s.CustomObjectsApi(api)
+        self._refresher = refresher
         self._limit = asyncio.Semaphore(CONCURRENCY)
+        self.on_write: Callable[[str, Body], None] | None = None
+        """Called with (verb, object) of every write's answer: the informer cache learns its own writes."""
 
     @classmethod
     async def connect(cls, *, kubeconfig: str | None = None) -> Client:
-        """Credentials from ``kubeconfig`` (or $KUBECONFIG / ~/.kube/config), else in-cluster."""
-        config = load_configuration(kubeconfig=kubeconfig)
-        context = (
-            ssl.create_default_context(cafile=config.ssl_ca_cert) if config.verify_ssl else False
-        )
-        if context and config.cert_file:
-            context.load_cert_chain(config.cert_file, config.key_file)
-        headers = {"Accept": "application/json"}
-        token = bearer_token(config)
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        connector = aiohttp.TCPConnector(ssl=context, limit=CONCURRENCY * 2)
-        session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=30)
-        )
-        return cls(host=config.host, session=session, headers=headers)
+        configuration, loader = await _configuration(kubeconfig)
+        configuration.connection_pool_maxsize = CONCURRENCY * 2
+        refresher = None
+        if loader is not None:  # exec and auth-provider tokens expire: re-run them periodically
+            refresher = asyncio.create_task(
+                k8s_config.refresh_token(loader, client_configuration=configuration)
+            )
+        return cls(api=k8s.ApiClient(configuration), refresher=refresher)
 
     async def close(self) -> None:
-        await self._session.close()
+        if self._refresher is not None:
+            self._refresher.cancel()
+        await self._api.close()
 
-    async def _call(
+    async def _request(
         self,
-        method: str,
-        path: str,
-        *,
-        params: dict[str, str] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
-        ok_statuses: Iterable[int] = (),
-    ) -> dict[str, Any] | None:
-        headers = dict(self._headers)
-        data = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body)
-        try:
-            async with (
-                self._limit,
-                self._session.request(
-                    method, self._host + path, params=params, data=data, headers=headers
-                ) as response,
-            ):
-                text = await response.text()
-        except (aiohttp.ClientError, TimeoutError):
-            metrics.api_error(method, path)
-            raise
-        if response.status in tuple(ok_statuses):
-            return None
-        if response.status >= 300:
-            metrics.api_error(method, path)
-            raise ApiError(response.status, method, path, text)
-        return json.loads(text) if text else {}
+        verb: str,
+        resource: str,
+        call: Callable[..., Awaitable[Any]],
+        *args: Any,
+        ok: Iterable[int] = (),
+        **kwargs: Any,
+    ) -> Body | None:
+        """Send one request; the JSON answer, None for a status in ``ok``; ApiError otherwise."""
+        metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
+        async with self._limit:
+            try:
+                response = await call(
+                    *args, _preload_content=False, _request_timeout=REQUEST_SECONDS, **kwargs
+                )
+                status, text = response.status, await response.text()
+            except k8s.ApiException as err:  # refused before sending (bad arguments)
+                raise ApiError(err.status, verb, resource, str(err.reason)) from err
+            except Exception as err:
+                if _transport_error(err):
+                    metrics.api_error(verb)
+                    raise ApiError(0, verb, resource, str(err)) from err
+                raise
+        if status >= 300:  # without preloading, the library leaves the status to the caller
+            if status in tuple(ok):
+                return None
+            metrics.api_error(verb)
+            error = Conflict if status == 409 and verb != "create" else ApiError
+            raise error(status, verb, resource, _message(text))
+        answer = json.loads(text) if text else {}
+        if verb != "get" and verb != "list" and self.on_write is not None:
+            self.on_write(verb, answer)
+        return answer
 
-    # TrainingJobs: get, patch (status), delete.
-    @staticmethod
-    def _job_path(namespace: str, name: str) -> str:
-        return f"/apis/{naming.API_VERSION}/namespaces/{namespace}/trainingjobs/{name}"
+    async def _list(
+        self, resource: str, call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> tuple[list[Body], str]:
+        """Every item of a paginated list, and the list's resourceVersion (to watch from)."""
+        items: list[Body] = []
+        token: str | None = None
+        while True:
+            page = await self._request(
+                "list", resource, call, *args, limit=PAGE_SIZE, _continue=token, **kwargs
+            )
+            assert page is not None
+            items.extend(page.get("items") or [])
+            metadata = page.get("metadata") or {}
+            token = metadata.get("continue")
+            if not token:
+                return items, str(metadata.get("resourceVersion") or "")
 
-    async def get_job(self, *, namespace: str, name: str) -> dict[str, Any] | None:
+    # TrainingJobs: get, update status, delete.
+    async def get_job(self, *, namespace: str, name: str) -> Body | None:
         """The TrainingJob, or None when it is gone."""
-        return await self._call("GET", self._job_path(namespace, name), ok_statuses=(404,))
+        return await self._request(
+            "get",
+            "trainingjobs",
+            self._custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            ok=(404,),
+        )
 
     async def patch_job_status(
-        self, *, namespace: str, name: str, status: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """Merge ``status`` into the status subresource; None when the job is gone."""
-        return await self._call(
-            "PATCH",
-            self._job_path(namespace, name) + "/status",
-            body={"status": status},
-            content_type=MERGE_PATCH,
-            ok_statuses=(404,),
+        self, *, namespace: str, name: str, status: Body, resource_version: str | None = None
+    ) -> Body | None:
+        """Merge ``status`` into the status subresource; None when the job is gone.
+
+        With ``resource_version`` the write applies only to that version of the job
+        (:class:`Conflict` otherwise): a read-modify-write that cannot lose an update.
+        """
+        patch: Body = {"status": status}
+        if resource_version:
+            patch["metadata"] = {"resourceVersion": resource_version}
+        return await self._request(
+            "patch",
+            "trainingjobs/status",
+            self._custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            patch,
+            ok=(404,),
+            _content_type="application/merge-patch+json",
         )
 
     async def delete_job(self, *, namespace: str, name: str) -> None:
-        await self._call(
-            "DELETE",
-            self._job_path(namespace, name),
-            body={"propagationPolicy": "Background"},
-            ok_statuses=(404,),
+        await self._request(
+            "delete",
+            "trainingjobs",
+            self._custom.delete_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            propagation_policy="Background",
+            ok=(404,),
         )
 
-    # Pods: list, create, patch (gates), delete.
+    # Pods: list, watch, create, patch (gates), delete.
     async def list_pods(
-        self, *, namespace: str | None, selector: str | None = None, live_only: bool = False
-    ) -> list[dict[str, Any]]:
-        """Pods of a namespace (or of every namespace), optionally by label; ``live_only`` drops finished pods."""
-        path = f"/api/v1/namespaces/{namespace}/pods" if namespace else "/api/v1/pods"
-        params: dict[str, str] = {}
-        if selector:
-            params["labelSelector"] = selector
-        if live_only:
-            params["fieldSelector"] = "status.phase!=Succeeded,status.phase!=Failed"
-        answer = await self._call("GET", path, params=params)
-        return list((answer or {}).get("items") or [])
-
-    @staticmethod
-    def _collection_path(manifest: dict[str, Any]) -> str:
-        plural = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}[manifest["kind"]]
-        return f"/api/v1/namespaces/{manifest['metadata']['namespace']}/{plural}"
-
-    async def create(self, *, manifest: dict[str, Any]) -> dict[str, Any] | None:
-        """Create a namespaced core/v1 object (Pod, Service, ConfigMap); None when it already exists."""
-        return await self._call(
-            "POST", self._collection_path(manifest), body=manifest, ok_statuses=(409,)
+        self, *, namespace: str | None = None, selector: str | None = None
+    ) -> tuple[list[Body], str]:
+        """Pods of a namespace (or of every namespace), optionally by label, and the list's version."""
+        if namespace:
+            return await self._list(
+                "pods", self._core.list_namespaced_pod, namespace, label_selector=selector
+            )
+        return await self._list(
+            "pods", self._core.list_pod_for_all_namespaces, label_selector=selector
         )
 
-    async def create_or_patch(self, *, manifest: dict[str, Any]) -> None:
-        """Create a Service or ConfigMap, or merge ``manifest`` into the existing one (a rebuilt gang's new spec)."""
-        if await self.create(manifest=manifest) is None:
-            path = f"{self._collection_path(manifest)}/{manifest['metadata']['name']}"
-            await self._call("PATCH", path, body=manifest, content_type=MERGE_PATCH)
+    async def watch_pods(
+        self, *, namespace: str | None, resource_version: str
+    ) -> AsyncIterator[tuple[str, Body]]:
+        """(type, pod) events from ``resource_version`` on (see :meth:`_watch`)."""
+        if namespace:
+            call: Callable[..., Awaitable[Any]] = self._core.list_namespaced_pod
+            args: tuple[Any, ...] = (namespace,)
+        else:
+            call, args = self._core.list_pod_for_all_namespaces, ()
+        async for event in self._watch("pods", call, *args, resource_version=resource_version):
+            yield event
 
-    async def create_many(self, *, manifests: list[dict[str, Any]]) -> None:
+    def _collection(self, manifest: Body) -> tuple[str, Callable[..., Awaitable[Any]]]:
+        kind = manifest["kind"]
+        if kind == "Pod":
+            return "pods", self._core.create_namespaced_pod
+        if kind == "Service":
+            return "services", self._core.create_namespaced_service
+        if kind == "ConfigMap":
+            return "configmaps", self._core.create_namespaced_config_map
+        raise ValueError(f"no create call for kind {kind}")
+
+    async def create(self, *, manifest: Body) -> Body | None:
+        """Create a namespaced core/v1 object (Pod, Service, ConfigMap); None when it already exists."""
+        resource, call = self._collection(manifest)
+        return await self._request(
+            "create", resource, call, manifest["metadata"]["namespace"], manifest, ok=(409,)
+        )
+
+    async def create_or_patch(self, *, manifest: Body) -> None:
+        """Create a Service or ConfigMap, or merge ``manifest`` into the existing one (a rebuilt gang's new spec)."""
+        if await self.create(manifest=manifest) is not None:
+            return
+        resource, _ = self._collection(manifest)
+        patch = (
+            self._core.patch_namespaced_service
+            if resource == "services"
+            else self._core.patch_namespaced_config_map
+        )
+        metadata = manifest["metadata"]
+        await self._request(
+            "patch",
+            resource,
+            patch,
+            metadata["name"],
+            metadata["namespace"],
+            manifest,
+            _content_type="application/merge-patch+json",
+        )
+
+    async def create_many(self, *, manifests: list[Body]) -> None:
         """Create objects concurrently (bounded); existing ones are left as they are."""
         await asyncio.gather(*(self.create(manifest=m) for m in manifests))
 
@@ -197,12 +307,15 @@ class Client:
         patch = {"spec": {"schedulingGates": [{"name": naming.GANG_GATE, "$patch": "delete"}]}}
         await asyncio.gather(
             *(
-                self._call(
-                    "PATCH",
-                    f"/api/v1/namespaces/{namespace}/pods/{name}",
-                    body=patch,
-                    content_type=STRATEGIC_MERGE_PATCH,
-                    ok_statuses=(404,),
+                self._request(
+                    "patch",
+                    "pods",
+                    self._core.patch_namespaced_pod,
+                    name,
+                    namespace,
+                    patch,
+                    ok=(404,),
+                    _content_type="application/strategic-merge-patch+json",
                 )
                 for name in names
             )
@@ -212,14 +325,16 @@ class Client:
         self, *, namespace: str, names: Iterable[str], grace_seconds: int | None = None
     ) -> None:
         """Delete pods (gone ones are fine); ``grace_seconds`` overrides their terminationGracePeriodSeconds."""
-        body = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
         await asyncio.gather(
             *(
-                self._call(
-                    "DELETE",
-                    f"/api/v1/namespaces/{namespace}/pods/{name}",
-                    body=body,
-                    ok_statuses=(404,),
+                self._request(
+                    "delete",
+                    "pods",
+                    self._core.delete_namespaced_pod,
+                    name,
+                    namespace,
+                    grace_period_seconds=grace_seconds,
+                    ok=(404,),
                 )
                 for name in names
             )
@@ -227,60 +342,92 @@ class Client:
 
     # Services and ConfigMaps: delete (create is ``create_or_patch``).
     async def delete_service(self, *, namespace: str, name: str) -> None:
-        await self._call(
-            "DELETE", f"/api/v1/namespaces/{namespace}/services/{name}", ok_statuses=(404,)
+        await self._request(
+            "delete",
+            "services",
+            self._core.delete_namespaced_service,
+            name,
+            namespace,
+            ok=(404,),
         )
 
     async def delete_configmap(self, *, namespace: str, name: str) -> None:
-        await self._call(
-            "DELETE", f"/api/v1/namespaces/{namespace}/configmaps/{name}", ok_statuses=(404,)
+        await self._request(
+            "delete",
+            "configmaps",
+            self._core.delete_namespaced_config_map,
+            name,
+            namespace,
+            ok=(404,),
         )
 
-    # Nodes: list.
-    async def list_nodes(self) -> list[dict[str, Any]]:
-        answer = await self._call("GET", "/api/v1/nodes")
-        return list((answer or {}).get("items") or [])
+    # Nodes: list, watch.
+    async def list_nodes(self) -> tuple[list[Body], str]:
+        return await self._list("nodes", self._core.list_node)
 
-    # Pods and nodes: watch (lightweight wake-up streams; kopf watches only TrainingJobs).
-    async def watch(
-        self, *, path: str, selector: str | None = None, resource_version: str | None = None
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Yield (type, object) of a watch on ``path`` (``/api/v1/pods``, ``/api/v1/nodes``, ...).
+    async def watch_nodes(self, *, resource_version: str) -> AsyncIterator[tuple[str, Body]]:
+        async for event in self._watch(
+            "nodes", self._core.list_node, resource_version=resource_version
+        ):
+            yield event
 
-        Without ``resource_version`` the server first replays every existing object as
-        ADDED.  Ends when the server closes the stream (after ``WATCH_SECONDS``); an
-        ``ERROR`` event (e.g. 410 Gone: the version is too old) raises :class:`ApiError`.
+    async def _watch(
+        self,
+        resource: str,
+        call: Callable[..., Awaitable[Any]],
+        *args: Any,
+        resource_version: str,
+    ) -> AsyncIterator[tuple[str, Body]]:
+        """Yield (type, object) of one watch request, BOOKMARKs included.
+
+        Ends when the server closes the stream (after ``WATCH_SECONDS``); an ``ERROR``
+        event (e.g. 410 Gone: the version is too old) raises :class:`ApiError`.
+        The stream's lines are read here rather than through ``kubernetes_asyncio.watch``,
+        which would build a generated model object for every event.
         """
-        params = {
-            "watch": "true",
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(WATCH_SECONDS),
-        }
-        if selector:
-            params["labelSelector"] = selector
-        if resource_version:
-            params["resourceVersion"] = resource_version
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=WATCH_SECONDS + 30)
-        async with self._session.get(
-            self._host + path, params=params, headers=self._headers, timeout=timeout
-        ) as response:
-            if response.status >= 300:
-                metrics.api_error("WATCH", path)
-                raise ApiError(response.status, "WATCH", path, await response.text())
+        metrics.API_REQUESTS.labels(verb="watch", resource=resource).inc()
+        try:
+            response = await call(
+                *args,
+                watch=True,
+                allow_watch_bookmarks=True,
+                resource_version=resource_version,
+                timeout_seconds=WATCH_SECONDS,
+                _preload_content=False,
+                _request_timeout=WATCH_SECONDS + 30,
+            )
+        except k8s.ApiException as err:
+            raise ApiError(err.status, "watch", resource, str(err.reason)) from err
+        except Exception as err:
+            if _transport_error(err):
+                metrics.api_error("watch")
+                raise ApiError(0, "watch", resource, str(err)) from err
+            raise
+        if response.status >= 300:
+            metrics.api_error("watch")
+            text = await response.text()
+            raise ApiError(response.status, "watch", resource, _message(text))
+        try:
             async for line in response.content:
                 if not line.strip():
                     continue
                 event = json.loads(line)
+                obj = event.get("object") or {}
                 if event.get("type") == "ERROR":
-                    status = event.get("object") or {}
                     raise ApiError(
-                        int(status.get("code") or 500), "WATCH", path, str(status.get("message"))
+                        int(obj.get("code") or 500), "watch", resource, str(obj.get("message"))
                     )
-                yield event.get("type", ""), event.get("object") or {}
+                yield str(event.get("type", "")), obj
+        except Exception as err:
+            if _transport_error(err):
+                raise ApiError(0, "watch", resource, str(err)) from err
+            raise
+        finally:
+            response.release()
 
     # Events: create.
     async def create_event(
-        self, *, job: dict[str, Any], type_: str, reason: str, message: str, now: str
+        self, *, job: Body, type_: str, reason: str, message: str, now: str
     ) -> None:
         """A core/v1 Event about ``job`` (best effort: the caller ignores failures)."""
         metadata = job.get("metadata") or {}
@@ -305,15 +452,16 @@ class Client:
             "lastTimestamp": now,
             "count": 1,
         }
-        await self._call("POST", f"/api/v1/namespaces/{namespace}/events", body=event)
+        await self._request(
+            "create", "events", self._core.create_namespaced_event, namespace, event
+        )
 
-    # Trainer progress: plain HTTP to the rank-0 pod.
-    async def get_progress(self, *, ip: str, port: int, timeout: float = 2.0) -> dict[str, Any]:
-        """GET http://ip:port/progress of the trainer's exporter (not the API server)."""
-        url = f"http://{ip}:{port}/progress"
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(url) as response,
-        ):
-            response.raise_for_status()
-            return dict(await response.json(content_type=None))
+
+def _read_progress(url: str, timeout: float) -> Body:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
+        return dict(json.loads(response.read() or b"{}"))
+
+
+async def get_progress(*, ip: str, port: int, timeout: float = 2.0) -> Body:
+    """GET http://ip:port/progress of the trainer's exporter (not the API server)."""
+    return await asyncio.to_thread(_read_progress, f"http://{ip}:{port}/progress", timeout)

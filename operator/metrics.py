@@ -40,6 +40,11 @@ PLACEMENT_SECONDS = prometheus_client.Histogram(
     "Duration of planning one gang (list nodes and pods, plan).",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+API_REQUESTS = prometheus_client.Counter(
+    "meshtrain_operator_api_requests",
+    "Requests the operator sent to the Kubernetes API server, by verb and resource.",
+    ["verb", "resource"],
+)
 RESTARTS = prometheus_client.Counter(
     "meshtrain_operator_gang_restarts",
     "Gang restarts performed after a pod failure.",
@@ -148,20 +153,9 @@ def forget(namespace: str, name: str) -> None:
         _reached_running.discard(view.uid)
 
 
-def api_verb(method: str, path: str) -> str:
-    """The Kubernetes verb of a REST request (``GET`` of a collection is ``list``)."""
-    if method != "GET":
-        return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
-            method, method.lower()
-        )
-    segments = [s for s in path.split("?", 1)[0].split("/") if s]
-    prefix = 2 if segments[:1] == ["api"] else 3  # /api/v1 or /apis/<group>/<version>
-    return "list" if len(segments[prefix:]) % 2 == 1 else "get"
-
-
-def api_error(method: str, path: str) -> None:
-    """Count one failed API request."""
-    API_ERRORS.labels(verb=api_verb(method, path)).inc()
+def api_error(verb: str) -> None:
+    """Count one failed API request (``kube.Client`` calls this with the request's verb)."""
+    API_ERRORS.labels(verb=verb).inc()
 
 
 class _JobCollector(Collector):

@@ -3,12 +3,14 @@
 What it is: :class:`Reconciler`, which reads the job and its pods, asks
 :func:`lifecycle.decide` what to do and performs the actions through
 :mod:`kube`.  The only decision made here is the placement step, under one
-process-wide lock: list nodes and live pods, judge the job's memory plan on
-the GPU profile of its candidate nodes (``sizing``: a job that won't fit fails
+process-wide lock: read nodes and live pods from the informer cache, judge
+the job's memory plan on the GPU profile of its candidate nodes (``sizing``: a job that won't fit fails
 with ``WontFit`` and gets no pods), derive reservations, ``plan``, record the
 placement and the plan's numbers in the status and create the gated pods —
 all before the next job may plan, so two jobs never plan onto the same free
 GPUs.  (Peering makes sure only one operator process acts at a time.)
+Status writes carry the resourceVersion they were decided on: a
+``kube.Conflict`` ends the pass, and the next pass decides from a fresh read.
 
 What it is not: it owns no watch and no loop (see ``handlers``), and builds
 no manifest itself (see ``builders``).
@@ -33,6 +35,7 @@ from meshtrain.operator import (
     failure,
     feasibility,
     identity,
+    informer,
     kube,
     lifecycle,
     metrics,
@@ -89,8 +92,9 @@ def _same(status: dict[str, Any], changes: dict[str, Any]) -> bool:
 class Reconciler:
     """Reconciles TrainingJobs through one API client; shared by every job of the process."""
 
-    def __init__(self, *, client: kube.Client, settings: Settings) -> None:
+    def __init__(self, *, client: kube.Client, cache: informer.Cache, settings: Settings) -> None:
         self.client = client
+        self.cache = cache
         self.settings = settings
         self.placement_lock = asyncio.Lock()
         self._last_progress: dict[tuple[str, str], float] = {}
@@ -110,11 +114,12 @@ class Reconciler:
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
 
     async def _reconcile(self, namespace: str, name: str) -> Outcome:
+        await self.cache.synced.wait()
         body = await self.client.get_job(namespace=namespace, name=name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             metrics.forget(namespace, name)
             return Outcome(changed=False, requeue_after=None, gone=True)
-        pods = await self.client.list_pods(namespace=namespace, selector=naming.job_selector(name))
+        pods = self.cache.job_pods(namespace, name)
         states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
         job = lifecycle.job_state(body)
         decision = lifecycle.decide(job, states, _now())
@@ -151,7 +156,10 @@ class Reconciler:
             return body, job, False
         ref = job.ref
         answer = await self.client.patch_job_status(
-            namespace=ref.namespace, name=ref.name, status=changes
+            namespace=ref.namespace,
+            name=ref.name,
+            status=changes,
+            resource_version=(body.get("metadata") or {}).get("resourceVersion"),
         )
         if answer is None:
             return body, job, False
@@ -212,8 +220,12 @@ class Reconciler:
         """Planned nodes that, read fresh, can no longer take their pods of the gang (name -> why)."""
         assert job.spec is not None
         ref = job.ref
-        live = await self.client.list_pods(namespace=None, live_only=True)
-        gang = [p for p in live if capacity.owned_by(p, ref.uid)]
+        live = self.cache.live_pods()
+        gang = [
+            p
+            for p in self.cache.job_pods(ref.namespace, ref.name)
+            if capacity.owned_by(p, ref.uid) and capacity.holds_gpus(p)
+        ]
         planned = collections.Counter(identity.planned_node(p) or "" for p in gang)
         if not gang:
             return {}
@@ -221,7 +233,7 @@ class Reconciler:
         return capacity.infeasible_nodes(
             demand,
             planned,
-            await self.client.list_nodes(),
+            self.cache.nodes.values(),
             capacity.pods_by_node(live, skip_owner=ref.uid),
         )
 
@@ -238,9 +250,7 @@ class Reconciler:
             f"({_describe(moved)}); placing it again"
         )
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
-        pods = await self.client.list_pods(
-            namespace=ref.namespace, selector=naming.job_selector(ref.name)
-        )
+        pods = self.cache.job_pods(ref.namespace, ref.name)
         await self.client.delete_pods(
             namespace=ref.namespace,
             names=[p["metadata"]["name"] for p in pods if capacity.owned_by(p, ref.uid)],
@@ -260,7 +270,7 @@ class Reconciler:
             return body, job, False
         self._last_progress[key] = time.monotonic()
         try:
-            report = await self.client.get_progress(
+            report = await kube.get_progress(
                 ip=action.ip, port=action.port, timeout=self.settings.progress_timeout_seconds
             )
         except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
@@ -280,9 +290,9 @@ class Reconciler:
         gpu = spec.resources.gpu_resource_name
         async with self.placement_lock:
             started = time.perf_counter()
-            raw_nodes = await self.client.list_nodes()
+            raw_nodes = list(self.cache.nodes.values())
             nodes = [placement.node_from_manifest(n, gpu) for n in raw_nodes]
-            live = await self.client.list_pods(namespace=None, live_only=True)
+            live = self.cache.live_pods()
             demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
             now = _now()
             if action.missing is not None:
@@ -421,7 +431,7 @@ class Reconciler:
 
     async def delete_children(self, *, namespace: str, name: str) -> None:
         """Remove every child of a job (idempotent; owner references do the same where a GC runs)."""
-        pods = await self.client.list_pods(namespace=namespace, selector=naming.job_selector(name))
+        pods = self.cache.job_pods(namespace, name)
         await self.client.delete_pods(
             namespace=namespace, names=[p["metadata"]["name"] for p in pods]
         )

@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain import cli, placement
 from meshtrain.api import loading
-from meshtrain.operator import builders, capacity, command, conditions, identity, progress, watcher
+from meshtrain.operator import builders, capacity, command, conditions, identity, informer, progress
 from meshtrain.planner import profiles
 from tests.unit.builders import JobBuilder
 
@@ -177,8 +177,9 @@ class _Waker:
 )
 def test_pod_events_wake_their_job_and_freed_gpus_wake_waiting_jobs(type_, phase, wakes_waiting):
     waker = _Waker()
-    watcher._on_pod(
+    informer._wake(
         waker,
+        "pods",
         type_,
         {
             "metadata": {"namespace": "ns", "labels": {"meshtrain.io/job": "j"}},
@@ -190,5 +191,5 @@ def test_pod_events_wake_their_job_and_freed_gpus_wake_waiting_jobs(type_, phase
 
 def test_node_events_wake_waiting_jobs():
     waker = _Waker()
-    watcher._on_node(waker, "ADDED", {"metadata": {"name": "n"}})
+    informer._wake(waker, "nodes", "ADDED", {"metadata": {"name": "n"}})
     assert waker.waiting == 1 and waker.poked == []

@@ -1,0 +1,282 @@
+"""Informer-style caches of pods and nodes: list once, then follow a watch; reads never hit the API.
+
+A reconcile reads its job's pods from the job index and a placement reads
+every node and live pod from here, so neither sends a LIST (the issue this
+closes: every pass listed pods, every placement listed the cluster).  The
+caches also wake job daemons (``Waker``): a pod change wakes its job; a pod
+that finished or went away, and any node change, wake the jobs waiting for
+capacity.
+
+Memory is bounded by trimming: pods of TrainingJobs (label
+``meshtrain.io/job``) are kept whole, because failure classification reads
+their statuses; any other pod keeps only what capacity and feasibility read
+(node, planned-node annotation, node affinity, container requests, overhead,
+phase).  Nodes keep labels, taints, ``unschedulable``, allocatable and
+conditions.
+
+Consistency: lists paginate; a watch resumes from the last resourceVersion
+(bookmarks keep it fresh) and a 410 Gone relists and replaces the store.  The
+operator's own writes are applied from their answers (:meth:`Cache.learn`)
+when they are newer than what is stored, so the pass after a create, patch or
+delete sees it; a deleted object leaves a tombstone (its last version), so a
+write answer that arrives after the DELETED event cannot revive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+from meshtrain.operator import kube, naming
+
+logger = logging.getLogger("meshtrain.operator")
+
+RETRY_SECONDS = 1.0
+"""Pause before re-opening a watch that failed."""
+TOMBSTONE_SECONDS = 120.0
+"""How long a deleted object's last version is remembered (a write answer may arrive after its DELETED event)."""
+FINISHED = ("Succeeded", "Failed")
+
+Key = tuple[str, str]
+"""(namespace, name); namespace is empty for nodes."""
+
+
+class Waker(Protocol):
+    def poke(self, key: tuple[str, str]) -> None: ...
+    def poke_waiting(self) -> None: ...
+
+
+def _version(obj: kube.Body) -> int:
+    """resourceVersion as a number (etcd revisions); -1 when absent or opaque."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or -1)
+    except ValueError:
+        return -1
+
+
+def _key(obj: kube.Body) -> Key:
+    metadata = obj.get("metadata") or {}
+    return metadata.get("namespace") or "", metadata.get("name") or ""
+
+
+def job_of(pod: kube.Body) -> str | None:
+    """Name of the TrainingJob a pod belongs to (its ``meshtrain.io/job`` label)."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_JOB)
+
+
+def _pick(source: dict[str, Any] | None, keys: Iterable[str]) -> dict[str, Any]:
+    return {k: source[k] for k in keys if source and k in source}
+
+
+def trim_pod(pod: kube.Body) -> kube.Body:
+    """A pod as the cache keeps it: whole for children of TrainingJobs, else only what capacity reads."""
+    if job_of(pod):
+        return pod
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations = _pick(metadata.get("annotations"), (naming.ANNOTATION_NODE,))
+    slim_spec = _pick(spec, ("nodeName", "overhead", "resources"))
+    affinity = (spec.get("affinity") or {}).get("nodeAffinity")
+    if affinity:
+        slim_spec["affinity"] = {"nodeAffinity": affinity}
+    slim_spec["containers"] = [_pick(c, ("resources",)) for c in spec.get("containers") or []]
+    if spec.get("initContainers"):
+        slim_spec["initContainers"] = [
+            _pick(c, ("resources", "restartPolicy")) for c in spec["initContainers"]
+        ]
+    slim_metadata = _pick(metadata, ("name", "namespace", "uid", "resourceVersion"))
+    slim_metadata.update(_pick(metadata, ("deletionTimestamp",)))
+    if annotations:
+        slim_metadata["annotations"] = annotations
+    return {
+        "metadata": slim_metadata,
+        "spec": slim_spec,
+        "status": _pick(pod.get("status"), ("phase",)),
+    }
+
+
+def trim_node(node: kube.Body) -> kube.Body:
+    """A node as the cache keeps it: what placement and feasibility read."""
+    status = node.get("status") or {}
+    return {
+        "metadata": _pick(node.get("metadata"), ("name", "uid", "resourceVersion", "labels")),
+        "spec": _pick(node.get("spec"), ("unschedulable", "taints")),
+        "status": {
+            **_pick(status, ("allocatable", "capacity")),
+            "conditions": [_pick(c, ("type", "status")) for c in status.get("conditions") or []],
+        },
+    }
+
+
+class Store:
+    """Objects by key, newest resourceVersion wins; optional index of pods by (namespace, job)."""
+
+    def __init__(self, trim: Callable[[kube.Body], kube.Body], *, by_job: bool = False) -> None:
+        self._trim = trim
+        self._objects: dict[Key, kube.Body] = {}
+        self._tombstones: dict[Key, tuple[int, float]] = {}
+        """Deleted key -> (last version, when): older versions of it are not stored again."""
+        self._by_job: dict[Key, set[str]] | None = {} if by_job else None
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def values(self) -> Iterator[kube.Body]:
+        return iter(list(self._objects.values()))
+
+    def get(self, key: Key) -> kube.Body | None:
+        return self._objects.get(key)
+
+    def names_of_job(self, namespace: str, job: str) -> list[str]:
+        assert self._by_job is not None
+        return sorted(self._by_job.get((namespace, job), ()))
+
+    def _index(self, key: Key, obj: kube.Body | None, add: bool) -> None:
+        if self._by_job is None or obj is None:
+            return
+        job = job_of(obj)
+        if not job:
+            return
+        names = self._by_job.setdefault((key[0], job), set())
+        if add:
+            names.add(key[1])
+            return
+        names.discard(key[1])
+        if not names:
+            del self._by_job[(key[0], job)]
+
+    def replace(self, objects: Iterable[kube.Body]) -> None:
+        """The full state after a list: drop what is stored, tombstones included."""
+        self._objects.clear()
+        self._tombstones.clear()
+        if self._by_job is not None:
+            self._by_job.clear()
+        for obj in objects:
+            self.upsert(obj)
+
+    def upsert(self, obj: kube.Body) -> bool:
+        """Store ``obj`` unless a newer (or the same) version is stored or it was deleted after it."""
+        key = _key(obj)
+        version = _version(obj)
+        if key in self._tombstones and version <= self._tombstones[key][0]:
+            return False
+        old = self._objects.get(key)
+        if old is not None and version != -1 and version <= _version(old):
+            return False
+        self._index(key, old, add=False)
+        trimmed = self._trim(obj)
+        self._objects[key] = trimmed
+        self._index(key, trimmed, add=True)
+        return True
+
+    def remove(self, obj: kube.Body) -> None:
+        """Forget ``obj``, leaving a tombstone so that no older version of it comes back."""
+        key = _key(obj)
+        old = self._objects.get(key)
+        version = _version(obj)
+        if old is not None and (version == -1 or _version(old) <= version):
+            self._index(key, self._objects.pop(key), add=False)
+        now = time.monotonic()
+        self._tombstones[key] = (max(version, self._tombstones.get(key, (-1, 0.0))[0]), now)
+        if len(self._tombstones) > 1000:
+            for stale in [
+                k for k, (_, t) in self._tombstones.items() if now - t > TOMBSTONE_SECONDS
+            ]:
+                del self._tombstones[stale]
+
+
+class Cache:
+    """The pod and node informers of one operator process."""
+
+    def __init__(self) -> None:
+        self.pods = Store(trim_pod, by_job=True)
+        self.nodes = Store(trim_node)
+        self.synced = asyncio.Event()
+        """Set once both stores hold a full list."""
+        self._synced: set[str] = set()
+
+    def job_pods(self, namespace: str, job: str) -> list[kube.Body]:
+        """Pods labelled with ``job`` in ``namespace``, by name."""
+        found = (
+            self.pods.get((namespace, name)) for name in self.pods.names_of_job(namespace, job)
+        )
+        return [p for p in found if p is not None]
+
+    def live_pods(self) -> list[kube.Body]:
+        """Every pod that may still hold resources (not Succeeded or Failed)."""
+        return [
+            p for p in self.pods.values() if (p.get("status") or {}).get("phase") not in FINISHED
+        ]
+
+    def learn(self, verb: str, obj: kube.Body) -> None:
+        """Apply the answer of one of the operator's own writes (``kube.Client.on_write``)."""
+        store = {"Pod": self.pods, "Node": self.nodes}.get(str(obj.get("kind")))
+        if store is None:
+            return
+        metadata = obj.get("metadata") or {}
+        if verb == "delete" and (
+            not metadata.get("deletionTimestamp") or metadata.get("deletionGracePeriodSeconds") == 0
+        ):
+            store.remove(obj)  # deleted at once (never bound, or no grace period): gone now
+            return
+        store.upsert(obj)
+
+    async def run(self, client: kube.Client, waker: Waker) -> None:
+        """Follow pods (all namespaces: foreign pods hold GPUs too) and nodes until cancelled."""
+        await asyncio.gather(
+            self._follow("pods", client.list_pods, client.watch_pods, self.pods, waker),
+            self._follow("nodes", client.list_nodes, client.watch_nodes, self.nodes, waker),
+        )
+
+    async def _follow(
+        self,
+        what: str,
+        list_: Callable[..., Any],
+        watch: Callable[..., Any],
+        store: Store,
+        waker: Waker,
+    ) -> None:
+        version: str | None = None
+        scope: dict[str, Any] = {"namespace": None} if what == "pods" else {}
+        while True:
+            try:
+                if version is None:
+                    items, version = await list_(**scope)
+                    store.replace(items)
+                    self._synced.add(what)
+                    if self._synced == {"pods", "nodes"}:
+                        self.synced.set()
+                    waker.poke_waiting()
+                    logger.info("cache of %s filled: %d object(s)", what, len(store))
+                async for type_, obj in watch(**scope, resource_version=version):
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                    if type_ == "BOOKMARK":
+                        continue
+                    if type_ == "DELETED":
+                        store.remove(obj)
+                    else:
+                        store.upsert(obj)
+                    _wake(waker, what, type_, obj)
+            except kube.ApiError as err:
+                if err.status == 410:
+                    version = None  # too old: list again and replace the store
+                    continue
+                logger.warning("watch of %s failed: %s", what, err)
+                await asyncio.sleep(RETRY_SECONDS)
+            except (TimeoutError, OSError, ValueError) as err:
+                logger.warning("watch of %s interrupted: %s", what, err)
+                await asyncio.sleep(RETRY_SECONDS)
+
+
+def _wake(waker: Waker, what: str, type_: str, obj: kube.Body) -> None:
+    if what == "nodes":
+        waker.poke_waiting()
+        return
+    job = job_of(obj)
+    if job:
+        waker.poke((_key(obj)[0], job))
+    if type_ == "DELETED" or (obj.get("status") or {}).get("phase") in FINISHED:
+        waker.poke_waiting()
