@@ -82,7 +82,6 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.watching.server_timeout = 300
     client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
     cache = informer.Cache()
-    client.on_write = cache.learn
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=memo.settings)
     memo.wakeups = Wakeups()
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups))

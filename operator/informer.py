@@ -111,6 +111,14 @@ def trim_node(node: kube.Body) -> kube.Body:
     }
 
 
+class _Asleep:
+    def poke(self, key: tuple[str, str]) -> None:
+        pass
+
+    def poke_waiting(self) -> None:
+        pass
+
+
 class Store:
     """Objects by key, newest resourceVersion wins; optional index of pods by (namespace, job)."""
 
@@ -224,8 +232,13 @@ class Cache:
             return
         store.upsert(obj)
 
-    async def run(self, client: kube.Client, waker: Waker) -> None:
-        """Follow pods (all namespaces: foreign pods hold GPUs too) and nodes until cancelled."""
+    async def run(self, client: kube.Client, waker: Waker | None = None) -> None:
+        """Follow pods (all namespaces: foreign pods hold GPUs too) and nodes until cancelled.
+
+        Also makes ``client`` report its writes to the cache; ``waker`` (None: none) is poked.
+        """
+        client.on_write = self.learn
+        waker = waker or _Asleep()
         await asyncio.gather(
             self._follow("pods", client.list_pods, client.watch_pods, self.pods, waker),
             self._follow("nodes", client.list_nodes, client.watch_nodes, self.nodes, waker),

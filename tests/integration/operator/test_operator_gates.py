@@ -14,7 +14,7 @@ import kubernetes
 import pytest
 
 from meshtrain import controlplane
-from meshtrain.operator import conditions, failure, kube, naming, reconciler
+from meshtrain.operator import conditions, failure, informer, kube, naming, reconciler
 from tests.integration.operator.cluster import Cluster, Job
 
 pytestmark = pytest.mark.integration
@@ -36,11 +36,16 @@ def private(control_plane_binaries) -> Iterator[Cluster]:
 def _pass(cluster: Cluster, name: str, passes: int = 1) -> None:
     async def run() -> None:
         client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
+        cache = informer.Cache()
+        follow = asyncio.create_task(cache.run(client))
         try:
-            worker = reconciler.Reconciler(client=client, settings=reconciler.Settings())
+            worker = reconciler.Reconciler(
+                client=client, cache=cache, settings=reconciler.Settings()
+            )
             for _ in range(passes):
                 await worker.reconcile(namespace="gates", name=name)
         finally:
+            follow.cancel()
             await client.close()
 
     asyncio.run(run())
