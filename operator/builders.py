@@ -171,13 +171,46 @@ def _volumes(
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
         {"name": "checkpoints", **checkpoint},
         {"name": "spec", "configMap": {"name": naming.configmap_name(job.name)}},
+        {"name": "tmp", "emptyDir": {}},
     ]
+    # The root filesystem is read-only: these are the only places the trainer writes.
     mounts = [
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "checkpoints", "mountPath": spec.checkpoint.path},
         {"name": "spec", "mountPath": naming.SPEC_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": naming.SCRATCH_DIR},
     ]
     return volumes, mounts
+
+
+TRAINER_UID = 65532
+"""The trainer image's numeric USER (trainer/Dockerfile); pods run as it, never as root."""
+
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": TRAINER_UID,
+    "runAsGroup": TRAINER_UID,
+    "fsGroup": TRAINER_UID,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Pod securityContext: the restricted Pod Security Standard; fsGroup makes the checkpoint claim writable."""
+
+
+def _container_security(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """Restricted: no privilege escalation, every capability dropped, read-only root filesystem.
+
+    ``spec.pod.rdma`` adds IPC_LOCK (pinning memory for RDMA), which only the
+    privileged Pod Security level admits.
+    """
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if spec.pod.rdma:
+        capabilities["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": capabilities,
+    }
 
 
 def build_pod(
@@ -225,6 +258,7 @@ def build_pod(
         ],
         "resources": _resources(spec),
         "volumeMounts": mounts,
+        "securityContext": _container_security(spec),
         # Rank 0 writes its final progress here; a failed container reports its log's end instead.
         "terminationMessagePath": naming.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -235,6 +269,8 @@ def build_pod(
         "hostname": name,
         "subdomain": naming.service_name(job.name),
         "enableServiceLinks": False,
+        "automountServiceAccountToken": bool(spec.pod.service_account_name),
+        "securityContext": POD_SECURITY,
         "schedulingGates": [{"name": naming.GANG_GATE}],
         "affinity": {
             "nodeAffinity": {

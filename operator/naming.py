@@ -48,6 +48,8 @@ MASTER_PORT = rules.RENDEZVOUS_PORT
 SPEC_DIR = "/etc/meshtrain"
 SPEC_FILE = f"{SPEC_DIR}/job.yaml"
 """Where the job's spec (the ConfigMap) is mounted inside each pod."""
+SCRATCH_DIR = "/tmp"
+"""Writable scratch space of the trainer (an emptyDir; the image sets HOME to it)."""
 TERMINATION_LOG = "/dev/termination-log"
 """The trainer container's terminationMessagePath: rank 0 writes its final progress there."""
 LOG_SUBDIR = "logs"

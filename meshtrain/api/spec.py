@@ -198,6 +198,11 @@ class PodSettings(_Model):
         max_length=64,
         description="Extra pod annotations, e.g. k8s.v1.cni.cncf.io/networks for Multus.",
     )
+    rdma: bool = Field(
+        False,
+        description="Add the IPC_LOCK capability (RDMA memory registration for NCCL over InfiniBand/RoCE). "
+        "Beyond the restricted and baseline Pod Security levels: the namespace must admit privileged pods.",
+    )
 
 
 class Resources(_Model):

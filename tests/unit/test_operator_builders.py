@@ -206,7 +206,12 @@ def test_resources_volumes_selector_tolerations():
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-    assert mounts == {"shm": "/dev/shm", "checkpoints": "/ckpt", "spec": "/etc/meshtrain"}
+    assert mounts == {
+        "shm": "/dev/shm",
+        "checkpoints": "/ckpt",
+        "spec": "/etc/meshtrain",
+        "tmp": "/tmp",
+    }
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
     assert pod["spec"]["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
