@@ -121,6 +121,10 @@ def _env(
         "WORLD_SIZE": spec.world_size,
         "MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
         "MASTER_PORT": naming.MASTER_PORT,
+        # torchrun's own defaults for --master-addr/--master-port: a custom program's plain
+        # `torchrun train.py` joins the gang with no flags.
+        "PET_MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
+        "PET_MASTER_PORT": naming.MASTER_PORT,
         "MESHTRAIN_TP": p.tensor,
         "MESHTRAIN_PP": p.pipeline,
         "MESHTRAIN_DP": p.data,
@@ -295,6 +299,11 @@ def build_pod(
             t.model_dump(by_alias=True, exclude_none=True, mode="json")
             for t in spec.resources.tolerations
         ]
+    if spec.trainer.type == "custom":
+        container["command"] = list(spec.trainer.command)
+        container["args"] = list(spec.trainer.args)
+        if spec.trainer.working_dir:
+            container["workingDir"] = spec.trainer.working_dir
     _apply_pod_settings(spec.pod, metadata, container, pod_spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 

@@ -104,8 +104,9 @@ def choose_profile(
 
 
 def admit(spec: api_spec.TrainingJobSpec, choice: Choice) -> Admitted | Refused | None:
-    """Judge ``spec`` on ``choice``'s profile; None when there is no profile (nothing is checked)."""
-    if choice.profile is None:
+    """Judge ``spec`` on ``choice``'s profile; None when there is no profile or the program is the
+    user's own (meshtrain knows neither its model nor its memory: nothing is checked)."""
+    if choice.profile is None or spec.trainer.type == "custom":
         return None
     summary = {
         **admission.status_summary(estimate.make_plan(spec, choice.profile)),

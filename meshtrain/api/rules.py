@@ -264,6 +264,22 @@ def _labels_not_reserved(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _custom_trainer_command(spec: TrainingJobSpec) -> str | None:
+    program = spec.trainer
+    if program.type == "custom" and not program.command:
+        return (
+            "trainer.type is custom but trainer.command is empty: give the program to run, e.g. "
+            "[torchrun, /app/train.py] (torchrun reads the gang from the PET_* variables)"
+        )
+    if program.type == "builtin" and (program.command or program.args or program.working_dir):
+        return (
+            "trainer.command, args and workingDir are for trainer.type custom; the built-in trainer "
+            "is configured by the model, training and parallelism sections: remove them or set "
+            "trainer.type: custom"
+        )
+    return None
+
+
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -368,6 +384,15 @@ RULES: tuple[Rule, ...] = (
         f"metrics.port + gpusPerNode - 1 must be at most 65535 and the range must not contain the rendezvous port {RENDEZVOUS_PORT} "
         "(local rank r serves metrics on metrics.port + r)",
         _metrics_ports,
+    ),
+    Rule(
+        "custom-trainer-command",
+        "spec.trainer.command",
+        "self.trainer.type == 'custom' ? size(self.trainer.command) > 0 : "
+        "(size(self.trainer.command) == 0 && size(self.trainer.args) == 0 && !has(self.trainer.workingDir))",
+        "trainer.type custom needs trainer.command; trainer.command, args and workingDir are only "
+        "for trainer.type custom",
+        _custom_trainer_command,
     ),
     Rule(
         "env-value-or-source",

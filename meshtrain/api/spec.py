@@ -205,6 +205,33 @@ class PodSettings(_Model):
     )
 
 
+class TrainerProgram(_Model):
+    """Which program the pods run: meshtrain's trainer, or the user's own PyTorch program.
+
+    A custom program runs in ``spec.image`` with the same placement, gang, restarts, checkpoint
+    volume and environment: ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
+    ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT`` make a plain ``torchrun train.py`` join the gang.
+    """
+
+    type: Literal["builtin", "custom"] = Field(
+        "builtin",
+        description="builtin: meshtrain's trainer (model, training, parallelism sections); "
+        "custom: the command below, launched one pod per node slot like the built-in trainer.",
+    )
+    command: list[Annotated[str, Field(max_length=4096, description="An argument.")]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="custom: the container command, e.g. [torchrun, /app/train.py]; torchrun "
+        "reads the gang's size, rank and rendezvous address from PET_* variables.",
+    )
+    args: list[Annotated[str, Field(max_length=4096, description="An argument.")]] = Field(
+        default_factory=list, max_length=256, description="custom: arguments after the command."
+    )
+    working_dir: str | None = Field(
+        None, max_length=4096, description="custom: working directory of the container."
+    )
+
+
 class Resources(_Model):
     """What each pod (one per node slot) asks of its node."""
 
@@ -482,6 +509,10 @@ class TrainingJobSpec(_Model):
         default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend."
     )
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter settings.")
+    trainer: TrainerProgram = Field(
+        default_factory=TrainerProgram,
+        description="The program the pods run: the built-in trainer, or a custom PyTorch program.",
+    )
     pod: PodSettings = Field(
         default_factory=PodSettings,
         description="Pod settings: env, image pull secrets, ServiceAccount, priority, labels, annotations.",

@@ -284,3 +284,27 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     assert any(
         e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events
     ), events
+
+
+def test_a_users_own_ddp_program_runs_under_the_same_placement_and_gang(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
+    paths, _state = sandbox
+    manifest = EXAMPLE.parent / "custom-ddp.yaml"
+    document = yaml.safe_load(manifest.read_text())
+    namespace, name = example.apply(paths, manifest)
+    final = example.follow(paths, namespace, name, timeout=600, on_change=print)
+    status = final["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
+    assert status["layout"] == "dp4·pp1·tp1" and len(status["placement"]) == 2
+    # The program's own checkpoint, written by its rank 0 after the last step of a 4-rank gang.
+    claim = document["spec"]["checkpoint"]["claimName"]
+    saved = paths.root / "volumes" / namespace / claim / "ddp-example.pt"
+    assert saved.is_file(), (
+        "the program checkpoints to $MESHTRAIN_CHECKPOINT_DIR on the job's claim"
+    )
+    import torch  # noqa: PLC0415 - only this test reads a torch file
+
+    assert torch.load(saved)["step"] == int(document["spec"]["trainer"]["args"][1])
+    logs = _gang_logs(paths, namespace, f"{name}-r0-*")
+    assert "ddp example: world 4" in logs, "torchrun formed one 4-rank group across both pods"

@@ -47,5 +47,8 @@ class JobBuilder:
     def pod(self, **values: Any) -> JobBuilder:
         return self._section("pod", **values)
 
+    def trainer(self, **values: Any) -> JobBuilder:
+        return self._section("trainer", **values)
+
     def raw(self) -> dict[str, Any]:
         return copy.deepcopy(self._raw)

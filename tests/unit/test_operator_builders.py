@@ -97,6 +97,33 @@ def test_pod_settings_reach_every_pod_without_replacing_the_operators_own():
         assert naming.ANNOTATION_NODE in annotations
 
 
+def test_a_custom_program_runs_its_own_command_with_the_gangs_torchrun_environment():
+    spec = spec_of(
+        JobBuilder()
+        .layout(data=4, gpus_per_node=2)
+        .trainer(
+            type="custom",
+            command=["torchrun", "/app/train.py"],
+            args=["--epochs", "3"],
+            workingDir="/app",
+        )
+    )
+    pods = builders.build_pods(REF, spec, 0, ["n-a", "n-b"])
+    for index, pod in enumerate(pods):
+        container = pod["spec"]["containers"][0]
+        assert container["command"] == ["torchrun", "/app/train.py"]
+        assert container["args"] == ["--epochs", "3"]
+        assert container["workingDir"] == "/app"
+        env = env_of(pod)
+        # torchrun's own variables: a plain `torchrun train.py` joins the 2-pod gang.
+        assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "2"
+        assert env["PET_NODE_RANK"] == str(index)
+        assert (
+            env["PET_MASTER_ADDR"] == env["MASTER_ADDR"] == naming.master_addr("llm", "research", 0)
+        )
+        assert env["PET_MASTER_PORT"] == str(naming.MASTER_PORT)
+
+
 def test_pod_spanning_two_stages_is_labelled_with_the_range():
     spec = spec_of(JobBuilder().layout(data=1, pipeline=2, tensor=1, gpus_per_node=2))
     assert builders.pipeline_stages(spec, 0) == "0-1"

@@ -162,6 +162,18 @@ INVALID = [
         ["env[0] X", "exactly one of value or valueFrom"],
     ),
     (
+        "custom trainer without a command",
+        JobBuilder().trainer(type="custom"),
+        "spec.trainer.command",
+        ["trainer.command is empty", "torchrun"],
+    ),
+    (
+        "command for the built-in trainer",
+        JobBuilder().trainer(command=["python", "train.py"]),
+        "spec.trainer.command",
+        ["trainer.type custom"],
+    ),
+    (
         "pod label the operator selects by",
         JobBuilder().pod(labels={"meshtrain.io/job": "other"}),
         "spec.pod.labels",

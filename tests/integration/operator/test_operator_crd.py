@@ -134,6 +134,11 @@ INVALID = [
         _rule("env-value-or-source"),
     ),
     (
+        "custom trainer without a command",
+        _with("spec.trainer", {"type": "custom"}),
+        _rule("custom-trainer-command"),
+    ),
+    (
         "pod label the operator selects by",
         _with("spec.pod", {"labels": {"meshtrain.io/attempt": "9"}}),
         _rule("labels-not-reserved"),

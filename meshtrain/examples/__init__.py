@@ -1,0 +1,1 @@
+"""Example programs for `spec.trainer.type: custom`, shipped in the trainer image."""
