@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import kubernetes
-import yaml
 
 from meshtrain import controlplane
 from meshtrain.api import crd, loading
@@ -68,41 +67,17 @@ def _wait(check: Callable[[], _T], timeout: float, interval: float = 0.01) -> _T
 
 
 def _install(api: kubernetes.client.ApiClient, kubeconfig: str, kubectl: str) -> None:
-    ext = kubernetes.client.ApiextensionsV1Api(api)
-    for document in [
-        crd.build(),
-        *yaml.safe_load_all((REPO / "manifests/crd/kopf-peering.yaml").read_text()),
-    ]:
-        ext.create_custom_resource_definition(document)
+    kubernetes.client.ApiextensionsV1Api(api).create_custom_resource_definition(crd.build())
     _wait(
         lambda: (
             subprocess.run(
-                [
-                    kubectl,
-                    "--kubeconfig",
-                    kubeconfig,
-                    "get",
-                    "trainingjobs,clusterkopfpeerings",
-                    "-A",
-                ],
+                [kubectl, "--kubeconfig", kubeconfig, "get", "trainingjobs", "-A"],
                 capture_output=True,
             ).returncode
             == 0
         ),
         60,
         0.2,
-    )
-    subprocess.run(
-        [
-            kubectl,
-            "--kubeconfig",
-            kubeconfig,
-            "apply",
-            "-f",
-            str(REPO / "manifests/operator/peering.yaml"),
-        ],
-        check=True,
-        capture_output=True,
     )
 
 

@@ -3,7 +3,7 @@
 What it is: :func:`add_parser` (the subcommand's flags, registered by
 ``meshtrain.cli``) and :func:`run`, which configures JSON logging, starts the
 metrics endpoint and runs kopf with the handlers of :mod:`handlers`
-(namespaces or cluster-wide, liveness endpoint, peering).  What it is not:
+(namespaces or cluster-wide, liveness endpoint, leader election).  What it is not:
 the handlers or any reconcile logic.
 """
 
@@ -14,12 +14,18 @@ import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from meshtrain.operator import naming
 from meshtrain.planner import admission, profiles
 
-DEFAULT_PEERING = "meshtrain"
-"""Name of the (Cluster)KopfPeering object replicas use to elect the active one."""
+if TYPE_CHECKING:
+    from meshtrain.operator import leadership
+
+DEFAULT_LEASE = "meshtrain-operator"
+"""Name of the coordination.k8s.io Lease replicas use to elect the active one."""
+MIN_LEASE_SECONDS = 3
+"""Shortest Lease the election's timing allows (a retry of at least 1 s, renewal within 2/3)."""
 DEFAULT_GPU_PROFILE = "h100-sxm"
 """Profile for nodes that do not name their GPU: the common training GPU, as ``meshtrain plan`` assumes for bf16."""
 NO_PROFILE = "none"
@@ -29,6 +35,20 @@ NO_PROFILE = "none"
 def gpu_profile(name: str) -> profiles.Profile | None:
     """The ``--gpu-profile`` value as a profile (None for ``none``); raises ProfileError for an unknown name."""
     return None if name == NO_PROFILE else profiles.get(name)
+
+
+def election(args: argparse.Namespace) -> leadership.Election:
+    """The Lease settings of the flags: renew within 2/3 of the lease, retry 7.5 times per lease."""
+    from meshtrain.operator import leadership  # noqa: PLC0415 - kubernetes_asyncio only for `operator`
+
+    return leadership.Election(
+        lease=args.lease,
+        namespace=args.lease_namespace or leadership.default_namespace(),
+        identity=args.identity or leadership.default_identity(),
+        lease_seconds=args.lease_seconds,
+        renew_deadline=args.lease_seconds * 2 / 3,
+        retry=max(1.0, args.lease_seconds / 7.5),
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -57,15 +77,30 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 disables it"
     )
     parser.add_argument(
-        "--peering",
-        default=DEFAULT_PEERING,
+        "--lease",
+        default=DEFAULT_LEASE,
         metavar="NAME",
-        help="kopf peering object so that only one replica acts (default: %(default)s)",
+        help="Lease that elects the one replica that acts (default: %(default)s)",
     )
     parser.add_argument(
-        "--standalone", action="store_true", help="no peering (a single replica, e.g. tests)"
+        "--lease-namespace",
+        metavar="NS",
+        help="namespace of the Lease (default: $POD_NAMESPACE, the pod's own, else default)",
     )
-    parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    parser.add_argument(
+        "--lease-seconds",
+        type=int,
+        default=15,
+        help="a standby takes over after the Lease went unrenewed this long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--identity",
+        help="this replica's Lease holder name; must survive a container restart "
+        "(default: $POD_NAME, else the host name)",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true", help="no leader election (a single replica)"
+    )
     parser.add_argument(
         "--resync-seconds",
         type=float,
@@ -103,6 +138,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
 
 def run(args: argparse.Namespace) -> int:
     """Run the operator until it is interrupted (exit status 2 at once for an unknown ``--gpu-profile``)."""
+    if args.lease_seconds < MIN_LEASE_SECONDS:
+        print(
+            f"meshtrain operator: --lease-seconds must be at least {MIN_LEASE_SECONDS}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         default_profile = gpu_profile(args.gpu_profile)
     except profiles.ProfileError as err:
@@ -123,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
         namespaces=list(args.namespace),
+        election=None if args.standalone else election(args),
         settings=reconciler.Settings(
             resync_seconds=args.resync_seconds,
             progress_seconds=args.progress_seconds,
@@ -135,9 +177,7 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=clusterwide,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
-        standalone=args.standalone or None,
-        peering_name=None if args.standalone else args.peering,
-        priority=args.priority,
+        standalone=True,  # no kopf peering: the Lease elects (see leadership)
         memo=memo,
         loop=asyncio.new_event_loop(),
     )

@@ -2,10 +2,10 @@
 
 What it is: one kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
 by events of the job, by the pod and node informers of ``informer``, or by a
-timer), a
-deletion handler that removes the job's children, and start-up/clean-up of
-the shared API client.  Daemons are stopped by kopf when the job is deleted,
-when the operator exits, and while a peer with higher priority is active.
+timer), a deletion handler that removes the job's children, and start-up/clean-up of
+the shared API client and of leader election (``leadership``).  Daemons are
+stopped by kopf when the job is deleted or the operator exits; in a replica
+that does not hold the Lease they wait, with its caches kept warm.
 
 What it is not: no decisions (``lifecycle``), no manifests (``builders``), no
 API calls of its own (``reconciler`` through ``kube``).
@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import informer, kube, naming, reconciler
+from meshtrain.operator import informer, kube, leadership, naming, reconciler
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
 ERROR_BACKOFF_SECONDS = 2.0
@@ -85,11 +85,19 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=memo.settings)
     memo.wakeups = Wakeups()
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups))
+    memo.leading = asyncio.Event()
+    if memo.election is None:
+        memo.leading.set()
+        memo.elector = None
+    else:
+        memo.elector = asyncio.create_task(leadership.run(client, memo.election, memo.leading))
 
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     memo.watches.cancel()
+    if memo.elector is not None:
+        memo.elector.cancel()
     await memo.reconciler.client.close()
 
 
@@ -114,6 +122,9 @@ async def run_job(
     passes = 0
     try:
         while not stopped:
+            if not memo.leading.is_set():  # a standby: wait for the Lease (or the stop)
+                await _sleep(memo.leading, stopped, settings.resync_seconds)
+                continue
             wake.clear()
             try:
                 outcome = await memo.reconciler.reconcile(namespace=namespace, name=name)
@@ -146,5 +157,6 @@ async def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.delete(*RESOURCE)
 async def delete_children(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Delete the job's pods, Service and ConfigMap (also done by the garbage collector where one runs)."""
+    await memo.leading.wait()  # a standby leaves the finalizer to the leader
     await memo.reconciler.delete_children(namespace=namespace, name=name)
     memo.wakeups.forget((namespace, name))

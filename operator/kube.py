@@ -102,6 +102,8 @@ class Client:
 
     def __init__(self, *, api: k8s.ApiClient, refresher: asyncio.Task[None] | None) -> None:
         self._api = api
+        self.api_client = api
+        """The library's client, for its own protocols (leader election's Lease)."""
         self._core = k8s.CoreV1Api(api)
         self._custom = k8s.CustomObjectsApi(api)
         self._refresher = refresher

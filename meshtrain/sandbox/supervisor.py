@@ -218,8 +218,12 @@ class _Supervisor:
                 "meshtrain.cli",
                 "operator",
                 "--all-namespaces",
-                "--peering",
+                # The chart's Lease Role is in the release namespace; the identity (the host
+                # name) survives a restart, so a restarted operator resumes at once.
+                "--lease",
                 RELEASE,
+                "--lease-namespace",
+                NAMESPACE,
                 "--kubeconfig",
                 str(self.paths.operator_kubeconfig),
                 "--metrics-port",

@@ -54,6 +54,7 @@ CLUSTER_ALLOWED = [
     ("list", "nodes"),
     ("watch", "nodes"),
     ("list", "pods"),
+    ("watch", "pods"),
     ("list", "namespaces"),
     ("watch", "namespaces"),
     ("list", "customresourcedefinitions.apiextensions.k8s.io"),
@@ -260,18 +261,7 @@ def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(to
 def test_install_and_uninstall(tools: dict) -> None:
     release_ns = namespace(tools, "chart-install")
     release = f"it-{uuid.uuid4().hex[:5]}"
-    # A peering name of its own: the operator tests share this control plane and own `meshtrain`.
-    installed = run(
-        tools,
-        "helm",
-        "install",
-        release,
-        str(CHART),
-        "--namespace",
-        release_ns,
-        "--set",
-        f"operator.peering={release}",
-    )
+    installed = run(tools, "helm", "install", release, str(CHART), "--namespace", release_ns)
     assert installed.returncode == 0, installed.stderr
     assert "kubectl get trainingjobs -w" in installed.stdout, "NOTES.txt tells what to do next"
     objects = run(
@@ -298,7 +288,7 @@ def test_install_and_uninstall(tools: dict) -> None:
         ),
         (["--set", "watch.mode=namespaces"], "at '/watch/namespaces'"),
         (
-            ["--set", "operator.peering=,replicaCount=2"],
+            ["--set", "operator.leaderElection.enabled=false,replicaCount=2"],
             "at '/replicaCount': maximum: got 2, want 1",
         ),
         (["--set", "typo=1"], "additional properties 'typo' not allowed"),
@@ -333,33 +323,22 @@ def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> boo
 def test_rbac_all_namespaces_is_sufficient_and_no_more(tools: dict) -> None:
     release_ns = namespace(tools, "chart-rbac")
     other = namespace(tools, "chart-other")
-    installed = run(
-        tools,
-        "helm",
-        "install",
-        "rbac",
-        str(CHART),
-        "--namespace",
-        release_ns,
-        "--set",
-        f"operator.peering={release_ns}",
-    )
+    installed = run(tools, "helm", "install", "rbac", str(CHART), "--namespace", release_ns)
     assert installed.returncode == 0, installed.stderr
     sa = f"system:serviceaccount:{release_ns}:rbac-meshtrain"
     try:
         missing = [(v, r) for v, r in NAMESPACED_ALLOWED if not can_i(tools, sa, v, r, other)]
         missing += [(v, r) for v, r in CLUSTER_ALLOWED if not can_i(tools, sa, v, r, None)]
         missing += [
-            (v, r)
-            for v, r in [
-                ("get", "clusterkopfpeerings.kopf.dev"),
-                ("patch", "clusterkopfpeerings.kopf.dev"),
-            ]
-            if not can_i(tools, sa, v, r, None)
+            (v, "leases.coordination.k8s.io")
+            for v in ("get", "create", "update")
+            if not can_i(tools, sa, v, "leases.coordination.k8s.io", release_ns)
         ]
         assert not missing, f"the operator needs {missing}"
         extra = [(v, r) for v, r in DENIED if can_i(tools, sa, v, r, other)]
         extra += [(v, r) for v, r in CLUSTER_DENIED if can_i(tools, sa, v, r, None)]
+        if can_i(tools, sa, "update", "leases.coordination.k8s.io", other):
+            extra.append(("update", f"leases in {other}"))  # the Lease lives in the release ns
         assert not extra, f"the chart grants more than the operator uses: {extra}"
     finally:
         run(tools, "helm", "uninstall", "rbac", "--namespace", release_ns, "--wait")
@@ -385,7 +364,8 @@ def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> 
     sa = f"system:serviceaccount:{release_ns}:rbacns-meshtrain"
     try:
         assert all(can_i(tools, sa, v, r, watched) for v, r in NAMESPACED_ALLOWED)
-        assert can_i(tools, sa, "patch", "kopfpeerings.kopf.dev", watched)
+        assert can_i(tools, sa, "update", "leases.coordination.k8s.io", release_ns)
+        assert not can_i(tools, sa, "update", "leases.coordination.k8s.io", watched)
         assert not can_i(tools, sa, "create", "pods", other)
         assert not can_i(tools, sa, "patch", "trainingjobs.meshtrain.io/status", other)
         assert not can_i(tools, sa, "update", "trainingjobs.meshtrain.io/status", watched)

@@ -89,7 +89,6 @@ def test_every_template_is_tested() -> None:
         "serviceaccount.yaml",
         "_helpers.tpl",
         "NOTES.txt",
-        "peering.yaml",
         # rendered and applied against a real API server in tests/integration/test_chart_production.py
         "user-roles.yaml",
         "pdb.yaml",
@@ -104,8 +103,9 @@ def test_notes_say_what_to_apply_next() -> None:
     assert re.search(r"kubectl get trainingjobs -w", text)
 
 
-def test_peering_objects_follow_the_watch_mode() -> None:
-    text = _text("peering.yaml")
-    assert "kind: ClusterKopfPeering" in text and "kind: KopfPeering" in text
+def test_leader_election_has_its_lease_rbac_and_a_stable_identity() -> None:
     deployment = _text("deployment.yaml")
-    assert "--peering=" in deployment and "--standalone" in deployment
+    assert "--lease=" in deployment and "--standalone" in deployment
+    assert "name: POD_NAME" in deployment and "fieldPath: metadata.name" in deployment
+    rbac = _text("rbac.yaml")
+    assert 'resources: ["leases"]' in rbac and 'verbs: ["get", "create", "update"]' in rbac

@@ -75,8 +75,6 @@ and operator/handlers.py are the callers):
 - services, configmaps: the headless Service (rank 0's DNS name) and the spec
   ConfigMap of each job, created and deleted, never read back.
 - events: the reconciler's Events about each job (kopf's own posting is off).
-- kopfpeerings: (watch mode "namespaces" with peering) replicas announce
-  themselves in the namespace's KopfPeering.
 */}}
 {{- define "meshtrain.namespacedRules" -}}
 - apiGroups: ["meshtrain.io"]
@@ -94,22 +92,17 @@ and operator/handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if and .Values.operator.peering (ne .Values.watch.mode "all") }}
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
-{{- end }}
 {{- end }}
 
 {{/*
 Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
-- nodes: kopf watches them and the planner lists them (topology labels, GPUs).
-- pods, cluster-wide list: GPUs already taken on each node, by any pod in any
-  namespace, so that two jobs never plan onto the same free GPUs.
+- nodes: the operator's cache lists and watches them (topology labels, GPUs,
+  taints, conditions).
+- pods, cluster-wide list and watch: the cache of what is taken on each node,
+  by any pod in any namespace, so that two jobs never plan onto the same free
+  GPUs.
 - customresourcedefinitions, namespaces: kopf's resource and namespace
   discovery.
-- clusterkopfpeerings: (watch mode "all" with peering) replicas announce
-  themselves in the ClusterKopfPeering.
 */}}
 {{- define "meshtrain.clusterRules" -}}
 - apiGroups: [""]
@@ -117,18 +110,13 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
-{{- if and .Values.operator.peering (eq .Values.watch.mode "all") }}
-- apiGroups: ["kopf.dev"]
-  resources: ["clusterkopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
-{{- end }}
 {{- end }}
 
 {{/* The trainer image the operator gives jobs whose spec.image is empty. */}}

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import kubernetes
-import yaml
 
 from meshtrain.api import crd
 from meshtrain.controlplane.ports import pick_free_port
@@ -92,8 +91,7 @@ class Cluster:
 
     # CRDs
     def install_crds(self) -> None:
-        with open(os.path.join(REPO, "manifests/crd/kopf-peering.yaml")) as peering:
-            documents = [crd.build(), *yaml.safe_load_all(peering)]
+        documents = [crd.build()]
         for document in documents:
             try:
                 self.extensions.create_custom_resource_definition(document)
@@ -296,16 +294,25 @@ class OperatorProcess:
     """``meshtrain operator`` as a subprocess with short timers; start, kill, restart."""
 
     def __init__(
-        self, kubeconfig: str, log_path: str, scope: tuple[str, ...] = ("--all-namespaces",)
+        self,
+        kubeconfig: str,
+        log_path: str,
+        scope: tuple[str, ...] = ("--all-namespaces",),
+        lease: str = "meshtrain-operator",
+        lease_seconds: int = 3,
+        identity: str | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.scope = scope
+        self.lease = lease
+        """Lease in namespace ``default``; replicas that share it elect one."""
         self.log_path = log_path
         self.health_port = pick_free_port()
         self.metrics_port = pick_free_port()
         self.process: subprocess.Popen[bytes] | None = None
-        self.identity = f"operator-{uuid.uuid4().hex[:6]}"
-        """kopf peering identity (POD_ID): a restart keeps it, as a container restart keeps its pod name."""
+        self.lease_seconds = lease_seconds
+        self.identity = identity or f"operator-{uuid.uuid4().hex[:6]}"
+        """Lease holder name (POD_NAME): a restart keeps it, as a container restart keeps its pod name."""
 
     def start(self) -> None:
         command = [
@@ -316,8 +323,12 @@ class OperatorProcess:
             *self.scope,
             "--kubeconfig",
             self.kubeconfig,
-            "--peering",
-            "meshtrain",
+            "--lease",
+            self.lease,
+            "--lease-namespace",
+            "default",
+            "--lease-seconds",
+            str(self.lease_seconds),
             "--liveness",
             f"http://127.0.0.1:{self.health_port}/healthz",
             "--metrics-port",
@@ -328,7 +339,7 @@ class OperatorProcess:
             "0.5",
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        env = {**os.environ, "POD_ID": self.identity}
+        env = {**os.environ, "POD_NAME": self.identity}
         self.process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
         )

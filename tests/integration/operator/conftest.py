@@ -24,8 +24,6 @@ def cluster(control_plane, kube_api, control_plane_binaries) -> helpers.Cluster:
         kube_api, str(control_plane.kubeconfig_path), str(control_plane_binaries.kubectl)
     )
     found.install_crds()
-    result = found.kubectl("apply", "-f", f"{helpers.REPO}/manifests/operator/peering.yaml")
-    assert result.returncode == 0, result.stderr
     return found
 
 

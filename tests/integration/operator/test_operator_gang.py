@@ -182,19 +182,13 @@ def test_namespaced_operator_handles_only_its_namespaces(
 ):
     other = f"{namespace}-x"
     cluster.core.create_namespace({"metadata": {"name": other}})
-    cluster.custom.create_namespaced_custom_object(
-        "kopf.dev",
-        "v1",
-        namespace,
-        "kopfpeerings",
-        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "meshtrain"}},
-    )
     cluster.add_node(pool, gpus=8)
     operator.stop()  # the cluster-wide operator would act on both namespaces
     scoped = OperatorProcess(
         str(control_plane.kubeconfig_path),
         str(tmp_path / "scoped.log"),
         scope=("--namespace", namespace),
+        lease=f"scoped-{namespace}",
     )
     try:
         scoped.start()

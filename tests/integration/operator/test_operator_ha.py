@@ -1,0 +1,161 @@
+"""Two operator replicas on the real API server: one leads through a Lease, the other takes over.
+
+A watch thread records every pod event of the test's namespace and fails the
+test if a gang slot (job, node rank) ever has two pods not being deleted.
+The session operator is stopped for the test (it would act too) and started
+again at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from tests.integration.operator.cluster import Cluster, Job, OperatorProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class SlotWatch:
+    """Follows pods of a namespace; ``violations`` lists every moment a slot held two pods."""
+
+    def __init__(self, cluster: Cluster, namespace: str) -> None:
+        self._core = cluster.core
+        self._namespace = namespace
+        self._live: dict[str, tuple[str, str]] = {}
+        self._stop = threading.Event()
+        self.violations: list[str] = []
+        self.events = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SlotWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        watch = kubernetes.watch.Watch()
+        version = self._core.list_namespaced_pod(self._namespace).metadata.resource_version
+        while not self._stop.is_set():
+            for event in watch.stream(
+                self._core.list_namespaced_pod,
+                self._namespace,
+                resource_version=version,
+                timeout_seconds=1,
+            ):
+                pod = event["object"]
+                version = pod.metadata.resource_version
+                self.events += 1
+                labels = pod.metadata.labels or {}
+                slot = (
+                    labels.get("meshtrain.io/job", ""),
+                    labels.get("meshtrain.io/node-rank", ""),
+                )
+                if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
+                    self._live.pop(pod.metadata.name, None)
+                    continue
+                self._live[pod.metadata.name] = slot
+                holders = [name for name, held in self._live.items() if held == slot]
+                if len(holders) > 1:
+                    self.violations.append(f"slot {slot} held by {sorted(holders)}")
+
+
+@pytest.fixture
+def replicas(cluster, operator, namespace, tmp_path) -> Iterator[list[OperatorProcess]]:
+    operator.stop()
+    made = [
+        OperatorProcess(
+            cluster.kubeconfig,
+            str(tmp_path / f"{who}.log"),
+            scope=("--namespace", namespace),
+            lease=f"ha-{namespace}",
+            identity=f"{who}-{namespace}",
+        )
+        for who in ("a", "b")
+    ]
+    try:
+        yield made
+    finally:
+        for replica in made:
+            replica.stop()
+        operator.start()
+
+
+def _holder(cluster: Cluster, lease: str) -> str | None:
+    coordination = kubernetes.client.CoordinationV1Api(cluster.core.api_client)
+    try:
+        return coordination.read_namespaced_lease(lease, "default").spec.holder_identity
+    except kubernetes.client.ApiException:
+        return None
+
+
+def _ranks(cluster: Cluster, namespace: str, job: str) -> list[str]:
+    return sorted(
+        p.metadata.labels["meshtrain.io/node-rank"]
+        for p in cluster.pods(namespace, job)
+        if not p.metadata.deletion_timestamp
+    )
+
+
+def test_standby_takes_over_mid_placement_and_restarts_count_once(
+    cluster, namespace, pool, replicas
+):
+    first, second = replicas
+    lease = first.lease
+    for _ in range(8):
+        cluster.add_node(pool, gpus=8)
+    first.start()
+    wait_for("a leads", lambda: _holder(cluster, lease) == first.identity)
+    second.start()
+    with SlotWatch(cluster, namespace) as slots:
+        cluster.apply(Job("ha", namespace, pool).layout(data=64).gpus(1))
+        wait_for("the leader creates pods", lambda: cluster.pods(namespace, "ha"), interval=0.01)
+        first.kill()  # mid-placement: the gang is partly created, its gates still on
+        created = len(cluster.pods(namespace, "ha"))
+        cluster.wait_gang(namespace, "ha", 64, timeout=60)
+        assert _holder(cluster, lease) == second.identity
+        assert _ranks(cluster, namespace, "ha") == sorted(str(i) for i in range(64))
+        assert cluster.status(namespace, "ha").get("restarts", 0) == 0
+
+        # One pod fails; the leader dies right after it: the restart is counted exactly once.
+        first.start()  # back as a standby
+        cluster.set_pod_phase(namespace, "ha-r0-5", "Failed", exit_code=1)
+        second.kill()
+        cluster.wait_gang(namespace, "ha", 64, timeout=60, attempt=1)
+        assert _holder(cluster, lease) == first.identity
+        time.sleep(2)  # a second count would show up within a few passes
+        assert cluster.status(namespace, "ha")["restarts"] == 1
+        assert _ranks(cluster, namespace, "ha") == sorted(str(i) for i in range(64))
+    assert slots.events > 0 and slots.violations == [], slots.violations
+    print(f"leader killed with {created}/64 pods created; {slots.events} pod events watched")
+
+
+def test_a_crash_restarted_leader_resumes_at_once(cluster, namespace, pool, tmp_path, replicas):
+    """With a 60 s Lease, resuming before it expires shows the restart did not wait for it."""
+    leader = OperatorProcess(
+        cluster.kubeconfig,
+        str(tmp_path / "long.log"),
+        scope=("--namespace", namespace),
+        lease=f"long-{namespace}",
+        lease_seconds=60,
+    )
+    cluster.add_node(pool, gpus=8)
+    try:
+        leader.start()
+        wait_for("it leads", lambda: _holder(cluster, leader.lease) == leader.identity)
+        leader.kill()
+        restarted = time.monotonic()
+        leader.start()
+        cluster.apply(Job("again", namespace, pool).layout(data=2).gpus(1))
+        cluster.wait_gang(namespace, "again", 2, timeout=40)
+        assert time.monotonic() - restarted < 40  # the dead leader's Lease had 60 s left
+    finally:
+        leader.stop()
