@@ -4,9 +4,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify bootstrap run run-local test test-unit test-e2e benchmarks clean \
+.PHONY: help venv lock verify crd bootstrap run run-local test test-unit test-e2e benchmarks clean \
         chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -25,9 +26,16 @@ lock: venv  ## re-resolve requirements.lock from pyproject.toml (the one pin of 
 	$(BIN)/uv pip compile pyproject.toml --extra test --extra dev --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_28 -o requirements.lock -q
 
-verify: venv  ## static checks CI runs before the tests: ruff lint + format
+verify: venv  ## static checks CI runs before the tests: ruff lint + format, mypy, import contracts
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/package_tree.py $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml \
+	  --cache-dir $(CURDIR)/.mypy_cache -p meshtrain
+	$(BIN)/python scripts/package_tree.py $(abspath $(BIN))/lint-imports --config $(CURDIR)/pyproject.toml \
+	  --cache-dir $(CURDIR)/.import_linter_cache
+	@$(BIN)/python -m meshtrain.api.crd | diff -u $(CRD) - \
+	  || { echo "$(CRD) is not what the model generates: run make crd"; exit 1; }
+	@scripts/chart-sync.sh --check || { echo "the chart's copies differ: run make chart-sync"; exit 1; }
 
 bootstrap:  ## build/locate kube-apiserver, etcd, kubectl, helm and install prometheus (cached)
 	scripts/bootstrap.sh
@@ -56,7 +64,11 @@ test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 test-e2e: venv bootstrap  ## only the sandbox end-to-end tests
 	$(BIN)/pytest -m e2e tests/e2e
 
-chart-sync:  ## copy the CRD, dashboards and rules into the chart (a test checks the copies)
+chart-sync:  ## copy the CRD, dashboards and rules into the chart (make verify checks the copies)
+	scripts/chart-sync.sh
+
+crd: venv  ## regenerate the TrainingJob CRD from the spec model and rules, and its chart copy
+	$(BIN)/python -m meshtrain.api.crd > $(CRD)
 	scripts/chart-sync.sh
 
 manifests: bootstrap  ## regenerate manifests/rbac and manifests/operator from the chart

@@ -38,15 +38,20 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     launch = importlib.import_module("meshtrain.trainer.launch")
-    return launch.run_local(args.job, steps=args.steps, log_dir=args.log_dir, overrides=args.set)
+    code: int = launch.run_local(
+        args.job, steps=args.steps, log_dir=args.log_dir, overrides=args.set
+    )
+    return code
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    return importlib.import_module("meshtrain.trainer.telemetry.timeline").main(args)
+    code: int = importlib.import_module("meshtrain.trainer.telemetry.timeline").main(args)
+    return code
 
 
 def _crd(args: argparse.Namespace) -> int:
-    return importlib.import_module("meshtrain.api.crd").main()
+    code: int = importlib.import_module("meshtrain.api.crd").main()
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    code: int = args.handler(args)
+    return code
 
 
 if __name__ == "__main__":

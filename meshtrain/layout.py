@@ -13,6 +13,7 @@ consecutive local ranks of one pod.  Pure: no process groups, no torch.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,16 @@ class ParallelLayout:
         return sorted({self.coords(r).pp for r in self.ranks_of_pod(pod, gpus_per_node)})
 
 
-def from_spec(parallelism) -> ParallelLayout:  # noqa: ANN001 - any object with data/pipeline/tensor
+class _Degrees(Protocol):
+    @property
+    def data(self) -> int: ...
+    @property
+    def pipeline(self) -> int: ...
+    @property
+    def tensor(self) -> int: ...
+
+
+def from_spec(parallelism: _Degrees) -> ParallelLayout:
     """The layout of a spec's ``parallelism`` section."""
     return ParallelLayout(
         data=parallelism.data, pipeline=parallelism.pipeline, tensor=parallelism.tensor

@@ -178,7 +178,7 @@ def _volumes(
         {"name": "tmp", "emptyDir": {}},
     ]
     # The root filesystem is read-only: these are the only places the trainer writes.
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "checkpoints", "mountPath": spec.checkpoint.path},
         {"name": "spec", "mountPath": naming.SPEC_DIR, "readOnly": True},

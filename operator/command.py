@@ -51,7 +51,9 @@ def election(args: argparse.Namespace) -> leadership.Election:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``meshtrain operator`` and its flags on the CLI's subparsers."""
     parser = sub.add_parser("operator", help="run the TrainingJob operator (kopf)")
     scope = parser.add_mutually_exclusive_group()

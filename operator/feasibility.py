@@ -64,7 +64,7 @@ def _amount(resource: str, value: Any) -> int:
         return 0
     if resource == CPU:
         parsed *= 1000
-    return math.ceil(parsed)
+    return int(math.ceil(parsed))
 
 
 def _scheduled_resource(resource: str) -> bool:

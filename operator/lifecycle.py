@@ -143,6 +143,7 @@ def job_state(body: Mapping[str, Any]) -> JobState:
     )
     raw_spec = body.get("spec") or {}
     ttl = (raw_spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    problems: tuple[str, ...]
     try:
         parsed, problems = (
             loading.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"),
@@ -505,6 +506,7 @@ def placed(
     plan: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Status fields once a gang of ``nodes`` (node per pod index) has been planned; ``plan`` -> status.plan."""
+    assert job.spec is not None  # only a valid spec is placed
     message = f"{len(nodes)} pod(s) on {len(set(nodes))} node(s)"
     conds = conditions.set(
         _conds(job), conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, message, now

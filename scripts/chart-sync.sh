@@ -4,8 +4,8 @@
 #   manifests/crd/*.yaml        -> charts/meshtrain/crds/
 #   dashboards/*.json           -> charts/meshtrain/files/dashboards/
 #   dashboards/rules.yaml       -> charts/meshtrain/files/rules.yaml
-# tests/unit/test_chart_sync.py fails when a copy differs from its source, so
-# run this (make chart-sync) after changing the CRD or the dashboards.
+# `make verify` fails when a copy differs from its source, so run this
+# (make chart-sync) after changing the CRD or the dashboards.
 #
 # Usage: scripts/chart-sync.sh [--check]   (--check: only report differences)
 set -euo pipefail

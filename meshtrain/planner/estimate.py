@@ -144,7 +144,9 @@ def make_plan(
     stage_comms = comm.plan_comm(job, scheme)
     placed = place(job, nodes) if nodes is not None else None
     domains = (
-        _pod_domains(job, nodes, placed.nodes) if placed is not None and placed.nodes else None
+        _pod_domains(job, nodes, placed.nodes)
+        if nodes is not None and placed is not None and placed.nodes
+        else None
     )
     time_plan = cost.plan_time(job, profile, scheme, stage_comms, domains)
     shape = job.model.shape()

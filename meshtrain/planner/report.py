@@ -24,7 +24,7 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float]]:
+def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float | str]]:
     stage_comm = plan.comm[stage]
     times = plan.time.stages[stage]
     seconds = {"dp": times.dp, "tp": times.tp, "pp": times.pp}

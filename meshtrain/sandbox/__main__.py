@@ -13,11 +13,12 @@ import json
 import pathlib
 import sys
 import time
+from typing import Any
 
 from meshtrain.sandbox import example, supervisor
 
 
-def _print_ready(paths: supervisor.Paths, state: dict) -> None:
+def _print_ready(paths: supervisor.Paths, state: dict[str, Any]) -> None:
     print(
         f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
         f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}"

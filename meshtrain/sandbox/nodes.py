@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Any
 
 BLOCK_LABEL = "network.topology.nvidia.com/block"
 """Node label naming the fabric block (spine group) of a node."""
@@ -69,7 +70,7 @@ def now_micro() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def build_node(node: SimNode) -> dict:
+def build_node(node: SimNode) -> dict[str, Any]:
     """The Node object to create (metadata and spec; status is a separate write)."""
     return {
         "apiVersion": "v1",
@@ -92,7 +93,7 @@ def build_node(node: SimNode) -> dict:
     }
 
 
-def build_node_status(node: SimNode, *, heartbeat: str, ready_since: str) -> dict:
+def build_node_status(node: SimNode, *, heartbeat: str, ready_since: str) -> dict[str, Any]:
     """The node's status: capacity with GPUs, Ready and the pressure conditions, addresses."""
     resources = {
         "cpu": "64",
@@ -102,7 +103,7 @@ def build_node_status(node: SimNode, *, heartbeat: str, ready_since: str) -> dic
         GPU_RESOURCE: str(node.gpus),
     }
 
-    def condition(kind: str, status: str, reason: str, message: str) -> dict:
+    def condition(kind: str, status: str, reason: str, message: str) -> dict[str, Any]:
         return {
             "type": kind,
             "status": status,
@@ -150,7 +151,7 @@ def build_node_status(node: SimNode, *, heartbeat: str, ready_since: str) -> dic
     }
 
 
-def build_lease(node_name: str, *, uid: str, renew_time: str) -> dict:
+def build_lease(node_name: str, *, uid: str, renew_time: str) -> dict[str, Any]:
     """The node's heartbeat Lease in kube-node-lease, owned by the Node."""
     return {
         "apiVersion": "coordination.k8s.io/v1",

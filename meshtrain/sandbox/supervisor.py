@@ -81,9 +81,10 @@ class Paths:
 def read_state(paths: Paths) -> dict[str, Any] | None:
     """The recorded state, or None when no sandbox was started here."""
     try:
-        return json.loads(paths.state.read_text())
+        state: dict[str, Any] = json.loads(paths.state.read_text())
     except (FileNotFoundError, ValueError):
         return None
+    return state
 
 
 def _write_state(paths: Paths, state: dict[str, Any]) -> None:

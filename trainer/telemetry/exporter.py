@@ -24,7 +24,7 @@ import os
 import threading
 from collections.abc import Sequence
 from http import server
-from typing import Any
+from typing import Any, TypedDict
 
 import prometheus_client
 from prometheus_client import exposition
@@ -87,6 +87,11 @@ COMM_BUCKETS = (
 """Collective and exposed-communication durations: 100 us to 10 s."""
 
 
+class _FamilyArgs(TypedDict):
+    registry: prometheus_client.CollectorRegistry
+    labelnames: Sequence[str]
+
+
 class Metrics:
     """The metric families of one rank, in a private registry."""
 
@@ -97,7 +102,7 @@ class Metrics:
         base = identity.labels()
         self.base = base
         """Labels of this rank."""
-        reg = {"registry": self.registry, "labelnames": LABELS}
+        reg: _FamilyArgs = {"registry": self.registry, "labelnames": LABELS}
         comm = (*LABELS, "group", "op")
         self.tokens = prometheus_client.Counter(
             "meshtrain_tokens",
