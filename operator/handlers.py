@@ -113,9 +113,10 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: floa
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
 async def run_job(
-    stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, **_: Any
+    stopped: kopf.DaemonStopped, namespace: str | None, name: str, memo: kopf.Memo, **_: Any
 ) -> None:
     """Reconcile one job until it is deleted, finished for good, or the operator stops."""
+    assert namespace is not None  # TrainingJobs are namespaced
     key = (namespace, name)
     wake = memo.wakeups.event(key)
     settings: reconciler.Settings = memo.settings
@@ -149,14 +150,15 @@ async def run_job(
 
 
 @kopf.on.event(*RESOURCE)
-async def job_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def job_event(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Spec or status changes wake the job's daemon (e.g. suspend toggled)."""
     memo.wakeups.poke((namespace, name))
 
 
 @kopf.on.delete(*RESOURCE)
-async def delete_children(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def delete_children(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Delete the job's pods, Service and ConfigMap (also done by the garbage collector where one runs)."""
+    assert namespace is not None
     await memo.leading.wait()  # a standby leaves the finalizer to the leader
     await memo.reconciler.delete_children(namespace=namespace, name=name)
     memo.wakeups.forget((namespace, name))
