@@ -1,25 +1,51 @@
 """Generates the Grafana dashboards in this folder: ``python dashboards/build.py``.
 
-What it is: the panels of ``meshtrain-training.json`` and
-``meshtrain-operator.json`` as short Python tables (title, PromQL, unit), so
-that every query is written once, the JSON stays consistent (ids, grid,
-datasource) and tests/unit/test_telemetry_dashboards.py can check the files
-are up to date.
-
-What it is not: a Grafana client; nothing is uploaded.  The JSON files are
-imported by hand or provisioned by the Helm chart.
+The panels of ``meshtrain-training.json`` and ``meshtrain-operator.json``
+are tables of :class:`Panel` values (title, unit, PromQL, thresholds), so
+every query is written once and the JSON stays consistent (ids, grid,
+datasource, variables); tests/unit/test_telemetry_dashboards.py fails when
+the files are stale.  Nothing is uploaded: the chart provisions the JSON for
+Grafana's sidecar, or it is imported by hand.  Why this is not built with
+grafana-foundation-sdk: docs/architecture.md, "Dashboards".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SEL = 'namespace="$namespace", job="$job"'
+SEL = 'namespace="$namespace", job="$job", pod=~"$pod", rank=~"$rank"'
+JOBSEL = 'namespace="$namespace", job="$job"'
 RI = "$__rate_interval"
 OPTIONAL_DCGM = "Optional: needs the NVIDIA DCGM exporter in the cluster; empty without it."
+TOKENS_PER_SECOND = "suffix: tokens/s"
+"""Grafana has no tokens unit; a custom suffix unit keeps SI-free numbers readable."""
+
+Threshold = tuple[float | None, str]
+"""(from value, colour); the first step starts at None (minus infinity)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One Grafana panel: a stat or a time series of PromQL targets."""
+
+    title: str
+    unit: str
+    """Grafana unit id (``s``, ``Bps``, ``bytes``, ``percentunit``, ``suffix: ...``)."""
+    targets: list[tuple[str, str]]
+    """(legend, PromQL) per query."""
+    description: str
+    kind: str = "timeseries"
+    """``timeseries`` or ``stat``."""
+    thresholds: list[Threshold] | None = None
+    """Colour steps; drawn as dashed lines on time series, as the value colour on stats."""
+    width: int = 12
+    height: int = 8
+    optional: str | None = None
+    """``dcgm``: the panel needs an exporter meshtrain does not ship (empty without it)."""
 
 
 def _mean(metric: str, by: str) -> str:
@@ -35,18 +61,78 @@ def _quantile(q: float, metric: str, by: str = "") -> str:
 
 
 def _dcgm(metric: str) -> str:
-    return f"avg by (pod) ({metric} and on (namespace, pod) group by (namespace, pod) (meshtrain_step{{{SEL}}}))"
+    """A DCGM series of the job's pods, whether Prometheus kept DCGM's pod label or renamed it exported_pod.
+
+    Scraped without ``honorLabels`` the GPU's pod is in ``exported_pod``/``exported_namespace``
+    (``pod``/``namespace`` name the exporter's own pod); label_replace copies them over when present.
+    """
+    moved = f'label_replace({metric}, "pod", "$1", "exported_pod", "(.+)")'
+    moved = f'label_replace({moved}, "namespace", "$1", "exported_namespace", "(.+)")'
+    return f"avg by (pod) ({moved} and on (namespace, pod) group by (namespace, pod) (meshtrain_step{{{SEL}}}))"
 
 
-# (title, unit, [(legend, expr)], description)
-TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
-    (
+def _stat(
+    title: str,
+    unit: str,
+    expr: str,
+    description: str,
+    thresholds: list[Threshold] | None = None,
+) -> Panel:
+    return Panel(title, unit, [(title, expr)], description, "stat", thresholds, width=4, height=4)
+
+
+STEP_MEAN = f"max by (namespace, job) ({_mean('meshtrain_step_seconds', 'namespace, job, rank')})"
+
+TRAINING_PANELS: list[Panel] = [
+    _stat(
+        "Tokens/s",
+        TOKENS_PER_SECOND,
+        f"max by (namespace, job) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))",
+        "Tokens of the global batch per second.",
+    ),
+    _stat(
+        "MFU",
+        "percentunit",
+        f"avg by (namespace, job) (meshtrain_model_flops_utilization_ratio{{{SEL}}})",
+        "Model FLOPs utilisation of the last step (40 % and more is good for large dense models).",
+        thresholds=[(None, "red"), (0.25, "orange"), (0.4, "green")],
+    ),
+    _stat(
+        "Step",
+        "none",
+        f"max by (namespace, job) (meshtrain_step{{{SEL}}})",
+        "Last completed optimizer step.",
+    ),
+    _stat(
+        "ETA to training.steps",
+        "s",
+        f"(max by (namespace, job) (meshtrain_training_steps{{{SEL}}}) - max by (namespace, job) "
+        f"(meshtrain_step{{{SEL}}})) * {STEP_MEAN}",
+        "Steps left times the current mean step time.",
+    ),
+    _stat(
+        "Gang restarts",
+        "none",
+        'max by (namespace, trainingjob) (meshtrain_operator_job_restarts{namespace="$namespace", '
+        'trainingjob="$job"})',
+        "status.restarts, from the operator; each restart loses the steps since the last checkpoint.",
+        thresholds=[(None, "green"), (1, "orange"), (3, "red")],
+    ),
+    _stat(
+        "Last checkpoint age",
+        "s",
+        f"time() - max by (namespace, job) (meshtrain_checkpoint_last_timestamp_seconds{{{SEL}}})",
+        "Since the newest complete checkpoint (or the start of training); the "
+        "MeshtrainCheckpointStale alert compares it with twice the interval.",
+        thresholds=[(None, "green"), (1800, "orange"), (3600, "red")],
+    ),
+    Panel(
         "Throughput",
-        "short",
+        TOKENS_PER_SECOND,
         [("tokens/s", f"max by (namespace, job) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))")],
         "Tokens of the global batch per second (every rank counts the whole job, so max over ranks).",
     ),
-    (
+    Panel(
         "Model FLOPs utilisation",
         "percentunit",
         [
@@ -56,29 +142,33 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
             )
         ],
         "Model FLOPs (6N + attention, docs/telemetry.md) over world size x peak FLOP/s x step time.",
+        thresholds=[(None, "red"), (0.25, "orange"), (0.4, "green")],
     ),
-    (
+    Panel(
         "Loss",
-        "short",
-        [("loss", f'max by (namespace, job) (meshtrain_loss{{{SEL}, rank="0"}})')],
+        "none",
+        [("loss", f'max by (namespace, job) (meshtrain_loss{{{JOBSEL}, rank="0"}})')],
         "Mean training loss of the last step (identical on every rank).",
     ),
-    (
+    Panel(
         "Training progress",
-        "short",
-        [("step", f"max by (namespace, job) (meshtrain_step{{{SEL}}})")],
-        "Last completed optimizer step.",
+        "none",
+        [
+            ("step", f"max by (namespace, job) (meshtrain_step{{{SEL}}})"),
+            ("training.steps", f"max by (namespace, job) (meshtrain_training_steps{{{SEL}}})"),
+        ],
+        "Last completed optimizer step, and the step the job ends at.",
     ),
-    (
+    Panel(
         "Step time p50 / p99",
         "s",
         [
             ("p50", _quantile(0.5, "meshtrain_step_seconds")),
             ("p99", _quantile(0.99, "meshtrain_step_seconds")),
         ],
-        "Wall time of an optimizer step over all ranks.",
+        "Wall time of an optimizer step over the selected ranks.",
     ),
-    (
+    Panel(
         "All-reduce time p50 / p99 by group",
         "s",
         [
@@ -87,7 +177,7 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "Duration of one collective call: a gradient bucket for dp, a layer's reduction for tp.",
     ),
-    (
+    Panel(
         "Bus bandwidth by group",
         "Bps",
         [
@@ -98,13 +188,13 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (reduce-scatter, all-gather).",
     ),
-    (
+    Panel(
         "Exposed communication per step",
         "s",
         [("stage {{pp}}", _mean("meshtrain_exposed_comm_seconds", "pp"))],
         "Gradient reduction still running after the last backward (not hidden by compute).",
     ),
-    (
+    Panel(
         "Exposed communication share of step",
         "percentunit",
         [
@@ -114,8 +204,9 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
             )
         ],
         "Exposed communication over step time, per pipeline stage.",
+        thresholds=[(None, "green"), (0.1, "orange"), (0.25, "red")],
     ),
-    (
+    Panel(
         "Pipeline bubble: measured vs theoretical",
         "percentunit",
         [
@@ -127,7 +218,7 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "Measured idle share of each stage's step vs (p-1)/(v*m+p-1).",
     ),
-    (
+    Panel(
         "Pipeline wait per step",
         "s",
         [
@@ -138,19 +229,19 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "Time blocked on pipeline sends/receives per step.",
     ),
-    (
+    Panel(
         "Step time per rank (stragglers)",
         "s",
         [("rank {{rank}}", _mean("meshtrain_step_seconds", "rank"))],
         "Mean step time of each rank; synchronous training makes them equal unless a rank lags at the end.",
     ),
-    (
+    Panel(
         "Compute time per rank (stragglers)",
         "s",
         [("rank {{rank}} (stage {{pp}})", _mean("meshtrain_compute_seconds", "rank, pp"))],
         "Forward+backward compute per step; ranks of one stage do the same work, so a higher line is a slow device.",
     ),
-    (
+    Panel(
         "Step-time spread across ranks",
         "percentunit",
         [
@@ -159,9 +250,10 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
                 f"max by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) / min by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) - 1",
             )
         ],
-        "How much slower the slowest rank computes than the fastest.",
+        "How much slower the slowest rank computes than the fastest (the straggler alert fires at 25 %).",
+        thresholds=[(None, "green"), (0.1, "orange"), (0.25, "red")],
     ),
-    (
+    Panel(
         "Memory per stage",
         "bytes",
         [
@@ -174,25 +266,67 @@ TRAINING_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         "Parameters, gradients and optimizer state of the largest rank of each stage, and its peak: "
         "CUDA max_memory_allocated on a GPU, the process' peak resident set (ru_maxrss) on CPU.",
     ),
-    (
+    Panel(
         "GPU utilisation (DCGM)",
         "percent",
         [("{{pod}}", _dcgm("DCGM_FI_DEV_GPU_UTIL"))],
         OPTIONAL_DCGM,
+        optional="dcgm",
     ),
-    (
+    Panel(
         "Tensor core activity (DCGM)",
         "percentunit",
         [("{{pod}}", _dcgm("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"))],
         OPTIONAL_DCGM,
+        optional="dcgm",
     ),
 ]
 
 OPSEL = 'namespace=~"$namespace"'
-OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
-    (
+OPERATOR_PANELS: list[Panel] = [
+    _stat(
+        "Running jobs",
+        "none",
+        'sum(meshtrain_operator_jobs{phase="Running"})',
+        "TrainingJobs in phase Running.",
+    ),
+    _stat(
+        "Unschedulable jobs",
+        "none",
+        "sum(meshtrain_operator_unschedulable_jobs)",
+        "Jobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).",
+        thresholds=[(None, "green"), (1, "orange")],
+    ),
+    _stat(
+        "Failed jobs",
+        "none",
+        f'sum(meshtrain_operator_job_status_phase{{{OPSEL}, phase="Failed"}})',
+        "Jobs in phase Failed that still exist.",
+        thresholds=[(None, "green"), (1, "red")],
+    ),
+    _stat(
+        "Operator replicas up",
+        "none",
+        'sum(up{job="meshtrain-operator"})',
+        "Scraped operator replicas (one acts, the others stand by through peering).",
+        thresholds=[(None, "red"), (1, "green")],
+    ),
+    _stat(
+        "Apply to Running p50 (1h)",
+        "s",
+        "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket[1h])))",
+        "Median time from a job's creation to its first Running phase over the last hour.",
+    ),
+    _stat(
+        "API errors/s",
+        "reqps",
+        f"sum(rate(meshtrain_operator_api_errors_total[{RI}]))",
+        "Failed Kubernetes API requests of the operator.",
+        thresholds=[(None, "green"), (0.1, "orange"), (1, "red")],
+    ),
+    Panel(
         "Unfinished jobs by restarts left",
-        "short",
+        "none",
         [
             (
                 "{{namespace}}/{{trainingjob}}",
@@ -201,25 +335,13 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "backoffLimit - restarts of every job not yet finished; at 0 the next failure fails the job.",
     ),
-    (
-        "Failed and unschedulable jobs",
-        "short",
-        [
-            (
-                "failed",
-                f'sum(meshtrain_operator_job_status_phase{{{OPSEL}, phase="Failed"}})',
-            ),
-            ("unschedulable", "sum(meshtrain_operator_unschedulable_jobs)"),
-        ],
-        "Jobs in phase Failed, and jobs waiting for capacity.",
-    ),
-    (
+    Panel(
         "Jobs by phase",
-        "short",
+        "none",
         [("{{phase}} {{queue}}", "sum by (phase, queue) (meshtrain_operator_jobs) > 0")],
         "TrainingJobs the operator reconciles, by phase and queue (Kueue's queue-name label).",
     ),
-    (
+    Panel(
         "Time from apply to Running p50 / p99",
         "s",
         [
@@ -234,7 +356,7 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "From a TrainingJob's creation to its first Running phase (placement, pod start, gang gate).",
     ),
-    (
+    Panel(
         "Reconcile duration p50 / p99",
         "s",
         [
@@ -249,13 +371,13 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "Time of one reconcile pass of a TrainingJob.",
     ),
-    (
+    Panel(
         "Reconciles per second",
         "ops",
         [("reconciles/s", f"sum(rate(meshtrain_operator_reconcile_duration_seconds_count[{RI}]))")],
         "Reconcile rate of the operator.",
     ),
-    (
+    Panel(
         "Placement duration p50 / p99",
         "s",
         [
@@ -270,7 +392,7 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "Time the planner takes to place a gang (list nodes and pods, plan).",
     ),
-    (
+    Panel(
         "Placement failures by reason",
         "ops",
         [
@@ -281,9 +403,9 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "Placement attempts that placed nothing (a waiting job is retried at every resync).",
     ),
-    (
+    Panel(
         "Gang restarts",
-        "short",
+        "none",
         [
             (
                 "{{namespace}}/{{trainingjob}}",
@@ -292,7 +414,7 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "status.restarts of each TrainingJob.",
     ),
-    (
+    Panel(
         "Unschedulable for",
         "s",
         [
@@ -303,12 +425,76 @@ OPERATOR_PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         ],
         "How long each unfinished job has waited for capacity (0 once placed).",
     ),
-    (
-        "Kubernetes API errors by verb",
-        "ops",
-        [("{{verb}}", f"sum by (verb) (rate(meshtrain_operator_api_errors_total[{RI}]))")],
-        "Failed Kubernetes API requests of the operator (expected NotFound/AlreadyExists answers are not errors).",
+    Panel(
+        "Kubernetes API requests and errors by verb",
+        "reqps",
+        [
+            (
+                "{{verb}}",
+                f"sum by (verb) (rate(meshtrain_operator_api_requests_total[{RI}]))",
+            ),
+            (
+                "{{verb}} errors",
+                f"sum by (verb) (rate(meshtrain_operator_api_errors_total[{RI}]))",
+            ),
+        ],
+        "Requests the operator sends to the API server, and the failed ones (expected NotFound or"
+        " AlreadyExists answers are not errors); the informer cache keeps lists and gets rare.",
+        thresholds=None,
     ),
+]
+
+
+def _annotation(name: str, expr: str, color: str, text: str) -> dict:
+    return {
+        "name": name,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "enable": True,
+        "iconColor": color,
+        "expr": expr,
+        "step": "30s",
+        "titleFormat": name,
+        "textFormat": text,
+        "useValueForTime": False,
+    }
+
+
+def _restart_annotation(selector: str) -> dict:
+    return _annotation(
+        "Gang restarts",
+        f"sum by (namespace, trainingjob) (changes(meshtrain_operator_job_restarts{{{selector}}}[1m])) > 0",
+        "red",
+        "{{namespace}}/{{trainingjob}} restarted its gang",
+    )
+
+
+def _spec_annotation(selector: str) -> dict:
+    return _annotation(
+        "Spec changes",
+        f"max by (namespace, trainingjob) (changes(meshtrain_operator_job_spec_generation{{{selector}}}[1m])) > 0",
+        "blue",
+        "{{namespace}}/{{trainingjob}}: spec changed",
+    )
+
+
+TRAINING_ANNOTATIONS = [
+    _restart_annotation('namespace="$namespace", trainingjob="$job"'),
+    _spec_annotation('namespace="$namespace", trainingjob="$job"'),
+    _annotation(
+        "Checkpoints",
+        f'max by (namespace, job) (changes(meshtrain_checkpoint_last_step{{{JOBSEL}, rank="0"}}[1m])) > 0',
+        "green",
+        "checkpoint saved",
+    ),
+]
+OPERATOR_ANNOTATIONS = [
+    _annotation(
+        "Gang restarts",
+        f"sum by (namespace, trainingjob) (increase(meshtrain_operator_gang_restarts_total{{{OPSEL}}}[1m])) > 0",
+        "red",
+        "{{namespace}}/{{trainingjob}} restarted its gang",
+    ),
+    _spec_annotation(OPSEL),
 ]
 
 
@@ -333,7 +519,7 @@ def _query_var(name: str, query: str, *, multi: bool = False) -> dict:
         "query": {"query": query, "refId": f"{name}-var"},
         "definition": query,
         "refresh": 2,
-        "sort": 1,
+        "sort": 3 if name == "rank" else 1,  # ranks in numeric order
         "current": {},
         "hide": 0,
         "includeAll": multi,
@@ -342,67 +528,66 @@ def _query_var(name: str, query: str, *, multi: bool = False) -> dict:
     }
 
 
-def _panel(
-    index: int, title: str, unit: str, targets: list[tuple[str, str]], description: str
-) -> dict:
-    panel = {
+def _thresholds(steps: list[Threshold] | None) -> dict:
+    return {
+        "mode": "absolute",
+        "steps": [{"value": value, "color": color} for value, color in steps or [(None, "green")]],
+    }
+
+
+def _panel(index: int, panel: Panel, x: int, y: int) -> dict:
+    defaults: dict = {"unit": panel.unit, "thresholds": _thresholds(panel.thresholds)}
+    if panel.kind == "stat":
+        defaults["color"] = {"mode": "thresholds"}
+        options: dict = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value" if panel.thresholds else "none",
+            "graphMode": "area",
+            "textMode": "value",
+        }
+    else:
+        style = "dashed" if panel.thresholds else "off"
+        defaults["custom"] = {"thresholdsStyle": {"mode": style}}
+        options = {"legend": {"displayMode": "list", "placement": "bottom"}}
+    built = {
         "id": index + 1,
-        "type": "timeseries",
-        "title": title,
-        "description": description,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "gridPos": {"x": (index % 2) * 12, "y": (index // 2) * 8, "w": 12, "h": 8},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "gridPos": {"x": x, "y": y, "w": panel.width, "h": panel.height},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": options,
         "targets": [
             {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "range": True}
-            for i, (legend, expr) in enumerate(targets)
+            for i, (legend, expr) in enumerate(panel.targets)
         ],
     }
-    if description == OPTIONAL_DCGM:
-        panel["meshtrainOptional"] = "dcgm"
-    return panel
+    if panel.optional:
+        built["meshtrainOptional"] = panel.optional
+    return built
 
 
-def _annotation(name: str, expr: str, color: str, text: str) -> dict:
-    return {
-        "name": name,
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "enable": True,
-        "iconColor": color,
-        "expr": expr,
-        "step": "30s",
-        "titleFormat": name,
-        "textFormat": text,
-        "useValueForTime": False,
-    }
-
-
-OPERATOR_ANNOTATIONS = [
-    _annotation(
-        "Gang restarts",
-        f"sum by (namespace, trainingjob) (increase(meshtrain_operator_gang_restarts_total{{{OPSEL}}}[1m])) > 0",
-        "red",
-        "{{namespace}}/{{trainingjob}} restarted its gang",
-    ),
-    _annotation(
-        "Spec changes",
-        f"max by (namespace, trainingjob) (changes(meshtrain_operator_job_spec_generation{{{OPSEL}}}[1m])) > 0",
-        "blue",
-        "{{namespace}}/{{trainingjob}}: spec changed",
-    ),
-]
+def _layout(panels: list[Panel]) -> list[dict]:
+    """Panels left to right, wrapping at Grafana's 24 columns."""
+    out, x, y, row_height = [], 0, 0, 0
+    for index, panel in enumerate(panels):
+        if x + panel.width > 24:
+            x, y, row_height = 0, y + row_height, 0
+        out.append(_panel(index, panel, x, y))
+        x, row_height = x + panel.width, max(row_height, panel.height)
+    return out
 
 
 def dashboard(
     uid: str,
     title: str,
-    panels: list,
+    panels: list[Panel],
     variables: list[dict],
     tags: list[str],
-    annotations: list[dict] = (),
+    annotations: list[dict],
 ) -> dict:
-    """A Grafana dashboard (schema 39) with the given panels and template variables."""
+    """A Grafana dashboard (schema 39) with the given panels, template variables and annotations."""
     return {
         "uid": uid,
         "title": title,
@@ -414,8 +599,8 @@ def dashboard(
         "refresh": "30s",
         "time": {"from": "now-1h", "to": "now"},
         "templating": {"list": variables},
-        "annotations": {"list": list(annotations)},
-        "panels": [_panel(i, *p) for i, p in enumerate(panels)],
+        "annotations": {"list": annotations},
+        "panels": _layout(panels),
     }
 
 
@@ -429,8 +614,19 @@ def build() -> dict[str, dict]:
             _datasource_var(),
             _query_var("namespace", "label_values(meshtrain_step, namespace)"),
             _query_var("job", 'label_values(meshtrain_step{namespace="$namespace"}, job)'),
+            _query_var(
+                "pod",
+                'label_values(meshtrain_step{namespace="$namespace", job="$job"}, pod)',
+                multi=True,
+            ),
+            _query_var(
+                "rank",
+                'label_values(meshtrain_step{namespace="$namespace", job="$job", pod=~"$pod"}, rank)',
+                multi=True,
+            ),
         ],
         ["meshtrain", "training"],
+        TRAINING_ANNOTATIONS,
     )
     operator = dashboard(
         "meshtrain-operator",

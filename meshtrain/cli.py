@@ -49,6 +49,10 @@ def _timeline(args: argparse.Namespace) -> int:
     return code
 
 
+def _report(args: argparse.Namespace) -> int:
+    return importlib.import_module("meshtrain.trainer.telemetry.report").main(args)
+
+
 def _crd(args: argparse.Namespace) -> int:
     code: int = importlib.import_module("meshtrain.api.crd").main()
     return code
@@ -100,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="step to draw (default: the last one)"
     )
     timeline.set_defaults(handler=_timeline)
+
+    report = sub.add_parser(
+        "report",
+        help="draw a run (loss, tokens/s, MFU, step time split, all-reduce, per rank) as HTML or PNG",
+    )
+    report.add_argument(
+        "log_dir", help="log directory of a run (steps.jsonl and trace/rank-N.jsonl)"
+    )
+    report.add_argument(
+        "-o",
+        "--output",
+        default="report.html",
+        help="report.html (self-contained page) or a .png with every chart (default: %(default)s)",
+    )
+    report.set_defaults(handler=_report)
 
     operator_command.add_parser(sub)
 

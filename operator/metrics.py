@@ -131,7 +131,9 @@ def observe_job(
         queue=(metadata.get("labels") or {}).get(QUEUE_LABEL, ""),
         restarts=int(status.get("restarts") or 0),
         backoff_limit=int(
-            (spec.get("runPolicy") or {}).get("backoffLimit", api_spec.RunPolicy().backoff_limit)
+            (spec.get("runPolicy") or {}).get(
+                "backoffLimit", api_spec.RunPolicy.model_fields["backoff_limit"].default
+            )
         ),
         unschedulable_since=since,
         uid=metadata.get("uid", ""),

@@ -1,6 +1,7 @@
 """A throw-away Prometheus for tests: Debian's ``prometheus`` on a loopback port.
 
-What it is: :class:`PrometheusServer` writes a config scraping the given
+What it is: :class:`PrometheusApi` queries a running Prometheus;
+:class:`PrometheusServer` writes a config scraping the given
 targets every second (``honor_labels: true``, as docs/telemetry.md asks of
 a cluster's scrape config), loads rule files, starts ``prometheus`` with a
 temporary data directory, waits until it is ready and answers instant
@@ -44,7 +45,31 @@ def free_port_block(count: int, start: int = 20000, stop: int = 40000) -> int:
     raise RuntimeError(f"no {count} consecutive free ports in {start}..{stop}")
 
 
-class PrometheusServer:
+class PrometheusApi:
+    """Instant queries and API reads of a running Prometheus at ``url``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def api(self, path: str, **params: Any) -> Any:
+        """GET /api/v1/<path>; returns ``data`` or raises with Prometheus' error."""
+        query = urllib.parse.urlencode(params, doseq=True)
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=30) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as err:
+            body = json.load(err)
+        if body.get("status") != "success":
+            raise ValueError(f"{body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str, at: float) -> list[dict[str, Any]]:
+        """Instant query at unix time ``at``: the result vector (raises on a bad query)."""
+        data = self.api("query", query=expr, time=f"{at:.3f}")
+        return data["result"] if data["resultType"] in ("vector", "matrix") else [data["result"]]
+
+
+class PrometheusServer(PrometheusApi):
     """A prometheus process scraping ``targets`` every second."""
 
     def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = ()) -> None:
@@ -54,7 +79,7 @@ class PrometheusServer:
                 "prometheus is not installed: run `make bootstrap` or `apt-get install -y prometheus`"
             )
         self.port = free_port_block(1, start=41000, stop=49000)
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}")
         workdir.mkdir(parents=True, exist_ok=True)
         config = {
             "global": {
@@ -104,23 +129,6 @@ class PrometheusServer:
         raise RuntimeError(
             f"prometheus not ready after {timeout}s:\n{self.log_path.read_text()[-3000:]}"
         )
-
-    def api(self, path: str, **params: Any) -> Any:
-        """GET /api/v1/<path>; returns ``data`` or raises with Prometheus' error."""
-        query = urllib.parse.urlencode(params, doseq=True)
-        try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=30) as resp:
-                body = json.load(resp)
-        except urllib.error.HTTPError as err:
-            body = json.load(err)
-        if body.get("status") != "success":
-            raise ValueError(f"{body.get('errorType')}: {body.get('error')}")
-        return body["data"]
-
-    def query(self, expr: str, at: float) -> list[dict[str, Any]]:
-        """Instant query at unix time ``at``: the result vector (raises on a bad query)."""
-        data = self.api("query", query=expr, time=f"{at:.3f}")
-        return data["result"] if data["resultType"] in ("vector", "matrix") else [data["result"]]
 
     def stop(self) -> None:
         """Terminate the process (its data directory goes with the test's tmp dir)."""

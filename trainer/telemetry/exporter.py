@@ -189,24 +189,29 @@ class Metrics:
             "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.",
             **reg,
         ).labels(**base)
-        self.training_steps = prometheus_client.Gauge(
-            "meshtrain_training_steps", "training.steps: the step the job ends at.", **reg
-        ).labels(**base)
-        self.checkpoint_interval = prometheus_client.Gauge(
+        self.training_steps = self._gauge(
+            "meshtrain_training_steps", "training.steps: the step the job ends at."
+        )
+        self.checkpoint_interval = self._gauge(
             "meshtrain_checkpoint_interval_steps",
             "checkpoint.intervalSteps (0: saved only at the end).",
-            **reg,
-        ).labels(**base)
-        self.checkpoint_step = prometheus_client.Gauge(
-            "meshtrain_checkpoint_last_step", "Step of the newest complete checkpoint.", **reg
-        ).labels(**base)
-        self.checkpoint_time = prometheus_client.Gauge(
+        )
+        self.checkpoint_step = self._gauge(
+            "meshtrain_checkpoint_last_step", "Step of the newest complete checkpoint."
+        )
+        self.checkpoint_time = self._gauge(
             "meshtrain_checkpoint_last_timestamp_seconds",
             "Unix time the newest complete checkpoint was saved or resumed from; the start of"
             " training before the first.",
-            **reg,
-        ).labels(**base)
+        )
         self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+    def _gauge(self, name: str, documentation: str) -> Any:
+        """A gauge of this rank (its child with the rank's labels)."""
+        family = prometheus_client.Gauge(
+            name, documentation, registry=self.registry, labelnames=LABELS
+        )
+        return family.labels(**self.base)
 
     def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
         """(seconds histogram, bytes counter, bus-bandwidth gauge) children of (group, op)."""
