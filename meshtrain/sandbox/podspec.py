@@ -255,13 +255,17 @@ def _mounts(container: Mapping[str, Any], volumes: _Volumes) -> dict[str, str]:
 
 
 def _rewrite_paths(text: str, mounts: Mapping[str, str]) -> str:
-    """Replace every mount path (as a whole path prefix) in ``text`` by its host path."""
-    for path in sorted(mounts, key=len, reverse=True):
-        if path == "/":
-            continue
-        pattern = re.compile(rf"(?<![\w./-]){re.escape(path)}(?=/|$|[^\w.-])")
-        text = pattern.sub(lambda _m, host=mounts[path]: host, text)
-    return text
+    """Replace every mount path (as a whole path prefix) in ``text`` by its host path.
+
+    One pass over all mount paths (longest first): a host path put in by one mount is never
+    rewritten again by another (``/tmp`` mounted while the sandbox's own directory is under /tmp).
+    """
+    paths = sorted((p for p in mounts if p != "/"), key=len, reverse=True)
+    if not paths:
+        return text
+    alternatives = "|".join(re.escape(p) for p in paths)
+    pattern = re.compile(rf"(?<![\w./-])({alternatives})(?=/|$|[^\w.-])")
+    return pattern.sub(lambda m: mounts[m.group(1)], text)
 
 
 # --- environment ---------------------------------------------------------------

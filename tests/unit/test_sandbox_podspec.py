@@ -158,6 +158,20 @@ def test_path_rewrite_matches_whole_path_prefixes(text: str, expected: str) -> N
     assert podspec._rewrite_paths(text, {"/checkpoints": "/host/ck"}) == expected
 
 
+def test_a_host_path_put_in_by_one_mount_is_not_rewritten_by_another() -> None:
+    """The pod's /tmp is a volume, and the sandbox itself lives under /tmp."""
+    mounts = {
+        "/etc/meshtrain": "/tmp/sandbox/pods/ns/p/volumes/spec",
+        "/tmp": "/tmp/sandbox/pods/ns/p/volumes/tmp",
+    }
+    assert podspec._rewrite_paths("--spec=/etc/meshtrain/job.yaml", mounts) == (
+        "--spec=/tmp/sandbox/pods/ns/p/volumes/spec/job.yaml"
+    )
+    assert podspec._rewrite_paths("/tmp/x /etc/meshtrain", mounts) == (
+        "/tmp/sandbox/pods/ns/p/volumes/tmp/x /tmp/sandbox/pods/ns/p/volumes/spec"
+    )
+
+
 def test_unresolved_master_waits() -> None:
     with pytest.raises(podspec.Unresolved) as err:
         plan(c=cluster({"job-0-0": None}))
