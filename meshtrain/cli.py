@@ -50,7 +50,8 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    return importlib.import_module("meshtrain.trainer.telemetry.report").main(args)
+    code: int = importlib.import_module("meshtrain.trainer.telemetry.report").main(args)
+    return code
 
 
 def _crd(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from meshtrain.trainer.telemetry import steplog, timeline  # noqa: E402
 
@@ -250,7 +251,7 @@ CHARTS: list[tuple[str, Callable[[Axes, Run], None], bool]] = [
 """(name, draw function, needs traces)."""
 
 
-def _png(fig: plt.Figure) -> bytes:
+def _png(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
