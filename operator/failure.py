@@ -62,6 +62,10 @@ class PodState:
     """status.reason of the pod (Evicted, NodeLost, ...)."""
     disrupted: bool = False
     """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
+    bound: bool = False
+    """spec.nodeName is set: the scheduler bound it."""
+    unschedulable_message: str | None = None
+    """The scheduler's message while its PodScheduled condition is False/Unschedulable."""
     termination_message: str | None = None
     """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
 
@@ -100,6 +104,16 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
                 exit_code = int(terminated["exitCode"])
             if terminated and isinstance(terminated.get("message"), str):
                 message = terminated["message"]
+    unschedulable = next(
+        (
+            c.get("message") or "Unschedulable"
+            for c in status.get("conditions") or []
+            if c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ),
+        None,
+    )
     disrupted = any(
         c.get("type") == "DisruptionTarget" and c.get("status") == "True"
         for c in status.get("conditions") or []
@@ -120,6 +134,8 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
         exit_code=exit_code,
         reason=status.get("reason"),
         disrupted=disrupted,
+        bound=bool((pod.get("spec") or {}).get("nodeName")),
+        unschedulable_message=unschedulable,
         termination_message=message,
     )
 

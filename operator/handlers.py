@@ -156,9 +156,11 @@ async def job_event(namespace: str | None, name: str, memo: kopf.Memo, **_: Any)
 
 
 @kopf.on.delete(*RESOURCE)
-async def delete_children(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """Delete the job's pods, Service and ConfigMap (also done by the garbage collector where one runs)."""
+async def delete_children(
+    namespace: str | None, name: str, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
+    """Delete the pods, Service and ConfigMap this job owns (also done by the garbage collector where one runs)."""
     assert namespace is not None
     await memo.leading.wait()  # a standby leaves the finalizer to the leader
-    await memo.reconciler.delete_children(namespace=namespace, name=name)
+    await memo.reconciler.delete_children(namespace=namespace, name=name, uid=uid)
     memo.wakeups.forget((namespace, name))

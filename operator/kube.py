@@ -63,6 +63,11 @@ def _transport_error(err: BaseException) -> bool:
     return isinstance(err, OSError | TimeoutError) or type(err).__module__.startswith("aiohttp")
 
 
+def _only(uid: str | None) -> Body | None:
+    """DeleteOptions that make a delete apply to the object with ``uid`` only (409 otherwise)."""
+    return {"preconditions": {"uid": uid}} if uid else None
+
+
 def _message(body: str) -> str:
     try:
         return str(json.loads(body).get("message") or body)
@@ -342,25 +347,59 @@ class Client:
             )
         )
 
-    # Services and ConfigMaps: delete (create is ``create_or_patch``).
-    async def delete_service(self, *, namespace: str, name: str) -> None:
+    # Pods, Services and ConfigMaps: read one, patch one, delete (create is above).
+    _READ = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}
+
+    async def read(self, *, kind: str, namespace: str, name: str) -> Body | None:
+        """A Pod, Service or ConfigMap, or None when there is none of that name."""
+        calls = {
+            "Pod": self._core.read_namespaced_pod,
+            "Service": self._core.read_namespaced_service,
+            "ConfigMap": self._core.read_namespaced_config_map,
+        }
+        return await self._request("get", self._READ[kind], calls[kind], name, namespace, ok=(404,))
+
+    async def patch(self, *, manifest: Body) -> None:
+        """Merge ``manifest`` into the existing Service or ConfigMap of its name."""
+        resource, _ = self._collection(manifest)
+        call = (
+            self._core.patch_namespaced_service
+            if resource == "services"
+            else self._core.patch_namespaced_config_map
+        )
+        metadata = manifest["metadata"]
+        await self._request(
+            "patch",
+            resource,
+            call,
+            metadata["name"],
+            metadata["namespace"],
+            manifest,
+            _content_type="application/merge-patch+json",
+        )
+
+    async def delete_service(self, *, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete the Service; with ``uid``, only that object (a precondition: never a namesake)."""
         await self._request(
             "delete",
             "services",
             self._core.delete_namespaced_service,
             name,
             namespace,
-            ok=(404,),
+            body=_only(uid),
+            ok=(404, 409),
         )
 
-    async def delete_configmap(self, *, namespace: str, name: str) -> None:
+    async def delete_configmap(self, *, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete the ConfigMap; with ``uid``, only that object."""
         await self._request(
             "delete",
             "configmaps",
             self._core.delete_namespaced_config_map,
             name,
             namespace,
-            ok=(404,),
+            body=_only(uid),
+            ok=(404, 409),
         )
 
     # Nodes: list, watch.

@@ -39,7 +39,7 @@ from typing import Any
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import conditions, failure, identity, progress
+from meshtrain.operator import conditions, failure, gangstatus, identity, progress
 
 Phase = api_spec.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
@@ -381,6 +381,10 @@ def _rebuild_for_new_spec(
     return Decision(tuple(actions), requeue_after=0)
 
 
+def _all_running(pods: Sequence[failure.PodState]) -> bool:
+    return all(not p.gated and p.phase in ("Running", "Succeeded") for p in pods)
+
+
 def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``."""
     phase = job.status.get("phase") or Phase.PENDING.value
@@ -456,14 +460,22 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
     if all(p.phase == "Succeeded" for p in current):
         return _succeeded(job, current, actions, now)
 
+    observed = gangstatus.observe(_conds(job), current, spec.pods, now)
+    actions += [Emit(*event) for event in observed.events]
+    seen: list[Action] = (
+        [_changes(job, conditions=observed.conditions)]
+        if observed.conditions != _conds(job)
+        else []
+    )
     gated = tuple(p.name for p in current if p.gated)
-    if gated:
-        actions.append(LiftGates(gated))
-    if not gated and all(p.phase in ("Running", "Succeeded") for p in current):
+    if gated:  # Placed=True first: lifting may find a planned node changed and unplace the gang
+        actions += [*seen, LiftGates(gated)]
+        seen = []
+    if _all_running(current):
         if phase != Phase.RUNNING.value:
             message = f"all {spec.pods} pod(s) of {spec.parallelism.layout_string} running"
             conds = conditions.set(
-                _conds(job),
+                observed.conditions,
                 conditions.RUNNING,
                 conditions.TRUE,
                 conditions.ALL_PODS_RUNNING,
@@ -471,6 +483,8 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
                 now,
             )
             actions.append(_changes(job, phase=Phase.RUNNING.value, conditions=conds))
+        else:
+            actions += seen
         rank0 = next(p for p in current if p.index == 0)
         if rank0.ip and rank0.phase == "Running":
             actions.append(PollProgress(rank0.name, rank0.ip, spec.metrics.port))
@@ -489,8 +503,8 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
             )
             decision = _on_failure(job, current, [slow], now)
             return Decision((*actions, *decision.actions), decision.requeue_after)
-        return Decision(tuple(actions), requeue_after=left)
-    return Decision(tuple(actions))
+        return Decision((*actions, *seen), requeue_after=left)
+    return Decision((*actions, *seen))
 
 
 def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -507,9 +521,9 @@ def placed(
 ) -> dict[str, Any]:
     """Status fields once a gang of ``nodes`` (node per pod index) has been planned; ``plan`` -> status.plan."""
     assert job.spec is not None  # only a valid spec is placed
-    message = f"{len(nodes)} pod(s) on {len(set(nodes))} node(s)"
+    message = f"creating {len(nodes)} pod(s) on {len(set(nodes))} node(s)"
     conds = conditions.set(
-        _conds(job), conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, message, now
+        _conds(job), conditions.PLACED, conditions.FALSE, conditions.CREATING_PODS, message, now
     )
     fields: dict[str, Any] = {
         "phase": Phase.PLACING.value,

@@ -31,6 +31,7 @@ from meshtrain import placement
 from meshtrain.operator import (
     builders,
     capacity,
+    children,
     conditions,
     failure,
     feasibility,
@@ -62,6 +63,16 @@ class Settings:
     """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
     trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
     """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CreateFailures:
+    failures: int
+    """Refused creates in a row for this generation of the spec."""
+    not_before: float
+    """time.monotonic() before which no new try is made."""
+    generation: int
+    """A new spec generation tries again at once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +115,8 @@ class Reconciler:
             tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]
         ] = {}
         """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
+        self._create_failures: dict[tuple[str, str], _CreateFailures] = {}
+        """Jobs whose children the API server refused: when they may try again."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
         """One pass over ``namespace/name``."""
@@ -119,9 +132,9 @@ class Reconciler:
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             metrics.forget(namespace, name)
             return Outcome(changed=False, requeue_after=None, gone=True)
-        pods = self.cache.job_pods(namespace, name)
-        states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
         job = lifecycle.job_state(body)
+        pods = self._owned_pods(job.ref)
+        states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
         decision = lifecycle.decide(job, states, _now())
         changed = False
         for action in decision.actions:
@@ -138,6 +151,9 @@ class Reconciler:
         )
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
+        retry = self._retry_in(job)
+        if retry is not None:
+            requeue = retry if requeue is None else min(requeue, retry)
         if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
             requeue = (
                 self.settings.progress_seconds
@@ -148,6 +164,12 @@ class Reconciler:
         return Outcome(
             changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
         )
+
+    def _owned_pods(self, ref: identity.JobRef) -> list[dict[str, Any]]:
+        """The job's pods: labelled with its name and owned by its UID (a namesake's pods are not)."""
+        return [
+            p for p in self.cache.job_pods(ref.namespace, ref.name) if capacity.owned_by(p, ref.uid)
+        ]
 
     async def _set_status(
         self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
@@ -282,11 +304,52 @@ class Reconciler:
         body, job, _ = await self._set_status(body, job, changes)
         return body, job, False
 
+    def _retry_in(self, job: lifecycle.JobState) -> float | None:
+        """Seconds until a job whose children were refused may be created again (None: now)."""
+        failed = self._create_failures.get((job.ref.namespace, job.ref.name))
+        if failed is None or failed.generation != job.generation:
+            return None
+        left = failed.not_before - time.monotonic()
+        return left if left > 0 else None
+
+    async def _refused(
+        self, body: dict[str, Any], job: lifecycle.JobState, refused: children.Refused
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        """Children refused: remove what was created, drop the placement, say why, wait longer each time."""
+        ref = job.ref
+        key = (ref.namespace, ref.name)
+        previous = self._create_failures.get(key)
+        failures = (
+            previous.failures + 1
+            if previous is not None and previous.generation == job.generation
+            else 1
+        )
+        delay = children.retry_delay(failures)
+        self._create_failures[key] = _CreateFailures(
+            failures, time.monotonic() + delay, job.generation
+        )
+        message = f"{refused.message} (try {failures}; next in {delay:.0f} s)"
+        logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
+        await self.client.delete_pods(
+            namespace=ref.namespace,
+            names=[p["metadata"]["name"] for p in self._owned_pods(ref)],
+            grace_seconds=0,
+        )
+        changes = {
+            **lifecycle.unschedulable(job, refused.reason, message, _now()),
+            "placement": [],
+        }
+        body, job, _ = await self._set_status(body, job, changes)
+        await self._emit(body, "Warning", refused.reason, refused.message)
+        return body, job, True
+
     async def _place(
         self, action: lifecycle.Place, body: dict[str, Any], job: lifecycle.JobState
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         assert job.spec is not None
         ref, spec = job.ref, job.spec
+        if action.missing is None and self._retry_in(job) is not None:
+            return body, job, False  # refused recently: wait (outside the lock) for the backoff
         gpu = spec.resources.gpu_resource_name
         async with self.placement_lock:
             started = time.perf_counter()
@@ -313,7 +376,9 @@ class Reconciler:
                         )
                         for i, node in recovery.nodes
                     ]
-                    await self.client.create_many(manifests=pods)
+                    refused = await children.ensure(self.client, ref.uid, [], pods)
+                    if refused is not None:
+                        return await self._refused(body, job, refused)
                     logger.info(
                         "re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name
                     )
@@ -369,19 +434,21 @@ class Reconciler:
             body, job, _ = await self._set_status(
                 body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
             )
-            await asyncio.gather(
-                self.client.create_or_patch(manifest=builders.build_configmap(ref, spec)),
-                self.client.create_or_patch(manifest=builders.build_service(ref, spec)),
-            )
-            await self.client.create_many(
-                manifests=builders.build_pods(
+            refused = await children.ensure(
+                self.client,
+                ref.uid,
+                [builders.build_configmap(ref, spec), builders.build_service(ref, spec)],
+                builders.build_pods(
                     ref,
                     spec,
                     action.attempt,
                     answer.nodes,
                     default_image=self.settings.trainer_image,
-                )
+                ),
             )
+            if refused is not None:
+                return await self._refused(body, job, refused)
+            self._create_failures.pop((ref.namespace, ref.name), None)
         logger.info(
             "placed %s/%s %s on %d node(s)",
             ref.namespace,
@@ -429,14 +496,28 @@ class Reconciler:
         self._verdicts[(job.ref.namespace, job.ref.name)] = (key, verdict)
         return verdict
 
-    async def delete_children(self, *, namespace: str, name: str) -> None:
-        """Remove every child of a job (idempotent; owner references do the same where a GC runs)."""
-        pods = self.cache.job_pods(namespace, name)
+    async def delete_children(self, *, namespace: str, name: str, uid: str) -> None:
+        """Remove the children this job (``uid``) owns, and nothing else (idempotent)."""
+        ref = identity.JobRef(name=name, namespace=namespace, uid=uid)
         await self.client.delete_pods(
-            namespace=namespace, names=[p["metadata"]["name"] for p in pods]
+            namespace=namespace, names=[p["metadata"]["name"] for p in self._owned_pods(ref)]
         )
-        await self.client.delete_service(namespace=namespace, name=naming.service_name(name))
-        await self.client.delete_configmap(namespace=namespace, name=naming.configmap_name(name))
+        service = await self.client.read(
+            kind="Service", namespace=namespace, name=naming.service_name(name)
+        )
+        if service is not None and uid in children.owner_uids(service):
+            await self.client.delete_service(
+                namespace=namespace, name=naming.service_name(name), uid=service["metadata"]["uid"]
+            )
+        configmap = await self.client.read(
+            kind="ConfigMap", namespace=namespace, name=naming.configmap_name(name)
+        )
+        if configmap is not None and uid in children.owner_uids(configmap):
+            await self.client.delete_configmap(
+                namespace=namespace,
+                name=naming.configmap_name(name),
+                uid=configmap["metadata"]["uid"],
+            )
         self._last_progress.pop((namespace, name), None)
         self._verdicts.pop((namespace, name), None)
         metrics.forget(namespace, name)

@@ -30,8 +30,13 @@ def job(spec: dict[str, Any] | None = None, **status: Any) -> lifecycle.JobState
 
 
 def placed_status(**extra: Any) -> dict[str, Any]:
+    """A placed gang whose pods all exist (Placed=True)."""
+    placed = conditions.set(
+        [], conditions.PLACED, conditions.TRUE, conditions.GANG_PLACED, "2 pod(s) on 2 node(s)", T0
+    )
     return {
         "phase": "Placing",
+        "conditions": placed,
         "placement": [{"podIndex": 0, "node": "n0"}, {"podIndex": 1, "node": "n1"}],
         "startTime": conditions.timestamp(T0),
         **extra,

@@ -15,7 +15,7 @@ import pytest
 
 from meshtrain import controlplane
 from meshtrain.operator import conditions, failure, informer, kube, naming, reconciler
-from tests.integration.operator.cluster import Cluster, Job
+from tests.integration.operator.cluster import Cluster, Job, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ OTHER_GATE = "kueue.x-k8s.io/admission"
 
 @pytest.fixture(scope="module")
 def private(control_plane_binaries) -> Iterator[Cluster]:
-    with controlplane.ControlPlane(binaries=control_plane_binaries) as plane:
+    with controlplane.ControlPlane(binaries=control_plane_binaries, with_scheduler=True) as plane:
         api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
         found = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
         found.install_crds()
@@ -109,3 +109,23 @@ def test_a_planned_node_tainted_before_the_gates_lift_gets_the_gang_placed_again
     assert not pod.spec.scheduling_gates
     status = private.status("gates", "moved")
     assert status.get("restarts", 0) == 0  # a re-placement, not a restart
+
+
+def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_message_at_once(private):
+    private.add_node("claim", gpus=2, name="claim-a")
+    job = Job("noclaim", "gates", "claim").layout(data=2).gpus(2)
+    private.apply(job.set("checkpoint", claimName="missing-claim"))
+    _pass(private, "noclaim", passes=2)  # placed, then the gate lifted: the scheduler tries it
+
+    def reported() -> dict | None:
+        _pass(private, "noclaim")
+        found = private.condition("gates", "noclaim", conditions.PODS_SCHEDULED)
+        return found if found.get("reason") == conditions.FAILED_SCHEDULING else None
+
+    scheduled = wait_for("PodsScheduled=False/FailedScheduling", reported, timeout=20, interval=0.5)
+    assert scheduled["status"] == "False"
+    assert 'persistentvolumeclaim "missing-claim" not found' in scheduled["message"]
+    events = private.core.list_namespaced_event("gates").items
+    assert any(
+        e.reason == conditions.FAILED_SCHEDULING and "missing-claim" in e.message for e in events
+    )

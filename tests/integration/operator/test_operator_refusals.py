@@ -1,0 +1,129 @@
+"""Refused children on the real API server: a clear condition and Event, a capped backoff, nothing foreign touched."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from meshtrain.operator import conditions
+from tests.integration.operator.cluster import Job, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def restricted(cluster) -> Iterator[str]:
+    name = f"r-{uuid.uuid4().hex[:8]}"
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    cluster.core.create_namespace({"metadata": {"name": name, "labels": labels}})
+    yield name
+    cluster.core.delete_namespace(name)
+
+
+def _placed(cluster, namespace: str, name: str, reason: str) -> dict:
+    return wait_for(
+        f"Placed=False/{reason}",
+        lambda: (
+            (c := cluster.condition(namespace, name, conditions.PLACED)).get("reason") == reason
+            and c
+        ),
+        timeout=30,
+    )
+
+
+def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
+    cluster, operator, restricted, pool
+):
+    cluster.add_node(pool, gpus=2)
+    job = Job("rdma", restricted, pool).layout(data=2).gpus(2).set("pod", rdma=True)
+    cluster.apply(job)
+    placed = _placed(cluster, restricted, "rdma", conditions.CREATE_REJECTED)
+    assert placed["status"] == "False"
+    assert 'violates PodSecurity "restricted' in placed["message"]
+    assert "IPC_LOCK" in placed["message"]  # the API server's own words name what is refused
+    events = [
+        e
+        for e in cluster.core.list_namespaced_event(restricted).items
+        if e.reason == conditions.CREATE_REJECTED
+    ]
+    assert events and "violates PodSecurity" in events[0].message
+    assert cluster.status(restricted, "rdma").get("phase") == "Pending"
+    time.sleep(8)  # tries at 0, 2, 6 s, then 14 s: a handful, never a hot loop
+    tries = int(
+        re.search(r"try (\d+)", cluster.condition(restricted, "rdma", "Placed")["message"]).group(1)
+    )
+    assert 2 <= tries <= 4, tries
+    assert cluster.pods(restricted, "rdma") == []
+
+
+def test_a_service_of_the_same_name_owned_by_someone_else_is_a_name_conflict(
+    cluster, operator, namespace, pool
+):
+    cluster.add_node(pool, gpus=1)
+    theirs = cluster.core.create_namespaced_service(
+        namespace,
+        {
+            "metadata": {"name": "web", "labels": {"team": "frontend"}},
+            "spec": {"ports": [{"port": 80}], "selector": {"app": "web"}},
+        },
+    )
+    cluster.apply(Job("web", namespace, pool))
+    placed = _placed(cluster, namespace, "web", conditions.NAME_CONFLICT)
+    assert f"Service {namespace}/web already exists" in placed["message"]
+    assert any(
+        e.reason == conditions.NAME_CONFLICT
+        for e in cluster.core.list_namespaced_event(namespace).items
+    )
+    assert cluster.pods(namespace, "web") == []
+    cluster.delete_job(namespace, "web")
+    wait_for("job deleted", lambda: cluster.job(namespace, "web") is None)
+    after = cluster.core.read_namespaced_service("web", namespace)
+    assert after.metadata.uid == theirs.metadata.uid  # neither patched nor deleted
+    assert after.metadata.resource_version == theirs.metadata.resource_version
+    assert after.spec.selector == {"app": "web"}
+
+
+def test_pods_of_an_earlier_job_of_the_same_name_are_neither_adopted_nor_deleted(
+    cluster, operator, namespace, pool
+):
+    """A job re-applied while its predecessor's pod still terminates waits for it, then runs."""
+    cluster.add_node(pool, gpus=1)
+    earlier = {
+        "metadata": {
+            "name": "again-r0-0",
+            "labels": {
+                "meshtrain.io/job": "again",
+                "meshtrain.io/attempt": "0",
+                "meshtrain.io/node-rank": "0",
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "meshtrain.io/v1alpha1",
+                    "kind": "TrainingJob",
+                    "name": "again",
+                    "uid": str(uuid.uuid4()),
+                    "controller": True,
+                }
+            ],
+            "finalizers": ["meshtrain.test/hold"],
+        },
+        "spec": {"containers": [{"name": "trainer", "image": "pause"}]},
+    }
+    cluster.core.create_namespaced_pod(namespace, earlier)
+    cluster.core.delete_namespaced_pod(
+        "again-r0-0", namespace
+    )  # terminating: held by the finalizer
+    cluster.apply(Job("again", namespace, pool))
+    placed = _placed(cluster, namespace, "again", conditions.NAME_CONFLICT)
+    assert f"Pod {namespace}/again-r0-0 already exists" in placed["message"]
+    held = cluster.core.read_namespaced_pod("again-r0-0", namespace)
+    assert held.spec.containers[0].image == "pause"  # not ours: untouched
+    cluster.core.patch_namespaced_pod("again-r0-0", namespace, {"metadata": {"finalizers": None}})
+    [pod] = cluster.wait_gang(namespace, "again", 1, timeout=40)
+    assert (
+        pod.metadata.owner_references[0].uid == cluster.job(namespace, "again")["metadata"]["uid"]
+    )
