@@ -30,7 +30,8 @@ _TRANSIENT = (409, 429)
 
 def retry_delay(failures: int) -> float:
     """Seconds to wait before the next try after ``failures`` refused creates in a row."""
-    return min(RETRY_BASE_SECONDS * 2 ** max(failures - 1, 0), RETRY_CAP_SECONDS)
+    doublings = max(failures - 1, 0)
+    return min(RETRY_BASE_SECONDS * float(2**doublings), RETRY_CAP_SECONDS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -397,7 +397,7 @@ class Reconciler:
                 )
                 await self._emit(body, "Warning", verdict.reason, verdict.message)
                 return body, job, changed
-            offered, refused = capacity.offered_nodes(
+            offered, refusals = capacity.offered_nodes(
                 demand,
                 raw_nodes,
                 capacity.pods_by_node(live, skip_owner=ref.uid),
@@ -411,7 +411,7 @@ class Reconciler:
                 metrics.PLACEMENT_FAILURES.labels(reason=answer.reason).inc()
                 answer = dataclasses.replace(
                     answer,
-                    message=f"{answer.message}; {feasibility.summary(refused, len(raw_nodes))}",
+                    message=f"{answer.message}; {feasibility.summary(refusals, len(raw_nodes))}",
                 )
                 before = (
                     conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
