@@ -197,7 +197,8 @@ class _JobCollector(Collector):
         )
         remaining = GaugeMetricFamily(
             "meshtrain_operator_job_restarts_remaining",
-            "Gang restarts a job not yet finished may still use (backoffLimit - restarts).",
+            "Gang restarts a job not yet finished may still use (backoffLimit - restarts; only"
+            " for backoffLimit > 0).",
             labels=labels,
         )
         waited = GaugeMetricFamily(
@@ -213,7 +214,8 @@ class _JobCollector(Collector):
             generation.add_metric(key, view.generation)
             if view.phase in FINAL_PHASES:
                 continue
-            remaining.add_metric(key, max(0, view.backoff_limit - view.restarts))
+            if view.backoff_limit > 0:  # with no restarts allowed there are none to use up
+                remaining.add_metric(key, max(0, view.backoff_limit - view.restarts))
             since = view.unschedulable_since
             waited.add_metric(key, 0.0 if since is None else max(0.0, now - since))
         yield from (phase_of, restarts, generation, remaining, waited)

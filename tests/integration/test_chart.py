@@ -387,3 +387,27 @@ def test_plain_manifests_equal_fresh_helm_template(tools: dict) -> None:
     assert result.returncode == 0, (
         f"run scripts/render-manifests.sh: {result.stdout}{result.stderr}"
     )
+
+
+def test_alerts_link_the_runbooks_the_release_names(tools: dict) -> None:
+    rendered = run(
+        tools,
+        "helm",
+        "template",
+        "mon",
+        str(CHART),
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.runbookBaseUrl=https://wiki.example/meshtrain/runbooks",
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    rule = next(
+        d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "PrometheusRule"
+    )
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts and all(
+        r["annotations"]["runbook_url"]
+        == f"https://wiki.example/meshtrain/runbooks#{r['alert'].lower()}"
+        for r in alerts
+    ), [r["annotations"]["runbook_url"] for r in alerts]

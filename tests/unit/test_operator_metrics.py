@@ -64,6 +64,15 @@ def test_a_finished_job_has_no_restarts_left_or_waiting_time(job_name):
     assert sample("meshtrain_operator_job_unschedulable_seconds", **key) is None
 
 
+def test_a_job_allowed_no_restarts_has_none_left_to_use_up(job_name):
+    metrics.observe_job(
+        body(job_name, "Running", backoff=0), unschedulable=False, placed_condition=None
+    )
+    key = {"namespace": "ns", "trainingjob": job_name}
+    assert sample("meshtrain_operator_job_restarts_remaining", **key) is None
+    assert sample("meshtrain_operator_job_restarts", **key) == 0
+
+
 def test_unschedulable_time_counts_from_the_placed_condition(job_name):
     before = sample("meshtrain_operator_unschedulable_jobs")
     placed = {"type": "Placed", "status": "False", "lastTransitionTime": "2020-01-01T00:00:00Z"}
