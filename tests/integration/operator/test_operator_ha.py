@@ -1,71 +1,23 @@
 """Two operator replicas on the real API server: one leads through a Lease, the other takes over.
 
-A watch thread records every pod event of the test's namespace and fails the
-test if a gang slot (job, node rank) ever has two pods not being deleted.
+:class:`invariants.Invariants` checks every pod and node event: no slot (job,
+node rank) ever holds two pods, no node more GPUs than it has.
 The session operator is stopped for the test (it would act too) and started
 again at the end.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import kubernetes
 import pytest
 
 from tests.integration.operator.cluster import Cluster, Job, OperatorProcess, wait_for
+from tests.integration.operator.invariants import Invariants
 
 pytestmark = pytest.mark.integration
-
-
-class SlotWatch:
-    """Follows pods of a namespace; ``violations`` lists every moment a slot held two pods."""
-
-    def __init__(self, cluster: Cluster, namespace: str) -> None:
-        self._core = cluster.core
-        self._namespace = namespace
-        self._live: dict[str, tuple[str, str]] = {}
-        self._stop = threading.Event()
-        self.violations: list[str] = []
-        self.events = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> SlotWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        watch = kubernetes.watch.Watch()
-        version = self._core.list_namespaced_pod(self._namespace).metadata.resource_version
-        while not self._stop.is_set():
-            for event in watch.stream(
-                self._core.list_namespaced_pod,
-                self._namespace,
-                resource_version=version,
-                timeout_seconds=1,
-            ):
-                pod = event["object"]
-                version = pod.metadata.resource_version
-                self.events += 1
-                labels = pod.metadata.labels or {}
-                slot = (
-                    labels.get("meshtrain.io/job", ""),
-                    labels.get("meshtrain.io/node-rank", ""),
-                )
-                if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
-                    self._live.pop(pod.metadata.name, None)
-                    continue
-                self._live[pod.metadata.name] = slot
-                holders = [name for name, held in self._live.items() if held == slot]
-                if len(holders) > 1:
-                    self.violations.append(f"slot {slot} held by {sorted(holders)}")
 
 
 @pytest.fixture
@@ -115,7 +67,8 @@ def test_standby_takes_over_mid_placement_and_restarts_count_once(
     first.start()
     wait_for("a leads", lambda: _holder(cluster, lease) == first.identity)
     second.start()
-    with SlotWatch(cluster, namespace) as slots:
+    invariants = Invariants(cluster.core).start()
+    try:
         cluster.apply(Job("ha", namespace, pool).layout(data=64).gpus(1))
         wait_for("the leader creates pods", lambda: cluster.pods(namespace, "ha"), interval=0.01)
         first.kill()  # mid-placement: the gang is partly created, its gates still on
@@ -134,8 +87,10 @@ def test_standby_takes_over_mid_placement_and_restarts_count_once(
         time.sleep(2)  # a second count would show up within a few passes
         assert cluster.status(namespace, "ha")["restarts"] == 1
         assert _ranks(cluster, namespace, "ha") == sorted(str(i) for i in range(64))
-    assert slots.events > 0 and slots.violations == [], slots.violations
-    print(f"leader killed with {created}/64 pods created; {slots.events} pod events watched")
+    finally:
+        invariants.stop()
+    assert invariants.events > 0 and invariants.violations == [], invariants.violations
+    print(f"leader killed with {created}/64 pods created; {invariants.events} events checked")
 
 
 def test_a_crash_restarted_leader_resumes_at_once(cluster, namespace, pool, tmp_path, replicas):
