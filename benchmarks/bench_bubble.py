@@ -125,9 +125,9 @@ def run_stages(p: int, steps: int, work: Path) -> None:
 
 
 def analyse(log_dir: Path, p: int, m: int, v: int) -> dict:
-    from meshtrain.trainer.telemetry import steplog  # noqa: PLC0415 - keeps --help free of torch
+    from meshtrain.trainer.telemetry import trace  # noqa: PLC0415 - keeps --help free of torch
 
-    traces = steplog.read_trace(log_dir)
+    traces = trace.read_trace(log_dir)
     by_step: dict[int, list[dict]] = {}
     for lines in traces.values():
         for line in lines:

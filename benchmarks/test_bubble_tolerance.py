@@ -46,7 +46,7 @@ import yaml
 
 from meshtrain.trainer import launch
 from meshtrain.trainer.parallel import schedules
-from meshtrain.trainer.telemetry import steplog
+from meshtrain.trainer.telemetry import trace
 from tests.telemetry import promserver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -59,7 +59,7 @@ TOLERANCE = 0.05
 
 def measured_bubble(log_dir: Path) -> float:
     """Median, over the FASTEST shortest steps after warm-up, of the stages' mean measured bubble."""
-    traces = steplog.read_trace(log_dir)
+    traces = trace.read_trace(log_dir)
     lines = [line for per_rank in traces.values() for line in per_rank if line["step"] > WARMUP]
     by_step: dict[int, list[dict]] = {}
     for line in lines:

@@ -12,6 +12,8 @@ import datetime
 from collections.abc import Iterable
 from typing import Any
 
+from meshtrain.planner import admission
+
 # Condition types.
 PLACED = "Placed"
 """True while a placement for the current gang exists; False with the reason it cannot be placed."""
@@ -23,13 +25,13 @@ SUCCEEDED = "Succeeded"
 """True once every pod of the gang exited 0."""
 FAILED = "Failed"
 """True once the job failed for good (see the reasons below)."""
-WONT_FIT = "WontFit"
-"""True when the planner says the job's worst rank needs more memory than the GPU has (the job failed)."""
+WONT_FIT = admission.REASON_WONT_FIT
+"""True when the planner says the job's worst rank needs more memory than the GPU has (the job failed);
+also the reason of the conditions it sets."""
 PODS_SCHEDULED = "PodsScheduled"
 """False with the scheduler's message while a pod of the gang is Unschedulable; True once all are bound."""
-"""True when the planner says the job's worst rank needs more memory than the GPU has (the job failed)."""
 
-# Reasons.
+# Reasons (a placement's Unschedulable reasons are meshtrain.placement's constants).
 GANG_PLACED = "GangPlaced"
 CREATING_PODS = "CreatingPods"
 """Placed=False while the planned gang's objects are being created (Placed turns True once they all exist)."""
@@ -39,12 +41,8 @@ NAME_CONFLICT = "NameConflict"
 """A child's name is taken by an object this job does not own; it is never patched nor deleted."""
 FAILED_SCHEDULING = "FailedScheduling"
 ALL_PODS_BOUND = "AllPodsBound"
-INSUFFICIENT_GPUS = "InsufficientGPUs"
-TOPOLOGY_UNSATISFIABLE = "TopologyUnsatisfiable"
 ALL_PODS_RUNNING = "AllPodsRunning"
 GANG_RESTARTING = "GangRestarting"
-STARTUP_TIMEOUT = "StartupTimeout"
-POD_FAILED = "PodFailed"
 PERMANENT_FAILURE = "PermanentFailure"
 BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
 DEADLINE_EXCEEDED = "DeadlineExceeded"
@@ -56,8 +54,6 @@ SPEC_CHANGED = "SpecChanged"
 NODES_CHANGED = "PlannedNodesChanged"
 """A planned node could no longer take its pods before the gates were lifted: the gang is placed again."""
 COMPLETED = "Completed"
-WONT_FIT_REASON = "WontFit"
-"""Reason of the WontFit, Failed and Placed conditions of a job refused by plan."""
 
 TRUE, FALSE = "True", "False"
 

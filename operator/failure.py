@@ -24,10 +24,11 @@ import dataclasses
 import datetime
 from typing import Any
 
+from meshtrain.api import exitcodes
 from meshtrain.operator import conditions, identity, naming
 
 PERMANENT_EXIT_CODES: dict[int, str] = {
-    2: "the trainer rejected its configuration",
+    exitcodes.SPEC: "the trainer rejected its configuration",
     126: "the container command is not executable",
     127: "the container command was not found in the image",
 }

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeAlias
@@ -25,6 +24,7 @@ from typing import Any, TypeAlias
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 
+from meshtrain import clientconfig
 from meshtrain.operator import metrics, naming
 
 Body: TypeAlias = dict[str, Any]
@@ -76,12 +76,12 @@ def _message(body: str) -> str:
 
 
 async def _configuration(kubeconfig: str | None) -> tuple[k8s.Configuration, Any]:
-    """Settings from ``kubeconfig`` (else $KUBECONFIG, ~/.kube/config, then in-cluster) and the loader."""
+    """Settings from a kubeconfig (:func:`clientconfig.kubeconfig_paths`) or in-cluster, and the loader."""
     configuration = k8s.Configuration()
-    path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-    if kubeconfig or os.path.exists(path):
+    paths = clientconfig.kubeconfig_paths(kubeconfig)
+    if paths is not None:
         loader = await k8s_config.load_kube_config(
-            config_file=path, client_configuration=configuration, persist_config=False
+            config_file=paths, client_configuration=configuration, persist_config=False
         )
         return configuration, loader
     k8s_config.load_incluster_config(client_configuration=configuration)

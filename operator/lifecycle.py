@@ -567,7 +567,7 @@ def wont_fit(
     Final like any failure: the job's worst rank needs more memory than the
     GPU has, and only a spec change (a new job) can alter that.
     """
-    reason = conditions.WONT_FIT_REASON
+    reason = conditions.WONT_FIT
     conds = conditions.set(_conds(job), conditions.WONT_FIT, conditions.TRUE, reason, message, now)
     conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
     conds = conditions.set(conds, conditions.FAILED, conditions.TRUE, reason, message, now)

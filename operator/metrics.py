@@ -20,6 +20,7 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import conditions
 
@@ -70,9 +71,9 @@ API_ERRORS = prometheus_client.Counter(
 for _verb in API_VERBS:  # known label values start at 0, so a rate reads 0, not "no data"
     API_ERRORS.labels(verb=_verb)
 for _reason in (
-    conditions.INSUFFICIENT_GPUS,
-    conditions.TOPOLOGY_UNSATISFIABLE,
-    conditions.WONT_FIT_REASON,
+    placement.INSUFFICIENT_GPUS,
+    placement.TOPOLOGY_UNSATISFIABLE,
+    conditions.WONT_FIT,
 ):
     PLACEMENT_FAILURES.labels(reason=_reason)
 

@@ -146,8 +146,8 @@ class Reconciler:
             or {}
         )
         waiting = placed.get("status") == conditions.FALSE and placed.get("reason") in (
-            conditions.INSUFFICIENT_GPUS,
-            conditions.TOPOLOGY_UNSATISFIABLE,
+            placement.INSUFFICIENT_GPUS,
+            placement.TOPOLOGY_UNSATISFIABLE,
         )
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after

@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,8 +35,9 @@ from pathlib import Path
 import torch
 import tqdm
 
-from meshtrain.api import loading
+from meshtrain.api import exitcodes, loading
 from meshtrain.api import spec as spec_mod
+from meshtrain.controlplane import ports
 from meshtrain.trainer import data, steplog
 
 POLL_S = 0.2
@@ -45,13 +45,6 @@ KILL_GRACE_S = 3.0
 """After a rank failed: how long the others get before they are killed."""
 STOP_GRACE_S = 60.0
 """After an interrupt: how long the ranks get to finish a step and save it."""
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_log_dir(name: str) -> Path:
@@ -160,17 +153,17 @@ def run_local(
             data.stdlib_corpus()
     except loading.SpecError as err:
         print(err, file=sys.stderr)
-        return 2
+        return exitcodes.SPEC
     except data.DatasetError as err:
         print(err, file=sys.stderr)
-        return 3
+        return exitcodes.DATA
     name = metadata.get("name") or Path(spec_path).stem
     log_dir = Path(log_dir) if log_dir else default_log_dir(name)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / steplog.FILENAME).unlink(missing_ok=True)
     world = job.world_size
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    port = free_port()
+    port = ports.pick_free_port()
     command = [
         sys.executable,
         "-m",
@@ -234,7 +227,7 @@ def run_local(
             file=sys.stderr,
         )
         _stop(procs, grace=STOP_GRACE_S)
-        return 130
+        return exitcodes.INTERRUPTED
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -1,13 +1,10 @@
 """The step log: ``DIR/steps.jsonl``, one JSON object per optimizer step, written by rank 0.
 
-What it is: :class:`StepLog`, an append-only writer (each line flushed, so
-the launcher's progress bar and anyone tailing the file see steps as they
-finish), and :func:`read`, which parses a log.  Every record has at least
-``step, loss, tokens, step_seconds, tokens_per_second``; the engine adds the
-learning rate, the gradient norm and rank 0's timing summary.
-
-What it is not: the Prometheus exporter or the timeline (those belong to
-:mod:`meshtrain.trainer.telemetry`, which may take this file over).
+The one writer and reader of that file.  Each line is flushed, so the
+launcher's progress bar and anyone tailing the file see steps as they finish.
+Every record has at least ``step, loss, tokens, step_seconds,
+tokens_per_second``; the worker adds the learning rate, the gradient norm and
+rank 0's timing summary (:meth:`~meshtrain.trainer.telemetry.stepstats.StepStats.log_record`).
 """
 
 from __future__ import annotations

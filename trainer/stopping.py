@@ -12,8 +12,8 @@ all-reduce over the whole world (:meth:`~meshtrain.trainer.engine.Engine.train_s
 every rank reads the same sum and the run stops after the same step on all
 of them, which is what a collective checkpoint needs.
 
-A stopped rank exits with :data:`EXIT_STOPPED` (143 = 128 + SIGTERM), never 0:
-a pod stopped this way must not read as finished.  What it is not: a
+A stopped rank exits with :data:`meshtrain.api.exitcodes.STOPPED` (143 = 128 +
+SIGTERM), never 0: a pod stopped this way must not read as finished.  What it is not: a
 checkpoint policy (the worker saves) or a launcher's signal handling
 (:mod:`.launch`).
 """
@@ -24,8 +24,6 @@ import signal
 import threading
 from types import FrameType
 
-EXIT_STOPPED = 128 + signal.SIGTERM
-"""Exit code of a rank that stopped on a signal after saving."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """Signals that ask for a graceful stop."""
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import loading, rules
+from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import data, engine, faults, memory, steplog, stopping, telemetry
 from meshtrain.trainer.checkpointing import checkpointer, store
@@ -46,7 +46,6 @@ from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import schedules
 from meshtrain.trainer.telemetry import progress
 
-EXIT_SPEC, EXIT_DATA, EXIT_CHECKPOINT = 2, 3, 4
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
 
 
@@ -132,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         data.check_dataset(job.training, vocab=job.model.shape().vocab)
     except loading.SpecError as err:
         print(err, file=sys.stderr)
-        return EXIT_SPEC
+        return exitcodes.SPEC
     except data.DatasetError as err:
         print(err, file=sys.stderr)
-        return EXIT_DATA
+        return exitcodes.DATA
     stop = (
         stopping.StopRequest().install()
     )  # before the slow start: a signal during it still stops cleanly
@@ -152,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
     except data.DatasetError as err:
         print(err, file=sys.stderr)
-        return EXIT_DATA
+        return exitcodes.DATA
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
     try:
         restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
     except store.CheckpointError as err:
         print(err, file=sys.stderr)
-        return EXIT_CHECKPOINT
+        return exitcodes.CHECKPOINT
     if restored is not None:
         recorder.checkpoint_saved(restored)
     if rank == 0:
@@ -207,4 +206,4 @@ def _stop_after(
             file=sys.stderr,
         )
     dist.destroy_process_group()
-    return stopping.EXIT_STOPPED
+    return exitcodes.STOPPED

@@ -1,9 +1,8 @@
 """Reading the nodes of a live cluster for ``meshtrain plan --from-cluster``.
 
-What it is: the planner's only Kubernetes I/O, one function that lists the
-cluster's Node objects with the official ``kubernetes`` client (kubeconfig
-from ``$KUBECONFIG`` or ``~/.kube/config``, or the in-cluster service
-account) and turns each into a placement :class:`~meshtrain.placement.Node`
+The planner's only Kubernetes I/O: one function that lists the cluster's
+Node objects with the official ``kubernetes`` client (the kubeconfig found by
+:mod:`meshtrain.clientconfig`, or the in-cluster service account) and turns each into a placement :class:`~meshtrain.placement.Node`
 with the converter the operator uses too (:func:`meshtrain.placement.node_from_manifest`),
 so the planner and the operator see the same allocatable GPUs and labels.
 
@@ -14,15 +13,9 @@ cluster of this shape".
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import kubernetes
 
-from meshtrain import placement
-
-DEFAULT_KUBECONFIG = "~/.kube/config"
-"""Kubeconfig read when neither an argument nor ``$KUBECONFIG`` names one."""
+from meshtrain import clientconfig, placement
 
 
 class ClusterUnavailable(RuntimeError):
@@ -36,14 +29,10 @@ def list_nodes(
     gpu_resource: str = "nvidia.com/gpu",
 ) -> list[placement.Node]:
     """Every node of the cluster as the placement planner sees it."""
-    config_file = (
-        kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or DEFAULT_KUBECONFIG
-    )
+    config_file = clientconfig.kubeconfig_paths(kubeconfig)
     try:
-        if Path(config_file).expanduser().is_file():
-            api = kubernetes.config.new_client_from_config(
-                config_file=str(Path(config_file).expanduser()), context=context
-            )
+        if config_file is not None:
+            api = kubernetes.config.new_client_from_config(config_file=config_file, context=context)
         else:  # running in a pod: the service account
             configuration = kubernetes.client.Configuration()
             kubernetes.config.load_incluster_config(client_configuration=configuration)
@@ -53,6 +42,6 @@ def list_nodes(
             manifests = [api.sanitize_for_serialization(item) for item in listed.items]
     except Exception as err:  # noqa: BLE001 - any client failure becomes one clear message
         raise ClusterUnavailable(
-            f"cannot list nodes of the cluster ({config_file}): {err}"
+            f"cannot list nodes of the cluster ({config_file or 'in-cluster'}): {err}"
         ) from None
     return [placement.node_from_manifest(manifest, gpu_resource) for manifest in manifests]

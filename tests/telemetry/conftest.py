@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from meshtrain.trainer import launch
-from meshtrain.trainer.telemetry import steplog
+from meshtrain.trainer import launch, steplog
 from tests.telemetry import promserver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +116,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
                 os.environ[key] = value
     try:
         assert code == 0, f"run_local exited {code}; logs in {work / 'run'}"
-        records = steplog.read_steps(work / "run")
+        records = steplog.read(work / "run" / steplog.FILENAME)
         assert len(records) == STEPS
         trained = records[-1]["time"] - records[0]["time"]
         assert trained > 12, f"the run trained only {trained:.1f}s: too short for the rate windows"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.image
 import pytest
 
-from meshtrain.trainer.telemetry import steplog, timeline
+from meshtrain.trainer.telemetry import timeline, trace
 from tests.telemetry.conftest import MICRO_BATCHES
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ def test_timeline_png_of_the_real_run(scraped_run, tmp_path):
     image = matplotlib.image.imread(out)
     assert image.shape[1] > 1000 and image[..., :3].std() > 0.05
     assert view.rows == ["stage 0", "stage 1", "stage 0 all-reduce", "stage 1 all-reduce"]
-    traces = steplog.read_trace(scraped_run.log_dir)
+    traces = trace.read_trace(scraped_run.log_dir)
     for stage, rank in ((0, 0), (1, 2)):  # dp 0, tp 0 of each stage
         blocks = [b for b in view.blocks if b.row == f"stage {stage}"]
         for kind in ("forward", "backward"):

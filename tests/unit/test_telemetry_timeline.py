@@ -10,8 +10,8 @@ import pytest
 from meshtrain import cli
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import telemetry
-from meshtrain.trainer.telemetry import steplog, timeline
+from meshtrain.trainer import steplog, telemetry
+from meshtrain.trainer.telemetry import timeline, trace
 from tests.unit import telemetry_feed
 
 
@@ -51,7 +51,7 @@ def run(tmp_path, schedule: str, p: int, m: int, v: int = 1, dp: int = 1, steps:
 
 def test_steps_jsonl_from_rank_zero_and_a_trace_per_rank(tmp_path):
     log_dir = run(tmp_path, "1f1b", 2, 4, dp=2)
-    records = steplog.read_steps(log_dir)
+    records = steplog.read(log_dir / steplog.FILENAME)
     assert [r["step"] for r in records] == [1, 2]
     assert {
         "step",
@@ -65,7 +65,7 @@ def test_steps_jsonl_from_rank_zero_and_a_trace_per_rank(tmp_path):
         "bubble_ratio_theoretical",
         "mfu",
     } <= set(records[0])
-    traces = steplog.read_trace(log_dir)
+    traces = trace.read_trace(log_dir)
     assert sorted(traces) == [0, 1, 2, 3]
     line = traces[3][0]
     assert (line["pp"], line["dp"], line["tp"], line["schedule"], line["micro_batches"]) == (
@@ -127,7 +127,7 @@ def test_cli_timeline(tmp_path, capsys):
 
 def test_restarted_run_draws_the_newest_attempt(tmp_path):
     log_dir = run(tmp_path, "gpipe", 2, 2, steps=1)
-    traces = steplog.read_trace(log_dir)
+    traces = trace.read_trace(log_dir)
     stale = json.dumps({**traces[0][0], "bubble_ratio": 0.99})
     (log_dir / "trace" / "rank-0.jsonl").write_text(stale + "\n" + json.dumps(traces[0][0]) + "\n")
     view = timeline.step_view(timeline.stage_traces(log_dir), 1)

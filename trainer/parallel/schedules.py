@@ -18,10 +18,12 @@ of stages ``v`` times.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+from meshtrain.api import spec as api_spec
+
+SCHEDULES: tuple[str, ...] = typing.get_args(api_spec.Schedule)
 
 
 @dataclasses.dataclass(frozen=True)

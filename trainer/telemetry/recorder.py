@@ -4,7 +4,7 @@ What it is: :class:`TelemetryRecorder` collects one rank's timing events of a
 step (the engine calls it around every micro-batch, wait and collective),
 summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
 the summary to its sinks: the Prometheus exporter (:mod:`.exporter`) and the
-step log and event trace (:mod:`.steplog`).  :func:`make_recorder` builds the
+step log and event trace (:mod:`.trace`).  :func:`make_recorder` builds the
 whole thing from a spec, the layout and a rank: the trainer's single point of
 construction.
 
@@ -26,7 +26,7 @@ from meshtrain import layout as layout_mod
 from meshtrain.trainer import memory as memory_mod
 from meshtrain.trainer import model as model_mod
 from meshtrain.trainer.parallel import recording
-from meshtrain.trainer.telemetry import context, exporter, peak, progress, steplog, stepstats
+from meshtrain.trainer.telemetry import context, exporter, peak, progress, stepstats, trace
 
 KEEP_STEPS = 100
 """Step records kept in :attr:`TelemetryRecorder.steps`."""
@@ -207,7 +207,7 @@ def make_recorder(
         )
     if log_dir is not None:
         sinks.append(
-            steplog.StepLog(
+            trace.TraceLog(
                 Path(log_dir), identity, facts, schedule=spec.parallelism.schedule, steps=steps_log
             )
         )

@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-from meshtrain.trainer.telemetry import steplog  # noqa: E402
+from meshtrain.trainer.telemetry import trace  # noqa: E402
 
 FORWARD_COLOURS = ("#3b75af", "#8fb6dd", "#c4daef")
 """Forward blocks, by chunk (interleaved schedules have several)."""
@@ -80,12 +80,12 @@ class StepView:
 def stage_traces(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
     """stage -> trace lines of its rank with dp = 0 and tp = 0."""
     out: dict[int, list[dict[str, Any]]] = {}
-    for lines in steplog.read_trace(log_dir).values():
+    for lines in trace.read_trace(log_dir).values():
         head = lines[0]
         if head["dp"] == 0 and head["tp"] == 0:
             out[head["pp"]] = lines
     if not out:
-        raise FileNotFoundError(f"no event trace under {Path(log_dir) / steplog.TRACE_DIR}")
+        raise FileNotFoundError(f"no event trace under {Path(log_dir) / trace.TRACE_DIR}")
     return dict(sorted(out.items()))
 
 

@@ -1,20 +1,13 @@
-"""The step log and the per-rank event trace, as JSON lines under a run's log directory.
+"""The per-rank event trace, ``DIR/trace/rank-N.jsonl``, and optionally the step log.
 
-What it is: :class:`StepLog`, a :class:`~.context.Sink` writing
-
-- ``DIR/steps.jsonl`` (global rank 0 only): one line per step with ``step,
-  loss, tokens, step_seconds, tokens_per_second, allreduce_seconds,
-  exposed_comm_seconds, bubble_ratio, bubble_ratio_theoretical, mfu`` (plus a
-  few more, see :meth:`~.stepstats.StepStats.log_record`);
-- ``DIR/trace/rank-N.jsonl`` (every rank): one line per step with the rank's
-  coordinates, the job facts, the wall-clock origin ``t0`` of the step and
-  every event (forward/backward per micro-batch and chunk, waits,
-  collectives with bucket and bytes) in seconds since ``t0``.
-
-:func:`read_trace` reads a trace back (the timeline and the tests use it).
-
-What it is not: a checkpoint or a metrics store.  Files are appended and
-flushed once per step; nothing is rotated.
+:class:`TraceLog` is a :class:`~.context.Sink`.  Every rank writes one trace
+line per step: its coordinates, the job facts, the wall-clock origin ``t0``
+of the step and every event (forward/backward per micro-batch and chunk,
+waits, collectives with bucket and bytes) in seconds since ``t0``.  Where no
+engine writes the step log (benchmarks, tests), global rank 0 also appends
+:meth:`~.stepstats.StepStats.log_record` to ``steps.jsonl`` through
+:class:`meshtrain.trainer.steplog.StepLog`.  Files are appended and flushed
+once per step; :func:`read_trace` reads a trace back.
 """
 
 from __future__ import annotations
@@ -25,11 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from meshtrain.trainer import steplog
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, stepstats
 
-STEPS_FILE = "steps.jsonl"
-"""Step log of global rank 0, relative to the log directory."""
 TRACE_DIR = "trace"
 """Directory of the per-rank event traces, relative to the log directory."""
 
@@ -56,8 +48,8 @@ def event_record(e: recording.Event, origin: float) -> dict[str, Any]:
     return out
 
 
-class StepLog:
-    """Appends steps.jsonl (rank 0) and trace/rank-N.jsonl (every rank)."""
+class TraceLog:
+    """Appends trace/rank-N.jsonl (every rank) and, with ``steps``, steps.jsonl (rank 0)."""
 
     def __init__(
         self,
@@ -84,11 +76,7 @@ class StepLog:
         trace = trace_path(log_dir, identity.rank)
         trace.parent.mkdir(parents=True, exist_ok=True)
         self._trace = trace.open("a", encoding="utf-8")
-        self._steps = (
-            (log_dir / STEPS_FILE).open("a", encoding="utf-8")
-            if steps and identity.rank == 0
-            else None
-        )
+        self._steps = steplog.StepLog(log_dir) if steps and identity.rank == 0 else None
         # perf_counter is per-boot monotonic; wall time aligns ranks (and pods) in the timeline.
         self._wall_offset = time.time() - time.perf_counter()
 
@@ -118,8 +106,7 @@ class StepLog:
             record: dict[str, Any] = {**stats.log_record(), "time": time.time()}
             if memory is not None:
                 record["memory_bytes"] = memory.as_dict()
-            self._steps.write(json.dumps(record) + "\n")
-            self._steps.flush()
+            self._steps.write(record)
 
     def checkpoint_saved(self, step: int) -> None:
         """Checkpoints are the engine's log lines, not the step log's."""
@@ -142,11 +129,3 @@ def read_trace(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
         if lines:
             out[lines[0]["rank"]] = lines
     return out
-
-
-def read_steps(log_dir: Path) -> list[dict[str, Any]]:
-    """The lines of steps.jsonl."""
-    path = Path(log_dir) / STEPS_FILE
-    return [
-        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-    ]
