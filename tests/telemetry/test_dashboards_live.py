@@ -31,7 +31,8 @@ import yaml
 from meshtrain import layout as layout_mod
 from meshtrain.operator import metrics as operator_metrics
 from meshtrain.sandbox import example, supervisor
-from meshtrain.trainer.telemetry import context, exporter, steplog
+from meshtrain.trainer import steplog
+from meshtrain.trainer.telemetry import context, exporter
 from tests.telemetry import conftest, promserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -103,7 +104,9 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
         assert final["status"]["phase"] == "Succeeded", json.dumps(final["status"], indent=2)
         waiting = example.job(paths, NAMESPACE, WAITING) or {}
         assert (waiting.get("status") or {}).get("phase") == "Pending", waiting.get("status")
-        records = steplog.read_steps(paths.root / "volumes" / NAMESPACE / "obs-live-ckpt" / "logs")
+        records = steplog.read(
+            paths.root / "volumes" / NAMESPACE / "obs-live-ckpt" / "logs" / steplog.FILENAME
+        )
         trained = records[-1]["time"] - records[0]["time"]
         assert trained > 15, f"the job trained only {trained:.1f}s: too short for the rate windows"
         pods = [p["metadata"]["name"] for p in _pods(paths)]

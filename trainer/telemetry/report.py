@@ -32,7 +32,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from meshtrain.trainer.telemetry import steplog, timeline  # noqa: E402
+from meshtrain.trainer import steplog  # noqa: E402
+from meshtrain.trainer.telemetry import timeline, trace  # noqa: E402
 
 SPLIT_COLOURS = {
     "compute": "#3b75af",
@@ -62,8 +63,8 @@ class Run:
 
 def _expected(log_dir: Path) -> str:
     return (
-        f"{log_dir} holds no meshtrain run: expected {steplog.STEPS_FILE} and "
-        f"{steplog.TRACE_DIR}/rank-N.jsonl, written by `meshtrain run --log-dir DIR` or by the "
+        f"{log_dir} holds no meshtrain run: expected {steplog.FILENAME} and "
+        f"{trace.TRACE_DIR}/rank-N.jsonl, written by `meshtrain run --log-dir DIR` or by the "
         "trainer pods under <checkpoint.path>/logs"
     )
 
@@ -95,8 +96,8 @@ def load(log_dir: Path) -> Run:
     log_dir = Path(log_dir)
     if not log_dir.is_dir():
         raise ReportError(f"{log_dir} is not a directory")
-    steps_file = log_dir / steplog.STEPS_FILE
-    trace_files = sorted((log_dir / steplog.TRACE_DIR).glob("rank-*.jsonl"))
+    steps_file = log_dir / steplog.FILENAME
+    trace_files = sorted((log_dir / trace.TRACE_DIR).glob("rank-*.jsonl"))
     if not steps_file.is_file() and not trace_files:
         raise ReportError(_expected(log_dir))
     if not steps_file.is_file():
