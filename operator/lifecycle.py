@@ -174,7 +174,6 @@ def _shape(job: JobState) -> dict[str, Any]:
     return {
         "layout": job.spec.parallelism.layout_string,
         "worldSize": job.spec.world_size,
-        "gpus": job.spec.world_size,
     }
 
 

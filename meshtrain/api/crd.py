@@ -249,13 +249,7 @@ def build() -> dict[str, Any]:
             "name": "World",
             "type": "integer",
             "jsonPath": ".status.worldSize",
-            "description": "Processes in the job.",
-        },
-        {
-            "name": "GPUs",
-            "type": "integer",
-            "jsonPath": ".status.gpus",
-            "description": "GPUs the job uses.",
+            "description": "Processes in the job, one GPU each.",
         },
         {
             "name": "Step",

@@ -586,8 +586,7 @@ class TrainingJobStatus(_Model):
         default_factory=list, description="Conditions with reasons and messages."
     )
     layout: str | None = Field(None, description="Layout such as dp2·pp4·tp8.")
-    world_size: int | None = Field(None, description="Processes in the job.")
-    gpus: int | None = Field(None, description="GPUs the job uses.")
+    world_size: int | None = Field(None, description="Processes in the job, one GPU each.")
     placement: list[PodPlacement] = Field(
         default_factory=list, description="Node per pod (rank block)."
     )

@@ -453,7 +453,7 @@ def test_placed_and_unschedulable_status():
     )
     assert fields["phase"] == "Placing"
     assert fields["placement"] == [{"podIndex": 0, "node": "a"}, {"podIndex": 1, "node": "b"}]
-    assert fields["layout"] == "dp2·pp1·tp1" and fields["gpus"] == 2
+    assert fields["layout"] == "dp2·pp1·tp1" and fields["worldSize"] == 2
     assert fields["startTime"] == conditions.timestamp(T0)
     waiting = lifecycle.unschedulable(state, "InsufficientGPUs", "need 2, free 1", T0)
     assert waiting["phase"] == "Pending"

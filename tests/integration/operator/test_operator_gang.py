@@ -45,7 +45,9 @@ def test_apply_creates_service_configmap_and_pinned_gated_pods(cluster, operator
     assert "job.yaml" in cluster.core.read_namespaced_config_map("llm-spec", namespace).data
     status = cluster.status(namespace, "llm")
     assert (
-        status["phase"] == "Placing" and status["layout"] == "dp2·pp2·tp2" and status["gpus"] == 8
+        status["phase"] == "Placing"
+        and status["layout"] == "dp2·pp2·tp2"
+        and status["worldSize"] == 8
     )
     assert sorted(p["node"] for p in status["placement"]) == nodes
 
