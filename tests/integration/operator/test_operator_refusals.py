@@ -54,8 +54,10 @@ def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
     assert cluster.status(restricted, "rdma").get("phase") == "Pending"
 
     def tries() -> int:
+        """The try count of the last refusal (0 while a new try is creating its pods)."""
         message = cluster.condition(restricted, "rdma", conditions.PLACED)["message"]
-        return int(re.search(r"try (\d+)", message).group(1))
+        found = re.search(r"try (\d+)", message)
+        return int(found.group(1)) if found else 0
 
     started = time.monotonic()
     wait_for("a second try", lambda: tries() >= 2, timeout=30)
