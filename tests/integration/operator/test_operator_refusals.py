@@ -35,6 +35,16 @@ def _placed(cluster, namespace: str, name: str, reason: str) -> dict:
     )
 
 
+def _events(cluster, namespace: str, reason: str) -> list:
+    """The job's Events of ``reason`` (recorded just after the condition: waited for)."""
+    return wait_for(
+        f"a {reason} Event",
+        lambda: [
+            e for e in cluster.core.list_namespaced_event(namespace).items if e.reason == reason
+        ],
+    )
+
+
 def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
     cluster, operator, restricted, pool
 ):
@@ -45,12 +55,8 @@ def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
     assert placed["status"] == "False"
     assert 'violates PodSecurity "restricted' in placed["message"]
     assert "IPC_LOCK" in placed["message"]  # the API server's own words name what is refused
-    events = [
-        e
-        for e in cluster.core.list_namespaced_event(restricted).items
-        if e.reason == conditions.CREATE_REJECTED
-    ]
-    assert events and "violates PodSecurity" in events[0].message
+    events = _events(cluster, restricted, conditions.CREATE_REJECTED)
+    assert "violates PodSecurity" in events[0].message
     assert cluster.status(restricted, "rdma").get("phase") == "Pending"
 
     def tries() -> int:
@@ -81,10 +87,7 @@ def test_a_service_of_the_same_name_owned_by_someone_else_is_a_name_conflict(
     cluster.apply(Job("web", namespace, pool))
     placed = _placed(cluster, namespace, "web", conditions.NAME_CONFLICT)
     assert f"Service {namespace}/web already exists" in placed["message"]
-    assert any(
-        e.reason == conditions.NAME_CONFLICT
-        for e in cluster.core.list_namespaced_event(namespace).items
-    )
+    assert "already exists" in _events(cluster, namespace, conditions.NAME_CONFLICT)[0].message
     assert cluster.pods(namespace, "web") == []
     cluster.delete_job(namespace, "web")
     wait_for("job deleted", lambda: cluster.job(namespace, "web") is None)
