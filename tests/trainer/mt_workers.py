@@ -3,8 +3,9 @@
 What it is: :func:`train_cases` (build the mesh, take step-1 gradients
 gathered to dense tensors, then train a few steps and return the losses) for
 a list of specs of one world size, and :func:`reference`, a plain one-process
-training loop written without any meshtrain parallel code (dense GPT,
-``F.cross_entropy`` on the whole global batch, ``clip_grad_norm_``).
+training loop written without any meshtrain parallel or optimizer code (dense
+GPT, ``F.cross_entropy`` on the whole global batch, ``clip_grad_norm_``,
+``torch.optim.AdamW`` and torch's own warmup + cosine LR schedulers).
 
 What it is not: tests; assertions live in the test modules.
 """
@@ -17,24 +18,43 @@ import torch.nn.functional as F
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import data, engine, optim
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import data, engine
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording, tensor
+from meshtrain.trainer.parallel import recording, tensor, zero
 
 
 def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:
     """Gradients of this rank's parameters as dense tensors (gathered over TP); only dp0/tp0 ranks return them."""
     mesh, plan = eng.mesh, eng.model.tp_plan
     out = {}
+    sharded = (
+        _gather_grad_shards(eng) if isinstance(eng.model.reducer, zero.ShardedGradReducer) else {}
+    )
     for name, param in eng.model.named_params:
-        grad = param.grad.detach().clone()
+        grad = sharded[name] if sharded else param.grad.detach().clone()
         if plan is not None and name in plan.shards:
             pieces = [torch.empty_like(grad) for _ in range(mesh.layout.tensor)]
             dist.all_gather(pieces, grad.contiguous(), group=mesh.group("tp"))
             grad = tensor.unshard(pieces, plan.shards[name])
         out[name] = grad
     return out if mesh.coords.dp == 0 and mesh.coords.tp == 0 else {}
+
+
+def _gather_grad_shards(eng: engine.Engine) -> dict[str, torch.Tensor]:
+    """ZeRO-2 keeps only this rank's shard of every gradient bucket: all-gather them over dp, by name."""
+    names = {id(p): n for n, p in eng.model.named_params}
+    group, size = eng.mesh.group("dp"), eng.mesh.layout.data
+    out = {}
+    for bucket in eng.model.reducer.buckets:
+        full = torch.empty(bucket.buffer.numel() * size, dtype=bucket.buffer.dtype)
+        dist.all_gather_into_tensor(full, bucket.buffer, group=group)
+        offset = 0
+        for p in bucket.params:
+            out[names[id(p)]] = full[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    return out
 
 
 def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
@@ -51,9 +71,11 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
         grads = dense_grads(first)
         recorder = recording.MemoryRecorder()
         eng = engine.Engine(job, mesh, recorder=recorder)
-        losses, dp_collectives, computes = [], [], []
+        losses, norms, dp_collectives, computes = [], [], [], []
         for _ in range(steps):
-            losses.append(eng.train_step().loss)
+            result = eng.train_step()
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
             dp_collectives.append(
                 sum(
                     1
@@ -73,6 +95,7 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
         results[case_id] = {
             "grads": grads,
             "losses": losses,
+            "norms": norms,
             "dp_collectives": dp_collectives,
             "buckets": buckets,
             "param_tensors": len(eng.model.named_params),
@@ -109,25 +132,46 @@ def reference(raw: dict, steps: int) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
     model = gpt.GPT(config, seed=t.seed)
-    opt = optim.build_adamw(
-        list(model.named_parameters()), lr=t.learning_rate, weight_decay=t.weight_decay
-    )
-    losses = []
-    for step in range(1, steps + 1):
-        optim.set_lr(
-            opt,
-            optim.lr_at(
-                step,
-                peak=t.learning_rate,
-                minimum=t.min_learning_rate,
-                warmup=t.warmup_steps,
-                total=t.steps,
-            ),
-        )
+    opt, schedule = _torch_adamw_with_schedule(model, job)
+    losses, norms = [], []
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model, step - 1)
+        loss = loss_of(model, step)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
         opt.step()
+        schedule.step()
         losses.append(loss.item())
-    return {"grads": grads, "losses": losses}
+    return {"grads": grads, "losses": losses, "norms": norms}
+
+
+def _torch_adamw_with_schedule(model: torch.nn.Module, job: spec_mod.TrainingJobSpec):  # noqa: ANN202
+    """torch's AdamW (decay on matrices only, betas as GPT-3) and torch's LR schedulers.
+
+    Linear warmup from lr/warmup at step 1 to the peak at step ``warmup``, then
+    cosine annealing to the minimum over the remaining steps: the schedule the
+    spec documents, built from torch's own classes.
+    """
+    t = job.training
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0},
+        ],
+        lr=t.learning_rate,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    if t.warmup_steps < 1:
+        raise ValueError("the reference schedule needs warmupSteps >= 1")
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, T_max=max(1, t.steps - t.warmup_steps), eta_min=t.min_learning_rate
+    )
+    warm = torch.optim.lr_scheduler.LinearLR(
+        opt, start_factor=1 / t.warmup_steps, total_iters=max(1, t.warmup_steps - 1)
+    )
+    return opt, torch.optim.lr_scheduler.SequentialLR(
+        opt, [warm, cosine], milestones=[t.warmup_steps - 1]
+    )

@@ -1,8 +1,10 @@
 """Every layout trains like one device: a table of layouts against one reference.
 
-Same seed, same global batches: per-step losses (5 steps) agree to 1e-4
-relative and step-1 gradients, gathered to dense tensors, agree for every
-parameter (rtol 1e-5, atol 4e-5).  Cases of one world size share one set of
+Same seed, same global batches: per-step losses (5 steps) and gradient norms
+before clipping agree with a reference loop built only from torch (AdamW, LR
+schedulers, ``clip_grad_norm_``) to ``LOSS_RTOL`` and ``NORM_RTOL`` relative,
+and step-1 gradients, gathered to dense tensors, agree for every parameter
+(rtol 1e-5, atol 4e-5).  Cases of one world size share one set of
 processes (spawning dominates the cost on a small machine).
 """
 
@@ -14,6 +16,9 @@ import pytest
 import torch
 
 STEPS = 5
+LOSS_RTOL = 1e-6
+"""fp32 summation order differs between layouts; measured differences stay below 2e-7."""
+NORM_RTOL = 1e-6
 # id -> (spec overrides); global batch 8 everywhere.
 CASES_2 = {
     "dp2": dict(data=2),
@@ -27,6 +32,8 @@ CASES_2 = {
     "pp2-1f1b-recompute": dict(
         pipeline=2, schedule="1f1b", micro_batches=4, activationCheckpointing=True
     ),
+    "dp2-zero1-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=1),
+    "dp2-zero2-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=2),
 }
 CASES_8 = {
     "dp2-pp2-tp2-1f1b": dict(data=2, pipeline=2, tensor=2, micro_batches=2),
@@ -76,9 +83,15 @@ def _compare(result: dict, reference: dict) -> None:
     ref_losses = torch.tensor(reference["losses"])
     losses = torch.tensor(result["losses"])
     rel = ((losses - ref_losses).abs() / ref_losses.abs()).max().item()
-    assert rel < 1e-4, (
+    assert rel < LOSS_RTOL, (
         f"losses {result['losses']} vs reference {reference['losses']} (max rel diff {rel:.2e})"
     )
+    for rank_result in result["ranks"]:
+        norms, ref_norms = torch.tensor(rank_result["norms"]), torch.tensor(reference["norms"])
+        rel = ((norms - ref_norms).abs() / ref_norms).max().item()
+        assert rel < NORM_RTOL, (
+            f"gradient norms {rank_result['norms']} vs reference {reference['norms']} (max rel {rel:.2e})"
+        )
     assert set(result["grads"]) == set(reference["grads"]), (
         "gathered parameters differ from the dense model's"
     )

@@ -6,11 +6,15 @@ stage, final norm and head on the last), and :class:`PipelineExecutor`, which
 walks the action list of :mod:`.schedules` for one optimizer step.  Forwards
 receive activations from the previous virtual stage and send theirs on;
 backwards receive output gradients and send input gradients back.  Every
-send is an ``isend`` kept in flight until the end of the step and every
-receive blocks only when its data is needed, so a valid schedule cannot
-deadlock on gloo; on gloo the next action's receive is posted before this
-action computes (:meth:`PipelineExecutor._prefetch`).  Activations and gradients travel on two separate process
-groups, so each direction keeps its own FIFO order (the order NCCL needs).
+point-to-point operation goes through ``torch.distributed.batch_isend_irecv``:
+an action's send is batched with the next action's receive when both use the
+same group (on NCCL one grouped call, so two stages that send to each other at
+once, as interleaved 1F1B does at p = 2, cannot both block in a send).  Sends
+stay in flight until the end of the step and a receive blocks only when its
+data is needed, so a valid schedule cannot deadlock on gloo; on gloo the next
+action's receive is posted before this action computes
+(:meth:`PipelineExecutor._prefetch`).  Activations and gradients travel on
+two separate process groups, so each direction keeps its own FIFO order.
 
 Each forward, backward and blocking wait is reported to the step recorder,
 timed with the engine's clock (:mod:`.clocks`: host time on CPU, GPU time
@@ -91,6 +95,14 @@ class PipelineContext:
     """Group carrying gradients (None when stages == 1)."""
 
 
+@dataclasses.dataclass
+class _Posted:
+    """A receive in flight: the works of its batch and the buffer it fills."""
+
+    works: list[dist.Work]
+    buffer: torch.Tensor
+
+
 class PipelineExecutor:
     """Runs one stage's schedule for one optimizer step."""
 
@@ -127,6 +139,11 @@ class PipelineExecutor:
         self.grad_sync = grad_sync
         self.autocast = autocast
         self.last_virtual = ctx.stages * self.virtual_stages - 1
+        for group in (ctx.forward_group, ctx.backward_group):
+            if group is not None and dist.get_backend(group) != "gloo":
+                # NCCL creates a communicator on its first call, which every member must join:
+                # make that a collective, not a batched p2p between two of the stages.
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     @property
     def holds_loss(self) -> bool:
@@ -141,8 +158,8 @@ class PipelineExecutor:
     def _peer(self, j: int) -> int:
         return self.ctx.ranks[j % self.ctx.stages]
 
-    def _post_recv(self, index: int) -> tuple[dist.Work, torch.Tensor] | None:
-        """Post the receive action ``index`` needs (None: it needs none, or it is out of range)."""
+    def _recv_op(self, index: int) -> dist.P2POp | None:
+        """The receive action ``index`` needs (None: it needs none, or it is out of range)."""
         if index >= len(self.actions):
             return None
         action = self.actions[index]
@@ -154,13 +171,40 @@ class PipelineExecutor:
         else:
             return None
         buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
-        return dist.irecv(buffer, src=self._peer(src), group=group), buffer
+        return dist.P2POp(dist.irecv, buffer, peer=self._peer(src), group=group)
 
-    def _wait_recv(self, posted: tuple[dist.Work, torch.Tensor]) -> torch.Tensor:
+    def _post_recv(self, index: int) -> _Posted | None:
+        """Post the receive action ``index`` needs, alone in its batch."""
+        op = self._recv_op(index)
+        return None if op is None else _Posted(dist.batch_isend_irecv([op]), op.tensor)
+
+    def _send(
+        self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, next_index: int | None
+    ) -> tuple[list[dist.Work], _Posted | None]:
+        """Send ``tensor``, batched with action ``next_index``'s receive when that uses the same group.
+
+        Returns the send's works (to wait for when the step ends) and the posted receive, if batched.
+        """
+        ops = [dist.P2POp(dist.isend, tensor, peer=peer, group=group)]
+        recv = self._recv_op(next_index) if next_index is not None else None
+        if recv is not None and recv.group == group:
+            ops.append(recv)
+        works = dist.batch_isend_irecv(ops)
+        if len(ops) == 1:
+            return works, None
+        if len(works) == len(ops):
+            # gloo: one work per op, each waited once (a gloo receive waited twice waits for a
+            # second message); the receive must not wait for the send either (that waits for
+            # the peer's matching receive, which may come later).
+            return works[:1], _Posted(works[1:], recv.tensor)
+        return works, _Posted(works, recv.tensor)  # NCCL: one work for the batch, stream-side
+
+    def _wait_recv(self, posted: _Posted) -> torch.Tensor:
         start = self.clock.now()
-        posted[0].wait()
+        for work in posted.works:
+            work.wait()
         self.recorder.wait("recv", start, self.clock.now())
-        return posted[1]
+        return posted.buffer
 
     def _prefetch(self) -> bool:
         """Whether to post the next action's receive before this action computes.
@@ -192,18 +236,17 @@ class PipelineExecutor:
         """
         m, p = self.micro_batches, self.ctx.stages
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        in_flight: list[
-            tuple[dist.Work, torch.Tensor]
-        ] = []  # keep each sent tensor alive until done
+        in_flight: list[tuple[list[dist.Work], torch.Tensor]] = []  # sent tensors live until done
         loss_sum = torch.zeros((), device=self.device)
         prefetch = self._prefetch()
-        posted: dict[int, tuple[dist.Work, torch.Tensor] | None] = {}  # action index -> its receive
+        posted: dict[int, _Posted | None] = {}  # action index -> its receive
         for index, action in enumerate(self.actions):
             j = schedules.virtual_stage(self.ctx.stage, action.chunk, p)
             key = (action.microbatch, action.chunk)
             recv = posted.pop(index) if index in posted else self._post_recv(index)
             if prefetch:  # each group's receives are still posted in schedule order
                 posted[index + 1] = self._post_recv(index + 1)
+            batch_with = None if prefetch else index + 1  # the next receive, if not posted yet
             if action.kind == "forward":
                 if j == 0:
                     x = inputs[action.microbatch].to(self.device)
@@ -222,12 +265,12 @@ class PipelineExecutor:
                     loss_sum += out.detach()
                 else:
                     sent = out.detach().contiguous()
-                    in_flight.append(
-                        (
-                            dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group),
-                            sent,
-                        )
+                    works, batched = self._send(
+                        sent, self._peer(j + 1), self.ctx.forward_group, batch_with
                     )
+                    in_flight.append((works, sent))
+                    if batched is not None:
+                        posted[index + 1] = batched
             else:
                 x, out = saved.pop(key)
                 grad = None if j == self.last_virtual else self._wait_recv(recv)
@@ -240,15 +283,16 @@ class PipelineExecutor:
                 )
                 if x is not None:
                     sent = x.grad.contiguous()
-                    in_flight.append(
-                        (
-                            dist.isend(sent, dst=self._peer(j - 1), group=self.ctx.backward_group),
-                            sent,
-                        )
+                    works, batched = self._send(
+                        sent, self._peer(j - 1), self.ctx.backward_group, batch_with
                     )
+                    in_flight.append((works, sent))
+                    if batched is not None:
+                        posted[index + 1] = batched
         if in_flight:
             start = self.clock.now()
-            for work, _ in in_flight:
-                work.wait()
+            for works, _ in in_flight:
+                for work in works:
+                    work.wait()
             self.recorder.wait("send", start, self.clock.now())
         return loss_sum
