@@ -25,7 +25,7 @@ import meshtrain
 from meshtrain import controlplane
 from meshtrain.api import crd
 from meshtrain.controlplane import binaries
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import yaml
 
 from meshtrain import cli
 from meshtrain.planner import cluster_live
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 

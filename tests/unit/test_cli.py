@@ -4,7 +4,7 @@ import yaml
 
 from meshtrain import cli
 from meshtrain.api import loading, spec
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 
 def test_validate_accepts_a_good_job(tmp_path, capsys):

@@ -8,7 +8,7 @@ import meshtrain
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import builders, identity, naming
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
 

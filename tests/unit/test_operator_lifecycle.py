@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from meshtrain.operator import conditions, failure, identity, lifecycle
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 

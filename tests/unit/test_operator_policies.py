@@ -10,7 +10,7 @@ from meshtrain import cli, placement
 from meshtrain.api import loading
 from meshtrain.operator import builders, capacity, command, conditions, identity, informer, progress
 from meshtrain.planner import profiles
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 T1 = T0 + datetime.timedelta(minutes=5)

@@ -9,7 +9,7 @@ from meshtrain.api import loading
 from meshtrain.operator import progress, sizing
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodes as sandbox_nodes
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 H100 = profiles.get("h100-sxm")
 A100_40 = profiles.get("a100-40g")

@@ -15,7 +15,7 @@ from meshtrain.planner import comm, cost, memory, profiles
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
 from meshtrain.trainer.telemetry import stepstats
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 
 def job(**parallelism) -> api_spec.TrainingJobSpec:

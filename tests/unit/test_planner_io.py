@@ -12,7 +12,7 @@ import yaml
 from meshtrain import cli
 from meshtrain.api import loading
 from meshtrain.planner import admission, cluster, estimate, profiles, report
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 GOLDEN_KEYS = {
     "": [

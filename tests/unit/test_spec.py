@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from meshtrain.api import loading, rules, spec
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 
 def test_defaults_give_a_valid_single_process_job():

@@ -7,7 +7,6 @@ status (there is no kubelet); pod state changes are status patches too.
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import kubernetes
 
 from meshtrain.api import crd
 from meshtrain.controlplane.ports import pick_free_port
+from tests.builders import POOL_LABEL, JobBuilder
 
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -39,44 +39,6 @@ def wait_for(
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-class Job:
-    """Fluent TrainingJob manifest: ``Job("a", ns).layout(data=2).gpus(4).manifest()``."""
-
-    def __init__(self, name: str, namespace: str, pool: str | None = None) -> None:
-        self._body: dict[str, Any] = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "TrainingJob",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {
-                "parallelism": {"data": 1, "pipeline": 1, "tensor": 1},
-                "resources": {"gpusPerNode": 1},
-                "model": {"preset": "tiny"},
-                "runPolicy": {},
-            },
-        }
-        if pool:
-            self._body["spec"]["resources"]["nodeSelector"] = {"meshtrain.test/pool": pool}
-
-    def layout(self, data: int = 1, pipeline: int = 1, tensor: int = 1) -> Job:
-        self._body["spec"]["parallelism"].update(data=data, pipeline=pipeline, tensor=tensor)
-        return self
-
-    def gpus(self, per_node: int) -> Job:
-        self._body["spec"]["resources"]["gpusPerNode"] = per_node
-        return self
-
-    def run_policy(self, **values: Any) -> Job:
-        self._body["spec"]["runPolicy"].update(values)
-        return self
-
-    def set(self, section: str, **values: Any) -> Job:
-        self._body["spec"].setdefault(section, {}).update(values)
-        return self
-
-    def manifest(self) -> dict[str, Any]:
-        return copy.deepcopy(self._body)
 
 
 class Cluster:
@@ -138,7 +100,7 @@ class Cluster:
             "metadata": {
                 "name": name,
                 "labels": {
-                    "meshtrain.test/pool": pool,
+                    POOL_LABEL: pool,
                     "kubernetes.io/hostname": name,
                     **(labels or {}),
                 },
@@ -178,11 +140,11 @@ class Cluster:
         return name
 
     def delete_nodes(self, pool: str) -> None:
-        for node in self.core.list_node(label_selector=f"meshtrain.test/pool={pool}").items:
+        for node in self.core.list_node(label_selector=f"{POOL_LABEL}={pool}").items:
             self.core.delete_node(node.metadata.name)
 
     # Jobs
-    def apply(self, job: Job) -> dict[str, Any]:
+    def apply(self, job: JobBuilder) -> dict[str, Any]:
         body = job.manifest()
         return self.custom.create_namespaced_custom_object(
             GROUP, VERSION, body["metadata"]["namespace"], PLURAL, body

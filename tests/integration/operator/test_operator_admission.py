@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.integration.operator.cluster import Job, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -18,9 +19,9 @@ H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 H200 = {"nvidia.com/gpu.product": "NVIDIA-H200"}
 
 
-def _seven_b(name: str, namespace: str, pool: str) -> Job:
+def _seven_b(name: str, namespace: str, pool: str) -> JobBuilder:
     """7B parameters, dp1·pp1·tp1: every rank holds the whole model (16 bytes/parameter = 102 GiB of state)."""
-    return Job(name, namespace, pool).layout(data=1).gpus(1).set("model", preset="7b")
+    return JobBuilder(name, namespace, pool).layout(data=1).gpus(1).model(preset="7b")
 
 
 def test_seven_b_on_one_80gb_gpu_wont_fit_and_gets_no_pods(cluster, operator, namespace, pool):
@@ -69,7 +70,7 @@ def test_the_same_job_is_admitted_on_141gb_gpus_with_its_plan_in_the_status(
 
 def test_a_fitting_job_gets_status_plan(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8, labels=H100)
-    cluster.apply(Job("small", namespace, pool).layout(data=2, pipeline=2).gpus(2))
+    cluster.apply(JobBuilder("small", namespace, pool).layout(data=2, pipeline=2).gpus(2))
     cluster.wait_gang(namespace, "small", 2)
     plan = cluster.status(namespace, "small")["plan"]
     assert plan["profile"] == "h100-sxm" and plan["fits"] is True

@@ -24,8 +24,9 @@ import kubernetes
 import pytest
 
 from meshtrain import controlplane
+from tests.builders import JobBuilder
 from tests.integration.operator import invariants
-from tests.integration.operator.cluster import Cluster, Job, OperatorProcess
+from tests.integration.operator.cluster import Cluster, OperatorProcess
 
 pytestmark = pytest.mark.integration
 
@@ -120,14 +121,14 @@ class Kubelet:
         return lost
 
 
-def _jobs(rng: random.Random, namespace: str) -> list[Job]:
+def _jobs(rng: random.Random, namespace: str) -> list[JobBuilder]:
     """Mixed sizes: 1-8 GPUs per pod, 1-8 pods; about 1.2x the cluster's GPUs in all."""
     made = []
     for index in range(JOBS):
         per_node = rng.choice((1, 2, 4, 8))
         pods = rng.choice((1, 2, 2, 4, 4, 8))
         made.append(
-            Job(f"j{index:02d}", namespace, POOL)
+            JobBuilder(f"j{index:02d}", namespace, POOL)
             .layout(data=pods * per_node)
             .gpus(per_node)
             .run_policy(backoffLimit=20, startupTimeoutSeconds=600)
@@ -219,7 +220,7 @@ class Chaos:
         self.cluster.core.create_namespace(
             {"metadata": {"name": self.restricted, "labels": labels}}
         )
-        self.cluster.apply(Job("strict", self.restricted, POOL).layout(data=2).gpus(1))
+        self.cluster.apply(JobBuilder("strict", self.restricted, POOL).layout(data=2).gpus(1))
         self.faults.append(f"restricted namespace {self.restricted} with a job")
         return True
 

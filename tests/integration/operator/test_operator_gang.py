@@ -9,7 +9,8 @@ import time
 import kubernetes
 import pytest
 
-from tests.integration.operator.cluster import Job, OperatorProcess, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import OperatorProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +21,7 @@ def _env(pod) -> dict[str, str]:
 
 def test_apply_creates_service_configmap_and_pinned_gated_pods(cluster, operator, namespace, pool):
     nodes = sorted(cluster.add_node(pool, gpus=4) for _ in range(2))
-    cluster.apply(Job("llm", namespace, pool).layout(data=2, pipeline=2, tensor=2).gpus(4))
+    cluster.apply(JobBuilder("llm", namespace, pool).layout(data=2, pipeline=2, tensor=2).gpus(4))
     pods = cluster.wait_gang(namespace, "llm", 2)
     assert [p.metadata.name for p in pods] == ["llm-r0-0", "llm-r0-1"]
     planned = []
@@ -72,7 +73,7 @@ def test_gates_are_lifted_only_after_the_last_pod_exists(
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     time.sleep(0.5)
-    cluster.apply(Job("wide", namespace, pool).layout(data=32).gpus(2))
+    cluster.apply(JobBuilder("wide", namespace, pool).layout(data=32).gpus(2))
     cluster.wait_gang(namespace, "wide", 16)
     time.sleep(0.5)
     stop.set()
@@ -89,7 +90,7 @@ def test_job_larger_than_free_capacity_waits_then_places_when_nodes_arrive(
     cluster, operator, namespace, pool
 ):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("big", namespace, pool).layout(data=32).gpus(8))
+    cluster.apply(JobBuilder("big", namespace, pool).layout(data=32).gpus(8))
     placed = wait_for(
         "Placed=False",
         lambda: (
@@ -111,8 +112,8 @@ def test_required_fabric_level_that_cannot_hold_the_job_is_topology_unsatisfiabl
 ):
     for rack in ("r1", "r1", "r2", "r2"):
         cluster.add_node(pool, gpus=8, labels={"meshtrain.test/rack": f"{pool}-{rack}"})
-    job = Job("racked", namespace, pool).layout(data=24).gpus(8)
-    job.set("topology", levels=[{"label": "meshtrain.test/rack", "mode": "required"}])
+    job = JobBuilder("racked", namespace, pool).layout(data=24).gpus(8)
+    job.topology(levels=[{"label": "meshtrain.test/rack", "mode": "required"}])
     cluster.apply(job)
     placed = wait_for(
         "Placed=False", lambda: cluster.condition(namespace, "racked", "Placed").get("reason")
@@ -125,7 +126,7 @@ def test_competing_jobs_never_share_gpus(cluster, operator, namespace, pool):
     for _ in range(4):
         cluster.add_node(pool, gpus=8)
     for name in ("a", "b", "c"):  # 3 x 16 GPUs on 32: exactly two fit
-        cluster.apply(Job(name, namespace, pool).layout(data=16).gpus(4))
+        cluster.apply(JobBuilder(name, namespace, pool).layout(data=16).gpus(4))
     wait_for(
         "two gangs placed and one waiting",
         lambda: (
@@ -158,7 +159,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
 ):
     for _ in range(8):
         cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("crash", namespace, pool).layout(data=64).gpus(1))
+    cluster.apply(JobBuilder("crash", namespace, pool).layout(data=64).gpus(1))
     wait_for("first pods created", lambda: len(cluster.pods(namespace, "crash")) > 0, interval=0.01)
     operator.kill()
     partial = len(cluster.pods(namespace, "crash"))
@@ -195,7 +196,7 @@ def test_namespaced_operator_handles_only_its_namespaces(
     try:
         scoped.start()
         for ns in (namespace, other):
-            cluster.apply(Job("scoped", ns, pool).layout(data=2).gpus(1))
+            cluster.apply(JobBuilder("scoped", ns, pool).layout(data=2).gpus(1))
         cluster.wait_gang(namespace, "scoped", 2)
         time.sleep(2)
         assert cluster.pods(other, "scoped") == [] and cluster.status(other, "scoped") == {}

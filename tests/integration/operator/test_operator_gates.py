@@ -15,7 +15,8 @@ import pytest
 
 from meshtrain import controlplane
 from meshtrain.operator import conditions, failure, informer, kube, naming, reconciler
-from tests.integration.operator.cluster import Cluster, Job, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,7 @@ def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
 def test_a_planned_node_tainted_before_the_gates_lift_gets_the_gang_placed_again(private):
     pool = "replace"
     first = private.add_node(pool, gpus=4, name="replace-a")
-    private.apply(Job("moved", "gates", pool).layout(data=4).gpus(4))
+    private.apply(JobBuilder("moved", "gates", pool).layout(data=4).gpus(4))
     _pass(private, "moved")  # plans onto the only node and creates the gated pod
     [pod] = private.pods("gates", "moved")
     assert (
@@ -113,8 +114,8 @@ def test_a_planned_node_tainted_before_the_gates_lift_gets_the_gang_placed_again
 
 def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_message_at_once(private):
     private.add_node("claim", gpus=2, name="claim-a")
-    job = Job("noclaim", "gates", "claim").layout(data=2).gpus(2)
-    private.apply(job.set("checkpoint", claimName="missing-claim"))
+    job = JobBuilder("noclaim", "gates", "claim").layout(data=2).gpus(2)
+    private.apply(job.checkpoint(claimName="missing-claim"))
     _pass(private, "noclaim", passes=2)  # placed, then the gate lifted: the scheduler tries it
 
     def reported() -> dict | None:

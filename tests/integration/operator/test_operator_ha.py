@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from tests.integration.operator.cluster import Cluster, Job, OperatorProcess, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.invariants import Invariants
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,7 @@ def test_standby_takes_over_mid_placement_and_restarts_count_once(
     second.start()
     invariants = Invariants(cluster.core).start()
     try:
-        cluster.apply(Job("ha", namespace, pool).layout(data=64).gpus(1))
+        cluster.apply(JobBuilder("ha", namespace, pool).layout(data=64).gpus(1))
         wait_for("the leader creates pods", lambda: cluster.pods(namespace, "ha"), interval=0.01)
         first.kill()  # mid-placement: the gang is partly created, its gates still on
         created = len(cluster.pods(namespace, "ha"))
@@ -109,7 +110,7 @@ def test_a_crash_restarted_leader_resumes_at_once(cluster, namespace, pool, tmp_
         leader.kill()
         restarted = time.monotonic()
         leader.start()
-        cluster.apply(Job("again", namespace, pool).layout(data=2).gpus(1))
+        cluster.apply(JobBuilder("again", namespace, pool).layout(data=2).gpus(1))
         cluster.wait_gang(namespace, "again", 2, timeout=40)
         assert time.monotonic() - restarted < 40  # the dead leader's Lease had 60 s left
     finally:

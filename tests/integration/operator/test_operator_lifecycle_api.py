@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from meshtrain.controlplane.ports import pick_free_port
-from tests.integration.operator.cluster import Job, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,9 @@ def _fail_pod(cluster, namespace, job, index=0, exit_code=1, attempt=0):
 
 def test_pod_failure_restarts_the_gang_until_the_backoff_limit(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("flaky", namespace, pool).layout(data=4).gpus(2).run_policy(backoffLimit=1))
+    cluster.apply(
+        JobBuilder("flaky", namespace, pool).layout(data=4).gpus(2).run_policy(backoffLimit=1)
+    )
     cluster.wait_gang(namespace, "flaky", 2)
     # step 1: a retryable failure (killed by SIGKILL) -> new gang, restarts 1
     _fail_pod(cluster, namespace, "flaky", index=1, exit_code=137)
@@ -45,7 +48,7 @@ def test_pod_failure_restarts_the_gang_until_the_backoff_limit(cluster, operator
 
 def test_exit_code_2_fails_at_once(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("badconf", namespace, pool).layout(data=2).gpus(1))
+    cluster.apply(JobBuilder("badconf", namespace, pool).layout(data=2).gpus(1))
     cluster.wait_gang(namespace, "badconf", 2)
     _fail_pod(cluster, namespace, "badconf", exit_code=2)
     status = cluster.wait_phase(namespace, "badconf", "Failed")
@@ -58,7 +61,7 @@ def test_invalid_spec_that_only_python_can_judge_fails_with_an_event(
 ):
     cluster.add_node(pool, gpus=8)
     # preset tiny has 4 heads: tensor=8 passes every CEL rule but not the Python one
-    cluster.apply(Job("presetbad", namespace, pool).layout(tensor=8).gpus(8))
+    cluster.apply(JobBuilder("presetbad", namespace, pool).layout(tensor=8).gpus(8))
     cluster.wait_phase(namespace, "presetbad", "Failed")
     failed = cluster.condition(namespace, "presetbad", "Failed")
     assert failed["reason"] == "InvalidSpec" and "heads=" in failed["message"]
@@ -78,7 +81,7 @@ def test_suspend_removes_pods_keeps_status_and_resume_places_again(
     cluster, operator, namespace, pool
 ):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("pausable", namespace, pool).layout(data=2).gpus(1))
+    cluster.apply(JobBuilder("pausable", namespace, pool).layout(data=2).gpus(1))
     cluster.wait_gang(namespace, "pausable", 2)
     cluster.patch_job(namespace, "pausable", {"runPolicy": {"suspend": True}})
     status = cluster.wait_phase(namespace, "pausable", "Suspended")
@@ -91,7 +94,7 @@ def test_suspend_removes_pods_keeps_status_and_resume_places_again(
 
 def test_spec_change_rebuilds_the_gang_from_the_new_spec(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("reshape", namespace, pool).layout(data=2).gpus(1))
+    cluster.apply(JobBuilder("reshape", namespace, pool).layout(data=2).gpus(1))
     old_uids = {p.metadata.uid for p in cluster.wait_gang(namespace, "reshape", 2)}
     old_hash = cluster.status(namespace, "reshape")["specHash"]
     cluster.patch_job(namespace, "reshape", {"parallelism": {"data": 4}})
@@ -122,7 +125,7 @@ def test_spec_change_rebuilds_the_gang_from_the_new_spec(cluster, operator, name
 
 def test_delete_removes_every_child(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("gone", namespace, pool).layout(data=4).gpus(2))
+    cluster.apply(JobBuilder("gone", namespace, pool).layout(data=4).gpus(2))
     cluster.wait_gang(namespace, "gone", 2)
     cluster.delete_job(namespace, "gone")
     wait_for("job deleted", lambda: cluster.job(namespace, "gone") is None)
@@ -141,7 +144,10 @@ def test_delete_removes_every_child(cluster, operator, namespace, pool):
 def test_success_then_ttl_cleanup(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
     cluster.apply(
-        Job("short", namespace, pool).layout(data=2).gpus(1).run_policy(ttlSecondsAfterFinished=2)
+        JobBuilder("short", namespace, pool)
+        .layout(data=2)
+        .gpus(1)
+        .run_policy(ttlSecondsAfterFinished=2)
     )
     pods = cluster.wait_gang(namespace, "short", 2)
     for pod in pods:
@@ -181,7 +187,7 @@ def test_progress_of_rank_zero_reaches_the_status(cluster, operator, namespace, 
     try:
         cluster.add_node(pool, gpus=8)
         cluster.apply(
-            Job("talks", namespace, pool).layout(data=2).gpus(1).set("metrics", port=port)
+            JobBuilder("talks", namespace, pool).layout(data=2).gpus(1).metrics(port=port)
         )
         for pod in cluster.wait_gang(namespace, "talks", 2):
             cluster.set_pod_phase(namespace, pod.metadata.name, "Running", ip="127.0.0.1")
@@ -207,7 +213,7 @@ def test_final_progress_from_rank_zero_termination_message_on_success(
     cluster, operator, namespace, pool
 ):
     cluster.add_node(pool, gpus=8)
-    cluster.apply(Job("ends", namespace, pool).layout(data=2).gpus(1).set("training", steps=40))
+    cluster.apply(JobBuilder("ends", namespace, pool).layout(data=2).gpus(1).training(steps=40))
     pods = cluster.wait_gang(namespace, "ends", 2)
     container = pods[0].spec.containers[0]
     assert container.termination_message_path == "/dev/termination-log"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.operator.cluster import Job
+from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def restricted(cluster) -> Iterator[str]:
 def test_pods_of_a_job_are_admitted_in_a_restricted_namespace(cluster, operator, restricted, pool):
     for _ in range(2):
         cluster.add_node(pool, gpus=2)
-    cluster.apply(Job("locked", restricted, pool).layout(data=4).gpus(2))
+    cluster.apply(JobBuilder("locked", restricted, pool).layout(data=4).gpus(2))
     pods = cluster.wait_gang(restricted, "locked", 2)
     for pod in pods:
         assert pod.spec.automount_service_account_token is False

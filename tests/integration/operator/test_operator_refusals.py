@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from meshtrain.operator import conditions
-from tests.integration.operator.cluster import Job, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +50,7 @@ def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
     cluster, operator, restricted, pool
 ):
     cluster.add_node(pool, gpus=2)
-    job = Job("rdma", restricted, pool).layout(data=2).gpus(2).set("pod", rdma=True)
+    job = JobBuilder("rdma", restricted, pool).layout(data=2).gpus(2).pod(rdma=True)
     cluster.apply(job)
     placed = _placed(cluster, restricted, "rdma", conditions.CREATE_REJECTED)
     assert placed["status"] == "False"
@@ -84,7 +85,7 @@ def test_a_service_of_the_same_name_owned_by_someone_else_is_a_name_conflict(
             "spec": {"ports": [{"port": 80}], "selector": {"app": "web"}},
         },
     )
-    cluster.apply(Job("web", namespace, pool))
+    cluster.apply(JobBuilder("web", namespace, pool))
     placed = _placed(cluster, namespace, "web", conditions.NAME_CONFLICT)
     assert f"Service {namespace}/web already exists" in placed["message"]
     assert "already exists" in _events(cluster, namespace, conditions.NAME_CONFLICT)[0].message
@@ -127,7 +128,7 @@ def test_pods_of_an_earlier_job_of_the_same_name_are_neither_adopted_nor_deleted
     cluster.core.delete_namespaced_pod(
         "again-r0-0", namespace
     )  # terminating: held by the finalizer
-    cluster.apply(Job("again", namespace, pool))
+    cluster.apply(JobBuilder("again", namespace, pool))
     placed = _placed(cluster, namespace, "again", conditions.NAME_CONFLICT)
     assert f"Pod {namespace}/again-r0-0 already exists" in placed["message"]
     held = cluster.core.read_namespaced_pod("again-r0-0", namespace)
