@@ -31,6 +31,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 import tqdm
@@ -82,7 +84,7 @@ def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> di
     return env
 
 
-def _stop(procs: list[subprocess.Popen], grace: float = KILL_GRACE_S) -> None:
+def _stop(procs: list[subprocess.Popen[bytes]], grace: float = KILL_GRACE_S) -> None:
     """Terminate every live process, then kill what is left after ``grace`` seconds."""
     for proc in procs:
         if proc.poll() is None:
@@ -100,7 +102,7 @@ class _Terminated(Exception):
     """The launcher itself got SIGTERM."""
 
 
-def _on_sigterm(signum: int, frame) -> None:  # noqa: ANN001
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
 
@@ -112,7 +114,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _summary(
-    job: spec_mod.TrainingJobSpec, records: list[dict], seconds: float, log_dir: Path
+    job: spec_mod.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
 ) -> str:
     rows = [
         ("layout", job.parallelism.layout_string),
@@ -185,7 +187,7 @@ def run_local(
     bar = tqdm.tqdm(
         total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr
     )
-    records: list[dict] = []
+    records: list[dict[str, Any]] = []
     tail = steplog.Tail(log_dir / steplog.FILENAME)
     code = 0
     # A terminated launcher (Ctrl-C, SIGTERM from CI or a pod) takes its ranks with it.

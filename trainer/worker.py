@@ -33,6 +33,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,7 @@ def use_cuda() -> bool:
 
 def step_record(
     result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec
-) -> dict:
+) -> dict[str, Any]:
     """The steps.jsonl record of one step."""
     par = job.parallelism
     record = {
