@@ -41,9 +41,6 @@ from meshtrain.api import rules, spec
 CRD_NAME = f"{spec.PLURAL}.{spec.API_GROUP}"
 """metadata.name of the CRD: plural.group."""
 
-MAX_NAME_LENGTH = 40
-"""Longest TrainingJob name: pod names ``<job>-r<restarts>-<index>`` are pod
-hostnames and must stay inside the 63-character DNS label limit."""
 
 _KEEP = (
     "type",
@@ -56,6 +53,7 @@ _KEEP = (
     "exclusiveMaximum",
     "minLength",
     "maxLength",
+    "maxProperties",
     "pattern",
     "minItems",
     "maxItems",
@@ -219,17 +217,18 @@ def build() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "meshtrain.io/v1alpha1."},
             "kind": {"type": "string", "description": "TrainingJob."},
-            "metadata": {"type": "object"},
+            # maxLength bounds the cost of the CEL name rules below (253: the API's own limit)
+            "metadata": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 253}},
+            },
             # No default: the model's all-default spec breaks a rule (1 rank, 8 GPUs per pod),
             # and the API server checks a default against the CEL rules as written.
             "spec": spec_schema(),
             "status": status_schema(),
         },
         "x-kubernetes-validations": [
-            {
-                "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-                "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (pod hostnames <name>-r<restarts>-<index> must fit a DNS label)",
-            }
+            {"rule": rule.cel, "message": rule.message} for rule in rules.NAME_RULES
         ],
     }
     columns = [

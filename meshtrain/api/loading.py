@@ -82,7 +82,15 @@ def parse_manifest(
             ],
             source,
         )
-    return document.get("metadata") or {}, parse_spec(document.get("spec"), source)
+    metadata = document.get("metadata") or {}
+    named = rules.check_name(str(metadata.get("name") or "")) if "name" in metadata else []
+    try:
+        spec = parse_spec(document.get("spec"), source)
+    except SpecError as err:
+        raise SpecError([*named, *err.problems], source) from None
+    if named:
+        raise SpecError(named, source)
+    return metadata, spec
 
 
 def load_manifest(path: str | Path) -> tuple[dict[str, Any], api_spec.TrainingJobSpec]:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 
 import pydantic
+from pydantic.alias_generators import to_snake
 
 from meshtrain.api.spec import TrainingJobSpec
 
@@ -432,6 +433,113 @@ RULES: tuple[Rule, ...] = (
         _labels_not_reserved,
     ),
 )
+
+
+QUANTITY = re.compile(r"[+-]?\d*(\.\d*)?(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?")
+"""apimachinery's quantity grammar as its parser applies it: a sign, digits and a fraction (each
+may be empty: "Gi" and "." parse as zero), then a binary-SI, decimal-SI or exponent suffix."""
+
+
+def is_quantity(value: str) -> bool:
+    """What CEL's ``isQuantity`` (``resource.ParseQuantity``) accepts."""
+    return value != "" and QUANTITY.fullmatch(value) is not None
+
+
+def _quantity_rule(field: str, optional: bool) -> Rule:
+    attribute = f"self.resources.{field}"
+    cel = f"isQuantity({attribute})"
+    path = f"spec.resources.{field}"
+    message = (
+        f"resources.{field} must be a Kubernetes quantity such as 16Gi, 500m or 2 "
+        "(a number with an optional suffix Ki Mi Gi Ti Pi Ei, m k M G T P E, or e<exponent>)"
+    )
+
+    def check(spec: TrainingJobSpec) -> str | None:
+        value = getattr(spec.resources, to_snake(field))
+        if value is None or is_quantity(value):
+            return None
+        return f"{message}; got {value!r}"
+
+    return Rule(
+        f"{field}-is-quantity",
+        path,
+        f"!has({attribute}) || {cel}" if optional else cel,
+        message,
+        check,
+    )
+
+
+def _extra_resources_are_quantities(spec: TrainingJobSpec) -> str | None:
+    bad = {k: v for k, v in spec.resources.extra_resources.items() if not is_quantity(v)}
+    if bad:
+        return f"{EXTRA_RESOURCES_MESSAGE}; got {bad}"
+    return None
+
+
+EXTRA_RESOURCES_MESSAGE = (
+    "every resources.extraResources value must be a Kubernetes quantity such as 1 or 8"
+)
+
+QUANTITY_RULES: tuple[Rule, ...] = (
+    _quantity_rule("cpu", optional=True),
+    _quantity_rule("memory", optional=True),
+    _quantity_rule("shmSize", optional=False),
+    Rule(
+        "extra-resources-are-quantities",
+        "spec.resources.extraResources",
+        "self.resources.extraResources.all(k, isQuantity(self.resources.extraResources[k]))",
+        EXTRA_RESOURCES_MESSAGE,
+        _extra_resources_are_quantities,
+    ),
+)
+"""Quantities the pods carry: malformed, they would make the API server refuse every pod."""
+
+RULES = RULES + QUANTITY_RULES
+
+MAX_NAME_LENGTH = 40
+"""Longest TrainingJob name: pod names ``<job>-r<restarts>-<index>`` are pod hostnames and must
+stay inside the 63-character DNS label limit."""
+DNS_1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+"""A Service name (the job's headless Service is named like the job): a DNS-1035 label."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NameRule:
+    """A rule on metadata.name, judged by CEL at the root of the object and by Python."""
+
+    name: str
+    cel: str
+    message: str
+    check: Callable[[str], bool]
+    """True when the name keeps the rule."""
+
+
+NAME_RULES: tuple[NameRule, ...] = (
+    NameRule(
+        "name-length",
+        f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+        f"metadata.name must be at most {MAX_NAME_LENGTH} characters (pod hostnames "
+        "<name>-r<restarts>-<index> must fit a DNS label)",
+        lambda name: len(name) <= MAX_NAME_LENGTH,
+    ),
+    NameRule(
+        "name-dns-1035-label",
+        f"self.metadata.name.matches('{DNS_1035_LABEL}')",
+        "metadata.name must be a DNS-1035 label: lower-case letters, digits and '-', starting "
+        "with a letter and ending with a letter or digit (it names the job's headless Service); "
+        "e.g. llama-7b-run2, not llama.7b or 7b-run",
+        lambda name: re.fullmatch(DNS_1035_LABEL.strip("^$"), name) is not None,
+    ),
+)
+
+
+def check_name(name: str) -> list[Problem]:
+    """Every rule ``metadata.name`` breaks, each with the message the API server gives."""
+    return [
+        Problem(path="metadata.name", message=f"{rule.message}; got {name!r}")
+        for rule in NAME_RULES
+        if not rule.check(name)
+    ]
 
 
 def check(spec: TrainingJobSpec) -> list[Problem]:

@@ -232,6 +232,10 @@ class TrainerProgram(_Model):
     )
 
 
+QUANTITY_MAX_LENGTH = 32
+"""Longest quantity string (bounds the cost of the CEL isQuantity rules)."""
+
+
 class Resources(_Model):
     """What each pod (one per node slot) asks of its node."""
 
@@ -250,20 +254,24 @@ class Resources(_Model):
         default_factory=list,
         description="Tolerations added to every pod (e.g. for GPU node taints).",
     )
-    extra_resources: dict[str, str] = Field(
+    extra_resources: dict[str, Annotated[str, Field(max_length=QUANTITY_MAX_LENGTH)]] = Field(
         default_factory=dict,
+        max_length=16,
         description="More extended resources per pod, e.g. {rdma/ib: '1'} for InfiniBand devices.",
     )
     cpu: str | None = Field(
         None,
+        max_length=QUANTITY_MAX_LENGTH,
         description="CPU request and limit per pod (Kubernetes quantity); empty leaves it unset.",
     )
     memory: str | None = Field(
         None,
+        max_length=QUANTITY_MAX_LENGTH,
         description="Memory request and limit per pod (Kubernetes quantity); empty leaves it unset.",
     )
     shm_size: str = Field(
         "16Gi",
+        max_length=QUANTITY_MAX_LENGTH,
         description="Size of the in-memory /dev/shm volume (NCCL and data loader workers need more than the default 64Mi).",
     )
 
