@@ -8,8 +8,11 @@ What it is not: it does not count restarts or act (see ``lifecycle``).
 
 Classification:
 
-* exit code 2 — the trainer refused its configuration (bad spec, missing
-  dataset): permanent;
+* exit code 2, 3, 4 — the trainer refused its configuration, its dataset or
+  its checkpoint: permanent.  Under torchrun the container exits 1 for any
+  failed worker, so the rank's own code comes from its termination message
+  (``{"exitCode": N, "message": ...}``, :mod:`meshtrain.api.exitcodes`),
+  which also gives the trainer's message;
 * exit codes 126/127 — the command is not executable / not found in the image:
   permanent;
 * exit code 128+N — killed by signal N (OOM killer, preemption): retryable;
@@ -27,11 +30,7 @@ from typing import Any
 from meshtrain.api import exitcodes
 from meshtrain.operator import conditions, identity, naming
 
-PERMANENT_EXIT_CODES: dict[int, str] = {
-    exitcodes.SPEC: "the trainer rejected its configuration",
-    126: "the container command is not executable",
-    127: "the container command was not found in the image",
-}
+PERMANENT_EXIT_CODES = exitcodes.PERMANENT
 """Exit codes after which restarting the gang cannot help."""
 
 
@@ -67,6 +66,8 @@ class PodState:
     """spec.nodeName is set: the scheduler bound it."""
     unschedulable_message: str | None = None
     """The scheduler's message while its PodScheduled condition is False/Unschedulable."""
+    reported: tuple[int, str] | None = None
+    """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
     termination_message: str | None = None
     """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
 
@@ -137,6 +138,7 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
         disrupted=disrupted,
         bound=bool((pod.get("spec") or {}).get("nodeName")),
         unschedulable_message=unschedulable,
+        reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
     )
 
@@ -145,6 +147,14 @@ def classify(pod: PodState) -> Failure | None:
     """The failure of ``pod``, or None while it is healthy (pending, running or succeeded)."""
     if pod.phase == "Failed":
         code = pod.exit_code
+        if pod.reported is not None and pod.reported[0] in PERMANENT_EXIT_CODES:
+            rank_code, said = pod.reported
+            return Failure(
+                pod.name,
+                True,
+                f"pod {pod.name}: a rank exited with code {rank_code} "
+                f"({PERMANENT_EXIT_CODES[rank_code]}): {said}",
+            )
         if code in PERMANENT_EXIT_CODES:
             return Failure(
                 pod.name,

@@ -22,7 +22,10 @@ Each published checkpoint (and the one loaded) becomes
 
 Final progress: when the run succeeds, global rank 0 writes its ``/progress``
 document to ``$MESHTRAIN_TERMINATION_LOG`` if that is set (the operator sets
-``/dev/termination-log``; :mod:`.telemetry.progress`).
+``/dev/termination-log``; :mod:`.telemetry.progress`).  A rank that exits
+with code 2, 3 or 4 writes ``{"exitCode": N, "message": ...}`` there instead:
+torchrun exits 1 for any failed worker, and this report is how the code's
+class reaches the operator.
 
 What it is not: a launcher; it never starts other processes.
 """
@@ -131,11 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         job = load_spec(args.spec, args.overrides, args.steps)
         data.check_dataset(job.training, vocab=job.model.shape().vocab)
     except loading.SpecError as err:
-        print(err, file=sys.stderr)
-        return exitcodes.SPEC
+        return _refuse(exitcodes.SPEC, err)
     except data.DatasetError as err:
-        print(err, file=sys.stderr)
-        return exitcodes.DATA
+        return _refuse(exitcodes.DATA, err)
     stop = (
         stopping.StopRequest().install()
     )  # before the slow start: a signal during it still stops cleanly
@@ -151,14 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer = engine.Engine(job, mesh, recorder=recorder)
         recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
     except data.DatasetError as err:
-        print(err, file=sys.stderr)
-        return exitcodes.DATA
+        return _refuse(exitcodes.DATA, err)
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
     try:
         restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
     except store.CheckpointError as err:
-        print(err, file=sys.stderr)
-        return exitcodes.CHECKPOINT
+        return _refuse(exitcodes.CHECKPOINT, err)
     if restored is not None:
         recorder.checkpoint_saved(restored)
     if rank == 0:
@@ -185,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         progress.write_termination_log(recorder.progress.document())
     dist.destroy_process_group()
     return 0
+
+
+def _refuse(code: int, err: Exception) -> int:
+    """Exit with a permanent ``code``: the message on stderr and, for the operator, in the termination log."""
+    print(err, file=sys.stderr)
+    progress.write_failure(code, str(err))
+    return code
 
 
 def _stop_after(

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshtrain.api import exitcodes
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, stepstats
 
@@ -94,6 +95,19 @@ def write_termination_log(document: Mapping[str, Any]) -> Path | None:
     Unset variable: nothing is written.  A write error is logged as a
     warning and swallowed: the run itself succeeded.
     """
+    return _write_termination_log(json.dumps({key: document.get(key) for key in FIELDS}) + "\n")
+
+
+def write_failure(code: int, message: str) -> Path | None:
+    """Leave the exit code and message of a failed rank in ``$MESHTRAIN_TERMINATION_LOG``.
+
+    The pod's exit code is torchrun's (1 for any failed worker); this report
+    keeps the trainer's own code class (:mod:`meshtrain.api.exitcodes`).
+    """
+    return _write_termination_log(exitcodes.failure_report(code, message))
+
+
+def _write_termination_log(text: str) -> Path | None:
     target = os.environ.get(TERMINATION_LOG_ENV)
     if not target:
         return None
@@ -101,10 +115,8 @@ def write_termination_log(document: Mapping[str, Any]) -> Path | None:
     try:
         # A plain write, not write-and-rename: /dev/termination-log is a bind-mounted file.
         with path.open("w", encoding="utf-8") as out:
-            out.write(json.dumps({key: document.get(key) for key in FIELDS}) + "\n")
+            out.write(text)
     except OSError as err:
-        log.warning(
-            "could not write the final progress to %s=%s: %s", TERMINATION_LOG_ENV, target, err
-        )
+        log.warning("could not write %s=%s: %s", TERMINATION_LOG_ENV, target, err)
         return None
     return path
