@@ -18,6 +18,9 @@ from typing import Any
 from meshtrain import placement
 from meshtrain.operator import feasibility, identity, naming
 
+NOTHING = feasibility.Usage()
+"""Usage of a node no pod holds resources on."""
+
 
 def pod_gpus(pod: dict[str, Any], gpu_resource: str) -> int:
     """GPUs a pod requests (limits count where requests are absent, as for extended resources)."""
@@ -89,24 +92,10 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     )
 
 
-def pods_by_node(
-    pods: Iterable[dict[str, Any]], *, skip_owner: str | None = None
-) -> dict[str, list[dict[str, Any]]]:
-    """Live pods per node they are bound or pinned to; pods owned by UID ``skip_owner`` are left out."""
-    found: dict[str, list[dict[str, Any]]] = {}
-    for pod in pods:
-        if not feasibility.holds_resources(pod) or (skip_owner and owned_by(pod, skip_owner)):
-            continue
-        node = identity.planned_node(pod)
-        if node:
-            found.setdefault(node, []).append(pod)
-    return found
-
-
 def offered_nodes(
     demand: feasibility.Demand,
     nodes: Iterable[dict[str, Any]],
-    occupants: Mapping[str, list[dict[str, Any]]],
+    used: Mapping[str, feasibility.Usage],
     *,
     gpus_per_pod: int,
     pods_wanted: int,
@@ -119,10 +108,10 @@ def offered_nodes(
     """
     offered, refused = [], []
     for node in nodes:
-        used = feasibility.usage(occupants.get((node.get("metadata") or {}).get("name", ""), []))
-        slots = feasibility.slots(demand, node, used, pods_wanted)
+        taken = used.get((node.get("metadata") or {}).get("name", ""), NOTHING)
+        slots = feasibility.slots(demand, node, taken, pods_wanted)
         if slots == 0:
-            refused.append(feasibility.verdict(demand, node, used) or "no room")
+            refused.append(feasibility.verdict(demand, node, taken) or "no room")
             continue
         metadata = node.get("metadata") or {}
         offered.append(
@@ -139,7 +128,7 @@ def infeasible_nodes(
     demand: feasibility.Demand,
     planned: Mapping[str, int],
     nodes: Iterable[dict[str, Any]],
-    occupants: Mapping[str, list[dict[str, Any]]],
+    used: Mapping[str, feasibility.Usage],
 ) -> dict[str, str]:
     """Planned nodes (name -> pods of the gang there) that can no longer take those pods, with why."""
     by_name = {(n.get("metadata") or {}).get("name"): n for n in nodes}
@@ -149,9 +138,8 @@ def infeasible_nodes(
         if node is None:
             problems[name] = "node deleted"
             continue
-        used = feasibility.usage(occupants.get(name, []))
         reason = feasibility.refusal(demand, node) or feasibility.shortage(
-            demand, node, used, count
+            demand, node, used.get(name, NOTHING), count
         )
         if reason:
             problems[name] = reason

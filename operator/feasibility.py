@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -219,7 +220,13 @@ def refusal(demand: Demand, node: Mapping[str, Any]) -> str | None:
 def allocatable(node: Mapping[str, Any]) -> dict[str, int]:
     """``status.allocatable`` in the units of :func:`_amount`."""
     amounts = (node.get("status") or {}).get("allocatable") or {}
-    return {name: _amount(name, value) for name, value in amounts.items()}
+    return dict(_parsed(tuple((str(k), str(v)) for k, v in amounts.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(amounts: tuple[tuple[str, str], ...]) -> tuple[tuple[str, int], ...]:
+    """Parsing quantities is slow and most nodes of a cluster offer the same: parse each set once."""
+    return tuple((name, _amount(name, value)) for name, value in amounts)
 
 
 def shortage(demand: Demand, node: Mapping[str, Any], used: Usage, count: int = 1) -> str | None:
@@ -241,13 +248,20 @@ def verdict(demand: Demand, node: Mapping[str, Any], used: Usage) -> str | None:
 
 
 def slots(demand: Demand, node: Mapping[str, Any], used: Usage, most: int) -> int:
-    """How many pods of ``demand`` fit on ``node`` together (at most ``most``)."""
+    """How many pods of ``demand`` fit on ``node`` together (at most ``most``).
+
+    The largest count :func:`shortage` accepts, computed per resource rather than
+    by trying each count: a placement asks this of every node of the cluster.
+    """
     if refusal(demand, node) is not None:
         return 0
-    count = 0
-    while count < most and shortage(demand, node, used, count + 1) is None:
-        count += 1
-    return count
+    offered = allocatable(node)
+    room = min(most, offered.get(PODS, 0) - used.pods)
+    for resource, amount in demand.requests.items():
+        if amount > 0:
+            free = offered.get(resource, 0) - used.requested.get(resource, 0)
+            room = min(room, free // amount)
+    return max(room, 0)
 
 
 def summary(reasons: Iterable[str], nodes: int) -> str:

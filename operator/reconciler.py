@@ -242,7 +242,6 @@ class Reconciler:
         """Planned nodes that, read fresh, can no longer take their pods of the gang (name -> why)."""
         assert job.spec is not None
         ref = job.ref
-        live = self.cache.live_pods()
         gang = [
             p
             for p in self.cache.job_pods(ref.namespace, ref.name)
@@ -256,7 +255,7 @@ class Reconciler:
             demand,
             planned,
             self.cache.nodes.values(),
-            capacity.pods_by_node(live, skip_owner=ref.uid),
+            self.cache.usage(without=self._owned_pods(ref)),
         )
 
     async def _replace(
@@ -360,9 +359,7 @@ class Reconciler:
             now = _now()
             if action.missing is not None:
                 wanted = lifecycle.missing_per_node(job, action.missing)
-                blocked = capacity.infeasible_nodes(
-                    demand, wanted, raw_nodes, capacity.pods_by_node(live)
-                )
+                blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
                 recovery = lifecycle.recover_missing(job, action.missing, blocked, now)
                 if isinstance(recovery, lifecycle.Recreate):
                     pods = [
@@ -400,7 +397,7 @@ class Reconciler:
             offered, refusals = capacity.offered_nodes(
                 demand,
                 raw_nodes,
-                capacity.pods_by_node(live, skip_owner=ref.uid),
+                self.cache.usage(without=self._owned_pods(ref)),
                 gpus_per_pod=spec.resources.gpus_per_node,
                 pods_wanted=spec.pods,
             )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
-from meshtrain.operator import informer
+from meshtrain.operator import feasibility, informer
 
 
 def _pod(name: str, version: int, job: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -91,3 +92,36 @@ def test_the_cache_learns_deletes_of_unbound_pods_as_gone_and_graceful_ones_as_t
     assert pods[0]["metadata"]["deletionTimestamp"] == "t"
     cache.learn("create", {"kind": "Event", "metadata": {"name": "e", "resourceVersion": "5"}})
     assert len(cache.pods) == 1
+
+
+def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
+    """Incremental per-node usage against feasibility.usage over what the store holds."""
+    rng = random.Random(7)
+    cache = informer.Cache()
+    version = 0
+    for _ in range(600):
+        version += 1
+        name = f"p{rng.randrange(40)}"
+        if rng.random() < 0.25:
+            cache.pods.remove(_pod(name, version))
+            continue
+        pod = _pod(name, version, rng.choice([None, "j"]))
+        pod["spec"] = {
+            "nodeName": rng.choice(["a", "b", None]),
+            "containers": [{"resources": {"requests": {"cpu": f"{rng.randrange(1, 9)}00m"}}}],
+        }
+        if pod["spec"]["nodeName"] is None:
+            pod["metadata"]["annotations"] = {"meshtrain.io/planned-node": "c"}
+        pod["status"] = {"phase": rng.choice(["Pending", "Running", "Succeeded"])}
+        cache.pods.upsert(pod)
+    skipped = cache.job_pods("ns", "j")
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for pod in cache.pods.values():
+        if pod not in skipped:
+            node = pod["spec"].get("nodeName") or "c"
+            by_node.setdefault(node, []).append(pod)
+    expected = {node: feasibility.usage(pods) for node, pods in by_node.items()}
+    found = cache.usage(without=skipped)
+    assert {n: u for n, u in found.items() if u.pods} == {
+        n: u for n, u in expected.items() if u.pods
+    }
