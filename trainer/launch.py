@@ -132,6 +132,7 @@ def _summary(
             ("mean step time", f"{sum(r['step_seconds'] for r in steady) / len(steady):.3f} s"),
         ]
     rows.append(("step log", str(log_dir / steplog.FILENAME)))
+    rows.append(("pictures", f"meshtrain report {log_dir} -o report.html"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

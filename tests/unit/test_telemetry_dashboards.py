@@ -284,3 +284,10 @@ def test_promtool_checks_and_unit_tests_the_rules():
     for args in (["check", "rules", "rules.yaml"], ["test", "rules", "rules_test.yaml"]):
         done = subprocess.run([promtool, *args], cwd=DASHBOARDS, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_exported_metric_is_documented():
+    documented = (REPO / "docs" / "telemetry.md").read_text()
+    families = {HISTOGRAM_SUFFIX.sub("", n) for n in exported_names() | operator_names()}
+    missing = sorted(f for f in families if f"`{f}" not in documented)
+    assert not missing, f"not in docs/telemetry.md: {missing}"
