@@ -107,7 +107,10 @@ def _job(name: str, namespace: str, pods: int, suspend: bool = False) -> dict[st
     }
 
 
-def _start_operator(kubeconfig: str, log: pathlib.Path) -> tuple[subprocess.Popen[bytes], int]:
+def _start_operator(
+    kubeconfig: str, log: pathlib.Path, *extra: str, metrics_port: int | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """``meshtrain operator`` with ``extra`` flags; returns it once its liveness endpoint answers."""
     health = pick_free_port()
     command = [
         sys.executable,
@@ -120,9 +123,10 @@ def _start_operator(kubeconfig: str, log: pathlib.Path) -> tuple[subprocess.Pope
         "--liveness",
         f"http://127.0.0.1:{health}/healthz",
         "--metrics-port",
-        str(pick_free_port()),
+        str(metrics_port or pick_free_port()),
         "--resync-seconds",
         "30",
+        *extra,
     ]
     process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=REPO)
 

@@ -31,7 +31,6 @@ import pathlib
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,6 @@ from meshtrain.controlplane.ports import pick_free_port
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import bench_operator, machine  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 GPUS_PER_NODE = 8
 IN_FLIGHT = 64
 """Concurrent create requests while filling the cluster."""
@@ -178,28 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filled: {results['fill']}", flush=True)
         metrics_port = pick_free_port()
         started = time.perf_counter()
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "meshtrain.cli",
-                "operator",
-                "--all-namespaces",
-                "--kubeconfig",
-                kubeconfig,
-                "--liveness",
-                f"http://127.0.0.1:{pick_free_port()}/healthz",
-                "--metrics-port",
-                str(metrics_port),
-                "--resync-seconds",
-                "300",
-                "--standalone",
-                "--log-format",
-                "text",
-            ],
-            stdout=log.open("ab"),
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
+        process, _ = bench_operator._start_operator(
+            kubeconfig,
+            log,
+            "--standalone",
+            "--log-format",
+            "text",
+            "--resync-seconds",
+            "300",
+            metrics_port=metrics_port,
         )
         try:
             _wait_log(log, "cache of pods filled", 900)

@@ -280,27 +280,6 @@ class Client:
             "create", resource, call, manifest["metadata"]["namespace"], manifest, ok=(409,)
         )
 
-    async def create_or_patch(self, *, manifest: Body) -> None:
-        """Create a Service or ConfigMap, or merge ``manifest`` into the existing one (a rebuilt gang's new spec)."""
-        if await self.create(manifest=manifest) is not None:
-            return
-        resource, _ = self._collection(manifest)
-        patch = (
-            self._core.patch_namespaced_service
-            if resource == "services"
-            else self._core.patch_namespaced_config_map
-        )
-        metadata = manifest["metadata"]
-        await self._request(
-            "patch",
-            resource,
-            patch,
-            metadata["name"],
-            metadata["namespace"],
-            manifest,
-            _content_type="application/merge-patch+json",
-        )
-
     async def create_many(self, *, manifests: list[Body]) -> None:
         """Create objects concurrently (bounded); existing ones are left as they are."""
         await asyncio.gather(*(self.create(manifest=m) for m in manifests))

@@ -7,6 +7,7 @@ status (there is no kubelet); pod state changes are status patches too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,12 +15,14 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes
 
+from meshtrain import controlplane
 from meshtrain.api import crd
+from meshtrain.controlplane import binaries
 from meshtrain.controlplane.ports import pick_free_port
 from tests.builders import POOL_LABEL, JobBuilder
 
@@ -43,6 +46,19 @@ def wait_for(
 
 class Cluster:
     """Typed access to the control plane for tests (kubernetes client, admin credentials)."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def private(cls, found: binaries.Binaries) -> Iterator[Cluster]:
+        """A control plane of the caller's own (apiserver, etcd, scheduler), CRDs installed."""
+        with controlplane.ControlPlane(binaries=found, with_scheduler=True) as plane:
+            api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+            try:
+                cluster = cls(api, str(plane.kubeconfig_path), str(found.kubectl))
+                cluster.install_crds()
+                yield cluster
+            finally:
+                api.close()
 
     def __init__(self, api: kubernetes.client.ApiClient, kubeconfig: str, kubectl: str) -> None:
         self.core = kubernetes.client.CoreV1Api(api)

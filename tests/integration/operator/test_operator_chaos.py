@@ -23,7 +23,6 @@ from typing import Any
 import kubernetes
 import pytest
 
-from meshtrain import controlplane
 from tests.builders import JobBuilder
 from tests.integration.operator import invariants
 from tests.integration.operator.cluster import Cluster, OperatorProcess
@@ -43,12 +42,8 @@ WAITING_REASONS = ("InsufficientGPUs", "TopologyUnsatisfiable")
 
 @pytest.fixture(scope="module")
 def plane(control_plane_binaries) -> Iterator[Cluster]:
-    with controlplane.ControlPlane(binaries=control_plane_binaries, with_scheduler=True) as cp:
-        api = kubernetes.config.new_client_from_config(config_file=str(cp.kubeconfig_path))
-        found = Cluster(api, str(cp.kubeconfig_path), str(control_plane_binaries.kubectl))
-        found.install_crds()
+    with Cluster.private(control_plane_binaries) as found:
         yield found
-        api.close()
 
 
 class Kubelet:

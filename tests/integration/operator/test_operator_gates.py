@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import kubernetes
 import pytest
 
-from meshtrain import controlplane
 from meshtrain.operator import conditions, failure, informer, kube, naming, reconciler
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, wait_for
@@ -25,13 +23,9 @@ OTHER_GATE = "kueue.x-k8s.io/admission"
 
 @pytest.fixture(scope="module")
 def private(control_plane_binaries) -> Iterator[Cluster]:
-    with controlplane.ControlPlane(binaries=control_plane_binaries, with_scheduler=True) as plane:
-        api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
-        found = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
-        found.install_crds()
+    with Cluster.private(control_plane_binaries) as found:
         found.core.create_namespace({"metadata": {"name": "gates"}})
         yield found
-        api.close()
 
 
 def _pass(cluster: Cluster, name: str, passes: int = 1) -> None:
