@@ -30,6 +30,9 @@ WONT_FIT = admission.REASON_WONT_FIT
 also the reason of the conditions it sets."""
 PODS_SCHEDULED = "PodsScheduled"
 """False with the scheduler's message while a pod of the gang is Unschedulable; True once all are bound."""
+QUEUED = "Queued"
+"""True while Kueue has not admitted the job (its workload waits for quota, or was evicted); the
+reason and message are Kueue's."""
 
 # Reasons (a placement's Unschedulable reasons are meshtrain.placement's constants).
 GANG_PLACED = "GangPlaced"
@@ -54,6 +57,8 @@ SPEC_CHANGED = "SpecChanged"
 NODES_CHANGED = "PlannedNodesChanged"
 """A planned node could no longer take its pods before the gates were lifted: the gang is placed again."""
 COMPLETED = "Completed"
+ADMITTED = "Admitted"
+"""Reason of Queued=False: Kueue admitted the job's workload."""
 
 TRUE, FALSE = "True", "False"
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import informer, kube, leadership, naming, reconciler
+from meshtrain.operator import informer, kube, leadership, naming, queueing, reconciler
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
 ERROR_BACKOFF_SECONDS = 2.0
@@ -153,6 +154,19 @@ async def run_job(
 async def job_event(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Spec or status changes wake the job's daemon (e.g. suspend toggled)."""
     memo.wakeups.poke((namespace, name))
+
+
+@kopf.on.event(
+    queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={naming.LABEL_JOB: kopf.PRESENT}
+)
+async def workload_event(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
+) -> None:
+    """Kueue admitted, evicted or requeued a job's Workload: wake the job's daemon at once.
+
+    Served only where Kueue's CRDs exist; elsewhere kopf waits for them to appear.
+    """
+    memo.wakeups.poke((namespace, labels[naming.LABEL_JOB]))
 
 
 @kopf.on.delete(*RESOURCE)

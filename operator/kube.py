@@ -25,7 +25,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 
 from meshtrain import clientconfig
-from meshtrain.operator import metrics, naming
+from meshtrain.operator import metrics, naming, queueing
 
 Body: TypeAlias = dict[str, Any]
 """An API object as the server sends it (camelCase JSON)."""
@@ -237,6 +237,67 @@ class Client:
             propagation_policy="Background",
             ok=(404,),
         )
+
+    # Kueue Workloads of queued jobs: get, create, patch status; workload priority classes.
+    async def get_workload(self, *, namespace: str, name: str) -> Body | None:
+        """The Workload, or None when it does not exist."""
+        return await self._request(
+            "get",
+            "workloads",
+            self._custom.get_namespaced_custom_object,
+            queueing.GROUP,
+            queueing.VERSION,
+            namespace,
+            queueing.PLURAL,
+            name,
+            ok=(404,),
+        )
+
+    async def create_workload(self, *, manifest: Body) -> Body | None:
+        """Create a Workload; None when one of that name exists already."""
+        return await self._request(
+            "create",
+            "workloads",
+            self._custom.create_namespaced_custom_object,
+            queueing.GROUP,
+            queueing.VERSION,
+            manifest["metadata"]["namespace"],
+            queueing.PLURAL,
+            manifest,
+            ok=(409,),
+        )
+
+    async def patch_workload_status(
+        self, *, namespace: str, name: str, patch: Body, resource_version: str
+    ) -> Body | None:
+        """Merge ``patch`` into a Workload's status, only if it is still at ``resource_version``."""
+        return await self._request(
+            "patch",
+            "workloads/status",
+            self._custom.patch_namespaced_custom_object_status,
+            queueing.GROUP,
+            queueing.VERSION,
+            namespace,
+            queueing.PLURAL,
+            name,
+            {**patch, "metadata": {"resourceVersion": resource_version}},
+            ok=(404,),
+            _content_type="application/merge-patch+json",
+        )
+
+    async def workload_priority(self, *, name: str) -> int | None:
+        """The value of a Kueue WorkloadPriorityClass, or None when there is none of that name."""
+        found = await self._request(
+            "get",
+            "workloadpriorityclasses",
+            self._custom.get_cluster_custom_object,
+            queueing.GROUP,
+            queueing.VERSION,
+            "workloadpriorityclasses",
+            name,
+            ok=(404,),
+        )
+        return None if found is None else int(found.get("value") or 0)
 
     # Pods: list, watch, create, patch (gates), delete.
     async def list_pods(

@@ -39,7 +39,7 @@ from typing import Any
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import conditions, failure, gangstatus, identity, progress
+from meshtrain.operator import conditions, failure, gangstatus, identity, progress, queueing
 
 Phase = api_spec.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
@@ -122,7 +122,18 @@ class PollProgress:
     port: int
 
 
-Action = SetStatus | Emit | DeletePods | Place | LiftGates | DeleteJob | PollProgress
+Action = (
+    SetStatus
+    | Emit
+    | DeletePods
+    | Place
+    | LiftGates
+    | DeleteJob
+    | PollProgress
+    | queueing.CreateWorkload
+    | queueing.ReleaseQuota
+    | queueing.FinishWorkload
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,11 +395,25 @@ def _all_running(pods: Sequence[failure.PodState]) -> bool:
     return all(not p.gated and p.phase in ("Running", "Succeeded") for p in pods)
 
 
-def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.datetime) -> Decision:
-    """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``."""
+def decide(
+    job: JobState,
+    pods: Sequence[failure.PodState],
+    now: datetime.datetime,
+    kueue: queueing.Gate | None = None,
+) -> Decision:
+    """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
+
+    ``kueue`` is given for a job Kueue queues: the gang exists only while Kueue admits it.
+    """
     phase = job.status.get("phase") or Phase.PENDING.value
     if phase in FINAL:
-        return _finished(job, pods, now)
+        finished = _finished(job, pods, now)
+        if kueue is None or kueue.state is None or isinstance(kueue.state, queueing.Finished):
+            return finished
+        done = queueing.FinishWorkload(
+            phase == Phase.SUCCEEDED.value, f"TrainingJob {job.ref.name} {phase.lower()}"
+        )
+        return Decision((*finished.actions, done), finished.requeue_after)
     if job.spec is None:
         return _fail(
             job,
@@ -402,9 +427,15 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
         return _suspend(job, pods, now)
     if phase == Phase.SUSPENDED.value:
         return _resume(job, pods, now)
+    admitted: tuple[Action, ...] = ()
+    if kueue is not None:
+        held = _held_by_kueue(job, pods, kueue, now)
+        if isinstance(held, Decision):
+            return held
+        admitted = held
 
     attempt = int(job.status.get("restarts") or 0)
-    actions: list[Action] = []
+    actions: list[Action] = list(admitted)
     stale = tuple(p.name for p in pods if p.attempt != attempt and not p.deleting)
     if stale:
         actions.append(DeletePods(stale))
@@ -504,6 +535,59 @@ def decide(job: JobState, pods: Sequence[failure.PodState], now: datetime.dateti
             return Decision((*actions, *decision.actions), decision.requeue_after)
         return Decision((*actions, *seen), requeue_after=left)
     return Decision((*actions, *seen))
+
+
+def _held_by_kueue(
+    job: JobState, pods: Sequence[failure.PodState], kueue: queueing.Gate, now: datetime.datetime
+) -> Decision | tuple[Action, ...]:
+    """The decision while Kueue withholds admission, or the actions that record an admission.
+
+    An eviction stops the gang like a suspend: every pod gets its grace period to checkpoint,
+    nothing counts as a failure, and the quota goes back only once the pods are gone.
+    """
+    state = kueue.state
+    queued = conditions.find(_conds(job), conditions.QUEUED) or {}
+    if isinstance(state, queueing.Admitted):
+        if queued.get("status") == conditions.FALSE:
+            return ()
+        message = f"admitted by Kueue ClusterQueue {state.cluster_queue}"
+        conds = conditions.set(
+            _conds(job), conditions.QUEUED, conditions.FALSE, conditions.ADMITTED, message, now
+        )
+        return (_changes(job, conditions=conds), Emit("Normal", conditions.ADMITTED, message))
+    if state is None:
+        reason, message = "WorkloadCreated", "waiting for Kueue: creating the job's Workload"
+    else:
+        reason = getattr(state, "reason", "Finished")
+        message = getattr(state, "message", "") or "the Workload is finished"
+    actions: list[Action] = []
+    if state is None:
+        actions.append(queueing.CreateWorkload())
+    if any(not p.deleting for p in pods):
+        actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
+    elif not pods and isinstance(state, queueing.Evicted) and state.holds_quota:
+        actions.append(queueing.ReleaseQuota())
+    if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
+        conditions.TRUE,
+        reason,
+        message,
+    ):
+        conds = conditions.set(
+            _conds(job), conditions.QUEUED, conditions.TRUE, reason, message, now
+        )
+        conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
+        conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
+        actions += [
+            _changes(job, phase=Phase.PENDING.value, conditions=conds, placement=[]),
+            Emit(
+                "Warning"
+                if reason in queueing.WARNING_REASONS or isinstance(state, queueing.Evicted)
+                else "Normal",
+                reason,
+                message,
+            ),
+        ]
+    return Decision(tuple(actions), requeue_after=1.0 if pods else None)
 
 
 def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -42,11 +42,13 @@ from meshtrain.operator import (
     metrics,
     naming,
     progress,
+    queueing,
     sizing,
 )
 from meshtrain.planner import admission, placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
+_KUEUE_ACTIONS = (queueing.CreateWorkload, queueing.ReleaseQuota, queueing.FinishWorkload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +137,15 @@ class Reconciler:
         job = lifecycle.job_state(body)
         pods = self._owned_pods(job.ref)
         states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
-        decision = lifecycle.decide(job, states, _now())
+        queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
+        gate, workload = await self._kueue_gate(body, queue)
+        decision = lifecycle.decide(job, states, _now(), gate)
         changed = False
         for action in decision.actions:
-            body, job, did = await self._act(action, body, job)
+            if isinstance(action, _KUEUE_ACTIONS):
+                did = await self._kueue(action, job, queue, workload)
+            else:
+                body, job, did = await self._act(action, body, job)
             changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         placed = (
@@ -170,6 +177,56 @@ class Reconciler:
         return [
             p for p in self.cache.job_pods(ref.namespace, ref.name) if capacity.owned_by(p, ref.uid)
         ]
+
+    async def _kueue_gate(
+        self, body: dict[str, Any], queue: queueing.Queue | None
+    ) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
+        """Kueue's say over the job (None when it is not queued) and its Workload as read."""
+        if queue is None:
+            return None, None
+        metadata = body["metadata"]
+        workload = await self.client.get_workload(
+            namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
+        )
+        return queueing.Gate(None if workload is None else queueing.state(workload)), workload
+
+    async def _kueue(
+        self,
+        action: queueing.CreateWorkload | queueing.ReleaseQuota | queueing.FinishWorkload,
+        job: lifecycle.JobState,
+        queue: queueing.Queue | None,
+        workload: dict[str, Any] | None,
+    ) -> bool:
+        ref = job.ref
+        if isinstance(action, queueing.CreateWorkload):
+            assert job.spec is not None and queue is not None
+            priority = None
+            if queue.priority_class:
+                priority = await self.client.workload_priority(name=queue.priority_class)
+            template = builders.build_pod(
+                ref, job.spec, 0, 0, "", default_image=self.settings.trainer_image
+            )
+            manifest = queueing.build_workload(ref, job.spec, queue, template, priority)
+            created = await self.client.create_workload(manifest=manifest)
+            logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
+            return created is not None
+        if workload is None:
+            return False
+        metadata = workload["metadata"]
+        if isinstance(action, queueing.ReleaseQuota):
+            patch = queueing.release_patch(workload, _now())
+            logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)
+        else:
+            patch = queueing.finish_patch(
+                workload, succeeded=action.succeeded, message=action.message, now=_now()
+            )
+        await self.client.patch_workload_status(
+            namespace=metadata["namespace"],
+            name=metadata["name"],
+            patch=patch,
+            resource_version=metadata["resourceVersion"],
+        )
+        return True
 
     async def _set_status(
         self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]

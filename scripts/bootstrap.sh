@@ -39,6 +39,7 @@ set -euo pipefail
 K8S_VERSION="${MESHTRAIN_K8S_VERSION:-v1.36.3}"
 HELM_VERSION="${MESHTRAIN_HELM_VERSION:-v3.22.0}"
 PROMETHEUS_OPERATOR_VERSION="${MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
+KUEUE_VERSION="${MESHTRAIN_KUEUE_VERSION:-v0.17.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
@@ -227,6 +228,33 @@ build_helm() {
      -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$kube_minor"
 }
 
+# --- Kueue ----------------------------------------------------------------------
+
+# Kueue's controller manager, its CRDs and its webhook configurations, from the
+# sigs.k8s.io/kueue module, into $CACHE_ROOT/kueue-<version>/ (the Kueue
+# integration tests install them on their control plane). The checksum database
+# has no record of this module, so Go is told not to ask it for Kueue alone;
+# go.sum still pins the hash of what was downloaded.
+build_kueue() {
+  local root="$CACHE_ROOT/kueue-$KUEUE_VERSION" wrapper="$BUILD_ROOT/kueue-$KUEUE_VERSION" kueue_dir
+  if [[ -x "$root/bin/kueue" && -s "$root/webhooks.yaml" ]] && compgen -G "$root/crds/*.yaml" >/dev/null; then
+    log "Kueue $KUEUE_VERSION present: $root"
+    return
+  fi
+  require_go
+  export GONOSUMDB="${GONOSUMDB:+$GONOSUMDB,}sigs.k8s.io/kueue"
+  kueue_dir="$(module_dir sigs.k8s.io/kueue "$KUEUE_VERSION")"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$kueue_dir/go.mod")" \
+    "$(printf '\tsigs.k8s.io/kueue %s\n' "$KUEUE_VERSION")" ""
+  mkdir -p "$root/bin" "$root/crds"
+  BIN_DIR="$root/bin" build_binary kueue "$wrapper" sigs.k8s.io/kueue/cmd/kueue \
+    "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+  cp "$kueue_dir"/config/components/crd/bases/kueue.x-k8s.io_*.yaml "$root/crds/"
+  cp "$kueue_dir/config/components/webhook/manifests.yaml" "$root/webhooks.yaml"
+  chmod u+w "$root"/crds/*.yaml "$root/webhooks.yaml"  # the module cache is read-only
+  log "Kueue $KUEUE_VERSION: $root"
+}
+
 # --- prometheus ---------------------------------------------------------------
 
 install_prometheus() {
@@ -321,6 +349,7 @@ main() {
   done
   log "all binaries present: ${KUBE_BINARIES[*]} etcd helm"
   fetch_monitoring_crds
+  build_kueue
 
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

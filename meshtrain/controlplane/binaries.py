@@ -78,10 +78,10 @@ def k8s_version() -> str:
 
 def cache_bin_dir() -> pathlib.Path:
     """The directory the bootstrap writes binaries to (same rule as the script)."""
-    return _cache_root() / "bin" / k8s_version()
+    return cache_root() / "bin" / k8s_version()
 
 
-def _cache_root() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
     return pathlib.Path(
         os.environ.get("MESHTRAIN_CACHE") or str(pathlib.Path.home() / ".cache" / "meshtrain")
     )
@@ -92,7 +92,7 @@ def monitoring_crds() -> list[pathlib.Path]:
     version = os.environ.get(
         "MESHTRAIN_PROMETHEUS_OPERATOR_VERSION", DEFAULT_PROMETHEUS_OPERATOR_VERSION
     )
-    directory = _cache_root() / "crds" / f"prometheus-operator-{version}"
+    directory = cache_root() / "crds" / f"prometheus-operator-{version}"
     files = [directory / f"monitoring.coreos.com_{name}.yaml" for name in MONITORING_CRDS]
     missing = [f.name for f in files if not f.is_file()]
     if missing:

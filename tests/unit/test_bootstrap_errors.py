@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from meshtrain.controlplane import binaries
+from meshtrain.controlplane import binaries, kueue
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh"
 # Tools the script runs before it looks for Go.
@@ -120,6 +120,7 @@ def test_script_and_python_pin_the_same_versions() -> None:
         f'{binaries.DEFAULT_PROMETHEUS_OPERATOR_VERSION}}}"'
     ) in text
     assert f"MONITORING_CRDS=({' '.join(binaries.MONITORING_CRDS)})" in text
+    assert f'KUEUE_VERSION="${{MESHTRAIN_KUEUE_VERSION:-{kueue.DEFAULT_KUEUE_VERSION}}}"' in text
 
 
 def test_missing_binaries_error_says_how_to_get_them(

@@ -92,6 +92,13 @@ and operator/handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# Kueue: the Workload of each queued job, and giving an evicted workload's quota back.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 {{- end }}
 
 {{/*
@@ -117,6 +124,10 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+# Kueue: a queued job's WorkloadPriorityClass gives its workload's priority.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloadpriorityclasses"]
+  verbs: ["get"]
 {{- end }}
 
 {{/* The trainer image the operator gives jobs whose spec.image is empty. */}}

@@ -1,0 +1,241 @@
+"""A TrainingJob queued by Kueue: its Workload, and what Kueue's answer means for the gang.
+
+A job labelled ``kueue.x-k8s.io/queue-name`` is one Kueue Workload (one pod set: the gang)
+that meshtrain creates and owns, as Kueue expects of an external framework.  Kueue decides
+when the gang may hold its GPUs (quota, fair sharing, preemption); meshtrain decides where.
+This module builds the Workload and reads Kueue's conditions; it does no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import conditions, identity, naming
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"
+API_VERSION = f"{GROUP}/{VERSION}"
+POD_SET = "trainers"
+EXTERNAL_FRAMEWORK = f"{api_spec.KIND}.{api_spec.API_VERSION}.{api_spec.API_GROUP}"
+"""How Kueue's integrations.externalFrameworks names TrainingJob."""
+# Kueue's condition types and the reasons meshtrain reports (pkg apis/kueue/v1beta2).
+QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, REQUEUED = (
+    "QuotaReserved",
+    "Admitted",
+    "Evicted",
+    "Finished",
+    "Requeued",
+)
+WARNING_REASONS = ("Inadmissible",)
+"""Kueue cannot admit the workload as it stands (e.g. its LocalQueue does not exist): the user must act."""
+REQUEUED_REASONS = ("Preempted", "NodeFailures")
+"""Eviction reasons after which Kueue queues the workload again (the rest wait for the user)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Queue:
+    """Where a job is queued."""
+
+    name: str
+    """The LocalQueue in the job's namespace."""
+    priority_class: str | None
+    """A WorkloadPriorityClass (label kueue.x-k8s.io/priority-class), or None."""
+
+
+def queue_of(labels: Mapping[str, str] | None) -> Queue | None:
+    """The queue a job's labels name, or None when Kueue is not asked to admit it."""
+    labels = labels or {}
+    name = labels.get(QUEUE_LABEL)
+    return Queue(name, labels.get(PRIORITY_CLASS_LABEL)) if name else None
+
+
+def workload_name(job: str) -> str:
+    return f"trainingjob-{job}"
+
+
+def build_workload(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    queue: Queue,
+    pod: Mapping[str, Any],
+    priority: int | None,
+) -> dict[str, Any]:
+    """The Workload of ``job``: one pod set of ``spec.pods`` copies of ``pod``'s requests.
+
+    ``pod`` is a pod of the gang as the builders make it; Kueue sees its containers'
+    requests, node selector and tolerations, which is what its quota and flavors judge.
+    """
+    template_spec = pod["spec"]
+    containers = [
+        {"name": c["name"], "resources": {"requests": dict(c["resources"]["requests"])}}
+        for c in template_spec["containers"]
+    ]
+    template: dict[str, Any] = {"spec": {"containers": containers, "restartPolicy": "Never"}}
+    for key in ("nodeSelector", "tolerations", "priorityClassName"):
+        if template_spec.get(key):
+            template["spec"][key] = template_spec[key]
+    workload_spec: dict[str, Any] = {
+        "queueName": queue.name,
+        "podSets": [{"name": POD_SET, "count": spec.pods, "template": template}],
+    }
+    if queue.priority_class:
+        workload_spec["priorityClassRef"] = {
+            "group": GROUP,
+            "kind": "WorkloadPriorityClass",
+            "name": queue.priority_class,
+        }
+        if priority is not None:
+            workload_spec["priority"] = priority
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Workload",
+        "metadata": {
+            "name": workload_name(job.name),
+            "namespace": job.namespace,
+            "labels": {naming.LABEL_JOB: job.name},
+            "ownerReferences": [
+                {
+                    "apiVersion": naming.API_VERSION,
+                    "kind": api_spec.KIND,
+                    "name": job.name,
+                    "uid": job.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": workload_spec,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """Kueue has not admitted the workload (yet): the gang must not hold GPUs."""
+
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """Kueue admitted the workload: the gang may be placed and run."""
+
+    cluster_queue: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Evicted:
+    """Kueue took the admission back (preemption, deactivation...): stop the gang, keep no quota."""
+
+    reason: str
+    message: str
+    holds_quota: bool
+    """Kueue still counts the workload's quota: release it once the gang is gone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The workload is finished (meshtrain marked it when the job ended)."""
+
+
+State = Waiting | Admitted | Evicted | Finished
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """Kueue's say over a queued job: its workload's state, None before the workload exists."""
+
+    state: State | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateWorkload:
+    """Create the job's Workload so Kueue can queue it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseQuota:
+    """The evicted gang is gone: give its quota back (:func:`release_patch`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishWorkload:
+    """The job ended: mark its Workload finished (:func:`finish_patch`) so Kueue frees the quota."""
+
+    succeeded: bool
+    message: str
+
+
+def _condition(workload: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    found = conditions.find((workload.get("status") or {}).get("conditions") or [], type_)
+    return found if found and found.get("status") == conditions.TRUE else None
+
+
+def state(workload: Mapping[str, Any]) -> State:
+    """What Kueue says of ``workload`` (as read from the API server)."""
+    status = workload.get("status") or {}
+    if _condition(workload, FINISHED):
+        return Finished()
+    evicted = _condition(workload, EVICTED)
+    if evicted:
+        return Evicted(
+            evicted.get("reason") or EVICTED,
+            evicted.get("message") or "",
+            holds_quota=status.get("admission") is not None,
+        )
+    if _condition(workload, ADMITTED) and status.get("admission"):
+        return Admitted(status["admission"].get("clusterQueue", ""))
+    reserved = conditions.find(status.get("conditions") or [], QUOTA_RESERVED) or {}
+    return Waiting(
+        reserved.get("reason") or "Pending",
+        reserved.get("message") or "waiting for Kueue to admit the workload",
+    )
+
+
+def _set(
+    current: Sequence[dict[str, Any]],
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+    generation: int,
+) -> list[dict[str, Any]]:
+    updated = conditions.set(current, type_, status, reason, message, now)
+    return [{**c, "observedGeneration": generation} if c["type"] == type_ else c for c in updated]
+
+
+def release_patch(workload: Mapping[str, Any], now: datetime.datetime) -> dict[str, Any]:
+    """Status patch that gives an evicted workload's quota back once its gang is gone.
+
+    Kueue leaves this step to the workload's owner: clear ``admission``, mark the quota
+    released and, after a preemption, requeued; Kueue then admits it again when it can.
+    """
+    evicted = _condition(workload, EVICTED) or {}
+    reason, message = evicted.get("reason") or EVICTED, evicted.get("message") or ""
+    generation = int((workload.get("metadata") or {}).get("generation") or 0)
+    current = list((workload.get("status") or {}).get("conditions") or [])
+    current = _set(current, REQUEUED, conditions.TRUE if reason in REQUEUED_REASONS else conditions.FALSE,
+                   reason, message, now, generation)  # fmt: skip
+    current = _set(current, QUOTA_RESERVED, conditions.FALSE, "Pending", message, now, generation)
+    current = _set(current, ADMITTED, conditions.FALSE, "NoReservation", "The workload has no reservation", now, generation)  # fmt: skip
+    return {"status": {"admission": None, "conditions": current}}
+
+
+def finish_patch(
+    workload: Mapping[str, Any], *, succeeded: bool, message: str, now: datetime.datetime
+) -> dict[str, Any]:
+    """Status patch that marks the workload finished, so Kueue frees its quota."""
+    generation = int((workload.get("metadata") or {}).get("generation") or 0)
+    current = list((workload.get("status") or {}).get("conditions") or [])
+    reason = "Succeeded" if succeeded else "Failed"
+    return {
+        "status": {
+            "conditions": _set(current, FINISHED, conditions.TRUE, reason, message, now, generation)
+        }
+    }

@@ -1,0 +1,227 @@
+"""TrainingJobs queued by a real Kueue (its controller manager, CRDs and webhooks) on a real API server.
+
+One ClusterQueue holds 8 GPUs. A job that fits is admitted and gets its gang; a second
+waits with Kueue's own message; a higher-priority job preempts the first, whose gang is
+stopped without counting a failure and whose quota goes back; when the preemptor
+finishes, a waiting job is admitted again.  Jobs without the queue label do not wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from meshtrain import controlplane
+from meshtrain.controlplane import kueue
+from meshtrain.operator import queueing
+from tests.integration.operator.cluster import Cluster, Job, OperatorProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+NS = "ml-team"
+QUEUE = "team-queue"
+
+
+PLURALS = {
+    "ResourceFlavor": "resourceflavors",
+    "ClusterQueue": "clusterqueues",
+    "WorkloadPriorityClass": "workloadpriorityclasses",
+}
+
+
+def _kueue_object(cluster: Cluster, body: dict[str, Any]) -> None:
+    if body["kind"] in PLURALS:
+        cluster.custom.create_cluster_custom_object(
+            queueing.GROUP, queueing.VERSION, PLURALS[body["kind"]], body
+        )
+    else:
+        cluster.custom.create_namespaced_custom_object(
+            queueing.GROUP, queueing.VERSION, NS, "localqueues", body
+        )
+
+
+@pytest.fixture(scope="module")
+def queued(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    work = tmp_path_factory.mktemp("kueue")
+    with controlplane.ControlPlane(binaries=control_plane_binaries) as plane:
+        api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+        cluster = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
+        cluster.install_crds()
+        cluster.core.create_namespace({"metadata": {"name": NS}})
+        with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK]):
+            api_version = f"{queueing.GROUP}/{queueing.VERSION}"
+            for body in (
+                {"kind": "ResourceFlavor", "metadata": {"name": "gpus"}},
+                {
+                    "kind": "ClusterQueue",
+                    "metadata": {"name": "research"},
+                    "spec": {
+                        "namespaceSelector": {},
+                        "preemption": {"withinClusterQueue": "LowerPriority"},
+                        "resourceGroups": [
+                            {
+                                "coveredResources": ["nvidia.com/gpu"],
+                                "flavors": [
+                                    {
+                                        "name": "gpus",
+                                        "resources": [{"name": "nvidia.com/gpu", "nominalQuota": 8}],
+                                    }
+                                ],
+                            }
+                        ],
+                    },
+                },
+                {"kind": "LocalQueue", "metadata": {"name": QUEUE}, "spec": {"clusterQueue": "research"}},
+                {"kind": "WorkloadPriorityClass", "metadata": {"name": "low"}, "value": 10},
+                {"kind": "WorkloadPriorityClass", "metadata": {"name": "high"}, "value": 1000},
+            ):  # fmt: skip
+                _kueue_object(cluster, {"apiVersion": api_version, **body})
+            for _ in range(3):  # room for every job below: only Kueue's quota limits them
+                cluster.add_node("kq", gpus=8)
+            process = OperatorProcess(str(plane.kubeconfig_path), str(work / "operator.log"))
+            process.start()
+            try:
+                yield cluster, process
+            finally:
+                process.stop()
+        api.close()
+
+
+def _queued_job(name: str, priority: str) -> dict[str, Any]:
+    body = Job(name, NS, pool="kq").layout(data=8).gpus(8).manifest()
+    body["metadata"]["labels"] = {
+        queueing.QUEUE_LABEL: QUEUE,
+        queueing.PRIORITY_CLASS_LABEL: priority,
+    }
+    return body
+
+
+def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
+    cluster.custom.create_namespaced_custom_object(
+        "meshtrain.io", "v1alpha1", NS, "trainingjobs", body
+    )
+
+
+def _workload(cluster: Cluster, job: str) -> dict[str, Any] | None:
+    try:
+        return cluster.custom.get_namespaced_custom_object(
+            queueing.GROUP, queueing.VERSION, NS, queueing.PLURAL, queueing.workload_name(job)
+        )
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def _queued_condition(cluster: Cluster, job: str) -> dict[str, Any]:
+    return cluster.condition(NS, job, "Queued")
+
+
+def test_kueue_admits_queues_preempts_and_readmits_training_jobs(queued) -> None:
+    cluster, _operator = queued
+
+    _apply(cluster, _queued_job("first", "low"))
+    admitted = wait_for(
+        "first admitted by Kueue",
+        lambda: (c := _queued_condition(cluster, "first")).get("status") == "False" and c,
+        timeout=60,
+    )
+    assert admitted["reason"] == "Admitted" and "research" in admitted["message"]
+    workload = _workload(cluster, "first")
+    assert workload is not None
+    owner = workload["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "TrainingJob" and owner["name"] == "first" and owner["controller"]
+    [pod_set] = workload["spec"]["podSets"]
+    assert pod_set["count"] == 1
+    assert pod_set["template"]["spec"]["containers"][0]["resources"]["requests"] == {
+        "nvidia.com/gpu": "8"
+    }
+    assert workload["spec"]["priority"] == 10
+    wait_for("first's gang", lambda: len(cluster.pods(NS, "first")) == 1, timeout=60)
+
+    _apply(cluster, _queued_job("second", "low"))
+    waiting = wait_for(
+        "second held by Kueue with its reason",
+        lambda: (
+            (c := _queued_condition(cluster, "second")).get("status") == "True"
+            and c.get("reason") != "WorkloadCreated"
+            and c
+        ),
+        timeout=60,
+    )
+    assert "insufficient" in waiting["message"] or "quota" in waiting["message"], waiting
+    assert cluster.status(NS, "second").get("phase") == "Pending"
+    assert cluster.pods(NS, "second") == []
+
+    # A higher-priority job preempts the admitted low one (Kueue's decision).
+    _apply(cluster, _queued_job("urgent", "high"))
+    evicted = wait_for(
+        "first evicted by Kueue",
+        lambda: (c := _queued_condition(cluster, "first")).get("status") == "True" and c,
+        timeout=60,
+    )
+    assert evicted["reason"] in ("Preempted", "Evicted"), evicted
+    wait_for("first's gang stopped", lambda: cluster.pods(NS, "first") == [], timeout=60)
+    wait_for(
+        "urgent admitted once first's quota is back",
+        lambda: _queued_condition(cluster, "urgent").get("status") == "False",
+        timeout=60,
+    )
+    wait_for("urgent's gang", lambda: len(cluster.pods(NS, "urgent")) == 1, timeout=60)
+    first = cluster.status(NS, "first")
+    assert first.get("restarts", 0) == 0, "a preemption is not a failure"
+    assert first.get("phase") == "Pending"
+    assert _workload(cluster, "first")["status"].get("admission") is None
+
+    # urgent succeeds (what a kubelet would report): its workload is finished, its quota freed,
+    # and one of the waiting jobs is admitted and gets its gang.
+    [pod] = cluster.pods(NS, "urgent")
+    cluster.set_pod_phase(NS, pod.metadata.name, "Succeeded")
+    cluster.wait_phase(NS, "urgent", "Succeeded", timeout=60)
+    wait_for(
+        "urgent's workload finished",
+        lambda: any(
+            c["type"] == "Finished" and c["status"] == "True"
+            for c in (_workload(cluster, "urgent") or {}).get("status", {}).get("conditions", [])
+        ),
+        timeout=60,
+    )
+    readmitted = wait_for(
+        "a waiting job admitted again",
+        lambda: [
+            j
+            for j in ("first", "second")
+            if _queued_condition(cluster, j).get("status") == "False" and cluster.pods(NS, j)
+        ],
+        timeout=90,
+    )
+    assert len(readmitted) == 1
+    assert cluster.status(NS, "first").get("restarts", 0) == 0
+
+
+def test_a_job_naming_a_queue_that_does_not_exist_waits_and_says_so(queued) -> None:
+    cluster, _operator = queued
+    body = _queued_job("lost", "low")
+    body["metadata"]["labels"][queueing.QUEUE_LABEL] = "no-such-queue"
+    _apply(cluster, body)
+    held = wait_for(
+        "Kueue's verdict on the missing LocalQueue",
+        lambda: (c := _queued_condition(cluster, "lost")).get("reason") == "Inadmissible" and c,
+        timeout=60,
+    )
+    assert "LocalQueue no-such-queue doesn't exist" in held["message"]
+    assert cluster.pods(NS, "lost") == []
+    events = cluster.core.list_namespaced_event(NS, field_selector="involvedObject.name=lost").items
+    assert any(e.type == "Warning" and "no-such-queue" in e.message for e in events)
+
+
+def test_a_job_without_the_queue_label_is_not_held(queued) -> None:
+    cluster, _operator = queued
+    body = Job("unqueued", NS, pool="kq").layout(data=8).gpus(8).manifest()
+    _apply(cluster, body)
+    wait_for("unqueued gang", lambda: len(cluster.pods(NS, "unqueued")) == 1, timeout=60)
+    assert _workload(cluster, "unqueued") is None
+    assert _queued_condition(cluster, "unqueued") == {}

@@ -1,0 +1,153 @@
+"""A job queued by Kueue: its Workload, Kueue's states, and the decisions they lead to (tables).
+
+tests/integration/operator/test_operator_kueue.py runs the same flow against a real Kueue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshtrain.api import loading
+from meshtrain.operator import builders, conditions, identity, lifecycle, queueing
+from tests.unit.builders import JobBuilder
+from tests.unit.test_operator_lifecycle import T0, at, job, placed_status, pod
+
+REF = identity.JobRef(name="llm", namespace="team", uid="u-1")
+
+
+def workload(*conds: tuple[str, str, str], admission: bool = False) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "conditions": [
+            {"type": t, "status": s, "reason": r, "message": f"{r} message"} for t, s, r in conds
+        ]
+    }
+    if admission:
+        status["admission"] = {"clusterQueue": "research", "podSetAssignments": []}
+    return {"metadata": {"name": "w", "generation": 1, "resourceVersion": "7"}, "status": status}
+
+
+def test_the_queue_comes_from_kueues_labels():
+    assert queueing.queue_of({}) is None
+    assert queueing.queue_of({queueing.QUEUE_LABEL: "q"}) == queueing.Queue("q", None)
+    labels = {queueing.QUEUE_LABEL: "q", queueing.PRIORITY_CLASS_LABEL: "high"}
+    assert queueing.queue_of(labels) == queueing.Queue("q", "high")
+
+
+def test_the_workload_asks_for_the_gangs_requests_and_is_owned_by_the_job():
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=8, gpus_per_node=4)
+        .resources(cpu="8", extraResources={"rdma/ib": "1"})
+        .raw()
+    )
+    pod_manifest = builders.build_pod(REF, spec, 0, 0, "")
+    body = queueing.build_workload(REF, spec, queueing.Queue("q", "high"), pod_manifest, 1000)
+    assert body["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert body["metadata"]["ownerReferences"][0]["controller"] is True
+    [pod_set] = body["spec"]["podSets"]
+    assert pod_set["count"] == spec.pods == 2
+    requests = pod_set["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests == pod_manifest["spec"]["containers"][0]["resources"]["requests"]
+    assert requests["nvidia.com/gpu"] == "4" and requests["rdma/ib"] == "1"
+    assert body["spec"]["queueName"] == "q" and body["spec"]["priority"] == 1000
+    assert body["spec"]["priorityClassRef"]["name"] == "high"
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        (workload(("QuotaReserved", "False", "Pending")), queueing.Waiting("Pending", "Pending message")),
+        (
+            workload(("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted"), admission=True),
+            queueing.Admitted("research"),
+        ),
+        (
+            workload(("Evicted", "True", "Preempted"), ("Admitted", "True", "Admitted"), admission=True),
+            queueing.Evicted("Preempted", "Preempted message", holds_quota=True),
+        ),
+        (workload(("Evicted", "True", "Preempted")), queueing.Evicted("Preempted", "Preempted message", holds_quota=False)),
+        (workload(("Finished", "True", "Succeeded")), queueing.Finished()),
+    ],
+)  # fmt: skip
+def test_kueues_conditions_read_as_one_state(body, expected):
+    assert queueing.state(body) == expected
+
+
+def test_release_gives_back_the_admission_and_requeues_after_a_preemption():
+    body = workload(
+        ("Evicted", "True", "Preempted"), ("Admitted", "True", "Admitted"), admission=True
+    )
+    patch = queueing.release_patch(body, T0)["status"]
+    assert patch["admission"] is None
+    found = {c["type"]: c for c in patch["conditions"]}
+    assert found["QuotaReserved"]["status"] == "False"
+    assert found["Admitted"]["status"] == "False"
+    assert found["Requeued"]["status"] == "True"
+    assert found["Evicted"]["status"] == "True"  # Kueue's own condition is left as it is
+
+
+def _types(decision: lifecycle.Decision) -> list[type]:
+    return [type(a) for a in decision.actions]
+
+
+def _queued(decision: lifecycle.Decision) -> dict[str, Any]:
+    [status] = [a for a in decision.actions if isinstance(a, lifecycle.SetStatus)]
+    return conditions.find(status.changes["conditions"], conditions.QUEUED) or {}
+
+
+def test_a_queued_job_without_a_workload_creates_one_and_places_nothing():
+    decision = lifecycle.decide(job(), [], T0, queueing.Gate(None))
+    assert queueing.CreateWorkload in _types(decision)
+    assert lifecycle.Place not in _types(decision)
+    assert _queued(decision)["status"] == "True"
+
+
+def test_a_waiting_job_keeps_no_pods_and_says_kueues_reason():
+    gate = queueing.Gate(queueing.Waiting("Pending", "insufficient quota for nvidia.com/gpu"))
+    decision = lifecycle.decide(job(), [], T0, gate)
+    assert lifecycle.Place not in _types(decision)
+    queued = _queued(decision)
+    assert queued["reason"] == "Pending" and "insufficient quota" in queued["message"]
+    # Nothing changes while Kueue says the same thing.
+    again = job(**{"phase": "Pending", "conditions": [queued]})
+    assert lifecycle.decide(again, [], at(5), gate).actions == ()
+
+
+def test_an_admitted_job_is_placed_and_the_admission_recorded_once():
+    gate = queueing.Gate(queueing.Admitted("research"))
+    decision = lifecycle.decide(job(), [], T0, gate)
+    assert lifecycle.Place in _types(decision)
+    assert _queued(decision)["status"] == "False"
+    recorded = job(conditions=[_queued(decision)])
+    assert lifecycle.SetStatus not in _types(lifecycle.decide(recorded, [], at(1), gate))
+
+
+def test_an_evicted_gang_stops_with_its_grace_period_without_counting_a_failure():
+    gate = queueing.Gate(queueing.Evicted("Preempted", "preempted by urgent", holds_quota=True))
+    running = job(**placed_status(phase="Running"))
+    decision = lifecycle.decide(running, [pod(0, "Running"), pod(1, "Running")], T0, gate)
+    [delete] = [a for a in decision.actions if isinstance(a, lifecycle.DeletePods)]
+    assert delete.grace_seconds is None  # time to checkpoint the step they stop at
+    [status] = [a for a in decision.actions if isinstance(a, lifecycle.SetStatus)]
+    assert status.changes["phase"] == "Pending" and status.changes["placement"] == []
+    assert "restarts" not in status.changes
+    assert queueing.ReleaseQuota not in _types(decision), "not while the pods still run"
+    # The exit codes of the stopped ranks are no failures either.
+    stopped = [
+        pod(0, "Failed", exit_code=143, deleting=True),
+        pod(1, "Failed", exit_code=143, deleting=True),
+    ]
+    assert "restarts" not in str(lifecycle.decide(running, stopped, at(5), gate).actions)
+    # Once the gang is gone the quota goes back.
+    assert queueing.ReleaseQuota in _types(lifecycle.decide(running, [], at(10), gate))
+
+
+def test_a_finished_job_finishes_its_workload():
+    done = job(phase="Succeeded", completionTime=conditions.timestamp(T0))
+    decision = lifecycle.decide(done, [], T0, queueing.Gate(queueing.Admitted("research")))
+    [finish] = [a for a in decision.actions if isinstance(a, queueing.FinishWorkload)]
+    assert finish.succeeded
+    closed = queueing.Gate(queueing.Finished())
+    assert queueing.FinishWorkload not in _types(lifecycle.decide(done, [], T0, closed))
