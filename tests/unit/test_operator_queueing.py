@@ -11,7 +11,7 @@ import pytest
 
 from meshtrain.api import loading
 from meshtrain.operator import builders, conditions, identity, lifecycle, queueing
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import T0, at, job, placed_status, pod
 
 REF = identity.JobRef(name="llm", namespace="team", uid="u-1")

@@ -17,7 +17,8 @@ import pytest
 from meshtrain import controlplane
 from meshtrain.controlplane import kueue
 from meshtrain.operator import queueing
-from tests.integration.operator.cluster import Cluster, Job, OperatorProcess, wait_for
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +92,7 @@ def queued(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, 
 
 
 def _queued_job(name: str, priority: str) -> dict[str, Any]:
-    body = Job(name, NS, pool="kq").layout(data=8).gpus(8).manifest()
+    body = JobBuilder(name, NS, pool="kq").layout(data=8).gpus(8).manifest()
     body["metadata"]["labels"] = {
         queueing.QUEUE_LABEL: QUEUE,
         queueing.PRIORITY_CLASS_LABEL: priority,
@@ -214,13 +215,21 @@ def test_a_job_naming_a_queue_that_does_not_exist_waits_and_says_so(queued) -> N
     )
     assert "LocalQueue no-such-queue doesn't exist" in held["message"]
     assert cluster.pods(NS, "lost") == []
-    events = cluster.core.list_namespaced_event(NS, field_selector="involvedObject.name=lost").items
-    assert any(e.type == "Warning" and "no-such-queue" in e.message for e in events)
+    wait_for(
+        "a Warning Event naming the missing queue (recorded after the condition)",
+        lambda: any(
+            e.type == "Warning" and "no-such-queue" in (e.message or "")
+            for e in cluster.core.list_namespaced_event(
+                NS, field_selector="involvedObject.name=lost"
+            ).items
+        ),
+        timeout=30,
+    )
 
 
 def test_a_job_without_the_queue_label_is_not_held(queued) -> None:
     cluster, _operator = queued
-    body = Job("unqueued", NS, pool="kq").layout(data=8).gpus(8).manifest()
+    body = JobBuilder("unqueued", NS, pool="kq").layout(data=8).gpus(8).manifest()
     _apply(cluster, body)
     wait_for("unqueued gang", lambda: len(cluster.pods(NS, "unqueued")) == 1, timeout=60)
     assert _workload(cluster, "unqueued") is None
