@@ -88,7 +88,7 @@ and operator/handlers.py are the callers):
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
-  verbs: ["create", "patch", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
