@@ -15,7 +15,7 @@ import sys
 import meshtrain
 from meshtrain.api import loading
 from meshtrain.operator import command as operator_command
-from meshtrain.planner import command as plan_command
+from meshtrain.planner import plan_command
 
 
 def _version(args: argparse.Namespace) -> int:

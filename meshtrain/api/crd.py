@@ -1,6 +1,6 @@
 """The TrainingJob CustomResourceDefinition, generated from the spec model.
 
-What it is: a pure translation of :class:`meshtrain.api.spec.TrainingJobSpec`
+A pure translation of :class:`meshtrain.api.spec.TrainingJobSpec`
 and :class:`~meshtrain.api.spec.TrainingJobStatus` (their pydantic JSON
 schemas) into a *structural* OpenAPI v3 schema the API server accepts, plus
 the cross-field rules of :mod:`meshtrain.api.rules` as CEL
@@ -8,8 +8,6 @@ the cross-field rules of :mod:`meshtrain.api.rules` as CEL
 names.  ``python -m meshtrain.api.crd`` (or ``meshtrain crd``) prints the YAML
 that is checked in at ``manifests/crd/trainingjobs.meshtrain.io.yaml``; a unit
 test fails when the two drift.
-
-What it is not: it talks to no cluster and does not install anything.
 
 Translation rules (JSON Schema 2020-12 from pydantic -> Kubernetes structural):
 

@@ -1,12 +1,12 @@
 """A real, local Kubernetes control plane for tests and the sandbox.
 
-What it is: :class:`ControlPlane` starts etcd and kube-apiserver (optionally
+:class:`ControlPlane` starts etcd and kube-apiserver (optionally
 kube-scheduler and kube-controller-manager) from binaries that
 ``scripts/bootstrap.sh`` builds from the pinned Kubernetes release
 (:mod:`.binaries` finds them); :mod:`.pki`, :mod:`.kubeconfig`, :mod:`.ports`
 and :mod:`.rest` are its parts.
 
-What it is not: a cluster with nodes. No kubelet runs; the sandbox adds a node
+Not a cluster with nodes. No kubelet runs; the sandbox adds a node
 agent on top. It never downloads or builds binaries itself.
 """
 

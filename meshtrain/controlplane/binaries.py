@@ -1,12 +1,12 @@
 """Find the control-plane binaries that ``scripts/bootstrap.sh`` provides.
 
-What it is: a lookup of the Prometheus Operator CRD files the bootstrap
+A lookup of the Prometheus Operator CRD files the bootstrap
 fetched (:func:`monitoring_crds`), and a lookup, per binary, through (1) ``$KUBEBUILDER_ASSETS``, (2) the
 bootstrap's cache directory ``${MESHTRAIN_CACHE:-~/.cache/meshtrain}/bin/<k8s
 version>/``, (3) ``PATH``; a binary from (1) or (3) is used only if it reports
 the pinned version. The result is a frozen :class:`Binaries` of absolute paths.
 
-What it is not: it never builds or downloads anything; a missing binary raises
+It never builds or downloads anything; a missing binary raises
 :class:`BinariesMissingError` telling the user to run ``make bootstrap``.
 """
 
@@ -56,11 +56,9 @@ class Binaries:
     """Absolute paths of the binaries a control plane and its tests run."""
 
     kube_apiserver: pathlib.Path
-    """The API server."""
     kube_controller_manager: pathlib.Path
     """The controller manager (garbage collection, Jobs, service-account tokens, ...)."""
     kube_scheduler: pathlib.Path
-    """The default scheduler."""
     kubectl: pathlib.Path
     """The command-line client, at the same version as the server."""
     etcd: pathlib.Path

@@ -1,10 +1,10 @@
 """Kubeconfig files for the local control plane.
 
-What it is: builds a one-cluster, one-user, one-context kubeconfig with the
+Builds a one-cluster, one-user, one-context kubeconfig with the
 CA and credentials embedded (so the file works from any directory) and writes
 it with mode 0600.
 
-What it is not: a kubeconfig merger or reader; clients read these files.
+Not a kubeconfig merger or reader; clients read these files.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """TLS material for a throw-away local control plane.
 
-What it is: one self-signed CA, a serving certificate for kube-apiserver
+One self-signed CA, a serving certificate for kube-apiserver
 (loopback and in-cluster names), client certificates for the admin
 (``system:masters``), the scheduler and the controller-manager, and the
 service-account signing key pair — all ECDSA P-256, written as PEM files.
 
-What it is not: a production PKI. Keys are unencrypted and short-lived (a
+Not a production PKI. Keys are unencrypted and short-lived (a
 week), meant for tests and the local sandbox only.
 """
 

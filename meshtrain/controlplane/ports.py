@@ -1,11 +1,11 @@
 """Free loopback TCP ports for the control plane's components.
 
-What it is: ask the kernel for an unused port by binding port 0, then release
+Ask the kernel for an unused port by binding port 0, then release
 it for the component to bind. Another process can take the port in between;
 :func:`bind_failed` recognises that in a component's log so the caller can
 retry with new ports.
 
-What it is not: a reservation. Nothing here holds a port for anyone.
+Not a reservation. Nothing here holds a port for anyone.
 """
 
 from __future__ import annotations

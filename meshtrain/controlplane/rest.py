@@ -1,13 +1,14 @@
 """A minimal HTTPS client for the local control plane's own needs.
 
-What it is: JSON requests over ``urllib`` with the control plane's CA and a
+JSON requests over ``urllib`` with the control plane's CA and a
 client certificate or bearer token — enough to poll ``/readyz`` and to create
 the ServiceAccount, Role, RoleBinding and TokenRequest behind
 :meth:`meshtrain.controlplane.server.ControlPlane.restricted_kubeconfig`.
 
-What it is not: a Kubernetes client. The operator and the tests use the
-``kubernetes`` package; this module exists so that starting a control plane
-needs nothing but the standard library and ``cryptography``.
+Not a Kubernetes client (the operator uses ``kubernetes_asyncio``; tests, the
+sandbox and ``plan --from-cluster`` the ``kubernetes`` package): it exists so
+that starting a control plane needs nothing but the standard library and
+``cryptography``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """A real, local Kubernetes control plane: etcd + kube-apiserver (+ scheduler,
 + controller-manager), started as child processes on loopback.
 
-What it is: :class:`ControlPlane` — the envtest pattern, usable from pytest
+:class:`ControlPlane` — the envtest pattern, usable from pytest
 fixtures and from the local sandbox. It picks free ports, generates TLS
 material, starts each component in its own process group with its log in the
 data directory, waits for readiness, writes an admin kubeconfig, and can hand
 out kubeconfigs of restricted ServiceAccounts. ``stop()`` kills every process
 group and removes the data directory; it is idempotent and also runs at exit.
 
-What it is not: a kubelet or a node. Pods are stored and (with the scheduler)
+Not a kubelet or a node. Pods are stored and (with the scheduler)
 bound, never run; the sandbox's node agent does that. Nothing here is meant
 for production: credentials are throw-away and etcd runs without fsync.
 """

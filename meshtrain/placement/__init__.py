@@ -7,13 +7,15 @@ constant and a message.  No Kubernetes imports, no I/O: the operator turns
 cluster objects into :class:`Node` and :class:`Reservation` values and the
 answer into pods.  See docs/placement.md for the cost model and algorithm.
 
-Modules: ``model`` (the values), ``topology`` (levels, label families, the
-domain tree), ``cost`` (traffic and bytes model), ``planner`` (``plan`` and the
+Modules: ``values`` (the data), ``topology`` (levels, label families, the
+domain tree), ``fabric_cost`` (traffic and bytes model), ``planner`` (``plan`` and the
 topology-blind ``first_fit`` reference).  The request of a TrainingJob spec is
 built by :mod:`meshtrain.planner.placement_request`, whose traffic model it uses.
 """
 
-from meshtrain.placement.model import (
+from meshtrain.placement.nodes import node_from_manifest, resource_count
+from meshtrain.placement.planner import first_fit, plan
+from meshtrain.placement.values import (
     INSUFFICIENT_GPUS,
     TOPOLOGY_UNSATISFIABLE,
     FabricLevel,
@@ -23,8 +25,6 @@ from meshtrain.placement.model import (
     Reservation,
     Unschedulable,
 )
-from meshtrain.placement.nodes import node_from_manifest, resource_count
-from meshtrain.placement.planner import first_fit, plan
 
 __all__ = [
     "INSUFFICIENT_GPUS",

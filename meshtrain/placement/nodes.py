@@ -1,4 +1,4 @@
-"""Kubernetes Node manifests (plain dicts) read as placement :class:`~model.Node` values.
+"""Kubernetes Node manifests (plain dicts) read as placement :class:`~values.Node` values.
 
 Shared by the operator and ``meshtrain plan --from-cluster`` so both see the
 same allocatable GPUs, labels and cordons.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtrain.placement import model
+from meshtrain.placement import values
 
 
 def resource_count(value: Any) -> int:
@@ -19,11 +19,11 @@ def resource_count(value: Any) -> int:
         return 0
 
 
-def node_from_manifest(node: dict[str, Any], gpu_resource: str) -> model.Node:
+def node_from_manifest(node: dict[str, Any], gpu_resource: str) -> values.Node:
     """A Node object as the planner sees it: allocatable GPUs, labels, cordon."""
     metadata = node.get("metadata") or {}
     allocatable = (node.get("status") or {}).get("allocatable") or {}
-    return model.Node(
+    return values.Node(
         name=metadata.get("name", ""),
         allocatable_gpus=resource_count(allocatable.get(gpu_resource, 0)),
         labels=dict(metadata.get("labels") or {}),

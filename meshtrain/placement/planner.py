@@ -1,11 +1,11 @@
 """The placement planner: which node hosts each pod of a gang.
 
-What it is: :func:`plan`, a pure and deterministic function from a request,
-the nodes and the existing reservations to a :class:`~model.Placement` (a node
+:func:`plan`, a pure and deterministic function from a request,
+the nodes and the existing reservations to a :class:`~values.Placement` (a node
 per pod index, its predicted traffic per fabric level) or an
-:class:`~model.Unschedulable` with a reason and a message; and
+:class:`~values.Unschedulable` with a reason and a message; and
 :func:`first_fit`, the topology-blind packing the planner is measured against.
-What it is not: it does no I/O, holds no state between calls and does not
+It does no I/O, holds no state between calls and does not
 reserve anything; the operator records the result and turns it into pods.
 
 Algorithm (docs/placement.md has the picture):
@@ -28,14 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from meshtrain.placement import cost, model, topology
+from meshtrain.placement import fabric_cost, topology, values
 
 
 def plan(
-    request: model.PlacementRequest,
-    nodes: Iterable[model.Node],
-    reservations: Iterable[model.Reservation],
-) -> model.Placement | model.Unschedulable:
+    request: values.PlacementRequest,
+    nodes: Iterable[values.Node],
+    reservations: Iterable[values.Reservation],
+) -> values.Placement | values.Unschedulable:
     """Place the whole gang of ``request`` on ``nodes`` around ``reservations``, or say why not."""
     nodes = _unique(nodes)
     levels = request.levels or topology.detect_levels(nodes)
@@ -55,8 +55,8 @@ def plan(
     if required and fabric.root.maxcap[required[-1] + 1] < request.pods:
         return _unsatisfiable(request, fabric, levels[required[-1]], required[-1] + 1)
 
-    edges = cost.pod_traffic(request)
-    best: model.Placement | None = None
+    edges = fabric_cost.pod_traffic(request)
+    best: values.Placement | None = None
     for order, unit in _orders(request):
         assignment: list[str] = [""] * request.pods
         _fill(fabric.root, order, 0, request.pods, unit, assignment)
@@ -68,10 +68,10 @@ def plan(
 
 
 def first_fit(
-    request: model.PlacementRequest,
-    nodes: Iterable[model.Node],
-    reservations: Iterable[model.Reservation],
-) -> model.Placement | model.Unschedulable:
+    request: values.PlacementRequest,
+    nodes: Iterable[values.Node],
+    reservations: Iterable[values.Reservation],
+) -> values.Placement | values.Unschedulable:
     """Topology-blind reference: fill free slots in the order the nodes are given.
 
     It honours eligibility and capacity like :func:`plan` but ignores fabric
@@ -91,11 +91,11 @@ def first_fit(
     paths = topology.paths(nodes, slots, levels, request.nvlink_domain_label)
     keys = topology.level_keys(levels, request.nvlink_domain_label)
     return _priced(
-        assignment, cost.pod_traffic(request), paths, keys, topology.weights(levels), levels
+        assignment, fabric_cost.pod_traffic(request), paths, keys, topology.weights(levels), levels
     )
 
 
-def _unique(nodes: Iterable[model.Node]) -> list[model.Node]:
+def _unique(nodes: Iterable[values.Node]) -> list[values.Node]:
     """The nodes as a list; duplicate names are a caller bug."""
     listed = list(nodes)
     if len({node.name for node in listed}) != len(listed):
@@ -104,9 +104,9 @@ def _unique(nodes: Iterable[model.Node]) -> list[model.Node]:
 
 
 def _free_slots(
-    request: model.PlacementRequest,
-    nodes: Sequence[model.Node],
-    reservations: Iterable[model.Reservation],
+    request: values.PlacementRequest,
+    nodes: Sequence[values.Node],
+    reservations: Iterable[values.Reservation],
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Free pod slots per eligible node (only nodes with >= 1), and why the others are out."""
     reserved: dict[str, int] = {}
@@ -131,11 +131,11 @@ def _free_slots(
 
 
 def _check_capacity(
-    request: model.PlacementRequest,
+    request: values.PlacementRequest,
     slots: dict[str, int],
     refused: dict[str, int],
     total_nodes: int,
-) -> model.Unschedulable | None:
+) -> values.Unschedulable | None:
     """InsufficientGPUs when the eligible nodes hold fewer slots than the gang has pods."""
     free = sum(slots.values())
     if free >= request.pods:
@@ -148,12 +148,12 @@ def _check_capacity(
         f"{refused['selector']} not matching the node selector, "
         f"{refused['full']} with fewer than {per} free GPUs)"
     )
-    return model.Unschedulable(reason=model.INSUFFICIENT_GPUS, message=message)
+    return values.Unschedulable(reason=values.INSUFFICIENT_GPUS, message=message)
 
 
 def _unsatisfiable(
-    request: model.PlacementRequest, fabric: topology.Fabric, level: model.FabricLevel, depth: int
-) -> model.Unschedulable:
+    request: values.PlacementRequest, fabric: topology.Fabric, level: values.FabricLevel, depth: int
+) -> values.Unschedulable:
     """TopologyUnsatisfiable naming the required level and its largest domain."""
     largest: topology.Domain | None = None
     frontier = [fabric.root]
@@ -169,10 +169,10 @@ def _unsatisfiable(
         f"{largest.cap} free pod slots; {fabric.root.cap} free pod slots cluster-wide "
         f"in {len(frontier)} domains"
     )
-    return model.Unschedulable(reason=model.TOPOLOGY_UNSATISFIABLE, message=message)
+    return values.Unschedulable(reason=values.TOPOLOGY_UNSATISFIABLE, message=message)
 
 
-def _orders(request: model.PlacementRequest) -> list[tuple[list[int], int]]:
+def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
     """Pod orders to lay along the tree, each with its alignment unit (in pods).
 
     Stage-major is pod index order; its unit is the smallest run of pods that
@@ -292,19 +292,19 @@ def _footprint(domain: topology.Domain, start: int, count: int, unit: int) -> tu
 
 def _priced(
     assignment: Sequence[str],
-    edges: Sequence[cost.Edge],
+    edges: Sequence[fabric_cost.Edge],
     paths: Mapping[str, tuple[str, ...]],
     keys: Sequence[str],
     level_weights: Sequence[float],
-    levels: Sequence[model.FabricLevel],
-) -> model.Placement:
+    levels: Sequence[values.FabricLevel],
+) -> values.Placement:
     """A Placement for ``assignment`` with its modelled traffic, cost and spread."""
     pod_paths = [paths[name] for name in assignment]
-    crossed, total = cost.evaluate(edges, pod_paths, level_weights)
+    crossed, total = fabric_cost.evaluate(edges, pod_paths, level_weights)
     used = {
         key: len({path[: depth + 1] for path in pod_paths}) for depth, key in enumerate(keys[:-1])
     }
-    return model.Placement(
+    return values.Placement(
         nodes=tuple(assignment),
         level_bytes=dict(zip(keys, crossed)),
         cost=total,

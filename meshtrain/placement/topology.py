@@ -1,10 +1,10 @@
 """The cluster's shape as the planner sees it: levels, domains, free pod slots.
 
-What it is: the known fabric label families and their detection, the default
+The known fabric label families and their detection, the default
 level weights, each node's *path* (its domain at every fabric level, then its
 NVLink domain) and the tree of domains with free pod slots that the planner
-walks.  What it is not: it does not choose nodes (see ``planner``) nor price
-traffic (see ``cost``), and it reads nothing from a cluster.
+walks.  It does not choose nodes (see ``planner``) nor price
+traffic (see ``fabric_cost``).
 
 Domains nest by path: two nodes share a leaf domain only if they also share
 the spine and block above it, so a leaf name reused under two spines names two
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Container, Iterable, Mapping, Sequence
 
-from meshtrain.placement import model
+from meshtrain.placement import values
 
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
@@ -49,7 +49,7 @@ DOMAIN_WEIGHT = 1.0
 """Default weight of leaving an NVLink domain inside the lowest fabric domain."""
 
 
-def detect_levels(nodes: Iterable[model.Node]) -> tuple[model.FabricLevel, ...]:
+def detect_levels(nodes: Iterable[values.Node]) -> tuple[values.FabricLevel, ...]:
     """The label family most nodes carry, as preferred levels; () when none is present.
 
     Only the family's labels that some node carries become levels: a cluster
@@ -65,7 +65,7 @@ def detect_levels(nodes: Iterable[model.Node]) -> tuple[model.FabricLevel, ...]:
     if counts[best] == 0:
         return ()
     return tuple(
-        model.FabricLevel(label=label)
+        values.FabricLevel(label=label)
         for label in FAMILIES[best][1]
         if any(label in node.labels for node in nodes)
     )
@@ -76,18 +76,18 @@ _FAMILY_SETS = tuple(frozenset(labels) for _, labels in FAMILIES)
 
 
 def level_keys(
-    levels: Sequence[model.FabricLevel], nvlink_domain_label: str | None
+    levels: Sequence[values.FabricLevel], nvlink_domain_label: str | None
 ) -> tuple[str, ...]:
     """Keys of the places traffic can cross, most expensive first.
 
     The fabric level labels (top first), then the NVLink-domain label (or
     ``kubernetes.io/hostname``), then ``"nvlink"`` for pods inside one domain.
     """
-    domain_key = nvlink_domain_label or model.HOSTNAME_LABEL
-    return (*(level.label for level in levels), domain_key, model.NVLINK)
+    domain_key = nvlink_domain_label or values.HOSTNAME_LABEL
+    return (*(level.label for level in levels), domain_key, values.NVLINK)
 
 
-def weights(levels: Sequence[model.FabricLevel]) -> tuple[float, ...]:
+def weights(levels: Sequence[values.FabricLevel]) -> tuple[float, ...]:
     """Weight per level key, aligned with :func:`level_keys`."""
     height = len(levels)
     fabric = tuple(
@@ -98,7 +98,7 @@ def weights(levels: Sequence[model.FabricLevel]) -> tuple[float, ...]:
 
 
 def node_path(
-    node: model.Node, levels: Sequence[model.FabricLevel], nvlink_domain_label: str | None
+    node: values.Node, levels: Sequence[values.FabricLevel], nvlink_domain_label: str | None
 ) -> tuple[str, ...]:
     """The node's domain value at each level, then its NVLink domain.
 
@@ -112,9 +112,9 @@ def node_path(
 
 
 def paths(
-    nodes: Iterable[model.Node],
+    nodes: Iterable[values.Node],
     names: Container[str],
-    levels: Sequence[model.FabricLevel],
+    levels: Sequence[values.FabricLevel],
     nvlink_domain_label: str | None,
 ) -> dict[str, tuple[str, ...]]:
     """Path of every node whose name is in ``names``."""

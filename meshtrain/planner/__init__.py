@@ -12,6 +12,7 @@ planner into one :class:`~meshtrain.planner.estimate.Plan`), ``report``
 (text and the ``meshtrain.plan/v1`` JSON), ``admission`` (what the operator
 calls: ``check``, ``status_summary``, ``profile_for_labels``), ``cluster``
 (cluster YAML files), ``cluster_live`` (the only Kubernetes I/O) and
-``command`` (the CLI glue).  What it is not: a measurement; the trainer's
+``placement_request`` (a spec as a placement request) and ``plan_command``
+(the CLI glue).  Not a measurement; the trainer's
 telemetry measures, and tests hold the two against each other.
 """

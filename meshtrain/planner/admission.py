@@ -1,6 +1,6 @@
 """What the operator asks the planner: does the job fit, and which numbers go in the status.
 
-What it is: three small pure functions for the operator's reconcile path:
+Three small pure functions for the operator's reconcile path:
 
 * :func:`check` ``(spec, profile) -> None | WontFit``: refuse a job whose
   worst rank needs more device memory than the profile has, with a message
@@ -12,7 +12,7 @@ What it is: three small pure functions for the operator's reconcile path:
   (``nvidia.com/gpu.product``), so the operator can pick the profile from
   the nodes it places on.
 
-What it is not: Kubernetes I/O or condition handling; the operator turns a
+Not Kubernetes I/O or condition handling; the operator turns a
 :class:`WontFit` into a condition and an Event.
 """
 

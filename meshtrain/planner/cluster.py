@@ -1,6 +1,6 @@
 """Cluster description files: the nodes ``meshtrain plan --cluster`` places a job on.
 
-What it is: the parser of a small YAML format (a list of nodes with a name,
+The parser of a small YAML format (a list of nodes with a name,
 a GPU count and labels) into the placement module's
 :class:`~meshtrain.placement.Node` values, with errors that name the
 file, the line and the entry and say what is wrong::
@@ -12,7 +12,7 @@ file, the line and the entry and say what is wrong::
           nvidia.com/gpu.clique: clique-a
           network.topology.nvidia.com/block: block-1
 
-(a bare top-level list of nodes is accepted too).  What it is not: a reader
+(a bare top-level list of nodes is accepted too).  Not a reader
 of a live cluster; :mod:`.cluster_live` does that with the Kubernetes client.
 Reading the file is the only I/O here; :func:`parse_text` is pure.
 """

@@ -6,7 +6,7 @@ Node objects with the official ``kubernetes`` client (the kubeconfig found by
 with the converter the operator uses too (:func:`meshtrain.placement.node_from_manifest`),
 so the planner and the operator see the same allocatable GPUs and labels.
 
-What it is not: a view of what is free.  GPUs already used by running pods
+Not a view of what is free.  GPUs already used by running pods
 are not subtracted: the plan answers "where would this job go on an empty
 cluster of this shape".
 """

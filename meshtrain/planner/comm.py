@@ -1,6 +1,6 @@
 """Communication model: the collectives one rank runs per optimizer step, and their bytes.
 
-What it is: an enumeration, per pipeline stage, of every collective the
+An enumeration, per pipeline stage, of every collective the
 trainer's engine issues in one step (group, op, calls, payload bytes), built
 from the model shape, the layout and the precision scheme.  It follows what
 :mod:`meshtrain.trainer.parallel` does, call for call, so that a test can

@@ -1,6 +1,6 @@
 """Time model: alpha-beta communication, FLOP-based compute, pipeline bubble, step time.
 
-What it is: pure functions that price the collectives of :mod:`.comm` on the
+Pure functions that price the collectives of :mod:`.comm` on the
 link each process group uses and the FLOPs of each stage on the device's
 achievable FLOP/s, and put them together into a predicted step time:
 
@@ -21,8 +21,8 @@ achievable FLOP/s, and put them together into a predicted step time:
 
 The computation-to-communication ratio compares compute seconds with the
 sum of all collective seconds of the busiest rank; below 1 the job is
-communication-bound.  What it is not: a simulator of overlap inside a step,
-or a measurement.  No torch, no I/O.
+communication-bound.  Not a simulator of overlap inside a step,
+or a measurement.
 """
 
 from __future__ import annotations

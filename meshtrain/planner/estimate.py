@@ -1,9 +1,9 @@
 """The whole plan of one TrainingJob on one device profile (and optionally a cluster).
 
-What it is: :func:`make_plan`, which runs the memory, communication and time
+:func:`make_plan`, which runs the memory, communication and time
 models and, given cluster nodes, the operator's placement planner, and
 returns one :class:`Plan` value that :mod:`.report` prints and
-:mod:`.admission` summarises.  What it is not: a printer or a reader of
+:mod:`.admission` summarises.  Not a printer or a reader of
 files; it works on values only.
 """
 
@@ -61,7 +61,6 @@ class Plan:
     """Everything the planner predicts for a job."""
 
     job: api_spec.TrainingJobSpec
-    """The job planned."""
     profile: profiles.Profile
     """Device profile used."""
     precision: str

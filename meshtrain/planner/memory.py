@@ -1,6 +1,6 @@
 """Memory model: parameters and bytes per GPU by component for a TrainingJob layout.
 
-What it is: pure arithmetic on the model shape and the layout.
+Pure arithmetic on the model shape and the layout.
 
 * Parameter counts of meshtrain's GPT (:mod:`meshtrain.trainer.model`: untied
   token embedding, learned positions, pre-norm blocks without biases in the
@@ -14,8 +14,8 @@ What it is: pure arithmetic on the model shape and the layout.
   et al. 2022, adapted to this model) times the micro-batches a stage keeps
   in flight under the chosen pipeline schedule.
 
-docs/planner.md states every formula and its source.  What it is not: a
-measurement.  No torch import, no I/O.
+docs/planner.md states every formula and its source.  Not a
+measurement.
 """
 
 from __future__ import annotations
@@ -292,7 +292,6 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        """All components."""
         return self.weights + self.grads + self.optimizer + self.activations
 
 

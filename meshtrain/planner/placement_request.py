@@ -1,10 +1,10 @@
-"""Build a :class:`~model.PlacementRequest` from a TrainingJob spec.
+"""Build a :class:`~values.PlacementRequest` from a TrainingJob spec.
 
-What it is: the bridge from the typed spec (:mod:`meshtrain.api.spec`) to the
+The bridge from the typed spec (:mod:`meshtrain.api.spec`) to the
 planner's plain request.  The bytes per step that placement weighs come from
 the planner's communication model (:func:`meshtrain.planner.comm.placement_traffic`),
 the same model that ``meshtrain plan`` reports and that tests hold equal to
-the bytes the trainer measures.  What it is not: it does not validate the spec
+the bytes the trainer measures.  It does not validate the spec
 (the spec rules do) and does not plan.
 
 Placement happens on a GPU cluster, so ``precision: auto`` is priced as bf16
@@ -15,16 +15,16 @@ stages), which is how the trainer runs there.
 from __future__ import annotations
 
 from meshtrain.api import spec as api_spec
-from meshtrain.placement import model
+from meshtrain.placement import values
 from meshtrain.planner import comm, memory
 
 
-def request_from_spec(job: api_spec.TrainingJobSpec) -> model.PlacementRequest:
+def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
     """The placement request of a (validated) TrainingJob spec."""
     par = job.parallelism
     precision = "fp32" if job.training.precision == "fp32" else "bf16"
     dp_bytes, pp_bytes = comm.placement_traffic(job, memory.scheme_for(precision))
-    return model.PlacementRequest(
+    return values.PlacementRequest(
         gpus_per_node=job.resources.gpus_per_node,
         data=par.data,
         pipeline=par.pipeline,
@@ -33,7 +33,7 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> model.PlacementRequest:
         pp_bytes_per_step=pp_bytes,
         nvlink_domain_label=job.topology.nvlink_domain_label,
         levels=tuple(
-            model.FabricLevel(label=level.label, required=level.mode == "required")
+            values.FabricLevel(label=level.label, required=level.mode == "required")
             for level in job.topology.levels
         ),
         node_selector=dict(job.resources.node_selector),

@@ -1,6 +1,6 @@
 """Hardware profiles: the device figures the planner's formulas need.
 
-What it is: the :class:`Profile` value (peak FLOP/s, memory, link bandwidths
+The :class:`Profile` value (peak FLOP/s, memory, link bandwidths
 and latencies of one accelerator model) and the loader of profile YAML files.
 The built-in files live in ``meshtrain/planner/profiles/*.yaml``, one per
 device, each with a ``source:`` note naming the datasheet its figures come
@@ -9,7 +9,7 @@ directory given by ``--profiles-dir`` or the ``MESHTRAIN_PROFILES_DIR``
 environment variable (several directories separated by ``os.pathsep``); a user
 file with a built-in's name replaces the built-in.
 
-What it is not: a detector of the hardware the code runs on.  Reading the
+Not a detector of the hardware the code runs on.  Reading the
 YAML files is the only I/O here.
 """
 

@@ -1,10 +1,10 @@
 """Presenting a plan: the text report and the versioned JSON document.
 
-What it is: :func:`to_json` builds the ``meshtrain.plan/v1`` document (every
+:func:`to_json` builds the ``meshtrain.plan/v1`` document (every
 key is documented in docs/planner.md; within v1 keys are only ever added,
 never renamed or removed) and :func:`to_text` the human table printed by
-``meshtrain plan``.  What it is not: a computation; every number comes from
-the :class:`~.estimate.Plan` it is given.  No I/O.
+``meshtrain plan``.  Not a computation; every number comes from
+the :class:`~.estimate.Plan` it is given.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``python -m meshtrain.sandbox up|down|status|run-example|logs``: the sandbox's commands.
 
-What it is: argument parsing and printing; the work is in :mod:`.supervisor`
+Argument parsing and printing; the work is in :mod:`.supervisor`
 (processes) and :mod:`.example` (applying and following a job).  Make calls
 these (``make sandbox-up`` ...); nothing here is needed by the operator or
 the trainer.

@@ -1,11 +1,11 @@
 """``run-example``: apply a TrainingJob to the sandbox and follow it to the end.
 
-What it is: the README's main job on a laptop.  It makes the checkpoint
+The README's main job on a laptop.  It makes the checkpoint
 volume the example names (a PersistentVolume on a sandbox directory,
 pre-bound to the claim), ``kubectl apply``s the example, prints a line
 whenever the job's phase, step or restart count changes (like
 ``kubectl get tj -w``), and finishes with where the metrics, logs and
-timeline picture are.  What it is not: a test; tests/e2e drives the same
+timeline picture are.  Not a test; tests/e2e drives the same
 functions and asserts.
 """
 

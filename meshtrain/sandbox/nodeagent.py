@@ -1,6 +1,6 @@
 """The sandbox's node agent: stands in for the kubelet of every simulated GPU node.
 
-What it is: one process that registers the simulated nodes
+One process that registers the simulated nodes
 (:mod:`.nodes`), keeps them alive (Lease renewals in ``kube-node-lease`` and
 status heartbeats, so the node lifecycle controller never taints them), and
 runs the pods the real scheduler binds to them: the containers' commands
@@ -11,7 +11,7 @@ It reports phase, podIP, Ready and container states with exit codes
 finishes the deletion as the kubelet does.  It rewrites Prometheus's file_sd
 target list as pods come and go.
 
-What it is not: a container runtime or a real kubelet.  Images are NOT pulled;
+Not a container runtime or a real kubelet.  Images are NOT pulled;
 containers are local processes with this machine's Python and meshtrain;
 ``kubectl logs``/``exec`` cannot work (there is no kubelet API): read the log
 files, or ``python -m meshtrain.sandbox logs POD``.

@@ -1,13 +1,13 @@
 """The sandbox's simulated GPU nodes: topology and Node/Lease objects.
 
-What it is: pure builders.  :func:`topology` lays out a small fabric
+Pure builders.  :func:`topology` lays out a small fabric
 (blocks > leaves > nodes, each node with a number of GPUs) and the ``build_*``
 functions return the Node, its status and its heartbeat Lease as the kubelet
 would write them, with the labels real GPU clusters carry:
 ``network.topology.nvidia.com/block`` and ``.../leaf`` (NVIDIA's topology
 labels), ``nvidia.com/gpu.count`` and the ``nvidia.com/gpu`` capacity.
 
-What it is not: a kubelet.  No I/O: the node agent sends these objects.
+Not a kubelet.  No I/O: the node agent sends these objects.
 """
 
 from __future__ import annotations

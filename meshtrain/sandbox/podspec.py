@@ -1,6 +1,6 @@
 """Pod -> local process translation for the sandbox's node agent.
 
-What it is: pure functions that turn a Pod object (a dict as the API server
+Pure functions that turn a Pod object (a dict as the API server
 returns it) into a :class:`PodPlan`: for every container the argv, the
 environment and the working directory of a local process, plus the files and
 directories its volumes become on this machine.  Everything the kubelet and
@@ -22,7 +22,7 @@ the container runtime would provide is emulated here, with the same rules:
   IP they resolve to; a name that will resolve once its pod is placed raises
   :class:`Unresolved` so the agent retries later.
 
-What it is not: a container runtime.  No image is pulled, nothing is isolated:
+Not a container runtime.  No image is pulled, nothing is isolated:
 the processes run the command of the pod with this machine's Python and
 meshtrain.  Secrets are not supported (:class:`Unsupported`).  No I/O here:
 the agent writes the files and starts the processes.
@@ -66,7 +66,6 @@ class ContainerProcess:
     """One container as a local process."""
 
     name: str
-    """Container name."""
     argv: tuple[str, ...]
     """Command and arguments, variables expanded and paths and names rewritten."""
     env: Mapping[str, str]
@@ -88,9 +87,7 @@ class PodPlan:
     """Everything the agent needs to run one pod."""
 
     namespace: str
-    """Pod namespace."""
     name: str
-    """Pod name."""
     ip: str
     """The pod's loopback address."""
     directories: tuple[str, ...]
@@ -379,9 +376,7 @@ class PodRecord:
     """What name resolution needs to know about one pod."""
 
     namespace: str
-    """Pod namespace."""
     name: str
-    """Pod name."""
     hostname: str
     """spec.hostname (or the pod name)."""
     subdomain: str

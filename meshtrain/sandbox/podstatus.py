@@ -1,9 +1,9 @@
 """Pod status as the kubelet would report it, for the sandbox's node agent.
 
-What it is: pure builders of the ``status`` the agent writes for a pod whose
+Pure builders of the ``status`` the agent writes for a pod whose
 containers run as local processes: phase, podIP, conditions (Initialized,
 ContainersReady, Ready), container states with exit codes, and the
-``file_sd`` target list Prometheus reads.  What it is not: I/O.
+``file_sd`` target list Prometheus reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class ContainerState:
     """What the agent knows about one container process."""
 
     name: str
-    """Container name."""
     image: str
     """Image named in the pod spec (not pulled)."""
     pid: int | None

@@ -1,9 +1,9 @@
 """Process trees of the sandbox, read from /proc (Linux).
 
-What it is: finding a process's descendants (torchrun starts its workers in
+Finding a process's descendants (torchrun starts its workers in
 sessions of their own, so a process group is not enough to stop a pod), and
 finding every process a sandbox started by the marker variable the node
-agent puts in each pod process's environment.  What it is not: portable.
+agent puts in each pod process's environment.
 """
 
 from __future__ import annotations

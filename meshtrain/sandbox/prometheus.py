@@ -1,10 +1,10 @@
 """Prometheus for the sandbox: Debian's ``prometheus`` binary on a loopback port.
 
-What it is: :func:`build_config` (pure) writes the scrape configuration: the
+:func:`build_config` (pure) writes the scrape configuration: the
 trainer pods through a ``file_sd`` list the node agent rewrites as pods come
 and go (``honor_labels`` so the exporters' job/namespace/pod labels win), the
 operator's own exporter, and meshtrain's rules (``dashboards/rules.yaml``)
-when present.  :func:`command` is the command line.  What it is not: the
+when present.  :func:`command` is the command line.  Not the
 process management (see :mod:`.supervisor`) or a production setup.
 """
 

@@ -1,6 +1,6 @@
 """Bringing the sandbox up and down: one supervisor process owns every part.
 
-What it is: ``up`` starts a detached supervisor (``python -m meshtrain.sandbox
+``up`` starts a detached supervisor (``python -m meshtrain.sandbox
 serve``) and waits until it reports ready; the supervisor starts, in order,
 the control plane (etcd, kube-apiserver, kube-scheduler,
 kube-controller-manager), the chart's CRD and RBAC (``helm install`` with
@@ -9,7 +9,7 @@ with a token of the chart's ServiceAccount: the chart's RBAC is all it has),
 and Prometheus.  It records every process group in ``state.json`` so that
 ``down`` can stop it all, and check that nothing is left, even after a crash.
 
-What it is not: a daemon manager.  One sandbox per state directory.
+Not a daemon manager.  One sandbox per state directory.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
-from meshtrain.placement import cost, topology
+from meshtrain.placement import fabric_cost, topology
 from meshtrain.planner import comm, memory, placement_request
 
 BLOCK, SPINE, LEAF = (
@@ -285,16 +285,16 @@ def test_invalid_requests_are_refused() -> None:
 
 def test_pod_traffic_of_a_small_layout() -> None:
     # dp2 pp2 tp4 on 8-GPU pods: pod 0 = stage 0 (both replicas), pod 1 = stage 1; DP stays inside
-    assert cost.pod_traffic(job(data=2, pipeline=2, tensor=4)) == [(0, 1, 8 * 10.0)]
+    assert fabric_cost.pod_traffic(job(data=2, pipeline=2, tensor=4)) == [(0, 1, 8 * 10.0)]
     # dp4 pp1 tp8: a ring of 4 pods, 8 edges (one per tp index) between neighbours
-    assert cost.pod_traffic(job(data=4)) == [
+    assert fabric_cost.pod_traffic(job(data=4)) == [
         (0, 1, 8000.0),
         (0, 3, 8000.0),
         (1, 2, 8000.0),
         (2, 3, 8000.0),
     ]
     # dp2 tp8: both ring directions join the same pair
-    assert cost.pod_traffic(job(data=2)) == [(0, 1, 16000.0)]
+    assert fabric_cost.pod_traffic(job(data=2)) == [(0, 1, 16000.0)]
 
 
 def test_request_from_spec() -> None:

@@ -1,11 +1,11 @@
 """The ``meshtrain plan`` subcommand: arguments, and the glue from files to the report.
 
-What it is: :func:`configure` adds the subcommand's arguments to an
+:func:`configure` adds the subcommand's arguments to an
 ``argparse`` parser and sets its handler; :func:`run` reads the job, the
 profile and (optionally) the cluster, calls :func:`.estimate.make_plan` and
 prints :mod:`.report`'s text or JSON.  Errors (bad job, unknown profile,
 malformed cluster file, unreachable cluster) print one clear message and
-exit with status 2.  What it is not: any of the arithmetic.
+exit with status 2.  The arithmetic is in the other planner modules.
 """
 
 from __future__ import annotations

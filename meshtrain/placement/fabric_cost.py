@@ -1,9 +1,9 @@
 """The traffic and cost model of a placement.
 
-What it is: which pods talk to which and how many bytes per optimizer step
+Which pods talk to which and how many bytes per optimizer step
 (derived from the fixed rank layout of :mod:`meshtrain.layout`), the price of
 those bytes given the nodes the pods sit on, and the formulas that turn a
-model shape into bytes per step.  What it is not: it chooses nothing and does
+model shape into bytes per step.  It chooses nothing and does
 not measure anything; the numbers are a model (see docs/placement.md).
 
 Model, per optimizer step:
@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshtrain import layout
-from meshtrain.placement import model, topology
+from meshtrain.placement import topology, values
 
 Edge = tuple[int, int, float]
 """Traffic between two pods: (lower pod index, higher pod index, bytes per step)."""
 
 
-def pod_traffic(request: model.PlacementRequest) -> list[Edge]:
+def pod_traffic(request: values.PlacementRequest) -> list[Edge]:
     """Bytes per step between every pair of pods that talk, in pod order."""
     grid = layout.ParallelLayout(
         data=request.data, pipeline=request.pipeline, tensor=request.tensor
