@@ -1,8 +1,8 @@
 """Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap.
 
-What it is: pure ``build_*`` functions from a job (its identity, validated
+Pure ``build_*`` functions from a job (its identity, validated
 spec, gang attempt and planned nodes) to plain dict manifests, each with an
-owner reference to the job.  What it is not: nothing here creates, patches or
+owner reference to the job.  Nothing here creates, patches or
 reads objects (see ``kube``), chooses nodes (see ``placement``) or decides
 when a gang is (re)built (see ``lifecycle``).
 

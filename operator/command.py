@@ -1,10 +1,9 @@
 """``meshtrain operator``: the command-line entry of the operator process.
 
-What it is: :func:`add_parser` (the subcommand's flags, registered by
+:func:`add_parser` (the subcommand's flags, registered by
 ``meshtrain.cli``) and :func:`run`, which configures JSON logging, starts the
 metrics endpoint and runs kopf with the handlers of :mod:`handlers`
-(namespaces or cluster-wide, liveness endpoint, leader election).  What it is not:
-the handlers or any reconcile logic.
+(namespaces or cluster-wide, liveness endpoint, leader election).  Not the handlers or any reconcile logic.
 """
 
 from __future__ import annotations

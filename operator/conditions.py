@@ -1,8 +1,8 @@
 """Condition types and reasons of a TrainingJob, and the one function that sets one.
 
-What it is: the constants every other module uses for ``status.conditions``
+The constants every other module uses for ``status.conditions``
 and :func:`set`, which returns a new condition list where ``lastTransitionTime``
-changes only when a condition's status changes.  What it is not: it decides
+changes only when a condition's status changes.  It decides
 nothing about when a condition changes (see ``lifecycle``).
 """
 

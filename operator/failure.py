@@ -1,10 +1,10 @@
 """Failure policy: is a pod of the gang failed, and may the gang be retried?
 
-What it is: :class:`PodState` (the few facts of a pod the lifecycle needs, read
+:class:`PodState` (the few facts of a pod the lifecycle needs, read
 from its manifest) and :func:`classify`, which says whether a pod failed and
 whether that failure is *permanent* (restarting cannot help: the job fails at
 once) or *retryable* (the gang is restarted, up to ``runPolicy.backoffLimit``).
-What it is not: it does not count restarts or act (see ``lifecycle``).
+It does not count restarts or act (see ``lifecycle``).
 
 Classification:
 
@@ -39,7 +39,6 @@ class PodState:
     """What the lifecycle needs to know about one pod."""
 
     name: str
-    """Pod name."""
     index: int
     """Node rank in the gang (label meshtrain.io/node-rank)."""
     attempt: int

@@ -1,13 +1,13 @@
 """kopf handlers of the meshtrain operator: thin wiring of watches to the reconciler.
 
-What it is: one kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
+One kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
 by events of the job, by the pod and node informers of ``informer``, or by a
 timer), a deletion handler that removes the job's children, and start-up/clean-up of
 the shared API client and of leader election (``leadership``).  Daemons are
 stopped by kopf when the job is deleted or the operator exits; in a replica
 that does not hold the Lease they wait, with its caches kept warm.
 
-What it is not: no decisions (``lifecycle``), no manifests (``builders``), no
+No decisions (``lifecycle``), no manifests (``builders``), no
 API calls of its own (``reconciler`` through ``kube``).
 """
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import conditions, failure, gangstatus, identity, progress, queueing
+from meshtrain.operator import conditions, failure, gangstatus, identity, progress_status, queueing
 
 Phase = api_spec.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
@@ -337,7 +337,7 @@ def _succeeded(
         conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now
     )
     rank0 = next(p for p in gang if p.index == 0)
-    final = progress.from_termination_message(
+    final = progress_status.from_termination_message(
         rank0.termination_message
     )  # the step /progress never saw
     return Decision(

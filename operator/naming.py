@@ -1,8 +1,8 @@
 """Names, labels and annotations the operator puts on the objects it owns.
 
-What it is: the constants and the few pure functions that name a job's
+The constants and the few pure functions that name a job's
 children (pods, headless Service, ConfigMap) and read the operator's own
-labels back.  What it is not: it builds no manifests (see ``builders``) and
+labels back.  It builds no manifests (see ``builders``) and
 talks to no API.
 """
 

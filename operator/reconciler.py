@@ -1,6 +1,6 @@
 """One reconcile pass of a TrainingJob: observe -> decide -> act.
 
-What it is: :class:`Reconciler`, which reads the job and its pods, asks
+:class:`Reconciler`, which reads the job and its pods, asks
 :func:`lifecycle.decide` what to do and performs the actions through
 :mod:`kube`.  The only decision made here is the placement step, under one
 process-wide lock: read nodes and live pods from the informer cache, judge
@@ -12,7 +12,7 @@ GPUs.  (Peering makes sure only one operator process acts at a time.)
 Status writes carry the resourceVersion they were decided on: a
 ``kube.Conflict`` ends the pass, and the next pass decides from a fresh read.
 
-What it is not: it owns no watch and no loop (see ``handlers``), and builds
+It owns no watch and no loop (see ``handlers``), and builds
 no manifest itself (see ``builders``).
 """
 
@@ -41,7 +41,7 @@ from meshtrain.operator import (
     lifecycle,
     metrics,
     naming,
-    progress,
+    progress_status,
     queueing,
     sizing,
 )
@@ -354,7 +354,7 @@ class Reconciler:
         except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
             logger.debug("progress of %s unavailable: %s", action.pod, err)
             return body, job, False
-        changes = progress.status_changes(report)
+        changes = progress_status.status_changes(report)
         if not changes:
             return body, job, False
         body, job, _ = await self._set_status(body, job, changes)

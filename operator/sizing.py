@@ -1,6 +1,6 @@
 """Admission by plan: does a TrainingJob fit the memory of the GPUs it would run on?
 
-What it is: the pure policy the operator applies before it places a gang.
+The pure policy the operator applies before it places a gang.
 
 * :func:`candidates`: the nodes a job could be placed on (they match its
   ``resources.nodeSelector`` and offer its GPU resource; cordoned nodes count,
@@ -13,7 +13,7 @@ What it is: the pure policy the operator applies before it places a gang.
   :class:`Refused` with the planner's WontFit message (and the same numbers),
   or None when there is no profile to judge by.
 
-What it is not: the arithmetic (``meshtrain.planner``), the reading of profile
+Not the arithmetic (``meshtrain.planner``), the reading of profile
 files (the reconciler resolves each node's label to a profile and passes the
 values in), or the status and Event writes (``lifecycle.wont_fit`` and the
 reconciler).

@@ -8,7 +8,15 @@ import pytest
 
 from meshtrain import cli, placement
 from meshtrain.api import loading
-from meshtrain.operator import builders, capacity, command, conditions, identity, informer, progress
+from meshtrain.operator import (
+    builders,
+    capacity,
+    command,
+    conditions,
+    identity,
+    informer,
+    progress_status,
+)
 from meshtrain.planner import profiles
 from tests.builders import JobBuilder
 
@@ -96,7 +104,7 @@ def test_progress_report_to_status():
         "last_checkpoint_step": 40,
         "updated_at": "2026-01-01T12:00:00Z",
     }
-    assert progress.status_changes(report) == {
+    assert progress_status.status_changes(report) == {
         "progress": {
             "step": 42,
             "loss": 2.5,
@@ -118,7 +126,7 @@ def test_progress_report_to_status():
     ],
 )
 def test_unusable_progress_reports_change_nothing(report):
-    assert progress.status_changes(report) == {}
+    assert progress_status.status_changes(report) == {}
 
 
 def test_operator_cli_flags():

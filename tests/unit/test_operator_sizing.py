@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
-from meshtrain.operator import progress, sizing
+from meshtrain.operator import progress_status, sizing
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodes as sandbox_nodes
 from tests.builders import JobBuilder
@@ -182,4 +182,4 @@ def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
     ],
 )
 def test_final_progress_from_the_termination_message(message, expected):
-    assert progress.from_termination_message(message) == expected
+    assert progress_status.from_termination_message(message) == expected

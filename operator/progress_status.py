@@ -1,6 +1,6 @@
 """Rank 0's training progress report -> TrainingJob status fields.
 
-What it is: :func:`status_changes`, a pure translation of the JSON that the
+:func:`status_changes`, a pure translation of the JSON that the
 trainer's exporter serves at ``GET /progress`` (``step``, ``loss``,
 ``tokens_per_second``, ``last_checkpoint_step``, ``updated_at``) into the
 status fields ``progress`` and ``lastCheckpointStep``; and
@@ -9,7 +9,7 @@ document that rank 0 writes to ``$MESHTRAIN_TERMINATION_LOG`` at the end of a
 successful run (the kubelet reports it as the container's
 ``state.terminated.message``), so the status of a finished job shows its last
 step even though the last poll came before it.  Malformed values are
-dropped, never raised.  What it is not: the HTTP request (see ``kube``) or the
+dropped, never raised.  Not the HTTP request (see ``kube``) or the
 polling schedule (see ``reconciler``).
 """
 
