@@ -15,7 +15,7 @@ What it is:
   contiguous slice of it and splits that into micro-batches.  Its position
   (the next step) is saved and restored with ``state_dict``.
 
-What it is not: a tokenizer, a shuffling epoch loader or a prefetching
+Not a tokenizer, a shuffling epoch loader or a prefetching
 worker pool; the reads are tiny next to a training step.
 """
 

@@ -1,6 +1,6 @@
 """The training engine: one optimizer step of this rank, from batch to updated weights.
 
-What it is: :class:`Engine`, built from a validated TrainingJob spec and the
+:class:`Engine`, built from a validated TrainingJob spec and the
 process-group mesh.  Every rank builds the same dense model from the seed
 (so any layout starts from the same weights), hands it to
 :func:`~meshtrain.trainer.parallel.parallelize.parallelize`, and then runs
@@ -12,9 +12,9 @@ step's mean loss.  Telemetry is timed with one clock chosen from the device
 wrapped in a :class:`~.parallel.recording.DeferredRecorder` that reads them
 after the step.
 
-What it is not: process management (:mod:`.launch`, :mod:`.worker`),
-logging to files (:mod:`.steplog`) or checkpointing (later issue; the state
-to save is the chunks' parameters, the optimizer and ``sampler.state_dict()``).
+Process management (:mod:`.launch`, :mod:`.worker`), the step log
+(:mod:`.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
+chunks' parameters, the optimizer and ``sampler.state_dict()``) live elsewhere.
 """
 
 from __future__ import annotations

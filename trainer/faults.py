@@ -1,10 +1,10 @@
 """Fault injection for testing failure handling: ``MESHTRAIN_FAULT_INJECT=rank:step``.
 
-What it is: :func:`maybe_fail`, called by the worker before each step; when
+:func:`maybe_fail`, called by the worker before each step; when
 the variable names this rank and step, the process dies at once (exit code
 :data:`EXIT_CODE`, no cleanup), as a crashed GPU or a killed pod would.
 
-What it is not: a chaos framework; one rank, one step, one way to die.
+Not a chaos framework; one rank, one step, one way to die.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``meshtrain run``: train a TrainingJob on this machine with one process per rank.
 
-What it is: :func:`run_local`.  It validates the spec and the dataset before
+:func:`run_local`.  It validates the spec and the dataset before
 any process starts (an invalid spec is refused with the lead's field-naming
 message), prepares the default corpus once, then starts ``world_size``
 processes of ``python -m meshtrain.trainer`` with torchrun's environment
@@ -17,7 +17,7 @@ Own spawner rather than ``torch.distributed.run``: the agent's restart and
 rendezvous machinery is what the operator does in a cluster; here we want
 the opposite (fail fast, one log per rank, a progress bar).
 
-What it is not: the Kubernetes path (pods run ``torchrun ... -m
+Not the Kubernetes path (pods run ``torchrun ... -m
 meshtrain.trainer`` directly) or the training itself (:mod:`.worker`).
 """
 

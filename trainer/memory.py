@@ -1,6 +1,6 @@
 """Memory accounting: bytes of weights, gradients and optimizer state one rank really holds.
 
-What it is: :func:`measure`, which walks the tensors that exist on this rank
+:func:`measure`, which walks the tensors that exist on this rank
 (parameters, gradient buffers of the data-parallel reducer or ``.grad``,
 the optimizer's state) and adds up their storage, each storage counted once,
 and :class:`MemoryReport`, which sets the result beside the ZeRO paper's
@@ -13,7 +13,7 @@ moments before the first step, ``.grad`` without a reducer before the first
 backward) counts only once it exists.  The checkpointer creates AdamW's state
 up front, so after start-up only the no-DP gradients are missing.
 
-What it is not: a CUDA allocator profile (activations, workspace and
+Not a CUDA allocator profile (activations, workspace and
 fragmentation are outside this; ``torch.cuda.max_memory_allocated`` covers those).
 """
 

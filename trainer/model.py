@@ -1,6 +1,6 @@
 """The GPT-style decoder that meshtrain trains, and its own accounting.
 
-What it is: token + position embeddings, ``layers`` pre-norm blocks (causal
+Token + position embeddings, ``layers`` pre-norm blocks (causal
 self-attention through ``F.scaled_dot_product_attention``, then a GELU MLP), a
 final LayerNorm and an untied LM head.  It also counts its parameters and its
 training FLOPs per token (see docs/trainer.md for the formula).
@@ -12,8 +12,8 @@ its weights piece by piece: a rank materialises just the tensors it keeps,
 one at a time (:func:`materialize`, :func:`dense_value`), and every layout
 still starts from the same weights as a single device.
 
-What it is not: distributed.  This module imports only torch.  Tensor,
-pipeline and data parallelism are applied from outside by
+Imports only torch (an import contract) and knows nothing of distribution:
+tensor, pipeline and data parallelism are applied from outside by
 :mod:`meshtrain.trainer.parallel`, which swaps the linear and embedding
 modules for sharded ones and drops the parts a pipeline stage does not own
 (an absent part is ``None`` and :meth:`GPT.forward` skips it).  The attention

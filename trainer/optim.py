@@ -1,6 +1,6 @@
 """Optimizer pieces: AdamW groups, the learning-rate schedule, global-norm clipping.
 
-What it is: :func:`build_adamw` (``torch.optim.AdamW``; no weight decay on
+:func:`build_adamw` (``torch.optim.AdamW``; no weight decay on
 1-D parameters such as norms), :func:`lr_at` (linear warmup, then cosine
 decay to the minimum), and :func:`clip_grad_norm`, which computes the true
 norm of the whole model's gradient when it is spread over tensor- and
@@ -10,8 +10,8 @@ tensor rank 0, and data-parallel replicas (identical after the reduction)
 are not summed.  Scaling uses ``torch.nn.utils.clip_grad_norm_``'s rule so a
 single device gives the same result.
 
-What it is not: a sharded (ZeRO) optimizer; that comes later and changes
-only which gradient elements a rank counts.
+ZeRO sharding of the Adam state is :mod:`.parallel.zero`; it changes only
+which gradient elements a rank counts.
 """
 
 from __future__ import annotations

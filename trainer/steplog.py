@@ -30,7 +30,6 @@ class StepLog:
         self._file.flush()
 
     def close(self) -> None:
-        """Close the file."""
         self._file.close()
 
 

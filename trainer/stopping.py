@@ -13,7 +13,7 @@ every rank reads the same sum and the run stops after the same step on all
 of them, which is what a collective checkpoint needs.
 
 A stopped rank exits with :data:`meshtrain.api.exitcodes.STOPPED` (143 = 128 +
-SIGTERM), never 0: a pod stopped this way must not read as finished.  What it is not: a
+SIGTERM), never 0: a pod stopped this way must not read as finished.  Not a
 checkpoint policy (the worker saves) or a launcher's signal handling
 (:mod:`.launch`).
 """

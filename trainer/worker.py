@@ -1,6 +1,6 @@
 """One training process: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`).
 
-What it is: reads the spec (``--spec`` or ``$MESHTRAIN_SPEC_FILE``), applies
+Reads the spec (``--spec`` or ``$MESHTRAIN_SPEC_FILE``), applies
 ``--set`` overrides, joins the process group from torchrun's environment
 (``WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT``), builds the
 mesh and the :class:`~meshtrain.trainer.engine.Engine`, and trains.  Rank 0
@@ -27,7 +27,7 @@ with code 2, 3 or 4 writes ``{"exitCode": N, "message": ...}`` there instead:
 torchrun exits 1 for any failed worker, and this report is how the code's
 class reaches the operator.
 
-What it is not: a launcher; it never starts other processes.
+Not a launcher; it never starts other processes.
 """
 
 from __future__ import annotations

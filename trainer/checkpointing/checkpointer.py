@@ -1,6 +1,6 @@
 """When to save, and resuming at start: the checkpoint policy the worker calls.
 
-What it is: :class:`Checkpointer`, built around a running
+:class:`Checkpointer`, built around a running
 :class:`~meshtrain.trainer.engine.Engine`.  :meth:`Checkpointer.restore`
 (at start, every rank) loads the newest complete checkpoint under
 ``spec.checkpoint.path`` and puts the engine at the step after it;
@@ -16,7 +16,7 @@ the save of step ``STEP`` after every rank's data is written and before the
 checkpoint is published: ``die`` (default) exits at once with code 17,
 ``pause`` prints a line and sleeps so a test can SIGKILL the run there.
 
-What it is not: the file format (:mod:`.state`) or the directory protocol (:mod:`.store`).
+Not the file format (:mod:`.state`) or the directory protocol (:mod:`.store`).
 """
 
 from __future__ import annotations

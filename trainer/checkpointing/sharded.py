@@ -1,6 +1,6 @@
 """Layout-independent tensors for DCP: each rank's pieces of a logical (dense) tensor.
 
-What it is: the mapping from what a rank holds to where it sits in the
+The mapping from what a rank holds to where it sits in the
 dense, unsharded tensor of the same name.  A rank's parameter may be a
 tensor-parallel shard (rows or columns of the dense matrix; for the fused
 QKV weight, one row block of each of q, k and v), and under ZeRO its
@@ -17,7 +17,7 @@ It implements DCP's checkpointable protocol (``__create_write_items__``,
 but with any number of rectangular pieces per rank, which a flat ZeRO range
 of a 2-D shard needs (a partial first row, whole rows, a partial last row).
 
-What it is not: a tensor you compute with; every op on it raises.
+Not a tensor you compute with; every op on it raises.
 """
 
 from __future__ import annotations

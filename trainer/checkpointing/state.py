@@ -1,6 +1,6 @@
 """What a meshtrain checkpoint holds, and saving/loading it with ``torch.distributed.checkpoint``.
 
-What it is: :func:`state_dict`, which describes a rank's training state as
+:func:`state_dict`, which describes a rank's training state as
 DCP entries keyed by *dense* names, layout-independent:
 
 * ``model.<param>``: the parameter, e.g. ``model.blocks.3.attn.qkv.weight``
@@ -20,7 +20,7 @@ directory.  Because every entry is a piece of a dense tensor, DCP's load plan
 reads each rank's pieces from whatever pieces were written: any (dp, pp,
 tp, zero) layout loads any other.
 
-What it is not: the directory protocol (:mod:`.store`) or the policy of when
+Not the directory protocol (:mod:`.store`) or the policy of when
 to save (:mod:`.checkpointer`).
 """
 

@@ -1,6 +1,6 @@
 """The checkpoint directory on disk: naming, atomic publish, the COMPLETE marker, discovery, pruning.
 
-What it is: plain file-system logic, no process groups and no tensors.  A
+Plain file-system logic, no process groups and no tensors.  A
 checkpoint directory (``spec.checkpoint.path``) holds::
 
     step-00000040/          a published checkpoint
@@ -16,7 +16,7 @@ systems, so a process killed at any point leaves either no ``step-`` directory
 or a complete one: a ``step-`` directory without a valid marker is therefore
 not an interrupted save but damage, and is reported as such.
 
-What it is not: the contents of a checkpoint (:mod:`.state`) or DCP calls.
+Not the contents of a checkpoint (:mod:`.state`) or DCP calls.
 """
 
 from __future__ import annotations
@@ -74,9 +74,7 @@ class Published:
     """A published checkpoint found on disk."""
 
     step: int
-    """Its step."""
     path: Path
-    """Its directory."""
 
 
 def step_dir_name(step: int) -> str:

@@ -1,6 +1,6 @@
 """Timestamps for step telemetry: host seconds on CPU, GPU-timeline seconds on CUDA.
 
-What it is: the clock the engine reads around every forward, backward,
+The clock the engine reads around every forward, backward,
 pipeline wait and collective it reports to the
 :class:`~meshtrain.trainer.parallel.recording.StepRecorder`; the engine owns
 one, chosen by :func:`for_device`.
@@ -28,7 +28,7 @@ NCCL's internal stream, and an event recorded after it is the end on the GPU.
 The compute stream waits for the side stream only where the result is needed
 (:meth:`DeviceLaunch.wait`, from ``GradReducer.finish``).
 
-What it is not: the step's wall time (the engine reads ``perf_counter``
+Not the step's wall time (the engine reads ``perf_counter``
 around the whole step, which ends with a host sync), checkpoint timing, or a
 recorder.
 """

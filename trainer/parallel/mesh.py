@@ -1,6 +1,6 @@
 """Process groups: the default group from torchrun's environment and the (pp, dp, tp) mesh.
 
-What it is: :func:`init_process_group` (gloo on CPU, NCCL on GPU, with a
+:func:`init_process_group` (gloo on CPU, NCCL on GPU, with a
 timeout so a dead peer turns into an error rather than a hang) and
 :func:`build_mesh`, which creates the DeviceMesh of shape
 ``(pipeline, data, tensor)`` named ``("pp", "dp", "tp")``.  Row-major order
@@ -8,7 +8,7 @@ over that shape gives exactly DESIGN's ``rank = (pp*data + dp)*tensor + tp``;
 :class:`Mesh` checks it against :mod:`meshtrain.layout` and adds a second
 pipeline group so activations and gradients travel on separate channels.
 
-What it is not: the rank arithmetic itself (that is
+Not the rank arithmetic itself (that is
 :class:`meshtrain.layout.ParallelLayout`, pure and shared with the operator).
 """
 

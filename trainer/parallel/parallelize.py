@@ -1,6 +1,6 @@
 """``parallelize``: turn a dense GPT into this rank's share of a dp x pp x tp job.
 
-What it is: the one function that composes the parallelisms, in this order:
+The one function that composes the parallelisms, in this order:
 
 0. The dense model may be on the ``meta`` device (shapes only): each
    parameter gets its weights when a step below needs them, so a rank never
@@ -20,7 +20,7 @@ What it is: the one function that composes the parallelisms, in this order:
 Precision is not a module transform here: weights stay fp32 (master
 weights) and bf16 is an autocast context the executor enters (GPU only).
 
-What it is not: model construction (:mod:`meshtrain.trainer.model`) or the
+Not model construction (:mod:`meshtrain.trainer.model`) or the
 training loop (:mod:`meshtrain.trainer.engine`).
 """
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism: splitting the model into stages and running a schedule.
 
-What it is: :func:`split_model` cuts a :class:`~meshtrain.trainer.model.GPT`
+:func:`split_model` cuts a :class:`~meshtrain.trainer.model.GPT`
 into this rank's chunks (balanced blocks; embeddings on the first virtual
 stage, final norm and head on the last), and :class:`PipelineExecutor`, which
 walks the action list of :mod:`.schedules` for one optimizer step.  Forwards
@@ -22,7 +22,7 @@ on CUDA);
 before each backward the executor tells the gradient reducer whether it is
 the chunk's last one in the step (only then are gradients reduced).
 
-What it is not: a schedule generator (:mod:`.schedules`) or a tensor-parallel
+Not a schedule generator (:mod:`.schedules`) or a tensor-parallel
 layer; it treats chunks as opaque modules.  Why not
 ``torch.distributed.pipelining``: see docs/trainer.md.
 """

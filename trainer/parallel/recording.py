@@ -1,6 +1,6 @@
 """The engine's one telemetry interface: what happened, when, during a step.
 
-What it is: the :class:`StepRecorder` protocol the engine calls around every
+The :class:`StepRecorder` protocol the engine calls around every
 micro-batch forward/backward, every pipeline wait, every collective and at
 the end of each optimizer step; a no-op :class:`NullRecorder`;
 :class:`MemoryRecorder`, which keeps the events in lists (tests, summaries);
@@ -21,7 +21,7 @@ Times, as every recorder receives them, are seconds on this process'
   ``step_end``.  ``step_start``'s time and ``step_end``'s seconds are host
   time on both.
 
-What it is not: an exporter.  Prometheus metrics, the step log and the
+Not an exporter.  Prometheus metrics, the step log and the
 timeline live in :mod:`meshtrain.trainer.telemetry`, which implements this
 protocol (or wraps :class:`MemoryRecorder`).  Calls may come from a
 communication or autograd thread (collective completion, gradient hooks), so

@@ -1,6 +1,6 @@
 """Data parallelism: bucketed gradient reduction overlapped with backward.
 
-What it is: :class:`GradReducer`.  At construction it packs the parameters,
+:class:`GradReducer`.  At construction it packs the parameters,
 in reverse registration order (roughly the order backward produces their
 gradients), into buckets of about ``bucket_mb`` MiB and makes every ``.grad``
 a view into its bucket's flat buffer, so reducing a bucket is one collective
@@ -20,7 +20,7 @@ overrides it with a reduce-scatter of the bucket (each rank keeps its shard)
 and :meth:`finish` accordingly; ZeRO-1 keeps the all-reduce and shards only
 the optimizer state.
 
-What it is not: the optimizer, or the tensor-parallel reductions (those are
+Not the optimizer, or the tensor-parallel reductions (those are
 in :mod:`.tensor`).  It assumes each parameter is used once per forward (no
 weight tying), which holds for meshtrain's GPT.
 """
@@ -155,6 +155,5 @@ class GradReducer:
             bucket.buffer.zero_()
 
     def remove(self) -> None:
-        """Remove the hooks."""
         for hook in self._hooks:
             hook.remove()

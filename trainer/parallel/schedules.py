@@ -1,14 +1,14 @@
 """Pipeline schedules as pure data: the ordered actions of one stage in one step.
 
-What it is: :func:`actions` turns (schedule, stages p, virtual stages v,
+:func:`actions` turns (schedule, stages p, virtual stages v,
 micro-batches m, stage s) into the list of :class:`Action` that stage ``s``
 runs, in order; :func:`bubble_ratio` gives the theoretical idle share
 ``(p - 1) / (v * m + p - 1)``; :func:`simulate` replays all stages' lists with
 unit-cost forward/backward to check that they can run together (no deadlock,
 dependencies respected).
 
-What it is not: an executor.  No tensors, no processes: the executor in
-:mod:`.pipeline` walks these lists and does the point-to-point traffic.
+No tensors, no processes: the executor in :mod:`.pipeline` walks these lists
+and does the point-to-point traffic.
 
 Chunks: stage ``s`` holds ``v`` model chunks; chunk ``c`` is virtual stage
 ``c * p + s`` (Megatron's interleaving), so activations go round the ring

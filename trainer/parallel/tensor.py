@@ -1,6 +1,6 @@
 """Tensor parallelism: Megatron-style sharded layers and the rules to apply them.
 
-What it is: four autograd functions that move activations in and out of the
+Four autograd functions that move activations in and out of the
 tensor-parallel region (copy / reduce, and their sequence-parallel variants
 gather / reduce-scatter along the sequence), the layers built on them
 (column- and row-parallel linear, vocabulary-parallel embedding, a
@@ -15,7 +15,7 @@ engine's clock (:mod:`.clocks`) and reports it to the
 that is why meshtrain has its own layers instead of
 ``torch.distributed.tensor.parallel`` (see docs/trainer.md).
 
-What it is not: process-group setup (:mod:`.mesh`) or gradient reduction
+Not process-group setup (:mod:`.mesh`) or gradient reduction
 across data-parallel replicas (:mod:`.reducer`).
 """
 

@@ -26,7 +26,7 @@ the weights *are* the fp32 master copy: ZeRO-1 here shards the Adam moments
 (the master weights have no separate copy to shard), and the measured bytes
 follow 4 + 4 + 8/N (stage 1) and 4 + (4 + 8)/N (stage 2) per parameter.
 
-What it is not: ZeRO-3 (parameters stay replicated), or the checkpoint
+Not ZeRO-3 (parameters stay replicated), or the checkpoint
 format (:mod:`meshtrain.trainer.checkpointing` saves the owned moments under
 their dense parameter names, so any layout can load them).
 """

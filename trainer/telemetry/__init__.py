@@ -1,6 +1,6 @@
 """Trainer observability: what a step cost, where the time went, and how it is shown.
 
-What it is: a :class:`~meshtrain.trainer.parallel.recording.StepRecorder`
+A :class:`~meshtrain.trainer.parallel.recording.StepRecorder`
 implementation (:mod:`.recorder`) that summarises every step
 (:mod:`.stepstats`: measured vs theoretical pipeline bubble, exposed
 communication, bus bandwidth, MFU), a per-rank Prometheus exporter with the
@@ -9,7 +9,7 @@ trace (:mod:`.steplog`) and the pipeline timeline picture (:mod:`.timeline`,
 ``meshtrain timeline``).  The trainer builds it in one place with
 :func:`make_recorder`.
 
-What it is not: a timer wrapped around the engine.  The engine reports events;
+Not a timer wrapped around the engine.  The engine reports events;
 nothing here patches it.  See docs/telemetry.md.
 """
 

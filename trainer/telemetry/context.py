@@ -1,10 +1,10 @@
 """Plain values shared by the telemetry modules: who a rank is, what it holds.
 
-What it is: :class:`RankIdentity` (the labels of every metric a rank
+:class:`RankIdentity` (the labels of every metric a rank
 exports, read from the operator's environment variables), :class:`MemorySample`
-and the :class:`Sink` protocol that the exporter and the step log implement.
+and the :class:`Sink` protocol that the exporter, the progress document and the trace implement.
 
-What it is not: anything with I/O beyond reading the environment.
+Reads nothing but the environment.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Prometheus exporter of one rank, and the /progress endpoint of global rank 0.
 
-What it is: :class:`Exporter`, a :class:`~.context.Sink` that turns each
-step's :class:`~.stepstats.StepStats` into Prometheus metrics (names fixed by
-DESIGN.md and listed in docs/telemetry.md) in its own registry, and serves
+:class:`Exporter`, a :class:`~.context.Sink` that turns each
+step's :class:`~.stepstats.StepStats` into Prometheus metrics (names
+listed in docs/telemetry.md) in its own registry, and serves
 them over HTTP on ``metrics.port + local_rank``: one small server per rank, so
 a pod with g GPUs exposes ports ``port .. port + g - 1``, bound to
 ``$MESHTRAIN_METRICS_HOST`` (default ``0.0.0.0``).  Global rank 0 also
 answers ``GET /progress`` with JSON ``{step, loss, tokens_per_second,
 last_checkpoint_step, updated_at}`` for the operator.
 
-What it is not: a push client or an aggregator.  Every metric carries the
+Not a push client or an aggregator.  Every metric carries the
 rank's labels (job, namespace, pod, rank, dp, pp, tp); sums and quantiles
 across ranks are PromQL's job (dashboards/).  Scrape with ``honor_labels:
 true`` so that the exporter's ``job``/``namespace``/``pod`` labels win over the

@@ -1,6 +1,6 @@
 """What global rank 0 tells the operator: the progress document and its final copy.
 
-What it is: :class:`Progress`, a :class:`~.context.Sink` that keeps the JSON
+:class:`Progress`, a :class:`~.context.Sink` that keeps the JSON
 document ``{step, loss, tokens_per_second, last_checkpoint_step,
 updated_at}`` up to date (the exporter serves it at ``GET /progress``), and
 :func:`write_termination_log`, which writes that document once, at the end
@@ -12,7 +12,7 @@ Only at success: a failed rank leaves the file empty, so a pod with
 ``terminationMessagePolicy: FallbackToLogsOnError`` still reports the end of
 its log.
 
-What it is not: an HTTP server (:mod:`.exporter` serves the document) or a
+Not an HTTP server (:mod:`.exporter` serves the document) or a
 checkpoint policy (the worker reports published checkpoints).
 """
 

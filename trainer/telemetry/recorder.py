@@ -1,6 +1,6 @@
 """The trainer's telemetry recorder: the engine's :class:`StepRecorder`, made useful.
 
-What it is: :class:`TelemetryRecorder` collects one rank's timing events of a
+:class:`TelemetryRecorder` collects one rank's timing events of a
 step (the engine calls it around every micro-batch, wait and collective),
 summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
 the summary to its sinks: the Prometheus exporter (:mod:`.exporter`) and the
@@ -8,7 +8,7 @@ step log and event trace (:mod:`.trace`).  :func:`make_recorder` builds the
 whole thing from a spec, the layout and a rank: the trainer's single point of
 construction.
 
-What it is not: a timer.  The engine measures; this module never wraps or
+Not a timer.  The engine measures; this module never wraps or
 patches engine code.  The per-event calls only append to a list under a lock
 (they may come from a communication thread); all arithmetic and I/O happen
 once per step in ``step_end``.

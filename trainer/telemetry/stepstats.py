@@ -1,12 +1,12 @@
 """Pure arithmetic on one step's timing events: bubble, exposed comm, bandwidth, MFU.
 
-What it is: the definitions behind every number the trainer reports about a
+The definitions behind every number the trainer reports about a
 step, as functions of plain values (the :class:`~meshtrain.trainer.parallel.recording.Event`
 list of one rank and a few facts about the job).  Unit-tested without torch
 processes or clocks.
 
-What it is not: a recorder or an exporter.  :mod:`.recorder` collects the
-events and calls :func:`summarise`; :mod:`.exporter` and :mod:`.steplog`
+Not a recorder or an exporter.  :mod:`.recorder` collects the
+events and calls :func:`summarise`; :mod:`.exporter` and :mod:`.trace`
 publish the result.
 
 Definitions (docs/telemetry.md explains them with a figure):

@@ -1,6 +1,6 @@
 """The pipeline timeline picture of one measured step (``meshtrain timeline``).
 
-What it is: reads a run's event traces (``DIR/trace/rank-N.jsonl``, written
+Reads a run's event traces (``DIR/trace/rank-N.jsonl``, written
 by :mod:`.steplog`), picks one step and draws it like the GPipe and Megatron
 figures: one row per pipeline stage, a block per forward and per backward of
 each micro-batch (labelled with the micro-batch number; forward and backward
@@ -9,7 +9,7 @@ idle time left as grey gaps, and the data-parallel gradient buckets on rows
 of their own.  The title compares the measured bubble of every stage with
 the theoretical one.
 
-What it is not: a profiler viewer.  It shows the ranks of data-parallel
+Not a profiler viewer.  It shows the ranks of data-parallel
 replica 0 and tensor shard 0 (one rank per stage); stages are aligned by the
 wall clock each rank stamped on its step.
 """
@@ -62,13 +62,11 @@ class StepView:
     """One step of one pipeline, ready to draw."""
 
     step: int
-    """Optimizer step."""
     title: str
     """Figure title with measured and theoretical bubble."""
     rows: list[str]
     """Row labels, top to bottom."""
     blocks: list[Block]
-    """Every block."""
     seconds: float
     """Span of the step over all stages."""
     bubble: dict[int, float]
