@@ -1,6 +1,6 @@
 """Benchmark: bucketed gradient all-reduce vs one all-reduce per parameter tensor.
 
-What it is: on ``--world`` local gloo ranks, a GPT with 101 parameter
+On ``--world`` local gloo ranks, a GPT with 101 parameter
 tensors (12 blocks, hidden 128) runs forward + backward + gradient
 reduction with meshtrain's :class:`~meshtrain.trainer.parallel.reducer.GradReducer`
 in three settings, interleaved step by step so machine noise hits all alike:
@@ -10,7 +10,7 @@ It prints the median step time and collectives per step and writes
 ``benchmarks/results/allreduce_buckets-<host>.json``.  Target: bucketed
 <= 0.7 x per-tensor step time.
 
-What it is not: a network benchmark; on one machine gloo's per-collective
+Not a network benchmark; on one machine gloo's per-collective
 latency dominates, which is exactly what bucketing removes.
 
     python benchmarks/bench_allreduce_buckets.py [--world 2] [--steps 20]

@@ -15,7 +15,7 @@ What it is, in two parts, on local gloo ranks:
 
 Prints both tables and writes ``benchmarks/results/checkpoint-<host>.json``.
 
-What it is not: a storage benchmark (the checkpoint goes to a local temporary
+Not a storage benchmark (the checkpoint goes to a local temporary
 directory; a PVC over the network will be slower).
 
     python benchmarks/bench_checkpoint.py [--preset 125m] [--steps 20] [--intervals 10 5 2 1]

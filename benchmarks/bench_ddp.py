@@ -1,6 +1,6 @@
 """Benchmark: meshtrain's data-parallel reducer vs ``torch.nn.parallel.DistributedDataParallel``.
 
-What it is: on ``--world`` local gloo ranks, two identical copies of a GPT
+On ``--world`` local gloo ranks, two identical copies of a GPT
 (8 blocks, hidden 256) train side by side on the same batches, one with
 meshtrain's :class:`~meshtrain.trainer.parallel.reducer.GradReducer` and one
 wrapped in DDP, both with 25 MiB buckets and AdamW; steps alternate between
@@ -8,7 +8,7 @@ the two so machine noise hits both alike.  It checks that both give the same
 weights, prints median step times and writes
 ``benchmarks/results/ddp-<host>.json``.  Target: meshtrain <= 1.05 x DDP.
 
-What it is not: the full engine (no pipeline executor, clipping or data
+Not the full engine (no pipeline executor, clipping or data
 loader): only the data-parallel part differs between the two sides.
 
     python benchmarks/bench_ddp.py [--world 2] [--steps 20]

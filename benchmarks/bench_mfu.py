@@ -1,6 +1,6 @@
 """Benchmark: tokens/s and model FLOPs utilisation of the engine on one GPU (bf16).
 
-What it is: for the 350M and 1.3B presets (``--presets``), one process builds
+For the 350M and 1.3B presets (``--presets``), one process builds
 meshtrain's :class:`~meshtrain.trainer.engine.Engine` on a world of one rank
 (the same code as a multi-GPU run: pipeline executor, AdamW, clipping, data
 sampler), trains ``--steps`` steps with bf16 autocast and fp32 master
@@ -10,7 +10,7 @@ full attention matrix counted); the peak is the GPU's dense bf16 figure
 (:mod:`meshtrain.trainer.telemetry.peak`).  Writes
 ``benchmarks/results/mfu-<host>.json``.
 
-What it is not: a multi-GPU scaling test, and not meant for a CPU (``--device
+Not a multi-GPU scaling test, and not meant for a CPU (``--device
 cpu --presets tiny`` only checks that the script runs).
 
     python benchmarks/bench_mfu.py [--presets 350m 1.3b] [--steps 10] [--micro-batch 350m=8 1.3b=4]

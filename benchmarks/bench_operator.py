@@ -17,7 +17,7 @@ installs the CRDs, creates Node objects with GPU capacity (no kubelet) and runs
 the operator as a subprocess, as a user would.  It prints a table and writes
 ``benchmarks/results/operator-<host>.json``.
 
-What it is not: a scheduler or kubelet benchmark — no pod is bound or started.
+Not a scheduler or kubelet benchmark — no pod is bound or started.
 
     python benchmarks/bench_operator.py [--repeat 3] [--jobs 1000] [--placed 100]
 """

@@ -1,6 +1,6 @@
 """Benchmark of the placement planner: planning time and fabric cost vs topology-blind packing.
 
-What it is: for jobs of 64, 1,024 and 8,192 GPUs on fragmented clusters of
+For jobs of 64, 1,024 and 8,192 GPUs on fragmented clusters of
 512, 4,096 and 16,384 nodes (8 GPUs each, NVIDIA fabric labels: 16 nodes per
 leaf, 8 leaves per spine, 8 spines per block), it times ``placement.plan`` and
 compares the modelled cost and the bytes crossing each level with
@@ -8,7 +8,7 @@ compares the modelled cost and the bytes crossing each level with
 best a topology-blind packer can hope for) and in random order.  It prints a
 table and writes ``benchmarks/results/placement-<hostname>.json``.
 
-What it is not: a measurement of network traffic; the bytes are the cost
+Not a measurement of network traffic; the bytes are the cost
 model's prediction (docs/placement.md).
 
     python benchmarks/bench_placement.py [--repeat 5] [--seed 0]

@@ -1,6 +1,6 @@
 """Benchmark: per-rank memory of weights, gradients and optimizer state for ZeRO 0/1/2 at dp 1, 2, 4.
 
-What it is: for each data-parallel degree and ZeRO stage it starts that many
+For each data-parallel degree and ZeRO stage it starts that many
 fresh local gloo ranks; each builds the meshtrain Engine for the preset,
 creates AdamW's state, runs one forward/backward (so every lazily created
 tensor exists) and measures its state with
@@ -13,7 +13,7 @@ writes ``benchmarks/results/zero_memory-<host>.json``.
 The sequence length is cut to ``--seq-len`` (default 64) so a CPU step is
 quick; only the position table depends on it.
 
-What it is not: a peak-memory profile (activations are not counted).
+Not a peak-memory profile (activations are not counted).
 
     python benchmarks/bench_zero_memory.py [--preset 125m] [--dps 1 2 4] [--seq-len 64]
 """

@@ -1,6 +1,6 @@
 """A throw-away Prometheus for tests: Debian's ``prometheus`` on a loopback port.
 
-What it is: :class:`PrometheusApi` queries a running Prometheus;
+:class:`PrometheusApi` queries a running Prometheus;
 :class:`PrometheusServer` writes a config scraping the given
 targets every second (``honor_labels: true``, as docs/telemetry.md asks of
 a cluster's scrape config), loads rule files, starts ``prometheus`` with a
@@ -8,7 +8,7 @@ temporary data directory, waits until it is ready and answers instant
 queries through the HTTP API.  :func:`free_port_block` finds consecutive
 free ports for a run's exporters.
 
-What it is not: a mock.  It fails loudly when the binary is missing
+Not a mock.  It fails loudly when the binary is missing
 (``make bootstrap`` or ``apt-get install prometheus`` installs it).
 """
 

@@ -1,12 +1,12 @@
 """Multi-process test harness: run a function on N local gloo ranks and collect the results.
 
-What it is: :func:`run_distributed` spawns ``world`` processes (torch
+:func:`run_distributed` spawns ``world`` processes (torch
 multiprocessing, spawn start method), gives each torchrun's environment and
 a joined gloo process group, calls ``fn(*args)`` and returns every rank's
 return value (through ``torch.save`` files), or raises if a rank fails or
 the deadline passes.  Also :func:`make_spec`, a builder for small specs.
 
-What it is not: the product launcher (:mod:`meshtrain.trainer.launch`).
+Not the product launcher (:mod:`meshtrain.trainer.launch`).
 Unique module name on purpose: child processes import it by name.
 """
 

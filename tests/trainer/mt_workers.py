@@ -1,13 +1,13 @@
 """Functions the multi-process tests run on every rank, and the single-device reference.
 
-What it is: :func:`train_cases` (build the mesh, take step-1 gradients
+:func:`train_cases` (build the mesh, take step-1 gradients
 gathered to dense tensors, then train a few steps and return the losses) for
 a list of specs of one world size, and :func:`reference`, a plain one-process
 training loop written without any meshtrain parallel or optimizer code (dense
 GPT, ``F.cross_entropy`` on the whole global batch, ``clip_grad_norm_``,
 ``torch.optim.AdamW`` and torch's own warmup + cosine LR schedulers).
 
-What it is not: tests; assertions live in the test modules.
+Not tests; assertions live in the test modules.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A stand-in for ``torch.cuda``'s timing surface, so the CUDA clock runs on a CPU.
 
-What it is: :class:`FakeDevice`, with the ``Event``, ``Stream``, ``stream``,
+:class:`FakeDevice`, with the ``Event``, ``Stream``, ``stream``,
 ``current_stream`` and ``synchronize`` that
 :class:`~meshtrain.trainer.parallel.clocks.CudaClock` uses.  An event takes its
 time from ``now`` (a callable returning seconds) when it is recorded, and
@@ -8,7 +8,7 @@ time from ``now`` (a callable returning seconds) when it is recorded, and
 operation is appended to :attr:`FakeDevice.log` as a tuple, so a test can
 check their order.
 
-What it is not: a model of asynchrony.  Everything runs when it is issued;
+Not a model of asynchrony.  Everything runs when it is issued;
 the multi-process test uses it with ``now = time.perf_counter``.
 """
 

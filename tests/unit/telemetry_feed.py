@@ -1,12 +1,12 @@
 """A synthetic pipeline for the telemetry tests: exact event times, no processes.
 
-What it is: :func:`simulate_step` plays one optimizer step of a balanced
+:func:`simulate_step` plays one optimizer step of a balanced
 pipeline (the real schedules from :mod:`meshtrain.trainer.parallel.schedules`)
 with chosen forward/backward/bucket durations and returns, per stage, the
 events a recorder would have received, in the same clock.  :func:`feed`
 replays them into recorders.
 
-What it is not: the engine.  It checks the arithmetic of the telemetry, not
+Not the engine.  It checks the arithmetic of the telemetry, not
 the training.
 """
 
