@@ -1,6 +1,6 @@
 """Benchmark: checkpoint save/load time for the 125m preset, and the step-time cost of checkpointing every N steps.
 
-What it is, in two parts, on local gloo ranks:
+Two parts, on local gloo ranks:
 
 1. **save/load**: ranks build the Engine for ``--preset`` (default 125m; the
    sequence length cut to 64, which only shrinks the position table), create

@@ -1,7 +1,5 @@
 """Training data: a token stream and the deterministic batches drawn from it.
 
-What it is:
-
 * the default corpus, byte-level tokens (vocab 256) of the Python standard
   library sources that every machine with Python has: the sorted ``*.py``
   files under ``sysconfig.get_paths()['stdlib']``, concatenated, capped to a

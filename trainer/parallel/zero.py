@@ -1,7 +1,5 @@
 """ZeRO stages 1 and 2: optimizer state (and gradients) sharded over the data-parallel group.
 
-What it is:
-
 * the shard arithmetic (pure): every gradient bucket of the
   :class:`~meshtrain.trainer.parallel.reducer.GradReducer` is a flat buffer of
   ``n`` elements; it is padded to ``N * ceil(n / N)`` and rank ``r`` of the
