@@ -225,8 +225,13 @@ def build_pod(
     node: str,
     *,
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+    pod_group: str | None = None,
 ) -> dict[str, Any]:
-    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty."""
+    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
+
+    With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
+    scheduler then binds the gang all at once or not at all.
+    """
     name = naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
     labels = {
@@ -304,6 +309,8 @@ def build_pod(
         container["args"] = list(spec.trainer.args)
         if spec.trainer.working_dir:
             container["workingDir"] = spec.trainer.working_dir
+    if pod_group:
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
     _apply_pod_settings(spec.pod, metadata, container, pod_spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
@@ -329,6 +336,19 @@ def _apply_pod_settings(
         pod_spec["priorityClassName"] = settings.priority_class_name
 
 
+def build_pod_group(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int
+) -> dict[str, Any]:
+    """The native gang of attempt ``attempt`` (scheduling.k8s.io/v1alpha2): all ``spec.pods`` or none."""
+    name = naming.pod_group_name(job.name, attempt, identity.spec_hash(spec))
+    return {
+        "apiVersion": "scheduling.k8s.io/v1alpha2",
+        "kind": "PodGroup",
+        "metadata": _metadata(job, name),
+        "spec": {"schedulingPolicy": {"gang": {"minCount": spec.pods}}},
+    }
+
+
 def build_pods(
     job: identity.JobRef,
     spec: api_spec.TrainingJobSpec,
@@ -336,11 +356,12 @@ def build_pods(
     nodes: Sequence[str],
     *,
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+    pod_group: str | None = None,
 ) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
         raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
     return [
-        build_pod(job, spec, attempt, index, node, default_image=default_image)
+        build_pod(job, spec, attempt, index, node, default_image=default_image, pod_group=pod_group)
         for index, node in enumerate(nodes)
     ]

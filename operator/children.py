@@ -63,10 +63,14 @@ def _conflict(kind: str, existing: Mapping[str, Any]) -> Refused:
     )
 
 
-async def _create(
-    client: kube.Client, manifest: dict[str, Any], uid: str, *, update: bool
-) -> Refused | None:
+UPDATED = ("Service", "ConfigMap")
+"""Kinds brought up to date when they exist and are the job's (a rebuilt gang's new spec); pods and
+PodGroups are immutable where it matters and get new names instead."""
+
+
+async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Refused | None:
     kind, metadata = manifest["kind"], manifest["metadata"]
+    update = kind in UPDATED
     try:
         if await client.create(manifest=manifest) is not None:
             return None
@@ -96,14 +100,14 @@ async def ensure(
     shared: Sequence[dict[str, Any]],
     pods: Sequence[dict[str, Any]],
 ) -> Refused | None:
-    """Create ``shared`` objects (ConfigMap, Service; updated when this job owns them) then ``pods``.
+    """Create ``shared`` objects (ConfigMap, Service — updated when the job owns them —, PodGroup), then ``pods``.
 
     Returns the first refusal, or None when every object exists and is the job's.
     """
-    for answer in await asyncio.gather(*(_create(client, m, uid, update=True) for m in shared)):
+    for answer in await asyncio.gather(*(_create(client, m, uid) for m in shared)):
         if answer is not None:
             return answer
-    for answer in await asyncio.gather(*(_create(client, m, uid, update=False) for m in pods)):
+    for answer in await asyncio.gather(*(_create(client, m, uid) for m in pods)):
         if answer is not None:
             return answer
     return None

@@ -42,6 +42,10 @@ GROUP, VERSION = naming.GROUP, naming.API_VERSION.split("/")[1]
 PLURAL = "trainingjobs"
 
 
+POD_GROUP_API = ("scheduling.k8s.io", "v1alpha2")
+POD_GROUP_PLURAL = "podgroups"
+
+
 class ApiError(RuntimeError):
     """A non-2xx answer of the API server (``status`` 0: the server could not be reached)."""
 
@@ -332,7 +336,31 @@ class Client:
             return "services", self._core.create_namespaced_service
         if kind == "ConfigMap":
             return "configmaps", self._core.create_namespaced_config_map
+        if kind == "PodGroup":
+            return "podgroups", self._create_pod_group
         raise ValueError(f"no create call for kind {kind}")
+
+    # PodGroups (scheduling.k8s.io/v1alpha2, the native gang API where it is served).
+    async def _create_pod_group(self, namespace: str, body: Body, **kwargs: Any) -> Any:
+        return await self._custom.create_namespaced_custom_object(
+            *POD_GROUP_API, namespace, POD_GROUP_PLURAL, body, **kwargs
+        )
+
+    async def _read_pod_group(self, name: str, namespace: str, **kwargs: Any) -> Any:
+        return await self._custom.get_namespaced_custom_object(
+            *POD_GROUP_API, namespace, POD_GROUP_PLURAL, name, **kwargs
+        )
+
+    async def serves_pod_groups(self) -> bool:
+        """Whether the API server serves PodGroups (the GenericWorkload feature gate is on)."""
+        found = await self._request(
+            "get",
+            "discovery",
+            self._custom.get_api_resources,
+            *POD_GROUP_API,
+            ok=(404, 503),
+        )
+        return any(r.get("name") == POD_GROUP_PLURAL for r in (found or {}).get("resources") or [])
 
     async def create(self, *, manifest: Body) -> Body | None:
         """Create a namespaced core/v1 object (Pod, Service, ConfigMap); None when it already exists."""
@@ -388,14 +416,20 @@ class Client:
         )
 
     # Pods, Services and ConfigMaps: read one, patch one, delete (create is above).
-    _READ = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}
+    _READ = {
+        "Pod": "pods",
+        "Service": "services",
+        "ConfigMap": "configmaps",
+        "PodGroup": POD_GROUP_PLURAL,
+    }
 
     async def read(self, *, kind: str, namespace: str, name: str) -> Body | None:
-        """A Pod, Service or ConfigMap, or None when there is none of that name."""
+        """A Pod, Service, ConfigMap or PodGroup, or None when there is none of that name."""
         calls = {
             "Pod": self._core.read_namespaced_pod,
             "Service": self._core.read_namespaced_service,
             "ConfigMap": self._core.read_namespaced_config_map,
+            "PodGroup": self._read_pod_group,
         }
         return await self._request("get", self._READ[kind], calls[kind], name, namespace, ok=(404,))
 

@@ -73,6 +73,11 @@ def pod_name(job: str, attempt: int, index: int) -> str:
     return f"{job}-r{attempt}-{index}"
 
 
+def pod_group_name(job: str, attempt: int, spec_hash: str) -> str:
+    """The PodGroup of one gang: a new one per attempt and per spec (its gang size is immutable)."""
+    return f"{job}-r{attempt}-{spec_hash[:10]}"
+
+
 def service_name(job: str) -> str:
     """The headless Service giving pods DNS names (``<pod>.<service>.<ns>.svc``)."""
     return job

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshtrain import placement
+from meshtrain.api import spec as api_spec
 from meshtrain.operator import (
     builders,
     capacity,
@@ -117,6 +118,8 @@ class Reconciler:
             tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]
         ] = {}
         """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
+        self._gang_api: bool | None = None
+        """Whether PodGroups are served (None: not asked yet)."""
         self._create_failures: dict[tuple[str, str], _CreateFailures] = {}
         """Jobs whose children the API server refused: when they may try again."""
 
@@ -360,6 +363,18 @@ class Reconciler:
         body, job, _ = await self._set_status(body, job, changes)
         return body, job, False
 
+    async def _pod_group(
+        self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int
+    ) -> dict[str, Any] | None:
+        """The gang's PodGroup where the API server serves the native gang API (asked once), else None."""
+        if self._gang_api is None:
+            self._gang_api = await self.client.serves_pod_groups()
+            logger.info(
+                "native gang scheduling (scheduling.k8s.io/v1alpha2 PodGroup): %s",
+                "served, used" if self._gang_api else "not served; gang held by scheduling gates",
+            )
+        return builders.build_pod_group(ref, spec, attempt) if self._gang_api else None
+
     def _retry_in(self, job: lifecycle.JobState) -> float | None:
         """Seconds until a job whose children were refused may be created again (None: now)."""
         failed = self._create_failures.get((job.ref.namespace, job.ref.name))
@@ -419,6 +434,7 @@ class Reconciler:
                 blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
                 recovery = lifecycle.recover_missing(job, action.missing, blocked, now)
                 if isinstance(recovery, lifecycle.Recreate):
+                    group = await self._pod_group(ref, spec, action.attempt)
                     pods = [
                         builders.build_pod(
                             ref,
@@ -427,6 +443,7 @@ class Reconciler:
                             i,
                             node,
                             default_image=self.settings.trainer_image,
+                            pod_group=group["metadata"]["name"] if group else None,
                         )
                         for i, node in recovery.nodes
                     ]
@@ -488,16 +505,22 @@ class Reconciler:
             body, job, _ = await self._set_status(
                 body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
             )
+            group = await self._pod_group(ref, spec, action.attempt)
             refused = await children.ensure(
                 self.client,
                 ref.uid,
-                [builders.build_configmap(ref, spec), builders.build_service(ref, spec)],
+                [
+                    builders.build_configmap(ref, spec),
+                    builders.build_service(ref, spec),
+                    *([group] if group else []),
+                ],
                 builders.build_pods(
                     ref,
                     spec,
                     action.attempt,
                     answer.nodes,
                     default_image=self.settings.trainer_image,
+                    pod_group=group["metadata"]["name"] if group else None,
                 ),
             )
             if refused is not None:

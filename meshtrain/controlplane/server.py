@@ -76,6 +76,7 @@ class ControlPlane:
         keep_data_dir: bool = False,
         startup_timeout: float = 60.0,
         extra_apiserver_args: Sequence[str] = (),
+        extra_scheduler_args: Sequence[str] = (),
     ) -> None:
         """Configure; nothing starts before :meth:`start`.
 
@@ -87,6 +88,7 @@ class ControlPlane:
         ``keep_data_dir``: leave the data directory (logs, etcd) after :meth:`stop`.
         ``startup_timeout``: seconds each component gets to become ready.
         ``extra_apiserver_args``: appended to kube-apiserver's command line.
+        ``extra_scheduler_args``: appended to kube-scheduler's (e.g. ``--feature-gates``).
         """
         self._binaries = binaries
         self._with_scheduler = with_scheduler
@@ -95,6 +97,7 @@ class ControlPlane:
         self._keep_data_dir = keep_data_dir
         self._startup_timeout = startup_timeout
         self._extra_apiserver_args = tuple(extra_apiserver_args)
+        self._extra_scheduler_args = tuple(extra_scheduler_args)
         self._components: list[_Component] = []
         self._data_dir: pathlib.Path | None = None
         self._pki: pki.Pki | None = None
@@ -417,6 +420,7 @@ class ControlPlane:
             "--bind-address=127.0.0.1",
             f"--secure-port={port}",
             f"--cert-dir={self.data_dir / 'scheduler-certs'}",
+            *self._extra_scheduler_args,
         ]
         return command, _healthz(port)
 

@@ -73,7 +73,10 @@ and operator/handlers.py are the callers):
 - pods: kopf watches the gang pods; the reconciler creates them gated,
   patches the gate away, deletes them on gang restart, suspend and finish.
 - services, configmaps: the headless Service (rank 0's DNS name) and the spec
-  ConfigMap of each job, created and deleted, never read back.
+  ConfigMap of each job, created, read back when the name exists (patched only
+  when the job owns it: a namesake is a NameConflict), deleted.
+- podgroups (scheduling.k8s.io): the native gang of each attempt, created where
+  the API server serves it (GenericWorkload), read back when the name exists.
 - events: the reconciler's Events about each job (kopf's own posting is off).
 */}}
 {{- define "meshtrain.namespacedRules" -}}
@@ -89,6 +92,9 @@ and operator/handlers.py are the callers):
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

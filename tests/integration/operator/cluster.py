@@ -7,6 +7,7 @@ status (there is no kubelet); pod state changes are status patches too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -24,6 +25,7 @@ from meshtrain import controlplane
 from meshtrain.api import crd
 from meshtrain.controlplane import binaries
 from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.operator import informer, kube, reconciler
 from tests.builders import POOL_LABEL, JobBuilder
 
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
@@ -49,9 +51,22 @@ class Cluster:
 
     @classmethod
     @contextlib.contextmanager
-    def private(cls, found: binaries.Binaries) -> Iterator[Cluster]:
-        """A control plane of the caller's own (apiserver, etcd, scheduler), CRDs installed."""
-        with controlplane.ControlPlane(binaries=found, with_scheduler=True) as plane:
+    def private(cls, found: binaries.Binaries, *, gang_api: bool = False) -> Iterator[Cluster]:
+        """A control plane of the caller's own (apiserver, etcd, scheduler), CRDs installed.
+
+        ``gang_api``: the native gang API on (``GenericWorkload``, ``GangScheduling``,
+        scheduling.k8s.io/v1alpha2 served).
+        """
+        gates = "--feature-gates=GenericWorkload=true,GangScheduling=true"
+        options: dict[str, Any] = (
+            {
+                "extra_apiserver_args": [gates, "--runtime-config=scheduling.k8s.io/v1alpha2=true"],
+                "extra_scheduler_args": [gates],
+            }
+            if gang_api
+            else {}
+        )
+        with controlplane.ControlPlane(binaries=found, with_scheduler=True, **options) as plane:
             api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
             try:
                 cluster = cls(api, str(plane.kubeconfig_path), str(found.kubectl))
@@ -356,3 +371,23 @@ class OperatorProcess:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self.process = None
+
+
+def reconcile_passes(cluster: Cluster, namespace: str, name: str, passes: int = 1) -> None:
+    """Run ``passes`` reconcile passes of one job in this process (a reconciler with its cache)."""
+
+    async def run() -> None:
+        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
+        cache = informer.Cache()
+        follow = asyncio.create_task(cache.run(client))
+        try:
+            worker = reconciler.Reconciler(
+                client=client, cache=cache, settings=reconciler.Settings()
+            )
+            for _ in range(passes):
+                await worker.reconcile(namespace=namespace, name=name)
+        finally:
+            follow.cancel()
+            await client.close()
+
+    asyncio.run(run())

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshtrain.operator import conditions, failure, informer, kube, naming, reconciler
+from meshtrain.operator import conditions, failure, kube, naming
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, wait_for
+from tests.integration.operator.cluster import Cluster, reconcile_passes, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -29,21 +29,7 @@ def private(control_plane_binaries) -> Iterator[Cluster]:
 
 
 def _pass(cluster: Cluster, name: str, passes: int = 1) -> None:
-    async def run() -> None:
-        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
-        cache = informer.Cache()
-        follow = asyncio.create_task(cache.run(client))
-        try:
-            worker = reconciler.Reconciler(
-                client=client, cache=cache, settings=reconciler.Settings()
-            )
-            for _ in range(passes):
-                await worker.reconcile(namespace="gates", name=name)
-        finally:
-            follow.cancel()
-            await client.close()
-
-    asyncio.run(run())
+    reconcile_passes(cluster, "gates", name, passes)
 
 
 def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
