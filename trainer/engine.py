@@ -221,12 +221,9 @@ class Engine:
         step = self.step + 1
         start = self.clock.start_step()  # host time on every device
         self.recorder.step_start(step, start)
+        peak, minimum = training.learning_rates(self.spec.parallelism)
         lr = optim.lr_at(
-            step,
-            peak=training.learning_rate,
-            minimum=training.min_learning_rate,
-            warmup=training.warmup_steps,
-            total=training.steps,
+            step, peak=peak, minimum=minimum, warmup=training.warmup_steps, total=training.steps
         )
         optim.set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward()

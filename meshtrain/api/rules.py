@@ -281,6 +281,16 @@ def _custom_trainer_command(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _lr_scaling_reference(spec: TrainingJobSpec) -> str | None:
+    scaling = spec.training.lr_scaling
+    if scaling.rule != "none" and scaling.reference_batch is None:
+        return (
+            f"lrScaling.rule is {scaling.rule} but referenceBatch is empty: give the global batch "
+            f"learningRate was tuned at (this layout's is {spec.global_batch})"
+        )
+    return None
+
+
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -385,6 +395,15 @@ RULES: tuple[Rule, ...] = (
         f"metrics.port + gpusPerNode - 1 must be at most 65535 and the range must not contain the rendezvous port {RENDEZVOUS_PORT} "
         "(local rank r serves metrics on metrics.port + r)",
         _metrics_ports,
+    ),
+    Rule(
+        "lr-scaling-reference",
+        "spec.training.lrScaling.referenceBatch",
+        "!has(self.training.lrScaling) || self.training.lrScaling.rule == 'none' "
+        "|| has(self.training.lrScaling.referenceBatch)",
+        "training.lrScaling.rule linear or sqrt needs training.lrScaling.referenceBatch "
+        "(the global batch learningRate was tuned at)",
+        _lr_scaling_reference,
     ),
     Rule(
         "custom-trainer-command",

@@ -343,6 +343,29 @@ class DatasetSource(_Model):
     )
 
 
+class LrScaling(_Model):
+    """How the learning rate follows the global batch (Goyal et al. 2017 linear; sqrt for Adam-like
+    optimizers, Hoffer et al. 2017), so a layout change that alters the batch keeps training honest."""
+
+    rule: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description="none: learningRate as written; linear: times globalBatch / referenceBatch; "
+        "sqrt: times its square root. minLearningRate scales the same way; warmup is kept.",
+    )
+    reference_batch: int | None = Field(
+        None,
+        ge=1,
+        description="The global batch learningRate was tuned at (required unless rule is none).",
+    )
+
+    def factor(self, global_batch: int) -> float:
+        """What the learning rates are multiplied by at ``global_batch``."""
+        if self.rule == "none" or self.reference_batch is None:
+            return 1.0
+        ratio = global_batch / self.reference_batch
+        return ratio if self.rule == "linear" else ratio**0.5
+
+
 class Training(_Model):
     """Optimisation: batch, steps, learning-rate schedule, precision, data."""
 
@@ -360,6 +383,10 @@ class Training(_Model):
         3e-5, ge=0, description="Learning rate at the end of the cosine decay."
     )
     warmup_steps: int = Field(10, ge=0, description="Linear warmup steps from 0 to learningRate.")
+    lr_scaling: LrScaling = Field(
+        default_factory=LrScaling,
+        description="Scale learningRate and minLearningRate with the global batch (none, linear, sqrt).",
+    )
     weight_decay: float = Field(
         0.1, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases)."
     )
@@ -397,6 +424,11 @@ class Training(_Model):
     def effective_global_batch(self, parallelism: Parallelism) -> int:
         """The global batch the layout produces: microBatch x microBatches x data."""
         return self.micro_batch * parallelism.micro_batches * parallelism.data
+
+    def learning_rates(self, parallelism: Parallelism) -> tuple[float, float]:
+        """Peak and minimum learning rate at this layout's global batch (``lrScaling`` applied)."""
+        factor = self.lr_scaling.factor(self.effective_global_batch(parallelism))
+        return self.learning_rate * factor, self.min_learning_rate * factor
 
 
 class Checkpoint(_Model):

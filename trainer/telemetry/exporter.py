@@ -130,6 +130,11 @@ class Metrics:
         self.loss = prometheus_client.Gauge(
             "meshtrain_loss", "Mean training loss of the last step.", **reg
         ).labels(**base)
+        self.learning_rate = prometheus_client.Gauge(
+            "meshtrain_learning_rate",
+            "Learning rate of the last step (schedule with training.lrScaling applied).",
+            **reg,
+        ).labels(**base)
         self.mfu = prometheus_client.Gauge(
             "meshtrain_model_flops_utilization_ratio",
             "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
@@ -278,6 +283,7 @@ class Exporter:
         """The metric families."""
         self.progress = progress
         """The /progress document served (global rank 0 only; another sink keeps it up to date)."""
+        self.facts = facts
         self.metrics.bubble_theory.set(facts.bubble_theoretical)
         self.metrics.peak_flops.set(facts.peak_flops)
         self.metrics.training_steps.set(facts.training_steps)
@@ -321,6 +327,7 @@ class Exporter:
         m.step.set(stats.step)
         m.last_step_time.set_to_current_time()
         m.loss.set(stats.loss)
+        m.learning_rate.set(self.facts.learning_rate(stats.step))
         m.mfu.set(stats.mfu)
         m.bubble.set(stats.bubble_ratio)
         m.bubble_theory.set(stats.bubble_ratio_theoretical)

@@ -156,6 +156,7 @@ def job_facts(
     """The :class:`~.stepstats.JobFacts` of a spec."""
     par = spec.parallelism
     config = model_mod.GPTConfig.from_shape(spec.model.shape())
+    peak_lr, min_lr = spec.training.learning_rates(par)
     return stepstats.JobFacts(
         stages=layout.pipeline,
         micro_batches=par.micro_batches,
@@ -166,6 +167,9 @@ def job_facts(
         peak_flops=peak_flops,
         training_steps=spec.training.steps,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,
+        peak_learning_rate=peak_lr,
+        min_learning_rate=min_lr,
+        warmup_steps=spec.training.warmup_steps,
     )
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from meshtrain.trainer import optim
 from meshtrain.trainer.parallel import recording, schedules
 
 ALL_REDUCE_OPS = frozenset({"all_reduce", "allreduce"})
@@ -64,6 +65,22 @@ class JobFacts:
     """training.steps: the step the job ends at (0: unknown)."""
     checkpoint_interval_steps: int = 0
     """checkpoint.intervalSteps (0: saved only at the end)."""
+    peak_learning_rate: float = 0.0
+    """training.learningRate after lrScaling at this layout's global batch."""
+    min_learning_rate: float = 0.0
+    """training.minLearningRate after lrScaling."""
+    warmup_steps: int = 0
+    """training.warmupSteps."""
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate the optimizer used at ``step`` (the engine's schedule)."""
+        return optim.lr_at(
+            step,
+            peak=self.peak_learning_rate,
+            minimum=self.min_learning_rate,
+            warmup=self.warmup_steps,
+            total=max(self.training_steps, 1),
+        )
 
     @property
     def bubble_theoretical(self) -> float:
