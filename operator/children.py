@@ -111,3 +111,12 @@ async def ensure(
         if answer is not None:
             return answer
     return None
+
+
+async def delete_owned(client: kube.Client, uid: str, kind: str, namespace: str, name: str) -> None:
+    """Delete ``kind`` ``name`` only if the job ``uid`` owns it (and only that very object)."""
+    existing = await client.read(kind=kind, namespace=namespace, name=name)
+    if existing is not None and uid in owner_uids(existing):
+        await client.delete(
+            kind=kind, namespace=namespace, name=name, uid=existing["metadata"]["uid"]
+        )

@@ -67,11 +67,6 @@ def _transport_error(err: BaseException) -> bool:
     return isinstance(err, OSError | TimeoutError) or type(err).__module__.startswith("aiohttp")
 
 
-def _only(uid: str | None) -> Body | None:
-    """DeleteOptions that make a delete apply to the object with ``uid`` only (409 otherwise)."""
-    return {"preconditions": {"uid": uid}} if uid else None
-
-
 def _message(body: str) -> str:
     try:
         return str(json.loads(body).get("message") or body)
@@ -452,27 +447,19 @@ class Client:
             _content_type="application/merge-patch+json",
         )
 
-    async def delete_service(self, *, namespace: str, name: str, uid: str | None = None) -> None:
-        """Delete the Service; with ``uid``, only that object (a precondition: never a namesake)."""
+    async def delete(self, *, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete the Service or ConfigMap ``name`` if it is still the object ``uid`` (a precondition)."""
+        calls = {
+            "Service": self._core.delete_namespaced_service,
+            "ConfigMap": self._core.delete_namespaced_config_map,
+        }
         await self._request(
             "delete",
-            "services",
-            self._core.delete_namespaced_service,
+            self._READ[kind],
+            calls[kind],
             name,
             namespace,
-            body=_only(uid),
-            ok=(404, 409),
-        )
-
-    async def delete_configmap(self, *, namespace: str, name: str, uid: str | None = None) -> None:
-        """Delete the ConfigMap; with ``uid``, only that object."""
-        await self._request(
-            "delete",
-            "configmaps",
-            self._core.delete_namespaced_config_map,
-            name,
-            namespace,
-            body=_only(uid),
+            body={"preconditions": {"uid": uid}},
             ok=(404, 409),
         )
 

@@ -579,22 +579,11 @@ class Reconciler:
         await self.client.delete_pods(
             namespace=namespace, names=[p["metadata"]["name"] for p in self._owned_pods(ref)]
         )
-        service = await self.client.read(
-            kind="Service", namespace=namespace, name=naming.service_name(name)
-        )
-        if service is not None and uid in children.owner_uids(service):
-            await self.client.delete_service(
-                namespace=namespace, name=naming.service_name(name), uid=service["metadata"]["uid"]
-            )
-        configmap = await self.client.read(
-            kind="ConfigMap", namespace=namespace, name=naming.configmap_name(name)
-        )
-        if configmap is not None and uid in children.owner_uids(configmap):
-            await self.client.delete_configmap(
-                namespace=namespace,
-                name=naming.configmap_name(name),
-                uid=configmap["metadata"]["uid"],
-            )
+        for kind, child in (
+            ("Service", naming.service_name(name)),
+            ("ConfigMap", naming.configmap_name(name)),
+        ):
+            await children.delete_owned(self.client, uid, kind, namespace, child)
         self._last_progress.pop((namespace, name), None)
         self._verdicts.pop((namespace, name), None)
         metrics.forget(namespace, name)
