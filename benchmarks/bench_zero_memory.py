@@ -4,7 +4,7 @@ For each data-parallel degree and ZeRO stage it starts that many
 fresh local gloo ranks; each builds the meshtrain Engine for the preset,
 creates AdamW's state, runs one forward/backward (so every lazily created
 tensor exists) and measures its state with
-:func:`meshtrain.trainer.memory.measure`.  A configuration that would not fit
+:func:`meshtrain.trainer.memory_accounting.measure`.  A configuration that would not fit
 in the memory available now is skipped (and listed).  It prints measured
 bytes per parameter beside the formula (fp32 weights and AdamW:
 4 + 4 + 8 replicated, 4 + 4 + 8/N at stage 1, 4 + (4 + 8)/N at stage 2) and
@@ -32,7 +32,7 @@ from benchmarks import machine, ranks  # noqa: E402
 from meshtrain import layout as layout_mod  # noqa: E402
 from meshtrain.api import loading  # noqa: E402
 from meshtrain.api import spec as spec_mod  # noqa: E402
-from meshtrain.trainer import engine, memory  # noqa: E402
+from meshtrain.trainer import engine, memory_accounting  # noqa: E402
 from meshtrain.trainer import model as gpt  # noqa: E402
 from meshtrain.trainer.checkpointing import state  # noqa: E402
 from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
@@ -62,7 +62,7 @@ def _rank(
         eng.optimizer
     )  # AdamW's moments exist from the start (as the worker does)
     eng.forward_backward()  # ...and gradients, also without DP
-    report = memory.measure(eng.model, eng.optimizer, eng.model.reducer)
+    report = memory_accounting.measure(eng.model, eng.optimizer, eng.model.reducer)
     if rank == 0:
         torch.save(report.as_dict(), Path(out) / ranks.RESULT)
     dist.barrier()

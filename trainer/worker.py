@@ -44,7 +44,7 @@ import torch.distributed as dist
 from meshtrain import layout as layout_mod
 from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, faults, memory, steplog, stopping, telemetry
+from meshtrain.trainer import data, engine, faults, memory_accounting, steplog, stopping, telemetry
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import schedules
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         recorder.checkpoint_saved(restored)
     if rank == 0:
         print(
-            memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(),
+            memory_accounting.measure(
+                trainer.model, trainer.optimizer, trainer.model.reducer
+            ).summary(),
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None

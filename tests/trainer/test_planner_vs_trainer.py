@@ -2,7 +2,7 @@
 
 For a table of layouts, every rank of a real multi-process run trains two
 steps with a :class:`~meshtrain.trainer.parallel.recording.MemoryRecorder`
-and measures its model state with :func:`meshtrain.trainer.memory.measure`;
+and measures its model state with :func:`meshtrain.trainer.memory_accounting.measure`;
 the test then checks, rank by rank:
 
 * the collectives of the planner's communication model
@@ -79,8 +79,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
     """One rank: train STEPS steps, dump the last step's collectives and the measured state bytes."""
     import torch  # noqa: PLC0415 - only the worker processes need torch
 
-    from meshtrain.trainer import engine  # noqa: PLC0415
-    from meshtrain.trainer import memory as trainer_memory  # noqa: PLC0415
+    from meshtrain.trainer import engine, memory_accounting  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
     from meshtrain.trainer.parallel import recording  # noqa: PLC0415
 
@@ -97,7 +96,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
             entry = collectives.setdefault(f"{event.group}/{event.kind}", [0, 0])
             entry[0] += 1
             entry[1] += event.nbytes
-    state = trainer_memory.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
+    state = memory_accounting.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
     rank = mesh.rank
     result = {
         "rank": rank,

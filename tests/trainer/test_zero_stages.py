@@ -13,7 +13,7 @@ import torch
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import engine, memory
+from meshtrain.trainer import engine, memory_accounting
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import recording, zero
 from meshtrain.trainer.telemetry import stepstats
@@ -31,7 +31,7 @@ def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         losses = [eng.train_step().loss for _ in range(steps)]
-        report = memory.measure(eng.model, eng.optimizer, eng.model.reducer)
+        report = memory_accounting.measure(eng.model, eng.optimizer, eng.model.reducer)
         out[stage] = {"losses": losses, "memory": report}
     return out
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain import layout as layout_mod
-from meshtrain.trainer import memory as memory_mod
+from meshtrain.trainer import memory_accounting
 from meshtrain.trainer import model as model_mod
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, exporter, peak, progress, stepstats, trace
@@ -62,7 +62,7 @@ class TelemetryRecorder:
         self._watched: tuple[Any, Any, Any] | None = None
 
     def watch(self, model: Any, optimizer: Any, grad_reducer: Any) -> None:
-        """Measure this rank's training state at every step (:func:`meshtrain.trainer.memory.measure`).
+        """Measure this rank's training state at every step (:func:`meshtrain.trainer.memory_accounting.measure`).
 
         ``model`` is the rank's ParallelModel (or a module, or a list of
         parameters), ``grad_reducer`` the data-parallel reducer or None.
@@ -136,7 +136,7 @@ class TelemetryRecorder:
         peak_bytes = peak.peak_memory_bytes(self.device)
         if self._watched is None:
             return context.MemorySample(peak_allocated=peak_bytes)
-        state = memory_mod.measure(*self._watched).as_metrics()
+        state = memory_accounting.measure(*self._watched).as_metrics()
         return context.MemorySample(
             peak_allocated=peak_bytes,
             parameters=state["parameters"],
