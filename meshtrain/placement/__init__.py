@@ -13,7 +13,7 @@ topology-blind ``first_fit`` reference).  The request of a TrainingJob spec is
 built by :mod:`meshtrain.planner.placement_request`, whose traffic model it uses.
 """
 
-from meshtrain.placement.nodes import node_from_manifest, resource_count
+from meshtrain.placement.manifests import node_from_manifest, resource_count
 from meshtrain.placement.planner import first_fit, plan
 from meshtrain.placement.values import (
     INSUFFICIENT_GPUS,

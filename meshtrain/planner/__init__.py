@@ -8,7 +8,7 @@ placement the operator would make.
 
 Modules, by meaning: ``profiles`` (device data files), ``memory``, ``comm``
 and ``cost`` (the models, pure), ``estimate`` (runs them and the placement
-planner into one :class:`~meshtrain.planner.estimate.Plan`), ``report``
+planner into one :class:`~meshtrain.planner.estimate.Plan`), ``plan_report``
 (text and the ``meshtrain.plan/v1`` JSON), ``admission`` (what the operator
 calls: ``check``, ``status_summary``, ``profile_for_labels``), ``cluster``
 (cluster YAML files), ``cluster_live`` (the only Kubernetes I/O) and

@@ -3,7 +3,7 @@
 :func:`configure` adds the subcommand's arguments to an
 ``argparse`` parser and sets its handler; :func:`run` reads the job, the
 profile and (optionally) the cluster, calls :func:`.estimate.make_plan` and
-prints :mod:`.report`'s text or JSON.  Errors (bad job, unknown profile,
+prints :mod:`.plan_report`'s text or JSON.  Errors (bad job, unknown profile,
 malformed cluster file, unreachable cluster) print one clear message and
 exit with status 2.  The arithmetic is in the other planner modules.
 """
@@ -16,7 +16,7 @@ import sys
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cluster, cost, estimate, memory, profiles, report
+from meshtrain.planner import cluster, cost, estimate, memory, plan_report, profiles
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="warn when the global batch has more tokens than this",
     )
     parser.add_argument(
-        "--json", action="store_true", help=f"print the {report.SCHEMA} JSON document"
+        "--json", action="store_true", help=f"print the {plan_report.SCHEMA} JSON document"
     )
     parser.add_argument(
         "--set",
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshtrain plan: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report.to_json(plan), indent=2, ensure_ascii=False))
+        print(json.dumps(plan_report.to_json(plan), indent=2, ensure_ascii=False))
     else:
-        print(report.to_text(plan))
+        print(plan_report.to_text(plan))
     return 0

@@ -11,7 +11,7 @@ import yaml
 
 from meshtrain import cli
 from meshtrain.api import loading
-from meshtrain.planner import admission, cluster, estimate, profiles, report
+from meshtrain.planner import admission, cluster, estimate, plan_report, profiles
 from tests.builders import JobBuilder
 
 GOLDEN_KEYS = {
@@ -165,7 +165,7 @@ def _value(doc: dict, path: str):  # noqa: ANN202
 
 def test_json_schema_keys_are_stable() -> None:
     raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
-    doc = report.to_json(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
+    doc = plan_report.to_json(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
     assert doc["schema"] == "meshtrain.plan/v1"
     for path, keys in GOLDEN_KEYS.items():
         assert sorted(_value(doc, path)) == keys, path
@@ -173,7 +173,7 @@ def test_json_schema_keys_are_stable() -> None:
 
 
 def test_json_without_cluster_has_null_placement_and_documented_keys() -> None:
-    doc = report.to_json(_plan(JobBuilder().raw(), gpu="cpu"))
+    doc = plan_report.to_json(_plan(JobBuilder().raw(), gpu="cpu"))
     assert doc["placement"] is None
     documented = Path(__file__).parents[2].joinpath("docs/planner.md").read_text()
     for path, keys in GOLDEN_KEYS.items():
@@ -183,7 +183,7 @@ def test_json_without_cluster_has_null_placement_and_documented_keys() -> None:
 
 def test_text_report_has_every_section() -> None:
     raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
-    text = report.to_text(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
+    text = plan_report.to_text(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
     for needle in (
         "parameters",
         "memory per GPU",
