@@ -36,6 +36,7 @@ verify: venv  ## static checks CI runs before the tests: ruff lint + format, myp
 	@$(BIN)/python -m meshtrain.api.crd | diff -u $(CRD) - \
 	  || { echo "$(CRD) is not what the model generates: run make crd"; exit 1; }
 	@scripts/chart-sync.sh --check || { echo "the chart's copies differ: run make chart-sync"; exit 1; }
+	$(BIN)/python scripts/check_module_names.py
 
 bootstrap:  ## build/locate kube-apiserver, etcd, kubectl, helm and install prometheus (cached)
 	scripts/bootstrap.sh
