@@ -147,8 +147,12 @@ TRAINING_PANELS: list[Panel] = [
     Panel(
         "Loss",
         "none",
-        [("loss", f'max by (namespace, job) (meshtrain_loss{{{JOBSEL}, rank="0"}})')],
-        "Mean training loss of the last step (identical on every rank).",
+        [
+            ("loss", f'max by (namespace, job) (meshtrain_loss{{{JOBSEL}, rank="0"}})'),
+            ("eval loss", f'max by (namespace, job) (meshtrain_eval_loss{{{JOBSEL}, rank="0"}})'),
+        ],
+        "Mean training loss of the last step, and the validation loss of the last evaluation "
+        "(training.eval); both identical on every rank.",
     ),
     Panel(
         "Training progress",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 import meshtrain
 from meshtrain.api import loading
@@ -51,6 +52,16 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     code: int = importlib.import_module("meshtrain.trainer.telemetry.report").main(args)
+    return code
+
+
+def _export(args: argparse.Namespace) -> int:
+    code: int = importlib.import_module("meshtrain.trainer.export").main(args)
+    return code
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    code: int = importlib.import_module("meshtrain.trainer.prepare").main(args)
     return code
 
 
@@ -120,6 +131,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="report.html (self-contained page) or a .png with every chart (default: %(default)s)",
     )
     report.set_defaults(handler=_report)
+
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (config.json + safetensors)",
+    )
+    export.add_argument(
+        "checkpoint", help="a step-NNNNNNNN checkpoint, or a checkpoint directory (its newest)"
+    )
+    export.add_argument("-o", "--output", required=True, help="Hugging Face directory to write")
+    export.set_defaults(handler=_export)
+
+    data = sub.add_parser("data", help="prepare training data")
+    data_sub = data.add_subparsers(dest="data_command", metavar="ACTION")
+    data_sub.required = True
+    prepare = data_sub.add_parser(
+        "prepare", help="tokenise text or JSONL with a tokenizer.json into a token file"
+    )
+    prepare.add_argument(
+        "inputs", nargs="+", type=Path, help="text files, or .jsonl (one document per line)"
+    )
+    prepare.add_argument(
+        "--tokenizer", required=True, type=Path, help="tokenizer.json (Hugging Face tokenizers)"
+    )
+    prepare.add_argument("-o", "--output", required=True, type=Path, help="token file to write")
+    prepare.add_argument(
+        "--dtype",
+        choices=["auto", "uint16", "uint32"],
+        default="auto",
+        help="id type (auto: the smallest that holds the vocabulary)",
+    )
+    prepare.add_argument(
+        "--text-field", default="text", help="JSONL field holding the text (default: text)"
+    )
+    vocab = prepare.add_mutually_exclusive_group()
+    vocab.add_argument(
+        "--job", type=Path, help="TrainingJob YAML whose model.vocab the tokenizer must fit"
+    )
+    vocab.add_argument("--model-vocab", type=int, help="model vocabulary the tokenizer must fit")
+    prepare.set_defaults(handler=_prepare)
 
     operator_command.add_parser(sub)
 

@@ -13,6 +13,8 @@ Classification:
   failed worker, so the rank's own code comes from its termination message
   (``{"exitCode": N, "message": ...}``, :mod:`meshtrain.api.exitcodes`),
   which also gives the trainer's message;
+* exit code 5 — the loss guard stopped training (a restart would replay the
+  same batches from the same checkpoint): permanent;
 * exit codes 126/127 — the command is not executable / not found in the image:
   permanent;
 * exit code 128+N — killed by signal N (OOM killer, preemption): retryable;

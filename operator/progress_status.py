@@ -44,6 +44,12 @@ def status_changes(report: dict[str, Any]) -> dict[str, Any]:
     rate = _number(report.get("tokens_per_second"), float)
     if rate is not None:
         progress["tokensPerSecond"] = rate
+    eval_loss = _number(report.get("eval_loss"), float)
+    if eval_loss is not None:
+        progress["evalLoss"] = eval_loss
+    skipped = _number(report.get("skipped_updates"), int)
+    if skipped:
+        progress["skippedUpdates"] = skipped
     if isinstance(report.get("updated_at"), str):
         progress["updatedAt"] = report["updated_at"]
     changes: dict[str, Any] = {"progress": progress}

@@ -37,6 +37,7 @@ STDLIB_CAP_BYTES = 4 * 1024 * 1024
 """Bytes of standard-library source kept (enough for tests and demos, built in about a second)."""
 DATASET_FIELD = "spec.training.dataset"
 DATASETS_FIELD = "spec.training.datasets"
+EVAL_FIELD = "spec.training.eval"
 UINT16_VOCAB = 65536
 """Largest vocabulary uint16 token files can hold."""
 
@@ -97,6 +98,8 @@ def check_dataset(training, *, vocab: int) -> None:  # noqa: ANN001
     or uint16 files for a vocabulary they cannot hold."""
     entries = dataset_entries(training)
     try:
+        if training.eval.interval and training.eval.dataset:
+            token_files.expand(training.eval.dataset, EVAL_FIELD + ".dataset")
         for index, (pattern, _) in enumerate(entries):
             if pattern == STDLIB:
                 continue
@@ -129,6 +132,35 @@ def open_dataset(training, *, vocab: int, seq_len: int) -> list[token_files.Toke
         )
     except token_files.TokenFileError as err:
         raise DatasetError(str(err)) from None
+
+
+def open_eval(training, files: list[token_files.TokenFile], *, vocab: int, seq_len: int):  # noqa: ANN001, ANN201
+    """(training files, evaluation files or None): ``eval.dataset`` opened, or ``eval.heldOut`` cut off the end of each file."""
+    ev = training.eval
+    if not ev.interval:
+        return files, None
+    if ev.dataset:
+        try:
+            held = token_files.open_sources(
+                [(ev.dataset, 1.0, EVAL_FIELD + ".dataset")],
+                dtype=training.token_dtype,
+                vocab=vocab,
+                seq_len=seq_len,
+            )
+        except token_files.TokenFileError as err:
+            raise DatasetError(str(err)) from None
+        return files, held
+    train, held = [], []
+    for f in files:
+        cut = int(len(f.tokens) * (1 - ev.held_out))
+        if min(cut, len(f.tokens) - cut) < seq_len + 2:
+            raise DatasetError(
+                f"{EVAL_FIELD}.heldOut: {str(f.path)!r} holds {len(f.tokens)} tokens; a {ev.held_out} share "
+                f"leaves fewer than seqLen + 2 = {seq_len + 2} on one side: raise heldOut or use eval.dataset"
+            )
+        train.append(dataclasses.replace(f, tokens=f.tokens[:cut]))
+        held.append(dataclasses.replace(f, tokens=f.tokens[cut:]))
+    return train, held
 
 
 def load_tokens(dataset: str, *, vocab: int, seq_len: int, dtype: str = "uint16") -> np.ndarray:
@@ -213,8 +245,12 @@ class BatchSampler:
 
     def next(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next global batch; advances the position."""
-        batch = self.global_batch_at(self.position)  # (G, T+1)
         self.position += 1
+        return self.at(self.position - 1)
+
+    def at(self, index: int) -> list[MicroBatch]:
+        """This rank's micro-batches of global batch ``index`` (the position is left alone)."""
+        batch = self.global_batch_at(index)  # (G, T+1)
         per_rank = self.global_batch // self.dp_size
         mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]  # (G/dp, T+1)
         return [

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer import data, optim
+from meshtrain.trainer import data, hf, llama, lossguard, optim
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, parallelize, recording, zero
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -52,6 +52,8 @@ class StepResult:
     """Learning rate used."""
     stop: bool = False
     """Some rank was asked to stop (:mod:`..stopping`): every rank stops after this step."""
+    skipped: str = ""
+    """Why the loss guard skipped this step's update (empty: applied)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -93,9 +95,11 @@ class Engine:
         with torch.device(
             "meta"
         ):  # shapes only: parallelize builds just this rank's pieces, by name and seed
-            dense = gpt.GPT(
+            dense = llama.build(
                 self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing
             )
+        if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
+            dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
         self.precision = resolve_precision(training.precision, mesh.device)
         autocast = (
             functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
@@ -133,14 +137,25 @@ class Engine:
                 weight_decay=training.weight_decay,
             )
         tokens = data.open_dataset(training, vocab=self.config.vocab, seq_len=self.config.seq_len)
-        self.sampler = data.BatchSampler(
-            tokens,
+        tokens, held_out = data.open_eval(
+            training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
+        )
+        sampling = dict(
             seq_len=self.config.seq_len,
             micro_batch=training.micro_batch,
             micro_batches=par.micro_batches,
             dp_rank=mesh.coords.dp,
             dp_size=mesh.layout.data,
-            seed=training.seed,
+        )
+        self.sampler = data.BatchSampler(tokens, seed=training.seed, **sampling)
+        self.eval_sampler = (
+            data.BatchSampler(held_out, seed=training.seed + 1, **sampling) if held_out else None
+        )
+        """Draws the fixed evaluation batches (None when training.eval is off)."""
+        self.guard = (
+            lossguard.LossGuard.from_spec(training.loss_guard)
+            if training.loss_guard.enabled
+            else None
         )
         self._norm_counted = self.model.norm_counted(mesh.coords.tp)
         self._norm_groups = [
@@ -240,13 +255,36 @@ class Engine:
             recorder=self.recorder,
             clock=self.clock,
         )
-        self.optimizer.step()
-        self.zero_grad()
         loss, stop = self._agree(loss_sum, stop_requested)
+        verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
+        if verdict is None or not verdict.skip:
+            self.optimizer.step()
+        self.zero_grad()
         self.step = step
         seconds = time.perf_counter() - start
         tokens = self.sampler.global_batch * self.config.seq_len
         self.recorder.step_end(step, loss, tokens, seconds)
         return StepResult(
-            step=step, loss=loss, tokens=tokens, seconds=seconds, grad_norm=norm, lr=lr, stop=stop
+            step=step,
+            loss=loss,
+            tokens=tokens,
+            seconds=seconds,
+            grad_norm=norm,
+            lr=lr,
+            stop=stop,
+            skipped=verdict.reason if verdict is not None and verdict.skip else "",
         )
+
+    def evaluate(self) -> float:
+        """Mean loss over the fixed evaluation batches (identical on every rank and layout)."""
+        executor = self.model.executor
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for index in range(self.spec.training.eval.batches):
+            micro = self.eval_sampler.at(index)
+            inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
+            targets = [mb.targets for mb in micro] if executor.holds_loss else None
+            total += executor.forward_only(inputs, targets).double()
+        layout = self.mesh.layout
+        share = total / (layout.tensor * layout.data * self.spec.training.eval.batches)
+        dist.all_reduce(share)  # only last-stage ranks hold a loss, each tp rank the same one
+        return share.item()

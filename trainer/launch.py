@@ -40,7 +40,7 @@ import tqdm
 from meshtrain.api import exitcodes, loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.controlplane import ports
-from meshtrain.trainer import data, steplog
+from meshtrain.trainer import data, hf, steplog
 
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
@@ -154,7 +154,8 @@ def run_local(
         data.check_dataset(job.training, vocab=job.model.shape().vocab)
         if job.training.dataset == data.STDLIB:
             data.stdlib_corpus()
-    except loading.SpecError as err:
+        hf.check_spec(job)
+    except (loading.SpecError, hf.HFError) as err:
         print(err, file=sys.stderr)
         return exitcodes.SPEC
     except data.DatasetError as err:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +52,26 @@ class GPTConfig:
     """MLP inner width (usually 4 x hidden)."""
     init_std: float = 0.02
     """Standard deviation of the normal init (GPT-2's value)."""
+    family: str = "gpt"
+    """``gpt`` (this module) or ``llama`` (:mod:`.llama`)."""
+    kv_heads: int = 0
+    """Key/value heads of grouped-query attention (llama); 0: one per head."""
+    tie_embeddings: bool = False
+    """The LM head is the token embedding matrix."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (llama)."""
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden // self.heads
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads (``heads`` for multi-head attention)."""
+        return self.kv_heads or self.heads
 
     @classmethod
     def from_shape(cls, shape) -> GPTConfig:  # noqa: ANN001 - any object with the ModelShape fields
@@ -67,6 +83,11 @@ class GPTConfig:
             hidden=shape.hidden,
             heads=shape.heads,
             ffn_hidden=shape.ffn_hidden,
+            family=shape.family,
+            kv_heads=shape.kv_heads,
+            tie_embeddings=shape.tie_embeddings,
+            rope_theta=shape.rope_theta,
+            norm_eps=shape.norm_eps,
         )
 
 
@@ -103,6 +124,8 @@ class Attention(nn.Module):
         # Output rows are laid out [q heads | k heads | v heads]; tensor
         # parallelism keeps that layout on every shard (its own heads of each).
         self.qkv = nn.Linear(config.hidden, 3 * config.hidden, bias=False)
+        self.qkv_sizes = (config.hidden,) * 3
+        """Dense rows of the fused output's blocks (q, k, v): tensor parallelism splits each alone."""
         self.proj = nn.Linear(config.hidden, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +145,8 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
+        self.fc_sizes = (config.ffn_hidden,)
+        """Dense rows of ``fc``'s output blocks (one: no fused projections)."""
         self.proj = nn.Linear(config.ffn_hidden, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +168,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+InitialWeights = Callable[[str, "torch.Size | tuple[int, ...]"], torch.Tensor]
+"""A source of the dense initial value of a parameter, by name and shape."""
+
+
 class GPT(nn.Module):
     """The decoder.  ``forward`` maps tokens (or a hidden state) to logits (or a hidden state).
 
@@ -151,6 +180,9 @@ class GPT(nn.Module):
     ``head`` the output is one.  Blocks live in a ModuleDict keyed by their
     global index so parameter names are the same on every layout.
     """
+
+    initial_weights: InitialWeights | None = None
+    """Where parameters still on ``meta`` get their values (None: the seed); see :func:`dense_value`."""
 
     def __init__(self, config: GPTConfig, *, seed: int = 0, recompute_blocks: bool = False) -> None:
         """Built under ``torch.device("meta")`` the parameters stay shapes only (see :func:`materialize`)."""
@@ -165,6 +197,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
         self.norm: nn.Module | None = nn.LayerNorm(config.hidden)
         self.head: nn.Module | None = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tie_embeddings:  # one Parameter, registered (and named) as tok_emb.weight
+            self.head.weight = self.tok_emb.weight
         if not self.head.weight.is_meta:
             self.reset_parameters()
 
@@ -174,10 +208,14 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(initial_value(self.config, self.seed, name, param.shape))
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the first block's input (B, T, H)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+        return self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, H)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            positions = torch.arange(x.shape[1], device=x.device)  # (T,)
-            x = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, H)
+            x = self.embed(x)  # (B, T, H)
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for block in self.blocks.values():
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
@@ -191,19 +229,32 @@ class GPT(nn.Module):
         """Parameters in this module (a shard or a stage counts only what it holds)."""
         total = sum(p.numel() for p in self.parameters())
         if not include_embeddings:
-            for part in (self.tok_emb, self.pos_emb):
+            # a tied token table is also the head (a matmul): it stays counted
+            tables = [self.pos_emb] + ([] if self.config.tie_embeddings else [self.tok_emb])
+            for part in tables:
                 if part is not None:
                     total -= sum(p.numel() for p in part.parameters())
         return total
 
 
 def dense_param_count(config: GPTConfig, *, include_embeddings: bool = True) -> int:
-    """Parameters of the full (unsharded) model, computed from the shape alone."""
-    h, f = config.hidden, config.ffn_hidden
-    per_block = 4 * h + 3 * h * h + h * h + 2 * h * f  # two LayerNorms, QKV, proj, MLP
-    total = config.layers * per_block + 2 * h + h * config.vocab  # + final norm + LM head
+    """Parameters of the full (unsharded) model, computed from the shape alone.
+
+    A tied LM head counts (it is a matmul); the embedding table it shares is
+    then the part left out without embeddings.
+    """
+    h, f, kv = config.hidden, config.ffn_hidden, config.key_value_heads * config.head_dim
+    if config.family == "llama":  # two RMSNorms, QKV (GQA), proj, SwiGLU; final RMSNorm
+        per_block, final_norm, positions = 2 * h + (h + 2 * kv) * h + h * h + 3 * h * f, h, 0
+    else:  # two LayerNorms, QKV, proj, MLP; final LayerNorm
+        per_block, final_norm, positions = (
+            4 * h + 3 * h * h + h * h + 2 * h * f,
+            2 * h,
+            config.seq_len,
+        )
+    total = config.layers * per_block + final_norm + h * config.vocab  # + LM head
     if include_embeddings:
-        total += config.vocab * h + config.seq_len * h
+        total += positions * h + (0 if config.tie_embeddings else config.vocab * h)
     return total
 
 
@@ -224,24 +275,31 @@ def flops_per_token(config: GPTConfig, *, causal_half: bool = False) -> float:
 
 
 def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
-    """The dense tensor of parameter ``name``: ``param`` itself, or its initial value while it is on ``meta``."""
-    return (
-        initial_value(model.config, model.seed, name, param.shape)
-        if param.is_meta
-        else param.detach()
-    )
+    """The dense tensor of parameter ``name``: ``param`` itself, or its initial value while it is on ``meta``.
+
+    The initial value comes from ``model.initial_weights`` when it is set
+    (a Hugging Face directory, :class:`meshtrain.trainer.hf.HFWeights`), else
+    from the seed.
+    """
+    if not param.is_meta:
+        return param.detach()
+    if model.initial_weights is not None:
+        return model.initial_weights(name, param.shape)
+    return initial_value(model.config, model.seed, name, param.shape)
 
 
 def materialize(model: GPT) -> None:
-    """Give every parameter of ``model`` still on the ``meta`` device its initial value (CPU), one at a time."""
+    """Give every parameter of ``model`` still on the ``meta`` device its initial value (CPU), one at a time.
+
+    A parameter shared by two modules (tied embeddings) stays shared.
+    """
+    made: dict[int, nn.Parameter] = {}
     for module_name, module in model.named_modules():
         for key, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 name = f"{module_name}.{key}" if module_name else key
-                setattr(
-                    module,
-                    key,
-                    nn.Parameter(
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(
                         dense_value(model, name, param), requires_grad=param.requires_grad
-                    ),
-                )
+                    )
+                setattr(module, key, made[id(param)])

@@ -15,10 +15,11 @@ import dataclasses
 import glob
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Element types of token files, by their spec name (``training.tokenDtype``)."""
 CHECK_CHUNK_TOKENS = 1 << 24
 """Tokens per vectorised max (32 MiB of uint16): large enough for full memory bandwidth."""

@@ -8,7 +8,8 @@ appends one record per step to ``steps.jsonl`` in the log directory
 (``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
 
 Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
-directory (:mod:`.checkpointing`), 143 stopped by SIGTERM/SIGINT after saving
+directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.lossguard`;
+nothing saved, the last good checkpoint stays), 143 stopped by SIGTERM/SIGINT after saving
 (:mod:`.stopping`), 1 anything else (traceback on stderr), 17 injected fault
 (:mod:`.faults`).
 
@@ -44,7 +45,17 @@ import torch.distributed as dist
 from meshtrain import layout as layout_mod
 from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, faults, memory_accounting, steplog, stopping, telemetry
+from meshtrain.trainer import (
+    data,
+    engine,
+    faults,
+    hf,
+    lossguard,
+    memory_accounting,
+    steplog,
+    stopping,
+    telemetry,
+)
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import schedules
@@ -133,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
         data.check_dataset(job.training, vocab=job.model.shape().vocab)
-    except loading.SpecError as err:
+        hf.check_spec(job)
+    except (loading.SpecError, hf.HFError) as err:
         return _refuse(exitcodes.SPEC, err)
     except data.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
@@ -168,11 +180,25 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    evaluation = job.training.eval
     for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
-        result = trainer.train_step(stop_requested=stop.requested)
+        try:
+            result = trainer.train_step(stop_requested=stop.requested)
+        except lossguard.LossGuardTripped as err:
+            return _guard_stop(step, err, saver, log)
+        due = evaluation.interval and (
+            step % evaluation.interval == 0 or step == job.training.steps
+        )
+        eval_loss = trainer.evaluate() if due else None
+        recorder.health(step, eval_loss=eval_loss, skipped=result.skipped)
         if log is not None:
-            log.write(step_record(result, recorder.steps[-1], job))
+            record = step_record(result, recorder.steps[-1], job)
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
+            if result.skipped:
+                record["skipped"] = result.skipped
+            log.write(record)
         if (
             saver.after_step(step) is not None
         ):  # published (COMPLETE, renamed): /progress may report it
@@ -193,6 +219,23 @@ def _refuse(code: int, err: Exception) -> int:
     print(err, file=sys.stderr)
     progress.write_failure(code, str(err))
     return code
+
+
+def _guard_stop(
+    step: int,
+    err: lossguard.LossGuardTripped,
+    saver: checkpointer.Checkpointer,
+    log: steplog.StepLog | None,
+) -> int:
+    """The loss guard gave up at ``step``: save nothing (the newest checkpoint is the last good one) and leave."""
+    if log is not None:
+        log.close()
+    kept = f"step {saver.last_saved}" if saver.last_saved is not None else "none written yet"
+    message = f"stopped at step {step}: {err}; last good checkpoint: {kept}"
+    print(message, file=sys.stderr)  # every rank: whichever pod fails first carries the reason
+    progress.write_failure(exitcodes.LOSS_GUARD, message)
+    dist.destroy_process_group()
+    return exitcodes.LOSS_GUARD
 
 
 def _stop_after(

@@ -16,6 +16,9 @@ DATA = 3
 """The dataset is missing or unusable."""
 CHECKPOINT = 4
 """A checkpoint exists but cannot be loaded (corrupt, foreign, another model shape)."""
+LOSS_GUARD = 5
+"""The loss guard skipped ``training.lossGuard.maxConsecutiveSkips`` updates in a row; permanent: a
+restart would replay the same batches from the same checkpoint (the last good one is kept)."""
 STOPPED = 128 + signal.SIGTERM
 """A rank stopped on a signal after saving its last step; never 0, so a stopped pod does not read as finished."""
 INTERRUPTED = 128 + signal.SIGINT
@@ -25,6 +28,8 @@ PERMANENT: dict[int, str] = {
     SPEC: "the trainer rejected its configuration",
     DATA: "the dataset is missing or unusable",
     CHECKPOINT: "the checkpoint cannot be loaded",
+    LOSS_GUARD: "the loss guard stopped training after too many skipped updates in a row "
+    "(training.lossGuard; the last good checkpoint is kept)",
     126: "the container command is not executable",
     127: "the container command was not found in the image",
 }

@@ -156,6 +156,47 @@ def _model_shape_complete(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _kv_heads_divide_heads(spec: TrainingJobSpec) -> str | None:
+    shape = spec.model.shape()
+    if shape.family == "gpt" and shape.kv_heads not in (0, shape.heads):
+        return f"kvHeads={shape.kv_heads} needs family llama (gpt uses multi-head attention: kvHeads = heads)"
+    if shape.heads % shape.key_value_heads:
+        return (
+            f"heads={shape.heads} is not a multiple of kvHeads={shape.key_value_heads}; "
+            "each key/value head serves an equal group of query heads"
+        )
+    return None
+
+
+def _kv_heads_split_over_tensor(spec: TrainingJobSpec) -> str | None:
+    kv, tp = spec.model.shape().key_value_heads, spec.parallelism.tensor
+    if kv % tp:
+        return (
+            f"kvHeads={kv} is not divisible by tensor={tp}; each tensor-parallel rank owns whole key/value "
+            f"heads (as in Megatron-LM): choose tensor from the divisors of {kv}"
+        )
+    return None
+
+
+def _tied_embeddings_one_stage(spec: TrainingJobSpec) -> str | None:
+    if spec.model.shape().tie_embeddings and spec.parallelism.pipeline > 1:
+        return (
+            f"tieEmbeddings shares one matrix between the first and the last pipeline stage, "
+            f"but pipeline={spec.parallelism.pipeline}: use pipeline 1 or untied embeddings"
+        )
+    return None
+
+
+def _eval_has_data(spec: TrainingJobSpec) -> str | None:
+    ev = spec.training.eval
+    if ev.interval and not ev.dataset and not ev.held_out:
+        return (
+            f"eval.interval={ev.interval} but neither eval.dataset nor eval.heldOut is set: give a held-out "
+            "token file, or a share of the training data to hold out (e.g. heldOut: 0.01)"
+        )
+    return None
+
+
 def _one_dataset_field(spec: TrainingJobSpec) -> str | None:
     t = spec.training
     if t.datasets and t.dataset != "stdlib":
@@ -372,6 +413,34 @@ RULES: tuple[Rule, ...] = (
         "!self.parallelism.sequenceParallel || !has(self.model.seqLen) || self.model.seqLen % self.parallelism.tensor == 0",
         "sequenceParallel needs model.seqLen divisible by parallelism.tensor",
         _sequence_split_over_tensor,
+    ),
+    Rule(
+        "kv-heads-divide-heads",
+        "spec.model.kvHeads",
+        "!has(self.model.kvHeads) || ((!has(self.model.family) || self.model.family == 'llama') && (!has(self.model.heads) || self.model.heads % self.model.kvHeads == 0))",
+        "model.kvHeads needs family llama and must divide model.heads",
+        _kv_heads_divide_heads,
+    ),
+    Rule(
+        "kv-heads-split-over-tensor",
+        "spec.model.kvHeads",
+        "!has(self.model.kvHeads) || self.model.kvHeads % self.parallelism.tensor == 0",
+        "model.kvHeads must be divisible by parallelism.tensor (each rank owns whole key/value heads)",
+        _kv_heads_split_over_tensor,
+    ),
+    Rule(
+        "tied-embeddings-one-stage",
+        "spec.model.tieEmbeddings",
+        "!has(self.model.tieEmbeddings) || !self.model.tieEmbeddings || self.parallelism.pipeline == 1",
+        "model.tieEmbeddings needs parallelism.pipeline == 1",
+        _tied_embeddings_one_stage,
+    ),
+    Rule(
+        "eval-has-data",
+        "spec.training.eval",
+        "!has(self.training.eval) || !has(self.training.eval.interval) || self.training.eval.interval == 0 || has(self.training.eval.dataset) || (has(self.training.eval.heldOut) && self.training.eval.heldOut > 0.0)",
+        "training.eval.interval needs training.eval.dataset or training.eval.heldOut > 0",
+        _eval_has_data,
     ),
     Rule(
         "one-dataset-field",

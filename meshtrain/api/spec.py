@@ -31,6 +31,7 @@ SHORT_NAME = "tj"
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Precision = Literal["auto", "fp32", "bf16"]
 TokenDtype = Literal["uint16", "uint32"]
+Family = Literal["gpt", "llama"]
 
 
 class _Model(pydantic.BaseModel):
@@ -277,7 +278,7 @@ class Resources(_Model):
 
 
 class ModelShape(_Model):
-    """A resolved GPT decoder shape (no preset names left)."""
+    """A resolved decoder shape (no preset names left)."""
 
     layers: int = Field(ge=1, description="Transformer blocks.")
     hidden: int = Field(ge=1, description="Model width.")
@@ -285,11 +286,48 @@ class ModelShape(_Model):
     vocab: int = Field(ge=2, description="Vocabulary size.")
     seq_len: int = Field(ge=1, description="Sequence length in tokens.")
     ffn_hidden: int = Field(ge=1, description="MLP inner width.")
+    family: Family = Field("gpt", description="Decoder family.")
+    kv_heads: int = Field(0, ge=0, description="Key/value heads (llama); 0 means heads.")
+    tie_embeddings: bool = Field(False, description="LM head shares the token embedding.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base (llama).")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon (llama).")
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden // self.heads
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads: ``kv_heads``, or one per attention head (GPT's multi-head attention)."""
+        return self.kv_heads or self.heads
+
+
+class ModelInit(_Model):
+    """Where the starting weights come from (default: the seed)."""
+
+    from_hf: str | None = Field(
+        None,
+        alias="fromHF",
+        description="A Hugging Face model directory (config.json + *.safetensors, e.g. from meshtrain export) "
+        "whose weights start the run on any layout; its config must agree with the model shape.",
+    )
+
+
+SHAPE_OVERRIDES = (
+    "layers",
+    "hidden",
+    "heads",
+    "vocab",
+    "seq_len",
+    "ffn_hidden",
+    "family",
+    "kv_heads",
+    "tie_embeddings",
+    "rope_theta",
+    "norm_eps",
+)
+"""ModelSpec fields that override a preset's value in the resolved shape."""
 
 
 class ModelSpec(_Model):
@@ -297,7 +335,32 @@ class ModelSpec(_Model):
 
     preset: presets.PresetName | None = Field(
         None,
-        description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b. Explicit fields override it.",
+        description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b (GPT); llama-tiny, llama3-8b, llama3-70b "
+        "(Llama family). Explicit fields override it.",
+    )
+    family: Family | None = Field(
+        None,
+        description="Decoder family: gpt (learned positions, LayerNorm, GELU, multi-head attention) or llama "
+        "(RoPE, RMSNorm, SwiGLU, grouped-query attention). Empty: the preset's, else gpt.",
+    )
+    kv_heads: int | None = Field(
+        None,
+        ge=1,
+        description="Key/value heads of grouped-query attention (llama); must divide heads. Empty: the preset's, else heads.",
+    )
+    tie_embeddings: bool | None = Field(
+        None,
+        description="The LM head reuses the token embedding matrix (needs pipeline 1). Empty: the preset's, else false.",
+    )
+    rope_theta: float | None = Field(
+        None, gt=0, description="RoPE base frequency (llama). Empty: the preset's, else 10000."
+    )
+    norm_eps: float | None = Field(
+        None, gt=0, description="RMSNorm epsilon (llama). Empty: the preset's, else 1e-5."
+    )
+    init: ModelInit = Field(
+        default_factory=ModelInit,
+        description="Starting weights: the seed, or a Hugging Face directory.",
     )
     layers: int | None = Field(None, ge=1, description="Transformer blocks (overrides the preset).")
     hidden: int | None = Field(None, ge=1, description="Model width (overrides the preset).")
@@ -309,7 +372,9 @@ class ModelSpec(_Model):
         None, ge=1, description="Sequence length in tokens (overrides the preset)."
     )
     ffn_hidden: int | None = Field(
-        None, ge=1, description="MLP inner width; defaults to 4 x hidden."
+        None,
+        ge=1,
+        description="MLP inner width; defaults to 4 x hidden (gpt) or 8/3 x hidden rounded up to a multiple of 256 (llama).",
     )
 
     def missing_fields(self) -> list[str]:
@@ -324,10 +389,15 @@ class ModelSpec(_Model):
     def shape(self) -> ModelShape:
         """The resolved shape: preset values overridden by explicit fields."""
         values: dict[str, Any] = dict(presets.PRESETS[self.preset]) if self.preset else {}
-        for name in ("layers", "hidden", "heads", "vocab", "seq_len"):
+        for name in SHAPE_OVERRIDES:
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
-        values["ffn_hidden"] = self.ffn_hidden or 4 * values["hidden"]
+        if "ffn_hidden" not in values:
+            values["ffn_hidden"] = (
+                -(-8 * values["hidden"] // 3 // 256) * 256  # Llama's SwiGLU width, multiple of 256
+                if values.get("family") == "llama"
+                else 4 * values["hidden"]
+            )
         return ModelShape(**values)
 
 
@@ -364,6 +434,54 @@ class LrScaling(_Model):
             return 1.0
         ratio = global_batch / self.reference_batch
         return ratio if self.rule == "linear" else ratio**0.5
+
+
+class Evaluation(_Model):
+    """Validation loss: a fixed set of held-out batches, evaluated every ``interval`` steps."""
+
+    interval: int = Field(
+        0,
+        ge=0,
+        description="Evaluate every N optimizer steps (and after the last); 0 turns evaluation off.",
+    )
+    batches: int = Field(
+        2,
+        ge=1,
+        description="Global batches (of the training batch size) per evaluation; the same ones every time.",
+    )
+    dataset: str | None = Field(
+        None,
+        description="Held-out token file or glob (training.tokenDtype); empty: the last heldOut share of every training file.",
+    )
+    held_out: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="Share of the end of every training file reserved for evaluation (training never draws from it) when dataset is empty.",
+    )
+
+
+class LossGuard(_Model):
+    """Skip updates whose loss or gradient norm is bad; stop after too many in a row."""
+
+    enabled: bool = Field(
+        True,
+        description="Skip an update whose loss or gradient norm is not finite (and, with spikeFactor, a spike).",
+    )
+    spike_factor: float = Field(
+        0.0,
+        ge=0,
+        description="Also skip when the loss exceeds this factor x the median of the last window accepted losses; 0 off.",
+    )
+    window: int = Field(
+        20, ge=1, description="Accepted steps whose median loss a spike is measured against."
+    )
+    max_consecutive_skips: int = Field(
+        5,
+        ge=0,
+        description="Stop the job (exit 5, permanent) after this many skipped updates in a row; the last good "
+        "checkpoint is kept. 0 never stops.",
+    )
 
 
 class Training(_Model):
@@ -419,6 +537,14 @@ class Training(_Model):
     token_dtype: TokenDtype = Field(
         "uint16",
         description="Element type of the token files: uint16 (vocabulary up to 65,536) or uint32 (larger ones, e.g. Llama 3's 128,256).",
+    )
+
+    eval: Evaluation = Field(
+        default_factory=Evaluation, description="Validation loss: interval, batches, held-out data."
+    )
+    loss_guard: LossGuard = Field(
+        default_factory=LossGuard,
+        description="Skip non-finite or spiking updates; stop after maxConsecutiveSkips in a row.",
     )
 
     def effective_global_batch(self, parallelism: Parallelism) -> int:
@@ -615,6 +741,10 @@ class Progress(_Model):
     step: int = Field(0, ge=0, description="Last completed optimizer step.")
     loss: float | None = Field(None, description="Loss at that step.")
     tokens_per_second: float | None = Field(None, description="Throughput of the whole job.")
+    eval_loss: float | None = Field(None, description="Validation loss of the last evaluation.")
+    skipped_updates: int | None = Field(
+        None, ge=0, description="Updates the loss guard skipped so far (in this run of the gang)."
+    )
     updated_at: str | None = Field(None, description="RFC 3339 time of the report.")
 
 

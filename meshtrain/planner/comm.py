@@ -100,27 +100,21 @@ def chunk_param_sizes(
 ) -> list[int]:
     """Element counts of one model chunk's parameters in registration order (after TP sharding).
 
-    Order of :class:`meshtrain.trainer.model.GPT`: token and position tables,
-    then per block ln1 (weight, bias), qkv, attention proj, ln2, mlp fc, mlp
-    proj, then the final norm and the head.
+    Order of :class:`meshtrain.trainer.model.GPT` (and of the Llama decoder,
+    which has no position table and one weight per RMSNorm): token and
+    position tables, then per block ln1, qkv, attention proj, ln2, mlp fc,
+    mlp proj, then the final norm and the head (absent when tied).
     """
-    h, f, v = shape.hidden, shape.ffn_hidden, shape.vocab
+    h, v = shape.hidden, shape.vocab
+    norm = [h] if shape.family == "llama" else [h, h]  # RMSNorm weight; LayerNorm weight, bias
+    qkv, proj, fc, down = (n // tensor for n in memory.block_matrices(shape))
     sizes: list[int] = []
     if first:
-        sizes += [v // tensor * h, shape.seq_len * h]
+        sizes += [v // tensor * h] + ([] if shape.family == "llama" else [shape.seq_len * h])
     for _ in range(layers):
-        sizes += [
-            h,
-            h,
-            3 * h // tensor * h,
-            h * h // tensor,
-            h,
-            h,
-            f // tensor * h,
-            h * f // tensor,
-        ]
+        sizes += [*norm, qkv, proj, *norm, fc, down]
     if last:
-        sizes += [h, h, v // tensor * h]
+        sizes += norm + ([] if shape.tie_embeddings else [v // tensor * h])
     return sizes
 
 
@@ -241,10 +235,12 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 _add(out, "tp", "all_reduce", m, m * stream)
             _add(out, "tp", "all_reduce", 2 * m, m * b * s * LOSS_BYTES * 3)
         if sp:  # replicated parameters' gradients are per-slice partials under SP
+            norm = memory.norm_params(shape)
+            positions = 0 if shape.family == "llama" else s * h
             replicated = (
-                4 * h * layers_per_chunk * v
-                + (s * h if holds_first else 0)
-                + (2 * h if holds_last else 0)
+                2 * norm * layers_per_chunk * v
+                + (positions if holds_first else 0)
+                + (norm if holds_last else 0)
             )
             _add(out, "tp", "all_reduce", 1, replicated * scheme.grads)
         _add(out, "tp", "all_reduce", 1, NORM_BYTES)

@@ -136,6 +136,7 @@ def rank_flops_per_microbatch(
     n_rank = layers * memory.layer_params(shape, tensor)
     if stage == pipeline - 1:
         n_rank += memory.head_params(shape, tensor)
+        n_rank += shape.vocab * shape.hidden // tensor if shape.tie_embeddings else 0
     attention = 12 * layers * shape.seq_len * shape.hidden / tensor
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
@@ -236,7 +237,8 @@ class TimePlan:
 
 def model_flops_per_token(shape: api_spec.ModelShape) -> float:
     """``6 N + 12 L s h`` with ``N`` the non-embedding parameters (the trainer's MFU numerator)."""
-    n = memory.total_params(shape) - memory.embedding_params(shape)
+    tied_head = shape.vocab * shape.hidden if shape.tie_embeddings else 0  # still a matmul
+    n = memory.total_params(shape) - memory.embedding_params(shape) + tied_head
     return 6 * n + 12 * shape.layers * shape.seq_len * shape.hidden
 
 

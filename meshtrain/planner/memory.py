@@ -83,25 +83,43 @@ def scheme_for(precision: str, recipe: str = "meshtrain") -> StateScheme:
 # --------------------------------------------------------------------------- parameters
 
 
+def norm_params(shape: api_spec.ModelShape) -> int:
+    """Parameters of one norm: LayerNorm weight and bias (gpt), RMSNorm weight (llama)."""
+    return shape.hidden if shape.family == "llama" else 2 * shape.hidden
+
+
+def block_matrices(shape: api_spec.ModelShape) -> list[int]:
+    """Dense sizes of one block's matrices in registration order: QKV, attention proj, MLP in, MLP out.
+
+    gpt: QKV 3h^2 and a GELU MLP (f h twice); llama: grouped-query QKV
+    (h + 2 kv hd) h and SwiGLU (gate and up fused, 2 f h, then f h).
+    """
+    h, f = shape.hidden, shape.ffn_hidden
+    if shape.family == "llama":
+        kv = shape.key_value_heads * shape.head_dim
+        return [(h + 2 * kv) * h, h * h, 2 * f * h, f * h]
+    return [3 * h * h, h * h, f * h, h * f]
+
+
 def layer_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
     """Parameters of one block on one tensor-parallel rank.
 
-    Two LayerNorms (weight and bias, replicated: 4h) plus QKV (3h^2), the
-    attention output projection (h^2) and the MLP (2hf), the matrices split
-    over ``tensor`` ranks.
+    Two norms (replicated) plus the block's matrices (:func:`block_matrices`),
+    split over ``tensor`` ranks.
     """
-    h, f = shape.hidden, shape.ffn_hidden
-    return 4 * h + (4 * h * h + 2 * h * f) // tensor
+    return 2 * norm_params(shape) + sum(block_matrices(shape)) // tensor
 
 
 def embedding_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
-    """Token table (split along the vocabulary) plus the replicated position table."""
-    return shape.vocab * shape.hidden // tensor + shape.seq_len * shape.hidden
+    """Token table (split along the vocabulary) plus the replicated position table (gpt only)."""
+    positions = 0 if shape.family == "llama" else shape.seq_len * shape.hidden
+    return shape.vocab * shape.hidden // tensor + positions
 
 
 def head_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
-    """Final LayerNorm (replicated) plus the untied LM head (split along the vocabulary)."""
-    return 2 * shape.hidden + shape.vocab * shape.hidden // tensor
+    """Final norm (replicated) plus the LM head (split along the vocabulary; none when tied to the embedding)."""
+    head = 0 if shape.tie_embeddings else shape.vocab * shape.hidden // tensor
+    return norm_params(shape) + head
 
 
 def total_params(shape: api_spec.ModelShape) -> int:
@@ -199,7 +217,13 @@ def layer_activation_bytes(
     """
     s, b, h, f, a = shape.seq_len, micro_batch, shape.hidden, shape.ffn_hidden, shape.heads
     stream = 4 * h * scheme.stream_bytes
-    split = (4 * h + 2 * f) * scheme.matmul_bytes
+    if (
+        shape.family == "llama"
+    ):  # q, k, v, their rotated q and k, attention out; gate, up, silu, product
+        kv = shape.key_value_heads * shape.head_dim
+        split = (3 * h + 3 * kv + 4 * f) * scheme.matmul_bytes
+    else:
+        split = (4 * h + 2 * f) * scheme.matmul_bytes
     per_token = (stream + split) / tensor if sequence_parallel else stream + split / tensor
     if fused_attention:
         per_token += 4 * a / tensor

@@ -82,7 +82,12 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
             },
             "resources": {"gpusPerNode": world},
             "model": {"preset": "tiny"},
-            "training": {"steps": STEPS, "microBatch": 2, "warmupSteps": 2},
+            "training": {
+                "steps": STEPS,
+                "microBatch": 2,
+                "warmupSteps": 2,
+                "eval": {"interval": 100, "batches": 1, "heldOut": 0.02},
+            },
             "checkpoint": {"path": str(work / "ckpt"), "intervalSteps": 0},
             "metrics": {"port": base},
         },

@@ -64,8 +64,19 @@ def test_progress_endpoint_followed_the_run(scraped_run):
     docs = scraped_run.progress
     assert docs, "rank 0 never answered /progress"
     last = docs[-1]
-    assert set(last) == {"step", "loss", "tokens_per_second", "last_checkpoint_step", "updated_at"}
+    assert set(last) == {
+        "step",
+        "loss",
+        "tokens_per_second",
+        "last_checkpoint_step",
+        "updated_at",
+        "eval_loss",
+        "skipped_updates",
+    }
     assert 0 < last["step"] <= STEPS and last["loss"] > 0 and last["tokens_per_second"] > 0
+    assert (
+        last["eval_loss"] > 0 and last["skipped_updates"] == 0
+    )  # the run evaluates every 100 steps
     assert [d["step"] for d in docs] == sorted(d["step"] for d in docs)
 
 

@@ -22,10 +22,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 
 from meshtrain.controlplane.ports import pick_free_port
 
 TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
+LLAMA_TINY = {
+    "family": "llama",
+    "layers": 4,
+    "hidden": 32,
+    "heads": 4,
+    "kvHeads": 2,
+    "vocab": 256,
+    "seqLen": 32,
+    "ffnHidden": 96,
+}
+"""Grouped-query attention with 2 key/value heads: tp2 splits them, one per rank."""
 
 
 def make_spec(
@@ -76,6 +88,18 @@ def make_spec(
         "model": dict(model or TINY),
         "training": train,
     }
+
+
+def write_job(directory: Path, raw: dict, name: str = "job.yaml") -> Path:
+    """A TrainingJob YAML file of spec ``raw`` in ``directory`` (for ``meshtrain run``)."""
+    path = directory / name
+    manifest = {
+        "apiVersion": "meshtrain.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "t"},
+    }
+    path.write_text(yaml.safe_dump({**manifest, "spec": raw}))
+    return path
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:  # noqa: ANN001

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine
+from meshtrain.trainer import data, engine, llama
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import recording, tensor, zero
@@ -106,32 +106,37 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
     return results
 
 
+def whole_batches(files: list, job: spec_mod.TrainingJobSpec, seed: int) -> data.BatchSampler:
+    """A sampler of whole global batches (one device, one micro-batch)."""
+    return data.BatchSampler(
+        files,
+        seq_len=job.model.shape().seq_len,
+        micro_batch=job.global_batch,
+        micro_batches=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=seed,
+    )
+
+
 def reference(raw: dict, steps: int) -> dict:
     """Single process, no parallel code: step-1 gradients and per-step losses."""
     job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
     tokens = data.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
-    sampler = data.BatchSampler(
-        tokens,
-        seq_len=config.seq_len,
-        micro_batch=job.global_batch,
-        micro_batches=1,
-        dp_rank=0,
-        dp_size=1,
-        seed=t.seed,
-    )
+    sampler = whole_batches(tokens, job, t.seed)
 
     def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
         batch = sampler.global_batch_at(index)  # (G, T+1)
         logits = model(batch[:, :-1])  # (G, T, V)
         return F.cross_entropy(logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1))
 
-    model = gpt.GPT(config, seed=t.seed)
+    model = llama.build(config, seed=t.seed)
     loss_of(model, 0).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
-    model = gpt.GPT(config, seed=t.seed)
+    model = llama.build(config, seed=t.seed)
     opt, schedule = _torch_adamw_with_schedule(model, job)
     losses, norms = [], []
     for step in range(steps):
@@ -175,3 +180,38 @@ def _torch_adamw_with_schedule(model: torch.nn.Module, job: spec_mod.TrainingJob
     return opt, torch.optim.lr_scheduler.SequentialLR(
         opt, [warm, cosine], milestones=[t.warmup_steps - 1]
     )
+
+
+def evaluate_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, list[float]]:
+    """For each (id, spec dict): the validation loss before training and after ``steps`` steps."""
+    results = {}
+    for case_id, raw in cases:
+        job = loading.parse_spec(raw)
+        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        eng = engine.Engine(job, mesh)
+        losses = [eng.evaluate()]
+        for _ in range(steps):
+            eng.train_step()
+        losses.append(eng.evaluate())
+        results[case_id] = losses
+    return results
+
+
+def reference_eval(raw: dict) -> float:
+    """Validation loss of the initial dense model, without meshtrain's parallel code or engine."""
+    job = loading.parse_spec(raw)
+    t = job.training
+    config = gpt.GPTConfig.from_shape(job.model.shape())
+    files = data.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
+    _, held_out = data.open_eval(t, files, vocab=config.vocab, seq_len=config.seq_len)
+    sampler = whole_batches(held_out, job, t.seed + 1)
+    model = llama.build(config, seed=t.seed)
+    total = 0.0
+    with torch.no_grad():
+        for index in range(t.eval.batches):
+            batch = sampler.global_batch_at(index)
+            logits = model(batch[:, :-1])
+            total += F.cross_entropy(
+                logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1)
+            ).item()
+    return total / t.eval.batches

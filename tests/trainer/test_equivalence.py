@@ -1,4 +1,4 @@
-"""Every layout trains like one device: a table of layouts against one reference.
+"""Every layout trains like one device: a table of layouts (GPT and Llama rows) against one reference per model.
 
 Same seed, same global batches: per-step losses (5 steps) and gradient norms
 before clipping agree with a reference loop built only from torch (AdamW, LR
@@ -34,6 +34,14 @@ CASES_2 = {
     ),
     "dp2-zero1-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=1),
     "dp2-zero2-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=2),
+    "llama-dp2-accum2": dict(data=2, micro_batches=2, model=mt_harness.LLAMA_TINY),
+    "llama-pp2-1f1b": dict(
+        pipeline=2, schedule="1f1b", micro_batches=4, model=mt_harness.LLAMA_TINY
+    ),
+    "llama-tp2-sp-recompute": dict(
+        tensor=2, sequence_parallel=True, activationCheckpointing=True, model=mt_harness.LLAMA_TINY
+    ),
+    "llama-tied-tp2": dict(tensor=2, model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True}),
 }
 CASES_8 = {
     "dp2-pp2-tp2-1f1b": dict(data=2, pipeline=2, tensor=2, micro_batches=2),
@@ -51,11 +59,23 @@ CASES_8 = {
         bucket_mb=0.02,
     ),
 }
+CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = {
+    **CASES_8["dp2-pp2-tp2-interleaved-sp"],
+    "model": mt_harness.LLAMA_TINY,
+}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return mt_workers.reference(mt_harness.make_spec(), STEPS)
+def references():
+    """The single-device reference of each model of the tables, by its case's model dict."""
+    models = {repr(kw.get("model")): kw.get("model") for kw in {**CASES_2, **CASES_8}.values()}
+    return {
+        key: mt_workers.reference(mt_harness.make_spec(model=m), STEPS) for key, m in models.items()
+    }
+
+
+def _reference_of(table: dict, case: str, references: dict) -> dict:
+    return references[repr(table[case].get("model"))]
 
 
 def _run(table: dict, world: int) -> dict:
@@ -110,19 +130,20 @@ def _compare(result: dict, reference: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES_2))
-def test_two_rank_layouts_match_single_device(case, world2, reference):
-    _compare(world2[case], reference)
+def test_two_rank_layouts_match_single_device(case, world2, references):
+    _compare(world2[case], _reference_of(CASES_2, case, references))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES_8))
-def test_dp2_pp2_tp2_matches_single_device(case, world8, reference):
-    _compare(world8[case], reference)
+def test_dp2_pp2_tp2_matches_single_device(case, world8, references):
+    _compare(world8[case], _reference_of(CASES_8, case, references))
 
 
 @pytest.mark.slow
-def test_loss_falls(reference):
-    assert reference["losses"][-1] < reference["losses"][0]
+def test_loss_falls(references):
+    for reference in references.values():
+        assert reference["losses"][-1] < reference["losses"][0]
 
 
 @pytest.mark.slow

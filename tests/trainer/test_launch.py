@@ -7,24 +7,12 @@ import time
 
 import mt_harness
 import pytest
-import yaml
 
 from meshtrain.trainer import faults, launch, steplog
 
 
 def _write(tmp_path, raw: dict, name: str = "job.yaml"):
-    path = tmp_path / name
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "meshtrain.io/v1alpha1",
-                "kind": "TrainingJob",
-                "metadata": {"name": "t"},
-                "spec": raw,
-            }
-        )
-    )
-    return path
+    return mt_harness.write_job(tmp_path, raw, name)
 
 
 def test_invalid_spec_refused_before_any_process(tmp_path, capsys):

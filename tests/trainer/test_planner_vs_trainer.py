@@ -34,8 +34,11 @@ from meshtrain.planner import comm, memory, profiles
 STEPS = 2
 TIMEOUT_S = 300
 
+LLAMA = {"family": "llama", "kvHeads": 2, "ffnHidden": 160}
+"""Llama rows: grouped-query attention (2 key/value heads, split over tp2), SwiGLU, no position table."""
+
 LAYOUTS = [
-    # (id, parallelism overrides[, training overrides])
+    # (id, parallelism overrides[, training overrides[, model overrides]])
     ("dp2", {"data": 2}),
     ("dp2-pp2-tp2-sp", {"data": 2, "pipeline": 2, "tensor": 2, "sequenceParallel": True}),
     ("dp2-tp2", {"data": 2, "tensor": 2}),
@@ -52,18 +55,45 @@ LAYOUTS = [
         {"data": 2, "tensor": 2, "sequenceParallel": True},
         {"activationCheckpointing": True},
     ),
+    (
+        "llama-dp2-pp2-tp2-sp",
+        {"data": 2, "pipeline": 2, "tensor": 2, "sequenceParallel": True},
+        {},
+        LLAMA,
+    ),
+    ("llama-dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}, {}, LLAMA),
+    (
+        "llama-tied-dp2-tp2-sp-recompute",
+        {"data": 2, "tensor": 2, "sequenceParallel": True},
+        {"activationCheckpointing": True},
+        {**LLAMA, "tieEmbeddings": True},
+    ),
 ]
 
 
 def _cases() -> list:
-    return [pytest.param(case[1], case[2] if len(case) > 2 else {}, id=case[0]) for case in LAYOUTS]
+    return [
+        pytest.param(
+            case[1], case[2] if len(case) > 2 else {}, case[3] if len(case) > 3 else {}, id=case[0]
+        )
+        for case in LAYOUTS
+    ]
 
 
-def _job(parallelism: dict, training: dict | None = None) -> api_spec.TrainingJobSpec:
+def _job(
+    parallelism: dict, training: dict | None = None, model: dict | None = None
+) -> api_spec.TrainingJobSpec:
     raw = {
         "parallelism": {"microBatches": 4, "bucketMb": 0.05, **parallelism},
         "resources": {"gpusPerNode": 2},
-        "model": {"preset": "tiny", "layers": 4, "hidden": 64, "heads": 4, "seqLen": 32},
+        "model": {
+            "preset": "tiny",
+            "layers": 4,
+            "hidden": 64,
+            "heads": 4,
+            "seqLen": 32,
+            **(model or {}),
+        },
         "training": {
             "microBatch": 2,
             "steps": STEPS,
@@ -151,11 +181,11 @@ def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallelism", "training"), _cases())
+@pytest.mark.parametrize(("parallelism", "training", "model"), _cases())
 def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
-    parallelism: dict, training: dict, tmp_path: Path
+    parallelism: dict, training: dict, model: dict, tmp_path: Path
 ) -> None:
-    job = _job(parallelism, training)
+    job = _job(parallelism, training, model)
     measured = _run(job, tmp_path)
     cpu = profiles.get("cpu")
     scheme = memory.scheme_for(memory.resolve_precision(job, cpu))

@@ -1,4 +1,4 @@
-"""Reshard: a checkpoint written at dp2·pp2·tp2 (ZeRO-1) loads at dp4·pp1·tp2 (ZeRO-2) and dp1·pp1·tp1 (ZeRO-0).
+"""Reshard: a checkpoint written at dp2·pp2·tp2 (ZeRO-1; Llama: dp1·pp2·tp2) loads at dp4·pp1·tp2 (ZeRO-2) and dp1·pp1·tp1 (ZeRO-0).
 
 Parameters must be equal after loading, and the next steps' losses must match
 the run that wrote the checkpoint and simply went on (1e-5 relative).  The
@@ -7,8 +7,6 @@ uses both AdamW moments, and the one after that the updated weights.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import mt_harness
 import pytest
@@ -75,12 +73,22 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
     return merged
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    root = tmp_path_factory.mktemp("reshard")
-    raw = mt_harness.make_spec(data=2, pipeline=2, tensor=2, micro_batches=2, steps=STEPS)
-    raw["parallelism"]["zeroStage"] = 1
-    return root, mt_harness.run_distributed(save_and_continue, 8, raw, str(root), timeout_s=400)
+SOURCES = {
+    # family -> (model, layout that writes the checkpoint, its ZeRO stage, world, parameter tensors)
+    "gpt": (mt_harness.TINY, dict(data=2, pipeline=2, tensor=2), 1, 8, 4 * 8 + 5),
+    # grouped-query QKV split over tp2 (one key/value head per rank) is the piece to get right
+    "llama": (mt_harness.LLAMA_TINY, dict(pipeline=2, tensor=2), 0, 4, 4 * 6 + 3),
+}
+
+
+@pytest.fixture(scope="module", params=list(SOURCES))
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    model, source, zero_stage, world, tensors = SOURCES[request.param]
+    root = tmp_path_factory.mktemp(f"reshard-{request.param}")
+    raw = mt_harness.make_spec(**source, micro_batches=2, steps=STEPS, model=model)
+    raw["parallelism"]["zeroStage"] = zero_stage
+    written = mt_harness.run_distributed(save_and_continue, world, raw, str(root), timeout_s=400)
+    return root, written, model, tensors
 
 
 @pytest.mark.slow
@@ -90,16 +98,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     ids=["dp4-pp1-tp2-zero2", "dp1-pp1-tp1-zero0"],
 )
 def test_reshard_loads_equal_params_and_continues_the_same(
-    saved: tuple[Path, list[dict]], target: dict, zero_stage: int, world: int
+    saved: tuple, target: dict, zero_stage: int, world: int
 ) -> None:
-    root, written = saved
-    raw = mt_harness.make_spec(**target, steps=STEPS)
+    root, written, model, tensors = saved
+    raw = mt_harness.make_spec(**target, steps=STEPS, model=model)
     raw["parallelism"]["zeroStage"] = zero_stage
     loaded = mt_harness.run_distributed(load_and_continue, world, raw, str(root), timeout_s=400)
     before, after = _merged(written), _merged(loaded)
-    assert (
-        sorted(before) == sorted(after) and len(before) == 4 * 8 + 5
-    )  # 8 tensors per block + embeddings, final norm, head
+    assert sorted(before) == sorted(after) and len(before) == tensors
     for name in before:
         assert torch.equal(before[name], after[name]), name
     reference = written[0]["losses"]

@@ -33,7 +33,12 @@ def test_flat_range_boxes_tile_the_range_in_order(shape: tuple[int, ...]) -> Non
 
 @pytest.mark.parametrize(
     ("spec", "shape"),
-    [(tp.ShardSpec(0), (8, 6)), (tp.ShardSpec(1), (6, 8)), (tp.ShardSpec(0, groups=3), (12, 4))],
+    [
+        (tp.ShardSpec(0), (8, 6)),
+        (tp.ShardSpec(1), (6, 8)),
+        (tp.ShardSpec(0, groups=3), (12, 4)),
+        (tp.ShardSpec(0, sizes=(8, 4, 4)), (16, 4)),  # grouped-query QKV: q, k, v rows
+    ],
 )
 def test_split_boxes_place_tp_shards_where_unshard_puts_them(
     spec: tp.ShardSpec, shape: tuple[int, int]
@@ -43,7 +48,12 @@ def test_split_boxes_place_tp_shards_where_unshard_puts_them(
     for rank in range(2):
         local = tp.shard(dense, spec, rank, 2)
         full_shape, boxes = sharded.split_boxes(
-            tuple(local.shape), dim=spec.dim, groups=spec.groups, rank=rank, size=2
+            tuple(local.shape),
+            dim=spec.dim,
+            groups=spec.groups,
+            rank=rank,
+            size=2,
+            blocks=[n // 2 for n in spec.block_sizes(shape[spec.dim])],
         )
         assert full_shape == shape
         for piece in sharded.pieces_of(local, boxes):

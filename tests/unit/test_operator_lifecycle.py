@@ -163,6 +163,14 @@ CASES = [
         {"phase": "Failed"},
     ),
     (
+        "loss guard stop (exit 5) fails at once",
+        job(**placed_status(phase="Running")),
+        [pod(0, "Failed", exit_code=5), pod(1, "Running")],
+        9,
+        ["SetStatus", "Emit", "DeletePods"],
+        {"phase": "Failed"},
+    ),
+    (
         "backoff exhausted fails",
         job(**placed_status(phase="Running", restarts=3)),
         [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)],

@@ -8,6 +8,7 @@ import pytest
 
 from meshtrain import cli, placement
 from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
 from meshtrain.operator import (
     builders,
     capacity,
@@ -113,6 +114,19 @@ def test_progress_report_to_status():
         },
         "lastCheckpointStep": 40,
     }
+
+
+def test_validation_loss_and_skipped_updates_reach_the_status():
+    report = {"step": 7, "loss": 2.5, "eval_loss": 2.75, "skipped_updates": 2, "updated_at": "t"}
+    assert progress_status.status_changes(report)["progress"] == {
+        "step": 7,
+        "loss": 2.5,
+        "evalLoss": 2.75,
+        "skippedUpdates": 2,
+        "updatedAt": "t",
+    }
+    status = api_spec.TrainingJobStatus.model_validate(progress_status.status_changes(report))
+    assert (status.progress.eval_loss, status.progress.skipped_updates) == (2.75, 2)
 
 
 @pytest.mark.parametrize(

@@ -146,8 +146,11 @@ def test_progress_only_on_global_rank_zero(pipeline):
         "tokens_per_second",
         "last_checkpoint_step",
         "updated_at",
+        "eval_loss",
+        "skipped_updates",
     }
     assert (doc["step"], doc["loss"], doc["last_checkpoint_step"]) == (2, 2.0, None)
+    assert (doc["eval_loss"], doc["skipped_updates"]) == (None, 0)
     assert doc["updated_at"].endswith("Z")
     recorders[0].checkpoint_saved(2)
     assert json.loads(get(f"http://127.0.0.1:{base}/progress")[1])["last_checkpoint_step"] == 2

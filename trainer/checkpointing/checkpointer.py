@@ -138,6 +138,10 @@ class Checkpointer:
         rank, world = dist.get_rank(), dist.get_world_size()
         _everywhere(lambda: store.verify(path, marker, hashes=True, part=rank, parts=world))
         mine = self._model_shape()
+        shape_type = type(self.engine.spec.model.shape())
+        model = shape_type.model_validate(
+            model
+        ).model_dump()  # older markers: defaults for new fields
         if model != mine:
             raise store.CheckpointError(
                 f"{path / store.MARKER}: model shape mismatch: the checkpoint has {_shape_text(model)}, "
@@ -147,6 +151,8 @@ class Checkpointer:
         record = state.load_from(path, self.engine)
         self.engine.step = record["step"]
         self.engine.sampler.load_state_dict(record["data"])
+        if self.engine.guard is not None and record.get("loss_guard"):
+            self.engine.guard.load_state_dict(record["loss_guard"])
         state.set_optimizer_step(self.engine.optimizer, record["optimizer_step"])
         self.last_saved = step
         if dist.get_rank() == 0:
@@ -219,5 +225,5 @@ class Checkpointer:
 
 
 def _shape_text(shape: dict[str, int]) -> str:
-    keys = ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_hidden")
+    keys = ("family", "layers", "hidden", "heads", "kv_heads", "vocab", "seq_len", "ffn_hidden")
     return ", ".join(f"{k}={shape.get(k)}" for k in keys)

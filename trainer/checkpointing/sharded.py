@@ -65,28 +65,37 @@ def whole(shape: Sequence[int]) -> list[Box]:
 
 
 def split_boxes(
-    local_shape: Sequence[int], *, dim: int, groups: int, rank: int, size: int
+    local_shape: Sequence[int],
+    *,
+    dim: int,
+    groups: int,
+    rank: int,
+    size: int,
+    blocks: Sequence[int] = (),
 ) -> tuple[tuple[int, ...], list[Box]]:
     """Dense shape and boxes of a tensor-parallel shard.
 
-    The dense ``dim`` is ``groups`` equal blocks; each block is split into
-    ``size`` equal parts and the rank holds part ``rank`` of every block,
+    The dense ``dim`` is ``groups`` equal blocks (or blocks of the local
+    sizes ``blocks``: grouped-query QKV); each block is split into ``size``
+    equal parts and the rank holds part ``rank`` of every block,
     concatenated (meshtrain.trainer.parallel.tensor.shard).
     """
-    part = local_shape[dim] // groups
-    if part * groups != local_shape[dim]:
-        raise ValueError(f"local dim {dim} of {tuple(local_shape)} is not {groups} equal blocks")
+    parts = list(blocks) or [local_shape[dim] // groups] * groups
+    if sum(parts) != local_shape[dim]:
+        raise ValueError(f"local dim {dim} of {tuple(local_shape)} is not the blocks {parts}")
     dense = list(local_shape)
     dense[dim] = local_shape[dim] * size
     boxes = []
-    for g in range(groups):
+    start = 0
+    for part in parts:
         local = [0] * len(local_shape)
         offsets = [0] * len(local_shape)
         sizes = list(local_shape)
-        local[dim] = g * part
-        offsets[dim] = g * part * size + rank * part
+        local[dim] = start
+        offsets[dim] = start * size + rank * part
         sizes[dim] = part
         boxes.append(Box(local=tuple(local), offsets=tuple(offsets), sizes=tuple(sizes)))
+        start += part
     return tuple(dense), boxes
 
 

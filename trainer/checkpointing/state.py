@@ -56,8 +56,14 @@ def dense_layout(engine: Any) -> dict[str, tuple[tuple[int, ...], list[sharded.B
         if spec is None:
             out[name] = (tuple(p.shape), sharded.whole(p.shape))
         else:
+            dense = p.shape[spec.dim] * size
             out[name] = sharded.split_boxes(
-                tuple(p.shape), dim=spec.dim, groups=spec.groups, rank=rank, size=size
+                tuple(p.shape),
+                dim=spec.dim,
+                groups=spec.groups,
+                rank=rank,
+                size=size,
+                blocks=[n // size for n in spec.block_sizes(dense)],
             )
     return out
 
@@ -123,6 +129,7 @@ def trainer_record(engine: Any) -> dict[str, Any]:
         "step": engine.step,
         "optimizer_step": optimizer_step(engine.optimizer),
         "data": engine.sampler.state_dict(),
+        "loss_guard": engine.guard.state_dict() if engine.guard is not None else None,
         "schedule": {
             "kind": "warmup-cosine",
             "peak": training.learning_rate,

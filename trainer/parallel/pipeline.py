@@ -225,6 +225,40 @@ class PipelineExecutor:
             dist.get_backend(g) == "gloo" for g in (self.ctx.forward_group, self.ctx.backward_group)
         )
 
+    @torch.no_grad()
+    def forward_only(
+        self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """Evaluation: every micro-batch forward through every chunk, no backward; returns the summed loss/m.
+
+        Micro-batch by micro-batch, chunk by chunk, in the same order on every
+        stage, so each pair of stages exchanges activations in one order.
+        """
+        m, p = self.micro_batches, self.ctx.stages
+        loss_sum = torch.zeros((), device=self.device)
+        in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        for microbatch in range(m):
+            for chunk in range(self.virtual_stages):
+                j = schedules.virtual_stage(self.ctx.stage, chunk, p)
+                if j == 0:
+                    x = inputs[microbatch].to(self.device)
+                else:
+                    x = torch.empty(
+                        self.activation_shape, dtype=self.activation_dtype, device=self.device
+                    )
+                    dist.recv(x, src=self._peer(j - 1), group=self.ctx.forward_group)
+                with self.autocast():
+                    out = self.chunks[chunk](x)
+                    if j == self.last_virtual:
+                        loss_sum += self.loss_fn(out, targets[microbatch].to(self.device)) / m
+                if j != self.last_virtual:
+                    sent = out.contiguous()
+                    work = dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group)
+                    in_flight.append((work, sent))
+        for work, _ in in_flight:
+            work.wait()
+        return loss_sum
+
     def run(
         self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
     ) -> torch.Tensor:

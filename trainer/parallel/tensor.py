@@ -58,19 +58,27 @@ class ShardSpec:
     """Dimension of the dense tensor that is split."""
     groups: int = 1
     """The dense ``dim`` is ``groups`` equal blocks, each split separately (fused QKV: 3)."""
+    sizes: tuple[int, ...] = ()
+    """Dense sizes of unequal blocks (grouped-query QKV: q, k, v rows); overrides ``groups``."""
+
+    def block_sizes(self, dense: int) -> list[int]:
+        """Dense extent of every block along ``dim`` of a dense tensor of extent ``dense``."""
+        return list(self.sizes) if self.sizes else [dense // self.groups] * self.groups
 
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
     """This rank's piece of a dense tensor."""
-    blocks = full.chunk(spec.groups, dim=spec.dim)
+    blocks = full.split(spec.block_sizes(full.shape[spec.dim]), dim=spec.dim)
     return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).clone()
 
 
 def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The dense tensor from every rank's piece (inverse of :func:`shard`)."""
-    per_rank = [p.chunk(spec.groups, dim=spec.dim) for p in pieces]  # [rank][group]
+    dense = pieces[0].shape[spec.dim] * len(pieces)
+    local = [n // len(pieces) for n in spec.block_sizes(dense)]
+    per_rank = [p.split(local, dim=spec.dim) for p in pieces]  # [rank][block]
     return torch.cat(
-        [torch.cat([r[g] for r in per_rank], dim=spec.dim) for g in range(spec.groups)],
+        [torch.cat([r[g] for r in per_rank], dim=spec.dim) for g in range(len(local))],
         dim=spec.dim,
     )
 
@@ -294,7 +302,7 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     (``None``) are skipped.  Norms stay replicated.
     """
     shards: dict[str, ShardSpec] = {}
-    column, row, qkv, vocab = ShardSpec(0), ShardSpec(1), ShardSpec(0, groups=3), ShardSpec(0)
+    row, vocab = ShardSpec(1), ShardSpec(0)
 
     def swap(
         owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec
@@ -307,17 +315,25 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
 
     for index, block in model.blocks.items():
         base = f"blocks.{index}."
+        # fused projections: every block (q, k, v; gate, up) split on its own
+        qkv, fc = ShardSpec(0, sizes=block.attn.qkv_sizes), ShardSpec(0, sizes=block.mlp.fc_sizes)
         swap(block.attn, "qkv", base + "attn.", ColumnParallelLinear, qkv)
         swap(block.attn, "proj", base + "attn.", RowParallelLinear, row)
-        swap(block.mlp, "fc", base + "mlp.", ColumnParallelLinear, column)
+        swap(block.mlp, "fc", base + "mlp.", ColumnParallelLinear, fc)
         swap(block.mlp, "proj", base + "mlp.", RowParallelLinear, row)
     if model.tok_emb is not None:
         swap(model, "tok_emb", "", VocabParallelEmbedding, vocab)
-        if ctx.sequence_parallel:
+        if model.pos_emb is not None and ctx.sequence_parallel:
             model.pos_emb = SequenceParallelPositionEmbedding(
                 gpt.dense_value(model, "pos_emb.weight", model.pos_emb.weight).clone(), ctx
             )
-    if model.head is not None:
+    if model.head is not None and model.config.tie_embeddings:  # the embedding's own shard
+        embedding = model.tok_emb
+        assert isinstance(embedding, VocabParallelEmbedding)  # tied: same stage, swapped above
+        head = ColumnParallelLinear(embedding.weight.detach(), ctx)
+        head.weight = embedding.weight
+        model.head = head
+    elif model.head is not None:
         swap(model, "head", "", ColumnParallelLinear, vocab)
     partial = (
         [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []

@@ -118,5 +118,8 @@ class Sink(Protocol):
     def checkpoint_saved(self, step: int) -> None:
         """A complete checkpoint of ``step`` exists."""
 
+    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+        """After step ``step``: its validation loss (None: not evaluated) and why its update was skipped ('')."""
+
     def close(self) -> None:
         """Release files and sockets."""

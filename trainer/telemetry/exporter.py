@@ -135,6 +135,15 @@ class Metrics:
             "Learning rate of the last step (schedule with training.lrScaling applied).",
             **reg,
         ).labels(**base)
+        self.eval_loss = prometheus_client.Gauge(
+            "meshtrain_eval_loss", "Validation loss of the last evaluation (training.eval).", **reg
+        )
+        """Labelled at the first evaluation: no series (rather than a false 0) before it."""
+        self.skipped_updates = prometheus_client.Counter(
+            "meshtrain_skipped_updates",
+            "Optimizer updates the loss guard skipped (non-finite or spiking loss or gradient norm).",
+            **reg,
+        ).labels(**base)
         self.mfu = prometheus_client.Gauge(
             "meshtrain_model_flops_utilization_ratio",
             "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
@@ -348,6 +357,12 @@ class Exporter:
     def checkpoint_saved(self, step: int) -> None:
         self.metrics.checkpoint_step.set(step)
         self.metrics.checkpoint_time.set_to_current_time()
+
+    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+        if eval_loss is not None:
+            self.metrics.eval_loss.labels(**self.metrics.base).set(eval_loss)
+        if skipped:
+            self.metrics.skipped_updates.inc()
 
     def close(self) -> None:
         if self._server is not None:

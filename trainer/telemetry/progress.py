@@ -36,7 +36,15 @@ log = logging.getLogger(__name__)
 TERMINATION_LOG_ENV = "MESHTRAIN_TERMINATION_LOG"
 """Environment variable naming the file for the final progress document (unset: none is written)."""
 
-FIELDS = ("step", "loss", "tokens_per_second", "last_checkpoint_step", "updated_at")
+FIELDS = (
+    "step",
+    "loss",
+    "tokens_per_second",
+    "last_checkpoint_step",
+    "updated_at",
+    "eval_loss",
+    "skipped_updates",
+)
 """Keys of the progress document, in order."""
 
 
@@ -51,6 +59,8 @@ class Progress:
             "tokens_per_second": None,
             "last_checkpoint_step": None,
             "updated_at": None,
+            "eval_loss": None,
+            "skipped_updates": 0,
         }
 
     def update(self, **fields: Any) -> None:
@@ -84,6 +94,14 @@ class Progress:
                 self._doc["step"] or 0, step
             )  # a checkpoint of step S means S steps are done
         self.update(last_checkpoint_step=step, step=done)
+
+    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+        with self._lock:
+            skips = self._doc["skipped_updates"] + (1 if skipped else 0)
+        fields = {"skipped_updates": skips}
+        if eval_loss is not None:
+            fields["eval_loss"] = eval_loss
+        self.update(**fields)
 
     def close(self) -> None:
         """Nothing to release."""

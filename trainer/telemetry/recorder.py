@@ -131,6 +131,11 @@ class TelemetryRecorder:
         for sink in self.sinks:
             sink.checkpoint_saved(step)
 
+    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+        """Validation loss and loss-guard verdict of ``step``, to every sink."""
+        for sink in self.sinks:
+            sink.health(step, eval_loss=eval_loss, skipped=skipped)
+
     def memory(self) -> context.MemorySample:
         """Bytes of the watched training state now (each storage once), and the peak."""
         peak_bytes = peak.peak_memory_bytes(self.device)

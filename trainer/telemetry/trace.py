@@ -111,6 +111,9 @@ class TraceLog:
     def checkpoint_saved(self, step: int) -> None:
         """Checkpoints are the engine's log lines, not the step log's."""
 
+    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+        """The worker's steps.jsonl record carries eval_loss and skipped (trainer/steplog.py)."""
+
     def close(self) -> None:
         self._trace.close()
         if self._steps is not None:

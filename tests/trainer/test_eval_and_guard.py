@@ -1,0 +1,112 @@
+"""Validation loss is the same on every layout, and the loss guard skips bad updates and stops the job.
+
+* ``training.eval`` with a held-out share: the loss before training equals a
+  plain single-process computation on the dense model (no engine, no
+  parallel code), and after two steps every layout (tp2+SP, pp2, dp2, and
+  one Llama row) reports the same loss as one device (1e-5 relative);
+* the guard, in an engine: a poisoned embedding makes the loss NaN; the
+  updates are skipped (an untouched parameter keeps its value), and the
+  third skip in a row raises;
+* the guard through ``meshtrain run``: a learning rate that makes the loss
+  spike stops the job with exit code 5 and a message naming the field; the
+  checkpoints of the finished steps stay, none is written at the stop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mt_harness
+import mt_workers
+import pytest
+import torch
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import exitcodes, loading
+from meshtrain.trainer import engine, launch, lossguard
+from meshtrain.trainer.parallel import mesh as mesh_mod
+
+EVAL = {"eval": {"interval": 1, "batches": 2, "heldOut": 0.05}}
+CASES = {
+    "one": dict(),
+    "tp2-sp": dict(tensor=2, sequence_parallel=True),
+    "pp2": dict(pipeline=2, micro_batches=2),
+    "dp2": dict(data=2),
+    "llama-tp2": dict(tensor=2, model=mt_harness.LLAMA_TINY),
+    "llama-one": dict(model=mt_harness.LLAMA_TINY),
+}
+
+
+@pytest.mark.slow
+def test_validation_loss_is_the_same_on_every_layout():
+    ones = [(n, mt_harness.make_spec(**kw, **EVAL)) for n, kw in CASES.items() if "one" in n]
+    twos = [(n, mt_harness.make_spec(**kw, **EVAL)) for n, kw in CASES.items() if "one" not in n]
+    results = {**mt_harness.run_distributed(mt_workers.evaluate_cases, 1, ones, 2)[0]}
+    for rank_result in mt_harness.run_distributed(mt_workers.evaluate_cases, 2, twos, 2):
+        for name, losses in rank_result.items():  # every rank reports the same
+            assert results.setdefault(name, losses) == losses, name
+    for name, kw in CASES.items():
+        one = "llama-one" if "llama" in name else "one"
+        expected = mt_workers.reference_eval(mt_harness.make_spec(model=kw.get("model"), **EVAL))
+        before, after = results[name]
+        assert abs(before - expected) / expected < 1e-5, (name, before, expected)
+        assert abs(after - results[one][1]) / results[one][1] < 1e-5, (name, after)
+        assert after < before  # two steps of training lower the held-out loss
+
+
+def _poisoned_run() -> dict:
+    raw = mt_harness.make_spec(lossGuard={"maxConsecutiveSkips": 3})
+    job = loading.parse_spec(raw)
+    eng = engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
+    first = eng.train_step()
+    params = dict(eng.model.named_params)
+    with torch.no_grad():
+        params["tok_emb.weight"].fill_(math.nan)
+    kept = params["blocks.1.mlp.fc.weight"].detach().clone()
+    skipped = [eng.train_step().skipped for _ in range(2)]
+    untouched = torch.equal(params["blocks.1.mlp.fc.weight"], kept)
+    try:
+        eng.train_step()
+        tripped = ""
+    except lossguard.LossGuardTripped as err:
+        tripped = str(err)
+    return {"first": first.skipped, "skipped": skipped, "untouched": untouched, "tripped": tripped}
+
+
+@pytest.mark.slow
+def test_guard_skips_non_finite_updates_and_trips_after_k():
+    result = mt_harness.run_distributed(_poisoned_run, 1)[0]
+    assert result["first"] == ""
+    assert result["skipped"] == ["loss is nan", "loss is nan"]
+    assert result["untouched"]
+    assert "training.lossGuard: 3 consecutive updates skipped" in result["tripped"]
+
+
+@pytest.mark.slow
+def test_spiking_run_stops_with_exit_5_and_keeps_its_checkpoints(tmp_path, capsys):
+    raw = mt_harness.make_spec(
+        data=2,
+        steps=12,
+        learningRate=50.0,
+        minLearningRate=50.0,
+        warmupSteps=3,
+        gradClip=0.0,
+        lossGuard={"spikeFactor": 1.5, "window": 1, "maxConsecutiveSkips": 2},
+    )
+    raw["checkpoint"] = {"intervalSteps": 1, "keep": 10}
+    job = mt_harness.write_job(tmp_path, raw)
+    code = launch.run_local(job, log_dir=tmp_path / "logs")
+    err = capsys.readouterr().err
+    assert code == exitcodes.LOSS_GUARD, err[-2000:]
+    assert "training.lossGuard: 2 consecutive updates skipped" in err
+    records = [
+        json.loads(line) for line in (tmp_path / "logs" / "steps.jsonl").read_text().splitlines()
+    ]
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    assert skipped == [records[-1]["step"]] and records[-1]["step"] >= 2
+    # every finished step was checkpointed (a skipped step keeps the last accepted weights); none after the stop
+    saved = sorted(p.name for p in (tmp_path / "logs" / "checkpoints").iterdir())
+    assert saved == [f"step-{r['step']:08d}" for r in records]

@@ -1,0 +1,194 @@
+"""Hugging Face interop against transformers, the peer implementation.
+
+* import: a tiny random ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` built here
+  from a config and saved with ``save_pretrained`` gives transformers' logits
+  when meshtrain builds its model from the directory (fp32, 1e-5), and the
+  first-step loss of tp2, pp2 and dp2 runs started from it (``model.init.fromHF``)
+  equals transformers' loss on the same global batch;
+* export: a checkpoint meshtrain trained (tp2 wrote it) exported with
+  ``meshtrain export`` loads in transformers and gives meshtrain's logits;
+* bad input: a directory whose config or tensors disagree with the spec is
+  refused before any process starts, naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mt_harness
+import mt_workers
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+from meshtrain import cli
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import data, engine, export, hf, launch, llama
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.checkpointing import checkpointer
+from meshtrain.trainer.parallel import mesh as mesh_mod
+
+LLAMA = {**mt_harness.LLAMA_TINY, "ropeTheta": 500000.0}
+
+
+def _config(model: dict) -> gpt.GPTConfig:
+    return gpt.GPTConfig.from_shape(spec_mod.ModelSpec.model_validate(model).shape())
+
+
+def _hf_model(config: gpt.GPTConfig) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    if config.family == "llama":
+        hf_config = transformers.LlamaConfig(
+            vocab_size=config.vocab,
+            hidden_size=config.hidden,
+            intermediate_size=config.ffn_hidden,
+            num_hidden_layers=config.layers,
+            num_attention_heads=config.heads,
+            num_key_value_heads=config.key_value_heads,
+            max_position_embeddings=config.seq_len,
+            rope_theta=config.rope_theta,
+            rms_norm_eps=config.norm_eps,
+            tie_word_embeddings=config.tie_embeddings,
+        )
+        model = transformers.LlamaForCausalLM(hf_config)
+        with torch.no_grad():  # random norm weights, so a swapped norm would show
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        return model.eval()
+    hf_config = transformers.GPT2Config(
+        vocab_size=config.vocab,
+        n_embd=config.hidden,
+        n_inner=config.ffn_hidden,
+        n_layer=config.layers,
+        n_head=config.heads,
+        n_positions=config.seq_len,
+        activation_function="gelu",
+        tie_word_embeddings=False,
+    )
+    model = transformers.GPT2LMHeadModel(hf_config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ln_1.bias") or name.endswith("ln_f.weight"):
+                p.uniform_(-0.5, 0.5)  # LayerNorm biases carry over; linear biases must be 0
+    return model.eval()
+
+
+def _meshtrain_from(directory: Path, config: gpt.GPTConfig) -> gpt.GPT:
+    hf.check_directory(directory, config)
+    with torch.device("meta"):
+        model = llama.build(config)
+    model.initial_weights = hf.HFWeights(directory, config)
+    gpt.materialize(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model", [LLAMA, mt_harness.TINY], ids=["llama", "gpt2"])
+def test_imported_model_gives_transformers_logits(model, tmp_path):
+    config = _config(model)
+    peer = _hf_model(config)
+    peer.save_pretrained(tmp_path)
+    ours = _meshtrain_from(tmp_path, config)
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), peer(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_every_layout_starts_from_the_directory(tmp_path):
+    config = _config(LLAMA)
+    peer = _hf_model(config)
+    peer.save_pretrained(tmp_path)
+    cases = {
+        "tp2-sp": dict(tensor=2, sequence_parallel=True),
+        "pp2": dict(pipeline=2, micro_batches=2),
+        "dp2": dict(data=2),
+    }
+    specs = []
+    for name, kw in cases.items():
+        raw = mt_harness.make_spec(model={**LLAMA, "init": {"fromHF": str(tmp_path)}}, **kw)
+        specs.append((name, raw))
+    results = mt_harness.run_distributed(mt_workers.train_cases, 2, specs, 1)
+    job = loading.parse_spec(specs[0][1])
+    files = data.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
+    sampler = mt_workers.whole_batches(files, job, seed=7)
+    batch = sampler.global_batch_at(0)
+    with torch.no_grad():
+        logits = peer(batch[:, :-1]).logits
+    expected = F.cross_entropy(logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1)).item()
+    for name, _ in specs:
+        loss = results[0][name]["losses"][0]
+        assert abs(loss - expected) / expected < 1e-5, (name, loss, expected)
+
+
+def _train_and_save(raw: dict, root: str) -> dict:
+    job = loading.parse_spec(raw)
+    eng = engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
+    for _ in range(3):
+        eng.train_step()
+    checkpointer.Checkpointer(eng, root=root).save()
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model",
+    [LLAMA, {**LLAMA, "tieEmbeddings": True}, mt_harness.TINY],
+    ids=["llama", "llama-tied", "gpt2"],
+)
+def test_exported_checkpoint_gives_meshtrain_logits_in_transformers(model, tmp_path):
+    raw = mt_harness.make_spec(tensor=2, model=model, steps=3)
+    mt_harness.run_distributed(_train_and_save, 2, raw, str(tmp_path / "ckpt"))
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(out)]) == 0
+    config = _config(model)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(auto).__name__ == (
+        "LlamaForCausalLM" if config.family == "llama" else "GPT2LMHeadModel"
+    )
+    ours = llama.build(config)  # meshtrain's model with the checkpoint's weights
+    directory, _ = export.find_checkpoint(tmp_path / "ckpt")
+    result = ours.load_state_dict(export.read_dense(directory), strict=False)
+    assert result.missing_keys == (
+        ["head.weight"] if config.tie_embeddings else []
+    )  # the shared one
+    assert not result.unexpected_keys
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(auto(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_directory_disagreeing_with_the_spec_is_refused_naming_file_and_field(tmp_path, capsys):
+    config = _config(LLAMA)
+    _hf_model(config).save_pretrained(tmp_path / "hf")
+    wrong = {**LLAMA, "kvHeads": 4, "init": {"fromHF": str(tmp_path / "hf")}}
+    code = launch.run_local(
+        mt_harness.write_job(tmp_path, mt_harness.make_spec(model=wrong)), log_dir=tmp_path / "logs"
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "logs").exists()
+    assert "config.json: num_key_value_heads=2 but spec.model.kvHeads=4" in err
+    assert "spec.model.init.fromHF" in err
+
+    weights = tmp_path / "hf" / "model.safetensors"  # config agrees, one tensor does not
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(config.ffn_hidden + 8, config.hidden)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(hf.HFError) as bad:
+        hf.check_directory(tmp_path / "hf", config)
+    assert str(weights) in str(bad.value)
+    assert "model.layers.1.mlp.up_proj.weight has shape [104, 32]" in str(bad.value)
+
+    config_path = tmp_path / "hf" / "config.json"  # Llama 3.1's scaled RoPE: refused, not ignored
+    raw = json.loads(config_path.read_text())
+    raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config_path.write_text(json.dumps(raw))
+    with pytest.raises(hf.HFError, match="config.json: rope_type='llama3'"):
+        hf.check_directory(tmp_path / "hf", config)

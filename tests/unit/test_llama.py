@@ -1,0 +1,85 @@
+"""The Llama decoder's shape accounting against transformers' LlamaForCausalLM (the peer implementation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from meshtrain.api import loading, spec
+from meshtrain.planner import memory
+from meshtrain.trainer import llama
+from meshtrain.trainer import model as gpt
+
+
+def _hf_count(shape: spec.ModelShape) -> int:
+    config = transformers.LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn_hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.key_value_heads,
+        tie_word_embeddings=shape.tie_embeddings,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"preset": "llama3-8b"},
+        {"preset": "llama3-70b"},
+        {"preset": "llama-tiny"},
+        {"preset": "llama-tiny", "tieEmbeddings": True},
+    ],
+    ids=["8b", "70b", "tiny", "tiny-tied"],
+)
+def test_parameter_count_equals_transformers(model):
+    shape = spec.ModelSpec.model_validate(model).shape()
+    expected = _hf_count(shape)
+    config = gpt.GPTConfig.from_shape(shape)
+    assert gpt.dense_param_count(config) == expected
+    assert memory.total_params(shape) == expected
+    with torch.device("meta"):
+        built = llama.build(config)
+    assert built.num_params() == expected
+
+
+def test_llama3_8b_is_eight_billion_and_tp8_splits_kv_heads():
+    shape = spec.ModelSpec(preset="llama3-8b").shape()
+    assert 8.0e9 < memory.total_params(shape) < 8.1e9
+    job = loading.parse_spec(
+        {
+            "model": {"preset": "llama3-8b"},
+            "parallelism": {"tensor": 8},
+            "resources": {"gpusPerNode": 8},
+        }
+    )
+    assert job.model.shape().key_value_heads // job.parallelism.tensor == 1
+
+
+def test_kv_heads_not_divisible_by_tensor_is_refused_naming_the_fix():
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(
+            {
+                "model": {"preset": "llama-tiny"},
+                "parallelism": {"tensor": 4},
+                "resources": {"gpusPerNode": 4},
+            }
+        )
+    assert "spec.model.kvHeads: kvHeads=2 is not divisible by tensor=4" in str(err.value)
+
+
+def test_tied_embeddings_share_one_parameter_after_meta_materialisation():
+    config = gpt.GPTConfig.from_shape(
+        spec.ModelSpec(preset="llama-tiny", tieEmbeddings=True).shape()
+    )
+    with torch.device("meta"):
+        model = llama.build(config, seed=3)
+    gpt.materialize(model)
+    assert model.head.weight is model.tok_emb.weight
+    eager = llama.build(config, seed=3)
+    assert torch.equal(model(torch.arange(8)[None]), eager(torch.arange(8)[None]))

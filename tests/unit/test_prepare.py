@@ -1,0 +1,99 @@
+"""``meshtrain data prepare`` with a tokenizer trained here (the ``tokenizers`` library is the reference)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from meshtrain import cli
+from meshtrain.api import spec
+from meshtrain.trainer import data
+
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "a tensor parallel group stays inside one node",
+    "pipeline stages spread over the fabric",
+]
+
+
+def _bpe(path, vocab_size=300):
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(TEXT * 20, trainer=trainer)
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, capsys):
+    tokenizer = _bpe(tmp_path / "tokenizer.json")
+    (tmp_path / "a.txt").write_text(TEXT[0])
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT[1:]) + "\n")
+    out = tmp_path / "tokens.bin"
+    code = cli.main(
+        [
+            "data",
+            "prepare",
+            str(tmp_path / "a.txt"),
+            str(tmp_path / "b.jsonl"),
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "-o",
+            str(out),
+            "--model-vocab",
+            "512",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [i for t in TEXT for i in tokenizer.encode(t, add_special_tokens=False).ids + [eos]]
+    assert np.fromfile(out, dtype="<u2").tolist() == expected
+    meta = json.loads((tmp_path / "tokens.bin.json").read_text())
+    assert meta["dtype"] == "uint16" and meta["tokens"] == len(expected)
+    assert meta["vocab"] == tokenizer.get_vocab_size()
+    training = spec.Training(dataset=str(out))  # the file trains: every id checked, metadata agrees
+    files = data.open_dataset(training, vocab=512, seq_len=4)
+    assert len(files[0].tokens) == len(expected)
+
+
+def test_tokenizer_larger_than_the_model_is_refused(tmp_path, capsys):
+    _bpe(tmp_path / "tokenizer.json")
+    (tmp_path / "a.txt").write_text(TEXT[0])
+    code = cli.main(
+        [
+            "data",
+            "prepare",
+            str(tmp_path / "a.txt"),
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "-o",
+            str(tmp_path / "t.bin"),
+            "--model-vocab",
+            "256",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "exceeds the model's spec.model.vocab=256" in err
+    assert str(tmp_path / "tokenizer.json") in err and not (tmp_path / "t.bin").exists()
+
+
+def test_uint16_output_for_a_vocabulary_above_65535_is_refused(tmp_path, capsys):
+    words = {f"w{i}": i for i in range(70_000)}
+    big = Tokenizer(models.WordLevel(vocab={**words, "[UNK]": 70_000}, unk_token="[UNK]"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    big.save(str(tmp_path / "big.json"))
+    (tmp_path / "a.txt").write_text("w1 w69999 w5")
+    args = ["data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "big.json")]
+    assert cli.main([*args, "-o", str(tmp_path / "t16.bin"), "--dtype", "uint16"]) == 2
+    assert "do not fit in uint16" in capsys.readouterr().err
+    assert cli.main([*args, "-o", str(tmp_path / "t32.bin")]) == 0  # auto picks uint32
+    assert np.fromfile(tmp_path / "t32.bin", dtype="<u4").tolist() == [1, 69_999, 5]
+    with pytest.raises(data.DatasetError, match="set spec.training.tokenDtype: uint32"):
+        data.open_dataset(spec.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1)

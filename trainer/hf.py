@@ -1,0 +1,335 @@
+"""Hugging Face interop: meshtrain weights to and from ``config.json`` + safetensors.
+
+A Llama model maps to transformers' ``LlamaForCausalLM`` and a GPT model to
+``GPT2LMHeadModel``.  The name maps below are the whole translation: fused
+projections are cut into (or joined from) their Hugging Face pieces
+(``attn.qkv`` = q, k, v; ``mlp.fc`` = gate, up), GPT-2's ``Conv1D`` weights
+are transposed, and GPT-2's biases, which meshtrain's GPT does not have, are
+written as zeros and must be zero on import.
+
+Import is lazy and per parameter (:class:`HFWeights`): the engine's meta
+model asks for one dense tensor at a time (as for seeded init), so every
+layout starts from the directory while each rank reads only its own pieces.
+Everything a directory says is checked against the spec before training
+(:func:`check_directory`): an error names the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from meshtrain.api import spec as api_spec
+from meshtrain.trainer import llama
+from meshtrain.trainer import model as gpt
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+FIELD = "spec.model.init.fromHF"
+
+
+class HFError(ValueError):
+    """A Hugging Face directory that does not fit the model; the message names file and field."""
+
+
+# --- config.json --------------------------------------------------------------
+
+# (config.json key, GPTConfig attribute, spec field) per family
+_LLAMA_FIELDS = (
+    ("hidden_size", "hidden", "hidden"),
+    ("intermediate_size", "ffn_hidden", "ffnHidden"),
+    ("num_hidden_layers", "layers", "layers"),
+    ("num_attention_heads", "heads", "heads"),
+    ("num_key_value_heads", "key_value_heads", "kvHeads"),
+    ("vocab_size", "vocab", "vocab"),
+    ("rms_norm_eps", "norm_eps", "normEps"),
+    ("tie_word_embeddings", "tie_embeddings", "tieEmbeddings"),
+)
+_GPT2_FIELDS = (
+    ("n_embd", "hidden", "hidden"),
+    ("n_inner", "ffn_hidden", "ffnHidden"),
+    ("n_layer", "layers", "layers"),
+    ("n_head", "heads", "heads"),
+    ("vocab_size", "vocab", "vocab"),
+    ("n_positions", "seq_len", "seqLen"),
+    ("tie_word_embeddings", "tie_embeddings", "tieEmbeddings"),
+)
+
+
+def hf_config(config: gpt.GPTConfig) -> dict[str, Any]:
+    """The ``config.json`` transformers builds this model from."""
+    if config.family == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **{key: getattr(config, attr) for key, attr, _ in _LLAMA_FIELDS},
+            "head_dim": config.head_dim,
+            "max_position_embeddings": config.seq_len,
+            "rope_theta": config.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        **{key: getattr(config, attr) for key, attr, _ in _GPT2_FIELDS},
+        "n_ctx": config.seq_len,
+        "activation_function": "gelu",  # exact (erf) GELU, as F.gelu; GPT-2's own is gelu_new
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "torch_dtype": "float32",
+    }
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG
+    if not path.is_file():
+        raise HFError(f"{FIELD}: {path} does not exist (expected a Hugging Face model directory)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise HFError(f"{FIELD}: {path} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise HFError(f"{FIELD}: {path} is not a JSON object")
+    return raw
+
+
+def check_config(directory: Path, config: gpt.GPTConfig) -> None:
+    """Refuse a ``config.json`` whose family or shape differs from the spec's, naming both fields."""
+    raw = _read_config(directory)
+    path = directory / CONFIG
+    family = {"llama": "llama", "gpt2": "gpt"}.get(str(raw.get("model_type")))
+    if family != config.family:
+        raise HFError(
+            f"{FIELD}: {path}: model_type={raw.get('model_type')!r} but spec.model.family={config.family}"
+            " (llama loads LlamaForCausalLM directories, gpt GPT2LMHeadModel ones)"
+        )
+    fields = _LLAMA_FIELDS if family == "llama" else _GPT2_FIELDS
+    defaults = {"num_key_value_heads": raw.get("num_attention_heads"), "n_inner": None}
+    for key, attr, spec_field in fields:
+        value = raw.get(key, defaults.get(key))
+        if key == "n_inner" and value is None:
+            value = 4 * raw.get("n_embd", 0)
+        if key == "tie_word_embeddings" and value is None:
+            value = family == "gpt"  # transformers' default for GPT-2
+        mine = getattr(config, attr)
+        close = (
+            isinstance(mine, float)
+            and isinstance(value, int | float)
+            and abs(value - mine) <= 1e-12
+        )
+        if value != mine and not close:
+            raise HFError(
+                f"{FIELD}: {path}: {key}={value!r} but spec.model.{spec_field}={mine!r}: "
+                f"set spec.model.{spec_field}: {value!r} to train this model"
+            )
+    if family == "gpt" and raw.get("activation_function", "gelu_new") != "gelu":
+        raise HFError(
+            f"{FIELD}: {path}: activation_function={raw.get('activation_function', 'gelu_new')!r}; "
+            "meshtrain's GPT uses the exact GELU ('gelu')"
+        )
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type") or (raw.get("rope_parameters") or {}).get("rope_type")
+    if family == "llama" and rope_type not in (None, "default"):
+        raise HFError(
+            f"{FIELD}: {path}: rope_type={rope_type!r} (rope_scaling); meshtrain's Llama has plain RoPE "
+            "only, so this model's logits cannot be reproduced"
+        )
+    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    if family == "llama" and theta is not None and float(theta) != config.rope_theta:
+        raise HFError(
+            f"{FIELD}: {path}: rope_theta={theta} but spec.model.ropeTheta={config.rope_theta}"
+        )
+
+
+# --- name maps ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One Hugging Face tensor that is (part of) a meshtrain parameter."""
+
+    key: str
+    """Hugging Face tensor name."""
+    transpose: bool = False
+    """GPT-2 ``Conv1D`` stores (in, out)."""
+
+
+def hf_parts(config: gpt.GPTConfig, name: str) -> list[Part]:
+    """The Hugging Face tensors of meshtrain parameter ``name``, in the order they are concatenated (dim 0)."""
+    llama = config.family == "llama"
+    top = {
+        "tok_emb.weight": "model.embed_tokens.weight" if llama else "transformer.wte.weight",
+        "pos_emb.weight": "transformer.wpe.weight",
+        "norm.weight": "model.norm.weight" if llama else "transformer.ln_f.weight",
+        "norm.bias": "transformer.ln_f.bias",
+        "head.weight": "lm_head.weight",
+    }
+    if name in top:
+        return [Part(top[name])]
+    _, index, rest = name.split(".", 2)
+    if llama:
+        base = f"model.layers.{index}."
+        attn, mlp = base + "self_attn.", base + "mlp."
+        table = {
+            "ln1.weight": [Part(base + "input_layernorm.weight")],
+            "ln2.weight": [Part(base + "post_attention_layernorm.weight")],
+            "attn.qkv.weight": [Part(attn + f"{p}_proj.weight") for p in "qkv"],
+            "attn.proj.weight": [Part(attn + "o_proj.weight")],
+            "mlp.fc.weight": [Part(mlp + "gate_proj.weight"), Part(mlp + "up_proj.weight")],
+            "mlp.proj.weight": [Part(mlp + "down_proj.weight")],
+        }
+    else:
+        base = f"transformer.h.{index}."
+        table = {
+            "ln1.weight": [Part(base + "ln_1.weight")],
+            "ln1.bias": [Part(base + "ln_1.bias")],
+            "ln2.weight": [Part(base + "ln_2.weight")],
+            "ln2.bias": [Part(base + "ln_2.bias")],
+            "attn.qkv.weight": [Part(base + "attn.c_attn.weight", transpose=True)],
+            "attn.proj.weight": [Part(base + "attn.c_proj.weight", transpose=True)],
+            "mlp.fc.weight": [Part(base + "mlp.c_fc.weight", transpose=True)],
+            "mlp.proj.weight": [Part(base + "mlp.c_proj.weight", transpose=True)],
+        }
+    return table[rest]
+
+
+def _zero_biases(config: gpt.GPTConfig) -> dict[str, int]:
+    """GPT-2's linear biases (meshtrain's GPT has none): name -> length."""
+    if config.family == "llama":
+        return {}
+    h, f = config.hidden, config.ffn_hidden
+    sizes = {
+        "attn.c_attn.bias": 3 * h,
+        "attn.c_proj.bias": h,
+        "mlp.c_fc.bias": f,
+        "mlp.c_proj.bias": h,
+    }
+    return {f"transformer.h.{i}.{key}": n for i in range(config.layers) for key, n in sizes.items()}
+
+
+def to_hf(config: gpt.GPTConfig, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors from meshtrain's dense parameters."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in dense.items():
+        parts = hf_parts(config, name)
+        sizes = _part_rows(config, name, tensor.shape[0], len(parts))
+        for part, piece in zip(parts, tensor.split(sizes)):
+            out[part.key] = (piece.t() if part.transpose else piece).contiguous()
+    for key, n in _zero_biases(config).items():
+        out[key] = torch.zeros(n)
+    return out
+
+
+def _part_rows(config: gpt.GPTConfig, name: str, rows: int, parts: int) -> list[int]:
+    if name.endswith("attn.qkv.weight") and parts == 3:
+        q, kv = config.heads * config.head_dim, config.key_value_heads * config.head_dim
+        return [q, kv, kv]
+    return [rows // parts] * parts
+
+
+# --- reading a directory --------------------------------------------------------
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it (one file or a sharded set)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise HFError(f"{FIELD}: {directory} has no *.safetensors file")
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                where[key] = path
+    return where
+
+
+class HFWeights:
+    """Dense meshtrain parameters read on demand from a Hugging Face directory (``model.initial_weights``)."""
+
+    def __init__(self, directory: str | Path, config: gpt.GPTConfig) -> None:
+        self.directory = Path(directory)
+        self.config = config
+        self.files = {k: str(v) for k, v in _tensor_files(self.directory).items()}
+        """Hugging Face tensor name -> safetensors file."""
+
+    def _read(self, key: str) -> torch.Tensor:
+        with safe_open(self.files[key], framework="pt") as handle:
+            tensor: torch.Tensor = handle.get_tensor(key)
+        return tensor
+
+    def __call__(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        parts = hf_parts(self.config, name)
+        pieces = [self._read(p.key).t() if p.transpose else self._read(p.key) for p in parts]
+        return torch.cat(pieces, dim=0).float().contiguous().reshape(shape)
+
+
+def _hf_shapes(
+    directory: Path, files: dict[str, Path]
+) -> Iterator[tuple[str, tuple[int, ...], Path]]:
+    for key, path in files.items():
+        with safe_open(str(path), framework="pt") as handle:
+            yield key, tuple(handle.get_slice(key).get_shape()), path
+
+
+def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
+    """Refuse, before any process starts, a directory whose config or tensors disagree with the spec."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise HFError(f"{FIELD}: {directory} is not a directory")
+    check_config(directory, config)
+    files = _tensor_files(directory)
+    shapes = {key: (shape, path) for key, shape, path in _hf_shapes(directory, files)}
+    with torch.device("meta"):
+        expected = to_hf(config, dict(llama.build(config).named_parameters()))
+    for key, tensor in expected.items():
+        if key not in shapes:
+            if key.endswith(".bias"):
+                continue  # an absent GPT-2 bias is a zero one
+            raise HFError(
+                f"{FIELD}: {directory}: tensor {key} is missing from the safetensors files"
+            )
+        shape, path = shapes[key]
+        if shape != tuple(tensor.shape):
+            raise HFError(
+                f"{FIELD}: {path}: tensor {key} has shape {list(shape)}, the spec's model needs "
+                f"{list(tensor.shape)} (spec.model: {config.family}, hidden={config.hidden}, "
+                f"heads={config.heads}, kvHeads={config.key_value_heads}, ffnHidden={config.ffn_hidden}, "
+                f"vocab={config.vocab})"
+            )
+    for key in _zero_biases(config):
+        if key in shapes:
+            with safe_open(str(shapes[key][1]), framework="pt") as handle:
+                if handle.get_tensor(key).abs().max() > 0:
+                    raise HFError(
+                        f"{FIELD}: {shapes[key][1]}: {key} is not zero; meshtrain's GPT has no "
+                        "linear biases, so this model cannot be loaded exactly"
+                    )
+
+
+def check_spec(job: api_spec.TrainingJobSpec) -> None:
+    """:func:`check_directory` for a job that starts from a Hugging Face directory (else nothing)."""
+    if job.model.init.from_hf:
+        check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))
+
+
+def write(directory: str | Path, config: gpt.GPTConfig, dense: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for ``dense`` (meshtrain names) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf(config, {k: v.detach().float().cpu() for k, v in dense.items()})
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(json.dumps(hf_config(config), indent=2) + "\n")
+    return directory

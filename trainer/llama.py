@@ -1,0 +1,146 @@
+"""The Llama-family decoder: RoPE, RMSNorm, SwiGLU and grouped-query attention.
+
+It keeps :class:`~meshtrain.trainer.model.GPT`'s module names and structure
+(``tok_emb``, ``blocks.{i}.ln1/attn.qkv/attn.proj/ln2/mlp.fc/mlp.proj``,
+``norm``, ``head``; ``pos_emb`` is always ``None``), so pipeline splitting,
+tensor parallelism, checkpoints and the lean initialisation treat both
+families alike.  The fused projections are ``attn.qkv`` with rows
+``[q | k | v]`` (q: heads x head_dim, k and v: kv_heads x head_dim each) and
+``mlp.fc`` with rows ``[gate | up]``; ``qkv_sizes`` / ``fc_sizes`` name the
+blocks so tensor parallelism splits each block on its own.  Rotary
+embeddings use the rotate-half layout of Hugging Face's ``LlamaForCausalLM``
+(so its weights load unchanged) and are computed in fp32 from the positions
+of the sequence the attention sees: under sequence parallelism that is the
+whole sequence, after the gather.  Imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.trainer import model as gpt
+
+
+def rope_tables(
+    seq: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, rotary frequency), each (T, head_dim), fp32."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd): rotate-half layout
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, heads, T, hd) by its positions' angles."""
+    rotated: torch.Tensor = (x * cos + _rotate_half(x) * sin).to(x.dtype)
+    return rotated
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with a fused QKV projection and rotary positions."""
+
+    def __init__(self, config: gpt.GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        self.group = config.heads // config.key_value_heads
+        """Query heads per key/value head."""
+        q_rows, kv_rows = config.heads * config.head_dim, config.key_value_heads * config.head_dim
+        self.qkv = nn.Linear(config.hidden, q_rows + 2 * kv_rows, bias=False)
+        self.qkv_sizes = (q_rows, kv_rows, kv_rows)
+        """Dense rows of the fused output's blocks (q, k, v): tensor parallelism splits each alone."""
+        self.proj = nn.Linear(q_rows, config.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, T, (h + 2 kv) * hd) on this rank
+        batch, seq, width = qkv.shape
+        kv_heads = width // ((self.group + 2) * self.head_dim)  # local key/value heads
+        heads = kv_heads * self.group
+        q, k, v = qkv.split(
+            [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1
+        )
+        q = q.view(batch, seq, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.group > 1
+        )  # (B, h, T, hd)
+        y = y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)  # (B, T, h * hd)
+        out: torch.Tensor = self.proj(y)
+        return out
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused in ``fc``."""
+
+    def __init__(self, config: gpt.GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden, 2 * config.ffn_hidden, bias=False)
+        self.fc_sizes = (config.ffn_hidden, config.ffn_hidden)
+        """Dense rows of ``fc``'s output blocks (gate, up)."""
+        self.proj = nn.Linear(config.ffn_hidden, config.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)  # each (B, T, f) on this rank
+        out: torch.Tensor = self.proj(F.silu(gate) * up)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x))."""
+
+    def __init__(self, config: gpt.GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.ln2 = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class Llama(gpt.GPT):
+    """The Llama decoder; a pipeline stage drops parts exactly as a GPT stage does."""
+
+    def __init__(
+        self, config: gpt.GPTConfig, *, seed: int = 0, recompute_blocks: bool = False
+    ) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.seed = seed
+        self.recompute_blocks = recompute_blocks
+        self.tok_emb: nn.Module | None = nn.Embedding(config.vocab, config.hidden)
+        self.pos_emb: nn.Module | None = None  # positions are rotary, inside attention
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
+        self.norm: nn.Module | None = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.head: nn.Module | None = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tie_embeddings:  # one Parameter, registered (and named) as tok_emb.weight
+            self.head.weight = self.tok_emb.weight
+        if not self.head.weight.is_meta:
+            self.reset_parameters()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.tok_emb is not None  # only the first stage embeds
+        out: torch.Tensor = self.tok_emb(tokens)  # (B, T, H): positions are rotations in attention
+        return out
+
+
+def build(config: gpt.GPTConfig, *, seed: int = 0, recompute_blocks: bool = False) -> gpt.GPT:
+    """The decoder of ``config.family`` (under ``torch.device("meta")``: shapes only)."""
+    cls = Llama if config.family == "llama" else gpt.GPT
+    return cls(config, seed=seed, recompute_blocks=recompute_blocks)
