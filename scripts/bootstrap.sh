@@ -12,6 +12,12 @@
 #   * etcd: built from go.etcd.io/etcd/server/v3 at the version that Kubernetes
 #     release recommends (its build/dependencies.yaml).
 #   * helm: built from helm.sh/helm/v3/cmd/helm at HELM_VERSION.
+#   * the node (the sandbox's real nodes): kubelet and kube-proxy from the same
+#     k8s.io/kubernetes wrapper module; containerd, containerd-shim-runc-v2 and
+#     ctr from github.com/containerd/containerd/v2 at CONTAINERD_VERSION
+#     (Kubernetes 1.36 needs containerd 2.x; Debian 12 ships 1.6); CoreDNS from
+#     github.com/coredns/coredns at COREDNS_VERSION; runc, the CNI plugins,
+#     buildah, mmdebstrap, iptables and gcc from Debian (apt-get).
 #   * prometheus/promtool: Debian's `prometheus` package (service left stopped).
 #   * the Prometheus Operator's PodMonitor, ServiceMonitor and PrometheusRule
 #     CRDs, from the github.com/prometheus-operator/prometheus-operator Go
@@ -28,7 +34,8 @@
 # Usage:
 #   scripts/bootstrap.sh                  build/verify everything, print bin dir
 #   scripts/bootstrap.sh --print-bin-dir  print the bin dir only, build nothing
-#   scripts/bootstrap.sh --no-prometheus  skip the apt step
+#   scripts/bootstrap.sh --no-prometheus  skip the apt step for prometheus
+#   scripts/bootstrap.sh --no-node        skip the node components (kubelet, containerd, ...)
 #
 # Environment:
 #   MESHTRAIN_K8S_VERSION   Kubernetes release (default below)
@@ -40,18 +47,28 @@ K8S_VERSION="${MESHTRAIN_K8S_VERSION:-v1.36.3}"
 HELM_VERSION="${MESHTRAIN_HELM_VERSION:-v3.22.0}"
 PROMETHEUS_OPERATOR_VERSION="${MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
 KUEUE_VERSION="${MESHTRAIN_KUEUE_VERSION:-v0.17.0}"
+CONTAINERD_VERSION="${MESHTRAIN_CONTAINERD_VERSION:-v2.4.2}"
+COREDNS_VERSION="${MESHTRAIN_COREDNS_VERSION:-v1.15.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
 KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+NODE_KUBE_BINARIES=(kubelet kube-proxy)
+CONTAINERD_BINARIES=(containerd containerd-shim-runc-v2 ctr)
+# Debian packages of the node: the OCI runtime, CNI plugins (/usr/lib/cni),
+# the image builder, the base image's rootfs builder, and a C compiler with a
+# static libc for Kubernetes' pause.c (the pod sandbox image).
+NODE_DEBIAN_PACKAGES=(runc containernetworking-plugins buildah mmdebstrap iptables gcc libc6-dev)
 MONITORING_CRD_DIR="$CACHE_ROOT/crds/prometheus-operator-$PROMETHEUS_OPERATOR_VERSION"
 MONITORING_CRDS=(podmonitors servicemonitors prometheusrules)
 
 WITH_PROMETHEUS=1
+WITH_NODE=1
 for arg in "$@"; do
   case "$arg" in
     --print-bin-dir) echo "$BIN_DIR"; exit 0 ;;
     --no-prometheus) WITH_PROMETHEUS=0 ;;
+    --no-node) WITH_NODE=0 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e 's/^# \{0,1\}//' -e '/^set -euo/d'; exit 0 ;;
     *) echo "bootstrap: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
@@ -69,7 +86,10 @@ reported_version() {
   local name="$1" path="$2" out
   case "$name" in
     kubectl) out="$("$path" version --client 2>/dev/null | sed -n 's/^Client Version: //p')" ;;
-    kube-*)  out="$("$path" --version 2>/dev/null | sed -n 's/^Kubernetes //p')" ;;
+    kube-*|kubelet) out="$("$path" --version 2>/dev/null | sed -n 's/^Kubernetes //p')" ;;
+    containerd|ctr) out="$("$path" --version 2>/dev/null | sed -n 's/^.* \(v[0-9][^ ]*\).*$/\1/p')" ;;
+    containerd-shim-runc-v2) out="$("$path" -v 2>/dev/null | sed -n 's/^[[:space:]]*Version:[[:space:]]*//p')" ;;
+    coredns) out="$("$path" -version 2>/dev/null | sed -n 's/^CoreDNS-\([0-9.]*\)$/v\1/p')" ;;
     etcd)    out="$("$path" --version 2>/dev/null | sed -n 's/^etcd Version: //p')" ;;
     helm)    out="$("$path" version --short 2>/dev/null | sed 's/+.*//')" ;;
   esac
@@ -78,7 +98,9 @@ reported_version() {
 
 wanted_version() {
   case "$1" in
-    kube-*|kubectl) echo "$K8S_VERSION" ;;
+    kube-*|kubectl|kubelet) echo "$K8S_VERSION" ;;
+    containerd*|ctr) echo "$CONTAINERD_VERSION" ;;
+    coredns)        echo "$COREDNS_VERSION" ;;
     etcd)           echo "${ETCD_VERSION:-}" ;;
     helm)           echo "$HELM_VERSION" ;;
   esac
@@ -167,7 +189,8 @@ build_binary() {
   ( while sleep 60; do log "  ... still building $name ($((SECONDS - started))s)"; done ) &
   ticker=$!
   if ! (cd "$wrapper" && CGO_ENABLED=0 GOFLAGS="-mod=mod" GOTOOLCHAIN=local \
-          go build -trimpath -ldflags "-s -w $ldflags" -o "$BIN_DIR/.$name.tmp" "$package"); then
+          go build -trimpath -tags "${BUILD_TAGS:-}" -ldflags "-s -w $ldflags" \
+            -o "$BIN_DIR/.$name.tmp" "$package"); then
     kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
     die "building $name failed (wrapper module: $wrapper)"
   fi
@@ -201,7 +224,7 @@ build_kubernetes() {
   log "pinning $(wc -l <<<"$replaces") k8s.io staging modules to $staging_version"
   write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$kube_dir/go.mod")" \
     "$(printf '\tk8s.io/kubernetes %s\n' "$K8S_VERSION")" "$replaces"
-  for name in "${KUBE_BINARIES[@]}"; do
+  for name in "${KUBE_BINARIES[@]}" "${NODE_KUBE_BINARIES[@]}"; do
     have_binary "$name" && continue
     build_binary "$name" "$wrapper" "k8s.io/kubernetes/cmd/$name" "$(kube_ldflags)"
   done
@@ -253,6 +276,41 @@ build_kueue() {
   cp "$kueue_dir/config/components/webhook/manifests.yaml" "$root/webhooks.yaml"
   chmod u+w "$root"/crds/*.yaml "$root/webhooks.yaml"  # the module cache is read-only
   log "Kueue $KUEUE_VERSION: $root"
+}
+
+# containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
+# stamps the version like this.
+build_containerd() {
+  local wrapper="$BUILD_ROOT/containerd-$CONTAINERD_VERSION" module_root name
+  module_root="$(module_dir github.com/containerd/containerd/v2 "$CONTAINERD_VERSION")"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$module_root/go.mod")" \
+    "$(printf '\tgithub.com/containerd/containerd/v2 %s\n' "$CONTAINERD_VERSION")" ""
+  for name in "${CONTAINERD_BINARIES[@]}"; do
+    have_binary "$name" && continue
+    BUILD_TAGS=no_btrfs build_binary "$name" "$wrapper" "github.com/containerd/containerd/v2/cmd/$name" \
+      "-X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION \
+       -X github.com/containerd/containerd/v2/version.Revision=$CONTAINERD_VERSION"
+  done
+}
+
+build_coredns() {
+  local wrapper="$BUILD_ROOT/coredns-$COREDNS_VERSION" module_root
+  module_root="$(module_dir github.com/coredns/coredns "$COREDNS_VERSION")"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$module_root/go.mod")" \
+    "$(printf '\tgithub.com/coredns/coredns %s\n' "$COREDNS_VERSION")" ""
+  build_binary coredns "$wrapper" github.com/coredns/coredns ""
+}
+
+install_node_packages() {
+  local sudo="" missing=() package
+  [[ "$(id -u)" == 0 ]] || sudo="sudo"
+  for package in "${NODE_DEBIAN_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+  done
+  ((${#missing[@]})) || { log "node packages present: ${NODE_DEBIAN_PACKAGES[*]}"; return; }
+  log "installing Debian's ${missing[*]} (apt-get) ..."
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
 # --- prometheus ---------------------------------------------------------------
@@ -319,8 +377,9 @@ main() {
     ETCD_VERSION="$(sed -n 's/^etcd=//p' "$BIN_DIR/versions")"
   fi
 
-  local missing=() name
-  for name in "${KUBE_BINARIES[@]}" etcd helm; do
+  local missing=() name wanted=("${KUBE_BINARIES[@]}" etcd helm)
+  ((WITH_NODE)) && wanted+=("${NODE_KUBE_BINARIES[@]}" "${CONTAINERD_BINARIES[@]}" coredns)
+  for name in "${wanted[@]}"; do
     have_binary "$name" || missing+=("$name")
   done
 
@@ -337,20 +396,26 @@ main() {
                     | sed -n 's/^[[:space:]]*version: //p')"
     [[ -n "$ETCD_VERSION" ]] || die "could not read the etcd version from $kube_dir/build/dependencies.yaml"
     log "Kubernetes $K8S_VERSION recommends etcd $ETCD_VERSION"
+    ((WITH_NODE)) || NODE_KUBE_BINARIES=()
     build_kubernetes "$kube_dir"
     have_binary etcd || build_etcd
     have_binary helm || build_helm
+    if ((WITH_NODE)); then
+      build_containerd
+      have_binary coredns || build_coredns
+    fi
   fi
 
-  printf 'kubernetes=%s\netcd=%s\nhelm=%s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
-    >"$BIN_DIR/versions"
-  for name in "${KUBE_BINARIES[@]}" etcd helm; do
+  printf 'kubernetes=%s\netcd=%s\nhelm=%s\ncontainerd=%s\ncoredns=%s\n' "$K8S_VERSION" "$ETCD_VERSION" \
+    "$HELM_VERSION" "$CONTAINERD_VERSION" "$COREDNS_VERSION" >"$BIN_DIR/versions"
+  for name in "${wanted[@]}"; do
     have_binary "$name" || die "$name in $BIN_DIR does not report version $(wanted_version "$name")"
   done
-  log "all binaries present: ${KUBE_BINARIES[*]} etcd helm"
+  log "all binaries present: ${wanted[*]}"
   fetch_monitoring_crds
   build_kueue
 
+  ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"
   echo "$BIN_DIR"

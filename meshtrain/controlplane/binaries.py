@@ -196,3 +196,44 @@ def _find(name: str, bin_dir: pathlib.Path, wanted: str) -> pathlib.Path | None:
 
 def _executable(path: pathlib.Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
+
+
+NODE_NAMES = ("kubelet", "kube-proxy", "containerd", "containerd-shim-runc-v2", "ctr", "coredns")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBinaries:
+    """Absolute paths of the node's binaries (the sandbox's real node)."""
+
+    bin_dir: pathlib.Path
+    """The bootstrap's directory; containerd finds its shim on PATH there."""
+    kubelet: pathlib.Path
+    """The kubelet, at the control plane's Kubernetes version."""
+    kube_proxy: pathlib.Path
+    """Service virtual IPs (iptables) for the pods."""
+    containerd: pathlib.Path
+    """The container runtime (2.x), with containerd-shim-runc-v2 beside it."""
+    ctr: pathlib.Path
+    """containerd's client (image import)."""
+    coredns: pathlib.Path
+    """Cluster DNS."""
+
+
+def locate_node() -> NodeBinaries:
+    """The node's binaries from the bootstrap's directory, or :class:`BinariesMissingError`."""
+    bin_dir = cache_bin_dir()
+    missing = [name for name in NODE_NAMES if not _executable(bin_dir / name)]
+    if missing:
+        raise BinariesMissingError(
+            f"node binaries missing in {bin_dir}: {', '.join(missing)}. "
+            "Run `make bootstrap` (or `scripts/bootstrap.sh`) to build kubelet, kube-proxy, "
+            "containerd and CoreDNS from their Go modules."
+        )
+    return NodeBinaries(
+        bin_dir=bin_dir,
+        kubelet=bin_dir / "kubelet",
+        kube_proxy=bin_dir / "kube-proxy",
+        containerd=bin_dir / "containerd",
+        ctr=bin_dir / "ctr",
+        coredns=bin_dir / "coredns",
+    )

@@ -54,8 +54,12 @@ class Pki:
     """Its public key, which the apiserver verifies tokens with."""
 
 
-def generate(directory: pathlib.Path) -> Pki:
-    """Create a CA and every certificate and key in ``directory``."""
+def generate(directory: pathlib.Path, *, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """Create a CA and every certificate and key in ``directory``.
+
+    ``extra_ips``: more addresses the apiserver's serving certificate names
+    (where it listens besides loopback).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshtrain-local-ca")])
@@ -83,7 +87,7 @@ def generate(directory: pathlib.Path) -> Pki:
         if serving:
             builder = builder.add_extension(
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-            ).add_extension(x509.SubjectAlternativeName(_serving_names()), critical=False)
+            ).add_extension(x509.SubjectAlternativeName(_serving_names(extra_ips)), critical=False)
         else:
             builder = builder.add_extension(
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
@@ -141,7 +145,7 @@ def _key_usage(*, ca: bool) -> x509.KeyUsage:
     )
 
 
-def _serving_names() -> list[x509.GeneralName]:
+def _serving_names(extra_ips: tuple[str, ...]) -> list[x509.GeneralName]:
     """Loopback plus the names pods use for the in-cluster ``kubernetes`` Service."""
     dns = [
         "localhost",
@@ -150,7 +154,12 @@ def _serving_names() -> list[x509.GeneralName]:
         "kubernetes.default.svc",
         "kubernetes.default.svc.cluster.local",
     ]
-    ips = ["127.0.0.1", "::1", "10.0.0.1"]  # 10.0.0.1: first IP of --service-cluster-ip-range
+    ips = [
+        "127.0.0.1",
+        "::1",
+        "10.0.0.1",
+        *extra_ips,
+    ]  # 10.0.0.1: first of --service-cluster-ip-range
     return [x509.DNSName(name) for name in dns] + [
         x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips
     ]

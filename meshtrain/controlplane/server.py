@@ -9,7 +9,7 @@ out kubeconfigs of restricted ServiceAccounts. ``stop()`` kills every process
 group and removes the data directory; it is idempotent and also runs at exit.
 
 Not a kubelet or a node. Pods are stored and (with the scheduler)
-bound, never run; the sandbox's node agent does that. Nothing here is meant
+bound, never run; the sandbox's kubelet does that. Nothing here is meant
 for production: credentials are throw-away and etcd runs without fsync.
 """
 
@@ -77,6 +77,7 @@ class ControlPlane:
         startup_timeout: float = 60.0,
         extra_apiserver_args: Sequence[str] = (),
         extra_scheduler_args: Sequence[str] = (),
+        bind_address: str = "127.0.0.1",
     ) -> None:
         """Configure; nothing starts before :meth:`start`.
 
@@ -89,6 +90,8 @@ class ControlPlane:
         ``startup_timeout``: seconds each component gets to become ready.
         ``extra_apiserver_args``: appended to kube-apiserver's command line.
         ``extra_scheduler_args``: appended to kube-scheduler's (e.g. ``--feature-gates``).
+        ``bind_address``: where kube-apiserver listens and what it advertises to
+        pods (the sandbox's node needs an address its pods can route to).
         """
         self._binaries = binaries
         self._with_scheduler = with_scheduler
@@ -98,6 +101,7 @@ class ControlPlane:
         self._startup_timeout = startup_timeout
         self._extra_apiserver_args = tuple(extra_apiserver_args)
         self._extra_scheduler_args = tuple(extra_scheduler_args)
+        self._bind_address = bind_address
         self._components: list[_Component] = []
         self._data_dir: pathlib.Path | None = None
         self._pki: pki.Pki | None = None
@@ -120,7 +124,10 @@ class ControlPlane:
         (self._data_dir / "logs").mkdir()
         atexit.register(self.stop)
         try:
-            self._pki = pki.generate(self._data_dir / "pki")
+            self._pki = pki.generate(
+                self._data_dir / "pki",
+                extra_ips=(self._bind_address,) if self._bind_address != "127.0.0.1" else (),
+            )
             self._start_component("etcd", self._launch_etcd)
             self._start_component("kube-apiserver", self._launch_apiserver)
             self._kubeconfig_path = self._write_component_kubeconfig("admin", self._pki.admin)
@@ -377,15 +384,19 @@ class ControlPlane:
     def _launch_apiserver(self) -> tuple[list[str], Callable[[], bool]]:
         material = _required(self._pki, "pki")
         port = ports.pick_free_port()
-        self._server = f"https://127.0.0.1:{port}"
+        self._server = f"https://{self._bind_address}:{port}"
         disabled = [] if self._with_controller_manager else ["ServiceAccount"]
         command = [
             str(self.binaries.kube_apiserver),
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self._bind_address}",
+            f"--advertise-address={self._bind_address}",
             f"--secure-port={port}",
             f"--cert-dir={self.data_dir / 'apiserver-certs'}",
+            # kubectl logs/exec: the apiserver calls kubelets as a system:masters client.
+            f"--kubelet-client-certificate={material.admin.cert}",
+            f"--kubelet-client-key={material.admin.key}",
+            "--kubelet-preferred-address-types=InternalIP",
             f"--tls-cert-file={material.serving.cert}",
             f"--tls-private-key-file={material.serving.key}",
             f"--client-ca-file={material.ca.cert}",

@@ -1,13 +1,9 @@
-"""The local sandbox: a real control plane with simulated GPU nodes on this machine.
+"""The local sandbox: a real single-machine cluster.
 
-``python -m meshtrain.sandbox up|down|status|run-example|logs``.
-etcd, kube-apiserver, kube-scheduler and kube-controller-manager are real
-(:mod:`meshtrain.controlplane`); the chart's CRD and RBAC are installed with
-helm; the operator runs as a local process with the chart's ServiceAccount;
-Prometheus (Debian's binary) scrapes the pods.  Only the kubelet is replaced,
-by :mod:`.nodeagent`, which registers simulated GPU nodes and runs the
-containers of pods bound to them as local processes.
-
-Not a cluster.  It is a development and test harness: images are
-not pulled, containers are processes of this machine, nothing is isolated.
+``python -m meshtrain.sandbox up|down|status|run-example``.  etcd,
+kube-apiserver, kube-scheduler and kube-controller-manager
+(:mod:`meshtrain.controlplane`); containerd, the kubelet, kube-proxy and
+CoreDNS in a network namespace of the sandbox's own (:mod:`.node`); the
+operator and trainer images built from their Dockerfiles; the chart installed
+with helm; Prometheus scraping the pods at their pod IPs.
 """

@@ -1,4 +1,4 @@
-"""``python -m meshtrain.sandbox up|down|status|run-example|logs``: the sandbox's commands.
+"""``python -m meshtrain.sandbox up|down|status|run-example``: the sandbox's commands.
 
 Argument parsing and printing; the work is in :mod:`.supervisor`
 (processes) and :mod:`.example` (applying and following a job).  Make calls
@@ -23,12 +23,10 @@ def _print_ready(paths: supervisor.Paths, state: dict[str, Any]) -> None:
         f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
         f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}"
     )
+    node = supervisor.NODE
     print(
-        "8 simulated GPU nodes (2 blocks x 2 leaves x 2 nodes x 4 GPUs); pods run as LOCAL PROCESSES, images are not pulled;"
-    )
-    print(
-        f"`kubectl logs` cannot work (no kubelet API): read {paths.root}/pods/<ns>/<pod>/<container>.log "
-        "or `python -m meshtrain.sandbox logs POD`."
+        f"kubelet node {node.name} ({node.gpus} nvidia.com/gpu, containerd); the operator runs from its "
+        "image as the chart's Deployment; kubectl logs/exec/describe work."
     )
     print(f"export KUBECONFIG={state['kubeconfig']}")
     print(f"Prometheus: {state['prometheus_url']}")
@@ -71,17 +69,6 @@ def _cmd_status(paths: supervisor.Paths, args: argparse.Namespace) -> int:
     return 0 if state.get("status") == "ready" else 3
 
 
-def _cmd_logs(paths: supervisor.Paths, args: argparse.Namespace) -> int:
-    matches = sorted((paths.root / "pods").glob(f"*/{args.pod}/*.log"))
-    if not matches:
-        print(f"no logs for pod {args.pod} under {paths.root / 'pods'}", file=sys.stderr)
-        return 1
-    for path in matches:
-        print(f"==> {path} <==")
-        print(path.read_text(errors="replace")[-args.bytes :])
-    return 0
-
-
 def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
@@ -102,7 +89,7 @@ def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
         f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
         f'(e.g. sum by (job) (meshtrain_tokens_per_second{{job="{name}"}}))'
     )
-    print(f"pod logs: {paths.root}/pods/{namespace}/  (python -m meshtrain.sandbox logs POD)")
+    print(f"pod logs: kubectl logs -n {namespace} -l meshtrain.io/job={name}")
     picture = example.timeline(paths, namespace, name)
     claim = ((final.get("spec") or {}).get("checkpoint") or {}).get("claimName")
     searched = " or ".join(str(d) for d in example.log_dirs(paths, namespace, name, claim))
@@ -134,10 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "status", help="what runs, where the kubeconfig and Prometheus are"
     ).set_defaults(handler=_cmd_status)
-    logs = sub.add_parser("logs", help="a pod's container logs (kubectl logs cannot work here)")
-    logs.add_argument("pod")
-    logs.add_argument("--bytes", type=int, default=20000)
-    logs.set_defaults(handler=_cmd_logs)
     run = sub.add_parser(
         "run-example", help="up, apply an example TrainingJob, follow it to the end"
     )

@@ -46,6 +46,8 @@ def ensure_claim(
     """A PVC bound to a hostPath PV on ``<state>/volumes/<ns>/<claim>`` (the sandbox's storage)."""
     directory = paths.root / "volumes" / namespace / claim
     directory.mkdir(parents=True, exist_ok=True)
+    # hostPath volumes ignore fsGroup: the pods' non-root user needs the directory writable.
+    directory.chmod(0o777)
     pv_name = f"sandbox-{namespace}-{claim}"[:63]
     objects = [
         {
@@ -77,11 +79,27 @@ def ensure_claim(
     return directory
 
 
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+"""Namespace labels that make the API server enforce the restricted Pod Security Standard."""
+
+
 def apply(paths: supervisor.Paths, example: pathlib.Path) -> tuple[str, str]:
-    """Apply the example (and its checkpoint claim); returns (namespace, name)."""
+    """Apply the example (and its checkpoint claim) in a namespace enforcing the restricted Pod Security Standard; returns (namespace, name)."""
     document = yaml.safe_load(example.read_text())
     meta = document.get("metadata") or {}
     namespace, name = meta.get("namespace", "default"), meta["name"]
+    kubectl(paths, "create", "namespace", namespace, check=False)
+    kubectl(
+        paths,
+        "label",
+        "--overwrite",
+        "namespace",
+        namespace,
+        *(f"{key}={value}" for key, value in RESTRICTED.items()),
+    )
     claim = ((document.get("spec") or {}).get("checkpoint") or {}).get("claimName")
     if claim:
         ensure_claim(paths, namespace=namespace, claim=claim)
@@ -137,14 +155,12 @@ def follow(
 def log_dirs(
     paths: supervisor.Paths, namespace: str, name: str, claim: str | None
 ) -> list[pathlib.Path]:
-    """Where a job's step log and traces may be, in order: ``logs`` on its checkpoint claim, then the run dir.
+    """Where a job's step log and traces are: ``logs`` on its checkpoint claim.
 
-    The operator sets ``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs`` (on the claim,
-    ``<state>/volumes/<ns>/<claim>/logs`` here); the node agent's per-job run
-    directory is the default of pods that do not set it.
+    The operator sets ``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs``, which is
+    ``<state>/volumes/<ns>/<claim>/logs`` on this machine.
     """
-    found = [paths.root / "volumes" / namespace / claim / "logs"] if claim else []
-    return [*found, paths.root / "runs" / namespace / name]
+    return [paths.root / "volumes" / namespace / claim / "logs"] if claim else []
 
 
 def timeline(paths: supervisor.Paths, namespace: str, name: str) -> pathlib.Path | None:

@@ -1,16 +1,18 @@
 """Prometheus for the sandbox: Debian's ``prometheus`` binary on a loopback port.
 
-:func:`build_config` (pure) writes the scrape configuration: the
-trainer pods through a ``file_sd`` list the node agent rewrites as pods come
-and go (``honor_labels`` so the exporters' job/namespace/pod labels win), the
-operator's own exporter, and meshtrain's rules (``dashboards/rules.yaml``)
-when present.  :func:`command` is the command line.  Not the
-process management (see :mod:`.supervisor`) or a production setup.
+:func:`build_config` (pure) writes the scrape configuration: the trainer's
+per-rank exporters and the operator's, each from a file_sd list, with
+``honor_labels`` so the exporters' job/namespace/pod labels win, and
+meshtrain's rules (``dashboards/rules.yaml``) when present; :func:`targets`
+(pure) turns the API server's pods into those lists (pod IP and named
+container port), as Kubernetes service discovery would: Debian builds
+Prometheus without it.  :func:`command` is the command line.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 from typing import Any
 
@@ -30,30 +32,57 @@ def find_binary() -> pathlib.Path:
     return pathlib.Path(found)
 
 
-def build_config(
-    *, targets_file: pathlib.Path, operator_target: str | None, rule_files: list[pathlib.Path]
-) -> dict[str, Any]:
-    """The prometheus.yml of the sandbox."""
-    scrape: list[dict[str, Any]] = [
-        {
-            "job_name": "meshtrain-trainer",
+TRAINER_PORTS = r"metrics-[0-9]+"
+"""Names of the trainer's per-rank exporter ports (``metrics-<local rank>``)."""
+OPERATOR_PORTS = r"metrics"
+"""Name of the operator's exporter port."""
+
+
+def build_config(*, targets_dir: pathlib.Path, rule_files: list[pathlib.Path]) -> dict[str, Any]:
+    """The prometheus.yml of the sandbox: one file_sd job per target file :func:`targets` fills."""
+
+    def job(name: str) -> dict[str, Any]:
+        return {
+            "job_name": name,
             "honor_labels": True,
-            "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}],
+            "file_sd_configs": [
+                {"files": [str(targets_dir / f"{name}.json")], "refresh_interval": "2s"}
+            ],
         }
-    ]
-    if operator_target:
-        scrape.append(
-            {
-                "job_name": "meshtrain-operator",
-                "honor_labels": True,
-                "static_configs": [{"targets": [operator_target]}],
-            }
-        )
+
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "5s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": scrape,
+        "scrape_configs": [job("meshtrain-trainer"), job("meshtrain-operator")],
     }
+
+
+def targets(pods: list[dict[str, Any]], port_names: str) -> list[dict[str, Any]]:
+    """file_sd groups: each Running pod's container ports named like ``port_names``, at the pod IP.
+
+    What Prometheus's Kubernetes pod discovery does (Debian's Prometheus is
+    built without it): one target per named container port, labelled with the
+    pod, its namespace and node.
+    """
+    groups = []
+    for pod in pods:
+        status, meta = pod.get("status") or {}, pod.get("metadata") or {}
+        if status.get("phase") != "Running" or not status.get("podIP"):
+            continue
+        addresses = [
+            f"{status['podIP']}:{port['containerPort']}"
+            for container in (pod.get("spec") or {}).get("containers", [])
+            for port in container.get("ports", [])
+            if re.fullmatch(port_names, port.get("name", ""))
+        ]
+        if addresses:
+            labels = {
+                "pod": meta.get("name", ""),
+                "namespace": meta.get("namespace", ""),
+                "node": (pod.get("spec") or {}).get("nodeName", ""),
+            }
+            groups.append({"targets": addresses, "labels": labels})
+    return groups
 
 
 def command(

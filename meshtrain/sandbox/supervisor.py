@@ -1,15 +1,16 @@
 """Bringing the sandbox up and down: one supervisor process owns every part.
 
-``up`` starts a detached supervisor (``python -m meshtrain.sandbox
-serve``) and waits until it reports ready; the supervisor starts, in order,
-the control plane (etcd, kube-apiserver, kube-scheduler,
-kube-controller-manager), the chart's CRD and RBAC (``helm install`` with
-``operator.deploy=false``), the node agent, the operator (a local process
-with a token of the chart's ServiceAccount: the chart's RBAC is all it has),
-and Prometheus.  It records every process group in ``state.json`` so that
-``down`` can stop it all, and check that nothing is left, even after a crash.
-
-Not a daemon manager.  One sandbox per state directory.
+``up`` starts a detached supervisor (``python -m meshtrain.sandbox serve``)
+and waits until it reports ready; the supervisor makes the sandbox's network
+namespace, starts the control plane (etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager) on the host end of its link, containerd in the
+namespace, builds (cached) and imports the images, starts CoreDNS, the kubelet
+and kube-proxy (:mod:`.node`), installs the chart with helm (the operator
+runs as the chart's Deployment from the built image) and starts Prometheus.
+It records every process group and the node's names in ``state.json`` so
+that ``down`` can stop it all, and check that nothing is left, even after a
+crash.  A component that cannot start stops the whole sandbox with a message
+naming it.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Any
 import yaml
 
 from meshtrain.controlplane import binaries as binaries_mod
-from meshtrain.controlplane import kubeconfig as kubeconfig_mod
 from meshtrain.controlplane import ports, server
-from meshtrain.sandbox import procs, prometheus
+from meshtrain.sandbox import node as node_mod
+from meshtrain.sandbox import nodeconfig, prometheus
+from meshtrain.sandbox import nodes as nodes_mod
 
 log = logging.getLogger("meshtrain.sandbox")
 
@@ -41,8 +43,8 @@ RELEASE = "meshtrain"
 """Helm release name of the chart in the sandbox."""
 NAMESPACE = "meshtrain-system"
 """Namespace of the release and of the operator's ServiceAccount."""
-SERVICE_ACCOUNT = "meshtrain"
-"""The chart's ServiceAccount (release name + chart name collapse to this)."""
+NODE = nodes_mod.NodeSpec(name="gpu-b0-l0-n0", block="block-0", leaf="leaf-0-0", gpus=4)
+"""The sandbox's kubelet node: its name, topology labels and advertised GPUs."""
 
 
 def default_state_dir() -> pathlib.Path:
@@ -71,11 +73,6 @@ class Paths:
     def kubeconfig(self) -> pathlib.Path:
         """Admin kubeconfig (export KUBECONFIG=...)."""
         return self.root / "kubeconfig"
-
-    @property
-    def operator_kubeconfig(self) -> pathlib.Path:
-        """Kubeconfig of the chart's ServiceAccount, used by the operator."""
-        return self.root / "operator.kubeconfig"
 
 
 def read_state(paths: Paths) -> dict[str, Any] | None:
@@ -132,6 +129,8 @@ class _Supervisor:
             "timings": {},
         }
         self.stopping = False
+        self.node: node_mod.Node | None = None
+        self.store_lock: int | None = None
 
     def _spawn(
         self, name: str, argv: list[str], *, env: dict[str, str] | None = None
@@ -158,12 +157,19 @@ class _Supervisor:
     def start(self) -> None:
         t0 = time.monotonic()
         found = binaries_mod.locate()
+        node_bins = binaries_mod.locate_node()
+        net = nodeconfig.addresses(self.paths.root, node_mod.taken_indices())
+        self.node = node_mod.Node(root=self.paths.root / "node", net=net, spec=NODE)
+        self.state["node"] = self.node.to_state()
+        _write_state(self.paths, self.state)
+        node_mod.setup_network(net)
         self.plane = server.ControlPlane(
             binaries=found,
             with_scheduler=True,
             with_controller_manager=True,
             data_root=self.paths.root,
             startup_timeout=180.0,
+            bind_address=net.host_ip,
         )
         self.plane.start()
         self.state["groups"].update({f"controlplane-{k}": v for k, v in self.plane.pids().items()})
@@ -172,115 +178,123 @@ class _Supervisor:
         self._timed("control plane", t0)
 
         t1 = time.monotonic()
-        with open(self.paths.logs / "helm.log", "ab") as helm_log:
-            subprocess.run(
-                [
-                    str(found.helm),
-                    "install",
-                    RELEASE,
-                    str(REPO / "charts" / "meshtrain"),
-                    "--namespace",
-                    NAMESPACE,
-                    "--create-namespace",
-                    "--set",
-                    "operator.deploy=false",
-                    "--kubeconfig",
-                    str(self.paths.kubeconfig),
-                    "--wait",
-                ],
-                check=True,
-                stdout=helm_log,
-                stderr=subprocess.STDOUT,
+        operator_image, trainer_image, pause_image = node_mod.image_names()
+        containerd_root, self.store_lock = node_mod.image_store(self.node)
+        if self.store_lock is None:
+            log.warning(
+                "another sandbox holds the shared image store; importing into %s", containerd_root
             )
-        self._timed("helm install (CRD, RBAC)", t1)
-
+        node_mod.write_configs(
+            self.node,
+            kubeconfig=self.paths.kubeconfig,
+            ca_file=self.plane.ca_file,
+            pause_image=pause_image,
+            containerd_root=containerd_root,
+        )
+        commands = node_mod.commands(self.node, kubeconfig=self.paths.kubeconfig)
+        env = node_mod.node_env(node_bins.bin_dir)
+        containerd = self._spawn("containerd", commands["containerd"], env=env)
+        node_mod.wait_socket(
+            self.node.socket,
+            alive=lambda: containerd.poll() is None,
+            log=self.paths.logs / "containerd.log",
+        )
+        self._timed("containerd", t1)
         t2 = time.monotonic()
-        self._spawn(
-            "nodeagent",
-            [
-                sys.executable,
-                "-m",
-                "meshtrain.sandbox.nodeagent",
-                "--kubeconfig",
-                str(self.paths.kubeconfig),
-                "--state-dir",
-                str(self.paths.root),
-            ],
+        node_mod.import_images(self.node.socket, self.paths.logs / "images.log")
+        self._timed("images (build if changed, import)", t2)
+
+        t3 = time.monotonic()
+        node_mod.make_cgroups(self.node.cgroup_root)
+        for name in ("coredns", "kubelet", "kube-proxy"):
+            self._spawn(name, commands[name], env=env)
+        self._wait_node_ready(found.kubectl)
+        self._kubectl(
+            found.kubectl,
+            "patch",
+            "node",
+            NODE.name,
+            "--subresource=status",
+            "--type=json",
+            "-p",
+            json.dumps(nodeconfig.gpu_capacity_patch(NODE.gpus)),
         )
-        self._write_operator_kubeconfig()
-        operator_metrics, operator_health = ports.pick_free_port(), ports.pick_free_port()
-        env = {**os.environ, "MESHTRAIN_PROGRESS_SECONDS": "3", "MESHTRAIN_RESYNC_SECONDS": "5"}
-        env.pop("KUBECONFIG", None)
-        self._spawn(
-            "operator",
-            [
-                sys.executable,
-                "-m",
-                "meshtrain.cli",
-                "operator",
-                "--all-namespaces",
-                # The chart's Lease Role is in the release namespace; the identity (the host
-                # name) survives a restart, so a restarted operator resumes at once.
-                "--lease",
-                RELEASE,
-                "--lease-namespace",
-                NAMESPACE,
-                "--kubeconfig",
-                str(self.paths.operator_kubeconfig),
-                "--metrics-port",
-                str(operator_metrics),
-                "--liveness",
-                f"http://127.0.0.1:{operator_health}/healthz",
-                "--log-format",
-                "text",
-                # The simulated nodes' GPUs are CPU worker processes: plan and admit jobs as such.
-                "--gpu-profile",
-                "cpu",
-            ],
-            env=env,
-        )
-        self.state["operator_metrics"] = f"127.0.0.1:{operator_metrics}"
-        self._start_prometheus(f"127.0.0.1:{operator_metrics}")
-        self._wait_nodes_ready(found.kubectl)
-        self._timed("node agent, operator, prometheus", t2)
+        self._timed("kubelet node Ready", t3)
+
+        t4 = time.monotonic()
+        self._helm_install(found.helm, operator_image, trainer_image)
+        self._timed("helm install (operator Deployment)", t4)
+        self._start_prometheus()
         self.state["timings"]["up"] = round(time.monotonic() - t0, 2)
         self.state["status"] = "ready"
         _write_state(self.paths, self.state)
 
-    def _write_operator_kubeconfig(self) -> None:
-        """A token for the chart's ServiceAccount (TokenRequest API, 24 h)."""
-        assert self.plane is not None
-        answer = self.plane.admin_client().request(
-            "POST",
-            f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{SERVICE_ACCOUNT}/token",
-            {
-                "apiVersion": "authentication.k8s.io/v1",
-                "kind": "TokenRequest",
-                "spec": {"expirationSeconds": 86400},
-            },
+    def _kubectl(self, kubectl: pathlib.Path, *args: str) -> str:
+        result = subprocess.run(
+            [str(kubectl), "--kubeconfig", str(self.paths.kubeconfig), *args],
+            capture_output=True,
+            text=True,
         )
-        config = kubeconfig_mod.build(
-            server=self.plane.server,
-            ca_file=self.plane.ca_file,
-            user=f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}",
-            token=answer.body["status"]["token"],
-            namespace=NAMESPACE,
-        )
-        kubeconfig_mod.write(self.paths.operator_kubeconfig, config)
+        if result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
 
-    def _start_prometheus(self, operator_target: str) -> None:
+    def _helm_install(self, helm: pathlib.Path, operator_image: str, trainer_image: str) -> None:
+        """The chart as users install it: the operator Deployment runs the built image."""
+        repository, _, tag = operator_image.rpartition(":")
+        trainer_repository, _, trainer_tag = trainer_image.rpartition(":")
+        env = [
+            {"name": "MESHTRAIN_PROGRESS_SECONDS", "value": "3"},
+            {"name": "MESHTRAIN_RESYNC_SECONDS", "value": "5"},
+        ]
+        command = [
+            str(helm),
+            "install",
+            RELEASE,
+            str(REPO / "charts" / "meshtrain"),
+            "--namespace",
+            NAMESPACE,
+            "--create-namespace",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            f"trainer.image.repository={trainer_repository}",
+            "--set",
+            f"trainer.image.tag={trainer_tag}",
+            "--set",
+            "operator.logFormat=text",
+            # The node's "GPUs" are CPU worker processes: plan and admit jobs as such.
+            "--set",
+            "operator.gpuProfile=cpu",
+            "--set-json",
+            f"operator.extraEnv={json.dumps(env)}",
+            "--kubeconfig",
+            str(self.paths.kubeconfig),
+            "--wait",
+            "--timeout",
+            "5m",
+        ]
+        with open(self.paths.logs / "helm.log", "ab") as out:
+            result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"helm install of charts/meshtrain failed (exit {result.returncode}): see "
+                f"{self.paths.logs / 'helm.log'} and `kubectl -n {NAMESPACE} describe pods`"
+            )
+
+    def _start_prometheus(self) -> None:
         directory = self.paths.root / "prometheus"
         directory.mkdir(parents=True, exist_ok=True)
-        targets = directory / "targets.json"
-        if not targets.exists():
-            targets.write_text("[]")
         rules = []
         if (REPO / "dashboards" / "rules.yaml").exists():
             shutil.copyfile(REPO / "dashboards" / "rules.yaml", directory / "rules.yaml")
             rules.append(directory / "rules.yaml")
-        config = prometheus.build_config(
-            targets_file=targets, operator_target=operator_target, rule_files=rules
-        )
+        self._write_targets()
+        config = prometheus.build_config(targets_dir=directory, rule_files=rules)
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
         port = ports.pick_free_port()
         self._spawn(
@@ -294,7 +308,7 @@ class _Supervisor:
         )
         self.state["prometheus_url"] = f"http://127.0.0.1:{port}"
 
-    def _wait_nodes_ready(self, kubectl: pathlib.Path, timeout: float = 120.0) -> None:
+    def _wait_node_ready(self, kubectl: pathlib.Path, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.children.items():
@@ -308,22 +322,44 @@ class _Supervisor:
                     "--kubeconfig",
                     str(self.paths.kubeconfig),
                     "get",
-                    "nodes",
-                    "-l",
-                    "meshtrain.io/sandbox-node=true",
+                    "node",
+                    NODE.name,
                     "-o",
-                    "name",
+                    "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
                 ],
                 capture_output=True,
                 text=True,
             )
-            if len(out.stdout.split()) >= 1 and out.returncode == 0:
+            if out.stdout.strip() == "True":
                 return
             time.sleep(1.0)
-        raise RuntimeError("the node agent did not register its nodes in time")
+        raise RuntimeError(
+            f"kubelet: node {NODE.name} was not Ready after {timeout:.0f}s; see "
+            f"{self.paths.logs / 'kubelet.log'} and {self.paths.logs / 'containerd.log'}"
+        )
+
+    def _write_targets(self) -> None:
+        """Rewrite Prometheus's target files from the pods the API server lists."""
+        assert self.plane is not None
+        answer = self.plane.admin_client().request("GET", "/api/v1/pods", timeout=10)
+        if answer.status != 200:
+            return
+        pods = answer.body.get("items", [])
+        directory = self.paths.root / "prometheus"
+        for job, port_names in (
+            ("meshtrain-trainer", prometheus.TRAINER_PORTS),
+            ("meshtrain-operator", prometheus.OPERATOR_PORTS),
+        ):
+            tmp = directory / f"{job}.json.tmp"
+            tmp.write_text(json.dumps(prometheus.targets(pods, port_names)))
+            tmp.replace(directory / f"{job}.json")
 
     def wait(self) -> None:
         while not self.stopping:
+            try:
+                self._write_targets()
+            except OSError as err:
+                log.warning("could not refresh Prometheus targets: %s", err)
             for name, proc in self.children.items():
                 if proc.poll() is not None and not self.stopping:
                     log.error("%s exited with %s; see logs/%s.log", name, proc.returncode, name)
@@ -335,7 +371,12 @@ class _Supervisor:
 
     def stop(self) -> None:
         self.stopping = True
-        for name in ("operator", "nodeagent", "prometheus"):  # the agent kills its pods on SIGTERM
+        for name in ("prometheus", "kube-proxy", "kubelet", "coredns", "containerd"):
+            if name == "containerd" and self.node is not None:
+                node_mod.teardown(
+                    self.state.get("node") or {}
+                )  # containers die before their runtime
+                node_mod.remove_containers(self.node.socket)
             proc = self.children.get(name)
             if proc is None:
                 continue
@@ -346,20 +387,33 @@ class _Supervisor:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
             _signal_group(proc.pid, signal.SIGKILL)  # stragglers of the group
+        node_mod.teardown(self.state.get("node") or {})
+        if self.store_lock is not None:
+            os.close(self.store_lock)
         if self.plane is not None:
             self.plane.stop()
         self.state["status"] = "stopped"
         _write_state(self.paths, self.state)
 
 
+class _Interrupted(BaseException):
+    """SIGTERM/SIGINT while the sandbox is still starting."""
+
+
 def serve(paths: Paths) -> int:
     """The supervisor's main: start everything, then wait for SIGTERM and stop it all."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     supervisor = _Supervisor(paths)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(supervisor, "stopping", True))
-    signal.signal(signal.SIGINT, lambda *_: setattr(supervisor, "stopping", True))
+
+    def interrupt_start(*_: object) -> None:
+        raise _Interrupted("stopped while starting (sandbox down or Ctrl-C)")
+
+    signal.signal(signal.SIGTERM, interrupt_start)
+    signal.signal(signal.SIGINT, interrupt_start)
     try:
         supervisor.start()
+        signal.signal(signal.SIGTERM, lambda *_: setattr(supervisor, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(supervisor, "stopping", True))
         log.info(
             "sandbox ready: export KUBECONFIG=%s ; Prometheus %s",
             paths.kubeconfig,
@@ -367,7 +421,7 @@ def serve(paths: Paths) -> int:
         )
         supervisor.wait()
         return 0
-    except Exception as err:  # noqa: BLE001 - recorded for `up`, then everything is stopped
+    except (Exception, _Interrupted) as err:  # noqa: BLE001 - recorded for `up`, then everything is stopped
         log.exception("sandbox failed to start")
         supervisor.state.update(status="failed", error=str(err))
         _write_state(paths, supervisor.state)
@@ -386,14 +440,18 @@ def _signal_group(pgid: int, sig: int) -> None:
 # --- the commands ------------------------------------------------------------------
 
 
-def up(paths: Paths, *, timeout: float = 600.0) -> dict[str, Any]:
-    """Start the sandbox (or return the running one's state); raises RuntimeError on failure."""
+def up(paths: Paths, *, timeout: float = 3600.0) -> dict[str, Any]:
+    """Start the sandbox (or return the running one's state); raises RuntimeError on failure.
+
+    The timeout covers a first start on a fresh machine, which builds the
+    images and imports the trainer image (gigabytes) into containerd.
+    """
     state = read_state(paths)
     if state and state.get("status") == "ready" and alive(state["supervisor_pid"]):
         return state
     if state:  # a sandbox that failed, is stopping, or whose supervisor died: clear it all first
         down(paths)
-    for stale in ("pods", "prometheus", "logs"):
+    for stale in ("node", "prometheus", "logs"):
         shutil.rmtree(paths.root / stale, ignore_errors=True)
     paths.logs.mkdir(parents=True, exist_ok=True)
     paths.state.unlink(missing_ok=True)
@@ -439,10 +497,7 @@ def down(paths: Paths, *, timeout: float = 90.0) -> list[int]:
         if members:
             leftovers.extend(members)
             _signal_group(pgid, signal.SIGKILL)
-    strays = procs.marked(str(paths.root))  # pod processes, whatever their group or parent
-    if strays:
-        leftovers.extend(strays)
-        procs.signal_all(strays, signal.SIGKILL)
+    leftovers.extend(node_mod.teardown(state.get("node") or {}))  # containers, shims, namespace
     if state:
         state["status"] = "down"
         _write_state(paths, state)

@@ -1,16 +1,21 @@
-"""The sandbox end to end: a dp2·pp2·tp1 TrainingJob over two pods on simulated GPU nodes.
+"""The sandbox end to end: a dp2·pp2·tp1 TrainingJob over two pods in real containers.
 
-1. ``up``: real etcd, kube-apiserver, scheduler and controller-manager; the
-   chart's CRD and RBAC via helm; the operator as the chart's ServiceAccount;
-   the node agent; Prometheus.
-2. The example job: its pods are bound by the real scheduler to the nodes the
-   operator planned, train to Succeeded, and their metrics are in Prometheus.
-3. The same job again, and one rank's process killed mid-run: the gang
+1. ``up``: real etcd, kube-apiserver, scheduler and controller-manager;
+   containerd, kubelet, kube-proxy and CoreDNS; the images built from the
+   Dockerfiles; the operator installed by helm as the chart's Deployment;
+   Prometheus.
+2. The example job, in a namespace enforcing the restricted Pod Security
+   Standard: its pods are bound by the real scheduler to the node the
+   operator planned, run from the trainer image, train to Succeeded, and
+   Prometheus scraped their metrics at the pod IPs; kubectl logs, exec and
+   describe work.
+3. The same job again, and one rank's container killed mid-run: the gang
    restarts, resumes from its checkpoint and succeeds with status.restarts == 1.
 4. The same job again, re-laid-out mid-run with ``kubectl patch`` (dp2·pp2 ->
    dp4·pp1) between two periodic checkpoints: the deleted gang saves the step
    it stopped at, and the rebuilt gang resumes there, resharded.
-5. ``down`` leaves no process behind.
+5. A user's own DDP program (spec.trainer type custom) in the same image.
+6. ``down`` leaves no process, container, mount or network namespace behind.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -28,7 +34,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from meshtrain.sandbox import example, procs, supervisor
+from meshtrain.controlplane import binaries
+from meshtrain.sandbox import example, node, supervisor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -45,11 +52,30 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[supervis
     try:
         yield paths, state
     finally:
-        groups = list((supervisor.read_state(paths) or {}).get("groups", {}).values())
+        recorded = supervisor.read_state(paths) or {}
+        groups = list(recorded.get("groups", {}).values())
         leftovers = supervisor.down(paths)
         assert leftovers == [], f"processes left behind after down: {leftovers}"
         assert not [g for g in groups if supervisor.group_members(g)]
-        assert procs.marked(str(paths.root)) == [], "pod processes left behind"
+        assert node.leftovers(recorded["node"]) == [], "containers or shims left behind"
+        mounts = pathlib.Path("/proc/self/mountinfo").read_text()
+        assert str(paths.root) not in mounts, "mounts left behind"
+        assert not pathlib.Path(f"/run/netns/{recorded['node']['netns']}").exists()
+
+
+def _events(paths: supervisor.Paths, namespace: str, reason: str) -> list[dict]:
+    out = example.kubectl(
+        paths,
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"reason={reason}",
+        "-o",
+        "json",
+    )
+    return json.loads(out)["items"]
 
 
 def _pods(paths: supervisor.Paths, name: str) -> list[dict]:
@@ -86,12 +112,32 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
     started = time.monotonic()
     namespace, name = example.apply(paths, EXAMPLE)
     seen_pods: dict[str, str] = {}
+    pod_ips: set[str] = set()
+    exec_answers: list[str] = []
 
     def record(line: str) -> None:
         print(line)
         for pod in _pods(paths, name):
             if pod["spec"].get("nodeName"):
                 seen_pods[pod["metadata"]["name"]] = pod["spec"]["nodeName"]
+            if pod["status"].get("podIP"):
+                pod_ips.add(pod["status"]["podIP"])
+            if pod["status"].get("phase") == "Running" and not exec_answers:
+                # kubectl exec through the apiserver and kubelet; the pod resolves its gang's Service name.
+                exec_answers.append(
+                    example.kubectl(
+                        paths,
+                        "exec",
+                        "-n",
+                        namespace,
+                        pod["metadata"]["name"],
+                        "--",
+                        "python",
+                        "-c",
+                        "import os, socket; print(os.getuid(), socket.gethostbyname('kubernetes.default'))",
+                        check=False,
+                    )
+                )
 
     final = example.follow(paths, namespace, name, timeout=900, on_change=record)
     print(f"example finished in {time.monotonic() - started:.1f}s")
@@ -102,21 +148,16 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
     assert status["progress"]["step"] == steps, (
         f"final progress from rank 0's termination message: {status['progress']}"
     )
+    assert exec_answers and exec_answers[0].split() == ["65532", "10.0.0.1"], exec_answers
+    logs = _gang_logs(paths, namespace, name, 0)
+    assert logs.strip(), "kubectl logs returns the trainer containers' output (through the kubelet)"
+    described = example.kubectl(paths, "describe", "pod", "-n", namespace, next(iter(seen_pods)))
+    assert "Successfully assigned" in described and "ghcr.io/meshtrain/trainer" in described
     planned = {p["node"] for p in status["placement"]}
     assert len(status["placement"]) == 2
     assert set(seen_pods.values()) <= planned and seen_pods, (seen_pods, status["placement"])
-    events = example.kubectl(
-        paths,
-        "get",
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        "reason=Scheduled",
-        "-o",
-        "json",
-    )
-    scheduled = [e for e in json.loads(events)["items"] if e["involvedObject"]["name"] in seen_pods]
+    events = _events(paths, namespace, "Scheduled")
+    scheduled = [e for e in events if e["involvedObject"]["name"] in seen_pods]
     assert scheduled and all(
         e.get("reportingComponent") == "default-scheduler"
         or e["source"].get("component") == "default-scheduler"
@@ -131,6 +172,14 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
         time.sleep(2)
     assert {s["metric"]["rank"] for s in series} == {"0", "1", "2", "3"}, series
     assert all(float(s["value"][1]) > 0 for s in series)
+    scraped = _prometheus(
+        state, f'max by (instance) (max_over_time(meshtrain_tokens_total{{job="{name}"}}[30m]))'
+    )
+    assert {s["metric"]["instance"].rsplit(":", 1)[0] for s in scraped} == pod_ips, (
+        "Prometheus scraped the pods at their pod IPs",
+        scraped,
+        pod_ips,
+    )
     # MESHTRAIN_LOG_DIR=<checkpoint.path>/logs: the step log and every rank's trace outlive the pods on the claim
     claim = yaml.safe_load(EXAMPLE.read_text())["spec"]["checkpoint"]["claimName"]
     logs = paths.root / "volumes" / namespace / claim / "logs"
@@ -184,11 +233,36 @@ def _wait_for_logged_step(step_log: pathlib.Path, at_least: int, timeout: float 
     raise AssertionError(f"{step_log} never reached step {at_least}")
 
 
-def _gang_logs(paths: supervisor.Paths, namespace: str, pods: str) -> str:
-    return " ".join(
-        p.read_text(errors="replace")
-        for p in (paths.root / "pods" / namespace).glob(f"{pods}/trainer.log")
+def _gang_logs(paths: supervisor.Paths, namespace: str, name: str, attempt: int) -> str:
+    """``kubectl logs`` of every pod of one gang attempt."""
+    return example.kubectl(
+        paths,
+        "logs",
+        "-n",
+        namespace,
+        "--tail=-1",
+        "-l",
+        f"meshtrain.io/job={name},meshtrain.io/attempt={attempt}",
     )
+
+
+def _kill_container(paths: supervisor.Paths, pod: dict) -> int:
+    """SIGKILL a pod's container from the host, as a crashed node process would die; returns its pid."""
+    container = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    state = supervisor.read_state(paths) or {}
+    ctr = [
+        str(binaries.locate_node().ctr),
+        "--address",
+        state["node"]["socket"],
+        "--namespace",
+        "k8s.io",
+    ]
+    listed = subprocess.run(
+        [*ctr, "tasks", "ls"], capture_output=True, text=True, check=True
+    ).stdout
+    pid = next(int(line.split()[1]) for line in listed.splitlines() if line.startswith(container))
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(
@@ -202,22 +276,17 @@ def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(
         for p in _pods(paths, name)
         if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "1"
     )
-    leader = int(
-        (paths.root / "pods" / namespace / pod["metadata"]["name"] / "trainer.pid").read_text()
-    )
-    workers = [pid for pid in procs.tree(leader) if pid != leader]
-    assert workers, "torchrun's worker processes"
+    killed = _kill_container(paths, pod)
     print(
-        f"killing rank process {workers[0]} of pod {pod['metadata']['name']} after checkpoint step {saved}"
+        f"killed the container (pid {killed}) of pod {pod['metadata']['name']} after checkpoint step {saved}"
     )
-    os.kill(workers[0], signal.SIGKILL)
     final = example.follow(paths, namespace, name, timeout=900)
     status = final["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
     assert status["restarts"] == 1
     final_saved = _saved_steps(checkpoints)
     assert final_saved[-1] == steps, f"trained to the last step: checkpoints {final_saved}"
-    assert "resumed from" in _gang_logs(paths, namespace, f"{name}-r1-*"), (
+    assert "resumed from" in _gang_logs(paths, namespace, name, 1), (
         "the restarted gang resumes from the checkpoint"
     )
 
@@ -257,9 +326,7 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     assert status["layout"] == "dp4·pp1·tp1" and status["restarts"] == 0
     assert not old_pods & {p["metadata"]["uid"] for p in _pods(paths, name)}
     assert _saved_steps(checkpoints)[-1] == steps
-    resumed = re.search(
-        r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, f"{name}-r0-*")
-    )
+    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, name, 0))
     assert resumed, "the rebuilt gang resumes from the checkpoint"
     assert int(resumed.group(1)) >= trained, (
         "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)"
@@ -268,19 +335,7 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     assert logged == list(range(1, steps + 1)), (
         f"no step lost and trained twice across the rebuild: {logged}"
     )
-    events = json.loads(
-        example.kubectl(
-            paths,
-            "get",
-            "events",
-            "-n",
-            namespace,
-            "--field-selector",
-            "reason=SpecChanged",
-            "-o",
-            "json",
-        )
-    )["items"]
+    events = _events(paths, namespace, "SpecChanged")
     assert any(
         e["involvedObject"]["name"] == name and "dp4·pp1·tp1" in e["message"] for e in events
     ), events
@@ -306,5 +361,5 @@ def test_a_users_own_ddp_program_runs_under_the_same_placement_and_gang(
     import torch  # noqa: PLC0415 - only this test reads a torch file
 
     assert torch.load(saved)["step"] == int(document["spec"]["trainer"]["args"][1])
-    logs = _gang_logs(paths, namespace, f"{name}-r0-*")
+    logs = _gang_logs(paths, namespace, name, 0)
     assert "ddp example: world 4" in logs, "torchrun formed one 4-rank group across both pods"

@@ -79,7 +79,7 @@ def _job_manifest(paths: supervisor.Paths) -> Path:
 
 
 def _waiting_manifest(paths: supervisor.Paths) -> Path:
-    """A valid job for 64 GPUs on a 32-GPU sandbox: InsufficientGPUs."""
+    """A valid job for 64 GPUs on a 4-GPU sandbox: InsufficientGPUs."""
     document = yaml.safe_load(example.DEFAULT_EXAMPLE.read_text())
     document["metadata"]["name"] = WAITING
     document["spec"]["parallelism"].update(data=64, pipeline=1, microBatches=1)

@@ -71,6 +71,17 @@ def test_final_stage_runs_as_numeric_non_root_user(path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_the_user_has_a_passwd_entry(path: pathlib.Path) -> None:
+    """getpass.getuser() (kopf's peer identity) raises for a uid without one: the operator crash-looped."""
+    instructions = _instructions(path)
+    last_from = max(i for i, (w, _) in enumerate(instructions) if w == "FROM")
+    final = instructions[last_from:]
+    uid = [rest for w, rest in final if w == "USER"][-1].split(":")[0]
+    runs = " ".join(rest for w, rest in final if w == "RUN")
+    assert re.search(rf"useradd .*--uid {uid}\b", runs), f"{path}: no passwd entry for uid {uid}"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_entrypoint_is_the_meshtrain_command(path: pathlib.Path) -> None:
     entrypoints = [rest for w, rest in _instructions(path) if w == "ENTRYPOINT"]
     assert entrypoints and json.loads(entrypoints[-1]) == ["meshtrain"]

@@ -8,7 +8,8 @@ from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.operator import progress_status, sizing
 from meshtrain.planner import admission, profiles
-from meshtrain.sandbox import nodes as sandbox_nodes
+from meshtrain.sandbox import nodeconfig as sandbox_nodeconfig
+from meshtrain.sandbox import supervisor as sandbox_supervisor
 from tests.builders import JobBuilder
 
 H100 = profiles.get("h100-sxm")
@@ -138,10 +139,11 @@ def test_refusal_message_has_the_numbers_and_the_profile_source():
 
 
 def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
-    manifest = sandbox_nodes.build_node(sandbox_nodes.topology()[0])
-    manifest.update(
-        sandbox_nodes.build_node_status(sandbox_nodes.topology()[0], heartbeat="t", ready_since="t")
-    )
+    node = sandbox_supervisor.NODE
+    manifest = {
+        "metadata": {"name": node.name, "labels": sandbox_nodeconfig.node_labels(node)},
+        "status": {"allocatable": {"nvidia.com/gpu": str(node.gpus), "cpu": "2", "memory": "8Gi"}},
+    }
     found = placement.node_from_manifest(manifest, "nvidia.com/gpu")
     spec = loading.parse_spec(TINY_FP32)
     assert sizing.candidates(spec, [found]) == [found]

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# images.sh — build the operator and trainer images from operator/Dockerfile
+# and trainer/Dockerfile with buildah, as a user's `docker build` would, and
+# optionally import them into a containerd.
+#
+# No container registry is reachable here, so the one thing that differs from
+# a registry build is the base image argument (PYTHON_IMAGE): a local image of
+# a Debian 12 rootfs with Python 3.11, made by mmdebstrap from the Debian
+# mirror.  Everything else is the Dockerfiles as they are.
+#
+# Cached: the base image is built once per package list; buildah's layer
+# cache (--layers) rebuilds only the layers whose inputs changed, and pip's
+# cache is the Dockerfiles' cache mount, so a rebuild downloads no wheel.
+# Images live in buildah's own store under $MESHTRAIN_CACHE/containers.
+#
+# The pod sandbox ("pause") image is built the same way from Kubernetes' own
+# build/pause/linux/pause.c of the pinned k8s.io/kubernetes module (static,
+# with the flags of its Makefile), since registry.k8s.io is not reachable.
+#
+# Usage:
+#   scripts/images.sh                       build base, operator and trainer
+#   scripts/images.sh --import SOCKET       ... and import both into the containerd at SOCKET
+#   scripts/images.sh --print-tags          print the image names, build nothing
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
+STORE="$CACHE_ROOT/containers"
+VERSION="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$REPO/meshtrain/__init__.py")"
+# The names the chart (image.repository + appVersion) and TrainingJob.spec.image default to.
+OPERATOR_IMAGE="ghcr.io/meshtrain/operator:$VERSION"
+TRAINER_IMAGE="ghcr.io/meshtrain/trainer:$VERSION"
+K8S_VERSION="${MESHTRAIN_K8S_VERSION:-v1.36.3}"
+PAUSE_IMAGE="localhost/meshtrain/pause:$K8S_VERSION"
+BASE_PACKAGES="python3,python3-venv,python3-pip,python-is-python3,ca-certificates"
+ROOTFS_IMAGE="localhost/meshtrain/python:bookworm-$(printf '%s' "$BASE_PACKAGES" | sha1sum | cut -c1-8)"
+# The base adds this host's extra CA certificates (/usr/local/share/ca-certificates,
+# e.g. a TLS-intercepting proxy's) to the rootfs, so pip in the build trusts
+# what the host trusts; the tag changes when they do.
+HOST_CAS=(/usr/local/share/ca-certificates/*.crt)
+[[ -e "${HOST_CAS[0]}" ]] || HOST_CAS=()
+BASE_IMAGE="$ROOTFS_IMAGE-ca$(cat "${HOST_CAS[@]}" /dev/null | sha1sum | cut -c1-8)"
+
+START_SECONDS=$SECONDS
+log() { printf '[images %4ds] %s\n' "$((SECONDS - START_SECONDS))" "$*" >&2; }
+die() { printf 'images: error: %s\n' "$*" >&2; exit 1; }
+
+IMPORT_SOCKET=""
+while (($#)); do
+  case "$1" in
+    --print-tags) echo "$OPERATOR_IMAGE $TRAINER_IMAGE $PAUSE_IMAGE"; exit 0 ;;
+    --import) IMPORT_SOCKET="${2:?--import needs the containerd socket}"; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e 's/^# \{0,1\}//' -e '/^set -euo/d'; exit 0 ;;
+    *) die "unknown argument: $1 (try --help)" ;;
+  esac
+  shift
+done
+
+for tool in buildah mmdebstrap; do
+  command -v "$tool" >/dev/null || die "$tool is missing: run scripts/bootstrap.sh (installs Debian's $tool)"
+done
+
+bah() { buildah --root "$STORE/storage" --runroot "$STORE/run" --storage-driver overlay "$@"; }
+
+build_base() {
+  local container ca
+  if bah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
+    log "base image present: $BASE_IMAGE"
+    return
+  fi
+  build_rootfs
+  container="$(bah from "$ROOTFS_IMAGE")"
+  for ca in "${HOST_CAS[@]}"; do
+    bah copy "$container" "$ca" /usr/local/share/ca-certificates/ >/dev/null
+  done
+  bah run --network none "$container" update-ca-certificates >/dev/null
+  bah commit --quiet --rm "$container" "$BASE_IMAGE" >/dev/null
+  log "built $BASE_IMAGE (${#HOST_CAS[@]} host CA certificate(s) added)"
+}
+
+build_rootfs() {
+  if bah inspect --type image "$ROOTFS_IMAGE" >/dev/null 2>&1; then
+    return
+  fi
+  local work container
+  work="$(mktemp -d)"
+  # shellcheck disable=SC2064  # expand now; the trap removes itself
+  trap "rm -rf '$work'; trap - RETURN" RETURN
+  log "building $ROOTFS_IMAGE with mmdebstrap (Debian bookworm: $BASE_PACKAGES) ..."
+  mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' \
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
+    bookworm "$work/rootfs.tar" http://deb.debian.org/debian
+  container="$(bah from scratch)"
+  bah add "$container" "$work/rootfs.tar" / >/dev/null
+  bah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --cmd python3 "$container"
+  bah commit --quiet --rm "$container" "$ROOTFS_IMAGE" >/dev/null
+  log "built $ROOTFS_IMAGE"
+}
+
+build_pause() {
+  if bah inspect --type image "$PAUSE_IMAGE" >/dev/null 2>&1; then
+    log "pause image present: $PAUSE_IMAGE"
+    return
+  fi
+  local source work container
+  command -v gcc >/dev/null || die "gcc is missing: run scripts/bootstrap.sh (installs Debian's gcc)"
+  source="$(cd /tmp && GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
+            | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')/build/pause/linux/pause.c"
+  [[ -f "$source" ]] || die "could not find pause.c of k8s.io/kubernetes $K8S_VERSION in the Go module cache"
+  work="$(mktemp -d)"
+  # shellcheck disable=SC2064  # expand now; the trap removes itself
+  trap "rm -rf '$work'; trap - RETURN" RETURN
+  gcc -Os -Wall -Werror -static -DVERSION="$K8S_VERSION-meshtrain" -o "$work/pause" "$source"
+  container="$(bah from scratch)"
+  bah copy "$container" "$work/pause" /pause >/dev/null
+  bah config --entrypoint '["/pause"]' --user 65535:65535 "$container"
+  bah commit --quiet --rm "$container" "$PAUSE_IMAGE" >/dev/null
+  log "built $PAUSE_IMAGE from $source"
+}
+
+# What a build reads: the Dockerfile, its .dockerignore, the base, and the
+# files the .dockerignore lets into the context (its `!path` lines).
+inputs_hash() {
+  local dockerfile="$1" included
+  included="$(sed -n 's/^!//p' "$dockerfile.dockerignore")"
+  {
+    cat "$dockerfile" "$dockerfile.dockerignore"
+    echo "$BASE_IMAGE"
+    # shellcheck disable=SC2086  # the included paths are words
+    (cd "$REPO" && find $included -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
+       | sort -z | xargs -0 sha1sum)
+  } | sha1sum | cut -c1-16
+}
+
+# Skipped when the image was built from the same inputs (the store records
+# inputs and image id per name): even a fully cached `buildah bud` spends
+# most of a minute checking layers.
+build_image() {
+  local name="$1" dockerfile="$2" started=$SECONDS inputs record
+  inputs="$(inputs_hash "$dockerfile")"
+  record="$STORE/inputs/${name//[\/:]/_}"
+  if [[ -f "$record" && "$(cat "$record")" == "$inputs $(image_id "$name")" ]]; then
+    log "$name is up to date (inputs $inputs)"
+    return
+  fi
+  log "building $name from $dockerfile ..."
+  bah bud --quiet --layers --network host --ignorefile "$dockerfile.dockerignore" \
+    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" -f "$dockerfile" -t "$name" "$REPO" >/dev/null
+  mkdir -p "$STORE/inputs"
+  echo "$inputs $(image_id "$name")" >"$record"
+  log "built $name in $((SECONDS - started))s ($(image_size "$name"))"
+}
+
+image_id() {
+  bah inspect --type image --format '{{.FromImageID}}' "$1" 2>/dev/null || true
+}
+
+image_size() {
+  bah images --format '{{.Size}}' "$1" | head -n1
+}
+
+# Skipped when the containerd already holds this build (its image id is a
+# label of the containerd image).  Otherwise buildah writes an uncompressed
+# OCI archive (compressing gigabytes of CUDA libraries only to unpack them
+# again costs minutes) and ctr imports and unpacks it, keeping only the
+# unpacked snapshots (not a second copy of the layers).
+import_image() {
+  local name="$1" socket="$2" ctr archive id work started=$SECONDS
+  ctr=("$("$REPO/scripts/bootstrap.sh" --print-bin-dir)/ctr" --address "$socket" --namespace k8s.io)
+  [[ -x "${ctr[0]}" ]] || die "ctr is missing: run scripts/bootstrap.sh"
+  id="$(image_id "$name")"
+  if "${ctr[@]}" images ls "name==$name" | grep -q "meshtrain.io/image-id=$id"; then
+    log "$name ($id) already in $socket"
+    return
+  fi
+  work="$(mktemp -d)"
+  archive="$work/image.tar"
+  # shellcheck disable=SC2064  # expand now: the trap must name this directory
+  trap "rm -rf '$work'" EXIT
+  bah push --quiet --disable-compression "$name" "oci-archive:$archive:$name"
+  "${ctr[@]}" images import --local --discard-unpacked-layers "$archive" >/dev/null
+  "${ctr[@]}" images label "$name" "meshtrain.io/image-id=$id" >/dev/null
+  rm -rf "$work"
+  trap - EXIT
+  log "imported $name into $socket in $((SECONDS - started))s"
+}
+
+mkdir -p "$STORE"
+build_pause
+build_base
+build_image "$OPERATOR_IMAGE" "$REPO/operator/Dockerfile"
+build_image "$TRAINER_IMAGE" "$REPO/trainer/Dockerfile"
+if [[ -n "$IMPORT_SOCKET" ]]; then
+  import_image "$PAUSE_IMAGE" "$IMPORT_SOCKET"
+  import_image "$OPERATOR_IMAGE" "$IMPORT_SOCKET"
+  import_image "$TRAINER_IMAGE" "$IMPORT_SOCKET"
+fi
+log "done in $((SECONDS - START_SECONDS))s"
