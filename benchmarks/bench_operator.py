@@ -108,7 +108,11 @@ def _job(name: str, namespace: str, pods: int, suspend: bool = False) -> dict[st
 
 
 def _start_operator(
-    kubeconfig: str, log: pathlib.Path, *extra: str, metrics_port: int | None = None
+    kubeconfig: str,
+    log: pathlib.Path,
+    *extra: str,
+    metrics_port: int | None = None,
+    scope: tuple[str, ...] = ("--all-namespaces",),
 ) -> tuple[subprocess.Popen[bytes], int]:
     """``meshtrain operator`` with ``extra`` flags; returns it once its liveness endpoint answers."""
     health = pick_free_port()
@@ -117,7 +121,7 @@ def _start_operator(
         "-m",
         "meshtrain.cli",
         "operator",
-        "--all-namespaces",
+        *scope,
         "--kubeconfig",
         kubeconfig,
         "--liveness",
@@ -224,6 +228,7 @@ def gang_latency(
     repeat: int,
     pods: int,
     pids: dict[str, int],
+    floor: str = "floor",
 ) -> tuple[list[float], list[dict[str, float]], list[float]]:
     """Seconds from create to every pod existing with no gate, CPU seconds spent, and the API floor, per repetition."""
     timings, cpu, floors = [], [], []
@@ -247,7 +252,7 @@ def gang_latency(
             60,
             0.1,
         )
-        floors.append(api_floor(kubeconfig, "floor", pods, attempt))
+        floors.append(api_floor(kubeconfig, floor, pods, attempt))
     return timings, cpu, floors
 
 

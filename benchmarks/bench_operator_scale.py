@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pathlib
 import re
@@ -121,6 +122,27 @@ def _foreign_pod(index: int, nodes: int) -> dict[str, Any]:
     }
 
 
+def _count(lister: Any) -> int:
+    """Objects of a list, from one page's remainingItemCount."""
+    page = lister(limit=1)
+    return len(page.items) + int(page.metadata.remaining_item_count or 0)
+
+
+def _control_plane_pids(directory: pathlib.Path) -> dict[str, int]:
+    """kube-apiserver and etcd whose command lines name ``directory`` (the control plane's)."""
+    found = {}
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(directory) in command:
+            for name in ("kube-apiserver", "etcd"):
+                if command.split(" ", 1)[0].endswith(name):
+                    found[name] = int(proc.name)
+    return found
+
+
 def _metrics(port: int) -> dict[str, float]:
     """API requests by verb and reconcile passes, from the operator's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -152,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placed", type=int, default=100)
     parser.add_argument("--pods", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--kubeconfig",
+        help="measure on an API server this script filled before (no fill; fresh namespaces)",
+    )
     args = parser.parse_args(argv)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-operator-scale-"))
     log = workdir / "operator.log"
@@ -164,16 +190,28 @@ def main(argv: list[str] | None = None) -> int:
         "rss_target_mb": 500,
         "gang_target_seconds": 2.0,
     }
-    with controlplane.ControlPlane() as plane:
-        kubeconfig = str(plane.kubeconfig_path)
+    with contextlib.ExitStack() as stack:
+        if args.kubeconfig:  # an API server this script filled before: measure again, skip the fill
+            kubeconfig, suffix = args.kubeconfig, f"-{int(time.time())}"
+            pids = _control_plane_pids(pathlib.Path(kubeconfig).resolve().parent.parent)
+            results["reused_cluster"] = kubeconfig
+        else:
+            plane = stack.enter_context(controlplane.ControlPlane())
+            kubeconfig, suffix = str(plane.kubeconfig_path), ""
+            pids = {"kube-apiserver": plane.pids()["kube-apiserver"], "etcd": plane.pids()["etcd"]}
         api = kubernetes.config.new_client_from_config(config_file=kubeconfig)
         core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
-        bench_operator._install(api, kubeconfig, str(plane.binaries.kubectl))
-        for namespace in ("foreign", "bench", "memory", "floor"):
+        spaces = {k: f"{k}{suffix}" for k in ("bench", "memory", "floor")}
+        for namespace in spaces.values():
             core.create_namespace({"metadata": {"name": namespace}})
-        print(f"filling: {args.nodes} nodes, {args.foreign_pods} foreign pods", flush=True)
-        results["fill"] = asyncio.run(_fill(kubeconfig, args.nodes, args.foreign_pods))
-        print(f"filled: {results['fill']}", flush=True)
+        if not args.kubeconfig:
+            bench_operator._install(api, kubeconfig, str(plane.binaries.kubectl))
+            core.create_namespace({"metadata": {"name": "foreign"}})
+            print(f"filling: {args.nodes} nodes, {args.foreign_pods} foreign pods", flush=True)
+            results["fill"] = asyncio.run(_fill(kubeconfig, args.nodes, args.foreign_pods))
+            print(f"filled: {results['fill']}", flush=True)
+        results["nodes_present"] = _count(core.list_node)
+        results["pods_present"] = _count(core.list_pod_for_all_namespaces)
         metrics_port = pick_free_port()
         started = time.perf_counter()
         process, _ = bench_operator._start_operator(
@@ -185,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             "--resync-seconds",
             "300",
             metrics_port=metrics_port,
+            scope=tuple(f"--namespace={n}" for n in (spaces["bench"], spaces["memory"])),
         )
         try:
             _wait_log(log, "cache of pods filled", 900)
@@ -198,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             before = _metrics(metrics_port)
             results["memory"] = bench_operator.memory_with_jobs(
-                custom, "memory", args.jobs, args.placed, process.pid
+                custom, spaces["memory"], args.jobs, args.placed, process.pid
             )
             after = _metrics(metrics_port)
             delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -207,14 +246,17 @@ def main(argv: list[str] | None = None) -> int:
             results["reconciles_during_jobs"] = passes
             results["api_calls_per_reconcile"] = {k: v / passes for k, v in delta.items()}
             print(f"{args.jobs} jobs reconciled: {results['memory']}", flush=True)
-            pids = {
-                "operator": process.pid,
-                "kube-apiserver": plane.pids()["kube-apiserver"],
-                "etcd": plane.pids()["etcd"],
-            }
+            pids["operator"] = process.pid
             results["load_average_before_gangs"] = os.getloadavg()
             timings, cpu, floors = bench_operator.gang_latency(
-                core, custom, kubeconfig, "bench", args.repeat, args.pods, pids
+                core,
+                custom,
+                kubeconfig,
+                spaces["bench"],
+                args.repeat,
+                args.pods,
+                pids,
+                floor=spaces["floor"],
             )
             results["load_average_after_gangs"] = os.getloadavg()
             results["gang_latency_seconds"] = timings

@@ -133,6 +133,8 @@ class Store:
         self._trim = trim
         self._on_change = on_change
         """Called with (old, new) whenever an object is stored, replaced or forgotten."""
+        self.changes = 0
+        """Counts every change: what was derived from the store at one count still holds."""
         self._objects: dict[Key, kube.Body] = {}
         self._tombstones: dict[Key, tuple[int, float]] = {}
         """Deleted key -> (last version, when): older versions of it are not stored again."""
@@ -140,6 +142,10 @@ class Store:
 
     def __len__(self) -> int:
         return len(self._objects)
+
+    def trim(self, obj: kube.Body) -> kube.Body:
+        """What the store keeps of ``obj`` (lists apply it page by page)."""
+        return self._trim(obj)
 
     def values(self) -> Iterator[kube.Body]:
         return iter(list(self._objects.values()))
@@ -193,6 +199,7 @@ class Store:
         return True
 
     def _changed(self, old: kube.Body | None, new: kube.Body | None) -> None:
+        self.changes += 1
         if self._on_change is not None:
             self._on_change(old, new)
 
@@ -223,6 +230,8 @@ class Cache:
         """Node -> summed requests of the pods holding resources there (kept up to date per event)."""
         self._pods_on: Counter[str] = Counter()
         """Node -> how many such pods."""
+        self._usage: tuple[int, dict[str, feasibility.Usage]] = (-1, {})
+        """(pods.changes, usage per node) of the last :meth:`usage` without exclusions."""
         self.synced = asyncio.Event()
         """Set once both stores hold a full list."""
         self._synced: set[str] = set()
@@ -257,19 +266,31 @@ class Cache:
 
         Kept per event, so a placement on 10,000 nodes and 100,000 pods adds nothing up.
         """
-        requested = {node: Counter(amounts) for node, amounts in self._requested.items()}
-        pods = Counter(self._pods_on)
+        if self._usage[0] != self.pods.changes:
+            self._usage = (
+                self.pods.changes,
+                {node: self._node_usage(self._requested[node], node) for node in self._requested},
+            )
+        found = self._usage[1]
+        left_out: dict[str, Counter[str]] = {}
         for pod in without:
             node = identity.planned_node(pod)
-            if node and feasibility.holds_resources(pod) and node in requested:
-                requested[node].subtract(feasibility.pod_requests(pod))
-                pods[node] -= 1
-        return {
-            node: feasibility.Usage(
-                requested={r: a for r, a in amounts.items() if a}, pods=pods[node]
-            )
-            for node, amounts in requested.items()
-        }
+            if node and feasibility.holds_resources(pod) and node in self._requested:
+                left_out.setdefault(node, Counter())
+                left_out[node].update(feasibility.pod_requests(pod))
+                left_out[node]["\0pods"] += 1
+        if not left_out:
+            return found
+        found = dict(found)
+        for node, amounts in left_out.items():
+            requested = Counter(self._requested[node])
+            requested.subtract({r: a for r, a in amounts.items() if r != "\0pods"})
+            found[node] = self._node_usage(requested, node, amounts["\0pods"])
+        return found
+
+    def _node_usage(self, requested: Counter[str], node: str, fewer: int = 0) -> feasibility.Usage:
+        kept = {r: a for r, a in requested.items() if a}
+        return feasibility.Usage(requested=kept, pods=self._pods_on[node] - fewer)
 
     def learn(self, verb: str, obj: kube.Body) -> None:
         """Apply the answer of one of the operator's own writes (``kube.Client.on_write``)."""
@@ -309,7 +330,7 @@ class Cache:
         while True:
             try:
                 if version is None:
-                    items, version = await list_(**scope)
+                    items, version = await list_(**scope, keep=store.trim)
                     store.replace(items)
                     self._synced.add(what)
                     if self._synced == {"pods", "nodes"}:

@@ -167,9 +167,18 @@ class Client:
         return answer
 
     async def _list(
-        self, resource: str, call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+        self,
+        resource: str,
+        call: Callable[..., Awaitable[Any]],
+        *args: Any,
+        keep: Callable[[Body], Body] | None = None,
+        **kwargs: Any,
     ) -> tuple[list[Body], str]:
-        """Every item of a paginated list, and the list's resourceVersion (to watch from)."""
+        """Every item of a paginated list, and the list's resourceVersion (to watch from).
+
+        ``keep`` is applied to each item as its page arrives, so a caller that keeps
+        less than the whole object never holds every whole object at once.
+        """
         items: list[Body] = []
         token: str | None = None
         while True:
@@ -177,7 +186,8 @@ class Client:
                 "list", resource, call, *args, limit=PAGE_SIZE, _continue=token, **kwargs
             )
             assert page is not None
-            items.extend(page.get("items") or [])
+            found = page.get("items") or []
+            items.extend(map(keep, found) if keep is not None else found)
             metadata = page.get("metadata") or {}
             token = metadata.get("continue")
             if not token:
@@ -300,15 +310,23 @@ class Client:
 
     # Pods: list, watch, create, patch (gates), delete.
     async def list_pods(
-        self, *, namespace: str | None = None, selector: str | None = None
+        self,
+        *,
+        namespace: str | None = None,
+        selector: str | None = None,
+        keep: Callable[[Body], Body] | None = None,
     ) -> tuple[list[Body], str]:
         """Pods of a namespace (or of every namespace), optionally by label, and the list's version."""
         if namespace:
             return await self._list(
-                "pods", self._core.list_namespaced_pod, namespace, label_selector=selector
+                "pods",
+                self._core.list_namespaced_pod,
+                namespace,
+                label_selector=selector,
+                keep=keep,
             )
         return await self._list(
-            "pods", self._core.list_pod_for_all_namespaces, label_selector=selector
+            "pods", self._core.list_pod_for_all_namespaces, label_selector=selector, keep=keep
         )
 
     async def watch_pods(
@@ -464,8 +482,10 @@ class Client:
         )
 
     # Nodes: list, watch.
-    async def list_nodes(self) -> tuple[list[Body], str]:
-        return await self._list("nodes", self._core.list_node)
+    async def list_nodes(
+        self, *, keep: Callable[[Body], Body] | None = None
+    ) -> tuple[list[Body], str]:
+        return await self._list("nodes", self._core.list_node, keep=keep)
 
     async def watch_nodes(self, *, resource_version: str) -> AsyncIterator[tuple[str, Body]]:
         async for event in self._watch(

@@ -9,8 +9,10 @@ with ``WontFit`` and gets no pods), derive reservations, ``plan``, record the
 placement and the plan's numbers in the status and create the gated pods —
 all before the next job may plan, so two jobs never plan onto the same free
 GPUs.  (Peering makes sure only one operator process acts at a time.)
-Status writes carry the resourceVersion they were decided on: a
-``kube.Conflict`` ends the pass, and the next pass decides from a fresh read.
+Status writes carry the resourceVersion they were decided on.  On 409 the job
+is read again: if only its metadata changed (kopf's finalizer and
+annotations) the write is retried on the new version, else ``kube.Conflict``
+ends the pass and the next pass decides from the fresh read.
 
 It owns no watch and no loop (see ``handlers``), and builds
 no manifest itself (see ``builders``).
@@ -50,6 +52,10 @@ from meshtrain.planner import admission, placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
 _KUEUE_ACTIONS = (queueing.CreateWorkload, queueing.ReleaseQuota, queueing.FinishWorkload)
+
+
+CONFLICT_RETRIES = 3
+"""Status writes retried after a 409 when the job changed only outside spec and status."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +104,14 @@ def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
 
 
+def _decided_on(read: dict[str, Any], fresh: dict[str, Any]) -> bool:
+    """True when ``fresh`` has the spec generation and status that ``read`` had."""
+    generation = (read.get("metadata") or {}).get("generation")
+    return (fresh.get("metadata") or {}).get("generation") == generation and fresh.get(
+        "status"
+    ) == read.get("status")
+
+
 def _same(status: dict[str, Any], changes: dict[str, Any]) -> bool:
     """True when merging ``changes`` would not change ``status``."""
     return all(status.get(key) == value for key, value in changes.items())
@@ -111,6 +125,7 @@ class Reconciler:
         self.cache = cache
         self.settings = settings
         self.placement_lock = asyncio.Lock()
+        self._planner_nodes: tuple[Any, list[dict[str, Any]], list[placement.Node]] = (None, [], [])
         self._last_progress: dict[tuple[str, str], float] = {}
         self._products: dict[str, profiles.Profile | None] = {}
         """GPU product label value -> profile (profile files are read once per product)."""
@@ -237,12 +252,22 @@ class Reconciler:
         if _same(dict(job.status), changes):
             return body, job, False
         ref = job.ref
-        answer = await self.client.patch_job_status(
-            namespace=ref.namespace,
-            name=ref.name,
-            status=changes,
-            resource_version=(body.get("metadata") or {}).get("resourceVersion"),
-        )
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                answer = await self.client.patch_job_status(
+                    namespace=ref.namespace, name=ref.name, status=changes, resource_version=version
+                )
+                break
+            except kube.Conflict:
+                # Re-read: a write that left spec and status as decided on (kopf's finalizer
+                # and annotations) does not change the decision; anything else does.
+                fresh = await self.client.get_job(namespace=ref.namespace, name=ref.name)
+                if fresh is None or not _decided_on(body, fresh):
+                    raise
+                version = (fresh.get("metadata") or {}).get("resourceVersion")
+        else:
+            raise kube.Conflict(409, "patch", "trainingjobs/status", "kept changing")
         if answer is None:
             return body, job, False
         if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
@@ -424,8 +449,7 @@ class Reconciler:
         gpu = spec.resources.gpu_resource_name
         async with self.placement_lock:
             started = time.perf_counter()
-            raw_nodes = list(self.cache.nodes.values())
-            nodes = [placement.node_from_manifest(n, gpu) for n in raw_nodes]
+            raw_nodes, nodes = self._nodes(gpu)
             live = self.cache.live_pods()
             demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
             now = _now()
@@ -540,6 +564,14 @@ class Reconciler:
             f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)",
         )
         return body, job, True
+
+    def _nodes(self, gpu: str) -> tuple[list[dict[str, Any]], list[placement.Node]]:
+        """The cached nodes, and as the planner sees them (rebuilt only when a node changed)."""
+        key = (self.cache.nodes.changes, gpu)
+        if self._planner_nodes[0] != key:
+            raw = list(self.cache.nodes.values())
+            self._planner_nodes = (key, raw, [placement.node_from_manifest(n, gpu) for n in raw])
+        return self._planner_nodes[1], self._planner_nodes[2]
 
     def _profile_of(self, labels: Mapping[str, str]) -> profiles.Profile | None:
         """The profile a node's GPU product label names (cached per product), or None."""
