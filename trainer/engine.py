@@ -119,6 +119,7 @@ class Engine:
             clock=self.clock,
             autocast=autocast,
             zero_stage=par.zero_stage,
+            compression=par.gradient_compression,
         )
         if par.zero_stage and self.model.reducer is not None:  # ZeRO 1/2: moments sharded over dp
             self.optimizer = zero.ZeroAdamW(

@@ -121,6 +121,14 @@ def _params_of(model: Any) -> list[torch.nn.Parameter]:
     return list(model)
 
 
+def state_tensors(model: Any, optimizer: Any, grad_reducer: Any) -> list[torch.Tensor]:
+    """Every tensor of this rank's training state: weights, gradient storage, optimizer state."""
+    params = _params_of(model)
+    grads = [b.buffer for b in grad_reducer.buckets] if grad_reducer is not None else []
+    grads += [p.grad for p in params if p.grad is not None]
+    return [*params, *grads, *_optimizer_tensors(optimizer)]
+
+
 def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
     """Measure this rank's weights, gradients and optimizer state from the tensors themselves.
 

@@ -207,6 +207,38 @@ def _one_dataset_field(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _compression_needs_data_parallel(spec: TrainingJobSpec) -> str | None:
+    par = spec.parallelism
+    mode = par.gradient_compression.mode
+    if mode != "none" and par.data < 2:
+        return (
+            f"gradientCompression.mode={mode} with data={par.data}: there is no data-parallel reduction "
+            "to compress: set data >= 2 or mode none"
+        )
+    if mode != "none" and par.zero_stage == 2:
+        return (
+            f"gradientCompression.mode={mode} with zeroStage=2: ZeRO-2's reduce-scatter is not compressed: "
+            "use zeroStage 0 or 1, or mode none"
+        )
+    return None
+
+
+def _powersgd_rank_fits(spec: TrainingJobSpec) -> str | None:
+    par = spec.parallelism
+    if par.gradient_compression.mode != "powersgd" or spec.model.missing_fields():
+        return None
+    shape = spec.model.shape()
+    smallest = min(shape.hidden // par.tensor, shape.seq_len)
+    rank = par.gradient_compression.rank
+    if rank > smallest:
+        return (
+            f"gradientCompression.rank={rank} is larger than the smallest weight matrix dimension "
+            f"{smallest} (min of hidden/tensor = {shape.hidden}/{par.tensor} and seqLen = {shape.seq_len}): "
+            f"choose a rank of at most {smallest}"
+        )
+    return None
+
+
 def _learning_rate_order(spec: TrainingJobSpec) -> str | None:
     t = spec.training
     if t.min_learning_rate > t.learning_rate:
@@ -448,6 +480,23 @@ RULES: tuple[Rule, ...] = (
         "!has(self.training.datasets) || size(self.training.datasets) == 0 || self.training.dataset == 'stdlib'",
         "set training.dataset or training.datasets, not both",
         _one_dataset_field,
+    ),
+    Rule(
+        "compression-needs-data-parallel",
+        "spec.parallelism.gradientCompression.mode",
+        "self.parallelism.gradientCompression.mode == 'none' || "
+        "(self.parallelism.data >= 2 && self.parallelism.zeroStage < 2)",
+        "parallelism.gradientCompression needs parallelism.data >= 2 and zeroStage 0 or 1 (mode none otherwise)",
+        _compression_needs_data_parallel,
+    ),
+    Rule(
+        "powersgd-rank-fits",
+        "spec.parallelism.gradientCompression.rank",
+        "self.parallelism.gradientCompression.mode != 'powersgd' || "
+        "((!has(self.model.hidden) || self.parallelism.gradientCompression.rank * self.parallelism.tensor <= self.model.hidden) && "
+        "(!has(self.model.seqLen) || self.parallelism.gradientCompression.rank <= self.model.seqLen))",
+        "parallelism.gradientCompression.rank must be at most the smallest weight matrix dimension (hidden/tensor and seqLen)",
+        _powersgd_rank_fits,
     ),
     Rule(
         "learning-rate-order",

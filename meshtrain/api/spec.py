@@ -45,6 +45,27 @@ class _Model(pydantic.BaseModel):
     )
 
 
+class GradientCompression(_Model):
+    """How data-parallel gradients are compressed on the wire (error feedback for int8, topk, powersgd)."""
+
+    mode: Literal["none", "bf16", "fp16", "int8", "topk", "powersgd"] = Field(
+        "none",
+        description="none (fp32 all-reduce), bf16/fp16 (16-bit all-reduce), int8 (shared scale), topk (largest "
+        "elements with error feedback), powersgd (rank-r approximation of each gradient matrix with error feedback).",
+    )
+    rank: int = Field(
+        4,
+        ge=1,
+        description="powersgd: rank of each matrix's approximation; at most the smallest matrix dimension.",
+    )
+    topk_ratio: float = Field(
+        0.01, gt=0, le=1, description="topk: share of each bucket's elements a rank sends per step."
+    )
+    warm_start: bool = Field(
+        True, description="powersgd: start each step's power iteration from the previous step's Q."
+    )
+
+
 class Parallelism(_Model):
     """How the job is split: data x pipeline x tensor, and how each axis runs."""
 
@@ -87,6 +108,10 @@ class Parallelism(_Model):
         25.0,
         gt=0,
         description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.",
+    )
+    gradient_compression: GradientCompression = Field(
+        default_factory=GradientCompression,
+        description="Compression of the data-parallel gradient reduction (needs data > 1 and zeroStage < 2).",
     )
 
     @property

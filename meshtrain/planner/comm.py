@@ -7,11 +7,12 @@ from the model shape, the layout and the precision scheme.  It follows what
 compare it exactly with the bytes the trainer's recorder measures:
 
 * **dp**: the gradient reducer packs this rank's parameters (reverse
-  registration order) into buckets of ``bucketMb`` MiB and all-reduces each
-  bucket once per step (payload: every gradient once).  With ZeRO
-  (:mod:`meshtrain.trainer.parallel.zero`) stage 1 keeps the all-reduce,
-  stage 2 reduce-scatters each bucket padded to a multiple of the group
-  size, and both all-gather each bucket's updated weights (padded) and sum
+  registration order, never two model chunks in one bucket) into buckets of
+  ``bucketMb`` MiB and all-reduces each bucket once per step (payload: every
+  gradient once).  With ZeRO (:mod:`meshtrain.trainer.parallel.zero`) stage
+  1 keeps the all-reduce, stage 2 reduce-scatters each bucket, padded to a
+  multiple of the group size, after every micro-batch's backward (so no
+  full-size gradient outlives a micro-batch), and both all-gather each bucket's updated weights (padded) and sum
   the gradient norm over the group (one fp64 scalar).
 * **tp** (tensor > 1), per micro-batch: Megatron's two reductions per
   sub-layer (attention, MLP), one forward (row-parallel output) and one
@@ -36,9 +37,10 @@ actually sends under ring algorithms.  Pure: no torch, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import memory
+from meshtrain.planner import dp_compression, memory
 
 NORM_BYTES = 8
 """The global gradient norm travels as one fp64 scalar per axis."""
@@ -95,10 +97,10 @@ class StageComm:
         return {(c.group, c.op): c for c in self.collectives}
 
 
-def chunk_param_sizes(
+def chunk_param_shapes(
     shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
-) -> list[int]:
-    """Element counts of one model chunk's parameters in registration order (after TP sharding).
+) -> list[tuple[int, ...]]:
+    """Shapes of one model chunk's parameters in registration order (after TP sharding).
 
     Order of :class:`meshtrain.trainer.model.GPT` (and of the Llama decoder,
     which has no position table and one weight per RMSNorm): token and
@@ -106,35 +108,48 @@ def chunk_param_sizes(
     mlp proj, then the final norm and the head (absent when tied).
     """
     h, v = shape.hidden, shape.vocab
-    norm = [h] if shape.family == "llama" else [h, h]  # RMSNorm weight; LayerNorm weight, bias
-    qkv, proj, fc, down = (n // tensor for n in memory.block_matrices(shape))
-    sizes: list[int] = []
+    llama = shape.family == "llama"
+    norm: list[tuple[int, ...]] = [(h,)] if llama else [(h,), (h,)]  # RMSNorm; LayerNorm w, b
+    qkv, proj, fc, down = (n // h // tensor for n in memory.block_matrices(shape))
+    shapes: list[tuple[int, ...]] = []
     if first:
-        sizes += [v // tensor * h] + ([] if shape.family == "llama" else [shape.seq_len * h])
-    for _ in range(layers):
-        sizes += [*norm, qkv, proj, *norm, fc, down]
+        shapes += [(v // tensor, h)] + ([] if llama else [(shape.seq_len, h)])
+    for _ in range(layers):  # column-parallel (rows split), row-parallel (columns split)
+        shapes += [*norm, (qkv, h), (h, proj), *norm, (fc, h), (h, down)]
     if last:
-        sizes += norm + ([] if shape.tie_embeddings else [v // tensor * h])
-    return sizes
+        shapes += norm + ([] if shape.tie_embeddings else [(v // tensor, h)])
+    return shapes
 
 
-def bucket_numels(sizes: list[int], element_size: int, bucket_mb: float) -> list[int]:
-    """Element counts of the gradient reducer's buckets, in launch order.
+def chunk_param_sizes(
+    shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
+) -> list[int]:
+    """Element counts of :func:`chunk_param_shapes`."""
+    return [math.prod(s) for s in chunk_param_shapes(shape, tensor, layers, first=first, last=last)]
+
+
+def bucket_members(sizes: list[int], element_size: int, bucket_mb: float) -> list[list[int]]:
+    """Indices (into ``sizes``) of the gradient reducer's buckets, in launch order.
 
     The reducer walks the parameters in reverse registration order and
     starts a new bucket once the current one holds at least ``bucket_mb`` MiB
     (so a bucket may overshoot by its last tensor, and the last may be small).
     """
     limit = int(bucket_mb * 2**20)
-    buckets: list[int] = []
+    buckets: list[list[int]] = []
     filled = 0
-    for numel in reversed(sizes):
+    for index in reversed(range(len(sizes))):
         if not buckets or filled >= limit:
-            buckets.append(0)
+            buckets.append([])
             filled = 0
-        buckets[-1] += numel
-        filled += numel * element_size
+        buckets[-1].append(index)
+        filled += sizes[index] * element_size
     return buckets
+
+
+def bucket_numels(sizes: list[int], element_size: int, bucket_mb: float) -> list[int]:
+    """Element counts of the gradient reducer's buckets, in launch order."""
+    return [sum(sizes[i] for i in b) for b in bucket_members(sizes, element_size, bucket_mb)]
 
 
 def padded(numel: int, members: int) -> int:
@@ -171,22 +186,38 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     out: dict[tuple[str, str], list[int]] = {}
 
     # Parameters of this rank, chunk by chunk in the order the trainer registers them.
-    sizes: list[int] = []
-    for j in virtuals:
-        sizes += chunk_param_sizes(shape, t, layers_per_chunk, first=j == 0, last=j == last_virtual)
-    params = sum(sizes)
+    chunk_shapes = [
+        chunk_param_shapes(shape, t, layers_per_chunk, first=j == 0, last=j == last_virtual)
+        for j in virtuals
+    ]
+    chunks = [[math.prod(s) for s in shapes] for shapes in chunk_shapes]
+    params = sum(sum(sizes) for sizes in chunks)
 
     # Data parallel: gradient buckets, and under ZeRO the gather of the updated weights.
-    if d > 1:
-        buckets = bucket_numels(sizes, scheme.grads, par.bucket_mb)
-        if par.zero_stage == 2:  # each bucket reduce-scattered from a padded flat buffer
+    if d > 1:  # buckets never span two chunks; the last chunk's come first
+        buckets = [
+            n
+            for sizes in reversed(chunks)
+            for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
+        ]
+        if par.zero_stage == 2:  # every micro-batch's backward reduce-scatters each bucket
             _add(
                 out,
                 "dp",
                 "reduce_scatter",
-                len(buckets),
-                sum(padded(n, d) for n in buckets) * scheme.grads,
+                m * len(buckets),
+                m * sum(padded(n, d) for n in buckets) * scheme.grads,
             )
+        elif par.gradient_compression.mode != "none":
+            bucket_shapes = [
+                [shapes[i] for i in members]
+                for sizes, shapes in zip(reversed(chunks), reversed(chunk_shapes))
+                for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
+            ]
+            for group, op, calls, nbytes in dp_compression.dp_collectives(
+                par.gradient_compression, bucket_shapes, d, scheme.grads
+            ):
+                _add(out, group, op, calls, nbytes)
         else:
             _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
         if (

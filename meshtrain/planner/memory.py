@@ -292,6 +292,47 @@ def in_flight_microbatches(
     raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved-1f1b")
 
 
+# --------------------------------------------------------------------------- working buffers
+
+ZERO2_BUCKETS_IN_FLIGHT = 2
+"""Reduce-scatters the trainer's ZeRO-2 reducer keeps in flight (``zero.IN_FLIGHT_BUCKETS``)."""
+
+MOMENT_BYTES = 4
+"""Adam moments are fp32 in every recipe."""
+
+
+def largest_param(shape: api_spec.ModelShape, tensor: int, *, first: bool, last: bool) -> int:
+    """Elements of the largest parameter tensor of a stage (a bucket overshoots by at most one)."""
+    h, f = shape.hidden, shape.ffn_hidden
+    sizes = [3 * h // tensor * h, f // tensor * h]
+    if first or last:
+        sizes.append(shape.vocab // tensor * h)
+    return max(sizes)
+
+
+def working_buffers(
+    params: int, largest: int, par: api_spec.Parallelism, scheme: StateScheme
+) -> tuple[float, float]:
+    """(backward's transient buffers, the optimizer step's temporaries) of one rank, in bytes.
+
+    * ZeRO-2 packs a bucket's gradients into a full-size buffer for its
+      reduce-scatter: up to ``ZERO2_BUCKETS_IN_FLIGHT`` packed buckets in
+      flight plus the gradients autograd is filling for the next one.
+    * The optimizer step without ZeRO is ``torch.optim.AdamW`` (foreach): it
+      builds the square root of every second moment at once (one fp32 moment
+      of temporaries).  ZeRO-1/2 update bucket by bucket: the owned weights and
+      the denominator (a shard each) and the all-gathered bucket.
+    """
+    bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)  # elements
+    sharded_grads = par.zero_stage == 2 and par.data > 1
+    backward = (ZERO2_BUCKETS_IN_FLIGHT + 1) * bucket * scheme.grads if sharded_grads else 0.0
+    if par.zero_stage >= 1 and par.data > 1:
+        step = bucket * scheme.weights + 2 * bucket / par.data * MOMENT_BYTES
+    else:
+        step = params * MOMENT_BYTES
+    return backward, step
+
+
 # --------------------------------------------------------------------------- per rank
 
 
@@ -313,10 +354,16 @@ class RankMemory:
     """Bytes of activations at the schedule's peak."""
     in_flight: float
     """Micro-batches in flight at the peak (stage-layer units)."""
+    buffers: float = 0.0
+    """Transient buffers beside the activations in backward (ZeRO-2's packed gradient buckets)."""
+    step_buffers: float = 0.0
+    """Temporaries of the optimizer step, when the activations are gone."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        """Peak bytes: the state plus the larger of backward's working set and the optimizer step's."""
+        working = max(self.activations + self.buffers, self.step_buffers)
+        return self.weights + self.grads + self.optimizer + working
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +429,8 @@ def plan_memory(
             activations += head_flight * head_activation_bytes(
                 shape, micro_batch, par.tensor, scheme
             )
+        largest = largest_param(shape, par.tensor, first=stage == 0, last=stage == par.pipeline - 1)
+        buffers, step_buffers = working_buffers(params, largest, par, scheme)
         stages.append(
             RankMemory(
                 stage=stage,
@@ -391,6 +440,8 @@ def plan_memory(
                 optimizer=state.optimizer,
                 activations=activations,
                 in_flight=flight,
+                buffers=buffers,
+                step_buffers=step_buffers,
             )
         )
     return MemoryPlan(

@@ -42,6 +42,8 @@ CASES_2 = {
         tensor=2, sequence_parallel=True, activationCheckpointing=True, model=mt_harness.LLAMA_TINY
     ),
     "llama-tied-tp2": dict(tensor=2, model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True}),
+    # top-k keeping every element is the one exact compression mode
+    "dp2-topk-all": dict(data=2, gradient_compression={"mode": "topk", "topkRatio": 1.0}),
 }
 CASES_8 = {
     "dp2-pp2-tp2-1f1b": dict(data=2, pipeline=2, tensor=2, micro_batches=2),

@@ -49,6 +49,10 @@ LAYOUTS = [
     ),
     ("dp2-zero1", {"data": 2, "zeroStage": 1}),
     ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
+    ("dp2-powersgd", {"data": 2, "gradientCompression": {"mode": "powersgd", "rank": 4}}),
+    ("dp2-pp2-topk", {"data": 2, "pipeline": 2, "gradientCompression": {"mode": "topk"}}),
+    ("dp2-int8-zero1", {"data": 2, "zeroStage": 1, "gradientCompression": {"mode": "int8"}}),
+    ("dp2-bf16", {"data": 2, "gradientCompression": {"mode": "bf16"}}),
     ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
     (
         "dp2-tp2-sp-recompute",

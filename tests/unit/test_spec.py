@@ -174,6 +174,29 @@ INVALID = [
         ["trainer.type custom"],
     ),
     (
+        "gradient compression without data parallelism",
+        JobBuilder().parallelism(gradientCompression={"mode": "bf16"}),
+        "spec.parallelism.gradientCompression.mode",
+        ["mode=bf16", "data=1", "data >= 2"],
+    ),
+    (
+        "gradient compression with ZeRO-2",
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=2, gradientCompression={"mode": "int8"}),
+        "spec.parallelism.gradientCompression.mode",
+        ["zeroStage=2", "zeroStage 0 or 1"],
+    ),
+    (
+        "PowerSGD rank larger than a matrix",
+        JobBuilder()
+        .layout(2, 1, 2, gpus_per_node=4)
+        .model(preset="tiny", hidden=64, heads=4, seqLen=128)
+        .parallelism(gradientCompression={"mode": "powersgd", "rank": 40}),
+        "spec.parallelism.gradientCompression.rank",
+        ["rank=40", "64/2", "at most 32"],
+    ),
+    (
         "pod label the operator selects by",
         JobBuilder().pod(labels={"meshtrain.io/job": "other"}),
         "spec.pod.labels",

@@ -30,13 +30,28 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero
+from meshtrain.trainer.parallel import compression as compression_mod
 from meshtrain.trainer.parallel import mesh as mesh_mod
+
+
+class GradientCompressionLike(Protocol):
+    """The spec's ``parallelism.gradientCompression`` (duck-typed: no API import here)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def topk_ratio(self) -> float: ...
+    @property
+    def warm_start(self) -> bool: ...
 
 
 @dataclasses.dataclass
@@ -80,6 +95,7 @@ def parallelize(
     clock: clocks.Clock,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     zero_stage: int = 0,
+    compression: GradientCompressionLike | None = None,
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
@@ -119,10 +135,21 @@ def parallelize(
     # 3. Data parallel: hook the final parameters.
     grad_reducer = None
     if layout.data > 1:
-        # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce.
-        reducer_cls = zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
+        # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
+        # compressed when asked (the spec's rules keep compression off ZeRO-2).
+        reducer_cls: Callable[..., reducer.GradReducer] = (
+            zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
+        )
+        if compression is not None and compression.mode != "none":
+            reducer_cls = functools.partial(
+                compression_mod.CompressedGradReducer,
+                mode=compression.mode,
+                rank=compression.rank,
+                topk_ratio=compression.topk_ratio,
+                warm_start=compression.warm_start,
+            )
         grad_reducer = reducer_cls(
-            [p for _, p in named],
+            [list(chunk.parameters()) for chunk in chunks],
             group=mesh.group("dp"),
             group_size=layout.data,
             bucket_mb=bucket_mb,

@@ -65,11 +65,16 @@ def plan_buckets(sizes: list[int], element_size: int, bucket_bytes: int) -> list
 
 
 class GradReducer:
-    """Averages gradients over a data-parallel group, bucket by bucket, during backward."""
+    """Averages gradients over a data-parallel group, bucket by bucket, during backward.
+
+    ``params`` is a list of parameters, or one list per model chunk (interleaved
+    pipeline): a bucket then never spans two chunks, so its gradients are all
+    final after the same chunk's backward.
+    """
 
     def __init__(
         self,
-        params: list[torch.nn.Parameter],
+        params: list[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
         *,
         group: dist.ProcessGroup,
         group_size: int,
@@ -84,18 +89,23 @@ class GradReducer:
         """Starts and times the collectives (the engine's)."""
         self.sync = True
         """Whether gradients arriving now are final (set per backward by the pipeline executor)."""
-        ordered = [p for p in reversed(params) if p.requires_grad]
+        chunks: list[list[torch.nn.Parameter]] = (
+            params if params and isinstance(params[0], list) else [params]  # type: ignore[list-item]
+        )
+        ordered = [p for chunk in reversed(chunks) for p in reversed(chunk) if p.requires_grad]
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in ordered:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, members in by_dtype.items():
-            element = torch.empty((), dtype=dtype).element_size()
-            for indices in plan_buckets(
-                [p.numel() for p in members], element, int(bucket_mb * 2**20)
-            ):
-                self._add_bucket([members[i] for i in indices])
+        for chunk in reversed(chunks):  # a bucket never spans two model chunks
+            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+            for p in reversed(chunk):
+                if p.requires_grad:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype, members in by_dtype.items():
+                element = torch.empty((), dtype=dtype).element_size()
+                for indices in plan_buckets(
+                    [p.numel() for p in members], element, int(bucket_mb * 2**20)
+                ):
+                    self._add_bucket([members[i] for i in indices])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:

@@ -15,9 +15,10 @@
   ``torch.optim.AdamW`` so ZeRO 0, 1 and 2 give the same numbers.
 * :class:`ShardedGradReducer` (stage 2): instead of keeping every gradient in
   persistent full-size buckets, each bucket's gradients are packed into a
-  transient flat buffer when the last of them is final, the parameters'
-  ``.grad`` are released, and the buffer is reduce-scattered so the rank
-  keeps only its owned range (``4 / N`` bytes per parameter).
+  transient flat buffer as soon as a backward produced all of them (every
+  micro-batch), the parameters' ``.grad`` are released, and the buffer is
+  reduce-scattered and added to the rank's owned range (``4 / N`` bytes per
+  parameter, also under gradient accumulation).
 
 meshtrain keeps fp32 weights and computes in bf16 under autocast on GPU, so
 the weights *are* the fp32 master copy: ZeRO-1 here shards the Adam moments
@@ -119,19 +120,27 @@ def _reduce_scatter(
         return work
 
 
+IN_FLIGHT_BUCKETS = 2
+"""ZeRO-2 reduce-scatters in flight at once: each holds a packed, full-size bucket until it is done."""
+
+
 class ShardedGradReducer(reducer.GradReducer):
     """ZeRO-2 gradient reduction: reduce-scatter per bucket; a rank keeps only its owned gradient range.
 
     ``bucket.buffer`` is the rank's gradient shard (``ceil(n/N)`` elements),
     not a full-size buffer, and parameters' ``.grad`` are not views into it:
-    autograd allocates them during backward (accumulating over
-    micro-batches), and they are packed and released as soon as their bucket
-    is launched.
+    autograd allocates them during backward, and as soon as every member of a
+    bucket has its gradient from this backward they are packed, released and
+    reduce-scattered, and the result is added to the shard.  That happens
+    after *every* micro-batch's backward, not only the last (DeepSpeed's
+    stage 2 does the same): keeping ``.grad`` across micro-batches would hold
+    the full gradients, which is what ZeRO-2 exists to avoid.  The price is
+    one reduce-scatter per bucket per micro-batch.
     """
 
     def __init__(
         self,
-        params: list[torch.nn.Parameter],
+        params: list[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
         *,
         group: dist.ProcessGroup,
         group_size: int,
@@ -139,7 +148,9 @@ class ShardedGradReducer(reducer.GradReducer):
         recorder: recording.StepRecorder,
         clock: clocks.Clock | None = None,
     ) -> None:
-        self._pending: dict[int, tuple[torch.Tensor, clocks.Stamp]] = {}
+        # bucket index -> (packed full buffer, reduced shard, start) of its collective in flight
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp]] = {}
+        self._in_flight: list[reducer.Bucket] = []  # launch order
         super().__init__(
             params,
             group=group,
@@ -160,8 +171,17 @@ class ShardedGradReducer(reducer.GradReducer):
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
     def _launch(self, bucket: reducer.Bucket) -> None:
-        """Pack the members' gradients, release them, and reduce-scatter the packed buffer into the shard."""
+        """Pack the members' gradients, release them, and reduce-scatter the packed buffer."""
+        self._settle(bucket)
+        while len(self._in_flight) >= IN_FLIGHT_BUCKETS:  # bound the packed buffers alive
+            self._settle(self._in_flight[0])
         start = self.clock.now()
         shard = bucket.buffer
         full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
@@ -171,34 +191,46 @@ class ShardedGradReducer(reducer.GradReducer):
                 full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
                 p.grad = None
             offset += p.numel()
+        reduced = torch.empty_like(shard)
         # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
         # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
         self._pending[bucket.index] = (
             full,
+            reduced,
             start,
-        )  # the packed buffer lives until the collective is done
+        )  # both live until the collective is done
         bucket.work = self.clock.launch(
-            lambda: _reduce_scatter(shard, full, self.group, self.group_size)
+            lambda: _reduce_scatter(reduced, full, self.group, self.group_size)
         )
+        self._in_flight.append(bucket)
+        bucket.ready = 0
+
+    def _settle(self, bucket: reducer.Bucket) -> None:
+        """Wait for the bucket's collective in flight, if any, and add its result to the shard."""
+        if bucket.work is None:
+            return
+        end = bucket.work.wait()
+        self._in_flight.remove(bucket)
+        full, reduced, start = self._pending.pop(bucket.index)
+        self.recorder.collective(
+            "dp",
+            "reduce_scatter",
+            full.numel() * full.element_size(),
+            start,
+            end,
+            bucket=bucket.index,
+        )
+        bucket.buffer.add_(reduced)
+        bucket.work = None
 
     def finish(self) -> None:
-        """Wait for every bucket's reduce-scatter and turn sums into means; only shards remain."""
+        """Reduce what is left, wait for every bucket and turn sums into means; only shards remain."""
         for bucket in self.buckets:
-            if bucket.work is None:
+            if any(p.grad is not None for p in bucket.params):
                 self._launch(bucket)
         for bucket in self.buckets:
-            end = bucket.work.wait()
-            full, start = self._pending.pop(bucket.index)
-            self.recorder.collective(
-                "dp",
-                "reduce_scatter",
-                full.numel() * full.element_size(),
-                start,
-                end,
-                bucket=bucket.index,
-            )
+            self._settle(bucket)
             bucket.buffer.div_(self.group_size)
-            bucket.work = None
             bucket.ready = 0
         self.sync = True
 
