@@ -18,26 +18,19 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+
+from meshtrain.api import spec as api_spec
 
 CAST_BYTES = 2
 INT8_SCALE_BYTES = 4
 INDEX_BYTES = 4
 
 
-class Compression(Protocol):
-    """The spec's ``parallelism.gradientCompression``."""
-
-    @property
-    def mode(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def topk_ratio(self) -> float: ...
-
-
 def dp_collectives(
-    compression: Compression, buckets: list[list[tuple[int, ...]]], dp: int, grad_bytes: int
+    compression: api_spec.GradientCompression,
+    buckets: list[list[tuple[int, ...]]],
+    dp: int,
+    grad_bytes: int,
 ) -> list[tuple[str, str, int, int]]:
     """(group, op, calls, payload bytes) of one step for buckets given as their members' shapes."""
     out: list[tuple[str, str, int, int]] = []

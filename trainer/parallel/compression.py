@@ -27,10 +27,12 @@ Each collective is reported to the recorder with its real payload, so
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import clocks, recording, reducer
+from meshtrain.trainer.parallel import clocks, reducer
 
 MODES = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
 CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,26 +45,16 @@ class CompressedGradReducer(reducer.GradReducer):
         self,
         params: list[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
         *,
-        group: dist.ProcessGroup,
-        group_size: int,
-        bucket_mb: float,
-        recorder: recording.StepRecorder,
-        clock: clocks.Clock | None = None,
         mode: str,
         rank: int = 4,
         topk_ratio: float = 0.01,
         warm_start: bool = True,
+        **reducer_args: Any,
     ) -> None:
+        """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
         if mode not in MODES or mode == "none":
             raise ValueError(f"compression mode must be one of {MODES[1:]}, got {mode!r}")
-        super().__init__(
-            params,
-            group=group,
-            group_size=group_size,
-            bucket_mb=bucket_mb,
-            recorder=recorder,
-            clock=clock,
-        )
+        super().__init__(params, **reducer_args)
         self.mode, self.rank, self.topk_ratio, self.warm_start = mode, rank, topk_ratio, warm_start
         self.state: dict[str, torch.Tensor] = {}
         """Error feedback (``error/<bucket>/<member>``) and PowerSGD's Q (``q/<bucket>/<member>``)."""

@@ -30,28 +30,15 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero
 from meshtrain.trainer.parallel import compression as compression_mod
 from meshtrain.trainer.parallel import mesh as mesh_mod
-
-
-class GradientCompressionLike(Protocol):
-    """The spec's ``parallelism.gradientCompression`` (duck-typed: no API import here)."""
-
-    @property
-    def mode(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def topk_ratio(self) -> float: ...
-    @property
-    def warm_start(self) -> bool: ...
 
 
 @dataclasses.dataclass
@@ -95,7 +82,7 @@ def parallelize(
     clock: clocks.Clock,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     zero_stage: int = 0,
-    compression: GradientCompressionLike | None = None,
+    compression: api_spec.GradientCompression | None = None,
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 

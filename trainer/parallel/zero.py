@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -141,24 +142,13 @@ class ShardedGradReducer(reducer.GradReducer):
     def __init__(
         self,
         params: list[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
-        *,
-        group: dist.ProcessGroup,
-        group_size: int,
-        bucket_mb: float,
-        recorder: recording.StepRecorder,
-        clock: clocks.Clock | None = None,
+        **reducer_args: Any,
     ) -> None:
+        """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
         # bucket index -> (packed full buffer, reduced shard, start) of its collective in flight
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp]] = {}
         self._in_flight: list[reducer.Bucket] = []  # launch order
-        super().__init__(
-            params,
-            group=group,
-            group_size=group_size,
-            bucket_mb=bucket_mb,
-            recorder=recorder,
-            clock=clock,
-        )
+        super().__init__(params, **reducer_args)
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
         numel = sum(p.numel() for p in members)
