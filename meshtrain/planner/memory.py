@@ -303,10 +303,9 @@ MOMENT_BYTES = 4
 
 def largest_param(shape: api_spec.ModelShape, tensor: int, *, first: bool, last: bool) -> int:
     """Elements of the largest parameter tensor of a stage (a bucket overshoots by at most one)."""
-    h, f = shape.hidden, shape.ffn_hidden
-    sizes = [3 * h // tensor * h, f // tensor * h]
+    sizes = [n // tensor for n in block_matrices(shape)]
     if first or last:
-        sizes.append(shape.vocab // tensor * h)
+        sizes.append(shape.vocab // tensor * shape.hidden)
     return max(sizes)
 
 
