@@ -132,6 +132,7 @@ Action = (
     | PollProgress
     | queueing.CreateWorkload
     | queueing.ReleaseQuota
+    | queueing.ReportPodsReady
     | queueing.FinishWorkload
 )
 
@@ -440,6 +441,10 @@ def decide(
     if stale:
         actions.append(DeletePods(stale))
     current = [p for p in pods if p.attempt == attempt]
+    if kueue is not None and isinstance(kueue.state, queueing.Admitted):
+        ready = len(current) == spec.pods and _all_running(current)
+        if queueing.pods_ready_condition(kueue.state.pods_ready, ready) is not None:
+            actions.append(queueing.ReportPodsReady(ready))
 
     started = conditions.parse_time(job.status.get("startTime"))
     deadline = spec.run_policy.active_deadline_seconds

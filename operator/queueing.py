@@ -24,14 +24,24 @@ POD_SET = "trainers"
 EXTERNAL_FRAMEWORK = f"{api_spec.KIND}.{api_spec.API_VERSION}.{api_spec.API_GROUP}"
 """How Kueue's integrations.externalFrameworks names TrainingJob."""
 # Kueue's condition types and the reasons meshtrain reports (pkg apis/kueue/v1beta2).
-QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, REQUEUED = (
+QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, REQUEUED, PODS_READY = (
     "QuotaReserved",
     "Admitted",
     "Evicted",
     "Finished",
     "Requeued",
+    "PodsReady",
 )
-WARNING_REASONS = ("Inadmissible",)
+# PodsReady reasons, as Kueue's own job reconciler writes them (waitForPodsReady reads them).
+STARTED, RECOVERED, WAIT_FOR_START, WAIT_FOR_RECOVERY = (
+    "Started",
+    "Recovered",
+    "WaitForStart",
+    "WaitForRecovery",
+)
+NOT_STARTED = "Not all pods of the gang are running"
+PRIORITY_CLASS_NOT_FOUND = "WorkloadPriorityClassNotFound"
+WARNING_REASONS = ("Inadmissible", PRIORITY_CLASS_NOT_FOUND)
 """Kueue cannot admit the workload as it stands (e.g. its LocalQueue does not exist): the user must act."""
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
 """Eviction reasons after which Kueue queues the workload again (the rest wait for the user)."""
@@ -126,6 +136,8 @@ class Admitted:
     """Kueue admitted the workload: the gang may be placed and run."""
 
     cluster_queue: str
+    pods_ready: tuple[str, str] | None = None
+    """(status, reason) of the workload's PodsReady condition; None while it has none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +176,27 @@ class ReleaseQuota:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReportPodsReady:
+    """Tell Kueue whether the admitted gang is up (:func:`pods_ready_patch`)."""
+
+    ready: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class FinishWorkload:
     """The job ended: mark its Workload finished (:func:`finish_patch`) so Kueue frees the quota."""
 
     succeeded: bool
     message: str
+
+
+def missing_priority_class(queue: Queue) -> Waiting:
+    """The job names a WorkloadPriorityClass that does not exist: no Workload can be created."""
+    return Waiting(
+        PRIORITY_CLASS_NOT_FOUND,
+        f'metadata.labels["{PRIORITY_CLASS_LABEL}"]: WorkloadPriorityClass '
+        f'"{queue.priority_class}" does not exist; create it or name an existing one',
+    )
 
 
 def _condition(workload: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
@@ -189,7 +217,11 @@ def state(workload: Mapping[str, Any]) -> State:
             holds_quota=status.get("admission") is not None,
         )
     if _condition(workload, ADMITTED) and status.get("admission"):
-        return Admitted(status["admission"].get("clusterQueue", ""))
+        ready = conditions.find(status.get("conditions") or [], PODS_READY)
+        return Admitted(
+            status["admission"].get("clusterQueue", ""),
+            (ready.get("status", ""), ready.get("reason", "")) if ready else None,
+        )
     reserved = conditions.find(status.get("conditions") or [], QUOTA_RESERVED) or {}
     return Waiting(
         reserved.get("reason") or "Pending",
@@ -224,6 +256,8 @@ def release_patch(workload: Mapping[str, Any], now: datetime.datetime) -> dict[s
                    reason, message, now, generation)  # fmt: skip
     current = _set(current, QUOTA_RESERVED, conditions.FALSE, "Pending", message, now, generation)
     current = _set(current, ADMITTED, conditions.FALSE, "NoReservation", "The workload has no reservation", now, generation)  # fmt: skip
+    if conditions.find(current, PODS_READY):  # the next admission waits for a fresh start
+        current = _set(current, PODS_READY, conditions.FALSE, WAIT_FOR_START, NOT_STARTED, now, generation)  # fmt: skip
     return {"status": {"admission": None, "conditions": current}}
 
 
@@ -239,3 +273,39 @@ def finish_patch(
             "conditions": _set(current, FINISHED, conditions.TRUE, reason, message, now, generation)
         }
     }
+
+
+def pods_ready_condition(
+    current: tuple[str, str] | None, ready: bool
+) -> tuple[str, str, str] | None:
+    """The PodsReady condition (status, reason, message) Kueue expects, None when ``current`` says it.
+
+    The job's owner reports it (Kueue's own job reconciler does for its kinds); with
+    waitForPodsReady configured, Kueue evicts an admitted workload whose PodsReady stays
+    False past the timeout, and measures a recovery from the False after a True.
+    """
+    if ready:
+        recovering = current is not None and current[1] in (WAIT_FOR_RECOVERY, RECOVERED)
+        wanted = (conditions.TRUE, RECOVERED if recovering else STARTED, "All pods of the gang are running")  # fmt: skip
+    elif current is None:
+        wanted = (conditions.FALSE, WAIT_FOR_START, NOT_STARTED)
+    elif current[0] == conditions.TRUE or current[1] == WAIT_FOR_RECOVERY:
+        wanted = (conditions.FALSE, WAIT_FOR_RECOVERY, "A pod of the gang stopped, waiting for recovery")  # fmt: skip
+    else:
+        return None
+    return None if current == wanted[:2] else wanted
+
+
+def pods_ready_patch(
+    workload: Mapping[str, Any], *, ready: bool, now: datetime.datetime
+) -> dict[str, Any] | None:
+    """Status patch that reports PodsReady for ``ready`` (None when the workload says it already)."""
+    found = state(workload)
+    if not isinstance(found, Admitted):
+        return None
+    wanted = pods_ready_condition(found.pods_ready, ready)
+    if wanted is None:
+        return None
+    generation = int((workload.get("metadata") or {}).get("generation") or 0)
+    current = list((workload.get("status") or {}).get("conditions") or [])
+    return {"status": {"conditions": _set(current, PODS_READY, *wanted, now, generation)}}

@@ -51,7 +51,12 @@ from meshtrain.operator import (
 from meshtrain.planner import admission, placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
-_KUEUE_ACTIONS = (queueing.CreateWorkload, queueing.ReleaseQuota, queueing.FinishWorkload)
+_KUEUE_ACTIONS = (
+    queueing.CreateWorkload,
+    queueing.ReleaseQuota,
+    queueing.ReportPodsReady,
+    queueing.FinishWorkload,
+)
 
 
 CONFLICT_RETRIES = 3
@@ -206,11 +211,20 @@ class Reconciler:
         workload = await self.client.get_workload(
             namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
         )
-        return queueing.Gate(None if workload is None else queueing.state(workload)), workload
+        if workload is not None:
+            return queueing.Gate(queueing.state(workload)), workload
+        if queue.priority_class and (
+            await self.client.workload_priority(name=queue.priority_class) is None
+        ):  # Kueue's API server would refuse the Workload (priorityClassRef needs a priority)
+            return queueing.Gate(queueing.missing_priority_class(queue)), None
+        return queueing.Gate(None), None
 
     async def _kueue(
         self,
-        action: queueing.CreateWorkload | queueing.ReleaseQuota | queueing.FinishWorkload,
+        action: queueing.CreateWorkload
+        | queueing.ReleaseQuota
+        | queueing.ReportPodsReady
+        | queueing.FinishWorkload,
         job: lifecycle.JobState,
         queue: queueing.Queue | None,
         workload: dict[str, Any] | None,
@@ -234,6 +248,11 @@ class Reconciler:
         if isinstance(action, queueing.ReleaseQuota):
             patch = queueing.release_patch(workload, _now())
             logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)
+        elif isinstance(action, queueing.ReportPodsReady):
+            ready = queueing.pods_ready_patch(workload, ready=action.ready, now=_now())
+            if ready is None:
+                return False
+            patch = ready
         else:
             patch = queueing.finish_patch(
                 workload, succeeded=action.succeeded, message=action.message, now=_now()

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -102,10 +102,16 @@ class Kueue:
     """Kueue's controller manager serving one control plane; a context manager."""
 
     def __init__(
-        self, plane: server.ControlPlane, work_dir: pathlib.Path, external_frameworks: Sequence[str]
+        self,
+        plane: server.ControlPlane,
+        work_dir: pathlib.Path,
+        external_frameworks: Sequence[str],
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self.files = locate()
         self.external_frameworks = tuple(external_frameworks)
+        self.extra_config = dict(config or {})
+        """Fields of Kueue's Configuration a cluster sets (e.g. waitForPodsReady)."""
         self.kubeconfig, self.kubectl = plane.kubeconfig_path, plane.binaries.kubectl
         self.pki_dir, self.work_dir = plane.data_dir / "pki", work_dir
         self.process: subprocess.Popen[bytes] | None = None
@@ -146,6 +152,7 @@ class Kueue:
                     cert_dir=cert_dir,
                     external=self.external_frameworks,
                 )
+                | self.extra_config
             )
         )
         with open(self.log_path, "ab") as log:

@@ -160,13 +160,18 @@ def test_admission_guardrails_refuse_foreign_images_and_oversized_jobs_at_apply(
 ) -> None:
     tools = fresh_plane
     release_ns = tools.namespace("mt-guard")
+    team = tools.namespace("team")
+    # A job admitted before the guardrails were turned on, carrying the operator's finalizer.
+    tools.ok("helm", "install", "guard", str(CHART), "-n", release_ns, "--set", "operator.deploy=false")  # fmt: skip
+    tools.ok("kubectl", "create", "-n", team, "-f", "-", stdin=_job("legacy", image="docker.io/old/trainer:1"))  # fmt: skip
+    tools.ok("kubectl", "patch", "trainingjob", "legacy", "-n", team, "--type=merge",
+             "-p", json.dumps({"metadata": {"finalizers": ["meshtrain.io/cleanup"]}}))  # fmt: skip
     tools.ok(
-        "helm", "install", "guard", str(CHART), "-n", release_ns,
+        "helm", "upgrade", "guard", str(CHART), "-n", release_ns,
         "--set", "operator.deploy=false",
         "--set", "admission.allowedImageRegistries={registry.corp.example/ml,ghcr.io/meshtrain}",
         "--set", "admission.maxGPUsPerJob=4",
     )  # fmt: skip
-    team = tools.namespace("team")
 
     def refused(manifest: str) -> str:
         # `create`, not `apply`: an unchanged re-apply sends no request to admit.
@@ -190,6 +195,18 @@ def test_admission_guardrails_refuse_foreign_images_and_oversized_jobs_at_apply(
     message = refused(_job("too-big", data=8))
     assert "spec.parallelism asks for 8 GPUs" in message and "at most 4" in message
     assert not refused(_job("fits", data=4))
+
+    # The job admitted before the policy: its spec may not change to anything foreign, but its
+    # metadata may (the operator removes its finalizer on delete), so it can still be deleted.
+    changed = tools.run("kubectl", "patch", "trainingjob", "legacy", "-n", team, "--type=merge",
+                        "-p", json.dumps({"spec": {"image": "docker.io/evil/trainer:2"}}))  # fmt: skip
+    assert changed.returncode != 0 and "is not from an allowed registry" in changed.stderr
+    tools.ok("kubectl", "delete", "trainingjob", "legacy", "-n", team, "--wait=false")
+    tools.ok("kubectl", "patch", "trainingjob", "legacy", "-n", team, "--type=json",
+             "-p", json.dumps([{"op": "remove", "path": "/metadata/finalizers"}]))  # fmt: skip
+    assert _eventually(
+        lambda: tools.run("kubectl", "get", "trainingjob", "legacy", "-n", team).returncode != 0
+    ), "the pre-existing job could not be deleted"
 
 
 def _served_schema(tools: Tools) -> dict:

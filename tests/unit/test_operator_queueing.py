@@ -151,3 +151,57 @@ def test_a_finished_job_finishes_its_workload():
     assert finish.succeeded
     closed = queueing.Gate(queueing.Finished())
     assert queueing.FinishWorkload not in _types(lifecycle.decide(done, [], T0, closed))
+
+
+def _reported(decision: lifecycle.Decision) -> list[bool]:
+    return [a.ready for a in decision.actions if isinstance(a, queueing.ReportPodsReady)]
+
+
+def test_an_admitted_gang_reports_pods_ready_the_way_kueues_job_reconciler_does():
+    running = job(**placed_status(phase="Running"))
+    up = [pod(0, "Running"), pod(1, "Running")]
+    admitted = workload(
+        ("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted"), admission=True
+    )
+    gate = queueing.Gate(queueing.state(admitted))
+    assert _reported(lifecycle.decide(running, up, T0, gate)) == [True]
+    patch = queueing.pods_ready_patch(admitted, ready=True, now=T0)
+    assert patch is not None
+    ready = conditions.find(patch["status"]["conditions"], "PodsReady")
+    assert (ready["status"], ready["reason"]) == ("True", "Started")
+    # Reported once: the workload now says it.
+    admitted["status"]["conditions"] = patch["status"]["conditions"]
+    gate = queueing.Gate(queueing.state(admitted))
+    assert _reported(lifecycle.decide(running, up, at(1), gate)) == []
+    assert queueing.pods_ready_patch(admitted, ready=True, now=at(1)) is None
+    # A rank that stops after the start: Kueue's recovery timeout runs from here.
+    broken = [pod(0, "Running"), pod(1, "Pending")]
+    assert _reported(lifecycle.decide(running, broken, at(2), gate)) == [False]
+    patch = queueing.pods_ready_patch(admitted, ready=False, now=at(2))
+    assert patch is not None
+    ready = conditions.find(patch["status"]["conditions"], "PodsReady")
+    assert (ready["status"], ready["reason"]) == ("False", "WaitForRecovery")
+
+
+def test_the_released_quota_leaves_pods_ready_waiting_for_the_next_start():
+    body = workload(
+        ("Evicted", "True", "PodsReadyTimeout"),
+        ("Admitted", "True", "Admitted"),
+        ("PodsReady", "True", "Started"),
+        admission=True,
+    )
+    found = {c["type"]: c for c in queueing.release_patch(body, T0)["status"]["conditions"]}
+    assert (found["PodsReady"]["status"], found["PodsReady"]["reason"]) == ("False", "WaitForStart")
+    assert found["Requeued"]["status"] == "False"  # Kueue requeues it after its backoff
+
+
+def test_a_missing_workload_priority_class_creates_nothing_and_names_the_label():
+    gate = queueing.Gate(queueing.missing_priority_class(queueing.Queue("q", "urgent")))
+    decision = lifecycle.decide(job(), [], T0, gate)
+    assert queueing.CreateWorkload not in _types(decision)
+    assert lifecycle.Place not in _types(decision)
+    queued = _queued(decision)
+    assert queued["reason"] == queueing.PRIORITY_CLASS_NOT_FOUND
+    assert queueing.PRIORITY_CLASS_LABEL in queued["message"] and '"urgent"' in queued["message"]
+    [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert event.type == "Warning"

@@ -8,6 +8,8 @@ finishes, a waiting job is admitted again.  Jobs without the queue label do not 
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,15 +46,17 @@ def _kueue_object(cluster: Cluster, body: dict[str, Any]) -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def queued(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, OperatorProcess]]:
-    work = tmp_path_factory.mktemp("kueue")
-    with controlplane.ControlPlane(binaries=control_plane_binaries) as plane:
+@contextlib.contextmanager
+def _kueue_cluster(
+    binaries: Any, work: Any, gpus: int, config: dict[str, Any] | None = None
+) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    """A control plane, Kueue (with ``config``) and one ClusterQueue of ``gpus`` GPUs; the operator."""
+    with controlplane.ControlPlane(binaries=binaries) as plane:
         api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
-        cluster = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
+        cluster = Cluster(api, str(plane.kubeconfig_path), str(binaries.kubectl))
         cluster.install_crds()
         cluster.core.create_namespace({"metadata": {"name": NS}})
-        with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK]):
+        with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK], config):
             api_version = f"{queueing.GROUP}/{queueing.VERSION}"
             for body in (
                 {"kind": "ResourceFlavor", "metadata": {"name": "gpus"}},
@@ -68,7 +72,7 @@ def queued(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, 
                                 "flavors": [
                                     {
                                         "name": "gpus",
-                                        "resources": [{"name": "nvidia.com/gpu", "nominalQuota": 8}],
+                                        "resources": [{"name": "nvidia.com/gpu", "nominalQuota": gpus}],
                                     }
                                 ],
                             }
@@ -89,6 +93,27 @@ def queued(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, 
             finally:
                 process.stop()
         api.close()
+
+
+@pytest.fixture(scope="module")
+def queued(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    with _kueue_cluster(control_plane_binaries, tmp_path_factory.mktemp("kueue"), gpus=8) as up:
+        yield up
+
+
+PODS_READY_TIMEOUT = 20
+"""Kueue's waitForPodsReady timeout in the cluster below (seconds)."""
+
+
+@pytest.fixture(scope="module")
+def ready_checked(
+    control_plane_binaries, tmp_path_factory
+) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    """Kueue evicts an admitted workload whose PodsReady stays False past the timeout."""
+    config = {"waitForPodsReady": {"timeout": f"{PODS_READY_TIMEOUT}s"}}
+    work = tmp_path_factory.mktemp("kueue-ready")
+    with _kueue_cluster(control_plane_binaries, work, gpus=16, config=config) as up:
+        yield up
 
 
 def _queued_job(name: str, priority: str) -> dict[str, Any]:
@@ -234,3 +259,70 @@ def test_a_job_without_the_queue_label_is_not_held(queued) -> None:
     wait_for("unqueued gang", lambda: len(cluster.pods(NS, "unqueued")) == 1, timeout=60)
     assert _workload(cluster, "unqueued") is None
     assert _queued_condition(cluster, "unqueued") == {}
+
+
+def test_a_job_naming_a_priority_class_that_does_not_exist_waits_and_says_so(queued) -> None:
+    cluster, _operator = queued
+    _apply(cluster, _queued_job("unranked", "no-such-priority"))
+    held = wait_for(
+        "the missing WorkloadPriorityClass named in Queued",
+        lambda: (
+            (c := _queued_condition(cluster, "unranked")).get("reason")
+            == queueing.PRIORITY_CLASS_NOT_FOUND
+            and c
+        ),
+        timeout=60,
+    )
+    assert held["status"] == "True"
+    assert (
+        queueing.PRIORITY_CLASS_LABEL in held["message"] and "no-such-priority" in held["message"]
+    )
+    assert _workload(cluster, "unranked") is None and cluster.pods(NS, "unranked") == []
+    # Once the class exists the job is queued with its value (within one resync).
+    _kueue_object(
+        cluster,
+        {
+            "apiVersion": f"{queueing.GROUP}/{queueing.VERSION}",
+            "kind": "WorkloadPriorityClass",
+            "metadata": {"name": "no-such-priority"},
+            "value": 5,
+        },
+    )
+    workload = wait_for("its Workload", lambda: _workload(cluster, "unranked"), timeout=60)
+    assert workload["spec"]["priority"] == 5
+
+
+def test_an_admitted_gang_that_runs_is_not_evicted_by_the_pods_ready_timeout(
+    ready_checked,
+) -> None:
+    cluster, _operator = ready_checked
+    _apply(cluster, _queued_job("steady", "low"))
+    _apply(cluster, _queued_job("stuck", "low"))
+    [pod] = cluster.wait_gang(NS, "steady", 1, timeout=60)
+    cluster.set_pod_phase(NS, pod.metadata.name, "Running")
+    wait_for(
+        "Kueue reads the gang's PodsReady",
+        lambda: any(
+            c["type"] == "PodsReady" and c["status"] == "True"
+            for c in (_workload(cluster, "steady") or {}).get("status", {}).get("conditions", [])
+        ),
+        timeout=60,
+    )
+    # stuck's pods never run: Kueue evicts it at the timeout, which shows the timeout is live.
+    evicted = wait_for(
+        "stuck evicted by Kueue's PodsReady timeout",
+        lambda: (
+            (c := _queued_condition(cluster, "stuck")).get("reason") == "PodsReadyTimeout" and c
+        ),
+        timeout=60,
+    )
+    assert evicted["status"] == "True"
+    assert cluster.status(NS, "stuck").get("restarts", 0) == 0
+    time.sleep(PODS_READY_TIMEOUT)
+    workload = _workload(cluster, "steady")
+    assert workload is not None
+    assert not any(
+        c["type"] == "Evicted" and c["status"] == "True" for c in workload["status"]["conditions"]
+    ), workload["status"]["conditions"]
+    assert _queued_condition(cluster, "steady").get("status") == "False"
+    assert [p.metadata.name for p in cluster.pods(NS, "steady")] == [pod.metadata.name]
