@@ -481,7 +481,10 @@ class Evaluation(_Model):
     held_out: float = Field(
         0.0,
         ge=0,
-        lt=0.5,
+        # Inclusive: the API server checks a number that arrives as a JSON integer (the default
+        # 0.0 does) against an exclusive fractional maximum truncated to an integer, so
+        # "< 0.5" refused 0 and with it the whole CRD (its defaults) at install.
+        le=0.5,
         description="Share of the end of every training file reserved for evaluation (training never draws from it) when dataset is empty.",
     )
 
