@@ -65,7 +65,7 @@ def exchange(mode: str, kw: dict, steps: int, low_rank: bool) -> dict:
             p.grad.copy_(g)
         red.finish()
         outputs.append([p.grad.clone() for p in params])
-    error = sum(float(t.sum()) for k, t in red.state.items() if k.startswith("error/"))
+    error = sum(float(t.double().sum()) for k, t in red.state.items() if k.startswith("error/"))
     return {"outputs": outputs, "error_sum": error, "ratio": red.compression_ratio}
 
 
@@ -119,10 +119,11 @@ def test_int8_is_within_one_quantisation_step() -> None:
 def test_error_feedback_conserves_what_was_put_in(mode: str, kw: dict) -> None:
     steps = 4
     results = mt_harness.run_distributed(exchange, WORLD, mode, kw, steps, False)
-    put_in = sum(
-        float(g.sum()) for s in range(steps) for r in range(WORLD) for g in _inputs(s, r, False)
-    )
-    received = WORLD * sum(float(g.sum()) for out in results[0]["outputs"] for g in out)
+    inputs = [g.double() for s in range(steps) for r in range(WORLD) for g in _inputs(s, r, False)]
+    put_in = sum(float(g.sum()) for g in inputs)
+    received = WORLD * sum(float(g.double().sum()) for out in results[0]["outputs"] for g in out)
     held_back = sum(r["error_sum"] for r in results)
-    assert received + held_back == pytest.approx(put_in, abs=1e-3 * max(1.0, abs(put_in)))
+    # fp32 rounding of ~7,000 elements (summed in varying order) against the mass that moved
+    scale = sum(float(g.abs().sum()) for g in inputs)
+    assert received + held_back == pytest.approx(put_in, abs=1e-5 * scale)
     assert abs(held_back) > 0  # something was held back: the compression is lossy per step
