@@ -45,6 +45,14 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
+def _calibrator() -> plan_command.Calibrator:
+    """``plan --calibrate``'s measurement: torch and processes, so it lives with the trainer."""
+    calibrator: plan_command.Calibrator = importlib.import_module(
+        "meshtrain.trainer.calibrate"
+    ).calibrate
+    return calibrator
+
+
 def _timeline(args: argparse.Namespace) -> int:
     code: int = importlib.import_module("meshtrain.trainer.telemetry.timeline").main(args)
     return code
@@ -108,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict memory, communication and step time of a TrainingJob (and its placement)",
     )
     plan_command.configure(plan)
+    plan.set_defaults(calibrator=_calibrator)
 
     timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")

@@ -10,14 +10,21 @@ achievable FLOP/s, and put them together into a predicted step time:
   ``(n-1) alpha + (n-1)/n M / B``; a point-to-point send ``alpha + M / B``;
 * the link of a group: the NVLink domain's (``nvlink_*`` of the profile) when
   all of the group's ranks sit in one domain, else the fabric's (``nic_*``);
+  a calibrated profile's measured fits per op and group size replace the
+  intra-host link's alpha and beta;
 * compute: ``6 N`` FLOPs per token for the matmuls of the parameters a rank
   holds plus ``12 l s h / t`` for attention (Kaplan et al. 2020; Narayanan et
-  al. 2021), at ``peak x achievable_fraction``;
-* pipeline: a stage is busy ``v m`` chunk-slots out of ``v m + p - 1``, the
-  bubble ``(p-1)/(v m + p - 1)`` (Huang et al. 2019; Narayanan et al. 2021);
+  al. 2021), at the rank's FLOP/s (``peak x achievable_fraction``, or the
+  calibrated figure for the ranks sharing a host's cores), plus a fixed
+  cost per tensor operation (the trainer's block runs 28 forward and 53
+  backward);
+* pipeline: the window of :mod:`.pipeline` (each stage's own times, the
+  sends); the theoretical bubble ``(p-1)/(v m + p - 1)`` (Huang et al. 2019;
+  Narayanan et al. 2021) is reported beside it;
 * data-parallel buckets overlap the last micro-batch's backward; what does
   not fit behind it (at least the last bucket) is exposed;
-* the optimizer streams 32 bytes per updated parameter through device memory.
+* the optimizer streams 32 bytes per updated parameter through device memory
+  and pays the per-operation cost per parameter tensor.
 
 The computation-to-communication ratio compares compute seconds with the
 sum of all collective seconds of the busiest rank; below 1 the job is
@@ -32,7 +39,7 @@ from collections.abc import Sequence
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, profiles
+from meshtrain.planner import comm, memory, pipeline, profiles
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
 """Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
@@ -42,6 +49,15 @@ OPTIMIZER_BYTES_PER_PARAM = 32
 
 BACKWARD_SHARE = 2.0 / 3.0
 """Backward's share of a micro-batch's compute (it costs twice the forward)."""
+
+BLOCK_OPS = (28, 53)
+"""Tensor operations (forward, backward) of one block and micro-batch; tests count the trainer's Block."""
+
+OUTSIDE_BLOCK_OPS = (14, 23)
+"""Tensor operations (forward, backward) of the embeddings, final norm, head and loss of one micro-batch."""
+
+OPTIMIZER_OPS_PER_TENSOR = 16
+"""Per parameter tensor and step: AdamW's single-tensor update (~12 ops), the norm and zeroing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +70,24 @@ class Link:
     """Bytes/s per direction per rank (beta = 1 / bandwidth)."""
     latency: float
     """Seconds per message step (alpha)."""
+    fits: tuple[profiles.CollectiveFit, ...] = ()
+    """Measured alpha/beta by op and group size; they replace ``bandwidth`` and ``latency`` where present."""
+
+    def for_op(self, op: str, members: int) -> Link:
+        """This link as ``op`` over ``members`` ranks sees it (the closest measured fit, if any)."""
+        fits = [f for f in self.fits if f.op == op]
+        if not fits:
+            return self
+        best = min(fits, key=lambda f: (abs(f.members - members), -f.members))
+        return Link(self.name, best.bandwidth, best.alpha)
 
 
 def links(profile: profiles.Profile) -> dict[str, Link]:
-    """The two link kinds of a profile."""
+    """The two link kinds of a profile; the intra-host one carries the calibration's fits."""
     return {
-        "nvlink": Link("nvlink", profile.nvlink_bandwidth, profile.nvlink_latency),
+        "nvlink": Link(
+            "nvlink", profile.nvlink_bandwidth, profile.nvlink_latency, profile.collectives
+        ),
         "fabric": Link("fabric", profile.nic_bandwidth, profile.nic_latency),
     }
 
@@ -87,6 +115,7 @@ def send_seconds(nbytes: float, link: Link, calls: int = 1) -> float:
 
 def collective_seconds(collective: comm.Collective, link: Link) -> float:
     """Time of one :class:`~.comm.Collective` entry on ``link``."""
+    link = link.for_op(collective.op, collective.members)
     if collective.op == "all_reduce":
         return ring_allreduce_seconds(collective.nbytes, collective.members, link, collective.calls)
     if collective.op in ("all_gather", "reduce_scatter"):
@@ -156,6 +185,20 @@ def recompute_flops_per_microbatch(
     return forward * micro_batch * shape.seq_len
 
 
+def rank_ops_per_microbatch(
+    shape: api_spec.ModelShape, pipeline: int, stage: int, recompute: bool
+) -> tuple[int, int]:
+    """Tensor operations (forward, backward) of one micro-batch on one rank of ``stage``."""
+    layers = shape.layers // pipeline
+    forward = layers * BLOCK_OPS[0]
+    backward = layers * (BLOCK_OPS[1] + (BLOCK_OPS[0] if recompute else 0))
+    if stage in (0, pipeline - 1):  # embeddings on the first stage, norm, head and loss on the last
+        share = 0.5 if pipeline > 1 else 1.0
+        forward += round(OUTSIDE_BLOCK_OPS[0] * share)
+        backward += round(OUTSIDE_BLOCK_OPS[1] * share)
+    return forward, backward
+
+
 @dataclasses.dataclass(frozen=True)
 class StageTime:
     """Predicted seconds of one rank of one pipeline stage in one step."""
@@ -163,7 +206,7 @@ class StageTime:
     stage: int
     """Pipeline stage (0-based)."""
     compute: float
-    """Forward and backward compute of all micro-batches."""
+    """Forward and backward matmul FLOPs of all micro-batches at the rank's FLOP/s."""
     tp: float
     """Tensor-parallel collectives (on the critical path)."""
     pp: float
@@ -173,12 +216,14 @@ class StageTime:
     dp_exposed: float
     """Part of ``dp`` not hidden behind the last backward."""
     optimizer: float
-    """The optimizer step."""
+    """The optimizer step (memory traffic and per-tensor operations)."""
+    overhead: float = 0.0
+    """Fixed cost of the forward and backward tensor operations of all micro-batches."""
 
     @property
     def busy(self) -> float:
         """Compute plus the communication that blocks it (tp, pp)."""
-        return self.compute + self.tp + self.pp
+        return self.compute + self.overhead + self.tp + self.pp
 
     @property
     def comm(self) -> float:
@@ -206,6 +251,14 @@ class TimePlan:
     """Ranks in the job."""
     peak_flops: float
     """Peak FLOP/s of one device."""
+    pipeline_seconds: float = 0.0
+    """The pipeline window with each stage's own times (:mod:`.pipeline`): compute, fill, drain, sends."""
+    bubble_stage0: float = 0.0
+    """Idle share of stage 0's pipeline window: what the trainer measures as the bubble."""
+    rank_flops: float = 0.0
+    """Matmul FLOP/s one rank computes at (shared cores accounted for)."""
+    oversubscription: float = 1.0
+    """Threads the ranks of one host run over its cores (above 1 they time-share; 1 without a core count)."""
 
     @property
     def worst(self) -> StageTime:
@@ -242,6 +295,90 @@ def model_flops_per_token(shape: api_spec.ModelShape) -> float:
     return 6 * n + 12 * shape.layers * shape.seq_len * shape.hidden
 
 
+def _stage_time(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    stage_comm: comm.StageComm,
+    used: dict[str, Link],
+    rank_flops: float,
+) -> StageTime:
+    shape, par = job.model.shape(), job.parallelism
+    stage = stage_comm.stage
+    per_mb = rank_flops_per_microbatch(
+        shape, par.pipeline, par.tensor, stage, job.training.micro_batch
+    )
+    if job.training.activation_checkpointing:
+        per_mb += recompute_flops_per_microbatch(
+            shape, par.pipeline, par.tensor, job.training.micro_batch
+        )
+    compute = per_mb * par.micro_batches / rank_flops
+    ops = sum(
+        rank_ops_per_microbatch(shape, par.pipeline, stage, job.training.activation_checkpointing)
+    )
+    overhead = ops * par.micro_batches * profile.op_overhead
+    seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    dp_calls = 0
+    gather = 0.0
+    for c in stage_comm.collectives:
+        spent = collective_seconds(c, used[c.group])
+        seconds[c.group] += spent
+        if c.group == "dp" and c.op == "all_gather":
+            gather += spent
+        elif c.group == "dp":
+            dp_calls += c.calls
+    reduce = seconds["dp"] - gather
+    window = BACKWARD_SHARE * compute / par.micro_batches
+    exposed = max(reduce - window, reduce / dp_calls) if dp_calls else 0.0
+    params = memory.rank_params(shape, par.pipeline, par.tensor, stage)
+    updated = params / par.data if par.zero_stage >= 1 else params
+    tensors = len(
+        comm.chunk_param_sizes(
+            shape,
+            par.tensor,
+            shape.layers // par.pipeline,
+            first=stage == 0,
+            last=stage == par.pipeline - 1,
+        )
+    )
+    optimizer = (
+        updated * OPTIMIZER_BYTES_PER_PARAM / profile.memory_bandwidth
+        + tensors * OPTIMIZER_OPS_PER_TENSOR * profile.op_overhead
+    )
+    return StageTime(
+        stage=stage,
+        compute=compute,
+        tp=seconds["tp"],
+        pp=seconds["pp"],
+        dp=seconds["dp"],
+        dp_exposed=exposed + gather,
+        optimizer=optimizer,
+        overhead=overhead,
+    )
+
+
+def _send_seconds(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, link: Link) -> float:
+    """Seconds one pipeline message takes (0 without a pipeline)."""
+    sends = [c for c in stage_comm.collectives if c.group == "pp" and c.op == "send"]
+    if not sends:
+        return 0.0
+    one = sends[0]
+    return send_seconds(one.nbytes / one.calls, link.for_op("send", 2))
+
+
+def ranks_per_host(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> int:
+    """Ranks sharing one host: a pod's ``gpusPerNode``; on a CPU profile (``cores``) every rank, as ``meshtrain run`` starts them."""
+    return job.world_size if profile.cores else job.resources.gpus_per_node
+
+
+def host_oversubscription(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
+    """Threads of one host's ranks over its cores (each rank runs ``max(1, cores // ranks)`` threads)."""
+    if not profile.cores:
+        return 1.0
+    ranks = ranks_per_host(job, profile)
+    threads = max(1, profile.cores // ranks)
+    return max(1.0, ranks * threads / profile.cores)
+
+
 def plan_time(
     job: api_spec.TrainingJobSpec,
     profile: profiles.Profile,
@@ -249,63 +386,52 @@ def plan_time(
     stage_comms: Sequence[comm.StageComm],
     pod_domains: Sequence[str] | None = None,
 ) -> TimePlan:
-    """Price every stage's compute and collectives and assemble the step."""
+    """Price every stage's compute and collectives and assemble the step.
+
+    The pipeline window comes from each stage's forward and backward
+    seconds (:mod:`.pipeline`); ranks that share a host's cores compute at
+    :meth:`~.profiles.Profile.rank_flops` of that many ranks.  Then the
+    exposed data-parallel reduction and the optimizer follow.
+    """
     shape = job.model.shape()
     par = job.parallelism
     virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
     kinds = links(profile)
     used = {axis: kinds[kind] for axis, kind in group_links(job, pod_domains).items()}
-    stages = []
-    for stage_comm in stage_comms:
-        stage = stage_comm.stage
-        per_mb = rank_flops_per_microbatch(
-            shape, par.pipeline, par.tensor, stage, job.training.micro_batch
+    rank_flops = profile.rank_flops(ranks_per_host(job, profile))
+    stages = [_stage_time(job, profile, sc, used, rank_flops) for sc in stage_comms]
+    send = _send_seconds(job, stage_comms[0], used["pp"])
+    per_microbatch = []
+    for st in stages:
+        sends = sum(
+            collective_seconds(c, used["pp"])
+            for c in stage_comms[st.stage].collectives
+            if c.group == "pp" and c.op == "send"
         )
-        if job.training.activation_checkpointing:
-            per_mb += recompute_flops_per_microbatch(
-                shape, par.pipeline, par.tensor, job.training.micro_batch
-            )
-        compute = per_mb * par.micro_batches / profile.achievable_flops
-        seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
-        dp_calls = 0
-        for c in stage_comm.collectives:
-            seconds[c.group] += collective_seconds(c, used[c.group])
-            if c.group == "dp" and c.op != "all_gather":
-                dp_calls += c.calls
-        gather = sum(
-            collective_seconds(c, used["dp"])
-            for c in stage_comm.collectives
-            if c.group == "dp" and c.op == "all_gather"
-        )
-        reduce = seconds["dp"] - gather
-        window = BACKWARD_SHARE * compute / par.micro_batches
-        exposed = max(reduce - window, reduce / dp_calls) if dp_calls else 0.0
-        params = memory.rank_params(shape, par.pipeline, par.tensor, stage)
-        updated = params / par.data if par.zero_stage >= 1 else params
-        optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / profile.memory_bandwidth
-        stages.append(
-            StageTime(
-                stage=stage,
-                compute=compute,
-                tp=seconds["tp"],
-                pp=seconds["pp"],
-                dp=seconds["dp"],
-                dp_exposed=exposed + gather,
-                optimizer=optimizer,
+        work = (
+            st.busy - sends
+        ) / par.micro_batches  # the window adds the sends on its critical path
+        per_microbatch.append(
+            pipeline.StageDurations(
+                forward=work * (1 - BACKWARD_SHARE), backward=work * BACKWARD_SHARE
             )
         )
-    bubble = bubble_ratio(par.pipeline, par.micro_batches, virtual)
-    pace = max(st.busy for st in stages)
+    piped = pipeline.window(par.micro_batches, per_microbatch, send, virtual)
+    window = piped.seconds
     tail = max(st.dp_exposed + st.optimizer for st in stages)
-    step = pace / (1 - bubble) + tail
+    step = window + tail
     tokens = job.global_batch * shape.seq_len
     return TimePlan(
         links=used,
         stages=tuple(stages),
-        bubble=bubble,
+        bubble=bubble_ratio(par.pipeline, par.micro_batches, virtual),
         step_seconds=step,
         tokens_per_step=tokens,
         model_flops=model_flops_per_token(shape) * tokens,
         world_size=job.world_size,
         peak_flops=profile.peak_flops,
+        pipeline_seconds=window,
+        bubble_stage0=piped.idle_share(0, stages[0].dp_exposed),
+        rank_flops=rank_flops,
+        oversubscription=host_oversubscription(job, profile),
     )

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, cost, memory, placement_request, profiles
+from meshtrain.planner import comm, cost, memory, placement_request, profiles, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Plan:
     """Global batch and its warning."""
     placement: PlacementResult | None
     """Placement on the given cluster (None without one)."""
+    confidence: validation.Confidence | None = None
+    """What the predicted time rests on (set by the caller that knows the host; None: not stated)."""
 
     @property
     def warnings(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""The ``meshtrain plan`` subcommand: arguments, and the glue from files to the report.
+"""The ``meshtrain plan`` subcommand: arguments, and the glue from files to the plan_report.
 
 :func:`configure` adds the subcommand's arguments to an
 ``argparse`` parser and sets its handler; :func:`run` reads the job, the
@@ -11,12 +11,37 @@ exit with status 2.  The arithmetic is in the other planner modules.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import socket
 import sys
+from pathlib import Path
+from typing import Protocol
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cluster, cost, estimate, memory, plan_report, profiles
+from meshtrain.planner import (
+    cluster,
+    cost,
+    estimate,
+    memory,
+    plan_report,
+    profiles,
+    search,
+    validation,
+)
+
+
+class Calibrator(Protocol):
+    """``meshtrain.trainer.calibrate.calibrate``: measures this machine (torch), handed in by the CLI."""
+
+    def __call__(
+        self, job: api_spec.TrainingJobSpec, base: profiles.Profile, name: str, *, budget: float
+    ) -> profiles.Profile: ...
+
+
+DEFAULT_CALIBRATION_DIR = "profiles"
+"""Where ``--calibrate`` writes without ``--profiles-dir``."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +90,47 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help=f"print the {plan_report.SCHEMA} JSON document"
     )
     parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first measure this machine at the job's shapes, precision, backend and group sizes "
+        "(matmul FLOP/s, per-op overhead, collective latency and bandwidth) and write a profile "
+        "file into the first --profiles-dir (default ./profiles); then plan with it",
+    )
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="list the fastest valid layouts (dp/pp/tp, schedule, microBatches, microBatch, "
+        "zeroStage) for --world ranks that fit in memory (and, with a cluster, can be placed), "
+        "ranked by predicted step time; the job's model and global batch are kept",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="world size for --search (default: the job's)",
+    )
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        metavar="K",
+        help="how many layouts --search lists (default 10)",
+    )
+    parser.add_argument(
+        "--calibration-seconds",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="how long --calibrate times each measurement (default 0.5; longer is steadier on a busy host)",
+    )
+    parser.add_argument(
+        "--profile-name",
+        default=None,
+        metavar="NAME",
+        help="name of the profile --calibrate writes (default: <base profile>-<host>)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -79,13 +145,57 @@ def _default_profile(job: api_spec.TrainingJobSpec) -> str:
     return "cpu" if job.training.precision == "fp32" else "h100-sxm"
 
 
+def _calibrate(
+    job: api_spec.TrainingJobSpec, base: profiles.Profile, args: argparse.Namespace
+) -> profiles.Profile:
+    name = args.profile_name or f"{base.name}-{socket.gethostname()}"
+    directory = args.profiles_dir[0] if args.profiles_dir else DEFAULT_CALIBRATION_DIR
+    print(
+        f"calibrating {name} for {job.parallelism.layout_string} on this machine ...",
+        file=sys.stderr,
+    )
+    if args.calibration_seconds <= 0:
+        raise ValueError(f"--calibration-seconds must be > 0, got {args.calibration_seconds}")
+    measure: Calibrator = args.calibrator()
+    measured = measure(job, base, name, budget=args.calibration_seconds)
+    path = profiles.write(measured, directory)
+    print(f"wrote {path}; plan with --gpu {name} --profiles-dir {directory}", file=sys.stderr)
+    return profiles.load_file(path)
+
+
+def _search(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    nodes: list | None,
+    args: argparse.Namespace,
+) -> int:
+    world = args.world or job.world_size
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    found = search.search(
+        job, profile, world=world, nodes=nodes, limit=args.top, recipe=args.recipe
+    )
+    stated = validation.confidence(profile, socket.gethostname(), validation.load_band())
+    if args.json:
+        print(
+            json.dumps(plan_report.search_json(found, world, stated), indent=2, ensure_ascii=False)
+        )
+    else:
+        print(plan_report.search_text(found, world, profile, stated, placed=nodes is not None))
+    return 0 if found else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Handle ``meshtrain plan``; returns the exit status."""
     try:
         job = loading.load_spec_file(args.job)
         if args.set:
             job = loading.apply_overrides(job, args.set)
+        if args.calibrate and args.profiles_dir:  # where the calibration goes may not exist yet
+            Path(args.profiles_dir[0]).mkdir(parents=True, exist_ok=True)
         profile = profiles.get(args.gpu or _default_profile(job), args.profiles_dir)
+        if args.calibrate:
+            profile = _calibrate(job, profile, args)
         nodes = None
         if args.cluster:
             nodes = cluster.load(args.cluster)
@@ -97,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}"
             )
+        if args.search:
+            return _search(job, profile, nodes, args)
         plan = estimate.make_plan(
             job,
             profile,
@@ -113,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
     ) as err:
         print(f"meshtrain plan: {err}", file=sys.stderr)
         return 2
+    plan = dataclasses.replace(
+        plan,
+        confidence=validation.confidence(profile, socket.gethostname(), validation.load_band()),
+    )
     if args.json:
         print(json.dumps(plan_report.to_json(plan), indent=2, ensure_ascii=False))
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from meshtrain.planner import cost, estimate
+from meshtrain.planner import cost, estimate, profiles, search, validation
 
 SCHEMA = "meshtrain.plan/v1"
 """Name and version of the JSON document."""
@@ -93,7 +93,12 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "nvlink_latency": profile.nvlink_latency,
             "nic_bandwidth": profile.nic_bandwidth,
             "nic_latency": profile.nic_latency,
+            "op_overhead": profile.op_overhead,
+            "cores": profile.cores,
+            "calibrated": profile.calibrated,
+            "calibration": profile.calibration or None,
         },
+        "confidence": plan.confidence.to_json() if plan.confidence else None,
         "memory": {
             "capacity_bytes": mem.capacity,
             "bytes_per_param": {
@@ -150,6 +155,11 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "dp_exposed_seconds": worst_t.dp_exposed,
             "optimizer_seconds": worst_t.optimizer,
             "bubble": tp.bubble,
+            "predicted_bubble": tp.bubble_stage0,
+            "pipeline_seconds": tp.pipeline_seconds,
+            "overhead_seconds": worst_t.overhead,
+            "oversubscription": tp.oversubscription,
+            "rank_flops": tp.rank_flops,
             "compute_comm_ratio": _finite(tp.compute_comm_ratio),
             "verdict": tp.verdict,
             "tokens_per_second": tp.tokens_per_second,
@@ -276,13 +286,25 @@ def to_text(plan: estimate.Plan) -> str:
     lines += [
         "",
         f"time per step (pacing stage {w.stage}):",
-        f"  compute {human_seconds(w.compute)} at {profile.achievable_flops / 1e12:.3g} TFLOP/s achievable; "
+        f"  compute {human_seconds(w.compute)} at {tp.rank_flops / 1e12:.3g} TFLOP/s per rank"
+        f" + op overhead {human_seconds(w.overhead)}; "
         f"tp {human_seconds(w.tp)}, pp {human_seconds(w.pp)}, dp {human_seconds(w.dp)} "
         f"(exposed {human_seconds(w.dp_exposed)}), optimizer {human_seconds(w.optimizer)}",
         f"  pipeline bubble {tp.bubble:.1%} = (p-1)/(v*m+p-1) with p={par.pipeline}, "
-        f"v={par.virtual_stages if par.schedule == 'interleaved-1f1b' else 1}, m={par.micro_batches}",
+        f"v={par.virtual_stages if par.schedule == 'interleaved-1f1b' else 1}, m={par.micro_batches}; "
+        f"replayed with each stage's times: stage 0 idle {tp.bubble_stage0:.1%} of "
+        f"{human_seconds(tp.pipeline_seconds)}"
+        + (
+            f"; {tp.oversubscription:.1f}x more threads than cores"
+            if tp.oversubscription > 1
+            else ""
+        ),
         f"  predicted step {human_seconds(tp.step_seconds)}, {tp.tokens_per_second:,.0f} tokens/s, MFU {tp.mfu:.1%}",
         f"  compute/communication ratio {'inf' if not math.isfinite(ratio) else f'{ratio:.2f}'}: {tp.verdict}",
+        "",
+        f"  confidence: {plan.confidence.statement}"
+        if plan.confidence
+        else f"  confidence: profile {profile.name}, not stated",
         "",
         f"global batch: {plan.batch.sequences} sequences = {plan.batch.tokens:,} tokens per step "
         f"(critical batch {plan.batch.critical_tokens:,} tokens)",
@@ -303,4 +325,71 @@ def to_text(plan: estimate.Plan) -> str:
                 lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
     if plan.warnings:
         lines += [""] + [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+SEARCH_SCHEMA = "meshtrain.plan-search/v1"
+"""Name and version of the ``--search --json`` document."""
+
+
+def search_json(
+    found: list[search.Candidate], world: int, confidence: validation.Confidence
+) -> dict[str, Any]:
+    """The ``meshtrain.plan-search/v1`` document."""
+    return {
+        "schema": SEARCH_SCHEMA,
+        "world_size": world,
+        "confidence": confidence.to_json(),
+        "layouts": [
+            {
+                "rank": index + 1,
+                "layout": c.label,
+                "parallelism": {k: v for k, v in c.parallelism.items() if k != "microBatch"},
+                "micro_batch": c.parallelism["microBatch"],
+                "step_seconds": c.step_seconds,
+                "peak_bytes": c.peak_bytes,
+                "headroom_bytes": c.headroom_bytes,
+                "predicted_bubble": c.bubble,
+                "nodes": list(c.nodes),
+            }
+            for index, c in enumerate(found)
+        ],
+    }
+
+
+def search_text(
+    found: list[search.Candidate],
+    world: int,
+    profile: profiles.Profile,
+    confidence: validation.Confidence,
+    *,
+    placed: bool,
+) -> str:
+    """The table ``meshtrain plan --search`` prints."""
+    where = "memory-feasible and placeable" if placed else "memory-feasible"
+    lines = [f"meshtrain plan --search: fastest {where} layouts of {world} ranks on {profile.name}"]
+    if not found:
+        return "\n".join(lines + ["  none: no layout passes the spec's rules and fits in memory"])
+    rows = [["#", "layout", "step", "bubble", "peak memory", "headroom"]]
+    for index, c in enumerate(found):
+        rows.append(
+            [
+                str(index + 1),
+                c.label,
+                human_seconds(c.step_seconds),
+                f"{c.bubble:.1%}",
+                human_bytes(c.peak_bytes),
+                human_bytes(c.headroom_bytes),
+            ]
+        )
+    lines += _table(rows)
+    best = found[0].parallelism
+    lines += [
+        "",
+        "try the best: --set "
+        + " --set ".join(
+            f"{'training' if k == 'microBatch' else 'parallelism'}.{k}={v}" for k, v in best.items()
+        ),
+        f"confidence: {confidence.statement}",
+    ]
     return "\n".join(lines)

@@ -41,8 +41,34 @@ _REQUIRED_FLOATS = (
 )
 
 
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+"""Operations a calibration measures (``send``: one point-to-point message)."""
+
+
 class ProfileError(ValueError):
     """A profile file is malformed or a requested profile does not exist."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveFit:
+    """``T(M) = calls x alpha_steps x alpha + M / bandwidth`` as measured for one op and group size.
+
+    ``alpha`` is per message step of the ring (``2(n-1)`` per all-reduce,
+    ``n-1`` per all-gather or reduce-scatter, 1 per send) and ``bandwidth``
+    the bus bandwidth (nccl-tests convention), so the fit plugs into the same
+    ring formulas as the datasheet figures.
+    """
+
+    op: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``send``."""
+    members: int
+    """Ranks in the group (2 for ``send``)."""
+    alpha: float
+    """Seconds per message step."""
+    bandwidth: float
+    """Bus bytes/s per rank."""
+    processes: int = 0
+    """Processes running on the host while it was measured (their contention is in the figures)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +101,53 @@ class Profile:
     """Training precision the profile implies: ``bf16`` (GPUs) or ``fp32`` (CPU)."""
     path: str = ""
     """File the profile was read from (empty for profiles built in code)."""
+    op_overhead: float = 0.0
+    """Seconds of fixed cost per tensor operation (dispatch, kernel launch); 0 where unmeasured."""
+    cores: int = 0
+    """CPU cores the ranks of one host share (0: every rank has its own device)."""
+    flops_by_ranks: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Matmul FLOP/s of one rank measured while this many ranks ran at once on the host (CPU profiles)."""
+    collectives: tuple[CollectiveFit, ...] = ()
+    """Measured alpha-beta fits inside one host, by op and group size."""
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Where and when the figures were measured (host, device, backend, load); empty: not measured."""
 
     @property
     def achievable_flops(self) -> float:
         """FLOP/s the planner expects a step to run at: peak x achievable fraction."""
         return self.peak_flops * self.achievable_fraction
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the figures were measured by ``meshtrain plan --calibrate``."""
+        return bool(self.calibration)
+
+    def _core_share(self, ranks: int) -> float:
+        """Cores' worth of compute one of ``ranks`` ranks gets: its ``cores // ranks`` threads, time-shared."""
+        threads = max(1, self.cores // ranks)
+        return threads * min(1.0, self.cores / (ranks * threads))
+
+    def rank_flops(self, ranks_per_host: int) -> float:
+        """Matmul FLOP/s of one rank when ``ranks_per_host`` ranks share the host's cores.
+
+        From the measurement with the nearest rank count, scaled by the
+        rank's share of the cores (each rank runs ``cores // ranks`` threads,
+        as ``meshtrain run`` and the pods set ``OMP_NUM_THREADS``; past the
+        core count ranks time-share).  Without a measurement: the achievable
+        FLOP/s.
+        """
+        if not self.flops_by_ranks or not self.cores:
+            return self.achievable_flops
+        ranks = max(1, ranks_per_host)
+        nearest = min(self.flops_by_ranks, key=lambda r: (abs(r - ranks), r))
+        return self.flops_by_ranks[nearest] * self._core_share(ranks) / self._core_share(nearest)
+
+    def collective_fit(self, op: str, members: int) -> CollectiveFit | None:
+        """The measured fit of ``op`` closest in group size to ``members`` (None when unmeasured)."""
+        fits = [f for f in self.collectives if f.op == op]
+        if not fits:
+            return None
+        return min(fits, key=lambda f: (abs(f.members - members), -f.members))
 
 
 def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
@@ -123,7 +191,62 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
     if precision not in ("bf16", "fp32"):
         raise ProfileError(f"{origin}: 'precision' must be bf16 or fp32, got {precision!r}")
     values["precision"] = precision
+    values.update(_measured(data, origin))
     return Profile(path=origin, **values)
+
+
+def _number(data: Mapping[str, Any], key: str, origin: str, *, minimum: float = 0.0) -> float:
+    raw = data.get(key)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw >= minimum:
+        raise ProfileError(f"{origin}: '{key}' must be a number >= {minimum:g}, got {raw!r}")
+    return float(raw)
+
+
+def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """The optional measured keys a calibration writes."""
+    out: dict[str, Any] = {}
+    if "op_overhead" in data:
+        out["op_overhead"] = _number(data, "op_overhead", origin)
+    if "cores" in data:
+        out["cores"] = int(_number(data, "cores", origin))
+    table = data.get("flops_by_ranks") or {}
+    if not isinstance(table, Mapping):
+        raise ProfileError(f"{origin}: 'flops_by_ranks' must map rank counts to FLOP/s")
+    out["flops_by_ranks"] = {
+        int(ranks): _number({"flops": flops}, "flops", f"{origin}: flops_by_ranks[{ranks}]")
+        for ranks, flops in table.items()
+    }
+    fits = []
+    for index, entry in enumerate(data.get("collectives") or []):
+        where = f"{origin}: collectives[{index}]"
+        if not isinstance(entry, Mapping) or entry.get("op") not in COLLECTIVE_OPS:
+            raise ProfileError(f"{where}: 'op' must be one of {', '.join(COLLECTIVE_OPS)}")
+        fits.append(
+            CollectiveFit(
+                op=entry["op"],
+                members=int(_number(entry, "members", where, minimum=2)),
+                alpha=_number(entry, "alpha", where),
+                bandwidth=_number(entry, "bandwidth", where, minimum=1.0),
+                processes=int(entry.get("processes", 0)),
+            )
+        )
+    out["collectives"] = tuple(fits)
+    calibration = data.get("calibration") or {}
+    if not isinstance(calibration, Mapping):
+        raise ProfileError(f"{origin}: 'calibration' must be a mapping (host, device, measured_at)")
+    out["calibration"] = dict(calibration)
+    return out
+
+
+def to_mapping(profile: Profile) -> dict[str, Any]:
+    """The YAML form of a profile (what :func:`from_mapping` reads back)."""
+    out = {
+        f.name: getattr(profile, f.name)
+        for f in dataclasses.fields(Profile)
+        if f.name not in ("path", "collectives")
+    }
+    out["collectives"] = [dataclasses.asdict(fit) for fit in profile.collectives]
+    return out
 
 
 def load_file(path: str | Path) -> Profile:
@@ -169,24 +292,13 @@ def get(name: str, extra_dirs: Iterable[str | Path] = ()) -> Profile:
     return known[name]
 
 
-def calibrated(
-    base: Profile,
-    *,
-    flops: float | None = None,
-    link_bandwidth: float | None = None,
-    link_latency: float | None = None,
-    name: str | None = None,
-) -> Profile:
-    """A copy of ``base`` with measured figures: achievable FLOP/s and the intra-host link's beta/alpha.
-
-    A measured FLOP/s becomes ``peak_flops`` with ``achievable_fraction`` 1, so
-    the planner uses the measurement as is.
-    """
-    changes: dict[str, Any] = {"name": name or base.name}
-    if flops is not None:
-        changes.update(peak_flops=flops, achievable_fraction=1.0)
-    if link_bandwidth is not None:
-        changes["nvlink_bandwidth"] = link_bandwidth
-    if link_latency is not None:
-        changes["nvlink_latency"] = link_latency
-    return dataclasses.replace(base, **changes)
+def write(profile: Profile, directory: str | Path) -> Path:
+    """Write ``profile`` as ``DIRECTORY/<name>.yaml``, which ``--profiles-dir DIRECTORY`` reads back."""
+    path = Path(directory) / f"{profile.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"# Written by `meshtrain plan --calibrate` on {profile.calibration.get('host')} "
+        f"at {profile.calibration.get('measured_at')}; read with --profiles-dir {path.parent}\n"
+    )
+    path.write_text(header + yaml.safe_dump(to_mapping(profile), sort_keys=False))
+    return path

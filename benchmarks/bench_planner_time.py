@@ -1,0 +1,280 @@
+"""Planner validation: predicted against measured step time and bubble, layout by layout, on this machine.
+
+For each layout it does what a user would: ``meshtrain plan --calibrate``
+(:func:`meshtrain.planner.calibrate.calibrate` at the job's shapes, group
+sizes and process count), the plan with that profile, then ``meshtrain run``
+of the same spec (real processes, gloo), and compares the median step time
+after warm-up and the bubble the trainer measured on stage 0.  Then it asks
+``--search`` for the fastest layouts of ``--search-world`` ranks on this host
+and runs the top three, to see whether the top pick is the fastest measured.
+
+It prints the table and writes ``benchmarks/results/planner_time-<host>.json``
+(rows: ``layout``, ``predicted_step_seconds``, ``measured_step_seconds``,
+ratio, bubbles, the load average around each run) and, from the same numbers,
+the error band the plan report quotes (``meshtrain/planner/validation.json``).
+
+Run: ``python benchmarks/bench_planner_time.py [--steps N] [--only NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import machine  # noqa: E402
+from meshtrain.api import loading  # noqa: E402
+from meshtrain.planner import estimate, profiles, search, validation  # noqa: E402
+from meshtrain.trainer import calibrate, launch, steplog  # noqa: E402
+
+MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
+TRAINING = {"microBatch": 4, "precision": "fp32", "dataset": "stdlib", "warmupSteps": 1}
+LAYOUTS: list[tuple[str, dict[str, Any]]] = [
+    ("dp2", {"data": 2}),
+    ("tp2", {"tensor": 2}),
+    ("pp2-gpipe", {"pipeline": 2, "schedule": "gpipe"}),
+    ("pp2-1f1b", {"pipeline": 2, "schedule": "1f1b"}),
+    ("dp2-zero1", {"data": 2, "zeroStage": 1}),
+    ("dp2-zero2", {"data": 2, "zeroStage": 2}),
+    ("pp2-1f1b-m8", {"pipeline": 2, "microBatches": 8}),
+    ("dp2-tp2", {"data": 2, "tensor": 2}),
+    ("dp2-pp2", {"data": 2, "pipeline": 2}),
+    ("dp2-pp2-tp2-sp", {"data": 2, "pipeline": 2, "tensor": 2, "sequenceParallel": True}),
+]
+CALIBRATION_S = 0.3
+"""Seconds per calibration measurement (``--calibration-seconds``)."""
+WARMUP_STEPS = 2
+"""Steps dropped before the median (process-group set-up, first allocations, lazy inits)."""
+TARGET_RATIO = 0.25
+"""Predicted within 25% of measured (|measured / predicted - 1|)."""
+TARGET_BUBBLE = 0.05
+"""Predicted stage-0 bubble within 0.05 of the measured one."""
+
+
+def job_raw(parallelism: dict[str, Any], steps: int, checkpoints: str) -> dict[str, Any]:
+    """A TrainingJob spec of one layout, every rank on this host (one pod)."""
+    par = {"data": 1, "pipeline": 1, "tensor": 1, "microBatches": 4, "bucketMb": 1, **parallelism}
+    world = par["data"] * par["pipeline"] * par["tensor"]
+    return {
+        "parallelism": par,
+        "resources": {"gpusPerNode": world},
+        "model": MODEL,
+        "training": {**TRAINING, "steps": steps},
+        "checkpoint": {"path": checkpoints, "intervalSteps": 0},
+    }
+
+
+def measure(raw: dict[str, Any], workdir: Path, name: str) -> list[dict[str, Any]]:
+    """Every steps.jsonl record of a real ``meshtrain run`` of the spec."""
+    path = workdir / f"{name}.yaml"
+    document = {
+        "apiVersion": "meshtrain.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": f"bench-{name}"},
+        "spec": raw,
+    }
+    path.write_text(yaml.safe_dump(document))
+    log_dir = workdir / name
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = launch.run_local(path, log_dir=log_dir)
+    if code:
+        raise RuntimeError(f"meshtrain run of {name} failed with exit code {code}; see {log_dir}")
+    return steplog.read(log_dir / steplog.FILENAME)
+
+
+def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Profile:
+    """Geometric means of two calibrations taken just before and just after a run.
+
+    The host's other load changes by the minute; bracketing the run follows it
+    better than either calibration alone.
+    """
+
+    def mean(a: float, b: float) -> float:
+        return (a * b) ** 0.5
+
+    fits = {(f.op, f.members): f for f in after.collectives}
+    return dataclasses.replace(
+        before,
+        peak_flops=mean(before.peak_flops, after.peak_flops),
+        op_overhead=mean(before.op_overhead, after.op_overhead),
+        flops_by_ranks={
+            r: mean(f, after.flops_by_ranks.get(r, f)) for r, f in before.flops_by_ranks.items()
+        },
+        collectives=tuple(
+            dataclasses.replace(
+                f,
+                alpha=mean(f.alpha, fits[(f.op, f.members)].alpha),
+                bandwidth=mean(f.bandwidth, fits[(f.op, f.members)].bandwidth),
+            )
+            for f in before.collectives
+        ),
+        calibration={**before.calibration, "bracketed_by": after.calibration["measured_at"]},
+    )
+
+
+def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Path) -> dict:
+    """Calibrate, plan and run one layout; the row of the results file."""
+    raw = job_raw(parallelism, steps, str(tmp / name / "checkpoints"))
+    job = loading.parse_spec(raw, name)
+    load_before = calibrate.load_average()
+    before = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
+    records = measure(raw, tmp, name)
+    after = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
+    profile = bracketed(before, after)
+    plan = estimate.make_plan(job, profile)
+    steady = records[WARMUP_STEPS:] or records
+    measured = statistics.median(r["step_seconds"] for r in steady)
+    worst = plan.time.worst
+    return {
+        "layout": name,
+        "spec_layout": job.parallelism.layout_string,
+        "schedule": job.parallelism.schedule,
+        "zero_stage": job.parallelism.zero_stage,
+        "micro_batches": job.parallelism.micro_batches,
+        "world_size": job.world_size,
+        "predicted_step_seconds": plan.time.step_seconds,
+        "measured_step_seconds": measured,
+        "ratio_measured_over_predicted": measured / plan.time.step_seconds,
+        "predicted_bubble": plan.time.bubble_stage0,
+        "measured_bubble": statistics.median(r["bubble_ratio"] for r in steady),
+        "theoretical_bubble": plan.time.bubble,
+        "predicted_compute_seconds": worst.compute,
+        "predicted_overhead_seconds": worst.overhead,
+        "predicted_tp_seconds": worst.tp,
+        "predicted_pp_seconds": worst.pp,
+        "predicted_dp_seconds": worst.dp,
+        "predicted_dp_exposed_seconds": worst.dp_exposed,
+        "predicted_optimizer_seconds": worst.optimizer,
+        "oversubscription": plan.time.oversubscription,
+        "measured_compute_seconds": statistics.median(r["compute_seconds"] for r in steady),
+        "measured_steps": [r["step_seconds"] for r in records],
+        "calibration": profiles.to_mapping(profile),
+        "load_average_before": load_before,
+        "load_average_after": calibrate.load_average(),
+    }
+
+
+def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
+    """Rank layouts of ``world`` ranks on this host with --search; run the top three."""
+    base = loading.parse_spec(job_raw({"data": world}, steps, str(tmp / "search-base")), "base")
+    profile = calibrate.calibrate(base, profiles.get("cpu"), "cpu-search", budget=CALIBRATION_S)
+    ranked = search.search(base, profile, world=world, nodes=None, limit=3)
+    rows = []
+    for index, candidate in enumerate(ranked):
+        name = f"search{index + 1}"
+        layout = {k: v for k, v in candidate.parallelism.items() if k != "microBatch"}
+        raw = job_raw(layout, steps, str(tmp / name / "checkpoints"))
+        raw["training"]["microBatch"] = candidate.parallelism["microBatch"]
+        records = measure(raw, tmp, name)
+        steady = records[WARMUP_STEPS:] or records
+        rows.append(
+            {
+                "rank": index + 1,
+                "layout": candidate.label,
+                "parallelism": candidate.parallelism,
+                "predicted_step_seconds": candidate.step_seconds,
+                "measured_step_seconds": statistics.median(r["step_seconds"] for r in steady),
+            }
+        )
+    fastest = min(rows, key=lambda r: r["measured_step_seconds"]) if rows else None
+    return {
+        "world": world,
+        "candidates": rows,
+        "top_pick_is_fastest_measured": bool(fastest and fastest["rank"] == 1),
+        "top_pick_over_fastest_measured": (
+            rows[0]["measured_step_seconds"] / fastest["measured_step_seconds"] if rows else None
+        ),
+    }
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Error band of the rows: the ratio's spread and how many meet the targets."""
+    ratios = [r["ratio_measured_over_predicted"] for r in rows]
+    errors = [abs(x - 1) for x in ratios]
+    bubbles = [abs(r["predicted_bubble"] - r["measured_bubble"]) for r in rows]
+    return {
+        "layouts": len(rows),
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+        "median_abs_error": statistics.median(errors),
+        "max_abs_error": max(errors),
+        "within_25_percent": sum(e <= TARGET_RATIO for e in errors),
+        "max_bubble_error": max(bubbles),
+        "bubble_within_0_05": sum(b <= TARGET_BUBBLE for b in bubbles),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="steps per run (two are warm-up)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these layouts")
+    parser.add_argument("--search-world", type=int, default=4, help="world size for --search")
+    parser.add_argument("--no-search", action="store_true", help="skip the --search check")
+    args = parser.parse_args(argv)
+    layouts = [(n, p) for n, p in LAYOUTS if not args.only or n in args.only]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, parallelism in layouts:
+            row = validate_layout(name, parallelism, args.steps, Path(tmp))
+            rows.append(row)
+            print(
+                f"  {name:<16} predicted {row['predicted_step_seconds'] * 1e3:8.1f} ms  "
+                f"measured {row['measured_step_seconds'] * 1e3:8.1f} ms  "
+                f"ratio {row['ratio_measured_over_predicted']:5.2f}  bubble "
+                f"{row['predicted_bubble']:.3f}/{row['measured_bubble']:.3f}  "
+                f"load {row['load_average_before'][:1]}",
+                flush=True,
+            )
+        searched = (
+            None if args.no_search else check_search(args.search_world, args.steps, Path(tmp))
+        )
+    header = (
+        f"{'layout':<16} {'world':>5} {'predicted ms':>12} {'measured ms':>11} {'ratio':>6} "
+        f"{'bubble pred':>11} {'bubble meas':>11} {'load':>6}"
+    )
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        print(
+            f"{r['layout']:<16} {r['world_size']:>5} {r['predicted_step_seconds'] * 1e3:>12.1f} "
+            f"{r['measured_step_seconds'] * 1e3:>11.1f} {r['ratio_measured_over_predicted']:>6.2f} "
+            f"{r['predicted_bubble']:>11.3f} {r['measured_bubble']:>11.3f} "
+            f"{r['load_average_before'][0] if r['load_average_before'] else float('nan'):>6.1f}"
+        )
+    summary = summarise(rows)
+    print(f"\nsummary: {json.dumps(summary)}")
+    if searched:
+        print(f"search (world {searched['world']}): {json.dumps(searched['candidates'])}")
+        print(f"top pick fastest measured: {searched['top_pick_is_fastest_measured']}")
+    results = {
+        "model": MODEL,
+        "training": TRAINING,
+        "steps": args.steps,
+        "warmup_steps": WARMUP_STEPS,
+        "targets": {"ratio": TARGET_RATIO, "bubble": TARGET_BUBBLE},
+        "layouts": rows,
+        "summary": summary,
+        "search": searched,
+    }
+    path = machine.write_results("planner_time", results)
+    print(f"results: {path}")
+    if not args.only and not os.environ.get(machine.RESULTS_ENV):
+        band = validation.write_band(path, summary)
+        print(f"error band: {band}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The pipeline part of a step with each stage's own durations.
+
+The closed form ``(p-1)/(v m + p - 1)`` assumes equal stages and free sends.
+With per-stage times, the fill and drain walk every stage once and the
+steady state runs at the pace of the slowest stage (Narayanan et al. 2021,
+sec. 2.2; Huang et al. 2019): a stage's chunk slot lasts
+``c_s = (f_s + b_s) / v`` and the window is
+
+    ``(v m - 1) x max_s c_s + sum_s c_s + 2 (p - 1) x send``
+
+(the forward message crosses ``p - 1`` boundaries in the fill, the gradient
+``p - 1`` in the drain).  With equal stages and free sends this is
+``(v m + p - 1) c``, the closed form.  Stage 0's idle share of the window is
+what the trainer's telemetry measures as the bubble.  Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class StageDurations:
+    """Seconds of one micro-batch through all of one stage's chunks."""
+
+    forward: float
+    """Forward."""
+    backward: float
+    """Backward."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The pipeline window of one step."""
+
+    seconds: float
+    """From the step's start until the last stage finishes its last backward."""
+    busy: tuple[float, ...]
+    """Seconds each stage spends computing in it."""
+
+    def idle_share(self, stage: int, extra: float = 0.0) -> float:
+        """Share of the window ``stage`` waits; ``extra`` seconds of non-idle work after it lengthen the span."""
+        span = self.seconds + extra
+        return max(0.0, (self.seconds - self.busy[stage]) / span) if span > 0 else 0.0
+
+
+def window(
+    micro_batches: int,
+    stages: Sequence[StageDurations],
+    send_seconds: float,
+    virtual_stages: int = 1,
+) -> Window:
+    """The window of ``micro_batches`` through ``stages`` (GPipe, 1F1B and interleaved 1F1B alike)."""
+    p, v, m = len(stages), virtual_stages, micro_batches
+    slots = [(st.forward + st.backward) / v for st in stages]
+    busy = tuple(m * (st.forward + st.backward) for st in stages)
+    if p == 1:
+        return Window(seconds=busy[0], busy=busy)
+    seconds = (v * m - 1) * max(slots) + sum(slots) + 2 * (p - 1) * send_seconds
+    return Window(seconds=seconds, busy=busy)

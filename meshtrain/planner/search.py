@@ -1,0 +1,154 @@
+"""``meshtrain plan --search``: the fastest valid layouts for a world size, ranked by predicted step time.
+
+Every layout of ``world`` ranks is tried: tensor degrees that divide
+``gpusPerNode`` and the heads, pipeline degrees that divide the layers, the
+rest data parallel; the global batch of the job is kept (``microBatch x
+microBatches x data``), with the job's micro-batch or a smaller power of two;
+every schedule the pipeline allows; ZeRO 0-2 when there is data parallelism.
+A candidate must pass the spec's own validation and fit the profile's
+memory; with nodes, the operator's placement must place it (checked for the
+best candidates until ``limit`` are placeable).  Pure: the caller reads files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import estimate, profiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout and what the planner predicts for it."""
+
+    parallelism: dict[str, Any]
+    """The ``parallelism`` fields that differ from the job (camelCase), plus ``training.microBatch``."""
+    label: str
+    """Layout, schedule, micro-batches and ZeRO stage in one line."""
+    step_seconds: float
+    """Predicted step time."""
+    peak_bytes: float
+    """Memory of the worst stage per device."""
+    headroom_bytes: float
+    """Device memory left on the worst stage."""
+    bubble: float
+    """Predicted idle share of stage 0."""
+    nodes: tuple[str, ...] = ()
+    """Node per pod when a cluster was given."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(job: api_spec.TrainingJobSpec, world: int) -> Iterator[dict[str, Any]]:
+    """Spec changes (camelCase ``parallelism`` keys, ``microBatch``) of every layout worth trying."""
+    shape = job.model.shape()
+    per_node = job.resources.gpus_per_node
+    sequences = job.global_batch
+    for tensor in _divisors(world):
+        if per_node % tensor or shape.heads % tensor:
+            continue
+        for pipeline in _divisors(world // tensor):
+            if shape.layers % pipeline:
+                continue
+            data = world // (tensor * pipeline)
+            if sequences % data:
+                continue
+            per_replica = sequences // data
+            sizes = {b for b in (job.training.micro_batch, 1, 2, 4, 8, 16) if b <= per_replica}
+            for micro_batch in sorted(sizes):
+                if per_replica % micro_batch:
+                    continue
+                micro_batches = per_replica // micro_batch
+                schedules = ["1f1b"] if pipeline == 1 else ["gpipe", "1f1b"]
+                if (
+                    pipeline > 1
+                    and micro_batches % pipeline == 0
+                    and shape.layers % (2 * pipeline) == 0
+                ):
+                    schedules.append("interleaved-1f1b")
+                for schedule in schedules:
+                    for zero in (0, 1, 2) if data > 1 else (0,):
+                        yield {
+                            "data": data,
+                            "pipeline": pipeline,
+                            "tensor": tensor,
+                            "microBatches": micro_batches,
+                            "schedule": schedule,
+                            "zeroStage": zero,
+                            **({"virtualStages": 2} if schedule == "interleaved-1f1b" else {}),
+                            "microBatch": micro_batch,
+                        }
+
+
+def _with_layout(job: api_spec.TrainingJobSpec, change: dict[str, Any]) -> api_spec.TrainingJobSpec:
+    raw = job.model_dump(by_alias=True, exclude_none=True)
+    parallelism = {k: v for k, v in change.items() if k != "microBatch"}
+    raw["parallelism"] = {**raw["parallelism"], **parallelism}
+    raw["training"] = {**raw["training"], "microBatch": change["microBatch"]}
+    return loading.parse_spec(raw, "search candidate")
+
+
+def label(change: dict[str, Any]) -> str:
+    """``dp2·pp2·tp1 1f1b m=4 b=4 ZeRO-1``."""
+    return (
+        f"dp{change['data']}·pp{change['pipeline']}·tp{change['tensor']} {change['schedule']}"
+        f" m={change['microBatches']} b={change['microBatch']} ZeRO-{change['zeroStage']}"
+    )
+
+
+def search(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    *,
+    world: int,
+    nodes: Sequence[placement.Node] | None = None,
+    limit: int = 10,
+    recipe: str = "meshtrain",
+) -> list[Candidate]:
+    """The ``limit`` fastest valid, memory-feasible (and, with nodes, placeable) layouts."""
+    if world < 1:
+        raise ValueError(f"--world must be >= 1, got {world}")
+    scored: list[tuple[float, float, dict[str, Any], estimate.Plan]] = []
+    for change in layouts(job, world):
+        try:
+            candidate = _with_layout(job, change)
+        except loading.SpecError:
+            continue  # a rule of the spec refuses it (batch arithmetic, gpusPerNode, ...)
+        plan = estimate.make_plan(candidate, profile, recipe=recipe)
+        if not plan.memory.fits:
+            continue
+        scored.append((plan.time.step_seconds, plan.memory.worst.total, change, plan))
+    scored.sort(key=lambda item: (item[0], item[1]))
+    if (
+        nodes is not None
+    ):  # place the best until enough are placeable; price their links by the placement
+        placed: list[tuple[float, float, dict[str, Any], estimate.Plan]] = []
+        for _, _, change, plan in scored:
+            on_nodes = estimate.make_plan(plan.job, profile, recipe=recipe, nodes=nodes)
+            if on_nodes.placement is None or on_nodes.placement.unschedulable_reason:
+                continue
+            placed.append(
+                (on_nodes.time.step_seconds, on_nodes.memory.worst.total, change, on_nodes)
+            )
+            if len(placed) == 3 * limit:
+                break
+        scored = sorted(placed, key=lambda item: (item[0], item[1]))
+    return [
+        Candidate(
+            parallelism=change,
+            label=label(change),
+            step_seconds=seconds,
+            peak_bytes=peak,
+            headroom_bytes=plan.memory.headroom,
+            bubble=plan.time.bubble_stage0,
+            nodes=plan.placement.nodes if plan.placement else (),
+        )
+        for seconds, peak, change, plan in scored[:limit]
+    ]

@@ -1,0 +1,74 @@
+"""``meshtrain plan --calibrate`` code paths on a tiny job: two real gloo processes, short measurements.
+
+The figures themselves depend on the machine; what is checked is that every
+collective the job runs is measured and fitted, that the file round-trips
+through ``--profiles-dir`` and that the plan then says it was calibrated here.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain import cli
+from meshtrain.api import loading
+from meshtrain.planner import estimate, profiles
+from meshtrain.trainer import calibrate
+from tests.unit.builders import JobBuilder
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tiny_dp2() -> dict:
+    return (
+        JobBuilder()
+        .layout(2, 1, 1)
+        .model(preset="tiny", layers=2, hidden=32, heads=2, seqLen=16)
+        .training(precision="fp32", microBatch=2)
+        .raw()
+    )
+
+
+def test_fit_recovers_alpha_and_bus_bandwidth() -> None:
+    alpha, bandwidth, n = 1e-4, 1e9, 4
+    samples = {m: 2 * (n - 1) * alpha + 2 * (n - 1) / n * m / bandwidth for m in (256, 1 << 21)}
+    fitted = calibrate.fit("all_reduce", n, samples, processes=n)
+    assert fitted.alpha == pytest.approx(alpha, rel=0.01)
+    assert fitted.bandwidth == pytest.approx(bandwidth, rel=0.01)
+
+
+def test_cli_calibrate_writes_the_profile_and_plans_with_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "job.yaml"
+    manifest = {
+        "apiVersion": "meshtrain.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "t"},
+    }
+    path.write_text(yaml.safe_dump({**manifest, "spec": _tiny_dp2()}))
+    argv = ["plan", str(path), "--calibrate", "--calibration-seconds", "0.02"]
+    argv += ["--profile-name", "mine", "--profiles-dir", str(tmp_path / "p"), "--json"]
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["profile"]["name"] == "mine" and doc["profile"]["calibrated"] is True
+    assert doc["confidence"]["calibrated_here"] is True
+    measured = profiles.get("mine", [tmp_path / "p"])
+    assert {(f.op, f.members, f.processes) for f in measured.collectives} == {
+        (op, 2, 2) for op in profiles.COLLECTIVE_OPS
+    }
+    assert all(f.alpha > 0 and f.bandwidth > 0 for f in measured.collectives)
+    assert measured.peak_flops > 0 and measured.op_overhead > 0
+    assert list(measured.flops_by_ranks) == [2]
+    assert measured.calibration["host"] == socket.gethostname()
+    assert measured.calibration["backend"] == "gloo" and measured.calibration["processes"] == 2
+    job = loading.parse_spec(_tiny_dp2())
+    assert estimate.make_plan(job, measured).time.step_seconds == pytest.approx(
+        doc["time"]["step_seconds"]
+    )
+    assert cli.main(["plan", str(path), "--calibrate", "--calibration-seconds", "0"]) == 2
+    assert "--calibration-seconds must be > 0" in capsys.readouterr().err

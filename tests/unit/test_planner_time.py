@@ -1,0 +1,273 @@
+"""The time model's arithmetic: pipeline replay, op counts, calibrated links and cores, confidence, search.
+
+Pure and fast; the timing targets themselves are checked by
+benchmarks/bench_planner_time.py, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtrain import cli
+from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import cluster, comm, cost, estimate, pipeline, profiles, search, validation
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import schedules
+from tests.unit.builders import JobBuilder
+
+
+def job(**parallelism) -> api_spec.TrainingJobSpec:
+    p = {"data": 1, "pipeline": 1, "tensor": 1, **parallelism}
+    builder = JobBuilder().layout(p.pop("data"), p.pop("pipeline"), p.pop("tensor"))
+    return loading.parse_spec(builder.parallelism(**p).training(precision="fp32").raw())
+
+
+def calibrated_cpu(**changes) -> profiles.Profile:
+    base = profiles.get("cpu")
+    values = {
+        "name": "cpu-test",
+        "peak_flops": 2e10,
+        "achievable_fraction": 1.0,
+        "op_overhead": 5e-6,
+        "cores": 2,
+        "flops_by_ranks": {2: 2e10},
+        "collectives": (
+            profiles.CollectiveFit("all_reduce", 2, alpha=3e-4, bandwidth=5e8, processes=2),
+            profiles.CollectiveFit("send", 2, alpha=1e-4, bandwidth=1e9, processes=2),
+        ),
+        "calibration": {"host": "here", "device": "test cpu", "backend": "gloo"},
+        **changes,
+    }
+    return dataclasses.replace(base, **values)
+
+
+# --- pipeline replay -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"),
+    [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("interleaved-1f1b", 2, 4, 2)],
+)
+def test_window_of_equal_stages_is_the_trainers_unit_time_simulation(
+    schedule: str, p: int, m: int, v: int
+) -> None:
+    # Every action (one chunk, forward or backward) one time unit, free sends: the trainer's simulate().
+    reference = schedules.simulate(schedule, p, m, v)
+    window = pipeline.window(m, [pipeline.StageDurations(float(v), float(v))] * p, 0.0, v)
+    assert window.seconds == max(t for line in reference for t, _ in line) + 1
+    assert window.busy == tuple(float(len(line)) for line in reference)
+    assert window.idle_share(0) == pytest.approx(cost.bubble_ratio(p, m, v))
+
+
+def test_slow_sends_and_a_heavy_last_stage_lengthen_the_window() -> None:
+    equal = pipeline.window(4, [pipeline.StageDurations(1.0, 2.0)] * 2, 0.0)
+    sends = pipeline.window(4, [pipeline.StageDurations(1.0, 2.0)] * 2, 0.5)
+    heavy = pipeline.window(
+        4, [pipeline.StageDurations(1.0, 2.0), pipeline.StageDurations(2.0, 4.0)], 0.0
+    )
+    assert equal.seconds == pytest.approx(3.0 * (4 + 2 - 1))
+    # The first activation crosses the boundary forward and the last gradient backward.
+    assert sends.seconds == pytest.approx(equal.seconds + 2 * 0.5)
+    # Walked by hand: stage 1 is busy 4 x 6 once its first forward arrives (after stage 0's 1) and
+    # stage 0 ends with the last backward (2) after it: 27.
+    assert heavy.seconds == pytest.approx(27.0)
+    assert heavy.idle_share(0) > equal.idle_share(0)
+
+
+# --- op counts -------------------------------------------------------------------------------------
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_op_counts_are_the_trainer_models_dispatched_ops() -> None:
+    config = gpt.GPTConfig(vocab=96, seq_len=16, layers=2, hidden=32, heads=4, ffn_hidden=128)
+    counts = []
+    for layers in (1, 2):
+        model = gpt.GPT(dataclasses.replace(config, layers=layers))
+        tokens = torch.randint(0, 96, (2, 16))
+        with _CountOps() as forward:
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        with _CountOps() as backward:
+            loss.backward()
+        counts.append((forward.count, backward.count))
+    per_block = (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1])
+    assert per_block == cost.BLOCK_OPS
+    assert (counts[0][0] - per_block[0], counts[0][1] - per_block[1]) == cost.OUTSIDE_BLOCK_OPS
+
+
+# --- calibrated figures ----------------------------------------------------------------------------
+
+
+def test_a_measured_fit_replaces_the_links_alpha_and_beta() -> None:
+    profile = calibrated_cpu()
+    link = cost.links(profile)["nvlink"]
+    reduce = comm.Collective(group="dp", op="all_reduce", calls=3, nbytes=10**6, members=2)
+    assert cost.collective_seconds(reduce, link) == pytest.approx(3 * 2 * 3e-4 + 10**6 / 5e8)
+    # No fit for all-gather: the datasheet figures of the link.
+    gather = comm.Collective(group="dp", op="all_gather", calls=1, nbytes=10**6, members=2)
+    assert cost.collective_seconds(gather, link) == pytest.approx(
+        profile.nvlink_latency + 0.5 * 10**6 / profile.nvlink_bandwidth
+    )
+
+
+def test_ranks_beyond_the_cores_share_them() -> None:
+    profile = calibrated_cpu()
+    assert profile.rank_flops(2) == pytest.approx(2e10)  # measured with 2 ranks, 1 thread each
+    assert profile.rank_flops(4) == pytest.approx(1e10)  # 4 single-thread ranks on 2 cores
+    assert profile.rank_flops(1) == pytest.approx(4e10)  # one rank gets both cores
+    assert profiles.get("h100-sxm").rank_flops(8) == profiles.get("h100-sxm").achievable_flops
+
+
+def test_op_overhead_and_shared_cores_enter_the_step() -> None:
+    spec = job(data=2)
+    quiet = estimate.make_plan(spec, calibrated_cpu(op_overhead=0.0)).time
+    loaded = estimate.make_plan(spec, calibrated_cpu()).time
+    stage = loaded.stages[0]
+    ops = sum(cost.rank_ops_per_microbatch(spec.model.shape(), 1, 0, False))
+    assert stage.overhead == pytest.approx(ops * spec.parallelism.micro_batches * 5e-6)
+    assert loaded.step_seconds > quiet.step_seconds
+    four = loading.parse_spec(JobBuilder().layout(4, 1, 1).training(precision="fp32").raw())
+    assert estimate.make_plan(four, calibrated_cpu()).time.oversubscription == 2.0
+
+
+def test_profile_file_round_trip_and_errors(tmp_path: Path) -> None:
+    profile = calibrated_cpu()
+    path = tmp_path / "cpu-test.yaml"
+    path.write_text(yaml.safe_dump(profiles.to_mapping(profile)))
+    loaded = profiles.get("cpu-test", [tmp_path])
+    assert dataclasses.replace(loaded, path="") == dataclasses.replace(profile, path="")
+    assert loaded.calibrated and not profiles.get("cpu").calibrated
+    bad = profiles.to_mapping(profile)
+    bad["collectives"][0]["op"] = "broadcast"
+    with pytest.raises(profiles.ProfileError, match=r"collectives\[0\]: 'op' must be one of"):
+        profiles.from_mapping(bad, "x.yaml")
+
+
+# --- confidence ------------------------------------------------------------------------------------
+
+
+BAND = validation.Band(
+    results_file="benchmarks/results/planner_time-vm.json",
+    measured_at="2026-11-23T11:00:00Z",
+    machine="vm, AMD EPYC, 2 cores",
+    layouts=10,
+    min_ratio=0.8,
+    max_ratio=1.3,
+    median_abs_error=0.12,
+    load_average=(3.0, 9.5),
+)
+
+
+def test_confidence_says_which_profile_where_and_the_band() -> None:
+    here = validation.confidence(calibrated_cpu(), "here", BAND)
+    assert here.calibrated_here and "calibrated on this machine" in here.statement
+    assert "0.80-1.30" in here.statement and "10 layouts" in here.statement
+    elsewhere = validation.confidence(calibrated_cpu(), "other-host", BAND)
+    assert (
+        not elsewhere.calibrated_here and "another machine (here, test cpu)" in elsewhere.statement
+    )
+    datasheet = validation.confidence(profiles.get("h100-sxm"), "here", BAND)
+    assert not datasheet.calibrated and "not calibrated" in datasheet.statement
+    assert "not this one" in datasheet.statement
+
+
+def test_committed_band_matches_its_results_file() -> None:
+    band = validation.load_band()
+    if band is None:
+        pytest.fail(
+            "meshtrain/planner/validation.json is missing: run benchmarks/bench_planner_time.py"
+        )
+    results = Path(__file__).parents[2] / band.results_file
+    document = json.loads(results.read_text())
+    assert validation.band_from_results(results, document) == band
+
+
+# --- search ----------------------------------------------------------------------------------------
+
+
+def test_search_ranks_valid_fitting_layouts_by_predicted_time() -> None:
+    base = loading.parse_spec(
+        JobBuilder()
+        .layout(8, 1, 1, gpus_per_node=8)
+        .model(preset="1.3b")
+        .parallelism(microBatches=2)
+        .training(microBatch=4)
+        .raw()
+    )
+    h100 = profiles.get("h100-sxm")
+    found = search.search(base, h100, world=16, limit=5)
+    assert len(found) == 5
+    assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
+    for candidate in found:
+        raw = base.model_dump(by_alias=True, exclude_none=True)
+        layout = {k: v for k, v in candidate.parallelism.items() if k != "microBatch"}
+        raw["parallelism"].update(layout)
+        raw["training"]["microBatch"] = candidate.parallelism["microBatch"]
+        spec = loading.parse_spec(raw)  # passes the spec's rules
+        assert spec.world_size == 16 and spec.global_batch == base.global_batch
+        plan = estimate.make_plan(spec, h100)
+        assert plan.memory.fits
+        assert plan.time.step_seconds == pytest.approx(candidate.step_seconds)
+    # Nothing left out was faster and valid: the best of the whole enumeration is the first.
+    every = search.search(base, h100, world=16, limit=10_000)
+    assert every[0] == found[0] and len(every) > 5
+
+
+def test_search_on_a_cluster_keeps_only_placeable_layouts() -> None:
+    base = loading.parse_spec(
+        JobBuilder().layout(4, 1, 1, gpus_per_node=4).training(precision="fp32").raw()
+    )
+    nodes = cluster.parse_text("nodes:\n  - {name: a, gpus: 4}\n  - {name: b, gpus: 2}\n")
+    found = search.search(base, calibrated_cpu(), world=8, nodes=nodes, limit=3)
+    assert found == []  # 8 ranks in pods of 4 need two nodes with 4 free GPUs
+    found = search.search(base, calibrated_cpu(), world=4, nodes=nodes, limit=3)
+    assert found and all(c.nodes == ("a",) for c in found)
+
+
+def test_cli_search_and_confidence_in_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "job.yaml"
+    raw = JobBuilder().layout(2, 1, 1).training(precision="fp32").raw()
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "meshtrain.io/v1alpha1",
+                "kind": "TrainingJob",
+                "metadata": {"name": "j"},
+                "spec": raw,
+            }
+        )
+    )
+    assert cli.main(["plan", str(path), "--search", "--world", "4", "--top", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "meshtrain.plan-search/v1" and 1 <= len(doc["layouts"]) <= 3
+    assert doc["confidence"]["calibrated"] is False
+    assert cli.main(["plan", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["confidence"]["profile"] == "cpu" and doc["profile"]["calibrated"] is False
+    assert sorted(doc["confidence"]) == [
+        "band",
+        "calibrated",
+        "calibrated_here",
+        "calibrated_on",
+        "profile",
+        "statement",
+    ]

@@ -1,0 +1,398 @@
+"""``meshtrain plan --calibrate``: measure this machine into a device profile file.
+
+It starts the job's processes (one per rank on a CPU host, each with the
+threads ``meshtrain run`` gives it; one per GPU on a GPU host) and measures
+what the planner's time model needs, at the job's shapes and precision,
+while every rank measures at once (so cores shared by more ranks than they
+hold, and other load on the host, are in the figures): the fixed cost of
+one small tensor operation forward and backward, the FLOP/s of the
+trainer's own block (and, for the record, of its GEMMs alone), and for each collective (all-reduce,
+all-gather, reduce-scatter, send/recv) its latency and bandwidth with the
+job's backend and group sizes, all groups of an axis at once as in training.  Collective times are medians over repeats and fitted to
+the ring formulas of :mod:`.cost` (alpha from the smallest message, the
+bandwidth from the largest).  The result is a profile YAML file that
+``--profiles-dir`` reads, with the host, device, backend, time and load
+average it was measured under.  This module is I/O (torch, processes); it lives with the trainer because
+the planner imports no torch.  ``meshtrain plan --calibrate`` reaches it
+through the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import spec as api_spec
+from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.planner import cost, memory, profiles
+from meshtrain.trainer import model as gpt
+
+MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
+"""Payload sizes a collective is timed at (full buffer, as the trainer's recorder counts)."""
+
+COLLECTIVE_TIMEOUT_S = 300
+"""A calibration whose peer died fails after this instead of hanging."""
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1}
+"""Message steps per call of each op (all-gather and reduce-scatter: ``n - 1``)."""
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0}
+"""Bus bytes per payload byte (nccl-tests; all-gather and reduce-scatter: ``(n - 1) / n``)."""
+
+
+def _ring_steps(op: str, members: int) -> int:
+    return RING_STEPS.get(op, lambda n: n - 1)(members)
+
+
+def _bus_factor(op: str, members: int) -> float:
+    return BUS_FACTOR.get(op, lambda n: (n - 1) / n)(members)
+
+
+def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
+    """Seconds per call of ``fn`` after one warm-up.
+
+    Without ``repeats``: calls fill ``budget`` seconds and the result is wall
+    time over calls, so time the process was not scheduled counts (other
+    ranks and other load share the cores).  Collectives pass ``repeats``
+    (every member must make the same number of calls) and get the median.
+    """
+    fn()
+    sync()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while (
+        len(samples) < repeats
+        if repeats is not None
+        else (time.perf_counter() - started < budget or len(samples) < 3)
+    ):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    if repeats is None:
+        return (time.perf_counter() - started) / len(samples)
+    return statistics.median(samples)
+
+
+def gemm_shapes(job: api_spec.TrainingJobSpec) -> list[tuple[int, int, int]]:
+    """(rows, inner, cols) of the job's block GEMMs on one tensor-parallel rank: QKV, projection, MLP in and out."""
+    shape = job.model.shape()
+    t = job.parallelism.tensor
+    rows = job.training.micro_batch * shape.seq_len
+    h, f = shape.hidden, shape.ffn_hidden
+    return [(rows, h, 3 * h // t), (rows, h // t, h), (rows, h, f // t), (rows, f // t, h)]
+
+
+def matmul_flops(
+    shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, budget: float
+) -> float:
+    """FLOP/s of the shapes' forward and backward GEMMs together (total FLOPs over total seconds)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    flops = seconds = 0.0
+    for rows, inner, cols in shapes:
+        x = torch.randn(rows, inner, dtype=dtype, device=device)
+        w = torch.randn(inner, cols, dtype=dtype, device=device)
+        g = torch.randn(rows, cols, dtype=dtype, device=device)
+
+        def step(x: torch.Tensor = x, w: torch.Tensor = w, g: torch.Tensor = g) -> None:
+            x @ w  # forward
+            g @ w.t()  # input gradient
+            x.t() @ g  # weight gradient
+
+        seconds += _seconds_per_call(step, budget / len(shapes), sync)
+        flops += 6 * rows * inner * cols
+    return flops / seconds
+
+
+def block_flops(
+    job: api_spec.TrainingJobSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    budget: float,
+    overhead: float,
+) -> float:
+    """FLOP/s of the trainer's own block at the job's width, sequence and micro-batch, forward and backward.
+
+    Counted as the planner counts it (``6 x block parameters + 12 s h`` per
+    token) over the block's time less the fixed cost of its operations, so
+    that FLOPs at this rate plus :data:`~meshtrain.planner.cost.BLOCK_OPS` x
+    ``overhead`` is the block's measured time: the layer norms, attention,
+    activation and copies are in the rate, not only the GEMMs.
+    """
+    shape = job.model.shape()
+    config = gpt.GPTConfig.from_shape(shape)
+    block = gpt.Block(dataclasses.replace(config, layers=1)).to(device=device, dtype=dtype)
+    x = torch.randn(
+        job.training.micro_batch, shape.seq_len, shape.hidden, dtype=dtype, device=device
+    )
+    x.requires_grad_(True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    seconds = _seconds_per_call(step, budget, sync)
+    tokens = job.training.micro_batch * shape.seq_len
+    flops = (6 * memory.layer_params(shape) + 12 * shape.seq_len * shape.hidden) * tokens
+    fixed = sum(cost.BLOCK_OPS) * overhead
+    return flops / max(seconds - fixed, 0.1 * seconds)
+
+
+def op_overhead(device: torch.device, budget: float) -> float:
+    """Seconds per operation of a chain of tiny element-wise ops, forward and backward (dispatch, autograd, launch)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    chain = 32
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def step() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    # Each link is one forward op and one backward op; sum, fill and accumulation add three.
+    return _seconds_per_call(step, budget, sync) / (2 * chain + 3)
+
+
+def _call(
+    op: str,
+    full: torch.Tensor,
+    shard: torch.Tensor,
+    group: Any,
+    peer: int | None,
+    sends_first: bool,
+) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(full, group=group)
+    elif op == "all_gather":
+        dist.all_gather_single(full, shard, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_single(shard, full, group=group)
+    elif peer is not None:  # ping-pong between pipeline neighbours: one way is half
+        first, second = (dist.send, dist.recv) if sends_first else (dist.recv, dist.send)
+        first(full, peer, group=group)
+        second(full, peer, group=group)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    job: api_spec.TrainingJobSpec
+    processes: int
+    threads: int
+    shapes: list[tuple[int, int, int]]
+    groups: dict[str, list[list[int]]]
+    backend: str
+    dtype: torch.dtype
+    budget: float
+    repeats: int
+    out: str
+    port: int
+
+
+def _worker(rank: int, task: _Task) -> None:
+    """One of the job's processes: matmuls and small ops while all run at once, then every collective."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(task.port))
+    torch.set_num_threads(task.threads)
+    use_cuda = task.backend == "nccl"
+    device = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if use_cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        task.backend,
+        rank=rank,
+        world_size=task.processes,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+    dist.barrier()
+    gemm = matmul_flops(task.shapes, task.dtype, device, task.budget)
+    overhead = op_overhead(device, task.budget)
+    flops = block_flops(task.job, task.dtype, device, task.budget, overhead)
+    element = torch.tensor([], dtype=task.dtype).element_size()
+    results: list[dict[str, Any]] = []
+    for groups in task.groups.values():
+        handles = [dist.new_group(g) for g in groups]  # every rank creates every group
+        mine = next(i for i, g in enumerate(groups) if rank in g)
+        group, members = handles[mine], groups[mine]
+        n = len(members)
+        index = members.index(rank)
+        peer = members[index ^ 1] if index ^ 1 < n else None
+        for op in profiles.COLLECTIVE_OPS:
+            for nbytes in MESSAGE_BYTES:
+                numel = max(n, nbytes // element // n * n)
+                full = torch.zeros(numel, dtype=task.dtype, device=device)
+                shard = torch.zeros(numel // n, dtype=task.dtype, device=device)
+                call = functools.partial(_call, op, full, shard, group, peer, index % 2 == 0)
+                dist.barrier()
+                seconds = _seconds_per_call(call, task.budget, sync, repeats=task.repeats)
+                if op == "send":
+                    seconds /= 2
+                results.append(
+                    {"op": op, "members": n, "bytes": numel * element, "seconds": seconds}
+                )
+        dist.barrier()
+    gathered: list[Any] = [None] * task.processes
+    dist.all_gather_object(
+        gathered, {"flops": flops, "gemm": gemm, "overhead": overhead, "collectives": results}
+    )
+    if rank == 0:
+        Path(task.out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fit(op: str, members: int, samples: dict[int, float], processes: int) -> profiles.CollectiveFit:
+    """Alpha from the smallest message, bus bandwidth from the largest (robust on a loaded host)."""
+    small, large = min(samples), max(samples)
+    alpha = samples[small] / _ring_steps(op, members)
+    transfer = max(samples[large] - samples[small], 0.1 * samples[large])
+    bandwidth = _bus_factor(op, members) * (large - small) / transfer
+    return profiles.CollectiveFit(
+        op=op, members=members, alpha=alpha, bandwidth=bandwidth, processes=processes
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What the job's processes measured together."""
+
+    flops: float
+    """Median over ranks of one rank's FLOP/s through the trainer's block at the job's shapes."""
+    gemm_flops: float
+    """Median over ranks of one rank's FLOP/s of the block's GEMMs alone."""
+    op_overhead: float
+    """Median over ranks of the seconds per small operation."""
+    collectives: list[profiles.CollectiveFit]
+    """Fits per op and group size (the slowest member of each sample)."""
+
+
+def measure(
+    job: api_spec.TrainingJobSpec,
+    processes: int,
+    threads: int,
+    backend: str,
+    dtype: torch.dtype,
+    budget: float,
+) -> Measurement:
+    """Run ``processes`` processes of ``threads`` threads, as the job would, and measure."""
+    grid = layout_mod.from_spec(job.parallelism)
+    groups = {
+        axis: grid.all_groups(axis)
+        for axis in ("dp", "tp", "pp")
+        if len(grid.all_groups(axis)[0]) > 1 and processes == job.world_size
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        task = _Task(
+            job=job,
+            processes=processes,
+            threads=threads,
+            shapes=gemm_shapes(job),
+            groups=groups,
+            backend=backend,
+            dtype=dtype,
+            budget=budget,
+            repeats=max(3, round(budget * 18)),
+            out=str(Path(tmp) / "out.json"),
+            port=pick_free_port(),
+        )
+        mp.spawn(_worker, args=(task,), nprocs=processes, join=True)
+        per_rank = json.loads(Path(task.out).read_text())
+    # A collective ends when its slowest member does: the maximum over ranks of each sample.
+    slowest: dict[tuple[str, int], dict[int, float]] = {}
+    for measured in per_rank:
+        for row in measured["collectives"]:
+            table = slowest.setdefault((row["op"], row["members"]), {})
+            table[row["bytes"]] = max(table.get(row["bytes"], 0.0), row["seconds"])
+    return Measurement(
+        flops=statistics.median(m["flops"] for m in per_rank),
+        gemm_flops=statistics.median(m["gemm"] for m in per_rank),
+        op_overhead=statistics.median(m["overhead"] for m in per_rank),
+        collectives=[
+            fit(op, n, samples, processes) for (op, n), samples in sorted(slowest.items())
+        ],
+    )
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages (empty where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def calibrate(
+    job: api_spec.TrainingJobSpec, base: profiles.Profile, name: str, *, budget: float = 0.5
+) -> profiles.Profile:
+    """Measure this machine for ``job`` and return ``base`` with the measured figures.
+
+    ``budget``: seconds each matmul and overhead measurement runs; collectives
+    repeat ``18 x budget`` times (at least 3) per op and size.
+    """
+    use_cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if job.training.precision != "fp32" and use_cuda else torch.float32
+    cores = 0 if use_cuda else (os.cpu_count() or 1)
+    load_before = load_average()
+    processes = min(job.world_size, torch.cuda.device_count()) if use_cuda else job.world_size
+    threads = max(1, cores // processes) if cores else 1  # as meshtrain run sets OMP_NUM_THREADS
+    backend = "nccl" if use_cuda else "gloo"
+    measured = measure(job, processes, threads, backend, dtype, budget)
+    flops = measured.flops
+    overhead = measured.op_overhead
+    fits = measured.collectives
+    changes: dict[str, Any] = {
+        "name": name,
+        "description": f"{base.description}; calibrated on {socket.gethostname()}",
+        "source": f"measured by meshtrain plan --calibrate on {socket.gethostname()}, "
+        f"other figures from profile {base.name}: {base.source}",
+        "op_overhead": overhead,
+        "cores": cores,
+        "flops_by_ranks": {processes: flops} if cores else {},
+        "collectives": tuple(fits),
+        "calibration": {
+            "host": socket.gethostname(),
+            "device": torch.cuda.get_device_name(0) if use_cuda else _cpu_model(),
+            "backend": backend,
+            "dtype": str(dtype).removeprefix("torch."),
+            "processes": processes,
+            "threads_per_process": threads,
+            "job_layout": job.parallelism.layout_string,
+            "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "load_average": load_before,
+            "torch": str(torch.__version__),
+            "collectives_measured": bool(fits),
+            "gemm_flops": measured.gemm_flops,
+        },
+    }
+    if use_cuda:
+        changes["achievable_fraction"] = min(1.0, flops / base.peak_flops)
+    else:
+        changes.update(peak_flops=flops, achievable_fraction=1.0)
+    return dataclasses.replace(base, **changes)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
