@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import multiprocessing
 import os
 import platform
 import socket
@@ -34,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
@@ -48,19 +48,19 @@ MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 COLLECTIVE_TIMEOUT_S = 300
 """A calibration whose peer died fails after this instead of hanging."""
 
-RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1}
-"""Message steps per call of each op (all-gather and reduce-scatter: ``n - 1``)."""
-
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0}
-"""Bus bytes per payload byte (nccl-tests; all-gather and reduce-scatter: ``(n - 1) / n``)."""
-
 
 def _ring_steps(op: str, members: int) -> int:
-    return RING_STEPS.get(op, lambda n: n - 1)(members)
+    """Message steps of one call: ``2(n-1)`` for all-reduce, 1 for a send, ``n-1`` otherwise."""
+    if op == "all_reduce":
+        return 2 * (members - 1)
+    return 1 if op == "send" else members - 1
 
 
 def _bus_factor(op: str, members: int) -> float:
-    return BUS_FACTOR.get(op, lambda n: (n - 1) / n)(members)
+    """Bus bytes per payload byte (nccl-tests): ``2(n-1)/n`` all-reduce, 1 send, ``(n-1)/n`` otherwise."""
+    if op == "all_reduce":
+        return 2 * (members - 1) / members
+    return 1.0 if op == "send" else (members - 1) / members
 
 
 def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
@@ -311,7 +311,15 @@ def measure(
             out=str(Path(tmp) / "out.json"),
             port=pick_free_port(),
         )
-        mp.spawn(_worker, args=(task,), nprocs=processes, join=True)
+        context = multiprocessing.get_context("spawn")
+        workers = [context.Process(target=_worker, args=(rank, task)) for rank in range(processes)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        failed = [rank for rank, worker in enumerate(workers) if worker.exitcode]
+        if failed:
+            raise RuntimeError(f"calibration process(es) {failed} failed; see their output above")
         per_rank = json.loads(Path(task.out).read_text())
     # A collective ends when its slowest member does: the maximum over ranks of each sample.
     slowest: dict[tuple[str, int], dict[int, float]] = {}

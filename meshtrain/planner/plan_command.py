@@ -15,9 +15,11 @@ import dataclasses
 import json
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import (
@@ -166,7 +168,7 @@ def _calibrate(
 def _search(
     job: api_spec.TrainingJobSpec,
     profile: profiles.Profile,
-    nodes: list | None,
+    nodes: Sequence[placement.Node] | None,
     args: argparse.Namespace,
 ) -> int:
     world = args.world or job.world_size

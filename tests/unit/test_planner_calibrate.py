@@ -20,7 +20,7 @@ from meshtrain.planner import estimate, profiles
 from meshtrain.trainer import calibrate
 from tests.unit.builders import JobBuilder
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _tiny_dp2() -> dict:
