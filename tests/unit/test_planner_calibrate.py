@@ -18,7 +18,7 @@ from meshtrain import cli
 from meshtrain.api import loading
 from meshtrain.planner import estimate, profiles
 from meshtrain.trainer import calibrate
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -21,7 +21,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.planner import cluster, comm, cost, estimate, pipeline, profiles, search, validation
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import schedules
-from tests.unit.builders import JobBuilder
+from tests.builders import JobBuilder
 
 
 def job(**parallelism) -> api_spec.TrainingJobSpec:
