@@ -188,6 +188,17 @@ def test_confidence_says_which_profile_where_and_the_band() -> None:
     assert "not this one" in datasheet.statement
 
 
+def test_committed_band_matches_its_results_file() -> None:
+    band = validation.load_band()
+    if band is None:
+        pytest.fail(
+            "meshtrain/planner/validation.json is missing: run benchmarks/bench_planner_time.py"
+        )
+    results = Path(__file__).parents[2] / band.results_file
+    document = json.loads(results.read_text())
+    assert validation.band_from_results(results, document) == band
+
+
 # --- search ----------------------------------------------------------------------------------------
 
 
