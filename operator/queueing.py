@@ -41,7 +41,8 @@ STARTED, RECOVERED, WAIT_FOR_START, WAIT_FOR_RECOVERY = (
 )
 NOT_STARTED = "Not all pods of the gang are running"
 PRIORITY_CLASS_NOT_FOUND = "WorkloadPriorityClassNotFound"
-WARNING_REASONS = ("Inadmissible", PRIORITY_CLASS_NOT_FOUND)
+NAME_TAKEN = "WorkloadNameTaken"
+WARNING_REASONS = ("Inadmissible", PRIORITY_CLASS_NOT_FOUND, NAME_TAKEN)
 """Kueue cannot admit the workload as it stands (e.g. its LocalQueue does not exist): the user must act."""
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
 """Eviction reasons after which Kueue queues the workload again (the rest wait for the user)."""
@@ -196,6 +197,27 @@ def missing_priority_class(queue: Queue) -> Waiting:
         PRIORITY_CLASS_NOT_FOUND,
         f'metadata.labels["{PRIORITY_CLASS_LABEL}"]: WorkloadPriorityClass '
         f'"{queue.priority_class}" does not exist; create it or name an existing one',
+    )
+
+
+def controlled_by(workload: Mapping[str, Any], uid: str) -> bool:
+    """Whether ``workload`` is the job's own (its controller owner reference is the job ``uid``)."""
+    refs = (workload.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("controller") and r.get("uid") == uid for r in refs)
+
+
+def name_taken(workload: Mapping[str, Any]) -> Waiting:
+    """A Workload of the job's name that is not the job's: read as nothing, never changed."""
+    metadata = workload.get("metadata") or {}
+    owners = ", ".join(
+        f"{r.get('kind')}/{r.get('name')} (uid {r.get('uid')})"
+        for r in metadata.get("ownerReferences") or []
+    )
+    return Waiting(
+        NAME_TAKEN,
+        f"Workload {metadata.get('name')} exists but is not this job's (owners: {owners or 'none'}); "
+        "the job is queued once it is gone (a previous job of this name is still being deleted, "
+        "or delete that Workload)",
     )
 
 

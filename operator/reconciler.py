@@ -211,6 +211,8 @@ class Reconciler:
         workload = await self.client.get_workload(
             namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
         )
+        if workload is not None and not queueing.controlled_by(workload, metadata["uid"]):
+            return queueing.Gate(queueing.name_taken(workload)), None
         if workload is not None:
             return queueing.Gate(queueing.state(workload)), workload
         if queue.priority_class and (

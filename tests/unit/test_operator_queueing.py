@@ -205,3 +205,19 @@ def test_a_missing_workload_priority_class_creates_nothing_and_names_the_label()
     assert queueing.PRIORITY_CLASS_LABEL in queued["message"] and '"urgent"' in queued["message"]
     [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
     assert event.type == "Warning"
+
+
+def test_a_workload_of_the_jobs_name_that_another_object_owns_is_never_the_jobs():
+    foreign = workload(("Admitted", "True", "Admitted"), admission=True)
+    foreign["metadata"]["ownerReferences"] = [
+        {"kind": "ConfigMap", "name": "other", "uid": "u-other", "controller": True}
+    ]
+    assert not queueing.controlled_by(foreign, REF.uid)
+    assert queueing.controlled_by(
+        {"metadata": {"ownerReferences": [{"uid": REF.uid, "controller": True}]}}, REF.uid
+    )
+    decision = lifecycle.decide(job(), [], T0, queueing.Gate(queueing.name_taken(foreign)))
+    assert lifecycle.Place not in _types(decision)
+    assert queueing.CreateWorkload not in _types(decision)
+    queued = _queued(decision)
+    assert queued["reason"] == queueing.NAME_TAKEN and "ConfigMap/other" in queued["message"]

@@ -326,3 +326,75 @@ def test_an_admitted_gang_that_runs_is_not_evicted_by_the_pods_ready_timeout(
     ), workload["status"]["conditions"]
     assert _queued_condition(cluster, "steady").get("status") == "False"
     assert [p.metadata.name for p in cluster.pods(NS, "steady")] == [pod.metadata.name]
+
+
+def test_a_workload_of_the_jobs_name_owned_by_another_object_is_neither_read_nor_changed(
+    queued,
+) -> None:
+    cluster, _operator = queued
+    owner = cluster.core.create_namespaced_config_map(NS, {"metadata": {"name": "other-owner"}})
+    foreign = {
+        "apiVersion": f"{queueing.GROUP}/{queueing.VERSION}",
+        "kind": "Workload",
+        "metadata": {
+            "name": queueing.workload_name("namesake"),
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "name": "other-owner",
+                    "uid": owner.metadata.uid,
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {
+            "queueName": QUEUE,
+            "podSets": [
+                {
+                    "name": "main",
+                    "count": 1,
+                    "template": {
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "containers": [
+                                {"name": "c", "image": "x", "resources": {"requests": {"cpu": "1"}}}
+                            ],
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    cluster.custom.create_namespaced_custom_object(
+        queueing.GROUP, queueing.VERSION, NS, queueing.PLURAL, foreign
+    )
+    _apply(cluster, _queued_job("namesake", "low"))
+    held = wait_for(
+        "namesake held: the Workload of its name is not its own",
+        lambda: (
+            (c := _queued_condition(cluster, "namesake")).get("reason") == queueing.NAME_TAKEN and c
+        ),
+        timeout=60,
+    )
+    assert "ConfigMap/other-owner" in held["message"]
+    assert cluster.pods(NS, "namesake") == []
+    kept = _workload(cluster, "namesake")
+    assert kept["metadata"]["ownerReferences"][0]["uid"] == owner.metadata.uid
+    assert not any(
+        c["type"] == "Finished" for c in (kept.get("status") or {}).get("conditions") or []
+    )
+    # Once it is gone, the job's own Workload is created.
+    cluster.custom.delete_namespaced_custom_object(
+        queueing.GROUP, queueing.VERSION, NS, queueing.PLURAL, queueing.workload_name("namesake")
+    )
+    own = wait_for(
+        "namesake's own Workload",
+        lambda: (
+            (w := _workload(cluster, "namesake"))
+            and w["metadata"]["ownerReferences"][0]["kind"] == "TrainingJob"
+            and w
+        ),
+        timeout=60,
+    )
+    assert own["metadata"]["ownerReferences"][0]["name"] == "namesake"
