@@ -18,7 +18,7 @@ achievable FLOP/s, and put them together into a predicted step time:
   calibrated figure for the ranks sharing a host's cores), plus a fixed
   cost per tensor operation (the trainer's block runs 28 forward and 53
   backward);
-* pipeline: the window of :mod:`.pipeline` (each stage's own times, the
+* pipeline: the window of :mod:`.pipeline_window` (each stage's own times, the
   sends); the theoretical bubble ``(p-1)/(v m + p - 1)`` (Huang et al. 2019;
   Narayanan et al. 2021) is reported beside it;
 * data-parallel buckets overlap the last micro-batch's backward; what does
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, pipeline, profiles
+from meshtrain.planner import comm, memory, pipeline_window, profiles
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
 """Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
@@ -252,7 +252,7 @@ class TimePlan:
     peak_flops: float
     """Peak FLOP/s of one device."""
     pipeline_seconds: float = 0.0
-    """The pipeline window with each stage's own times (:mod:`.pipeline`): compute, fill, drain, sends."""
+    """The pipeline window with each stage's own times (:mod:`.pipeline_window`): compute, fill, drain, sends."""
     bubble_stage0: float = 0.0
     """Idle share of stage 0's pipeline window: what the trainer measures as the bubble."""
     rank_flops: float = 0.0
@@ -389,7 +389,7 @@ def plan_time(
     """Price every stage's compute and collectives and assemble the step.
 
     The pipeline window comes from each stage's forward and backward
-    seconds (:mod:`.pipeline`); ranks that share a host's cores compute at
+    seconds (:mod:`.pipeline_window`); ranks that share a host's cores compute at
     :meth:`~.profiles.Profile.rank_flops` of that many ranks.  Then the
     exposed data-parallel reduction and the optimizer follow.
     """
@@ -412,11 +412,11 @@ def plan_time(
             st.busy - sends
         ) / par.micro_batches  # the window adds the sends on its critical path
         per_microbatch.append(
-            pipeline.StageDurations(
+            pipeline_window.StageDurations(
                 forward=work * (1 - BACKWARD_SHARE), backward=work * BACKWARD_SHARE
             )
         )
-    piped = pipeline.window(par.micro_batches, per_microbatch, send, virtual)
+    piped = pipeline_window.window(par.micro_batches, per_microbatch, send, virtual)
     window = piped.seconds
     tail = max(st.dp_exposed + st.optimizer for st in stages)
     step = window + tail

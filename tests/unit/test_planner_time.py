@@ -18,7 +18,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshtrain import cli
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cluster, comm, cost, estimate, pipeline, profiles, search, validation
+from meshtrain.planner import (
+    cluster,
+    comm,
+    cost,
+    estimate,
+    pipeline_window,
+    profiles,
+    search,
+    validation,
+)
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import schedules
 from tests.builders import JobBuilder
@@ -61,17 +70,19 @@ def test_window_of_equal_stages_is_the_trainers_unit_time_simulation(
 ) -> None:
     # Every action (one chunk, forward or backward) one time unit, free sends: the trainer's simulate().
     reference = schedules.simulate(schedule, p, m, v)
-    window = pipeline.window(m, [pipeline.StageDurations(float(v), float(v))] * p, 0.0, v)
+    window = pipeline_window.window(
+        m, [pipeline_window.StageDurations(float(v), float(v))] * p, 0.0, v
+    )
     assert window.seconds == max(t for line in reference for t, _ in line) + 1
     assert window.busy == tuple(float(len(line)) for line in reference)
     assert window.idle_share(0) == pytest.approx(cost.bubble_ratio(p, m, v))
 
 
 def test_slow_sends_and_a_heavy_last_stage_lengthen_the_window() -> None:
-    equal = pipeline.window(4, [pipeline.StageDurations(1.0, 2.0)] * 2, 0.0)
-    sends = pipeline.window(4, [pipeline.StageDurations(1.0, 2.0)] * 2, 0.5)
-    heavy = pipeline.window(
-        4, [pipeline.StageDurations(1.0, 2.0), pipeline.StageDurations(2.0, 4.0)], 0.0
+    equal = pipeline_window.window(4, [pipeline_window.StageDurations(1.0, 2.0)] * 2, 0.0)
+    sends = pipeline_window.window(4, [pipeline_window.StageDurations(1.0, 2.0)] * 2, 0.5)
+    heavy = pipeline_window.window(
+        4, [pipeline_window.StageDurations(1.0, 2.0), pipeline_window.StageDurations(2.0, 4.0)], 0.0
     )
     assert equal.seconds == pytest.approx(3.0 * (4 + 2 - 1))
     # The first activation crosses the boundary forward and the last gradient backward.
