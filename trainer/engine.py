@@ -260,6 +260,8 @@ class Engine:
         verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
         if verdict is None or not verdict.skip:
             self.optimizer.step()
+        elif self.model.reducer is not None:
+            self.model.reducer.discard_step()
         self.zero_grad()
         self.step = step
         seconds = time.perf_counter() - start

@@ -19,7 +19,8 @@ gradient, approximated, in the bucket:
 
 ``int8``, ``topk`` and ``powersgd`` keep **error feedback**: what a rank's
 compression dropped this step is added to its gradient next step
-(:attr:`CompressedGradReducer.state` holds it).  The exchange is not
+(:attr:`CompressedGradReducer.state` holds it); a step the loss guard skips
+leaves none (:meth:`CompressedGradReducer.discard_step`).  The exchange is not
 overlapped with backward: it runs bucket by bucket in :meth:`finish`.
 Each collective is reported to the recorder with its real payload, so
 ``bytes on the wire`` come from the recorder as for uncompressed runs.
@@ -80,6 +81,21 @@ class CompressedGradReducer(reducer.GradReducer):
             exchange(bucket)
             bucket.ready = 0
         self.sync = True
+
+    def discard_step(self) -> None:
+        """A skipped update's gradients are dropped, so is what error feedback kept of them.
+
+        Without this a non-finite step would leave NaN in the error (and in
+        PowerSGD's warm-start Q), and every later step would be NaN too.  The
+        same on every rank: the guard's verdict and Q (all-reduced) agree.
+        """
+        for key, tensor in self.state.items():
+            if key.startswith("error/"):
+                tensor.zero_()
+            elif not bool(torch.isfinite(tensor).all()):  # q/<bucket>/<member>: its fresh start
+                bucket, member = (int(x) for x in key.split("/")[1:])
+                generator = torch.Generator().manual_seed(bucket * 1000 + member)
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
 
     # --- the collectives, recorded ---------------------------------------------------
 

@@ -164,6 +164,9 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
+    def discard_step(self) -> None:
+        """The step's update was skipped (the loss guard): carry nothing of it into the next step."""
+
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
