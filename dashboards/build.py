@@ -312,7 +312,7 @@ OPERATOR_PANELS: list[Panel] = [
         "Operator replicas up",
         "none",
         'sum(up{job="meshtrain-operator"})',
-        "Scraped operator replicas (one acts, the others stand by through peering).",
+        "Scraped operator replicas (the Lease holder acts, the others stand by).",
         thresholds=[(None, "red"), (1, "green")],
     ),
     _stat(
