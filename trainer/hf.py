@@ -35,6 +35,12 @@ WEIGHTS = "model.safetensors"
 FIELD = "spec.model.init.fromHF"
 
 
+LLAMA_DEFAULT_NORM_EPS = 1e-6
+"""transformers' ``LlamaConfig`` rms_norm_eps when config.json has none."""
+LLAMA_DEFAULT_ROPE_THETA = 10000.0
+"""transformers' rope_theta when config.json names none."""
+
+
 class HFError(ValueError):
     """A Hugging Face directory that does not fit the model; the message names file and field."""
 
@@ -117,7 +123,12 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
             " (llama loads LlamaForCausalLM directories, gpt GPT2LMHeadModel ones)"
         )
     fields = _LLAMA_FIELDS if family == "llama" else _GPT2_FIELDS
-    defaults = {"num_key_value_heads": raw.get("num_attention_heads"), "n_inner": None}
+    # what transformers assumes for a key the file leaves out (LlamaConfig / GPT2Config defaults)
+    defaults = {
+        "num_key_value_heads": raw.get("num_attention_heads"),
+        "n_inner": None,
+        "rms_norm_eps": LLAMA_DEFAULT_NORM_EPS,
+    }
     for key, attr, spec_field in fields:
         value = raw.get(key, defaults.get(key))
         if key == "n_inner" and value is None:
@@ -148,7 +159,9 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
             "only, so this model's logits cannot be reproduced"
         )
     theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
-    if family == "llama" and theta is not None and float(theta) != config.rope_theta:
+    if theta is None:
+        theta = LLAMA_DEFAULT_ROPE_THETA
+    if family == "llama" and float(theta) != config.rope_theta:
         raise HFError(
             f"{FIELD}: {path}: rope_theta={theta} but spec.model.ropeTheta={config.rope_theta}"
         )

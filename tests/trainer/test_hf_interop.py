@@ -192,3 +192,24 @@ def test_directory_disagreeing_with_the_spec_is_refused_naming_file_and_field(tm
     config_path.write_text(json.dumps(raw))
     with pytest.raises(hf.HFError, match="config.json: rope_type='llama3'"):
         hf.check_directory(tmp_path / "hf", config)
+
+
+def test_fields_a_config_leaves_out_are_judged_at_transformers_defaults(tmp_path):
+    """A config.json without rope_theta / rms_norm_eps means what transformers makes of it, not a pass."""
+    config = _config(LLAMA)  # ropeTheta 500000, normEps 1e-5: not transformers' defaults
+    _hf_model(config).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    for key in ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps"):
+        raw.pop(key, None)
+    path.write_text(json.dumps(raw))
+    peer = transformers.AutoConfig.from_pretrained(tmp_path)  # what transformers will run
+    theta = (getattr(peer, "rope_parameters", None) or {}).get("rope_theta") or peer.rope_theta
+    eps_only = {**LLAMA, "normEps": float(peer.rms_norm_eps)}  # ropeTheta still 500000
+    with pytest.raises(hf.HFError, match=f"rope_theta={float(theta)}"):
+        hf.check_config(tmp_path, _config(eps_only))
+    theta_only = {**LLAMA, "ropeTheta": float(theta)}  # normEps still 1e-5
+    with pytest.raises(hf.HFError, match=f"rms_norm_eps={peer.rms_norm_eps!r}"):
+        hf.check_config(tmp_path, _config(theta_only))
+    agreeing = {**LLAMA, "ropeTheta": float(theta), "normEps": float(peer.rms_norm_eps)}
+    hf.check_config(tmp_path, _config(agreeing))  # the peer's effective values are accepted
