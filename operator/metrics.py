@@ -150,7 +150,8 @@ def observe_job(
 
 
 def forget(namespace: str, name: str) -> None:
-    """Drop a deleted job."""
+    """Drop a deleted job, its restart counter included (a series per job ever seen would only grow)."""
+    RESTARTS.remove(namespace, name)  # a no-op for a job never restarted
     view = _jobs.pop((namespace, name), None)
     if view is not None:
         _reached_running.discard(view.uid)

@@ -121,3 +121,12 @@ def test_api_errors_start_at_zero_for_every_verb_and_count_by_verb():
     before = sample("meshtrain_operator_api_errors_total", verb="patch")
     metrics.api_error("patch")
     assert sample("meshtrain_operator_api_errors_total", verb="patch") == before + 1
+
+
+def test_a_deleted_job_leaves_no_restart_counter_behind(job_name):
+    metrics.RESTARTS.labels(namespace="ns", trainingjob=job_name).inc()
+    key = {"namespace": "ns", "trainingjob": job_name}
+    assert sample("meshtrain_operator_gang_restarts_total", **key) == 1
+    metrics.forget("ns", job_name)
+    assert sample("meshtrain_operator_gang_restarts_total", **key) is None
+    metrics.forget("ns", "never-restarted")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -310,3 +311,33 @@ def test_checkpoint_age_and_target_step_are_exported():
         )
     finally:
         exp.close()
+
+
+def test_before_the_first_step_the_last_step_time_is_the_start_of_training():
+    """A 0 would read as a step 56 years ago: MeshtrainJobStalled would page during every start-up."""
+    identity = context.RankIdentity(
+        job="j",
+        namespace="ns",
+        pod="j-0",
+        rank=0,
+        local_rank=0,
+        coords=layout_mod.RankCoords(0, 0, 0),
+    )
+    facts = stepstats.JobFacts(
+        stages=1,
+        micro_batches=1,
+        virtual_stages=1,
+        world_size=1,
+        group_sizes={"dp": 1, "tp": 1, "pp": 1},
+        flops_per_token=1.0,
+        peak_flops=1.0,
+    )
+    before = time.time()
+    sink = exporter.Exporter(identity, facts, port=free_base(1), progress=None)
+    try:
+        value = sink.metrics.registry.get_sample_value(
+            "meshtrain_last_step_timestamp_seconds", identity.labels()
+        )
+        assert value is not None and before <= value <= time.time()
+    finally:
+        sink.close()

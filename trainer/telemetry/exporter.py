@@ -125,7 +125,9 @@ class Metrics:
             "meshtrain_step", "Last completed optimizer step.", **reg
         ).labels(**base)
         self.last_step_time = prometheus_client.Gauge(
-            "meshtrain_last_step_timestamp_seconds", "Unix time the last step completed.", **reg
+            "meshtrain_last_step_timestamp_seconds",
+            "Unix time the last step completed; the start of training before the first.",
+            **reg,
         ).labels(**base)
         self.loss = prometheus_client.Gauge(
             "meshtrain_loss", "Mean training loss of the last step.", **reg
@@ -298,6 +300,8 @@ class Exporter:
         self.metrics.training_steps.set(facts.training_steps)
         self.metrics.checkpoint_interval.set(facts.checkpoint_interval_steps)
         self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
+        # A 0 would read as "no step since 1970" and page MeshtrainJobStalled during every start-up.
+        self.metrics.last_step_time.set_to_current_time()
         self.port = port
         """TCP port of the HTTP server."""
         self._server: server.ThreadingHTTPServer | None = None
