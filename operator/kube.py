@@ -294,6 +294,21 @@ class Client:
             _content_type="application/merge-patch+json",
         )
 
+    async def delete_workload(self, *, namespace: str, name: str, uid: str) -> None:
+        """Delete a Workload if it is still the object ``uid`` (a precondition)."""
+        await self._request(
+            "delete",
+            "workloads",
+            self._custom.delete_namespaced_custom_object,
+            queueing.GROUP,
+            queueing.VERSION,
+            namespace,
+            queueing.PLURAL,
+            name,
+            body={"preconditions": {"uid": uid}},
+            ok=(404, 409),
+        )
+
     async def workload_priority(self, *, name: str) -> int | None:
         """The value of a Kueue WorkloadPriorityClass, or None when there is none of that name."""
         found = await self._request(

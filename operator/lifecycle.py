@@ -134,6 +134,7 @@ Action = (
     | queueing.ReleaseQuota
     | queueing.ReportPodsReady
     | queueing.FinishWorkload
+    | queueing.DeleteWorkload
 )
 
 
@@ -425,7 +426,11 @@ def decide(
         )
     spec = job.spec
     if spec.run_policy.suspend:
-        return _suspend(job, pods, now)
+        suspended = _suspend(job, pods, now)
+        if pods or kueue is None or kueue.state is None:
+            return suspended
+        # A suspended job keeps no quota: its Workload goes, and is created again on resume.
+        return Decision((*suspended.actions, queueing.DeleteWorkload()), suspended.requeue_after)
     if phase == Phase.SUSPENDED.value:
         return _resume(job, pods, now)
     admitted: tuple[Action, ...] = ()
@@ -572,6 +577,8 @@ def _held_by_kueue(
         actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
     elif not pods and isinstance(state, queueing.Evicted) and state.holds_quota:
         actions.append(queueing.ReleaseQuota())
+    elif not pods and isinstance(state, queueing.Outdated):
+        actions.append(queueing.DeleteWorkload())
     if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
         conditions.TRUE,
         reason,
@@ -586,7 +593,8 @@ def _held_by_kueue(
             _changes(job, phase=Phase.PENDING.value, conditions=conds, placement=[]),
             Emit(
                 "Warning"
-                if reason in queueing.WARNING_REASONS or isinstance(state, queueing.Evicted)
+                if reason in queueing.WARNING_REASONS
+                or isinstance(state, (queueing.Evicted, queueing.Outdated))
                 else "Normal",
                 reason,
                 message,

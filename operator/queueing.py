@@ -109,6 +109,7 @@ def build_workload(
             "name": workload_name(job.name),
             "namespace": job.namespace,
             "labels": {naming.LABEL_JOB: job.name},
+            "annotations": {SPEC_HASH_ANNOTATION: identity.spec_hash(spec)},
             "ownerReferences": [
                 {
                     "apiVersion": naming.API_VERSION,
@@ -156,7 +157,38 @@ class Finished:
     """The workload is finished (meshtrain marked it when the job ended)."""
 
 
-State = Waiting | Admitted | Evicted | Finished
+@dataclasses.dataclass(frozen=True)
+class Outdated:
+    """The Workload describes another spec or queue than the job's: stop the gang, replace it."""
+
+    reason: str
+    message: str
+
+
+State = Waiting | Admitted | Evicted | Finished | Outdated
+
+SPEC_HASH_ANNOTATION = f"{naming.GROUP}/spec-hash"
+"""The job spec a Workload was built from (its pod set, requests and priority follow from it)."""
+
+
+def outdated(workload: Mapping[str, Any], spec_hash: str, queue: Queue) -> Outdated | None:
+    """Why ``workload`` no longer describes the job (Kueue's EquivalentToWorkload), or None.
+
+    Kueue charged the quota of the Workload's pod set: a changed spec (a larger gang) or a
+    changed queue must be queued again rather than run against the old admission.
+    """
+    annotations = (workload.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(SPEC_HASH_ANNOTATION) != spec_hash:
+        return Outdated(
+            "WorkloadOutdated",
+            "the job's spec changed since Kueue admitted it: its Workload is replaced and queued again",
+        )
+    if (workload.get("spec") or {}).get("queueName") != queue.name:
+        return Outdated(
+            "WorkloadOutdated",
+            f"the job's queue label names {queue.name}: its Workload is replaced and queued there",
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +206,11 @@ class CreateWorkload:
 @dataclasses.dataclass(frozen=True)
 class ReleaseQuota:
     """The evicted gang is gone: give its quota back (:func:`release_patch`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteWorkload:
+    """Delete the job's Workload (outdated, or the job suspended): Kueue frees its quota."""
 
 
 @dataclasses.dataclass(frozen=True)

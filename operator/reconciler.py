@@ -56,6 +56,7 @@ _KUEUE_ACTIONS = (
     queueing.ReleaseQuota,
     queueing.ReportPodsReady,
     queueing.FinishWorkload,
+    queueing.DeleteWorkload,
 )
 
 
@@ -214,7 +215,11 @@ class Reconciler:
         if workload is not None and not queueing.controlled_by(workload, metadata["uid"]):
             return queueing.Gate(queueing.name_taken(workload)), None
         if workload is not None:
-            return queueing.Gate(queueing.state(workload)), workload
+            state = queueing.state(workload)
+            spec = lifecycle.job_state(body).spec
+            if spec is not None and not isinstance(state, queueing.Finished):
+                state = queueing.outdated(workload, identity.spec_hash(spec), queue) or state
+            return queueing.Gate(state), workload
         if queue.priority_class and (
             await self.client.workload_priority(name=queue.priority_class) is None
         ):  # Kueue's API server would refuse the Workload (priorityClassRef needs a priority)
@@ -226,7 +231,8 @@ class Reconciler:
         action: queueing.CreateWorkload
         | queueing.ReleaseQuota
         | queueing.ReportPodsReady
-        | queueing.FinishWorkload,
+        | queueing.FinishWorkload
+        | queueing.DeleteWorkload,
         job: lifecycle.JobState,
         queue: queueing.Queue | None,
         workload: dict[str, Any] | None,
@@ -247,6 +253,12 @@ class Reconciler:
         if workload is None:
             return False
         metadata = workload["metadata"]
+        if isinstance(action, queueing.DeleteWorkload):
+            await self.client.delete_workload(
+                namespace=metadata["namespace"], name=metadata["name"], uid=metadata["uid"]
+            )
+            logger.info("%s/%s: Workload deleted (outdated or suspended)", ref.namespace, ref.name)
+            return True
         if isinstance(action, queueing.ReleaseQuota):
             patch = queueing.release_patch(workload, _now())
             logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)

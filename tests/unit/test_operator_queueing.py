@@ -221,3 +221,35 @@ def test_a_workload_of_the_jobs_name_that_another_object_owns_is_never_the_jobs(
     assert queueing.CreateWorkload not in _types(decision)
     queued = _queued(decision)
     assert queued["reason"] == queueing.NAME_TAKEN and "ConfigMap/other" in queued["message"]
+
+
+def test_a_workload_of_another_spec_or_queue_is_outdated():
+    spec = loading.parse_spec(JobBuilder().layout(data=2).raw())
+    queue = queueing.Queue("q", None)
+    body = queueing.build_workload(REF, spec, queue, builders.build_pod(REF, spec, 0, 0, ""), None)
+    assert queueing.outdated(body, identity.spec_hash(spec), queue) is None
+    grown = loading.parse_spec(JobBuilder().layout(data=4).raw())
+    assert queueing.outdated(body, identity.spec_hash(grown), queue) is not None
+    assert queueing.outdated(body, identity.spec_hash(spec), queueing.Queue("other", None))
+
+
+def test_an_outdated_workload_stops_the_gang_then_is_replaced():
+    gate = queueing.Gate(queueing.Outdated("WorkloadOutdated", "the job's spec changed"))
+    running = job(**placed_status(phase="Running"))
+    decision = lifecycle.decide(running, [pod(0, "Running"), pod(1, "Running")], T0, gate)
+    assert lifecycle.DeletePods in _types(decision)
+    assert queueing.DeleteWorkload not in _types(decision), "not while the old gang still runs"
+    assert _queued(decision)["reason"] == "WorkloadOutdated"
+    assert queueing.DeleteWorkload in _types(lifecycle.decide(running, [], at(5), gate))
+
+
+def test_a_suspended_job_gives_its_workload_back_once_its_pods_are_gone():
+    suspended = job(
+        JobBuilder().layout(data=2, gpus_per_node=1).run_policy(suspend=True).raw(),
+        **placed_status(phase="Running"),
+    )
+    gate = queueing.Gate(queueing.Admitted("research"))
+    with_pods = lifecycle.decide(suspended, [pod(0, "Running"), pod(1, "Running")], T0, gate)
+    assert queueing.DeleteWorkload not in _types(with_pods)
+    assert queueing.DeleteWorkload in _types(lifecycle.decide(suspended, [], at(5), gate))
+    assert queueing.DeleteWorkload not in _types(lifecycle.decide(suspended, [], at(5), None))

@@ -228,6 +228,50 @@ def test_kueue_admits_queues_preempts_and_readmits_training_jobs(queued) -> None
     assert cluster.status(NS, "first").get("restarts", 0) == 0
 
 
+def test_a_suspended_job_frees_its_quota_and_a_changed_spec_is_queued_again(queued) -> None:
+    cluster, _operator = queued
+    # After the test above one of first/second holds the whole quota and the other waits.
+    running = next(j for j in ("first", "second") if cluster.pods(NS, j))
+    waiting = "second" if running == "first" else "first"
+    assert _queued_condition(cluster, waiting).get("status") == "True"
+
+    cluster.patch_job(NS, running, {"runPolicy": {"suspend": True}})
+    wait_for(f"{running}'s Workload gone", lambda: _workload(cluster, running) is None, timeout=90)
+    wait_for(
+        f"{waiting} admitted with the quota {running} gave back",
+        lambda: (
+            _queued_condition(cluster, waiting).get("status") == "False"
+            and cluster.pods(NS, waiting)
+        ),
+        timeout=90,
+    )
+    assert cluster.pods(NS, running) == []
+
+    # A spec change after admission: the old Workload (and its quota) no longer describes the job.
+    before = _workload(cluster, waiting)
+    assert before is not None
+    cluster.patch_job(NS, waiting, {"training": {"steps": 7}})
+    wait_for(
+        "the Workload replaced for the new spec",
+        lambda: (
+            (w := _workload(cluster, waiting)) is not None
+            and w["metadata"]["uid"] != before["metadata"]["uid"]
+        ),
+        timeout=90,
+    )
+    wait_for(
+        "the job's WorkloadOutdated Event",
+        lambda: any(
+            e.reason == "WorkloadOutdated"
+            for e in cluster.core.list_namespaced_event(
+                NS, field_selector=f"involvedObject.name={waiting}"
+            ).items
+        ),
+        timeout=30,
+    )
+    assert cluster.status(NS, waiting).get("restarts", 0) == 0
+
+
 def test_a_job_naming_a_queue_that_does_not_exist_waits_and_says_so(queued) -> None:
     cluster, _operator = queued
     body = _queued_job("lost", "low")
