@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from meshtrain.api import exitcodes
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import hf
 from meshtrain.trainer import model as gpt
@@ -62,6 +63,6 @@ def main(args: argparse.Namespace) -> int:
         written = export(args.checkpoint, args.output)
     except store.CheckpointError as err:
         print(err, file=sys.stderr)
-        return 4
+        return exitcodes.CHECKPOINT
     print(f"wrote {written / hf.CONFIG} and {written / hf.WEIGHTS}")
     return 0
