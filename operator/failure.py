@@ -83,7 +83,6 @@ class Failure:
     """A failed pod and what that means for the job."""
 
     pod: str
-    """Pod name."""
     permanent: bool
     """True: fail the job now; False: restart the gang if the backoff limit allows."""
     message: str

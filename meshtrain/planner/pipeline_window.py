@@ -25,9 +25,7 @@ class StageDurations:
     """Seconds of one micro-batch through all of one stage's chunks."""
 
     forward: float
-    """Forward."""
     backward: float
-    """Backward."""
 
 
 @dataclasses.dataclass(frozen=True)

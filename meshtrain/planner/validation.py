@@ -50,7 +50,6 @@ class Confidence:
     """What a plan's time rests on."""
 
     profile: str
-    """Profile name."""
     calibrated: bool
     """Figures measured by ``meshtrain plan --calibrate`` (else datasheet or placeholder figures)."""
     calibrated_here: bool
