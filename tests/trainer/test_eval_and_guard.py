@@ -7,6 +7,8 @@
 * the guard, in an engine: a poisoned embedding makes the loss NaN; the
   updates are skipped (an untouched parameter keeps its value), and the
   third skip in a row raises;
+* with int8 gradient compression on dp2, one NaN step is skipped and the
+  next steps train again (error feedback keeps nothing of the skipped step);
 * the guard through ``meshtrain run``: a learning rate that makes the loss
   spike stops the job with exit code 5 and a message naming the field; the
   checkpoints of the finished steps stay, none is written at the stop.
@@ -83,6 +85,33 @@ def test_guard_skips_non_finite_updates_and_trips_after_k():
     assert result["skipped"] == ["loss is nan", "loss is nan"]
     assert result["untouched"]
     assert "training.lossGuard: 3 consecutive updates skipped" in result["tripped"]
+
+
+def _one_nan_step_with_int8_compression() -> list[str]:
+    raw = mt_harness.make_spec(
+        data=2, gradient_compression={"mode": "int8"}, lossGuard={"maxConsecutiveSkips": 3}
+    )
+    job = loading.parse_spec(raw)
+    eng = engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
+    verdicts = [eng.train_step().skipped]
+    weight = dict(eng.model.named_params)["tok_emb.weight"]
+    good = weight.detach().clone()
+    with torch.no_grad():
+        weight.fill_(math.nan)  # one bad step on every rank, then the weights are whole again
+    verdicts.append(eng.train_step().skipped)
+    with torch.no_grad():
+        weight.copy_(good)
+    verdicts += [eng.train_step().skipped for _ in range(2)]
+    return verdicts
+
+
+@pytest.mark.slow
+def test_one_skipped_step_does_not_poison_compressed_training():
+    """int8 error feedback must not carry the skipped step's NaN into every later step."""
+    for verdicts in mt_harness.run_distributed(_one_nan_step_with_int8_compression, 2):
+        assert verdicts == ["", "loss is nan", "", ""], verdicts
 
 
 @pytest.mark.slow
