@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine, ranks  # noqa: E402
-from meshtrain.trainer import model as gpt  # noqa: E402
-from meshtrain.trainer.parallel import recording, reducer  # noqa: E402
+from benchmarks import machine, ranks
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import recording, reducer
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=32, layers=12, hidden=128, heads=4, ffn_hidden=512)
 BATCHES = (1, 8)

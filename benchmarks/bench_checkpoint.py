@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine, ranks  # noqa: E402
-from meshtrain import layout as layout_mod  # noqa: E402
-from meshtrain.api import loading  # noqa: E402
-from meshtrain.trainer import engine  # noqa: E402
-from meshtrain.trainer.checkpointing import checkpointer, state, store  # noqa: E402
-from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
+from benchmarks import machine, ranks
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.trainer import engine
+from meshtrain.trainer.checkpointing import checkpointer, state, store
+from meshtrain.trainer.parallel import mesh as mesh_mod
 
 SMALL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 64}
 

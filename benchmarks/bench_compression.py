@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine, ranks  # noqa: E402
-from meshtrain import layout as layout_mod  # noqa: E402
-from meshtrain.api import loading  # noqa: E402
-from meshtrain.trainer import engine  # noqa: E402
-from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
-from meshtrain.trainer.parallel import recording  # noqa: E402
+from benchmarks import machine, ranks
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.trainer import engine
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import recording
 
 MODES = (
     {"mode": "none"},

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
-from meshtrain import controlplane  # noqa: E402
+from benchmarks import machine
+from meshtrain import controlplane
 
 TARGET_SECONDS = 10.0
 

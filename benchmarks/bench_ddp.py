@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine, ranks  # noqa: E402
-from meshtrain.trainer import model as gpt  # noqa: E402
-from meshtrain.trainer.parallel import recording, reducer  # noqa: E402
+from benchmarks import machine, ranks
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import recording, reducer
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=64, layers=8, hidden=256, heads=8, ffn_hidden=1024)
 BATCH = 4

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
-from meshtrain import layout as layout_mod  # noqa: E402
-from meshtrain.api import loading  # noqa: E402
+from benchmarks import machine
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
 from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.trainer import engine  # noqa: E402
-from meshtrain.trainer import model as gpt  # noqa: E402
-from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
-from meshtrain.trainer.telemetry import peak  # noqa: E402
+from meshtrain.trainer import engine
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import peak
 
 MICRO_BATCH = {"tiny": 8, "125m": 16, "350m": 8, "1.3b": 4, "7b": 1}
 """Sequences (of the preset's 2048 tokens) per step that fit an 80 GB GPU without activation checkpointing."""

@@ -47,7 +47,7 @@ from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.operator import builders, identity, kube
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
+from benchmarks import machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"

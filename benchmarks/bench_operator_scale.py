@@ -46,7 +46,7 @@ from meshtrain import controlplane
 from meshtrain.controlplane.ports import pick_free_port
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks import bench_operator, machine  # noqa: E402
+from benchmarks import bench_operator, machine
 
 GPUS_PER_NODE = 8
 IN_FLIGHT = 64

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine  # noqa: E402
-from meshtrain import placement  # noqa: E402
-from meshtrain.api import loading  # noqa: E402
-from meshtrain.planner import placement_request  # noqa: E402
+from benchmarks import machine
+from meshtrain import placement
+from meshtrain.api import loading
+from meshtrain.planner import placement_request
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",

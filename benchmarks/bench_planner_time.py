@@ -34,10 +34,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import machine  # noqa: E402
-from meshtrain.api import loading  # noqa: E402
-from meshtrain.planner import estimate, profiles, search, validation  # noqa: E402
-from meshtrain.trainer import calibrate, launch, steplog  # noqa: E402
+from benchmarks import machine
+from meshtrain.api import loading
+from meshtrain.planner import estimate, profiles, search, validation
+from meshtrain.trainer import calibrate, launch, steplog
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
 TRAINING = {"microBatch": 4, "precision": "fp32", "dataset": "stdlib", "warmupSteps": 1}

@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import machine  # noqa: E402
-from meshtrain.trainer import tokens  # noqa: E402
+from benchmarks import machine
+from meshtrain.trainer import tokens
 
 
 def _write(path: Path, dtype: np.dtype, count: int, vocab: int) -> None:

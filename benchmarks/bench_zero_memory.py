@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import machine, ranks  # noqa: E402
-from meshtrain import layout as layout_mod  # noqa: E402
-from meshtrain.api import loading  # noqa: E402
-from meshtrain.api import spec as spec_mod  # noqa: E402
-from meshtrain.trainer import engine, memory_accounting  # noqa: E402
-from meshtrain.trainer import model as gpt  # noqa: E402
-from meshtrain.trainer.checkpointing import state  # noqa: E402
-from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: E402
-from meshtrain.trainer.parallel import zero  # noqa: E402
+from benchmarks import machine, ranks
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import engine, memory_accounting
+from meshtrain.trainer import model as gpt
+from meshtrain.trainer.checkpointing import state
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import zero
 
 
 def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJobSpec:

@@ -25,7 +25,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import matplotlib.pyplot as plt  # the backend must be chosen first
 
 HERE = Path(__file__).resolve().parent
 SCALES = {

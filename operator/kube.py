@@ -595,7 +595,7 @@ class Client:
 
 
 def _read_progress(url: str, timeout: float) -> Body:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http to a pod IP
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # http to a pod IP
         return dict(json.loads(response.read() or b"{}"))
 
 

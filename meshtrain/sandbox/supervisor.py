@@ -421,7 +421,7 @@ def serve(paths: Paths) -> int:
         )
         supervisor.wait()
         return 0
-    except (Exception, _Interrupted) as err:  # noqa: BLE001 - recorded for `up`, then everything is stopped
+    except (Exception, _Interrupted) as err:  # recorded for `up`, then everything is stopped
         log.exception("sandbox failed to start")
         supervisor.state.update(status="failed", error=str(err))
         _write_state(paths, supervisor.state)

@@ -50,7 +50,7 @@ def gpu_nodes(kube_api: kubernetes.client.ApiClient) -> Iterator[list[str]]:
 def test_list_nodes_and_plan_from_cluster(
     gpu_nodes: list[str],
     control_plane,
-    tmp_path: Path,  # noqa: ANN001
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -104,7 +104,7 @@ def write_job(directory: Path, raw: dict, name: str = "job.yaml") -> Path:
     return path
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:  # noqa: ANN001
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -121,7 +121,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
     dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:  # noqa: ANN001
+def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:
     """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order."""
     with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
         context = mp.start_processes(

@@ -150,7 +150,7 @@ def reference(raw: dict, steps: int) -> dict:
     return {"grads": grads, "losses": losses, "norms": norms}
 
 
-def _torch_adamw_with_schedule(model: torch.nn.Module, job: spec_mod.TrainingJobSpec):  # noqa: ANN202
+def _torch_adamw_with_schedule(model: torch.nn.Module, job: spec_mod.TrainingJobSpec):
     """torch's AdamW (decay on matrices only, betas as GPT-3) and torch's LR schedulers.
 
     Linear warmup from lr/warmup at step 1 to the peak at step ``warmup``, then

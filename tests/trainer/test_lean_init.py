@@ -18,7 +18,7 @@ def built_names_case(raw: dict) -> dict:
     built: list[str] = []
     original = gpt.initial_value
 
-    def recording(config, seed, name, shape):  # noqa: ANN001 - same signature as gpt.initial_value
+    def recording(config, seed, name, shape):  # same signature as gpt.initial_value
         built.append(name)
         return original(config, seed, name, shape)
 

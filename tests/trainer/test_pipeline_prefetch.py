@@ -41,7 +41,7 @@ def posting_order(schedule: str, virtual: int) -> dict:
     batches: list[tuple[float, list[str]]] = []  # when each batch was issued, and its ops
     real_batch = dist.batch_isend_irecv
 
-    def noting_batch(ops):  # noqa: ANN001, ANN202 - a pass-through
+    def noting_batch(ops):  # a pass-through
         kinds = ["recv" if op.op is dist.irecv else "send" for op in ops]
         batches.append((time.perf_counter(), kinds))
         return real_batch(ops)
@@ -74,7 +74,7 @@ def posting_order(schedule: str, virtual: int) -> dict:
     }
 
 
-def _transfers(executor) -> dict[str, int]:  # noqa: ANN001
+def _transfers(executor) -> dict[str, int]:
     """Sends and receives the schedule implies for this stage (virtual stage j of P: none beyond the ends)."""
     last = executor.ctx.stages * executor.virtual_stages - 1
     counts = {"send": 0, "recv": 0}

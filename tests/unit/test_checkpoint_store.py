@@ -92,7 +92,7 @@ def test_prune_keeps_newest_and_clears_tmp(tmp_path: Path) -> None:
 )
 def test_damaged_newest_checkpoint_is_an_error_naming_the_file(
     tmp_path: Path, damage, message: str
-) -> None:  # noqa: ANN001
+) -> None:
     write_checkpoint(tmp_path, 10)
     newest = write_checkpoint(tmp_path, 20)
     damage(newest)

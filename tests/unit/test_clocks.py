@@ -29,19 +29,19 @@ class CallLog:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def step_start(self, step, start):  # noqa: ANN001, ANN201
+    def step_start(self, step, start):
         self.calls.append(("step_start", step, start))
 
-    def compute(self, kind, microbatch, chunk, start, end):  # noqa: ANN001, ANN201
+    def compute(self, kind, microbatch, chunk, start, end):
         self.calls.append(("compute", kind, microbatch, chunk, start, end))
 
-    def wait(self, kind, start, end):  # noqa: ANN001, ANN201
+    def wait(self, kind, start, end):
         self.calls.append(("wait", kind, start, end))
 
-    def collective(self, group, op, nbytes, start, end, bucket=None):  # noqa: ANN001, ANN201
+    def collective(self, group, op, nbytes, start, end, bucket=None):
         self.calls.append(("collective", group, op, nbytes, start, end, bucket))
 
-    def step_end(self, step, loss, tokens, seconds):  # noqa: ANN001, ANN201
+    def step_end(self, step, loss, tokens, seconds):
         self.calls.append(("step_end", step, loss, tokens, seconds))
 
 
@@ -164,7 +164,7 @@ def test_deferred_recorder_forwards_resolved_events_in_order_at_step_end():
     deferred.step_start(1, start)
     assert inner.calls == [("step_start", 1, start)]  # host time: passed on at once
 
-    def stamp(at: float):  # noqa: ANN202
+    def stamp(at: float):
         device_time.at = 50.0 + at
         return clock.now()
 

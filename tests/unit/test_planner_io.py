@@ -156,11 +156,11 @@ def _job(tmp_path: Path, raw: dict | None = None) -> Path:
     return path
 
 
-def _plan(raw: dict, gpu: str = "h100-sxm", nodes=None) -> estimate.Plan:  # noqa: ANN001
+def _plan(raw: dict, gpu: str = "h100-sxm", nodes=None) -> estimate.Plan:
     return estimate.make_plan(loading.parse_spec(raw), profiles.get(gpu), nodes=nodes)
 
 
-def _value(doc: dict, path: str):  # noqa: ANN202
+def _value(doc: dict, path: str):
     node = doc
     for part in filter(None, path.split(".")):
         many = part.endswith("[]")

@@ -210,7 +210,7 @@ def load_from(directory: Path, engine: Any) -> dict[str, Any]:
     check_compatible(directory, entries, metadata)
     try:
         dcp.load(entries, storage_reader=dcp.FileSystemReader(str(directory)))
-    except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
+    except Exception as err:  # DCP wraps per-rank failures; name the checkpoint
         raise store.CheckpointError(f"{directory}: loading failed: {err}") from err
     record = json.loads(entries[TRAINER_KEY])
     if rng_ok:

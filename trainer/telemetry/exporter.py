@@ -255,7 +255,7 @@ def _handler(
     registry: prometheus_client.CollectorRegistry, progress: progress_mod.Progress | None
 ) -> type[server.BaseHTTPRequestHandler]:
     class Handler(server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 body, ctype = exposition.generate_latest(registry), exposition.CONTENT_TYPE_LATEST

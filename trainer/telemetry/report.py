@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt  # after matplotlib.use(): the backend must be chosen first
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
-from meshtrain.trainer import steplog  # noqa: E402
-from meshtrain.trainer.telemetry import timeline, trace  # noqa: E402
+from meshtrain.trainer import steplog
+from meshtrain.trainer.telemetry import timeline, trace
 
 SPLIT_COLOURS = {
     "compute": "#3b75af",

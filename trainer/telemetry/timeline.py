@@ -25,9 +25,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import matplotlib.pyplot as plt  # after matplotlib.use(): the backend must be chosen first
 
-from meshtrain.trainer.telemetry import trace  # noqa: E402
+from meshtrain.trainer.telemetry import trace
 
 FORWARD_COLOURS = ("#3b75af", "#8fb6dd", "#c4daef")
 """Forward blocks, by chunk (interleaved schedules have several)."""

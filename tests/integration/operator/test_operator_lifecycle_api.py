@@ -171,7 +171,7 @@ def test_progress_of_rank_zero_reaches_the_status(cluster, operator, namespace, 
     }
 
     class Progress(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server API
+        def do_GET(self):  # http.server API
             body = json.dumps(report).encode()
             self.send_response(200 if self.path == "/progress" else 404)
             self.send_header("Content-Type", "application/json")
