@@ -1,10 +1,14 @@
 """Leader election over a coordination.k8s.io Lease: one replica reconciles, the others wait warm.
 
 ``kubernetes_asyncio.leaderelection`` does the protocol (client-go's): the
-holder renews the Lease every ``retry`` seconds and gives up acting when it
-could not renew for ``renew_deadline``; a candidate takes the Lease once it
-has seen the same record unchanged for ``lease_seconds``.  Since the holder
-stops before any candidate may start, two replicas never act at once.
+holder renews the Lease every ``retry`` seconds; a candidate takes the Lease
+once it has seen the same record unchanged for ``lease_seconds``.  The holder
+stops acting ``renew_deadline`` after the last renewal it *sent* that
+succeeded, measured here by a watchdog rather than by the library's renew
+loop: the library sends its Lease requests without a timeout, so a renewal
+that hangs (a partition that drops packets) kept the old leader acting
+forever while a standby took over.  Since the holder stops before any
+candidate may start, two replicas never start new passes at once.
 
 The identity is the pod's name, which a container restart keeps: an operator
 killed and restarted in its pod finds the Lease held by itself and resumes at
@@ -20,7 +24,10 @@ import dataclasses
 import logging
 import os
 import socket
+import time
+from typing import Any
 
+from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 from kubernetes_asyncio.leaderelection.resourcelock import leaselock
 
@@ -29,6 +36,40 @@ from meshtrain.operator import kube
 logger = logging.getLogger("meshtrain.operator")
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+WATCHDOG_SECONDS = 0.1
+"""How often the holder checks that its last renewal is recent enough to go on acting."""
+
+
+class _TimedLeaseLock(leaselock.LeaseLock):
+    """The library's Lease lock with a timeout on every request and the send time of the last success."""
+
+    def __init__(self, *args: Any, timeout: float) -> None:
+        super().__init__(*args)
+        self._timeout = timeout
+        self.renewed_at = float("-inf")
+        """time.monotonic() when the last create or update that succeeded was sent (this replica held the Lease then)."""
+
+    async def get(self, name: str, namespace: str) -> tuple[bool, Any]:
+        try:
+            return await asyncio.wait_for(super().get(name, namespace), self._timeout)
+        except TimeoutError:
+            return False, ApiException(status=504, reason="Lease read timed out")
+
+    async def _held(self, write: Any) -> bool:
+        sent = time.monotonic()
+        try:
+            done = bool(await asyncio.wait_for(write, self._timeout))
+        except TimeoutError:
+            return False
+        if done:
+            self.renewed_at = sent
+        return done
+
+    async def create(self, name: str, namespace: str, election_record: Any) -> bool:
+        return await self._held(super().create(name, namespace, election_record))
+
+    async def update(self, name: str, namespace: str, updated_record: Any) -> bool:
+        return await self._held(super().update(name, namespace, updated_record))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +112,18 @@ async def run(client: kube.Client, election: Election, leading: asyncio.Event) -
     async def started() -> None:
         logger.info("leading: Lease %s/%s held", election.namespace, election.lease)
         leading.set()
-        await asyncio.Event().wait()
 
     async def stopped() -> None:
         leading.clear()
         logger.warning("lost Lease %s/%s: standing by", election.namespace, election.lease)
 
     while True:
-        lock = leaselock.LeaseLock(
-            election.lease, election.namespace, election.identity, client.api_client
+        lock = _TimedLeaseLock(
+            election.lease,
+            election.namespace,
+            election.identity,
+            client.api_client,
+            timeout=election.renew_deadline,
         )
         config = electionconfig.Config(
             lock,
@@ -89,12 +133,29 @@ async def run(client: kube.Client, election: Election, leading: asyncio.Event) -
             onstarted_leading=started,
             onstopped_leading=stopped,
         )
+        elector = asyncio.create_task(leaderelection.LeaderElection(config).run())
         try:
-            await leaderelection.LeaderElection(config).run()
+            while not elector.done():
+                if (
+                    leading.is_set()
+                    and time.monotonic() - lock.renewed_at > election.renew_deadline
+                ):
+                    leading.clear()
+                    logger.warning(
+                        "Lease %s/%s not renewed for %.0f s: standing by",
+                        election.namespace,
+                        election.lease,
+                        election.renew_deadline,
+                    )
+                    elector.cancel()
+                    break
+                await asyncio.wait({elector}, timeout=WATCHDOG_SECONDS)
+            (ended,) = await asyncio.gather(elector, return_exceptions=True)
         except asyncio.CancelledError:
+            elector.cancel()
             leading.clear()
             raise
-        except Exception as err:  # noqa: BLE001 - the API unreachable: stand by and try again
-            leading.clear()
-            logger.warning("leader election interrupted: %s", err)
+        leading.clear()
+        if isinstance(ended, Exception):  # the API unreachable: stand by and try again
+            logger.warning("leader election interrupted: %s", ended)
         await asyncio.sleep(election.retry)
