@@ -63,6 +63,11 @@ def _key(obj: kube.Body) -> Key:
     return metadata.get("namespace") or "", metadata.get("name") or ""
 
 
+def _unversioned(obj: kube.Body) -> kube.Body:
+    metadata = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "resourceVersion"}
+    return {**obj, "metadata": metadata}
+
+
 def job_of(pod: kube.Body) -> str | None:
     """Name of the TrainingJob a pod belongs to (its ``meshtrain.io/job`` label)."""
     return ((pod.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_JOB)
@@ -183,7 +188,11 @@ class Store:
             self.upsert(obj)
 
     def upsert(self, obj: kube.Body) -> bool:
-        """Store ``obj`` unless a newer (or the same) version is stored or it was deleted after it."""
+        """Store ``obj`` unless a newer (or the same) version is stored or it was deleted after it.
+
+        True when what the store keeps changed; a new version that differs only in what
+        trimming drops (a node's heartbeat, a foreign pod's conditions) is stored silently.
+        """
         key = _key(obj)
         version = _version(obj)
         if key in self._tombstones and version <= self._tombstones[key][0]:
@@ -191,8 +200,11 @@ class Store:
         old = self._objects.get(key)
         if old is not None and version != -1 and version <= _version(old):
             return False
-        self._index(key, old, add=False)
         trimmed = self._trim(obj)
+        if old is not None and _unversioned(old) == _unversioned(trimmed):
+            self._objects[key] = trimmed
+            return False
+        self._index(key, old, add=False)
         self._objects[key] = trimmed
         self._index(key, trimmed, add=True)
         self._changed(old, trimmed)
@@ -343,8 +355,8 @@ class Cache:
                         continue
                     if type_ == "DELETED":
                         store.remove(obj)
-                    else:
-                        store.upsert(obj)
+                    elif not store.upsert(obj):
+                        continue  # nothing the operator reads changed (a heartbeat)
                     _wake(waker, what, type_, obj)
             except kube.ApiError as err:
                 if err.status == 410:

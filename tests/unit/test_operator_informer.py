@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -33,7 +34,9 @@ def test_an_older_version_never_replaces_a_newer_one():
     store.upsert(_pod("a", 5, "j"))
     assert not store.upsert(_pod("a", 4, "j"))
     assert store.get(("ns", "a"))["metadata"]["resourceVersion"] == "5"
-    assert store.upsert(_pod("a", 6, "j"))
+    store.upsert(_pod("a", 6, "j"))
+    assert store.get(("ns", "a"))["metadata"]["resourceVersion"] == "6"
+    assert store.upsert(_pod("a", 7, "j", annotations={"x": "y"}))  # a change the store keeps
 
 
 def test_a_write_answer_after_the_deleted_event_does_not_revive_the_pod():
@@ -125,3 +128,77 @@ def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
     assert {n: u for n, u in found.items() if u.pods} == {
         n: u for n, u in expected.items() if u.pods
     }
+
+
+def _node(version: int, heartbeat: str, gpus: str = "8") -> dict[str, Any]:
+    return {
+        "kind": "Node",
+        "metadata": {"name": "n0", "resourceVersion": str(version), "labels": {"a": "b"}},
+        "spec": {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": gpus},
+            "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": heartbeat}],
+        },
+    }
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self.waiting = 0
+
+    def poke(self, key: tuple[str, str]) -> None:
+        pass
+
+    def poke_waiting(self) -> None:
+        self.waiting += 1
+
+
+def test_a_node_heartbeat_wakes_no_waiting_job_but_a_real_change_does():
+    """Kubelets rewrite node status every few minutes; on 10,000 nodes every such write woke
+    every job waiting for capacity into a full re-placement under the global lock."""
+    events = [
+        ("MODIFIED", _node(2, "t1")),  # heartbeat only: what the cache keeps is the same
+        ("MODIFIED", _node(3, "t2")),
+        ("MODIFIED", _node(4, "t2", gpus="4")),  # allocatable changed: waiting jobs re-place
+    ]
+
+    class _Client:
+        on_write = None
+
+        async def list_pods(self, **_: Any) -> tuple[list[Any], str]:
+            return [], "1"
+
+        async def list_nodes(self, **_: Any) -> tuple[list[Any], str]:
+            return [_node(1, "t0")], "1"
+
+        async def watch_pods(self, **_: Any):
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
+
+        async def watch_nodes(self, **_: Any):
+            await go.wait()
+            for event in events:
+                yield event
+            await asyncio.Event().wait()
+
+    cache = informer.Cache()
+    waker = _Counting()
+
+    go = asyncio.Event()
+
+    async def follow() -> tuple[int, int]:
+        task = asyncio.create_task(cache.run(_Client(), waker))  # type: ignore[arg-type]
+        await cache.synced.wait()
+        after_list = (waker.waiting, cache.nodes.changes)
+        go.set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return waker.waiting - after_list[0], cache.nodes.changes - after_list[1]
+
+    woken, changes = asyncio.run(follow())
+    assert cache.nodes.get(("", "n0"))["metadata"]["resourceVersion"] == "4"
+    assert (woken, changes) == (1, 1), (
+        f"{woken} wake-up(s) and {changes} cache change(s) for two heartbeats and one allocatable change"
+    )
