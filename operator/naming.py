@@ -93,11 +93,6 @@ def master_addr(job: str, namespace: str, attempt: int) -> str:
     return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"
 
 
-def job_selector(job: str) -> str:
-    """Label selector of every child of ``job``."""
-    return f"{LABEL_JOB}={job}"
-
-
 def int_label(labels: Mapping[str, str] | None, key: str) -> int | None:
     """An integer label value, or None when absent or malformed."""
     value = (labels or {}).get(key)
