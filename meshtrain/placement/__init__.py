@@ -7,10 +7,12 @@ constant and a message.  No Kubernetes imports, no I/O: the operator turns
 cluster objects into :class:`Node` and :class:`Reservation` values and the
 answer into pods.  See docs/placement.md for the cost model and algorithm.
 
-Modules: ``values`` (the data), ``topology`` (levels, label families, the
-domain tree), ``fabric_cost`` (traffic and bytes model), ``planner`` (``plan`` and the
-topology-blind ``first_fit`` reference).  The request of a TrainingJob spec is
-built by :mod:`meshtrain.planner.placement_request`, whose traffic model it uses.
+Modules: ``values`` (the data), ``manifests`` (Node manifests as values),
+``topology`` (levels, label families, the domain tree), ``fabric_cost``
+(traffic and bytes model), ``planner`` (``plan`` and the topology-blind
+``first_fit`` reference).  The request of a TrainingJob spec, with its pod
+traffic from the planner's communication model, is built a layer up by
+:mod:`meshtrain.planner.placement_request`.
 """
 
 from meshtrain.placement.manifests import node_from_manifest, resource_count
