@@ -6,8 +6,8 @@ kube-scheduler and kube-controller-manager) from binaries that
 (:mod:`.binaries` finds them); :mod:`.pki`, :mod:`.kubeconfig`, :mod:`.ports`
 and :mod:`.rest` are its parts.
 
-Not a cluster with nodes. No kubelet runs; the sandbox adds a node
-agent on top. It never downloads or builds binaries itself.
+Not a cluster with nodes: no kubelet runs here; the sandbox
+(:mod:`meshtrain.sandbox`) adds a real kubelet node on top. It never downloads or builds binaries itself.
 """
 
 from meshtrain.controlplane.binaries import Binaries, BinariesMissingError, locate
