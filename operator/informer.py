@@ -176,14 +176,33 @@ class Store:
         if not names:
             del self._by_job[(key[0], job)]
 
-    def replace(self, objects: Iterable[kube.Body]) -> None:
-        """The full state after a list: drop what is stored, tombstones included."""
-        for old in self._objects.values():
-            self._changed(old, None)
-        self._objects.clear()
-        self._tombstones.clear()
-        if self._by_job is not None:
-            self._by_job.clear()
+    def replace(self, objects: Iterable[kube.Body], version: str | None = None) -> None:
+        """The full state after a list taken at ``version``.
+
+        What the store learned after the list was taken (the operator's own writes
+        answered while a long list paginated: a newer object, a tombstone) is kept;
+        the watch from ``version`` replays those changes anyway.
+        """
+        try:
+            taken = int(version) if version is not None else None
+        except ValueError:
+            taken = None
+        newer = {
+            key: obj
+            for key, obj in self._objects.items()
+            if taken is not None and _version(obj) > taken
+        }
+        tombstones = {
+            key: mark
+            for key, mark in self._tombstones.items()
+            if taken is not None and mark[0] > taken
+        }
+        for key, old in list(self._objects.items()):
+            if key not in newer:
+                self._index(key, old, add=False)
+                del self._objects[key]
+                self._changed(old, None)
+        self._tombstones = tombstones
         for obj in objects:
             self.upsert(obj)
 
@@ -343,7 +362,7 @@ class Cache:
             try:
                 if version is None:
                     items, version = await list_(**scope, keep=store.trim)
-                    store.replace(items)
+                    store.replace(items, version)
                     self._synced.add(what)
                     if self._synced == {"pods", "nodes"}:
                         self.synced.set()
