@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 from kubernetes_asyncio import client as k8s
@@ -425,9 +425,19 @@ class Client:
         )
 
     async def delete_pods(
-        self, *, namespace: str, names: Iterable[str], grace_seconds: int | None = None
+        self,
+        *,
+        namespace: str,
+        names: Iterable[str],
+        grace_seconds: int | None = None,
+        uids: Mapping[str, str] | None = None,
     ) -> None:
-        """Delete pods (gone ones are fine); ``grace_seconds`` overrides their terminationGracePeriodSeconds."""
+        """Delete pods (gone ones are fine); ``grace_seconds`` overrides their terminationGracePeriodSeconds.
+
+        With ``uids`` (name -> UID) each delete carries a UID precondition: a pod that
+        took the name since (another job's, another tenant's) answers 409 and stays.
+        """
+        uids = uids or {}
         await asyncio.gather(
             *(
                 self._request(
@@ -437,7 +447,8 @@ class Client:
                     name,
                     namespace,
                     grace_period_seconds=grace_seconds,
-                    ok=(404,),
+                    ok=(404, 409) if name in uids else (404,),
+                    **({"body": {"preconditions": {"uid": uids[name]}}} if name in uids else {}),
                 )
                 for name in names
             )

@@ -26,7 +26,7 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain import placement
@@ -196,6 +196,22 @@ class Reconciler:
             changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
         )
 
+    async def _delete_pods(
+        self, ref: identity.JobRef, names: Iterable[str], grace_seconds: int | None = None
+    ) -> None:
+        """Delete these pods of the job, each only as the very object (UID) the cache holds as the job's.
+
+        The cache may be a moment behind: a name it still lists may already belong to
+        another object (a namesake job's pod, another tenant's); that one is not touched.
+        """
+        uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in self._owned_pods(ref)}
+        await self.client.delete_pods(
+            namespace=ref.namespace,
+            names=[n for n in names if n in uids],
+            grace_seconds=grace_seconds,
+            uids=uids,
+        )
+
     def _owned_pods(self, ref: identity.JobRef) -> list[dict[str, Any]]:
         """The job's pods: labelled with its name and owned by its UID (a namesake's pods are not)."""
         return [
@@ -329,9 +345,7 @@ class Reconciler:
             await self._emit(body, action.type, action.reason, action.message)
             return body, job, False
         if isinstance(action, lifecycle.DeletePods):
-            await self.client.delete_pods(
-                namespace=ref.namespace, names=action.names, grace_seconds=action.grace_seconds
-            )
+            await self._delete_pods(ref, action.names, action.grace_seconds)
             return body, job, True
         if isinstance(action, lifecycle.LiftGates):
             async with self.placement_lock:
@@ -390,10 +404,8 @@ class Reconciler:
         )
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         pods = self.cache.job_pods(ref.namespace, ref.name)
-        await self.client.delete_pods(
-            namespace=ref.namespace,
-            names=[p["metadata"]["name"] for p in pods if capacity.owned_by(p, ref.uid)],
-            grace_seconds=0,
+        await self._delete_pods(
+            ref, [p["metadata"]["name"] for p in pods if capacity.owned_by(p, ref.uid)], 0
         )
         body, job, _ = await self._set_status(
             body, job, lifecycle.unplaced(job, _now(), message, conditions.NODES_CHANGED)
@@ -459,11 +471,7 @@ class Reconciler:
         )
         message = f"{refused.message} (try {failures}; next in {delay:.0f} s)"
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
-        await self.client.delete_pods(
-            namespace=ref.namespace,
-            names=[p["metadata"]["name"] for p in self._owned_pods(ref)],
-            grace_seconds=0,
-        )
+        await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)], 0)
         changes = {
             **lifecycle.unschedulable(job, refused.reason, message, _now()),
             "placement": [],
@@ -512,9 +520,7 @@ class Reconciler:
                     )
                     return body, job, True
                 own = [p for p in live if capacity.owned_by(p, ref.uid)]
-                await self.client.delete_pods(
-                    namespace=ref.namespace, names=[p["metadata"]["name"] for p in own]
-                )
+                await self._delete_pods(ref, [p["metadata"]["name"] for p in own])
                 return await self._set_status(body, job, recovery.status)
             verdict = self._admit(job, nodes)
             if isinstance(verdict, sizing.Refused):
@@ -641,9 +647,7 @@ class Reconciler:
     async def delete_children(self, *, namespace: str, name: str, uid: str) -> None:
         """Remove the children this job (``uid``) owns, and nothing else (idempotent)."""
         ref = identity.JobRef(name=name, namespace=namespace, uid=uid)
-        await self.client.delete_pods(
-            namespace=namespace, names=[p["metadata"]["name"] for p in self._owned_pods(ref)]
-        )
+        await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
         for kind, child in (
             ("Service", naming.service_name(name)),
             ("ConfigMap", naming.configmap_name(name)),
