@@ -156,6 +156,8 @@ def torchrun_shutdown_timeout(spec: api_spec.TrainingJobSpec) -> int:
 def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     r = spec.resources
     amounts: dict[str, str] = {r.gpu_resource_name: str(r.gpus_per_node), **r.extra_resources}
+    if spec.pod.rdma and spec.pod.rdma_resource:
+        amounts.setdefault(spec.pod.rdma_resource, "1")
     if r.cpu:
         amounts["cpu"] = r.cpu
     if r.memory:

@@ -226,8 +226,16 @@ class PodSettings(_Model):
     )
     rdma: bool = Field(
         False,
-        description="Add the IPC_LOCK capability (RDMA memory registration for NCCL over InfiniBand/RoCE). "
-        "Beyond the restricted and baseline Pod Security levels: the namespace must admit privileged pods.",
+        description="Add the IPC_LOCK capability (RDMA memory registration for NCCL over InfiniBand/RoCE) "
+        "and request one rdmaResource per pod. Beyond the restricted and baseline Pod Security levels: "
+        "the namespace must admit privileged pods.",
+    )
+    rdma_resource: str = Field(
+        "rdma/ib",
+        max_length=253,
+        description="The RDMA device plugin's extended resource that rdma requests one of per pod "
+        "(e.g. rdma/ib, rdma/hca_shared_devices_a); empty requests none. resources.extraResources "
+        "naming it sets another count.",
     )
 
 

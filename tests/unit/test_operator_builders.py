@@ -276,3 +276,23 @@ def test_planned_node_from_binding_annotation_or_affinity():
     pod["spec"]["nodeName"] = "n-z"
     assert identity.planned_node(pod) == "n-z"
     assert identity.planned_node({"spec": {}}) is None
+
+
+def test_the_rdma_switch_adds_ipc_lock_and_one_rdma_device_per_pod():
+    pods = builders.build_pods(
+        REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1).pod(rdma=True)), 0, ["a", "b"]
+    )
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert container["resources"]["requests"]["rdma/ib"] == "1"
+        assert container["resources"]["limits"]["rdma/ib"] == "1"
+    shared = JobBuilder().pod(rdma=True, rdmaResource="rdma/hca_shared_devices_a")
+    [pod] = builders.build_pods(
+        REF, spec_of(shared.resources(extraResources={"rdma/hca_shared_devices_a": "2"})), 0, ["a"]
+    )
+    assert pod["spec"]["containers"][0]["resources"]["requests"]["rdma/hca_shared_devices_a"] == "2"
+    [pod] = builders.build_pods(REF, spec_of(JobBuilder()), 0, ["a"])
+    assert not any(
+        k.startswith("rdma/") for k in pod["spec"]["containers"][0]["resources"]["requests"]
+    )

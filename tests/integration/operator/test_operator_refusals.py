@@ -50,7 +50,9 @@ def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
     cluster, operator, restricted, pool
 ):
     cluster.add_node(pool, gpus=2)
-    job = JobBuilder("rdma", restricted, pool).layout(data=2).gpus(2).pod(rdma=True)
+    job = (
+        JobBuilder("rdma", restricted, pool).layout(data=2).gpus(2).pod(rdma=True, rdmaResource="")
+    )
     cluster.apply(job)
     placed = _placed(cluster, restricted, "rdma", conditions.CREATE_REJECTED)
     assert placed["status"] == "False"
