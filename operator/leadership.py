@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -91,8 +92,14 @@ class Election:
 
 
 def default_identity() -> str:
-    """$POD_NAME (the downward API in the chart), else the host name."""
-    return os.environ.get("POD_NAME") or socket.gethostname()
+    """$POD_NAME (the downward API in the chart), else the host name made unique to this process.
+
+    Two processes with one identity would both take the Lease as their own (the
+    library renews a Lease whose holder is its identity) and both act; outside a
+    pod, two operators on one host share the host name.  A process restarted
+    outside a pod therefore waits for its old Lease to expire.
+    """
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def default_namespace() -> str:

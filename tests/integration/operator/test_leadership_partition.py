@@ -107,3 +107,51 @@ def test_a_partitioned_leader_stops_leading_before_a_standby_may_take_over(
         f"the partitioned leader stopped {stopped_after:.1f} s after the cut; "
         f"a standby may take over {election.lease_seconds - election.retry:.1f} s after it"
     )
+
+
+def test_two_operators_outside_pods_never_lead_at_once(control_plane, kube_api, monkeypatch):
+    """Two ``meshtrain operator`` processes on one host (no $POD_NAME) default their identity
+    from the host name; with the same identity each renewed the other's Lease as its own."""
+    monkeypatch.delenv("POD_NAME", raising=False)
+    lease = f"twins-{uuid.uuid4().hex[:6]}"
+    elections = [
+        leadership.Election(
+            lease=lease,
+            namespace="default",
+            identity=leadership.default_identity(),
+            lease_seconds=3,
+            renew_deadline=2.0,
+            retry=1.0,
+        )
+        for _ in range(2)
+    ]
+
+    async def scenario() -> int:
+        client = await kube.Client.connect(kubeconfig=str(control_plane.kubeconfig_path))
+        flags = [asyncio.Event(), asyncio.Event()]
+        electors = [
+            asyncio.create_task(leadership.run(client, e, f))
+            for e, f in zip(elections, flags, strict=True)
+        ]
+        both = 0
+        try:
+            await asyncio.wait_for(
+                asyncio.wait(
+                    [asyncio.ensure_future(f.wait()) for f in flags],
+                    return_when=asyncio.FIRST_COMPLETED,
+                ),
+                timeout=30,
+            )
+            until = time.monotonic() + 8
+            while time.monotonic() < until:
+                both += all(f.is_set() for f in flags)
+                await asyncio.sleep(0.05)
+        finally:
+            for elector in electors:
+                elector.cancel()
+            await asyncio.gather(*electors, return_exceptions=True)
+            await client.close()
+        return both
+
+    both = asyncio.run(scenario())
+    assert both == 0, f"both operators held 'leading' at {both} of the samples over 8 s"
