@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import conditions, identity, naming
+from meshtrain.operator import builders, conditions, identity, naming
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
@@ -110,16 +110,7 @@ def build_workload(
             "namespace": job.namespace,
             "labels": {naming.LABEL_JOB: job.name},
             "annotations": {SPEC_HASH_ANNOTATION: identity.spec_hash(spec)},
-            "ownerReferences": [
-                {
-                    "apiVersion": naming.API_VERSION,
-                    "kind": api_spec.KIND,
-                    "name": job.name,
-                    "uid": job.uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [builders.owner_reference(job)],
         },
         "spec": workload_spec,
     }
