@@ -31,7 +31,17 @@ from meshtrain.trainer.telemetry import progress
 
 STEPS = 6
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
-KEYS = {"step", "loss", "tokens_per_second", "last_checkpoint_step", "updated_at"}
+# What operator/progress_status.py reads from the document (eval loss and skipped updates
+# arrived with training.eval and the loss guard).
+KEYS = {
+    "step",
+    "loss",
+    "tokens_per_second",
+    "last_checkpoint_step",
+    "updated_at",
+    "eval_loss",
+    "skipped_updates",
+}
 
 
 def _spec(tmp_path: Path, port: int) -> Path:
