@@ -32,7 +32,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 from kubernetes_asyncio.leaderelection.resourcelock import leaselock
 
-from meshtrain.operator import kube
+from meshtrain.operator import kube, metrics
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -116,12 +116,18 @@ def default_namespace() -> str:
 async def run(client: kube.Client, election: Election, leading: asyncio.Event) -> None:
     """Hold ``leading`` set exactly while this replica holds the Lease; runs until cancelled."""
 
+    def stand_by() -> None:
+        leading.clear()
+        # Its per-job series would stay frozen beside the new leader's (a deleted Failed job
+        # still failing, a placed job's unschedulable seconds still growing).
+        metrics.forget_all()
+
     async def started() -> None:
         logger.info("leading: Lease %s/%s held", election.namespace, election.lease)
         leading.set()
 
     async def stopped() -> None:
-        leading.clear()
+        stand_by()
         logger.warning("lost Lease %s/%s: standing by", election.namespace, election.lease)
 
     while True:
@@ -147,7 +153,7 @@ async def run(client: kube.Client, election: Election, leading: asyncio.Event) -
                     leading.is_set()
                     and time.monotonic() - lock.renewed_at > election.renew_deadline
                 ):
-                    leading.clear()
+                    stand_by()
                     logger.warning(
                         "Lease %s/%s not renewed for %.0f s: standing by",
                         election.namespace,
@@ -160,9 +166,9 @@ async def run(client: kube.Client, election: Election, leading: asyncio.Event) -
             (ended,) = await asyncio.gather(elector, return_exceptions=True)
         except asyncio.CancelledError:
             elector.cancel()
-            leading.clear()
+            stand_by()
             raise
-        leading.clear()
+        stand_by()
         if isinstance(ended, Exception):  # the API unreachable: stand by and try again
             logger.warning("leader election interrupted: %s", ended)
         await asyncio.sleep(election.retry)

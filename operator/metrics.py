@@ -157,6 +157,13 @@ def forget(namespace: str, name: str) -> None:
         _reached_running.discard(view.uid)
 
 
+def forget_all() -> None:
+    """Drop every job: a replica that lost the Lease no longer sees them change or go."""
+    _jobs.clear()
+    _reached_running.clear()
+    RESTARTS.clear()
+
+
 def api_error(verb: str) -> None:
     """Count one failed API request (``kube.Client`` calls this with the request's verb)."""
     API_ERRORS.labels(verb=verb).inc()

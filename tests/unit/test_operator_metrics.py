@@ -130,3 +130,13 @@ def test_a_deleted_job_leaves_no_restart_counter_behind(job_name):
     metrics.forget("ns", job_name)
     assert sample("meshtrain_operator_gang_restarts_total", **key) is None
     metrics.forget("ns", "never-restarted")
+
+
+def test_a_replica_that_stands_by_reports_no_job(job_name):
+    metrics.observe_job(body(job_name, "Failed"), unschedulable=False, placed_condition=None)
+    metrics.RESTARTS.labels(namespace="ns", trainingjob=job_name).inc()
+    key = {"namespace": "ns", "trainingjob": job_name}
+    assert sample("meshtrain_operator_job_status_phase", **key, phase="Failed") == 1
+    metrics.forget_all()  # what leadership.run does when the Lease is lost
+    assert sample("meshtrain_operator_job_status_phase", **key, phase="Failed") is None
+    assert sample("meshtrain_operator_gang_restarts_total", **key) is None
