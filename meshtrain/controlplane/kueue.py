@@ -11,6 +11,7 @@ Workloads, as meshtrain's operator does for TrainingJobs).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -170,7 +171,6 @@ class Kueue:
                 start_new_session=True,
             )
         self._wait(lambda: _ok(f"http://127.0.0.1:{health_port}/readyz"), timeout, "ready")
-        import base64  # noqa: PLC0415 - only here
 
         ca = base64.b64encode((self.pki_dir / "ca.crt").read_bytes()).decode()
         hooks = _webhook_configurations(
