@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pydantic
 from pydantic.alias_generators import to_snake
 
+from meshtrain.api import elastic
 from meshtrain.api.spec import TrainingJobSpec
 
 
@@ -364,6 +365,43 @@ def _lr_scaling_reference(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _elastic_bounds(spec: TrainingJobSpec) -> str | None:
+    bounds = spec.run_policy.elastic
+    if bounds is not None and bounds.min_data > bounds.max_data:
+        return (
+            f"elastic.minData={bounds.min_data} is above elastic.maxData={bounds.max_data}: "
+            "minData is the smallest data-parallel degree, maxData the largest"
+        )
+    return None
+
+
+def _elastic_holds_data(spec: TrainingJobSpec) -> str | None:
+    bounds, data = spec.run_policy.elastic, spec.parallelism.data
+    if bounds is not None and not bounds.min_data <= data <= bounds.max_data:
+        return (
+            f"parallelism.data={data} is outside elastic [minData={bounds.min_data}, "
+            f"maxData={bounds.max_data}]: the declared degree must be one the job may run at"
+        )
+    return None
+
+
+def _elastic_min_keeps_batch(spec: TrainingJobSpec) -> str | None:
+    bounds = spec.run_policy.elastic
+    if bounds is None:
+        return None
+    smallest = elastic.size_at(spec, bounds.min_data)
+    if smallest is None or not smallest.keeps_global_batch:
+        par = spec.parallelism
+        step = " x pipeline" if par.schedule == "interleaved-1f1b" else ""
+        return (
+            f"elastic.minData={bounds.min_data} cannot keep the global batch {spec.global_batch}: it must be "
+            f"divisible by microBatch={spec.training.micro_batch} x minData{step}, minData x pipeline x tensor a "
+            f"multiple of gpusPerNode={spec.resources.gpus_per_node} (and minData >= 2 with gradientCompression): "
+            f"pick a minData that divides microBatches x data = {par.micro_batches * par.data}"
+        )
+    return None
+
+
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -522,6 +560,34 @@ RULES: tuple[Rule, ...] = (
         "training.lrScaling.rule linear or sqrt needs training.lrScaling.referenceBatch "
         "(the global batch learningRate was tuned at)",
         _lr_scaling_reference,
+    ),
+    Rule(
+        "elastic-bounds",
+        "spec.runPolicy.elastic.minData",
+        "!has(self.runPolicy.elastic) || self.runPolicy.elastic.minData <= self.runPolicy.elastic.maxData",
+        "runPolicy.elastic.minData must not exceed runPolicy.elastic.maxData",
+        _elastic_bounds,
+    ),
+    Rule(
+        "elastic-holds-data",
+        "spec.runPolicy.elastic",
+        "!has(self.runPolicy.elastic) || (self.runPolicy.elastic.minData <= self.parallelism.data "
+        "&& self.parallelism.data <= self.runPolicy.elastic.maxData)",
+        "parallelism.data must lie between runPolicy.elastic.minData and runPolicy.elastic.maxData",
+        _elastic_holds_data,
+    ),
+    Rule(
+        "elastic-min-keeps-batch",
+        "spec.runPolicy.elastic.minData",
+        "!has(self.runPolicy.elastic) || ("
+        "(self.runPolicy.elastic.minData * self.parallelism.pipeline * self.parallelism.tensor) "
+        "% self.resources.gpusPerNode == 0 && "
+        "(self.parallelism.microBatches * self.parallelism.data) % (self.runPolicy.elastic.minData * "
+        "(self.parallelism.schedule == 'interleaved-1f1b' ? self.parallelism.pipeline : 1)) == 0 && "
+        "(self.parallelism.gradientCompression.mode == 'none' || self.runPolicy.elastic.minData >= 2))",
+        "runPolicy.elastic.minData must keep the global batch (divide microBatches x data) and fill whole pods "
+        "(minData x pipeline x tensor a multiple of gpusPerNode)",
+        _elastic_min_keeps_batch,
     ),
     Rule(
         "custom-trainer-command",

@@ -637,6 +637,25 @@ class Topology(_Model):
     )
 
 
+class Elastic(_Model):
+    """The data-parallel degrees a job may run at when nodes are lost or come back.
+
+    ``parallelism.data`` states the global batch (microBatch x microBatches x data); at another
+    degree the operator raises or lowers microBatches to keep it, or states the change in status.
+    """
+
+    min_data: int = Field(
+        ge=1,
+        description="Smallest data-parallel degree the job may shrink to when a node is lost and no equal "
+        "replacement fits.",
+    )
+    max_data: int = Field(
+        ge=1,
+        description="Largest data-parallel degree the job may grow to when capacity is free (at the next "
+        "checkpoint).",
+    )
+
+
 class RunPolicy(_Model):
     """Failure, time and lifetime policy."""
 
@@ -662,6 +681,11 @@ class RunPolicy(_Model):
         le=86400,
         description="How long a deleted pod (suspend, spec change, drain) gets to stop: its ranks finish the current step "
         "and checkpoint it. The pods' terminationGracePeriodSeconds; torchrun waits 5 s less before killing the ranks.",
+    )
+    elastic: Elastic | None = Field(
+        None,
+        description="Run at any data-parallel degree from minData to maxData: the largest that fits, shrinking "
+        "when a node is lost and growing back when capacity returns; empty: only at parallelism.data.",
     )
 
 
@@ -781,7 +805,28 @@ class Progress(_Model):
     skipped_updates: int | None = Field(
         None, ge=0, description="Updates the loss guard skipped so far (in this run of the gang)."
     )
+    gradient_noise_scale: float | None = Field(
+        None,
+        description="Measured gradient noise scale (McCandlish et al. 2018): the batch beyond which more "
+        "data parallelism stops paying (needs data >= 2).",
+    )
     updated_at: str | None = Field(None, description="RFC 3339 time of the report.")
+
+
+class ElasticStatus(_Model):
+    """The size the gang runs at when it is not ``parallelism.data`` (``runPolicy.elastic``)."""
+
+    data: int = Field(ge=1, description="Data-parallel degree of the placed gang.")
+    micro_batches: int = Field(ge=1, description="Micro-batches per replica at that degree.")
+    global_batch: int = Field(ge=1, description="Global batch at that degree.")
+    learning_rate: float = Field(
+        description="Peak learning rate at that global batch (training.lrScaling applied)."
+    )
+    checkpoint_step: int | None = Field(
+        None,
+        description="lastCheckpointStep when the gang was placed at this size; it grows only after a newer one.",
+    )
+    message: str = Field("", description="What changed and why.")
 
 
 class TrainingJobStatus(_Model):
@@ -817,6 +862,11 @@ class TrainingJobStatus(_Model):
         None,
         description="Hash of the spec (runPolicy left out) the placed gang was built from; "
         "a spec with another hash makes the operator rebuild the gang.",
+    )
+    elastic: ElasticStatus | None = Field(
+        None,
+        description="Set while runPolicy.elastic runs the gang at a data-parallel degree other than "
+        "parallelism.data: the degree, batch and learning rate it runs with.",
     )
 
 

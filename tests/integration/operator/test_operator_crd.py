@@ -43,6 +43,12 @@ def _sequence_parallel_with_odd_seq_len() -> dict:
     return body
 
 
+def _elastic_from_three_of_four() -> dict:
+    body = _with("spec.parallelism", {"data": 4, "pipeline": 1, "tensor": 1, "microBatches": 1})
+    body["spec"]["runPolicy"] = {"elastic": {"minData": 3, "maxData": 4}}  # 3 divides no batch of 4
+    return body
+
+
 INVALID = [
     (
         "tensor does not divide gpusPerNode",
@@ -98,6 +104,21 @@ INVALID = [
         "learning rate order",
         _with("spec.training", {"learningRate": 0.001, "minLearningRate": 0.01}),
         _rule("learning-rate-order"),
+    ),
+    (
+        "elastic minData above maxData",
+        _with("spec.runPolicy", {"elastic": {"minData": 2, "maxData": 1}}),
+        _rule("elastic-bounds"),
+    ),
+    (
+        "elastic bounds without the declared degree",
+        _with("spec.runPolicy", {"elastic": {"minData": 4, "maxData": 8}}),
+        _rule("elastic-holds-data"),
+    ),
+    (
+        "elastic minData that cannot keep the global batch",
+        _elastic_from_three_of_four(),
+        _rule("elastic-min-keeps-batch"),
     ),
     ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
     (

@@ -1,0 +1,126 @@
+"""Elastic data parallelism: the sizes a job may run at, and the spec it runs with at each.
+
+``parallelism.data`` states the global batch ``G = microBatch x microBatches x data``.  At
+another degree ``d`` the gradient accumulation is changed to ``G / (microBatch x d)`` so the
+optimizer sees the same batch; where that does not divide, the nearest whole accumulation is
+used and the changed batch (and learning rate, by ``training.lrScaling``) is stated.  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.api.spec import ElasticStatus, TrainingJobSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One data-parallel degree the job may run at."""
+
+    data: int
+    micro_batches: int
+    global_batch: int
+    keeps_global_batch: bool
+    """False when no whole accumulation at ``data`` gives the declared global batch."""
+
+
+def _runnable(spec: TrainingJobSpec, data: int) -> bool:
+    """Whether a gang of ``data`` replicas fills whole pods and keeps the axis rules."""
+    par = spec.parallelism
+    if (data * par.pipeline * par.tensor) % spec.resources.gpus_per_node:
+        return False
+    return par.gradient_compression.mode == "none" or data >= 2
+
+
+def _accumulation_step(spec: TrainingJobSpec) -> int:
+    """microBatches must be a multiple of this (interleaved-1f1b runs micro-batches in rounds of p)."""
+    par = spec.parallelism
+    return par.pipeline if par.schedule == "interleaved-1f1b" else 1
+
+
+def size_at(spec: TrainingJobSpec, data: int) -> Size | None:
+    """The size at ``data`` replicas, or None when no gang of that degree can run."""
+    if not _runnable(spec, data):
+        return None
+    declared = spec.global_batch
+    per_replica = spec.training.micro_batch * data
+    step = _accumulation_step(spec)
+    if declared % (per_replica * step) == 0:
+        micro_batches = declared // per_replica
+    else:
+        micro_batches = max(step, round(declared / (per_replica * step)) * step)
+    batch = micro_batches * per_replica
+    return Size(data, micro_batches, batch, batch == declared)
+
+
+def sizes(spec: TrainingJobSpec) -> list[Size]:
+    """Every size ``runPolicy.elastic`` allows, largest degree first (only ``parallelism.data`` without it)."""
+    elastic = spec.run_policy.elastic
+    degrees = (
+        range(elastic.max_data, elastic.min_data - 1, -1)
+        if elastic is not None
+        else [spec.parallelism.data]
+    )
+    return [s for s in (size_at(spec, d) for d in degrees) if s is not None]
+
+
+def resized(spec: TrainingJobSpec, size: Size) -> TrainingJobSpec:
+    """``spec`` as the gang runs it at ``size``: data, microBatches (and a given globalBatch) changed."""
+    par = spec.parallelism.model_copy(
+        update={"data": size.data, "micro_batches": size.micro_batches}
+    )
+    training = spec.training
+    if training.global_batch is not None:
+        training = training.model_copy(update={"global_batch": size.global_batch})
+    return spec.model_copy(update={"parallelism": par, "training": training})
+
+
+def describe(spec: TrainingJobSpec, size: Size) -> str:
+    """What running at ``size`` changes, with the numbers."""
+    par, training = spec.parallelism, spec.training
+    head = (
+        f"data-parallel degree {size.data} instead of {par.data}: microBatches "
+        f"{par.micro_batches} -> {size.micro_batches}"
+    )
+    if size.keeps_global_batch:
+        return f"{head}, global batch kept at {size.global_batch}"
+    before = training.learning_rates(par)[0]
+    after = training.learning_rates(resized(spec, size).parallelism)[0]
+    rate = (
+        f"learning rate {before:.3g} -> {after:.3g} (training.lrScaling {training.lr_scaling.rule})"
+        if training.lr_scaling.rule != "none"
+        else f"learning rate kept at {before:.3g} (training.lrScaling is none)"
+    )
+    return (
+        f"{head}; global batch {spec.global_batch} -> {size.global_batch} "
+        f"({spec.global_batch} is not divisible by microBatch={training.micro_batch} x {size.data}); {rate}"
+    )
+
+
+def status_of(
+    spec: TrainingJobSpec, size: Size, checkpoint_step: int | None
+) -> ElasticStatus | None:
+    """``status.elastic`` for a gang placed at ``size`` (None at the declared degree)."""
+    if size.data == spec.parallelism.data:
+        return None
+    return ElasticStatus(
+        data=size.data,
+        micro_batches=size.micro_batches,
+        global_batch=size.global_batch,
+        learning_rate=spec.training.learning_rates(resized(spec, size).parallelism)[0],
+        checkpoint_step=checkpoint_step,
+        message=describe(spec, size),
+    )
+
+
+def running_spec(spec: TrainingJobSpec, status: ElasticStatus | None) -> TrainingJobSpec:
+    """The spec the placed gang runs: ``spec`` itself, or resized to ``status.elastic``."""
+    if status is None or status.data == spec.parallelism.data:
+        return spec
+    size = size_at(spec, status.data)
+    return spec if size is None else resized(spec, size)
+
+
+def larger_sizes(spec: TrainingJobSpec, running: int) -> list[Size]:
+    """Allowed sizes above ``running`` replicas, largest first (what a shrunk gang may grow to)."""
+    return [s for s in sizes(spec) if s.data > running]
