@@ -187,7 +187,12 @@ class Chaos:
         return True
 
     def foreign(self) -> bool:
-        """A pod of another owner, bound to the node with the most free GPUs, taking them all."""
+        """A pod of another owner takes every free GPU of the node with the most free.
+
+        On a full cluster, a node joins the pool and another tenant's pod takes part of it the
+        moment it is schedulable (the node is held by a taint until the pod is bound), so the
+        fault is always possible and still takes GPUs the operator could otherwise have used.
+        """
         core = self.cluster.core
         committed: dict[str, int] = {}
         for pod in core.list_pod_for_all_namespaces().items:
@@ -196,19 +201,33 @@ class Chaos:
                 committed[node] = committed.get(node, 0) + invariants.gpus(pod)
         free = {n: GPUS_PER_NODE - committed.get(n, 0) for n in self.nodes}
         node = max(free, key=lambda n: (free[n], self.rng.random()))
-        if free[node] <= 0:
-            return False
-        limits = {"nvidia.com/gpu": str(free[node])}
-        container = {"name": "c", "image": "pause", "resources": {"limits": limits}}
-        core.create_namespaced_pod(
+        joining = free[node] <= 0
+        if joining:
+            hold = {"key": "chaos-joining", "effect": "NoSchedule"}
+            node = self.cluster.add_node(POOL, gpus=GPUS_PER_NODE, taints=[hold])
+            self.nodes.append(node)
+            free[node] = self.rng.randint(1, GPUS_PER_NODE)
+        self._bind_foreign(node, free[node])
+        if joining:
+            core.patch_node(node, {"spec": {"taints": []}})
+        self.faults.append(
+            f"foreign pod with {free[node]} GPU(s) on {'new node ' if joining else ''}{node}"
+        )
+        return True
+
+    def _bind_foreign(self, node: str, gpus: int) -> None:
+        container = {
+            "name": "c",
+            "image": "pause",
+            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+        }
+        self.cluster.core.create_namespaced_pod(
             "default",
             {
                 "metadata": {"generateName": "foreign-"},
                 "spec": {"nodeName": node, "containers": [container]},
             },
         )
-        self.faults.append(f"foreign pod with {free[node]} GPU(s) on {node}")
-        return True
 
     def restricted_namespace(self) -> bool:
         labels = {"pod-security.kubernetes.io/enforce": "restricted"}
