@@ -176,14 +176,20 @@ class Engine:
         """Draw the next batch, run the schedule, finish every gradient reduction; returns this stage's loss sum."""
         micro = self.sampler.next()
         executor = self.model.executor
-        inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
-        targets = [mb.targets for mb in micro] if executor.holds_loss else None
+        inputs = [self._on_device(mb.inputs) for mb in micro] if executor.needs_inputs else None
+        targets = [self._on_device(mb.targets) for mb in micro] if executor.holds_loss else None
         loss = executor.run(inputs, targets)
         if self.model.reducer is not None:
             self.model.reducer.finish()
         if self.model.tp_plan is not None and self.model.tp_plan.sequence_partial:
             self._sum_sequence_partial_grads()
         return loss
+
+    def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
+        if self.mesh.device.type != "cuda":
+            return tokens
+        return tokens.pin_memory().to(self.mesh.device, non_blocking=True)
 
     def _sum_sequence_partial_grads(self) -> None:
         """Under SP, norm and position-table gradients are per-sequence-slice partials: sum over TP."""
@@ -207,22 +213,26 @@ class Engine:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _agree(self, loss_sum: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
-        """The global batch's mean loss, and whether any rank asked to stop: one all-reduce over the world.
+    def _agree(
+        self, loss_sum: torch.Tensor, stop_requested: bool, norm: torch.Tensor
+    ) -> tuple[float, bool, float]:
+        """The global batch's mean loss, whether any rank asked to stop, and the gradient norm.
 
-        Only the last stage holds a loss, each of its tensor-parallel ranks the
-        same one: dividing by tensor x data before the sum leaves the mean over
-        the data-parallel replicas.
+        One all-reduce over the world, then the step's one host sync: a
+        single read of (loss, stop, norm) together.  Only the last stage holds
+        a loss, each of its tensor-parallel ranks the same one: dividing by
+        tensor x data before the sum leaves the mean over the data-parallel
+        replicas.  ``norm`` is already global (the clip reduced it).
         """
         layout = self.mesh.layout
         share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
-        flag = torch.tensor(
-            [1.0 if stop_requested else 0.0], dtype=torch.float64, device=share.device
+        flag = torch.full(
+            (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=share.device
         )
         value = torch.cat([share, flag])
         dist.all_reduce(value)
-        loss, stops = value.tolist()
-        return loss, stops > 0
+        loss, stops, grad_norm = torch.cat([value, norm.detach().double().reshape(1)]).tolist()
+        return loss, stops > 0, grad_norm
 
     def zero_grad(self) -> None:
         """Clear gradients (in place when they live in reducer buckets)."""
@@ -248,7 +258,7 @@ class Engine:
             if isinstance(self.optimizer, zero.ZeroAdamW)
             else optim.clip_grad_norm
         )
-        norm = clip(
+        norm_tensor = clip(
             self.params,
             counted=self._norm_counted,
             max_norm=training.grad_clip,
@@ -256,7 +266,7 @@ class Engine:
             recorder=self.recorder,
             clock=self.clock,
         )
-        loss, stop = self._agree(loss_sum, stop_requested)
+        loss, stop, norm = self._agree(loss_sum, stop_requested, norm_tensor)
         verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
         if verdict is None or not verdict.skip:
             self.optimizer.step()

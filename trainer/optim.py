@@ -65,25 +65,37 @@ def clip_grad_norm(
     groups: list[tuple[str, dist.ProcessGroup]],
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
-) -> float:
+) -> torch.Tensor:
     """Scale gradients so the global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
     ``counted[i]`` says whether this rank counts ``params[i]`` in the norm;
     ``groups`` are the axes whose ranks hold different parts of the model
-    (tensor and pipeline), summed over in that order.
+    (tensor and pipeline), summed over in that order.  The norm stays on the
+    device (a 0-dim fp64 tensor): reading it is the caller's one host sync.
     """
     grads = [p.grad for p in params if p.grad is not None]
     mine = [p.grad for p, c in zip(params, counted) if c and p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    square = torch.zeros((), dtype=torch.float64, device=device)
-    if mine:  # per-tensor norms in fp32 (no big temporaries), their squares summed in fp64
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in mine]
-        )
-        square += norms.double().pow(2).sum()
     return reduce_norm_and_clip(
-        square, grads, max_norm=max_norm, groups=groups, recorder=recorder, clock=clock
+        squared_norm(mine, device),
+        grads,
+        max_norm=max_norm,
+        groups=groups,
+        recorder=recorder,
+        clock=clock,
     )
+
+
+def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of every element of ``tensors`` (0-dim fp64), from one multi-tensor norm kernel.
+
+    Per-tensor norms in fp32 (``torch._foreach_norm``: no big temporaries,
+    as ``clip_grad_norm_`` computes them), their squares summed in fp64.
+    """
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
 
 
 def reduce_norm_and_clip(
@@ -94,20 +106,21 @@ def reduce_norm_and_clip(
     groups: list[tuple[str, dist.ProcessGroup]],
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
-) -> float:
+) -> torch.Tensor:
     """Sum this rank's squared-norm share over ``groups``, then scale ``grads`` as ``clip_grad_norm_`` would.
 
     ``square`` is the sum of squares of the gradient elements this rank owns;
-    ``grads`` are the tensors this rank scales.  Returns the global norm.
+    ``grads`` are the tensors this rank scales.  Returns the global norm as a
+    0-dim tensor; nothing here waits for the device: the clip coefficient is
+    a tensor (clamped at 1, as ``clip_grad_norm_``'s), applied by one
+    ``_foreach_mul_`` (multiplying by exactly 1 when no clipping is needed).
     """
     for axis, group in groups:
         start = clock.now()
         dist.all_reduce(square, group=group)
         recorder.collective(axis, "all_reduce", square.element_size(), start, clock.now())
-    norm = float(square.sqrt())
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+    norm = square.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm

@@ -323,7 +323,7 @@ class ZeroAdamW:
         groups: list[tuple[str, dist.ProcessGroup]],
         recorder: recording.StepRecorder | None = None,
         clock: clocks.Clock | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
 
         Same signature as :func:`meshtrain.trainer.optim.clip_grad_norm`:
@@ -333,19 +333,16 @@ class ZeroAdamW:
         counted_by_id = {id(p): c for p, c in zip(params, counted)}
         recorder = recorder or self.recorder
         clock = clock or self.clock
-        square = torch.zeros(
-            (),
-            dtype=torch.float64,
-            device=self.buckets[0].exp_avg.device if self.buckets else "cpu",
-        )
-        for index, state in enumerate(self.buckets):
-            grad = self._owned_grad(index)
-            for seg in state.segments:
-                if counted_by_id.get(id(state.params[seg.member]), True):
-                    square += grad.narrow(0, seg.shard_offset, seg.numel).double().pow(2).sum()
+        views = [
+            self._owned_grad(index).narrow(0, seg.shard_offset, seg.numel)
+            for index, state in enumerate(self.buckets)
+            for seg in state.segments
+            if counted_by_id.get(id(state.params[seg.member]), True)
+        ]
+        device = self.buckets[0].exp_avg.device if self.buckets else torch.device("cpu")
         owned = [self._owned_grad(index) for index in range(len(self.buckets))]
         return optim.reduce_norm_and_clip(
-            square,
+            optim.squared_norm(views, device),
             owned,
             max_norm=max_norm,
             groups=[("dp", self.group), *groups],

@@ -1,0 +1,80 @@
+"""One host sync per training step: every device-to-host read made by meshtrain's own step code is counted.
+
+The CUDA sync-debug mode needs a GPU, so the reads are counted where they
+start: the tensor methods that wait for a value (``item``, ``tolist``,
+``float()``, ``int()``, ``bool()``, ``cpu``, ``numpy``) are wrapped and a call
+counts when its caller is a meshtrain source file.  The batch is drawn
+before counting (the sampler's CPU-side draws are host data on any device);
+torch internals are not counted (on CUDA AdamW is fused and reads nothing).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mt_harness
+import torch
+
+import meshtrain
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.trainer import engine
+from meshtrain.trainer.parallel import mesh as mesh_mod
+
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+SOURCES = tuple(str(Path(p).resolve()) for p in (*meshtrain.__path__, Path(engine.__file__).parent))
+CASES = {
+    "tp2-sp": dict(tensor=2, sequence_parallel=True),
+    "dp2-zero2": dict(data=2, micro_batches=2, zero_stage=2, bucket_mb=0.05),
+    "dp2-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05),
+    "pp2-1f1b": dict(pipeline=2, micro_batches=4),
+}
+
+
+class SyncCounter:
+    """Counts host reads of tensors whose caller is meshtrain code, while installed."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> SyncCounter:
+        for name in READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def wrapped(tensor, *args, _name=name, _original=original, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(SOURCES):
+                    self.calls.append(f"{_name} at {caller}:{sys._getframe(1).f_lineno}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, wrapped)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def count_step_syncs(cases: dict[str, dict]) -> dict[str, list[str]]:
+    """On every rank, per case: the host reads meshtrain's code made during the second step."""
+    out = {}
+    for case, layout in cases.items():
+        job = loading.parse_spec(mt_harness.make_spec(**layout, steps=3))
+        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        eng = engine.Engine(job, mesh)
+        eng.train_step()
+        drawn = eng.sampler.next()
+        eng.sampler.next = lambda drawn=drawn: drawn
+        with SyncCounter() as counter:
+            eng.train_step()
+        out[case] = counter.calls
+    return out
+
+
+def test_a_step_reads_the_device_once_on_every_layout():
+    for rank, result in enumerate(mt_harness.run_distributed(count_step_syncs, 2, CASES)):
+        for case, calls in result.items():
+            assert len(calls) == 1, f"{case} rank {rank}: {len(calls)} host reads: {calls}"
