@@ -205,9 +205,10 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
         client = await kube.Client.connect(kubeconfig=kubeconfig)
         try:
             started = time.perf_counter()
-            await client.create_many(manifests=manifests)
+            created = await asyncio.gather(*(client.create(manifest=m) for m in manifests))
             await client.lift_gates(
-                namespace=namespace, names=[m["metadata"]["name"] for m in manifests]
+                namespace=namespace,
+                uids={p["metadata"]["name"]: p["metadata"]["uid"] for p in created if p},
             )
             elapsed = time.perf_counter() - started
             await client.delete_pods(

@@ -14,6 +14,7 @@ API calls of its own (``reconciler`` through ``kube``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from meshtrain.operator import informer, kube, leadership, naming, queueing, rec
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
 ERROR_BACKOFF_SECONDS = 2.0
 """Wait after a failed reconcile pass (API unreachable, conflict) before the next try."""
+STANDBY_POLL_SECONDS = 2.0
+"""How often a standby's deletion handler looks whether the leader has finished the job's deletion."""
 MAX_IMMEDIATE_PASSES = 25
 """Back-to-back passes allowed while each one changes something, before waiting for an event."""
 
@@ -87,6 +90,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.wakeups = Wakeups()
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups))
     memo.leading = asyncio.Event()
+    client.may_write = memo.leading.is_set  # a pass under way when the Lease is lost writes no more
     if memo.election is None:
         memo.leading.set()
         memo.elector = None
@@ -130,6 +134,9 @@ async def run_job(
             wake.clear()
             try:
                 outcome = await memo.reconciler.reconcile(namespace=namespace, name=name)
+            except kube.NotLeading as err:  # the Lease was lost during the pass: stand by
+                logger.info("reconcile of %s/%s stopped: %s", namespace, name, err)
+                continue
             except kube.Conflict as err:  # the job changed under the pass: decide again from it
                 logger.info("reconcile of %s/%s raced a write, again: %s", namespace, name, err)
                 outcome = reconciler.Outcome(changed=True, requeue_after=0)
@@ -173,8 +180,23 @@ async def workload_event(
 async def delete_children(
     namespace: str | None, name: str, uid: str, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Delete the pods, Service and ConfigMap this job owns (also done by the garbage collector where one runs)."""
+    """Delete the pods, Service and ConfigMap this job owns (also done by the garbage collector where one runs).
+
+    A standby touches nothing: it returns once the job is gone (the leader deleted
+    the children and removed the finalizer), or does the deletion itself if it
+    takes the Lease first.  It never returns while the job still exists, which
+    would have kopf remove the finalizer before the children are gone.
+    """
     assert namespace is not None
-    await memo.leading.wait()  # a standby leaves the finalizer to the leader
-    await memo.reconciler.delete_children(namespace=namespace, name=name, uid=uid)
+    while True:
+        if memo.leading.is_set():
+            try:
+                await memo.reconciler.delete_children(namespace=namespace, name=name, uid=uid)
+                break
+            except kube.NotLeading:  # the Lease was lost meanwhile: stand by again
+                continue
+        if not await memo.reconciler.job_exists(namespace=namespace, name=name, uid=uid):
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(memo.leading.wait(), STANDBY_POLL_SECONDS)
     memo.wakeups.forget((namespace, name))

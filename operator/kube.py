@@ -59,6 +59,14 @@ class Conflict(ApiError):
     """409 on a write guarded by resourceVersion: re-read and decide again."""
 
 
+class NotLeading(RuntimeError):
+    """A write refused before it was sent: this replica no longer holds the Lease.
+
+    Not an :class:`ApiError`, so no handler of API errors swallows it: it ends the
+    pass, and the leader decides from what the cluster holds.
+    """
+
+
 def _transport_error(err: BaseException) -> bool:
     """Connection refused or reset, a timeout, a broken stream: the server was not reached.
 
@@ -114,6 +122,9 @@ class Client:
         self._limit = asyncio.Semaphore(CONCURRENCY)
         self.on_write: Callable[[str, Body], None] | None = None
         """Called with (verb, object) of every write's answer: the informer cache learns its own writes."""
+        self.may_write: Callable[[], bool] = lambda: True
+        """Asked right before every write is sent; False raises :class:`NotLeading` (leader election
+        sets it, so a pass under way when the Lease is lost writes nothing more)."""
 
     @classmethod
     async def connect(cls, *, kubeconfig: str | None = None) -> Client:
@@ -141,8 +152,10 @@ class Client:
         **kwargs: Any,
     ) -> Body | None:
         """Send one request; the JSON answer, None for a status in ``ok``; ApiError otherwise."""
-        metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
         async with self._limit:
+            if verb not in ("get", "list") and not self.may_write():
+                raise NotLeading(f"{verb} {resource} not sent: this replica is not the leader")
+            metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
             try:
                 response = await call(
                     *args, _preload_content=False, _request_timeout=REQUEST_SECONDS, **kwargs
@@ -397,20 +410,23 @@ class Client:
             "create", resource, call, manifest["metadata"]["namespace"], manifest, ok=(409,)
         )
 
-    async def create_many(self, *, manifests: list[Body]) -> None:
-        """Create objects concurrently (bounded); existing ones are left as they are."""
-        await asyncio.gather(*(self.create(manifest=m) for m in manifests))
-
-    async def lift_gates(self, *, namespace: str, names: Iterable[str]) -> None:
-        """Remove the gang gate, and only it, from these pods (gone pods are skipped).
+    async def lift_gates(self, *, namespace: str, uids: Mapping[str, str]) -> list[str]:
+        """Remove the gang gate, and only it, from these pods (name -> UID); the names lifted.
 
         A strategic merge patch deletes one entry of the list by its merge key
-        (``name``), so another controller's gate (e.g. Kueue's) stays.
+        (``name``), so another controller's gate (e.g. Kueue's) stays.  The patch
+        carries the pod's UID: the API server refuses it (422, ``metadata.uid`` is
+        immutable) when the name now belongs to another pod (a namesake job's,
+        another tenant's), which is then left as it is, like a pod that is gone.
         """
-        patch = {"spec": {"schedulingGates": [{"name": naming.GANG_GATE, "$patch": "delete"}]}}
-        await asyncio.gather(
-            *(
-                self._request(
+
+        async def lift(name: str, uid: str) -> str | None:
+            patch = {
+                "metadata": {"uid": uid},
+                "spec": {"schedulingGates": [{"name": naming.GANG_GATE, "$patch": "delete"}]},
+            }
+            try:
+                answer = await self._request(
                     "patch",
                     "pods",
                     self._core.patch_namespaced_pod,
@@ -420,9 +436,14 @@ class Client:
                     ok=(404,),
                     _content_type="application/strategic-merge-patch+json",
                 )
-                for name in names
-            )
-        )
+            except ApiError as err:
+                if err.status == 422 and "metadata.uid" in err.body:
+                    return None  # another pod of that name: not ours to release
+                raise
+            return None if answer is None else name
+
+        lifted = await asyncio.gather(*(lift(name, uid) for name, uid in uids.items()))
+        return [name for name in lifted if name is not None]
 
     async def delete_pods(
         self,

@@ -352,12 +352,16 @@ class Reconciler:
                 moved = await self._planned_nodes_changed(job)
                 if moved:
                     return await self._replace(body, job, moved)
-                await self.client.lift_gates(namespace=ref.namespace, names=action.names)
+                uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in self._owned_pods(ref)}
+                lifted = await self.client.lift_gates(
+                    namespace=ref.namespace,
+                    uids={n: uids[n] for n in action.names if n in uids},
+                )
             logger.info(
                 "gang of %s/%s complete: lifted %d gate(s)",
                 ref.namespace,
                 ref.name,
-                len(action.names),
+                len(lifted),
             )
             return body, job, True
         if isinstance(action, lifecycle.DeleteJob):
@@ -643,6 +647,11 @@ class Reconciler:
         verdict = sizing.admit(job.spec, choice)
         self._verdicts[(job.ref.namespace, job.ref.name)] = (key, verdict)
         return verdict
+
+    async def job_exists(self, *, namespace: str, name: str, uid: str) -> bool:
+        """Whether the TrainingJob of this UID is still there (a namesake created since is not it)."""
+        body = await self.client.get_job(namespace=namespace, name=name)
+        return body is not None and (body.get("metadata") or {}).get("uid") == uid
 
     async def delete_children(self, *, namespace: str, name: str, uid: str) -> None:
         """Remove the children this job (``uid``) owns, and nothing else (idempotent)."""

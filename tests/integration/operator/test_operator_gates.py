@@ -40,12 +40,12 @@ def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
             "containers": [{"name": "c", "image": "pause"}],
         },
     }
-    private.core.create_namespaced_pod("gates", pod)
+    created = private.core.create_namespaced_pod("gates", pod)
 
     async def lift() -> None:
         client = await kube.Client.connect(kubeconfig=private.kubeconfig)
         try:
-            await client.lift_gates(namespace="gates", names=["two-gates"])
+            await client.lift_gates(namespace="gates", uids={"two-gates": created.metadata.uid})
         finally:
             await client.close()
 
@@ -62,6 +62,45 @@ def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
         }
     )
     assert state is not None and not state.gated  # another controller's gate is not ours
+
+
+def test_lifting_by_uid_leaves_a_pod_that_took_the_name_since_gated(private):
+    """The cache still holds the job's pod; the name now belongs to another pod, which stays gated."""
+    pod = {
+        "metadata": {"name": "renamed", "labels": {naming.LABEL_JOB: "x"}},
+        "spec": {
+            "schedulingGates": [{"name": naming.GANG_GATE}],
+            "containers": [{"name": "c", "image": "pause"}],
+        },
+    }
+    ours = private.core.create_namespaced_pod("gates", pod)
+    private.core.delete_namespaced_pod("renamed", "gates", grace_period_seconds=0)
+    wait_for(
+        "pod renamed deleted",
+        lambda: (
+            not [
+                p
+                for p in private.core.list_namespaced_pod("gates").items
+                if p.metadata.name == "renamed"
+            ]
+        ),
+    )
+    namesake = private.core.create_namespaced_pod("gates", pod)
+
+    async def lift() -> list[str]:
+        client = await kube.Client.connect(kubeconfig=private.kubeconfig)
+        try:
+            return await client.lift_gates(namespace="gates", uids={"renamed": ours.metadata.uid})
+        finally:
+            await client.close()
+
+    lifted = asyncio.run(lift())
+    read = private.core.read_namespaced_pod("renamed", "gates")
+    assert read.metadata.uid == namesake.metadata.uid
+    assert [g.name for g in read.spec.scheduling_gates or []] == [naming.GANG_GATE], (
+        "the gate of another pod that took the name was lifted"
+    )
+    assert lifted == []
 
 
 def test_a_planned_node_tainted_before_the_gates_lift_gets_the_gang_placed_again(private):

@@ -67,7 +67,9 @@ def _gated_gang_with_a_node_filled_after_the_check(cluster: Cluster) -> tuple[li
     async def lift() -> None:  # the moment after the operator's check, before the scheduler binds
         client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
         try:
-            await client.lift_gates(namespace=NAMESPACE, names=[p.metadata.name for p in pods])
+            await client.lift_gates(
+                namespace=NAMESPACE, uids={p.metadata.name: p.metadata.uid for p in pods}
+            )
         finally:
             await client.close()
 
