@@ -149,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", help="a step-NNNNNNNN checkpoint, or a checkpoint directory (its newest)"
     )
     export.add_argument("-o", "--output", required=True, help="Hugging Face directory to write")
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file (e.g. 5GB, 500MB, 2GiB); more than one gets "
+        "model.safetensors.index.json (default: %(default)s)",
+    )
+    export.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json whose begin/end-of-text and padding ids go into config.json "
+        "(default: the ids the checkpoint recorded from its data or its fromHF directory)",
+    )
     export.set_defaults(handler=_export)
 
     data = sub.add_parser("data", help="prepare training data")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer import data, hf, llama, lossguard, optim
+from meshtrain.trainer import data, hf, llama, lossguard, optim, special_tokens
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, parallelize, recording, zero
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -138,6 +138,8 @@ class Engine:
                 weight_decay=training.weight_decay,
             )
         tokens = data.open_dataset(training, vocab=self.config.vocab, seq_len=self.config.seq_len)
+        self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
+        """Begin/end-of-text ids of the data's tokenizer; checkpoints carry them to ``meshtrain export``."""
         tokens, held_out = data.open_eval(
             training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
         )

@@ -4,12 +4,20 @@
 ``COMPLETE`` marker) or a checkpoint root, whose newest checkpoint is taken.
 The checkpoint is layout-independent (:mod:`.checkpointing.state`), so one
 process reads every parameter whole, whatever layout wrote it, and
-:mod:`.hf` writes ``config.json`` + ``model.safetensors``.
+:mod:`.hf` writes ``config.json``, ``generation_config.json`` and the
+safetensors.  Parameters are read one shard's worth at a time (DCP reads
+only the entries asked for), so exporting a 70B model needs the memory of a
+shard, not of the model; shards above ``--max-shard-size`` are split as
+transformers' ``save_pretrained`` splits them, with an index.
+
+Begin/end-of-text ids come from ``--tokenizer`` when given, else from the
+checkpoint (its data's tokenizer, or the directory the job started from).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -20,9 +28,32 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from meshtrain.api import exitcodes
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import hf
+from meshtrain.trainer import hf, special_tokens
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.checkpointing import state, store
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+"""Shard size of the Llama releases on the Hugging Face Hub (huggingface_hub's default too)."""
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MiB`` or ``123456`` (decimal units, as transformers reads them)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def find_checkpoint(path: Path) -> tuple[Path, store.Marker]:
@@ -37,32 +68,76 @@ def find_checkpoint(path: Path) -> tuple[Path, store.Marker]:
     return found[0].path, found[1]
 
 
-def read_dense(directory: Path) -> dict[str, torch.Tensor]:
-    """Every model parameter of a checkpoint as a whole tensor, by its meshtrain name (one process)."""
+def model_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Dense shape of every model parameter of a checkpoint, by its meshtrain name (metadata only)."""
     metadata = state.read_metadata(directory)
-    entries = {
-        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return {
+        key.removeprefix("model."): tuple(meta.size)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.")
     }
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_load(entries, storage_reader=FileSystemReader(str(directory)))
+
+
+def read_params(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named model parameters of a checkpoint as whole tensors (one process; reads only these)."""
+    metadata = state.read_metadata(directory).state_dict_metadata
+    entries = {
+        f"model.{name}": torch.empty(
+            tuple(metadata[f"model.{name}"].size), dtype=metadata[f"model.{name}"].properties.dtype
+        )
+        for name in names
+    }
+    if entries:
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(entries, storage_reader=FileSystemReader(str(directory)))
     return {key.removeprefix("model."): value for key, value in entries.items()}
 
 
-def export(checkpoint: str | Path, output: str | Path) -> Path:
-    """Write the checkpoint's model as ``config.json`` + ``model.safetensors`` into ``output``."""
+def read_dense(directory: Path) -> dict[str, torch.Tensor]:
+    """Every model parameter of a checkpoint as a whole tensor, by its meshtrain name (one process)."""
+    return read_params(directory, list(model_shapes(directory)))
+
+
+def export(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
+    tokenizer: Path | None = None,
+) -> list[Path]:
+    """Write the checkpoint's model as a Hugging Face directory into ``output``; returns the weight files."""
     directory, marker = find_checkpoint(Path(checkpoint))
     shape = spec_mod.ModelShape.model_validate(marker.model)
-    return hf.write(output, gpt.GPTConfig.from_shape(shape), read_dense(directory))
+    token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
+    if tokenizer is not None:
+        token_ids = special_tokens.from_tokenizer_file(tokenizer)
+    return hf.write_sharded(
+        output,
+        gpt.GPTConfig.from_shape(shape),
+        model_shapes(directory),
+        lambda names: read_params(directory, names),
+        max_shard_bytes=max_shard_bytes,
+        token_ids=token_ids,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        written = export(args.checkpoint, args.output)
+        max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2  # a usage error, as argparse reports one
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        print(f"--tokenizer: {args.tokenizer} does not exist", file=sys.stderr)
+        return 2  # a usage error, as argparse reports one
+    try:
+        written = export(
+            args.checkpoint, args.output, max_shard_bytes=max_shard_bytes, tokenizer=args.tokenizer
+        )
     except store.CheckpointError as err:
         print(err, file=sys.stderr)
         return exitcodes.CHECKPOINT
-    print(f"wrote {written / hf.CONFIG} and {written / hf.WEIGHTS}")
+    names = ", ".join(p.name for p in written)
+    print(f"wrote {Path(args.output) / hf.CONFIG}, {hf.GENERATION_CONFIG} and {names}")
     return 0

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer import llama
+from meshtrain.trainer import llama, special_tokens
 from meshtrain.trainer import model as gpt
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A sharded model's map from tensor name to shard file (transformers' and huggingface_hub's name)."""
 FIELD = "spec.model.init.fromHF"
 
 
@@ -69,8 +73,23 @@ _GPT2_FIELDS = (
 )
 
 
-def hf_config(config: gpt.GPTConfig) -> dict[str, Any]:
-    """The ``config.json`` transformers builds this model from."""
+def hf_config(
+    config: gpt.GPTConfig, token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN
+) -> dict[str, Any]:
+    """The ``config.json`` transformers builds this model from.
+
+    Token ids are written even when unknown (null): left out, transformers
+    would assume its config class's defaults, which name arbitrary tokens.
+    """
+    return {**_architecture(config), **token_ids.to_json()}
+
+
+def generation_config(token_ids: special_tokens.TokenIds) -> dict[str, Any]:
+    """``generation_config.json``: what ``generate`` stops at and pads with."""
+    return token_ids.to_json()
+
+
+def _architecture(config: gpt.GPTConfig) -> dict[str, Any]:
     if config.family == "llama":
         return {
             "architectures": ["LlamaForCausalLM"],
@@ -219,7 +238,7 @@ def hf_parts(config: gpt.GPTConfig, name: str) -> list[Part]:
     return table[rest]
 
 
-def _zero_biases(config: gpt.GPTConfig) -> dict[str, int]:
+def zero_biases(config: gpt.GPTConfig) -> dict[str, int]:
     """GPT-2's linear biases (meshtrain's GPT has none): name -> length."""
     if config.family == "llama":
         return {}
@@ -233,15 +252,22 @@ def _zero_biases(config: gpt.GPTConfig) -> dict[str, int]:
     return {f"transformer.h.{i}.{key}": n for i in range(config.layers) for key, n in sizes.items()}
 
 
+def hf_tensors(config: gpt.GPTConfig, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of one dense meshtrain parameter."""
+    parts = hf_parts(config, name)
+    sizes = _part_rows(config, name, tensor.shape[0], len(parts))
+    return {
+        part.key: (piece.t() if part.transpose else piece).contiguous()
+        for part, piece in zip(parts, tensor.split(sizes))
+    }
+
+
 def to_hf(config: gpt.GPTConfig, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors from meshtrain's dense parameters."""
+    """Hugging Face tensors from meshtrain's dense parameters (and GPT-2's zero biases)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in dense.items():
-        parts = hf_parts(config, name)
-        sizes = _part_rows(config, name, tensor.shape[0], len(parts))
-        for part, piece in zip(parts, tensor.split(sizes)):
-            out[part.key] = (piece.t() if part.transpose else piece).contiguous()
-    for key, n in _zero_biases(config).items():
+        out.update(hf_tensors(config, name, tensor))
+    for key, n in zero_biases(config).items():
         out[key] = torch.zeros(n)
     return out
 
@@ -322,7 +348,7 @@ def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
                 f"heads={config.heads}, kvHeads={config.key_value_heads}, ffnHidden={config.ffn_hidden}, "
                 f"vocab={config.vocab})"
             )
-    for key in _zero_biases(config):
+    for key in zero_biases(config):
         if key in shapes:
             with safe_open(str(shapes[key][1]), framework="pt") as handle:
                 if handle.get_tensor(key).abs().max() > 0:
@@ -338,11 +364,115 @@ def check_spec(job: api_spec.TrainingJobSpec) -> None:
         check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))
 
 
-def write(directory: str | Path, config: gpt.GPTConfig, dense: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` for ``dense`` (meshtrain names) into ``directory``."""
+def shard_file_name(index: int, count: int) -> str:
+    """File of shard ``index`` (0-based) of ``count``: transformers' ``model-00001-of-00003.safetensors``."""
+    return WEIGHTS if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Consecutive items (name, bytes) grouped into shards of at most ``max_bytes``; an item larger than that is a shard alone."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes:
+        if shards[-1] and filled + nbytes > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += nbytes
+    return [s for s in shards if s]
+
+
+def _clear_weights(directory: Path) -> None:
+    """Remove the weights of an earlier export (a stale shard would be loaded beside the new ones)."""
+    stale = [
+        directory / WEIGHTS,
+        directory / WEIGHTS_INDEX,
+        *directory.glob("model-*-of-*.safetensors"),
+    ]
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
+Loader = Callable[[list[str]], dict[str, torch.Tensor]]
+"""Dense meshtrain parameters by name, read when asked for."""
+
+
+def write_sharded(
+    directory: str | Path,
+    config: gpt.GPTConfig,
+    shapes: dict[str, tuple[int, ...]],
+    load: Loader,
+    *,
+    max_shard_bytes: int,
+    token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+) -> list[Path]:
+    """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes``; returns the files.
+
+    ``shapes`` names every dense parameter; ``load`` is asked for one
+    shard's parameters at a time, so no more than one shard (plus the
+    largest parameter) is in memory.  More than one shard gets
+    ``model.safetensors.index.json``; one is ``model.safetensors``.  All of a
+    parameter's pieces (q, k, v of a fused QKV) go to one shard.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf(config, {k: v.detach().float().cpu() for k, v in dense.items()})
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-    (directory / CONFIG).write_text(json.dumps(hf_config(config), indent=2) + "\n")
-    return directory
+    _clear_weights(directory)
+    order = {name: i for i, (name, _) in enumerate(_model_order(config))}
+    names = sorted(shapes, key=lambda n: order.get(n, len(order)))
+    sizes = [(n, math.prod(shapes[n]) * 4) for n in names]  # fp32
+    biases = zero_biases(config)
+    sizes += [(key, n * 4) for key, n in biases.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    files = []
+    for index, members in enumerate(shards):
+        file = shard_file_name(index, len(shards))
+        dense = load([n for n in members if n not in biases])
+        tensors: dict[str, torch.Tensor] = {}
+        for name in members:
+            if name in biases:
+                tensors[name] = torch.zeros(biases[name])
+            else:
+                tensors.update(hf_tensors(config, name, dense.pop(name).detach().float().cpu()))
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+        files.append(directory / file)
+        del dense, tensors
+    if len(shards) > 1:
+        index_doc = {
+            "metadata": {"total_size": total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (directory / WEIGHTS_INDEX).write_text(json.dumps(index_doc, indent=2) + "\n")
+        files.append(directory / WEIGHTS_INDEX)
+    (directory / CONFIG).write_text(json.dumps(hf_config(config, token_ids), indent=2) + "\n")
+    (directory / GENERATION_CONFIG).write_text(
+        json.dumps(generation_config(token_ids), indent=2) + "\n"
+    )
+    return files
+
+
+def _model_order(config: gpt.GPTConfig) -> list[tuple[str, torch.Tensor]]:
+    with torch.device("meta"):
+        return list(llama.build(config).named_parameters())
+
+
+def write(
+    directory: str | Path,
+    config: gpt.GPTConfig,
+    dense: dict[str, torch.Tensor],
+    *,
+    max_shard_bytes: int = 1 << 62,
+    token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+) -> list[Path]:
+    """:func:`write_sharded` for parameters already in memory (meshtrain names)."""
+    return write_sharded(
+        directory,
+        config,
+        {name: tuple(t.shape) for name, t in dense.items()},
+        lambda names: {n: dense[n] for n in names},
+        max_shard_bytes=max_shard_bytes,
+        token_ids=token_ids,
+    )

@@ -6,8 +6,9 @@ when the tokenizer has one, so windows that cross documents see the
 boundary.  A ``.jsonl`` input is one document per line (its ``--text-field``);
 any other file is one document.  The output is raw little-endian ``uint16``
 or ``uint32`` ids (``auto``: the smallest that holds the vocabulary) with
-``OUT.json`` beside it (dtype, vocabulary, token count, tokenizer hash),
-which :mod:`.tokens` checks when a job opens the file.  Refused before any
+``OUT.json`` beside it (dtype, vocabulary, token count, tokenizer hash, the
+begin/end-of-text and padding ids), which :mod:`.tokens` checks when a job
+opens the file and checkpoints carry into ``meshtrain export``.  Refused before any
 work: a tokenizer vocabulary above the model's (``--job`` or
 ``--model-vocab``) and ``uint16`` for a vocabulary above 65,536.
 """
@@ -29,12 +30,11 @@ import tqdm
 from tokenizers import Tokenizer
 
 from meshtrain.api import loading
+from meshtrain.trainer import special_tokens
 from meshtrain.trainer import tokens as token_files
 
 BATCH_DOCUMENTS = 256
 """Documents per ``encode_batch`` call (the library parallelises inside a batch)."""
-EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
-"""End-of-text tokens of common tokenizers (Llama 3, GPT-2, Llama 2 / Mistral, others), tried in order."""
 
 
 class PrepareError(ValueError):
@@ -105,10 +105,8 @@ def prepare(
             "ids past it would be refused at training: use the model's tokenizer or raise model.vocab"
         )
     dtype = choose_dtype(dtype, vocab, tokenizer_path)
-    eos = next(
-        (tokenizer.token_to_id(t) for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None),
-        None,
-    )
+    special = special_tokens.from_tokenizer(tokenizer)
+    eos = special.eos
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
     count = 0
@@ -142,6 +140,8 @@ def prepare(
         "vocab": vocab,
         "tokens": count,
         "eos_id": eos,
+        "bos_id": special.bos,
+        "pad_id": special.pad,
         "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
         "inputs": [str(p) for p in inputs],
     }

@@ -56,9 +56,14 @@ def expand(pattern: str, field: str) -> list[Path]:
     return [path]
 
 
+def metadata_path(path: Path) -> Path:
+    """Where ``meshtrain data prepare`` wrote the metadata of token file ``path``."""
+    return path.with_name(path.name + METADATA_SUFFIX)
+
+
 def check_metadata(path: Path, dtype: str, vocab: int, field: str) -> None:
     """Refuse a file whose ``data prepare`` metadata says another dtype, or a larger vocabulary."""
-    meta_path = path.with_name(path.name + METADATA_SUFFIX)
+    meta_path = metadata_path(path)
     if not meta_path.is_file():
         return
     meta = json.loads(meta_path.read_text())

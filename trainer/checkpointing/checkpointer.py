@@ -199,6 +199,7 @@ class Checkpointer:
                     "entries": len(entries),
                     "write_seconds": round(written, 3),
                     "world_size": dist.get_world_size(),
+                    "token_ids": self.engine.token_ids.to_json(),
                 },
             )
             final = store.publish(tmp, marker)

@@ -1,0 +1,134 @@
+"""Begin/end-of-text token ids: found in a tokenizer, carried by token files and checkpoints, exported.
+
+A model directory without them makes transformers fall back to its config
+class's defaults (``LlamaConfig``: bos 1, eos 2; ``GPT2Config``: 50256), so
+``generate`` would stop at whatever token happens to have that id.  The ids
+come from the tokenizer the data was prepared with (``meshtrain data
+prepare`` records them beside the token file), else from the Hugging Face
+directory the job started from (``model.init.fromHF``); the checkpoint
+records them and ``meshtrain export`` writes them (``--tokenizer`` overrides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from meshtrain.trainer import tokens as token_files
+
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
+"""Begin-of-text tokens of common tokenizers (Llama 3, Llama 2 / Mistral, Gemma, GPT-2's shared one), tried in order."""
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+"""End-of-text tokens of common tokenizers (Llama 3, GPT-2, Llama 2 / Mistral, Gemma), tried in order."""
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>")
+"""Padding tokens of common tokenizers, tried in order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenIds:
+    """The special token ids a Hugging Face config carries (None: the tokenizer has none)."""
+
+    bos: int | None = None
+    eos: int | None = None
+    pad: int | None = None
+
+    def to_json(self) -> dict[str, int | None]:
+        """The ``*_token_id`` keys of a Hugging Face ``config.json`` / ``generation_config.json``."""
+        return {"bos_token_id": self.bos, "eos_token_id": self.eos, "pad_token_id": self.pad}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> TokenIds:
+        """From ``*_token_id`` keys (a config.json, or a checkpoint marker's record); a list of eos ids keeps the first."""
+
+        def one(value: Any) -> int | None:
+            if isinstance(value, list):
+                value = value[0] if value else None
+            return int(value) if isinstance(value, int) else None
+
+        return cls(
+            bos=one(raw.get("bos_token_id")),
+            eos=one(raw.get("eos_token_id")),
+            pad=one(raw.get("pad_token_id")),
+        )
+
+    def or_else(self, other: TokenIds) -> TokenIds:
+        """Each id of ``self``, or ``other``'s where ``self`` has none."""
+        return TokenIds(
+            bos=self.bos if self.bos is not None else other.bos,
+            eos=self.eos if self.eos is not None else other.eos,
+            pad=self.pad if self.pad is not None else other.pad,
+        )
+
+
+UNKNOWN = TokenIds()
+"""No special token known."""
+
+
+def _first(tokenizer: Tokenizer, candidates: Iterable[str]) -> int | None:
+    ids = (tokenizer.token_to_id(token) for token in candidates)
+    return next((i for i in ids if i is not None), None)
+
+
+def from_tokenizer(tokenizer: Tokenizer) -> TokenIds:
+    """The ids of the tokenizer's begin-, end-of-text and padding tokens, by their usual names."""
+    return TokenIds(
+        bos=_first(tokenizer, BOS_CANDIDATES),
+        eos=_first(tokenizer, EOS_CANDIDATES),
+        pad=_first(tokenizer, PAD_CANDIDATES),
+    )
+
+
+def from_tokenizer_file(path: Path) -> TokenIds:
+    """:func:`from_tokenizer` of a ``tokenizer.json``."""
+    return from_tokenizer(Tokenizer.from_file(str(path)))
+
+
+def agreed(records: Iterable[TokenIds]) -> TokenIds:
+    """The ids every record agrees on (a mixture tokenised with different tokenizers has none it disagrees on)."""
+    found = list(records)
+    if not found:
+        return TokenIds()
+
+    def common(values: list[int | None]) -> int | None:
+        return values[0] if len(set(values)) == 1 else None
+
+    return TokenIds(
+        bos=common([r.bos for r in found]),
+        eos=common([r.eos for r in found]),
+        pad=common([r.pad for r in found]),
+    )
+
+
+def from_token_files(paths: Iterable[Path]) -> TokenIds:
+    """The ids ``meshtrain data prepare`` recorded beside the token files (those without metadata say nothing)."""
+    records = []
+    for path in map(token_files.metadata_path, paths):
+        if path.is_file():
+            meta = json.loads(path.read_text())
+            records.append(
+                TokenIds(bos=meta.get("bos_id"), eos=meta.get("eos_id"), pad=meta.get("pad_id"))
+            )
+    return agreed(records)
+
+
+def from_hf_directory(directory: Path) -> TokenIds:
+    """The ids a Hugging Face directory's ``config.json`` (then ``generation_config.json``) names."""
+    found = TokenIds()
+    for name in ("config.json", "generation_config.json"):
+        path = directory / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            if isinstance(raw, dict):
+                found = found.or_else(TokenIds.from_json(raw))
+    return found
+
+
+def for_job(files: Iterable[token_files.TokenFile], from_hf: str | None) -> TokenIds:
+    """A job's ids: its training files' (prepared with the tokenizer), else its ``model.init.fromHF`` directory's."""
+    found = from_token_files(f.path for f in files)
+    return found.or_else(from_hf_directory(Path(from_hf))) if from_hf else found
