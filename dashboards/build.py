@@ -419,6 +419,22 @@ OPERATOR_PANELS: list[Panel] = [
         "status.restarts of each TrainingJob.",
     ),
     Panel(
+        "Elastic data-parallel degree",
+        "none",
+        [
+            (
+                "{{namespace}}/{{trainingjob}} running",
+                f"max by (namespace, trainingjob) (meshtrain_operator_job_data_parallel_degree{{{OPSEL}}})",
+            ),
+            (
+                "{{namespace}}/{{trainingjob}} declared",
+                f"max by (namespace, trainingjob) (meshtrain_operator_job_declared_data_parallel_degree{{{OPSEL}}})",
+            ),
+        ],
+        "Data-parallel degree each job with runPolicy.elastic runs at, beside its declared parallelism.data "
+        "(below: shrunk after a lost node; it grows back at a checkpoint once room returns).",
+    ),
+    Panel(
         "Unschedulable for",
         "s",
         [
@@ -497,6 +513,12 @@ OPERATOR_ANNOTATIONS = [
         f"sum by (namespace, trainingjob) (increase(meshtrain_operator_gang_restarts_total{{{OPSEL}}}[1m])) > 0",
         "red",
         "{{namespace}}/{{trainingjob}} restarted its gang",
+    ),
+    _annotation(
+        "Elastic resizes",
+        f"sum by (namespace, trainingjob, direction) (increase(meshtrain_operator_elastic_resizes_total{{{OPSEL}}}[1m])) > 0",
+        "orange",
+        "{{namespace}}/{{trainingjob}} elastic {{direction}}",
     ),
     _spec_annotation(OPSEL),
 ]

@@ -60,6 +60,18 @@ COMPLETED = "Completed"
 ADMITTED = "Admitted"
 """Reason of Queued=False: Kueue admitted the job's workload."""
 
+# runPolicy.elastic (type and reasons).
+RESIZED = "Resized"
+"""True while runPolicy.elastic runs the gang at a data-parallel degree other than parallelism.data."""
+ELASTIC_SHRUNK = "ElasticShrunk"
+"""Resized=True: the largest degree that fitted is below parallelism.data (a node was lost)."""
+ELASTIC_GROWN = "ElasticGrown"
+"""Resized=True: the gang runs above parallelism.data (free capacity, up to maxData)."""
+ELASTIC_GROWING = "ElasticGrowing"
+"""A smaller gang is rebuilt at a larger degree that now fits (at the next checkpoint)."""
+DECLARED_SIZE = "DeclaredSize"
+"""Resized=False: the gang runs at parallelism.data."""
+
 TRUE, FALSE = "True", "False"
 
 

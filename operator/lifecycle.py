@@ -39,7 +39,15 @@ from typing import Any
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import conditions, failure, gangstatus, identity, progress_status, queueing
+from meshtrain.operator import (
+    conditions,
+    failure,
+    gangstatus,
+    identity,
+    progress_status,
+    queueing,
+    resizing,
+)
 
 Phase = api_spec.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
@@ -53,13 +61,15 @@ class JobState:
     generation: int
     """metadata.generation (becomes status.observedGeneration)."""
     spec: api_spec.TrainingJobSpec | None
-    """The validated spec, or None when it breaks a rule."""
+    """The spec the placed gang runs (``declared`` resized by ``status.elastic``), or None when it breaks a rule."""
     problems: tuple[str, ...]
     """Why the spec is invalid (empty when valid)."""
     status: Mapping[str, Any]
     """The current status (camelCase, as stored)."""
     ttl_seconds_after_finished: int | None = None
     """runPolicy.ttlSecondsAfterFinished, read even when the rest of the spec is invalid."""
+    declared: api_spec.TrainingJobSpec | None = None
+    """The validated spec as written (``spec`` differs only while runPolicy.elastic resized the gang)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +140,7 @@ Action = (
     | LiftGates
     | DeleteJob
     | PollProgress
+    | resizing.Grow
     | queueing.CreateWorkload
     | queueing.ReleaseQuota
     | queueing.ReportPodsReady
@@ -164,13 +175,15 @@ def job_state(body: Mapping[str, Any]) -> JobState:
         )
     except loading.SpecError as err:
         parsed, problems = None, tuple(str(p) for p in err.problems)
+    status = dict(body.get("status") or {})
     return JobState(
         ref=ref,
         generation=int(metadata.get("generation") or 0),
-        spec=parsed,
+        spec=resizing.running_spec(parsed, status) if parsed is not None else None,
         problems=problems,
-        status=dict(body.get("status") or {}),
+        status=status,
         ttl_seconds_after_finished=ttl if isinstance(ttl, int) else None,
+        declared=parsed,
     )
 
 
@@ -384,7 +397,14 @@ def _rebuild_for_new_spec(
         conds, conditions.RUNNING, conditions.FALSE, conditions.SPEC_CHANGED, message, now
     )
     actions: list[Action] = [
-        _changes(job, phase=Phase.RESTARTING.value, placement=[], specHash=None, conditions=conds),
+        _changes(
+            job,
+            phase=Phase.RESTARTING.value,
+            placement=[],
+            specHash=None,
+            elastic=None,
+            conditions=conds,
+        ),
         Emit("Normal", conditions.SPEC_CHANGED, message),
     ]
     doomed = tuple(p.name for p in current if not p.deleting)
@@ -528,6 +548,10 @@ def decide(
         rank0 = next(p for p in current if p.index == 0)
         if rank0.ip and rank0.phase == "Running":
             actions.append(PollProgress(rank0.name, rank0.ip, spec.metrics.port))
+        grow = resizing.grow_due(job.declared or spec, job.status)
+        if grow is not None:
+            actions.append(grow)
+            return Decision(tuple(actions), requeue_after=resizing.GROW_CHECK_SECONDS)
         return Decision(tuple(actions))
 
     created = [p.created_at for p in current if p.created_at is not None]

@@ -51,6 +51,11 @@ RESTARTS = prometheus_client.Counter(
     "Gang restarts performed after a pod failure.",
     labelnames=JOB_LABELS,
 )
+ELASTIC_RESIZES = prometheus_client.Counter(
+    "meshtrain_operator_elastic_resizes",
+    "Gangs placed at another data-parallel degree than they ran at (runPolicy.elastic), by direction.",
+    labelnames=(*JOB_LABELS, "direction"),
+)
 APPLY_TO_RUNNING_SECONDS = prometheus_client.Histogram(
     "meshtrain_operator_job_apply_to_running_seconds",
     "Time from a TrainingJob's creation to its first Running phase.",
@@ -96,6 +101,8 @@ class JobView:
     """metadata.uid."""
     generation: int
     """metadata.generation: grows with every spec change."""
+    data_degree: tuple[int, int] | None = None
+    """(running, declared) data-parallel degree of a job with runPolicy.elastic that is placed."""
 
 
 _jobs: dict[tuple[str, str], JobView] = {}
@@ -139,6 +146,7 @@ def observe_job(
         unschedulable_since=since,
         uid=metadata.get("uid", ""),
         generation=int(metadata.get("generation") or 0),
+        data_degree=_data_degree(spec, status),
     )
     uid = _jobs[key].uid
     if phase != api_spec.Phase.RUNNING.value or uid in _reached_running:
@@ -149,9 +157,24 @@ def observe_job(
         APPLY_TO_RUNNING_SECONDS.observe(max(0.0, (now or time.time()) - created))
 
 
+def _data_degree(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[int, int] | None:
+    running = (status.get("elastic") or {}).get("data")
+    declared = (spec.get("parallelism") or {}).get("data", 1)
+    if not isinstance(running, int) or not status.get("placement"):
+        return None
+    return running, int(declared)
+
+
+def resized(namespace: str, name: str, direction: str) -> None:
+    """Count one elastic size change of a job's gang (``shrink`` or ``grow``)."""
+    ELASTIC_RESIZES.labels(namespace=namespace, trainingjob=name, direction=direction).inc()
+
+
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted job, its restart counter included (a series per job ever seen would only grow)."""
     RESTARTS.remove(namespace, name)  # a no-op for a job never restarted
+    for direction in ("shrink", "grow"):
+        ELASTIC_RESIZES.remove(namespace, name, direction)
     view = _jobs.pop((namespace, name), None)
     if view is not None:
         _reached_running.discard(view.uid)
@@ -162,6 +185,7 @@ def forget_all() -> None:
     _jobs.clear()
     _reached_running.clear()
     RESTARTS.clear()
+    ELASTIC_RESIZES.clear()
 
 
 def api_error(verb: str) -> None:
@@ -215,8 +239,21 @@ class _JobCollector(Collector):
             "How long a job not yet finished has been unschedulable (0 when it is placed or placeable).",
             labels=labels,
         )
+        degree = GaugeMetricFamily(
+            "meshtrain_operator_job_data_parallel_degree",
+            "Data-parallel degree a placed gang with runPolicy.elastic runs at.",
+            labels=labels,
+        )
+        declared = GaugeMetricFamily(
+            "meshtrain_operator_job_declared_data_parallel_degree",
+            "parallelism.data of a placed gang with runPolicy.elastic (the degree its global batch is stated at).",
+            labels=labels,
+        )
         for (namespace, name), view in sorted(views.items()):
             key = [namespace, name]
+            if view.data_degree is not None:
+                degree.add_metric(key, view.data_degree[0])
+                declared.add_metric(key, view.data_degree[1])
             for phase in api_spec.Phase:
                 phase_of.add_metric([*key, phase.value], 1.0 if view.phase == phase.value else 0.0)
             restarts.add_metric(key, view.restarts)
@@ -227,7 +264,7 @@ class _JobCollector(Collector):
                 remaining.add_metric(key, max(0, view.backoff_limit - view.restarts))
             since = view.unschedulable_since
             waited.add_metric(key, 0.0 if since is None else max(0.0, now - since))
-        yield from (phase_of, restarts, generation, remaining, waited)
+        yield from (phase_of, restarts, generation, remaining, waited, degree, declared)
 
 
 prometheus_client.REGISTRY.register(_JobCollector())

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain import placement
+from meshtrain.api import elastic
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import (
     builders,
@@ -46,6 +47,7 @@ from meshtrain.operator import (
     naming,
     progress_status,
     queueing,
+    resizing,
     sizing,
 )
 from meshtrain.planner import admission, placement_request, profiles
@@ -88,6 +90,18 @@ class _CreateFailures:
     """time.monotonic() before which no new try is made."""
     generation: int
     """A new spec generation tries again at once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sized:
+    """The placement answer at one size of the gang (``size`` None without runPolicy.elastic)."""
+
+    size: elastic.Size | None
+    spec: api_spec.TrainingJobSpec
+    verdict: sizing.Admitted | sizing.Refused | None
+    answer: placement.Placement | placement.Unschedulable | None
+    """None when the verdict refused the size."""
+    refusals: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +246,7 @@ class Reconciler:
             return queueing.Gate(queueing.name_taken(workload)), None
         if workload is not None:
             state = queueing.state(workload)
-            spec = lifecycle.job_state(body).spec
+            spec = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
             if spec is not None and not isinstance(state, queueing.Finished):
                 state = queueing.outdated(workload, identity.spec_hash(spec), queue) or state
             return queueing.Gate(state), workload
@@ -255,14 +269,14 @@ class Reconciler:
     ) -> bool:
         ref = job.ref
         if isinstance(action, queueing.CreateWorkload):
-            assert job.spec is not None and queue is not None
+            assert job.declared is not None and queue is not None
             priority = None
             if queue.priority_class:
                 priority = await self.client.workload_priority(name=queue.priority_class)
             template = builders.build_pod(
-                ref, job.spec, 0, 0, "", default_image=self.settings.trainer_image
+                ref, job.declared, 0, 0, "", default_image=self.settings.trainer_image
             )
-            manifest = queueing.build_workload(ref, job.spec, queue, template, priority)
+            manifest = queueing.build_workload(ref, job.declared, queue, template, priority)
             created = await self.client.create_workload(manifest=manifest)
             logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
             return created is not None
@@ -372,6 +386,8 @@ class Reconciler:
             return await self._poll(action, body, job)
         if isinstance(action, lifecycle.Place):
             return await self._place(action, body, job)
+        if isinstance(action, resizing.Grow):
+            return await self._grow(action, body, job)
         raise TypeError(f"unknown action {action!r}")
 
     async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
@@ -415,6 +431,40 @@ class Reconciler:
             body, job, lifecycle.unplaced(job, _now(), message, conditions.NODES_CHANGED)
         )
         await self._emit(body, "Warning", conditions.NODES_CHANGED, message)
+        return body, job, True
+
+    async def _grow(
+        self, action: resizing.Grow, body: dict[str, Any], job: lifecycle.JobState
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        """Rebuild a gang running below its largest size when a larger one fits beside everyone else."""
+        assert job.declared is not None
+        ref = job.ref
+        async with self.placement_lock:
+            raw_nodes, _ = self._nodes(job.declared.resources.gpu_resource_name)
+            usage = self.cache.usage(without=self._owned_pods(ref))
+            pod = builders.build_pod(ref, job.declared, 0, 0, "")
+            demand = feasibility.demand_of(pod)
+            for size in action.sizes:
+                grown = elastic.resized(job.declared, size)
+                offered, _ = capacity.offered_nodes(
+                    demand,
+                    raw_nodes,
+                    usage,
+                    gpus_per_pod=grown.resources.gpus_per_node,
+                    pods_wanted=grown.pods,
+                )
+                answer = placement.plan(placement_request.request_from_spec(grown), offered, [])
+                if isinstance(answer, placement.Placement):
+                    break
+            else:
+                return body, job, False
+        fields, message = resizing.growing(job.status, action.running, size, _now())
+        logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+        body, job, _ = await self._set_status(
+            body, job, {**fields, "observedGeneration": job.generation}
+        )
+        await self._emit(body, "Normal", conditions.ELASTIC_GROWING, message)
+        await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
         return body, job, True
 
     async def _poll(
@@ -526,7 +576,16 @@ class Reconciler:
                 own = [p for p in live if capacity.owned_by(p, ref.uid)]
                 await self._delete_pods(ref, [p["metadata"]["name"] for p in own])
                 return await self._set_status(body, job, recovery.status)
-            verdict = self._admit(job, nodes)
+            sized = self._plan_sizes(job, raw_nodes, nodes, demand)
+            size, verdict, answer, refusals = (
+                sized.size,
+                sized.verdict,
+                sized.answer,
+                sized.refusals,
+            )
+            previous = job.spec.parallelism.data if job.status.get("elastic") else None
+            job = dataclasses.replace(job, spec=sized.spec)
+            spec = sized.spec
             if isinstance(verdict, sizing.Refused):
                 logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
                 metrics.PLACEMENT_FAILURES.labels(reason=verdict.reason).inc()
@@ -535,21 +594,20 @@ class Reconciler:
                 )
                 await self._emit(body, "Warning", verdict.reason, verdict.message)
                 return body, job, changed
-            offered, refusals = capacity.offered_nodes(
-                demand,
-                raw_nodes,
-                self.cache.usage(without=self._owned_pods(ref)),
-                gpus_per_pod=spec.resources.gpus_per_node,
-                pods_wanted=spec.pods,
-            )
             plan = verdict.summary if verdict is not None else None
-            answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
             metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
+            assert answer is not None  # only a refused size has no answer
             if isinstance(answer, placement.Unschedulable):
                 metrics.PLACEMENT_FAILURES.labels(reason=answer.reason).inc()
+                bounds = (job.declared or spec).run_policy.elastic
+                tried = (
+                    f"; no data-parallel degree from {bounds.max_data} down to {bounds.min_data} fits"
+                    if bounds is not None
+                    else ""
+                )
                 answer = dataclasses.replace(
                     answer,
-                    message=f"{answer.message}; {feasibility.summary(refusals, len(raw_nodes))}",
+                    message=f"{answer.message}{tried}; {feasibility.summary(refusals, len(raw_nodes))}",
                 )
                 before = (
                     conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
@@ -569,9 +627,23 @@ class Reconciler:
                     )
                     await self._emit(body, "Warning", answer.reason, answer.message)
                 return body, job, changed
-            body, job, _ = await self._set_status(
-                body, job, lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
-            )
+            declared = job.declared or spec
+            fields = lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
+            fields |= resizing.placed_fields(declared, size, {**job.status, **fields}, now)
+            body, job, _ = await self._set_status(body, job, fields)
+            direction = resizing.change(previous, size)
+            if direction is not None and size is not None:
+                metrics.resized(ref.namespace, ref.name, direction)
+                message = fields["elastic"]["message"]
+                logger.info("%s/%s elastic %s: %s", ref.namespace, ref.name, direction, message)
+                await self._emit(
+                    body,
+                    "Warning" if direction == "shrink" else "Normal",
+                    conditions.ELASTIC_SHRUNK
+                    if direction == "shrink"
+                    else conditions.ELASTIC_GROWN,
+                    f"data-parallel degree {previous} -> {size.data}: {message}",
+                )
             group = await self._pod_group(ref, spec, action.attempt)
             refused = await children.ensure(
                 self.client,
@@ -608,6 +680,44 @@ class Reconciler:
         )
         return body, job, True
 
+    def _plan_sizes(
+        self,
+        job: lifecycle.JobState,
+        raw_nodes: list[dict[str, Any]],
+        nodes: list[placement.Node],
+        demand: feasibility.Demand,
+    ) -> _Sized:
+        """Plan the gang at each size runPolicy.elastic allows, largest first; the first that fits.
+
+        Without one that fits: the largest size's answer (a memory refusal only when every size is refused).
+        """
+        assert job.spec is not None
+        declared = job.declared or job.spec
+        usage = self.cache.usage(without=self._owned_pods(job.ref))
+        first: _Sized | None = None
+        waiting: _Sized | None = None
+        for size, spec in resizing.candidates(declared):
+            verdict = self._admit(dataclasses.replace(job, spec=spec), nodes)
+            answer: placement.Placement | placement.Unschedulable | None = None
+            refusals: list[str] = []
+            if not isinstance(verdict, sizing.Refused):
+                offered, refusals = capacity.offered_nodes(
+                    demand,
+                    raw_nodes,
+                    usage,
+                    gpus_per_pod=spec.resources.gpus_per_node,
+                    pods_wanted=spec.pods,
+                )
+                answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
+            sized = _Sized(size, spec, verdict, answer, refusals)
+            if isinstance(answer, placement.Placement):
+                return sized
+            first = first or sized
+            if waiting is None and answer is not None:
+                waiting = sized
+        assert first is not None
+        return waiting or first
+
     def _nodes(self, gpu: str) -> tuple[list[dict[str, Any]], list[placement.Node]]:
         """The cached nodes, and as the planner sees them (rebuilt only when a node changed)."""
         key = (self.cache.nodes.changes, gpu)
@@ -640,7 +750,7 @@ class Reconciler:
         choice = sizing.choose_profile(
             [(n.name, self._profile_of(n.labels)) for n in candidates], self.settings.gpu_profile
         )
-        key = (job.ref.uid, job.generation, choice)
+        key = (job.ref.uid, job.generation, choice, identity.spec_hash(job.spec))
         cached = self._verdicts.get((job.ref.namespace, job.ref.name))
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -73,6 +73,8 @@ def _job_manifest(paths: supervisor.Paths) -> Path:
     document["metadata"]["name"] = JOB
     document["spec"]["checkpoint"].update(claimName="obs-live-ckpt", intervalSteps=100)
     document["spec"]["training"]["steps"] = STEPS
+    # Elastic (dp1..2, placed at 2): the operator's data-parallel degree gauges have a job to report.
+    document["spec"].setdefault("runPolicy", {})["elastic"] = {"minData": 1, "maxData": 2}
     path = paths.root / f"{JOB}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
@@ -190,7 +192,10 @@ def alert_signal(rule: dict) -> str:
 
 def test_prometheus_scraped_every_metric_the_exporters_declare(live_run):
     scraped = set(live_run.prom.api("label/__name__/values"))
-    labelled_on_event = {"meshtrain_operator_gang_restarts_total"}  # a child per restarted job
+    labelled_on_event = {  # a child per restarted (resized) job
+        "meshtrain_operator_gang_restarts_total",
+        "meshtrain_operator_elastic_resizes_total",
+    }
     missing = (trainer_names() | operator_names()) - scraped - labelled_on_event
     assert not missing, f"declared by an exporter, never scraped: {sorted(missing)}"
 

@@ -93,8 +93,14 @@ class Kubelet:
 
     def _finish(self, pod: Any) -> None:
         try:
+            # That very pod (UID): a gang rebuilt without a restart reuses its pods' names.
             self._cluster.core.delete_namespaced_pod(
-                pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0
+                pod.metadata.name,
+                pod.metadata.namespace,
+                body=kubernetes.client.V1DeleteOptions(
+                    grace_period_seconds=0,
+                    preconditions=kubernetes.client.V1Preconditions(uid=pod.metadata.uid),
+                ),
             )
         except kubernetes.client.ApiException:
             pass  # already gone

@@ -1,0 +1,142 @@
+"""runPolicy.elastic in the operator: which specs a placement tries, and what a resize writes.
+
+A placement tries the allowed data-parallel degrees largest first (``meshtrain.api.elastic``),
+so a gang that lost a node resumes at the largest degree that fits.  A gang running below its
+largest degree is checked for room to grow once it has published a checkpoint newer than the
+one it resumed from; growing is a rebuild like a spec change (the old pods checkpoint the step
+they stop at, nothing counts as a failure).  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import pydantic
+
+from meshtrain.api import elastic
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import conditions
+
+GROW_CHECK_SECONDS = 10.0
+"""How often a gang that may grow is checked for room while it runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """Look for room for a larger gang; rebuild at the next size that fits."""
+
+    running: int
+    """Data-parallel degree the gang runs at now."""
+    sizes: tuple[elastic.Size, ...]
+    """Larger allowed sizes, largest first."""
+
+
+def recorded(status: Mapping[str, Any]) -> api_spec.ElasticStatus | None:
+    """``status.elastic`` as written by :func:`placed_fields` (None when absent or unreadable)."""
+    raw = status.get("elastic")
+    if not raw:
+        return None
+    try:
+        return api_spec.ElasticStatus.model_validate(raw)
+    except pydantic.ValidationError:
+        return None
+
+
+def running_spec(
+    declared: api_spec.TrainingJobSpec, status: Mapping[str, Any]
+) -> api_spec.TrainingJobSpec:
+    """The spec the placed gang runs (the declared one resized to ``status.elastic``)."""
+    return elastic.running_spec(declared, recorded(status))
+
+
+def candidates(
+    declared: api_spec.TrainingJobSpec,
+) -> list[tuple[elastic.Size | None, api_spec.TrainingJobSpec]]:
+    """The specs a placement tries in order: every allowed size largest first, or just the declared spec."""
+    if declared.run_policy.elastic is None:
+        return [(None, declared)]
+    return [(size, elastic.resized(declared, size)) for size in elastic.sizes(declared)]
+
+
+def placed_fields(
+    declared: api_spec.TrainingJobSpec,
+    size: elastic.Size | None,
+    status: Mapping[str, Any],
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """Status fields of a gang placed at ``size``: ``elastic`` and the ``Resized`` condition."""
+    if size is None:
+        return {}
+    record = elastic.status_of(declared, size, status.get("lastCheckpointStep"))
+    conds = list(status.get("conditions") or [])
+    if record is None:
+        message = f"running at parallelism.data={size.data}"
+        conds = conditions.set(
+            conds, conditions.RESIZED, conditions.FALSE, conditions.DECLARED_SIZE, message, now
+        )
+        body: dict[str, Any] = {
+            "data": size.data,
+            "microBatches": size.micro_batches,
+            "globalBatch": size.global_batch,
+            "learningRate": declared.training.learning_rates(declared.parallelism)[0],
+            "checkpointStep": status.get("lastCheckpointStep"),
+            "message": message,
+        }
+    else:
+        reason = (
+            conditions.ELASTIC_SHRUNK
+            if size.data < declared.parallelism.data
+            else conditions.ELASTIC_GROWN
+        )
+        conds = conditions.set(
+            conds, conditions.RESIZED, conditions.TRUE, reason, record.message, now
+        )
+        body = record.model_dump(by_alias=True, mode="json")
+    return {"elastic": body, "conditions": conds}
+
+
+def change(previous: int | None, size: elastic.Size | None) -> str | None:
+    """``shrink`` or ``grow`` when a gang placed at ``size`` runs another degree than ``previous``."""
+    if size is None or previous is None or previous == size.data:
+        return None
+    return "shrink" if size.data < previous else "grow"
+
+
+def grow_due(declared: api_spec.TrainingJobSpec, status: Mapping[str, Any]) -> Grow | None:
+    """A grow check when the gang runs below its largest size and has checkpointed since it was placed."""
+    record = recorded(status)
+    if declared.run_policy.elastic is None or record is None:
+        return None
+    larger = elastic.larger_sizes(declared, record.data)
+    if not larger:
+        return None
+    newest = status.get("lastCheckpointStep")
+    if newest is None or (record.checkpoint_step is not None and newest <= record.checkpoint_step):
+        return None
+    return Grow(record.data, tuple(larger))
+
+
+def growing(
+    status: Mapping[str, Any], running: int, size: elastic.Size, now: datetime.datetime
+) -> tuple[dict[str, Any], str]:
+    """Status fields (and the message) that rebuild a running gang at the larger ``size``."""
+    message = (
+        f"room for data-parallel degree {size.data} (running {running}): rebuilding the gang at it; "
+        f"the pods checkpoint the step they stop at (last checkpoint so far: step "
+        f"{status.get('lastCheckpointStep')}) and training resumes there"
+    )
+    conds = list(status.get("conditions") or [])
+    for type_ in (conditions.PLACED, conditions.RUNNING):
+        conds = conditions.set(
+            conds, type_, conditions.FALSE, conditions.ELASTIC_GROWING, message, now
+        )
+    fields = {
+        "phase": api_spec.Phase.RESTARTING.value,
+        "placement": [],
+        "specHash": None,
+        "conditions": conds,
+    }
+    return fields, message

@@ -1,0 +1,107 @@
+"""runPolicy.elastic on a real control plane (apiserver, etcd, kube-scheduler): a node is deleted
+under a running gang and no equal replacement exists, so the job resumes at the largest
+data-parallel degree that fits with the same global batch; the node comes back and, at the
+next checkpoint, the gang grows back.  The test plays the kubelet (a bound pod runs; the pods of
+a deleted node fail) and the trainer's checkpoint report (status.lastCheckpointStep)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshtrain.api import loading
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+from tests.integration.operator.test_operator_chaos import Kubelet
+
+pytestmark = pytest.mark.integration
+
+POOL = "elastic"
+NAMESPACE = "elastic"
+
+
+def _running_spec(cluster: Cluster) -> object:
+    """The spec the pods are given (the ConfigMap the trainer reads), validated like the trainer does."""
+    document = yaml.safe_load(
+        cluster.core.read_namespaced_config_map("grow-spec", NAMESPACE).data["job.yaml"]
+    )
+    return loading.parse_spec(document["spec"])
+
+
+def _gang_running(cluster: Cluster, pods: int) -> dict:
+    def ready() -> dict | None:
+        status = cluster.status(NAMESPACE, "grow")
+        live = [p for p in cluster.pods(NAMESPACE, "grow") if not p.metadata.deletion_timestamp]
+        running = [p for p in live if p.status.phase == "Running" and p.spec.node_name]
+        if status.get("phase") == "Running" and len(live) == len(running) == pods:
+            return status
+        return None
+
+    return wait_for(f"{pods} pod(s) of grow Running", ready, timeout=90)
+
+
+def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
+    control_plane_binaries, tmp_path
+):
+    with Cluster.private(control_plane_binaries) as cluster, Kubelet(cluster) as kubelet:
+        cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        nodes = [cluster.add_node(POOL, gpus=2, name=f"gpu-{i}") for i in range(4)]
+        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+        operator.start()
+        try:
+            job = (
+                JobBuilder("grow", NAMESPACE, POOL)
+                .layout(data=4, tensor=2, gpus_per_node=2)  # one pod of 2 GPUs per replica
+                .parallelism(microBatches=3)
+                .training(microBatch=2, lrScaling={"rule": "linear", "referenceBatch": 24})
+                .run_policy(elastic={"minData": 2, "maxData": 4})
+            )
+            declared = loading.parse_spec(job.raw())
+            cluster.apply(job)
+            status = _gang_running(cluster, 4)
+            assert status["elastic"]["data"] == 4 and status["layout"] == "dp4·pp1·tp2"
+
+            cluster.core.delete_node(nodes[3])
+            kubelet.lose(nodes[3])
+            status = _gang_running(cluster, 3)
+            running = _running_spec(cluster)
+            assert running.parallelism.data == 3 and status["layout"] == "dp3·pp1·tp2"
+            assert running.global_batch == declared.global_batch == 24
+            assert status["elastic"]["microBatches"] == running.parallelism.micro_batches == 4
+            assert status["elastic"]["globalBatch"] == 24
+            assert status["elastic"]["learningRate"] == pytest.approx(
+                declared.training.learning_rates(declared.parallelism)[0]
+            )
+            resized = cluster.condition(NAMESPACE, "grow", "Resized")
+            assert resized["status"] == "True" and resized["reason"] == "ElasticShrunk"
+            assert status["restarts"] == 1  # the lost node's gang failed once
+            reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
+            assert "ElasticShrunk" in reasons
+
+            kubelet.gone.discard(nodes[3])
+            cluster.add_node(POOL, gpus=2, name=nodes[3])
+            # Room again, but the gang waits for its next checkpoint.
+            cluster.custom.patch_namespaced_custom_object_status(
+                "meshtrain.io",
+                "v1alpha1",
+                NAMESPACE,
+                "trainingjobs",
+                "grow",
+                {"status": {"lastCheckpointStep": (status.get("lastCheckpointStep") or 0) + 50}},
+            )
+            status = _gang_running(cluster, 4)
+            assert _running_spec(cluster).parallelism.data == 4
+            assert status["elastic"]["data"] == 4 and status["restarts"] == 1
+            resized = cluster.condition(NAMESPACE, "grow", "Resized")
+            assert resized["status"] == "False" and resized["reason"] == "DeclaredSize"
+            resizes = {
+                sample.labels["direction"]: sample.value
+                for family in text_string_to_metric_families(operator.metrics())
+                for sample in family.samples
+                if sample.name == "meshtrain_operator_elastic_resizes_total"
+                and sample.labels["trainingjob"] == "grow"
+            }
+            assert resizes == {"shrink": 1.0, "grow": 1.0}
+        finally:
+            operator.stop()

@@ -1,0 +1,83 @@
+"""The operator's elastic policy: what a placement tries, what it records, when a gang grows."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from meshtrain.api import elastic, loading
+from meshtrain.operator import lifecycle, resizing
+from tests.builders import JobBuilder
+
+NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+
+
+def declared(bounds=(2, 4)):
+    builder = JobBuilder().layout(data=4, gpus_per_node=1).parallelism(microBatches=3)
+    if bounds:
+        builder.run_policy(elastic={"minData": bounds[0], "maxData": bounds[1]})
+    return loading.parse_spec(builder.raw())
+
+
+def test_a_placement_tries_every_allowed_size_largest_first():
+    spec = declared()
+    assert [s.parallelism.data for _, s in resizing.candidates(spec)] == [4, 3, 2]
+    assert [s.global_batch for _, s in resizing.candidates(spec)] == [12, 12, 12]
+    assert resizing.candidates(declared(bounds=None)) == [(None, declared(bounds=None))]
+
+
+def test_the_job_state_runs_the_recorded_size_and_keeps_the_declared_spec():
+    spec = declared()
+    fields = resizing.placed_fields(spec, elastic.size_at(spec, 3), {}, NOW)
+    body = {
+        "metadata": {"name": "j", "namespace": "n", "uid": "u", "generation": 1},
+        "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+        "status": {"elastic": fields["elastic"], "placement": [{"podIndex": 0, "node": "a"}]},
+    }
+    job = lifecycle.job_state(body)
+    assert job.declared == spec
+    assert job.spec.parallelism.data == 3 and job.spec.pods == 3
+    assert job.spec.parallelism.micro_batches == 4
+
+
+@pytest.mark.parametrize(
+    "data,reason,condition",
+    [(3, "ElasticShrunk", "True"), (4, "DeclaredSize", "False")],
+)
+def test_placed_fields_state_the_size_and_the_condition(data, reason, condition):
+    spec = declared()
+    fields = resizing.placed_fields(
+        spec, elastic.size_at(spec, data), {"lastCheckpointStep": 7}, NOW
+    )
+    assert fields["elastic"]["data"] == data and fields["elastic"]["checkpointStep"] == 7
+    [resized] = [c for c in fields["conditions"] if c["type"] == "Resized"]
+    assert (resized["status"], resized["reason"]) == (condition, reason)
+
+
+@pytest.mark.parametrize(
+    "running,recorded_step,newest,due",
+    [
+        (3, 10, 10, False),  # no checkpoint since the shrink
+        (3, 10, 20, True),
+        (3, None, 5, True),  # placed before any checkpoint
+        (3, None, None, False),
+        (4, 10, 20, False),  # already at maxData
+    ],
+)
+def test_a_smaller_gang_grows_only_at_a_newer_checkpoint(running, recorded_step, newest, due):
+    spec = declared()
+    record = resizing.placed_fields(spec, elastic.size_at(spec, running), {}, NOW)["elastic"]
+    record["checkpointStep"] = recorded_step
+    grow = resizing.grow_due(spec, {"elastic": record, "lastCheckpointStep": newest})
+    assert (grow is not None) == due
+    if grow is not None:
+        assert grow.running == running and [s.data for s in grow.sizes] == [4]
+
+
+def test_direction_of_a_change():
+    spec = declared()
+    assert resizing.change(4, elastic.size_at(spec, 3)) == "shrink"
+    assert resizing.change(2, elastic.size_at(spec, 3)) == "grow"
+    assert resizing.change(3, elastic.size_at(spec, 3)) is None
+    assert resizing.change(None, elastic.size_at(spec, 3)) is None
