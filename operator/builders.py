@@ -145,6 +145,9 @@ def _env(
     env.append(
         {"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     )
+    env.append(  # the straggler metrics name the node
+        {"name": "MESHTRAIN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    )
     return env
 
 

@@ -54,6 +54,8 @@ class StepResult:
     """Some rank was asked to stop (:mod:`..stopping`): every rank stops after this step."""
     skipped: str = ""
     """Why the loss guard skipped this step's update (empty: applied)."""
+    shared: tuple[float, ...] = ()
+    """Every rank's ``share`` of this step, indexed by global rank (empty when none was given)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -216,25 +218,39 @@ class Engine:
             offset += g.numel()
 
     def _agree(
-        self, loss_sum: torch.Tensor, stop_requested: bool, norm: torch.Tensor
-    ) -> tuple[float, bool, float]:
-        """The global batch's mean loss, whether any rank asked to stop, and the gradient norm.
+        self,
+        loss_sum: torch.Tensor,
+        stop_requested: bool,
+        norm: torch.Tensor,
+        share: float | None,
+    ) -> tuple[float, bool, float, tuple[float, ...]]:
+        """The global batch's mean loss, whether any rank asked to stop, the gradient norm, and
+        every rank's ``share``.
 
         One all-reduce over the world, then the step's one host sync: a
-        single read of (loss, stop, norm) together.  Only the last stage holds
+        single read of (loss, stop, shares, norm) together.  Only the last stage holds
         a loss, each of its tensor-parallel ranks the same one: dividing by
         tensor x data before the sum leaves the mean over the data-parallel
-        replicas.  ``norm`` is already global (the clip reduced it).
+        replicas.  ``norm`` is already global (the clip reduced it).  Each rank
+        writes its share into its own slot of a zero vector, so the sum is the
+        gathered vector.
         """
         layout = self.mesh.layout
-        share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
+        loss_share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
         flag = torch.full(
-            (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=share.device
+            (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=loss_share.device
         )
-        value = torch.cat([share, flag])
+        parts = [loss_share, flag]
+        if share is not None:  # filled on the device: no host-to-device copy, no sync
+            slots = torch.zeros(layout.world_size, dtype=torch.float64, device=loss_share.device)
+            slots[dist.get_rank()] = share
+            parts.append(slots)
+        value = torch.cat(parts)
         dist.all_reduce(value)
-        loss, stops, grad_norm = torch.cat([value, norm.detach().double().reshape(1)]).tolist()
-        return loss, stops > 0, grad_norm
+        loss, stops, *shared, grad_norm = torch.cat(
+            [value, norm.detach().double().reshape(1)]
+        ).tolist()
+        return loss, stops > 0, grad_norm, tuple(shared)
 
     def zero_grad(self) -> None:
         """Clear gradients (in place when they live in reducer buckets)."""
@@ -243,8 +259,13 @@ class Engine:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self, stop_requested: bool = False) -> StepResult:
-        """One optimizer step; ``stop_requested``: this rank wants the run to stop after it (see ``StepResult.stop``)."""
+    def train_step(self, stop_requested: bool = False, share: float | None = None) -> StepResult:
+        """One optimizer step; ``stop_requested``: this rank wants the run to stop after it (see ``StepResult.stop``).
+
+        ``share``: a number every rank learns from this step's world all-reduce
+        (``StepResult.shared``); the worker shares its previous step's compute
+        seconds for straggler detection, with no collective of its own.
+        """
         training = self.spec.training
         step = self.step + 1
         start = self.clock.start_step()  # host time on every device
@@ -268,7 +289,7 @@ class Engine:
             recorder=self.recorder,
             clock=self.clock,
         )
-        loss, stop, norm = self._agree(loss_sum, stop_requested, norm_tensor)
+        loss, stop, norm, shared = self._agree(loss_sum, stop_requested, norm_tensor, share)
         verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
         if verdict is None or not verdict.skip:
             self.optimizer.step()
@@ -288,6 +309,7 @@ class Engine:
             lr=lr,
             stop=stop,
             skipped=verdict.reason if verdict is not None and verdict.skip else "",
+            shared=shared,
         )
 
     def evaluate(self) -> float:

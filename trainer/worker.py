@@ -52,6 +52,7 @@ from meshtrain.trainer import (
     hf,
     lossguard,
     memory_accounting,
+    slowdown,
     steplog,
     stopping,
     telemetry,
@@ -181,12 +182,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     evaluation = job.training.eval
+    detector = straggler_detector(job, mesh.layout)
+    faults.slow_down(trainer.model.chunks, rank, lambda: trainer.step + 1)
     for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
         try:
-            result = trainer.train_step(stop_requested=stop.requested)
+            result = trainer.train_step(
+                stop_requested=stop.requested, share=_previous_compute(detector, recorder)
+            )
         except lossguard.LossGuardTripped as err:
             return _guard_stop(step, err, saver, log)
+        verdict = None
+        if detector is not None:  # the shared times are of the step before this one
+            detector.observe(step - 1, result.shared)
+            verdict = detector.verdict(step)
+            recorder.stragglers(verdict)
         due = evaluation.interval and (
             step % evaluation.interval == 0 or step == job.training.steps
         )
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                 record["eval_loss"] = eval_loss
             if result.skipped:
                 record["skipped"] = result.skipped
+            if verdict is not None:
+                record["slowdowns"] = verdict.slowdowns
+                record["stragglers"] = [f.rank for f in verdict.flagged]
             log.write(record)
         if (
             saver.after_step(step) is not None
@@ -212,6 +225,25 @@ def main(argv: list[str] | None = None) -> int:
         progress.write_termination_log(recorder.progress.document())
     dist.destroy_process_group()
     return 0
+
+
+def straggler_detector(
+    job: spec_mod.TrainingJobSpec, layout: layout_mod.ParallelLayout
+) -> slowdown.Detector | None:
+    """The detector of ``runPolicy.stragglerPolicy``; None when it is ignored or no rank has a peer."""
+    policy = job.run_policy.straggler_policy
+    if policy.action == "ignore" or layout.data < 2:
+        return None
+    return slowdown.Detector(layout, policy.threshold, policy.window)
+
+
+def _previous_compute(
+    detector: slowdown.Detector | None, recorder: telemetry.TelemetryRecorder
+) -> float | None:
+    """This rank's compute seconds of its last finished step, for the detector (0: none yet)."""
+    if detector is None:
+        return None
+    return recorder.last.compute_seconds if recorder.last is not None else 0.0
 
 
 def _refuse(code: int, err: Exception) -> int:

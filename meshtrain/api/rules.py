@@ -375,6 +375,16 @@ def _elastic_bounds(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _straggler_replace_needs_peers(spec: TrainingJobSpec) -> str | None:
+    data = spec.parallelism.data
+    if spec.run_policy.straggler_policy.action == "replace" and data < 2:
+        return (
+            f"stragglerPolicy.action is replace but parallelism.data={data}: a straggler is found by comparing "
+            "a rank with its data-parallel peers, and there are none: set data >= 2 or action report"
+        )
+    return None
+
+
 def _elastic_holds_data(spec: TrainingJobSpec) -> str | None:
     bounds, data = spec.run_policy.elastic, spec.parallelism.data
     if bounds is not None and not bounds.min_data <= data <= bounds.max_data:
@@ -398,6 +408,16 @@ def _elastic_min_keeps_batch(spec: TrainingJobSpec) -> str | None:
             f"divisible by microBatch={spec.training.micro_batch} x minData{step}, minData x pipeline x tensor a "
             f"multiple of gpusPerNode={spec.resources.gpus_per_node} (and minData >= 2 with gradientCompression): "
             f"pick a minData that divides microBatches x data = {par.micro_batches * par.data}"
+        )
+    return None
+
+
+def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
+    if spec.run_policy.straggler_policy.action == "replace" and not spec.checkpoint.claim_name:
+        return (
+            "stragglerPolicy.action is replace but checkpoint.claimName is empty: the rebuilt gang runs on "
+            "other nodes and an emptyDir checkpoint stays behind, so training would restart from step 0: "
+            "give checkpoint.claimName (a PersistentVolumeClaim every node can mount) or use action report"
         )
     return None
 
@@ -588,6 +608,24 @@ RULES: tuple[Rule, ...] = (
         "runPolicy.elastic.minData must keep the global batch (divide microBatches x data) and fill whole pods "
         "(minData x pipeline x tensor a multiple of gpusPerNode)",
         _elastic_min_keeps_batch,
+    ),
+    Rule(
+        "straggler-replace-needs-peers",
+        "spec.runPolicy.stragglerPolicy.action",
+        "!has(self.runPolicy.stragglerPolicy) || self.runPolicy.stragglerPolicy.action != 'replace' "
+        "|| self.parallelism.data >= 2",
+        "runPolicy.stragglerPolicy.action replace needs parallelism.data >= 2 (a straggler is found by "
+        "comparing a rank with its data-parallel peers)",
+        _straggler_replace_needs_peers,
+    ),
+    Rule(
+        "straggler-replace-keeps-checkpoints",
+        "spec.checkpoint.claimName",
+        "!has(self.runPolicy.stragglerPolicy) || self.runPolicy.stragglerPolicy.action != 'replace' "
+        "|| has(self.checkpoint.claimName)",
+        "runPolicy.stragglerPolicy.action replace needs checkpoint.claimName (the gang is rebuilt on other "
+        "nodes and resumes from a checkpoint they can all mount)",
+        _straggler_replace_keeps_checkpoints,
     ),
     Rule(
         "custom-trainer-command",

@@ -656,6 +656,35 @@ class Elastic(_Model):
     )
 
 
+class StragglerPolicy(_Model):
+    """What to do about a rank that computes persistently slower than its data-parallel peers."""
+
+    action: Literal["ignore", "report", "replace"] = Field(
+        "report",
+        description="ignore: no detection; report: status.straggler, a Straggler condition, an Event and the "
+        "slowdown metric; replace: also stop the gang at a step boundary with a checkpoint and place it again "
+        "without the slow rank's node (status.excludedNodes), resuming from that step.",
+    )
+    threshold: float = Field(
+        1.25,
+        gt=1,
+        description="A rank is a straggler when its compute time is more than this factor of its peers' median "
+        "(the median over the window of per-step ratios); must be above 1.",
+    )
+    window: int = Field(
+        20,
+        ge=4,
+        le=10000,
+        description="Steps the slowdown is judged over; a rank is flagged once more than half of the last "
+        "window steps were slow, so detection takes about window/2 steps.",
+    )
+    max_replacements: int = Field(
+        3,
+        ge=0,
+        description="replace: nodes excluded for this job at most; after that a straggler is only reported.",
+    )
+
+
 class RunPolicy(_Model):
     """Failure, time and lifetime policy."""
 
@@ -686,6 +715,10 @@ class RunPolicy(_Model):
         None,
         description="Run at any data-parallel degree from minData to maxData: the largest that fits, shrinking "
         "when a node is lost and growing back when capacity returns; empty: only at parallelism.data.",
+    )
+    straggler_policy: StragglerPolicy = Field(
+        default_factory=StragglerPolicy,
+        description="Detection of a slow rank (compared with its data-parallel peers) and what to do about it.",
     )
 
 
@@ -829,6 +862,30 @@ class ElasticStatus(_Model):
     message: str = Field("", description="What changed and why.")
 
 
+class Straggler(_Model):
+    """The rank the trainer flagged as persistently slower than its peers, and where it runs."""
+
+    rank: int = Field(ge=0, description="Global rank of the slowest flagged rank.")
+    pod_index: int | None = Field(None, ge=0, description="Node rank of its pod.")
+    node: str | None = Field(None, description="Node the pod was placed on.")
+    slowdown: float = Field(
+        description="Its compute time over its peers' median (median over the window)."
+    )
+    since_step: int | None = Field(
+        None, ge=0, description="Step at which it was first flagged in this run of the gang."
+    )
+    since: str | None = Field(None, description="RFC 3339 time the operator first saw it.")
+
+
+class ExcludedNode(_Model):
+    """A node this job is not placed on again."""
+
+    node: str = Field(description="Node name.")
+    reason: str = Field(description="Why, e.g. Straggler.")
+    message: str = Field("", description="With the numbers: rank, slowdown, step.")
+    time: str | None = Field(None, description="RFC 3339 time it was excluded.")
+
+
 class TrainingJobStatus(_Model):
     """The status subresource of a TrainingJob."""
 
@@ -867,6 +924,17 @@ class TrainingJobStatus(_Model):
         None,
         description="Set while runPolicy.elastic runs the gang at a data-parallel degree other than "
         "parallelism.data: the degree, batch and learning rate it runs with.",
+    )
+    straggler: Straggler | None = Field(
+        None,
+        description="The rank the trainer flags as a straggler now (runPolicy.stragglerPolicy); empty when none.",
+    )
+    excluded_nodes: list[ExcludedNode] = Field(
+        default_factory=list,
+        description="Nodes this job is never placed on again (a replaced straggler's node).",
+    )
+    straggler_replacements: int = Field(
+        0, ge=0, description="Gangs rebuilt without a straggler's node so far."
     )
 
 

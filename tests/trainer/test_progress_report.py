@@ -41,6 +41,7 @@ KEYS = {
     "updated_at",
     "eval_loss",
     "skipped_updates",
+    "straggler",
 }
 
 

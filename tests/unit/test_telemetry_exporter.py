@@ -149,6 +149,7 @@ def test_progress_only_on_global_rank_zero(pipeline):
         "updated_at",
         "eval_loss",
         "skipped_updates",
+        "straggler",
     }
     assert (doc["step"], doc["loss"], doc["last_checkpoint_step"]) == (2, 2.0, None)
     assert (doc["eval_loss"], doc["skipped_updates"]) == (None, 0)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from meshtrain import layout as layout_mod
+from meshtrain.trainer import slowdown
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import stepstats
 
@@ -25,6 +26,8 @@ NAMESPACE_ENV = "MESHTRAIN_NAMESPACE"
 """Environment variable naming the job's namespace (set by the operator)."""
 POD_ENV = "MESHTRAIN_POD_NAME"
 """Environment variable naming the pod (downward API; falls back to HOSTNAME)."""
+NODE_ENV = "MESHTRAIN_NODE_NAME"
+"""Environment variable naming the node the pod runs on (downward API ``spec.nodeName``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,8 @@ class RankIdentity:
     """Rank within the pod (exporter port offset)."""
     coords: layout_mod.RankCoords
     """(pp, dp, tp) coordinates of the rank."""
+    node: str = ""
+    """Node running the pod (empty outside Kubernetes); only the straggler metrics carry it."""
 
     def labels(self) -> dict[str, str]:
         """Prometheus labels: job, namespace, pod, rank, dp, pp, tp."""
@@ -78,6 +83,7 @@ class RankIdentity:
             rank=rank,
             local_rank=local_rank,
             coords=layout.coords(rank),
+            node=env.get(NODE_ENV, ""),
         )
 
 
@@ -120,6 +126,9 @@ class Sink(Protocol):
 
     def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
         """After step ``step``: its validation loss (None: not evaluated) and why its update was skipped ('')."""
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        """The straggler detector's verdict after a step (the same on every rank)."""
 
     def close(self) -> None:
         """Release files and sockets."""

@@ -29,6 +29,7 @@ from typing import Any, TypedDict
 import prometheus_client
 from prometheus_client import exposition
 
+from meshtrain.trainer import slowdown
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, stepstats
 from meshtrain.trainer.telemetry import progress as progress_mod
@@ -146,6 +147,19 @@ class Metrics:
             "Optimizer updates the loss guard skipped (non-finite or spiking loss or gradient norm).",
             **reg,
         ).labels(**base)
+        straggler: _FamilyArgs = {"registry": self.registry, "labelnames": (*LABELS, "node")}
+        self.slowdown = prometheus_client.Gauge(
+            "meshtrain_rank_slowdown_ratio",
+            "Compute time of this rank over its data-parallel peers' median, median over the "
+            "runPolicy.stragglerPolicy window (1 = as fast as its peers).",
+            **straggler,
+        )
+        """Labelled at the first judged step: no series for a job without peers or detection."""
+        self.straggler = prometheus_client.Gauge(
+            "meshtrain_rank_straggler",
+            "1 while the trainer flags this rank as a straggler (slowdown above the policy threshold for the window), else 0.",
+            **straggler,
+        )
         self.mfu = prometheus_client.Gauge(
             "meshtrain_model_flops_utilization_ratio",
             "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
@@ -292,6 +306,7 @@ class Exporter:
     ) -> None:
         self.metrics = Metrics(identity)
         """The metric families."""
+        self.identity = identity
         self.progress = progress
         """The /progress document served (global rank 0 only; another sink keeps it up to date)."""
         self.facts = facts
@@ -367,6 +382,15 @@ class Exporter:
             self.metrics.eval_loss.labels(**self.metrics.base).set(eval_loss)
         if skipped:
             self.metrics.skipped_updates.inc()
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        rank = self.identity.rank
+        value = verdict.slowdowns[rank]
+        if value is None:
+            return
+        labels = {**self.metrics.base, "node": self.identity.node}
+        self.metrics.slowdown.labels(**labels).set(value)
+        self.metrics.straggler.labels(**labels).set(1.0 if verdict.is_flagged(rank) else 0.0)
 
     def close(self) -> None:
         if self._server is not None:

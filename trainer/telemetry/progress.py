@@ -2,7 +2,7 @@
 
 :class:`Progress`, a :class:`~.context.Sink` that keeps the JSON
 document ``{step, loss, tokens_per_second, last_checkpoint_step,
-updated_at}`` up to date (the exporter serves it at ``GET /progress``), and
+updated_at, eval_loss, skipped_updates, straggler}`` up to date (the exporter serves it at ``GET /progress``), and
 :func:`write_termination_log`, which writes that document once, at the end
 of a successful run, to the file named by ``$MESHTRAIN_TERMINATION_LOG``
 (the operator sets ``/dev/termination-log``, so the kubelet puts it into the
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.api import exitcodes
+from meshtrain.trainer import slowdown
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, stepstats
 
@@ -44,6 +45,7 @@ FIELDS = (
     "updated_at",
     "eval_loss",
     "skipped_updates",
+    "straggler",
 )
 """Keys of the progress document, in order."""
 
@@ -61,6 +63,7 @@ class Progress:
             "updated_at": None,
             "eval_loss": None,
             "skipped_updates": 0,
+            "straggler": None,
         }
 
     def update(self, **fields: Any) -> None:
@@ -102,6 +105,20 @@ class Progress:
         if eval_loss is not None:
             fields["eval_loss"] = eval_loss
         self.update(**fields)
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        """The slowest flagged rank as ``{rank, slowdown, since_step}``, or None."""
+        worst = verdict.worst
+        with self._lock:
+            self._doc["straggler"] = (
+                None
+                if worst is None
+                else {
+                    "rank": worst.rank,
+                    "slowdown": round(worst.slowdown, 4),
+                    "since_step": worst.since_step,
+                }
+            )
 
     def close(self) -> None:
         """Nothing to release."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain import layout as layout_mod
-from meshtrain.trainer import memory_accounting
+from meshtrain.trainer import memory_accounting, slowdown
 from meshtrain.trainer import model as model_mod
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, exporter, peak, progress, stepstats, trace
@@ -135,6 +135,11 @@ class TelemetryRecorder:
         """Validation loss and loss-guard verdict of ``step``, to every sink."""
         for sink in self.sinks:
             sink.health(step, eval_loss=eval_loss, skipped=skipped)
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        """The straggler detector's verdict, to every sink."""
+        for sink in self.sinks:
+            sink.stragglers(verdict)
 
     def memory(self) -> context.MemorySample:
         """Bytes of the watched training state now (each storage once), and the peak."""

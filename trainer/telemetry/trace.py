@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from meshtrain.trainer import steplog
+from meshtrain.trainer import slowdown, steplog
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, stepstats
 
@@ -113,6 +113,9 @@ class TraceLog:
 
     def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
         """The worker's steps.jsonl record carries eval_loss and skipped (trainer/steplog.py)."""
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        """The exporter and /progress carry the verdict."""
 
     def close(self) -> None:
         self._trace.close()

@@ -37,6 +37,13 @@ def _with(path: str, value) -> dict:
     return body
 
 
+def _straggler_replace_with_data(data: int) -> dict:
+    body = _with("spec.parallelism", {"data": data, "pipeline": 2, "tensor": 2})
+    body["spec"]["checkpoint"] = {"claimName": "ckpt"}
+    body["spec"]["runPolicy"] = {"stragglerPolicy": {"action": "replace"}}
+    return body
+
+
 def _sequence_parallel_with_odd_seq_len() -> dict:
     body = _with("spec.parallelism.sequenceParallel", True)
     body["spec"]["model"]["seqLen"] = 63
@@ -158,6 +165,21 @@ INVALID = [
         "custom trainer without a command",
         _with("spec.trainer", {"type": "custom"}),
         _rule("custom-trainer-command"),
+    ),
+    (
+        "straggler replace without data-parallel peers",
+        _straggler_replace_with_data(1),
+        _rule("straggler-replace-needs-peers"),
+    ),
+    (
+        "straggler replace without a checkpoint volume",
+        _with("spec.runPolicy", {"stragglerPolicy": {"action": "replace"}}),
+        _rule("straggler-replace-keeps-checkpoints"),
+    ),
+    (
+        "straggler threshold not above 1",
+        _with("spec.runPolicy", {"stragglerPolicy": {"threshold": 1}}),
+        "should be greater than 1",
     ),
     (
         "pod label the operator selects by",
