@@ -8,9 +8,8 @@ GPU or a killed pod would.
 ``MESHTRAIN_FAULT_SLOW=rank:factor[:step]``: :func:`slow_down` makes that
 rank's forward and backward compute about ``factor`` times as long (from
 ``step`` on, default 1), as a throttled GPU would: the straggler detector's
-test input.  The sleeps sit inside the model chunks (a forward hook, and a
-hook on the output's gradient at the start of backward, sized at twice the
-forward), so they count as compute, not as waiting.
+test input.  The sleeps sit inside the model chunks' forward (a forward
+hook), so they count as compute, not as waiting.
 
 Not a chaos framework; one rank, one step, one way to die or drag.
 """
@@ -28,8 +27,6 @@ import torch
 ENV = "MESHTRAIN_FAULT_INJECT"
 EXIT_CODE = 17
 SLOW_ENV = "MESHTRAIN_FAULT_SLOW"
-BACKWARD_OVER_FORWARD = 2.0
-"""Backward costs about twice the forward (two matmuls per forward matmul)."""
 
 
 def parse(value: str | None) -> tuple[int, int] | None:
@@ -70,35 +67,37 @@ def parse_slow(value: str | None) -> tuple[int, float, int] | None:
 
 
 def slow_down(
-    chunks: Sequence[torch.nn.Module], rank: int, current_step: Callable[[], int]
+    chunks: Sequence[torch.nn.Module],
+    rank: int,
+    current_step: Callable[[], int],
+    previous_compute: Callable[[], float | None],
+    forwards_per_step: int,
 ) -> bool:
-    """Hook this rank's model chunks when the slow-down variable names it; whether it did."""
+    """Hook this rank's model chunks when the slow-down variable names it; whether it did.
+
+    Each training forward of a chunk sleeps ``(factor - 1) / forwards_per_step``
+    of the previous step's compute time without its injected sleeps
+    (``previous_compute``: the recorder's last ``compute_seconds``), so the
+    step's compute grows by about ``factor`` whatever share of it the chunks'
+    own forward is (the loss, the backward).
+    """
     target = parse_slow(os.environ.get(SLOW_ENV))
     if target is None or target[0] != rank:
         return False
     _, factor, start = target
-    extra = factor - 1.0
-    started: dict[int, float] = {}  # chunk id -> start of its forward
-
-    def before(module: torch.nn.Module, args: Any) -> None:
-        started[id(module)] = time.perf_counter()
+    injected: dict[int, float] = {}  # step -> seconds slept in it
 
     def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if current_step() < start:
+        step = current_step()
+        last = previous_compute()
+        if step < start or last is None or not torch.is_grad_enabled():
             return
-        forward = time.perf_counter() - started[id(module)]
-        time.sleep(extra * forward)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            backward = extra * BACKWARD_OVER_FORWARD * forward
-            output.register_hook(lambda grad: _sleep_then(backward, grad))
+        own = max(last - injected.get(step - 1, 0.0), 0.0)
+        pause = (factor - 1.0) * own / forwards_per_step
+        injected[step] = injected.get(step, 0.0) + pause
+        time.sleep(pause)
 
     for chunk in chunks:
-        chunk.register_forward_pre_hook(before)
         chunk.register_forward_hook(after)
     sys.stderr.write(f"{SLOW_ENV}: rank {rank} computes {factor}x slower from step {start}\n")
     return True
-
-
-def _sleep_then(seconds: float, grad: torch.Tensor) -> torch.Tensor:
-    time.sleep(seconds)
-    return grad

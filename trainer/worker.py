@@ -183,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     evaluation = job.training.eval
     detector = straggler_detector(job, mesh.layout)
-    faults.slow_down(trainer.model.chunks, rank, lambda: trainer.step + 1)
+    faults.slow_down(
+        trainer.model.chunks,
+        rank,
+        current_step=lambda: trainer.step + 1,
+        previous_compute=lambda: recorder.last.compute_seconds if recorder.last else None,
+        forwards_per_step=job.parallelism.micro_batches * len(trainer.model.chunks),
+    )
     for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
         try:
