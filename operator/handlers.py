@@ -29,6 +29,8 @@ ERROR_BACKOFF_SECONDS = 2.0
 """Wait after a failed reconcile pass (API unreachable, conflict) before the next try."""
 STANDBY_POLL_SECONDS = 2.0
 """How often a standby's deletion handler looks whether the leader has finished the job's deletion."""
+WAIT_FOR_PODS_SECONDS = 1.0
+"""How often a deleted job queued by Kueue looks again whether its pods are gone."""
 MAX_IMMEDIATE_PASSES = 25
 """Back-to-back passes allowed while each one changes something, before waiting for an event."""
 
@@ -191,10 +193,19 @@ async def delete_children(
     while True:
         if memo.leading.is_set():
             try:
-                await memo.reconciler.delete_children(namespace=namespace, name=name, uid=uid)
-                break
+                held = await memo.reconciler.delete_children(
+                    namespace=namespace, name=name, uid=uid
+                )
             except kube.NotLeading:  # the Lease was lost meanwhile: stand by again
                 continue
+            if not held:
+                break
+            # Its Workload keeps Kueue's quota until the stopping ranks are gone.
+            logger.debug(
+                "%s/%s: %d pod(s) still stopping before its Workload goes", namespace, name, held
+            )
+            await asyncio.sleep(WAIT_FOR_PODS_SECONDS)
+            continue
         if not await memo.reconciler.job_exists(namespace=namespace, name=name, uid=uid):
             break
         with contextlib.suppress(TimeoutError):

@@ -329,8 +329,13 @@ class Cache:
         if store is None:
             return
         metadata = obj.get("metadata") or {}
-        if verb == "delete" and (
-            not metadata.get("deletionTimestamp") or metadata.get("deletionGracePeriodSeconds") == 0
+        if (
+            verb == "delete"
+            and not metadata.get("finalizers")  # a finalizer keeps it until its owner is done
+            and (
+                not metadata.get("deletionTimestamp")
+                or metadata.get("deletionGracePeriodSeconds") == 0
+            )
         ):
             store.remove(obj)  # deleted at once (never bound, or no grace period): gone now
             return

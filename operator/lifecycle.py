@@ -203,6 +203,14 @@ def _shape(job: JobState) -> dict[str, Any]:
     }
 
 
+def holding(pods: Sequence[failure.PodState]) -> bool:
+    """Whether a pod still holds its node's resources (not terminal, terminating or not).
+
+    The scheduler counts a terminating pod until it is gone; so does the quota Kueue charged.
+    """
+    return any(not p.terminal for p in pods)
+
+
 def _live(pods: Sequence[failure.PodState]) -> tuple[str, ...]:
     """Names of pods to delete when freeing the job's GPUs (not already finished or going)."""
     return tuple(p.name for p in pods if not p.deleting and not p.terminal)
@@ -432,6 +440,9 @@ def decide(
         finished = _finished(job, pods, now)
         if kueue is None or kueue.state is None or isinstance(kueue.state, queueing.Finished):
             return finished
+        if holding(pods):  # Kueue would admit another job onto GPUs the stopping ranks still use
+            wait = 1.0 if finished.requeue_after is None else min(finished.requeue_after, 1.0)
+            return Decision(finished.actions, requeue_after=wait)
         done = queueing.FinishWorkload(
             phase == Phase.SUCCEEDED.value, f"TrainingJob {job.ref.name} {phase.lower()}"
         )

@@ -763,10 +763,32 @@ class Reconciler:
         body = await self.client.get_job(namespace=namespace, name=name)
         return body is not None and (body.get("metadata") or {}).get("uid") == uid
 
-    async def delete_children(self, *, namespace: str, name: str, uid: str) -> None:
-        """Remove the children this job (``uid``) owns, and nothing else (idempotent)."""
+    async def delete_children(self, *, namespace: str, name: str, uid: str) -> int:
+        """Remove the children this job (``uid``) owns, and nothing else (idempotent).
+
+        Returns how many of its pods still hold their resources while its Workload holds
+        Kueue quota: the caller calls again later.  The Workload goes only once they are gone
+        (the garbage collector would delete it with the job, and Kueue then admit another job
+        onto GPUs the stopping ranks still use).
+        """
         ref = identity.JobRef(name=name, namespace=namespace, uid=uid)
-        await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
+        owned = self._owned_pods(ref)
+        await self._delete_pods(
+            ref,
+            [p["metadata"]["name"] for p in owned if not p["metadata"].get("deletionTimestamp")],
+        )
+        workload = await self.client.get_workload(
+            namespace=namespace, name=queueing.workload_name(name)
+        )
+        if workload is not None and queueing.controlled_by(workload, uid):
+            states = [s for s in (failure.pod_state(p) for p in owned) if s is not None]
+            held = sum(not s.terminal for s in states)
+            if held and not isinstance(queueing.state(workload), queueing.Finished):
+                return held
+            metadata = workload["metadata"]
+            await self.client.delete_workload(
+                namespace=namespace, name=metadata["name"], uid=metadata["uid"]
+            )
         for kind, child in (
             ("Service", naming.service_name(name)),
             ("ConfigMap", naming.configmap_name(name)),
@@ -775,3 +797,4 @@ class Reconciler:
         self._last_progress.pop((namespace, name), None)
         self._verdicts.pop((namespace, name), None)
         metrics.forget(namespace, name)
+        return 0

@@ -37,6 +37,7 @@ NAMESPACED_ALLOWED = [
     ("patch", "trainingjobs.meshtrain.io"),
     ("delete", "trainingjobs.meshtrain.io"),
     ("patch", "trainingjobs.meshtrain.io/status"),
+    ("update", "trainingjobs.meshtrain.io/finalizers"),
     ("get", "pods"),
     ("list", "pods"),
     ("watch", "pods"),
@@ -58,6 +59,7 @@ NAMESPACED_ALLOWED = [
     ("list", "workloads.kueue.x-k8s.io"),
     ("watch", "workloads.kueue.x-k8s.io"),
     ("create", "workloads.kueue.x-k8s.io"),
+    ("delete", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io/status"),
 ]
 CLUSTER_ALLOWED = [

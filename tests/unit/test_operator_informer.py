@@ -95,6 +95,11 @@ def test_the_cache_learns_deletes_of_unbound_pods_as_gone_and_graceful_ones_as_t
     assert pods[0]["metadata"]["deletionTimestamp"] == "t"
     cache.learn("create", {"kind": "Event", "metadata": {"name": "e", "resourceVersion": "5"}})
     assert len(cache.pods) == 1
+    # A finalizer keeps even an unbound pod: it exists (and may run) until its owner lets go.
+    cache.learn("create", _pod("c", 6, "j"))
+    held = _pod("c", 7, "j", deletionTimestamp="t", deletionGracePeriodSeconds=0, finalizers=["x"])
+    cache.learn("delete", held)
+    assert [p["metadata"]["name"] for p in cache.job_pods("ns", "j")] == ["b", "c"]
 
 
 def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():

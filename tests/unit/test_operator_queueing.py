@@ -153,6 +153,17 @@ def test_a_finished_job_finishes_its_workload():
     assert queueing.FinishWorkload not in _types(lifecycle.decide(done, [], T0, closed))
 
 
+def test_a_workload_is_finished_only_once_the_ended_gangs_pods_are_gone():
+    failed = job(phase="Failed", completionTime=conditions.timestamp(T0))
+    gate = queueing.Gate(queueing.Admitted("research"))
+    stopping = [pod(0, "Running", deleting=True), pod(1, "Failed", exit_code=1)]
+    waiting = lifecycle.decide(failed, stopping, T0, gate)
+    assert queueing.FinishWorkload not in _types(waiting)
+    assert waiting.requeue_after is not None, "looks again: no pod event may come"
+    stopped = [pod(0, "Failed", exit_code=143, deleting=True), pod(1, "Failed", exit_code=1)]
+    assert queueing.FinishWorkload in _types(lifecycle.decide(failed, stopped, at(5), gate))
+
+
 def _reported(decision: lifecycle.Decision) -> list[bool]:
     return [a.ready for a in decision.actions if isinstance(a, queueing.ReportPodsReady)]
 

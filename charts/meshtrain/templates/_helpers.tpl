@@ -86,6 +86,11 @@ and operator/handlers.py are the callers):
 - apiGroups: ["meshtrain.io"]
   resources: ["trainingjobs/status"]
   verbs: ["patch"]
+# Children name their job with blockOwnerDeletion: where OwnerReferencesPermissionEnforcement
+# runs (OpenShift), that needs update on the owner's finalizers.
+- apiGroups: ["meshtrain.io"]
+  resources: ["trainingjobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -98,10 +103,11 @@ and operator/handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# Kueue: the Workload of each queued job, and giving an evicted workload's quota back.
+# Kueue: the Workload of each queued job (deleted when outdated, suspended or the job
+# deleted), and giving an evicted workload's quota back.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "list", "watch", "create"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]

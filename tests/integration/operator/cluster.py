@@ -294,11 +294,13 @@ class OperatorProcess:
         lease: str = "meshtrain-operator",
         lease_seconds: int = 3,
         identity: str | None = None,
+        lease_namespace: str = "default",
     ) -> None:
         self.kubeconfig = kubeconfig
         self.scope = scope
         self.lease = lease
-        """Lease in namespace ``default``; replicas that share it elect one."""
+        """Lease in namespace ``lease_namespace``; replicas that share it elect one."""
+        self.lease_namespace = lease_namespace
         self.log_path = log_path
         self.health_port = pick_free_port()
         self.metrics_port = pick_free_port()
@@ -319,7 +321,7 @@ class OperatorProcess:
             "--lease",
             self.lease,
             "--lease-namespace",
-            "default",
+            self.lease_namespace,
             "--lease-seconds",
             str(self.lease_seconds),
             "--liveness",

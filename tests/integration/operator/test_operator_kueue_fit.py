@@ -1,0 +1,233 @@
+"""Kueue as a platform team runs it, on a real API server and a real Kueue, with the chart's RBAC.
+
+The operator runs as the chart's ServiceAccount (manifests/rbac/rbac.yaml, a token from the
+TokenRequest API) on an API server with OwnerReferencesPermissionEnforcement, as OpenShift
+runs it: every child it creates names its job with blockOwnerDeletion, which that plugin
+allows only to who may update trainingjobs/finalizers.
+
+- quota goes back only once the gang's pods are gone, whether the job ended or was deleted.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+
+from meshtrain import controlplane
+from meshtrain.controlplane import kueue
+from meshtrain.operator import queueing
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import REPO, Cluster, OperatorProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+RBAC = pathlib.Path(REPO) / "manifests" / "rbac" / "rbac.yaml"
+OPERATOR_NAMESPACE, SERVICE_ACCOUNT = "meshtrain-system", "meshtrain"
+API_VERSION = f"{queueing.GROUP}/{queueing.VERSION}"
+SOLO_NS, SOLO_QUEUE = "solo-team", "solo"
+RESYNC_PASSES = 3.0
+"""Seconds in which the operator (resync 2 s, woken by every pod event) has decided again."""
+
+
+def _create(cluster: Cluster, body: dict[str, Any], namespace: str | None = None) -> None:
+    plural = body["kind"].lower() + "s"
+    body = {"apiVersion": API_VERSION, **body}
+    if namespace is None:
+        cluster.custom.create_cluster_custom_object(queueing.GROUP, queueing.VERSION, plural, body)
+    else:
+        cluster.custom.create_namespaced_custom_object(
+            queueing.GROUP, queueing.VERSION, namespace, plural, body
+        )
+
+
+def _cluster_queue(name: str, flavors: list[tuple[str, int]]) -> dict[str, Any]:
+    return {
+        "kind": "ClusterQueue",
+        "metadata": {"name": name},
+        "spec": {
+            "namespaceSelector": {},
+            "preemption": {"withinClusterQueue": "LowerPriority"},
+            "resourceGroups": [
+                {
+                    "coveredResources": ["nvidia.com/gpu"],
+                    "flavors": [
+                        {"name": f, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": q}]}
+                        for f, q in flavors
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def _service_account_kubeconfig(plane: controlplane.ControlPlane, cluster: Cluster) -> str:
+    """A kubeconfig holding a token of the chart's ServiceAccount (installed from manifests/rbac)."""
+    cluster.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
+    applied = cluster.kubectl("apply", "-f", str(RBAC))
+    assert applied.returncode == 0, applied.stderr
+    token = cluster.core.create_namespaced_service_account_token(
+        SERVICE_ACCOUNT, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
+    ).status.token
+    admin = yaml.safe_load(plane.kubeconfig_path.read_text())
+    admin["users"] = [{"name": SERVICE_ACCOUNT, "user": {"token": token}}]
+    for context in admin["contexts"]:
+        context["context"]["user"] = SERVICE_ACCOUNT
+    path = plane.data_dir / "operator-sa.kubeconfig"
+    path.write_text(yaml.safe_dump(admin))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
+    work = tmp_path_factory.mktemp("kueue-fit")
+    with controlplane.ControlPlane(
+        binaries=control_plane_binaries,
+        extra_apiserver_args=["--enable-admission-plugins=OwnerReferencesPermissionEnforcement"],
+    ) as plane:
+        api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+        cluster = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
+        cluster.install_crds()
+        with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK]):
+            _create(cluster, {"kind": "ResourceFlavor", "metadata": {"name": "plain"}})
+            _create(cluster, _cluster_queue("solo", [("plain", 8)]))
+            cluster.core.create_namespace({"metadata": {"name": SOLO_NS}})
+            _create(
+                cluster,
+                {
+                    "kind": "LocalQueue",
+                    "metadata": {"name": SOLO_QUEUE},
+                    "spec": {"clusterQueue": "solo"},
+                },
+                SOLO_NS,
+            )
+            for _ in range(2):  # room for two gangs: only Kueue's quota limits them
+                cluster.add_node("solo", gpus=8)
+            process = OperatorProcess(
+                _service_account_kubeconfig(plane, cluster),
+                str(work / "operator.log"),
+                lease_namespace=OPERATOR_NAMESPACE,
+            )
+            process.start()
+            try:
+                yield cluster
+            finally:
+                process.stop()
+        api.close()
+
+
+def _job(name: str, namespace: str, queue: str, pool: str) -> dict[str, Any]:
+    body = JobBuilder(name, namespace, pool=pool).layout(data=8).gpus(8).manifest()
+    body["metadata"]["labels"] = {queueing.QUEUE_LABEL: queue}
+    return body
+
+
+def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
+    cluster.custom.create_namespaced_custom_object(
+        "meshtrain.io", "v1alpha1", body["metadata"]["namespace"], "trainingjobs", body
+    )
+
+
+def _workload(cluster: Cluster, namespace: str, job: str) -> dict[str, Any] | None:
+    try:
+        return cluster.custom.get_namespaced_custom_object(
+            queueing.GROUP,
+            queueing.VERSION,
+            namespace,
+            queueing.PLURAL,
+            queueing.workload_name(job),
+        )
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def _admitted(cluster: Cluster, namespace: str, job: str) -> bool:
+    return cluster.condition(namespace, job, "Queued").get("status") == "False"
+
+
+def _running_gang(cluster: Cluster, namespace: str, job: str) -> Any:
+    """Wait for the job's one pod; bind it to its planned node and mark it Running (a kubelet's part)."""
+    [pod] = cluster.wait_gang(namespace, job, 1, timeout=60)
+    node = cluster.status(namespace, job)["placement"][0]["node"]
+    binding = {"metadata": {"name": pod.metadata.name}, "target": {"kind": "Node", "name": node}}
+    cluster.core.create_namespaced_pod_binding(
+        pod.metadata.name, namespace, binding, _preload_content=False
+    )
+    cluster.set_pod_phase(namespace, pod.metadata.name, "Running")
+    return pod
+
+
+def _terminating(cluster: Cluster, namespace: str, pod: Any) -> bool:
+    """Deleted, and (bound, with a grace period, no kubelet here) still there: its GPUs in use."""
+    return bool(
+        cluster.core.read_namespaced_pod(pod.metadata.name, namespace).metadata.deletion_timestamp
+    )
+
+
+def _release(cluster: Cluster, namespace: str, pod: Any) -> None:
+    """What the kubelet does once the container stopped: the pod goes."""
+    cluster.core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+
+
+def _finished(workload: dict[str, Any] | None) -> bool:
+    return any(
+        c["type"] == "Finished" and c["status"] == "True"
+        for c in ((workload or {}).get("status") or {}).get("conditions") or []
+    )
+
+
+def test_quota_goes_back_only_once_the_gangs_pods_are_gone(fit) -> None:
+    cluster = fit
+    _apply(cluster, _job("ender", SOLO_NS, SOLO_QUEUE, "solo"))
+    pod = _running_gang(cluster, SOLO_NS, "ender")
+    owner = pod.metadata.owner_references[0]
+    assert owner.block_owner_deletion and owner.kind == "TrainingJob"
+    _apply(cluster, _job("after", SOLO_NS, SOLO_QUEUE, "solo"))
+    wait_for("after queued", lambda: _workload(cluster, SOLO_NS, "after"), timeout=60)
+
+    # ender fails (its deadline passes): its pod is deleted but still stopping.
+    cluster.patch_job(SOLO_NS, "ender", {"runPolicy": {"activeDeadlineSeconds": 1}})
+    cluster.wait_phase(SOLO_NS, "ender", "Failed", timeout=60)
+    wait_for("ender's pod terminating", lambda: _terminating(cluster, SOLO_NS, pod), timeout=30)
+    time.sleep(RESYNC_PASSES)
+    assert not _finished(_workload(cluster, SOLO_NS, "ender")), "quota freed under a running pod"
+    assert not _admitted(cluster, SOLO_NS, "after") and cluster.pods(SOLO_NS, "after") == []
+
+    _release(cluster, SOLO_NS, pod)
+    wait_for(
+        "ender's Workload finished",
+        lambda: _finished(_workload(cluster, SOLO_NS, "ender")),
+        timeout=60,
+    )
+    wait_for(
+        "after admitted on the freed quota",
+        lambda: _admitted(cluster, SOLO_NS, "after"),
+        timeout=60,
+    )
+
+    # after is deleted while its pod still stops: the Workload (and its quota) outlives the job
+    # until the pod is gone.
+    running = _running_gang(cluster, SOLO_NS, "after")
+    _apply(cluster, _job("third", SOLO_NS, SOLO_QUEUE, "solo"))
+    wait_for("third queued", lambda: _workload(cluster, SOLO_NS, "third"), timeout=60)
+    cluster.delete_job(SOLO_NS, "after")
+    wait_for("after's pod terminating", lambda: _terminating(cluster, SOLO_NS, running), timeout=30)
+    time.sleep(RESYNC_PASSES)
+    # A cluster's garbage collector (none runs here) deletes the Workload with the job: the
+    # job must outlive its pods.
+    assert cluster.job(SOLO_NS, "after") is not None
+    assert _workload(cluster, SOLO_NS, "after") is not None
+    assert not _admitted(cluster, SOLO_NS, "third")
+    _release(cluster, SOLO_NS, running)
+    wait_for(
+        "after's Workload gone", lambda: _workload(cluster, SOLO_NS, "after") is None, timeout=60
+    )
+    wait_for("third admitted", lambda: _admitted(cluster, SOLO_NS, "third"), timeout=60)
+    wait_for("after gone", lambda: cluster.job(SOLO_NS, "after") is None, timeout=30)
