@@ -336,6 +336,45 @@ class Client:
         )
         return None if found is None else int(found.get("value") or 0)
 
+    async def pod_priority(self, *, name: str) -> int | None:
+        """The value of a PriorityClass (scheduling.k8s.io), or None when there is none of that name."""
+        found = await self._request(
+            "get",
+            "priorityclasses",
+            self._custom.get_cluster_custom_object,
+            queueing.POD_PRIORITY_GROUP,
+            "v1",
+            "priorityclasses",
+            name,
+            ok=(404,),
+        )
+        return None if found is None else int(found.get("value") or 0)
+
+    async def list_priority_classes(self) -> list[Body]:
+        """Every PriorityClass (few per cluster): the global default is among them."""
+        found = await self._request(
+            "list",
+            "priorityclasses",
+            self._custom.list_cluster_custom_object,
+            queueing.POD_PRIORITY_GROUP,
+            "v1",
+            "priorityclasses",
+        )
+        return list((found or {}).get("items") or [])
+
+    async def resource_flavor(self, *, name: str) -> Body | None:
+        """A Kueue ResourceFlavor, or None when there is none of that name."""
+        return await self._request(
+            "get",
+            "resourceflavors",
+            self._custom.get_cluster_custom_object,
+            queueing.GROUP,
+            queueing.VERSION,
+            "resourceflavors",
+            name,
+            ok=(404,),
+        )
+
     # Pods: list, watch, create, patch (gates), delete.
     async def list_pods(
         self,

@@ -607,7 +607,7 @@ def _held_by_kueue(
         message = getattr(state, "message", "") or "the Workload is finished"
     actions: list[Action] = []
     if state is None:
-        actions.append(queueing.CreateWorkload())
+        actions.append(queueing.CreateWorkload(kueue.priority))
     if any(not p.deleting for p in pods):
         actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
     elif not pods and isinstance(state, queueing.Evicted) and state.holds_quota:

@@ -41,8 +41,14 @@ STARTED, RECOVERED, WAIT_FOR_START, WAIT_FOR_RECOVERY = (
 )
 NOT_STARTED = "Not all pods of the gang are running"
 PRIORITY_CLASS_NOT_FOUND = "WorkloadPriorityClassNotFound"
+POD_PRIORITY_CLASS_NOT_FOUND = "PriorityClassNotFound"
 NAME_TAKEN = "WorkloadNameTaken"
-WARNING_REASONS = ("Inadmissible", PRIORITY_CLASS_NOT_FOUND, NAME_TAKEN)
+WARNING_REASONS = (
+    "Inadmissible",
+    PRIORITY_CLASS_NOT_FOUND,
+    POD_PRIORITY_CLASS_NOT_FOUND,
+    NAME_TAKEN,
+)
 """Kueue cannot admit the workload as it stands (e.g. its LocalQueue does not exist): the user must act."""
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
 """Eviction reasons after which Kueue queues the workload again (the rest wait for the user)."""
@@ -69,17 +75,51 @@ def workload_name(job: str) -> str:
     return f"trainingjob-{job}"
 
 
+POD_PRIORITY_GROUP, POD_PRIORITY_KIND = "scheduling.k8s.io", "PriorityClass"
+WORKLOAD_PRIORITY_KIND = "WorkloadPriorityClass"
+
+
+@dataclasses.dataclass(frozen=True)
+class Priority:
+    """A Workload's priority, and the class it comes from (Kueue's ``priorityClassRef``)."""
+
+    value: int
+    ref: tuple[str, str, str] | None = None
+    """(group, kind, name) of the class; None: no class names it (Kueue's default priority, 0)."""
+
+
+def workload_priority(name: str, value: int) -> Priority:
+    return Priority(value, (GROUP, WORKLOAD_PRIORITY_KIND, name))
+
+
+def pod_priority(name: str, value: int) -> Priority:
+    return Priority(value, (POD_PRIORITY_GROUP, POD_PRIORITY_KIND, name))
+
+
+def default_priority(priority_classes: Sequence[Mapping[str, Any]]) -> Priority:
+    """The priority of pods that name no PriorityClass, as Kueue derives it for its integrations.
+
+    The globalDefault PriorityClass (the lowest, should several claim it), else 0 without a class.
+    """
+    defaults = [c for c in priority_classes if c.get("globalDefault")]
+    if not defaults:
+        return Priority(0)
+    lowest = min(defaults, key=lambda c: int(c.get("value") or 0))
+    return pod_priority(lowest["metadata"]["name"], int(lowest.get("value") or 0))
+
+
 def build_workload(
     job: identity.JobRef,
     spec: api_spec.TrainingJobSpec,
     queue: Queue,
     pod: Mapping[str, Any],
-    priority: int | None,
+    priority: Priority,
 ) -> dict[str, Any]:
     """The Workload of ``job``: one pod set of ``spec.pods`` copies of ``pod``'s requests.
 
     ``pod`` is a pod of the gang as the builders make it; Kueue sees its containers'
     requests, node selector and tolerations, which is what its quota and flavors judge.
+    ``priority`` orders it in its queue and decides what it may preempt.
     """
     template_spec = pod["spec"]
     containers = [
@@ -94,14 +134,10 @@ def build_workload(
         "queueName": queue.name,
         "podSets": [{"name": POD_SET, "count": spec.pods, "template": template}],
     }
-    if queue.priority_class:
-        workload_spec["priorityClassRef"] = {
-            "group": GROUP,
-            "kind": "WorkloadPriorityClass",
-            "name": queue.priority_class,
-        }
-        if priority is not None:
-            workload_spec["priority"] = priority
+    workload_spec["priority"] = priority.value
+    if priority.ref is not None:
+        group, kind, name = priority.ref
+        workload_spec["priorityClassRef"] = {"group": group, "kind": kind, "name": name}
     return {
         "apiVersion": API_VERSION,
         "kind": "Workload",
@@ -187,11 +223,15 @@ class Gate:
     """Kueue's say over a queued job: its workload's state, None before the workload exists."""
 
     state: State | None
+    priority: Priority = Priority(0)
+    """The priority a Workload created now gets (read while none exists)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CreateWorkload:
     """Create the job's Workload so Kueue can queue it."""
+
+    priority: Priority
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +265,15 @@ def missing_priority_class(queue: Queue) -> Waiting:
         PRIORITY_CLASS_NOT_FOUND,
         f'metadata.labels["{PRIORITY_CLASS_LABEL}"]: WorkloadPriorityClass '
         f'"{queue.priority_class}" does not exist; create it or name an existing one',
+    )
+
+
+def missing_pod_priority_class(name: str) -> Waiting:
+    """The job's pods name a PriorityClass that does not exist: no priority, no Workload."""
+    return Waiting(
+        POD_PRIORITY_CLASS_NOT_FOUND,
+        f'spec.pod.priorityClassName: PriorityClass "{name}" does not exist; create it or name an '
+        "existing one (Kueue takes a queued job's priority from it)",
     )
 
 

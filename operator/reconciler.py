@@ -250,11 +250,32 @@ class Reconciler:
             if spec is not None and not isinstance(state, queueing.Finished):
                 state = queueing.outdated(workload, identity.spec_hash(spec), queue) or state
             return queueing.Gate(state), workload
-        if queue.priority_class and (
-            await self.client.workload_priority(name=queue.priority_class) is None
-        ):  # Kueue's API server would refuse the Workload (priorityClassRef needs a priority)
-            return queueing.Gate(queueing.missing_priority_class(queue)), None
-        return queueing.Gate(None), None
+        priority = await self._priority(queue, lifecycle.job_state(body).declared)
+        if isinstance(priority, queueing.Waiting):
+            return queueing.Gate(priority), None
+        return queueing.Gate(None, priority), None
+
+    async def _priority(
+        self, queue: queueing.Queue, spec: api_spec.TrainingJobSpec | None
+    ) -> queueing.Priority | queueing.Waiting:
+        """The Workload's priority, derived as Kueue does for its own integrations.
+
+        The WorkloadPriorityClass label first, else the pods' PriorityClass
+        (spec.pod.priorityClassName), else the cluster's globalDefault PriorityClass, else 0.
+        A class that is named but missing holds the job (no Workload can carry its priority).
+        """
+        if queue.priority_class:
+            value = await self.client.workload_priority(name=queue.priority_class)
+            if value is None:
+                return queueing.missing_priority_class(queue)
+            return queueing.workload_priority(queue.priority_class, value)
+        name = spec.pod.priority_class_name if spec is not None else None
+        if name:
+            value = await self.client.pod_priority(name=name)
+            if value is None:
+                return queueing.missing_pod_priority_class(name)
+            return queueing.pod_priority(name, value)
+        return queueing.default_priority(await self.client.list_priority_classes())
 
     async def _kueue(
         self,
@@ -270,13 +291,10 @@ class Reconciler:
         ref = job.ref
         if isinstance(action, queueing.CreateWorkload):
             assert job.declared is not None and queue is not None
-            priority = None
-            if queue.priority_class:
-                priority = await self.client.workload_priority(name=queue.priority_class)
             template = builders.build_pod(
                 ref, job.declared, 0, 0, "", default_image=self.settings.trainer_image
             )
-            manifest = queueing.build_workload(ref, job.declared, queue, template, priority)
+            manifest = queueing.build_workload(ref, job.declared, queue, template, action.priority)
             created = await self.client.create_workload(manifest=manifest)
             logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
             return created is not None

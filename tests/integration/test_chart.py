@@ -64,6 +64,9 @@ NAMESPACED_ALLOWED = [
 ]
 CLUSTER_ALLOWED = [
     ("get", "workloadpriorityclasses.kueue.x-k8s.io"),
+    ("get", "resourceflavors.kueue.x-k8s.io"),
+    ("get", "priorityclasses.scheduling.k8s.io"),
+    ("list", "priorityclasses.scheduling.k8s.io"),
     ("list", "nodes"),
     ("watch", "nodes"),
     ("list", "pods"),

@@ -43,7 +43,8 @@ def test_the_workload_asks_for_the_gangs_requests_and_is_owned_by_the_job():
         .raw()
     )
     pod_manifest = builders.build_pod(REF, spec, 0, 0, "")
-    body = queueing.build_workload(REF, spec, queueing.Queue("q", "high"), pod_manifest, 1000)
+    priority = queueing.workload_priority("high", 1000)
+    body = queueing.build_workload(REF, spec, queueing.Queue("q", "high"), pod_manifest, priority)
     assert body["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert body["metadata"]["ownerReferences"][0]["controller"] is True
     [pod_set] = body["spec"]["podSets"]
@@ -52,7 +53,53 @@ def test_the_workload_asks_for_the_gangs_requests_and_is_owned_by_the_job():
     assert requests == pod_manifest["spec"]["containers"][0]["resources"]["requests"]
     assert requests["nvidia.com/gpu"] == "4" and requests["rdma/ib"] == "1"
     assert body["spec"]["queueName"] == "q" and body["spec"]["priority"] == 1000
-    assert body["spec"]["priorityClassRef"]["name"] == "high"
+    assert body["spec"]["priorityClassRef"] == {
+        "group": "kueue.x-k8s.io",
+        "kind": "WorkloadPriorityClass",
+        "name": "high",
+    }
+
+
+def _priority_class(name: str, value: int, default: bool = False) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "value": value, "globalDefault": default}
+
+
+def test_without_a_class_named_the_priority_is_the_global_default_pod_priority_or_zero():
+    assert queueing.default_priority([]) == queueing.Priority(0)
+    assert queueing.default_priority([_priority_class("high", 1000)]) == queueing.Priority(0)
+    # Two classes claiming globalDefault (a race the API server allows): the lower one.
+    classes = [
+        _priority_class("high", 1000),
+        _priority_class("normal", 50, default=True),
+        _priority_class("batch", 10, default=True),
+    ]
+    assert queueing.default_priority(classes) == queueing.pod_priority("batch", 10)
+
+
+def test_a_pod_priority_class_is_the_workloads_priority_class_ref():
+    spec = loading.parse_spec(JobBuilder().pod(priorityClassName="team-high").raw())
+    pod_manifest = builders.build_pod(REF, spec, 0, 0, "")
+    body = queueing.build_workload(
+        REF, spec, queueing.Queue("q", None), pod_manifest, queueing.pod_priority("team-high", 500)
+    )
+    assert body["spec"]["priority"] == 500
+    assert body["spec"]["priorityClassRef"] == {
+        "group": "scheduling.k8s.io",
+        "kind": "PriorityClass",
+        "name": "team-high",
+    }
+    assert body["spec"]["podSets"][0]["template"]["spec"]["priorityClassName"] == "team-high"
+    unranked = queueing.build_workload(
+        REF, spec, queueing.Queue("q", None), pod_manifest, queueing.Priority(0)
+    )
+    assert unranked["spec"]["priority"] == 0 and "priorityClassRef" not in unranked["spec"]
+
+
+def test_a_missing_pod_priority_class_holds_the_job_and_names_the_field():
+    held = queueing.missing_pod_priority_class("team-high")
+    decision = lifecycle.decide(job(), [], T0, queueing.Gate(held))
+    assert queueing.CreateWorkload not in _types(decision)
+    assert "spec.pod.priorityClassName" in _queued(decision)["message"]
 
 
 @pytest.mark.parametrize(
@@ -237,7 +284,8 @@ def test_a_workload_of_the_jobs_name_that_another_object_owns_is_never_the_jobs(
 def test_a_workload_of_another_spec_or_queue_is_outdated():
     spec = loading.parse_spec(JobBuilder().layout(data=2).raw())
     queue = queueing.Queue("q", None)
-    body = queueing.build_workload(REF, spec, queue, builders.build_pod(REF, spec, 0, 0, ""), None)
+    pod_manifest = builders.build_pod(REF, spec, 0, 0, "")
+    body = queueing.build_workload(REF, spec, queue, pod_manifest, queueing.Priority(0))
     assert queueing.outdated(body, identity.spec_hash(spec), queue) is None
     grown = loading.parse_spec(JobBuilder().layout(data=4).raw())
     assert queueing.outdated(body, identity.spec_hash(grown), queue) is not None

@@ -136,10 +136,15 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
-# Kueue: a queued job's WorkloadPriorityClass gives its workload's priority.
+# Kueue: a queued job's WorkloadPriorityClass gives its workload's priority, and the
+# ResourceFlavor Kueue assigned it the nodes (labels) and taints (tolerations) it may use.
 - apiGroups: ["kueue.x-k8s.io"]
-  resources: ["workloadpriorityclasses"]
+  resources: ["workloadpriorityclasses", "resourceflavors"]
   verbs: ["get"]
+# Else the pods' PriorityClass, or the cluster's globalDefault one, does (as in Kueue).
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get", "list"]
 {{- end }}
 
 {{/* The trainer image the operator gives jobs whose spec.image is empty. */}}

@@ -5,7 +5,8 @@ TokenRequest API) on an API server with OwnerReferencesPermissionEnforcement, as
 runs it: every child it creates names its job with blockOwnerDeletion, which that plugin
 allows only to who may update trainingjobs/finalizers.
 
-- quota goes back only once the gang's pods are gone, whether the job ended or was deleted.
+- quota goes back only once the gang's pods are gone, whether the job ended or was deleted;
+- the pods' PriorityClass is the Workload's priority, by which Kueue preempts.
 """
 
 from __future__ import annotations
@@ -231,3 +232,74 @@ def test_quota_goes_back_only_once_the_gangs_pods_are_gone(fit) -> None:
     )
     wait_for("third admitted", lambda: _admitted(cluster, SOLO_NS, "third"), timeout=60)
     wait_for("after gone", lambda: cluster.job(SOLO_NS, "after") is None, timeout=30)
+    _delete(cluster, SOLO_NS, "third")
+
+
+def _delete(cluster: Cluster, namespace: str, job: str) -> None:
+    """Delete a job and let its pods go at once (the quota it held is free again)."""
+    pods = cluster.pods(namespace, job)
+    cluster.delete_job(namespace, job)
+    for pod in pods:
+        _release(cluster, namespace, pod)
+    wait_for(
+        f"{job}'s Workload gone", lambda: _workload(cluster, namespace, job) is None, timeout=60
+    )
+
+
+def test_the_pods_priority_class_ranks_the_workload_and_kueue_preempts_by_it(fit) -> None:
+    cluster = fit
+    for name, value in (("team-low", 100), ("team-high", 1000)):
+        cluster.custom.create_cluster_custom_object(
+            "scheduling.k8s.io",
+            "v1",
+            "priorityclasses",
+            {
+                "apiVersion": "scheduling.k8s.io/v1",
+                "kind": "PriorityClass",
+                "metadata": {"name": name},
+                "value": value,
+            },
+        )
+    low = _job("lowpc", SOLO_NS, SOLO_QUEUE, "solo")
+    low["spec"]["pod"] = {"priorityClassName": "team-low"}
+    _apply(cluster, low)
+    wait_for("lowpc admitted", lambda: _admitted(cluster, SOLO_NS, "lowpc"), timeout=60)
+    workload = _workload(cluster, SOLO_NS, "lowpc")
+    assert workload["spec"]["priority"] == 100
+    assert workload["spec"]["priorityClassRef"] == {
+        "group": "scheduling.k8s.io",
+        "kind": "PriorityClass",
+        "name": "team-low",
+    }
+
+    high = _job("highpc", SOLO_NS, SOLO_QUEUE, "solo")
+    high["spec"]["pod"] = {"priorityClassName": "team-high"}
+    _apply(cluster, high)
+    # Kueue preempts the lower-priority Workload within the ClusterQueue (its own decision).
+    evicted = wait_for(
+        "lowpc preempted",
+        lambda: (c := cluster.condition(SOLO_NS, "lowpc", "Queued")).get("status") == "True" and c,
+        timeout=60,
+    )
+    assert evicted["reason"] in ("Preempted", "Evicted"), evicted
+    wait_for("highpc admitted", lambda: _admitted(cluster, SOLO_NS, "highpc"), timeout=60)
+    [pod] = cluster.wait_gang(SOLO_NS, "highpc", 1, timeout=60)
+    assert pod.spec.priority_class_name == "team-high" and pod.spec.priority == 1000
+
+    # A PriorityClass that does not exist holds the job and names the field.
+    lost = _job("nopc", SOLO_NS, SOLO_QUEUE, "solo")
+    lost["spec"]["pod"] = {"priorityClassName": "no-such-class"}
+    _apply(cluster, lost)
+    held = wait_for(
+        "nopc held",
+        lambda: (
+            (c := cluster.condition(SOLO_NS, "nopc", "Queued")).get("reason")
+            == queueing.POD_PRIORITY_CLASS_NOT_FOUND
+            and c
+        ),
+        timeout=60,
+    )
+    assert "spec.pod.priorityClassName" in held["message"] and "no-such-class" in held["message"]
+    assert _workload(cluster, SOLO_NS, "nopc") is None
+    for job in ("nopc", "highpc", "lowpc"):
+        _delete(cluster, SOLO_NS, job)
