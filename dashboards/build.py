@@ -258,6 +258,20 @@ TRAINING_PANELS: list[Panel] = [
         thresholds=[(None, "green"), (0.1, "orange"), (0.25, "red")],
     ),
     Panel(
+        "Slowdown per rank (straggler detector)",
+        "none",
+        [
+            (
+                "rank {{rank}} on {{node}}",
+                f"max by (rank, node) (meshtrain_rank_slowdown_ratio{{{SEL}}})",
+            )
+        ],
+        "The trainer's own judgement: each rank's compute time over its data-parallel peers' median, "
+        "median over runPolicy.stragglerPolicy.window steps (1 = as fast as its peers). Above the "
+        "policy threshold (default 1.25) the rank is flagged and the operator reports or replaces its node.",
+        thresholds=[(None, "green"), (1.1, "orange"), (1.25, "red")],
+    ),
+    Panel(
         "Memory per stage",
         "bytes",
         [
@@ -419,6 +433,18 @@ OPERATOR_PANELS: list[Panel] = [
         "status.restarts of each TrainingJob.",
     ),
     Panel(
+        "Straggler replacements",
+        "none",
+        [
+            (
+                "{{namespace}}/{{trainingjob}}",
+                f"max by (namespace, trainingjob) (meshtrain_operator_straggler_replacements_total{{{OPSEL}}})",
+            )
+        ],
+        "Gangs rebuilt without a straggler's node (runPolicy.stragglerPolicy replace); the nodes are in "
+        "status.excludedNodes.",
+    ),
+    Panel(
         "Elastic data-parallel degree",
         "none",
         [
@@ -513,6 +539,12 @@ OPERATOR_ANNOTATIONS = [
         f"sum by (namespace, trainingjob) (increase(meshtrain_operator_gang_restarts_total{{{OPSEL}}}[1m])) > 0",
         "red",
         "{{namespace}}/{{trainingjob}} restarted its gang",
+    ),
+    _annotation(
+        "Straggler replaced",
+        f"sum by (namespace, trainingjob) (increase(meshtrain_operator_straggler_replacements_total{{{OPSEL}}}[1m])) > 0",
+        "purple",
+        "{{namespace}}/{{trainingjob}} replaced a straggler's node",
     ),
     _annotation(
         "Elastic resizes",

@@ -72,6 +72,16 @@ ELASTIC_GROWING = "ElasticGrowing"
 DECLARED_SIZE = "DeclaredSize"
 """Resized=False: the gang runs at parallelism.data."""
 
+# runPolicy.stragglerPolicy (type and reasons).
+STRAGGLER = "Straggler"
+"""True while the trainer flags a rank as persistently slower than its data-parallel peers."""
+STRAGGLER_DETECTED = "StragglerDetected"
+"""Straggler=True: status.straggler names the rank, its node and how much slower it is."""
+STRAGGLER_REPLACED = "StragglerReplaced"
+"""The gang was stopped (checkpointing its last step) to be placed again without the straggler's node."""
+STRAGGLER_GONE = "NoStraggler"
+"""Straggler=False: no rank is flagged any more."""
+
 TRUE, FALSE = "True", "False"
 
 

@@ -16,6 +16,7 @@ States (``status.phase``)::
     Suspended <--- spec.runPolicy.suspend (any non-final phase); resume -> Pending
     Pending/Restarting --place: the planner says a rank needs more GPU memory than there is--> Failed (WontFit)
     Placing/Running --spec changed (runPolicy aside)--> Restarting (SpecChanged: old pods deleted, restarts unchanged) --place--> Placing
+    Running --straggler under stragglerPolicy replace--> Restarting (StragglerReplaced: node excluded, pods deleted, restarts unchanged) --place--> Placing
 
 The gang attempt is ``status.restarts``: pods carry it as a label, so pods of
 an older attempt are recognised (and deleted) after any crash, and a failure
@@ -47,6 +48,7 @@ from meshtrain.operator import (
     progress_status,
     queueing,
     resizing,
+    stragglers,
 )
 
 Phase = api_spec.Phase
@@ -555,7 +557,15 @@ def decide(
             )
             actions.append(_changes(job, phase=Phase.RUNNING.value, conditions=conds))
         else:
+            conds = observed.conditions
             actions += seen
+        reaction = stragglers.react(spec.run_policy.straggler_policy, job.status, conds, now)
+        if reaction.status:
+            actions.append(_changes(job, **reaction.status))
+        actions += [Emit(*event) for event in reaction.events]
+        if reaction.replace:  # the next pass places the gang again, without the node
+            doomed = tuple(p.name for p in current if not p.deleting)
+            return Decision((*actions, DeletePods(doomed)), requeue_after=0)
         rank0 = next(p for p in current if p.index == 0)
         if rank0.ip and rank0.phase == "Running":
             actions.append(PollProgress(rank0.name, rank0.ip, spec.metrics.port))

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import prometheus_client
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from meshtrain import placement
@@ -103,6 +103,8 @@ class JobView:
     """metadata.generation: grows with every spec change."""
     data_degree: tuple[int, int] | None = None
     """(running, declared) data-parallel degree of a job with runPolicy.elastic that is placed."""
+    straggler_replacements: int = 0
+    """status.stragglerReplacements."""
 
 
 _jobs: dict[tuple[str, str], JobView] = {}
@@ -147,6 +149,7 @@ def observe_job(
         uid=metadata.get("uid", ""),
         generation=int(metadata.get("generation") or 0),
         data_degree=_data_degree(spec, status),
+        straggler_replacements=int(status.get("stragglerReplacements") or 0),
     )
     uid = _jobs[key].uid
     if phase != api_spec.Phase.RUNNING.value or uid in _reached_running:
@@ -194,7 +197,7 @@ def api_error(verb: str) -> None:
 
 
 class _JobCollector(Collector):
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         now = time.time()
         views = dict(_jobs)
         queues = sorted({""} | {v.queue for v in views.values()})
@@ -249,8 +252,15 @@ class _JobCollector(Collector):
             "parallelism.data of a placed gang with runPolicy.elastic (the degree its global batch is stated at).",
             labels=labels,
         )
+        replaced = CounterMetricFamily(
+            "meshtrain_operator_straggler_replacements",
+            "Gangs rebuilt without a straggler's node (runPolicy.stragglerPolicy replace; "
+            "status.stragglerReplacements, so it survives an operator restart).",
+            labels=labels,
+        )
         for (namespace, name), view in sorted(views.items()):
             key = [namespace, name]
+            replaced.add_metric(key, view.straggler_replacements)
             if view.data_degree is not None:
                 degree.add_metric(key, view.data_degree[0])
                 declared.add_metric(key, view.data_degree[1])
@@ -264,7 +274,7 @@ class _JobCollector(Collector):
                 remaining.add_metric(key, max(0, view.backoff_limit - view.restarts))
             since = view.unschedulable_since
             waited.add_metric(key, 0.0 if since is None else max(0.0, now - since))
-        yield from (phase_of, restarts, generation, remaining, waited, degree, declared)
+        yield from (phase_of, restarts, generation, remaining, waited, degree, declared, replaced)
 
 
 prometheus_client.REGISTRY.register(_JobCollector())

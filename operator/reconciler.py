@@ -49,6 +49,7 @@ from meshtrain.operator import (
     queueing,
     resizing,
     sizing,
+    stragglers,
 )
 from meshtrain.planner import admission, placement_request, profiles
 
@@ -459,6 +460,8 @@ class Reconciler:
         ref = job.ref
         async with self.placement_lock:
             raw_nodes, _ = self._nodes(job.declared.resources.gpu_resource_name)
+            avoid = stragglers.excluded(job.status)
+            raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
             usage = self.cache.usage(without=self._owned_pods(ref))
             pod = builders.build_pod(ref, job.declared, 0, 0, "")
             demand = feasibility.demand_of(pod)
@@ -500,6 +503,8 @@ class Reconciler:
             logger.debug("progress of %s unavailable: %s", action.pod, err)
             return body, job, False
         changes = progress_status.status_changes(report)
+        if job.spec is not None:
+            changes |= stragglers.observed(job.spec, job.status, report, _now())
         if not changes:
             return body, job, False
         body, job, _ = await self._set_status(body, job, changes)
@@ -563,6 +568,10 @@ class Reconciler:
         async with self.placement_lock:
             started = time.perf_counter()
             raw_nodes, nodes = self._nodes(gpu)
+            avoid = stragglers.excluded(job.status)
+            if avoid:  # a replaced straggler's node is never chosen again for this job
+                raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
+                nodes = [n for n in nodes if n.name not in avoid]
             live = self.cache.live_pods()
             demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
             now = _now()
@@ -623,6 +632,8 @@ class Reconciler:
                     if bounds is not None
                     else ""
                 )
+                if avoid:
+                    tried += f"; excluded for this job (stragglers): {', '.join(sorted(avoid))}"
                 answer = dataclasses.replace(
                     answer,
                     message=f"{answer.message}{tried}; {feasibility.summary(refusals, len(raw_nodes))}",

@@ -49,8 +49,14 @@ def plane(control_plane_binaries) -> Iterator[Cluster]:
 class Kubelet:
     """Bound pods of existing nodes become Running, deleted ones go; the pods of a deleted node fail."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(
+        self, cluster: Cluster, namespace: str | None = None, ip: str | None = None
+    ) -> None:
         self._cluster = cluster
+        self._namespace = namespace
+        """Only this namespace's pods (None: every namespace)."""
+        self._ip = ip
+        """Pod IP a Running pod reports (a test's progress server), None: none."""
         self._stop = threading.Event()
         self.gone: set[str] = set()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -65,12 +71,15 @@ class Kubelet:
 
     def _run(self) -> None:
         core = self._cluster.core
-        version = core.list_pod_for_all_namespaces().metadata.resource_version
+        scope: tuple[Any, ...] = (
+            (core.list_namespaced_pod, self._namespace)
+            if self._namespace
+            else (core.list_pod_for_all_namespaces,)
+        )
+        version = scope[0](*scope[1:]).metadata.resource_version
         watch = kubernetes.watch.Watch()
         while not self._stop.is_set():
-            for event in watch.stream(
-                core.list_pod_for_all_namespaces, resource_version=version, timeout_seconds=1
-            ):
+            for event in watch.stream(*scope, resource_version=version, timeout_seconds=1):
                 pod = event["object"]
                 version = pod.metadata.resource_version
                 node = pod.spec.node_name
@@ -86,7 +95,7 @@ class Kubelet:
                 ):
                     try:
                         self._cluster.set_pod_phase(
-                            pod.metadata.namespace, pod.metadata.name, "Running"
+                            pod.metadata.namespace, pod.metadata.name, "Running", ip=self._ip
                         )
                     except kubernetes.client.ApiException:
                         pass  # deleted meanwhile

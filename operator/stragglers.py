@@ -1,0 +1,190 @@
+"""runPolicy.stragglerPolicy in the operator: the trainer's straggler report -> status, Events, a new gang.
+
+Pure.  :func:`observed` turns the ``straggler`` entry of rank 0's /progress
+(``{rank, slowdown, since_step}``, see ``trainer/slowdown.py``) into
+``status.straggler`` with the pod and node of that rank (rank -> pod by the
+rank layout, pod -> node by ``status.placement``).  :func:`react`, called by
+``lifecycle.decide`` while the gang runs, sets the ``Straggler`` condition
+and emits an Event once per straggler; with ``action: replace`` it also
+stops the gang the way a spec change does (full grace period: the ranks
+finish the step, checkpoint it and exit), records the node in
+``status.excludedNodes`` and clears the placement, so the next pass places the
+gang without that node and it resumes from the checkpoint.  Not a restart
+(``restarts`` is unchanged): the pods did not fail.  :func:`excluded` is the
+set placement leaves out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import conditions
+
+REASON = "Straggler"
+"""``excludedNodes[].reason`` of a replaced straggler's node."""
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def observed(
+    spec: api_spec.TrainingJobSpec,
+    status: Mapping[str, Any],
+    report: Mapping[str, Any],
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """``status.straggler`` from one /progress report (empty: nothing to change).
+
+    ``since`` is kept while the same rank on the same node stays flagged.
+    A report without the key (an older trainer, a custom program) changes nothing.
+    """
+    if "straggler" not in report:
+        return {}
+    found = report.get("straggler")
+    current = status.get("straggler")
+    if not isinstance(found, Mapping):
+        return {"straggler": None} if current else {}
+    rank, slowdown = found.get("rank"), _number(found.get("slowdown"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0 or slowdown is None:
+        return {}
+    if rank >= spec.world_size:
+        return {}
+    pod = rank // spec.resources.gpus_per_node
+    nodes = {
+        int(p.get("podIndex", -1)): p.get("node")
+        for p in status.get("placement") or []
+        if isinstance(p, Mapping)
+    }
+    entry: dict[str, Any] = {"rank": rank, "podIndex": pod, "slowdown": round(slowdown, 4)}
+    if nodes.get(pod):
+        entry["node"] = nodes[pod]
+    since_step = found.get("since_step")
+    if isinstance(since_step, int) and not isinstance(since_step, bool) and since_step >= 0:
+        entry["sinceStep"] = since_step
+    same = (
+        isinstance(current, Mapping)
+        and current.get("rank") == rank
+        and current.get("node") == entry.get("node")
+    )
+    entry["since"] = (
+        current.get("since") if same and isinstance(current, Mapping) else None
+    ) or conditions.timestamp(now)
+    return {"straggler": entry}
+
+
+def excluded(status: Mapping[str, Any]) -> frozenset[str]:
+    """Nodes this job is not placed on again."""
+    return frozenset(
+        e["node"]
+        for e in status.get("excludedNodes") or []
+        if isinstance(e, Mapping) and isinstance(e.get("node"), str)
+    )
+
+
+def describe(straggler: Mapping[str, Any]) -> str:
+    """``rank 3 (pod 1 on node gpu-2) is a straggler since step 40``: who, not how much (stable while flagged)."""
+    where = f"pod {straggler.get('podIndex')}"
+    if straggler.get("node"):
+        where += f" on node {straggler['node']}"
+    since = f" since step {straggler['sinceStep']}" if "sinceStep" in straggler else ""
+    return f"rank {straggler.get('rank')} ({where}) is a straggler{since}"
+
+
+def _measured(straggler: Mapping[str, Any]) -> str:
+    return f"computes {straggler.get('slowdown')}x its data-parallel peers' time"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reaction:
+    """What the straggler policy does this pass."""
+
+    status: dict[str, Any]
+    """Status fields to merge (conditions included); empty: nothing."""
+    events: tuple[tuple[str, str, str], ...]
+    """(type, reason, message) of Events to emit."""
+    replace: bool = False
+    """Delete the gang's pods with their own grace period: it is placed again without the node."""
+
+
+def react(
+    policy: api_spec.StragglerPolicy,
+    status: Mapping[str, Any],
+    conds: Sequence[dict[str, Any]],
+    now: datetime.datetime,
+) -> Reaction:
+    """The Straggler condition, its Event, and under ``replace`` the rebuild without the slow node.
+
+    ``conds`` are the conditions as this pass leaves them.
+    """
+    straggler = status.get("straggler")
+    previous = conditions.find(conds, conditions.STRAGGLER) or {}
+    if not isinstance(straggler, Mapping) or policy.action == "ignore":
+        if previous.get("status") != conditions.TRUE:
+            return Reaction({}, ())
+        message = "no rank is flagged as a straggler any more"
+        updated = conditions.set(
+            conds, conditions.STRAGGLER, conditions.FALSE, conditions.STRAGGLER_GONE, message, now
+        )
+        return Reaction({"conditions": updated}, (("Normal", conditions.STRAGGLER_GONE, message),))
+    message = describe(straggler)
+    news = f"{message}: {_measured(straggler)}"
+    node = straggler.get("node")
+    replacements = int(status.get("stragglerReplacements") or 0)
+    replace = policy.action == "replace" and isinstance(node, str) and node not in excluded(status)
+    if replace and replacements >= policy.max_replacements:
+        message += (
+            f"; not replaced: maxReplacements={policy.max_replacements} node(s) already excluded"
+        )
+        replace = False
+    if not replace:
+        if previous.get("status") == conditions.TRUE and previous.get("message") == message:
+            return Reaction({}, ())
+        updated = conditions.set(
+            conds,
+            conditions.STRAGGLER,
+            conditions.TRUE,
+            conditions.STRAGGLER_DETECTED,
+            message,
+            now,
+        )
+        return Reaction(
+            {"conditions": updated}, (("Warning", conditions.STRAGGLER_DETECTED, news),)
+        )
+    assert isinstance(node, str)
+    checkpoint = status.get("lastCheckpointStep")
+    note = (
+        f"{news}: stopping the gang (its ranks checkpoint the step they stop at) to place it "
+        f"again without node {node} (replacement {replacements + 1} of at most "
+        f"{policy.max_replacements}); training resumes from that checkpoint"
+        + (f" (last one so far: step {checkpoint})" if checkpoint else "")
+    )
+    updated = conditions.set(
+        conds, conditions.STRAGGLER, conditions.FALSE, conditions.STRAGGLER_REPLACED, note, now
+    )
+    for type_ in (conditions.PLACED, conditions.RUNNING):
+        updated = conditions.set(
+            updated, type_, conditions.FALSE, conditions.STRAGGLER_REPLACED, note, now
+        )
+    entry = {
+        "node": node,
+        "reason": REASON,
+        "message": news,
+        "time": conditions.timestamp(now),
+    }
+    changes = {
+        "phase": api_spec.Phase.RESTARTING.value,
+        "placement": [],
+        "straggler": None,
+        "excludedNodes": [*(status.get("excludedNodes") or []), entry],
+        "stragglerReplacements": replacements + 1,
+        "conditions": updated,
+    }
+    events = (("Warning", conditions.STRAGGLER_REPLACED, note),)
+    return Reaction(changes, events, replace=True)

@@ -1,0 +1,208 @@
+"""runPolicy.stragglerPolicy replace on a real control plane (apiserver, etcd, kube-scheduler,
+controller-manager binding the checkpoint volume): rank 0's /progress flags a straggler, the
+operator names its node in status, stops the gang, excludes the node, places the gang on other
+nodes and the new gang reports the step it resumed from.  The test plays the kubelet (bound
+pods run with the progress server's IP, deleted pods go) and the trainer's /progress."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshtrain.controlplane.ports import pick_free_port
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+from tests.integration.operator.test_operator_chaos import Kubelet
+
+pytestmark = pytest.mark.integration
+
+NAMESPACE = "stragglers"
+POOL = "straggler"
+
+
+class ProgressServer:
+    """Rank 0's /progress on 127.0.0.1: a document the test changes as the trainer would."""
+
+    def __init__(self) -> None:
+        self.document: dict[str, Any] = {}
+        self.port = pick_free_port()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # http.server API
+                body = json.dumps(owner.document).encode()
+                self.send_response(200 if self.path == "/progress" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+
+    def __enter__(self) -> ProgressServer:
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _checkpoint_volume(cluster, namespace: str) -> None:
+    """A PersistentVolumeClaim bound to a PersistentVolume every node can mount (the test binds
+    them, as the controller-manager's volume binder would)."""
+    claim = cluster.core.create_namespaced_persistent_volume_claim(
+        namespace,
+        {
+            # What the volume binder marks a claim with; kube-scheduler reads it as bound.
+            "metadata": {"name": "ckpt", "annotations": {"pv.kubernetes.io/bind-completed": "yes"}},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": f"{namespace}-ckpt",
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    cluster.core.create_persistent_volume(
+        {
+            "metadata": {"name": f"{namespace}-ckpt"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": f"/tmp/{namespace}-ckpt"},
+                "claimRef": {"namespace": namespace, "name": "ckpt", "uid": claim.metadata.uid},
+            },
+        }
+    )
+    cluster.core.patch_persistent_volume_status(f"{namespace}-ckpt", {"status": {"phase": "Bound"}})
+    cluster.core.patch_namespaced_persistent_volume_claim_status(
+        "ckpt",
+        namespace,
+        {
+            "status": {
+                "phase": "Bound",
+                "accessModes": ["ReadWriteMany"],
+                "capacity": {"storage": "1Gi"},
+            }
+        },
+    )
+
+
+def _running_on(cluster, namespace: str, name: str, pods: int) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        status = cluster.status(namespace, name)
+        live = [p for p in cluster.pods(namespace, name) if not p.metadata.deletion_timestamp]
+        running = [p for p in live if p.status.phase == "Running" and p.spec.node_name]
+        if status.get("phase") == "Running" and len(live) == len(running) == pods:
+            return status
+        return None
+
+    try:
+        return wait_for(f"{pods} pod(s) of {name} Running", ready, timeout=60)
+    except AssertionError as err:
+        seen = [
+            (p.metadata.name, p.spec.node_name, p.status.phase, p.status.conditions)
+            for p in cluster.pods(namespace, name)
+        ]
+        raise AssertionError(
+            f"{err}; status {cluster.status(namespace, name)}; pods {seen}"
+        ) from None
+
+
+def test_a_straggler_node_is_named_replaced_and_never_chosen_again(
+    control_plane_binaries, tmp_path
+):
+    with (
+        Cluster.private(control_plane_binaries) as cluster,
+        ProgressServer() as progress,
+        Kubelet(cluster, NAMESPACE, ip="127.0.0.1"),
+    ):
+        cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+        operator.start()
+        try:
+            _replaced(cluster, operator, progress)
+        finally:
+            operator.stop()
+
+
+def _replaced(cluster: Cluster, operator: OperatorProcess, progress: ProgressServer) -> None:
+    namespace, pool = NAMESPACE, POOL
+    _checkpoint_volume(cluster, namespace)
+    nodes = [cluster.add_node(pool, gpus=1, name=f"{pool}-n{i}") for i in range(3)]
+    progress.document = {
+        "step": 10,
+        "loss": 4.0,
+        "last_checkpoint_step": None,
+        "updated_at": "2026-01-01T00:00:10Z",
+        "straggler": None,
+    }
+    cluster.apply(
+        JobBuilder("slow", namespace, pool)
+        .layout(data=2, gpus_per_node=1)
+        .checkpoint(claimName="ckpt", intervalSteps=20)
+        .metrics(port=progress.port)
+        .run_policy(stragglerPolicy={"action": "replace", "threshold": 1.3, "maxReplacements": 1})
+    )
+    status = _running_on(cluster, namespace, "slow", 2)
+    first = {p["podIndex"]: p["node"] for p in status["placement"]}
+    slow_node = first[1]
+
+    # Rank 1 (pod 1) is flagged; the ranks stop and checkpoint step 60 as the pods go.
+    progress.document = {
+        "step": 60,
+        "loss": 3.0,
+        "last_checkpoint_step": 40,
+        "updated_at": "2026-01-01T00:01:00Z",
+        "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
+    }
+    status = wait_for(
+        "the straggler replaced",
+        lambda: (s := cluster.status(namespace, "slow")).get("stragglerReplacements") and s,
+    )
+    [excluded] = status["excludedNodes"]
+    assert excluded["node"] == slow_node and excluded["reason"] == "Straggler"
+    assert "rank 1 (pod 1 on node " + slow_node in excluded["message"]
+    assert "1.52x" in excluded["message"]
+    progress.document = {  # the new gang's rank 0 loaded the checkpoint of the step the old one stopped at
+        "step": 60,
+        "loss": 3.0,
+        "last_checkpoint_step": 60,
+        "updated_at": "2026-01-01T00:02:00Z",
+        "straggler": None,
+    }
+
+    status = _running_on(cluster, namespace, "slow", 2)
+    placed = {p["node"] for p in status["placement"]}
+    assert slow_node not in placed and placed <= set(nodes)
+    on_nodes = {p.spec.node_name for p in cluster.pods(namespace, "slow")}
+    assert on_nodes == placed  # the scheduler bound the pods where the operator planned
+    status = wait_for(
+        "the resumed step in status",
+        lambda: (s := cluster.status(namespace, "slow")).get("lastCheckpointStep") == 60 and s,
+    )
+    assert status["restarts"] == 0 and status["stragglerReplacements"] == 1
+    assert "straggler" not in status
+    replaced = cluster.condition(namespace, "slow", "Straggler")
+    assert replaced["reason"] == "StragglerReplaced"
+    assert f"without node {slow_node}" in replaced["message"]
+    events = cluster.core.list_namespaced_event(namespace).items
+    notes = [e.message for e in events if e.reason == "StragglerReplaced"]
+    assert len(notes) == 1 and slow_node in notes[0]
+    counted = [
+        sample.value
+        for family in text_string_to_metric_families(operator.metrics())
+        for sample in family.samples
+        if sample.name == "meshtrain_operator_straggler_replacements_total"
+        and sample.labels == {"namespace": namespace, "trainingjob": "slow"}
+    ]
+    assert counted == [1.0]

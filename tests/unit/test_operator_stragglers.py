@@ -1,0 +1,146 @@
+"""runPolicy.stragglerPolicy in the operator: /progress -> status.straggler, and the state machine's reaction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshtrain.api import loading
+from meshtrain.operator import conditions, lifecycle, stragglers
+from tests.builders import JobBuilder
+from tests.unit.test_operator_lifecycle import (
+    at,
+    condition,
+    job,
+    kinds,
+    placed_status,
+    running_gang,
+    status_of,
+)
+
+
+def spec_raw(action: str = "report", **policy: Any) -> dict[str, Any]:
+    # dp4 with 2 GPUs per pod: ranks 0-1 on pod 0 (n0), ranks 2-3 on pod 1 (n1).
+    return (
+        JobBuilder()
+        .layout(data=4, gpus_per_node=2)
+        .checkpoint(claimName="ckpt")
+        .run_policy(stragglerPolicy={"action": action, **policy})
+        .raw()
+    )
+
+
+def report(rank: int | None, slowdown: float = 1.6, since: int = 40) -> dict[str, Any]:
+    straggler = None if rank is None else {"rank": rank, "slowdown": slowdown, "since_step": since}
+    return {"step": 50, "updated_at": "2026-01-01T12:00:00Z", "straggler": straggler}
+
+
+def test_the_flagged_rank_is_mapped_to_its_pod_and_the_node_placement_chose():
+    spec = loading.parse_spec(spec_raw())
+    status = placed_status(phase="Running")
+    changes = stragglers.observed(spec, status, report(3), at(5))
+    assert changes == {
+        "straggler": {
+            "rank": 3,
+            "podIndex": 1,
+            "node": "n1",
+            "slowdown": 1.6,
+            "sinceStep": 40,
+            "since": "2026-01-01T12:00:05Z",
+        }
+    }
+    # Still flagged later: the first time seen is kept, the slowdown follows the report.
+    later = stragglers.observed(spec, {**status, **changes}, report(3, 1.7), at(60))
+    assert later["straggler"]["since"] == "2026-01-01T12:00:05Z"
+    assert later["straggler"]["slowdown"] == 1.7
+    # Another rank: a new since.
+    other = stragglers.observed(spec, {**status, **changes}, report(0), at(90))
+    assert other["straggler"]["node"] == "n0" and other["straggler"]["since"].endswith("01:30Z")
+    # Gone: cleared; never there: nothing to write.
+    assert stragglers.observed(spec, {**status, **changes}, report(None), at(99)) == {
+        "straggler": None
+    }
+    assert stragglers.observed(spec, status, report(None), at(99)) == {}
+    assert stragglers.observed(spec, status, {"step": 3}, at(99)) == {}  # an older trainer
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"rank": 9, "slowdown": 2.0}, {"rank": -1, "slowdown": 2.0}, {"rank": "1"}, {"rank": 1}],
+)
+def test_a_malformed_straggler_report_is_dropped(bad):
+    spec = loading.parse_spec(spec_raw())
+    assert stragglers.observed(spec, placed_status(), {"straggler": bad}, at(0)) == {}
+
+
+def flagged(**extra: Any) -> dict[str, Any]:
+    return placed_status(
+        phase="Running",
+        lastCheckpointStep=40,
+        straggler={"rank": 3, "podIndex": 1, "node": "n1", "slowdown": 1.6, "sinceStep": 40},
+        **extra,
+    )
+
+
+def test_report_sets_the_condition_and_emits_one_event_per_straggler():
+    state = job(spec_raw("report"), **flagged())
+    decision = lifecycle.decide(state, running_gang(), at(10))
+    assert "DeletePods" not in kinds(decision)
+    found = condition(decision, conditions.STRAGGLER)
+    assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_DETECTED
+    assert found["message"] == "rank 3 (pod 1 on node n1) is a straggler since step 40"
+    [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert event.reason == conditions.STRAGGLER_DETECTED and "1.6x" in event.message
+    # Applied: the next pass (the slowdown moved) changes nothing and emits nothing.
+    again = job(
+        spec_raw("report"),
+        **{**flagged(), **status_of(decision)},
+    )
+    assert kinds(lifecycle.decide(again, running_gang(), at(20))) == ["PollProgress"]
+    # The straggler is gone: the condition turns False.
+    cleared = job(spec_raw("report"), **{**flagged(), **status_of(decision), "straggler": None})
+    gone = condition(lifecycle.decide(cleared, running_gang(), at(30)), conditions.STRAGGLER)
+    assert gone["status"] == "False" and gone["reason"] == conditions.STRAGGLER_GONE
+
+
+def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
+    state = job(spec_raw("replace"), **flagged())
+    decision = lifecycle.decide(state, running_gang(), at(10))
+    assert kinds(decision)[-1] == "DeletePods"
+    [deleted] = [a for a in decision.actions if isinstance(a, lifecycle.DeletePods)]
+    assert deleted.names == ("j-r0-0", "j-r0-1")
+    assert deleted.grace_seconds is None  # the pods' own: time to checkpoint the step they stop at
+    status = status_of(decision)
+    assert status["phase"] == "Restarting" and status["placement"] == []
+    assert status["straggler"] is None and status["stragglerReplacements"] == 1
+    [excluded] = status["excludedNodes"]
+    assert excluded["node"] == "n1" and excluded["reason"] == "Straggler"
+    assert "rank 3" in excluded["message"] and "1.6x" in excluded["message"]
+    assert "restarts" not in status
+    replaced = condition(decision, conditions.STRAGGLER)
+    assert replaced["reason"] == conditions.STRAGGLER_REPLACED
+    assert "without node n1" in replaced["message"] and "step 40" in replaced["message"]
+    assert condition(decision, conditions.RUNNING)["reason"] == conditions.STRAGGLER_REPLACED
+    reasons = [a.reason for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert reasons == [conditions.STRAGGLER_REPLACED]
+    # The new gang waits for the old pods, then is placed (the reconciler leaves n1 out).
+    after = job(spec_raw("replace"), **{**flagged(), **status})
+    assert stragglers.excluded(after.status) == {"n1"}
+    assert kinds(lifecycle.decide(after, [], at(11))) == ["Place"]
+
+
+def test_replace_gives_up_after_max_replacements_and_only_reports():
+    state = job(
+        spec_raw("replace", maxReplacements=1),
+        **flagged(stragglerReplacements=1, excludedNodes=[{"node": "n7", "reason": "Straggler"}]),
+    )
+    decision = lifecycle.decide(state, running_gang(), at(10))
+    assert "DeletePods" not in kinds(decision)
+    found = condition(decision, conditions.STRAGGLER)
+    assert found["status"] == "True" and "maxReplacements=1" in found["message"]
+
+
+def test_ignore_does_nothing_even_with_a_stale_straggler_in_status():
+    decision = lifecycle.decide(job(spec_raw("ignore"), **flagged()), running_gang(), at(10))
+    assert kinds(decision) == ["PollProgress"]
