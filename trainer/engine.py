@@ -30,7 +30,7 @@ import torch.distributed as dist
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer import data, hf, llama, lossguard, optim, special_tokens
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import clocks, parallelize, recording, zero
+from meshtrain.trainer.parallel import clocks, parallelize, recording, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 
@@ -123,7 +123,7 @@ class Engine:
             zero_stage=par.zero_stage,
             compression=par.gradient_compression,
         )
-        if par.zero_stage and self.model.reducer is not None:  # ZeRO 1/2: moments sharded over dp
+        if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp
             self.optimizer = zero.ZeroAdamW(
                 self.model.named_params,
                 self.model.reducer,
@@ -163,10 +163,11 @@ class Engine:
             else None
         )
         self._norm_counted = self.model.norm_counted(mesh.coords.tp)
+        sharded_axes = (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline))
+        if par.zero_stage == 3:  # each data-parallel rank holds other rows of every gradient
+            sharded_axes = (("dp", mesh.layout.data), *sharded_axes)
         self._norm_groups = [
-            (axis, mesh.group(axis))
-            for axis, degree in (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline))
-            if degree > 1
+            (axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1
         ]
         self.step = 0
         """Optimizer steps done."""
@@ -205,7 +206,11 @@ class Engine:
                 wanted, self.mesh.group("tp"), self.recorder, self.clock
             )
             return
-        grads = [p.grad for n, p in self.model.named_params if n in wanted and p.grad is not None]
+        grads = [  # ZeRO-3: the local shard, the same rows on every tensor-parallel peer
+            zero3.local(p.grad)
+            for n, p in self.model.named_params
+            if n in wanted and p.grad is not None
+        ]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
         start = self.clock.now()
         dist.all_reduce(flat, group=self.mesh.group("tp"))

@@ -24,8 +24,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from meshtrain.trainer.parallel import zero
+from meshtrain.trainer.parallel import zero, zero3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +123,14 @@ def _params_of(model: Any) -> list[torch.nn.Parameter]:
 
 
 def state_tensors(model: Any, optimizer: Any, grad_reducer: Any) -> list[torch.Tensor]:
-    """Every tensor of this rank's training state: weights, gradient storage, optimizer state."""
+    """Every tensor of this rank's training state: weights, gradient storage, optimizer state.
+
+    ZeRO-3's DTensors are given as the local shards that hold the bytes.
+    """
     params = _params_of(model)
     grads = [b.buffer for b in grad_reducer.buckets] if grad_reducer is not None else []
     grads += [p.grad for p in params if p.grad is not None]
-    return [*params, *grads, *_optimizer_tensors(optimizer)]
+    return [zero3.local(t) for t in (*params, *grads, *_optimizer_tensors(optimizer))]
 
 
 def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
@@ -135,20 +139,26 @@ def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
     ``model`` is the rank's ParallelModel (or a module, or a list of
     parameters); ``grad_reducer`` the data-parallel reducer (None without
     DP), whose bucket buffers are the gradients (full buckets, or shards under
-    ZeRO-2).  The ZeRO stage is the optimizer's, the divisor the reducer's group.
+    ZeRO-2).  The ZeRO stage is the optimizer's, the divisor the reducer's group;
+    DTensor parameters are ZeRO-3's shards (FSDP2), over their mesh.
     """
     params = _params_of(model)
     seen: set[int] = set()
-    param_bytes = _storage_bytes(params, seen)
+    param_bytes = _storage_bytes(map(zero3.local, params), seen)
     grads = [b.buffer for b in grad_reducer.buckets] if grad_reducer is not None else []
     grads += [p.grad for p in params if p.grad is not None]
-    grad_bytes = _storage_bytes(grads, seen)
-    optimizer_bytes = _storage_bytes(_optimizer_tensors(optimizer), seen)
+    grad_bytes = _storage_bytes(map(zero3.local, grads), seen)
+    optimizer_bytes = _storage_bytes(map(zero3.local, _optimizer_tensors(optimizer)), seen)
+    fsdp = next((p for p in params if isinstance(p, DTensor)), None)  # ZeRO-3 (FSDP2)
     return MemoryReport(
         params=sum(p.numel() for p in params),
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
-        zero_stage=getattr(optimizer, "stage", 0),
-        dp=grad_reducer.group_size if grad_reducer is not None else 1,
+        zero_stage=3 if fsdp is not None else getattr(optimizer, "stage", 0),
+        dp=fsdp.device_mesh.size()
+        if fsdp is not None
+        else grad_reducer.group_size
+        if grad_reducer is not None
+        else 1,
     )

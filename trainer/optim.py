@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import clocks, recording
+from meshtrain.trainer.parallel import clocks, recording, zero3
 
 
 def build_adamw(
@@ -70,11 +70,12 @@ def clip_grad_norm(
 
     ``counted[i]`` says whether this rank counts ``params[i]`` in the norm;
     ``groups`` are the axes whose ranks hold different parts of the model
-    (tensor and pipeline), summed over in that order.  The norm stays on the
-    device (a 0-dim fp64 tensor): reading it is the caller's one host sync.
+    (tensor and pipeline; data first under ZeRO-3), summed over in that order.  The
+    norm stays on the device (a 0-dim fp64 tensor): reading it is the caller's one host sync.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    mine = [p.grad for p, c in zip(params, counted) if c and p.grad is not None]
+    # ZeRO-3's gradients are DTensor shards: each rank counts and scales its own rows
+    grads = [zero3.local(p.grad) for p in params if p.grad is not None]
+    mine = [zero3.local(p.grad) for p, c in zip(params, counted) if c and p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     return reduce_norm_and_clip(
         squared_norm(mine, device),

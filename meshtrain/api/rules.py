@@ -216,9 +216,10 @@ def _compression_needs_data_parallel(spec: TrainingJobSpec) -> str | None:
             f"gradientCompression.mode={mode} with data={par.data}: there is no data-parallel reduction "
             "to compress: set data >= 2 or mode none"
         )
-    if mode != "none" and par.zero_stage == 2:
+    if mode != "none" and par.zero_stage >= 2:
         return (
-            f"gradientCompression.mode={mode} with zeroStage=2: ZeRO-2's reduce-scatter is not compressed: "
+            f"gradientCompression.mode={mode} with zeroStage={par.zero_stage}: "
+            f"ZeRO-{par.zero_stage}'s reduce-scatter is not compressed: "
             "use zeroStage 0 or 1, or mode none"
         )
     return None

@@ -96,9 +96,10 @@ class Parallelism(_Model):
         ge=1,
         description="Micro-batches per optimizer step per data-parallel replica (gradient accumulation and pipeline depth).",
     )
-    zero_stage: Literal[0, 1, 2] = Field(
+    zero_stage: Literal[0, 1, 2, 3] = Field(
         0,
-        description="ZeRO sharding across the data-parallel group: 0 none, 1 optimizer state and master weights, 2 also gradients.",
+        description="ZeRO sharding across the data-parallel group: 0 none, 1 optimizer state and master weights, "
+        "2 also gradients, 3 also parameters (FSDP2, gathered one block at a time).",
     )
     sequence_parallel: bool = Field(
         False,

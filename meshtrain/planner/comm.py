@@ -13,7 +13,9 @@ compare it exactly with the bytes the trainer's recorder measures:
   1 keeps the all-reduce, stage 2 reduce-scatters each bucket, padded to a
   multiple of the group size, after every micro-batch's backward (so no
   full-size gradient outlives a micro-batch), and both all-gather each bucket's updated weights (padded) and sum
-  the gradient norm over the group (one fp64 scalar).
+  the gradient norm over the group (one fp64 scalar).  Stage 3 (FSDP2) gathers
+  every block before its forward and its backward and reduce-scatters its
+  gradients, per micro-batch (:func:`zero3_collectives`).
 * **tp** (tensor > 1), per micro-batch: Megatron's two reductions per
   sub-layer (attention, MLP), one forward (row-parallel output) and one
   backward (column-parallel input gradient); under sequence parallelism each
@@ -157,6 +159,52 @@ def padded(numel: int, members: int) -> int:
     return -(-numel // members) * members
 
 
+def zero3_collectives(
+    shape: api_spec.ModelShape,
+    tensor: int,
+    data: int,
+    micro_batches: int,
+    virtuals: list[int],
+    layers_per_chunk: int,
+    last_virtual: int,
+    scheme: memory.StateScheme,
+) -> list[tuple[str, str, int, float]]:
+    """ZeRO-3 (FSDP2) per step: (group, op, calls, payload bytes) of one rank.
+
+    Units are each block and each chunk's rest (embeddings, final norm,
+    head).  Per micro-batch every unit with parameters is gathered for its
+    forward and again for its backward (measured: FSDP2 reshards the root
+    after forward too when backward is driven per micro-batch), and
+    reduce-scatters its gradients once.  Each parameter is padded to
+    ``ceil(rows / N) N`` rows.
+    """
+
+    def unit_bytes(shapes: list[tuple[int, ...]], size: int) -> int:
+        return sum(padded(s[0], data) * math.prod(s[1:]) for s in shapes) * size
+
+    block = chunk_param_shapes(shape, tensor, 1, first=False, last=False)
+    roots = [
+        chunk_param_shapes(shape, tensor, 0, first=j == 0, last=j == last_virtual) for j in virtuals
+    ]
+    roots = [r for r in roots if r]
+    blocks = layers_per_chunk * len(virtuals)
+    m = micro_batches
+    gathers = 2 * m * (blocks + len(roots))
+    gathered = (
+        2
+        * m
+        * (
+            blocks * unit_bytes(block, scheme.weights)
+            + sum(unit_bytes(r, scheme.weights) for r in roots)
+        )
+    )
+    scatters = m * (blocks + len(roots))
+    scattered = m * (
+        blocks * unit_bytes(block, scheme.grads) + sum(unit_bytes(r, scheme.grads) for r in roots)
+    )
+    return [("dp", "all_gather", gathers, gathered), ("dp", "reduce_scatter", scatters, scattered)]
+
+
 def _add(
     out: dict[tuple[str, str], list[int]], group: str, op: str, calls: int, nbytes: float
 ) -> None:
@@ -200,7 +248,12 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             for sizes in reversed(chunks)
             for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
         ]
-        if par.zero_stage == 2:  # every micro-batch's backward reduce-scatters each bucket
+        if par.zero_stage == 3:
+            for group, op, calls, nbytes in zero3_collectives(
+                shape, t, d, m, virtuals, layers_per_chunk, last_virtual, scheme
+            ):
+                _add(out, group, op, calls, nbytes)
+        elif par.zero_stage == 2:  # every micro-batch's backward reduce-scatters each bucket
             _add(
                 out,
                 "dp",
@@ -220,7 +273,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 _add(out, group, op, calls, nbytes)
         else:
             _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
-        if (
+        if par.zero_stage == 3:  # the norm summed over dp
+            _add(out, "dp", "all_reduce", 1, NORM_BYTES)
+        elif (
             par.zero_stage >= 1
         ):  # owned weights all-gathered bucket by bucket; the norm summed over dp
             _add(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
@@ -34,6 +35,8 @@ def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:
     )
     for name, param in eng.model.named_params:
         grad = sharded[name] if sharded else param.grad.detach().clone()
+        if isinstance(grad, DTensor):  # ZeRO-3: rows spread over dp
+            grad = grad.full_tensor()
         if plan is not None and name in plan.shards:
             pieces = [torch.empty_like(grad) for _ in range(mesh.layout.tensor)]
             dist.all_gather(pieces, grad.contiguous(), group=mesh.group("tp"))

@@ -34,6 +34,7 @@ CASES_2 = {
     ),
     "dp2-zero1-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=1),
     "dp2-zero2-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=2),
+    "dp2-zero3-accum2": dict(data=2, micro_batches=2, zero_stage=3),
     "llama-dp2-accum2": dict(data=2, micro_batches=2, model=mt_harness.LLAMA_TINY),
     "llama-pp2-1f1b": dict(
         pipeline=2, schedule="1f1b", micro_batches=4, model=mt_harness.LLAMA_TINY
@@ -60,6 +61,10 @@ CASES_8 = {
         sequence_parallel=True,
         bucket_mb=0.02,
     ),
+}
+CASES_8["dp2-pp2-tp2-interleaved-sp-zero3"] = {
+    **CASES_8["dp2-pp2-tp2-interleaved-sp"],
+    "zero_stage": 3,
 }
 CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = {
     **CASES_8["dp2-pp2-tp2-interleaved-sp"],

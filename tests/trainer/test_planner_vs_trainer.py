@@ -49,6 +49,17 @@ LAYOUTS = [
     ),
     ("dp2-zero1", {"data": 2, "zeroStage": 1}),
     ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
+    ("dp2-tp2-zero3", {"data": 2, "tensor": 2, "zeroStage": 3}),
+    (
+        "dp2-pp2-interleaved-zero3",
+        {
+            "data": 2,
+            "pipeline": 2,
+            "schedule": "interleaved-1f1b",
+            "virtualStages": 2,
+            "zeroStage": 3,
+        },
+    ),
     ("dp2-powersgd", {"data": 2, "gradientCompression": {"mode": "powersgd", "rank": 4}}),
     ("dp2-pp2-topk", {"data": 2, "pipeline": 2, "gradientCompression": {"mode": "topk"}}),
     ("dp2-int8-zero1", {"data": 2, "zeroStage": 1, "gradientCompression": {"mode": "int8"}}),
@@ -130,6 +141,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
             entry = collectives.setdefault(f"{event.group}/{event.kind}", [0, 0])
             entry[0] += 1
             entry[1] += event.nbytes
+    trainer.forward_backward()  # measured while gradients exist (ZeRO-3's are freed after a step)
     state = memory_accounting.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
     rank = mesh.rank
     result = {

@@ -1,4 +1,4 @@
-"""Reshard: a checkpoint written at dp2·pp2·tp2 (ZeRO-1; Llama: dp1·pp2·tp2) loads at dp4·pp1·tp2 (ZeRO-2) and dp1·pp1·tp1 (ZeRO-0).
+"""Reshard: a checkpoint written at dp2·pp2·tp2 (ZeRO-3; Llama: dp1·pp2·tp2) loads at dp4·pp1·tp2 (ZeRO-2), dp1·pp1·tp1 (ZeRO-0) and dp2·pp1·tp2 (ZeRO-3).
 
 Parameters must be equal after loading, and the next steps' losses must match
 the run that wrote the checkpoint and simply went on (1e-5 relative).  The
@@ -12,6 +12,7 @@ import mt_harness
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
@@ -36,6 +37,8 @@ def dense_params(eng: engine.Engine) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in eng.model.named_params:
         value = param.detach().clone()
+        if isinstance(value, DTensor):  # ZeRO-3: rows spread over dp
+            value = value.full_tensor()
         if plan is not None and name in plan.shards:
             pieces = [torch.empty_like(value) for _ in range(mesh.layout.tensor)]
             dist.all_gather(pieces, value.contiguous(), group=mesh.group("tp"))
@@ -75,7 +78,7 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
 
 SOURCES = {
     # family -> (model, layout that writes the checkpoint, its ZeRO stage, world, parameter tensors)
-    "gpt": (mt_harness.TINY, dict(data=2, pipeline=2, tensor=2), 1, 8, 4 * 8 + 5),
+    "gpt": (mt_harness.TINY, dict(data=2, pipeline=2, tensor=2), 3, 8, 4 * 8 + 5),
     # grouped-query QKV split over tp2 (one key/value head per rank) is the piece to get right
     "llama": (mt_harness.LLAMA_TINY, dict(pipeline=2, tensor=2), 0, 4, 4 * 6 + 3),
 }
@@ -94,8 +97,8 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "zero_stage", "world"),
-    [({"data": 4, "tensor": 2}, 2, 8), ({}, 0, 1)],
-    ids=["dp4-pp1-tp2-zero2", "dp1-pp1-tp1-zero0"],
+    [({"data": 4, "tensor": 2}, 2, 8), ({}, 0, 1), ({"data": 2, "tensor": 2}, 3, 4)],
+    ids=["dp4-pp1-tp2-zero2", "dp1-pp1-tp1-zero0", "dp2-pp1-tp2-zero3"],
 )
 def test_reshard_loads_equal_params_and_continues_the_same(
     saved: tuple, target: dict, zero_stage: int, world: int

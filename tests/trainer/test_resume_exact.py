@@ -78,7 +78,7 @@ def corrupt_case(raw: dict, root: str) -> str:
 def scenarios(root: str) -> dict:
     """Every scenario of this module in one 2-rank session (process start-up dominates on small machines)."""
     out = {}
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         raw = mt_harness.make_spec(data=2, steps=STEPS)
         raw["parallelism"]["zeroStage"] = stage
         out[f"resume-zero{stage}"] = resume_case(raw, f"{root}/resume-zero{stage}")
@@ -96,7 +96,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_resume_gives_identical_losses_dp2(
     session: tuple[Path, list[dict]], zero_stage: int
 ) -> None:

@@ -1,4 +1,4 @@
-"""ZeRO 1 and 2 train exactly like ZeRO 0, with 1/N_dp of the optimizer state (and gradients) per rank.
+"""ZeRO 1, 2 and 3 train exactly like ZeRO 0, with 1/N_dp of the optimizer state (and gradients, and weights) per rank.
 
 Also the bytes ZeRO's collectives report: a reduce-scatter or all-gather
 counts the full, unsharded (padded) bucket, as nccl-tests does, so that the
@@ -19,12 +19,13 @@ from meshtrain.trainer.parallel import recording, zero
 from meshtrain.trainer.telemetry import stepstats
 
 STEPS = 5
+STAGES = (0, 1, 2, 3)
 
 
 def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
     """On every rank: per ZeRO stage, the losses of ``steps`` steps and the memory report after them."""
     out = {}
-    for stage in (0, 1, 2):
+    for stage in STAGES:
         raw = mt_harness.make_spec(**layout, steps=steps)
         raw["parallelism"]["zeroStage"] = stage
         job = loading.parse_spec(raw)
@@ -39,14 +40,19 @@ def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
 def _check(results: list[dict[int, dict]], dp: int) -> None:
     for rank_result in results:
         base = rank_result[0]
-        for stage in (1, 2):
+        for stage in STAGES[1:]:
             got = rank_result[stage]
             for a, b in zip(base["losses"], got["losses"]):
                 assert abs(a - b) / abs(a) < 1e-5, (stage, base["losses"], got["losses"])
             zero0, zeron = base["memory"], got["memory"]
-            assert zeron.param_bytes == zero0.param_bytes
+            assert zeron.zero_stage == stage and zeron.dp == dp
+            params = zeron.param_bytes * dp if stage == 3 else zeron.param_bytes
+            assert params == pytest.approx(zero0.param_bytes, rel=0.01)
             # optimizer state is 1/N_dp of ZeRO 0's (up to the padding of the last shard of each bucket)
             assert zeron.optimizer_bytes * dp == pytest.approx(zero0.optimizer_bytes, rel=0.01)
+            if stage == 3:  # FSDP2's gradients are freed by zero_grad (set to None) after the step
+                assert zeron.grad_bytes == 0
+                continue
             grads = zeron.grad_bytes * dp if stage == 2 else zeron.grad_bytes
             assert grads == pytest.approx(zero0.grad_bytes, rel=0.01)
     assert len({tuple(r[0]["losses"]) for r in results}) == 1  # every rank reports the same losses

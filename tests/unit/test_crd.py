@@ -80,7 +80,7 @@ def test_enums_minimums_and_nullables_come_from_the_model():
         "1f1b",
         "interleaved-1f1b",
     ]
-    assert props["parallelism"]["properties"]["zeroStage"]["enum"] == [0, 1, 2]
+    assert props["parallelism"]["properties"]["zeroStage"]["enum"] == [0, 1, 2, 3]
     assert props["parallelism"]["properties"]["zeroStage"]["type"] == "integer"
     assert props["parallelism"]["properties"]["data"]["minimum"] == 1
     assert props["metrics"]["properties"]["port"]["maximum"] == 65535

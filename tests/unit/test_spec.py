@@ -188,6 +188,14 @@ INVALID = [
         ["zeroStage=2", "zeroStage 0 or 1"],
     ),
     (
+        "gradient compression with ZeRO-3",
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=3, gradientCompression={"mode": "powersgd"}),
+        "spec.parallelism.gradientCompression.mode",
+        ["zeroStage=3", "ZeRO-3", "zeroStage 0 or 1"],
+    ),
+    (
         "PowerSGD rank larger than a matrix",
         JobBuilder()
         .layout(2, 1, 2, gpus_per_node=4)

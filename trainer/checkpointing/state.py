@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from meshtrain.trainer.checkpointing import sharded, store
-from meshtrain.trainer.parallel import zero
+from meshtrain.trainer.parallel import zero, zero3
 
 TRAINER_KEY = "trainer"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -66,6 +67,19 @@ def dense_layout(engine: Any) -> dict[str, tuple[tuple[int, ...], list[sharded.B
                 blocks=[n // size for n in spec.block_sizes(dense)],
             )
     return out
+
+
+def pieces_of(tensor: torch.Tensor, boxes: list[sharded.Box]) -> list[sharded.Piece]:
+    """Views of this rank's elements of a parameter-shaped tensor, as pieces of the dense tensor.
+
+    Under ZeRO-3 the tensor is a DTensor (its shape: the tensor-parallel
+    piece's) whose local rows are a flat range of that piece, cut into
+    rectangles like a ZeRO-1/2 moment range.
+    """
+    if isinstance(tensor, DTensor):
+        flat = tensor.to_local().reshape(-1)  # a view: a load writes into the live shard
+        return sharded.pieces_of_flat(flat, zero3.flat_offset(tensor), tuple(tensor.shape), boxes)
+    return sharded.pieces_of(tensor, boxes)
 
 
 def init_optimizer_state(optimizer: Any) -> None:
@@ -118,7 +132,7 @@ def _moment_pieces(
     for name, p in engine.model.named_params:
         state = optimizer.state[p]
         for moment in MOMENTS:
-            pieces[f"{name}.{moment}"] += sharded.pieces_of(state[moment], layouts[name][1])
+            pieces[f"{name}.{moment}"] += pieces_of(state[moment], layouts[name][1])
     return pieces
 
 
@@ -148,9 +162,7 @@ def state_dict(engine: Any, *, rng: bool = True) -> dict[str, Any]:
     named = dict(engine.model.named_params)
     for name, (shape, boxes) in layouts.items():
         p = named[name]
-        entries[f"model.{name}"] = sharded.chunked(
-            shape, sharded.pieces_of(p.detach(), boxes), p.dtype
-        )
+        entries[f"model.{name}"] = sharded.chunked(shape, pieces_of(p.detach(), boxes), p.dtype)
     for key, pieces in _moment_pieces(engine, layouts).items():
         name = key.rsplit(".", 1)[0]
         entries[f"optim.{key}"] = sharded.chunked(layouts[name][0], pieces, named[name].dtype)

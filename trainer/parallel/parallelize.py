@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero
+from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero, zero3
 from meshtrain.trainer.parallel import compression as compression_mod
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
@@ -119,9 +119,13 @@ def parallelize(
         chunk.to(mesh.device)
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
 
-    # 3. Data parallel: hook the final parameters.
+    # 3. Data parallel: hook the final parameters, or (ZeRO-3) shard them with FSDP2, which then
+    # owns the gradient reduction.
     grad_reducer = None
-    if layout.data > 1:
+    if layout.data > 1 and zero_stage == 3:
+        zero3.apply_zero3(chunks, mesh.device_mesh["dp"], recorder=recorder, clock=clock)
+        named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    elif layout.data > 1:
         # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
         # compressed when asked (the spec's rules keep compression off ZeRO-2).
         reducer_cls: Callable[..., reducer.GradReducer] = (

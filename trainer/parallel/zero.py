@@ -95,7 +95,7 @@ def expected_bytes_per_param(
     mixed precision with a separate fp32 master is ``weight=2, grad=2, optimizer=12``.
     """
     return {
-        "params": float(weight),
+        "params": weight / dp if stage >= 3 else float(weight),
         "grads": grad / dp if stage >= 2 else float(grad),
         "optimizer": optimizer / dp if stage >= 1 else float(optimizer),
     }
