@@ -155,6 +155,23 @@ TRAINING_PANELS: list[Panel] = [
         "(training.eval); both identical on every rank.",
     ),
     Panel(
+        "Global batch vs gradient noise scale",
+        "none",
+        [
+            (
+                "global batch",
+                f'max by (namespace, job) (meshtrain_global_batch_sequences{{{JOBSEL}, rank="0"}})',
+            ),
+            (
+                "noise scale",
+                f'max by (namespace, job) (meshtrain_gradient_noise_scale{{{JOBSEL}, rank="0"}})',
+            ),
+        ],
+        "Sequences per step beside the measured gradient noise scale (McCandlish et al. 2018; needs "
+        "data >= 2): far above it (10x) a larger batch buys little per step. Empty noise scale: not "
+        "measured (ZeRO-2, sequence parallelism, one replica).",
+    ),
+    Panel(
         "Training progress",
         "none",
         [

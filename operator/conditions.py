@@ -82,6 +82,12 @@ STRAGGLER_REPLACED = "StragglerReplaced"
 STRAGGLER_GONE = "NoStraggler"
 """Straggler=False: no rank is flagged any more."""
 
+# The measured gradient noise scale against the global batch.
+BATCH_ABOVE_NOISE_SCALE = "BatchAboveNoiseScale"
+"""True while the global batch is far above the gradient noise scale the trainer measures."""
+GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE = "GlobalBatchFarAboveNoiseScale"
+GLOBAL_BATCH_NEAR_NOISE_SCALE = "GlobalBatchNearNoiseScale"
+
 TRUE, FALSE = "True", "False"
 
 

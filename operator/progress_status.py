@@ -47,6 +47,9 @@ def status_changes(report: dict[str, Any]) -> dict[str, Any]:
     eval_loss = _number(report.get("eval_loss"), float)
     if eval_loss is not None:
         progress["evalLoss"] = eval_loss
+    noise = _number(report.get("gradient_noise_scale"), float)
+    if noise is not None and noise > 0:
+        progress["gradientNoiseScale"] = noise
     skipped = _number(report.get("skipped_updates"), int)
     if skipped:
         progress["skippedUpdates"] = skipped

@@ -45,6 +45,7 @@ from meshtrain.operator import (
     lifecycle,
     metrics,
     naming,
+    noise_condition,
     progress_status,
     queueing,
     resizing,
@@ -507,7 +508,22 @@ class Reconciler:
             changes |= stragglers.observed(job.spec, job.status, report, _now())
         if not changes:
             return body, job, False
+        warning = None
+        if job.spec is not None:  # on top of the conditions the straggler policy may have set
+            before = changes.get("conditions", job.status.get("conditions") or [])
+            conds, warning = noise_condition.changes(
+                before,
+                job.spec.global_batch,
+                (changes.get("progress") or {}).get("gradientNoiseScale"),
+                _now(),
+            )
+            if conds != list(before):
+                changes["conditions"] = conds
         body, job, _ = await self._set_status(body, job, changes)
+        if warning is not None:
+            await self._emit(
+                body, "Warning", conditions.GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE, warning
+            )
         return body, job, False
 
     async def _pod_group(

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer import data, hf, llama, lossguard, optim, special_tokens
+from meshtrain.trainer import data, hf, llama, lossguard, noise_scale, optim, special_tokens
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, parallelize, recording, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -56,6 +56,8 @@ class StepResult:
     """Why the loss guard skipped this step's update (empty: applied)."""
     shared: tuple[float, ...] = ()
     """Every rank's ``share`` of this step, indexed by global rank (empty when none was given)."""
+    noise_scale: float | None = None
+    """Gradient noise scale in sequences (moving estimate; None when not measured or not yet positive)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -169,8 +171,26 @@ class Engine:
         self._norm_groups = [
             (axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1
         ]
+        self.noise = self._noise_tracker()
+        """The gradient noise scale from each replica's own and the all-reduced gradient (None: not measured)."""
         self.step = 0
         """Optimizer steps done."""
+
+    def _noise_tracker(self) -> noise_scale.Tracker | None:
+        """Measure the noise scale where the reducer sees each replica's whole local gradient.
+
+        Not with ZeRO-2 (micro-batches are reduce-scattered one by one) nor sequence parallelism
+        (some gradients are per-slice partials until after the reduction).
+        """
+        reducer = self.model.reducer
+        par, data_degree = self.spec.parallelism, self.mesh.layout.data
+        if reducer is None or data_degree < 2 or par.zero_stage == 2 or par.sequence_parallel:
+            return None
+        reducer.measure_local_norm(
+            [p for p, counted in zip(self.params, self._norm_counted) if counted]
+        )
+        small = self.spec.training.micro_batch * par.micro_batches
+        return noise_scale.Tracker(small, small * data_degree)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -228,9 +248,10 @@ class Engine:
         stop_requested: bool,
         norm: torch.Tensor,
         share: float | None,
-    ) -> tuple[float, bool, float, tuple[float, ...]]:
-        """The global batch's mean loss, whether any rank asked to stop, the gradient norm, and
-        every rank's ``share``.
+        local_square: torch.Tensor | None = None,
+    ) -> tuple[float, bool, float, tuple[float, ...], float]:
+        """The global batch's mean loss, whether any rank asked to stop, the gradient norm,
+        every rank's ``share``, and the replicas' mean small-batch squared gradient norm.
 
         One all-reduce over the world, then the step's one host sync: a
         single read of (loss, stop, shares, norm) together.  Only the last stage holds
@@ -238,7 +259,9 @@ class Engine:
         tensor x data before the sum leaves the mean over the data-parallel
         replicas.  ``norm`` is already global (the clip reduced it).  Each rank
         writes its share into its own slot of a zero vector, so the sum is the
-        gathered vector.
+        gathered vector.  ``local_square`` (this rank's part of its replica's own
+        squared gradient norm) rides along: summed over the world and divided by
+        ``data`` it is the replicas' mean small-batch squared norm (NaN when not measured).
         """
         layout = self.mesh.layout
         loss_share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
@@ -246,16 +269,19 @@ class Engine:
             (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=loss_share.device
         )
         parts = [loss_share, flag]
+        if local_square is not None:
+            parts.append(local_square.detach().double().reshape(1) / layout.data)
         if share is not None:  # filled on the device: no host-to-device copy, no sync
             slots = torch.zeros(layout.world_size, dtype=torch.float64, device=loss_share.device)
             slots[dist.get_rank()] = share
             parts.append(slots)
         value = torch.cat(parts)
         dist.all_reduce(value)
-        loss, stops, *shared, grad_norm = torch.cat(
+        loss, stops, *rest, grad_norm = torch.cat(
             [value, norm.detach().double().reshape(1)]
         ).tolist()
-        return loss, stops > 0, grad_norm, tuple(shared)
+        small_square = rest.pop(0) if local_square is not None else float("nan")
+        return loss, stops > 0, grad_norm, tuple(rest), small_square
 
     def zero_grad(self) -> None:
         """Clear gradients (in place when they live in reducer buckets)."""
@@ -294,7 +320,15 @@ class Engine:
             recorder=self.recorder,
             clock=self.clock,
         )
-        loss, stop, norm, shared = self._agree(loss_sum, stop_requested, norm_tensor, share)
+        local_square = None
+        if self.noise is not None:  # every rank adds its part, so the all-reduce has one shape
+            local_square = self.model.reducer.take_local_square()
+            if local_square is None:
+                local_square = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        loss, stop, norm, shared, small_square = self._agree(
+            loss_sum, stop_requested, norm_tensor, share, local_square
+        )
+        noise = self.noise.update(small_square, norm * norm) if self.noise is not None else None
         verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
         if verdict is None or not verdict.skip:
             self.optimizer.step()
@@ -315,6 +349,7 @@ class Engine:
             stop=stop,
             skipped=verdict.reason if verdict is not None and verdict.skip else "",
             shared=shared,
+            noise_scale=noise,
         )
 
     def evaluate(self) -> float:

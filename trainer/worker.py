@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             step % evaluation.interval == 0 or step == job.training.steps
         )
         eval_loss = trainer.evaluate() if due else None
-        recorder.health(step, eval_loss=eval_loss, skipped=result.skipped)
+        recorder.health(
+            step, eval_loss=eval_loss, skipped=result.skipped, noise_scale=result.noise_scale
+        )
         if log is not None:
             record = step_record(result, recorder.steps[-1], job)
             if eval_loss is not None:

@@ -16,10 +16,13 @@ from meshtrain import placement
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, cost, memory, placement_request, profiles, validation
 
+NOISE_SCALE_FAR_ABOVE = 10.0
+"""A global batch this many times the measured gradient noise scale is far above it (warned)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchCheck:
-    """The global batch against the critical batch size."""
+    """The global batch against the measured gradient noise scale, or else the critical batch size."""
 
     sequences: int
     """Sequences per optimizer step: microBatch x microBatches x data."""
@@ -27,10 +30,21 @@ class BatchCheck:
     """Tokens per optimizer step: sequences x seq_len."""
     critical_tokens: int
     """Threshold in tokens past which larger batches stop paying off."""
+    noise_scale: float | None = None
+    """The job's measured gradient noise scale in sequences (status.progress.gradientNoiseScale)."""
 
     @property
     def warning(self) -> str | None:
-        """A warning when the batch passes the critical size, else None."""
+        """A warning when the batch is far above the measured noise scale (or, unmeasured, the critical size)."""
+        if self.noise_scale is not None and self.noise_scale > 0:
+            ratio = self.sequences / self.noise_scale
+            if ratio <= NOISE_SCALE_FAR_ABOVE:
+                return None
+            return (
+                f"global batch of {self.sequences} sequences is {ratio:.0f}x the job's measured gradient "
+                f"noise scale of {self.noise_scale:.3g} sequences (McCandlish et al. 2018): beyond it "
+                f"a larger batch buys little per step (lower microBatches or data)"
+            )
         if self.tokens <= self.critical_tokens:
             return None
         return (
@@ -137,6 +151,7 @@ def make_plan(
     recipe: str = "meshtrain",
     nodes: Sequence[placement.Node] | None = None,
     critical_batch_tokens: int = cost.DEFAULT_CRITICAL_BATCH_TOKENS,
+    noise_scale: float | None = None,
 ) -> Plan:
     """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
     precision = memory.resolve_precision(job, profile)
@@ -155,6 +170,7 @@ def make_plan(
         sequences=job.global_batch,
         tokens=job.global_batch * shape.seq_len,
         critical_tokens=critical_batch_tokens,
+        noise_scale=noise_scale,
     )
     return Plan(
         job=job,

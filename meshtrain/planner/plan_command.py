@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import yaml
+
 from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
@@ -143,6 +145,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
+def _measured_noise_scale(path: str) -> float | None:
+    """status.progress.gradientNoiseScale of a TrainingJob file (``kubectl get tj NAME -o yaml``), if any."""
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    progress = ((document or {}).get("status") or {}).get("progress") or {}
+    value = progress.get("gradientNoiseScale") if isinstance(progress, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 def _default_profile(job: api_spec.TrainingJobSpec) -> str:
     return "cpu" if job.training.precision == "fp32" else "h100-sxm"
 
@@ -217,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             recipe=args.recipe,
             nodes=nodes,
             critical_batch_tokens=args.critical_batch_tokens,
+            noise_scale=_measured_noise_scale(args.job),
         )
     except (
         loading.SpecError,

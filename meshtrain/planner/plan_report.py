@@ -169,6 +169,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "global_batch": plan.batch.sequences,
             "tokens_per_step": plan.batch.tokens,
             "critical_batch_tokens": plan.batch.critical_tokens,
+            "gradient_noise_scale": plan.batch.noise_scale,
             "warning": plan.batch.warning,
         },
         "placement": placement,
@@ -307,7 +308,11 @@ def to_text(plan: estimate.Plan) -> str:
         else f"  confidence: profile {profile.name}, not stated",
         "",
         f"global batch: {plan.batch.sequences} sequences = {plan.batch.tokens:,} tokens per step "
-        f"(critical batch {plan.batch.critical_tokens:,} tokens)",
+        + (
+            f"(measured gradient noise scale {plan.batch.noise_scale:.3g} sequences)"
+            if plan.batch.noise_scale
+            else f"(critical batch {plan.batch.critical_tokens:,} tokens)"
+        ),
     ]
     if plan.placement is not None:
         lines += ["", "placement (what the operator would do):"]

@@ -42,6 +42,7 @@ KEYS = {
     "eval_loss",
     "skipped_updates",
     "straggler",
+    "gradient_noise_scale",
 }
 
 
@@ -109,3 +110,4 @@ def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path:
     assert set(doc) == KEYS
     assert (doc["step"], doc["last_checkpoint_step"]) == (STEPS, STEPS), doc
     assert doc["loss"] > 0 and doc["tokens_per_second"] > 0 and doc["updated_at"].endswith("Z")
+    assert doc["gradient_noise_scale"] is None  # one replica: nothing to measure it from

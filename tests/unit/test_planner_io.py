@@ -122,7 +122,13 @@ GOLDEN_KEYS = {
         "tp_seconds",
         "verdict",
     ],
-    "batch": ["critical_batch_tokens", "global_batch", "tokens_per_step", "warning"],
+    "batch": [
+        "critical_batch_tokens",
+        "global_batch",
+        "gradient_noise_scale",
+        "tokens_per_step",
+        "warning",
+    ],
     "placement": ["domains_used", "level_bytes", "message", "nodes", "reason", "schedulable"],
 }
 
@@ -394,6 +400,23 @@ def test_cli_plan_text_json_and_placement(
     assert cli.main(["plan", str(job), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "meshtrain.plan/v1" and doc["profile"]["name"] == "h100-sxm"
+
+
+def test_cli_plan_uses_the_jobs_measured_noise_scale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = _job(tmp_path)
+    document = yaml.safe_load(job.read_text())
+    sequences = loading.parse_spec(document["spec"]).global_batch
+    document["status"] = {"progress": {"step": 40, "gradientNoiseScale": sequences / 20}}
+    job.write_text(yaml.safe_dump(document))  # as `kubectl get tj NAME -o yaml` writes it
+    assert cli.main(["plan", str(job), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["batch"]["gradient_noise_scale"] == pytest.approx(sequences / 20)
+    assert "20x the job's measured gradient noise scale" in doc["batch"]["warning"]
+    assert doc["batch"]["warning"] in doc["warnings"]
+    assert cli.main(["plan", str(job)]) == 0
+    assert "measured gradient noise scale" in capsys.readouterr().out
 
 
 def test_cli_plan_tries_spec_changes_with_set(

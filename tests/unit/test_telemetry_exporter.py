@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 import urllib.error
@@ -150,14 +151,35 @@ def test_progress_only_on_global_rank_zero(pipeline):
         "eval_loss",
         "skipped_updates",
         "straggler",
+        "gradient_noise_scale",
     }
     assert (doc["step"], doc["loss"], doc["last_checkpoint_step"]) == (2, 2.0, None)
-    assert (doc["eval_loss"], doc["skipped_updates"]) == (None, 0)
+    assert (doc["eval_loss"], doc["skipped_updates"], doc["gradient_noise_scale"]) == (
+        None,
+        0,
+        None,
+    )
     assert doc["updated_at"].endswith("Z")
     recorders[0].checkpoint_saved(2)
     assert json.loads(get(f"http://127.0.0.1:{base}/progress")[1])["last_checkpoint_step"] == 2
     assert get(f"http://127.0.0.1:{base + 1}/progress")[0] == 404
     assert get(f"http://127.0.0.1:{base + 1}/healthz")[0] == 200
+
+
+def test_noise_scale_is_exported_once_measured(pipeline):
+    base, recorders = pipeline
+
+    def noise() -> float:
+        [sample] = families(base, 0)["meshtrain_gradient_noise_scale"].samples
+        return sample.value
+
+    assert math.isnan(noise())  # not measured yet: no ratio against the global batch
+    [batch] = families(base, 0)["meshtrain_global_batch_sequences"].samples
+    assert batch.value > 0
+    recorders[0].health(3, eval_loss=None, skipped="", noise_scale=123.0)
+    assert noise() == 123.0
+    doc = json.loads(get(f"http://127.0.0.1:{base}/progress")[1])
+    assert doc["gradient_noise_scale"] == 123.0
 
 
 def test_memory_of_the_watched_state_is_exported_by_component(tmp_path):

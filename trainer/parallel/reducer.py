@@ -107,6 +107,17 @@ class GradReducer:
                 ):
                     self._add_bucket([members[i] for i in indices])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+        self._measured: set[int] | None = None
+        self.local_square: torch.Tensor | None = None
+        """Squared norm of this replica's own gradient (the measured parameters), summed before the reduction."""
+
+    def measure_local_norm(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum, each step, the squared norm of ``params``' gradients as this replica computed them.
+
+        Taken from each bucket just before its reduction is launched (the gradient noise scale's
+        small-batch norm); :meth:`take_local_square` reads and resets it.
+        """
+        self._measured = {id(p) for p in params}
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
         buffer = torch.zeros(
@@ -133,7 +144,23 @@ class GradReducer:
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
+            self._note_local(bucket)
             self._launch(bucket)
+
+    def _note_local(self, bucket: Bucket) -> None:
+        if self._measured is None:
+            return
+        grads = [p.grad for p in bucket.params if id(p) in self._measured and p.grad is not None]
+        if not grads:
+            return
+        norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
+        square = torch.stack(norms).double().square().sum()
+        self.local_square = square if self.local_square is None else self.local_square + square
+
+    def take_local_square(self) -> torch.Tensor | None:
+        """This step's local squared norm (None when not measured), reset for the next step."""
+        square, self.local_square = self.local_square, None
+        return square
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's collective (all-reduce of the sum); ZeRO-2 would reduce-scatter here."""
@@ -151,6 +178,7 @@ class GradReducer:
         """Wait for every bucket (launching any still pending) and divide by the group size."""
         for bucket in self.buckets:
             if bucket.work is None:
+                self._note_local(bucket)
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()

@@ -124,8 +124,16 @@ class Sink(Protocol):
     def checkpoint_saved(self, step: int) -> None:
         """A complete checkpoint of ``step`` exists."""
 
-    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
-        """After step ``step``: its validation loss (None: not evaluated) and why its update was skipped ('')."""
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
+        """After step ``step``: its validation loss (None: not evaluated), why its update was skipped ('')
+        and the gradient noise scale (None: not measured)."""
 
     def stragglers(self, verdict: slowdown.Verdict) -> None:
         """The straggler detector's verdict after a step (the same on every rank)."""

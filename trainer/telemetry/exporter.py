@@ -222,6 +222,15 @@ class Metrics:
         self.training_steps = self._gauge(
             "meshtrain_training_steps", "training.steps: the step the job ends at."
         )
+        self.global_batch = self._gauge(
+            "meshtrain_global_batch_sequences",
+            "Sequences per optimizer step (microBatch x microBatches x data).",
+        )
+        self.noise_scale = self._gauge(
+            "meshtrain_gradient_noise_scale",
+            "Gradient noise scale in sequences (McCandlish et al. 2018, from the replicas' own and the"
+            " all-reduced gradient norms; needs data >= 2, ZeRO < 2, no sequence parallelism).",
+        )
         self.checkpoint_interval = self._gauge(
             "meshtrain_checkpoint_interval_steps",
             "checkpoint.intervalSteps (0: saved only at the end).",
@@ -313,6 +322,8 @@ class Exporter:
         self.metrics.bubble_theory.set(facts.bubble_theoretical)
         self.metrics.peak_flops.set(facts.peak_flops)
         self.metrics.training_steps.set(facts.training_steps)
+        self.metrics.global_batch.set(facts.global_batch)
+        self.metrics.noise_scale.set(float("nan"))  # unmeasured: no ratio against the batch
         self.metrics.checkpoint_interval.set(facts.checkpoint_interval_steps)
         self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
         # A 0 would read as "no step since 1970" and page MeshtrainJobStalled during every start-up.
@@ -377,7 +388,16 @@ class Exporter:
         self.metrics.checkpoint_step.set(step)
         self.metrics.checkpoint_time.set_to_current_time()
 
-    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
+        if noise_scale is not None:
+            self.metrics.noise_scale.set(noise_scale)
         if eval_loss is not None:
             self.metrics.eval_loss.labels(**self.metrics.base).set(eval_loss)
         if skipped:

@@ -46,6 +46,7 @@ FIELDS = (
     "eval_loss",
     "skipped_updates",
     "straggler",
+    "gradient_noise_scale",
 )
 """Keys of the progress document, in order."""
 
@@ -64,6 +65,7 @@ class Progress:
             "eval_loss": None,
             "skipped_updates": 0,
             "straggler": None,
+            "gradient_noise_scale": None,
         }
 
     def update(self, **fields: Any) -> None:
@@ -98,12 +100,21 @@ class Progress:
             )  # a checkpoint of step S means S steps are done
         self.update(last_checkpoint_step=step, step=done)
 
-    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
         with self._lock:
             skips = self._doc["skipped_updates"] + (1 if skipped else 0)
-        fields = {"skipped_updates": skips}
+        fields: dict[str, Any] = {"skipped_updates": skips}
         if eval_loss is not None:
             fields["eval_loss"] = eval_loss
+        if noise_scale is not None:
+            fields["gradient_noise_scale"] = noise_scale
         self.update(**fields)
 
     def stragglers(self, verdict: slowdown.Verdict) -> None:

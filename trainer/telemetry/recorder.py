@@ -131,10 +131,17 @@ class TelemetryRecorder:
         for sink in self.sinks:
             sink.checkpoint_saved(step)
 
-    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
-        """Validation loss and loss-guard verdict of ``step``, to every sink."""
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
+        """Validation loss, loss-guard verdict and gradient noise scale of ``step``, to every sink."""
         for sink in self.sinks:
-            sink.health(step, eval_loss=eval_loss, skipped=skipped)
+            sink.health(step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale)
 
     def stragglers(self, verdict: slowdown.Verdict) -> None:
         """The straggler detector's verdict, to every sink."""
@@ -180,6 +187,7 @@ def job_facts(
         peak_learning_rate=peak_lr,
         min_learning_rate=min_lr,
         warmup_steps=spec.training.warmup_steps,
+        global_batch=spec.training.effective_global_batch(par),
     )
 
 

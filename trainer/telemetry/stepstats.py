@@ -70,6 +70,8 @@ class JobFacts:
     min_learning_rate: float = 0.0
     """training.minLearningRate after lrScaling."""
     warmup_steps: int = 0
+    global_batch: int = 0
+    """Sequences per optimizer step (microBatch x microBatches x data; 0: unknown)."""
     """training.warmupSteps."""
 
     def learning_rate(self, step: int) -> float:

@@ -111,7 +111,14 @@ class TraceLog:
     def checkpoint_saved(self, step: int) -> None:
         """Checkpoints are the engine's log lines, not the step log's."""
 
-    def health(self, step: int, *, eval_loss: float | None, skipped: str) -> None:
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
         """The worker's steps.jsonl record carries eval_loss and skipped (trainer/steplog.py)."""
 
     def stragglers(self, verdict: slowdown.Verdict) -> None:
