@@ -169,7 +169,7 @@ TRAINING_PANELS: list[Panel] = [
         ],
         "Sequences per step beside the measured gradient noise scale (McCandlish et al. 2018; needs "
         "data >= 2): far above it (10x) a larger batch buys little per step. Empty noise scale: not "
-        "measured (ZeRO-2, sequence parallelism, one replica).",
+        "measured (ZeRO-2/3, sequence parallelism, one replica).",
     ),
     Panel(
         "Training progress",

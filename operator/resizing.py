@@ -16,7 +16,7 @@ from typing import Any
 
 import pydantic
 
-from meshtrain.api import elastic
+from meshtrain.api import elastic, rules
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import conditions
 
@@ -58,7 +58,9 @@ def candidates(
     """The specs a placement tries in order: every allowed size largest first, or just the declared spec."""
     if declared.run_policy.elastic is None:
         return [(None, declared)]
-    return [(size, elastic.resized(declared, size)) for size in elastic.sizes(declared)]
+    resized = [(size, elastic.resized(declared, size)) for size in elastic.sizes(declared)]
+    # A size whose spec breaks a rule (a layout rule that holds at the declared degree only) is skipped.
+    return [(size, spec) for size, spec in resized if not rules.check(spec)]
 
 
 def placed_fields(

@@ -179,8 +179,9 @@ class Engine:
     def _noise_tracker(self) -> noise_scale.Tracker | None:
         """Measure the noise scale where the reducer sees each replica's whole local gradient.
 
-        Not with ZeRO-2 (micro-batches are reduce-scattered one by one) nor sequence parallelism
-        (some gradients are per-slice partials until after the reduction).
+        Not with ZeRO-2 (micro-batches are reduce-scattered one by one), ZeRO-3 (FSDP2 reduces; no
+        reducer) nor sequence parallelism (some gradients are per-slice partials until after the
+        reduction).
         """
         reducer = self.model.reducer
         par, data_degree = self.spec.parallelism, self.mesh.layout.data

@@ -229,7 +229,7 @@ class Metrics:
         self.noise_scale = self._gauge(
             "meshtrain_gradient_noise_scale",
             "Gradient noise scale in sequences (McCandlish et al. 2018, from the replicas' own and the"
-            " all-reduced gradient norms; needs data >= 2, ZeRO < 2, no sequence parallelism).",
+            " all-reduced gradient norms; needs data >= 2, ZeRO 0 or 1, no sequence parallelism).",
         )
         self.checkpoint_interval = self._gauge(
             "meshtrain_checkpoint_interval_steps",
