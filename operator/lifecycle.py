@@ -111,6 +111,8 @@ class Place:
 
     attempt: int
     missing: tuple[int, ...] | None = None
+    flavors: tuple[str, ...] = ()
+    """The ResourceFlavors Kueue admitted the job with: only nodes they cover, with their tolerations."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,7 +481,9 @@ def decide(
     if stale:
         actions.append(DeletePods(stale))
     current = [p for p in pods if p.attempt == attempt]
+    flavors: tuple[str, ...] = ()
     if kueue is not None and isinstance(kueue.state, queueing.Admitted):
+        flavors = kueue.state.flavors
         ready = len(current) == spec.pods and _all_running(current)
         if queueing.pods_ready_condition(kueue.state.pods_ready, ready) is not None:
             actions.append(queueing.ReportPodsReady(ready))
@@ -503,7 +507,7 @@ def decide(
         ):  # pods without a recorded placement: only after a lost status write; rebuild cleanly
             actions.append(DeletePods(tuple(p.name for p in current if not p.deleting)))
             return Decision(tuple(actions), requeue_after=1.0)
-        return Decision((*actions, Place(attempt)))
+        return Decision((*actions, Place(attempt, flavors=flavors)))
 
     built_from = job.status.get("specHash")
     if built_from and built_from != identity.spec_hash(spec):
@@ -528,7 +532,7 @@ def decide(
         decision = _on_failure(job, current, failures, now)
         return Decision((*actions, *decision.actions), decision.requeue_after)
     if missing:
-        return Decision((*actions, Place(attempt, missing)))
+        return Decision((*actions, Place(attempt, missing, flavors)))
 
     if all(p.phase == "Succeeded" for p in current):
         return _succeeded(job, current, actions, now)

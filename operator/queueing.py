@@ -167,6 +167,66 @@ class Admitted:
     cluster_queue: str
     pods_ready: tuple[str, str] | None = None
     """(status, reason) of the workload's PodsReady condition; None while it has none."""
+    flavors: tuple[str, ...] = ()
+    """The ResourceFlavors Kueue assigned the gang's pod set: its pods go where they say."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """Where the admitted flavors let the gang run: what Kueue injects into its own jobs' pods."""
+
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The flavors' spec.nodeLabels."""
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    """The flavors' spec.tolerations."""
+
+
+class AssignmentConflict(ValueError):
+    """A flavor's node label contradicts the job's own node selector."""
+
+
+FLAVOR_NOT_FOUND, FLAVOR_CONFLICT = "ResourceFlavorNotFound", "ResourceFlavorConflict"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unassignable:
+    """The admitted flavors give the gang nowhere to go (Placed=False with this reason)."""
+
+    reason: str
+    message: str
+
+
+def assignment(flavors: Sequence[Mapping[str, Any]]) -> Assignment:
+    """The node labels and tolerations of the admitted ResourceFlavors, merged."""
+    selector: dict[str, str] = {}
+    tolerations: list[Mapping[str, Any]] = []
+    for flavor in flavors:
+        spec = flavor.get("spec") or {}
+        selector.update(spec.get("nodeLabels") or {})
+        tolerations += [t for t in spec.get("tolerations") or [] if t not in tolerations]
+    return Assignment(selector, tuple(tolerations))
+
+
+def assign(pod: Mapping[str, Any], where: Assignment) -> dict[str, Any]:
+    """``pod`` with the flavors' node selector and tolerations added (Kueue's pod set info merge)."""
+    spec = dict(pod["spec"])
+    selector = dict(spec.get("nodeSelector") or {})
+    clash = {k: (selector[k], v) for k, v in where.node_selector.items() if selector.get(k, v) != v}
+    if clash:
+        described = ", ".join(
+            f"{k}={ours} (flavor: {theirs})" for k, (ours, theirs) in clash.items()
+        )
+        raise AssignmentConflict(
+            f"spec.resources.nodeSelector contradicts the ResourceFlavor Kueue admitted the job "
+            f"with: {described}; select nodes the flavor covers, or queue the job elsewhere"
+        )
+    if where.node_selector:
+        spec["nodeSelector"] = {**selector, **where.node_selector}
+    own = list(spec.get("tolerations") or [])
+    added = [dict(t) for t in where.tolerations if t not in own]
+    if added:
+        spec["tolerations"] = own + added
+    return {**pod, "spec": spec}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,9 +377,16 @@ def state(workload: Mapping[str, Any]) -> State:
         )
     if _condition(workload, ADMITTED) and status.get("admission"):
         ready = conditions.find(status.get("conditions") or [], PODS_READY)
+        assigned = [
+            name
+            for pod_set in status["admission"].get("podSetAssignments") or []
+            if pod_set.get("name") == POD_SET
+            for name in (pod_set.get("flavors") or {}).values()
+        ]
         return Admitted(
             status["admission"].get("clusterQueue", ""),
             (ready.get("status", ""), ready.get("reason", "")) if ready else None,
+            tuple(sorted(set(assigned))),
         )
     reserved = conditions.find(status.get("conditions") or [], QUOTA_RESERVED) or {}
     return Waiting(

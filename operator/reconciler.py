@@ -580,6 +580,13 @@ class Reconciler:
         ref, spec = job.ref, job.spec
         if action.missing is None and self._retry_in(job) is not None:
             return body, job, False  # refused recently: wait (outside the lock) for the backoff
+        where = await self._flavors(action.flavors)
+        try:
+            template = queueing.assign(builders.build_pod(ref, spec, action.attempt, 0, ""), where)
+        except queueing.AssignmentConflict as conflict:
+            where = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
+        if isinstance(where, queueing.Unassignable):
+            return await self._unassignable(body, job, where)
         gpu = spec.resources.gpu_resource_name
         async with self.placement_lock:
             started = time.perf_counter()
@@ -589,7 +596,7 @@ class Reconciler:
                 raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
                 nodes = [n for n in nodes if n.name not in avoid]
             live = self.cache.live_pods()
-            demand = feasibility.demand_of(builders.build_pod(ref, spec, action.attempt, 0, ""))
+            demand = feasibility.demand_of(template)
             now = _now()
             if action.missing is not None:
                 wanted = lifecycle.missing_per_node(job, action.missing)
@@ -598,14 +605,17 @@ class Reconciler:
                 if isinstance(recovery, lifecycle.Recreate):
                     group = await self._pod_group(ref, spec, action.attempt)
                     pods = [
-                        builders.build_pod(
-                            ref,
-                            spec,
-                            action.attempt,
-                            i,
-                            node,
-                            default_image=self.settings.trainer_image,
-                            pod_group=group["metadata"]["name"] if group else None,
+                        queueing.assign(
+                            builders.build_pod(
+                                ref,
+                                spec,
+                                action.attempt,
+                                i,
+                                node,
+                                default_image=self.settings.trainer_image,
+                                pod_group=group["metadata"]["name"] if group else None,
+                            ),
+                            where,
                         )
                         for i, node in recovery.nodes
                     ]
@@ -698,14 +708,17 @@ class Reconciler:
                     builders.build_service(ref, spec),
                     *([group] if group else []),
                 ],
-                builders.build_pods(
-                    ref,
-                    spec,
-                    action.attempt,
-                    answer.nodes,
-                    default_image=self.settings.trainer_image,
-                    pod_group=group["metadata"]["name"] if group else None,
-                ),
+                [
+                    queueing.assign(pod, where)
+                    for pod in builders.build_pods(
+                        ref,
+                        spec,
+                        action.attempt,
+                        answer.nodes,
+                        default_image=self.settings.trainer_image,
+                        pod_group=group["metadata"]["name"] if group else None,
+                    )
+                ],
             )
             if refused is not None:
                 return await self._refused(body, job, refused)
@@ -724,6 +737,33 @@ class Reconciler:
             f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)",
         )
         return body, job, True
+
+    async def _flavors(self, names: tuple[str, ...]) -> queueing.Assignment | queueing.Unassignable:
+        """Where Kueue's admitted ResourceFlavors let the gang run (none named: anywhere)."""
+        found = []
+        for name in names:
+            flavor = await self.client.resource_flavor(name=name)
+            if flavor is None:
+                return queueing.Unassignable(
+                    queueing.FLAVOR_NOT_FOUND,
+                    f"ResourceFlavor {name}, which Kueue admitted the job with, does not exist; "
+                    "placing it once it does (or once Kueue admits it again)",
+                )
+            found.append(flavor)
+        return queueing.assignment(found)
+
+    async def _unassignable(
+        self, body: dict[str, Any], job: lifecycle.JobState, why: queueing.Unassignable
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
+        """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
+        before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
+        body, job, changed = await self._set_status(
+            body, job, lifecycle.unschedulable(job, why.reason, why.message, _now())
+        )
+        if (before.get("reason"), before.get("message")) != (why.reason, why.message):
+            logger.info("%s/%s: %s", job.ref.namespace, job.ref.name, why.message)
+            await self._emit(body, "Warning", why.reason, why.message)
+        return body, job, changed
 
     def _plan_sizes(
         self,

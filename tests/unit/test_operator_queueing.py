@@ -312,3 +312,48 @@ def test_a_suspended_job_gives_its_workload_back_once_its_pods_are_gone():
     assert queueing.DeleteWorkload not in _types(with_pods)
     assert queueing.DeleteWorkload in _types(lifecycle.decide(suspended, [], at(5), gate))
     assert queueing.DeleteWorkload not in _types(lifecycle.decide(suspended, [], at(5), None))
+
+
+def _flavor(name: str, labels: dict[str, str], tolerations: list[dict[str, str]]) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"nodeLabels": labels, "tolerations": tolerations}}
+
+
+def test_the_admitted_flavors_are_read_from_the_pod_sets_assignment():
+    body = workload(("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted"))
+    body["status"]["admission"] = {
+        "clusterQueue": "research",
+        "podSetAssignments": [
+            {"name": "trainers", "flavors": {"nvidia.com/gpu": "h100", "cpu": "default"}},
+            {"name": "other", "flavors": {"cpu": "elsewhere"}},
+        ],
+    }
+    admitted = queueing.state(body)
+    assert isinstance(admitted, queueing.Admitted)
+    assert admitted.flavors == ("default", "h100")
+    decision = lifecycle.decide(job(), [], T0, queueing.Gate(admitted))
+    [place] = [a for a in decision.actions if isinstance(a, lifecycle.Place)]
+    assert place.flavors == ("default", "h100")
+
+
+def test_the_gangs_pods_carry_the_flavors_node_labels_and_tolerations():
+    taint = {"key": "dedicated", "operator": "Equal", "value": "h100", "effect": "NoSchedule"}
+    where = queueing.assignment(
+        [
+            _flavor("h100", {"gpu": "h100"}, [taint]),
+            _flavor("zone", {"zone": "a"}, [taint]),  # the same toleration once
+        ]
+    )
+    assert where == queueing.Assignment({"gpu": "h100", "zone": "a"}, (taint,))
+    spec = loading.parse_spec(JobBuilder(pool="p").raw())
+    pod_manifest = builders.build_pod(REF, spec, 0, 0, "")
+    placed = queueing.assign(pod_manifest, where)
+    assert placed["spec"]["nodeSelector"] == {
+        **pod_manifest["spec"]["nodeSelector"],
+        "gpu": "h100",
+        "zone": "a",
+    }
+    assert placed["spec"]["tolerations"][-1] == taint
+    assert pod_manifest["spec"].get("tolerations") != placed["spec"]["tolerations"]  # a copy
+    assert queueing.assign(pod_manifest, queueing.Assignment()) == pod_manifest
+    with pytest.raises(queueing.AssignmentConflict, match="spec.resources.nodeSelector"):
+        queueing.assign(placed, queueing.Assignment({"gpu": "a100"}))

@@ -6,7 +6,8 @@ runs it: every child it creates names its job with blockOwnerDeletion, which tha
 allows only to who may update trainingjobs/finalizers.
 
 - quota goes back only once the gang's pods are gone, whether the job ended or was deleted;
-- the pods' PriorityClass is the Workload's priority, by which Kueue preempts.
+- the pods' PriorityClass is the Workload's priority, by which Kueue preempts;
+- the gang runs on the nodes of the ResourceFlavor Kueue admitted it with, with its tolerations.
 """
 
 from __future__ import annotations
@@ -67,6 +68,38 @@ def _cluster_queue(name: str, flavors: list[tuple[str, int]]) -> dict[str, Any]:
     }
 
 
+TIER_NS, TIER_QUEUE, TIER_LABEL = "tier-team", "tiered", "meshtrain.test/tier"
+TIER_B_TAINT = {"key": "meshtrain.test/tier-b", "value": "reserved", "effect": "NoSchedule"}
+
+
+def _tiers(cluster: Cluster) -> None:
+    """Two flavors of one ClusterQueue: tier-a (two nodes) first, then tier-b (one tainted node)."""
+    toleration = {**TIER_B_TAINT, "operator": "Equal"}
+    for tier, tolerations in (("a", []), ("b", [toleration])):
+        _create(
+            cluster,
+            {
+                "kind": "ResourceFlavor",
+                "metadata": {"name": f"tier-{tier}"},
+                "spec": {"nodeLabels": {TIER_LABEL: tier}, "tolerations": tolerations},
+            },
+        )
+    _create(cluster, _cluster_queue("tiered", [("tier-a", 8), ("tier-b", 8)]))
+    cluster.core.create_namespace({"metadata": {"name": TIER_NS}})
+    _create(
+        cluster,
+        {
+            "kind": "LocalQueue",
+            "metadata": {"name": TIER_QUEUE},
+            "spec": {"clusterQueue": "tiered"},
+        },
+        TIER_NS,
+    )
+    for _ in range(2):
+        cluster.add_node("tier", gpus=8, labels={TIER_LABEL: "a"})
+    cluster.add_node("tier", gpus=8, labels={TIER_LABEL: "b"}, taints=[TIER_B_TAINT])
+
+
 def _service_account_kubeconfig(plane: controlplane.ControlPlane, cluster: Cluster) -> str:
     """A kubeconfig holding a token of the chart's ServiceAccount (installed from manifests/rbac)."""
     cluster.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
@@ -109,6 +142,7 @@ def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
             )
             for _ in range(2):  # room for two gangs: only Kueue's quota limits them
                 cluster.add_node("solo", gpus=8)
+            _tiers(cluster)
             process = OperatorProcess(
                 _service_account_kubeconfig(plane, cluster),
                 str(work / "operator.log"),
@@ -303,3 +337,22 @@ def test_the_pods_priority_class_ranks_the_workload_and_kueue_preempts_by_it(fit
     assert _workload(cluster, SOLO_NS, "nopc") is None
     for job in ("nopc", "highpc", "lowpc"):
         _delete(cluster, SOLO_NS, job)
+
+
+def test_the_gang_runs_where_the_admitted_flavor_says(fit) -> None:
+    cluster = fit
+    _apply(cluster, _job("on-a", TIER_NS, TIER_QUEUE, "tier"))
+    [first] = cluster.wait_gang(TIER_NS, "on-a", 1, timeout=60)
+    assert first.spec.node_selector[TIER_LABEL] == "a"
+    # tier-a's quota is spent: Kueue admits the next job with tier-b, although a tier-a node
+    # is still free; only the tier-b node (tainted, tolerated by the flavor) may take it.
+    _apply(cluster, _job("on-b", TIER_NS, TIER_QUEUE, "tier"))
+    [pod] = cluster.wait_gang(TIER_NS, "on-b", 1, timeout=60)
+    flavors = _workload(cluster, TIER_NS, "on-b")["status"]["admission"]["podSetAssignments"][0]
+    assert flavors["flavors"] == {"nvidia.com/gpu": "tier-b"}
+    node = cluster.core.read_node(cluster.status(TIER_NS, "on-b")["placement"][0]["node"])
+    assert node.metadata.labels[TIER_LABEL] == "b"
+    assert pod.spec.node_selector[TIER_LABEL] == "b"
+    assert any(t.key == TIER_B_TAINT["key"] for t in pod.spec.tolerations or [])
+    for job in ("on-b", "on-a"):
+        _delete(cluster, TIER_NS, job)
