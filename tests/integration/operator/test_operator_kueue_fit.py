@@ -207,8 +207,12 @@ def _terminating(cluster: Cluster, namespace: str, pod: Any) -> bool:
 
 
 def _release(cluster: Cluster, namespace: str, pod: Any) -> None:
-    """What the kubelet does once the container stopped: the pod goes."""
-    cluster.core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+    """What the kubelet does once the container stopped: the pod goes (if it is not gone yet)."""
+    try:
+        cluster.core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+    except kubernetes.client.ApiException as err:
+        if err.status != 404:
+            raise
 
 
 def _finished(workload: dict[str, Any] | None) -> bool:
