@@ -581,12 +581,13 @@ class Reconciler:
         if action.missing is None and self._retry_in(job) is not None:
             return body, job, False  # refused recently: wait (outside the lock) for the backoff
         where = await self._flavors(action.flavors)
+        if isinstance(where, queueing.Unassignable):
+            return await self._unassignable(body, job, where)
         try:
             template = queueing.assign(builders.build_pod(ref, spec, action.attempt, 0, ""), where)
         except queueing.AssignmentConflict as conflict:
-            where = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
-        if isinstance(where, queueing.Unassignable):
-            return await self._unassignable(body, job, where)
+            unassignable = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
+            return await self._unassignable(body, job, unassignable)
         gpu = spec.resources.gpu_resource_name
         async with self.placement_lock:
             started = time.perf_counter()
