@@ -848,7 +848,7 @@ class Progress(_Model):
 
 
 class ElasticStatus(_Model):
-    """The size the gang runs at when it is not ``parallelism.data`` (``runPolicy.elastic``)."""
+    """The size a gang of a job with ``runPolicy.elastic`` was placed at."""
 
     data: int = Field(ge=1, description="Data-parallel degree of the placed gang.")
     micro_batches: int = Field(ge=1, description="Micro-batches per replica at that degree.")
@@ -923,8 +923,8 @@ class TrainingJobStatus(_Model):
     )
     elastic: ElasticStatus | None = Field(
         None,
-        description="Set while runPolicy.elastic runs the gang at a data-parallel degree other than "
-        "parallelism.data: the degree, batch and learning rate it runs with.",
+        description="Set once a job with runPolicy.elastic is placed: the data-parallel degree, batch and "
+        "learning rate its gang runs with (the Resized condition says whether that is parallelism.data).",
     )
     straggler: Straggler | None = Field(
         None,
