@@ -19,7 +19,8 @@
 #
 # Usage:
 #   scripts/images.sh                       build base, operator and trainer
-#   scripts/images.sh --import SOCKET       ... and import both into the containerd at SOCKET
+#   scripts/images.sh --import SOCKET       ... and import them into the containerd at SOCKET
+#                                           (repeatable: one archive, imported into each)
 #   scripts/images.sh --print-tags          print the image names, build nothing
 set -euo pipefail
 
@@ -45,11 +46,11 @@ START_SECONDS=$SECONDS
 log() { printf '[images %4ds] %s\n' "$((SECONDS - START_SECONDS))" "$*" >&2; }
 die() { printf 'images: error: %s\n' "$*" >&2; exit 1; }
 
-IMPORT_SOCKET=""
+IMPORT_SOCKETS=()
 while (($#)); do
   case "$1" in
     --print-tags) echo "$OPERATOR_IMAGE $TRAINER_IMAGE $PAUSE_IMAGE"; exit 0 ;;
-    --import) IMPORT_SOCKET="${2:?--import needs the containerd socket}"; shift ;;
+    --import) IMPORT_SOCKETS+=("${2:?--import needs the containerd socket}"); shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e 's/^# \{0,1\}//' -e '/^set -euo/d'; exit 0 ;;
     *) die "unknown argument: $1 (try --help)" ;;
   esac
@@ -162,30 +163,39 @@ image_size() {
   bah images --format '{{.Size}}' "$1" | head -n1
 }
 
-# Skipped when the containerd already holds this build (its image id is a
+# Skipped for a containerd that already holds this build (its image id is a
 # label of the containerd image).  Otherwise buildah writes an uncompressed
-# OCI archive (compressing gigabytes of CUDA libraries only to unpack them
-# again costs minutes) and ctr imports and unpacks it, keeping only the
-# unpacked snapshots (not a second copy of the layers).
+# OCI archive once (compressing gigabytes of CUDA libraries only to unpack
+# them again costs minutes) and ctr imports and unpacks it into each
+# containerd that lacks it, keeping only the unpacked snapshots (not a second
+# copy of the layers).
 import_image() {
-  local name="$1" socket="$2" ctr archive id work started=$SECONDS
-  ctr=("$("$REPO/scripts/bootstrap.sh" --print-bin-dir)/ctr" --address "$socket" --namespace k8s.io)
-  [[ -x "${ctr[0]}" ]] || die "ctr is missing: run scripts/bootstrap.sh"
+  local name="$1" socket ctr archive="" id work="" started=$SECONDS
+  shift
   id="$(image_id "$name")"
-  if "${ctr[@]}" images ls "name==$name" | grep -q "meshtrain.io/image-id=$id"; then
-    log "$name ($id) already in $socket"
-    return
+  for socket in "$@"; do
+    ctr=("$("$REPO/scripts/bootstrap.sh" --print-bin-dir)/ctr" --address "$socket" --namespace k8s.io)
+    [[ -x "${ctr[0]}" ]] || die "ctr is missing: run scripts/bootstrap.sh"
+    if "${ctr[@]}" images ls "name==$name" | grep -q "meshtrain.io/image-id=$id"; then
+      log "$name ($id) already in $socket"
+      continue
+    fi
+    if [[ -z "$archive" ]]; then
+      work="$(mktemp -d)"
+      archive="$work/image.tar"
+      # shellcheck disable=SC2064  # expand now: the trap must name this directory
+      trap "rm -rf '$work'" EXIT
+      bah push --quiet --disable-compression "$name" "oci-archive:$archive:$name"
+    fi
+    "${ctr[@]}" images import --local --discard-unpacked-layers "$archive" >/dev/null
+    "${ctr[@]}" images label "$name" "meshtrain.io/image-id=$id" >/dev/null
+    log "imported $name into $socket in $((SECONDS - started))s"
+    started=$SECONDS
+  done
+  if [[ -n "$work" ]]; then
+    rm -rf "$work"
+    trap - EXIT
   fi
-  work="$(mktemp -d)"
-  archive="$work/image.tar"
-  # shellcheck disable=SC2064  # expand now: the trap must name this directory
-  trap "rm -rf '$work'" EXIT
-  bah push --quiet --disable-compression "$name" "oci-archive:$archive:$name"
-  "${ctr[@]}" images import --local --discard-unpacked-layers "$archive" >/dev/null
-  "${ctr[@]}" images label "$name" "meshtrain.io/image-id=$id" >/dev/null
-  rm -rf "$work"
-  trap - EXIT
-  log "imported $name into $socket in $((SECONDS - started))s"
 }
 
 mkdir -p "$STORE"
@@ -193,9 +203,9 @@ build_pause
 build_base
 build_image "$OPERATOR_IMAGE" "$REPO/operator/Dockerfile"
 build_image "$TRAINER_IMAGE" "$REPO/trainer/Dockerfile"
-if [[ -n "$IMPORT_SOCKET" ]]; then
-  import_image "$PAUSE_IMAGE" "$IMPORT_SOCKET"
-  import_image "$OPERATOR_IMAGE" "$IMPORT_SOCKET"
-  import_image "$TRAINER_IMAGE" "$IMPORT_SOCKET"
+if ((${#IMPORT_SOCKETS[@]})); then
+  import_image "$PAUSE_IMAGE" "${IMPORT_SOCKETS[@]}"
+  import_image "$OPERATOR_IMAGE" "${IMPORT_SOCKETS[@]}"
+  import_image "$TRAINER_IMAGE" "${IMPORT_SOCKETS[@]}"
 fi
 log "done in $((SECONDS - START_SECONDS))s"

@@ -23,9 +23,9 @@ def _print_ready(paths: supervisor.Paths, state: dict[str, Any]) -> None:
         f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
         f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}"
     )
-    node = supervisor.NODE
+    nodes = ", ".join(f"{node.name} ({node.gpus} nvidia.com/gpu)" for node in supervisor.NODES)
     print(
-        f"kubelet node {node.name} ({node.gpus} nvidia.com/gpu, containerd); the operator runs from its "
+        f"kubelet nodes {nodes}, each with its containerd; the operator runs from its "
         "image as the chart's Deployment; kubectl logs/exec/describe work."
     )
     print(f"export KUBECONFIG={state['kubeconfig']}")

@@ -1,7 +1,8 @@
-"""The sandbox's real node: a network namespace, containerd, kubelet, kube-proxy and CoreDNS.
+"""The sandbox's real nodes: a network namespace each, containerd, kubelet, kube-proxy; CoreDNS.
 
-:func:`setup_network` makes the sandbox's namespace and veth link
-(:mod:`.nodeconfig` says which addresses); :func:`write_configs` writes the
+:func:`setup_network` makes a node's namespace and veth link
+(:mod:`.nodeconfig` says which addresses), :func:`join_nodes` the links and
+routes between the nodes' namespaces; :func:`write_configs` writes the
 components' files; :func:`commands` gives their command lines (containerd,
 kubelet and kube-proxy run inside the namespace through ``nsenter --net``,
 which leaves the mount namespace shared, so the kubelet's volume mounts are
@@ -39,10 +40,10 @@ class NodeSetupError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """Files and names of the sandbox's node (all under ``root``)."""
+    """Files and names of one of the sandbox's nodes (all under ``root``)."""
 
     root: pathlib.Path
-    """``<state>/node``."""
+    """``<state>/nodes/<node name>``."""
     net: nodeconfig.Addresses
     """Its network."""
     spec: nodes_mod.NodeSpec
@@ -65,7 +66,9 @@ class Node:
     def to_state(self) -> dict[str, str]:
         """What :func:`teardown` needs, for state.json."""
         return {
+            "name": self.spec.name,
             "root": str(self.root),
+            "pod_cidr": self.net.pod_cidr,
             "netns": self.net.netns,
             "host_link": self.net.host_link,
             "socket": str(self.socket),
@@ -112,22 +115,68 @@ def setup_network(net: nodeconfig.Addresses) -> None:
     _ip("route", "add", net.pod_cidr, "via", net.node_ip, "dev", net.host_link)
 
 
-def image_store(node: Node) -> tuple[pathlib.Path, int | None]:
-    """containerd's root: the shared one in the cache when no other sandbox holds it, else a private one.
+def join_nodes(nets: list[nodeconfig.Addresses]) -> None:
+    """Peer links from the first node's namespace to every other's, their routes, and forwarding in each namespace.
 
-    The shared root keeps imported images between sandboxes (importing the
-    trainer image takes minutes); one containerd at a time may use it, so the
-    caller holds the returned lock descriptor for the sandbox's lifetime.
+    ``net.ipv4.ip_forward`` is set per namespace: the host's own stays as it is.
+    """
+    hub = nets[0]
+    for net in nets:
+        _ip_netns_sysctl(net.netns, "net.ipv4.ip_forward=1")
+    for ordinal, net in enumerate(nets[1:], start=1):
+        peer = nodeconfig.PeerLink(hub=hub, ordinal=ordinal)
+        _ip(
+            "-n",
+            hub.netns,
+            "link",
+            "add",
+            peer.hub_link,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            peer.node_link,
+            "netns",
+            net.netns,
+        )
+        _ip("-n", hub.netns, "addr", "add", f"{peer.hub_ip}/30", "dev", peer.hub_link)
+        _ip("-n", hub.netns, "link", "set", peer.hub_link, "up")
+        _ip("-n", net.netns, "addr", "add", f"{peer.node_ip}/30", "dev", peer.node_link)
+        _ip("-n", net.netns, "link", "set", peer.node_link, "up")
+    for route in nodeconfig.node_routes(nets):
+        _ip("-n", route.netns, "route", "add", route.destination, "via", route.via)
+
+
+def _ip_netns_sysctl(netns: str, setting: str) -> None:
+    result = subprocess.run(
+        ["ip", "netns", "exec", netns, "sysctl", "-q", "-w", setting],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        raise NodeSetupError(
+            f"network: `sysctl -w {setting}` in namespace {netns} failed: {result.stderr.strip()}. "
+            "The sandbox needs root and procps' sysctl."
+        )
+
+
+def image_store(node: Node, slot: int) -> tuple[pathlib.Path, int | None]:
+    """containerd's root for the sandbox's ``slot``-th node: that slot's shared one unless another sandbox holds it, else a private one.
+
+    The shared roots keep imported images between sandboxes (importing the
+    trainer image takes minutes); one containerd at a time may use each, so
+    the caller holds the returned lock descriptor for the sandbox's lifetime.
     """
     shared = binaries_mod.cache_bin_dir().parents[1] / "containerd"
     shared.mkdir(parents=True, exist_ok=True)
-    fd = os.open(shared / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+    suffix = f"-{slot}" if slot else ""
+    fd = os.open(shared / f"lock{suffix}", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return node.path("containerd/root"), None
-    return shared / "root", fd
+    return shared / f"root{suffix}", fd
 
 
 def write_configs(
@@ -137,9 +186,13 @@ def write_configs(
     ca_file: pathlib.Path,
     pause_image: str,
     containerd_root: pathlib.Path,
+    hub: nodeconfig.Addresses,
 ) -> None:
-    """containerd's config, the CNI conflist, kubelet's and kube-proxy's configs, the Corefile."""
-    for directory in ("cni", "containerd/state", "kubelet"):
+    """containerd's config, the CNI conflist, kubelet's and kube-proxy's configs, the Corefile.
+
+    ``hub``: the first node's network, on whose host end the API server and CoreDNS listen.
+    """
+    for directory in ("cni", "containerd/state", "kubelet", "pod-logs"):
         node.path(directory).mkdir(parents=True, exist_ok=True)
     containerd_root.mkdir(parents=True, exist_ok=True)
     node.path("containerd.toml").write_text(
@@ -152,7 +205,7 @@ def write_configs(
         )
     )
     node.path("cni/10-meshtrain.conflist").write_text(
-        json.dumps(nodeconfig.cni_config(node.net), indent=2)
+        json.dumps(nodeconfig.cni_config(node.net, node.path("cni-ipam")), indent=2)
     )
     # Pods get the cluster DNS only: the host's resolvers are not reachable from the namespace.
     node.path("resolv.conf").write_text("")
@@ -164,6 +217,8 @@ def write_configs(
                 ca_file=ca_file,
                 cgroup_root=node.cgroup_root,
                 resolv_conf=node.path("resolv.conf"),
+                cluster_dns=hub.host_ip,
+                pod_logs=node.path("pod-logs"),
             )
         )
     )
@@ -174,7 +229,8 @@ def write_configs(
             )
         )
     )
-    node.path("Corefile").write_text(nodeconfig.corefile(net=node.net, kubeconfig=kubeconfig))
+    if node.net == hub:  # one CoreDNS per sandbox, with the first node's files
+        node.path("Corefile").write_text(nodeconfig.corefile(net=hub, kubeconfig=kubeconfig))
 
 
 def _in_netns(net: nodeconfig.Addresses, argv: list[str]) -> list[str]:
@@ -233,11 +289,12 @@ def wait_socket(
     )
 
 
-def import_images(socket: pathlib.Path, log: pathlib.Path) -> None:
-    """Build (cached) and import the pause, operator and trainer images (scripts/images.sh)."""
+def import_images(sockets: list[pathlib.Path], log: pathlib.Path) -> None:
+    """Build (cached) and import the pause, operator and trainer images into every node's containerd (scripts/images.sh)."""
+    imports = [arg for socket in sockets for arg in ("--import", str(socket))]
     with open(log, "ab") as out:
         build = subprocess.Popen(
-            [str(REPO / "scripts" / "images.sh"), "--import", str(socket)],
+            [str(REPO / "scripts" / "images.sh"), *imports],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -2,13 +2,17 @@
 
 Pure builders; :mod:`.node` writes them and starts the processes.
 
-Addresses: every sandbox gets its own network namespace, joined to the host by
-one veth pair on a /30 link.  The host end carries the API server's and
-CoreDNS's address, the namespace end the node's.  Pods hang off a bridge inside
-the namespace, on a /24 of their own; the namespace has no default route, so
-no pod packet can leave the machine.  The host gets a route to the pod /24
-through the veth, so host processes (Prometheus, kubectl port-forward) reach
-pod IPs as they would on a kind network.
+Addresses: every node of a sandbox gets its own network namespace, joined to
+the host by one veth pair on a /30 link.  The host end of the first node's link
+carries the API server's and CoreDNS's address, each namespace end its node's.
+Pods hang off a bridge inside their node's namespace, on a /24 of their own;
+no namespace has a default route, so no pod packet can leave the machine.  The
+host gets a route to each pod /24 through that node's veth, so host processes
+(Prometheus, kubectl port-forward) reach pod IPs as they would on a kind
+network.  Nodes after the first reach the API server and CoreDNS through their
+own link to the host, and the other nodes' pods through a veth pair to the
+first node's namespace, which forwards between them (a star: the host itself
+forwards nothing).
 """
 
 from __future__ import annotations
@@ -65,6 +69,78 @@ class Addresses:
     def pod_cidr(self) -> str:
         """The pods' /24."""
         return f"{POD_PREFIX}.{self.index}.0/24"
+
+
+MAX_PEERS = 63
+"""Peer /30s fit in the hub's link /24 after its own host link (.0/30)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLink:
+    """The veth pair between the first node's namespace (the hub) and node ``ordinal``'s: pod traffic between nodes.
+
+    Its /30 is carved from the hub's link /24 (``.4*ordinal``), which no other
+    sandbox uses; the interfaces live only inside the two namespaces.
+    """
+
+    hub: Addresses
+    """The first node's network."""
+    ordinal: int
+    """The other node's position in the sandbox (1..63)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ordinal <= MAX_PEERS:
+            raise ValueError(
+                f"a sandbox has at most {MAX_PEERS + 1} nodes (got ordinal {self.ordinal})"
+            )
+
+    @property
+    def hub_link(self) -> str:
+        """The hub's end (in the first node's namespace)."""
+        return f"mtpeer{self.ordinal}"
+
+    @property
+    def node_link(self) -> str:
+        """The other node's end (in its namespace)."""
+        return "mthub"
+
+    @property
+    def hub_ip(self) -> str:
+        """The hub end's address."""
+        return f"{LINK_PREFIX}.{self.hub.index}.{4 * self.ordinal + 1}"
+
+    @property
+    def node_ip(self) -> str:
+        """The other node's end's address."""
+        return f"{LINK_PREFIX}.{self.hub.index}.{4 * self.ordinal + 2}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """``ip route add <destination> via <via>`` in a node's namespace."""
+
+    netns: str
+    destination: str
+    via: str
+
+
+def node_routes(nets: list[Addresses]) -> list[Route]:
+    """The routes inside the nodes' namespaces that join a sandbox of ``nets`` (the first is the hub).
+
+    Every node after the first reaches the API server and CoreDNS (the hub's
+    host end) through its own host link, and every other node's pods through
+    the hub; the hub reaches each node's pods over that node's peer link.
+    """
+    hub = nets[0]
+    routes: list[Route] = []
+    for ordinal, net in enumerate(nets[1:], start=1):
+        peer = PeerLink(hub=hub, ordinal=ordinal)
+        routes.append(Route(net.netns, f"{hub.host_ip}/32", net.host_ip))
+        routes.append(Route(hub.netns, net.pod_cidr, peer.node_ip))
+        routes.extend(
+            Route(net.netns, other.pod_cidr, peer.hub_ip) for other in nets if other is not net
+        )
+    return routes
 
 
 def addresses(state_dir: pathlib.Path, taken: set[int]) -> Addresses:
@@ -144,12 +220,14 @@ def containerd_config(
     )
 
 
-def cni_config(net: Addresses) -> dict[str, Any]:
-    """The pods' network: a bridge inside the sandbox's namespace, host-local IPs from the pod /24.
+def cni_config(net: Addresses, ipam_dir: pathlib.Path) -> dict[str, Any]:
+    """The pods' network: a bridge inside the node's namespace, host-local IPs from the pod /24.
 
     No ``ipMasq``: nothing is translated to leave the namespace, and the
     namespace has no default route.  Pods reach the host end of the link
-    (API server, CoreDNS) through the namespace's connected route.
+    (API server, CoreDNS) through the namespace's connected route, other
+    nodes' pods through :func:`node_routes`.  The IP allocations live in
+    ``ipam_dir`` (the node's own), not in the host-wide /var/lib/cni.
     """
     return {
         "cniVersion": "1.0.0",
@@ -165,6 +243,7 @@ def cni_config(net: Addresses) -> dict[str, Any]:
                     "type": "host-local",
                     "ranges": [[{"subnet": net.pod_cidr}]],
                     "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": str(ipam_dir),
                 },
             },
             {"type": "portmap", "capabilities": {"portMappings": True}},
@@ -179,6 +258,8 @@ def kubelet_config(
     ca_file: pathlib.Path,
     cgroup_root: str,
     resolv_conf: pathlib.Path,
+    cluster_dns: str,
+    pod_logs: pathlib.Path,
 ) -> dict[str, Any]:
     """KubeletConfiguration for this host: cgroup v1 (``failCgroupV1: false``), the cgroupfs driver.
 
@@ -186,7 +267,9 @@ def kubelet_config(
     systemd does not manage the node's cgroups here, so the driver is
     cgroupfs, under a cgroup root of the sandbox's own.  Eviction thresholds
     are low: the machine is shared, and its free disk and memory belong to
-    other work as much as to the pods.
+    other work as much as to the pods.  Pod logs go to the node's own
+    ``pod_logs`` rather than the host-wide /var/log/pods, which another node's
+    kubelet would also clean.
     """
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -206,7 +289,8 @@ def kubelet_config(
             "x509": {"clientCAFile": str(ca_file)},
         },
         "authorization": {"mode": "Webhook"},
-        "clusterDNS": [net.host_ip],
+        "clusterDNS": [cluster_dns],
+        "podLogsDir": str(pod_logs),
         "clusterDomain": CLUSTER_DOMAIN,
         "resolvConf": str(resolv_conf),
         "failSwapOn": False,

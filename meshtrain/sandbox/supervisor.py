@@ -1,13 +1,14 @@
 """Bringing the sandbox up and down: one supervisor process owns every part.
 
 ``up`` starts a detached supervisor (``python -m meshtrain.sandbox serve``)
-and waits until it reports ready; the supervisor makes the sandbox's network
-namespace, starts the control plane (etcd, kube-apiserver, kube-scheduler,
-kube-controller-manager) on the host end of its link, containerd in the
-namespace, builds (cached) and imports the images, starts CoreDNS, the kubelet
-and kube-proxy (:mod:`.node`), installs the chart with helm (the operator
-runs as the chart's Deployment from the built image) and starts Prometheus.
-It records every process group and the node's names in ``state.json`` so
+and waits until it reports ready; the supervisor makes a network namespace
+per node and joins them, starts the control plane (etcd, kube-apiserver,
+kube-scheduler, kube-controller-manager) on the host end of the first node's
+link, a containerd in each node's namespace, builds (cached) and imports the
+images, starts CoreDNS, and each node's kubelet and kube-proxy (:mod:`.node`),
+installs the chart with helm (the operator runs as the chart's Deployment
+from the built image) and starts Prometheus.
+It records every process group and the nodes' names in ``state.json`` so
 that ``down`` can stop it all, and check that nothing is left, even after a
 crash.  A component that cannot start stops the whole sandbox with a message
 naming it.
@@ -43,8 +44,12 @@ RELEASE = "meshtrain"
 """Helm release name of the chart in the sandbox."""
 NAMESPACE = "meshtrain-system"
 """Namespace of the release and of the operator's ServiceAccount."""
-NODE = nodes_mod.NodeSpec(name="gpu-b0-l0-n0", block="block-0", leaf="leaf-0-0", gpus=4)
-"""The sandbox's kubelet node: its name, topology labels and advertised GPUs."""
+NODES = (
+    nodes_mod.NodeSpec(name="gpu-b0-l0-n0", block="block-0", leaf="leaf-0-0", gpus=2),
+    nodes_mod.NodeSpec(name="gpu-b0-l0-n1", block="block-0", leaf="leaf-0-0", gpus=2),
+)
+"""The sandbox's kubelet nodes: names, topology labels and advertised GPUs.  Two GPUs each, so
+the example's two pods of two GPUs run on two nodes and its gang's traffic crosses between them."""
 
 
 def default_state_dir() -> pathlib.Path:
@@ -129,8 +134,8 @@ class _Supervisor:
             "timings": {},
         }
         self.stopping = False
-        self.node: node_mod.Node | None = None
-        self.store_lock: int | None = None
+        self.nodes: list[node_mod.Node] = []
+        self.store_locks: list[int] = []
 
     def _spawn(
         self, name: str, argv: list[str], *, env: dict[str, str] | None = None
@@ -158,18 +163,26 @@ class _Supervisor:
         t0 = time.monotonic()
         found = binaries_mod.locate()
         node_bins = binaries_mod.locate_node()
-        net = nodeconfig.addresses(self.paths.root, node_mod.taken_indices())
-        self.node = node_mod.Node(root=self.paths.root / "node", net=net, spec=NODE)
-        self.state["node"] = self.node.to_state()
+        taken = node_mod.taken_indices()
+        for spec in NODES:
+            net = nodeconfig.addresses(self.paths.root / spec.name, taken)
+            taken.add(net.index)
+            self.nodes.append(
+                node_mod.Node(root=self.paths.root / "nodes" / spec.name, net=net, spec=spec)
+            )
+        self.state["nodes"] = [n.to_state() for n in self.nodes]
         _write_state(self.paths, self.state)
-        node_mod.setup_network(net)
+        for n in self.nodes:
+            node_mod.setup_network(n.net)
+        node_mod.join_nodes([n.net for n in self.nodes])
+        hub = self.nodes[0].net
         self.plane = server.ControlPlane(
             binaries=found,
             with_scheduler=True,
             with_controller_manager=True,
             data_root=self.paths.root,
             startup_timeout=180.0,
-            bind_address=net.host_ip,
+            bind_address=hub.host_ip,
         )
         self.plane.start()
         self.state["groups"].update({f"controlplane-{k}": v for k, v in self.plane.pids().items()})
@@ -179,47 +192,54 @@ class _Supervisor:
 
         t1 = time.monotonic()
         operator_image, trainer_image, pause_image = node_mod.image_names()
-        containerd_root, self.store_lock = node_mod.image_store(self.node)
-        if self.store_lock is None:
-            log.warning(
-                "another sandbox holds the shared image store; importing into %s", containerd_root
-            )
-        node_mod.write_configs(
-            self.node,
-            kubeconfig=self.paths.kubeconfig,
-            ca_file=self.plane.ca_file,
-            pause_image=pause_image,
-            containerd_root=containerd_root,
-        )
-        commands = node_mod.commands(self.node, kubeconfig=self.paths.kubeconfig)
         env = node_mod.node_env(node_bins.bin_dir)
-        containerd = self._spawn("containerd", commands["containerd"], env=env)
-        node_mod.wait_socket(
-            self.node.socket,
-            alive=lambda: containerd.poll() is None,
-            log=self.paths.logs / "containerd.log",
-        )
+        commands = {}
+        for slot, n in enumerate(self.nodes):
+            containerd_root, lock = node_mod.image_store(n, slot)
+            if lock is None:
+                log.warning(
+                    "another sandbox holds the shared image store of node slot %d; importing into %s",
+                    slot,
+                    containerd_root,
+                )
+            else:
+                self.store_locks.append(lock)
+            node_mod.write_configs(
+                n,
+                kubeconfig=self.paths.kubeconfig,
+                ca_file=self.plane.ca_file,
+                pause_image=pause_image,
+                containerd_root=containerd_root,
+                hub=hub,
+            )
+            commands[n.spec.name] = node_mod.commands(n, kubeconfig=self.paths.kubeconfig)
+            self._start_containerd(
+                n, _process_name("containerd", slot), commands[n.spec.name]["containerd"], env
+            )
         self._timed("containerd", t1)
         t2 = time.monotonic()
-        node_mod.import_images(self.node.socket, self.paths.logs / "images.log")
+        node_mod.import_images([n.socket for n in self.nodes], self.paths.logs / "images.log")
         self._timed("images (build if changed, import)", t2)
 
         t3 = time.monotonic()
-        node_mod.make_cgroups(self.node.cgroup_root)
-        for name in ("coredns", "kubelet", "kube-proxy"):
-            self._spawn(name, commands[name], env=env)
-        self._wait_node_ready(found.kubectl)
-        self._kubectl(
-            found.kubectl,
-            "patch",
-            "node",
-            NODE.name,
-            "--subresource=status",
-            "--type=json",
-            "-p",
-            json.dumps(nodeconfig.gpu_capacity_patch(NODE.gpus)),
-        )
-        self._timed("kubelet node Ready", t3)
+        self._spawn("coredns", commands[self.nodes[0].spec.name]["coredns"], env=env)
+        for slot, n in enumerate(self.nodes):
+            node_mod.make_cgroups(n.cgroup_root)
+            for name in ("kubelet", "kube-proxy"):
+                self._spawn(_process_name(name, slot), commands[n.spec.name][name], env=env)
+        for slot, n in enumerate(self.nodes):
+            self._wait_node_ready(found.kubectl, n.spec.name, _process_name("kubelet", slot))
+            self._kubectl(
+                found.kubectl,
+                "patch",
+                "node",
+                n.spec.name,
+                "--subresource=status",
+                "--type=json",
+                "-p",
+                json.dumps(nodeconfig.gpu_capacity_patch(n.spec.gpus)),
+            )
+        self._timed("kubelet nodes Ready", t3)
 
         t4 = time.monotonic()
         self._helm_install(found.helm, operator_image, trainer_image)
@@ -228,6 +248,16 @@ class _Supervisor:
         self.state["timings"]["up"] = round(time.monotonic() - t0, 2)
         self.state["status"] = "ready"
         _write_state(self.paths, self.state)
+
+    def _start_containerd(
+        self, node: node_mod.Node, name: str, command: list[str], env: dict[str, str]
+    ) -> None:
+        containerd = self._spawn(name, command, env=env)
+        node_mod.wait_socket(
+            node.socket,
+            alive=lambda: containerd.poll() is None,
+            log=self.paths.logs / f"{name}.log",
+        )
 
     def _kubectl(self, kubectl: pathlib.Path, *args: str) -> str:
         result = subprocess.run(
@@ -308,7 +338,9 @@ class _Supervisor:
         )
         self.state["prometheus_url"] = f"http://127.0.0.1:{port}"
 
-    def _wait_node_ready(self, kubectl: pathlib.Path, timeout: float = 180.0) -> None:
+    def _wait_node_ready(
+        self, kubectl: pathlib.Path, node: str, kubelet: str, timeout: float = 180.0
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.children.items():
@@ -323,7 +355,7 @@ class _Supervisor:
                     str(self.paths.kubeconfig),
                     "get",
                     "node",
-                    NODE.name,
+                    node,
                     "-o",
                     "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
                 ],
@@ -334,8 +366,8 @@ class _Supervisor:
                 return
             time.sleep(1.0)
         raise RuntimeError(
-            f"kubelet: node {NODE.name} was not Ready after {timeout:.0f}s; see "
-            f"{self.paths.logs / 'kubelet.log'} and {self.paths.logs / 'containerd.log'}"
+            f"kubelet: node {node} was not Ready after {timeout:.0f}s; see "
+            f"{self.paths.logs / (kubelet + '.log')} and the containerd log beside it"
         )
 
     def _write_targets(self) -> None:
@@ -371,29 +403,40 @@ class _Supervisor:
 
     def stop(self) -> None:
         self.stopping = True
-        for name in ("prometheus", "kube-proxy", "kubelet", "coredns", "containerd"):
-            if name == "containerd" and self.node is not None:
-                node_mod.teardown(
-                    self.state.get("node") or {}
-                )  # containers die before their runtime
-                node_mod.remove_containers(self.node.socket)
-            proc = self.children.get(name)
-            if proc is None:
-                continue
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            _signal_group(proc.pid, signal.SIGKILL)  # stragglers of the group
-        node_mod.teardown(self.state.get("node") or {})
-        if self.store_lock is not None:
-            os.close(self.store_lock)
+        self._stop_process("prometheus")
+        for component in ("kube-proxy", "kubelet"):
+            for slot in range(len(self.nodes)):
+                self._stop_process(_process_name(component, slot))
+        self._stop_process("coredns")
+        for slot, n in enumerate(self.nodes):
+            node_mod.teardown(n.to_state())  # containers die before their runtime
+            node_mod.remove_containers(n.socket)
+            self._stop_process(_process_name("containerd", slot))
+        for n in self.nodes:
+            node_mod.teardown(n.to_state())
+        for lock in self.store_locks:
+            os.close(lock)
         if self.plane is not None:
             self.plane.stop()
         self.state["status"] = "stopped"
         _write_state(self.paths, self.state)
+
+    def _stop_process(self, name: str) -> None:
+        proc = self.children.get(name)
+        if proc is None:
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        _signal_group(proc.pid, signal.SIGKILL)  # stragglers of the group
+
+
+def _process_name(component: str, slot: int) -> str:
+    """A node process's name in state.json and its log's: ``kubelet`` for the first node, ``kubelet-1`` for the second..."""
+    return f"{component}-{slot}" if slot else component
 
 
 class _Interrupted(BaseException):
@@ -451,7 +494,7 @@ def up(paths: Paths, *, timeout: float = 3600.0) -> dict[str, Any]:
         return state
     if state:  # a sandbox that failed, is stopping, or whose supervisor died: clear it all first
         down(paths)
-    for stale in ("node", "prometheus", "logs"):
+    for stale in ("nodes", "node", "prometheus", "logs"):
         shutil.rmtree(paths.root / stale, ignore_errors=True)
     paths.logs.mkdir(parents=True, exist_ok=True)
     paths.state.unlink(missing_ok=True)
@@ -497,13 +540,21 @@ def down(paths: Paths, *, timeout: float = 90.0) -> list[int]:
         if members:
             leftovers.extend(members)
             _signal_group(pgid, signal.SIGKILL)
-    leftovers.extend(node_mod.teardown(state.get("node") or {}))  # containers, shims, namespace
+    for node_state in node_states(state):  # containers, shims, namespace
+        leftovers.extend(node_mod.teardown(node_state))
     if state:
         state["status"] = "down"
         _write_state(paths, state)
     for data in paths.root.glob("meshtrain-cp-*"):
         shutil.rmtree(data, ignore_errors=True)
     return leftovers
+
+
+def node_states(state: dict[str, Any]) -> list[dict[str, str]]:
+    """The nodes recorded in ``state`` (``node``: a sandbox started before there were several)."""
+    if "nodes" in state:
+        return list(state["nodes"])
+    return [state["node"]] if state.get("node") else []
 
 
 def status(paths: Paths) -> dict[str, Any]:

@@ -1,12 +1,13 @@
-"""The sandbox end to end: a dp2·pp2·tp1 TrainingJob over two pods in real containers.
+"""The sandbox end to end: a dp2·pp2·tp1 TrainingJob over two pods on two nodes, in real containers.
 
 1. ``up``: real etcd, kube-apiserver, scheduler and controller-manager;
-   containerd, kubelet, kube-proxy and CoreDNS; the images built from the
-   Dockerfiles; the operator installed by helm as the chart's Deployment;
-   Prometheus.
+   two kubelet nodes (each with its containerd and kube-proxy) and CoreDNS;
+   the images built from the Dockerfiles; the operator installed by helm as
+   the chart's Deployment; Prometheus.
 2. The example job, in a namespace enforcing the restricted Pod Security
-   Standard: its pods are bound by the real scheduler to the node the
-   operator planned, run from the trainer image, train to Succeeded, and
+   Standard: its pods are bound by the real scheduler to the nodes the
+   operator planned (two nodes of two GPUs: the gang's traffic crosses
+   between their namespaces), run from the trainer image, train to Succeeded, and
    Prometheus scraped their metrics at the pod IPs; kubectl logs, exec and
    describe work.
 3. The same job again, and one rank's container killed mid-run: the gang
@@ -20,6 +21,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pathlib
@@ -57,10 +59,13 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[supervis
         leftovers = supervisor.down(paths)
         assert leftovers == [], f"processes left behind after down: {leftovers}"
         assert not [g for g in groups if supervisor.group_members(g)]
-        assert node.leftovers(recorded["node"]) == [], "containers or shims left behind"
+        nodes = supervisor.node_states(recorded)
+        assert len(nodes) == len(supervisor.NODES)
+        for recorded_node in nodes:
+            assert node.leftovers(recorded_node) == [], "containers or shims left behind"
+            assert not pathlib.Path(f"/run/netns/{recorded_node['netns']}").exists()
         mounts = pathlib.Path("/proc/self/mountinfo").read_text()
         assert str(paths.root) not in mounts, "mounts left behind"
-        assert not pathlib.Path(f"/run/netns/{recorded['node']['netns']}").exists()
 
 
 def _events(paths: supervisor.Paths, namespace: str, reason: str) -> list[dict]:
@@ -112,7 +117,7 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
     started = time.monotonic()
     namespace, name = example.apply(paths, EXAMPLE)
     seen_pods: dict[str, str] = {}
-    pod_ips: set[str] = set()
+    pod_ips: dict[str, str] = {}
     exec_answers: list[str] = []
 
     def record(line: str) -> None:
@@ -120,8 +125,8 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
         for pod in _pods(paths, name):
             if pod["spec"].get("nodeName"):
                 seen_pods[pod["metadata"]["name"]] = pod["spec"]["nodeName"]
-            if pod["status"].get("podIP"):
-                pod_ips.add(pod["status"]["podIP"])
+            if pod["status"].get("podIP") and pod["spec"].get("nodeName"):
+                pod_ips[pod["status"]["podIP"]] = pod["spec"]["nodeName"]
             if pod["status"].get("phase") == "Running" and not exec_answers:
                 # kubectl exec through the apiserver and kubelet; the pod resolves its gang's Service name.
                 exec_answers.append(
@@ -156,6 +161,15 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
     planned = {p["node"] for p in status["placement"]}
     assert len(status["placement"]) == 2
     assert set(seen_pods.values()) <= planned and seen_pods, (seen_pods, status["placement"])
+    assert len(planned) == 2, (
+        "two pods of two GPUs on nodes of two GPUs each: the gang spans two nodes"
+    )
+    cidrs = {n["name"]: ipaddress.ip_network(n["pod_cidr"]) for n in supervisor.node_states(state)}
+    assert all(ipaddress.ip_address(ip) in cidrs[node_name] for ip, node_name in pod_ips.items()), (
+        "each pod's address is on its own node's pod network",
+        pod_ips,
+        cidrs,
+    )
     events = _events(paths, namespace, "Scheduled")
     scheduled = [e for e in events if e["involvedObject"]["name"] in seen_pods]
     assert scheduled and all(
@@ -175,7 +189,7 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
     scraped = _prometheus(
         state, f'max by (instance) (max_over_time(meshtrain_tokens_total{{job="{name}"}}[30m]))'
     )
-    assert {s["metric"]["instance"].rsplit(":", 1)[0] for s in scraped} == pod_ips, (
+    assert {s["metric"]["instance"].rsplit(":", 1)[0] for s in scraped} == set(pod_ips), (
         "Prometheus scraped the pods at their pod IPs",
         scraped,
         pod_ips,
@@ -250,10 +264,13 @@ def _kill_container(paths: supervisor.Paths, pod: dict) -> int:
     """SIGKILL a pod's container from the host, as a crashed node process would die; returns its pid."""
     container = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
     state = supervisor.read_state(paths) or {}
+    its_node = next(
+        n for n in supervisor.node_states(state) if n["name"] == pod["spec"]["nodeName"]
+    )
     ctr = [
         str(binaries.locate_node().ctr),
         "--address",
-        state["node"]["socket"],
+        its_node["socket"],
         "--namespace",
         "k8s.io",
     ]

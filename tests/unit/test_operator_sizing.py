@@ -139,7 +139,7 @@ def test_refusal_message_has_the_numbers_and_the_profile_source():
 
 
 def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
-    node = sandbox_supervisor.NODE
+    node = sandbox_supervisor.NODES[0]
     manifest = {
         "metadata": {"name": node.name, "labels": sandbox_nodeconfig.node_labels(node)},
         "status": {"allocatable": {"nvidia.com/gpu": str(node.gpus), "cpu": "2", "memory": "8Gi"}},
