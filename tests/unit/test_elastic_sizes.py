@@ -3,6 +3,8 @@ its global batch (the batch is recomputed from the resized spec, not restated he
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshtrain.api import elastic, loading
@@ -119,3 +121,13 @@ def test_bad_bounds_are_refused_naming_the_field(bounds, path, words):
     assert any(p.path == path and words in p.message for p in err.value.problems), (
         err.value.problems
     )
+
+
+def test_the_elastic_example_runs_at_dp8_or_dp4_with_its_batch():
+    example = Path(__file__).parents[2] / "manifests" / "examples" / "gpt-1.3b-dp8-tp2.yaml"
+    _, spec = loading.load_manifest(example)
+    # dp5-7 would leave part of an 8-GPU node (tp2): only whole-node degrees remain.
+    assert [(s.data, s.micro_batches, s.global_batch) for s in elastic.sizes(spec)] == [
+        (8, 8, spec.global_batch),
+        (4, 16, spec.global_batch),
+    ]
