@@ -307,6 +307,24 @@ class Client:
             _content_type="application/merge-patch+json",
         )
 
+    async def patch_workload_queue(
+        self, *, namespace: str, name: str, queue: str, resource_version: str
+    ) -> Body | None:
+        """Point a Workload at another LocalQueue, only if it is still at ``resource_version``."""
+        return await self._request(
+            "patch",
+            "workloads",
+            self._custom.patch_namespaced_custom_object,
+            queueing.GROUP,
+            queueing.VERSION,
+            namespace,
+            queueing.PLURAL,
+            name,
+            {"metadata": {"resourceVersion": resource_version}, "spec": {"queueName": queue}},
+            ok=(404,),
+            _content_type="application/merge-patch+json",
+        )
+
     async def delete_workload(self, *, namespace: str, name: str, uid: str) -> None:
         """Delete a Workload if it is still the object ``uid`` (a precondition)."""
         await self._request(

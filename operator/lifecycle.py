@@ -150,6 +150,7 @@ Action = (
     | queueing.ReportPodsReady
     | queueing.FinishWorkload
     | queueing.DeleteWorkload
+    | queueing.MoveWorkload
 )
 
 
@@ -469,6 +470,8 @@ def decide(
     if phase == Phase.SUSPENDED.value:
         return _resume(job, pods, now)
     admitted: tuple[Action, ...] = ()
+    if kueue is None and queueing.was_queued(job.status):
+        return _left_kueue(job, now)
     if kueue is not None:
         held = _held_by_kueue(job, pods, kueue, now)
         if isinstance(held, Decision):
@@ -622,6 +625,8 @@ def _held_by_kueue(
     actions: list[Action] = []
     if state is None:
         actions.append(queueing.CreateWorkload(kueue.priority))
+    if kueue.move_to is not None:
+        actions.append(queueing.MoveWorkload(kueue.move_to))
     if any(not p.deleting for p in pods):
         actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
     elif not pods and isinstance(state, queueing.Evicted) and state.holds_quota:
@@ -650,6 +655,24 @@ def _held_by_kueue(
             ),
         ]
     return Decision(tuple(actions), requeue_after=1.0 if pods else None)
+
+
+def _left_kueue(job: JobState, now: datetime.datetime) -> Decision:
+    """The queue label is gone and so is the job's Workload: drop Queued; the job is placed as any."""
+    message = (
+        f'metadata.labels["{queueing.QUEUE_LABEL}"] removed: the job no longer waits for Kueue'
+    )
+    conds = [c for c in _conds(job) if c.get("type") != conditions.QUEUED]
+    conds = conditions.set(
+        conds, conditions.PLACED, conditions.FALSE, queueing.QUEUE_REMOVED, message, now
+    )
+    return Decision(
+        (
+            _changes(job, conditions=conds),
+            Emit("Normal", queueing.QUEUE_REMOVED, message),
+        ),
+        requeue_after=0,
+    )
 
 
 def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -258,11 +258,11 @@ SPEC_HASH_ANNOTATION = f"{naming.GROUP}/spec-hash"
 """The job spec a Workload was built from (its pod set, requests and priority follow from it)."""
 
 
-def outdated(workload: Mapping[str, Any], spec_hash: str, queue: Queue) -> Outdated | None:
+def outdated(workload: Mapping[str, Any], spec_hash: str) -> Outdated | None:
     """Why ``workload`` no longer describes the job (Kueue's EquivalentToWorkload), or None.
 
-    Kueue charged the quota of the Workload's pod set: a changed spec (a larger gang) or a
-    changed queue must be queued again rather than run against the old admission.
+    Kueue charged the quota of the Workload's pod set: a changed spec (a larger gang) must
+    be queued again rather than run against the old admission.
     """
     annotations = (workload.get("metadata") or {}).get("annotations") or {}
     if annotations.get(SPEC_HASH_ANNOTATION) != spec_hash:
@@ -270,12 +270,34 @@ def outdated(workload: Mapping[str, Any], spec_hash: str, queue: Queue) -> Outda
             "WorkloadOutdated",
             "the job's spec changed since Kueue admitted it: its Workload is replaced and queued again",
         )
-    if (workload.get("spec") or {}).get("queueName") != queue.name:
-        return Outdated(
-            "WorkloadOutdated",
-            f"the job's queue label names {queue.name}: its Workload is replaced and queued there",
-        )
     return None
+
+
+QUEUE_REMOVED = "QueueLabelRemoved"
+
+
+def reserved(workload: Mapping[str, Any]) -> bool:
+    """Whether Kueue holds quota for ``workload`` (its queue can then no longer change)."""
+    return _condition(workload, QUOTA_RESERVED) is not None
+
+
+def queue_of_workload(workload: Mapping[str, Any]) -> Queue:
+    """The queue the Workload is in (a job's label removed while admitted still answers to it)."""
+    return Queue(str((workload.get("spec") or {}).get("queueName") or ""), None)
+
+
+def queue_removed() -> Outdated:
+    """The queue label went before Kueue admitted the job: its Workload goes, it runs without Kueue."""
+    return Outdated(
+        QUEUE_REMOVED,
+        f'metadata.labels["{QUEUE_LABEL}"] was removed before Kueue admitted the job: its Workload '
+        "is deleted and the job is placed without Kueue",
+    )
+
+
+def was_queued(status: Mapping[str, Any]) -> bool:
+    """Whether the job has been queued by Kueue (its status carries a Queued condition)."""
+    return conditions.find(status.get("conditions") or [], conditions.QUEUED) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +307,15 @@ class Gate:
     state: State | None
     priority: Priority = Priority(0)
     """The priority a Workload created now gets (read while none exists)."""
+    move_to: str | None = None
+    """The job's label names this other LocalQueue and Kueue holds no quota yet: move the Workload."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveWorkload:
+    """Point the waiting Workload at the job's new LocalQueue (Kueue's queue-name change)."""
+
+    queue: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,7 @@ _KUEUE_ACTIONS = (
     queueing.ReportPodsReady,
     queueing.FinishWorkload,
     queueing.DeleteWorkload,
+    queueing.MoveWorkload,
 )
 
 
@@ -237,21 +238,45 @@ class Reconciler:
     async def _kueue_gate(
         self, body: dict[str, Any], queue: queueing.Queue | None
     ) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
-        """Kueue's say over the job (None when it is not queued) and its Workload as read."""
-        if queue is None:
-            return None, None
+        """Kueue's say over the job (None when it is not queued) and its Workload as read.
+
+        The queue label follows Kueue's rules for its own jobs: a new queue moves a Workload
+        that holds no quota yet, and waits while one does; a label removed before admission
+        deletes the Workload, after it the job answers to its Workload until that is done.
+        """
         metadata = body["metadata"]
+        if queue is None and not queueing.was_queued(body.get("status") or {}):
+            return None, None
         workload = await self.client.get_workload(
             namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
         )
         if workload is not None and not queueing.controlled_by(workload, metadata["uid"]):
-            return queueing.Gate(queueing.name_taken(workload)), None
+            if queue is not None:
+                return queueing.Gate(queueing.name_taken(workload)), None
+            workload = None  # another object's: the job has none of its own
+        if queue is None:
+            if workload is None:
+                return None, None  # decide drops the Queued condition: the job left Kueue
+            state = queueing.state(workload)
+            if not (queueing.reserved(workload) or isinstance(state, queueing.Finished)):
+                return queueing.Gate(queueing.queue_removed()), workload
+            queue = queueing.queue_of_workload(workload)
         if workload is not None:
             state = queueing.state(workload)
             spec = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
             if spec is not None and not isinstance(state, queueing.Finished):
-                state = queueing.outdated(workload, identity.spec_hash(spec), queue) or state
-            return queueing.Gate(state), workload
+                state = queueing.outdated(workload, identity.spec_hash(spec)) or state
+            moved = queueing.queue_of_workload(workload).name != queue.name
+            if moved and queueing.reserved(workload):
+                logger.debug(
+                    "%s/%s: queue label names %s; the admitted Workload stays in its queue until "
+                    "Kueue holds no quota for it",
+                    metadata["namespace"],
+                    metadata["name"],
+                    queue.name,
+                )
+            move_to = queue.name if moved and not queueing.reserved(workload) else None
+            return queueing.Gate(state, move_to=move_to), workload
         priority = await self._priority(queue, lifecycle.job_state(body).declared)
         if isinstance(priority, queueing.Waiting):
             return queueing.Gate(priority), None
@@ -285,7 +310,8 @@ class Reconciler:
         | queueing.ReleaseQuota
         | queueing.ReportPodsReady
         | queueing.FinishWorkload
-        | queueing.DeleteWorkload,
+        | queueing.DeleteWorkload
+        | queueing.MoveWorkload,
         job: lifecycle.JobState,
         queue: queueing.Queue | None,
         workload: dict[str, Any] | None,
@@ -303,6 +329,17 @@ class Reconciler:
         if workload is None:
             return False
         metadata = workload["metadata"]
+        if isinstance(action, queueing.MoveWorkload):
+            await self.client.patch_workload_queue(
+                namespace=metadata["namespace"],
+                name=metadata["name"],
+                queue=action.queue,
+                resource_version=metadata["resourceVersion"],
+            )
+            logger.info(
+                "%s/%s: Workload moved to LocalQueue %s", ref.namespace, ref.name, action.queue
+            )
+            return True
         if isinstance(action, queueing.DeleteWorkload):
             await self.client.delete_workload(
                 namespace=metadata["namespace"], name=metadata["name"], uid=metadata["uid"]

@@ -60,6 +60,7 @@ NAMESPACED_ALLOWED = [
     ("watch", "workloads.kueue.x-k8s.io"),
     ("create", "workloads.kueue.x-k8s.io"),
     ("delete", "workloads.kueue.x-k8s.io"),
+    ("patch", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io/status"),
 ]
 CLUSTER_ALLOWED = [

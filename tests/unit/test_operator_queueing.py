@@ -281,15 +281,39 @@ def test_a_workload_of_the_jobs_name_that_another_object_owns_is_never_the_jobs(
     assert queued["reason"] == queueing.NAME_TAKEN and "ConfigMap/other" in queued["message"]
 
 
-def test_a_workload_of_another_spec_or_queue_is_outdated():
+def test_a_workload_of_another_spec_is_outdated():
     spec = loading.parse_spec(JobBuilder().layout(data=2).raw())
     queue = queueing.Queue("q", None)
     pod_manifest = builders.build_pod(REF, spec, 0, 0, "")
     body = queueing.build_workload(REF, spec, queue, pod_manifest, queueing.Priority(0))
-    assert queueing.outdated(body, identity.spec_hash(spec), queue) is None
+    assert queueing.outdated(body, identity.spec_hash(spec)) is None
     grown = loading.parse_spec(JobBuilder().layout(data=4).raw())
-    assert queueing.outdated(body, identity.spec_hash(grown), queue) is not None
-    assert queueing.outdated(body, identity.spec_hash(spec), queueing.Queue("other", None))
+    assert queueing.outdated(body, identity.spec_hash(grown)) is not None
+    assert queueing.queue_of_workload(body) == queue
+
+
+def test_a_new_queue_moves_the_waiting_workload_and_nothing_else():
+    gate = queueing.Gate(queueing.Waiting("Pending", "insufficient quota"), move_to="spare")
+    decision = lifecycle.decide(job(), [], T0, gate)
+    assert queueing.MoveWorkload("spare") in decision.actions
+    assert queueing.DeleteWorkload not in _types(decision) and lifecycle.Place not in _types(
+        decision
+    )
+    reserved = workload(("QuotaReserved", "True", "QuotaReserved"), admission=True)
+    assert queueing.reserved(reserved) and not queueing.reserved(workload())
+
+
+def test_a_removed_queue_label_deletes_the_waiting_workload_then_the_job_leaves_kueue():
+    waiting = job(conditions=[{"type": "Queued", "status": "True", "reason": "Pending"}])
+    decision = lifecycle.decide(waiting, [], T0, queueing.Gate(queueing.queue_removed()))
+    assert queueing.DeleteWorkload in _types(decision)
+    assert "queue-name" in _queued(decision)["message"]
+    # The Workload is gone (no gate): the Queued condition goes, then the job is placed as any.
+    gone = lifecycle.decide(waiting, [], at(1), None)
+    [status] = [a for a in gone.actions if isinstance(a, lifecycle.SetStatus)]
+    assert all(c["type"] != "Queued" for c in status.changes["conditions"])
+    left = job(conditions=status.changes["conditions"])
+    assert lifecycle.Place in _types(lifecycle.decide(left, [], at(2), None))
 
 
 def test_an_outdated_workload_stops_the_gang_then_is_replaced():

@@ -103,11 +103,12 @@ and operator/handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# Kueue: the Workload of each queued job (deleted when outdated, suspended or the job
-# deleted), and giving an evicted workload's quota back.
+# Kueue: the Workload of each queued job (moved to the job's new queue while it waits;
+# deleted when outdated, suspended or the job deleted), and giving an evicted workload's
+# quota back.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]

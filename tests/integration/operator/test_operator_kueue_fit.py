@@ -7,12 +7,16 @@ allows only to who may update trainingjobs/finalizers.
 
 - quota goes back only once the gang's pods are gone, whether the job ended or was deleted;
 - the pods' PriorityClass is the Workload's priority, by which Kueue preempts;
-- the gang runs on the nodes of the ResourceFlavor Kueue admitted it with, with its tolerations.
+- the gang runs on the nodes of the ResourceFlavor Kueue admitted it with, with its tolerations;
+- the queue label follows Kueue's rules: locked while admitted (the chart's admission policy),
+  a new queue moves a waiting Workload, a removed label takes a waiting job out of Kueue.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +36,7 @@ pytestmark = pytest.mark.integration
 RBAC = pathlib.Path(REPO) / "manifests" / "rbac" / "rbac.yaml"
 OPERATOR_NAMESPACE, SERVICE_ACCOUNT = "meshtrain-system", "meshtrain"
 API_VERSION = f"{queueing.GROUP}/{queueing.VERSION}"
-SOLO_NS, SOLO_QUEUE = "solo-team", "solo"
+SOLO_NS, SOLO_QUEUE, SPARE_QUEUE = "solo-team", "solo", "spare"
 RESYNC_PASSES = 3.0
 """Seconds in which the operator (resync 2 s, woken by every pod event) has decided again."""
 
@@ -100,6 +104,18 @@ def _tiers(cluster: Cluster) -> None:
     cluster.add_node("tier", gpus=8, labels={TIER_LABEL: "b"}, taints=[TIER_B_TAINT])
 
 
+def _chart_template(cluster: Cluster, found: Any, template: str) -> None:
+    """Apply one template of the chart as ``helm install`` renders it with default values."""
+    chart = pathlib.Path(REPO) / "charts" / "meshtrain"
+    rendered = subprocess.run(
+        [str(found.helm), "template", "meshtrain", str(chart), "--namespace", OPERATOR_NAMESPACE,
+         "--show-only", f"templates/{template}"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    applied = cluster.kubectl("apply", "-f", "-", stdin=rendered)
+    assert applied.returncode == 0, applied.stderr
+
+
 def _service_account_kubeconfig(plane: controlplane.ControlPlane, cluster: Cluster) -> str:
     """A kubeconfig holding a token of the chart's ServiceAccount (installed from manifests/rbac)."""
     cluster.core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
@@ -129,17 +145,19 @@ def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
         cluster.install_crds()
         with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK]):
             _create(cluster, {"kind": "ResourceFlavor", "metadata": {"name": "plain"}})
-            _create(cluster, _cluster_queue("solo", [("plain", 8)]))
             cluster.core.create_namespace({"metadata": {"name": SOLO_NS}})
-            _create(
-                cluster,
-                {
-                    "kind": "LocalQueue",
-                    "metadata": {"name": SOLO_QUEUE},
-                    "spec": {"clusterQueue": "solo"},
-                },
-                SOLO_NS,
-            )
+            for queue in (SOLO_QUEUE, SPARE_QUEUE):
+                _create(cluster, _cluster_queue(queue, [("plain", 8)]))
+                _create(
+                    cluster,
+                    {
+                        "kind": "LocalQueue",
+                        "metadata": {"name": queue},
+                        "spec": {"clusterQueue": queue},
+                    },
+                    SOLO_NS,
+                )
+            _chart_template(cluster, control_plane_binaries, "kueue-queue-policy.yaml")
             for _ in range(2):  # room for two gangs: only Kueue's quota limits them
                 cluster.add_node("solo", gpus=8)
             _tiers(cluster)
@@ -360,3 +378,57 @@ def test_the_gang_runs_where_the_admitted_flavor_says(fit) -> None:
     assert any(t.key == TIER_B_TAINT["key"] for t in pod.spec.tolerations or [])
     for job in ("on-b", "on-a"):
         _delete(cluster, TIER_NS, job)
+
+
+def _label(cluster: Cluster, namespace: str, job: str, queue: str | None) -> None:
+    cluster.custom.patch_namespaced_custom_object(
+        "meshtrain.io", "v1alpha1", namespace, "trainingjobs", job,
+        {"metadata": {"labels": {queueing.QUEUE_LABEL: queue}}},
+    )  # fmt: skip
+
+
+def test_the_queue_label_follows_kueues_rules(fit) -> None:
+    cluster = fit
+    cluster.add_node("solo", gpus=8)  # room for a job that leaves Kueue
+    _apply(cluster, _job("holder", SOLO_NS, SOLO_QUEUE, "solo"))
+    wait_for("holder admitted", lambda: _admitted(cluster, SOLO_NS, "holder"), timeout=60)
+    _apply(cluster, _job("mover", SOLO_NS, SOLO_QUEUE, "solo"))
+    waiting = wait_for("mover's Workload", lambda: _workload(cluster, SOLO_NS, "mover"), timeout=60)
+
+    def refused() -> Any:
+        """The admitted job's label change, refused (the policy may take a moment to be live)."""
+        try:
+            _label(cluster, SOLO_NS, "holder", SPARE_QUEUE)
+        except kubernetes.client.ApiException as err:
+            return err
+        _label(cluster, SOLO_NS, "holder", SOLO_QUEUE)
+        return None
+
+    error = wait_for("the admission policy refusing holder's new queue", refused, timeout=30)
+    message = json.loads(error.body)["message"]
+    assert (
+        'metadata.labels["kueue.x-k8s.io/queue-name"] cannot change from solo to spare' in message
+    )
+    with pytest.raises(kubernetes.client.ApiException, match="suspend it first"):
+        _label(cluster, SOLO_NS, "holder", None)
+
+    # mover waits: its Workload (the same object) moves to the spare queue and is admitted there.
+    _label(cluster, SOLO_NS, "mover", SPARE_QUEUE)
+    wait_for("mover admitted by spare", lambda: _admitted(cluster, SOLO_NS, "mover"), timeout=60)
+    moved = _workload(cluster, SOLO_NS, "mover")
+    assert moved["metadata"]["uid"] == waiting["metadata"]["uid"]
+    assert moved["spec"]["queueName"] == SPARE_QUEUE
+    assert moved["status"]["admission"]["clusterQueue"] == SPARE_QUEUE
+
+    # leaver waits behind holder; without its label it leaves Kueue and is placed at once.
+    _apply(cluster, _job("leaver", SOLO_NS, SOLO_QUEUE, "solo"))
+    wait_for("leaver's Workload", lambda: _workload(cluster, SOLO_NS, "leaver"), timeout=60)
+    assert cluster.pods(SOLO_NS, "leaver") == []
+    _label(cluster, SOLO_NS, "leaver", None)
+    wait_for(
+        "leaver's Workload gone", lambda: _workload(cluster, SOLO_NS, "leaver") is None, timeout=60
+    )
+    cluster.wait_gang(SOLO_NS, "leaver", 1, timeout=60)
+    assert cluster.condition(SOLO_NS, "leaver", "Queued") == {}
+    for job in ("leaver", "mover", "holder"):
+        _delete(cluster, SOLO_NS, job)
