@@ -51,18 +51,11 @@ from meshtrain.operator import (
     resizing,
     sizing,
     stragglers,
+    workloads,
 )
 from meshtrain.planner import admission, placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
-_KUEUE_ACTIONS = (
-    queueing.CreateWorkload,
-    queueing.ReleaseQuota,
-    queueing.ReportPodsReady,
-    queueing.FinishWorkload,
-    queueing.DeleteWorkload,
-    queueing.MoveWorkload,
-)
 
 
 CONFLICT_RETRIES = 3
@@ -179,12 +172,14 @@ class Reconciler:
         pods = self._owned_pods(job.ref)
         states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
         queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
-        gate, workload = await self._kueue_gate(body, queue)
+        gate, workload = await workloads.gate(self.client, body, queue)
         decision = lifecycle.decide(job, states, _now(), gate)
         changed = False
         for action in decision.actions:
-            if isinstance(action, _KUEUE_ACTIONS):
-                did = await self._kueue(action, job, queue, workload)
+            if isinstance(action, workloads.ACTIONS):
+                did = await workloads.perform(
+                    self.client, action, job, queue, workload, self.settings.trainer_image
+                )
             else:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
@@ -234,137 +229,6 @@ class Reconciler:
         return [
             p for p in self.cache.job_pods(ref.namespace, ref.name) if capacity.owned_by(p, ref.uid)
         ]
-
-    async def _kueue_gate(
-        self, body: dict[str, Any], queue: queueing.Queue | None
-    ) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
-        """Kueue's say over the job (None when it is not queued) and its Workload as read.
-
-        The queue label follows Kueue's rules for its own jobs: a new queue moves a Workload
-        that holds no quota yet, and waits while one does; a label removed before admission
-        deletes the Workload, after it the job answers to its Workload until that is done.
-        """
-        metadata = body["metadata"]
-        if queue is None and not queueing.was_queued(body.get("status") or {}):
-            return None, None
-        workload = await self.client.get_workload(
-            namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
-        )
-        if workload is not None and not queueing.controlled_by(workload, metadata["uid"]):
-            if queue is not None:
-                return queueing.Gate(queueing.name_taken(workload)), None
-            workload = None  # another object's: the job has none of its own
-        if queue is None:
-            if workload is None:
-                return None, None  # decide drops the Queued condition: the job left Kueue
-            state = queueing.state(workload)
-            if not (queueing.reserved(workload) or isinstance(state, queueing.Finished)):
-                return queueing.Gate(queueing.queue_removed()), workload
-            queue = queueing.queue_of_workload(workload)
-        if workload is not None:
-            state = queueing.state(workload)
-            spec = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
-            if spec is not None and not isinstance(state, queueing.Finished):
-                state = queueing.outdated(workload, identity.spec_hash(spec)) or state
-            moved = queueing.queue_of_workload(workload).name != queue.name
-            if moved and queueing.reserved(workload):
-                logger.debug(
-                    "%s/%s: queue label names %s; the admitted Workload stays in its queue until "
-                    "Kueue holds no quota for it",
-                    metadata["namespace"],
-                    metadata["name"],
-                    queue.name,
-                )
-            move_to = queue.name if moved and not queueing.reserved(workload) else None
-            return queueing.Gate(state, move_to=move_to), workload
-        priority = await self._priority(queue, lifecycle.job_state(body).declared)
-        if isinstance(priority, queueing.Waiting):
-            return queueing.Gate(priority), None
-        return queueing.Gate(None, priority), None
-
-    async def _priority(
-        self, queue: queueing.Queue, spec: api_spec.TrainingJobSpec | None
-    ) -> queueing.Priority | queueing.Waiting:
-        """The Workload's priority, derived as Kueue does for its own integrations.
-
-        The WorkloadPriorityClass label first, else the pods' PriorityClass
-        (spec.pod.priorityClassName), else the cluster's globalDefault PriorityClass, else 0.
-        A class that is named but missing holds the job (no Workload can carry its priority).
-        """
-        if queue.priority_class:
-            value = await self.client.workload_priority(name=queue.priority_class)
-            if value is None:
-                return queueing.missing_priority_class(queue)
-            return queueing.workload_priority(queue.priority_class, value)
-        name = spec.pod.priority_class_name if spec is not None else None
-        if name:
-            value = await self.client.pod_priority(name=name)
-            if value is None:
-                return queueing.missing_pod_priority_class(name)
-            return queueing.pod_priority(name, value)
-        return queueing.default_priority(await self.client.list_priority_classes())
-
-    async def _kueue(
-        self,
-        action: queueing.CreateWorkload
-        | queueing.ReleaseQuota
-        | queueing.ReportPodsReady
-        | queueing.FinishWorkload
-        | queueing.DeleteWorkload
-        | queueing.MoveWorkload,
-        job: lifecycle.JobState,
-        queue: queueing.Queue | None,
-        workload: dict[str, Any] | None,
-    ) -> bool:
-        ref = job.ref
-        if isinstance(action, queueing.CreateWorkload):
-            assert job.declared is not None and queue is not None
-            template = builders.build_pod(
-                ref, job.declared, 0, 0, "", default_image=self.settings.trainer_image
-            )
-            manifest = queueing.build_workload(ref, job.declared, queue, template, action.priority)
-            created = await self.client.create_workload(manifest=manifest)
-            logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
-            return created is not None
-        if workload is None:
-            return False
-        metadata = workload["metadata"]
-        if isinstance(action, queueing.MoveWorkload):
-            await self.client.patch_workload_queue(
-                namespace=metadata["namespace"],
-                name=metadata["name"],
-                queue=action.queue,
-                resource_version=metadata["resourceVersion"],
-            )
-            logger.info(
-                "%s/%s: Workload moved to LocalQueue %s", ref.namespace, ref.name, action.queue
-            )
-            return True
-        if isinstance(action, queueing.DeleteWorkload):
-            await self.client.delete_workload(
-                namespace=metadata["namespace"], name=metadata["name"], uid=metadata["uid"]
-            )
-            logger.info("%s/%s: Workload deleted (outdated or suspended)", ref.namespace, ref.name)
-            return True
-        if isinstance(action, queueing.ReleaseQuota):
-            patch = queueing.release_patch(workload, _now())
-            logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)
-        elif isinstance(action, queueing.ReportPodsReady):
-            ready = queueing.pods_ready_patch(workload, ready=action.ready, now=_now())
-            if ready is None:
-                return False
-            patch = ready
-        else:
-            patch = queueing.finish_patch(
-                workload, succeeded=action.succeeded, message=action.message, now=_now()
-            )
-        await self.client.patch_workload_status(
-            namespace=metadata["namespace"],
-            name=metadata["name"],
-            patch=patch,
-            resource_version=metadata["resourceVersion"],
-        )
-        return True
 
     async def _set_status(
         self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
@@ -617,7 +481,7 @@ class Reconciler:
         ref, spec = job.ref, job.spec
         if action.missing is None and self._retry_in(job) is not None:
             return body, job, False  # refused recently: wait (outside the lock) for the backoff
-        where = await self._flavors(action.flavors)
+        where = await workloads.flavors(self.client, action.flavors)
         if isinstance(where, queueing.Unassignable):
             return await self._unassignable(body, job, where)
         try:
@@ -776,20 +640,6 @@ class Reconciler:
         )
         return body, job, True
 
-    async def _flavors(self, names: tuple[str, ...]) -> queueing.Assignment | queueing.Unassignable:
-        """Where Kueue's admitted ResourceFlavors let the gang run (none named: anywhere)."""
-        found = []
-        for name in names:
-            flavor = await self.client.resource_flavor(name=name)
-            if flavor is None:
-                return queueing.Unassignable(
-                    queueing.FLAVOR_NOT_FOUND,
-                    f"ResourceFlavor {name}, which Kueue admitted the job with, does not exist; "
-                    "placing it once it does (or once Kueue admits it again)",
-                )
-            found.append(flavor)
-        return queueing.assignment(found)
-
     async def _unassignable(
         self, body: dict[str, Any], job: lifecycle.JobState, why: queueing.Unassignable
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
@@ -900,18 +750,11 @@ class Reconciler:
             ref,
             [p["metadata"]["name"] for p in owned if not p["metadata"].get("deletionTimestamp")],
         )
-        workload = await self.client.get_workload(
-            namespace=namespace, name=queueing.workload_name(name)
+        held = await workloads.release_after_pods(
+            self.client, namespace=namespace, name=name, uid=uid, pods=owned
         )
-        if workload is not None and queueing.controlled_by(workload, uid):
-            states = [s for s in (failure.pod_state(p) for p in owned) if s is not None]
-            held = sum(not s.terminal for s in states)
-            if held and not isinstance(queueing.state(workload), queueing.Finished):
-                return held
-            metadata = workload["metadata"]
-            await self.client.delete_workload(
-                namespace=namespace, name=metadata["name"], uid=metadata["uid"]
-            )
+        if held:
+            return held
         for kind, child in (
             ("Service", naming.service_name(name)),
             ("ConfigMap", naming.configmap_name(name)),

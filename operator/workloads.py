@@ -1,0 +1,203 @@
+"""The operator's side of Kueue's API: reads a queued job's Workload and what it names, acts on it.
+
+:func:`gate` reads what Kueue says of a job (its Workload, the priority a new one gets),
+:func:`perform` carries out the Workload actions :func:`lifecycle.decide` asks for,
+:func:`flavors` reads where the admitted ResourceFlavors let the gang run, and
+:func:`release_after_pods` deletes a deleted job's Workload once its pods are gone.
+The policy is in ``queueing``; the API calls go through ``kube``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import builders, failure, identity, kube, lifecycle, queueing
+
+logger = logging.getLogger("meshtrain.operator")
+ACTIONS = (
+    queueing.CreateWorkload,
+    queueing.ReleaseQuota,
+    queueing.ReportPodsReady,
+    queueing.FinishWorkload,
+    queueing.DeleteWorkload,
+    queueing.MoveWorkload,
+)
+"""The lifecycle's actions that act on the Workload (:func:`perform`)."""
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+async def gate(
+    client: kube.Client, body: dict[str, Any], queue: queueing.Queue | None
+) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
+    """Kueue's say over the job (None when it is not queued) and its Workload as read.
+
+    The queue label follows Kueue's rules for its own jobs: a new queue moves a Workload
+    that holds no quota yet, and waits while one does; a label removed before admission
+    deletes the Workload, after it the job answers to its Workload until that is done.
+    """
+    metadata = body["metadata"]
+    if queue is None and not queueing.was_queued(body.get("status") or {}):
+        return None, None
+    workload = await client.get_workload(
+        namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
+    )
+    if workload is not None and not queueing.controlled_by(workload, metadata["uid"]):
+        if queue is not None:
+            return queueing.Gate(queueing.name_taken(workload)), None
+        workload = None  # another object's: the job has none of its own
+    if queue is None:
+        if workload is None:
+            return None, None  # decide drops the Queued condition: the job left Kueue
+        state = queueing.state(workload)
+        if not (queueing.reserved(workload) or isinstance(state, queueing.Finished)):
+            return queueing.Gate(queueing.queue_removed()), workload
+        queue = queueing.queue_of_workload(workload)
+    if workload is not None:
+        state = queueing.state(workload)
+        spec = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
+        if spec is not None and not isinstance(state, queueing.Finished):
+            state = queueing.outdated(workload, identity.spec_hash(spec)) or state
+        moved = queueing.queue_of_workload(workload).name != queue.name
+        if moved and queueing.reserved(workload):
+            logger.debug(
+                "%s/%s: queue label names %s; the admitted Workload stays in its queue until "
+                "Kueue holds no quota for it",
+                metadata["namespace"],
+                metadata["name"],
+                queue.name,
+            )
+        move_to = queue.name if moved and not queueing.reserved(workload) else None
+        return queueing.Gate(state, move_to=move_to), workload
+    priority = await priority_of(client, queue, lifecycle.job_state(body).declared)
+    if isinstance(priority, queueing.Waiting):
+        return queueing.Gate(priority), None
+    return queueing.Gate(None, priority), None
+
+
+async def priority_of(
+    client: kube.Client, queue: queueing.Queue, spec: api_spec.TrainingJobSpec | None
+) -> queueing.Priority | queueing.Waiting:
+    """The Workload's priority, derived as Kueue does for its own integrations.
+
+    The WorkloadPriorityClass label first, else the pods' PriorityClass
+    (spec.pod.priorityClassName), else the cluster's globalDefault PriorityClass, else 0.
+    A class that is named but missing holds the job (no Workload can carry its priority).
+    """
+    if queue.priority_class:
+        value = await client.workload_priority(name=queue.priority_class)
+        if value is None:
+            return queueing.missing_priority_class(queue)
+        return queueing.workload_priority(queue.priority_class, value)
+    name = spec.pod.priority_class_name if spec is not None else None
+    if name:
+        value = await client.pod_priority(name=name)
+        if value is None:
+            return queueing.missing_pod_priority_class(name)
+        return queueing.pod_priority(name, value)
+    return queueing.default_priority(await client.list_priority_classes())
+
+
+async def perform(
+    client: kube.Client,
+    action: queueing.CreateWorkload
+    | queueing.ReleaseQuota
+    | queueing.ReportPodsReady
+    | queueing.FinishWorkload
+    | queueing.DeleteWorkload
+    | queueing.MoveWorkload,
+    job: lifecycle.JobState,
+    queue: queueing.Queue | None,
+    workload: dict[str, Any] | None,
+    trainer_image: str,
+) -> bool:
+    """Carry out one Workload action of the lifecycle; whether it changed anything."""
+    ref = job.ref
+    if isinstance(action, queueing.CreateWorkload):
+        assert job.declared is not None and queue is not None
+        template = builders.build_pod(ref, job.declared, 0, 0, "", default_image=trainer_image)
+        manifest = queueing.build_workload(ref, job.declared, queue, template, action.priority)
+        created = await client.create_workload(manifest=manifest)
+        logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
+        return created is not None
+    if workload is None:
+        return False
+    metadata = workload["metadata"]
+    if isinstance(action, queueing.MoveWorkload):
+        await client.patch_workload_queue(
+            namespace=metadata["namespace"],
+            name=metadata["name"],
+            queue=action.queue,
+            resource_version=metadata["resourceVersion"],
+        )
+        logger.info("%s/%s: Workload moved to LocalQueue %s", ref.namespace, ref.name, action.queue)
+        return True
+    if isinstance(action, queueing.DeleteWorkload):
+        await client.delete_workload(
+            namespace=metadata["namespace"], name=metadata["name"], uid=metadata["uid"]
+        )
+        logger.info("%s/%s: Workload deleted (outdated or suspended)", ref.namespace, ref.name)
+        return True
+    if isinstance(action, queueing.ReleaseQuota):
+        patch = queueing.release_patch(workload, now())
+        logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)
+    elif isinstance(action, queueing.ReportPodsReady):
+        ready = queueing.pods_ready_patch(workload, ready=action.ready, now=now())
+        if ready is None:
+            return False
+        patch = ready
+    else:
+        patch = queueing.finish_patch(
+            workload, succeeded=action.succeeded, message=action.message, now=now()
+        )
+    await client.patch_workload_status(
+        namespace=metadata["namespace"],
+        name=metadata["name"],
+        patch=patch,
+        resource_version=metadata["resourceVersion"],
+    )
+    return True
+
+
+async def flavors(
+    client: kube.Client, names: tuple[str, ...]
+) -> queueing.Assignment | queueing.Unassignable:
+    """Where Kueue's admitted ResourceFlavors let the gang run (none named: anywhere)."""
+    found = []
+    for name in names:
+        flavor = await client.resource_flavor(name=name)
+        if flavor is None:
+            return queueing.Unassignable(
+                queueing.FLAVOR_NOT_FOUND,
+                f"ResourceFlavor {name}, which Kueue admitted the job with, does not exist; "
+                "placing it once it does (or once Kueue admits it again)",
+            )
+        found.append(flavor)
+    return queueing.assignment(found)
+
+
+async def release_after_pods(
+    client: kube.Client, *, namespace: str, name: str, uid: str, pods: Sequence[dict[str, Any]]
+) -> int:
+    """Delete a deleted job's own Workload once none of ``pods`` (its pods) holds resources.
+
+    Returns how many still do (the Workload and its quota stay): the garbage collector would
+    delete the Workload with the job, and Kueue then admit another job onto GPUs the
+    stopping ranks still use.
+    """
+    workload = await client.get_workload(namespace=namespace, name=queueing.workload_name(name))
+    if workload is None or not queueing.controlled_by(workload, uid):
+        return 0
+    states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
+    held = sum(not s.terminal for s in states)
+    if held and not isinstance(queueing.state(workload), queueing.Finished):
+        return held
+    metadata = workload["metadata"]
+    await client.delete_workload(namespace=namespace, name=metadata["name"], uid=metadata["uid"])
+    return 0
