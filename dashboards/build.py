@@ -210,6 +210,23 @@ TRAINING_PANELS: list[Panel] = [
         "nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (reduce-scatter, all-gather).",
     ),
     Panel(
+        "Gradient compression ratio",
+        "none",
+        [
+            (
+                "stage {{pp}}",
+                f"avg by (pp) (meshtrain_gradient_compression_ratio{{{SEL}}})",
+            ),
+            (
+                "stage {{pp}} from bytes",
+                f'sum by (pp) (rate(meshtrain_gradient_reduction_bytes_total{{{SEL}, stage="uncompressed"}}[{RI}]))'
+                f' / sum by (pp) (rate(meshtrain_gradient_reduction_bytes_total{{{SEL}, stage="sent"}}[{RI}]))',
+            ),
+        ],
+        "Data-parallel gradient bytes before compression over bytes sent "
+        "(parallelism.gradientCompression; 1 when uncompressed).",
+    ),
+    Panel(
         "Exposed communication per step",
         "s",
         [("stage {{pp}}", _mean("meshtrain_exposed_comm_seconds", "pp"))],

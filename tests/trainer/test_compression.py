@@ -11,7 +11,9 @@ both ranks' inputs:
   (one power iteration spans it), and sends fewer bytes than the dense
   all-reduce;
 * error feedback: over several steps, what all ranks received plus what
-  every rank still holds back equals everything put in (topk, int8, PowerSGD).
+  every rank still holds back equals everything put in (topk, int8, PowerSGD);
+* the exported compression ratio equals the parameters' bytes over the dp
+  payload the collectives reported (a dp2 engine with the exporter attached).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.controlplane import ports
+from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compression, recording
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import context, exporter
+from meshtrain.trainer.telemetry import recorder as telemetry
 
 SHAPES = [(48, 16), (16,), (32, 24)]
 WORLD = 2
@@ -157,3 +166,45 @@ def test_a_skipped_non_finite_step_leaves_no_nan_in_the_error_feedback(mode: str
         assert torch.isfinite(got).all(), mode
         # the next step is a (lossy) estimate of the mean, of its size, not of a NaN or blown-up one
         assert float((got - want).norm()) <= float(want.norm()), mode
+
+
+def exported_compression(mode: dict) -> dict:
+    """On every rank: train 2 steps of a dp2 job with ``mode``, exporter attached; metric values and the truth."""
+    job = loading.parse_spec(mt_harness.make_spec(data=2, steps=2, gradient_compression=mode))
+    layout = layout_mod.from_spec(job.parallelism)
+    rank = dist.get_rank()
+    identity = context.RankIdentity.from_env(layout, rank, rank)
+    facts = telemetry.job_facts(job, layout, rank, 1.0)
+    sink = exporter.Exporter(identity, facts, port=ports.pick_free_port(), progress=None)
+    recorder = telemetry.TelemetryRecorder(identity, facts, [sink])
+    eng = engine.Engine(job, mesh_mod.build_mesh(layout, torch.device("cpu")), recorder=recorder)
+    recorder.watch(eng.model, eng.optimizer, eng.model.reducer)
+    try:
+        for _ in range(2):
+            eng.train_step()
+        value = sink.metrics.registry.get_sample_value
+        labels = identity.labels()
+        return {
+            "ratio": value("meshtrain_gradient_compression_ratio", labels),
+            "uncompressed": value(
+                "meshtrain_gradient_reduction_bytes_total", {**labels, "stage": "uncompressed"}
+            ),
+            "sent": value("meshtrain_gradient_reduction_bytes_total", {**labels, "stage": "sent"}),
+            # the truth: the parameters' fp32 bytes, and the dp payload the collectives reported
+            "dense_truth": sum(p.numel() * p.element_size() for p in eng.params),
+            "sent_truth": sum(c.nbytes for c in recorder.last.collectives if c.group == "dp"),
+        }
+    finally:
+        sink.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [{"mode": "powersgd", "rank": 2}, {"mode": "none"}], ids=str)
+def test_trainer_exports_the_compression_ratio(mode: dict) -> None:
+    for r in mt_harness.run_distributed(exported_compression, WORLD, mode):
+        assert r["ratio"] == pytest.approx(r["dense_truth"] / r["sent_truth"])
+        assert r["uncompressed"] == 2 * r["dense_truth"] and r["sent"] == 2 * r["sent_truth"]
+        if mode["mode"] == "none":
+            assert r["ratio"] == 1.0
+        else:
+            assert r["ratio"] > 1.0

@@ -82,6 +82,10 @@ def scenarios(root: str) -> dict:
         raw = mt_harness.make_spec(data=2, steps=STEPS)
         raw["parallelism"]["zeroStage"] = stage
         out[f"resume-zero{stage}"] = resume_case(raw, f"{root}/resume-zero{stage}")
+    for mode in ({"mode": "powersgd", "rank": 2}, {"mode": "topk", "topkRatio": 0.1}):
+        # error feedback (and PowerSGD's warm-start Q) must come back, or the next step differs
+        raw = mt_harness.make_spec(data=2, steps=STEPS, gradient_compression=mode)
+        out[f"resume-{mode['mode']}"] = resume_case(raw, f"{root}/resume-{mode['mode']}")
     saved = mt_harness.make_spec(data=2, steps=2)
     other = mt_harness.make_spec(data=2, steps=2, model={**mt_harness.TINY, "hidden": 64})
     out["shape"] = shape_mismatch_case(saved, other, f"{root}/shape")
@@ -108,6 +112,15 @@ def test_resume_gives_identical_losses_dp2(
     published, marker = store.latest(root / f"resume-zero{zero_stage}")
     assert published.step == SAVE_AT
     assert marker.layout == {"data": 2, "pipeline": 1, "tensor": 1, "zero_stage": zero_stage}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["powersgd", "topk"])
+def test_resume_restores_error_feedback(session: tuple[Path, list[dict]], mode: str) -> None:
+    for result in session[1]:
+        case = result[f"resume-{mode}"]
+        assert case["restored"] == SAVE_AT
+        assert case["resumed"] == case["uninterrupted"][SAVE_AT:]  # bit-for-bit
 
 
 @pytest.mark.slow

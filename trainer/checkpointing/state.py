@@ -13,7 +13,13 @@ DCP entries keyed by *dense* names, layout-independent:
 * ``trainer``: JSON with the step, the optimizer's step count, the
   learning-rate schedule and the data position;
 * ``rng.<rank>``: each rank's torch RNG state (restored when the world size
-  is unchanged).
+  is unchanged);
+* ``compression.<run>.<rank>.<key>``: gradient compression's error feedback
+  and PowerSGD's warm-start Q of each rank (:mod:`..parallel.compression`),
+  where ``<run>`` names the mode, its rank, the layout and the bucket size:
+  bucket ``b`` member ``i`` means the same tensor only when all of those are
+  the same, so only then is the state restored; otherwise it starts fresh
+  (zero error, the seeded Q), as at the first step.
 
 and :func:`save_into` / :func:`load_from`, the collective DCP calls on one
 directory.  Because every entry is a piece of a dense tensor, DCP's load plan
@@ -36,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from meshtrain.trainer.checkpointing import sharded, store
-from meshtrain.trainer.parallel import zero, zero3
+from meshtrain.trainer.parallel import compression, zero, zero3
 
 TRAINER_KEY = "trainer"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -155,6 +161,20 @@ def trainer_record(engine: Any) -> dict[str, Any]:
     }
 
 
+def compression_entries(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's error-feedback and Q tensors (live, loaded in place), under layout-specific keys."""
+    grad_reducer = engine.model.reducer
+    if not isinstance(grad_reducer, compression.CompressedGradReducer):
+        return {}
+    par = engine.spec.parallelism
+    run = (
+        f"{grad_reducer.mode}-r{grad_reducer.rank}-k{grad_reducer.topk_ratio}-"
+        f"dp{par.data}pp{par.pipeline}tp{par.tensor}v{par.virtual_stages}-b{par.bucket_mb}"
+    ).replace(".", "_")
+    rank = dist.get_rank()
+    return {f"compression.{run}.{rank}.{key}": t for key, t in grad_reducer.state.items()}
+
+
 def state_dict(engine: Any, *, rng: bool = True) -> dict[str, Any]:
     """This rank's DCP state dict: views of its live tensors under dense names (see the module doc)."""
     layouts = dense_layout(engine)
@@ -167,6 +187,7 @@ def state_dict(engine: Any, *, rng: bool = True) -> dict[str, Any]:
         name = key.rsplit(".", 1)[0]
         entries[f"optim.{key}"] = sharded.chunked(layouts[name][0], pieces, named[name].dtype)
     entries[TRAINER_KEY] = json.dumps(trainer_record(engine), sort_keys=True)
+    entries.update(compression_entries(engine))
     if rng:
         entries[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
     return entries
@@ -219,6 +240,10 @@ def load_from(directory: Path, engine: Any) -> dict[str, Any]:
     ) == tuple(entries[rng_key].shape)
     if not rng_ok:
         del entries[rng_key]
+    stored = metadata.state_dict_metadata
+    for key in compression_entries(engine):  # another run's (or none): this one starts fresh
+        if key not in stored or tuple(stored[key].size) != tuple(entries[key].shape):
+            del entries[key]
     check_compatible(directory, entries, metadata)
     try:
         dcp.load(entries, storage_reader=dcp.FileSystemReader(str(directory)))

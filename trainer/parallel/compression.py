@@ -19,8 +19,9 @@ gradient, approximated, in the bucket:
 
 ``int8``, ``topk`` and ``powersgd`` keep **error feedback**: what a rank's
 compression dropped this step is added to its gradient next step
-(:attr:`CompressedGradReducer.state` holds it); a step the loss guard skips
-leaves none (:meth:`CompressedGradReducer.discard_step`).  The exchange is not
+(:attr:`CompressedGradReducer.state` holds it, created at construction and
+updated in place, so a checkpoint saves and loads it); a step the loss guard
+skips leaves none (:meth:`CompressedGradReducer.discard_step`).  The exchange is not
 overlapped with backward: it runs bucket by bucket in :meth:`finish`.
 Each collective is reported to the recorder with its real payload, so
 ``bytes on the wire`` come from the recorder as for uncompressed runs.
@@ -63,11 +64,40 @@ class CompressedGradReducer(reducer.GradReducer):
         """Payload bytes of the last step's compressed collectives."""
         self.dense_bytes = 0
         """Payload bytes the same step's plain all-reduce would have had."""
+        self._create_state()
+
+    def _create_state(self) -> None:
+        """Every state tensor now, as the first step would create it, so a checkpoint can load into it."""
+        for bucket in self.buckets:
+            if self.mode in ("int8", "topk"):
+                self._error(bucket, 0, bucket.buffer)
+            elif self.mode == "powersgd":
+                for member, param in enumerate(bucket.params):
+                    m = self._matrix(param)
+                    if m is not None:
+                        self._error(bucket, member, m)
+                        self.state[f"q/{bucket.index}/{member}"] = self._fresh_q(bucket, member, m)
+
+    def _matrix(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The (rows, columns) view PowerSGD compresses, or None for a tensor sent uncompressed."""
+        grad = param.grad if param.grad is not None else param.detach()
+        m = grad.reshape(grad.shape[0], -1) if grad.dim() >= 2 else None
+        return (
+            m if m is not None and min(m.shape) > self.rank else None
+        )  # rank r saves bytes only below min(n, m)
+
+    def _fresh_q(self, bucket: reducer.Bucket, member: int, m: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(bucket.index * 1000 + member)
+        return torch.randn(m.shape[1], self.rank, generator=generator).to(m)
 
     @property
     def compression_ratio(self) -> float:
         """Uncompressed over compressed payload of the last step (1 before the first)."""
         return self.dense_bytes / self.sent_bytes if self.sent_bytes else 1.0
+
+    def payload_bytes(self) -> tuple[int, int]:
+        """(uncompressed, sent) payload bytes of the last step (the plain all-reduce's, the compressed collectives')."""
+        return (self.dense_bytes, self.sent_bytes) if self.sent_bytes else super().payload_bytes()
 
     def _launch(self, bucket: reducer.Bucket) -> None:
         """Compressed exchanges run in :meth:`finish`; the hook only counts."""
@@ -167,13 +197,12 @@ class CompressedGradReducer(reducer.GradReducer):
         r = self.rank
         matrices, rest = [], []
         for member, param in enumerate(bucket.params):
-            grad = param.grad
-            assert grad is not None  # a view into the bucket, set by the reducer
-            m = grad.reshape(grad.shape[0], -1) if grad.dim() >= 2 else None
-            if m is not None and min(m.shape) > r:  # rank r saves bytes only below min(n, m)
+            assert param.grad is not None  # a view into the bucket, set by the reducer
+            m = self._matrix(param)
+            if m is not None:
                 matrices.append((member, m))
             else:
-                rest.append(grad)
+                rest.append(param.grad)
         if rest:  # uncompressed, one collective
             flat = torch.cat([g.reshape(-1) for g in rest])
             self._all_reduce(flat, bucket)
@@ -187,9 +216,8 @@ class CompressedGradReducer(reducer.GradReducer):
         for member, m in matrices:
             m.add_(self._error(bucket, member, m))
             key = f"q/{bucket.index}/{member}"
-            if key not in self.state or not self.warm_start:
-                generator = torch.Generator().manual_seed(bucket.index * 1000 + member)
-                self.state[key] = torch.randn(m.shape[1], r, generator=generator).to(m)
+            if not self.warm_start:
+                self.state[key].copy_(self._fresh_q(bucket, member, m))
             qs.append(self.state[key])
         ps = torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(matrices, qs)])
         self._all_reduce(ps, bucket)
@@ -207,5 +235,7 @@ class CompressedGradReducer(reducer.GradReducer):
             offset += m.shape[1] * r
             approx = p @ q.T  # the mean gradient, rank r
             self._error(bucket, member, m).copy_(m - approx)
-            self.state[f"q/{bucket.index}/{member}"] = q.clone()
+            self.state[f"q/{bucket.index}/{member}"].copy_(
+                q
+            )  # in place: checkpoint entries are views
             m.copy_(approx)

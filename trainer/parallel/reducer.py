@@ -192,6 +192,11 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
+    def payload_bytes(self) -> tuple[int, int]:
+        """(uncompressed, sent) payload bytes of a step's gradient reduction: equal without compression."""
+        dense = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
+        return dense, dense
+
     def discard_step(self) -> None:
         """The step's update was skipped (the loss guard): carry nothing of it into the next step."""
 

@@ -208,6 +208,18 @@ class Metrics:
             registry=self.registry,
             labelnames=comm,
         )
+        self.compression_ratio = prometheus_client.Gauge(
+            "meshtrain_gradient_compression_ratio",
+            "Data-parallel gradient bytes before compression over bytes sent, last step (1: uncompressed).",
+            **reg,
+        ).labels(**base)
+        self.gradient_bytes = prometheus_client.Counter(
+            "meshtrain_gradient_reduction_bytes",
+            "Payload bytes of the data-parallel gradient reduction: stage=uncompressed (a plain fp32"
+            " all-reduce's) or sent (after parallelism.gradientCompression).",
+            registry=self.registry,
+            labelnames=(*LABELS, "stage"),
+        )
         self.memory = prometheus_client.Gauge(
             "meshtrain_memory_bytes",
             "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.",
@@ -379,6 +391,10 @@ class Exporter:
             _, nbytes, bus = m.comm(c.group, c.op)
             nbytes.inc(c.nbytes)
             bus.set(c.bus_bandwidth)
+        if stats.dp_sent_bytes:
+            m.compression_ratio.set(stats.compression_ratio)
+            m.gradient_bytes.labels(**m.base, stage="uncompressed").inc(stats.dp_uncompressed_bytes)
+            m.gradient_bytes.labels(**m.base, stage="sent").inc(stats.dp_sent_bytes)
         if memory is not None:
             for component, value in memory.components().items():
                 m.memory.labels(**m.base, component=component).set(value)

@@ -16,6 +16,7 @@ once per step in ``step_end``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -117,6 +118,12 @@ class TelemetryRecorder:
             seconds=seconds,
             start=start,
         )
+        grad_reducer = self._watched[2] if self._watched is not None else None
+        if grad_reducer is not None:
+            uncompressed, sent = grad_reducer.payload_bytes()
+            stats = dataclasses.replace(
+                stats, dp_uncompressed_bytes=uncompressed, dp_sent_bytes=sent
+            )
         self.last = stats
         self.steps.append(stats.log_record())
         del self.steps[:-KEEP_STEPS]

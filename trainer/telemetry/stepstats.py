@@ -146,6 +146,15 @@ class StepStats:
     """Model FLOPs utilisation of the step, whole job."""
     collectives: tuple[CollectiveStats, ...]
     """Per (group, op) totals."""
+    dp_uncompressed_bytes: int = 0
+    """Payload a plain all-reduce of this step's gradients has (0: no data-parallel reducer)."""
+    dp_sent_bytes: int = 0
+    """Payload the data-parallel gradient reduction sent (less under gradientCompression)."""
+
+    @property
+    def compression_ratio(self) -> float:
+        """Uncompressed over sent gradient bytes (1 without compression; 0 without a reducer)."""
+        return self.dp_uncompressed_bytes / self.dp_sent_bytes if self.dp_sent_bytes else 0.0
 
     def allreduce_seconds(self, group: str = "dp") -> float:
         """Summed duration of ``group``'s collectives (all ops)."""
