@@ -180,12 +180,17 @@ class Engine:
         """Measure the noise scale where the reducer sees each replica's whole local gradient.
 
         Not with ZeRO-2 (micro-batches are reduce-scattered one by one), ZeRO-3 (FSDP2 reduces; no
-        reducer) nor sequence parallelism (some gradients are per-slice partials until after the
-        reduction).
+        reducer) nor where some gradients are partials until after the reduction: sequence
+        parallelism, replicated key/value heads, embeddings tied across stages.
         """
         reducer = self.model.reducer
         par, data_degree = self.spec.parallelism, self.mesh.layout.data
-        if reducer is None or data_degree < 2 or par.zero_stage == 2 or par.sequence_parallel:
+        partial = (
+            par.sequence_parallel
+            or (self.model.tp_plan is not None and self.model.tp_plan.kv_replicas > 1)
+            or (self.config.tie_embeddings and par.pipeline > 1)
+        )
+        if reducer is None or data_degree < 2 or par.zero_stage == 2 or partial:
             return None
         reducer.measure_local_norm(
             [p for p, counted in zip(self.params, self._norm_counted) if counted]
@@ -207,8 +212,20 @@ class Engine:
         loss = executor.run(inputs, targets)
         if self.model.reducer is not None:
             self.model.reducer.finish()
-        if self.model.tp_plan is not None and self.model.tp_plan.sequence_partial:
-            self._sum_sequence_partial_grads()
+        plan = self.model.tp_plan
+        if plan is not None and plan.sequence_partial:
+            # under SP, norm and position-table gradients are per-sequence-slice partials
+            sizes = {n: p.numel() for n, p in self.model.named_params}
+            whole = {n: (0, sizes[n]) for n in plan.sequence_partial}
+            self._sum_grad_ranges(whole, self.mesh.group("tp"))
+        if plan is not None and plan.replica_partial and self.model.kv_group is not None:
+            # a replicated key/value head's rows hold each holder's query heads' share
+            self._sum_grad_ranges(plan.replica_partial, self.model.kv_group)
+        if self.model.tied_group is not None:
+            # tied embeddings over stages: the first stage's lookup and the last stage's head
+            # each hold a share; both copies get the sum and so stay equal (Megatron's embedding group)
+            numel = dict(self.model.named_params)[gpt.TIED_NAME].numel()
+            self._sum_grad_ranges({gpt.TIED_NAME: (0, numel)}, self.model.tied_group, axis="pp")
         return loss
 
     def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -217,31 +234,36 @@ class Engine:
             return tokens
         return tokens.pin_memory().to(self.mesh.device, non_blocking=True)
 
-    def _sum_sequence_partial_grads(self) -> None:
-        """Under SP, norm and position-table gradients are per-sequence-slice partials: sum over TP."""
-        wanted = set(self.model.tp_plan.sequence_partial)
+    def _sum_grad_ranges(
+        self, ranges: dict[str, tuple[int, int]], group: dist.ProcessGroup, *, axis: str = "tp"
+    ) -> None:
+        """Sum the flat ranges ``ranges`` of the named parameters' gradients over ``group`` (one all-reduce)."""
         if (
             isinstance(self.optimizer, zero.ZeroAdamW) and self.optimizer.stage == 2
         ):  # only dp shards of grads exist
-            self.optimizer.all_reduce_grads(
-                wanted, self.mesh.group("tp"), self.recorder, self.clock
-            )
+            self.optimizer.all_reduce_grads(ranges, group, self.recorder, self.clock)
             return
-        grads = [  # ZeRO-3: the local shard, the same rows on every tensor-parallel peer
-            zero3.local(p.grad)
-            for n, p in self.model.named_params
-            if n in wanted and p.grad is not None
-        ]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all of them
+        views = []
+        for n, p in self.model.named_params:
+            if (
+                n in ranges and p.grad is not None
+            ):  # ZeRO-3: within the local rows, the same on every peer
+                grad, offset = zero3.local(p.grad), zero3.flat_offset(p)
+                view = optim.flat_slice(grad, *ranges[n], offset=offset)
+                if view is not None:
+                    views.append(view)
+        if not views:  # the same on every peer: their shapes (and ZeRO shards) are alike
+            return
+        flat = torch.cat(views)  # one collective for all of them
         start = self.clock.now()
-        dist.all_reduce(flat, group=self.mesh.group("tp"))
+        dist.all_reduce(flat, group=group)
         self.recorder.collective(
-            "tp", "all_reduce", flat.numel() * flat.element_size(), start, self.clock.now()
+            axis, "all_reduce", flat.numel() * flat.element_size(), start, self.clock.now()
         )
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for view in views:
+            view.copy_(flat[offset : offset + view.numel()])
+            offset += view.numel()
 
     def _agree(
         self,

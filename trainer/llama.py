@@ -54,7 +54,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
         self.group = config.heads // config.key_value_heads
-        """Query heads per key/value head."""
+        """Query heads per key/value head (fewer on a tensor rank whose key/value head is replicated)."""
         q_rows, kv_rows = config.heads * config.head_dim, config.key_value_heads * config.head_dim
         self.qkv = nn.Linear(config.hidden, q_rows + 2 * kv_rows, bias=False)
         self.qkv_sizes = (q_rows, kv_rows, kv_rows)

@@ -274,6 +274,15 @@ def flops_per_token(config: GPTConfig, *, causal_half: bool = False) -> float:
     return 6 * n + attention
 
 
+TIED_NAME = "tok_emb.weight"
+"""The one name of a tied embedding matrix, also where a pipeline's last stage holds it as the head."""
+
+
+def logical_name(config: GPTConfig, name: str) -> str:
+    """The checkpoint and initialisation name of parameter ``name``: a tied head is the embedding."""
+    return TIED_NAME if config.tie_embeddings and name == "head.weight" else name
+
+
 def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
     """The dense tensor of parameter ``name``: ``param`` itself, or its initial value while it is on ``meta``.
 
@@ -283,6 +292,7 @@ def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
     """
     if not param.is_meta:
         return param.detach()
+    name = logical_name(model.config, name)
     if model.initial_weights is not None:
         return model.initial_weights(name, param.shape)
     return initial_value(model.config, model.seed, name, param.shape)

@@ -57,10 +57,36 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+Counted = bool | tuple[int, int]
+"""What a rank counts of a parameter in the global norm: all, nothing, or a flat range of it."""
+
+
+def counted_part(tensor: torch.Tensor, counted: Counted, offset: int = 0) -> torch.Tensor | None:
+    """The elements of ``tensor`` (a parameter's gradient) that ``counted`` selects, or None.
+
+    ``tensor`` may be a shard whose first element is element ``offset`` of
+    the parameter's flat order (ZeRO-3's rows).
+    """
+    if counted is True:
+        return tensor
+    if counted is False:
+        return None
+    return flat_slice(tensor, *counted, offset=offset)
+
+
+def flat_slice(
+    tensor: torch.Tensor, start: int, stop: int, *, offset: int = 0
+) -> torch.Tensor | None:
+    """The view of the flat range [start, stop) of a parameter inside ``tensor``, which holds its
+    elements from ``offset`` on (all of it: 0); None when they do not overlap."""
+    lo, hi = max(start - offset, 0), min(stop - offset, tensor.numel())
+    return tensor.view(-1)[lo:hi] if lo < hi else None
+
+
 def clip_grad_norm(
     params: list[torch.nn.Parameter],
     *,
-    counted: list[bool],
+    counted: list[Counted],
     max_norm: float,
     groups: list[tuple[str, dist.ProcessGroup]],
     recorder: recording.StepRecorder,
@@ -68,14 +94,19 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """Scale gradients so the global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
-    ``counted[i]`` says whether this rank counts ``params[i]`` in the norm;
+    ``counted[i]`` says what this rank counts of ``params[i]`` in the norm;
     ``groups`` are the axes whose ranks hold different parts of the model
     (tensor and pipeline; data first under ZeRO-3), summed over in that order.  The
     norm stays on the device (a 0-dim fp64 tensor): reading it is the caller's one host sync.
     """
     # ZeRO-3's gradients are DTensor shards: each rank counts and scales its own rows
     grads = [zero3.local(p.grad) for p in params if p.grad is not None]
-    mine = [zero3.local(p.grad) for p, c in zip(params, counted) if c and p.grad is not None]
+    parts = [
+        counted_part(zero3.local(p.grad), c, zero3.flat_offset(p))
+        for p, c in zip(params, counted)
+        if p.grad is not None
+    ]
+    mine = [part for part in parts if part is not None]
     device = grads[0].device if grads else torch.device("cpu")
     return reduce_norm_and_clip(
         squared_norm(mine, device),

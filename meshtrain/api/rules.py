@@ -171,19 +171,22 @@ def _kv_heads_divide_heads(spec: TrainingJobSpec) -> str | None:
 
 def _kv_heads_split_over_tensor(spec: TrainingJobSpec) -> str | None:
     kv, tp = spec.model.shape().key_value_heads, spec.parallelism.tensor
-    if kv % tp:
+    if kv % tp and tp % kv:
         return (
-            f"kvHeads={kv} is not divisible by tensor={tp}; each tensor-parallel rank owns whole key/value "
-            f"heads (as in Megatron-LM): choose tensor from the divisors of {kv}"
+            f"kvHeads={kv} and tensor={tp}: each tensor-parallel rank needs whole key/value heads, so "
+            f"either tensor divides kvHeads (the heads are split) or kvHeads divides tensor (each head "
+            f"is replicated on tensor/kvHeads ranks): choose tensor from the divisors or multiples of {kv}"
         )
     return None
 
 
-def _tied_embeddings_one_stage(spec: TrainingJobSpec) -> str | None:
-    if spec.model.shape().tie_embeddings and spec.parallelism.pipeline > 1:
+def _tied_embeddings_across_stages_unsharded(spec: TrainingJobSpec) -> str | None:
+    par = spec.parallelism
+    if spec.model.shape().tie_embeddings and par.pipeline > 1 and par.zero_stage >= 2:
         return (
-            f"tieEmbeddings shares one matrix between the first and the last pipeline stage, "
-            f"but pipeline={spec.parallelism.pipeline}: use pipeline 1 or untied embeddings"
+            f"tieEmbeddings with pipeline={par.pipeline} keeps the matrix on the first and the last stage "
+            f"and sums their gradients whole, which ZeRO-{par.zero_stage} does not hold (each rank keeps a "
+            "shard): use zeroStage 0 or 1, pipeline 1 or untied embeddings"
         )
     return None
 
@@ -515,16 +518,16 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "kv-heads-split-over-tensor",
         "spec.model.kvHeads",
-        "!has(self.model.kvHeads) || self.model.kvHeads % self.parallelism.tensor == 0",
-        "model.kvHeads must be divisible by parallelism.tensor (each rank owns whole key/value heads)",
+        "!has(self.model.kvHeads) || self.model.kvHeads == 0 || self.model.kvHeads % self.parallelism.tensor == 0 || self.parallelism.tensor % self.model.kvHeads == 0",
+        "model.kvHeads and parallelism.tensor must divide one another (key/value heads are split, or replicated when fewer than tensor)",
         _kv_heads_split_over_tensor,
     ),
     Rule(
-        "tied-embeddings-one-stage",
+        "tied-embeddings-across-stages-unsharded",
         "spec.model.tieEmbeddings",
-        "!has(self.model.tieEmbeddings) || !self.model.tieEmbeddings || self.parallelism.pipeline == 1",
-        "model.tieEmbeddings needs parallelism.pipeline == 1",
-        _tied_embeddings_one_stage,
+        "!has(self.model.tieEmbeddings) || !self.model.tieEmbeddings || self.parallelism.pipeline == 1 || !has(self.parallelism.zeroStage) || self.parallelism.zeroStage < 2",
+        "model.tieEmbeddings with parallelism.pipeline > 1 needs parallelism.zeroStage 0 or 1 (the two stages' gradients are summed whole)",
+        _tied_embeddings_across_stages_unsharded,
     ),
     Rule(
         "eval-has-data",

@@ -23,12 +23,16 @@ compare it exactly with the bytes the trainer's recorder measures:
   vocabulary-parallel embedding reduces its output, the head's input
   gradient is reduced, and the vocabulary-parallel cross entropy all-reduces
   a max and a (target logit, sum of exp) pair per token.  Per step: the
-  global gradient norm (one fp64 scalar) and, under sequence parallelism,
-  one all-reduce of the replicated parameters' gradients.
+  global gradient norm (one fp64 scalar), under sequence parallelism one
+  all-reduce of the replicated parameters' gradients, and with fewer
+  key/value heads than tensor ranks one all-reduce of the k/v rows'
+  gradients over the ranks holding the same head (a subgroup of tp,
+  recorded as tp).
 * **pp** (pipeline > 1): one activation sent forward per micro-batch and
   model chunk (except from the last virtual stage) and one gradient sent
   back (except from the first), shaped (micro batch, seq [/ tp under SP],
-  hidden); per step the global-norm scalar.  The trainer records pipeline
+  hidden); per step the global-norm scalar and, with tied embeddings, one
+  all-reduce of the matrix's gradient between the first and the last stage.  The trainer records pipeline
   waits, not pipeline bytes, so only the dp and tp figures are measured.
 
 Payload bytes follow the recorder's convention (the full buffer, also for
@@ -107,19 +111,20 @@ def chunk_param_shapes(
     Order of :class:`meshtrain.trainer.model.GPT` (and of the Llama decoder,
     which has no position table and one weight per RMSNorm): token and
     position tables, then per block ln1, qkv, attention proj, ln2, mlp fc,
-    mlp proj, then the final norm and the head (absent when tied).
+    mlp proj, then the final norm and the head (absent when tied to this chunk's embedding).
     """
     h, v = shape.hidden, shape.vocab
     llama = shape.family == "llama"
     norm: list[tuple[int, ...]] = [(h,)] if llama else [(h,), (h,)]  # RMSNorm; LayerNorm w, b
-    qkv, proj, fc, down = (n // h // tensor for n in memory.block_matrices(shape))
+    qkv, proj, fc, down = (n // h for n in memory.local_block_matrices(shape, tensor))
     shapes: list[tuple[int, ...]] = []
     if first:
         shapes += [(v // tensor, h)] + ([] if llama else [(shape.seq_len, h)])
     for _ in range(layers):  # column-parallel (rows split), row-parallel (columns split)
         shapes += [*norm, (qkv, h), (h, proj), *norm, (fc, h), (h, down)]
     if last:
-        shapes += norm + ([] if shape.tie_embeddings else [(v // tensor, h)])
+        # a tied head is the embedding: no parameter of its own on the embedding's stage, a copy on another
+        shapes += norm + ([] if shape.tie_embeddings and first else [(v // tensor, h)])
     return shapes
 
 
@@ -329,6 +334,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 + (norm if holds_last else 0)
             )
             _add(out, "tp", "all_reduce", 1, replicated * scheme.grads)
+        if shape.key_value_heads < t:  # replicated key/value heads: their rows' gradients summed
+            kv_rows = 2 * shape.head_dim  # over the ranks holding the head (ZeRO-2: the owned part)
+            _add(out, "tp", "all_reduce", 1, blocks * kv_rows * h * scheme.grads)
         _add(out, "tp", "all_reduce", 1, NORM_BYTES)
 
     # Pipeline: activations forward, their gradients backward, then the norm scalar.
@@ -337,6 +345,8 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
         message = b * seq * h * scheme.stream_bytes
         sends = sum((j != last_virtual) + (j != 0) for j in virtuals) * m
         _add(out, "pp", "send", sends, sends * message)
+        if shape.tie_embeddings and (holds_first or holds_last):  # the two copies' gradients summed
+            _add(out, "pp", "all_reduce", 1, shape.vocab // t * h * scheme.grads)
         _add(out, "pp", "all_reduce", 1, NORM_BYTES)
 
     members = {"dp": d, "tp": t, "pp": p}

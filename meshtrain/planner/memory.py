@@ -101,13 +101,32 @@ def block_matrices(shape: api_spec.ModelShape) -> list[int]:
     return [3 * h * h, h * h, f * h, h * f]
 
 
+def kv_heads_per_rank(shape: api_spec.ModelShape, tensor: int) -> int:
+    """Key/value heads a tensor rank holds: its share, or one (replicated) when there are fewer heads than ranks."""
+    return max(shape.key_value_heads // tensor, 1)
+
+
+def local_block_matrices(shape: api_spec.ModelShape, tensor: int) -> list[int]:
+    """:func:`block_matrices` on one tensor-parallel rank.
+
+    Each is split over ``tensor`` ranks, except that a Llama QKV keeps one
+    whole key/value head per rank when there are fewer than ``tensor``
+    (the trainer replicates them, as vLLM does).
+    """
+    h, f = shape.hidden, shape.ffn_hidden
+    if shape.family == "llama":
+        kv = kv_heads_per_rank(shape, tensor) * shape.head_dim
+        return [(h // tensor + 2 * kv) * h, h * h // tensor, 2 * f * h // tensor, f * h // tensor]
+    return [n // tensor for n in block_matrices(shape)]
+
+
 def layer_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
     """Parameters of one block on one tensor-parallel rank.
 
     Two norms (replicated) plus the block's matrices (:func:`block_matrices`),
-    split over ``tensor`` ranks.
+    split over ``tensor`` ranks (:func:`local_block_matrices`).
     """
-    return 2 * norm_params(shape) + sum(block_matrices(shape)) // tensor
+    return 2 * norm_params(shape) + sum(local_block_matrices(shape, tensor))
 
 
 def embedding_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
@@ -141,6 +160,8 @@ def rank_params(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: i
         count += embedding_params(shape, tensor)
     if stage == pipeline - 1:
         count += head_params(shape, tensor)
+        if shape.tie_embeddings and pipeline > 1:  # the last stage's copy of the tied matrix
+            count += shape.vocab * shape.hidden // tensor
     return count
 
 
@@ -220,11 +241,13 @@ def layer_activation_bytes(
     if (
         shape.family == "llama"
     ):  # q, k, v, their rotated q and k, attention out; gate, up, silu, product
-        kv = shape.key_value_heads * shape.head_dim
-        split = (3 * h + 3 * kv + 4 * f) * scheme.matmul_bytes
+        kv = (
+            kv_heads_per_rank(shape, tensor) * shape.head_dim
+        )  # k, v and rotated k: this rank's heads
+        split = ((3 * h + 4 * f) / tensor + 3 * kv) * scheme.matmul_bytes
     else:
-        split = (4 * h + 2 * f) * scheme.matmul_bytes
-    per_token = (stream + split) / tensor if sequence_parallel else stream + split / tensor
+        split = (4 * h + 2 * f) / tensor * scheme.matmul_bytes
+    per_token = stream / tensor + split if sequence_parallel else stream + split
     if fused_attention:
         per_token += 4 * a / tensor
     else:
@@ -303,7 +326,7 @@ MOMENT_BYTES = 4
 
 def largest_param(shape: api_spec.ModelShape, tensor: int, *, first: bool, last: bool) -> int:
     """Elements of the largest parameter tensor of a stage (a bucket overshoots by at most one)."""
-    sizes = [n // tensor for n in block_matrices(shape)]
+    sizes = local_block_matrices(shape, tensor)
     if first or last:
         sizes.append(shape.vocab // tensor * shape.hidden)
     return max(sizes)

@@ -38,6 +38,8 @@ LLAMA_TINY = {
     "ffnHidden": 96,
 }
 """Grouped-query attention with 2 key/value heads: tp2 splits them, one per rank."""
+LLAMA_MQA = {**LLAMA_TINY, "kvHeads": 1}
+"""One key/value head: under tp2 both ranks hold it (replicated)."""
 
 
 def make_spec(

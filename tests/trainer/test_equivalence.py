@@ -43,6 +43,17 @@ CASES_2 = {
         tensor=2, sequence_parallel=True, activationCheckpointing=True, model=mt_harness.LLAMA_TINY
     ),
     "llama-tied-tp2": dict(tensor=2, model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True}),
+    # one key/value head over two tensor ranks: replicated, its gradient summed over both holders
+    "llama-mqa-tp2-sp-accum2": dict(
+        tensor=2, sequence_parallel=True, micro_batches=2, model=mt_harness.LLAMA_MQA
+    ),
+    # the embedding tied across stages: both copies' gradients summed (Megatron's embedding group)
+    "llama-tied-pp2-1f1b": dict(
+        pipeline=2,
+        schedule="1f1b",
+        micro_batches=4,
+        model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True},
+    ),
     # top-k keeping every element is the one exact compression mode
     "dp2-topk-all": dict(data=2, gradient_compression={"mode": "topk", "topkRatio": 1.0}),
 }
@@ -66,6 +77,15 @@ CASES_8["dp2-pp2-tp2-interleaved-sp-zero3"] = {
     **CASES_8["dp2-pp2-tp2-interleaved-sp"],
     "zero_stage": 3,
 }
+# replicated key/value head, and the embedding tied across stages under ZeRO-1
+CASES_8["llama-mqa-tied-dp2-pp2-tp2-zero1"] = dict(
+    data=2,
+    pipeline=2,
+    tensor=2,
+    micro_batches=2,
+    zero_stage=1,
+    model={**mt_harness.LLAMA_MQA, "tieEmbeddings": True},
+)
 CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = {
     **CASES_8["dp2-pp2-tp2-interleaved-sp"],
     "model": mt_harness.LLAMA_TINY,

@@ -77,6 +77,15 @@ LAYOUTS = [
         LLAMA,
     ),
     ("llama-dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}, {}, LLAMA),
+    # the embedding tied across two stages: a copy on the last, the two gradients summed over pp
+    ("llama-tied-dp2-pp2", {"data": 2, "pipeline": 2}, {}, {**LLAMA, "tieEmbeddings": True}),
+    # one key/value head replicated on both tensor ranks: its rows' gradients summed over them
+    (
+        "llama-mqa-dp2-tp2-sp",
+        {"data": 2, "tensor": 2, "sequenceParallel": True},
+        {},
+        {**LLAMA, "kvHeads": 1},
+    ),
     (
         "llama-tied-dp2-tp2-sp-recompute",
         {"data": 2, "tensor": 2, "sequenceParallel": True},

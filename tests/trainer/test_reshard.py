@@ -1,4 +1,5 @@
-"""Reshard: a checkpoint written at dp2·pp2·tp2 (ZeRO-3; Llama: dp1·pp2·tp2) loads at dp4·pp1·tp2 (ZeRO-2), dp1·pp1·tp1 (ZeRO-0) and dp2·pp1·tp2 (ZeRO-3).
+"""Reshard: a checkpoint written at dp2·pp2·tp2 (ZeRO-3; Llama: dp1·pp2·tp2, also with a replicated
+key/value head and tied embeddings) loads at dp4·pp1·tp2 (ZeRO-2), dp1·pp1·tp1 (ZeRO-0) and dp2·pp1·tp2 (ZeRO-3).
 
 Parameters must be equal after loading, and the next steps' losses must match
 the run that wrote the checkpoint and simply went on (1e-5 relative).  The
@@ -81,6 +82,15 @@ SOURCES = {
     "gpt": (mt_harness.TINY, dict(data=2, pipeline=2, tensor=2), 3, 8, 4 * 8 + 5),
     # grouped-query QKV split over tp2 (one key/value head per rank) is the piece to get right
     "llama": (mt_harness.LLAMA_TINY, dict(pipeline=2, tensor=2), 0, 4, 4 * 6 + 3),
+    # one key/value head held by both tp ranks, and the embedding tied across the two stages:
+    # each is written by two ranks and must load as one dense tensor
+    "llama-mqa-tied": (
+        {**mt_harness.LLAMA_MQA, "tieEmbeddings": True},
+        dict(pipeline=2, tensor=2),
+        0,
+        4,
+        4 * 6 + 2,
+    ),
 }
 
 

@@ -32,35 +32,42 @@ def test_flat_range_boxes_tile_the_range_in_order(shape: tuple[int, ...]) -> Non
 
 
 @pytest.mark.parametrize(
-    ("spec", "shape"),
+    ("spec", "shape", "size"),
     [
-        (tp.ShardSpec(0), (8, 6)),
-        (tp.ShardSpec(1), (6, 8)),
-        (tp.ShardSpec(0, groups=3), (12, 4)),
-        (tp.ShardSpec(0, sizes=(8, 4, 4)), (16, 4)),  # grouped-query QKV: q, k, v rows
+        (tp.ShardSpec(0), (8, 6), 2),
+        (tp.ShardSpec(1), (6, 8), 2),
+        (tp.ShardSpec(0, groups=3), (12, 4), 2),
+        (tp.ShardSpec(0, sizes=(8, 4, 4)), (16, 4), 2),  # grouped-query QKV: q, k, v rows
+        # 2 key/value heads of 2 rows over 4 ranks: each head held by 2 ranks
+        (tp.ShardSpec(0, sizes=(8, 4, 4), replicas=(1, 2, 2)), (16, 4), 4),
     ],
 )
 def test_split_boxes_place_tp_shards_where_unshard_puts_them(
-    spec: tp.ShardSpec, shape: tuple[int, int]
+    spec: tp.ShardSpec, shape: tuple[int, int], size: int
 ) -> None:
     dense = torch.randn(shape)
     rebuilt = torch.full(shape, float("nan"))
-    for rank in range(2):
-        local = tp.shard(dense, spec, rank, 2)
+    locals_ = []
+    for rank in range(size):
+        local = tp.shard(dense, spec, rank, size)
+        locals_.append(local)
         full_shape, boxes = sharded.split_boxes(
             tuple(local.shape),
             dim=spec.dim,
             groups=spec.groups,
             rank=rank,
-            size=2,
-            blocks=[n // 2 for n in spec.block_sizes(shape[spec.dim])],
+            size=size,
+            blocks=spec.local_blocks(shape[spec.dim], size),
+            replicas=spec.block_replicas(),
         )
         assert full_shape == shape
         for piece in sharded.pieces_of(local, boxes):
-            rebuilt[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.data.shape))] = (
-                piece.data
-            )
+            region = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.data.shape))
+            if not rebuilt[region].isnan().all():  # a replica writes exactly what its peer wrote
+                assert torch.equal(rebuilt[region], piece.data)
+            rebuilt[region] = piece.data
     assert torch.equal(rebuilt, dense)
+    assert torch.equal(tp.unshard(locals_, spec), dense)
 
 
 def _pieces_from_flat_shards(

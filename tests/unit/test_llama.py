@@ -61,16 +61,17 @@ def test_llama3_8b_is_eight_billion_and_tp8_splits_kv_heads():
     assert job.model.shape().key_value_heads // job.parallelism.tensor == 1
 
 
-def test_kv_heads_not_divisible_by_tensor_is_refused_naming_the_fix():
+def test_kv_heads_and_tensor_that_do_not_divide_one_another_are_refused_naming_the_fix():
+    replicated = {"preset": "llama-tiny"}  # 2 kv heads over 4 ranks: each held by 2
+    loading.parse_spec(
+        {"model": replicated, "parallelism": {"tensor": 4}, "resources": {"gpusPerNode": 4}}
+    )
+    odd = {"preset": "llama-tiny", "heads": 12, "hidden": 96, "kvHeads": 6, "vocab": 264}
     with pytest.raises(loading.SpecError) as err:
         loading.parse_spec(
-            {
-                "model": {"preset": "llama-tiny"},
-                "parallelism": {"tensor": 4},
-                "resources": {"gpusPerNode": 4},
-            }
+            {"model": odd, "parallelism": {"tensor": 4}, "resources": {"gpusPerNode": 4}}
         )
-    assert "spec.model.kvHeads: kvHeads=2 is not divisible by tensor=4" in str(err.value)
+    assert "spec.model.kvHeads: kvHeads=6 and tensor=4" in str(err.value)
 
 
 def test_tied_embeddings_share_one_parameter_after_meta_materialisation():
@@ -83,3 +84,18 @@ def test_tied_embeddings_share_one_parameter_after_meta_materialisation():
     assert model.head.weight is model.tok_emb.weight
     eager = llama.build(config, seed=3)
     assert torch.equal(model(torch.arange(8)[None]), eager(torch.arange(8)[None]))
+
+
+def test_embeddings_tied_across_stages_are_accepted_except_under_zero2():
+    def job(zero_stage: int) -> dict:
+        return {
+            "model": {"preset": "llama-tiny", "tieEmbeddings": True},
+            "parallelism": {"pipeline": 2, "data": 2, "zeroStage": zero_stage},
+            "resources": {"gpusPerNode": 4},
+        }
+
+    assert loading.parse_spec(job(1)).model.shape().tie_embeddings
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(job(2))
+    assert "spec.model.tieEmbeddings: tieEmbeddings with pipeline=2" in str(err.value)
+    assert "use zeroStage 0 or 1" in str(err.value)

@@ -12,6 +12,7 @@ import torch
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, cost, memory, profiles
+from meshtrain.trainer import llama
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
 from meshtrain.trainer.telemetry import stepstats
@@ -173,16 +174,29 @@ def test_parameter_count_matches_the_trainer_model(shape: api_spec.ModelShape) -
     assert memory.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
 
 
-@pytest.mark.parametrize("p,t,v", [(1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)])
+STAGE_SHAPES = {
+    "gpt": {},
+    # one key/value head (replicated over every tensor rank) and the embedding tied across stages
+    "llama-mqa-tied": {"family": "llama", "kv_heads": 1, "tie_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("model", list(STAGE_SHAPES))
+@pytest.mark.parametrize("p,t,v", [(1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1)])
 def test_rank_params_and_registration_order_match_the_sharded_stages(
-    p: int, t: int, v: int
+    p: int, t: int, v: int, model: str
 ) -> None:
-    shape = api_spec.ModelShape(layers=8, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=96)
+    shape = api_spec.ModelShape(
+        layers=8, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=96, **STAGE_SHAPES[model]
+    )
     for stage in range(p):
         for tp_rank in range(t):
             torch.manual_seed(0)
             chunks = pipeline.split_model(
-                gpt.GPT(gpt.GPTConfig.from_shape(shape)), stage=stage, stages=p, virtual_stages=v
+                llama.build(gpt.GPTConfig.from_shape(shape)),
+                stage=stage,
+                stages=p,
+                virtual_stages=v,
             )
             if t > 1:
                 ctx = tensor.TPContext(group=None, rank=tp_rank, size=t)

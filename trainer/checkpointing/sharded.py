@@ -72,30 +72,36 @@ def split_boxes(
     rank: int,
     size: int,
     blocks: Sequence[int] = (),
+    replicas: Sequence[int] = (),
 ) -> tuple[tuple[int, ...], list[Box]]:
     """Dense shape and boxes of a tensor-parallel shard.
 
     The dense ``dim`` is ``groups`` equal blocks (or blocks of the local
     sizes ``blocks``: grouped-query QKV); each block is split into ``size``
     equal parts and the rank holds part ``rank`` of every block,
-    concatenated (meshtrain.trainer.parallel.tensor.shard).
+    concatenated (meshtrain.trainer.parallel.tensor.shard).  A block with
+    ``replicas`` r > 1 is split into ``size / r`` parts, part ``rank // r``
+    held by r consecutive ranks (replicated key/value heads): they write the
+    same box, which DCP stores once, as it does for data-parallel replicas.
     """
     parts = list(blocks) or [local_shape[dim] // groups] * groups
-    if sum(parts) != local_shape[dim]:
+    reps = list(replicas) or [1] * len(parts)
+    if sum(parts) != local_shape[dim] or len(reps) != len(parts):
         raise ValueError(f"local dim {dim} of {tuple(local_shape)} is not the blocks {parts}")
     dense = list(local_shape)
-    dense[dim] = local_shape[dim] * size
+    dense[dim] = sum(part * (size // rep) for part, rep in zip(parts, reps))
     boxes = []
-    start = 0
-    for part in parts:
+    start = dense_start = 0
+    for part, rep in zip(parts, reps):
         local = [0] * len(local_shape)
         offsets = [0] * len(local_shape)
         sizes = list(local_shape)
         local[dim] = start
-        offsets[dim] = start * size + rank * part
+        offsets[dim] = dense_start + (rank // rep) * part
         sizes[dim] = part
         boxes.append(Box(local=tuple(local), offsets=tuple(offsets), sizes=tuple(sizes)))
         start += part
+        dense_start += part * (size // rep)
     return tuple(dense), boxes
 
 

@@ -63,14 +63,15 @@ def dense_layout(engine: Any) -> dict[str, tuple[tuple[int, ...], list[sharded.B
         if spec is None:
             out[name] = (tuple(p.shape), sharded.whole(p.shape))
         else:
-            dense = p.shape[spec.dim] * size
+            dense = spec.dense_extent(p.shape[spec.dim], size)
             out[name] = sharded.split_boxes(
                 tuple(p.shape),
                 dim=spec.dim,
                 groups=spec.groups,
                 rank=rank,
                 size=size,
-                blocks=[n // size for n in spec.block_sizes(dense)],
+                blocks=spec.local_blocks(dense, size),
+                replicas=spec.block_replicas(),
             )
     return out
 

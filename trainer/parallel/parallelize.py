@@ -32,10 +32,13 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer import model as gpt
+from meshtrain.trainer import optim
 from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero, zero3
 from meshtrain.trainer.parallel import compression as compression_mod
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -57,11 +60,49 @@ class ParallelModel:
     """Data-parallel gradient reducer (None without DP)."""
     tp: tensor.TPContext | None
     """Tensor-parallel context (None without TP)."""
+    kv_group: dist.ProcessGroup | None = None
+    """The ranks holding this rank's key/value heads (None unless they are replicated over TP)."""
+    tied_group: dist.ProcessGroup | None = None
+    """Tied embeddings over pipeline stages: this rank's first- and last-stage peers (Megatron's
+    embedding group), which sum the matrix's gradients; None where this rank holds no copy."""
+    tied_copy: bool = False
+    """This rank holds the last stage's copy of the tied matrix (its gradient is counted on the first stage)."""
 
-    def norm_counted(self, tp_rank: int) -> list[bool]:
-        """Per parameter: does this rank count it in the global gradient norm?"""
-        sharded = self.tp_plan.shards if self.tp_plan else {}
-        return [name in sharded or tp_rank == 0 for name, _ in self.named_params]
+    def norm_counted(self, tp_rank: int) -> list[optim.Counted]:
+        """Per parameter: what this rank counts of it in the global gradient norm (see ``TPPlan.norm_counted``)."""
+        counted: list[optim.Counted] = [
+            self.tp_plan.norm_counted(name, tp_rank) if self.tp_plan is not None else True
+            for name, _ in self.named_params
+        ]
+        return [
+            False if self.tied_copy and name == gpt.TIED_NAME else c
+            for (name, _), c in zip(self.named_params, counted)
+        ]
+
+
+def tied_embedding_group(layout: layout_mod.ParallelLayout) -> dist.ProcessGroup | None:
+    """This rank's pair (first stage, last stage) with its (dp, tp) (collective: every rank creates every pair)."""
+    last = layout.pipeline - 1
+    pairs = [
+        [layout.rank_of(0, dp, tp), layout.rank_of(last, dp, tp)]
+        for dp in range(layout.data)
+        for tp in range(layout.tensor)
+    ]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group if isinstance(group, dist.ProcessGroup) else None  # a middle stage holds no copy
+
+
+def kv_replica_group(layout: layout_mod.ParallelLayout, replicas: int) -> dist.ProcessGroup:
+    """This rank's group of ``replicas`` consecutive tensor ranks sharing key/value heads (collective: every rank creates every group)."""
+    groups = [
+        members[start : start + replicas]
+        for members in layout.all_groups("tp")
+        for start in range(0, len(members), replicas)
+    ]
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"rank {dist.get_rank()} is in none of the key/value groups {groups}")
+    return group
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -111,20 +152,37 @@ def parallelize(
         tp_plan = tensor.TPPlan(
             shards={k: v for p in plans for k, v in p.shards.items()},
             sequence_partial=[n for p in plans for n in p.sequence_partial],
+            kv_replicas=plans[0].kv_replicas,
+            replica_partial={k: v for p in plans for k, v in p.replica_partial.items()},
         )
+    kv_group = (
+        kv_replica_group(layout, tp_plan.kv_replicas)
+        if tp_plan is not None and tp_plan.kv_replicas > 1
+        else None
+    )
     for chunk in (
         chunks
     ):  # a model built on meta gets the weights TP did not already build (norms, biases, ...)
         gpt.materialize(chunk)
         chunk.to(mesh.device)
-    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    # a tied head on the last stage is the embedding matrix, by name too (initial value, checkpoint)
+    named = [
+        (gpt.logical_name(config, n), p) for chunk in chunks for n, p in chunk.named_parameters()
+    ]
+    tied_across = config.tie_embeddings and layout.pipeline > 1
+    tied_group = tied_embedding_group(layout) if tied_across else None
+    holds_tied = tied_across and coords.pp in (0, layout.pipeline - 1)
 
     # 3. Data parallel: hook the final parameters, or (ZeRO-3) shard them with FSDP2, which then
     # owns the gradient reduction.
     grad_reducer = None
     if layout.data > 1 and zero_stage == 3:
         zero3.apply_zero3(chunks, mesh.device_mesh["dp"], recorder=recorder, clock=clock)
-        named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+        named = [
+            (gpt.logical_name(config, n), p)
+            for chunk in chunks
+            for n, p in chunk.named_parameters()
+        ]
     elif layout.data > 1:
         # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
         # compressed when asked (the spec's rules keep compression off ZeRO-2).
@@ -185,4 +243,7 @@ def parallelize(
         executor=executor,
         reducer=grad_reducer,
         tp=tp_ctx,
+        kv_group=kv_group,
+        tied_group=tied_group if holds_tied else None,
+        tied_copy=tied_across and coords.pp == layout.pipeline - 1,
     )

@@ -60,27 +60,58 @@ class ShardSpec:
     """The dense ``dim`` is ``groups`` equal blocks, each split separately (fused QKV: 3)."""
     sizes: tuple[int, ...] = ()
     """Dense sizes of unequal blocks (grouped-query QKV: q, k, v rows); overrides ``groups``."""
+    replicas: tuple[int, ...] = ()
+    """Per block of ``sizes``: how many consecutive ranks hold the same piece of it (empty: 1 each).
+
+    Fewer key/value heads than tensor ranks: each k and v head is held by
+    ``tensor / kvHeads`` ranks, the ones whose query heads use it.
+    """
 
     def block_sizes(self, dense: int) -> list[int]:
         """Dense extent of every block along ``dim`` of a dense tensor of extent ``dense``."""
         return list(self.sizes) if self.sizes else [dense // self.groups] * self.groups
 
+    def block_replicas(self) -> list[int]:
+        """Ranks sharing each block's piece."""
+        return list(self.replicas) or [1] * (len(self.sizes) or self.groups)
+
+    def dense_extent(self, local: int, size: int) -> int:
+        """Extent of the dense ``dim`` of a rank's piece of extent ``local`` over ``size`` ranks."""
+        return sum(self.sizes) if self.sizes else local * size
+
+    def local_blocks(self, dense: int, size: int) -> list[int]:
+        """Extent of every block in one rank's piece."""
+        reps = self.block_replicas()
+        return [n // (size // r) for n, r in zip(self.block_sizes(dense), reps)]
+
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
     """This rank's piece of a dense tensor."""
     blocks = full.split(spec.block_sizes(full.shape[spec.dim]), dim=spec.dim)
-    return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).clone()
+    pieces = [
+        b.chunk(size // r, dim=spec.dim)[rank // r] for b, r in zip(blocks, spec.block_replicas())
+    ]
+    return torch.cat(pieces, dim=spec.dim).clone()
 
 
 def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """The dense tensor from every rank's piece (inverse of :func:`shard`)."""
-    dense = pieces[0].shape[spec.dim] * len(pieces)
-    local = [n // len(pieces) for n in spec.block_sizes(dense)]
+    """The dense tensor from every rank's piece (inverse of :func:`shard`; a replicated block from its first holder)."""
+    size = len(pieces)
+    dense = spec.dense_extent(pieces[0].shape[spec.dim], size)
+    local = spec.local_blocks(dense, size)
     per_rank = [p.split(local, dim=spec.dim) for p in pieces]  # [rank][block]
     return torch.cat(
-        [torch.cat([r[g] for r in per_rank], dim=spec.dim) for g in range(len(local))],
+        [
+            torch.cat([per_rank[k][g] for k in range(0, size, r)], dim=spec.dim)
+            for g, r in enumerate(spec.block_replicas())
+        ],
         dim=spec.dim,
     )
+
+
+def kv_replicas(kv_heads: int, size: int) -> int:
+    """Ranks that hold each key/value head: ``size / kv_heads`` when there are fewer heads than ranks, else 1."""
+    return size // kv_heads if kv_heads < size else 1
 
 
 # --- timed collectives --------------------------------------------------------
@@ -291,6 +322,22 @@ class TPPlan:
     """Sharded parameters and how (their gradients are shards too)."""
     sequence_partial: list[str]
     """Replicated parameters whose gradients are partial per rank under SP (sum over TP)."""
+    kv_replicas: int = 1
+    """Ranks sharing each key/value head (:func:`kv_replicas`)."""
+    replica_partial: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Per fused QKV weight, the flat range of its k and v rows, whose gradients are partial
+    per rank when key/value heads are replicated (each holder has its own query heads' share):
+    summed over the ranks holding the same head."""
+
+    def norm_counted(self, name: str, tp_rank: int) -> bool | tuple[int, int]:
+        """What this rank counts of parameter ``name`` in the global gradient norm.
+
+        True (all of it) or False (none), or the flat range it counts: a
+        replicated key/value head counts on its first holder only.
+        """
+        if name in self.replica_partial and tp_rank % self.kv_replicas:
+            return (0, self.replica_partial[name][0])  # only its own query rows
+        return name in self.shards or tp_rank == 0
 
 
 def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
@@ -311,31 +358,51 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
             model, f"{prefix}{attr}.weight", getattr(owner, attr).weight
         )  # one dense matrix at a time
         setattr(owner, attr, cls(shard(full, spec, ctx.rank, ctx.size), ctx))
-        shards[f"{prefix}{attr}.weight"] = spec
+        shards[gpt.logical_name(model.config, f"{prefix}{attr}.weight")] = spec
 
+    replicas = kv_replicas(model.config.key_value_heads, ctx.size)
+    replica_partial: dict[str, tuple[int, int]] = {}
     for index, block in model.blocks.items():
         base = f"blocks.{index}."
         # fused projections: every block (q, k, v; gate, up) split on its own
-        qkv, fc = ShardSpec(0, sizes=block.attn.qkv_sizes), ShardSpec(0, sizes=block.mlp.fc_sizes)
+        qkv_sizes = block.attn.qkv_sizes
+        qkv = ShardSpec(
+            0, sizes=qkv_sizes, replicas=(1, replicas, replicas) if replicas > 1 else ()
+        )
+        fc = ShardSpec(0, sizes=block.mlp.fc_sizes)
         swap(block.attn, "qkv", base + "attn.", ColumnParallelLinear, qkv)
         swap(block.attn, "proj", base + "attn.", RowParallelLinear, row)
         swap(block.mlp, "fc", base + "mlp.", ColumnParallelLinear, fc)
         swap(block.mlp, "proj", base + "mlp.", RowParallelLinear, row)
+        if replicas > 1:  # each rank: its query heads and the one key/value head they use
+            q_rows, k_rows, v_rows = qkv.local_blocks(sum(qkv_sizes), ctx.size)
+            block.attn.group = q_rows // k_rows
+            replica_partial[base + "attn.qkv.weight"] = (
+                q_rows * model.config.hidden,
+                (q_rows + k_rows + v_rows) * model.config.hidden,
+            )
     if model.tok_emb is not None:
         swap(model, "tok_emb", "", VocabParallelEmbedding, vocab)
         if model.pos_emb is not None and ctx.sequence_parallel:
             model.pos_emb = SequenceParallelPositionEmbedding(
                 gpt.dense_value(model, "pos_emb.weight", model.pos_emb.weight).clone(), ctx
             )
-    if model.head is not None and model.config.tie_embeddings:  # the embedding's own shard
+    if (
+        model.head is not None and model.config.tie_embeddings and model.tok_emb is not None
+    ):  # one stage: the embedding's own shard
         embedding = model.tok_emb
-        assert isinstance(embedding, VocabParallelEmbedding)  # tied: same stage, swapped above
+        assert isinstance(embedding, VocabParallelEmbedding)  # swapped above
         head = ColumnParallelLinear(embedding.weight.detach(), ctx)
         head.weight = embedding.weight
         model.head = head
-    elif model.head is not None:
+    elif model.head is not None:  # (tied across pipeline stages: the last stage's copy, same shard)
         swap(model, "head", "", ColumnParallelLinear, vocab)
     partial = (
         [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []
     )
-    return TPPlan(shards=shards, sequence_partial=partial)
+    return TPPlan(
+        shards=shards,
+        sequence_partial=partial,
+        kv_replicas=replicas,
+        replica_partial=replica_partial,
+    )

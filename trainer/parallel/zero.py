@@ -318,7 +318,7 @@ class ZeroAdamW:
         self,
         params: list[torch.nn.Parameter],
         *,
-        counted: list[bool],
+        counted: list[optim.Counted],
         max_norm: float,
         groups: list[tuple[str, dist.ProcessGroup]],
         recorder: recording.StepRecorder | None = None,
@@ -327,18 +327,22 @@ class ZeroAdamW:
         """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
 
         Same signature as :func:`meshtrain.trainer.optim.clip_grad_norm`:
-        ``counted[i]`` says whether this rank counts ``params[i]``
+        ``counted[i]`` says what this rank counts of ``params[i]``
         (tensor-parallel replicas count once).
         """
         counted_by_id = {id(p): c for p, c in zip(params, counted)}
         recorder = recorder or self.recorder
         clock = clock or self.clock
-        views = [
-            self._owned_grad(index).narrow(0, seg.shard_offset, seg.numel)
-            for index, state in enumerate(self.buckets)
-            for seg in state.segments
-            if counted_by_id.get(id(state.params[seg.member]), True)
-        ]
+        views = []
+        for index, state in enumerate(self.buckets):
+            for seg in state.segments:
+                wanted = counted_by_id.get(id(state.params[seg.member]), True)
+                if wanted is False:
+                    continue
+                lo, hi = (seg.start, seg.stop) if wanted is True else wanted
+                view = self._owned_view(index, seg, lo, hi)
+                if view is not None:
+                    views.append(view)
         device = self.buckets[0].exp_avg.device if self.buckets else torch.device("cpu")
         owned = [self._owned_grad(index) for index in range(len(self.buckets))]
         return optim.reduce_norm_and_clip(
@@ -350,29 +354,36 @@ class ZeroAdamW:
             clock=clock,
         )
 
+    def _owned_view(self, index: int, seg: Segment, start: int, stop: int) -> torch.Tensor | None:
+        """The owned gradient elements of ``seg``'s parameter inside its flat range [start, stop), if any."""
+        lo, hi = max(start, seg.start), min(stop, seg.stop)
+        if lo >= hi:
+            return None
+        return self._owned_grad(index).narrow(0, seg.shard_offset + lo - seg.start, hi - lo)
+
     def all_reduce_grads(
         self,
-        names: set[str],
+        ranges: dict[str, tuple[int, int]],
         group: dist.ProcessGroup,
         recorder: recording.StepRecorder,
         clock: clocks.Clock,
     ) -> None:
-        """Sum the owned gradient elements of the parameters ``names`` over ``group`` (stage 2).
+        """Sum the owned gradient elements of each named parameter's flat range over ``group`` (stage 2).
 
         Sequence parallelism leaves norm and position-table gradients as
-        per-slice partials to be summed over the tensor-parallel group; under
-        ZeRO-2 only the owned range exists, and it is the same range on every
-        tensor-parallel peer (their buckets have identical shapes), so the
-        owned elements are summed.
+        per-slice partials to be summed over the tensor-parallel group, and
+        replicated key/value heads leave their rows' gradients partial per
+        holder; under ZeRO-2 only the owned range exists, and it is the same
+        range on every tensor-parallel peer (their buckets have identical
+        shapes), so the owned elements are summed.
         """
         views = []
         for index, state in enumerate(self.buckets):
-            grad = self._owned_grad(index)
-            views += [
-                grad.narrow(0, seg.shard_offset, seg.numel)
-                for seg in state.segments
-                if self.names[id(state.params[seg.member])] in names
-            ]
+            for seg in state.segments:
+                wanted = ranges.get(self.names[id(state.params[seg.member])])
+                view = None if wanted is None else self._owned_view(index, seg, *wanted)
+                if view is not None:
+                    views.append(view)
         if not views:  # the same on every peer: their owned ranges are identical
             return
         flat = torch.cat(views)  # one collective for all of them

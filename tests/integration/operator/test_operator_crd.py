@@ -56,7 +56,35 @@ def _elastic_from_three_of_four() -> dict:
     return body
 
 
+def _kv_heads_and_tensor_coprime() -> dict:
+    body = _with("spec.parallelism.tensor", 4)  # 6 kv heads: neither split nor replicated evenly
+    body["spec"]["model"] = {
+        **body["spec"]["model"],
+        "family": "llama",
+        "hidden": 96,
+        "heads": 12,
+        "kvHeads": 6,
+    }
+    return body
+
+
+def _tied_across_stages_with_zero2() -> dict:
+    body = _with("spec.parallelism.zeroStage", 2)
+    body["spec"]["model"]["tieEmbeddings"] = True
+    return body
+
+
 INVALID = [
+    (
+        "kvHeads and tensor divide neither way",
+        _kv_heads_and_tensor_coprime(),
+        _rule("kv-heads-split-over-tensor"),
+    ),
+    (
+        "embedding tied across stages under ZeRO-2",
+        _tied_across_stages_with_zero2(),
+        _rule("tied-embeddings-across-stages-unsharded"),
+    ),
     (
         "tensor does not divide gpusPerNode",
         _with("spec.parallelism.tensor", 3),
