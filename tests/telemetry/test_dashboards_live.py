@@ -75,6 +75,8 @@ def _job_manifest(paths: supervisor.Paths) -> Path:
     document["spec"]["training"]["steps"] = STEPS
     # Elastic (dp1..2, placed at 2): the operator's data-parallel degree gauges have a job to report.
     document["spec"].setdefault("runPolicy", {})["elastic"] = {"minData": 1, "maxData": 2}
+    # Evaluation on: meshtrain_eval_loss (a panel of the training dashboard) exists once a job evaluates.
+    document["spec"]["training"]["eval"] = {"interval": 50, "batches": 1, "heldOut": 0.05}
     path = paths.root / f"{JOB}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
