@@ -264,7 +264,19 @@ def test_no_alert_fires_on_a_healthy_run(live_run):
             f"count_over_time(({r['expr']}){held}) >= {HELD_SECONDS}", live_run.at
         )
     ]
-    assert not firing, firing
+    assert not firing, [  # each firing alert's signal over the last two minutes
+        (
+            alert,
+            live_run.prom.api(
+                "query_range",
+                query=alert_signal(next(r for r in rules() if r.get("alert") == alert)),
+                start=live_run.at - 120,
+                end=live_run.at,
+                step=2,
+            ),
+        )
+        for alert in firing
+    ]
 
 
 def test_the_waiting_job_is_reported_unschedulable(live_run):
