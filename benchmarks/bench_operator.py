@@ -161,10 +161,15 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _wait_for_ungated_gang(
-    core: kubernetes.client.CoreV1Api, namespace: str, job: str, pods: int
-) -> None:
-    """Follow a pod watch (not polling, which would load the API server under test) until the gang is released."""
+    core: kubernetes.client.CoreV1Api, namespace: str, job: str, pods: int, started: float
+) -> dict[str, float]:
+    """Follow a pod watch (not polling, which would load the API server under test) until the gang is released.
+
+    Returns when (seconds after ``started``, as the watch saw it) the first and the
+    last pod appeared and the first and the last gate was lifted.
+    """
     gated: dict[str, bool] = {}
+    seen: dict[str, float] = {}
     stream = kubernetes.watch.Watch()
     for event in stream.stream(
         core.list_namespaced_pod,
@@ -172,22 +177,30 @@ def _wait_for_ungated_gang(
         label_selector=f"meshtrain.io/job={job}",
         timeout_seconds=60,
     ):
+        now = time.perf_counter() - started
         pod = event["object"]
         if event["type"] == "DELETED":
             gated.pop(pod.metadata.name, None)
         else:
             gated[pod.metadata.name] = bool(pod.spec.scheduling_gates)
+        seen.setdefault("first_created", now)
+        if len(gated) == pods:
+            seen.setdefault("all_created", now)
+        if not all(gated.values()):
+            seen.setdefault("first_ungated", now)
         if len(gated) == pods and not any(gated.values()):
             stream.stop()
-            return
+            seen["all_ungated"] = now
+            return seen
     raise TimeoutError(f"gang {job} not released within 60 s")
 
 
-def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float:
+def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> dict[str, float]:
     """The same API calls without the operator: create ``pods`` gated pods, then lift their gates.
 
     Measured side by side with the operator runs (same API server, same moment), it is
-    the floor the operator's latency is compared to on a shared, noisy machine.
+    the floor the operator's latency is compared to on a shared, noisy machine.  Returns
+    the seconds until every pod was created and until every gate was lifted.
     """
     spec = loading.parse_spec(
         {
@@ -201,11 +214,12 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
     for manifest in manifests:
         manifest["metadata"].pop("ownerReferences")
 
-    async def run() -> float:
+    async def run() -> dict[str, float]:
         client = await kube.Client.connect(kubeconfig=kubeconfig)
         try:
             started = time.perf_counter()
             created = await asyncio.gather(*(client.create(manifest=m) for m in manifests))
+            all_created = time.perf_counter() - started
             await client.lift_gates(
                 namespace=namespace,
                 uids={p["metadata"]["name"]: p["metadata"]["uid"] for p in created if p},
@@ -214,7 +228,7 @@ def api_floor(kubeconfig: str, namespace: str, pods: int, attempt: int) -> float
             await client.delete_pods(
                 namespace=namespace, names=[m["metadata"]["name"] for m in manifests]
             )
-            return elapsed
+            return {"all_created": all_created, "all_ungated": elapsed}
         finally:
             await client.close()
 
@@ -230,9 +244,10 @@ def gang_latency(
     pods: int,
     pids: dict[str, int],
     floor: str = "floor",
-) -> tuple[list[float], list[dict[str, float]], list[float]]:
-    """Seconds from create to every pod existing with no gate, CPU seconds spent, and the API floor, per repetition."""
-    timings, cpu, floors = [], [], []
+) -> tuple[list[float], list[dict[str, float]], list[float], list[dict[str, Any]]]:
+    """Per repetition: seconds from create to every pod existing with no gate, CPU seconds spent,
+    the API floor, and both runs' milestones (seconds after the start)."""
+    timings, cpu, floors, phases = [], [], [], []
     for attempt in range(repeat):
         name = f"gang{attempt}"
         cpu_before = {k: _cpu_seconds(pid) for k, pid in pids.items()}
@@ -240,7 +255,7 @@ def gang_latency(
         custom.create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, _job(name, namespace, pods)
         )
-        _wait_for_ungated_gang(core, namespace, name, pods)
+        seen = _wait_for_ungated_gang(core, namespace, name, pods, started)
         timings.append(time.perf_counter() - started)
         cpu.append({k: _cpu_seconds(pid) - cpu_before[k] for k, pid in pids.items()})
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
@@ -253,8 +268,10 @@ def gang_latency(
             60,
             0.1,
         )
-        floors.append(api_floor(kubeconfig, floor, pods, attempt))
-    return timings, cpu, floors
+        bare = api_floor(kubeconfig, floor, pods, attempt)
+        floors.append(bare["all_ungated"])
+        phases.append({"operator": seen, "floor": bare})
+    return timings, cpu, floors, phases
 
 
 def memory_with_jobs(
@@ -310,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kube-apiserver": plane.pids()["kube-apiserver"],
                 "etcd": plane.pids()["etcd"],
             }
-            timings, cpu, floors = gang_latency(
+            timings, cpu, floors, phases = gang_latency(
                 core, custom, kubeconfig, "bench", args.repeat, args.pods, pids
             )
             load = os.getloadavg()
@@ -325,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "gang_cpu_seconds": cpu,
         "load_average_during_gangs": load,
         "api_floor_seconds": floors,
+        "gang_phases_seconds": phases,
         "gang_over_floor_ratio_median": statistics.median(t / f for t, f in zip(timings, floors)),
         "memory": memory,
         "memory_target_mb": 300,

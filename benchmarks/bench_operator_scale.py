@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.jobs} jobs reconciled: {results['memory']}", flush=True)
             pids["operator"] = process.pid
             results["load_average_before_gangs"] = os.getloadavg()
-            timings, cpu, floors = bench_operator.gang_latency(
+            timings, cpu, floors, phases = bench_operator.gang_latency(
                 core,
                 custom,
                 kubeconfig,
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             results["gang_latency_seconds"] = timings
             results["gang_cpu_seconds"] = cpu
             results["api_floor_seconds"] = floors
+            results["gang_phases_seconds"] = phases
             results["gang_over_floor_ratio_median"] = statistics.median(
                 t / f for t, f in zip(timings, floors, strict=True)
             )

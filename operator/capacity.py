@@ -107,18 +107,34 @@ def offered_nodes(
     every resource; :mod:`feasibility`), so the planner needs no reservations.
     """
     offered, refused = [], []
+    # Nodes mostly share their conditions, spec and allocatable (one object each in the
+    # cache): each distinct one is judged once per call, not once per node.
+    states: dict[tuple[int, int], tuple[Any, Any, str | None]] = {}
+    amounts: dict[int, tuple[Any, dict[str, int]]] = {}
     for node in nodes:
-        taken = used.get((node.get("metadata") or {}).get("name", ""), NOTHING)
-        slots = feasibility.slots(demand, node, taken, pods_wanted)
+        metadata = node.get("metadata") or {}
+        status = node.get("status") or {}
+        conditions, spec = status.get("conditions"), node.get("spec")
+        state = states.get((id(conditions), id(spec)))
+        if state is None or state[0] is not conditions or state[1] is not spec:
+            state = (conditions, spec, feasibility.state_refusal(demand, node))
+            states[(id(conditions), id(spec))] = state
+        taken = used.get(metadata.get("name", ""), NOTHING)
+        slots = 0
+        if feasibility.with_selector(demand, node, state[2]) is None:
+            source = status.get("allocatable")
+            parsed = amounts.get(id(source))
+            if parsed is None or parsed[0] is not source:
+                parsed = amounts[id(source)] = (source, feasibility.allocatable(node))
+            slots = feasibility.room(demand, parsed[1], taken, pods_wanted)
         if slots == 0:
             refused.append(feasibility.verdict(demand, node, taken) or "no room")
             continue
-        metadata = node.get("metadata") or {}
         offered.append(
             placement.Node(
                 name=metadata.get("name", ""),
                 allocatable_gpus=slots * gpus_per_pod,
-                labels=dict(metadata.get("labels") or {}),
+                labels=metadata.get("labels") or {},  # read only: no copy per node and placement
             )
         )
     return offered, refused

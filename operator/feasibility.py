@@ -199,10 +199,9 @@ def ready(node: Mapping[str, Any]) -> bool:
     )
 
 
-def refusal(demand: Demand, node: Mapping[str, Any]) -> str | None:
-    """Why no pod of ``demand`` may go to ``node`` whatever runs there (None: the node is eligible)."""
+def state_refusal(demand: Demand, node: Mapping[str, Any]) -> str | None:
+    """:func:`refusal` but for the nodeSelector: what the node's conditions and spec alone decide."""
     spec = node.get("spec") or {}
-    labels = (node.get("metadata") or {}).get("labels") or {}
     if not ready(node):
         return NOT_READY
     if spec.get("unschedulable") and not any(
@@ -210,11 +209,24 @@ def refusal(demand: Demand, node: Mapping[str, Any]) -> str | None:
         for t in demand.tolerations
     ):
         return UNSCHEDULABLE
-    if any(labels.get(key) != value for key, value in demand.node_selector.items()):
-        return SELECTOR_MISMATCH
     if untolerated_taint(demand.tolerations, spec.get("taints") or ()) is not None:
         return UNTOLERATED_TAINT
     return None
+
+
+def with_selector(demand: Demand, node: Mapping[str, Any], state: str | None) -> str | None:
+    """The :func:`refusal` of ``node`` given its :func:`state_refusal` ``state``."""
+    if state in (NOT_READY, UNSCHEDULABLE):
+        return state
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    if any(labels.get(key) != value for key, value in demand.node_selector.items()):
+        return SELECTOR_MISMATCH
+    return state
+
+
+def refusal(demand: Demand, node: Mapping[str, Any]) -> str | None:
+    """Why no pod of ``demand`` may go to ``node`` whatever runs there (None: the node is eligible)."""
+    return with_selector(demand, node, state_refusal(demand, node))
 
 
 def allocatable(node: Mapping[str, Any]) -> dict[str, int]:
@@ -255,13 +267,17 @@ def slots(demand: Demand, node: Mapping[str, Any], used: Usage, most: int) -> in
     """
     if refusal(demand, node) is not None:
         return 0
-    offered = allocatable(node)
-    room = min(most, offered.get(PODS, 0) - used.pods)
+    return room(demand, allocatable(node), used, most)
+
+
+def room(demand: Demand, offered: Mapping[str, int], used: Usage, most: int) -> int:
+    """:func:`slots` of an eligible node that offers ``offered`` (its :func:`allocatable`)."""
+    fits = min(most, offered.get(PODS, 0) - used.pods)
     for resource, amount in demand.requests.items():
         if amount > 0:
             free = offered.get(resource, 0) - used.requested.get(resource, 0)
-            room = min(room, free // amount)
-    return max(room, 0)
+            fits = min(fits, free // amount)
+    return max(fits, 0)
 
 
 def summary(reasons: Iterable[str], nodes: int) -> str:

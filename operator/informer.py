@@ -1,18 +1,19 @@
 """Informer-style caches of pods and nodes: list once, then follow a watch; reads never hit the API.
 
 A reconcile reads its job's pods from the job index and a placement reads
-every node and live pod from here, so neither sends a LIST (the issue this
+every node and the per-node usage kept here, so neither sends a LIST (the issue this
 closes: every pass listed pods, every placement listed the cluster).  The
 caches also wake job daemons (``Waker``): a pod change wakes its job; a pod
 that finished or went away, and any node change, wake the jobs waiting for
 capacity.
 
 Memory is bounded by trimming: pods of TrainingJobs (label
-``meshtrain.io/job``) are kept whole, because failure classification reads
-their statuses; any other pod keeps only what capacity and feasibility read
-(node, planned-node annotation, node affinity, container requests, overhead,
-phase).  Nodes keep labels, taints, ``unschedulable``, allocatable and
-conditions.
+``meshtrain.io/job``) are kept whole but for ``managedFields``, because failure
+classification reads their statuses; any other pod keeps only what capacity
+and feasibility read (node, planned-node annotation, node affinity, container
+requests, overhead, phase).  Nodes keep labels, taints, ``unschedulable``,
+allocatable and conditions.  Equal parts (request sets, phases, allocatable)
+are one shared object (:class:`Shared`), names one interned string.
 
 Consistency: lists paginate; a watch resumes from the last resourceVersion
 (bookmarks keep it fresh) and a 410 Gone relists and replaces the store.  The
@@ -25,11 +26,13 @@ write answer that arrives after the DELETED event cannot revive it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 from meshtrain.operator import feasibility, identity, kube, naming
 
@@ -41,6 +44,7 @@ TOMBSTONE_SECONDS = 120.0
 """How long a deleted object's last version is remembered (a write answer may arrive after its DELETED event)."""
 FINISHED = ("Succeeded", "Failed")
 
+_T = TypeVar("_T")
 Key = tuple[str, str]
 """(namespace, name); namespace is empty for nodes."""
 
@@ -77,42 +81,101 @@ def _pick(source: dict[str, Any] | None, keys: Iterable[str]) -> dict[str, Any]:
     return {k: source[k] for k in keys if source and k in source}
 
 
-def trim_pod(pod: kube.Body) -> kube.Body:
-    """A pod as the cache keeps it: whole for children of TrainingJobs, else only what capacity reads."""
-    if job_of(pod):
-        return pod
+SHARED_PARTS = 20_000
+"""Most distinct parts :class:`Shared` keeps one copy of (a bound: the table never shrinks)."""
+
+
+class Shared:
+    """One copy of equal parts of cached objects, which the cache never modifies.
+
+    100,000 foreign pods mostly repeat a few container request sets and phases,
+    and 10,000 nodes the same allocatable and conditions; each part decoded from
+    JSON is otherwise a separate tree of dicts and strings.  Parts are matched by
+    ``repr`` (for JSON values, equal text is equal value).
+    """
+
+    def __init__(self, limit: int = SHARED_PARTS) -> None:
+        self._parts: dict[str, Any] = {}
+        self._limit = limit
+
+    def __call__(self, part: _T) -> _T:
+        if not part:
+            return part
+        key = repr(part)
+        found = self._parts.get(key)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+        if len(self._parts) < self._limit:
+            self._parts[key] = part
+        return part
+
+
+def _name(value: Any) -> Any:
+    """Names that many objects repeat (namespaces, node names, labels) as one string each."""
+    return sys.intern(value) if isinstance(value, str) else value
+
+
+def _unshared(part: _T) -> _T:
+    return part
+
+
+def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.Body:
+    """A pod as the cache keeps it: whole for children of TrainingJobs, else only what capacity reads.
+
+    ``shared`` (a :class:`Shared`) lets equal parts of foreign pods be one object;
+    a child's ``managedFields`` (the largest part of a pod, read by no one here) are dropped.
+    """
     metadata = pod.get("metadata") or {}
+    if job_of(pod):
+        if "managedFields" not in metadata:
+            return pod
+        kept = {k: v for k, v in metadata.items() if k != "managedFields"}
+        return {**pod, "metadata": kept}
     spec = pod.get("spec") or {}
     annotations = _pick(metadata.get("annotations"), (naming.ANNOTATION_NODE,))
-    slim_spec = _pick(spec, ("nodeName", "overhead", "resources"))
+    slim_spec = {k: shared(v) for k, v in _pick(spec, ("overhead", "resources")).items()}
+    if "nodeName" in spec:
+        slim_spec["nodeName"] = _name(spec["nodeName"])
     affinity = (spec.get("affinity") or {}).get("nodeAffinity")
     if affinity:
-        slim_spec["affinity"] = {"nodeAffinity": affinity}
-    slim_spec["containers"] = [_pick(c, ("resources",)) for c in spec.get("containers") or []]
+        slim_spec["affinity"] = shared({"nodeAffinity": affinity})
+    slim_spec["containers"] = shared(
+        [_pick(c, ("resources",)) for c in spec.get("containers") or []]
+    )
     if spec.get("initContainers"):
-        slim_spec["initContainers"] = [
-            _pick(c, ("resources", "restartPolicy")) for c in spec["initContainers"]
-        ]
-    slim_metadata = _pick(metadata, ("name", "namespace", "uid", "resourceVersion"))
+        slim_spec["initContainers"] = shared(
+            [_pick(c, ("resources", "restartPolicy")) for c in spec["initContainers"]]
+        )
+    slim_metadata = _pick(metadata, ("name", "uid", "resourceVersion"))
+    if "namespace" in metadata:
+        slim_metadata["namespace"] = _name(metadata["namespace"])
     slim_metadata.update(_pick(metadata, ("deletionTimestamp",)))
     if annotations:
-        slim_metadata["annotations"] = annotations
+        slim_metadata["annotations"] = shared(annotations)
     return {
         "metadata": slim_metadata,
         "spec": slim_spec,
-        "status": _pick(pod.get("status"), ("phase",)),
+        "status": shared(_pick(pod.get("status"), ("phase",))),
     }
 
 
-def trim_node(node: kube.Body) -> kube.Body:
+def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.Body:
     """A node as the cache keeps it: what placement and feasibility read."""
     status = node.get("status") or {}
+    source = node.get("metadata") or {}
+    metadata = _pick(source, ("uid", "resourceVersion"))
+    if "name" in source:
+        metadata["name"] = _name(source["name"])
+    if source.get("labels") is not None:
+        metadata["labels"] = {_name(k): _name(v) for k, v in source["labels"].items()}
     return {
-        "metadata": _pick(node.get("metadata"), ("name", "uid", "resourceVersion", "labels")),
-        "spec": _pick(node.get("spec"), ("unschedulable", "taints")),
+        "metadata": metadata,
+        "spec": shared(_pick(node.get("spec"), ("unschedulable", "taints"))),
         "status": {
-            **_pick(status, ("allocatable", "capacity")),
-            "conditions": [_pick(c, ("type", "status")) for c in status.get("conditions") or []],
+            **{k: shared(v) for k, v in _pick(status, ("allocatable", "capacity")).items()},
+            "conditions": shared(
+                [_pick(c, ("type", "status")) for c in status.get("conditions") or []]
+            ),
         },
     }
 
@@ -255,14 +318,17 @@ class Cache:
     """The pod and node informers of one operator process."""
 
     def __init__(self) -> None:
-        self.pods = Store(trim_pod, by_job=True, on_change=self._count)
-        self.nodes = Store(trim_node)
+        shared = Shared()
+        self.pods = Store(
+            functools.partial(trim_pod, shared=shared), by_job=True, on_change=self._count
+        )
+        self.nodes = Store(functools.partial(trim_node, shared=shared))
         self._requested: dict[str, Counter[str]] = {}
         """Node -> summed requests of the pods holding resources there (kept up to date per event)."""
         self._pods_on: Counter[str] = Counter()
         """Node -> how many such pods."""
-        self._usage: tuple[int, dict[str, feasibility.Usage]] = (-1, {})
-        """(pods.changes, usage per node) of the last :meth:`usage` without exclusions."""
+        self._usage_of: dict[str, feasibility.Usage] = {}
+        """Node -> its usage as last asked for; dropped when a pod on the node changes."""
         self.synced = asyncio.Event()
         """Set once both stores hold a full list."""
         self._synced: set[str] = set()
@@ -274,12 +340,6 @@ class Cache:
         )
         return [p for p in found if p is not None]
 
-    def live_pods(self) -> list[kube.Body]:
-        """Every pod that may still hold resources (not Succeeded or Failed)."""
-        return [
-            p for p in self.pods.values() if (p.get("status") or {}).get("phase") not in FINISHED
-        ]
-
     def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
         for pod, sign in ((old, -1), (new, 1)):
             if pod is None or not feasibility.holds_resources(pod):
@@ -287,22 +347,21 @@ class Cache:
             node = identity.planned_node(pod)
             if not node:
                 continue
-            requested = self._requested.setdefault(node, Counter())
+            requested = self._requested.get(node)
+            if requested is None:
+                requested = self._requested[node] = Counter()
             for resource, amount in feasibility.pod_requests(pod).items():
                 requested[resource] += sign * amount
             self._pods_on[node] += sign
+            self._usage_of.pop(node, None)
 
-    def usage(self, *, without: Iterable[kube.Body] = ()) -> dict[str, feasibility.Usage]:
+    def usage(self, *, without: Iterable[kube.Body] = ()) -> Mapping[str, feasibility.Usage]:
         """What the pods on each node take (``feasibility.usage`` of them), leaving ``without`` out.
 
-        Kept per event, so a placement on 10,000 nodes and 100,000 pods adds nothing up.
+        Sums are kept per event and a node's usage is built when first read after a
+        change of its pods, so a placement on 10,000 nodes and 100,000 pods adds nothing
+        up, and the check of a gang's planned nodes reads only those.
         """
-        if self._usage[0] != self.pods.changes:
-            self._usage = (
-                self.pods.changes,
-                {node: self._node_usage(self._requested[node], node) for node in self._requested},
-            )
-        found = self._usage[1]
         left_out: dict[str, Counter[str]] = {}
         for pod in without:
             node = identity.planned_node(pod)
@@ -310,14 +369,23 @@ class Cache:
                 left_out.setdefault(node, Counter())
                 left_out[node].update(feasibility.pod_requests(pod))
                 left_out[node]["\0pods"] += 1
-        if not left_out:
-            return found
-        found = dict(found)
-        for node, amounts in left_out.items():
-            requested = Counter(self._requested[node])
-            requested.subtract({r: a for r, a in amounts.items() if r != "\0pods"})
-            found[node] = self._node_usage(requested, node, amounts["\0pods"])
+        return _UsageView(self, left_out)
+
+    def node_usage(self, node: str) -> feasibility.Usage | None:
+        """What the pods on ``node`` take; None when no pod there holds anything."""
+        found = self._usage_of.get(node)
+        if found is None:
+            requested = self._requested.get(node)
+            if requested is None:
+                return None
+            found = self._usage_of[node] = self._node_usage(requested, node)
         return found
+
+    def node_usage_without(self, node: str, amounts: Counter[str]) -> feasibility.Usage:
+        """What the pods on ``node`` take, less ``amounts`` (pod count under the key ``\\0pods``)."""
+        requested = Counter(self._requested[node])
+        requested.subtract({r: a for r, a in amounts.items() if r != "\0pods"})
+        return self._node_usage(requested, node, amounts["\0pods"])
 
     def _node_usage(self, requested: Counter[str], node: str, fewer: int = 0) -> feasibility.Usage:
         kept = {r: a for r, a in requested.items() if a}
@@ -391,6 +459,29 @@ class Cache:
             except (TimeoutError, OSError, ValueError) as err:
                 logger.warning("watch of %s interrupted: %s", what, err)
                 await asyncio.sleep(RETRY_SECONDS)
+
+
+class _UsageView(Mapping[str, feasibility.Usage]):
+    """Usage per node as :meth:`Cache.usage` reports it, built node by node as it is read."""
+
+    def __init__(self, cache: Cache, left_out: dict[str, Counter[str]]) -> None:
+        self._cache = cache
+        self._left_out = left_out
+
+    def __getitem__(self, node: str) -> feasibility.Usage:
+        amounts = self._left_out.get(node)
+        if amounts is not None:
+            return self._cache.node_usage_without(node, amounts)
+        found = self._cache.node_usage(node)
+        if found is None:
+            raise KeyError(node)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._cache._requested))
+
+    def __len__(self) -> int:
+        return len(self._cache._requested)
 
 
 def _wake(waker: Waker, what: str, type_: str, obj: kube.Body) -> None:

@@ -324,10 +324,11 @@ class Reconciler:
         if not gang:
             return {}
         demand = feasibility.demand_of(gang[0])
+        nodes = (self.cache.nodes.get(("", name)) for name in planned)
         return capacity.infeasible_nodes(
             demand,
             planned,
-            self.cache.nodes.values(),
+            [n for n in nodes if n is not None],
             self.cache.usage(without=self._owned_pods(ref)),
         )
 
@@ -497,7 +498,6 @@ class Reconciler:
             if avoid:  # a replaced straggler's node is never chosen again for this job
                 raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
                 nodes = [n for n in nodes if n.name not in avoid]
-            live = self.cache.live_pods()
             demand = feasibility.demand_of(template)
             now = _now()
             if action.missing is not None:
@@ -528,8 +528,8 @@ class Reconciler:
                         "re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name
                     )
                     return body, job, True
-                own = [p for p in live if capacity.owned_by(p, ref.uid)]
-                await self._delete_pods(ref, [p["metadata"]["name"] for p in own])
+                live = [p for p in self._owned_pods(ref) if feasibility.holds_resources(p)]
+                await self._delete_pods(ref, [p["metadata"]["name"] for p in live])
                 return await self._set_status(body, job, recovery.status)
             sized = self._plan_sizes(job, raw_nodes, nodes, demand)
             size, verdict, answer, refusals = (

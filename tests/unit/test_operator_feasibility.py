@@ -8,9 +8,11 @@ node takes no gang pod.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from meshtrain.operator import feasibility
+from meshtrain.operator import capacity, feasibility, informer
 
 
 def _node(**status_and_spec) -> dict:
@@ -115,3 +117,54 @@ def test_terminal_pods_hold_nothing():
 def test_summary_reads_like_the_scheduler():
     text = feasibility.summary(["Insufficient cpu", "Insufficient cpu", "Too many pods"], 5)
     assert text == "2/5 nodes are available: 2 Insufficient cpu, 1 Too many pods."
+
+
+def test_offered_nodes_judged_once_per_shared_part_equal_slots_node_by_node():
+    """capacity.offered_nodes memoises the node-state verdict and allocatable per shared object;
+    every node must still get what feasibility.slots and verdict (held equal to the scheduler by
+    tests/integration/operator/test_feasibility_vs_scheduler.py) give it alone."""
+    rng = random.Random(11)
+    cache = informer.Cache()
+    for index in range(300):
+        taints = rng.choice([[], [], [{"key": "dedicated", "value": "x", "effect": "NoSchedule"}]])
+        cache.nodes.upsert(
+            {
+                "metadata": {
+                    "name": f"n{index}",
+                    "resourceVersion": "1",
+                    "labels": {"pool": rng.choice(["a", "b"])},
+                },
+                "spec": {"taints": taints, "unschedulable": rng.random() < 0.1},
+                "status": {
+                    "allocatable": {"nvidia.com/gpu": rng.choice(["4", "8"]), "pods": "110"},
+                    "conditions": [
+                        {"type": "Ready", "status": rng.choice(["True", "True", "False"])}
+                    ],
+                },
+            }
+        )
+    nodes = list(cache.nodes.values())
+    used = {
+        f"n{i}": feasibility.Usage({"nvidia.com/gpu": rng.randrange(0, 9)}, rng.randrange(0, 3))
+        for i in range(0, 300, 2)
+    }
+    for _ in range(20):
+        demand = feasibility.Demand(
+            requests={"nvidia.com/gpu": rng.choice([1, 2, 4])},
+            tolerations=tuple(rng.choice([[], [{"key": "dedicated", "operator": "Exists"}]])),
+            node_selector=rng.choice([{}, {"pool": "a"}]),
+        )
+        offered, refused = capacity.offered_nodes(
+            demand, nodes, used, gpus_per_pod=1, pods_wanted=16
+        )
+        expected = {}
+        reasons = []
+        for node in nodes:
+            taken = used.get(node["metadata"]["name"], capacity.NOTHING)
+            slots = feasibility.slots(demand, node, taken, 16)
+            if slots:
+                expected[node["metadata"]["name"]] = slots
+            else:
+                reasons.append(feasibility.verdict(demand, node, taken) or "no room")
+        assert {n.name: n.allocatable_gpus for n in offered} == expected
+        assert sorted(refused) == sorted(reasons)
