@@ -95,6 +95,24 @@ class ParallelLayout:
             seen.setdefault(tuple(member_of(rank)), None)
         return [list(group) for group in seen]
 
+    def dp_levels(self, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every data-parallel group split by node: (intra-node groups, inter-node groups).
+
+        An intra group is the dp peers one pod holds; an inter group takes the
+        peer at the same position of every pod (the same local rank offset),
+        the ranks a hierarchical all-reduce sums a shard over.
+        """
+        intra: list[list[int]] = []
+        inter: list[list[int]] = []
+        for group in self.all_groups("dp"):
+            by_pod: dict[int, list[int]] = {}
+            for rank in group:
+                by_pod.setdefault(self.pod_of(rank, gpus_per_node), []).append(rank)
+            blocks = list(by_pod.values())
+            intra += blocks
+            inter += [list(peers) for peers in zip(*blocks)]
+        return intra, inter
+
     def pod_of(self, rank: int, gpus_per_node: int) -> int:
         """Pod (node slot) index holding a rank: pod i holds [i*g, (i+1)*g)."""
         return rank // gpus_per_node

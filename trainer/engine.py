@@ -124,6 +124,8 @@ class Engine:
             autocast=autocast,
             zero_stage=par.zero_stage,
             compression=par.gradient_compression,
+            all_reduce=par.all_reduce,
+            gpus_per_node=spec.resources.gpus_per_node,
         )
         if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp
             self.optimizer = zero.ZeroAdamW(

@@ -228,6 +228,26 @@ def _compression_needs_data_parallel(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _hierarchical_all_reduce_fits(spec: TrainingJobSpec) -> str | None:
+    par, gpus = spec.parallelism, spec.resources.gpus_per_node
+    if par.all_reduce != "hierarchical":
+        return None
+    if par.data < 2 or par.zero_stage >= 2 or par.gradient_compression.mode != "none":
+        return (
+            f"allReduce=hierarchical with data={par.data}, zeroStage={par.zero_stage}, "
+            f"gradientCompression.mode={par.gradient_compression.mode}: it replaces the plain data-parallel "
+            "all-reduce, so it needs data >= 2, zeroStage 0 or 1 and mode none: set allReduce flat or change those"
+        )
+    per_node = min(max(gpus // par.tensor, 1), par.data)
+    if par.data % per_node:
+        return (
+            f"allReduce=hierarchical with data={par.data} and {per_node} data-parallel ranks per node "
+            f"(gpusPerNode={gpus} / tensor={par.tensor}): every node must hold the same number of a group's "
+            "ranks: choose data a multiple of gpusPerNode / tensor, or allReduce flat"
+        )
+    return None
+
+
 def _powersgd_rank_fits(spec: TrainingJobSpec) -> str | None:
     par = spec.parallelism
     if par.gradient_compression.mode != "powersgd" or spec.model.missing_fields():
@@ -550,6 +570,18 @@ RULES: tuple[Rule, ...] = (
         "(self.parallelism.data >= 2 && self.parallelism.zeroStage < 2)",
         "parallelism.gradientCompression needs parallelism.data >= 2 and zeroStage 0 or 1 (mode none otherwise)",
         _compression_needs_data_parallel,
+    ),
+    Rule(
+        "hierarchical-all-reduce-fits",
+        "spec.parallelism.allReduce",
+        "!has(self.parallelism.allReduce) || self.parallelism.allReduce == 'flat' || "
+        "(self.parallelism.data >= 2 && self.parallelism.zeroStage < 2 && "
+        "self.parallelism.gradientCompression.mode == 'none' && "
+        "(self.resources.gpusPerNode / self.parallelism.tensor >= self.parallelism.data || "
+        "self.parallelism.data % (self.resources.gpusPerNode / self.parallelism.tensor) == 0))",
+        "parallelism.allReduce hierarchical needs data >= 2, zeroStage 0 or 1, gradientCompression none, and data a "
+        "multiple of gpusPerNode / tensor (the same number of a group's ranks on every node)",
+        _hierarchical_all_reduce_fits,
     ),
     Rule(
         "powersgd-rank-fits",

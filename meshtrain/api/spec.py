@@ -110,6 +110,11 @@ class Parallelism(_Model):
         gt=0,
         description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.",
     )
+    all_reduce: Literal["flat", "hierarchical"] = Field(
+        "flat",
+        description="Data-parallel gradient all-reduce: flat (one all-reduce over the group) or hierarchical "
+        "(reduce-scatter inside each node, all-reduce of the shard across nodes, all-gather inside the node).",
+    )
     gradient_compression: GradientCompression = Field(
         default_factory=GradientCompression,
         description="Compression of the data-parallel gradient reduction (needs data > 1 and zeroStage < 2).",

@@ -15,7 +15,10 @@ compare it exactly with the bytes the trainer's recorder measures:
   full-size gradient outlives a micro-batch), and both all-gather each bucket's updated weights (padded) and sum
   the gradient norm over the group (one fp64 scalar).  Stage 3 (FSDP2) gathers
   every block before its forward and its backward and reduce-scatters its
-  gradients, per micro-batch (:func:`zero3_collectives`).
+  gradients, per micro-batch (:func:`zero3_collectives`).  ``allReduce:
+  hierarchical`` replaces a bucket's all-reduce by a reduce-scatter inside the
+  node, an all-reduce of the 1/k shard across nodes (k: the group's ranks per
+  node) and an all-gather inside the node.
 * **tp** (tensor > 1), per micro-batch: Megatron's two reductions per
   sub-layer (attention, MLP), one forward (row-parallel output) and one
   backward (column-parallel input gradient); under sequence parallelism each
@@ -276,6 +279,13 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 par.gradient_compression, bucket_shapes, d, scheme.grads
             ):
                 _add(out, group, op, calls, nbytes)
+        elif par.all_reduce == "hierarchical":  # intra-node reduce-scatter and all-gather of each
+            # bucket padded to the k peers of a node, inter-node all-reduce of its 1/k shard
+            k = min(max(job.resources.gpus_per_node // t, 1), d)
+            full = sum(padded(n, k) for n in buckets) * scheme.grads
+            _add(out, "dp", "reduce_scatter", len(buckets), full)
+            _add(out, "dp", "all_reduce", len(buckets), full // k)
+            _add(out, "dp", "all_gather", len(buckets), full)
         else:
             _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
         if par.zero_stage == 3:  # the norm summed over dp

@@ -94,6 +94,12 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
                     (e.kind, e.microbatch, e.chunk) for e in recorder.events if e.what == "compute"
                 )
             )
+        dp_levels: dict[str, list[int]] = {}  # "op/level" -> [calls, bytes] of the last step
+        for e in recorder.events:
+            if e.what == "collective" and e.group == "dp" and e.bucket is not None:
+                entry = dp_levels.setdefault(f"{e.kind}/{e.level}", [0, 0])
+                entry[0] += 1
+                entry[1] += e.nbytes
         buckets = len(eng.model.reducer.buckets) if eng.model.reducer else 0
         results[case_id] = {
             "grads": grads,
@@ -101,6 +107,12 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
             "norms": norms,
             "dp_collectives": dp_collectives,
             "buckets": buckets,
+            "dp_levels": dp_levels,
+            "bucket_bytes": [
+                b.buffer.numel() * b.buffer.element_size() for b in eng.model.reducer.buckets
+            ]
+            if eng.model.reducer
+            else [],
             "param_tensors": len(eng.model.named_params),
             "computes": computes,
             "tp_collectives": recorder.count("collective", "tp"),

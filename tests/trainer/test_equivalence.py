@@ -73,6 +73,10 @@ CASES_8 = {
         bucket_mb=0.02,
     ),
 }
+# two simulated nodes of 4 ranks: reduce-scatter over 2 dp peers per node, all-reduce across the nodes
+CASES_8["dp4-tp2-hierarchical-2nodes"] = dict(
+    data=4, tensor=2, micro_batches=2, bucket_mb=0.05, all_reduce="hierarchical", gpus_per_node=4
+)
 CASES_8["dp2-pp2-tp2-interleaved-sp-zero3"] = {
     **CASES_8["dp2-pp2-tp2-interleaved-sp"],
     "zero_stage": 3,
@@ -185,6 +189,22 @@ def test_gradient_collectives_per_step_equal_buckets(world2, world8):
             assert rank_result["dp_collectives"] == [rank_result["buckets"]] * STEPS
     small = world2["dp2-accum2-smallbuckets"]["ranks"][0]
     assert 1 < small["buckets"] < small["param_tensors"]
+
+
+@pytest.mark.slow
+def test_hierarchical_all_reduce_runs_per_level_and_cuts_inter_node_bytes(world8):
+    """Per bucket: reduce-scatter and all-gather inside the node, all-reduce across nodes of 1/k of it."""
+    k = 2  # dp peers per simulated node (gpusPerNode 4 / tensor 2)
+    for rank_result in world8["dp4-tp2-hierarchical-2nodes"]["ranks"]:
+        padded = sum(
+            -(-n // (4 * k)) * 4 * k for n in rank_result["bucket_bytes"]
+        )  # fp32, k-padded
+        buckets = len(rank_result["bucket_bytes"])
+        assert rank_result["dp_levels"] == {
+            "reduce_scatter/intra": [buckets, padded],
+            "all_reduce/inter": [buckets, padded // k],
+            "all_gather/intra": [buckets, padded],
+        }
 
 
 @pytest.mark.slow

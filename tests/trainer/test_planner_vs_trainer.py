@@ -50,6 +50,7 @@ LAYOUTS = [
     ("dp2-zero1", {"data": 2, "zeroStage": 1}),
     ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
     ("dp2-tp2-zero3", {"data": 2, "tensor": 2, "zeroStage": 3}),
+    ("dp4-hierarchical-2nodes-zero1", {"data": 4, "allReduce": "hierarchical", "zeroStage": 1}),
     (
         "dp2-pp2-interleaved-zero3",
         {

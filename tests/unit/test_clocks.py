@@ -38,7 +38,7 @@ class CallLog:
     def wait(self, kind, start, end):
         self.calls.append(("wait", kind, start, end))
 
-    def collective(self, group, op, nbytes, start, end, bucket=None):
+    def collective(self, group, op, nbytes, start, end, bucket=None, level="flat"):
         self.calls.append(("collective", group, op, nbytes, start, end, bucket))
 
     def step_end(self, step, loss, tokens, seconds):

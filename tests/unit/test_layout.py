@@ -54,3 +54,22 @@ def test_out_of_range_is_refused():
         layout.rank_of(2, 0, 0)
     with pytest.raises(ValueError, match="data degree"):
         ParallelLayout(0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("data", "pipeline", "tensor", "gpus"), [(4, 1, 2, 4), (8, 2, 1, 4), (4, 2, 2, 8), (2, 1, 1, 1)]
+)
+def test_dp_levels_split_every_dp_group_by_pod(data, pipeline, tensor, gpus):
+    lay = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor)
+    intra, inter = lay.dp_levels(gpus)
+    for rank in range(lay.world_size):
+        peers = lay.dp_group(rank)
+        same_pod = [
+            q for q in peers if q // gpus == rank // gpus
+        ]  # DESIGN: pod i holds [i g, (i+1) g)
+        position = same_pod.index(rank)
+        across = [
+            q for q in peers if [p for p in peers if p // gpus == q // gpus].index(q) == position
+        ]
+        assert [g for g in intra if rank in g] == [same_pod]
+        assert [g for g in inter if rank in g] == [across]

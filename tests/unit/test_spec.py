@@ -188,6 +188,18 @@ INVALID = [
         ["zeroStage=2", "zeroStage 0 or 1"],
     ),
     (
+        "hierarchical all-reduce without data parallelism",
+        JobBuilder().parallelism(allReduce="hierarchical"),
+        "spec.parallelism.allReduce",
+        ["allReduce=hierarchical", "data=1", "data >= 2"],
+    ),
+    (
+        "hierarchical all-reduce with an uneven split over nodes",
+        JobBuilder().layout(6, 2, 1, gpus_per_node=4).parallelism(allReduce="hierarchical"),
+        "spec.parallelism.allReduce",
+        ["allReduce=hierarchical", "data=6", "gpusPerNode=4", "multiple"],
+    ),
+    (
         "gradient compression with ZeRO-3",
         JobBuilder()
         .layout(2, 1, 1, gpus_per_node=2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,30 @@ class Mesh:
     pp_backward_group: dist.ProcessGroup
     """A second pipeline group, for gradients."""
 
+    dp_levels: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = dataclasses.field(
+        default_factory=dict
+    )
+    """(intra-node, inter-node) data-parallel groups by ranks per node, made on first use."""
+
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group along ``axis`` ('pp', 'dp' or 'tp')."""
         return self.device_mesh.get_group(axis)
+
+    def dp_level_groups(self, gpus_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This rank's data-parallel peers on its node, and its peers at the same position on the other nodes.
+
+        Collective the first time (every rank creates every group).
+        """
+        if gpus_per_node not in self.dp_levels:
+            intra, inter = self.layout.dp_levels(gpus_per_node)
+            intra_group, _ = dist.new_subgroups_by_enumeration(intra)
+            inter_group, _ = dist.new_subgroups_by_enumeration(inter)
+            # every rank is in one group of each list, so neither is None here
+            self.dp_levels[gpus_per_node] = (
+                cast(dist.ProcessGroup, intra_group),
+                cast(dist.ProcessGroup, inter_group),
+            )
+        return self.dp_levels[gpus_per_node]
 
 
 def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:

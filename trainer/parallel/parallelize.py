@@ -39,7 +39,16 @@ from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer import optim
-from meshtrain.trainer.parallel import clocks, pipeline, recording, reducer, tensor, zero, zero3
+from meshtrain.trainer.parallel import (
+    clocks,
+    hierarchical,
+    pipeline,
+    recording,
+    reducer,
+    tensor,
+    zero,
+    zero3,
+)
 from meshtrain.trainer.parallel import compression as compression_mod
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
@@ -124,6 +133,8 @@ def parallelize(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     zero_stage: int = 0,
     compression: api_spec.GradientCompression | None = None,
+    all_reduce: str = "flat",
+    gpus_per_node: int = 1,
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
@@ -189,6 +200,11 @@ def parallelize(
         reducer_cls: Callable[..., reducer.GradReducer] = (
             zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
         )
+        if all_reduce == "hierarchical":  # the spec's rules keep it to ZeRO 0/1 without compression
+            intra, inter = mesh.dp_level_groups(gpus_per_node)
+            reducer_cls = functools.partial(
+                hierarchical.HierarchicalGradReducer, intra=intra, inter=inter
+            )
         if compression is not None and compression.mode != "none":
             reducer_cls = functools.partial(
                 compression_mod.CompressedGradReducer,

@@ -41,6 +41,8 @@ from meshtrain.trainer.parallel import clocks
 ComputeKind = Literal["forward", "backward"]
 WaitKind = Literal["recv", "send"]
 Group = Literal["dp", "tp", "pp"]
+Level = Literal["flat", "intra", "inter"]
+"""Where a collective runs: its whole group, or (hierarchical all-reduce) inside a node or across nodes."""
 
 
 class StepRecorder(Protocol):
@@ -65,8 +67,9 @@ class StepRecorder(Protocol):
         start: float,
         end: float,
         bucket: int | None = None,
+        level: Level = "flat",
     ) -> None:
-        """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank."""
+        """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank, at ``level``."""
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         """Optimizer step ``step`` done: mean loss, tokens of the global batch, wall seconds."""
@@ -94,6 +97,7 @@ class NullRecorder:
         start: float,
         end: float,
         bucket: int | None = None,
+        level: Level = "flat",
     ) -> None:
         pass
 
@@ -123,6 +127,8 @@ class Event:
     """Model chunk of a compute event."""
     bucket: int | None = None
     """Gradient bucket of a data-parallel collective."""
+    level: str = "flat"
+    """flat, or intra / inter (node) for the stages of a hierarchical all-reduce."""
 
 
 class MemoryRecorder:
@@ -161,10 +167,20 @@ class MemoryRecorder:
         start: float,
         end: float,
         bucket: int | None = None,
+        level: Level = "flat",
     ) -> None:
         with self._lock:
             self.events.append(
-                Event("collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket)
+                Event(
+                    "collective",
+                    op,
+                    start,
+                    end,
+                    group=group,
+                    nbytes=nbytes,
+                    bucket=bucket,
+                    level=level,
+                )
             )
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
@@ -244,9 +260,12 @@ class DeferredRecorder:
         start: clocks.Stamp,
         end: clocks.Stamp,
         bucket: int | None = None,
+        level: Level = "flat",
     ) -> None:
         self._hold(
-            functools.partial(self.inner.collective, group, op, nbytes, bucket=bucket), start, end
+            functools.partial(self.inner.collective, group, op, nbytes, bucket=bucket, level=level),
+            start,
+            end,
         )
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:

@@ -191,10 +191,11 @@ class Metrics:
         ).labels(**base)
         self.allreduce_seconds = prometheus_client.Histogram(
             "meshtrain_allreduce_seconds",
-            "Duration of one collective call (one gradient bucket for dp).",
+            "Duration of one collective call (one gradient bucket for dp); level: flat, or intra / inter"
+            " node for the stages of parallelism.allReduce hierarchical.",
             buckets=COMM_BUCKETS,
             registry=self.registry,
-            labelnames=comm,
+            labelnames=(*comm, "level"),
         )
         self.allreduce_bytes = prometheus_client.Counter(
             "meshtrain_allreduce_bytes",
@@ -270,7 +271,7 @@ class Metrics:
         if key not in self._comm_children:
             labels = {**self.base, "group": group, "op": op}
             self._comm_children[key] = (
-                self.allreduce_seconds.labels(**labels),
+                self.allreduce_seconds.labels(**labels, level="flat"),
                 self.allreduce_bytes.labels(**labels),
                 self.bus_bandwidth.labels(**labels),
             )
@@ -385,8 +386,12 @@ class Exporter:
         m.wait.inc(stats.wait_seconds)
         m.exposed.observe(stats.exposed_comm_seconds)
         for e in events:
-            if e.what == "collective":
+            if e.what == "collective" and e.level == "flat":
                 m.comm(e.group or "?", e.kind)[0].observe(e.end - e.start)
+            elif e.what == "collective":  # a stage of a hierarchical all-reduce
+                m.allreduce_seconds.labels(
+                    **m.base, group=e.group or "?", op=e.kind, level=e.level
+                ).observe(e.end - e.start)
         for c in stats.collectives:
             _, nbytes, bus = m.comm(c.group, c.op)
             nbytes.inc(c.nbytes)

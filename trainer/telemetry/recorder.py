@@ -97,11 +97,19 @@ class TelemetryRecorder:
         start: float,
         end: float,
         bucket: int | None = None,
+        level: recording.Level = "flat",
     ) -> None:
         with self._lock:
             self._events.append(
                 recording.Event(
-                    "collective", op, start, end, group=group, nbytes=nbytes, bucket=bucket
+                    "collective",
+                    op,
+                    start,
+                    end,
+                    group=group,
+                    nbytes=nbytes,
+                    bucket=bucket,
+                    level=level,
                 )
             )
 
