@@ -16,7 +16,9 @@ Not a chaos framework; one rank, one step, one way to die or drag.
 
 from __future__ import annotations
 
+import collections
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +29,8 @@ import torch
 ENV = "MESHTRAIN_FAULT_INJECT"
 EXIT_CODE = 17
 SLOW_ENV = "MESHTRAIN_FAULT_SLOW"
+OWN_COMPUTE_STEPS = 5
+"""Steps of this rank's own compute whose median sizes the injected sleep."""
 
 
 def parse(value: str | None) -> tuple[int, int] | None:
@@ -76,24 +80,31 @@ def slow_down(
     """Hook this rank's model chunks when the slow-down variable names it; whether it did.
 
     Each training forward of a chunk sleeps ``(factor - 1) / forwards_per_step``
-    of the previous step's compute time without its injected sleeps
-    (``previous_compute``: the recorder's last ``compute_seconds``), so the
-    step's compute grows by about ``factor`` whatever share of it the chunks'
-    own forward is (the loss, the backward).
+    of this rank's own compute per step, the median of its last few steps
+    without the injected sleeps (``previous_compute``: the recorder's last
+    ``compute_seconds``), so the step's compute grows by about ``factor``
+    whatever share of it the chunks' own forward is (the loss, the backward),
+    and one noisy step does not swing the sleep.
     """
     target = parse_slow(os.environ.get(SLOW_ENV))
     if target is None or target[0] != rank:
         return False
     _, factor, start = target
     injected: dict[int, float] = {}  # step -> seconds slept in it
+    own: collections.deque[float] = collections.deque(maxlen=OWN_COMPUTE_STEPS)
+    seen: set[int] = set()
 
     def after(module: torch.nn.Module, args: Any, output: Any) -> None:
         step = current_step()
         last = previous_compute()
-        if step < start or last is None or not torch.is_grad_enabled():
+        if last is None or not torch.is_grad_enabled():
             return
-        own = max(last - injected.get(step - 1, 0.0), 0.0)
-        pause = (factor - 1.0) * own / forwards_per_step
+        if step not in seen:  # the first forward of a step: learn the previous step's own time
+            seen.add(step)
+            own.append(max(last - injected.get(step - 1, 0.0), 0.0))
+        if step < start:
+            return
+        pause = (factor - 1.0) * statistics.median(own) / forwards_per_step
         injected[step] = injected.get(step, 0.0) + pause
         time.sleep(pause)
 

@@ -10,8 +10,8 @@ shard): they run the same kernels on equally sized batches.  Each step a
 rank's ratio is its compute time over the median of its peers' (the other
 replicas', so two replicas compare with each other); its slowdown is the
 median of its ratios over the last ``window`` steps, so one slow step (a
-checkpoint, a page fault) never flags a rank while a rank slow in more than
-half of the window is flagged: about ``window / 2`` steps after it slows down.
+checkpoint, a page fault) never flags a rank while a rank slow in about half
+of the window is flagged: about ``window / 2`` steps after it slows down.
 A tensor-parallel group synchronises inside its compute, so a slow GPU slows
 its whole group; the group shares one NVLink domain (its pod's node), which is
 what the operator acts on.  Without peers (``data == 1``) nothing is judged.

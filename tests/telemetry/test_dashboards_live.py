@@ -250,11 +250,17 @@ def test_every_rule_expression_returns_data(live_run):
 
 def test_no_alert_fires_on_a_healthy_run(live_run):
     # `for:` keeps blips quiet in production, so the test asks whether a condition held for HELD_SECONDS,
-    # not whether it was true once.  Two alerts measure the machine rather than the job here: on a shared
+    # not whether it was true once.  Three alerts measure the machine rather than the job here: on a shared
     # 2-core VM (load averages of 20 and more seen) one CPU rank of a stage really does compute 25 % slower
-    # than the other for a minute, and the CPU pipeline bubble is far from theory.
+    # than the other for a minute (and the trainer's own detector then flags it: benchmarks/results/
+    # straggler_detection-vm.json saw such flags without any injected slowdown), and the CPU pipeline
+    # bubble is far from theory.
     held = f"[{HELD_SECONDS}s:1s]"
-    noisy_on_cpu = {"MeshtrainPipelineBubbleAboveTheory", "MeshtrainStragglerRank"}
+    noisy_on_cpu = {
+        "MeshtrainPipelineBubbleAboveTheory",
+        "MeshtrainStragglerRank",
+        "MeshtrainStragglerFlagged",
+    }
     firing = [
         r["alert"]
         for r in rules()
