@@ -5,7 +5,8 @@
   when meshtrain builds its model from the directory (fp32, 1e-5), and the
   first-step loss of tp2, pp2 and dp2 runs started from it (``model.init.fromHF``)
   equals transformers' loss on the same global batch;
-* export: a checkpoint meshtrain trained (tp2 wrote it) exported with
+* export: a checkpoint meshtrain trained (tp2 wrote it; also with one key/value
+  head, which tp2 replicates) exported with
   ``meshtrain export`` loads in transformers and gives meshtrain's logits;
 * bad input: a directory whose config or tensors disagree with the spec is
   refused before any process starts, naming the file and the field.
@@ -140,8 +141,8 @@ def _train_and_save(raw: dict, root: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
-    [LLAMA, {**LLAMA, "tieEmbeddings": True}, mt_harness.TINY],
-    ids=["llama", "llama-tied", "gpt2"],
+    [LLAMA, {**LLAMA, "tieEmbeddings": True}, {**LLAMA, "kvHeads": 1}, mt_harness.TINY],
+    ids=["llama", "llama-tied", "llama-mqa-replicated-over-tp2", "gpt2"],
 )
 def test_exported_checkpoint_gives_meshtrain_logits_in_transformers(model, tmp_path):
     raw = mt_harness.make_spec(tensor=2, model=model, steps=3)
@@ -160,6 +161,8 @@ def test_exported_checkpoint_gives_meshtrain_logits_in_transformers(model, tmp_p
         ["head.weight"] if config.tie_embeddings else []
     )  # the shared one
     assert not result.unexpected_keys
+    if config.family == "llama":  # the spec's key/value heads, not one per tensor rank
+        assert auto.config.num_key_value_heads == config.key_value_heads
     tokens = torch.randint(0, config.vocab, (2, config.seq_len))
     with torch.no_grad():
         torch.testing.assert_close(auto(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
