@@ -167,6 +167,12 @@ def padded(numel: int, members: int) -> int:
     return -(-numel // members) * members
 
 
+def dp_ranks_per_node(job: api_spec.TrainingJobSpec) -> int:
+    """Ranks of one data-parallel group on one node (``gpusPerNode / tensor``, at most ``data``)."""
+    par = job.parallelism
+    return min(max(job.resources.gpus_per_node // par.tensor, 1), par.data)
+
+
 def zero3_collectives(
     shape: api_spec.ModelShape,
     tensor: int,
@@ -281,7 +287,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 _add(out, group, op, calls, nbytes)
         elif par.all_reduce == "hierarchical":  # intra-node reduce-scatter and all-gather of each
             # bucket padded to the k peers of a node, inter-node all-reduce of its 1/k shard
-            k = min(max(job.resources.gpus_per_node // t, 1), d)
+            k = dp_ranks_per_node(job)
             full = sum(padded(n, k) for n in buckets) * scheme.grads
             _add(out, "dp", "reduce_scatter", len(buckets), full)
             _add(out, "dp", "all_reduce", len(buckets), full // k)

@@ -123,6 +123,24 @@ def collective_seconds(collective: comm.Collective, link: Link) -> float:
     return send_seconds(collective.nbytes, link, collective.calls)
 
 
+def hierarchical_leg(
+    job: api_spec.TrainingJobSpec, collective: comm.Collective, group_link: Link, nvlink: Link
+) -> tuple[comm.Collective, Link]:
+    """The members and link a collective really runs over.
+
+    Under ``allReduce: hierarchical`` a dp reduce-scatter or all-gather runs
+    among the ``k`` ranks of a node (NVLink) and the dp all-reduce among the
+    ``d / k`` nodes on the dp group's link; everything else is unchanged.
+    """
+    par = job.parallelism
+    if par.all_reduce != "hierarchical" or collective.group != "dp":
+        return collective, group_link
+    k = comm.dp_ranks_per_node(job)
+    if collective.op in ("reduce_scatter", "all_gather"):
+        return dataclasses.replace(collective, members=k), nvlink
+    return dataclasses.replace(collective, members=max(par.data // k, 1)), group_link
+
+
 def bubble_ratio(pipeline: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Theoretical idle share of a stage: ``(p - 1) / (v m + p - 1)`` (GPipe and 1F1B: v = 1)."""
     return (pipeline - 1) / (virtual_stages * micro_batches + pipeline - 1)
@@ -319,8 +337,10 @@ def _stage_time(
     seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     dp_calls = 0
     gather = 0.0
+    nvlink = links(profile)["nvlink"]
     for c in stage_comm.collectives:
-        spent = collective_seconds(c, used[c.group])
+        c, link = hierarchical_leg(job, c, used[c.group], nvlink)
+        spent = collective_seconds(c, link)
         seconds[c.group] += spent
         if c.group == "dp" and c.op == "all_gather":
             gather += spent

@@ -282,3 +282,22 @@ def test_cli_search_and_confidence_in_json(
         "profile",
         "statement",
     ]
+
+
+def test_planner_says_when_hierarchical_all_reduce_pays() -> None:
+    """dp16 over 2 nodes of 8: only a 1/8 shard crosses the slower fabric, so the dp time falls;
+    a dp group inside one node has nothing to cross, so hierarchical buys nothing there."""
+    h100 = profiles.get("h100-sxm")
+
+    def dp_seconds(data: int, gpus: int, all_reduce: str) -> float:
+        raw = (
+            JobBuilder()
+            .layout(data, 1, 1, gpus_per_node=gpus)
+            .model(preset="1.3b")
+            .parallelism(allReduce=all_reduce)
+            .raw()
+        )
+        return estimate.make_plan(loading.parse_spec(raw), h100).time.stages[0].dp
+
+    assert dp_seconds(16, 8, "hierarchical") < 0.5 * dp_seconds(16, 8, "flat")
+    assert dp_seconds(8, 8, "hierarchical") >= dp_seconds(8, 8, "flat")
