@@ -343,7 +343,12 @@ def _on_failure(
     )
     actions: list[Action] = [
         _changes(
-            job, phase=Phase.RESTARTING.value, restarts=restarts + 1, placement=[], conditions=conds
+            job,
+            phase=Phase.RESTARTING.value,
+            restarts=restarts + 1,
+            placement=[],
+            straggler=None,
+            conditions=conds,
         ),
         Emit("Warning", conditions.GANG_RESTARTING, note),
     ]
@@ -697,6 +702,7 @@ def placed(
         "phase": Phase.PLACING.value,
         "conditions": conds,
         "placement": [{"podIndex": i, "node": node} for i, node in enumerate(nodes)],
+        "straggler": None,  # measured on the previous gang: the new one is judged afresh
         "crossLevelBytes": dict(level_bytes),
         "specHash": identity.spec_hash(job.spec),
         "observedGeneration": job.generation,
@@ -757,7 +763,12 @@ def unplaced(
 ) -> dict[str, Any]:
     """Status fields that drop a recorded placement whose nodes are no longer free (re-plan, not a restart)."""
     conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
-    return {"placement": [], "conditions": conds, "observedGeneration": job.generation}
+    return {
+        "placement": [],
+        "straggler": None,
+        "conditions": conds,
+        "observedGeneration": job.generation,
+    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,6 +138,7 @@ def growing(
     fields = {
         "phase": api_spec.Phase.RESTARTING.value,
         "placement": [],
+        "straggler": None,
         "specHash": None,
         "conditions": conds,
     }

@@ -88,6 +88,24 @@ def excluded(status: Mapping[str, Any]) -> frozenset[str]:
     )
 
 
+def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
+    """Whether ``straggler`` was measured on the placed gang: its pod is on the node it names.
+
+    A gang placed again (restart, resize, replacement) starts unjudged; an
+    entry left over from the previous gang must not stop the new one.
+    """
+    if not isinstance(straggler, Mapping):
+        return False
+    if "node" not in straggler:
+        return True
+    nodes = {
+        p.get("podIndex"): p.get("node")
+        for p in status.get("placement") or []
+        if isinstance(p, Mapping)
+    }
+    return nodes.get(straggler.get("podIndex")) == straggler["node"]
+
+
 def describe(straggler: Mapping[str, Any]) -> str:
     """``rank 3 (pod 1 on node gpu-2) is a straggler since step 40``: who, not how much (stable while flagged)."""
     where = f"pod {straggler.get('podIndex')}"
@@ -125,7 +143,7 @@ def react(
     """
     straggler = status.get("straggler")
     previous = conditions.find(conds, conditions.STRAGGLER) or {}
-    if not isinstance(straggler, Mapping) or policy.action == "ignore":
+    if not _of_this_gang(straggler, status) or policy.action == "ignore":
         if previous.get("status") != conditions.TRUE:
             return Reaction({}, ())
         message = "no rank is flagged as a straggler any more"
@@ -133,6 +151,7 @@ def react(
             conds, conditions.STRAGGLER, conditions.FALSE, conditions.STRAGGLER_GONE, message, now
         )
         return Reaction({"conditions": updated}, (("Normal", conditions.STRAGGLER_GONE, message),))
+    assert isinstance(straggler, Mapping)
     message = describe(straggler)
     news = f"{message}: {_measured(straggler)}"
     node = straggler.get("node")

@@ -15,6 +15,7 @@ from tests.unit.test_operator_lifecycle import (
     job,
     kinds,
     placed_status,
+    pod,
     running_gang,
     status_of,
 )
@@ -144,3 +145,19 @@ def test_replace_gives_up_after_max_replacements_and_only_reports():
 def test_ignore_does_nothing_even_with_a_stale_straggler_in_status():
     decision = lifecycle.decide(job(spec_raw("ignore"), **flagged()), running_gang(), at(10))
     assert kinds(decision) == ["PollProgress"]
+
+
+def test_a_failed_gang_restarts_without_its_straggler_and_a_stale_one_replaces_nothing():
+    failed = [running_gang()[0], pod(1, "Failed", exit_code=1)]
+    decision = lifecycle.decide(job(spec_raw("replace"), **flagged()), failed, at(10))
+    status = status_of(decision)
+    assert status["phase"] == "Restarting" and status["straggler"] is None
+    # Every way to a new placement drops it too.
+    placed = lifecycle.placed(job(spec_raw("replace"), **flagged()), ["n2", "n3"], {}, at(11))
+    assert placed["straggler"] is None
+    assert lifecycle.unplaced(job(spec_raw(), **flagged()), at(11), "gone")["straggler"] is None
+    # An entry naming a node the placed gang is not on was measured on another gang: not acted on.
+    moved = flagged(placement=[{"podIndex": 0, "node": "n2"}, {"podIndex": 1, "node": "n3"}])
+    decision = lifecycle.decide(job(spec_raw("replace"), **moved), running_gang(), at(12))
+    assert "DeletePods" not in kinds(decision)
+    assert not condition(decision, conditions.STRAGGLER)

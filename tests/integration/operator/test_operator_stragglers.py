@@ -206,3 +206,57 @@ def _replaced(cluster: Cluster, operator: OperatorProcess, progress: ProgressSer
         and sample.labels == {"namespace": namespace, "trainingjob": "slow"}
     ]
     assert counted == [1.0]
+
+
+def test_a_restarted_gang_does_not_inherit_the_old_gangs_straggler(
+    control_plane_binaries, tmp_path
+):
+    """The straggler was measured on the failed gang: the new gang starts without it (under
+    ``replace`` a stale entry would stop the new gang before its rank 0 was ever asked)."""
+    namespace = "stale-straggler"
+    with (
+        Cluster.private(control_plane_binaries) as cluster,
+        ProgressServer() as progress,
+        Kubelet(cluster, namespace, ip="127.0.0.1"),
+    ):
+        cluster.core.create_namespace({"metadata": {"name": namespace}})
+        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+        operator.start()
+        try:
+            _checkpoint_volume(cluster, namespace)
+            for i in range(3):
+                cluster.add_node(POOL, gpus=1, name=f"stale-n{i}")
+            progress.document = {
+                "step": 60,
+                "loss": 3.0,
+                "updated_at": "2026-01-01T00:01:00Z",
+                "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
+            }
+            cluster.apply(
+                JobBuilder("stale", namespace, POOL)
+                .layout(data=2, gpus_per_node=1)
+                .checkpoint(claimName="ckpt", intervalSteps=20)
+                .metrics(port=progress.port)
+                .run_policy(stragglerPolicy={"action": "report", "threshold": 1.3})
+            )
+            _running_on(cluster, namespace, "stale", 2)
+            wait_for(
+                "the straggler in status",
+                lambda: cluster.status(namespace, "stale").get("straggler"),
+            )
+            # Rank 0 of the next gang has judged nothing yet: its /progress says nothing about stragglers.
+            progress.document = {"step": 60, "loss": 3.0, "updated_at": "2026-01-01T00:02:00Z"}
+            pod = next(
+                p for p in cluster.pods(namespace, "stale") if p.metadata.name.endswith("-1")
+            )
+            cluster.set_pod_phase(namespace, pod.metadata.name, "Failed", exit_code=1)
+            wait_for(
+                "the gang restarted",
+                lambda: cluster.status(namespace, "stale").get("restarts") == 1,
+            )
+            status = _running_on(cluster, namespace, "stale", 2)
+            assert "straggler" not in status, status["straggler"]
+            flag = cluster.condition(namespace, "stale", "Straggler")
+            assert flag["status"] == "False", flag
+        finally:
+            operator.stop()
