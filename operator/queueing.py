@@ -311,6 +311,32 @@ class Gate:
     """The job's label names this other LocalQueue and Kueue holds no quota yet: move the Workload."""
 
 
+def gate_for(
+    workload: Mapping[str, Any] | None, uid: str, queue: Queue | None, spec_hash: str | None
+) -> Gate | None:
+    """Kueue's say over job ``uid`` labelled with ``queue``, given the Workload of its name.
+
+    None: the job is not queued (any more).  A Gate without a state: the job has no
+    Workload yet (the caller reads the priority it gets).  The queue label follows Kueue's
+    rules for its own jobs: a new queue moves a Workload that holds no quota yet and waits
+    while one does; a label removed before admission deletes the Workload, after it the
+    job answers to its Workload's queue until Kueue is done with it.
+    """
+    if workload is not None and not controlled_by(workload, uid):
+        return Gate(name_taken(workload)) if queue is not None else None
+    if workload is None:
+        return Gate(None) if queue is not None else None  # no label: the job left Kueue
+    found = state(workload)
+    held = reserved(workload) or isinstance(found, Finished)
+    if queue is None and not held:
+        return Gate(queue_removed())
+    if spec_hash is not None and not isinstance(found, Finished):
+        found = outdated(workload, spec_hash) or found
+    current = queue_of_workload(workload).name
+    wanted = current if queue is None else queue.name
+    return Gate(found, move_to=wanted if wanted != current and not held else None)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoveWorkload:
     """Point the waiting Workload at the job's new LocalQueue (Kueue's queue-name change)."""

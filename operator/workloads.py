@@ -36,46 +36,24 @@ def now() -> datetime.datetime:
 async def gate(
     client: kube.Client, body: dict[str, Any], queue: queueing.Queue | None
 ) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
-    """Kueue's say over the job (None when it is not queued) and its Workload as read.
-
-    The queue label follows Kueue's rules for its own jobs: a new queue moves a Workload
-    that holds no quota yet, and waits while one does; a label removed before admission
-    deletes the Workload, after it the job answers to its Workload until that is done.
-    """
+    """Kueue's say over the job (None when it is not queued) and its own Workload as read."""
     metadata = body["metadata"]
     if queue is None and not queueing.was_queued(body.get("status") or {}):
         return None, None
     workload = await client.get_workload(
         namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
     )
-    if workload is not None and not queueing.controlled_by(workload, metadata["uid"]):
-        if queue is not None:
-            return queueing.Gate(queueing.name_taken(workload)), None
-        workload = None  # another object's: the job has none of its own
-    if queue is None:
-        if workload is None:
-            return None, None  # decide drops the Queued condition: the job left Kueue
-        state = queueing.state(workload)
-        if not (queueing.reserved(workload) or isinstance(state, queueing.Finished)):
-            return queueing.Gate(queueing.queue_removed()), workload
-        queue = queueing.queue_of_workload(workload)
-    if workload is not None:
-        state = queueing.state(workload)
-        spec = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
-        if spec is not None and not isinstance(state, queueing.Finished):
-            state = queueing.outdated(workload, identity.spec_hash(spec)) or state
-        moved = queueing.queue_of_workload(workload).name != queue.name
-        if moved and queueing.reserved(workload):
-            logger.debug(
-                "%s/%s: queue label names %s; the admitted Workload stays in its queue until "
-                "Kueue holds no quota for it",
-                metadata["namespace"],
-                metadata["name"],
-                queue.name,
-            )
-        move_to = queue.name if moved and not queueing.reserved(workload) else None
-        return queueing.Gate(state, move_to=move_to), workload
-    priority = await priority_of(client, queue, lifecycle.job_state(body).declared)
+    declared = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
+    spec_hash = identity.spec_hash(declared) if declared is not None else None
+    found = queueing.gate_for(workload, metadata["uid"], queue, spec_hash)
+    own = (
+        workload
+        if workload is not None and queueing.controlled_by(workload, metadata["uid"])
+        else None
+    )
+    if found is None or found.state is not None or queue is None:
+        return found, own
+    priority = await priority_of(client, queue, declared)
     if isinstance(priority, queueing.Waiting):
         return queueing.Gate(priority), None
     return queueing.Gate(None, priority), None

@@ -381,3 +381,57 @@ def test_the_gangs_pods_carry_the_flavors_node_labels_and_tolerations():
     assert queueing.assign(pod_manifest, queueing.Assignment()) == pod_manifest
     with pytest.raises(queueing.AssignmentConflict, match="spec.resources.nodeSelector"):
         queueing.assign(placed, queueing.Assignment({"gpu": "a100"}))
+
+
+def _own(queue: str, *conds: tuple[str, str, str], owner: str = "u-1") -> dict[str, Any]:
+    body = workload(
+        *conds, admission=any(c[0] == "QuotaReserved" and c[1] == "True" for c in conds)
+    )
+    body["metadata"]["ownerReferences"] = [
+        {"uid": owner, "controller": True, "kind": "TrainingJob"}
+    ]
+    body["metadata"]["annotations"] = {queueing.SPEC_HASH_ANNOTATION: "h"}
+    body["spec"] = {"queueName": queue}
+    return body
+
+
+WAITING = ("QuotaReserved", "False", "Pending")
+RESERVED = (("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted"))
+Q, SPARE = queueing.Queue("q", None), queueing.Queue("spare", None)
+
+
+@pytest.mark.parametrize(
+    "found,queue,expected",
+    [
+        # no Workload: one is created while labelled; without a label the job is not queued
+        (None, Q, queueing.Gate(None)),
+        (None, None, None),
+        # the same queue: Kueue's state, nothing moves
+        (_own("q", WAITING), Q, queueing.Gate(queueing.Waiting("Pending", "Pending message"))),
+        # a new queue: moved while Kueue holds no quota ...
+        (
+            _own("q", WAITING),
+            SPARE,
+            queueing.Gate(queueing.Waiting("Pending", "Pending message"), move_to="spare"),
+        ),
+        # ... and not while it does (Kueue's immutability while admitted)
+        (_own("q", *RESERVED), SPARE, queueing.Gate(queueing.Admitted("research"))),
+        # the label removed: before admission the Workload goes; after it, it still rules
+        (_own("q", WAITING), None, queueing.Gate(queueing.queue_removed())),
+        (_own("q", *RESERVED), None, queueing.Gate(queueing.Admitted("research"))),
+        # another object's Workload of the job's name: never read as the job's
+        (
+            _own("q", WAITING, owner="other"),
+            Q,
+            queueing.Gate(queueing.name_taken(_own("q", WAITING, owner="other"))),
+        ),
+        (_own("q", WAITING, owner="other"), None, None),
+    ],
+)
+def test_the_queue_label_follows_kueues_rules(found, queue, expected):
+    assert queueing.gate_for(found, "u-1", queue, "h") == expected
+
+
+def test_a_changed_spec_outdates_even_an_admitted_workload():
+    gate = queueing.gate_for(_own("q", *RESERVED), "u-1", Q, "another-hash")
+    assert gate is not None and isinstance(gate.state, queueing.Outdated)
