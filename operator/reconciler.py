@@ -362,25 +362,20 @@ class Reconciler:
         assert job.declared is not None
         ref = job.ref
         async with self.placement_lock:
-            raw_nodes, _ = self._nodes(job.declared.resources.gpu_resource_name)
+            raw_nodes, nodes = self._nodes(job.declared.resources.gpu_resource_name)
             avoid = stragglers.excluded(job.status)
             raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
-            usage = self.cache.usage(without=self._owned_pods(ref))
-            pod = builders.build_pod(ref, job.declared, 0, 0, "")
-            demand = feasibility.demand_of(pod)
-            for size in action.sizes:
-                grown = elastic.resized(job.declared, size)
-                offered, _ = capacity.offered_nodes(
-                    demand,
-                    raw_nodes,
-                    usage,
-                    gpus_per_pod=grown.resources.gpus_per_node,
-                    pods_wanted=grown.pods,
-                )
-                answer = placement.plan(placement_request.request_from_spec(grown), offered, [])
-                if isinstance(answer, placement.Placement):
-                    break
-            else:
+            nodes = [n for n in nodes if n.name not in avoid]
+            demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
+            # Only the size a placement would pick (rules and memory admission included): growing to
+            # one it would not pick rebuilds the gang at the running size, again and again.
+            sized = self._plan_sizes(job, raw_nodes, nodes, demand)
+            size = sized.size
+            if (
+                size is None
+                or size.data <= action.running
+                or not isinstance(sized.answer, placement.Placement)
+            ):
                 return body, job, False
         fields, message = resizing.growing(job.status, action.running, size, _now())
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)

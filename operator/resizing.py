@@ -112,7 +112,9 @@ def grow_due(declared: api_spec.TrainingJobSpec, status: Mapping[str, Any]) -> G
     record = recorded(status)
     if declared.run_policy.elastic is None or record is None:
         return None
-    larger = elastic.larger_sizes(declared, record.data)
+    larger = [
+        size for size, _ in candidates(declared) if size is not None and size.data > record.data
+    ]
     if not larger:
         return None
     newest = status.get("lastCheckpointStep")

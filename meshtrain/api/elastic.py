@@ -119,8 +119,3 @@ def running_spec(spec: TrainingJobSpec, status: ElasticStatus | None) -> Trainin
         return spec
     size = size_at(spec, status.data)
     return spec if size is None else resized(spec, size)
-
-
-def larger_sizes(spec: TrainingJobSpec, running: int) -> list[Size]:
-    """Allowed sizes above ``running`` replicas, largest first (what a shrunk gang may grow to)."""
-    return [s for s in sizes(spec) if s.data > running]

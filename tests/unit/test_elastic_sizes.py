@@ -102,11 +102,6 @@ def test_the_running_spec_follows_the_status_and_the_declared_one_without_it():
     assert elastic.status_of(spec, elastic.size_at(spec, 4), None) is None
 
 
-def test_larger_sizes_are_the_ones_to_grow_to():
-    spec = job(data=4, micro_batches=2, bounds=(1, 4))
-    assert [s.data for s in elastic.larger_sizes(spec, 2)] == [4, 3]
-
-
 @pytest.mark.parametrize(
     "bounds,path,words",
     [

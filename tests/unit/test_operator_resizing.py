@@ -75,6 +75,23 @@ def test_a_smaller_gang_grows_only_at_a_newer_checkpoint(running, recorded_step,
         assert grow.running == running and [s.data for s in grow.sizes] == [4]
 
 
+def test_a_gang_grows_only_to_a_size_a_placement_would_try():
+    """dp6 pp2 on 4-GPU nodes is runnable but breaks the hierarchical all-reduce rule (6 % 4)."""
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=8, pipeline=2, gpus_per_node=4)
+        .parallelism(microBatches=4, allReduce="hierarchical")
+        .run_policy(elastic={"minData": 2, "maxData": 8})
+        .raw()
+    )
+    assert elastic.size_at(spec, 6) is not None
+    placeable = [size.data for size, _ in resizing.candidates(spec)]
+    assert 6 not in placeable and 8 in placeable
+    record = resizing.placed_fields(spec, elastic.size_at(spec, 4), {}, NOW)["elastic"]
+    grow = resizing.grow_due(spec, {"elastic": record, "lastCheckpointStep": 50})
+    assert grow is not None and [s.data for s in grow.sizes] == [8]
+
+
 def test_direction_of_a_change():
     spec = declared()
     assert resizing.change(4, elastic.size_at(spec, 3)) == "shrink"

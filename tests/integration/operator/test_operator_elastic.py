@@ -6,11 +6,14 @@ a deleted node fail) and the trainer's checkpoint report (status.lastCheckpointS
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshtrain.api import loading
+from meshtrain.operator import resizing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_chaos import Kubelet
@@ -39,6 +42,54 @@ def _gang_running(cluster: Cluster, pods: int) -> dict:
         return None
 
     return wait_for(f"{pods} pod(s) of grow Running", ready, timeout=90)
+
+
+def _checkpointed(cluster: Cluster, step: int) -> None:
+    cluster.custom.patch_namespaced_custom_object_status(
+        "meshtrain.io",
+        "v1alpha1",
+        NAMESPACE,
+        "trainingjobs",
+        "grow",
+        {"status": {"lastCheckpointStep": step}},
+    )
+
+
+def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_binaries, tmp_path):
+    """dp6 fits three 4-GPU nodes but breaks the hierarchical all-reduce rule: the gang stays at dp4."""
+    with Cluster.private(control_plane_binaries) as cluster, Kubelet(cluster):
+        cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        for i in range(3):
+            cluster.add_node(POOL, gpus=4, name=f"gpu-{i}")
+        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+        operator.start()
+        try:
+            cluster.apply(
+                JobBuilder("grow", NAMESPACE, POOL)
+                .layout(data=8, pipeline=2, gpus_per_node=4)  # two replicas per pod
+                .parallelism(microBatches=4, allReduce="hierarchical")
+                .run_policy(elastic={"minData": 2, "maxData": 8})
+            )
+            status = _gang_running(cluster, 2)
+            assert status["elastic"]["data"] == 4
+            gang = {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")}
+            _checkpointed(cluster, 50)
+            deadline = time.monotonic() + 2 * resizing.GROW_CHECK_SECONDS + 2
+            while time.monotonic() < deadline:  # two grow checks find room for dp6 only
+                assert {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")} == gang
+                time.sleep(1)
+            reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
+            assert "ElasticGrowing" not in reasons
+
+            cluster.add_node(POOL, gpus=4, name="gpu-3")
+            wait_for(
+                "the gang rebuilt at dp8",
+                lambda: cluster.status(NAMESPACE, "grow").get("elastic", {}).get("data") == 8,
+                timeout=60,
+            )
+            assert _gang_running(cluster, 4)["restarts"] == 0
+        finally:
+            operator.stop()
 
 
 def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
