@@ -107,16 +107,18 @@ def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
 
 
 def describe(straggler: Mapping[str, Any]) -> str:
-    """``rank 3 (pod 1 on node gpu-2) is a straggler since step 40``: who, not how much (stable while flagged)."""
+    """``rank 3 (pod 1 on node gpu-2) is a straggler``: who only, so the condition message (which
+    decides whether an Event is emitted) stays the same while that rank on that node is flagged;
+    how much and since when go into the Event and ``status.straggler``."""
     where = f"pod {straggler.get('podIndex')}"
     if straggler.get("node"):
         where += f" on node {straggler['node']}"
-    since = f" since step {straggler['sinceStep']}" if "sinceStep" in straggler else ""
-    return f"rank {straggler.get('rank')} ({where}) is a straggler{since}"
+    return f"rank {straggler.get('rank')} ({where}) is a straggler"
 
 
 def _measured(straggler: Mapping[str, Any]) -> str:
-    return f"computes {straggler.get('slowdown')}x its data-parallel peers' time"
+    since = f" since step {straggler['sinceStep']}" if "sinceStep" in straggler else ""
+    return f"computes {straggler.get('slowdown')}x its data-parallel peers' time{since}"
 
 
 @dataclasses.dataclass(frozen=True)

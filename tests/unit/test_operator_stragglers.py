@@ -90,9 +90,16 @@ def test_report_sets_the_condition_and_emits_one_event_per_straggler():
     assert "DeletePods" not in kinds(decision)
     found = condition(decision, conditions.STRAGGLER)
     assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_DETECTED
-    assert found["message"] == "rank 3 (pod 1 on node n1) is a straggler since step 40"
+    assert found["message"] == "rank 3 (pod 1 on node n1) is a straggler"
     [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
     assert event.reason == conditions.STRAGGLER_DETECTED and "1.6x" in event.message
+    assert "since step 40" in event.message
+    # The same rank on the same node flagged again from a later step (the trainer cleared and
+    # re-flagged it between two polls): status follows, but no second Event.
+    later = {**flagged(), **status_of(decision)}
+    later["straggler"] = {**later["straggler"], "sinceStep": 52}
+    again = lifecycle.decide(job(spec_raw("report"), **later), running_gang(), at(15))
+    assert not [a for a in again.actions if isinstance(a, lifecycle.Emit)]
     # Applied: the next pass (the slowdown moved) changes nothing and emits nothing.
     again = job(
         spec_raw("report"),
