@@ -170,13 +170,8 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
             f"{FIELD}: {path}: activation_function={raw.get('activation_function', 'gelu_new')!r}; "
             "meshtrain's GPT uses the exact GELU ('gelu')"
         )
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type") or (raw.get("rope_parameters") or {}).get("rope_type")
-    if family == "llama" and rope_type not in (None, "default"):
-        raise HFError(
-            f"{FIELD}: {path}: rope_type={rope_type!r} (rope_scaling); meshtrain's Llama has plain RoPE "
-            "only, so this model's logits cannot be reproduced"
-        )
+    if family == "llama":
+        _check_llama_architecture(raw, path)
     theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
     if theta is None:
         theta = LLAMA_DEFAULT_ROPE_THETA
@@ -184,6 +179,42 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
         raise HFError(
             f"{FIELD}: {path}: rope_theta={theta} but spec.model.ropeTheta={config.rope_theta}"
         )
+
+
+_LLAMA_FIXED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+"""config.json keys whose transformers default is the only architecture meshtrain's Llama has.
+
+``pretraining_tp`` is not among them: it only slices the same matmuls (and
+transformers 5 ignores it), so the logits do not depend on it.
+"""
+
+
+def _rope_settings(raw: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """RoPE settings of a Llama ``config.json``: transformers 5's ``rope_parameters``, the older ``rope_scaling``."""
+    for key in ("rope_parameters", "rope_scaling"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise HFError(f"{FIELD}: {key}={value!r} is not a JSON object")
+        if value:
+            yield key, value
+
+
+def _check_llama_architecture(raw: dict[str, Any], path: Path) -> None:
+    for key, fixed in _LLAMA_FIXED.items():
+        value = raw.get(key, fixed)
+        if value != fixed:
+            raise HFError(
+                f"{FIELD}: {path}: {key}={value!r}; meshtrain's Llama has only {key}={fixed!r}, "
+                "so this model's logits cannot be reproduced"
+            )
+    for key, rope in _rope_settings(raw):
+        rope_type = rope.get("rope_type") or rope.get("type")  # "type": transformers < 4.45
+        scaled = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type")}
+        if rope_type not in (None, "default") or (rope_type is None and scaled):
+            raise HFError(
+                f"{FIELD}: {path}: rope_type={rope_type!r} ({key} {rope}); meshtrain's Llama has "
+                "plain RoPE only, so this model's logits cannot be reproduced"
+            )
 
 
 # --- name maps ----------------------------------------------------------------
@@ -348,6 +379,14 @@ def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
                 f"heads={config.heads}, kvHeads={config.key_value_heads}, ffnHidden={config.ffn_hidden}, "
                 f"vocab={config.vocab})"
             )
+    for key in sorted(set(shapes) - set(expected)):
+        if not _ignored_by_transformers(config, key):
+            raise HFError(
+                f"{FIELD}: {shapes[key][1]}: tensor {key} has no place in the spec's model "
+                f"(spec.model: {config.family}, layers={config.layers}, "
+                f"tieEmbeddings={config.tie_embeddings}); loading it would drop it, so this model's "
+                "logits cannot be reproduced"
+            )
     for key in zero_biases(config):
         if key in shapes:
             with safe_open(str(shapes[key][1]), framework="pt") as handle:
@@ -356,6 +395,15 @@ def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
                         f"{FIELD}: {shapes[key][1]}: {key} is not zero; meshtrain's GPT has no "
                         "linear biases, so this model cannot be loaded exactly"
                     )
+
+
+def _ignored_by_transformers(config: gpt.GPTConfig, key: str) -> bool:
+    """Tensors transformers itself skips or overwrites on load: RoPE and causal-mask buffers, a tied head."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return True
+    if config.family == "gpt" and key.endswith((".attn.bias", ".attn.masked_bias")):
+        return True
+    return key == "lm_head.weight" and config.tie_embeddings
 
 
 def check_spec(job: api_spec.TrainingJobSpec) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mt_harness
 import mt_workers
@@ -41,7 +42,7 @@ def _config(model: dict) -> gpt.GPTConfig:
     return gpt.GPTConfig.from_shape(spec_mod.ModelSpec.model_validate(model).shape())
 
 
-def _hf_model(config: gpt.GPTConfig) -> transformers.PreTrainedModel:
+def _hf_model(config: gpt.GPTConfig, **llama_extra: Any) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     if config.family == "llama":
         hf_config = transformers.LlamaConfig(
@@ -55,6 +56,7 @@ def _hf_model(config: gpt.GPTConfig) -> transformers.PreTrainedModel:
             rope_theta=config.rope_theta,
             rms_norm_eps=config.norm_eps,
             tie_word_embeddings=config.tie_embeddings,
+            **llama_extra,
         )
         model = transformers.LlamaForCausalLM(hf_config)
         with torch.no_grad():  # random norm weights, so a swapped norm would show
@@ -216,3 +218,54 @@ def test_fields_a_config_leaves_out_are_judged_at_transformers_defaults(tmp_path
         hf.check_config(tmp_path, _config(theta_only))
     agreeing = {**LLAMA, "ropeTheta": float(theta), "normEps": float(peer.rms_norm_eps)}
     hf.check_config(tmp_path, _config(agreeing))  # the peer's effective values are accepted
+
+
+@pytest.mark.parametrize(
+    "extra", [{"attention_bias": True}, {"mlp_bias": True}, {"hidden_act": "gelu"}], ids=str
+)
+def test_llama_architecture_meshtrain_lacks_is_refused(extra, tmp_path):
+    config = _config(LLAMA)
+    _hf_model(config, **extra).save_pretrained(tmp_path)
+    [(key, value)] = extra.items()
+    with pytest.raises(hf.HFError, match=f"config.json: {key}={value!r}"):
+        hf.check_directory(tmp_path, config)
+
+
+def test_tensor_the_spec_does_not_map_is_refused_naming_file_and_tensor(tmp_path):
+    config = _config(LLAMA)
+    _hf_model(config).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(config.hidden)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(hf.HFError) as bad:
+        hf.check_directory(tmp_path, config)
+    assert f"{weights}: tensor model.layers.0.self_attn.q_proj.bias has no place" in str(bad.value)
+
+
+def test_pretraining_tp_is_accepted_as_transformers_ignores_it(tmp_path):
+    config = _config(LLAMA)
+    peer = _hf_model(config, pretraining_tp=2)
+    peer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["pretraining_tp"] == 2
+    ours = _meshtrain_from(tmp_path, config)
+    tokens = torch.randint(0, config.vocab, (1, config.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), peer(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [{"type": "linear", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0}, {"factor": 4.0}],
+    ids=str,
+)
+def test_scaled_rope_in_either_spelling_is_refused(scaling, tmp_path):
+    """transformers < 4.45 wrote ``rope_scaling: {type: ...}``; that is no plain RoPE either."""
+    config = _config(LLAMA)
+    _hf_model(config).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    raw["rope_scaling"] = scaling
+    path.write_text(json.dumps(raw))
+    with pytest.raises(hf.HFError, match=r"config.json: rope_type="):
+        hf.check_directory(tmp_path, config)
