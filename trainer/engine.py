@@ -183,7 +183,10 @@ class Engine:
 
         Not with ZeRO-2 (micro-batches are reduce-scattered one by one), ZeRO-3 (FSDP2 reduces; no
         reducer) nor where some gradients are partials until after the reduction: sequence
-        parallelism, replicated key/value heads, embeddings tied across stages.
+        parallelism, replicated key/value heads, embeddings tied across stages.  Nor with
+        ``gradientCompression`` other than none: the all-reduced gradient is then the
+        decompressed approximation (with error feedback, even another step's mass), so
+        |G_big|^2 and the estimate would measure the compression error, not the batch noise.
         """
         reducer = self.model.reducer
         par, data_degree = self.spec.parallelism, self.mesh.layout.data
@@ -192,7 +195,8 @@ class Engine:
             or (self.model.tp_plan is not None and self.model.tp_plan.kv_replicas > 1)
             or (self.config.tie_embeddings and par.pipeline > 1)
         )
-        if reducer is None or data_degree < 2 or par.zero_stage == 2 or partial:
+        compressed = par.gradient_compression.mode != "none"
+        if reducer is None or data_degree < 2 or par.zero_stage == 2 or partial or compressed:
             return None
         reducer.measure_local_norm(
             [p for p, counted in zip(self.params, self._norm_counted) if counted]
