@@ -649,7 +649,10 @@ def _held_by_kueue(
         conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
         conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
         actions += [
-            _changes(job, phase=Phase.PENDING.value, conditions=conds, placement=[]),
+            # Time in the queue is not active time: Kubernetes clears a suspended Job's too.
+            _changes(
+                job, phase=Phase.PENDING.value, conditions=conds, placement=[], startTime=None
+            ),
             Emit(
                 "Warning"
                 if reason in queueing.WARNING_REASONS

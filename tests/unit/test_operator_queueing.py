@@ -435,3 +435,26 @@ def test_the_queue_label_follows_kueues_rules(found, queue, expected):
 def test_a_changed_spec_outdates_even_an_admitted_workload():
     gate = queueing.gate_for(_own("q", *RESERVED), "u-1", Q, "another-hash")
     assert gate is not None and isinstance(gate.state, queueing.Outdated)
+
+
+def _applied(
+    raw: dict[str, Any], state: lifecycle.JobState, decision: lifecycle.Decision
+) -> lifecycle.JobState:
+    """``state`` after the decision's status patch (a None value removes the field)."""
+    status = dict(state.status)
+    for action in decision.actions:
+        if isinstance(action, lifecycle.SetStatus):
+            status.update(action.changes)
+    return job(raw, **{k: v for k, v in status.items() if v is not None})
+
+
+def test_time_waiting_in_the_queue_after_a_preemption_is_not_active_time():
+    # Kubernetes clears a suspended Job's startTime; activeDeadlineSeconds counts only running time.
+    raw = JobBuilder().layout(data=2, gpus_per_node=1).run_policy(activeDeadlineSeconds=3600).raw()
+    running = job(raw, **placed_status(phase="Running"))
+    evicted = queueing.Gate(queueing.Evicted("Preempted", "preempted by urgent", holds_quota=False))
+    waiting = _applied(raw, running, lifecycle.decide(running, [], at(10), evicted))
+    assert "startTime" not in waiting.status
+    readmitted = lifecycle.decide(waiting, [], at(7200), queueing.Gate(queueing.Admitted("q")))
+    assert lifecycle.Place in _types(readmitted)
+    assert "DeadlineExceeded" not in str(readmitted.actions)
