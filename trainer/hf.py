@@ -98,7 +98,8 @@ def _architecture(config: gpt.GPTConfig) -> dict[str, Any]:
             "head_dim": config.head_dim,
             "max_position_embeddings": config.seq_len,
             "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "rope_parameters": _rope_config(config),
+            **({"rope_scaling": _rope_config(config)} if config.rope_scaling else {}),
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
@@ -171,7 +172,7 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
             "meshtrain's GPT uses the exact GELU ('gelu')"
         )
     if family == "llama":
-        _check_llama_architecture(raw, path)
+        _check_llama_architecture(raw, path, config)
     theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
     if theta is None:
         theta = LLAMA_DEFAULT_ROPE_THETA
@@ -199,7 +200,45 @@ def _rope_settings(raw: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
             yield key, value
 
 
-def _check_llama_architecture(raw: dict[str, Any], path: Path) -> None:
+_LLAMA3_KEYS = (
+    ("factor", "factor"),
+    ("low_freq_factor", "lowFreqFactor"),
+    ("high_freq_factor", "highFreqFactor"),
+    ("original_max_position_embeddings", "originalMaxPositionEmbeddings"),
+)
+"""(config.json key, spec.model.ropeScaling field) of transformers' ``rope_type: llama3``."""
+
+
+def _rope_config(config: gpt.GPTConfig) -> dict[str, Any]:
+    scaling = config.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": config.rope_theta,
+        **{key: getattr(scaling, key) for key, _ in _LLAMA3_KEYS},
+    }
+
+
+def _check_llama3(rope: dict[str, Any], path: Path, config: gpt.GPTConfig) -> None:
+    scaling = config.rope_scaling
+    file_values = {key: rope.get(key) for key, _ in _LLAMA3_KEYS}
+    spec_yaml = ", ".join(f"{field}: {rope.get(key)}" for key, field in _LLAMA3_KEYS)
+    if scaling is None:
+        raise HFError(
+            f"{FIELD}: {path}: rope_type='llama3' {file_values} but spec.model.ropeScaling is empty: "
+            f"set spec.model.ropeScaling: {{{spec_yaml}}}"
+        )
+    for key, field in _LLAMA3_KEYS:
+        mine = getattr(scaling, key)
+        if rope.get(key) is None or float(rope[key]) != float(mine):
+            raise HFError(
+                f"{FIELD}: {path}: rope_scaling {key}={rope.get(key)!r} but "
+                f"spec.model.ropeScaling.{field}={mine!r}: set spec.model.ropeScaling: {{{spec_yaml}}}"
+            )
+
+
+def _check_llama_architecture(raw: dict[str, Any], path: Path, config: gpt.GPTConfig) -> None:
     for key, fixed in _LLAMA_FIXED.items():
         value = raw.get(key, fixed)
         if value != fixed:
@@ -207,14 +246,24 @@ def _check_llama_architecture(raw: dict[str, Any], path: Path) -> None:
                 f"{FIELD}: {path}: {key}={value!r}; meshtrain's Llama has only {key}={fixed!r}, "
                 "so this model's logits cannot be reproduced"
             )
+    llama3 = False
     for key, rope in _rope_settings(raw):
         rope_type = rope.get("rope_type") or rope.get("type")  # "type": transformers < 4.45
+        if rope_type == "llama3":
+            _check_llama3(rope, path, config)
+            llama3 = True
+            continue
         scaled = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type")}
         if rope_type not in (None, "default") or (rope_type is None and scaled):
             raise HFError(
                 f"{FIELD}: {path}: rope_type={rope_type!r} ({key} {rope}); meshtrain's Llama has "
-                "plain RoPE only, so this model's logits cannot be reproduced"
+                "plain RoPE and Llama 3.1's (llama3) only, so this model's logits cannot be reproduced"
             )
+    if config.rope_scaling is not None and not llama3:
+        raise HFError(
+            f"{FIELD}: {path}: no rope_type='llama3' in rope_scaling / rope_parameters but "
+            "spec.model.ropeScaling is set: leave spec.model.ropeScaling empty for this model"
+        )
 
 
 # --- name maps ----------------------------------------------------------------

@@ -16,6 +16,8 @@ whole sequence, after the gather.  Imports only torch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,15 +26,34 @@ from meshtrain.trainer import model as gpt
 
 
 def rope_tables(
-    seq: int, head_dim: int, theta: float, device: torch.device
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: gpt.RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, rotary frequency), each (T, head_dim), fp32."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     )
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd): rotate-half layout
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: gpt.RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rewrite: long wavelengths slowed by ``factor``, short ones kept, the band between blended."""
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    long = wavelength > context / scaling.low_freq_factor
+    short = wavelength < context / scaling.high_freq_factor
+    blend = (context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    return torch.where(long, inv_freq / scaling.factor, torch.where(short, inv_freq, blended))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +74,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
         self.group = config.heads // config.key_value_heads
         """Query heads per key/value head (fewer on a tensor rank whose key/value head is replicated)."""
         q_rows, kv_rows = config.heads * config.head_dim, config.key_value_heads * config.head_dim
@@ -72,7 +94,7 @@ class Attention(nn.Module):
         q = q.view(batch, seq, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
-        cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.group > 1

@@ -35,6 +35,27 @@ from torch.utils.checkpoint import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency rewrite (transformers' ``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_spec(cls, spec) -> RopeScaling | None:  # noqa: ANN001 - api.spec.RopeScaling or None
+        if spec is None:
+            return None
+        return cls(
+            spec.factor,
+            spec.low_freq_factor,
+            spec.high_freq_factor,
+            spec.original_max_position_embeddings,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape of the decoder."""
 
@@ -62,6 +83,8 @@ class GPTConfig:
     """RoPE base frequency (llama)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon (llama)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's RoPE frequency rewrite (llama); None: plain RoPE."""
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +111,7 @@ class GPTConfig:
             tie_embeddings=shape.tie_embeddings,
             rope_theta=shape.rope_theta,
             norm_eps=shape.norm_eps,
+            rope_scaling=RopeScaling.from_spec(getattr(shape, "rope_scaling", None)),
         )
 
 

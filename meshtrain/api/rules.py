@@ -107,6 +107,23 @@ def _hidden_split_over_heads(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _rope_scaling_frequency_band(spec: TrainingJobSpec) -> str | None:
+    scaling = spec.model.shape().rope_scaling
+    if scaling is not None and scaling.low_freq_factor >= scaling.high_freq_factor:
+        return (
+            f"lowFreqFactor={scaling.low_freq_factor} is not below highFreqFactor={scaling.high_freq_factor}; "
+            "the blended band between them would be empty (Llama 3.1 uses 1 and 4)"
+        )
+    return None
+
+
+def _rope_scaling_needs_llama(spec: TrainingJobSpec) -> str | None:
+    shape = spec.model.shape()
+    if shape.rope_scaling is not None and shape.family != "llama":
+        return f"ropeScaling is set but family={shape.family}; only the llama family has RoPE: remove it"
+    return None
+
+
 def _vocab_split_over_tensor(spec: TrainingJobSpec) -> str | None:
     shape, tp = spec.model.shape(), spec.parallelism.tensor
     if shape.vocab % tp:
@@ -506,6 +523,20 @@ RULES: tuple[Rule, ...] = (
         "!has(self.model.hidden) || !has(self.model.heads) || self.model.hidden % self.model.heads == 0",
         "model.hidden must be divisible by model.heads",
         _hidden_split_over_heads,
+    ),
+    Rule(
+        "rope-scaling-frequency-band",
+        "spec.model.ropeScaling.highFreqFactor",
+        "!has(self.model.ropeScaling) || self.model.ropeScaling.lowFreqFactor < self.model.ropeScaling.highFreqFactor",
+        "model.ropeScaling.lowFreqFactor must be below model.ropeScaling.highFreqFactor",
+        _rope_scaling_frequency_band,
+    ),
+    Rule(
+        "rope-scaling-needs-llama",
+        "spec.model.ropeScaling",
+        "!has(self.model.ropeScaling) || (has(self.model.family) ? self.model.family == 'llama' : (has(self.model.preset) && self.model.preset.startsWith('llama')))",
+        "model.ropeScaling needs the llama family (GPT has no RoPE)",
+        _rope_scaling_needs_llama,
     ),
     Rule(
         "vocab-split-over-tensor",

@@ -316,6 +316,23 @@ class Resources(_Model):
     )
 
 
+class RopeScaling(_Model):
+    """Llama 3.1's RoPE frequency rewrite (transformers' ``rope_type: llama3``)."""
+
+    factor: float = Field(gt=0, description="Divisor of the low (long-wavelength) frequencies.")
+    low_freq_factor: float = Field(
+        gt=0,
+        description="Wavelengths above originalMaxPositionEmbeddings / lowFreqFactor are divided by factor.",
+    )
+    high_freq_factor: float = Field(
+        gt=0,
+        description="Wavelengths below originalMaxPositionEmbeddings / highFreqFactor are kept; between the two they are blended.",
+    )
+    original_max_position_embeddings: int = Field(
+        ge=1, description="Context length the model was pretrained at (8192 for Llama 3.1)."
+    )
+
+
 class ModelShape(_Model):
     """A resolved decoder shape (no preset names left)."""
 
@@ -329,6 +346,9 @@ class ModelShape(_Model):
     kv_heads: int = Field(0, ge=0, description="Key/value heads (llama); 0 means heads.")
     tie_embeddings: bool = Field(False, description="LM head shares the token embedding.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base (llama).")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama 3.1 RoPE frequency rewrite (llama); none: plain RoPE."
+    )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon (llama).")
 
     @property
@@ -364,6 +384,7 @@ SHAPE_OVERRIDES = (
     "kv_heads",
     "tie_embeddings",
     "rope_theta",
+    "rope_scaling",
     "norm_eps",
 )
 """ModelSpec fields that override a preset's value in the resolved shape."""
@@ -396,6 +417,11 @@ class ModelSpec(_Model):
     )
     norm_eps: float | None = Field(
         None, gt=0, description="RMSNorm epsilon (llama). Empty: the preset's, else 1e-5."
+    )
+    rope_scaling: RopeScaling | None = Field(
+        None,
+        description="Llama 3.1's RoPE frequency rewrite (llama; transformers' rope_type llama3). "
+        "Empty: plain RoPE.",
     )
     init: ModelInit = Field(
         default_factory=ModelInit,

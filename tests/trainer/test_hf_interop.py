@@ -269,3 +269,39 @@ def test_scaled_rope_in_either_spelling_is_refused(scaling, tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(hf.HFError, match=r"config.json: rope_type="):
         hf.check_directory(tmp_path, config)
+
+
+LLAMA3_SCALING = {  # one frequency kept, one blended, the rest slowed down (head_dim 16)
+    "factor": 4.0,
+    "low_freq_factor": 0.25,
+    "high_freq_factor": 2.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def test_llama3_scaled_rope_imports_and_exports_with_transformers_logits(tmp_path):
+    """Llama 3.1's rope_type llama3, compared past original_max_position_embeddings (16 of 32)."""
+    spec_scaling = {
+        "factor": 4.0,
+        "lowFreqFactor": 0.25,
+        "highFreqFactor": 2.0,
+        "originalMaxPositionEmbeddings": 16,
+    }
+    model = {**LLAMA, "hidden": 64, "ropeScaling": spec_scaling}
+    config = _config(model)
+    peer = _hf_model(config, rope_scaling={"rope_type": "llama3", **LLAMA3_SCALING})
+    peer.save_pretrained(tmp_path / "in")
+    with pytest.raises(hf.HFError, match="set spec.model.ropeScaling: {factor: 4.0"):
+        hf.check_config(tmp_path / "in", _config({**LLAMA, "hidden": 64}))
+    ours = _meshtrain_from(tmp_path / "in", config)
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        expected = peer(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)
+        plain = llama.build(_config({**LLAMA, "hidden": 64})).eval()  # same weights, plain RoPE
+        plain.load_state_dict(ours.state_dict())
+        assert (plain(tokens) - expected)[:, 16:].abs().max() > 1e-3  # the rewrite matters here
+    hf.write(tmp_path / "out", config, dict(ours.named_parameters()))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)

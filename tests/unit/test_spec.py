@@ -217,6 +217,34 @@ INVALID = [
         ["rank=40", "64/2", "at most 32"],
     ),
     (
+        "llama3 RoPE scaling with an empty blended band",
+        JobBuilder().model(
+            preset="llama-tiny",
+            ropeScaling={
+                "factor": 8,
+                "lowFreqFactor": 4,
+                "highFreqFactor": 1,
+                "originalMaxPositionEmbeddings": 16,
+            },
+        ),
+        "spec.model.ropeScaling.highFreqFactor",
+        ["lowFreqFactor=4.0", "highFreqFactor=1.0"],
+    ),
+    (
+        "RoPE scaling on a GPT",
+        JobBuilder().model(
+            preset="tiny",
+            ropeScaling={
+                "factor": 8,
+                "lowFreqFactor": 1,
+                "highFreqFactor": 4,
+                "originalMaxPositionEmbeddings": 16,
+            },
+        ),
+        "spec.model.ropeScaling",
+        ["family=gpt"],
+    ),
+    (
         "pod label the operator selects by",
         JobBuilder().pod(labels={"meshtrain.io/job": "other"}),
         "spec.pod.labels",
