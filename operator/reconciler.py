@@ -401,6 +401,7 @@ class Reconciler:
             logger.debug("progress of %s unavailable: %s", action.pod, err)
             return body, job, False
         changes = progress_status.status_changes(report)
+        changes |= resizing.baseline(job.status, changes)
         if job.spec is not None:
             changes |= stragglers.observed(job.spec, job.status, report, _now())
         if not changes:

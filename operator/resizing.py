@@ -3,7 +3,8 @@
 A placement tries the allowed data-parallel degrees largest first (``meshtrain.api.elastic``),
 so a gang that lost a node resumes at the largest degree that fits.  A gang running below its
 largest degree is checked for room to grow once it has published a checkpoint newer than the
-one it resumed from; growing is a rebuild like a spec change (the old pods checkpoint the step
+one it resumed from (the step its first report states, as the trainer reports the checkpoint it
+restored; the status at placement may predate the old gang's last checkpoint); growing is a rebuild like a spec change (the old pods checkpoint the step
 they stop at, nothing counts as a failure).  Pure: no I/O.
 """
 
@@ -72,7 +73,8 @@ def placed_fields(
     """Status fields of a gang placed at ``size``: ``elastic`` and the ``Resized`` condition."""
     if size is None:
         return {}
-    record = elastic.status_of(declared, size, status.get("lastCheckpointStep"))
+    # The checkpoint the new gang resumes from is only known from its first report (see baseline).
+    record = elastic.status_of(declared, size, None)
     conds = list(status.get("conditions") or [])
     if record is None:
         message = f"running at parallelism.data={size.data}"
@@ -84,7 +86,7 @@ def placed_fields(
             "microBatches": size.micro_batches,
             "globalBatch": size.global_batch,
             "learningRate": declared.training.learning_rates(declared.parallelism)[0],
-            "checkpointStep": status.get("lastCheckpointStep"),
+            "checkpointStep": None,
             "message": message,
         }
     else:
@@ -118,9 +120,22 @@ def grow_due(declared: api_spec.TrainingJobSpec, status: Mapping[str, Any]) -> G
     if not larger:
         return None
     newest = status.get("lastCheckpointStep")
-    if newest is None or (record.checkpoint_step is not None and newest <= record.checkpoint_step):
+    if record.checkpoint_step is None or newest is None or newest <= record.checkpoint_step:
         return None
     return Grow(record.data, tuple(larger))
+
+
+def baseline(status: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``status.elastic`` with the checkpoint the placed gang resumed from, at its first report stating one.
+
+    Empty when already known or when the report states none (a gang that restored nothing takes its
+    first saved checkpoint as the baseline).
+    """
+    raw = status.get("elastic")
+    step = changes.get("lastCheckpointStep")
+    if not raw or step is None or raw.get("checkpointStep") is not None:
+        return {}
+    return {"elastic": {**raw, "checkpointStep": step}}
 
 
 def growing(

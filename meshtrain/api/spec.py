@@ -889,7 +889,10 @@ class ElasticStatus(_Model):
     )
     checkpoint_step: int | None = Field(
         None,
-        description="lastCheckpointStep when the gang was placed at this size; it grows only after a newer one.",
+        description=(
+            "Checkpoint step the gang placed at this size resumed from, as its first progress report "
+            "states it (unset until then); it grows only after a newer one."
+        ),
     )
     message: str = Field("", description="What changed and why.")
 

@@ -50,7 +50,8 @@ def test_placed_fields_state_the_size_and_the_condition(data, reason, condition)
     fields = resizing.placed_fields(
         spec, elastic.size_at(spec, data), {"lastCheckpointStep": 7}, NOW
     )
-    assert fields["elastic"]["data"] == data and fields["elastic"]["checkpointStep"] == 7
+    # lastCheckpointStep 7 may predate the old gang's last checkpoint: unknown until the new gang reports
+    assert fields["elastic"]["data"] == data and fields["elastic"]["checkpointStep"] is None
     [resized] = [c for c in fields["conditions"] if c["type"] == "Resized"]
     assert (resized["status"], resized["reason"]) == (condition, reason)
 
@@ -60,7 +61,7 @@ def test_placed_fields_state_the_size_and_the_condition(data, reason, condition)
     [
         (3, 10, 10, False),  # no checkpoint since the shrink
         (3, 10, 20, True),
-        (3, None, 5, True),  # placed before any checkpoint
+        (3, None, 5, False),  # the new gang has not reported the checkpoint it resumed from
         (3, None, None, False),
         (4, 10, 20, False),  # already at maxData
     ],
@@ -88,8 +89,24 @@ def test_a_gang_grows_only_to_a_size_a_placement_would_try():
     placeable = [size.data for size, _ in resizing.candidates(spec)]
     assert 6 not in placeable and 8 in placeable
     record = resizing.placed_fields(spec, elastic.size_at(spec, 4), {}, NOW)["elastic"]
+    record["checkpointStep"] = 0
     grow = resizing.grow_due(spec, {"elastic": record, "lastCheckpointStep": 50})
     assert grow is not None and [s.data for s in grow.sizes] == [8]
+
+
+def test_the_baseline_is_the_checkpoint_the_new_gang_first_reports():
+    """Placed when status said 100; the old gang's graceful stop saved 130, which the new gang restores."""
+    spec = declared()
+    status = {"lastCheckpointStep": 100}
+    status |= resizing.placed_fields(spec, elastic.size_at(spec, 3), status, NOW)
+    assert resizing.grow_due(spec, status) is None
+    first = {"lastCheckpointStep": 130}
+    status |= first | resizing.baseline(status, first)
+    assert status["elastic"]["checkpointStep"] == 130
+    assert resizing.grow_due(spec, status) is None  # not at once: 130 is where it resumed
+    assert resizing.baseline(status, {"lastCheckpointStep": 180}) == {}
+    status["lastCheckpointStep"] = 180
+    assert resizing.grow_due(spec, status) is not None
 
 
 def test_direction_of_a_change():

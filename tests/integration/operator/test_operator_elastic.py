@@ -2,7 +2,7 @@
 under a running gang and no equal replacement exists, so the job resumes at the largest
 data-parallel degree that fits with the same global batch; the node comes back and, at the
 next checkpoint, the gang grows back.  The test plays the kubelet (a bound pod runs; the pods of
-a deleted node fail) and the trainer's checkpoint report (status.lastCheckpointStep)."""
+a deleted node fail) and rank 0's /progress (a new gang first reports the checkpoint it restored)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from meshtrain.operator import resizing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_chaos import Kubelet
+from tests.integration.operator.test_operator_stragglers import ProgressServer
 
 pytestmark = pytest.mark.integration
 
@@ -44,42 +45,64 @@ def _gang_running(cluster: Cluster, pods: int) -> dict:
     return wait_for(f"{pods} pod(s) of grow Running", ready, timeout=90)
 
 
-def _checkpointed(cluster: Cluster, step: int) -> None:
-    cluster.custom.patch_namespaced_custom_object_status(
-        "meshtrain.io",
-        "v1alpha1",
-        NAMESPACE,
-        "trainingjobs",
-        "grow",
-        {"status": {"lastCheckpointStep": step}},
+NOTHING_YET = {"step": 0, "updated_at": None}
+"""What rank 0 serves before its first step: the operator sees no checkpoint from it."""
+
+
+def _report(step: int) -> dict:
+    """Rank 0's /progress at ``step`` with a checkpoint there (restored or saved)."""
+    return {
+        "step": step,
+        "loss": 4.0,
+        "updated_at": "2026-01-01T00:00:00Z",
+        "last_checkpoint_step": step,
+    }
+
+
+def _seen(cluster: Cluster, field: str, step: int) -> None:
+    wait_for(
+        f"{field} {step}", lambda: cluster.status(NAMESPACE, "grow").get(field) == step, timeout=60
     )
+
+
+def _unchanged_through_grow_checks(cluster: Cluster) -> None:
+    """Two grow checks pass and the gang is the same pods."""
+    gang = {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")}
+    deadline = time.monotonic() + 2 * resizing.GROW_CHECK_SECONDS + 2
+    while time.monotonic() < deadline:
+        assert {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")} == gang
+        time.sleep(1)
+    reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
+    assert "ElasticGrowing" not in reasons
 
 
 def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_binaries, tmp_path):
     """dp6 fits three 4-GPU nodes but breaks the hierarchical all-reduce rule: the gang stays at dp4."""
-    with Cluster.private(control_plane_binaries) as cluster, Kubelet(cluster):
+    with (
+        Cluster.private(control_plane_binaries) as cluster,
+        ProgressServer() as progress,
+        Kubelet(cluster, NAMESPACE, ip="127.0.0.1"),
+    ):
         cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
         for i in range(3):
             cluster.add_node(POOL, gpus=4, name=f"gpu-{i}")
         operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
         operator.start()
         try:
+            progress.document = _report(50)
             cluster.apply(
                 JobBuilder("grow", NAMESPACE, POOL)
                 .layout(data=8, pipeline=2, gpus_per_node=4)  # two replicas per pod
                 .parallelism(microBatches=4, allReduce="hierarchical")
                 .run_policy(elastic={"minData": 2, "maxData": 8})
+                .metrics(port=progress.port)
             )
             status = _gang_running(cluster, 2)
             assert status["elastic"]["data"] == 4
-            gang = {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")}
-            _checkpointed(cluster, 50)
-            deadline = time.monotonic() + 2 * resizing.GROW_CHECK_SECONDS + 2
-            while time.monotonic() < deadline:  # two grow checks find room for dp6 only
-                assert {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")} == gang
-                time.sleep(1)
-            reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
-            assert "ElasticGrowing" not in reasons
+            _seen(cluster, "lastCheckpointStep", 50)
+            progress.document = _report(100)
+            _seen(cluster, "lastCheckpointStep", 100)
+            _unchanged_through_grow_checks(cluster)  # they find room for dp6 only
 
             cluster.add_node(POOL, gpus=4, name="gpu-3")
             wait_for(
@@ -95,7 +118,11 @@ def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_
 def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
     control_plane_binaries, tmp_path
 ):
-    with Cluster.private(control_plane_binaries) as cluster, Kubelet(cluster) as kubelet:
+    with (
+        Cluster.private(control_plane_binaries) as cluster,
+        ProgressServer() as progress,
+        Kubelet(cluster, NAMESPACE, ip="127.0.0.1") as kubelet,
+    ):
         cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
         nodes = [cluster.add_node(POOL, gpus=2, name=f"gpu-{i}") for i in range(4)]
         operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
@@ -107,11 +134,16 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
                 .parallelism(microBatches=3)
                 .training(microBatch=2, lrScaling={"rule": "linear", "referenceBatch": 24})
                 .run_policy(elastic={"minData": 2, "maxData": 4})
+                .metrics(port=progress.port)
             )
             declared = loading.parse_spec(job.raw())
+            progress.document = _report(100)
             cluster.apply(job)
             status = _gang_running(cluster, 4)
             assert status["elastic"]["data"] == 4 and status["layout"] == "dp4·pp1·tp2"
+            _seen(cluster, "lastCheckpointStep", 100)
+            # The old gang saves step 120 before it stops, and no poll sees it.
+            progress.document = NOTHING_YET
 
             cluster.core.delete_node(nodes[3])
             kubelet.lose(nodes[3])
@@ -130,17 +162,16 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
             reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
             assert "ElasticShrunk" in reasons
 
+            progress.document = _report(
+                120
+            )  # the new gang restored 120: newer than the status said
+            _seen(cluster, "lastCheckpointStep", 120)
             kubelet.gone.discard(nodes[3])
             cluster.add_node(POOL, gpus=2, name=nodes[3])
-            # Room again, but the gang waits for its next checkpoint.
-            cluster.custom.patch_namespaced_custom_object_status(
-                "meshtrain.io",
-                "v1alpha1",
-                NAMESPACE,
-                "trainingjobs",
-                "grow",
-                {"status": {"lastCheckpointStep": (status.get("lastCheckpointStep") or 0) + 50}},
-            )
+            _unchanged_through_grow_checks(
+                cluster
+            )  # room again, but it waits for its next checkpoint
+            progress.document = _report(170)
             status = _gang_running(cluster, 4)
             assert _running_spec(cluster).parallelism.data == 4
             assert status["elastic"]["data"] == 4 and status["restarts"] == 1
