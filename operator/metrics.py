@@ -151,6 +151,11 @@ def observe_job(
         data_degree=_data_degree(spec, status),
         straggler_replacements=int(status.get("stragglerReplacements") or 0),
     )
+    if (spec.get("runPolicy") or {}).get(
+        "elastic"
+    ):  # each direction's series from 0, not from its first resize
+        for direction in RESIZE_DIRECTIONS:
+            ELASTIC_RESIZES.labels(namespace=key[0], trainingjob=key[1], direction=direction)
     uid = _jobs[key].uid
     if phase != api_spec.Phase.RUNNING.value or uid in _reached_running:
         return
@@ -168,6 +173,9 @@ def _data_degree(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[in
     return running, int(declared)
 
 
+RESIZE_DIRECTIONS = ("shrink", "grow")
+
+
 def resized(namespace: str, name: str, direction: str) -> None:
     """Count one elastic size change of a job's gang (``shrink`` or ``grow``)."""
     ELASTIC_RESIZES.labels(namespace=namespace, trainingjob=name, direction=direction).inc()
@@ -176,7 +184,7 @@ def resized(namespace: str, name: str, direction: str) -> None:
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted job, its restart counter included (a series per job ever seen would only grow)."""
     RESTARTS.remove(namespace, name)  # a no-op for a job never restarted
-    for direction in ("shrink", "grow"):
+    for direction in RESIZE_DIRECTIONS:
         ELASTIC_RESIZES.remove(namespace, name, direction)
     view = _jobs.pop((namespace, name), None)
     if view is not None:

@@ -132,6 +132,23 @@ def test_a_deleted_job_leaves_no_restart_counter_behind(job_name):
     metrics.forget("ns", "never-restarted")
 
 
+def test_an_elastic_job_has_both_resize_series_from_zero(job_name):
+    elastic = body(job_name, "Running")
+    elastic["spec"]["runPolicy"]["elastic"] = {"minData": 2, "maxData": 4}
+    metrics.observe_job(elastic, unschedulable=False, placed_condition=None)
+    metrics.observe_job(
+        body(f"{job_name}-fixed", "Running"), unschedulable=False, placed_condition=None
+    )
+    for direction in ("shrink", "grow"):
+        key = {"namespace": "ns", "trainingjob": job_name, "direction": direction}
+        assert sample("meshtrain_operator_elastic_resizes_total", **key) == 0
+        fixed = {**key, "trainingjob": f"{job_name}-fixed"}
+        assert sample("meshtrain_operator_elastic_resizes_total", **fixed) is None
+    metrics.forget("ns", f"{job_name}-fixed")
+    metrics.forget("ns", job_name)
+    assert sample("meshtrain_operator_elastic_resizes_total", **key) is None
+
+
 def test_a_replica_that_stands_by_reports_no_job(job_name):
     metrics.observe_job(body(job_name, "Failed"), unschedulable=False, placed_condition=None)
     metrics.RESTARTS.labels(namespace="ns", trainingjob=job_name).inc()

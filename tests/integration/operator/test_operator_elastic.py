@@ -65,6 +65,16 @@ def _seen(cluster: Cluster, field: str, step: int) -> None:
     )
 
 
+def _resizes(operator: OperatorProcess) -> dict[str, float]:
+    return {
+        sample.labels["direction"]: sample.value
+        for family in text_string_to_metric_families(operator.metrics())
+        for sample in family.samples
+        if sample.name == "meshtrain_operator_elastic_resizes_total"
+        and sample.labels["trainingjob"] == "grow"
+    }
+
+
 def _unchanged_through_grow_checks(cluster: Cluster) -> None:
     """Two grow checks pass and the gang is the same pods."""
     gang = {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")}
@@ -142,6 +152,10 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
             status = _gang_running(cluster, 4)
             assert status["elastic"]["data"] == 4 and status["layout"] == "dp4·pp1·tp2"
             _seen(cluster, "lastCheckpointStep", 100)
+            assert _resizes(operator) == {
+                "shrink": 0.0,
+                "grow": 0.0,
+            }  # both series before any resize
             # The old gang saves step 120 before it stops, and no poll sees it.
             progress.document = NOTHING_YET
 
@@ -177,13 +191,6 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
             assert status["elastic"]["data"] == 4 and status["restarts"] == 1
             resized = cluster.condition(NAMESPACE, "grow", "Resized")
             assert resized["status"] == "False" and resized["reason"] == "DeclaredSize"
-            resizes = {
-                sample.labels["direction"]: sample.value
-                for family in text_string_to_metric_families(operator.metrics())
-                for sample in family.samples
-                if sample.name == "meshtrain_operator_elastic_resizes_total"
-                and sample.labels["trainingjob"] == "grow"
-            }
-            assert resizes == {"shrink": 1.0, "grow": 1.0}
+            assert _resizes(operator) == {"shrink": 1.0, "grow": 1.0}
         finally:
             operator.stop()
