@@ -146,6 +146,10 @@ class Engine:
         tokens = data.open_dataset(training, vocab=self.config.vocab, seq_len=self.config.seq_len)
         self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
         """Begin/end-of-text ids of the data's tokenizer; checkpoints carry them to ``meshtrain export``."""
+        self.hf_max_positions = (
+            hf.max_positions(spec.model.init.from_hf) if spec.model.init.from_hf else None
+        )
+        """The imported model's ``max_position_embeddings``; checkpoints carry it to ``meshtrain export``."""
         tokens, held_out = data.open_eval(
             training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
         )

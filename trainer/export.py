@@ -119,6 +119,7 @@ def export(
         lambda names: read_params(directory, names),
         max_shard_bytes=max_shard_bytes,
         token_ids=token_ids,
+        max_positions=marker.extra.get("max_position_embeddings"),
     )
 
 

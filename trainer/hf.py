@@ -74,14 +74,27 @@ _GPT2_FIELDS = (
 
 
 def hf_config(
-    config: gpt.GPTConfig, token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN
+    config: gpt.GPTConfig,
+    token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+    max_positions: int | None = None,
 ) -> dict[str, Any]:
     """The ``config.json`` transformers builds this model from.
 
     Token ids are written even when unknown (null): left out, transformers
     would assume its config class's defaults, which name arbitrary tokens.
+    ``max_positions`` is the imported model's ``max_position_embeddings``:
+    training at a shorter ``seqLen`` does not shrink the context it was made for.
     """
-    return {**_architecture(config), **token_ids.to_json()}
+    architecture = _architecture(config)
+    if config.family == "llama":
+        architecture["max_position_embeddings"] = max(config.seq_len, max_positions or 0)
+    return {**architecture, **token_ids.to_json()}
+
+
+def max_positions(directory: str | Path) -> int | None:
+    """``max_position_embeddings`` of a Hugging Face directory's ``config.json`` (None when it names none)."""
+    value = _read_config(Path(directory)).get("max_position_embeddings")
+    return value if isinstance(value, int) else None
 
 
 def generation_config(token_ids: special_tokens.TokenIds) -> dict[str, Any]:
@@ -502,6 +515,7 @@ def write_sharded(
     *,
     max_shard_bytes: int,
     token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+    max_positions: int | None = None,
 ) -> list[Path]:
     """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes``; returns the files.
 
@@ -544,7 +558,9 @@ def write_sharded(
         }
         (directory / WEIGHTS_INDEX).write_text(json.dumps(index_doc, indent=2) + "\n")
         files.append(directory / WEIGHTS_INDEX)
-    (directory / CONFIG).write_text(json.dumps(hf_config(config, token_ids), indent=2) + "\n")
+    (directory / CONFIG).write_text(
+        json.dumps(hf_config(config, token_ids, max_positions), indent=2) + "\n"
+    )
     (directory / GENERATION_CONFIG).write_text(
         json.dumps(generation_config(token_ids), indent=2) + "\n"
     )
@@ -563,6 +579,7 @@ def write(
     *,
     max_shard_bytes: int = 1 << 62,
     token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+    max_positions: int | None = None,
 ) -> list[Path]:
     """:func:`write_sharded` for parameters already in memory (meshtrain names)."""
     return write_sharded(
@@ -572,4 +589,5 @@ def write(
         lambda names: {n: dense[n] for n in names},
         max_shard_bytes=max_shard_bytes,
         token_ids=token_ids,
+        max_positions=max_positions,
     )

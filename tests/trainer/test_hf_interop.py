@@ -305,3 +305,16 @@ def test_llama3_scaled_rope_imports_and_exports_with_transformers_logits(tmp_pat
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_export_keeps_the_imported_models_context_length(tmp_path):
+    """A model made for 4096 positions, fine-tuned at seqLen 32, is exported for 4096, not 32."""
+    config = _config(LLAMA)
+    peer = _hf_model(config)
+    peer.config.max_position_embeddings = 4096
+    peer.save_pretrained(tmp_path / "in")
+    raw = mt_harness.make_spec(model={**LLAMA, "init": {"fromHF": str(tmp_path / "in")}}, steps=1)
+    mt_harness.run_distributed(_train_and_save, 1, raw, str(tmp_path / "ckpt"))
+    assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert exported.max_position_embeddings == 4096

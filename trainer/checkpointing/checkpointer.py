@@ -200,6 +200,7 @@ class Checkpointer:
                     "write_seconds": round(written, 3),
                     "world_size": dist.get_world_size(),
                     "token_ids": self.engine.token_ids.to_json(),
+                    "max_position_embeddings": self.engine.hf_max_positions,
                 },
             )
             final = store.publish(tmp, marker)
