@@ -181,6 +181,8 @@ def job_state(body: Mapping[str, Any]) -> JobState:
     except loading.SpecError as err:
         parsed, problems = None, tuple(str(p) for p in err.problems)
     status = dict(body.get("status") or {})
+    if parsed is not None:
+        parsed = resizing.within_quota(parsed, metadata.get("labels"))
     return JobState(
         ref=ref,
         generation=int(metadata.get("generation") or 0),

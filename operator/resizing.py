@@ -19,7 +19,7 @@ import pydantic
 
 from meshtrain.api import elastic, rules
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import conditions
+from meshtrain.operator import conditions, queueing
 
 GROW_CHECK_SECONDS = 10.0
 """How often a gang that may grow is checked for room while it runs."""
@@ -44,6 +44,26 @@ def recorded(status: Mapping[str, Any]) -> api_spec.ElasticStatus | None:
         return api_spec.ElasticStatus.model_validate(raw)
     except pydantic.ValidationError:
         return None
+
+
+def within_quota(
+    declared: api_spec.TrainingJobSpec, labels: Mapping[str, str] | None
+) -> api_spec.TrainingJobSpec:
+    """``declared`` with ``maxData`` capped at ``parallelism.data`` for a job Kueue admits (queue label).
+
+    Kueue admits the Workload of the declared size: a larger gang would hold GPUs beyond the quota.
+    """
+    bounds = declared.run_policy.elastic
+    if (
+        bounds is None
+        or queueing.QUEUE_LABEL not in (labels or {})
+        or bounds.max_data <= declared.parallelism.data
+    ):
+        return declared
+    capped = bounds.model_copy(update={"max_data": declared.parallelism.data})
+    return declared.model_copy(
+        update={"run_policy": declared.run_policy.model_copy(update={"elastic": capped})}
+    )
 
 
 def running_spec(

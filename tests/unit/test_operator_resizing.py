@@ -109,6 +109,27 @@ def test_the_baseline_is_the_checkpoint_the_new_gang_first_reports():
     assert resizing.grow_due(spec, status) is not None
 
 
+def test_a_job_kueue_admits_never_grows_past_its_declared_size():
+    """Kueue admitted the Workload of data=4: a dp8 gang would hold twice the quota."""
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=4, gpus_per_node=1)
+        .parallelism(microBatches=6)
+        .run_policy(elastic={"minData": 2, "maxData": 8})
+        .raw()
+    )
+    body = {
+        "metadata": {"name": "j", "namespace": "n", "uid": "u", "generation": 1},
+        "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    }
+    assert max(s.data for s, _ in resizing.candidates(lifecycle.job_state(body).declared)) == 8
+    body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    job = lifecycle.job_state(body)
+    assert [s.data for s, _ in resizing.candidates(job.declared)] == [4, 3, 2]
+    record = resizing.placed_fields(job.declared, elastic.size_at(job.declared, 4), {}, NOW)
+    assert resizing.grow_due(job.declared, {**record, "lastCheckpointStep": 9}) is None
+
+
 def test_direction_of_a_change():
     spec = declared()
     assert resizing.change(4, elastic.size_at(spec, 3)) == "shrink"
