@@ -788,6 +788,22 @@ EXTRA_RESOURCES_MESSAGE = (
     "every resources.extraResources value must be a Kubernetes quantity such as 1 or 8"
 )
 
+
+def _extra_resources_leave_the_gpu_to_gpus_per_node(spec: TrainingJobSpec) -> str | None:
+    r = spec.resources
+    if r.gpu_resource_name in r.extra_resources:
+        return (
+            f"{EXTRA_GPU_MESSAGE}; got extraResources[{r.gpu_resource_name!r}]="
+            f"{r.extra_resources[r.gpu_resource_name]!r} beside gpusPerNode={r.gpus_per_node}"
+        )
+    return None
+
+
+EXTRA_GPU_MESSAGE = (
+    "resources.extraResources may not name resources.gpuResourceName: set the GPUs per pod with "
+    "resources.gpusPerNode (the parallel layout, placement and quota are sized from it)"
+)
+
 QUANTITY_RULES: tuple[Rule, ...] = (
     _quantity_rule("cpu", optional=True),
     _quantity_rule("memory", optional=True),
@@ -798,6 +814,13 @@ QUANTITY_RULES: tuple[Rule, ...] = (
         "self.resources.extraResources.all(k, isQuantity(self.resources.extraResources[k]))",
         EXTRA_RESOURCES_MESSAGE,
         _extra_resources_are_quantities,
+    ),
+    Rule(
+        "extra-resources-leave-the-gpu-to-gpus-per-node",
+        "spec.resources.extraResources",
+        "!(self.resources.gpuResourceName in self.resources.extraResources)",
+        EXTRA_GPU_MESSAGE,
+        _extra_resources_leave_the_gpu_to_gpus_per_node,
     ),
 )
 """Quantities the pods carry: malformed, they would make the API server refuse every pod."""

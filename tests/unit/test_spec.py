@@ -250,6 +250,12 @@ INVALID = [
         "spec.pod.labels",
         ["meshtrain.io/job", "operator's own"],
     ),
+    (
+        "the GPU resource asked again through extraResources",
+        JobBuilder().gpus(2).resources(extraResources={"nvidia.com/gpu": "8"}),
+        "spec.resources.extraResources",
+        ["gpuResourceName", "'nvidia.com/gpu'", "'8'", "gpusPerNode=2"],
+    ),
 ]
 
 

@@ -215,6 +215,11 @@ INVALID = [
         _rule("labels-not-reserved"),
     ),
     (
+        "the GPU resource asked again through extraResources",
+        _with("spec.resources", {"gpusPerNode": 4, "extraResources": {"nvidia.com/gpu": "8"}}),
+        _rule("extra-resources-leave-the-gpu-to-gpus-per-node"),
+    ),
+    (
         "unknown schedule (enum)",
         _with("spec.parallelism.schedule", "zero-bubble"),
         'Unsupported value: "zero-bubble"',
