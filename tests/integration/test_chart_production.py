@@ -216,6 +216,13 @@ def _served_schema(tools: Tools) -> dict:
     return served["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
+def _readme_upgrade_commands() -> str:
+    """The shell block under the chart README's "Upgrading" heading, as a user copies it."""
+    readme = (CHART / "README.md").read_text()
+    section = readme.split("## Upgrading", 1)[1]
+    return section.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
 def test_crd_upgrade_path_of_the_chart_readme_works_from_the_previous_release(
     fresh_plane: Tools, tmp_path: pathlib.Path
 ) -> None:
@@ -246,7 +253,7 @@ def test_crd_upgrade_path_of_the_chart_readme_works_from_the_previous_release(
     tools.ok(
         "helm",
         "install",
-        "mt",
+        "meshtrain",
         str(previous_chart),
         "-n",
         release_ns,
@@ -261,25 +268,43 @@ def test_crd_upgrade_path_of_the_chart_readme_works_from_the_previous_release(
 
     # Helm never upgrades a chart's crds/: a plain upgrade leaves the old schema served.
     tools.ok(
-        "helm", "upgrade", "mt", str(CHART), "-n", release_ns, "--set", "operator.deploy=false"
+        "helm",
+        "upgrade",
+        "meshtrain",
+        str(CHART),
+        "-n",
+        release_ns,
+        "--set",
+        "operator.deploy=false",
     )
     assert _served_schema(tools) != wanted
+    # Back to 0.1.0's chart and values, which the README's command must upgrade from.
+    tools.ok("helm", "rollback", "meshtrain", "1", "-n", release_ns)
 
-    # The chart README's upgrade path: apply the new release's CRDs, then upgrade.
-    crds = tools.ok("helm", "show", "crds", str(CHART))
-    tools.ok("kubectl", "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=crds)
-    tools.ok(
-        "helm", "upgrade", "mt", str(CHART), "-n", release_ns, "--set", "operator.deploy=false"
+    # The chart README's upgrade path, run as written (the chart directory for the archive).
+    commands = _readme_upgrade_commands()
+    assert "meshtrain-NEW.tgz" in commands and "-n meshtrain-system" in commands, commands
+    script = commands.replace("meshtrain-NEW.tgz", str(CHART)).replace(
+        "-n meshtrain-system", f"-n {release_ns}"
     )
+    path = ":".join(str(pathlib.Path(tools.paths[t]).parent) for t in ("helm", "kubectl"))
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        capture_output=True,
+        text=True,
+        env={**tools.env, "PATH": f"{path}:/usr/bin:/bin"},
+    )
+    assert ran.returncode == 0, f"the chart README's upgrade failed:\n{script}\n{ran.stderr}"
     assert _served_schema(tools) == wanted
-    status = json.loads(tools.ok("helm", "status", "mt", "-n", release_ns, "-o", "json"))
-    assert status["info"]["status"] == "deployed" and status["version"] == 3
-    history = json.loads(tools.ok("helm", "history", "mt", "-n", release_ns, "-o", "json"))
-    assert [entry["chart"] for entry in history] == [
-        "meshtrain-0.1.0",
-        f"meshtrain-{meshtrain.__version__}",
-        f"meshtrain-{meshtrain.__version__}",
-    ]
+    status = json.loads(tools.ok("helm", "status", "meshtrain", "-n", release_ns, "-o", "json"))
+    assert status["info"]["status"] == "deployed" and status["version"] == 4
+    values = json.loads(
+        tools.ok("helm", "get", "values", "meshtrain", "-n", release_ns, "-o", "json")
+    )
+    assert values["operator"]["deploy"] is False, "the release's own values are kept"
+    history = json.loads(tools.ok("helm", "history", "meshtrain", "-n", release_ns, "-o", "json"))
+    new = f"meshtrain-{meshtrain.__version__}"
+    assert [entry["chart"] for entry in history] == ["meshtrain-0.1.0", new, "meshtrain-0.1.0", new]
     # The job created under the old schema is still there and still readable.
     survivor = json.loads(tools.ok("kubectl", "get", "tj", "survivor", "-n", team, "-o", "json"))
     assert survivor["spec"]["parallelism"]["data"] == 1
