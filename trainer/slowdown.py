@@ -84,7 +84,8 @@ def leave_one_out_medians(times: np.ndarray) -> np.ndarray:
 
     if others % 2:
         return without(others // 2)
-    return (without(others // 2 - 1) + without(others // 2)) / 2
+    middle: np.ndarray = (without(others // 2 - 1) + without(others // 2)) / 2
+    return middle
 
 
 class Detector:
@@ -111,7 +112,7 @@ class Detector:
     @property
     def judged(self) -> bool:
         """Whether ranks have peers at all (data-parallel degree above 1)."""
-        return self._groups.shape[1] > 1
+        return bool(self._groups.shape[1] > 1)
 
     def observe(self, step: int, compute_seconds: Sequence[float]) -> None:
         """Add ``step``'s compute seconds of every rank (index = global rank).
