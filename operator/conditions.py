@@ -79,6 +79,8 @@ STRAGGLER_DETECTED = "StragglerDetected"
 """Straggler=True: status.straggler names the rank, its node and how much slower it is."""
 STRAGGLER_REPLACED = "StragglerReplaced"
 """The gang was stopped (checkpointing its last step) to be placed again without the straggler's node."""
+STRAGGLER_NO_REPLACEMENT = "NoReplacement"
+"""Straggler=True under ``replace`` while no placement without its node fits: reported, gang kept."""
 STRAGGLER_GONE = "NoStraggler"
 """Straggler=False: no rank is flagged any more."""
 

@@ -136,8 +136,23 @@ class PollProgress:
     port: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplaceStraggler:
+    """Rebuild the gang without ``node`` if a placement without it fits now, else only report.
+
+    The check needs the cluster (the reconciler plans the gang, shrunk elastic
+    sizes included, with the node left out); stopping a gang that then cannot
+    be placed anywhere would trade a slow job for a stopped one.
+    """
+
+    node: str
+    replaced: tuple[SetStatus | Emit | DeletePods, ...]
+    otherwise: tuple[SetStatus | Emit, ...]
+
+
 Action = (
     SetStatus
+    | ReplaceStraggler
     | Emit
     | DeletePods
     | Place
@@ -574,12 +589,26 @@ def decide(
             conds = observed.conditions
             actions += seen
         reaction = stragglers.react(spec.run_policy.straggler_policy, job.status, conds, now)
+        if reaction.replace:  # the next pass places the gang again, without the node
+            assert reaction.node is not None and reaction.otherwise is not None
+            doomed = tuple(p.name for p in current if not p.deleting)
+            fallback = reaction.otherwise
+            replace = ReplaceStraggler(
+                reaction.node,
+                (
+                    _changes(job, **reaction.status),
+                    *(Emit(*event) for event in reaction.events),
+                    DeletePods(doomed),
+                ),
+                (
+                    *([_changes(job, **fallback.status)] if fallback.status else []),
+                    *(Emit(*event) for event in fallback.events),
+                ),
+            )
+            return Decision((*actions, replace), requeue_after=0)
         if reaction.status:
             actions.append(_changes(job, **reaction.status))
         actions += [Emit(*event) for event in reaction.events]
-        if reaction.replace:  # the next pass places the gang again, without the node
-            doomed = tuple(p.name for p in current if not p.deleting)
-            return Decision((*actions, DeletePods(doomed)), requeue_after=0)
         rank0 = next(p for p in current if p.index == 0)
         if rank0.ip and rank0.phase == "Running":
             actions.append(PollProgress(rank0.name, rank0.ip, spec.metrics.port))

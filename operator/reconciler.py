@@ -309,6 +309,13 @@ class Reconciler:
             return await self._place(action, body, job)
         if isinstance(action, resizing.Grow):
             return await self._grow(action, body, job)
+        if isinstance(action, lifecycle.ReplaceStraggler):
+            chosen = action.replaced if self._fits_without(job, action.node) else action.otherwise
+            changed = False
+            for step in chosen:
+                body, job, did = await self._act(step, body, job)
+                changed = changed or did
+            return body, job, changed
         raise TypeError(f"unknown action {action!r}")
 
     async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
@@ -385,6 +392,28 @@ class Reconciler:
         await self._emit(body, "Normal", conditions.ELASTIC_GROWING, message)
         await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
         return body, job, True
+
+    def _fits_without(self, job: lifecycle.JobState, node: str) -> bool:
+        """Whether the gang (at any size runPolicy.elastic allows) fits now without ``node``
+        and the job's excluded nodes, counting its own pods' resources as free."""
+        assert job.spec is not None
+        declared = job.declared or job.spec
+        avoid = stragglers.excluded(job.status) | {node}
+        raw_nodes, nodes = self._nodes(declared.resources.gpu_resource_name)
+        raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
+        nodes = [n for n in nodes if n.name not in avoid]
+        demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
+        fits = isinstance(
+            self._plan_sizes(job, raw_nodes, nodes, demand).answer, placement.Placement
+        )
+        if not fits:
+            logger.info(
+                "%s/%s: straggler node %s kept: no placement without it fits now",
+                job.ref.namespace,
+                job.ref.name,
+                node,
+            )
+        return fits
 
     async def _poll(
         self, action: lifecycle.PollProgress, body: dict[str, Any], job: lifecycle.JobState

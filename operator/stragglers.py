@@ -103,7 +103,7 @@ def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
         for p in status.get("placement") or []
         if isinstance(p, Mapping)
     }
-    return nodes.get(straggler.get("podIndex")) == straggler["node"]
+    return bool(nodes.get(straggler.get("podIndex")) == straggler["node"])
 
 
 def describe(straggler: Mapping[str, Any]) -> str:
@@ -131,6 +131,25 @@ class Reaction:
     """(type, reason, message) of Events to emit."""
     replace: bool = False
     """Delete the gang's pods with their own grace period: it is placed again without the node."""
+    otherwise: Reaction | None = None
+    """With ``replace``: what to do instead when no placement without the node fits now."""
+    node: str | None = None
+    """With ``replace``: the node to leave out."""
+
+
+def _report(
+    conds: Sequence[dict[str, Any]],
+    previous: Mapping[str, Any],
+    message: str,
+    news: str,
+    now: datetime.datetime,
+    reason: str = conditions.STRAGGLER_DETECTED,
+) -> Reaction:
+    """Straggler=True with ``message`` and one Warning Event (``news``) when the message is new."""
+    if previous.get("status") == conditions.TRUE and previous.get("message") == message:
+        return Reaction({}, ())
+    updated = conditions.set(conds, conditions.STRAGGLER, conditions.TRUE, reason, message, now)
+    return Reaction({"conditions": updated}, (("Warning", reason, news),))
 
 
 def react(
@@ -165,20 +184,12 @@ def react(
         )
         replace = False
     if not replace:
-        if previous.get("status") == conditions.TRUE and previous.get("message") == message:
-            return Reaction({}, ())
-        updated = conditions.set(
-            conds,
-            conditions.STRAGGLER,
-            conditions.TRUE,
-            conditions.STRAGGLER_DETECTED,
-            message,
-            now,
-        )
-        return Reaction(
-            {"conditions": updated}, (("Warning", conditions.STRAGGLER_DETECTED, news),)
-        )
+        return _report(conds, previous, message, news, now)
     assert isinstance(node, str)
+    stuck = f"{message}; not replaced: no placement without node {node} fits now"
+    otherwise = _report(
+        conds, previous, stuck, f"{news}; {stuck}", now, conditions.STRAGGLER_NO_REPLACEMENT
+    )
     checkpoint = status.get("lastCheckpointStep")
     note = (
         f"{news}: stopping the gang (its ranks checkpoint the step they stop at) to place it "
@@ -208,4 +219,4 @@ def react(
         "conditions": updated,
     }
     events = (("Warning", conditions.STRAGGLER_REPLACED, note),)
-    return Reaction(changes, events, replace=True)
+    return Reaction(changes, events, replace=True, otherwise=otherwise, node=node)

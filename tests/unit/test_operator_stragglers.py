@@ -114,7 +114,20 @@ def test_report_sets_the_condition_and_emits_one_event_per_straggler():
 
 def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
     state = job(spec_raw("replace"), **flagged())
-    decision = lifecycle.decide(state, running_gang(), at(10))
+    [replace] = [
+        a
+        for a in lifecycle.decide(state, running_gang(), at(10)).actions
+        if isinstance(a, lifecycle.ReplaceStraggler)
+    ]
+    assert replace.node == "n1"
+    # Nowhere to go without n1 (the reconciler plans it): only reported, the gang keeps running.
+    kept = lifecycle.Decision(replace.otherwise)
+    assert kinds(kept) == ["SetStatus", "Emit"]
+    found = condition(kept, conditions.STRAGGLER)
+    assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_NO_REPLACEMENT
+    assert "no placement without node n1" in found["message"]
+    assert "excludedNodes" not in status_of(kept)
+    decision = lifecycle.Decision(replace.replaced)  # a placement without n1 fits
     assert kinds(decision)[-1] == "DeletePods"
     [deleted] = [a for a in decision.actions if isinstance(a, lifecycle.DeletePods)]
     assert deleted.names == ("j-r0-0", "j-r0-1")
@@ -166,5 +179,5 @@ def test_a_failed_gang_restarts_without_its_straggler_and_a_stale_one_replaces_n
     # An entry naming a node the placed gang is not on was measured on another gang: not acted on.
     moved = flagged(placement=[{"podIndex": 0, "node": "n2"}, {"podIndex": 1, "node": "n3"}])
     decision = lifecycle.decide(job(spec_raw("replace"), **moved), running_gang(), at(12))
-    assert "DeletePods" not in kinds(decision)
+    assert "DeletePods" not in kinds(decision) and "ReplaceStraggler" not in kinds(decision)
     assert not condition(decision, conditions.STRAGGLER)

@@ -260,3 +260,64 @@ def test_a_restarted_gang_does_not_inherit_the_old_gangs_straggler(
             assert flag["status"] == "False", flag
         finally:
             operator.stop()
+
+
+def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
+    control_plane_binaries, tmp_path
+):
+    """Stopping the gang when no placement without the slow node fits would trade a slow job for a
+    stopped one: the straggler is reported (NoReplacement) and the gang keeps running; once a node
+    joins, the same report replaces it."""
+    namespace = "no-replacement"
+    with (
+        Cluster.private(control_plane_binaries) as cluster,
+        ProgressServer() as progress,
+        Kubelet(cluster, namespace, ip="127.0.0.1"),
+    ):
+        cluster.core.create_namespace({"metadata": {"name": namespace}})
+        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+        operator.start()
+        try:
+            _checkpoint_volume(cluster, namespace)
+            for i in range(2):
+                cluster.add_node(POOL, gpus=1, name=f"full-n{i}")
+            progress.document = {"step": 10, "loss": 4.0, "straggler": None}
+            cluster.apply(
+                JobBuilder("stuck", namespace, POOL)
+                .layout(data=2, gpus_per_node=1)
+                .checkpoint(claimName="ckpt", intervalSteps=20)
+                .metrics(port=progress.port)
+                .run_policy(stragglerPolicy={"action": "replace", "threshold": 1.3})
+            )
+            status = _running_on(cluster, namespace, "stuck", 2)
+            slow_node = {p["podIndex"]: p["node"] for p in status["placement"]}[1]
+            pods = {p.metadata.uid for p in cluster.pods(namespace, "stuck")}
+            progress.document = {
+                "step": 60,
+                "loss": 3.0,
+                "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
+            }
+            flag = wait_for(
+                "the straggler reported",
+                lambda: (
+                    (c := cluster.condition(namespace, "stuck", "Straggler")).get("status")
+                    == "True"
+                    and c
+                ),
+            )
+            assert flag["reason"] == "NoReplacement", flag
+            assert f"no placement without node {slow_node}" in flag["message"]
+            status = cluster.status(namespace, "stuck")
+            assert status["phase"] == "Running" and not status.get("excludedNodes"), status
+            assert {p.metadata.uid for p in cluster.pods(namespace, "stuck")} == pods
+
+            cluster.add_node(POOL, gpus=1, name="full-n2")
+            status = wait_for(
+                "the straggler replaced once a node is free",
+                lambda: (
+                    (s := cluster.status(namespace, "stuck")).get("stragglerReplacements") and s
+                ),
+            )
+            assert [e["node"] for e in status["excludedNodes"]] == [slow_node]
+        finally:
+            operator.stop()
