@@ -237,7 +237,15 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
         return self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, H)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, with_head: bool = True) -> torch.Tensor:
+        """Logits (or a hidden state); ``with_head=False`` stops before the LM head (the fused loss applies it)."""
+        x = self.features(x)
+        if with_head and self.head is not None:
+            x = self.head(x)  # (B, T, V) logits (or this rank's vocabulary shard)
+        return x
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything but the LM head: tokens (or a hidden state) to the head's input (or a hidden state)."""
         if self.tok_emb is not None:
             x = self.embed(x)  # (B, T, H)
         recompute = self.recompute_blocks and torch.is_grad_enabled()
@@ -245,8 +253,6 @@ class GPT(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         if self.norm is not None:
             x = self.norm(x)
-        if self.head is not None:
-            x = self.head(x)  # (B, T, V) logits (or this rank's vocabulary shard)
         return x
 
     def num_params(self, *, include_embeddings: bool = True) -> int:

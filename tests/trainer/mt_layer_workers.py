@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtrain.trainer.parallel import recording, reducer, tensor
+from meshtrain.trainer.parallel import loss, recording, reducer, tensor
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,7 +28,7 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
     w1, w2 = torch.randn(f, h), torch.randn(h, f)
     x, probe = torch.randn(b, t, h), torch.randn(b, t, h)
     emb, ids = torch.randn(v, h), torch.randint(0, v, (b, t))
-    logits, targets = torch.randn(b * t, v), torch.randint(0, v, (b * t,))
+    feats, head_w, targets = torch.randn(b, t, h), torch.randn(v, h), torch.randint(0, v, (b * t,))
 
     # Dense references (forward and backward).
     dw1, dw2, dx = (
@@ -42,8 +42,8 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
     demb = emb.clone().requires_grad_()
     e = F.embedding(ids, demb)
     (e * probe).sum().backward()
-    dlogits = logits.clone().requires_grad_()
-    ce = F.cross_entropy(dlogits, targets)
+    dfeats, dhead = feats.clone().requires_grad_(), head_w.clone().requires_grad_()
+    ce = F.cross_entropy(F.linear(dfeats, dhead).reshape(-1, v), targets)
     ce.backward()
 
     # Column -> row parallel MLP.
@@ -75,16 +75,17 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
         pemb.weight.grad, tensor.shard(demb.grad, tensor.ShardSpec(0), rank, size)
     )
 
-    # Vocabulary-parallel cross-entropy: never sees more than V/tp logits per row.
-    plogits = tensor.shard(logits, tensor.ShardSpec(1), rank, size).requires_grad_()
-    pce = tensor.vocab_parallel_cross_entropy(
-        plogits.reshape(b, t, v // size), targets.reshape(b, t), ctx
-    )
+    # Head + loss fused and chunked over a vocabulary-parallel head: never more than V/tp logits a row.
+    head = tensor.ColumnParallelLinear(tensor.shard(head_w, tensor.ShardSpec(0), rank, size), ctx)
+    pfeats = feats[:, seq].clone().requires_grad_()
+    gathered = tensor.enter_region(pfeats, ctx).reshape(-1, h)
+    pce = loss.linear_cross_entropy(gathered, head.weight, targets, tp=ctx, chunk=3)
     pce.backward()
     out["cross-entropy forward"] = abs(pce.item() - ce.item())
-    out["cross-entropy grad"] = _diff(
-        plogits.grad, tensor.shard(dlogits.grad, tensor.ShardSpec(1), rank, size)
+    out["cross-entropy weight grad"] = _diff(
+        head.weight.grad, tensor.shard(dhead.grad, tensor.ShardSpec(0), rank, size)
     )
+    out["cross-entropy input grad"] = _diff(pfeats.grad, dfeats.grad[:, seq])
     return out
 
 

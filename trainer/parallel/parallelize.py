@@ -33,7 +33,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
@@ -42,6 +41,7 @@ from meshtrain.trainer import optim
 from meshtrain.trainer.parallel import (
     clocks,
     hierarchical,
+    loss,
     pipeline,
     recording,
     reducer,
@@ -112,10 +112,6 @@ def kv_replica_group(layout: layout_mod.ParallelLayout, replicas: int) -> dist.P
     if not isinstance(group, dist.ProcessGroup):
         raise RuntimeError(f"rank {dist.get_rank()} is in none of the key/value groups {groups}")
     return group
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def parallelize(
@@ -233,11 +229,6 @@ def parallelize(
         backward_group=mesh.pp_backward_group if many else None,
     )
     seq = config.seq_len // layout.tensor if (tp_ctx and sequence_parallel) else config.seq_len
-    loss_fn = (
-        functools.partial(tensor.vocab_parallel_cross_entropy, ctx=tp_ctx)
-        if tp_ctx
-        else _cross_entropy
-    )
     executor = pipeline.PipelineExecutor(
         chunks,
         ctx,
@@ -246,7 +237,7 @@ def parallelize(
         activation_shape=(micro_batch, seq, config.hidden),
         activation_dtype=named[0][1].dtype,
         device=mesh.device,
-        loss_fn=loss_fn,
+        loss_fn=loss.lm_loss,
         recorder=recorder,
         clock=clock,
         grad_sync=grad_reducer.set_sync if grad_reducer else None,

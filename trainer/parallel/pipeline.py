@@ -116,7 +116,7 @@ class PipelineExecutor:
         activation_shape: tuple[int, ...],
         activation_dtype: torch.dtype,
         device: torch.device,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         recorder: recording.StepRecorder,
         clock: clocks.Clock,
         grad_sync: Callable[[bool], None] | None = None,
@@ -248,9 +248,11 @@ class PipelineExecutor:
                     )
                     dist.recv(x, src=self._peer(j - 1), group=self.ctx.forward_group)
                 with self.autocast():
-                    out = self.chunks[chunk](x)
                     if j == self.last_virtual:
-                        loss_sum += self.loss_fn(out, targets[microbatch].to(self.device)) / m
+                        target = targets[microbatch].to(self.device)
+                        loss_sum += self.loss_fn(self.chunks[chunk], x, target) / m
+                    else:
+                        out = self.chunks[chunk](x)
                 if j != self.last_virtual:
                     sent = out.contiguous()
                     work = dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group)
@@ -288,9 +290,11 @@ class PipelineExecutor:
                     x = self._wait_recv(recv).requires_grad_()
                 start = self.clock.now()
                 with self.autocast():
-                    out = self.chunks[action.chunk](x)
                     if j == self.last_virtual:
-                        out = self.loss_fn(out, targets[action.microbatch].to(self.device)) / m
+                        target = targets[action.microbatch].to(self.device)
+                        out = self.loss_fn(self.chunks[action.chunk], x, target) / m
+                    else:
+                        out = self.chunks[action.chunk](x)
                 self.recorder.compute(
                     "forward", action.microbatch, action.chunk, start, self.clock.now()
                 )

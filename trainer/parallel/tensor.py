@@ -4,8 +4,7 @@ Four autograd functions that move activations in and out of the
 tensor-parallel region (copy / reduce, and their sequence-parallel variants
 gather / reduce-scatter along the sequence), the layers built on them
 (column- and row-parallel linear, vocabulary-parallel embedding, a
-sequence-parallel position embedding), the vocabulary-parallel cross-entropy
-(never materialises the full logits on one rank), and
+sequence-parallel position embedding), and
 :func:`apply_tensor_parallel`, which swaps the dense modules of a
 :class:`~meshtrain.trainer.model.GPT` for sharded ones.
 
@@ -125,9 +124,10 @@ def _timed(ctx: TPContext, op: str, tensor: torch.Tensor, fn) -> None:  # noqa: 
     )
 
 
-def _all_reduce(
+def all_reduce(
     x: torch.Tensor, ctx: TPContext, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
+    """Sum (or ``op``) of ``x`` over the tensor-parallel group, timed and recorded."""
     x = x.contiguous()
     _timed(ctx, "all_reduce", x, lambda: dist.all_reduce(x, op=op, group=ctx.group))
     return x
@@ -161,7 +161,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, grad):  # noqa: ANN001, ANN205
-        return _all_reduce(grad, fctx.tp), None
+        return all_reduce(grad, fctx.tp), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -169,7 +169,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
-        return _all_reduce(x, ctx)
+        return all_reduce(x, ctx)
 
     @staticmethod
     def backward(fctx, grad):  # noqa: ANN001, ANN205
@@ -271,44 +271,6 @@ class SequenceParallelPositionEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         emb = F.embedding(positions, self.weight)  # (T, H)
         return emb.chunk(self.tp.size, dim=0)[self.tp.rank]  # (T/tp, H)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocabulary-sharded logits (N, V/tp)."""
-
-    @staticmethod
-    def forward(fctx, logits, targets, ctx):  # noqa: ANN001, ANN205
-        vocab_local = logits.shape[-1]
-        start = ctx.rank * vocab_local
-        # Softmax is shift-invariant: subtract the global max for stability.
-        shift = _all_reduce(logits.max(dim=-1).values, ctx, dist.ReduceOp.MAX)  # (N,)
-        shifted = logits - shift.unsqueeze(-1)  # (N, V/tp)
-        local_t = targets - start
-        inside = (local_t >= 0) & (local_t < vocab_local)  # (N,) target on this rank
-        local_t = local_t.masked_fill(~inside, 0)
-        target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1) * inside  # (N,)
-        exp = shifted.exp()  # (N, V/tp)
-        # One all-reduce for both sums: [target logit, sum of exp] -> (2, N).
-        both = _all_reduce(torch.stack([target_logit, exp.sum(dim=-1)]), ctx)
-        loss = torch.log(both[1]) - both[0]  # (N,)
-        fctx.save_for_backward(exp.div_(both[1].unsqueeze(-1)), local_t, inside)  # softmax shard
-        return loss
-
-    @staticmethod
-    def backward(fctx, grad_loss):  # noqa: ANN001, ANN205
-        softmax, local_t, inside = fctx.saved_tensors
-        grad = softmax.clone()  # d loss / d logits = softmax - onehot(target)
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_t] -= inside.to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, ctx: TPContext
-) -> torch.Tensor:
-    """Mean cross-entropy; ``logits`` (B, T, V/tp) this rank's vocab shard, ``targets`` (B, T)."""
-    flat = logits.float().reshape(-1, logits.shape[-1])  # (B*T, V/tp)
-    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), ctx).mean()
 
 
 # --- applying TP to the model -------------------------------------------------

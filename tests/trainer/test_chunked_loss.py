@@ -1,0 +1,73 @@
+"""The fused, token-chunked LM loss equals the plain one (value and gradients) and never holds the full logits.
+
+The reference is ``F.cross_entropy`` of the whole logits (``hidden @ W.T``),
+the loss the trainer used before; the vocabulary-parallel case is in
+:mod:`mt_layer_workers` (it needs a tensor-parallel group).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtrain.trainer import live_memory
+from meshtrain.trainer.parallel import loss
+
+
+def _inputs(n: int, hidden: int, vocab: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=generator)
+    w = torch.randn(vocab, hidden, generator=generator) * 0.3
+    t = torch.randint(0, vocab, (n,), generator=generator)
+    return h, w, t
+
+
+def _plain(h, w, t, scale):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    value = F.cross_entropy((h @ w.t()).float(), t)
+    (value * scale).backward()
+    return value.detach(), h.grad, w.grad
+
+
+def _chunked(h, w, t, scale, chunk):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    value = loss.linear_cross_entropy(h, w, t, chunk=chunk)
+    (value * scale).backward()
+    return value.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 37, 1000])
+def test_chunked_loss_and_gradients_equal_the_plain_loss_in_fp32(chunk):
+    h, w, t = _inputs(37, 16, 50)
+    want = _plain(h, w, t, 0.25)
+    got = _chunked(h, w, t, 0.25, chunk)
+    for name, a, b in zip(("loss", "hidden grad", "weight grad"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_chunked_loss_under_bf16_autocast_matches_the_plain_autocast_loss():
+    h, w, t = _inputs(64, 32, 96, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _plain(h, w, t, 1.0)
+        got = _chunked(h, w, t, 1.0, 16)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
+    for a, b in zip(got[1:], want[1:]):  # bf16 matmuls: agreement to bf16 precision
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+def test_no_full_logits_are_ever_alive():
+    n, vocab = 256, 4096
+    h, w, t = _inputs(n, 8, vocab, seed=2)
+    logits_bytes = n * vocab * 4
+    peaks = {}
+    for name, run in (
+        ("plain", lambda: _plain(h, w, t, 1.0)),
+        ("chunked", lambda: _chunked(h, w, t, 1.0, 16)),
+    ):
+        with live_memory.LiveBytes() as tracker:
+            run()
+        peaks[name] = tracker.peak
+    assert peaks["plain"] >= logits_bytes  # the tracker sees the plain loss's logits
+    assert peaks["chunked"] < logits_bytes / 4, peaks
