@@ -1,28 +1,48 @@
-"""Benchmark: tokens/s and model FLOPs utilisation of the engine on one GPU (bf16).
+"""Benchmark: tokens/s and model FLOPs utilisation of the engine (bf16, several micro-batches a step).
 
-For the 350M and 1.3B presets (``--presets``), one process builds
-meshtrain's :class:`~meshtrain.trainer.engine.Engine` on a world of one rank
-(the same code as a multi-GPU run: pipeline executor, AdamW, clipping, data
-sampler), trains ``--steps`` steps with bf16 autocast and fp32 master
-weights, and reports tokens/s and MFU = tokens/s x FLOPs per token / peak.
-FLOPs per token is ``6N + 12 L T H`` (:func:`meshtrain.trainer.model.flops_per_token`,
-full attention matrix counted); the peak is the GPU's dense bf16 figure
-(:mod:`meshtrain.trainer.telemetry.peak`).  Writes
-``benchmarks/results/mfu-<host>.json``.
+For each preset (``--presets``, default 125m 350m 1.3b on a GPU) one
+process per GPU builds meshtrain's :class:`~meshtrain.trainer.engine.Engine`
+(the same code as a multi-GPU job: pipeline executor, chunked loss, AdamW,
+clipping, data sampler) with ``--micro-batches`` micro-batches a step, so
+the optimizer and the step's one host sync are amortised as in a real run,
+bf16 autocast with fp32 master weights, compiled blocks (``--no-compile``
+turns that off) and optional selective recompute, and trains ``--steps``
+steps after 3 warm-up steps (the first compiles).  It reports tokens/s and
+MFU = tokens/s x FLOPs per token / (peak x GPUs).  FLOPs per token is
+``6N + 12 L T H`` (:func:`meshtrain.trainer.model.flops_per_token`, full
+attention matrix counted); the peak is the GPU's dense bf16 figure
+(:mod:`meshtrain.trainer.telemetry.peak`).  Under ``torchrun`` the GPUs are
+data-parallel ranks (``--nproc-per-node N``), which adds the bucketed
+all-reduce on its side stream.
 
-Not a multi-GPU scaling test, and not meant for a CPU (``--device
-cpu --presets tiny`` only checks that the script runs).
+``--profile`` also runs the timed steps under ``torch.profiler`` and checks
+meshtrain's own timings (CUDA events: the step, the forward and backward
+compute intervals, the data-parallel all-reduces on the side stream)
+against the profiler's kernels on the same steps: every kernel is
+attributed through its launch to the step and the forward/backward range
+(``record_function`` ranges of the executor) it was launched from, and the
+relative differences are reported per quantity.
 
-    python benchmarks/bench_mfu.py [--presets 350m 1.3b] [--steps 10] [--micro-batch 350m=8 1.3b=4]
+Writes ``benchmarks/results/mfu-<host>.json`` with the device named.  On a
+CPU (``--device cpu --presets tiny``) it only shows that the harness runs;
+such a file says ``"device": "cpu"`` and its numbers are no GPU figure.
+
+    python benchmarks/bench_mfu.py [--presets 125m 350m 1.3b] [--steps 10] [--micro-batches 4] [--profile]
+    torchrun --nproc-per-node 8 benchmarks/bench_mfu.py --presets 1.3b --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,110 +55,313 @@ from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import pipeline, recording
 from meshtrain.trainer.telemetry import peak
 
-MICRO_BATCH = {"tiny": 8, "125m": 16, "350m": 8, "1.3b": 4, "7b": 1}
-"""Sequences (of the preset's 2048 tokens) per step that fit an 80 GB GPU without activation checkpointing."""
+MICRO_BATCH = {"tiny": 2, "llama-tiny": 2, "125m": 8, "350m": 4, "1.3b": 2, "7b": 1, "llama3-8b": 1}
+"""Sequences per micro-batch (of the preset's sequence length) that fit an 80 GB GPU with the chunked loss."""
 WARMUP = 3
+PROFILE_TOLERANCE = 0.05
+"""The issue's bound on |meshtrain - profiler| / profiler for the step, compute and all-reduce times."""
 
 
-def run_preset(preset: str, micro_batch: int, steps: int, device: torch.device) -> dict:
-    precision = "bf16" if device.type == "cuda" else "fp32"
-    job = loading.parse_spec(
+def _spec(preset: str, args: argparse.Namespace, micro_batch: int, world: int, device: str) -> Any:
+    return loading.parse_spec(
         {
             "model": {"preset": preset},
-            "resources": {"gpusPerNode": 1},
+            "parallelism": {"data": world, "microBatches": args.micro_batches},
+            "resources": {"gpusPerNode": world},
             "training": {
                 "microBatch": micro_batch,
-                "steps": steps + WARMUP,
+                "steps": args.steps + WARMUP,
                 "warmupSteps": 2,
-                "precision": precision,
+                "precision": "bf16" if device == "cuda" else "fp32",
+                "compile": args.compile,
+                "selectiveRecompute": args.selective_recompute,
                 "dataset": "stdlib",
             },
         }
     )
+
+
+class _StepEvents:
+    """GPU time of each step: CUDA events around it (host time on a CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[Any, Any]] = []
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def end(self, begun: Any) -> None:
+        self.marks.append((begun, self.start()))
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1000.0 for a, b in self.marks]
+        return [b - a for a, b in self.marks]
+
+
+def run_preset(
+    preset: str, micro_batch: int, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    world = dist.get_world_size()
+    job = _spec(preset, args, micro_batch, world, device.type)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
-    trainer = engine.Engine(job, mesh)
+    own = recording.MemoryRecorder()  # fed CUDA-event seconds by the engine's DeferredRecorder
+    trainer = engine.Engine(job, mesh, recorder=own)
+    for _ in range(WARMUP):
+        trainer.train_step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    results = [
-        trainer.train_step() for _ in range(steps + WARMUP)
-    ]  # each step ends with a host sync (loss)
-    timed = results[WARMUP:]
-    seconds = sum(r.seconds for r in timed)
-    tokens_per_second = sum(r.tokens for r in timed) / seconds
+    events = _StepEvents(device)
+    profiler = _profiler(device) if args.profile else contextlib.nullcontext()
+    results = []
+    wall = time.perf_counter()
+    with profiler as prof:
+        for index in range(args.steps):
+            with torch.profiler.record_function(f"{STEP_RANGE}{index}"):
+                begun = events.start()
+                results.append(trainer.train_step())
+                events.end(begun)
+    wall = time.perf_counter() - wall
+    gpu_steps = events.seconds()
+    tokens = sum(r.tokens for r in results)
     config = trainer.config
     flops = gpt.flops_per_token(config)
     peak_flops = peak.resolve_peak_flops(None, device)
-    row = {
+    tokens_per_second = tokens / wall
+    mine = own.steps[-args.steps :]
+    row: dict[str, Any] = {
         "preset": preset,
         "params": gpt.dense_param_count(config),
+        "gpus": world,
         "micro_batch": micro_batch,
+        "micro_batches": args.micro_batches,
         "seq_len": config.seq_len,
-        "precision": precision,
-        "tokens_per_step": timed[0].tokens,
-        "median_step_seconds": statistics.median(r.seconds for r in timed),
+        "precision": trainer.precision,
+        "compiled": trainer.compiled,
+        "selective_recompute": list(args.selective_recompute),
+        "tokens_per_step": results[0].tokens,
+        "median_step_seconds": statistics.median(gpu_steps),
         "tokens_per_second": tokens_per_second,
         "flops_per_token": flops,
         "peak_flops": peak_flops,
-        "mfu": tokens_per_second * flops / peak_flops,
+        "mfu": tokens_per_second * flops / (peak_flops * world),
         "first_loss": results[0].loss,
         "last_loss": results[-1].loss,
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30)
         if device.type == "cuda"
         else None,
     }
+    if args.profile:
+        theirs = profiler_timings(prof, args.steps)
+        ours = [
+            {
+                "step": gpu_steps[i],
+                "compute": mine[i]["compute_seconds"],
+                "allreduce": mine[i].get("dp_collective_seconds", 0.0),
+            }
+            for i in range(args.steps)
+        ]
+        row["profile"] = compare(ours, theirs)
     del trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
+STEP_RANGE = "meshtrain.bench_step."
+
+
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profiler_timings(prof: torch.profiler.profile, steps: int) -> list[dict[str, float]]:
+    """Per step, from the profiler's trace: GPU span, forward/backward compute span, NCCL kernel time.
+
+    Kernels are attributed by their launch (the CUDA runtime call with the
+    same correlation id) to the step range and the executor's
+    forward/backward range that contain it.  On a CPU there are no kernels:
+    the ranges' own host durations are used.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())["traceEvents"]
+    ranges = [e for e in trace if e.get("cat") == "user_annotation" and "dur" in e]
+    step_ranges = sorted(
+        (e for e in ranges if e["name"].startswith(STEP_RANGE)), key=lambda e: e["ts"]
+    )[-steps:]
+    compute_ranges = [e for e in ranges if e["name"] in pipeline.COMPUTE_RANGES]
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in trace
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    kernels = [
+        (launches[e["args"]["correlation"]], e)
+        for e in trace
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        and e.get("args", {}).get("correlation") in launches
+    ]
+
+    def inside(ts: float, r: dict) -> bool:
+        return r["ts"] <= ts <= r["ts"] + r["dur"]
+
+    out = []
+    for step in step_ranges:
+        own_ranges = [r for r in compute_ranges if inside(r["ts"], step)]
+        if not kernels:  # CPU: the ranges themselves
+            out.append(
+                {
+                    "step": step["dur"] / 1e6,
+                    "compute": sum(r["dur"] for r in own_ranges) / 1e6,
+                    "allreduce": 0.0,
+                }
+            )
+            continue
+        mine = [k for launch, k in kernels if inside(launch, step)]
+        spans = []
+        for r in own_ranges:
+            launched = [k for launch, k in kernels if inside(launch, r)]
+            if launched:
+                first = min(k["ts"] for k in launched)
+                spans.append(max(k["ts"] + k["dur"] for k in launched) - first)
+        nccl = [(k["ts"], k["ts"] + k["dur"]) for k in mine if "nccl" in k["name"].lower()]
+        out.append(
+            {
+                "step": (max(k["ts"] + k["dur"] for k in mine) - min(k["ts"] for k in mine)) / 1e6,
+                "compute": sum(spans) / 1e6,
+                "allreduce": _union(nccl) / 1e6,
+            }
+        )
+    return out
+
+
+def compare(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> dict[str, Any]:
+    """Totals over the profiled steps and the relative difference of each quantity."""
+    report: dict[str, Any] = {"steps": len(ours)}
+    for key in ("step", "compute", "allreduce"):
+        mine, profiled = sum(o[key] for o in ours), sum(t[key] for t in theirs)
+        relative = abs(mine - profiled) / profiled if profiled > 0 else None
+        report[key] = {
+            "meshtrain_seconds": mine,
+            "profiler_seconds": profiled,
+            "relative_difference": relative,
+            "within_tolerance": None if relative is None else relative <= PROFILE_TOLERANCE,
+        }
+    return report
+
+
+def _init(device_kind: str) -> torch.device:
+    """Join torchrun's process group, or make a world of one."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(pick_free_port()),
+        )
+    cuda = device_kind == "cuda"
+    device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    mesh_mod.init_process_group(use_cuda=cuda)
+    return device
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    memory = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
+    print(
+        f"{row['preset']:<10} {row['params'] / 1e6:>7.0f}M {row['gpus']:>4} "
+        f"{row['micro_batches']:>2}x{row['micro_batch']}x{row['seq_len']:<5} "
+        f"{row['median_step_seconds']:>7.3f} {row['tokens_per_second']:>11,.0f} {row['mfu']:>6.1%} "
+        f"{memory:>8} {'yes' if row['compiled'] else 'no':>8}"
+    )
+    for key, check in row.get("profile", {}).items():
+        if isinstance(check, dict):
+            rel = check["relative_difference"]
+            print(
+                f"    {key:<9} meshtrain {check['meshtrain_seconds']:.4f}s  profiler "
+                f"{check['profiler_seconds']:.4f}s  "
+                + (
+                    "-"
+                    if rel is None
+                    else f"{rel:.1%} ({'ok' if check['within_tolerance'] else 'OVER 5%'})"
+                )
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=None, help="default: 350m 1.3b (on a GPU)")
-    parser.add_argument(
-        "--steps", type=int, default=10, help="timed steps per preset (after 3 warm-up steps)"
-    )
+    parser.add_argument("--presets", nargs="+", default=None, help="default: 125m 350m 1.3b (GPU)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after 3 warm-up steps)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--micro-batch", nargs="*", default=[], metavar="PRESET=N")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument(
+        "--selective-recompute", nargs="*", default=[], choices=list(gpt.RECOMPUTABLE)
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="check the timings against torch.profiler"
+    )
     parser.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     args = parser.parse_args(argv)
     if args.presets is None:
-        if (
-            args.device != "cuda"
-        ):  # `python -m benchmarks` on a CPU machine: nothing meaningful to measure
-            print("no GPU: MFU benchmark skipped (smoke test on CPU: --device cpu --presets tiny)")
+        if args.device != "cuda":  # `python -m benchmarks` on a CPU machine: nothing to measure
+            print(
+                "no GPU: MFU benchmark skipped (harness check on CPU: --device cpu --presets tiny)"
+            )
             return 0
-        args.presets = ["350m", "1.3b"]
+        args.presets = ["125m", "350m", "1.3b"]
     sizes = dict(
         MICRO_BATCH, **{k: int(v) for k, v in (item.split("=") for item in args.micro_batch)}
     )
-    port = pick_free_port()
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    cuda = args.device == "cuda"
-    device = mesh_mod.device_for(0, use_cuda=cuda)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    mesh_mod.init_process_group(use_cuda=cuda)
-    rows = []
-    print(
-        f"{'preset':<7} {'params':>8} {'batch':>9} {'step s':>7} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8}"
-    )
-    for preset in args.presets:
-        row = run_preset(preset, sizes[preset], args.steps, device)
-        rows.append(row)
-        memory = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
+    device = _init(args.device)
+    rank0 = dist.get_rank() == 0
+    if rank0:
         print(
-            f"{preset:<7} {row['params'] / 1e6:>7.0f}M {row['micro_batch']:>3}x{row['seq_len']:<5} "
-            f"{row['median_step_seconds']:>7.3f} {row['tokens_per_second']:>10,.0f} {row['mfu']:>6.1%} {memory:>8}"
+            f"{'preset':<10} {'params':>8} {'gpus':>4} {'m x b x T':>12} {'step s':>7} "
+            f"{'tokens/s':>11} {'MFU':>6} {'mem GiB':>8} {'compiled':>8}"
         )
+    rows = []
+    for preset in args.presets:
+        row = run_preset(preset, sizes[preset], args, device)
+        rows.append(row)
+        if rank0:
+            _print_row(row)
     dist.destroy_process_group()
-    path = machine.write_results("mfu", {"device": args.device, "rows": rows})
-    print(f"wrote {path}")
+    if rank0:
+        described = machine.describe()
+        named = described.get("gpu") if args.device == "cuda" else described.get("cpu_model")
+        path = machine.write_results(
+            "mfu" if args.device == "cuda" else "mfu-cpu-harness",
+            {"device": args.device, "device_name": named, "rows": rows},
+        )
+        print(f"wrote {path}")
     return 0
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer import data, hf, llama, lossguard, noise_scale, optim, special_tokens
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import clocks, parallelize, recording, zero, zero3
+from meshtrain.trainer.parallel import clocks, compilation, parallelize, recording, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 
@@ -102,6 +102,7 @@ class Engine:
             dense = llama.build(
                 self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing
             )
+        gpt.set_selective_recompute(dense, training.selective_recompute)
         if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
             dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
         self.precision = resolve_precision(training.precision, mesh.device)
@@ -122,11 +123,16 @@ class Engine:
             recorder=self.recorder,
             clock=self.clock,
             autocast=autocast,
+            wire_dtype=torch.bfloat16 if self.precision == "bf16" else None,
             zero_stage=par.zero_stage,
             compression=par.gradient_compression,
             all_reduce=par.all_reduce,
             gpus_per_node=spec.resources.gpus_per_node,
         )
+        self.compiled = training.compile and compilation.apply_compile(
+            self.model.chunks, mesh.device, zero_stage=par.zero_stage
+        )
+        """Whether the blocks run compiled (``training.compile`` and a backend that works here)."""
         if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp
             self.optimizer = zero.ZeroAdamW(
                 self.model.named_params,

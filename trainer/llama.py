@@ -70,6 +70,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal grouped-query attention with a fused QKV projection and rotary positions."""
 
+    recompute_core = False
+    """Selective recompute: rebuild the attention core in backward (:func:`.model.attend`)."""
+
     def __init__(self, config: gpt.GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -96,8 +99,8 @@ class Attention(nn.Module):
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.group > 1
+        y = gpt.attend(
+            q, k, v, recompute=self.recompute_core, enable_gqa=self.group > 1
         )  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)  # (B, T, h * hd)
         out: torch.Tensor = self.proj(y)
@@ -120,20 +123,15 @@ class SwiGLU(nn.Module):
         return out
 
 
-class Block(nn.Module):
-    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x))."""
+class Block(gpt.Block):
+    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x)) (GPT's forward, with its selective recompute)."""
 
     def __init__(self, config: gpt.GPTConfig) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.ln1 = nn.RMSNorm(config.hidden, eps=config.norm_eps)
         self.attn = Attention(config)
         self.ln2 = nn.RMSNorm(config.hidden, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
 
 
 class Llama(gpt.GPT):

@@ -24,6 +24,7 @@ that it runs unchanged on a tensor-parallel shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -139,8 +140,35 @@ def initial_value(
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
+RECOMPUTABLE = ("attention", "mlp")
+"""Parts of a block that selective recompute (``training.selectiveRecompute``) can rebuild in backward."""
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    recompute: bool,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Causal ``scaled_dot_product_attention``; with ``recompute`` its internals are rebuilt in backward.
+
+    The checkpoint keeps q, k and v (which the QKV projection's output holds
+    anyway) and drops what the kernel saves for backward: the scores and
+    softmax of an unfused kernel, the output and log-sum-exp of a flash one.
+    """
+    core = functools.partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=enable_gqa)
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(core, q, k, v, use_reentrant=False)
+    return core(q, k, v)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with a fused QKV projection."""
+
+    recompute_core = False
+    """Selective recompute: rebuild the attention core in backward (:func:`attend`)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -158,7 +186,7 @@ class Attention(nn.Module):
         local_heads = width // (3 * self.head_dim)
         qkv = qkv.view(batch, seq, 3, local_heads, self.head_dim)  # (B, T, 3, h, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
+        y = attend(q, k, v, recompute=self.recompute_core)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim)  # (B, T, h * hd)
         return self.proj(y)
 
@@ -180,16 +208,37 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
+    recompute_mlp = False
+    """Selective recompute: keep only the MLP sub-layer's input and rebuild norm, up-projection and activation in backward."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.hidden)
-        self.attn = Attention(config)
-        self.ln2 = nn.LayerNorm(config.hidden)
-        self.mlp = MLP(config)
+        self.ln1: nn.Module = nn.LayerNorm(config.hidden)
+        self.attn: nn.Module = Attention(config)
+        self.ln2: nn.Module = nn.LayerNorm(config.hidden)
+        self.mlp: nn.Module = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        if self.recompute_mlp and torch.is_grad_enabled():
+            return x + checkpoint(self._mlp_sublayer, x, use_reentrant=False)
+        return x + self._mlp_sublayer(x)
+
+    def _mlp_sublayer(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mlp(self.ln2(x))
+        return out
+
+
+def set_selective_recompute(model: nn.Module, parts: list[str] | tuple[str, ...]) -> None:
+    """Recompute ``parts`` (of :data:`RECOMPUTABLE`) of every block of ``model`` in backward."""
+    unknown = set(parts) - set(RECOMPUTABLE)
+    if unknown:
+        raise ValueError(f"unknown recompute parts {sorted(unknown)}; known: {RECOMPUTABLE}")
+    for module in model.modules():
+        if hasattr(module, "recompute_mlp"):
+            module.recompute_mlp = "mlp" in parts
+        if hasattr(module, "recompute_core"):
+            module.recompute_core = "attention" in parts
 
 
 InitialWeights = Callable[[str, "torch.Size | tuple[int, ...]"], torch.Tensor]

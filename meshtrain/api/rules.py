@@ -463,6 +463,16 @@ def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _selective_or_full_recompute(spec: TrainingJobSpec) -> str | None:
+    training = spec.training
+    if training.activation_checkpointing and training.selective_recompute:
+        return (
+            f"selectiveRecompute={list(training.selective_recompute)} with activationCheckpointing=true: "
+            "full activation checkpointing already recomputes every part of every block; set one of them"
+        )
+    return None
+
+
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -693,6 +703,14 @@ RULES: tuple[Rule, ...] = (
         "runPolicy.stragglerPolicy.action replace needs checkpoint.claimName (the gang is rebuilt on other "
         "nodes and resumes from a checkpoint they can all mount)",
         _straggler_replace_keeps_checkpoints,
+    ),
+    Rule(
+        "selective-or-full-recompute",
+        "spec.training.selectiveRecompute",
+        "!self.training.activationCheckpointing || size(self.training.selectiveRecompute) == 0",
+        "training.selectiveRecompute and training.activationCheckpointing exclude each other (full "
+        "checkpointing already recomputes every part of every block)",
+        _selective_or_full_recompute,
     ),
     Rule(
         "custom-trainer-command",

@@ -592,6 +592,23 @@ class Training(_Model):
         description="Recompute each block's activations in backward instead of keeping them: a block keeps only its "
         "input, for about one more forward pass of compute (not counted in MFU).",
     )
+    selective_recompute: list[
+        Annotated[
+            Literal["attention", "mlp"],
+            Field(description="A part of every block to recompute: attention or mlp."),
+        ]
+    ] = Field(
+        default_factory=list,
+        description="Recompute only these parts of every block in backward instead of keeping their activations: "
+        "attention (the attention core: scores, softmax, their product with V) and/or mlp (the MLP sub-layer from "
+        "its input: norm, up-projection, activation). Empty: none. Not with activationCheckpointing, which "
+        "recomputes whole blocks.",
+    )
+    compile: bool = Field(
+        False,
+        description="Compile every transformer block with torch.compile (fuses norms, activations and residual "
+        "adds); where the backend cannot compile on the machine the blocks run eagerly, with a warning.",
+    )
     dataset: str = Field(
         "stdlib",
         min_length=1,
@@ -641,6 +658,11 @@ class Checkpoint(_Model):
         100, ge=0, description="Save every N optimizer steps (0: only at the end)."
     )
     keep: int = Field(3, ge=1, description="Complete checkpoints to keep; older ones are pruned.")
+    async_save: bool = Field(
+        True,
+        description="Write a due checkpoint in the background while training goes on (the step waits only "
+        "for the copy of the state to host memory); false writes it before the next step.",
+    )
 
 
 class FabricLevel(_Model):

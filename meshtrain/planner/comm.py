@@ -310,8 +310,8 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
 
     # Tensor parallel: activations per micro-batch, then per-step reductions.
     if t > 1:
-        stream = b * s * h * scheme.stream_bytes  # a full (B, T, H) residual-stream tensor
-        matmul = b * s * h * scheme.matmul_bytes  # a full (B, T, H) row-parallel output
+        # a full (B, T, H) residual-stream tensor and a row-parallel output, as they cross the group
+        stream = matmul = b * s * h * scheme.wire_bytes
         blocks = layers_per_chunk * v
         if sp:
             # Per sub-layer: gather in / reduce-scatter out forward, the reverse backward.
@@ -358,7 +358,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     # Pipeline: activations forward, their gradients backward, then the norm scalar.
     if p > 1:
         seq = s // t if sp else s
-        message = b * seq * h * scheme.stream_bytes
+        message = b * seq * h * scheme.wire_bytes
         sends = sum((j != last_virtual) + (j != 0) for j in virtuals) * m
         _add(out, "pp", "send", sends, sends * message)
         if shape.tie_embeddings and (holds_first or holds_last):  # the two copies' gradients summed
@@ -399,5 +399,5 @@ def placement_traffic(
     shape = job.model.shape()
     v = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
     seq = shape.seq_len // par.tensor if par.sequence_parallel and par.tensor > 1 else shape.seq_len
-    message = job.training.micro_batch * seq * shape.hidden * scheme.stream_bytes
+    message = job.training.micro_batch * seq * shape.hidden * scheme.wire_bytes
     return dp, float(2 * par.micro_batches * v * message)

@@ -21,6 +21,7 @@ measurement.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import profiles
@@ -42,6 +43,8 @@ class StateScheme:
     """Bytes of a residual-stream element: block inputs, LayerNorm outputs, pipeline activations."""
     matmul_bytes: int
     """Bytes of a matmul output element (Q, K, V, attention output, MLP hidden, row-parallel outputs)."""
+    wire_bytes: int
+    """Bytes of an activation (or activation-gradient) element sent between pipeline stages or inside the TP group."""
 
     @property
     def total(self) -> int:
@@ -49,15 +52,22 @@ class StateScheme:
         return self.weights + self.grads + self.optimizer
 
 
-MIXED = StateScheme("mixed", weights=2, grads=2, optimizer=12, stream_bytes=2, matmul_bytes=2)
+MIXED = StateScheme(
+    "mixed", weights=2, grads=2, optimizer=12, stream_bytes=2, matmul_bytes=2, wire_bytes=2
+)
 """Mixed-precision Adam as in the ZeRO paper (Rajbhandari et al. 2020) and Megatron-LM:
 16-bit weights and gradients, fp32 master weights and Adam moments (4 + 4 + 4), 16-bit activations."""
 
-AUTOCAST = StateScheme("autocast", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=2)
+AUTOCAST = StateScheme(
+    "autocast", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=2, wire_bytes=2
+)
 """What meshtrain's trainer does for bf16: fp32 weights (the master copy), fp32 gradients and
-Adam moments, bf16 autocast for matmuls while LayerNorms and the residual stream stay fp32."""
+Adam moments, bf16 autocast for matmuls while LayerNorms and the residual stream stay fp32;
+activations cross pipeline stages and the TP group in bf16."""
 
-FP32 = StateScheme("fp32", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=4)
+FP32 = StateScheme(
+    "fp32", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=4, wire_bytes=4
+)
 """Plain fp32 Adam (CPU training): 4 + 4 + (4 m + 4 v), fp32 activations."""
 
 RECIPES = ("meshtrain", "mixed")
@@ -215,6 +225,7 @@ def layer_activation_bytes(
     *,
     sequence_parallel: bool,
     fused_attention: bool = True,
+    recompute: Sequence[str] = (),
 ) -> float:
     """Activation bytes one block keeps for backward, per micro-batch, on one TP rank.
 
@@ -235,23 +246,31 @@ def layer_activation_bytes(
     With 16-bit activations and f = 4h this is ``s b h (8 + 24/t)`` bytes, the
     paper's ``10 + 24/t`` minus its two dropout masks (``34/t`` minus 2/t under
     sequence parallelism).
+
+    ``recompute`` (``training.selectiveRecompute``) drops what a part rebuilds
+    in backward: ``attention`` the attention internals (its q, k, v stay,
+    they are the checkpoint's inputs); ``mlp`` the second norm's output and
+    the MLP's up-projection and activation outputs (the sub-layer's input
+    stays: the norm kept it anyway).
     """
     s, b, h, f, a = shape.seq_len, micro_batch, shape.hidden, shape.ffn_hidden, shape.heads
     stream = 4 * h * scheme.stream_bytes
+    mlp_outputs = 4 * f if shape.family == "llama" else 2 * f  # gate, up, silu, product; up, gelu
     if (
         shape.family == "llama"
     ):  # q, k, v, their rotated q and k, attention out; gate, up, silu, product
         kv = (
             kv_heads_per_rank(shape, tensor) * shape.head_dim
         )  # k, v and rotated k: this rank's heads
-        split = ((3 * h + 4 * f) / tensor + 3 * kv) * scheme.matmul_bytes
+        split = ((3 * h + mlp_outputs) / tensor + 3 * kv) * scheme.matmul_bytes
     else:
-        split = (4 * h + 2 * f) / tensor * scheme.matmul_bytes
+        split = (4 * h + mlp_outputs) / tensor * scheme.matmul_bytes
+    if "mlp" in recompute:
+        stream -= h * scheme.stream_bytes
+        split -= mlp_outputs / tensor * scheme.matmul_bytes
     per_token = stream / tensor + split if sequence_parallel else stream + split
-    if fused_attention:
-        per_token += 4 * a / tensor
-    else:
-        per_token += 2 * a * s * scheme.matmul_bytes / tensor
+    if "attention" not in recompute:  # the attention internals
+        per_token += (4 * a if fused_attention else 2 * a * s * scheme.matmul_bytes) / tensor
     return s * b * per_token
 
 
@@ -272,18 +291,29 @@ def checkpointed_layer_bytes(
     return stream / tensor if sequence_parallel else stream
 
 
+LOSS_CHUNK_BYTES = 256 * 2**20
+"""fp32 logits of one chunk of the trainer's fused loss (``meshtrain.trainer.parallel.loss.CHUNK_BYTES``)."""
+
+
 def head_activation_bytes(
     shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme
 ) -> float:
     """Activation bytes of the last stage's final norm, head and loss per micro-batch.
 
-    The final-norm input and output (2 s b h stream elements) and the logits
-    of this rank's vocabulary shard (s b V / t) as the head writes them plus
-    the fp32 copy the cross entropy works on.
+    The trainer's loss fuses the head with the cross-entropy and walks the
+    tokens in chunks (``trainer/parallel/loss.py``): it keeps the final
+    norm's input and the gradient of the head's input (2 s b h stream
+    elements) and the head weight's gradient in fp32 (V/t x h), and while it
+    runs one chunk's logits exist in fp32 (and in the matmul dtype first,
+    when that is narrower).
     """
-    s, b = shape.seq_len, micro_batch
-    return 2 * s * b * shape.hidden * scheme.stream_bytes + s * b * shape.vocab / tensor * (
-        scheme.matmul_bytes + 4
+    s, b, vocab = shape.seq_len, micro_batch, shape.vocab / tensor
+    chunk = min(s * b, max(1, LOSS_CHUNK_BYTES // int(4 * vocab)))
+    logit_bytes = 4 + (scheme.matmul_bytes if scheme.matmul_bytes < 4 else 0)
+    return (
+        2 * s * b * shape.hidden * scheme.stream_bytes
+        + vocab * shape.hidden * 4
+        + chunk * vocab * logit_bytes
     )
 
 
@@ -429,7 +459,12 @@ def plan_memory(
     schedule = par.schedule if par.pipeline > 1 else "1f1b"
     micro_batch = job.training.micro_batch
     per_layer = layer_activation_bytes(
-        shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
+        shape,
+        micro_batch,
+        par.tensor,
+        scheme,
+        sequence_parallel=par.sequence_parallel,
+        recompute=job.training.selective_recompute,
     )
     kept_per_layer = checkpointed_layer_bytes(
         shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel

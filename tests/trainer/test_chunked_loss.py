@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshtrain.planner import memory
 from meshtrain.trainer import live_memory
 from meshtrain.trainer.parallel import loss
 
@@ -71,3 +72,7 @@ def test_no_full_logits_are_ever_alive():
         peaks[name] = tracker.peak
     assert peaks["plain"] >= logits_bytes  # the tracker sees the plain loss's logits
     assert peaks["chunked"] < logits_bytes / 4, peaks
+
+
+def test_the_planner_sizes_the_same_chunks_as_the_trainer():
+    assert memory.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES

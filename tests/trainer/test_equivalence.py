@@ -29,6 +29,9 @@ CASES_2 = {
     "tp2": dict(tensor=2),
     "tp2-sp-accum2": dict(tensor=2, sequence_parallel=True, micro_batches=2),
     "tp2-sp-recompute": dict(tensor=2, sequence_parallel=True, activationCheckpointing=True),
+    "tp2-sp-selective": dict(
+        tensor=2, sequence_parallel=True, micro_batches=2, selectiveRecompute=["attention", "mlp"]
+    ),
     "pp2-1f1b-recompute": dict(
         pipeline=2, schedule="1f1b", micro_batches=4, activationCheckpointing=True
     ),

@@ -245,6 +245,18 @@ INVALID = [
         ["family=gpt"],
     ),
     (
+        "selective recompute beside full activation checkpointing",
+        JobBuilder().training(activationCheckpointing=True, selectiveRecompute=["mlp"]),
+        "spec.training.selectiveRecompute",
+        ["selectiveRecompute=['mlp']", "activationCheckpointing=true", "set one of them"],
+    ),
+    (
+        "unknown selective recompute part",
+        JobBuilder().training(selectiveRecompute=["norm"]),
+        "spec.training.selectiveRecompute[0]",
+        ["attention", "mlp"],
+    ),
+    (
         "pod label the operator selects by",
         JobBuilder().pod(labels={"meshtrain.io/job": "other"}),
         "spec.pod.labels",

@@ -25,6 +25,8 @@ backward, as for any column-parallel layer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -51,16 +53,19 @@ def lm_loss(
     # through the module call, so the chunk's forward hooks (faults.slow_down) see this forward too
     hidden = model(x, with_head=False)  # (B, T, H), or (B, T/tp, H) under sequence parallelism
     head = model.head
+    assert head is not None, "the loss runs on the last pipeline chunk, which holds the head"
+    weight = head.weight
+    assert isinstance(weight, torch.Tensor)
     tp = head.tp if isinstance(head, tensor.ColumnParallelLinear) else None
     if tp is not None:
         hidden = tensor.enter_region(hidden, tp)  # (B, T, H) on every rank
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
     return linear_cross_entropy(
         flat,
-        head.weight,
+        weight,
         targets.reshape(-1),
         tp=tp,
-        chunk=chunk_tokens(head.weight.shape[0], chunk_bytes),
+        chunk=chunk_tokens(weight.shape[0], chunk_bytes),
     )
 
 
@@ -82,9 +87,10 @@ def linear_cross_entropy(
     compute = (
         torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     )
-    return _LinearCrossEntropy.apply(
+    loss: torch.Tensor = _LinearCrossEntropy.apply(
         hidden, weight, targets, tp, chunk, compute, torch.is_grad_enabled()
     )
+    return loss
 
 
 def _all_reduce(
@@ -97,14 +103,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Loss in forward, with its gradients computed there too; backward scales them."""
 
     @staticmethod
-    def forward(fctx, hidden, weight, targets, tp, chunk, compute, grads):  # noqa: ANN001, ANN205
+    def forward(
+        fctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        tp: tensor.TPContext | None,
+        chunk: int,
+        compute: torch.dtype,
+        grads: bool,
+    ) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             n, vocab_local = hidden.shape[0], weight.shape[0]
             start = tp.rank * vocab_local if tp is not None else 0
             w = weight.detach().to(compute)  # (V/tp, H)
             losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
-            grad_hidden = torch.empty_like(hidden) if grads else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+            # the gradients (empty when none are wanted: evaluation)
+            grad_hidden = torch.empty_like(hidden if grads else hidden[:0])
+            grad_weight = torch.zeros_like(weight if grads else weight[:0], dtype=torch.float32)
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
                 h = hidden[lo:hi].detach().to(compute)  # (c, H)
@@ -134,7 +150,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return losses.mean()
 
     @staticmethod
-    def backward(fctx, grad_loss):  # noqa: ANN001, ANN205
+    def backward(fctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = fctx.grads
         del fctx.grads  # backward runs once (the graph is not retained): scale in place
         grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))

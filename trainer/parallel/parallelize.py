@@ -127,6 +127,7 @@ def parallelize(
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    wire_dtype: torch.dtype | None = None,
     zero_stage: int = 0,
     compression: api_spec.GradientCompression | None = None,
     all_reduce: str = "flat",
@@ -134,7 +135,10 @@ def parallelize(
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
-    Every part that reports to ``recorder`` times its work with ``clock``.
+    Every part that reports to ``recorder`` times its work with ``clock``;
+    ``wire_dtype`` (bf16 under autocast) is what activations and their
+    gradients travel in between pipeline stages and inside the
+    tensor-parallel group.
     """
     layout, coords = mesh.layout, mesh.coords
     config = model.config
@@ -154,6 +158,7 @@ def parallelize(
             sequence_parallel=sequence_parallel,
             recorder=recorder,
             clock=clock,
+            wire_dtype=wire_dtype,
         )
         plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
         tp_plan = tensor.TPPlan(
@@ -236,6 +241,7 @@ def parallelize(
         micro_batches=micro_batches,
         activation_shape=(micro_batch, seq, config.hidden),
         activation_dtype=named[0][1].dtype,
+        wire_dtype=wire_dtype,
         device=mesh.device,
         loss_fn=loss.lm_loss,
         recorder=recorder,

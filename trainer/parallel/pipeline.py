@@ -40,6 +40,10 @@ import torch.distributed as dist
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, recording, schedules
 
+COMPUTE_RANGES = ("meshtrain.forward", "meshtrain.backward")
+"""``record_function`` names of a forward and a backward, as timed for the recorder (what a
+``torch.profiler`` trace is checked against: ``benchmarks/bench_mfu.py --profile``)."""
+
 
 def split_layers(layers: int, parts: int) -> list[range]:
     """Balanced contiguous block ranges for ``parts`` virtual stages (extras go to the middle)."""
@@ -115,6 +119,7 @@ class PipelineExecutor:
         micro_batches: int,
         activation_shape: tuple[int, ...],
         activation_dtype: torch.dtype,
+        wire_dtype: torch.dtype | None = None,
         device: torch.device,
         loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         recorder: recording.StepRecorder,
@@ -132,6 +137,8 @@ class PipelineExecutor:
         self.last_backward = schedules.last_backward(self.actions)
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
+        self.wire_dtype = wire_dtype or activation_dtype
+        """Element type of activations and gradients between stages (bf16 under autocast)."""
         self.device = device
         self.loss_fn = loss_fn
         self.recorder = recorder
@@ -170,7 +177,7 @@ class PipelineExecutor:
             src, group = j + 1, self.ctx.backward_group
         else:
             return None
-        buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+        buffer = torch.empty(self.activation_shape, dtype=self.wire_dtype, device=self.device)
         return dist.P2POp(dist.irecv, buffer, peer=self._peer(src), group=group)
 
     def _post_recv(self, index: int) -> _Posted | None:
@@ -204,7 +211,7 @@ class PipelineExecutor:
         for work in posted.works:
             work.wait()
         self.recorder.wait("recv", start, self.clock.now())
-        return posted.buffer
+        return posted.buffer.to(self.activation_dtype)
 
     def _prefetch(self) -> bool:
         """Whether to post the next action's receive before this action computes.
@@ -244,9 +251,10 @@ class PipelineExecutor:
                     x = inputs[microbatch].to(self.device)
                 else:
                     x = torch.empty(
-                        self.activation_shape, dtype=self.activation_dtype, device=self.device
+                        self.activation_shape, dtype=self.wire_dtype, device=self.device
                     )
                     dist.recv(x, src=self._peer(j - 1), group=self.ctx.forward_group)
+                    x = x.to(self.activation_dtype)
                 with self.autocast():
                     if j == self.last_virtual:
                         target = targets[microbatch].to(self.device)
@@ -254,7 +262,7 @@ class PipelineExecutor:
                     else:
                         out = self.chunks[chunk](x)
                 if j != self.last_virtual:
-                    sent = out.contiguous()
+                    sent = out.to(self.wire_dtype).contiguous()
                     work = dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group)
                     in_flight.append((work, sent))
         for work, _ in in_flight:
@@ -288,21 +296,21 @@ class PipelineExecutor:
                     x = inputs[action.microbatch].to(self.device)
                 else:
                     x = self._wait_recv(recv).requires_grad_()
-                start = self.clock.now()
-                with self.autocast():
-                    if j == self.last_virtual:
-                        target = targets[action.microbatch].to(self.device)
-                        out = self.loss_fn(self.chunks[action.chunk], x, target) / m
-                    else:
-                        out = self.chunks[action.chunk](x)
-                self.recorder.compute(
-                    "forward", action.microbatch, action.chunk, start, self.clock.now()
-                )
+                with torch.profiler.record_function(COMPUTE_RANGES[0]):
+                    start = self.clock.now()
+                    with self.autocast():
+                        if j == self.last_virtual:
+                            target = targets[action.microbatch].to(self.device)
+                            out = self.loss_fn(self.chunks[action.chunk], x, target) / m
+                        else:
+                            out = self.chunks[action.chunk](x)
+                    end = self.clock.now()
+                self.recorder.compute("forward", action.microbatch, action.chunk, start, end)
                 saved[key] = (x if j > 0 else None, out)
                 if j == self.last_virtual:
                     loss_sum += out.detach()
                 else:
-                    sent = out.detach().contiguous()
+                    sent = out.detach().to(self.wire_dtype).contiguous()
                     works, batched = self._send(
                         sent, self._peer(j + 1), self.ctx.forward_group, batch_with
                     )
@@ -311,16 +319,16 @@ class PipelineExecutor:
                         posted[index + 1] = batched
             else:
                 x, out = saved.pop(key)
-                grad = None if j == self.last_virtual else self._wait_recv(recv)
+                grad = None if j == self.last_virtual else self._wait_recv(recv).to(out.dtype)
                 if self.grad_sync is not None:
                     self.grad_sync(self.last_backward[action.chunk] == action)
-                start = self.clock.now()
-                torch.autograd.backward(out, grad)
-                self.recorder.compute(
-                    "backward", action.microbatch, action.chunk, start, self.clock.now()
-                )
+                with torch.profiler.record_function(COMPUTE_RANGES[1]):
+                    start = self.clock.now()
+                    torch.autograd.backward(out, grad)
+                    end = self.clock.now()
+                self.recorder.compute("backward", action.microbatch, action.chunk, start, end)
                 if x is not None:
-                    sent = x.grad.contiguous()
+                    sent = x.grad.to(self.wire_dtype).contiguous()
                     works, batched = self._send(
                         sent, self._peer(j - 1), self.ctx.backward_group, batch_with
                     )

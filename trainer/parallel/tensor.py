@@ -21,6 +21,8 @@ across data-parallel replicas (:mod:`.reducer`).
 from __future__ import annotations
 
 import dataclasses
+import typing
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,8 @@ from torch import nn
 
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, recording
+
+_Fn = typing.TypeVar("_Fn", bound=Callable[..., torch.Tensor])
 
 
 @dataclasses.dataclass
@@ -47,6 +51,12 @@ class TPContext:
     """Where collective timings go."""
     clock: clocks.Clock = dataclasses.field(default_factory=clocks.HostClock)
     """What times them (the engine's)."""
+    wire_dtype: torch.dtype | None = None
+    """Element type activations and their gradients cross the group in (bf16 under autocast; None: as computed)."""
+
+    def on_wire(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as it is sent: cast to :attr:`wire_dtype` when one is set."""
+        return x if self.wire_dtype is None else x.to(self.wire_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +145,7 @@ def all_reduce(
 
 def _gather_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """(B, T/tp, H) on each rank -> (B, T, H) on each rank."""
-    local = x.transpose(0, 1).contiguous()  # (T/tp, B, H): the split dim first
+    local = ctx.on_wire(x).transpose(0, 1).contiguous()  # (T/tp, B, H): the split dim first
     out = local.new_empty((local.shape[0] * ctx.size, *local.shape[1:]))  # (T, B, H)
     _timed(ctx, "all_gather", out, lambda: dist.all_gather_single(out, local, group=ctx.group))
     return out.transpose(0, 1)  # (B, T, H)
@@ -143,7 +153,7 @@ def _gather_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
 
 def _reduce_scatter_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """(B, T, H) partial sums -> this rank's (B, T/tp, H) of the total."""
-    full = x.transpose(0, 1).contiguous()  # (T, B, H)
+    full = ctx.on_wire(x).transpose(0, 1).contiguous()  # (T, B, H)
     out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))  # (T/tp, B, H)
     _timed(
         ctx, "reduce_scatter", full, lambda: dist.reduce_scatter_single(out, full, group=ctx.group)
@@ -161,7 +171,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, grad):  # noqa: ANN001, ANN205
-        return all_reduce(grad, fctx.tp), None
+        return all_reduce(fctx.tp.on_wire(grad), fctx.tp).to(grad.dtype), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -181,12 +191,14 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
-        fctx.tp = ctx
-        return _gather_seq(x, ctx)
+        fctx.tp, fctx.dtype = ctx, x.dtype
+        return _gather_seq(
+            x, ctx
+        )  # in the wire dtype: the column-parallel matmul casts to it anyway
 
     @staticmethod
     def backward(fctx, grad):  # noqa: ANN001, ANN205
-        return _reduce_scatter_seq(grad, fctx.tp), None
+        return _reduce_scatter_seq(grad, fctx.tp).to(fctx.dtype), None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -194,19 +206,26 @@ class _ReduceScatterSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, ctx):  # noqa: ANN001, ANN205
-        fctx.tp = ctx
+        fctx.tp, fctx.dtype = ctx, x.dtype
         return _reduce_scatter_seq(x, ctx)
 
     @staticmethod
     def backward(fctx, grad):  # noqa: ANN001, ANN205
-        return _gather_seq(grad, fctx.tp), None
+        return _gather_seq(grad, fctx.tp).to(fctx.dtype), None
 
 
+def _graph_break(fn: _Fn) -> _Fn:
+    """``torch.compile`` does not trace ``fn``: the collectives in it stay meshtrain's timed calls."""
+    return typing.cast(_Fn, torch.compiler.disable(fn))
+
+
+@_graph_break
 def enter_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """Input of a column-parallel layer: replicated (B, T, H)."""
     return _GatherSeq.apply(x, ctx) if ctx.sequence_parallel else _CopyToTP.apply(x, ctx)
 
 
+@_graph_break
 def leave_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """Output of a row-parallel layer: summed, and sequence-split under SP."""
     return _ReduceScatterSeq.apply(x, ctx) if ctx.sequence_parallel else _ReduceFromTP.apply(x, ctx)

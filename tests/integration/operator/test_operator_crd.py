@@ -157,6 +157,11 @@ INVALID = [
     ),
     ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
     (
+        "selective recompute beside full activation checkpointing",
+        _with("spec.training", {"activationCheckpointing": True, "selectiveRecompute": ["mlp"]}),
+        _rule("selective-or-full-recompute"),
+    ),
+    (
         "env name not a C identifier",
         _with("spec.pod", {"env": [{"name": "NCCL-IB-HCA", "value": "mlx5"}]}),
         "spec.pod.env[0].name in body should match",

@@ -1,0 +1,69 @@
+"""``training.compile``: ``torch.compile`` of every transformer block, with a fallback to eager.
+
+Each block is compiled on its own (``nn.Module.compile``: the module stays
+where it is and its forward goes through dynamo), as TorchTitan does: all
+blocks run the same code, so dynamo builds the block's graph once and reuses
+it for every layer, and the embedding, the head and the chunked loss
+(:mod:`.loss`) stay eager.  What compiling buys is fusion of the
+memory-bound work between the matmuls: LayerNorm/RMSNorm, GELU/SiLU, the
+residual adds, RoPE.
+
+Tensor-parallel region boundaries are ``torch.compiler.disable``-d
+(:func:`meshtrain.trainer.parallel.tensor.enter_region` /
+``leave_region``): dynamo breaks the graph there, so every collective stays
+a timed, recorded call of meshtrain's own and the compiled graphs are the
+pure compute between them.
+
+Fallback: before compiling, :func:`compile_problem` compiles and runs a tiny
+function forward and backward on the device (inductor needs a C++ compiler
+on CPU and Triton on GPU); if that fails the blocks stay eager and the reason
+is printed once.  Dynamo's ``suppress_errors`` is also set, so a block graph
+the backend cannot compile runs eagerly instead of stopping the job.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.trainer import model as gpt
+
+
+@functools.cache
+def compile_problem(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot run here (None: it can), from a tiny forward and backward."""
+    try:
+        probe = torch.compile(lambda x: F.gelu(x * 2.0).sum())
+        x = torch.ones(8, device=device_type, requires_grad=True)
+        probe(x).backward()
+    except Exception as err:  # noqa: BLE001 - any backend failure means: stay eager
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def apply_compile(chunks: list[gpt.GPT], device: torch.device, *, zero_stage: int = 0) -> bool:
+    """Compile every block of ``chunks`` in place; returns whether they were compiled.
+
+    Not under ZeRO-3: its blocks carry FSDP2's unshard/reshard hooks, and
+    compiling through them is not tested here yet; the blocks stay eager.
+    """
+    problem = (
+        "zeroStage 3 (FSDP2) blocks are not compiled yet"
+        if zero_stage == 3
+        else compile_problem(device.type)
+    )
+    if problem is not None:
+        print(
+            f"training.compile: not compiling on {device.type} ({problem}); "
+            "running the blocks eagerly",
+            file=sys.stderr,
+        )
+        return False
+    torch._dynamo.config.suppress_errors = True  # a graph the backend rejects runs eagerly
+    for chunk in chunks:
+        for block in chunk.blocks.values():
+            block.compile()
+    return True
