@@ -17,9 +17,11 @@ Checkpoints: at start the newest complete checkpoint under
 ``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
 loaded and training continues from the step after it; one is saved every
 ``checkpoint.intervalSteps``, at the end, and after the step at which the
-ranks agreed to stop on a signal (pod deletion: suspend, spec change, drain).
-Each published checkpoint (and the one loaded) becomes
-``last_checkpoint_step`` of rank 0's ``/progress``.
+ranks agreed to stop on a signal (pod deletion: suspend, spec change, drain);
+with ``checkpoint.asyncSave`` a due save is written in the background and
+the run waits for it only at the next save, a stop or its end.  Each
+published checkpoint (and the one loaded) becomes ``last_checkpoint_step``
+of rank 0's ``/progress``.
 
 Final progress: when the run succeeds, global rank 0 writes its ``/progress``
 document to ``$MESHTRAIN_TERMINATION_LOG`` if that is set (the operator sets
@@ -220,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                 record["slowdowns"] = verdict.slowdowns
                 record["stragglers"] = [f.rank for f in verdict.flagged]
             log.write(record)
-        if (
-            saver.after_step(step) is not None
-        ):  # published (COMPLETE, renamed): /progress may report it
-            recorder.checkpoint_saved(step)
+        saver.after_step(step)
+        for published in saver.published():  # COMPLETE and renamed: /progress may report it
+            recorder.checkpoint_saved(published)
         if result.stop and step < job.training.steps:
             return _stop_after(step, saver, recorder, log, stop)
+    saver.wait()  # the last save, if it is still being written
+    for published in saver.published():
+        recorder.checkpoint_saved(published)
     if log is not None:
         log.close()
     dist.barrier()
@@ -268,6 +272,7 @@ def _guard_stop(
     log: steplog.StepLog | None,
 ) -> int:
     """The loss guard gave up at ``step``: save nothing (the newest checkpoint is the last good one) and leave."""
+    saver.wait()  # a save in flight holds an accepted state: let it finish
     if log is not None:
         log.close()
     kept = f"step {saver.last_saved}" if saver.last_saved is not None else "none written yet"
@@ -286,6 +291,9 @@ def _stop_after(
     stop: stopping.StopRequest,
 ) -> int:
     """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave."""
+    saver.wait()  # a save in flight (perhaps of this very step) is published first
+    for published in saver.published():
+        recorder.checkpoint_saved(published)
     if saver.last_saved != step:
         saver.save()
         recorder.checkpoint_saved(step)

@@ -2,9 +2,11 @@
 
 The run pauses inside the save of step 4 (``MESHTRAIN_FAULT_INJECT_SAVE=4:pause``:
 every rank's data is written, the checkpoint is not yet published) and the
-whole process group is SIGKILLed there.  Re-running with the same log
-directory must skip the unpublished save, resume from step 2, and produce
-exactly the losses of an uninterrupted run for steps 3..6.
+whole process group is SIGKILLed there.  The save is asynchronous
+(``checkpoint.asyncSave``, the default), so training goes on beside the
+paused save: the kill comes only once step 5 is logged.  Re-running with the
+same log directory must skip the unpublished save, resume from step 2, and
+produce exactly the losses of an uninterrupted run for steps 3..6.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def test_sigkill_during_save_resumes_from_last_complete_checkpoint(tmp_path: Pat
     while f"{checkpointer.FAULT_ENV}: pause" not in (log.read_text() if log.exists() else ""):
         assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
         assert time.monotonic() < deadline, "the run never reached the save of step 4"
+        time.sleep(0.2)
+    while max(_losses(killed), default=0) < 5:  # the paused save does not hold training
+        assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, (
+            "training stopped while the save of step 4 was in flight"
+        )
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank, mid-save
     proc.wait()

@@ -11,6 +11,19 @@ checkpoint, the temporary name, publish, prune) and broadcasts it, so all
 ranks act on the same answer; hashing the files (at save and at load) is
 split over all ranks.  An error on any rank is raised on every rank.
 
+With ``checkpoint.asyncSave`` (the default) a due save does not stall
+training: each rank copies its share of the state to host memory (the only
+part the step waits for), and ``torch.distributed.checkpoint.async_save``
+writes it from a background thread while training goes on; the same thread
+then hashes, publishes and prunes exactly as a blocking save does.  The
+background work talks only over a process group of its own (gloo), so it
+never interleaves with the training collectives; one save is in flight at a
+time (the next due save, a stop and the end of the run wait for it), and
+:meth:`Checkpointer.published` hands the steps it published to the main
+thread.  Publishing is still the atomic rename of a complete directory, so a
+process killed while a save is in flight leaves the last published
+checkpoint as it was.
+
 Fault injection for tests: ``MESHTRAIN_FAULT_INJECT_SAVE=STEP[:MODE]`` stops
 the save of step ``STEP`` after every rank's data is written and before the
 checkpoint is published: ``die`` (default) exits at once with code 17,
@@ -21,6 +34,7 @@ Not the file format (:mod:`.state`) or the directory protocol (:mod:`.store`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import sys
 import time
@@ -28,8 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from meshtrain.trainer.checkpointing import state, store
+from meshtrain.trainer.checkpointing import sharded, state, store
 
 FAULT_ENV = "MESHTRAIN_FAULT_INJECT_SAVE"
 FAULT_EXIT_CODE = 17
@@ -53,10 +70,10 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
-def _agree(payload: Any) -> Any:
+def _agree(payload: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Rank 0's ``payload`` on every rank; an exception instance there is raised everywhere."""
     box = [payload if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if isinstance(box[0], store.CheckpointError):
         raise store.CheckpointError(str(box[0]))
     return box[0]
@@ -76,7 +93,7 @@ def _everywhere(fn: Any) -> None:
         raise store.CheckpointError(first)
 
 
-def _on_rank0(fn: Any) -> Any:
+def _on_rank0(fn: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Run ``fn`` on rank 0 and share its result (or its CheckpointError) with every rank."""
     result: Any = None
     if dist.get_rank() == 0:
@@ -84,7 +101,22 @@ def _on_rank0(fn: Any) -> Any:
             result = fn()
         except store.CheckpointError as err:
             result = err
-    return _agree(result)
+    return _agree(result, group)
+
+
+class _Staged(AsyncStager):
+    """DCP stager for a state dict that is already a host copy (:func:`.sharded.host_copy`)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: the copy was made before ``async_save``."""
+
+    def close(self) -> None:
+        """Holds nothing."""
 
 
 class Checkpointer:
@@ -99,8 +131,16 @@ class Checkpointer:
         self.keep = spec.checkpoint.keep
         self.total = spec.training.steps
         self.last_saved: int | None = None
-        """Step of the newest checkpoint this run wrote or loaded."""
+        """Step of the newest checkpoint this run published or loaded."""
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
+        self.asynchronous = spec.checkpoint.async_save
+        """Due saves run beside training (``checkpoint.asyncSave``)."""
+        self._group: dist.ProcessGroup | None = (
+            None  # the background saves' own (gloo), made at the first
+        )
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._in_flight: concurrent.futures.Future[int] | None = None
+        self._published: list[int] = []
 
     # --- resume ----------------------------------------------------------------
 
@@ -165,27 +205,95 @@ class Checkpointer:
         """Whether ``step`` is a checkpoint step: every ``intervalSteps``, and the last one."""
         return step == self.total or (self.interval > 0 and step % self.interval == 0)
 
-    def after_step(self, step: int) -> Path | None:
-        """Save if ``step`` is due (collective); returns the published directory."""
+    def after_step(self, step: int) -> None:
+        """Save if ``step`` is due (collective): in the background with ``asyncSave``, else now.
+
+        What was published, now or by an earlier background save, is in :meth:`published`.
+        """
         if not self.due(step) or self.last_saved == step:
-            return None
-        return self.save()
+            return
+        if self.asynchronous:
+            self._start_async(step)
+        else:
+            self.save()
+
+    def published(self) -> list[int]:
+        """Steps published since the last call (raises a background save's error on this rank)."""
+        if self._in_flight is not None and self._in_flight.done():
+            self.wait()
+        done, self._published = self._published, []
+        return done
+
+    def wait(self) -> None:
+        """Let the save in flight, if any, finish (collective when one is in flight on every rank)."""
+        if self._in_flight is not None:
+            try:
+                self._published.append(self._in_flight.result())
+            finally:
+                self._in_flight = None
 
     def save(self) -> Path:
-        """Write, publish and prune a checkpoint of the engine's current step (collective)."""
+        """Write, publish and prune a checkpoint of the engine's current step now (collective)."""
+        self.wait()
         step = self.engine.step
         start = time.perf_counter()
         tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
         entries = state.state_dict(self.engine)
         state.save_into(tmp, entries)
         dist.barrier()
-        written = time.perf_counter() - start
+        final = self._publish(step, tmp, len(entries), time.perf_counter() - start, start, None)
+        self._published.append(step)
+        return final
+
+    def _start_async(self, step: int) -> None:
+        """Copy this rank's state to host memory, then write and publish it from the background thread."""
+        self.wait()  # one save in flight at a time
+        if self._group is None:
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+            self._group = group
+        start = time.perf_counter()
+        tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        entries = sharded.host_copy(state.state_dict(self.engine))
+        tmp.mkdir(parents=True, exist_ok=True)
+        upload = async_save(
+            entries,
+            storage_writer=FileSystemWriter(str(tmp)),
+            process_group=self._group,
+            async_stager=_Staged(),
+        )
+        assert isinstance(upload, concurrent.futures.Future)  # a stager that stages at once
+        if dist.get_rank() == 0:
+            _say(
+                f"step {step}: state copied in {time.perf_counter() - start:.2f}s, writing in the background"
+            )
+
+        def finish() -> int:
+            upload.result()
+            dist.barrier(group=self._group)
+            self._publish(step, tmp, len(entries), time.perf_counter() - start, start, self._group)
+            return step
+
+        self._in_flight = self._worker.submit(finish)
+
+    def _publish(
+        self,
+        step: int,
+        tmp: Path,
+        entries: int,
+        written: float,
+        start: float,
+        group: dist.ProcessGroup | None,
+    ) -> Path:
+        """Every rank's data is in ``tmp``: hash it (split over ranks), then rank 0 publishes and prunes."""
         self._maybe_fault(step)
         shares: list[dict[str, Any]] = [
             {}
         ] * dist.get_world_size()  # every rank hashes its share of the files
         dist.all_gather_object(
-            shares, store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size())
+            shares,
+            store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size()),
+            group=group,
         )
 
         def publish() -> str:
@@ -196,7 +304,7 @@ class Checkpointer:
                 model=self._model_shape(),
                 files=files,
                 extra={
-                    "entries": len(entries),
+                    "entries": entries,
                     "write_seconds": round(written, 3),
                     "world_size": dist.get_world_size(),
                     "token_ids": self.engine.token_ids.to_json(),
@@ -207,7 +315,7 @@ class Checkpointer:
             store.prune(self.root, self.keep)
             return str(final)
 
-        final = Path(_on_rank0(publish))
+        final = Path(_on_rank0(publish, group))
         self.last_saved = step
         if dist.get_rank() == 0:
             _say(f"saved step {step} to {final} in {time.perf_counter() - start:.2f}s")

@@ -249,3 +249,20 @@ class ChunkedTensor(torch.Tensor):
 def chunked(shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype) -> ChunkedTensor:
     """A :class:`ChunkedTensor` of ``pieces`` (empty pieces dropped)."""
     return ChunkedTensor(shape, [p for p in pieces if p.data.numel()], dtype)
+
+
+def host_copy(entries: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of a DCP state dict in host memory: every piece and tensor copied, the rest as is.
+
+    What a background save writes, so training may change the live tensors meanwhile.
+    """
+    copied: dict[str, Any] = {}
+    for key, value in entries.items():
+        if isinstance(value, ChunkedTensor):
+            pieces = [Piece(p.offsets, p.data.to("cpu", copy=True)) for p in value._pieces]
+            copied[key] = ChunkedTensor(value.shape, pieces, value.dtype)
+        elif isinstance(value, torch.Tensor):
+            copied[key] = value.to("cpu", copy=True)
+        else:
+            copied[key] = value
+    return copied
