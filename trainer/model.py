@@ -286,11 +286,22 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
         return self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, H)
 
-    def forward(self, x: torch.Tensor, *, with_head: bool = True) -> torch.Tensor:
-        """Logits (or a hidden state); ``with_head=False`` stops before the LM head (the fused loss applies it)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        apply_head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits (or a hidden state).
+
+        ``apply_head(hidden, head)`` replaces the head's own call (the fused
+        loss); it runs inside this forward, where a sharding wrapper has the
+        head's weight gathered.
+        """
         x = self.features(x)
-        if with_head and self.head is not None:
-            x = self.head(x)  # (B, T, V) logits (or this rank's vocabulary shard)
+        if self.head is not None:
+            # (B, T, V) logits (or this rank's vocabulary shard), or what apply_head makes of them
+            x = self.head(x) if apply_head is None else apply_head(x, self.head)
         return x
 
     def features(self, x: torch.Tensor) -> torch.Tensor:

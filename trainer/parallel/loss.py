@@ -48,25 +48,29 @@ def lm_loss(
     """Mean cross-entropy of ``model`` (the last pipeline chunk, holding norm and head) on ``x``.
 
     ``x`` is what the chunk takes (token ids, or the previous stage's hidden
-    state) and ``targets`` (B, T) the next tokens.
+    state) and ``targets`` (B, T) the next tokens.  The loss is computed
+    inside the chunk's forward (``apply_head``): its forward hooks see it
+    (``faults.slow_down``), and under ZeRO-3 the head's weight is gathered
+    there.
     """
-    # through the module call, so the chunk's forward hooks (faults.slow_down) see this forward too
-    hidden = model(x, with_head=False)  # (B, T, H), or (B, T/tp, H) under sequence parallelism
-    head = model.head
-    assert head is not None, "the loss runs on the last pipeline chunk, which holds the head"
-    weight = head.weight
-    assert isinstance(weight, torch.Tensor)
-    tp = head.tp if isinstance(head, tensor.ColumnParallelLinear) else None
-    if tp is not None:
-        hidden = tensor.enter_region(hidden, tp)  # (B, T, H) on every rank
-    flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
-    return linear_cross_entropy(
-        flat,
-        weight,
-        targets.reshape(-1),
-        tp=tp,
-        chunk=chunk_tokens(weight.shape[0], chunk_bytes),
-    )
+
+    def head_loss(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+        # hidden: (B, T, H), or (B, T/tp, H) under sequence parallelism
+        weight = head.weight
+        assert isinstance(weight, torch.Tensor)
+        tp = head.tp if isinstance(head, tensor.ColumnParallelLinear) else None
+        if tp is not None:
+            hidden = tensor.enter_region(hidden, tp)  # (B, T, H) on every rank
+        return linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),  # (B*T, H)
+            weight,
+            targets.reshape(-1),
+            tp=tp,
+            chunk=chunk_tokens(weight.shape[0], chunk_bytes),
+        )
+
+    loss: torch.Tensor = model(x, apply_head=head_loss)
+    return loss
 
 
 def linear_cross_entropy(
