@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,7 +44,11 @@ NOT_STARTED = "Not all pods of the gang are running"
 PRIORITY_CLASS_NOT_FOUND = "WorkloadPriorityClassNotFound"
 POD_PRIORITY_CLASS_NOT_FOUND = "PriorityClassNotFound"
 NAME_TAKEN = "WorkloadNameTaken"
+INVALID_QUEUE_NAME = "InvalidQueueName"
+WORKLOAD_REJECTED = "WorkloadRejected"
 WARNING_REASONS = (
+    INVALID_QUEUE_NAME,
+    WORKLOAD_REJECTED,
     "Inadmissible",
     PRIORITY_CLASS_NOT_FOUND,
     POD_PRIORITY_CLASS_NOT_FOUND,
@@ -69,6 +74,22 @@ def queue_of(labels: Mapping[str, str] | None) -> Queue | None:
     labels = labels or {}
     name = labels.get(QUEUE_LABEL)
     return Queue(name, labels.get(PRIORITY_CLASS_LABEL)) if name else None
+
+
+DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""A LocalQueue name (an object name): lower-case alphanumerics, '-' and '.', at most 253."""
+
+
+def invalid_queue_name(queue: Queue) -> Waiting | None:
+    """Why the label cannot name a LocalQueue (Kueue would refuse the Workload), or None."""
+    if len(queue.name) <= 253 and DNS_1123_SUBDOMAIN.fullmatch(queue.name):
+        return None
+    return Waiting(
+        INVALID_QUEUE_NAME,
+        f'metadata.labels["{QUEUE_LABEL}"]={queue.name!r} cannot name a LocalQueue: a LocalQueue '
+        "name is an RFC 1123 subdomain (lower-case letters, digits, '-' and '.', starting and "
+        "ending alphanumeric); set the label to the LocalQueue's name",
+    )
 
 
 def workload_name(job: str) -> str:
@@ -324,6 +345,9 @@ def gate_for(
     """
     if workload is not None and not controlled_by(workload, uid):
         return Gate(name_taken(workload)) if queue is not None else None
+    bad_name = invalid_queue_name(queue) if queue is not None else None
+    if bad_name is not None and (workload is None or not reserved(workload)):
+        return Gate(bad_name)
     if workload is None:
         return Gate(None) if queue is not None else None  # no label: the job left Kueue
     found = state(workload)

@@ -458,3 +458,21 @@ def test_time_waiting_in_the_queue_after_a_preemption_is_not_active_time():
     readmitted = lifecycle.decide(waiting, [], at(7200), queueing.Gate(queueing.Admitted("q")))
     assert lifecycle.Place in _types(readmitted)
     assert "DeadlineExceeded" not in str(readmitted.actions)
+
+
+@pytest.mark.parametrize("name", ["Team_Queue", "team queue", "-team", "team.", "t" * 254])
+def test_a_queue_label_that_cannot_name_a_localqueue_holds_the_job_naming_the_label(name):
+    gate = queueing.gate_for(None, "u-1", queueing.Queue(name, None), "h")
+    assert gate is not None and isinstance(gate.state, queueing.Waiting)
+    decision = lifecycle.decide(job(), [], T0, gate)
+    assert queueing.CreateWorkload not in _types(decision)
+    queued = _queued(decision)
+    assert queued["reason"] == "InvalidQueueName"
+    assert queueing.QUEUE_LABEL in queued["message"] and repr(name) in queued["message"]
+    [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert event.type == "Warning"
+
+
+@pytest.mark.parametrize("name", ["team-queue", "team.gpu-a100", "q1"])
+def test_a_queue_label_naming_a_localqueue_creates_the_workload(name):
+    assert queueing.gate_for(None, "u-1", queueing.Queue(name, None), "h") == queueing.Gate(None)
