@@ -106,7 +106,7 @@ def prepare(
         )
     dtype = choose_dtype(dtype, vocab, tokenizer_path)
     special = special_tokens.from_tokenizer(tokenizer)
-    eos = special.eos
+    eos = special.eos[0] if special.eos else None  # the document separator
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
     count = 0

@@ -31,28 +31,36 @@ PAD_CANDIDATES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>")
 
 @dataclasses.dataclass(frozen=True)
 class TokenIds:
-    """The special token ids a Hugging Face config carries (None: the tokenizer has none)."""
+    """The special token ids a Hugging Face config carries (None / empty: the tokenizer has none).
+
+    ``eos`` is a tuple: Llama 3 Instruct's generation stops at any of
+    ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``; its first id is the one
+    ``meshtrain data prepare`` ends documents with.
+    """
 
     bos: int | None = None
-    eos: int | None = None
+    eos: tuple[int, ...] = ()
     pad: int | None = None
 
-    def to_json(self) -> dict[str, int | None]:
+    def to_json(self) -> dict[str, int | list[int] | None]:
         """The ``*_token_id`` keys of a Hugging Face ``config.json`` / ``generation_config.json``."""
-        return {"bos_token_id": self.bos, "eos_token_id": self.eos, "pad_token_id": self.pad}
+        eos: int | list[int] | None = (
+            list(self.eos) if len(self.eos) > 1 else self.eos[0] if self.eos else None
+        )
+        return {"bos_token_id": self.bos, "eos_token_id": eos, "pad_token_id": self.pad}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> TokenIds:
-        """From ``*_token_id`` keys (a config.json, or a checkpoint marker's record); a list of eos ids keeps the first."""
+        """From ``*_token_id`` keys (a config.json, generation_config.json, or a checkpoint marker's record)."""
 
         def one(value: Any) -> int | None:
-            if isinstance(value, list):
-                value = value[0] if value else None
-            return int(value) if isinstance(value, int) else None
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+        eos = raw.get("eos_token_id")
+        listed = eos if isinstance(eos, list) else [eos]
         return cls(
             bos=one(raw.get("bos_token_id")),
-            eos=one(raw.get("eos_token_id")),
+            eos=tuple(i for i in map(one, listed) if i is not None),
             pad=one(raw.get("pad_token_id")),
         )
 
@@ -60,9 +68,13 @@ class TokenIds:
         """Each id of ``self``, or ``other``'s where ``self`` has none."""
         return TokenIds(
             bos=self.bos if self.bos is not None else other.bos,
-            eos=self.eos if self.eos is not None else other.eos,
+            eos=self.eos or other.eos,
             pad=self.pad if self.pad is not None else other.pad,
         )
+
+    def with_eos(self, more: Iterable[int]) -> TokenIds:
+        """``self`` with the end-of-text ids of ``more`` it lacks appended."""
+        return dataclasses.replace(self, eos=tuple(dict.fromkeys([*self.eos, *more])))
 
 
 UNKNOWN = TokenIds()
@@ -78,7 +90,7 @@ def from_tokenizer(tokenizer: Tokenizer) -> TokenIds:
     """The ids of the tokenizer's begin-, end-of-text and padding tokens, by their usual names."""
     return TokenIds(
         bos=_first(tokenizer, BOS_CANDIDATES),
-        eos=_first(tokenizer, EOS_CANDIDATES),
+        eos=tuple(i for i in [_first(tokenizer, EOS_CANDIDATES)] if i is not None),
         pad=_first(tokenizer, PAD_CANDIDATES),
     )
 
@@ -94,12 +106,12 @@ def agreed(records: Iterable[TokenIds]) -> TokenIds:
     if not found:
         return TokenIds()
 
-    def common(values: list[int | None]) -> int | None:
+    def common(values: list[Any]) -> Any:
         return values[0] if len(set(values)) == 1 else None
 
     return TokenIds(
         bos=common([r.bos for r in found]),
-        eos=common([r.eos for r in found]),
+        eos=common([r.eos for r in found]) or (),
         pad=common([r.pad for r in found]),
     )
 
@@ -111,15 +123,21 @@ def from_token_files(paths: Iterable[Path]) -> TokenIds:
         if path.is_file():
             meta = json.loads(path.read_text())
             records.append(
-                TokenIds(bos=meta.get("bos_id"), eos=meta.get("eos_id"), pad=meta.get("pad_id"))
+                TokenIds.from_json(
+                    {
+                        "bos_token_id": meta.get("bos_id"),
+                        "eos_token_id": meta.get("eos_id"),
+                        "pad_token_id": meta.get("pad_id"),
+                    }
+                )
             )
     return agreed(records)
 
 
 def from_hf_directory(directory: Path) -> TokenIds:
-    """The ids a Hugging Face directory's ``config.json`` (then ``generation_config.json``) names."""
+    """The ids a Hugging Face directory names: ``generation_config.json``'s (what ``generate`` uses), then ``config.json``'s."""
     found = TokenIds()
-    for name in ("config.json", "generation_config.json"):
+    for name in ("generation_config.json", "config.json"):
         path = directory / name
         if path.is_file():
             raw = json.loads(path.read_text())
@@ -129,6 +147,13 @@ def from_hf_directory(directory: Path) -> TokenIds:
 
 
 def for_job(files: Iterable[token_files.TokenFile], from_hf: str | None) -> TokenIds:
-    """A job's ids: its training files' (prepared with the tokenizer), else its ``model.init.fromHF`` directory's."""
+    """A job's ids: its training files' (prepared with the tokenizer), else its ``model.init.fromHF`` directory's.
+
+    End-of-text ids are merged: the imported model's (all of them, so an instruct
+    model still stops at its turn ends), then the data's.
+    """
     found = from_token_files(f.path for f in files)
-    return found.or_else(from_hf_directory(Path(from_hf))) if from_hf else found
+    if not from_hf:
+        return found
+    imported = from_hf_directory(Path(from_hf))
+    return dataclasses.replace(found.or_else(imported), eos=imported.with_eos(found.eos).eos)

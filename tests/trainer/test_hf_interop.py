@@ -30,8 +30,9 @@ from meshtrain import cli
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, export, hf, launch, llama
+from meshtrain.trainer import data, engine, export, hf, launch, llama, special_tokens
 from meshtrain.trainer import model as gpt
+from meshtrain.trainer import tokens as meshtrain_tokens
 from meshtrain.trainer.checkpointing import checkpointer
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
@@ -318,3 +319,21 @@ def test_export_keeps_the_imported_models_context_length(tmp_path):
     assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert exported.max_position_embeddings == 4096
+
+
+def test_every_eos_id_of_the_imported_model_and_the_data_reaches_transformers(tmp_path):
+    """Llama 3 Instruct stops at three ids; its generation_config lists them and config.json names one."""
+    config = _config(LLAMA)
+    peer = _hf_model(config)
+    peer.config.eos_token_id = 1
+    peer.generation_config = transformers.GenerationConfig(bos_token_id=0, eos_token_id=[1, 8, 9])
+    peer.save_pretrained(tmp_path / "in")
+    tokens = tmp_path / "data.bin"
+    meta = {"bos_id": 0, "eos_id": 5, "pad_id": None}  # what `meshtrain data prepare` records
+    meshtrain_tokens.metadata_path(tokens).write_text(json.dumps(meta))
+    files = [meshtrain_tokens.TokenFile(tokens, None, 1.0)]  # type: ignore[arg-type]
+    ids = special_tokens.for_job(files, str(tmp_path / "in"))
+    hf.write(tmp_path / "out", config, dict(llama.build(config).named_parameters()), token_ids=ids)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert generation.eos_token_id == [1, 8, 9, 5]
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == [1, 8, 9, 5]
