@@ -62,6 +62,17 @@ def status_changes(report: dict[str, Any]) -> dict[str, Any]:
     return changes
 
 
+def polled_changes(report: dict[str, Any]) -> dict[str, Any]:
+    """:func:`status_changes` of a poll, with an explicit null for an estimate the report lacks.
+
+    A merge patch without the key would keep the estimate of a gang placed before (restart, resize).
+    """
+    changes = status_changes(report)
+    if "progress" in changes:
+        changes["progress"].setdefault("gradientNoiseScale", None)
+    return changes
+
+
 def _document(text: str) -> dict[str, Any] | None:
     try:
         value = json.loads(text)

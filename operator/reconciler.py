@@ -429,7 +429,7 @@ class Reconciler:
         except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
             logger.debug("progress of %s unavailable: %s", action.pod, err)
             return body, job, False
-        changes = progress_status.status_changes(report)
+        changes = progress_status.polled_changes(report)
         changes |= resizing.baseline(job.status, changes)
         if job.spec is not None:
             changes |= stragglers.observed(job.spec, job.status, report, _now())
@@ -442,6 +442,7 @@ class Reconciler:
                 before,
                 job.spec.global_batch,
                 (changes.get("progress") or {}).get("gradientNoiseScale"),
+                (changes.get("progress") or {}).get("step"),
                 _now(),
             )
             if conds != list(before):

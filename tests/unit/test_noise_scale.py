@@ -71,15 +71,15 @@ def test_non_finite_steps_are_ignored_and_bad_batches_refused():
 
 
 def test_operator_condition_turns_true_far_above_the_noise_scale_and_warns_once():
-    conds, warning = noise_condition.changes([], 4096, 100.0, NOW)
+    conds, warning = noise_condition.changes([], 4096, 100.0, 40, NOW)
     [found] = conds
     assert found["type"] == "BatchAboveNoiseScale" and found["status"] == "True"
     assert warning is not None and "41x the measured gradient noise scale 100" in warning
-    conds, again = noise_condition.changes(conds, 4096, 90.0, NOW)
+    conds, again = noise_condition.changes(conds, 4096, 90.0, 40, NOW)
     assert again is None  # still True: no second Event
-    conds, quiet = noise_condition.changes(conds, 512, 100.0, NOW)
+    conds, quiet = noise_condition.changes(conds, 512, 100.0, 40, NOW)
     assert quiet is None and conds[0]["status"] == "False"
-    assert noise_condition.changes([], 4096, None, NOW) == ([], None)
+    assert noise_condition.changes([], 4096, None, 40, NOW) == ([], None)
 
 
 def test_progress_report_carries_the_noise_scale_into_status():
@@ -88,6 +88,22 @@ def test_progress_report_carries_the_noise_scale_into_status():
     )
     assert changes["progress"]["gradientNoiseScale"] == 321.5
     assert "gradientNoiseScale" not in progress_status.status_changes({"step": 5})["progress"]
+    # a polled gang without an estimate clears the previous gang's (null in the merge patch)
+    assert progress_status.polled_changes({"step": 5})["progress"]["gradientNoiseScale"] is None
+    assert progress_status.polled_changes({"step": 0, "updated_at": None}) == {}
+
+
+def test_the_noise_condition_waits_for_warm_up_and_does_not_flap_near_the_threshold():
+    early, _ = noise_condition.changes([], 4096, 100.0, noise_condition.WARMUP_STEPS - 1, NOW)
+    assert early == []
+    far, warning = noise_condition.changes([], 1000, 90.0, noise_condition.WARMUP_STEPS, NOW)
+    assert far[0]["status"] == "True" and warning is not None  # 11x
+    held, _ = noise_condition.changes(far, 1000, 110.0, 40, NOW)  # 9.1x: inside the band
+    assert held[0]["status"] == "True"
+    near, _ = noise_condition.changes(held, 1000, 130.0, 41, NOW)  # 7.7x: below it
+    assert near[0]["status"] == "False"
+    fresh, _ = noise_condition.changes([], 1000, 110.0, 40, NOW)  # 9.1x with no condition yet
+    assert fresh[0]["status"] == "False"
 
 
 def test_planner_warns_against_the_measured_noise_scale_when_there_is_one():

@@ -42,7 +42,11 @@ def test_a_global_batch_far_above_the_measured_noise_scale_is_warned(
         operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
         operator.start()
         try:
-            document = {"step": 10, "loss": 4.0, "updated_at": "2026-01-01T00:00:10Z"}
+            document = {
+                "step": 30,
+                "loss": 4.0,
+                "updated_at": "2026-01-01T00:00:10Z",
+            }  # past the warm-up
             progress.document = {**document, "gradient_noise_scale": 1.5}
             cluster.apply(
                 JobBuilder("big", NAMESPACE, "noise")
@@ -63,7 +67,7 @@ def test_a_global_batch_far_above_the_measured_noise_scale_is_warned(
             ]
             assert len(warnings) == 1 and warnings[0].type == "Warning"
 
-            progress.document = {**document, "step": 20, "gradient_noise_scale": 32.0}
+            progress.document = {**document, "step": 40, "gradient_noise_scale": 32.0}
             near = _condition(cluster, "False")
             assert near["reason"] == "GlobalBatchNearNoiseScale" and "2x" in near["message"]
         finally:
