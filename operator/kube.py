@@ -682,6 +682,27 @@ class Client:
             "create", "events", self._core.create_namespaced_event, namespace, event
         )
 
+    async def create_node_event(
+        self, *, node: str, uid: str | None, type_: str, reason: str, message: str, now: str
+    ) -> None:
+        """A core/v1 Event about a Node, in ``default`` where the kubelet records node Events."""
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{node}.", "namespace": "default"},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid},
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": naming.MANAGED_BY},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        await self._request(
+            "create", "events", self._core.create_namespaced_event, "default", event
+        )
+
 
 def _read_progress(url: str, timeout: float) -> Body:
     with urllib.request.urlopen(url, timeout=timeout) as response:  # http to a pod IP

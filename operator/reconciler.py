@@ -270,6 +270,25 @@ class Reconciler:
         except (kube.ApiError, OSError) as err:  # events are best effort
             logger.warning("could not record event %s: %s", reason, err)
 
+    async def _emit_on_node(
+        self, node: str, ref: identity.JobRef, actions: Iterable[lifecycle.Action]
+    ) -> None:
+        note = next((a for a in actions if isinstance(a, lifecycle.Emit)), None)
+        if note is None:
+            return
+        raw = self.cache.nodes.get(("", node)) or {}
+        try:
+            await self.client.create_node_event(
+                node=node,
+                uid=(raw.get("metadata") or {}).get("uid"),
+                type_=note.type,
+                reason=note.reason,
+                message=f"TrainingJob {ref.namespace}/{ref.name}: {note.message}",
+                now=conditions.timestamp(_now()),
+            )
+        except (kube.ApiError, OSError) as err:  # events are best effort
+            logger.warning("could not record event %s on node %s: %s", note.reason, node, err)
+
     async def _act(
         self, action: lifecycle.Action, body: dict[str, Any], job: lifecycle.JobState
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
@@ -310,11 +329,13 @@ class Reconciler:
         if isinstance(action, resizing.Grow):
             return await self._grow(action, body, job)
         if isinstance(action, lifecycle.ReplaceStraggler):
-            chosen = action.replaced if self._fits_without(job, action.node) else action.otherwise
+            fits = self._fits_without(job, action.node)
             changed = False
-            for step in chosen:
+            for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)
                 changed = changed or did
+            if fits:  # where an SRE looking at the node sees it too
+                await self._emit_on_node(action.node, job.ref, action.replaced)
             return body, job, changed
         raise TypeError(f"unknown action {action!r}")
 
@@ -370,7 +391,7 @@ class Reconciler:
         ref = job.ref
         async with self.placement_lock:
             raw_nodes, nodes = self._nodes(job.declared.resources.gpu_resource_name)
-            avoid = stragglers.excluded(job.status)
+            avoid = stragglers.excluded(job.status, _now())
             raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
             nodes = [n for n in nodes if n.name not in avoid]
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
@@ -398,7 +419,7 @@ class Reconciler:
         and the job's excluded nodes, counting its own pods' resources as free."""
         assert job.spec is not None
         declared = job.declared or job.spec
-        avoid = stragglers.excluded(job.status) | {node}
+        avoid = stragglers.excluded(job.status, _now()) | {node}
         raw_nodes, nodes = self._nodes(declared.resources.gpu_resource_name)
         raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
         nodes = [n for n in nodes if n.name not in avoid]
@@ -520,7 +541,7 @@ class Reconciler:
         async with self.placement_lock:
             started = time.perf_counter()
             raw_nodes, nodes = self._nodes(gpu)
-            avoid = stragglers.excluded(job.status)
+            avoid = stragglers.excluded(job.status, _now())
             if avoid:  # a replaced straggler's node is never chosen again for this job
                 raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
                 nodes = [n for n in nodes if n.name not in avoid]

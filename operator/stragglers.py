@@ -79,13 +79,25 @@ def observed(
     return {"straggler": entry}
 
 
-def excluded(status: Mapping[str, Any]) -> frozenset[str]:
-    """Nodes this job is not placed on again."""
-    return frozenset(
-        e["node"]
-        for e in status.get("excludedNodes") or []
-        if isinstance(e, Mapping) and isinstance(e.get("node"), str)
-    )
+EXCLUSION_SECONDS = 24 * 3600
+"""How long a replaced straggler's node stays excluded for the job: a throttling GPU or a flaky NIC
+is usually repaired (or the node drained) within a day, and a long job must not lose nodes for good."""
+
+
+def excluded(status: Mapping[str, Any], now: datetime.datetime) -> frozenset[str]:
+    """Nodes this job is not placed on now: excluded less than :data:`EXCLUSION_SECONDS` ago.
+
+    An entry without a readable ``time`` stays excluded.  Expired entries stay in
+    ``status.excludedNodes`` as the record of the replacement.
+    """
+    found = set()
+    for entry in status.get("excludedNodes") or []:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
+            continue
+        since = conditions.parse_time(entry.get("time"))
+        if since is None or (now - since).total_seconds() < EXCLUSION_SECONDS:
+            found.add(entry["node"])
+    return frozenset(found)
 
 
 def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
@@ -177,7 +189,9 @@ def react(
     news = f"{message}: {_measured(straggler)}"
     node = straggler.get("node")
     replacements = int(status.get("stragglerReplacements") or 0)
-    replace = policy.action == "replace" and isinstance(node, str) and node not in excluded(status)
+    replace = (
+        policy.action == "replace" and isinstance(node, str) and node not in excluded(status, now)
+    )
     if replace and replacements >= policy.max_replacements:
         message += (
             f"; not replaced: maxReplacements={policy.max_replacements} node(s) already excluded"

@@ -988,7 +988,7 @@ class TrainingJobStatus(_Model):
     )
     excluded_nodes: list[ExcludedNode] = Field(
         default_factory=list,
-        description="Nodes this job is never placed on again (a replaced straggler's node).",
+        description="Nodes a straggler was replaced on; each is left out of this job's placements for 24 h after its time.",
     )
     straggler_replacements: int = Field(
         0, ge=0, description="Gangs rebuilt without a straggler's node so far."

@@ -147,7 +147,7 @@ def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
     assert reasons == [conditions.STRAGGLER_REPLACED]
     # The new gang waits for the old pods, then is placed (the reconciler leaves n1 out).
     after = job(spec_raw("replace"), **{**flagged(), **status})
-    assert stragglers.excluded(after.status) == {"n1"}
+    assert stragglers.excluded(after.status, at(11)) == {"n1"}
     assert kinds(lifecycle.decide(after, [], at(11))) == ["Place"]
 
 
@@ -181,3 +181,25 @@ def test_a_failed_gang_restarts_without_its_straggler_and_a_stale_one_replaces_n
     decision = lifecycle.decide(job(spec_raw("replace"), **moved), running_gang(), at(12))
     assert "DeletePods" not in kinds(decision) and "ReplaceStraggler" not in kinds(decision)
     assert not condition(decision, conditions.STRAGGLER)
+
+
+def test_an_excluded_node_is_chosen_again_after_the_exclusion_expires():
+    ttl = stragglers.EXCLUSION_SECONDS
+    status = {
+        "excludedNodes": [
+            {"node": "n1", "reason": "Straggler", "time": "2026-01-01T12:00:00Z"},
+            {"node": "n2", "reason": "Straggler"},  # no time: stays excluded
+        ]
+    }
+    assert stragglers.excluded(status, at(ttl - 1)) == {"n1", "n2"}
+    assert stragglers.excluded(status, at(ttl)) == {"n2"}
+    # Expired, the node may be replaced again if it is slow again (within maxReplacements).
+    state = job(
+        spec_raw("replace"),
+        **flagged(
+            stragglerReplacements=1,
+            excludedNodes=[{"node": "n1", "reason": "Straggler", "time": "2026-01-01T12:00:00Z"}],
+        ),
+    )
+    assert "ReplaceStraggler" not in kinds(lifecycle.decide(state, running_gang(), at(10)))
+    assert "ReplaceStraggler" in kinds(lifecycle.decide(state, running_gang(), at(ttl + 10)))
