@@ -92,6 +92,28 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     )
 
 
+def _replaceable(pod: dict[str, Any], attempt: int) -> bool:
+    metadata = pod.get("metadata") or {}
+    return naming.int_label(
+        metadata.get("labels"), naming.LABEL_ATTEMPT
+    ) == attempt and not metadata.get("deletionTimestamp")
+
+
+def freed_by_replacing(pods: Iterable[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+    """The job's pods whose resources a new placement of it may count as free.
+
+    Only pods of the current ``attempt`` not yet deleting: a terminating pod (an
+    earlier attempt's, or one already deleted) holds its node's resources until it
+    is gone, and kube-scheduler counts it until then.
+    """
+    return [p for p in pods if _replaceable(p, attempt)]
+
+
+def still_leaving(pods: Iterable[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+    """The job's pods that still hold resources but are on their way out (see ``freed_by_replacing``)."""
+    return [p for p in pods if feasibility.holds_resources(p) and not _replaceable(p, attempt)]
+
+
 def offered_nodes(
     demand: feasibility.Demand,
     nodes: Iterable[dict[str, Any]],

@@ -230,6 +230,33 @@ class Reconciler:
             p for p in self.cache.job_pods(ref.namespace, ref.name) if capacity.owned_by(p, ref.uid)
         ]
 
+    def _freed_by_replacing(self, job: lifecycle.JobState) -> list[dict[str, Any]]:
+        return capacity.freed_by_replacing(
+            self._owned_pods(job.ref), int(job.status.get("restarts") or 0)
+        )
+
+    async def _wait_for_leaving(
+        self, body: dict[str, Any], job: lifecycle.JobState
+    ) -> tuple[dict[str, Any], lifecycle.JobState, bool] | None:
+        """Hold a new gang back while the old one's pods still terminate (None: none left).
+
+        Planned beside them, it would be sized down for a moment's shortage; planned onto
+        their GPUs, kube-scheduler would refuse it until they are gone.  Their deletion
+        wakes the job.
+        """
+        leaving = capacity.still_leaving(
+            self._owned_pods(job.ref), int(job.status.get("restarts") or 0)
+        )
+        if not leaving:
+            return None
+        names = ", ".join(sorted(p["metadata"]["name"] for p in leaving))
+        message = f"waiting for pod(s) of the earlier gang to terminate (they hold their GPUs until gone): {names}"
+        return await self._set_status(
+            body,
+            job,
+            lifecycle.unschedulable(job, conditions.OLD_PODS_TERMINATING, message, _now()),
+        )
+
     async def _set_status(
         self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
@@ -357,7 +384,7 @@ class Reconciler:
             demand,
             planned,
             [n for n in nodes if n is not None],
-            self.cache.usage(without=self._owned_pods(ref)),
+            self.cache.usage(without=self._freed_by_replacing(job)),
         )
 
     async def _replace(
@@ -529,6 +556,8 @@ class Reconciler:
         ref, spec = job.ref, job.spec
         if action.missing is None and self._retry_in(job) is not None:
             return body, job, False  # refused recently: wait (outside the lock) for the backoff
+        if action.missing is None and (waiting := await self._wait_for_leaving(body, job)):
+            return waiting
         where = await workloads.flavors(self.client, action.flavors)
         if isinstance(where, queueing.Unassignable):
             return await self._unassignable(body, job, where)
@@ -713,7 +742,7 @@ class Reconciler:
         """
         assert job.spec is not None
         declared = job.declared or job.spec
-        usage = self.cache.usage(without=self._owned_pods(job.ref))
+        usage = self.cache.usage(without=self._freed_by_replacing(job))
         first: _Sized | None = None
         waiting: _Sized | None = None
         for size, spec in resizing.candidates(declared):

@@ -85,6 +85,19 @@ def test_reservations_come_from_live_pods_with_their_planned_node():
     assert capacity.free_gpus(nodes, taken) == {"n1": 2, "n2": 8}
 
 
+def test_only_the_current_attempts_live_pods_count_as_freed_by_replacing():
+    job = identity.JobRef("j", "ns", "uid-1")
+    spec = loading.parse_spec(JobBuilder().layout(data=2, gpus_per_node=1).raw())
+    current = builders.build_pod(job, spec, 1, 0, "n1")
+    deleting = builders.build_pod(job, spec, 1, 1, "n2")
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    earlier = builders.build_pod(job, spec, 0, 0, "n3")  # an older gang's pod, still there
+    freed = capacity.freed_by_replacing([current, deleting, earlier], attempt=1)
+    assert [p["metadata"]["name"] for p in freed] == [current["metadata"]["name"]]
+    leaving = capacity.still_leaving([current, deleting, earlier], attempt=1)
+    assert [p["metadata"]["name"] for p in leaving] == ["j-r1-1", "j-r0-0"]
+
+
 def test_cordoned_nodes_offer_nothing():
     node = placement.node_from_manifest(
         {
