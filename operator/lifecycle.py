@@ -653,7 +653,9 @@ def _held_by_kueue(
             _conds(job), conditions.QUEUED, conditions.FALSE, conditions.ADMITTED, message, now
         )
         return (_changes(job, conditions=conds), Emit("Normal", conditions.ADMITTED, message))
-    if state is None:
+    if state is None and kueue.rejected:
+        reason, message = queueing.WORKLOAD_REJECTED, kueue.rejected
+    elif state is None:
         reason, message = "WorkloadCreated", "waiting for Kueue: creating the job's Workload"
     else:
         reason = getattr(state, "reason", "Finished")

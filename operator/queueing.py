@@ -92,6 +92,15 @@ def invalid_queue_name(queue: Queue) -> Waiting | None:
     )
 
 
+def workload_rejected(status: int, answer: str) -> str:
+    """The Queued message when the API server refuses the Workload (Kueue's webhook, no Kueue...)."""
+    return (
+        f"the API server refused the job's Kueue Workload ({status}): {answer}; check that Kueue "
+        "v0.15.0 or later (serving kueue.x-k8s.io/v1beta2) is installed and the LocalQueue named "
+        f'by metadata.labels["{QUEUE_LABEL}"] exists; trying again with backoff'
+    )
+
+
 def workload_name(job: str) -> str:
     return f"trainingjob-{job}"
 
@@ -330,6 +339,8 @@ class Gate:
     """The priority a Workload created now gets (read while none exists)."""
     move_to: str | None = None
     """The job's label names this other LocalQueue and Kueue holds no quota yet: move the Workload."""
+    rejected: str | None = None
+    """Why the API server refused the last create of the Workload, shown while it is tried again."""
 
 
 def gate_for(

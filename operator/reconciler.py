@@ -153,6 +153,8 @@ class Reconciler:
         """Whether PodGroups are served (None: not asked yet)."""
         self._create_failures: dict[tuple[str, str], _CreateFailures] = {}
         """Jobs whose children the API server refused: when they may try again."""
+        self._workload_rejections: dict[tuple[str, str], tuple[_CreateFailures, str]] = {}
+        """Jobs whose Workload the API server refused: when they may try again, and why."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
         """One pass over ``namespace/name``."""
@@ -172,14 +174,20 @@ class Reconciler:
         pods = self._owned_pods(job.ref)
         states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
         queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
-        gate, workload = await workloads.gate(self.client, body, queue)
+        gate, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
         decision = lifecycle.decide(job, states, _now(), gate)
-        changed = False
+        changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
-                did = await workloads.perform(
-                    self.client, action, job, queue, workload, self.settings.trainer_image
-                )
+                try:
+                    did = await workloads.perform(
+                        self.client, action, job, queue, workload, self.settings.trainer_image
+                    )
+                except workloads.Rejected as err:
+                    did = refused_now = self._workload_refused(job, str(err))
+                else:
+                    if isinstance(action, queueing.CreateWorkload):
+                        self._workload_rejections.pop((job.ref.namespace, job.ref.name), None)
             else:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
@@ -195,6 +203,11 @@ class Reconciler:
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
         retry = self._retry_in(job)
+        rejected = self._workload_rejections.get((job.ref.namespace, job.ref.name))
+        if rejected is not None and rejected[0].generation == job.generation:
+            # Just refused: a pass now writes why (Queued); then the backoff's remaining time.
+            left = max(rejected[0].not_before - time.monotonic(), 0.0) if not refused_now else 0.0
+            retry = left if retry is None else min(retry, left)
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
         if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
@@ -513,6 +526,28 @@ class Reconciler:
                 "served, used" if self._gang_api else "not served; gang held by scheduling gates",
             )
         return builders.build_pod_group(ref, spec, attempt) if self._gang_api else None
+
+    def _rejected(self, job: lifecycle.JobState) -> tuple[str, bool] | None:
+        """Why the job's Workload was refused for this generation, and whether to try again now."""
+        found = self._workload_rejections.get((job.ref.namespace, job.ref.name))
+        if found is None or found[0].generation != job.generation:
+            return None
+        return found[1], found[0].not_before <= time.monotonic()
+
+    def _workload_refused(self, job: lifecycle.JobState, message: str) -> bool:
+        """Back off before creating the refused Workload again; the next pass says why (Queued)."""
+        key = (job.ref.namespace, job.ref.name)
+        previous = self._workload_rejections.get(key)
+        failures = 1
+        if previous is not None and previous[0].generation == job.generation:
+            failures = previous[0].failures + 1
+        delay = children.retry_delay(failures)
+        self._workload_rejections[key] = (
+            _CreateFailures(failures, time.monotonic() + delay, job.generation),
+            message,
+        )
+        logger.warning("%s/%s: %s (try %d)", job.ref.namespace, job.ref.name, message, failures)
+        return True
 
     def _retry_in(self, job: lifecycle.JobState) -> float | None:
         """Seconds until a job whose children were refused may be created again (None: now)."""

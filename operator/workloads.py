@@ -29,14 +29,24 @@ ACTIONS = (
 """The lifecycle's actions that act on the Workload (:func:`perform`)."""
 
 
+class Rejected(Exception):
+    """The API server refused to create the job's Workload (a 4xx that retrying does not fix)."""
+
+
 def now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
 async def gate(
-    client: kube.Client, body: dict[str, Any], queue: queueing.Queue | None
+    client: kube.Client,
+    body: dict[str, Any],
+    queue: queueing.Queue | None,
+    rejected: tuple[str, bool] | None = None,
 ) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
-    """Kueue's say over the job (None when it is not queued) and its own Workload as read."""
+    """Kueue's say over the job (None when it is not queued) and its own Workload as read.
+
+    ``rejected``: why the last Workload create was refused, and whether its backoff is over.
+    """
     metadata = body["metadata"]
     if queue is None and not queueing.was_queued(body.get("status") or {}):
         return None, None
@@ -53,10 +63,12 @@ async def gate(
     )
     if found is None or found.state is not None or queue is None:
         return found, own
+    if rejected is not None and not rejected[1]:  # the same Queued condition, nothing created
+        return queueing.Gate(queueing.Waiting(queueing.WORKLOAD_REJECTED, rejected[0])), None
     priority = await priority_of(client, queue, declared)
     if isinstance(priority, queueing.Waiting):
         return queueing.Gate(priority), None
-    return queueing.Gate(None, priority), None
+    return queueing.Gate(None, priority, rejected=rejected[0] if rejected else None), None
 
 
 async def priority_of(
@@ -101,7 +113,12 @@ async def perform(
         assert job.declared is not None and queue is not None
         template = builders.build_pod(ref, job.declared, 0, 0, "", default_image=trainer_image)
         manifest = queueing.build_workload(ref, job.declared, queue, template, action.priority)
-        created = await client.create_workload(manifest=manifest)
+        try:
+            created = await client.create_workload(manifest=manifest)
+        except kube.ApiError as err:
+            if 400 <= err.status < 500 and err.status != 429:
+                raise Rejected(queueing.workload_rejected(err.status, err.body)) from err
+            raise
         logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
         return created is not None
     if workload is None:

@@ -476,3 +476,18 @@ def test_a_queue_label_that_cannot_name_a_localqueue_holds_the_job_naming_the_la
 @pytest.mark.parametrize("name", ["team-queue", "team.gpu-a100", "q1"])
 def test_a_queue_label_naming_a_localqueue_creates_the_workload(name):
     assert queueing.gate_for(None, "u-1", queueing.Queue(name, None), "h") == queueing.Gate(None)
+
+
+def test_a_refused_workload_is_said_once_and_tried_again_without_rewriting_the_condition():
+    why = queueing.workload_rejected(422, 'spec.queueName: Invalid value: "Team_Queue"')
+    backing_off = lifecycle.decide(
+        job(), [], T0, queueing.Gate(queueing.Waiting(queueing.WORKLOAD_REJECTED, why))
+    )
+    assert queueing.CreateWorkload not in _types(backing_off)
+    assert _queued(backing_off)["reason"] == "WorkloadRejected"
+    assert queueing.QUEUE_LABEL in why and "Team_Queue" in why and "422" in why
+    [event] = [a for a in backing_off.actions if isinstance(a, lifecycle.Emit)]
+    assert event.type == "Warning"
+    said = job(phase="Pending", conditions=[_queued(backing_off)])
+    retry = lifecycle.decide(said, [], at(2), queueing.Gate(None, rejected=why))
+    assert _types(retry) == [queueing.CreateWorkload]
