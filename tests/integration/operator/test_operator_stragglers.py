@@ -319,12 +319,17 @@ def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
                 ),
             )
             assert [e["node"] for e in status["excludedNodes"]] == [slow_node]
-            on_node = [
-                e
-                for e in cluster.core.list_namespaced_event("default").items
-                if e.involved_object.kind == "Node" and e.involved_object.name == slow_node
-            ]
-            assert [e.reason for e in on_node] == ["StragglerReplaced"], on_node
-            assert f"TrainingJob {namespace}/stuck" in on_node[0].message
+
+            def on_node() -> list[Any]:
+                return [
+                    e
+                    for e in cluster.core.list_namespaced_event("default").items
+                    if e.involved_object.kind == "Node" and e.involved_object.name == slow_node
+                ]
+
+            # Recorded after the status and the pod deletions: waited for, not raced.
+            wait_for("the Event on the node", on_node)
+            assert [e.reason for e in on_node()] == ["StragglerReplaced"]
+            assert f"TrainingJob {namespace}/stuck" in on_node()[0].message
         finally:
             operator.stop()
