@@ -21,6 +21,14 @@ Classification:
 * any other non-zero exit code, pod phase Failed without an exit code
   (evicted, node shutdown), phase Unknown (node lost), a ``DisruptionTarget``
   condition, or a pod deleted by someone else: retryable.
+
+A failure is a *disruption* when the infrastructure, not the job, ended the pod:
+a ``DisruptionTarget`` condition (eviction, preemption, drain, taint), phase
+Unknown, or a Failed pod whose reason is one of :data:`DISRUPTION_REASONS`.  A
+gang restart caused only by disruptions does not use ``backoffLimit`` (the
+practice of Job/JobSet ``podFailurePolicy`` with ``onPodConditions:
+DisruptionTarget`` and action ``Ignore``): a 10k-GPU job loses nodes every few
+hours and must not fail for it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from typing import Any
 
 from meshtrain.api import exitcodes
 from meshtrain.operator import conditions, identity, naming
+
+DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated"})
+"""Pod status.reason set when the node or the kubelet, not the container, ended a pod."""
 
 PERMANENT_EXIT_CODES = exitcodes.PERMANENT
 """Exit codes after which restarting the gang cannot help."""
@@ -87,6 +98,8 @@ class Failure:
     """True: fail the job now; False: restart the gang if the backoff limit allows."""
     message: str
     """What happened, with the exit code or reason."""
+    disruption: bool = False
+    """The infrastructure ended the pod (node lost, eviction, preemption): not counted against backoffLimit."""
 
 
 def pod_state(pod: dict[str, Any]) -> PodState | None:
@@ -143,8 +156,24 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
     )
 
 
+def disrupted(pod: PodState) -> bool:
+    """Whether the node or the control plane, not the job, ended ``pod``."""
+    return (
+        pod.disrupted
+        or pod.phase == "Unknown"
+        or (pod.phase == "Failed" and pod.reason in DISRUPTION_REASONS)
+    )
+
+
 def classify(pod: PodState) -> Failure | None:
     """The failure of ``pod``, or None while it is healthy (pending, running or succeeded)."""
+    found = _classify(pod)
+    if found is None or found.permanent or not disrupted(pod):
+        return found
+    return dataclasses.replace(found, disruption=True)
+
+
+def _classify(pod: PodState) -> Failure | None:
     if pod.phase == "Failed":
         code = pod.exit_code
         if pod.reported is not None and pod.reported[0] in PERMANENT_EXIT_CODES:

@@ -342,7 +342,10 @@ def _on_failure(
             grace_seconds=BROKEN_GANG_GRACE_SECONDS,
         )
     message = "; ".join(f.message for f in failures[:3])
-    if restarts >= limit:
+    disruptions = int(job.status.get("disruptionRestarts") or 0)
+    disruption = all(f.disruption for f in failures)
+    used = max(restarts - disruptions, 0)  # restarts the job's own failures caused
+    if not disruption and used >= limit:
         return _fail(
             job,
             current,
@@ -351,7 +354,12 @@ def _on_failure(
             now,
             grace_seconds=BROKEN_GANG_GRACE_SECONDS,
         )
-    note = f"{message}; restarting the gang (restart {restarts + 1} of {limit})"
+    note = (
+        f"{message}; restarting the gang (a disruption: not counted against "
+        f"backoffLimit={limit}, {used} used)"
+        if disruption
+        else f"{message}; restarting the gang (restart {used + 1} of {limit})"
+    )
     conds = conditions.set(
         _conds(job), conditions.RUNNING, conditions.FALSE, conditions.GANG_RESTARTING, note, now
     )
@@ -363,6 +371,7 @@ def _on_failure(
             job,
             phase=Phase.RESTARTING.value,
             restarts=restarts + 1,
+            **({"disruptionRestarts": disruptions + 1} if disruption else {}),
             placement=[],
             straggler=None,
             conditions=conds,

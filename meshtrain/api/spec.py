@@ -959,6 +959,12 @@ class TrainingJobStatus(_Model):
         default_factory=dict, description="Predicted bytes per step crossing each fabric level."
     )
     restarts: int = Field(0, ge=0, description="Gang restarts so far.")
+    disruption_restarts: int = Field(
+        0,
+        ge=0,
+        description="Of restarts, those caused by a node lost or a pod disrupted (eviction, preemption, "
+        "drain, node shutdown): not counted against runPolicy.backoffLimit.",
+    )
     last_checkpoint_step: int | None = Field(
         None, description="Step of the newest complete checkpoint."
     )

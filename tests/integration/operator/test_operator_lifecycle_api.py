@@ -23,6 +23,28 @@ def _fail_pod(cluster, namespace, job, index=0, exit_code=1, attempt=0):
     cluster.set_pod_phase(namespace, f"{job}-r{attempt}-{index}", "Failed", exit_code=exit_code)
 
 
+def test_a_lost_node_does_not_use_the_backoff_limit(cluster, operator, namespace, pool):
+    cluster.add_node(pool, gpus=8)
+    cluster.apply(
+        JobBuilder("lost", namespace, pool).layout(data=4).gpus(2).run_policy(backoffLimit=0)
+    )
+    cluster.wait_gang(namespace, "lost", 2)
+    # What the node lifecycle controller writes on the pods of a node gone NotReady for good.
+    cluster.core.patch_namespaced_pod_status(
+        "lost-r0-1",
+        namespace,
+        {"status": {"phase": "Failed", "reason": "NodeLost", "message": "node gone"}},
+    )
+    pods = cluster.wait_gang(namespace, "lost", 2, attempt=1)
+    assert [p.metadata.name for p in pods] == ["lost-r1-0", "lost-r1-1"]
+    status = cluster.status(namespace, "lost")
+    assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
+    # The job's own failure still counts: backoffLimit 0 allows none.
+    _fail_pod(cluster, namespace, "lost", index=0, exit_code=1, attempt=1)
+    status = cluster.wait_phase(namespace, "lost", "Failed")
+    assert cluster.condition(namespace, "lost", "Failed")["reason"] == "BackoffLimitExceeded"
+
+
 def test_pod_failure_restarts_the_gang_until_the_backoff_limit(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
     cluster.apply(

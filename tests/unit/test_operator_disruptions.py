@@ -1,0 +1,54 @@
+"""A gang restart caused by the infrastructure (node lost, eviction, preemption, drain) does not use
+runPolicy.backoffLimit; one caused by the job's own failures does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.operator import conditions, failure, lifecycle
+from tests.builders import JobBuilder
+from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
+
+
+def spec(limit: int) -> dict:
+    return JobBuilder().layout(data=2, gpus_per_node=1).run_policy(backoffLimit=limit).raw()
+
+
+def node_lost(index: int) -> failure.PodState:
+    return dataclasses.replace(pod(index, "Failed", attempt=1), reason="NodeLost")
+
+
+def test_a_lost_node_restarts_the_gang_even_with_the_backoff_limit_used_up():
+    state = job(spec(1), **placed_status(phase="Running", restarts=1))
+    decision = lifecycle.decide(state, [pod(0, "Running", attempt=1), node_lost(1)], at(5))
+    status = status_of(decision)
+    assert status["phase"] == "Restarting", status
+    assert status["restarts"] == 2 and status["disruptionRestarts"] == 1
+    assert "not counted against backoffLimit=1" in next(
+        a.message for a in decision.actions if isinstance(a, lifecycle.Emit)
+    )
+
+
+def test_disrupted_and_unknown_pods_are_disruptions_but_a_crash_is_not():
+    evicted = pod(1, "Running", disrupted=True)
+    assert failure.classify(evicted).disruption
+    assert failure.classify(pod(1, "Unknown")).disruption
+    assert not failure.classify(pod(1, "Failed", exit_code=1)).disruption
+    assert not failure.classify(
+        pod(1, "Failed", exit_code=3)
+    ).disruption  # permanent stays permanent
+
+
+def test_own_failures_still_exhaust_the_limit_and_disruptions_do_not_hide_them():
+    # 3 restarts so far, 2 of them disruptions: 1 of backoffLimit 1 used by the job itself.
+    state = job(spec(1), **placed_status(phase="Running", restarts=3, disruptionRestarts=2))
+    crashed = [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)]
+    decision = lifecycle.decide(state, crashed, at(5))
+    assert status_of(decision)["phase"] == "Failed"
+    reasons = [a.reason for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert reasons == [conditions.BACKOFF_LIMIT_EXCEEDED]
+    # With one disruption fewer the job's own restart is still within the limit.
+    state = job(spec(2), **placed_status(phase="Running", restarts=3, disruptionRestarts=2))
+    decision = lifecycle.decide(state, crashed, at(5))
+    assert status_of(decision)["phase"] == "Restarting" and "DeletePods" in kinds(decision)
+    assert "disruptionRestarts" not in status_of(decision)
