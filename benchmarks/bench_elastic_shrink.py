@@ -34,6 +34,7 @@ from meshtrain.controlplane import binaries
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess
 from tests.integration.operator.test_operator_chaos import Kubelet
+from tests.integration.operator.test_operator_stragglers import _checkpoint_volume
 
 NAMESPACE, POOL = "bench-elastic", "bench-elastic"
 
@@ -58,7 +59,9 @@ def _job(name: str, elastic: bool) -> JobBuilder:
         .parallelism(microBatches=3)
         .training(microBatch=2)
     )
-    return job.run_policy(elastic={"minData": 2, "maxData": 4}) if elastic else job
+    if not elastic:
+        return job
+    return job.checkpoint(claimName="ckpt").run_policy(elastic={"minData": 2, "maxData": 4})
 
 
 def _lose(cluster: Cluster, kubelet: Kubelet, node: str) -> None:
@@ -129,6 +132,7 @@ def main() -> int:
         Kubelet(cluster) as kubelet,
     ):
         cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        _checkpoint_volume(cluster, NAMESPACE)  # runPolicy.elastic needs checkpoint.claimName
         operator = OperatorProcess(cluster.kubeconfig, str(Path(tmp) / "operator.log"))
         operator.start()
         try:

@@ -463,6 +463,18 @@ def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _elastic_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
+    bounds = spec.run_policy.elastic
+    if bounds is not None and bounds.max_data > bounds.min_data and not spec.checkpoint.claim_name:
+        return (
+            f"runPolicy.elastic [minData={bounds.min_data}, maxData={bounds.max_data}] but checkpoint.claimName "
+            "is empty: every resize rebuilds the gang, possibly on other nodes, and an emptyDir checkpoint stays "
+            "behind, so training would restart from step 0 at each: give checkpoint.claimName (a "
+            "PersistentVolumeClaim every node can mount) or drop runPolicy.elastic"
+        )
+    return None
+
+
 def _selective_or_full_recompute(spec: TrainingJobSpec) -> str | None:
     training = spec.training
     if training.activation_checkpointing and training.selective_recompute:
@@ -685,6 +697,15 @@ RULES: tuple[Rule, ...] = (
         "runPolicy.elastic.minData must keep the global batch (divide microBatches x data) and fill whole pods "
         "(minData x pipeline x tensor a multiple of gpusPerNode)",
         _elastic_min_keeps_batch,
+    ),
+    Rule(
+        "elastic-keeps-checkpoints",
+        "spec.checkpoint.claimName",
+        "!has(self.runPolicy.elastic) || self.runPolicy.elastic.maxData <= self.runPolicy.elastic.minData "
+        "|| has(self.checkpoint.claimName)",
+        "runPolicy.elastic with maxData above minData needs checkpoint.claimName (each resize rebuilds the "
+        "gang and resumes from a checkpoint every node can mount)",
+        _elastic_keeps_checkpoints,
     ),
     Rule(
         "straggler-replace-needs-peers",

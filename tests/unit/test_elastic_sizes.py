@@ -19,7 +19,9 @@ def job(data=4, micro_batches=2, micro_batch=1, bounds=(1, 4), per_node=1, **par
         .training(microBatch=micro_batch)
     )
     if bounds is not None:
-        builder.run_policy(elastic={"minData": bounds[0], "maxData": bounds[1]})
+        builder.checkpoint(claimName="ckpt").run_policy(
+            elastic={"minData": bounds[0], "maxData": bounds[1]}
+        )
     return loading.parse_spec(builder.raw())
 
 
@@ -52,6 +54,7 @@ def test_a_degree_that_does_not_divide_states_the_new_batch_and_rate():
         .training(
             microBatch=1, learningRate=1e-3, lrScaling={"rule": "linear", "referenceBatch": 8}
         )
+        .checkpoint(claimName="ckpt")
         .run_policy(elastic={"minData": 2, "maxData": 4})
         .raw()
     )
@@ -84,6 +87,7 @@ def test_interleaved_accumulation_stays_a_multiple_of_the_pipeline():
         JobBuilder()
         .layout(data=4, pipeline=2, gpus_per_node=1)
         .parallelism(microBatches=4, schedule="interleaved-1f1b", virtualStages=2)
+        .checkpoint(claimName="ckpt")
         .run_policy(elastic={"minData": 1, "maxData": 4})
         .raw()
     )
@@ -116,6 +120,17 @@ def test_bad_bounds_are_refused_naming_the_field(bounds, path, words):
     assert any(p.path == path and words in p.message for p in err.value.problems), (
         err.value.problems
     )
+
+
+def test_resizing_without_a_checkpoint_claim_is_refused_naming_the_field():
+    raw = JobBuilder().layout(data=4, gpus_per_node=1).parallelism(microBatches=2)
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(raw.run_policy(elastic={"minData": 2, "maxData": 4}).raw())
+    assert any(
+        p.path == "spec.checkpoint.claimName" and "give checkpoint.claimName" in p.message
+        for p in err.value.problems
+    ), err.value.problems
+    loading.parse_spec(raw.run_policy(elastic={"minData": 4, "maxData": 4}).raw())  # never resizes
 
 
 def test_the_elastic_example_runs_at_dp8_or_dp4_with_its_batch():

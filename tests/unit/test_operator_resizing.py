@@ -16,7 +16,9 @@ NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 def declared(bounds=(2, 4)):
     builder = JobBuilder().layout(data=4, gpus_per_node=1).parallelism(microBatches=3)
     if bounds:
-        builder.run_policy(elastic={"minData": bounds[0], "maxData": bounds[1]})
+        builder.checkpoint(claimName="ckpt").run_policy(
+            elastic={"minData": bounds[0], "maxData": bounds[1]}
+        )
     return loading.parse_spec(builder.raw())
 
 
@@ -82,6 +84,7 @@ def test_a_gang_grows_only_to_a_size_a_placement_would_try():
         JobBuilder()
         .layout(data=8, pipeline=2, gpus_per_node=4)
         .parallelism(microBatches=4, allReduce="hierarchical")
+        .checkpoint(claimName="ckpt")
         .run_policy(elastic={"minData": 2, "maxData": 8})
         .raw()
     )
@@ -115,6 +118,7 @@ def test_a_job_kueue_admits_never_grows_past_its_declared_size():
         JobBuilder()
         .layout(data=4, gpus_per_node=1)
         .parallelism(microBatches=6)
+        .checkpoint(claimName="ckpt")
         .run_policy(elastic={"minData": 2, "maxData": 8})
         .raw()
     )

@@ -151,6 +151,11 @@ INVALID = [
         _rule("elastic-holds-data"),
     ),
     (
+        "elastic resizes without a checkpoint claim",
+        _with("spec.runPolicy", {"elastic": {"minData": 1, "maxData": 2}}),
+        _rule("elastic-keeps-checkpoints"),
+    ),
+    (
         "elastic minData that cannot keep the global batch",
         _elastic_from_three_of_four(),
         _rule("elastic-min-keeps-batch"),

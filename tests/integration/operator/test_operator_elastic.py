@@ -17,7 +17,10 @@ from meshtrain.operator import resizing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_chaos import Kubelet
-from tests.integration.operator.test_operator_stragglers import ProgressServer
+from tests.integration.operator.test_operator_stragglers import (
+    ProgressServer,
+    _checkpoint_volume,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -94,6 +97,7 @@ def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_
         Kubelet(cluster, NAMESPACE, ip="127.0.0.1"),
     ):
         cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        _checkpoint_volume(cluster, NAMESPACE)  # runPolicy.elastic needs checkpoint.claimName
         for i in range(3):
             cluster.add_node(POOL, gpus=4, name=f"gpu-{i}")
         operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
@@ -104,6 +108,7 @@ def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_
                 JobBuilder("grow", NAMESPACE, POOL)
                 .layout(data=8, pipeline=2, gpus_per_node=4)  # two replicas per pod
                 .parallelism(microBatches=4, allReduce="hierarchical")
+                .checkpoint(claimName="ckpt")
                 .run_policy(elastic={"minData": 2, "maxData": 8})
                 .metrics(port=progress.port)
             )
@@ -134,6 +139,7 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
         Kubelet(cluster, NAMESPACE, ip="127.0.0.1") as kubelet,
     ):
         cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        _checkpoint_volume(cluster, NAMESPACE)  # runPolicy.elastic needs checkpoint.claimName
         nodes = [cluster.add_node(POOL, gpus=2, name=f"gpu-{i}") for i in range(4)]
         operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
         operator.start()
@@ -143,6 +149,7 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
                 .layout(data=4, tensor=2, gpus_per_node=2)  # one pod of 2 GPUs per replica
                 .parallelism(microBatches=3)
                 .training(microBatch=2, lrScaling={"rule": "linear", "referenceBatch": 24})
+                .checkpoint(claimName="ckpt")
                 .run_policy(elastic={"minData": 2, "maxData": 4})
                 .metrics(port=progress.port)
             )
