@@ -342,10 +342,17 @@ def _apply_pod_settings(
 
 
 def build_pod_group(
-    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, stamped: str | None = None
 ) -> dict[str, Any]:
-    """The native gang of attempt ``attempt`` (scheduling.k8s.io/v1alpha2): all ``spec.pods`` or none."""
-    name = naming.pod_group_name(job.name, attempt, identity.spec_hash(spec))
+    """The native gang of attempt ``attempt`` (scheduling.k8s.io/v1alpha2): all ``spec.pods`` or none.
+
+    ``stamped``: the running gang's specHash; a pod recreated into it joins its PodGroup even
+    when an earlier release computed that hash.
+    """
+    hashed = identity.spec_hash(spec)
+    if stamped is not None and identity.same_spec(stamped, spec):
+        hashed = stamped
+    name = naming.pod_group_name(job.name, attempt, hashed)
     return {
         "apiVersion": "scheduling.k8s.io/v1alpha2",
         "kind": "PodGroup",

@@ -31,10 +31,26 @@ def spec_hash(spec: api_spec.TrainingJobSpec) -> str:
     """Short hash of everything in ``spec`` that shapes the gang's pods.
 
     ``runPolicy`` is left out: suspending, or changing a deadline or the
-    backoff limit, must not rebuild a running gang.
+    backoff limit, must not rebuild a running gang.  Fields at their defaults are
+    left out too, so a release that adds a defaulted field leaves every job's hash as it was.
     """
-    shaping = spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"})
+    return _digest(
+        spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"}, exclude_defaults=True)
+    )
+
+
+def _legacy_spec_hash(spec: api_spec.TrainingJobSpec) -> str:
+    """The hash releases before defaults were left out stamped (running gangs and Workloads carry it)."""
+    return _digest(spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"}))
+
+
+def _digest(shaping: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def same_spec(stamped: str, spec: api_spec.TrainingJobSpec) -> bool:
+    """Whether ``stamped`` (a specHash recorded on a gang or Workload) is the hash of ``spec``."""
+    return stamped == spec_hash(spec) or stamped == _legacy_spec_hash(spec)
 
 
 def planned_node(pod: dict[str, Any]) -> str | None:

@@ -544,7 +544,7 @@ def decide(
         return Decision((*actions, Place(attempt, flavors=flavors)))
 
     built_from = job.status.get("specHash")
-    if built_from and built_from != identity.spec_hash(spec):
+    if built_from and not identity.same_spec(built_from, spec):
         recorded = len(job.status["placement"])
         if len(current) == recorded and all(
             p.phase == "Succeeded" for p in current

@@ -516,7 +516,11 @@ class Reconciler:
         return body, job, False
 
     async def _pod_group(
-        self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int
+        self,
+        ref: identity.JobRef,
+        spec: api_spec.TrainingJobSpec,
+        attempt: int,
+        stamped: str | None = None,
     ) -> dict[str, Any] | None:
         """The gang's PodGroup where the API server serves the native gang API (asked once), else None."""
         if self._gang_api is None:
@@ -525,7 +529,7 @@ class Reconciler:
                 "native gang scheduling (scheduling.k8s.io/v1alpha2 PodGroup): %s",
                 "served, used" if self._gang_api else "not served; gang held by scheduling gates",
             )
-        return builders.build_pod_group(ref, spec, attempt) if self._gang_api else None
+        return builders.build_pod_group(ref, spec, attempt, stamped) if self._gang_api else None
 
     def _rejected(self, job: lifecycle.JobState) -> tuple[str, bool] | None:
         """Why the job's Workload was refused for this generation, and whether to try again now."""
@@ -616,7 +620,9 @@ class Reconciler:
                 blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
                 recovery = lifecycle.recover_missing(job, action.missing, blocked, now)
                 if isinstance(recovery, lifecycle.Recreate):
-                    group = await self._pod_group(ref, spec, action.attempt)
+                    group = await self._pod_group(
+                        ref, spec, action.attempt, job.status.get("specHash")
+                    )
                     pods = [
                         queueing.assign(
                             builders.build_pod(

@@ -55,6 +55,13 @@ async def gate(
     )
     declared = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
     spec_hash = identity.spec_hash(declared) if declared is not None else None
+    stamped = (
+        ((workload or {}).get("metadata") or {})
+        .get("annotations", {})
+        .get(queueing.SPEC_HASH_ANNOTATION)
+    )
+    if declared is not None and stamped and identity.same_spec(stamped, declared):
+        spec_hash = stamped  # a Workload an earlier release stamped is not outdated by it
     found = queueing.gate_for(workload, metadata["uid"], queue, spec_hash)
     own = (
         workload

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 from typing import Any
 
+import pydantic
 import pytest
 
-from meshtrain.operator import conditions, failure, identity, lifecycle
+from meshtrain.operator import builders, conditions, failure, identity, lifecycle
 from tests.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -583,3 +586,44 @@ def test_placed_and_unschedulable_publish_the_plan():
     assert "plan" not in lifecycle.placed(
         job(), ["a", "b"], {}, T0
     )  # not judged: status.plan untouched
+
+
+def test_a_release_adding_a_defaulted_spec_field_keeps_every_jobs_hash():
+    spec = job(_spec_of(2)).spec
+    assert spec is not None
+    grown = pydantic.create_model(  # the spec model of a release with one more field
+        "NextTrainingJobSpec",
+        __base__=type(spec),
+        new_knob=(int, pydantic.Field(0, alias="newKnob")),
+    )
+    upgraded = grown.model_validate(spec.model_dump(by_alias=True))
+    assert identity.spec_hash(upgraded) == identity.spec_hash(spec)
+    assert identity.spec_hash(upgraded.model_copy(update={"new_knob": 1})) != identity.spec_hash(
+        spec
+    )
+
+
+def test_a_gang_stamped_with_the_hash_of_the_previous_release_is_not_rebuilt():
+    spec = job(_spec_of(2)).spec
+    assert spec is not None
+    # What releases before stamped: every field, defaults included.
+    dumped = spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"})
+    legacy = hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]
+    assert legacy != identity.spec_hash(spec)
+    state = job(_spec_of(2), **placed_status(phase="Running", specHash=legacy))
+    decision = lifecycle.decide(state, running_gang(), at(9))
+    assert "DeletePods" not in kinds(decision)
+    assert conditions.SPEC_CHANGED not in str(decision.actions)
+
+
+def test_a_pod_recreated_into_a_gang_of_the_previous_release_joins_its_pod_group():
+    spec = job(_spec_of(2)).spec
+    assert spec is not None
+    dumped = spec.model_dump(mode="json", by_alias=True, exclude={"run_policy"})
+    legacy = hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]
+    ref = identity.JobRef("j", "ns", "u1")
+    group = builders.build_pod_group(ref, spec, 0, legacy)["metadata"]["name"]
+    assert group == f"j-r0-{legacy[:10]}"
+    assert (
+        builders.build_pod_group(ref, spec, 0, "0" * 16)["metadata"]["name"] != f"j-r0-{'0' * 10}"
+    )
