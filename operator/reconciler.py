@@ -151,10 +151,10 @@ class Reconciler:
         """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
-        self._create_failures: dict[tuple[str, str], _CreateFailures] = {}
-        """Jobs whose children the API server refused: when they may try again."""
-        self._workload_rejections: dict[tuple[str, str], tuple[_CreateFailures, str]] = {}
-        """Jobs whose Workload the API server refused: when they may try again, and why."""
+        self._create_failures: dict[str, _CreateFailures] = {}
+        """Jobs (by UID: a namesake re-created is a new job) whose children were refused: when they may try again."""
+        self._workload_rejections: dict[str, tuple[_CreateFailures, str]] = {}
+        """Jobs (by UID) whose Workload the API server refused: when they may try again, and why."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
         """One pass over ``namespace/name``."""
@@ -187,7 +187,7 @@ class Reconciler:
                     did = refused_now = self._workload_refused(job, str(err))
                 else:
                     if isinstance(action, queueing.CreateWorkload):
-                        self._workload_rejections.pop((job.ref.namespace, job.ref.name), None)
+                        self._workload_rejections.pop(job.ref.uid, None)
             else:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
@@ -203,7 +203,7 @@ class Reconciler:
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
         retry = self._retry_in(job)
-        rejected = self._workload_rejections.get((job.ref.namespace, job.ref.name))
+        rejected = self._workload_rejections.get(job.ref.uid)
         if rejected is not None and rejected[0].generation == job.generation:
             # Just refused: a pass now writes why (Queued); then the backoff's remaining time.
             left = max(rejected[0].not_before - time.monotonic(), 0.0) if not refused_now else 0.0
@@ -533,14 +533,14 @@ class Reconciler:
 
     def _rejected(self, job: lifecycle.JobState) -> tuple[str, bool] | None:
         """Why the job's Workload was refused for this generation, and whether to try again now."""
-        found = self._workload_rejections.get((job.ref.namespace, job.ref.name))
+        found = self._workload_rejections.get(job.ref.uid)
         if found is None or found[0].generation != job.generation:
             return None
         return found[1], found[0].not_before <= time.monotonic()
 
     def _workload_refused(self, job: lifecycle.JobState, message: str) -> bool:
         """Back off before creating the refused Workload again; the next pass says why (Queued)."""
-        key = (job.ref.namespace, job.ref.name)
+        key = job.ref.uid
         previous = self._workload_rejections.get(key)
         failures = 1
         if previous is not None and previous[0].generation == job.generation:
@@ -555,7 +555,7 @@ class Reconciler:
 
     def _retry_in(self, job: lifecycle.JobState) -> float | None:
         """Seconds until a job whose children were refused may be created again (None: now)."""
-        failed = self._create_failures.get((job.ref.namespace, job.ref.name))
+        failed = self._create_failures.get(job.ref.uid)
         if failed is None or failed.generation != job.generation:
             return None
         left = failed.not_before - time.monotonic()
@@ -566,7 +566,7 @@ class Reconciler:
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         """Children refused: remove what was created, drop the placement, say why, wait longer each time."""
         ref = job.ref
-        key = (ref.namespace, ref.name)
+        key = ref.uid
         previous = self._create_failures.get(key)
         failures = (
             previous.failures + 1
@@ -741,7 +741,7 @@ class Reconciler:
             )
             if refused is not None:
                 return await self._refused(body, job, refused)
-            self._create_failures.pop((ref.namespace, ref.name), None)
+            self._create_failures.pop(ref.uid, None)
         logger.info(
             "placed %s/%s %s on %d node(s)",
             ref.namespace,
@@ -879,5 +879,7 @@ class Reconciler:
             await children.delete_owned(self.client, uid, kind, namespace, child)
         self._last_progress.pop((namespace, name), None)
         self._verdicts.pop((namespace, name), None)
+        self._create_failures.pop(uid, None)
+        self._workload_rejections.pop(uid, None)
         metrics.forget(namespace, name)
         return 0

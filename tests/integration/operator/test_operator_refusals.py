@@ -140,3 +140,22 @@ def test_pods_of_an_earlier_job_of_the_same_name_are_neither_adopted_nor_deleted
     assert (
         pod.metadata.owner_references[0].uid == cluster.job(namespace, "again")["metadata"]["uid"]
     )
+
+
+def test_a_namesake_created_after_a_refused_job_is_placed_without_its_backoff(
+    cluster, operator, restricted, pool
+):
+    cluster.add_node(pool, gpus=2)
+    refused = JobBuilder("same", restricted, pool).layout(data=2).gpus(2)
+    cluster.apply(refused.pod(rdma=True, rdmaResource=""))
+    wait_for(
+        "a third refused try (next one 8 s later)",
+        lambda: (
+            "(try 3;" in cluster.condition(restricted, "same", conditions.PLACED).get("message", "")
+        ),
+        timeout=30,
+    )
+    cluster.delete_job(restricted, "same")
+    wait_for("job deleted", lambda: cluster.job(restricted, "same") is None)
+    cluster.apply(JobBuilder("same", restricted, pool).layout(data=2).gpus(2))
+    cluster.wait_gang(restricted, "same", 1, timeout=5)  # the earlier job's backoff is not its
