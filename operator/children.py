@@ -81,8 +81,14 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
             return None
         if uid not in owner_uids(existing):
             return _conflict(kind, existing)
-        if update:
-            await client.patch(manifest=manifest)
+        if (
+            update
+        ):  # that very object: a Conflict if it was re-created since (the next pass reads again)
+            await client.patch(
+                manifest=manifest,
+                uid=existing["metadata"]["uid"],
+                resource_version=existing["metadata"]["resourceVersion"],
+            )
         return None
     except kube.ApiError as err:
         if err.status < 400 or err.status >= 500 or err.status in _TRANSIENT:

@@ -550,8 +550,10 @@ class Client:
         }
         return await self._request("get", self._READ[kind], calls[kind], name, namespace, ok=(404,))
 
-    async def patch(self, *, manifest: Body) -> None:
-        """Merge ``manifest`` into the existing Service or ConfigMap of its name."""
+    async def patch(self, *, manifest: Body, uid: str, resource_version: str) -> None:
+        """Merge ``manifest`` into the Service or ConfigMap of its name, only if it is still the
+        object ``uid`` at ``resource_version`` (:class:`Conflict` otherwise: one deleted and
+        created again meanwhile, perhaps by another tenant, is never patched)."""
         resource, _ = self._collection(manifest)
         call = (
             self._core.patch_namespaced_service
@@ -559,13 +561,17 @@ class Client:
             else self._core.patch_namespaced_config_map
         )
         metadata = manifest["metadata"]
+        guarded = {
+            **manifest,
+            "metadata": {**metadata, "uid": uid, "resourceVersion": resource_version},
+        }
         await self._request(
             "patch",
             resource,
             call,
             metadata["name"],
             metadata["namespace"],
-            manifest,
+            guarded,
             _content_type="application/merge-patch+json",
         )
 
