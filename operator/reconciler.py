@@ -149,6 +149,8 @@ class Reconciler:
             tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]
         ] = {}
         """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
+        self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
+        """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
         self._create_failures: dict[str, _CreateFailures] = {}
@@ -429,6 +431,10 @@ class Reconciler:
         """Rebuild a gang running below its largest size when a larger one fits beside everyone else."""
         assert job.declared is not None
         ref = job.ref
+        key = (ref.namespace, ref.name)
+        backoff = self._grow_backoff.get(key)
+        if backoff is not None and time.monotonic() < backoff[0]:
+            return body, job, False
         async with self.placement_lock:
             raw_nodes, nodes = self._nodes(job.declared.resources.gpu_resource_name)
             avoid = stragglers.excluded(job.status, _now())
@@ -444,7 +450,10 @@ class Reconciler:
                 or size.data <= action.running
                 or not isinstance(sized.answer, placement.Placement)
             ):
+                interval = resizing.next_grow_check(backoff[1] if backoff else None)
+                self._grow_backoff[key] = (time.monotonic() + interval, interval)
                 return body, job, False
+        self._grow_backoff.pop(key, None)
         fields, message = resizing.growing(job.status, action.running, size, _now())
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         body, job, _ = await self._set_status(
@@ -881,5 +890,6 @@ class Reconciler:
         self._verdicts.pop((namespace, name), None)
         self._create_failures.pop(uid, None)
         self._workload_rejections.pop(uid, None)
+        self._grow_backoff.pop((namespace, name), None)
         metrics.forget(namespace, name)
         return 0

@@ -22,7 +22,15 @@ from meshtrain.api import spec as api_spec
 from meshtrain.operator import conditions, queueing
 
 GROW_CHECK_SECONDS = 10.0
-"""How often a gang that may grow is checked for room while it runs."""
+"""How often a gang that may grow is checked for room while it runs (the first check's backoff)."""
+
+GROW_CHECK_MAX_SECONDS = 300.0
+"""The longest wait between grow checks that keep finding no room (each plans every allowed size)."""
+
+
+def next_grow_check(previous: float | None) -> float:
+    """Seconds until the next grow check after one that found no room: doubling, up to the maximum."""
+    return GROW_CHECK_SECONDS if previous is None else min(GROW_CHECK_MAX_SECONDS, 2 * previous)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,6 +134,16 @@ def test_a_job_kueue_admits_never_grows_past_its_declared_size():
     assert resizing.grow_due(job.declared, {**record, "lastCheckpointStep": 9}) is None
 
 
+def test_grow_checks_that_find_no_room_back_off_to_a_ceiling():
+    waits, previous = [], None
+    for _ in range(8):
+        previous = resizing.next_grow_check(previous)
+        waits.append(previous)
+    assert waits[0] == resizing.GROW_CHECK_SECONDS
+    assert all(b == min(2 * a, resizing.GROW_CHECK_MAX_SECONDS) for a, b in zip(waits, waits[1:]))
+    assert waits[-1] == resizing.GROW_CHECK_MAX_SECONDS
+
+
 def test_direction_of_a_change():
     spec = declared()
     assert resizing.change(4, elastic.size_at(spec, 3)) == "shrink"
