@@ -22,11 +22,11 @@ from typing import Any
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import informer, kube, leadership, naming, queueing, reconciler
+from meshtrain.operator import children, informer, kube, leadership, naming, queueing, reconciler
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
-ERROR_BACKOFF_SECONDS = 2.0
-"""Wait after a failed reconcile pass (API unreachable, conflict) before the next try."""
+API_ERRORS_REPORTED_AFTER = 3
+"""Consecutive failed passes (5xx, 429, unreachable) after which the job's ApiErrors condition says so."""
 STANDBY_POLL_SECONDS = 2.0
 """How often a standby's deletion handler looks whether the leader has finished the job's deletion."""
 WAIT_FOR_PODS_SECONDS = 1.0
@@ -128,6 +128,7 @@ async def run_job(
     wake = memo.wakeups.event(key)
     settings: reconciler.Settings = memo.settings
     passes = 0
+    failures = 0  # passes in a row that failed on the API server
     try:
         while not stopped:
             if not memo.leading.is_set():  # a standby: wait for the Lease (or the stop)
@@ -143,8 +144,24 @@ async def run_job(
                 logger.info("reconcile of %s/%s raced a write, again: %s", namespace, name, err)
                 outcome = reconciler.Outcome(changed=True, requeue_after=0)
             except (TimeoutError, kube.ApiError, OSError) as err:
-                logger.warning("reconcile of %s/%s failed, retrying: %s", namespace, name, err)
-                outcome = reconciler.Outcome(changed=False, requeue_after=ERROR_BACKOFF_SECONDS)
+                failures += 1
+                delay = children.retry_delay(failures)
+                logger.warning(
+                    "reconcile of %s/%s failed (%d in a row), again in %.0f s: %s",
+                    *key,
+                    failures,
+                    delay,
+                    err,
+                )
+                if failures >= API_ERRORS_REPORTED_AFTER:
+                    await _report(memo, key, failures, str(err))
+                # Events do not cut this wait short: the report's own write is one.
+                await _sleep(asyncio.Event(), stopped, delay)
+                continue
+            else:
+                if failures >= API_ERRORS_REPORTED_AFTER:
+                    await _report(memo, key, failures, None)
+                failures = 0
             if outcome.gone or outcome.done:
                 return
             memo.wakeups.set_waiting(key, outcome.waiting_for_capacity)
@@ -157,6 +174,13 @@ async def run_job(
             await _sleep(wake, stopped, timeout)
     finally:
         memo.wakeups.forget(key)
+
+
+async def _report(memo: kopf.Memo, key: tuple[str, str], failures: int, error: str | None) -> None:
+    with contextlib.suppress(TimeoutError, kube.ApiError, OSError):  # the API may still be failing
+        await memo.reconciler.report_api_errors(
+            namespace=key[0], name=key[1], failures=failures, error=error
+        )
 
 
 @kopf.on.event(*RESOURCE)

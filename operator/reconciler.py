@@ -857,6 +857,32 @@ class Reconciler:
         self._verdicts[(job.ref.namespace, job.ref.name)] = (key, verdict)
         return verdict
 
+    async def report_api_errors(
+        self, *, namespace: str, name: str, failures: int, error: str | None
+    ) -> None:
+        """Condition ApiErrors (and a Warning Event) after ``failures`` failed passes; False when ``error`` is None."""
+        body = await self.client.get_job(namespace=namespace, name=name)
+        if body is None:
+            return
+        job = lifecycle.job_state(body)
+        if error is None:
+            status, reason = conditions.FALSE, conditions.RECONCILE_RECOVERED
+            message = "a reconcile pass succeeded again"
+        else:
+            status, reason = conditions.TRUE, conditions.RECONCILE_FAILING
+            message = f"{failures} reconcile passes in a row failed on the API server, retrying with backoff: {error}"
+        conds = conditions.set(
+            job.status.get("conditions") or [],
+            conditions.API_ERRORS,
+            status,
+            reason,
+            message,
+            _now(),
+        )
+        body, job, _ = await self._set_status(body, job, {"conditions": conds})
+        if error is not None:
+            await self._emit(body, "Warning", reason, message)
+
     async def job_exists(self, *, namespace: str, name: str, uid: str) -> bool:
         """Whether the TrainingJob of this UID is still there (a namesake created since is not it)."""
         body = await self.client.get_job(namespace=namespace, name=name)
