@@ -2,9 +2,12 @@
 
 It knows nothing of meshtrain: `torchrun` gives it RANK, LOCAL_RANK and WORLD_SIZE (the gang
 comes from the PET_* variables the operator sets), and it trains a small regression with
-DistributedDataParallel, checkpointing to $CHECKPOINT_DIR (defaults to the job's volume) so a
-restarted gang resumes.  meshtrain's layout variables (MESHTRAIN_DP/PP/TP) are printed to show
-what a 3D-parallel program would read.
+DistributedDataParallel.  Rank 0 checkpoints to $MESHTRAIN_CHECKPOINT_DIR (the job's volume)
+every --checkpoint-every steps ($CHECKPOINT_EVERY, default 10), after the last step, and when
+the gang is stopped with SIGTERM (a deletion or a Kueue preemption; the pods' grace period
+covers it), always as a temporary file renamed over the previous one, so a restarted gang
+resumes from the newest step.  meshtrain's layout variables (MESHTRAIN_DP/PP/TP) are printed
+to show what a 3D-parallel program would read.
 
     torchrun --nproc-per-node=2 -m meshtrain.examples.ddp --steps 20
 """
@@ -14,10 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+STOPPED_BY_SIGNAL = 128 + signal.SIGTERM
 
 
 def _arguments() -> argparse.Namespace:
@@ -25,11 +31,33 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=int(os.environ.get("CHECKPOINT_EVERY", "10")),
+        help="steps between checkpoints (0: only at the end and on SIGTERM)",
+    )
     return parser.parse_args()
+
+
+def _save(
+    path: pathlib.Path,
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    why: str,
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save({**state, "step": step}, tmp)
+    tmp.replace(path)  # atomic: a kill mid-save leaves the previous checkpoint whole
+    print(f"saved step {step} to {path} ({why})", flush=True)
 
 
 def main() -> int:
     args = _arguments()
+    stop_asked: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.append(signum))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
@@ -52,23 +80,36 @@ def main() -> int:
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
+        if rank == 0:
+            print(f"resumed from {checkpoint} (step {start})", flush=True)
 
-    generator = torch.Generator().manual_seed(1000 + rank)
+    generator = torch.Generator()
     loss = torch.tensor(0.0)
+    stop = torch.zeros(1, device=device)
     for step in range(start, args.steps):
+        generator.manual_seed(1_000_003 * step + rank)  # the same batches whether resumed or not
         x = torch.randn(args.batch, 16, generator=generator).to(device)
         y = (x @ target).unsqueeze(1)
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        done = step + 1
+        if rank == 0 and (step % 10 == 0 or done == args.steps):
             print(f"step {step} loss {loss.item():.5f}", flush=True)
-    if rank == 0:
-        tmp = checkpoint.with_suffix(".tmp")
-        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save({**state, "step": args.steps}, tmp)
-        tmp.replace(checkpoint)
+        # Every rank stops after the same step, whichever of them got the signal first.
+        stop.fill_(1.0 if stop_asked else 0.0)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            if rank == 0:
+                _save(checkpoint, model, optimizer, done, "SIGTERM")
+            dist.destroy_process_group()
+            return STOPPED_BY_SIGNAL
+        periodic = args.checkpoint_every > 0 and done % args.checkpoint_every == 0
+        if rank == 0 and periodic and done < args.steps:
+            _save(checkpoint, model, optimizer, done, "periodic")
+    if rank == 0 and start < args.steps:
+        _save(checkpoint, model, optimizer, args.steps, "last step")
     dist.destroy_process_group()
     return 0 if loss.item() < 1.0 else 1
 
