@@ -3,7 +3,7 @@
 One ClusterQueue holds 8 GPUs. A job that fits is admitted and gets its gang; a second
 waits with Kueue's own message; a higher-priority job preempts the first, whose gang is
 stopped without counting a failure and whose quota goes back; when the preemptor
-finishes, a waiting job is admitted again.  Jobs without the queue label do not wait.
+finishes, the preempted job's own Workload is admitted again, with no restart counted.  Jobs without the queue label do not wait.
 """
 
 from __future__ import annotations
@@ -183,6 +183,7 @@ def test_kueue_admits_queues_preempts_and_readmits_training_jobs(queued) -> None
     assert cluster.pods(NS, "second") == []
 
     # A higher-priority job preempts the admitted low one (Kueue's decision).
+    preempted_workload = _workload(cluster, "first")["metadata"]["uid"]
     _apply(cluster, _queued_job("urgent", "high"))
     evicted = wait_for(
         "first evicted by Kueue",
@@ -202,8 +203,14 @@ def test_kueue_admits_queues_preempts_and_readmits_training_jobs(queued) -> None
     assert first.get("phase") == "Pending"
     assert _workload(cluster, "first")["status"].get("admission") is None
 
+    # Only the preempted job may take the quota back: second (same priority, possibly the same
+    # creation second, so Kueue's FIFO could pick either) leaves the queue until first is back.
+    cluster.delete_job(NS, "second")
+    wait_for("second's Workload gone", lambda: _workload(cluster, "second") is None, timeout=60)
+    wait_for("second gone", lambda: cluster.job(NS, "second") is None, timeout=60)
+
     # urgent succeeds (what a kubelet would report): its workload is finished, its quota freed,
-    # and one of the waiting jobs is admitted and gets its gang.
+    # and the preempted job's own Workload is admitted again and gets its gang.
     [pod] = cluster.pods(NS, "urgent")
     cluster.set_pod_phase(NS, pod.metadata.name, "Succeeded")
     cluster.wait_phase(NS, "urgent", "Succeeded", timeout=60)
@@ -216,16 +223,29 @@ def test_kueue_admits_queues_preempts_and_readmits_training_jobs(queued) -> None
         timeout=60,
     )
     readmitted = wait_for(
-        "a waiting job admitted again",
-        lambda: [
-            j
-            for j in ("first", "second")
-            if _queued_condition(cluster, j).get("status") == "False" and cluster.pods(NS, j)
-        ],
+        "first admitted again",
+        lambda: (c := _queued_condition(cluster, "first")).get("status") == "False" and c,
         timeout=90,
     )
-    assert len(readmitted) == 1
-    assert cluster.status(NS, "first").get("restarts", 0) == 0
+    assert readmitted["reason"] == "Admitted", readmitted
+    wait_for("first's gang again", lambda: len(cluster.pods(NS, "first")) == 1, timeout=60)
+    workload = _workload(cluster, "first")
+    assert workload["metadata"]["uid"] == preempted_workload, "its own Workload, not a new one"
+    assert workload["status"].get("admission") is not None
+    first = cluster.status(NS, "first")
+    assert first.get("restarts", 0) == 0, "a preemption is not counted as a failure"
+    assert first.get("phase") != "Failed"
+
+    # The next test needs a waiting job beside the admitted one.
+    _apply(cluster, _queued_job("second", "low"))
+    wait_for(
+        "second held again",
+        lambda: (
+            (c := _queued_condition(cluster, "second")).get("status") == "True"
+            and c.get("reason") != "WorkloadCreated"
+        ),
+        timeout=60,
+    )
 
 
 def test_a_suspended_job_frees_its_quota_and_a_changed_spec_is_queued_again(queued) -> None:
