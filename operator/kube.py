@@ -663,19 +663,37 @@ class Client:
     ) -> None:
         """A core/v1 Event about ``job`` (best effort: the caller ignores failures)."""
         metadata = job.get("metadata") or {}
-        namespace = metadata.get("namespace")
+        involved = {
+            "apiVersion": naming.API_VERSION,
+            "kind": "TrainingJob",
+            "name": metadata.get("name"),
+            "namespace": metadata.get("namespace"),
+            "uid": metadata.get("uid"),
+            "resourceVersion": metadata.get("resourceVersion"),
+        }
+        await self._record(metadata.get("namespace"), involved, type_, reason, message, now)
+
+    async def create_node_event(
+        self, *, node: str, uid: str | None, type_: str, reason: str, message: str, now: str
+    ) -> None:
+        """A core/v1 Event about a Node, in ``default`` where the kubelet records node Events."""
+        involved = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid}
+        await self._record("default", involved, type_, reason, message, now)
+
+    async def _record(
+        self,
+        namespace: str | None,
+        involved: dict[str, Any],
+        type_: str,
+        reason: str,
+        message: str,
+        now: str,
+    ) -> None:
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{metadata.get('name')}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": naming.API_VERSION,
-                "kind": "TrainingJob",
-                "name": metadata.get("name"),
-                "namespace": namespace,
-                "uid": metadata.get("uid"),
-                "resourceVersion": metadata.get("resourceVersion"),
-            },
+            "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
+            "involvedObject": involved,
             "type": type_,
             "reason": reason,
             "message": message[:1024],
@@ -686,27 +704,6 @@ class Client:
         }
         await self._request(
             "create", "events", self._core.create_namespaced_event, namespace, event
-        )
-
-    async def create_node_event(
-        self, *, node: str, uid: str | None, type_: str, reason: str, message: str, now: str
-    ) -> None:
-        """A core/v1 Event about a Node, in ``default`` where the kubelet records node Events."""
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{node}.", "namespace": "default"},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid},
-            "type": type_,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": naming.MANAGED_BY},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        await self._request(
-            "create", "events", self._core.create_namespaced_event, "default", event
         )
 
 
