@@ -72,6 +72,8 @@ def test_progress_endpoint_followed_the_run(scraped_run):
         "updated_at",
         "eval_loss",
         "skipped_updates",
+        "straggler",
+        "gradient_noise_scale",
     }
     assert 0 < last["step"] <= STEPS and last["loss"] > 0 and last["tokens_per_second"] > 0
     assert (

@@ -97,9 +97,9 @@ def test_progress_reports_published_checkpoints_and_the_final_document(tmp_path:
         proc.wait()
         proc.stderr.close()
     assert set(during) == KEYS
-    assert (during["step"], during["last_checkpoint_step"]) == (4, 2), (
-        during
-    )  # step 4's save is not published
+    # step 4's save is not published (with checkpoint.asyncSave, the default, training goes on
+    # while the save is held, so the run may be past step 4)
+    assert during["step"] >= 4 and during["last_checkpoint_step"] == 2, during
     assert not final.exists(), "a killed run must not write the final progress"
 
     proc = _start(spec, log_dir, **{progress.TERMINATION_LOG_ENV: str(final)})

@@ -325,5 +325,6 @@ def test_request_from_spec() -> None:
     assert request.nvlink_domain_label == CLIQUE and dict(request.node_selector) == {"pool": "gpu"}
     dp_bytes, pp_bytes = comm.placement_traffic(spec, memory.scheme_for("bf16"))
     assert (request.dp_bytes_per_step, request.pp_bytes_per_step) == (dp_bytes, pp_bytes)
-    # pipeline traffic: fp32 activations forward and gradients back, per micro-batch
-    assert pp_bytes == 2 * 4 * (2 * 32 * 64 * 4)
+    # pipeline traffic: activations forward and gradients back, per micro-batch, in bf16 on the
+    # wire under bf16 autocast (2 bytes per element)
+    assert pp_bytes == 2 * 4 * (2 * 32 * 64 * 2)

@@ -4,27 +4,35 @@ from __future__ import annotations
 
 import asyncio
 
-import kubernetes
 import pytest
 
 from meshtrain.operator import informer, kube, queueing, reconciler
 from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_workload_the_api_server_refuses_is_a_condition_and_an_event_with_backoff(
-    cluster, control_plane, kube_api, namespace
+    control_plane_binaries,
 ):
+    """On a control plane of its own: the suite's shared operator would reconcile the same job and
+    race these passes' status writes (409)."""
+    with Cluster.private(control_plane_binaries) as cluster:
+        _refused_workload_is_said_with_backoff(cluster, "kueue-missing")
+
+
+def _refused_workload_is_said_with_backoff(cluster: Cluster, namespace: str) -> None:
+    cluster.core.create_namespace({"metadata": {"name": namespace}})
     manifest = JobBuilder("queued", namespace).layout(data=1, gpus_per_node=1).manifest()
     manifest["metadata"]["labels"] = {queueing.QUEUE_LABEL: "team-queue"}
-    custom = kubernetes.client.CustomObjectsApi(kube_api)
+    custom = cluster.custom
     custom.create_namespaced_custom_object(
         "meshtrain.io", "v1alpha1", namespace, "trainingjobs", manifest
     )
 
     async def passes() -> list[reconciler.Outcome]:
-        client = await kube.Client.connect(kubeconfig=str(control_plane.kubeconfig_path))
+        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
         try:
             cache = informer.Cache()
             cache.synced.set()
@@ -46,6 +54,6 @@ def test_a_workload_the_api_server_refuses_is_a_condition_and_an_event_with_back
     assert queued["reason"] == "WorkloadRejected", queued
     # The API server's own answer (no kueue.x-k8s.io/v1beta2 served here) and what to check.
     assert "404" in queued["message"] and "v1beta2" in queued["message"], queued
-    events = kubernetes.client.CoreV1Api(kube_api).list_namespaced_event(namespace).items
+    events = cluster.core.list_namespaced_event(namespace).items
     warned = [e for e in events if e.reason == "WorkloadRejected" and e.type == "Warning"]
     assert len(warned) == 1, [(e.reason, e.type, e.count) for e in events]
