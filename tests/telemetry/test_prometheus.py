@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from meshtrain.trainer.telemetry import progress
 from tests.telemetry.conftest import JOB, NAMESPACE, RULES, STEPS
 
 pytestmark = pytest.mark.slow
@@ -64,17 +65,7 @@ def test_progress_endpoint_followed_the_run(scraped_run):
     docs = scraped_run.progress
     assert docs, "rank 0 never answered /progress"
     last = docs[-1]
-    assert set(last) == {
-        "step",
-        "loss",
-        "tokens_per_second",
-        "last_checkpoint_step",
-        "updated_at",
-        "eval_loss",
-        "skipped_updates",
-        "straggler",
-        "gradient_noise_scale",
-    }
+    assert set(last) == set(progress.FIELDS)
     assert 0 < last["step"] <= STEPS and last["loss"] > 0 and last["tokens_per_second"] > 0
     assert (
         last["eval_loss"] > 0 and last["skipped_updates"] == 0

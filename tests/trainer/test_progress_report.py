@@ -2,12 +2,13 @@
 
 A one-rank ``meshtrain run`` with a checkpoint every 2 of 6 steps is paused
 inside the save of step 4 (``MESHTRAIN_FAULT_INJECT_SAVE=4:pause``: data
-written, not published).  At that moment /progress must say step 4 with
-``last_checkpoint_step`` 2: a checkpoint counts once it is published, not
-when its save begins.  The run is then SIGKILLed (no final progress file:
-it did not succeed) and re-run with the same log directory: it resumes from
-step 2, finishes, and writes its final progress document, with the same keys
-as /progress, to ``$MESHTRAIN_TERMINATION_LOG``.
+written, not published).  At that moment /progress must say at least step 4
+(an asynchronous save lets training go on) with ``last_checkpoint_step`` 2:
+a checkpoint counts once it is published, not when its save begins.  The run
+is then SIGKILLed (no final progress file: it did not succeed) and re-run
+with the same log directory: it resumes from step 2, finishes, and writes its
+final progress document, with the same keys as /progress, to
+``$MESHTRAIN_TERMINATION_LOG``.
 """
 
 from __future__ import annotations
@@ -31,19 +32,8 @@ from meshtrain.trainer.telemetry import progress
 
 STEPS = 6
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
-# What operator/progress_status.py reads from the document (eval loss and skipped updates
-# arrived with training.eval and the loss guard).
-KEYS = {
-    "step",
-    "loss",
-    "tokens_per_second",
-    "last_checkpoint_step",
-    "updated_at",
-    "eval_loss",
-    "skipped_updates",
-    "straggler",
-    "gradient_noise_scale",
-}
+KEYS = set(progress.FIELDS)
+"""The document's keys as the trainer declares them (operator/progress_status.py reads them by name)."""
 
 
 def _spec(tmp_path: Path, port: int) -> Path:

@@ -16,11 +16,7 @@ from meshtrain.api import loading
 from meshtrain.operator import resizing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
-from tests.integration.operator.test_operator_chaos import Kubelet
-from tests.integration.operator.test_operator_stragglers import (
-    ProgressServer,
-    _checkpoint_volume,
-)
+from tests.integration.operator.test_operator_stragglers import _checkpoint_volume, simulated
 
 pytestmark = pytest.mark.integration
 
@@ -91,113 +87,93 @@ def _unchanged_through_grow_checks(cluster: Cluster) -> None:
 
 def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_binaries, tmp_path):
     """dp6 fits three 4-GPU nodes but breaks the hierarchical all-reduce rule: the gang stays at dp4."""
-    with (
-        Cluster.private(control_plane_binaries) as cluster,
-        ProgressServer() as progress,
-        Kubelet(cluster, NAMESPACE, ip="127.0.0.1"),
-    ):
-        cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+    with simulated(control_plane_binaries, NAMESPACE, tmp_path / "operator.log") as sim:
+        cluster, progress, operator = sim.cluster, sim.progress, sim.operator
         _checkpoint_volume(cluster, NAMESPACE)  # runPolicy.elastic needs checkpoint.claimName
         for i in range(3):
             cluster.add_node(POOL, gpus=4, name=f"gpu-{i}")
-        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
         operator.start()
-        try:
-            progress.document = _report(50)
-            cluster.apply(
-                JobBuilder("grow", NAMESPACE, POOL)
-                .layout(data=8, pipeline=2, gpus_per_node=4)  # two replicas per pod
-                .parallelism(microBatches=4, allReduce="hierarchical")
-                .checkpoint(claimName="ckpt")
-                .run_policy(elastic={"minData": 2, "maxData": 8})
-                .metrics(port=progress.port)
-            )
-            status = _gang_running(cluster, 2)
-            assert status["elastic"]["data"] == 4
-            _seen(cluster, "lastCheckpointStep", 50)
-            progress.document = _report(100)
-            _seen(cluster, "lastCheckpointStep", 100)
-            _unchanged_through_grow_checks(cluster)  # they find room for dp6 only
+        progress.document = _report(50)
+        cluster.apply(
+            JobBuilder("grow", NAMESPACE, POOL)
+            .layout(data=8, pipeline=2, gpus_per_node=4)  # two replicas per pod
+            .parallelism(microBatches=4, allReduce="hierarchical")
+            .checkpoint(claimName="ckpt")
+            .run_policy(elastic={"minData": 2, "maxData": 8})
+            .metrics(port=progress.port)
+        )
+        status = _gang_running(cluster, 2)
+        assert status["elastic"]["data"] == 4
+        _seen(cluster, "lastCheckpointStep", 50)
+        progress.document = _report(100)
+        _seen(cluster, "lastCheckpointStep", 100)
+        _unchanged_through_grow_checks(cluster)  # they find room for dp6 only
 
-            cluster.add_node(POOL, gpus=4, name="gpu-3")
-            wait_for(
-                "the gang rebuilt at dp8",
-                lambda: cluster.status(NAMESPACE, "grow").get("elastic", {}).get("data") == 8,
-                timeout=60,
-            )
-            assert _gang_running(cluster, 4)["restarts"] == 0
-        finally:
-            operator.stop()
+        cluster.add_node(POOL, gpus=4, name="gpu-3")
+        wait_for(
+            "the gang rebuilt at dp8",
+            lambda: cluster.status(NAMESPACE, "grow").get("elastic", {}).get("data") == 8,
+            timeout=60,
+        )
+        assert _gang_running(cluster, 4)["restarts"] == 0
 
 
 def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
     control_plane_binaries, tmp_path
 ):
-    with (
-        Cluster.private(control_plane_binaries) as cluster,
-        ProgressServer() as progress,
-        Kubelet(cluster, NAMESPACE, ip="127.0.0.1") as kubelet,
-    ):
-        cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
+    with simulated(control_plane_binaries, NAMESPACE, tmp_path / "operator.log") as sim:
+        cluster, progress, kubelet, operator = sim.cluster, sim.progress, sim.kubelet, sim.operator
         _checkpoint_volume(cluster, NAMESPACE)  # runPolicy.elastic needs checkpoint.claimName
         nodes = [cluster.add_node(POOL, gpus=2, name=f"gpu-{i}") for i in range(4)]
-        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
         operator.start()
-        try:
-            job = (
-                JobBuilder("grow", NAMESPACE, POOL)
-                .layout(data=4, tensor=2, gpus_per_node=2)  # one pod of 2 GPUs per replica
-                .parallelism(microBatches=3)
-                .training(microBatch=2, lrScaling={"rule": "linear", "referenceBatch": 24})
-                .checkpoint(claimName="ckpt")
-                .run_policy(elastic={"minData": 2, "maxData": 4})
-                .metrics(port=progress.port)
-            )
-            declared = loading.parse_spec(job.raw())
-            progress.document = _report(100)
-            cluster.apply(job)
-            status = _gang_running(cluster, 4)
-            assert status["elastic"]["data"] == 4 and status["layout"] == "dp4·pp1·tp2"
-            _seen(cluster, "lastCheckpointStep", 100)
-            assert _resizes(operator) == {
-                "shrink": 0.0,
-                "grow": 0.0,
-            }  # both series before any resize
-            # The old gang saves step 120 before it stops, and no poll sees it.
-            progress.document = NOTHING_YET
+        job = (
+            JobBuilder("grow", NAMESPACE, POOL)
+            .layout(data=4, tensor=2, gpus_per_node=2)  # one pod of 2 GPUs per replica
+            .parallelism(microBatches=3)
+            .training(microBatch=2, lrScaling={"rule": "linear", "referenceBatch": 24})
+            .checkpoint(claimName="ckpt")
+            .run_policy(elastic={"minData": 2, "maxData": 4})
+            .metrics(port=progress.port)
+        )
+        declared = loading.parse_spec(job.raw())
+        progress.document = _report(100)
+        cluster.apply(job)
+        status = _gang_running(cluster, 4)
+        assert status["elastic"]["data"] == 4 and status["layout"] == "dp4·pp1·tp2"
+        _seen(cluster, "lastCheckpointStep", 100)
+        assert _resizes(operator) == {
+            "shrink": 0.0,
+            "grow": 0.0,
+        }  # both series before any resize
+        # The old gang saves step 120 before it stops, and no poll sees it.
+        progress.document = NOTHING_YET
 
-            cluster.core.delete_node(nodes[3])
-            kubelet.lose(nodes[3])
-            status = _gang_running(cluster, 3)
-            running = _running_spec(cluster)
-            assert running.parallelism.data == 3 and status["layout"] == "dp3·pp1·tp2"
-            assert running.global_batch == declared.global_batch == 24
-            assert status["elastic"]["microBatches"] == running.parallelism.micro_batches == 4
-            assert status["elastic"]["globalBatch"] == 24
-            assert status["elastic"]["learningRate"] == pytest.approx(
-                declared.training.learning_rates(declared.parallelism)[0]
-            )
-            resized = cluster.condition(NAMESPACE, "grow", "Resized")
-            assert resized["status"] == "True" and resized["reason"] == "ElasticShrunk"
-            assert status["restarts"] == 1  # the lost node's gang failed once
-            reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
-            assert "ElasticShrunk" in reasons
+        cluster.core.delete_node(nodes[3])
+        kubelet.lose(nodes[3])
+        status = _gang_running(cluster, 3)
+        running = _running_spec(cluster)
+        assert running.parallelism.data == 3 and status["layout"] == "dp3·pp1·tp2"
+        assert running.global_batch == declared.global_batch == 24
+        assert status["elastic"]["microBatches"] == running.parallelism.micro_batches == 4
+        assert status["elastic"]["globalBatch"] == 24
+        assert status["elastic"]["learningRate"] == pytest.approx(
+            declared.training.learning_rates(declared.parallelism)[0]
+        )
+        resized = cluster.condition(NAMESPACE, "grow", "Resized")
+        assert resized["status"] == "True" and resized["reason"] == "ElasticShrunk"
+        assert status["restarts"] == 1  # the lost node's gang failed once
+        reasons = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items}
+        assert "ElasticShrunk" in reasons
 
-            progress.document = _report(
-                120
-            )  # the new gang restored 120: newer than the status said
-            _seen(cluster, "lastCheckpointStep", 120)
-            kubelet.gone.discard(nodes[3])
-            cluster.add_node(POOL, gpus=2, name=nodes[3])
-            _unchanged_through_grow_checks(
-                cluster
-            )  # room again, but it waits for its next checkpoint
-            progress.document = _report(170)
-            status = _gang_running(cluster, 4)
-            assert _running_spec(cluster).parallelism.data == 4
-            assert status["elastic"]["data"] == 4 and status["restarts"] == 1
-            resized = cluster.condition(NAMESPACE, "grow", "Resized")
-            assert resized["status"] == "False" and resized["reason"] == "DeclaredSize"
-            assert _resizes(operator) == {"shrink": 1.0, "grow": 1.0}
-        finally:
-            operator.stop()
+        progress.document = _report(120)  # the new gang restored 120: newer than the status said
+        _seen(cluster, "lastCheckpointStep", 120)
+        kubelet.gone.discard(nodes[3])
+        cluster.add_node(POOL, gpus=2, name=nodes[3])
+        _unchanged_through_grow_checks(cluster)  # room again, but it waits for its next checkpoint
+        progress.document = _report(170)
+        status = _gang_running(cluster, 4)
+        assert _running_spec(cluster).parallelism.data == 4
+        assert status["elastic"]["data"] == 4 and status["restarts"] == 1
+        resized = cluster.condition(NAMESPACE, "grow", "Resized")
+        assert resized["status"] == "False" and resized["reason"] == "DeclaredSize"
+        assert _resizes(operator) == {"shrink": 1.0, "grow": 1.0}

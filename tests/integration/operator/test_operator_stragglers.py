@@ -6,9 +6,13 @@ pods run with the progress server's IP, deleted pods go) and the trainer's /prog
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.server
 import json
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,6 +57,32 @@ class ProgressServer:
     def __exit__(self, *_: Any) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+@dataclasses.dataclass
+class Simulated:
+    """A private control plane whose kubelet and rank-0 /progress the test plays, and the operator."""
+
+    cluster: Cluster
+    progress: ProgressServer
+    kubelet: Kubelet
+    operator: OperatorProcess
+
+
+@contextlib.contextmanager
+def simulated(binaries: Any, namespace: str, log: Path) -> Iterator[Simulated]:
+    """``namespace`` made; the test starts the operator once its nodes exist; it is always stopped."""
+    with (
+        Cluster.private(binaries) as cluster,
+        ProgressServer() as progress,
+        Kubelet(cluster, namespace, ip="127.0.0.1") as kubelet,
+    ):
+        cluster.core.create_namespace({"metadata": {"name": namespace}})
+        operator = OperatorProcess(cluster.kubeconfig, str(log))
+        try:
+            yield Simulated(cluster, progress, kubelet, operator)
+        finally:
+            operator.stop()
 
 
 def _checkpoint_volume(cluster, namespace: str) -> None:
@@ -121,18 +151,10 @@ def _running_on(cluster, namespace: str, name: str, pods: int) -> dict[str, Any]
 def test_a_straggler_node_is_named_replaced_and_never_chosen_again(
     control_plane_binaries, tmp_path
 ):
-    with (
-        Cluster.private(control_plane_binaries) as cluster,
-        ProgressServer() as progress,
-        Kubelet(cluster, NAMESPACE, ip="127.0.0.1"),
-    ):
-        cluster.core.create_namespace({"metadata": {"name": NAMESPACE}})
-        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+    with simulated(control_plane_binaries, NAMESPACE, tmp_path / "operator.log") as sim:
+        cluster, progress, operator = sim.cluster, sim.progress, sim.operator
         operator.start()
-        try:
-            _replaced(cluster, operator, progress)
-        finally:
-            operator.stop()
+        _replaced(cluster, operator, progress)
 
 
 def _replaced(cluster: Cluster, operator: OperatorProcess, progress: ProgressServer) -> None:
@@ -214,52 +236,42 @@ def test_a_restarted_gang_does_not_inherit_the_old_gangs_straggler(
     """The straggler was measured on the failed gang: the new gang starts without it (under
     ``replace`` a stale entry would stop the new gang before its rank 0 was ever asked)."""
     namespace = "stale-straggler"
-    with (
-        Cluster.private(control_plane_binaries) as cluster,
-        ProgressServer() as progress,
-        Kubelet(cluster, namespace, ip="127.0.0.1"),
-    ):
-        cluster.core.create_namespace({"metadata": {"name": namespace}})
-        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+    with simulated(control_plane_binaries, namespace, tmp_path / "operator.log") as sim:
+        cluster, progress, operator = sim.cluster, sim.progress, sim.operator
         operator.start()
-        try:
-            _checkpoint_volume(cluster, namespace)
-            for i in range(3):
-                cluster.add_node(POOL, gpus=1, name=f"stale-n{i}")
-            progress.document = {
-                "step": 60,
-                "loss": 3.0,
-                "updated_at": "2026-01-01T00:01:00Z",
-                "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
-            }
-            cluster.apply(
-                JobBuilder("stale", namespace, POOL)
-                .layout(data=2, gpus_per_node=1)
-                .checkpoint(claimName="ckpt", intervalSteps=20)
-                .metrics(port=progress.port)
-                .run_policy(stragglerPolicy={"action": "report", "threshold": 1.3})
-            )
-            _running_on(cluster, namespace, "stale", 2)
-            wait_for(
-                "the straggler in status",
-                lambda: cluster.status(namespace, "stale").get("straggler"),
-            )
-            # Rank 0 of the next gang has judged nothing yet: its /progress says nothing about stragglers.
-            progress.document = {"step": 60, "loss": 3.0, "updated_at": "2026-01-01T00:02:00Z"}
-            pod = next(
-                p for p in cluster.pods(namespace, "stale") if p.metadata.name.endswith("-1")
-            )
-            cluster.set_pod_phase(namespace, pod.metadata.name, "Failed", exit_code=1)
-            wait_for(
-                "the gang restarted",
-                lambda: cluster.status(namespace, "stale").get("restarts") == 1,
-            )
-            status = _running_on(cluster, namespace, "stale", 2)
-            assert "straggler" not in status, status["straggler"]
-            flag = cluster.condition(namespace, "stale", "Straggler")
-            assert flag["status"] == "False", flag
-        finally:
-            operator.stop()
+        _checkpoint_volume(cluster, namespace)
+        for i in range(3):
+            cluster.add_node(POOL, gpus=1, name=f"stale-n{i}")
+        progress.document = {
+            "step": 60,
+            "loss": 3.0,
+            "updated_at": "2026-01-01T00:01:00Z",
+            "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
+        }
+        cluster.apply(
+            JobBuilder("stale", namespace, POOL)
+            .layout(data=2, gpus_per_node=1)
+            .checkpoint(claimName="ckpt", intervalSteps=20)
+            .metrics(port=progress.port)
+            .run_policy(stragglerPolicy={"action": "report", "threshold": 1.3})
+        )
+        _running_on(cluster, namespace, "stale", 2)
+        wait_for(
+            "the straggler in status",
+            lambda: cluster.status(namespace, "stale").get("straggler"),
+        )
+        # Rank 0 of the next gang has judged nothing yet: its /progress says nothing about stragglers.
+        progress.document = {"step": 60, "loss": 3.0, "updated_at": "2026-01-01T00:02:00Z"}
+        pod = next(p for p in cluster.pods(namespace, "stale") if p.metadata.name.endswith("-1"))
+        cluster.set_pod_phase(namespace, pod.metadata.name, "Failed", exit_code=1)
+        wait_for(
+            "the gang restarted",
+            lambda: cluster.status(namespace, "stale").get("restarts") == 1,
+        )
+        status = _running_on(cluster, namespace, "stale", 2)
+        assert "straggler" not in status, status["straggler"]
+        flag = cluster.condition(namespace, "stale", "Straggler")
+        assert flag["status"] == "False", flag
 
 
 def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
@@ -269,67 +281,56 @@ def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
     stopped one: the straggler is reported (NoReplacement) and the gang keeps running; once a node
     joins, the same report replaces it."""
     namespace = "no-replacement"
-    with (
-        Cluster.private(control_plane_binaries) as cluster,
-        ProgressServer() as progress,
-        Kubelet(cluster, namespace, ip="127.0.0.1"),
-    ):
-        cluster.core.create_namespace({"metadata": {"name": namespace}})
-        operator = OperatorProcess(cluster.kubeconfig, str(tmp_path / "operator.log"))
+    with simulated(control_plane_binaries, namespace, tmp_path / "operator.log") as sim:
+        cluster, progress, operator = sim.cluster, sim.progress, sim.operator
         operator.start()
-        try:
-            _checkpoint_volume(cluster, namespace)
-            for i in range(2):
-                cluster.add_node(POOL, gpus=1, name=f"full-n{i}")
-            progress.document = {"step": 10, "loss": 4.0, "straggler": None}
-            cluster.apply(
-                JobBuilder("stuck", namespace, POOL)
-                .layout(data=2, gpus_per_node=1)
-                .checkpoint(claimName="ckpt", intervalSteps=20)
-                .metrics(port=progress.port)
-                .run_policy(stragglerPolicy={"action": "replace", "threshold": 1.3})
-            )
-            status = _running_on(cluster, namespace, "stuck", 2)
-            slow_node = {p["podIndex"]: p["node"] for p in status["placement"]}[1]
-            pods = {p.metadata.uid for p in cluster.pods(namespace, "stuck")}
-            progress.document = {
-                "step": 60,
-                "loss": 3.0,
-                "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
-            }
-            flag = wait_for(
-                "the straggler reported",
-                lambda: (
-                    (c := cluster.condition(namespace, "stuck", "Straggler")).get("status")
-                    == "True"
-                    and c
-                ),
-            )
-            assert flag["reason"] == "NoReplacement", flag
-            assert f"no placement without node {slow_node}" in flag["message"]
-            status = cluster.status(namespace, "stuck")
-            assert status["phase"] == "Running" and not status.get("excludedNodes"), status
-            assert {p.metadata.uid for p in cluster.pods(namespace, "stuck")} == pods
+        _checkpoint_volume(cluster, namespace)
+        for i in range(2):
+            cluster.add_node(POOL, gpus=1, name=f"full-n{i}")
+        progress.document = {"step": 10, "loss": 4.0, "straggler": None}
+        cluster.apply(
+            JobBuilder("stuck", namespace, POOL)
+            .layout(data=2, gpus_per_node=1)
+            .checkpoint(claimName="ckpt", intervalSteps=20)
+            .metrics(port=progress.port)
+            .run_policy(stragglerPolicy={"action": "replace", "threshold": 1.3})
+        )
+        status = _running_on(cluster, namespace, "stuck", 2)
+        slow_node = {p["podIndex"]: p["node"] for p in status["placement"]}[1]
+        pods = {p.metadata.uid for p in cluster.pods(namespace, "stuck")}
+        progress.document = {
+            "step": 60,
+            "loss": 3.0,
+            "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
+        }
+        flag = wait_for(
+            "the straggler reported",
+            lambda: (
+                (c := cluster.condition(namespace, "stuck", "Straggler")).get("status") == "True"
+                and c
+            ),
+        )
+        assert flag["reason"] == "NoReplacement", flag
+        assert f"no placement without node {slow_node}" in flag["message"]
+        status = cluster.status(namespace, "stuck")
+        assert status["phase"] == "Running" and not status.get("excludedNodes"), status
+        assert {p.metadata.uid for p in cluster.pods(namespace, "stuck")} == pods
 
-            cluster.add_node(POOL, gpus=1, name="full-n2")
-            status = wait_for(
-                "the straggler replaced once a node is free",
-                lambda: (
-                    (s := cluster.status(namespace, "stuck")).get("stragglerReplacements") and s
-                ),
-            )
-            assert [e["node"] for e in status["excludedNodes"]] == [slow_node]
+        cluster.add_node(POOL, gpus=1, name="full-n2")
+        status = wait_for(
+            "the straggler replaced once a node is free",
+            lambda: (s := cluster.status(namespace, "stuck")).get("stragglerReplacements") and s,
+        )
+        assert [e["node"] for e in status["excludedNodes"]] == [slow_node]
 
-            def on_node() -> list[Any]:
-                return [
-                    e
-                    for e in cluster.core.list_namespaced_event("default").items
-                    if e.involved_object.kind == "Node" and e.involved_object.name == slow_node
-                ]
+        def on_node() -> list[Any]:
+            return [
+                e
+                for e in cluster.core.list_namespaced_event("default").items
+                if e.involved_object.kind == "Node" and e.involved_object.name == slow_node
+            ]
 
-            # Recorded after the status and the pod deletions: waited for, not raced.
-            wait_for("the Event on the node", on_node)
-            assert [e.reason for e in on_node()] == ["StragglerReplaced"]
-            assert f"TrainingJob {namespace}/stuck" in on_node()[0].message
-        finally:
-            operator.stop()
+        # Recorded after the status and the pod deletions: waited for, not raced.
+        wait_for("the Event on the node", on_node)
+        assert [e.reason for e in on_node()] == ["StragglerReplaced"]
+        assert f"TrainingJob {namespace}/stuck" in on_node()[0].message
