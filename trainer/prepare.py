@@ -1,13 +1,18 @@
 """``meshtrain data prepare``: text or JSONL tokenised with a user's ``tokenizer.json`` into a token file.
 
 The ``tokenizers`` library (the Rust tokenizer Hugging Face models ship)
-encodes documents in batches; every document ends with the end-of-text token
-when the tokenizer has one, so windows that cross documents see the
+encodes documents in batches with the tokenizer's own special tokens
+(``add_special_tokens=True``: its post-processor decides, so a Llama-style
+tokenizer starts every document with its begin-of-text token and GPT-2's adds
+none, exactly as ``transformers`` encodes a document), and every document ends
+with the end-of-text token when the tokenizer has one (unless its
+post-processor already put it there), so windows that cross documents see the
 boundary.  A ``.jsonl`` input is one document per line (its ``--text-field``);
 any other file is one document.  The output is raw little-endian ``uint16``
 or ``uint32`` ids (``auto``: the smallest that holds the vocabulary) with
-``OUT.json`` beside it (dtype, vocabulary, token count, tokenizer hash, the
-begin/end-of-text and padding ids), which :mod:`.tokens` checks when a job
+``OUT.json`` beside it (dtype, vocabulary, token count, byte size, tokenizer hash, the
+begin/end-of-text and padding ids, and whether every document starts and ends
+with them), which :mod:`.tokens` checks when a job
 opens the file and checkpoints carry into ``meshtrain export``.  Refused before any
 work: a tokenizer vocabulary above the model's (``--job`` or
 ``--model-vocab``) and ``uint16`` for a vocabulary above 65,536.
@@ -83,6 +88,13 @@ def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def document_ids(encoded: list[int], eos: int | None) -> list[int]:
+    """One document's ids as written: the tokenizer's encoding, then end-of-text unless it ends with one."""
+    if eos is None or encoded[-1:] == [eos]:
+        return encoded
+    return [*encoded, eos]
+
+
 def prepare(
     inputs: list[Path],
     tokenizer_path: Path,
@@ -107,6 +119,7 @@ def prepare(
     dtype = choose_dtype(dtype, vocab, tokenizer_path)
     special = special_tokens.from_tokenizer(tokenizer)
     eos = special.eos[0] if special.eos else None  # the document separator
+    template = tokenizer.encode("", add_special_tokens=True).ids  # what the post-processor adds
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
     count = 0
@@ -123,10 +136,10 @@ def prepare(
             ) as bar,
         ):
             for batch in _batches(documents(inputs, text_field), BATCH_DOCUMENTS):
-                encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
+                encoded = tokenizer.encode_batch(batch, add_special_tokens=True)
                 ids: list[int] = []
                 for e in encoded:
-                    ids += e.ids + ([eos] if eos is not None else [])
+                    ids += document_ids(e.ids, eos)
                 flat = np.asarray(ids, dtype=np.int64)
                 out.write(flat.astype(token_files.DTYPES[dtype]).tobytes())
                 count += len(flat)
@@ -142,6 +155,9 @@ def prepare(
         "eos_id": eos,
         "bos_id": special.bos,
         "pad_id": special.pad,
+        "bos_per_document": special.bos is not None and template[:1] == [special.bos],
+        "eos_per_document": eos is not None,
+        "bytes": output.stat().st_size,
         "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
         "inputs": [str(p) for p in inputs],
     }

@@ -6,11 +6,12 @@ import json
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from meshtrain import cli
 from meshtrain.api import spec
-from meshtrain.trainer import data
+from meshtrain.trainer import data, prepare
 
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
@@ -97,3 +98,55 @@ def test_uint16_output_for_a_vocabulary_above_65535_is_refused(tmp_path, capsys)
     assert np.fromfile(tmp_path / "t32.bin", dtype="<u4").tolist() == [1, 69_999, 5]
     with pytest.raises(data.DatasetError, match="set spec.training.tokenDtype: uint32"):
         data.open_dataset(spec.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1)
+
+
+def _with_template(path, single, specials, *, byte_level_post=False):
+    """A BPE tokenizer trained here whose post-processor adds ``single``'s special tokens (Llama style),
+    or (``byte_level_post``) GPT-2's ByteLevel post-processor, which adds none."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", *specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(TEXT * 20, trainer=trainer)
+    if byte_level_post:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=single, special_tokens=[(t, tokenizer.token_to_id(t)) for t in specials]
+        )
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "single", "specials", "byte_level_post", "starts_with_bos"),
+    [
+        ("llama3", "<|begin_of_text|> $A", ["<|begin_of_text|>", "<|end_of_text|>"], False, True),
+        ("llama2", "<s> $A", ["<s>", "</s>"], False, True),
+        ("bos-and-eos", "<s> $A </s>", ["<s>", "</s>"], False, True),
+        ("gpt2", "", ["<|endoftext|>"], True, False),
+    ],
+)
+def test_documents_get_the_special_tokens_transformers_adds_then_end_of_text(
+    tmp_path, name, single, specials, byte_level_post, starts_with_bos
+):
+    path = _with_template(
+        tmp_path / f"{name}.json", single, specials, byte_level_post=byte_level_post
+    )
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT) + "\n")
+    out = tmp_path / "t.bin"
+    meta = prepare.prepare([tmp_path / "docs.jsonl"], path, out, progress=False)
+    peer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    eos = peer.convert_tokens_to_ids(specials[-1])
+    expected = []
+    for text in TEXT:  # transformers' encoding of a document, then end-of-text once
+        ids = peer(text)["input_ids"]  # add_special_tokens=True, as transformers encodes by default
+        expected += ids if ids[-1] == eos else [*ids, eos]
+    assert np.fromfile(out, dtype="<u2").tolist() == expected
+    first = peer(TEXT[0])["input_ids"][0]
+    assert (first == peer.convert_tokens_to_ids(specials[0])) == starts_with_bos
+    assert meta["bos_per_document"] == starts_with_bos and meta["eos_per_document"]
+    assert expected.count(eos) == len(TEXT)  # never doubled when the template ends with it
