@@ -4,7 +4,10 @@ Writes a token file of ``--gib`` GiB per element type (uint16, uint32), then
 times :func:`meshtrain.trainer.tokens.first_out_of_vocab` over all of it:
 once right after writing (the file in the page cache, as on a rank whose
 node just read it) and reports GB/s.  A second pass with a bad id in the
-last token checks that the scan really reads to the end.
+last token checks that the scan really reads to the end.  Then it opens the
+file as a job does (:func:`meshtrain.trainer.tokens.open_token_file`) twice:
+the first open scans and records the result (:mod:`meshtrain.trainer.scan_record`),
+the second, a restart on the unchanged file, reads the record instead.
 
 Run: ``python benchmarks/bench_token_check.py [--gib 1]``.
 """
@@ -39,6 +42,12 @@ def _time_scan(path: Path, dtype: str, vocab: int) -> tuple[float, tuple[int, in
     return time.perf_counter() - start, found
 
 
+def _time_open(path: Path, dtype: str, vocab: int) -> float:
+    start = time.perf_counter()
+    tokens.open_token_file(path, dtype=dtype, vocab=vocab, seq_len=8, field="benchmark")
+    return time.perf_counter() - start
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=1.0, help="file size per dtype in GiB")
@@ -58,6 +67,11 @@ def main() -> int:
                 out.write(np.array([vocab], dtype=np_dtype).tobytes())
             bad_seconds, bad = _time_scan(path, dtype, vocab)
             assert bad == (count - 1, vocab), bad
+            for sidecar in path.parent.glob(path.name + ".*"):
+                sidecar.unlink()
+            _write(path, np_dtype, count, vocab)
+            first_open = _time_open(path, dtype, vocab)
+            restart_open = _time_open(path, dtype, vocab)
             rows.append(
                 {
                     "dtype": dtype,
@@ -66,14 +80,19 @@ def main() -> int:
                     "seconds": seconds,
                     "gb_per_second": nbytes / seconds / 1e9,
                     "seconds_bad_last_token": bad_seconds,
+                    "open_seconds_scanned": first_open,
+                    "open_seconds_recorded": restart_open,
                 }
             )
             path.unlink()
-    print(f"{'dtype':<8} {'GiB':>5} {'seconds':>8} {'GB/s':>7}")
+    print(
+        f"{'dtype':<8} {'GiB':>5} {'seconds':>8} {'GB/s':>7} {'open scanned':>13} {'open recorded':>14}"
+    )
     for row in rows:
         print(
             f"{row['dtype']:<8} {row['bytes'] / 2**30:>5.2f} {row['seconds']:>8.3f} "
-            f"{row['gb_per_second']:>7.2f}"
+            f"{row['gb_per_second']:>7.2f} {row['open_seconds_scanned']:>13.4f} "
+            f"{row['open_seconds_recorded']:>14.4f}"
         )
     path = machine.write_results("token_check", rows)
     print(f"wrote {path}")

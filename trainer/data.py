@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshtrain.trainer import scan_record
 from meshtrain.trainer import tokens as token_files
 
 STDLIB = "stdlib"
@@ -46,17 +47,11 @@ class DatasetError(ValueError):
     """The dataset cannot be used; the message names the path and the spec field."""
 
 
-def cache_dir() -> Path:
-    """Where the corpus cache lives: $MESHTRAIN_CACHE_DIR, else ~/.cache/meshtrain."""
-    env = os.environ.get("MESHTRAIN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "meshtrain"
-
-
 def stdlib_corpus(directory: Path | None = None, cap_bytes: int = STDLIB_CAP_BYTES) -> Path:
     """The cached uint16 token file of the standard-library corpus (built once, atomically)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     key = hashlib.sha256(f"{stdlib}|{cap_bytes}".encode()).hexdigest()[:12]
-    directory = directory or cache_dir()
+    directory = directory or scan_record.cache_dir()
     target = directory / f"stdlib-{key}.bin"
     if target.exists():
         return target

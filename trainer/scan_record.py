@@ -1,0 +1,109 @@
+"""The cached result of a token file's whole-file vocabulary scan, so a restart need not read it all again.
+
+Every id of a token file is checked when a job opens it (:mod:`.tokens`); on
+a corpus of hundreds of GB that is minutes of reading at every start of
+every rank.  The scan's result, the largest id, is recorded in
+``FILE.scan.json`` beside the file (under ``$MESHTRAIN_CACHE_DIR/token-scans``
+when the file's directory is not writable) together with what identifies
+the file's contents: its size, its modification time in nanoseconds and a
+sha256 of its first and last :data:`EDGE_BYTES`.  A start whose file still
+matches all of them takes the largest id from the record; any difference
+(the file rewritten, appended to, touched or replaced) scans again.  The
+record is an optimisation: one that cannot be written is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FORMAT = "meshtrain-token-scan/1"
+"""Value of a record's ``format`` field; a record without it is ignored."""
+SUFFIX = ".scan.json"
+"""``FILE.bin.scan.json`` records the scan of ``FILE.bin``."""
+EDGE_BYTES = 1 << 20
+"""Bytes hashed at each end of the file: appends, truncations and rewrites of either end change it."""
+
+
+def cache_dir() -> Path:
+    """Where meshtrain caches data: $MESHTRAIN_CACHE_DIR, else ~/.cache/meshtrain."""
+    env = os.environ.get("MESHTRAIN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "meshtrain"
+
+
+def beside(path: Path) -> Path:
+    """The record next to the token file."""
+    return path.with_name(path.name + SUFFIX)
+
+
+def in_cache(path: Path) -> Path:
+    """The record under the cache directory, for a token file whose directory is read-only."""
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
+    return cache_dir() / "token-scans" / f"{key}.json"
+
+
+def fingerprint(path: Path, dtype: str) -> dict[str, Any]:
+    """What must still hold for a record of ``path`` read as ``dtype`` to be trusted."""
+    stat = path.stat()
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        digest.update(handle.read(EDGE_BYTES))
+        if stat.st_size > EDGE_BYTES:
+            handle.seek(max(EDGE_BYTES, stat.st_size - EDGE_BYTES))
+            digest.update(handle.read(EDGE_BYTES))
+    return {
+        "format": FORMAT,
+        "path": str(path.resolve()),
+        "dtype": dtype,
+        "bytes": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "edges_sha256": digest.hexdigest(),
+    }
+
+
+def largest_id(path: Path, dtype: str) -> int | None:
+    """The largest id a record of the file as it is now holds; None when no record matches."""
+    current = fingerprint(path, dtype)
+    for candidate in (beside(path), in_cache(path)):
+        try:
+            record = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("max_id"), int):
+            continue
+        if all(record.get(key) == value for key, value in current.items()):
+            return int(record["max_id"])
+    return None
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def record(path: Path, dtype: str, max_id: int, fingerprint_before: dict[str, Any]) -> Path | None:
+    """Record the scan's result, if the file did not change while it was scanned; returns where.
+
+    ``fingerprint_before`` is the :func:`fingerprint` taken before the scan.
+    """
+    if fingerprint(path, dtype) != fingerprint_before:
+        return None  # written to meanwhile: the result may not describe the file as it is now
+    text = json.dumps({**fingerprint_before, "max_id": max_id}, indent=2) + "\n"
+    for target in (beside(path), in_cache(path)):
+        try:
+            _write_atomically(target, text)
+            return target
+        except OSError:
+            continue
+    return None
