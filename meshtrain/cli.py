@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer.json whose begin/end-of-text and padding ids go into config.json "
         "(default: the ids the checkpoint recorded from its data or its fromHF directory)",
     )
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="element type of the exported weights: float32 as trained, or bfloat16 (half the "
+        "size, as Llama checkpoints ship; config.json's torch_dtype says which) (default: %(default)s)",
+    )
     export.set_defaults(handler=_export)
 
     data = sub.add_parser("data", help="prepare training data")

@@ -12,6 +12,7 @@ transformers' ``save_pretrained`` splits them, with an index.
 
 Begin/end-of-text ids come from ``--tokenizer`` when given, else from the
 checkpoint (its data's tokenizer, or the directory the job started from).
+``--dtype bfloat16`` writes bf16 weights (default: float32, as trained).
 """
 
 from __future__ import annotations
@@ -105,8 +106,13 @@ def export(
     *,
     max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
     tokenizer: Path | None = None,
+    dtype: str = "float32",
 ) -> list[Path]:
-    """Write the checkpoint's model as a Hugging Face directory into ``output``; returns the weight files."""
+    """Write the checkpoint's model as a Hugging Face directory into ``output``; returns the weight files.
+
+    ``dtype``: the weights' element type in the export (``float32``, as
+    trained; ``bfloat16`` halves the files, as the Llama releases ship).
+    """
     directory, marker = find_checkpoint(Path(checkpoint))
     shape = spec_mod.ModelShape.model_validate(marker.model)
     token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
@@ -120,6 +126,7 @@ def export(
         max_shard_bytes=max_shard_bytes,
         token_ids=token_ids,
         max_positions=marker.extra.get("max_position_embeddings"),
+        dtype=dtype,
     )
 
 
@@ -134,7 +141,11 @@ def main(args: argparse.Namespace) -> int:
         return 2  # a usage error, as argparse reports one
     try:
         written = export(
-            args.checkpoint, args.output, max_shard_bytes=max_shard_bytes, tokenizer=args.tokenizer
+            args.checkpoint,
+            args.output,
+            max_shard_bytes=max_shard_bytes,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
         )
     except store.CheckpointError as err:
         print(err, file=sys.stderr)

@@ -35,6 +35,8 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Element types an export can write, by the name ``config.json``'s ``torch_dtype`` gives them."""
 """A sharded model's map from tensor name to shard file (transformers' and huggingface_hub's name)."""
 FIELD = "spec.model.init.fromHF"
 
@@ -77,6 +79,7 @@ def hf_config(
     config: gpt.GPTConfig,
     token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
     max_positions: int | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """The ``config.json`` transformers builds this model from.
 
@@ -84,8 +87,9 @@ def hf_config(
     would assume its config class's defaults, which name arbitrary tokens.
     ``max_positions`` is the imported model's ``max_position_embeddings``:
     training at a shorter ``seqLen`` does not shrink the context it was made for.
+    ``dtype`` is the weights' element type (transformers loads them as that).
     """
-    architecture = _architecture(config)
+    architecture = {**_architecture(config), "torch_dtype": dtype}
     if config.family == "llama":
         architecture["max_position_embeddings"] = max(config.seq_len, max_positions or 0)
     return {**architecture, **token_ids.to_json()}
@@ -116,7 +120,6 @@ def _architecture(config: gpt.GPTConfig) -> dict[str, Any]:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
-            "torch_dtype": "float32",
         }
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -128,7 +131,6 @@ def _architecture(config: gpt.GPTConfig) -> dict[str, Any]:
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
-        "torch_dtype": "float32",
     }
 
 
@@ -516,8 +518,12 @@ def write_sharded(
     max_shard_bytes: int,
     token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
     max_positions: int | None = None,
+    dtype: str = "float32",
 ) -> list[Path]:
     """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes``; returns the files.
+
+    ``dtype`` (a :data:`WEIGHT_DTYPES` name) is what the weights are rounded
+    to on the way out (``bfloat16``: round to nearest even, as ``Tensor.to``).
 
     ``shapes`` names every dense parameter; ``load`` is asked for one
     shard's parameters at a time, so no more than one shard (plus the
@@ -530,9 +536,11 @@ def write_sharded(
     _clear_weights(directory)
     order = {name: i for i, (name, _) in enumerate(_model_order(config))}
     names = sorted(shapes, key=lambda n: order.get(n, len(order)))
-    sizes = [(n, math.prod(shapes[n]) * 4) for n in names]  # fp32
+    element = WEIGHT_DTYPES[dtype]
+    itemsize = element.itemsize
+    sizes = [(n, math.prod(shapes[n]) * itemsize) for n in names]
     biases = zero_biases(config)
-    sizes += [(key, n * 4) for key, n in biases.items()]
+    sizes += [(key, n * itemsize) for key, n in biases.items()]
     shards = plan_shards(sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
@@ -543,9 +551,11 @@ def write_sharded(
         tensors: dict[str, torch.Tensor] = {}
         for name in members:
             if name in biases:
-                tensors[name] = torch.zeros(biases[name])
+                tensors[name] = torch.zeros(biases[name], dtype=element)
             else:
-                tensors.update(hf_tensors(config, name, dense.pop(name).detach().float().cpu()))
+                whole = dense.pop(name).detach().float().cpu()
+                pieces = hf_tensors(config, name, whole)
+                tensors.update({key: t.to(element).contiguous() for key, t in pieces.items()})
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
@@ -559,7 +569,7 @@ def write_sharded(
         (directory / WEIGHTS_INDEX).write_text(json.dumps(index_doc, indent=2) + "\n")
         files.append(directory / WEIGHTS_INDEX)
     (directory / CONFIG).write_text(
-        json.dumps(hf_config(config, token_ids, max_positions), indent=2) + "\n"
+        json.dumps(hf_config(config, token_ids, max_positions, dtype), indent=2) + "\n"
     )
     (directory / GENERATION_CONFIG).write_text(
         json.dumps(generation_config(token_ids), indent=2) + "\n"
@@ -580,6 +590,7 @@ def write(
     max_shard_bytes: int = 1 << 62,
     token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
     max_positions: int | None = None,
+    dtype: str = "float32",
 ) -> list[Path]:
     """:func:`write_sharded` for parameters already in memory (meshtrain names)."""
     return write_sharded(
@@ -590,4 +601,5 @@ def write(
         max_shard_bytes=max_shard_bytes,
         token_ids=token_ids,
         max_positions=max_positions,
+        dtype=dtype,
     )

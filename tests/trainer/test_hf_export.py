@@ -8,7 +8,10 @@
   begin/end-of-text ids, the checkpoint carries them, and the exported
   config.json / generation_config.json hold them as transformers reads them;
   with ``--tokenizer`` naming a tokenizer whose end-of-text is the model's
-  greedy next token, ``generate`` stops right after it.
+  greedy next token, ``generate`` stops right after it;
+* ``--dtype bfloat16``: transformers loads the export as bf16, every tensor
+  exactly the fp32 export rounded, and (upcast) gives the logits of
+  meshtrain's model with its weights rounded to bf16 (GPT-2 and Llama).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from test_hf_interop import LLAMA, _config, _train_and_save
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from meshtrain import cli
-from meshtrain.trainer import export, live_memory, llama
+from meshtrain.trainer import export, hf, live_memory, llama
 
 SPECIAL = {"<unk>": 0, "<s>": 7, "</s>": 11, "<pad>": 13}
 """Ids away from transformers' LlamaConfig defaults (bos 1, eos 2), so a default cannot pass for ours."""
@@ -130,3 +133,46 @@ def test_shard_size_is_parsed_like_transformers_and_bad_ones_are_refused(tmp_pat
     argv = ["export", str(tmp_path), "-o", str(tmp_path / "o"), "--max-shard-size", "lots"]
     assert cli.main(argv) == 2
     assert "--max-shard-size 'lots'" in capsys.readouterr().err
+
+
+def _rounded_to_bf16(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model
+
+
+@pytest.mark.slow
+def test_bf16_export_loads_in_transformers_as_bf16_with_the_rounded_weights(exported):
+    out = exported["root"] / "hf-bf16"
+    argv = ["export", str(exported["root"] / "ckpt"), "-o", str(out), "--dtype", "bfloat16"]
+    assert cli.main(argv) == 0
+    auto = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert auto.dtype == torch.bfloat16 and auto.config.dtype == torch.bfloat16
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(exported["out"]).eval()
+    assert fp32.dtype == torch.float32  # the default stays as trained
+    theirs, rounded = auto.state_dict(), fp32.state_dict()
+    assert set(theirs) == set(rounded)
+    for key, tensor in theirs.items():  # exactly the fp32 export rounded to bf16, name by name
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, rounded[key].bfloat16()), key
+    weights = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert weights < 0.55 * sum(p.stat().st_size for p in exported["out"].glob("*.safetensors"))
+    config = exported["config"]
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    ours = _rounded_to_bf16(_meshtrain_model(exported))
+    with torch.no_grad():
+        torch.testing.assert_close(auto.float()(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_export_of_a_gpt2_model_gives_its_rounded_logits_in_transformers(tmp_path):
+    config = _config(mt_harness.TINY)
+    torch.manual_seed(0)
+    ours = llama.build(config).eval()
+    hf.write(tmp_path, config, dict(ours.named_parameters()), dtype="bfloat16")
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(auto).__name__ == "GPT2LMHeadModel" and auto.dtype == torch.bfloat16
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            auto.float()(tokens).logits, _rounded_to_bf16(ours)(tokens), rtol=1e-5, atol=1e-5
+        )
