@@ -47,6 +47,7 @@ from meshtrain.operator import (
     identity,
     progress_status,
     queueing,
+    rescheduling,
     resizing,
     stragglers,
 )
@@ -160,6 +161,7 @@ Action = (
     | DeleteJob
     | PollProgress
     | resizing.Grow
+    | rescheduling.ReplaceRefused
     | queueing.CreateWorkload
     | queueing.ReleaseQuota
     | queueing.ReportPodsReady
@@ -582,6 +584,9 @@ def decide(
     if gated:  # Placed=True first: lifting may find a planned node changed and unplace the gang
         actions += [*seen, LiftGates(gated)]
         seen = []
+    refused = rescheduling.refused(current)
+    if refused:  # PodsScheduled=False first: the reconciler may have to wait out a backoff
+        return Decision((*actions, *seen, rescheduling.ReplaceRefused(refused)))
     if _all_running(current):
         if phase != Phase.RUNNING.value:
             message = f"all {spec.pods} pod(s) of {spec.parallelism.layout_string} running"

@@ -48,7 +48,9 @@ from meshtrain.operator import (
     noise_condition,
     progress_status,
     queueing,
+    rescheduling,
     resizing,
+    retries,
     sizing,
     stragglers,
     workloads,
@@ -76,16 +78,6 @@ class Settings:
     """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
     trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
     """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _CreateFailures:
-    failures: int
-    """Refused creates in a row for this generation of the spec."""
-    not_before: float
-    """time.monotonic() before which no new try is made."""
-    generation: int
-    """A new spec generation tries again at once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +145,12 @@ class Reconciler:
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
-        self._create_failures: dict[str, _CreateFailures] = {}
+        self._create_failures = retries.Backoff(children.retry_delay)
         """Jobs (by UID: a namesake re-created is a new job) whose children were refused: when they may try again."""
-        self._workload_rejections: dict[str, tuple[_CreateFailures, str]] = {}
+        self._workload_rejections = retries.Backoff(children.retry_delay)
         """Jobs (by UID) whose Workload the API server refused: when they may try again, and why."""
+        self._refusals: dict[str, rescheduling.Record] = {}
+        """Jobs (by UID) re-placed after kube-scheduler refused their released pods."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
         """One pass over ``namespace/name``."""
@@ -189,7 +183,7 @@ class Reconciler:
                     did = refused_now = self._workload_refused(job, str(err))
                 else:
                     if isinstance(action, queueing.CreateWorkload):
-                        self._workload_rejections.pop(job.ref.uid, None)
+                        self._workload_rejections.forget(job.ref.uid)
             else:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
@@ -204,12 +198,15 @@ class Reconciler:
         )
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
-        retry = self._retry_in(job)
-        rejected = self._workload_rejections.get(job.ref.uid)
-        if rejected is not None and rejected[0].generation == job.generation:
+        retry = self._create_failures.wait(job.ref.uid, job.generation, time.monotonic())
+        rejected = self._workload_rejections.current(job.ref.uid, job.generation)
+        if rejected is not None:
             # Just refused: a pass now writes why (Queued); then the backoff's remaining time.
-            left = max(rejected[0].not_before - time.monotonic(), 0.0) if not refused_now else 0.0
+            left = max(rejected.not_before - time.monotonic(), 0.0) if not refused_now else 0.0
             retry = left if retry is None else min(retry, left)
+        if any(isinstance(a, rescheduling.ReplaceRefused) for a in decision.actions):
+            spaced = rescheduling.wait(self._refusals.get(job.ref.uid), time.monotonic())
+            retry = spaced if retry is None or spaced is None else min(retry, spaced)
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
         if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
@@ -347,7 +344,11 @@ class Reconciler:
             async with self.placement_lock:
                 moved = await self._planned_nodes_changed(job)
                 if moved:
-                    return await self._replace(body, job, moved)
+                    message = (
+                        f"planned node(s) can no longer take the gang before its gates were lifted "
+                        f"({_describe(moved)}); placing it again"
+                    )
+                    return await self._replace(body, job, conditions.NODES_CHANGED, message)
                 uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in self._owned_pods(ref)}
                 lifted = await self.client.lift_gates(
                     namespace=ref.namespace,
@@ -370,6 +371,14 @@ class Reconciler:
             return await self._place(action, body, job)
         if isinstance(action, resizing.Grow):
             return await self._grow(action, body, job)
+        if isinstance(action, rescheduling.ReplaceRefused):
+            now = time.monotonic()
+            record = self._refusals.get(ref.uid)
+            if rescheduling.wait(record, now) is not None:
+                return body, job, False
+            self._refusals[ref.uid] = rescheduling.replaced(record, action.nodes, now)
+            message = rescheduling.message(action.nodes)
+            return await self._replace(body, job, conditions.SCHEDULER_REFUSED, message)
         if isinstance(action, lifecycle.ReplaceStraggler):
             fits = self._fits_without(job, action.node)
             changed = False
@@ -403,26 +412,23 @@ class Reconciler:
         )
 
     async def _replace(
-        self, body: dict[str, Any], job: lifecycle.JobState, moved: Mapping[str, str]
+        self, body: dict[str, Any], job: lifecycle.JobState, reason: str, message: str
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
-        """The gang is still gated but a planned node changed: delete its pods and place it again.
+        """A planned node cannot take its pods (before or after the gates were lifted): delete
+        the gang's pods and place it again.
 
-        A re-placement, not a restart: no pod ran, ``restarts`` is unchanged.
+        A re-placement, not a restart: no rank started training, ``restarts`` is unchanged.
         """
         ref = job.ref
-        message = (
-            f"planned node(s) can no longer take the gang before its gates were lifted "
-            f"({_describe(moved)}); placing it again"
-        )
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         pods = self.cache.job_pods(ref.namespace, ref.name)
         await self._delete_pods(
             ref, [p["metadata"]["name"] for p in pods if capacity.owned_by(p, ref.uid)], 0
         )
         body, job, _ = await self._set_status(
-            body, job, lifecycle.unplaced(job, _now(), message, conditions.NODES_CHANGED)
+            body, job, lifecycle.unplaced(job, _now(), message, reason)
         )
-        await self._emit(body, "Warning", conditions.NODES_CHANGED, message)
+        await self._emit(body, "Warning", reason, message)
         return body, job, True
 
     async def _grow(
@@ -437,7 +443,7 @@ class Reconciler:
             return body, job, False
         async with self.placement_lock:
             raw_nodes, nodes = self._nodes(job.declared.resources.gpu_resource_name)
-            avoid = stragglers.excluded(job.status, _now())
+            avoid = self._avoided(job)
             raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
             nodes = [n for n in nodes if n.name not in avoid]
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
@@ -463,12 +469,17 @@ class Reconciler:
         await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
         return body, job, True
 
+    def _avoided(self, job: lifecycle.JobState) -> frozenset[str]:
+        """Nodes this job is not placed on now: replaced stragglers' and those the scheduler refused."""
+        refused = rescheduling.excluded(self._refusals.get(job.ref.uid), time.monotonic())
+        return stragglers.excluded(job.status, _now()) | refused
+
     def _fits_without(self, job: lifecycle.JobState, node: str) -> bool:
         """Whether the gang (at any size runPolicy.elastic allows) fits now without ``node``
         and the job's excluded nodes, counting its own pods' resources as free."""
         assert job.spec is not None
         declared = job.declared or job.spec
-        avoid = stragglers.excluded(job.status, _now()) | {node}
+        avoid = self._avoided(job) | {node}
         raw_nodes, nodes = self._nodes(declared.resources.gpu_resource_name)
         raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
         nodes = [n for n in nodes if n.name not in avoid]
@@ -542,51 +553,28 @@ class Reconciler:
 
     def _rejected(self, job: lifecycle.JobState) -> tuple[str, bool] | None:
         """Why the job's Workload was refused for this generation, and whether to try again now."""
-        found = self._workload_rejections.get(job.ref.uid)
-        if found is None or found[0].generation != job.generation:
-            return None
-        return found[1], found[0].not_before <= time.monotonic()
+        found = self._workload_rejections.current(job.ref.uid, job.generation)
+        return None if found is None else (found.why, found.not_before <= time.monotonic())
 
     def _workload_refused(self, job: lifecycle.JobState, message: str) -> bool:
         """Back off before creating the refused Workload again; the next pass says why (Queued)."""
-        key = job.ref.uid
-        previous = self._workload_rejections.get(key)
-        failures = 1
-        if previous is not None and previous[0].generation == job.generation:
-            failures = previous[0].failures + 1
-        delay = children.retry_delay(failures)
-        self._workload_rejections[key] = (
-            _CreateFailures(failures, time.monotonic() + delay, job.generation),
-            message,
+        tries = self._workload_rejections.refused(
+            job.ref.uid, job.generation, time.monotonic(), message
         )
-        logger.warning("%s/%s: %s (try %d)", job.ref.namespace, job.ref.name, message, failures)
+        logger.warning(
+            "%s/%s: %s (try %d)", job.ref.namespace, job.ref.name, message, tries.failures
+        )
         return True
-
-    def _retry_in(self, job: lifecycle.JobState) -> float | None:
-        """Seconds until a job whose children were refused may be created again (None: now)."""
-        failed = self._create_failures.get(job.ref.uid)
-        if failed is None or failed.generation != job.generation:
-            return None
-        left = failed.not_before - time.monotonic()
-        return left if left > 0 else None
 
     async def _refused(
         self, body: dict[str, Any], job: lifecycle.JobState, refused: children.Refused
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         """Children refused: remove what was created, drop the placement, say why, wait longer each time."""
-        ref = job.ref
-        key = ref.uid
-        previous = self._create_failures.get(key)
-        failures = (
-            previous.failures + 1
-            if previous is not None and previous.generation == job.generation
-            else 1
+        ref, now = job.ref, time.monotonic()
+        tries = self._create_failures.refused(ref.uid, job.generation, now)
+        message = (
+            f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
         )
-        delay = children.retry_delay(failures)
-        self._create_failures[key] = _CreateFailures(
-            failures, time.monotonic() + delay, job.generation
-        )
-        message = f"{refused.message} (try {failures}; next in {delay:.0f} s)"
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
         await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)], 0)
         changes = {
@@ -602,7 +590,10 @@ class Reconciler:
     ) -> tuple[dict[str, Any], lifecycle.JobState, bool]:
         assert job.spec is not None
         ref, spec = job.ref, job.spec
-        if action.missing is None and self._retry_in(job) is not None:
+        if (
+            action.missing is None
+            and self._create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None
+        ):
             return body, job, False  # refused recently: wait (outside the lock) for the backoff
         if action.missing is None and (waiting := await self._wait_for_leaving(body, job)):
             return waiting
@@ -618,8 +609,8 @@ class Reconciler:
         async with self.placement_lock:
             started = time.perf_counter()
             raw_nodes, nodes = self._nodes(gpu)
-            avoid = stragglers.excluded(job.status, _now())
-            if avoid:  # a replaced straggler's node is never chosen again for this job
+            avoid = self._avoided(job)
+            if avoid:  # a replaced straggler's node, or one the scheduler refused
                 raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
                 nodes = [n for n in nodes if n.name not in avoid]
             demand = feasibility.demand_of(template)
@@ -687,7 +678,7 @@ class Reconciler:
                     else ""
                 )
                 if avoid:
-                    tried += f"; excluded for this job (stragglers): {', '.join(sorted(avoid))}"
+                    tried += f"; excluded for this job (stragglers, scheduler refusals): {', '.join(sorted(avoid))}"
                 answer = dataclasses.replace(
                     answer,
                     message=f"{answer.message}{tried}; {feasibility.summary(refusals, len(raw_nodes))}",
@@ -750,7 +741,7 @@ class Reconciler:
             )
             if refused is not None:
                 return await self._refused(body, job, refused)
-            self._create_failures.pop(ref.uid, None)
+            self._create_failures.forget(ref.uid)
         logger.info(
             "placed %s/%s %s on %d node(s)",
             ref.namespace,
@@ -914,8 +905,9 @@ class Reconciler:
             await children.delete_owned(self.client, uid, kind, namespace, child)
         self._last_progress.pop((namespace, name), None)
         self._verdicts.pop((namespace, name), None)
-        self._create_failures.pop(uid, None)
-        self._workload_rejections.pop(uid, None)
+        self._create_failures.forget(uid)
+        self._workload_rejections.forget(uid)
+        self._refusals.pop(uid, None)
         self._grow_backoff.pop((namespace, name), None)
         metrics.forget(namespace, name)
         return 0

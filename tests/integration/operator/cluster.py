@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -393,3 +394,43 @@ def reconcile_passes(cluster: Cluster, namespace: str, name: str, passes: int = 
             await client.close()
 
     asyncio.run(run())
+
+
+class Reconciling:
+    """A reconciler of this process whose cache follows the cluster and whose memory (backoffs,
+    exclusions) lasts across passes, as in the operator; :meth:`passes` runs passes of one job."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.worker, self._follow = self._run(self._start(cluster.kubeconfig))
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=120)
+
+    async def _start(self, kubeconfig: str) -> tuple[reconciler.Reconciler, asyncio.Task[None]]:
+        client = await kube.Client.connect(kubeconfig=kubeconfig)
+        cache = informer.Cache()
+        follow = asyncio.create_task(cache.run(client))
+        worker = reconciler.Reconciler(client=client, cache=cache, settings=reconciler.Settings())
+        return worker, follow
+
+    def passes(self, namespace: str, name: str, passes: int = 1) -> reconciler.Outcome:
+        async def run() -> reconciler.Outcome:
+            outcome = None
+            for _ in range(passes):
+                outcome = await self.worker.reconcile(namespace=namespace, name=name)
+            assert outcome is not None
+            return outcome
+
+        return self._run(run())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._follow.cancel()
+            await self.worker.client.close()
+
+        self._run(stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

@@ -14,7 +14,7 @@ import pytest
 
 from meshtrain.operator import conditions, failure, kube, naming
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, reconcile_passes, wait_for
+from tests.integration.operator.cluster import Cluster, Reconciling, reconcile_passes, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,86 @@ def test_a_pod_the_scheduler_cannot_bind_is_reported_with_its_message_at_once(pr
     scheduled = wait_for("PodsScheduled=False/FailedScheduling", reported, timeout=20, interval=0.5)
     assert scheduled["status"] == "False"
     assert 'persistentvolumeclaim "missing-claim" not found' in scheduled["message"]
+    # No other node would help (kube-scheduler's PreFilter refused the pod, not a node): kept, not re-placed.
+    _pass(private, "noclaim", passes=2)
+    assert len(private.pods("gates", "noclaim")) == 1
+    placed = private.condition("gates", "noclaim", conditions.PLACED)
+    assert placed["reason"] == conditions.GANG_PLACED
     events = private.core.list_namespaced_event("gates").items
     assert any(
         e.reason == conditions.FAILED_SCHEDULING and "missing-claim" in e.message for e in events
     )
+
+
+def _shunning_pod(node: str) -> dict:
+    """Another tenant's pod on ``node`` whose anti-affinity keeps every TrainingJob pod off it
+    (a filter of kube-scheduler the operator does not model)."""
+    return {
+        "metadata": {"name": f"shuns-{node}"},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "c", "image": "pause"}],
+            "affinity": {
+                "podAntiAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "labelSelector": {
+                                "matchExpressions": [
+                                    {"key": naming.LABEL_JOB, "operator": "Exists"}
+                                ]
+                            },
+                            "namespaceSelector": {},  # every namespace's pods
+                            "topologyKey": "kubernetes.io/hostname",
+                        }
+                    ]
+                }
+            },
+        },
+    }
+
+
+def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhere(private):
+    refused = private.add_node("refused", gpus=4, name="refused-a")
+    private.core.create_namespaced_pod("default", _shunning_pod(refused))
+    private.apply(JobBuilder("shunned", "gates", "refused").layout(data=4).gpus(4))
+    reconciling = Reconciling(private)
+    try:
+        reconciling.passes("gates", "shunned", passes=2)  # placed on the only node, gate lifted
+        [pod] = private.pods("gates", "shunned")
+        assert (
+            not pod.spec.scheduling_gates
+            and pod.metadata.annotations[naming.ANNOTATION_NODE] == refused
+        )
+
+        def replaced() -> dict | None:
+            reconciling.passes("gates", "shunned")
+            found = private.condition("gates", "shunned", conditions.PLACED)
+            return found if found.get("reason") == conditions.SCHEDULER_REFUSED else None
+
+        placed = wait_for("Placed=False/SchedulerRefused", replaced, timeout=30, interval=0.5)
+        assert placed["status"] == "False"
+        assert "refused-a: 0/" in placed["message"] and "anti-affinity" in placed["message"]
+
+        # No loop: the refused node is left out, so the job waits instead of re-creating its gang there.
+        reconciling.passes("gates", "shunned", passes=6)
+        assert private.pods("gates", "shunned") == []
+        waiting = private.condition("gates", "shunned", conditions.PLACED)
+        assert waiting["status"] == "False" and "excluded for this job" in waiting["message"]
+        assert "refused-a" in waiting["message"]
+
+        other = private.add_node("refused", gpus=4, name="refused-b")
+
+        def bound() -> list | None:
+            reconciling.passes("gates", "shunned")
+            pods = private.pods("gates", "shunned")
+            return pods if len(pods) == 1 and pods[0].spec.node_name == other else None
+
+        wait_for("the gang bound by kube-scheduler to refused-b", bound, timeout=30, interval=0.5)
+    finally:
+        reconciling.close()
+    events = private.core.list_namespaced_event("gates").items
+    refusals = [e for e in events if e.reason == conditions.SCHEDULER_REFUSED]
+    assert len(refusals) == 1 and "refused-a" in refusals[0].message
+    assert (
+        private.status("gates", "shunned").get("restarts", 0) == 0
+    )  # a re-placement, not a restart
