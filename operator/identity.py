@@ -54,7 +54,8 @@ def same_spec(stamped: str, spec: api_spec.TrainingJobSpec) -> bool:
 
 
 def planned_node(pod: dict[str, Any]) -> str | None:
-    """The node a pod is bound to, or the one its required affinity pins it to."""
+    """The node a pod is bound to, or the one its required affinity pins it to, or the one
+    kube-scheduler nominated it for (preemption made room there and the scheduler holds it)."""
     bound = (pod.get("spec") or {}).get("nodeName")
     if bound:
         return str(bound)
@@ -75,4 +76,4 @@ def planned_node(pod: dict[str, Any]) -> str | None:
                 and len(field.get("values") or []) == 1
             ):
                 return str(field["values"][0])
-    return None
+    return (pod.get("status") or {}).get("nominatedNodeName") or None

@@ -11,7 +11,7 @@ Memory is bounded by trimming: pods of TrainingJobs (label
 ``meshtrain.io/job``) are kept whole but for ``managedFields``, because failure
 classification reads their statuses; any other pod keeps only what capacity
 and feasibility read (node, planned-node annotation, node affinity, container
-requests, overhead, phase).  Nodes keep labels, taints, ``unschedulable``,
+requests, overhead, phase, nominated node).  Nodes keep labels, taints, ``unschedulable``,
 allocatable and conditions.  Equal parts (request sets, phases, allocatable)
 are one shared object (:class:`Shared`), names one interned string.
 
@@ -155,7 +155,7 @@ def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.B
     return {
         "metadata": slim_metadata,
         "spec": slim_spec,
-        "status": shared(_pick(pod.get("status"), ("phase",))),
+        "status": shared(_pick(pod.get("status"), ("phase", "nominatedNodeName"))),
     }
 
 

@@ -591,7 +591,10 @@ class Client:
             ok=(404, 409),
         )
 
-    # Nodes: list, watch.
+    # Nodes: list, watch, get.
+    async def get_node(self, *, name: str) -> Body | None:
+        return await self._request("get", "nodes", self._core.read_node, name, ok=(404,))
+
     async def list_nodes(
         self, *, keep: Callable[[Body], Body] | None = None
     ) -> tuple[list[Body], str]:

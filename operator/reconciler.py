@@ -391,7 +391,11 @@ class Reconciler:
         raise TypeError(f"unknown action {action!r}")
 
     async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
-        """Planned nodes that, read fresh, can no longer take their pods of the gang (name -> why)."""
+        """Planned nodes that can no longer take their pods of the gang (name -> why).
+
+        The nodes are read from the API server (not the cache, which may lag a watch event
+        behind); the pods on them, bound or nominated there, from the cache.
+        """
         assert job.spec is not None
         ref = job.ref
         gang = [
@@ -403,7 +407,10 @@ class Reconciler:
         if not gang:
             return {}
         demand = feasibility.demand_of(gang[0])
-        nodes = (self.cache.nodes.get(("", name)) for name in planned)
+        nodes = await asyncio.gather(*(self.client.get_node(name=name) for name in planned))
+        for node in nodes:
+            if node is not None:
+                self.cache.nodes.upsert(node)
         return capacity.infeasible_nodes(
             demand,
             planned,

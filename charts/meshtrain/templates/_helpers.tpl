@@ -78,6 +78,8 @@ and operator/handlers.py are the callers):
 - podgroups (scheduling.k8s.io): the native gang of each attempt, created where
   the API server serves it (GenericWorkload), read back when the name exists.
 - events: the reconciler's Events about each job (kopf's own posting is off).
+- persistentvolumeclaims: read (get) to place a job whose checkpoint claim is
+  bound to a node-affine volume only on the nodes that volume allows.
 */}}
 {{- define "meshtrain.namespacedRules" -}}
 - apiGroups: ["meshtrain.io"]
@@ -103,6 +105,9 @@ and operator/handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 # Kueue: the Workload of each queued job (moved to the job's new queue while it waits;
 # deleted when outdated, suspended or the job deleted), and giving an evicted workload's
 # quota back.
@@ -117,7 +122,11 @@ and operator/handlers.py are the callers):
 {{/*
 Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 - nodes: the operator's cache lists and watches them (topology labels, GPUs,
-  taints, conditions).
+  taints, conditions); a gang's planned nodes are read (get) again just before
+  its gates are lifted.
+- persistentvolumes, storageclasses: the node affinity of the volume a job's
+  claim is bound to (get), or for a WaitForFirstConsumer claim the local
+  volumes it could bind to (list) and its class's allowedTopologies (get).
 - pods, cluster-wide list and watch: the cache of what is taken on each node,
   by any pod in any namespace, so that two jobs never plan onto the same free
   GPUs.
@@ -127,10 +136,16 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 {{- define "meshtrain.clusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["list", "watch"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["persistentvolumes"]
+  verbs: ["get", "list"]
+- apiGroups: ["storage.k8s.io"]
+  resources: ["storageclasses"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]

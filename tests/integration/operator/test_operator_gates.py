@@ -228,3 +228,35 @@ def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhe
     assert (
         private.status("gates", "shunned").get("restarts", 0) == 0
     )  # a re-placement, not a restart
+
+
+def test_a_pod_nominated_to_a_planned_node_before_the_gates_lift_gets_the_gang_placed_again(
+    private,
+):
+    """kube-scheduler holds a node's resources for a pod it nominated there (preemption made room)."""
+    first = private.add_node("nominated", gpus=4, name="nominated-a")
+    private.apply(JobBuilder("outranked", "gates", "nominated").layout(data=4).gpus(4))
+    _pass(private, "outranked")  # the gated pod, planned onto the only node
+    other_scheduler = {  # kube-scheduler leaves it alone: only its nomination is at play here
+        "metadata": {"name": "nominee"},
+        "spec": {
+            "schedulerName": "another-scheduler",
+            "containers": [
+                {"name": "c", "image": "pause", "resources": {"limits": {"nvidia.com/gpu": "4"}}}
+            ],
+        },
+    }
+    private.core.create_namespaced_pod("default", other_scheduler)
+    private.core.patch_namespaced_pod_status(
+        "nominee", "default", {"status": {"nominatedNodeName": first}}
+    )
+    second = private.add_node("nominated", gpus=4, name="nominated-b")
+    _pass(private, "outranked")  # would lift the gate: the nominee takes the node's GPUs
+    placed = private.condition("gates", "outranked", conditions.PLACED)
+    assert placed["reason"] == conditions.NODES_CHANGED
+    assert "nominated-a: Insufficient nvidia.com/gpu" in placed["message"]
+
+    _pass(private, "outranked", passes=4)
+    [pod] = private.pods("gates", "outranked")
+    assert pod.metadata.annotations[naming.ANNOTATION_NODE] == second
+    assert not pod.spec.scheduling_gates
