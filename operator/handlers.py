@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,12 +93,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.wakeups = Wakeups()
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups))
     memo.leading = asyncio.Event()
-    client.may_write = memo.leading.is_set  # a pass under way when the Lease is lost writes no more
+    tenure = leadership.Tenure(math.inf if memo.election is None else -math.inf)
+    # A pass under way when the Lease is lost writes no more, and no write outlives the Lease.
+    client.lease_left = lambda: tenure.left() if memo.leading.is_set() else 0.0
     if memo.election is None:
         memo.leading.set()
         memo.elector = None
     else:
-        memo.elector = asyncio.create_task(leadership.run(client, memo.election, memo.leading))
+        memo.elector = asyncio.create_task(
+            leadership.run(client, memo.election, memo.leading, tenure)
+        )
 
 
 @kopf.on.cleanup()

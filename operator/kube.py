@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeAlias
@@ -60,7 +61,7 @@ class Conflict(ApiError):
 
 
 class NotLeading(RuntimeError):
-    """A write refused before it was sent: this replica no longer holds the Lease.
+    """A write not sent, or abandoned before its answer: this replica no longer holds the Lease.
 
     Not an :class:`ApiError`, so no handler of API errors swallows it: it ends the
     pass, and the leader decides from what the cluster holds.
@@ -73,6 +74,16 @@ def _transport_error(err: BaseException) -> bool:
     Matched by module so that aiohttp, the library's transport, is not imported here.
     """
     return isinstance(err, OSError | TimeoutError) or type(err).__module__.startswith("aiohttp")
+
+
+async def _send(
+    call: Callable[..., Awaitable[Any]],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    timeout: float,
+) -> tuple[int, str]:
+    response = await call(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
+    return response.status, await response.text()
 
 
 def _message(body: str) -> str:
@@ -122,9 +133,11 @@ class Client:
         self._limit = asyncio.Semaphore(CONCURRENCY)
         self.on_write: Callable[[str, Body], None] | None = None
         """Called with (verb, object) of every write's answer: the informer cache learns its own writes."""
-        self.may_write: Callable[[], bool] = lambda: True
-        """Asked right before every write is sent; False raises :class:`NotLeading` (leader election
-        sets it, so a pass under way when the Lease is lost writes nothing more)."""
+        self.lease_left: Callable[[], float] = lambda: math.inf
+        """Seconds this replica may still act, asked right before every write is sent (leader
+        election sets it).  None left raises :class:`NotLeading`, so a pass under way when the
+        Lease is lost writes nothing more; a write's timeout is the time left, so one that could
+        land after another replica took over is abandoned instead (:class:`NotLeading` too)."""
 
     @classmethod
     async def connect(cls, *, kubeconfig: str | None = None) -> Client:
@@ -152,19 +165,24 @@ class Client:
         **kwargs: Any,
     ) -> Body | None:
         """Send one request; the JSON answer, None for a status in ``ok``; ApiError otherwise."""
+        write = verb not in ("get", "list")
         async with self._limit:
-            if verb not in ("get", "list") and not self.may_write():
+            timeout = min(self.lease_left(), REQUEST_SECONDS) if write else REQUEST_SECONDS
+            if timeout <= 0:
                 raise NotLeading(f"{verb} {resource} not sent: this replica is not the leader")
             metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
             try:
-                response = await call(
-                    *args, _preload_content=False, _request_timeout=REQUEST_SECONDS, **kwargs
-                )
-                status, text = response.status, await response.text()
+                # The whole exchange within the timeout: cancelled, the connection is closed and
+                # the API server abandons the request (its context ends with the connection).
+                status, text = await asyncio.wait_for(_send(call, args, kwargs, timeout), timeout)
             except k8s.ApiException as err:  # refused before sending (bad arguments)
                 raise ApiError(err.status, verb, resource, str(err.reason)) from err
             except Exception as err:
                 if _transport_error(err):
+                    if write and self.lease_left() <= 0:
+                        raise NotLeading(
+                            f"{verb} {resource} abandoned: the Lease ran out before the answer"
+                        ) from err
                     metrics.api_error(verb)
                     raise ApiError(0, verb, resource, str(err)) from err
                 raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import socket
 import time
@@ -41,14 +42,31 @@ WATCHDOG_SECONDS = 0.1
 """How often the holder checks that its last renewal is recent enough to go on acting."""
 
 
-class _TimedLeaseLock(leaselock.LeaseLock):
-    """The library's Lease lock with a timeout on every request and the send time of the last success."""
+class Tenure:
+    """Until when this replica may act: ``renew_deadline`` after it sent its last Lease write that succeeded.
 
-    def __init__(self, *args: Any, timeout: float) -> None:
+    A candidate takes the Lease only ``lease_seconds`` after it saw that write, which it
+    can have seen only after it was sent; so what lands before the tenure ends lands
+    before any other replica acts (``lease_seconds - renew_deadline`` is the margin for
+    clock rates and for the API server finishing a request the client gave up on).
+    """
+
+    def __init__(self, until: float = -math.inf) -> None:
+        self.until = until
+        """time.monotonic() at the end."""
+
+    def left(self) -> float:
+        return self.until - time.monotonic()
+
+
+class _TimedLeaseLock(leaselock.LeaseLock):
+    """The library's Lease lock with a timeout on every request; each success extends the tenure."""
+
+    def __init__(self, *args: Any, timeout: float, tenure: Tenure, renew_deadline: float) -> None:
         super().__init__(*args)
         self._timeout = timeout
-        self.renewed_at = float("-inf")
-        """time.monotonic() when the last create or update that succeeded was sent (this replica held the Lease then)."""
+        self._tenure = tenure
+        self._renew_deadline = renew_deadline
 
     async def get(self, name: str, namespace: str) -> tuple[bool, Any]:
         try:
@@ -62,8 +80,8 @@ class _TimedLeaseLock(leaselock.LeaseLock):
             done = bool(await asyncio.wait_for(write, self._timeout))
         except TimeoutError:
             return False
-        if done:
-            self.renewed_at = sent
+        if done:  # this replica held the Lease when it sent the write
+            self._tenure.until = sent + self._renew_deadline
         return done
 
     async def create(self, name: str, namespace: str, election_record: Any) -> bool:
@@ -113,11 +131,15 @@ def default_namespace() -> str:
         return "default"
 
 
-async def run(client: kube.Client, election: Election, leading: asyncio.Event) -> None:
-    """Hold ``leading`` set exactly while this replica holds the Lease; runs until cancelled."""
+async def run(
+    client: kube.Client, election: Election, leading: asyncio.Event, tenure: Tenure
+) -> None:
+    """Hold ``leading`` set exactly while this replica holds the Lease, and ``tenure`` its end;
+    runs until cancelled."""
 
     def stand_by() -> None:
         leading.clear()
+        tenure.until = -math.inf
         # Its per-job series would stay frozen beside the new leader's (a deleted Failed job
         # still failing, a placed job's unschedulable seconds still growing).
         metrics.forget_all()
@@ -137,6 +159,8 @@ async def run(client: kube.Client, election: Election, leading: asyncio.Event) -
             election.identity,
             client.api_client,
             timeout=election.renew_deadline,
+            tenure=tenure,
+            renew_deadline=election.renew_deadline,
         )
         config = electionconfig.Config(
             lock,
@@ -149,10 +173,7 @@ async def run(client: kube.Client, election: Election, leading: asyncio.Event) -
         elector = asyncio.create_task(leaderelection.LeaderElection(config).run())
         try:
             while not elector.done():
-                if (
-                    leading.is_set()
-                    and time.monotonic() - lock.renewed_at > election.renew_deadline
-                ):
+                if leading.is_set() and tenure.left() < 0:
                     stand_by()
                     logger.warning(
                         "Lease %s/%s not renewed for %.0f s: standing by",

@@ -81,7 +81,9 @@ def test_a_partitioned_leader_stops_leading_before_a_standby_may_take_over(
         kubeconfig.write_text(yaml.safe_dump(config))
         client = await kube.Client.connect(kubeconfig=str(kubeconfig))
         leading = asyncio.Event()
-        elector = asyncio.create_task(leadership.run(client, election, leading))
+        elector = asyncio.create_task(
+            leadership.run(client, election, leading, leadership.Tenure())
+        )
         try:
             await asyncio.wait_for(leading.wait(), timeout=30)
             await asyncio.sleep(election.retry * 1.5)  # at least one renewal through the relay
@@ -130,7 +132,7 @@ def test_two_operators_outside_pods_never_lead_at_once(control_plane, kube_api, 
         client = await kube.Client.connect(kubeconfig=str(control_plane.kubeconfig_path))
         flags = [asyncio.Event(), asyncio.Event()]
         electors = [
-            asyncio.create_task(leadership.run(client, e, f))
+            asyncio.create_task(leadership.run(client, e, f, leadership.Tenure()))
             for e, f in zip(elections, flags, strict=True)
         ]
         both = 0

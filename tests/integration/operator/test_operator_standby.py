@@ -8,6 +8,7 @@ that leader election would hold set or cleared by the test.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,7 +55,7 @@ def test_a_pass_that_loses_the_lease_midway_creates_no_pods(private):
                     leading["now"] = False  # the Lease is lost while the pass goes on
 
             client.on_write = deposed_after_placing
-            client.may_write = lambda: leading["now"]
+            client.lease_left = lambda: math.inf if leading["now"] else 0.0
             worker = reconciler.Reconciler(
                 client=client, cache=cache, settings=reconciler.Settings()
             )
@@ -126,7 +127,7 @@ async def _standby(cluster: Cluster) -> tuple[kopf.Memo, asyncio.Task[None], kub
     cache = informer.Cache()
     memo = kopf.Memo()
     memo.leading = asyncio.Event()  # not held
-    client.may_write = memo.leading.is_set
+    client.lease_left = lambda: math.inf if memo.leading.is_set() else 0.0
     memo.reconciler = reconciler.Reconciler(
         client=client, cache=cache, settings=reconciler.Settings()
     )
