@@ -271,11 +271,17 @@ def _guard_stop(
     saver: checkpointer.Checkpointer,
     log: steplog.StepLog | None,
 ) -> int:
-    """The loss guard gave up at ``step``: save nothing (the newest checkpoint is the last good one) and leave."""
+    """The loss guard gave up at ``step``: save nothing and leave, naming the last good checkpoint.
+
+    Checkpoints taken while updates were skipped are not good ones; pruning
+    kept the last good one however many of them came after it.
+    """
     saver.wait()  # a save in flight holds an accepted state: let it finish
     if log is not None:
         log.close()
-    kept = f"step {saver.last_saved}" if saver.last_saved is not None else "none written yet"
+    kept = f"step {saver.last_good}" if saver.last_good is not None else "none written yet"
+    if saver.last_saved is not None and saver.last_saved != saver.last_good:
+        kept += f" (those up to step {saver.last_saved} were taken while updates were skipped)"
     message = f"stopped at step {step}: {err}; last good checkpoint: {kept}"
     print(message, file=sys.stderr)  # every rank: whichever pod fails first carries the reason
     progress.write_failure(exitcodes.LOSS_GUARD, message)

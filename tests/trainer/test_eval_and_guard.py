@@ -10,14 +10,18 @@
 * with int8 gradient compression on dp2, one NaN step is skipped and the
   next steps train again (error feedback keeps nothing of the skipped step);
 * the guard through ``meshtrain run``: a learning rate that makes the loss
-  spike stops the job with exit code 5 and a message naming the field; the
-  checkpoints of the finished steps stay, none is written at the stop.
+  spike stops the job with exit code 5 and a message naming the field and
+  the last good checkpoint, which ``keep: 1`` did not prune; none is written
+  at the stop;
+* through the checkpointer: checkpoints taken during a run of skips never
+  push the last good one out (``keep: 2``), and a newer good one does.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import mt_harness
 import mt_workers
@@ -27,6 +31,7 @@ import torch
 from meshtrain import layout as layout_mod
 from meshtrain.api import exitcodes, loading
 from meshtrain.trainer import engine, launch, lossguard
+from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 EVAL = {"eval": {"interval": 1, "batches": 2, "heldOut": 0.05}}
@@ -78,6 +83,54 @@ def _poisoned_run() -> dict:
     return {"first": first.skipped, "skipped": skipped, "untouched": untouched, "tripped": tripped}
 
 
+def _streak_checkpoints(root: str) -> dict:
+    """Three good steps, three skipped ones, one good again, a checkpoint after each (keep 2)."""
+    raw = mt_harness.make_spec(steps=20, lossGuard={"maxConsecutiveSkips": 5})
+    raw["checkpoint"] = {"intervalSteps": 1, "keep": 2, "asyncSave": False}
+    job = loading.parse_spec(raw)
+    eng = engine.Engine(
+        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    )
+    saver = checkpointer.Checkpointer(eng, root=root)
+    on_disk = []
+
+    def step() -> str:
+        verdict = eng.train_step().skipped
+        saver.after_step(eng.step)
+        on_disk.append(sorted(p.name for p in Path(root).iterdir()))
+        return verdict
+
+    verdicts = [step() for _ in range(3)]
+    weight = dict(eng.model.named_params)["tok_emb.weight"]
+    good = weight.detach().clone()
+    with torch.no_grad():
+        weight.fill_(math.nan)
+    verdicts += [step() for _ in range(3)]
+    last_good_during_skips = saver.last_good
+    with torch.no_grad():
+        weight.copy_(good)
+    verdicts.append(step())
+    return {
+        "verdicts": verdicts,
+        "on_disk": on_disk,
+        "last_good_during_skips": last_good_during_skips,
+        "last_good": saver.last_good,
+    }
+
+
+@pytest.mark.slow
+def test_pruning_keeps_the_last_good_checkpoint_through_a_run_of_skips(tmp_path):
+    result = mt_harness.run_distributed(_streak_checkpoints, 1, str(tmp_path))[0]
+    assert result["verdicts"] == ["", "", "", *["loss is nan"] * 3, ""]
+    names = [[int(n.removeprefix("step-")) for n in step] for step in result["on_disk"]]
+    assert names[:3] == [[1], [1, 2], [2, 3]]  # keep 2, as configured
+    assert names[3:6] == [[3, 4], [3, 4, 5], [3, 5, 6]]  # step 3, the last good one, stays
+    assert result["last_good_during_skips"] == 3
+    assert names[6] == [6, 7] and result["last_good"] == 7  # a newer good one: back to keep 2
+    markers = [store.read_marker(tmp_path / f"step-{n:08d}") for n in (6, 7)]
+    assert [m.extra[store.GUARD_SKIPS] for m in markers] == [3, 0]
+
+
 @pytest.mark.slow
 def test_guard_skips_non_finite_updates_and_trips_after_k():
     result = mt_harness.run_distributed(_poisoned_run, 1)[0]
@@ -125,7 +178,7 @@ def test_spiking_run_stops_with_exit_5_and_keeps_its_checkpoints(tmp_path, capsy
         gradClip=0.0,
         lossGuard={"spikeFactor": 1.5, "window": 1, "maxConsecutiveSkips": 2},
     )
-    raw["checkpoint"] = {"intervalSteps": 1, "keep": 10}
+    raw["checkpoint"] = {"intervalSteps": 1, "keep": 1}
     job = mt_harness.write_job(tmp_path, raw)
     code = launch.run_local(job, log_dir=tmp_path / "logs")
     err = capsys.readouterr().err
@@ -136,6 +189,8 @@ def test_spiking_run_stops_with_exit_5_and_keeps_its_checkpoints(tmp_path, capsy
     ]
     skipped = [r["step"] for r in records if r.get("skipped")]
     assert skipped == [records[-1]["step"]] and records[-1]["step"] >= 2
-    # every finished step was checkpointed (a skipped step keeps the last accepted weights); none after the stop
+    # keep 1 keeps the skipped step's checkpoint and, before it, the last good one; none after the stop
+    good = records[-2]["step"]
     saved = sorted(p.name for p in (tmp_path / "logs" / "checkpoints").iterdir())
-    assert saved == [f"step-{r['step']:08d}" for r in records]
+    assert saved == [f"step-{r['step']:08d}" for r in records[-2:]]
+    assert f"last good checkpoint: step {good} (" in err

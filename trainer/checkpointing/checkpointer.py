@@ -6,7 +6,8 @@
 ``spec.checkpoint.path`` and puts the engine at the step after it;
 :meth:`Checkpointer.after_step` saves every ``checkpoint.intervalSteps``
 steps and at the last step, publishes atomically and prunes to
-``checkpoint.keep``.  Rank 0 makes every file-system decision (which
+``checkpoint.keep`` (and the last good checkpoint: one taken while the loss
+guard skipped updates is not good, see :func:`.store.prune`).  Rank 0 makes every file-system decision (which
 checkpoint, the temporary name, publish, prune) and broadcasts it, so all
 ranks act on the same answer; hashing the files (at save and at load) is
 split over all ranks.  An error on any rank is raised on every rank.
@@ -132,6 +133,8 @@ class Checkpointer:
         self.total = spec.training.steps
         self.last_saved: int | None = None
         """Step of the newest checkpoint this run published or loaded."""
+        self.last_good: int | None = None
+        """Step of the newest checkpoint on disk taken after an applied update (:func:`.store.last_good`)."""
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
         self.asynchronous = spec.checkpoint.async_save
         """Due saves run beside training (``checkpoint.asyncSave``)."""
@@ -164,16 +167,19 @@ class Checkpointer:
         """
         state.init_optimizer_state(self.engine.optimizer)
 
-        def find() -> tuple[str, store.Marker] | None:
+        def find() -> tuple[str, store.Marker, int | None] | None:
             found = store.latest(
                 self.root, hashes=False
             )  # names, marker, sizes; the hashes are split below
-            return None if found is None else (str(found[0].path), found[1])
+            if found is None:
+                return None
+            good = store.last_good(store.scan(self.root))
+            return str(found[0].path), found[1], None if good is None else good.step
 
         found = _on_rank0(find)
         if found is None:
             return None
-        path, marker = Path(found[0]), found[1]
+        path, marker, self.last_good = Path(found[0]), found[1], found[2]
         model, step = marker.model, marker.step
         rank, world = dist.get_rank(), dist.get_world_size()
         _everywhere(lambda: store.verify(path, marker, hashes=True, part=rank, parts=world))
@@ -239,9 +245,11 @@ class Checkpointer:
         start = time.perf_counter()
         tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
         entries = state.state_dict(self.engine)
+        skips = self._guard_skips()
         state.save_into(tmp, entries)
         dist.barrier()
-        final = self._publish(step, tmp, len(entries), time.perf_counter() - start, start, None)
+        written = time.perf_counter() - start
+        final = self._publish(step, tmp, len(entries), written, start, None, skips)
         self._published.append(step)
         return final
 
@@ -255,6 +263,7 @@ class Checkpointer:
         start = time.perf_counter()
         tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
         entries = sharded.host_copy(state.state_dict(self.engine))
+        skips = self._guard_skips()
         tmp.mkdir(parents=True, exist_ok=True)
         upload = async_save(
             entries,
@@ -271,7 +280,8 @@ class Checkpointer:
         def finish() -> int:
             upload.result()
             dist.barrier(group=self._group)
-            self._publish(step, tmp, len(entries), time.perf_counter() - start, start, self._group)
+            written = time.perf_counter() - start
+            self._publish(step, tmp, len(entries), written, start, self._group, skips)
             return step
 
         self._in_flight = self._worker.submit(finish)
@@ -284,8 +294,13 @@ class Checkpointer:
         written: float,
         start: float,
         group: dist.ProcessGroup | None,
+        skips: int,
     ) -> Path:
-        """Every rank's data is in ``tmp``: hash it (split over ranks), then rank 0 publishes and prunes."""
+        """Every rank's data is in ``tmp``: hash it (split over ranks), then rank 0 publishes and prunes.
+
+        ``skips``: updates the loss guard had skipped in a row at ``step`` (0:
+        a good checkpoint, which pruning keeps until a newer good one exists).
+        """
         self._maybe_fault(step)
         shares: list[dict[str, Any]] = [
             {}
@@ -296,7 +311,7 @@ class Checkpointer:
             group=group,
         )
 
-        def publish() -> str:
+        def publish() -> tuple[str, int | None]:
             files = {name: facts for share in shares for name, facts in share.items()}
             marker = store.Marker(
                 step=step,
@@ -309,17 +324,24 @@ class Checkpointer:
                     "world_size": dist.get_world_size(),
                     "token_ids": self.engine.token_ids.to_json(),
                     "max_position_embeddings": self.engine.hf_max_positions,
+                    store.GUARD_SKIPS: skips,
                 },
             )
             final = store.publish(tmp, marker)
             store.prune(self.root, self.keep)
-            return str(final)
+            good = store.last_good(store.scan(self.root))
+            return str(final), None if good is None else good.step
 
-        final = Path(_on_rank0(publish, group))
+        published, self.last_good = _on_rank0(publish, group)
+        final = Path(published)
         self.last_saved = step
         if dist.get_rank() == 0:
             _say(f"saved step {step} to {final} in {time.perf_counter() - start:.2f}s")
         return final
+
+    def _guard_skips(self) -> int:
+        guard = self.engine.guard
+        return guard.consecutive if guard is not None else 0
 
     def _maybe_fault(self, step: int) -> None:
         if self.fault is None or self.fault[0] != step:

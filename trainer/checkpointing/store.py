@@ -37,6 +37,8 @@ MARKER = "COMPLETE"
 """Name of the completion marker inside a published checkpoint."""
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
+GUARD_SKIPS = "loss_guard_consecutive_skips"
+"""Marker ``extra`` key: updates the loss guard had skipped in a row when the checkpoint was taken (0: good)."""
 IGNORED = {"lost+found", "logs"}
 """Entries a volume may carry that are not checkpoints and not a problem: ``lost+found`` of a fresh
 filesystem, and ``logs``, where the operator's pods keep steps.jsonl and the rank traces
@@ -246,15 +248,41 @@ def latest(root: Path, *, hashes: bool = True) -> tuple[Published, Marker] | Non
     return newest, marker
 
 
+def is_good(marker: Marker) -> bool:
+    """Whether the checkpoint was taken after an applied update, not amid loss-guard skips (older markers: yes)."""
+    return int(marker.extra.get(GUARD_SKIPS, 0)) == 0
+
+
+def last_good(published: list[Published]) -> Published | None:
+    """The newest checkpoint taken after an applied update (unreadable markers are passed over)."""
+    for candidate in reversed(published):
+        try:
+            marker = read_marker(candidate.path)
+        except CheckpointError:
+            continue
+        if is_good(marker):
+            return candidate
+    return None
+
+
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory."""
+    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory.
+
+    The last good checkpoint (:func:`last_good`) is kept even when it is older
+    than ``keep`` others: those may all have been taken while the loss guard
+    skipped updates, and if it then stops the job, the last good one is the
+    one to go back to.
+    """
     removed = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     published = scan(root)
+    good = last_good(published)
     for old in published[: max(0, len(published) - keep)]:
+        if old == good:
+            continue
         # Rename first so a crash halfway through deleting leaves a .tmp- directory, not a damaged step-.
         doomed = root / f"{TMP_PREFIX}pruned-{old.path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(old.path, doomed)
