@@ -90,21 +90,23 @@ def _field(training, index: int) -> str:  # noqa: ANN001
 
 def check_dataset(training, *, vocab: int) -> None:  # noqa: ANN001
     """Raise :class:`DatasetError` early (before processes start): a missing file, an empty glob,
-    or uint16 files for a vocabulary they cannot hold."""
+    uint16 files for a vocabulary they cannot hold, or a file of another element type
+    (:func:`.tokens.check_type`; the whole-file id scan is left to the ranks)."""
     entries = dataset_entries(training)
     try:
+        named = [(p, _field(training, i)) for i, (p, _) in enumerate(entries) if p != STDLIB]
         if training.eval.interval and training.eval.dataset:
-            token_files.expand(training.eval.dataset, EVAL_FIELD + ".dataset")
-        for index, (pattern, _) in enumerate(entries):
-            if pattern == STDLIB:
-                continue
-            files = token_files.expand(pattern, _field(training, index))
+            named.append((training.eval.dataset, EVAL_FIELD + ".dataset"))
+        for pattern, field in named:
+            files = token_files.expand(pattern, field)
             if training.token_dtype == "uint16" and vocab > UINT16_VOCAB:
                 raise token_files.TokenFileError(
-                    f"{_field(training, index)}: {str(files[0])!r} is read as uint16 (ids up to "
+                    f"{field}: {str(files[0])!r} is read as uint16 (ids up to "
                     f"{UINT16_VOCAB - 1}) but spec.model.vocab={vocab}: write uint32 tokens and set "
                     "spec.training.tokenDtype: uint32"
                 )
+            for path in files:
+                token_files.check_type(path, dtype=training.token_dtype, vocab=vocab, field=field)
     except token_files.TokenFileError as err:
         raise DatasetError(
             f"{err} (expected raw {training.token_dtype} tokens, or '{STDLIB}' for the built-in corpus)"

@@ -119,7 +119,7 @@ def prepare(
     dtype = choose_dtype(dtype, vocab, tokenizer_path)
     special = special_tokens.from_tokenizer(tokenizer)
     eos = special.eos[0] if special.eos else None  # the document separator
-    template = tokenizer.encode("", add_special_tokens=True).ids  # what the post-processor adds
+    prefix, _ = special_tokens.document_template(tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
     count = 0
@@ -155,7 +155,7 @@ def prepare(
         "eos_id": eos,
         "bos_id": special.bos,
         "pad_id": special.pad,
-        "bos_per_document": special.bos is not None and template[:1] == [special.bos],
+        "bos_per_document": bool(prefix),
         "eos_per_document": eos is not None,
         "bytes": output.stat().st_size,
         "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),

@@ -86,11 +86,38 @@ def _first(tokenizer: Tokenizer, candidates: Iterable[str]) -> int | None:
     return next((i for i in ids if i is not None), None)
 
 
+def document_template(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The special ids the tokenizer's post-processor puts before and after every document.
+
+    Read from the tokenizer itself (``add_special_tokens=True`` on a
+    one-character text, its ``special_tokens_mask``): ``([bos], [])`` for a
+    Llama template such as ``<|begin_of_text|> $A``, ``([], [])`` for GPT-2.
+    """
+    try:
+        encoding = tokenizer.encode("a", add_special_tokens=True)
+    except Exception:  # noqa: BLE001 - e.g. a WordLevel model without an unknown token: no template to read
+        return [], []
+    mask = encoding.special_tokens_mask
+    lead = next((i for i, special in enumerate(mask) if not special), len(mask))
+    tail = next((i for i, special in enumerate(reversed(mask)) if not special), 0)
+    return encoding.ids[:lead], encoding.ids[len(mask) - tail :] if tail else []
+
+
 def from_tokenizer(tokenizer: Tokenizer) -> TokenIds:
-    """The ids of the tokenizer's begin-, end-of-text and padding tokens, by their usual names."""
+    """The ids of the tokenizer's begin-, end-of-text and padding tokens.
+
+    Begin-of-text is the token its post-processor starts documents with, if
+    it adds one, else the first of the usual names it has; end-of-text is the
+    usual name, else the token the post-processor ends documents with.
+    """
+    prefix, suffix = document_template(tokenizer)
+    bos = prefix[0] if prefix else _first(tokenizer, BOS_CANDIDATES)
+    eos = _first(tokenizer, EOS_CANDIDATES)
+    if eos is None and suffix:
+        eos = suffix[-1]
     return TokenIds(
-        bos=_first(tokenizer, BOS_CANDIDATES),
-        eos=tuple(i for i in [_first(tokenizer, EOS_CANDIDATES)] if i is not None),
+        bos=bos,
+        eos=(eos,) if eos is not None else (),
         pad=_first(tokenizer, PAD_CANDIDATES),
     )
 

@@ -180,8 +180,8 @@ def _misread_error(path: Path, dtype: str, actual: str, field: str) -> TokenFile
     )
 
 
-def open_token_file(path: Path, *, dtype: str, vocab: int, seq_len: int, field: str) -> np.ndarray:
-    """The ids of ``path`` as a read-only memmap, every one checked against ``vocab``."""
+def check_type(path: Path, *, dtype: str, vocab: int, field: str) -> None:
+    """The cheap checks of a file's element type, before any process starts: metadata, byte count, first ids."""
     described = check_metadata(path, dtype, vocab, field)
     itemsize = DTYPES[dtype].itemsize
     size = path.stat().st_size
@@ -192,14 +192,23 @@ def open_token_file(path: Path, *, dtype: str, vocab: int, seq_len: int, field: 
             f"expected {dtype} tokens (spec.training.tokenDtype): if it holds {other} tokens set "
             f"tokenDtype: {other}, else the file is truncated"
         )
-    if size // itemsize < seq_len + 2:
-        raise TokenFileError(
-            f"{field}: {str(path)!r} holds {size // itemsize} tokens, fewer than seqLen + 2 = {seq_len + 2}"
-        )
-    tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
-    actual = None if described else misread_as(np.asarray(tokens[:SNIFF_TOKENS]), dtype, vocab)
+    if described:
+        return
+    first = np.fromfile(path, dtype=DTYPES[dtype], count=min(SNIFF_TOKENS, size // itemsize))
+    actual = misread_as(first, dtype, vocab)
     if actual is not None:
         raise _misread_error(path, dtype, actual, field)
+
+
+def open_token_file(path: Path, *, dtype: str, vocab: int, seq_len: int, field: str) -> np.ndarray:
+    """The ids of ``path`` as a read-only memmap, every one checked against ``vocab``."""
+    check_type(path, dtype=dtype, vocab=vocab, field=field)
+    count = path.stat().st_size // DTYPES[dtype].itemsize
+    if count < seq_len + 2:
+        raise TokenFileError(
+            f"{field}: {str(path)!r} holds {count} tokens, fewer than seqLen + 2 = {seq_len + 2}"
+        )
+    tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
     if scanned_largest_id(path, tokens, dtype) < vocab:
         return tokens
     bad = first_out_of_vocab(tokens, vocab)

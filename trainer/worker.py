@@ -281,7 +281,10 @@ def _guard_stop(
         log.close()
     kept = f"step {saver.last_good}" if saver.last_good is not None else "none written yet"
     if saver.last_saved is not None and saver.last_saved != saver.last_good:
-        kept += f" (those up to step {saver.last_saved} were taken while updates were skipped)"
+        kept += (
+            f" (the newer ones, up to step {saver.last_saved}, were taken while updates were "
+            "skipped; remove them to resume from it)"
+        )
     message = f"stopped at step {step}: {err}; last good checkpoint: {kept}"
     print(message, file=sys.stderr)  # every rank: whichever pod fails first carries the reason
     progress.write_failure(exitcodes.LOSS_GUARD, message)

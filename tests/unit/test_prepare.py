@@ -128,6 +128,7 @@ def _with_template(path, single, specials, *, byte_level_post=False):
         ("llama2", "<s> $A", ["<s>", "</s>"], False, True),
         ("bos-and-eos", "<s> $A </s>", ["<s>", "</s>"], False, True),
         ("gpt2", "", ["<|endoftext|>"], True, False),
+        ("own-bos-name", "<|startoftext|> $A", ["<|startoftext|>", "<|endoftext|>"], False, True),
     ],
 )
 def test_documents_get_the_special_tokens_transformers_adds_then_end_of_text(
@@ -149,4 +150,5 @@ def test_documents_get_the_special_tokens_transformers_adds_then_end_of_text(
     first = peer(TEXT[0])["input_ids"][0]
     assert (first == peer.convert_tokens_to_ids(specials[0])) == starts_with_bos
     assert meta["bos_per_document"] == starts_with_bos and meta["eos_per_document"]
+    assert (meta["bos_id"], meta["eos_id"]) == (peer.convert_tokens_to_ids(specials[0]), eos)
     assert expected.count(eos) == len(TEXT)  # never doubled when the template ends with it

@@ -42,8 +42,9 @@ def test_uint32_tokens_read_as_uint16_are_refused_naming_the_field_and_the_fix(
     assert len(_open(path, model_vocab, "uint32")[0].tokens) == 5000  # read as what it is: fine
     as_uint16 = np.fromfile(path, dtype="<u2")
     assert as_uint16.max() < 65_536 and (offset or as_uint16.max() < vocab)  # nothing out of range
-    with pytest.raises(data.DatasetError) as err:
-        _open(path, min(model_vocab, 65_536), "uint16")
+    training = spec.Training(dataset=str(path), tokenDtype="uint16")
+    with pytest.raises(data.DatasetError) as err:  # before any process starts
+        data.check_dataset(training, vocab=min(model_vocab, 65_536))
     message = str(err.value)
     assert "looks like uint32 tokens read as uint16" in message
     assert "spec.training.dataset" in message and str(path) in message
