@@ -61,7 +61,7 @@ sandbox-status: venv  ## what the sandbox is running
 
 test: venv  ## every test but the sandbox's (unit, trainer, integration, telemetry); CI runs this
 	scripts/bootstrap.sh --no-node
-	$(BIN)/pytest -m "not e2e"
+	$(BIN)/pytest -m "not e2e" --durations=30
 
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit

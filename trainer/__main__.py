@@ -1,8 +1,7 @@
 """``python -m meshtrain.trainer``: run one training rank (see :mod:`meshtrain.trainer.worker`)."""
 
-import sys
-
 from meshtrain.trainer import worker
+from meshtrain.trainer.parallel import mesh
 
 if __name__ == "__main__":
-    sys.exit(worker.main())
+    mesh.exit_now(worker.main())

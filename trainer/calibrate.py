@@ -41,6 +41,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import cost, memory, profiles
 from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import mesh
 
 MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 """Payload sizes a collective is timed at (full buffer, as the trainer's recorder counts)."""
@@ -255,6 +256,7 @@ def _worker(rank: int, task: _Task) -> None:
         Path(task.out).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
+    mesh.exit_now(0)  # a teardown abort must not fail a calibration whose result is written
 
 
 def fit(op: str, members: int, samples: dict[int, float], processes: int) -> profiles.CollectiveFit:

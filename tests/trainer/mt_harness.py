@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.trainer.parallel import mesh
 
 TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
 LLAMA_TINY = {
@@ -124,6 +125,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
     torch.save(result, Path(out_dir) / f"rank-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    mesh.exit_now(0)  # gloo can abort in the interpreter's teardown; the result is saved
 
 
 def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:

@@ -165,6 +165,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    mesh_mod.exit_now(0)  # gloo can abort in the interpreter's teardown; the result is written
 
 
 def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
