@@ -13,13 +13,17 @@ SHAPE = {"layers": 2, "hidden": 8, "heads": 2, "vocab": 16, "seq_len": 4, "ffn_h
 LAYOUT = {"data": 2, "pipeline": 1, "tensor": 1, "zero_stage": 1}
 
 
-def write_checkpoint(root: Path, step: int, payload: bytes = b"data") -> Path:
+def write_checkpoint(
+    root: Path, step: int, payload: bytes = b"data", extra: dict | None = None
+) -> Path:
     """A published checkpoint with one data file, through the real protocol."""
     tmp = store.new_tmp_dir(root, step)
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(payload)
     (tmp / ".metadata").write_bytes(b"meta")
-    marker = store.Marker(step=step, layout=LAYOUT, model=SHAPE, files=store.describe_files(tmp))
+    marker = store.Marker(
+        step=step, layout=LAYOUT, model=SHAPE, files=store.describe_files(tmp), extra=extra or {}
+    )
     return store.publish(tmp, marker)
 
 
@@ -67,6 +71,27 @@ def test_prune_keeps_newest_and_clears_tmp(tmp_path: Path) -> None:
     store.new_tmp_dir(tmp_path, 50).mkdir()
     store.prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000030", "step-00000040"]
+
+
+@pytest.mark.parametrize(
+    ("skips", "keep", "kept"),
+    [
+        ([0, 0, 1, 2], 2, [2, 3, 4]),  # the last good one outlives keep while skips follow it
+        ([0, 1, 2, 3], 1, [1, 4]),
+        ([0, 1, 0, 1], 1, [3, 4]),  # an older good one is not kept: a newer good one exists
+        ([0, 0, 0, 0], 2, [3, 4]),
+        ([1, 2, 3, 4], 1, [4]),  # no good one at all: nothing to protect
+        ([None, None, 1, 2], 1, [2, 4]),  # markers written before the guard counted: good
+    ],
+)
+def test_prune_never_deletes_the_last_good_checkpoint(
+    tmp_path: Path, skips: list[int | None], keep: int, kept: list[int]
+) -> None:
+    for step, skipped in enumerate(skips, 1):
+        extra = {} if skipped is None else {store.GUARD_SKIPS: skipped}
+        write_checkpoint(tmp_path, step, extra=extra)
+        store.prune(tmp_path, keep=keep)
+    assert [p.step for p in store.scan(tmp_path)] == kept
 
 
 @pytest.mark.parametrize(
