@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import feasibility, identity, naming
+from meshtrain.operator import feasibility, identity, naming, volumes
 
 NOTHING = feasibility.Usage()
 """Usage of a node no pod holds resources on."""
@@ -121,12 +121,14 @@ def offered_nodes(
     *,
     gpus_per_pod: int,
     pods_wanted: int,
+    claim: volumes.Topology | None = None,
 ) -> tuple[list[placement.Node], list[str]]:
     """The nodes as the planner should see them, and why the others take no pod.
 
     A node offers ``slots x gpus_per_pod`` GPUs, where ``slots`` is how many
     pods of ``demand`` kube-scheduler would bind there together (every filter,
-    every resource; :mod:`feasibility`), so the planner needs no reservations.
+    every resource; :mod:`feasibility`; the nodes ``claim`` allows, :mod:`volumes`),
+    so the planner needs no reservations.
     """
     offered, refused = [], []
     # Nodes mostly share their conditions, spec and allocatable (one object each in the
@@ -143,14 +145,17 @@ def offered_nodes(
             states[(id(conditions), id(spec))] = state
         taken = used.get(metadata.get("name", ""), NOTHING)
         slots = 0
-        if feasibility.with_selector(demand, node, state[2]) is None:
+        refused_by = feasibility.with_selector(demand, node, state[2]) or volumes.refusal(
+            claim, node
+        )
+        if refused_by is None:
             source = status.get("allocatable")
             parsed = amounts.get(id(source))
             if parsed is None or parsed[0] is not source:
                 parsed = amounts[id(source)] = (source, feasibility.allocatable(node))
             slots = feasibility.room(demand, parsed[1], taken, pods_wanted)
         if slots == 0:
-            refused.append(feasibility.verdict(demand, node, taken) or "no room")
+            refused.append(refused_by or feasibility.verdict(demand, node, taken) or "no room")
             continue
         offered.append(
             placement.Node(

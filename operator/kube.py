@@ -613,6 +613,24 @@ class Client:
     async def get_node(self, *, name: str) -> Body | None:
         return await self._request("get", "nodes", self._core.read_node, name, ok=(404,))
 
+    # Volume topology: a job's claim, its volume or class, local volumes.
+    async def get_claim(self, *, namespace: str, name: str) -> Body | None:
+        call = self._core.read_namespaced_persistent_volume_claim
+        return await self._request(
+            "get", "persistentvolumeclaims", call, name, namespace, ok=(404,)
+        )
+
+    async def get_volume(self, *, name: str) -> Body | None:
+        call = self._core.read_persistent_volume
+        return await self._request("get", "persistentvolumes", call, name, ok=(404,))
+
+    async def list_volumes(self) -> list[Body]:
+        return (await self._list("persistentvolumes", self._core.list_persistent_volume))[0]
+
+    async def get_storage_class(self, *, name: str) -> Body | None:
+        call = k8s.StorageV1Api(self._api).read_storage_class
+        return await self._request("get", "storageclasses", call, name, ok=(404,))
+
     async def list_nodes(
         self, *, keep: Callable[[Body], Body] | None = None
     ) -> tuple[list[Body], str]:

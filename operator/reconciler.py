@@ -33,9 +33,11 @@ from meshtrain import placement
 from meshtrain.api import elastic
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import (
+    admitting,
     builders,
     capacity,
     children,
+    claims,
     conditions,
     failure,
     feasibility,
@@ -53,9 +55,10 @@ from meshtrain.operator import (
     retries,
     sizing,
     stragglers,
+    volumes,
     workloads,
 )
-from meshtrain.planner import admission, placement_request, profiles
+from meshtrain.planner import placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -135,12 +138,7 @@ class Reconciler:
         self.placement_lock = asyncio.Lock()
         self._planner_nodes: tuple[Any, list[dict[str, Any]], list[placement.Node]] = (None, [], [])
         self._last_progress: dict[tuple[str, str], float] = {}
-        self._products: dict[str, profiles.Profile | None] = {}
-        """GPU product label value -> profile (profile files are read once per product)."""
-        self._verdicts: dict[
-            tuple[str, str], tuple[Any, sizing.Admitted | sizing.Refused | None]
-        ] = {}
-        """Last admission verdict per job, keyed by what it depends on (a waiting job is re-placed often)."""
+        self._admissions = admitting.Admissions(settings.gpu_profile)
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._gang_api: bool | None = None
@@ -151,6 +149,8 @@ class Reconciler:
         """Jobs (by UID) whose Workload the API server refused: when they may try again, and why."""
         self._refusals: dict[str, rescheduling.Record] = {}
         """Jobs (by UID) re-placed after kube-scheduler refused their released pods."""
+        self._claims: dict[str, volumes.Topology | None] = {}
+        """Where each job's claim lets its pods go, as its last placement read it (by UID)."""
 
     async def reconcile(self, *, namespace: str, name: str) -> Outcome:
         """One pass over ``namespace/name``."""
@@ -449,10 +449,7 @@ class Reconciler:
         if backoff is not None and time.monotonic() < backoff[0]:
             return body, job, False
         async with self.placement_lock:
-            raw_nodes, nodes = self._nodes(job.declared.resources.gpu_resource_name)
-            avoid = self._avoided(job)
-            raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
-            nodes = [n for n in nodes if n.name not in avoid]
+            raw_nodes, nodes, _ = self._candidates(job, job.declared.resources.gpu_resource_name)
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
@@ -476,20 +473,26 @@ class Reconciler:
         await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
         return body, job, True
 
-    def _avoided(self, job: lifecycle.JobState) -> frozenset[str]:
-        """Nodes this job is not placed on now: replaced stragglers' and those the scheduler refused."""
+    def _candidates(
+        self, job: lifecycle.JobState, gpu: str, also_avoid: frozenset[str] = frozenset()
+    ) -> tuple[list[dict[str, Any]], list[placement.Node], frozenset[str]]:
+        """The nodes a placement of ``job`` may use (raw, and as the planner sees them), and the
+        nodes it avoids (replaced stragglers, scheduler refusals)."""
+        raw_nodes, nodes = self._nodes(gpu)
         refused = rescheduling.excluded(self._refusals.get(job.ref.uid), time.monotonic())
-        return stragglers.excluded(job.status, _now()) | refused
+        avoid = stragglers.excluded(job.status, _now()) | refused | also_avoid
+        if avoid:
+            raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
+            nodes = [n for n in nodes if n.name not in avoid]
+        return raw_nodes, nodes, avoid
 
     def _fits_without(self, job: lifecycle.JobState, node: str) -> bool:
         """Whether the gang (at any size runPolicy.elastic allows) fits now without ``node``
         and the job's excluded nodes, counting its own pods' resources as free."""
         assert job.spec is not None
         declared = job.declared or job.spec
-        avoid = self._avoided(job) | {node}
-        raw_nodes, nodes = self._nodes(declared.resources.gpu_resource_name)
-        raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
-        nodes = [n for n in nodes if n.name not in avoid]
+        gpu = declared.resources.gpu_resource_name
+        raw_nodes, nodes, _ = self._candidates(job, gpu, frozenset({node}))
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
         fits = isinstance(
             self._plan_sizes(job, raw_nodes, nodes, demand).answer, placement.Placement
@@ -613,13 +616,10 @@ class Reconciler:
             unassignable = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
             return await self._unassignable(body, job, unassignable)
         gpu = spec.resources.gpu_resource_name
+        claim = self._claims[ref.uid] = await claims.topology(self.client, ref.namespace, spec)
         async with self.placement_lock:
             started = time.perf_counter()
-            raw_nodes, nodes = self._nodes(gpu)
-            avoid = self._avoided(job)
-            if avoid:  # a replaced straggler's node, or one the scheduler refused
-                raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
-                nodes = [n for n in nodes if n.name not in avoid]
+            raw_nodes, nodes, avoid = self._candidates(job, gpu)
             demand = feasibility.demand_of(template)
             now = _now()
             if action.missing is not None:
@@ -686,6 +686,8 @@ class Reconciler:
                 )
                 if avoid:
                     tried += f"; excluded for this job (stragglers, scheduler refusals): {', '.join(sorted(avoid))}"
+                if claim is not None and volumes.CONFLICT in refusals:
+                    tried += f"; claim {claim.claim} allows only the nodes of {claim.why}"
                 answer = dataclasses.replace(
                     answer,
                     message=f"{answer.message}{tried}; {feasibility.summary(refusals, len(raw_nodes))}",
@@ -794,7 +796,7 @@ class Reconciler:
         first: _Sized | None = None
         waiting: _Sized | None = None
         for size, spec in resizing.candidates(declared):
-            verdict = self._admit(dataclasses.replace(job, spec=spec), nodes)
+            verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
             answer: placement.Placement | placement.Unschedulable | None = None
             refusals: list[str] = []
             if not isinstance(verdict, sizing.Refused):
@@ -804,6 +806,7 @@ class Reconciler:
                     usage,
                     gpus_per_pod=spec.resources.gpus_per_node,
                     pods_wanted=spec.pods,
+                    claim=self._claims.get(job.ref.uid),
                 )
                 answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
             sized = _Sized(size, spec, verdict, answer, refusals)
@@ -822,38 +825,6 @@ class Reconciler:
             raw = list(self.cache.nodes.values())
             self._planner_nodes = (key, raw, [placement.node_from_manifest(n, gpu) for n in raw])
         return self._planner_nodes[1], self._planner_nodes[2]
-
-    def _profile_of(self, labels: Mapping[str, str]) -> profiles.Profile | None:
-        """The profile a node's GPU product label names (cached per product), or None."""
-        product = labels.get(admission.PRODUCT_LABEL, "")
-        if product not in self._products:
-            try:
-                self._products[product] = admission.profile_for_labels(labels)
-            except (
-                profiles.ProfileError
-            ) as err:  # a broken user profile directory: judge by the default
-                logger.warning(
-                    "GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err
-                )
-                self._products[product] = None
-        return self._products[product]
-
-    def _admit(
-        self, job: lifecycle.JobState, nodes: list[placement.Node]
-    ) -> sizing.Admitted | sizing.Refused | None:
-        """Admission by plan on the profile of the job's candidate nodes (see ``sizing``)."""
-        assert job.spec is not None
-        candidates = sizing.candidates(job.spec, nodes)
-        choice = sizing.choose_profile(
-            [(n.name, self._profile_of(n.labels)) for n in candidates], self.settings.gpu_profile
-        )
-        key = (job.ref.uid, job.generation, choice, identity.spec_hash(job.spec))
-        cached = self._verdicts.get((job.ref.namespace, job.ref.name))
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        verdict = sizing.admit(job.spec, choice)
-        self._verdicts[(job.ref.namespace, job.ref.name)] = (key, verdict)
-        return verdict
 
     async def report_api_errors(
         self, *, namespace: str, name: str, failures: int, error: str | None
@@ -911,10 +882,11 @@ class Reconciler:
         ):
             await children.delete_owned(self.client, uid, kind, namespace, child)
         self._last_progress.pop((namespace, name), None)
-        self._verdicts.pop((namespace, name), None)
+        self._admissions.forget(namespace, name)
         self._create_failures.forget(uid)
         self._workload_rejections.forget(uid)
         self._refusals.pop(uid, None)
+        self._claims.pop(uid, None)
         self._grow_backoff.pop((namespace, name), None)
         metrics.forget(namespace, name)
         return 0
