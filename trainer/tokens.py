@@ -93,7 +93,15 @@ def check_metadata(path: Path, dtype: str, vocab: int, field: str) -> bool:
     meta_path = metadata_path(path)
     if not meta_path.is_file():
         return False
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        raise TokenFileError(
+            f"{field}: {str(path)!r} has unreadable metadata {meta_path.name} ({err}): prepare it "
+            f"again (meshtrain data prepare) or delete {meta_path.name}"
+        ) from None
     recorded = meta.get("dtype")
     if recorded not in (None, dtype):
         raise TokenFileError(
@@ -128,9 +136,7 @@ def misread_as(sample: np.ndarray, dtype: str, vocab: int) -> str | None:
       vocabulary, while the same bytes read as uint16 all fit it.
     """
     if dtype == "uint16":
-        pairs = sample[: len(sample) // 2 * 2].reshape(
-            -1, 2
-        )  # (pairs, 2): low, high half of a uint32
+        pairs = sample[: len(sample) // 2 * 2].reshape(-1, 2)  # (pairs, 2): low, high halves
         if len(pairs) >= 64 and pairs[:, 1].max() <= HIGH_HALF_LIMIT < pairs[:, 0].max():
             return "uint32"
         return None

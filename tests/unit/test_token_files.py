@@ -90,6 +90,11 @@ def test_metadata_of_another_version_of_the_file_is_refused(tmp_path):
         _open(path, 1000)
     assert "has 4000 bytes but t.bin.json describes a file of 6000 bytes" in str(err.value)
     assert "meshtrain data prepare" in str(err.value) and "spec.training.dataset" in str(err.value)
+    meta.write_text("{truncated")
+    with pytest.raises(
+        data.DatasetError, match="unreadable metadata t.bin.json .* or delete t.bin.json"
+    ):
+        _open(path, 1000)
 
 
 def test_metadata_settles_the_type_of_a_file_that_looks_misread(tmp_path):
