@@ -8,11 +8,15 @@ deleted node fail).  :class:`invariants.Invariants` checks every pod and node
 event; at the end every job must be Running or wait with a condition that
 says why, and each job's ``status.restarts`` must equal the number of its
 gang attempts this test broke (a Running pod failed or lost with its node).
-The seed is printed; a failure names it.
+The seed is printed; a failure names it.  With ``MESHTRAIN_CHAOS_FIGURES`` set
+to a path, the run's figures (faults, violations, restarts, convergence times)
+are written there as JSON before the assertions; ``benchmarks/bench_operator_chaos.py``
+collects them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -38,6 +42,8 @@ POOL = "chaos"
 SETTLE_SECONDS = 120
 """How long the jobs get to settle after the last fault."""
 WAITING_REASONS = ("InsufficientGPUs", "TopologyUnsatisfiable")
+FIGURES = os.environ.get("MESHTRAIN_CHAOS_FIGURES")
+"""Where to write the run's figures (JSON); unset: nowhere."""
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +192,17 @@ class Chaos:
         self.faults.append(f"cordon {node}")
         return True
 
-    def _break(self, pod: Any) -> None:
+    def _break(self, pod: Any, *, bound: bool = False) -> None:
+        """Count the pod's gang attempt as broken: it was Running (or, with ``bound``, bound at all:
+        a released gang's pod the node took with it fails its attempt even before it ran)."""
         labels = pod.metadata.labels or {}
-        if "meshtrain.io/job" in labels and pod.status.phase == "Running":
+        live = pod.status.phase == "Running" or (
+            bound
+            and pod.spec.node_name
+            and not pod.metadata.deletion_timestamp
+            and pod.status.phase not in ("Succeeded", "Failed")
+        )
+        if "meshtrain.io/job" in labels and live:
             job = labels["meshtrain.io/job"]
             self.broken.add((pod.metadata.namespace, job, labels["meshtrain.io/attempt"]))
 
@@ -197,7 +211,7 @@ class Chaos:
         self.nodes.remove(node)
         self.cluster.core.delete_node(node)
         for pod in self.kubelet.lose(node):
-            self._break(pod)
+            self._break(pod, bound=True)
         self.faults.append(f"delete node {node}")
         return True
 
@@ -296,6 +310,53 @@ def _settled(cluster: Cluster, jobs: list[tuple[str, str]]) -> list[str]:
     return unsettled
 
 
+class Phases:
+    """Polls the jobs' phases every second: when each first ran, and when each last changed."""
+
+    def __init__(self, cluster: Cluster, namespaces: tuple[str, ...]) -> None:
+        self._cluster, self._namespaces = cluster, namespaces
+        self.started = time.monotonic()
+        self.first_running: dict[str, float] = {}
+        """Job -> seconds after the start when it was first seen Running."""
+        self._seen: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Phases:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            for namespace in self._namespaces:
+                try:
+                    found = self._cluster.custom.list_namespaced_custom_object(
+                        "meshtrain.io", "v1alpha1", namespace, "trainingjobs"
+                    )["items"]
+                except kubernetes.client.ApiException:
+                    continue  # the restricted namespace is not there yet
+                for job in found:
+                    key = f"{namespace}/{job['metadata']['name']}"
+                    phase = (job.get("status") or {}).get("phase", "")
+                    if phase == "Running":
+                        self.first_running.setdefault(key, time.monotonic() - self.started)
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {
+        "median": round(ordered[len(ordered) // 2], 1),
+        "max": round(ordered[-1], 1),
+        "count": len(ordered),
+    }
+
+
 def test_jobs_converge_through_operator_kills_and_node_faults(plane, tmp_path):
     rng = random.Random(SEED)
     namespace = f"chaos-{SEED}"
@@ -304,8 +365,12 @@ def test_jobs_converge_through_operator_kills_and_node_faults(plane, tmp_path):
     operator = OperatorProcess(plane.kubeconfig, str(tmp_path / "operator.log"))
     watched = invariants.Invariants(plane.core).start()
     try:
-        with Kubelet(plane) as kubelet:
+        with (
+            Kubelet(plane) as kubelet,
+            Phases(plane, (namespace, f"{namespace}-restricted")) as phases,
+        ):
             operator.start()
+            phases.started = time.monotonic()
             for job in _jobs(rng, namespace):
                 plane.apply(job)
             chaos = Chaos(plane, rng, operator, kubelet, namespace, nodes)
@@ -313,12 +378,15 @@ def test_jobs_converge_through_operator_kills_and_node_faults(plane, tmp_path):
             plan += ["foreign"] * 3 + ["fail_pod"] * 2
             rng.shuffle(plan)
             chaos.run(plan)
+            faults_over = time.monotonic()
             jobs = [(namespace, f"j{i:02d}") for i in range(JOBS)] + [(chaos.restricted, "strict")]
             deadline = time.monotonic() + SETTLE_SECONDS
             while _settled(plane, jobs) and time.monotonic() < deadline:
                 time.sleep(1)
+            settled_after = time.monotonic() - faults_over
             time.sleep(3)  # a late second count of a restart would show now
             unsettled = _settled(plane, jobs)
+            faults_seconds = faults_over - phases.started
     finally:
         operator.stop()
         watched.stop()
@@ -334,6 +402,30 @@ def test_jobs_converge_through_operator_kills_and_node_faults(plane, tmp_path):
         f"{watched.events} events checked, {watched.races} foreign-pod races, "
         f"{len(watched.violations)} violations"
     )
+    if FIGURES:
+        figures = {
+            "seed": SEED,
+            "nodes": NODES,
+            "jobs": len(jobs),
+            "operator_kills": kills,
+            "other_faults": [f for f in faults if not f.startswith("SIGKILL")],
+            "faults_phase_seconds": round(faults_seconds, 1),
+            "events_checked": watched.events,
+            "foreign_pod_races": watched.races,
+            "violations": len(watched.violations),
+            "violation_examples": [str(v) for v in watched.violations[:5]],
+            "broken_attempts": len(broken),
+            "restarts_counted": sum(restarts.values()),
+            "restarts_equal_broken_attempts_per_job": restarts == expected,
+            "unsettled": unsettled,
+            "settled_seconds_after_last_fault": None if unsettled else round(settled_after, 1),
+            "first_running_seconds_after_apply": _spread(list(phases.first_running.values())),
+            "jobs_never_running": sorted(
+                f"{ns}/{name}" for ns, name in jobs if f"{ns}/{name}" not in phases.first_running
+            ),
+        }
+        with open(FIGURES, "w") as out:
+            json.dump(figures, out, indent=2)
     assert kills >= KILLS
     assert watched.violations == [], f"seed {SEED}: {watched.violations}"
     assert unsettled == [], f"seed {SEED}: {unsettled}"

@@ -201,7 +201,7 @@ def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhe
             found = private.condition("gates", "shunned", conditions.PLACED)
             return found if found.get("reason") == conditions.SCHEDULER_REFUSED else None
 
-        placed = wait_for("Placed=False/SchedulerRefused", replaced, timeout=30, interval=0.5)
+        placed = wait_for("Placed=False/SchedulerRefused", replaced, timeout=60, interval=0.5)
         assert placed["status"] == "False"
         assert "refused-a: 0/" in placed["message"] and "anti-affinity" in placed["message"]
 
@@ -219,7 +219,7 @@ def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhe
             pods = private.pods("gates", "shunned")
             return pods if len(pods) == 1 and pods[0].spec.node_name == other else None
 
-        wait_for("the gang bound by kube-scheduler to refused-b", bound, timeout=30, interval=0.5)
+        wait_for("the gang bound by kube-scheduler to refused-b", bound, timeout=60, interval=0.5)
     finally:
         reconciling.close()
     events = private.core.list_namespaced_event("gates").items

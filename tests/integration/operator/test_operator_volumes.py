@@ -95,7 +95,7 @@ def test_a_claim_bound_to_a_local_volume_places_the_gang_on_its_node(private):
             return pods if len(pods) == 1 and pods[0].spec.node_name else None
 
         # kube-scheduler binds the released pod: its VolumeBinding filter agrees with the node.
-        [pod] = wait_for("the gang bound by kube-scheduler", bound, timeout=30, interval=0.5)
+        [pod] = wait_for("the gang bound by kube-scheduler", bound, timeout=60, interval=0.5)
     finally:
         reconciling.close()
     assert pod.metadata.annotations[naming.ANNOTATION_NODE] == "bound-b"
