@@ -144,6 +144,8 @@ async def run_job(
                 outcome = await memo.reconciler.reconcile(namespace=namespace, name=name)
             except kube.NotLeading as err:  # the Lease was lost during the pass: stand by
                 logger.info("reconcile of %s/%s stopped: %s", namespace, name, err)
+                # The tenure can end a moment before the watchdog clears ``leading``: no spin.
+                await asyncio.sleep(leadership.WATCHDOG_SECONDS)
                 continue
             except kube.Conflict as err:  # the job changed under the pass: decide again from it
                 logger.info("reconcile of %s/%s raced a write, again: %s", namespace, name, err)
