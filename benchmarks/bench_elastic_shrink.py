@@ -61,7 +61,9 @@ def _job(name: str, elastic: bool) -> JobBuilder:
     )
     if not elastic:
         return job
-    return job.checkpoint(claimName="ckpt").run_policy(elastic={"minData": 2, "maxData": 4})
+    # No waiting periods: the grow time measured is the operator's own, not growStableSeconds.
+    bounds = {"minData": 2, "maxData": 4, "growStableSeconds": 0, "minResizeIntervalSeconds": 0}
+    return job.checkpoint(claimName="ckpt").run_policy(elastic=bounds)
 
 
 def _lose(cluster: Cluster, kubelet: Kubelet, node: str) -> None:

@@ -77,6 +77,8 @@ ELASTIC_GROWN = "ElasticGrown"
 """Resized=True: the gang runs above parallelism.data (free capacity, up to maxData)."""
 ELASTIC_GROWING = "ElasticGrowing"
 """A smaller gang is rebuilt at a larger degree that now fits (at the next checkpoint)."""
+ELASTIC_GROW_PENDING = "ElasticGrowPending"
+"""Event: room for a larger degree was found; the gang grows once it is stable and the resize interval passed."""
 DECLARED_SIZE = "DeclaredSize"
 """Resized=False: the gang runs at parallelism.data."""
 

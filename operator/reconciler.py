@@ -462,12 +462,20 @@ class Reconciler:
             ):
                 interval = resizing.next_grow_check(backoff[1] if backoff else None)
                 self._grow_backoff[key] = (time.monotonic() + interval, interval)
-                return body, job, False
-        self._grow_backoff.pop(key, None)
+                return await self._set_status(body, job, resizing.no_room(job.status))
+        self._grow_backoff.pop(key, None)  # room: check again at every pass until it is stable
+        checked = resizing.room_found(job.declared, job.status, action.running, size.data, _now())
+        if not checked.grow:
+            body, job, changed = await self._set_status(body, job, checked.fields)
+            if checked.message is not None:
+                logger.info("%s/%s: %s", ref.namespace, ref.name, checked.message)
+                await self._emit(body, "Normal", conditions.ELASTIC_GROW_PENDING, checked.message)
+            return body, job, changed
         fields, message = resizing.growing(job.status, action.running, size, _now())
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+        # roomSince written with it: the placement that follows may then pick the larger size
         body, job, _ = await self._set_status(
-            body, job, {**fields, "observedGeneration": job.generation}
+            body, job, {**checked.fields, **fields, "observedGeneration": job.generation}
         )
         await self._emit(body, "Normal", conditions.ELASTIC_GROWING, message)
         await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)])
@@ -655,7 +663,8 @@ class Reconciler:
                 live = [p for p in self._owned_pods(ref) if feasibility.holds_resources(p)]
                 await self._delete_pods(ref, [p["metadata"]["name"] for p in live])
                 return await self._set_status(body, job, recovery.status)
-            sized = self._plan_sizes(job, raw_nodes, nodes, demand)
+            cap = resizing.largest_allowed(job.declared or spec, job.status, now)
+            sized = self._plan_sizes(job, raw_nodes, nodes, demand, cap)
             size, verdict, answer, refusals = (
                 sized.size,
                 sized.verdict,
@@ -785,8 +794,10 @@ class Reconciler:
         raw_nodes: list[dict[str, Any]],
         nodes: list[placement.Node],
         demand: feasibility.Demand,
+        cap: int | None = None,
     ) -> _Sized:
-        """Plan the gang at each size runPolicy.elastic allows, largest first; the first that fits.
+        """Plan the gang at each size runPolicy.elastic allows (none above ``cap``), largest first;
+        the first that fits.
 
         Without one that fits: the largest size's answer (a memory refusal only when every size is refused).
         """
@@ -795,7 +806,7 @@ class Reconciler:
         usage = self.cache.usage(without=self._freed_by_replacing(job))
         first: _Sized | None = None
         waiting: _Sized | None = None
-        for size, spec in resizing.candidates(declared):
+        for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap):
             verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
             answer: placement.Placement | placement.Unschedulable | None = None
             refusals: list[str] = []

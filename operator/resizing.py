@@ -4,8 +4,11 @@ A placement tries the allowed data-parallel degrees largest first (``meshtrain.a
 so a gang that lost a node resumes at the largest degree that fits.  A gang running below its
 largest degree is checked for room to grow once it has published a checkpoint newer than the
 one it resumed from (the step its first report states, as the trainer reports the checkpoint it
-restored; the status at placement may predate the old gang's last checkpoint); growing is a rebuild like a spec change (the old pods checkpoint the step
-they stop at, nothing counts as a failure).  Pure: no I/O.
+restored; the status at placement may predate the old gang's last checkpoint); growing is a rebuild
+like a spec change (the old pods checkpoint the step they stop at, nothing counts as a failure).
+It grows only once every check for ``growStableSeconds`` found room (``status.elastic.roomSince``)
+and ``minResizeIntervalSeconds`` passed since the last resize (``status.elastic.resizedAt``); until
+then a gang placed again (after a failure) is not placed larger than it ran either.  Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -52,6 +55,97 @@ def recorded(status: Mapping[str, Any]) -> api_spec.ElasticStatus | None:
         return api_spec.ElasticStatus.model_validate(raw)
     except pydantic.ValidationError:
         return None
+
+
+def _seconds_since(stamp: str | None, now: datetime.datetime) -> float | None:
+    since = conditions.parse_time(stamp)
+    return None if since is None else (now - since).total_seconds()
+
+
+def grow_allowed(
+    declared: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: datetime.datetime
+) -> bool:
+    """Whether room for a larger gang has lasted ``growStableSeconds`` and the last resize is
+    ``minResizeIntervalSeconds`` ago (a gang never resized passes the interval)."""
+    bounds, record = declared.run_policy.elastic, recorded(status)
+    if bounds is None or record is None:
+        return True
+    stable = _seconds_since(record.room_since, now)
+    if stable is None or stable < bounds.grow_stable_seconds:
+        return False
+    resized = _seconds_since(record.resized_at, now)
+    return resized is None or resized >= bounds.min_resize_interval_seconds
+
+
+def largest_allowed(
+    declared: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: datetime.datetime
+) -> int | None:
+    """The largest degree a placement may pick now: the recorded one while a grow is not allowed
+    (a gang restarted after a failure must not grow past the stability rules); None: no cap."""
+    record = recorded(status)
+    if record is None or grow_allowed(declared, status, now):
+        return None
+    return record.data
+
+
+def no_larger_than(
+    sized: list[tuple[elastic.Size | None, api_spec.TrainingJobSpec]], cap: int | None
+) -> list[tuple[elastic.Size | None, api_spec.TrainingJobSpec]]:
+    """The candidates no larger than ``cap`` (all of them when none is, e.g. after a spec change)."""
+    if cap is None:
+        return sized
+    kept = [(size, spec) for size, spec in sized if size is None or size.data <= cap]
+    return kept or sized
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What a grow check that found room for ``target`` does now."""
+
+    grow: bool
+    """Rebuild at ``target`` now (room stable and the resize interval over)."""
+    fields: dict[str, Any]
+    """Status changes (``status.elastic.roomSince`` set at the first check that found room)."""
+    message: str | None
+    """Said once, when the room is first seen and the gang does not grow at once."""
+
+
+def room_found(
+    declared: api_spec.TrainingJobSpec,
+    status: Mapping[str, Any],
+    running: int,
+    target: int,
+    now: datetime.datetime,
+) -> Checked:
+    """A grow check found room for ``target``: grow now, or record since when and wait."""
+    bounds = declared.run_policy.elastic
+    raw = dict(status.get("elastic") or {})
+    fields: dict[str, Any] = {}
+    first = not raw.get("roomSince")
+    if first:
+        raw["roomSince"] = conditions.timestamp(now)
+        fields = {"elastic": raw}
+    merged = {**status, **fields}
+    if grow_allowed(declared, merged, now):
+        return Checked(True, fields, None)
+    assert bounds is not None  # grow_allowed is True without runPolicy.elastic
+    message = None
+    if first:
+        message = (
+            f"room for data-parallel degree {target} (running {running}): growing once it has lasted "
+            f"growStableSeconds={bounds.grow_stable_seconds} and minResizeIntervalSeconds="
+            f"{bounds.min_resize_interval_seconds} have passed since the last resize "
+            f"({raw.get('resizedAt') or 'none'})"
+        )
+    return Checked(False, fields, message)
+
+
+def no_room(status: Mapping[str, Any]) -> dict[str, Any]:
+    """Status changes after a grow check found no room: the stable period starts again."""
+    raw = status.get("elastic") or {}
+    if not raw.get("roomSince"):
+        return {}
+    return {"elastic": {**raw, "roomSince": None}}
 
 
 def within_quota(
@@ -103,6 +197,10 @@ def placed_fields(
         return {}
     # The checkpoint the new gang resumes from is only known from its first report (see baseline).
     record = elastic.status_of(declared, size, None)
+    before = recorded(status)
+    resized_at = before.resized_at if before is not None else None
+    if before is not None and before.data != size.data:
+        resized_at = conditions.timestamp(now)
     conds = list(status.get("conditions") or [])
     if record is None:
         message = f"running at parallelism.data={size.data}"
@@ -127,6 +225,8 @@ def placed_fields(
             conds, conditions.RESIZED, conditions.TRUE, reason, record.message, now
         )
         body = record.model_dump(by_alias=True, mode="json")
+    # A new gang judges room afresh; the time of the last resize carries over.
+    body |= {"resizedAt": resized_at, "roomSince": None}
     return {"elastic": body, "conditions": conds}
 
 

@@ -28,7 +28,16 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer import data, hf, llama, lossguard, noise_scale, optim, special_tokens
+from meshtrain.trainer import (
+    batch_change,
+    data,
+    hf,
+    llama,
+    lossguard,
+    noise_scale,
+    optim,
+    special_tokens,
+)
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, compilation, parallelize, recording, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -111,6 +120,8 @@ class Engine:
             if self.precision == "bf16"
             else contextlib.nullcontext
         )
+        self.lr_plan = batch_change.LrPlan()
+        """Multiplier on the spec's rates after a resume at another batch (set by the checkpointer)."""
         self.model = parallelize.parallelize(
             dense,
             mesh,
@@ -343,7 +354,7 @@ class Engine:
         peak, minimum = training.learning_rates(self.spec.parallelism)
         lr = optim.lr_at(
             step, peak=peak, minimum=minimum, warmup=training.warmup_steps, total=training.steps
-        )
+        ) * self.lr_plan.multiplier(step)
         optim.set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward()
         clip = (

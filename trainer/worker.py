@@ -134,6 +134,7 @@ def step_record(
         "grad_norm": result.grad_norm,
         "time": time.time(),
         "layout": par.layout_string,
+        "global_batch": job.global_batch,
         "bubble_ratio_theoretical": schedules.bubble_ratio(
             par.pipeline, par.micro_batches, par.virtual_stages
         ),
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(exitcodes.CHECKPOINT, err)
     if restored is not None:
         recorder.checkpoint_saved(restored)
+    if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
+        recorder.learning_rates(saver.resumed.plan)
     if rank == 0:
         print(
             memory_accounting.measure(
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if log is not None:
             record = step_record(result, recorder.steps[-1], job)
+            if saver.resumed is not None and step == saver.resumed.plan.start + 1:
+                record["batch_change"] = saver.resumed.record | {"message": saver.resumed.message}
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
             if result.skipped:

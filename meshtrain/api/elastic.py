@@ -3,7 +3,8 @@
 ``parallelism.data`` states the global batch ``G = microBatch x microBatches x data``.  At
 another degree ``d`` the gradient accumulation is changed to ``G / (microBatch x d)`` so the
 optimizer sees the same batch; where that does not divide, the nearest whole accumulation is
-used and the changed batch (and learning rate, by ``training.lrScaling``) is stated.  Pure: no I/O.
+used and the changed batch (and learning rate: ``training.lrScaling``, under ``none`` the batch
+ratio) is stated.  Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -85,16 +86,26 @@ def describe(spec: TrainingJobSpec, size: Size) -> str:
     if size.keeps_global_batch:
         return f"{head}, global batch kept at {size.global_batch}"
     before = training.learning_rates(par)[0]
-    after = training.learning_rates(resized(spec, size).parallelism)[0]
-    rate = (
-        f"learning rate {before:.3g} -> {after:.3g} (training.lrScaling {training.lr_scaling.rule})"
+    after = peak_learning_rate(spec, size)
+    why = (
+        f"training.lrScaling {training.lr_scaling.rule}"
         if training.lr_scaling.rule != "none"
-        else f"learning rate kept at {before:.3g} (training.lrScaling is none)"
+        else "the batch ratio, training.lrScaling is none"
     )
+    rate = f"learning rate {before:.3g} -> {after:.3g} ({why}"
+    rate += "; ramped up over part of warmupSteps)" if after > before else ")"
     return (
         f"{head}; global batch {spec.global_batch} -> {size.global_batch} "
         f"({spec.global_batch} is not divisible by microBatch={training.micro_batch} x {size.data}); {rate}"
     )
+
+
+def peak_learning_rate(spec: TrainingJobSpec, size: Size) -> float:
+    """The peak rate a gang at ``size`` trains with after resuming from a checkpoint of the declared
+    degree (the trainer's rule, ``meshtrain.trainer.batch_change``)."""
+    training = spec.training
+    scale = training.lr_scaling.carried_scale(spec.global_batch, size.global_batch)
+    return training.learning_rates(resized(spec, size).parallelism)[0] * scale
 
 
 def status_of(
@@ -107,7 +118,7 @@ def status_of(
         data=size.data,
         micro_batches=size.micro_batches,
         global_batch=size.global_batch,
-        learning_rate=spec.training.learning_rates(resized(spec, size).parallelism)[0],
+        learning_rate=peak_learning_rate(spec, size),
         checkpoint_step=checkpoint_step,
         message=describe(spec, size),
     )

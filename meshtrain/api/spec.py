@@ -484,8 +484,10 @@ class LrScaling(_Model):
 
     rule: Literal["none", "linear", "sqrt"] = Field(
         "none",
-        description="none: learningRate as written; linear: times globalBatch / referenceBatch; "
-        "sqrt: times its square root. minLearningRate scales the same way; warmup is kept.",
+        description="none: learningRate as written at the batch the run started with (a run resumed at "
+        "another global batch, after a resize or a layout change, multiplies it by the batch ratio); linear: "
+        "times globalBatch / referenceBatch; sqrt: times its square root. minLearningRate scales the same way; "
+        "warmup is kept; a rate raised at a resume ramps up at the warmup's slope.",
     )
     reference_batch: int | None = Field(
         None,
@@ -499,6 +501,12 @@ class LrScaling(_Model):
             return 1.0
         ratio = global_batch / self.reference_batch
         return ratio if self.rule == "linear" else ratio**0.5
+
+    def carried_scale(self, from_batch: int, to_batch: int) -> float:
+        """The extra multiplier when a run resumes at ``to_batch`` from a checkpoint trained at
+        ``from_batch``: under ``none`` the batch ratio (linear, the checkpoint's batch as the
+        reference); ``linear`` and ``sqrt`` already follow the batch through :meth:`factor`."""
+        return to_batch / from_batch if self.rule == "none" else 1.0
 
 
 class Evaluation(_Model):
@@ -708,6 +716,21 @@ class Elastic(_Model):
         description="Largest data-parallel degree the job may grow to when capacity is free (at the next "
         "checkpoint).",
     )
+    grow_stable_seconds: int = Field(
+        120,
+        ge=0,
+        le=86400,
+        description="Grow only after room for a larger degree was found at every check (about every 10 s) "
+        "for this long, so capacity that comes and goes (a flapping node) does not rebuild the gang.",
+    )
+    min_resize_interval_seconds: int = Field(
+        600,
+        ge=0,
+        le=86400,
+        description="Least time between two resizes of the gang: a grow waits until this long after the last "
+        "shrink or grow. A shrink is never delayed (the gang lost a node and cannot run at its size), but it "
+        "starts the interval.",
+    )
 
 
 class StragglerPolicy(_Model):
@@ -907,7 +930,8 @@ class ElasticStatus(_Model):
     micro_batches: int = Field(ge=1, description="Micro-batches per replica at that degree.")
     global_batch: int = Field(ge=1, description="Global batch at that degree.")
     learning_rate: float = Field(
-        description="Peak learning rate at that global batch (training.lrScaling applied)."
+        description="Peak learning rate at that global batch (training.lrScaling applied; under none the "
+        "declared rate times the batch ratio)."
     )
     checkpoint_step: int | None = Field(
         None,
@@ -917,6 +941,16 @@ class ElasticStatus(_Model):
         ),
     )
     message: str = Field("", description="What changed and why.")
+    resized_at: str | None = Field(
+        None,
+        description="RFC 3339 time the gang was last placed at another degree than before (a shrink or a "
+        "grow); the next grow waits runPolicy.elastic.minResizeIntervalSeconds from it.",
+    )
+    room_since: str | None = Field(
+        None,
+        description="RFC 3339 time since which every grow check found room for a larger degree (empty when "
+        "the last one found none); the gang grows once that lasted runPolicy.elastic.growStableSeconds.",
+    )
 
 
 class Straggler(_Model):

@@ -141,3 +141,22 @@ def test_the_elastic_example_runs_at_dp8_or_dp4_with_its_batch():
         (8, 8, spec.global_batch),
         (4, 16, spec.global_batch),
     ]
+
+
+def test_under_lr_scaling_none_a_changed_batch_scales_the_stated_rate_by_the_batch_ratio():
+    """What the trainer will do (trainer.batch_change) is what status.elastic says."""
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=4, gpus_per_node=1)
+        .parallelism(microBatches=2)
+        .training(microBatch=1, learningRate=1e-3)
+        .checkpoint(claimName="ckpt")
+        .run_policy(elastic={"minData": 2, "maxData": 4})
+        .raw()
+    )
+    size = elastic.size_at(spec, 3)
+    status = elastic.status_of(spec, size, checkpoint_step=40)
+    assert status is not None and size.global_batch == 9
+    assert status.learning_rate == pytest.approx(1e-3 * 9 / 8)
+    assert "the batch ratio, training.lrScaling is none" in status.message
+    assert "ramped up" in status.message  # 9 > 8: the trainer ramps the larger rate in

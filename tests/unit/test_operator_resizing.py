@@ -150,3 +150,108 @@ def test_direction_of_a_change():
     assert resizing.change(2, elastic.size_at(spec, 3)) == "grow"
     assert resizing.change(3, elastic.size_at(spec, 3)) is None
     assert resizing.change(None, elastic.size_at(spec, 3)) is None
+
+
+def steady(stable=60, interval=300):
+    """A dp4 job (minData 2) that grows only after room lasted ``stable`` s, ``interval`` s after a resize."""
+    builder = JobBuilder().layout(data=4, gpus_per_node=1).parallelism(microBatches=3)
+    builder.checkpoint(claimName="ckpt").run_policy(
+        elastic={
+            "minData": 2,
+            "maxData": 4,
+            "growStableSeconds": stable,
+            "minResizeIntervalSeconds": interval,
+        }
+    )
+    return loading.parse_spec(builder.raw())
+
+
+def at(seconds):
+    return NOW + datetime.timedelta(seconds=seconds)
+
+
+def shrunk(spec, when=0):
+    """The status of a gang that ran at dp4 and was placed again at dp3 at ``when``."""
+    status = resizing.placed_fields(spec, elastic.size_at(spec, 4), {}, NOW)
+    return status | resizing.placed_fields(spec, elastic.size_at(spec, 3), status, at(when))
+
+
+def test_a_resize_is_stamped_and_a_placement_at_the_same_size_keeps_the_stamp():
+    spec = steady()
+    first = resizing.placed_fields(spec, elastic.size_at(spec, 4), {}, NOW)
+    assert first["elastic"]["resizedAt"] is None  # the first placement is no resize
+    status = shrunk(spec, when=5)
+    assert status["elastic"]["resizedAt"] == "2026-01-01T00:00:05Z"
+    status["elastic"]["roomSince"] = "2026-01-01T00:00:06Z"
+    again = resizing.placed_fields(spec, elastic.size_at(spec, 3), status, at(50))  # a restart
+    assert again["elastic"]["resizedAt"] == "2026-01-01T00:00:05Z"
+    assert again["elastic"]["roomSince"] is None  # the new gang judges room afresh
+
+
+@pytest.mark.parametrize(
+    "checks,grows_at",
+    [
+        # (second of a check, room found?) after a shrink at 0; growStableSeconds 60, interval 300
+        ([(10, True), (70, True), (290, True), (300, True)], 300),  # the interval binds
+        (
+            [(10, True), (250, False), (260, True), (310, True), (320, True)],
+            320,
+        ),  # room lost: 60 s again
+        ([(290, True), (340, True), (350, True)], 350),  # room first seen late: stability binds
+    ],
+)
+def test_a_gang_grows_once_room_lasted_and_the_resize_interval_passed(checks, grows_at):
+    spec = steady()
+    status = shrunk(spec)
+    grown_at = None
+    for second, room in checks:
+        if not room:
+            status |= resizing.no_room(status)
+            assert status["elastic"]["roomSince"] is None
+            assert resizing.largest_allowed(spec, status, at(second)) == 3
+            continue
+        checked = resizing.room_found(spec, status, 3, 4, at(second))
+        status |= checked.fields
+        assert resizing.largest_allowed(spec, status, at(second)) == (None if checked.grow else 3)
+        if checked.grow:
+            grown_at = second
+            break
+    assert grown_at == grows_at
+
+
+def test_the_first_check_that_finds_room_says_when_the_gang_will_grow():
+    spec = steady()
+    status = shrunk(spec)
+    first = resizing.room_found(spec, status, 3, 4, at(10))
+    assert not first.grow and first.fields["elastic"]["roomSince"] == "2026-01-01T00:00:10Z"
+    assert (
+        "growStableSeconds=60" in first.message and "minResizeIntervalSeconds=300" in first.message
+    )
+    status |= first.fields
+    later = resizing.room_found(spec, status, 3, 4, at(20))
+    assert later == resizing.Checked(False, {}, None)
+
+
+def test_without_waiting_periods_a_gang_grows_at_the_first_check_with_room():
+    spec = steady(stable=0, interval=0)
+    checked = resizing.room_found(spec, shrunk(spec), 3, 4, at(1))
+    assert checked.grow
+
+
+def test_a_gang_never_resized_waits_only_for_stable_room():
+    spec = steady()
+    status = resizing.placed_fields(spec, elastic.size_at(spec, 3), {}, NOW)  # first placed at dp3
+    status |= resizing.room_found(spec, status, 3, 4, at(1)).fields
+    assert not resizing.room_found(spec, status, 3, 4, at(60)).grow
+    assert resizing.room_found(spec, status, 3, 4, at(61)).grow
+
+
+def test_a_restarted_gang_is_not_placed_larger_than_it_ran_before_a_grow_is_allowed():
+    spec = steady()
+    status = shrunk(spec)
+    cap = resizing.largest_allowed(spec, status, at(1))
+    assert cap == 3
+    assert [s.data for s, _ in resizing.no_larger_than(resizing.candidates(spec), cap)] == [3, 2]
+    # a lower cap than any allowed size (minData raised by a spec change): nothing is left out
+    assert len(resizing.no_larger_than(resizing.candidates(spec), 1)) == 3
+    assert resizing.largest_allowed(declared(), {}, NOW) is None  # never placed

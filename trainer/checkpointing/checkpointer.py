@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
+from meshtrain.trainer import batch_change
 from meshtrain.trainer.checkpointing import sharded, state, store
 
 FAULT_ENV = "MESHTRAIN_FAULT_INJECT_SAVE"
@@ -144,6 +145,8 @@ class Checkpointer:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._in_flight: concurrent.futures.Future[int] | None = None
         self._published: list[int] = []
+        self.resumed: batch_change.Resumed | None = None
+        """Set by :meth:`restore` when the checkpoint was trained at another batch (or mid-ramp)."""
 
     # --- resume ----------------------------------------------------------------
 
@@ -200,9 +203,17 @@ class Checkpointer:
         if self.engine.guard is not None and record.get("loss_guard"):
             self.engine.guard.load_state_dict(record["loss_guard"])
         state.set_optimizer_step(self.engine.optimizer, record["optimizer_step"])
+        spec = self.engine.spec
+        self.resumed = batch_change.on_resume(
+            spec.training, spec.parallelism, record.get("batch"), record["step"]
+        )
+        if self.resumed is not None:
+            self.engine.lr_plan = self.resumed.plan
         self.last_saved = step
         if dist.get_rank() == 0:
             _say(f"resumed from {path} (step {step}) in {time.perf_counter() - start:.2f}s")
+            if self.resumed is not None:
+                _say(self.resumed.message)
         return step
 
     # --- save ------------------------------------------------------------------

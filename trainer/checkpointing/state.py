@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from meshtrain.trainer import batch_change
 from meshtrain.trainer.checkpointing import sharded, store
 from meshtrain.trainer.parallel import compression, zero, zero3
 
@@ -159,6 +160,9 @@ def trainer_record(engine: Any) -> dict[str, Any]:
             "total": training.steps,
             "lr": engine.optimizer.param_groups[0]["lr"],
         },
+        "batch": batch_change.saved_record(
+            training, engine.spec.parallelism, engine.lr_plan, engine.step
+        ),
     }
 
 

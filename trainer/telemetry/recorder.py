@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain import layout as layout_mod
-from meshtrain.trainer import memory_accounting, slowdown
+from meshtrain.trainer import batch_change, memory_accounting, slowdown
 from meshtrain.trainer import model as model_mod
 from meshtrain.trainer.parallel import recording
 from meshtrain.trainer.telemetry import context, exporter, peak, progress, stepstats, trace
@@ -140,6 +140,14 @@ class TelemetryRecorder:
             sink.publish(stats, events, start, memory)
 
     # -- beyond the protocol -------------------------------------------------
+
+    def learning_rates(self, plan: batch_change.LrPlan) -> None:
+        """The rates follow ``plan`` from now on (a resume at another batch): the exported
+        ``meshtrain_learning_rate`` is the rate the engine uses."""
+        self.facts = dataclasses.replace(self.facts, lr_plan=plan)
+        for sink in self.sinks:
+            if isinstance(sink, exporter.Exporter):
+                sink.facts = self.facts
 
     def checkpoint_saved(self, step: int) -> None:
         """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete (published)."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from meshtrain.trainer import optim
+from meshtrain.trainer import batch_change, optim
 from meshtrain.trainer.parallel import recording, schedules
 
 ALL_REDUCE_OPS = frozenset({"all_reduce", "allreduce"})
@@ -70,9 +70,11 @@ class JobFacts:
     min_learning_rate: float = 0.0
     """training.minLearningRate after lrScaling."""
     warmup_steps: int = 0
+    """training.warmupSteps."""
     global_batch: int = 0
     """Sequences per optimizer step (microBatch x microBatches x data; 0: unknown)."""
-    """training.warmupSteps."""
+    lr_plan: batch_change.LrPlan = dataclasses.field(default_factory=batch_change.LrPlan)
+    """The multiplier a resume at another batch put on the rates (the engine's ``lr_plan``)."""
 
     def learning_rate(self, step: int) -> float:
         """The learning rate the optimizer used at ``step`` (the engine's schedule)."""
@@ -82,7 +84,7 @@ class JobFacts:
             minimum=self.min_learning_rate,
             warmup=self.warmup_steps,
             total=max(self.training_steps, 1),
-        )
+        ) * self.lr_plan.multiplier(step)
 
     @property
     def bubble_theoretical(self) -> float:

@@ -235,6 +235,19 @@ INVALID = [
         'Unsupported value: "zero-bubble"',
     ),
     (
+        "elastic minimum resize interval above a day",
+        _with(
+            "spec.runPolicy",
+            {"elastic": {"minData": 2, "maxData": 2, "minResizeIntervalSeconds": 86401}},
+        ),
+        "spec.runPolicy.elastic.minResizeIntervalSeconds: Invalid value: 86401",
+    ),
+    (
+        "elastic grow stability negative",
+        _with("spec.runPolicy", {"elastic": {"minData": 2, "maxData": 2, "growStableSeconds": -1}}),
+        "spec.runPolicy.elastic.growStableSeconds: Invalid value: -1",
+    ),
+    (
         "data below its minimum",
         _with("spec.parallelism.data", 0),
         "should be greater than or equal to 1",

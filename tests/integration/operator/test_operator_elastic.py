@@ -13,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshtrain.api import loading
-from meshtrain.operator import resizing
+from meshtrain.operator import conditions, resizing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_stragglers import _checkpoint_volume, simulated
@@ -43,6 +43,9 @@ def _gang_running(cluster: Cluster, pods: int) -> dict:
 
     return wait_for(f"{pods} pod(s) of grow Running", ready, timeout=90)
 
+
+AT_ONCE = {"growStableSeconds": 0, "minResizeIntervalSeconds": 0}
+"""Grow at the first check that finds room (the waiting periods have a test of their own)."""
 
 NOTHING_YET = {"step": 0, "updated_at": None}
 """What rank 0 serves before its first step: the operator sees no checkpoint from it."""
@@ -99,7 +102,7 @@ def test_a_gang_is_not_rebuilt_for_a_size_no_placement_would_pick(control_plane_
             .layout(data=8, pipeline=2, gpus_per_node=4)  # two replicas per pod
             .parallelism(microBatches=4, allReduce="hierarchical")
             .checkpoint(claimName="ckpt")
-            .run_policy(elastic={"minData": 2, "maxData": 8})
+            .run_policy(elastic={"minData": 2, "maxData": 8, **AT_ONCE})
             .metrics(port=progress.port)
         )
         status = _gang_running(cluster, 2)
@@ -132,7 +135,7 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
             .parallelism(microBatches=3)
             .training(microBatch=2, lrScaling={"rule": "linear", "referenceBatch": 24})
             .checkpoint(claimName="ckpt")
-            .run_policy(elastic={"minData": 2, "maxData": 4})
+            .run_policy(elastic={"minData": 2, "maxData": 4, **AT_ONCE})
             .metrics(port=progress.port)
         )
         declared = loading.parse_spec(job.raw())
@@ -177,3 +180,82 @@ def test_lost_node_shrinks_keeping_the_global_batch_and_the_gang_grows_back(
         resized = cluster.condition(NAMESPACE, "grow", "Resized")
         assert resized["status"] == "False" and resized["reason"] == "DeclaredSize"
         assert _resizes(operator) == {"shrink": 1.0, "grow": 1.0}
+
+
+STABLE, INTERVAL = 20, 60
+"""growStableSeconds and minResizeIntervalSeconds of the test below: the interval outlasts the first
+room's stable period, so the node can be taken away again before any grow may happen."""
+
+
+def _events(cluster: Cluster, reason: str) -> list:
+    return [e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == reason]
+
+
+def _room_since(cluster: Cluster) -> str | None:
+    return cluster.status(NAMESPACE, "grow").get("elastic", {}).get("roomSince")
+
+
+def test_a_gang_grows_back_only_after_stable_room_and_the_resize_interval(
+    control_plane_binaries, tmp_path
+):
+    """Shrunk at T0; room comes back, goes (the node deleted again) and comes back at R: the gang
+    grows no earlier than R + growStableSeconds and T0 + minResizeIntervalSeconds."""
+    with simulated(control_plane_binaries, NAMESPACE, tmp_path / "operator.log") as sim:
+        cluster, progress, kubelet, operator = sim.cluster, sim.progress, sim.kubelet, sim.operator
+        _checkpoint_volume(cluster, NAMESPACE)
+        nodes = [cluster.add_node(POOL, gpus=2, name=f"gpu-{i}") for i in range(4)]
+        operator.start()
+        progress.document = _report(100)
+        cluster.apply(
+            JobBuilder("grow", NAMESPACE, POOL)
+            .layout(data=4, tensor=2, gpus_per_node=2)
+            .parallelism(microBatches=3)
+            .training(microBatch=2)
+            .checkpoint(claimName="ckpt")
+            .run_policy(
+                elastic={
+                    "minData": 2,
+                    "maxData": 4,
+                    "growStableSeconds": STABLE,
+                    "minResizeIntervalSeconds": INTERVAL,
+                }
+            )
+            .metrics(port=progress.port)
+        )
+        _gang_running(cluster, 4)
+        _seen(cluster, "lastCheckpointStep", 100)
+        progress.document = NOTHING_YET
+        cluster.core.delete_node(nodes[3])
+        kubelet.lose(nodes[3])
+        status = _gang_running(cluster, 3)
+        shrunk_at = conditions.parse_time(status["elastic"]["resizedAt"])
+        assert shrunk_at is not None and status["elastic"].get("roomSince") is None
+        gang = {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")}
+
+        progress.document = _report(120)
+        _seen(cluster, "lastCheckpointStep", 120)
+        kubelet.gone.discard(nodes[3])
+        cluster.add_node(POOL, gpus=2, name=nodes[3])
+        progress.document = _report(170)  # a checkpoint since the shrink: only the periods hold it
+        first = wait_for("room found", lambda: _room_since(cluster), timeout=60)
+        [pending] = wait_for(
+            "the pending grow's Event", lambda: _events(cluster, "ElasticGrowPending")
+        )
+        assert f"growStableSeconds={STABLE}" in pending.message
+
+        cluster.core.delete_node(nodes[3])  # the room goes before it lasted: it must last again
+        wait_for("room lost", lambda: _room_since(cluster) is None, timeout=60)
+        assert {p.metadata.uid for p in cluster.pods(NAMESPACE, "grow")} == gang
+        cluster.add_node(POOL, gpus=2, name=nodes[3])
+        again = wait_for("room found again", lambda: _room_since(cluster), timeout=60)
+        assert again != first
+
+        status = _gang_running(cluster, 4)
+        assert status["elastic"]["data"] == 4 and status["restarts"] == 1
+        [growing] = wait_for("the grow's Event", lambda: _events(cluster, "ElasticGrowing"))
+        grew_at = growing.first_timestamp
+        room_at = conditions.parse_time(again)
+        assert room_at is not None
+        assert (grew_at - room_at).total_seconds() >= STABLE
+        assert (grew_at - shrunk_at).total_seconds() >= INTERVAL
+        assert status["elastic"]["resizedAt"] >= conditions.timestamp(grew_at)
