@@ -17,6 +17,7 @@ whole sequence, after the gather.  Imports only torch.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +57,91 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: gpt.RopeScaling) -> torc
     return torch.where(long, inv_freq / scaling.factor, torch.where(short, inv_freq, blended))
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` that keeps only its input and the per-token ``rstd`` for backward, on every device.
+
+    That is what CUDA's fused kernel keeps; elsewhere ``F.rms_norm``
+    decomposes into element-wise ops whose autograd also keeps the
+    normalised input (one more hidden-wide fp32 tensor per norm).  Backward
+    rebuilds it from the two.  The planner counts what this keeps.
+    """
+
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out: torch.Tensor
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        fctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = fctx.saved_tensors  # rstd: (..., 1), fp32
+        g, normed = grad.float(), x.float() * rstd
+        grad_weight = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        g = g * weight.float()
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over the last dimension that keeps less for backward (:class:`_RMSNormFunction`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:  # the trainer's residual stream is fp32, as its weights
+            return super().forward(x)
+        out: torch.Tensor = _RMSNormFunction.apply(x, self.weight, self.eps)
+        return out
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, heads, T, hd) by its positions' angles."""
+    """Rotate ``x`` (..., T, hd) by its positions' angles, in fp32 (the reference of :class:`_RotaryQKV`)."""
     rotated: torch.Tensor = (x * cos + _rotate_half(x) * sin).to(x.dtype)
     return rotated
+
+
+class _RotaryQKV(torch.autograd.Function):
+    """The fused QKV output with its q and k heads rotated, as one new tensor; keeps only cos and sin.
+
+    Rotating q and k apart from v would keep the projection's whole output
+    alive (v is a view of it) beside the rotated copies, ``h + kv`` more
+    elements per token.  Here the output holds rotated q, rotated k and v,
+    the projection's output is freed, and backward rotates the gradient back
+    (by the negative angles) from cos and sin alone.
+    """
+
+    @staticmethod
+    def forward(
+        fctx: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotated: int,
+        head_dim: int,
+    ) -> torch.Tensor:
+        batch, seq, _ = qkv.shape
+        out = torch.empty_like(qkv)  # (B, T, (h + 2 kv) * hd)
+        qk = qkv[..., :rotated].unflatten(-1, (-1, head_dim))  # (B, T, h + kv, hd)
+        out[..., :rotated] = apply_rope(qk, cos[:, None], sin[:, None]).flatten(-2)
+        out[..., rotated:] = qkv[..., rotated:]
+        fctx.save_for_backward(cos, sin)
+        fctx.rotated, fctx.head_dim = rotated, head_dim
+        return out
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        cos, sin = fctx.saved_tensors
+        rotated = fctx.rotated
+        out = torch.empty_like(grad)
+        g = grad[..., :rotated].unflatten(-1, (-1, fctx.head_dim))
+        back = (g * cos[:, None] - _rotate_half(g) * sin[:, None]).to(grad.dtype)
+        out[..., :rotated] = back.flatten(-2)
+        out[..., rotated:] = grad[..., rotated:]
+        return out, None, None, None, None
 
 
 class Attention(nn.Module):
@@ -91,14 +168,14 @@ class Attention(nn.Module):
         batch, seq, width = qkv.shape
         kv_heads = width // ((self.group + 2) * self.head_dim)  # local key/value heads
         heads = kv_heads * self.group
+        cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
+        qkv = _RotaryQKV.apply(qkv, cos, sin, (heads + kv_heads) * self.head_dim, self.head_dim)
         q, k, v = qkv.split(
             [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1
         )
-        q = q.view(batch, seq, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        q = q.view(batch, seq, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd), rotated
+        k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd), rotated
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
-        cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = gpt.attend(
             q, k, v, recompute=self.recompute_core, enable_gqa=self.group > 1
         )  # (B, h, T, hd)
@@ -128,9 +205,9 @@ class Block(gpt.Block):
 
     def __init__(self, config: gpt.GPTConfig) -> None:
         nn.Module.__init__(self)
-        self.ln1 = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.ln1 = RMSNorm(config.hidden, eps=config.norm_eps)
         self.attn = Attention(config)
-        self.ln2 = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.ln2 = RMSNorm(config.hidden, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
 
@@ -147,7 +224,7 @@ class Llama(gpt.GPT):
         self.tok_emb: nn.Module | None = nn.Embedding(config.vocab, config.hidden)
         self.pos_emb: nn.Module | None = None  # positions are rotary, inside attention
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
-        self.norm: nn.Module | None = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.norm: nn.Module | None = RMSNorm(config.hidden, eps=config.norm_eps)
         self.head: nn.Module | None = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tie_embeddings:  # one Parameter, registered (and named) as tok_emb.weight
             self.head.weight = self.tok_emb.weight

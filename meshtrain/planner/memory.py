@@ -217,6 +217,10 @@ def state_bytes(params: float, scheme: StateScheme, zero_stage: int, data: int) 
 # --------------------------------------------------------------------------- activations
 
 
+NORM_STATISTICS = {"gpt": 2, "llama": 1}
+"""fp32 statistics per token a norm keeps for backward: LayerNorm's mean and rstd, RMSNorm's rstd."""
+
+
 def layer_activation_bytes(
     shape: api_spec.ModelShape,
     micro_batch: int,
@@ -230,48 +234,60 @@ def layer_activation_bytes(
     """Activation bytes one block keeps for backward, per micro-batch, on one TP rank.
 
     Counting as Korthikanti et al. 2022 (sec. 4.1) do, for this model (no
-    dropout, MLP width f), per token:
+    dropout, MLP width f), what the trainer's autograd graph holds, per token:
 
-    * residual-stream tensors (``scheme.stream_bytes`` each): the two
-      LayerNorm inputs and the two LayerNorm outputs that feed QKV and the
-      MLP, 4h elements, replicated over the TP group unless sequence
-      parallelism shards them;
-    * matmul outputs (``scheme.matmul_bytes`` each): Q, K, V, the attention
-      output, the MLP up-projection and the GELU output, 4h + 2f elements,
-      split over TP;
+    * the two norms' inputs (``scheme.stream_bytes``) and their fp32
+      statistics (:data:`NORM_STATISTICS`), sharded by sequence parallelism;
+    * the two norms' outputs as the QKV and MLP-in matmuls keep them: the
+      matmul-dtype copy (autocast's), or under sequence parallelism the
+      gathered whole sequence in the wire dtype (the trainer keeps it rather
+      than gathering again in backward as Megatron-LM does), never sharded;
+    * matmul outputs (``scheme.matmul_bytes``) split over TP: Q, K, V (Llama:
+      rotated q and k, and v, one tensor), the attention output, and the MLP's
+      up-projection and GELU (gpt) or gate, up, SiLU and product (llama);
     * attention internals: fused attention (``scaled_dot_product_attention``'s
       flash kernels) keeps one fp32 log-sum-exp per head and token; unfused
       it keeps the scores and the softmax, 2 a s elements per token.
 
-    With 16-bit activations and f = 4h this is ``s b h (8 + 24/t)`` bytes, the
-    paper's ``10 + 24/t`` minus its two dropout masks (``34/t`` minus 2/t under
-    sequence parallelism).
+    Per micro-batch, whatever its tokens: Llama's rotary cos and sin (fp32,
+    T x hd each).  Not counted: under autocast the matmuls also keep the
+    16-bit copy of the block's matrices, one per micro-batch in flight
+    (docs/planner.md).
+
+    With 16-bit activations, f = 4h and no sequence parallelism this is
+    ``s b h (8 + 24/t)`` bytes, the paper's ``10 + 24/t`` minus its two
+    dropout masks, plus the norm statistics.
 
     ``recompute`` (``training.selectiveRecompute``) drops what a part rebuilds
     in backward: ``attention`` the attention internals (its q, k, v stay,
-    they are the checkpoint's inputs); ``mlp`` the second norm's output and
-    the MLP's up-projection and activation outputs (the sub-layer's input
-    stays: the norm kept it anyway).
+    they are the checkpoint's inputs); ``mlp`` the second norm's statistics and
+    output and the MLP's outputs (the sub-layer's input stays: it is the
+    norm's input).
     """
     s, b, h, f, a = shape.seq_len, micro_batch, shape.hidden, shape.ffn_hidden, shape.heads
-    stream = 4 * h * scheme.stream_bytes
-    mlp_outputs = 4 * f if shape.family == "llama" else 2 * f  # gate, up, silu, product; up, gelu
-    if (
-        shape.family == "llama"
-    ):  # q, k, v, their rotated q and k, attention out; gate, up, silu, product
-        kv = (
-            kv_heads_per_rank(shape, tensor) * shape.head_dim
-        )  # k, v and rotated k: this rank's heads
-        split = ((3 * h + mlp_outputs) / tensor + 3 * kv) * scheme.matmul_bytes
-    else:
-        split = (4 * h + mlp_outputs) / tensor * scheme.matmul_bytes
-    if "mlp" in recompute:
-        stream -= h * scheme.stream_bytes
-        split -= mlp_outputs / tensor * scheme.matmul_bytes
-    per_token = stream / tensor + split if sequence_parallel else stream + split
+    llama = shape.family == "llama"
+    mlp_rebuilt = "mlp" in recompute
+    kept_norms = 1 if mlp_rebuilt else 2  # norms whose statistics and output the block keeps
+    norm_inputs: float = (
+        2 * h * scheme.stream_bytes + kept_norms * NORM_STATISTICS[shape.family] * 4
+    )
+    if sequence_parallel:
+        norm_inputs /= tensor
+    norm_outputs = (
+        kept_norms * h * (scheme.wire_bytes if sequence_parallel else scheme.matmul_bytes)
+    )
+    if llama:  # rotated q, attention output; rotated k and v: this rank's key/value heads
+        kv = kv_heads_per_rank(shape, tensor) * shape.head_dim
+        matmul_outputs = 2 * h / tensor + 2 * kv
+    else:  # q, k, v, attention output
+        matmul_outputs = 4 * h / tensor
+    if not mlp_rebuilt:  # gate, up, SiLU, product (llama); up, GELU (gpt)
+        matmul_outputs += (4 * f if llama else 2 * f) / tensor
+    per_token = norm_inputs + norm_outputs + matmul_outputs * scheme.matmul_bytes
     if "attention" not in recompute:  # the attention internals
         per_token += (4 * a if fused_attention else 2 * a * s * scheme.matmul_bytes) / tensor
-    return s * b * per_token
+    rope_tables = 2 * s * shape.head_dim * 4 if llama else 0
+    return s * b * per_token + rope_tables
 
 
 def checkpointed_layer_bytes(

@@ -103,6 +103,24 @@ def test_imported_model_gives_transformers_logits(model, tmp_path):
         torch.testing.assert_close(ours(tokens), peer(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model", [LLAMA, {**LLAMA, "kvHeads": 4}], ids=["gqa", "mha"])
+def test_imported_llama_gives_transformers_gradients(model, tmp_path):
+    """Backward too: the rotary and RMSNorm autograd functions that keep less for backward."""
+    config = _config(model)
+    peer = _hf_model(config)
+    peer.save_pretrained(tmp_path)
+    ours = _meshtrain_from(tmp_path, config)
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    F.cross_entropy(ours(inputs).reshape(-1, config.vocab), targets).backward()
+    F.cross_entropy(peer(inputs).logits.reshape(-1, config.vocab), targets).backward()
+    grads = hf.to_hf(config, {n: p.grad for n, p in ours.named_parameters()})
+    peer_grads = dict(peer.named_parameters())
+    assert set(grads) == set(peer_grads)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, peer_grads[key].grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
 @pytest.mark.slow
 def test_every_layout_starts_from_the_directory(tmp_path):
     config = _config(LLAMA)

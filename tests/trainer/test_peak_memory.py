@@ -1,6 +1,12 @@
-"""Peak memory per rank, measured from allocations, against the planner, for ZeRO 0-2 with accumulation.
+"""Memory measured from allocations against the planner: per block, and each rank's peak.
 
-Every rank trains two steps under :class:`~meshtrain.trainer.live_memory.LiveBytes`
+* Activations: the tensors one block's forward leaves for backward on a
+  rank (live bytes after the forward, less its output), on dp2, tp2 and
+  tp2 with sequence parallelism, for GPT, Llama with grouped-query attention
+  and Llama with one (replicated) key/value head, and with selective
+  recompute, equal the planner's
+  :func:`~meshtrain.planner.memory.layer_activation_bytes` within 2% (fp32).
+* The peak: every rank trains two steps under :class:`~meshtrain.trainer.live_memory.LiveBytes`
 (a dispatch mode counting live tensor storages; the training state that
 exists before is registered first) and reports the high-water mark of the
 second step.  The planner's per-rank peak (:func:`meshtrain.planner.memory.plan_memory`:
@@ -18,16 +24,82 @@ import torch
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine, live_memory, memory_accounting
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 STAGES = (0, 1, 2)
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
+LLAMA = {**SHAPE, "family": "llama", "kvHeads": 2, "ffnHidden": 160}
+MODELS = {"gpt": SHAPE, "llama": LLAMA, "llama-mqa": {**LLAMA, "kvHeads": 1}}
+BLOCK_LAYOUTS = {
+    "dp2": dict(data=2),
+    "tp2": dict(tensor=2),
+    "tp2-sp": dict(tensor=2, sequence_parallel=True),
+}
+# (layout, model, selective recompute): every model on every layout, then recompute
+BLOCK_CASES = [(lay, model, ()) for lay in BLOCK_LAYOUTS for model in MODELS] + [
+    ("tp2", "llama", ("mlp",)),
+    ("tp2-sp", "gpt", ("attention", "mlp")),
+    ("tp2-sp", "llama-mqa", ("attention",)),
+]
+
+
+def _block_job(case: tuple) -> api_spec.TrainingJobSpec:
+    layout, model, recompute = case
+    raw = mt_harness.make_spec(
+        **BLOCK_LAYOUTS[layout],
+        micro_batches=1,
+        steps=1,
+        model=MODELS[model],
+        selectiveRecompute=list(recompute),
+    )
+    return loading.parse_spec(raw)
+
+
+def block_activations(cases: list[tuple]) -> list[int]:
+    """Per case, the bytes one block of this rank's model keeps for backward (its input included)."""
+    out = []
+    for case in cases:
+        job = _block_job(case)
+        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        eng = engine.Engine(job, mesh)
+        chunk = eng.model.chunks[0]
+        block = next(iter(chunk.blocks.values()))
+        shape, par = job.model.shape(), job.parallelism
+        seq = shape.seq_len // (par.tensor if par.sequence_parallel else 1)  # this rank's tokens
+        x = torch.randn(job.training.micro_batch, seq, shape.hidden, requires_grad=True)
+        tracker = live_memory.LiveBytes()
+        tracker.track([*chunk.parameters(), x])
+        with tracker:
+            before = tracker.current
+            y = block(x)
+            kept = tracker.current - before - y.untyped_storage().nbytes()
+        out.append(kept + x.untyped_storage().nbytes())
+    return out
+
+
+@pytest.mark.slow
+def test_planner_counts_what_a_block_keeps_for_backward() -> None:
+    measured = mt_harness.run_distributed(block_activations, 2, BLOCK_CASES)[0]
+    for case, kept in zip(BLOCK_CASES, measured):
+        job = _block_job(case)
+        par = job.parallelism
+        planned = memory.layer_activation_bytes(
+            job.model.shape(),
+            job.training.micro_batch,
+            par.tensor,
+            memory.FP32,
+            sequence_parallel=par.sequence_parallel,
+            recompute=job.training.selective_recompute,
+        )
+        assert planned == pytest.approx(kept, rel=0.02), f"{case}: planned {planned}, kept {kept}"
 
 
 def _raw(layout: dict, stage: int) -> dict:
-    raw = mt_harness.make_spec(**layout, bucket_mb=0.05, steps=2, model=SHAPE)
+    layout = {"model": SHAPE, **layout}
+    raw = mt_harness.make_spec(**layout, bucket_mb=0.05, steps=2)
     raw["parallelism"]["zeroStage"] = stage
     return raw
 
@@ -54,6 +126,7 @@ def peaks(layout: dict) -> dict[int, dict]:
 LAYOUTS = {
     "dp2-accum4": (dict(data=2, micro_batches=4), 2, True),
     "dp2-pp2-accum4": (dict(data=2, pipeline=2, micro_batches=4), 4, False),
+    "llama-dp2-accum4": (dict(data=2, micro_batches=4, model=LLAMA), 2, True),
 }
 
 
