@@ -34,7 +34,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import machine
+from benchmarks import hostload, machine
 from meshtrain.api import loading
 from meshtrain.planner import estimate, profiles, search, validation
 from meshtrain.trainer import calibrate, launch, steplog
@@ -76,8 +76,15 @@ def job_raw(parallelism: dict[str, Any], steps: int, checkpoints: str) -> dict[s
     }
 
 
-def measure(raw: dict[str, Any], workdir: Path, name: str) -> list[dict[str, Any]]:
-    """Every steps.jsonl record of a real ``meshtrain run`` of the spec."""
+def measure(
+    raw: dict[str, Any], workdir: Path, name: str
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every steps.jsonl record of a real ``meshtrain run`` of the spec, and the host over its steady steps.
+
+    The host figures (:mod:`benchmarks.hostload`) cover the steps after
+    warm-up: the cores other tenants left to the job, the job's CPU seconds,
+    the load average.
+    """
     path = workdir / f"{name}.yaml"
     document = {
         "apiVersion": "meshtrain.io/v1alpha1",
@@ -87,11 +94,15 @@ def measure(raw: dict[str, Any], workdir: Path, name: str) -> list[dict[str, Any
     }
     path.write_text(yaml.safe_dump(document))
     log_dir = workdir / name
-    with contextlib.redirect_stdout(io.StringIO()):
+    with hostload.Sampler() as sampler, contextlib.redirect_stdout(io.StringIO()):
         code = launch.run_local(path, log_dir=log_dir)
     if code:
         raise RuntimeError(f"meshtrain run of {name} failed with exit code {code}; see {log_dir}")
-    return steplog.read(log_dir / steplog.FILENAME)
+    records = steplog.read(log_dir / steplog.FILENAME)
+    start = records[WARMUP_STEPS - 1]["time"] if len(records) > WARMUP_STEPS else records[0]["time"]
+    host = sampler.window(start, records[-1]["time"], os.cpu_count() or 1)
+    host["steps"] = len(records[WARMUP_STEPS:]) or len(records)
+    return records, host
 
 
 def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Profile:
@@ -109,6 +120,9 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
         before,
         peak_flops=mean(before.peak_flops, after.peak_flops),
         op_overhead=mean(before.op_overhead, after.op_overhead),
+        core_flops=mean(before.core_flops, after.core_flops),
+        core_op_overhead=mean(before.core_op_overhead, after.core_op_overhead),
+        available_cores=mean(before.available_cores, after.available_cores),
         flops_by_ranks={
             r: mean(f, after.flops_by_ranks.get(r, f)) for r, f in before.flops_by_ranks.items()
         },
@@ -117,6 +131,8 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
                 f,
                 alpha=mean(f.alpha, fits[(f.op, f.members)].alpha),
                 bandwidth=mean(f.bandwidth, fits[(f.op, f.members)].bandwidth),
+                cpu_call_seconds=mean(f.cpu_call_seconds, fits[(f.op, f.members)].cpu_call_seconds),
+                cpu_bandwidth=mean(f.cpu_bandwidth, fits[(f.op, f.members)].cpu_bandwidth),
             )
             for f in before.collectives
         ),
@@ -124,16 +140,27 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
     )
 
 
+def _median(records: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(float(r.get(key) or 0.0) for r in records)
+
+
 def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Path) -> dict:
-    """Calibrate, plan and run one layout; the row of the results file."""
+    """Calibrate, run, calibrate again and plan one layout; the row of the results file.
+
+    The step is predicted at the cores other tenants left to the job during
+    its steady steps (measured beside the run); the prediction at the
+    calibrations' cores is kept too.
+    """
     raw = job_raw(parallelism, steps, str(tmp / name / "checkpoints"))
     job = loading.parse_spec(raw, name)
     load_before = calibrate.load_average()
     before = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
-    records = measure(raw, tmp, name)
+    records, host = measure(raw, tmp, name)
     after = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
-    profile = bracketed(before, after)
+    calibrated = bracketed(before, after)
+    profile = dataclasses.replace(calibrated, available_cores=host["available_cores"])
     plan = estimate.make_plan(job, profile)
+    at_calibration = estimate.make_plan(job, calibrated).time
     steady = records[WARMUP_STEPS:] or records
     measured = statistics.median(r["step_seconds"] for r in steady)
     worst = plan.time.worst
@@ -148,8 +175,16 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
         "measured_step_seconds": measured,
         "ratio_measured_over_predicted": measured / plan.time.step_seconds,
         "predicted_bubble": plan.time.bubble_stage0,
-        "measured_bubble": statistics.median(r["bubble_ratio"] for r in steady),
+        "measured_bubble": _median(steady, "bubble_ratio"),
         "theoretical_bubble": plan.time.bubble,
+        "available_cores_run": host["available_cores"],
+        "available_cores_calibration": calibrated.available_cores,
+        "predicted_step_seconds_at_calibration_cores": at_calibration.step_seconds,
+        "ratio_at_calibration_cores": measured / at_calibration.step_seconds,
+        "work_bound": plan.time.work_bound,
+        "predicted_dependency_seconds": plan.time.dependency_seconds,
+        "predicted_cpu_seconds": plan.time.cpu_seconds,
+        "measured_cpu_seconds": host["job_cpu_seconds"] / host["steps"],
         "predicted_compute_seconds": worst.compute,
         "predicted_overhead_seconds": worst.overhead,
         "predicted_tp_seconds": worst.tp,
@@ -158,9 +193,14 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
         "predicted_dp_exposed_seconds": worst.dp_exposed,
         "predicted_optimizer_seconds": worst.optimizer,
         "oversubscription": plan.time.oversubscription,
-        "measured_compute_seconds": statistics.median(r["compute_seconds"] for r in steady),
+        "measured_compute_seconds": _median(steady, "compute_seconds"),
+        "measured_tp_seconds": _median(steady, "tp_allreduce_seconds"),
+        "measured_dp_seconds": _median(steady, "allreduce_seconds"),
+        "measured_exposed_comm_seconds": _median(steady, "exposed_comm_seconds"),
+        "measured_update_seconds": _median(steady, "update_seconds"),
         "measured_steps": [r["step_seconds"] for r in records],
-        "calibration": profiles.to_mapping(profile),
+        "calibration": profiles.to_mapping(calibrated),
+        "host_during_run": host,
         "load_average_before": load_before,
         "load_average_after": calibrate.load_average(),
     }
@@ -177,15 +217,21 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
         layout = {k: v for k, v in candidate.parallelism.items() if k != "microBatch"}
         raw = job_raw(layout, steps, str(tmp / name / "checkpoints"))
         raw["training"]["microBatch"] = candidate.parallelism["microBatch"]
-        records = measure(raw, tmp, name)
+        records, host = measure(raw, tmp, name)
         steady = records[WARMUP_STEPS:] or records
+        at_run = estimate.make_plan(
+            loading.parse_spec(raw, name),
+            dataclasses.replace(profile, available_cores=host["available_cores"]),
+        ).time.step_seconds
         rows.append(
             {
                 "rank": index + 1,
                 "layout": candidate.label,
                 "parallelism": candidate.parallelism,
                 "predicted_step_seconds": candidate.step_seconds,
+                "predicted_step_seconds_at_run_cores": at_run,
                 "measured_step_seconds": statistics.median(r["step_seconds"] for r in steady),
+                "host_during_run": host,
             }
         )
     fastest = min(rows, key=lambda r: r["measured_step_seconds"]) if rows else None
@@ -214,7 +260,71 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "within_25_percent": sum(e <= TARGET_RATIO for e in errors),
         "max_bubble_error": max(bubbles),
         "bubble_within_0_05": sum(b <= TARGET_BUBBLE for b in bubbles),
+        "within_25_percent_at_calibration_cores": sum(
+            abs(r["ratio_at_calibration_cores"] - 1) <= TARGET_RATIO for r in rows
+        ),
+        "cpu_work_ratio_min": min(
+            r["measured_cpu_seconds"] / r["predicted_cpu_seconds"] for r in rows
+        ),
+        "cpu_work_ratio_max": max(
+            r["measured_cpu_seconds"] / r["predicted_cpu_seconds"] for r in rows
+        ),
+        "load_during_runs": [
+            min(r["host_during_run"]["load_min"] for r in rows),
+            max(r["host_during_run"]["load_max"] for r in rows),
+        ],
     }
+
+
+def markdown(document: dict[str, Any]) -> str:
+    """The table and summary docs/planner.md shows, from a results file's document."""
+    results, host = document["results"], document["machine"]
+    rows, summary = results["layouts"], results["summary"]
+    low, high = summary["load_during_runs"]
+    lines = [
+        f"Committed run (`benchmarks/results/planner_time-{host['host']}.json`, {document['time']}, "
+        f"host {host['host']}, {host.get('cpu_model')}, {host['cpu_count']} cores, shared with other "
+        f"engineers' test suites; 1-minute load average {low:.1f}–{high:.1f} during the measured steps):",
+        "",
+        "| layout | world | predicted s | measured s | measured/predicted | cores left to the job | "
+        "predicted/measured CPU s per step | predicted bubble | measured bubble | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        run = r["host_during_run"]
+        lines.append(
+            f"| {r['layout']} | {r['world_size']} | {r['predicted_step_seconds']:.3f} | "
+            f"{r['measured_step_seconds']:.3f} | {r['ratio_measured_over_predicted']:.2f} | "
+            f"{r['available_cores_run']:.2f} | {r['predicted_cpu_seconds']:.3f} / "
+            f"{r['measured_cpu_seconds']:.3f} | {r['predicted_bubble']:.3f} | "
+            f"{r['measured_bubble']:.3f} | {run['load_min']:.1f}–{run['load_max']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Within 25%: {summary['within_25_percent']} of {summary['layouts']} layouts (median "
+        f"|error| {summary['median_abs_error']:.0%}, ratio {summary['min_ratio']:.2f}–"
+        f"{summary['max_ratio']:.2f}); bubble within 0.05: {summary['bubble_within_0_05']} of "
+        f"{summary['layouts']} (largest miss {summary['max_bubble_error']:.3f}); measured over "
+        f"predicted CPU work {summary['cpu_work_ratio_min']:.2f}–{summary['cpu_work_ratio_max']:.2f}. "
+        f"Predicted at the calibrations' cores instead of the run's: "
+        f"{summary['within_25_percent_at_calibration_cores']} of {summary['layouts']} within 25%.",
+    ]
+    searched = results.get("search")
+    if searched:
+        picks = "; ".join(
+            f"#{c['rank']} {c['layout']} predicted {c['predicted_step_seconds']:.2f} s "
+            f"({c['predicted_step_seconds_at_run_cores']:.2f} s at the run's cores), "
+            f"measured {c['measured_step_seconds']:.2f} s"
+            for c in searched["candidates"]
+        )
+        verdict = (
+            "The top pick was the fastest measured."
+            if searched["top_pick_is_fastest_measured"]
+            else f"The top pick was not the fastest measured (it measured "
+            f"{searched['top_pick_over_fastest_measured']:.2f}x the fastest)."
+        )
+        lines += ["", f"`--search` check ({searched['world']} ranks): {picks}. {verdict}"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="run only these layouts")
     parser.add_argument("--search-world", type=int, default=4, help="world size for --search")
     parser.add_argument("--no-search", action="store_true", help="skip the --search check")
+    parser.add_argument(
+        "--table",
+        metavar="RESULTS",
+        help="print docs/planner.md's table of a results file; run nothing",
+    )
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return 0
     layouts = [(n, p) for n, p in LAYOUTS if not args.only or n in args.only]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"measured {row['measured_step_seconds'] * 1e3:8.1f} ms  "
                 f"ratio {row['ratio_measured_over_predicted']:5.2f}  bubble "
                 f"{row['predicted_bubble']:.3f}/{row['measured_bubble']:.3f}  "
-                f"load {row['load_average_before'][:1]}",
+                f"cores {row['available_cores_run']:.2f} (cal {row['available_cores_calibration']:.2f}) "
+                f"cpu {row['predicted_cpu_seconds']:.3f}/{row['measured_cpu_seconds']:.3f} "
+                f"load {row['host_during_run']['load_min']:.1f}-{row['host_during_run']['load_max']:.1f}",
                 flush=True,
             )
         searched = (

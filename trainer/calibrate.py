@@ -8,7 +8,10 @@ hold, and other load on the host, are in the figures): the fixed cost of
 one small tensor operation forward and backward, the FLOP/s of the
 trainer's own block (and, for the record, of its GEMMs alone), and for each collective (all-reduce,
 all-gather, reduce-scatter, send/recv) its latency and bandwidth with the
-job's backend and group sizes, all groups of an axis at once as in training.  Collective times are medians over repeats and fitted to
+job's backend and group sizes, all groups of an axis at once as in training.
+Each figure is taken over wall time and over the process's CPU time: on a
+CPU host the planner prices CPU work (which other tenants do not change)
+over the cores the ranks received while all computed (which they do).  Collective times are medians over repeats and fitted to
 the ring formulas of :mod:`.cost` (alpha from the smallest message, the
 bandwidth from the largest).  The result is a profile YAML file that
 ``--profiles-dir`` reads, with the host, device, backend, time and load
@@ -65,29 +68,43 @@ def _bus_factor(op: str, members: int) -> float:
 
 
 def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
-    """Seconds per call of ``fn`` after one warm-up.
+    """Wall seconds per call of ``fn`` after one warm-up (see :func:`_timed_calls`)."""
+    return _timed_calls(fn, budget, sync, repeats)[0]
+
+
+def _timed_calls(
+    fn: Any, budget: float, sync: Any, repeats: int | None = None
+) -> tuple[float, float]:
+    """Wall and CPU seconds per call of ``fn`` after one warm-up.
 
     Without ``repeats``: calls fill ``budget`` seconds and the result is wall
     time over calls, so time the process was not scheduled counts (other
-    ranks and other load share the cores).  Collectives pass ``repeats``
-    (every member must make the same number of calls) and get the median.
+    ranks and other load share the cores), and the process's CPU time over
+    calls, which does not.  Collectives pass ``repeats`` (every member must
+    make the same number of calls) and get the medians.
     """
     fn()
     sync()
     samples: list[float] = []
-    started = time.perf_counter()
+    cpu_samples: list[float] = []
+    started, cpu_started = time.perf_counter(), time.process_time()
     while (
         len(samples) < repeats
         if repeats is not None
         else (time.perf_counter() - started < budget or len(samples) < 3)
     ):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         sync()
         samples.append(time.perf_counter() - t0)
+        cpu_samples.append(time.process_time() - c0)
     if repeats is None:
-        return (time.perf_counter() - started) / len(samples)
-    return statistics.median(samples)
+        calls = len(samples)
+        return (
+            (time.perf_counter() - started) / calls,
+            (time.process_time() - cpu_started) / calls,
+        )
+    return statistics.median(samples), statistics.median(cpu_samples)
 
 
 def gemm_shapes(job: api_spec.TrainingJobSpec) -> list[tuple[int, int, int]]:
@@ -120,20 +137,33 @@ def matmul_flops(
     return flops / seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockRate:
+    """The trainer's block at the job's shapes, forward and backward, as one rank measured it."""
+
+    flops: float
+    """FLOP/s over wall time (other ranks and other load sharing the cores included)."""
+    core_flops: float
+    """FLOP/s over this process's CPU time (the work itself, whatever the load)."""
+    share: float
+    """CPU seconds over wall seconds: the cores this rank received while every rank computed."""
+
+
 def block_flops(
     job: api_spec.TrainingJobSpec,
     dtype: torch.dtype,
     device: torch.device,
     budget: float,
-    overhead: float,
-) -> float:
+    overhead: tuple[float, float],
+) -> BlockRate:
     """FLOP/s of the trainer's own block at the job's width, sequence and micro-batch, forward and backward.
 
     Counted as the planner counts it (``6 x block parameters + 12 s h`` per
-    token) over the block's time less the fixed cost of its operations, so
-    that FLOPs at this rate plus :data:`~meshtrain.planner.cost.BLOCK_OPS` x
-    ``overhead`` is the block's measured time: the layer norms, attention,
-    activation and copies are in the rate, not only the GEMMs.
+    token) over the block's time less the fixed cost of its operations
+    (``overhead``: wall and CPU seconds per operation), so that FLOPs at this
+    rate plus :data:`~meshtrain.planner.cost.BLOCK_OPS` x overhead is the
+    block's measured time: the layer norms, attention, activation and copies
+    are in the rate, not only the GEMMs.
     """
     shape = job.model.shape()
     config = gpt.GPTConfig.from_shape(shape)
@@ -147,15 +177,19 @@ def block_flops(
     def step() -> None:
         block(x).sum().backward()
 
-    seconds = _seconds_per_call(step, budget, sync)
+    seconds, cpu = _timed_calls(step, budget, sync)
     tokens = job.training.micro_batch * shape.seq_len
     flops = (6 * memory.layer_params(shape) + 12 * shape.seq_len * shape.hidden) * tokens
-    fixed = sum(cost.BLOCK_OPS) * overhead
-    return flops / max(seconds - fixed, 0.1 * seconds)
+    ops = sum(cost.BLOCK_OPS)
+    return BlockRate(
+        flops=flops / max(seconds - ops * overhead[0], 0.1 * seconds),
+        core_flops=flops / max(cpu - ops * overhead[1], 0.1 * cpu),
+        share=cpu / seconds,
+    )
 
 
-def op_overhead(device: torch.device, budget: float) -> float:
-    """Seconds per operation of a chain of tiny element-wise ops, forward and backward (dispatch, autograd, launch)."""
+def op_overhead(device: torch.device, budget: float) -> tuple[float, float]:
+    """Wall and CPU seconds per operation of a chain of tiny element-wise ops, forward and backward (dispatch, autograd, launch)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     chain = 32
     x = torch.ones(8, device=device, requires_grad=True)
@@ -167,7 +201,8 @@ def op_overhead(device: torch.device, budget: float) -> float:
         y.sum().backward()
 
     # Each link is one forward op and one backward op; sum, fill and accumulation add three.
-    return _seconds_per_call(step, budget, sync) / (2 * chain + 3)
+    wall, cpu = _timed_calls(step, budget, sync)
+    return wall / (2 * chain + 3), cpu / (2 * chain + 3)
 
 
 def _call(
@@ -241,16 +276,31 @@ def _worker(rank: int, task: _Task) -> None:
                 shard = torch.zeros(numel // n, dtype=task.dtype, device=device)
                 call = functools.partial(_call, op, full, shard, group, peer, index % 2 == 0)
                 dist.barrier()
-                seconds = _seconds_per_call(call, task.budget, sync, repeats=task.repeats)
+                seconds, cpu = _timed_calls(call, task.budget, sync, repeats=task.repeats)
                 if op == "send":
-                    seconds /= 2
+                    seconds, cpu = seconds / 2, cpu / 2
                 results.append(
-                    {"op": op, "members": n, "bytes": numel * element, "seconds": seconds}
+                    {
+                        "op": op,
+                        "members": n,
+                        "bytes": numel * element,
+                        "seconds": seconds,
+                        "cpu_seconds": cpu,
+                    }
                 )
         dist.barrier()
     gathered: list[Any] = [None] * task.processes
     dist.all_gather_object(
-        gathered, {"flops": flops, "gemm": gemm, "overhead": overhead, "collectives": results}
+        gathered,
+        {
+            "flops": flops.flops,
+            "core_flops": flops.core_flops,
+            "share": flops.share,
+            "gemm": gemm,
+            "overhead": overhead[0],
+            "core_overhead": overhead[1],
+            "collectives": results,
+        },
     )
     if rank == 0:
         Path(task.out).write_text(json.dumps(gathered))
@@ -259,14 +309,35 @@ def _worker(rank: int, task: _Task) -> None:
     mesh.exit_now(0)  # a teardown abort must not fail a calibration whose result is written
 
 
-def fit(op: str, members: int, samples: dict[int, float], processes: int) -> profiles.CollectiveFit:
-    """Alpha from the smallest message, bus bandwidth from the largest (robust on a loaded host)."""
+def fit(
+    op: str,
+    members: int,
+    samples: dict[int, float],
+    processes: int,
+    cpu_samples: dict[int, float] | None = None,
+) -> profiles.CollectiveFit:
+    """Alpha from the smallest message, bus bandwidth from the largest (robust on a loaded host).
+
+    ``cpu_samples`` (CPU seconds per call of one member, by payload) give the
+    CPU cost per call and per byte the same way.
+    """
     small, large = min(samples), max(samples)
     alpha = samples[small] / _ring_steps(op, members)
     transfer = max(samples[large] - samples[small], 0.1 * samples[large])
     bandwidth = _bus_factor(op, members) * (large - small) / transfer
+    cpu_call = cpu_bandwidth = 0.0
+    if cpu_samples:
+        cpu_call = cpu_samples[small]
+        cpu_transfer = max(cpu_samples[large] - cpu_samples[small], 0.1 * cpu_samples[large])
+        cpu_bandwidth = (large - small) / cpu_transfer if cpu_transfer > 0 else 0.0
     return profiles.CollectiveFit(
-        op=op, members=members, alpha=alpha, bandwidth=bandwidth, processes=processes
+        op=op,
+        members=members,
+        alpha=alpha,
+        bandwidth=bandwidth,
+        processes=processes,
+        cpu_call_seconds=cpu_call,
+        cpu_bandwidth=cpu_bandwidth,
     )
 
 
@@ -282,6 +353,12 @@ class Measurement:
     """Median over ranks of the seconds per small operation."""
     collectives: list[profiles.CollectiveFit]
     """Fits per op and group size (the slowest member of each sample)."""
+    core_flops: float = 0.0
+    """Median over ranks of one rank's block FLOP/s per CPU second."""
+    core_op_overhead: float = 0.0
+    """Median over ranks of the CPU seconds per small operation."""
+    available_cores: float = 0.0
+    """Sum over ranks of CPU over wall seconds while all computed the block: the cores the job received."""
 
 
 def measure(
@@ -324,18 +401,32 @@ def measure(
             raise RuntimeError(f"calibration process(es) {failed} failed; see their output above")
         per_rank = json.loads(Path(task.out).read_text())
     # A collective ends when its slowest member does: the maximum over ranks of each sample.
+    # Its CPU cost is each member's own: the mean over ranks.
     slowest: dict[tuple[str, int], dict[int, float]] = {}
+    cpu: dict[tuple[str, int], dict[int, list[float]]] = {}
     for measured in per_rank:
         for row in measured["collectives"]:
-            table = slowest.setdefault((row["op"], row["members"]), {})
+            key = (row["op"], row["members"])
+            table = slowest.setdefault(key, {})
             table[row["bytes"]] = max(table.get(row["bytes"], 0.0), row["seconds"])
+            cpu.setdefault(key, {}).setdefault(row["bytes"], []).append(row["cpu_seconds"])
     return Measurement(
         flops=statistics.median(m["flops"] for m in per_rank),
         gemm_flops=statistics.median(m["gemm"] for m in per_rank),
         op_overhead=statistics.median(m["overhead"] for m in per_rank),
         collectives=[
-            fit(op, n, samples, processes) for (op, n), samples in sorted(slowest.items())
+            fit(
+                op,
+                n,
+                samples,
+                processes,
+                {b: statistics.fmean(v) for b, v in cpu[(op, n)].items()},
+            )
+            for (op, n), samples in sorted(slowest.items())
         ],
+        core_flops=statistics.median(m["core_flops"] for m in per_rank),
+        core_op_overhead=statistics.median(m["core_overhead"] for m in per_rank),
+        available_cores=sum(m["share"] for m in per_rank),
     )
 
 
@@ -374,6 +465,9 @@ def calibrate(
         "op_overhead": overhead,
         "cores": cores,
         "flops_by_ranks": {processes: flops} if cores else {},
+        "core_flops": measured.core_flops if cores else 0.0,
+        "core_op_overhead": measured.core_op_overhead if cores else 0.0,
+        "available_cores": round(min(measured.available_cores, cores), 3) if cores else 0.0,
         "collectives": tuple(fits),
         "calibration": {
             "host": socket.gethostname(),

@@ -24,7 +24,10 @@ achievable FLOP/s, and put them together into a predicted step time:
 * data-parallel buckets overlap the last micro-batch's backward; what does
   not fit behind it (at least the last bucket) is exposed;
 * the optimizer streams 32 bytes per updated parameter through device memory
-  and pays the per-operation cost per parameter tensor.
+  and pays the per-operation cost per parameter tensor;
+* on a calibrated CPU host the same terms are CPU seconds, and the step is
+  the larger of the critical path and all ranks' CPU work over the cores
+  available (:mod:`.cpu_host`).
 
 The computation-to-communication ratio compares compute seconds with the
 sum of all collective seconds of the busiest rank; below 1 the job is
@@ -39,7 +42,7 @@ from collections.abc import Sequence
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, pipeline_window, profiles
+from meshtrain.planner import comm, cpu_host, memory, pipeline_window, profiles
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
 """Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
@@ -277,6 +280,17 @@ class TimePlan:
     """Matmul FLOP/s one rank computes at (shared cores accounted for)."""
     oversubscription: float = 1.0
     """Threads the ranks of one host run over its cores (above 1 they time-share; 1 without a core count)."""
+    dependency_seconds: float = 0.0
+    """The schedule's critical path: pipeline window, exposed reduction, optimizer."""
+    cpu_seconds: float = 0.0
+    """CPU host: CPU seconds of all ranks in one step (0 elsewhere)."""
+    available_cores: float = 0.0
+    """CPU host: cores the ranks share; ``cpu_seconds / available_cores`` bounds the step (0 elsewhere)."""
+
+    @property
+    def work_bound(self) -> bool:
+        """Whether the host's cores, not the schedule, set the step (CPU hosts)."""
+        return self.available_cores > 0 and self.step_seconds > self.dependency_seconds
 
     @property
     def worst(self) -> StageTime:
@@ -416,11 +430,20 @@ def plan_time(
     shape = job.model.shape()
     par = job.parallelism
     virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
-    kinds = links(profile)
+    cpu_model = profile.cpu_time_model
+    priced = cpu_host.cpu_work_profile(profile) if cpu_model else profile
+    kinds = links(priced)
     used = {axis: kinds[kind] for axis, kind in group_links(job, pod_domains).items()}
-    rank_flops = profile.rank_flops(ranks_per_host(job, profile))
-    stages = [_stage_time(job, profile, sc, used, rank_flops) for sc in stage_comms]
-    send = _send_seconds(job, stage_comms[0], used["pp"])
+    if cpu_model:
+        # Stage times are CPU seconds, run at the cores a rank has when it is the one runnable.
+        rank_flops = profile.core_flops
+        speed = cpu_host.rank_speed(profile, ranks_per_host(job, profile))
+    else:
+        rank_flops = profile.rank_flops(ranks_per_host(job, profile))
+        speed = 1.0
+    work = [_stage_time(job, priced, sc, used, rank_flops) for sc in stage_comms]
+    stages = [_scaled(st, 1 / speed) for st in work]
+    send = _send_seconds(job, stage_comms[0], used["pp"]) / speed
     per_microbatch = []
     for st in stages:
         sends = sum(
@@ -428,18 +451,26 @@ def plan_time(
             for c in stage_comms[st.stage].collectives
             if c.group == "pp" and c.op == "send"
         )
-        work = (
-            st.busy - sends
+        busy = (
+            st.busy - sends / speed
         ) / par.micro_batches  # the window adds the sends on its critical path
         per_microbatch.append(
             pipeline_window.StageDurations(
-                forward=work * (1 - BACKWARD_SHARE), backward=work * BACKWARD_SHARE
+                forward=busy * (1 - BACKWARD_SHARE), backward=busy * BACKWARD_SHARE
             )
         )
     piped = pipeline_window.window(par.micro_batches, per_microbatch, send, virtual)
     window = piped.seconds
     tail = max(st.dp_exposed + st.optimizer for st in stages)
-    step = window + tail
+    dependencies = window + tail
+    cpu_seconds = 0.0
+    cores = 0.0
+    step = dependencies
+    if cpu_model:
+        ranks_per_stage = par.data * par.tensor
+        cpu_seconds = sum(ranks_per_stage * (st.busy + st.dp + st.optimizer) for st in work)
+        cores = cpu_host.available_cores(profile)
+        step = max(dependencies, cpu_seconds / cores)
     tokens = job.global_batch * shape.seq_len
     return TimePlan(
         links=used,
@@ -452,6 +483,25 @@ def plan_time(
         peak_flops=profile.peak_flops,
         pipeline_seconds=window,
         bubble_stage0=piped.idle_share(0, stages[0].dp_exposed),
-        rank_flops=rank_flops,
+        rank_flops=rank_flops * speed,
         oversubscription=host_oversubscription(job, profile),
+        dependency_seconds=dependencies,
+        cpu_seconds=cpu_seconds,
+        available_cores=cores,
+    )
+
+
+def _scaled(stage: StageTime, factor: float) -> StageTime:
+    """``stage`` with every duration multiplied by ``factor`` (CPU seconds to wall seconds)."""
+    if factor == 1.0:
+        return stage
+    return dataclasses.replace(
+        stage,
+        compute=stage.compute * factor,
+        tp=stage.tp * factor,
+        pp=stage.pp * factor,
+        dp=stage.dp * factor,
+        dp_exposed=stage.dp_exposed * factor,
+        optimizer=stage.optimizer * factor,
+        overhead=stage.overhead * factor,
     )

@@ -160,6 +160,10 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "overhead_seconds": worst_t.overhead,
             "oversubscription": tp.oversubscription,
             "rank_flops": tp.rank_flops,
+            "dependency_seconds": tp.dependency_seconds,
+            "cpu_seconds": tp.cpu_seconds,
+            "available_cores": tp.available_cores,
+            "work_bound": tp.work_bound,
             "compute_comm_ratio": _finite(tp.compute_comm_ratio),
             "verdict": tp.verdict,
             "tokens_per_second": tp.tokens_per_second,
@@ -299,6 +303,17 @@ def to_text(plan: estimate.Plan) -> str:
             f"; {tp.oversubscription:.1f}x more threads than cores"
             if tp.oversubscription > 1
             else ""
+        ),
+        *(
+            [
+                f"  CPU host: {human_seconds(tp.cpu_seconds)} of CPU work per step over "
+                f"{tp.available_cores:.2f} available cores"
+                f" = {human_seconds(tp.cpu_seconds / tp.available_cores)}; schedule's critical path "
+                f"{human_seconds(tp.dependency_seconds)}: "
+                + ("work-bound" if tp.work_bound else "dependency-bound")
+            ]
+            if tp.available_cores > 0
+            else []
         ),
         f"  predicted step {human_seconds(tp.step_seconds)}, {tp.tokens_per_second:,.0f} tokens/s, MFU {tp.mfu:.1%}",
         f"  compute/communication ratio {'inf' if not math.isfinite(ratio) else f'{ratio:.2f}'}: {tp.verdict}",

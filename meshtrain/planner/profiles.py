@@ -69,6 +69,10 @@ class CollectiveFit:
     """Bus bytes/s per rank."""
     processes: int = 0
     """Processes running on the host while it was measured (their contention is in the figures)."""
+    cpu_call_seconds: float = 0.0
+    """CPU seconds one member spends per call of the smallest message (0: unmeasured; CPU hosts)."""
+    cpu_bandwidth: float = 0.0
+    """Payload bytes per CPU second a member moves past the smallest message (0: unmeasured)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,17 @@ class Profile:
     """Measured alpha-beta fits inside one host, by op and group size."""
     calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Where and when the figures were measured (host, device, backend, load); empty: not measured."""
+    core_flops: float = 0.0
+    """FLOP/s of the job's block per CPU second of one rank (CPU hosts; 0: unmeasured): load-independent work."""
+    core_op_overhead: float = 0.0
+    """CPU seconds per small tensor operation, forward and backward (CPU hosts; 0: unmeasured)."""
+    available_cores: float = 0.0
+    """Cores the job's ranks together received while all computed at calibration (0: unmeasured, use ``cores``)."""
+
+    @property
+    def cpu_time_model(self) -> bool:
+        """Whether steps are priced as CPU work over the host's available cores (calibrated CPU hosts)."""
+        return self.cores > 0 and self.core_flops > 0
 
     @property
     def achievable_flops(self) -> float:
@@ -209,6 +224,9 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
         out["op_overhead"] = _number(data, "op_overhead", origin)
     if "cores" in data:
         out["cores"] = int(_number(data, "cores", origin))
+    for key in ("core_flops", "core_op_overhead", "available_cores"):
+        if key in data:
+            out[key] = _number(data, key, origin)
     table = data.get("flops_by_ranks") or {}
     if not isinstance(table, Mapping):
         raise ProfileError(f"{origin}: 'flops_by_ranks' must map rank counts to FLOP/s")
@@ -228,6 +246,12 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
                 alpha=_number(entry, "alpha", where),
                 bandwidth=_number(entry, "bandwidth", where, minimum=1.0),
                 processes=int(entry.get("processes", 0)),
+                cpu_call_seconds=_number(
+                    {"v": entry.get("cpu_call_seconds", 0.0)}, "v", f"{where}: cpu_call_seconds"
+                ),
+                cpu_bandwidth=_number(
+                    {"v": entry.get("cpu_bandwidth", 0.0)}, "v", f"{where}: cpu_bandwidth"
+                ),
             )
         )
     out["collectives"] = tuple(fits)

@@ -81,7 +81,8 @@ class Confidence:
         scope = "" if self.calibrated else " (with calibrated profiles; not this one)"
         return (
             f"{head}; validation{scope}: measured/predicted {band.min_ratio:.2f}-{band.max_ratio:.2f}, "
-            f"median error {band.median_abs_error:.0%} over {band.layouts} layouts "
+            f"median error {band.median_abs_error:.0%} over {band.layouts} layouts, "
+            "each predicted at the cores other tenants left it during the run "
             f"({band.machine}, load {band.load_average[0]:g}-{band.load_average[1]:g}, "
             f"{band.measured_at}; {band.results_file})"
         )

@@ -39,6 +39,11 @@ def test_fit_recovers_alpha_and_bus_bandwidth() -> None:
     fitted = calibrate.fit("all_reduce", n, samples, processes=n)
     assert fitted.alpha == pytest.approx(alpha, rel=0.01)
     assert fitted.bandwidth == pytest.approx(bandwidth, rel=0.01)
+    cpu_call, cpu_bandwidth = 3e-5, 4e9
+    cpu = {m: cpu_call + (m - 256) / cpu_bandwidth for m in (256, 1 << 21)}
+    fitted = calibrate.fit("all_reduce", n, samples, processes=n, cpu_samples=cpu)
+    assert fitted.cpu_call_seconds == pytest.approx(cpu_call)
+    assert fitted.cpu_bandwidth == pytest.approx(cpu_bandwidth)
 
 
 def test_cli_calibrate_writes_the_profile_and_plans_with_it(
@@ -62,7 +67,12 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
         (op, 2, 2) for op in profiles.COLLECTIVE_OPS
     }
     assert all(f.alpha > 0 and f.bandwidth > 0 for f in measured.collectives)
+    assert all(f.cpu_call_seconds > 0 and f.cpu_bandwidth > 0 for f in measured.collectives)
     assert measured.peak_flops > 0 and measured.op_overhead > 0
+    # CPU-time figures: the work model's; the cores the two ranks received, at most the host's.
+    assert measured.core_flops > 0 and measured.core_op_overhead > 0
+    assert 0 < measured.available_cores <= measured.cores
+    assert estimate.make_plan(loading.parse_spec(_tiny_dp2()), measured).time.available_cores > 0
     assert list(measured.flops_by_ranks) == [2]
     assert measured.calibration["host"] == socket.gethostname()
     assert measured.calibration["backend"] == "gloo" and measured.calibration["processes"] == 2

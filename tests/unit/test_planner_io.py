@@ -103,9 +103,12 @@ GOLDEN_KEYS = {
         "wire_bytes",
     ],
     "time": [
+        "available_cores",
         "bubble",
         "compute_comm_ratio",
         "compute_seconds",
+        "cpu_seconds",
+        "dependency_seconds",
         "dp_exposed_seconds",
         "dp_seconds",
         "mfu",
@@ -121,6 +124,7 @@ GOLDEN_KEYS = {
         "tokens_per_second",
         "tp_seconds",
         "verdict",
+        "work_bound",
     ],
     "batch": [
         "critical_batch_tokens",

@@ -22,6 +22,7 @@ from meshtrain.planner import (
     cluster,
     comm,
     cost,
+    cpu_host,
     estimate,
     pipeline_window,
     profiles,
@@ -158,8 +159,60 @@ def test_op_overhead_and_shared_cores_enter_the_step() -> None:
     assert estimate.make_plan(four, calibrated_cpu()).time.oversubscription == 2.0
 
 
+def cpu_time_profile(**changes) -> profiles.Profile:
+    """A calibrated CPU host with CPU-time figures: the work-over-cores model applies."""
+    return calibrated_cpu(
+        **{"core_flops": 4e10, "core_op_overhead": 2e-6, "available_cores": 2.0, **changes}
+    )
+
+
+def test_cpu_cost_fit_prices_calls_and_bytes_in_cpu_seconds() -> None:
+    fit = profiles.CollectiveFit(
+        "all_reduce", 4, alpha=1e-3, bandwidth=1e8, cpu_call_seconds=2e-4, cpu_bandwidth=1e9
+    )
+    link = cost.Link("nvlink", 1.0, 1.0, (cpu_host.cpu_cost_fit(fit),))
+    reduce = comm.Collective(group="dp", op="all_reduce", calls=3, nbytes=10**6, members=4)
+    assert cost.collective_seconds(reduce, link) == pytest.approx(3 * 2e-4 + 10**6 / 1e9)
+    unmeasured = dataclasses.replace(fit, cpu_call_seconds=0.0)
+    assert cpu_host.cpu_cost_fit(unmeasured) == unmeasured
+
+
+def test_cpu_host_step_is_the_larger_of_work_over_cores_and_the_critical_path() -> None:
+    spec = loading.parse_spec(
+        JobBuilder().layout(2, 2, 1).training(precision="fp32").raw()
+    )  # four single-thread ranks on two cores
+    shape, par = spec.model.shape(), spec.parallelism
+    free = estimate.make_plan(spec, cpu_time_profile()).time
+    busy = estimate.make_plan(spec, cpu_time_profile(available_cores=0.25)).time
+    for t in (free, busy):
+        assert t.step_seconds == pytest.approx(
+            max(t.dependency_seconds, t.cpu_seconds / t.available_cores)
+        )
+    # CPU work does not depend on what other tenants leave; it holds every rank's compute.
+    assert busy.cpu_seconds == pytest.approx(free.cpu_seconds)
+    flops = sum(
+        cost.rank_flops_per_microbatch(shape, 2, 1, stage, spec.training.micro_batch)
+        for stage in range(2)
+    )
+    assert free.cpu_seconds > par.data * flops * par.micro_batches / 4e10
+    # A quarter of a core: work-bound, and each rank alone runs at a quarter speed.
+    assert busy.work_bound and busy.step_seconds == pytest.approx(busy.cpu_seconds / 0.25)
+    assert busy.dependency_seconds == pytest.approx(4 * free.dependency_seconds)
+    assert busy.available_cores == 0.25 and free.available_cores == 2.0
+    # Unmeasured available cores: all of them; GPU profiles keep the per-device model.
+    assert cpu_host.available_cores(cpu_time_profile(available_cores=0.0)) == 2.0
+    gpu = estimate.make_plan(spec, profiles.get("h100-sxm")).time
+    assert gpu.cpu_seconds == 0.0 and gpu.available_cores == 0.0 and not gpu.work_bound
+
+
 def test_profile_file_round_trip_and_errors(tmp_path: Path) -> None:
-    profile = calibrated_cpu()
+    profile = cpu_time_profile(
+        collectives=(
+            profiles.CollectiveFit(
+                "all_reduce", 2, 3e-4, 5e8, 2, cpu_call_seconds=1e-4, cpu_bandwidth=2e9
+            ),
+        )
+    )
     path = tmp_path / "cpu-test.yaml"
     path.write_text(yaml.safe_dump(profiles.to_mapping(profile)))
     loaded = profiles.get("cpu-test", [tmp_path])
