@@ -532,8 +532,11 @@ class Client:
 
         With ``uids`` (name -> UID) each delete carries a UID precondition: a pod that
         took the name since (another job's, another tenant's) answers 409 and stays.
+        Both go in the DeleteOptions body: with a body, the API server ignores the
+        ``gracePeriodSeconds`` query parameter.
         """
         uids = uids or {}
+        grace = {} if grace_seconds is None else {"gracePeriodSeconds": grace_seconds}
         await asyncio.gather(
             *(
                 self._request(
@@ -542,9 +545,11 @@ class Client:
                     self._core.delete_namespaced_pod,
                     name,
                     namespace,
-                    grace_period_seconds=grace_seconds,
                     ok=(404, 409) if name in uids else (404,),
-                    **({"body": {"preconditions": {"uid": uids[name]}}} if name in uids else {}),
+                    body={
+                        **grace,
+                        **({"preconditions": {"uid": uids[name]}} if name in uids else {}),
+                    },
                 )
                 for name in names
             )

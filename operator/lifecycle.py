@@ -538,11 +538,11 @@ def decide(
             )
 
     if not job.status.get("placement"):
-        if (
-            current
-        ):  # pods without a recorded placement: only after a lost status write; rebuild cleanly
-            actions.append(DeletePods(tuple(p.name for p in current if not p.deleting)))
-            return Decision(tuple(actions), requeue_after=1.0)
+        # Pods without a recorded placement: after a lost status write (rebuild cleanly), or a
+        # dropped placement whose pods still terminate (wait for them, woken by their deletion).
+        if current:
+            doomed = tuple(p.name for p in current if not p.deleting)
+            return Decision((*actions, *([DeletePods(doomed)] if doomed else [])), 1.0)
         return Decision((*actions, Place(attempt, flavors=flavors)))
 
     built_from = job.status.get("specHash")

@@ -425,13 +425,18 @@ class Reconciler:
         the gang's pods and place it again.
 
         A re-placement, not a restart: no rank started training, ``restarts`` is unchanged.
+        Unbound pods go at once; bound ones get a short grace period (their containers may
+        be up), and the new gang waits for them (``OldPodsTerminating``).
         """
         ref = job.ref
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
-        pods = self.cache.job_pods(ref.namespace, ref.name)
-        await self._delete_pods(
-            ref, [p["metadata"]["name"] for p in pods if capacity.owned_by(p, ref.uid)], 0
-        )
+        pods = self._owned_pods(ref)
+        for bound, grace in ((False, 0), (True, lifecycle.BROKEN_GANG_GRACE_SECONDS)):
+            names = [
+                p["metadata"]["name"] for p in pods if bool(p["spec"].get("nodeName")) == bound
+            ]
+            if names:
+                await self._delete_pods(ref, names, grace)
         body, job, _ = await self._set_status(
             body, job, lifecycle.unplaced(job, _now(), message, reason)
         )

@@ -435,9 +435,9 @@ def test_changed_spec_rebuilds_the_gang_without_counting_a_restart():
 
 def test_rebuilt_gang_waits_for_the_old_pods_then_places_the_new_spec():
     state = job(_spec_of(4), phase="Restarting")
-    assert kinds(lifecycle.decide(state, [pod(0, "Running", deleting=True)], at(10))) == [
-        "DeletePods"
-    ]
+    waiting = lifecycle.decide(state, [pod(0, "Running", deleting=True)], at(10))
+    assert waiting.actions == () and waiting.requeue_after == 1.0  # nothing left to delete: wait
+    assert kinds(lifecycle.decide(state, [pod(0, "Running")], at(10))) == ["DeletePods"]
     assert kinds(lifecycle.decide(state, [], at(11))) == ["Place"]
     assert lifecycle.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(_spec_of(4))
 

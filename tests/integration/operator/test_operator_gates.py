@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import kubernetes
 import pytest
 
 from meshtrain.operator import conditions, failure, kube, naming
@@ -260,3 +261,49 @@ def test_a_pod_nominated_to_a_planned_node_before_the_gates_lift_gets_the_gang_p
     [pod] = private.pods("gates", "outranked")
     assert pod.metadata.annotations[naming.ANNOTATION_NODE] == second
     assert not pod.spec.scheduling_gates
+
+
+def test_a_refusal_after_part_of_the_gang_was_bound_waits_for_the_bound_pods_to_stop(private):
+    """The bound pod may have started its containers: it gets a short grace period, and the new
+    gang waits for it to be gone instead of being planned onto GPUs it still holds."""
+    first = private.add_node("half", gpus=4, name="half-a")
+    shunned = private.add_node("half", gpus=4, name="half-b")
+    private.core.create_namespaced_pod("default", _shunning_pod(shunned))
+    private.apply(JobBuilder("halved", "gates", "half").layout(data=8).gpus(4))
+    reconciling = Reconciling(private)
+    try:
+
+        def refused() -> dict | None:
+            reconciling.passes("gates", "halved")
+            found = private.condition("gates", "halved", conditions.PLACED)
+            return found if found.get("reason") == conditions.SCHEDULER_REFUSED else None
+
+        wait_for("Placed=False/SchedulerRefused", refused, timeout=60, interval=0.5)
+        [stopping] = private.pods("gates", "halved")  # the unbound pod went at once
+        assert stopping.spec.node_name == first and stopping.metadata.deletion_timestamp
+        assert stopping.metadata.deletion_grace_period_seconds == 5
+
+        private.add_node("half", gpus=4, name="half-c")
+        reconciling.passes("gates", "halved", passes=3)
+        assert [p.metadata.uid for p in private.pods("gates", "halved")] == [stopping.metadata.uid]
+        assert not private.status("gates", "halved").get("placement")
+
+        private.core.delete_namespaced_pod(  # the kubelet confirms the containers stopped
+            stopping.metadata.name,
+            "gates",
+            body=kubernetes.client.V1DeleteOptions(
+                grace_period_seconds=0,
+                preconditions=kubernetes.client.V1Preconditions(uid=stopping.metadata.uid),
+            ),
+        )
+
+        def bound() -> list | None:
+            reconciling.passes("gates", "halved")
+            pods = private.pods("gates", "halved")
+            nodes = {p.spec.node_name for p in pods}
+            return pods if len(pods) == 2 and nodes == {first, "half-c"} else None
+
+        wait_for("the new gang bound on half-a and half-c", bound, timeout=60, interval=0.5)
+    finally:
+        reconciling.close()
+    assert private.status("gates", "halved").get("restarts", 0) == 0
