@@ -1,7 +1,10 @@
 """Memory measured from allocations against the planner: per block, and each rank's peak.
 
-* Activations: the tensors one block's forward leaves for backward on a
-  rank (live bytes after the forward, less its output), on dp2, tp2 and
+* Activations: the tensors one block's forward saves for backward on a
+  rank (the bytes of the storages autograd's saved-tensor hook sees, a
+  view's whole storage, weights left out; not the live bytes after the
+  forward, which may still hold a collective's buffer that gloo's worker
+  thread has yet to release), on dp2, tp2 and
   tp2 with sequence parallelism, for GPT, Llama with grouped-query attention
   and Llama with one (replicated) key/value head, and with selective
   recompute, equal the planner's
@@ -70,14 +73,24 @@ def block_activations(cases: list[tuple]) -> list[int]:
         shape, par = job.model.shape(), job.parallelism
         seq = shape.seq_len // (par.tensor if par.sequence_parallel else 1)  # this rank's tokens
         x = torch.randn(job.training.micro_batch, seq, shape.hidden, requires_grad=True)
-        tracker = live_memory.LiveBytes()
-        tracker.track([*chunk.parameters(), x])
-        with tracker:
-            before = tracker.current
-            y = block(x)
-            kept = tracker.current - before - y.untyped_storage().nbytes()
-        out.append(kept + x.untyped_storage().nbytes())
+        out.append(_saved_bytes(block, x))
     return out
+
+
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages ``block(x)`` saves for backward, its weights left out."""
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}  # storage address -> bytes
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(saved.values())
 
 
 @pytest.mark.slow
