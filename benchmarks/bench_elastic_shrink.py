@@ -11,8 +11,8 @@ and the trainer's own restart are not in these numbers).  Measured:
 - **without elastic**: the same job without ``runPolicy.elastic`` after the same loss: whether it
   runs again within ``--wait`` seconds (it cannot: its four pods need four nodes).
 
-The sandbox has a single kubelet node, so the shrink cannot be shown there; this is the operator's
-and scheduler's share of the time, not the trainer's checkpoint load.
+This is the operator's and scheduler's share of the time, not the trainer's checkpoint load; the
+whole path with real kubelets and the trainer is ``tests/e2e/test_sandbox_resilience.py``.
 
 Run: ``python benchmarks/bench_elastic_shrink.py [--repeat 3] [--wait 20]``.
 """
