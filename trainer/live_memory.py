@@ -9,10 +9,16 @@ high-water mark of live tensor bytes, as the CUDA caching allocator reports
 it, minus the allocator's rounding.
 
 Tensors that exist before the mode is entered (weights, gradient buckets,
-optimizer state) are registered with :meth:`LiveBytes.track`.  Not seen:
-tensors made without an op (``torch.from_numpy``) and a collective's
-internal staging buffers.  Costs a Python call per op: for tests and
-benchmarks, not for production steps.
+optimizer state) are registered with :meth:`LiveBytes.track`.
+
+A storage can also change size in place: FSDP2 (ZeRO-3) allocates and frees
+a unit's all-gathered parameters with ``UntypedStorage.resize_``, which no
+dispatch mode sees.  While the mode is active that method is wrapped (as
+PyTorch's own ``MemTracker`` does), so a resize moves ``current`` by the
+difference; an ``aten.resize_``/``set_`` output is re-read after the op.
+A DTensor counts as its local shard.  Not seen: tensors made without an op (``torch.from_numpy``) and a
+collective's internal staging buffers.  Costs a Python call per op: for
+tests and benchmarks, not for production steps.
 
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it is a private
 module whose per-module attribution copies a snapshot at every new peak; the
@@ -26,7 +32,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -42,7 +48,7 @@ class LiveBytes(TorchDispatchMode):
         self._alive: dict[int, int] = {}  # id of a tracked storage -> its bytes
 
     def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
-        """Count storages that already exist (each once)."""
+        """Count storages that already exist (each once; a DTensor by its local shard)."""
         for t in tensors:
             if t is not None:
                 self._add(t)
@@ -52,17 +58,43 @@ class LiveBytes(TorchDispatchMode):
         """Start a new high-water mark from what is alive now."""
         self.peak = self.current
 
+    def __enter__(self) -> LiveBytes:
+        super().__enter__()
+        self._original_resize = torch.UntypedStorage.resize_
+        original, account = self._original_resize, self._account
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            account(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
     def _add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._alive:
-            return
-        nbytes = storage.nbytes()
+        if is_traceable_wrapper_subclass(t):
+            # a DTensor's own storage is a placeholder of the global size: count its local shard
+            names, _ = t.__tensor_flatten__()
+            for inner in (getattr(t, name) for name in names):
+                if isinstance(inner, torch.Tensor):
+                    self._add(inner)
+        elif t.device.type != "meta":
+            self._account(t.untyped_storage())
+
+    def _account(self, storage: torch.UntypedStorage) -> None:
+        """Count a storage's bytes now: a new one whole, a known one by how much it changed."""
+        key, nbytes = id(storage), storage.nbytes()
+        known = self._alive.get(key)
+        if known is None:
+            weakref.finalize(storage, self._free, key)
+            known = 0
         self._alive[key] = nbytes
-        self.current += nbytes
-        weakref.finalize(storage, self._free, key)
+        self.current += nbytes - known
+        self.peak = max(self.peak, self.current)
 
     def _free(self, key: int) -> None:
         self.current -= self._alive.pop(key, 0)

@@ -389,16 +389,46 @@ def working_buffers(
     * The optimizer step without ZeRO is ``torch.optim.AdamW`` (foreach): it
       builds the square root of every second moment at once (one fp32 moment
       of temporaries).  ZeRO-1/2 update bucket by bucket: the owned weights and
-      the denominator (a shard each) and the all-gathered bucket.
+      the denominator (a shard each) and the all-gathered bucket.  ZeRO-3 runs
+      ``torch.optim.AdamW`` on the shards: one fp32 moment of this rank's shard.
     """
     bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)  # elements
     sharded_grads = par.zero_stage == 2 and par.data > 1
     backward = (ZERO2_BUCKETS_IN_FLIGHT + 1) * bucket * scheme.grads if sharded_grads else 0.0
-    if par.zero_stage >= 1 and par.data > 1:
+    if par.zero_stage == 3 and par.data > 1:
+        step = params / par.data * MOMENT_BYTES
+    elif par.zero_stage >= 1 and par.data > 1:
         step = bucket * scheme.weights + 2 * bucket / par.data * MOMENT_BYTES
     else:
         step = params * MOMENT_BYTES
     return backward, step
+
+
+def zero3_gathered(block: int, rest: int, data: int, scheme: StateScheme) -> tuple[float, float]:
+    """What FSDP2 holds beside the shards under ZeRO-3: (during backward, with the activations; at the end of a chunk's backward).
+
+    Units as the trainer wraps them (``trainer/parallel/zero3.py``): one per
+    block (``block`` parameters) and one per chunk for the rest (``rest``:
+    embeddings, final norm, head), which the chunk's backward gathers first
+    and keeps gathered until its own reduce at the end.
+
+    * Backward, while activations are alive: the rest unit's weights, and the
+      larger of its all-gather output (copied into the weights as backward
+      starts) and a block's working set: the block's gathered weights, the
+      next block's all-gather (FSDP2 prefetches one unit in backward) and one
+      block of gradients (the block's own unsharded gradients, or the
+      previous block's reduce-scatter input, which FSDP2 keeps until the next
+      reduce-scatter; that one appears only once a block's backward has
+      freed its activations).  Forward holds less: one block's weights and
+      two all-gather outputs.
+    * The rest unit's reduce, when the chunk's activations are gone: its
+      weights and gradients beside the last block's reduce-scatter input, then
+      its gradients, its reduce-scatter input and the shard that comes out.
+    """
+    w, g = scheme.weights, scheme.grads
+    backward = rest * w + max(rest * w, block * (2 * w + g))
+    end = max(rest * (w + g) + block * g, rest * g * (2 + 1 / data))
+    return backward, end
 
 
 # --------------------------------------------------------------------------- per rank
@@ -423,14 +453,23 @@ class RankMemory:
     in_flight: float
     """Micro-batches in flight at the peak (stage-layer units)."""
     buffers: float = 0.0
-    """Transient buffers beside the activations in backward (ZeRO-2's packed gradient buckets)."""
+    """Transient buffers beside the activations in backward (ZeRO-2's packed gradient buckets,
+    ZeRO-3's gathered units and reduce-scatter input)."""
     step_buffers: float = 0.0
     """Temporaries of the optimizer step, when the activations are gone."""
+    reduce_end: float = 0.0
+    """ZeRO-3: the chunk's own unit reducing at the end of a micro-batch's backward."""
+    other_activations: float = 0.0
+    """Activations of the other micro-batches in flight while one finishes its backward."""
 
     @property
     def total(self) -> float:
-        """Peak bytes: the state plus the larger of backward's working set and the optimizer step's."""
-        working = max(self.activations + self.buffers, self.step_buffers)
+        """Peak bytes: the state plus the largest working set (backward, the end of a backward, the optimizer step)."""
+        working = max(
+            self.activations + self.buffers,
+            self.other_activations + self.reduce_end,
+            self.step_buffers,
+        )
         return self.weights + self.grads + self.optimizer + working
 
 
@@ -504,6 +543,11 @@ def plan_memory(
             )
         largest = largest_param(shape, par.tensor, first=stage == 0, last=stage == par.pipeline - 1)
         buffers, step_buffers = working_buffers(params, largest, par, scheme)
+        reduce_end = 0.0
+        if par.zero_stage == 3 and par.data > 1:
+            block = layer_params(shape, par.tensor)
+            rest = params - layers_per_stage * block
+            buffers, reduce_end = zero3_gathered(block, rest, par.data, scheme)
         stages.append(
             RankMemory(
                 stage=stage,
@@ -515,6 +559,8 @@ def plan_memory(
                 in_flight=flight,
                 buffers=buffers,
                 step_buffers=step_buffers,
+                reduce_end=reduce_end,
+                other_activations=activations * max(0.0, flight - 1) / flight,
             )
         )
     return MemoryPlan(

@@ -10,10 +10,12 @@
   recompute, equal the planner's
   :func:`~meshtrain.planner.memory.layer_activation_bytes` within 2% (fp32).
 * The peak: every rank trains two steps under :class:`~meshtrain.trainer.live_memory.LiveBytes`
-(a dispatch mode counting live tensor storages; the training state that
-exists before is registered first) and reports the high-water mark of the
-second step.  The planner's per-rank peak (:func:`meshtrain.planner.memory.plan_memory`:
-state, activations and working buffers) must be within 10% of it, and
+(a dispatch mode counting live tensor storages, FSDP2's resized parameter
+storages included; the training state that exists before is registered
+first) and reports the high-water mark of the second step, for ZeRO 0-3.
+The planner's per-rank peak (:func:`meshtrain.planner.memory.plan_memory`:
+state, activations and working buffers, under ZeRO-3 the units FSDP2
+gathers and its reduce-scatter input) must be within 10% of it, and
 ZeRO-2 must save gradient memory at its peak under gradient accumulation
 (ZeRO-2 < ZeRO-1 < ZeRO-0), which it did not while non-final micro-batches
 kept full-size gradients.
@@ -32,7 +34,7 @@ from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine, live_memory, memory_accounting
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
 LLAMA = {**SHAPE, "family": "llama", "kvHeads": 2, "ffnHidden": 160}
 MODELS = {"gpt": SHAPE, "llama": LLAMA, "llama-mqa": {**LLAMA, "kvHeads": 1}}
