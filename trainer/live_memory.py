@@ -59,7 +59,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.current
 
     def __enter__(self) -> LiveBytes:
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         self._original_resize = torch.UntypedStorage.resize_
         original, account = self._original_resize, self._account
 
@@ -68,12 +68,12 @@ class LiveBytes(TorchDispatchMode):
             account(storage)
             return out
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def _add(self, t: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(t):
