@@ -463,15 +463,34 @@ def _all_running(pods: Sequence[failure.PodState]) -> bool:
     return all(not p.gated and p.phase in ("Running", "Succeeded") for p in pods)
 
 
+def _disappeared(job: JobState, index: int, nodes_gone: frozenset[str]) -> failure.Failure:
+    """The failure of a pod of the gang that no longer exists: a disruption when its node is gone too."""
+    node = next(
+        (
+            p.get("node")
+            for p in job.status.get("placement") or []
+            if isinstance(p, Mapping) and p.get("podIndex") == index
+        ),
+        None,
+    )
+    if node in nodes_gone:
+        message = f"pod of node rank {index} disappeared with its node {node} (deleted)"
+        return failure.Failure(f"index {index}", False, message, disruption=True)
+    return failure.Failure(f"index {index}", False, f"pod of node rank {index} disappeared")
+
+
 def decide(
     job: JobState,
     pods: Sequence[failure.PodState],
     now: datetime.datetime,
     kueue: queueing.Gate | None = None,
+    nodes_gone: frozenset[str] = frozenset(),
 ) -> Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
 
     ``kueue`` is given for a job Kueue queues: the gang exists only while Kueue admits it.
+    ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that vanished with
+    its node, as PodGC force-deletes it, is a disruption).
     """
     phase = job.status.get("phase") or Phase.PENDING.value
     if phase in FINAL:
@@ -559,11 +578,7 @@ def decide(
     present = {p.index for p in current}
     missing = tuple(i for i in range(spec.pods) if i not in present)
     if missing and not failures and any(not p.gated for p in current):
-        failures = [
-            failure.Failure(
-                f"index {missing[0]}", False, f"pod of node rank {missing[0]} disappeared"
-            )
-        ]
+        failures = [_disappeared(job, missing[0], nodes_gone)]
     if failures:
         decision = _on_failure(job, current, failures, now)
         return Decision((*actions, *decision.actions), decision.requeue_after)

@@ -171,7 +171,11 @@ class Reconciler:
         states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
         queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
         gate, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
-        decision = lifecycle.decide(job, states, _now(), gate)
+        planned = {p.get("node") for p in job.status.get("placement") or [] if isinstance(p, dict)}
+        gone = frozenset(
+            n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
+        )
+        decision = lifecycle.decide(job, states, _now(), gate, gone)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):

@@ -52,3 +52,15 @@ def test_own_failures_still_exhaust_the_limit_and_disruptions_do_not_hide_them()
     decision = lifecycle.decide(state, crashed, at(5))
     assert status_of(decision)["phase"] == "Restarting" and "DeletePods" in kinds(decision)
     assert "disruptionRestarts" not in status_of(decision)
+
+
+def test_a_pod_that_vanished_with_its_node_is_a_disruption():
+    """PodGC force-deletes the pods of a deleted Node: the pod is simply gone, its node too."""
+    state = job(spec(1), **placed_status(phase="Running", restarts=1))
+    survivors = [pod(0, "Running", attempt=1)]
+    decision = lifecycle.decide(state, survivors, at(5), None, frozenset({"n1"}))
+    status = status_of(decision)
+    assert status["phase"] == "Restarting" and status["disruptionRestarts"] == 1
+    # The node still there: the pod's disappearance is the job's own failure (limit used up).
+    decision = lifecycle.decide(state, survivors, at(5), None, frozenset({"n0"}))
+    assert status_of(decision)["phase"] == "Failed"

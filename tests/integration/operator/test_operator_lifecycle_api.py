@@ -45,6 +45,24 @@ def test_a_lost_node_does_not_use_the_backoff_limit(cluster, operator, namespace
     assert cluster.condition(namespace, "lost", "Failed")["reason"] == "BackoffLimitExceeded"
 
 
+def test_a_pod_gone_with_its_deleted_node_does_not_use_the_backoff_limit(
+    cluster, operator, namespace, pool
+):
+    """PodGC force-deletes the pods of a deleted Node: the operator sees the pod gone, not failed."""
+    first = cluster.add_node(pool, gpus=4)
+    cluster.apply(
+        JobBuilder("vanished", namespace, pool).layout(data=4).gpus(2).run_policy(backoffLimit=0)
+    )
+    cluster.wait_gang(namespace, "vanished", 2)
+    spare = cluster.add_node(pool, gpus=4)
+    cluster.core.delete_node(first)
+    cluster.core.delete_namespaced_pod("vanished-r0-1", namespace, grace_period_seconds=0)
+    cluster.wait_gang(namespace, "vanished", 2, attempt=1)
+    status = cluster.status(namespace, "vanished")
+    assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
+    assert {p["node"] for p in status["placement"]} == {spare}
+
+
 def test_pod_failure_restarts_the_gang_until_the_backoff_limit(cluster, operator, namespace, pool):
     cluster.add_node(pool, gpus=8)
     cluster.apply(
