@@ -78,6 +78,10 @@ class PodState:
     """spec.nodeName is set: the scheduler bound it."""
     unschedulable_message: str | None = None
     """The scheduler's message while its PodScheduled condition is False/Unschedulable."""
+    unschedulable_since: datetime.datetime | None = None
+    """lastTransitionTime of that condition: when the scheduler first refused it."""
+    nominated: str | None = None
+    """status.nominatedNodeName: the node kube-scheduler makes room on (preempts) for it."""
     reported: tuple[int, str] | None = None
     """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
     termination_message: str | None = None
@@ -119,9 +123,9 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
                 exit_code = int(terminated["exitCode"])
             if terminated and isinstance(terminated.get("message"), str):
                 message = terminated["message"]
-    unschedulable = next(
+    refusal = next(
         (
-            c.get("message") or "Unschedulable"
+            c
             for c in status.get("conditions") or []
             if c.get("type") == "PodScheduled"
             and c.get("status") == "False"
@@ -150,7 +154,11 @@ def pod_state(pod: dict[str, Any]) -> PodState | None:
         reason=status.get("reason"),
         disrupted=disrupted,
         bound=bool((pod.get("spec") or {}).get("nodeName")),
-        unschedulable_message=unschedulable,
+        unschedulable_message=(refusal.get("message") or "Unschedulable") if refusal else None,
+        unschedulable_since=conditions.parse_time(refusal.get("lastTransitionTime"))
+        if refusal
+        else None,
+        nominated=status.get("nominatedNodeName") or None,
         reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
     )

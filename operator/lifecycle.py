@@ -599,9 +599,9 @@ def decide(
     if gated:  # Placed=True first: lifting may find a planned node changed and unplace the gang
         actions += [*seen, LiftGates(gated)]
         seen = []
-    refused = rescheduling.refused(current)
-    if refused:  # PodsScheduled=False first: the reconciler may have to wait out a backoff
-        return Decision((*actions, *seen, rescheduling.ReplaceRefused(refused)))
+    refusals = rescheduling.refused(current, now)
+    if refusals.nodes:  # PodsScheduled=False first: the reconciler may have to wait out a backoff
+        return Decision((*actions, *seen, rescheduling.ReplaceRefused(refusals.nodes)))
     if _all_running(current):
         if phase != Phase.RUNNING.value:
             message = f"all {spec.pods} pod(s) of {spec.parallelism.layout_string} running"
@@ -660,8 +660,9 @@ def decide(
             )
             decision = _on_failure(job, current, [slow], now)
             return Decision((*actions, *decision.actions), decision.requeue_after)
-        return Decision((*actions, *seen), requeue_after=left)
-    return Decision((*actions, *seen))
+        recheck = refusals.recheck_after
+        return Decision((*actions, *seen), left if recheck is None else min(left, recheck))
+    return Decision((*actions, *seen), refusals.recheck_after)
 
 
 def _held_by_kueue(

@@ -192,6 +192,8 @@ class Reconciler:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
+        if phase == lifecycle.Phase.RUNNING.value:  # it ran where it was placed: start afresh
+            self._refusals.pop(job.ref.uid, None)
         placed = (
             conditions.find((body.get("status") or {}).get("conditions") or [], conditions.PLACED)
             or {}
@@ -429,23 +431,26 @@ class Reconciler:
         the gang's pods and place it again.
 
         A re-placement, not a restart: no rank started training, ``restarts`` is unchanged.
-        Unbound pods go at once; bound ones get a short grace period (their containers may
-        be up), and the new gang waits for them (``OldPodsTerminating``).
         """
         ref = job.ref
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
-        pods = self._owned_pods(ref)
-        for bound, grace in ((False, 0), (True, lifecycle.BROKEN_GANG_GRACE_SECONDS)):
-            names = [
-                p["metadata"]["name"] for p in pods if bool(p["spec"].get("nodeName")) == bound
-            ]
-            if names:
-                await self._delete_pods(ref, names, grace)
         body, job, _ = await self._set_status(
             body, job, lifecycle.unplaced(job, _now(), message, reason)
         )
+        await self._delete_gang(ref)
         await self._emit(body, "Warning", reason, message)
         return body, job, True
+
+    async def _delete_gang(self, ref: identity.JobRef) -> None:
+        """Delete the job's pods after its placement was dropped (written first: a new leader
+        finishes the deletion instead of counting a restart), each with a short grace period.
+
+        Not grace 0 for pods the cache holds unbound: it may lag a binding, and a force-delete
+        would free GPUs a kubelet still uses.  The API server deletes an unbound pod at once anyway.
+        New pods wait for the old ones (``OldPodsTerminating``).
+        """
+        names = [p["metadata"]["name"] for p in self._owned_pods(ref)]
+        await self._delete_pods(ref, names, lifecycle.BROKEN_GANG_GRACE_SECONDS)
 
     async def _grow(
         self, action: resizing.Grow, body: dict[str, Any], job: lifecycle.JobState
@@ -603,12 +608,12 @@ class Reconciler:
             f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
         )
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
-        await self._delete_pods(ref, [p["metadata"]["name"] for p in self._owned_pods(ref)], 0)
         changes = {
             **lifecycle.unschedulable(job, refused.reason, message, _now()),
             "placement": [],
         }
         body, job, _ = await self._set_status(body, job, changes)
+        await self._delete_gang(ref)
         await self._emit(body, "Warning", refused.reason, refused.message)
         return body, job, True
 

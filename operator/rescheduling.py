@@ -8,6 +8,12 @@ gang has started training (the ranks rendezvous only once all are up), so the
 whole gang is deleted and placed again, without the refused node(s) for a while
 (:data:`EXCLUDED_SECONDS`): a re-placement, not a restart.
 
+A refusal is acted on only once it has lasted :data:`PERSISTS_SECONDS` (the
+scheduler's first answer may come before a freed node's pods are gone), and never
+while the scheduler has nominated the pod for its planned node: it is preempting
+pods there to make room (its message still reads ``Insufficient ...`` meanwhile),
+and re-placing would only have killed those victims for nothing.
+
 A refusal that no other node would change (a PreFilter failure such as a
 missing claim: the scheduler's message then counts no nodes) is only reported
 (``PodsScheduled=False``), never re-placed.  Re-placements of one job are
@@ -19,6 +25,7 @@ job UID: an operator restart forgets it and costs at most one re-placement more.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -26,6 +33,8 @@ from meshtrain.operator import failure
 
 EXCLUDED_SECONDS = 300.0
 """How long a node the scheduler refused a released pod stays out of the job's placements."""
+PERSISTS_SECONDS = 10.0
+"""How long a released pod stays refused (PodScheduled=False since) before the gang is re-placed."""
 SPACING_SECONDS = 5.0
 """Wait after a job's first re-placement before another; doubles with each, up to :data:`SPACING_CAP_SECONDS`."""
 SPACING_CAP_SECONDS = 300.0
@@ -63,21 +72,37 @@ def about_the_node(message: str) -> bool:
     return bool(_COUNTED.search(reasons))
 
 
-def refused(pods: Sequence[failure.PodState]) -> dict[str, str]:
-    """Planned node -> the scheduler's message, for released, unbound pods refused node by node."""
+@dataclasses.dataclass(frozen=True)
+class Refusals:
+    nodes: dict[str, str]
+    """Planned node -> the scheduler's message, for refusals that lasted: re-place the gang."""
+    recheck_after: float | None
+    """Seconds until a younger refusal has lasted long enough (None: there is none)."""
+
+
+def refused(pods: Sequence[failure.PodState], now: datetime.datetime) -> Refusals:
+    """Released, unbound pods refused node by node, not nominated for their planned node."""
     found: dict[str, str] = {}
+    recheck: float | None = None
     for pod in pods:
         message = pod.unschedulable_message
         if (
-            message
-            and not pod.gated
-            and not pod.bound
-            and not pod.deleting
-            and not pod.terminal
-            and about_the_node(message)
+            not message
+            or pod.gated
+            or pod.bound
+            or pod.deleting
+            or pod.terminal
+            or (pod.nominated is not None and pod.nominated == pod.node)
+            or not about_the_node(message)
         ):
-            found.setdefault(pod.node or "", message)
-    return found
+            continue
+        since = pod.unschedulable_since
+        left = 0.0 if since is None else PERSISTS_SECONDS - (now - since).total_seconds()
+        if left > 0:
+            recheck = left if recheck is None else min(recheck, left)
+            continue
+        found.setdefault(pod.node or "", message)
+    return Refusals(found, recheck)
 
 
 def wait(record: Record | None, now: float) -> float | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 
 from meshtrain.operator import failure, rescheduling
@@ -17,7 +19,18 @@ CLAIM = (
 )
 
 
-def pod(name: str, node: str, message: str | None, **facts: bool) -> failure.PodState:
+NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+LONG_AGO = NOW - datetime.timedelta(seconds=rescheduling.PERSISTS_SECONDS + 1)
+
+
+def pod(
+    name: str,
+    node: str,
+    message: str | None,
+    since: datetime.datetime = LONG_AGO,
+    nominated: str | None = None,
+    **facts: bool,
+) -> failure.PodState:
     return failure.PodState(
         name=name,
         index=int(name[-1]),
@@ -29,6 +42,8 @@ def pod(name: str, node: str, message: str | None, **facts: bool) -> failure.Pod
         node=node,
         bound=facts.get("bound", False),
         unschedulable_message=message,
+        unschedulable_since=since,
+        nominated=nominated,
     )
 
 
@@ -54,7 +69,19 @@ def test_refused_lists_released_unbound_pods_refused_node_by_node():
         pod("p4", "e", CLAIM),
         pod("p5", "f", None),
     ]
-    assert rescheduling.refused(pods) == {"a": TAINT}
+    assert rescheduling.refused(pods, NOW) == rescheduling.Refusals({"a": TAINT}, None)
+
+
+def test_a_refusal_counts_once_it_lasted_and_never_while_preempting_on_the_planned_node():
+    young = NOW - datetime.timedelta(seconds=4)
+    pods = [
+        pod("p0", "a", TAINT, since=young),
+        pod("p1", "b", TAINT, nominated="b"),  # kube-scheduler preempts pods on b for it
+        pod("p2", "c", TAINT, nominated="x"),  # nominated elsewhere: its planned node refused it
+    ]
+    found = rescheduling.refused(pods, NOW)
+    assert found.nodes == {"c": TAINT}
+    assert found.recheck_after == pytest.approx(rescheduling.PERSISTS_SECONDS - 4)
 
 
 def test_re_placements_are_spaced_and_refused_nodes_left_out_for_a_while():

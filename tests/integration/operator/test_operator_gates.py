@@ -13,7 +13,17 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from meshtrain.operator import conditions, failure, kube, naming
+from meshtrain.operator import (
+    conditions,
+    failure,
+    informer,
+    kube,
+    lifecycle,
+    naming,
+    reconciler,
+    rescheduling,
+)
+from meshtrain.operator.reconciler import Outcome
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, Reconciling, reconcile_passes, wait_for
 
@@ -184,7 +194,9 @@ def _shunning_pod(node: str) -> dict:
     }
 
 
-def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhere(private):
+def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhere(
+    private, monkeypatch
+):
     refused = private.add_node("refused", gpus=4, name="refused-a")
     private.core.create_namespaced_pod("default", _shunning_pod(refused))
     private.apply(JobBuilder("shunned", "gates", "refused").layout(data=4).gpus(4))
@@ -196,6 +208,21 @@ def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhe
             not pod.spec.scheduling_gates
             and pod.metadata.annotations[naming.ANNOTATION_NODE] == refused
         )
+
+        # A refusal is reported at once but acted on only once it lasted: the pass looks again then.
+        monkeypatch.setattr(rescheduling, "PERSISTS_SECONDS", 3600.0)
+
+        def reported() -> Outcome | None:
+            outcome = reconciling.passes("gates", "shunned")
+            found = private.condition("gates", "shunned", conditions.PODS_SCHEDULED)
+            return outcome if found.get("reason") == conditions.FAILED_SCHEDULING else None
+
+        outcome = wait_for(
+            "PodsScheduled=False/FailedScheduling", reported, timeout=60, interval=0.5
+        )
+        assert [p.metadata.uid for p in private.pods("gates", "shunned")] == [pod.metadata.uid]
+        assert outcome.requeue_after is not None and 0 < outcome.requeue_after <= 3600
+        monkeypatch.setattr(rescheduling, "PERSISTS_SECONDS", 0.0)
 
         def replaced() -> dict | None:
             reconciling.passes("gates", "shunned")
@@ -263,13 +290,16 @@ def test_a_pod_nominated_to_a_planned_node_before_the_gates_lift_gets_the_gang_p
     assert not pod.spec.scheduling_gates
 
 
-def test_a_refusal_after_part_of_the_gang_was_bound_waits_for_the_bound_pods_to_stop(private):
+def test_a_refusal_after_part_of_the_gang_was_bound_waits_for_the_bound_pods_to_stop(
+    private, monkeypatch
+):
     """The bound pod may have started its containers: it gets a short grace period, and the new
     gang waits for it to be gone instead of being planned onto GPUs it still holds."""
     first = private.add_node("half", gpus=4, name="half-a")
     shunned = private.add_node("half", gpus=4, name="half-b")
     private.core.create_namespaced_pod("default", _shunning_pod(shunned))
     private.apply(JobBuilder("halved", "gates", "half").layout(data=8).gpus(4))
+    monkeypatch.setattr(rescheduling, "PERSISTS_SECONDS", 0.0)  # acted on at once
     reconciling = Reconciling(private)
     try:
 
@@ -307,3 +337,124 @@ def test_a_refusal_after_part_of_the_gang_was_bound_waits_for_the_bound_pods_to_
     finally:
         reconciling.close()
     assert private.status("gates", "halved").get("restarts", 0) == 0
+
+
+def test_a_released_pod_the_scheduler_preempts_for_on_its_planned_node_is_left_to_it(
+    private, monkeypatch
+):
+    """kube-scheduler reports Insufficient nvidia.com/gpu while it evicts a lower-priority pod
+    from the planned node for the gang (nominatedNodeName): the gang stays, and gets the node."""
+    kubernetes.client.SchedulingV1Api(private.core.api_client).create_priority_class(
+        {"metadata": {"name": "gates-high"}, "value": 1000}
+    )
+    node = private.add_node("preempt", gpus=4, name="preempt-a")
+    job = JobBuilder("preempting", "gates", "preempt").layout(data=4).gpus(4)
+    private.apply(job.pod(priorityClassName="gates-high"))
+    _pass(private, "preempting")  # the gated pod, planned onto the only node
+    [pod] = private.pods("gates", "preempting")
+    assert pod.spec.scheduling_gates and pod.metadata.annotations[naming.ANNOTATION_NODE] == node
+    victim = {  # bound to a node with no kubelet: it stays Terminating until the test ends it
+        "metadata": {"name": "victim"},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {"name": "c", "image": "pause", "resources": {"limits": {"nvidia.com/gpu": "4"}}}
+            ],
+        },
+    }
+    private.core.create_namespaced_pod("default", victim)
+
+    async def lift() -> None:  # as the operator would have, a moment before the victim bound
+        client = await kube.Client.connect(kubeconfig=private.kubeconfig)
+        try:
+            await client.lift_gates(namespace="gates", uids={pod.metadata.name: pod.metadata.uid})
+        finally:
+            await client.close()
+
+    asyncio.run(lift())
+
+    def nominated() -> object | None:
+        read = private.core.read_namespaced_pod(pod.metadata.name, "gates")
+        evicted = private.core.read_namespaced_pod("victim", "default").metadata.deletion_timestamp
+        return read if read.status.nominated_node_name == node and evicted else None
+
+    read = wait_for("the gang pod nominated to preempt-a", nominated, timeout=60, interval=0.5)
+    scheduled = next(c for c in read.status.conditions if c.type == "PodScheduled")
+    assert scheduled.status == "False" and "Insufficient nvidia.com/gpu" in scheduled.message
+
+    monkeypatch.setattr(rescheduling, "PERSISTS_SECONDS", 0.0)  # the refusal counts as lasting
+    reconciling = Reconciling(private)
+    try:
+        reconciling.passes("gates", "preempting", passes=3)
+        assert [p.metadata.uid for p in private.pods("gates", "preempting")] == [pod.metadata.uid]
+        placed = private.condition("gates", "preempting", conditions.PLACED)
+        assert placed["reason"] == conditions.GANG_PLACED
+
+        private.core.delete_namespaced_pod(  # the kubelet confirms the victim stopped
+            "victim", "default", body=kubernetes.client.V1DeleteOptions(grace_period_seconds=0)
+        )
+
+        def bound() -> object | None:
+            reconciling.passes("gates", "preempting")
+            [found] = private.pods("gates", "preempting")
+            return found if found.spec.node_name == node else None
+
+        bound_pod = wait_for("the gang pod bound to preempt-a", bound, timeout=60, interval=0.5)
+    finally:
+        reconciling.close()
+    assert bound_pod.metadata.uid == pod.metadata.uid
+    events = private.core.list_namespaced_event("gates").items
+    assert not [
+        e
+        for e in events
+        if e.reason == conditions.SCHEDULER_REFUSED and e.involved_object.name == "preempting"
+    ]
+    assert private.status("gates", "preempting").get("restarts", 0) == 0
+
+
+def test_a_re_placement_from_a_cache_that_missed_the_binding_gives_the_bound_pod_its_grace(
+    private,
+):
+    """The cache still holds the pod gated and unbound; the scheduler has bound it since (its
+    containers may be up).  A force-delete would free GPUs its kubelet still uses."""
+    node = private.add_node("lagging", gpus=4, name="lagging-a")
+    private.apply(JobBuilder("lagged", "gates", "lagging").layout(data=4).gpus(4))
+    _pass(private, "lagged")  # the gated pod, planned onto the only node
+    [pod] = private.pods("gates", "lagged")
+    stale = {"kind": "Pod", **private.core.api_client.sanitize_for_serialization(pod)}
+
+    async def lift() -> None:
+        client = await kube.Client.connect(kubeconfig=private.kubeconfig)
+        try:
+            await client.lift_gates(namespace="gates", uids={pod.metadata.name: pod.metadata.uid})
+        finally:
+            await client.close()
+
+    asyncio.run(lift())
+    wait_for(
+        "the pod bound to lagging-a",
+        lambda: private.core.read_namespaced_pod(pod.metadata.name, "gates").spec.node_name,
+        timeout=60,
+        interval=0.5,
+    )
+    private.core.patch_node(node, {"spec": {"taints": [{"key": "maint", "effect": "NoSchedule"}]}})
+
+    async def reconcile_from_stale_cache() -> None:
+        client = await kube.Client.connect(kubeconfig=private.kubeconfig)
+        try:
+            cache = informer.Cache()
+            cache.pods.upsert(stale)  # still gated and unbound: the binding was missed
+            cache.synced.set()
+            worker = reconciler.Reconciler(
+                client=client, cache=cache, settings=reconciler.Settings()
+            )
+            await worker.reconcile(namespace="gates", name="lagged")  # lifting finds the taint
+        finally:
+            await client.close()
+
+    asyncio.run(reconcile_from_stale_cache())
+    placed = private.condition("gates", "lagged", conditions.PLACED)
+    assert placed["reason"] == conditions.NODES_CHANGED
+    [stopping] = private.pods("gates", "lagged")  # not force-deleted
+    assert stopping.metadata.uid == pod.metadata.uid and stopping.spec.node_name == node
+    assert stopping.metadata.deletion_grace_period_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
