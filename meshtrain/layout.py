@@ -140,3 +140,21 @@ def from_spec(parallelism: _Degrees) -> ParallelLayout:
     return ParallelLayout(
         data=parallelism.data, pipeline=parallelism.pipeline, tensor=parallelism.tensor
     )
+
+
+VOCAB_ALIGNMENT = 64
+"""Rows of a vocabulary shard are a multiple of this when the vocabulary has to be padded (GPU tiles)."""
+
+
+def padded_vocab(vocab: int, tensor: int) -> int:
+    """Rows of the vocabulary-parallel tables over ``tensor`` ranks.
+
+    The vocabulary itself when it splits evenly; else rounded up to a
+    multiple of ``VOCAB_ALIGNMENT x tensor`` (Megatron-LM's
+    ``make-vocab-size-divisible-by``), the added rows zero and masked out of
+    the loss.  Checkpoints and exports keep the true vocabulary.
+    """
+    if vocab % tensor == 0:
+        return vocab
+    step = VOCAB_ALIGNMENT * tensor
+    return -(-vocab // step) * step

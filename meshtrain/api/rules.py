@@ -124,13 +124,6 @@ def _rope_scaling_needs_llama(spec: TrainingJobSpec) -> str | None:
     return None
 
 
-def _vocab_split_over_tensor(spec: TrainingJobSpec) -> str | None:
-    shape, tp = spec.model.shape(), spec.parallelism.tensor
-    if shape.vocab % tp:
-        return f"vocab={shape.vocab} is not divisible by tensor={tp}; pad the vocabulary to a multiple of {tp}"
-    return None
-
-
 def _ffn_split_over_tensor(spec: TrainingJobSpec) -> str | None:
     shape, tp = spec.model.shape(), spec.parallelism.tensor
     if shape.ffn_hidden % tp:
@@ -559,13 +552,6 @@ RULES: tuple[Rule, ...] = (
         "!has(self.model.ropeScaling) || (has(self.model.family) ? self.model.family == 'llama' : (has(self.model.preset) && self.model.preset.startsWith('llama')))",
         "model.ropeScaling needs the llama family (GPT has no RoPE)",
         _rope_scaling_needs_llama,
-    ),
-    Rule(
-        "vocab-split-over-tensor",
-        "spec.model.vocab",
-        "!has(self.model.vocab) || self.model.vocab % self.parallelism.tensor == 0",
-        "model.vocab must be divisible by parallelism.tensor (vocab-parallel embedding)",
-        _vocab_split_over_tensor,
     ),
     Rule(
         "ffn-split-over-tensor",

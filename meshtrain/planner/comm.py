@@ -116,18 +116,18 @@ def chunk_param_shapes(
     position tables, then per block ln1, qkv, attention proj, ln2, mlp fc,
     mlp proj, then the final norm and the head (absent when tied to this chunk's embedding).
     """
-    h, v = shape.hidden, shape.vocab
+    h, v = shape.hidden, memory.vocab_rows(shape, tensor)
     llama = shape.family == "llama"
     norm: list[tuple[int, ...]] = [(h,)] if llama else [(h,), (h,)]  # RMSNorm; LayerNorm w, b
     qkv, proj, fc, down = (n // h for n in memory.local_block_matrices(shape, tensor))
     shapes: list[tuple[int, ...]] = []
     if first:
-        shapes += [(v // tensor, h)] + ([] if llama else [(shape.seq_len, h)])
+        shapes += [(v, h)] + ([] if llama else [(shape.seq_len, h)])
     for _ in range(layers):  # column-parallel (rows split), row-parallel (columns split)
         shapes += [*norm, (qkv, h), (h, proj), *norm, (fc, h), (h, down)]
     if last:
         # a tied head is the embedding: no parameter of its own on the embedding's stage, a copy on another
-        shapes += norm + ([] if shape.tie_embeddings and first else [(v // tensor, h)])
+        shapes += norm + ([] if shape.tie_embeddings and first else [(v, h)])
     return shapes
 
 
@@ -362,7 +362,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
         sends = sum((j != last_virtual) + (j != 0) for j in virtuals) * m
         _add(out, "pp", "send", sends, sends * message)
         if shape.tie_embeddings and (holds_first or holds_last):  # the two copies' gradients summed
-            _add(out, "pp", "all_reduce", 1, shape.vocab // t * h * scheme.grads)
+            _add(out, "pp", "all_reduce", 1, memory.vocab_rows(shape, t) * h * scheme.grads)
         _add(out, "pp", "all_reduce", 1, NORM_BYTES)
 
     members = {"dp": d, "tp": t, "pp": p}

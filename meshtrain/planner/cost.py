@@ -186,7 +186,7 @@ def rank_flops_per_microbatch(
     n_rank = layers * memory.layer_params(shape, tensor)
     if stage == pipeline - 1:
         n_rank += memory.head_params(shape, tensor)
-        n_rank += shape.vocab * shape.hidden // tensor if shape.tie_embeddings else 0
+        n_rank += memory.vocab_rows(shape, tensor) * shape.hidden if shape.tie_embeddings else 0
     attention = 12 * layers * shape.seq_len * shape.hidden / tensor
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 

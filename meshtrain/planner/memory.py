@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from meshtrain import layout
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import profiles
 
@@ -139,15 +140,20 @@ def layer_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
     return 2 * norm_params(shape) + sum(local_block_matrices(shape, tensor))
 
 
+def vocab_rows(shape: api_spec.ModelShape, tensor: int) -> int:
+    """Rows of the token table (and the head) on one tensor rank: the padded vocabulary's share."""
+    return layout.padded_vocab(shape.vocab, tensor) // tensor
+
+
 def embedding_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
     """Token table (split along the vocabulary) plus the replicated position table (gpt only)."""
     positions = 0 if shape.family == "llama" else shape.seq_len * shape.hidden
-    return shape.vocab * shape.hidden // tensor + positions
+    return vocab_rows(shape, tensor) * shape.hidden + positions
 
 
 def head_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
     """Final norm (replicated) plus the LM head (split along the vocabulary; none when tied to the embedding)."""
-    head = 0 if shape.tie_embeddings else shape.vocab * shape.hidden // tensor
+    head = 0 if shape.tie_embeddings else vocab_rows(shape, tensor) * shape.hidden
     return norm_params(shape) + head
 
 
@@ -171,7 +177,7 @@ def rank_params(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: i
     if stage == pipeline - 1:
         count += head_params(shape, tensor)
         if shape.tie_embeddings and pipeline > 1:  # the last stage's copy of the tied matrix
-            count += shape.vocab * shape.hidden // tensor
+            count += vocab_rows(shape, tensor) * shape.hidden
     return count
 
 
@@ -323,7 +329,7 @@ def head_activation_bytes(
     runs one chunk's logits exist in fp32 (and in the matmul dtype first,
     when that is narrower).
     """
-    s, b, vocab = shape.seq_len, micro_batch, shape.vocab / tensor
+    s, b, vocab = shape.seq_len, micro_batch, vocab_rows(shape, tensor)
     chunk = min(s * b, max(1, LOSS_CHUNK_BYTES // int(4 * vocab)))
     logit_bytes = 4 + (scheme.matmul_bytes if scheme.matmul_bytes < 4 else 0)
     return (
@@ -374,7 +380,7 @@ def largest_param(shape: api_spec.ModelShape, tensor: int, *, first: bool, last:
     """Elements of the largest parameter tensor of a stage (a bucket overshoots by at most one)."""
     sizes = local_block_matrices(shape, tensor)
     if first or last:
-        sizes.append(shape.vocab // tensor * shape.hidden)
+        sizes.append(vocab_rows(shape, tensor) * shape.hidden)
     return max(sizes)
 
 

@@ -46,6 +46,13 @@ CASES_2 = {
         tensor=2, sequence_parallel=True, activationCheckpointing=True, model=mt_harness.LLAMA_TINY
     ),
     "llama-tied-tp2": dict(tensor=2, model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True}),
+    # a vocabulary tp does not divide: tables padded to 384 rows (2 x 192), padding out of the loss
+    "vocab257-tp2": dict(tensor=2, model={**mt_harness.TINY, "vocab": 257}),
+    "llama-tied-vocab257-tp2-sp": dict(
+        tensor=2,
+        sequence_parallel=True,
+        model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True, "vocab": 257},
+    ),
     # one key/value head over two tensor ranks: replicated, its gradient summed over both holders
     "llama-mqa-tp2-sp-accum2": dict(
         tensor=2, sequence_parallel=True, micro_batches=2, model=mt_harness.LLAMA_MQA

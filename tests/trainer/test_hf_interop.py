@@ -162,8 +162,20 @@ def _train_and_save(raw: dict, root: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
-    [LLAMA, {**LLAMA, "tieEmbeddings": True}, {**LLAMA, "kvHeads": 1}, mt_harness.TINY],
-    ids=["llama", "llama-tied", "llama-mqa-replicated-over-tp2", "gpt2"],
+    [
+        LLAMA,
+        {**LLAMA, "tieEmbeddings": True},
+        {**LLAMA, "kvHeads": 1},
+        mt_harness.TINY,
+        {**LLAMA, "vocab": 257},
+    ],
+    ids=[
+        "llama",
+        "llama-tied",
+        "llama-mqa-replicated-over-tp2",
+        "gpt2",
+        "llama-vocab257-padded-on-tp2",
+    ],
 )
 def test_exported_checkpoint_gives_meshtrain_logits_in_transformers(model, tmp_path):
     raw = mt_harness.make_spec(tensor=2, model=model, steps=3)

@@ -78,6 +78,8 @@ LAYOUTS = [
         LLAMA,
     ),
     ("llama-dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}, {}, LLAMA),
+    # a vocabulary tp2 does not divide: 384 padded rows, 192 per rank, in buckets and state
+    ("vocab257-dp2-tp2-zero1", {"data": 2, "tensor": 2, "zeroStage": 1}, {}, {"vocab": 257}),
     # the embedding tied across two stages: a copy on the last, the two gradients summed over pp
     ("llama-tied-dp2-pp2", {"data": 2, "pipeline": 2}, {}, {**LLAMA, "tieEmbeddings": True}),
     # one key/value head replicated on both tensor ranks: its rows' gradients summed over them

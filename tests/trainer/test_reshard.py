@@ -80,6 +80,9 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
 SOURCES = {
     # family -> (model, layout that writes the checkpoint, its ZeRO stage, world, parameter tensors)
     "gpt": (mt_harness.TINY, dict(data=2, pipeline=2, tensor=2), 3, 8, 4 * 8 + 5),
+    # a vocabulary tp2 does not divide: tables padded to 384 rows, checkpoint written at 257
+    # (ZeRO-1 moments: flat ranges crossing the padding), loaded unpadded at tp1 and padded again
+    "gpt-vocab257": ({**mt_harness.TINY, "vocab": 257}, dict(data=2, tensor=2), 1, 4, 4 * 8 + 5),
     # grouped-query QKV split over tp2 (one key/value head per rank) is the piece to get right
     "llama": (mt_harness.LLAMA_TINY, dict(pipeline=2, tensor=2), 0, 4, 4 * 6 + 3),
     # one key/value head held by both tp ranks, and the embedding tied across the two stages:

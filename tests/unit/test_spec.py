@@ -79,12 +79,6 @@ INVALID = [
         ["microBatches=3", "pipeline=2"],
     ),
     (
-        "vocab not divisible by tensor",
-        JobBuilder().layout(1, 1, 2).model(preset="tiny", vocab=255),
-        "spec.model.vocab",
-        ["vocab=255"],
-    ),
-    (
         "no shape at all",
         JobBuilder().model(preset=None, layers=2),
         "spec.model",

@@ -105,6 +105,22 @@ def split_boxes(
     return tuple(dense), boxes
 
 
+def clip_boxes(
+    shape: Sequence[int], boxes: list[Box], *, dim: int, extent: int
+) -> tuple[tuple[int, ...], list[Box]]:
+    """Dense shape and boxes cut at ``extent`` along ``dim``: a padded vocabulary's zero rows are not stored."""
+    clipped = []
+    for box in boxes:
+        rows = min(box.sizes[dim], extent - box.offsets[dim])
+        if rows > 0:
+            sizes = list(box.sizes)
+            sizes[dim] = rows
+            clipped.append(dataclasses.replace(box, sizes=tuple(sizes)))
+    dense = list(shape)
+    dense[dim] = extent
+    return tuple(dense), clipped
+
+
 def flat_range_boxes(
     shape: Sequence[int], start: int, stop: int
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:

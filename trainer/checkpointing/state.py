@@ -63,8 +63,9 @@ def dense_layout(engine: Any) -> dict[str, tuple[tuple[int, ...], list[sharded.B
         spec = shards.get(name)
         if spec is None:
             out[name] = (tuple(p.shape), sharded.whole(p.shape))
-        else:
-            dense = spec.dense_extent(p.shape[spec.dim], size)
+        else:  # a padded vocabulary: blocks of the padded extent, cut at the true one
+            padded = spec.extent and p.shape[spec.dim] * size
+            dense = padded or spec.dense_extent(p.shape[spec.dim], size)
             out[name] = sharded.split_boxes(
                 tuple(p.shape),
                 dim=spec.dim,
@@ -74,6 +75,8 @@ def dense_layout(engine: Any) -> dict[str, tuple[tuple[int, ...], list[sharded.B
                 blocks=spec.local_blocks(dense, size),
                 replicas=spec.block_replicas(),
             )
+            if spec.extent:
+                out[name] = sharded.clip_boxes(*out[name], dim=spec.dim, extent=spec.extent)
     return out
 
 

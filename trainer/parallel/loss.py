@@ -67,6 +67,7 @@ def lm_loss(
             targets.reshape(-1),
             tp=tp,
             chunk=chunk_tokens(weight.shape[0], chunk_bytes),
+            vocab=model.config.vocab,
         )
 
     loss: torch.Tensor = model(x, apply_head=head_loss)
@@ -80,19 +81,22 @@ def linear_cross_entropy(
     *,
     tp: tensor.TPContext | None = None,
     chunk: int,
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """Mean over tokens of cross_entropy(hidden @ weight.T, targets), ``chunk`` tokens at a time.
 
     ``hidden`` (N, H), ``weight`` (V, H) or this rank's (V/tp, H) vocabulary
     shard, ``targets`` (N,).  Under autocast the matmuls run in its dtype and
-    the softmax in fp32, as the plain loss does.
+    the softmax in fp32, as the plain loss does.  Rows of ``weight`` past
+    ``vocab`` (a padded vocabulary's, :func:`meshtrain.layout.padded_vocab`)
+    are no tokens: their logits are left out.
     """
     device = hidden.device.type
     compute = (
         torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     )
     loss: torch.Tensor = _LinearCrossEntropy.apply(
-        hidden, weight, targets, tp, chunk, compute, torch.is_grad_enabled()
+        hidden, weight, targets, tp, chunk, compute, torch.is_grad_enabled(), vocab
     )
     return loss
 
@@ -116,10 +120,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         compute: torch.dtype,
         grads: bool,
+        vocab: int | None,
     ) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             n, vocab_local = hidden.shape[0], weight.shape[0]
             start = tp.rank * vocab_local if tp is not None else 0
+            tokens_here = vocab_local if vocab is None else min(max(vocab - start, 0), vocab_local)
             w = weight.detach().to(compute)  # (V/tp, H)
             losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
             # the gradients (empty when none are wanted: evaluation)
@@ -129,6 +135,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 hi = min(n, lo + chunk)
                 h = hidden[lo:hi].detach().to(compute)  # (c, H)
                 logits = (h @ w.t()).float()  # (c, V/tp): the only logits alive
+                logits[:, tokens_here:] = -torch.inf  # padding rows: softmax 0, gradient 0
                 # softmax is shift-invariant: subtract the (global) row maximum for stability
                 shift = _all_reduce(logits.max(dim=-1).values, tp, dist.ReduceOp.MAX)  # (c,)
                 logits.sub_(shift.unsqueeze(-1))
@@ -159,4 +166,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         del fctx.grads  # backward runs once (the graph is not retained): scale in place
         grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         grad_weight = grad_weight.mul_(grad_loss).to(fctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None

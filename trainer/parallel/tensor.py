@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain import layout
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, recording
 
@@ -69,6 +70,9 @@ class ShardSpec:
     """The dense ``dim`` is ``groups`` equal blocks, each split separately (fused QKV: 3)."""
     sizes: tuple[int, ...] = ()
     """Dense sizes of unequal blocks (grouped-query QKV: q, k, v rows); overrides ``groups``."""
+    extent: int = 0
+    """The dense extent along ``dim`` when the pieces end in zero padding (a vocabulary that
+    does not split evenly, :func:`meshtrain.layout.padded_vocab`); 0: the pieces tile it exactly."""
     replicas: tuple[int, ...] = ()
     """Per block of ``sizes``: how many consecutive ranks hold the same piece of it (empty: 1 each).
 
@@ -86,7 +90,7 @@ class ShardSpec:
 
     def dense_extent(self, local: int, size: int) -> int:
         """Extent of the dense ``dim`` of a rank's piece of extent ``local`` over ``size`` ranks."""
-        return sum(self.sizes) if self.sizes else local * size
+        return self.extent or (sum(self.sizes) if self.sizes else local * size)
 
     def local_blocks(self, dense: int, size: int) -> list[int]:
         """Extent of every block in one rank's piece."""
@@ -95,7 +99,11 @@ class ShardSpec:
 
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
-    """This rank's piece of a dense tensor."""
+    """This rank's piece of a dense tensor (zero rows past ``spec.extent`` on the last ranks)."""
+    if spec.extent:
+        padding = [0, 0] * (full.dim() - 1 - spec.dim)
+        padding += [0, layout.padded_vocab(spec.extent, size) - full.shape[spec.dim]]
+        full = F.pad(full, padding)
     blocks = full.split(spec.block_sizes(full.shape[spec.dim]), dim=spec.dim)
     pieces = [
         b.chunk(size // r, dim=spec.dim)[rank // r] for b, r in zip(blocks, spec.block_replicas())
@@ -107,15 +115,16 @@ def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The dense tensor from every rank's piece (inverse of :func:`shard`; a replicated block from its first holder)."""
     size = len(pieces)
     dense = spec.dense_extent(pieces[0].shape[spec.dim], size)
-    local = spec.local_blocks(dense, size)
+    local = spec.local_blocks(pieces[0].shape[spec.dim] * size if spec.extent else dense, size)
     per_rank = [p.split(local, dim=spec.dim) for p in pieces]  # [rank][block]
-    return torch.cat(
+    whole = torch.cat(
         [
             torch.cat([per_rank[k][g] for k in range(0, size, r)], dim=spec.dim)
             for g, r in enumerate(spec.block_replicas())
         ],
         dim=spec.dim,
     )
+    return whole.narrow(spec.dim, 0, dense)
 
 
 def kv_replicas(kv_heads: int, size: int) -> int:
@@ -330,7 +339,9 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     (``None``) are skipped.  Norms stay replicated.
     """
     shards: dict[str, ShardSpec] = {}
-    row, vocab = ShardSpec(1), ShardSpec(0)
+    vocab_rows = model.config.vocab
+    row = ShardSpec(1)
+    vocab = ShardSpec(0, extent=vocab_rows if vocab_rows % ctx.size else 0)
 
     def swap(
         owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec

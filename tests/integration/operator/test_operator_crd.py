@@ -123,7 +123,6 @@ INVALID = [
     ("layers over stages", _with("spec.model.layers", 3), _rule("layers-split-over-stages")),
     ("heads over tensor", _with("spec.model.heads", 3), _rule("heads-split-over-tensor")),
     ("hidden over heads", _with("spec.model.hidden", 66), _rule("hidden-split-over-heads")),
-    ("vocab over tensor", _with("spec.model.vocab", 255), _rule("vocab-split-over-tensor")),
     ("ffn over tensor", _with("spec.model.ffnHidden", 255), _rule("ffn-split-over-tensor")),
     (
         "sequence parallel over tensor",
