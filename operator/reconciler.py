@@ -509,19 +509,25 @@ class Reconciler:
         return raw_nodes, nodes, avoid
 
     def _fits_without(self, job: lifecycle.JobState, node: str) -> bool:
-        """Whether the gang (at any size runPolicy.elastic allows) fits now without ``node``
-        and the job's excluded nodes, counting its own pods' resources as free."""
+        """Whether the gang fits now at its running data-parallel degree without ``node`` and the
+        job's excluded nodes, counting its own pods' resources as free.
+
+        A smaller elastic size does not count: trading a slow replica for a shrunk gang (and a
+        restart) loses more throughput than the straggler costs.
+        """
         assert job.spec is not None
         declared = job.declared or job.spec
         gpu = declared.resources.gpu_resource_name
         raw_nodes, nodes, _ = self._candidates(job, gpu, frozenset({node}))
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
-        fits = isinstance(
-            self._plan_sizes(job, raw_nodes, nodes, demand).answer, placement.Placement
+        running = job.spec.parallelism.data
+        sized = self._plan_sizes(job, raw_nodes, nodes, demand, cap=running)
+        fits = isinstance(sized.answer, placement.Placement) and (
+            sized.size is None or sized.size.data >= running
         )
         if not fits:
             logger.info(
-                "%s/%s: straggler node %s kept: no placement without it fits now",
+                "%s/%s: straggler node %s kept: no placement without it fits now at the running size",
                 job.ref.namespace,
                 job.ref.name,
                 node,

@@ -200,7 +200,9 @@ def react(
     if not replace:
         return _report(conds, previous, message, news, now)
     assert isinstance(node, str)
-    stuck = f"{message}; not replaced: no placement without node {node} fits now"
+    stuck = (
+        f"{message}; not replaced: no placement without node {node} fits now at the running size"
+    )
     otherwise = _report(
         conds, previous, stuck, f"{news}; {stuck}", now, conditions.STRAGGLER_NO_REPLACEMENT
     )

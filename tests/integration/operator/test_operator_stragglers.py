@@ -334,3 +334,52 @@ def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
         wait_for("the Event on the node", on_node)
         assert [e.reason for e in on_node()] == ["StragglerReplaced"]
         assert f"TrainingJob {namespace}/stuck" in on_node()[0].message
+
+
+def test_replace_never_shrinks_an_elastic_gang(control_plane_binaries, tmp_path):
+    """An elastic dp3 gang (minData 2) with no spare node: dp2 would fit without the slow node,
+    but a shrink loses more than the straggler costs, so the straggler is only reported."""
+    namespace = "no-shrink"
+    with simulated(control_plane_binaries, namespace, tmp_path / "operator.log") as sim:
+        cluster, progress, operator = sim.cluster, sim.progress, sim.operator
+        operator.start()
+        _checkpoint_volume(cluster, namespace)
+        for i in range(3):
+            cluster.add_node(POOL, gpus=1, name=f"shrink-n{i}")
+        progress.document = {"step": 10, "loss": 4.0, "straggler": None}
+        cluster.apply(
+            JobBuilder("elastic", namespace, POOL)
+            .layout(data=3, gpus_per_node=1)
+            .parallelism(microBatches=2)
+            .checkpoint(claimName="ckpt", intervalSteps=20)
+            .metrics(port=progress.port)
+            .run_policy(
+                stragglerPolicy={"action": "replace", "threshold": 1.3},
+                elastic={"minData": 2, "maxData": 3},
+            )
+        )
+        status = _running_on(cluster, namespace, "elastic", 3)
+        slow_node = {p["podIndex"]: p["node"] for p in status["placement"]}[1]
+        pods = {p.metadata.uid for p in cluster.pods(namespace, "elastic")}
+        progress.document = {
+            "step": 60,
+            "loss": 3.0,
+            "straggler": {"rank": 1, "slowdown": 1.4, "since_step": 52},
+        }
+        flag = wait_for(
+            "the straggler reported",
+            lambda: (
+                (c := cluster.condition(namespace, "elastic", "Straggler")).get("status") == "True"
+                and c
+            ),
+        )
+        status = cluster.status(namespace, "elastic")
+        assert not status.get("stragglerReplacements"), status
+        assert status["phase"] == "Running" and not status.get("excludedNodes"), status
+        assert status["elastic"]["data"] == 3, status["elastic"]
+        assert {p.metadata.uid for p in cluster.pods(namespace, "elastic")} == pods
+        assert flag["reason"] == "NoReplacement", flag
+        assert (
+            f"no placement without node {slow_node} fits now at the running size"
+            in (flag["message"])
+        )
