@@ -178,10 +178,18 @@ def running_spec(
 def candidates(
     declared: api_spec.TrainingJobSpec,
 ) -> list[tuple[elastic.Size | None, api_spec.TrainingJobSpec]]:
-    """The specs a placement tries in order: every allowed size largest first, or just the declared spec."""
+    """The specs a placement tries in order (the first that fits wins), or just the declared spec.
+
+    Every allowed size that keeps the global batch, largest first, then the sizes that change it:
+    a shrink from dp8 (G=24, 3 micro-batches) takes dp6 (G kept) over dp7 (G=21), since a
+    changed batch changes the optimisation, not only the speed; a grow likewise.
+    """
     if declared.run_policy.elastic is None:
         return [(None, declared)]
-    resized = [(size, elastic.resized(declared, size)) for size in elastic.sizes(declared)]
+    ordered = sorted(
+        elastic.sizes(declared), key=lambda size: (not size.keeps_global_batch, -size.data)
+    )
+    resized = [(size, elastic.resized(declared, size)) for size in ordered]
     # A size whose spec breaks a rule (a layout rule that holds at the declared degree only) is skipped.
     return [(size, spec) for size, spec in resized if not rules.check(spec)]
 

@@ -255,3 +255,30 @@ def test_a_restarted_gang_is_not_placed_larger_than_it_ran_before_a_grow_is_allo
     # a lower cap than any allowed size (minData raised by a spec change): nothing is left out
     assert len(resizing.no_larger_than(resizing.candidates(spec), 1)) == 3
     assert resizing.largest_allowed(declared(), {}, NOW) is None  # never placed
+
+
+@pytest.mark.parametrize(
+    ("data", "micro_batches", "bounds", "order"),
+    [
+        # G=24: dp7 runs G=21, so it comes after every degree that keeps 24 (dp5's G=25 breaks
+        # the minData rule and is never tried).
+        (8, 3, (3, 8), [8, 6, 4, 3, 7]),
+        # G=12: every degree from 2 to 4 keeps it, so largest first.
+        (4, 3, (2, 4), [4, 3, 2]),
+    ],
+)
+def test_a_placement_tries_the_sizes_that_keep_the_global_batch_first(
+    data, micro_batches, bounds, order
+):
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=data, gpus_per_node=1)
+        .parallelism(microBatches=micro_batches)
+        .checkpoint(claimName="ckpt")
+        .run_policy(elastic={"minData": bounds[0], "maxData": bounds[1]})
+        .raw()
+    )
+    tried = [(s.data, s.keeps_global_batch) for s, _ in resizing.candidates(spec)]
+    assert [d for d, _ in tried] == order
+    keeping = [keeps for _, keeps in tried]
+    assert keeping == sorted(keeping, reverse=True)  # no batch-changing size before a keeping one
