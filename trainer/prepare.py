@@ -58,6 +58,11 @@ def choose_dtype(requested: str, vocab: int, tokenizer_path: Path) -> str:
     return requested
 
 
+def vocab_size(tokenizer: Tokenizer) -> int:
+    """Rows the model's embedding needs: the largest id plus one (ids need not be contiguous)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 def documents(paths: list[Path], text_field: str) -> Iterator[str]:
     """Every document of the inputs, in order."""
     for path in paths:
@@ -67,12 +72,15 @@ def documents(paths: list[Path], text_field: str) -> Iterator[str]:
                     if not line.strip():
                         continue
                     try:
-                        yield json.loads(line)[text_field]
+                        text = json.loads(line)[text_field]
                     except (json.JSONDecodeError, KeyError, TypeError):
+                        text = None
+                    if not isinstance(text, str):
                         raise PrepareError(
                             f"{path}:{number}: not a JSON object with a {text_field!r} string "
                             "(--text-field)"
-                        ) from None
+                        )
+                    yield text
         else:
             yield path.read_text(encoding="utf-8")
 
@@ -109,8 +117,8 @@ def prepare(
     missing = [str(p) for p in [tokenizer_path, *inputs] if not p.is_file()]
     if missing:
         raise PrepareError(f"no such file: {', '.join(missing)}")
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer = special_tokens.load_tokenizer(tokenizer_path)
+    vocab = vocab_size(tokenizer)
     if model_vocab is not None and vocab > model_vocab:
         raise PrepareError(
             f"{tokenizer_path}: vocabulary of {vocab} tokens exceeds the model's spec.model.vocab={model_vocab}; "

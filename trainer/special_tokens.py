@@ -122,9 +122,21 @@ def from_tokenizer(tokenizer: Tokenizer) -> TokenIds:
     )
 
 
+def load_tokenizer(path: Path) -> Tokenizer:
+    """A ``tokenizer.json`` without the truncation and padding it may have been saved with.
+
+    ``Tokenizer.from_file`` restores both, which would cut every document to
+    ``max_length`` and fill short ones with the padding id, silently.
+    """
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
 def from_tokenizer_file(path: Path) -> TokenIds:
     """:func:`from_tokenizer` of a ``tokenizer.json``."""
-    return from_tokenizer(Tokenizer.from_file(str(path)))
+    return from_tokenizer(load_tokenizer(path))
 
 
 def agreed(records: Iterable[TokenIds]) -> TokenIds:

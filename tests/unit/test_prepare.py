@@ -152,3 +152,48 @@ def test_documents_get_the_special_tokens_transformers_adds_then_end_of_text(
     assert meta["bos_per_document"] == starts_with_bos and meta["eos_per_document"]
     assert (meta["bos_id"], meta["eos_id"]) == (peer.convert_tokens_to_ids(specials[0]), eos)
     assert expected.count(eos) == len(TEXT)  # never doubled when the template ends with it
+
+
+def test_truncation_and_padding_saved_in_the_tokenizer_are_not_applied(tmp_path):
+    tokenizer = _bpe(tmp_path / "plain.json")
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [i for t in TEXT for i in tokenizer.encode(t).ids + [eos]]
+    tokenizer.enable_truncation(max_length=3)
+    tokenizer.enable_padding(length=64, pad_id=0, pad_token="<unk>")
+    tokenizer.save(str(tmp_path / "saved.json"))
+    assert (
+        Tokenizer.from_file(str(tmp_path / "saved.json")).truncation is not None
+    )  # what from_file restores
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT) + "\n")
+    prepare.prepare(
+        [tmp_path / "docs.jsonl"], tmp_path / "saved.json", tmp_path / "t.bin", progress=False
+    )
+    assert np.fromfile(tmp_path / "t.bin", dtype="<u2").tolist() == expected
+
+
+def test_vocabulary_is_the_largest_id_plus_one_for_sparse_ids(tmp_path):
+    sparse = Tokenizer(models.WordLevel(vocab={"a": 0, "[UNK]": 1, "b": 9}, unk_token="[UNK]"))
+    sparse.pre_tokenizer = pre_tokenizers.Whitespace()
+    sparse.save(str(tmp_path / "sparse.json"))
+    (tmp_path / "a.txt").write_text("a b")
+    with pytest.raises(prepare.PrepareError, match="vocabulary of 10 tokens exceeds"):
+        prepare.prepare(
+            [tmp_path / "a.txt"], tmp_path / "sparse.json", tmp_path / "t.bin", model_vocab=9
+        )
+    meta = prepare.prepare(
+        [tmp_path / "a.txt"], tmp_path / "sparse.json", tmp_path / "t.bin", progress=False
+    )
+    assert meta["vocab"] > max(np.fromfile(tmp_path / "t.bin", dtype="<u2").tolist())
+
+
+def test_a_non_string_text_value_names_the_line(tmp_path):
+    _bpe(tmp_path / "tokenizer.json")
+    (tmp_path / "d.jsonl").write_text(
+        json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": 5}) + "\n"
+    )
+    with pytest.raises(
+        prepare.PrepareError, match=r"d\.jsonl:2: not a JSON object with a 'text' string"
+    ):
+        prepare.prepare(
+            [tmp_path / "d.jsonl"], tmp_path / "tokenizer.json", tmp_path / "t.bin", progress=False
+        )
