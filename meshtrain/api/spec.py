@@ -50,8 +50,8 @@ class GradientCompression(_Model):
 
     mode: Literal["none", "bf16", "fp16", "int8", "topk", "powersgd"] = Field(
         "none",
-        description="none (fp32 all-reduce), bf16/fp16 (16-bit all-reduce), int8 (shared scale), topk (largest "
-        "elements with error feedback), powersgd (rank-r approximation of each gradient matrix with error feedback).",
+        description="none (fp32 all-reduce), bf16/fp16 (16-bit all-reduce), int8 (per-rank scale, all-gathered, "
+        "summed in fp32), topk (largest elements with error feedback), powersgd (rank-r approximation of each gradient matrix with error feedback).",
     )
     rank: int = Field(
         4,

@@ -5,7 +5,8 @@ call for call, in the recorder's payload convention (the buffer a
 collective works on; an all-gather counts its gathered output):
 
 * bf16 / fp16: one all-reduce of the bucket in 2-byte elements;
-* int8: one 4-byte all-reduce (the shared scale), one of the bucket in 1-byte elements;
+* int8: two all-gathers: each rank's 4-byte scale and its bucket in 1-byte
+  elements (``dp x (4 + n)`` bytes gathered: summed in fp32 by the receivers);
 * topk: two all-gathers of ``k = max(1, int(ratio x n))`` elements per rank
   (4-byte values, 4-byte indices);
 * powersgd: matrices with ``min(rows, cols) > r`` send ``P`` (rows x r) and
@@ -40,7 +41,7 @@ def dp_collectives(
         if mode in ("bf16", "fp16"):
             out.append(("dp", "all_reduce", 1, n * CAST_BYTES))
         elif mode == "int8":
-            out.append(("dp", "all_reduce", 2, INT8_SCALE_BYTES + n))
+            out.append(("dp", "all_gather", 2, dp * (INT8_SCALE_BYTES + n)))
         elif mode == "topk":
             k = max(1, int(compression.topk_ratio * n))
             out.append(("dp", "all_gather", 2, dp * k * (grad_bytes + INDEX_BYTES)))
