@@ -57,8 +57,15 @@ def dequantise_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def mean_of_int8(payloads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks of (ranks, n) int8 payloads with one scale each, summed in fp32."""
-    return (payloads.float() * (scales.float() / INT8_LEVELS).unsqueeze(1)).mean(dim=0)
+    """Mean over ranks of (ranks, n) int8 payloads with one scale each, summed in fp32.
+
+    Rank by rank, so the temporaries stay one fp32 bucket whatever the group size.
+    """
+    steps = scales.float() / (INT8_LEVELS * payloads.shape[0])
+    out = torch.zeros(payloads.shape[1], dtype=torch.float32, device=payloads.device)
+    for payload, step in zip(payloads, steps):
+        out.add_(payload.float() * step)
+    return out
 
 
 class CompressedGradReducer(reducer.GradReducer):
