@@ -228,6 +228,8 @@ async def delete_children(
                     namespace=namespace, name=name, uid=uid
                 )
             except kube.NotLeading:  # the Lease was lost meanwhile: stand by again
+                # The tenure can end a moment before the watchdog clears ``leading``: no spin.
+                await asyncio.sleep(leadership.WATCHDOG_SECONDS)
                 continue
             if not held:
                 break

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -72,7 +73,17 @@ class _TimedLeaseLock(leaselock.LeaseLock):
         try:
             return await asyncio.wait_for(super().get(name, namespace), self._timeout)
         except TimeoutError:
-            return False, ApiException(status=504, reason="Lease read timed out")
+            # With a Status body as the API server's: the library reads its "code" (and asserts one).
+            timed_out = ApiException(status=504, reason="Lease read timed out")
+            timed_out.body = json.dumps(
+                {
+                    "kind": "Status",
+                    "code": 504,
+                    "reason": "Timeout",
+                    "message": "Lease read timed out",
+                }
+            ).encode()
+            return False, timed_out
 
     async def _held(self, write: Any) -> bool:
         sent = time.monotonic()

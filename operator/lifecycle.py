@@ -171,6 +171,10 @@ Action = (
 )
 
 
+LEAVING_RECHECK_SECONDS = 30.0
+"""Safety recheck while a dropped placement's pods are still there (their deletion wakes the job)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What to do now, and when to look again at the latest (None: on the next event or resync)."""
@@ -560,8 +564,9 @@ def decide(
         # Pods without a recorded placement: after a lost status write (rebuild cleanly), or a
         # dropped placement whose pods still terminate (wait for them, woken by their deletion).
         if current:
-            doomed = tuple(p.name for p in current if not p.deleting)
-            return Decision((*actions, *([DeletePods(doomed)] if doomed else [])), 1.0)
+            return Decision(
+                (*actions, *_old_pods_leaving(job, current, now)), LEAVING_RECHECK_SECONDS
+            )
         return Decision((*actions, Place(attempt, flavors=flavors)))
 
     built_from = job.status.get("specHash")
@@ -663,6 +668,27 @@ def decide(
         recheck = refusals.recheck_after
         return Decision((*actions, *seen), left if recheck is None else min(left, recheck))
     return Decision((*actions, *seen), refusals.recheck_after)
+
+
+def _old_pods_leaving(
+    job: JobState, current: Sequence[failure.PodState], now: datetime.datetime
+) -> tuple[Action, ...]:
+    """Delete what is left of a dropped placement and say which pods the new gang waits for.
+
+    A terminal pod holds no GPUs, but the new pods take the same names: it is waited for too
+    (the API server removes it at once unless a finalizer holds it).
+    """
+    doomed = tuple(p.name for p in current if not p.deleting)
+    names = ", ".join(
+        f"{p.name} ({p.phase if p.terminal else 'terminating'}{f' on {p.node}' if p.bound else ''})"
+        for p in sorted(current, key=lambda p: p.name)
+    )
+    message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
+    placed = conditions.find(_conds(job), conditions.PLACED) or {}
+    wait: tuple[Action, ...] = ()
+    if (placed.get("reason"), placed.get("message")) != (conditions.OLD_PODS_TERMINATING, message):
+        wait = (_changes(job, **unschedulable(job, conditions.OLD_PODS_TERMINATING, message, now)),)
+    return (*([DeletePods(doomed)] if doomed else []), *wait)
 
 
 def _held_by_kueue(

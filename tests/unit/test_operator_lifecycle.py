@@ -436,8 +436,11 @@ def test_changed_spec_rebuilds_the_gang_without_counting_a_restart():
 def test_rebuilt_gang_waits_for_the_old_pods_then_places_the_new_spec():
     state = job(_spec_of(4), phase="Restarting")
     waiting = lifecycle.decide(state, [pod(0, "Running", deleting=True)], at(10))
-    assert waiting.actions == () and waiting.requeue_after == 1.0  # nothing left to delete: wait
-    assert kinds(lifecycle.decide(state, [pod(0, "Running")], at(10))) == ["DeletePods"]
+    assert kinds(waiting) == ["SetStatus"]  # nothing left to delete: say what it waits for
+    placed = conditions.find(status_of(waiting)["conditions"], conditions.PLACED)
+    assert placed is not None and placed["reason"] == conditions.OLD_PODS_TERMINATING
+    assert waiting.requeue_after == lifecycle.LEAVING_RECHECK_SECONDS  # woken by the deletion
+    assert kinds(lifecycle.decide(state, [pod(0, "Running")], at(10)))[0] == "DeletePods"
     assert kinds(lifecycle.decide(state, [], at(11))) == ["Place"]
     assert lifecycle.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(_spec_of(4))
 

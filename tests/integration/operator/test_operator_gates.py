@@ -247,15 +247,33 @@ def test_a_released_pod_the_scheduler_refuses_gets_the_gang_placed_again_elsewhe
             pods = private.pods("gates", "shunned")
             return pods if len(pods) == 1 and pods[0].spec.node_name == other else None
 
-        wait_for("the gang bound by kube-scheduler to refused-b", bound, timeout=60, interval=0.5)
+        [moved] = wait_for(
+            "the gang bound by kube-scheduler to refused-b", bound, timeout=60, interval=0.5
+        )
+
+        # Once it ran where it was placed, the refusals are forgotten: refused-a (no longer
+        # shunned) takes the restarted gang when refused-b is cordoned.
+        private.set_pod_phase("gates", moved.metadata.name, "Running")
+        reconciling.passes("gates", "shunned")
+        assert private.status("gates", "shunned")["phase"] == "Running"
+        private.core.delete_namespaced_pod(f"shuns-{refused}", "default", grace_period_seconds=0)
+        private.core.patch_node(other, {"spec": {"unschedulable": True}})
+        private.set_pod_phase("gates", moved.metadata.name, "Failed", exit_code=137)
+
+        def back_on_refused_a() -> list | None:
+            reconciling.passes("gates", "shunned")
+            placement = private.status("gates", "shunned").get("placement") or []
+            return placement if [p["node"] for p in placement] == [refused] else None
+
+        wait_for(
+            "the restarted gang placed on refused-a", back_on_refused_a, timeout=60, interval=0.5
+        )
     finally:
         reconciling.close()
     events = private.core.list_namespaced_event("gates").items
     refusals = [e for e in events if e.reason == conditions.SCHEDULER_REFUSED]
     assert len(refusals) == 1 and "refused-a" in refusals[0].message
-    assert (
-        private.status("gates", "shunned").get("restarts", 0) == 0
-    )  # a re-placement, not a restart
+    assert private.status("gates", "shunned")["restarts"] == 1  # the re-placement was none
 
 
 def test_a_pod_nominated_to_a_planned_node_before_the_gates_lift_gets_the_gang_placed_again(
@@ -314,9 +332,14 @@ def test_a_refusal_after_part_of_the_gang_was_bound_waits_for_the_bound_pods_to_
         assert stopping.metadata.deletion_grace_period_seconds == 5
 
         private.add_node("half", gpus=4, name="half-c")
-        reconciling.passes("gates", "halved", passes=3)
+        outcome = reconciling.passes("gates", "halved", passes=3)
         assert [p.metadata.uid for p in private.pods("gates", "halved")] == [stopping.metadata.uid]
         assert not private.status("gates", "halved").get("placement")
+        # Said, and woken by the pod's deletion (a slow safety recheck only, no 1 s poll).
+        waiting = private.condition("gates", "halved", conditions.PLACED)
+        assert waiting["reason"] == conditions.OLD_PODS_TERMINATING
+        assert f"{stopping.metadata.name} (terminating on {first})" in waiting["message"]
+        assert outcome.requeue_after == lifecycle.LEAVING_RECHECK_SECONDS
 
         private.core.delete_namespaced_pod(  # the kubelet confirms the containers stopped
             stopping.metadata.name,
@@ -458,3 +481,80 @@ def test_a_re_placement_from_a_cache_that_missed_the_binding_gives_the_bound_pod
     [stopping] = private.pods("gates", "lagged")  # not force-deleted
     assert stopping.metadata.uid == pod.metadata.uid and stopping.spec.node_name == node
     assert stopping.metadata.deletion_grace_period_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
+
+
+def _refuse_dropping_the_placement_of(job: str) -> tuple[dict, dict]:
+    """An admission policy that refuses any status write emptying ``job``'s placement (a write the
+    operator cannot make: a lost leadership, a crash, an API server refusing it)."""
+    policy = {
+        "metadata": {"name": f"keep-placement-{job}"},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": ["meshtrain.io"],
+                        "apiVersions": ["*"],
+                        "operations": ["UPDATE"],
+                        "resources": ["trainingjobs/status"],
+                    }
+                ]
+            },
+            "validations": [
+                {
+                    "expression": f"object.metadata.name != '{job}' || "
+                    "(has(object.status.placement) && size(object.status.placement) > 0)",
+                    "message": "placement kept by the test",
+                }
+            ],
+        },
+    }
+    binding = {
+        "metadata": {"name": f"keep-placement-{job}"},
+        "spec": {"policyName": f"keep-placement-{job}", "validationActions": ["Deny"]},
+    }
+    return policy, binding
+
+
+def test_a_re_placement_whose_status_write_fails_leaves_the_pods_alone(private):
+    """The dropped placement is written before any pod is deleted: pods deleted first and a
+    write that never lands leave the next leader a placed gang with missing pods (a restart,
+    or pods recreated on the very nodes that could not take them)."""
+    node = private.add_node("unwritten", gpus=4, name="unwritten-a")
+    private.apply(JobBuilder("unwritten", "gates", "unwritten").layout(data=4).gpus(4))
+    _pass(private, "unwritten")  # the gated pod, planned onto the only node
+    [pod] = private.pods("gates", "unwritten")
+    admission = kubernetes.client.AdmissionregistrationV1Api(private.core.api_client)
+    policy, binding = _refuse_dropping_the_placement_of("unwritten")
+    admission.create_validating_admission_policy(policy)
+    admission.create_validating_admission_policy_binding(binding)
+    custom = kubernetes.client.CustomObjectsApi(private.core.api_client)
+
+    def enforced() -> bool:
+        try:
+            custom.patch_namespaced_custom_object_status(
+                "meshtrain.io",
+                "v1alpha1",
+                "gates",
+                "trainingjobs",
+                "unwritten",
+                {"status": {"placement": []}},
+                dry_run="All",
+            )
+        except kubernetes.client.ApiException as err:
+            return err.status in (403, 422) and "placement kept by the test" in str(err.body)
+        return False
+
+    try:
+        wait_for("the admission policy enforced", enforced, timeout=60, interval=0.5)
+        private.core.patch_node(
+            node, {"spec": {"taints": [{"key": "maint", "effect": "NoSchedule"}]}}
+        )
+        with pytest.raises(kube.ApiError, match="placement kept by the test"):
+            _pass(private, "unwritten")  # would lift the gate: re-places instead, cannot write it
+    finally:
+        admission.delete_validating_admission_policy_binding(binding["metadata"]["name"])
+        admission.delete_validating_admission_policy(policy["metadata"]["name"])
+    [kept] = private.pods("gates", "unwritten")
+    assert kept.metadata.uid == pod.metadata.uid and kept.metadata.deletion_timestamp is None
+    assert private.status("gates", "unwritten")["placement"][0]["node"] == node

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 
 import kubernetes
 import pytest
+from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 
 from meshtrain.controlplane import pki
-from meshtrain.operator import kube
+from meshtrain.operator import kube, leadership
 from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
@@ -153,3 +154,42 @@ def test_a_write_is_bounded_by_the_time_left_on_the_lease(
     names = {c.metadata.name for c in core.list_namespaced_config_map(namespace).items}
     assert "landed" in names, "the slow write without a bound did not land: the test proves nothing"
     assert "abandoned" not in names, "a write abandoned when the Lease ran out landed afterwards"
+
+
+def test_a_lease_read_that_timed_out_is_a_failed_try_not_the_end_of_the_election(
+    control_plane, kube_api, namespace
+):
+    """The library reads the ``code`` of a failed read's Status body (and asserts there is one):
+    the timed-out read must look like an API server's answer, or the election task dies."""
+
+    async def attempt() -> bool:
+        client = await kube.Client.connect(kubeconfig=str(control_plane.kubeconfig_path))
+        try:
+            lock = leadership._TimedLeaseLock(
+                "timed-out",
+                namespace,
+                "candidate",
+                client.api_client,
+                timeout=0,  # the read never answers in time
+                tenure=leadership.Tenure(-math.inf),
+                renew_deadline=10,
+            )
+
+            async def nothing() -> None:
+                pass
+
+            config = electionconfig.Config(
+                lock,
+                lease_duration=15,
+                renew_deadline=10,
+                retry_period=2,
+                onstarted_leading=nothing,
+                onstopped_leading=nothing,
+            )
+            return await leaderelection.LeaderElection(config).try_acquire_or_renew()
+        finally:
+            await client.close()
+
+    assert asyncio.run(attempt()) is False
+    leases = kubernetes.client.CoordinationV1Api(kube_api).list_namespaced_lease(namespace).items
+    assert "timed-out" not in [lease.metadata.name for lease in leases]  # no create after it
