@@ -86,6 +86,17 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
         head.weight.grad, tensor.shard(dhead.grad, tensor.ShardSpec(0), rank, size)
     )
     out["cross-entropy input grad"] = _diff(pfeats.grad, dfeats.grad[:, seq])
+
+    # A padded vocabulary whose last rank holds padding rows only (6 tokens in 16 rows at tp2).
+    real = 6
+    padded_w = torch.cat([head_w[:real], torch.zeros(16 - real, h)])
+    small_targets = targets % real
+    want = F.cross_entropy(F.linear(feats, head_w[:real]).reshape(-1, real), small_targets)
+    shard = tensor.shard(padded_w, tensor.ShardSpec(0), rank, size)
+    got = loss.linear_cross_entropy(
+        feats.reshape(-1, h), shard, small_targets, tp=ctx, chunk=5, vocab=real
+    )
+    out["cross-entropy, a shard all padding"] = abs(got.item() - want.item())
     return out
 
 

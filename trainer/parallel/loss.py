@@ -142,7 +142,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 local = targets[lo:hi] - start
                 inside = (local >= 0) & (local < vocab_local)  # (c,) target in this shard
                 local = local.masked_fill(~inside, 0)
-                target_logit = logits.gather(1, local.unsqueeze(1)).squeeze(1) * inside  # (c,)
+                gathered = logits.gather(1, local.unsqueeze(1)).squeeze(1)
+                # where, not * inside: a shard of padding rows only gathers -inf, and -inf * 0 is NaN
+                target_logit = torch.where(inside, gathered, torch.zeros_like(gathered))  # (c,)
                 exp = logits.exp_()  # (c, V/tp), in place
                 sums = _all_reduce(  # one collective: (target logit, sum of exp) -> (2, c)
                     torch.stack([target_logit, exp.sum(dim=-1)]), tp, dist.ReduceOp.SUM
