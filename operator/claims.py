@@ -36,3 +36,14 @@ async def topology(
     )
     candidates = await client.list_volumes() if local else []
     return volumes.topology(claim, None, storage_class, candidates)
+
+
+async def access_refusal(
+    client: kube.Client, namespace: str, spec: api_spec.TrainingJobSpec, nodes: int
+) -> str | None:
+    """Why the gang placed on ``nodes`` nodes cannot all mount its claim (None: it can, or no claim)."""
+    name = spec.checkpoint.claim_name
+    if not name or (nodes <= 1 and spec.pods <= 1):
+        return None
+    claim = await client.get_claim(namespace=namespace, name=name)
+    return volumes.access_refusal(claim, nodes, spec.pods)

@@ -442,12 +442,10 @@ class Reconciler:
         return body, job, True
 
     async def _delete_gang(self, ref: identity.JobRef) -> None:
-        """Delete the job's pods after its placement was dropped (written first: a new leader
-        finishes the deletion instead of counting a restart), each with a short grace period.
+        """Delete the pods of a dropped placement (written first: a new leader finishes this).
 
-        Not grace 0 for pods the cache holds unbound: it may lag a binding, and a force-delete
-        would free GPUs a kubelet still uses.  The API server deletes an unbound pod at once anyway.
-        New pods wait for the old ones (``OldPodsTerminating``).
+        Never grace 0: the cache may lag a binding (a kubelet would keep GPUs it shows free);
+        the API server deletes an unbound pod at once anyway.
         """
         names = [p["metadata"]["name"] for p in self._owned_pods(ref)]
         await self._delete_pods(ref, names, lifecycle.BROKEN_GANG_GRACE_SECONDS)
@@ -739,6 +737,10 @@ class Reconciler:
                     )
                     await self._emit(body, "Warning", answer.reason, answer.message)
                 return body, job, changed
+            nodes_used = len(set(answer.nodes))
+            if shared := await claims.access_refusal(self.client, ref.namespace, spec, nodes_used):
+                unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
+                return await self._unassignable(body, job, unshared)
             declared = job.declared or spec
             fields = lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
             fields |= resizing.placed_fields(declared, size, {**job.status, **fields}, now)

@@ -32,6 +32,8 @@ CONFLICT = "node(s) had volume node affinity conflict"
 """Refusal reason, worded as kube-scheduler's VolumeBinding filter words it."""
 NO_PROVISIONER = "kubernetes.io/no-provisioner"
 WAIT_FOR_FIRST_CONSUMER = "WaitForFirstConsumer"
+SINGLE_NODE_MODES = frozenset({"ReadWriteOnce", "ReadWriteOncePod"})
+"""Access modes that let one node (ReadWriteOnce) or one pod (ReadWriteOncePod) mount a volume."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +167,30 @@ def topology(
 def refusal(where: Topology | None, node: Mapping[str, Any]) -> str | None:
     """:data:`CONFLICT` when ``where`` does not allow ``node``."""
     return CONFLICT if where is not None and not where.allows(node) else None
+
+
+def access_refusal(claim: Mapping[str, Any] | None, nodes: int, pods: int) -> str | None:
+    """Why the gang's pods (``pods`` on ``nodes`` nodes) cannot all mount ``claim`` (None: they can).
+
+    kube-scheduler binds them all the same; the kubelets then hold every pod but the first
+    node's in ContainerCreating (Multi-Attach errors), and the gang never starts.
+    """
+    if claim is None:
+        return None
+    modes = list(
+        (claim.get("status") or {}).get("accessModes")
+        or (claim.get("spec") or {}).get("accessModes")
+        or []
+    )
+    if not modes or not set(modes) <= SINGLE_NODE_MODES:
+        return None
+    one_pod = set(modes) == {"ReadWriteOncePod"}
+    if (pods if one_pod else nodes) <= 1:
+        return None
+    name = (claim.get("metadata") or {}).get("name", "")
+    spread = f"{pods} pods" if one_pod else f"{pods} pods on {nodes} nodes"
+    return (
+        f"checkpoint.claimName {name} has accessModes {', '.join(modes)}: the gang's {spread} "
+        "cannot all mount it (the kubelets would hold them in ContainerCreating with Multi-Attach "
+        "errors); use a ReadWriteMany claim, or a layout that fits on one node"
+    )

@@ -105,3 +105,24 @@ def test_an_unbound_provisioned_claim_follows_allowed_topologies_and_immediate_o
     assert [where.allows(node("a", **{ZONE: z})) for z in ("z1", "z2")] == [False, True]
     assert volumes.topology(claim(), None, {**zonal, "allowedTopologies": []}) is None
     assert volumes.topology(claim(), None, {**zonal, "volumeBindingMode": "Immediate"}) is None
+
+
+@pytest.mark.parametrize(
+    ("modes", "nodes", "pods", "refused"),
+    [
+        (["ReadWriteOnce"], 1, 2, False),  # one node mounts it for all its pods
+        (["ReadWriteOnce"], 2, 2, True),
+        (["ReadWriteOncePod"], 1, 2, True),  # one pod only
+        (["ReadWriteOncePod"], 1, 1, False),
+        (["ReadWriteOnce", "ReadWriteMany"], 4, 4, False),
+        ([], 4, 4, False),  # unknown: left to the scheduler and kubelet
+    ],
+)
+def test_a_claim_one_node_or_pod_mounts_is_refused_for_a_gang_that_spans_more(
+    modes, nodes, pods, refused
+):
+    claim = {"metadata": {"name": "c"}, "spec": {"accessModes": modes}}
+    message = volumes.access_refusal(claim, nodes, pods)
+    assert (message is not None) is refused
+    if refused:
+        assert message is not None and "checkpoint.claimName c has accessModes" in message

@@ -140,3 +140,39 @@ def test_a_claim_whose_volume_node_has_no_room_waits_and_says_why(private):
         "claim small allows only the nodes of the node affinity of volume ckpt-on-full-b"
         in (placed["message"])
     )
+
+
+def test_a_read_write_once_claim_is_refused_for_a_gang_on_several_nodes(private):
+    """kube-scheduler would bind the pods (the volume has no node affinity); the kubelets would
+    then hold all but one node's in ContainerCreating (Multi-Attach): the gang never starts."""
+    private.add_node("attach", gpus=4, name="attach-a")
+    private.add_node("attach", gpus=4, name="attach-b")
+    private.core.create_persistent_volume(
+        {
+            "metadata": {"name": "one-node-disk"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": LOCAL,
+                "hostPath": {"path": "/mnt/checkpoints"},
+                "claimRef": {"namespace": NAMESPACE, "name": "one-node"},
+            },
+        }
+    )
+    _claim(private, "one-node", volume="one-node-disk")
+    job = JobBuilder("spread", NAMESPACE, "attach").layout(data=8).gpus(4)
+    private.apply(job.checkpoint(claimName="one-node"))
+    reconciling = Reconciling(private)
+    try:
+        reconciling.passes(NAMESPACE, "spread", passes=2)
+    finally:
+        reconciling.close()
+    assert private.pods(NAMESPACE, "spread") == []
+    placed = private.condition(NAMESPACE, "spread", conditions.PLACED)
+    assert placed["status"] == "False" and placed["reason"] == conditions.CLAIM_NOT_SHARED
+    assert "checkpoint.claimName one-node has accessModes ReadWriteOnce" in placed["message"]
+    assert "2 nodes" in placed["message"]
+    events = private.core.list_namespaced_event(NAMESPACE).items
+    assert [e.reason for e in events if e.involved_object.name == "spread"].count(
+        conditions.CLAIM_NOT_SHARED
+    ) == 1
