@@ -93,6 +93,9 @@ STRAGGLER_REPLACED = "StragglerReplaced"
 """The gang was stopped (checkpointing its last step) to be placed again without the straggler's node."""
 STRAGGLER_NO_REPLACEMENT = "NoReplacement"
 """Straggler=True under ``replace`` while no placement without its node fits: reported, gang kept."""
+STRAGGLER_FOLLOWS_RANK = "SlowRankNotNode"
+"""Straggler=True under ``replace`` when a rank already moved off a node is flagged again on its new
+one: the cause follows the rank (its data, its share of the model), so no further replacement."""
 STRAGGLER_GONE = "NoStraggler"
 """Straggler=False: no rank is flagged any more."""
 

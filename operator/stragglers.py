@@ -80,7 +80,7 @@ def observed(
 
 
 EXCLUSION_SECONDS = 24 * 3600
-"""How long a replaced straggler's node stays excluded for the job: a throttling GPU or a flaky NIC
+"""How long a replaced straggler's node stays excluded for the job: a throttling GPU
 is usually repaired (or the node drained) within a day, and a long job must not lose nodes for good."""
 
 
@@ -116,6 +116,18 @@ def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
         if isinstance(p, Mapping)
     }
     return bool(nodes.get(straggler.get("podIndex")) == straggler["node"])
+
+
+def _replaced_before(status: Mapping[str, Any], rank: Any) -> list[str]:
+    """The nodes a straggler replacement already moved ``rank`` off (any time in this job)."""
+    return [
+        entry["node"]
+        for entry in status.get("excludedNodes") or []
+        if isinstance(entry, Mapping)
+        and entry.get("reason") == REASON
+        and entry.get("rank") == rank
+        and isinstance(entry.get("node"), str)
+    ]
 
 
 def describe(straggler: Mapping[str, Any]) -> str:
@@ -192,6 +204,14 @@ def react(
     replace = (
         policy.action == "replace" and isinstance(node, str) and node not in excluded(status, now)
     )
+    moved_from = _replaced_before(status, straggler.get("rank"))
+    if replace and moved_from:
+        message += (
+            f"; not replaced: rank {straggler.get('rank')} was already moved off node(s) "
+            f"{', '.join(moved_from)} and is slow again, so the cause follows the rank "
+            "(its data, its share of the model), not the node"
+        )
+        return _report(conds, previous, message, news, now, conditions.STRAGGLER_FOLLOWS_RANK)
     if replace and replacements >= policy.max_replacements:
         message += (
             f"; not replaced: maxReplacements={policy.max_replacements} node(s) already excluded"
@@ -222,6 +242,7 @@ def react(
         )
     entry = {
         "node": node,
+        "rank": straggler.get("rank"),
         "reason": REASON,
         "message": news,
         "time": conditions.timestamp(now),

@@ -975,6 +975,9 @@ class ExcludedNode(_Model):
     reason: str = Field(description="Why, e.g. Straggler.")
     message: str = Field("", description="With the numbers: rank, slowdown, step.")
     time: str | None = Field(None, description="RFC 3339 time it was excluded.")
+    rank: int | None = Field(
+        None, ge=0, description="The straggler rank that was on it (reason Straggler)."
+    )
 
 
 class TrainingJobStatus(_Model):

@@ -203,3 +203,37 @@ def test_an_excluded_node_is_chosen_again_after_the_exclusion_expires():
     )
     assert "ReplaceStraggler" not in kinds(lifecycle.decide(state, running_gang(), at(10)))
     assert "ReplaceStraggler" in kinds(lifecycle.decide(state, running_gang(), at(ttl + 10)))
+
+
+def test_a_rank_slow_again_after_its_node_was_replaced_is_not_replaced_again():
+    """Rank 3 was moved off n1 and is flagged on n2 too: the cause follows the rank, not the node."""
+    state = job(spec_raw("replace", maxReplacements=3), **flagged())
+    [replace] = [
+        a
+        for a in lifecycle.decide(state, running_gang(), at(10)).actions
+        if isinstance(a, lifecycle.ReplaceStraggler)
+    ]
+    first = status_of(lifecycle.Decision(replace.replaced))
+    assert first["excludedNodes"][0]["rank"] == 3
+    again = {
+        **flagged(),
+        **first,
+        "phase": "Running",
+        "placement": [{"podIndex": 0, "node": "n0"}, {"podIndex": 1, "node": "n2"}],
+        "straggler": {"rank": 3, "podIndex": 1, "node": "n2", "slowdown": 1.5, "sinceStep": 90},
+    }
+    decision = lifecycle.decide(
+        job(spec_raw("replace", maxReplacements=3), **again), running_gang(), at(20)
+    )
+    assert "ReplaceStraggler" not in kinds(decision)
+    found = condition(decision, conditions.STRAGGLER)
+    assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_FOLLOWS_RANK
+    assert "moved off node(s) n1" in found["message"]
+    [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    assert event.reason == conditions.STRAGGLER_FOLLOWS_RANK and "n2" in event.message
+    # Another rank slow on n2 is still a node to replace.
+    other = {**again, "straggler": {**again["straggler"], "rank": 2}}
+    decision = lifecycle.decide(
+        job(spec_raw("replace", maxReplacements=3), **other), running_gang(), at(20)
+    )
+    assert "ReplaceStraggler" in kinds(decision)
