@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--tokenizer",
         type=Path,
-        help="tokenizer.json whose begin/end-of-text and padding ids go into config.json "
-        "(default: the ids the checkpoint recorded from its data or its fromHF directory)",
+        help="tokenizer.json copied into the export, whose begin/end-of-text and padding ids go into "
+        "config.json (default: the fromHF directory's tokenizer files and the ids the checkpoint "
+        "recorded from its data or that directory)",
     )
     export.add_argument(
         "--dtype",

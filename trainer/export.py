@@ -18,7 +18,9 @@ checkpoint (its data's tokenizer, or the directory the job started from).
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -100,6 +102,55 @@ def read_dense(directory: Path) -> dict[str, torch.Tensor]:
     return read_params(directory, list(model_shapes(directory)))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""A Hugging Face directory's tokenizer, as ``AutoTokenizer.from_pretrained`` reads it."""
+
+
+def copy_tokenizer(
+    output: Path,
+    tokenizer: Path | None,
+    from_hf: str | None,
+    token_ids: special_tokens.TokenIds,
+) -> None:
+    """Put a tokenizer into the export so ``AutoTokenizer.from_pretrained(output)`` works.
+
+    ``--tokenizer`` wins (with its directory's ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` when it is that directory's ``tokenizer.json``),
+    else the files of the ``model.init.fromHF`` directory the checkpoint
+    started from.  A ``tokenizer.json`` without its config gets one naming
+    the begin/end-of-text and padding tokens of the exported ids.
+    """
+    output.mkdir(parents=True, exist_ok=True)
+    sources: dict[str, Path] = {}
+    if tokenizer is not None:
+        sources["tokenizer.json"] = tokenizer
+        if tokenizer.name == "tokenizer.json":
+            sources |= {n: tokenizer.parent / n for n in TOKENIZER_FILES[1:]}
+    elif from_hf and (Path(from_hf) / "tokenizer.json").is_file():
+        sources = {n: Path(from_hf) / n for n in TOKENIZER_FILES}
+    sources = {name: path for name, path in sources.items() if path.is_file()}
+    if not sources:
+        return
+    for name in TOKENIZER_FILES:  # no stale file of an earlier export beside the new tokenizer
+        (output / name).unlink(missing_ok=True)
+    for name, path in sources.items():
+        shutil.copyfile(path, output / name)
+    if "tokenizer_config.json" not in sources:
+        loaded = special_tokens.load_tokenizer(sources["tokenizer.json"])
+
+        def token(i: int | None) -> str | None:
+            return None if i is None else loaded.id_to_token(i)
+
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": token(token_ids.bos),
+            "eos_token": token(token_ids.eos[0] if token_ids.eos else None),
+            "pad_token": token(token_ids.pad),
+        }
+        text = json.dumps({k: v for k, v in config.items() if v is not None}, indent=2)
+        (output / "tokenizer_config.json").write_text(text + "\n")
+
+
 def export(
     checkpoint: str | Path,
     output: str | Path,
@@ -118,6 +169,7 @@ def export(
     token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
     if tokenizer is not None:
         token_ids = special_tokens.from_tokenizer_file(tokenizer)
+    copy_tokenizer(Path(output), tokenizer, marker.extra.get("from_hf"), token_ids)
     return hf.write_sharded(
         output,
         gpt.GPTConfig.from_shape(shape),

@@ -121,6 +121,10 @@ def test_token_ids_of_the_data_reach_transformers_and_generate_stops_at_eos(expo
     stop_dir = exported["root"] / "hf-stop"
     argv = ["export", str(exported["root"] / "ckpt"), "-o", str(stop_dir), "--tokenizer", str(tok)]
     assert cli.main(argv) == 0
+    text = " ".join(f"w{i}" for i in range(30, 34))
+    loaded = transformers.AutoTokenizer.from_pretrained(stop_dir)  # the --tokenizer came along
+    assert loaded(text)["input_ids"] == Tokenizer.from_file(str(tok)).encode(text).ids
+    assert loaded.eos_token_id == greedy
     auto = transformers.AutoModelForCausalLM.from_pretrained(stop_dir).eval()
     generated = auto.generate(prompt, max_new_tokens=8, do_sample=False)
     assert generated[0, 4:].tolist() == [greedy]  # stopped at end-of-text, 7 tokens early

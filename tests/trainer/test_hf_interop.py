@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from meshtrain import cli
 from meshtrain import layout as layout_mod
@@ -344,11 +345,24 @@ def test_export_keeps_the_imported_models_context_length(tmp_path):
     peer = _hf_model(config)
     peer.config.max_position_embeddings = 4096
     peer.save_pretrained(tmp_path / "in")
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, config.vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(tmp_path / "in")
     raw = mt_harness.make_spec(model={**LLAMA, "init": {"fromHF": str(tmp_path / "in")}}, steps=1)
     mt_harness.run_distributed(_train_and_save, 1, raw, str(tmp_path / "ckpt"))
     assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert exported.max_position_embeddings == 4096
+    # the imported directory's tokenizer came along
+    text = "w3 w9 nothing w4"
+    original = transformers.AutoTokenizer.from_pretrained(tmp_path / "in")
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert loaded(text)["input_ids"] == original(text)["input_ids"]
+    assert (loaded.bos_token, loaded.eos_token) == ("<s>", "</s>")
 
 
 def test_every_eos_id_of_the_imported_model_and_the_data_reaches_transformers(tmp_path):

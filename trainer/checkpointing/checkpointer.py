@@ -335,6 +335,7 @@ class Checkpointer:
                     "world_size": dist.get_world_size(),
                     "token_ids": self.engine.token_ids.to_json(),
                     "max_position_embeddings": self.engine.hf_max_positions,
+                    "from_hf": self.engine.spec.model.init.from_hf,
                     store.GUARD_SKIPS: skips,
                 },
             )
