@@ -123,14 +123,15 @@ def _params_of(model: Any) -> list[torch.nn.Parameter]:
 
 
 def state_tensors(model: Any, optimizer: Any, grad_reducer: Any) -> list[torch.Tensor]:
-    """Every tensor of this rank's training state: weights, gradient storage, optimizer state.
+    """Every tensor of this rank's training state: weights, gradient storage, optimizer state, compression state.
 
     ZeRO-3's DTensors are given as the local shards that hold the bytes.
     """
     params = _params_of(model)
     grads = [b.buffer for b in grad_reducer.buckets] if grad_reducer is not None else []
     grads += [p.grad for p in params if p.grad is not None]
-    return [zero3.local(t) for t in (*params, *grads, *_optimizer_tensors(optimizer))]
+    compressed = list(getattr(grad_reducer, "state", {}).values())  # error feedback, PowerSGD's Q
+    return [zero3.local(t) for t in (*params, *grads, *_optimizer_tensors(optimizer), *compressed)]
 
 
 def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:

@@ -13,6 +13,9 @@ collective works on; an all-gather counts its gathered output):
   ``Q`` (cols x r) in one all-reduce each; everything else of the bucket one
   uncompressed all-reduce.
 
+:func:`memory_bytes` gives what the compressed exchange keeps between steps
+(error feedback, PowerSGD's Q) and the temporaries of one bucket's exchange.
+
 Pure: no torch, no I/O.
 """
 
@@ -62,3 +65,49 @@ def dp_collectives(
         else:
             raise ValueError(f"unknown gradient compression mode {mode!r}")
     return out
+
+
+FP32_BYTES = 4
+INT64_BYTES = 8
+
+
+def memory_bytes(
+    compression: api_spec.GradientCompression,
+    params: int,
+    matrices: list[tuple[int, int]],
+    bucket: float,
+    dp: int,
+    grad_bytes: int,
+) -> tuple[float, float]:
+    """(state kept between steps, peak temporaries of one bucket's exchange) in bytes, for one rank.
+
+    ``params``: this rank's gradient elements; ``matrices``: its 2-D gradients
+    as (rows, columns) the way PowerSGD views them; ``bucket``: elements of its
+    largest bucket.  Follows :mod:`meshtrain.trainer.parallel.compression`:
+
+    * int8 and topk keep a full-size error buffer (``params`` gradients);
+      int8's exchange holds its int8 payload, the ``dp`` gathered payloads and
+      up to three fp32 buckets (quantising, dequantising, the fp32 sum);
+      topk's the magnitudes (one bucket) and the gathered values and indices;
+    * PowerSGD keeps an error buffer and Q (columns x r) per compressed matrix,
+      and forms ``P Q^T`` and the new error (two of its largest matrix);
+    * bf16 / fp16 keep nothing; their exchange holds the mean and its cast.
+    """
+    mode = compression.mode
+    if mode == "none":
+        return 0.0, 0.0
+    if mode in ("bf16", "fp16"):
+        return 0.0, bucket * (grad_bytes + CAST_BYTES)
+    if mode == "int8":
+        return params * grad_bytes, bucket * (1 + dp + 3 * FP32_BYTES)
+    if mode == "topk":
+        k = max(1, int(compression.topk_ratio * bucket))
+        gathered = dp * k * (grad_bytes + INDEX_BYTES + INT64_BYTES)
+        return params * grad_bytes, bucket * grad_bytes + k * (grad_bytes + INT64_BYTES) + gathered
+    if mode == "powersgd":
+        r = compression.rank
+        kept = [(rows, cols) for rows, cols in matrices if min(rows, cols) > r]
+        state = sum(rows * cols + cols * r for rows, cols in kept) * grad_bytes
+        largest = max((rows * cols for rows, cols in kept), default=0)
+        return state, 2 * min(largest, bucket) * grad_bytes
+    raise ValueError(f"unknown gradient compression mode {mode!r}")

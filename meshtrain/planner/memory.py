@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from meshtrain import layout
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import profiles
+from meshtrain.planner import dp_compression, profiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +179,21 @@ def rank_params(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: i
         if shape.tie_embeddings and pipeline > 1:  # the last stage's copy of the tied matrix
             count += vocab_rows(shape, tensor) * shape.hidden
     return count
+
+
+def rank_matrices(
+    shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int
+) -> list[tuple[int, int]]:
+    """(rows, columns) of the 2-D parameters one rank of ``stage`` holds (as :func:`rank_params` counts them)."""
+    h = shape.hidden
+    qkv, proj, fc, down = local_block_matrices(shape, tensor)
+    out = shape.layers // pipeline * [(qkv // h, h), (h, proj // h), (fc // h, h), (h, down // h)]
+    table = (vocab_rows(shape, tensor), h)
+    if stage == 0:
+        out += [table] + ([] if shape.family == "llama" else [(shape.seq_len, h)])
+    if stage == pipeline - 1 and not (shape.tie_embeddings and pipeline == 1):
+        out.append(table)
+    return out
 
 
 # --------------------------------------------------------------------------- model state
@@ -467,6 +482,10 @@ class RankMemory:
     """ZeRO-3: the chunk's own unit reducing at the end of a micro-batch's backward."""
     other_activations: float = 0.0
     """Activations of the other micro-batches in flight while one finishes its backward."""
+    compression: float = 0.0
+    """Gradient compression's state kept between steps (error feedback, PowerSGD's Q)."""
+    exchange: float = 0.0
+    """Temporaries of one bucket's compressed exchange, after the last backward."""
 
     @property
     def total(self) -> float:
@@ -475,8 +494,9 @@ class RankMemory:
             self.activations + self.buffers,
             self.other_activations + self.reduce_end,
             self.step_buffers,
+            self.exchange,
         )
-        return self.weights + self.grads + self.optimizer + working
+        return self.weights + self.grads + self.optimizer + self.compression + working
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,6 +574,16 @@ def plan_memory(
             block = layer_params(shape, par.tensor)
             rest = params - layers_per_stage * block
             buffers, reduce_end = zero3_gathered(block, rest, par.data, scheme)
+        compression, exchange = 0.0, 0.0
+        if par.data > 1:
+            compression, exchange = dp_compression.memory_bytes(
+                par.gradient_compression,
+                params,
+                rank_matrices(shape, par.pipeline, par.tensor, stage),
+                min(params, par.bucket_mb * 2**20 / scheme.grads + largest),
+                par.data,
+                scheme.grads,
+            )
         stages.append(
             RankMemory(
                 stage=stage,
@@ -567,6 +597,8 @@ def plan_memory(
                 step_buffers=step_buffers,
                 reduce_end=reduce_end,
                 other_activations=activations * max(0.0, flight - 1) / flight,
+                compression=compression,
+                exchange=exchange,
             )
         )
     return MemoryPlan(

@@ -18,7 +18,9 @@ state, activations and working buffers, under ZeRO-3 the units FSDP2
 gathers and its reduce-scatter input) must be within 10% of it, and
 ZeRO-2 must save gradient memory at its peak under gradient accumulation
 (ZeRO-2 < ZeRO-1 < ZeRO-0), which it did not while non-final micro-batches
-kept full-size gradients.
+kept full-size gradients.  The same 10% holds under int8 and PowerSGD
+gradient compression (ZeRO 0 and 1), whose error feedback and Q the
+planner counts.
 """
 
 from __future__ import annotations
@@ -119,10 +121,10 @@ def _raw(layout: dict, stage: int) -> dict:
     return raw
 
 
-def peaks(layout: dict) -> dict[int, dict]:
+def peaks(layout: dict, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
     """On every rank: per ZeRO stage, the pipeline stage and the peak live bytes of step 2."""
     out = {}
-    for stage in STAGES:
+    for stage in stages:
         job = loading.parse_spec(_raw(layout, stage))
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         eng = engine.Engine(job, mesh)
@@ -143,6 +145,30 @@ LAYOUTS = {
     "dp2-pp2-accum4": (dict(data=2, pipeline=2, micro_batches=4), 4, False),
     "llama-dp2-accum4": (dict(data=2, micro_batches=4, model=LLAMA), 2, True),
 }
+
+
+# gradient compression (ZeRO 0 and 1 only): error feedback, PowerSGD's Q and the exchange's temporaries
+COMPRESSED = {
+    "dp2-int8": dict(data=2, micro_batches=2, gradient_compression={"mode": "int8"}),
+    "dp2-powersgd": dict(
+        data=2, micro_batches=2, gradient_compression={"mode": "powersgd", "rank": 2}
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COMPRESSED))
+def test_planner_predicts_the_measured_peak_under_gradient_compression(case: str) -> None:
+    layout, stages = COMPRESSED[case], (0, 1)
+    cpu = profiles.get("cpu")
+    results = mt_harness.run_distributed(peaks, 2, layout, stages)
+    for rank, result in enumerate(results):
+        for stage in stages:
+            plan = memory.plan_memory(loading.parse_spec(_raw(layout, stage)), cpu)
+            predicted, measured = plan.stages[0].total, result[stage]["peak"]
+            assert predicted == pytest.approx(measured, rel=0.10), (
+                f"rank {rank} {case} ZeRO-{stage}: planner {predicted:.0f} B, measured peak {measured} B"
+            )
 
 
 @pytest.mark.slow
