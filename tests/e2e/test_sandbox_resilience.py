@@ -220,7 +220,16 @@ def test_replace_moves_a_slow_ranks_pod_off_its_node(
     resumed_from = max(_saved_steps(checkpoints))
     _wait("the new gang training", lambda: _logged(step_log)[-1]["step"] > resumed_from, 600)
     logs = _gang_logs(paths, namespace, name, int(status.get("restarts") or 0))
-    assert "resumed from" in logs, "the new gang resumes from the checkpoint"
+    restored = {int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", logs)}
+    assert len(restored) == 1, f"the new gang's ranks restored {restored}: {logs[-2000:]}"
+    [restored_step] = restored
+    assert restored_step >= throttled_at, (restored_step, throttled_at)
+    # Rank 0 logs each step once: the old gang's records end at the step it checkpointed as it
+    # stopped, and the new gang's first record is the step after it (none replayed, none skipped).
+    steps = [r["step"] for r in _logged(step_log)]
+    since_throttle = steps[steps.index(throttled_at) :]
+    assert since_throttle == list(range(throttled_at, throttled_at + len(since_throttle))), steps
+    assert since_throttle.count(restored_step + 1) == 1, (restored_step, since_throttle)
     node_events = json.loads(
         example.kubectl(paths, "get", "events", "-n", "default", "-o", "json")
     )["items"]
