@@ -377,8 +377,33 @@ def _part_rows(config: gpt.GPTConfig, name: str, rows: int, parts: int) -> list[
 # --- reading a directory --------------------------------------------------------
 
 
+def _indexed_files(directory: Path) -> dict[str, Path]:
+    """The ``weight_map`` of ``model.safetensors.index.json``, as transformers loads a sharded model."""
+    index = directory / WEIGHTS_INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise HFError(
+            f"{FIELD}: {index} is not a safetensors index with a weight_map ({err})"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise HFError(f"{FIELD}: {index}: weight_map is not an object of tensor name -> file")
+    where = {str(key): directory / str(name) for key, name in weight_map.items()}
+    missing = sorted({str(p) for p in where.values() if not p.is_file()})
+    if missing:
+        raise HFError(f"{FIELD}: {index} names files that are not there: {', '.join(missing)}")
+    return where
+
+
 def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the safetensors file holding it (one file or a sharded set)."""
+    """Hugging Face tensor name -> the safetensors file holding it (one file or a sharded set).
+
+    With ``model.safetensors.index.json`` its ``weight_map`` decides (other
+    ``*.safetensors`` files, e.g. a consolidated copy, are not read); without
+    one, every file is read and a tensor in two of them is refused.
+    """
+    if (directory / WEIGHTS_INDEX).is_file():
+        return _indexed_files(directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise HFError(f"{FIELD}: {directory} has no *.safetensors file")
@@ -386,6 +411,11 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key in where:
+                    raise HFError(
+                        f"{FIELD}: tensor {key} is in both {where[key]} and {path}: remove the "
+                        f"stale file, or add the {WEIGHTS_INDEX} that says which to load"
+                    )
                 where[key] = path
     return where
 

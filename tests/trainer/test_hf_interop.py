@@ -381,3 +381,24 @@ def test_every_eos_id_of_the_imported_model_and_the_data_reaches_transformers(tm
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
     assert generation.eos_token_id == [1, 8, 9, 5]
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == [1, 8, 9, 5]
+
+
+def test_a_sharded_directory_is_read_through_its_index(tmp_path):
+    """transformers loads what model.safetensors.index.json names; a stray copy beside it is not read."""
+    config = _config(LLAMA)
+    peer = _hf_model(config)
+    peer.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / hf.WEIGHTS_INDEX).is_file()
+    stray = {k: torch.zeros_like(v) for k, v in peer.state_dict().items()}
+    save_file(stray, tmp_path / "original.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(tokens).logits
+        torch.testing.assert_close(
+            _meshtrain_from(tmp_path, config)(tokens), want, rtol=1e-5, atol=1e-5
+        )
+    (tmp_path / hf.WEIGHTS_INDEX).unlink()
+    with pytest.raises(
+        hf.HFError, match=r"is in both .*model-\d+-of-\d+\.safetensors and .*original\.safetensors"
+    ):
+        hf.check_directory(tmp_path, config)
