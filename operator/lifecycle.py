@@ -139,14 +139,14 @@ class PollProgress:
 
 @dataclasses.dataclass(frozen=True)
 class ReplaceStraggler:
-    """Rebuild the gang without ``node`` if a placement without it fits now, else only report.
+    """Rebuild the gang without ``nodes`` if a placement without them fits now, else only report.
 
     The check needs the cluster (the reconciler plans the gang, shrunk elastic
     sizes included, with the node left out); stopping a gang that then cannot
     be placed anywhere would trade a slow job for a stopped one.
     """
 
-    node: str
+    nodes: tuple[str, ...]
     replaced: tuple[SetStatus | Emit | DeletePods, ...]
     otherwise: tuple[SetStatus | Emit, ...]
 
@@ -624,11 +624,11 @@ def decide(
             actions += seen
         reaction = stragglers.react(spec.run_policy.straggler_policy, job.status, conds, now)
         if reaction.replace:  # the next pass places the gang again, without the node
-            assert reaction.node is not None and reaction.otherwise is not None
+            assert reaction.nodes and reaction.otherwise is not None
             doomed = tuple(p.name for p in current if not p.deleting)
             fallback = reaction.otherwise
             replace = ReplaceStraggler(
-                reaction.node,
+                reaction.nodes,
                 (
                     _changes(job, **reaction.status),
                     *(Emit(*event) for event in reaction.events),

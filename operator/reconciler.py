@@ -386,13 +386,14 @@ class Reconciler:
             message = rescheduling.message(action.nodes)
             return await self._replace(body, job, conditions.SCHEDULER_REFUSED, message)
         if isinstance(action, lifecycle.ReplaceStraggler):
-            fits = self._fits_without(job, action.node)
+            fits = self._fits_without(job, frozenset(action.nodes))
             changed = False
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)
                 changed = changed or did
             if fits:  # where an SRE looking at the node sees it too
-                await self._emit_on_node(action.node, job.ref, action.replaced)
+                for node in action.nodes:
+                    await self._emit_on_node(node, job.ref, action.replaced)
             return body, job, changed
         raise TypeError(f"unknown action {action!r}")
 
@@ -506,8 +507,8 @@ class Reconciler:
             nodes = [n for n in nodes if n.name not in avoid]
         return raw_nodes, nodes, avoid
 
-    def _fits_without(self, job: lifecycle.JobState, node: str) -> bool:
-        """Whether the gang fits now at its running data-parallel degree without ``node`` and the
+    def _fits_without(self, job: lifecycle.JobState, slow: frozenset[str]) -> bool:
+        """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
         job's excluded nodes, counting its own pods' resources as free.
 
         A smaller elastic size does not count: trading a slow replica for a shrunk gang (and a
@@ -516,7 +517,7 @@ class Reconciler:
         assert job.spec is not None
         declared = job.declared or job.spec
         gpu = declared.resources.gpu_resource_name
-        raw_nodes, nodes, _ = self._candidates(job, gpu, frozenset({node}))
+        raw_nodes, nodes, _ = self._candidates(job, gpu, slow)
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
         running = job.spec.parallelism.data
         sized = self._plan_sizes(job, raw_nodes, nodes, demand, cap=running)
@@ -525,10 +526,10 @@ class Reconciler:
         )
         if not fits:
             logger.info(
-                "%s/%s: straggler node %s kept: no placement without it fits now at the running size",
+                "%s/%s: straggler node(s) %s kept: no placement without them fits now at the running size",
                 job.ref.namespace,
                 job.ref.name,
-                node,
+                ", ".join(sorted(slow)),
             )
         return fits
 

@@ -34,6 +34,17 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _located(
+    spec: api_spec.TrainingJobSpec, nodes: Mapping[int, Any], rank: int, slowdown: float
+) -> dict[str, Any]:
+    """A flagged rank with its pod (by the rank layout) and that pod's node (by the placement)."""
+    pod = rank // spec.resources.gpus_per_node
+    entry: dict[str, Any] = {"rank": rank, "podIndex": pod, "slowdown": round(slowdown, 4)}
+    if nodes.get(pod):
+        entry["node"] = nodes[pod]
+    return entry
+
+
 def observed(
     spec: api_spec.TrainingJobSpec,
     status: Mapping[str, Any],
@@ -56,15 +67,24 @@ def observed(
         return {}
     if rank >= spec.world_size:
         return {}
-    pod = rank // spec.resources.gpus_per_node
     nodes = {
         int(p.get("podIndex", -1)): p.get("node")
         for p in status.get("placement") or []
         if isinstance(p, Mapping)
     }
-    entry: dict[str, Any] = {"rank": rank, "podIndex": pod, "slowdown": round(slowdown, 4)}
-    if nodes.get(pod):
-        entry["node"] = nodes[pod]
+    entry = _located(spec, nodes, rank, slowdown)
+    others = [
+        _located(spec, nodes, item["rank"], _number(item.get("slowdown")) or 0.0)
+        for item in report.get("stragglers") or []
+        if isinstance(item, Mapping)
+        and isinstance(item.get("rank"), int)
+        and not isinstance(item.get("rank"), bool)
+        and 0 <= item["rank"] < spec.world_size
+        and item["rank"] != rank
+        and _number(item.get("slowdown")) is not None
+    ]
+    if others:
+        entry["others"] = others
     since_step = found.get("since_step")
     if isinstance(since_step, int) and not isinstance(since_step, bool) and since_step >= 0:
         entry["sinceStep"] = since_step
@@ -118,26 +138,51 @@ def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
     return bool(nodes.get(straggler.get("podIndex")) == straggler["node"])
 
 
-def _replaced_before(status: Mapping[str, Any], rank: Any) -> list[str]:
-    """The nodes a straggler replacement already moved ``rank`` off (any time in this job)."""
+def _replaced_before(status: Mapping[str, Any], rank: Any, any_rank: bool = False) -> list[str]:
+    """The nodes a straggler replacement already moved ``rank`` (or any rank) off in this job."""
     return [
         entry["node"]
         for entry in status.get("excludedNodes") or []
         if isinstance(entry, Mapping)
         and entry.get("reason") == REASON
-        and entry.get("rank") == rank
+        and (any_rank or entry.get("rank") == rank)
         and isinstance(entry.get("node"), str)
     ]
+
+
+def _nodes_to_leave(
+    status: Mapping[str, Any], straggler: Mapping[str, Any], room: int, now: datetime.datetime
+) -> dict[str, Mapping[str, Any]]:
+    """The flagged ranks' nodes to exclude in one rebuild (node -> rank entry), slowest first: not
+    already excluded, not a rank a replacement already moved, at most ``room`` (at least the
+    slowest's)."""
+    gone = excluded(status, now)
+    others = [o for o in straggler.get("others") or [] if isinstance(o, Mapping)]
+    chosen: dict[str, Mapping[str, Any]] = {straggler["node"]: straggler}
+    for item in others:
+        where = item.get("node")
+        if (
+            isinstance(where, str)
+            and where not in gone
+            and where not in chosen
+            and not _replaced_before(status, item.get("rank"))
+        ):
+            chosen[where] = item
+    return dict(list(chosen.items())[: max(1, room)])
 
 
 def describe(straggler: Mapping[str, Any]) -> str:
     """``rank 3 (pod 1 on node gpu-2) is a straggler``: who only, so the condition message (which
     decides whether an Event is emitted) stays the same while that rank on that node is flagged;
     how much and since when go into the Event and ``status.straggler``."""
+    return f"{_who(straggler)} is a straggler"
+
+
+def _who(straggler: Mapping[str, Any]) -> str:
     where = f"pod {straggler.get('podIndex')}"
     if straggler.get("node"):
         where += f" on node {straggler['node']}"
-    return f"rank {straggler.get('rank')} ({where}) is a straggler"
+    return f"rank {straggler.get('rank')} ({where})"
 
 
 def _measured(straggler: Mapping[str, Any]) -> str:
@@ -156,9 +201,9 @@ class Reaction:
     replace: bool = False
     """Delete the gang's pods with their own grace period: it is placed again without the node."""
     otherwise: Reaction | None = None
-    """With ``replace``: what to do instead when no placement without the node fits now."""
-    node: str | None = None
-    """With ``replace``: the node to leave out."""
+    """With ``replace``: what to do instead when no placement without the nodes fits now."""
+    nodes: tuple[str, ...] = ()
+    """With ``replace``: the nodes to leave out (every flagged rank's, slowest first)."""
 
 
 def _report(
@@ -198,9 +243,13 @@ def react(
         return Reaction({"conditions": updated}, (("Normal", conditions.STRAGGLER_GONE, message),))
     assert isinstance(straggler, Mapping)
     message = describe(straggler)
+    others = [o for o in straggler.get("others") or [] if isinstance(o, Mapping)]
+    if others:
+        message += "; also flagged: " + ", ".join(_who(o) for o in others)
     news = f"{message}: {_measured(straggler)}"
     node = straggler.get("node")
     replacements = int(status.get("stragglerReplacements") or 0)
+    left_out = max(replacements, len(_replaced_before(status, None, any_rank=True)))
     replace = (
         policy.action == "replace" and isinstance(node, str) and node not in excluded(status, now)
     )
@@ -212,7 +261,7 @@ def react(
             "(its data, its share of the model), not the node"
         )
         return _report(conds, previous, message, news, now, conditions.STRAGGLER_FOLLOWS_RANK)
-    if replace and replacements >= policy.max_replacements:
+    if replace and left_out >= policy.max_replacements:
         message += (
             f"; not replaced: maxReplacements={policy.max_replacements} node(s) already excluded"
         )
@@ -220,8 +269,10 @@ def react(
     if not replace:
         return _report(conds, previous, message, news, now)
     assert isinstance(node, str)
+    slow = _nodes_to_leave(status, straggler, policy.max_replacements - left_out, now)
+    nodes_phrase = ("node " if len(slow) == 1 else "nodes ") + ", ".join(slow)
     stuck = (
-        f"{message}; not replaced: no placement without node {node} fits now at the running size"
+        f"{message}; not replaced: no placement without {nodes_phrase} fits now at the running size"
     )
     otherwise = _report(
         conds, previous, stuck, f"{news}; {stuck}", now, conditions.STRAGGLER_NO_REPLACEMENT
@@ -229,7 +280,7 @@ def react(
     checkpoint = status.get("lastCheckpointStep")
     note = (
         f"{news}: stopping the gang (its ranks checkpoint the step they stop at) to place it "
-        f"again without node {node} (replacement {replacements + 1} of at most "
+        f"again without {nodes_phrase} (replacement {replacements + 1} of at most "
         f"{policy.max_replacements}); training resumes from that checkpoint"
         + (f" (last one so far: step {checkpoint})" if checkpoint else "")
     )
@@ -240,20 +291,23 @@ def react(
         updated = conditions.set(
             updated, type_, conditions.FALSE, conditions.STRAGGLER_REPLACED, note, now
         )
-    entry = {
-        "node": node,
-        "rank": straggler.get("rank"),
-        "reason": REASON,
-        "message": news,
-        "time": conditions.timestamp(now),
-    }
+    entries = [
+        {
+            "node": where,
+            "rank": item.get("rank"),
+            "reason": REASON,
+            "message": f"{describe(item)}: {_measured(item)}",
+            "time": conditions.timestamp(now),
+        }
+        for where, item in slow.items()
+    ]
     changes = {
         "phase": api_spec.Phase.RESTARTING.value,
         "placement": [],
         "straggler": None,
-        "excludedNodes": [*(status.get("excludedNodes") or []), entry],
+        "excludedNodes": [*(status.get("excludedNodes") or []), *entries],
         "stragglerReplacements": replacements + 1,
         "conditions": updated,
     }
     events = (("Warning", conditions.STRAGGLER_REPLACED, note),)
-    return Reaction(changes, events, replace=True, otherwise=otherwise, node=node)
+    return Reaction(changes, events, replace=True, otherwise=otherwise, nodes=tuple(slow))

@@ -953,6 +953,15 @@ class ElasticStatus(_Model):
     )
 
 
+class OtherStraggler(_Model):
+    """Another rank flagged at the same time, and where it runs."""
+
+    rank: int = Field(ge=0, description="Global rank.")
+    pod_index: int | None = Field(None, ge=0, description="Node rank of its pod.")
+    node: str | None = Field(None, description="Node the pod was placed on.")
+    slowdown: float = Field(description="Its compute time over its peers' median.")
+
+
 class Straggler(_Model):
     """The rank the trainer flagged as persistently slower than its peers, and where it runs."""
 
@@ -966,6 +975,10 @@ class Straggler(_Model):
         None, ge=0, description="Step at which it was first flagged in this run of the gang."
     )
     since: str | None = Field(None, description="RFC 3339 time the operator first saw it.")
+    others: list[OtherStraggler] = Field(
+        default_factory=list,
+        description="The other ranks flagged now, slowest first; replace excludes their nodes too.",
+    )
 
 
 class ExcludedNode(_Model):

@@ -119,7 +119,7 @@ def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
         for a in lifecycle.decide(state, running_gang(), at(10)).actions
         if isinstance(a, lifecycle.ReplaceStraggler)
     ]
-    assert replace.node == "n1"
+    assert replace.nodes == ("n1",)
     # Nowhere to go without n1 (the reconciler plans it): only reported, the gang keeps running.
     kept = lifecycle.Decision(replace.otherwise)
     assert kinds(kept) == ["SetStatus", "Emit"]
@@ -237,3 +237,38 @@ def test_a_rank_slow_again_after_its_node_was_replaced_is_not_replaced_again():
         job(spec_raw("replace", maxReplacements=3), **other), running_gang(), at(20)
     )
     assert "ReplaceStraggler" in kinds(decision)
+
+
+def test_every_flagged_rank_is_reported_and_their_nodes_left_out_in_one_rebuild():
+    spec = loading.parse_spec(spec_raw("replace"))
+    document = {
+        **report(3),
+        "stragglers": [
+            {"rank": 3, "slowdown": 1.6, "since_step": 40},
+            {"rank": 0, "slowdown": 1.4, "since_step": 44},
+        ],
+    }
+    seen = stragglers.observed(spec, placed_status(phase="Running"), document, at(5))["straggler"]
+    assert (seen["rank"], seen["node"]) == (3, "n1")
+    assert seen["others"] == [{"rank": 0, "podIndex": 0, "node": "n0", "slowdown": 1.4}]
+    state = job(spec_raw("replace"), **placed_status(phase="Running", straggler=seen))
+    decision = lifecycle.decide(state, running_gang(), at(10))
+    [replace] = [a for a in decision.actions if isinstance(a, lifecycle.ReplaceStraggler)]
+    assert replace.nodes == ("n1", "n0")
+    status = status_of(lifecycle.Decision(replace.replaced))
+    assert [(e["node"], e["rank"]) for e in status["excludedNodes"]] == [("n1", 3), ("n0", 0)]
+    assert "1.4x" in status["excludedNodes"][1]["message"]
+    assert status["stragglerReplacements"] == 1  # one rebuild
+    kept = condition(lifecycle.Decision(replace.otherwise), conditions.STRAGGLER)
+    assert "also flagged: rank 0 (pod 0 on node n0)" in kept["message"]
+    assert "no placement without nodes n1, n0" in kept["message"]
+    # maxReplacements caps the nodes one rebuild may take.
+    capped = job(
+        spec_raw("replace", maxReplacements=1), **placed_status(phase="Running", straggler=seen)
+    )
+    [one] = [
+        a
+        for a in lifecycle.decide(capped, running_gang(), at(10)).actions
+        if isinstance(a, lifecycle.ReplaceStraggler)
+    ]
+    assert one.nodes == ("n1",)

@@ -11,6 +11,7 @@ import pytest
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import slowdown, telemetry
+from meshtrain.trainer.telemetry import progress
 from tests.builders import JobBuilder
 from tests.unit.test_telemetry_exporter import families, free_base
 
@@ -221,3 +222,17 @@ def test_a_flagged_rank_near_the_threshold_stays_flagged_until_clearly_below_it(
             assert flagged and detector.flags()[0].since_step == 4, step
         elif step >= 15:
             assert not flagged, step
+
+
+def test_progress_reports_every_flagged_rank_slowest_first():
+    detector = slowdown.Detector(dp(4), threshold=1.25, window=4)
+    for step in range(1, 5):
+        detector.observe(step, [0.1, 0.2, 0.1, 0.3])
+    report = progress.Progress()
+    report.stragglers(detector.verdict(4))
+    document = report.document()
+    assert [f["rank"] for f in document["stragglers"]] == [3, 1]
+    assert document["stragglers"][0]["slowdown"] > document["stragglers"][1]["slowdown"] > 1.25
+    assert document["straggler"] == document["stragglers"][0]
+    report.stragglers(slowdown.Detector(dp(4), threshold=1.25, window=4).verdict(5))
+    assert report.document()["stragglers"] == [] and report.document()["straggler"] is None

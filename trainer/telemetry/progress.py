@@ -118,18 +118,15 @@ class Progress:
         self.update(**fields)
 
     def stragglers(self, verdict: slowdown.Verdict) -> None:
-        """The slowest flagged rank as ``{rank, slowdown, since_step}``, or None."""
-        worst = verdict.worst
+        """Every flagged rank as ``{rank, slowdown, since_step}``, slowest first (``stragglers``),
+        and the slowest alone (``straggler``, None when none is flagged)."""
+        flagged = [
+            {"rank": f.rank, "slowdown": round(f.slowdown, 4), "since_step": f.since_step}
+            for f in verdict.flagged
+        ]
         with self._lock:
-            self._doc["straggler"] = (
-                None
-                if worst is None
-                else {
-                    "rank": worst.rank,
-                    "slowdown": round(worst.slowdown, 4),
-                    "since_step": worst.since_step,
-                }
-            )
+            self._doc["straggler"] = flagged[0] if flagged else None
+            self._doc["stragglers"] = flagged
 
     def close(self) -> None:
         """Nothing to release."""
