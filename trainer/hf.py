@@ -134,6 +134,10 @@ def _architecture(config: gpt.GPTConfig) -> dict[str, Any]:
     }
 
 
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+"""``MistralConfig``'s ``sliding_window`` when config.json leaves it out."""
+
+
 def _read_config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG
     if not path.is_file():
@@ -151,11 +155,27 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
     """Refuse a ``config.json`` whose family or shape differs from the spec's, naming both fields."""
     raw = _read_config(directory)
     path = directory / CONFIG
-    family = {"llama": "llama", "gpt2": "gpt"}.get(str(raw.get("model_type")))
+    family = {"llama": "llama", "mistral": "llama", "gpt2": "gpt"}.get(str(raw.get("model_type")))
     if family != config.family:
         raise HFError(
             f"{FIELD}: {path}: model_type={raw.get('model_type')!r} but spec.model.family={config.family}"
-            " (llama loads LlamaForCausalLM directories, gpt GPT2LMHeadModel ones)"
+            " (llama loads LlamaForCausalLM directories and MistralForCausalLM ones without a sliding"
+            " window, gpt GPT2LMHeadModel ones; Qwen2's q/k/v biases are not supported)"
+        )
+    if raw.get("model_type") == "mistral":
+        window = raw.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+        if window is not None and window < config.seq_len:
+            raise HFError(
+                f"{FIELD}: {path}: sliding_window={window} but spec.model.seqLen={config.seq_len}: "
+                "meshtrain's attention is full causal, the same as Mistral's only while the window "
+                f"covers the sequence (sliding_window null or >= seqLen): train at seqLen <= {window}"
+            )
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and head_dim != config.head_dim:
+        raise HFError(
+            f"{FIELD}: {path}: head_dim={head_dim} but meshtrain's head dimension is "
+            f"spec.model.hidden / heads = {config.head_dim}: a head_dim other than hidden / heads "
+            "is not supported"
         )
     fields = _LLAMA_FIELDS if family == "llama" else _GPT2_FIELDS
     # what transformers assumes for a key the file leaves out (LlamaConfig / GPT2Config defaults)

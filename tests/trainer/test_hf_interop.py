@@ -402,3 +402,53 @@ def test_a_sharded_directory_is_read_through_its_index(tmp_path):
         hf.HFError, match=r"is in both .*model-\d+-of-\d+\.safetensors and .*original\.safetensors"
     ):
         hf.check_directory(tmp_path, config)
+
+
+def _mistral(config: gpt.GPTConfig, sliding_window: int | None) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            vocab_size=config.vocab,
+            hidden_size=config.hidden,
+            intermediate_size=config.ffn_hidden,
+            num_hidden_layers=config.layers,
+            num_attention_heads=config.heads,
+            num_key_value_heads=config.key_value_heads,
+            max_position_embeddings=config.seq_len,
+            rope_theta=config.rope_theta,
+            rms_norm_eps=config.norm_eps,
+            tie_word_embeddings=config.tie_embeddings,
+            sliding_window=sliding_window,
+        )
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("window", [None, "seq_len"])
+def test_mistral_without_a_window_shorter_than_the_sequence_imports_with_its_logits(
+    window, tmp_path
+):
+    config = _config(LLAMA)
+    peer = _mistral(config, config.seq_len if window else None)
+    peer.save_pretrained(tmp_path)
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _meshtrain_from(tmp_path, config)(tokens), peer(tokens).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_mistral_sliding_window_and_other_head_dim_are_refused_naming_the_key(tmp_path):
+    config = _config(LLAMA)
+    _mistral(config, config.seq_len // 2).save_pretrained(tmp_path / "window")
+    with pytest.raises(
+        hf.HFError, match=f"sliding_window={config.seq_len // 2} but spec.model.seqLen"
+    ):
+        hf.check_directory(tmp_path / "window", config)
+    _hf_model(config, head_dim=2 * config.head_dim).save_pretrained(tmp_path / "wide")
+    with pytest.raises(hf.HFError, match=f"head_dim={2 * config.head_dim} but"):
+        hf.check_directory(tmp_path / "wide", config)
