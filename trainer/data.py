@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.trainer import scan_record
+from meshtrain.trainer import scan_record, special_tokens
 from meshtrain.trainer import tokens as token_files
 
 STDLIB = "stdlib"
@@ -88,12 +88,15 @@ def _field(training, index: int) -> str:  # noqa: ANN001
     return f"{DATASETS_FIELD}[{index}]" if training.datasets else DATASET_FIELD
 
 
-def check_dataset(training, *, vocab: int) -> None:  # noqa: ANN001
+def check_dataset(training, *, vocab: int, from_hf: str | None = None) -> None:  # noqa: ANN001
     """Raise :class:`DatasetError` early (before processes start): a missing file, an empty glob,
-    uint16 files for a vocabulary they cannot hold, or a file of another element type
-    (:func:`.tokens.check_type`; the whole-file id scan is left to the ranks)."""
+    uint16 files for a vocabulary they cannot hold, a file of another element type
+    (:func:`.tokens.check_type`; the whole-file id scan is left to the ranks), or files prepared
+    with another tokenizer than each other or than the ``fromHF`` model's
+    (:func:`.special_tokens.check_agreement`)."""
     entries = dataset_entries(training)
     try:
+        every: list[Path] = []
         named = [(p, _field(training, i)) for i, (p, _) in enumerate(entries) if p != STDLIB]
         if training.eval.interval and training.eval.dataset:
             named.append((training.eval.dataset, EVAL_FIELD + ".dataset"))
@@ -107,6 +110,8 @@ def check_dataset(training, *, vocab: int) -> None:  # noqa: ANN001
                 )
             for path in files:
                 token_files.check_type(path, dtype=training.token_dtype, vocab=vocab, field=field)
+            every += files
+        special_tokens.check_agreement(every, from_hf)
     except token_files.TokenFileError as err:
         raise DatasetError(
             f"{err} (expected raw {training.token_dtype} tokens, or '{STDLIB}' for the built-in corpus)"

@@ -151,7 +151,9 @@ def run_local(
         if extra:
             job = loading.apply_overrides(job, extra)
         # a missing file fails here; the corpus is built once here
-        data.check_dataset(job.training, vocab=job.model.shape().vocab)
+        data.check_dataset(
+            job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
+        )
         if job.training.dataset == data.STDLIB:
             data.stdlib_corpus()
         hf.check_spec(job)

@@ -196,3 +196,61 @@ def for_job(files: Iterable[token_files.TokenFile], from_hf: str | None) -> Toke
         return found
     imported = from_hf_directory(Path(from_hf))
     return dataclasses.replace(found.or_else(imported), eos=imported.with_eos(found.eos).eos)
+
+
+def _prepared(path: Path) -> dict[str, Any] | None:
+    meta_path = token_files.metadata_path(path)
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    return meta if isinstance(meta, dict) else None
+
+
+def check_agreement(paths: Iterable[Path], from_hf: str | None) -> None:
+    """Refuse data tokenised with different tokenizers, or with one other than the imported model's.
+
+    Judged from what ``meshtrain data prepare`` recorded beside each file
+    (files without that metadata say nothing): every file's
+    ``tokenizer_sha256`` must be the same, and its begin-of-text id the
+    ``model.init.fromHF`` directory's and its end-of-text id one of that
+    directory's (``generation_config.json`` and ``config.json`` together, as
+    an instruct model stops at several).
+    """
+    prepared = [(path, meta) for path in paths if (meta := _prepared(path)) is not None]
+    hashes: dict[str, Path] = {}
+    for path, meta in prepared:
+        digest = meta.get("tokenizer_sha256")
+        if digest and hashes and digest not in hashes:
+            other = next(iter(hashes.values()))
+            raise token_files.TokenFileError(
+                f"{token_files.metadata_path(other)} and {token_files.metadata_path(path)} were "
+                "prepared with different tokenizers (tokenizer_sha256 differs): ids mean different "
+                "tokens in each; prepare every source with the model's tokenizer.json"
+            )
+        if digest:
+            hashes[digest] = path
+    if not from_hf or not prepared:
+        return
+    directory = Path(from_hf)
+    files = [
+        directory / n
+        for n in ("generation_config.json", "config.json")
+        if (directory / n).is_file()
+    ]
+    imported = from_hf_directory(directory)
+    named = " / ".join(str(f) for f in files)
+    fix = (
+        "the data was tokenised with another tokenizer than the model's: prepare it with "
+        f"meshtrain data prepare --tokenizer {directory / 'tokenizer.json'}"
+    )
+    for path, meta in prepared:
+        where = token_files.metadata_path(path)
+        bos, eos = meta.get("bos_id"), meta.get("eos_id")
+        if bos is not None and imported.bos is not None and bos != imported.bos:
+            raise token_files.TokenFileError(
+                f"{where}: bos_id={bos} but {named} bos_token_id={imported.bos}: {fix}"
+            )
+        if eos is not None and imported.eos and eos not in imported.eos:
+            raise token_files.TokenFileError(
+                f"{where}: eos_id={eos} but {named} eos_token_id={list(imported.eos)}: {fix}"
+            )

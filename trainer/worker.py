@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
-        data.check_dataset(job.training, vocab=job.model.shape().vocab)
+        data.check_dataset(
+            job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
+        )
         hf.check_spec(job)
     except (loading.SpecError, hf.HFError) as err:
         return _refuse(exitcodes.SPEC, err)

@@ -197,3 +197,43 @@ def test_a_non_string_text_value_names_the_line(tmp_path):
         prepare.prepare(
             [tmp_path / "d.jsonl"], tmp_path / "tokenizer.json", tmp_path / "t.bin", progress=False
         )
+
+
+def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT[0])
+    llama2 = _with_template(tmp_path / "l2.json", "<s> $A", ["<s>", "</s>"])
+    gpt2 = _bpe(tmp_path / "gpt2.json")
+    prepare.prepare([tmp_path / "a.txt"], llama2, tmp_path / "a.bin", progress=False)
+    prepare.prepare(
+        [tmp_path / "a.txt"], tmp_path / "gpt2.json", tmp_path / "b.bin", progress=False
+    )
+    mixture = spec.Training.model_validate(
+        {"datasets": [{"path": str(tmp_path / "a.bin")}, {"path": str(tmp_path / "b.bin")}]}
+    )
+    with pytest.raises(
+        data.DatasetError, match="a.bin.json and .*b.bin.json were prepared with different"
+    ):
+        data.check_dataset(mixture, vocab=512)
+    # the model directory names the ids transformers gives the llama2-style tokenizer's <s> and </s>
+    peer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(llama2), bos_token="<s>", eos_token="</s>"
+    )
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = {"bos_token_id": peer.bos_token_id, "eos_token_id": peer.eos_token_id}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    one = spec.Training(dataset=str(tmp_path / "a.bin"))
+    data.check_dataset(
+        one, vocab=512, from_hf=str(model_dir)
+    )  # the model's own tokenizer: accepted
+    other = spec.Training(dataset=str(tmp_path / "b.bin"))
+    want = rf"b.bin.json: eos_id={gpt2.token_to_id('<|endoftext|>')} but .*config.json eos_token_id"
+    with pytest.raises(data.DatasetError, match=want):
+        data.check_dataset(other, vocab=512, from_hf=str(model_dir))
+    (model_dir / "config.json").write_text(
+        json.dumps({**config, "bos_token_id": peer.eos_token_id})
+    )
+    with pytest.raises(
+        data.DatasetError, match=r"a.bin.json: bos_id=.* but .*config.json bos_token_id"
+    ):
+        data.check_dataset(one, vocab=512, from_hf=str(model_dir))
