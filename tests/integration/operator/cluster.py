@@ -107,6 +107,11 @@ class Cluster:
         wait_for(
             "trainingjobs served", lambda: self.kubectl("get", "trainingjobs", "-A").returncode == 0
         )
+        # and kubectl explain reads the OpenAPI v3 document, which the server republishes later still
+        wait_for(
+            "trainingjobs in the OpenAPI schema",
+            lambda: self.kubectl("explain", "trainingjobs").returncode == 0,
+        )
 
     def kubectl(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
