@@ -239,9 +239,12 @@ class BatchSampler:
 
     def global_batch_at(self, index: int) -> torch.Tensor:
         """All windows of batch ``index``: (global_batch, seq_len + 1) int64."""
+        return self._read(self.windows(index))
+
+    def _read(self, windows: list[tuple[int, int]]) -> torch.Tensor:
         rows = [
             np.asarray(self.sources[s][o : o + self.seq_len + 1], dtype=np.int64)
-            for s, o in self.windows(index)
+            for s, o in windows
         ]
         return torch.from_numpy(np.stack(rows))
 
@@ -252,9 +255,10 @@ class BatchSampler:
 
     def at(self, index: int) -> list[MicroBatch]:
         """This rank's micro-batches of global batch ``index`` (the position is left alone)."""
-        batch = self.global_batch_at(index)  # (G, T+1)
         per_rank = self.global_batch // self.dp_size
-        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]  # (G/dp, T+1)
+        # every rank draws the same global list of windows (cheap) but reads only its own rows
+        windows = self.windows(index)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        mine = self._read(windows)  # (G/dp, T+1)
         return [
             MicroBatch(inputs=mb[:, :-1], targets=mb[:, 1:]) for mb in mine.split(self.micro_batch)
         ]

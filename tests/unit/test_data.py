@@ -168,3 +168,27 @@ def test_glob_weights_files_by_their_tokens(tmp_path):
 def test_spec_refuses_dataset_and_datasets_together():
     with pytest.raises(loading.SpecError, match="spec.training.datasets: both dataset="):
         loading.parse_spec({"training": {"dataset": "/x.bin", "datasets": [{"path": "/y.bin"}]}})
+
+
+class _CountingTokens(np.ndarray):
+    """A token array that counts the windows sliced out of it."""
+
+    windows_read = 0
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            type(self).windows_read += 1
+        return np.asarray(super().__getitem__(key))
+
+
+def test_each_data_parallel_rank_reads_only_its_own_windows():
+    tokens = (np.arange(5000, dtype=np.uint16) % 251).view(_CountingTokens)
+    dp, m = 4, 1
+    whole = _sampler(np.asarray(tokens), 0, dp, m).global_batch_at(0)  # (G, T+1): the global batch
+    rows = []
+    for rank in range(dp):
+        _CountingTokens.windows_read = 0
+        parts = _sampler(tokens, rank, dp, m).next()
+        assert _CountingTokens.windows_read == len(whole) // dp  # not the global batch's
+        rows += [torch.cat([p.inputs, p.targets[:, -1:]], dim=1) for p in parts]
+    assert torch.equal(torch.cat(rows), whole)
