@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import socket
 import sys
 from typing import cast
 
@@ -95,6 +96,10 @@ class Mesh:
         """
         if gpus_per_node not in self.dp_levels:
             intra, inter = self.layout.dp_levels(gpus_per_node)
+            hostnames: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(hostnames, socket.gethostname())
+            local_world = os.environ.get("LOCAL_WORLD_SIZE")
+            check_nodes(hostnames, int(local_world) if local_world else None, gpus_per_node, intra)
             intra_group, _ = dist.new_subgroups_by_enumeration(intra)
             inter_group, _ = dist.new_subgroups_by_enumeration(inter)
             # every rank is in one group of each list, so neither is None here
@@ -103,6 +108,34 @@ class Mesh:
                 cast(dist.ProcessGroup, inter_group),
             )
         return self.dp_levels[gpus_per_node]
+
+
+def check_nodes(
+    hostnames: list[str], local_world_size: int | None, gpus_per_node: int, intra: list[list[int]]
+) -> None:
+    """Refuse a hierarchical all-reduce whose node groups (``rank // gpusPerNode``) are not the real hosts.
+
+    ``hostnames[rank]`` is each rank's host.  All ranks on one host (a local
+    run simulating nodes) are always correct; across hosts every host must
+    run ``gpusPerNode`` ranks (``LOCAL_WORLD_SIZE``) and every intra-node
+    group must sit on one host, or the "intra-node" stage would cross the network.
+    """
+    if len(set(hostnames)) == 1:
+        return
+    fix = "set resources.gpusPerNode to the GPUs (ranks) each pod runs, or use allReduce: flat"
+    if local_world_size is not None and local_world_size != gpus_per_node:
+        raise ValueError(
+            f"parallelism.allReduce hierarchical: this host runs {local_world_size} ranks "
+            f"(LOCAL_WORLD_SIZE) but resources.gpusPerNode is {gpus_per_node}: {fix}"
+        )
+    for group in intra:
+        hosts = sorted({hostnames[rank] for rank in group})
+        if len(hosts) > 1:
+            raise ValueError(
+                f"parallelism.allReduce hierarchical: the intra-node group {group} spans hosts "
+                f"{hosts} (ranks must be placed gpusPerNode={gpus_per_node} consecutive ranks per "
+                f"node): {fix}"
+            )
 
 
 def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
