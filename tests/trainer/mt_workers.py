@@ -198,8 +198,17 @@ def _torch_adamw_with_schedule(model: torch.nn.Module, job: spec_mod.TrainingJob
 
 
 def evaluate_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, list[float]]:
-    """For each (id, spec dict): the validation loss before training and after ``steps`` steps."""
+    """For each (id, spec dict): the validation loss before training and after ``steps`` steps.
+
+    A blocking point-to-point call raises: the pipeline batches all of them
+    (``batch_isend_irecv``), evaluation included.
+    """
     results = {}
+
+    def blocking(*args: object, **kwargs: object) -> None:
+        raise AssertionError("blocking send/recv: pipeline p2p must go through batch_isend_irecv")
+
+    dist.recv = dist.send = blocking  # type: ignore[assignment]  # a spawned worker's own module
     for case_id, raw in cases:
         job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))

@@ -243,7 +243,7 @@ class PipelineExecutor:
         """
         m, p = self.micro_batches, self.ctx.stages
         loss_sum = torch.zeros((), device=self.device)
-        in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        in_flight: list[tuple[list[dist.Work], torch.Tensor]] = []
         for microbatch in range(m):
             for chunk in range(self.virtual_stages):
                 j = schedules.virtual_stage(self.ctx.stage, chunk, p)
@@ -253,7 +253,9 @@ class PipelineExecutor:
                     x = torch.empty(
                         self.activation_shape, dtype=self.wire_dtype, device=self.device
                     )
-                    dist.recv(x, src=self._peer(j - 1), group=self.ctx.forward_group)
+                    recv = dist.P2POp(dist.irecv, x, self._peer(j - 1), self.ctx.forward_group)
+                    for work in dist.batch_isend_irecv([recv]):
+                        work.wait()
                     x = x.to(self.activation_dtype)
                 with self.autocast():
                     if j == self.last_virtual:
@@ -263,10 +265,11 @@ class PipelineExecutor:
                         out = self.chunks[chunk](x)
                 if j != self.last_virtual:
                     sent = out.to(self.wire_dtype).contiguous()
-                    work = dist.isend(sent, dst=self._peer(j + 1), group=self.ctx.forward_group)
-                    in_flight.append((work, sent))
-        for work, _ in in_flight:
-            work.wait()
+                    send = dist.P2POp(dist.isend, sent, self._peer(j + 1), self.ctx.forward_group)
+                    in_flight.append((dist.batch_isend_irecv([send]), sent))
+        for works, _ in in_flight:
+            for work in works:
+                work.wait()
         return loss_sum
 
     def run(
