@@ -189,7 +189,8 @@ def zero3_collectives(
     head).  Per micro-batch every unit with parameters is gathered for its
     forward and again for its backward (measured: FSDP2 reshards the root
     after forward too when backward is driven per micro-batch), and
-    reduce-scatters its gradients once.  Each parameter is padded to
+    reduce-scatters its gradients once (fp32: FSDP2's reduce_dtype; the gathers
+    are in its param_dtype, bf16 under bf16).  Each parameter is padded to
     ``ceil(rows / N) N`` rows.
     """
 
@@ -208,8 +209,8 @@ def zero3_collectives(
         2
         * m
         * (
-            blocks * unit_bytes(block, scheme.weights)
-            + sum(unit_bytes(r, scheme.weights) for r in roots)
+            blocks * unit_bytes(block, scheme.wire_bytes)  # FSDP2's param_dtype: bf16 under bf16
+            + sum(unit_bytes(r, scheme.wire_bytes) for r in roots)
         )
     )
     scatters = m * (blocks + len(roots))

@@ -446,7 +446,7 @@ def zero3_gathered(block: int, rest: int, data: int, scheme: StateScheme) -> tup
       weights and gradients beside the last block's reduce-scatter input, then
       its gradients, its reduce-scatter input and the shard that comes out.
     """
-    w, g = scheme.weights, scheme.grads
+    w, g = scheme.wire_bytes, scheme.grads  # gathered in FSDP2's param_dtype: bf16 under bf16
     backward = rest * w + max(rest * w, block * (2 * w + g))
     end = max(rest * (w + g) + block * g, rest * g * (2 + 1 / data))
     return backward, end

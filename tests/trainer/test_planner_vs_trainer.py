@@ -50,6 +50,8 @@ LAYOUTS = [
     ("dp2-zero1", {"data": 2, "zeroStage": 1}),
     ("dp2-tp2-zero2", {"data": 2, "tensor": 2, "zeroStage": 2}),
     ("dp2-tp2-zero3", {"data": 2, "tensor": 2, "zeroStage": 3}),
+    # bf16: FSDP2 gathers bf16 (param_dtype) and reduce-scatters fp32 (reduce_dtype)
+    ("dp2-zero3-bf16", {"data": 2, "zeroStage": 3}, {"precision": "bf16"}),
     ("dp4-hierarchical-2nodes-zero1", {"data": 4, "allReduce": "hierarchical", "zeroStage": 1}),
     (
         "dp2-pp2-interleaved-zero3",
@@ -227,6 +229,10 @@ def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
             if c.op != "send"
         }
         assert rank["collectives"] == expected, f"rank {rank['rank']} (stage {rank['stage']})"
+        if job.parallelism.zero_stage == 3 and job.training.precision == "bf16":
+            # FSDP2 gathers the weights in bf16: half the bytes of the same elements in fp32
+            fp32 = comm.stage_comm(job, rank["stage"], memory.FP32).by_key()["dp", "all_gather"]
+            assert rank["collectives"]["dp/all_gather"][1] * 2 == fp32.nbytes
         stage = mem.stages[rank["stage"]]
         for kind, value in (
             ("weights", stage.weights),

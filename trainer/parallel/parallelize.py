@@ -189,7 +189,9 @@ def parallelize(
     # owns the gradient reduction.
     grad_reducer = None
     if layout.data > 1 and zero_stage == 3:
-        zero3.apply_zero3(chunks, mesh.device_mesh["dp"], recorder=recorder, clock=clock)
+        zero3.apply_zero3(
+            chunks, mesh.device_mesh["dp"], recorder=recorder, clock=clock, param_dtype=wire_dtype
+        )
         named = [
             (gpt.logical_name(config, n), p)
             for chunk in chunks
