@@ -42,7 +42,7 @@ import torch.distributed as dist
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.planner import cost, memory, profiles
+from meshtrain.planner import cost, cpu_host, memory, profiles
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh
 
@@ -51,20 +51,6 @@ MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 
 COLLECTIVE_TIMEOUT_S = 300
 """A calibration whose peer died fails after this instead of hanging."""
-
-
-def _ring_steps(op: str, members: int) -> int:
-    """Message steps of one call: ``2(n-1)`` for all-reduce, 1 for a send, ``n-1`` otherwise."""
-    if op == "all_reduce":
-        return 2 * (members - 1)
-    return 1 if op == "send" else members - 1
-
-
-def _bus_factor(op: str, members: int) -> float:
-    """Bus bytes per payload byte (nccl-tests): ``2(n-1)/n`` all-reduce, 1 send, ``(n-1)/n`` otherwise."""
-    if op == "all_reduce":
-        return 2 * (members - 1) / members
-    return 1.0 if op == "send" else (members - 1) / members
 
 
 def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
@@ -322,9 +308,9 @@ def fit(
     CPU cost per call and per byte the same way.
     """
     small, large = min(samples), max(samples)
-    alpha = samples[small] / _ring_steps(op, members)
+    alpha = samples[small] / cpu_host.ring_steps(op, members)
     transfer = max(samples[large] - samples[small], 0.1 * samples[large])
-    bandwidth = _bus_factor(op, members) * (large - small) / transfer
+    bandwidth = cpu_host.bus_factor(op, members) * (large - small) / transfer
     cpu_call = cpu_bandwidth = 0.0
     if cpu_samples:
         cpu_call = cpu_samples[small]

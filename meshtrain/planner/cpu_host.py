@@ -30,13 +30,15 @@ import dataclasses
 from meshtrain.planner import profiles
 
 
-def _ring_steps(op: str, members: int) -> int:
+def ring_steps(op: str, members: int) -> int:
+    """Message steps of one call: ``2(n-1)`` for all-reduce, 1 for a send, ``n-1`` otherwise."""
     if op == "all_reduce":
         return 2 * (members - 1)
     return 1 if op == "send" else members - 1
 
 
-def _bus_factor(op: str, members: int) -> float:
+def bus_factor(op: str, members: int) -> float:
+    """Bus bytes per payload byte (nccl-tests): ``2(n-1)/n`` all-reduce, 1 send, ``(n-1)/n`` otherwise."""
     if op == "all_reduce":
         return 2 * (members - 1) / members
     return 1.0 if op == "send" else (members - 1) / members
@@ -52,8 +54,8 @@ def cpu_cost_fit(fit: profiles.CollectiveFit) -> profiles.CollectiveFit:
         return fit
     return dataclasses.replace(
         fit,
-        alpha=fit.cpu_call_seconds / _ring_steps(fit.op, fit.members),
-        bandwidth=fit.cpu_bandwidth * _bus_factor(fit.op, fit.members),
+        alpha=fit.cpu_call_seconds / ring_steps(fit.op, fit.members),
+        bandwidth=fit.cpu_bandwidth * bus_factor(fit.op, fit.members),
     )
 
 
