@@ -46,6 +46,7 @@ FIELDS = (
     "eval_loss",
     "skipped_updates",
     "straggler",
+    "stragglers",
     "gradient_noise_scale",
 )
 """Keys of the progress document, in order."""
@@ -65,6 +66,7 @@ class Progress:
             "eval_loss": None,
             "skipped_updates": 0,
             "straggler": None,
+            "stragglers": [],
             "gradient_noise_scale": None,
         }
 
