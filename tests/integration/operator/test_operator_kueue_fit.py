@@ -425,8 +425,14 @@ def test_the_queue_label_follows_kueues_rules(fit) -> None:
     wait_for("leaver's Workload", lambda: _workload(cluster, SOLO_NS, "leaver"), timeout=60)
     assert cluster.pods(SOLO_NS, "leaver") == []
     _label(cluster, SOLO_NS, "leaver", None)
+    # the operator deletes it; Kueue's resource-in-use finalizer may keep it a while longer
     wait_for(
-        "leaver's Workload gone", lambda: _workload(cluster, SOLO_NS, "leaver") is None, timeout=60
+        "leaver's Workload deleted",
+        lambda: (
+            (w := _workload(cluster, SOLO_NS, "leaver")) is None
+            or bool(w["metadata"].get("deletionTimestamp"))
+        ),
+        timeout=60,
     )
     cluster.wait_gang(SOLO_NS, "leaver", 1, timeout=60)
     assert cluster.condition(SOLO_NS, "leaver", "Queued") == {}
