@@ -44,28 +44,36 @@ def _config(model: dict) -> gpt.GPTConfig:
     return gpt.GPTConfig.from_shape(spec_mod.ModelSpec.model_validate(model).shape())
 
 
+def _llama_style_fields(config: gpt.GPTConfig) -> dict[str, Any]:
+    """transformers config fields of a Llama-architecture model (Llama, Mistral) of ``config``'s shape."""
+    return {
+        "vocab_size": config.vocab,
+        "hidden_size": config.hidden,
+        "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.layers,
+        "num_attention_heads": config.heads,
+        "num_key_value_heads": config.key_value_heads,
+        "max_position_embeddings": config.seq_len,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+    }
+
+
+def _with_random_norms(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Random norm weights, so a swapped norm would show; in eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
 def _hf_model(config: gpt.GPTConfig, **llama_extra: Any) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     if config.family == "llama":
-        hf_config = transformers.LlamaConfig(
-            vocab_size=config.vocab,
-            hidden_size=config.hidden,
-            intermediate_size=config.ffn_hidden,
-            num_hidden_layers=config.layers,
-            num_attention_heads=config.heads,
-            num_key_value_heads=config.key_value_heads,
-            max_position_embeddings=config.seq_len,
-            rope_theta=config.rope_theta,
-            rms_norm_eps=config.norm_eps,
-            tie_word_embeddings=config.tie_embeddings,
-            **llama_extra,
-        )
-        model = transformers.LlamaForCausalLM(hf_config)
-        with torch.no_grad():  # random norm weights, so a swapped norm would show
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-        return model.eval()
+        hf_config = transformers.LlamaConfig(**_llama_style_fields(config), **llama_extra)
+        return _with_random_norms(transformers.LlamaForCausalLM(hf_config))
     hf_config = transformers.GPT2Config(
         vocab_size=config.vocab,
         n_embd=config.hidden,
@@ -406,26 +414,10 @@ def test_a_sharded_directory_is_read_through_its_index(tmp_path):
 
 def _mistral(config: gpt.GPTConfig, sliding_window: int | None) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(
-        transformers.MistralConfig(
-            vocab_size=config.vocab,
-            hidden_size=config.hidden,
-            intermediate_size=config.ffn_hidden,
-            num_hidden_layers=config.layers,
-            num_attention_heads=config.heads,
-            num_key_value_heads=config.key_value_heads,
-            max_position_embeddings=config.seq_len,
-            rope_theta=config.rope_theta,
-            rms_norm_eps=config.norm_eps,
-            tie_word_embeddings=config.tie_embeddings,
-            sliding_window=sliding_window,
-        )
+    hf_config = transformers.MistralConfig(
+        **_llama_style_fields(config), sliding_window=sliding_window
     )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model.eval()
+    return _with_random_norms(transformers.MistralForCausalLM(hf_config))
 
 
 @pytest.mark.parametrize("window", [None, "seq_len"])
