@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import kubernetes
 import pytest
@@ -52,7 +52,26 @@ def plane(control_plane_binaries) -> Iterator[Cluster]:
         yield found
 
 
-class Kubelet:
+class _Background:
+    """Runs ``_run`` on a daemon thread inside a ``with`` block; ``_stop`` is set on leaving it."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Kubelet(_Background):
     """Bound pods of existing nodes become Running, deleted ones go; the pods of a deleted node fail."""
 
     def __init__(
@@ -63,17 +82,8 @@ class Kubelet:
         """Only this namespace's pods (None: every namespace)."""
         self._ip = ip
         """Pod IP a Running pod reports (a test's progress server), None: none."""
-        self._stop = threading.Event()
         self.gone: set[str] = set()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Kubelet:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        super().__init__()
 
     def _run(self) -> None:
         core = self._cluster.core
@@ -310,7 +320,7 @@ def _settled(cluster: Cluster, jobs: list[tuple[str, str]]) -> list[str]:
     return unsettled
 
 
-class Phases:
+class Phases(_Background):
     """Polls the jobs' phases every second: when each first ran, and when each last changed."""
 
     def __init__(self, cluster: Cluster, namespaces: tuple[str, ...]) -> None:
@@ -319,16 +329,7 @@ class Phases:
         self.first_running: dict[str, float] = {}
         """Job -> seconds after the start when it was first seen Running."""
         self._seen: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Phases:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        super().__init__()
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
