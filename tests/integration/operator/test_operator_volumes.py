@@ -105,6 +105,15 @@ def test_a_claim_bound_to_a_local_volume_places_the_gang_on_its_node(private):
     assert not [e.message for e in events if e.reason == conditions.SCHEDULER_REFUSED]
 
 
+def _reconcile(cluster, name: str, passes: int = 1) -> None:
+    """Run the reconciler's passes over job ``name`` of NAMESPACE, then close it."""
+    reconciling = Reconciling(cluster)
+    try:
+        reconciling.passes(NAMESPACE, name, passes=passes)
+    finally:
+        reconciling.close()
+
+
 def test_a_waiting_local_claim_places_the_gang_where_a_volume_could_take_it(private):
     private.add_node("unbound", gpus=8, name="unbound-a")
     private.add_node("unbound", gpus=4, name="unbound-b")
@@ -112,11 +121,7 @@ def test_a_waiting_local_claim_places_the_gang_where_a_volume_could_take_it(priv
     _claim(private, "scratch")  # WaitForFirstConsumer: bound when the first pod is scheduled
     job = JobBuilder("later", NAMESPACE, "unbound").layout(data=4).gpus(4)
     private.apply(job.checkpoint(claimName="scratch"))
-    reconciling = Reconciling(private)
-    try:
-        reconciling.passes(NAMESPACE, "later")
-    finally:
-        reconciling.close()
+    _reconcile(private, "later")
     assert private.status(NAMESPACE, "later")["placement"] == [{"podIndex": 0, "node": "unbound-b"}]
 
 
@@ -127,11 +132,7 @@ def test_a_claim_whose_volume_node_has_no_room_waits_and_says_why(private):
     _claim(private, "small", volume="ckpt-on-full-b")
     job = JobBuilder("cramped", NAMESPACE, "full").layout(data=4).gpus(4)
     private.apply(job.checkpoint(claimName="small"))
-    reconciling = Reconciling(private)
-    try:
-        reconciling.passes(NAMESPACE, "cramped")
-    finally:
-        reconciling.close()
+    _reconcile(private, "cramped")
     assert private.pods(NAMESPACE, "cramped") == []
     placed = private.condition(NAMESPACE, "cramped", "Placed")
     assert placed["status"] == "False"
@@ -162,11 +163,7 @@ def test_a_read_write_once_claim_is_refused_for_a_gang_on_several_nodes(private)
     _claim(private, "one-node", volume="one-node-disk")
     job = JobBuilder("spread", NAMESPACE, "attach").layout(data=8).gpus(4)
     private.apply(job.checkpoint(claimName="one-node"))
-    reconciling = Reconciling(private)
-    try:
-        reconciling.passes(NAMESPACE, "spread", passes=2)
-    finally:
-        reconciling.close()
+    _reconcile(private, "spread", passes=2)
     assert private.pods(NAMESPACE, "spread") == []
     placed = private.condition(NAMESPACE, "spread", conditions.PLACED)
     assert placed["status"] == "False" and placed["reason"] == conditions.CLAIM_NOT_SHARED
