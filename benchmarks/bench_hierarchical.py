@@ -16,6 +16,7 @@ the time column shows the extra collectives' cost, not the fabric saving.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -92,6 +93,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    load_before = os.getloadavg()
     args, raw = ranks.spawn_from_command_line(
         _rank, __doc__.splitlines()[0], [*(argv or sys.argv[1:]), "--world", str(WORLD)]
     )
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             "results_equal": raw["same"],
             "inter_node_bytes_cut": cut,
             "rows": rows,
+            "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         },
     )
     print(f"wrote {path}")

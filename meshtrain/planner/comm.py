@@ -38,6 +38,12 @@ compare it exactly with the bytes the trainer's recorder measures:
   all-reduce of the matrix's gradient between the first and the last stage.  The trainer records pipeline
   waits, not pipeline bytes, so only the dp and tp figures are measured.
 
+Each bucket's gradient exchange (the flat all-reduce, the hierarchical
+chain, a compressed exchange, a ZeRO-2 or ZeRO-3 reduce-scatter) is issued
+when the bucket's gradients are final and overlaps the rest of backward
+(:attr:`StageComm.dp_exchanges` counts them); ZeRO's parameter gathers and
+the dp norm are marked :attr:`Collective.after_backward`.
+
 Payload bytes follow the recorder's convention (the full buffer, also for
 all-gather and reduce-scatter); :attr:`Collective.wire_bytes` is what a rank
 actually sends under ring algorithms.  Pure: no torch, no I/O.
@@ -72,6 +78,9 @@ class Collective:
     """Payload bytes summed over the calls (the full buffer, as the trainer's recorder counts)."""
     members: int
     """Ranks in the group (2 for a pipeline send: the two peers)."""
+    after_backward: bool = False
+    """A dp collective outside the gradient buckets' exchanges (ZeRO's parameter gathers, the norm):
+    not overlapped with backward, so charged as exposed."""
 
     @property
     def wire_bytes(self) -> float:
@@ -91,7 +100,10 @@ class StageComm:
     stage: int
     """Pipeline stage (0-based)."""
     collectives: tuple[Collective, ...]
-    """Every (group, op) with its calls and bytes."""
+    """Every (group, op, after_backward) with its calls and bytes."""
+    dp_exchanges: int = 0
+    """Gradient bucket exchanges per step: each one chain of dp collectives issued when its bucket's
+    gradients are final, overlapping the rest of backward (:mod:`meshtrain.trainer.parallel.exchanges`)."""
 
     def payload(self, group: str) -> int:
         """Payload bytes per step over ``group``."""
@@ -102,8 +114,16 @@ class StageComm:
         return sum(c.wire_bytes for c in self.collectives if c.group == group)
 
     def by_key(self) -> dict[tuple[str, str], Collective]:
-        """Collectives keyed by (group, op)."""
-        return {(c.group, c.op): c for c in self.collectives}
+        """Collectives keyed by (group, op), overlapped and after-backward calls summed (as the trainer records them)."""
+        out: dict[tuple[str, str], Collective] = {}
+        for c in self.collectives:
+            key = (c.group, c.op)
+            if key in out:
+                c = dataclasses.replace(
+                    out[key], calls=out[key].calls + c.calls, nbytes=out[key].nbytes + c.nbytes
+                )
+            out[key] = c
+        return out
 
 
 def chunk_param_shapes(
@@ -221,11 +241,17 @@ def zero3_collectives(
 
 
 def _add(
-    out: dict[tuple[str, str], list[int]], group: str, op: str, calls: int, nbytes: float
+    out: dict[tuple[str, str, bool], list[int]],
+    group: str,
+    op: str,
+    calls: int,
+    nbytes: float,
+    *,
+    after_backward: bool = False,
 ) -> None:
     if calls <= 0:
         return
-    entry = out.setdefault((group, op), [0, 0])
+    entry = out.setdefault((group, op, after_backward), [0, 0])
     entry[0] += calls
     entry[1] += int(nbytes)
 
@@ -246,7 +272,8 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     virtuals = [chunk * p + stage for chunk in range(v)]
     holds_first = 0 in virtuals
     holds_last = last_virtual in virtuals
-    out: dict[tuple[str, str], list[int]] = {}
+    out: dict[tuple[str, str, bool], list[int]] = {}
+    exchanges = 0
 
     # Parameters of this rank, chunk by chunk in the order the trainer registers them.
     chunk_shapes = [
@@ -267,8 +294,11 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             for group, op, calls, nbytes in zero3_collectives(
                 shape, t, d, m, virtuals, layers_per_chunk, last_virtual, scheme
             ):
-                _add(out, group, op, calls, nbytes)
+                gathers = op == "all_gather"
+                _add(out, group, op, calls, nbytes, after_backward=gathers)
+                exchanges += 0 if gathers else calls
         elif par.zero_stage == 2:  # every micro-batch's backward reduce-scatters each bucket
+            exchanges = m * len(buckets)
             _add(
                 out,
                 "dp",
@@ -286,6 +316,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 par.gradient_compression, bucket_shapes, d, scheme.grads
             ):
                 _add(out, group, op, calls, nbytes)
+            exchanges = len(bucket_shapes)
         elif par.all_reduce == "hierarchical":  # intra-node reduce-scatter and all-gather of each
             # bucket padded to the k peers of a node, inter-node all-reduce of its 1/k shard
             k = dp_ranks_per_node(job)
@@ -293,10 +324,12 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             _add(out, "dp", "reduce_scatter", len(buckets), full)
             _add(out, "dp", "all_reduce", len(buckets), full // k)
             _add(out, "dp", "all_gather", len(buckets), full)
+            exchanges = len(buckets)
         else:
             _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
+            exchanges = len(buckets)
         if par.zero_stage == 3:  # the norm summed over dp
-            _add(out, "dp", "all_reduce", 1, NORM_BYTES)
+            _add(out, "dp", "all_reduce", 1, NORM_BYTES, after_backward=True)
         elif (
             par.zero_stage >= 1
         ):  # owned weights all-gathered bucket by bucket; the norm summed over dp
@@ -306,8 +339,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 "all_gather",
                 len(buckets),
                 sum(padded(n, d) for n in buckets) * scheme.weights,
+                after_backward=True,
             )
-            _add(out, "dp", "all_reduce", 1, NORM_BYTES)
+            _add(out, "dp", "all_reduce", 1, NORM_BYTES, after_backward=True)
 
     # Tensor parallel: activations per micro-batch, then per-step reductions.
     if t > 1:
@@ -369,11 +403,16 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     members = {"dp": d, "tp": t, "pp": p}
     collectives = tuple(
         Collective(
-            group=g, op=op, calls=calls, nbytes=nbytes, members=2 if op == "send" else members[g]
+            group=g,
+            op=op,
+            calls=calls,
+            nbytes=nbytes,
+            members=2 if op == "send" else members[g],
+            after_backward=after,
         )
-        for (g, op), (calls, nbytes) in sorted(out.items())
+        for (g, op, after), (calls, nbytes) in sorted(out.items())
     )
-    return StageComm(stage=stage, collectives=collectives)
+    return StageComm(stage=stage, collectives=collectives, dp_exchanges=exchanges)
 
 
 def plan_comm(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[StageComm, ...]:

@@ -21,8 +21,10 @@ achievable FLOP/s, and put them together into a predicted step time:
 * pipeline: the window of :mod:`.pipeline_window` (each stage's own times, the
   sends); the theoretical bubble ``(p-1)/(v m + p - 1)`` (Huang et al. 2019;
   Narayanan et al. 2021) is reported beside it;
-* data-parallel buckets overlap the last micro-batch's backward; what does
-  not fit behind it (at least the last bucket) is exposed;
+* data-parallel bucket exchanges (each bucket's whole chain of collectives:
+  flat, hierarchical or compressed) overlap the last micro-batch's backward;
+  what does not fit behind it (at least the last bucket's exchange) is
+  exposed, and so is everything after backward (ZeRO's gathers, the norm);
 * the optimizer streams 32 bytes per updated parameter through device memory
   and pays the per-operation cost per parameter tensor;
 * on a calibrated CPU host the same terms are CPU seconds, and the step is
@@ -136,7 +138,7 @@ def hierarchical_leg(
     ``d / k`` nodes on the dp group's link; everything else is unchanged.
     """
     par = job.parallelism
-    if par.all_reduce != "hierarchical" or collective.group != "dp":
+    if par.all_reduce != "hierarchical" or collective.group != "dp" or collective.after_backward:
         return collective, group_link
     k = comm.dp_ranks_per_node(job)
     if collective.op in ("reduce_scatter", "all_gather"):
@@ -350,19 +352,20 @@ def _stage_time(
     overhead = ops * par.micro_batches * profile.op_overhead
     seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     dp_calls = 0
-    gather = 0.0
+    after_backward = 0.0
     nvlink = links(profile)["nvlink"]
     for c in stage_comm.collectives:
         c, link = hierarchical_leg(job, c, used[c.group], nvlink)
         spent = collective_seconds(c, link)
         seconds[c.group] += spent
-        if c.group == "dp" and c.op == "all_gather":
-            gather += spent
+        if c.group == "dp" and c.after_backward:
+            after_backward += spent
         elif c.group == "dp":
             dp_calls += c.calls
-    reduce = seconds["dp"] - gather
+    reduce = seconds["dp"] - after_backward
     window = BACKWARD_SHARE * compute / par.micro_batches
-    exposed = max(reduce - window, reduce / dp_calls) if dp_calls else 0.0
+    exchanges = stage_comm.dp_exchanges or dp_calls  # each bucket's exchange is one chain
+    exposed = max(reduce - window, reduce / exchanges) if exchanges else 0.0
     params = memory.rank_params(shape, par.pipeline, par.tensor, stage)
     updated = params / par.data if par.zero_stage >= 1 else params
     tensors = len(
@@ -384,7 +387,7 @@ def _stage_time(
         tp=seconds["tp"],
         pp=seconds["pp"],
         dp=seconds["dp"],
-        dp_exposed=exposed + gather,
+        dp_exposed=exposed + after_backward,
         optimizer=optimizer,
         overhead=overhead,
     )

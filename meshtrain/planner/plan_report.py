@@ -138,6 +138,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
                             "payload_bytes": x.nbytes,
                             "wire_bytes": x.wire_bytes,
                             "members": x.members,
+                            "after_backward": x.after_backward,
                         }
                         for x in c.collectives
                     ],

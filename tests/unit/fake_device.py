@@ -15,6 +15,7 @@ the multi-process test uses it with ``now = time.perf_counter``.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,12 +31,16 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         self.device.log.append(("wait_stream", self.name, other.name))
 
+    def wait_event(self, event: FakeEvent) -> None:
+        self.device.log.append(("wait_event", self.name, str(event.stream)))
+
 
 class FakeEvent:
     """A timing event: its time is read when it is recorded."""
 
-    def __init__(self, device: FakeDevice) -> None:
+    def __init__(self, device: FakeDevice, enable_timing: bool) -> None:
         self.device = device
+        self.enable_timing = enable_timing
         self.at: float | None = None
         self.stream: str | None = None
 
@@ -46,6 +51,7 @@ class FakeEvent:
 
     def elapsed_time(self, end: FakeEvent) -> float:
         """Milliseconds from this event to ``end`` (both recorded, as CUDA requires)."""
+        assert self.enable_timing and end.enable_timing, "CudaClock must ask for timing events"
         if self.at is None or end.at is None:
             raise RuntimeError("elapsed_time on an event that was not recorded")
         return (end.at - self.at) * 1000.0
@@ -64,15 +70,29 @@ class FakeDevice:
         """Stream operations in issue order."""
         self.compute = FakeStream("compute", self)
         """The default stream."""
-        self.current = self.compute
-        """The stream work is issued on now."""
+        self._local = threading.local()
+        self._streams = 0
+
+    @property
+    def current(self) -> FakeStream:
+        """The stream work is issued on now (per thread, as CUDA's current stream is)."""
+        return getattr(self._local, "stream", self.compute)
+
+    @current.setter
+    def current(self, stream: FakeStream) -> None:
+        self._local.stream = stream
 
     def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802 - torch.cuda.Event
-        assert enable_timing, "CudaClock must ask for timing events"
-        return FakeEvent(self)
+        return FakeEvent(self, enable_timing)
 
     def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 - torch.cuda.Stream
-        return FakeStream("side", self)
+        """The clock's first stream is "side", its second (the bucket exchanges') "exchange"."""
+        self._streams += 1
+        return FakeStream(("side", "exchange", "other")[min(self._streams, 3) - 1], self)
+
+    @contextlib.contextmanager
+    def device(self, device: Any = None) -> Iterator[None]:
+        yield
 
     @contextlib.contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from meshtrain.trainer.parallel import clocks, recording
+from meshtrain.trainer.parallel import clocks, exchanges, recording
 from tests.unit import fake_device
 
 
@@ -212,3 +212,34 @@ def test_deferred_recorder_feeds_a_memory_recorder_seconds():
     assert inner.events[0].start == pytest.approx(start) and inner.events[0].end == pytest.approx(
         start + 0.5
     )
+
+
+def test_cuda_bucket_exchanges_run_on_their_own_stream_and_join_at_drain():
+    """A queued exchange runs on the exchange thread's exchange stream, after the bucket's ready mark
+    (recorded on the compute stream); backward's stream waits for it only at drain."""
+    clock, device, _ = cuda_clock(0.0)
+    queue = exchanges.ExchangeQueue(clock)
+    seen = []
+    try:
+        queue.submit(lambda: seen.append((threading.current_thread().name, device.current.name)))
+        queue.drain()
+    finally:
+        queue.close()
+    [(thread, stream)] = seen
+    assert thread.startswith("meshtrain-exchange") and stream == "exchange"
+    assert device.log == [
+        ("record", "compute"),  # the ready mark, where backward is
+        ("enter", "exchange"),
+        ("wait_event", "exchange", "compute"),  # the chain starts after the mark
+        ("exit", "exchange"),
+        ("wait_stream", "compute", "exchange"),  # drain: backward's stream joins the chains
+    ]
+    assert device.current is device.compute  # the issuing thread's stream is untouched
+
+
+def test_a_failed_exchange_is_raised_at_drain():
+    queue = exchanges.ExchangeQueue(clocks.HostClock())
+    queue.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        queue.drain()
+    queue.close()

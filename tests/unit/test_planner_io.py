@@ -95,6 +95,7 @@ GOLDEN_KEYS = {
     "communication.per_stage[]": ["collectives", "groups", "stage"],
     "communication.per_stage[].groups.dp": ["link", "payload_bytes", "seconds", "wire_bytes"],
     "communication.per_stage[].collectives[]": [
+        "after_backward",
         "calls",
         "group",
         "members",

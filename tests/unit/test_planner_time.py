@@ -354,3 +354,38 @@ def test_planner_says_when_hierarchical_all_reduce_pays() -> None:
 
     assert dp_seconds(16, 8, "hierarchical") < 0.5 * dp_seconds(16, 8, "flat")
     assert dp_seconds(8, 8, "hierarchical") >= dp_seconds(8, 8, "flat")
+
+
+@pytest.mark.parametrize(
+    "exchange",
+    [
+        {},
+        {"allReduce": "hierarchical"},
+        {"gradientCompression": {"mode": "bf16"}},
+        {"gradientCompression": {"mode": "int8"}},
+        {"gradientCompression": {"mode": "topk"}},
+        {"gradientCompression": {"mode": "powersgd", "rank": 4}},
+    ],
+    ids=["flat", "hierarchical", "bf16", "int8", "topk", "powersgd"],
+)
+def test_a_bucket_exchange_overlaps_backward_only_as_a_whole_chain(exchange: dict) -> None:
+    """The trainer issues each bucket's whole exchange (every leg, every compressed collective) when
+    the bucket's gradients are final.  With one bucket that is after the last backward, so nothing of
+    the dp time hides behind backward; with many buckets the earlier ones do."""
+    h100 = profiles.get("h100-sxm")
+
+    def dp_stage(bucket_mb: float) -> cost.StageTime:
+        raw = (
+            JobBuilder()
+            .layout(16, 1, 1, gpus_per_node=8)
+            .model(preset="1.3b")
+            .parallelism(bucketMb=bucket_mb, **exchange)
+            .training(microBatch=64)  # backward long enough to hide all but the last buckets
+            .raw()
+        )
+        return estimate.make_plan(loading.parse_spec(raw), h100).time.stages[0]
+
+    one_bucket = dp_stage(2**16)  # MiB: more than the model's gradients
+    assert one_bucket.dp_exposed == pytest.approx(one_bucket.dp, rel=1e-12)
+    many = dp_stage(25)
+    assert 0 < many.dp_exposed < 0.5 * many.dp

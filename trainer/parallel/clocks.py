@@ -28,6 +28,15 @@ NCCL's internal stream, and an event recorded after it is the end on the GPU.
 The compute stream waits for the side stream only where the result is needed
 (:meth:`DeviceLaunch.wait`, from ``GradReducer.finish``).
 
+A bucket exchange that is a chain of dependent collectives and computations
+(hierarchical all-reduce, compressed exchanges: :mod:`.exchanges`) runs on a
+background thread.  ``mark_ready`` notes, on the issuing thread, the point
+where the bucket's gradients are final; ``exchange_stream(mark)`` is the
+context the thread runs the chain in (on CUDA: the clock's exchange stream,
+which first waits for the mark, so neither the host nor backward's stream
+waits for the chain); ``join_exchanges`` makes the compute stream wait for
+every chain issued (the host waits for the thread itself).
+
 Not the step's wall time (the engine reads ``perf_counter``
 around the whole step, which ends with a host sync), checkpoint timing, or a
 recorder.
@@ -35,9 +44,10 @@ recorder.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,6 +94,18 @@ class HostClock:
         start = time.perf_counter()
         return HostLaunch(work=collective(), start=start)
 
+    def mark_ready(self) -> None:
+        """Host work is done when issued: nothing to mark."""
+        return None
+
+    @contextlib.contextmanager
+    def exchange_stream(self, ready: None) -> Iterator[None]:
+        """Host work needs no stream: run as is."""
+        yield
+
+    def join_exchanges(self) -> None:
+        """Nothing to join on the host (the caller waited for the thread)."""
+
 
 @dataclasses.dataclass
 class DeviceLaunch:
@@ -122,6 +144,7 @@ class CudaClock:
         self.device = device
         self._api = device_api
         self._side = device_api.Stream(device=device)
+        self._exchange: torch.cuda.Stream | None = None
         self._reference: torch.cuda.Event | None = None
         self._reference_host = 0.0
 
@@ -157,6 +180,26 @@ class CudaClock:
             work.wait()  # the side stream waits for NCCL's stream; the host and the compute stream do not
             end = self.now()
         return DeviceLaunch(start=start, end=end, stream=self._side, clock=self)
+
+    def mark_ready(self) -> torch.cuda.Event:
+        """An event on the compute stream where a bucket's gradients are final."""
+        event = self._api.Event()
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def exchange_stream(self, ready: torch.cuda.Event) -> Iterator[None]:
+        """Run (on the exchange thread) on the clock's exchange stream, after ``ready``."""
+        if self._exchange is None:
+            self._exchange = self._api.Stream(device=self.device)
+        with self._api.device(self.device), self._api.stream(self._exchange):
+            self._exchange.wait_event(ready)
+            yield
+
+    def join_exchanges(self) -> None:
+        """The compute stream waits for every exchange issued so far (the host does not)."""
+        if self._exchange is not None:
+            self.compute_stream().wait_stream(self._exchange)
 
     def synchronize(self) -> None:
         """Wait until every stamp of the step has its time."""

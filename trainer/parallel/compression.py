@@ -23,8 +23,12 @@ gradient, approximated, in the bucket:
 compression dropped this step is added to its gradient next step
 (:attr:`CompressedGradReducer.state` holds it, created at construction and
 updated in place, so a checkpoint saves and loads it); a step the loss guard
-skips leaves none (:meth:`CompressedGradReducer.discard_step`).  The exchange is not
-overlapped with backward: it runs bucket by bucket in :meth:`finish`.
+skips leaves none (:meth:`CompressedGradReducer.discard_step`).  Each bucket's
+exchange runs as soon as its gradients are final, on the exchange thread
+(:mod:`.exchanges`), overlapped with the rest of backward; buckets are
+exchanged in the order they became ready and each touches only its own
+state, so the arithmetic is the same as exchanging them one by one after
+backward.
 Each collective is reported to the recorder with its real payload, so
 ``bytes on the wire`` come from the recorder as for uncompressed runs.
 """
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import clocks, reducer
+from meshtrain.trainer.parallel import clocks, exchanges, reducer
 
 MODES = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
 CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +72,7 @@ def mean_of_int8(payloads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class CompressedGradReducer(reducer.GradReducer):
+class CompressedGradReducer(exchanges.QueuedGradReducer):
     """A gradient reducer whose per-bucket exchange is compressed (see the module docstring)."""
 
     def __init__(
@@ -92,6 +96,8 @@ class CompressedGradReducer(reducer.GradReducer):
         """Payload bytes of the last step's compressed collectives."""
         self.dense_bytes = 0
         """Payload bytes the same step's plain all-reduce would have had."""
+        self._sending = 0
+        """Payload bytes of this step's compressed collectives so far (the exchange thread adds)."""
         self._create_state()
 
     def _create_state(self) -> None:
@@ -127,18 +133,13 @@ class CompressedGradReducer(reducer.GradReducer):
         """(uncompressed, sent) payload bytes of the last step (the plain all-reduce's, the compressed collectives')."""
         return (self.dense_bytes, self.sent_bytes) if self.sent_bytes else super().payload_bytes()
 
-    def _launch(self, bucket: reducer.Bucket) -> None:
-        """Compressed exchanges run in :meth:`finish`; the hook only counts."""
+    def _exchange(self, bucket: reducer.Bucket) -> None:
+        """Exchange the bucket compressed, leaving the (approximate) mean gradient in it."""
+        getattr(self, f"_exchange_{self.mode}")(bucket)
 
-    def finish(self) -> None:
-        """Exchange every bucket compressed, leaving the (approximate) mean gradient in it."""
-        self.sent_bytes = self.dense_bytes = 0
-        for bucket in self.buckets:
-            self.dense_bytes += bucket.buffer.numel() * bucket.buffer.element_size()
-            exchange = getattr(self, f"_exchange_{self.mode}")
-            exchange(bucket)
-            bucket.ready = 0
-        self.sync = True
+    def _settled(self) -> None:
+        self.sent_bytes, self._sending = self._sending, 0
+        self.dense_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def discard_step(self) -> None:
         """A skipped update's gradients are dropped, so is what error feedback kept of them.
@@ -180,7 +181,7 @@ class CompressedGradReducer(reducer.GradReducer):
         self, op: str, tensor: torch.Tensor, start: clocks.Stamp, bucket: reducer.Bucket
     ) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        self.sent_bytes += nbytes
+        self._sending += nbytes
         end = self.clock.now()
         self.recorder.collective("dp", op, nbytes, start, end, bucket=bucket.index)  # type: ignore[arg-type]
 

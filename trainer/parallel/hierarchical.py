@@ -12,9 +12,10 @@ collectives over the node structure of the placement (pod ``i`` runs ranks
 3. all-gather inside the node, so every rank holds the whole sum.
 
 The bucket is padded to a multiple of ``k``.  Each stage is reported with
-``level`` intra or inter.  The three run when the bucket is complete, one
-after another (not overlapped with the rest of backward, unlike the flat
-reducer's asynchronous all-reduce).
+``level`` intra or inter.  The three run one after another, as a chain on
+the exchange thread (:mod:`.exchanges`) from the moment the bucket is
+complete, so they overlap the rest of backward like the flat reducer's
+asynchronous all-reduce.
 """
 
 from __future__ import annotations
@@ -24,17 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import recording, reducer
+from meshtrain.trainer.parallel import exchanges, recording, reducer
 
 
-class _Done:
-    """The work handle of an exchange that already finished."""
-
-    def wait(self) -> None:
-        return None
-
-
-class HierarchicalGradReducer(reducer.GradReducer):
+class HierarchicalGradReducer(exchanges.QueuedGradReducer):
     """A gradient reducer whose per-bucket all-reduce goes intra-node, inter-node, intra-node."""
 
     def __init__(
@@ -50,7 +44,7 @@ class HierarchicalGradReducer(reducer.GradReducer):
         self.intra, self.inter = intra, inter
         self.intra_size = dist.get_world_size(intra)
 
-    def _launch(self, bucket: reducer.Bucket) -> None:
+    def _exchange(self, bucket: reducer.Bucket) -> None:
         buffer, k = bucket.buffer, self.intra_size
         shard_numel = -(-buffer.numel() // k)
         full = torch.zeros(shard_numel * k, dtype=buffer.dtype, device=buffer.device)
@@ -74,7 +68,10 @@ class HierarchicalGradReducer(reducer.GradReducer):
             lambda: dist.all_gather_single(full, shard, group=self.intra),
         )
         buffer.copy_(full.narrow(0, 0, buffer.numel()))
-        bucket.work = _Done()  # type: ignore[assignment]
+
+    def _settled(self) -> None:
+        for bucket in self.buckets:  # sums into means
+            bucket.buffer.div_(self.group_size)
 
     def _timed(
         self,

@@ -1,0 +1,117 @@
+"""Hierarchical and compressed bucket exchanges overlap backward, as the flat all-reduce does.
+
+Two gloo ranks train one step of a tiny GPT with small buckets (the head's
+bucket is ready long before the embedding's gradient).  A test hook on the
+token embedding, the last gradient backward produces, holds backward until
+the trainer's recorder has seen a collective of bucket 1: the exchange
+thread runs buckets in order, so bucket 0's whole exchange is then done.
+The recorded timeline must then show every collective of bucket 0 ending
+before the last backward ends.  An exchange run after backward (in the
+reducer's ``finish``) never lets the hold go: the hold gives up after
+``HOLD_S`` and the test fails.  No timing under load is compared: the hold
+orders the events.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import mt_harness
+import pytest
+import torch
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.trainer import engine
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import recording
+
+HOLD_S = 60.0
+CASES = {
+    "hierarchical": dict(all_reduce="hierarchical", gpus_per_node=1),
+    "bf16": dict(gradient_compression={"mode": "bf16"}),
+    "int8": dict(gradient_compression={"mode": "int8"}),
+    "topk": dict(gradient_compression={"mode": "topk", "topkRatio": 0.1}),
+    "powersgd": dict(gradient_compression={"mode": "powersgd", "rank": 2}),
+}
+
+
+class _Watch(recording.MemoryRecorder):
+    """Records, and says when a dp collective of bucket 1 has been reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second_bucket = threading.Event()
+
+    def collective(
+        self,
+        group: recording.Group,
+        op: str,
+        nbytes: int,
+        start: float,
+        end: float,
+        bucket: int | None = None,
+        level: recording.Level = "flat",
+    ) -> None:
+        super().collective(group, op, nbytes, start, end, bucket=bucket, level=level)
+        if group == "dp" and bucket == 1:
+            self.second_bucket.set()
+
+
+def _hold(until: threading.Event, released: list[bool]) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that blocks backward until ``until`` is set (or HOLD_S passes)."""
+
+    def hook(_param: torch.Tensor) -> None:
+        released.append(until.wait(HOLD_S))
+
+    return hook
+
+
+def timelines() -> dict:
+    """On every rank, per case: whether the hold was released, and bucket 0's and backward's ends."""
+    out, mesh = {}, None
+    for case, layout in CASES.items():
+        raw = mt_harness.make_spec(data=2, bucket_mb=0.01, steps=1, **layout)
+        job = loading.parse_spec(raw)
+        mesh = mesh or mesh_mod.build_mesh(
+            layout_mod.from_spec(job.parallelism), torch.device("cpu")
+        )
+        watch = _Watch()
+        eng = engine.Engine(job, mesh, recorder=watch)
+        released = []
+        embedding = next(
+            eng.model.chunks[0].parameters()
+        )  # tok_emb.weight: its gradient comes last
+        embedding.register_post_accumulate_grad_hook(_hold(watch.second_bucket, released))
+        eng.train_step()
+        events = watch.events
+        out[case] = {
+            "released": released,
+            "buckets": len(eng.model.reducer.buckets),
+            "backward_end": max(e.end for e in events if e.kind == "backward"),
+            "bucket0": [(e.kind, e.level, e.end) for e in events if e.bucket == 0],
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_bucket_exchanges_finish_while_backward_still_runs() -> None:
+    for rank, result in enumerate(mt_harness.run_distributed(timelines, 2)):
+        for case, seen in result.items():
+            where = f"rank {rank} {case}"
+            assert seen["buckets"] > 2, f"{where}: the tiny buckets must be several"
+            assert seen["released"] == [True], (
+                f"{where}: bucket 1's exchange had not started {HOLD_S} s into the hold, "
+                "so the exchanges do not run during backward"
+            )
+            assert seen["bucket0"], f"{where}: bucket 0 recorded no collective"
+            late = [e for e in seen["bucket0"] if e[2] > seen["backward_end"]]
+            assert not late, f"{where}: bucket 0's {late} ended after the last backward"
+    # the hierarchical chain shows its three legs, each level named
+    levels = {(kind, level) for kind, level, _ in result["hierarchical"]["bucket0"]}
+    assert levels == {
+        ("reduce_scatter", "intra"),
+        ("all_reduce", "inter"),
+        ("all_gather", "intra"),
+    }
