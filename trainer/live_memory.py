@@ -27,6 +27,7 @@ count needed here is its core (storage weak references) without the rest.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -46,6 +47,9 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         """Highest ``current`` since the last :meth:`reset_peak`."""
         self._alive: dict[int, int] = {}  # id of a tracked storage -> its bytes
+        # the bucket exchange thread counts too (exchanges.ExchangeQueue); reentrant: a storage's
+        # finalizer (_free) can run inside _account on the same thread
+        self._lock = threading.RLock()
 
     def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count storages that already exist (each once; a DTensor by its local shard)."""
@@ -88,16 +92,18 @@ class LiveBytes(TorchDispatchMode):
     def _account(self, storage: torch.UntypedStorage) -> None:
         """Count a storage's bytes now: a new one whole, a known one by how much it changed."""
         key, nbytes = id(storage), storage.nbytes()
-        known = self._alive.get(key)
-        if known is None:
-            weakref.finalize(storage, self._free, key)
-            known = 0
-        self._alive[key] = nbytes
-        self.current += nbytes - known
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            known = self._alive.get(key)
+            if known is None:
+                weakref.finalize(storage, self._free, key)
+                known = 0
+            self._alive[key] = nbytes
+            self.current += nbytes - known
+            self.peak = max(self.peak, self.current)
 
     def _free(self, key: int) -> None:
-        self.current -= self._alive.pop(key, 0)
+        with self._lock:
+            self.current -= self._alive.pop(key, 0)
 
     def __torch_dispatch__(
         self,
@@ -110,5 +116,6 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            self.peak = max(self.peak, self.current)
         return out

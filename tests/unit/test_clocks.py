@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from meshtrain.trainer import live_memory
 from meshtrain.trainer.parallel import clocks, exchanges, recording
 from tests.unit import fake_device
 
@@ -243,3 +244,15 @@ def test_a_failed_exchange_is_raised_at_drain():
     with pytest.raises(ZeroDivisionError):
         queue.drain()
     queue.close()
+
+
+def test_the_callers_dispatch_modes_see_a_queued_exchange():
+    """A memory tracker or op counter active where a bucket becomes final sees its exchange's ops
+    (run on the exchange thread), as autograd's worker threads inherit the caller's modes."""
+    queue = exchanges.ExchangeQueue(clocks.HostClock())
+    tracker = live_memory.LiveBytes()
+    with tracker:
+        queue.submit(lambda: torch.ones(1000, dtype=torch.float64).sum())
+        queue.drain()
+    queue.close()
+    assert tracker.peak >= 8000  # the exchange's 1000 doubles

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch as python_dispatch
 
 from meshtrain.trainer.parallel import clocks, reducer
 
@@ -47,12 +48,23 @@ class ExchangeQueue:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshtrain-exchange")
         ready: Any = self.clock.mark_ready()
         threads = torch.get_num_threads()
-        self._pending.append(self._pool.submit(self._run, exchange, ready, threads))
+        modes = python_dispatch._get_current_dispatch_mode_stack()
+        self._pending.append(self._pool.submit(self._run, exchange, ready, threads, modes))
 
-    def _run(self, exchange: Callable[[], None], ready: Any, threads: int) -> None:
+    def _run(
+        self, exchange: Callable[[], None], ready: Any, threads: int, modes: list[Any]
+    ) -> None:
         torch.set_num_threads(threads)  # the caller's intra-op budget, not the default
-        with self.clock.exchange_stream(ready):
-            exchange()
+        # the caller's dispatch modes (a memory tracker, a FLOP counter) see the exchange's ops, as
+        # autograd's worker threads inherit them
+        for mode in modes:
+            python_dispatch._push_mode(mode)
+        try:
+            with self.clock.exchange_stream(ready):
+                exchange()
+        finally:
+            for _ in modes:
+                python_dispatch._pop_mode()
 
     def drain(self) -> None:
         """Wait for every queued exchange (re-raising the first failure); the compute stream joins them."""
