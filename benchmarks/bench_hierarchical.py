@@ -11,6 +11,15 @@ across nodes (``level=inter``).  Time is the median reduction time (wall,
 ``finish`` included).  On one machine there is no slow inter-node link, so
 the time column shows the extra collectives' cost, not the fabric saving.
 
+In a training step (forward, backward, ``finish``) of the same GPT on a
+batch of ``BATCH`` sequences per rank, the exposed time is what remains
+from the end of the last rank's backward to the end of the last rank's
+``finish`` (``perf_counter`` is the host's monotonic clock, shared by the
+processes): flat, hierarchical as the
+trainer runs it (each bucket's chain issued on the exchange thread when the
+bucket is final) and hierarchical after backward (every chain issued by
+``finish``, the schedule before the exchanges were overlapped).
+
     python benchmarks/bench_hierarchical.py [--steps 20]
 """
 
@@ -33,6 +42,58 @@ from meshtrain.trainer.parallel import hierarchical, recording, reducer
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=32, layers=12, hidden=128, heads=4, ffn_hidden=512)
 WORLD, PER_NODE = 8, 4
+BATCH = 4
+STEP_VARIANTS = ("flat", "hierarchical", "hierarchical after backward")
+
+
+def _exposed(
+    model: gpt.GPT, red: reducer.GradReducer, tokens: torch.Tensor, overlap: bool
+) -> tuple[float, float]:
+    """One step: (this rank's backward seconds, seconds from the last backward's end to the last ``finish``'s)."""
+    red.zero_grad()
+    red.set_sync(overlap)  # not final: the hooks issue nothing, finish issues every bucket
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    dist.barrier()
+    start = time.perf_counter()
+    loss.backward()
+    backward_end = time.perf_counter()
+    red.finish()
+    ends = torch.tensor([backward_end, time.perf_counter()], dtype=torch.float64)
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+    return backward_end - start, float(ends[1] - ends[0])
+
+
+def _step_times(
+    rank: int, world: int, intra: dist.ProcessGroup, inter: dist.ProcessGroup, steps: int
+) -> dict[str, dict[str, list[float]]]:
+    out: dict[str, dict[str, list[float]]] = {}
+    tokens = torch.randint(
+        0, CONFIG.vocab, (BATCH, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(rank)
+    )
+    for name in STEP_VARIANTS:
+        model = gpt.GPT(CONFIG, seed=0)
+        common = dict(
+            group=dist.group.WORLD,
+            group_size=world,
+            bucket_mb=0.25,  # several buckets: the overlap has something to hide
+            recorder=recording.NullRecorder(),
+        )
+        red = (
+            reducer.GradReducer(list(model.parameters()), **common)
+            if name == "flat"
+            else hierarchical.HierarchicalGradReducer(
+                list(model.parameters()), intra=intra, inter=inter, **common
+            )
+        )
+        times = [_exposed(model, red, tokens, name != STEP_VARIANTS[2]) for _ in range(steps + 2)]
+        out[name] = {
+            "backward_seconds": [b for b, _ in times[2:]],
+            "exposed_seconds": [e for _, e in times[2:]],
+            "buckets": [float(len(red.buckets))],
+        }
+        red.remove()
+    return out
 
 
 def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
@@ -84,9 +145,11 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
         same = same and torch.allclose(
             results["flat"], results["hierarchical"], rtol=1e-5, atol=1e-6
         )
+    in_step = _step_times(rank, world, intra, inter, steps)
     if rank == 0:
         torch.save(
-            {"times": times, "bytes": bytes_by_level, "same": same}, Path(out) / ranks.RESULT
+            {"times": times, "bytes": bytes_by_level, "same": same, "in_step": in_step},
+            Path(out) / ranks.RESULT,
         )
     dist.barrier()
     dist.destroy_process_group()
@@ -126,6 +189,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<13} {intra:>18} {inter:>18} {median * 1e3:>10.1f} {median / base:>7.2f}x")
     cut = flat_inter / rows[1]["inter_node_bytes_per_rank"]
     print(f"inter-node bytes per rank cut by {cut:.2f}x (ranks per node: {PER_NODE})")
+    step_rows = []
+    print(f"in a step (rank 0, batch {BATCH}, median): {'backward ms':>12} {'exposed ms':>11}")
+    for name, seen in raw["in_step"].items():
+        backward = statistics.median(seen["backward_seconds"])
+        exposed = statistics.median(seen["exposed_seconds"])
+        step_rows.append(
+            {
+                "variant": name,
+                "buckets": int(seen["buckets"][0]),
+                "median_backward_seconds": backward,
+                "median_exposed_seconds": exposed,
+                "exposed_seconds": seen["exposed_seconds"],
+            }
+        )
+        print(f"{name:<28} {backward * 1e3:>12.1f} {exposed * 1e3:>11.1f}")
     path = machine.write_results(
         "hierarchical",
         {
@@ -135,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "results_equal": raw["same"],
             "inter_node_bytes_cut": cut,
             "rows": rows,
+            "in_step": step_rows,
             "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         },
     )
