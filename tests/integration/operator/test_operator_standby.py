@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import kopf
 import kubernetes
 import pytest
 
-from meshtrain.operator import handlers, informer, kube, naming, reconciler
+from meshtrain.operator import handlers, informer, kube, leadership, naming, reconciler
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import GROUP, PLURAL, VERSION, Cluster, wait_for
 
@@ -185,3 +186,62 @@ def test_a_standby_that_takes_the_lease_during_a_deletion_deletes_the_children(p
     asyncio.run(run())
     wait_for(f"pod {pod} deleted", lambda: not _pod_exists(private, pod), timeout=10)
     _finalize(private, "taken")
+
+
+def test_a_replica_whose_lease_ran_out_mid_deletion_leaves_it_to_the_new_leader(private):
+    """``leading`` still set, but the tenure is over (the watchdog has not cleared the flag yet).
+
+    Every write of the deletion is refused as NotLeading: the handler must delete no child,
+    not return while the job exists (kopf would drop the finalizer the leader relies on),
+    not spin on the refusals, and return once the new leader has finished the deletion.
+    """
+    uid, pod = _doomed_job_with_a_pod(private, "deposed")
+
+    async def run() -> None:
+        memo, follow, client = await _standby(private)
+        memo.leading.set()
+        client.lease_left = lambda: 0.0
+        attempts = 0
+        delete_children = memo.reconciler.delete_children
+
+        async def counted(**kwargs: Any) -> int:
+            nonlocal attempts
+            attempts += 1
+            return await delete_children(**kwargs)
+
+        memo.reconciler.delete_children = counted
+        try:
+            started = time.monotonic()
+            handler = asyncio.create_task(
+                handlers.delete_children(namespace=NAMESPACE, name="deposed", uid=uid, memo=memo)
+            )
+            await asyncio.sleep(1.0)
+            elapsed = time.monotonic() - started
+            assert not handler.done(), (
+                "a replica without the Lease ended the deletion handler "
+                f"({handler.exception() if handler.done() else ''!r}): kopf would drop the finalizer"
+            )
+            assert _pod_exists(private, pod), "a replica without the Lease deleted a child"
+            assert attempts >= 1, "the deletion was never tried (the test did not reach NotLeading)"
+            most = elapsed / leadership.WATCHDOG_SECONDS + 2
+            assert attempts <= most, (
+                f"{attempts} tries in {elapsed:.1f} s: the handler spins on NotLeading "
+                f"(at most one per watchdog tick, {most:.0f})"
+            )
+            memo.leading.clear()  # the watchdog noticed; the new leader deletes and finalizes
+            tried = attempts
+            private.core.delete_namespaced_pod(pod, NAMESPACE, grace_period_seconds=0)
+            _finalize(private, "deposed")
+            try:
+                await asyncio.wait_for(handler, handlers.STANDBY_POLL_SECONDS * 3 + 5)
+            except TimeoutError:
+                raise AssertionError(
+                    "the deposed replica's deletion handler still waits after the job was deleted"
+                ) from None
+            assert attempts == tried, "a standby tried the deletion the leader handles"
+        finally:
+            follow.cancel()
+            await client.close()
+
+    asyncio.run(run())
+    assert private.job(NAMESPACE, "deposed") is None
