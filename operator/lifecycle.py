@@ -234,7 +234,9 @@ def _shape(job: JobState) -> dict[str, Any]:
 def holding(pods: Sequence[failure.PodState]) -> bool:
     """Whether a pod still holds its node's resources (not terminal, terminating or not).
 
-    The scheduler counts a terminating pod until it is gone; so does the quota Kueue charged.
+    The scheduler counts a terminating pod until it is gone, so the quota Kueue charged
+    stays until then.  A Succeeded or Failed pod holds nothing, even while a finalizer
+    keeps the object: Kueue's own pod integration counts only such pods as inactive too.
     """
     return any(not p.terminal for p in pods)
 
@@ -519,7 +521,7 @@ def decide(
     spec = job.spec
     if spec.run_policy.suspend:
         suspended = _suspend(job, pods, now)
-        if pods or kueue is None or kueue.state is None:
+        if holding(pods) or kueue is None or kueue.state is None:
             return suspended
         # A suspended job keeps no quota: its Workload goes, and is created again on resume.
         return Decision((*suspended.actions, queueing.DeleteWorkload()), suspended.requeue_after)
@@ -697,7 +699,8 @@ def _held_by_kueue(
     """The decision while Kueue withholds admission, or the actions that record an admission.
 
     An eviction stops the gang like a suspend: every pod gets its grace period to checkpoint,
-    nothing counts as a failure, and the quota goes back only once the pods are gone.
+    nothing counts as a failure, and the quota goes back only once no pod holds resources
+    (:func:`holding`).
     """
     state = kueue.state
     queued = conditions.find(_conds(job), conditions.QUEUED) or {}
@@ -723,9 +726,9 @@ def _held_by_kueue(
         actions.append(queueing.MoveWorkload(kueue.move_to))
     if any(not p.deleting for p in pods):
         actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
-    elif not pods and isinstance(state, queueing.Evicted) and state.holds_quota:
+    if not holding(pods) and isinstance(state, queueing.Evicted) and state.holds_quota:
         actions.append(queueing.ReleaseQuota())
-    elif not pods and isinstance(state, queueing.Outdated):
+    elif not holding(pods) and isinstance(state, queueing.Outdated):
         actions.append(queueing.DeleteWorkload())
     if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
         conditions.TRUE,
@@ -751,7 +754,7 @@ def _held_by_kueue(
                 message,
             ),
         ]
-    return Decision(tuple(actions), requeue_after=1.0 if pods else None)
+    return Decision(tuple(actions), requeue_after=1.0 if holding(pods) else None)
 
 
 def _left_kueue(job: JobState, now: datetime.datetime) -> Decision:

@@ -491,3 +491,56 @@ def test_a_refused_workload_is_said_once_and_tried_again_without_rewriting_the_c
     said = job(phase="Pending", conditions=[_queued(backing_off)])
     retry = lifecycle.decide(said, [], at(2), queueing.Gate(None, rejected=why))
     assert _types(retry) == [queueing.CreateWorkload]
+
+
+# Kueue's quota goes back once no pod of the gang holds resources on its node.  A pod
+# that ended (Succeeded/Failed) holds none, even while a finalizer of another controller
+# keeps the object (kube-scheduler and the kubelet count only non-terminal pods; Kueue's
+# own pod integration counts only Running pods as active); a deleted pod whose containers
+# still run keeps its GPUs until it is gone.
+_ENDED = [pod(0, "Succeeded", deleting=True), pod(1, "Failed", exit_code=143, deleting=True)]
+_HOLDING = [
+    ([pod(0, "Running", deleting=True)], "a deleted pod still running"),
+    ([pod(0, "Pending", deleting=True)], "a deleted pod still starting"),
+    ([pod(0, "Running")], "a running pod"),
+    ([pod(0, "Succeeded", deleting=True), pod(1, "Running", deleting=True)], "one of two ended"),
+]
+_RELEASING = [
+    ([], "no pod left"),
+    (_ENDED, "pods ended, kept by a finalizer"),
+    ([pod(0, "Failed", exit_code=1), pod(1, "Succeeded")], "pods ended, not deleted yet"),
+]
+
+
+def _release_cases() -> list[tuple[str, lifecycle.JobState, queueing.Gate | None, type]]:
+    running = job(**placed_status(phase="Running"))
+    suspended = job(
+        JobBuilder().layout(data=2, gpus_per_node=1).run_policy(suspend=True).raw(),
+        **placed_status(phase="Running"),
+    )
+    done = job(phase="Succeeded", completionTime=conditions.timestamp(T0))
+    evicted = queueing.Evicted("Preempted", "preempted by urgent", holds_quota=True)
+    outdated = queueing.Outdated("WorkloadOutdated", "the job's spec changed")
+    admitted = queueing.Admitted("research")
+    return [
+        ("evicted", running, queueing.Gate(evicted), queueing.ReleaseQuota),
+        ("outdated", running, queueing.Gate(outdated), queueing.DeleteWorkload),
+        ("suspended", suspended, queueing.Gate(admitted), queueing.DeleteWorkload),
+        ("finished", done, queueing.Gate(admitted), queueing.FinishWorkload),
+    ]
+
+
+@pytest.mark.parametrize(("pods", "why"), _RELEASING, ids=[w for _, w in _RELEASING])
+@pytest.mark.parametrize("case", _release_cases(), ids=lambda c: c[0])
+def test_quota_goes_back_once_no_pod_holds_resources(case, pods, why):
+    _, state, gate, release = case
+    decision = lifecycle.decide(state, pods, at(5), gate)
+    assert release in _types(decision), f"quota kept with {why}"
+
+
+@pytest.mark.parametrize(("pods", "why"), _HOLDING, ids=[w for _, w in _HOLDING])
+@pytest.mark.parametrize("case", _release_cases(), ids=lambda c: c[0])
+def test_quota_stays_while_a_pod_holds_resources(case, pods, why):
+    _, state, gate, release = case
+    decision = lifecycle.decide(state, pods, at(5), gate)
+    assert release not in _types(decision), f"quota given back with {why}"

@@ -292,6 +292,53 @@ def test_a_suspended_job_frees_its_quota_and_a_changed_spec_is_queued_again(queu
     assert cluster.status(NS, waiting).get("restarts", 0) == 0
 
 
+HOLD = "meshtrain.test/hold"
+"""A finalizer of another controller, keeping a pod object after it was deleted."""
+
+
+def _pod_object(cluster: Cluster, name: str) -> Any | None:
+    try:
+        return cluster.core.read_namespaced_pod(name, NS)
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def test_an_ended_pod_kept_by_a_finalizer_does_not_hold_the_quota(queued) -> None:
+    """Suspending the admitted job: its deleted pod keeps the quota while its ranks run, not once they ended."""
+    cluster, _operator = queued
+    # After the test above one of first/second is admitted (its spec changed) and the other suspended.
+    holder = next(
+        j
+        for j in ("first", "second")
+        if not ((cluster.job(NS, j) or {})["spec"].get("runPolicy") or {}).get("suspend")
+    )
+    [pod] = cluster.wait_gang(NS, holder, 1, timeout=90)
+    name = pod.metadata.name
+    cluster.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": [HOLD]}})
+    try:
+        cluster.set_pod_phase(NS, name, "Running")
+        cluster.patch_job(NS, holder, {"runPolicy": {"suspend": True}})
+        wait_for(
+            f"{name} deleted by the suspend",
+            lambda: (p := _pod_object(cluster, name)) is not None and p.metadata.deletion_timestamp,
+            timeout=60,
+        )
+        time.sleep(2)  # passes woken by the deletion and the 1 s requeue
+        assert _workload(cluster, holder) is not None, "quota given back while the ranks still run"
+        cluster.set_pod_phase(NS, name, "Failed", exit_code=143)  # the ranks stopped on SIGTERM
+        wait_for(
+            f"{holder}'s Workload deleted while the ended {name} is kept by a finalizer",
+            lambda: _workload(cluster, holder) is None,
+            timeout=60,
+        )
+        assert _pod_object(cluster, name) is not None, "the finalizer no longer held the pod"
+    finally:
+        cluster.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": None}})
+    assert cluster.status(NS, holder).get("restarts", 0) == 0
+
+
 def test_a_job_naming_a_queue_that_does_not_exist_waits_and_says_so(queued) -> None:
     cluster, _operator = queued
     body = _queued_job("lost", "low")
