@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import io
 import json
 import os
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import hostload, machine
 from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
 from meshtrain.trainer import calibrate, launch, steplog
 
@@ -123,6 +125,7 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
         core_flops=mean(before.core_flops, after.core_flops),
         core_op_overhead=mean(before.core_op_overhead, after.core_op_overhead),
         available_cores=mean(before.available_cores, after.available_cores),
+        rank_step_cpu_seconds=(before.rank_step_cpu_seconds + after.rank_step_cpu_seconds) / 2,
         flops_by_ranks={
             r: mean(f, after.flops_by_ranks.get(r, f)) for r, f in before.flops_by_ranks.items()
         },
@@ -149,7 +152,7 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
 
     The step is predicted at the cores other tenants left to the job during
     its steady steps (measured beside the run); the prediction at the
-    calibrations' cores is kept too.
+    calibrations' cores is kept too (:func:`predictions`).
     """
     raw = job_raw(parallelism, steps, str(tmp / name / "checkpoints"))
     job = loading.parse_spec(raw, name)
@@ -158,41 +161,19 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
     records, host = measure(raw, tmp, name)
     after = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
     calibrated = bracketed(before, after)
-    profile = dataclasses.replace(calibrated, available_cores=host["available_cores"])
-    plan = estimate.make_plan(job, profile)
-    at_calibration = estimate.make_plan(job, calibrated).time
     steady = records[WARMUP_STEPS:] or records
-    measured = statistics.median(r["step_seconds"] for r in steady)
-    worst = plan.time.worst
-    return {
+    row = {
         "layout": name,
         "spec_layout": job.parallelism.layout_string,
         "schedule": job.parallelism.schedule,
         "zero_stage": job.parallelism.zero_stage,
         "micro_batches": job.parallelism.micro_batches,
         "world_size": job.world_size,
-        "predicted_step_seconds": plan.time.step_seconds,
-        "measured_step_seconds": measured,
-        "ratio_measured_over_predicted": measured / plan.time.step_seconds,
-        "predicted_bubble": plan.time.bubble_stage0,
+        "measured_step_seconds": statistics.median(r["step_seconds"] for r in steady),
         "measured_bubble": _median(steady, "bubble_ratio"),
-        "theoretical_bubble": plan.time.bubble,
         "available_cores_run": host["available_cores"],
-        "available_cores_calibration": calibrated.available_cores,
-        "predicted_step_seconds_at_calibration_cores": at_calibration.step_seconds,
-        "ratio_at_calibration_cores": measured / at_calibration.step_seconds,
-        "work_bound": plan.time.work_bound,
-        "predicted_dependency_seconds": plan.time.dependency_seconds,
-        "predicted_cpu_seconds": plan.time.cpu_seconds,
         "measured_cpu_seconds": host["job_cpu_seconds"] / host["steps"],
-        "predicted_compute_seconds": worst.compute,
-        "predicted_overhead_seconds": worst.overhead,
-        "predicted_tp_seconds": worst.tp,
-        "predicted_pp_seconds": worst.pp,
-        "predicted_dp_seconds": worst.dp,
-        "predicted_dp_exposed_seconds": worst.dp_exposed,
-        "predicted_optimizer_seconds": worst.optimizer,
-        "oversubscription": plan.time.oversubscription,
+        "measured_rank0_cpu_seconds": _median(steady, "cpu_seconds"),
         "measured_compute_seconds": _median(steady, "compute_seconds"),
         "measured_tp_seconds": _median(steady, "tp_allreduce_seconds"),
         "measured_dp_seconds": _median(steady, "allreduce_seconds"),
@@ -203,6 +184,64 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
         "host_during_run": host,
         "load_average_before": load_before,
         "load_average_after": calibrate.load_average(),
+    }
+    return row | predictions(job, calibrated, row)
+
+
+def predictions(
+    job: api_spec.TrainingJobSpec, calibrated: profiles.Profile, row: dict[str, Any]
+) -> dict[str, Any]:
+    """The predicted columns of a row: at the cores measured free during the run, and at the calibrations'."""
+    plan = estimate.make_plan(
+        job, dataclasses.replace(calibrated, available_cores=row["available_cores_run"])
+    )
+    at_calibration = estimate.make_plan(job, calibrated).time
+    worst = plan.time.worst
+    return {
+        "predicted_step_seconds": plan.time.step_seconds,
+        "ratio_measured_over_predicted": row["measured_step_seconds"] / plan.time.step_seconds,
+        "predicted_bubble": plan.time.bubble_stage0,
+        "theoretical_bubble": plan.time.bubble,
+        "available_cores_calibration": calibrated.available_cores,
+        "predicted_step_seconds_at_calibration_cores": at_calibration.step_seconds,
+        "ratio_at_calibration_cores": row["measured_step_seconds"] / at_calibration.step_seconds,
+        "predicted_bubble_at_calibration_cores": at_calibration.bubble_stage0,
+        "work_bound": plan.time.work_bound,
+        "predicted_dependency_seconds": plan.time.dependency_seconds,
+        "predicted_cpu_seconds": plan.time.cpu_seconds,
+        "predicted_rank_step_cpu_seconds": calibrated.rank_step_cpu_seconds,
+        "predicted_compute_seconds": worst.compute,
+        "predicted_overhead_seconds": worst.overhead,
+        "predicted_tp_seconds": worst.tp,
+        "predicted_pp_seconds": worst.pp,
+        "predicted_dp_seconds": worst.dp,
+        "predicted_dp_exposed_seconds": worst.dp_exposed,
+        "predicted_optimizer_seconds": worst.optimizer,
+        "oversubscription": plan.time.oversubscription,
+    }
+
+
+def repredict(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` (a results file) with every row's predictions made again by the current model.
+
+    From what the file recorded (the layout, the bracketed calibration, the
+    cores measured free during the run), so a model change is checked against
+    existing measurements without running anything.  The ``--search`` rows are
+    left as recorded (their calibration is not in the file).
+    """
+    results = document["results"]
+    layouts = dict(LAYOUTS)
+    rows = []
+    for row in results["layouts"]:
+        raw = job_raw(layouts[row["layout"]], results["steps"], "/nonexistent/checkpoints")
+        job = loading.parse_spec(raw, row["layout"])
+        calibrated = profiles.from_mapping(row["calibration"], f"{row['layout']} calibration")
+        rows.append(row | predictions(job, calibrated, row))
+    summary = summarise(rows)
+    repredicted = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return document | {
+        "results": results | {"layouts": rows, "summary": summary},
+        "repredicted_at": repredicted,
     }
 
 
@@ -284,7 +323,13 @@ def markdown(document: dict[str, Any]) -> str:
     lines = [
         f"Committed run (`benchmarks/results/planner_time-{host['host']}.json`, {document['time']}, "
         f"host {host['host']}, {host.get('cpu_model')}, {host['cpu_count']} cores, shared with other "
-        f"engineers' test suites; 1-minute load average {low:.1f}–{high:.1f} during the measured steps):",
+        f"engineers' test suites; 1-minute load average {low:.1f}–{high:.1f} during the measured steps"
+        + (
+            f"; predictions re-made by `--repredict` at {document['repredicted_at']}"
+            if "repredicted_at" in document
+            else ""
+        )
+        + "):",
         "",
         "| layout | world | predicted s | measured s | measured/predicted | cores left to the job | "
         "predicted/measured CPU s per step | predicted bubble | measured bubble | load |",
@@ -338,9 +383,30 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RESULTS",
         help="print docs/planner.md's table of a results file; run nothing",
     )
+    parser.add_argument(
+        "--repredict",
+        metavar="RESULTS",
+        help="predict the recorded runs of a results file again with the current model; run nothing",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="with --repredict: write the re-predicted document here and the error band from it",
+    )
     args = parser.parse_args(argv)
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
+        return 0
+    if args.repredict:
+        document = repredict(json.loads(Path(args.repredict).read_text()))
+        print(markdown(document))
+        print(f"\nsummary: {json.dumps(document['results']['summary'])}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+            print(f"results: {args.out}")
+            print(
+                f"error band: {validation.write_band(Path(args.out), document['results']['summary'])}"
+            )
         return 0
     layouts = [(n, p) for n, p in LAYOUTS if not args.only or n in args.only]
     rows = []

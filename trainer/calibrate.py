@@ -22,9 +22,11 @@ through the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
+import io
 import json
 import multiprocessing
 import os
@@ -38,11 +40,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from meshtrain import layout as layout_mod
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.planner import cost, cpu_host, memory, profiles
+from meshtrain.planner import cost, cpu_host, estimate, memory, profiles
+from meshtrain.trainer import launch, steplog
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh
 
@@ -51,6 +56,12 @@ MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 
 COLLECTIVE_TIMEOUT_S = 300
 """A calibration whose peer died fails after this instead of hanging."""
+
+LOOP_STEPS = 6
+"""Steps of the small run that measures the step loop's CPU cost; the first half are warm-up."""
+
+LOOP_SEQ_LEN = 16
+"""Sequence length of that run (its tensor work is small next to the loop it measures)."""
 
 
 def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
@@ -416,6 +427,62 @@ def measure(
     )
 
 
+def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
+    """The spec of a short run of ``job``'s layout with one block per stage, micro-batch 1 and short sequences.
+
+    Same ranks, groups, schedule, micro-batches and telemetry as the job, so
+    its step loop costs what the job's does; its tensor work is small.
+    """
+    raw = job.model_dump(by_alias=True, exclude_none=True)
+    par = job.parallelism
+    tensor = par.tensor
+    raw["model"]["layers"] = par.pipeline * (
+        par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    )
+    raw["model"]["seqLen"] = max(tensor, LOOP_SEQ_LEN // tensor * tensor)
+    raw["training"].update(microBatch=1, steps=LOOP_STEPS, warmupSteps=1)
+    raw["training"].pop("eval", None)
+    raw["checkpoint"] = {"path": checkpoints, "intervalSteps": 0}
+    raw["resources"] = {**raw.get("resources", {}), "gpusPerNode": job.world_size}
+    return raw
+
+
+def rank_step_cpu(
+    job: api_spec.TrainingJobSpec, profile: profiles.Profile
+) -> tuple[float, dict[str, Any]]:
+    """CPU seconds a rank's step loop costs per step beyond what ``profile`` prices, and the run's figures.
+
+    Runs :func:`loop_job` with ``meshtrain run`` (all ranks on this host, as
+    the job would) and takes rank 0's CPU seconds per step after warm-up
+    (``cpu_seconds`` of the step log: every thread of the process) less the
+    planner's CPU work per rank for that run at ``profile``: what remains is
+    the Python step loop, telemetry and gloo's threads, which grow with the
+    number of ranks sharing the cores.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = loop_job(job, str(Path(tmp) / "checkpoints"))
+        path = Path(tmp) / "loop.yaml"
+        document = {"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob"}
+        path.write_text(
+            yaml.safe_dump({**document, "metadata": {"name": "calibrate-loop"}, "spec": raw})
+        )
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = launch.run_local(path, log_dir=Path(tmp) / "log")
+        if code:
+            raise RuntimeError(f"the step-loop run of calibration failed with exit code {code}")
+        records = steplog.read(Path(tmp) / "log" / steplog.FILENAME)
+    loop = loading.parse_spec(raw, "calibration step-loop run")
+    steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
+    measured = statistics.median(steady)
+    predicted = estimate.make_plan(loop, profile).time.cpu_seconds / loop.world_size
+    return max(0.0, measured - predicted), {
+        "rank0_cpu_seconds": steady,
+        "predicted_cpu_seconds_per_rank": predicted,
+        "layers": loop.model.shape().layers,
+        "seq_len": loop.model.shape().seq_len,
+    }
+
+
 def load_average() -> list[float]:
     """1, 5 and 15 minute load averages (empty where the OS has none)."""
     try:
@@ -472,9 +539,15 @@ def calibrate(
     }
     if use_cuda:
         changes["achievable_fraction"] = min(1.0, flops / base.peak_flops)
-    else:
-        changes.update(peak_flops=flops, achievable_fraction=1.0)
-    return dataclasses.replace(base, **changes)
+        return dataclasses.replace(base, **changes)
+    changes.update(peak_flops=flops, achievable_fraction=1.0)
+    profile = dataclasses.replace(base, **changes)
+    loop_cpu, loop_run = rank_step_cpu(job, profile)
+    return dataclasses.replace(
+        profile,
+        rank_step_cpu_seconds=loop_cpu,
+        calibration={**profile.calibration, "step_loop_run": loop_run},
+    )
 
 
 def _cpu_model() -> str:

@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         previous_compute=lambda: recorder.last.compute_seconds if recorder.last else None,
         forwards_per_step=job.parallelism.micro_batches * len(trainer.model.chunks),
     )
+    cpu_mark = time.process_time()
     for step in range(trainer.step + 1, job.training.steps + 1):
         faults.maybe_fail(rank, step)
         try:
@@ -228,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             if verdict is not None:
                 record["slowdowns"] = verdict.slowdowns
                 record["stragglers"] = [f.rank for f in verdict.flagged]
+            # rank 0's CPU seconds (all its threads) since the previous record: calibration's loop cost
+            record["cpu_seconds"], cpu_mark = time.process_time() - cpu_mark, time.process_time()
             log.write(record)
         saver.after_step(step)
         for published in saver.published():  # COMPLETE and renamed: /progress may report it

@@ -27,9 +27,12 @@ achievable FLOP/s, and put them together into a predicted step time:
   exposed, and so is everything after backward (ZeRO's gathers, the norm);
 * the optimizer streams 32 bytes per updated parameter through device memory
   and pays the per-operation cost per parameter tensor;
-* on a calibrated CPU host the same terms are CPU seconds, and the step is
-  the larger of the critical path and all ranks' CPU work over the cores
-  available (:mod:`.cpu_host`).
+* on a calibrated CPU host the same terms are CPU seconds, plus each rank's
+  step loop (``rank_step_cpu_seconds``), and the step is the larger of the
+  critical path and all ranks' CPU work over the cores available
+  (:mod:`.cpu_host`); a pipeline's window there is a replay of the schedule
+  with the cores shared among the runnable ranks and the step loop between
+  a stage's actions (:mod:`.shared_pipeline`).
 
 The computation-to-communication ratio compares compute seconds with the
 sum of all collective seconds of the busiest rank; below 1 the job is
@@ -44,7 +47,14 @@ from collections.abc import Sequence
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, cpu_host, memory, pipeline_window, profiles
+from meshtrain.planner import (
+    comm,
+    cpu_host,
+    memory,
+    pipeline_window,
+    profiles,
+    shared_pipeline,
+)
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
 """Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
@@ -407,6 +417,14 @@ def ranks_per_host(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> 
     return job.world_size if profile.cores else job.resources.gpus_per_node
 
 
+def cpu_sharing(
+    job: api_spec.TrainingJobSpec, profile: profiles.Profile
+) -> shared_pipeline.Sharing:
+    """How the job's ranks share a CPU host's cores, from the cores they receive together (``available_cores``)."""
+    threads = cpu_host.threads_per_rank(profile, ranks_per_host(job, profile))
+    return shared_pipeline.Sharing(cpu_host.available_cores(profile), threads)
+
+
 def host_oversubscription(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
     """Threads of one host's ranks over its cores (each rank runs ``max(1, cores // ranks)`` threads)."""
     if not profile.cores:
@@ -462,9 +480,29 @@ def plan_time(
                 forward=busy * (1 - BACKWARD_SHARE), backward=busy * BACKWARD_SHARE
             )
         )
-    piped = pipeline_window.window(par.micro_batches, per_microbatch, send, virtual)
+    loop = profile.rank_step_cpu_seconds if cpu_model else 0.0
+    replayed = cpu_model and par.pipeline > 1 and virtual == 1
+    # The step loop runs between a stage's actions: inside the window, and not compute.
+    loop_between = loop / (2 * par.micro_batches) if replayed else 0.0
+    if replayed:
+        # Stages sharing the cores: replay the schedule at CPU seconds with processor sharing.
+        piped = shared_pipeline.replay(
+            par.schedule,
+            par.micro_batches,
+            [
+                pipeline_window.StageDurations(d.forward * speed, d.backward * speed)
+                for d in per_microbatch
+            ],
+            send,
+            cpu_sharing(job, profile),
+            replicas=par.data * par.tensor,
+            between=loop_between,
+        )
+    else:
+        piped = pipeline_window.window(par.micro_batches, per_microbatch, send, virtual)
     window = piped.seconds
-    tail = max(st.dp_exposed + st.optimizer for st in stages)
+    in_window = loop_between * 2 * par.micro_batches
+    tail = max(st.dp_exposed + st.optimizer for st in stages) + (loop - in_window) / speed
     dependencies = window + tail
     cpu_seconds = 0.0
     cores = 0.0
@@ -472,6 +510,7 @@ def plan_time(
     if cpu_model:
         ranks_per_stage = par.data * par.tensor
         cpu_seconds = sum(ranks_per_stage * (st.busy + st.dp + st.optimizer) for st in work)
+        cpu_seconds += job.world_size * loop
         cores = cpu_host.available_cores(profile)
         step = max(dependencies, cpu_seconds / cores)
     tokens = job.global_batch * shape.seq_len

@@ -121,6 +121,8 @@ class Profile:
     """CPU seconds per small tensor operation, forward and backward (CPU hosts; 0: unmeasured)."""
     available_cores: float = 0.0
     """Cores the job's ranks together received while all computed at calibration (0: unmeasured, use ``cores``)."""
+    rank_step_cpu_seconds: float = 0.0
+    """CPU seconds each rank spends per step beyond its tensor work and collectives (Python step loop, telemetry, gloo threads), measured with ``calibration.processes`` ranks on the host (CPU hosts; 0: unmeasured)."""
 
     @property
     def cpu_time_model(self) -> bool:
@@ -224,7 +226,7 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
         out["op_overhead"] = _number(data, "op_overhead", origin)
     if "cores" in data:
         out["cores"] = int(_number(data, "cores", origin))
-    for key in ("core_flops", "core_op_overhead", "available_cores"):
+    for key in ("core_flops", "core_op_overhead", "available_cores", "rank_step_cpu_seconds"):
         if key in data:
             out[key] = _number(data, key, origin)
     table = data.get("flops_by_ranks") or {}

@@ -1,0 +1,82 @@
+"""The pipeline replay with shared cores against timelines worked out by hand.
+
+Two stages, four micro-batches, forward 1 CPU second and backward 2 per
+micro-batch on each stage, free sends.  The expectations are the
+hand-drawn timelines below, not the replay's arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.planner import pipeline_window, shared_pipeline
+
+STAGES = [pipeline_window.StageDurations(forward=1.0, backward=2.0)] * 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dedicated_cores_give_the_closed_form(schedule: str) -> None:
+    # Two single-thread ranks on two cores: each owns a core.  Huang et al. 2019:
+    # window (m + p - 1) (f + b) = 5 x 3, stage 0 idle (p - 1) / (m + p - 1) = 0.2.
+    window = shared_pipeline.replay(
+        schedule, 4, STAGES, 0.0, shared_pipeline.Sharing(cores=2, threads=1)
+    )
+    assert window.seconds == pytest.approx(15.0)
+    assert window.idle_share(0) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_core_shared_by_two_stages(schedule: str) -> None:
+    # One core for both ranks.  Work conservation: 24 CPU seconds on a core that
+    # is never idle while either stage can run -> a 24 s window.  Stage 0 idles
+    # only while stage 1 runs alone, at the whole core:
+    #   1F1B:  F1 of stage 0 alone [0,1]; F2 (s0) with F1 (s1) at half speed [1,3];
+    #          B1 (s1) alone [3,5] (s0 waits); ... B4 (s1) finishes alone [21,22];
+    #          B4 (s0) alone [22,24]  -> idle 2 + 1 = 3 s.
+    #   GPipe: forwards pair up until F4 (s1) alone [7,8]; B1 (s1) alone [8,10];
+    #          backwards pair up [10,22]; B4 (s0) alone [22,24] -> idle 1 + 2 = 3 s.
+    # Bubble 3 / 24 = 0.125, below the dedicated 0.2: the waiting stage's core
+    # served the other one.
+    window = shared_pipeline.replay(
+        schedule, 4, STAGES, 0.0, shared_pipeline.Sharing(cores=1, threads=1)
+    )
+    assert window.seconds == pytest.approx(24.0)
+    assert window.idle_share(0) == pytest.approx(0.125)
+
+
+def test_replicas_share_the_cores_with_their_stage() -> None:
+    # dp2 x pp2 on two cores: four ranks, two per stage.  While both stages run
+    # each rank has half a core, while one runs its two ranks have a core each:
+    # the same timeline as two ranks on one core, so the same 24 s and 0.125.
+    window = shared_pipeline.replay(
+        "1f1b", 4, STAGES, 0.0, shared_pipeline.Sharing(cores=2, threads=1), replicas=2
+    )
+    assert window.seconds == pytest.approx(24.0)
+    assert window.idle_share(0) == pytest.approx(0.125)
+
+
+def test_sends_delay_each_hop() -> None:
+    # GPipe on dedicated cores with a 0.5 s message: stage 1's F1 starts at 1.5,
+    # its forwards end at 5.5 (it never waits again: stage 0's F4 arrives at 4.5),
+    # its backwards run [5.5, 13.5]; stage 0's B_i may start at the end of stage
+    # 1's B_i + 0.5: 8, then back to back until 16.
+    window = shared_pipeline.replay(
+        "gpipe", 4, STAGES, 0.5, shared_pipeline.Sharing(cores=2, threads=1)
+    )
+    assert window.seconds == pytest.approx(16.0)
+    assert window.busy == (pytest.approx(12.0), pytest.approx(12.0))
+
+
+def test_loop_work_between_actions_is_not_compute() -> None:
+    # GPipe on dedicated cores, 0.5 CPU s of loop before every action, which may only
+    # start once its input is there.  Stage 0's forwards end at 6 (four 0.5 + 1 slots);
+    # stage 1 starts each forward 0.5 after it arrives, so its F4 ends at 7.5 and its
+    # backwards (2.5 each) at 10, 12.5, 15, 17.5; stage 0 starts each backward 0.5
+    # after stage 1's: B4 ends at 17.5 + 0.5 + 2 = 20.  Stage 0 computes 12 of those
+    # 20 seconds: a bubble of 0.4 (0.2 without the loop).
+    window = shared_pipeline.replay(
+        "gpipe", 4, STAGES, 0.0, shared_pipeline.Sharing(cores=2, threads=1), between=0.5
+    )
+    assert window.seconds == pytest.approx(20.0)
+    assert window.busy[0] == pytest.approx(12.0)
+    assert window.idle_share(0) == pytest.approx(0.4)
