@@ -431,7 +431,9 @@ def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
     """The spec of a short run of ``job``'s layout with one block per stage, micro-batch 1 and short sequences.
 
     Same ranks, groups, schedule, micro-batches and telemetry as the job, so
-    its step loop costs what the job's does; its tensor work is small.
+    its step loop costs what the job's does; its tensor work is small.  It
+    reads the bundled corpus and starts from random weights, so it runs
+    wherever the plan is made.
     """
     raw = job.model_dump(by_alias=True, exclude_none=True)
     par = job.parallelism
@@ -440,8 +442,11 @@ def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
         par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
     )
     raw["model"]["seqLen"] = max(tensor, LOOP_SEQ_LEN // tensor * tensor)
-    raw["training"].update(microBatch=1, steps=LOOP_STEPS, warmupSteps=1)
-    raw["training"].pop("eval", None)
+    raw["model"].pop("init", None)  # random weights: an imported checkpoint has other shapes
+    # The bundled corpus: the job's token files need not exist where the plan is made.
+    raw["training"].update(microBatch=1, steps=LOOP_STEPS, warmupSteps=1, dataset="stdlib")
+    for key in ("eval", "datasets"):
+        raw["training"].pop(key, None)
     raw["checkpoint"] = {"path": checkpoints, "intervalSteps": 0}
     raw["resources"] = {**raw.get("resources", {}), "gpusPerNode": job.world_size}
     return raw
