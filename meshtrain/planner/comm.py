@@ -202,40 +202,47 @@ def zero3_collectives(
     layers_per_chunk: int,
     last_virtual: int,
     scheme: memory.StateScheme,
+    *,
+    keep_last_block: bool,
 ) -> list[tuple[str, str, int, float]]:
     """ZeRO-3 (FSDP2) per step: (group, op, calls, payload bytes) of one rank.
 
-    Units are each block and each chunk's rest (embeddings, final norm,
-    head).  Per micro-batch every unit with parameters is gathered for its
-    forward and again for its backward (measured: FSDP2 reshards the root
-    after forward too when backward is driven per micro-batch), and
-    reduce-scatters its gradients once (fp32: FSDP2's reduce_dtype; the gathers
-    are in its param_dtype, bf16 under bf16).  Each parameter is padded to
-    ``ceil(rows / N) N`` rows.
+    Units as ``trainer/parallel/zero3.units`` makes them: the embedding
+    tables (first chunk, untied, without pipelining), each block, and each chunk's root (final
+    norm and head, plus tied tables).  Per micro-batch every unit with
+    parameters is gathered for its forward and again for its backward
+    (measured: FSDP2 reshards the root after forward too when backward is
+    driven per micro-batch), except the last block of a chunk without
+    pipelining (``keep_last_block``), which stays gathered from its forward
+    into its backward; each unit reduce-scatters its gradients once (fp32:
+    FSDP2's reduce_dtype; the gathers are in its param_dtype, bf16 under
+    bf16).  Each parameter is padded to ``ceil(rows / N) N`` rows.
     """
 
     def unit_bytes(shapes: list[tuple[int, ...]], size: int) -> int:
         return sum(padded(s[0], data) * math.prod(s[1:]) for s in shapes) * size
 
     block = chunk_param_shapes(shape, tensor, 1, first=False, last=False)
-    roots = [
-        chunk_param_shapes(shape, tensor, 0, first=j == 0, last=j == last_virtual) for j in virtuals
-    ]
-    roots = [r for r in roots if r]
+    others: list[list[tuple[int, ...]]] = []  # the tables' and the roots' units
+    for j in virtuals:
+        first, last = j == 0, j == last_virtual
+        if first and not shape.tie_embeddings and keep_last_block:  # zero3.units
+            others.append(chunk_param_shapes(shape, tensor, 0, first=True, last=False))
+            first = False
+        others.append(chunk_param_shapes(shape, tensor, 0, first=first, last=last))
+    others = [u for u in others if u]
     blocks = layers_per_chunk * len(virtuals)
+    kept = len(virtuals) if keep_last_block and layers_per_chunk else 0  # gathered once
     m = micro_batches
-    gathers = 2 * m * (blocks + len(roots))
-    gathered = (
-        2
-        * m
-        * (
-            blocks * unit_bytes(block, scheme.wire_bytes)  # FSDP2's param_dtype: bf16 under bf16
-            + sum(unit_bytes(r, scheme.wire_bytes) for r in roots)
-        )
+    gathers = 2 * m * (blocks + len(others)) - m * kept
+    block_gathered = unit_bytes(block, scheme.wire_bytes)  # FSDP2's param_dtype: bf16 under bf16
+    gathered = m * (
+        (2 * blocks - kept) * block_gathered
+        + 2 * sum(unit_bytes(u, scheme.wire_bytes) for u in others)
     )
-    scatters = m * (blocks + len(roots))
+    scatters = m * (blocks + len(others))
     scattered = m * (
-        blocks * unit_bytes(block, scheme.grads) + sum(unit_bytes(r, scheme.grads) for r in roots)
+        blocks * unit_bytes(block, scheme.grads) + sum(unit_bytes(u, scheme.grads) for u in others)
     )
     return [("dp", "all_gather", gathers, gathered), ("dp", "reduce_scatter", scatters, scattered)]
 
@@ -292,7 +299,15 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
         ]
         if par.zero_stage == 3:
             for group, op, calls, nbytes in zero3_collectives(
-                shape, t, d, m, virtuals, layers_per_chunk, last_virtual, scheme
+                shape,
+                t,
+                d,
+                m,
+                virtuals,
+                layers_per_chunk,
+                last_virtual,
+                scheme,
+                keep_last_block=par.pipeline == 1,
             ):
                 gathers = op == "all_gather"
                 _add(out, group, op, calls, nbytes, after_backward=gathers)

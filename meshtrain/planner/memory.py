@@ -425,30 +425,36 @@ def working_buffers(
     return backward, step
 
 
-def zero3_gathered(block: int, rest: int, data: int, scheme: StateScheme) -> tuple[float, float]:
+def zero3_gathered(
+    block: int, root: int, tables: int, data: int, scheme: StateScheme
+) -> tuple[float, float]:
     """What FSDP2 holds beside the shards under ZeRO-3: (during backward, with the activations; at the end of a chunk's backward).
 
-    Units as the trainer wraps them (``trainer/parallel/zero3.py``): one per
-    block (``block`` parameters) and one per chunk for the rest (``rest``:
-    embeddings, final norm, head), which the chunk's backward gathers first
-    and keeps gathered until its own reduce at the end.
+    Units as the trainer wraps them (``trainer/parallel/zero3.units``): the
+    embedding tables (``tables`` parameters; 0 when tied to the head or
+    pipelined), one unit per block (``block`` parameters) and the
+    chunk's root (``root``: final norm and head, plus the tables when tied
+    or pipelined), which
+    stays gathered from its forward until its own reduce at the end.
 
-    * Backward, while activations are alive: the rest unit's weights, and the
+    * Backward, while activations are alive: the root's weights, and the
       larger of its all-gather output (copied into the weights as backward
       starts) and a block's working set: the block's gathered weights, the
       next block's all-gather (FSDP2 prefetches one unit in backward) and one
       block of gradients (the block's own unsharded gradients, or the
       previous block's reduce-scatter input, which FSDP2 keeps until the next
-      reduce-scatter; that one appears only once a block's backward has
-      freed its activations).  Forward holds less: one block's weights and
-      two all-gather outputs.
-    * The rest unit's reduce, when the chunk's activations are gone: its
-      weights and gradients beside the last block's reduce-scatter input, then
-      its gradients, its reduce-scatter input and the shard that comes out.
+      reduce-scatter).  Forward holds less: one block's weights and two
+      all-gather outputs.
+    * The end of the backward, when the activations are gone: the root's
+      weights and gradients beside the last reduce-scatter input (the first
+      block's, or, after the embeddings' backward, the tables') and, while
+      the tables' unit runs, its gathered weights and gradients; then the
+      root's gradients, its reduce-scatter input and the shard that comes out.
     """
     w, g = scheme.wire_bytes, scheme.grads  # gathered in FSDP2's param_dtype: bf16 under bf16
-    backward = rest * w + max(rest * w, block * (2 * w + g))
-    end = max(rest * (w + g) + block * g, rest * g * (2 + 1 / data))
+    backward = root * w + max(root * w, block * (2 * w + g))
+    tables_backward = tables * (w + g) + block * g
+    end = max(root * (w + g) + max(block * g, tables_backward), root * g * (2 + 1 / data))
     return backward, end
 
 
@@ -572,8 +578,11 @@ def plan_memory(
         reduce_end = 0.0
         if par.zero_stage == 3 and par.data > 1:
             block = layer_params(shape, par.tensor)
-            rest = params - layers_per_stage * block
-            buffers, reduce_end = zero3_gathered(block, rest, par.data, scheme)
+            # zero3.units: untied tables without pipelining are a unit of their own
+            own_unit = stage == 0 and not shape.tie_embeddings and par.pipeline == 1
+            tables = embedding_params(shape, par.tensor) if own_unit else 0
+            root = params - layers_per_stage * block - tables
+            buffers, reduce_end = zero3_gathered(block, root, tables, par.data, scheme)
         compression, exchange = 0.0, 0.0
         if par.data > 1:
             compression, exchange = dp_compression.memory_bytes(

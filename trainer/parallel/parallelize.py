@@ -190,7 +190,12 @@ def parallelize(
     grad_reducer = None
     if layout.data > 1 and zero_stage == 3:
         zero3.apply_zero3(
-            chunks, mesh.device_mesh["dp"], recorder=recorder, clock=clock, param_dtype=wire_dtype
+            chunks,
+            mesh.device_mesh["dp"],
+            recorder=recorder,
+            clock=clock,
+            param_dtype=wire_dtype,
+            pipelined=layout.pipeline > 1,
         )
         named = [
             (gpt.logical_name(config, n), p)

@@ -1,9 +1,10 @@
 """ZeRO stage 3: parameters, gradients and optimizer state sharded over data parallelism, by FSDP2.
 
-:func:`apply_zero3` calls PyTorch's ``fully_shard`` on every transformer
-block of every model chunk (one all-gather / reduce-scatter unit each) and
-then on the chunk itself (its embeddings, final norm and head form the last
-unit).  It runs after tensor parallelism swapped the layers, so FSDP2 shards
+:func:`apply_zero3` calls PyTorch's ``fully_shard`` on the embeddings and
+on every transformer block of every model chunk (one all-gather /
+reduce-scatter unit each) and then on the chunk itself (its final norm and
+head form the root unit), so only one block's weights are gathered at a
+time; :func:`units` says which units reshard after forward.  It runs after tensor parallelism swapped the layers, so FSDP2 shards
 the tensor-parallel pieces (plain tensors) along dim 0 over the
 data-parallel mesh; during a unit's forward and backward the layers see
 their whole tensor-parallel piece again, so meshtrain's own TP layers work
@@ -86,8 +87,9 @@ def apply_zero3(
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
     param_dtype: torch.dtype | None = None,
+    pipelined: bool = False,
 ) -> None:
-    """Shard every chunk's parameters over ``dp_mesh``: one FSDP2 unit per block, one for the rest.
+    """Shard every chunk's parameters over ``dp_mesh`` in the FSDP2 units of :func:`units`.
 
     ``param_dtype`` (bf16 under bf16 training) is what the units gather and
     compute with; the shards, the optimizer and the reduce-scatter stay fp32
@@ -97,11 +99,45 @@ def apply_zero3(
     reduce_scatter = _RecordedReduceScatter(recorder, clock)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for chunk in chunks:
-        units = [*chunk.blocks.values(), chunk]  # type: ignore[operator]
-        for unit in units:
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy)
+        for modules, reshard in units(chunk, pipelined=pipelined):
+            fully_shard(modules, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            unit: Any = modules[0]  # the units' modules share one FSDP2 state
             unit.set_custom_all_gather(all_gather)
             unit.set_custom_reduce_scatter(reduce_scatter)
+
+
+def units(
+    chunk: torch.nn.Module, *, pipelined: bool = False
+) -> list[tuple[list[torch.nn.Module], bool]]:
+    """The FSDP2 units of one chunk, in wrapping order (the chunk itself last), each with its ``reshard_after_forward``.
+
+    TorchTitan's layout: the embeddings are a unit of their own, resharded
+    after forward (backward needs them last); every block is one, resharded
+    after forward except the last block, whose backward comes first (FSDP2
+    would gather it again at once); the chunk's own unit (the root: final
+    norm and head) stays gathered from its forward through its backward, as
+    FSDP2 keeps every root.  A tied head is the embedding matrix, which one
+    unit must own: then the embeddings stay in the chunk's unit.
+
+    Under pipelining (``pipelined``) the last block reshards too: TorchTitan
+    then keeps every unit gathered between micro-batches, which would hold a
+    whole stage's weights; meshtrain keeps the one-block working set the
+    planner admits jobs by (a 1F1B schedule's interleaved forwards would make
+    the last block's gathers depend on the schedule).  The tables then stay
+    in the root: FSDP2 prefetches in backward along the order of the
+    forwards, which 1F1B interleaves across micro-batches, and a separate
+    tables unit made it gather a block once more per step (measured on
+    dp2-pp2 interleaved).
+    """
+    blocks = list(chunk.blocks.values())  # type: ignore[operator]
+    out: list[tuple[list[torch.nn.Module], bool]] = []
+    tables = [m for m in (chunk.tok_emb, chunk.pos_emb) if isinstance(m, torch.nn.Module)]
+    tied = bool(chunk.config.tie_embeddings)  # type: ignore[union-attr]
+    if tables and not tied and not pipelined:
+        out.append((tables, True))
+    out += [([block], pipelined or i < len(blocks) - 1) for i, block in enumerate(blocks)]
+    out.append(([chunk], True))  # FSDP2 never reshards a root after forward
+    return out
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
