@@ -16,7 +16,8 @@ accumulation count (``--micro-batches``, default 2 and 4) it starts
 Each rank trains one step (lazy state), measures the next step's peak of
 live tensor bytes with :class:`meshtrain.trainer.live_memory.LiveBytes`
 (training state included), then times ``--steps`` steps without the
-tracker.  Rank 0 reports; writes ``benchmarks/results/zero2_fsdp-<host>.json``.
+tracker, and step 2's data-parallel collective bytes by kind (the
+engine's recorder).  Rank 0 reports; writes ``benchmarks/results/zero2_fsdp-<host>.json``.
 
     python benchmarks/bench_zero2_fsdp.py [--dp 2] [--steps 5] [--micro-batches 2 4]
 """
@@ -38,7 +39,7 @@ from benchmarks import bench_zero3, machine, ranks
 from meshtrain import layout as layout_mod
 from meshtrain.trainer import engine, live_memory, memory_accounting
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import zero3
+from meshtrain.trainer.parallel import recording, zero3
 
 VARIANTS = {"own-zero2": 2, "fsdp2-no-reshard": 3, "fsdp2-zero3": 3}
 """Variant -> the zeroStage its engine runs."""
@@ -60,8 +61,11 @@ def _rank(
     if variant == "fsdp2-no-reshard":
         zero3.units = _never_reshard(zero3.units)  # this spawned process only
     job = bench_zero3._spec(world, VARIANTS[variant], micro_batches, steps)
+    recorder = recording.MemoryRecorder()
     eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        job,
+        mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")),
+        recorder=recorder,
     )
     eng.train_step()
     tracker = live_memory.LiveBytes()
@@ -70,6 +74,10 @@ def _rank(
         loss = eng.train_step()  # step 2
     peak = torch.tensor([tracker.peak], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    dp_bytes: dict[str, int] = {}  # step 2's data-parallel collectives, by kind
+    for event in recorder.events:
+        if event.what == "collective" and event.group == "dp":
+            dp_bytes[event.kind] = dp_bytes.get(event.kind, 0) + event.nbytes
     seconds = []
     for _ in range(steps):
         dist.barrier()
@@ -78,7 +86,12 @@ def _rank(
         seconds.append(time.perf_counter() - start)
     if rank == 0:
         torch.save(
-            {"peak_bytes": int(peak.item()), "step_seconds": seconds, "loss_step2": loss.loss},
+            {
+                "peak_bytes": int(peak.item()),
+                "step_seconds": seconds,
+                "loss_step2": loss.loss,
+                "dp_bytes_step2": dp_bytes,
+            },
             Path(out) / ranks.RESULT,
         )
     dist.barrier()
@@ -102,6 +115,7 @@ def main() -> int:
                     "micro_batches": micro_batches,
                     "peak_bytes": measured["peak_bytes"],
                     "loss_step2": measured["loss_step2"],
+                    "dp_bytes_step2": measured["dp_bytes_step2"],
                     "step_seconds": measured["step_seconds"],
                     "median_step_seconds": statistics.median(measured["step_seconds"]),
                     "load_average_1m_before": load_before,
@@ -109,7 +123,7 @@ def main() -> int:
             )
     print(f"dp {args.dp}, model {bench_zero3.MODEL}, fp32 + AdamW, CPU gloo")
     print(
-        f"{'variant':>17} {'accum':>5} | {'peak MiB':>8} {'vs own':>6} | {'step s':>7} {'vs own':>6} | load"
+        f"{'variant':>17} {'accum':>5} | {'peak MiB':>8} {'vs own':>6} | {'dp MiB/step':>11} | {'step s':>7} {'vs own':>6} | load"
     )
     for r in rows:
         own = next(
@@ -121,7 +135,8 @@ def main() -> int:
         r["step_time_vs_own_zero2"] = r["median_step_seconds"] / own["median_step_seconds"]
         print(
             f"{r['variant']:>17} {r['micro_batches']:>5} | {r['peak_bytes'] / 2**20:>8.2f} "
-            f"{r['peak_vs_own_zero2']:>6.3f} | {r['median_step_seconds']:>7.3f} "
+            f"{r['peak_vs_own_zero2']:>6.3f} | {sum(r['dp_bytes_step2'].values()) / 2**20:>11.2f} | "
+            f"{r['median_step_seconds']:>7.3f} "
             f"{r['step_time_vs_own_zero2']:>6.3f} | {r['load_average_1m_before']:.2f}"
         )
     path = machine.write_results(
