@@ -18,6 +18,9 @@ With all of it present, it measures:
     python benchmarks/bench_operator_scale.py [--nodes 10000] [--foreign-pods 100000]
         [--jobs 1000] [--placed 100] [--repeat 3]
 
+The fill takes minutes; to measure more than once, fill a control plane that stays
+(``--fill-only``, stopped with SIGTERM) and measure on it (``--kubeconfig``).
+
 Writes ``benchmarks/results/operator_scale-<host>.json`` with the machine and
 its load average (a shared machine: compare ratios, not absolute times).
 """
@@ -178,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kubeconfig",
         help="measure on an API server this script filled before (no fill; fresh namespaces)",
     )
+    parser.add_argument(
+        "--fill-only",
+        action="store_true",
+        help="fill a new control plane, print its kubeconfig and keep it until SIGTERM/SIGINT "
+        "(then measure with --kubeconfig)",
+    )
     args = parser.parse_args(argv)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-operator-scale-"))
     log = workdir / "operator.log"
@@ -210,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"filling: {args.nodes} nodes, {args.foreign_pods} foreign pods", flush=True)
             results["fill"] = asyncio.run(_fill(kubeconfig, args.nodes, args.foreign_pods))
             print(f"filled: {results['fill']}", flush=True)
+            if args.fill_only:
+                signal.signal(signal.SIGTERM, signal.default_int_handler)
+                print(f"kubeconfig: {kubeconfig} (kept until SIGTERM)", flush=True)
+                with contextlib.suppress(KeyboardInterrupt):
+                    signal.pause()
+                return 0
         results["nodes_present"] = _count(core.list_node)
         results["pods_present"] = _count(core.list_pod_for_all_namespaces)
         metrics_port = pick_free_port()

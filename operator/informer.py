@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import sys
 import time
@@ -436,6 +437,9 @@ class Cache:
                 if version is None:
                     items, version = await list_(**scope, keep=store.trim)
                     store.replace(items, version)
+                    # The cache is most of the heap and its JSON trees hold no cycles: kept out of
+                    # the collector, a full collection no longer walks 100,000 pods (0.3 s a pass).
+                    gc.freeze()
                     self._synced.add(what)
                     if self._synced == {"pods", "nodes"}:
                         self.synced.set()
