@@ -2,8 +2,8 @@
 
 :func:`decide` maps what the operator observes (the job object and its pods)
 and the current time to the actions that move the job towards its desired
-state; :func:`placed`, :func:`unschedulable`, :func:`wont_fit` and
-:func:`recover_missing` turn a placement answer into status changes.
+state (the actions: ``job_actions``; a placement answer's status fields:
+``placement_status``; the job as read: ``jobstate``).
 
 States (``status.phase``)::
 
@@ -32,203 +32,67 @@ actions, leads to the same next decision.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshtrain.api import loading
-from meshtrain.api import spec as api_spec
 from meshtrain.operator import (
     conditions,
     failure,
     gangstatus,
     identity,
+    placement_status,
     progress_status,
     queueing,
     rescheduling,
     resizing,
     stragglers,
 )
+from meshtrain.operator.job_actions import (
+    Action,
+    Decision,
+    DeleteJob,
+    DeletePods,
+    Emit,
+    LiftGates,
+    Place,
+    PollProgress,
+    ReplaceStraggler,
+    SetStatus,
+)
+from meshtrain.operator.jobstate import FINAL, JobState, Phase, conditions_of, job_state
 
-Phase = api_spec.Phase
-FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
-
-
-@dataclasses.dataclass(frozen=True)
-class JobState:
-    """A TrainingJob as the state machine sees it."""
-
-    ref: identity.JobRef
-    generation: int
-    """metadata.generation (becomes status.observedGeneration)."""
-    spec: api_spec.TrainingJobSpec | None
-    """The spec the placed gang runs (``declared`` resized by ``status.elastic``), or None when it breaks a rule."""
-    problems: tuple[str, ...]
-    """Why the spec is invalid (empty when valid)."""
-    status: Mapping[str, Any]
-    """The current status (camelCase, as stored)."""
-    ttl_seconds_after_finished: int | None = None
-    """runPolicy.ttlSecondsAfterFinished, read even when the rest of the spec is invalid."""
-    declared: api_spec.TrainingJobSpec | None = None
-    """The validated spec as written (``spec`` differs only while runPolicy.elastic resized the gang)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SetStatus:
-    """Merge these fields into status (a JSON merge patch of the status subresource)."""
-
-    changes: Mapping[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Emit:
-    """Record a Kubernetes Event on the job."""
-
-    type: str
-    """Normal or Warning."""
-    reason: str
-    message: str
-
+__all__ = [
+    "FINAL",
+    "Action",
+    "Decision",
+    "DeleteJob",
+    "DeletePods",
+    "Emit",
+    "JobState",
+    "LiftGates",
+    "Phase",
+    "Place",
+    "PollProgress",
+    "ReplaceStraggler",
+    "SetStatus",
+    "decide",
+    "holding",
+    "job_state",
+]
+"""Callers name the actions and the job through this module, the state machine's face."""
 
 BROKEN_GANG_GRACE_SECONDS = 5
 """Grace period of the surviving pods of a failed gang: a checkpoint is collective, so with a rank gone they
 cannot save and their full ``runPolicy.terminationGracePeriodSeconds`` would only delay the restart."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DeletePods:
-    """Delete these pods (already-gone ones are fine)."""
-
-    names: tuple[str, ...]
-    grace_seconds: int | None = None
-    """None: the pods' own grace period (time to checkpoint the step they stop at)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Place:
-    """Plan and create the gang of ``attempt`` (all pods), or re-create ``missing`` on the recorded nodes."""
-
-    attempt: int
-    missing: tuple[int, ...] | None = None
-    flavors: tuple[str, ...] = ()
-    """The ResourceFlavors Kueue admitted the job with: only nodes they cover, with their tolerations."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LiftGates:
-    """Remove the gang scheduling gate from these pods (the whole gang exists)."""
-
-    names: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DeleteJob:
-    """Delete the TrainingJob itself (TTL after finishing)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PollProgress:
-    """Read rank 0's /progress and store it in the status."""
-
-    pod: str
-    ip: str
-    port: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplaceStraggler:
-    """Rebuild the gang without ``nodes`` if a placement without them fits now, else only report.
-
-    The check needs the cluster (the reconciler plans the gang, shrunk elastic
-    sizes included, with the node left out); stopping a gang that then cannot
-    be placed anywhere would trade a slow job for a stopped one.
-    """
-
-    nodes: tuple[str, ...]
-    replaced: tuple[SetStatus | Emit | DeletePods, ...]
-    otherwise: tuple[SetStatus | Emit, ...]
-
-
-Action = (
-    SetStatus
-    | ReplaceStraggler
-    | Emit
-    | DeletePods
-    | Place
-    | LiftGates
-    | DeleteJob
-    | PollProgress
-    | resizing.Grow
-    | rescheduling.ReplaceRefused
-    | queueing.CreateWorkload
-    | queueing.ReleaseQuota
-    | queueing.ReportPodsReady
-    | queueing.FinishWorkload
-    | queueing.DeleteWorkload
-    | queueing.MoveWorkload
-)
-
-
 LEAVING_RECHECK_SECONDS = 30.0
 """Safety recheck while a dropped placement's pods are still there (their deletion wakes the job)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What to do now, and when to look again at the latest (None: on the next event or resync)."""
-
-    actions: tuple[Action, ...] = ()
-    requeue_after: float | None = None
-
-
-def job_state(body: Mapping[str, Any]) -> JobState:
-    """Read a TrainingJob object; an invalid spec gives ``spec=None`` and the problems."""
-    metadata = body.get("metadata") or {}
-    ref = identity.JobRef(
-        name=metadata.get("name", ""),
-        namespace=metadata.get("namespace", ""),
-        uid=metadata.get("uid", ""),
-    )
-    raw_spec = body.get("spec") or {}
-    ttl = (raw_spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
-    problems: tuple[str, ...]
-    try:
-        parsed, problems = (
-            loading.parse_spec(raw_spec, f"TrainingJob {ref.namespace}/{ref.name}"),
-            (),
-        )
-    except loading.SpecError as err:
-        parsed, problems = None, tuple(str(p) for p in err.problems)
-    status = dict(body.get("status") or {})
-    if parsed is not None:
-        parsed = resizing.within_quota(parsed, metadata.get("labels"))
-    return JobState(
-        ref=ref,
-        generation=int(metadata.get("generation") or 0),
-        spec=resizing.running_spec(parsed, status) if parsed is not None else None,
-        problems=problems,
-        status=status,
-        ttl_seconds_after_finished=ttl if isinstance(ttl, int) else None,
-        declared=parsed,
-    )
-
-
-def _conds(job: JobState) -> list[dict[str, Any]]:
-    return list(job.status.get("conditions") or [])
-
-
 def _changes(job: JobState, **fields: Any) -> SetStatus:
     return SetStatus({**fields, "observedGeneration": job.generation})
-
-
-def _shape(job: JobState) -> dict[str, Any]:
-    assert job.spec is not None
-    return {
-        "layout": job.spec.parallelism.layout_string,
-        "worldSize": job.spec.world_size,
-    }
 
 
 def holding(pods: Sequence[failure.PodState]) -> bool:
@@ -254,7 +118,9 @@ def _fail(
     now: datetime.datetime,
     grace_seconds: int | None = None,
 ) -> Decision:
-    conds = conditions.set(_conds(job), conditions.FAILED, conditions.TRUE, reason, message, now)
+    conds = conditions.set(
+        conditions_of(job), conditions.FAILED, conditions.TRUE, reason, message, now
+    )
     conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
     actions: list[Action] = [
         _changes(
@@ -291,7 +157,7 @@ def _suspend(job: JobState, pods: Sequence[failure.PodState], now: datetime.date
     if job.status.get("phase") != Phase.SUSPENDED.value:
         message = "spec.runPolicy.suspend is true: pods removed, status kept"
         conds = conditions.set(
-            _conds(job),
+            conditions_of(job),
             conditions.SUSPENDED,
             conditions.TRUE,
             conditions.SUSPENDED_BY_USER,
@@ -319,7 +185,7 @@ def _resume(job: JobState, pods: Sequence[failure.PodState], now: datetime.datet
         )
     message = "spec.runPolicy.suspend is false: placing the job again"
     conds = conditions.set(
-        _conds(job), conditions.SUSPENDED, conditions.FALSE, conditions.RESUMED, message, now
+        conditions_of(job), conditions.SUSPENDED, conditions.FALSE, conditions.RESUMED, message, now
     )
     return Decision(
         (
@@ -369,7 +235,12 @@ def _on_failure(
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
     conds = conditions.set(
-        _conds(job), conditions.RUNNING, conditions.FALSE, conditions.GANG_RESTARTING, note, now
+        conditions_of(job),
+        conditions.RUNNING,
+        conditions.FALSE,
+        conditions.GANG_RESTARTING,
+        note,
+        now,
     )
     conds = conditions.set(
         conds, conditions.PLACED, conditions.FALSE, conditions.GANG_RESTARTING, note, now
@@ -398,7 +269,12 @@ def _succeeded(
     """Every pod of the gang exited 0: Succeeded, with rank 0's final progress."""
     message = f"all {len(gang)} pod(s) exited 0"
     conds = conditions.set(
-        _conds(job), conditions.SUCCEEDED, conditions.TRUE, conditions.COMPLETED, message, now
+        conditions_of(job),
+        conditions.SUCCEEDED,
+        conditions.TRUE,
+        conditions.COMPLETED,
+        message,
+        now,
     )
     conds = conditions.set(
         conds, conditions.RUNNING, conditions.FALSE, conditions.COMPLETED, message, now
@@ -443,7 +319,12 @@ def _rebuild_for_new_spec(
         f"({spec.pods} pod(s)); the old pods checkpoint the step they stop at and training resumes there{since}"
     )
     conds = conditions.set(
-        _conds(job), conditions.PLACED, conditions.FALSE, conditions.SPEC_CHANGED, message, now
+        conditions_of(job),
+        conditions.PLACED,
+        conditions.FALSE,
+        conditions.SPEC_CHANGED,
+        message,
+        now,
     )
     conds = conditions.set(
         conds, conditions.RUNNING, conditions.FALSE, conditions.SPEC_CHANGED, message, now
@@ -595,11 +476,11 @@ def decide(
     if all(p.phase == "Succeeded" for p in current):
         return _succeeded(job, current, actions, now)
 
-    observed = gangstatus.observe(_conds(job), current, spec.pods, now)
+    observed = gangstatus.observe(conditions_of(job), current, spec.pods, now)
     actions += [Emit(*event) for event in observed.events]
     seen: list[Action] = (
         [_changes(job, conditions=observed.conditions)]
-        if observed.conditions != _conds(job)
+        if observed.conditions != conditions_of(job)
         else []
     )
     gated = tuple(p.name for p in current if p.gated)
@@ -686,10 +567,17 @@ def _old_pods_leaving(
         for p in sorted(current, key=lambda p: p.name)
     )
     message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
-    placed = conditions.find(_conds(job), conditions.PLACED) or {}
+    placed = conditions.find(conditions_of(job), conditions.PLACED) or {}
     wait: tuple[Action, ...] = ()
     if (placed.get("reason"), placed.get("message")) != (conditions.OLD_PODS_TERMINATING, message):
-        wait = (_changes(job, **unschedulable(job, conditions.OLD_PODS_TERMINATING, message, now)),)
+        wait = (
+            _changes(
+                job,
+                **placement_status.unschedulable(
+                    job, conditions.OLD_PODS_TERMINATING, message, now
+                ),
+            ),
+        )
     return (*([DeletePods(doomed)] if doomed else []), *wait)
 
 
@@ -703,13 +591,18 @@ def _held_by_kueue(
     (:func:`holding`).
     """
     state = kueue.state
-    queued = conditions.find(_conds(job), conditions.QUEUED) or {}
+    queued = conditions.find(conditions_of(job), conditions.QUEUED) or {}
     if isinstance(state, queueing.Admitted):
         if queued.get("status") == conditions.FALSE:
             return ()
         message = f"admitted by Kueue ClusterQueue {state.cluster_queue}"
         conds = conditions.set(
-            _conds(job), conditions.QUEUED, conditions.FALSE, conditions.ADMITTED, message, now
+            conditions_of(job),
+            conditions.QUEUED,
+            conditions.FALSE,
+            conditions.ADMITTED,
+            message,
+            now,
         )
         return (_changes(job, conditions=conds), Emit("Normal", conditions.ADMITTED, message))
     if state is None and kueue.rejected:
@@ -736,7 +629,7 @@ def _held_by_kueue(
         message,
     ):
         conds = conditions.set(
-            _conds(job), conditions.QUEUED, conditions.TRUE, reason, message, now
+            conditions_of(job), conditions.QUEUED, conditions.TRUE, reason, message, now
         )
         conds = conditions.set(conds, conditions.RUNNING, conditions.FALSE, reason, message, now)
         conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
@@ -762,7 +655,7 @@ def _left_kueue(job: JobState, now: datetime.datetime) -> Decision:
     message = (
         f'metadata.labels["{queueing.QUEUE_LABEL}"] removed: the job no longer waits for Kueue'
     )
-    conds = [c for c in _conds(job) if c.get("type") != conditions.QUEUED]
+    conds = [c for c in conditions_of(job) if c.get("type") != conditions.QUEUED]
     conds = conditions.set(
         conds, conditions.PLACED, conditions.FALSE, queueing.QUEUE_REMOVED, message, now
     )
@@ -773,131 +666,3 @@ def _left_kueue(job: JobState, now: datetime.datetime) -> Decision:
         ),
         requeue_after=0,
     )
-
-
-def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``status.plan`` when the job was judged by a profile (nothing otherwise)."""
-    return {"plan": dict(plan)} if plan else {}
-
-
-def placed(
-    job: JobState,
-    nodes: Sequence[str],
-    level_bytes: Mapping[str, float],
-    now: datetime.datetime,
-    plan: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Status fields once a gang of ``nodes`` (node per pod index) has been planned; ``plan`` -> status.plan."""
-    assert job.spec is not None  # only a valid spec is placed
-    message = f"creating {len(nodes)} pod(s) on {len(set(nodes))} node(s)"
-    conds = conditions.set(
-        _conds(job), conditions.PLACED, conditions.FALSE, conditions.CREATING_PODS, message, now
-    )
-    fields: dict[str, Any] = {
-        "phase": Phase.PLACING.value,
-        "conditions": conds,
-        "placement": [{"podIndex": i, "node": node} for i, node in enumerate(nodes)],
-        "straggler": None,  # measured on the previous gang: the new one is judged afresh
-        "crossLevelBytes": dict(level_bytes),
-        "specHash": identity.spec_hash(job.spec),
-        "observedGeneration": job.generation,
-        **_shape(job),
-        **_plan(plan),
-    }
-    if not job.status.get("startTime"):
-        fields["startTime"] = conditions.timestamp(now)
-    return fields
-
-
-def unschedulable(
-    job: JobState,
-    reason: str,
-    message: str,
-    now: datetime.datetime,
-    plan: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Status fields when the gang cannot be placed now (no pods are created); ``plan`` -> status.plan."""
-    phase = job.status.get("phase") or Phase.PENDING.value
-    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
-    return {
-        "phase": Phase.RESTARTING.value if phase == Phase.RESTARTING.value else Phase.PENDING.value,
-        "conditions": conds,
-        "observedGeneration": job.generation,
-        **_shape(job),
-        **_plan(plan),
-    }
-
-
-def wont_fit(
-    job: JobState, message: str, now: datetime.datetime, plan: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """Status fields of a job refused by plan: Failed, with WontFit (and Failed, Placed) conditions; no pods.
-
-    Final like any failure: the job's worst rank needs more memory than the
-    GPU has, and only a spec change (a new job) can alter that.
-    """
-    reason = conditions.WONT_FIT
-    conds = conditions.set(_conds(job), conditions.WONT_FIT, conditions.TRUE, reason, message, now)
-    conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
-    conds = conditions.set(conds, conditions.FAILED, conditions.TRUE, reason, message, now)
-    return {
-        "phase": Phase.FAILED.value,
-        "conditions": conds,
-        "completionTime": conditions.timestamp(now),
-        "observedGeneration": job.generation,
-        **_shape(job),
-        **_plan(plan),
-    }
-
-
-def unplaced(
-    job: JobState,
-    now: datetime.datetime,
-    message: str,
-    reason: str = conditions.GANG_RESTARTING,
-) -> dict[str, Any]:
-    """Status fields that drop a recorded placement whose nodes are no longer free (re-plan, not a restart)."""
-    conds = conditions.set(_conds(job), conditions.PLACED, conditions.FALSE, reason, message, now)
-    return {
-        "placement": [],
-        "straggler": None,
-        "conditions": conds,
-        "observedGeneration": job.generation,
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class Recreate:
-    """Re-create the missing pods of a still-gated gang on their recorded nodes."""
-
-    nodes: tuple[tuple[int, str], ...]
-    """(pod index, recorded node) of each missing pod."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Replan:
-    """Delete the gang's pods and drop its placement: a recorded node can no longer take its pods."""
-
-    status: dict[str, Any]
-
-
-def _recorded(job: JobState) -> dict[int, str]:
-    return {p["podIndex"]: p["node"] for p in job.status.get("placement") or []}
-
-
-def missing_per_node(job: JobState, missing: Sequence[int]) -> collections.Counter[str]:
-    """Recorded node -> how many ``missing`` pods it must take again ("" for an index without one)."""
-    recorded = _recorded(job)
-    return collections.Counter(recorded.get(i, "") for i in missing)
-
-
-def recover_missing(
-    job: JobState, missing: Sequence[int], blocked: Mapping[str, str], now: datetime.datetime
-) -> Recreate | Replan:
-    """Crash recovery of a gated gang, given the recorded nodes that can no longer take their pods."""
-    if not blocked:
-        recorded = _recorded(job)
-        return Recreate(tuple((i, recorded[i]) for i in missing))
-    why = ", ".join(f"{node}: {reason}" for node, reason in sorted(blocked.items()))
-    message = f"recorded nodes can no longer take the gang ({why}); planning it again"
-    return Replan(unplaced(job, now, message))

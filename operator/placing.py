@@ -37,6 +37,7 @@ from meshtrain.operator import (
     lifecycle,
     metrics,
     owned,
+    placement_status,
     queueing,
     rescheduling,
     resizing,
@@ -166,7 +167,7 @@ class Placer:
         ref = job.ref
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         body, job, _ = await self.writer.set_status(
-            body, job, lifecycle.unplaced(job, status_writes.now(), message, reason)
+            body, job, placement_status.unplaced(job, status_writes.now(), message, reason)
         )
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", reason, message)
@@ -252,7 +253,7 @@ class Placer:
         return await self.writer.set_status(
             body,
             job,
-            lifecycle.unschedulable(
+            placement_status.unschedulable(
                 job, conditions.OLD_PODS_TERMINATING, message, status_writes.now()
             ),
         )
@@ -284,7 +285,7 @@ class Placer:
         )
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
         changes = {
-            **lifecycle.unschedulable(job, refused.reason, message, status_writes.now()),
+            **placement_status.unschedulable(job, refused.reason, message, status_writes.now()),
             "placement": [],
         }
         body, job, _ = await self.writer.set_status(body, job, changes)
@@ -320,10 +321,10 @@ class Placer:
             demand = feasibility.demand_of(template)
             now = status_writes.now()
             if action.missing is not None:
-                wanted = lifecycle.missing_per_node(job, action.missing)
+                wanted = placement_status.missing_per_node(job, action.missing)
                 blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
-                recovery = lifecycle.recover_missing(job, action.missing, blocked, now)
-                if isinstance(recovery, lifecycle.Recreate):
+                recovery = placement_status.recover_missing(job, action.missing, blocked, now)
+                if isinstance(recovery, placement_status.Recreate):
                     group = await self._pod_group(
                         ref, spec, action.attempt, job.status.get("specHash")
                     )
@@ -371,7 +372,7 @@ class Placer:
                 logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
                 metrics.PLACEMENT_FAILURES.labels(reason=verdict.reason).inc()
                 body, job, changed = await self.writer.set_status(
-                    body, job, lifecycle.wont_fit(job, verdict.message, now, verdict.summary)
+                    body, job, placement_status.wont_fit(job, verdict.message, now, verdict.summary)
                 )
                 await self.writer.emit(body, "Warning", verdict.reason, verdict.message)
                 return body, job, changed
@@ -400,7 +401,7 @@ class Placer:
                 body, job, changed = await self.writer.set_status(
                     body,
                     job,
-                    lifecycle.unschedulable(job, answer.reason, answer.message, now, plan),
+                    placement_status.unschedulable(job, answer.reason, answer.message, now, plan),
                 )
                 if (before.get("reason"), before.get("message")) != (answer.reason, answer.message):
                     logger.info(
@@ -417,7 +418,7 @@ class Placer:
                 unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
                 return await self._unassignable(body, job, unshared)
             declared = job.declared or spec
-            fields = lifecycle.placed(job, answer.nodes, answer.level_bytes, now, plan)
+            fields = placement_status.placed(job, answer.nodes, answer.level_bytes, now, plan)
             fields |= resizing.placed_fields(declared, size, {**job.status, **fields}, now)
             body, job, _ = await self.writer.set_status(body, job, fields)
             direction = resizing.change(previous, size)
@@ -478,7 +479,9 @@ class Placer:
         """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
         before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
         body, job, changed = await self.writer.set_status(
-            body, job, lifecycle.unschedulable(job, why.reason, why.message, status_writes.now())
+            body,
+            job,
+            placement_status.unschedulable(job, why.reason, why.message, status_writes.now()),
         )
         if (before.get("reason"), before.get("message")) != (why.reason, why.message):
             logger.info("%s/%s: %s", job.ref.namespace, job.ref.name, why.message)

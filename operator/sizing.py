@@ -15,7 +15,7 @@ The pure policy the operator applies before it places a gang.
 
 Not the arithmetic (``meshtrain.planner``), the reading of profile
 files (the reconciler resolves each node's label to a profile and passes the
-values in), or the status and Event writes (``lifecycle.wont_fit`` and the
+values in), or the status and Event writes (``placement_status.wont_fit`` and the
 reconciler).
 """
 

@@ -11,7 +11,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from meshtrain.operator import builders, conditions, failure, identity, lifecycle
+from meshtrain.operator import builders, conditions, failure, identity, lifecycle, placement_status
 from tests.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -339,20 +339,20 @@ def test_gates_are_not_lifted_while_a_pod_is_missing():
 
 def test_missing_pods_are_counted_on_their_recorded_nodes():
     state = job(**placed_status())
-    assert lifecycle.missing_per_node(state, (0, 1)) == {"n0": 1, "n1": 1}
-    assert lifecycle.missing_per_node(job(phase="Placing"), (0,)) == {"": 1}
+    assert placement_status.missing_per_node(state, (0, 1)) == {"n0": 1, "n1": 1}
+    assert placement_status.missing_per_node(job(phase="Placing"), (0,)) == {"": 1}
 
 
 def test_missing_pods_are_recreated_where_the_recorded_nodes_still_take_them():
-    recovery = lifecycle.recover_missing(job(**placed_status()), (1,), {}, at(1))
-    assert recovery == lifecycle.Recreate(nodes=((1, "n1"),))
+    recovery = placement_status.recover_missing(job(**placed_status()), (1,), {}, at(1))
+    assert recovery == placement_status.Recreate(nodes=((1, "n1"),))
 
 
 def test_a_blocked_recorded_node_drops_the_placement_to_plan_again():
-    recovery = lifecycle.recover_missing(
+    recovery = placement_status.recover_missing(
         job(**placed_status()), (0,), {"n0": "node deleted"}, at(1)
     )
-    assert isinstance(recovery, lifecycle.Replan)
+    assert isinstance(recovery, placement_status.Replan)
     assert recovery.status["placement"] == []
     placed = conditions.find(recovery.status["conditions"], conditions.PLACED)
     assert placed["status"] == conditions.FALSE
@@ -442,7 +442,9 @@ def test_rebuilt_gang_waits_for_the_old_pods_then_places_the_new_spec():
     assert waiting.requeue_after == lifecycle.LEAVING_RECHECK_SECONDS  # woken by the deletion
     assert kinds(lifecycle.decide(state, [pod(0, "Running")], at(10)))[0] == "DeletePods"
     assert kinds(lifecycle.decide(state, [], at(11))) == ["Place"]
-    assert lifecycle.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(_spec_of(4))
+    assert placement_status.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(
+        _spec_of(4)
+    )
 
 
 def test_run_policy_changes_do_not_rebuild_the_gang():
@@ -462,14 +464,14 @@ def test_a_finished_gang_is_not_rebuilt_for_a_late_spec_change():
 
 def test_placed_and_unschedulable_status():
     state = job()
-    fields = lifecycle.placed(
+    fields = placement_status.placed(
         state, ["a", "b"], {"nvlink": 0.0, "kubernetes.io/hostname": 10.0}, T0
     )
     assert fields["phase"] == "Placing"
     assert fields["placement"] == [{"podIndex": 0, "node": "a"}, {"podIndex": 1, "node": "b"}]
     assert fields["layout"] == "dp2·pp1·tp1" and fields["worldSize"] == 2
     assert fields["startTime"] == conditions.timestamp(T0)
-    waiting = lifecycle.unschedulable(state, "InsufficientGPUs", "need 2, free 1", T0)
+    waiting = placement_status.unschedulable(state, "InsufficientGPUs", "need 2, free 1", T0)
     assert waiting["phase"] == "Pending"
     placed_condition = conditions.find(waiting["conditions"], conditions.PLACED)
     assert (
@@ -561,7 +563,7 @@ def test_pod_state_reads_the_termination_message():
 
 def test_wont_fit_fails_the_job_with_the_numbers_and_keeps_the_plan():
     state = job(phase="Pending")
-    fields = lifecycle.wont_fit(
+    fields = placement_status.wont_fit(
         state,
         "stage 0 needs 104.36 GiB per GPU but the GPU has 80.00 GiB",
         T0,
@@ -584,9 +586,9 @@ def test_wont_fit_fails_the_job_with_the_numbers_and_keeps_the_plan():
 
 def test_placed_and_unschedulable_publish_the_plan():
     plan = {"profile": "h100-sxm", "fits": True}
-    assert lifecycle.placed(job(), ["a", "b"], {}, T0, plan)["plan"] == plan
-    assert lifecycle.unschedulable(job(), "InsufficientGPUs", "m", T0, plan)["plan"] == plan
-    assert "plan" not in lifecycle.placed(
+    assert placement_status.placed(job(), ["a", "b"], {}, T0, plan)["plan"] == plan
+    assert placement_status.unschedulable(job(), "InsufficientGPUs", "m", T0, plan)["plan"] == plan
+    assert "plan" not in placement_status.placed(
         job(), ["a", "b"], {}, T0
     )  # not judged: status.plan untouched
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from meshtrain.api import loading
-from meshtrain.operator import conditions, lifecycle, stragglers
+from meshtrain.operator import conditions, lifecycle, placement_status, stragglers
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import (
     at,
@@ -173,9 +173,13 @@ def test_a_failed_gang_restarts_without_its_straggler_and_a_stale_one_replaces_n
     status = status_of(decision)
     assert status["phase"] == "Restarting" and status["straggler"] is None
     # Every way to a new placement drops it too.
-    placed = lifecycle.placed(job(spec_raw("replace"), **flagged()), ["n2", "n3"], {}, at(11))
+    placed = placement_status.placed(
+        job(spec_raw("replace"), **flagged()), ["n2", "n3"], {}, at(11)
+    )
     assert placed["straggler"] is None
-    assert lifecycle.unplaced(job(spec_raw(), **flagged()), at(11), "gone")["straggler"] is None
+    assert (
+        placement_status.unplaced(job(spec_raw(), **flagged()), at(11), "gone")["straggler"] is None
+    )
     # An entry naming a node the placed gang is not on was measured on another gang: not acted on.
     moved = flagged(placement=[{"podIndex": 0, "node": "n2"}, {"podIndex": 1, "node": "n3"}])
     decision = lifecycle.decide(job(spec_raw("replace"), **moved), running_gang(), at(12))
