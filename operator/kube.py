@@ -26,7 +26,17 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 
 from meshtrain import clientconfig
-from meshtrain.operator import metrics, naming, queueing
+from meshtrain.operator import metrics, naming
+from meshtrain.operator.api_errors import (
+    ApiError,
+    Conflict,
+    NotLeading,
+    error_message,
+    transport_error,
+)
+from meshtrain.operator.kueue_calls import KueueCalls
+
+__all__ = ["ApiError", "Body", "Client", "Conflict", "NotLeading", "connection", "get_progress"]
 
 Body: TypeAlias = dict[str, Any]
 """An API object as the server sends it (camelCase JSON)."""
@@ -47,35 +57,6 @@ POD_GROUP_API = ("scheduling.k8s.io", "v1alpha2")
 POD_GROUP_PLURAL = "podgroups"
 
 
-class ApiError(RuntimeError):
-    """A non-2xx answer of the API server (``status`` 0: the server could not be reached)."""
-
-    def __init__(self, status: int, verb: str, what: str, body: str) -> None:
-        super().__init__(f"{verb} {what} -> {status or 'unreachable'}: {body[:500]}")
-        self.status = status
-        self.body = body
-
-
-class Conflict(ApiError):
-    """409 on a write guarded by resourceVersion: re-read and decide again."""
-
-
-class NotLeading(RuntimeError):
-    """A write not sent, or abandoned before its answer: this replica no longer holds the Lease.
-
-    Not an :class:`ApiError`, so no handler of API errors swallows it: it ends the
-    pass, and the leader decides from what the cluster holds.
-    """
-
-
-def _transport_error(err: BaseException) -> bool:
-    """Connection refused or reset, a timeout, a broken stream: the server was not reached.
-
-    Matched by module so that aiohttp, the library's transport, is not imported here.
-    """
-    return isinstance(err, OSError | TimeoutError) or type(err).__module__.startswith("aiohttp")
-
-
 async def _send(
     call: Callable[..., Awaitable[Any]],
     args: tuple[Any, ...],
@@ -84,13 +65,6 @@ async def _send(
 ) -> tuple[int, str]:
     response = await call(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
     return response.status, await response.text()
-
-
-def _message(body: str) -> str:
-    try:
-        return str(json.loads(body).get("message") or body)
-    except ValueError:
-        return body
 
 
 async def _configuration(kubeconfig: str | None) -> tuple[k8s.Configuration, Any]:
@@ -120,7 +94,7 @@ async def connection(kubeconfig: str | None = None) -> dict[str, Any]:
     }
 
 
-class Client:
+class Client(KueueCalls):
     """Async API client; one per process (:meth:`connect`), closed with :meth:`close`."""
 
     def __init__(self, *, api: k8s.ApiClient, refresher: asyncio.Task[None] | None) -> None:
@@ -178,7 +152,7 @@ class Client:
             except k8s.ApiException as err:  # refused before sending (bad arguments)
                 raise ApiError(err.status, verb, resource, str(err.reason)) from err
             except Exception as err:
-                if _transport_error(err):
+                if transport_error(err):
                     if write and self.lease_left() <= 0:
                         raise NotLeading(
                             f"{verb} {resource} abandoned: the Lease ran out before the answer"
@@ -191,7 +165,7 @@ class Client:
                 return None
             metrics.api_error(verb)
             error = Conflict if status == 409 and verb != "create" else ApiError
-            raise error(status, verb, resource, _message(text))
+            raise error(status, verb, resource, error_message(text))
         answer = json.loads(text) if text else {}
         if verb != "get" and verb != "list" and self.on_write is not None:
             self.on_write(verb, answer)
@@ -275,139 +249,6 @@ class Client:
             PLURAL,
             name,
             propagation_policy="Background",
-            ok=(404,),
-        )
-
-    # Kueue Workloads of queued jobs: get, create, patch status; workload priority classes.
-    async def get_workload(self, *, namespace: str, name: str) -> Body | None:
-        """The Workload, or None when it does not exist."""
-        return await self._request(
-            "get",
-            "workloads",
-            self._custom.get_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
-            namespace,
-            queueing.PLURAL,
-            name,
-            ok=(404,),
-        )
-
-    async def create_workload(self, *, manifest: Body) -> Body | None:
-        """Create a Workload; None when one of that name exists already."""
-        return await self._request(
-            "create",
-            "workloads",
-            self._custom.create_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
-            manifest["metadata"]["namespace"],
-            queueing.PLURAL,
-            manifest,
-            ok=(409,),
-        )
-
-    async def patch_workload_status(
-        self, *, namespace: str, name: str, patch: Body, resource_version: str
-    ) -> Body | None:
-        """Merge ``patch`` into a Workload's status, only if it is still at ``resource_version``."""
-        return await self._request(
-            "patch",
-            "workloads/status",
-            self._custom.patch_namespaced_custom_object_status,
-            queueing.GROUP,
-            queueing.VERSION,
-            namespace,
-            queueing.PLURAL,
-            name,
-            {**patch, "metadata": {"resourceVersion": resource_version}},
-            ok=(404,),
-            _content_type="application/merge-patch+json",
-        )
-
-    async def patch_workload_queue(
-        self, *, namespace: str, name: str, queue: str, resource_version: str
-    ) -> Body | None:
-        """Point a Workload at another LocalQueue, only if it is still at ``resource_version``."""
-        return await self._request(
-            "patch",
-            "workloads",
-            self._custom.patch_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
-            namespace,
-            queueing.PLURAL,
-            name,
-            {"metadata": {"resourceVersion": resource_version}, "spec": {"queueName": queue}},
-            ok=(404,),
-            _content_type="application/merge-patch+json",
-        )
-
-    async def delete_workload(self, *, namespace: str, name: str, uid: str) -> None:
-        """Delete a Workload if it is still the object ``uid`` (a precondition)."""
-        await self._request(
-            "delete",
-            "workloads",
-            self._custom.delete_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
-            namespace,
-            queueing.PLURAL,
-            name,
-            body={"preconditions": {"uid": uid}},
-            ok=(404, 409),
-        )
-
-    async def workload_priority(self, *, name: str) -> int | None:
-        """The value of a Kueue WorkloadPriorityClass, or None when there is none of that name."""
-        found = await self._request(
-            "get",
-            "workloadpriorityclasses",
-            self._custom.get_cluster_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
-            "workloadpriorityclasses",
-            name,
-            ok=(404,),
-        )
-        return None if found is None else int(found.get("value") or 0)
-
-    async def pod_priority(self, *, name: str) -> int | None:
-        """The value of a PriorityClass (scheduling.k8s.io), or None when there is none of that name."""
-        found = await self._request(
-            "get",
-            "priorityclasses",
-            self._custom.get_cluster_custom_object,
-            queueing.POD_PRIORITY_GROUP,
-            "v1",
-            "priorityclasses",
-            name,
-            ok=(404,),
-        )
-        return None if found is None else int(found.get("value") or 0)
-
-    async def list_priority_classes(self) -> list[Body]:
-        """Every PriorityClass (few per cluster): the global default is among them."""
-        found = await self._request(
-            "list",
-            "priorityclasses",
-            self._custom.list_cluster_custom_object,
-            queueing.POD_PRIORITY_GROUP,
-            "v1",
-            "priorityclasses",
-        )
-        return list((found or {}).get("items") or [])
-
-    async def resource_flavor(self, *, name: str) -> Body | None:
-        """A Kueue ResourceFlavor, or None when there is none of that name."""
-        return await self._request(
-            "get",
-            "resourceflavors",
-            self._custom.get_cluster_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
-            "resourceflavors",
-            name,
             ok=(404,),
         )
 
@@ -675,14 +516,14 @@ class Client:
         except k8s.ApiException as err:
             raise ApiError(err.status, "watch", resource, str(err.reason)) from err
         except Exception as err:
-            if _transport_error(err):
+            if transport_error(err):
                 metrics.api_error("watch")
                 raise ApiError(0, "watch", resource, str(err)) from err
             raise
         if response.status >= 300:
             metrics.api_error("watch")
             text = await response.text()
-            raise ApiError(response.status, "watch", resource, _message(text))
+            raise ApiError(response.status, "watch", resource, error_message(text))
         try:
             async for line in response.content:
                 if not line.strip():
@@ -695,7 +536,7 @@ class Client:
                     )
                 yield str(event.get("type", "")), obj
         except Exception as err:
-            if _transport_error(err):
+            if transport_error(err):
                 raise ApiError(0, "watch", resource, str(err)) from err
             raise
         finally:
