@@ -92,6 +92,20 @@ class PodState:
         """Succeeded or Failed: holds no GPUs any more."""
         return self.phase in ("Succeeded", "Failed")
 
+    @property
+    def holds_resources(self) -> bool:
+        """Whether it may still hold its node's resources (and so the quota Kueue charged).
+
+        Until it is Succeeded or Failed, terminating or not: the scheduler counts it until then.
+        A deleted Pending pod never bound holds nothing (the scheduler skips it; binding is
+        refused); one that runs is bound.
+        Stricter than Kueue's pod integration (Pod.IsActive counts only Running pods): a bound
+        Pending pod may already hold GPUs while its containers start.
+        """
+        return not self.terminal and not (
+            self.deleting and self.phase == "Pending" and not self.bound
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:

@@ -96,13 +96,22 @@ def _changes(job: JobState, **fields: Any) -> SetStatus:
 
 
 def holding(pods: Sequence[failure.PodState]) -> bool:
-    """Whether a pod still holds its node's resources (not terminal, terminating or not).
+    """Whether a pod still holds its node's resources (:attr:`failure.PodState.holds_resources`).
 
-    The scheduler counts a terminating pod until it is gone, so the quota Kueue charged
-    stays until then.  A Succeeded or Failed pod holds nothing, even while a finalizer
-    keeps the object: Kueue's own pod integration counts only such pods as inactive too.
+    A Succeeded or Failed pod holds nothing, even while a finalizer keeps the object.
     """
-    return any(not p.terminal for p in pods)
+    return any(p.holds_resources for p in pods)
+
+
+def _quota_free(job: JobState, pods: Sequence[failure.PodState]) -> bool:
+    """Whether a stopped gang's quota may go back to Kueue (eviction, outdated Workload, suspend).
+
+    Pod names are reused (an eviction, an outdated Workload or a suspend keeps the attempt), so
+    every pod object of the attempt must be gone, terminal or not: a kept one would block the
+    re-admitted gang's creation while it holds the quota.
+    """
+    attempt = int(job.status.get("restarts") or 0)
+    return not holding(pods) and not any(p.attempt == attempt for p in pods)
 
 
 def _live(pods: Sequence[failure.PodState]) -> tuple[str, ...]:
@@ -402,7 +411,7 @@ def decide(
     spec = job.spec
     if spec.run_policy.suspend:
         suspended = _suspend(job, pods, now)
-        if holding(pods) or kueue is None or kueue.state is None:
+        if not _quota_free(job, pods) or kueue is None or kueue.state is None:
             return suspended
         # A suspended job keeps no quota: its Workload goes, and is created again on resume.
         return Decision((*suspended.actions, queueing.DeleteWorkload()), suspended.requeue_after)
@@ -587,8 +596,8 @@ def _held_by_kueue(
     """The decision while Kueue withholds admission, or the actions that record an admission.
 
     An eviction stops the gang like a suspend: every pod gets its grace period to checkpoint,
-    nothing counts as a failure, and the quota goes back only once no pod holds resources
-    (:func:`holding`).
+    nothing counts as a failure, and the quota goes back only once the gang's pod objects are
+    gone (:func:`_quota_free`).
     """
     state = kueue.state
     queued = conditions.find(conditions_of(job), conditions.QUEUED) or {}
@@ -619,9 +628,10 @@ def _held_by_kueue(
         actions.append(queueing.MoveWorkload(kueue.move_to))
     if any(not p.deleting for p in pods):
         actions.append(DeletePods(tuple(p.name for p in pods if not p.deleting)))
-    if not holding(pods) and isinstance(state, queueing.Evicted) and state.holds_quota:
+    free = _quota_free(job, pods)
+    if free and isinstance(state, queueing.Evicted) and state.holds_quota:
         actions.append(queueing.ReleaseQuota())
-    elif not holding(pods) and isinstance(state, queueing.Outdated):
+    elif free and isinstance(state, queueing.Outdated):
         actions.append(queueing.DeleteWorkload())
     if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
         conditions.TRUE,
@@ -647,7 +657,9 @@ def _held_by_kueue(
                 message,
             ),
         ]
-    return Decision(tuple(actions), requeue_after=1.0 if holding(pods) else None)
+    # A kept pod's deletion wakes the job; the slow recheck is a safety net.
+    recheck = 1.0 if holding(pods) else None if free else LEAVING_RECHECK_SECONDS
+    return Decision(tuple(actions), requeue_after=recheck)
 
 
 def _left_kueue(job: JobState, now: datetime.datetime) -> Decision:

@@ -197,7 +197,7 @@ async def release_after_pods(
     if workload is None or not queueing.controlled_by(workload, uid):
         return 0
     states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
-    held = sum(not s.terminal for s in states)
+    held = sum(s.holds_resources for s in states)
     if held and not isinstance(queueing.state(workload), queueing.Finished):
         return held
     metadata = workload["metadata"]

@@ -58,6 +58,7 @@ def pod(
     ip: str | None = None,
     disrupted: bool = False,
     message: str | None = None,
+    bound: bool = False,
 ) -> failure.PodState:
     return failure.PodState(
         name=f"j-r{attempt}-{index}",
@@ -72,6 +73,7 @@ def pod(
         exit_code=exit_code,
         disrupted=disrupted,
         termination_message=message,
+        bound=bound,
     )
 
 

@@ -495,20 +495,22 @@ def test_a_refused_workload_is_said_once_and_tried_again_without_rewriting_the_c
 
 # Kueue's quota goes back once no pod of the gang holds resources on its node.  A pod
 # that ended (Succeeded/Failed) holds none, even while a finalizer of another controller
-# keeps the object (kube-scheduler and the kubelet count only non-terminal pods; Kueue's
-# own pod integration counts only Running pods as active); a deleted pod whose containers
-# still run keeps its GPUs until it is gone.
+# keeps the object (kube-scheduler and the kubelet count only non-terminal pods), nor does
+# a deleted pod never bound (the scheduler skips it); a deleted pod whose containers run or
+# start on its node keeps its GPUs until it is gone.  Where Kueue re-admits the job (evicted,
+# outdated, suspended) the new gang re-uses the pod names, so every pod object of the
+# attempt must be gone first; a finished or deleted job re-creates nothing.
 _ENDED = [pod(0, "Succeeded", deleting=True), pod(1, "Failed", exit_code=143, deleting=True)]
 _HOLDING = [
     ([pod(0, "Running", deleting=True)], "a deleted pod still running"),
-    ([pod(0, "Pending", deleting=True)], "a deleted pod still starting"),
+    ([pod(0, "Pending", deleting=True, bound=True)], "a deleted bound pod still starting"),
     ([pod(0, "Running")], "a running pod"),
     ([pod(0, "Succeeded", deleting=True), pod(1, "Running", deleting=True)], "one of two ended"),
 ]
-_RELEASING = [
-    ([], "no pod left"),
+_NAME_TAKEN = [
     (_ENDED, "pods ended, kept by a finalizer"),
     ([pod(0, "Failed", exit_code=1), pod(1, "Succeeded")], "pods ended, not deleted yet"),
+    ([pod(0, "Pending", deleting=True)], "a deleted pod never bound"),
 ]
 
 
@@ -530,12 +532,30 @@ def _release_cases() -> list[tuple[str, lifecycle.JobState, queueing.Gate | None
     ]
 
 
-@pytest.mark.parametrize(("pods", "why"), _RELEASING, ids=[w for _, w in _RELEASING])
+_RECREATING = [c for c in _release_cases() if c[0] != "finished"]
+_FINISHED = [c for c in _release_cases() if c[0] == "finished"]
+
+
 @pytest.mark.parametrize("case", _release_cases(), ids=lambda c: c[0])
-def test_quota_goes_back_once_no_pod_holds_resources(case, pods, why):
+def test_quota_goes_back_once_no_pod_is_left(case):
+    _, state, gate, release = case
+    assert release in _types(lifecycle.decide(state, [], at(5), gate))
+
+
+@pytest.mark.parametrize(("pods", "why"), _NAME_TAKEN, ids=[w for _, w in _NAME_TAKEN])
+@pytest.mark.parametrize("case", _FINISHED, ids=lambda c: c[0])
+def test_a_finished_job_gives_the_quota_back_once_no_pod_holds_resources(case, pods, why):
     _, state, gate, release = case
     decision = lifecycle.decide(state, pods, at(5), gate)
     assert release in _types(decision), f"quota kept with {why}"
+
+
+@pytest.mark.parametrize(("pods", "why"), _NAME_TAKEN, ids=[w for _, w in _NAME_TAKEN])
+@pytest.mark.parametrize("case", _RECREATING, ids=lambda c: c[0])
+def test_quota_stays_while_a_pod_keeps_a_name_the_readmitted_gang_needs(case, pods, why):
+    _, state, gate, release = case
+    decision = lifecycle.decide(state, pods, at(5), gate)
+    assert release not in _types(decision), f"quota given back with {why}"
 
 
 @pytest.mark.parametrize(("pods", "why"), _HOLDING, ids=[w for _, w in _HOLDING])
@@ -544,3 +564,12 @@ def test_quota_stays_while_a_pod_holds_resources(case, pods, why):
     _, state, gate, release = case
     decision = lifecycle.decide(state, pods, at(5), gate)
     assert release not in _types(decision), f"quota given back with {why}"
+
+
+def test_an_ended_pod_of_an_earlier_attempt_does_not_keep_an_evicted_jobs_quota():
+    restarted = job(**placed_status(phase="Running", restarts=1))
+    evicted = queueing.Evicted("Preempted", "preempted by urgent", holds_quota=True)
+    kept = [pod(0, "Failed", exit_code=1, deleting=True, attempt=0)]
+    decision = lifecycle.decide(restarted, kept, at(5), queueing.Gate(evicted))
+    assert queueing.ReleaseQuota in _types(decision)
+    assert decision.requeue_after is None

@@ -15,6 +15,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshtrain import controlplane
 from meshtrain.controlplane import kueue
@@ -305,38 +306,73 @@ def _pod_object(cluster: Cluster, name: str) -> Any | None:
         raise
 
 
-def test_an_ended_pod_kept_by_a_finalizer_does_not_hold_the_quota(queued) -> None:
-    """Suspending the admitted job: its deleted pod keeps the quota while its ranks run, not once they ended."""
-    cluster, _operator = queued
-    # After the test above one of first/second is admitted (its spec changed) and the other suspended.
-    holder = next(
-        j
-        for j in ("first", "second")
-        if not ((cluster.job(NS, j) or {})["spec"].get("runPolicy") or {}).get("suspend")
+def _reconciles(operator: OperatorProcess) -> float:
+    """How many reconcile passes the operator finished (any job)."""
+    for family in text_string_to_metric_families(operator.metrics()):
+        for sample in family.samples:
+            if sample.name == "meshtrain_operator_reconcile_duration_seconds_count":
+                return sample.value
+    raise AssertionError("the operator exports no meshtrain_operator_reconcile_duration_seconds")
+
+
+def _after_passes_of_every_job(cluster: Cluster, operator: OperatorProcess, what: str) -> None:
+    """Wait until the operator ended two passes per TrainingJob, plus one, after now.
+
+    The count is the operator's, not per job; each job is resynced every 2 s, so by then a pass
+    of the job under test began after the change just made.
+    """
+    jobs = cluster.custom.list_namespaced_custom_object(
+        "meshtrain.io", "v1alpha1", NS, "trainingjobs"
     )
-    [pod] = cluster.wait_gang(NS, holder, 1, timeout=90)
+    passes = 2 * len(jobs["items"]) + 1
+    before = _reconciles(operator)
+    wait_for(
+        f"{passes} reconcile passes after {what}",
+        lambda: _reconciles(operator) >= before + passes,
+        timeout=60,
+    )
+
+
+def test_an_ended_pod_kept_by_a_finalizer_holds_a_suspended_jobs_quota_until_it_is_gone(
+    queued,
+) -> None:
+    """Suspending an admitted job: the re-admitted gang would reuse the pod names, so an ended
+    pod object another controller's finalizer keeps holds the quota until it is gone."""
+    cluster, operator = queued
+    others = [j for j in ("first", "second") if cluster.job(NS, j) is not None]
+    for other in others:  # the whole quota for this test's job, whatever the tests above left
+        cluster.patch_job(NS, other, {"runPolicy": {"suspend": True}})
+    for other in others:
+        wait_for(f"{other}'s Workload gone", lambda o=other: _workload(cluster, o) is None, 90)
+    _apply(cluster, _queued_job("kept", "low"))
+    [pod] = cluster.wait_gang(NS, "kept", 1, timeout=90)
     name = pod.metadata.name
     cluster.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": [HOLD]}})
     try:
         cluster.set_pod_phase(NS, name, "Running")
-        cluster.patch_job(NS, holder, {"runPolicy": {"suspend": True}})
+        cluster.patch_job(NS, "kept", {"runPolicy": {"suspend": True}})
         wait_for(
             f"{name} deleted by the suspend",
             lambda: (p := _pod_object(cluster, name)) is not None and p.metadata.deletion_timestamp,
             timeout=60,
         )
-        time.sleep(2)  # passes woken by the deletion and the 1 s requeue
-        assert _workload(cluster, holder) is not None, "quota given back while the ranks still run"
+        _after_passes_of_every_job(cluster, operator, f"{name}'s deletion")
+        assert _workload(cluster, "kept") is not None, "quota given back while the ranks still run"
         cluster.set_pod_phase(NS, name, "Failed", exit_code=143)  # the ranks stopped on SIGTERM
-        wait_for(
-            f"{holder}'s Workload deleted while the ended {name} is kept by a finalizer",
-            lambda: _workload(cluster, holder) is None,
-            timeout=60,
-        )
+        _after_passes_of_every_job(cluster, operator, f"{name} ended")
         assert _pod_object(cluster, name) is not None, "the finalizer no longer held the pod"
+        assert _workload(cluster, "kept") is not None, (
+            f"quota given back while the ended {name}, kept by a finalizer, still takes the name "
+            "the re-admitted gang needs"
+        )
     finally:
         cluster.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": None}})
-    assert cluster.status(NS, holder).get("restarts", 0) == 0
+    wait_for(
+        f"kept's Workload deleted once {name} is gone",
+        lambda: _pod_object(cluster, name) is None and _workload(cluster, "kept") is None,
+        timeout=60,
+    )
+    assert cluster.status(NS, "kept").get("restarts", 0) == 0
 
 
 def test_a_job_naming_a_queue_that_does_not_exist_waits_and_says_so(queued) -> None:
