@@ -28,7 +28,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -78,12 +77,7 @@ def _rank(
     for event in recorder.events:
         if event.what == "collective" and event.group == "dp":
             dp_bytes[event.kind] = dp_bytes.get(event.kind, 0) + event.nbytes
-    seconds = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        eng.train_step()
-        seconds.append(time.perf_counter() - start)
+    seconds = ranks.timed_steps(eng.train_step, steps)
     if rank == 0:
         torch.save(
             {

@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -68,12 +67,7 @@ def _rank(
         eng.train_step()
     peak = torch.tensor([tracker.peak], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    seconds = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        eng.train_step()
-        seconds.append(time.perf_counter() - start)
+    seconds = ranks.timed_steps(eng.train_step, steps)
     if rank == 0:
         torch.save(
             {"peak_bytes": int(peak.item()), "step_seconds": seconds}, Path(out) / ranks.RESULT

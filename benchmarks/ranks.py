@@ -14,6 +14,7 @@ import argparse
 import datetime
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,17 @@ import torch.multiprocessing as mp
 from meshtrain.controlplane.ports import pick_free_port
 
 RESULT = "result.pt"
+
+
+def timed_steps(step: Callable[[], object], steps: int) -> list[float]:
+    """Wall seconds of ``steps`` calls of ``step``, each started together on every rank."""
+    seconds = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def spawn(rank_fn: Callable[..., None], world: int, *args: Any) -> Any:
