@@ -40,6 +40,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
 from meshtrain.trainer import calibrate, launch, steplog
+from meshtrain.trainer.telemetry import stepstats, trace
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
 TRAINING = {"microBatch": 4, "precision": "fp32", "dataset": "stdlib", "warmupSteps": 1}
@@ -85,7 +86,8 @@ def measure(
 
     The host figures (:mod:`benchmarks.hostload`) cover the steps after
     warm-up: the cores other tenants left to the job, the job's CPU seconds,
-    the load average.
+    the load average; ``median_steps`` the same over the steps the median step
+    time is made of, ``per_step`` each steady step's.
     """
     path = workdir / f"{name}.yaml"
     document = {
@@ -101,10 +103,60 @@ def measure(
     if code:
         raise RuntimeError(f"meshtrain run of {name} failed with exit code {code}; see {log_dir}")
     records = steplog.read(log_dir / steplog.FILENAME)
+    cores = os.cpu_count() or 1
     start = records[WARMUP_STEPS - 1]["time"] if len(records) > WARMUP_STEPS else records[0]["time"]
-    host = sampler.window(start, records[-1]["time"], os.cpu_count() or 1)
-    host["steps"] = len(records[WARMUP_STEPS:]) or len(records)
+    host: dict[str, Any] = sampler.window(start, records[-1]["time"], cores)
+    steady = records[WARMUP_STEPS:] or records
+    host["steps"] = len(steady)
+    host["median_steps"] = sampler.spans([_span(r) for r in median_steps(steady)], cores) | {
+        "steps": [r["step"] for r in median_steps(steady)]
+    }
+    host["per_step"] = [
+        {"step": r["step"], "step_seconds": r["step_seconds"]} | sampler.spans([_span(r)], cores)
+        for r in steady
+    ]
+    host["trace_breakdown"] = {
+        rank: breakdown(lines[WARMUP_STEPS:] or lines)
+        for rank, lines in sorted(trace.read_trace(log_dir).items())
+    }
     return records, host
+
+
+def breakdown(lines: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds per step of one rank's pipeline window by what it was doing (its trace lines).
+
+    ``compute``, ``wait`` (blocked on a pipeline message), ``collective`` and
+    ``outside_events`` (the step loop between recorded events), up to the
+    rank's last event, as the trainer's bubble counts them.
+    """
+    figures: dict[str, list[float]] = {}
+    for line in lines:
+        events = line["events"]
+        row = {
+            "window": max((float(e["end"]) for e in events), default=0.0),
+            "compute": stepstats.union_seconds(
+                (e["start"], e["end"]) for e in events if e["what"] == "compute"
+            ),
+            "wait": sum(e["end"] - e["start"] for e in events if e["what"] == "wait"),
+            "collective": sum(e["end"] - e["start"] for e in events if e["what"] == "collective"),
+            "outside_events": calibrate.outside_events(events),
+            "actions": sum(e["what"] == "compute" for e in events),
+            "bubble": float(line.get("bubble_ratio", 0.0)),
+        }
+        for key, value in row.items():
+            figures.setdefault(key, []).append(float(value))
+    return {key: statistics.median(values) for key, values in figures.items()}
+
+
+def _span(record: dict[str, Any]) -> tuple[float, float]:
+    """A step's (start, end) on the step log's clock: the record is written as the step ends."""
+    return record["time"] - record["step_seconds"], record["time"]
+
+
+def median_steps(steady: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps the median step time is made of: the middle one, or the middle two of an even count."""
+    ordered = sorted(steady, key=lambda r: r["step_seconds"])
+    return ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
 
 
 def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Profile:
@@ -151,8 +203,10 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
     """Calibrate, run, calibrate again and plan one layout; the row of the results file.
 
     The step is predicted at the cores other tenants left to the job during
-    its steady steps (measured beside the run); the prediction at the
-    calibrations' cores is kept too (:func:`predictions`).
+    the steps its median step time is made of (:func:`median_steps`; measured
+    beside the run), so both sides of the ratio describe the same seconds; the
+    cores over all steady steps and the prediction at the calibrations' cores
+    are kept too (:func:`predictions`).
     """
     raw = job_raw(parallelism, steps, str(tmp / name / "checkpoints"))
     job = loading.parse_spec(raw, name)
@@ -171,7 +225,8 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
         "world_size": job.world_size,
         "measured_step_seconds": statistics.median(r["step_seconds"] for r in steady),
         "measured_bubble": _median(steady, "bubble_ratio"),
-        "available_cores_run": host["available_cores"],
+        "available_cores_run": host["median_steps"]["available_cores"],
+        "available_cores_steady_steps": host["available_cores"],
         "measured_cpu_seconds": host["job_cpu_seconds"] / host["steps"],
         "measured_rank0_cpu_seconds": _median(steady, "cpu_seconds"),
         "measured_compute_seconds": _median(steady, "compute_seconds"),
@@ -260,7 +315,7 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
         steady = records[WARMUP_STEPS:] or records
         at_run = estimate.make_plan(
             loading.parse_spec(raw, name),
-            dataclasses.replace(profile, available_cores=host["available_cores"]),
+            dataclasses.replace(profile, available_cores=host["median_steps"]["available_cores"]),
         ).time.step_seconds
         rows.append(
             {

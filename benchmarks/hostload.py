@@ -65,7 +65,7 @@ def _descendant_ticks(root: int) -> int:
 class Sampler:
     """Samples in a daemon thread while used as a context manager."""
 
-    def __init__(self, interval: float = 0.25) -> None:
+    def __init__(self, interval: float = 0.1) -> None:
         self.interval = interval
         self.samples: list[Sample] = []
         self._stop = threading.Event()
@@ -98,6 +98,42 @@ class Sampler:
     ) -> None:
         self._stop.set()
         self._thread.join()
+
+    def _at(self, moment: float) -> tuple[float, float]:
+        """Host busy and job CPU seconds at ``moment``, linear between the samples around it."""
+        before = [s for s in self.samples if s.time <= moment]
+        after = [s for s in self.samples if s.time >= moment]
+        if not before or not after:
+            raise ValueError(f"{moment} is outside the sampled span")
+        low, high = before[-1], after[0]
+        share = (moment - low.time) / (high.time - low.time) if high.time > low.time else 0.0
+
+        def between(a: int, b: int) -> float:
+            return (a + share * (b - a)) / HZ
+
+        return between(low.busy_ticks, high.busy_ticks), between(low.job_ticks, high.job_ticks)
+
+    def spans(self, spans: list[tuple[float, float]], cores: int) -> dict[str, float]:
+        """Cores left to the job and the job's CPU seconds over the union of ``spans`` (start, end).
+
+        For spans shorter than the sampling interval (single steps): the
+        counters are interpolated at each span's ends.
+        """
+        seconds = others = job = 0.0
+        for start, end in spans:
+            busy_start, job_start = self._at(start)
+            busy_end, job_end = self._at(end)
+            seconds += end - start
+            job += job_end - job_start
+            others += (busy_end - busy_start) - (job_end - job_start)
+        if seconds <= 0:
+            raise ValueError("spans cover no time")
+        return {
+            "seconds": seconds,
+            "available_cores": min(float(cores), max(0.05, cores - others / seconds)),
+            "others_cores": others / seconds,
+            "job_cpu_seconds": job,
+        }
 
     def window(self, start: float, end: float, cores: int) -> dict[str, float]:
         """Cores left to the job, the job's CPU seconds and the load between ``start`` and ``end``."""

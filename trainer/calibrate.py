@@ -50,6 +50,7 @@ from meshtrain.planner import cost, cpu_host, estimate, memory, profiles
 from meshtrain.trainer import launch, steplog
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh
+from meshtrain.trainer.telemetry import stepstats, trace
 
 MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 """Payload sizes a collective is timed at (full buffer, as the trainer's recorder counts)."""
@@ -476,6 +477,7 @@ def rank_step_cpu(
         if code:
             raise RuntimeError(f"the step-loop run of calibration failed with exit code {code}")
         records = steplog.read(Path(tmp) / "log" / steplog.FILENAME)
+        traces = trace.read_trace(Path(tmp) / "log")
     loop = loading.parse_spec(raw, "calibration step-loop run")
     steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
     measured = statistics.median(steady)
@@ -483,9 +485,29 @@ def rank_step_cpu(
     return max(0.0, measured - predicted), {
         "rank0_cpu_seconds": steady,
         "predicted_cpu_seconds_per_rank": predicted,
+        # Where the loop's time goes: outside every recorded event (between actions) or not.
+        "outside_events_seconds": {
+            rank: statistics.median(
+                outside_events(line["events"]) for line in lines[LOOP_STEPS // 2 :]
+            )
+            for rank, lines in sorted(traces.items())
+        },
+        "actions": statistics.median(
+            sum(e["what"] == "compute" for e in line["events"]) for line in traces.get(0, [])
+        )
+        if traces.get(0)
+        else 0,
         "layers": loop.model.shape().layers,
         "seq_len": loop.model.shape().seq_len,
     }
+
+
+def outside_events(events: list[dict[str, Any]]) -> float:
+    """Seconds of a step's trace line, up to its last event's end, that no event covers."""
+    if not events:
+        return 0.0
+    end = max(float(e["end"]) for e in events)
+    return end - stepstats.union_seconds((float(e["start"]), float(e["end"])) for e in events)
 
 
 def load_average() -> list[float]:
