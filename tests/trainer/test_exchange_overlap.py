@@ -115,3 +115,67 @@ def test_bucket_exchanges_finish_while_backward_still_runs() -> None:
         ("all_reduce", "inter"),
         ("all_gather", "intra"),
     }
+
+
+NUMBER_CASES = {
+    "int8": dict(gradient_compression={"mode": "int8"}),
+    "powersgd": dict(gradient_compression={"mode": "powersgd", "rank": 2}),
+    # both ranks on one simulated node: an intra-node group of 2 (reduce-scatter and all-gather
+    # carry data) and an inter-node group of 1
+    "hierarchical": dict(all_reduce="hierarchical", gpus_per_node=2),
+}
+
+
+def exchanged(overlap: bool) -> dict:
+    """Per case, two steps' reduced gradients (every bucket after ``finish``) and reducer state;
+    ``overlap=False`` removes the reducer's hooks, so every exchange is issued from ``finish``."""
+    out, mesh = {}, None
+    for case, layout in NUMBER_CASES.items():
+        raw = mt_harness.make_spec(data=2, bucket_mb=0.01, steps=2, **layout)
+        job = loading.parse_spec(raw)
+        mesh = mesh or mesh_mod.build_mesh(
+            layout_mod.from_spec(job.parallelism), torch.device("cpu")
+        )
+        torch.manual_seed(0)
+        eng = engine.Engine(job, mesh, recorder=recording.MemoryRecorder())
+        reducer = eng.model.reducer
+        if not overlap:
+            for hook in reducer._hooks:
+                hook.remove()
+        grads: list[list[torch.Tensor]] = []
+        finish = reducer.finish
+
+        def finish_and_keep(finish=finish, reducer=reducer, grads=grads) -> None:
+            finish()
+            grads.append([b.buffer.clone() for b in reducer.buckets])
+
+        reducer.finish = finish_and_keep
+        states = []
+        for _ in range(2):
+            eng.train_step()
+            states.append({k: v.clone() for k, v in getattr(reducer, "state", {}).items()})
+        out[case] = {"buckets": len(reducer.buckets), "grads": grads, "states": states}
+    return out
+
+
+def _run_both() -> dict:
+    return {"overlapped": exchanged(True), "after_backward": exchanged(False)}
+
+
+@pytest.mark.slow
+def test_overlapped_exchanges_give_the_same_numbers_as_exchanges_after_backward() -> None:
+    for rank, result in enumerate(mt_harness.run_distributed(_run_both, 2)):
+        for case in NUMBER_CASES:
+            over, after = result["overlapped"][case], result["after_backward"][case]
+            where = f"rank {rank} {case}"
+            assert over["buckets"] > 2, f"{where}: the tiny buckets must be several"
+            assert len(over["grads"]) == len(after["grads"]) == 2
+            for step, (a, b) in enumerate(zip(over["grads"], after["grads"], strict=True)):
+                for index, (x, y) in enumerate(zip(a, b, strict=True)):
+                    assert torch.equal(x, y), f"{where} step {step + 1}: bucket {index} differs"
+            for step, (a, b) in enumerate(zip(over["states"], after["states"], strict=True)):
+                assert a.keys() == b.keys()
+                if case != "hierarchical":
+                    assert a, f"{where}: no error-feedback / Q state to compare"
+                for key in a:
+                    assert torch.equal(a[key], b[key]), f"{where} step {step + 1}: {key} differs"

@@ -215,19 +215,21 @@ def test_deferred_recorder_feeds_a_memory_recorder_seconds():
     )
 
 
-def test_cuda_bucket_exchanges_run_on_their_own_stream_and_join_at_drain():
-    """A queued exchange runs on the exchange thread's exchange stream, after the bucket's ready mark
+def test_cuda_bucket_exchanges_run_inline_on_their_own_stream_and_join_at_drain():
+    """On CUDA a bucket's exchange runs inline (the issuing thread, no worker thread: one program
+    order of NCCL calls across communicators) on the exchange stream, after the bucket's ready mark
     (recorded on the compute stream); backward's stream waits for it only at drain."""
     clock, device, _ = cuda_clock(0.0)
     queue = exchanges.ExchangeQueue(clock)
     seen = []
     try:
         queue.submit(lambda: seen.append((threading.current_thread().name, device.current.name)))
+        assert seen  # ran before submit returned
         queue.drain()
     finally:
         queue.close()
     [(thread, stream)] = seen
-    assert thread.startswith("meshtrain-exchange") and stream == "exchange"
+    assert thread == threading.current_thread().name and stream == "exchange"
     assert device.log == [
         ("record", "compute"),  # the ready mark, where backward is
         ("enter", "exchange"),
@@ -235,7 +237,7 @@ def test_cuda_bucket_exchanges_run_on_their_own_stream_and_join_at_drain():
         ("exit", "exchange"),
         ("wait_stream", "compute", "exchange"),  # drain: backward's stream joins the chains
     ]
-    assert device.current is device.compute  # the issuing thread's stream is untouched
+    assert device.current is device.compute  # the issuing thread's stream is restored
 
 
 def test_a_failed_exchange_is_raised_at_drain():
@@ -244,6 +246,35 @@ def test_a_failed_exchange_is_raised_at_drain():
     with pytest.raises(ZeroDivisionError):
         queue.drain()
     queue.close()
+
+
+def test_after_a_failed_exchange_the_queued_ones_are_skipped_and_drain_raises_at_once():
+    """A later chain's collectives would pair with the peers' rest of the failed one and hang: it must
+    not run, and drain must not wait for it.  (The stand-in 'collective' waits for a release that
+    only a test failure gives.)"""
+    queue = exchanges.ExchangeQueue(clocks.HostClock())
+    release = threading.Event()
+    ran = []
+
+    def paired_collective() -> None:
+        ran.append("second")
+        release.wait(timeout=30)
+
+    def failing_chain() -> None:
+        raise RuntimeError("leg 2 of bucket 0 failed")
+
+    queue.submit(failing_chain)
+    queue.submit(paired_collective)
+    try:
+        with pytest.raises(RuntimeError, match="leg 2 of bucket 0"):
+            queue.drain()
+        assert ran == []
+        queue.submit(lambda: ran.append("next step"))  # a later step runs again
+        queue.drain()
+        assert ran == ["next step"]
+    finally:
+        release.set()
+        queue.close()
 
 
 def test_the_callers_dispatch_modes_see_a_queued_exchange():

@@ -30,12 +30,13 @@ The compute stream waits for the side stream only where the result is needed
 
 A bucket exchange that is a chain of dependent collectives and computations
 (hierarchical all-reduce, compressed exchanges: :mod:`.exchanges`) runs on a
-background thread.  ``mark_ready`` notes, on the issuing thread, the point
-where the bucket's gradients are final; ``exchange_stream(mark)`` is the
-context the thread runs the chain in (on CUDA: the clock's exchange stream,
-which first waits for the mark, so neither the host nor backward's stream
-waits for the chain); ``join_exchanges`` makes the compute stream wait for
-every chain issued (the host waits for the thread itself).
+background thread on the host and inline in the reducer's hook on CUDA.
+``mark_ready`` notes, on the issuing thread, the point where the bucket's
+gradients are final; ``exchange_stream(mark)`` is the context the chain runs
+in (on CUDA: the clock's exchange stream, which first waits for the mark, so
+neither the host nor backward's stream waits for the chain);
+``join_exchanges`` makes the compute stream wait for every chain issued (the
+host waits for the thread itself).
 
 Not the step's wall time (the engine reads ``perf_counter``
 around the whole step, which ends with a host sync), checkpoint timing, or a
@@ -189,7 +190,7 @@ class CudaClock:
 
     @contextlib.contextmanager
     def exchange_stream(self, ready: torch.cuda.Event) -> Iterator[None]:
-        """Run (on the exchange thread) on the clock's exchange stream, after ``ready``."""
+        """Run (inline, on the issuing thread) on the clock's exchange stream, after ``ready``."""
         if self._exchange is None:
             self._exchange = self._api.Stream(device=self.device)
         with self._api.device(self.device), self._api.stream(self._exchange):

@@ -24,11 +24,10 @@ compression dropped this step is added to its gradient next step
 (:attr:`CompressedGradReducer.state` holds it, created at construction and
 updated in place, so a checkpoint saves and loads it); a step the loss guard
 skips leaves none (:meth:`CompressedGradReducer.discard_step`).  Each bucket's
-exchange runs as soon as its gradients are final, on the exchange thread
-(:mod:`.exchanges`), overlapped with the rest of backward; buckets are
-exchanged in the order they became ready and each touches only its own
-state, so the arithmetic is the same as exchanging them one by one after
-backward.
+exchange is issued, in bucket index order, as soon as it and every bucket
+before it are final (:mod:`.exchanges`), overlapped with the rest of
+backward; each touches only its own state, so the arithmetic is the same as
+exchanging them one by one after backward.
 Each collective is reported to the recorder with its real payload, so
 ``bytes on the wire`` come from the recorder as for uncompressed runs.
 """

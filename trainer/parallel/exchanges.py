@@ -1,29 +1,41 @@
-"""Bucket exchanges that are chains of collectives, overlapped with backward on one background thread.
+"""Bucket exchanges that are chains of collectives, overlapped with backward.
 
 The flat reducer's exchange is one asynchronous all-reduce per bucket.  The
 hierarchical all-reduce (reduce-scatter, all-reduce, all-gather, each
 needing the previous one's result) and the compressed exchanges (quantise,
 gather, decode; PowerSGD's two all-reduces with an orthonormalisation
-between) are chains, so :class:`QueuedGradReducer` hands each bucket's
-whole chain, when its gradients are final (the reducer's hook), to an
-:class:`ExchangeQueue`: one worker thread that runs the chains in the order
-the buckets became ready, with blocking collectives, while backward goes on
-computing earlier layers on the calling thread.  This is what PyTorch DDP's
-communication hooks do with futures (``powerSGD_hook`` runs per bucket);
-one thread in bucket order keeps every rank issuing the same collectives in
-the same order on each process group, which the backends require.
+between) are chains.  :class:`QueuedGradReducer` issues each bucket's whole
+chain in bucket index order, as PyTorch DDP's Reducer launches its buckets
+(``next_bucket_``): when bucket ``i`` becomes ready (the reducer's hook), it
+submits every bucket from the lowest not yet submitted up to, not
+including, the lowest one not ready; :meth:`QueuedGradReducer.finish`
+submits the rest in index order.  Every rank therefore issues the same
+chains in the same order on each process group, whatever order its hooks
+fired in (an unused parameter's bucket completes in ``finish`` on one rank
+and mid-backward on another), which the backends require.
+
+Where a chain runs depends on the clock (:mod:`.clocks`):
+
+* host (CPU, gloo): on :class:`ExchangeQueue`'s one worker thread, with
+  blocking collectives, while backward goes on computing earlier layers on
+  the calling thread.  After a chain fails, the chains queued behind it are
+  skipped (their collectives would pair with the peers' remaining legs of
+  the failed one) and :meth:`ExchangeQueue.drain` raises the failure at once.
+* CUDA (NCCL): inline in the hook, on the clock's exchange stream after the
+  bucket's ready mark.  Kernels and NCCL collectives are asynchronous, so a
+  thread gains nothing, and issuing data-parallel collectives from a thread
+  while tensor and pipeline collectives are issued from others would let the
+  order across communicators differ between ranks (an NCCL deadlock).
 
 What stays exposed after backward is the exchange of the buckets that
 became ready last (at least the last bucket's whole chain), which is what
-the planner charges (:func:`meshtrain.planner.cost._stage_time`).  On CUDA
-the chain runs on the clock's exchange stream after the bucket's ready mark
-(:mod:`.clocks`), so neither the host nor backward's stream waits for it
-until :meth:`ExchangeQueue.drain`.
+the planner charges (:func:`meshtrain.planner.cost._stage_time`).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -35,18 +47,23 @@ from meshtrain.trainer.parallel import clocks, reducer
 
 
 class ExchangeQueue:
-    """Runs bucket exchanges on one worker thread, first ready first run."""
+    """Runs bucket exchanges in submission order: on one worker thread (host), inline on CUDA."""
 
     def __init__(self, clock: clocks.Clock) -> None:
         self.clock = clock
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
+        self._failed = threading.Event()
 
     def submit(self, exchange: Callable[[], None]) -> None:
-        """Queue ``exchange`` now that its inputs are final (call on the thread that produced them)."""
+        """Run ``exchange`` now that its inputs are final (call on the thread that produced them)."""
+        ready: Any = self.clock.mark_ready()
+        if isinstance(self.clock, clocks.CudaClock):
+            with self.clock.exchange_stream(ready):
+                exchange()
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshtrain-exchange")
-        ready: Any = self.clock.mark_ready()
         threads = torch.get_num_threads()
         modes = python_dispatch._get_current_dispatch_mode_stack()
         self._pending.append(self._pool.submit(self._run, exchange, ready, threads, modes))
@@ -54,6 +71,8 @@ class ExchangeQueue:
     def _run(
         self, exchange: Callable[[], None], ready: Any, threads: int, modes: list[Any]
     ) -> None:
+        if self._failed.is_set():
+            return  # an earlier chain failed: this one's collectives would pair with its peers' rest
         torch.set_num_threads(threads)  # the caller's intra-op budget, not the default
         # the caller's dispatch modes (a memory tracker, a FLOP counter) see the exchange's ops, as
         # autograd's worker threads inherit them
@@ -62,17 +81,24 @@ class ExchangeQueue:
         try:
             with self.clock.exchange_stream(ready):
                 exchange()
+        except BaseException:
+            self._failed.set()
+            raise
         finally:
             for _ in modes:
                 python_dispatch._pop_mode()
 
     def drain(self) -> None:
-        """Wait for every queued exchange (re-raising the first failure); the compute stream joins them."""
+        """Wait for the queued exchanges in order, raising the first failure as soon as it is seen."""
         pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]
-        for error in errors:
-            if error is not None:
-                raise error
+        try:
+            for future in pending:
+                future.result()
+        finally:
+            if self._failed.is_set():
+                for future in pending:  # skipped after the failure: they end at once
+                    future.exception()
+                self._failed.clear()
         self.clock.join_exchanges()
 
     def close(self) -> None:
@@ -82,7 +108,7 @@ class ExchangeQueue:
 
 
 class QueuedGradReducer(reducer.GradReducer):
-    """A gradient reducer whose per-bucket exchange (:meth:`_exchange`) runs on an :class:`ExchangeQueue`.
+    """A gradient reducer whose per-bucket exchange (:meth:`_exchange`) runs through an :class:`ExchangeQueue`.
 
     The exchange leaves this rank's reduced gradient in the bucket; it must
     not touch another bucket (they run while backward fills the others).
@@ -96,10 +122,18 @@ class QueuedGradReducer(reducer.GradReducer):
         """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
         super().__init__(params, **reducer_args)
         self.exchanges = ExchangeQueue(self.clock)
-        self._queued: set[int] = set()
+        self._ready: set[int] = set()
+        self._next = 0
+        """The lowest bucket index not yet submitted."""
 
     def _launch(self, bucket: reducer.Bucket) -> None:
-        self._queued.add(bucket.index)
+        """Bucket ``bucket`` is ready: submit, in index order, every bucket up to the lowest one not ready."""
+        self._ready.add(bucket.index)
+        while self._next < len(self.buckets) and self._next in self._ready:
+            self._submit(self.buckets[self._next])
+
+    def _submit(self, bucket: reducer.Bucket) -> None:
+        self._next = bucket.index + 1
         self.exchanges.submit(functools.partial(self._exchange, bucket))
 
     def _exchange(self, bucket: reducer.Bucket) -> None:
@@ -109,15 +143,16 @@ class QueuedGradReducer(reducer.GradReducer):
         """After every exchange of the step is done (on the calling thread)."""
 
     def finish(self) -> None:
-        """Queue the buckets whose hook did not fire, wait for every exchange, then :meth:`_settled`."""
-        for bucket in self.buckets:
-            if bucket.index not in self._queued:
-                self._note_local(bucket)
-                self._launch(bucket)
+        """Submit the buckets not yet submitted in index order, wait for every exchange, then :meth:`_settled`."""
         try:
+            for bucket in self.buckets[self._next :]:
+                if bucket.index not in self._ready:
+                    self._note_local(bucket)
+                self._submit(bucket)
             self.exchanges.drain()
         finally:
-            self._queued.clear()
+            self._ready.clear()
+            self._next = 0
             for bucket in self.buckets:
                 bucket.ready = 0
         self._settled()
