@@ -24,7 +24,8 @@ Classification:
 
 A failure is a *disruption* when the infrastructure, not the job, ended the pod:
 a ``DisruptionTarget`` condition (eviction, preemption, drain, taint), phase
-Unknown, or a Failed pod whose reason is one of :data:`DISRUPTION_REASONS`.  A
+Unknown, or a Failed pod whose reason is one of :data:`DISRUPTION_REASONS` or a
+kubelet admission rejection (:data:`KUBELET_OUT_OF`).  A
 gang restart caused only by disruptions does not use ``backoffLimit`` (the
 practice of Job/JobSet ``podFailurePolicy`` with ``onPodConditions:
 DisruptionTarget`` and action ``Ignore``): a 10k-GPU job loses nodes every few
@@ -40,8 +41,18 @@ from typing import Any
 from meshtrain.api import exitcodes
 from meshtrain.operator import conditions, identity, naming
 
-DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated"})
-"""Pod status.reason set when the node or the kubelet, not the container, ended a pod."""
+DISRUPTION_REASONS = frozenset(
+    {"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
+)
+"""Pod status.reason set when the node or the kubelet, not the container, ended a pod.
+
+``UnexpectedAdmissionError``: the kubelet's device manager could not allocate the pod's devices.
+"""
+
+KUBELET_OUT_OF = "OutOf"
+"""Prefix of the reason the kubelet gives a pod it refuses for lack of a resource
+(``OutOfnvidia.com/gpu``, ``OutOfcpu``, ``OutOfpods``): e.g. while it still tears down a
+terminal pod of the previous gang, whose resources the scheduler already counts free."""
 
 PERMANENT_EXIT_CODES = exitcodes.PERMANENT
 """Exit codes after which restarting the gang cannot help."""
@@ -183,7 +194,15 @@ def disrupted(pod: PodState) -> bool:
     return (
         pod.disrupted
         or pod.phase == "Unknown"
-        or (pod.phase == "Failed" and pod.reason in DISRUPTION_REASONS)
+        or (pod.phase == "Failed" and _disruption_reason(pod.reason))
+    )
+
+
+def _disruption_reason(reason: str | None) -> bool:
+    if reason is None:
+        return False
+    return reason in DISRUPTION_REASONS or (
+        reason.startswith(KUBELET_OUT_OF) and len(reason) > len(KUBELET_OUT_OF)
     )
 
 

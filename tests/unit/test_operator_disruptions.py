@@ -64,3 +64,28 @@ def test_a_pod_that_vanished_with_its_node_is_a_disruption():
     # The node still there: the pod's disappearance is the job's own failure (limit used up).
     decision = lifecycle.decide(state, survivors, at(5), None, frozenset({"n0"}))
     assert status_of(decision)["phase"] == "Failed"
+
+
+# Reasons the kubelet gives a pod it refuses at admission (kubernetes pkg/kubelet/lifecycle
+# predicate.go: "OutOf" + the resource name; the device manager's allocation failure:
+# UnexpectedAdmissionError): the pod never ran, the node refused it.
+KUBELET_REJECTIONS = ("OutOfnvidia.com/gpu", "OutOfcpu", "OutOfpods", "UnexpectedAdmissionError")
+
+
+def test_a_pod_refused_by_the_kubelet_at_admission_is_a_disruption():
+    for reason in KUBELET_REJECTIONS:
+        refused = dataclasses.replace(pod(1, "Failed"), reason=reason)
+        found = failure.classify(refused)
+        assert found is not None and found.disruption, reason
+    for reason in ("OutOf", "DeadlineExceeded", None):
+        failed = dataclasses.replace(pod(1, "Failed"), reason=reason)
+        assert not failure.classify(failed).disruption, reason
+
+
+def test_a_gang_refused_by_a_kubelet_restarts_without_using_the_backoff_limit():
+    state = job(spec(1), **placed_status(phase="Running", restarts=1))
+    refused = dataclasses.replace(pod(1, "Failed", attempt=1), reason="OutOfnvidia.com/gpu")
+    decision = lifecycle.decide(state, [pod(0, "Running", attempt=1), refused], at(5))
+    status = status_of(decision)
+    assert status["phase"] == "Restarting", status
+    assert status["restarts"] == 2 and status["disruptionRestarts"] == 1
