@@ -104,6 +104,9 @@ class StageComm:
     dp_exchanges: int = 0
     """Gradient bucket exchanges per step: each one chain of dp collectives issued when its bucket's
     gradients are final, overlapping the rest of backward (:mod:`meshtrain.trainer.parallel.exchanges`)."""
+    dp_last_exchange: tuple[Collective, ...] = ()
+    """The legs (one call each) of the last bucket's exchange, issued when backward ends, so exposed
+    whole (in GPT the last bucket holds the token embedding); empty where not modelled (ZeRO-3)."""
 
     def payload(self, group: str) -> int:
         """Payload bytes per step over ``group``."""
@@ -281,6 +284,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     holds_last = last_virtual in virtuals
     out: dict[tuple[str, str, bool], list[int]] = {}
     exchanges = 0
+    last_exchange: list[tuple[str, str, int, int]] = []
 
     # Parameters of this rank, chunk by chunk in the order the trainer registers them.
     chunk_shapes = [
@@ -314,6 +318,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 exchanges += 0 if gathers else calls
         elif par.zero_stage == 2:  # every micro-batch's backward reduce-scatters each bucket
             exchanges = m * len(buckets)
+            last_exchange = [("dp", "reduce_scatter", 1, padded(buckets[-1], d) * scheme.grads)]
             _add(
                 out,
                 "dp",
@@ -332,6 +337,9 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             ):
                 _add(out, group, op, calls, nbytes)
             exchanges = len(bucket_shapes)
+            last_exchange = dp_compression.dp_collectives(
+                par.gradient_compression, bucket_shapes[-1:], d, scheme.grads
+            )
         elif par.all_reduce == "hierarchical":  # intra-node reduce-scatter and all-gather of each
             # bucket padded to the k peers of a node, inter-node all-reduce of its 1/k shard
             k = dp_ranks_per_node(job)
@@ -340,9 +348,16 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
             _add(out, "dp", "all_reduce", len(buckets), full // k)
             _add(out, "dp", "all_gather", len(buckets), full)
             exchanges = len(buckets)
+            last = padded(buckets[-1], k) * scheme.grads
+            last_exchange = [
+                ("dp", "reduce_scatter", 1, last),
+                ("dp", "all_reduce", 1, last // k),
+                ("dp", "all_gather", 1, last),
+            ]
         else:
             _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
             exchanges = len(buckets)
+            last_exchange = [("dp", "all_reduce", 1, buckets[-1] * scheme.grads)]
         if par.zero_stage == 3:  # the norm summed over dp
             _add(out, "dp", "all_reduce", 1, NORM_BYTES, after_backward=True)
         elif (
@@ -427,7 +442,15 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
         )
         for (g, op, after), (calls, nbytes) in sorted(out.items())
     )
-    return StageComm(stage=stage, collectives=collectives, dp_exchanges=exchanges)
+    return StageComm(
+        stage=stage,
+        collectives=collectives,
+        dp_exchanges=exchanges,
+        dp_last_exchange=tuple(
+            Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=d)
+            for g, op, calls, nbytes in last_exchange
+        ),
+    )
 
 
 def plan_comm(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[StageComm, ...]:

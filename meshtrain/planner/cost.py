@@ -375,7 +375,14 @@ def _stage_time(
     reduce = seconds["dp"] - after_backward
     window = BACKWARD_SHARE * compute / par.micro_batches
     exchanges = stage_comm.dp_exchanges or dp_calls  # each bucket's exchange is one chain
-    exposed = max(reduce - window, reduce / exchanges) if exchanges else 0.0
+    # the last bucket's chain starts when backward ends, so it is exposed whole (ZeRO-3: the average)
+    last_chain = sum(
+        collective_seconds(*hierarchical_leg(job, c, used[c.group], nvlink))
+        for c in stage_comm.dp_last_exchange
+    )
+    if exchanges and not stage_comm.dp_last_exchange:
+        last_chain = reduce / exchanges
+    exposed = max(reduce - window, last_chain) if exchanges else 0.0
     params = memory.rank_params(shape, par.pipeline, par.tensor, stage)
     updated = params / par.data if par.zero_stage >= 1 else params
     tensors = len(

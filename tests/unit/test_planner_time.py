@@ -391,3 +391,35 @@ def test_a_bucket_exchange_overlaps_backward_only_as_a_whole_chain(exchange: dic
     assert one_bucket.dp_exposed == pytest.approx(one_bucket.dp, rel=1e-12)
     many = dp_stage(25)
     assert 0 < many.dp_exposed < 0.5 * many.dp
+
+
+@pytest.mark.parametrize("all_reduce", ["flat", "hierarchical"])
+def test_the_last_buckets_whole_chain_is_exposed(all_reduce: str) -> None:
+    """The last bucket (in GPT: the token embedding's, whose gradient backward produces last) starts its
+    exchange when backward ends: dp_exposed is at least that chain, computed here with the ring
+    formula on the fabric from the embedding's bytes alone (a lower bound of the bucket)."""
+    h100 = profiles.get("h100-sxm")
+    raw = (
+        JobBuilder()
+        .layout(16, 1, 1, gpus_per_node=8)
+        .model(preset="1.3b")
+        .parallelism(bucketMb=25, allReduce=all_reduce)
+        .training(microBatch=64, precision="fp32")  # backward hides all but the last chain
+        .raw()
+    )
+    job = loading.parse_spec(raw)
+    stage = estimate.make_plan(job, h100).time.stages[0]
+    shape = job.model.shape()
+    model = gpt.GPT(
+        gpt.GPTConfig(vocab=96, seq_len=16, layers=2, hidden=32, heads=4, ffn_hidden=128)
+    )
+    assert next(iter(model.parameters())).shape == (96, 32)  # the embedding is registered first
+    grad_bytes = 4  # fp32 gradients
+    embedding = shape.vocab * shape.hidden * grad_bytes
+    members, nbytes = (16, embedding) if all_reduce == "flat" else (2, embedding / 8)
+    last_chain = (
+        2 * (members - 1) * h100.nic_latency
+        + 2 * (members - 1) / members * nbytes / h100.nic_bandwidth
+    )
+    assert stage.dp_exposed >= last_chain
+    assert stage.dp_exposed < 0.5 * stage.dp  # the earlier buckets still hide behind backward
