@@ -491,16 +491,16 @@ class RankMemory:
     compression: float = 0.0
     """Gradient compression's state kept between steps (error feedback, PowerSGD's Q)."""
     exchange: float = 0.0
-    """Temporaries of one bucket's compressed exchange, after the last backward."""
+    """Temporaries of one bucket's compressed or hierarchical exchange: the chains overlap backward,
+    so they coexist with its activations and buffers."""
 
     @property
     def total(self) -> float:
         """Peak bytes: the state plus the largest working set (backward, the end of a backward, the optimizer step)."""
         working = max(
-            self.activations + self.buffers,
+            self.activations + self.buffers + self.exchange,
             self.other_activations + self.reduce_end,
             self.step_buffers,
-            self.exchange,
         )
         return self.weights + self.grads + self.optimizer + self.compression + working
 
@@ -584,15 +584,21 @@ def plan_memory(
             root = params - layers_per_stage * block - tables
             buffers, reduce_end = zero3_gathered(block, root, tables, par.data, scheme)
         compression, exchange = 0.0, 0.0
+        bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)
         if par.data > 1:
             compression, exchange = dp_compression.memory_bytes(
                 par.gradient_compression,
                 params,
                 rank_matrices(shape, par.pipeline, par.tensor, stage),
-                min(params, par.bucket_mb * 2**20 / scheme.grads + largest),
+                bucket,
                 par.data,
                 scheme.grads,
             )
+        if par.data > 1 and par.all_reduce == "hierarchical" and not exchange:
+            # the bucket padded to the node's k ranks and the 1/k shard reduced across nodes
+            # (comm.dp_ranks_per_node: comm imports this module)
+            k = min(max(job.resources.gpus_per_node // par.tensor, 1), par.data)
+            exchange = bucket * scheme.grads * (1 + 1 / k)
         stages.append(
             RankMemory(
                 stage=stage,
