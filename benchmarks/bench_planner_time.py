@@ -178,6 +178,8 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
         core_op_overhead=mean(before.core_op_overhead, after.core_op_overhead),
         available_cores=mean(before.available_cores, after.available_cores),
         rank_step_cpu_seconds=(before.rank_step_cpu_seconds + after.rank_step_cpu_seconds) / 2,
+        step_loop_between_share=(before.step_loop_between_share + after.step_loop_between_share)
+        / 2,
         flops_by_ranks={
             r: mean(f, after.flops_by_ranks.get(r, f)) for r, f in before.flops_by_ranks.items()
         },
@@ -265,6 +267,7 @@ def predictions(
         "predicted_dependency_seconds": plan.time.dependency_seconds,
         "predicted_cpu_seconds": plan.time.cpu_seconds,
         "predicted_rank_step_cpu_seconds": calibrated.rank_step_cpu_seconds,
+        "predicted_step_loop_between_share": calibrated.step_loop_between_share,
         "predicted_compute_seconds": worst.compute,
         "predicted_overhead_seconds": worst.overhead,
         "predicted_tp_seconds": worst.tp,
@@ -291,6 +294,15 @@ def repredict(document: dict[str, Any]) -> dict[str, Any]:
         raw = job_raw(layouts[row["layout"]], results["steps"], "/nonexistent/checkpoints")
         job = loading.parse_spec(raw, row["layout"])
         calibrated = profiles.from_mapping(row["calibration"], f"{row['layout']} calibration")
+        if "step_loop_between_share" not in row["calibration"]:
+            # Recorded before the share was a profile field: derive it from the step-loop run.
+            loop_run = row["calibration"]["calibration"].get("step_loop_run", {})
+            calibrated = dataclasses.replace(
+                calibrated,
+                step_loop_between_share=calibrate.between_share(
+                    loop_run, job, calibrated, calibrated.rank_step_cpu_seconds
+                ),
+            )
         rows.append(row | predictions(job, calibrated, row))
     summary = summarise(rows)
     repredicted = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

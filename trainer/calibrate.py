@@ -502,6 +502,26 @@ def rank_step_cpu(
     }
 
 
+def between_share(
+    loop_run: dict[str, Any],
+    loop: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    loop_cpu: float,
+) -> float:
+    """Share of the step loop's CPU seconds (``loop_cpu``) a rank spends outside every recorded event.
+
+    ``loop_run`` holds the step-loop run's wall seconds outside events per
+    rank; the median rank's, at the CPU rate a rank gets while all of the
+    job's ranks are runnable (:func:`~meshtrain.planner.cost.cpu_sharing`),
+    is CPU seconds.  1 (all between actions) where nothing was measured.
+    """
+    outside = loop_run.get("outside_events_seconds") or {}
+    if not outside or loop_cpu <= 0:
+        return 1.0
+    rate = cost.cpu_sharing(loop, profile).rate(loop.world_size)
+    return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
+
+
 def outside_events(events: list[dict[str, Any]]) -> float:
     """Seconds of a step's trace line, up to its last event's end, that no event covers."""
     if not events:
@@ -573,6 +593,7 @@ def calibrate(
     return dataclasses.replace(
         profile,
         rank_step_cpu_seconds=loop_cpu,
+        step_loop_between_share=between_share(loop_run, job, profile, loop_cpu),
         calibration={**profile.calibration, "step_loop_run": loop_run},
     )
 

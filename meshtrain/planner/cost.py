@@ -31,8 +31,9 @@ achievable FLOP/s, and put them together into a predicted step time:
   step loop (``rank_step_cpu_seconds``), and the step is the larger of the
   critical path and all ranks' CPU work over the cores available
   (:mod:`.cpu_host`); a pipeline's window there is a replay of the schedule
-  with the cores shared among the runnable ranks and the step loop between
-  a stage's actions (:mod:`.shared_pipeline`).
+  with the cores shared among the runnable ranks and the step loop's
+  calibrated share outside every event (``step_loop_between_share``)
+  between a stage's actions, the rest inside them (:mod:`.shared_pipeline`).
 
 The computation-to-communication ratio compares compute seconds with the
 sum of all collective seconds of the busiest rank; below 1 the job is
@@ -490,14 +491,20 @@ def plan_time(
     loop = profile.rank_step_cpu_seconds if cpu_model else 0.0
     replayed = cpu_model and par.pipeline > 1 and virtual == 1
     # The step loop runs between a stage's actions: inside the window, and not compute.
-    loop_between = loop / (2 * par.micro_batches) if replayed else 0.0
+    # Calibration measures the share of it outside every event; the rest runs inside the actions.
+    share = min(1.0, max(0.0, profile.step_loop_between_share))
+    actions = 2 * par.micro_batches
+    loop_between = loop * share / actions if replayed else 0.0
+    loop_inside = loop * (1 - share) / actions if replayed else 0.0
     if replayed:
         # Stages sharing the cores: replay the schedule at CPU seconds with processor sharing.
         piped = shared_pipeline.replay(
             par.schedule,
             par.micro_batches,
             [
-                pipeline_window.StageDurations(d.forward * speed, d.backward * speed)
+                pipeline_window.StageDurations(
+                    d.forward * speed + loop_inside, d.backward * speed + loop_inside
+                )
                 for d in per_microbatch
             ],
             send,
@@ -508,7 +515,7 @@ def plan_time(
     else:
         piped = pipeline_window.window(par.micro_batches, per_microbatch, send, virtual)
     window = piped.seconds
-    in_window = loop_between * 2 * par.micro_batches
+    in_window = (loop_between + loop_inside) * actions
     tail = max(st.dp_exposed + st.optimizer for st in stages) + (loop - in_window) / speed
     dependencies = window + tail
     cpu_seconds = 0.0

@@ -123,6 +123,8 @@ class Profile:
     """Cores the job's ranks together received while all computed at calibration (0: unmeasured, use ``cores``)."""
     rank_step_cpu_seconds: float = 0.0
     """CPU seconds each rank spends per step beyond its tensor work and collectives (Python step loop, telemetry, gloo threads), measured with ``calibration.processes`` ranks on the host (CPU hosts; 0: unmeasured)."""
+    step_loop_between_share: float = 1.0
+    """Share of ``rank_step_cpu_seconds`` a rank spends between its pipeline actions (outside every recorded event), measured in calibration's step-loop run; the rest runs inside the actions."""
 
     @property
     def cpu_time_model(self) -> bool:
@@ -226,7 +228,13 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
         out["op_overhead"] = _number(data, "op_overhead", origin)
     if "cores" in data:
         out["cores"] = int(_number(data, "cores", origin))
-    for key in ("core_flops", "core_op_overhead", "available_cores", "rank_step_cpu_seconds"):
+    for key in (
+        "core_flops",
+        "core_op_overhead",
+        "available_cores",
+        "rank_step_cpu_seconds",
+        "step_loop_between_share",
+    ):
         if key in data:
             out[key] = _number(data, key, origin)
     table = data.get("flops_by_ranks") or {}

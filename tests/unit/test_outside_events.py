@@ -1,10 +1,15 @@
-"""calibrate.outside_events: the step loop's seconds between a rank's recorded events."""
+"""calibrate.outside_events and between_share: the step loop's seconds between a rank's recorded events."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from meshtrain.api import loading
+from meshtrain.planner import profiles
 from meshtrain.trainer import calibrate
+from tests.builders import JobBuilder
 
 
 def test_outside_events_counts_the_uncovered_seconds_up_to_the_last_event() -> None:
@@ -17,3 +22,18 @@ def test_outside_events_counts_the_uncovered_seconds_up_to_the_last_event() -> N
     # uncovered: [0, 0.5], [3, 4], [6, 6.5] -> 0.5 + 1 + 0.5
     assert calibrate.outside_events(events) == pytest.approx(2.0)
     assert calibrate.outside_events([]) == 0.0
+
+
+def test_between_share_converts_the_median_rank_wall_seconds_at_the_shared_rate() -> None:
+    # Two single-thread ranks receiving 1 core together: each runs at 0.5 CPU s/s
+    # while both are runnable.  Median rank outside events 0.004 s wall -> 0.002 CPU s,
+    # a quarter of a 0.008 CPU s loop; with no loop measured, all of it is between.
+    job = loading.parse_spec(
+        JobBuilder().layout(2, 1, 1).model(preset="tiny", layers=2, hidden=32, heads=2).raw(),
+        "share",
+    )
+    profile = dataclasses.replace(profiles.get("cpu"), cores=2, available_cores=1.0)
+    run = {"outside_events_seconds": {"0": 0.002, "1": 0.004, "2": 0.006}}
+    assert calibrate.between_share(run, job, profile, 0.008) == pytest.approx(0.25)
+    assert calibrate.between_share(run, job, profile, 0.001) == 1.0  # capped
+    assert calibrate.between_share({}, job, profile, 0.008) == 1.0

@@ -80,3 +80,19 @@ def test_loop_work_between_actions_is_not_compute() -> None:
     assert window.seconds == pytest.approx(20.0)
     assert window.busy[0] == pytest.approx(12.0)
     assert window.idle_share(0) == pytest.approx(0.4)
+
+
+def test_loop_work_inside_the_actions_is_compute() -> None:
+    # The same 0.5 CPU s of loop per action as above, but run inside each action
+    # (the planner charges calibration's measured share outside every event between
+    # actions, the rest inside): forward 1.5, backward 2.5 on dedicated cores.
+    # Closed form (Huang et al. 2019): window (m + p - 1)(f + b) = 5 x 4 = 20, the
+    # same 20 s as with the loop between, but stage 0 now computes 4 x 4 = 16 of
+    # them: a bubble of 0.2 instead of 0.4.
+    inside = [pipeline_window.StageDurations(forward=1.5, backward=2.5)] * 2
+    window = shared_pipeline.replay(
+        "gpipe", 4, inside, 0.0, shared_pipeline.Sharing(cores=2, threads=1)
+    )
+    assert window.seconds == pytest.approx(20.0)
+    assert window.busy[0] == pytest.approx(16.0)
+    assert window.idle_share(0) == pytest.approx(0.2)
