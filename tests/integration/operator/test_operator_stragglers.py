@@ -285,6 +285,23 @@ def test_a_restarted_gang_does_not_inherit_the_old_gangs_straggler(
         assert flag["reason"] == "NoStraggler", flag
 
 
+def _flag_rank_1(
+    cluster: Cluster, progress: ProgressServer, namespace: str, name: str, slowdown: float
+) -> dict[str, Any]:
+    """Rank 0's report names rank 1 a straggler; the job's Straggler condition once it is True."""
+    progress.document = {
+        "step": 60,
+        "loss": 3.0,
+        "straggler": {"rank": 1, "slowdown": slowdown, "since_step": 52},
+    }
+    return wait_for(
+        "the straggler reported",
+        lambda: (
+            (c := cluster.condition(namespace, name, "Straggler")).get("status") == "True" and c
+        ),
+    )
+
+
 def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
     control_plane_binaries, tmp_path
 ):
@@ -309,18 +326,7 @@ def test_replace_with_nowhere_to_go_only_reports_until_a_node_frees_up(
         status = _running_on(cluster, namespace, "stuck", 2)
         slow_node = {p["podIndex"]: p["node"] for p in status["placement"]}[1]
         pods = {p.metadata.uid for p in cluster.pods(namespace, "stuck")}
-        progress.document = {
-            "step": 60,
-            "loss": 3.0,
-            "straggler": {"rank": 1, "slowdown": 1.52, "since_step": 52},
-        }
-        flag = wait_for(
-            "the straggler reported",
-            lambda: (
-                (c := cluster.condition(namespace, "stuck", "Straggler")).get("status") == "True"
-                and c
-            ),
-        )
+        flag = _flag_rank_1(cluster, progress, namespace, "stuck", slowdown=1.52)
         assert flag["reason"] == "NoReplacement", flag
         assert f"no placement without node {slow_node}" in flag["message"]
         status = cluster.status(namespace, "stuck")
@@ -372,18 +378,7 @@ def test_replace_never_shrinks_an_elastic_gang(control_plane_binaries, tmp_path)
         status = _running_on(cluster, namespace, "elastic", 3)
         slow_node = {p["podIndex"]: p["node"] for p in status["placement"]}[1]
         pods = {p.metadata.uid for p in cluster.pods(namespace, "elastic")}
-        progress.document = {
-            "step": 60,
-            "loss": 3.0,
-            "straggler": {"rank": 1, "slowdown": 1.4, "since_step": 52},
-        }
-        flag = wait_for(
-            "the straggler reported",
-            lambda: (
-                (c := cluster.condition(namespace, "elastic", "Straggler")).get("status") == "True"
-                and c
-            ),
-        )
+        flag = _flag_rank_1(cluster, progress, namespace, "elastic", slowdown=1.4)
         status = cluster.status(namespace, "elastic")
         assert not status.get("stragglerReplacements"), status
         assert status["phase"] == "Running" and not status.get("excludedNodes"), status
