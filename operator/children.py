@@ -106,14 +106,20 @@ async def ensure(
     shared: Sequence[dict[str, Any]],
     pods: Sequence[dict[str, Any]],
 ) -> Refused | None:
-    """Create ``shared`` objects (ConfigMap, Service — updated when the job owns them —, PodGroup) and ``pods``.
+    """Create ``shared`` objects (ConfigMap, Service — updated when the job owns them —, PodGroup), then ``pods``.
 
-    All at once (the pods are gated: nothing starts before every object exists), so a gang
-    costs one wave of requests, not two.  Returns the first refusal (shared objects first),
-    or None when every object exists and is the job's.
+    Two waves, each concurrent: a pod exists only once every shared object does, so an
+    operator killed between the calls leaves at worst shared objects without pods (crash
+    recovery creates the missing pods), never pods whose gates would be lifted without the
+    Service their peers resolve.  Returns the first refusal (shared objects first, and then
+    no pod is created), or None when every object exists and is the job's.
     """
-    answers = await asyncio.gather(*(_create(client, m, uid) for m in (*shared, *pods)))
-    return next((answer for answer in answers if answer is not None), None)
+    for wave in (shared, pods):
+        answers = await asyncio.gather(*(_create(client, m, uid) for m in wave))
+        refused = next((answer for answer in answers if answer is not None), None)
+        if refused is not None:
+            return refused
+    return None
 
 
 async def delete_owned(client: kube.Client, uid: str, kind: str, namespace: str, name: str) -> None:

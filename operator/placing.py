@@ -343,7 +343,9 @@ class Placer:
                         )
                         for i, node in recovery.nodes
                     ]
-                    refused = await children.ensure(self.client, ref.uid, [], pods)
+                    refused = await children.ensure(
+                        self.client, ref.uid, _shared_children(ref, spec, group), pods
+                    )
                     if refused is not None:
                         return await self._refused(body, job, refused)
                     logger.info(
@@ -438,11 +440,7 @@ class Placer:
             refused = await children.ensure(
                 self.client,
                 ref.uid,
-                [
-                    builders.build_configmap(ref, spec),
-                    builders.build_service(ref, spec),
-                    *([group] if group else []),
-                ],
+                _shared_children(ref, spec, group),
                 [
                     queueing.assign(pod, where)
                     for pod in builders.build_pods(
@@ -487,3 +485,19 @@ class Placer:
             logger.info("%s/%s: %s", job.ref.namespace, job.ref.name, why.message)
             await self.writer.emit(body, "Warning", why.reason, why.message)
         return body, job, changed
+
+
+def _shared_children(
+    ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup if served.
+
+    Crash recovery ensures them again with the missing pods (they exist: each is read, and
+    brought up to date when it is the job's), so a recovered gang never rests on how far the
+    killed pass got.
+    """
+    return [
+        builders.build_configmap(ref, spec),
+        builders.build_service(ref, spec),
+        *([group] if group else []),
+    ]

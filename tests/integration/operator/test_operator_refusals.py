@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from kubernetes import client, watch
 
 from meshtrain.operator import conditions
 from tests.builders import JobBuilder
@@ -74,6 +75,97 @@ def test_a_create_refused_by_pod_security_is_reported_and_retried_with_backoff(
     elapsed = time.monotonic() - started
     assert tries() <= 2 + elapsed / 2, (tries(), elapsed)
     assert cluster.pods(restricted, "rdma") == []
+
+
+@pytest.fixture
+def services_refused(cluster, namespace) -> Iterator[Callable[[], None]]:
+    """A ValidatingAdmissionPolicy refusing every Service created in ``namespace``; call to lift it."""
+    admission = client.AdmissionregistrationV1Api(cluster.core.api_client)
+    name = f"no-services-{namespace}"
+    admission.create_validating_admission_policy(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE"],
+                            "resources": ["services"],
+                        }
+                    ]
+                },
+                "validations": [{"expression": "false", "message": "services are frozen here"}],
+            },
+        }
+    )
+    admission.create_validating_admission_policy_binding(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "policyName": name,
+                "validationActions": ["Deny"],
+                "matchResources": {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+                },
+            },
+        }
+    )
+
+    def refused() -> bool:
+        probe = {"metadata": {"name": "probe"}, "spec": {"ports": [{"port": 80}]}}
+        try:
+            cluster.core.create_namespaced_service(namespace, probe, dry_run="All")
+        except client.ApiException as err:
+            return "frozen" in (err.body or "")  # 422: the policy's denial
+        return False
+
+    wait_for("the policy in force", refused)  # the API server loads policies asynchronously
+    lifted = False
+
+    def lift() -> None:
+        nonlocal lifted
+        if not lifted:
+            admission.delete_validating_admission_policy_binding(name)
+            wait_for("the policy lifted", lambda: not refused())
+            lifted = True
+
+    yield lift
+    lift()
+    admission.delete_validating_admission_policy(name)
+
+
+def test_no_pod_is_created_before_its_service_and_the_gang_places_once_it_is_allowed(
+    cluster, operator, namespace, pool, services_refused
+):
+    """A refused Service stops the placement before any pod: no gang runs without its DNS names.
+
+    A watch from the resourceVersion before the job was applied sees every pod ever
+    created in the namespace.
+    """
+    cluster.add_node(pool, gpus=2)
+    since = cluster.core.list_namespaced_pod(namespace).metadata.resource_version
+    cluster.apply(JobBuilder("dns", namespace, pool).layout(data=2).gpus(1))
+    placed = _placed(cluster, namespace, "dns", conditions.CREATE_REJECTED)
+    assert f"Service {namespace}/dns" in placed["message"], placed["message"]
+    assert "services are frozen here" in placed["message"], placed["message"]
+    created = [
+        event["object"].metadata.name
+        for event in watch.Watch().stream(
+            cluster.core.list_namespaced_pod,
+            namespace,
+            resource_version=since,
+            timeout_seconds=2,
+        )
+        if event["type"] == "ADDED"
+    ]
+    assert created == []
+    services_refused()
+    pods = cluster.wait_gang(namespace, "dns", 2, timeout=60)
+    assert len(pods) == 2
+    assert cluster.core.read_namespaced_service("dns", namespace).spec.cluster_ip == "None"
 
 
 def test_a_service_of_the_same_name_owned_by_someone_else_is_a_name_conflict(
