@@ -50,6 +50,7 @@ from meshtrain.planner import cost, cpu_host, estimate, memory, profiles
 from meshtrain.trainer import launch, steplog
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh
+from meshtrain.trainer.parallel import tensor as tp
 from meshtrain.trainer.telemetry import stepstats, trace
 
 MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
@@ -147,25 +148,52 @@ class BlockRate:
     """CPU seconds over wall seconds: the cores this rank received while every rank computed."""
 
 
+def rank_block(job: api_spec.TrainingJobSpec, solo: dist.ProcessGroup | None) -> torch.nn.Module:
+    """The trainer's block as one tensor-parallel rank runs it, without its communication.
+
+    The block is sharded by the trainer's own :func:`~.parallel.tensor.apply_tensor_parallel`
+    (its heads and MLP columns, 1/t of the GEMMs) while its norms and residuals stay whole,
+    as on every tensor-parallel rank.  The region's reductions run over ``solo``, a group
+    of this process alone, so they cost a call and move nothing: the collectives are
+    measured on their own.  Sequence parallelism is not reproduced (its norms run on 1/t
+    of the tokens; the block measured here runs them on all).
+    """
+    shape = job.model.shape()
+    tensor = job.parallelism.tensor
+    one_layer = dataclasses.replace(
+        gpt.GPTConfig.from_shape(shape), layers=1, vocab=8 * tensor, tie_embeddings=False
+    )
+    if tensor == 1:
+        return gpt.Block(one_layer)
+    assert solo is not None, "a tensor-parallel block needs its one-process group"
+    model = gpt.GPT(one_layer)
+    model.tok_emb = model.pos_emb = model.norm = model.head = None
+    tp.apply_tensor_parallel(model, tp.TPContext(group=solo, rank=0, size=tensor))
+    return model.blocks["0"]
+
+
 def block_flops(
     job: api_spec.TrainingJobSpec,
     dtype: torch.dtype,
     device: torch.device,
     budget: float,
     overhead: tuple[float, float],
+    solo: dist.ProcessGroup | None = None,
 ) -> BlockRate:
-    """FLOP/s of the trainer's own block at the job's width, sequence and micro-batch, forward and backward.
+    """FLOP/s of one rank's block at the job's width, sequence, micro-batch and tensor degree, forward and backward.
 
-    Counted as the planner counts it (``6 x block parameters + 12 s h`` per
-    token) over the block's time less the fixed cost of its operations
-    (``overhead``: wall and CPU seconds per operation), so that FLOPs at this
-    rate plus :data:`~meshtrain.planner.cost.BLOCK_OPS` x overhead is the
-    block's measured time: the layer norms, attention, activation and copies
-    are in the rate, not only the GEMMs.
+    Counted as the planner counts it (``6 x the rank's block parameters +
+    12 s h / t`` per token) over the block's time less the fixed cost of its
+    operations (``overhead``: wall and CPU seconds per operation), so that
+    FLOPs at this rate plus :data:`~meshtrain.planner.cost.BLOCK_OPS` x
+    overhead is the block's measured time: the layer norms, attention,
+    activation and copies are in the rate, not only the GEMMs.  Under tensor
+    parallelism the rank's GEMMs shrink and its norms do not (:func:`rank_block`),
+    so the rate is lower than the whole block's.
     """
     shape = job.model.shape()
-    config = gpt.GPTConfig.from_shape(shape)
-    block = gpt.Block(dataclasses.replace(config, layers=1)).to(device=device, dtype=dtype)
+    tensor = job.parallelism.tensor
+    block = rank_block(job, solo).to(device=device, dtype=dtype)
     x = torch.randn(
         job.training.micro_batch, shape.seq_len, shape.hidden, dtype=dtype, device=device
     )
@@ -177,7 +205,9 @@ def block_flops(
 
     seconds, cpu = _timed_calls(step, budget, sync)
     tokens = job.training.micro_batch * shape.seq_len
-    flops = (6 * memory.layer_params(shape) + 12 * shape.seq_len * shape.hidden) * tokens
+    flops = (
+        6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
+    ) * tokens
     ops = sum(cost.BLOCK_OPS)
     return BlockRate(
         flops=flops / max(seconds - ops * overhead[0], 0.1 * seconds),
@@ -257,7 +287,8 @@ def _worker(rank: int, task: _Task) -> None:
     dist.barrier()
     gemm = matmul_flops(task.shapes, task.dtype, device, task.budget)
     overhead = op_overhead(device, task.budget)
-    flops = block_flops(task.job, task.dtype, device, task.budget, overhead)
+    solos = [dist.new_group([r]) for r in range(task.processes)]  # every rank creates every group
+    flops = block_flops(task.job, task.dtype, device, task.budget, overhead, solos[rank])
     element = torch.tensor([], dtype=task.dtype).element_size()
     results: list[dict[str, Any]] = []
     for groups in task.groups.values():

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 import yaml
+from torch.utils.flop_counter import FlopCounterMode
 
 from meshtrain import cli
 from meshtrain.api import loading
-from meshtrain.planner import estimate, profiles
+from meshtrain.planner import estimate, memory, profiles
 from meshtrain.trainer import calibrate
 from tests.builders import JobBuilder
 
@@ -88,3 +92,37 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     )
     assert cli.main(["plan", str(path), "--calibrate", "--calibration-seconds", "0"]) == 2
     assert "--calibration-seconds must be > 0" in capsys.readouterr().err
+
+
+@pytest.fixture
+def solo_group() -> Iterator[dist.ProcessGroup]:
+    """A gloo world of this process alone, and its one-process group."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.new_group([0])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tensor", [1, 2, 4])
+def test_the_calibrated_block_is_one_tensor_rank_s_share_as_the_planner_counts_it(
+    tensor: int, solo_group: dist.ProcessGroup
+) -> None:
+    """Its parameters are the planner's per-rank block, and torch counts the FLOPs the rate divides."""
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(1, 1, tensor)
+        .model(preset="tiny", layers=2, hidden=64, heads=4, seqLen=32)
+        .training(precision="fp32", microBatch=2)
+        .raw()
+    )
+    shape = spec.model.shape()
+    block = calibrate.rank_block(spec, solo_group)
+    assert sum(p.numel() for p in block.parameters()) == memory.layer_params(shape, tensor)
+    x = torch.randn(2, shape.seq_len, shape.hidden, requires_grad=True)
+    with FlopCounterMode(display=False) as counted:
+        block(x).sum().backward()
+    tokens = 2 * shape.seq_len
+    planner = 6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
+    assert counted.get_total_flops() == pytest.approx(planner * tokens, rel=0.02)
