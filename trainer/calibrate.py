@@ -8,7 +8,8 @@ hold, and other load on the host, are in the figures): the fixed cost of
 one small tensor operation forward and backward, the FLOP/s of the
 trainer's own block (and, for the record, of its GEMMs alone), and for each collective (all-reduce,
 all-gather, reduce-scatter, send/recv) its latency and bandwidth with the
-job's backend and group sizes, all groups of an axis at once as in training.
+job's backend and group sizes, all groups of an axis at once and each call
+after a piece of the job's compute, as in training.
 Each figure is taken over wall time and over the process's CPU time: on a
 CPU host the planner prices CPU work (which other tenants do not change)
 over the cores the ranks received while all computed (which they do).  Collective times are medians over repeats and fitted to
@@ -72,7 +73,7 @@ def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = N
 
 
 def _timed_calls(
-    fn: Any, budget: float, sync: Any, repeats: int | None = None
+    fn: Any, budget: float, sync: Any, repeats: int | None = None, between: Any = None
 ) -> tuple[float, float]:
     """Wall and CPU seconds per call of ``fn`` after one warm-up.
 
@@ -80,7 +81,10 @@ def _timed_calls(
     time over calls, so time the process was not scheduled counts (other
     ranks and other load share the cores), and the process's CPU time over
     calls, which does not.  Collectives pass ``repeats`` (every member must
-    make the same number of calls) and get the medians.
+    make the same number of calls) and ``between``, run untimed before each
+    call: the compute a collective follows in training.  They get the mean
+    wall time (a step pays the sum of its calls, so their slow tail counts:
+    a peer that blocked must be woken) and the median CPU time.
     """
     fn()
     sync()
@@ -92,6 +96,9 @@ def _timed_calls(
         if repeats is not None
         else (time.perf_counter() - started < budget or len(samples) < 3)
     ):
+        if between is not None:
+            between()
+            sync()
         t0, c0 = time.perf_counter(), time.process_time()
         fn()
         sync()
@@ -103,7 +110,7 @@ def _timed_calls(
             (time.perf_counter() - started) / calls,
             (time.process_time() - cpu_started) / calls,
         )
-    return statistics.median(samples), statistics.median(cpu_samples)
+    return statistics.fmean(samples), statistics.median(cpu_samples)
 
 
 def gemm_shapes(job: api_spec.TrainingJobSpec) -> list[tuple[int, int, int]]:
@@ -288,9 +295,15 @@ def _worker(rank: int, task: _Task) -> None:
     gemm = matmul_flops(task.shapes, task.dtype, device, task.budget)
     overhead = op_overhead(device, task.budget)
     solos = [dist.new_group([r]) for r in range(task.processes)]  # every rank creates every group
-    flops = block_flops(task.job, task.dtype, device, task.budget, overhead, solos[rank])
+    solo = solos[rank]
+    assert isinstance(solo, dist.ProcessGroup)  # a member of it: not the non-member sentinel
+    flops = block_flops(task.job, task.dtype, device, task.budget, overhead, solo)
     element = torch.tensor([], dtype=task.dtype).element_size()
     results: list[dict[str, Any]] = []
+    rows, inner, cols = task.shapes[0]  # the block's first GEMM: what a collective follows
+    a = torch.randn(rows, inner, dtype=task.dtype, device=device)
+    b = torch.randn(inner, cols, dtype=task.dtype, device=device)
+    compute = functools.partial(torch.mm, a, b)
     for groups in task.groups.values():
         handles = [dist.new_group(g) for g in groups]  # every rank creates every group
         mine = next(i for i, g in enumerate(groups) if rank in g)
@@ -305,7 +318,9 @@ def _worker(rank: int, task: _Task) -> None:
                 shard = torch.zeros(numel // n, dtype=task.dtype, device=device)
                 call = functools.partial(_call, op, full, shard, group, peer, index % 2 == 0)
                 dist.barrier()
-                seconds, cpu = _timed_calls(call, task.budget, sync, repeats=task.repeats)
+                seconds, cpu = _timed_calls(
+                    call, task.budget, sync, repeats=task.repeats, between=compute
+                )
                 if op == "send":
                     seconds, cpu = seconds / 2, cpu / 2
                 results.append(

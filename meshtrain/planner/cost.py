@@ -472,6 +472,13 @@ def plan_time(
         speed = 1.0
     work = [_stage_time(job, priced, sc, used, rank_flops) for sc in stage_comms]
     stages = [_scaled(st, 1 / speed) for st in work]
+    if cpu_model and host_oversubscription(job, profile) <= 1.0:
+        # A rank per core: a blocked tensor-parallel collective idles its core for its wall
+        # time (with more ranks than cores another rank runs meanwhile: the work bound).
+        stages = [
+            dataclasses.replace(st, tp=max(st.tp, _wall_tp_seconds(job, profile, sc, pod_domains)))
+            for st, sc in zip(stages, stage_comms)
+        ]
     send = _send_seconds(job, stage_comms[0], used["pp"]) / speed
     per_microbatch = []
     for st in stages:
@@ -545,6 +552,22 @@ def plan_time(
         cpu_seconds=cpu_seconds,
         available_cores=cores,
     )
+
+
+def _wall_tp_seconds(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    stage_comm: comm.StageComm,
+    pod_domains: Sequence[str] | None,
+) -> float:
+    """A stage's tensor-parallel collectives at the calibrated wall time of a call.
+
+    Each one blocks its rank until every member has arrived and been woken:
+    calibration's mean wall time of a call that follows compute, not the CPU
+    the call costs (a CPU host's work model), is what the step waits.
+    """
+    link = links(profile)[group_links(job, pod_domains)["tp"]]
+    return sum(collective_seconds(c, link) for c in stage_comm.collectives if c.group == "tp")
 
 
 def _scaled(stage: StageTime, factor: float) -> StageTime:

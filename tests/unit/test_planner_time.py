@@ -207,6 +207,44 @@ def test_cpu_host_step_is_the_larger_of_work_over_cores_and_the_critical_path() 
     assert gpu.cpu_seconds == 0.0 and gpu.available_cores == 0.0 and not gpu.work_bound
 
 
+def test_a_rank_per_core_waits_its_tensor_collectives_wall_time_and_shared_cores_do_not() -> None:
+    """Calibrated wall latency of the TP all-reduce, CPU figures unchanged.
+
+    tp2 on two cores: every TP call idles its core for its wall time, so the
+    critical path (and the step) grows with it while the CPU work does not.
+    dp2·tp2 on two cores: another rank runs while one waits; the step stays
+    the work bound and does not move.
+    """
+
+    def plan(parallel: api_spec.TrainingJobSpec, wall_alpha: float) -> cost.TimePlan:
+        fit = profiles.CollectiveFit(
+            "all_reduce",
+            2,
+            alpha=wall_alpha,
+            bandwidth=5e8,
+            processes=2,
+            cpu_call_seconds=1e-4,
+            cpu_bandwidth=5e9,
+        )
+        return estimate.make_plan(parallel, cpu_time_profile(collectives=(fit,))).time
+
+    alone, shared = job(tensor=2), job(data=2, tensor=2)
+    fast, slow = plan(alone, 1e-5), plan(alone, 5e-3)
+    assert slow.cpu_seconds == pytest.approx(fast.cpu_seconds)
+    calls = sum(
+        c.calls
+        for c in estimate.make_plan(alone, cpu_time_profile()).comm[0].collectives
+        if c.group == "tp"
+    )
+    # two ring steps of alpha per all-reduce of two members, on the critical path
+    assert slow.dependency_seconds - fast.dependency_seconds == pytest.approx(
+        calls * 2 * (5e-3 - 1e-5), rel=0.01
+    )
+    assert slow.step_seconds > fast.step_seconds
+    crowded_fast, crowded_slow = plan(shared, 1e-5), plan(shared, 5e-3)
+    assert crowded_slow.step_seconds == pytest.approx(crowded_fast.step_seconds)
+
+
 def test_profile_file_round_trip_and_errors(tmp_path: Path) -> None:
     profile = cpu_time_profile(
         collectives=(
