@@ -54,6 +54,15 @@ async def delete_children(client: kube.Client, cache: informer.Cache, ref: ident
         ref,
         [p["metadata"]["name"] for p in owned if not p["metadata"].get("deletionTimestamp")],
     )
+    if late := await _uncached_pods(client, ref, {p["metadata"]["uid"] for p in owned}):
+        # A placement cancelled by the deletion may have created pods the cache has not seen
+        # yet: delete them, and look again later (a create still in flight may land after).
+        await client.delete_pods(
+            namespace=ref.namespace,
+            names=[p["metadata"]["name"] for p in late],
+            uids={p["metadata"]["name"]: p["metadata"]["uid"] for p in late},
+        )
+        return len(late)
     held = await workloads.release_after_pods(
         client, namespace=ref.namespace, name=ref.name, uid=ref.uid, pods=owned
     )
@@ -65,3 +74,19 @@ async def delete_children(client: kube.Client, cache: informer.Cache, ref: ident
     ):
         await children.delete_owned(client, ref.uid, kind, ref.namespace, child)
     return 0
+
+
+async def _uncached_pods(
+    client: kube.Client, ref: identity.JobRef, cached: set[str]
+) -> list[dict[str, Any]]:
+    """The job's pods on the API server (one LIST) that are not being deleted and not in ``cached``."""
+    pods, _ = await client.list_pods(
+        namespace=ref.namespace, selector=f"{naming.LABEL_JOB}={ref.name}"
+    )
+    return [
+        p
+        for p in pods
+        if capacity.owned_by(p, ref.uid)
+        and p["metadata"]["uid"] not in cached
+        and not p["metadata"].get("deletionTimestamp")
+    ]

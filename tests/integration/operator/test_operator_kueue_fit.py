@@ -292,11 +292,21 @@ def test_quota_goes_back_only_once_the_gangs_pods_are_gone(fit) -> None:
 
 
 def _delete(cluster: Cluster, namespace: str, job: str) -> None:
-    """Delete a job and let its pods go at once (the quota it held is free again)."""
-    pods = cluster.pods(namespace, job)
+    """Delete a job; each pod the operator deletes goes at once (the kubelet's part); all must go.
+
+    A pod of the job nobody deletes (one a placement cancelled by the deletion created
+    behind the operator's cache) would hold its GPUs for good: no garbage collector runs here.
+    """
     cluster.delete_job(namespace, job)
-    for pod in pods:
-        _release(cluster, namespace, pod)
+
+    def gone() -> bool:
+        pods = cluster.pods(namespace, job)
+        for pod in pods:
+            if pod.metadata.deletion_timestamp:
+                _release(cluster, namespace, pod)
+        return not pods and cluster.job(namespace, job) is None
+
+    wait_for(f"{job} and every pod of it deleted", gone, timeout=60)
     wait_for(
         f"{job}'s Workload gone", lambda: _workload(cluster, namespace, job) is None, timeout=60
     )
