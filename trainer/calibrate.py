@@ -63,8 +63,8 @@ COLLECTIVE_TIMEOUT_S = 300
 LOOP_STEPS = 6
 """Steps of the small run that measures the step loop's CPU cost; the first half are warm-up."""
 
-LOOP_SEQ_LEN = 16
-"""Sequence length of that run (its tensor work is small next to the loop it measures)."""
+LOOP_ACTION_FLOPS = 2e9
+"""Forward FLOPs of one block on one micro-batch in that run, at most (about 20 ms on a CPU core)."""
 
 
 def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
@@ -474,25 +474,44 @@ def measure(
     )
 
 
+def loop_batch(job: api_spec.TrainingJobSpec) -> tuple[int, int]:
+    """Micro-batch and sequence length of the step-loop run: the job's, shrunk to :data:`LOOP_ACTION_FLOPS`.
+
+    At the job's sizes the messages between pipeline stages are the job's:
+    posting them and gloo's copies of them are most of what a stage does
+    between its actions (with micro-batch 1 and 16 tokens the run measured
+    a third of a real run's time outside every event).  A block too large
+    for the budget keeps its width and runs fewer tokens: micro-batch first,
+    then sequence length (a multiple of the tensor degree).
+    """
+    shape = job.model.shape()
+    tensor = job.parallelism.tensor
+    tokens = max(tensor, int(LOOP_ACTION_FLOPS // (2 * memory.layer_params(shape, tensor))))
+    micro = max(1, min(job.training.micro_batch, tokens // shape.seq_len))
+    seq = (
+        shape.seq_len if micro * shape.seq_len <= tokens else max(tensor, tokens // tensor * tensor)
+    )
+    return micro, seq
+
+
 def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
-    """The spec of a short run of ``job``'s layout with one block per stage, micro-batch 1 and short sequences.
+    """The spec of a short run of ``job``'s layout with one block per stage at :func:`loop_batch`'s sizes.
 
     Same ranks, groups, schedule, micro-batches and telemetry as the job, so
-    its step loop costs what the job's does; its tensor work is small.  It
-    reads the bundled corpus and starts from random weights, so it runs
-    wherever the plan is made.
+    its step loop costs what the job's does; its tensor work is one block per
+    stage.  It reads the bundled corpus and starts from random weights, so it
+    runs wherever the plan is made.
     """
     raw = job.model_dump(by_alias=True, exclude_none=True)
     par = job.parallelism
-    tensor = par.tensor
     raw["model"]["layers"] = par.pipeline * (
         par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
     )
-    raw["model"]["seqLen"] = max(tensor, LOOP_SEQ_LEN // tensor * tensor)
+    micro, raw["model"]["seqLen"] = loop_batch(job)
     raw["model"].pop("init", None)  # random weights: an imported checkpoint has other shapes
     # The bundled corpus: the job's token files need not exist where the plan is made.
-    raw["training"].update(microBatch=1, steps=LOOP_STEPS, warmupSteps=1, dataset="stdlib")
-    for key in ("eval", "datasets"):
+    raw["training"].update(microBatch=micro, steps=LOOP_STEPS, warmupSteps=1, dataset="stdlib")
+    for key in ("eval", "datasets", "globalBatch"):  # the global batch follows the micro-batch
         raw["training"].pop(key, None)
     raw["checkpoint"] = {"path": checkpoints, "intervalSteps": 0}
     raw["resources"] = {**raw.get("resources", {}), "gpusPerNode": job.world_size}

@@ -480,15 +480,17 @@ def plan_time(
             for st, sc in zip(stages, stage_comms)
         ]
     send = _send_seconds(job, stage_comms[0], used["pp"]) / speed
+    # The stages' closing all-reduces (tied embeddings, the norm) run once, after the last backward.
+    closing = [_closing_seconds(sc, used["pp"]) / speed for sc in stage_comms]
     per_microbatch = []
-    for st in stages:
+    for st, closes in zip(stages, closing):
         sends = sum(
             collective_seconds(c, used["pp"])
             for c in stage_comms[st.stage].collectives
             if c.group == "pp" and c.op == "send"
         )
         busy = (
-            st.busy - sends / speed
+            st.busy - sends / speed - closes
         ) / par.micro_batches  # the window adds the sends on its critical path
         per_microbatch.append(
             pipeline_window.StageDurations(
@@ -523,7 +525,8 @@ def plan_time(
         piped = pipeline_window.window(par.micro_batches, per_microbatch, send, virtual)
     window = piped.seconds
     in_window = (loop_between + loop_inside) * actions
-    tail = max(st.dp_exposed + st.optimizer for st in stages) + (loop - in_window) / speed
+    tail = max(st.dp_exposed + c + st.optimizer for st, c in zip(stages, closing))
+    tail += (loop - in_window) / speed
     dependencies = window + tail
     cpu_seconds = 0.0
     cores = 0.0
@@ -545,12 +548,21 @@ def plan_time(
         world_size=job.world_size,
         peak_flops=profile.peak_flops,
         pipeline_seconds=window,
-        bubble_stage0=piped.idle_share(0, stages[0].dp_exposed),
+        bubble_stage0=piped.idle_share(0, closing=closing[0], exposed=stages[0].dp_exposed),
         rank_flops=rank_flops * speed,
         oversubscription=host_oversubscription(job, profile),
         dependency_seconds=dependencies,
         cpu_seconds=cpu_seconds,
         available_cores=cores,
+    )
+
+
+def _closing_seconds(stage_comm: comm.StageComm, link: Link) -> float:
+    """A stage's pipeline-group all-reduces: after its last backward, outside the schedule."""
+    return sum(
+        collective_seconds(c, link)
+        for c in stage_comm.collectives
+        if c.group == "pp" and c.op == "all_reduce"
     )
 
 

@@ -37,10 +37,16 @@ class Window:
     busy: tuple[float, ...]
     """Seconds each stage spends computing in it."""
 
-    def idle_share(self, stage: int, extra: float = 0.0) -> float:
-        """Share of the window ``stage`` waits; ``extra`` seconds of non-idle work after it lengthen the span."""
-        span = self.seconds + extra
-        return max(0.0, (self.seconds - self.busy[stage]) / span) if span > 0 else 0.0
+    def idle_share(self, stage: int, closing: float = 0.0, exposed: float = 0.0) -> float:
+        """Share of the span ``stage`` neither computes nor reduces gradients, as the trainer measures it.
+
+        After the window, ``exposed`` seconds of the data-parallel reduction
+        (not idle) and ``closing`` seconds of the stage's closing all-reduces
+        (tied embeddings: not compute, so idle) lengthen the span.
+        """
+        span = self.seconds + closing + exposed
+        idle = self.seconds - self.busy[stage] + closing
+        return max(0.0, idle / span) if span > 0 else 0.0
 
 
 def window(

@@ -126,3 +126,40 @@ def test_the_calibrated_block_is_one_tensor_rank_s_share_as_the_planner_counts_i
     tokens = 2 * shape.seq_len
     planner = 6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
     assert counted.get_total_flops() == pytest.approx(planner * tokens, rel=0.02)
+
+
+def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordable(
+    solo_group: dist.ProcessGroup,
+) -> None:
+    """The run's pipeline messages are the job's size; a wide block keeps its width and runs fewer tokens."""
+    small = loading.parse_spec(
+        JobBuilder()
+        .layout(1, 2, 1)
+        .model(preset="tiny", layers=4, hidden=128, heads=4, seqLen=128)
+        .training(precision="fp32", microBatch=4, globalBatch=16)
+        .parallelism(microBatches=4)
+        .raw()
+    )
+    loop = loading.parse_spec(calibrate.loop_job(small, "/nonexistent"), "loop")
+    assert loop.model.shape().layers == 2
+    message = loop.training.micro_batch * loop.model.shape().seq_len * loop.model.shape().hidden
+    assert message == 4 * 128 * 128
+
+    wide = loading.parse_spec(
+        JobBuilder()
+        .layout(1, 2, 2)
+        .model(preset="tiny", layers=24, hidden=2048, heads=16, seqLen=2048)
+        .training(precision="fp32", microBatch=8)
+        .raw()
+    )
+    loop = loading.parse_spec(calibrate.loop_job(wide, "/nonexistent"), "loop")
+    shape = loop.model.shape()
+    assert shape.hidden == 2048 and loop.parallelism.tensor == 2
+    assert shape.seq_len % 2 == 0 and loop.training.micro_batch == 1
+    block = calibrate.rank_block(loop, solo_group)
+    x = torch.randn(1, shape.seq_len, shape.hidden)
+    with torch.no_grad(), FlopCounterMode(display=False) as counted:
+        block(x)
+    assert (
+        0.5 * calibrate.LOOP_ACTION_FLOPS < counted.get_total_flops() <= calibrate.LOOP_ACTION_FLOPS
+    )

@@ -30,7 +30,8 @@ from meshtrain.planner import (
     validation,
 )
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.parallel import recording, schedules
+from meshtrain.trainer.telemetry import stepstats
 from tests.builders import JobBuilder
 
 
@@ -92,6 +93,39 @@ def test_slow_sends_and_a_heavy_last_stage_lengthen_the_window() -> None:
     # stage 0 ends with the last backward (2) after it: 27.
     assert heavy.seconds == pytest.approx(27.0)
     assert heavy.idle_share(0) > equal.idle_share(0)
+
+
+def test_stage_0_s_idle_share_is_the_bubble_the_trainer_measures_after_its_closing_collectives() -> (
+    None
+):
+    """Exposed data-parallel reduction counts as work, the tied-embedding all-reduce after it as idle."""
+    # Stage 0 of a two-stage 1F1B with m = 2, one time unit per forward, two per backward.
+    replayed = pipeline_window.window(2, [pipeline_window.StageDurations(1.0, 2.0)] * 2, 0.0)
+    compute = [(0.0, 1.0), (1.0, 2.0), (4.0, 6.0), (7.0, 9.0)]
+    assert replayed.seconds == 9.0 and replayed.busy[0] == sum(b - a for a, b in compute)
+    exposed, closing = 0.5, 0.25
+    events = [recording.Event("compute", "forward", a, b) for a, b in compute] + [
+        recording.Event("collective", "all_reduce", 8.0, 9.0 + exposed, group="dp"),
+        recording.Event("collective", "all_reduce", 9.5, 9.5 + closing, group="pp"),
+    ]
+    events[2] = dataclasses.replace(events[2], kind="backward")
+    events[3] = dataclasses.replace(events[3], kind="backward")
+    facts = stepstats.JobFacts(
+        stages=2,
+        micro_batches=2,
+        virtual_stages=1,
+        world_size=2,
+        group_sizes={"dp": 2, "pp": 2, "tp": 1},
+        flops_per_token=1.0,
+        peak_flops=1.0,
+    )
+    measured = stepstats.summarise(
+        events, facts, step=1, loss=0.0, tokens=1, seconds=10.0, start=0.0
+    ).bubble_ratio
+    assert replayed.idle_share(0, closing=closing, exposed=exposed) == pytest.approx(measured)
+    assert (
+        replayed.idle_share(0, exposed=exposed) < measured
+    )  # a closing all-reduce counted as work
 
 
 # --- op counts -------------------------------------------------------------------------------------
