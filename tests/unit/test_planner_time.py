@@ -110,15 +110,7 @@ def test_stage_0_s_idle_share_is_the_bubble_the_trainer_measures_after_its_closi
     ]
     events[2] = dataclasses.replace(events[2], kind="backward")
     events[3] = dataclasses.replace(events[3], kind="backward")
-    facts = stepstats.JobFacts(
-        stages=2,
-        micro_batches=2,
-        virtual_stages=1,
-        world_size=2,
-        group_sizes={"dp": 2, "pp": 2, "tp": 1},
-        flops_per_token=1.0,
-        peak_flops=1.0,
-    )
+    facts = stepstats.JobFacts(2, 2, 1, 2, {"dp": 2, "pp": 2, "tp": 1}, 1.0, 1.0)  # p, m, v, world
     measured = stepstats.summarise(
         events, facts, step=1, loss=0.0, tokens=1, seconds=10.0, start=0.0
     ).bubble_ratio
