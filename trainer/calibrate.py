@@ -562,9 +562,47 @@ def rank_step_cpu(
         )
         if traces.get(0)
         else 0,
+        "tp_calls": tp_calls(
+            [line for lines in traces.values() for line in lines[LOOP_STEPS // 2 :]]
+        ),
         "layers": loop.model.shape().layers,
         "seq_len": loop.model.shape().seq_len,
     }
+
+
+def tp_calls(lines: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds and bytes summed."""
+    out: dict[str, dict[str, float]] = {}
+    for line in lines:
+        for event in line["events"]:
+            if event["what"] == "collective" and event.get("group") == "tp":
+                total = out.setdefault(event["kind"], {"calls": 0, "seconds": 0.0, "bytes": 0.0})
+                total["calls"] += 1
+                total["seconds"] += float(event["end"]) - float(event["start"])
+                total["bytes"] += float(event.get("bytes", 0))
+    return out
+
+
+def in_situ_tp_fits(
+    calls: dict[str, dict[str, float]], tensor: int, profile: profiles.Profile
+) -> tuple[profiles.CollectiveFit, ...]:
+    """Fits of the tensor-parallel ops whose calls the step-loop run timed: the calibrated bandwidth, alpha from the calls.
+
+    Alpha is what makes the ring formula's sum over the calls their measured
+    wall seconds: a call after the trainer's own compute waits for its peer
+    to arrive and be woken, which the micro-benchmark after one GEMM
+    reproduces poorly (docs/planner.md, Limits).
+    """
+    fits = []
+    for op, total in sorted(calls.items()):
+        measured = profile.collective_fit(op, tensor)
+        if measured is None or tensor < 2 or not total["calls"]:
+            continue
+        moving = cpu_host.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
+        steps = cpu_host.ring_steps(op, tensor) * total["calls"]
+        alpha = max(0.0, total["seconds"] - moving) / steps
+        fits.append(dataclasses.replace(measured, members=tensor, alpha=alpha))
+    return tuple(fits)
 
 
 def between_share(
@@ -659,6 +697,7 @@ def calibrate(
         profile,
         rank_step_cpu_seconds=loop_cpu,
         step_loop_between_share=between_share(loop_run, job, profile, loop_cpu),
+        tp_collectives=in_situ_tp_fits(loop_run["tp_calls"], job.parallelism.tensor, profile),
         calibration={**profile.calibration, "step_loop_run": loop_run},
     )
 

@@ -64,13 +64,16 @@ OPTIMIZER_BYTES_PER_PARAM = 32
 """AdamW reads weight, gradient and both moments and writes weight and moments (7 x 4 B), plus the norm pass (4 B)."""
 
 BACKWARD_SHARE = 2.0 / 3.0
-"""Backward's share of a micro-batch's compute (it costs twice the forward)."""
+"""Backward's share of a block's matmul FLOPs (input and weight gradients: twice the forward)."""
 
 BLOCK_OPS = (28, 53)
 """Tensor operations (forward, backward) of one block and micro-batch; tests count the trainer's Block."""
 
-OUTSIDE_BLOCK_OPS = (14, 23)
-"""Tensor operations (forward, backward) of the embeddings, final norm, head and loss of one micro-batch."""
+OUTSIDE_BLOCK_OPS = (9, 14)
+"""Tensor operations (forward, backward) of the embeddings, final norm and head of one micro-batch, beside the loss's chunks."""
+
+LOSS_OPS_PER_CHUNK = 46
+"""Forward operations per token chunk of the trainer's fused loss (logits, softmax, both gradients); tests count them."""
 
 OPTIMIZER_OPS_PER_TENSOR = 16
 """Per parameter tensor and step: AdamW's single-tensor update (~12 ops), the norm and zeroing."""
@@ -204,6 +207,24 @@ def rank_flops_per_microbatch(
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
 
+def rank_forward_flops_per_microbatch(
+    shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
+) -> float:
+    """The part of :func:`rank_flops_per_microbatch` that runs in forward.
+
+    A third of the blocks' (backward computes the input and the weight
+    gradients) and, on the last stage, all of the head's: the trainer's
+    fused loss (``trainer/parallel/loss.py``) computes the head's gradients
+    in forward, chunk by chunk, and backward only scales them.
+    """
+    layers = shape.layers // pipeline
+    tokens = micro_batch * shape.seq_len
+    blocks = 6 * layers * memory.layer_params(shape, tensor)
+    blocks += 12 * layers * shape.seq_len * shape.hidden / tensor
+    head = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch) - blocks * tokens
+    return blocks * tokens * (1 - BACKWARD_SHARE) + head
+
+
 def recompute_flops_per_microbatch(
     shape: api_spec.ModelShape, pipeline: int, tensor: int, micro_batch: int
 ) -> float:
@@ -220,16 +241,22 @@ def recompute_flops_per_microbatch(
 
 
 def rank_ops_per_microbatch(
-    shape: api_spec.ModelShape, pipeline: int, stage: int, recompute: bool
+    shape: api_spec.ModelShape, pipeline: int, stage: int, recompute: bool, loss_chunks: int = 1
 ) -> tuple[int, int]:
-    """Tensor operations (forward, backward) of one micro-batch on one rank of ``stage``."""
+    """Tensor operations (forward, backward) of one micro-batch on one rank of ``stage``.
+
+    ``loss_chunks``: token chunks the last stage's fused loss walks
+    (:func:`~.memory.loss_chunks`).
+    """
     layers = shape.layers // pipeline
     forward = layers * BLOCK_OPS[0]
     backward = layers * (BLOCK_OPS[1] + (BLOCK_OPS[0] if recompute else 0))
-    if stage in (0, pipeline - 1):  # embeddings on the first stage, norm, head and loss on the last
+    if stage in (0, pipeline - 1):  # embeddings on the first stage, norm and head on the last
         share = 0.5 if pipeline > 1 else 1.0
         forward += round(OUTSIDE_BLOCK_OPS[0] * share)
         backward += round(OUTSIDE_BLOCK_OPS[1] * share)
+    if stage == pipeline - 1:
+        forward += LOSS_OPS_PER_CHUNK * loss_chunks
     return forward, backward
 
 
@@ -253,6 +280,8 @@ class StageTime:
     """The optimizer step (memory traffic and per-tensor operations)."""
     overhead: float = 0.0
     """Fixed cost of the forward and backward tensor operations of all micro-batches."""
+    forward: float = 0.0
+    """The forward part of ``compute + overhead`` (the rest is backward)."""
 
     @property
     def busy(self) -> float:
@@ -356,11 +385,19 @@ def _stage_time(
         per_mb += recompute_flops_per_microbatch(
             shape, par.pipeline, par.tensor, job.training.micro_batch
         )
-    compute = per_mb * par.micro_batches / rank_flops
-    ops = sum(
-        rank_ops_per_microbatch(shape, par.pipeline, stage, job.training.activation_checkpointing)
+    forward_mb = rank_forward_flops_per_microbatch(
+        shape, par.pipeline, par.tensor, stage, job.training.micro_batch
     )
-    overhead = ops * par.micro_batches * profile.op_overhead
+    compute = per_mb * par.micro_batches / rank_flops
+    ops_forward, ops_backward = rank_ops_per_microbatch(
+        shape,
+        par.pipeline,
+        stage,
+        job.training.activation_checkpointing,
+        memory.loss_chunks(shape, job.training.micro_batch, par.tensor),
+    )
+    overhead = (ops_forward + ops_backward) * par.micro_batches * profile.op_overhead
+    forward = (forward_mb / rank_flops + ops_forward * profile.op_overhead) * par.micro_batches
     seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     dp_calls = 0
     after_backward = 0.0
@@ -374,7 +411,7 @@ def _stage_time(
         elif c.group == "dp":
             dp_calls += c.calls
     reduce = seconds["dp"] - after_backward
-    window = BACKWARD_SHARE * compute / par.micro_batches
+    window = (per_mb - forward_mb) / rank_flops  # the last micro-batch's backward
     exchanges = stage_comm.dp_exchanges or dp_calls  # each bucket's exchange is one chain
     # the last bucket's chain starts when backward ends, so it is exposed whole (ZeRO-3: the average)
     last_chain = sum(
@@ -408,6 +445,7 @@ def _stage_time(
         dp_exposed=exposed + after_backward,
         optimizer=optimizer,
         overhead=overhead,
+        forward=forward,
     )
 
 
@@ -492,10 +530,10 @@ def plan_time(
         busy = (
             st.busy - sends / speed - closes
         ) / par.micro_batches  # the window adds the sends on its critical path
+        own = st.compute + st.overhead
+        share = st.forward / own if own > 0 else 1 - BACKWARD_SHARE
         per_microbatch.append(
-            pipeline_window.StageDurations(
-                forward=busy * (1 - BACKWARD_SHARE), backward=busy * BACKWARD_SHARE
-            )
+            pipeline_window.StageDurations(forward=busy * share, backward=busy * (1 - share))
         )
     loop = profile.rank_step_cpu_seconds if cpu_model else 0.0
     replayed = cpu_model and par.pipeline > 1 and virtual == 1
@@ -575,10 +613,14 @@ def _wall_tp_seconds(
     """A stage's tensor-parallel collectives at the calibrated wall time of a call.
 
     Each one blocks its rank until every member has arrived and been woken:
-    calibration's mean wall time of a call that follows compute, not the CPU
-    the call costs (a CPU host's work model), is what the step waits.
+    the wall time of a call that follows compute, not the CPU the call costs
+    (a CPU host's work model), is what the step waits; the trainer's own
+    calls in calibration's step-loop run where they were timed
+    (``tp_collectives``), else the micro-benchmark's.
     """
     link = links(profile)[group_links(job, pod_domains)["tp"]]
+    if profile.tp_collectives:
+        link = dataclasses.replace(link, fits=profile.tp_collectives)
     return sum(collective_seconds(c, link) for c in stage_comm.collectives if c.group == "tp")
 
 
@@ -595,4 +637,5 @@ def _scaled(stage: StageTime, factor: float) -> StageTime:
         dp_exposed=stage.dp_exposed * factor,
         optimizer=stage.optimizer * factor,
         overhead=stage.overhead * factor,
+        forward=stage.forward * factor,
     )

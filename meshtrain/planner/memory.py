@@ -332,6 +332,18 @@ LOSS_CHUNK_BYTES = 256 * 2**20
 """fp32 logits of one chunk of the trainer's fused loss (``meshtrain.trainer.parallel.loss.CHUNK_BYTES``)."""
 
 
+def loss_chunk_tokens(shape: api_spec.ModelShape, micro_batch: int, tensor: int) -> int:
+    """Tokens per chunk of the trainer's fused loss: one chunk's fp32 logits within :data:`LOSS_CHUNK_BYTES`."""
+    return min(
+        shape.seq_len * micro_batch, max(1, LOSS_CHUNK_BYTES // (4 * vocab_rows(shape, tensor)))
+    )
+
+
+def loss_chunks(shape: api_spec.ModelShape, micro_batch: int, tensor: int) -> int:
+    """Chunks the fused loss walks per micro-batch."""
+    return -(-shape.seq_len * micro_batch // loss_chunk_tokens(shape, micro_batch, tensor))
+
+
 def head_activation_bytes(
     shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme
 ) -> float:
@@ -345,7 +357,7 @@ def head_activation_bytes(
     when that is narrower).
     """
     s, b, vocab = shape.seq_len, micro_batch, vocab_rows(shape, tensor)
-    chunk = min(s * b, max(1, LOSS_CHUNK_BYTES // int(4 * vocab)))
+    chunk = loss_chunk_tokens(shape, micro_batch, tensor)
     logit_bytes = 4 + (scheme.matmul_bytes if scheme.matmul_bytes < 4 else 0)
     return (
         2 * s * b * shape.hidden * scheme.stream_bytes

@@ -125,6 +125,8 @@ class Profile:
     """CPU seconds each rank spends per step beyond its tensor work and collectives (Python step loop, telemetry, gloo threads), measured with ``calibration.processes`` ranks on the host (CPU hosts; 0: unmeasured)."""
     step_loop_between_share: float = 1.0
     """Share of ``rank_step_cpu_seconds`` a rank spends between its pipeline actions (outside every recorded event), measured in calibration's step-loop run; the rest runs inside the actions."""
+    tp_collectives: tuple[CollectiveFit, ...] = ()
+    """Tensor-parallel collectives as the trainer's own calls between its compute waited for them in calibration's step-loop run (wall time, by op and group size); they replace ``collectives`` where such a call blocks its rank's core."""
 
     @property
     def cpu_time_model(self) -> bool:
@@ -244,9 +246,20 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
         int(ranks): _number({"flops": flops}, "flops", f"{origin}: flops_by_ranks[{ranks}]")
         for ranks, flops in table.items()
     }
+    out["collectives"] = _fits(data, "collectives", origin)
+    out["tp_collectives"] = _fits(data, "tp_collectives", origin)
+    calibration = data.get("calibration") or {}
+    if not isinstance(calibration, Mapping):
+        raise ProfileError(f"{origin}: 'calibration' must be a mapping (host, device, measured_at)")
+    out["calibration"] = dict(calibration)
+    return out
+
+
+def _fits(data: Mapping[str, Any], key: str, origin: str) -> tuple[CollectiveFit, ...]:
+    """The collective fits listed under ``key``."""
     fits = []
-    for index, entry in enumerate(data.get("collectives") or []):
-        where = f"{origin}: collectives[{index}]"
+    for index, entry in enumerate(data.get(key) or []):
+        where = f"{origin}: {key}[{index}]"
         if not isinstance(entry, Mapping) or entry.get("op") not in COLLECTIVE_OPS:
             raise ProfileError(f"{where}: 'op' must be one of {', '.join(COLLECTIVE_OPS)}")
         fits.append(
@@ -264,12 +277,7 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
                 ),
             )
         )
-    out["collectives"] = tuple(fits)
-    calibration = data.get("calibration") or {}
-    if not isinstance(calibration, Mapping):
-        raise ProfileError(f"{origin}: 'calibration' must be a mapping (host, device, measured_at)")
-    out["calibration"] = dict(calibration)
-    return out
+    return tuple(fits)
 
 
 def to_mapping(profile: Profile) -> dict[str, Any]:
@@ -277,9 +285,10 @@ def to_mapping(profile: Profile) -> dict[str, Any]:
     out = {
         f.name: getattr(profile, f.name)
         for f in dataclasses.fields(Profile)
-        if f.name not in ("path", "collectives")
+        if f.name not in ("path", "collectives", "tp_collectives")
     }
     out["collectives"] = [dataclasses.asdict(fit) for fit in profile.collectives]
+    out["tp_collectives"] = [dataclasses.asdict(fit) for fit in profile.tp_collectives]
     return out
 
 

@@ -7,6 +7,7 @@ through ``--profiles-dir`` and that the plan then says it was calibrated here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 from collections.abc import Iterator
@@ -163,3 +164,38 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
     assert (
         0.5 * calibrate.LOOP_ACTION_FLOPS < counted.get_total_flops() <= calibrate.LOOP_ACTION_FLOPS
     )
+
+
+def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() -> None:
+    """Fitted from the step-loop run's own calls, the planner's count of them adds up to the seconds they took.
+
+    The trainer's trace, not the planner, says how many tensor-parallel calls of
+    which size a step makes and how long each waited; a planner that counted
+    other calls or bytes would price a different sum.
+    """
+    job = loading.parse_spec(
+        JobBuilder()
+        .layout(1, 1, 2)
+        .model(preset="tiny", layers=2, hidden=64, heads=4, seqLen=32)
+        .training(precision="fp32", microBatch=2)
+        .raw()
+    )
+    micro_benchmark = profiles.CollectiveFit("all_reduce", 2, alpha=0.0, bandwidth=1e9, processes=2)
+    profile = dataclasses.replace(
+        profiles.get("cpu"),
+        cores=2,
+        core_flops=1e10,
+        collectives=(micro_benchmark,),
+        calibration={"host": socket.gethostname()},
+    )
+    _, loop_run = calibrate.rank_step_cpu(job, profile)
+    calls = loop_run["tp_calls"]
+    assert set(calls) == {"all_reduce"} and calls["all_reduce"]["calls"] > 0
+    fitted = dataclasses.replace(
+        profile, tp_collectives=calibrate.in_situ_tp_fits(calls, 2, profile)
+    )
+    assert [(f.op, f.members) for f in fitted.tp_collectives] == [("all_reduce", 2)]
+    loop = loading.parse_spec(calibrate.loop_job(job, "/nonexistent"), "loop")
+    rank_steps = loop.world_size * (calibrate.LOOP_STEPS - calibrate.LOOP_STEPS // 2)
+    planned = estimate.make_plan(loop, fitted).time.stages[0].tp
+    assert planned == pytest.approx(calls["all_reduce"]["seconds"] / rank_steps, rel=1e-6)

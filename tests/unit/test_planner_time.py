@@ -15,6 +15,7 @@ import torch
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import bench_planner_time as bench
 from meshtrain import cli
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
@@ -30,6 +31,7 @@ from meshtrain.planner import (
     validation,
 )
 from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import loss as lm_loss
 from meshtrain.trainer.parallel import recording, schedules
 from meshtrain.trainer.telemetry import stepstats
 from tests.builders import JobBuilder
@@ -133,21 +135,26 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_op_counts_are_the_trainer_models_dispatched_ops() -> None:
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_op_counts_are_the_trainer_models_dispatched_ops(chunks: int) -> None:
+    """Per block, and outside the blocks with the trainer's fused loss walking ``chunks`` token chunks."""
     config = gpt.GPTConfig(vocab=96, seq_len=16, layers=2, hidden=32, heads=4, ffn_hidden=128)
+    chunk_bytes = 4 * 96 * (32 // chunks)  # 32 tokens a micro-batch
     counts = []
     for layers in (1, 2):
         model = gpt.GPT(dataclasses.replace(config, layers=layers))
         tokens = torch.randint(0, 96, (2, 16))
         with _CountOps() as forward:
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            loss = lm_loss.lm_loss(model, tokens, tokens, chunk_bytes=chunk_bytes)
         with _CountOps() as backward:
             loss.backward()
         counts.append((forward.count, backward.count))
     per_block = (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1])
     assert per_block == cost.BLOCK_OPS
-    assert (counts[0][0] - per_block[0], counts[0][1] - per_block[1]) == cost.OUTSIDE_BLOCK_OPS
+    outside = (counts[0][0] - per_block[0], counts[0][1] - per_block[1])
+    planned = cost.OUTSIDE_BLOCK_OPS[0] + cost.LOSS_OPS_PER_CHUNK * chunks
+    assert planned == pytest.approx(outside[0], rel=0.02)
+    assert cost.OUTSIDE_BLOCK_OPS[1] == outside[1]
 
 
 # --- calibrated figures ----------------------------------------------------------------------------
@@ -327,6 +334,16 @@ def test_committed_band_matches_its_results_file() -> None:
     results = Path(__file__).parents[2] / band.results_file
     document = json.loads(results.read_text())
     assert validation.band_from_results(results, document) == band
+
+
+def test_the_validation_runs_predicted_again_keep_the_required_layouts_within_target() -> None:
+    """A model change is checked against the committed runs' measurements, without running one."""
+    band = validation.load_band()
+    assert band is not None, "run benchmarks/bench_planner_time.py to write the band"
+    document = json.loads((Path(__file__).parents[2] / band.results_file).read_text())
+    assert set(bench.REQUIRED) <= {row["layout"] for row in document["results"]["layouts"]}
+    summary = bench.repredict(document)["results"]["summary"]
+    assert summary["required_misses"] == []
 
 
 # --- search ----------------------------------------------------------------------------------------
