@@ -556,11 +556,20 @@ def main(argv: list[str] | None = None) -> int:
         help="predict the recorded runs of a results file again with the current model; run nothing",
     )
     parser.add_argument(
+        "--band",
+        nargs="+",
+        metavar="RESULTS",
+        help="write meshtrain/planner/validation.json from these results files (one per run); run nothing",
+    )
+    parser.add_argument(
         "--out",
         metavar="FILE",
         help="with --repredict: write the re-predicted document here and the error band from it",
     )
     args = parser.parse_args(argv)
+    if args.band:
+        print(f"error band: {validation.write_band([Path(p) for p in args.band])}")
+        return 0
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
         return 0
@@ -571,9 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
             print(f"results: {args.out}")
-            print(
-                f"error band: {validation.write_band(Path(args.out), document['results']['summary'])}"
-            )
+            print(f"error band: {validation.write_band([Path(args.out)])}")
         return verdict(document["results"]["summary"])
     layouts = [(n, p) for n, p in LAYOUTS if not args.only or n in args.only]
     rows = []
@@ -625,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         path = machine.write_results("planner_time", results)
         print(f"results: {path}")
         if not os.environ.get(machine.RESULTS_ENV):
-            print(f"error band: {validation.write_band(path, summary)}")
+            print(f"error band: {validation.write_band([path])}")
     else:
         print("--only: results printed, not written")
     return verdict(summary)

@@ -67,9 +67,9 @@ LOOP_ACTION_FLOPS = 2e9
 """Forward FLOPs of one block on one micro-batch in that run, at most (about 20 ms on a CPU core)."""
 
 
-def _seconds_per_call(fn: Any, budget: float, sync: Any, repeats: int | None = None) -> float:
+def _seconds_per_call(fn: Any, budget: float, sync: Any) -> float:
     """Wall seconds per call of ``fn`` after one warm-up (see :func:`_timed_calls`)."""
-    return _timed_calls(fn, budget, sync, repeats)[0]
+    return _timed_calls(fn, budget, sync)[0]
 
 
 def _timed_calls(
@@ -526,7 +526,7 @@ def rank_step_cpu(
     Runs :func:`loop_job` with ``meshtrain run`` (all ranks on this host, as
     the job would) and takes rank 0's CPU seconds per step after warm-up
     (``cpu_seconds`` of the step log: every thread of the process) less the
-    planner's CPU work per rank for that run at ``profile``: what remains is
+    planner's CPU work of rank 0 (a stage-0 rank) in that run at ``profile``: what remains is
     the Python step loop, telemetry and gloo's threads, which grow with the
     number of ranks sharing the cores.
     """
@@ -546,10 +546,10 @@ def rank_step_cpu(
     loop = loading.parse_spec(raw, "calibration step-loop run")
     steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
     measured = statistics.median(steady)
-    predicted = estimate.make_plan(loop, profile).time.cpu_seconds / loop.world_size
+    predicted = estimate.make_plan(loop, profile).time.rank_cpu_seconds[0]
     return max(0.0, measured - predicted), {
         "rank0_cpu_seconds": steady,
-        "predicted_cpu_seconds_per_rank": predicted,
+        "predicted_rank0_cpu_seconds": predicted,
         # Where the loop's time goes: outside every recorded event (between actions) or not.
         "outside_events_seconds": {
             rank: statistics.median(

@@ -219,8 +219,10 @@ def rank_forward_flops_per_microbatch(
     """
     layers = shape.layers // pipeline
     tokens = micro_batch * shape.seq_len
-    blocks = 6 * layers * memory.layer_params(shape, tensor)
-    blocks += 12 * layers * shape.seq_len * shape.hidden / tensor
+    blocks = (
+        6 * layers * memory.layer_params(shape, tensor)
+        + 12 * layers * shape.seq_len * shape.hidden / tensor
+    )
     head = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch) - blocks * tokens
     return blocks * tokens * (1 - BACKWARD_SHARE) + head
 
@@ -328,6 +330,8 @@ class TimePlan:
     """CPU host: CPU seconds of all ranks in one step (0 elsewhere)."""
     available_cores: float = 0.0
     """CPU host: cores the ranks share; ``cpu_seconds / available_cores`` bounds the step (0 elsewhere)."""
+    rank_cpu_seconds: tuple[float, ...] = ()
+    """CPU host: CPU seconds of one rank of each stage in one step, the step loop included (empty elsewhere)."""
 
     @property
     def work_bound(self) -> bool:
@@ -411,7 +415,9 @@ def _stage_time(
         elif c.group == "dp":
             dp_calls += c.calls
     reduce = seconds["dp"] - after_backward
-    window = (per_mb - forward_mb) / rank_flops  # the last micro-batch's backward
+    window = (per_mb - forward_mb) / rank_flops  # one micro-batch's backward
+    if par.zero_stage == 2:  # each micro-batch reduce-scatters its buckets behind its own backward
+        window *= par.micro_batches
     exchanges = stage_comm.dp_exchanges or dp_calls  # each bucket's exchange is one chain
     # the last bucket's chain starts when backward ends, so it is exposed whole (ZeRO-3: the average)
     last_chain = sum(
@@ -483,7 +489,6 @@ def host_oversubscription(job: api_spec.TrainingJobSpec, profile: profiles.Profi
 def plan_time(
     job: api_spec.TrainingJobSpec,
     profile: profiles.Profile,
-    scheme: memory.StateScheme,
     stage_comms: Sequence[comm.StageComm],
     pod_domains: Sequence[str] | None = None,
 ) -> TimePlan:
@@ -569,10 +574,10 @@ def plan_time(
     cpu_seconds = 0.0
     cores = 0.0
     step = dependencies
+    rank_cpu: tuple[float, ...] = ()
     if cpu_model:
-        ranks_per_stage = par.data * par.tensor
-        cpu_seconds = sum(ranks_per_stage * (st.busy + st.dp + st.optimizer) for st in work)
-        cpu_seconds += job.world_size * loop
+        rank_cpu = tuple(st.busy + st.dp + st.optimizer + loop for st in work)
+        cpu_seconds = par.data * par.tensor * sum(rank_cpu)
         cores = cpu_host.available_cores(profile)
         step = max(dependencies, cpu_seconds / cores)
     tokens = job.global_batch * shape.seq_len
@@ -592,6 +597,7 @@ def plan_time(
         dependency_seconds=dependencies,
         cpu_seconds=cpu_seconds,
         available_cores=cores,
+        rank_cpu_seconds=rank_cpu,
     )
 
 

@@ -164,7 +164,7 @@ def make_plan(
         if nodes is not None and placed is not None and placed.nodes
         else None
     )
-    time_plan = cost.plan_time(job, profile, scheme, stage_comms, domains)
+    time_plan = cost.plan_time(job, profile, stage_comms, domains)
     shape = job.model.shape()
     batch = BatchCheck(
         sequences=job.global_batch,

@@ -243,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plan = dataclasses.replace(
         plan,
-        confidence=validation.confidence(profile, socket.gethostname(), validation.load_band()),
+        confidence=validation.confidence(
+            profile, socket.gethostname(), validation.load_band(), job.parallelism.layout_string
+        ),
     )
     if args.json:
         print(json.dumps(plan_report.to_json(plan), indent=2, ensure_ascii=False))

@@ -41,9 +41,9 @@ def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float 
 
 def to_json(plan: estimate.Plan) -> dict[str, Any]:
     """The ``meshtrain.plan/v1`` document of a plan."""
-    job, profile, mem, tp = plan.job, plan.profile, plan.memory, plan.time
+    job, profile, mem, timing = plan.job, plan.profile, plan.memory, plan.time
     par, shape = job.parallelism, job.model.shape()
-    worst_t = tp.worst
+    worst_t = timing.worst
     placement: dict[str, Any] | None = None
     if plan.placement is not None:
         placement = {
@@ -80,7 +80,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "ffn_hidden": shape.ffn_hidden,
             "parameters": mem.total_params,
             "parameters_per_rank_max": max(s.params for s in mem.stages),
-            "flops_per_token": tp.model_flops / tp.tokens_per_step,
+            "flops_per_token": timing.model_flops / timing.tokens_per_step,
         },
         "profile": {
             "name": profile.name,
@@ -125,7 +125,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             ],
         },
         "communication": {
-            "links": {g: tp.links[g].name for g in GROUPS},
+            "links": {g: timing.links[g].name for g in GROUPS},
             "per_stage": [
                 {
                     "stage": c.stage,
@@ -147,7 +147,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             ],
         },
         "time": {
-            "step_seconds": tp.step_seconds,
+            "step_seconds": timing.step_seconds,
             "pacing_stage": worst_t.stage,
             "compute_seconds": worst_t.compute,
             "tp_seconds": worst_t.tp,
@@ -155,20 +155,20 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "dp_seconds": worst_t.dp,
             "dp_exposed_seconds": worst_t.dp_exposed,
             "optimizer_seconds": worst_t.optimizer,
-            "bubble": tp.bubble,
-            "predicted_bubble": tp.bubble_stage0,
-            "pipeline_seconds": tp.pipeline_seconds,
+            "bubble": timing.bubble,
+            "predicted_bubble": timing.bubble_stage0,
+            "pipeline_seconds": timing.pipeline_seconds,
             "overhead_seconds": worst_t.overhead,
-            "oversubscription": tp.oversubscription,
-            "rank_flops": tp.rank_flops,
-            "dependency_seconds": tp.dependency_seconds,
-            "cpu_seconds": tp.cpu_seconds,
-            "available_cores": tp.available_cores,
-            "work_bound": tp.work_bound,
-            "compute_comm_ratio": _finite(tp.compute_comm_ratio),
-            "verdict": tp.verdict,
-            "tokens_per_second": tp.tokens_per_second,
-            "mfu": tp.mfu,
+            "oversubscription": timing.oversubscription,
+            "rank_flops": timing.rank_flops,
+            "dependency_seconds": timing.dependency_seconds,
+            "cpu_seconds": timing.cpu_seconds,
+            "available_cores": timing.available_cores,
+            "work_bound": timing.work_bound,
+            "compute_comm_ratio": _finite(timing.compute_comm_ratio),
+            "verdict": timing.verdict,
+            "tokens_per_second": timing.tokens_per_second,
+            "mfu": timing.mfu,
         },
         "batch": {
             "global_batch": plan.batch.sequences,
@@ -227,7 +227,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def to_text(plan: estimate.Plan) -> str:
     """The report ``meshtrain plan`` prints."""
-    job, profile, mem, tp = plan.job, plan.profile, plan.memory, plan.time
+    job, profile, mem, timing = plan.job, plan.profile, plan.memory, plan.time
     par, shape = job.parallelism, job.model.shape()
     lines = [
         f"meshtrain plan: {par.layout_string} ({job.world_size} GPUs in {job.pods} pod(s) of "
@@ -271,7 +271,7 @@ def to_text(plan: estimate.Plan) -> str:
     rows = [["stage", "group", "link", "op", "calls", "payload", "on the wire", "time"]]
     for c in plan.comm:
         for x in c.collectives:
-            link = tp.links[x.group]
+            link = timing.links[x.group]
             rows.append(
                 [
                     str(c.stage),
@@ -287,37 +287,37 @@ def to_text(plan: estimate.Plan) -> str:
         if not c.collectives:
             rows.append([str(c.stage), "-", "-", "(none)", "0", "0 B", "0 B", "0"])
     lines += _table(rows)
-    w = tp.worst
-    ratio = tp.compute_comm_ratio
+    w = timing.worst
+    ratio = timing.compute_comm_ratio
     lines += [
         "",
         f"time per step (pacing stage {w.stage}):",
-        f"  compute {human_seconds(w.compute)} at {tp.rank_flops / 1e12:.3g} TFLOP/s per rank"
+        f"  compute {human_seconds(w.compute)} at {timing.rank_flops / 1e12:.3g} TFLOP/s per rank"
         f" + op overhead {human_seconds(w.overhead)}; "
         f"tp {human_seconds(w.tp)}, pp {human_seconds(w.pp)}, dp {human_seconds(w.dp)} "
         f"(exposed {human_seconds(w.dp_exposed)}), optimizer {human_seconds(w.optimizer)}",
-        f"  pipeline bubble {tp.bubble:.1%} = (p-1)/(v*m+p-1) with p={par.pipeline}, "
+        f"  pipeline bubble {timing.bubble:.1%} = (p-1)/(v*m+p-1) with p={par.pipeline}, "
         f"v={par.virtual_stages if par.schedule == 'interleaved-1f1b' else 1}, m={par.micro_batches}; "
-        f"replayed with each stage's times: stage 0 idle {tp.bubble_stage0:.1%} of "
-        f"{human_seconds(tp.pipeline_seconds)}"
+        f"replayed with each stage's times: stage 0 idle {timing.bubble_stage0:.1%} of "
+        f"{human_seconds(timing.pipeline_seconds)}"
         + (
-            f"; {tp.oversubscription:.1f}x more threads than cores"
-            if tp.oversubscription > 1
+            f"; {timing.oversubscription:.1f}x more threads than cores"
+            if timing.oversubscription > 1
             else ""
         ),
         *(
             [
-                f"  CPU host: {human_seconds(tp.cpu_seconds)} of CPU work per step over "
-                f"{tp.available_cores:.2f} available cores"
-                f" = {human_seconds(tp.cpu_seconds / tp.available_cores)}; schedule's critical path "
-                f"{human_seconds(tp.dependency_seconds)}: "
-                + ("work-bound" if tp.work_bound else "dependency-bound")
+                f"  CPU host: {human_seconds(timing.cpu_seconds)} of CPU work per step over "
+                f"{timing.available_cores:.2f} available cores"
+                f" = {human_seconds(timing.cpu_seconds / timing.available_cores)}; schedule's critical path "
+                f"{human_seconds(timing.dependency_seconds)}: "
+                + ("work-bound" if timing.work_bound else "dependency-bound")
             ]
-            if tp.available_cores > 0
+            if timing.available_cores > 0
             else []
         ),
-        f"  predicted step {human_seconds(tp.step_seconds)}, {tp.tokens_per_second:,.0f} tokens/s, MFU {tp.mfu:.1%}",
-        f"  compute/communication ratio {'inf' if not math.isfinite(ratio) else f'{ratio:.2f}'}: {tp.verdict}",
+        f"  predicted step {human_seconds(timing.step_seconds)}, {timing.tokens_per_second:,.0f} tokens/s, MFU {timing.mfu:.1%}",
+        f"  compute/communication ratio {'inf' if not math.isfinite(ratio) else f'{ratio:.2f}'}: {timing.verdict}",
         "",
         f"  confidence: {plan.confidence.statement}"
         if plan.confidence
@@ -413,4 +413,10 @@ def search_text(
         ),
         f"confidence: {confidence.statement}",
     ]
+    if confidence.calibrated_for:
+        lines.append(
+            f"  the profile was calibrated for {confidence.calibrated_for}: layouts with other "
+            "tensor or pipeline degrees are priced with its block rate, step loop and waits; "
+            "calibrate the pick (--calibrate with its --set) before trusting its time"
+        )
     return "\n".join(lines)

@@ -336,7 +336,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
         .raw()
     )
     scheme = memory.scheme_for("bf16")
-    plan = cost.plan_time(big, h100, scheme, comm.plan_comm(big, scheme))
+    plan = cost.plan_time(big, h100, comm.plan_comm(big, scheme))
     assert plan.bubble == pytest.approx(3 / 11)
     # The replayed window holds every action of the pacing stage plus the other stages' fill and drain.
     assert plan.step_seconds >= plan.pipeline_seconds > max(s.busy for s in plan.stages)
@@ -344,7 +344,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
     assert 0 < plan.mfu < h100.achievable_fraction
     # The tiny model over a slow fabric is dominated by communication.
     tiny = loading.parse_spec(JobBuilder().layout(8, 1, 1, gpus_per_node=1).raw())
-    slow = cost.plan_time(tiny, h100, scheme, comm.plan_comm(tiny, scheme))
+    slow = cost.plan_time(tiny, h100, comm.plan_comm(tiny, scheme))
     assert slow.links["dp"].name == "fabric"
     assert slow.verdict == "communication-bound"
 

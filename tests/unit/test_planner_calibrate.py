@@ -79,12 +79,10 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     assert 0 < measured.available_cores <= measured.cores
     assert estimate.make_plan(loading.parse_spec(_tiny_dp2()), measured).time.available_cores > 0
     assert list(measured.flops_by_ranks) == [2]
-    # The step loop's cost: a real run of the layout, rank 0's CPU per step after warm-up;
-    # what is left after the priced work can be no more than all of it.
+    # The step loop's cost: a real run of the layout, rank 0's CPU per step after warm-up.
     loop = measured.calibration["step_loop_run"]
     assert len(loop["rank0_cpu_seconds"]) == calibrate.LOOP_STEPS - calibrate.LOOP_STEPS // 2
     assert all(c > 0 for c in loop["rank0_cpu_seconds"])
-    assert 0 <= measured.rank_step_cpu_seconds <= max(loop["rank0_cpu_seconds"])
     assert measured.calibration["host"] == socket.gethostname()
     assert measured.calibration["backend"] == "gloo" and measured.calibration["processes"] == 2
     job = loading.parse_spec(_tiny_dp2())
