@@ -171,13 +171,9 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
     which size a step makes and how long each waited; a planner that counted
     other calls or bytes would price a different sum.
     """
-    job = loading.parse_spec(
-        JobBuilder()
-        .layout(1, 1, 2)
-        .model(preset="tiny", layers=2, hidden=64, heads=4, seqLen=32)
-        .training(precision="fp32", microBatch=2)
-        .raw()
-    )
+    raw = _tiny_dp2()
+    raw["parallelism"].update(data=1, tensor=2)
+    job = loading.parse_spec(raw)
     micro_benchmark = profiles.CollectiveFit("all_reduce", 2, alpha=0.0, bandwidth=1e9, processes=2)
     profile = dataclasses.replace(
         profiles.get("cpu"),
