@@ -42,7 +42,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
 from meshtrain.trainer import calibrate, launch, steplog
-from meshtrain.trainer.telemetry import stepstats, trace
+from meshtrain.trainer.telemetry import loop_trace, stepstats, trace
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
 TRAINING = {"microBatch": 4, "precision": "fp32", "dataset": "stdlib", "warmupSteps": 1}
@@ -164,7 +164,7 @@ def breakdown(lines: list[dict[str, Any]]) -> dict[str, float]:
             ),
             "wait": sum(e["end"] - e["start"] for e in events if e["what"] == "wait"),
             "collective": sum(e["end"] - e["start"] for e in events if e["what"] == "collective"),
-            "outside_events": calibrate.outside_events(events),
+            "outside_events": loop_trace.outside_events(events),
             "actions": sum(e["what"] == "compute" for e in events),
             "bubble": float(line.get("bubble_ratio", 0.0)),
         }
@@ -209,6 +209,12 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
         },
         collectives=_mean_fits(before.collectives, after.collectives),
         tp_collectives=_mean_fits(before.tp_collectives, after.tp_collectives),
+        activation_message_seconds=(
+            before.activation_message_seconds + after.activation_message_seconds
+        )
+        / 2,
+        gradient_message_seconds=(before.gradient_message_seconds + after.gradient_message_seconds)
+        / 2,
         calibration={**before.calibration, "bracketed_by": after.calibration["measured_at"]},
     )
 

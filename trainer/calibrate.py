@@ -52,7 +52,7 @@ from meshtrain.trainer import launch, steplog
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh
 from meshtrain.trainer.parallel import tensor as tp
-from meshtrain.trainer.telemetry import stepstats, trace
+from meshtrain.trainer.telemetry import loop_trace, trace
 
 MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 """Payload sizes a collective is timed at (full buffer, as the trainer's recorder counts)."""
@@ -544,6 +544,7 @@ def rank_step_cpu(
         records = steplog.read(Path(tmp) / "log" / steplog.FILENAME)
         traces = trace.read_trace(Path(tmp) / "log")
     loop = loading.parse_spec(raw, "calibration step-loop run")
+    steady_lines = [line for lines in traces.values() for line in lines[LOOP_STEPS // 2 :]]
     steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
     measured = statistics.median(steady)
     predicted = estimate.make_plan(loop, profile).time.rank_cpu_seconds[0]
@@ -553,7 +554,7 @@ def rank_step_cpu(
         # Where the loop's time goes: outside every recorded event (between actions) or not.
         "outside_events_seconds": {
             rank: statistics.median(
-                outside_events(line["events"]) for line in lines[LOOP_STEPS // 2 :]
+                loop_trace.outside_events(line["events"]) for line in lines[LOOP_STEPS // 2 :]
             )
             for rank, lines in sorted(traces.items())
         },
@@ -562,25 +563,14 @@ def rank_step_cpu(
         )
         if traces.get(0)
         else 0,
-        "tp_calls": tp_calls(
-            [line for lines in traces.values() for line in lines[LOOP_STEPS // 2 :]]
-        ),
+        "tp_calls": loop_trace.tp_calls(steady_lines),
+        "message_seconds": {
+            kind: statistics.median(seconds)
+            for kind, seconds in loop_trace.message_latencies(steady_lines).items()
+        },
         "layers": loop.model.shape().layers,
         "seq_len": loop.model.shape().seq_len,
     }
-
-
-def tp_calls(lines: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds and bytes summed."""
-    out: dict[str, dict[str, float]] = {}
-    for line in lines:
-        for event in line["events"]:
-            if event["what"] == "collective" and event.get("group") == "tp":
-                total = out.setdefault(event["kind"], {"calls": 0, "seconds": 0.0, "bytes": 0.0})
-                total["calls"] += 1
-                total["seconds"] += float(event["end"]) - float(event["start"])
-                total["bytes"] += float(event.get("bytes", 0))
-    return out
 
 
 def in_situ_tp_fits(
@@ -623,14 +613,6 @@ def between_share(
         return 1.0
     rate = cost.cpu_sharing(loop, profile).rate(loop.world_size)
     return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
-
-
-def outside_events(events: list[dict[str, Any]]) -> float:
-    """Seconds of a step's trace line, up to its last event's end, that no event covers."""
-    if not events:
-        return 0.0
-    end = max(float(e["end"]) for e in events)
-    return end - stepstats.union_seconds((float(e["start"]), float(e["end"])) for e in events)
 
 
 def load_average() -> list[float]:
@@ -698,6 +680,8 @@ def calibrate(
         rank_step_cpu_seconds=loop_cpu,
         step_loop_between_share=between_share(loop_run, job, profile, loop_cpu),
         tp_collectives=in_situ_tp_fits(loop_run["tp_calls"], job.parallelism.tensor, profile),
+        activation_message_seconds=loop_run["message_seconds"].get("forward", 0.0),
+        gradient_message_seconds=loop_run["message_seconds"].get("backward", 0.0),
         calibration={**profile.calibration, "step_loop_run": loop_run},
     )
 

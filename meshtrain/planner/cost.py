@@ -523,6 +523,10 @@ def plan_time(
             for st, sc in zip(stages, stage_comms)
         ]
     send = _send_seconds(job, stage_comms[0], used["pp"]) / speed
+    # With every core in use a message waits for gloo's threads to get one: calibration
+    # measured the latency on the trainer's own messages, and it bounds the fit's from below.
+    activations = max(send, profile.activation_message_seconds) if cpu_model else send
+    gradients = max(send, profile.gradient_message_seconds) if cpu_model else send
     # The stages' closing all-reduces (tied embeddings, the norm) run once, after the last backward.
     closing = [_closing_seconds(sc, used["pp"]) / speed for sc in stage_comms]
     per_microbatch = []
@@ -559,7 +563,7 @@ def plan_time(
                 )
                 for d in per_microbatch
             ],
-            send,
+            shared_pipeline.Messages(activations, gradients),
             cpu_sharing(job, profile),
             replicas=par.data * par.tensor,
             between=loop_between,

@@ -127,6 +127,10 @@ class Profile:
     """Share of ``rank_step_cpu_seconds`` a rank spends between its pipeline actions (outside every recorded event), measured in calibration's step-loop run; the rest runs inside the actions."""
     tp_collectives: tuple[CollectiveFit, ...] = ()
     """Tensor-parallel collectives as the trainer's own calls between its compute waited for them in calibration's step-loop run (wall time, by op and group size); they replace ``collectives`` where such a call blocks its rank's core."""
+    activation_message_seconds: float = 0.0
+    """Wall seconds from a pipeline stage's forward ending to the next stage, already waiting, holding its activations: the median over calibration's step-loop run (CPU hosts; 0: unmeasured, the ``send`` fit prices it).  With every core in use gloo's transport threads wait for one, so this is several times an idle host's send."""
+    gradient_message_seconds: float = 0.0
+    """The same for a backward's input gradients on their way to the stage before."""
 
     @property
     def cpu_time_model(self) -> bool:
@@ -236,6 +240,8 @@ def _measured(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
         "available_cores",
         "rank_step_cpu_seconds",
         "step_loop_between_share",
+        "activation_message_seconds",
+        "gradient_message_seconds",
     ):
         if key in data:
             out[key] = _number(data, key, origin)

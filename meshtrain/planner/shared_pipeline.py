@@ -25,8 +25,9 @@ Each stage runs its actions in the trainer's order (GPipe: every forward,
 then every backward; 1F1B: ``p - s - 1`` warm-up forwards, then one forward
 one backward, then the remaining backwards); a forward of stage ``s > 0``
 waits for the same micro-batch's forward of ``s - 1`` and a backward of
-``s < p - 1`` for the backward of ``s + 1``, each plus a message's
-``send_seconds``.  All ranks of one stage (its data- and tensor-parallel
+``s < p - 1`` for the backward of ``s + 1``, each plus that message's
+latency (:class:`Messages`: activations and gradients apart, as calibration
+measures them).  All ranks of one stage (its data- and tensor-parallel
 replicas) run in step.  Before each action a rank runs its share of the
 step loop (posting messages, bookkeeping) once the action's input is
 there: runnable, but not compute.  A stage counts as busy from the start to
@@ -59,6 +60,16 @@ class Sharing:
         return self.threads * min(1.0, self.cores / demand) if demand > 0 else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Messages:
+    """Wall seconds from an action's end to the neighbour that waits for its output holding it."""
+
+    activations: float
+    """A forward's output, on its way to the next stage."""
+    gradients: float
+    """A backward's input gradients, on their way to the stage before."""
+
+
 def stage_actions(
     schedule: str, stages: int, micro_batches: int, stage: int
 ) -> list[tuple[str, int]]:
@@ -77,7 +88,7 @@ def replay(
     schedule: str,
     micro_batches: int,
     stages: Sequence[pipeline_window.StageDurations],
-    send_seconds: float,
+    messages: Messages,
     sharing: Sharing,
     replicas: int = 1,
     between: float = 0.0,
@@ -96,7 +107,7 @@ def replay(
     busy = [0.0] * p
     now = 0.0
     while any(cursor[s] < len(orders[s]) for s in range(p)):
-        ready = [_ready_at(orders, cursor, done, s, p, send_seconds) for s in range(p)]
+        ready = [_ready_at(orders, cursor, done, s, p, messages) for s in range(p)]
         runnable = [s for s, t in enumerate(ready) if t is not None and t <= now + _EPSILON]
         waiting = [t for t in ready if t is not None and t > now + _EPSILON]
         if not runnable:
@@ -135,7 +146,7 @@ def _ready_at(
     done: dict[tuple[str, int, int], float],
     s: int,
     p: int,
-    send: float,
+    messages: Messages,
 ) -> float | None:
     """When stage ``s``'s next action may start (None: finished, or its input not yet produced)."""
     if cursor[s] == len(orders[s]):
@@ -145,4 +156,6 @@ def _ready_at(
     if (kind == "F" and s == 0) or (kind == "B" and s == p - 1):
         return 0.0
     finished = done.get(source)
-    return None if finished is None else finished + send
+    if finished is None:
+        return None
+    return finished + (messages.activations if kind == "F" else messages.gradients)

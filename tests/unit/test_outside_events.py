@@ -1,4 +1,4 @@
-"""calibrate.outside_events and between_share: the step loop's seconds between a rank's recorded events."""
+"""loop_trace.outside_events and calibrate.between_share: the step loop's seconds between a rank's recorded events."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from meshtrain.api import loading
 from meshtrain.planner import profiles
 from meshtrain.trainer import calibrate
+from meshtrain.trainer.telemetry import loop_trace
 from tests.builders import JobBuilder
 
 
@@ -20,8 +21,8 @@ def test_outside_events_counts_the_uncovered_seconds_up_to_the_last_event() -> N
         {"what": "collective", "kind": "all_reduce", "start": 6.5, "end": 7.0},
     ]
     # uncovered: [0, 0.5], [3, 4], [6, 6.5] -> 0.5 + 1 + 0.5
-    assert calibrate.outside_events(events) == pytest.approx(2.0)
-    assert calibrate.outside_events([]) == 0.0
+    assert loop_trace.outside_events(events) == pytest.approx(2.0)
+    assert loop_trace.outside_events([]) == 0.0
 
 
 def test_between_share_converts_the_median_rank_wall_seconds_at_the_shared_rate() -> None:

@@ -193,3 +193,24 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
     rank_steps = loop.world_size * (calibrate.LOOP_STEPS - calibrate.LOOP_STEPS // 2)
     planned = estimate.make_plan(loop, fitted).time.stages[0].tp
     assert planned == pytest.approx(calls["all_reduce"]["seconds"] / rank_steps, rel=1e-6)
+
+
+def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:
+    """The step-loop run of a pp2 GPipe job times both message kinds from its ranks' traces.
+
+    GPipe's stage 1 waits for micro-batch 0's activations and stage 0, its
+    forwards done, for micro-batch 0's gradients in every step, so both kinds
+    are measured.  The two ranks' traces meet on the wall clock only: a
+    message that seemed to arrive before it was sent, or to take a second,
+    would be two clocks misread.
+    """
+    raw = _tiny_dp2()
+    raw["parallelism"].update(data=1, pipeline=2, schedule="gpipe")
+    job = loading.parse_spec(raw)
+    profile = dataclasses.replace(
+        profiles.get("cpu"), cores=2, core_flops=1e10, calibration={"host": socket.gethostname()}
+    )
+    _, loop_run = calibrate.rank_step_cpu(job, profile)
+    seconds = loop_run["message_seconds"]
+    assert set(seconds) == {"forward", "backward"}
+    assert all(0 < s < 1 for s in seconds.values()), seconds

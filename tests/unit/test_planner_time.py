@@ -240,6 +240,34 @@ def test_cpu_host_step_is_the_larger_of_work_over_cores_and_the_critical_path() 
     assert gpu.cpu_seconds == 0.0 and gpu.available_cores == 0.0 and not gpu.work_bound
 
 
+def test_calibrated_message_latencies_delay_the_replayed_pipeline() -> None:
+    """Latencies measured on the trainer's own messages hold up the hop they belong to.
+
+    pp2 GPipe with a rank per core: stage 0's last backward needs stage 1's
+    last gradients, so a 10 ms gradient latency in place of the send fit's
+    (a few tenths of a millisecond) adds one hop of about 10 ms to the window
+    and to stage 0's idle share, and a 10 ms activation latency another; a
+    latency below the fit's changes nothing, and a GPU profile's closed-form
+    window ignores them.
+    """
+    spec = job(pipeline=2, schedule="gpipe", microBatches=4)
+    free = estimate.make_plan(spec, cpu_time_profile()).time
+    slow = estimate.make_plan(spec, cpu_time_profile(gradient_message_seconds=0.01)).time
+    assert slow.pipeline_seconds - free.pipeline_seconds == pytest.approx(0.01, abs=1e-3)
+    assert slow.bubble_stage0 > free.bubble_stage0
+    both = estimate.make_plan(
+        spec, cpu_time_profile(gradient_message_seconds=0.01, activation_message_seconds=0.01)
+    ).time
+    assert both.pipeline_seconds - slow.pipeline_seconds == pytest.approx(0.01, abs=1e-3)
+    below_fit = cpu_time_profile(gradient_message_seconds=1e-9, activation_message_seconds=1e-9)
+    assert estimate.make_plan(spec, below_fit).time.pipeline_seconds == free.pipeline_seconds
+    gpu = profiles.get("h100-sxm")
+    assert (
+        estimate.make_plan(spec, dataclasses.replace(gpu, gradient_message_seconds=0.01)).time
+        == estimate.make_plan(spec, gpu).time
+    )
+
+
 def test_a_rank_per_core_waits_its_tensor_collectives_wall_time_and_shared_cores_do_not() -> None:
     """Calibrated wall latency of the TP all-reduce, CPU figures unchanged.
 

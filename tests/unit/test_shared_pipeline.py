@@ -12,6 +12,7 @@ import pytest
 from meshtrain.planner import pipeline_window, shared_pipeline
 
 STAGES = [pipeline_window.StageDurations(forward=1.0, backward=2.0)] * 2
+FREE = shared_pipeline.Messages(activations=0.0, gradients=0.0)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -19,7 +20,7 @@ def test_dedicated_cores_give_the_closed_form(schedule: str) -> None:
     # Two single-thread ranks on two cores: each owns a core.  Huang et al. 2019:
     # window (m + p - 1) (f + b) = 5 x 3, stage 0 idle (p - 1) / (m + p - 1) = 0.2.
     window = shared_pipeline.replay(
-        schedule, 4, STAGES, 0.0, shared_pipeline.Sharing(cores=2, threads=1)
+        schedule, 4, STAGES, FREE, shared_pipeline.Sharing(cores=2, threads=1)
     )
     assert window.seconds == pytest.approx(15.0)
     assert window.idle_share(0) == pytest.approx(0.2)
@@ -38,7 +39,7 @@ def test_one_core_shared_by_two_stages(schedule: str) -> None:
     # Bubble 3 / 24 = 0.125, below the dedicated 0.2: the waiting stage's core
     # served the other one.
     window = shared_pipeline.replay(
-        schedule, 4, STAGES, 0.0, shared_pipeline.Sharing(cores=1, threads=1)
+        schedule, 4, STAGES, FREE, shared_pipeline.Sharing(cores=1, threads=1)
     )
     assert window.seconds == pytest.approx(24.0)
     assert window.idle_share(0) == pytest.approx(0.125)
@@ -49,7 +50,7 @@ def test_replicas_share_the_cores_with_their_stage() -> None:
     # each rank has half a core, while one runs its two ranks have a core each:
     # the same timeline as two ranks on one core, so the same 24 s and 0.125.
     window = shared_pipeline.replay(
-        "1f1b", 4, STAGES, 0.0, shared_pipeline.Sharing(cores=2, threads=1), replicas=2
+        "1f1b", 4, STAGES, FREE, shared_pipeline.Sharing(cores=2, threads=1), replicas=2
     )
     assert window.seconds == pytest.approx(24.0)
     assert window.idle_share(0) == pytest.approx(0.125)
@@ -61,9 +62,28 @@ def test_sends_delay_each_hop() -> None:
     # its backwards run [5.5, 13.5]; stage 0's B_i may start at the end of stage
     # 1's B_i + 0.5: 8, then back to back until 16.
     window = shared_pipeline.replay(
-        "gpipe", 4, STAGES, 0.5, shared_pipeline.Sharing(cores=2, threads=1)
+        "gpipe",
+        4,
+        STAGES,
+        shared_pipeline.Messages(activations=0.5, gradients=0.5),
+        shared_pipeline.Sharing(cores=2, threads=1),
     )
     assert window.seconds == pytest.approx(16.0)
+    assert window.busy == (pytest.approx(12.0), pytest.approx(12.0))
+
+
+def test_gradient_messages_delay_only_the_backwards() -> None:
+    # As above with free activations and 0.5 s gradients: stage 1's forwards end
+    # at 5, its backwards at 7, 9, 11, 13; stage 0's B_i starts 0.5 after each:
+    # 7.5, 9.5, 11.5, 13.5, so B4 ends at 15.5 (15 with both free, 16 with both slow).
+    window = shared_pipeline.replay(
+        "gpipe",
+        4,
+        STAGES,
+        shared_pipeline.Messages(activations=0.0, gradients=0.5),
+        shared_pipeline.Sharing(cores=2, threads=1),
+    )
+    assert window.seconds == pytest.approx(15.5)
     assert window.busy == (pytest.approx(12.0), pytest.approx(12.0))
 
 
@@ -75,7 +95,7 @@ def test_loop_work_between_actions_is_not_compute() -> None:
     # after stage 1's: B4 ends at 17.5 + 0.5 + 2 = 20.  Stage 0 computes 12 of those
     # 20 seconds: a bubble of 0.4 (0.2 without the loop).
     window = shared_pipeline.replay(
-        "gpipe", 4, STAGES, 0.0, shared_pipeline.Sharing(cores=2, threads=1), between=0.5
+        "gpipe", 4, STAGES, FREE, shared_pipeline.Sharing(cores=2, threads=1), between=0.5
     )
     assert window.seconds == pytest.approx(20.0)
     assert window.busy[0] == pytest.approx(12.0)
@@ -91,7 +111,7 @@ def test_loop_work_inside_the_actions_is_compute() -> None:
     # them: a bubble of 0.2 instead of 0.4.
     inside = [pipeline_window.StageDurations(forward=1.5, backward=2.5)] * 2
     window = shared_pipeline.replay(
-        "gpipe", 4, inside, 0.0, shared_pipeline.Sharing(cores=2, threads=1)
+        "gpipe", 4, inside, FREE, shared_pipeline.Sharing(cores=2, threads=1)
     )
     assert window.seconds == pytest.approx(20.0)
     assert window.busy[0] == pytest.approx(16.0)

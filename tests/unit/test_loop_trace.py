@@ -1,0 +1,83 @@
+"""loop_trace.message_latencies on trace lines whose timelines are worked out by hand.
+
+Two pipeline stages whose step clocks (``t0``) differ by 1 s, as two
+processes' do: a latency taken on either rank's own offsets would be off by
+that second.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.trainer.telemetry import loop_trace
+
+
+def _line(stage: int, t0: float, events: list[dict]) -> dict:
+    return {
+        "step": 3,
+        "pp": stage,
+        "dp": 0,
+        "tp": 0,
+        "virtual_stages": 1,
+        "t0": t0,
+        "events": events,
+    }
+
+
+def _compute(kind: str, microbatch: int, start: float, end: float) -> dict:
+    return {
+        "what": "compute",
+        "kind": kind,
+        "microbatch": microbatch,
+        "chunk": 0,
+        "start": start,
+        "end": end,
+    }
+
+
+def _recv(start: float, end: float) -> dict:
+    return {"what": "wait", "kind": "recv", "start": start, "end": end}
+
+
+def test_latency_is_the_wait_s_end_less_the_sender_s_action_on_the_wall_clock() -> None:
+    # Wall clock: stage 0 runs F0 [100.0, 100.2], F1 [100.2, 100.4]; stage 1
+    # (t0 = 99.0) waits from 100.0 and holds F0's activations at 100.23: 0.03 s.
+    # It asks for F1's only at 100.5, after they were sent (100.4): no latency.
+    # Stage 0 waits for B0's gradients from 100.4; stage 1's B0 ends at 100.8,
+    # stage 0 holds them at 100.81: 0.01 s.  B1's arrive while stage 0 computes.
+    stage0 = _line(
+        0,
+        100.0,
+        [
+            _compute("forward", 0, 0.0, 0.2),
+            _compute("forward", 1, 0.2, 0.4),
+            _recv(0.4, 0.81),
+            _compute("backward", 0, 0.81, 1.0),
+            _recv(1.0, 1.0),
+            _compute("backward", 1, 1.0, 1.2),
+        ],
+    )
+    stage1 = _line(
+        1,
+        99.0,
+        [
+            _recv(1.0, 1.23),
+            _compute("forward", 0, 1.23, 1.3),
+            _recv(1.5, 1.5),
+            _compute("forward", 1, 1.5, 1.6),
+            _compute("backward", 0, 1.6, 1.8),
+            _compute("backward", 1, 1.8, 1.9),
+        ],
+    )
+    latencies = loop_trace.message_latencies([stage0, stage1])
+    assert latencies["forward"] == [pytest.approx(0.03)]
+    assert latencies["backward"] == [pytest.approx(0.01)]
+
+
+def test_interleaved_lines_and_other_steps_say_nothing() -> None:
+    sender = _line(0, 0.0, [_compute("forward", 0, 0.0, 1.0)])
+    receiver = _line(1, 0.0, [_recv(0.0, 1.5), _compute("forward", 0, 1.5, 2.0)])
+    assert loop_trace.message_latencies([sender, receiver]) == {"forward": [pytest.approx(0.5)]}
+    assert loop_trace.message_latencies([sender, {**receiver, "step": 4}]) == {}
+    interleaved = [{**line, "virtual_stages": 2} for line in (sender, receiver)]
+    assert loop_trace.message_latencies(interleaved) == {}

@@ -1,0 +1,87 @@
+"""What a run's event trace (:mod:`.trace`) says about the step loop around the compute.
+
+Calibration's step-loop run and the planner's validation bench read the
+trainer's own trace lines: the seconds of a step no recorded event covers,
+the tensor-parallel calls and what they waited, and how long a pipeline
+message took to reach a neighbour already waiting for it.  Pure: trace lines
+in, figures out.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import Any
+
+from meshtrain.trainer.telemetry import stepstats
+
+
+def outside_events(events: list[dict[str, Any]]) -> float:
+    """Seconds of a step's trace line, up to its last event's end, that no event covers."""
+    if not events:
+        return 0.0
+    end = max(float(e["end"]) for e in events)
+    return end - stepstats.union_seconds((float(e["start"]), float(e["end"])) for e in events)
+
+
+def tp_calls(lines: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds and bytes summed."""
+    out: dict[str, dict[str, float]] = {}
+    for line in lines:
+        for event in line["events"]:
+            if event["what"] == "collective" and event.get("group") == "tp":
+                total = out.setdefault(event["kind"], {"calls": 0, "seconds": 0.0, "bytes": 0.0})
+                total["calls"] += 1
+                total["seconds"] += float(event["end"]) - float(event["start"])
+                total["bytes"] += float(event.get("bytes", 0))
+    return out
+
+
+def message_latencies(lines: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
+    """Wall seconds each waited-for pipeline message took, by the action it fed (``forward``/``backward``).
+
+    A stage's forward (backward) of micro-batch ``i`` waits for the forward
+    (backward) of ``i`` on the stage before (after) it, with the same data-
+    and tensor-parallel coordinates, in the same step.  Where the receiving
+    rank was already waiting when the sender's action ended, the message's
+    latency is the wait's end less that action's end, both on the wall clock
+    (each line's ``t0`` plus the event's offset): posting it, gloo's copies
+    and the wake-up of the receiver, as the pipeline's critical path sees
+    them.  A message that arrived before its receiver asked for it says
+    nothing about its latency and is left out, as are interleaved schedules
+    (their chunks route messages between virtual stages).
+    """
+    by_rank = {
+        (line["step"], line["pp"], line["dp"], line["tp"]): line
+        for line in lines
+        if line.get("virtual_stages", 1) == 1
+    }
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    for (step, stage, dp, tp), line in by_rank.items():
+        waited: dict[str, Any] | None = None
+        for event in line["events"]:
+            if event["what"] == "wait" and event["kind"] == "recv":
+                waited = event
+                continue
+            if event["what"] != "compute":
+                continue
+            kind, posted, waited = event["kind"], waited, None
+            source = by_rank.get((step, stage - 1 if kind == "forward" else stage + 1, dp, tp))
+            if posted is None or source is None:
+                continue
+            sent = _action_end(source, kind, event["microbatch"])
+            if sent is not None and line["t0"] + posted["start"] <= sent:
+                out[kind].append(line["t0"] + float(posted["end"]) - sent)
+    return dict(out)
+
+
+def _action_end(line: dict[str, Any], kind: str, microbatch: int) -> float | None:
+    """Wall-clock end of ``line``'s compute ``kind`` of ``microbatch`` (None: not in the line)."""
+    for event in line["events"]:
+        if (
+            event["what"] == "compute"
+            and event["kind"] == kind
+            and event["microbatch"] == microbatch
+        ):
+            return float(line["t0"]) + float(event["end"])
+    return None
