@@ -4,14 +4,8 @@ Pure functions that price the collectives of :mod:`.comm` on the
 link each process group uses and the FLOPs of each stage on the device's
 achievable FLOP/s, and put them together into a predicted step time:
 
-* collectives (Hockney's alpha-beta model; ring algorithms as analysed by
-  Patarasuk and Yuan 2009 and Thakur et al. 2005): all-reduce
-  ``2 (n-1) alpha + 2 (n-1)/n M / B``; all-gather and reduce-scatter
-  ``(n-1) alpha + (n-1)/n M / B``; a point-to-point send ``alpha + M / B``;
-* the link of a group: the NVLink domain's (``nvlink_*`` of the profile) when
-  all of the group's ranks sit in one domain, else the fabric's (``nic_*``);
-  a calibrated profile's measured fits per op and group size replace the
-  intra-host link's alpha and beta;
+* collectives: the alpha-beta price on the link each group uses
+  (:mod:`.network`);
 * compute: ``6 N`` FLOPs per token for the matmuls of the parameters a rank
   holds plus ``12 l s h / t`` for attention (Kaplan et al. 2020; Narayanan et
   al. 2021), at the rank's FLOP/s (``peak x achievable_fraction``, or the
@@ -46,12 +40,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshtrain import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import (
     comm,
     cpu_host,
     memory,
+    network,
     pipeline_window,
     profiles,
     shared_pipeline,
@@ -79,113 +73,9 @@ OPTIMIZER_OPS_PER_TENSOR = 16
 """Per parameter tensor and step: AdamW's single-tensor update (~12 ops), the norm and zeroing."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """A network path as the alpha-beta model sees it."""
-
-    name: str
-    """``nvlink`` (inside an NVLink domain) or ``fabric`` (between domains)."""
-    bandwidth: float
-    """Bytes/s per direction per rank (beta = 1 / bandwidth)."""
-    latency: float
-    """Seconds per message step (alpha)."""
-    fits: tuple[profiles.CollectiveFit, ...] = ()
-    """Measured alpha/beta by op and group size; they replace ``bandwidth`` and ``latency`` where present."""
-
-    def for_op(self, op: str, members: int) -> Link:
-        """This link as ``op`` over ``members`` ranks sees it (the closest measured fit, if any)."""
-        fits = [f for f in self.fits if f.op == op]
-        if not fits:
-            return self
-        best = min(fits, key=lambda f: (abs(f.members - members), -f.members))
-        return Link(self.name, best.bandwidth, best.alpha)
-
-
-def links(profile: profiles.Profile) -> dict[str, Link]:
-    """The two link kinds of a profile; the intra-host one carries the calibration's fits."""
-    return {
-        "nvlink": Link(
-            "nvlink", profile.nvlink_bandwidth, profile.nvlink_latency, profile.collectives
-        ),
-        "fabric": Link("fabric", profile.nic_bandwidth, profile.nic_latency),
-    }
-
-
-def ring_allreduce_seconds(nbytes: float, members: int, link: Link, calls: int = 1) -> float:
-    """Ring all-reduce: ``2 (n-1) alpha`` per call plus ``2 (n-1)/n x M / B``."""
-    if members <= 1:
-        return 0.0
-    n = members
-    return calls * 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
-
-
-def ring_gather_seconds(nbytes: float, members: int, link: Link, calls: int = 1) -> float:
-    """Ring all-gather or reduce-scatter of a full buffer of ``nbytes``: ``(n-1) alpha + (n-1)/n M / B``."""
-    if members <= 1:
-        return 0.0
-    n = members
-    return calls * (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
-
-
-def send_seconds(nbytes: float, link: Link, calls: int = 1) -> float:
-    """Point-to-point messages: ``alpha`` per call plus ``M / B``."""
-    return calls * link.latency + nbytes / link.bandwidth
-
-
-def collective_seconds(collective: comm.Collective, link: Link) -> float:
-    """Time of one :class:`~.comm.Collective` entry on ``link``."""
-    link = link.for_op(collective.op, collective.members)
-    if collective.op == "all_reduce":
-        return ring_allreduce_seconds(collective.nbytes, collective.members, link, collective.calls)
-    if collective.op in ("all_gather", "reduce_scatter"):
-        return ring_gather_seconds(collective.nbytes, collective.members, link, collective.calls)
-    return send_seconds(collective.nbytes, link, collective.calls)
-
-
-def hierarchical_leg(
-    job: api_spec.TrainingJobSpec, collective: comm.Collective, group_link: Link, nvlink: Link
-) -> tuple[comm.Collective, Link]:
-    """The members and link a collective really runs over.
-
-    Under ``allReduce: hierarchical`` a dp reduce-scatter or all-gather runs
-    among the ``k`` ranks of a node (NVLink) and the dp all-reduce among the
-    ``d / k`` nodes on the dp group's link; everything else is unchanged.
-    """
-    par = job.parallelism
-    if par.all_reduce != "hierarchical" or collective.group != "dp" or collective.after_backward:
-        return collective, group_link
-    k = comm.dp_ranks_per_node(job)
-    if collective.op in ("reduce_scatter", "all_gather"):
-        return dataclasses.replace(collective, members=k), nvlink
-    return dataclasses.replace(collective, members=max(par.data // k, 1)), group_link
-
-
 def bubble_ratio(pipeline: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Theoretical idle share of a stage: ``(p - 1) / (v m + p - 1)`` (GPipe and 1F1B: v = 1)."""
     return (pipeline - 1) / (virtual_stages * micro_batches + pipeline - 1)
-
-
-def group_links(
-    job: api_spec.TrainingJobSpec, pod_domains: Sequence[str] | None = None
-) -> dict[str, str]:
-    """Which link kind each group axis uses: ``nvlink`` if every group of the axis stays in one domain.
-
-    ``pod_domains[i]`` names the NVLink domain of pod ``i`` (its node, or its
-    clique); without it every pod is its own domain (one node per pod).
-    """
-    grid = layout_mod.from_spec(job.parallelism)
-    per_node = job.resources.gpus_per_node
-    domains = (
-        list(pod_domains) if pod_domains is not None else [f"pod-{i}" for i in range(job.pods)]
-    )
-    out = {}
-    for axis in ("dp", "tp", "pp"):
-        spans = any(
-            len({domains[grid.pod_of(r, per_node)] for r in group}) > 1
-            for group in grid.all_groups(axis)
-        )
-        out[axis] = "fabric" if spans else "nvlink"
-    return out
 
 
 def rank_flops_per_microbatch(
@@ -300,7 +190,7 @@ class StageTime:
 class TimePlan:
     """The predicted step of a job."""
 
-    links: dict[str, Link]
+    links: dict[str, network.Link]
     """Link used by each group axis (dp, tp, pp)."""
     stages: tuple[StageTime, ...]
     """Per pipeline stage."""
@@ -377,7 +267,7 @@ def _stage_time(
     job: api_spec.TrainingJobSpec,
     profile: profiles.Profile,
     stage_comm: comm.StageComm,
-    used: dict[str, Link],
+    used: dict[str, network.Link],
     rank_flops: float,
 ) -> StageTime:
     shape, par = job.model.shape(), job.parallelism
@@ -405,10 +295,10 @@ def _stage_time(
     seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     dp_calls = 0
     after_backward = 0.0
-    nvlink = links(profile)["nvlink"]
+    nvlink = network.links(profile)["nvlink"]
     for c in stage_comm.collectives:
-        c, link = hierarchical_leg(job, c, used[c.group], nvlink)
-        spent = collective_seconds(c, link)
+        c, link = network.hierarchical_leg(job, c, used[c.group], nvlink)
+        spent = network.collective_seconds(c, link)
         seconds[c.group] += spent
         if c.group == "dp" and c.after_backward:
             after_backward += spent
@@ -421,7 +311,7 @@ def _stage_time(
     exchanges = stage_comm.dp_exchanges or dp_calls  # each bucket's exchange is one chain
     # the last bucket's chain starts when backward ends, so it is exposed whole (ZeRO-3: the average)
     last_chain = sum(
-        collective_seconds(*hierarchical_leg(job, c, used[c.group], nvlink))
+        network.collective_seconds(*network.hierarchical_leg(job, c, used[c.group], nvlink))
         for c in stage_comm.dp_last_exchange
     )
     if exchanges and not stage_comm.dp_last_exchange:
@@ -455,13 +345,15 @@ def _stage_time(
     )
 
 
-def _send_seconds(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, link: Link) -> float:
+def _send_seconds(
+    job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, link: network.Link
+) -> float:
     """Seconds one pipeline message takes (0 without a pipeline)."""
     sends = [c for c in stage_comm.collectives if c.group == "pp" and c.op == "send"]
     if not sends:
         return 0.0
     one = sends[0]
-    return send_seconds(one.nbytes / one.calls, link.for_op("send", 2))
+    return network.send_seconds(one.nbytes / one.calls, link.for_op("send", 2))
 
 
 def ranks_per_host(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> int:
@@ -504,8 +396,8 @@ def plan_time(
     virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
     cpu_model = profile.cpu_time_model
     priced = cpu_host.cpu_work_profile(profile) if cpu_model else profile
-    kinds = links(priced)
-    used = {axis: kinds[kind] for axis, kind in group_links(job, pod_domains).items()}
+    kinds = network.links(priced)
+    used = {axis: kinds[kind] for axis, kind in network.group_links(job, pod_domains).items()}
     if cpu_model:
         # Stage times are CPU seconds, run at the cores a rank has when it is the one runnable.
         rank_flops = profile.core_flops
@@ -532,7 +424,7 @@ def plan_time(
     per_microbatch = []
     for st, closes in zip(stages, closing):
         sends = sum(
-            collective_seconds(c, used["pp"])
+            network.collective_seconds(c, used["pp"])
             for c in stage_comms[st.stage].collectives
             if c.group == "pp" and c.op == "send"
         )
@@ -605,10 +497,10 @@ def plan_time(
     )
 
 
-def _closing_seconds(stage_comm: comm.StageComm, link: Link) -> float:
+def _closing_seconds(stage_comm: comm.StageComm, link: network.Link) -> float:
     """A stage's pipeline-group all-reduces: after its last backward, outside the schedule."""
     return sum(
-        collective_seconds(c, link)
+        network.collective_seconds(c, link)
         for c in stage_comm.collectives
         if c.group == "pp" and c.op == "all_reduce"
     )
@@ -628,10 +520,12 @@ def _wall_tp_seconds(
     calls in calibration's step-loop run where they were timed
     (``tp_collectives``), else the micro-benchmark's.
     """
-    link = links(profile)[group_links(job, pod_domains)["tp"]]
+    link = network.links(profile)[network.group_links(job, pod_domains)["tp"]]
     if profile.tp_collectives:
         link = dataclasses.replace(link, fits=profile.tp_collectives)
-    return sum(collective_seconds(c, link) for c in stage_comm.collectives if c.group == "tp")
+    return sum(
+        network.collective_seconds(c, link) for c in stage_comm.collectives if c.group == "tp"
+    )
 
 
 def _scaled(stage: StageTime, factor: float) -> StageTime:

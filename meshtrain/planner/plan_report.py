@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from meshtrain.planner import cost, estimate, profiles, search, validation
+from meshtrain.planner import estimate, network, profiles, search, validation
 
 SCHEMA = "meshtrain.plan/v1"
 """Name and version of the JSON document."""
@@ -281,7 +281,7 @@ def to_text(plan: estimate.Plan) -> str:
                     str(x.calls),
                     human_bytes(x.nbytes),
                     human_bytes(x.wire_bytes),
-                    human_seconds(cost.collective_seconds(x, link)),
+                    human_seconds(network.collective_seconds(x, link)),
                 ]
             )
         if not c.collectives:

@@ -11,7 +11,7 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, cost, memory, profiles
+from meshtrain.planner import comm, cost, memory, network, profiles
 from meshtrain.trainer import llama
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
@@ -57,13 +57,13 @@ def test_zero_stages_divide_the_right_components() -> None:
 
 
 def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> None:
-    link = cost.Link("fabric", bandwidth=100e9 / 8, latency=0.0)
-    seconds = cost.ring_allreduce_seconds(2 * 1e9, members=1024, link=link)
+    link = network.Link("fabric", bandwidth=100e9 / 8, latency=0.0)
+    seconds = network.ring_allreduce_seconds(2 * 1e9, members=1024, link=link)
     assert seconds == pytest.approx(2 * 2e9 / 12.5e9, rel=1e-3)
     assert seconds == pytest.approx(0.32, rel=1e-3)
-    with_latency = cost.ring_allreduce_seconds(2e9, 8, cost.Link("x", 12.5e9, 1e-5))
+    with_latency = network.ring_allreduce_seconds(2e9, 8, network.Link("x", 12.5e9, 1e-5))
     assert with_latency == pytest.approx(2 * 7 * 1e-5 + 2 * 7 / 8 * 2e9 / 12.5e9)
-    assert cost.ring_allreduce_seconds(2e9, 1, link) == 0.0
+    assert network.ring_allreduce_seconds(2e9, 1, link) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -307,13 +307,13 @@ def test_zero_buckets_are_padded_to_the_group() -> None:
 
 def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
     inside = loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=8).raw())
-    assert cost.group_links(inside) == {"dp": "nvlink", "tp": "nvlink", "pp": "nvlink"}
+    assert network.group_links(inside) == {"dp": "nvlink", "tp": "nvlink", "pp": "nvlink"}
     split = loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
-    assert cost.group_links(split) == {"dp": "nvlink", "tp": "nvlink", "pp": "fabric"}
+    assert network.group_links(split) == {"dp": "nvlink", "tp": "nvlink", "pp": "fabric"}
     dp_out = loading.parse_spec(JobBuilder().layout(4, 1, 2, gpus_per_node=2).raw())
-    assert cost.group_links(dp_out) == {"dp": "fabric", "tp": "nvlink", "pp": "nvlink"}
+    assert network.group_links(dp_out) == {"dp": "fabric", "tp": "nvlink", "pp": "nvlink"}
     # Two pods on one NVLink clique: everything stays on NVLink.
-    assert cost.group_links(split, ["clique-a", "clique-a"])["pp"] == "nvlink"
+    assert network.group_links(split, ["clique-a", "clique-a"])["pp"] == "nvlink"
 
 
 def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:

@@ -25,6 +25,7 @@ from meshtrain.planner import (
     cost,
     cpu_host,
     estimate,
+    network,
     pipeline_window,
     profiles,
     search,
@@ -162,12 +163,12 @@ def test_op_counts_are_the_trainer_models_dispatched_ops(chunks: int) -> None:
 
 def test_a_measured_fit_replaces_the_links_alpha_and_beta() -> None:
     profile = calibrated_cpu()
-    link = cost.links(profile)["nvlink"]
+    link = network.links(profile)["nvlink"]
     reduce = comm.Collective(group="dp", op="all_reduce", calls=3, nbytes=10**6, members=2)
-    assert cost.collective_seconds(reduce, link) == pytest.approx(3 * 2 * 3e-4 + 10**6 / 5e8)
+    assert network.collective_seconds(reduce, link) == pytest.approx(3 * 2 * 3e-4 + 10**6 / 5e8)
     # No fit for all-gather: the datasheet figures of the link.
     gather = comm.Collective(group="dp", op="all_gather", calls=1, nbytes=10**6, members=2)
-    assert cost.collective_seconds(gather, link) == pytest.approx(
+    assert network.collective_seconds(gather, link) == pytest.approx(
         profile.nvlink_latency + 0.5 * 10**6 / profile.nvlink_bandwidth
     )
 
@@ -203,9 +204,9 @@ def test_cpu_cost_fit_prices_calls_and_bytes_in_cpu_seconds() -> None:
     fit = profiles.CollectiveFit(
         "all_reduce", 4, alpha=1e-3, bandwidth=1e8, cpu_call_seconds=2e-4, cpu_bandwidth=1e9
     )
-    link = cost.Link("nvlink", 1.0, 1.0, (cpu_host.cpu_cost_fit(fit),))
+    link = network.Link("nvlink", 1.0, 1.0, (cpu_host.cpu_cost_fit(fit),))
     reduce = comm.Collective(group="dp", op="all_reduce", calls=3, nbytes=10**6, members=4)
-    assert cost.collective_seconds(reduce, link) == pytest.approx(3 * 2e-4 + 10**6 / 1e9)
+    assert network.collective_seconds(reduce, link) == pytest.approx(3 * 2e-4 + 10**6 / 1e9)
     unmeasured = dataclasses.replace(fit, cpu_call_seconds=0.0)
     assert cpu_host.cpu_cost_fit(unmeasured) == unmeasured
 
