@@ -41,7 +41,7 @@ from benchmarks import hostload, machine
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
-from meshtrain.trainer import calibrate, launch, steplog
+from meshtrain.trainer import calibrate, launch, step_loop_run, steplog
 from meshtrain.trainer.telemetry import loop_trace, stepstats, trace
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
@@ -357,7 +357,7 @@ def repredict(document: dict[str, Any]) -> dict[str, Any]:
             loop_run = row["calibration"]["calibration"].get("step_loop_run", {})
             calibrated = dataclasses.replace(
                 calibrated,
-                step_loop_between_share=calibrate.between_share(
+                step_loop_between_share=step_loop_run.between_share(
                     loop_run, job, calibrated, calibrated.rank_step_cpu_seconds
                 ),
             )

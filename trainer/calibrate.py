@@ -23,11 +23,9 @@ through the CLI.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
-import io
 import json
 import multiprocessing
 import os
@@ -41,30 +39,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from meshtrain import layout as layout_mod
-from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.planner import cost, cpu_host, estimate, memory, profiles
-from meshtrain.trainer import launch, steplog
+from meshtrain.planner import cost, cpu_host, memory, profiles
 from meshtrain.trainer import model as gpt
+from meshtrain.trainer import step_loop_run
 from meshtrain.trainer.parallel import mesh
 from meshtrain.trainer.parallel import tensor as tp
-from meshtrain.trainer.telemetry import loop_trace, trace
 
 MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 """Payload sizes a collective is timed at (full buffer, as the trainer's recorder counts)."""
 
 COLLECTIVE_TIMEOUT_S = 300
 """A calibration whose peer died fails after this instead of hanging."""
-
-LOOP_STEPS = 6
-"""Steps of the small run that measures the step loop's CPU cost; the first half are warm-up."""
-
-LOOP_ACTION_FLOPS = 2e9
-"""Forward FLOPs of one block on one micro-batch in that run, at most (about 20 ms on a CPU core)."""
 
 
 def _seconds_per_call(fn: Any, budget: float, sync: Any) -> float:
@@ -474,147 +463,6 @@ def measure(
     )
 
 
-def loop_batch(job: api_spec.TrainingJobSpec) -> tuple[int, int]:
-    """Micro-batch and sequence length of the step-loop run: the job's, shrunk to :data:`LOOP_ACTION_FLOPS`.
-
-    At the job's sizes the messages between pipeline stages are the job's:
-    posting them and gloo's copies of them are most of what a stage does
-    between its actions (with micro-batch 1 and 16 tokens the run measured
-    a third of a real run's time outside every event).  A block too large
-    for the budget keeps its width and runs fewer tokens: micro-batch first,
-    then sequence length (a multiple of the tensor degree).
-    """
-    shape = job.model.shape()
-    tensor = job.parallelism.tensor
-    tokens = max(tensor, int(LOOP_ACTION_FLOPS // (2 * memory.layer_params(shape, tensor))))
-    micro = max(1, min(job.training.micro_batch, tokens // shape.seq_len))
-    seq = (
-        shape.seq_len if micro * shape.seq_len <= tokens else max(tensor, tokens // tensor * tensor)
-    )
-    return micro, seq
-
-
-def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
-    """The spec of a short run of ``job``'s layout with one block per stage at :func:`loop_batch`'s sizes.
-
-    Same ranks, groups, schedule, micro-batches and telemetry as the job, so
-    its step loop costs what the job's does; its tensor work is one block per
-    stage.  It reads the bundled corpus and starts from random weights, so it
-    runs wherever the plan is made.
-    """
-    raw = job.model_dump(by_alias=True, exclude_none=True)
-    par = job.parallelism
-    raw["model"]["layers"] = par.pipeline * (
-        par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
-    )
-    micro, raw["model"]["seqLen"] = loop_batch(job)
-    raw["model"].pop("init", None)  # random weights: an imported checkpoint has other shapes
-    # The bundled corpus: the job's token files need not exist where the plan is made.
-    raw["training"].update(microBatch=micro, steps=LOOP_STEPS, warmupSteps=1, dataset="stdlib")
-    for key in ("eval", "datasets", "globalBatch"):  # the global batch follows the micro-batch
-        raw["training"].pop(key, None)
-    raw["checkpoint"] = {"path": checkpoints, "intervalSteps": 0}
-    raw["resources"] = {**raw.get("resources", {}), "gpusPerNode": job.world_size}
-    return raw
-
-
-def rank_step_cpu(
-    job: api_spec.TrainingJobSpec, profile: profiles.Profile
-) -> tuple[float, dict[str, Any]]:
-    """CPU seconds a rank's step loop costs per step beyond what ``profile`` prices, and the run's figures.
-
-    Runs :func:`loop_job` with ``meshtrain run`` (all ranks on this host, as
-    the job would) and takes rank 0's CPU seconds per step after warm-up
-    (``cpu_seconds`` of the step log: every thread of the process) less the
-    planner's CPU work of rank 0 (a stage-0 rank) in that run at ``profile``: what remains is
-    the Python step loop, telemetry and gloo's threads, which grow with the
-    number of ranks sharing the cores.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = loop_job(job, str(Path(tmp) / "checkpoints"))
-        path = Path(tmp) / "loop.yaml"
-        document = {"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob"}
-        path.write_text(
-            yaml.safe_dump({**document, "metadata": {"name": "calibrate-loop"}, "spec": raw})
-        )
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            code = launch.run_local(path, log_dir=Path(tmp) / "log")
-        if code:
-            raise RuntimeError(f"the step-loop run of calibration failed with exit code {code}")
-        records = steplog.read(Path(tmp) / "log" / steplog.FILENAME)
-        traces = trace.read_trace(Path(tmp) / "log")
-    loop = loading.parse_spec(raw, "calibration step-loop run")
-    steady_lines = [line for lines in traces.values() for line in lines[LOOP_STEPS // 2 :]]
-    steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
-    measured = statistics.median(steady)
-    predicted = estimate.make_plan(loop, profile).time.rank_cpu_seconds[0]
-    return max(0.0, measured - predicted), {
-        "rank0_cpu_seconds": steady,
-        "predicted_rank0_cpu_seconds": predicted,
-        # Where the loop's time goes: outside every recorded event (between actions) or not.
-        "outside_events_seconds": {
-            rank: statistics.median(
-                loop_trace.outside_events(line["events"]) for line in lines[LOOP_STEPS // 2 :]
-            )
-            for rank, lines in sorted(traces.items())
-        },
-        "actions": statistics.median(
-            sum(e["what"] == "compute" for e in line["events"]) for line in traces.get(0, [])
-        )
-        if traces.get(0)
-        else 0,
-        "tp_calls": loop_trace.tp_calls(steady_lines),
-        "message_seconds": {
-            kind: statistics.median(seconds)
-            for kind, seconds in loop_trace.message_latencies(steady_lines).items()
-        },
-        "layers": loop.model.shape().layers,
-        "seq_len": loop.model.shape().seq_len,
-    }
-
-
-def in_situ_tp_fits(
-    calls: dict[str, dict[str, float]], tensor: int, profile: profiles.Profile
-) -> tuple[profiles.CollectiveFit, ...]:
-    """Fits of the tensor-parallel ops whose calls the step-loop run timed: the calibrated bandwidth, alpha from the calls.
-
-    Alpha is what makes the ring formula's sum over the calls their measured
-    wall seconds: a call after the trainer's own compute waits for its peer
-    to arrive and be woken, which the micro-benchmark after one GEMM
-    reproduces poorly (docs/planner.md, Limits).
-    """
-    fits = []
-    for op, total in sorted(calls.items()):
-        measured = profile.collective_fit(op, tensor)
-        if measured is None or tensor < 2 or not total["calls"]:
-            continue
-        moving = cpu_host.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
-        steps = cpu_host.ring_steps(op, tensor) * total["calls"]
-        alpha = max(0.0, total["seconds"] - moving) / steps
-        fits.append(dataclasses.replace(measured, members=tensor, alpha=alpha))
-    return tuple(fits)
-
-
-def between_share(
-    loop_run: dict[str, Any],
-    loop: api_spec.TrainingJobSpec,
-    profile: profiles.Profile,
-    loop_cpu: float,
-) -> float:
-    """Share of the step loop's CPU seconds (``loop_cpu``) a rank spends outside every recorded event.
-
-    ``loop_run`` holds the step-loop run's wall seconds outside events per
-    rank; the median rank's, at the CPU rate a rank gets while all of the
-    job's ranks are runnable (:func:`~meshtrain.planner.cost.cpu_sharing`),
-    is CPU seconds.  1 (all between actions) where nothing was measured.
-    """
-    outside = loop_run.get("outside_events_seconds") or {}
-    if not outside or loop_cpu <= 0:
-        return 1.0
-    rate = cost.cpu_sharing(loop, profile).rate(loop.world_size)
-    return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
-
-
 def load_average() -> list[float]:
     """1, 5 and 15 minute load averages (empty where the OS has none)."""
     try:
@@ -674,12 +522,14 @@ def calibrate(
         return dataclasses.replace(base, **changes)
     changes.update(peak_flops=flops, achievable_fraction=1.0)
     profile = dataclasses.replace(base, **changes)
-    loop_cpu, loop_run = rank_step_cpu(job, profile)
+    loop_cpu, loop_run = step_loop_run.rank_step_cpu(job, profile)
     return dataclasses.replace(
         profile,
         rank_step_cpu_seconds=loop_cpu,
-        step_loop_between_share=between_share(loop_run, job, profile, loop_cpu),
-        tp_collectives=in_situ_tp_fits(loop_run["tp_calls"], job.parallelism.tensor, profile),
+        step_loop_between_share=step_loop_run.between_share(loop_run, job, profile, loop_cpu),
+        tp_collectives=step_loop_run.in_situ_tp_fits(
+            loop_run["tp_calls"], job.parallelism.tensor, profile
+        ),
         activation_message_seconds=loop_run["message_seconds"].get("forward", 0.0),
         gradient_message_seconds=loop_run["message_seconds"].get("backward", 0.0),
         calibration={**profile.calibration, "step_loop_run": loop_run},

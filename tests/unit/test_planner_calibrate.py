@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshtrain import cli
 from meshtrain.api import loading
 from meshtrain.planner import estimate, memory, profiles
-from meshtrain.trainer import calibrate
+from meshtrain.trainer import calibrate, step_loop_run
 from tests.builders import JobBuilder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -81,7 +81,9 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     assert list(measured.flops_by_ranks) == [2]
     # The step loop's cost: a real run of the layout, rank 0's CPU per step after warm-up.
     loop = measured.calibration["step_loop_run"]
-    assert len(loop["rank0_cpu_seconds"]) == calibrate.LOOP_STEPS - calibrate.LOOP_STEPS // 2
+    assert (
+        len(loop["rank0_cpu_seconds"]) == step_loop_run.LOOP_STEPS - step_loop_run.LOOP_STEPS // 2
+    )
     assert all(c > 0 for c in loop["rank0_cpu_seconds"])
     assert measured.calibration["host"] == socket.gethostname()
     assert measured.calibration["backend"] == "gloo" and measured.calibration["processes"] == 2
@@ -139,7 +141,7 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
         .parallelism(microBatches=4)
         .raw()
     )
-    loop = loading.parse_spec(calibrate.loop_job(small, "/nonexistent"), "loop")
+    loop = loading.parse_spec(step_loop_run.loop_job(small, "/nonexistent"), "loop")
     assert loop.model.shape().layers == 2
     message = loop.training.micro_batch * loop.model.shape().seq_len * loop.model.shape().hidden
     assert message == 4 * 128 * 128
@@ -151,7 +153,7 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
         .training(precision="fp32", microBatch=8)
         .raw()
     )
-    loop = loading.parse_spec(calibrate.loop_job(wide, "/nonexistent"), "loop")
+    loop = loading.parse_spec(step_loop_run.loop_job(wide, "/nonexistent"), "loop")
     shape = loop.model.shape()
     assert shape.hidden == 2048 and loop.parallelism.tensor == 2
     assert shape.seq_len % 2 == 0 and loop.training.micro_batch == 1
@@ -160,7 +162,9 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
     with torch.no_grad(), FlopCounterMode(display=False) as counted:
         block(x)
     assert (
-        0.5 * calibrate.LOOP_ACTION_FLOPS < counted.get_total_flops() <= calibrate.LOOP_ACTION_FLOPS
+        0.5 * step_loop_run.LOOP_ACTION_FLOPS
+        < counted.get_total_flops()
+        <= step_loop_run.LOOP_ACTION_FLOPS
     )
 
 
@@ -182,15 +186,15 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
         collectives=(micro_benchmark,),
         calibration={"host": socket.gethostname()},
     )
-    _, loop_run = calibrate.rank_step_cpu(job, profile)
+    _, loop_run = step_loop_run.rank_step_cpu(job, profile)
     calls = loop_run["tp_calls"]
     assert set(calls) == {"all_reduce"} and calls["all_reduce"]["calls"] > 0
     fitted = dataclasses.replace(
-        profile, tp_collectives=calibrate.in_situ_tp_fits(calls, 2, profile)
+        profile, tp_collectives=step_loop_run.in_situ_tp_fits(calls, 2, profile)
     )
     assert [(f.op, f.members) for f in fitted.tp_collectives] == [("all_reduce", 2)]
-    loop = loading.parse_spec(calibrate.loop_job(job, "/nonexistent"), "loop")
-    rank_steps = loop.world_size * (calibrate.LOOP_STEPS - calibrate.LOOP_STEPS // 2)
+    loop = loading.parse_spec(step_loop_run.loop_job(job, "/nonexistent"), "loop")
+    rank_steps = loop.world_size * (step_loop_run.LOOP_STEPS - step_loop_run.LOOP_STEPS // 2)
     planned = estimate.make_plan(loop, fitted).time.stages[0].tp
     assert planned == pytest.approx(calls["all_reduce"]["seconds"] / rank_steps, rel=1e-6)
 
@@ -210,7 +214,7 @@ def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:
     profile = dataclasses.replace(
         profiles.get("cpu"), cores=2, core_flops=1e10, calibration={"host": socket.gethostname()}
     )
-    _, loop_run = calibrate.rank_step_cpu(job, profile)
+    _, loop_run = step_loop_run.rank_step_cpu(job, profile)
     seconds = loop_run["message_seconds"]
     assert set(seconds) == {"forward", "backward"}
     assert all(0 < s < 1 for s in seconds.values()), seconds
