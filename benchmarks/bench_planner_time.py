@@ -209,14 +209,20 @@ def bracketed(before: profiles.Profile, after: profiles.Profile) -> profiles.Pro
         },
         collectives=_mean_fits(before.collectives, after.collectives),
         tp_collectives=_mean_fits(before.tp_collectives, after.tp_collectives),
-        activation_message_seconds=(
-            before.activation_message_seconds + after.activation_message_seconds
-        )
-        / 2,
-        gradient_message_seconds=(before.gradient_message_seconds + after.gradient_message_seconds)
-        / 2,
+        activation_message_seconds=_mean_measured(
+            before.activation_message_seconds, after.activation_message_seconds
+        ),
+        gradient_message_seconds=_mean_measured(
+            before.gradient_message_seconds, after.gradient_message_seconds
+        ),
         calibration={**before.calibration, "bracketed_by": after.calibration["measured_at"]},
     )
+
+
+def _mean_measured(before: float, after: float) -> float:
+    """Mean of the calibrations that measured a figure (0: unmeasured, by neither)."""
+    measured = [x for x in (before, after) if x > 0]
+    return sum(measured) / len(measured) if measured else 0.0
 
 
 def _mean_fits(

@@ -530,8 +530,8 @@ def calibrate(
         tp_collectives=step_loop_run.in_situ_tp_fits(
             loop_run["tp_calls"], job.parallelism.tensor, profile
         ),
-        activation_message_seconds=loop_run["message_seconds"].get("forward", 0.0),
-        gradient_message_seconds=loop_run["message_seconds"].get("backward", 0.0),
+        activation_message_seconds=step_loop_run.message_seconds(loop_run, "activations"),
+        gradient_message_seconds=step_loop_run.message_seconds(loop_run, "gradients"),
         calibration={**profile.calibration, "step_loop_run": loop_run},
     )
 

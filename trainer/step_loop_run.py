@@ -124,10 +124,8 @@ def rank_step_cpu(
         if traces.get(0)
         else 0,
         "tp_calls": loop_trace.tp_calls(steady_lines),
-        "message_seconds": {
-            kind: statistics.median(seconds)
-            for kind, seconds in loop_trace.message_latencies(steady_lines).items()
-        },
+        # Each in-flight pipeline message's latency, by what it carried.
+        "messages": loop_trace.message_latencies(steady_lines),
         "layers": loop.model.shape().layers,
         "seq_len": loop.model.shape().seq_len,
     }
@@ -173,3 +171,13 @@ def between_share(
         return 1.0
     rate = cost.cpu_sharing(loop, profile).rate(loop.world_size)
     return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
+
+
+def message_seconds(loop_run: dict[str, Any], kind: str) -> float:
+    """Mean latency of the step-loop run's in-flight ``kind`` messages (``activations``/``gradients``; 0: none).
+
+    The mean, not the median: the window pays the sum of its exposed hops, and
+    the slow ones are those the host's load delayed.
+    """
+    samples = loop_run.get("messages", {}).get(kind) or []
+    return statistics.fmean(samples) if samples else 0.0

@@ -415,10 +415,14 @@ def plan_time(
             for st, sc in zip(stages, stage_comms)
         ]
     send = _send_seconds(job, stage_comms[0], used["pp"]) / speed
-    # With every core in use a message waits for gloo's threads to get one: calibration
-    # measured the latency on the trainer's own messages, and it bounds the fit's from below.
-    activations = max(send, profile.activation_message_seconds) if cpu_model else send
-    gradients = max(send, profile.gradient_message_seconds) if cpu_model else send
+    # Calibration timed the trainer's own messages in a run of the job's layout (wall
+    # seconds, the receiver's wake-up included): where it did, that replaces the fit.
+    measured = (
+        (profile.activation_message_seconds, profile.gradient_message_seconds)
+        if cpu_model
+        else (0.0, 0.0)
+    )
+    activations, gradients = (seconds if seconds > 0 else send for seconds in measured)
     # The stages' closing all-reduces (tied embeddings, the norm) run once, after the last backward.
     closing = [_closing_seconds(sc, used["pp"]) / speed for sc in stage_comms]
     per_microbatch = []

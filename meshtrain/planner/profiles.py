@@ -128,7 +128,7 @@ class Profile:
     tp_collectives: tuple[CollectiveFit, ...] = ()
     """Tensor-parallel collectives as the trainer's own calls between its compute waited for them in calibration's step-loop run (wall time, by op and group size); they replace ``collectives`` where such a call blocks its rank's core."""
     activation_message_seconds: float = 0.0
-    """Wall seconds from a pipeline stage's forward ending to the next stage, already waiting, holding its activations: the median over calibration's step-loop run (CPU hosts; 0: unmeasured, the ``send`` fit prices it).  With every core in use gloo's transport threads wait for one, so this is several times an idle host's send."""
+    """Wall seconds from a pipeline stage's forward ending to the next stage holding its activations, where they were still in flight when it asked: the mean over calibration's step-loop run of the job's layout, the receiver's wake-up included (CPU hosts; 0: unmeasured, the ``send`` fit prices the message).  It replaces the fit in the pipeline replay."""
     gradient_message_seconds: float = 0.0
     """The same for a backward's input gradients on their way to the stage before."""
 

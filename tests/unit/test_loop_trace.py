@@ -12,12 +12,12 @@ import pytest
 from meshtrain.trainer.telemetry import loop_trace
 
 
-def _line(stage: int, t0: float, events: list[dict]) -> dict:
+def _line(stage: int, t0: float, events: list[dict], tp: int = 0) -> dict:
     return {
         "step": 3,
         "pp": stage,
         "dp": 0,
-        "tp": 0,
+        "tp": tp,
         "virtual_stages": 1,
         "t0": t0,
         "events": events,
@@ -70,14 +70,33 @@ def test_latency_is_the_wait_s_end_less_the_sender_s_action_on_the_wall_clock() 
         ],
     )
     latencies = loop_trace.message_latencies([stage0, stage1])
-    assert latencies["forward"] == [pytest.approx(0.03)]
-    assert latencies["backward"] == [pytest.approx(0.01)]
+    assert latencies["activations"] == [pytest.approx(0.03)]
+    assert latencies["gradients"] == [pytest.approx(0.01)]
 
 
 def test_interleaved_lines_and_other_steps_say_nothing() -> None:
     sender = _line(0, 0.0, [_compute("forward", 0, 0.0, 1.0)])
     receiver = _line(1, 0.0, [_recv(0.0, 1.5), _compute("forward", 0, 1.5, 2.0)])
-    assert loop_trace.message_latencies([sender, receiver]) == {"forward": [pytest.approx(0.5)]}
+    assert loop_trace.message_latencies([sender, receiver]) == {"activations": [pytest.approx(0.5)]}
     assert loop_trace.message_latencies([sender, {**receiver, "step": 4}]) == {}
     interleaved = [{**line, "virtual_stages": 2} for line in (sender, receiver)]
     assert loop_trace.message_latencies(interleaved) == {}
+
+
+def test_a_wait_begun_after_the_send_still_times_a_message_in_flight_once_per_tensor_group() -> (
+    None
+):
+    # Stage 0 sends F0's activations at 100.2.  Stage 1's two tensor-parallel
+    # ranks ask for them only at 100.25, after the send, but wait until 100.27
+    # and 100.29: the message was in flight, and the stage could start only once
+    # both held theirs, so the hop took 0.09 s.  A wait of 50 us (below
+    # IN_FLIGHT_WAIT_S) found its message there and says nothing.
+    sender = [_line(0, 100.0, [_compute("forward", 0, 0.0, 0.2)], tp=tp) for tp in (0, 1)]
+    receivers = [
+        _line(1, 100.0, [_recv(0.25, end), _compute("forward", 0, end, 0.4)], tp=tp)
+        for tp, end in ((0, 0.27), (1, 0.29))
+    ]
+    latencies = loop_trace.message_latencies(sender + receivers)
+    assert latencies == {"activations": [pytest.approx(0.09)]}
+    arrived = _line(1, 100.0, [_recv(0.25, 0.25005), _compute("forward", 0, 0.25005, 0.4)])
+    assert loop_trace.message_latencies([sender[0], arrived]) == {}

@@ -37,26 +37,33 @@ def tp_calls(lines: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+IN_FLIGHT_WAIT_S = 1e-4
+"""A receive wait longer than this found its message still in flight (one that had arrived takes about 10 us)."""
+
+
 def message_latencies(lines: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
-    """Wall seconds each waited-for pipeline message took, by the action it fed (``forward``/``backward``).
+    """Wall seconds each pipeline message still in flight when it was waited for took, by kind (``activations``/``gradients``).
 
     A stage's forward (backward) of micro-batch ``i`` waits for the forward
     (backward) of ``i`` on the stage before (after) it, with the same data-
-    and tensor-parallel coordinates, in the same step.  Where the receiving
-    rank was already waiting when the sender's action ended, the message's
-    latency is the wait's end less that action's end, both on the wall clock
+    and tensor-parallel coordinates, in the same step.  Where the message was
+    still in flight when its receiver asked for it (the receiver was waiting
+    when the sender's action ended, or its wait lasted more than
+    :data:`IN_FLIGHT_WAIT_S`), it arrived when the wait ended: its latency is
+    the wait's end less the sender's action's end, both on the wall clock
     (each line's ``t0`` plus the event's offset): posting it, gloo's copies
     and the wake-up of the receiver, as the pipeline's critical path sees
-    them.  A message that arrived before its receiver asked for it says
-    nothing about its latency and is left out, as are interleaved schedules
-    (their chunks route messages between virtual stages).
+    them.  A message already there says nothing about its latency and is left
+    out, as are interleaved schedules (their chunks route messages between
+    virtual stages).  The tensor-parallel ranks of a stage compute each action
+    together, so a hop counts once, at the latest of their messages.
     """
     by_rank = {
         (line["step"], line["pp"], line["dp"], line["tp"]): line
         for line in lines
         if line.get("virtual_stages", 1) == 1
     }
-    out: dict[str, list[float]] = collections.defaultdict(list)
+    hops: dict[tuple[int, int, int, str, int], float] = {}
     for (step, stage, dp, tp), line in by_rank.items():
         waited: dict[str, Any] | None = None
         for event in line["events"]:
@@ -70,9 +77,20 @@ def message_latencies(lines: Iterable[dict[str, Any]]) -> dict[str, list[float]]
             if posted is None or source is None:
                 continue
             sent = _action_end(source, kind, event["microbatch"])
-            if sent is not None and line["t0"] + posted["start"] <= sent:
-                out[kind].append(line["t0"] + float(posted["end"]) - sent)
+            started, ended = (line["t0"] + float(posted[k]) for k in ("start", "end"))
+            if sent is None:
+                continue
+            if started <= sent or ended - started > IN_FLIGHT_WAIT_S:
+                hop = (step, stage, dp, kind, event["microbatch"])
+                hops[hop] = max(hops.get(hop, 0.0), ended - sent)
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    for (_, _, _, kind, _), seconds in sorted(hops.items()):
+        out[MESSAGE_KINDS[kind]].append(seconds)
     return dict(out)
+
+
+MESSAGE_KINDS = {"forward": "activations", "backward": "gradients"}
+"""What the message a compute event waited for carried, by the event's kind."""
 
 
 def _action_end(line: dict[str, Any], kind: str, microbatch: int) -> float | None:
