@@ -27,7 +27,8 @@ achievable FLOP/s, and put them together into a predicted step time:
   (:mod:`.cpu_host`); a pipeline's window there is a replay of the schedule
   with the cores shared among the runnable ranks and the step loop's
   calibrated share outside every event (``step_loop_between_share``)
-  between a stage's actions, the rest inside them (:mod:`.shared_pipeline`).
+  between a stage's actions, the rest inside them, and each message at its
+  calibrated wall latency where measured (:mod:`.shared_pipeline`).
 
 The computation-to-communication ratio compares compute seconds with the
 sum of all collective seconds of the busiest rank; below 1 the job is
