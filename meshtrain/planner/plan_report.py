@@ -357,6 +357,7 @@ def search_json(
     found: list[search.Candidate], world: int, confidence: validation.Confidence
 ) -> dict[str, Any]:
     """The ``meshtrain.plan-search/v1`` document."""
+    close = _close_to_best(found, confidence)
     return {
         "schema": SEARCH_SCHEMA,
         "world_size": world,
@@ -372,10 +373,21 @@ def search_json(
                 "headroom_bytes": c.headroom_bytes,
                 "predicted_bubble": c.bubble,
                 "nodes": list(c.nodes),
+                "within_error_of_best": close[index] if close else None,
             }
             for index, c in enumerate(found)
         ],
     }
+
+
+def _close_to_best(
+    found: list[search.Candidate], confidence: validation.Confidence
+) -> list[bool] | None:
+    """Per candidate, whether its step is within the validation's median error of the best (None: no band)."""
+    if not found or confidence.resolution is None:
+        return None
+    limit = found[0].step_seconds * (1 + confidence.resolution)
+    return [c.step_seconds <= limit for c in found]
 
 
 def search_text(
@@ -404,6 +416,14 @@ def search_text(
             ]
         )
     lines += _table(rows)
+    close = _close_to_best(found, confidence)
+    if close and sum(close) > 1:
+        ranks = ", ".join(f"#{i + 1}" for i, near in enumerate(close) if near)
+        lines.append(
+            f"{ranks} are predicted within the validation's median error "
+            f"({confidence.resolution:.0%}) of the best: the prediction cannot order them; "
+            "run each (meshtrain run with its --set) to choose"
+        )
     best = found[0].parallelism
     lines += [
         "",

@@ -103,6 +103,11 @@ class Confidence:
             f"last {band.measured_at}; {', '.join(band.results_files)})"
         )
 
+    @property
+    def resolution(self) -> float | None:
+        """Relative step-time difference the validation can tell apart: its median error (None: not validated for this profile)."""
+        return self.band.median_abs_error if self.calibrated and self.band else None
+
     def to_json(self) -> dict[str, Any]:
         """The ``confidence`` object of the plan JSON document."""
         return {
