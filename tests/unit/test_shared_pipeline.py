@@ -56,34 +56,30 @@ def test_replicas_share_the_cores_with_their_stage() -> None:
     assert window.idle_share(0) == pytest.approx(0.125)
 
 
-def test_sends_delay_each_hop() -> None:
-    # GPipe on dedicated cores with a 0.5 s message: stage 1's F1 starts at 1.5,
-    # its forwards end at 5.5 (it never waits again: stage 0's F4 arrives at 4.5),
-    # its backwards run [5.5, 13.5]; stage 0's B_i may start at the end of stage
-    # 1's B_i + 0.5: 8, then back to back until 16.
+@pytest.mark.parametrize(
+    ("activations", "gradients", "window_seconds"),
+    [
+        # GPipe on dedicated cores, 0.5 s per message both ways: stage 1's F1 starts
+        # at 1.5, its forwards end at 5.5 (it never waits again: stage 0's F4 arrives
+        # at 4.5), its backwards run [5.5, 13.5]; stage 0's B_i may start at the end
+        # of stage 1's B_i + 0.5: 8, then back to back until 16.
+        (0.5, 0.5, 16.0),
+        # Free activations: stage 1's forwards end at 5, its backwards at 7, 9, 11,
+        # 13; stage 0's B_i starts 0.5 after each (7.5 ... 13.5), so B4 ends at 15.5.
+        (0.0, 0.5, 15.5),
+    ],
+)
+def test_messages_delay_each_hop(
+    activations: float, gradients: float, window_seconds: float
+) -> None:
     window = shared_pipeline.replay(
         "gpipe",
         4,
         STAGES,
-        shared_pipeline.Messages(activations=0.5, gradients=0.5),
+        shared_pipeline.Messages(activations=activations, gradients=gradients),
         shared_pipeline.Sharing(cores=2, threads=1),
     )
-    assert window.seconds == pytest.approx(16.0)
-    assert window.busy == (pytest.approx(12.0), pytest.approx(12.0))
-
-
-def test_gradient_messages_delay_only_the_backwards() -> None:
-    # As above with free activations and 0.5 s gradients: stage 1's forwards end
-    # at 5, its backwards at 7, 9, 11, 13; stage 0's B_i starts 0.5 after each:
-    # 7.5, 9.5, 11.5, 13.5, so B4 ends at 15.5 (15 with both free, 16 with both slow).
-    window = shared_pipeline.replay(
-        "gpipe",
-        4,
-        STAGES,
-        shared_pipeline.Messages(activations=0.0, gradients=0.5),
-        shared_pipeline.Sharing(cores=2, threads=1),
-    )
-    assert window.seconds == pytest.approx(15.5)
+    assert window.seconds == pytest.approx(window_seconds)
     assert window.busy == (pytest.approx(12.0), pytest.approx(12.0))
 
 
