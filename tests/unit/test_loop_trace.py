@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.trainer.telemetry import loop_trace
+from meshtrain.trainer.telemetry import loop_trace, trace
 
 
 def _line(stage: int, t0: float, events: list[dict], tp: int = 0) -> dict:
@@ -100,3 +100,34 @@ def test_a_wait_begun_after_the_send_still_times_a_message_in_flight_once_per_te
     assert latencies == {"activations": [pytest.approx(0.09)]}
     arrived = _line(1, 100.0, [_recv(0.25, 0.25005), _compute("forward", 0, 0.25005, 0.4)])
     assert loop_trace.message_latencies([sender[0], arrived]) == {}
+
+
+class _PausingClocks:
+    """perf_counter and time.time of one process (wall = perf + 1000 s); the first wall read comes after a 5 ms pause."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.wall_reads = 0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def time(self) -> float:
+        self.wall_reads += 1
+        self.now += 5e-3 if self.wall_reads == 1 else 1e-6
+        return self.now + 1000.0
+
+
+def test_the_trace_s_wall_offset_ignores_a_read_split_by_a_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Events are placed on the wall clock by this offset, and message latencies
+    # of a few hundred microseconds compare two ranks' offsets: a rank paused
+    # between its two clock reads would be off by the pause.
+    clocks = _PausingClocks()
+    monkeypatch.setattr(trace.time, "perf_counter", clocks.perf_counter)
+    monkeypatch.setattr(trace.time, "time", clocks.time)
+    assert abs(trace.wall_offset(reads=1) - 1000.0) > 2e-3  # the paused read alone
+    clocks.wall_reads = 0
+    assert trace.wall_offset() == pytest.approx(1000.0, abs=1e-5)
