@@ -104,7 +104,8 @@ def rank_step_cpu(
         records = steplog.read(Path(tmp) / "log" / steplog.FILENAME)
         traces = trace.read_trace(Path(tmp) / "log")
     loop = loading.parse_spec(raw, "calibration step-loop run")
-    steady_lines = [line for lines in traces.values() for line in lines[LOOP_STEPS // 2 :]]
+    steady_traces = {rank: lines[LOOP_STEPS // 2 :] for rank, lines in sorted(traces.items())}
+    steady_lines = [line for lines in steady_traces.values() for line in lines]
     steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
     measured = statistics.median(steady)
     predicted = estimate.make_plan(loop, profile).time.rank_cpu_seconds[0]
@@ -113,10 +114,8 @@ def rank_step_cpu(
         "predicted_rank0_cpu_seconds": predicted,
         # Where the loop's time goes: outside every recorded event (between actions) or not.
         "outside_events_seconds": {
-            rank: statistics.median(
-                loop_trace.outside_events(line["events"]) for line in lines[LOOP_STEPS // 2 :]
-            )
-            for rank, lines in sorted(traces.items())
+            rank: statistics.median(loop_trace.outside_events(line["events"]) for line in lines)
+            for rank, lines in steady_traces.items()
         },
         "actions": statistics.median(
             sum(e["what"] == "compute" for e in line["events"]) for line in traces.get(0, [])

@@ -2,8 +2,8 @@
 
 Calibration's step-loop run and the planner's validation bench read the
 trainer's own trace lines: the seconds of a step no recorded event covers,
-the tensor-parallel calls and what they waited, and how long a pipeline
-message took to reach a neighbour already waiting for it.  Pure: trace lines
+the tensor-parallel calls and what they waited, and how long each pipeline
+message still in flight when its receiver asked for it took to arrive.  Pure: trace lines
 in, figures out.
 """
 
@@ -35,6 +35,10 @@ def tp_calls(lines: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
                 total["seconds"] += float(event["end"]) - float(event["start"])
                 total["bytes"] += float(event.get("bytes", 0))
     return out
+
+
+MESSAGE_KINDS = {"forward": "activations", "backward": "gradients"}
+"""What the message a compute event waited for carried, by the event's kind."""
 
 
 IN_FLIGHT_WAIT_S = 1e-4
@@ -77,9 +81,9 @@ def message_latencies(lines: Iterable[dict[str, Any]]) -> dict[str, list[float]]
             if posted is None or source is None:
                 continue
             sent = _action_end(source, kind, event["microbatch"])
-            started, ended = (line["t0"] + float(posted[k]) for k in ("start", "end"))
             if sent is None:
                 continue
+            started, ended = (line["t0"] + float(posted[k]) for k in ("start", "end"))
             if started <= sent or ended - started > IN_FLIGHT_WAIT_S:
                 hop = (step, stage, dp, kind, event["microbatch"])
                 hops[hop] = max(hops.get(hop, 0.0), ended - sent)
@@ -87,10 +91,6 @@ def message_latencies(lines: Iterable[dict[str, Any]]) -> dict[str, list[float]]
     for (_, _, _, kind, _), seconds in sorted(hops.items()):
         out[MESSAGE_KINDS[kind]].append(seconds)
     return dict(out)
-
-
-MESSAGE_KINDS = {"forward": "activations", "backward": "gradients"}
-"""What the message a compute event waited for carried, by the event's kind."""
 
 
 def _action_end(line: dict[str, Any], kind: str, microbatch: int) -> float | None:
