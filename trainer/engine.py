@@ -282,10 +282,13 @@ class Engine:
         if not views:  # the same on every peer: their shapes (and ZeRO shards) are alike
             return
         flat = torch.cat(views)  # one collective for all of them
-        start = self.clock.now()
-        dist.all_reduce(flat, group=group)
-        self.recorder.collective(
-            axis, "all_reduce", flat.numel() * flat.element_size(), start, self.clock.now()
+        recording.blocking_collective(
+            self.recorder,
+            self.clock,
+            axis,
+            "all_reduce",
+            flat.numel() * flat.element_size(),
+            lambda: dist.all_reduce(flat, group=group),
         )
         offset = 0
         for view in views:

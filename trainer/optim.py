@@ -16,6 +16,7 @@ which gradient elements a rank counts.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -148,9 +149,14 @@ def reduce_norm_and_clip(
     ``_foreach_mul_`` (multiplying by exactly 1 when no clipping is needed).
     """
     for axis, group in groups:
-        start = clock.now()
-        dist.all_reduce(square, group=group)
-        recorder.collective(axis, "all_reduce", square.element_size(), start, clock.now())
+        recording.blocking_collective(
+            recorder,
+            clock,
+            axis,
+            "all_reduce",
+            square.element_size(),
+            functools.partial(dist.all_reduce, square, group=group),
+        )
     norm = square.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -133,12 +133,16 @@ def rank_step_cpu(
 def in_situ_tp_fits(
     calls: dict[str, dict[str, float]], tensor: int, profile: profiles.Profile
 ) -> tuple[profiles.CollectiveFit, ...]:
-    """Fits of the tensor-parallel ops whose calls the step-loop run timed: the calibrated bandwidth, alpha from the calls.
+    """Fits of the tensor-parallel ops whose calls the step-loop run timed: the calibrated bandwidths, per-call costs from the calls.
 
     Alpha is what makes the ring formula's sum over the calls their measured
     wall seconds: a call after the trainer's own compute waits for its peer
     to arrive and be woken, which the micro-benchmark after one GEMM
-    reproduces poorly (docs/planner.md, Limits).
+    reproduces poorly (docs/planner.md, Limits).  Where the calls recorded
+    the CPU their process spent over them, ``cpu_call_seconds`` likewise
+    makes ``calls x cpu_call + bytes / cpu_bandwidth`` that CPU: on this VM
+    a two-rank call of the trainer cost about 1 ms of CPU, the
+    micro-benchmark's 0.3-0.4 ms.
     """
     fits = []
     for op, total in sorted(calls.items()):
@@ -147,8 +151,14 @@ def in_situ_tp_fits(
             continue
         moving = cpu_host.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
         steps = cpu_host.ring_steps(op, tensor) * total["calls"]
-        alpha = max(0.0, total["seconds"] - moving) / steps
-        fits.append(dataclasses.replace(measured, members=tensor, alpha=alpha))
+        fit = dataclasses.replace(
+            measured, members=tensor, alpha=max(0.0, total["seconds"] - moving) / steps
+        )
+        if "cpu_seconds" in total and measured.cpu_bandwidth > 0:
+            copying = total["bytes"] / measured.cpu_bandwidth
+            cpu_call = max(0.0, total["cpu_seconds"] - copying) / total["calls"]
+            fit = dataclasses.replace(fit, cpu_call_seconds=cpu_call)
+        fits.append(fit)
     return tuple(fits)
 
 

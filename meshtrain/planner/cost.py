@@ -399,6 +399,11 @@ def plan_time(
     priced = cpu_host.cpu_work_profile(profile) if cpu_model else profile
     kinds = network.links(priced)
     used = {axis: kinds[kind] for axis, kind in network.group_links(job, pod_domains).items()}
+    if cpu_model and profile.tp_collectives:
+        # The CPU of a tensor-parallel call as the trainer's own calls cost it in calibration.
+        used["tp"] = used["tp"].preferring(
+            tuple(cpu_host.cpu_cost_fit(f) for f in profile.tp_collectives)
+        )
     if cpu_model:
         # Stage times are CPU seconds, run at the cores a rank has when it is the one runnable.
         rank_flops = profile.core_flops
@@ -526,8 +531,7 @@ def _wall_tp_seconds(
     (``tp_collectives``), else the micro-benchmark's.
     """
     link = network.links(profile)[network.group_links(job, pod_domains)["tp"]]
-    if profile.tp_collectives:
-        link = dataclasses.replace(link, fits=profile.tp_collectives)
+    link = link.preferring(profile.tp_collectives)
     return sum(
         network.collective_seconds(c, link) for c in stage_comm.collectives if c.group == "tp"
     )

@@ -40,6 +40,11 @@ class Link:
         best = min(fits, key=lambda f: (abs(f.members - members), -f.members))
         return Link(self.name, best.bandwidth, best.alpha)
 
+    def preferring(self, fits: tuple[profiles.CollectiveFit, ...]) -> Link:
+        """This link with ``fits`` in place of its own for the ops they cover."""
+        ops = {f.op for f in fits}
+        return dataclasses.replace(self, fits=fits + tuple(f for f in self.fits if f.op not in ops))
+
 
 def links(profile: profiles.Profile) -> dict[str, Link]:
     """The two link kinds of a profile; the intra-host one carries the calibration's fits."""

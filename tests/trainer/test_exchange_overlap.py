@@ -53,8 +53,11 @@ class _Watch(recording.MemoryRecorder):
         end: float,
         bucket: int | None = None,
         level: recording.Level = "flat",
+        cpu_seconds: float | None = None,
     ) -> None:
-        super().collective(group, op, nbytes, start, end, bucket=bucket, level=level)
+        super().collective(
+            group, op, nbytes, start, end, bucket=bucket, level=level, cpu_seconds=cpu_seconds
+        )
         if group == "dp" and bucket == 1:
             self.second_bucket.set()
 

@@ -39,7 +39,9 @@ class CallLog:
     def wait(self, kind, start, end):
         self.calls.append(("wait", kind, start, end))
 
-    def collective(self, group, op, nbytes, start, end, bucket=None, level="flat"):
+    def collective(
+        self, group, op, nbytes, start, end, bucket=None, level="flat", cpu_seconds=None
+    ):
         self.calls.append(("collective", group, op, nbytes, start, end, bucket))
 
     def step_end(self, step, loss, tokens, seconds):

@@ -131,3 +131,50 @@ def test_the_trace_s_wall_offset_ignores_a_read_split_by_a_pause(
     assert abs(trace.wall_offset(reads=1) - 1000.0) > 2e-3  # the paused read alone
     clocks.wall_reads = 0
     assert trace.wall_offset() == pytest.approx(1000.0, abs=1e-5)
+
+
+def _tp_call(op: str, start: float, end: float, nbytes: int, cpu: float | None) -> dict:
+    event = {"what": "collective", "kind": op, "group": "tp", "bytes": nbytes}
+    event.update(start=start, end=end)
+    return event if cpu is None else {**event, "cpu": cpu}
+
+
+def test_tensor_parallel_calls_sum_their_cpu_only_where_every_call_timed_it() -> None:
+    """Calls, wall seconds, bytes and CPU per op; an op with one call of unknown CPU has no CPU sum.
+
+    A sum over some of the calls would price the rest at nothing.  Data-parallel
+    collectives and compute are not tensor-parallel calls.
+    """
+    lines = [
+        _line(
+            0,
+            10.0,
+            [
+                _tp_call("all_reduce", 0.0, 0.002, 100, 0.001),
+                _tp_call("all_gather", 0.01, 0.011, 50, 0.0005),
+                {
+                    "what": "collective",
+                    "kind": "all_reduce",
+                    "group": "dp",
+                    "bytes": 7,
+                    "start": 0.02,
+                    "end": 0.03,
+                    "cpu": 0.005,
+                },
+                _compute("forward", 0, 0.03, 0.04),
+            ],
+        ),
+        _line(
+            0,
+            11.0,
+            [
+                _tp_call("all_reduce", 0.0, 0.003, 100, 0.002),
+                _tp_call("all_gather", 0.01, 0.012, 50, None),
+            ],
+        ),
+    ]
+    calls = loop_trace.tp_calls(lines)
+    assert calls["all_reduce"] == pytest.approx(
+        {"calls": 2, "seconds": 0.005, "bytes": 200, "cpu_seconds": 0.003}
+    )
+    assert calls["all_gather"] == pytest.approx({"calls": 2, "seconds": 0.003, "bytes": 100})

@@ -169,16 +169,25 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
 
 
 def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() -> None:
-    """Fitted from the step-loop run's own calls, the planner's count of them adds up to the seconds they took.
+    """Fitted from the step-loop run's own calls, the planner's count of them adds up to the seconds and CPU they took.
 
     The trainer's trace, not the planner, says how many tensor-parallel calls of
-    which size a step makes and how long each waited; a planner that counted
-    other calls or bytes would price a different sum.
+    which size a step makes, how long each waited and what CPU its process
+    spent meanwhile; a planner that counted other calls or bytes would price
+    a different sum.
     """
     raw = _tiny_dp2()
     raw["parallelism"].update(data=1, tensor=2)
     job = loading.parse_spec(raw)
-    micro_benchmark = profiles.CollectiveFit("all_reduce", 2, alpha=0.0, bandwidth=1e9, processes=2)
+    micro_benchmark = profiles.CollectiveFit(
+        "all_reduce",
+        2,
+        alpha=0.0,
+        bandwidth=1e9,
+        processes=2,
+        cpu_call_seconds=1e-5,
+        cpu_bandwidth=1e10,
+    )
     profile = dataclasses.replace(
         profiles.get("cpu"),
         cores=2,
@@ -197,6 +206,21 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
     rank_steps = loop.world_size * (step_loop_run.LOOP_STEPS - step_loop_run.LOOP_STEPS // 2)
     planned = estimate.make_plan(loop, fitted).time.stages[0].tp
     assert planned == pytest.approx(calls["all_reduce"]["seconds"] / rank_steps, rel=1e-6)
+    # The work bound's CPU of those calls beyond their bytes (a zero cost would mean unmeasured).
+    cpu = calls["all_reduce"]["cpu_seconds"]
+    assert 0 < cpu <= calls["all_reduce"]["seconds"] * 4  # a process of a few threads
+    free_calls = dataclasses.replace(
+        fitted,
+        tp_collectives=tuple(
+            dataclasses.replace(f, cpu_call_seconds=1e-15) for f in fitted.tp_collectives
+        ),
+    )
+    call_cpu = (
+        estimate.make_plan(loop, fitted).time.rank_cpu_seconds[0]
+        - estimate.make_plan(loop, free_calls).time.rank_cpu_seconds[0]
+    )
+    copying = calls["all_reduce"]["bytes"] / micro_benchmark.cpu_bandwidth
+    assert call_cpu == pytest.approx(max(0.0, cpu - copying) / rank_steps, rel=1e-6)
 
 
 def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:

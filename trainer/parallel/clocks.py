@@ -90,6 +90,10 @@ class HostClock:
         """The step's start on the host timeline."""
         return time.perf_counter()
 
+    def cpu_now(self) -> float:
+        """CPU seconds of this process (every thread) so far: a blocking collective's CPU cost is the difference."""
+        return time.process_time()
+
     def launch(self, collective: Callable[[], dist.Work]) -> HostLaunch:
         """Start ``collective`` (an ``async_op=True`` call)."""
         start = time.perf_counter()
@@ -154,6 +158,10 @@ class CudaClock:
         event = self._api.Event(enable_timing=True)
         event.record()
         return event
+
+    def cpu_now(self) -> None:
+        """Not measured: a queued collective costs the host only its launch, not what the GPU does."""
+        return None
 
     def compute_stream(self) -> torch.cuda.Stream:
         """The stream this thread issues work on now."""

@@ -68,8 +68,12 @@ class StepRecorder(Protocol):
         end: float,
         bucket: int | None = None,
         level: Level = "flat",
+        cpu_seconds: float | None = None,
     ) -> None:
-        """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank, at ``level``."""
+        """A collective over ``group``: ``op`` such as all_reduce, ``nbytes`` of payload per rank, at ``level``.
+
+        ``cpu_seconds``: the process's CPU seconds over a blocking call on the host (None: not measured).
+        """
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         """Optimizer step ``step`` done: mean loss, tokens of the global batch, wall seconds."""
@@ -98,11 +102,36 @@ class NullRecorder:
         end: float,
         bucket: int | None = None,
         level: Level = "flat",
+        cpu_seconds: float | None = None,
     ) -> None:
         pass
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         pass
+
+
+def blocking_collective(
+    recorder: StepRecorder,
+    clock: clocks.Clock,
+    group: Group,
+    op: str,
+    nbytes: int,
+    call: Callable[[], object],
+) -> None:
+    """Run ``call`` (a collective that returns when done) and record it with, on the host, the CPU it cost.
+
+    The CPU seconds are the whole process's over the call: the caller only
+    waits, so they are what gloo's threads spent on it (plus anything else
+    the process ran meanwhile, such as an overlapped data-parallel bucket).
+    Calibration prices a tensor-parallel call's CPU with them.
+    """
+    start, cpu_start = clock.now(), clock.cpu_now()
+    call()
+    end, cpu_end = clock.now(), clock.cpu_now()
+    cpu = None if cpu_start is None or cpu_end is None else cpu_end - cpu_start
+    # stamps are floats on the host clock, CUDA events for the DeferredRecorder (see clocks)
+    record: Callable[..., None] = recorder.collective
+    record(group, op, nbytes, start, end, cpu_seconds=cpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +158,8 @@ class Event:
     """Gradient bucket of a data-parallel collective."""
     level: str = "flat"
     """flat, or intra / inter (node) for the stages of a hierarchical all-reduce."""
+    cpu_seconds: float | None = None
+    """CPU seconds the process spent over a blocking collective (host clock only; None: not measured)."""
 
 
 class MemoryRecorder:
@@ -168,6 +199,7 @@ class MemoryRecorder:
         end: float,
         bucket: int | None = None,
         level: Level = "flat",
+        cpu_seconds: float | None = None,
     ) -> None:
         with self._lock:
             self.events.append(
@@ -180,6 +212,7 @@ class MemoryRecorder:
                     nbytes=nbytes,
                     bucket=bucket,
                     level=level,
+                    cpu_seconds=cpu_seconds,
                 )
             )
 
@@ -261,9 +294,18 @@ class DeferredRecorder:
         end: clocks.Stamp,
         bucket: int | None = None,
         level: Level = "flat",
+        cpu_seconds: float | None = None,
     ) -> None:
         self._hold(
-            functools.partial(self.inner.collective, group, op, nbytes, bucket=bucket, level=level),
+            functools.partial(
+                self.inner.collective,
+                group,
+                op,
+                nbytes,
+                bucket=bucket,
+                level=level,
+                cpu_seconds=cpu_seconds,
+            ),
             start,
             end,
         )

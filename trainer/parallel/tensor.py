@@ -136,10 +136,8 @@ def kv_replicas(kv_heads: int, size: int) -> int:
 
 
 def _timed(ctx: TPContext, op: str, tensor: torch.Tensor, fn) -> None:  # noqa: ANN001 - a closure
-    start = ctx.clock.now()
-    fn()
-    ctx.recorder.collective(
-        "tp", op, tensor.numel() * tensor.element_size(), start, ctx.clock.now()
+    recording.blocking_collective(
+        ctx.recorder, ctx.clock, "tp", op, tensor.numel() * tensor.element_size(), fn
     )
 
 

@@ -387,10 +387,13 @@ class ZeroAdamW:
         if not views:  # the same on every peer: their owned ranges are identical
             return
         flat = torch.cat(views)  # one collective for all of them
-        start = clock.now()
-        dist.all_reduce(flat, group=group)
-        recorder.collective(
-            "tp", "all_reduce", flat.numel() * flat.element_size(), start, clock.now()
+        recording.blocking_collective(
+            recorder,
+            clock,
+            "tp",
+            "all_reduce",
+            flat.numel() * flat.element_size(),
+            lambda: dist.all_reduce(flat, group=group),
         )
         offset = 0
         for view in views:

@@ -25,15 +25,28 @@ def outside_events(events: list[dict[str, Any]]) -> float:
 
 
 def tp_calls(lines: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds and bytes summed."""
+    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds, bytes summed.
+
+    Where every call recorded the CPU its process spent over it (the host
+    clock), also ``cpu_seconds`` summed.
+    """
     out: dict[str, dict[str, float]] = {}
+    timed_cpu: dict[str, bool] = {}
     for line in lines:
         for event in line["events"]:
             if event["what"] == "collective" and event.get("group") == "tp":
-                total = out.setdefault(event["kind"], {"calls": 0, "seconds": 0.0, "bytes": 0.0})
+                op = event["kind"]
+                total = out.setdefault(
+                    op, {"calls": 0, "seconds": 0.0, "bytes": 0.0, "cpu_seconds": 0.0}
+                )
                 total["calls"] += 1
                 total["seconds"] += float(event["end"]) - float(event["start"])
                 total["bytes"] += float(event.get("bytes", 0))
+                total["cpu_seconds"] += float(event.get("cpu", 0.0))
+                timed_cpu[op] = timed_cpu.get(op, True) and "cpu" in event
+    for op, timed in timed_cpu.items():
+        if not timed:
+            del out[op]["cpu_seconds"]
     return out
 
 

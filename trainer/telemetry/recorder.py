@@ -98,6 +98,7 @@ class TelemetryRecorder:
         end: float,
         bucket: int | None = None,
         level: recording.Level = "flat",
+        cpu_seconds: float | None = None,
     ) -> None:
         with self._lock:
             self._events.append(
@@ -110,6 +111,7 @@ class TelemetryRecorder:
                     nbytes=nbytes,
                     bucket=bucket,
                     level=level,
+                    cpu_seconds=cpu_seconds,
                 )
             )
 

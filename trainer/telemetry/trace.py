@@ -63,6 +63,8 @@ def event_record(e: recording.Event, origin: float) -> dict[str, Any]:
         out.update(group=e.group, bytes=e.nbytes)
         if e.bucket is not None:
             out["bucket"] = e.bucket
+        if e.cpu_seconds is not None:
+            out["cpu"] = round(e.cpu_seconds, 7)
     return out
 
 
