@@ -382,16 +382,30 @@ def repredict(document: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
-    """Rank layouts of ``world`` ranks on this host with --search; run the three best distinct (dp, pp, tp).
+    """Rank layouts of ``world`` ranks on this host with --search --calibrate; run the three best distinct (dp, pp, tp).
 
     Variants of one grid (schedule, ZeRO stage) are predicted within a few
     per cent of each other, and which of them measures fastest is noise: the
-    check is whether the planner orders different grids right.
+    check is whether the planner orders different grids right.  As
+    ``--search --calibrate`` does, the best grids are priced with a step
+    loop measured on their own layout.
     """
     base = loading.parse_spec(job_raw({"data": world}, steps, str(tmp / "search-base")), "base")
     profile = calibrate.calibrate(base, profiles.get("cpu"), "cpu-search", budget=CALIBRATION_S)
+    by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
+
+    def measure(layout: api_spec.TrainingJobSpec, calibrated: profiles.Profile) -> profiles.Profile:
+        """``--search --calibrate``'s step-loop run of a grid, kept to predict its run again."""
+        par = layout.parallelism
+        by_grid[par.data, par.pipeline, par.tensor] = calibrate.measure_step_loop(
+            layout, calibrated
+        )
+        return by_grid[par.data, par.pipeline, par.tensor]
+
     ranked: list[search.Candidate] = []
-    for candidate in search.search(base, profile, world=world, nodes=None, limit=100):
+    for candidate in search.search(
+        base, profile, world=world, nodes=None, limit=100, measure=measure
+    ):
         grid = [candidate.parallelism[k] for k in ("data", "pipeline", "tensor")]
         if all(grid != [c.parallelism[k] for k in ("data", "pipeline", "tensor")] for c in ranked):
             ranked.append(candidate)
@@ -404,9 +418,10 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
         raw["training"]["microBatch"] = candidate.parallelism["microBatch"]
         records, host = measure(raw, tmp, name)
         steady = records[WARMUP_STEPS:] or records
+        priced = by_grid.get(search.grid(candidate.parallelism), profile)
         at_run = estimate.make_plan(
             loading.parse_spec(raw, name),
-            dataclasses.replace(profile, available_cores=host["median_steps"]["available_cores"]),
+            dataclasses.replace(priced, available_cores=host["median_steps"]["available_cores"]),
         ).time.step_seconds
         rows.append(
             {
@@ -415,6 +430,7 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
                 "parallelism": candidate.parallelism,
                 "predicted_step_seconds": candidate.step_seconds,
                 "predicted_step_seconds_at_run_cores": at_run,
+                "grid_measured": candidate.grid_measured,
                 "measured_step_seconds": statistics.median(r["step_seconds"] for r in steady),
                 "host_during_run": host,
             }

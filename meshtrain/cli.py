@@ -53,6 +53,14 @@ def _calibrator() -> plan_command.Calibrator:
     return calibrator
 
 
+def _layout_measure() -> plan_command.LayoutMeasure:
+    """``plan --search --calibrate``'s step-loop runs of the best grids: torch, so with the trainer."""
+    measure: plan_command.LayoutMeasure = importlib.import_module(
+        "meshtrain.trainer.calibrate"
+    ).measure_step_loop
+    return measure
+
+
 def _timeline(args: argparse.Namespace) -> int:
     code: int = importlib.import_module("meshtrain.trainer.telemetry.timeline").main(args)
     return code
@@ -116,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict memory, communication and step time of a TrainingJob (and its placement)",
     )
     plan_command.configure(plan)
-    plan.set_defaults(calibrator=_calibrator)
+    plan.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
 
     timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")

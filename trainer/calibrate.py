@@ -521,7 +521,20 @@ def calibrate(
         changes["achievable_fraction"] = min(1.0, flops / base.peak_flops)
         return dataclasses.replace(base, **changes)
     changes.update(peak_flops=flops, achievable_fraction=1.0)
-    profile = dataclasses.replace(base, **changes)
+    return measure_step_loop(job, dataclasses.replace(base, **changes))
+
+
+def measure_step_loop(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> profiles.Profile:
+    """``profile`` with the figures of a step-loop run of ``job``'s layout on this CPU host.
+
+    The step loop's CPU and its share between actions, the tensor-parallel
+    calls' wall and CPU costs and the pipeline's message latencies are the
+    layout's own (:mod:`.step_loop_run`); the micro-benchmarks' figures stay.
+    ``--search --calibrate`` measures its best layouts this way.  A GPU
+    profile is returned as is.
+    """
+    if not profile.cpu_time_model:
+        return profile
     loop_cpu, loop_run = step_loop_run.rank_step_cpu(job, profile)
     return dataclasses.replace(
         profile,
@@ -532,7 +545,11 @@ def calibrate(
         ),
         activation_message_seconds=step_loop_run.message_seconds(loop_run, "activations"),
         gradient_message_seconds=step_loop_run.message_seconds(loop_run, "gradients"),
-        calibration={**profile.calibration, "step_loop_run": loop_run},
+        calibration={
+            **profile.calibration,
+            "step_loop_layout": job.parallelism.layout_string,
+            "step_loop_run": loop_run,
+        },
     )
 
 

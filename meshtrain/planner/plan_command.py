@@ -36,6 +36,14 @@ from meshtrain.planner import (
 )
 
 
+class LayoutMeasure(Protocol):
+    """``meshtrain.trainer.calibrate.measure_step_loop``: a layout's own step-loop figures (torch), handed in by the CLI."""
+
+    def __call__(
+        self, job: api_spec.TrainingJobSpec, profile: profiles.Profile
+    ) -> profiles.Profile: ...
+
+
 class Calibrator(Protocol):
     """``meshtrain.trainer.calibrate.calibrate``: measures this machine (torch), handed in by the CLI."""
 
@@ -187,8 +195,19 @@ def _search(
     world = args.world or job.world_size
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.calibrate:
+        print(
+            f"measuring the step loop of the {search.MEASURED_GRIDS} best dp/pp/tp grids ...",
+            file=sys.stderr,
+        )
     found = search.search(
-        job, profile, world=world, nodes=nodes, limit=args.top, recipe=args.recipe
+        job,
+        profile,
+        world=world,
+        nodes=nodes,
+        limit=args.top,
+        recipe=args.recipe,
+        measure=args.layout_measure() if args.calibrate else None,
     )
     stated = validation.confidence(profile, socket.gethostname(), validation.load_band())
     if args.json:

@@ -374,6 +374,7 @@ def search_json(
                 "predicted_bubble": c.bubble,
                 "nodes": list(c.nodes),
                 "within_error_of_best": close[index] if close else None,
+                "grid_measured": c.grid_measured,
             }
             for index, c in enumerate(found)
         ],
@@ -408,7 +409,7 @@ def search_text(
         rows.append(
             [
                 str(index + 1),
-                c.label,
+                c.label + (" *" if c.grid_measured else ""),
                 human_seconds(c.step_seconds),
                 f"{c.bubble:.1%}",
                 human_bytes(c.peak_bytes),
@@ -416,6 +417,10 @@ def search_text(
             ]
         )
     lines += _table(rows)
+    if any(c.grid_measured for c in found):
+        lines.append(
+            "* priced with a step loop measured on its own dp/pp/tp grid (--search --calibrate)"
+        )
     close = _close_to_best(found, confidence)
     if close and sum(close) > 1:
         ranks = ", ".join(f"#{i + 1}" for i, near in enumerate(close) if near)
@@ -434,9 +439,15 @@ def search_text(
         f"confidence: {confidence.statement}",
     ]
     if confidence.calibrated_for:
+        measured = (
+            "the grids marked * with their own step loop and waits, "
+            if any(c.grid_measured for c in found)
+            else ""
+        )
         lines.append(
             f"  the profile was calibrated for {confidence.calibrated_for}: layouts with other "
-            "tensor or pipeline degrees are priced with its block rate, step loop and waits; "
-            "calibrate the pick (--calibrate with its --set) before trusting its time"
+            f"tensor or pipeline degrees are priced with its block rate ({measured}the others "
+            "with its step loop and waits too); calibrate the pick (--calibrate with its --set) "
+            "before trusting its time"
         )
     return "\n".join(lines)

@@ -7,13 +7,20 @@ microBatches x data``), with the job's micro-batch or a smaller power of two;
 every schedule the pipeline allows; ZeRO 0-2 when there is data parallelism.
 A candidate must pass the spec's own validation and fit the profile's
 memory; with nodes, the operator's placement must place it (checked for the
-best candidates until ``limit`` are placeable).  Pure: the caller reads files.
+best candidates until ``limit`` are placeable).
+
+A profile calibrated on a CPU host carries the step loop of the layout it
+was calibrated for (its CPU, tensor-parallel calls, pipeline messages); with
+``measure`` (``--search --calibrate``) the best :data:`MEASURED_GRIDS`
+distinct grids are measured the same way on their own best layout and
+their candidates priced again with it before the final ranking.  Pure apart
+from that callable: the caller reads files and hands it in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from meshtrain import placement
@@ -40,6 +47,23 @@ class Candidate:
     """Predicted idle share of stage 0."""
     nodes: tuple[str, ...] = ()
     """Node per pod when a cluster was given."""
+    grid_measured: bool = False
+    """Priced with a step loop measured on its own (dp, pp, tp) grid (``--search --calibrate``)."""
+
+
+MeasureLayout = Callable[[api_spec.TrainingJobSpec, profiles.Profile], profiles.Profile]
+"""``meshtrain.trainer.calibrate.measure_step_loop``: a profile with a layout's own step-loop figures."""
+
+MEASURED_GRIDS = 3
+"""Distinct (dp, pp, tp) grids whose step loop a measuring search runs before its final ranking."""
+
+Scored = tuple[float, float, dict[str, Any], estimate.Plan]
+"""Step seconds, worst stage's memory, the spec change and its plan."""
+
+
+def grid(change: dict[str, Any]) -> tuple[int, int, int]:
+    """The (data, pipeline, tensor) degrees of a layout change."""
+    return change["data"], change["pipeline"], change["tensor"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -111,11 +135,12 @@ def search(
     nodes: Sequence[placement.Node] | None = None,
     limit: int = 10,
     recipe: str = "meshtrain",
+    measure: MeasureLayout | None = None,
 ) -> list[Candidate]:
     """The ``limit`` fastest valid, memory-feasible (and, with nodes, placeable) layouts."""
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
-    scored: list[tuple[float, float, dict[str, Any], estimate.Plan]] = []
+    scored: list[Scored] = []
     for change in layouts(job, world):
         try:
             candidate = _with_layout(job, change)
@@ -126,12 +151,23 @@ def search(
             continue
         scored.append((plan.time.step_seconds, plan.memory.worst.total, change, plan))
     scored.sort(key=lambda item: (item[0], item[1]))
+    by_grid = _measure_best_grids(scored, profile, measure) if measure else {}
+    if by_grid:
+        scored = sorted(
+            (
+                _priced(plan, by_grid.get(grid(change)), change, recipe)
+                for *_, change, plan in scored
+            ),
+            key=lambda item: (item[0], item[1]),
+        )
     if (
         nodes is not None
     ):  # place the best until enough are placeable; price their links by the placement
-        placed: list[tuple[float, float, dict[str, Any], estimate.Plan]] = []
+        placed: list[Scored] = []
         for _, _, change, plan in scored:
-            on_nodes = estimate.make_plan(plan.job, profile, recipe=recipe, nodes=nodes)
+            on_nodes = estimate.make_plan(
+                plan.job, by_grid.get(grid(change), profile), recipe=recipe, nodes=nodes
+            )
             if on_nodes.placement is None or on_nodes.placement.unschedulable_reason:
                 continue
             placed.append(
@@ -149,6 +185,31 @@ def search(
             headroom_bytes=plan.memory.headroom,
             bubble=plan.time.bubble_stage0,
             nodes=plan.placement.nodes if plan.placement else (),
+            grid_measured=grid(change) in by_grid,
         )
         for seconds, peak, change, plan in scored[:limit]
     ]
+
+
+def _measure_best_grids(
+    scored: list[Scored], profile: profiles.Profile, measure: MeasureLayout
+) -> dict[tuple[int, int, int], profiles.Profile]:
+    """A profile per grid of the :data:`MEASURED_GRIDS` best, measured on that grid's best layout."""
+    best: dict[tuple[int, int, int], estimate.Plan] = {}
+    for *_, change, plan in scored:
+        if len(best) == MEASURED_GRIDS:
+            break
+        best.setdefault(grid(change), plan)
+    return {key: measure(plan.job, profile) for key, plan in best.items()}
+
+
+def _priced(
+    plan: estimate.Plan,
+    grid_profile: profiles.Profile | None,
+    change: dict[str, Any],
+    recipe: str,
+) -> Scored:
+    """A scored candidate, priced again with its grid's measured profile where there is one."""
+    if grid_profile is not None:
+        plan = estimate.make_plan(plan.job, grid_profile, recipe=recipe)
+    return plan.time.step_seconds, plan.memory.worst.total, change, plan

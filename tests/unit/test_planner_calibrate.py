@@ -95,6 +95,34 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     assert "--calibration-seconds must be > 0" in capsys.readouterr().err
 
 
+def test_search_with_calibrate_measures_the_best_grids_on_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plan --search --calibrate``: calibrated for dp2, then a step-loop run of each best grid.
+
+    Two ranks of the tiny model have three grids (dp2, pp2, tp2); all are
+    measured, so every listed layout is flagged, and the ranking is still by
+    predicted step.
+    """
+    path = tmp_path / "job.yaml"
+    manifest = {"apiVersion": "meshtrain.io/v1alpha1", "kind": "TrainingJob"}
+    path.write_text(yaml.safe_dump({**manifest, "metadata": {"name": "t"}, "spec": _tiny_dp2()}))
+    argv = ["plan", str(path), "--calibrate", "--calibration-seconds", "0.02", "--search"]
+    argv += ["--profiles-dir", str(tmp_path / "p"), "--top", "50", "--json"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "measuring the step loop of the 3 best dp/pp/tp grids" in captured.err
+    layouts = json.loads(captured.out)["layouts"]
+    grids = {
+        (r["parallelism"]["data"], r["parallelism"]["pipeline"], r["parallelism"]["tensor"])
+        for r in layouts
+    }
+    assert grids == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert all(r["grid_measured"] for r in layouts)
+    steps = [r["step_seconds"] for r in layouts]
+    assert steps == sorted(steps)
+
+
 @pytest.fixture
 def solo_group() -> Iterator[dist.ProcessGroup]:
     """A gloo world of this process alone, and its one-process group."""

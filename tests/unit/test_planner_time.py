@@ -462,6 +462,40 @@ def test_cli_search_and_confidence_in_json(
     ]
 
 
+def test_a_measuring_search_prices_its_best_grids_with_their_own_step_loop() -> None:
+    """The three best distinct grids are measured once each, on their best layout, and ranked again.
+
+    The measurement stands in for calibration's step-loop run: it makes the
+    best grid's step loop cost a second per step, so that grid falls behind
+    every other, and only the measured grids' candidates are flagged.
+    """
+    spec = job(data=2)
+    profile = cpu_time_profile()
+    first = search.search(spec, profile, world=4, nodes=None, limit=100)
+    grids = list(dict.fromkeys(search.grid(c.parallelism) for c in first))[: search.MEASURED_GRIDS]
+    measured: list[api_spec.TrainingJobSpec] = []
+
+    def measure(layout: api_spec.TrainingJobSpec, base: profiles.Profile) -> profiles.Profile:
+        measured.append(layout)
+        key = (layout.parallelism.data, layout.parallelism.pipeline, layout.parallelism.tensor)
+        return dataclasses.replace(base, rank_step_cpu_seconds=1.0 if key == grids[0] else 0.0)
+
+    found = search.search(spec, profile, world=4, nodes=None, limit=100, measure=measure)
+    best_of = {g: next(c for c in first if search.grid(c.parallelism) == g) for g in grids}
+    assert [
+        (m.parallelism.data, m.parallelism.pipeline, m.parallelism.tensor) for m in measured
+    ] == grids
+    for layout, g in zip(measured, grids):
+        assert layout.training.micro_batch == best_of[g].parallelism["microBatch"]
+        assert layout.parallelism.micro_batches == best_of[g].parallelism["microBatches"]
+    assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
+    assert {c.grid_measured for c in found if search.grid(c.parallelism) in grids} == {True}
+    assert {c.grid_measured for c in found if search.grid(c.parallelism) not in grids} <= {False}
+    slow = [c for c in found if search.grid(c.parallelism) == grids[0]]
+    assert slow and all(c.step_seconds > 1.0 for c in slow)
+    assert search.grid(found[0].parallelism) != grids[0]
+
+
 def test_search_says_which_layouts_its_validated_error_cannot_order() -> None:
     """Layouts predicted within the band's median error of the best are flagged, the rest not.
 
