@@ -394,7 +394,9 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
     profile = calibrate.calibrate(base, profiles.get("cpu"), "cpu-search", budget=CALIBRATION_S)
     by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
 
-    def measure(layout: api_spec.TrainingJobSpec, calibrated: profiles.Profile) -> profiles.Profile:
+    def measure_grid(
+        layout: api_spec.TrainingJobSpec, calibrated: profiles.Profile
+    ) -> profiles.Profile:
         """``--search --calibrate``'s step-loop run of a grid, kept to predict its run again."""
         par = layout.parallelism
         by_grid[par.data, par.pipeline, par.tensor] = calibrate.measure_step_loop(
@@ -404,7 +406,7 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
 
     ranked: list[search.Candidate] = []
     for candidate in search.search(
-        base, profile, world=world, nodes=None, limit=100, measure=measure
+        base, profile, world=world, nodes=None, limit=100, measure=measure_grid
     ):
         grid = [candidate.parallelism[k] for k in ("data", "pipeline", "tensor")]
         if all(grid != [c.parallelism[k] for k in ("data", "pipeline", "tensor")] for c in ranked):

@@ -535,20 +535,35 @@ def measure_step_loop(job: api_spec.TrainingJobSpec, profile: profiles.Profile) 
     """
     if not profile.cpu_time_model:
         return profile
-    loop_cpu, loop_run = step_loop_run.rank_step_cpu(job, profile)
-    return dataclasses.replace(
+    # Another layout's step-loop figures (a profile calibrated for the job, measuring a
+    # candidate of --search) say nothing here and must not be subtracted from this run.
+    micro_benchmarks = dataclasses.replace(
         profile,
-        rank_step_cpu_seconds=loop_cpu,
-        step_loop_between_share=step_loop_run.between_share(loop_run, job, profile, loop_cpu),
+        rank_step_cpu_seconds=0.0,
+        step_loop_between_share=1.0,
+        tp_collectives=(),
+        activation_message_seconds=0.0,
+        gradient_message_seconds=0.0,
+    )
+    loop_run = step_loop_run.run(job)
+    # The calls' own costs first: the step loop is what the run spent beyond them.
+    fitted = dataclasses.replace(
+        micro_benchmarks,
         tp_collectives=step_loop_run.in_situ_tp_fits(
-            loop_run["tp_calls"], job.parallelism.tensor, profile
+            loop_run["tp_calls"], job.parallelism.tensor, micro_benchmarks
         ),
         activation_message_seconds=step_loop_run.message_seconds(loop_run, "activations"),
         gradient_message_seconds=step_loop_run.message_seconds(loop_run, "gradients"),
+    )
+    loop_cpu, predicted = step_loop_run.rank_step_cpu(job, fitted, loop_run)
+    return dataclasses.replace(
+        fitted,
+        rank_step_cpu_seconds=loop_cpu,
+        step_loop_between_share=step_loop_run.between_share(loop_run, job, fitted, loop_cpu),
         calibration={
             **profile.calibration,
             "step_loop_layout": job.parallelism.layout_string,
-            "step_loop_run": loop_run,
+            "step_loop_run": {**loop_run, "predicted_rank0_cpu_seconds": predicted},
         },
     )
 

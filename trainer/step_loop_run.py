@@ -78,17 +78,12 @@ def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
     return raw
 
 
-def rank_step_cpu(
-    job: api_spec.TrainingJobSpec, profile: profiles.Profile
-) -> tuple[float, dict[str, Any]]:
-    """CPU seconds a rank's step loop costs per step beyond what ``profile`` prices, and the run's figures.
+def run(job: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """Run :func:`loop_job` with ``meshtrain run`` (all ranks on this host, as the job would) and read its figures.
 
-    Runs :func:`loop_job` with ``meshtrain run`` (all ranks on this host, as
-    the job would) and takes rank 0's CPU seconds per step after warm-up
-    (``cpu_seconds`` of the step log: every thread of the process) less the
-    planner's CPU work of rank 0 (a stage-0 rank) in that run at ``profile``: what remains is
-    the Python step loop, telemetry and gloo's threads, which grow with the
-    number of ranks sharing the cores.
+    Rank 0's CPU seconds per step after warm-up (``cpu_seconds`` of the step
+    log: every thread of the process), the trace's seconds outside every
+    event per rank, the tensor-parallel calls and the pipeline messages.
     """
     with tempfile.TemporaryDirectory() as tmp:
         raw = loop_job(job, str(Path(tmp) / "checkpoints"))
@@ -106,12 +101,8 @@ def rank_step_cpu(
     loop = loading.parse_spec(raw, "calibration step-loop run")
     steady_traces = {rank: lines[LOOP_STEPS // 2 :] for rank, lines in sorted(traces.items())}
     steady_lines = [line for lines in steady_traces.values() for line in lines]
-    steady = [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]]
-    measured = statistics.median(steady)
-    predicted = estimate.make_plan(loop, profile).time.rank_cpu_seconds[0]
-    return max(0.0, measured - predicted), {
-        "rank0_cpu_seconds": steady,
-        "predicted_rank0_cpu_seconds": predicted,
+    return {
+        "rank0_cpu_seconds": [float(r["cpu_seconds"]) for r in records[LOOP_STEPS // 2 :]],
         # Where the loop's time goes: outside every recorded event (between actions) or not.
         "outside_events_seconds": {
             rank: statistics.median(loop_trace.outside_events(line["events"]) for line in lines)
@@ -130,6 +121,21 @@ def rank_step_cpu(
     }
 
 
+def rank_step_cpu(
+    job: api_spec.TrainingJobSpec, profile: profiles.Profile, loop_run: dict[str, Any]
+) -> tuple[float, float]:
+    """CPU seconds a rank's step loop costs per step beyond what ``profile`` prices, and what it prices.
+
+    Rank 0's median CPU seconds per step in ``loop_run`` (:func:`run`) less
+    the planner's CPU work of rank 0 (a stage-0 rank) in that run at
+    ``profile``: what remains is the Python step loop, telemetry and gloo's
+    threads, which grow with the number of ranks sharing the cores.
+    """
+    loop = loading.parse_spec(loop_job(job, "/unused"), "calibration step-loop run")
+    predicted = estimate.make_plan(loop, profile).time.rank_cpu_seconds[0]
+    return max(0.0, statistics.median(loop_run["rank0_cpu_seconds"]) - predicted), predicted
+
+
 def in_situ_tp_fits(
     calls: dict[str, dict[str, float]], tensor: int, profile: profiles.Profile
 ) -> tuple[profiles.CollectiveFit, ...]:
@@ -138,11 +144,11 @@ def in_situ_tp_fits(
     Alpha is what makes the ring formula's sum over the calls their measured
     wall seconds: a call after the trainer's own compute waits for its peer
     to arrive and be woken, which the micro-benchmark after one GEMM
-    reproduces poorly (docs/planner.md, Limits).  Where the calls recorded
-    the CPU their process spent over them, ``cpu_call_seconds`` likewise
-    makes ``calls x cpu_call + bytes / cpu_bandwidth`` that CPU: on this VM
-    a two-rank call of the trainer cost about 1 ms of CPU, the
-    micro-benchmark's 0.3-0.4 ms.
+    reproduces poorly (docs/planner.md, Limits).  Where calls recorded the
+    CPU their process spent over them (none of its asynchronous collectives
+    in flight), ``cpu_call_seconds`` likewise makes ``calls x cpu_call +
+    bytes / cpu_bandwidth`` their CPU: on this VM a two-rank call of the
+    trainer cost about 1 ms of CPU, the micro-benchmark's 0.3-0.4 ms.
     """
     fits = []
     for op, total in sorted(calls.items()):
@@ -154,9 +160,9 @@ def in_situ_tp_fits(
         fit = dataclasses.replace(
             measured, members=tensor, alpha=max(0.0, total["seconds"] - moving) / steps
         )
-        if "cpu_seconds" in total and measured.cpu_bandwidth > 0:
-            copying = total["bytes"] / measured.cpu_bandwidth
-            cpu_call = max(0.0, total["cpu_seconds"] - copying) / total["calls"]
+        if total.get("cpu_calls") and measured.cpu_bandwidth > 0:
+            copying = total["cpu_bytes"] / measured.cpu_bandwidth
+            cpu_call = max(0.0, total["cpu_seconds"] - copying) / total["cpu_calls"]
             fit = dataclasses.replace(fit, cpu_call_seconds=cpu_call)
         fits.append(fit)
     return tuple(fits)

@@ -399,10 +399,14 @@ def plan_time(
     priced = cpu_host.cpu_work_profile(profile) if cpu_model else profile
     kinds = network.links(priced)
     used = {axis: kinds[kind] for axis, kind in network.group_links(job, pod_domains).items()}
-    if cpu_model and profile.tp_collectives:
+    if cpu_model:
         # The CPU of a tensor-parallel call as the trainer's own calls cost it in calibration.
         used["tp"] = used["tp"].preferring(
-            tuple(cpu_host.cpu_cost_fit(f) for f in profile.tp_collectives)
+            tuple(
+                cpu_host.cpu_cost_fit(f)
+                for f in profile.tp_collectives
+                if f.cpu_call_seconds > 0 and f.cpu_bandwidth > 0
+            )
         )
     if cpu_model:
         # Stage times are CPU seconds, run at the cores a rank has when it is the one runnable.

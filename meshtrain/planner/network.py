@@ -41,9 +41,11 @@ class Link:
         return Link(self.name, best.bandwidth, best.alpha)
 
     def preferring(self, fits: tuple[profiles.CollectiveFit, ...]) -> Link:
-        """This link with ``fits`` in place of its own for the ops they cover."""
-        ops = {f.op for f in fits}
-        return dataclasses.replace(self, fits=fits + tuple(f for f in self.fits if f.op not in ops))
+        """This link with ``fits`` in place of its own for the ops and group sizes they cover."""
+        covered = {(f.op, f.members) for f in fits}
+        return dataclasses.replace(
+            self, fits=fits + tuple(f for f in self.fits if (f.op, f.members) not in covered)
+        )
 
 
 def links(profile: profiles.Profile) -> dict[str, Link]:

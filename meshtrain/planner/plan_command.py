@@ -106,7 +106,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="first measure this machine at the job's shapes, precision, backend and group sizes "
         "(matmul FLOP/s, per-op overhead, collective latency and bandwidth) and write a profile "
-        "file into the first --profiles-dir (default ./profiles); then plan with it",
+        "file into the first --profiles-dir (default ./profiles); then plan with it (with "
+        "--search: also measure the step loop of the three best dp/pp/tp grids before ranking)",
     )
     parser.add_argument(
         "--search",
@@ -195,7 +196,7 @@ def _search(
     world = args.world or job.world_size
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    if args.calibrate:
+    if args.calibrate and profile.cpu_time_model:
         print(
             f"measuring the step loop of the {search.MEASURED_GRIDS} best dp/pp/tp grids ...",
             file=sys.stderr,

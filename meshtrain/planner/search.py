@@ -151,15 +151,10 @@ def search(
             continue
         scored.append((plan.time.step_seconds, plan.memory.worst.total, change, plan))
     scored.sort(key=lambda item: (item[0], item[1]))
-    by_grid = _measure_best_grids(scored, profile, measure) if measure else {}
-    if by_grid:
-        scored = sorted(
-            (
-                _priced(plan, by_grid.get(grid(change)), change, recipe)
-                for *_, change, plan in scored
-            ),
-            key=lambda item: (item[0], item[1]),
-        )
+    # Only a CPU host's profile has step-loop figures to measure (a GPU's are the datasheet's).
+    by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
+    if measure is not None and profile.cpu_time_model:
+        scored, by_grid = _measured_ranking(scored, profile, measure, recipe)
     if (
         nodes is not None
     ):  # place the best until enough are placeable; price their links by the placement
@@ -191,16 +186,36 @@ def search(
     ]
 
 
-def _measure_best_grids(
-    scored: list[Scored], profile: profiles.Profile, measure: MeasureLayout
-) -> dict[tuple[int, int, int], profiles.Profile]:
-    """A profile per grid of the :data:`MEASURED_GRIDS` best, measured on that grid's best layout."""
-    best: dict[tuple[int, int, int], estimate.Plan] = {}
-    for *_, change, plan in scored:
-        if len(best) == MEASURED_GRIDS:
+def _measured_ranking(
+    scored: list[Scored], profile: profiles.Profile, measure: MeasureLayout, recipe: str
+) -> tuple[list[Scored], dict[tuple[int, int, int], profiles.Profile]]:
+    """``scored`` ranked again until its :data:`MEASURED_GRIDS` best grids are all measured, and their profiles.
+
+    Each round measures the best layout of every unmeasured grid among the
+    best, prices that grid's candidates again and re-sorts: a grid that
+    falls behind lets another one in, which is measured in turn (at most
+    twice :data:`MEASURED_GRIDS` grids in all).
+    """
+    ranked = scored
+    by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
+    while len(by_grid) < 2 * MEASURED_GRIDS:
+        best: dict[tuple[int, int, int], estimate.Plan] = {}
+        for *_, change, plan in ranked:
+            if len(best) == MEASURED_GRIDS:
+                break
+            best.setdefault(grid(change), plan)
+        unmeasured = {key: plan for key, plan in best.items() if key not in by_grid}
+        if not unmeasured:
             break
-        best.setdefault(grid(change), plan)
-    return {key: measure(plan.job, profile) for key, plan in best.items()}
+        by_grid |= {key: measure(plan.job, profile) for key, plan in unmeasured.items()}
+        ranked = sorted(
+            (
+                _priced(plan, by_grid.get(grid(change)), change, recipe)
+                for *_, change, plan in scored
+            ),
+            key=lambda item: (item[0], item[1]),
+        )
+    return ranked, by_grid
 
 
 def _priced(

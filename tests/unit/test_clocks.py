@@ -289,3 +289,29 @@ def test_the_callers_dispatch_modes_see_a_queued_exchange():
         queue.drain()
     queue.close()
     assert tracker.peak >= 8000  # the exchange's 1000 doubles
+
+
+class _PendingWork:
+    """An asynchronous collective whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.future: torch.futures.Future = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+
+def test_host_clock_times_cpu_only_while_no_launched_collective_runs() -> None:
+    """A blocking call's CPU is the process's: with a data-parallel bucket in flight it is not the call's alone."""
+    clock = clocks.HostClock()
+    assert isinstance(clock.cpu_now(), float)
+    bucket = _PendingWork()
+    clock.launch(lambda: bucket)  # type: ignore[arg-type,return-value]
+    assert clock.cpu_now() is None
+    recorder = recording.MemoryRecorder()
+    recording.blocking_collective(recorder, clock, "tp", "all_reduce", 8, lambda: None)
+    assert recorder.events[-1].cpu_seconds is None
+    bucket.future.set_result(None)
+    recording.blocking_collective(recorder, clock, "tp", "all_reduce", 8, lambda: sum(range(10**5)))
+    assert recorder.events[-1].cpu_seconds is not None and recorder.events[-1].cpu_seconds > 0
+    assert clocks.CudaClock.cpu_now(None) is None  # type: ignore[arg-type]  # a queued call's host CPU says nothing

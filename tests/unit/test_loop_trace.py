@@ -139,11 +139,12 @@ def _tp_call(op: str, start: float, end: float, nbytes: int, cpu: float | None) 
     return event if cpu is None else {**event, "cpu": cpu}
 
 
-def test_tensor_parallel_calls_sum_their_cpu_only_where_every_call_timed_it() -> None:
-    """Calls, wall seconds, bytes and CPU per op; an op with one call of unknown CPU has no CPU sum.
+def test_tensor_parallel_calls_sum_their_cpu_over_the_calls_that_timed_it() -> None:
+    """Calls, wall seconds and bytes per op; CPU, calls and bytes of the calls that timed their CPU.
 
-    A sum over some of the calls would price the rest at nothing.  Data-parallel
-    collectives and compute are not tensor-parallel calls.
+    A CPU sum over some of the calls divided by all of them would price the
+    rest at nothing.  Data-parallel collectives and compute are not
+    tensor-parallel calls.
     """
     lines = [
         _line(
@@ -175,6 +176,10 @@ def test_tensor_parallel_calls_sum_their_cpu_only_where_every_call_timed_it() ->
     ]
     calls = loop_trace.tp_calls(lines)
     assert calls["all_reduce"] == pytest.approx(
-        {"calls": 2, "seconds": 0.005, "bytes": 200, "cpu_seconds": 0.003}
+        {"calls": 2, "seconds": 0.005, "bytes": 200}
+        | {"cpu_calls": 2, "cpu_bytes": 200, "cpu_seconds": 0.003}
     )
-    assert calls["all_gather"] == pytest.approx({"calls": 2, "seconds": 0.003, "bytes": 100})
+    assert calls["all_gather"] == pytest.approx(
+        {"calls": 2, "seconds": 0.003, "bytes": 100}
+        | {"cpu_calls": 1, "cpu_bytes": 50, "cpu_seconds": 0.0005}
+    )

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,6 +83,10 @@ class HostLaunch:
 class HostClock:
     """``time.perf_counter()`` seconds: right where work runs on the calling thread (CPU tensors, gloo)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0  # collectives launched and not yet complete
+
     def now(self) -> float:
         """Host seconds now."""
         return time.perf_counter()
@@ -90,14 +95,29 @@ class HostClock:
         """The step's start on the host timeline."""
         return time.perf_counter()
 
-    def cpu_now(self) -> float:
-        """CPU seconds of this process (every thread) so far: a blocking collective's CPU cost is the difference."""
-        return time.process_time()
+    def cpu_now(self) -> float | None:
+        """CPU seconds of this process (every thread) so far; None while a launched collective runs.
+
+        Over a blocking collective the caller only waits, so the difference is
+        what gloo's threads spent on that call, unless an asynchronous one
+        (a data-parallel bucket) ran on them meanwhile.
+        """
+        with self._lock:
+            busy = self._in_flight > 0
+        return None if busy else time.process_time()
 
     def launch(self, collective: Callable[[], dist.Work]) -> HostLaunch:
         """Start ``collective`` (an ``async_op=True`` call)."""
         start = time.perf_counter()
-        return HostLaunch(work=collective(), start=start)
+        work = collective()
+        with self._lock:
+            self._in_flight += 1
+        work.get_future().add_done_callback(self._landed)  # at once if it is already done
+        return HostLaunch(work=work, start=start)
+
+    def _landed(self, _future: torch.futures.Future[Any]) -> None:
+        with self._lock:
+            self._in_flight -= 1
 
     def mark_ready(self) -> None:
         """Host work is done when issued: nothing to mark."""

@@ -25,28 +25,29 @@ def outside_events(events: list[dict[str, Any]]) -> float:
 
 
 def tp_calls(lines: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds, bytes summed.
+    """Per op, the tensor-parallel collective calls of trace ``lines``: count, wall seconds and bytes summed.
 
-    Where every call recorded the CPU its process spent over it (the host
-    clock), also ``cpu_seconds`` summed.
+    And of the calls that recorded the CPU their process spent over them
+    (host clock, nothing asynchronous in flight): ``cpu_calls``,
+    ``cpu_bytes`` and ``cpu_seconds``.
     """
     out: dict[str, dict[str, float]] = {}
-    timed_cpu: dict[str, bool] = {}
     for line in lines:
         for event in line["events"]:
             if event["what"] == "collective" and event.get("group") == "tp":
-                op = event["kind"]
                 total = out.setdefault(
-                    op, {"calls": 0, "seconds": 0.0, "bytes": 0.0, "cpu_seconds": 0.0}
+                    event["kind"],
+                    dict.fromkeys(
+                        ("calls", "seconds", "bytes", "cpu_calls", "cpu_bytes", "cpu_seconds"), 0.0
+                    ),
                 )
                 total["calls"] += 1
                 total["seconds"] += float(event["end"]) - float(event["start"])
                 total["bytes"] += float(event.get("bytes", 0))
-                total["cpu_seconds"] += float(event.get("cpu", 0.0))
-                timed_cpu[op] = timed_cpu.get(op, True) and "cpu" in event
-    for op, timed in timed_cpu.items():
-        if not timed:
-            del out[op]["cpu_seconds"]
+                if "cpu" in event:
+                    total["cpu_calls"] += 1
+                    total["cpu_bytes"] += float(event.get("bytes", 0))
+                    total["cpu_seconds"] += float(event["cpu"])
     return out
 
 
