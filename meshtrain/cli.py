@@ -16,7 +16,7 @@ from pathlib import Path
 import meshtrain
 from meshtrain.api import loading
 from meshtrain.operator import command as operator_command
-from meshtrain.planner import plan_command
+from meshtrain.planner import plan_command, search
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -53,9 +53,9 @@ def _calibrator() -> plan_command.Calibrator:
     return calibrator
 
 
-def _layout_measure() -> plan_command.LayoutMeasure:
+def _layout_measure() -> search.MeasureLayout:
     """``plan --search --calibrate``'s step-loop runs of the best grids: torch, so with the trainer."""
-    measure: plan_command.LayoutMeasure = importlib.import_module(
+    measure: search.MeasureLayout = importlib.import_module(
         "meshtrain.trainer.calibrate"
     ).measure_step_loop
     return measure

@@ -36,14 +36,6 @@ from meshtrain.planner import (
 )
 
 
-class LayoutMeasure(Protocol):
-    """``meshtrain.trainer.calibrate.measure_step_loop``: a layout's own step-loop figures (torch), handed in by the CLI."""
-
-    def __call__(
-        self, job: api_spec.TrainingJobSpec, profile: profiles.Profile
-    ) -> profiles.Profile: ...
-
-
 class Calibrator(Protocol):
     """``meshtrain.trainer.calibrate.calibrate``: measures this machine (torch), handed in by the CLI."""
 

@@ -126,7 +126,7 @@ class Profile:
     step_loop_between_share: float = 1.0
     """Share of ``rank_step_cpu_seconds`` a rank spends between its pipeline actions (outside every recorded event), measured in calibration's step-loop run; the rest runs inside the actions."""
     tp_collectives: tuple[CollectiveFit, ...] = ()
-    """Tensor-parallel collectives as the trainer's own calls between its compute waited for them in calibration's step-loop run (wall time, by op and group size); they replace ``collectives`` where such a call blocks its rank's core."""
+    """Tensor-parallel collectives as the trainer's own calls cost them in calibration's step-loop run, by op and group size: ``alpha`` from their wall time (used where such a call blocks its rank's core), ``cpu_call_seconds`` from the CPU their process spent over them (the work bound's price of a call)."""
     activation_message_seconds: float = 0.0
     """Wall seconds from a pipeline stage's forward ending to the next stage holding its activations, where they were still in flight when it asked: the mean over calibration's step-loop run of the job's layout, the receiver's wake-up included (CPU hosts; 0: unmeasured, the ``send`` fit prices the message).  It replaces the fit in the pipeline replay."""
     gradient_message_seconds: float = 0.0

@@ -291,6 +291,16 @@ def test_the_callers_dispatch_modes_see_a_queued_exchange():
     assert tracker.peak >= 8000  # the exchange's 1000 doubles
 
 
+class _Waitable:
+    """A collective handle with no future, as gloo's reduce-scatter returns."""
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        raise RuntimeError("Work::getFuture not implemented.")
+
+
 class _PendingWork:
     """An asynchronous collective whose completion the test decides."""
 
@@ -306,12 +316,18 @@ def test_host_clock_times_cpu_only_while_no_launched_collective_runs() -> None:
     clock = clocks.HostClock()
     assert isinstance(clock.cpu_now(), float)
     bucket = _PendingWork()
-    clock.launch(lambda: bucket)  # type: ignore[arg-type,return-value]
+    launched = clock.launch(lambda: bucket)  # type: ignore[arg-type,return-value]
+    launched.report_when_done(lambda start, end: None)
     assert clock.cpu_now() is None
     recorder = recording.MemoryRecorder()
     recording.blocking_collective(recorder, clock, "tp", "all_reduce", 8, lambda: None)
     assert recorder.events[-1].cpu_seconds is None
     bucket.future.set_result(None)
+    assert isinstance(clock.cpu_now(), float)
+    # A collective without a future (gloo's reduce-scatter) lands when it is waited for.
+    waited = clock.launch(lambda: _Waitable())  # type: ignore[arg-type,return-value]
+    assert clock.cpu_now() is None
+    waited.wait()
     recording.blocking_collective(recorder, clock, "tp", "all_reduce", 8, lambda: sum(range(10**5)))
     assert recorder.events[-1].cpu_seconds is not None and recorder.events[-1].cpu_seconds > 0
     assert clocks.CudaClock.cpu_now(None) is None  # type: ignore[arg-type]  # a queued call's host CPU says nothing

@@ -67,16 +67,22 @@ class HostLaunch:
     """The collective's handle."""
     start: float
     """perf_counter seconds just before the launch."""
+    landed: Callable[[HostLaunch], None] = lambda _launch: None
+    """Told when the collective is seen done (by either method below)."""
 
     def report_when_done(self, report: Callable[[float, float], None]) -> None:
         """Call ``report(start, end)`` when the collective completes (a future callback: the communication thread)."""
-        self.work.get_future().add_done_callback(
-            lambda _future: report(self.start, time.perf_counter())
-        )
+
+        def done(_future: torch.futures.Future[Any]) -> None:
+            report(self.start, time.perf_counter())
+            self.landed(self)
+
+        self.work.get_future().add_done_callback(done)
 
     def wait(self) -> float:
         """Block until the collective is done; returns the time it was seen done."""
         self.work.wait()
+        self.landed(self)
         return time.perf_counter()
 
 
@@ -85,7 +91,7 @@ class HostClock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._in_flight = 0  # collectives launched and not yet complete
+        self._in_flight: set[int] = set()  # launches not yet seen done
 
     def now(self) -> float:
         """Host seconds now."""
@@ -103,21 +109,20 @@ class HostClock:
         (a data-parallel bucket) ran on them meanwhile.
         """
         with self._lock:
-            busy = self._in_flight > 0
+            busy = bool(self._in_flight)
         return None if busy else time.process_time()
 
     def launch(self, collective: Callable[[], dist.Work]) -> HostLaunch:
         """Start ``collective`` (an ``async_op=True`` call)."""
         start = time.perf_counter()
-        work = collective()
+        launched = HostLaunch(work=collective(), start=start, landed=self._landed)
         with self._lock:
-            self._in_flight += 1
-        work.get_future().add_done_callback(self._landed)  # at once if it is already done
-        return HostLaunch(work=work, start=start)
+            self._in_flight.add(id(launched))
+        return launched
 
-    def _landed(self, _future: torch.futures.Future[Any]) -> None:
+    def _landed(self, launched: HostLaunch) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._in_flight.discard(id(launched))
 
     def mark_ready(self) -> None:
         """Host work is done when issued: nothing to mark."""
