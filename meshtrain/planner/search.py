@@ -204,10 +204,11 @@ def _measured_ranking(
             if len(best) == MEASURED_GRIDS:
                 break
             best.setdefault(grid(change), plan)
-        unmeasured = {key: plan for key, plan in best.items() if key not in by_grid}
+        budget = 2 * MEASURED_GRIDS - len(by_grid)
+        unmeasured = [(key, plan) for key, plan in best.items() if key not in by_grid][:budget]
         if not unmeasured:
             break
-        by_grid |= {key: measure(plan.job, profile) for key, plan in unmeasured.items()}
+        by_grid |= {key: measure(plan.job, profile) for key, plan in unmeasured}
         ranked = sorted(
             (
                 _priced(plan, by_grid.get(grid(change)), change, recipe)

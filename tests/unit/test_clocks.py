@@ -292,10 +292,17 @@ def test_the_callers_dispatch_modes_see_a_queued_exchange():
 
 
 class _Waitable:
-    """A collective handle with no future, as gloo's reduce-scatter returns."""
+    """A collective handle with no future, as gloo's reduce-scatter returns; done when the test says."""
+
+    def __init__(self) -> None:
+        self.done = False
 
     def wait(self) -> bool:
+        self.done = True
         return True
+
+    def is_completed(self) -> bool:
+        return self.done
 
     def get_future(self) -> torch.futures.Future:
         raise RuntimeError("Work::getFuture not implemented.")
@@ -307,12 +314,18 @@ class _PendingWork:
     def __init__(self) -> None:
         self.future: torch.futures.Future = torch.futures.Future()
 
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> bool:
+        return True
+
     def get_future(self) -> torch.futures.Future:
         return self.future
 
 
-def test_host_clock_times_cpu_only_while_no_launched_collective_runs() -> None:
-    """A blocking call's CPU is the process's: with a data-parallel bucket in flight it is not the call's alone."""
+def test_host_clock_times_cpu_only_while_no_other_communication_runs() -> None:
+    """A blocking call's CPU is the process's: with a bucket in flight or an exchange chain held it is not the call's alone."""
     clock = clocks.HostClock()
     assert isinstance(clock.cpu_now(), float)
     bucket = _PendingWork()
@@ -324,10 +337,39 @@ def test_host_clock_times_cpu_only_while_no_launched_collective_runs() -> None:
     assert recorder.events[-1].cpu_seconds is None
     bucket.future.set_result(None)
     assert isinstance(clock.cpu_now(), float)
-    # A collective without a future (gloo's reduce-scatter) lands when it is waited for.
-    waited = clock.launch(lambda: _Waitable())  # type: ignore[arg-type,return-value]
+    launched.wait()  # seen done twice: the callback, then the wait
+    assert isinstance(clock.cpu_now(), float)
+    # A collective without a future (gloo's reduce-scatter) lands when waited for, or
+    # when it has completed by the next reading.
+    waited = _Waitable()
+    clock.launch(lambda: waited)  # type: ignore[arg-type,return-value]
     assert clock.cpu_now() is None
-    waited.wait()
+    waited.done = True
+    assert isinstance(clock.cpu_now(), float)
+    # An exchange chain queued for the worker thread holds the clock until it ends.
+    release = clock.hold()
+    assert clock.cpu_now() is None
+    release()
+    release()  # once only
+    assert isinstance(clock.cpu_now(), float)
     recording.blocking_collective(recorder, clock, "tp", "all_reduce", 8, lambda: sum(range(10**5)))
     assert recorder.events[-1].cpu_seconds is not None and recorder.events[-1].cpu_seconds > 0
     assert clocks.CudaClock.cpu_now(None) is None  # type: ignore[arg-type]  # a queued call's host CPU says nothing
+
+
+def test_a_queued_exchange_chain_holds_the_host_clock_until_it_ends() -> None:
+    """A compressed or hierarchical bucket's chain runs on the exchange thread: no call's CPU is its own meanwhile."""
+    clock = clocks.HostClock()
+    queue = exchanges.ExchangeQueue(clock)
+    started, finish = threading.Event(), threading.Event()
+
+    def chain() -> None:
+        started.set()
+        finish.wait(timeout=10)
+
+    queue.submit(chain)
+    assert started.wait(timeout=10)
+    assert clock.cpu_now() is None
+    finish.set()
+    queue.drain()
+    assert isinstance(clock.cpu_now(), float)

@@ -260,6 +260,55 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
         assert priced >= measured
 
 
+def test_a_layout_s_step_loop_is_measured_from_the_micro_benchmarks_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Measuring a --search candidate with a profile calibrated for another layout gives what a clean profile gives.
+
+    The other layout's step loop, tensor-parallel fits and message latencies
+    say nothing about this run; subtracted from it, they would make every
+    measured grid look cheaper than it ran.  The run is a recorded one (its
+    figures as :func:`step_loop_run.run` returns them), so both measure the same.
+    """
+    raw = _tiny_dp2()
+    raw["parallelism"].update(data=1, tensor=2)
+    job = loading.parse_spec(raw)
+    recorded = {
+        "rank0_cpu_seconds": [0.5, 0.6, 0.55],
+        "outside_events_seconds": {0: 0.002, 1: 0.003},
+        "actions": 8,
+        "tp_calls": {
+            "all_reduce": {"calls": 99, "seconds": 0.2, "bytes": 1e7}
+            | {"cpu_calls": 99, "cpu_bytes": 1e7, "cpu_seconds": 0.1}
+        },
+        "messages": {},
+    }
+    monkeypatch.setattr(step_loop_run, "run", lambda _job: recorded)
+    micro_benchmark = profiles.CollectiveFit(
+        "all_reduce",
+        2,
+        alpha=1e-4,
+        bandwidth=1e9,
+        processes=2,
+        cpu_call_seconds=2e-4,
+        cpu_bandwidth=1e10,
+    )
+    clean = dataclasses.replace(
+        profiles.get("cpu"), cores=2, core_flops=1e10, collectives=(micro_benchmark,)
+    )
+    other = dataclasses.replace(
+        clean,
+        rank_step_cpu_seconds=0.3,
+        step_loop_between_share=0.2,
+        tp_collectives=(dataclasses.replace(micro_benchmark, cpu_call_seconds=5e-3),),
+        activation_message_seconds=0.01,
+        gradient_message_seconds=0.02,
+    )
+    from_clean = calibrate.measure_step_loop(job, clean)
+    assert from_clean.rank_step_cpu_seconds > 0 and from_clean.tp_collectives
+    assert calibrate.measure_step_loop(job, other) == from_clean
+
+
 def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:
     """The step-loop run of a pp2 GPipe job times both message kinds from its ranks' traces.
 

@@ -91,7 +91,8 @@ class HostClock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._in_flight: set[int] = set()  # launches not yet seen done
+        self._launched: dict[int, HostLaunch] = {}  # launches not yet seen done
+        self._held = 0  # work queued or running on another thread of the process
 
     def now(self) -> float:
         """Host seconds now."""
@@ -102,27 +103,45 @@ class HostClock:
         return time.perf_counter()
 
     def cpu_now(self) -> float | None:
-        """CPU seconds of this process (every thread) so far; None while a launched collective runs.
+        """CPU seconds of this process (every thread) so far; None while other communication runs.
 
         Over a blocking collective the caller only waits, so the difference is
-        what gloo's threads spent on that call, unless an asynchronous one
-        (a data-parallel bucket) ran on them meanwhile.
+        what gloo's threads spent on that call, unless an asynchronous
+        collective (a data-parallel bucket) or a held exchange chain
+        (:meth:`hold`) ran meanwhile.
         """
         with self._lock:
-            busy = bool(self._in_flight)
+            for key, launched in list(self._launched.items()):
+                if launched.work.is_completed():  # done, though nobody has waited for it yet
+                    del self._launched[key]
+            busy = bool(self._launched) or self._held > 0
         return None if busy else time.process_time()
+
+    def hold(self) -> Callable[[], None]:
+        """Mark work queued for another thread of the process (a bucket's exchange chain); call the result when it ends."""
+        with self._lock:
+            self._held += 1
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                with self._lock:
+                    self._held -= 1
+
+        return release
 
     def launch(self, collective: Callable[[], dist.Work]) -> HostLaunch:
         """Start ``collective`` (an ``async_op=True`` call)."""
         start = time.perf_counter()
         launched = HostLaunch(work=collective(), start=start, landed=self._landed)
         with self._lock:
-            self._in_flight.add(id(launched))
+            self._launched[id(launched)] = launched
         return launched
 
     def _landed(self, launched: HostLaunch) -> None:
         with self._lock:
-            self._in_flight.discard(id(launched))
+            self._launched.pop(id(launched), None)
 
     def mark_ready(self) -> None:
         """Host work is done when issued: nothing to mark."""

@@ -66,13 +66,27 @@ class ExchangeQueue:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshtrain-exchange")
         threads = torch.get_num_threads()
         modes = python_dispatch._get_current_dispatch_mode_stack()
-        self._pending.append(self._pool.submit(self._run, exchange, ready, threads, modes))
+        release = self.clock.hold()  # the process's CPU is not a blocking call's alone meanwhile
+        self._pending.append(self._pool.submit(self._run, exchange, ready, threads, modes, release))
 
     def _run(
+        self,
+        exchange: Callable[[], None],
+        ready: Any,
+        threads: int,
+        modes: list[Any],
+        release: Callable[[], None],
+    ) -> None:
+        try:
+            if self._failed.is_set():
+                return  # an earlier chain failed: its collectives would pair with its peers' rest
+            self._exchange(exchange, ready, threads, modes)
+        finally:
+            release()
+
+    def _exchange(
         self, exchange: Callable[[], None], ready: Any, threads: int, modes: list[Any]
     ) -> None:
-        if self._failed.is_set():
-            return  # an earlier chain failed: this one's collectives would pair with its peers' rest
         torch.set_num_threads(threads)  # the caller's intra-op budget, not the default
         # the caller's dispatch modes (a memory tracker, a FLOP counter) see the exchange's ops, as
         # autograd's worker threads inherit them

@@ -121,8 +121,9 @@ def blocking_collective(
     """Run ``call`` (a collective that returns when done) and record it with, on the host, the CPU it cost.
 
     The CPU seconds are the whole process's over the call: the caller only
-    waits, so they are what gloo's threads spent on it (plus anything else
-    the process ran meanwhile, such as an overlapped data-parallel bucket).
+    waits, so they are what gloo's threads spent on it.  None where other
+    communication of the process ran meanwhile (an asynchronous bucket, an
+    exchange chain: :meth:`.clocks.HostClock.cpu_now`) and on CUDA.
     Calibration prices a tensor-parallel call's CPU with them.
     """
     start, cpu_start = clock.now(), clock.cpu_now()
