@@ -147,8 +147,8 @@ def in_situ_tp_fits(
     reproduces poorly (docs/planner.md, Limits).  Where calls recorded the
     CPU their process spent over them (none of its asynchronous collectives
     in flight), ``cpu_call_seconds`` likewise makes ``calls x cpu_call +
-    bytes / cpu_bandwidth`` their CPU: on this VM a two-rank call of the
-    trainer cost about 1 ms of CPU, the micro-benchmark's 0.3-0.4 ms.
+    bytes / cpu_bandwidth`` their CPU, which the micro-benchmark under-counts
+    too (docs/planner.md, Calibration).
     """
     fits = []
     for op, total in sorted(calls.items()):

@@ -408,7 +408,6 @@ def plan_time(
                 if f.cpu_call_seconds > 0 and f.cpu_bandwidth > 0
             )
         )
-    if cpu_model:
         # Stage times are CPU seconds, run at the cores a rank has when it is the one runnable.
         rank_flops = profile.core_flops
         speed = cpu_host.rank_speed(profile, ranks_per_host(job, profile))
