@@ -337,7 +337,7 @@ def test_host_clock_times_cpu_only_while_no_other_communication_runs() -> None:
     assert recorder.events[-1].cpu_seconds is None
     bucket.future.set_result(None)
     assert isinstance(clock.cpu_now(), float)
-    launched.wait()  # waited for after it completed: still complete
+    launched.wait()  # seen done twice: the callback, then the wait
     assert isinstance(clock.cpu_now(), float)
     # A collective without a future (gloo's reduce-scatter) lands when waited for, or
     # when it has completed by the next reading.

@@ -67,16 +67,22 @@ class HostLaunch:
     """The collective's handle."""
     start: float
     """perf_counter seconds just before the launch."""
+    landed: Callable[[HostLaunch], None] = lambda _launch: None
+    """Told when the collective is seen done (by either method below)."""
 
     def report_when_done(self, report: Callable[[float, float], None]) -> None:
         """Call ``report(start, end)`` when the collective completes (a future callback: the communication thread)."""
-        self.work.get_future().add_done_callback(
-            lambda _future: report(self.start, time.perf_counter())
-        )
+
+        def done(_future: torch.futures.Future[Any]) -> None:
+            report(self.start, time.perf_counter())
+            self.landed(self)
+
+        self.work.get_future().add_done_callback(done)
 
     def wait(self) -> float:
         """Block until the collective is done; returns the time it was seen done."""
         self.work.wait()
+        self.landed(self)
         return time.perf_counter()
 
 
@@ -85,7 +91,8 @@ class HostClock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._launched: list[dist.Work] = []  # launches not seen complete yet
+        # launches not yet seen done; dropped when waited for or reported, so their tensors die with them
+        self._launched: dict[int, HostLaunch] = {}
         self._held = 0  # work queued or running on another thread of the process
 
     def now(self) -> float:
@@ -105,13 +112,11 @@ class HostClock:
         (:meth:`hold`) ran meanwhile.
         """
         with self._lock:
-            self._forget_completed()
+            for key, launched in list(self._launched.items()):
+                if launched.work.is_completed():  # done, though nobody has waited for it yet
+                    del self._launched[key]
             busy = bool(self._launched) or self._held > 0
         return None if busy else time.process_time()
-
-    def _forget_completed(self) -> None:
-        """Drop the launches whose work is done (waited for or not: gloo's reduce-scatter has no future)."""
-        self._launched = [work for work in self._launched if not work.is_completed()]
 
     def hold(self) -> Callable[[], None]:
         """Mark work queued for another thread of the process (a bucket's exchange chain); call the result when it ends."""
@@ -130,11 +135,14 @@ class HostClock:
     def launch(self, collective: Callable[[], dist.Work]) -> HostLaunch:
         """Start ``collective`` (an ``async_op=True`` call)."""
         start = time.perf_counter()
-        work = collective()
+        launched = HostLaunch(work=collective(), start=start, landed=self._landed)
         with self._lock:
-            self._forget_completed()
-            self._launched.append(work)
-        return HostLaunch(work=work, start=start)
+            self._launched[id(launched)] = launched
+        return launched
+
+    def _landed(self, launched: HostLaunch) -> None:
+        with self._lock:
+            self._launched.pop(id(launched), None)
 
     def mark_ready(self) -> None:
         """Host work is done when issued: nothing to mark."""
