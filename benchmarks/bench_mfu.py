@@ -15,8 +15,11 @@ attention matrix counted); the peak is the GPU's dense bf16 figure
 data-parallel ranks (``--nproc-per-node N``), which adds the bucketed
 all-reduce on its side stream.
 
-``--profile`` also runs the timed steps under ``torch.profiler`` and checks
-meshtrain's own timings (CUDA events: the step, the forward and backward
+``--profile`` then runs as many steps again under ``torch.profiler`` (kept
+out of tokens/s: the profiler slows the host and parses its trace when it
+stops; the first H200 run counted both in, and its 1.3B tokens/s came out
+11% below what its own CUDA-event step times give) and checks meshtrain's own
+timings (CUDA events: the step, the forward and backward
 compute intervals, the data-parallel all-reduces on the side stream)
 against the profiler's kernels on the same steps: every kernel is
 attributed through its launch to the step and the forward/backward range
@@ -34,7 +37,6 @@ such a file says ``"device": "cpu"`` and its numbers are no GPU figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -58,14 +60,30 @@ from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import pipeline, recording
 from meshtrain.trainer.telemetry import peak
 
-MICRO_BATCH = {"tiny": 2, "llama-tiny": 2, "125m": 8, "350m": 4, "1.3b": 2, "7b": 1, "llama3-8b": 1}
+MICRO_BATCH = {
+    "tiny": 2,
+    "llama-tiny": 2,
+    "125m": 8,
+    "350m": 4,
+    "1.3b": 2,
+    "7b": 1,
+    "llama3.2-1b": 2,
+    "llama3-8b": 1,
+}
 """Sequences per micro-batch (of the preset's sequence length) that fit an 80 GB GPU with the chunked loss."""
 WARMUP = 3
 PROFILE_TOLERANCE = 0.05
 """The issue's bound on |meshtrain - profiler| / profiler for the step, compute and all-reduce times."""
 
 
-def _spec(preset: str, args: argparse.Namespace, micro_batch: int, world: int, device: str) -> Any:
+def _spec(
+    preset: str,
+    args: argparse.Namespace,
+    micro_batch: int,
+    world: int,
+    device: str,
+    profiled_steps: int,
+) -> Any:
     return loading.parse_spec(
         {
             "model": {"preset": preset},
@@ -73,7 +91,7 @@ def _spec(preset: str, args: argparse.Namespace, micro_batch: int, world: int, d
             "resources": {"gpusPerNode": world},
             "training": {
                 "microBatch": micro_batch,
-                "steps": args.steps + WARMUP,
+                "steps": WARMUP + args.steps + profiled_steps,
                 "warmupSteps": 2,
                 "precision": "bf16" if device == "cuda" else "fp32",
                 "compile": args.compile,
@@ -108,11 +126,34 @@ class _StepEvents:
         return [b - a for a, b in self.marks]
 
 
+def _train(trainer: engine.Engine, steps: int, events: _StepEvents) -> tuple[list[Any], float]:
+    """Run ``steps`` steps, each inside its profiler range; returns their results and the host seconds they took.
+
+    ``train_step`` ends by reading its results from the device, so the host
+    clock covers every step's device work.
+    """
+    results = []
+    begun_wall = time.perf_counter()
+    for index in range(steps):
+        with torch.profiler.record_function(f"{STEP_RANGE}{index}"):
+            begun = events.start()
+            results.append(trainer.train_step())
+            events.end(begun)
+    return results, time.perf_counter() - begun_wall
+
+
 def run_preset(
     preset: str, micro_batch: int, args: argparse.Namespace, device: torch.device
 ) -> dict[str, Any]:
+    """Throughput from ``--steps`` steps run bare; with ``--profile``, as many more under the profiler.
+
+    The profiler slows the host (every op and launch is recorded) and takes
+    seconds to parse its trace when it stops, so the steps it watches are
+    kept out of tokens/s: they only serve the timing comparison.
+    """
     world = dist.get_world_size()
-    job = _spec(preset, args, micro_batch, world, device.type)
+    profiled_steps = args.steps if args.profile else 0
+    job = _spec(preset, args, micro_batch, world, device.type, profiled_steps)
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
     own = recording.MemoryRecorder()  # fed CUDA-event seconds by the engine's DeferredRecorder
     trainer = engine.Engine(job, mesh, recorder=own)
@@ -121,23 +162,13 @@ def run_preset(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     events = _StepEvents(device)
-    profiler = _profiler(device) if args.profile else contextlib.nullcontext()
-    results = []
-    wall = time.perf_counter()
-    with profiler as prof:
-        for index in range(args.steps):
-            with torch.profiler.record_function(f"{STEP_RANGE}{index}"):
-                begun = events.start()
-                results.append(trainer.train_step())
-                events.end(begun)
-    wall = time.perf_counter() - wall
+    results, wall = _train(trainer, args.steps, events)
     gpu_steps = events.seconds()
     tokens = sum(r.tokens for r in results)
     config = trainer.config
     flops = gpt.flops_per_token(config)
     peak_flops = peak.resolve_peak_flops(None, device)
     tokens_per_second = tokens / wall
-    mine = own.steps[-args.steps :]
     row: dict[str, Any] = {
         "preset": preset,
         "params": gpt.dense_param_count(config),
@@ -149,6 +180,8 @@ def run_preset(
         "compiled": trainer.compiled,
         "selective_recompute": list(args.selective_recompute),
         "tokens_per_step": results[0].tokens,
+        "timed_steps": args.steps,
+        "wall_seconds": wall,
         "median_step_seconds": statistics.median(gpu_steps),
         "tokens_per_second": tokens_per_second,
         "flops_per_token": flops,
@@ -161,16 +194,21 @@ def run_preset(
         else None,
     }
     if args.profile:
-        theirs = profiler_timings(prof, args.steps)
+        watched = _StepEvents(device)
+        with _profiler(device) as prof:
+            _train(trainer, profiled_steps, watched)
+        watched_steps = watched.seconds()
+        mine = own.steps[-profiled_steps:]
         ours = [
             {
-                "step": gpu_steps[i],
+                "step": watched_steps[i],
                 "compute": mine[i]["compute_seconds"],
                 "allreduce": mine[i].get("dp_collective_seconds", 0.0),
             }
-            for i in range(args.steps)
+            for i in range(profiled_steps)
         ]
-        row["profile"] = compare(ours, theirs)
+        row["profile"] = compare(ours, profiler_timings(prof, profiled_steps))
+        row["profile"]["median_step_seconds"] = statistics.median(watched_steps)
     del trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -299,6 +337,11 @@ def _print_row(row: dict[str, Any]) -> None:
         f"{row['median_step_seconds']:>7.3f} {row['tokens_per_second']:>11,.0f} {row['mfu']:>6.1%} "
         f"{memory:>8} {'yes' if row['compiled'] else 'no':>8}"
     )
+    if "profile" in row:
+        print(
+            f"    profiled steps' median {row['profile']['median_step_seconds']:.3f}s "
+            f"(bare {row['median_step_seconds']:.3f}s)"
+        )
     for key, check in row.get("profile", {}).items():
         if isinstance(check, dict):
             rel = check["relative_difference"]

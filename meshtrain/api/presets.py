@@ -7,15 +7,21 @@ The realistic shapes follow the GPT-3 paper's table of model sizes (125M, 350M,
 The ``llama*`` presets are Llama-family shapes (RoPE, RMSNorm, SwiGLU,
 grouped-query attention): ``llama3-8b`` and ``llama3-70b`` follow Meta's
 published Llama 3 configurations (128,256-token vocabulary, 8 key/value
-heads, RoPE base 500,000); ``llama-tiny`` has the GPT ``tiny`` preset's
+heads, RoPE base 500,000); ``llama3.2-1b`` follows Llama 3.2 1B (tied
+embeddings, Llama 3.1's RoPE scaling, trained here at its original 8,192
+context), the Llama shape that trains on one GPU; ``llama-tiny`` has the GPT ``tiny`` preset's
 width and depth for CPU tests and side-by-side benchmarks.
 """
 
 from typing import Literal
 
-PresetName = Literal["tiny", "125m", "350m", "1.3b", "7b", "llama-tiny", "llama3-8b", "llama3-70b"]
+PresetName = Literal[
+    "tiny", "125m", "350m", "1.3b", "7b", "llama-tiny", "llama3.2-1b", "llama3-8b", "llama3-70b"
+]
 
-PRESETS: dict[str, dict[str, int | float | str]] = {
+PresetValue = int | float | str | bool | dict[str, float | int]
+
+PRESETS: dict[str, dict[str, PresetValue]] = {
     "tiny": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64},
     "125m": {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50304, "seq_len": 2048},
     "350m": {"layers": 24, "hidden": 1024, "heads": 16, "vocab": 50304, "seq_len": 2048},
@@ -30,6 +36,24 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
         "vocab": 256,
         "seq_len": 64,
         "ffn_hidden": 192,
+    },
+    "llama3.2-1b": {
+        "family": "llama",
+        "layers": 16,
+        "hidden": 2048,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 128256,
+        "seq_len": 8192,
+        "ffn_hidden": 8192,
+        "rope_theta": 500000.0,
+        "tie_embeddings": True,
+        "rope_scaling": {
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     },
     "llama3-8b": {
         "family": "llama",

@@ -395,8 +395,8 @@ class ModelSpec(_Model):
 
     preset: presets.PresetName | None = Field(
         None,
-        description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b (GPT); llama-tiny, llama3-8b, llama3-70b "
-        "(Llama family). Explicit fields override it.",
+        description="Named shape: tiny (tests), 125m, 350m, 1.3b, 7b (GPT); llama-tiny, llama3.2-1b, llama3-8b, "
+        "llama3-70b (Llama family). Explicit fields override it.",
     )
     family: Family | None = Field(
         None,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 
 from meshtrain.api import loading, spec
 from meshtrain.planner import memory
-from meshtrain.trainer import llama
+from meshtrain.trainer import hf, llama
 from meshtrain.trainer import model as gpt
 
 
@@ -99,3 +101,46 @@ def test_embeddings_tied_across_stages_are_accepted_except_under_zero2():
         loading.parse_spec(job(2))
     assert "spec.model.tieEmbeddings: tieEmbeddings with pipeline=2" in str(err.value)
     assert "use zeroStage 0 or 1" in str(err.value)
+
+
+LLAMA_3_2_1B_CONFIG = {
+    # meta-llama/Llama-3.2-1B's config.json as published on the Hugging Face Hub
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 128256,
+}
+
+
+def test_llama3_2_1b_preset_is_metas_published_model(tmp_path):
+    """The preset passes the fromHF shape check against Meta's config.json, and counts its parameters."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B_CONFIG))
+    shape = spec.ModelSpec(preset="llama3.2-1b").shape()
+    config = gpt.GPTConfig.from_shape(shape)
+    hf.check_config(tmp_path, config)  # raises naming the first field that differs
+    with torch.device("meta"):
+        published = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B_CONFIG))
+        built = llama.build(config)
+    expected = sum(p.numel() for p in published.parameters())
+    assert gpt.dense_param_count(config) == memory.total_params(shape) == expected
+    assert built.num_params() == expected
