@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU measurements of issue #19 in one run on a lent GPU machine (one GPU, no network).
+#
+#   benchmarks/gpu_check.sh RESULTS_DIR
+#
+# Writes, under RESULTS_DIR, one bench_mfu results file per run (mfu-<preset>-b<N>/), the
+# CUDA-capable tests' output and a log of everything (gpu-check-log.txt).  Each step has its
+# own time limit, so a slow one leaves the others' results.
+#
+# The device image has torch but not every package meshtrain imports.  Wheels for them, if
+# present in .whl/ (docs/trainer.md, "Measuring on a GPU", says how to get them), go into
+# /tmp/site first; the repository itself is never put on PYTHONPATH (only meshtrain/ is
+# importable, with trainer/ and operator/ linked in as pip's package-dir would map them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR}
+mkdir -p "$results"
+log="$results/gpu-check-log.txt"
+exec > >(tee -a "$log") 2>&1
+
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+[ -e meshtrain/trainer ] || ln -s "$PWD/trainer" meshtrain/trainer
+[ -e meshtrain/operator ] || ln -s "$PWD/operator" meshtrain/operator
+export PYTHONUNBUFFERED=1
+
+date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' || exit 1
+
+mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
+  local preset=$1 micro_batch=$2 limit=$3
+  shift 3
+  echo "== bench_mfu $preset micro-batch $micro_batch $*"
+  MESHTRAIN_BENCH_RESULTS="$results/mfu-$preset-b$micro_batch" timeout "$limit" \
+    python3 benchmarks/bench_mfu.py --presets "$preset" --micro-batch "$preset=$micro_batch" \
+    --micro-batches 4 --steps 8 "$@"
+}
+
+# bare throughput first, then the CUDA-event timings against torch.profiler on as many more steps
+mfu 1.3b 16 240 --profile
+mfu 1.3b 8 150
+mfu llama3.2-1b 2 240 --profile
+mfu 125m 16 120
+mfu 350m 8 120
+
+echo "== CUDA-capable tests"
+timeout 180 python3 -m pytest -q -p no:cacheprovider \
+  tests/unit/test_clocks.py tests/trainer/test_device_clock.py
+date -u
