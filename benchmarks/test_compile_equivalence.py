@@ -1,4 +1,4 @@
-"""Compiled blocks (``training.compile``) train like eager ones: tp2+SP on CPU, inductor's C++ backend.
+"""Compiled blocks (``training.compile``) train like eager ones: tp2+SP and dp2 ZeRO-3 on CPU, inductor's C++ backend.
 
 Two steps with and without compiled blocks on the same two ranks: losses
 agree to 1e-5 and gradient norms to 1e-4 relative (inductor fuses and
@@ -20,8 +20,12 @@ import mt_harness
 import test_compile
 
 
-def test_compiled_blocks_train_like_eager_ones() -> None:
-    layout = {"tensor": 2, "sequence_parallel": True}
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor": 2, "sequence_parallel": True}, {"data": 2, "zero_stage": 3}],
+    ids=["tp2-sp", "dp2-zero3"],
+)
+def test_compiled_blocks_train_like_eager_ones(layout: dict) -> None:
     results = mt_harness.run_distributed(test_compile.compiled_and_eager, 2, layout)
     for rank, result in enumerate(results):
         assert result["was_compiled"], f"rank {rank}: the blocks were not compiled"

@@ -8,6 +8,7 @@ than a test of the suite may: it is ``benchmarks/test_compile_equivalence.py``.
 from __future__ import annotations
 
 import mt_harness
+import pytest
 import torch
 
 from meshtrain import layout as layout_mod
@@ -38,5 +39,42 @@ def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, caps
     model = torch.nn.Module()
     assert compilation.apply_compile([model], torch.device("cpu")) is False
     assert "no C++ compiler" in capsys.readouterr().err
-    assert compilation.apply_compile([model], torch.device("cpu"), zero_stage=3) is False
-    assert "zeroStage 3" in capsys.readouterr().err
+
+
+def _traced_and_eager(layout: dict) -> dict:
+    """:func:`compiled_and_eager` with a backend that runs dynamo's and AOTAutograd's graphs as
+    traced (no inductor code generation, which costs minutes on this machine), counting them."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    traced = {"forward": 0, "backward": 0}
+
+    def counted(kind: str):
+        def compiler(graph: torch.fx.GraphModule, inputs: list) -> object:
+            traced[kind] += 1
+            return make_boxed_func(graph.forward)
+
+        return compiler
+
+    compilation.BACKEND = aot_autograd(
+        fw_compiler=counted("forward"), bw_compiler=counted("backward")
+    )
+    return {**compiled_and_eager(layout), "traced": traced}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [{"data": 2, "zero_stage": 3}, {"data": 2, "zero_stage": 3, "model": {"preset": "llama-tiny"}}],
+    ids=["gpt", "llama"],
+)
+def test_zero3_blocks_compile_around_fsdp2s_hooks_and_train_like_eager_ones(layout):
+    """Under ZeRO-3 the compiled graph is the block's compute on the gathered weights: one forward
+    and one backward graph serve every block and step (FSDP2's gathers and reduce-scatters stay
+    outside it), and the losses and gradient norms are eager's."""
+    for rank, result in enumerate(mt_harness.run_distributed(_traced_and_eager, 2, layout)):
+        assert result["was_compiled"], rank
+        assert result["traced"] == {"forward": 1, "backward": 1}, rank
+        for (loss, norm), (want_loss, want_norm) in zip(result["compiled"], result["eager"]):
+            assert loss == pytest.approx(want_loss, rel=1e-6), rank
+            assert norm == pytest.approx(want_norm, rel=1e-6), rank
