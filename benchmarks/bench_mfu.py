@@ -26,9 +26,13 @@ attributed through its launch to the step and the forward/backward range
 (``record_function`` ranges of the executor) it was launched from, and the
 relative differences are reported per quantity.
 
+The step's bookkeeping all-reduce (loss and stop flag, ``engine.AGREE_RANGE``)
+is left out of the profiler's side, as meshtrain does not time it.
+
 Writes ``benchmarks/results/mfu-<host>.json`` with the device named.  On a
-CPU (``--device cpu --presets tiny``) it only shows that the harness runs;
-such a file says ``"device": "cpu"`` and its numbers are no GPU figure.
+CPU (``--device cpu --presets tiny``) it only shows that the harness runs
+(under ``torchrun`` the all-reduce comparison uses gloo's records of its
+runs); such a file says ``"device": "cpu"`` and its numbers are no GPU figure.
 
     python benchmarks/bench_mfu.py [--presets 125m 350m 1.3b] [--steps 10] [--micro-batches 4] [--profile]
     torchrun --nproc-per-node 8 benchmarks/bench_mfu.py --presets 1.3b --profile
@@ -204,6 +208,7 @@ def run_preset(
                 "step": watched_steps[i],
                 "compute": mine[i]["compute_seconds"],
                 "allreduce": mine[i].get("dp_collective_seconds", 0.0),
+                "allreduce_calls": mine[i].get("dp_collective_count", 0.0),
             }
             for i in range(profiled_steps)
         ]
@@ -266,15 +271,29 @@ def profiler_timings(prof: torch.profiler.profile, steps: int) -> list[dict[str,
     def inside(ts: float, r: dict) -> bool:
         return r["ts"] <= ts <= r["ts"] + r["dur"]
 
+    agreements = [r for r in ranges if r["name"] == engine.AGREE_RANGE]
+
+    def training_collective(launch: float) -> bool:
+        """Not the step's bookkeeping all-reduce (loss, stop flag), which meshtrain does not time."""
+        return not any(inside(launch, r) for r in agreements)
+
     out = []
     for step in step_ranges:
         own_ranges = [r for r in compute_ranges if inside(r["ts"], step)]
-        if not kernels:  # CPU: the ranges themselves
+        if not kernels:  # CPU: the ranges themselves, and gloo's record of each collective's run
+            gloo = [
+                (r["ts"], r["ts"] + r["dur"])
+                for r in ranges
+                if r["name"].startswith("gloo:")
+                and inside(r["ts"], step)
+                and training_collective(r["ts"])
+            ]
             out.append(
                 {
                     "step": step["dur"] / 1e6,
                     "compute": sum(r["dur"] for r in own_ranges) / 1e6,
-                    "allreduce": 0.0,
+                    "allreduce": _union(gloo) / 1e6,
+                    "allreduce_calls": len(gloo),
                 }
             )
             continue
@@ -285,19 +304,25 @@ def profiler_timings(prof: torch.profiler.profile, steps: int) -> list[dict[str,
             if launched:
                 first = min(k["ts"] for k in launched)
                 spans.append(max(k["ts"] + k["dur"] for k in launched) - first)
-        nccl = [(k["ts"], k["ts"] + k["dur"]) for k in mine if "nccl" in k["name"].lower()]
+        nccl = [
+            (k["ts"], k["ts"] + k["dur"])
+            for launch, k in kernels
+            if inside(launch, step) and "nccl" in k["name"].lower() and training_collective(launch)
+        ]
         out.append(
             {
                 "step": (max(k["ts"] + k["dur"] for k in mine) - min(k["ts"] for k in mine)) / 1e6,
                 "compute": sum(spans) / 1e6,
                 "allreduce": _union(nccl) / 1e6,
+                "allreduce_calls": len(nccl),
             }
         )
     return out
 
 
 def compare(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> dict[str, Any]:
-    """Totals over the profiled steps and the relative difference of each quantity."""
+    """Totals over the profiled steps and the relative difference of each quantity; for the
+    all-reduces also how many calls each side counted (one kernel or gloo run per collective)."""
     report: dict[str, Any] = {"steps": len(ours)}
     for key in ("step", "compute", "allreduce"):
         mine, profiled = sum(o[key] for o in ours), sum(t[key] for t in theirs)
@@ -308,6 +333,10 @@ def compare(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> dic
             "relative_difference": relative,
             "within_tolerance": None if relative is None else relative <= PROFILE_TOLERANCE,
         }
+    report["allreduce"]["calls"] = {
+        "meshtrain": sum(o["allreduce_calls"] for o in ours),
+        "profiler": sum(t["allreduce_calls"] for t in theirs),
+    }
     return report
 
 

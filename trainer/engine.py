@@ -43,6 +43,11 @@ from meshtrain.trainer.parallel import clocks, compilation, parallelize, recordi
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 
+AGREE_RANGE = "meshtrain.agree"
+"""``record_function`` name of the step's bookkeeping all-reduce (loss, stop flag, shares): not
+training communication and not timed, so ``benchmarks/bench_mfu.py --profile`` leaves it out."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What one optimizer step did (identical on every rank)."""
@@ -329,7 +334,8 @@ class Engine:
             slots[dist.get_rank()] = share
             parts.append(slots)
         value = torch.cat(parts)
-        dist.all_reduce(value)
+        with torch.profiler.record_function(AGREE_RANGE):
+            dist.all_reduce(value)
         loss, stops, *rest, grad_norm = torch.cat(
             [value, norm.detach().double().reshape(1)]
         ).tolist()
