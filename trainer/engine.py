@@ -42,7 +42,6 @@ from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import clocks, compilation, parallelize, recording, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
-
 AGREE_RANGE = "meshtrain.agree"
 """``record_function`` name of the step's bookkeeping all-reduce (loss, stop flag, shares): not
 training communication and not timed, so ``benchmarks/bench_mfu.py --profile`` leaves it out."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import mt_harness
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
@@ -44,9 +46,6 @@ def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, caps
 def _traced_and_eager(layout: dict) -> dict:
     """:func:`compiled_and_eager` with a backend that runs dynamo's and AOTAutograd's graphs as
     traced (no inductor code generation, which costs minutes on this machine), counting them."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     traced = {"forward": 0, "backward": 0}
 
     def counted(kind: str):
