@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue #19 in one run on a lent GPU machine (one GPU, no network).
+# The GPU measurements of issue #19 in one run on a lent GPU machine (one GPU, no network):
+# bench_mfu, bench_fused_loss, the CUDA-capable tests.
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR
 #
@@ -46,6 +47,9 @@ mfu 1.3b 8 150
 mfu llama3.2-1b 2 240 --profile
 mfu 125m 16 120
 mfu 350m 8 120
+
+echo "== bench_fused_loss (the loss's chunk arithmetic eager and compiled, bf16)"
+MESHTRAIN_BENCH_RESULTS="$results" timeout 120 python3 benchmarks/bench_fused_loss.py
 
 echo "== CUDA-capable tests"
 timeout 180 python3 -m pytest -q -p no:cacheprovider \

@@ -145,7 +145,7 @@ class Engine:
             gpus_per_node=spec.resources.gpus_per_node,
         )
         self.compiled = training.compile and compilation.apply_compile(
-            self.model.chunks, mesh.device
+            self.model, mesh.device, fuse_loss=self.precision == "bf16"
         )
         """Whether the blocks run compiled (``training.compile`` and a backend that works here)."""
         if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp

@@ -75,28 +75,34 @@ def tp_layers(sequence_parallel: bool) -> dict[str, float]:
         pemb.weight.grad, tensor.shard(demb.grad, tensor.ShardSpec(0), rank, size)
     )
 
-    # Head + loss fused and chunked over a vocabulary-parallel head: never more than V/tp logits a row.
-    head = tensor.ColumnParallelLinear(tensor.shard(head_w, tensor.ShardSpec(0), rank, size), ctx)
-    pfeats = feats[:, seq].clone().requires_grad_()
-    gathered = tensor.enter_region(pfeats, ctx).reshape(-1, h)
-    pce = loss.linear_cross_entropy(gathered, head.weight, targets, tp=ctx, chunk=3)
-    pce.backward()
-    out["cross-entropy forward"] = abs(pce.item() - ce.item())
-    out["cross-entropy weight grad"] = _diff(
-        head.weight.grad, tensor.shard(dhead.grad, tensor.ShardSpec(0), rank, size)
-    )
-    out["cross-entropy input grad"] = _diff(pfeats.grad, dfeats.grad[:, seq])
+    # Head + loss fused and chunked over a vocabulary-parallel head: never more than V/tp logits a
+    # row; the chunk arithmetic eager, and as training.compile fuses it (run uncompiled here).
+    for arithmetic, fused in (("", None), (" (fused)", loss.FusedChunkMath())):
+        head = tensor.ColumnParallelLinear(
+            tensor.shard(head_w, tensor.ShardSpec(0), rank, size), ctx
+        )
+        pfeats = feats[:, seq].clone().requires_grad_()
+        gathered = tensor.enter_region(pfeats, ctx).reshape(-1, h)
+        pce = loss.linear_cross_entropy(
+            gathered, head.weight, targets, tp=ctx, chunk=3, fused=fused
+        )
+        pce.backward()
+        out[f"cross-entropy forward{arithmetic}"] = abs(pce.item() - ce.item())
+        out[f"cross-entropy weight grad{arithmetic}"] = _diff(
+            head.weight.grad, tensor.shard(dhead.grad, tensor.ShardSpec(0), rank, size)
+        )
+        out[f"cross-entropy input grad{arithmetic}"] = _diff(pfeats.grad, dfeats.grad[:, seq])
 
-    # A padded vocabulary whose last rank holds padding rows only (6 tokens in 16 rows at tp2).
-    real = 6
-    padded_w = torch.cat([head_w[:real], torch.zeros(16 - real, h)])
-    small_targets = targets % real
-    want = F.cross_entropy(F.linear(feats, head_w[:real]).reshape(-1, real), small_targets)
-    shard = tensor.shard(padded_w, tensor.ShardSpec(0), rank, size)
-    got = loss.linear_cross_entropy(
-        feats.reshape(-1, h), shard, small_targets, tp=ctx, chunk=5, vocab=real
-    )
-    out["cross-entropy, a shard all padding"] = abs(got.item() - want.item())
+        # A padded vocabulary whose last rank holds padding rows only (6 tokens in 16 rows at tp2).
+        real = 6
+        padded_w = torch.cat([head_w[:real], torch.zeros(16 - real, h)])
+        small_targets = targets % real
+        want = F.cross_entropy(F.linear(feats, head_w[:real]).reshape(-1, real), small_targets)
+        shard = tensor.shard(padded_w, tensor.ShardSpec(0), rank, size)
+        got = loss.linear_cross_entropy(
+            feats.reshape(-1, h), shard, small_targets, tp=ctx, chunk=5, vocab=real, fused=fused
+        )
+        out[f"cross-entropy, a shard all padding{arithmetic}"] = abs(got.item() - want.item())
     return out
 
 

@@ -31,27 +31,49 @@ def _plain(h, w, t, scale):
     return value.detach(), h.grad, w.grad
 
 
-def _chunked(h, w, t, scale, chunk):
+def _chunked(h, w, t, scale, chunk, fused=None, vocab=None):
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    value = loss.linear_cross_entropy(h, w, t, chunk=chunk)
+    value = loss.linear_cross_entropy(h, w, t, chunk=chunk, fused=fused, vocab=vocab)
     (value * scale).backward()
     return value.detach(), h.grad, w.grad
 
 
+ARITHMETIC = {"eager": None, "fused": loss.FusedChunkMath()}
+"""The chunk arithmetic of the loss without and with ``training.compile`` (here uncompiled: the
+same functions inductor fuses; ``benchmarks/test_compile_equivalence.py`` trains through the
+compiled ones)."""
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETIC)
 @pytest.mark.parametrize("chunk", [1, 7, 37, 1000])
-def test_chunked_loss_and_gradients_equal_the_plain_loss_in_fp32(chunk):
+def test_chunked_loss_and_gradients_equal_the_plain_loss_in_fp32(chunk, arithmetic):
     h, w, t = _inputs(37, 16, 50)
     want = _plain(h, w, t, 0.25)
-    got = _chunked(h, w, t, 0.25, chunk)
+    got = _chunked(h, w, t, 0.25, chunk, ARITHMETIC[arithmetic])
     for name, a, b in zip(("loss", "hidden grad", "weight grad"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_chunked_loss_under_bf16_autocast_matches_the_plain_autocast_loss():
+@pytest.mark.parametrize("arithmetic", ARITHMETIC)
+def test_padding_rows_of_the_head_are_no_tokens(arithmetic):
+    """Rows past ``vocab`` (a padded vocabulary's) get no probability and no gradient."""
+    h, w, t = _inputs(37, 16, 50, seed=3)
+    real = 41
+    padded = torch.cat([w[:real], torch.randn(50 - real, 16)])
+    want = _plain(h, w[:real], t % real, 1.0)
+    got = _chunked(h, padded, t % real, 1.0, 7, ARITHMETIC[arithmetic], vocab=real)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[2][:real], want[2], rtol=1e-5, atol=1e-7)
+    assert torch.count_nonzero(got[2][real:]) == 0
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETIC)
+def test_chunked_loss_under_bf16_autocast_matches_the_plain_autocast_loss(arithmetic):
     h, w, t = _inputs(64, 32, 96, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _plain(h, w, t, 1.0)
-        got = _chunked(h, w, t, 1.0, 16)
+        got = _chunked(h, w, t, 1.0, 16, ARITHMETIC[arithmetic])
     assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
     torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
     for a, b in zip(got[1:], want[1:]):  # bf16 matmuls: agreement to bf16 precision

@@ -38,8 +38,8 @@ def compiled_and_eager(layout: dict) -> dict[str, list[tuple[float, float]] | bo
 
 def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, capsys):
     monkeypatch.setattr(compilation, "compile_problem", lambda device: "no C++ compiler")
-    model = torch.nn.Module()
-    assert compilation.apply_compile([model], torch.device("cpu")) is False
+    untouched = None  # the probe's failure returns before the model is looked at
+    assert compilation.apply_compile(untouched, torch.device("cpu"), fuse_loss=True) is False
     assert "no C++ compiler" in capsys.readouterr().err
 
 
@@ -63,17 +63,25 @@ def _traced_and_eager(layout: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout",
-    [{"data": 2, "zero_stage": 3}, {"data": 2, "zero_stage": 3, "model": {"preset": "llama-tiny"}}],
-    ids=["gpt", "llama"],
+    ("layout", "loss_graphs", "tolerance"),
+    [
+        ({"data": 2, "zero_stage": 3}, 0, 1e-6),
+        ({"data": 2, "zero_stage": 3, "model": {"preset": "llama-tiny"}}, 0, 1e-6),
+        ({"data": 2, "zero_stage": 3, "precision": "bf16"}, 3, 1e-3),
+    ],
+    ids=["gpt", "llama", "gpt-bf16"],
 )
-def test_zero3_blocks_compile_around_fsdp2s_hooks_and_train_like_eager_ones(layout):
+def test_zero3_blocks_compile_around_fsdp2s_hooks_and_train_like_eager_ones(
+    layout, loss_graphs, tolerance
+):
     """Under ZeRO-3 the compiled graph is the block's compute on the gathered weights: one forward
     and one backward graph serve every block and step (FSDP2's gathers and reduce-scatters stay
-    outside it), and the losses and gradient norms are eager's."""
+    outside it), and the losses and gradient norms are eager's.  In bf16 the loss's three chunk
+    functions add a forward graph each (they run inside the loss's own autograd function, which
+    has no traced backward) and agree with the eager arithmetic to bf16's precision."""
     for rank, result in enumerate(mt_harness.run_distributed(_traced_and_eager, 2, layout)):
         assert result["was_compiled"], rank
-        assert result["traced"] == {"forward": 1, "backward": 1}, rank
+        assert result["traced"] == {"forward": 1 + loss_graphs, "backward": 1}, rank
         for (loss, norm), (want_loss, want_norm) in zip(result["compiled"], result["eager"]):
-            assert loss == pytest.approx(want_loss, rel=1e-6), rank
-            assert norm == pytest.approx(want_norm, rel=1e-6), rank
+            assert loss == pytest.approx(want_loss, rel=tolerance), rank
+            assert norm == pytest.approx(want_norm, rel=tolerance), rank

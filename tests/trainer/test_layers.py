@@ -18,7 +18,7 @@ def checks():
 def test_tensor_parallel_layers_equal_dense(mode, checks):
     for rank, result in enumerate(checks):
         diffs = result[mode]
-        assert len(diffs) == 11
+        assert len(diffs) == 15
         for check, diff in diffs.items():
             assert diff < 1e-5, f"rank {rank}: {check} differs by {diff:.2e}"
 

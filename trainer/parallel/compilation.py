@@ -3,10 +3,12 @@
 Each block's forward is compiled on its own (the module stays where it is
 and its forward goes through dynamo), as TorchTitan does: all
 blocks run the same code, so dynamo builds the block's graph once and reuses
-it for every layer, and the embedding, the head and the chunked loss
-(:mod:`.loss`) stay eager.  What compiling buys is fusion of the
-memory-bound work between the matmuls: LayerNorm/RMSNorm, GELU/SiLU, the
-residual adds, RoPE.
+it for every layer, and the embedding and the head's matmuls stay eager.
+What compiling buys is fusion of the memory-bound work between the
+matmuls: LayerNorm/RMSNorm, GELU/SiLU, the residual adds, RoPE, and, in
+bf16, the chunked loss's softmax arithmetic (:class:`.loss.FusedChunkMath`,
+which reads each chunk's logits once in bf16 instead of writing fp32 copies
+of them).
 
 Tensor-parallel region boundaries are ``torch.compiler.disable``-d
 (:func:`meshtrain.trainer.parallel.tensor.enter_region` /
@@ -29,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.parallel import loss, parallelize
 
 
 @functools.cache
@@ -48,8 +50,17 @@ BACKEND = "inductor"
 """What ``torch.compile`` compiles the blocks with (tests that only check tracing swap in a cheaper one)."""
 
 
-def apply_compile(chunks: list[gpt.GPT], device: torch.device) -> bool:
-    """Compile every block's forward in place; returns whether they were compiled.
+def apply_compile(
+    model: parallelize.ParallelModel, device: torch.device, *, fuse_loss: bool
+) -> bool:
+    """Compile every block's forward and, with ``fuse_loss``, the loss's per-chunk arithmetic;
+    returns whether they were compiled.
+
+    ``fuse_loss`` is for bf16 logits, whose eager arithmetic first writes an
+    fp32 copy of each chunk: ``benchmarks/bench_fused_loss.py`` on a CPU
+    measured the compiled arithmetic at 0.62x the eager one's time with bf16
+    logits and 1.15x with fp32 ones, which have no copy to save
+    (``benchmarks/results/fused_loss-*-vm.json``).
 
     The forward, not the module's call: hooks on a block stay eager.  Under
     ZeRO-3 those are FSDP2's unshard before the forward and reshard after it,
@@ -66,7 +77,11 @@ def apply_compile(chunks: list[gpt.GPT], device: torch.device) -> bool:
         )
         return False
     torch._dynamo.config.suppress_errors = True  # a graph the backend rejects runs eagerly
-    for chunk in chunks:
+    for chunk in model.chunks:
         for block in chunk.blocks.values():
             block.forward = torch.compile(block.forward, backend=BACKEND)
+    if fuse_loss:
+        model.executor.loss_fn = functools.partial(
+            loss.lm_loss, fused=loss.FusedChunkMath.compiled(BACKEND)
+        )
     return True

@@ -14,6 +14,14 @@ weight's in fp32) instead of logits, and backward only scales them by the
 incoming gradient (the fused linear cross-entropy of Liger-Kernel works the
 same way); the head's matmuls run once each, as in the plain loss.
 
+The per-chunk arithmetic between the matmuls (upcast, row maximum, exp,
+sum, softmax minus one-hot) is memory-bound: done eagerly it reads and
+writes the chunk's logits in fp32 about a dozen times.  With
+``training.compile`` it runs as three compiled functions
+(:class:`FusedChunkMath`: row maximum; target logit and sum of
+exponentials; gradient), each of which reads the chunk's logits once in the
+matmul's dtype, and only the gradient is written, in that dtype.
+
 With tensor parallelism the head weight is this rank's vocabulary shard
 (column-parallel): per chunk the row maximum and the two sums (target logit,
 sum of exponentials) are all-reduced over the tensor-parallel group, so no
@@ -25,6 +33,8 @@ backward, as for any column-parallel layer.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,8 +52,75 @@ def chunk_tokens(vocab_local: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_local))
 
 
+def _row_max(logits: torch.Tensor, tokens_here: int) -> torch.Tensor:
+    """(c,) fp32 maximum over the chunk's real token columns (padding rows are no tokens)."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    return torch.where(cols < tokens_here, logits.float(), -torch.inf).amax(dim=-1)
+
+
+def _target_and_sum(
+    logits: torch.Tensor,
+    shift: torch.Tensor,
+    local: torch.Tensor,
+    inside: torch.Tensor,
+    tokens_here: int,
+) -> torch.Tensor:
+    """(2, c): each row's shifted target logit (0 where the target is another shard's) and sum of exp."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    shifted = torch.where(cols < tokens_here, logits.float() - shift[:, None], -torch.inf)
+    target = shifted.gather(1, local[:, None]).squeeze(1)
+    return torch.stack([torch.where(inside, target, 0.0), shifted.exp().sum(dim=-1)])
+
+
+def _gradient(
+    logits: torch.Tensor,
+    shift: torch.Tensor,
+    total: torch.Tensor,
+    local: torch.Tensor,
+    inside: torch.Tensor,
+    tokens_here: int,
+    n: int,
+) -> torch.Tensor:
+    """d mean loss / d logits = (softmax - one-hot) / n, in the logits' dtype."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    real = cols < tokens_here
+    softmax = torch.where(real, (logits.float() - shift[:, None]).exp() / total[:, None], 0.0)
+    one_hot = (cols == local[:, None]) & inside[:, None]
+    return ((softmax - one_hot.float()) / n).to(logits.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedChunkMath:
+    """The per-chunk arithmetic as three functions that each read the logits once.
+
+    Compiled (:meth:`compiled`), each is one fused kernel or two.  Run as
+    they are (tests do, to check the arithmetic) they are several times
+    slower than the eager in-place path (every ``where`` and upcast writes
+    a temporary), which stays the path without ``training.compile``.
+    """
+
+    row_max: Callable[..., torch.Tensor] = _row_max
+    target_and_sum: Callable[..., torch.Tensor] = _target_and_sum
+    gradient: Callable[..., torch.Tensor] = _gradient
+
+    @classmethod
+    def compiled(cls, backend: Any) -> FusedChunkMath:
+        """The three functions through ``torch.compile`` (static shapes: a full chunk and the last)."""
+        return cls(
+            *(
+                torch.compile(fn, backend=backend, dynamic=False)
+                for fn in (_row_max, _target_and_sum, _gradient)
+            )
+        )
+
+
 def lm_loss(
-    model: gpt.GPT, x: torch.Tensor, targets: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES
+    model: gpt.GPT,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    fused: FusedChunkMath | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``model`` (the last pipeline chunk, holding norm and head) on ``x``.
 
@@ -68,6 +145,7 @@ def lm_loss(
             tp=tp,
             chunk=chunk_tokens(weight.shape[0], chunk_bytes),
             vocab=model.config.vocab,
+            fused=fused,
         )
 
     loss: torch.Tensor = model(x, apply_head=head_loss)
@@ -82,6 +160,7 @@ def linear_cross_entropy(
     tp: tensor.TPContext | None = None,
     chunk: int,
     vocab: int | None = None,
+    fused: FusedChunkMath | None = None,
 ) -> torch.Tensor:
     """Mean over tokens of cross_entropy(hidden @ weight.T, targets), ``chunk`` tokens at a time.
 
@@ -89,14 +168,15 @@ def linear_cross_entropy(
     shard, ``targets`` (N,).  Under autocast the matmuls run in its dtype and
     the softmax in fp32, as the plain loss does.  Rows of ``weight`` past
     ``vocab`` (a padded vocabulary's, :func:`meshtrain.layout.padded_vocab`)
-    are no tokens: their logits are left out.
+    are no tokens: their logits are left out.  ``fused``: the per-chunk
+    arithmetic to use instead of the eager in-place one.
     """
     device = hidden.device.type
     compute = (
         torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     )
     loss: torch.Tensor = _LinearCrossEntropy.apply(
-        hidden, weight, targets, tp, chunk, compute, torch.is_grad_enabled(), vocab
+        hidden, weight, targets, tp, chunk, compute, torch.is_grad_enabled(), vocab, fused
     )
     return loss
 
@@ -105,6 +185,57 @@ def _all_reduce(
     x: torch.Tensor, tp: tensor.TPContext | None, op: dist.ReduceOp.RedOpType
 ) -> torch.Tensor:
     return x if tp is None else tensor.all_reduce(x, tp, op)
+
+
+ChunkResult = tuple[torch.Tensor, torch.Tensor | None]
+"""(2, c) target logits and sums of exp over the whole vocabulary; d mean / d logits or None."""
+
+
+def _eager_chunk(
+    logits: torch.Tensor,
+    local: torch.Tensor,
+    inside: torch.Tensor,
+    tokens_here: int,
+    tp: tensor.TPContext | None,
+    n: int,
+    grads: bool,
+) -> ChunkResult:
+    """One chunk's loss terms and logit gradient on one fp32 copy of its logits, in place."""
+    x = logits.float()  # (c, V/tp)
+    x[:, tokens_here:] = -torch.inf  # padding rows: softmax 0, gradient 0
+    shift = _all_reduce(x.max(dim=-1).values, tp, dist.ReduceOp.MAX)  # (c,)
+    x.sub_(shift.unsqueeze(-1))
+    gathered = x.gather(1, local.unsqueeze(1)).squeeze(1)
+    # where, not * inside: a shard of padding rows only gathers -inf, and -inf * 0 is NaN
+    target_logit = torch.where(inside, gathered, torch.zeros_like(gathered))  # (c,)
+    exp = x.exp_()
+    sums = _all_reduce(torch.stack([target_logit, exp.sum(dim=-1)]), tp, dist.ReduceOp.SUM)
+    if not grads:
+        return sums, None
+    softmax = exp.div_(sums[1].unsqueeze(-1))
+    rows = torch.arange(x.shape[0], device=x.device)
+    softmax[rows, local] -= inside.to(softmax.dtype)  # - one-hot
+    return sums, softmax.div_(n).to(logits.dtype)
+
+
+def _fused_chunk(
+    fused: FusedChunkMath,
+    logits: torch.Tensor,
+    local: torch.Tensor,
+    inside: torch.Tensor,
+    tokens_here: int,
+    tp: tensor.TPContext | None,
+    n: int,
+    grads: bool,
+) -> ChunkResult:
+    """:func:`_eager_chunk` through ``fused``'s functions: no fp32 copy of the logits."""
+    shift = _all_reduce(fused.row_max(logits, tokens_here), tp, dist.ReduceOp.MAX)
+    sums = _all_reduce(
+        fused.target_and_sum(logits, shift, local, inside, tokens_here), tp, dist.ReduceOp.SUM
+    )
+    if not grads:
+        return sums, None
+    return sums, fused.gradient(logits, shift, sums[1], local, inside, tokens_here, n)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -121,6 +252,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         compute: torch.dtype,
         grads: bool,
         vocab: int | None,
+        fused: FusedChunkMath | None,
     ) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             n, vocab_local = hidden.shape[0], weight.shape[0]
@@ -134,30 +266,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
                 h = hidden[lo:hi].detach().to(compute)  # (c, H)
-                logits = (h @ w.t()).float()  # (c, V/tp): the only logits alive
-                logits[:, tokens_here:] = -torch.inf  # padding rows: softmax 0, gradient 0
-                # softmax is shift-invariant: subtract the (global) row maximum for stability
-                shift = _all_reduce(logits.max(dim=-1).values, tp, dist.ReduceOp.MAX)  # (c,)
-                logits.sub_(shift.unsqueeze(-1))
                 local = targets[lo:hi] - start
                 inside = (local >= 0) & (local < vocab_local)  # (c,) target in this shard
                 local = local.masked_fill(~inside, 0)
-                gathered = logits.gather(1, local.unsqueeze(1)).squeeze(1)
-                # where, not * inside: a shard of padding rows only gathers -inf, and -inf * 0 is NaN
-                target_logit = torch.where(inside, gathered, torch.zeros_like(gathered))  # (c,)
-                exp = logits.exp_()  # (c, V/tp), in place
-                sums = _all_reduce(  # one collective: (target logit, sum of exp) -> (2, c)
-                    torch.stack([target_logit, exp.sum(dim=-1)]), tp, dist.ReduceOp.SUM
-                )
+                logits = h @ w.t()  # (c, V/tp) in the compute dtype: the only logits alive
+                args = (logits, local, inside, tokens_here, tp, n, grads)
+                sums, g = _eager_chunk(*args) if fused is None else _fused_chunk(fused, *args)
                 losses[lo:hi] = sums[1].log() - sums[0]
-                if not grads:
-                    continue
-                grad_logits = exp.div_(sums[1].unsqueeze(-1))  # softmax, in place
-                rows = torch.arange(hi - lo, device=hidden.device)
-                grad_logits[rows, local] -= inside.to(grad_logits.dtype)  # - one-hot
-                g = grad_logits.div_(n).to(compute)  # d mean / d logits, (c, V/tp)
-                grad_hidden[lo:hi] = g @ w  # (c, H): a partial sum over tp ranks
-                grad_weight.add_((g.t() @ h).float())  # (V/tp, H)
+                if g is not None:
+                    grad_hidden[lo:hi] = g @ w  # (c, H): a partial sum over tp ranks
+                    grad_weight.add_((g.t() @ h).float())  # (V/tp, H)
         fctx.grads = (grad_hidden, grad_weight)
         fctx.weight_dtype = weight.dtype
         return losses.mean()
@@ -168,4 +286,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         del fctx.grads  # backward runs once (the graph is not retained): scale in place
         grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         grad_weight = grad_weight.mul_(grad_loss).to(fctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
