@@ -191,6 +191,10 @@ def run_preset(
         "flops_per_token": flops,
         "peak_flops": peak_flops,
         "mfu": tokens_per_second * flops / (peak_flops * world),
+        # the causal half of the attention matrix only: what flash attention computes
+        "mfu_causal": tokens_per_second
+        * gpt.flops_per_token(config, causal_half=True)
+        / (peak_flops * world),
         "first_loss": results[0].loss,
         "last_loss": results[-1].loss,
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30)
@@ -208,11 +212,13 @@ def run_preset(
                 "step": watched_steps[i],
                 "compute": mine[i]["compute_seconds"],
                 "allreduce": mine[i].get("dp_collective_seconds", 0.0),
-                "allreduce_calls": mine[i].get("dp_collective_count", 0.0),
+                "allreduce_calls": int(mine[i].get("dp_collective_count", 0)),
             }
             for i in range(profiled_steps)
         ]
-        row["profile"] = compare(ours, profiler_timings(prof, profiled_steps))
+        theirs, unattributed = profiler_timings(prof, profiled_steps)
+        row["profile"] = compare(ours, theirs)
+        row["profile"]["unattributed_kernels"] = unattributed
         row["profile"]["median_step_seconds"] = statistics.median(watched_steps)
     del trainer
     if device.type == "cuda":
@@ -239,13 +245,18 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profiler_timings(prof: torch.profiler.profile, steps: int) -> list[dict[str, float]]:
-    """Per step, from the profiler's trace: GPU span, forward/backward compute span, NCCL kernel time.
+def profiler_timings(
+    prof: torch.profiler.profile, steps: int
+) -> tuple[list[dict[str, float]], int]:
+    """Per step, from the profiler's trace: GPU span, forward/backward compute span, NCCL kernel
+    time and calls; and how many kernels no launch could be found for (they are left out).
 
-    Kernels are attributed by their launch (the CUDA runtime call with the
-    same correlation id) to the step range and the executor's
-    forward/backward range that contain it.  On a CPU there are no kernels:
-    the ranges' own host durations are used.
+    Kernels are attributed by their launch (the CUDA runtime or driver call
+    with the same correlation id) to the step range and the executor's
+    forward/backward range that contain it.  The bench's ranks are
+    data-parallel only, so every NCCL kernel outside the step's bookkeeping
+    all-reduce is a gradient bucket's.  On a CPU there are no kernels: the
+    ranges' own host durations are used.
     """
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -256,17 +267,18 @@ def profiler_timings(prof: torch.profiler.profile, steps: int) -> list[dict[str,
         (e for e in ranges if e["name"].startswith(STEP_RANGE)), key=lambda e: e["ts"]
     )[-steps:]
     compute_ranges = [e for e in ranges if e["name"] in pipeline.COMPUTE_RANGES]
-    launches = {
+    launches = {  # NCCL and Triton launch through the driver API, ATen through the runtime's
         e["args"]["correlation"]: e["ts"]
         for e in trace
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
+    device_work = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     kernels = [
         (launches[e["args"]["correlation"]], e)
-        for e in trace
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-        and e.get("args", {}).get("correlation") in launches
+        for e in device_work
+        if e.get("args", {}).get("correlation") in launches
     ]
+    unattributed = len(device_work) - len(kernels)
 
     def inside(ts: float, r: dict) -> bool:
         return r["ts"] <= ts <= r["ts"] + r["dur"]
@@ -317,7 +329,7 @@ def profiler_timings(prof: torch.profiler.profile, steps: int) -> list[dict[str,
                 "allreduce_calls": len(nccl),
             }
         )
-    return out
+    return out, unattributed
 
 
 def compare(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> dict[str, Any]:
@@ -366,11 +378,17 @@ def _print_row(row: dict[str, Any]) -> None:
         f"{row['median_step_seconds']:>7.3f} {row['tokens_per_second']:>11,.0f} {row['mfu']:>6.1%} "
         f"{memory:>8} {'yes' if row['compiled'] else 'no':>8}"
     )
+    print(f"    MFU counting the causal half of attention: {row['mfu_causal']:.1%}")
     if "profile" in row:
         print(
             f"    profiled steps' median {row['profile']['median_step_seconds']:.3f}s "
             f"(bare {row['median_step_seconds']:.3f}s)"
         )
+        if row["profile"]["unattributed_kernels"]:
+            print(
+                f"    WARNING: {row['profile']['unattributed_kernels']} kernels had no launch "
+                "in the trace and are left out of the profiler's side"
+            )
     for key, check in row.get("profile", {}).items():
         if isinstance(check, dict):
             rel = check["relative_difference"]

@@ -16,21 +16,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR}
 mkdir -p "$results"
-log="$results/gpu-check-log.txt"
-exec > >(tee -a "$log") 2>&1
-
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-[ -e meshtrain/trainer ] || ln -s "$PWD/trainer" meshtrain/trainer
-[ -e meshtrain/operator ] || ln -s "$PWD/operator" meshtrain/operator
-export PYTHONUNBUFFERED=1
-
-date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' || exit 1
 
 mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
   local preset=$1 micro_batch=$2 limit=$3
@@ -41,17 +26,42 @@ mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
     --micro-batches 4 --steps 8 "$@"
 }
 
-# bare throughput first, then the CUDA-event timings against torch.profiler on as many more steps
-mfu 1.3b 16 240 --profile
-mfu 1.3b 8 150
-mfu llama3.2-1b 2 240 --profile
-mfu 125m 16 120
-mfu 350m 8 120
+check() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || return 1
+    export PYTHONPATH=/tmp/site
+  fi
+  [ -e meshtrain/trainer ] || ln -s "$PWD/trainer" meshtrain/trainer
+  [ -e meshtrain/operator ] || ln -s "$PWD/operator" meshtrain/operator
+  export PYTHONUNBUFFERED=1
 
-echo "== bench_fused_loss (the loss's chunk arithmetic eager and compiled, bf16)"
-MESHTRAIN_BENCH_RESULTS="$results" timeout 120 python3 benchmarks/bench_fused_loss.py
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' || return 1
+  # what the trainer and the tests import besides torch (requirements.lock pins each)
+  python3 - <<'PY' || return 1
+import importlib.util, sys
+needed = ["pydantic", "cryptography", "yaml", "prometheus_client", "safetensors", "tokenizers", "pytest"]
+missing = [m for m in needed if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"missing modules {missing}: put their wheels, at requirements.lock's versions, in .whl/")
+PY
 
-echo "== CUDA-capable tests"
-timeout 180 python3 -m pytest -q -p no:cacheprovider \
-  tests/unit/test_clocks.py tests/trainer/test_device_clock.py
-date -u
+  # bare throughput first, then CUDA-event timings against torch.profiler on as many more steps
+  mfu 1.3b 16 240 --profile
+  mfu 1.3b 8 150
+  mfu llama3.2-1b 2 240 --profile
+  mfu 125m 16 120
+  mfu 350m 8 120
+
+  echo "== bench_fused_loss (the loss's chunk arithmetic eager and compiled, bf16)"
+  MESHTRAIN_BENCH_RESULTS="$results" timeout 120 python3 benchmarks/bench_fused_loss.py
+
+  echo "== CUDA-capable tests"
+  timeout 180 python3 -m pytest -q -p no:cacheprovider \
+    tests/unit/test_clocks.py tests/trainer/test_device_clock.py
+  date -u
+}
+
+check 2>&1 | tee -a "$results/gpu-check-log.txt"

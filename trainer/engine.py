@@ -39,7 +39,15 @@ from meshtrain.trainer import (
     special_tokens,
 )
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import clocks, compilation, parallelize, recording, zero, zero3
+from meshtrain.trainer.parallel import (
+    clocks,
+    compilation,
+    loss,
+    parallelize,
+    recording,
+    zero,
+    zero3,
+)
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 AGREE_RANGE = "meshtrain.agree"
@@ -145,9 +153,13 @@ class Engine:
             gpus_per_node=spec.resources.gpus_per_node,
         )
         self.compiled = training.compile and compilation.apply_compile(
-            self.model, mesh.device, fuse_loss=self.precision == "bf16"
+            self.model.chunks, mesh.device
         )
         """Whether the blocks run compiled (``training.compile`` and a backend that works here)."""
+        if self.compiled and self.precision == "bf16":  # fp32 logits: no copy to save, stay eager
+            self.model.executor.loss_fn = functools.partial(
+                loss.lm_loss, fused=loss.FusedChunkMath.compiled(compilation.BACKEND)
+            )
         if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp
             self.optimizer = zero.ZeroAdamW(
                 self.model.named_params,

@@ -98,3 +98,26 @@ def test_no_full_logits_are_ever_alive():
 
 def test_the_planner_sizes_the_same_chunks_as_the_trainer():
     assert memory.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES
+
+
+def test_compiled_arithmetic_traces_each_function_once_for_every_chunk_length():
+    """Chunks of 16 and shorter last chunks, two batch sizes and an evaluation: one graph for
+    each of the three functions (a graph per shape would reach dynamo's recompile limit, past
+    which a function runs uncompiled, the slow way)."""
+    traced = []
+
+    def counting(graph: torch.fx.GraphModule, inputs: list) -> object:
+        traced.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    fused = loss.FusedChunkMath.compiled(counting)
+    for tokens in (37, 50):
+        h, w, t = _inputs(tokens, 16, 50)
+        want = _plain(h, w, t, 1.0)
+        got = _chunked(h, w, t, 1.0, 16, fused)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        loss.linear_cross_entropy(h, w, t, chunk=16, fused=fused)
+    assert len(traced) == 3, [g.code for g in traced]

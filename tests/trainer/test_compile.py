@@ -39,7 +39,7 @@ def compiled_and_eager(layout: dict) -> dict[str, list[tuple[float, float]] | bo
 def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, capsys):
     monkeypatch.setattr(compilation, "compile_problem", lambda device: "no C++ compiler")
     untouched = None  # the probe's failure returns before the model is looked at
-    assert compilation.apply_compile(untouched, torch.device("cpu"), fuse_loss=True) is False
+    assert compilation.apply_compile(untouched, torch.device("cpu")) is False
     assert "no C++ compiler" in capsys.readouterr().err
 
 

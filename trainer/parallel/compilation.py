@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from meshtrain.trainer.parallel import loss, parallelize
+from meshtrain.trainer import model as gpt
 
 
 @functools.cache
@@ -50,23 +50,14 @@ BACKEND = "inductor"
 """What ``torch.compile`` compiles the blocks with (tests that only check tracing swap in a cheaper one)."""
 
 
-def apply_compile(
-    model: parallelize.ParallelModel, device: torch.device, *, fuse_loss: bool
-) -> bool:
-    """Compile every block's forward and, with ``fuse_loss``, the loss's per-chunk arithmetic;
-    returns whether they were compiled.
-
-    ``fuse_loss`` is for bf16 logits, whose eager arithmetic first writes an
-    fp32 copy of each chunk: ``benchmarks/bench_fused_loss.py`` on a CPU
-    measured the compiled arithmetic at 0.62x the eager one's time with bf16
-    logits and 1.15x with fp32 ones, which have no copy to save
-    (``benchmarks/results/fused_loss-*-vm.json``).
+def apply_compile(chunks: list[gpt.GPT], device: torch.device) -> bool:
+    """Compile every block's forward in place; returns whether they were compiled.
 
     The forward, not the module's call: hooks on a block stay eager.  Under
     ZeRO-3 those are FSDP2's unshard before the forward and reshard after it,
     so the compiled graph is the block's compute on its gathered weights (as
-    TorchTitan compiles each block before ``fully_shard`` wraps it) and every
-    gather and reduce-scatter stays FSDP2's own, timed call.
+    when TorchTitan compiles each block before ``fully_shard`` wraps it) and
+    every gather and reduce-scatter stays FSDP2's own, timed call.
     """
     problem = compile_problem(device.type)
     if problem is not None:
@@ -77,11 +68,7 @@ def apply_compile(
         )
         return False
     torch._dynamo.config.suppress_errors = True  # a graph the backend rejects runs eagerly
-    for chunk in model.chunks:
+    for chunk in chunks:
         for block in chunk.blocks.values():
             block.forward = torch.compile(block.forward, backend=BACKEND)
-    if fuse_loss:
-        model.executor.loss_fn = functools.partial(
-            loss.lm_loss, fused=loss.FusedChunkMath.compiled(BACKEND)
-        )
     return True

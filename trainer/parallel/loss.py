@@ -6,18 +6,19 @@ fp32 copy of them, and keeps a softmax of the same size for backward: at
 reduced to one number.  :func:`lm_loss` never holds more than one chunk of
 logits: for every chunk of tokens it computes that chunk's logits (in the
 autocast dtype, as the head would), upcasts only them to fp32, takes the
-loss and, at once, d loss / d logits = (softmax - one-hot) / tokens, and
+loss and, at once, the summed loss's d / d logits = softmax - one-hot, and
 contracts that with the head weight and the chunk's hidden states into the
 chunk's input gradient and its share of the weight gradient.  Forward
 therefore keeps two gradients (the hidden states' size, and the head
 weight's in fp32) instead of logits, and backward only scales them by the
-incoming gradient (the fused linear cross-entropy of Liger-Kernel works the
-same way); the head's matmuls run once each, as in the plain loss.
+incoming gradient over the token count (the fused linear cross-entropy of
+Liger-Kernel works the same way); the head's matmuls run once each, as in
+the plain loss.
 
 The per-chunk arithmetic between the matmuls (upcast, row maximum, exp,
-sum, softmax minus one-hot) is memory-bound: done eagerly it reads and
-writes the chunk's logits in fp32 about a dozen times.  With
-``training.compile`` it runs as three compiled functions
+sum, softmax minus one-hot) is memory-bound: done eagerly it writes an fp32
+copy of the chunk's logits and reads and writes that about ten times.  With
+``training.compile`` and bf16 it runs as three compiled functions
 (:class:`FusedChunkMath`: row maximum; target logit and sum of
 exponentials; gradient), each of which reads the chunk's logits once in the
 matmul's dtype, and only the gradient is written, in that dtype.
@@ -79,14 +80,13 @@ def _gradient(
     local: torch.Tensor,
     inside: torch.Tensor,
     tokens_here: int,
-    n: int,
 ) -> torch.Tensor:
-    """d mean loss / d logits = (softmax - one-hot) / n, in the logits' dtype."""
+    """d summed loss / d logits = softmax - one-hot, in the logits' dtype."""
     cols = torch.arange(logits.shape[1], device=logits.device)
     real = cols < tokens_here
     softmax = torch.where(real, (logits.float() - shift[:, None]).exp() / total[:, None], 0.0)
     one_hot = (cols == local[:, None]) & inside[:, None]
-    return ((softmax - one_hot.float()) / n).to(logits.dtype)
+    return (softmax - one_hot.float()).to(logits.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,12 @@ class FusedChunkMath:
     Compiled (:meth:`compiled`), each is one fused kernel or two.  Run as
     they are (tests do, to check the arithmetic) they are several times
     slower than the eager in-place path (every ``where`` and upcast writes
-    a temporary), which stays the path without ``training.compile``.
+    a temporary), which stays the path without ``training.compile``.  The
+    engine uses them for bf16 logits, whose eager arithmetic first writes
+    an fp32 copy: ``benchmarks/bench_fused_loss.py`` on a CPU measured the
+    compiled arithmetic at 0.62x the eager one's time in bf16 and 1.15x in
+    fp32, which has no copy to save (``benchmarks/results/fused_loss-*-vm.json``;
+    no GPU figure yet).
     """
 
     row_max: Callable[..., torch.Tensor] = _row_max
@@ -105,10 +110,16 @@ class FusedChunkMath:
 
     @classmethod
     def compiled(cls, backend: Any) -> FusedChunkMath:
-        """The three functions through ``torch.compile`` (static shapes: a full chunk and the last)."""
+        """The three functions through ``torch.compile``, with dynamic shapes.
+
+        Static ones would compile a graph for every chunk length and
+        vocabulary shard seen in the process (the last chunk of a batch is
+        shorter), and past dynamo's recompile limit a function runs as
+        written, the slow way; dynamic, each compiles once.
+        """
         return cls(
             *(
-                torch.compile(fn, backend=backend, dynamic=False)
+                torch.compile(fn, backend=backend, dynamic=True)
                 for fn in (_row_max, _target_and_sum, _gradient)
             )
         )
@@ -187,55 +198,55 @@ def _all_reduce(
     return x if tp is None else tensor.all_reduce(x, tp, op)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """A chunk of tokens' logits on this rank and where their targets are."""
+
+    logits: torch.Tensor
+    """(c, V/tp) in the compute dtype."""
+    local: torch.Tensor
+    """(c,) each target's column in this vocabulary shard (0 where it is another shard's)."""
+    inside: torch.Tensor
+    """(c,) whether the target is in this shard."""
+    tokens_here: int
+    """Columns of this shard that are tokens (the rest are a padded vocabulary's rows)."""
+
+
 ChunkResult = tuple[torch.Tensor, torch.Tensor | None]
-"""(2, c) target logits and sums of exp over the whole vocabulary; d mean / d logits or None."""
+"""(2, c) target logits and sums of exp over the whole vocabulary; d summed loss / d logits, or None."""
 
 
-def _eager_chunk(
-    logits: torch.Tensor,
-    local: torch.Tensor,
-    inside: torch.Tensor,
-    tokens_here: int,
-    tp: tensor.TPContext | None,
-    n: int,
-    grads: bool,
-) -> ChunkResult:
+def _eager_chunk(chunk: _Chunk, tp: tensor.TPContext | None, grads: bool) -> ChunkResult:
     """One chunk's loss terms and logit gradient on one fp32 copy of its logits, in place."""
-    x = logits.float()  # (c, V/tp)
-    x[:, tokens_here:] = -torch.inf  # padding rows: softmax 0, gradient 0
+    x = chunk.logits.float()  # (c, V/tp)
+    x[:, chunk.tokens_here :] = -torch.inf  # padding rows: softmax 0, gradient 0
     shift = _all_reduce(x.max(dim=-1).values, tp, dist.ReduceOp.MAX)  # (c,)
     x.sub_(shift.unsqueeze(-1))
-    gathered = x.gather(1, local.unsqueeze(1)).squeeze(1)
+    gathered = x.gather(1, chunk.local.unsqueeze(1)).squeeze(1)
     # where, not * inside: a shard of padding rows only gathers -inf, and -inf * 0 is NaN
-    target_logit = torch.where(inside, gathered, torch.zeros_like(gathered))  # (c,)
+    target_logit = torch.where(chunk.inside, gathered, torch.zeros_like(gathered))  # (c,)
     exp = x.exp_()
     sums = _all_reduce(torch.stack([target_logit, exp.sum(dim=-1)]), tp, dist.ReduceOp.SUM)
     if not grads:
         return sums, None
     softmax = exp.div_(sums[1].unsqueeze(-1))
     rows = torch.arange(x.shape[0], device=x.device)
-    softmax[rows, local] -= inside.to(softmax.dtype)  # - one-hot
-    return sums, softmax.div_(n).to(logits.dtype)
+    softmax[rows, chunk.local] -= chunk.inside.to(softmax.dtype)  # - one-hot
+    return sums, softmax.to(chunk.logits.dtype)
 
 
 def _fused_chunk(
-    fused: FusedChunkMath,
-    logits: torch.Tensor,
-    local: torch.Tensor,
-    inside: torch.Tensor,
-    tokens_here: int,
-    tp: tensor.TPContext | None,
-    n: int,
-    grads: bool,
+    fused: FusedChunkMath, chunk: _Chunk, tp: tensor.TPContext | None, grads: bool
 ) -> ChunkResult:
     """:func:`_eager_chunk` through ``fused``'s functions: no fp32 copy of the logits."""
-    shift = _all_reduce(fused.row_max(logits, tokens_here), tp, dist.ReduceOp.MAX)
+    logits, local, inside, here = chunk.logits, chunk.local, chunk.inside, chunk.tokens_here
+    shift = _all_reduce(fused.row_max(logits, here), tp, dist.ReduceOp.MAX)
     sums = _all_reduce(
-        fused.target_and_sum(logits, shift, local, inside, tokens_here), tp, dist.ReduceOp.SUM
+        fused.target_and_sum(logits, shift, local, inside, here), tp, dist.ReduceOp.SUM
     )
     if not grads:
         return sums, None
-    return sums, fused.gradient(logits, shift, sums[1], local, inside, tokens_here, n)
+    return sums, fused.gradient(logits, shift, sums[1], local, inside, here)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -270,13 +281,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 inside = (local >= 0) & (local < vocab_local)  # (c,) target in this shard
                 local = local.masked_fill(~inside, 0)
                 logits = h @ w.t()  # (c, V/tp) in the compute dtype: the only logits alive
-                args = (logits, local, inside, tokens_here, tp, n, grads)
-                sums, g = _eager_chunk(*args) if fused is None else _fused_chunk(fused, *args)
+                part = _Chunk(logits, local, inside, tokens_here)
+                sums, g = (
+                    _eager_chunk(part, tp, grads)
+                    if fused is None
+                    else _fused_chunk(fused, part, tp, grads)
+                )
                 losses[lo:hi] = sums[1].log() - sums[0]
-                if g is not None:
+                if g is not None:  # of the summed loss: backward divides by n
                     grad_hidden[lo:hi] = g @ w  # (c, H): a partial sum over tp ranks
                     grad_weight.add_((g.t() @ h).float())  # (V/tp, H)
         fctx.grads = (grad_hidden, grad_weight)
+        fctx.tokens = n
         fctx.weight_dtype = weight.dtype
         return losses.mean()
 
@@ -284,6 +300,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(fctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = fctx.grads
         del fctx.grads  # backward runs once (the graph is not retained): scale in place
-        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-        grad_weight = grad_weight.mul_(grad_loss).to(fctx.weight_dtype)
+        scale = grad_loss / fctx.tokens  # the gradients are the summed loss's; the loss is a mean
+        grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        grad_weight = grad_weight.mul_(scale).to(fctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
