@@ -13,9 +13,10 @@
 # /tmp/site first; the repository itself is never put on PYTHONPATH (only meshtrain/ is
 # importable, with trainer/ and operator/ linked in as pip's package-dir would map them).
 set -uo pipefail
+results=$(realpath -m "${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR}")
 cd "$(dirname "$0")/.."
-results=${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR}
 mkdir -p "$results"
+failed=0
 
 mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
   local preset=$1 micro_batch=$2 limit=$3
@@ -23,7 +24,7 @@ mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
   echo "== bench_mfu $preset micro-batch $micro_batch $*"
   MESHTRAIN_BENCH_RESULTS="$results/mfu-$preset-b$micro_batch" timeout "$limit" \
     python3 benchmarks/bench_mfu.py --presets "$preset" --micro-batch "$preset=$micro_batch" \
-    --micro-batches 4 --steps 8 "$@"
+    --micro-batches 4 --steps 8 "$@" || failed=1
 }
 
 check() {
@@ -32,8 +33,8 @@ check() {
       --target /tmp/site .whl/*.whl || return 1
     export PYTHONPATH=/tmp/site
   fi
-  [ -e meshtrain/trainer ] || ln -s "$PWD/trainer" meshtrain/trainer
-  [ -e meshtrain/operator ] || ln -s "$PWD/operator" meshtrain/operator
+  ln -sfn "$PWD/trainer" meshtrain/trainer
+  ln -sfn "$PWD/operator" meshtrain/operator
   export PYTHONUNBUFFERED=1
 
   date -u
@@ -56,12 +57,13 @@ PY
   mfu 350m 8 120
 
   echo "== bench_fused_loss (the loss's chunk arithmetic eager and compiled, bf16)"
-  MESHTRAIN_BENCH_RESULTS="$results" timeout 120 python3 benchmarks/bench_fused_loss.py
+  MESHTRAIN_BENCH_RESULTS="$results" timeout 120 python3 benchmarks/bench_fused_loss.py || failed=1
 
   echo "== CUDA-capable tests"
   timeout 180 python3 -m pytest -q -p no:cacheprovider \
-    tests/unit/test_clocks.py tests/trainer/test_device_clock.py
+    tests/unit/test_clocks.py tests/trainer/test_device_clock.py || failed=1
   date -u
+  return $failed
 }
 
 check 2>&1 | tee -a "$results/gpu-check-log.txt"

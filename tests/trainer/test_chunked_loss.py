@@ -100,11 +100,12 @@ def test_the_planner_sizes_the_same_chunks_as_the_trainer():
     assert memory.LOSS_CHUNK_BYTES == loss.CHUNK_BYTES
 
 
-def test_compiled_arithmetic_traces_each_function_once_for_every_chunk_length():
-    """Chunks of 16 and shorter last chunks, two batch sizes and an evaluation: one graph for
-    each of the three functions (a graph per shape would reach dynamo's recompile limit, past
-    which a function runs uncompiled, the slow way)."""
-    traced = []
+def test_compiled_arithmetic_traces_each_function_at_most_twice_with_a_static_vocabulary():
+    """Three batch sizes (chunks of 13 and 12, 13 and 12, 14 tokens) and an evaluation: each of the three functions
+    is traced for the first length and once more with the token dimension dynamic, which then
+    serves every length; the vocabulary's size stays a constant of the graph.  (A graph per
+    length would reach dynamo's recompile limit, past which a function runs uncompiled.)"""
+    traced: list[torch.fx.GraphModule] = []
 
     def counting(graph: torch.fx.GraphModule, inputs: list) -> object:
         traced.append(graph)
@@ -112,7 +113,7 @@ def test_compiled_arithmetic_traces_each_function_once_for_every_chunk_length():
 
     torch._dynamo.reset()
     fused = loss.FusedChunkMath.compiled(counting)
-    for tokens in (37, 50):
+    for tokens in (37, 50, 70):
         h, w, t = _inputs(tokens, 16, 50)
         want = _plain(h, w, t, 1.0)
         got = _chunked(h, w, t, 1.0, 16, fused)
@@ -120,4 +121,18 @@ def test_compiled_arithmetic_traces_each_function_once_for_every_chunk_length():
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
     with torch.no_grad():
         loss.linear_cross_entropy(h, w, t, chunk=16, fused=fused)
-    assert len(traced) == 3, [g.code for g in traced]
+    assert len(traced) == 2 * 3, [g.code for g in traced]
+    for graph in traced:
+        inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+        [logits] = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2]
+        assert type(logits.shape[1]) is int and logits.shape[1] == 50  # not a symbol
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(1, 1), (7, 3), (37, 16), (64, 16), (16384, 1334)])
+def test_balanced_chunks_cover_the_tokens_in_as_many_chunks_within_one_token(n, chunk):
+    bounds = loss.balanced_chunks(n, chunk)
+    assert len(bounds) == -(-n // chunk)  # as many as the planner counts (memory.loss_chunks)
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    lengths = {hi - lo for lo, hi in bounds}
+    assert max(lengths) <= chunk and max(lengths) - min(lengths) <= 1

@@ -47,7 +47,8 @@ def compile_problem(device_type: str) -> str | None:
 
 
 BACKEND = "inductor"
-"""What ``torch.compile`` compiles the blocks with (tests that only check tracing swap in a cheaper one)."""
+"""What ``torch.compile`` compiles the blocks and the loss's arithmetic with (tests that only check
+tracing swap in a cheaper one)."""
 
 
 def apply_compile(chunks: list[gpt.GPT], device: torch.device) -> bool:

@@ -11,9 +11,11 @@ contracts that with the head weight and the chunk's hidden states into the
 chunk's input gradient and its share of the weight gradient.  Forward
 therefore keeps two gradients (the hidden states' size, and the head
 weight's in fp32) instead of logits, and backward only scales them by the
-incoming gradient over the token count (the fused linear cross-entropy of
-Liger-Kernel works the same way); the head's matmuls run once each, as in
-the plain loss.
+incoming gradient over the token count (Liger-Kernel's fused linear
+cross-entropy also computes the gradients in forward, though already
+divided there); the head's matmuls run once each, as in the plain loss.
+Chunks are balanced (:func:`balanced_chunks`), so a batch has at most two
+chunk lengths.
 
 The per-chunk arithmetic between the matmuls (upcast, row maximum, exp,
 sum, softmax minus one-hot) is memory-bound: done eagerly it writes an fp32
@@ -51,6 +53,20 @@ CHUNK_BYTES = 256 * 2**20
 def chunk_tokens(vocab_local: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that one chunk's fp32 logits fit in ``chunk_bytes``."""
     return max(1, chunk_bytes // (4 * vocab_local))
+
+
+def balanced_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) of ceil(n / chunk) chunks of at most ``chunk`` tokens, within one token of
+    each other: two lengths at most, and no short tail (a compiled function specialises on
+    lengths 0 and 1)."""
+    count = -(-n // chunk)
+    base, longer = divmod(n, count)
+    bounds, lo = [], 0
+    for i in range(count):
+        hi = lo + base + (1 if i < longer else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
 
 
 def _row_max(logits: torch.Tensor, tokens_here: int) -> torch.Tensor:
@@ -110,16 +126,17 @@ class FusedChunkMath:
 
     @classmethod
     def compiled(cls, backend: Any) -> FusedChunkMath:
-        """The three functions through ``torch.compile``, with dynamic shapes.
+        """The three functions through ``torch.compile``, static at first.
 
-        Static ones would compile a graph for every chunk length and
-        vocabulary shard seen in the process (the last chunk of a batch is
-        shorter), and past dynamo's recompile limit a function runs as
-        written, the slow way; dynamic, each compiles once.
+        A second chunk length (:func:`balanced_chunks` makes at most two)
+        recompiles with the token dimension dynamic, which then serves every
+        length; the vocabulary stays static, so the kernels keep its size.
+        Past dynamo's recompile limit a function would run as written, the
+        slow way, which a graph per length could reach.
         """
         return cls(
             *(
-                torch.compile(fn, backend=backend, dynamic=True)
+                torch.compile(fn, backend=backend, dynamic=None)
                 for fn in (_row_max, _target_and_sum, _gradient)
             )
         )
@@ -274,8 +291,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # the gradients (empty when none are wanted: evaluation)
             grad_hidden = torch.empty_like(hidden if grads else hidden[:0])
             grad_weight = torch.zeros_like(weight if grads else weight[:0], dtype=torch.float32)
-            for lo in range(0, n, chunk):
-                hi = min(n, lo + chunk)
+            for lo, hi in balanced_chunks(n, chunk):
                 h = hidden[lo:hi].detach().to(compute)  # (c, H)
                 local = targets[lo:hi] - start
                 inside = (local >= 0) & (local < vocab_local)  # (c,) target in this shard
@@ -300,7 +316,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(fctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = fctx.grads
         del fctx.grads  # backward runs once (the graph is not retained): scale in place
-        scale = grad_loss / fctx.tokens  # the gradients are the summed loss's; the loss is a mean
-        grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        # the gradients are the summed loss's and the loss is a mean; an fp32 factor, not one
+        # rounded to a bf16 gradient's dtype (a bias of up to 0.4% on every backbone gradient)
+        scale = grad_loss.float() / fctx.tokens
+        grad_hidden.mul_(scale)
         grad_weight = grad_weight.mul_(scale).to(fctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
