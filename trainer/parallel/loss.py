@@ -115,7 +115,7 @@ class FusedChunkMath:
     a temporary), which stays the path without ``training.compile``.  The
     engine uses them for bf16 logits, whose eager arithmetic first writes
     an fp32 copy: ``benchmarks/bench_fused_loss.py`` on a CPU measured the
-    compiled arithmetic at 0.54x the eager one's time in bf16 and 1.23x in
+    compiled arithmetic at 0.62x the eager one's time in bf16 and 1.20x in
     fp32, which has no copy to save (``benchmarks/results/fused_loss-*-vm.json``;
     no GPU figure yet).
     """
