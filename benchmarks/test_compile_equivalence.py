@@ -2,8 +2,8 @@
 the loss's compiled chunk arithmetic equals the eager one in bf16.
 
 Two steps with and without compiled blocks on the same two ranks: losses
-agree to 1e-5 and gradient norms to 1e-4 relative (inductor fuses and
-reorders the elementwise work).  Out of the test suite because one compile
+agree to 1e-5 and gradient norms to 1e-4 relative in fp32, 1e-3 and 1e-2 in
+bf16 (inductor fuses and reorders the elementwise work).  Out of the test suite because one compile
 costs over two minutes on a two-core machine (134 s measured under load):
 
     pytest benchmarks/test_compile_equivalence.py
@@ -21,6 +21,7 @@ from meshtrain.trainer.parallel import loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainer"))
 import mt_harness
+import test_chunked_loss
 import test_compile
 
 
@@ -54,14 +55,13 @@ def test_the_compiled_loss_arithmetic_equals_the_eager_one_in_bf16() -> None:
     hidden = torch.randn(tokens, width, generator=generator)
     weight = torch.randn(vocab, width, generator=generator) * width**-0.5
     targets = torch.randint(0, real, (tokens,), generator=generator)
-    results = []
-    for fused in (None, loss.FusedChunkMath.compiled("inductor")):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            value = loss.linear_cross_entropy(h, w, targets, chunk=128, vocab=real, fused=fused)
-        value.backward()
-        results.append((value.detach(), h.grad, w.grad))
-    (want, want_h, want_w), (got, got_h, got_w) = results
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_h, want_w = test_chunked_loss._chunked(
+            hidden, weight, targets, 1.0, 128, None, vocab=real
+        )
+        got, got_h, got_w = test_chunked_loss._chunked(
+            hidden, weight, targets, 1.0, 128, loss.FusedChunkMath.compiled("inductor"), vocab=real
+        )
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     for a, b in ((got_h, want_h), (got_w, want_w)):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
