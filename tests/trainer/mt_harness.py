@@ -1,8 +1,8 @@
-"""Multi-process test harness: run a function on N local gloo ranks and collect the results.
+"""Multi-process test harness: run a function on N local ranks and collect the results.
 
 :func:`run_distributed` spawns ``world`` processes (torch
 multiprocessing, spawn start method), gives each torchrun's environment and
-a joined gloo process group, calls ``fn(*args)`` and returns every rank's
+a joined process group (gloo on the CPU, or NCCL with a GPU per rank), calls ``fn(*args)`` and returns every rank's
 return value (through ``torch.save`` files), or raises if a rank fails or
 the deadline passes.  Also :func:`make_spec`, a builder for small specs.
 
@@ -110,7 +110,7 @@ def write_job(directory: Path, raw: dict, name: str = "job.yaml") -> Path:
     return path
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str, use_cuda: bool) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -120,7 +120,11 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if use_cuda:  # the product's setup: one GPU per rank, NCCL
+        mesh.device_for(rank, use_cuda=True)
+        mesh.init_process_group(use_cuda=True, timeout_s=120)
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     result = fn(*args)
     torch.save(result, Path(out_dir) / f"rank-{rank}.pt")
     dist.barrier()
@@ -128,12 +132,17 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
     mesh.exit_now(0)  # gloo can abort in the interpreter's teardown; the result is saved
 
 
-def run_distributed(fn, world: int, *args: Any, timeout_s: float = 540.0) -> list[Any]:
-    """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order."""
+def run_distributed(
+    fn, world: int, *args: Any, timeout_s: float = 540.0, use_cuda: bool = False
+) -> list[Any]:
+    """``fn(*args)`` on ``world`` ranks; the list of their return values, rank order.
+
+    ``use_cuda``: each rank on its own GPU in an NCCL group (gloo on the CPU otherwise).
+    """
     with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(world, pick_free_port(), fn, args, out_dir),
+            args=(world, pick_free_port(), fn, args, out_dir, use_cuda),
             nprocs=world,
             join=False,
             start_method="spawn",

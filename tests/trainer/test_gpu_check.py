@@ -1,0 +1,56 @@
+"""``benchmarks/gpu_check.sh --cpu``: the one-shot GPU script runs every step, here, on the CPU.
+
+A lent GPU machine gives a few minutes once; the script that spends them
+must not fail on a path, an argument or an import.  Its rehearsal runs the
+same steps with ``--device cpu`` and tiny presets; this test runs it as a
+user would (bash, the venv's ``python3`` first on PATH) and reads what it
+wrote: a results file per bench_mfu step, the fused-loss results, the
+device tests' JUnit report, and its exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MFU_STEPS = ("1.3b-b16", "llama3.2-1b-b2", "1.3b-b8", "125m-b16", "350m-b8")
+PROFILED = ("1.3b-b16", "llama3.2-1b-b2")
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu", str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = tmp_path / "out"
+    log = (out / "gpu-check-log.txt").read_text()
+    assert run.returncode == 0, log[-4000:]
+    assert not (ROOT / "meshtrain" / "trainer").exists(), "links made where meshtrain is installed"
+
+    for step in MFU_STEPS:
+        [results] = (out / f"mfu-{step}").glob("*.json")
+        written = json.loads(results.read_text())["results"]
+        assert written["device"] == "cpu", step
+        [row] = written["rows"]
+        assert row["tokens_per_second"] > 0 and row["compiled"], step
+        assert ("profile" in row) == (step in PROFILED), step
+    [fused] = out.glob("fused_loss-bf16-*.json")
+    rows = json.loads(fused.read_text())["results"]["rows"]
+    assert rows and all(r["compiled_seconds"] > 0 for r in rows.values()), rows
+
+    suite = ET.parse(out / "test-on-device.xml").getroot().find("testsuite")
+    assert suite is not None
+    counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts == {"tests": 4, "failures": 0, "errors": 0, "skipped": 0}, counts

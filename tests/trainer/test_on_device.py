@@ -1,0 +1,158 @@
+"""The trainer on the device it trains on: what runs on CPU ranks cannot show about a GPU.
+
+Everything else in the suite runs on CPU ranks over gloo.  These tests take
+their device from ``MESHTRAIN_TEST_DEVICE`` (``cpu`` by default, as CI runs
+them; ``cuda`` on a GPU machine, as ``benchmarks/gpu_check.sh`` does) and
+check, each against a reference that does not share the code under test:
+
+* the loss's chunk arithmetic compiled for the device (Triton kernels on a
+  GPU) against ``F.cross_entropy`` of the whole logits under the same autocast;
+* the engine training on the device in fp32 against the same job on the
+  CPU, and in bf16 compiled against bf16 eager on the device, and bf16 against
+  fp32 to bf16's precision;
+* the peak memory of a step on the device (``torch.cuda.max_memory_allocated``
+  on a GPU, :class:`~meshtrain.trainer.live_memory.LiveBytes` on the CPU)
+  against the planner's figure.
+
+On the CPU the first engine comparison is the CPU against itself: it is the
+GPU run that can disagree.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mt_harness
+import pytest
+import test_chunked_loss
+import torch
+
+from meshtrain import layout as layout_mod
+from meshtrain.api import loading
+from meshtrain.planner import memory, profiles
+from meshtrain.trainer import engine, live_memory, memory_accounting
+from meshtrain.trainer.parallel import compilation, loss
+from meshtrain.trainer.parallel import mesh as mesh_mod
+
+SHAPE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seqLen": 128, "ffnHidden": 512}
+"""Big enough that the CUDA allocator's 512-byte rounding is far below the tolerances."""
+STEPS = 4
+RUNS = (("fp32", False), ("bf16", False), ("bf16", True))
+"""(precision, training.compile) of the engine runs on the device."""
+
+
+@pytest.fixture(scope="module")
+def device_kind() -> str:
+    kind = os.environ.get("MESHTRAIN_TEST_DEVICE", "cpu")
+    if kind not in ("cpu", "cuda"):
+        pytest.fail(f"MESHTRAIN_TEST_DEVICE={kind!r}: use cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        pytest.fail(
+            "MESHTRAIN_TEST_DEVICE=cuda but torch sees no GPU "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda}): run on a GPU machine"
+        )
+    return kind
+
+
+def _job(precision: str = "fp32", compiled: bool = False):
+    raw = mt_harness.make_spec(
+        micro_batches=2,
+        global_batch=8,
+        steps=STEPS,
+        model=SHAPE,
+        precision=precision,
+        compile=compiled,
+    )
+    return loading.parse_spec(raw)
+
+
+def _engine(job, device_kind: str) -> engine.Engine:
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_kind == "cuda"
+        else torch.device("cpu")
+    )
+    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device))
+
+
+def train(device_kind: str, runs: tuple[tuple[str, bool], ...]) -> dict:
+    """Per (precision, compile): each step's loss and gradient norm on one rank of ``device_kind``."""
+    if device_kind == "cuda":  # the fp32 comparison with the CPU wants fp32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    for precision, compiled in runs:
+        eng = _engine(_job(precision, compiled), device_kind)
+        assert eng.compiled == compiled and eng.precision == precision
+        steps = [eng.train_step() for _ in range(STEPS)]
+        out[(precision, compiled)] = [(s.loss, s.grad_norm) for s in steps]
+    return out
+
+
+def _close(got: list, want: list, loss_rel: float, norm_rel: float, what: str) -> None:
+    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(got, want, strict=True)):
+        assert loss_a == pytest.approx(loss_b, rel=loss_rel), f"{what}: loss of step {step + 1}"
+        assert norm_a == pytest.approx(norm_b, rel=norm_rel), f"{what}: norm of step {step + 1}"
+
+
+@pytest.mark.slow
+def test_training_on_the_device_follows_the_cpu_and_bf16_follows_fp32(device_kind):
+    cuda = device_kind == "cuda"
+    reference = mt_harness.run_distributed(train, 1, "cpu", (("fp32", False),))[0]
+    runs = mt_harness.run_distributed(train, 1, device_kind, RUNS, use_cuda=cuda)[0]
+    _close(runs[("fp32", False)], reference[("fp32", False)], 1e-4, 1e-3, "fp32 device vs CPU")
+    # compile's fused kernels round bf16 differently (benchmarks/test_compile_equivalence.py)
+    _close(runs[("bf16", True)], runs[("bf16", False)], 1e-3, 1e-2, "bf16 compiled vs eager")
+    # bf16 matmuls with fp32 accumulation and an fp32 softmax: on a CPU they agreed to 1e-5 and 0.3%
+    _close(runs[("bf16", False)], runs[("fp32", False)], 2e-3, 2e-2, "bf16 vs fp32")
+
+
+@pytest.mark.parametrize("chunk", [96, 512])
+def test_compiled_loss_arithmetic_on_the_device_equals_the_plain_loss(device_kind, chunk):
+    """Under bf16 autocast, as the engine runs it; 96 gives chunks of two lengths (a recompile)."""
+    h, w, t = (x.to(device_kind) for x in test_chunked_loss._inputs(512, 64, 1000, seed=4))
+    fused = loss.FusedChunkMath.compiled(compilation.BACKEND)
+    with torch.autocast(device_kind, dtype=torch.bfloat16):
+        want = test_chunked_loss._plain(h, w, t, 1.0)
+        got = test_chunked_loss._chunked(h, w, t, 1.0, chunk, fused)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
+    for a, b in zip(got[1:], want[1:]):  # bf16 matmuls: agreement to bf16 precision
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+def peak_of_a_step(device_kind: str) -> int:
+    """Bytes at the high-water mark of the second step (the first creates AdamW's moments)."""
+    job = _job()
+    if device_kind == "cuda":
+        # what is not the job's: cuBLAS's workspace, allocated by the first matmul
+        torch.ones(64, 64, device="cuda").matmul(torch.ones(64, 64, device="cuda"))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        eng = _engine(job, device_kind)
+        eng.train_step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        eng.train_step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    eng = _engine(job, device_kind)
+    tracker = live_memory.LiveBytes()
+    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    with tracker:
+        eng.train_step()
+        tracker.reset_peak()
+        eng.train_step()
+    return tracker.peak
+
+
+@pytest.mark.slow
+def test_the_planner_predicts_the_peak_memory_on_the_device(device_kind):
+    measured = mt_harness.run_distributed(
+        peak_of_a_step, 1, device_kind, use_cuda=device_kind == "cuda"
+    )[0]
+    # fp32 is explicit in the job, so the profile's default precision plays no part
+    planned = memory.plan_memory(_job(), profiles.get("cpu")).stages[0].total
+    assert planned == pytest.approx(measured, rel=0.10), (
+        f"{device_kind}: planner {planned:.0f} B, measured peak {measured} B"
+    )
