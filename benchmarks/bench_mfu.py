@@ -403,7 +403,8 @@ def _print_row(row: dict[str, Any]) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with ``--presets`` and ``--micro-batch`` checked against the presets."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=None, help="default: 125m 350m 1.3b (GPU)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 3 warm-up steps)")
@@ -420,6 +421,22 @@ def main(argv: list[str] | None = None) -> int:
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     args = parser.parse_args(argv)
+    known = sorted(MICRO_BATCH)
+    for preset in args.presets or ():
+        if preset not in MICRO_BATCH:
+            parser.error(f"--presets {preset}: not one of {known}")
+    sizes = dict(MICRO_BATCH)
+    for item in args.micro_batch:
+        preset, _, n = item.partition("=")
+        if preset not in MICRO_BATCH or not n.isdigit() or int(n) < 1:
+            parser.error(f"--micro-batch {item}: want PRESET=N, N >= 1, PRESET one of {known}")
+        sizes[preset] = int(n)
+    args.sizes = sizes
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.presets is None:
         if args.device != "cuda":  # `python -m benchmarks` on a CPU machine: nothing to measure
             print(
@@ -427,9 +444,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         args.presets = ["125m", "350m", "1.3b"]
-    sizes = dict(
-        MICRO_BATCH, **{k: int(v) for k, v in (item.split("=") for item in args.micro_batch)}
-    )
     device = _init(args.device)
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -439,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows = []
     for preset in args.presets:
-        row = run_preset(preset, sizes[preset], args, device)
+        row = run_preset(preset, args.sizes[preset], args, device)
         rows.append(row)
         if rank0:
             _print_row(row)

@@ -2,14 +2,20 @@
 # The GPU measurements of issue #19 in one run on a lent GPU machine (one GPU, no network):
 # bench_mfu, the trainer's tests on the GPU (tests/trainer/test_on_device.py), bench_fused_loss.
 #
-#   benchmarks/gpu_check.sh RESULTS_DIR          on the GPU machine
-#   benchmarks/gpu_check.sh --cpu RESULTS_DIR    rehearsal here: the same steps on the CPU, tiny
+#   benchmarks/gpu_check.sh RESULTS_DIR            on the GPU machine
+#   benchmarks/gpu_check.sh --cpu RESULTS_DIR      rehearsal here: the same steps on the CPU, tiny
+#   benchmarks/gpu_check.sh --dry-run RESULTS_DIR  print the GPU run's commands, run nothing
 #
-# Writes, under RESULTS_DIR, one bench_mfu results file per run (mfu-<preset>-b<N>/), the
-# device tests' output and a log of everything (gpu-check-log.txt).  Each step has its own
-# time limit, so a slow one leaves the others' results; the most wanted come first.  Exits
-# non-zero if any step failed.  The rehearsal (CI runs it: tests/trainer/test_gpu_check.py)
-# runs every step with --device cpu and tiny presets, so a device's few minutes are not spent
+# On a lent machine, from the repository root, with the wheels of docs/trainer.md carried:
+#   run(command="benchmarks/gpu_check.sh $OUT", carry=[".whl"], timeout_s=600)
+# It writes at most 8 files under RESULTS_DIR (what comes back from $OUT): one bench_mfu
+# results file per run (mfu-<preset>-b<N>/), the device tests' JUnit report, the fused-loss
+# results and a log of everything (gpu-check-log.txt).  The most wanted steps come first; each
+# has its own time limit, cut to what is left of GPU_CHECK_SECONDS (540 by default, inside the
+# device's 600 s a command), and a step with too little time left is skipped and logged, so the
+# run ends with its log and exit status.  Exits non-zero if any step failed or was skipped.
+# The rehearsal runs every step with --device cpu and tiny presets; CI runs it and checks the
+# dry run's arguments (tests/trainer/test_gpu_check.py), so a device's minutes are not spent
 # finding a broken path or argument.
 #
 # The device image has torch but not every package meshtrain imports.  When one is missing,
@@ -18,16 +24,35 @@
 # meshtrain/ as pip's package-dir would map them.  PYTHONSAFEPATH keeps the working directory
 # off sys.path: the repository's operator/ would shadow the standard library's operator.
 set -uo pipefail
-device=cuda
-if [ "${1:-}" = "--cpu" ]; then
-  device=cpu
-  shift
-fi
-results=$(realpath -m "${1:?usage: benchmarks/gpu_check.sh [--cpu] RESULTS_DIR}")
+mode=cuda
+case "${1:-}" in
+  --cpu | --dry-run) mode=${1#--}; shift ;;
+esac
+results=$(realpath -m "${1:?usage: benchmarks/gpu_check.sh [--cpu | --dry-run] RESULTS_DIR}")
 cd "$(dirname "$0")/.."
 mkdir -p "$results"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+device=cuda scale=1
+[ "$mode" = cpu ] && device=cpu scale=3  # two busy cores compile slower than sixteen
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540} * scale))
 failed=0
+
+step() {  # step SECONDS COMMAND...: run it under its limit, cut to what is left of the deadline
+  local limit=$(($1 * scale)) left=$((deadline - SECONDS - 5))
+  shift
+  if [ "$mode" = dry-run ]; then
+    echo "DRY-RUN: $*"
+    return
+  fi
+  if [ "$left" -lt 30 ]; then
+    echo "SKIPPED (${left}s left of GPU_CHECK_SECONDS): $*"
+    failed=1
+    return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  # SIGINT first: pytest then writes its report, python its traceback
+  timeout -s INT -k 15 "$limit" "$@" || failed=1
+}
 
 mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
   local preset=$1 micro_batch=$2 limit=$3 size=(--micro-batches 4 --steps 8)
@@ -38,8 +63,8 @@ mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
     micro_batch=2 size=(--micro-batches 2 --steps 2 --device cpu)
   fi
   echo "== bench_mfu $preset micro-batch $micro_batch $*"
-  MESHTRAIN_BENCH_RESULTS="$out" timeout "$limit" python3 benchmarks/bench_mfu.py \
-    --presets "$preset" --micro-batch "$preset=$micro_batch" "${size[@]}" "$@" || failed=1
+  MESHTRAIN_BENCH_RESULTS="$out" step "$limit" python3 benchmarks/bench_mfu.py \
+    --presets "$preset" --micro-batch "$preset=$micro_batch" "${size[@]}" "$@"
 }
 
 missing_modules() {  # what the trainer and the tests import besides torch (requirements.lock pins each)
@@ -54,25 +79,23 @@ PY
 
 device_tests() {
   echo "== tests/trainer/test_on_device.py on $device"
-  MESHTRAIN_TEST_DEVICE=$device timeout 240 python3 -m pytest -q -p no:cacheprovider \
-    --junitxml="$results/test-on-device.xml" tests/trainer/test_on_device.py || failed=1
+  MESHTRAIN_TEST_DEVICE=$device step 200 python3 -m pytest -v -p no:cacheprovider \
+    --timeout=$((180 * scale)) --junitxml="$results/test-on-device.xml" \
+    tests/trainer/test_on_device.py
 }
 
 fused_loss() {
   echo "== bench_fused_loss (the loss's chunk arithmetic eager and compiled, bf16)"
   local size=()
   [ "$device" = cpu ] && size=(--device cpu --precision bf16 --repeats 1)
-  MESHTRAIN_BENCH_RESULTS="$results" timeout 120 python3 benchmarks/bench_fused_loss.py \
-    "${size[@]}" || failed=1
+  MESHTRAIN_BENCH_RESULTS="$results" step 90 python3 benchmarks/bench_fused_loss.py "${size[@]}"
 }
 
-check() {
+prepare() {  # the machine: meshtrain importable, its dependencies there, the device named
   if ! (cd / && python3 -c 'import meshtrain.trainer' 2>/dev/null); then
     ln -sfn "$PWD/trainer" meshtrain/trainer
     ln -sfn "$PWD/operator" meshtrain/operator
   fi
-
-  date -u
   if [ "$device" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' \
@@ -85,16 +108,22 @@ check() {
       --target /tmp/site .whl/*.whl || return 1
     export PYTHONPATH=/tmp/site
   fi
-  missing_modules || return 1
+  missing_modules
+}
 
+check() {
+  date -u
+  if [ "$mode" != dry-run ]; then
+    prepare || return 1
+  fi
   # bare throughput first, then CUDA-event timings against torch.profiler on as many more steps
-  mfu 1.3b 16 240 --profile
+  mfu 1.3b 16 200 --profile
   device_tests
-  mfu llama3.2-1b 2 240 --profile
+  mfu llama3.2-1b 2 150 --profile
   fused_loss
-  mfu 1.3b 8 150
-  mfu 125m 16 120
-  mfu 350m 8 120
+  mfu 1.3b 8 100
+  mfu 125m 16 60
+  mfu 350m 8 60
   date -u
   return $failed
 }

@@ -1,17 +1,21 @@
-"""``benchmarks/gpu_check.sh --cpu``: the one-shot GPU script runs every step, here, on the CPU.
+"""``benchmarks/gpu_check.sh``: the one-shot GPU script, rehearsed here.
 
 A lent GPU machine gives a few minutes once; the script that spends them
-must not fail on a path, an argument or an import.  Its rehearsal runs the
-same steps with ``--device cpu`` and tiny presets; this test runs it as a
-user would (bash, the venv's ``python3`` first on PATH) and reads what it
-wrote: a results file per bench_mfu step, the fused-loss results, the
-device tests' JUnit report, and its exit status.
+must not fail on a path, an argument or an import.  Its rehearsal
+(``--cpu``) runs the same steps with ``--device cpu`` and tiny presets; a
+test runs it as a user would (bash, the venv's ``python3`` first on PATH)
+and reads what it wrote: a results file per bench_mfu step, the fused-loss
+results, the device tests' JUnit report, and its exit status.  The GPU
+run's own presets and micro-batches never run here, so another test takes
+its commands from ``--dry-run`` and builds each one's job through
+bench_mfu's own option parsing and the spec's validation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -19,21 +23,48 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_mfu
+
 ROOT = Path(__file__).resolve().parents[2]
 MFU_STEPS = ("1.3b-b16", "llama3.2-1b-b2", "1.3b-b8", "125m-b16", "350m-b8")
 PROFILED = ("1.3b-b16", "llama3.2-1b-b2")
 
 
-@pytest.mark.slow
-def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
+def _gpu_check(mode: str, out: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    run = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu", str(tmp_path / "out")],
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), mode, str(out)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
+
+
+def test_the_gpu_runs_commands_build_valid_jobs(tmp_path: Path) -> None:
+    run = _gpu_check("--dry-run", tmp_path / "out")
+    assert run.returncode == 0, run.stdout + run.stderr
+    commands = [
+        shlex.split(line.removeprefix("DRY-RUN: "))
+        for line in run.stdout.splitlines()
+        if line.startswith("DRY-RUN: python3 benchmarks/bench_mfu.py")
+    ]
+    seen = set()
+    for command in commands:
+        args = bench_mfu.parse_args(command[2:])
+        assert args.device == "cuda" or "--device" not in command, command
+        for preset in args.presets:
+            job = bench_mfu._spec(preset, args, args.sizes[preset], 1, "cuda", args.steps)
+            assert job.training.micro_batch == args.sizes[preset]
+            assert job.training.precision == "bf16" and job.training.compile
+            seen.add(f"{preset}-b{args.sizes[preset]}")
+    assert seen == set(MFU_STEPS)
+    assert not (tmp_path / "out" / "mfu-1.3b-b16").exists(), "a dry run ran something"
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
+    run = _gpu_check("--cpu", tmp_path / "out")
     out = tmp_path / "out"
     log = (out / "gpu-check-log.txt").read_text()
     assert run.returncode == 0, log[-4000:]

@@ -26,6 +26,7 @@ import mt_harness
 import pytest
 import test_chunked_loss
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
@@ -76,16 +77,25 @@ def _engine(job, device_kind: str) -> engine.Engine:
 
 
 def train(device_kind: str, runs: tuple[tuple[str, bool], ...]) -> dict:
-    """Per (precision, compile): each step's loss and gradient norm on one rank of ``device_kind``."""
+    """Per (precision, compile): each step's loss and gradient norm on one rank of ``device_kind``.
+
+    Compiled runs count the graphs the backend compiled and let a failing
+    one raise: the engine would otherwise run it eagerly (``suppress_errors``),
+    and the comparison would be eager against eager.
+    """
     if device_kind == "cuda":  # the fp32 comparison with the CPU wants fp32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    counter = CompileCounterWithBackend(compilation.BACKEND)
+    compilation.BACKEND = counter
     out = {}
     for precision, compiled in runs:
         eng = _engine(_job(precision, compiled), device_kind)
         assert eng.compiled == compiled and eng.precision == precision
+        torch._dynamo.config.suppress_errors = False
         steps = [eng.train_step() for _ in range(STEPS)]
         out[(precision, compiled)] = [(s.loss, s.grad_norm) for s in steps]
+    out["graphs"] = counter.frame_count
     return out
 
 
@@ -98,8 +108,9 @@ def _close(got: list, want: list, loss_rel: float, norm_rel: float, what: str) -
 @pytest.mark.slow
 def test_training_on_the_device_follows_the_cpu_and_bf16_follows_fp32(device_kind):
     cuda = device_kind == "cuda"
-    reference = mt_harness.run_distributed(train, 1, "cpu", (("fp32", False),))[0]
-    runs = mt_harness.run_distributed(train, 1, device_kind, RUNS, use_cuda=cuda)[0]
+    reference = mt_harness.run_distributed(train, 1, "cpu", (("fp32", False),), timeout_s=150)[0]
+    runs = mt_harness.run_distributed(train, 1, device_kind, RUNS, timeout_s=240, use_cuda=cuda)[0]
+    assert runs["graphs"] >= 4, f"{runs['graphs']} graphs compiled: blocks and the loss's three"
     _close(runs[("fp32", False)], reference[("fp32", False)], 1e-4, 1e-3, "fp32 device vs CPU")
     # compile's fused kernels round bf16 differently (benchmarks/test_compile_equivalence.py)
     _close(runs[("bf16", True)], runs[("bf16", False)], 1e-3, 1e-2, "bf16 compiled vs eager")
@@ -111,10 +122,13 @@ def test_training_on_the_device_follows_the_cpu_and_bf16_follows_fp32(device_kin
 def test_compiled_loss_arithmetic_on_the_device_equals_the_plain_loss(device_kind, chunk):
     """Under bf16 autocast, as the engine runs it; 96 gives chunks of two lengths (a recompile)."""
     h, w, t = (x.to(device_kind) for x in test_chunked_loss._inputs(512, 64, 1000, seed=4))
-    fused = loss.FusedChunkMath.compiled(compilation.BACKEND)
-    with torch.autocast(device_kind, dtype=torch.bfloat16):
+    counter = CompileCounterWithBackend(compilation.BACKEND)
+    fused = loss.FusedChunkMath.compiled(counter)
+    no_silent_eager = torch._dynamo.config.patch(suppress_errors=False)
+    with no_silent_eager, torch.autocast(device_kind, dtype=torch.bfloat16):
         want = test_chunked_loss._plain(h, w, t, 1.0)
         got = test_chunked_loss._chunked(h, w, t, 1.0, chunk, fused)
+    assert counter.frame_count >= 3, "the three functions were not all compiled"
     torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
     for a, b in zip(got[1:], want[1:]):  # bf16 matmuls: agreement to bf16 precision
         assert a.dtype == torch.float32
@@ -122,34 +136,47 @@ def test_compiled_loss_arithmetic_on_the_device_equals_the_plain_loss(device_kin
 
 
 def peak_of_a_step(device_kind: str) -> int:
-    """Bytes at the high-water mark of the second step (the first creates AdamW's moments)."""
-    job = _job()
+    """Bytes at the high-water mark of the second step (the first creates AdamW's moments).
+
+    What the device holds that is not the job's (on a GPU the cuBLAS
+    workspaces, one per thread and stream, the backward's thread included)
+    is what is allocated after the first step beyond the training state;
+    the first step leaves nothing else behind (on the CPU, where every
+    allocation is seen, it left 0 bytes).
+    """
+    eng = _engine(_job(), device_kind)
+
+    def state() -> list[torch.Tensor]:
+        return memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer)
+
     if device_kind == "cuda":
-        # what is not the job's: cuBLAS's workspace, allocated by the first matmul
-        torch.ones(64, 64, device="cuda").matmul(torch.ones(64, 64, device="cuda"))
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        eng = _engine(job, device_kind)
         eng.train_step()
         torch.cuda.synchronize()
+        not_the_jobs = torch.cuda.memory_allocated() - _bytes(state())
         torch.cuda.reset_peak_memory_stats()
         eng.train_step()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    eng = _engine(job, device_kind)
+        return torch.cuda.max_memory_allocated() - not_the_jobs
     tracker = live_memory.LiveBytes()
-    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    tracker.track(state())
     with tracker:
         eng.train_step()
+        assert tracker.current == _bytes(state()), "the first step left more than the state"
         tracker.reset_peak()
         eng.train_step()
     return tracker.peak
 
 
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 @pytest.mark.slow
 def test_the_planner_predicts_the_peak_memory_on_the_device(device_kind):
     measured = mt_harness.run_distributed(
-        peak_of_a_step, 1, device_kind, use_cuda=device_kind == "cuda"
+        peak_of_a_step, 1, device_kind, timeout_s=150, use_cuda=device_kind == "cuda"
     )[0]
     # fp32 is explicit in the job, so the profile's default precision plays no part
     planned = memory.plan_memory(_job(), profiles.get("cpu")).stages[0].total
