@@ -81,8 +81,8 @@ def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
     rows = json.loads(fused.read_text())["results"]["rows"]
     assert rows and all(r["compiled_seconds"] > 0 for r in rows.values()), rows
 
-    written = [path for path in out.rglob("*") if path.is_file()]
-    assert len(written) <= 8, f"a device command returns 8 files from $OUT at most: {written}"
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert len(files) <= 8, f"a device command returns 8 files from $OUT at most: {files}"
 
     suite = ET.parse(out / "test-on-device.xml").getroot().find("testsuite")
     assert suite is not None
