@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import recording, reducer

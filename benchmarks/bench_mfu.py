@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
@@ -182,6 +182,7 @@ def run_preset(
         "seq_len": config.seq_len,
         "precision": trainer.precision,
         "compiled": trainer.compiled,
+        "compile_fallbacks": trainer.compile_fallbacks,
         "selective_recompute": list(args.selective_recompute),
         "tokens_per_step": results[0].tokens,
         "timed_steps": args.steps,
@@ -370,13 +371,19 @@ def _init(device_kind: str) -> torch.device:
     return device
 
 
+def _compiled(row: dict[str, Any]) -> str:
+    if not row["compiled"]:
+        return "no"
+    return "partly" if row["compile_fallbacks"] else "yes"
+
+
 def _print_row(row: dict[str, Any]) -> None:
     memory = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
     print(
         f"{row['preset']:<10} {row['params'] / 1e6:>7.0f}M {row['gpus']:>4} "
         f"{row['micro_batches']:>2}x{row['micro_batch']}x{row['seq_len']:<5} "
         f"{row['median_step_seconds']:>7.3f} {row['tokens_per_second']:>11,.0f} {row['mfu']:>6.1%} "
-        f"{memory:>8} {'yes' if row['compiled'] else 'no':>8}"
+        f"{memory:>8} {_compiled(row):>8}"
     )
     print(f"    MFU counting the causal half of attention: {row['mfu_causal']:.1%}")
     if "profile" in row:

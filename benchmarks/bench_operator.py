@@ -46,7 +46,7 @@ from meshtrain.api import crd, loading
 from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.operator import builders, identity, kube
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import machine
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

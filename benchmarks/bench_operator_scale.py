@@ -48,7 +48,7 @@ from kubernetes_asyncio import config as k8s_config
 from meshtrain import controlplane
 from meshtrain.controlplane.ports import pick_free_port
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import bench_operator, machine
 
 GPUS_PER_NODE = 8

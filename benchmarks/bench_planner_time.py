@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import hostload, machine
 from meshtrain.api import loading

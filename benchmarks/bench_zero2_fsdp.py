@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_zero3, machine, ranks
 from meshtrain import layout as layout_mod
 from meshtrain.trainer import engine, live_memory, memory_accounting

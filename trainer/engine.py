@@ -156,6 +156,7 @@ class Engine:
             self.model.chunks, mesh.device
         )
         """Whether the blocks run compiled (``training.compile`` and a backend that works here)."""
+        self._compile_watch = compilation.FallbackWatch() if self.compiled else None
         if self.compiled and self.precision == "bf16":  # fp32 logits: no copy to save, stay eager
             self.model.executor.loss_fn = functools.partial(
                 loss.lm_loss, fused=loss.FusedChunkMath.compiled(compilation.BACKEND)
@@ -406,6 +407,8 @@ class Engine:
             self.model.reducer.discard_step()
         self.zero_grad()
         self.step = step
+        if self._compile_watch is not None:
+            self._compile_watch.say_once()
         seconds = time.perf_counter() - start
         tokens = self.sampler.global_batch * self.config.seq_len
         self.recorder.step_end(step, loss, tokens, seconds)
@@ -421,6 +424,11 @@ class Engine:
             shared=shared,
             noise_scale=noise,
         )
+
+    @property
+    def compile_fallbacks(self) -> int:
+        """Compiled frames that failed to compile and ran eagerly since the engine was built."""
+        return self._compile_watch.count() if self._compile_watch is not None else 0
 
     def evaluate(self) -> float:
         """Mean loss over the fixed evaluation batches (identical on every rank and layout)."""

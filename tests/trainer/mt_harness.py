@@ -98,6 +98,13 @@ def make_spec(
     }
 
 
+def no_silent_eager() -> Any:
+    """A context in which a graph that fails to compile, or passes dynamo's recompile limit,
+    raises instead of running eagerly (an engine with ``training.compile`` has turned dynamo's
+    ``suppress_errors`` on by then)."""
+    return torch._dynamo.config.patch(suppress_errors=False, fail_on_recompile_limit_hit=True)
+
+
 def write_job(directory: Path, raw: dict, name: str = "job.yaml") -> Path:
     """A TrainingJob YAML file of spec ``raw`` in ``directory`` (for ``meshtrain run``)."""
     path = directory / name

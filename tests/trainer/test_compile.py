@@ -7,11 +7,15 @@ than a test of the suite may: it is ``benchmarks/test_compile_equivalence.py``.
 
 from __future__ import annotations
 
+import operator
+import os
+
 import mt_harness
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.compile_worker.subproc_pool import SubprocPool
 
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
@@ -30,12 +34,28 @@ def compiled_and_eager(layout: dict) -> dict[str, list[tuple[float, float]] | bo
         job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         eng = engine.Engine(job, mesh)
-        if flag:  # a graph the backend fails on raises, rather than running eagerly unnoticed
-            torch._dynamo.config.suppress_errors = False
-        out[name] = [(r.loss, r.grad_norm) for r in (eng.train_step() for _ in range(STEPS))]
+        with mt_harness.no_silent_eager():
+            out[name] = [(r.loss, r.grad_norm) for r in (eng.train_step() for _ in range(STEPS))]
         if flag:
-            out["was_compiled"] = eng.compiled
+            out["was_compiled"] = eng.compiled and eng.compile_fallbacks == 0
     return out
+
+
+def test_inductor_compile_workers_start_in_a_test_process():
+    """They take this process's ``sys.path`` as PYTHONPATH: with the checkout's root ahead of
+    the standard library its ``operator/`` killed them at start (the root conftest.py)."""
+    pool = SubprocPool(2)
+    try:
+        assert pool.submit(os.getpid).result(timeout=120) != os.getpid()
+    finally:
+        pool.shutdown()
+
+
+def test_dynamo_traces_the_standard_librarys_operator():
+    """Dynamo's polyfill re-imports ``operator`` from ``sys.path`` when it is first imported: the
+    checkout's ``operator/`` ahead of the standard library broke its ``operator.*`` functions."""
+    traced = torch.compile(lambda x: x * operator.indexOf([3, 5, 7], 5), fullgraph=True)
+    assert traced(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
 def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, capsys):

@@ -76,6 +76,7 @@ def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
         assert written["device"] == "cpu", step
         [row] = written["rows"]
         assert row["tokens_per_second"] > 0 and row["compiled"], step
+        assert row["compile_fallbacks"] == 0, step
         assert ("profile" in row) == (step in PROFILED), step
     [fused] = out.glob("fused_loss-bf16-*.json")
     rows = json.loads(fused.read_text())["results"]["rows"]

@@ -92,10 +92,12 @@ def train(device_kind: str, runs: tuple[tuple[str, bool], ...]) -> dict:
     for precision, compiled in runs:
         eng = _engine(_job(precision, compiled), device_kind)
         assert eng.compiled == compiled and eng.precision == precision
-        torch._dynamo.config.suppress_errors = False
-        steps = [eng.train_step() for _ in range(STEPS)]
+        with mt_harness.no_silent_eager():
+            steps = [eng.train_step() for _ in range(STEPS)]
+        assert eng.compile_fallbacks == 0
         out[(precision, compiled)] = [(s.loss, s.grad_norm) for s in steps]
     out["graphs"] = counter.frame_count
+    out["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
     return out
 
 
@@ -111,6 +113,7 @@ def test_training_on_the_device_follows_the_cpu_and_bf16_follows_fp32(device_kin
     reference = mt_harness.run_distributed(train, 1, "cpu", (("fp32", False),), timeout_s=150)[0]
     runs = mt_harness.run_distributed(train, 1, device_kind, RUNS, timeout_s=240, use_cuda=cuda)[0]
     assert runs["graphs"] >= 4, f"{runs['graphs']} graphs compiled: blocks and the loss's three"
+    assert not runs["graph_breaks"], runs["graph_breaks"]  # one rank: no TP region boundary
     _close(runs[("fp32", False)], reference[("fp32", False)], 1e-4, 1e-3, "fp32 device vs CPU")
     # compile's fused kernels round bf16 differently (benchmarks/test_compile_equivalence.py)
     _close(runs[("bf16", True)], runs[("bf16", False)], 1e-3, 1e-2, "bf16 compiled vs eager")
@@ -122,13 +125,14 @@ def test_training_on_the_device_follows_the_cpu_and_bf16_follows_fp32(device_kin
 def test_compiled_loss_arithmetic_on_the_device_equals_the_plain_loss(device_kind, chunk):
     """Under bf16 autocast, as the engine runs it; 96 gives chunks of two lengths (a recompile)."""
     h, w, t = (x.to(device_kind) for x in test_chunked_loss._inputs(512, 64, 1000, seed=4))
+    torch._dynamo.reset()  # the three functions' caches and recompile budget are this test's
     counter = CompileCounterWithBackend(compilation.BACKEND)
     fused = loss.FusedChunkMath.compiled(counter)
-    no_silent_eager = torch._dynamo.config.patch(suppress_errors=False)
-    with no_silent_eager, torch.autocast(device_kind, dtype=torch.bfloat16):
+    watch = compilation.FallbackWatch()
+    with mt_harness.no_silent_eager(), torch.autocast(device_kind, dtype=torch.bfloat16):
         want = test_chunked_loss._plain(h, w, t, 1.0)
         got = test_chunked_loss._chunked(h, w, t, 1.0, chunk, fused)
-    assert counter.frame_count >= 3, "the three functions were not all compiled"
+    assert counter.frame_count >= 3 and watch.count() == 0, "the three functions not all compiled"
     torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3)
     for a, b in zip(got[1:], want[1:]):  # bf16 matmuls: agreement to bf16 precision
         assert a.dtype == torch.float32

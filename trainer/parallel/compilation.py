@@ -22,23 +22,14 @@ on CPU and Triton on GPU); if that fails the blocks stay eager and the reason
 is printed once.  Dynamo's ``suppress_errors`` is also set, so a block graph
 the backend cannot compile runs eagerly instead of stopping the job.
 
-Compile workers: inductor compiles kernels in worker processes whose
-PYTHONPATH is this process's ``sys.path``, ahead of their standard library.
-A meshtrain checkout's root on ``sys.path`` (pytest's ``pythonpath``, the
-benchmarks, ``PYTHONPATH=.``) holds ``operator/``, the source of
-``meshtrain.operator``, which then shadows the standard library's
-``operator``: every worker died at start, and each compile needing one
-failed, silently eager under ``suppress_errors``.
-:func:`keep_checkout_off_worker_path` leaves such a root out of the
-workers' path; an installed meshtrain has none.
+Fallbacks are counted (:class:`FallbackWatch`): the engine says once on
+stderr when a compiled frame ran eagerly, and reports how many did.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,23 +37,9 @@ import torch.nn.functional as F
 from meshtrain.trainer import model as gpt
 
 
-def keep_checkout_off_worker_path() -> None:
-    """Give inductor's compile workers this ``sys.path`` without a checkout root that shadows ``operator``.
-
-    Call before the first compile: the workers start with it, and read
-    ``TORCH_CUSTOM_PYTHONPATH`` (a path already set there is left alone).
-    """
-    shadowing = [p for p in sys.path if Path(p or ".", "operator", "__init__.py").is_file()]
-    if shadowing and "TORCH_CUSTOM_PYTHONPATH" not in os.environ:
-        os.environ["TORCH_CUSTOM_PYTHONPATH"] = os.pathsep.join(
-            p for p in sys.path if p and p not in shadowing
-        )
-
-
 @functools.cache
 def compile_problem(device_type: str) -> str | None:
     """Why ``torch.compile`` cannot run here (None: it can), from a tiny forward and backward."""
-    keep_checkout_off_worker_path()
     try:
         probe = torch.compile(lambda x: F.gelu(x * 2.0).sum())
         x = torch.ones(8, device=device_type, requires_grad=True)
@@ -99,3 +76,34 @@ def apply_compile(chunks: list[gpt.GPT], device: torch.device) -> bool:
         for block in chunk.blocks.values():
             block.forward = torch.compile(block.forward, backend=BACKEND)
     return True
+
+
+def _failed_frames() -> int:
+    frames = torch._dynamo.utils.counters["frames"]
+    return int(frames["total"] - frames["ok"])
+
+
+class FallbackWatch:
+    """Frames dynamo failed to compile in this process since the watch was made.
+
+    Under ``suppress_errors`` each of them ran eagerly, silently but for
+    dynamo's log; the counters are the process's, so two engines in one
+    process see each other's.
+    """
+
+    def __init__(self) -> None:
+        self._before = _failed_frames()
+        self._said = False
+
+    def count(self) -> int:
+        return _failed_frames() - self._before
+
+    def say_once(self) -> None:
+        """Print on stderr, the first time there is one, that compiled frames ran eagerly."""
+        if not self._said and (failed := self.count()):
+            self._said = True
+            print(
+                f"training.compile: {failed} compiled frame(s) failed to compile and ran "
+                "eagerly (dynamo's warnings above say why)",
+                file=sys.stderr,
+            )

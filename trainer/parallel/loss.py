@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import compilation, tensor
+from meshtrain.trainer.parallel import tensor
 
 CHUNK_BYTES = 256 * 2**20
 """fp32 logits of one chunk at most (1,300 tokens of a 50k vocabulary): large matmuls, bounded memory."""
@@ -134,7 +134,6 @@ class FusedChunkMath:
         Past dynamo's recompile limit a function would run as written, the
         slow way, which a graph per length could reach.
         """
-        compilation.keep_checkout_off_worker_path()
         return cls(
             *(
                 torch.compile(fn, backend=backend, dynamic=None)
