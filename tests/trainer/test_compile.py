@@ -58,6 +58,20 @@ def test_dynamo_traces_the_standard_librarys_operator():
     assert traced(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
+def test_a_graph_the_backend_rejects_is_counted_and_said_once(capsys):
+    def rejecting(graph: torch.fx.GraphModule, inputs: list) -> object:
+        raise RuntimeError("rejected")
+
+    watch = compilation.FallbackWatch()
+    function = torch.compile(lambda x: x.sin() + 1, backend=rejecting)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        assert function(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]  # ran eagerly
+    assert watch.count() == 1
+    watch.say_once()
+    watch.say_once()
+    assert capsys.readouterr().err.count("ran eagerly") == 1
+
+
 def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, capsys):
     monkeypatch.setattr(compilation, "compile_problem", lambda device: "no C++ compiler")
     untouched = None  # the probe's failure returns before the model is looked at
