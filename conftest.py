@@ -8,7 +8,7 @@ processes, which take ``sys.path`` as their PYTHONPATH (they died at start,
 and compiles failed or silently ran eagerly), in the ranks tests spawn, and
 in dynamo's polyfill of ``operator``, made once when ``torch._dynamo`` is
 first imported.  So the root goes last: now, before dynamo is imported
-here, and before each test.
+here, and before each fixture and test.
 """
 
 from __future__ import annotations
@@ -30,11 +30,19 @@ def _root_last() -> None:
 
 
 _root_last()
-import torch._dynamo  # noqa: E402,F401 - its operator polyfill, made with the standard library's operator
+# dynamo's operator polyfill is made at its first import: with the standard library's operator
+# (importing it here costs a few seconds in every pytest process)
+import torch._dynamo  # noqa: E402,F401
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> None:
-    """Again before each test: pytest's prepend import mode puts the root first whenever it
-    imports a module from it, up to the setup of a test's package."""
+def pytest_fixture_setup() -> None:
+    """Before each fixture: pytest's prepend import mode puts the root first again whenever it
+    imports a module from it, a test's package included when the test is set up."""
+    _root_last()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call() -> None:
+    """And before each test."""
     _root_last()

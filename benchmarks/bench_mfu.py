@@ -371,7 +371,8 @@ def _init(device_kind: str) -> torch.device:
     return device
 
 
-def _compiled(row: dict[str, Any]) -> str:
+def _compiled_label(row: dict[str, Any]) -> str:
+    """no, yes, or partly: some frames failed to compile and ran eagerly (how many is in the row)."""
     if not row["compiled"]:
         return "no"
     return "partly" if row["compile_fallbacks"] else "yes"
@@ -383,7 +384,7 @@ def _print_row(row: dict[str, Any]) -> None:
         f"{row['preset']:<10} {row['params'] / 1e6:>7.0f}M {row['gpus']:>4} "
         f"{row['micro_batches']:>2}x{row['micro_batch']}x{row['seq_len']:<5} "
         f"{row['median_step_seconds']:>7.3f} {row['tokens_per_second']:>11,.0f} {row['mfu']:>6.1%} "
-        f"{memory:>8} {_compiled(row):>8}"
+        f"{memory:>8} {_compiled_label(row):>8}"
     )
     print(f"    MFU counting the causal half of attention: {row['mfu_causal']:.1%}")
     if "profile" in row:

@@ -70,7 +70,8 @@ mfu() {  # mfu PRESET MICRO_BATCH SECONDS [bench_mfu options...]
 missing_modules() {  # what the trainer and the tests import besides torch (requirements.lock pins each)
   python3 - <<'PY'
 import importlib.util, sys
-needed = ["pydantic", "cryptography", "yaml", "prometheus_client", "safetensors", "tokenizers", "pytest"]
+needed = ["pydantic", "cryptography", "yaml", "prometheus_client", "safetensors", "tokenizers",
+          "pytest", "pytest_timeout"]
 missing = [m for m in needed if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"missing modules {missing}: put their wheels, at requirements.lock's versions, in .whl/")

@@ -78,6 +78,10 @@ def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> di
         MASTER_PORT=str(port),
         MESHTRAIN_LOG_DIR=str(log_dir),
         MESHTRAIN_DEVICE="cuda" if cuda else "cpu",
+        # `python -m` puts the working directory first on sys.path, and torch.compile's workers
+        # take sys.path as PYTHONPATH: from a checkout's root its operator/ would shadow the
+        # standard library's there (they die, and compiled blocks run eagerly)
+        PYTHONSAFEPATH="1",
     )
     if not cuda:  # share the cores instead of every rank spawning one thread per core
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))

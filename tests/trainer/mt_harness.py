@@ -4,7 +4,8 @@
 multiprocessing, spawn start method), gives each torchrun's environment and
 a joined process group (gloo on the CPU, or NCCL with a GPU per rank),
 calls ``fn(*args)`` and returns every rank's return value (through
-``torch.save`` files), or raises if a rank fails or the deadline passes.  Also :func:`make_spec`, a builder for small specs.
+``torch.save`` files), or raises if a rank fails or the deadline passes.
+Also :func:`make_spec`, a builder for small specs.
 
 Not the product launcher (:mod:`meshtrain.trainer.launch`).
 Unique module name on purpose: child processes import it by name.

@@ -43,8 +43,9 @@ RUNS = (("fp32", False), ("bf16", False), ("bf16", True))
 
 
 @pytest.fixture(scope="module")
-def device_kind() -> str:
+def device_kind(record_testsuite_property) -> str:
     kind = os.environ.get("MESHTRAIN_TEST_DEVICE", "cpu")
+    record_testsuite_property("device", kind)  # the JUnit report says where the tests ran
     if kind not in ("cpu", "cuda"):
         pytest.fail(f"MESHTRAIN_TEST_DEVICE={kind!r}: use cpu or cuda")
     if kind == "cuda" and not torch.cuda.is_available():
