@@ -92,8 +92,12 @@ class MemoryReport:
         )
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage, once)."""
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage, once).
+
+    ``seen``: storages already counted elsewhere, left out (and added to).
+    """
+    seen = set() if seen is None else seen
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
@@ -145,11 +149,11 @@ def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
     """
     params = _params_of(model)
     seen: set[int] = set()
-    param_bytes = _storage_bytes(map(zero3.local, params), seen)
+    param_bytes = storage_bytes(map(zero3.local, params), seen)
     grads = [b.buffer for b in grad_reducer.buckets] if grad_reducer is not None else []
     grads += [p.grad for p in params if p.grad is not None]
-    grad_bytes = _storage_bytes(map(zero3.local, grads), seen)
-    optimizer_bytes = _storage_bytes(map(zero3.local, _optimizer_tensors(optimizer)), seen)
+    grad_bytes = storage_bytes(map(zero3.local, grads), seen)
+    optimizer_bytes = storage_bytes(map(zero3.local, _optimizer_tensors(optimizer)), seen)
     fsdp = next((p for p in params if isinstance(p, DTensor)), None)  # ZeRO-3 (FSDP2)
     return MemoryReport(
         params=sum(p.numel() for p in params),

@@ -69,11 +69,7 @@ def _job(precision: str = "fp32", compiled: bool = False):
 
 
 def _engine(job, device_kind: str) -> engine.Engine:
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if device_kind == "cuda"
-        else torch.device("cpu")
-    )
+    device = mesh_mod.device_for(0, use_cuda=device_kind == "cuda")  # a world of one
     return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device))
 
 
@@ -151,31 +147,26 @@ def peak_of_a_step(device_kind: str) -> int:
     """
     eng = _engine(_job(), device_kind)
 
-    def state() -> list[torch.Tensor]:
-        return memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer)
+    def state_bytes() -> int:
+        tensors = memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer)
+        return memory_accounting.storage_bytes(tensors)
 
     if device_kind == "cuda":
         eng.train_step()
         torch.cuda.synchronize()
-        not_the_jobs = torch.cuda.memory_allocated() - _bytes(state())
+        not_the_jobs = torch.cuda.memory_allocated() - state_bytes()
         torch.cuda.reset_peak_memory_stats()
         eng.train_step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - not_the_jobs
     tracker = live_memory.LiveBytes()
-    tracker.track(state())
+    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
     with tracker:
         eng.train_step()
-        assert tracker.current == _bytes(state()), "the first step left more than the state"
+        assert tracker.current == state_bytes(), "the first step left more than the state"
         tracker.reset_peak()
         eng.train_step()
     return tracker.peak
-
-
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
 
 
 @pytest.mark.slow
