@@ -58,7 +58,8 @@ from benchmarks import machine
 from meshtrain import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.trainer import engine
+from meshtrain.planner import admission, memory, profiles
+from meshtrain.trainer import calibrate, engine
 from meshtrain.trainer import model as gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import pipeline, recording
@@ -201,6 +202,7 @@ def run_preset(
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30)
         if device.type == "cuda"
         else None,
+        "memory": memory_report(job, device),
     }
     if args.profile:
         watched = _StepEvents(device)
@@ -228,6 +230,35 @@ def run_preset(
 
 
 STEP_RANGE = "meshtrain.bench_step."
+
+
+def memory_report(job: Any, device: torch.device) -> dict[str, Any]:
+    """The planner's peak for the job beside the measured one, and the device's memory beside
+    its profile's (``memory_bytes``, ``reserved_bytes``): what admission decides with.
+
+    The planned peak does not depend on the profile (the job names its
+    precision); the device's figures are what CUDA reports now, after the
+    timed steps: its total, and what this process holds beyond PyTorch's
+    allocator (CUDA context, NCCL, library workspaces).
+    """
+    profile = (
+        admission.profile_for_labels({admission.PRODUCT_LABEL: torch.cuda.get_device_name(device)})
+        if device.type == "cuda"
+        else profiles.get("cpu")
+    )
+    planned = memory.plan_memory(job, profile or profiles.get("cpu")).worst.total
+    report: dict[str, Any] = {"planned_peak_gib": planned / 2**30}
+    if device.type == "cuda":
+        report["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        for key, value in calibrate.device_memory(device).items():
+            report[f"{key}_gib"] = value / 2**30
+    if profile is not None:
+        report["profile"] = {
+            "name": profile.name,
+            "memory_gib": profile.memory_bytes / 2**30,
+            "reserved_gib": profile.reserved_bytes / 2**30,
+        }
+    return report
 
 
 def _profiler(device: torch.device) -> torch.profiler.profile:
@@ -387,6 +418,21 @@ def _print_row(row: dict[str, Any]) -> None:
         f"{memory:>8} {_compiled_label(row):>8}"
     )
     print(f"    MFU counting the causal half of attention: {row['mfu_causal']:.1%}")
+    mem = row["memory"]
+    print(f"    memory: planned peak {mem['planned_peak_gib']:.2f} GiB", end="")
+    if "device_memory_gib" in mem:
+        print(
+            f"; device {mem['device_memory_gib']:.2f} GiB, outside PyTorch's allocator "
+            f"{mem['outside_tensors_gib']:.2f} GiB, allocator peak {mem['peak_reserved_gib']:.2f} GiB",
+            end="",
+        )
+    if "profile" in mem:
+        print(
+            f"; profile {mem['profile']['name']}: {mem['profile']['memory_gib']:.2f} GiB, "
+            f"{mem['profile']['reserved_gib']:.2f} GiB reserved",
+            end="",
+        )
+    print()
     if "profile" in row:
         print(
             f"    profiled steps' median {row['profile']['median_step_seconds']:.3f}s "

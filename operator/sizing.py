@@ -85,7 +85,7 @@ def choose_profile(
     Ties on memory go to the profile name, then the node name, so the answer
     does not depend on the order nodes are listed in.
     """
-    known = [(p.memory_bytes, p.name, node, p) for node, p in node_profiles if p is not None]
+    known = [(p.tensor_memory_bytes, p.name, node, p) for node, p in node_profiles if p is not None]
     if known:
         _, _, node, smallest = min(known, key=lambda item: item[:3])
         kinds = sorted({item[1] for item in known})

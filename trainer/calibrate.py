@@ -333,6 +333,7 @@ def _worker(rank: int, task: _Task) -> None:
             "overhead": overhead[0],
             "core_overhead": overhead[1],
             "collectives": results,
+            **device_memory(device),  # after every communicator has run: their buffers are held
         },
     )
     if rank == 0:
@@ -392,6 +393,26 @@ class Measurement:
     """Median over ranks of the CPU seconds per small operation."""
     available_cores: float = 0.0
     """Sum over ranks of CPU over wall seconds while all computed the block: the cores the job received."""
+    device_memory: float = 0.0
+    """The smallest device's total memory as CUDA reports it (0: not measured, a CPU host)."""
+    outside_tensors: float = 0.0
+    """The most device memory a rank held beyond PyTorch's allocator once its communicators were up."""
+
+
+def device_memory(device: torch.device) -> dict[str, float]:
+    """The device's total memory and what this process holds of it beyond PyTorch's allocator.
+
+    ``total - free`` is everything in use on the device; less the allocator's
+    reservation it is the CUDA context, NCCL's buffers and library workspaces
+    of this process (the rank has the device to itself, as a pod does).
+    """
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "device_memory": float(total),
+        "outside_tensors": float(total - free - torch.cuda.memory_reserved(device)),
+    }
 
 
 def measure(
@@ -460,6 +481,8 @@ def measure(
         core_flops=statistics.median(m["core_flops"] for m in per_rank),
         core_op_overhead=statistics.median(m["core_overhead"] for m in per_rank),
         available_cores=sum(m["share"] for m in per_rank),
+        device_memory=min((m.get("device_memory", 0.0) for m in per_rank), default=0.0),
+        outside_tensors=max((m.get("outside_tensors", 0.0) for m in per_rank), default=0.0),
     )
 
 
@@ -519,6 +542,9 @@ def calibrate(
     }
     if use_cuda:
         changes["achievable_fraction"] = min(1.0, flops / base.peak_flops)
+        if measured.device_memory:  # what this device has, and what its context and NCCL keep
+            changes["memory_bytes"] = measured.device_memory
+            changes["reserved_bytes"] = measured.outside_tensors
         return dataclasses.replace(base, **changes)
     changes.update(peak_flops=flops, achievable_fraction=1.0)
     return measure_step_loop(job, dataclasses.replace(base, **changes))

@@ -56,7 +56,7 @@ class WontFit:
     needed_bytes: float
     """Bytes the worst rank needs."""
     capacity_bytes: float
-    """Device memory of the profile."""
+    """Device memory the profile leaves a rank's tensors."""
 
 
 def _gib(value: float) -> str:
@@ -102,7 +102,7 @@ def check(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> WontFit |
         f"{par.layout_string} on {profile.name}: pipeline stage {worst.stage} needs {_gib(worst.total)} per GPU "
         f"(weights {_gib(worst.weights)}, gradients {_gib(worst.grads)}, optimizer {_gib(worst.optimizer)}, "
         f"activations {_gib(worst.activations)} for {worst.in_flight:g} micro-batch(es) in flight) but the GPU "
-        f"has {_gib(plan.capacity)}; {plan.total_params:,} parameters, {worst.params:,} on this rank. "
+        f"has {plan.describe_capacity()}; {plan.total_params:,} parameters, {worst.params:,} on this rank. "
         f"Raise parallelism.tensor or parallelism.pipeline, set parallelism.zeroStage, or lower training.microBatch"
     )
     remedies = fitting_remedies(job, profile)

@@ -102,7 +102,7 @@ class Plan:
             worst = self.memory.worst
             out.append(
                 f"does not fit: stage {worst.stage} needs {worst.total / 2**30:.2f} GiB per GPU, "
-                f"{self.profile.name} has {self.memory.capacity / 2**30:.2f} GiB"
+                f"{self.profile.name} has {self.memory.describe_capacity()}"
             )
         if self.batch.warning:
             out.append(self.batch.warning)

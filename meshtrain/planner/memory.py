@@ -528,7 +528,20 @@ class MemoryPlan:
     stages: tuple[RankMemory, ...]
     """One entry per pipeline stage (ranks of a stage are alike)."""
     capacity: float
-    """Device memory in bytes."""
+    """Device memory a rank's tensors can use, in bytes (the profile's memory less its reserve)."""
+    reserved: float = 0.0
+    """Device memory set aside for what is not a tensor (the profile's ``reserved_bytes``)."""
+
+    def describe_capacity(self) -> str:
+        """The capacity in GiB, and how it follows from the device's memory when some is reserved."""
+        usable = f"{self.capacity / 2**30:.2f} GiB"
+        if not self.reserved:
+            return usable
+        device = (self.capacity + self.reserved) / 2**30
+        return (
+            f"{usable} for tensors ({device:.2f} GiB less {self.reserved / 2**30:.2f} GiB "
+            "for the CUDA context and libraries)"
+        )
 
     @property
     def worst(self) -> RankMemory:
@@ -632,5 +645,6 @@ def plan_memory(
         total_params=total_params(shape),
         scheme=scheme,
         stages=tuple(stages),
-        capacity=profile.memory_bytes,
+        capacity=profile.tensor_memory_bytes,
+        reserved=profile.reserved_bytes,
     )

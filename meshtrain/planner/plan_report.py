@@ -88,6 +88,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "peak_flops": profile.peak_flops,
             "achievable_fraction": profile.achievable_fraction,
             "memory_bytes": profile.memory_bytes,
+            "reserved_bytes": profile.reserved_bytes,
             "memory_bandwidth": profile.memory_bandwidth,
             "nvlink_bandwidth": profile.nvlink_bandwidth,
             "nvlink_latency": profile.nvlink_latency,
@@ -101,6 +102,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
         "confidence": plan.confidence.to_json() if plan.confidence else None,
         "memory": {
             "capacity_bytes": mem.capacity,
+            "reserved_bytes": mem.reserved,
             "bytes_per_param": {
                 "weights": mem.scheme.weights,
                 "grads": mem.scheme.grads,
@@ -263,7 +265,7 @@ def to_text(plan: estimate.Plan) -> str:
     lines += _table(rows)
     verdict = "fits" if mem.fits else "DOES NOT FIT"
     lines += [
-        f"  device memory {human_bytes(mem.capacity)}; worst stage {mem.worst.stage}: headroom "
+        f"  device memory {mem.describe_capacity()}; worst stage {mem.worst.stage}: headroom "
         f"{human_bytes(mem.headroom)} ({verdict})",
         "",
         "communication per rank per step:",

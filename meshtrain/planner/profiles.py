@@ -90,7 +90,7 @@ class Profile:
     achievable_fraction: float
     """Share of ``peak_flops`` a dense transformer step reaches (model FLOPs utilisation)."""
     memory_bytes: float
-    """Device memory per GPU (or per CPU worker) in bytes."""
+    """Device memory per GPU (or per CPU worker) in bytes, as the driver reports its total (``nvidia-smi``'s ``memory.total``)."""
     memory_bandwidth: float
     """Device memory bandwidth in bytes/s (prices the optimizer step)."""
     nvlink_bandwidth: float
@@ -103,6 +103,10 @@ class Profile:
     """Seconds per message step (alpha) across the fabric."""
     precision: str = "bf16"
     """Training precision the profile implies: ``bf16`` (GPUs) or ``fp32`` (CPU)."""
+    reserved_bytes: float = 0.0
+    """Of ``memory_bytes``, what a training process's tensors cannot use: the driver's own share,
+    the CUDA context, NCCL's buffers and library workspaces outside PyTorch's allocator.  An
+    assumption on datasheet profiles; ``--calibrate`` measures it on a GPU."""
     path: str = ""
     """File the profile was read from (empty for profiles built in code)."""
     op_overhead: float = 0.0
@@ -136,6 +140,11 @@ class Profile:
     def cpu_time_model(self) -> bool:
         """Whether steps are priced as CPU work over the host's available cores (calibrated CPU hosts)."""
         return self.cores > 0 and self.core_flops > 0
+
+    @property
+    def tensor_memory_bytes(self) -> float:
+        """Device memory the planner lets a rank's tensors fill: ``memory_bytes`` less ``reserved_bytes``."""
+        return self.memory_bytes - self.reserved_bytes
 
     @property
     def achievable_flops(self) -> float:
@@ -216,6 +225,13 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
     if precision not in ("bf16", "fp32"):
         raise ProfileError(f"{origin}: 'precision' must be bf16 or fp32, got {precision!r}")
     values["precision"] = precision
+    if "reserved_bytes" in data:
+        values["reserved_bytes"] = _number(data, "reserved_bytes", origin)
+        if values["reserved_bytes"] >= values["memory_bytes"]:
+            raise ProfileError(
+                f"{origin}: 'reserved_bytes' ({values['reserved_bytes']:g}) must be less than "
+                f"'memory_bytes' ({values['memory_bytes']:g})"
+            )
     values.update(_measured(data, origin))
     return Profile(path=origin, **values)
 

@@ -68,6 +68,7 @@ GOLDEN_KEYS = {
         "nvlink_latency",
         "op_overhead",
         "peak_flops",
+        "reserved_bytes",
         "source",
     ],
     "memory": [
@@ -77,6 +78,7 @@ GOLDEN_KEYS = {
         "headroom_bytes",
         "peak_bytes",
         "per_stage",
+        "reserved_bytes",
         "worst_stage",
     ],
     "memory.bytes_per_param": ["grads", "optimizer", "weights"],
@@ -334,6 +336,8 @@ def test_user_profiles_from_a_directory_and_the_environment(
         ({"source": ""}, "'source' must be a non-empty string"),
         ({"colour": "green"}, "unknown key"),
         ({"precision": "fp8"}, "'precision' must be bf16 or fp32"),
+        ({"reserved_bytes": -1}, "'reserved_bytes' must be a number >= 0"),
+        ({"reserved_bytes": 9e10}, "'reserved_bytes' .* must be less than 'memory_bytes'"),
     ],
 )
 def test_malformed_profiles_are_refused(tmp_path: Path, change: dict, message: str) -> None:

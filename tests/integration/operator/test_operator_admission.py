@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from meshtrain.planner import profiles
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import wait_for
 
@@ -17,6 +18,13 @@ pytestmark = pytest.mark.integration
 
 H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 H200 = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+
+
+def _h100_capacity() -> str:
+    """How the refusal states an H100's memory, from its profile: the total less the reserve."""
+    h100 = profiles.get("h100-sxm")
+    usable, total = h100.tensor_memory_bytes / 2**30, h100.memory_bytes / 2**30
+    return f"the GPU has {usable:.2f} GiB for tensors ({total:.2f} GiB less {h100.reserved_bytes / 2**30:.2f} GiB"
 
 
 def _seven_b(name: str, namespace: str, pool: str) -> JobBuilder:
@@ -32,7 +40,7 @@ def test_seven_b_on_one_80gb_gpu_wont_fit_and_gets_no_pods(cluster, operator, na
     wont_fit = cluster.condition(namespace, "toobig", "WontFit")
     assert (wont_fit["status"], wont_fit["reason"]) == ("True", "WontFit")
     message = wont_fit["message"]
-    assert "dp1·pp1·tp1 on h100-sxm" in message and "the GPU has 80.00 GiB" in message, message
+    assert "dp1·pp1·tp1 on h100-sxm" in message and _h100_capacity() in message, message
     assert "GiB per GPU" in message and "nvidia.com/gpu.product" in message, message
     assert cluster.condition(namespace, "toobig", "Failed")["reason"] == "WontFit"
     assert status["completionTime"] and status["plan"]["fits"] is False
@@ -47,7 +55,7 @@ def test_seven_b_on_one_80gb_gpu_wont_fit_and_gets_no_pods(cluster, operator, na
         ],
     )
     assert events[0].involved_object.name == "toobig" and events[0].type == "Warning"
-    assert "80.00 GiB" in events[0].message
+    assert _h100_capacity() in events[0].message
     time.sleep(3)  # a resync or two of the operator later: still no pods, still Failed
     assert cluster.pods(namespace, "toobig") == []
     assert cluster.status(namespace, "toobig")["phase"] == "Failed"
