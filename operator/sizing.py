@@ -118,6 +118,13 @@ def admit(spec: api_spec.TrainingJobSpec, choice: Choice) -> Admitted | Refused 
     return Refused(
         choice=choice,
         reason=verdict.reason,
-        message=f"{verdict.message} (profile from {choice.source})",
+        message=f"{verdict.message} (profile from {choice.source}{_file_of(choice.profile)})",
         summary=summary,
     )
+
+
+def _file_of(profile: profiles.Profile) -> str:
+    """Where a profile that is not built in was read from (a calibrated one the chart mounted)."""
+    if not profile.path or profiles.is_builtin(profile):
+        return ""
+    return f", read from {profile.path}"

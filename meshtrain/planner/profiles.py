@@ -29,7 +29,7 @@ BUILTIN_DIR = Path(__file__).with_name("profiles")
 ENV_VAR = "MESHTRAIN_PROFILES_DIR"
 """Environment variable naming extra profile directories (``os.pathsep``-separated)."""
 
-_REQUIRED_FLOATS = (
+REQUIRED_NUMBERS = (
     "peak_flops",
     "achievable_fraction",
     "memory_bytes",
@@ -39,6 +39,7 @@ _REQUIRED_FLOATS = (
     "nic_bandwidth",
     "nic_latency",
 )
+"""Numbers every profile file must give (``name`` and ``source`` are required too)."""
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
@@ -202,7 +203,7 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
             raise ProfileError(f"{origin}: '{key}' must be a non-empty string")
         values[key] = data[key].strip()
     values["description"] = str(data.get("description", values["name"])).strip()
-    for key in _REQUIRED_FLOATS:
+    for key in REQUIRED_NUMBERS:
         raw = data.get(key)
         if isinstance(raw, str):  # YAML 1.1 reads 989.0e12 (no exponent sign) as a string
             try:
@@ -300,6 +301,11 @@ def _fits(data: Mapping[str, Any], key: str, origin: str) -> tuple[CollectiveFit
             )
         )
     return tuple(fits)
+
+
+def is_builtin(profile: Profile) -> bool:
+    """Whether ``profile`` was read from the profiles shipped with meshtrain."""
+    return bool(profile.path) and Path(profile.path).parent == BUILTIN_DIR
 
 
 def to_mapping(profile: Profile) -> dict[str, Any]:

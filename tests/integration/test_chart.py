@@ -315,6 +315,10 @@ def test_install_and_uninstall(tools: dict) -> None:
             "at '/replicaCount': maximum: got 2, want 1",
         ),
         (["--set", "typo=1"], "additional properties 'typo' not allowed"),
+        (
+            ["--set", "operator.profiles.h100-sxm.name=h100-sxm"],
+            "at '/operator/profiles/h100-sxm': missing properties 'source', 'peak_flops'",
+        ),
     ],
 )
 def test_bad_values_fail_at_install_with_the_schema_message(

@@ -10,6 +10,7 @@ import pathlib
 import re
 
 from meshtrain.operator import naming
+from meshtrain.planner import profiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "charts" / "meshtrain" / "templates"
@@ -74,6 +75,14 @@ def test_operator_is_given_the_default_gpu_profile() -> None:
     assert "--gpu-profile={{ .Values.operator.gpuProfile }}" in _text("deployment.yaml")
 
 
+def test_device_profiles_are_mounted_where_the_operator_reads_them() -> None:
+    text = _text("deployment.yaml")
+    assert f"- name: {profiles.ENV_VAR}\n              value: /etc/meshtrain/profiles" in text
+    assert "mountPath: /etc/meshtrain/profiles\n              readOnly: true" in text
+    assert 'checksum/profiles: {{ include (print $.Template.BasePath "/profiles.yaml")' in text
+    assert "{{ $file }}.yaml: |" in _text("profiles.yaml")
+
+
 def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
     text = _text("dashboards.yaml")
     assert "kind: ConfigMap" in text and '.Files.Glob "files/dashboards/*.json"' in text
@@ -95,6 +104,8 @@ def test_every_template_is_tested() -> None:
         "admission-policy.yaml",
         # applied to a real API server (with Kueue) in test_operator_kueue_fit.py
         "kueue-queue-policy.yaml",
+        # rendered, projected and read by the operator in test_operator_admission.py
+        "profiles.yaml",
     }
     assert {p.name for p in TEMPLATES.iterdir()} == tested
 

@@ -13,6 +13,7 @@ import re
 import yaml
 
 import meshtrain
+from meshtrain.planner import profiles
 
 CHART = pathlib.Path(__file__).resolve().parents[2] / "charts" / "meshtrain"
 
@@ -84,3 +85,9 @@ def test_chart_versions() -> None:
     assert chart["appVersion"] == chart["version"] == meshtrain.__version__, (
         "set Chart.yaml version and appVersion to meshtrain.__version__"
     )
+
+
+def test_a_profile_value_needs_what_the_profile_loader_needs() -> None:
+    """operator.profiles entries are refused at install for the keys the operator would refuse."""
+    entry = _schema()["properties"]["operator"]["properties"]["profiles"]["additionalProperties"]
+    assert set(entry["required"]) == {"name", "source", *profiles.REQUIRED_NUMBERS}

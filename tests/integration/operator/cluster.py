@@ -301,8 +301,11 @@ class OperatorProcess:
         lease_seconds: int = 3,
         identity: str | None = None,
         lease_namespace: str = "default",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
+        self.env = env or {}
+        """Environment beside the test's (what a Deployment's ``env`` would set)."""
         self.scope = scope
         self.lease = lease
         """Lease in namespace ``lease_namespace``; replicas that share it elect one."""
@@ -340,7 +343,7 @@ class OperatorProcess:
             "0.5",
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        env = {**os.environ, "POD_NAME": self.identity}
+        env = {**os.environ, **self.env, "POD_NAME": self.identity}
         self.process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
         )

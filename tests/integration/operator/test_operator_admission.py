@@ -6,13 +6,17 @@ label; the operator of the session runs with the default ``--gpu-profile``.
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
 import time
 
 import pytest
+import yaml
 
-from meshtrain.planner import profiles
+from meshtrain.api import loading
+from meshtrain.planner import admission, profiles
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import wait_for
+from tests.integration.operator.cluster import OperatorProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +110,87 @@ def test_unlabelled_nodes_are_judged_by_the_default_profile(cluster, operator, n
     message = cluster.condition(namespace, "nolabel", "WontFit")["message"]
     assert "--gpu-profile h100-sxm" in message, message
     assert cluster.pods(namespace, "nolabel") == []
+
+
+CHART = pathlib.Path(__file__).resolve().parents[3] / "charts" / "meshtrain"
+
+
+def _rendered(helm: str, values: dict) -> dict[str, dict]:
+    """The chart's objects as ``helm template`` renders them with ``values``, by kind."""
+    out = subprocess.run(
+        [helm, "template", "t", str(CHART), "-f", "-"],
+        input=yaml.safe_dump(values),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {
+        doc["kind"]: doc
+        for doc in yaml.safe_load_all(out)
+        if doc
+        and doc["kind"] in ("ConfigMap", "Deployment")
+        and not doc["metadata"].get("labels", {}).get("grafana_dashboard")
+    }
+
+
+def test_a_calibrated_profile_given_to_the_chart_is_what_admission_judges_by(
+    cluster, operator, namespace, pool, control_plane, control_plane_binaries, tmp_path
+):
+    """operator.profiles -> the chart's ConfigMap, mounted where the Deployment's env points
+    -> the operator judges H100 nodes by the calibrated profile, not the built-in one."""
+    calibrated = {
+        **yaml.safe_load((profiles.BUILTIN_DIR / "h100-sxm.yaml").read_text()),
+        "source": "measured by meshtrain plan --calibrate on gpu-7",
+        "memory_bytes": 40 * 2**30,
+        "reserved_bytes": 3 * 2**30,
+    }
+    job = (
+        JobBuilder("calibrated", namespace, pool)
+        .layout(data=1)
+        .gpus(1)
+        .model(preset="1.3b")
+        .training(microBatch=8)
+    )
+    spec = loading.parse_spec(job.raw())
+    mounted = profiles.from_mapping(calibrated)
+    # the planner's own verdicts: the built-in H100 takes the job, the calibrated one does not
+    assert admission.check(spec, profiles.get("h100-sxm")) is None
+    assert admission.check(spec, mounted) is not None
+
+    rendered = _rendered(
+        str(control_plane_binaries.helm), {"operator": {"profiles": {"h100-sxm": calibrated}}}
+    )
+    pod = rendered["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "profiles")
+    volume = next(v for v in pod["volumes"] if v["name"] == "profiles")
+    config_map = rendered["ConfigMap"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    directory = tmp_path / "profiles"  # what the kubelet projects at the mount path
+    directory.mkdir()
+    for file, text in config_map["data"].items():
+        (directory / file).write_text(text)
+    env = {e["name"]: e["value"] for e in container["env"] if e.get("value") == mount["mountPath"]}
+    assert list(env) == [profiles.ENV_VAR]
+
+    cluster.add_node(pool, gpus=8, labels=H100)
+    operator.stop()  # one operator at a time acts on a namespace
+    judged = OperatorProcess(
+        str(control_plane.kubeconfig_path),
+        str(tmp_path / "operator.log"),
+        scope=("--namespace", namespace),
+        lease=f"profiles-{namespace}",
+        env={profiles.ENV_VAR: str(directory)},
+    )
+    try:
+        judged.start()
+        cluster.apply(job)
+        cluster.wait_phase(namespace, "calibrated", "Failed")
+    finally:
+        judged.stop()
+        operator.start()
+    message = cluster.condition(namespace, "calibrated", "WontFit")["message"]
+    usable = f"{mounted.tensor_memory_bytes / 2**30:.2f} GiB for tensors"
+    assert f"the GPU has {usable}" in message, message
+    assert f"read from {directory / 'h100-sxm.yaml'}" in message, message
+    assert cluster.pods(namespace, "calibrated") == []
