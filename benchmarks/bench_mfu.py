@@ -202,8 +202,11 @@ def run_preset(
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30)
         if device.type == "cuda"
         else None,
-        "memory": memory_report(job, device),
     }
+    try:  # after the measurement: a planner or profile problem must not lose the row
+        row["memory"] = memory_report(job, device)
+    except Exception as err:  # noqa: BLE001 - recorded in the row instead
+        row["memory"] = {"error": f"{type(err).__name__}: {err}"}
     if args.profile:
         watched = _StepEvents(device)
         with _profiler(device) as prof:
@@ -241,11 +244,13 @@ def memory_report(job: Any, device: torch.device) -> dict[str, Any]:
     timed steps: its total, and what this process holds beyond PyTorch's
     allocator (CUDA context, NCCL, library workspaces).
     """
-    profile = (
-        admission.profile_for_labels({admission.PRODUCT_LABEL: torch.cuda.get_device_name(device)})
-        if device.type == "cuda"
-        else profiles.get("cpu")
-    )
+    if (
+        device.type == "cuda"
+    ):  # CUDA says "NVIDIA A100 80GB PCIe"; the node label NVIDIA-A100-80GB-PCIe
+        product = torch.cuda.get_device_name(device).replace(" ", "-")
+        profile = admission.profile_for_labels({admission.PRODUCT_LABEL: product})
+    else:
+        profile = profiles.get("cpu")
     planned = memory.plan_memory(job, profile or profiles.get("cpu")).worst.total
     report: dict[str, Any] = {"planned_peak_gib": planned / 2**30}
     if device.type == "cuda":
@@ -418,21 +423,29 @@ def _print_row(row: dict[str, Any]) -> None:
         f"{memory:>8} {_compiled_label(row):>8}"
     )
     print(f"    MFU counting the causal half of attention: {row['mfu_causal']:.1%}")
-    mem = row["memory"]
-    print(f"    memory: planned peak {mem['planned_peak_gib']:.2f} GiB", end="")
+    _print_memory(row["memory"])
+    _print_profile(row)
+
+
+def _print_memory(mem: dict[str, Any]) -> None:
+    if "error" in mem:
+        print(f"    memory: no report ({mem['error']})")
+        return
+    parts = [f"planned peak {mem['planned_peak_gib']:.2f} GiB"]
     if "device_memory_gib" in mem:
-        print(
-            f"; device {mem['device_memory_gib']:.2f} GiB, outside PyTorch's allocator "
-            f"{mem['outside_tensors_gib']:.2f} GiB, allocator peak {mem['peak_reserved_gib']:.2f} GiB",
-            end="",
+        parts.append(
+            f"device {mem['device_memory_gib']:.2f} GiB, outside PyTorch's allocator "
+            f"{mem['outside_tensors_gib']:.2f} GiB, allocator peak {mem['peak_reserved_gib']:.2f} GiB"
         )
     if "profile" in mem:
-        print(
-            f"; profile {mem['profile']['name']}: {mem['profile']['memory_gib']:.2f} GiB, "
-            f"{mem['profile']['reserved_gib']:.2f} GiB reserved",
-            end="",
+        parts.append(
+            f"profile {mem['profile']['name']}: {mem['profile']['memory_gib']:.2f} GiB, "
+            f"{mem['profile']['reserved_gib']:.2f} GiB reserved"
         )
-    print()
+    print("    memory: " + "; ".join(parts))
+
+
+def _print_profile(row: dict[str, Any]) -> None:
     if "profile" in row:
         print(
             f"    profiled steps' median {row['profile']['median_step_seconds']:.3f}s "

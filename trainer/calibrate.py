@@ -396,7 +396,8 @@ class Measurement:
     device_memory: float = 0.0
     """The smallest device's total memory as CUDA reports it (0: not measured, a CPU host)."""
     outside_tensors: float = 0.0
-    """The most device memory a rank held beyond PyTorch's allocator once its communicators were up."""
+    """The most device memory a rank held beyond PyTorch's allocator once its communicators were up
+    (of CUDA's total: the driver's own share is not in it)."""
 
 
 def device_memory(device: torch.device) -> dict[str, float]:
@@ -544,7 +545,10 @@ def calibrate(
         changes["achievable_fraction"] = min(1.0, flops / base.peak_flops)
         if measured.device_memory:  # what this device has, and what its context and NCCL keep
             changes["memory_bytes"] = measured.device_memory
-            changes["reserved_bytes"] = measured.outside_tensors
+            # a floor, not a replacement: calibration loads fewer kernels and communicators than
+            # a training process (compiled and attention kernels, the trainer's own groups)
+            changes["reserved_bytes"] = max(measured.outside_tensors, base.reserved_bytes)
+            changes["calibration"]["outside_tensors_bytes"] = measured.outside_tensors
         return dataclasses.replace(base, **changes)
     changes.update(peak_flops=flops, achievable_fraction=1.0)
     return measure_step_loop(job, dataclasses.replace(base, **changes))

@@ -101,7 +101,13 @@ def check(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> WontFit |
     message = (
         f"{par.layout_string} on {profile.name}: pipeline stage {worst.stage} needs {_gib(worst.total)} per GPU "
         f"(weights {_gib(worst.weights)}, gradients {_gib(worst.grads)}, optimizer {_gib(worst.optimizer)}, "
-        f"activations {_gib(worst.activations)} for {worst.in_flight:g} micro-batch(es) in flight) but the GPU "
+        f"activations {_gib(worst.activations)} for {worst.in_flight:g} micro-batch(es) in flight"
+        + (
+            f", autocast's bf16 copies of the weights {_gib(worst.weight_casts)}"
+            if worst.weight_casts
+            else ""
+        )
+        + ") but the GPU "
         f"has {plan.describe_capacity()}; {plan.total_params:,} parameters, {worst.params:,} on this rank. "
         f"Raise parallelism.tensor or parallelism.pipeline, set parallelism.zeroStage, or lower training.microBatch"
     )

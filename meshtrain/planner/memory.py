@@ -366,6 +366,27 @@ def head_activation_bytes(
     )
 
 
+def weight_cast_bytes(
+    shape: api_spec.ModelShape, tensor: int, layers: int, *, last: bool, scheme: StateScheme
+) -> float:
+    """Autocast's matmul-dtype copy of ``layers`` blocks' matrices (and the head's on the last stage).
+
+    Under autocast a matmul casts its fp32 weight and saves the cast for its
+    backward; the executor enters autocast once per forward action, so each
+    micro-batch in flight holds a copy of its stage's matrices until its
+    backward.  On the lent H200 the planner fell about 3.1 GiB short of the
+    measured peaks of 1.3B without this term, which is 2.8 GiB there
+    (docs/planner.md, "Memory per GPU").  0 when matmuls run in the weights'
+    dtype (fp32, or the ``mixed`` recipe's 16-bit weights).
+    """
+    if scheme.matmul_bytes >= scheme.weights:
+        return 0.0
+    matrices = layers * sum(local_block_matrices(shape, tensor))
+    if last:  # the head, tied to the token table or not
+        matrices += vocab_rows(shape, tensor) * shape.hidden
+    return float(matrices * scheme.matmul_bytes)
+
+
 def in_flight_microbatches(
     schedule: str, pipeline: int, micro_batches: int, stage: int, virtual_stages: int = 1
 ) -> float:
@@ -500,6 +521,9 @@ class RankMemory:
     """ZeRO-3: the chunk's own unit reducing at the end of a micro-batch's backward."""
     other_activations: float = 0.0
     """Activations of the other micro-batches in flight while one finishes its backward."""
+    weight_casts: float = 0.0
+    """Autocast's matmul-dtype copies of the stage's matrices, one per micro-batch in flight
+    (:func:`weight_cast_bytes`; one block's with activation checkpointing)."""
     compression: float = 0.0
     """Gradient compression's state kept between steps (error feedback, PowerSGD's Q)."""
     exchange: float = 0.0
@@ -509,9 +533,10 @@ class RankMemory:
     @property
     def total(self) -> float:
         """Peak bytes: the state plus the largest working set (backward, the end of a backward, the optimizer step)."""
+        others = max(0.0, self.in_flight - 1) / self.in_flight if self.in_flight else 0.0
         working = max(
-            self.activations + self.buffers + self.exchange,
-            self.other_activations + self.reduce_end,
+            self.activations + self.weight_casts + self.buffers + self.exchange,
+            self.other_activations + self.weight_casts * others + self.reduce_end,
             self.step_buffers,
         )
         return self.weights + self.grads + self.optimizer + self.compression + working
@@ -540,7 +565,7 @@ class MemoryPlan:
         device = (self.capacity + self.reserved) / 2**30
         return (
             f"{usable} for tensors ({device:.2f} GiB less {self.reserved / 2**30:.2f} GiB "
-            "for the CUDA context and libraries)"
+            "for the driver, CUDA context, NCCL and libraries)"
         )
 
     @property
@@ -598,7 +623,16 @@ def plan_memory(
             activations += head_flight * head_activation_bytes(
                 shape, micro_batch, par.tensor, scheme
             )
-        largest = largest_param(shape, par.tensor, first=stage == 0, last=stage == par.pipeline - 1)
+        last = stage == par.pipeline - 1
+        casts = 0.0
+        if par.zero_stage != 3:  # FSDP2 gathers 16-bit weights itself: autocast has nothing to cast
+            if job.training.activation_checkpointing:  # the copies are remade block by block
+                casts = weight_cast_bytes(shape, par.tensor, 1, last=last, scheme=scheme)
+            else:
+                casts = flight * weight_cast_bytes(
+                    shape, par.tensor, layers_per_stage, last=last, scheme=scheme
+                )
+        largest = largest_param(shape, par.tensor, first=stage == 0, last=last)
         buffers, step_buffers = working_buffers(params, largest, par, scheme)
         reduce_end = 0.0
         if par.zero_stage == 3 and par.data > 1:
@@ -637,6 +671,7 @@ def plan_memory(
                 step_buffers=step_buffers,
                 reduce_end=reduce_end,
                 other_activations=activations * max(0.0, flight - 1) / flight,
+                weight_casts=casts,
                 compression=compression,
                 exchange=exchange,
             )

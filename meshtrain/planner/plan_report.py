@@ -120,6 +120,7 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
                     "grads_bytes": s.grads,
                     "optimizer_bytes": s.optimizer,
                     "activations_bytes": s.activations,
+                    "weight_casts_bytes": s.weight_casts,
                     "in_flight_microbatches": s.in_flight,
                     "total_bytes": s.total,
                 }
@@ -247,7 +248,17 @@ def to_text(plan: estimate.Plan) -> str:
         "memory per GPU by pipeline stage:",
     ]
     rows = [
-        ["stage", "params", "weights", "grads", "optimizer", "activations", "in flight", "total"]
+        [
+            "stage",
+            "params",
+            "weights",
+            "grads",
+            "optimizer",
+            "activations",
+            "bf16 copies",
+            "in flight",
+            "total",
+        ]
     ]
     for s in mem.stages:
         rows.append(
@@ -258,6 +269,7 @@ def to_text(plan: estimate.Plan) -> str:
                 human_bytes(s.grads),
                 human_bytes(s.optimizer),
                 human_bytes(s.activations),
+                human_bytes(s.weight_casts),
                 f"{s.in_flight:g}",
                 human_bytes(s.total),
             ]

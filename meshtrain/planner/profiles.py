@@ -29,6 +29,10 @@ BUILTIN_DIR = Path(__file__).with_name("profiles")
 ENV_VAR = "MESHTRAIN_PROFILES_DIR"
 """Environment variable naming extra profile directories (``os.pathsep``-separated)."""
 
+GPU_RESERVE_BYTES = 2 * 2**30
+"""``reserved_bytes`` of a GPU (bf16) profile that names none, such as one calibrated before the
+key existed; CPU profiles reserve nothing."""
+
 REQUIRED_NUMBERS = (
     "peak_flops",
     "achievable_fraction",
@@ -91,7 +95,8 @@ class Profile:
     achievable_fraction: float
     """Share of ``peak_flops`` a dense transformer step reaches (model FLOPs utilisation)."""
     memory_bytes: float
-    """Device memory per GPU (or per CPU worker) in bytes, as the driver reports its total (``nvidia-smi``'s ``memory.total``)."""
+    """Device memory per GPU (or per CPU worker) in bytes: ``nvidia-smi``'s ``memory.total`` on the
+    built-in GPU profiles, CUDA's total (a little less) on calibrated ones."""
     memory_bandwidth: float
     """Device memory bandwidth in bytes/s (prices the optimizer step)."""
     nvlink_bandwidth: float
@@ -105,9 +110,10 @@ class Profile:
     precision: str = "bf16"
     """Training precision the profile implies: ``bf16`` (GPUs) or ``fp32`` (CPU)."""
     reserved_bytes: float = 0.0
-    """Of ``memory_bytes``, what a training process's tensors cannot use: the driver's own share,
-    the CUDA context, NCCL's buffers and library workspaces outside PyTorch's allocator.  An
-    assumption on datasheet profiles; ``--calibrate`` measures it on a GPU."""
+    """Of ``memory_bytes``, what a training process's tensors cannot use: the CUDA context, NCCL's
+    buffers and library workspaces outside PyTorch's allocator, and on the built-in profiles also
+    the driver's share that CUDA does not expose.  An assumption (:data:`GPU_RESERVE_BYTES` where
+    a GPU profile gives none); ``--calibrate`` measures it on a GPU and keeps the larger."""
     path: str = ""
     """File the profile was read from (empty for profiles built in code)."""
     op_overhead: float = 0.0
@@ -226,13 +232,14 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
     if precision not in ("bf16", "fp32"):
         raise ProfileError(f"{origin}: 'precision' must be bf16 or fp32, got {precision!r}")
     values["precision"] = precision
+    values["reserved_bytes"] = float(GPU_RESERVE_BYTES if precision == "bf16" else 0)
     if "reserved_bytes" in data:
         values["reserved_bytes"] = _number(data, "reserved_bytes", origin)
-        if values["reserved_bytes"] >= values["memory_bytes"]:
-            raise ProfileError(
-                f"{origin}: 'reserved_bytes' ({values['reserved_bytes']:g}) must be less than "
-                f"'memory_bytes' ({values['memory_bytes']:g})"
-            )
+    if values["reserved_bytes"] >= values["memory_bytes"]:
+        raise ProfileError(
+            f"{origin}: 'reserved_bytes' ({values['reserved_bytes']:g}) must be less than "
+            f"'memory_bytes' ({values['memory_bytes']:g})"
+        )
     values.update(_measured(data, origin))
     return Profile(path=origin, **values)
 

@@ -97,6 +97,7 @@ def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
         [row] = written["rows"]
         assert row["tokens_per_second"] > 0 and row["compiled"], step
         assert row["compile_fallbacks"] == 0, step
+        assert row["memory"]["planned_peak_gib"] > 0, (step, row["memory"])
         assert ("profile" in row) == (step in PROFILED), step
     [fused] = out.glob("fused_loss-bf16-*.json")
     rows = json.loads(fused.read_text())["results"]["rows"]
@@ -110,4 +111,18 @@ def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
     ran_on = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert ran_on.get("device") == "cpu", ran_on
     counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
-    assert counts == {"tests": 4, "failures": 0, "errors": 0, "skipped": 0}, counts
+    every = {"tests": _device_tests(), "failures": 0, "errors": 0, "skipped": 0}
+    assert counts == every, counts
+
+
+def _device_tests() -> int:
+    """How many tests pytest collects from tests/trainer/test_on_device.py."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["tests/trainer/test_on_device.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return sum("::" in line for line in listed.splitlines())

@@ -136,7 +136,7 @@ def test_compiled_loss_arithmetic_on_the_device_equals_the_plain_loss(device_kin
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
-def peak_of_a_step(device_kind: str) -> int:
+def peak_of_a_step(device_kind: str, precision: str) -> int:
     """Bytes at the high-water mark of the second step (the first creates AdamW's moments).
 
     What the device holds that is not the job's (on a GPU the cuBLAS
@@ -145,7 +145,7 @@ def peak_of_a_step(device_kind: str) -> int:
     the first step leaves nothing else behind (on the CPU, where every
     allocation is seen, it left 0 bytes).
     """
-    eng = _engine(_job(), device_kind)
+    eng = _engine(_job(precision), device_kind)
 
     def state_bytes() -> int:
         tensors = memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer)
@@ -170,12 +170,14 @@ def peak_of_a_step(device_kind: str) -> int:
 
 
 @pytest.mark.slow
-def test_the_planner_predicts_the_peak_memory_on_the_device(device_kind):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planner_predicts_the_peak_memory_on_the_device(device_kind, precision):
+    """bf16: autocast's copies of the weights included (planner.memory.weight_cast_bytes)."""
     measured = mt_harness.run_distributed(
-        peak_of_a_step, 1, device_kind, timeout_s=150, use_cuda=device_kind == "cuda"
+        peak_of_a_step, 1, device_kind, precision, timeout_s=150, use_cuda=device_kind == "cuda"
     )[0]
-    # fp32 is explicit in the job, so the profile's default precision plays no part
-    planned = memory.plan_memory(_job(), profiles.get("cpu")).stages[0].total
+    # the job names its precision, so the profile's default plays no part
+    planned = memory.plan_memory(_job(precision), profiles.get("cpu")).stages[0].total
     assert planned == pytest.approx(measured, rel=0.10), (
-        f"{device_kind}: planner {planned:.0f} B, measured peak {measured} B"
+        f"{device_kind} {precision}: planner {planned:.0f} B, measured peak {measured} B"
     )

@@ -90,6 +90,7 @@ GOLDEN_KEYS = {
         "parameters",
         "stage",
         "total_bytes",
+        "weight_casts_bytes",
         "weights_bytes",
     ],
     "communication": ["links", "per_stage"],

@@ -44,14 +44,17 @@ def _bench_job(row: dict):
 
 @pytest.mark.parametrize("path", H200_RUNS, ids=lambda p: p.stem)
 def test_the_planner_predicts_the_peak_memory_the_h200_measured(path: Path) -> None:
-    """Within 10%, as on the CPU (tests/trainer/test_on_device.py); the planned peak is the
-    same on every profile, since the job names its precision."""
+    """Within 5% (the rows span -2.6% to +2.7%); the planned peak is the same on every profile,
+    since the job names its precision."""
     document = json.loads(path.read_text())
     assert document["results"]["device_name"] == "NVIDIA H200"
     for row in document["results"]["rows"]:
-        measured = row["peak_memory_gib"] * 2**30
-        planned = memory.plan_memory(_bench_job(row), profiles.get("h200")).worst.total
-        assert planned == pytest.approx(measured, rel=0.10), (
+        job = _bench_job(row)
+        plan = memory.plan_memory(job, profiles.get("h200"))
+        # the job rebuilt today is the one measured then
+        assert (plan.total_params, job.model.shape().seq_len) == (row["params"], row["seq_len"])
+        measured, planned = row["peak_memory_gib"] * 2**30, plan.worst.total
+        assert planned == pytest.approx(measured, rel=0.05), (
             f"{row['preset']} micro-batch {row['micro_batch']}: planned {planned / 2**30:.2f} GiB, "
             f"the H200 measured {measured / 2**30:.2f} GiB"
         )
