@@ -152,9 +152,15 @@ def status_summary(plan: estimate.Plan) -> dict[str, Any]:
 def profile_for_labels(
     labels: Mapping[str, str], extra_dirs: tuple[str, ...] = ()
 ) -> profiles.Profile | None:
-    """The profile of a node from its ``nvidia.com/gpu.product`` label, or None when unknown."""
+    """The profile of a node from its ``nvidia.com/gpu.product`` label, or None when unknown.
+
+    A MIG slice (``...-MIG-1g.10gb``) has a fraction of its GPU's memory and a
+    GH200 another memory than the H200 its name contains: neither is a
+    built-in profile's device, so both are unknown (the operator's
+    ``--gpu-profile`` judges them).
+    """
     product = labels.get(PRODUCT_LABEL, "").upper()
-    if not product:
+    if not product or "-MIG-" in product or "GH200" in product:
         return None
     for needle, name in _PRODUCTS:
         if needle in product:

@@ -297,6 +297,9 @@ def test_profile_from_node_labels() -> None:
         == "a100-40g"
     )
     assert admission.profile_for_labels({}) is None
+    # not the devices of the built-in profiles: a MIG slice, a Grace Hopper superchip
+    for product in ("NVIDIA-H100-80GB-HBM3-MIG-1g.10gb", "NVIDIA-GH200-480GB"):
+        assert admission.profile_for_labels({"nvidia.com/gpu.product": product}) is None, product
 
 
 # --- profiles ------------------------------------------------------------------------------------
