@@ -3,7 +3,7 @@
 A waiting job is placed again on every node change, so its verdict
 (:func:`sizing.admit`) is kept until what it depends on changes (the job's UID,
 generation, spec, and the profile its candidate nodes choose); each GPU
-product label is resolved to a profile once (its file read once).
+product and memory label pair is resolved to a profile once (its file read once).
 """
 
 from __future__ import annotations
@@ -26,21 +26,22 @@ class Admissions:
 
     def __init__(self, default: profiles.Profile | None) -> None:
         self._default = default
-        self._products: dict[str, profiles.Profile | None] = {}
-        """GPU product label value -> profile."""
+        self._products: dict[tuple[str, str], profiles.Profile | None] = {}
+        """GPU product and memory label values -> profile."""
         self._verdicts: dict[tuple[str, str], tuple[Any, Verdict]] = {}
 
     def _profile_of(self, labels: Mapping[str, str]) -> profiles.Profile | None:
         product = labels.get(admission.PRODUCT_LABEL, "")
-        if product not in self._products:
+        key = (product, labels.get(admission.MEMORY_LABEL, ""))
+        if key not in self._products:
             try:
-                self._products[product] = admission.profile_for_labels(labels)
+                self._products[key] = admission.node_profile(labels, self._default)
             except profiles.ProfileError as err:  # a broken user profile directory: the default
                 logger.warning(
                     "GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err
                 )
-                self._products[product] = None
-        return self._products[product]
+                self._products[key] = None
+        return self._products[key]
 
     def admit(self, job: lifecycle.JobState, nodes: Sequence[placement.Node]) -> Verdict:
         """Admission by plan on the profile of the job's candidate nodes (see ``sizing``)."""

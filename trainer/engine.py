@@ -127,8 +127,14 @@ class Engine:
         if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
             dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
         self.precision = resolve_precision(training.precision, mesh.device)
+        # No cast cache: each weight is used once per forward, and a cached cast lives until the
+        # forward ends even when recompute (activation checkpointing, selective recompute) frees
+        # what autograd saved; uncached, a weight's bf16 copy lives only as long as autograd keeps
+        # it (planner.memory.weight_cast_bytes counts those).
         autocast = (
-            functools.partial(torch.autocast, mesh.device.type, dtype=torch.bfloat16)
+            functools.partial(
+                torch.autocast, mesh.device.type, dtype=torch.bfloat16, cache_enabled=False
+            )
             if self.precision == "bf16"
             else contextlib.nullcontext
         )

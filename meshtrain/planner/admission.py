@@ -32,6 +32,10 @@ REASON_WONT_FIT = "WontFit"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 """Node label naming the GPU model (set by NVIDIA GPU feature discovery)."""
 
+MEMORY_LABEL = "nvidia.com/gpu.memory"
+"""Node label with one GPU's memory in MiB (GPU feature discovery; a MIG slice's own under its
+single strategy)."""
+
 _PRODUCTS = (
     ("H200", "h200"),
     ("H100", "h100-sxm"),
@@ -166,3 +170,26 @@ def profile_for_labels(
         if needle in product:
             return profiles.get(name, extra_dirs)
     return None
+
+
+def node_profile(
+    labels: Mapping[str, str], default: profiles.Profile | None, extra_dirs: tuple[str, ...] = ()
+) -> profiles.Profile | None:
+    """The profile a GPU node is judged by: its product's (:func:`profile_for_labels`), else
+    ``default``, with no more memory than its :data:`MEMORY_LABEL` reports.
+
+    A node that names a GPU no built-in profile is of (a MIG slice, a GH200)
+    gets ``default``; the memory label then keeps a slice from being judged
+    as the whole GPU.  None for a node that names no GPU.
+    """
+    if not labels.get(PRODUCT_LABEL):
+        return None
+    profile = profile_for_labels(labels, extra_dirs) or default
+    mib = labels.get(MEMORY_LABEL, "")
+    if profile is None or not mib.isdigit() or int(mib) * 2**20 >= profile.memory_bytes:
+        return profile
+    return dataclasses.replace(
+        profile,
+        memory_bytes=float(int(mib) * 2**20),
+        description=f"{profile.description}; {MEMORY_LABEL}={mib} MiB",
+    )

@@ -271,9 +271,8 @@ def layer_activation_bytes(
       it keeps the scores and the softmax, 2 a s elements per token.
 
     Per micro-batch, whatever its tokens: Llama's rotary cos and sin (fp32,
-    T x hd each).  Not counted: under autocast the matmuls also keep the
-    16-bit copy of the block's matrices, one per micro-batch in flight
-    (docs/planner.md).
+    T x hd each).  The 16-bit copies of the weights autocast's matmuls keep
+    are counted apart (:func:`weight_cast_bytes`).
 
     With 16-bit activations, f = 4h and no sequence parallelism this is
     ``s b h (8 + 24/t)`` bytes, the paper's ``10 + 24/t`` minus its two
@@ -367,21 +366,40 @@ def head_activation_bytes(
 
 
 def weight_cast_bytes(
-    shape: api_spec.ModelShape, tensor: int, layers: int, *, last: bool, scheme: StateScheme
+    shape: api_spec.ModelShape,
+    tensor: int,
+    layers: int,
+    flight: float,
+    *,
+    last: bool,
+    scheme: StateScheme,
+    checkpointing: bool = False,
+    recompute: Sequence[str] = (),
 ) -> float:
-    """Autocast's matmul-dtype copy of ``layers`` blocks' matrices (and the head's on the last stage).
+    """Autocast's matmul-dtype copies of a stage's weights that autograd keeps for backward.
 
     Under autocast a matmul casts its fp32 weight and saves the cast for its
-    backward; the executor enters autocast once per forward action, so each
-    micro-batch in flight holds a copy of its stage's matrices until its
-    backward.  On the lent H200 the planner fell about 3.1 GiB short of the
-    measured peaks of 1.3B without this term, which is 2.8 GiB there
-    (docs/planner.md, "Memory per GPU").  0 when matmuls run in the weights'
-    dtype (fp32, or the ``mixed`` recipe's 16-bit weights).
+    backward, and the engine's autocast keeps no cast cache, so a copy lives
+    as long as a saved tensor holds it: every micro-batch in flight keeps
+    one of the ``layers`` blocks' matrices.  Where backward rebuilds a part
+    (activation checkpointing: whole blocks; ``selectiveRecompute: mlp``: the
+    MLP) the forward keeps none of its copies, and the block being rebuilt
+    holds one.  The fused loss casts the head once, for the length of its
+    forward.  0 when matmuls run in the weights' dtype (fp32, or the
+    ``mixed`` recipe's 16-bit weights).  On the lent H200 the planner fell
+    about 3.1 GiB short of 1.3B's measured peaks without this term (2.44 GiB
+    there; docs/planner.md, "Memory per GPU").
     """
     if scheme.matmul_bytes >= scheme.weights:
         return 0.0
-    matrices = layers * sum(local_block_matrices(shape, tensor))
+    qkv, proj, mlp_in, mlp_out = local_block_matrices(shape, tensor)
+    block = qkv + proj + mlp_in + mlp_out
+    if checkpointing:
+        matrices: float = block
+    elif "mlp" in recompute:
+        matrices = flight * layers * (qkv + proj) + mlp_in + mlp_out
+    else:
+        matrices = flight * layers * block
     if last:  # the head, tied to the token table or not
         matrices += vocab_rows(shape, tensor) * shape.hidden
     return float(matrices * scheme.matmul_bytes)
@@ -522,8 +540,7 @@ class RankMemory:
     other_activations: float = 0.0
     """Activations of the other micro-batches in flight while one finishes its backward."""
     weight_casts: float = 0.0
-    """Autocast's matmul-dtype copies of the stage's matrices, one per micro-batch in flight
-    (:func:`weight_cast_bytes`; one block's with activation checkpointing)."""
+    """Autocast's matmul-dtype copies of the weights autograd keeps (:func:`weight_cast_bytes`)."""
     compression: float = 0.0
     """Gradient compression's state kept between steps (error feedback, PowerSGD's Q)."""
     exchange: float = 0.0
@@ -533,10 +550,9 @@ class RankMemory:
     @property
     def total(self) -> float:
         """Peak bytes: the state plus the largest working set (backward, the end of a backward, the optimizer step)."""
-        others = max(0.0, self.in_flight - 1) / self.in_flight if self.in_flight else 0.0
-        working = max(
+        working = max(  # the copies are 0 where reduce_end is not (ZeRO-3 over data ranks)
             self.activations + self.weight_casts + self.buffers + self.exchange,
-            self.other_activations + self.weight_casts * others + self.reduce_end,
+            self.other_activations + self.reduce_end,
             self.step_buffers,
         )
         return self.weights + self.grads + self.optimizer + self.compression + working
@@ -625,13 +641,17 @@ def plan_memory(
             )
         last = stage == par.pipeline - 1
         casts = 0.0
-        if par.zero_stage != 3:  # FSDP2 gathers 16-bit weights itself: autocast has nothing to cast
-            if job.training.activation_checkpointing:  # the copies are remade block by block
-                casts = weight_cast_bytes(shape, par.tensor, 1, last=last, scheme=scheme)
-            else:
-                casts = flight * weight_cast_bytes(
-                    shape, par.tensor, layers_per_stage, last=last, scheme=scheme
-                )
+        if not (par.zero_stage == 3 and par.data > 1):  # FSDP2 gathers bf16 weights: no casts
+            casts = weight_cast_bytes(
+                shape,
+                par.tensor,
+                layers_per_stage,
+                flight,
+                last=last,
+                scheme=scheme,
+                checkpointing=job.training.activation_checkpointing,
+                recompute=job.training.selective_recompute,
+            )
         largest = largest_param(shape, par.tensor, first=stage == 0, last=last)
         buffers, step_buffers = working_buffers(params, largest, par, scheme)
         reduce_end = 0.0

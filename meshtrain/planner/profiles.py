@@ -210,12 +210,7 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
         values[key] = data[key].strip()
     values["description"] = str(data.get("description", values["name"])).strip()
     for key in REQUIRED_NUMBERS:
-        raw = data.get(key)
-        if isinstance(raw, str):  # YAML 1.1 reads 989.0e12 (no exponent sign) as a string
-            try:
-                raw = float(raw)
-            except ValueError:
-                pass
+        raw = _numeric(data.get(key))
         if (
             isinstance(raw, bool)
             or not isinstance(raw, (int, float))
@@ -244,8 +239,22 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
     return Profile(path=origin, **values)
 
 
+def _numeric(raw: Any) -> Any:
+    """``raw``, or the float a string spells.
+
+    YAML 1.1 (PyYAML) reads ``989.0e12`` (no exponent sign) and ``1e-05``
+    (no dot: how Helm's ``toYaml`` prints small floats) as strings.
+    """
+    if isinstance(raw, str):
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
 def _number(data: Mapping[str, Any], key: str, origin: str, *, minimum: float = 0.0) -> float:
-    raw = data.get(key)
+    raw = _numeric(data.get(key))
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw >= minimum:
         raise ProfileError(f"{origin}: '{key}' must be a number >= {minimum:g}, got {raw!r}")
     return float(raw)

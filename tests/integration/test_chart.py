@@ -319,6 +319,10 @@ def test_install_and_uninstall(tools: dict) -> None:
             ["--set", "operator.profiles.h100-sxm.name=h100-sxm"],
             "at '/operator/profiles/h100-sxm': missing properties 'source', 'peak_flops'",
         ),
+        (
+            ["--set", "operator.profiles.h100-sxm.colour=green"],
+            "at '/operator/profiles/h100-sxm': additional properties 'colour' not allowed",
+        ),
     ],
 )
 def test_bad_values_fail_at_install_with_the_schema_message(

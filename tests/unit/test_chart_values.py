@@ -6,6 +6,7 @@ the chart against a real API server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -88,6 +89,9 @@ def test_chart_versions() -> None:
 
 
 def test_a_profile_value_needs_what_the_profile_loader_needs() -> None:
-    """operator.profiles entries are refused at install for the keys the operator would refuse."""
+    """operator.profiles entries are refused at install for the keys the operator would refuse:
+    a missing required one, or one the loader does not know."""
     entry = _schema()["properties"]["operator"]["properties"]["profiles"]["additionalProperties"]
     assert set(entry["required"]) == {"name", "source", *profiles.REQUIRED_NUMBERS}
+    loaded = {f.name for f in dataclasses.fields(profiles.Profile)} - {"path"}
+    assert entry["additionalProperties"] is False and set(entry["properties"]) == loaded

@@ -302,6 +302,26 @@ def test_profile_from_node_labels() -> None:
         assert admission.profile_for_labels({"nvidia.com/gpu.product": product}) is None, product
 
 
+def test_a_node_is_judged_with_the_memory_its_labels_report() -> None:
+    """GPU feature discovery's labels: a MIG slice gets the default profile at the slice's memory."""
+    h100 = profiles.get("h100-sxm")
+    slice_labels = {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb",
+        "nvidia.com/gpu.memory": "9984",
+    }
+    sliced = admission.node_profile(slice_labels, h100)
+    assert sliced is not None and sliced.memory_bytes == 9984 * 2**20
+    assert sliced.reserved_bytes == h100.reserved_bytes
+    whole = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.memory": "81559"}
+    assert admission.node_profile(whole, None) == h100  # the label agrees with the profile
+    unknown = {"nvidia.com/gpu.product": "NVIDIA-B300"}  # no built-in, no memory label
+    assert admission.node_profile(unknown, h100) == h100
+    assert admission.node_profile({}, h100) is None  # names no GPU: the operator's default path
+    # a job the whole GPU takes is refused on the slice
+    job = loading.parse_spec(JobBuilder().model(preset="1.3b").layout(data=1).gpus(1).raw())
+    assert admission.check(job, h100) is None and admission.check(job, sliced) is not None
+
+
 # --- profiles ------------------------------------------------------------------------------------
 
 
@@ -311,6 +331,15 @@ def test_builtin_profiles_have_sources() -> None:
     assert known["h100-sxm"].peak_flops == pytest.approx(989e12)
     assert known["h200"].memory_bytes > known["h100-sxm"].memory_bytes
     assert all(p.source for p in known.values())
+
+
+def test_numbers_as_helm_prints_them_load(tmp_path: Path) -> None:
+    """Helm's toYaml writes 2e-05 (no dot), which YAML 1.1 reads as a string."""
+    text = (profiles.BUILTIN_DIR / "h100-sxm.yaml").read_text()
+    path = tmp_path / "h100-sxm.yaml"
+    path.write_text(text + "op_overhead: 2e-05\ncores: 0\n")
+    assert isinstance(yaml.safe_load(path.read_text())["op_overhead"], str)
+    assert profiles.load_file(path).op_overhead == 2e-05
 
 
 def test_unknown_profile_lists_the_known_ones() -> None:
