@@ -26,16 +26,17 @@ class Admissions:
 
     def __init__(self, default: profiles.Profile | None) -> None:
         self._default = default
-        self._products: dict[tuple[str, str], profiles.Profile | None] = {}
-        """GPU product and memory label values -> profile."""
+        self._products: dict[tuple[str, ...], admission.NodeProfile | None] = {}
+        """GPU resource, product and memory label values -> profile."""
         self._verdicts: dict[tuple[str, str], tuple[Any, Verdict]] = {}
 
-    def _profile_of(self, labels: Mapping[str, str]) -> profiles.Profile | None:
+    def _profile_of(self, labels: Mapping[str, str], resource: str) -> admission.NodeProfile | None:
         product = labels.get(admission.PRODUCT_LABEL, "")
-        key = (product, labels.get(admission.MEMORY_LABEL, ""))
+        memory = (labels.get(admission.MEMORY_LABEL, ""), labels.get(f"{resource}.memory", ""))
+        key = (resource, product, *memory)
         if key not in self._products:
             try:
-                self._products[key] = admission.node_profile(labels, self._default)
+                self._products[key] = admission.node_profile(labels, self._default, resource)
             except profiles.ProfileError as err:  # a broken user profile directory: the default
                 logger.warning(
                     "GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err
@@ -48,7 +49,11 @@ class Admissions:
         assert job.spec is not None
         candidates = sizing.candidates(job.spec, list(nodes))
         choice = sizing.choose_profile(
-            [(n.name, self._profile_of(n.labels)) for n in candidates], self._default
+            [
+                (n.name, self._profile_of(n.labels, job.spec.resources.gpu_resource_name))
+                for n in candidates
+            ],
+            self._default,
         )
         key = (job.ref.uid, job.generation, choice, identity.spec_hash(job.spec))
         cached = self._verdicts.get((job.ref.namespace, job.ref.name))

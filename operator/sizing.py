@@ -6,9 +6,11 @@ The pure policy the operator applies before it places a gang.
   ``resources.nodeSelector`` and offer its GPU resource; cordoned nodes count,
   their hardware is what it is);
 * :func:`choose_profile`: the device profile to judge the job by — the
-  *smallest* GPU among the candidates whose ``nvidia.com/gpu.product`` label
-  names a known profile (placement may use any candidate, so the job must fit
-  the smallest), else the operator's default (``--gpu-profile``), else none;
+  *smallest* GPU among the candidates that name one
+  (:func:`meshtrain.planner.admission.node_profile`: the product's profile or
+  the operator's default, at the memory the node's labels report; placement
+  may use any candidate, so the job must fit the smallest), else the
+  operator's default (``--gpu-profile``) for nodes that name no GPU, else none;
 * :func:`admit`: :class:`Admitted` with the numbers for ``status.plan``, or
   :class:`Refused` with the planner's WontFit message (and the same numbers),
   or None when there is no profile to judge by.
@@ -78,19 +80,25 @@ def candidates(
 
 
 def choose_profile(
-    node_profiles: Sequence[tuple[str, profiles.Profile | None]], default: profiles.Profile | None
+    node_profiles: Sequence[tuple[str, admission.NodeProfile | None]],
+    default: profiles.Profile | None,
 ) -> Choice:
-    """The smallest known GPU among ``(node name, profile)`` candidates, else ``default``.
+    """The GPU with the least memory for tensors among ``(node name, its profile)`` candidates,
+    else ``default`` (no candidate names a GPU).
 
     Ties on memory go to the profile name, then the node name, so the answer
     does not depend on the order nodes are listed in.
     """
-    known = [(p.tensor_memory_bytes, p.name, node, p) for node, p in node_profiles if p is not None]
+    known = [
+        (p.profile.tensor_memory_bytes, p.profile.name, node, p)
+        for node, p in node_profiles
+        if p is not None
+    ]
     if known:
         _, _, node, smallest = min(known, key=lambda item: item[:3])
         kinds = sorted({item[1] for item in known})
         others = f" (smallest of {', '.join(kinds)})" if len(kinds) > 1 else ""
-        return Choice(smallest, f"node {node} label {admission.PRODUCT_LABEL}{others}")
+        return Choice(smallest.profile, f"node {node}: {smallest.why}{others}")
     if default is not None:
         return Choice(
             default,

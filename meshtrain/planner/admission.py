@@ -172,24 +172,59 @@ def profile_for_labels(
     return None
 
 
-def node_profile(
-    labels: Mapping[str, str], default: profiles.Profile | None, extra_dirs: tuple[str, ...] = ()
-) -> profiles.Profile | None:
-    """The profile a GPU node is judged by: its product's (:func:`profile_for_labels`), else
-    ``default``, with no more memory than its :data:`MEMORY_LABEL` reports.
+@dataclasses.dataclass(frozen=True)
+class NodeProfile:
+    """The profile a node's GPUs are judged by, and where it comes from (for messages)."""
 
-    A node that names a GPU no built-in profile is of (a MIG slice, a GH200)
-    gets ``default``; the memory label then keeps a slice from being judged
-    as the whole GPU.  None for a node that names no GPU.
+    profile: profiles.Profile
+    why: str
+    """E.g. ``label nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3, at nvidia.com/gpu.memory=...``."""
+
+
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+"""GPU resources of MIG slices under GPU feature discovery's mixed strategy (``nvidia.com/mig-1g.10gb``)."""
+
+
+def node_profile(
+    labels: Mapping[str, str],
+    default: profiles.Profile | None,
+    resource: str = "nvidia.com/gpu",
+    extra_dirs: tuple[str, ...] = (),
+) -> NodeProfile | None:
+    """What a GPU node is judged by for a job asking for ``resource``: its product's profile
+    (:func:`profile_for_labels`), else ``default``, with no more memory than the node's labels
+    give one GPU of that resource.
+
+    A node that names a GPU no built-in profile is of (a newer GPU, a GH200,
+    a MIG slice under the single strategy, whose product and
+    :data:`MEMORY_LABEL` are the slice's) gets ``default``; so does a MIG
+    slice resource of the mixed strategy (``nvidia.com/mig-1g.10gb``, its
+    memory in ``nvidia.com/mig-1g.10gb.memory``).  None for a node that names
+    no GPU, or when there is nothing to judge by.
     """
-    if not labels.get(PRODUCT_LABEL):
+    product = labels.get(PRODUCT_LABEL)
+    if not product:
         return None
-    profile = profile_for_labels(labels, extra_dirs) or default
-    mib = labels.get(MEMORY_LABEL, "")
-    if profile is None or not mib.isdigit() or int(mib) * 2**20 >= profile.memory_bytes:
-        return profile
-    return dataclasses.replace(
-        profile,
-        memory_bytes=float(int(mib) * 2**20),
-        description=f"{profile.description}; {MEMORY_LABEL}={mib} MiB",
-    )
+    memory_label = MEMORY_LABEL
+    builtin = None
+    if resource.startswith(MIG_RESOURCE_PREFIX):
+        memory_label = f"{resource}.memory"
+        unknown = f"{resource} is a MIG slice"
+    else:
+        builtin = profile_for_labels(labels, extra_dirs)
+        unknown = f"{PRODUCT_LABEL}={product} names no built-in profile"
+    if builtin is not None:
+        profile, why = builtin, f"label {PRODUCT_LABEL}={product}"
+    elif default is not None:
+        profile, why = default, f"operator default --gpu-profile {default.name} ({unknown})"
+    else:
+        return None
+    mib = labels.get(memory_label, "")
+    if mib.isdigit() and int(mib) * 2**20 < profile.memory_bytes:
+        profile = dataclasses.replace(
+            profile,
+            memory_bytes=float(int(mib) * 2**20),
+            description=f"{profile.description}; {memory_label}={mib} MiB",
+        )
+        why += f", at {memory_label}={mib} MiB"
+    return NodeProfile(profile, why)

@@ -619,6 +619,13 @@ def plan_memory(
         sequence_parallel=par.sequence_parallel,
         recompute=job.training.selective_recompute,
     )
+    # selective recompute: backward rebuilds the dropped parts of one block at a time
+    rebuilt = (
+        layer_activation_bytes(
+            shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
+        )
+        - per_layer
+    )
     kept_per_layer = checkpointed_layer_bytes(
         shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
     )
@@ -633,7 +640,7 @@ def plan_memory(
         ):  # block inputs kept; one block's working set rebuilt at a time
             activations = flight * layers_per_stage * kept_per_layer + per_layer
         else:
-            activations = flight * layers_per_stage * per_layer
+            activations = flight * layers_per_stage * per_layer + rebuilt
         if stage == par.pipeline - 1:
             head_flight = par.micro_batches if schedule == "gpipe" else 1
             activations += head_flight * head_activation_bytes(

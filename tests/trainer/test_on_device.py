@@ -172,13 +172,14 @@ def peak_of_a_step(device_kind: str, precision: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_planner_predicts_the_peak_memory_on_the_device(device_kind, precision):
-    """Within 5%; bf16 with autocast's copies of the weights (planner.memory.weight_cast_bytes),
-    without which it was 10% short on the CPU."""
+    """Within 5% on the CPU (bf16 with autocast's copies of the weights,
+    planner.memory.weight_cast_bytes, without which it was 10% short there); 10% on a GPU until
+    one has measured this shape."""
     measured = mt_harness.run_distributed(
         peak_of_a_step, 1, device_kind, precision, timeout_s=150, use_cuda=device_kind == "cuda"
     )[0]
     # the job names its precision, so the profile's default plays no part
     planned = memory.plan_memory(_job(precision), profiles.get("cpu")).stages[0].total
-    assert planned == pytest.approx(measured, rel=0.05), (
+    assert planned == pytest.approx(measured, rel=0.05 if device_kind == "cpu" else 0.10), (
         f"{device_kind} {precision}: planner {planned:.0f} B, measured peak {measured} B"
     )

@@ -32,6 +32,10 @@ TINY_FP32 = (
 )
 
 
+def labelled(profile: profiles.Profile) -> admission.NodeProfile:
+    return admission.NodeProfile(profile, "label nvidia.com/gpu.product")
+
+
 def node(name: str, product: str | None = None, gpus: int = 8, **labels: str) -> placement.Node:
     if product:
         labels[admission.PRODUCT_LABEL] = product
@@ -61,21 +65,21 @@ def test_candidates(name, selector, nodes, expected):
     [
         (
             "a labelled node names the profile",
-            [("n1", H200)],
+            [("n1", labelled(H200))],
             H100,
             "h200",
-            "node n1 label nvidia.com/gpu.product",
+            "node n1: label nvidia.com/gpu.product",
         ),
         (
             "mixed GPUs: the smallest, whatever the order",
-            [("n1", H100), ("n2", A100_40), ("n3", H200)],
+            [("n1", labelled(H100)), ("n2", labelled(A100_40)), ("n3", labelled(H200))],
             None,
             "a100-40g",
             "smallest of a100-40g, h100-sxm, h200",
         ),
         (
             "mixed GPUs reversed",
-            [("n3", H200), ("n2", A100_40), ("n1", H100)],
+            [("n3", labelled(H200)), ("n2", labelled(A100_40)), ("n1", labelled(H100))],
             None,
             "a100-40g",
             "node n2",
@@ -88,7 +92,13 @@ def test_candidates(name, selector, nodes, expected):
             "--gpu-profile cpu",
         ),
         ("no candidate at all: the default", [], H100, "h100-sxm", "--gpu-profile h100-sxm"),
-        ("known wins over unknown", [("n1", None), ("n2", A100_40)], H100, "a100-40g", "node n2"),
+        (
+            "known wins over unknown",
+            [("n1", None), ("n2", labelled(A100_40))],
+            H100,
+            "a100-40g",
+            "node n2",
+        ),
         (
             "no label and no default: nothing to judge by",
             [("n1", None)],
@@ -131,7 +141,7 @@ def test_admit(name, raw, profile, verdict):
 
 def test_refusal_message_has_the_numbers_and_the_profile_source():
     spec = loading.parse_spec(SEVEN_B_ONE_GPU)
-    refused = sizing.admit(spec, sizing.choose_profile([("gpu-7", H100)], None))
+    refused = sizing.admit(spec, sizing.choose_profile([("gpu-7", labelled(H100))], None))
     assert isinstance(refused, sizing.Refused) and refused.reason == "WontFit"
     assert "dp1·pp1·tp1 on h100-sxm" in refused.message and "GiB" in refused.message
     # nvidia-smi's 81559 MiB less the 2 GiB reserve
@@ -150,7 +160,10 @@ def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
     spec = loading.parse_spec(TINY_FP32)
     assert sizing.candidates(spec, [found]) == [found]
     assert admission.profile_for_labels(found.labels) is None
-    choice = sizing.choose_profile([(found.name, None)], CPU)
+    judged = admission.node_profile(found.labels, CPU)
+    choice = sizing.choose_profile([(found.name, judged)], CPU)
+    assert choice.profile == CPU and "operator default --gpu-profile cpu" in choice.source
+    assert "Sandbox-CPU names no built-in profile" in choice.source, choice.source
     assert isinstance(sizing.admit(spec, choice), sizing.Admitted)
 
 

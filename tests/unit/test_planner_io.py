@@ -309,13 +309,27 @@ def test_a_node_is_judged_with_the_memory_its_labels_report() -> None:
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb",
         "nvidia.com/gpu.memory": "9984",
     }
-    sliced = admission.node_profile(slice_labels, h100)
-    assert sliced is not None and sliced.memory_bytes == 9984 * 2**20
-    assert sliced.reserved_bytes == h100.reserved_bytes
+    judged = admission.node_profile(slice_labels, h100)
+    assert judged is not None and judged.profile.memory_bytes == 9984 * 2**20
+    assert judged.profile.reserved_bytes == h100.reserved_bytes
+    assert judged.why == (
+        "operator default --gpu-profile h100-sxm (nvidia.com/gpu.product="
+        "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb names no built-in profile), "
+        "at nvidia.com/gpu.memory=9984 MiB"
+    )
+    sliced = judged.profile
     whole = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.memory": "81559"}
-    assert admission.node_profile(whole, None) == h100  # the label agrees with the profile
+    assert admission.node_profile(whole, None) == admission.NodeProfile(
+        h100, "label nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"
+    )  # the label agrees with the profile
+    # MIG's mixed strategy: the node's labels are the whole GPU's, the slice is a resource
+    mixed = {**whole, "nvidia.com/mig-1g.10gb.memory": "9984"}
+    as_slice = admission.node_profile(mixed, h100, "nvidia.com/mig-1g.10gb")
+    assert as_slice is not None and as_slice.profile.memory_bytes == 9984 * 2**20
+    assert "nvidia.com/mig-1g.10gb is a MIG slice" in as_slice.why
     unknown = {"nvidia.com/gpu.product": "NVIDIA-B300"}  # no built-in, no memory label
-    assert admission.node_profile(unknown, h100) == h100
+    assert admission.node_profile(unknown, h100).profile == h100
+    assert admission.node_profile(unknown, None) is None  # --gpu-profile none: unchecked
     assert admission.node_profile({}, h100) is None  # names no GPU: the operator's default path
     # a job the whole GPU takes is refused on the slice
     job = loading.parse_spec(JobBuilder().model(preset="1.3b").layout(data=1).gpus(1).raw())
