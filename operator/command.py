@@ -32,8 +32,18 @@ NO_PROFILE = "none"
 
 
 def gpu_profile(name: str) -> profiles.Profile | None:
-    """The ``--gpu-profile`` value as a profile (None for ``none``); raises ProfileError for an unknown name."""
-    return None if name == NO_PROFILE else profiles.get(name)
+    """The ``--gpu-profile`` value as a profile (None for ``none``).
+
+    Raises ProfileError for an unknown name, and for any profile file that
+    does not load, whatever the name: nodes are judged by every profile, and
+    a broken file found later would leave their jobs unchecked.
+    """
+    known = profiles.load_all()
+    if name == NO_PROFILE:
+        return None
+    if name not in known:
+        return profiles.get(name)  # raises, listing the known ones
+    return known[name]
 
 
 def election(args: argparse.Namespace) -> leadership.Election:
@@ -147,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         default_profile = gpu_profile(args.gpu_profile)
-    except profiles.ProfileError as err:
-        print(f"meshtrain operator: --gpu-profile: {err}", file=sys.stderr)
+    except profiles.ProfileError as err:  # names the flag's value or the file and key
+        print(f"meshtrain operator: --gpu-profile {args.gpu_profile}: {err}", file=sys.stderr)
         return 2
     import kopf  # noqa: PLC0415 - heavy; only the operator subcommand needs it
 

@@ -188,6 +188,18 @@ def test_operator_gpu_profile_flag(monkeypatch):
     assert cli.main(["operator", "--gpu-profile", "tpu-v9"]) == 2  # refused before kopf starts
 
 
+def test_a_profile_file_that_does_not_load_stops_the_operator_at_start(
+    monkeypatch, tmp_path, capsys
+):
+    """Even with --gpu-profile none: labelled nodes are judged by every profile."""
+    (tmp_path / "h100-sxm.yaml").write_text("name: h100-sxm\nsource: calibrated\n")
+    monkeypatch.setenv(profiles.ENV_VAR, str(tmp_path))
+    with pytest.raises(profiles.ProfileError, match="'peak_flops' must be a positive number"):
+        command.gpu_profile("none")
+    assert cli.main(["operator", "--gpu-profile", "none"]) == 2
+    assert "h100-sxm.yaml" in capsys.readouterr().err
+
+
 class _Waker:
     def __init__(self):
         self.poked: list[tuple[str, str]] = []
