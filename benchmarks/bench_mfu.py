@@ -244,9 +244,8 @@ def memory_report(job: Any, device: torch.device) -> dict[str, Any]:
     timed steps: its total, and what this process holds beyond PyTorch's
     allocator (CUDA context, NCCL, library workspaces).
     """
-    if (
-        device.type == "cuda"
-    ):  # CUDA says "NVIDIA A100 80GB PCIe"; the node label NVIDIA-A100-80GB-PCIe
+    if device.type == "cuda":
+        # CUDA says "NVIDIA A100 80GB PCIe" where the node label says NVIDIA-A100-80GB-PCIe
         product = torch.cuda.get_device_name(device).replace(" ", "-")
         profile = admission.profile_for_labels({admission.PRODUCT_LABEL: product})
     else:

@@ -37,7 +37,7 @@ class Admissions:
         if key not in self._products:
             try:
                 self._products[key] = admission.node_profile(labels, self._default, resource)
-            except profiles.ProfileError as err:  # a broken user profile directory: the default
+            except profiles.ProfileError as err:  # a file broken since start: not judged by it
                 logger.warning(
                     "GPU profile of %s=%s unavailable: %s", admission.PRODUCT_LABEL, product, err
                 )

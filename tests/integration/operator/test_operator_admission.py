@@ -115,8 +115,8 @@ def test_unlabelled_nodes_are_judged_by_the_default_profile(cluster, operator, n
 CHART = pathlib.Path(__file__).resolve().parents[3] / "charts" / "meshtrain"
 
 
-def _rendered(helm: str, values: dict) -> dict[str, dict]:
-    """The chart's objects as ``helm template`` renders them with ``values``, by kind."""
+def _rendered(helm: str, values: dict) -> dict[tuple[str, str], dict]:
+    """The chart's objects as ``helm template`` renders them with ``values``, by kind and name."""
     out = subprocess.run(
         [helm, "template", "t", str(CHART), "-f", "-"],
         input=yaml.safe_dump(values),
@@ -124,13 +124,7 @@ def _rendered(helm: str, values: dict) -> dict[str, dict]:
         text=True,
         check=True,
     ).stdout
-    return {
-        doc["kind"]: doc
-        for doc in yaml.safe_load_all(out)
-        if doc
-        and doc["kind"] in ("ConfigMap", "Deployment")
-        and not doc["metadata"].get("labels", {}).get("grafana_dashboard")
-    }
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(out) if doc}
 
 
 def test_a_calibrated_profile_given_to_the_chart_is_what_admission_judges_by(
@@ -163,12 +157,13 @@ def test_a_calibrated_profile_given_to_the_chart_is_what_admission_judges_by(
     rendered = _rendered(
         str(control_plane_binaries.helm), {"operator": {"profiles": {"h100-sxm": calibrated}}}
     )
-    pod = rendered["Deployment"]["spec"]["template"]["spec"]
+    [deployment] = [doc for (kind, _), doc in rendered.items() if kind == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     mount = next(m for m in container["volumeMounts"] if m["name"] == "profiles")
     volume = next(v for v in pod["volumes"] if v["name"] == "profiles")
-    config_map = rendered["ConfigMap"]
-    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    # the ConfigMap the volume names is one the chart renders
+    config_map = rendered[("ConfigMap", volume["configMap"]["name"])]
     directory = tmp_path / "profiles"  # what the kubelet projects at the mount path
     directory.mkdir()
     for file, text in config_map["data"].items():
