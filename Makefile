@@ -29,14 +29,11 @@ lock: venv  ## re-resolve requirements.lock from pyproject.toml (the one pin of 
 verify: venv  ## static checks CI runs before the tests: ruff lint + format, mypy, import contracts
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python scripts/package_tree.py $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml \
-	  --cache-dir $(CURDIR)/.mypy_cache -p meshtrain
-	$(BIN)/python scripts/package_tree.py $(abspath $(BIN))/lint-imports --config $(CURDIR)/pyproject.toml \
-	  --cache-dir $(CURDIR)/.import_linter_cache
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 	@$(BIN)/python -m meshtrain.api.crd | diff -u $(CRD) - \
 	  || { echo "$(CRD) is not what the model generates: run make crd"; exit 1; }
 	@scripts/chart-sync.sh --check || { echo "the chart's copies differ: run make chart-sync"; exit 1; }
-	$(BIN)/python scripts/check_module_names.py
 
 bootstrap:  ## build/locate the control plane, kubelet, containerd, CoreDNS, helm; apt: prometheus, runc, CNI, buildah (cached)
 	scripts/bootstrap.sh
@@ -79,7 +76,7 @@ crd: venv  ## regenerate the TrainingJob CRD from the spec model and rules, and 
 manifests: bootstrap  ## regenerate manifests/rbac and manifests/operator from the chart
 	scripts/render-manifests.sh
 
-chart-package: bootstrap  ## helm package the chart into dist/meshtrain-VERSION.tgz (VERSION = meshtrain.__version__)
+chart-package: bootstrap  ## helm package the chart into dist/meshtrain-VERSION.tgz (VERSION = meshtrain.api.release.VERSION)
 	scripts/chart-package.sh dist
 
 lint-chart: bootstrap  ## helm lint --strict the chart

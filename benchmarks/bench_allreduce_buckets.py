@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import recording, reducer
+from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import reducer
+from meshtrain.trainer.telemetry import recording
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=32, layers=12, hidden=128, heads=4, ffn_hidden=512)
 BATCHES = (1, 8)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import machine
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 STAGES = (2, 4)
@@ -62,10 +62,11 @@ def worker(p: int, steps: int, out_dir: str) -> None:
     """One rank: every (schedule, m) for this p, telemetry on, saved-activation bytes counted."""
     import torch  # noqa: PLC0415 - the parent never needs torch
 
-    from meshtrain import layout as layout_mod  # noqa: PLC0415
+    from meshtrain.api import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import loading  # noqa: PLC0415
-    from meshtrain.trainer import engine, telemetry  # noqa: PLC0415
+    from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
+    from meshtrain.trainer.telemetry.recorder import make_recorder  # noqa: PLC0415
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -86,7 +87,7 @@ def worker(p: int, steps: int, out_dir: str) -> None:
             layout = layout_mod.from_spec(job.parallelism)
             mesh = mesh_mod.build_mesh(layout, torch.device("cpu"))
             log_dir = Path(out_dir) / f"{schedule}-p{p}-m{m}"
-            rec = telemetry.make_recorder(job, layout, rank, log_dir, serve=False)
+            rec = make_recorder(job, layout, rank, log_dir, serve=False)
             trainer = engine.Engine(job, mesh, recorder=rec)
             weights.clear()
             weights.update(param.untyped_storage().data_ptr() for param in trainer.params)

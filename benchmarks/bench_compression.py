@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.telemetry import recording
 
 MODES = (
     {"mode": "none"},

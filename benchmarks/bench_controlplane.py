@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
-from meshtrain import controlplane
+from meshtrain.sandbox import controlplane
 
 TARGET_SECONDS = 10.0
 

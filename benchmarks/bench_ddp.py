@@ -29,8 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import recording, reducer
+from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import reducer
+from meshtrain.trainer.telemetry import recording
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=64, layers=8, hidden=256, heads=8, ffn_hidden=1024)
 BATCH = 4

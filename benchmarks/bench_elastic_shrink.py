@@ -30,7 +30,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine
-from meshtrain.controlplane import binaries
+from meshtrain.sandbox.controlplane import binaries
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess
 from tests.integration.operator.test_operator_chaos import Kubelet

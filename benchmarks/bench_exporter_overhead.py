@@ -4,7 +4,7 @@ What it measures: local gloo runs (tiny model, where a fixed per-step cost
 shows most) whose engine is built with a switch recorder; steps alternate
 telemetry on/off in an ABBA pattern (on, off, off, on, ...) so that drift
 and noise hit both sides alike.  "On" is the full
-:class:`~meshtrain.trainer.telemetry.TelemetryRecorder`: events, the step
+:class:`~meshtrain.trainer.telemetry.recorder.TelemetryRecorder`: events, the step
 summary, Prometheus metrics, steps/trace files; "off" is the engine's no-op
 recorder.  The HTTP servers stay up and are scraped every second throughout.
 Reported: median step time on / off (steps after warm-up), the median of
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import machine
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 LAYOUTS = {
     "dp1·pp2·tp1 1f1b m=4": {"data": 1, "pipeline": 2, "microBatches": 4},
@@ -65,11 +65,12 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     """One rank: train STEPS steps, alternating telemetry; rank 0 writes the step times."""
     import torch  # noqa: PLC0415 - the parent process never needs torch
 
-    from meshtrain import layout as layout_mod  # noqa: PLC0415
+    from meshtrain.api import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import loading  # noqa: PLC0415
-    from meshtrain.trainer import engine, telemetry  # noqa: PLC0415
+    from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
-    from meshtrain.trainer.parallel import recording  # noqa: PLC0415
+    from meshtrain.trainer.telemetry import recording  # noqa: PLC0415
+    from meshtrain.trainer.telemetry.recorder import make_recorder  # noqa: PLC0415
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -77,7 +78,7 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     layout = layout_mod.from_spec(job.parallelism)
     mesh_mod.init_process_group(use_cuda=False)
     mesh = mesh_mod.build_mesh(layout, torch.device("cpu"))
-    rec = telemetry.make_recorder(job, layout, rank, log_dir)
+    rec = make_recorder(job, layout, rank, log_dir)
     switch = Switch(rec, recording.NullRecorder())
     trainer = engine.Engine(job, mesh, recorder=switch)
     rec.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
@@ -170,10 +171,10 @@ def run_layout(parallelism: dict, work: Path) -> dict:
 
 def recorder_cost(repeats: int = 300) -> float:
     """CPU seconds per step of the telemetry recorder on a 1f1b p=2 m=8 step with 4 buckets (no training)."""
-    from meshtrain import layout as layout_mod  # noqa: PLC0415
+    from meshtrain.api import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import loading  # noqa: PLC0415
-    from meshtrain.trainer import telemetry  # noqa: PLC0415
     from meshtrain.trainer.parallel import schedules  # noqa: PLC0415
+    from meshtrain.trainer.telemetry.recorder import make_recorder  # noqa: PLC0415
 
     job = loading.parse_spec(
         {
@@ -184,7 +185,7 @@ def recorder_cost(repeats: int = 300) -> float:
         }
     )
     with tempfile.TemporaryDirectory() as tmp:
-        rec = telemetry.make_recorder(job, layout_mod.from_spec(job.parallelism), 0, tmp)
+        rec = make_recorder(job, layout_mod.from_spec(job.parallelism), 0, tmp)
         actions = schedules.actions("1f1b", 2, 8, 0)
         started = time.process_time()
         for step in range(1, repeats + 1):

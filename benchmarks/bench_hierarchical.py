@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain import layout as layout_mod
-from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import hierarchical, recording, reducer
+from meshtrain.api import layout as layout_mod
+from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import hierarchical, reducer
+from meshtrain.trainer.telemetry import recording
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=32, layers=12, hidden=128, heads=4, ffn_hidden=512)
 WORLD, PER_NODE = 8, 4

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 PRESETS = ("tiny", "llama-tiny")

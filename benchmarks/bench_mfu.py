@@ -9,7 +9,7 @@ bf16 autocast with fp32 master weights, compiled blocks (``--no-compile``
 turns that off) and optional selective recompute, and trains ``--steps``
 steps after 3 warm-up steps (the first compiles).  It reports tokens/s and
 MFU = tokens/s x FLOPs per token / (peak x GPUs).  FLOPs per token is
-``6N + 12 L T H`` (:func:`meshtrain.trainer.model.flops_per_token`, full
+``6N + 12 L T H`` (:func:`meshtrain.trainer.models.gpt.flops_per_token`, full
 attention matrix counted); the peak is the GPU's dense bf16 figure
 (:mod:`meshtrain.trainer.telemetry.peak`).  Under ``torchrun`` the GPUs are
 data-parallel ranks (``--nproc-per-node N``), which adds the bucketed
@@ -55,15 +55,16 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import admission, memory, profiles
-from meshtrain.trainer import calibrate, engine
-from meshtrain.trainer import model as gpt
+from meshtrain.sandbox.controlplane.ports import pick_free_port
+from meshtrain.trainer import engine
+from meshtrain.trainer.calibration import machine as calibrate
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import pipeline, recording
-from meshtrain.trainer.telemetry import peak
+from meshtrain.trainer.parallel import pipeline
+from meshtrain.trainer.telemetry import peak, recording
 
 MICRO_BATCH = {
     "tiny": 2,

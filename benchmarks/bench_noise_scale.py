@@ -9,7 +9,7 @@ point, with the weights held fixed:
   ``B_noise = tr(Sigma) / |G|^2``.
 - **estimate**: what the engine measures, replayed in one process: each step ``dp`` replicas
   compute their ``b``-sequence gradient, the all-reduced gradient is their mean, and the two
-  squared norms go through :class:`meshtrain.trainer.noise_scale.Tracker` (the engine's own
+  squared norms go through :class:`meshtrain.trainer.guards.noise_scale.Tracker` (the engine's own
   estimator; ``tests/trainer/test_noise_scale.py`` holds the engine's numbers equal to it).
 
 The issue's target: the estimate within a factor of 2 of the reference.
@@ -30,8 +30,9 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine
 from meshtrain.api import loading
-from meshtrain.trainer import data, llama, noise_scale
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.data import batches
+from meshtrain.trainer.guards import noise_scale
+from meshtrain.trainer.models import gpt, llama
 
 SHAPE = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
 SMALL = 2
@@ -46,8 +47,8 @@ def _config() -> gpt.GPTConfig:
     return gpt.GPTConfig.from_shape(spec.model.shape())
 
 
-def _sampler(tokens: object, config: gpt.GPTConfig, batch: int, seed: int) -> data.BatchSampler:
-    return data.BatchSampler(
+def _sampler(tokens: object, config: gpt.GPTConfig, batch: int, seed: int) -> batches.BatchSampler:
+    return batches.BatchSampler(
         tokens,
         seq_len=config.seq_len,
         micro_batch=batch,
@@ -70,7 +71,7 @@ def _gradient(model: torch.nn.Module, rows: torch.Tensor, vocab: int) -> torch.T
 
 
 def reference(
-    model: torch.nn.Module, sampler: data.BatchSampler, count: int, vocab: int
+    model: torch.nn.Module, sampler: batches.BatchSampler, count: int, vocab: int
 ) -> dict[str, float]:
     grads = torch.stack([_gradient(model, sampler.global_batch_at(i), vocab) for i in range(count)])
     mean = grads.mean(dim=0)
@@ -85,7 +86,7 @@ def reference(
 
 
 def estimate(
-    model: torch.nn.Module, sampler: data.BatchSampler, steps: int, vocab: int
+    model: torch.nn.Module, sampler: batches.BatchSampler, steps: int, vocab: int
 ) -> dict[str, float | None]:
     tracker = noise_scale.Tracker(SMALL, SMALL * REPLICAS)
     for step in range(steps):
@@ -111,7 +112,7 @@ def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     config = _config()
-    tokens = data.open_dataset(
+    tokens = batches.open_dataset(
         loading.parse_spec({"model": SHAPE, "resources": {"gpusPerNode": 1}}).training,
         vocab=config.vocab,
         seq_len=config.seq_len,

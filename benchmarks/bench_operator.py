@@ -12,7 +12,7 @@ The gang latency is also compared, run by run, with the same API calls made
 without the operator (create the gated pods, lift the gates): on a shared,
 noisy machine the ratio is the number to trust.
 
-It starts its own control plane (:class:`meshtrain.controlplane.ControlPlane`),
+It starts its own control plane (:class:`meshtrain.sandbox.controlplane.ControlPlane`),
 installs the CRDs, creates Node objects with GPU capacity (no kubelet) and runs
 the operator as a subprocess, as a user would.  It prints a table and writes
 ``benchmarks/results/operator-<host>.json``.
@@ -41,10 +41,11 @@ from typing import Any, TypeVar
 
 import kubernetes
 
-from meshtrain import controlplane
 from meshtrain.api import crd, loading
-from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.operator import builders, identity, kube
+from meshtrain.operator.cluster import kube
+from meshtrain.operator.policy import builders, identity
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import machine
@@ -119,7 +120,7 @@ def _start_operator(
     command = [
         sys.executable,
         "-m",
-        "meshtrain.cli",
+        "meshtrain.cli.main",
         "operator",
         *scope,
         "--kubeconfig",

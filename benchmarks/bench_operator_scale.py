@@ -45,8 +45,8 @@ import kubernetes
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 
-from meshtrain import controlplane
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import bench_operator, machine

@@ -41,8 +41,10 @@ from benchmarks import hostload, machine
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
-from meshtrain.trainer import calibrate, launch, step_loop_run, steplog
-from meshtrain.trainer.telemetry import loop_trace, stepstats, trace
+from meshtrain.trainer import launch
+from meshtrain.trainer.calibration import machine as calibrate
+from meshtrain.trainer.calibration import step_loop
+from meshtrain.trainer.telemetry import loop_trace, steplog, stepstats, trace
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
 TRAINING = {"microBatch": 4, "precision": "fp32", "dataset": "stdlib", "warmupSteps": 1}
@@ -363,7 +365,7 @@ def repredict(document: dict[str, Any]) -> dict[str, Any]:
             loop_run = row["calibration"]["calibration"].get("step_loop_run", {})
             calibrated = dataclasses.replace(
                 calibrated,
-                step_loop_between_share=step_loop_run.between_share(
+                step_loop_between_share=step_loop.between_share(
                     loop_run, job, calibrated, calibrated.rank_step_cpu_seconds
                 ),
             )

@@ -38,7 +38,8 @@ import yaml
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine
-from meshtrain.trainer import faults, steplog
+from meshtrain.trainer.guards import faults
+from meshtrain.trainer.telemetry import steplog
 
 LAUNCH = (
     "import sys; from meshtrain.trainer import launch; "

@@ -1,6 +1,6 @@
 """Cost of the straggler detector per training step at large worlds: per-rank Python loop vs numpy.
 
-Every rank runs :class:`meshtrain.trainer.slowdown.Detector` on the whole
+Every rank runs :class:`meshtrain.trainer.guards.stragglers.Detector` on the whole
 world's compute times each step (``observe`` then ``verdict``), so its cost is
 added to every step of every rank.  ``before`` is the per-rank loop the
 detector used until it was vectorised (each rank's peer list and a
@@ -26,8 +26,8 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine
-from meshtrain import layout as layout_mod
-from meshtrain.trainer import slowdown
+from meshtrain.api import layout as layout_mod
+from meshtrain.trainer.guards import stragglers
 
 WINDOW = 20
 THRESHOLD = 1.3
@@ -61,7 +61,7 @@ class Shipped:
     """The detector as the worker drives it: ``observe`` then ``verdict`` each step."""
 
     def __init__(self, layout: layout_mod.ParallelLayout) -> None:
-        self._detector = slowdown.Detector(layout, THRESHOLD, WINDOW)
+        self._detector = stragglers.Detector(layout, THRESHOLD, WINDOW)
         self._step = 0
 
     def step(self, compute_seconds: Sequence[float]) -> list[int]:

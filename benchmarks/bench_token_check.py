@@ -1,12 +1,12 @@
 """Throughput of the whole-file token check a dataset runs when it is opened.
 
 Writes a token file of ``--gib`` GiB per element type (uint16, uint32), then
-times :func:`meshtrain.trainer.tokens.first_out_of_vocab` over all of it:
+times :func:`meshtrain.trainer.data.token_files.first_out_of_vocab` over all of it:
 once right after writing (the file in the page cache, as on a rank whose
 node just read it) and reports GB/s.  A second pass with a bad id in the
 last token checks that the scan really reads to the end.  Then it opens the
-file as a job does (:func:`meshtrain.trainer.tokens.open_token_file`) twice:
-the first open scans and records the result (:mod:`meshtrain.trainer.scan_record`),
+file as a job does (:func:`meshtrain.trainer.data.token_files.open_token_file`) twice:
+the first open scans and records the result (:mod:`meshtrain.trainer.data.vocab_scan`),
 the second, a restart on the unchanged file, reads the record instead.
 
 Run: ``python benchmarks/bench_token_check.py [--gib 1]``.
@@ -25,7 +25,7 @@ import numpy as np
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine
-from meshtrain.trainer import tokens
+from meshtrain.trainer.data import token_files
 
 
 def _write(path: Path, dtype: np.dtype, count: int, vocab: int) -> None:
@@ -36,15 +36,15 @@ def _write(path: Path, dtype: np.dtype, count: int, vocab: int) -> None:
 
 
 def _time_scan(path: Path, dtype: str, vocab: int) -> tuple[float, tuple[int, int] | None]:
-    ids = np.memmap(path, dtype=tokens.DTYPES[dtype], mode="r")
+    ids = np.memmap(path, dtype=token_files.DTYPES[dtype], mode="r")
     start = time.perf_counter()
-    found = tokens.first_out_of_vocab(ids, vocab)
+    found = token_files.first_out_of_vocab(ids, vocab)
     return time.perf_counter() - start, found
 
 
 def _time_open(path: Path, dtype: str, vocab: int) -> float:
     start = time.perf_counter()
-    tokens.open_token_file(path, dtype=dtype, vocab=vocab, seq_len=8, field="benchmark")
+    token_files.open_token_file(path, dtype=dtype, vocab=vocab, seq_len=8, field="benchmark")
     return time.perf_counter() - start
 
 
@@ -56,7 +56,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="mt-token-check-") as tmp:
         for dtype, vocab in (("uint16", 50_304), ("uint32", 128_256)):
-            np_dtype = tokens.DTYPES[dtype]
+            np_dtype = token_files.DTYPES[dtype]
             count = nbytes // np_dtype.itemsize
             path = Path(tmp) / f"{dtype}.bin"
             _write(path, np_dtype, count, vocab)

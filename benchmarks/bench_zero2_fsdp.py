@@ -14,7 +14,7 @@ accumulation count (``--micro-batches``, default 2 and 4) it starts
   reference.
 
 Each rank trains one step (lazy state), measures the next step's peak of
-live tensor bytes with :class:`meshtrain.trainer.live_memory.LiveBytes`
+live tensor bytes with :class:`meshtrain.trainer.telemetry.live_bytes.LiveBytes`
 (training state included), then times ``--steps`` steps without the
 tracker, and step 2's data-parallel collective bytes by kind (the
 engine's recorder).  Rank 0 reports; writes ``benchmarks/results/zero2_fsdp-<host>.json``.
@@ -35,10 +35,11 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_zero3, machine, ranks
-from meshtrain import layout as layout_mod
-from meshtrain.trainer import engine, live_memory, memory_accounting
+from meshtrain.api import layout as layout_mod
+from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording, zero3
+from meshtrain.trainer.parallel import zero3
+from meshtrain.trainer.telemetry import live_bytes, recording, state_bytes
 
 VARIANTS = {"own-zero2": 2, "fsdp2-no-reshard": 3, "fsdp2-zero3": 3}
 """Variant -> the zeroStage its engine runs."""
@@ -67,8 +68,8 @@ def _rank(
         recorder=recorder,
     )
     eng.train_step()
-    tracker = live_memory.LiveBytes()
-    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    tracker = live_bytes.LiveBytes()
+    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
     with tracker:
         loss = eng.train_step()  # step 2
     peak = torch.tensor([tracker.peak], dtype=torch.float64)

@@ -3,7 +3,7 @@
 For each ZeRO stage it starts ``--dp`` fresh local gloo ranks; each builds
 the meshtrain Engine for the model, trains one step (lazy state), measures
 the next step's peak of live tensor bytes with
-:class:`meshtrain.trainer.live_memory.LiveBytes` (training state included)
+:class:`meshtrain.trainer.telemetry.live_bytes.LiveBytes` (training state included)
 and then times ``--steps`` more steps without the tracker.  Rank 0 reports;
 the planner's per-rank peak (:func:`meshtrain.planner.memory.plan_memory`)
 is computed beside it.  All stages run in one invocation so their ratios
@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.planner import memory, profiles
-from meshtrain.trainer import engine, live_memory, memory_accounting
+from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import live_bytes, state_bytes
 
 MODEL = {"layers": 8, "hidden": 256, "heads": 8, "vocab": 8192, "seqLen": 128, "ffnHidden": 1024}
 """Small enough for a 2-core CPU, large enough that weights and optimizer state dominate activations."""
@@ -61,8 +62,8 @@ def _rank(
         job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     )
     eng.train_step()
-    tracker = live_memory.LiveBytes()
-    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    tracker = live_bytes.LiveBytes()
+    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
     with tracker:
         eng.train_step()
     peak = torch.tensor([tracker.peak], dtype=torch.float64)

@@ -4,7 +4,7 @@ For each data-parallel degree and ZeRO stage it starts that many
 fresh local gloo ranks; each builds the meshtrain Engine for the preset,
 creates AdamW's state, runs one forward/backward (so every lazily created
 tensor exists) and measures its state with
-:func:`meshtrain.trainer.memory_accounting.measure`.  A configuration that would not fit
+:func:`meshtrain.trainer.telemetry.state_bytes.measure`.  A configuration that would not fit
 in the memory available now is skipped (and listed).  It prints measured
 bytes per parameter beside the formula (fp32 weights and AdamW:
 4 + 4 + 8 replicated, 4 + 4 + 8/N at stage 1, 4 + (4 + 8)/N at stage 2) and
@@ -29,14 +29,15 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import engine, memory_accounting
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import state
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import zero
+from meshtrain.trainer.telemetry import state_bytes
 
 
 def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJobSpec:
@@ -62,7 +63,7 @@ def _rank(
         eng.optimizer
     )  # AdamW's moments exist from the start (as the worker does)
     eng.forward_backward()  # ...and gradients, also without DP
-    report = memory_accounting.measure(eng.model, eng.optimizer, eng.model.reducer)
+    report = state_bytes.measure(eng.model, eng.optimizer, eng.model.reducer)
     if rank == 0:
         torch.save(report.as_dict(), Path(out) / ranks.RESULT)
     dist.barrier()

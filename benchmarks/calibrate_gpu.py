@@ -2,7 +2,7 @@
 
 What ``meshtrain plan --calibrate`` measures on a GPU host (the block's
 FLOP/s at the job's shapes in bf16, the per-operation overhead), run through
-:func:`meshtrain.trainer.calibrate.calibrate` so it needs only the trainer's
+:func:`meshtrain.trainer.calibration.machine.calibrate` so it needs only the trainer's
 packages (a device machine has no Kubernetes client).  Writes the profile
 YAML to ``$MESHTRAIN_BENCH_RESULTS`` (default ``benchmarks/results``) and
 prints the predicted step time of the job with the datasheet and the
@@ -25,7 +25,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
 from meshtrain.api import loading
 from meshtrain.planner import estimate, profiles
-from meshtrain.trainer import calibrate
+from meshtrain.trainer.calibration import machine as calibrate
 from tests.builders import JobBuilder
 
 

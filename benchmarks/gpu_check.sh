@@ -20,9 +20,8 @@
 #
 # The device image has torch but not every package meshtrain imports.  When one is missing,
 # the wheels in .whl/ (docs/trainer.md, "Measuring on a GPU", says how to get them) go into
-# /tmp/site first.  Where meshtrain is not installed, trainer/ and operator/ are linked into
-# meshtrain/ as pip's package-dir would map them.  PYTHONSAFEPATH keeps the working directory
-# off sys.path: the repository's operator/ would shadow the standard library's operator.
+# /tmp/site first.  Where meshtrain is not installed, its four portion roots (the repository
+# root, operator/, trainer/, sandbox/) go on PYTHONPATH: the namespace package needs no install.
 set -uo pipefail
 mode=cuda
 case "${1:-}" in
@@ -31,7 +30,7 @@ esac
 results=$(realpath -m "${1:?usage: benchmarks/gpu_check.sh [--cpu | --dry-run] RESULTS_DIR}")
 cd "$(dirname "$0")/.."
 mkdir -p "$results"
-export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 device=cuda scale=1
 [ "$mode" = cpu ] && device=cpu scale=3  # two busy cores compile slower than sixteen
 deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540} * scale))
@@ -94,8 +93,7 @@ fused_loss() {
 
 prepare() {  # the machine: meshtrain importable, its dependencies there, the device named
   if ! (cd / && python3 -c 'import meshtrain.trainer' 2>/dev/null); then
-    ln -sfn "$PWD/trainer" meshtrain/trainer
-    ln -sfn "$PWD/operator" meshtrain/operator
+    export PYTHONPATH="$PWD:$PWD/operator:$PWD/trainer:$PWD/sandbox${PYTHONPATH:+:$PYTHONPATH}"
   fi
   if [ "$device" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -107,7 +105,7 @@ prepare() {  # the machine: meshtrain importable, its dependencies there, the de
   if ! missing_modules 2>/dev/null && [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || return 1
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   missing_modules
 }

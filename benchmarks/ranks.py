@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 RESULT = "result.pt"
 

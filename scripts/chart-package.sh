@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # chart-package.sh DEST — the versioned chart archive DEST/meshtrain-VERSION.tgz.
-# VERSION is meshtrain.__version__, the one version of the package, the chart
+# VERSION is meshtrain.api.release.VERSION, the one version of the package, the chart
 # (version and appVersion) and the operator and trainer images' tags; packaging
 # refuses a Chart.yaml that says otherwise, so a release cannot ship mixed tags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest="${1:-dist}"
-version="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' meshtrain/__init__.py)"
-[[ -n "$version" ]] || { echo "chart-package: no __version__ in meshtrain/__init__.py" >&2; exit 1; }
+version="$(sed -n 's/^VERSION = "\(.*\)"$/\1/p' meshtrain/api/release.py)"
+[[ -n "$version" ]] || { echo "chart-package: no VERSION in meshtrain/api/release.py" >&2; exit 1; }
 for key in version appVersion; do
   found="$(sed -n "s/^$key: *\"\{0,1\}\([^\"]*\)\"\{0,1\}$/\1/p" charts/meshtrain/Chart.yaml)"
   if [[ "$found" != "$version" ]]; then
-    echo "chart-package: charts/meshtrain/Chart.yaml $key is '$found' but meshtrain.__version__ is '$version': set both to $version" >&2
+    echo "chart-package: charts/meshtrain/Chart.yaml $key is '$found' but meshtrain.api.release.VERSION is '$version': set both to $version" >&2
     exit 1
   fi
 done

@@ -27,7 +27,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 STORE="$CACHE_ROOT/containers"
-VERSION="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$REPO/meshtrain/__init__.py")"
+VERSION="$(sed -n 's/^VERSION = "\(.*\)"$/\1/p' "$REPO/meshtrain/api/release.py")"
 # The names the chart (image.repository + appVersion) and TrainingJob.spec.image default to.
 OPERATOR_IMAGE="ghcr.io/meshtrain/operator:$VERSION"
 TRAINER_IMAGE="ghcr.io/meshtrain/trainer:$VERSION"

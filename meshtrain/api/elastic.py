@@ -102,7 +102,7 @@ def describe(spec: TrainingJobSpec, size: Size) -> str:
 
 def peak_learning_rate(spec: TrainingJobSpec, size: Size) -> float:
     """The peak rate a gang at ``size`` trains with after resuming from a checkpoint of the declared
-    degree (the trainer's rule, ``meshtrain.trainer.batch_change``)."""
+    degree (the trainer's rule, ``meshtrain.trainer.optim.batch_change``)."""
     training = spec.training
     scale = training.lr_scaling.carried_scale(spec.global_batch, size.global_batch)
     return training.learning_rates(resized(spec, size).parallelism)[0] * scale

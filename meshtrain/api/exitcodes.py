@@ -1,7 +1,7 @@
 """Exit codes of a trainer rank and of ``meshtrain run``.
 
 They are the contract between the trainer and the operator's failure policy
-(``meshtrain.operator.failure``): a permanent code fails the job at once,
+(``meshtrain.operator.policy.failure``): a permanent code fails the job at once,
 any other restarts the gang from its last checkpoint.
 """
 

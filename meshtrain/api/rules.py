@@ -282,7 +282,7 @@ def _learning_rate_order(spec: TrainingJobSpec) -> str | None:
 
 
 RENDEZVOUS_PORT = 29500
-"""torchrun's rendezvous port in every pod (``meshtrain.operator.naming.MASTER_PORT``)."""
+"""torchrun's rendezvous port in every pod (``meshtrain.operator.policy.naming.MASTER_PORT``)."""
 
 
 def _metrics_ports(spec: TrainingJobSpec) -> str | None:

@@ -890,7 +890,7 @@ class Condition(_Model):
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(
-        description="CamelCase reason, a constant of meshtrain.operator.conditions."
+        description="CamelCase reason, a constant of meshtrain.operator.policy.conditions."
     )
     message: str = Field("", description="Human explanation with the numbers.")
     last_transition_time: str = Field(description="RFC 3339 time the status last changed.")

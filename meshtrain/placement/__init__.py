@@ -15,8 +15,8 @@ traffic from the planner's communication model, is built a layer up by
 :mod:`meshtrain.planner.placement_request`.
 """
 
+from meshtrain.placement.algorithm import first_fit, plan
 from meshtrain.placement.manifests import node_from_manifest, resource_count
-from meshtrain.placement.planner import first_fit, plan
 from meshtrain.placement.values import (
     INSUFFICIENT_GPUS,
     TOPOLOGY_UNSATISFIABLE,

@@ -1,7 +1,7 @@
 """The traffic and cost model of a placement.
 
 Which pods talk to which and how many bytes per optimizer step
-(derived from the fixed rank layout of :mod:`meshtrain.layout`), the price of
+(derived from the fixed rank layout of :mod:`meshtrain.api.layout`), the price of
 those bytes given the nodes the pods sit on, and the formulas that turn a
 model shape into bytes per step.  It chooses nothing and does
 not measure anything; the numbers are a model (see docs/placement.md).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshtrain import layout
+from meshtrain.api import layout
 from meshtrain.placement import topology, values
 
 Edge = tuple[int, int, float]

@@ -134,7 +134,7 @@ def chunk_param_shapes(
 ) -> list[tuple[int, ...]]:
     """Shapes of one model chunk's parameters in registration order (after TP sharding).
 
-    Order of :class:`meshtrain.trainer.model.GPT` (and of the Llama decoder,
+    Order of :class:`meshtrain.trainer.models.gpt.GPT` (and of the Llama decoder,
     which has no position table and one weight per RMSNorm): token and
     position tables, then per block ln1, qkv, attention proj, ln2, mlp fc,
     mlp proj, then the final norm and the head (absent when tied to this chunk's embedding).

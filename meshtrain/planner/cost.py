@@ -86,7 +86,7 @@ def rank_flops_per_microbatch(
 
     ``N_rank`` counts the parameters the rank multiplies with (its blocks and,
     on the last stage, the final norm and head; embedding lookups are not
-    matmuls), as :func:`meshtrain.trainer.model.flops_per_token` does for the
+    matmuls), as :func:`meshtrain.trainer.models.gpt.flops_per_token` does for the
     whole model.
     """
     layers = shape.layers // pipeline
@@ -105,7 +105,7 @@ def rank_forward_flops_per_microbatch(
 
     A third of the blocks' (backward computes the input and the weight
     gradients) and, on the last stage, all of the head's: the trainer's
-    fused loss (``trainer/parallel/loss.py``) computes the head's gradients
+    fused loss (``trainer/meshtrain/trainer/parallel/loss.py``) computes the head's gradients
     in forward, chunk by chunk, and backward only scales them.
     """
     layers = shape.layers // pipeline

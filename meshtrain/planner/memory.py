@@ -2,7 +2,7 @@
 
 Pure arithmetic on the model shape and the layout.
 
-* Parameter counts of meshtrain's GPT (:mod:`meshtrain.trainer.model`: untied
+* Parameter counts of meshtrain's GPT (:mod:`meshtrain.trainer.models.gpt`: untied
   token embedding, learned positions, pre-norm blocks without biases in the
   linears, final LayerNorm, LM head), for the whole model and for the shard
   one rank holds (its pipeline stage, split over the tensor-parallel group;
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshtrain import layout
+from meshtrain.api import layout
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import dp_compression, profiles
 
@@ -349,7 +349,7 @@ def head_activation_bytes(
     """Activation bytes of the last stage's final norm, head and loss per micro-batch.
 
     The trainer's loss fuses the head with the cross-entropy and walks the
-    tokens in chunks (``trainer/parallel/loss.py``): it keeps the final
+    tokens in chunks (``trainer/meshtrain/trainer/parallel/loss.py``): it keeps the final
     norm's input and the gradient of the head's input (2 s b h stream
     elements) and the head weight's gradient in fp32 (V/t x h), and while it
     runs one chunk's logits exist in fp32 (and in the matmul dtype first,

@@ -36,8 +36,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from meshtrain.controlplane import binaries
 from meshtrain.sandbox import example, node, supervisor
+from meshtrain.sandbox.controlplane import binaries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -314,7 +314,7 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     """kubectl patch dp2·pp2 -> dp4·pp1 mid-run: new pods, the checkpoint loaded at the new layout, no restart counted.
 
     No periodic checkpoints: the only one before the end is the one the
-    deleted gang saves when SIGTERM stops it (``trainer/stopping.py``).
+    deleted gang saves when SIGTERM stops it (``trainer/meshtrain/trainer/guards/stopping.py``).
     """
     paths, _state = sandbox
     name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60

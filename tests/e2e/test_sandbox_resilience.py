@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from meshtrain.operator import conditions
+from meshtrain.operator.policy import conditions
 from meshtrain.sandbox import example, nodeconfig, supervisor
 from tests.e2e.test_sandbox import _events, _gang_logs, _pods, _saved_steps
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from meshtrain import controlplane
-from meshtrain.controlplane import binaries
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import binaries
 
 logger = logging.getLogger(__name__)
 

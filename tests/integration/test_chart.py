@@ -21,8 +21,8 @@ import uuid
 import pytest
 import yaml
 
-from meshtrain import controlplane
-from meshtrain.controlplane import binaries
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import binaries
 
 pytestmark = pytest.mark.integration
 

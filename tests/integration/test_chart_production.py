@@ -21,10 +21,9 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-import meshtrain
-from meshtrain import controlplane
-from meshtrain.api import crd
-from meshtrain.controlplane import binaries
+from meshtrain.api import crd, release
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import binaries
 from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
@@ -303,7 +302,7 @@ def test_crd_upgrade_path_of_the_chart_readme_works_from_the_previous_release(
     )
     assert values["operator"]["deploy"] is False, "the release's own values are kept"
     history = json.loads(tools.ok("helm", "history", "meshtrain", "-n", release_ns, "-o", "json"))
-    new = f"meshtrain-{meshtrain.__version__}"
+    new = f"meshtrain-{release.VERSION}"
     assert [entry["chart"] for entry in history] == ["meshtrain-0.1.0", new, "meshtrain-0.1.0", new]
     # The job created under the old schema is still there and still readable.
     survivor = json.loads(tools.ok("kubectl", "get", "tj", "survivor", "-n", team, "-o", "json"))
@@ -317,13 +316,13 @@ def test_chart_package_stamps_one_version_on_chart_and_both_images(
         [str(ROOT / "scripts" / "chart-package.sh"), str(tmp_path)], capture_output=True, text=True
     )
     assert packaged.returncode == 0, packaged.stderr
-    archive = tmp_path / f"meshtrain-{meshtrain.__version__}.tgz"
+    archive = tmp_path / f"meshtrain-{release.VERSION}.tgz"
     assert archive.is_file(), list(tmp_path.iterdir())
     rendered = list(yaml.safe_load_all(full.ok("helm", "template", "rel", str(archive))))
     deployment = next(d for d in rendered if d and d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["image"] == f"ghcr.io/meshtrain/operator:{meshtrain.__version__}"
-    assert f"--trainer-image=ghcr.io/meshtrain/trainer:{meshtrain.__version__}" in container["args"]
+    assert container["image"] == f"ghcr.io/meshtrain/operator:{release.VERSION}"
+    assert f"--trainer-image=ghcr.io/meshtrain/trainer:{release.VERSION}" in container["args"]
 
 
 @pytest.mark.parametrize("replicas, expected", [(1, False), (2, True)])

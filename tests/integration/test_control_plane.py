@@ -20,8 +20,8 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from meshtrain import controlplane
-from meshtrain.controlplane import binaries, ports
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import binaries, ports
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,7 @@ import kubernetes
 import pytest
 import yaml
 
-from meshtrain import cli
-from meshtrain.planner import cluster_live
+from meshtrain.cli import cluster_nodes, main
 from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
@@ -55,7 +54,7 @@ def test_list_nodes_and_plan_from_cluster(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig_path))
-    nodes = {n.name: n for n in cluster_live.list_nodes()}
+    nodes = {n.name: n for n in cluster_nodes.list_nodes()}
     assert all(nodes[name].allocatable_gpus == 4 for name in gpu_nodes)
     assert nodes[gpu_nodes[2]].labels[BLOCK].startswith("b2-")
 
@@ -78,7 +77,7 @@ def test_list_nodes_and_plan_from_cluster(
             }
         )
     )
-    assert cli.main(["plan", str(job), "--from-cluster", "--json"]) == 0
+    assert main.main(["plan", str(job), "--from-cluster", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)["placement"]
     assert placement["schedulable"]
     # Both pods land in the block with two nodes: no bytes cross the block level.
@@ -100,5 +99,5 @@ def test_unreachable_cluster_is_one_clear_error(
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(JobBuilder().raw()))
-    assert cli.main(["plan", str(job), "--from-cluster"]) == 2
+    assert main.main(["plan", str(job), "--from-cluster"]) == 2
     assert "cannot list nodes of the cluster" in capsys.readouterr().err

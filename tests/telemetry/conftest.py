@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from meshtrain.trainer import launch, steplog
+from meshtrain.trainer import launch
+from meshtrain.trainer.telemetry import steplog
 from tests.telemetry import promserver
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,11 +28,10 @@ import prometheus_client
 import pytest
 import yaml
 
-from meshtrain import layout as layout_mod
-from meshtrain.operator import metrics as operator_metrics
+from meshtrain.api import layout as layout_mod
+from meshtrain.operator.cluster import metrics as operator_metrics
 from meshtrain.sandbox import example, supervisor
-from meshtrain.trainer import steplog
-from meshtrain.trainer.telemetry import context, exporter
+from meshtrain.trainer.telemetry import context, exporter, steplog
 from tests.telemetry import conftest, promserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]

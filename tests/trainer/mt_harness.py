@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer.parallel import mesh
 
 TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}

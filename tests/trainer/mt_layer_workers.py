@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtrain.trainer.parallel import loss, recording, reducer, tensor
+from meshtrain.trainer.parallel import loss, reducer, tensor
+from meshtrain.trainer.telemetry import recording
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

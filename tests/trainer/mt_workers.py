@@ -17,13 +17,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, llama
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer import engine
+from meshtrain.trainer.data import batches
+from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording, tensor, zero
+from meshtrain.trainer.parallel import tensor, zero
+from meshtrain.trainer.telemetry import recording
 
 
 def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:
@@ -121,9 +123,9 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
     return results
 
 
-def whole_batches(files: list, job: spec_mod.TrainingJobSpec, seed: int) -> data.BatchSampler:
+def whole_batches(files: list, job: spec_mod.TrainingJobSpec, seed: int) -> batches.BatchSampler:
     """A sampler of whole global batches (one device, one micro-batch)."""
-    return data.BatchSampler(
+    return batches.BatchSampler(
         files,
         seq_len=job.model.shape().seq_len,
         micro_batch=job.global_batch,
@@ -139,7 +141,7 @@ def reference(raw: dict, steps: int) -> dict:
     job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
-    tokens = data.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
+    tokens = batches.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
     sampler = whole_batches(tokens, job, t.seed)
 
     def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
@@ -226,8 +228,8 @@ def reference_eval(raw: dict) -> float:
     job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
-    files = data.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
-    _, held_out = data.open_eval(t, files, vocab=config.vocab, seq_len=config.seq_len)
+    files = batches.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
+    _, held_out = batches.open_eval(t, files, vocab=config.vocab, seq_len=config.seq_len)
     sampler = whole_batches(held_out, job, t.seed + 1)
     model = llama.build(config, seed=t.seed)
     total = 0.0

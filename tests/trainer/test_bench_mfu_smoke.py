@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -22,8 +22,8 @@ import mt_harness
 import pytest
 import yaml
 
-from meshtrain.trainer import steplog
 from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.telemetry import steplog
 
 STEPS = 6
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.planner import memory
-from meshtrain.trainer import live_memory
 from meshtrain.trainer.parallel import loss
+from meshtrain.trainer.telemetry import live_bytes
 
 
 def _inputs(n: int, hidden: int, vocab: int, seed: int = 0):
@@ -89,7 +89,7 @@ def test_no_full_logits_are_ever_alive():
         ("plain", lambda: _plain(h, w, t, 1.0)),
         ("chunked", lambda: _chunked(h, w, t, 1.0, 16)),
     ):
-        with live_memory.LiveBytes() as tracker:
+        with live_bytes.LiveBytes() as tracker:
             run()
         peaks[name] = tracker.peak
     assert peaks["plain"] >= logits_bytes  # the tracker sees the plain loss's logits

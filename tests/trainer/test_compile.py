@@ -17,7 +17,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.compile_worker.subproc_pool import SubprocPool
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation

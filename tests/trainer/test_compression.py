@@ -23,14 +23,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.controlplane import ports
+from meshtrain.sandbox.controlplane import ports
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import compression, recording
+from meshtrain.trainer.parallel import compression
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.telemetry import context, exporter
+from meshtrain.trainer.telemetry import context, exporter, recording
 from meshtrain.trainer.telemetry import recorder as telemetry
+from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
 
 SHAPES = [(48, 16), (16,), (32, 24)]
 WORLD = 2
@@ -193,7 +194,7 @@ def exported_compression(mode: dict) -> dict:
     identity = context.RankIdentity.from_env(layout, rank, rank)
     facts = telemetry.job_facts(job, layout, rank, 1.0)
     sink = exporter.Exporter(identity, facts, port=ports.pick_free_port(), progress=None)
-    recorder = telemetry.TelemetryRecorder(identity, facts, [sink])
+    recorder = TelemetryRecorder(identity, facts, [sink])
     eng = engine.Engine(job, mesh_mod.build_mesh(layout, torch.device("cpu")), recorder=recorder)
     recorder.watch(eng.model, eng.optimizer, eng.model.reducer)
     try:

@@ -19,12 +19,12 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import clocks, recording
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import clocks, recording
 from tests.unit import fake_device
 
 STEPS = 3

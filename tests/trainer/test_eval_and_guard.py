@@ -28,10 +28,11 @@ import mt_workers
 import pytest
 import torch
 
-from meshtrain import layout as layout_mod
 from meshtrain.api import exitcodes, loading
-from meshtrain.trainer import engine, launch, lossguard
+from meshtrain.api import layout as layout_mod
+from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.guards import loss_guard
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 EVAL = {"eval": {"interval": 1, "batches": 2, "heldOut": 0.05}}
@@ -78,7 +79,7 @@ def _poisoned_run() -> dict:
     try:
         eng.train_step()
         tripped = ""
-    except lossguard.LossGuardTripped as err:
+    except loss_guard.LossGuardTripped as err:
         tripped = str(err)
     return {"first": first.skipped, "skipped": skipped, "untouched": untouched, "tripped": tripped}
 

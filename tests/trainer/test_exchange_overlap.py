@@ -21,11 +21,11 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.telemetry import recording
 
 HOLD_S = 60.0
 CASES = {

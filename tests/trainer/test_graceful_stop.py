@@ -14,11 +14,13 @@ import pytest
 import torch
 import yaml
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import engine, steplog, stopping
+from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import store
+from meshtrain.trainer.guards import stopping
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import steplog
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,16 @@ def test_stop_signals_only_set_the_flag():
 
 def _meshtrain_run(job: Path, log_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "meshtrain.cli", "run", str(job), "--log-dir", str(log_dir), *extra],
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.cli.main",
+            "run",
+            str(job),
+            "--log-dir",
+            str(log_dir),
+            *extra,
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 * sharded: a tiny shard size makes several safetensors files and
   ``model.safetensors.index.json``; transformers loads the directory and
   gives meshtrain's logits, and the export never held the whole model (peak
-  live tensor bytes, counted by :class:`~meshtrain.trainer.live_memory.LiveBytes`);
+  live tensor bytes, counted by :class:`~meshtrain.trainer.telemetry.live_bytes.LiveBytes`);
 * token ids: data prepared with a tokenizer built here records its
   begin/end-of-text ids, the checkpoint carries them, and the exported
   config.json / generation_config.json hold them as transformers reads them;
@@ -27,8 +27,10 @@ import transformers
 from test_hf_interop import LLAMA, _config, _train_and_save
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from meshtrain import cli
-from meshtrain.trainer import export, hf, live_memory, llama
+from meshtrain.cli import main
+from meshtrain.trainer.interop import export, hf
+from meshtrain.trainer.models import llama
+from meshtrain.trainer.telemetry import live_bytes
 
 SPECIAL = {"<unk>": 0, "<s>": 7, "</s>": 11, "<pad>": 13}
 """Ids away from transformers' LlamaConfig defaults (bos 1, eos 2), so a default cannot pass for ours."""
@@ -57,13 +59,13 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
     tokens = root / "tokens.bin"
     argv = ["data", "prepare", str(root / "docs.jsonl"), "--tokenizer", str(tok), "-o", str(tokens)]
-    assert cli.main(argv) == 0
+    assert main.main(argv) == 0
     raw = mt_harness.make_spec(model=LLAMA, steps=3, dataset=str(tokens), tokenDtype="uint16")
     mt_harness.run_distributed(_train_and_save, 1, raw, str(root / "ckpt"))
     directory, _ = export.find_checkpoint(root / "ckpt")
     shapes = export.model_shapes(directory)
     out = root / "hf"
-    with live_memory.LiveBytes() as live:
+    with live_bytes.LiveBytes() as live:
         written = export.export(root / "ckpt", out, max_shard_bytes=export.parse_size("20KB"))
     return {
         "root": root,
@@ -120,7 +122,7 @@ def test_token_ids_of_the_data_reach_transformers_and_generate_stops_at_eos(expo
     tok = _tokenizer(exported["root"] / "stop.json", exported["config"].vocab, special)
     stop_dir = exported["root"] / "hf-stop"
     argv = ["export", str(exported["root"] / "ckpt"), "-o", str(stop_dir), "--tokenizer", str(tok)]
-    assert cli.main(argv) == 0
+    assert main.main(argv) == 0
     text = " ".join(f"w{i}" for i in range(30, 34))
     loaded = transformers.AutoTokenizer.from_pretrained(stop_dir)  # the --tokenizer came along
     assert loaded(text)["input_ids"] == Tokenizer.from_file(str(tok)).encode(text).ids
@@ -135,7 +137,7 @@ def test_shard_size_is_parsed_like_transformers_and_bad_ones_are_refused(tmp_pat
     assert export.parse_size("2GiB") == 2 * 2**30
     assert export.parse_size("1500") == 1500
     argv = ["export", str(tmp_path), "-o", str(tmp_path / "o"), "--max-shard-size", "lots"]
-    assert cli.main(argv) == 2
+    assert main.main(argv) == 2
     assert "--max-shard-size 'lots'" in capsys.readouterr().err
 
 
@@ -150,7 +152,7 @@ def _rounded_to_bf16(model: torch.nn.Module) -> torch.nn.Module:
 def test_bf16_export_loads_in_transformers_as_bf16_with_the_rounded_weights(exported):
     out = exported["root"] / "hf-bf16"
     argv = ["export", str(exported["root"] / "ckpt"), "-o", str(out), "--dtype", "bfloat16"]
-    assert cli.main(argv) == 0
+    assert main.main(argv) == 0
     auto = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert auto.dtype == torch.bfloat16 and auto.config.dtype == torch.bfloat16
     fp32 = transformers.AutoModelForCausalLM.from_pretrained(exported["out"]).eval()

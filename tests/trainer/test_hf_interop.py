@@ -27,14 +27,16 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from meshtrain import cli
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
-from meshtrain.trainer import data, engine, export, hf, launch, llama, special_tokens
-from meshtrain.trainer import model as gpt
-from meshtrain.trainer import tokens as meshtrain_tokens
+from meshtrain.cli import main
+from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer
+from meshtrain.trainer.data import batches, special_tokens
+from meshtrain.trainer.data import token_files as meshtrain_tokens
+from meshtrain.trainer.interop import export, hf
+from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 LLAMA = {**mt_harness.LLAMA_TINY, "ropeTheta": 500000.0}
@@ -146,7 +148,7 @@ def test_every_layout_starts_from_the_directory(tmp_path):
         specs.append((name, raw))
     results = mt_harness.run_distributed(mt_workers.train_cases, 2, specs, 1)
     job = loading.parse_spec(specs[0][1])
-    files = data.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
+    files = batches.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
     sampler = mt_workers.whole_batches(files, job, seed=7)
     batch = sampler.global_batch_at(0)
     with torch.no_grad():
@@ -190,7 +192,7 @@ def test_exported_checkpoint_gives_meshtrain_logits_in_transformers(model, tmp_p
     raw = mt_harness.make_spec(tensor=2, model=model, steps=3)
     mt_harness.run_distributed(_train_and_save, 2, raw, str(tmp_path / "ckpt"))
     out = tmp_path / "hf"
-    assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(out)]) == 0
+    assert main.main(["export", str(tmp_path / "ckpt"), "-o", str(out)]) == 0
     config = _config(model)
     auto = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(auto).__name__ == (
@@ -362,7 +364,7 @@ def test_export_keeps_the_imported_models_context_length(tmp_path):
     fast.save_pretrained(tmp_path / "in")
     raw = mt_harness.make_spec(model={**LLAMA, "init": {"fromHF": str(tmp_path / "in")}}, steps=1)
     mt_harness.run_distributed(_train_and_save, 1, raw, str(tmp_path / "ckpt"))
-    assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
+    assert main.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert exported.max_position_embeddings == 4096
     # the imported directory's tokenizer came along

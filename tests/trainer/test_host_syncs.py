@@ -16,14 +16,16 @@ from pathlib import Path
 import mt_harness
 import torch
 
-import meshtrain
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
-SOURCES = tuple(str(Path(p).resolve()) for p in (*meshtrain.__path__, Path(engine.__file__).parent))
+SOURCES = tuple(
+    str(Path(p).resolve())
+    for p in (Path(loading.__file__).parents[1], Path(engine.__file__).parent)
+)
 CASES = {
     "tp2-sp": dict(tensor=2, sequence_parallel=True),
     "dp2-zero2": dict(data=2, micro_batches=2, zero_stage=2, bucket_mb=0.05),

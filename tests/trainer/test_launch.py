@@ -8,7 +8,9 @@ import time
 import mt_harness
 import pytest
 
-from meshtrain.trainer import faults, launch, steplog
+from meshtrain.trainer import launch
+from meshtrain.trainer.guards import faults
+from meshtrain.trainer.telemetry import steplog
 
 
 def _write(tmp_path, raw: dict, name: str = "job.yaml"):

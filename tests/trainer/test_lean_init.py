@@ -6,10 +6,10 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
 
 

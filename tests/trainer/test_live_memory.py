@@ -2,7 +2,7 @@
 
 FSDP2 allocates and frees every unit's gathered parameters by resizing
 storages (``UntypedStorage.resize_``), which a dispatch mode does not see;
-:class:`~meshtrain.trainer.live_memory.LiveBytes` must count them anyway.  The
+:class:`~meshtrain.trainer.telemetry.live_bytes.LiveBytes` must count them anyway.  The
 reference is independent of it: with ``profile_memory=True`` the profiler
 records every allocation and free the CPU allocator makes (a resize is a new
 block and a freed one), and the running sum of those sizes from the start of
@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 from meshtrain.api import loading
-from meshtrain.trainer import live_memory, memory_accounting
-from meshtrain.trainer import model as gpt
-from meshtrain.trainer.parallel import clocks, recording, zero3
+from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import zero3
+from meshtrain.trainer.telemetry import clocks, live_bytes, recording, state_bytes
 
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
 
@@ -90,8 +90,8 @@ def rises(steps: int) -> dict[str, int]:
 
     for _ in range(steps - 1):
         step()  # FSDP2's lazy set-up and AdamW's moments
-    tracker = live_memory.LiveBytes()
-    tracker.track(memory_accounting.state_tensors(model, optimizer, None))
+    tracker = live_bytes.LiveBytes()
+    tracker.track(state_bytes.state_tensors(model, optimizer, None))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
         start = tracker.current
         step()

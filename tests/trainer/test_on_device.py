@@ -11,7 +11,7 @@ check, each against a reference that does not share the code under test:
   CPU, and in bf16 compiled against bf16 eager on the device, and bf16 against
   fp32 to bf16's precision;
 * the peak memory of a step on the device (``torch.cuda.max_memory_allocated``
-  on a GPU, :class:`~meshtrain.trainer.live_memory.LiveBytes` on the CPU)
+  on a GPU, :class:`~meshtrain.trainer.telemetry.live_bytes.LiveBytes` on the CPU)
   against the planner's figure.
 
 On the CPU the first engine comparison is the CPU against itself: it is the
@@ -28,12 +28,14 @@ import test_chunked_loss
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.planner import memory, profiles
-from meshtrain.trainer import engine, live_memory, memory_accounting
+from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation, loss
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import live_bytes
+from meshtrain.trainer.telemetry import state_bytes as memory_accounting
 
 SHAPE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seqLen": 128, "ffnHidden": 512}
 """Big enough that the CUDA allocator's 512-byte rounding is far below the tolerances."""
@@ -159,7 +161,7 @@ def peak_of_a_step(device_kind: str, precision: str) -> int:
         eng.train_step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - not_the_jobs
-    tracker = live_memory.LiveBytes()
+    tracker = live_bytes.LiveBytes()
     tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
     with tracker:
         eng.train_step()

@@ -9,7 +9,7 @@
   and Llama with one (replicated) key/value head, and with selective
   recompute, equal the planner's
   :func:`~meshtrain.planner.memory.layer_activation_bytes` within 2% (fp32).
-* The peak: every rank trains two steps under :class:`~meshtrain.trainer.live_memory.LiveBytes`
+* The peak: every rank trains two steps under :class:`~meshtrain.trainer.telemetry.live_bytes.LiveBytes`
 (a dispatch mode counting live tensor storages, FSDP2's resized parameter
 storages included; the training state that exists before is registered
 first) and reports the high-water mark of the second step, for ZeRO 0-3.
@@ -29,12 +29,13 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, profiles
-from meshtrain.trainer import engine, live_memory, memory_accounting
+from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import live_bytes, state_bytes
 
 STAGES = (0, 1, 2, 3)
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
@@ -128,8 +129,8 @@ def peaks(layout: dict, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
         job = loading.parse_spec(_raw(layout, stage))
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         eng = engine.Engine(job, mesh)
-        tracker = live_memory.LiveBytes()
-        tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+        tracker = live_bytes.LiveBytes()
+        tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
         with tracker:
             eng.train_step()  # creates what is lazily created (AdamW's moments)
             tracker.reset_peak()
@@ -228,8 +229,8 @@ def bf16_peak(case: str) -> tuple[int, int]:
     mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
     eng = engine.Engine(job, mesh)
     assert eng.precision == "bf16"
-    tracker = live_memory.LiveBytes()
-    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    tracker = live_bytes.LiveBytes()
+    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
     with tracker:
         eng.train_step()
         tracker.reset_peak()

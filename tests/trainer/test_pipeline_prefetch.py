@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording
+from meshtrain.trainer.telemetry import recording
 
 
 def posting_order(schedule: str, virtual: int) -> dict:

@@ -1,8 +1,8 @@
 """The planner's predictions against a real local run of the trainer (CPU, gloo).
 
 For a table of layouts, every rank of a real multi-process run trains two
-steps with a :class:`~meshtrain.trainer.parallel.recording.MemoryRecorder`
-and measures its model state with :func:`meshtrain.trainer.memory_accounting.measure`;
+steps with a :class:`~meshtrain.trainer.telemetry.recording.MemoryRecorder`
+and measures its model state with :func:`meshtrain.trainer.telemetry.state_bytes.measure`;
 the test then checks, rank by rank:
 
 * the collectives of the planner's communication model
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.controlplane.ports import pick_free_port
 from meshtrain.planner import comm, memory, profiles
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 STEPS = 2
 TIMEOUT_S = 300
@@ -138,9 +138,9 @@ def _worker(spec_json: str, out_dir: str) -> None:
     """One rank: train STEPS steps, dump the last step's collectives and the measured state bytes."""
     import torch  # noqa: PLC0415 - only the worker processes need torch
 
-    from meshtrain.trainer import engine, memory_accounting  # noqa: PLC0415
+    from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
-    from meshtrain.trainer.parallel import recording  # noqa: PLC0415
+    from meshtrain.trainer.telemetry import recording, state_bytes  # noqa: PLC0415
 
     job = loading.parse_spec(json.loads(spec_json), "worker")
     mesh_mod.init_process_group(use_cuda=False)
@@ -156,7 +156,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
             entry[0] += 1
             entry[1] += event.nbytes
     trainer.forward_backward()  # measured while gradients exist (ZeRO-3's are freed after a step)
-    state = memory_accounting.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
+    state = state_bytes.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
     rank = mesh.rank
     result = {
         "rank": rank,

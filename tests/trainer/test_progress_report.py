@@ -26,14 +26,14 @@ import mt_harness
 import pytest
 import yaml
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer.checkpointing import checkpointer
 from meshtrain.trainer.telemetry import progress
 
 STEPS = 6
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
 KEYS = set(progress.FIELDS)
-"""The document's keys as the trainer declares them (operator/progress_status.py reads them by name)."""
+"""The document's keys as the trainer declares them (operator/meshtrain/operator/policy/progress_status.py reads them by name)."""
 
 
 def _spec(tmp_path: Path, port: int) -> Path:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store

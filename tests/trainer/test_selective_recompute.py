@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer import live_memory, llama
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt, llama
+from meshtrain.trainer.telemetry import live_bytes
 
 PARTS = [("attention",), ("mlp",), ("attention", "mlp")]
 
@@ -33,7 +33,7 @@ def _train_once(family: str, parts: tuple[str, ...]) -> tuple[float, dict[str, t
     tokens = torch.randint(
         0, config.vocab, (4, config.seq_len), generator=torch.Generator().manual_seed(5)
     )
-    with live_memory.LiveBytes() as tracker:
+    with live_bytes.LiveBytes() as tracker:
         tracker.track(model.parameters())
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, config.vocab), tokens[:, 1:].reshape(-1))

@@ -16,8 +16,8 @@ import mt_harness
 import pytest
 import yaml
 
-from meshtrain.trainer import faults, steplog
-from meshtrain.trainer.telemetry import progress
+from meshtrain.trainer.guards import faults
+from meshtrain.trainer.telemetry import progress, steplog
 
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
 SLOW_FROM, WINDOW, STEPS = 4, 8, 16

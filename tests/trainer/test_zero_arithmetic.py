@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.trainer import memory_accounting
 from meshtrain.trainer.parallel import zero
+from meshtrain.trainer.telemetry import state_bytes
 
 
 @pytest.mark.parametrize("numel", [1, 7, 64, 1000, 1001])
@@ -52,7 +52,7 @@ def test_measure_counts_each_storage_once() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    report = memory_accounting.measure(model, optimizer, None)
+    report = state_bytes.measure(model, optimizer, None)
     assert report.params == 15 and report.param_bytes == 60 and report.grad_bytes == 60
     assert report.optimizer_bytes == 2 * 60 + 2 * 4  # two moments + two scalar step counters
     assert report.per_param()["params"] == 4.0 and report.expected()["optimizer"] == 8.0

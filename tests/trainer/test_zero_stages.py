@@ -11,12 +11,12 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import engine, memory_accounting
+from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import recording, zero
-from meshtrain.trainer.telemetry import stepstats
+from meshtrain.trainer.parallel import zero
+from meshtrain.trainer.telemetry import recording, state_bytes, stepstats
 
 STEPS = 5
 STAGES = (0, 1, 2, 3)
@@ -32,7 +32,7 @@ def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
         mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         losses = [eng.train_step().loss for _ in range(steps)]
-        report = memory_accounting.measure(eng.model, eng.optimizer, eng.model.reducer)
+        report = state_bytes.measure(eng.model, eng.optimizer, eng.model.reducer)
         out[stage] = {"losses": losses, "memory": report}
     return out
 

@@ -2,7 +2,7 @@
 
 :class:`FakeDevice`, with the ``Event``, ``Stream``, ``stream``,
 ``current_stream`` and ``synchronize`` that
-:class:`~meshtrain.trainer.parallel.clocks.CudaClock` uses.  An event takes its
+:class:`~meshtrain.trainer.telemetry.clocks.CudaClock` uses.  An event takes its
 time from ``now`` (a callable returning seconds) when it is recorded, and
 ``elapsed_time`` answers in milliseconds as CUDA's does.  Every stream
 operation is appended to :attr:`FakeDevice.log` as a tuple, so a test can

@@ -12,7 +12,8 @@ the training.
 
 from __future__ import annotations
 
-from meshtrain.trainer.parallel import recording, schedules
+from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.telemetry import recording
 
 
 def simulate_step(

@@ -1,4 +1,4 @@
-"""scripts/bootstrap.sh fails clearly, and agrees with meshtrain.controlplane.binaries.
+"""scripts/bootstrap.sh fails clearly, and agrees with meshtrain.sandbox.controlplane.binaries.
 
 Fast: nothing is built. Each case points MESHTRAIN_CACHE at an empty tmp dir
 and passes --no-prometheus, so the script stops before any build or apt step.
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from meshtrain.controlplane import binaries, kueue
+from meshtrain.sandbox.controlplane import binaries, kueue
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh"
 # Tools the script runs before it looks for Go.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-from meshtrain.operator import naming
+from meshtrain.operator.policy import naming
 from meshtrain.planner import profiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

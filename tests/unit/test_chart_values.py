@@ -13,7 +13,7 @@ import re
 
 import yaml
 
-import meshtrain
+from meshtrain.api import release
 from meshtrain.planner import profiles
 
 CHART = pathlib.Path(__file__).resolve().parents[2] / "charts" / "meshtrain"
@@ -81,10 +81,10 @@ def test_defaults_are_least_surprise() -> None:
 def test_chart_versions() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2"
-    # One version: the package's (pyproject reads meshtrain.__version__), the chart's and the
+    # One version: the package's (pyproject reads release.VERSION), the chart's and the
     # images' tags, so `make chart-package` never ships a chart naming images of another release.
-    assert chart["appVersion"] == chart["version"] == meshtrain.__version__, (
-        "set Chart.yaml version and appVersion to meshtrain.__version__"
+    assert chart["appVersion"] == chart["version"] == release.VERSION, (
+        "set Chart.yaml version and appVersion to release.VERSION"
     )
 
 

@@ -2,8 +2,8 @@
 
 import yaml
 
-from meshtrain import cli
 from meshtrain.api import loading, spec
+from meshtrain.cli import main
 from tests.builders import JobBuilder
 
 
@@ -16,7 +16,7 @@ def test_validate_accepts_a_good_job(tmp_path, capsys):
             )
         )
     )
-    assert cli.main(["validate", str(path)]) == 0
+    assert main.main(["validate", str(path)]) == 0
     assert "dp2·pp2·tp2" in capsys.readouterr().out
 
 
@@ -32,6 +32,6 @@ def test_validate_lists_every_problem_and_exits_2(tmp_path, capsys):
             }
         )
     )
-    assert cli.main(["validate", str(path)]) == 2
+    assert main.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "spec.parallelism.tensor" in err and "spec.model.heads" in err and str(path) in err

@@ -7,7 +7,7 @@ import os
 import kubernetes
 import pytest
 
-from meshtrain import clientconfig
+from meshtrain.operator.cluster import kubeconfig
 
 
 @pytest.fixture
@@ -25,25 +25,25 @@ def _file(path):
 
 def test_an_explicit_kubeconfig_wins(home, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", _file(home / "env"))
-    assert clientconfig.kubeconfig_paths("/given/config") == "/given/config"
+    assert kubeconfig.kubeconfig_paths("/given/config") == "/given/config"
 
 
 def test_kubeconfig_is_a_path_list_of_the_files_that_exist(home, monkeypatch):
     a, b = _file(home / "a"), _file(home / "b")
     monkeypatch.setenv("KUBECONFIG", os.pathsep.join([a, str(home / "missing"), b]))
-    assert clientconfig.kubeconfig_paths() == os.pathsep.join([a, b])
+    assert kubeconfig.kubeconfig_paths() == os.pathsep.join([a, b])
 
 
 def test_a_kubeconfig_naming_no_file_means_in_cluster_not_the_home_file(home, monkeypatch):
     _file(home / ".kube" / "config")
     monkeypatch.setenv("KUBECONFIG", str(home / "missing"))
-    assert clientconfig.kubeconfig_paths() is None
+    assert kubeconfig.kubeconfig_paths() is None
 
 
 def test_home_config_when_kubeconfig_is_unset(home):
-    assert clientconfig.kubeconfig_paths() is None
+    assert kubeconfig.kubeconfig_paths() is None
     _file(home / ".kube" / "config")
-    assert clientconfig.kubeconfig_paths() == "~/.kube/config"
+    assert kubeconfig.kubeconfig_paths() == "~/.kube/config"
 
 
 def test_the_client_merges_the_path_list(home, monkeypatch):
@@ -57,6 +57,6 @@ def test_the_client_merges_the_path_list(home, monkeypatch):
         )
     monkeypatch.setenv("KUBECONFIG", os.pathsep.join([str(home / "a"), str(home / "b")]))
     contexts, _ = kubernetes.config.list_kube_config_contexts(
-        config_file=clientconfig.kubeconfig_paths()
+        config_file=kubeconfig.kubeconfig_paths()
     )
     assert {c["name"] for c in contexts} == {"a", "b"}

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from meshtrain.trainer import live_memory
-from meshtrain.trainer.parallel import clocks, exchanges, recording
+from meshtrain.trainer.parallel import exchanges
+from meshtrain.trainer.telemetry import clocks, live_bytes, recording
 from tests.unit import fake_device
 
 
@@ -283,7 +283,7 @@ def test_the_callers_dispatch_modes_see_a_queued_exchange():
     """A memory tracker or op counter active where a bucket becomes final sees its exchange's ops
     (run on the exchange thread), as autograd's worker threads inherit the caller's modes."""
     queue = exchanges.ExchangeQueue(clocks.HostClock())
-    tracker = live_memory.LiveBytes()
+    tracker = live_bytes.LiveBytes()
     with tracker:
         queue.submit(lambda: torch.ones(1000, dtype=torch.float64).sum())
         queue.drain()

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import yaml
 
-from meshtrain import cli
 from meshtrain.api import crd, rules, spec
+from meshtrain.cli import main
 
 
 def _root() -> dict[str, Any]:
@@ -124,5 +124,5 @@ def test_names_subresource_and_printer_columns():
 
 
 def test_meshtrain_crd_command_prints_the_same_yaml(capsys):
-    assert cli.main(["crd"]) == 0
+    assert main.main(["crd"]) == 0
     assert capsys.readouterr().out == crd.render()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from meshtrain.api import loading, spec
-from meshtrain.trainer import data, tokens
+from meshtrain.trainer.data import batches as data
+from meshtrain.trainer.data import token_files
 
 
 @pytest.fixture()
@@ -105,7 +106,7 @@ def test_every_token_is_checked_not_just_the_first_million(tmp_path, monkeypatch
     ids = np.arange(3_000_000, dtype=np.uint32) % 1000
     ids[2_999_990] = 1000  # far past the first 2**20 tokens
     ids.astype("<u4").tofile(path)
-    monkeypatch.setattr(tokens, "CHECK_CHUNK_TOKENS", 1 << 18)  # several chunks
+    monkeypatch.setattr(token_files, "CHECK_CHUNK_TOKENS", 1 << 18)  # several chunks
     with pytest.raises(data.DatasetError) as err:
         data.open_dataset(_training(dataset=str(path), tokenDtype="uint32"), vocab=1000, seq_len=8)
     message = str(err.value)

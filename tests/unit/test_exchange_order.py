@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from meshtrain.trainer.parallel import exchanges, recording
+from meshtrain.trainer.parallel import exchanges
+from meshtrain.trainer.telemetry import recording
 
 
 class _Recording(exchanges.QueuedGradReducer):

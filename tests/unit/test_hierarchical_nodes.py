@@ -1,7 +1,7 @@
 """A hierarchical all-reduce's node groups (``rank // gpusPerNode``) are checked against the real hosts.
 
 Hostnames as ``dist.all_gather_object`` would give them at startup, for
-layouts from :mod:`meshtrain.layout`: a placement whose consecutive ranks
+layouts from :mod:`meshtrain.api.layout`: a placement whose consecutive ranks
 are not on one host, or a host running another number of ranks than
 ``gpusPerNode``, is refused naming the field; one host (a local run) and a
 matching placement pass.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.trainer.parallel import mesh
 
 DP4 = layout_mod.ParallelLayout(pipeline=1, data=4, tensor=1)

@@ -143,7 +143,7 @@ def test_operator_runs_without_the_trainer_dependencies() -> None:
         f"        if name.split('.')[0] in {TRAINER_ONLY!r}:\n"
         "            raise ImportError('not in the operator image: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import meshtrain.cli, meshtrain.operator.command, meshtrain.operator.handlers\n"
+        "import meshtrain.cli.main, meshtrain.operator.command, meshtrain.operator.handlers\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from meshtrain.layout import ParallelLayout
+from meshtrain.api.layout import ParallelLayout
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (2, 4, 8), (3, 2, 4)]
 

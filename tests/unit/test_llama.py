@@ -10,8 +10,8 @@ import transformers
 
 from meshtrain.api import loading, spec
 from meshtrain.planner import memory
-from meshtrain.trainer import hf, llama
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.interop import hf
+from meshtrain.trainer.models import gpt, llama
 
 
 def _hf_count(shape: spec.ModelShape) -> int:

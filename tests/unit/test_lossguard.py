@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from meshtrain.trainer import lossguard
+from meshtrain.trainer.guards import loss_guard
 
 
 def _guard(**kw):
-    return lossguard.LossGuard(
+    return loss_guard.LossGuard(
         spike_factor=kw.get("spike", 0.0),
         window=kw.get("window", 3),
         max_consecutive_skips=kw.get("k", 3),
@@ -47,7 +47,7 @@ def test_k_skips_in_a_row_trip_and_an_accepted_step_resets_the_count():
     guard.judge(2.0, 1.0)  # resets
     guard.judge(math.nan, 1.0)
     guard.judge(math.nan, 1.0)
-    with pytest.raises(lossguard.LossGuardTripped, match="3 consecutive updates skipped"):
+    with pytest.raises(loss_guard.LossGuardTripped, match="3 consecutive updates skipped"):
         guard.judge(math.nan, 1.0)
     assert guard.skipped_total == 5
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import telemetry
+from meshtrain.trainer.telemetry.recorder import make_recorder
 from tests.builders import JobBuilder
 from tests.unit import telemetry_feed
 from tests.unit.test_telemetry_exporter import families, free_base
@@ -68,7 +68,7 @@ def test_the_exported_learning_rate_is_the_scaled_schedule(tmp_path, monkeypatch
     base = free_base(1)
     job = spec(4, port=base)
     layout = layout_mod.ParallelLayout(data=1, pipeline=1, tensor=1)
-    recorder = telemetry.make_recorder(job, layout, 0, tmp_path, local_rank=0)
+    recorder = make_recorder(job, layout, 0, tmp_path, local_rank=0)
     try:
         events, seconds = telemetry_feed.simulate_step(
             "1f1b", 1, 4, fwd=0.01, bwd=0.02, buckets=1, bucket_seconds=0.001

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt
 
 CONFIG = gpt.GPTConfig(vocab=256, seq_len=16, layers=2, hidden=32, heads=4, ffn_hidden=128)
 

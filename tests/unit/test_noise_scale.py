@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from meshtrain.operator import noise_condition, progress_status
+from meshtrain.operator.policy import noise_condition, progress_status
 from meshtrain.planner import estimate as plan_estimate
-from meshtrain.trainer import noise_scale
+from meshtrain.trainer.guards import noise_scale
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import yaml
 
-import meshtrain
-from meshtrain.api import loading
+from meshtrain.api import loading, release
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import builders, identity, naming
+from meshtrain.operator.policy import builders, identity, naming
 from tests.builders import JobBuilder
 
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
@@ -61,7 +60,7 @@ def test_empty_image_runs_the_clusters_default_trainer_image():
     assert pod["spec"]["containers"][0]["image"] == "registry.local/trainer:9"
     [pod] = builders.build_pods(REF, spec, 0, ["n-a"])
     assert pod["spec"]["containers"][0]["image"] == naming.DEFAULT_TRAINER_IMAGE
-    assert naming.DEFAULT_TRAINER_IMAGE.endswith(":" + meshtrain.__version__)
+    assert naming.DEFAULT_TRAINER_IMAGE.endswith(":" + release.VERSION)
     named = spec_of(JobBuilder()).model_copy(update={"image": "mine/trainer:1"})
     [pod] = builders.build_pods(REF, named, 0, ["n-a"], default_image="registry.local/trainer:9")
     assert pod["spec"]["containers"][0]["image"] == "mine/trainer:1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.operator import conditions, failure, lifecycle
+from meshtrain.operator.policy import conditions, failure, lifecycle
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
 

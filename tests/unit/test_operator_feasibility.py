@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from meshtrain.operator import capacity, feasibility, informer
+from meshtrain.operator.cluster import informer
+from meshtrain.operator.policy import capacity, feasibility
 
 
 def _node(**status_and_spec) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from meshtrain.operator import conditions, failure, gangstatus
+from meshtrain.operator.policy import conditions, failure, gang_status
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 CLAIM = '0/4 nodes are available: persistentvolumeclaim "ckpt" not found.'
@@ -26,27 +26,27 @@ def pod(index: int, *, bound: bool = False, refused: str | None = None) -> failu
 
 
 def test_placed_only_once_every_pod_exists():
-    partial = gangstatus.observe([], [pod(0)], expected=2, now=NOW)
+    partial = gang_status.observe([], [pod(0)], expected=2, now=NOW)
     assert conditions.find(partial.conditions, conditions.PLACED) is None
-    whole = gangstatus.observe([], [pod(0), pod(1)], expected=2, now=NOW)
+    whole = gang_status.observe([], [pod(0), pod(1)], expected=2, now=NOW)
     assert conditions.find(whole.conditions, conditions.PLACED)["status"] == conditions.TRUE
 
 
 def test_a_refused_pod_is_reported_with_the_schedulers_message_and_one_event():
-    first = gangstatus.observe([], [pod(0, bound=True), pod(1, refused=CLAIM)], 2, NOW)
+    first = gang_status.observe([], [pod(0, bound=True), pod(1, refused=CLAIM)], 2, NOW)
     scheduled = conditions.find(first.conditions, conditions.PODS_SCHEDULED)
     assert scheduled["status"] == conditions.FALSE
     assert scheduled["reason"] == conditions.FAILED_SCHEDULING and CLAIM in scheduled["message"]
     assert [e[1] for e in first.events] == [conditions.FAILED_SCHEDULING]
-    again = gangstatus.observe(
+    again = gang_status.observe(
         first.conditions, [pod(0, bound=True), pod(1, refused=CLAIM)], 2, NOW
     )
     assert again.conditions == first.conditions and not again.events  # no write, no event storm
 
 
 def test_all_bound_clears_the_refusal():
-    refused = gangstatus.observe([], [pod(0), pod(1, refused=CLAIM)], 2, NOW).conditions
-    bound = gangstatus.observe(refused, [pod(0, bound=True), pod(1, bound=True)], 2, NOW)
+    refused = gang_status.observe([], [pod(0), pod(1, refused=CLAIM)], 2, NOW).conditions
+    bound = gang_status.observe(refused, [pod(0, bound=True), pod(1, bound=True)], 2, NOW)
     scheduled = conditions.find(bound.conditions, conditions.PODS_SCHEDULED)
     assert (
         scheduled["status"] == conditions.TRUE and scheduled["reason"] == conditions.ALL_PODS_BOUND

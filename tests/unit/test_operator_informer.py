@@ -6,7 +6,8 @@ import asyncio
 import random
 from typing import Any
 
-from meshtrain.operator import feasibility, informer
+from meshtrain.operator.cluster import informer
+from meshtrain.operator.policy import feasibility
 
 
 def _pod(name: str, version: int, job: str | None = None, **extra: Any) -> dict[str, Any]:

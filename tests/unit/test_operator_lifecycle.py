@@ -11,7 +11,14 @@ from typing import Any
 import pydantic
 import pytest
 
-from meshtrain.operator import builders, conditions, failure, identity, lifecycle, placement_status
+from meshtrain.operator.policy import (
+    builders,
+    conditions,
+    failure,
+    identity,
+    lifecycle,
+    placement_status,
+)
 from tests.builders import JobBuilder
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)

@@ -7,7 +7,7 @@ import uuid
 import prometheus_client
 import pytest
 
-from meshtrain.operator import metrics
+from meshtrain.operator.cluster import metrics
 
 REGISTRY = prometheus_client.REGISTRY
 

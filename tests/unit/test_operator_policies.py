@@ -6,18 +6,13 @@ import datetime
 
 import pytest
 
-from meshtrain import cli, placement
+from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import (
-    builders,
-    capacity,
-    command,
-    conditions,
-    identity,
-    informer,
-    progress_status,
-)
+from meshtrain.cli import main
+from meshtrain.operator import command
+from meshtrain.operator.cluster import informer
+from meshtrain.operator.policy import builders, capacity, conditions, identity, progress_status
 from meshtrain.planner import profiles
 from tests.builders import JobBuilder
 
@@ -157,7 +152,7 @@ def test_unusable_progress_reports_change_nothing(report):
 
 
 def test_operator_cli_flags():
-    args = cli.build_parser().parse_args(
+    args = main.build_parser().parse_args(
         [
             "operator",
             "--namespace",
@@ -174,18 +169,18 @@ def test_operator_cli_flags():
     assert args.namespace == ["a", "b"] and args.kubeconfig == "k" and args.standalone
     assert args.resync_seconds == 1.0
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["operator", "--namespace", "a", "--all-namespaces"])
+        main.build_parser().parse_args(["operator", "--namespace", "a", "--all-namespaces"])
 
 
 def test_operator_gpu_profile_flag(monkeypatch):
     monkeypatch.delenv("MESHTRAIN_GPU_PROFILE", raising=False)
-    assert cli.build_parser().parse_args(["operator"]).gpu_profile == "h100-sxm"
+    assert main.build_parser().parse_args(["operator"]).gpu_profile == "h100-sxm"
     assert command.gpu_profile("h100-sxm").memory_bytes == 81559 * 2**20  # nvidia-smi's total
     assert command.gpu_profile("cpu").name == "cpu"
     assert command.gpu_profile("none") is None
     with pytest.raises(profiles.ProfileError, match="known profiles"):
         command.gpu_profile("tpu-v9")
-    assert cli.main(["operator", "--gpu-profile", "tpu-v9"]) == 2  # refused before kopf starts
+    assert main.main(["operator", "--gpu-profile", "tpu-v9"]) == 2  # refused before kopf starts
 
 
 def test_a_profile_file_that_does_not_load_stops_the_operator_at_start(
@@ -196,7 +191,7 @@ def test_a_profile_file_that_does_not_load_stops_the_operator_at_start(
     monkeypatch.setenv(profiles.ENV_VAR, str(tmp_path))
     with pytest.raises(profiles.ProfileError, match="'peak_flops' must be a positive number"):
         command.gpu_profile("none")
-    assert cli.main(["operator", "--gpu-profile", "none"]) == 2
+    assert main.main(["operator", "--gpu-profile", "none"]) == 2
     assert "h100-sxm.yaml" in capsys.readouterr().err
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from meshtrain.api import loading
-from meshtrain.operator import builders, conditions, identity, lifecycle, queueing
+from meshtrain.operator.policy import builders, conditions, identity, lifecycle, queueing
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import T0, at, job, placed_status, pod
 

@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from meshtrain.operator import failure, rescheduling
+from meshtrain.operator.policy import failure, rescheduling
 
 TAINT = (
     "0/3 nodes are available: 1 node(s) had untolerated taint(s), "

@@ -7,7 +7,7 @@ import datetime
 import pytest
 
 from meshtrain.api import elastic, loading
-from meshtrain.operator import lifecycle, resizing
+from meshtrain.operator.policy import lifecycle, resizing
 from tests.builders import JobBuilder
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

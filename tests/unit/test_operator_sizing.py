@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
-from meshtrain.operator import progress_status, sizing
+from meshtrain.operator.policy import progress_status, sizing
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodeconfig as sandbox_nodeconfig
 from meshtrain.sandbox import supervisor as sandbox_supervisor

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from meshtrain.api import loading
-from meshtrain.operator import conditions, lifecycle, placement_status, stragglers
+from meshtrain.operator.policy import conditions, lifecycle, placement_status, stragglers
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import (
     at,

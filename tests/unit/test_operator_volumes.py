@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.operator import volumes
+from meshtrain.operator.policy import volumes
 
 
 def node(name: str, **labels: str) -> dict:

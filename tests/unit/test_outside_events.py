@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain.api import loading
 from meshtrain.planner import profiles
-from meshtrain.trainer import step_loop_run
+from meshtrain.trainer.calibration import step_loop
 from meshtrain.trainer.telemetry import loop_trace
 from tests.builders import JobBuilder
 
@@ -35,6 +35,6 @@ def test_between_share_converts_the_median_rank_wall_seconds_at_the_shared_rate(
     )
     profile = dataclasses.replace(profiles.get("cpu"), cores=2, available_cores=1.0)
     run = {"outside_events_seconds": {"0": 0.002, "1": 0.004, "2": 0.006}}
-    assert step_loop_run.between_share(run, job, profile, 0.008) == pytest.approx(0.25)
-    assert step_loop_run.between_share(run, job, profile, 0.001) == 1.0  # capped
-    assert step_loop_run.between_share({}, job, profile, 0.008) == 1.0
+    assert step_loop.between_share(run, job, profile, 0.008) == pytest.approx(0.25)
+    assert step_loop.between_share(run, job, profile, 0.001) == 1.0  # capped
+    assert step_loop.between_share({}, job, profile, 0.008) == 1.0

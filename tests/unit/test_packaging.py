@@ -1,4 +1,9 @@
-"""Packaging: the folder-to-namespace mapping, the wheel, and the console script."""
+"""Packaging: the namespace portions, the wheel, and the console script.
+
+The import name is the path: each portion root listed in pyproject's
+``packages.find.where`` holds a ``meshtrain/`` tree, ``meshtrain`` itself is a
+PEP 420 namespace package, and nothing at the repository root is a package.
+"""
 
 import subprocess
 import sys
@@ -7,46 +12,78 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIRS = {
-    "meshtrain": "meshtrain",
-    "meshtrain.operator": "operator",
-    "meshtrain.trainer": "trainer",
-}
 
 
-def _declared_packages() -> set[str]:
+def _portion_roots() -> list[Path]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return set(config["tool"]["setuptools"]["packages"])
+    return [ROOT / where for where in config["tool"]["setuptools"]["packages"]["find"]["where"]]
 
 
-def _packages_on_disk() -> set[str]:
-    found = set()
-    for namespace, folder in PACKAGE_DIRS.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            relative = init.parent.relative_to(ROOT / folder)
-            found.add(".".join([namespace, *relative.parts]) if relative.parts else namespace)
+def _modules(tree: Path) -> set[str]:
+    """Repository-relative module paths under ``tree/meshtrain`` as ``meshtrain/...py``."""
     return {
-        p
-        for p in found
-        if not any(part.startswith(".") or part == "__pycache__" for part in p.split("."))
+        str(path.relative_to(tree))
+        for path in (tree / "meshtrain").rglob("*.py")
+        if "__pycache__" not in path.parts
     }
 
 
-def test_every_package_folder_is_declared_in_pyproject():
-    missing = _packages_on_disk() - _declared_packages()
-    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
+def test_no_folder_at_the_root_is_a_package():
+    packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    # tests/ and benchmarks/ are imported by the test suite from the checkout, never installed
+    assert set(packages) <= {"tests", "benchmarks"}, packages
+
+
+def test_the_checkout_root_on_the_path_shadows_nothing():
+    """With the root first on sys.path, ``operator`` is still the standard library's."""
+    probe = "import operator, tomllib; assert operator.eq(1, 1); print(operator.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={"PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert not out.stdout.strip().startswith(str(ROOT)), out.stdout
+
+
+def test_meshtrain_is_a_namespace_and_every_folder_below_it_a_package():
+    for root in _portion_roots():
+        namespace = root / "meshtrain"
+        assert namespace.is_dir(), (
+            f"{namespace.relative_to(ROOT)}: a portion root without meshtrain/"
+        )
+        assert not (namespace / "__init__.py").exists(), (
+            "meshtrain is a namespace package (PEP 420)"
+        )
+        for folder in namespace.rglob("*"):
+            if folder.is_dir() and folder.name != "__pycache__" and any(folder.glob("*.py")):
+                assert (folder / "__init__.py").is_file(), (
+                    f"{folder.relative_to(ROOT)} holds modules but no __init__.py"
+                )
+
+
+def test_no_module_is_in_two_portions():
+    seen: dict[str, Path] = {}
+    for root in _portion_roots():
+        for module in _modules(root):
+            if module.endswith("__init__.py") and module.count("/") == 1:
+                continue
+            assert module not in seen, f"{module} is in {seen[module]} and {root}"
+            seen[module] = root
 
 
 def test_console_script_help_and_version():
     out = subprocess.run(
-        [sys.executable, "-m", "meshtrain.cli", "--help"],
+        [sys.executable, "-m", "meshtrain.cli.main", "--help"],
         capture_output=True,
         text=True,
         check=True,
     )
     assert "usage: meshtrain" in out.stdout
     out = subprocess.run(
-        [sys.executable, "-m", "meshtrain.cli", "version"],
+        [sys.executable, "-m", "meshtrain.cli.main", "version"],
         capture_output=True,
         text=True,
         check=True,
@@ -54,7 +91,7 @@ def test_console_script_help_and_version():
     assert out.stdout.startswith("meshtrain ")
 
 
-def test_built_wheel_imports_operator_and_trainer_namespaces(tmp_path):
+def test_built_wheel_holds_every_portion_and_imports_from_itself(tmp_path):
     subprocess.run(
         [
             sys.executable,
@@ -71,17 +108,19 @@ def test_built_wheel_imports_operator_and_trainer_namespaces(tmp_path):
         check=True,
     )
     wheel = next(tmp_path.glob("meshtrain-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "meshtrain/operator/__init__.py" in names and "meshtrain/trainer/__init__.py" in names
-    assert not any(n.startswith(("operator/", "trainer/")) for n in names), (
-        "folders must not leak as top-level packages"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = set().union(*(_modules(root) for root in _portion_roots()))
+    assert {n for n in names if n.endswith(".py")} == sources
+    assert "meshtrain/planner/profiles/h200.yaml" in names, (
+        "the planner's profiles are package data"
     )
     unpacked = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(unpacked)
     probe = (
-        "import meshtrain, meshtrain.operator, meshtrain.trainer, meshtrain.cli; "
-        f"assert meshtrain.__file__.startswith({str(unpacked)!r}), meshtrain.__file__; "
-        "meshtrain.cli.main(['version'])"
+        "import meshtrain.api, meshtrain.operator, meshtrain.trainer, meshtrain.cli.main; "
+        "paths = [m.__file__ for m in (meshtrain.api, meshtrain.operator, meshtrain.trainer)]; "
+        f"assert all(p.startswith({str(unpacked)!r}) for p in paths), paths; "
+        "meshtrain.cli.main.main(['version'])"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe],

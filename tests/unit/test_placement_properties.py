@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from meshtrain import layout, placement
+from meshtrain import placement
+from meshtrain.api import layout
 from meshtrain.placement import topology
 
 FAMILIES = {

@@ -12,8 +12,7 @@ import torch
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, cost, memory, network, profiles
-from meshtrain.trainer import llama
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
 from meshtrain.trainer.telemetry import stepstats
 from tests.builders import JobBuilder

@@ -20,10 +20,10 @@ import torch.distributed as dist
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from meshtrain import cli
 from meshtrain.api import loading
+from meshtrain.cli import main
 from meshtrain.planner import estimate, memory, profiles
-from meshtrain.trainer import calibrate, step_loop_run
+from meshtrain.trainer.calibration import machine, step_loop
 from tests.builders import JobBuilder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -42,12 +42,12 @@ def _tiny_dp2() -> dict:
 def test_fit_recovers_alpha_and_bus_bandwidth() -> None:
     alpha, bandwidth, n = 1e-4, 1e9, 4
     samples = {m: 2 * (n - 1) * alpha + 2 * (n - 1) / n * m / bandwidth for m in (256, 1 << 21)}
-    fitted = calibrate.fit("all_reduce", n, samples, processes=n)
+    fitted = machine.fit("all_reduce", n, samples, processes=n)
     assert fitted.alpha == pytest.approx(alpha, rel=0.01)
     assert fitted.bandwidth == pytest.approx(bandwidth, rel=0.01)
     cpu_call, cpu_bandwidth = 3e-5, 4e9
     cpu = {m: cpu_call + (m - 256) / cpu_bandwidth for m in (256, 1 << 21)}
-    fitted = calibrate.fit("all_reduce", n, samples, processes=n, cpu_samples=cpu)
+    fitted = machine.fit("all_reduce", n, samples, processes=n, cpu_samples=cpu)
     assert fitted.cpu_call_seconds == pytest.approx(cpu_call)
     assert fitted.cpu_bandwidth == pytest.approx(cpu_bandwidth)
 
@@ -64,7 +64,7 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     path.write_text(yaml.safe_dump({**manifest, "spec": _tiny_dp2()}))
     argv = ["plan", str(path), "--calibrate", "--calibration-seconds", "0.02"]
     argv += ["--profile-name", "mine", "--profiles-dir", str(tmp_path / "p"), "--json"]
-    assert cli.main(argv) == 0
+    assert main.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["profile"]["name"] == "mine" and doc["profile"]["calibrated"] is True
     assert doc["confidence"]["calibrated_here"] is True
@@ -82,9 +82,7 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     assert list(measured.flops_by_ranks) == [2]
     # The step loop's cost: a real run of the layout, rank 0's CPU per step after warm-up.
     loop = measured.calibration["step_loop_run"]
-    assert (
-        len(loop["rank0_cpu_seconds"]) == step_loop_run.LOOP_STEPS - step_loop_run.LOOP_STEPS // 2
-    )
+    assert len(loop["rank0_cpu_seconds"]) == step_loop.LOOP_STEPS - step_loop.LOOP_STEPS // 2
     assert all(c > 0 for c in loop["rank0_cpu_seconds"])
     assert measured.calibration["host"] == socket.gethostname()
     assert measured.calibration["backend"] == "gloo" and measured.calibration["processes"] == 2
@@ -92,7 +90,7 @@ def test_cli_calibrate_writes_the_profile_and_plans_with_it(
     assert estimate.make_plan(job, measured).time.step_seconds == pytest.approx(
         doc["time"]["step_seconds"]
     )
-    assert cli.main(["plan", str(path), "--calibrate", "--calibration-seconds", "0"]) == 2
+    assert main.main(["plan", str(path), "--calibrate", "--calibration-seconds", "0"]) == 2
     assert "--calibration-seconds must be > 0" in capsys.readouterr().err
 
 
@@ -110,7 +108,7 @@ def test_search_with_calibrate_measures_the_best_grids_on_this_machine(
     path.write_text(yaml.safe_dump({**manifest, "metadata": {"name": "t"}, "spec": _tiny_dp2()}))
     argv = ["plan", str(path), "--calibrate", "--calibration-seconds", "0.02", "--search"]
     argv += ["--profiles-dir", str(tmp_path / "p"), "--top", "50", "--json"]
-    assert cli.main(argv) == 0
+    assert main.main(argv) == 0
     captured = capsys.readouterr()
     assert "measuring the step loop of the 3 best dp/pp/tp grids" in captured.err
     layouts = json.loads(captured.out)["layouts"]
@@ -148,7 +146,7 @@ def test_the_calibrated_block_is_one_tensor_rank_s_share_as_the_planner_counts_i
         .raw()
     )
     shape = spec.model.shape()
-    block = calibrate.rank_block(spec, solo_group)
+    block = machine.rank_block(spec, solo_group)
     assert sum(p.numel() for p in block.parameters()) == memory.layer_params(shape, tensor)
     x = torch.randn(2, shape.seq_len, shape.hidden, requires_grad=True)
     with FlopCounterMode(display=False) as counted:
@@ -170,7 +168,7 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
         .parallelism(microBatches=4)
         .raw()
     )
-    loop = loading.parse_spec(step_loop_run.loop_job(small, "/nonexistent"), "loop")
+    loop = loading.parse_spec(step_loop.loop_job(small, "/nonexistent"), "loop")
     assert loop.model.shape().layers == 2
     message = loop.training.micro_batch * loop.model.shape().seq_len * loop.model.shape().hidden
     assert message == 4 * 128 * 128
@@ -182,18 +180,16 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
         .training(precision="fp32", microBatch=8)
         .raw()
     )
-    loop = loading.parse_spec(step_loop_run.loop_job(wide, "/nonexistent"), "loop")
+    loop = loading.parse_spec(step_loop.loop_job(wide, "/nonexistent"), "loop")
     shape = loop.model.shape()
     assert shape.hidden == 2048 and loop.parallelism.tensor == 2
     assert shape.seq_len % 2 == 0 and loop.training.micro_batch == 1
-    block = calibrate.rank_block(loop, solo_group)
+    block = machine.rank_block(loop, solo_group)
     x = torch.randn(1, shape.seq_len, shape.hidden)
     with torch.no_grad(), FlopCounterMode(display=False) as counted:
         block(x)
     assert (
-        0.5 * step_loop_run.LOOP_ACTION_FLOPS
-        < counted.get_total_flops()
-        <= step_loop_run.LOOP_ACTION_FLOPS
+        0.5 * step_loop.LOOP_ACTION_FLOPS < counted.get_total_flops() <= step_loop.LOOP_ACTION_FLOPS
     )
 
 
@@ -224,13 +220,13 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
         collectives=(micro_benchmark,),
         calibration={"host": socket.gethostname()},
     )
-    fitted = calibrate.measure_step_loop(job, profile)
+    fitted = machine.measure_step_loop(job, profile)
     loop_run = fitted.calibration["step_loop_run"]
     calls = loop_run["tp_calls"]
     assert set(calls) == {"all_reduce"} and calls["all_reduce"]["calls"] > 0
     assert [(f.op, f.members) for f in fitted.tp_collectives] == [("all_reduce", 2)]
-    loop = loading.parse_spec(step_loop_run.loop_job(job, "/nonexistent"), "loop")
-    rank_steps = loop.world_size * (step_loop_run.LOOP_STEPS - step_loop_run.LOOP_STEPS // 2)
+    loop = loading.parse_spec(step_loop.loop_job(job, "/nonexistent"), "loop")
+    rank_steps = loop.world_size * (step_loop.LOOP_STEPS - step_loop.LOOP_STEPS // 2)
     planned = estimate.make_plan(loop, fitted).time.stages[0].tp
     assert planned == pytest.approx(calls["all_reduce"]["seconds"] / rank_steps, rel=1e-6)
     # Nothing asynchronous runs beside a tp-only layout's calls: each one timed its CPU.
@@ -283,7 +279,7 @@ def test_a_layout_s_step_loop_is_measured_from_the_micro_benchmarks_alone(
         },
         "messages": {},
     }
-    monkeypatch.setattr(step_loop_run, "run", lambda _job: recorded)
+    monkeypatch.setattr(step_loop, "run", lambda _job: recorded)
     micro_benchmark = profiles.CollectiveFit(
         "all_reduce",
         2,
@@ -304,9 +300,9 @@ def test_a_layout_s_step_loop_is_measured_from_the_micro_benchmarks_alone(
         activation_message_seconds=0.01,
         gradient_message_seconds=0.02,
     )
-    from_clean = calibrate.measure_step_loop(job, clean)
+    from_clean = machine.measure_step_loop(job, clean)
     assert from_clean.rank_step_cpu_seconds > 0 and from_clean.tp_collectives
-    assert calibrate.measure_step_loop(job, other) == from_clean
+    assert machine.measure_step_loop(job, other) == from_clean
 
 
 def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:
@@ -321,6 +317,6 @@ def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:
     raw = _tiny_dp2()
     raw["parallelism"].update(data=1, pipeline=2, schedule="gpipe")
     job = loading.parse_spec(raw)
-    messages = step_loop_run.run(job)["messages"]
+    messages = step_loop.run(job)["messages"]
     assert set(messages) == {"activations", "gradients"}
     assert all(0 < s < 1 for samples in messages.values() for s in samples), messages

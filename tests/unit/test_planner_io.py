@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshtrain import cli
 from meshtrain.api import loading
-from meshtrain.planner import admission, cluster, estimate, plan_report, profiles
+from meshtrain.cli import main
+from meshtrain.planner import admission, cluster, estimate, profiles, report
 from tests.builders import JobBuilder
 
 GOLDEN_KEYS = {
@@ -189,7 +189,7 @@ def _value(doc: dict, path: str):
 
 def test_json_schema_keys_are_stable() -> None:
     raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
-    doc = plan_report.to_json(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
+    doc = report.to_json(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
     assert doc["schema"] == "meshtrain.plan/v1"
     for path, keys in GOLDEN_KEYS.items():
         assert sorted(_value(doc, path)) == keys, path
@@ -197,7 +197,7 @@ def test_json_schema_keys_are_stable() -> None:
 
 
 def test_json_without_cluster_has_null_placement_and_documented_keys() -> None:
-    doc = plan_report.to_json(_plan(JobBuilder().raw(), gpu="cpu"))
+    doc = report.to_json(_plan(JobBuilder().raw(), gpu="cpu"))
     assert doc["placement"] is None
     documented = Path(__file__).parents[2].joinpath("docs/planner.md").read_text()
     for path, keys in GOLDEN_KEYS.items():
@@ -207,7 +207,7 @@ def test_json_without_cluster_has_null_placement_and_documented_keys() -> None:
 
 def test_text_report_has_every_section() -> None:
     raw = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).raw()
-    text = plan_report.to_text(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
+    text = report.to_text(_plan(raw, nodes=cluster.parse_text(CLUSTER)))
     for needle in (
         "parameters",
         "memory per GPU",
@@ -446,14 +446,14 @@ def test_cli_plan_text_json_and_placement(
     job = _job(tmp_path)
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     assert (
-        cli.main(
+        main.main(
             ["plan", str(job), "--gpu", "a100-80g", "--cluster", str(tmp_path / "cluster.yaml")]
         )
         == 0
     )
     out = capsys.readouterr().out
     assert "a100-80g" in out and "pod 0" in out and "-> a" in out
-    assert cli.main(["plan", str(job), "--json"]) == 0
+    assert main.main(["plan", str(job), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "meshtrain.plan/v1" and doc["profile"]["name"] == "h100-sxm"
 
@@ -466,12 +466,12 @@ def test_cli_plan_uses_the_jobs_measured_noise_scale(
     sequences = loading.parse_spec(document["spec"]).global_batch
     document["status"] = {"progress": {"step": 40, "gradientNoiseScale": sequences / 20}}
     job.write_text(yaml.safe_dump(document))  # as `kubectl get tj NAME -o yaml` writes it
-    assert cli.main(["plan", str(job), "--json"]) == 0
+    assert main.main(["plan", str(job), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["batch"]["gradient_noise_scale"] == pytest.approx(sequences / 20)
     assert "20x the job's measured gradient noise scale" in doc["batch"]["warning"]
     assert doc["batch"]["warning"] in doc["warnings"]
-    assert cli.main(["plan", str(job)]) == 0
+    assert main.main(["plan", str(job)]) == 0
     assert "measured gradient noise scale" in capsys.readouterr().out
 
 
@@ -479,10 +479,10 @@ def test_cli_plan_tries_spec_changes_with_set(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     job = _job(tmp_path)
-    assert cli.main(["plan", str(job), "--json"]) == 0
+    assert main.main(["plan", str(job), "--json"]) == 0
     before = json.loads(capsys.readouterr().out)
     assert (
-        cli.main(["plan", str(job), "--json", "--set", "training.activationCheckpointing=true"])
+        main.main(["plan", str(job), "--json", "--set", "training.activationCheckpointing=true"])
         == 0
     )
     after = json.loads(capsys.readouterr().out)
@@ -504,7 +504,7 @@ def test_cli_plan_tries_spec_changes_with_set(
 def test_cli_plan_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    assert cli.main(["plan", str(_job(tmp_path)), *args]) == 2
+    assert main.main(["plan", str(_job(tmp_path)), *args]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -512,7 +512,7 @@ def test_cli_plan_refuses_an_invalid_job(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = JobBuilder().layout(2, 1, 3, gpus_per_node=4).raw()
-    assert cli.main(["plan", str(_job(tmp_path, bad))]) == 2
+    assert main.main(["plan", str(_job(tmp_path, bad))]) == 2
     assert "spec.parallelism.tensor" in capsys.readouterr().err
 
 
@@ -520,5 +520,5 @@ def test_cli_plan_reports_an_unschedulable_cluster(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "small.yaml").write_text("- {name: only, gpus: 4}\n")
-    assert cli.main(["plan", str(_job(tmp_path)), "--cluster", str(tmp_path / "small.yaml")]) == 0
+    assert main.main(["plan", str(_job(tmp_path)), "--cluster", str(tmp_path / "small.yaml")]) == 0
     assert "unschedulable" in capsys.readouterr().out

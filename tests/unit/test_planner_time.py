@@ -16,9 +16,9 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import bench_planner_time as bench
-from meshtrain import cli
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
+from meshtrain.cli import main
 from meshtrain.planner import (
     cluster,
     comm,
@@ -27,15 +27,15 @@ from meshtrain.planner import (
     estimate,
     network,
     pipeline_window,
-    plan_report,
     profiles,
+    report,
     search,
     validation,
 )
-from meshtrain.trainer import model as gpt
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import loss as lm_loss
-from meshtrain.trainer.parallel import recording, schedules
-from meshtrain.trainer.telemetry import stepstats
+from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.telemetry import recording, stepstats
 from tests.builders import JobBuilder
 
 
@@ -444,11 +444,11 @@ def test_cli_search_and_confidence_in_json(
             }
         )
     )
-    assert cli.main(["plan", str(path), "--search", "--world", "4", "--top", "3", "--json"]) == 0
+    assert main.main(["plan", str(path), "--search", "--world", "4", "--top", "3", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "meshtrain.plan-search/v1" and 1 <= len(doc["layouts"]) <= 3
     assert doc["confidence"]["calibrated"] is False
-    assert cli.main(["plan", str(path), "--json"]) == 0
+    assert main.main(["plan", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["confidence"]["profile"] == "cpu" and doc["profile"]["calibrated"] is False
     assert sorted(doc["confidence"]) == [
@@ -512,18 +512,17 @@ def test_search_says_which_layouts_its_validated_error_cannot_order() -> None:
     found = search.search(spec, profile, world=4, nodes=None, limit=10)
     band = _committed_band()
     stated = validation.confidence(profile, "here", band)
-    layouts = plan_report.search_json(found, 4, stated)["layouts"]
+    layouts = report.search_json(found, 4, stated)["layouts"]
     best = layouts[0]["step_seconds"]
     flags = [row["within_error_of_best"] for row in layouts]
     assert flags[0] is True
     assert flags == [row["step_seconds"] / best - 1 <= band.median_abs_error for row in layouts]
     assert False in flags  # some layouts of 4 ranks are further than the band apart
-    text = plan_report.search_text(found, 4, profile, stated, placed=False)
+    text = report.search_text(found, 4, profile, stated, placed=False)
     assert ("cannot order them" in text) == (sum(flags) > 1)
     uncalibrated = validation.confidence(profiles.get("cpu"), "here", band)
     assert {
-        row["within_error_of_best"]
-        for row in plan_report.search_json(found, 4, uncalibrated)["layouts"]
+        row["within_error_of_best"] for row in report.search_json(found, 4, uncalibrated)["layouts"]
     } == {None}
 
 

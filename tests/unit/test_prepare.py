@@ -9,9 +9,9 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from meshtrain import cli
 from meshtrain.api import spec
-from meshtrain.trainer import data, prepare
+from meshtrain.cli import main
+from meshtrain.trainer.data import batches, prepare
 
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
@@ -38,7 +38,7 @@ def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, cap
     (tmp_path / "a.txt").write_text(TEXT[0])
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT[1:]) + "\n")
     out = tmp_path / "tokens.bin"
-    code = cli.main(
+    code = main.main(
         [
             "data",
             "prepare",
@@ -60,14 +60,14 @@ def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, cap
     assert meta["dtype"] == "uint16" and meta["tokens"] == len(expected)
     assert meta["vocab"] == tokenizer.get_vocab_size()
     training = spec.Training(dataset=str(out))  # the file trains: every id checked, metadata agrees
-    files = data.open_dataset(training, vocab=512, seq_len=4)
+    files = batches.open_dataset(training, vocab=512, seq_len=4)
     assert len(files[0].tokens) == len(expected)
 
 
 def test_tokenizer_larger_than_the_model_is_refused(tmp_path, capsys):
     _bpe(tmp_path / "tokenizer.json")
     (tmp_path / "a.txt").write_text(TEXT[0])
-    code = cli.main(
+    code = main.main(
         [
             "data",
             "prepare",
@@ -92,12 +92,14 @@ def test_uint16_output_for_a_vocabulary_above_65535_is_refused(tmp_path, capsys)
     big.save(str(tmp_path / "big.json"))
     (tmp_path / "a.txt").write_text("w1 w69999 w5")
     args = ["data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "big.json")]
-    assert cli.main([*args, "-o", str(tmp_path / "t16.bin"), "--dtype", "uint16"]) == 2
+    assert main.main([*args, "-o", str(tmp_path / "t16.bin"), "--dtype", "uint16"]) == 2
     assert "do not fit in uint16" in capsys.readouterr().err
-    assert cli.main([*args, "-o", str(tmp_path / "t32.bin")]) == 0  # auto picks uint32
+    assert main.main([*args, "-o", str(tmp_path / "t32.bin")]) == 0  # auto picks uint32
     assert np.fromfile(tmp_path / "t32.bin", dtype="<u4").tolist() == [1, 69_999, 5]
-    with pytest.raises(data.DatasetError, match="set spec.training.tokenDtype: uint32"):
-        data.open_dataset(spec.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1)
+    with pytest.raises(batches.DatasetError, match="set spec.training.tokenDtype: uint32"):
+        batches.open_dataset(
+            spec.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1
+        )
 
 
 def _with_template(path, single, specials, *, byte_level_post=False):
@@ -211,9 +213,9 @@ def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused
         {"datasets": [{"path": str(tmp_path / "a.bin")}, {"path": str(tmp_path / "b.bin")}]}
     )
     with pytest.raises(
-        data.DatasetError, match="a.bin.json and .*b.bin.json were prepared with different"
+        batches.DatasetError, match="a.bin.json and .*b.bin.json were prepared with different"
     ):
-        data.check_dataset(mixture, vocab=512)
+        batches.check_dataset(mixture, vocab=512)
     # the model directory names the ids transformers gives the llama2-style tokenizer's <s> and </s>
     peer = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(llama2), bos_token="<s>", eos_token="</s>"
@@ -223,17 +225,17 @@ def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused
     config = {"bos_token_id": peer.bos_token_id, "eos_token_id": peer.eos_token_id}
     (model_dir / "config.json").write_text(json.dumps(config))
     one = spec.Training(dataset=str(tmp_path / "a.bin"))
-    data.check_dataset(
+    batches.check_dataset(
         one, vocab=512, from_hf=str(model_dir)
     )  # the model's own tokenizer: accepted
     other = spec.Training(dataset=str(tmp_path / "b.bin"))
     want = rf"b.bin.json: eos_id={gpt2.token_to_id('<|endoftext|>')} but .*config.json eos_token_id"
-    with pytest.raises(data.DatasetError, match=want):
-        data.check_dataset(other, vocab=512, from_hf=str(model_dir))
+    with pytest.raises(batches.DatasetError, match=want):
+        batches.check_dataset(other, vocab=512, from_hf=str(model_dir))
     (model_dir / "config.json").write_text(
         json.dumps({**config, "bos_token_id": peer.eos_token_id})
     )
     with pytest.raises(
-        data.DatasetError, match=r"a.bin.json: bos_id=.* but .*config.json bos_token_id"
+        batches.DatasetError, match=r"a.bin.json: bos_id=.* but .*config.json bos_token_id"
     ):
-        data.check_dataset(one, vocab=512, from_hf=str(model_dir))
+        batches.check_dataset(one, vocab=512, from_hf=str(model_dir))

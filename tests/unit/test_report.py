@@ -10,7 +10,7 @@ import re
 import matplotlib.image
 import pytest
 
-from meshtrain import cli
+from meshtrain.cli import main
 from meshtrain.trainer.telemetry import report
 from tests.unit import test_telemetry_timeline
 
@@ -51,7 +51,7 @@ def embedded_pngs(page: str) -> list[bytes]:
 
 def test_html_is_one_file_with_every_chart_embedded(log_dir, tmp_path, capsys):
     out = tmp_path / "report.html"
-    assert cli.main(["report", str(log_dir), "-o", str(out)]) == 0
+    assert main.main(["report", str(log_dir), "-o", str(out)]) == 0
     page = out.read_text()
     assert len(re.findall(r"<img ", page)) == len(report.CHARTS) + 1  # and the pipeline timeline
     assert not re.search(r'(src|href)="(?!data:)', page), "the page must not link other files"
@@ -62,7 +62,7 @@ def test_html_is_one_file_with_every_chart_embedded(log_dir, tmp_path, capsys):
 
 def test_png_output_is_one_picture(log_dir, tmp_path):
     out = tmp_path / "report.png"
-    assert cli.main(["report", str(log_dir), "-o", str(out)]) == 0
+    assert main.main(["report", str(log_dir), "-o", str(out)]) == 0
     height, width, _ = matplotlib.image.imread(out).shape
     assert width > 1000 and height > 1000
 
@@ -71,7 +71,7 @@ def test_a_step_log_without_traces_draws_what_it_can(log_dir, tmp_path):
     for trace in (log_dir / "trace").iterdir():
         trace.unlink()
     out = tmp_path / "report.html"
-    assert cli.main(["report", str(log_dir), "-o", str(out)]) == 0
+    assert main.main(["report", str(log_dir), "-o", str(out)]) == 0
     page = out.read_text()
     assert len(embedded_pngs(page)) == 3 and "No trace/rank-N.jsonl" in page
 
@@ -98,12 +98,12 @@ def test_an_empty_or_foreign_directory_is_refused_with_what_was_expected(
     directory = tmp_path / "dir"
     directory.mkdir()
     make(directory)
-    assert cli.main(["report", str(directory), "-o", str(tmp_path / "r.html")]) == 2
+    assert main.main(["report", str(directory), "-o", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("meshtrain report: ") and message in err, err
     assert not (tmp_path / "r.html").exists()
 
 
 def test_a_missing_directory_is_refused(tmp_path, capsys):
-    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+    assert main.main(["report", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err

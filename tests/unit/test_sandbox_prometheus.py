@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from meshtrain.api import loading
-from meshtrain.operator import builders, identity
+from meshtrain.operator.policy import builders, identity
 from meshtrain.sandbox import example, prometheus
 
 

@@ -8,10 +8,11 @@ import statistics
 import numpy as np
 import pytest
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import slowdown, telemetry
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import progress
+from meshtrain.trainer.telemetry.recorder import make_recorder
 from tests.builders import JobBuilder
 from tests.unit.test_telemetry_exporter import families, free_base
 
@@ -37,7 +38,7 @@ def feed(detector, steps, base, slow_rank=None, factor=1.0, from_step=1, noise=0
 
 def test_a_rank_slowed_1_5x_is_flagged_after_just_over_half_a_window():
     layout = layout_mod.ParallelLayout(data=4, pipeline=1, tensor=1)
-    detector = slowdown.Detector(layout, threshold=1.25, window=20)
+    detector = stragglers.Detector(layout, threshold=1.25, window=20)
     first = feed(detector, 60, [0.1] * 4, slow_rank=2, factor=1.5, from_step=21, noise=0.05)
     # Ratios are judged by their median: the 11th slow step of 20 tips it.
     assert first == 21 + 10
@@ -50,7 +51,7 @@ def test_a_rank_slowed_1_5x_is_flagged_after_just_over_half_a_window():
 
 def test_two_replicas_compare_with_each_other_not_with_their_mean():
     # The mean of 1.0 and 1.5 would make the slow one only 1.2x; its peer's median says 1.5x.
-    detector = slowdown.Detector(dp(2), threshold=1.25, window=8)
+    detector = stragglers.Detector(dp(2), threshold=1.25, window=8)
     feed(detector, 8, [1.0, 1.0], slow_rank=1, factor=1.5)
     verdict = detector.verdict(8)
     assert verdict.slowdowns[1] == pytest.approx(1.5)
@@ -61,7 +62,7 @@ def test_two_replicas_compare_with_each_other_not_with_their_mean():
 def test_peers_are_the_data_parallel_group_so_unequal_stages_are_not_stragglers():
     # dp2·pp2: stage 1 computes twice as long as stage 0 (the loss, the head), which is normal.
     layout = layout_mod.ParallelLayout(data=2, pipeline=2, tensor=1)
-    detector = slowdown.Detector(layout, threshold=1.25, window=8)
+    detector = stragglers.Detector(layout, threshold=1.25, window=8)
     base = [0.0] * 4
     for rank in range(4):
         base[rank] = 0.2 if layout.coords(rank).pp == 1 else 0.1
@@ -72,19 +73,19 @@ def test_peers_are_the_data_parallel_group_so_unequal_stages_are_not_stragglers(
 
 def test_transient_slow_steps_and_a_slowdown_below_the_threshold_are_not_flagged():
     layout = dp(4)
-    spiky = slowdown.Detector(layout, threshold=1.25, window=10)
+    spiky = stragglers.Detector(layout, threshold=1.25, window=10)
     for step in range(1, 51):
         times = [0.1] * 4
         if step % 3 == 0:  # one slow step in three, e.g. a checkpoint's page cache
             times[1] = 0.3
         spiky.observe(step, times)
     assert spiky.verdict(50).flagged == ()
-    mild = slowdown.Detector(layout, threshold=1.25, window=10)
+    mild = stragglers.Detector(layout, threshold=1.25, window=10)
     assert feed(mild, 50, [0.1] * 4, slow_rank=0, factor=1.2) is None
 
 
 def test_a_rank_that_recovers_is_no_longer_flagged():
-    detector = slowdown.Detector(dp(3), threshold=1.25, window=6)
+    detector = stragglers.Detector(dp(3), threshold=1.25, window=6)
     feed(detector, 10, [0.1] * 3, slow_rank=0, factor=2.0)
     assert detector.verdict(10).is_flagged(0)
     for step in range(11, 20):
@@ -93,10 +94,10 @@ def test_a_rank_that_recovers_is_no_longer_flagged():
 
 
 def test_a_step_some_rank_has_not_reported_is_skipped_and_no_peers_judge_nothing():
-    detector = slowdown.Detector(dp(2), threshold=1.25, window=4)
+    detector = stragglers.Detector(dp(2), threshold=1.25, window=4)
     detector.observe(0, [0.0, 0.0])  # the first step of a run: nothing before it
     assert detector.verdict(0).slowdowns == (None, None)
-    alone = slowdown.Detector(
+    alone = stragglers.Detector(
         layout_mod.ParallelLayout(data=1, pipeline=2, tensor=1), threshold=1.25, window=4
     )
     assert not alone.judged
@@ -108,7 +109,7 @@ def test_a_step_some_rank_has_not_reported_is_skipped_and_no_peers_judge_nothing
 
 def test_the_detector_refuses_a_threshold_that_flags_everyone():
     with pytest.raises(ValueError, match="threshold=1.0 must be above 1"):
-        slowdown.Detector(dp(2), threshold=1.0, window=4)
+        stragglers.Detector(dp(2), threshold=1.0, window=4)
 
 
 def job(data=2, claim="ckpt", **policy):
@@ -177,11 +178,9 @@ def test_each_rank_exports_its_slowdown_with_rank_and_node_and_rank_zero_reports
     base = free_base(2)
     layout = dp(2)
     spec = loading.parse_spec(JobBuilder().layout(data=2).metrics(port=base).raw())
-    recorders = [
-        telemetry.make_recorder(spec, layout, rank, tmp_path, local_rank=rank) for rank in (0, 1)
-    ]
+    recorders = [make_recorder(spec, layout, rank, tmp_path, local_rank=rank) for rank in (0, 1)]
     try:
-        detector = slowdown.Detector(layout, threshold=1.25, window=4)
+        detector = stragglers.Detector(layout, threshold=1.25, window=4)
         for step in range(1, 5):
             detector.observe(step, [0.1, 0.2])
             for recorder in recorders:
@@ -207,12 +206,12 @@ def test_leave_one_out_medians_match_the_median_of_the_other_replicas(size):
     rng = random.Random(size)
     rows = [[rng.choice([0.1, 0.2, rng.random()]) for _ in range(size)] for _ in range(5)]
     expected = [[statistics.median(row[:i] + row[i + 1 :]) for i in range(size)] for row in rows]
-    got = slowdown.leave_one_out_medians(np.array(rows))
+    got = stragglers.leave_one_out_medians(np.array(rows))
     assert got.ravel().tolist() == pytest.approx([m for row in expected for m in row])
 
 
 def test_a_flagged_rank_near_the_threshold_stays_flagged_until_clearly_below_it():
-    detector = slowdown.Detector(dp(4), threshold=1.3, window=4)
+    detector = stragglers.Detector(dp(4), threshold=1.3, window=4)
     for step, factor in enumerate([1.4] * 4 + [1.28] * 4 + [1.31] * 4 + [1.2] * 4, start=1):
         detector.observe(step, [0.1, 0.1, 0.1 * factor, 0.1])
         flagged = detector.verdict(step).is_flagged(2)
@@ -225,7 +224,7 @@ def test_a_flagged_rank_near_the_threshold_stays_flagged_until_clearly_below_it(
 
 
 def test_progress_reports_every_flagged_rank_slowest_first():
-    detector = slowdown.Detector(dp(4), threshold=1.25, window=4)
+    detector = stragglers.Detector(dp(4), threshold=1.25, window=4)
     for step in range(1, 5):
         detector.observe(step, [0.1, 0.2, 0.1, 0.3])
     report = progress.Progress()
@@ -234,5 +233,5 @@ def test_progress_reports_every_flagged_rank_slowest_first():
     assert [f["rank"] for f in document["stragglers"]] == [3, 1]
     assert document["stragglers"][0]["slowdown"] > document["stragglers"][1]["slowdown"] > 1.25
     assert document["straggler"] == document["stragglers"][0]
-    report.stragglers(slowdown.Detector(dp(4), threshold=1.25, window=4).verdict(5))
+    report.stragglers(stragglers.Detector(dp(4), threshold=1.25, window=4).verdict(5))
     assert report.document()["stragglers"] == [] and report.document()["straggler"] is None

@@ -12,8 +12,8 @@ from pathlib import Path
 import prometheus_client
 import yaml
 
-from meshtrain import layout as layout_mod
-from meshtrain.operator import metrics as operator_metrics
+from meshtrain.api import layout as layout_mod
+from meshtrain.operator.cluster import metrics as operator_metrics
 from meshtrain.trainer.telemetry import context, exporter
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,10 +13,10 @@ import pytest
 import torch
 from prometheus_client import parser
 
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import telemetry
 from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
+from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 from tests.unit import telemetry_feed
 
 DESIGN_NAMES = {
@@ -69,9 +69,7 @@ def pipeline(tmp_path, monkeypatch):
         }
     )
     layout = layout_mod.from_spec(job.parallelism)
-    recorders = [
-        telemetry.make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)
-    ]
+    recorders = [make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)]
     events, seconds = telemetry_feed.simulate_step(
         "1f1b", 2, 4, fwd=0.01, bwd=0.02, buckets=3, bucket_seconds=0.002
     )
@@ -179,7 +177,7 @@ def test_memory_of_the_watched_state_is_exported_by_component(tmp_path):
     exp = exporter.Exporter(
         identity, telemetry_feed_facts(), port=base, progress=None, host="127.0.0.1"
     )
-    rec = telemetry.TelemetryRecorder(identity, telemetry_feed_facts(), [exp])
+    rec = TelemetryRecorder(identity, telemetry_feed_facts(), [exp])
     weight = torch.nn.Parameter(torch.zeros(10, 10))
     view = torch.nn.Parameter(
         weight.detach().view(100)[:50]
@@ -270,7 +268,7 @@ def test_exporters_bind_the_configured_host(monkeypatch):
             "metrics": {"port": base, "peakFlops": 1e12},
         }
     )
-    rec = telemetry.make_recorder(job, layout_mod.from_spec(job.parallelism), 0, None, local_rank=0)
+    rec = make_recorder(job, layout_mod.from_spec(job.parallelism), 0, None, local_rank=0)
     try:
         assert get(f"http://127.0.0.2:{base}/healthz")[0] == 200
         with pytest.raises(urllib.error.URLError):  # not on every interface

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.trainer.parallel import recording, schedules
-from meshtrain.trainer.telemetry import stepstats
+from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.telemetry import recording, stepstats
 from tests.unit import telemetry_feed
 
 

@@ -7,11 +7,11 @@ import json
 import matplotlib.image
 import pytest
 
-from meshtrain import cli
-from meshtrain import layout as layout_mod
+from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.trainer import steplog, telemetry
-from meshtrain.trainer.telemetry import timeline, trace
+from meshtrain.cli import main
+from meshtrain.trainer.telemetry import steplog, timeline, trace
+from meshtrain.trainer.telemetry.recorder import make_recorder
 from tests.unit import telemetry_feed
 
 
@@ -33,8 +33,7 @@ def run(tmp_path, schedule: str, p: int, m: int, v: int = 1, dp: int = 1, steps:
     )
     layout = layout_mod.from_spec(job.parallelism)
     recorders = [
-        telemetry.make_recorder(job, layout, r, tmp_path, serve=False)
-        for r in range(layout.world_size)
+        make_recorder(job, layout, r, tmp_path, serve=False) for r in range(layout.world_size)
     ]
     events, seconds = telemetry_feed.simulate_step(
         schedule, p, m, v, fwd=0.01, bwd=0.02, buckets=2, bucket_seconds=0.003
@@ -118,11 +117,11 @@ def test_timeline_blocks_are_aligned_by_wall_clock(tmp_path):
 
 def test_cli_timeline(tmp_path, capsys):
     log_dir = run(tmp_path / "logs", "1f1b", 2, 4)
-    assert cli.main(["timeline", str(log_dir), "-o", str(tmp_path / "x.png"), "--step", "1"]) == 0
+    assert main.main(["timeline", str(log_dir), "-o", str(tmp_path / "x.png"), "--step", "1"]) == 0
     assert "step 1" in capsys.readouterr().out
     assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert cli.main(["timeline", str(log_dir), "-o", str(tmp_path / "y.png"), "--step", "9"]) == 2
-    assert cli.main(["timeline", str(tmp_path / "nothing"), "-o", str(tmp_path / "z.png")]) == 2
+    assert main.main(["timeline", str(log_dir), "-o", str(tmp_path / "y.png"), "--step", "9"]) == 2
+    assert main.main(["timeline", str(tmp_path / "nothing"), "-o", str(tmp_path / "z.png")]) == 2
 
 
 def test_restarted_run_draws_the_newest_attempt(tmp_path):

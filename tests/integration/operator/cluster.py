@@ -22,11 +22,12 @@ from typing import Any
 
 import kubernetes
 
-from meshtrain import controlplane
 from meshtrain.api import crd
-from meshtrain.controlplane import binaries
-from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.operator import informer, kube, reconciler
+from meshtrain.operator import reconciler
+from meshtrain.operator.cluster import informer, kube
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import binaries
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from tests.builders import POOL_LABEL, JobBuilder
 
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
@@ -322,7 +323,7 @@ class OperatorProcess:
         command = [
             sys.executable,
             "-m",
-            "meshtrain.cli",
+            "meshtrain.cli.main",
             "operator",
             *self.scope,
             "--kubeconfig",

@@ -100,7 +100,7 @@ def test_meshtrain_validate_prints_the_rule_message(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(body))
     result = subprocess.run(
-        [sys.executable, "-m", "meshtrain.cli", "validate", str(path)],
+        [sys.executable, "-m", "meshtrain.cli.main", "validate", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

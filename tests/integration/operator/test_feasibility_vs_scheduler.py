@@ -22,9 +22,9 @@ from typing import Any
 import kubernetes
 import pytest
 
-from meshtrain import controlplane
 from meshtrain.api import loading
-from meshtrain.operator import builders, feasibility, identity
+from meshtrain.operator.policy import builders, feasibility, identity
+from meshtrain.sandbox import controlplane
 from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ import uuid
 
 import yaml
 
-from meshtrain.operator import kube, leadership
+from meshtrain.operator.cluster import kube, leadership
 
 
 class _Relay:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from meshtrain.operator import conditions
+from meshtrain.operator.policy import conditions
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import wait_for
 

@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from meshtrain.operator import children, kube
+from meshtrain.operator.cluster import children, kube
 
 pytestmark = pytest.mark.integration
 

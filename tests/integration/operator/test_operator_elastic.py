@@ -13,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshtrain.api import loading
-from meshtrain.operator import conditions, resizing
+from meshtrain.operator.policy import conditions, resizing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_stragglers import _checkpoint_volume, simulated

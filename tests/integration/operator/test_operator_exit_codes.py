@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from meshtrain.api import exitcodes
-from meshtrain.controlplane.ports import pick_free_port
-from meshtrain.operator import conditions
+from meshtrain.operator.policy import conditions
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import REPO, wait_for
 

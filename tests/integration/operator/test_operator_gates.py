@@ -13,16 +13,9 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from meshtrain.operator import (
-    conditions,
-    failure,
-    informer,
-    kube,
-    lifecycle,
-    naming,
-    reconciler,
-    rescheduling,
-)
+from meshtrain.operator import reconciler
+from meshtrain.operator.cluster import informer, kube
+from meshtrain.operator.policy import conditions, failure, lifecycle, naming, rescheduling
 from meshtrain.operator.reconciler import Outcome
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, Reconciling, reconcile_passes, wait_for

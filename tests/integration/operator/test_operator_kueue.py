@@ -17,9 +17,9 @@ import kubernetes
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshtrain import controlplane
-from meshtrain.controlplane import kueue
-from meshtrain.operator import queueing
+from meshtrain.operator.policy import queueing
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import kueue
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 

@@ -25,9 +25,9 @@ import kubernetes
 import pytest
 import yaml
 
-from meshtrain import controlplane
-from meshtrain.controlplane import kueue
-from meshtrain.operator import queueing
+from meshtrain.operator.policy import queueing
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import kueue
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import REPO, Cluster, OperatorProcess, wait_for
 

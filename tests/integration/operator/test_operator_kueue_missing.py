@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from meshtrain.operator import informer, kube, queueing, reconciler
+from meshtrain.operator import reconciler
+from meshtrain.operator.cluster import informer, kube
+from meshtrain.operator.policy import queueing
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster
 

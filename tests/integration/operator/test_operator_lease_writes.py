@@ -21,8 +21,8 @@ import kubernetes
 import pytest
 from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 
-from meshtrain.controlplane import pki
-from meshtrain.operator import kube, leadership
+from meshtrain.operator.cluster import kube, leadership
+from meshtrain.sandbox.controlplane import pki
 from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import threading
 import pytest
 import yaml
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import wait_for
 

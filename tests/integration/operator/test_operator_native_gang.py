@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meshtrain.operator import kube
+from meshtrain.operator.cluster import kube
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, reconcile_passes, wait_for
 

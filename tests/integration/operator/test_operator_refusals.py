@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from kubernetes import client, watch
 
-from meshtrain.operator import conditions
+from meshtrain.operator.policy import conditions
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import wait_for
 

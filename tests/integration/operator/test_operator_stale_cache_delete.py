@@ -14,7 +14,8 @@ import uuid
 import kubernetes
 import pytest
 
-from meshtrain.operator import informer, kube, reconciler
+from meshtrain.operator import reconciler
+from meshtrain.operator.cluster import informer, kube
 
 pytestmark = pytest.mark.integration
 

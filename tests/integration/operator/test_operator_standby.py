@@ -17,7 +17,9 @@ import kopf
 import kubernetes
 import pytest
 
-from meshtrain.operator import handlers, informer, kube, leadership, naming, reconciler
+from meshtrain.operator import handlers, reconciler
+from meshtrain.operator.cluster import informer, kube, leadership
+from meshtrain.operator.policy import naming
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import GROUP, PLURAL, VERSION, Cluster, wait_for
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshtrain.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import pick_free_port
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_chaos import Kubelet

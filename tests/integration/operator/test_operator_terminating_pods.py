@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.operator import conditions
+from meshtrain.operator.policy import conditions
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import wait_for
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from meshtrain.operator import conditions, naming
+from meshtrain.operator.policy import conditions, naming
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, Reconciling, wait_for
 

@@ -1,0 +1,1 @@
+"""The ``meshtrain`` command line (:mod:`.main`) and the glue of its subcommands (:mod:`.plan`)."""

@@ -1,0 +1,48 @@
+"""Reading the nodes of a live cluster for ``meshtrain plan --from-cluster``.
+
+The planner's only Kubernetes I/O: one function that lists the cluster's
+Node objects with the official ``kubernetes`` client (the kubeconfig found by
+:mod:`meshtrain.operator.cluster.kubeconfig`, or the in-cluster service account) and turns each into a placement :class:`~meshtrain.placement.Node`
+with the converter the operator uses too (:func:`meshtrain.placement.node_from_manifest`),
+so the planner and the operator see the same allocatable GPUs and labels.
+
+Not a view of what is free.  GPUs already used by running pods
+are not subtracted: the plan answers "where would this job go on an empty
+cluster of this shape".
+"""
+
+from __future__ import annotations
+
+import kubernetes
+
+from meshtrain import placement
+from meshtrain.operator.cluster import kubeconfig as clientconfig
+
+
+class ClusterUnavailable(RuntimeError):
+    """The cluster could not be reached or listed."""
+
+
+def list_nodes(
+    *,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    gpu_resource: str = "nvidia.com/gpu",
+) -> list[placement.Node]:
+    """Every node of the cluster as the placement planner sees it."""
+    config_file = clientconfig.kubeconfig_paths(kubeconfig)
+    try:
+        if config_file is not None:
+            api = kubernetes.config.new_client_from_config(config_file=config_file, context=context)
+        else:  # running in a pod: the service account
+            configuration = kubernetes.client.Configuration()
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+            api = kubernetes.client.ApiClient(configuration)
+        with api:
+            listed = kubernetes.client.CoreV1Api(api).list_node()
+            manifests = [api.sanitize_for_serialization(item) for item in listed.items]
+    except Exception as err:  # noqa: BLE001 - any client failure becomes one clear message
+        raise ClusterUnavailable(
+            f"cannot list nodes of the cluster ({config_file or 'in-cluster'}): {err}"
+        ) from None
+    return [placement.node_from_manifest(manifest, gpu_resource) for manifest in manifests]

@@ -1,0 +1,255 @@
+"""The ``meshtrain plan`` subcommand: arguments, and the glue from files to the plan_report.
+
+:func:`configure` adds the subcommand's arguments to an
+``argparse`` parser and sets its handler; :func:`run` reads the job, the
+profile and (optionally) the cluster, calls :func:`.estimate.make_plan` and
+prints :mod:`.plan_report`'s text or JSON.  Errors (bad job, unknown profile,
+malformed cluster file, unreachable cluster) print one clear message and
+exit with status 2.  The arithmetic is in the other planner modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+
+from meshtrain import placement
+from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import cluster, cost, estimate, memory, profiles, report, search, validation
+
+
+class Calibrator(Protocol):
+    """``meshtrain.trainer.calibration.machine.calibrate``: measures this machine (torch), handed in by the CLI."""
+
+    def __call__(
+        self, job: api_spec.TrainingJobSpec, base: profiles.Profile, name: str, *, budget: float
+    ) -> profiles.Profile: ...
+
+
+DEFAULT_CALIBRATION_DIR = "profiles"
+"""Where ``--calibrate`` writes without ``--profiles-dir``."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``meshtrain plan``'s arguments to ``parser``."""
+    parser.add_argument("job", help="TrainingJob YAML file")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--cluster",
+        metavar="CLUSTER.yaml",
+        help="nodes to place the job on (list of name, gpus, labels; see docs/planner.md)",
+    )
+    source.add_argument(
+        "--from-cluster",
+        action="store_true",
+        help="read the nodes from the current kubeconfig's cluster",
+    )
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        metavar="PROFILE",
+        help="device profile (h100-sxm, h200, a100-80g, a100-40g, l40s, cpu, or a user profile); "
+        "default: cpu when the job's precision is fp32, else h100-sxm",
+    )
+    parser.add_argument(
+        "--profiles-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help=f"extra directory of profile YAML files (also ${profiles.ENV_VAR})",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=memory.RECIPES,
+        default="meshtrain",
+        help="bf16 state accounting: meshtrain (fp32 master weights, 4+4+8 B/param, as the "
+        "trainer runs) or mixed (16-bit weights and grads, 2+2+12 B/param)",
+    )
+    parser.add_argument(
+        "--critical-batch-tokens",
+        type=int,
+        default=cost.DEFAULT_CRITICAL_BATCH_TOKENS,
+        metavar="N",
+        help="warn when the global batch has more tokens than this",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help=f"print the {report.SCHEMA} JSON document"
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first measure this machine at the job's shapes, precision, backend and group sizes "
+        "(matmul FLOP/s, per-op overhead, collective latency and bandwidth) and write a profile "
+        "file into the first --profiles-dir (default ./profiles); then plan with it (with "
+        "--search: also measure the step loop of the three best dp/pp/tp grids before ranking)",
+    )
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="list the fastest valid layouts (dp/pp/tp, schedule, microBatches, microBatch, "
+        "zeroStage) for --world ranks that fit in memory (and, with a cluster, can be placed), "
+        "ranked by predicted step time; the job's model and global batch are kept",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="world size for --search (default: the job's)",
+    )
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        metavar="K",
+        help="how many layouts --search lists (default 10)",
+    )
+    parser.add_argument(
+        "--calibration-seconds",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="how long --calibrate times each measurement (default 0.5; longer is steadier on a busy host)",
+    )
+    parser.add_argument(
+        "--profile-name",
+        default=None,
+        metavar="NAME",
+        help="name of the profile --calibrate writes (default: <base profile>-<host>)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="try a spec change without editing the file, e.g. --set "
+        "training.activationCheckpointing=true (repeatable)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def _measured_noise_scale(path: str) -> float | None:
+    """status.progress.gradientNoiseScale of a TrainingJob file (``kubectl get tj NAME -o yaml``), if any."""
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    progress = ((document or {}).get("status") or {}).get("progress") or {}
+    value = progress.get("gradientNoiseScale") if isinstance(progress, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _default_profile(job: api_spec.TrainingJobSpec) -> str:
+    return "cpu" if job.training.precision == "fp32" else "h100-sxm"
+
+
+def _calibrate(
+    job: api_spec.TrainingJobSpec, base: profiles.Profile, args: argparse.Namespace
+) -> profiles.Profile:
+    name = args.profile_name or f"{base.name}-{socket.gethostname()}"
+    directory = args.profiles_dir[0] if args.profiles_dir else DEFAULT_CALIBRATION_DIR
+    print(
+        f"calibrating {name} for {job.parallelism.layout_string} on this machine ...",
+        file=sys.stderr,
+    )
+    if args.calibration_seconds <= 0:
+        raise ValueError(f"--calibration-seconds must be > 0, got {args.calibration_seconds}")
+    measure: Calibrator = args.calibrator()
+    measured = measure(job, base, name, budget=args.calibration_seconds)
+    path = profiles.write(measured, directory)
+    print(f"wrote {path}; plan with --gpu {name} --profiles-dir {directory}", file=sys.stderr)
+    return profiles.load_file(path)
+
+
+def _search(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    nodes: Sequence[placement.Node] | None,
+    args: argparse.Namespace,
+) -> int:
+    world = args.world or job.world_size
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.calibrate and profile.cpu_time_model:
+        print(
+            f"measuring the step loop of the {search.MEASURED_GRIDS} best dp/pp/tp grids ...",
+            file=sys.stderr,
+        )
+    found = search.search(
+        job,
+        profile,
+        world=world,
+        nodes=nodes,
+        limit=args.top,
+        recipe=args.recipe,
+        measure=args.layout_measure() if args.calibrate else None,
+    )
+    stated = validation.confidence(profile, socket.gethostname(), validation.load_band())
+    if args.json:
+        print(json.dumps(report.search_json(found, world, stated), indent=2, ensure_ascii=False))
+    else:
+        print(report.search_text(found, world, profile, stated, placed=nodes is not None))
+    return 0 if found else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handle ``meshtrain plan``; returns the exit status."""
+    try:
+        job = loading.load_spec_file(args.job)
+        if args.set:
+            job = loading.apply_overrides(job, args.set)
+        if args.calibrate and args.profiles_dir:  # where the calibration goes may not exist yet
+            Path(args.profiles_dir[0]).mkdir(parents=True, exist_ok=True)
+        profile = profiles.get(args.gpu or _default_profile(job), args.profiles_dir)
+        if args.calibrate:
+            profile = _calibrate(job, profile, args)
+        nodes = None
+        if args.cluster:
+            nodes = cluster.load(args.cluster)
+        elif args.from_cluster:
+            from meshtrain.cli import cluster_nodes  # noqa: PLC0415 - pulls in the kubernetes client
+
+            nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name)
+        if args.critical_batch_tokens < 1:
+            raise ValueError(
+                f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}"
+            )
+        if args.search:
+            return _search(job, profile, nodes, args)
+        plan = estimate.make_plan(
+            job,
+            profile,
+            recipe=args.recipe,
+            nodes=nodes,
+            critical_batch_tokens=args.critical_batch_tokens,
+            noise_scale=_measured_noise_scale(args.job),
+        )
+    except (
+        loading.SpecError,
+        profiles.ProfileError,
+        cluster.ClusterError,
+        ValueError,
+        RuntimeError,
+    ) as err:
+        print(f"meshtrain plan: {err}", file=sys.stderr)
+        return 2
+    plan = dataclasses.replace(
+        plan,
+        confidence=validation.confidence(
+            profile, socket.gethostname(), validation.load_band(), job.parallelism.layout_string
+        ),
+    )
+    if args.json:
+        print(json.dumps(report.to_json(plan), indent=2, ensure_ascii=False))
+    else:
+        print(report.to_text(plan))
+    return 0

@@ -1,0 +1,132 @@
+"""Creating a job's children, owned by its UID, with the API server's refusals as answers.
+
+Every child (ConfigMap, Service, pods) carries a controller ownerReference to
+the job's UID.  An object of the same name that this UID does not own belongs
+to someone else — another tenant's Service, the pods of an earlier job of the
+same name that are still terminating — and is never patched nor deleted: the
+job reports ``NameConflict``.  A create the API server refuses (Pod Security
+admission, a ResourceQuota, validation) becomes ``CreateRejected`` with the
+server's message.  Either way the caller drops the placement and tries again
+after :func:`retry_delay`, which doubles per failure up to a cap, so a job that
+cannot be created costs a few requests a minute, not a hot loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.operator.cluster import kube
+from meshtrain.operator.policy import conditions
+
+RETRY_BASE_SECONDS = 2.0
+"""Wait after the first refused create."""
+RETRY_CAP_SECONDS = 120.0
+"""Longest wait between two tries (a fixed namespace or quota is picked up within two minutes)."""
+_TRANSIENT = (409, 429)
+"""Statuses that are no refusal: already exists (examined), throttled."""
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait before the next try after ``failures`` refused creates in a row."""
+    doublings = max(failures - 1, 0)
+    return min(RETRY_BASE_SECONDS * float(2**doublings), RETRY_CAP_SECONDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """Why the gang's objects could not all be created."""
+
+    reason: str
+    """``conditions.CREATE_REJECTED`` or ``conditions.NAME_CONFLICT``."""
+    message: str
+    """Which object, and the API server's message or the owner that holds the name."""
+
+
+def owner_uids(obj: Mapping[str, Any]) -> list[str]:
+    return [ref.get("uid", "") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []]
+
+
+def _conflict(kind: str, existing: Mapping[str, Any]) -> Refused:
+    metadata = existing.get("metadata") or {}
+    owners = ", ".join(
+        f"{ref.get('kind')}/{ref.get('name')} (uid {ref.get('uid')})"
+        for ref in metadata.get("ownerReferences") or []
+    )
+    holder = f"owned by {owners}" if owners else "owned by no controller"
+    return Refused(
+        conditions.NAME_CONFLICT,
+        f"{kind} {metadata.get('namespace')}/{metadata.get('name')} already exists and is {holder}; "
+        "the operator never patches nor deletes what this job does not own: delete or rename it, "
+        "or give the TrainingJob another name",
+    )
+
+
+UPDATED = ("Service", "ConfigMap")
+"""Kinds brought up to date when they exist and are the job's (a rebuilt gang's new spec); pods and
+PodGroups are immutable where it matters and get new names instead."""
+
+
+async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Refused | None:
+    kind, metadata = manifest["kind"], manifest["metadata"]
+    update = kind in UPDATED
+    try:
+        if await client.create(manifest=manifest) is not None:
+            return None
+        existing = await client.read(
+            kind=kind, namespace=metadata["namespace"], name=metadata["name"]
+        )
+        if existing is None:  # gone between the two calls: the next pass creates it
+            return None
+        if uid not in owner_uids(existing):
+            return _conflict(kind, existing)
+        if (
+            update
+        ):  # that very object: a Conflict if it was re-created since (the next pass reads again)
+            await client.patch(
+                manifest=manifest,
+                uid=existing["metadata"]["uid"],
+                resource_version=existing["metadata"]["resourceVersion"],
+            )
+        return None
+    except kube.ApiError as err:
+        if err.status < 400 or err.status >= 500 or err.status in _TRANSIENT:
+            raise
+        return Refused(
+            conditions.CREATE_REJECTED,
+            f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
+            f"{err.body}",
+        )
+
+
+async def ensure(
+    client: kube.Client,
+    uid: str,
+    shared: Sequence[dict[str, Any]],
+    pods: Sequence[dict[str, Any]],
+) -> Refused | None:
+    """Create ``shared`` objects (ConfigMap, Service — updated when the job owns them —, PodGroup), then ``pods``.
+
+    Two waves, each concurrent: a pod exists only once every shared object does, so an
+    operator killed between the calls leaves at worst shared objects without pods (crash
+    recovery creates the missing pods), never pods whose gates would be lifted without the
+    Service their peers resolve.  Returns the first refusal (shared objects first, and then
+    no pod is created), or None when every object exists and is the job's.
+    """
+    for wave in (shared, pods):
+        answers = await asyncio.gather(*(_create(client, m, uid) for m in wave))
+        refused = next((answer for answer in answers if answer is not None), None)
+        if refused is not None:
+            return refused
+    return None
+
+
+async def delete_owned(client: kube.Client, uid: str, kind: str, namespace: str, name: str) -> None:
+    """Delete ``kind`` ``name`` only if the job ``uid`` owns it (and only that very object)."""
+    existing = await client.read(kind=kind, namespace=namespace, name=name)
+    if existing is not None and uid in owner_uids(existing):
+        await client.delete(
+            kind=kind, namespace=namespace, name=name, uid=existing["metadata"]["uid"]
+        )

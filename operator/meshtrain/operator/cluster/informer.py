@@ -1,0 +1,500 @@
+"""Informer-style caches of pods and nodes: list once, then follow a watch; reads never hit the API.
+
+A reconcile reads its job's pods from the job index and a placement reads
+every node and the per-node usage kept here, so neither sends a LIST (the issue this
+closes: every pass listed pods, every placement listed the cluster).  The
+caches also wake job daemons (``Waker``): a pod change wakes its job; a pod
+that finished or went away, and any node change, wake the jobs waiting for
+capacity.
+
+Memory is bounded by trimming: pods of TrainingJobs (label
+``meshtrain.io/job``) are kept whole but for ``managedFields``, because failure
+classification reads their statuses; any other pod keeps only what capacity
+and feasibility read (node, planned-node annotation, node affinity, container
+requests, overhead, phase, nominated node).  Nodes keep labels, taints, ``unschedulable``,
+allocatable and conditions.  Equal parts (request sets, phases, allocatable)
+are one shared object (:class:`Shared`), names one interned string.
+
+Consistency: lists paginate; a watch resumes from the last resourceVersion
+(bookmarks keep it fresh) and a 410 Gone relists and replaces the store.  The
+operator's own writes are applied from their answers (:meth:`Cache.learn`)
+when they are newer than what is stored, so the pass after a create, patch or
+delete sees it; a deleted object leaves a tombstone (its last version), so a
+write answer that arrives after the DELETED event cannot revive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
+
+from meshtrain.operator.cluster import kube
+from meshtrain.operator.policy import feasibility, identity, naming
+
+logger = logging.getLogger("meshtrain.operator")
+
+RETRY_SECONDS = 1.0
+"""Pause before re-opening a watch that failed."""
+TOMBSTONE_SECONDS = 120.0
+"""How long a deleted object's last version is remembered (a write answer may arrive after its DELETED event)."""
+FINISHED = ("Succeeded", "Failed")
+
+_T = TypeVar("_T")
+Key = tuple[str, str]
+"""(namespace, name); namespace is empty for nodes."""
+
+
+class Waker(Protocol):
+    def poke(self, key: tuple[str, str]) -> None: ...
+    def poke_waiting(self) -> None: ...
+
+
+def _version(obj: kube.Body) -> int:
+    """resourceVersion as a number (etcd revisions); -1 when absent or opaque."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or -1)
+    except ValueError:
+        return -1
+
+
+def _key(obj: kube.Body) -> Key:
+    metadata = obj.get("metadata") or {}
+    return metadata.get("namespace") or "", metadata.get("name") or ""
+
+
+def _unversioned(obj: kube.Body) -> kube.Body:
+    metadata = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "resourceVersion"}
+    return {**obj, "metadata": metadata}
+
+
+def job_of(pod: kube.Body) -> str | None:
+    """Name of the TrainingJob a pod belongs to (its ``meshtrain.io/job`` label)."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_JOB)
+
+
+def _pick(source: dict[str, Any] | None, keys: Iterable[str]) -> dict[str, Any]:
+    return {k: source[k] for k in keys if source and k in source}
+
+
+SHARED_PARTS = 20_000
+"""Most distinct parts :class:`Shared` keeps one copy of (a bound: the table never shrinks)."""
+
+
+class Shared:
+    """One copy of equal parts of cached objects, which the cache never modifies.
+
+    100,000 foreign pods mostly repeat a few container request sets and phases,
+    and 10,000 nodes the same allocatable and conditions; each part decoded from
+    JSON is otherwise a separate tree of dicts and strings.  Parts are matched by
+    ``repr`` (for JSON values, equal text is equal value).
+    """
+
+    def __init__(self, limit: int = SHARED_PARTS) -> None:
+        self._parts: dict[str, Any] = {}
+        self._limit = limit
+
+    def __call__(self, part: _T) -> _T:
+        if not part:
+            return part
+        key = repr(part)
+        found = self._parts.get(key)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+        if len(self._parts) < self._limit:
+            self._parts[key] = part
+        return part
+
+
+def _name(value: Any) -> Any:
+    """Names that many objects repeat (namespaces, node names, labels) as one string each."""
+    return sys.intern(value) if isinstance(value, str) else value
+
+
+def _unshared(part: _T) -> _T:
+    return part
+
+
+def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.Body:
+    """A pod as the cache keeps it: whole for children of TrainingJobs, else only what capacity reads.
+
+    ``shared`` (a :class:`Shared`) lets equal parts of foreign pods be one object;
+    a child's ``managedFields`` (the largest part of a pod, read by no one here) are dropped.
+    """
+    metadata = pod.get("metadata") or {}
+    if job_of(pod):
+        if "managedFields" not in metadata:
+            return pod
+        kept = {k: v for k, v in metadata.items() if k != "managedFields"}
+        return {**pod, "metadata": kept}
+    spec = pod.get("spec") or {}
+    annotations = _pick(metadata.get("annotations"), (naming.ANNOTATION_NODE,))
+    slim_spec = {k: shared(v) for k, v in _pick(spec, ("overhead", "resources")).items()}
+    if "nodeName" in spec:
+        slim_spec["nodeName"] = _name(spec["nodeName"])
+    affinity = (spec.get("affinity") or {}).get("nodeAffinity")
+    if affinity:
+        slim_spec["affinity"] = shared({"nodeAffinity": affinity})
+    slim_spec["containers"] = shared(
+        [_pick(c, ("resources",)) for c in spec.get("containers") or []]
+    )
+    if spec.get("initContainers"):
+        slim_spec["initContainers"] = shared(
+            [_pick(c, ("resources", "restartPolicy")) for c in spec["initContainers"]]
+        )
+    slim_metadata = _pick(metadata, ("name", "uid", "resourceVersion"))
+    if "namespace" in metadata:
+        slim_metadata["namespace"] = _name(metadata["namespace"])
+    slim_metadata.update(_pick(metadata, ("deletionTimestamp",)))
+    if annotations:
+        slim_metadata["annotations"] = shared(annotations)
+    return {
+        "metadata": slim_metadata,
+        "spec": slim_spec,
+        "status": shared(_pick(pod.get("status"), ("phase", "nominatedNodeName"))),
+    }
+
+
+def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.Body:
+    """A node as the cache keeps it: what placement and feasibility read."""
+    status = node.get("status") or {}
+    source = node.get("metadata") or {}
+    metadata = _pick(source, ("uid", "resourceVersion"))
+    if "name" in source:
+        metadata["name"] = _name(source["name"])
+    if source.get("labels") is not None:
+        metadata["labels"] = {_name(k): _name(v) for k, v in source["labels"].items()}
+    return {
+        "metadata": metadata,
+        "spec": shared(_pick(node.get("spec"), ("unschedulable", "taints"))),
+        "status": {
+            **{k: shared(v) for k, v in _pick(status, ("allocatable", "capacity")).items()},
+            "conditions": shared(
+                [_pick(c, ("type", "status")) for c in status.get("conditions") or []]
+            ),
+        },
+    }
+
+
+class _Asleep:
+    def poke(self, key: tuple[str, str]) -> None:
+        pass
+
+    def poke_waiting(self) -> None:
+        pass
+
+
+class Store:
+    """Objects by key, newest resourceVersion wins; optional index of pods by (namespace, job)."""
+
+    def __init__(
+        self,
+        trim: Callable[[kube.Body], kube.Body],
+        *,
+        by_job: bool = False,
+        on_change: Callable[[kube.Body | None, kube.Body | None], None] | None = None,
+    ) -> None:
+        self._trim = trim
+        self._on_change = on_change
+        """Called with (old, new) whenever an object is stored, replaced or forgotten."""
+        self.changes = 0
+        """Counts every change: what was derived from the store at one count still holds."""
+        self._objects: dict[Key, kube.Body] = {}
+        self._tombstones: dict[Key, tuple[int, float]] = {}
+        """Deleted key -> (last version, when): older versions of it are not stored again."""
+        self._by_job: dict[Key, set[str]] | None = {} if by_job else None
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def trim(self, obj: kube.Body) -> kube.Body:
+        """What the store keeps of ``obj`` (lists apply it page by page)."""
+        return self._trim(obj)
+
+    def values(self) -> Iterator[kube.Body]:
+        return iter(list(self._objects.values()))
+
+    def get(self, key: Key) -> kube.Body | None:
+        return self._objects.get(key)
+
+    def names_of_job(self, namespace: str, job: str) -> list[str]:
+        assert self._by_job is not None
+        return sorted(self._by_job.get((namespace, job), ()))
+
+    def _index(self, key: Key, obj: kube.Body | None, add: bool) -> None:
+        if self._by_job is None or obj is None:
+            return
+        job = job_of(obj)
+        if not job:
+            return
+        names = self._by_job.setdefault((key[0], job), set())
+        if add:
+            names.add(key[1])
+            return
+        names.discard(key[1])
+        if not names:
+            del self._by_job[(key[0], job)]
+
+    def replace(self, objects: Iterable[kube.Body], version: str | None = None) -> None:
+        """The full state after a list taken at ``version``.
+
+        What the store learned after the list was taken (the operator's own writes
+        answered while a long list paginated: a newer object, a tombstone) is kept;
+        the watch from ``version`` replays those changes anyway.
+        """
+        try:
+            taken = int(version) if version is not None else None
+        except ValueError:
+            taken = None
+        newer = {
+            key: obj
+            for key, obj in self._objects.items()
+            if taken is not None and _version(obj) > taken
+        }
+        tombstones = {
+            key: mark
+            for key, mark in self._tombstones.items()
+            if taken is not None and mark[0] > taken
+        }
+        for key, old in list(self._objects.items()):
+            if key not in newer:
+                self._index(key, old, add=False)
+                del self._objects[key]
+                self._changed(old, None)
+        self._tombstones = tombstones
+        for obj in objects:
+            self.upsert(obj)
+
+    def upsert(self, obj: kube.Body) -> bool:
+        """Store ``obj`` unless a newer (or the same) version is stored or it was deleted after it.
+
+        True when what the store keeps changed; a new version that differs only in what
+        trimming drops (a node's heartbeat, a foreign pod's conditions) is stored silently.
+        """
+        key = _key(obj)
+        version = _version(obj)
+        if key in self._tombstones and version <= self._tombstones[key][0]:
+            return False
+        old = self._objects.get(key)
+        if old is not None and version != -1 and version <= _version(old):
+            return False
+        trimmed = self._trim(obj)
+        if old is not None and _unversioned(old) == _unversioned(trimmed):
+            self._objects[key] = trimmed
+            return False
+        self._index(key, old, add=False)
+        self._objects[key] = trimmed
+        self._index(key, trimmed, add=True)
+        self._changed(old, trimmed)
+        return True
+
+    def _changed(self, old: kube.Body | None, new: kube.Body | None) -> None:
+        self.changes += 1
+        if self._on_change is not None:
+            self._on_change(old, new)
+
+    def remove(self, obj: kube.Body) -> None:
+        """Forget ``obj``, leaving a tombstone so that no older version of it comes back."""
+        key = _key(obj)
+        old = self._objects.get(key)
+        version = _version(obj)
+        if old is not None and (version == -1 or _version(old) <= version):
+            self._index(key, self._objects.pop(key), add=False)
+            self._changed(old, None)
+        now = time.monotonic()
+        self._tombstones[key] = (max(version, self._tombstones.get(key, (-1, 0.0))[0]), now)
+        if len(self._tombstones) > 1000:
+            for stale in [
+                k for k, (_, t) in self._tombstones.items() if now - t > TOMBSTONE_SECONDS
+            ]:
+                del self._tombstones[stale]
+
+
+class Cache:
+    """The pod and node informers of one operator process."""
+
+    def __init__(self) -> None:
+        shared = Shared()
+        self.pods = Store(
+            functools.partial(trim_pod, shared=shared), by_job=True, on_change=self._count
+        )
+        self.nodes = Store(functools.partial(trim_node, shared=shared))
+        self._requested: dict[str, Counter[str]] = {}
+        """Node -> summed requests of the pods holding resources there (kept up to date per event)."""
+        self._pods_on: Counter[str] = Counter()
+        """Node -> how many such pods."""
+        self._usage_of: dict[str, feasibility.Usage] = {}
+        """Node -> its usage as last asked for; dropped when a pod on the node changes."""
+        self.synced = asyncio.Event()
+        """Set once both stores hold a full list."""
+        self._synced: set[str] = set()
+
+    def job_pods(self, namespace: str, job: str) -> list[kube.Body]:
+        """Pods labelled with ``job`` in ``namespace``, by name."""
+        found = (
+            self.pods.get((namespace, name)) for name in self.pods.names_of_job(namespace, job)
+        )
+        return [p for p in found if p is not None]
+
+    def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
+        for pod, sign in ((old, -1), (new, 1)):
+            if pod is None or not feasibility.holds_resources(pod):
+                continue
+            node = identity.planned_node(pod)
+            if not node:
+                continue
+            requested = self._requested.get(node)
+            if requested is None:
+                requested = self._requested[node] = Counter()
+            for resource, amount in feasibility.pod_requests(pod).items():
+                requested[resource] += sign * amount
+            self._pods_on[node] += sign
+            self._usage_of.pop(node, None)
+
+    def usage(self, *, without: Iterable[kube.Body] = ()) -> Mapping[str, feasibility.Usage]:
+        """What the pods on each node take (``feasibility.usage`` of them), leaving ``without`` out.
+
+        Sums are kept per event and a node's usage is built when first read after a
+        change of its pods, so a placement on 10,000 nodes and 100,000 pods adds nothing
+        up, and the check of a gang's planned nodes reads only those.
+        """
+        left_out: dict[str, Counter[str]] = {}
+        for pod in without:
+            node = identity.planned_node(pod)
+            if node and feasibility.holds_resources(pod) and node in self._requested:
+                left_out.setdefault(node, Counter())
+                left_out[node].update(feasibility.pod_requests(pod))
+                left_out[node]["\0pods"] += 1
+        return _UsageView(self, left_out)
+
+    def node_usage(self, node: str) -> feasibility.Usage | None:
+        """What the pods on ``node`` take; None when no pod there holds anything."""
+        found = self._usage_of.get(node)
+        if found is None:
+            requested = self._requested.get(node)
+            if requested is None:
+                return None
+            found = self._usage_of[node] = self._node_usage(requested, node)
+        return found
+
+    def node_usage_without(self, node: str, amounts: Counter[str]) -> feasibility.Usage:
+        """What the pods on ``node`` take, less ``amounts`` (pod count under the key ``\\0pods``)."""
+        requested = Counter(self._requested[node])
+        requested.subtract({r: a for r, a in amounts.items() if r != "\0pods"})
+        return self._node_usage(requested, node, amounts["\0pods"])
+
+    def _node_usage(self, requested: Counter[str], node: str, fewer: int = 0) -> feasibility.Usage:
+        kept = {r: a for r, a in requested.items() if a}
+        return feasibility.Usage(requested=kept, pods=self._pods_on[node] - fewer)
+
+    def learn(self, verb: str, obj: kube.Body) -> None:
+        """Apply the answer of one of the operator's own writes (``kube.Client.on_write``)."""
+        store = {"Pod": self.pods, "Node": self.nodes}.get(str(obj.get("kind")))
+        if store is None:
+            return
+        metadata = obj.get("metadata") or {}
+        if (
+            verb == "delete"
+            and not metadata.get("finalizers")  # a finalizer keeps it until its owner is done
+            and (
+                not metadata.get("deletionTimestamp")
+                or metadata.get("deletionGracePeriodSeconds") == 0
+            )
+        ):
+            store.remove(obj)  # deleted at once (never bound, or no grace period): gone now
+            return
+        store.upsert(obj)
+
+    async def run(self, client: kube.Client, waker: Waker | None = None) -> None:
+        """Follow pods (all namespaces: foreign pods hold GPUs too) and nodes until cancelled.
+
+        Also makes ``client`` report its writes to the cache; ``waker`` (None: none) is poked.
+        """
+        client.on_write = self.learn
+        waker = waker or _Asleep()
+        await asyncio.gather(
+            self._follow("pods", client.list_pods, client.watch_pods, self.pods, waker),
+            self._follow("nodes", client.list_nodes, client.watch_nodes, self.nodes, waker),
+        )
+
+    async def _follow(
+        self,
+        what: str,
+        list_: Callable[..., Any],
+        watch: Callable[..., Any],
+        store: Store,
+        waker: Waker,
+    ) -> None:
+        version: str | None = None
+        scope: dict[str, Any] = {"namespace": None} if what == "pods" else {}
+        while True:
+            try:
+                if version is None:
+                    items, version = await list_(**scope, keep=store.trim)
+                    store.replace(items, version)
+                    # The cache is most of the heap and its JSON trees hold no cycles: kept out of
+                    # the collector, a full collection no longer walks 100,000 pods (0.3 s a pass).
+                    gc.freeze()
+                    self._synced.add(what)
+                    if self._synced == {"pods", "nodes"}:
+                        self.synced.set()
+                    waker.poke_waiting()
+                    logger.info("cache of %s filled: %d object(s)", what, len(store))
+                async for type_, obj in watch(**scope, resource_version=version):
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                    if type_ == "BOOKMARK":
+                        continue
+                    if type_ == "DELETED":
+                        store.remove(obj)
+                    elif not store.upsert(obj):
+                        continue  # nothing the operator reads changed (a heartbeat)
+                    _wake(waker, what, type_, obj)
+            except kube.ApiError as err:
+                if err.status == 410:
+                    version = None  # too old: list again and replace the store
+                    continue
+                logger.warning("watch of %s failed: %s", what, err)
+                await asyncio.sleep(RETRY_SECONDS)
+            except (TimeoutError, OSError, ValueError) as err:
+                logger.warning("watch of %s interrupted: %s", what, err)
+                await asyncio.sleep(RETRY_SECONDS)
+
+
+class _UsageView(Mapping[str, feasibility.Usage]):
+    """Usage per node as :meth:`Cache.usage` reports it, built node by node as it is read."""
+
+    def __init__(self, cache: Cache, left_out: dict[str, Counter[str]]) -> None:
+        self._cache = cache
+        self._left_out = left_out
+
+    def __getitem__(self, node: str) -> feasibility.Usage:
+        amounts = self._left_out.get(node)
+        if amounts is not None:
+            return self._cache.node_usage_without(node, amounts)
+        found = self._cache.node_usage(node)
+        if found is None:
+            raise KeyError(node)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._cache._requested))
+
+    def __len__(self) -> int:
+        return len(self._cache._requested)
+
+
+def _wake(waker: Waker, what: str, type_: str, obj: kube.Body) -> None:
+    if what == "nodes":
+        waker.poke_waiting()
+        return
+    job = job_of(obj)
+    if job:
+        waker.poke((_key(obj)[0], job))
+    if type_ == "DELETED" or (obj.get("status") or {}).get("phase") in FINISHED:
+        waker.poke_waiting()

@@ -1,0 +1,111 @@
+"""Writes of a TrainingJob's status, and its Events.
+
+A status write carries the resourceVersion it was decided on.  On 409 the job
+is read again: if only its metadata changed (kopf's finalizer and annotations)
+the write is retried on the new version, else ``kube.Conflict`` ends the pass
+and the next pass decides from the fresh read.  Events are best effort: one the
+API server refuses is logged, never retried.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from meshtrain.operator.cluster import informer, kube, metrics
+from meshtrain.operator.policy import conditions, identity, lifecycle
+
+logger = logging.getLogger("meshtrain.operator")
+
+CONFLICT_RETRIES = 3
+"""Status writes retried after a 409 when the job changed only outside spec and status."""
+
+Step = tuple[dict[str, Any], lifecycle.JobState, bool]
+"""What an action leaves: the job as last written or read, its state, and whether anything changed."""
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _decided_on(read: dict[str, Any], fresh: dict[str, Any]) -> bool:
+    """True when ``fresh`` has the spec generation and status that ``read`` had."""
+    generation = (read.get("metadata") or {}).get("generation")
+    return (fresh.get("metadata") or {}).get("generation") == generation and fresh.get(
+        "status"
+    ) == read.get("status")
+
+
+def _same(status: dict[str, Any], changes: dict[str, Any]) -> bool:
+    """True when merging ``changes`` would not change ``status``."""
+    return all(status.get(key) == value for key, value in changes.items())
+
+
+class JobWriter:
+    """Status and Event writes of every job of the process, through one API client."""
+
+    def __init__(self, client: kube.Client, cache: informer.Cache) -> None:
+        self.client = client
+        self.cache = cache
+
+    async def set_status(
+        self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
+    ) -> Step:
+        if _same(dict(job.status), changes):
+            return body, job, False
+        ref = job.ref
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                answer = await self.client.patch_job_status(
+                    namespace=ref.namespace, name=ref.name, status=changes, resource_version=version
+                )
+                break
+            except kube.Conflict:
+                # Re-read: a write that left spec and status as decided on (kopf's finalizer
+                # and annotations) does not change the decision; anything else does.
+                fresh = await self.client.get_job(namespace=ref.namespace, name=ref.name)
+                if fresh is None or not _decided_on(body, fresh):
+                    raise
+                version = (fresh.get("metadata") or {}).get("resourceVersion")
+        else:
+            raise kube.Conflict(409, "patch", "trainingjobs/status", "kept changing")
+        if answer is None:
+            return body, job, False
+        if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
+            metrics.RESTARTS.labels(namespace=job.ref.namespace, trainingjob=job.ref.name).inc()
+        return answer, lifecycle.job_state(answer), True
+
+    async def emit(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        try:
+            await self.client.create_event(
+                job=body,
+                type_=type_,
+                reason=reason,
+                message=message,
+                now=conditions.timestamp(now()),
+            )
+        except (kube.ApiError, OSError) as err:
+            logger.warning("could not record event %s: %s", reason, err)
+
+    async def emit_on_node(
+        self, node: str, ref: identity.JobRef, actions: Iterable[lifecycle.Action]
+    ) -> None:
+        """The first Emit of ``actions`` as an Event of ``node`` too (where an SRE looking at the node sees it)."""
+        note = next((a for a in actions if isinstance(a, lifecycle.Emit)), None)
+        if note is None:
+            return
+        raw = self.cache.nodes.get(("", node)) or {}
+        try:
+            await self.client.create_node_event(
+                node=node,
+                uid=(raw.get("metadata") or {}).get("uid"),
+                type_=note.type,
+                reason=note.reason,
+                message=f"TrainingJob {ref.namespace}/{ref.name}: {note.message}",
+                now=conditions.timestamp(now()),
+            )
+        except (kube.ApiError, OSError) as err:
+            logger.warning("could not record event %s on node %s: %s", note.reason, node, err)

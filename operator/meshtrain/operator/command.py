@@ -1,0 +1,196 @@
+"""``meshtrain operator``: the command-line entry of the operator process.
+
+:func:`add_parser` (the subcommand's flags, registered by
+``meshtrain.cli.main``) and :func:`run`, which configures JSON logging, starts the
+metrics endpoint and runs kopf with the handlers of :mod:`handlers`
+(namespaces or cluster-wide, liveness endpoint, leader election).  Not the handlers or any reconcile logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from meshtrain.operator.policy import naming
+from meshtrain.planner import admission, profiles
+
+if TYPE_CHECKING:
+    from meshtrain.operator.cluster import leadership
+
+DEFAULT_LEASE = "meshtrain-operator"
+"""Name of the coordination.k8s.io Lease replicas use to elect the active one."""
+MIN_LEASE_SECONDS = 3
+"""Shortest Lease the election's timing allows (a retry of at least 1 s, renewal within 2/3)."""
+DEFAULT_GPU_PROFILE = "h100-sxm"
+"""Profile for nodes that do not name their GPU: the common training GPU, as ``meshtrain plan`` assumes for bf16."""
+NO_PROFILE = "none"
+"""``--gpu-profile`` value that admits jobs unchecked when no node names its GPU."""
+
+
+def gpu_profile(name: str) -> profiles.Profile | None:
+    """The ``--gpu-profile`` value as a profile (None for ``none``).
+
+    Raises ProfileError for an unknown name, and for any profile file that
+    does not load, whatever the name: nodes are judged by every profile, and
+    a broken file found later would leave their jobs unchecked.
+    """
+    known = profiles.load_all()
+    if name == NO_PROFILE:
+        return None
+    if name not in known:
+        return profiles.get(name)  # raises, listing the known ones
+    return known[name]
+
+
+def election(args: argparse.Namespace) -> leadership.Election:
+    """The Lease settings of the flags: renew within 2/3 of the lease, retry 7.5 times per lease."""
+    from meshtrain.operator.cluster import leadership  # noqa: PLC0415 - kubernetes_asyncio only for `operator`
+
+    return leadership.Election(
+        lease=args.lease,
+        namespace=args.lease_namespace or leadership.default_namespace(),
+        identity=args.identity or leadership.default_identity(),
+        lease_seconds=args.lease_seconds,
+        renew_deadline=args.lease_seconds * 2 / 3,
+        retry=max(1.0, args.lease_seconds / 7.5),
+    )
+
+
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register ``meshtrain operator`` and its flags on the CLI's subparsers."""
+    parser = sub.add_parser("operator", help="run the TrainingJob operator (kopf)")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable); default: --all-namespaces",
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    parser.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)"
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        metavar="URL",
+        help="kopf liveness endpoint; empty disables it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 disables it"
+    )
+    parser.add_argument(
+        "--lease",
+        default=DEFAULT_LEASE,
+        metavar="NAME",
+        help="Lease that elects the one replica that acts (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lease-namespace",
+        metavar="NS",
+        help="namespace of the Lease (default: $POD_NAMESPACE, the pod's own, else default)",
+    )
+    parser.add_argument(
+        "--lease-seconds",
+        type=int,
+        default=15,
+        help="a standby takes over after the Lease went unrenewed this long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--identity",
+        help="this replica's Lease holder name; must survive a container restart "
+        "(default: $POD_NAME, else the host name)",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true", help="no leader election (a single replica)"
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=float(os.environ.get("MESHTRAIN_RESYNC_SECONDS", 30)),
+        help="longest wait between two reconciles of a job (env MESHTRAIN_RESYNC_SECONDS)",
+    )
+    parser.add_argument(
+        "--progress-seconds",
+        type=float,
+        default=float(os.environ.get("MESHTRAIN_PROGRESS_SECONDS", 10)),
+        help="interval of /progress polls of running jobs (env MESHTRAIN_PROGRESS_SECONDS)",
+    )
+    parser.add_argument(
+        "--gpu-profile",
+        default=os.environ.get("MESHTRAIN_GPU_PROFILE", DEFAULT_GPU_PROFILE),
+        metavar="PROFILE",
+        help="device profile a job's memory plan is judged by when no candidate node names its GPU "
+        f"({admission.PRODUCT_LABEL}): a profile of `meshtrain plan --gpu`, or 'none' to admit "
+        "such jobs unchecked (env MESHTRAIN_GPU_PROFILE; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--trainer-image",
+        default=os.environ.get("MESHTRAIN_TRAINER_IMAGE", naming.DEFAULT_TRAINER_IMAGE),
+        metavar="IMAGE",
+        help="trainer image of jobs whose spec.image is empty (env MESHTRAIN_TRAINER_IMAGE; "
+        "default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format", choices=["json", "text"], default="json", help="log format (default: json)"
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the operator until it is interrupted (exit status 2 at once for an unknown ``--gpu-profile``)."""
+    if args.lease_seconds < MIN_LEASE_SECONDS:
+        print(
+            f"meshtrain operator: --lease-seconds must be at least {MIN_LEASE_SECONDS}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        default_profile = gpu_profile(args.gpu_profile)
+    except profiles.ProfileError as err:  # names the flag's value or the file and key
+        print(f"meshtrain operator: --gpu-profile {args.gpu_profile}: {err}", file=sys.stderr)
+        return 2
+    import kopf  # noqa: PLC0415 - heavy; only the operator subcommand needs it
+
+    from meshtrain.operator import handlers, reconciler  # noqa: F401,PLC0415 - registers the handlers
+    from meshtrain.operator.cluster import metrics  # noqa: PLC0415
+
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
+    )
+    if not args.verbose:  # kopf logs every handler call at INFO; keep the operator's own lines
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    memo = kopf.Memo(
+        kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
+        namespaces=list(args.namespace),
+        election=None if args.standalone else election(args),
+        settings=reconciler.Settings(
+            resync_seconds=args.resync_seconds,
+            progress_seconds=args.progress_seconds,
+            gpu_profile=default_profile,
+            trainer_image=args.trainer_image,
+        ),
+    )
+    clusterwide = not args.namespace
+    kopf.run(
+        clusterwide=clusterwide,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+        standalone=True,  # no kopf peering: the Lease elects (see leadership)
+        memo=memo,
+        loop=asyncio.new_event_loop(),
+    )
+    return 0

@@ -1,0 +1,156 @@
+"""Where a job's gang fits now: the candidate nodes, and a plan at each size it may take.
+
+Read from the informer cache only (no API call, no write): the placement step
+(``placing``) acts on the answer under its lock, and the straggler step asks
+whether the gang would fit without its slow nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.api import elastic
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import admitting
+from meshtrain.operator.cluster import informer, owned, status_writes
+from meshtrain.operator.policy import (
+    builders,
+    capacity,
+    feasibility,
+    lifecycle,
+    rescheduling,
+    resizing,
+    sizing,
+    stragglers,
+    volumes,
+)
+from meshtrain.planner import placement_request, profiles
+
+logger = logging.getLogger("meshtrain.operator")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """The placement answer at one size of the gang (``size`` None without runPolicy.elastic)."""
+
+    size: elastic.Size | None
+    spec: api_spec.TrainingJobSpec
+    verdict: sizing.Admitted | sizing.Refused | None
+    answer: placement.Placement | placement.Unschedulable | None
+    """None when the verdict refused the size."""
+    refusals: list[str]
+
+
+class GangFit:
+    """What the cluster offers each job's gang, as the cache sees it."""
+
+    def __init__(self, cache: informer.Cache, gpu_profile: profiles.Profile | None) -> None:
+        self.cache = cache
+        self._planner_nodes: tuple[Any, list[dict[str, Any]], list[placement.Node]] = (None, [], [])
+        self._admissions = admitting.Admissions(gpu_profile)
+        self.refusals: dict[str, rescheduling.Record] = {}
+        """Jobs (by UID) re-placed after kube-scheduler refused their released pods."""
+        self.claims: dict[str, volumes.Topology | None] = {}
+        """Where each job's claim lets its pods go, as its last placement read it (by UID)."""
+
+    def forget(self, namespace: str, name: str, uid: str) -> None:
+        self._admissions.forget(namespace, name)
+        self.refusals.pop(uid, None)
+        self.claims.pop(uid, None)
+
+    def candidates(
+        self, job: lifecycle.JobState, gpu: str, also_avoid: frozenset[str] = frozenset()
+    ) -> tuple[list[dict[str, Any]], list[placement.Node], frozenset[str]]:
+        """The nodes a placement of ``job`` may use (raw, and as the planner sees them), and the
+        nodes it avoids (replaced stragglers, scheduler refusals)."""
+        raw_nodes, nodes = self._nodes(gpu)
+        refused = rescheduling.excluded(self.refusals.get(job.ref.uid), time.monotonic())
+        avoid = stragglers.excluded(job.status, status_writes.now()) | refused | also_avoid
+        if avoid:
+            raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
+            nodes = [n for n in nodes if n.name not in avoid]
+        return raw_nodes, nodes, avoid
+
+    def fits_without(self, job: lifecycle.JobState, slow: frozenset[str]) -> bool:
+        """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
+        job's excluded nodes, counting its own pods' resources as free.
+
+        A smaller elastic size does not count: trading a slow replica for a shrunk gang (and a
+        restart) loses more throughput than the straggler costs.
+        """
+        assert job.spec is not None
+        declared = job.declared or job.spec
+        gpu = declared.resources.gpu_resource_name
+        raw_nodes, nodes, _ = self.candidates(job, gpu, slow)
+        demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
+        running = job.spec.parallelism.data
+        sized = self.plan_sizes(job, raw_nodes, nodes, demand, cap=running)
+        fits = isinstance(sized.answer, placement.Placement) and (
+            sized.size is None or sized.size.data >= running
+        )
+        if not fits:
+            logger.info(
+                "%s/%s: straggler node(s) %s kept: no placement without them fits now at the running size",
+                job.ref.namespace,
+                job.ref.name,
+                ", ".join(sorted(slow)),
+            )
+        return fits
+
+    def freed_by_replacing(self, job: lifecycle.JobState) -> list[dict[str, Any]]:
+        return capacity.freed_by_replacing(
+            owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
+        )
+
+    def plan_sizes(
+        self,
+        job: lifecycle.JobState,
+        raw_nodes: list[dict[str, Any]],
+        nodes: list[placement.Node],
+        demand: feasibility.Demand,
+        cap: int | None = None,
+    ) -> Sized:
+        """Plan the gang at each size runPolicy.elastic allows (none above ``cap``), largest first;
+        the first that fits.
+
+        Without one that fits: the largest size's answer (a memory refusal only when every size is refused).
+        """
+        assert job.spec is not None
+        declared = job.declared or job.spec
+        usage = self.cache.usage(without=self.freed_by_replacing(job))
+        first: Sized | None = None
+        waiting: Sized | None = None
+        for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap):
+            verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
+            answer: placement.Placement | placement.Unschedulable | None = None
+            refusals: list[str] = []
+            if not isinstance(verdict, sizing.Refused):
+                offered, refusals = capacity.offered_nodes(
+                    demand,
+                    raw_nodes,
+                    usage,
+                    gpus_per_pod=spec.resources.gpus_per_node,
+                    pods_wanted=spec.pods,
+                    claim=self.claims.get(job.ref.uid),
+                )
+                answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
+            sized = Sized(size, spec, verdict, answer, refusals)
+            if isinstance(answer, placement.Placement):
+                return sized
+            first = first or sized
+            if waiting is None and answer is not None:
+                waiting = sized
+        assert first is not None
+        return waiting or first
+
+    def _nodes(self, gpu: str) -> tuple[list[dict[str, Any]], list[placement.Node]]:
+        """The cached nodes, and as the planner sees them (rebuilt only when a node changed)."""
+        key = (self.cache.nodes.changes, gpu)
+        if self._planner_nodes[0] != key:
+            raw = list(self.cache.nodes.values())
+            self._planner_nodes = (key, raw, [placement.node_from_manifest(n, gpu) for n in raw])
+        return self._planner_nodes[1], self._planner_nodes[2]

@@ -1,0 +1,505 @@
+"""The placement step of a pass: plan the gang and create it, all under one process-wide lock.
+
+:class:`Placer` asks ``gang_fit`` where the gang fits (the memory verdict of
+``sizing``: a job that won't fit fails with ``WontFit`` and gets no pods; a plan
+at each size ``runPolicy.elastic`` allows), records the placement and the plan's
+numbers in the status and creates the gated pods — all before the next job may
+plan, so two jobs never plan onto the same free GPUs.  Under the same lock it
+re-checks the planned nodes before the gates are lifted, grows an elastic gang
+when a larger size fits, and drops a placement whose nodes can no longer take it
+(a re-placement, not a restart).  Its memory (backoffs of refused creates, grow
+checks) is per job and forgotten with the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import gang_fit
+from meshtrain.operator.cluster import (
+    children,
+    claims,
+    informer,
+    kube,
+    metrics,
+    owned,
+    status_writes,
+    workloads,
+)
+from meshtrain.operator.cluster.status_writes import Step
+from meshtrain.operator.policy import (
+    builders,
+    capacity,
+    conditions,
+    feasibility,
+    identity,
+    lifecycle,
+    placement_status,
+    queueing,
+    rescheduling,
+    resizing,
+    retries,
+    sizing,
+    volumes,
+)
+
+logger = logging.getLogger("meshtrain.operator")
+
+
+def _describe(problems: Mapping[str, str]) -> str:
+    return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
+
+
+class Placer:
+    """Places, grows and re-places the gangs of every job of the process, one at a time."""
+
+    def __init__(
+        self,
+        *,
+        client: kube.Client,
+        cache: informer.Cache,
+        writer: status_writes.JobWriter,
+        fit: gang_fit.GangFit,
+        trainer_image: str,
+    ) -> None:
+        self.client = client
+        self.cache = cache
+        self.writer = writer
+        self.fit = fit
+        self.trainer_image = trainer_image
+        self.lock = asyncio.Lock()
+        self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
+        """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
+        self._gang_api: bool | None = None
+        """Whether PodGroups are served (None: not asked yet)."""
+        self.create_failures = retries.Backoff(children.retry_delay)
+        """Jobs (by UID: a namesake re-created is a new job) whose children were refused: when they may try again."""
+
+    def forget(self, ref: identity.JobRef) -> None:
+        """Drop what is remembered of a deleted job."""
+        self.fit.forget(ref.namespace, ref.name, ref.uid)
+        self.create_failures.forget(ref.uid)
+        self._grow_backoff.pop((ref.namespace, ref.name), None)
+
+    async def lift_gates(
+        self, action: lifecycle.LiftGates, body: dict[str, Any], job: lifecycle.JobState
+    ) -> Step:
+        """Lift the gang's gates, unless a planned node can no longer take its pods: then place it again."""
+        ref = job.ref
+        async with self.lock:
+            moved = await self._planned_nodes_changed(job)
+            if moved:
+                message = (
+                    f"planned node(s) can no longer take the gang before its gates were lifted "
+                    f"({_describe(moved)}); placing it again"
+                )
+                return await self._replace(body, job, conditions.NODES_CHANGED, message)
+            uids = {
+                p["metadata"]["name"]: p["metadata"]["uid"]
+                for p in owned.owned_pods(self.cache, ref)
+            }
+            lifted = await self.client.lift_gates(
+                namespace=ref.namespace,
+                uids={n: uids[n] for n in action.names if n in uids},
+            )
+        logger.info(
+            "gang of %s/%s complete: lifted %d gate(s)",
+            ref.namespace,
+            ref.name,
+            len(lifted),
+        )
+        return body, job, True
+
+    async def replace_refused(
+        self, action: rescheduling.ReplaceRefused, body: dict[str, Any], job: lifecycle.JobState
+    ) -> Step:
+        """Place the gang again away from the nodes kube-scheduler refused, spaced per ``rescheduling``."""
+        now = time.monotonic()
+        record = self.fit.refusals.get(job.ref.uid)
+        if rescheduling.wait(record, now) is not None:
+            return body, job, False
+        self.fit.refusals[job.ref.uid] = rescheduling.replaced(record, action.nodes, now)
+        message = rescheduling.message(action.nodes)
+        return await self._replace(body, job, conditions.SCHEDULER_REFUSED, message)
+
+    async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
+        """Planned nodes that can no longer take their pods of the gang (name -> why).
+
+        The nodes are read from the API server (not the cache, which may lag a watch event
+        behind); the pods on them, bound or nominated there, from the cache.
+        """
+        assert job.spec is not None
+        ref = job.ref
+        gang = [
+            p
+            for p in self.cache.job_pods(ref.namespace, ref.name)
+            if capacity.owned_by(p, ref.uid) and capacity.holds_gpus(p)
+        ]
+        planned = collections.Counter(identity.planned_node(p) or "" for p in gang)
+        if not gang:
+            return {}
+        demand = feasibility.demand_of(gang[0])
+        nodes = await asyncio.gather(*(self.client.get_node(name=name) for name in planned))
+        for node in nodes:
+            if node is not None:
+                self.cache.nodes.upsert(node)
+        return capacity.infeasible_nodes(
+            demand,
+            planned,
+            [n for n in nodes if n is not None],
+            self.cache.usage(without=self.fit.freed_by_replacing(job)),
+        )
+
+    async def _replace(
+        self, body: dict[str, Any], job: lifecycle.JobState, reason: str, message: str
+    ) -> Step:
+        """A planned node cannot take its pods (before or after the gates were lifted): delete
+        the gang's pods and place it again.
+
+        A re-placement, not a restart: no rank started training, ``restarts`` is unchanged.
+        """
+        ref = job.ref
+        logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+        body, job, _ = await self.writer.set_status(
+            body, job, placement_status.unplaced(job, status_writes.now(), message, reason)
+        )
+        await self._delete_gang(ref)
+        await self.writer.emit(body, "Warning", reason, message)
+        return body, job, True
+
+    async def _delete_gang(self, ref: identity.JobRef) -> None:
+        """Delete the pods of a dropped placement (written first: a new leader finishes this).
+
+        Never grace 0: the cache may lag a binding (a kubelet would keep GPUs it shows free);
+        the API server deletes an unbound pod at once anyway.
+        """
+        names = [p["metadata"]["name"] for p in owned.owned_pods(self.cache, ref)]
+        await owned.delete_pods(
+            self.client, self.cache, ref, names, lifecycle.BROKEN_GANG_GRACE_SECONDS
+        )
+
+    async def grow(
+        self, action: resizing.Grow, body: dict[str, Any], job: lifecycle.JobState
+    ) -> Step:
+        """Rebuild a gang running below its largest size when a larger one fits beside everyone else."""
+        assert job.declared is not None
+        ref = job.ref
+        key = (ref.namespace, ref.name)
+        backoff = self._grow_backoff.get(key)
+        if backoff is not None and time.monotonic() < backoff[0]:
+            return body, job, False
+        async with self.lock:
+            raw_nodes, nodes, _ = self.fit.candidates(job, job.declared.resources.gpu_resource_name)
+            demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
+            # Only the size a placement would pick (rules and memory admission included): growing to
+            # one it would not pick rebuilds the gang at the running size, again and again.
+            sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand)
+            size = sized.size
+            if (
+                size is None
+                or size.data <= action.running
+                or not isinstance(sized.answer, placement.Placement)
+            ):
+                interval = resizing.next_grow_check(backoff[1] if backoff else None)
+                self._grow_backoff[key] = (time.monotonic() + interval, interval)
+                return await self.writer.set_status(body, job, resizing.no_room(job.status))
+        self._grow_backoff.pop(key, None)  # room: check again at every pass until it is stable
+        checked = resizing.room_found(
+            job.declared, job.status, action.running, size.data, status_writes.now()
+        )
+        if not checked.grow:
+            body, job, changed = await self.writer.set_status(body, job, checked.fields)
+            if checked.message is not None:
+                logger.info("%s/%s: %s", ref.namespace, ref.name, checked.message)
+                await self.writer.emit(
+                    body, "Normal", conditions.ELASTIC_GROW_PENDING, checked.message
+                )
+            return body, job, changed
+        fields, message = resizing.growing(job.status, action.running, size, status_writes.now())
+        logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+        # roomSince written with it: the placement that follows may then pick the larger size
+        body, job, _ = await self.writer.set_status(
+            body, job, {**checked.fields, **fields, "observedGeneration": job.generation}
+        )
+        await self.writer.emit(body, "Normal", conditions.ELASTIC_GROWING, message)
+        await owned.delete_pods(
+            self.client,
+            self.cache,
+            ref,
+            [p["metadata"]["name"] for p in owned.owned_pods(self.cache, ref)],
+        )
+        return body, job, True
+
+    async def _wait_for_leaving(self, body: dict[str, Any], job: lifecycle.JobState) -> Step | None:
+        """Hold a new gang back while the old one's pods still terminate (None: none left).
+
+        Planned beside them, it would be sized down for a moment's shortage; planned onto
+        their GPUs, kube-scheduler would refuse it until they are gone.  Their deletion
+        wakes the job.
+        """
+        leaving = capacity.still_leaving(
+            owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
+        )
+        if not leaving:
+            return None
+        names = ", ".join(sorted(p["metadata"]["name"] for p in leaving))
+        message = f"waiting for pod(s) of the earlier gang to terminate (they hold their GPUs until gone): {names}"
+        return await self.writer.set_status(
+            body,
+            job,
+            placement_status.unschedulable(
+                job, conditions.OLD_PODS_TERMINATING, message, status_writes.now()
+            ),
+        )
+
+    async def _pod_group(
+        self,
+        ref: identity.JobRef,
+        spec: api_spec.TrainingJobSpec,
+        attempt: int,
+        stamped: str | None = None,
+    ) -> dict[str, Any] | None:
+        """The gang's PodGroup where the API server serves the native gang API (asked once), else None."""
+        if self._gang_api is None:
+            self._gang_api = await self.client.serves_pod_groups()
+            logger.info(
+                "native gang scheduling (scheduling.k8s.io/v1alpha2 PodGroup): %s",
+                "served, used" if self._gang_api else "not served; gang held by scheduling gates",
+            )
+        return builders.build_pod_group(ref, spec, attempt, stamped) if self._gang_api else None
+
+    async def _refused(
+        self, body: dict[str, Any], job: lifecycle.JobState, refused: children.Refused
+    ) -> Step:
+        """Children refused: remove what was created, drop the placement, say why, wait longer each time."""
+        ref, now = job.ref, time.monotonic()
+        tries = self.create_failures.refused(ref.uid, job.generation, now)
+        message = (
+            f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
+        )
+        logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
+        changes = {
+            **placement_status.unschedulable(job, refused.reason, message, status_writes.now()),
+            "placement": [],
+        }
+        body, job, _ = await self.writer.set_status(body, job, changes)
+        await self._delete_gang(ref)
+        await self.writer.emit(body, "Warning", refused.reason, refused.message)
+        return body, job, True
+
+    async def place(
+        self, action: lifecycle.Place, body: dict[str, Any], job: lifecycle.JobState
+    ) -> Step:
+        assert job.spec is not None
+        ref, spec = job.ref, job.spec
+        if (
+            action.missing is None
+            and self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None
+        ):
+            return body, job, False  # refused recently: wait (outside the lock) for the backoff
+        if action.missing is None and (waiting := await self._wait_for_leaving(body, job)):
+            return waiting
+        where = await workloads.flavors(self.client, action.flavors)
+        if isinstance(where, queueing.Unassignable):
+            return await self._unassignable(body, job, where)
+        try:
+            template = queueing.assign(builders.build_pod(ref, spec, action.attempt, 0, ""), where)
+        except queueing.AssignmentConflict as conflict:
+            unassignable = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
+            return await self._unassignable(body, job, unassignable)
+        gpu = spec.resources.gpu_resource_name
+        claim = self.fit.claims[ref.uid] = await claims.topology(self.client, ref.namespace, spec)
+        async with self.lock:
+            started = time.perf_counter()
+            raw_nodes, nodes, avoid = self.fit.candidates(job, gpu)
+            demand = feasibility.demand_of(template)
+            now = status_writes.now()
+            if action.missing is not None:
+                wanted = placement_status.missing_per_node(job, action.missing)
+                blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
+                recovery = placement_status.recover_missing(job, action.missing, blocked, now)
+                if isinstance(recovery, placement_status.Recreate):
+                    group = await self._pod_group(
+                        ref, spec, action.attempt, job.status.get("specHash")
+                    )
+                    pods = [
+                        queueing.assign(
+                            builders.build_pod(
+                                ref,
+                                spec,
+                                action.attempt,
+                                i,
+                                node,
+                                default_image=self.trainer_image,
+                                pod_group=group["metadata"]["name"] if group else None,
+                            ),
+                            where,
+                        )
+                        for i, node in recovery.nodes
+                    ]
+                    refused = await children.ensure(
+                        self.client, ref.uid, _shared_children(ref, spec, group), pods
+                    )
+                    if refused is not None:
+                        return await self._refused(body, job, refused)
+                    logger.info(
+                        "re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name
+                    )
+                    return body, job, True
+                live = [
+                    p for p in owned.owned_pods(self.cache, ref) if feasibility.holds_resources(p)
+                ]
+                await owned.delete_pods(
+                    self.client, self.cache, ref, [p["metadata"]["name"] for p in live]
+                )
+                return await self.writer.set_status(body, job, recovery.status)
+            cap = resizing.largest_allowed(job.declared or spec, job.status, now)
+            sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+            size, verdict, answer, refusals = (
+                sized.size,
+                sized.verdict,
+                sized.answer,
+                sized.refusals,
+            )
+            previous = job.spec.parallelism.data if job.status.get("elastic") else None
+            job = dataclasses.replace(job, spec=sized.spec)
+            spec = sized.spec
+            if isinstance(verdict, sizing.Refused):
+                logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
+                metrics.PLACEMENT_FAILURES.labels(reason=verdict.reason).inc()
+                body, job, changed = await self.writer.set_status(
+                    body, job, placement_status.wont_fit(job, verdict.message, now, verdict.summary)
+                )
+                await self.writer.emit(body, "Warning", verdict.reason, verdict.message)
+                return body, job, changed
+            plan = verdict.summary if verdict is not None else None
+            metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
+            assert answer is not None  # only a refused size has no answer
+            if isinstance(answer, placement.Unschedulable):
+                metrics.PLACEMENT_FAILURES.labels(reason=answer.reason).inc()
+                bounds = (job.declared or spec).run_policy.elastic
+                tried = (
+                    f"; no data-parallel degree from {bounds.max_data} down to {bounds.min_data} fits"
+                    if bounds is not None
+                    else ""
+                )
+                if avoid:
+                    tried += f"; excluded for this job (stragglers, scheduler refusals): {', '.join(sorted(avoid))}"
+                if claim is not None and volumes.CONFLICT in refusals:
+                    tried += f"; claim {claim.claim} allows only the nodes of {claim.why}"
+                answer = dataclasses.replace(
+                    answer,
+                    message=f"{answer.message}{tried}; {feasibility.summary(refusals, len(raw_nodes))}",
+                )
+                before = (
+                    conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
+                )
+                body, job, changed = await self.writer.set_status(
+                    body,
+                    job,
+                    placement_status.unschedulable(job, answer.reason, answer.message, now, plan),
+                )
+                if (before.get("reason"), before.get("message")) != (answer.reason, answer.message):
+                    logger.info(
+                        "%s/%s unschedulable: %s: %s",
+                        ref.namespace,
+                        ref.name,
+                        answer.reason,
+                        answer.message,
+                    )
+                    await self.writer.emit(body, "Warning", answer.reason, answer.message)
+                return body, job, changed
+            nodes_used = len(set(answer.nodes))
+            if shared := await claims.access_refusal(self.client, ref.namespace, spec, nodes_used):
+                unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
+                return await self._unassignable(body, job, unshared)
+            declared = job.declared or spec
+            fields = placement_status.placed(job, answer.nodes, answer.level_bytes, now, plan)
+            fields |= resizing.placed_fields(declared, size, {**job.status, **fields}, now)
+            body, job, _ = await self.writer.set_status(body, job, fields)
+            direction = resizing.change(previous, size)
+            if direction is not None and size is not None:
+                metrics.resized(ref.namespace, ref.name, direction)
+                message = fields["elastic"]["message"]
+                logger.info("%s/%s elastic %s: %s", ref.namespace, ref.name, direction, message)
+                await self.writer.emit(
+                    body,
+                    "Warning" if direction == "shrink" else "Normal",
+                    conditions.ELASTIC_SHRUNK
+                    if direction == "shrink"
+                    else conditions.ELASTIC_GROWN,
+                    f"data-parallel degree {previous} -> {size.data}: {message}",
+                )
+            group = await self._pod_group(ref, spec, action.attempt)
+            refused = await children.ensure(
+                self.client,
+                ref.uid,
+                _shared_children(ref, spec, group),
+                [
+                    queueing.assign(pod, where)
+                    for pod in builders.build_pods(
+                        ref,
+                        spec,
+                        action.attempt,
+                        answer.nodes,
+                        default_image=self.trainer_image,
+                        pod_group=group["metadata"]["name"] if group else None,
+                    )
+                ],
+            )
+            if refused is not None:
+                return await self._refused(body, job, refused)
+            self.create_failures.forget(ref.uid)
+        logger.info(
+            "placed %s/%s %s on %d node(s)",
+            ref.namespace,
+            ref.name,
+            spec.parallelism.layout_string,
+            len(set(answer.nodes)),
+        )
+        await self.writer.emit(
+            body,
+            "Normal",
+            conditions.GANG_PLACED,
+            f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)",
+        )
+        return body, job, True
+
+    async def _unassignable(
+        self, body: dict[str, Any], job: lifecycle.JobState, why: queueing.Unassignable
+    ) -> Step:
+        """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
+        before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
+        body, job, changed = await self.writer.set_status(
+            body,
+            job,
+            placement_status.unschedulable(job, why.reason, why.message, status_writes.now()),
+        )
+        if (before.get("reason"), before.get("message")) != (why.reason, why.message):
+            logger.info("%s/%s: %s", job.ref.namespace, job.ref.name, why.message)
+            await self.writer.emit(body, "Warning", why.reason, why.message)
+        return body, job, changed
+
+
+def _shared_children(
+    ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup if served.
+
+    Crash recovery ensures them again with the missing pods (they exist: each is read, and
+    brought up to date when it is the job's), so a recovered gang never rests on how far the
+    killed pass got.
+    """
+    return [
+        builders.build_configmap(ref, spec),
+        builders.build_service(ref, spec),
+        *([group] if group else []),
+    ]

@@ -1,0 +1,379 @@
+"""Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap.
+
+Pure ``build_*`` functions from a job (its identity, validated
+spec, gang attempt and planned nodes) to plain dict manifests, each with an
+owner reference to the job.  Nothing here creates, patches or
+reads objects (see ``kube``), chooses nodes (see ``placement``) or decides
+when a gang is (re)built (see ``lifecycle``).
+
+A pod runs ranks ``[i*gpusPerNode, (i+1)*gpusPerNode)`` as one torchrun node::
+
+    torchrun --nnodes=$(PET_NNODES) --nproc-per-node=$(PET_NPROC_PER_NODE)
+             --node-rank=$(PET_NODE_RANK) --master-addr=$(MASTER_ADDR)
+             --master-port=$(MASTER_PORT) --shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)
+             -m meshtrain.trainer
+
+It carries the gang scheduling gate and a required node affinity to its
+planned node (``matchFields`` on ``metadata.name``), declares one named
+container port per local rank's exporter (``metrics-<r>`` = metrics.port + r)
+for the chart's PodMonitor, writes its logs to ``<checkpoint.path>/logs`` and
+rank 0's final progress to the termination message.  A deleted pod gets
+``runPolicy.terminationGracePeriodSeconds`` for its ranks to checkpoint the
+step they stop at (torchrun waits 5 s less before killing them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from meshtrain.api import layout
+from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import identity, naming
+
+SHUTDOWN_MARGIN_SECONDS = 5
+"""torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
+
+
+def owner_reference(job: identity.JobRef) -> dict[str, Any]:
+    """Controller owner reference to the job: the garbage collector deletes children with it."""
+    return {
+        "apiVersion": naming.API_VERSION,
+        "kind": api_spec.KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    job: identity.JobRef, name: str, labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {
+            naming.LABEL_JOB: job.name,
+            naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
+            **(labels or {}),
+        },
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
+    """Pipeline stages of the ranks pod ``index`` runs: ``"2"`` or ``"0-1"``."""
+    grid = layout.ParallelLayout(
+        data=spec.parallelism.data,
+        pipeline=spec.parallelism.pipeline,
+        tensor=spec.parallelism.tensor,
+    )
+    per_pod = spec.resources.gpus_per_node
+    stages = [grid.coords(rank).pp for rank in range(index * per_pod, (index + 1) * per_pod)]
+    low, high = min(stages), max(stages)
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def build_configmap(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """The ConfigMap with the whole TrainingJob (defaults filled in) as ``job.yaml``."""
+    document = api_spec.to_manifest(job.name, spec, job.namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, naming.configmap_name(job.name)),
+        "data": {"job.yaml": yaml.safe_dump(document, sort_keys=False, allow_unicode=True)},
+    }
+
+
+def build_service(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """Headless Service: stable DNS names for the pods, published before they are ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, naming.service_name(job.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {naming.LABEL_JOB: job.name},
+            "ports": [
+                {
+                    "name": "rendezvous",
+                    "port": naming.MASTER_PORT,
+                    "targetPort": naming.MASTER_PORT,
+                },
+                {"name": "metrics", "port": spec.metrics.port, "targetPort": spec.metrics.port},
+            ],
+        },
+    }
+
+
+def _env(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int
+) -> list[dict[str, Any]]:
+    p = spec.parallelism
+    plain = {
+        "PET_NNODES": spec.pods,
+        "PET_NPROC_PER_NODE": spec.resources.gpus_per_node,
+        "PET_NODE_RANK": index,
+        "WORLD_SIZE": spec.world_size,
+        "MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
+        "MASTER_PORT": naming.MASTER_PORT,
+        # torchrun's own defaults for --master-addr/--master-port: a custom program's plain
+        # `torchrun train.py` joins the gang with no flags.
+        "PET_MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
+        "PET_MASTER_PORT": naming.MASTER_PORT,
+        "MESHTRAIN_TP": p.tensor,
+        "MESHTRAIN_PP": p.pipeline,
+        "MESHTRAIN_DP": p.data,
+        "MESHTRAIN_JOB_NAME": job.name,
+        "MESHTRAIN_NAMESPACE": job.namespace,
+        "MESHTRAIN_ATTEMPT": attempt,
+        "MESHTRAIN_SPEC_FILE": naming.SPEC_FILE,
+        "MESHTRAIN_CHECKPOINT_DIR": spec.checkpoint.path,
+        "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path),
+        "MESHTRAIN_METRICS_PORT": spec.metrics.port,
+        "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
+        "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
+    }
+    env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
+    env.append(
+        {"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    )
+    env.append(
+        {"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    )
+    env.append(  # the straggler metrics name the node
+        {"name": "MESHTRAIN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    )
+    return env
+
+
+def torchrun_shutdown_timeout(spec: api_spec.TrainingJobSpec) -> int:
+    """Seconds torchrun gives its ranks after SIGTERM: the pod's grace period less a margin to exit before SIGKILL."""
+    return spec.run_policy.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS
+
+
+def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    r = spec.resources
+    amounts: dict[str, str] = {r.gpu_resource_name: str(r.gpus_per_node), **r.extra_resources}
+    if spec.pod.rdma and spec.pod.rdma_resource:
+        amounts.setdefault(spec.pod.rdma_resource, "1")
+    if r.cpu:
+        amounts["cpu"] = r.cpu
+    if r.memory:
+        amounts["memory"] = r.memory
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _volumes(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    checkpoint: dict[str, Any] = (
+        {"persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name}}
+        if spec.checkpoint.claim_name
+        else {"emptyDir": {}}
+    )
+    volumes = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+        {"name": "checkpoints", **checkpoint},
+        {"name": "spec", "configMap": {"name": naming.configmap_name(job.name)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    # The root filesystem is read-only: these are the only places the trainer writes.
+    mounts: list[dict[str, Any]] = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "checkpoints", "mountPath": spec.checkpoint.path},
+        {"name": "spec", "mountPath": naming.SPEC_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": naming.SCRATCH_DIR},
+    ]
+    return volumes, mounts
+
+
+TRAINER_UID = 65532
+"""The trainer image's numeric USER (trainer/Dockerfile); pods run as it, never as root."""
+
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": TRAINER_UID,
+    "runAsGroup": TRAINER_UID,
+    "fsGroup": TRAINER_UID,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Pod securityContext: the restricted Pod Security Standard; fsGroup makes the checkpoint claim writable."""
+
+
+def _container_security(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """Restricted: no privilege escalation, every capability dropped, read-only root filesystem.
+
+    ``spec.pod.rdma`` adds IPC_LOCK (pinning memory for RDMA), which only the
+    privileged Pod Security level admits.
+    """
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if spec.pod.rdma:
+        capabilities["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": capabilities,
+    }
+
+
+def build_pod(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    index: int,
+    node: str,
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+    pod_group: str | None = None,
+) -> dict[str, Any]:
+    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
+
+    With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
+    scheduler then binds the gang all at once or not at all.
+    """
+    name = naming.pod_name(job.name, attempt, index)
+    volumes, mounts = _volumes(job, spec)
+    labels = {
+        naming.LABEL_NODE_RANK: str(index),
+        naming.LABEL_ATTEMPT: str(attempt),
+        naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
+        naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
+    }
+    metadata = _metadata(job, name, labels)
+    metadata["annotations"] = {naming.ANNOTATION_NODE: node}
+    container = {
+        "name": naming.CONTAINER,
+        "image": spec.image or default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["torchrun"],
+        "args": [
+            "--nnodes=$(PET_NNODES)",
+            "--nproc-per-node=$(PET_NPROC_PER_NODE)",
+            "--node-rank=$(PET_NODE_RANK)",
+            "--master-addr=$(MASTER_ADDR)",
+            "--master-port=$(MASTER_PORT)",
+            "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)",
+            "-m",
+            "meshtrain.trainer",
+        ],
+        "env": _env(job, spec, attempt, index),
+        "ports": [
+            *(
+                {"name": naming.metrics_port_name(r), "containerPort": spec.metrics.port + r}
+                for r in range(spec.resources.gpus_per_node)
+            ),
+            {"name": "rendezvous", "containerPort": naming.MASTER_PORT},
+        ],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(spec),
+        # Rank 0 writes its final progress here; a failed container reports its log's end instead.
+        "terminationMessagePath": naming.TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
+        "hostname": name,
+        "subdomain": naming.service_name(job.name),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": bool(spec.pod.service_account_name),
+        "securityContext": POD_SECURITY,
+        "schedulingGates": [{"name": naming.GANG_GATE}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
+                        },
+                    ]
+                }
+            }
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for t in spec.resources.tolerations
+        ]
+    if spec.trainer.type == "custom":
+        container["command"] = list(spec.trainer.command)
+        container["args"] = list(spec.trainer.args)
+        if spec.trainer.working_dir:
+            container["workingDir"] = spec.trainer.working_dir
+    if pod_group:
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
+    _apply_pod_settings(spec.pod, metadata, container, pod_spec)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _apply_pod_settings(
+    settings: api_spec.PodSettings,
+    metadata: dict[str, Any],
+    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+) -> None:
+    """The job's spec.pod: its labels and annotations never replace the operator's own."""
+    metadata["labels"] = {**settings.labels, **metadata["labels"]}
+    metadata["annotations"] = {**settings.annotations, **metadata.get("annotations", {})}
+    container["env"] = [
+        *container["env"],
+        *(v.model_dump(by_alias=True, exclude_none=True, mode="json") for v in settings.env),
+    ]
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if settings.service_account_name:
+        pod_spec["serviceAccountName"] = settings.service_account_name
+    if settings.priority_class_name:
+        pod_spec["priorityClassName"] = settings.priority_class_name
+
+
+def build_pod_group(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, stamped: str | None = None
+) -> dict[str, Any]:
+    """The native gang of attempt ``attempt`` (scheduling.k8s.io/v1alpha2): all ``spec.pods`` or none.
+
+    ``stamped``: the running gang's specHash; a pod recreated into it joins its PodGroup even
+    when an earlier release computed that hash.
+    """
+    hashed = identity.spec_hash(spec)
+    if stamped is not None and identity.same_spec(stamped, spec):
+        hashed = stamped
+    name = naming.pod_group_name(job.name, attempt, hashed)
+    return {
+        "apiVersion": "scheduling.k8s.io/v1alpha2",
+        "kind": "PodGroup",
+        "metadata": _metadata(job, name),
+        "spec": {"schedulingPolicy": {"gang": {"minCount": spec.pods}}},
+    }
+
+
+def build_pods(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    nodes: Sequence[str],
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+    pod_group: str | None = None,
+) -> list[dict[str, Any]]:
+    """The whole gang: pod ``i`` on ``nodes[i]``."""
+    if len(nodes) != spec.pods:
+        raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
+    return [
+        build_pod(job, spec, attempt, index, node, default_image=default_image, pod_group=pod_group)
+        for index, node in enumerate(nodes)
+    ]

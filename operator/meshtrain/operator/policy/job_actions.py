@@ -1,0 +1,108 @@
+"""What the state machine asks the reconciler to do: the actions of a decision, and the decision."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from meshtrain.operator.policy import queueing, rescheduling, resizing
+
+
+@dataclasses.dataclass(frozen=True)
+class SetStatus:
+    """Merge these fields into status (a JSON merge patch of the status subresource)."""
+
+    changes: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Emit:
+    """Record a Kubernetes Event on the job."""
+
+    type: str
+    """Normal or Warning."""
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeletePods:
+    """Delete these pods (already-gone ones are fine)."""
+
+    names: tuple[str, ...]
+    grace_seconds: int | None = None
+    """None: the pods' own grace period (time to checkpoint the step they stop at)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Plan and create the gang of ``attempt`` (all pods), or re-create ``missing`` on the recorded nodes."""
+
+    attempt: int
+    missing: tuple[int, ...] | None = None
+    flavors: tuple[str, ...] = ()
+    """The ResourceFlavors Kueue admitted the job with: only nodes they cover, with their tolerations."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LiftGates:
+    """Remove the gang scheduling gate from these pods (the whole gang exists)."""
+
+    names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteJob:
+    """Delete the TrainingJob itself (TTL after finishing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PollProgress:
+    """Read rank 0's /progress and store it in the status."""
+
+    pod: str
+    ip: str
+    port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaceStraggler:
+    """Rebuild the gang without ``nodes`` if a placement without them fits now, else only report.
+
+    The check needs the cluster (the reconciler plans the gang, shrunk elastic
+    sizes included, with the node left out); stopping a gang that then cannot
+    be placed anywhere would trade a slow job for a stopped one.
+    """
+
+    nodes: tuple[str, ...]
+    replaced: tuple[SetStatus | Emit | DeletePods, ...]
+    otherwise: tuple[SetStatus | Emit, ...]
+
+
+Action = (
+    SetStatus
+    | ReplaceStraggler
+    | Emit
+    | DeletePods
+    | Place
+    | LiftGates
+    | DeleteJob
+    | PollProgress
+    | resizing.Grow
+    | rescheduling.ReplaceRefused
+    | queueing.CreateWorkload
+    | queueing.ReleaseQuota
+    | queueing.ReportPodsReady
+    | queueing.FinishWorkload
+    | queueing.DeleteWorkload
+    | queueing.MoveWorkload
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do now, and when to look again at the latest (None: on the next event or resync)."""
+
+    actions: tuple[Action, ...] = ()
+    requeue_after: float | None = None

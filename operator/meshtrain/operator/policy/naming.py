@@ -1,0 +1,101 @@
+"""Names, labels and annotations the operator puts on the objects it owns.
+
+The constants and the few pure functions that name a job's
+children (pods, headless Service, ConfigMap) and read the operator's own
+labels back.  It builds no manifests (see ``builders``) and
+talks to no API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from meshtrain.api import release, rules
+from meshtrain.api import spec as api_spec
+
+GROUP = api_spec.API_GROUP
+API_VERSION = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+
+LABEL_JOB = f"{GROUP}/job"
+"""Name of the TrainingJob a child object belongs to."""
+LABEL_NODE_RANK = f"{GROUP}/node-rank"
+"""Pod index in the gang (torchrun --node-rank)."""
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+"""Gang attempt the pod belongs to: ``status.restarts`` when it was created."""
+LABEL_PIPELINE_STAGES = f"{GROUP}/pipeline-stages"
+"""Pipeline stages whose ranks the pod runs, ``"0"`` or ``"0-1"``."""
+LABEL_SPEC_HASH = f"{GROUP}/spec-hash"
+"""Hash of the spec the pod was built from (``status.specHash`` of its gang)."""
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "meshtrain-operator"
+"""Value of ``app.kubernetes.io/managed-by`` on every child."""
+
+ANNOTATION_NODE = f"{GROUP}/planned-node"
+"""Node the planner chose for a pod (also its required node affinity)."""
+
+GANG_GATE = f"{GROUP}/gang"
+"""Scheduling gate on every pod until the whole gang exists."""
+
+CONTAINER = "trainer"
+
+# The trainer image of this meshtrain release, for jobs with an empty spec.image when the
+# operator runs without --trainer-image (the chart always passes one).
+DEFAULT_TRAINER_IMAGE = f"ghcr.io/meshtrain/trainer:{release.VERSION}"
+"""Name of the trainer container."""
+MASTER_PORT = rules.RENDEZVOUS_PORT
+"""torchrun rendezvous port on the rank-0 pod."""
+SPEC_DIR = "/etc/meshtrain"
+SPEC_FILE = f"{SPEC_DIR}/job.yaml"
+"""Where the job's spec (the ConfigMap) is mounted inside each pod."""
+SCRATCH_DIR = "/tmp"
+"""Writable scratch space of the trainer (an emptyDir; the image sets HOME to it)."""
+TERMINATION_LOG = "/dev/termination-log"
+"""The trainer container's terminationMessagePath: rank 0 writes its final progress there."""
+LOG_SUBDIR = "logs"
+"""Directory under ``checkpoint.path`` (on the checkpoint volume) for steps.jsonl and the rank traces."""
+METRICS_PORT_PREFIX = "metrics-"
+"""Container port names of the per-rank exporters: ``metrics-0`` .. ``metrics-<gpusPerNode-1>``."""
+
+
+def metrics_port_name(local_rank: int) -> str:
+    """Name of the container port of local rank ``local_rank``'s exporter (metrics.port + local_rank)."""
+    return f"{METRICS_PORT_PREFIX}{local_rank}"
+
+
+def log_dir(checkpoint_path: str) -> str:
+    """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/logs``, so logs outlive the pods with the claim."""
+    return f"{checkpoint_path.rstrip('/')}/{LOG_SUBDIR}"
+
+
+def pod_name(job: str, attempt: int, index: int) -> str:
+    """Pod ``index`` of gang attempt ``attempt``: ``<job>-r<attempt>-<index>`` (also its hostname)."""
+    return f"{job}-r{attempt}-{index}"
+
+
+def pod_group_name(job: str, attempt: int, spec_hash: str) -> str:
+    """The PodGroup of one gang: a new one per attempt and per spec (its gang size is immutable)."""
+    return f"{job}-r{attempt}-{spec_hash[:10]}"
+
+
+def service_name(job: str) -> str:
+    """The headless Service giving pods DNS names (``<pod>.<service>.<ns>.svc``)."""
+    return job
+
+
+def configmap_name(job: str) -> str:
+    """The ConfigMap holding the job's spec YAML."""
+    return f"{job}-spec"
+
+
+def master_addr(job: str, namespace: str, attempt: int) -> str:
+    """DNS name of the rank-0 pod through the headless Service (cluster-domain independent)."""
+    return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"
+
+
+def int_label(labels: Mapping[str, str] | None, key: str) -> int | None:
+    """An integer label value, or None when absent or malformed."""
+    value = (labels or {}).get(key)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,314 @@
+"""One reconcile pass of a TrainingJob: observe -> decide -> act.
+
+:class:`Reconciler` reads the job and its pods, asks :func:`lifecycle.decide`
+what to do and performs the actions: the placement step through ``placing``
+(under one process-wide lock), status writes and Events through
+``status_writes``, Kueue's Workload through ``workloads``, pod deletions by UID
+through ``owned``.  It also polls rank 0's progress while the job runs, reports
+passes failing on the API server, and removes a deleted job's children.
+(Leader election makes sure only one operator process acts at a time.)
+
+It owns no watch and no loop (see ``handlers``), and builds no manifest itself
+(see ``builders``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.operator import gang_fit, placing
+from meshtrain.operator.cluster import (
+    children,
+    informer,
+    kube,
+    metrics,
+    owned,
+    status_writes,
+    workloads,
+)
+from meshtrain.operator.cluster.status_writes import Step, now
+from meshtrain.operator.policy import (
+    conditions,
+    failure,
+    identity,
+    lifecycle,
+    naming,
+    noise_condition,
+    progress_status,
+    queueing,
+    rescheduling,
+    resizing,
+    retries,
+    stragglers,
+)
+from meshtrain.planner import profiles
+
+logger = logging.getLogger("meshtrain.operator")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Timers of the operator (flags of ``meshtrain operator``)."""
+
+    resync_seconds: float = 30.0
+    """Longest wait between two reconciles of a job without events."""
+    progress_seconds: float = 10.0
+    """How often rank 0's /progress is read while a job runs."""
+    progress_timeout_seconds: float = 2.0
+    """Timeout of one /progress request."""
+    gpu_profile: profiles.Profile | None = None
+    """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
+    trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
+    """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """Result of one pass: whether it changed anything, and when to look again."""
+
+    changed: bool
+    requeue_after: float | None
+    waiting_for_capacity: bool = False
+    gone: bool = False
+    done: bool = False
+    """The job is finished and nothing is left to do for it (no TTL pending)."""
+
+
+class Reconciler:
+    """Reconciles TrainingJobs through one API client; shared by every job of the process."""
+
+    def __init__(self, *, client: kube.Client, cache: informer.Cache, settings: Settings) -> None:
+        self.client = client
+        self.cache = cache
+        self.settings = settings
+        self.writer = status_writes.JobWriter(client, cache)
+        self.fit = gang_fit.GangFit(cache, settings.gpu_profile)
+        self.placer = placing.Placer(
+            client=client,
+            cache=cache,
+            writer=self.writer,
+            fit=self.fit,
+            trainer_image=settings.trainer_image,
+        )
+        self._last_progress: dict[tuple[str, str], float] = {}
+        self._workload_rejections = retries.Backoff(children.retry_delay)
+        """Jobs (by UID) whose Workload the API server refused: when they may try again, and why."""
+
+    async def reconcile(self, *, namespace: str, name: str) -> Outcome:
+        """One pass over ``namespace/name``."""
+        started = time.perf_counter()
+        try:
+            return await self._reconcile(namespace, name)
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+    async def _reconcile(self, namespace: str, name: str) -> Outcome:
+        await self.cache.synced.wait()
+        body = await self.client.get_job(namespace=namespace, name=name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            metrics.forget(namespace, name)
+            return Outcome(changed=False, requeue_after=None, gone=True)
+        job = lifecycle.job_state(body)
+        pods = owned.owned_pods(self.cache, job.ref)
+        states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
+        queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
+        gate, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
+        planned = {p.get("node") for p in job.status.get("placement") or [] if isinstance(p, dict)}
+        gone = frozenset(
+            n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
+        )
+        decision = lifecycle.decide(job, states, now(), gate, gone)
+        changed = refused_now = False
+        for action in decision.actions:
+            if isinstance(action, workloads.ACTIONS):
+                try:
+                    did = await workloads.perform(
+                        self.client, action, job, queue, workload, self.settings.trainer_image
+                    )
+                except workloads.Rejected as err:
+                    did = refused_now = self._workload_refused(job, str(err))
+                else:
+                    if isinstance(action, queueing.CreateWorkload):
+                        self._workload_rejections.forget(job.ref.uid)
+            else:
+                body, job, did = await self._act(action, body, job)
+            changed = changed or did
+        phase = (body.get("status") or {}).get("phase") or "Pending"
+        if phase == lifecycle.Phase.RUNNING.value:  # it ran where it was placed: start afresh
+            self.fit.refusals.pop(job.ref.uid, None)
+        placed = (
+            conditions.find((body.get("status") or {}).get("conditions") or [], conditions.PLACED)
+            or {}
+        )
+        waiting = placed.get("status") == conditions.FALSE and placed.get("reason") in (
+            placement.INSUFFICIENT_GPUS,
+            placement.TOPOLOGY_UNSATISFIABLE,
+        )
+        metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
+        requeue = decision.requeue_after
+        retry = self.placer.create_failures.wait(job.ref.uid, job.generation, time.monotonic())
+        rejected = self._workload_rejections.current(job.ref.uid, job.generation)
+        if rejected is not None:
+            # Just refused: a pass now writes why (Queued); then the backoff's remaining time.
+            left = max(rejected.not_before - time.monotonic(), 0.0) if not refused_now else 0.0
+            retry = left if retry is None else min(retry, left)
+        if any(isinstance(a, rescheduling.ReplaceRefused) for a in decision.actions):
+            spaced = rescheduling.wait(self.fit.refusals.get(job.ref.uid), time.monotonic())
+            retry = spaced if retry is None or spaced is None else min(retry, spaced)
+        if retry is not None:
+            requeue = retry if requeue is None else min(requeue, retry)
+        if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
+            requeue = (
+                self.settings.progress_seconds
+                if requeue is None
+                else min(requeue, self.settings.progress_seconds)
+            )
+        done = phase in lifecycle.FINAL and requeue is None and not changed
+        return Outcome(
+            changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
+        )
+
+    async def _act(
+        self, action: lifecycle.Action, body: dict[str, Any], job: lifecycle.JobState
+    ) -> Step:
+        ref = job.ref
+        if isinstance(action, lifecycle.SetStatus):
+            return await self.writer.set_status(body, job, dict(action.changes))
+        if isinstance(action, lifecycle.Emit):
+            await self.writer.emit(body, action.type, action.reason, action.message)
+            return body, job, False
+        if isinstance(action, lifecycle.DeletePods):
+            await owned.delete_pods(
+                self.client, self.cache, ref, action.names, action.grace_seconds
+            )
+            return body, job, True
+        if isinstance(action, lifecycle.LiftGates):
+            return await self.placer.lift_gates(action, body, job)
+        if isinstance(action, lifecycle.DeleteJob):
+            logger.info("deleting %s/%s: ttlSecondsAfterFinished elapsed", ref.namespace, ref.name)
+            await self.client.delete_job(namespace=ref.namespace, name=ref.name)
+            return body, job, True
+        if isinstance(action, lifecycle.PollProgress):
+            return await self._poll(action, body, job)
+        if isinstance(action, lifecycle.Place):
+            return await self.placer.place(action, body, job)
+        if isinstance(action, resizing.Grow):
+            return await self.placer.grow(action, body, job)
+        if isinstance(action, rescheduling.ReplaceRefused):
+            return await self.placer.replace_refused(action, body, job)
+        if isinstance(action, lifecycle.ReplaceStraggler):
+            fits = self.fit.fits_without(job, frozenset(action.nodes))
+            changed = False
+            for step in action.replaced if fits else action.otherwise:
+                body, job, did = await self._act(step, body, job)
+                changed = changed or did
+            if fits:  # where an SRE looking at the node sees it too
+                for node in action.nodes:
+                    await self.writer.emit_on_node(node, job.ref, action.replaced)
+            return body, job, changed
+        raise TypeError(f"unknown action {action!r}")
+
+    async def _poll(
+        self, action: lifecycle.PollProgress, body: dict[str, Any], job: lifecycle.JobState
+    ) -> Step:
+        key = (job.ref.namespace, job.ref.name)
+        if time.monotonic() - self._last_progress.get(key, 0.0) < self.settings.progress_seconds:
+            return body, job, False
+        self._last_progress[key] = time.monotonic()
+        try:
+            report = await kube.get_progress(
+                ip=action.ip, port=action.port, timeout=self.settings.progress_timeout_seconds
+            )
+        except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
+            logger.debug("progress of %s unavailable: %s", action.pod, err)
+            return body, job, False
+        changes = progress_status.polled_changes(report)
+        changes |= resizing.baseline(job.status, changes)
+        if job.spec is not None:
+            changes |= stragglers.observed(job.spec, job.status, report, now())
+        if not changes:
+            return body, job, False
+        warning = None
+        if job.spec is not None:  # on top of the conditions the straggler policy may have set
+            before = changes.get("conditions", job.status.get("conditions") or [])
+            conds, warning = noise_condition.changes(
+                before,
+                job.spec.global_batch,
+                (changes.get("progress") or {}).get("gradientNoiseScale"),
+                (changes.get("progress") or {}).get("step"),
+                now(),
+            )
+            if conds != list(before):
+                changes["conditions"] = conds
+        body, job, _ = await self.writer.set_status(body, job, changes)
+        if warning is not None:
+            await self.writer.emit(
+                body, "Warning", conditions.GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE, warning
+            )
+        return body, job, False
+
+    def _rejected(self, job: lifecycle.JobState) -> tuple[str, bool] | None:
+        """Why the job's Workload was refused for this generation, and whether to try again now."""
+        found = self._workload_rejections.current(job.ref.uid, job.generation)
+        return None if found is None else (found.why, found.not_before <= time.monotonic())
+
+    def _workload_refused(self, job: lifecycle.JobState, message: str) -> bool:
+        """Back off before creating the refused Workload again; the next pass says why (Queued)."""
+        tries = self._workload_rejections.refused(
+            job.ref.uid, job.generation, time.monotonic(), message
+        )
+        logger.warning(
+            "%s/%s: %s (try %d)", job.ref.namespace, job.ref.name, message, tries.failures
+        )
+        return True
+
+    async def report_api_errors(
+        self, *, namespace: str, name: str, failures: int, error: str | None
+    ) -> None:
+        """Condition ApiErrors (and a Warning Event) after ``failures`` failed passes; False when ``error`` is None."""
+        body = await self.client.get_job(namespace=namespace, name=name)
+        if body is None:
+            return
+        job = lifecycle.job_state(body)
+        if error is None:
+            status, reason = conditions.FALSE, conditions.RECONCILE_RECOVERED
+            message = "a reconcile pass succeeded again"
+        else:
+            status, reason = conditions.TRUE, conditions.RECONCILE_FAILING
+            message = f"{failures} reconcile passes in a row failed on the API server, retrying with backoff: {error}"
+        conds = conditions.set(
+            job.status.get("conditions") or [],
+            conditions.API_ERRORS,
+            status,
+            reason,
+            message,
+            now(),
+        )
+        body, job, _ = await self.writer.set_status(body, job, {"conditions": conds})
+        if error is not None:
+            await self.writer.emit(body, "Warning", reason, message)
+
+    async def job_exists(self, *, namespace: str, name: str, uid: str) -> bool:
+        """Whether the TrainingJob of this UID is still there (a namesake created since is not it)."""
+        body = await self.client.get_job(namespace=namespace, name=name)
+        return body is not None and (body.get("metadata") or {}).get("uid") == uid
+
+    async def delete_children(self, *, namespace: str, name: str, uid: str) -> int:
+        """Remove the children this job (``uid``) owns (``owned.delete_children``), then forget the job.
+
+        Returns how many of its pods still hold resources while its Workload holds Kueue
+        quota: the caller calls again later.
+        """
+        ref = identity.JobRef(name=name, namespace=namespace, uid=uid)
+        held = await owned.delete_children(self.client, self.cache, ref)
+        if held:
+            return held
+        self._last_progress.pop((namespace, name), None)
+        self._workload_rejections.forget(uid)
+        self.placer.forget(ref)
+        metrics.forget(namespace, name)
+        return 0

@@ -1,0 +1,196 @@
+"""``meshtrain data prepare``: text or JSONL tokenised with a user's ``tokenizer.json`` into a token file.
+
+The ``tokenizers`` library (the Rust tokenizer Hugging Face models ship)
+encodes documents in batches with the tokenizer's own special tokens
+(``add_special_tokens=True``: its post-processor decides, so a Llama-style
+tokenizer starts every document with its begin-of-text token and GPT-2's adds
+none, exactly as ``transformers`` encodes a document), and every document ends
+with the end-of-text token when the tokenizer has one (unless its
+post-processor already put it there), so windows that cross documents see the
+boundary.  A ``.jsonl`` input is one document per line (its ``--text-field``);
+any other file is one document.  The output is raw little-endian ``uint16``
+or ``uint32`` ids (``auto``: the smallest that holds the vocabulary) with
+``OUT.json`` beside it (dtype, vocabulary, token count, byte size, tokenizer hash, the
+begin/end-of-text and padding ids, and whether every document starts and ends
+with them), which :mod:`.tokens` checks when a job
+opens the file and checkpoints carry into ``meshtrain export``.  Refused before any
+work: a tokenizer vocabulary above the model's (``--job`` or
+``--model-vocab``) and ``uint16`` for a vocabulary above 65,536.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tqdm
+from tokenizers import Tokenizer
+
+from meshtrain.api import loading
+from meshtrain.trainer.data import special_tokens, token_files
+
+BATCH_DOCUMENTS = 256
+"""Documents per ``encode_batch`` call (the library parallelises inside a batch)."""
+
+
+class PrepareError(ValueError):
+    """Input that cannot be prepared; the message names the file and the option."""
+
+
+def choose_dtype(requested: str, vocab: int, tokenizer_path: Path) -> str:
+    """The output dtype: ``auto`` picks uint16 when every id fits, else uint32."""
+    if requested == "auto":
+        return "uint16" if vocab <= 65536 else "uint32"
+    if requested == "uint16" and vocab > 65536:
+        raise PrepareError(
+            f"--dtype uint16: {tokenizer_path} has a vocabulary of {vocab}, ids up to {vocab - 1} do not "
+            "fit in uint16 (at most 65535): use --dtype uint32 (and training.tokenDtype: uint32)"
+        )
+    return requested
+
+
+def vocab_size(tokenizer: Tokenizer) -> int:
+    """Rows the model's embedding needs: the largest id plus one (ids need not be contiguous)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
+def documents(paths: list[Path], text_field: str) -> Iterator[str]:
+    """Every document of the inputs, in order."""
+    for path in paths:
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as lines:
+                for number, line in enumerate(lines, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[text_field]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise PrepareError(
+                            f"{path}:{number}: not a JSON object with a {text_field!r} string "
+                            "(--text-field)"
+                        )
+                    yield text
+        else:
+            yield path.read_text(encoding="utf-8")
+
+
+def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def document_ids(encoded: list[int], eos: int | None) -> list[int]:
+    """One document's ids as written: the tokenizer's encoding, then end-of-text unless it ends with one."""
+    if eos is None or encoded[-1:] == [eos]:
+        return encoded
+    return [*encoded, eos]
+
+
+def prepare(
+    inputs: list[Path],
+    tokenizer_path: Path,
+    output: Path,
+    *,
+    dtype: str = "auto",
+    model_vocab: int | None = None,
+    text_field: str = "text",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenise ``inputs`` into ``output`` (atomically) and write its metadata; returns the metadata."""
+    missing = [str(p) for p in [tokenizer_path, *inputs] if not p.is_file()]
+    if missing:
+        raise PrepareError(f"no such file: {', '.join(missing)}")
+    tokenizer = special_tokens.load_tokenizer(tokenizer_path)
+    vocab = vocab_size(tokenizer)
+    if model_vocab is not None and vocab > model_vocab:
+        raise PrepareError(
+            f"{tokenizer_path}: vocabulary of {vocab} tokens exceeds the model's spec.model.vocab={model_vocab}; "
+            "ids past it would be refused at training: use the model's tokenizer or raise model.vocab"
+        )
+    dtype = choose_dtype(dtype, vocab, tokenizer_path)
+    special = special_tokens.from_tokenizer(tokenizer)
+    eos = special.eos[0] if special.eos else None  # the document separator
+    prefix, _ = special_tokens.document_template(tokenizer)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
+    count = 0
+    total_bytes = sum(p.stat().st_size for p in inputs)
+    try:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm.tqdm(
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                desc="tokenising",
+                disable=not progress,
+            ) as bar,
+        ):
+            for batch in _batches(documents(inputs, text_field), BATCH_DOCUMENTS):
+                encoded = tokenizer.encode_batch(batch, add_special_tokens=True)
+                ids: list[int] = []
+                for e in encoded:
+                    ids += document_ids(e.ids, eos)
+                flat = np.asarray(ids, dtype=np.int64)
+                out.write(flat.astype(token_files.DTYPES[dtype]).tobytes())
+                count += len(flat)
+                bar.update(sum(len(doc.encode("utf-8")) for doc in batch))
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    metadata = {
+        "dtype": dtype,
+        "vocab": vocab,
+        "tokens": count,
+        "eos_id": eos,
+        "bos_id": special.bos,
+        "pad_id": special.pad,
+        "bos_per_document": bool(prefix),
+        "eos_per_document": eos is not None,
+        "bytes": output.stat().st_size,
+        "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
+        "inputs": [str(p) for p in inputs],
+    }
+    meta_path = output.with_name(output.name + token_files.METADATA_SUFFIX)
+    meta_path.write_text(json.dumps(metadata, indent=2) + "\n")
+    return metadata
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        model_vocab = args.model_vocab
+        if args.job is not None:
+            model_vocab = loading.load_spec_file(args.job).model.shape().vocab
+        meta = prepare(
+            args.inputs,
+            args.tokenizer,
+            args.output,
+            dtype=args.dtype,
+            model_vocab=model_vocab,
+            text_field=args.text_field,
+        )
+    except (PrepareError, loading.SpecError) as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(
+        f"wrote {meta['tokens']:,} {meta['dtype']} tokens to {args.output} "
+        f"(vocabulary {meta['vocab']}); train with training.dataset: {args.output}, tokenDtype: {meta['dtype']}"
+    )
+    return 0

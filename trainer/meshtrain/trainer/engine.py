@@ -1,0 +1,441 @@
+"""The training engine: one optimizer step of this rank, from batch to updated weights.
+
+:class:`Engine`, built from a validated TrainingJob spec and the
+process-group mesh.  Every rank builds the same dense model from the seed
+(so any layout starts from the same weights), hands it to
+:func:`~meshtrain.trainer.parallel.parallelize.parallelize`, and then runs
+steps: draw this rank's micro-batches, run the pipeline schedule (forward,
+backward, gradient reduction overlapped), finish the reductions, clip by the
+global norm, AdamW with warmup + cosine learning rate, and agree on the
+step's mean loss.  Telemetry is timed with one clock chosen from the device
+(:mod:`.parallel.clocks`); on CUDA its stamps are events, so the recorder is
+wrapped in a :class:`~.parallel.recording.DeferredRecorder` that reads them
+after the step.
+
+Process management (:mod:`.launch`, :mod:`.worker`), the step log
+(:mod:`.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
+chunks' parameters, the optimizer and ``sampler.state_dict()``) live elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.api import spec as api_spec
+from meshtrain.trainer.data import batches, special_tokens
+from meshtrain.trainer.guards import loss_guard, noise_scale
+from meshtrain.trainer.interop import hf
+from meshtrain.trainer.models import gpt, llama
+from meshtrain.trainer.optim import batch_change
+from meshtrain.trainer.optim import optimizer as optim
+from meshtrain.trainer.parallel import compilation, loss, parallelize, zero, zero3
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import clocks, recording
+
+AGREE_RANGE = "meshtrain.agree"
+"""``record_function`` name of the step's bookkeeping all-reduce (loss, stop flag, shares): not
+training communication and not timed, so ``benchmarks/bench_mfu.py --profile`` leaves it out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did (identical on every rank)."""
+
+    step: int
+    """1-based optimizer step."""
+    loss: float
+    """Mean loss over the global batch."""
+    tokens: int
+    """Tokens in the global batch."""
+    seconds: float
+    """Wall time of the step on this rank."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used."""
+    stop: bool = False
+    """Some rank was asked to stop (:mod:`..stopping`): every rank stops after this step."""
+    skipped: str = ""
+    """Why the loss guard skipped this step's update (empty: applied)."""
+    shared: tuple[float, ...] = ()
+    """Every rank's ``share`` of this step, indexed by global rank (empty when none was given)."""
+    noise_scale: float | None = None
+    """Gradient noise scale in sequences (moving estimate; None when not measured or not yet positive)."""
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Throughput of the whole job over this step."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' means bf16 on GPU and fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+class Engine:
+    """This rank's model share, optimizer and data, and the step loop body."""
+
+    def __init__(
+        self,
+        spec: api_spec.TrainingJobSpec,
+        mesh: mesh_mod.Mesh,
+        *,
+        recorder: recording.StepRecorder | None = None,
+    ) -> None:
+        """Weights are fp32 (master weights under bf16 autocast)."""
+        self.spec = spec
+        self.mesh = mesh
+        self.clock = clocks.for_device(mesh.device)
+        """Times every event reported to the recorder."""
+        recorder = recorder or recording.NullRecorder()
+        self.recorder = (
+            recording.DeferredRecorder(recorder, self.clock)
+            if isinstance(self.clock, clocks.CudaClock)
+            else recorder
+        )
+        """``recorder``, behind a DeferredRecorder when the clock's stamps are CUDA events."""
+        training, par = spec.training, spec.parallelism
+        self.config = gpt.GPTConfig.from_shape(spec.model.shape())
+        with torch.device(
+            "meta"
+        ):  # shapes only: parallelize builds just this rank's pieces, by name and seed
+            dense = llama.build(
+                self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing
+            )
+        gpt.set_selective_recompute(dense, training.selective_recompute)
+        if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
+            dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
+        self.precision = resolve_precision(training.precision, mesh.device)
+        # No cast cache: each weight is used once per forward, and a cached cast lives until the
+        # forward ends even when recompute (activation checkpointing, selective recompute) frees
+        # what autograd saved; uncached, a weight's bf16 copy lives only as long as autograd keeps
+        # it (planner.memory.weight_cast_bytes counts those).
+        autocast = (
+            functools.partial(
+                torch.autocast, mesh.device.type, dtype=torch.bfloat16, cache_enabled=False
+            )
+            if self.precision == "bf16"
+            else contextlib.nullcontext
+        )
+        self.lr_plan = batch_change.LrPlan()
+        """Multiplier on the spec's rates after a resume at another batch (set by the checkpointer)."""
+        self.model = parallelize.parallelize(
+            dense,
+            mesh,
+            schedule=par.schedule,
+            virtual_stages=par.virtual_stages,
+            micro_batches=par.micro_batches,
+            micro_batch=training.micro_batch,
+            sequence_parallel=par.sequence_parallel,
+            bucket_mb=par.bucket_mb,
+            recorder=self.recorder,
+            clock=self.clock,
+            autocast=autocast,
+            wire_dtype=torch.bfloat16 if self.precision == "bf16" else None,
+            zero_stage=par.zero_stage,
+            compression=par.gradient_compression,
+            all_reduce=par.all_reduce,
+            gpus_per_node=spec.resources.gpus_per_node,
+        )
+        self.compiled = training.compile and compilation.apply_compile(
+            self.model.chunks, mesh.device
+        )
+        """Whether the blocks run compiled (``training.compile`` and a backend that works here)."""
+        self._compile_watch = compilation.FallbackWatch() if self.compiled else None
+        if self.compiled and self.precision == "bf16":  # fp32 logits: no copy to save, stay eager
+            self.model.executor.loss_fn = functools.partial(
+                loss.lm_loss, fused=loss.FusedChunkMath.compiled(compilation.BACKEND)
+            )
+        if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp
+            self.optimizer = zero.ZeroAdamW(
+                self.model.named_params,
+                self.model.reducer,
+                stage=par.zero_stage,
+                lr=training.learning_rate,
+                weight_decay=training.weight_decay,
+                recorder=self.recorder,
+                clock=self.clock,
+            )
+        else:
+            self.optimizer = optim.build_adamw(
+                self.model.named_params,
+                lr=training.learning_rate,
+                weight_decay=training.weight_decay,
+            )
+        tokens = batches.open_dataset(
+            training, vocab=self.config.vocab, seq_len=self.config.seq_len
+        )
+        self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
+        """Begin/end-of-text ids of the data's tokenizer; checkpoints carry them to ``meshtrain export``."""
+        self.hf_max_positions = (
+            hf.max_positions(spec.model.init.from_hf) if spec.model.init.from_hf else None
+        )
+        """The imported model's ``max_position_embeddings``; checkpoints carry it to ``meshtrain export``."""
+        tokens, held_out = batches.open_eval(
+            training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
+        )
+        sampling = dict(
+            seq_len=self.config.seq_len,
+            micro_batch=training.micro_batch,
+            micro_batches=par.micro_batches,
+            dp_rank=mesh.coords.dp,
+            dp_size=mesh.layout.data,
+        )
+        self.sampler = batches.BatchSampler(tokens, seed=training.seed, **sampling)
+        self.eval_sampler = (
+            batches.BatchSampler(held_out, seed=training.seed + 1, **sampling) if held_out else None
+        )
+        """Draws the fixed evaluation batches (None when training.eval is off)."""
+        self.guard = (
+            loss_guard.LossGuard.from_spec(training.loss_guard)
+            if training.loss_guard.enabled
+            else None
+        )
+        self._norm_counted = self.model.norm_counted(mesh.coords.tp)
+        sharded_axes = (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline))
+        if par.zero_stage == 3:  # each data-parallel rank holds other rows of every gradient
+            sharded_axes = (("dp", mesh.layout.data), *sharded_axes)
+        self._norm_groups = [
+            (axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1
+        ]
+        self.noise = self._noise_tracker()
+        """The gradient noise scale from each replica's own and the all-reduced gradient (None: not measured)."""
+        self.step = 0
+        """Optimizer steps done."""
+
+    def _noise_tracker(self) -> noise_scale.Tracker | None:
+        """Measure the noise scale where the reducer sees each replica's whole local gradient.
+
+        Not with ZeRO-2 (micro-batches are reduce-scattered one by one), ZeRO-3 (FSDP2 reduces; no
+        reducer) nor where some gradients are partials until after the reduction: sequence
+        parallelism, replicated key/value heads, embeddings tied across stages.  Nor with
+        ``gradientCompression`` other than none: the all-reduced gradient is then the
+        decompressed approximation (with error feedback, even another step's mass), so
+        |G_big|^2 and the estimate would measure the compression error, not the batch noise.
+        """
+        reducer = self.model.reducer
+        par, data_degree = self.spec.parallelism, self.mesh.layout.data
+        partial = (
+            par.sequence_parallel
+            or (self.model.tp_plan is not None and self.model.tp_plan.kv_replicas > 1)
+            or (self.config.tie_embeddings and par.pipeline > 1)
+        )
+        compressed = par.gradient_compression.mode != "none"
+        if reducer is None or data_degree < 2 or par.zero_stage == 2 or partial or compressed:
+            return None
+        reducer.measure_local_norm(
+            [p for p, counted in zip(self.params, self._norm_counted) if counted]
+        )
+        small = self.spec.training.micro_batch * par.micro_batches
+        return noise_scale.Tracker(small, small * data_degree)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters."""
+        return [p for _, p in self.model.named_params]
+
+    def forward_backward(self) -> torch.Tensor:
+        """Draw the next batch, run the schedule, finish every gradient reduction; returns this stage's loss sum."""
+        micro = self.sampler.next()
+        executor = self.model.executor
+        inputs = [self._on_device(mb.inputs) for mb in micro] if executor.needs_inputs else None
+        targets = [self._on_device(mb.targets) for mb in micro] if executor.holds_loss else None
+        loss = executor.run(inputs, targets)
+        if self.model.reducer is not None:
+            self.model.reducer.finish()
+        plan = self.model.tp_plan
+        if plan is not None and plan.sequence_partial:
+            # under SP, norm and position-table gradients are per-sequence-slice partials
+            sizes = {n: p.numel() for n, p in self.model.named_params}
+            whole = {n: (0, sizes[n]) for n in plan.sequence_partial}
+            self._sum_grad_ranges(whole, self.mesh.group("tp"))
+        if plan is not None and plan.replica_partial and self.model.kv_group is not None:
+            # a replicated key/value head's rows hold each holder's query heads' share
+            self._sum_grad_ranges(plan.replica_partial, self.model.kv_group)
+        if self.model.tied_group is not None:
+            # tied embeddings over stages: the first stage's lookup and the last stage's head
+            # each hold a share; both copies get the sum and so stay equal (Megatron's embedding group)
+            numel = dict(self.model.named_params)[gpt.TIED_NAME].numel()
+            self._sum_grad_ranges({gpt.TIED_NAME: (0, numel)}, self.model.tied_group, axis="pp")
+        return loss
+
+    def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
+        if self.mesh.device.type != "cuda":
+            return tokens
+        return tokens.pin_memory().to(self.mesh.device, non_blocking=True)
+
+    def _sum_grad_ranges(
+        self, ranges: dict[str, tuple[int, int]], group: dist.ProcessGroup, *, axis: str = "tp"
+    ) -> None:
+        """Sum the flat ranges ``ranges`` of the named parameters' gradients over ``group`` (one all-reduce)."""
+        if (
+            isinstance(self.optimizer, zero.ZeroAdamW) and self.optimizer.stage == 2
+        ):  # only dp shards of grads exist
+            self.optimizer.all_reduce_grads(ranges, group, self.recorder, self.clock)
+            return
+        views = []
+        for n, p in self.model.named_params:
+            if (
+                n in ranges and p.grad is not None
+            ):  # ZeRO-3: within the local rows, the same on every peer
+                grad, offset = zero3.local(p.grad), zero3.flat_offset(p)
+                view = optim.flat_slice(grad, *ranges[n], offset=offset)
+                if view is not None:
+                    views.append(view)
+        if not views:  # the same on every peer: their shapes (and ZeRO shards) are alike
+            return
+        flat = torch.cat(views)  # one collective for all of them
+        recording.blocking_collective(
+            self.recorder,
+            self.clock,
+            axis,
+            "all_reduce",
+            flat.numel() * flat.element_size(),
+            lambda: dist.all_reduce(flat, group=group),
+        )
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset : offset + view.numel()])
+            offset += view.numel()
+
+    def _agree(
+        self,
+        loss_sum: torch.Tensor,
+        stop_requested: bool,
+        norm: torch.Tensor,
+        share: float | None,
+        local_square: torch.Tensor | None = None,
+    ) -> tuple[float, bool, float, tuple[float, ...], float]:
+        """The global batch's mean loss, whether any rank asked to stop, the gradient norm,
+        every rank's ``share``, and the replicas' mean small-batch squared gradient norm.
+
+        One all-reduce over the world, then the step's one host sync: a
+        single read of (loss, stop, shares, norm) together.  Only the last stage holds
+        a loss, each of its tensor-parallel ranks the same one: dividing by
+        tensor x data before the sum leaves the mean over the data-parallel
+        replicas.  ``norm`` is already global (the clip reduced it).  Each rank
+        writes its share into its own slot of a zero vector, so the sum is the
+        gathered vector.  ``local_square`` (this rank's part of its replica's own
+        squared gradient norm) rides along: summed over the world and divided by
+        ``data`` it is the replicas' mean small-batch squared norm (NaN when not measured).
+        """
+        layout = self.mesh.layout
+        loss_share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
+        flag = torch.full(
+            (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=loss_share.device
+        )
+        parts = [loss_share, flag]
+        if local_square is not None:
+            parts.append(local_square.detach().double().reshape(1) / layout.data)
+        if share is not None:  # filled on the device: no host-to-device copy, no sync
+            slots = torch.zeros(layout.world_size, dtype=torch.float64, device=loss_share.device)
+            slots[dist.get_rank()] = share
+            parts.append(slots)
+        value = torch.cat(parts)
+        with torch.profiler.record_function(AGREE_RANGE):
+            dist.all_reduce(value)
+        loss, stops, *rest, grad_norm = torch.cat(
+            [value, norm.detach().double().reshape(1)]
+        ).tolist()
+        small_square = rest.pop(0) if local_square is not None else float("nan")
+        return loss, stops > 0, grad_norm, tuple(rest), small_square
+
+    def zero_grad(self) -> None:
+        """Clear gradients (in place when they live in reducer buckets)."""
+        if self.model.reducer is not None:
+            self.model.reducer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, stop_requested: bool = False, share: float | None = None) -> StepResult:
+        """One optimizer step; ``stop_requested``: this rank wants the run to stop after it (see ``StepResult.stop``).
+
+        ``share``: a number every rank learns from this step's world all-reduce
+        (``StepResult.shared``); the worker shares its previous step's compute
+        seconds for straggler detection, with no collective of its own.
+        """
+        training = self.spec.training
+        step = self.step + 1
+        start = self.clock.start_step()  # host time on every device
+        self.recorder.step_start(step, start)
+        peak, minimum = training.learning_rates(self.spec.parallelism)
+        lr = optim.lr_at(
+            step, peak=peak, minimum=minimum, warmup=training.warmup_steps, total=training.steps
+        ) * self.lr_plan.multiplier(step)
+        optim.set_lr(self.optimizer, lr)
+        loss_sum = self.forward_backward()
+        clip = (
+            self.optimizer.clip_grad_norm
+            if isinstance(self.optimizer, zero.ZeroAdamW)
+            else optim.clip_grad_norm
+        )
+        norm_tensor = clip(
+            self.params,
+            counted=self._norm_counted,
+            max_norm=training.grad_clip,
+            groups=self._norm_groups,
+            recorder=self.recorder,
+            clock=self.clock,
+        )
+        local_square = None
+        if self.noise is not None:  # every rank adds its part, so the all-reduce has one shape
+            local_square = self.model.reducer.take_local_square()
+            if local_square is None:
+                local_square = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        loss, stop, norm, shared, small_square = self._agree(
+            loss_sum, stop_requested, norm_tensor, share, local_square
+        )
+        noise = self.noise.update(small_square, norm * norm) if self.noise is not None else None
+        verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
+        if verdict is None or not verdict.skip:
+            self.optimizer.step()
+        elif self.model.reducer is not None:
+            self.model.reducer.discard_step()
+        self.zero_grad()
+        self.step = step
+        if self._compile_watch is not None:
+            self._compile_watch.say_once()
+        seconds = time.perf_counter() - start
+        tokens = self.sampler.global_batch * self.config.seq_len
+        self.recorder.step_end(step, loss, tokens, seconds)
+        return StepResult(
+            step=step,
+            loss=loss,
+            tokens=tokens,
+            seconds=seconds,
+            grad_norm=norm,
+            lr=lr,
+            stop=stop,
+            skipped=verdict.reason if verdict is not None and verdict.skip else "",
+            shared=shared,
+            noise_scale=noise,
+        )
+
+    @property
+    def compile_fallbacks(self) -> int:
+        """Compiled frames that failed to compile and ran eagerly since the engine was built."""
+        return self._compile_watch.count() if self._compile_watch is not None else 0
+
+    def evaluate(self) -> float:
+        """Mean loss over the fixed evaluation batches (identical on every rank and layout)."""
+        executor = self.model.executor
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for index in range(self.spec.training.eval.batches):
+            micro = self.eval_sampler.at(index)
+            inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
+            targets = [mb.targets for mb in micro] if executor.holds_loss else None
+            total += executor.forward_only(inputs, targets).double()
+        layout = self.mesh.layout
+        share = total / (layout.tensor * layout.data * self.spec.training.eval.batches)
+        dist.all_reduce(share)  # only last-stage ranks hold a loss, each tp rank the same one
+        return share.item()

@@ -1,0 +1,1 @@
+"""Guards of a run: the loss guard, the gradient noise scale, stragglers, graceful stops, fault injection."""

@@ -1,0 +1,1 @@
+"""Hugging Face interop: weights to and from ``config.json`` + safetensors directories."""

@@ -1,0 +1,208 @@
+"""``meshtrain export CHECKPOINT -o HF_DIR``: a meshtrain checkpoint as a Hugging Face model directory.
+
+``CHECKPOINT`` is one published checkpoint (``step-NNNNNNNN``, with its
+``COMPLETE`` marker) or a checkpoint root, whose newest checkpoint is taken.
+The checkpoint is layout-independent (:mod:`.checkpointing.state`), so one
+process reads every parameter whole, whatever layout wrote it, and
+:mod:`.hf` writes ``config.json``, ``generation_config.json`` and the
+safetensors.  Parameters are read one shard's worth at a time (DCP reads
+only the entries asked for), so exporting a 70B model needs the memory of a
+shard, not of the model; shards above ``--max-shard-size`` are split as
+transformers' ``save_pretrained`` splits them, with an index.
+
+Begin/end-of-text ids come from ``--tokenizer`` when given, else from the
+checkpoint (its data's tokenizer, or the directory the job started from).
+``--dtype bfloat16`` writes bf16 weights (default: float32, as trained).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from meshtrain.api import exitcodes
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer.checkpointing import state, store
+from meshtrain.trainer.data import special_tokens
+from meshtrain.trainer.interop import hf
+from meshtrain.trainer.models import gpt
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+"""Shard size of the Llama releases on the Hugging Face Hub (huggingface_hub's default too)."""
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MiB`` or ``123456`` (decimal units, as transformers reads them)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def find_checkpoint(path: Path) -> tuple[Path, store.Marker]:
+    """The checkpoint directory ``path`` names (itself, or its newest), marker read and files verified."""
+    if (path / store.MARKER).is_file():
+        marker = store.read_marker(path)
+        store.verify(path, marker, hashes=True)
+        return path, marker
+    found = store.latest(path)
+    if found is None:
+        raise store.CheckpointError(f"{path}: no published checkpoint (step-NNNNNNNN) here")
+    return found[0].path, found[1]
+
+
+def model_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Dense shape of every model parameter of a checkpoint, by its meshtrain name (metadata only)."""
+    metadata = state.read_metadata(directory)
+    return {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+
+
+def read_params(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named model parameters of a checkpoint as whole tensors (one process; reads only these)."""
+    metadata = state.read_metadata(directory).state_dict_metadata
+    entries = {
+        f"model.{name}": torch.empty(
+            tuple(metadata[f"model.{name}"].size), dtype=metadata[f"model.{name}"].properties.dtype
+        )
+        for name in names
+    }
+    if entries:
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(entries, storage_reader=FileSystemReader(str(directory)))
+    return {key.removeprefix("model."): value for key, value in entries.items()}
+
+
+def read_dense(directory: Path) -> dict[str, torch.Tensor]:
+    """Every model parameter of a checkpoint as a whole tensor, by its meshtrain name (one process)."""
+    return read_params(directory, list(model_shapes(directory)))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""A Hugging Face directory's tokenizer, as ``AutoTokenizer.from_pretrained`` reads it."""
+
+
+def copy_tokenizer(
+    output: Path,
+    tokenizer: Path | None,
+    from_hf: str | None,
+    token_ids: special_tokens.TokenIds,
+) -> None:
+    """Put a tokenizer into the export so ``AutoTokenizer.from_pretrained(output)`` works.
+
+    ``--tokenizer`` wins (with its directory's ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` when it is that directory's ``tokenizer.json``),
+    else the files of the ``model.init.fromHF`` directory the checkpoint
+    started from.  A ``tokenizer.json`` without its config gets one naming
+    the begin/end-of-text and padding tokens of the exported ids.
+    """
+    output.mkdir(parents=True, exist_ok=True)
+    sources: dict[str, Path] = {}
+    if tokenizer is not None:
+        sources["tokenizer.json"] = tokenizer
+        if tokenizer.name == "tokenizer.json":
+            sources |= {n: tokenizer.parent / n for n in TOKENIZER_FILES[1:]}
+    elif from_hf and (Path(from_hf) / "tokenizer.json").is_file():
+        sources = {n: Path(from_hf) / n for n in TOKENIZER_FILES}
+    sources = {name: path for name, path in sources.items() if path.is_file()}
+    if not sources:
+        return
+    for name in TOKENIZER_FILES:  # no stale file of an earlier export beside the new tokenizer
+        (output / name).unlink(missing_ok=True)
+    for name, path in sources.items():
+        shutil.copyfile(path, output / name)
+    if "tokenizer_config.json" not in sources:
+        loaded = special_tokens.load_tokenizer(sources["tokenizer.json"])
+
+        def token(i: int | None) -> str | None:
+            return None if i is None else loaded.id_to_token(i)
+
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": token(token_ids.bos),
+            "eos_token": token(token_ids.eos[0] if token_ids.eos else None),
+            "pad_token": token(token_ids.pad),
+        }
+        text = json.dumps({k: v for k, v in config.items() if v is not None}, indent=2)
+        (output / "tokenizer_config.json").write_text(text + "\n")
+
+
+def export(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
+    tokenizer: Path | None = None,
+    dtype: str = "float32",
+) -> list[Path]:
+    """Write the checkpoint's model as a Hugging Face directory into ``output``; returns the weight files.
+
+    ``dtype``: the weights' element type in the export (``float32``, as
+    trained; ``bfloat16`` halves the files, as the Llama releases ship).
+    """
+    directory, marker = find_checkpoint(Path(checkpoint))
+    shape = spec_mod.ModelShape.model_validate(marker.model)
+    token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
+    if tokenizer is not None:
+        token_ids = special_tokens.from_tokenizer_file(tokenizer)
+    copy_tokenizer(Path(output), tokenizer, marker.extra.get("from_hf"), token_ids)
+    return hf.write_sharded(
+        output,
+        gpt.GPTConfig.from_shape(shape),
+        model_shapes(directory),
+        lambda names: read_params(directory, names),
+        max_shard_bytes=max_shard_bytes,
+        token_ids=token_ids,
+        max_positions=marker.extra.get("max_position_embeddings"),
+        dtype=dtype,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2  # a usage error, as argparse reports one
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        print(f"--tokenizer: {args.tokenizer} does not exist", file=sys.stderr)
+        return 2  # a usage error, as argparse reports one
+    try:
+        written = export(
+            args.checkpoint,
+            args.output,
+            max_shard_bytes=max_shard_bytes,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+        )
+    except store.CheckpointError as err:
+        print(err, file=sys.stderr)
+        return exitcodes.CHECKPOINT
+    names = ", ".join(p.name for p in written)
+    print(f"wrote {Path(args.output) / hf.CONFIG}, {hf.GENERATION_CONFIG} and {names}")
+    return 0

@@ -1,0 +1,259 @@
+"""``meshtrain run``: train a TrainingJob on this machine with one process per rank.
+
+:func:`run_local`.  It validates the spec and the dataset before
+any process starts (an invalid spec is refused with the lead's field-naming
+message), prepares the default corpus once, then starts ``world_size``
+processes of ``python -m meshtrain.trainer`` with torchrun's environment
+variables and a free port (gloo on CPU; NCCL when this machine has a GPU per
+rank).  While they run it drives a progress bar from rank 0's
+``steps.jsonl`` (step, loss, tokens/s, ETA).  When any rank exits non-zero
+it kills the others at once and returns that rank's exit code, printing the
+end of its log; at the end it prints a summary table.  Interrupted (Ctrl-C,
+SIGTERM), it gives the ranks :data:`STOP_GRACE_S` to agree on a last step and
+checkpoint it (:mod:`.stopping`), so the same command with the same
+``--log-dir`` resumes there.
+
+Own spawner rather than ``torch.distributed.run``: the agent's restart and
+rendezvous machinery is what the operator does in a cluster; here we want
+the opposite (fail fast, one log per rank, a progress bar).
+
+Not the Kubernetes path (pods run ``torchrun ... -m
+meshtrain.trainer`` directly) or the training itself (:mod:`.worker`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import tqdm
+
+from meshtrain.api import exitcodes, loading
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer.data import batches
+from meshtrain.trainer.interop import hf
+from meshtrain.trainer.telemetry import steplog
+
+POLL_S = 0.2
+KILL_GRACE_S = 3.0
+"""After a rank failed: how long the others get before they are killed."""
+STOP_GRACE_S = 60.0
+"""After an interrupt: how long the ranks get to finish a step and save it."""
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def default_log_dir(name: str) -> Path:
+    """runs/<name>-<timestamp>."""
+    return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def checkpoint_dir(job: spec_mod.TrainingJobSpec, log_dir: Path) -> Path:
+    """Where a local run keeps checkpoints: spec.checkpoint.path if the spec changes it, else <log-dir>/checkpoints.
+
+    So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
+    local runs never share the pod default ``/checkpoints``.
+    """
+    pod_default = spec_mod.Checkpoint.model_fields["path"].default
+    return (
+        Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
+    )
+
+
+def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MESHTRAIN_LOG_DIR=str(log_dir),
+        MESHTRAIN_DEVICE="cuda" if cuda else "cpu",
+        # `python -m` puts the working directory first on sys.path, and torch.compile's workers
+        # take sys.path as PYTHONPATH: from a checkout's root its operator/ would shadow the
+        # standard library's there (they die, and compiled blocks run eagerly)
+        PYTHONSAFEPATH="1",
+    )
+    if not cuda:  # share the cores instead of every rank spawning one thread per core
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    return env
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace: float = KILL_GRACE_S) -> None:
+    """Terminate every live process, then kill what is left after ``grace`` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class _Terminated(Exception):
+    """The launcher itself got SIGTERM."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _summary(
+    job: spec_mod.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
+) -> str:
+    rows = [
+        ("layout", job.parallelism.layout_string),
+        ("schedule", job.parallelism.schedule),
+        ("steps", str(len(records))),
+        ("wall time", f"{seconds:.1f} s"),
+    ]
+    if records:
+        steady = records[1:] or records
+        tps = sum(r["tokens"] for r in steady) / max(1e-9, sum(r["step_seconds"] for r in steady))
+        rows += [
+            ("first loss", f"{records[0]['loss']:.4f}"),
+            ("last loss", f"{records[-1]['loss']:.4f}"),
+            ("tokens/s (after step 1)", f"{tps:,.0f}"),
+            ("mean step time", f"{sum(r['step_seconds'] for r in steady) / len(steady):.3f} s"),
+        ]
+    rows.append(("step log", str(log_dir / steplog.FILENAME)))
+    rows.append(("pictures", f"meshtrain report {log_dir} -o report.html"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def run_local(
+    spec_path: str | Path,
+    *,
+    steps: int | None = None,
+    log_dir: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> int:
+    """Train ``spec_path`` with local processes; returns the exit code (0 success)."""
+    try:
+        metadata, job = loading.load_manifest(spec_path)
+        extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
+        if extra:
+            job = loading.apply_overrides(job, extra)
+        # a missing file fails here; the corpus is built once here
+        batches.check_dataset(
+            job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
+        )
+        if job.training.dataset == batches.STDLIB:
+            batches.stdlib_corpus()
+        hf.check_spec(job)
+    except (loading.SpecError, hf.HFError) as err:
+        print(err, file=sys.stderr)
+        return exitcodes.SPEC
+    except batches.DatasetError as err:
+        print(err, file=sys.stderr)
+        return exitcodes.DATA
+    name = metadata.get("name") or Path(spec_path).stem
+    log_dir = Path(log_dir) if log_dir else default_log_dir(name)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / steplog.FILENAME).unlink(missing_ok=True)
+    world = job.world_size
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "meshtrain.trainer",
+        "--spec",
+        str(spec_path),
+        "--log-dir",
+        str(log_dir),
+    ]
+    command += [arg for item in extra for arg in ("--set", item)]
+    procs, logs = [], []
+    started = time.monotonic()
+    for rank in range(world):
+        logs.append((log_dir / f"rank-{rank}.log").open("w"))
+        env = _rank_env(rank, world, port, log_dir, cuda)
+        env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
+        procs.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    total = job.training.steps
+    bar = tqdm.tqdm(
+        total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr
+    )
+    records: list[dict[str, Any]] = []
+    tail = steplog.Tail(log_dir / steplog.FILENAME)
+    code = 0
+    # A terminated launcher (Ctrl-C, SIGTERM from CI or a pod) takes its ranks with it.
+    previous = (
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            fresh = tail.new_records()
+            if fresh:
+                records += fresh
+                last = fresh[-1]
+                bar.update(last["step"] - bar.n)  # by step number: a resumed run starts past 0
+                bar.set_postfix(
+                    loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}"
+                )
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                _stop(procs)
+                bar.close()
+                print(
+                    f"rank {rank} exited with code {code}; stopped the other ranks. "
+                    f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}",
+                    file=sys.stderr,
+                )
+                return code
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(POLL_S)
+    except (KeyboardInterrupt, _Terminated):
+        bar.close()
+        print(
+            f"interrupted: asking the ranks to save their last step (up to {STOP_GRACE_S:.0f}s; "
+            f"the same command with --log-dir {log_dir} resumes)",
+            file=sys.stderr,
+        )
+        _stop(procs, grace=STOP_GRACE_S)
+        return exitcodes.INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        for handle in logs:
+            handle.close()
+    bar.close()
+    print(
+        f"meshtrain run {name}: done\n{_summary(job, records, time.monotonic() - started, log_dir)}"
+    )
+    return code

@@ -1,0 +1,1 @@
+"""The decoders meshtrain trains (GPT, Llama): plain torch, no distribution."""

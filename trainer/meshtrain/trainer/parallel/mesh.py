@@ -1,0 +1,165 @@
+"""Process groups: the default group from torchrun's environment and the (pp, dp, tp) mesh.
+
+:func:`init_process_group` (gloo on CPU, NCCL on GPU, with a
+timeout so a dead peer turns into an error rather than a hang) and
+:func:`build_mesh`, which creates the DeviceMesh of shape
+``(pipeline, data, tensor)`` named ``("pp", "dp", "tp")``.  Row-major order
+over that shape gives exactly DESIGN's ``rank = (pp*data + dp)*tensor + tp``;
+:class:`Mesh` checks it against :mod:`meshtrain.api.layout` and adds a second
+pipeline group so activations and gradients travel on separate channels.
+
+Not the rank arithmetic itself (that is
+:class:`meshtrain.api.layout.ParallelLayout`, pure and shared with the operator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import sys
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed import device_mesh
+
+from meshtrain.api import layout as layout_mod
+
+DEFAULT_TIMEOUT_S = 300
+"""Collective timeout; a peer that died is reported after this at worst (the launcher kills sooner)."""
+
+
+def device_for(local_rank: int, *, use_cuda: bool) -> torch.device:
+    """The device a rank computes on."""
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(*, use_cuda: bool, timeout_s: float | None = None) -> None:
+    """Join the default group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    timeout_s = timeout_s or float(os.environ.get("MESHTRAIN_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` without the interpreter's teardown.
+
+    After ``destroy_process_group`` a gloo rank can still abort while Python
+    finalises (``terminate called without an active exception``, SIGABRT: one
+    run in about twenty of our two-rank tests), which would turn a finished
+    run's exit 0 into 134 and make the operator restart a job that succeeded.
+    Everything worth keeping is written by now; flush the streams and leave.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclasses.dataclass
+class Mesh:
+    """This rank's groups along each axis of the layout."""
+
+    layout: layout_mod.ParallelLayout
+    """Degrees and rank arithmetic."""
+    rank: int
+    """Global rank."""
+    coords: layout_mod.RankCoords
+    """(pp, dp, tp) of this rank."""
+    device_mesh: device_mesh.DeviceMesh
+    """The DeviceMesh named (pp, dp, tp)."""
+    device: torch.device
+    """Where this rank computes."""
+    pp_backward_group: dist.ProcessGroup
+    """A second pipeline group, for gradients."""
+
+    dp_levels: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = dataclasses.field(
+        default_factory=dict
+    )
+    """(intra-node, inter-node) data-parallel groups by ranks per node, made on first use."""
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group along ``axis`` ('pp', 'dp' or 'tp')."""
+        return self.device_mesh.get_group(axis)
+
+    def dp_level_groups(self, gpus_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This rank's data-parallel peers on its node, and its peers at the same position on the other nodes.
+
+        Collective the first time (every rank creates every group).
+        """
+        if gpus_per_node not in self.dp_levels:
+            intra, inter = self.layout.dp_levels(gpus_per_node)
+            hostnames: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(hostnames, socket.gethostname())
+            local_world = os.environ.get("LOCAL_WORLD_SIZE")
+            check_nodes(hostnames, int(local_world) if local_world else None, gpus_per_node, intra)
+            intra_group, _ = dist.new_subgroups_by_enumeration(intra)
+            inter_group, _ = dist.new_subgroups_by_enumeration(inter)
+            # every rank is in one group of each list, so neither is None here
+            self.dp_levels[gpus_per_node] = (
+                cast(dist.ProcessGroup, intra_group),
+                cast(dist.ProcessGroup, inter_group),
+            )
+        return self.dp_levels[gpus_per_node]
+
+
+def check_nodes(
+    hostnames: list[str], local_world_size: int | None, gpus_per_node: int, intra: list[list[int]]
+) -> None:
+    """Refuse a hierarchical all-reduce whose node groups (``rank // gpusPerNode``) are not the real hosts.
+
+    ``hostnames[rank]`` is each rank's host.  All ranks on one host (a local
+    run simulating nodes) are always correct; across hosts every host must
+    run ``gpusPerNode`` ranks (``LOCAL_WORLD_SIZE``) and every intra-node
+    group must sit on one host, or the "intra-node" stage would cross the network.
+    """
+    if len(set(hostnames)) == 1:
+        return
+    fix = "set resources.gpusPerNode to the GPUs (ranks) each pod runs, or use allReduce: flat"
+    if local_world_size is not None and local_world_size != gpus_per_node:
+        raise ValueError(
+            f"parallelism.allReduce hierarchical: this host runs {local_world_size} ranks "
+            f"(LOCAL_WORLD_SIZE) but resources.gpusPerNode is {gpus_per_node}: {fix}"
+        )
+    for group in intra:
+        hosts = sorted({hostnames[rank] for rank in group})
+        if len(hosts) > 1:
+            raise ValueError(
+                f"parallelism.allReduce hierarchical: the intra-node group {group} spans hosts "
+                f"{hosts} (ranks must be placed gpusPerNode={gpus_per_node} consecutive ranks per "
+                f"node): {fix}"
+            )
+
+
+def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
+    """Create every group of the layout (collective: all ranks call it together)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != layout.world_size:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but the layout {layout} needs {layout.world_size} processes"
+        )
+    mesh = device_mesh.init_device_mesh(
+        device.type, layout.mesh_shape, mesh_dim_names=("pp", "dp", "tp")
+    )
+    coords = layout.coords(rank)
+    got = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_local_rank("tp"))
+    if got != (coords.pp, coords.dp, coords.tp):
+        raise RuntimeError(
+            f"DeviceMesh places rank {rank} at {got}, meshtrain.api.layout at {coords}"
+        )
+    backward_group, _ = dist.new_subgroups_by_enumeration(layout.all_groups("pp"))
+    return Mesh(
+        layout=layout,
+        rank=rank,
+        coords=coords,
+        device_mesh=mesh,
+        device=device,
+        pp_backward_group=backward_group,
+    )

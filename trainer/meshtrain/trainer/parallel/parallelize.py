@@ -1,0 +1,260 @@
+"""``parallelize``: turn a dense GPT into this rank's share of a dp x pp x tp job.
+
+The one function that composes the parallelisms, in this order:
+
+0. The dense model may be on the ``meta`` device (shapes only): each
+   parameter gets its weights when a step below needs them, so a rank never
+   holds more than its own share plus one dense matrix.
+1. **Pipeline split** first: keep only this stage's blocks (and embeddings
+   or head).  Everything after works on what the rank keeps, so tensor
+   sharding never touches layers another stage owns.
+2. **Tensor parallel** next: swap the kept linears/embeddings for sharded
+   ones.  This replaces parameters, so it must come before anything that
+   holds on to parameter objects.
+3. **Data parallel** last: the gradient reducer hooks the final parameter
+   objects (after TP swapped them) and makes their ``.grad`` views into
+   its buckets.
+4. The **executor** is built around the result: it drives the schedule and
+   tells the reducer when gradients are final.
+
+Precision is not a module transform here: weights stay fp32 (master
+weights) and bf16 is an autocast context the executor enters (GPU only).
+
+Not model construction (:mod:`meshtrain.trainer.models.gpt`) or the
+training loop (:mod:`meshtrain.trainer.engine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.api import layout as layout_mod
+from meshtrain.api import spec as api_spec
+from meshtrain.trainer.models import gpt
+from meshtrain.trainer.optim import optimizer
+from meshtrain.trainer.parallel import compression as compression_mod
+from meshtrain.trainer.parallel import hierarchical, loss, pipeline, reducer, tensor, zero, zero3
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import clocks, recording
+
+
+@dataclasses.dataclass
+class ParallelModel:
+    """This rank's share of the model and the machinery to train it."""
+
+    chunks: list[gpt.GPT]
+    """Model chunks of this pipeline stage (one per virtual stage)."""
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    """Every parameter of this rank, by its dense-model name."""
+    tp_plan: tensor.TPPlan | None
+    """How parameters are sharded over TP (None without TP)."""
+    executor: pipeline.PipelineExecutor
+    """Runs the pipeline schedule (or plain gradient accumulation with one stage)."""
+    reducer: reducer.GradReducer | None
+    """Data-parallel gradient reducer (None without DP)."""
+    tp: tensor.TPContext | None
+    """Tensor-parallel context (None without TP)."""
+    kv_group: dist.ProcessGroup | None = None
+    """The ranks holding this rank's key/value heads (None unless they are replicated over TP)."""
+    tied_group: dist.ProcessGroup | None = None
+    """Tied embeddings over pipeline stages: this rank's first- and last-stage peers (Megatron's
+    embedding group), which sum the matrix's gradients; None where this rank holds no copy."""
+    tied_copy: bool = False
+    """This rank holds the last stage's copy of the tied matrix (its gradient is counted on the first stage)."""
+
+    def norm_counted(self, tp_rank: int) -> list[optimizer.Counted]:
+        """Per parameter: what this rank counts of it in the global gradient norm (see ``TPPlan.norm_counted``)."""
+        counted: list[optimizer.Counted] = [
+            self.tp_plan.norm_counted(name, tp_rank) if self.tp_plan is not None else True
+            for name, _ in self.named_params
+        ]
+        return [
+            False if self.tied_copy and name == gpt.TIED_NAME else c
+            for (name, _), c in zip(self.named_params, counted)
+        ]
+
+
+def tied_embedding_group(layout: layout_mod.ParallelLayout) -> dist.ProcessGroup | None:
+    """This rank's pair (first stage, last stage) with its (dp, tp) (collective: every rank creates every pair)."""
+    last = layout.pipeline - 1
+    pairs = [
+        [layout.rank_of(0, dp, tp), layout.rank_of(last, dp, tp)]
+        for dp in range(layout.data)
+        for tp in range(layout.tensor)
+    ]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group if isinstance(group, dist.ProcessGroup) else None  # a middle stage holds no copy
+
+
+def kv_replica_group(layout: layout_mod.ParallelLayout, replicas: int) -> dist.ProcessGroup:
+    """This rank's group of ``replicas`` consecutive tensor ranks sharing key/value heads (collective: every rank creates every group)."""
+    groups = [
+        members[start : start + replicas]
+        for members in layout.all_groups("tp")
+        for start in range(0, len(members), replicas)
+    ]
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"rank {dist.get_rank()} is in none of the key/value groups {groups}")
+    return group
+
+
+def parallelize(
+    model: gpt.GPT,
+    mesh: mesh_mod.Mesh,
+    *,
+    schedule: str,
+    virtual_stages: int,
+    micro_batches: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    bucket_mb: float,
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    wire_dtype: torch.dtype | None = None,
+    zero_stage: int = 0,
+    compression: api_spec.GradientCompression | None = None,
+    all_reduce: str = "flat",
+    gpus_per_node: int = 1,
+) -> ParallelModel:
+    """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
+
+    Every part that reports to ``recorder`` times its work with ``clock``;
+    ``wire_dtype`` (bf16 under autocast) is what activations and their
+    gradients travel in between pipeline stages and inside the
+    tensor-parallel group.
+    """
+    layout, coords = mesh.layout, mesh.coords
+    config = model.config
+
+    # 1. Pipeline: this stage's chunks (the rest of the model is dropped).
+    chunks = pipeline.split_model(
+        model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages
+    )
+
+    # 2. Tensor parallel: shard what this stage kept.
+    tp_ctx, tp_plan = None, None
+    if layout.tensor > 1:
+        tp_ctx = tensor.TPContext(
+            group=mesh.group("tp"),
+            rank=coords.tp,
+            size=layout.tensor,
+            sequence_parallel=sequence_parallel,
+            recorder=recorder,
+            clock=clock,
+            wire_dtype=wire_dtype,
+        )
+        plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
+        tp_plan = tensor.TPPlan(
+            shards={k: v for p in plans for k, v in p.shards.items()},
+            sequence_partial=[n for p in plans for n in p.sequence_partial],
+            kv_replicas=plans[0].kv_replicas,
+            replica_partial={k: v for p in plans for k, v in p.replica_partial.items()},
+        )
+    kv_group = (
+        kv_replica_group(layout, tp_plan.kv_replicas)
+        if tp_plan is not None and tp_plan.kv_replicas > 1
+        else None
+    )
+    for chunk in (
+        chunks
+    ):  # a model built on meta gets the weights TP did not already build (norms, biases, ...)
+        gpt.materialize(chunk)
+        chunk.to(mesh.device)
+    # a tied head on the last stage is the embedding matrix, by name too (initial value, checkpoint)
+    named = [
+        (gpt.logical_name(config, n), p) for chunk in chunks for n, p in chunk.named_parameters()
+    ]
+    tied_across = config.tie_embeddings and layout.pipeline > 1
+    tied_group = tied_embedding_group(layout) if tied_across else None
+    holds_tied = tied_across and coords.pp in (0, layout.pipeline - 1)
+
+    # 3. Data parallel: hook the final parameters, or (ZeRO-3) shard them with FSDP2, which then
+    # owns the gradient reduction.
+    grad_reducer = None
+    if layout.data > 1 and zero_stage == 3:
+        zero3.apply_zero3(
+            chunks,
+            mesh.device_mesh["dp"],
+            recorder=recorder,
+            clock=clock,
+            param_dtype=wire_dtype,
+            pipelined=layout.pipeline > 1,
+        )
+        named = [
+            (gpt.logical_name(config, n), p)
+            for chunk in chunks
+            for n, p in chunk.named_parameters()
+        ]
+    elif layout.data > 1:
+        # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
+        # compressed when asked (the spec's rules keep compression off ZeRO-2).
+        reducer_cls: Callable[..., reducer.GradReducer] = (
+            zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
+        )
+        if all_reduce == "hierarchical":  # the spec's rules keep it to ZeRO 0/1 without compression
+            intra, inter = mesh.dp_level_groups(gpus_per_node)
+            reducer_cls = functools.partial(
+                hierarchical.HierarchicalGradReducer, intra=intra, inter=inter
+            )
+        if compression is not None and compression.mode != "none":
+            reducer_cls = functools.partial(
+                compression_mod.CompressedGradReducer,
+                mode=compression.mode,
+                rank=compression.rank,
+                topk_ratio=compression.topk_ratio,
+                warm_start=compression.warm_start,
+            )
+        grad_reducer = reducer_cls(
+            [list(chunk.parameters()) for chunk in chunks],
+            group=mesh.group("dp"),
+            group_size=layout.data,
+            bucket_mb=bucket_mb,
+            recorder=recorder,
+            clock=clock,
+        )
+
+    # 4. The schedule executor around it all.
+    ranks = [layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)]
+    many = layout.pipeline > 1
+    ctx = pipeline.PipelineContext(
+        stage=coords.pp,
+        stages=layout.pipeline,
+        ranks=ranks,
+        forward_group=mesh.group("pp") if many else None,
+        backward_group=mesh.pp_backward_group if many else None,
+    )
+    seq = config.seq_len // layout.tensor if (tp_ctx and sequence_parallel) else config.seq_len
+    executor = pipeline.PipelineExecutor(
+        chunks,
+        ctx,
+        schedule=schedule if many else "1f1b",
+        micro_batches=micro_batches,
+        activation_shape=(micro_batch, seq, config.hidden),
+        activation_dtype=named[0][1].dtype,
+        wire_dtype=wire_dtype,
+        device=mesh.device,
+        loss_fn=loss.lm_loss,
+        recorder=recorder,
+        clock=clock,
+        grad_sync=grad_reducer.set_sync if grad_reducer else None,
+        autocast=autocast,
+    )
+    return ParallelModel(
+        chunks=chunks,
+        named_params=named,
+        tp_plan=tp_plan,
+        executor=executor,
+        reducer=grad_reducer,
+        tp=tp_ctx,
+        kv_group=kv_group,
+        tied_group=tied_group if holds_tied else None,
+        tied_copy=tied_across and coords.pp == layout.pipeline - 1,
+    )

@@ -1,0 +1,499 @@
+"""ZeRO stages 1 and 2: optimizer state (and gradients) sharded over the data-parallel group.
+
+* the shard arithmetic (pure): every gradient bucket of the
+  :class:`~meshtrain.trainer.parallel.reducer.GradReducer` is a flat buffer of
+  ``n`` elements; it is padded to ``N * ceil(n / N)`` and rank ``r`` of the
+  ``N`` data-parallel ranks owns the flat range ``[r * s, min((r + 1) * s, n))``
+  with ``s = ceil(n / N)`` (:func:`shard_range`).  A parameter that straddles
+  a boundary is split between owners (:func:`segments`).
+* :class:`ZeroAdamW` (stages 1 and 2): keeps AdamW's two moments only for
+  the owned range of every bucket (``8 / N`` bytes per parameter in fp32),
+  updates the owned elements of the weights, then all-gathers every bucket's
+  updated elements so each replica again holds the full weights.  It also
+  computes the global gradient norm from the owned gradient elements only.
+  The AdamW arithmetic is the same elementwise sequence as
+  ``torch.optim.AdamW`` so ZeRO 0, 1 and 2 give the same numbers.
+* :class:`ShardedGradReducer` (stage 2): instead of keeping every gradient in
+  persistent full-size buckets, each bucket's gradients are packed into a
+  transient flat buffer as soon as a backward produced all of them (every
+  micro-batch), the parameters' ``.grad`` are released, and the buffer is
+  reduce-scattered and added to the rank's owned range (``4 / N`` bytes per
+  parameter, also under gradient accumulation).
+
+meshtrain keeps fp32 weights and computes in bf16 under autocast on GPU, so
+the weights *are* the fp32 master copy: ZeRO-1 here shards the Adam moments
+(the master weights have no separate copy to shard), and the measured bytes
+follow 4 + 4 + 8/N (stage 1) and 4 + (4 + 8)/N (stage 2) per parameter.
+
+Not ZeRO-3 (parameters stay replicated), or the checkpoint
+format (:mod:`meshtrain.trainer.checkpointing` saves the owned moments under
+their dense parameter names, so any layout can load them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.trainer.optim import optimizer as optim
+from meshtrain.trainer.parallel import reducer
+from meshtrain.trainer.telemetry import clocks, recording
+
+
+def shard_size(numel: int, size: int) -> int:
+    """Elements per rank of a flat buffer of ``numel`` elements padded to a multiple of ``size``."""
+    return -(-numel // size)
+
+
+def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
+    """The flat range [start, stop) of a buffer of ``numel`` elements that ``rank`` of ``size`` owns (may be empty)."""
+    s = shard_size(numel, size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """The part of one parameter that falls inside a rank's owned range of its bucket."""
+
+    member: int
+    """Index of the parameter in its bucket."""
+    start: int
+    """First owned element in the parameter's own flat order."""
+    stop: int
+    """One past the last owned element."""
+    shard_offset: int
+    """Where the first owned element sits in the rank's shard buffer."""
+
+    @property
+    def numel(self) -> int:
+        """Owned elements."""
+        return self.stop - self.start
+
+
+def segments(numels: list[int], start: int, stop: int) -> list[Segment]:
+    """The segments of consecutive tensors (flat sizes ``numels``) that overlap the flat range [start, stop)."""
+    found, offset = [], 0
+    for member, numel in enumerate(numels):
+        lo, hi = max(start, offset), min(stop, offset + numel)
+        if lo < hi:
+            found.append(
+                Segment(member=member, start=lo - offset, stop=hi - offset, shard_offset=lo - start)
+            )
+        offset += numel
+    return found
+
+
+def expected_bytes_per_param(
+    *, stage: int, dp: int, weight: int = 4, grad: int = 4, optimizer: int = 8
+) -> dict[str, float]:
+    """The ZeRO paper's per-parameter bytes: weights, gradients, optimizer state on one rank.
+
+    Defaults are meshtrain's fp32 weights with AdamW (two fp32 moments);
+    mixed precision with a separate fp32 master is ``weight=2, grad=2, optimizer=12``.
+    """
+    return {
+        "params": weight / dp if stage >= 3 else float(weight),
+        "grads": grad / dp if stage >= 2 else float(grad),
+        "optimizer": optimizer / dp if stage >= 1 else float(optimizer),
+    }
+
+
+def _reduce_scatter(
+    out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, size: int
+) -> dist.Work:
+    """Sum ``full`` over the group, leaving this rank's 1/size slice in ``out`` (asynchronous).
+
+    torch 2.13's gloo implements ``reduce_scatter_single`` for fp32 and bf16
+    CPU tensors; for a backend or dtype that lacks it, the fallback
+    all-reduces ``full`` and copies the slice when waited on (same sums,
+    more traffic).
+    """
+    try:
+        return dist.reduce_scatter_single(out, full, group=group, async_op=True)
+    except (RuntimeError, NotImplementedError):
+        work = dist.all_reduce(full, group=group, async_op=True)
+        work.wait()
+        rank = dist.get_rank(group)
+        out.copy_(full.narrow(0, rank * out.numel(), out.numel()))
+        return work
+
+
+IN_FLIGHT_BUCKETS = 2
+"""ZeRO-2 reduce-scatters in flight at once: each holds a packed, full-size bucket until it is done."""
+
+
+class ShardedGradReducer(reducer.GradReducer):
+    """ZeRO-2 gradient reduction: reduce-scatter per bucket; a rank keeps only its owned gradient range.
+
+    ``bucket.buffer`` is the rank's gradient shard (``ceil(n/N)`` elements),
+    not a full-size buffer, and parameters' ``.grad`` are not views into it:
+    autograd allocates them during backward, and as soon as every member of a
+    bucket has its gradient from this backward they are packed, released and
+    reduce-scattered, and the result is added to the shard.  That happens
+    after *every* micro-batch's backward, not only the last (DeepSpeed's
+    stage 2 does the same): keeping ``.grad`` across micro-batches would hold
+    the full gradients, which is what ZeRO-2 exists to avoid.  The price is
+    one reduce-scatter per bucket per micro-batch.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
+        **reducer_args: Any,
+    ) -> None:
+        """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
+        # bucket index -> (packed full buffer, reduced shard, start) of its collective in flight
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp]] = {}
+        self._in_flight: list[reducer.Bucket] = []  # launch order
+        super().__init__(params, **reducer_args)
+
+    def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
+        numel = sum(p.numel() for p in members)
+        shard = torch.zeros(
+            shard_size(numel, self.group_size), dtype=members[0].dtype, device=members[0].device
+        )
+        bucket = reducer.Bucket(index=len(self.buckets), params=members, buffer=shard)
+        for p in members:
+            p.grad = None
+            self._bucket_of[id(p)] = bucket
+        self.buckets.append(bucket)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: reducer.Bucket) -> None:
+        """Pack the members' gradients, release them, and reduce-scatter the packed buffer."""
+        self._settle(bucket)
+        while len(self._in_flight) >= IN_FLIGHT_BUCKETS:  # bound the packed buffers alive
+            self._settle(self._in_flight[0])
+        start = self.clock.now()
+        shard = bucket.buffer
+        full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
+        offset = 0
+        for p in bucket.params:
+            if p.grad is not None:
+                full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
+                p.grad = None
+            offset += p.numel()
+        reduced = torch.empty_like(shard)
+        # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
+        # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
+        self._pending[bucket.index] = (
+            full,
+            reduced,
+            start,
+        )  # both live until the collective is done
+        bucket.work = self.clock.launch(
+            lambda: _reduce_scatter(reduced, full, self.group, self.group_size)
+        )
+        self._in_flight.append(bucket)
+        bucket.ready = 0
+
+    def _settle(self, bucket: reducer.Bucket) -> None:
+        """Wait for the bucket's collective in flight, if any, and add its result to the shard."""
+        if bucket.work is None:
+            return
+        end = bucket.work.wait()
+        self._in_flight.remove(bucket)
+        full, reduced, start = self._pending.pop(bucket.index)
+        self.recorder.collective(
+            "dp",
+            "reduce_scatter",
+            full.numel() * full.element_size(),
+            start,
+            end,
+            bucket=bucket.index,
+        )
+        bucket.buffer.add_(reduced)
+        bucket.work = None
+
+    def finish(self) -> None:
+        """Reduce what is left, wait for every bucket and turn sums into means; only shards remain."""
+        for bucket in self.buckets:
+            if any(p.grad is not None for p in bucket.params):
+                self._launch(bucket)
+        for bucket in self.buckets:
+            self._settle(bucket)
+            bucket.buffer.div_(self.group_size)
+            bucket.ready = 0
+        self.sync = True
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's gradient shard of every bucket, in bucket order."""
+        return [b.buffer for b in self.buckets]
+
+
+@dataclasses.dataclass
+class _BucketState:
+    """What a rank keeps for one bucket."""
+
+    params: list[torch.nn.Parameter]
+    """The bucket's members, in flat order."""
+    start: int
+    """Owned flat range of the bucket: [start, stop)."""
+    stop: int
+    segments: list[Segment]
+    """Owned parts of the members."""
+    exp_avg: torch.Tensor
+    """First moment of the owned range (padded to the shard size)."""
+    exp_avg_sq: torch.Tensor
+    """Second moment of the owned range."""
+    numel: int
+    """Elements of the bucket."""
+
+
+class ZeroAdamW:
+    """AdamW whose moments and update are sharded over the data-parallel group (ZeRO stage 1 or 2).
+
+    Exposes ``param_groups`` (one dict per weight-decay class, with ``lr``) so
+    :func:`meshtrain.trainer.optim.optimizer.set_lr` works unchanged.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        grad_reducer: reducer.GradReducer,
+        *,
+        stage: int,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        recorder: recording.StepRecorder | None = None,
+        clock: clocks.Clock | None = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroAdamW is for ZeRO stages 1 and 2, got {stage}")
+        if stage == 2 and not isinstance(grad_reducer, ShardedGradReducer):
+            raise ValueError("ZeRO-2 needs the ShardedGradReducer (gradients reduce-scattered)")
+        self.stage = stage
+        self.reducer = grad_reducer
+        self.group, self.size = grad_reducer.group, grad_reducer.group_size
+        self.rank = dist.get_rank(self.group)
+        self.recorder = recorder or recording.NullRecorder()
+        self.clock = clock or clocks.HostClock()
+        self.names = {id(p): n for n, p in named_params}
+        self.param_groups = [
+            {"name": "decay", "lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps},
+            {"name": "no_decay", "lr": lr, "weight_decay": 0.0, "betas": betas, "eps": eps},
+        ]
+        self.step_count = 0
+        """Optimizer steps taken (AdamW's bias-correction step)."""
+        self.buckets: list[_BucketState] = []
+        for bucket in grad_reducer.buckets:
+            numel = sum(p.numel() for p in bucket.params)
+            start, stop = shard_range(numel, self.rank, self.size)
+            segs = segments([p.numel() for p in bucket.params], start, stop)
+            s = shard_size(numel, self.size)
+            like = bucket.params[0]
+            self.buckets.append(
+                _BucketState(
+                    params=bucket.params,
+                    start=start,
+                    stop=stop,
+                    segments=segs,
+                    numel=numel,
+                    exp_avg=torch.zeros(s, dtype=like.dtype, device=like.device),
+                    exp_avg_sq=torch.zeros(s, dtype=like.dtype, device=like.device),
+                )
+            )
+
+    # --- gradients of the owned range ------------------------------------------
+
+    def _owned_grad(self, index: int) -> torch.Tensor:
+        """The owned gradient elements of bucket ``index`` as one flat tensor (shard-sized)."""
+        state = self.buckets[index]
+        if self.stage == 2:
+            return self.reducer.buckets[index].buffer
+        flat = self.reducer.buckets[index].buffer  # stage 1: the full all-reduced bucket
+        return flat.narrow(0, state.start, state.stop - state.start)
+
+    def clip_grad_norm(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        counted: list[optim.Counted],
+        max_norm: float,
+        groups: list[tuple[str, dist.ProcessGroup]],
+        recorder: recording.StepRecorder | None = None,
+        clock: clocks.Clock | None = None,
+    ) -> torch.Tensor:
+        """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
+
+        Same signature as :func:`meshtrain.trainer.optim.optimizer.clip_grad_norm`:
+        ``counted[i]`` says what this rank counts of ``params[i]``
+        (tensor-parallel replicas count once).
+        """
+        counted_by_id = {id(p): c for p, c in zip(params, counted)}
+        recorder = recorder or self.recorder
+        clock = clock or self.clock
+        views = []
+        for index, state in enumerate(self.buckets):
+            for seg in state.segments:
+                wanted = counted_by_id.get(id(state.params[seg.member]), True)
+                if wanted is False:
+                    continue
+                lo, hi = (seg.start, seg.stop) if wanted is True else wanted
+                view = self._owned_view(index, seg, lo, hi)
+                if view is not None:
+                    views.append(view)
+        device = self.buckets[0].exp_avg.device if self.buckets else torch.device("cpu")
+        owned = [self._owned_grad(index) for index in range(len(self.buckets))]
+        return optim.reduce_norm_and_clip(
+            optim.squared_norm(views, device),
+            owned,
+            max_norm=max_norm,
+            groups=[("dp", self.group), *groups],
+            recorder=recorder,
+            clock=clock,
+        )
+
+    def _owned_view(self, index: int, seg: Segment, start: int, stop: int) -> torch.Tensor | None:
+        """The owned gradient elements of ``seg``'s parameter inside its flat range [start, stop), if any."""
+        lo, hi = max(start, seg.start), min(stop, seg.stop)
+        if lo >= hi:
+            return None
+        return self._owned_grad(index).narrow(0, seg.shard_offset + lo - seg.start, hi - lo)
+
+    def all_reduce_grads(
+        self,
+        ranges: dict[str, tuple[int, int]],
+        group: dist.ProcessGroup,
+        recorder: recording.StepRecorder,
+        clock: clocks.Clock,
+    ) -> None:
+        """Sum the owned gradient elements of each named parameter's flat range over ``group`` (stage 2).
+
+        Sequence parallelism leaves norm and position-table gradients as
+        per-slice partials to be summed over the tensor-parallel group, and
+        replicated key/value heads leave their rows' gradients partial per
+        holder; under ZeRO-2 only the owned range exists, and it is the same
+        range on every tensor-parallel peer (their buckets have identical
+        shapes), so the owned elements are summed.
+        """
+        views = []
+        for index, state in enumerate(self.buckets):
+            for seg in state.segments:
+                wanted = ranges.get(self.names[id(state.params[seg.member])])
+                view = None if wanted is None else self._owned_view(index, seg, *wanted)
+                if view is not None:
+                    views.append(view)
+        if not views:  # the same on every peer: their owned ranges are identical
+            return
+        flat = torch.cat(views)  # one collective for all of them
+        recording.blocking_collective(
+            recorder,
+            clock,
+            "tp",
+            "all_reduce",
+            flat.numel() * flat.element_size(),
+            lambda: dist.all_reduce(flat, group=group),
+        )
+        offset = 0
+        for view in views:
+            view.copy_(flat.narrow(0, offset, view.numel()))
+            offset += view.numel()
+
+    # --- the update --------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the owned elements, then all-gather every bucket's weights."""
+        self.step_count += 1
+        group = self.param_groups[0]
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        bias1 = 1 - beta1**self.step_count
+        bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
+        decay_of = {
+            "decay": self.param_groups[0]["weight_decay"],
+            "no_decay": self.param_groups[1]["weight_decay"],
+        }
+        for index, state in enumerate(self.buckets):
+            s = state.exp_avg.numel()
+            owned = state.stop - state.start
+            work = torch.zeros(
+                s, dtype=state.exp_avg.dtype, device=state.exp_avg.device
+            )  # owned weights, flat
+            for seg in state.segments:
+                work.narrow(0, seg.shard_offset, seg.numel).copy_(
+                    state.params[seg.member].detach().reshape(-1).narrow(0, seg.start, seg.numel)
+                )
+            for seg in state.segments:
+                wd = (
+                    decay_of["decay"]
+                    if state.params[seg.member].dim() >= 2
+                    else decay_of["no_decay"]
+                )
+                if wd:
+                    work.narrow(0, seg.shard_offset, seg.numel).mul_(1 - lr * wd)
+            grad = self._owned_grad(index).narrow(0, 0, owned)
+            w, m, v = (
+                work.narrow(0, 0, owned),
+                state.exp_avg.narrow(0, 0, owned),
+                state.exp_avg_sq.narrow(0, 0, owned),
+            )
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(eps)
+            w.addcdiv_(m, denom, value=-lr / bias1)
+            self._gather(state, work)
+
+    def _gather(self, state: _BucketState, work: torch.Tensor) -> None:
+        """All-gather the owned weights of a bucket and write them into every member."""
+        if self.size == 1:
+            full = work
+        else:
+            full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
+            start = self.clock.now()
+            dist.all_gather_single(full, work, group=self.group)
+            self.recorder.collective(
+                "dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now()
+            )
+        offset = 0
+        for p in state.params:
+            p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))
+            offset += p.numel()
+
+    def zero_grad(self) -> None:
+        """Gradients live in the reducer; it zeroes them."""
+        self.reducer.zero_grad()
+
+    # --- checkpoint view -----------------------------------------------------------
+
+    def owned_state(self) -> list[tuple[str, torch.nn.Parameter, int, torch.Tensor, torch.Tensor]]:
+        """(name, param, first owned element, exp_avg slice, exp_avg_sq slice) for every owned segment."""
+        out = []
+        for state in self.buckets:
+            for seg in state.segments:
+                p = state.params[seg.member]
+                out.append(
+                    (
+                        self.names[id(p)],
+                        p,
+                        seg.start,
+                        state.exp_avg.narrow(0, seg.shard_offset, seg.numel),
+                        state.exp_avg_sq.narrow(0, seg.shard_offset, seg.numel),
+                    )
+                )
+        return out
+
+    @property
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The moments by bucket, shaped like ``torch.optim.Optimizer.state`` for code that walks it (telemetry)."""
+        return {
+            i: {"exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
+            for i, b in enumerate(self.buckets)
+        }
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (both moments, padding included)."""
+        return sum(
+            t.numel() * t.element_size() for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq)
+        )

@@ -1,0 +1,156 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state sharded over data parallelism, by FSDP2.
+
+:func:`apply_zero3` calls PyTorch's ``fully_shard`` on the embeddings and
+on every transformer block of every model chunk (one all-gather /
+reduce-scatter unit each) and then on the chunk itself (its final norm and
+head form the root unit), so only one block's weights are gathered at a
+time; :func:`units` says which units reshard after forward.  It runs after tensor parallelism swapped the layers, so FSDP2 shards
+the tensor-parallel pieces (plain tensors) along dim 0 over the
+data-parallel mesh; during a unit's forward and backward the layers see
+their whole tensor-parallel piece again, so meshtrain's own TP layers work
+unchanged.  Gradients are reduce-scattered after every micro-batch's
+backward (FSDP2's default), so only the gradient shard accumulates.
+
+The parameters become ``DTensor`` shards; ``torch.optim.AdamW`` updates
+them shard by shard (the ZeRO-3 optimizer is the ordinary one).
+:func:`local` gives the plain local tensor of a parameter or gradient, and
+:func:`flat_offset` where that shard starts in the TP piece's flat order
+(the checkpoint writes it like a ZeRO-1/2 moment range).
+
+Every all-gather and reduce-scatter goes through :class:`_RecordedAllGather`
+/ :class:`_RecordedReduceScatter` so telemetry sees them like any other
+``dp`` collective.  Why FSDP2 rather than more of meshtrain's own sharding:
+see docs/architecture.md (ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor import DTensor
+
+from meshtrain.trainer.telemetry import clocks, recording
+
+
+class _Recorded:
+    """Allocates like FSDP2's default and reports each call to the recorder (synchronously)."""
+
+    def __init__(self, recorder: recording.StepRecorder, clock: clocks.Clock) -> None:
+        self.recorder = recorder
+        self.clock = clock
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _RecordedAllGather(_Recorded, AllGather):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        start = self.clock.now()
+        dist.all_gather_single(output_tensor, input_tensor, group=group)
+        nbytes = output_tensor.numel() * output_tensor.element_size()
+        self.recorder.collective("dp", "all_gather", nbytes, start, self.clock.now())  # type: ignore[arg-type]
+        return None  # done: FSDP2 waits only on a returned Work
+
+
+class _RecordedReduceScatter(_Recorded, ReduceScatter):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        start = self.clock.now()
+        dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        self.recorder.collective("dp", "reduce_scatter", nbytes, start, self.clock.now())  # type: ignore[arg-type]
+        return None
+
+
+def apply_zero3(
+    chunks: list[torch.nn.Module],
+    dp_mesh: DeviceMesh,
+    *,
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+    param_dtype: torch.dtype | None = None,
+    pipelined: bool = False,
+) -> None:
+    """Shard every chunk's parameters over ``dp_mesh`` in the FSDP2 units of :func:`units`.
+
+    ``param_dtype`` (bf16 under bf16 training) is what the units gather and
+    compute with; the shards, the optimizer and the reduce-scatter stay fp32
+    (Megatron's and DeepSpeed's recipe: half the all-gather bytes).
+    """
+    all_gather = _RecordedAllGather(recorder, clock)
+    reduce_scatter = _RecordedReduceScatter(recorder, clock)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for chunk in chunks:
+        for modules, reshard in units(chunk, pipelined=pipelined):
+            fully_shard(modules, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            unit: Any = modules[0]  # the units' modules share one FSDP2 state
+            unit.set_custom_all_gather(all_gather)
+            unit.set_custom_reduce_scatter(reduce_scatter)
+
+
+def units(
+    chunk: torch.nn.Module, *, pipelined: bool = False
+) -> list[tuple[list[torch.nn.Module], bool]]:
+    """The FSDP2 units of one chunk, in wrapping order (the chunk itself last), each with its ``reshard_after_forward``.
+
+    TorchTitan's layout: the embeddings are a unit of their own, resharded
+    after forward (backward needs them last); every block is one, resharded
+    after forward except the last block, whose backward comes first (FSDP2
+    would gather it again at once); the chunk's own unit (the root: final
+    norm and head) stays gathered from its forward through its backward, as
+    FSDP2 keeps every root.  A tied head is the embedding matrix, which one
+    unit must own: then the embeddings stay in the chunk's unit.
+
+    Under pipelining (``pipelined``) the last block reshards too: TorchTitan
+    then keeps every unit gathered between micro-batches, which would hold a
+    whole stage's weights; meshtrain keeps the one-block working set the
+    planner admits jobs by (a 1F1B schedule's interleaved forwards would make
+    the last block's gathers depend on the schedule).  The tables then stay
+    in the root: FSDP2 prefetches in backward along the order of the
+    forwards, which 1F1B interleaves across micro-batches, and a separate
+    tables unit made it gather a block once more per step (measured on
+    dp2-pp2 interleaved).
+    """
+    blocks = list(chunk.blocks.values())  # type: ignore[operator]
+    out: list[tuple[list[torch.nn.Module], bool]] = []
+    tables = [m for m in (chunk.tok_emb, chunk.pos_emb) if isinstance(m, torch.nn.Module)]
+    tied = bool(chunk.config.tie_embeddings)  # type: ignore[union-attr]
+    if tables and not tied and not pipelined:
+        out.append((tables, True))
+    out += [([block], pipelined or i < len(blocks) - 1) for i, block in enumerate(blocks)]
+    out.append(([chunk], True))  # FSDP2 never reshards a root after forward
+    return out
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor this rank holds of a (possibly DTensor) parameter, gradient or moment."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def flat_offset(param: torch.Tensor) -> int:
+    """Where this rank's dim-0 shard of ``param`` starts in the flat order of the whole (TP-local) tensor."""
+    if not isinstance(param, DTensor):
+        return 0
+    rows = param.shape[0]
+    size, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    per_rank = -(-rows // size)  # torch.chunk's split: the last ranks may hold fewer rows (or none)
+    row_numel = math.prod(param.shape[1:])
+    return min(rank * per_rank, rows) * row_numel

@@ -1,0 +1,439 @@
+"""Prometheus exporter of one rank, and the /progress endpoint of global rank 0.
+
+:class:`Exporter`, a :class:`~.context.Sink` that turns each
+step's :class:`~.stepstats.StepStats` into Prometheus metrics (names
+listed in docs/telemetry.md) in its own registry, and serves
+them over HTTP on ``metrics.port + local_rank``: one small server per rank, so
+a pod with g GPUs exposes ports ``port .. port + g - 1``, bound to
+``$MESHTRAIN_METRICS_HOST`` (default ``0.0.0.0``).  Global rank 0 also
+answers ``GET /progress`` with JSON ``{step, loss, tokens_per_second,
+last_checkpoint_step, updated_at}`` for the operator.
+
+Not a push client or an aggregator.  Every metric carries the
+rank's labels (job, namespace, pod, rank, dp, pp, tp); sums and quantiles
+across ranks are PromQL's job (dashboards/).  Scrape with ``honor_labels:
+true`` so that the exporter's ``job``/``namespace``/``pod`` labels win over the
+scrape target's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from http import server
+from typing import Any, TypedDict
+
+import prometheus_client
+from prometheus_client import exposition
+
+from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.telemetry import context, recording, stepstats
+from meshtrain.trainer.telemetry import progress as progress_mod
+
+log = logging.getLogger(__name__)
+
+LABELS = ("job", "namespace", "pod", "rank", "dp", "pp", "tp")
+"""Labels every meshtrain trainer metric carries."""
+
+HOST_ENV = "MESHTRAIN_METRICS_HOST"
+"""Environment variable naming the address the HTTP servers bind (default ``0.0.0.0``: every interface)."""
+DEFAULT_HOST = "0.0.0.0"
+
+
+def bind_host() -> str:
+    """The address to serve metrics on: ``$MESHTRAIN_METRICS_HOST``, else every IPv4 interface."""
+    return os.environ.get(HOST_ENV) or DEFAULT_HOST
+
+
+STEP_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    60.0,
+    120.0,
+    300.0,
+)
+"""Step and compute durations: 5 ms (tiny CPU model) to 5 min (huge step)."""
+COMM_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+"""Collective and exposed-communication durations: 100 us to 10 s."""
+
+
+class _FamilyArgs(TypedDict):
+    registry: prometheus_client.CollectorRegistry
+    labelnames: Sequence[str]
+
+
+class Metrics:
+    """The metric families of one rank, in a private registry."""
+
+    def __init__(self, identity: context.RankIdentity) -> None:
+        prometheus_client.disable_created_metrics()  # *_created series only add noise to every counter
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        """Registry served by this rank (not the process-global default)."""
+        base = identity.labels()
+        self.base = base
+        """Labels of this rank."""
+        reg: _FamilyArgs = {"registry": self.registry, "labelnames": LABELS}
+        comm = (*LABELS, "group", "op")
+        self.tokens = prometheus_client.Counter(
+            "meshtrain_tokens",
+            "Tokens of the global batches trained (job-wide, as seen by this rank).",
+            **reg,
+        ).labels(**base)
+        self.tokens_per_second = prometheus_client.Gauge(
+            "meshtrain_tokens_per_second", "Job throughput in tokens/s over the last step.", **reg
+        ).labels(**base)
+        self.step_seconds = prometheus_client.Histogram(
+            "meshtrain_step_seconds", "Wall time of an optimizer step.", buckets=STEP_BUCKETS, **reg
+        ).labels(**base)
+        self.compute_seconds = prometheus_client.Histogram(
+            "meshtrain_compute_seconds",
+            "Forward+backward compute time of this rank in a step (straggler signal).",
+            buckets=STEP_BUCKETS,
+            **reg,
+        ).labels(**base)
+        self.step = prometheus_client.Gauge(
+            "meshtrain_step", "Last completed optimizer step.", **reg
+        ).labels(**base)
+        self.last_step_time = prometheus_client.Gauge(
+            "meshtrain_last_step_timestamp_seconds",
+            "Unix time the last step completed; the start of training before the first.",
+            **reg,
+        ).labels(**base)
+        self.loss = prometheus_client.Gauge(
+            "meshtrain_loss", "Mean training loss of the last step.", **reg
+        ).labels(**base)
+        self.learning_rate = prometheus_client.Gauge(
+            "meshtrain_learning_rate",
+            "Learning rate of the last step (schedule with training.lrScaling applied).",
+            **reg,
+        ).labels(**base)
+        self.eval_loss = prometheus_client.Gauge(
+            "meshtrain_eval_loss", "Validation loss of the last evaluation (training.eval).", **reg
+        )
+        """Labelled at the first evaluation: no series (rather than a false 0) before it."""
+        self.skipped_updates = prometheus_client.Counter(
+            "meshtrain_skipped_updates",
+            "Optimizer updates the loss guard skipped (non-finite or spiking loss or gradient norm).",
+            **reg,
+        ).labels(**base)
+        straggler: _FamilyArgs = {"registry": self.registry, "labelnames": (*LABELS, "node")}
+        self.slowdown = prometheus_client.Gauge(
+            "meshtrain_rank_slowdown_ratio",
+            "Compute time of this rank over its data-parallel peers' median, median over the "
+            "runPolicy.stragglerPolicy window (1 = as fast as its peers).",
+            **straggler,
+        )
+        """Labelled at the first judged step: no series for a job without peers or detection."""
+        self.straggler = prometheus_client.Gauge(
+            "meshtrain_rank_straggler",
+            "1 while the trainer flags this rank as a straggler (slowdown above the policy threshold for the window), else 0.",
+            **straggler,
+        )
+        self.mfu = prometheus_client.Gauge(
+            "meshtrain_model_flops_utilization_ratio",
+            "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
+            **reg,
+        ).labels(**base)
+        self.peak_flops = prometheus_client.Gauge(
+            "meshtrain_device_peak_flops_per_second",
+            "Peak FLOP/s per device used as the MFU denominator.",
+            **reg,
+        ).labels(**base)
+        self.bubble = prometheus_client.Gauge(
+            "meshtrain_pipeline_bubble_ratio",
+            "Measured share of the last step's pipeline window this stage spent neither computing nor in exposed communication.",
+            **reg,
+        ).labels(**base)
+        self.bubble_theory = prometheus_client.Gauge(
+            "meshtrain_pipeline_bubble_ratio_theoretical",
+            "(p-1)/(v*m+p-1) for this job's schedule.",
+            **reg,
+        ).labels(**base)
+        self.wait = prometheus_client.Counter(
+            "meshtrain_pipeline_wait_seconds", "Time blocked on pipeline sends and receives.", **reg
+        ).labels(**base)
+        self.exposed = prometheus_client.Histogram(
+            "meshtrain_exposed_comm_seconds",
+            "Gradient reduction time not hidden behind backward compute, per step.",
+            buckets=(0.0, *COMM_BUCKETS),
+            **reg,
+        ).labels(**base)
+        self.allreduce_seconds = prometheus_client.Histogram(
+            "meshtrain_allreduce_seconds",
+            "Duration of one collective call (one gradient bucket for dp); level: flat, or intra / inter"
+            " node for the stages of parallelism.allReduce hierarchical.",
+            buckets=COMM_BUCKETS,
+            registry=self.registry,
+            labelnames=(*comm, "level"),
+        )
+        self.allreduce_bytes = prometheus_client.Counter(
+            "meshtrain_allreduce_bytes",
+            "Payload bytes of collectives.",
+            registry=self.registry,
+            labelnames=comm,
+        )
+        self.bus_bandwidth = prometheus_client.Gauge(
+            "meshtrain_collective_bus_bandwidth_bytes_per_second",
+            "Bus bandwidth of the last step's collectives (nccl-tests convention).",
+            registry=self.registry,
+            labelnames=comm,
+        )
+        self.compression_ratio = prometheus_client.Gauge(
+            "meshtrain_gradient_compression_ratio",
+            "Data-parallel gradient bytes before compression over bytes sent, last step (1: uncompressed).",
+            **reg,
+        ).labels(**base)
+        self.gradient_bytes = prometheus_client.Counter(
+            "meshtrain_gradient_reduction_bytes",
+            "Payload bytes of the data-parallel gradient reduction: stage=uncompressed (a plain fp32"
+            " all-reduce's) or sent (after parallelism.gradientCompression).",
+            registry=self.registry,
+            labelnames=(*LABELS, "stage"),
+        )
+        self.memory = prometheus_client.Gauge(
+            "meshtrain_memory_bytes",
+            "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.",
+            registry=self.registry,
+            labelnames=(*LABELS, "component"),
+        )
+        self.memory_peak = prometheus_client.Gauge(
+            "meshtrain_memory_peak_bytes",
+            "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.",
+            **reg,
+        ).labels(**base)
+        self.training_steps = self._gauge(
+            "meshtrain_training_steps", "training.steps: the step the job ends at."
+        )
+        self.global_batch = self._gauge(
+            "meshtrain_global_batch_sequences",
+            "Sequences per optimizer step (microBatch x microBatches x data).",
+        )
+        self.noise_scale = self._gauge(
+            "meshtrain_gradient_noise_scale",
+            "Gradient noise scale in sequences (McCandlish et al. 2018, from the replicas' own and the"
+            " all-reduced gradient norms; needs data >= 2, ZeRO 0 or 1, no sequence parallelism).",
+        )
+        self.checkpoint_interval = self._gauge(
+            "meshtrain_checkpoint_interval_steps",
+            "checkpoint.intervalSteps (0: saved only at the end).",
+        )
+        self.checkpoint_step = self._gauge(
+            "meshtrain_checkpoint_last_step", "Step of the newest complete checkpoint."
+        )
+        self.checkpoint_time = self._gauge(
+            "meshtrain_checkpoint_last_timestamp_seconds",
+            "Unix time the newest complete checkpoint was saved or resumed from; the start of"
+            " training before the first.",
+        )
+        self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+    def _gauge(self, name: str, documentation: str) -> Any:
+        """A gauge of this rank (its child with the rank's labels)."""
+        family = prometheus_client.Gauge(
+            name, documentation, registry=self.registry, labelnames=LABELS
+        )
+        return family.labels(**self.base)
+
+    def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
+        """(seconds histogram, bytes counter, bus-bandwidth gauge) children of (group, op)."""
+        key = (group, op)
+        if key not in self._comm_children:
+            labels = {**self.base, "group": group, "op": op}
+            self._comm_children[key] = (
+                self.allreduce_seconds.labels(**labels, level="flat"),
+                self.allreduce_bytes.labels(**labels),
+                self.bus_bandwidth.labels(**labels),
+            )
+        return self._comm_children[key]
+
+
+class _Server(server.ThreadingHTTPServer):
+    """A threading HTTP server that does not print a traceback when a scraper hangs up."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Scrapers time out and disconnect; that is not worth a traceback on the training log."""
+
+
+def _handler(
+    registry: prometheus_client.CollectorRegistry, progress: progress_mod.Progress | None
+) -> type[server.BaseHTTPRequestHandler]:
+    class Handler(server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's name
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype = exposition.generate_latest(registry), exposition.CONTENT_TYPE_LATEST
+            elif path == "/progress" and progress is not None:
+                body, ctype = json.dumps(progress.document()).encode(), "application/json"
+            elif path == "/healthz":
+                body, ctype = b"ok\n", "text/plain"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+            """Scrapes every few seconds are not worth a log line."""
+
+    return Handler
+
+
+class Exporter:
+    """Metrics of one rank, served over HTTP; rank 0 adds /progress."""
+
+    def __init__(
+        self,
+        identity: context.RankIdentity,
+        facts: stepstats.JobFacts,
+        *,
+        port: int,
+        progress: progress_mod.Progress | None,
+        host: str = DEFAULT_HOST,
+    ) -> None:
+        self.metrics = Metrics(identity)
+        """The metric families."""
+        self.identity = identity
+        self.progress = progress
+        """The /progress document served (global rank 0 only; another sink keeps it up to date)."""
+        self.facts = facts
+        self.metrics.bubble_theory.set(facts.bubble_theoretical)
+        self.metrics.peak_flops.set(facts.peak_flops)
+        self.metrics.training_steps.set(facts.training_steps)
+        self.metrics.global_batch.set(facts.global_batch)
+        self.metrics.noise_scale.set(float("nan"))  # unmeasured: no ratio against the batch
+        self.metrics.checkpoint_interval.set(facts.checkpoint_interval_steps)
+        self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
+        # A 0 would read as "no step since 1970" and page MeshtrainJobStalled during every start-up.
+        self.metrics.last_step_time.set_to_current_time()
+        self.port = port
+        """TCP port of the HTTP server."""
+        self._server: server.ThreadingHTTPServer | None = None
+        try:
+            self._server = _Server((host, port), _handler(self.metrics.registry, self.progress))
+        except OSError as err:
+            log.warning(
+                "rank %d: metrics address %s:%d unavailable (%s); metrics are not served",
+                identity.rank,
+                host,
+                port,
+                err,
+            )
+            return
+        threading.Thread(
+            target=self._server.serve_forever, name=f"metrics-{port}", daemon=True
+        ).start()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the HTTP server is up."""
+        return self._server is not None
+
+    def publish(
+        self,
+        stats: stepstats.StepStats,
+        events: Sequence[recording.Event],
+        start: float,
+        memory: context.MemorySample | None,
+    ) -> None:
+        m = self.metrics
+        m.tokens.inc(stats.tokens)
+        m.tokens_per_second.set(stats.tokens_per_second)
+        m.step_seconds.observe(stats.seconds)
+        m.compute_seconds.observe(stats.compute_seconds)
+        m.step.set(stats.step)
+        m.last_step_time.set_to_current_time()
+        m.loss.set(stats.loss)
+        m.learning_rate.set(self.facts.learning_rate(stats.step))
+        m.mfu.set(stats.mfu)
+        m.bubble.set(stats.bubble_ratio)
+        m.bubble_theory.set(stats.bubble_ratio_theoretical)
+        m.wait.inc(stats.wait_seconds)
+        m.exposed.observe(stats.exposed_comm_seconds)
+        for e in events:
+            if e.what == "collective" and e.level == "flat":
+                m.comm(e.group or "?", e.kind)[0].observe(e.end - e.start)
+            elif e.what == "collective":  # a stage of a hierarchical all-reduce
+                m.allreduce_seconds.labels(
+                    **m.base, group=e.group or "?", op=e.kind, level=e.level
+                ).observe(e.end - e.start)
+        for c in stats.collectives:
+            _, nbytes, bus = m.comm(c.group, c.op)
+            nbytes.inc(c.nbytes)
+            bus.set(c.bus_bandwidth)
+        if stats.dp_sent_bytes:
+            m.compression_ratio.set(stats.compression_ratio)
+            m.gradient_bytes.labels(**m.base, stage="uncompressed").inc(stats.dp_uncompressed_bytes)
+            m.gradient_bytes.labels(**m.base, stage="sent").inc(stats.dp_sent_bytes)
+        if memory is not None:
+            for component, value in memory.components().items():
+                m.memory.labels(**m.base, component=component).set(value)
+            m.memory_peak.set(memory.peak_allocated)
+
+    def checkpoint_saved(self, step: int) -> None:
+        self.metrics.checkpoint_step.set(step)
+        self.metrics.checkpoint_time.set_to_current_time()
+
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
+        if noise_scale is not None:
+            self.metrics.noise_scale.set(noise_scale)
+        if eval_loss is not None:
+            self.metrics.eval_loss.labels(**self.metrics.base).set(eval_loss)
+        if skipped:
+            self.metrics.skipped_updates.inc()
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        rank = self.identity.rank
+        value = verdict.slowdowns[rank]
+        if value is None:
+            return
+        labels = {**self.metrics.base, "node": self.identity.node}
+        self.metrics.slowdown.labels(**labels).set(value)
+        self.metrics.straggler.labels(**labels).set(1.0 if verdict.is_flagged(rank) else 0.0)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

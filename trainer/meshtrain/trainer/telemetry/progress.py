@@ -1,0 +1,166 @@
+"""What global rank 0 tells the operator: the progress document and its final copy.
+
+:class:`Progress`, a :class:`~.context.Sink` that keeps the JSON
+document ``{step, loss, tokens_per_second, last_checkpoint_step,
+updated_at, eval_loss, skipped_updates, straggler}`` up to date (the exporter serves it at ``GET /progress``), and
+:func:`write_termination_log`, which writes that document once, at the end
+of a successful run, to the file named by ``$MESHTRAIN_TERMINATION_LOG``
+(the operator sets ``/dev/termination-log``, so the kubelet puts it into the
+container's ``state.terminated.message``).
+
+Only at success: a failed rank leaves the file empty, so a pod with
+``terminationMessagePolicy: FallbackToLogsOnError`` still reports the end of
+its log.
+
+Not an HTTP server (:mod:`.exporter` serves the document) or a
+checkpoint policy (the worker reports published checkpoints).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from meshtrain.api import exitcodes
+from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.telemetry import context, recording, stepstats
+
+log = logging.getLogger(__name__)
+
+TERMINATION_LOG_ENV = "MESHTRAIN_TERMINATION_LOG"
+"""Environment variable naming the file for the final progress document (unset: none is written)."""
+
+FIELDS = (
+    "step",
+    "loss",
+    "tokens_per_second",
+    "last_checkpoint_step",
+    "updated_at",
+    "eval_loss",
+    "skipped_updates",
+    "straggler",
+    "stragglers",
+    "gradient_noise_scale",
+)
+"""Keys of the progress document, in order."""
+
+
+class Progress:
+    """The progress document of global rank 0, updated at every step and every published checkpoint."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._doc: dict[str, Any] = {
+            "step": 0,
+            "loss": None,
+            "tokens_per_second": None,
+            "last_checkpoint_step": None,
+            "updated_at": None,
+            "eval_loss": None,
+            "skipped_updates": 0,
+            "straggler": None,
+            "stragglers": [],
+            "gradient_noise_scale": None,
+        }
+
+    def update(self, **fields: Any) -> None:
+        """Set fields and stamp ``updated_at`` (RFC 3339, UTC)."""
+        now = (
+            datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        )
+        with self._lock:
+            self._doc.update(fields, updated_at=now)
+
+    def document(self) -> dict[str, Any]:
+        """A copy of the current JSON document."""
+        with self._lock:
+            return dict(self._doc)
+
+    # -- Sink ----------------------------------------------------------------
+
+    def publish(
+        self,
+        stats: stepstats.StepStats,
+        events: Sequence[recording.Event],
+        start: float,
+        memory: context.MemorySample | None,
+    ) -> None:
+        self.update(step=stats.step, loss=stats.loss, tokens_per_second=stats.tokens_per_second)
+
+    def checkpoint_saved(self, step: int) -> None:
+        """A published checkpoint of ``step`` (a resumed run reports the one it loaded)."""
+        with self._lock:
+            done = max(
+                self._doc["step"] or 0, step
+            )  # a checkpoint of step S means S steps are done
+        self.update(last_checkpoint_step=step, step=done)
+
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
+        with self._lock:
+            skips = self._doc["skipped_updates"] + (1 if skipped else 0)
+        fields: dict[str, Any] = {"skipped_updates": skips}
+        if eval_loss is not None:
+            fields["eval_loss"] = eval_loss
+        if noise_scale is not None:
+            fields["gradient_noise_scale"] = noise_scale
+        self.update(**fields)
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        """Every flagged rank as ``{rank, slowdown, since_step}``, slowest first (``stragglers``),
+        and the slowest alone (``straggler``, None when none is flagged)."""
+        flagged = [
+            {"rank": f.rank, "slowdown": round(f.slowdown, 4), "since_step": f.since_step}
+            for f in verdict.flagged
+        ]
+        with self._lock:
+            self._doc["straggler"] = flagged[0] if flagged else None
+            self._doc["stragglers"] = flagged
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def write_termination_log(document: Mapping[str, Any]) -> Path | None:
+    """Write ``document`` as one JSON line to ``$MESHTRAIN_TERMINATION_LOG``; the path, or None.
+
+    Unset variable: nothing is written.  A write error is logged as a
+    warning and swallowed: the run itself succeeded.
+    """
+    return _write_termination_log(json.dumps({key: document.get(key) for key in FIELDS}) + "\n")
+
+
+def write_failure(code: int, message: str) -> Path | None:
+    """Leave the exit code and message of a failed rank in ``$MESHTRAIN_TERMINATION_LOG``.
+
+    The pod's exit code is torchrun's (1 for any failed worker); this report
+    keeps the trainer's own code class (:mod:`meshtrain.api.exitcodes`).
+    """
+    return _write_termination_log(exitcodes.failure_report(code, message))
+
+
+def _write_termination_log(text: str) -> Path | None:
+    target = os.environ.get(TERMINATION_LOG_ENV)
+    if not target:
+        return None
+    path = Path(target)
+    try:
+        # A plain write, not write-and-rename: /dev/termination-log is a bind-mounted file.
+        with path.open("w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as err:
+        log.warning("could not write %s=%s: %s", TERMINATION_LOG_ENV, target, err)
+        return None
+    return path

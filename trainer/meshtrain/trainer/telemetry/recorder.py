@@ -1,0 +1,273 @@
+"""The trainer's telemetry recorder: the engine's :class:`StepRecorder`, made useful.
+
+:class:`TelemetryRecorder` collects one rank's timing events of a
+step (the engine calls it around every micro-batch, wait and collective),
+summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
+the summary to its sinks: the Prometheus exporter (:mod:`.exporter`) and the
+step log and event trace (:mod:`.trace`).  :func:`make_recorder` builds the
+whole thing from a spec, the layout and a rank: the trainer's single point of
+construction.
+
+Not a timer.  The engine measures; this module never wraps or
+patches engine code.  The per-event calls only append to a list under a lock
+(they may come from a communication thread); all arithmetic and I/O happen
+once per step in ``step_end``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from meshtrain.api import layout as layout_mod
+from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.models import gpt as model_mod
+from meshtrain.trainer.optim import batch_change
+from meshtrain.trainer.telemetry import (
+    context,
+    exporter,
+    peak,
+    progress,
+    recording,
+    state_bytes,
+    stepstats,
+    trace,
+)
+
+KEEP_STEPS = 100
+"""Step records kept in :attr:`TelemetryRecorder.steps`."""
+
+
+class TelemetryRecorder:
+    """A :class:`~meshtrain.trainer.telemetry.recording.StepRecorder` that reports each step."""
+
+    def __init__(
+        self,
+        identity: context.RankIdentity,
+        facts: stepstats.JobFacts,
+        sinks: Sequence[context.Sink],
+        device: Any = None,
+    ) -> None:
+        self.identity = identity
+        """Labels of this rank."""
+        self.facts = facts
+        """Job facts the ratios need."""
+        self.sinks = list(sinks)
+        """Exporter, step log, ..."""
+        self.device = device
+        """Device of this rank (peak memory is read from it on a GPU)."""
+        self.progress = next((s for s in self.sinks if isinstance(s, progress.Progress)), None)
+        """The progress document of global rank 0 (None on other ranks)."""
+        self.last: stepstats.StepStats | None = None
+        """Summary of the last finished step."""
+        self.steps: list[dict[str, float | int]] = []
+        """steps.jsonl records of the recent steps (newest last, at most ``KEEP_STEPS``)."""
+        self._lock = threading.Lock()
+        self._events: list[recording.Event] = []
+        self._start = time.perf_counter()
+        self._watched: tuple[Any, Any, Any] | None = None
+
+    def watch(self, model: Any, optimizer: Any, grad_reducer: Any) -> None:
+        """Measure this rank's training state at every step (:func:`meshtrain.trainer.telemetry.state_bytes.measure`).
+
+        ``model`` is the rank's ParallelModel (or a module, or a list of
+        parameters), ``grad_reducer`` the data-parallel reducer or None.
+        """
+        self._watched = (model, optimizer, grad_reducer)
+
+    # -- StepRecorder --------------------------------------------------------
+
+    def step_start(self, step: int, start: float) -> None:
+        with self._lock:
+            self._events = []
+            self._start = start
+
+    def compute(
+        self, kind: recording.ComputeKind, microbatch: int, chunk: int, start: float, end: float
+    ) -> None:
+        with self._lock:
+            self._events.append(
+                recording.Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk)
+            )
+
+    def wait(self, kind: recording.WaitKind, start: float, end: float) -> None:
+        with self._lock:
+            self._events.append(recording.Event("wait", kind, start, end))
+
+    def collective(
+        self,
+        group: recording.Group,
+        op: str,
+        nbytes: int,
+        start: float,
+        end: float,
+        bucket: int | None = None,
+        level: recording.Level = "flat",
+        cpu_seconds: float | None = None,
+    ) -> None:
+        with self._lock:
+            self._events.append(
+                recording.Event(
+                    "collective",
+                    op,
+                    start,
+                    end,
+                    group=group,
+                    nbytes=nbytes,
+                    bucket=bucket,
+                    level=level,
+                    cpu_seconds=cpu_seconds,
+                )
+            )
+
+    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        with self._lock:
+            events, start = self._events, self._start
+            self._events = []
+        stats = stepstats.summarise(
+            events,
+            self.facts,
+            step=step,
+            loss=float(loss),
+            tokens=int(tokens),
+            seconds=seconds,
+            start=start,
+        )
+        grad_reducer = self._watched[2] if self._watched is not None else None
+        if grad_reducer is not None:
+            uncompressed, sent = grad_reducer.payload_bytes()
+            stats = dataclasses.replace(
+                stats, dp_uncompressed_bytes=uncompressed, dp_sent_bytes=sent
+            )
+        self.last = stats
+        self.steps.append(stats.log_record())
+        del self.steps[:-KEEP_STEPS]
+        memory = self.memory()
+        for sink in self.sinks:
+            sink.publish(stats, events, start, memory)
+
+    # -- beyond the protocol -------------------------------------------------
+
+    def learning_rates(self, plan: batch_change.LrPlan) -> None:
+        """The rates follow ``plan`` from now on (a resume at another batch): the exported
+        ``meshtrain_learning_rate`` is the rate the engine uses."""
+        self.facts = dataclasses.replace(self.facts, lr_plan=plan)
+        for sink in self.sinks:
+            if isinstance(sink, exporter.Exporter):
+                sink.facts = self.facts
+
+    def checkpoint_saved(self, step: int) -> None:
+        """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete (published)."""
+        for sink in self.sinks:
+            sink.checkpoint_saved(step)
+
+    def health(
+        self,
+        step: int,
+        *,
+        eval_loss: float | None,
+        skipped: str,
+        noise_scale: float | None = None,
+    ) -> None:
+        """Validation loss, loss-guard verdict and gradient noise scale of ``step``, to every sink."""
+        for sink in self.sinks:
+            sink.health(step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale)
+
+    def stragglers(self, verdict: slowdown.Verdict) -> None:
+        """The straggler detector's verdict, to every sink."""
+        for sink in self.sinks:
+            sink.stragglers(verdict)
+
+    def memory(self) -> context.MemorySample:
+        """Bytes of the watched training state now (each storage once), and the peak."""
+        peak_bytes = peak.peak_memory_bytes(self.device)
+        if self._watched is None:
+            return context.MemorySample(peak_allocated=peak_bytes)
+        state = state_bytes.measure(*self._watched).as_metrics()
+        return context.MemorySample(
+            peak_allocated=peak_bytes,
+            parameters=state["parameters"],
+            gradients=state["gradients"],
+            optimizer=state["optimizer"],
+        )
+
+    def close(self) -> None:
+        """Close every sink (files, HTTP server)."""
+        for sink in self.sinks:
+            sink.close()
+
+
+def job_facts(
+    spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flops: float
+) -> stepstats.JobFacts:
+    """The :class:`~.stepstats.JobFacts` of a spec."""
+    par = spec.parallelism
+    config = model_mod.GPTConfig.from_shape(spec.model.shape())
+    peak_lr, min_lr = spec.training.learning_rates(par)
+    return stepstats.JobFacts(
+        stages=layout.pipeline,
+        micro_batches=par.micro_batches,
+        virtual_stages=par.virtual_stages if par.schedule == "interleaved-1f1b" else 1,
+        world_size=layout.world_size,
+        group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
+        flops_per_token=model_mod.flops_per_token(config),
+        peak_flops=peak_flops,
+        training_steps=spec.training.steps,
+        checkpoint_interval_steps=spec.checkpoint.interval_steps,
+        peak_learning_rate=peak_lr,
+        min_learning_rate=min_lr,
+        warmup_steps=spec.training.warmup_steps,
+        global_batch=spec.training.effective_global_batch(par),
+    )
+
+
+def make_recorder(
+    spec: Any,
+    layout: layout_mod.ParallelLayout,
+    rank: int,
+    log_dir: str | Path | None,
+    *,
+    local_rank: int | None = None,
+    device: Any = None,
+    serve: bool = True,
+    steps_log: bool = True,
+) -> TelemetryRecorder:
+    """The trainer's recorder: Prometheus exporter on ``$MESHTRAIN_METRICS_HOST:spec.metrics.port + local_rank``
+    (rank 0 also keeps and serves the /progress document), steps.jsonl (rank 0)
+    and the event trace under ``log_dir``.
+
+    ``serve=False`` skips the HTTP server; ``steps_log=False`` leaves steps.jsonl
+    to a caller that writes it itself from :attr:`TelemetryRecorder.steps`.
+    """
+    identity = context.RankIdentity.from_env(layout, rank, local_rank)
+    facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
+    sinks: list[context.Sink] = []
+    document = (
+        progress.Progress() if rank == 0 else None
+    )  # kept even when not served: the final copy
+    if document is not None:
+        sinks.append(document)
+    if serve:
+        sinks.append(
+            exporter.Exporter(
+                identity,
+                facts,
+                port=spec.metrics.port + identity.local_rank,
+                progress=document,
+                host=exporter.bind_host(),
+            )
+        )
+    if log_dir is not None:
+        sinks.append(
+            trace.TraceLog(
+                Path(log_dir), identity, facts, schedule=spec.parallelism.schedule, steps=steps_log
+            )
+        )
+    return TelemetryRecorder(identity, facts, sinks, device=device)
+
+
+__all__ = ["TelemetryRecorder", "job_facts", "make_recorder"]

@@ -1,0 +1,317 @@
+"""One training process: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`).
+
+Reads the spec (``--spec`` or ``$MESHTRAIN_SPEC_FILE``), applies
+``--set`` overrides, joins the process group from torchrun's environment
+(``WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT``), builds the
+mesh and the :class:`~meshtrain.trainer.engine.Engine`, and trains.  Rank 0
+appends one record per step to ``steps.jsonl`` in the log directory
+(``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
+
+Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
+directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.lossguard`;
+nothing saved, the last good checkpoint stays), 143 stopped by SIGTERM/SIGINT after saving
+(:mod:`.stopping`), 1 anything else (traceback on stderr), 17 injected fault
+(:mod:`.faults`).
+
+Checkpoints: at start the newest complete checkpoint under
+``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
+loaded and training continues from the step after it; one is saved every
+``checkpoint.intervalSteps``, at the end, and after the step at which the
+ranks agreed to stop on a signal (pod deletion: suspend, spec change, drain);
+with ``checkpoint.asyncSave`` a due save is written in the background and
+the run waits for it only at the next save, a stop or its end.  Each
+published checkpoint (and the one loaded) becomes ``last_checkpoint_step``
+of rank 0's ``/progress``.
+
+Final progress: when the run succeeds, global rank 0 writes its ``/progress``
+document to ``$MESHTRAIN_TERMINATION_LOG`` if that is set (the operator sets
+``/dev/termination-log``; :mod:`.telemetry.progress`).  A rank that exits
+with code 2, 3 or 4 writes ``{"exitCode": N, "message": ...}`` there instead:
+torchrun exits 1 for any failed worker, and this report is how the code's
+class reaches the operator.
+
+Not a launcher; it never starts other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.api import exitcodes, loading, rules
+from meshtrain.api import layout as layout_mod
+from meshtrain.api import spec as spec_mod
+from meshtrain.trainer import engine
+from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.data import batches
+from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
+from meshtrain.trainer.interop import hf
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.telemetry import progress, state_bytes, steplog
+from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
+
+CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m meshtrain.trainer", description="Run one meshtrain training rank."
+    )
+    parser.add_argument(
+        "--spec",
+        default=os.environ.get("MESHTRAIN_SPEC_FILE"),
+        help="TrainingJob YAML (default: $MESHTRAIN_SPEC_FILE)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=os.environ.get("MESHTRAIN_LOG_DIR"),
+        help="where rank 0 writes steps.jsonl (default: $MESHTRAIN_LOG_DIR; none: no log)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="override training.steps")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field, e.g. --set parallelism.microBatches=4 (repeatable)",
+    )
+    return parser
+
+
+def load_spec(
+    path: str | None, overrides: list[str], steps: int | None
+) -> spec_mod.TrainingJobSpec:
+    """The spec with overrides applied (raises SpecError)."""
+    if not path:
+        raise loading.SpecError(
+            [
+                rules.Problem(
+                    path="--spec", message="no spec file: pass --spec or set MESHTRAIN_SPEC_FILE"
+                )
+            ]
+        )
+    job = loading.load_spec_file(path)
+    extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
+    return loading.apply_overrides(job, extra) if extra else job
+
+
+def use_cuda() -> bool:
+    """GPU unless $MESHTRAIN_DEVICE=cpu or there is none for this local rank."""
+    wanted = os.environ.get("MESHTRAIN_DEVICE", "auto")
+    if wanted == "cpu":
+        return False
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.cuda.is_available() and torch.cuda.device_count() > local
+
+
+def step_record(
+    result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec
+) -> dict[str, Any]:
+    """The steps.jsonl record of one step."""
+    par = job.parallelism
+    record = {
+        "step": result.step,
+        "loss": result.loss,
+        "tokens": result.tokens,
+        "step_seconds": result.seconds,
+        "tokens_per_second": result.tokens_per_second,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "time": time.time(),
+        "layout": par.layout_string,
+        "global_batch": job.global_batch,
+        "bubble_ratio_theoretical": schedules.bubble_ratio(
+            par.pipeline, par.micro_batches, par.virtual_stages
+        ),
+    }
+    record.update(summary)  # the telemetry recorder's step record (docs/telemetry.md)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        job = load_spec(args.spec, args.overrides, args.steps)
+        batches.check_dataset(
+            job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
+        )
+        hf.check_spec(job)
+    except (loading.SpecError, hf.HFError) as err:
+        return _refuse(exitcodes.SPEC, err)
+    except batches.DatasetError as err:
+        return _refuse(exitcodes.DATA, err)
+    stop = (
+        stopping.StopRequest().install()
+    )  # before the slow start: a signal during it still stops cleanly
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = use_cuda()
+    device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
+    mesh_mod.init_process_group(use_cuda=cuda)
+    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
+    recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
+    try:
+        trainer = engine.Engine(job, mesh, recorder=recorder)
+        recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
+    except batches.DatasetError as err:
+        return _refuse(exitcodes.DATA, err)
+    saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
+    try:
+        restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
+    except store.CheckpointError as err:
+        return _refuse(exitcodes.CHECKPOINT, err)
+    if restored is not None:
+        recorder.checkpoint_saved(restored)
+    if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
+        recorder.learning_rates(saver.resumed.plan)
+    if rank == 0:
+        print(
+            state_bytes.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(),
+            file=sys.stderr,
+        )
+    log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    evaluation = job.training.eval
+    detector = straggler_detector(job, mesh.layout)
+    faults.slow_down(
+        trainer.model.chunks,
+        rank,
+        current_step=lambda: trainer.step + 1,
+        previous_compute=lambda: recorder.last.compute_seconds if recorder.last else None,
+        forwards_per_step=job.parallelism.micro_batches * len(trainer.model.chunks),
+    )
+    cpu_mark = time.process_time()
+    for step in range(trainer.step + 1, job.training.steps + 1):
+        faults.maybe_fail(rank, step)
+        try:
+            result = trainer.train_step(
+                stop_requested=stop.requested, share=_previous_compute(detector, recorder)
+            )
+        except loss_guard.LossGuardTripped as err:
+            return _guard_stop(step, err, saver, log)
+        verdict = None
+        if detector is not None:  # the shared times are of the step before this one
+            detector.observe(step - 1, result.shared)
+            verdict = detector.verdict(step)
+            recorder.stragglers(verdict)
+        due = evaluation.interval and (
+            step % evaluation.interval == 0 or step == job.training.steps
+        )
+        eval_loss = trainer.evaluate() if due else None
+        recorder.health(
+            step, eval_loss=eval_loss, skipped=result.skipped, noise_scale=result.noise_scale
+        )
+        if log is not None:
+            record = step_record(result, recorder.steps[-1], job)
+            if saver.resumed is not None and step == saver.resumed.plan.start + 1:
+                record["batch_change"] = saver.resumed.record | {"message": saver.resumed.message}
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
+            if result.skipped:
+                record["skipped"] = result.skipped
+            if verdict is not None:
+                record["slowdowns"] = verdict.slowdowns
+                record["stragglers"] = [f.rank for f in verdict.flagged]
+            # rank 0's CPU seconds (all its threads) since the previous record: calibration's loop cost
+            record["cpu_seconds"], cpu_mark = time.process_time() - cpu_mark, time.process_time()
+            log.write(record)
+        saver.after_step(step)
+        for published in saver.published():  # COMPLETE and renamed: /progress may report it
+            recorder.checkpoint_saved(published)
+        if result.stop and step < job.training.steps:
+            return _stop_after(step, saver, recorder, log, stop)
+    saver.wait()  # the last save, if it is still being written
+    for published in saver.published():
+        recorder.checkpoint_saved(published)
+    if log is not None:
+        log.close()
+    dist.barrier()
+    if recorder.progress is not None:  # global rank 0: the final progress for the operator
+        progress.write_termination_log(recorder.progress.document())
+    dist.destroy_process_group()
+    return 0
+
+
+def straggler_detector(
+    job: spec_mod.TrainingJobSpec, layout: layout_mod.ParallelLayout
+) -> stragglers.Detector | None:
+    """The detector of ``runPolicy.stragglerPolicy``; None when it is ignored or no rank has a peer."""
+    policy = job.run_policy.straggler_policy
+    if policy.action == "ignore" or layout.data < 2:
+        return None
+    return stragglers.Detector(layout, policy.threshold, policy.window)
+
+
+def _previous_compute(
+    detector: stragglers.Detector | None, recorder: TelemetryRecorder
+) -> float | None:
+    """This rank's compute seconds of its last finished step, for the detector (0: none yet)."""
+    if detector is None:
+        return None
+    return recorder.last.compute_seconds if recorder.last is not None else 0.0
+
+
+def _refuse(code: int, err: Exception) -> int:
+    """Exit with a permanent ``code``: the message on stderr and, for the operator, in the termination log."""
+    print(err, file=sys.stderr)
+    progress.write_failure(code, str(err))
+    return code
+
+
+def _guard_stop(
+    step: int,
+    err: loss_guard.LossGuardTripped,
+    saver: checkpointer.Checkpointer,
+    log: steplog.StepLog | None,
+) -> int:
+    """The loss guard gave up at ``step``: save nothing and leave, naming the last good checkpoint.
+
+    Checkpoints taken while updates were skipped are not good ones; pruning
+    kept the last good one however many of them came after it.
+    """
+    saver.wait()  # a save in flight holds an accepted state: let it finish
+    if log is not None:
+        log.close()
+    kept = f"step {saver.last_good}" if saver.last_good is not None else "none written yet"
+    if saver.last_saved is not None and saver.last_saved != saver.last_good:
+        kept += (
+            f" (the newer ones, up to step {saver.last_saved}, were taken while updates were "
+            "skipped; remove them to resume from it)"
+        )
+    message = f"stopped at step {step}: {err}; last good checkpoint: {kept}"
+    print(message, file=sys.stderr)  # every rank: whichever pod fails first carries the reason
+    progress.write_failure(exitcodes.LOSS_GUARD, message)
+    dist.destroy_process_group()
+    return exitcodes.LOSS_GUARD
+
+
+def _stop_after(
+    step: int,
+    saver: checkpointer.Checkpointer,
+    recorder: TelemetryRecorder,
+    log: steplog.StepLog | None,
+    stop: stopping.StopRequest,
+) -> int:
+    """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave."""
+    saver.wait()  # a save in flight (perhaps of this very step) is published first
+    for published in saver.published():
+        recorder.checkpoint_saved(published)
+    if saver.last_saved != step:
+        saver.save()
+        recorder.checkpoint_saved(step)
+    if log is not None:
+        log.close()
+    if dist.get_rank() == 0:
+        reason = stop.signal_name or "a signal on another rank"
+        print(
+            f"stopped after step {step} ({reason}); checkpoint of step {step} saved, a new run resumes from it",
+            file=sys.stderr,
+        )
+    dist.destroy_process_group()
+    return exitcodes.STOPPED
