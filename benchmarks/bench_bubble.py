@@ -62,7 +62,6 @@ def worker(p: int, steps: int, out_dir: str) -> None:
     """One rank: every (schedule, m) for this p, telemetry on, saved-activation bytes counted."""
     import torch  # noqa: PLC0415 - the parent never needs torch
 
-    from meshtrain.api import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
@@ -84,7 +83,7 @@ def worker(p: int, steps: int, out_dir: str) -> None:
     for schedule, v in SCHEDULES:
         for m in MICRO_BATCHES:
             job = loading.parse_spec(spec_for(p, schedule, v, m, steps))
-            layout = layout_mod.from_spec(job.parallelism)
+            layout = job.parallelism.layout
             mesh = mesh_mod.build_mesh(layout, torch.device("cpu"))
             log_dir = Path(out_dir) / f"{schedule}-p{p}-m{m}"
             rec = make_recorder(job, layout, rank, log_dir, serve=False)

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, state, store
@@ -56,9 +55,7 @@ def _engine(model: dict, dp: int, stage: int, steps: int, interval: int) -> engi
             "checkpoint": {"intervalSteps": interval, "keep": 2, "asyncSave": False},
         }
     )
-    return engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    return engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
 
 
 def _dir_bytes(path: Path) -> int:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -63,9 +62,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     rows, mesh = [], None
     for compression in MODES:
         job = loading.parse_spec(_raw(world, steps, compression))
-        mesh = mesh or mesh_mod.build_mesh(
-            layout_mod.from_spec(job.parallelism), torch.device("cpu")
-        )
+        mesh = mesh or mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         recorder = recording.MemoryRecorder()
         eng = engine.Engine(job, mesh, recorder=recorder)
         losses = [eng.train_step().loss for _ in range(steps)]

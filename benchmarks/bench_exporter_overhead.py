@@ -65,7 +65,6 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     """One rank: train STEPS steps, alternating telemetry; rank 0 writes the step times."""
     import torch  # noqa: PLC0415 - the parent process never needs torch
 
-    from meshtrain.api import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
@@ -75,7 +74,7 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     job = loading.load_spec_file(spec_path)
-    layout = layout_mod.from_spec(job.parallelism)
+    layout = job.parallelism.layout
     mesh_mod.init_process_group(use_cuda=False)
     mesh = mesh_mod.build_mesh(layout, torch.device("cpu"))
     rec = make_recorder(job, layout, rank, log_dir)
@@ -171,7 +170,6 @@ def run_layout(parallelism: dict, work: Path) -> dict:
 
 def recorder_cost(repeats: int = 300) -> float:
     """CPU seconds per step of the telemetry recorder on a 1f1b p=2 m=8 step with 4 buckets (no training)."""
-    from meshtrain.api import layout as layout_mod  # noqa: PLC0415
     from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer.parallel import schedules  # noqa: PLC0415
     from meshtrain.trainer.telemetry.recorder import make_recorder  # noqa: PLC0415
@@ -185,7 +183,7 @@ def recorder_cost(repeats: int = 300) -> float:
         }
     )
     with tempfile.TemporaryDirectory() as tmp:
-        rec = make_recorder(job, layout_mod.from_spec(job.parallelism), 0, tmp)
+        rec = make_recorder(job, job.parallelism.layout, 0, tmp)
         actions = schedules.actions("1f1b", 2, 8, 0)
         started = time.process_time()
         for step in range(1, repeats + 1):

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     job = loading.parse_spec({"resources": {"gpusPerNode": 1}})
-    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
     engines = {p: _engine(p, args.micro_batch, args.steps, mesh) for p in PRESETS}
     for eng in engines.values():
         for _ in range(WARMUP):

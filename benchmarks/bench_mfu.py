@@ -55,7 +55,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.planner import admission, memory, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
@@ -160,7 +159,7 @@ def run_preset(
     world = dist.get_world_size()
     profiled_steps = args.steps if args.profile else 0
     job = _spec(preset, args, micro_batch, world, device.type, profiled_steps)
-    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
     own = recording.MemoryRecorder()  # fed CUDA-event seconds by the engine's DeferredRecorder
     trainer = engine.Engine(job, mesh, recorder=own)
     for _ in range(WARMUP):

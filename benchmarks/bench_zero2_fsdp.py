@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_zero3, machine, ranks
-from meshtrain.api import layout as layout_mod
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import zero3
@@ -64,7 +63,7 @@ def _rank(
     recorder = recording.MemoryRecorder()
     eng = engine.Engine(
         job,
-        mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu")),
+        mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")),
         recorder=recorder,
     )
     eng.train_step()

@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.planner import memory, profiles
@@ -58,9 +57,7 @@ def _rank(
 ) -> None:
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(world, stage, micro_batches, steps)
-    eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     eng.train_step()
     tracker = live_bytes.LiveBytes()
     tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))

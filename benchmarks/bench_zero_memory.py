@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
@@ -56,9 +55,7 @@ def _rank(
 ) -> None:
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(preset, world, stage, seq_len)
-    eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     state.init_optimizer_state(
         eng.optimizer
     )  # AdamW's moments exist from the start (as the worker does)

@@ -4,14 +4,16 @@
 another degree ``d`` the gradient accumulation is changed to ``G / (microBatch x d)`` so the
 optimizer sees the same batch; where that does not divide, the nearest whole accumulation is
 used and the changed batch (and learning rate: ``training.lrScaling``, under ``none`` the batch
-ratio) is stated.  Pure: no I/O.
+ratio) is stated.  The rule that the smallest degree keeps the batch is stated here, where the
+sizes are.  Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.api.spec import ElasticStatus, TrainingJobSpec
+from meshtrain.api.spec import TrainingJobSpec, base
+from meshtrain.api.spec.status import ElasticStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,15 +30,9 @@ class Size:
 def _runnable(spec: TrainingJobSpec, data: int) -> bool:
     """Whether a gang of ``data`` replicas fills whole pods and keeps the axis rules."""
     par = spec.parallelism
-    if (data * par.pipeline * par.tensor) % spec.resources.gpus_per_node:
+    if not dataclasses.replace(par.layout, data=data).fills_pods(spec.resources.gpus_per_node):
         return False
     return par.gradient_compression.mode == "none" or data >= 2
-
-
-def _accumulation_step(spec: TrainingJobSpec) -> int:
-    """microBatches must be a multiple of this (interleaved-1f1b runs micro-batches in rounds of p)."""
-    par = spec.parallelism
-    return par.pipeline if par.schedule == "interleaved-1f1b" else 1
 
 
 def size_at(spec: TrainingJobSpec, data: int) -> Size | None:
@@ -45,7 +41,7 @@ def size_at(spec: TrainingJobSpec, data: int) -> Size | None:
         return None
     declared = spec.global_batch
     per_replica = spec.training.micro_batch * data
-    step = _accumulation_step(spec)
+    step = spec.parallelism.micro_batch_round
     if declared % (per_replica * step) == 0:
         micro_batches = declared // per_replica
     else:
@@ -130,3 +126,36 @@ def running_spec(spec: TrainingJobSpec, status: ElasticStatus | None) -> Trainin
         return spec
     size = size_at(spec, status.data)
     return spec if size is None else resized(spec, size)
+
+
+def _min_keeps_batch(spec: TrainingJobSpec) -> str | None:
+    bounds = spec.run_policy.elastic
+    if bounds is None:
+        return None
+    smallest = size_at(spec, bounds.min_data)
+    if smallest is None or not smallest.keeps_global_batch:
+        par = spec.parallelism
+        step = " x pipeline" if par.schedule == "interleaved-1f1b" else ""
+        return (
+            f"elastic.minData={bounds.min_data} cannot keep the global batch {spec.global_batch}: it must be "
+            f"divisible by microBatch={spec.training.micro_batch} x minData{step}, minData x pipeline x tensor a "
+            f"multiple of gpusPerNode={spec.resources.gpus_per_node} (and minData >= 2 with gradientCompression): "
+            f"pick a minData that divides microBatches x data = {par.micro_batches * par.data}"
+        )
+    return None
+
+
+MIN_KEEPS_BATCH: base.Rule[TrainingJobSpec] = base.Rule(
+    "elastic-min-keeps-batch",
+    "spec.runPolicy.elastic.minData",
+    "!has(self.runPolicy.elastic) || ("
+    "(self.runPolicy.elastic.minData * self.parallelism.pipeline * self.parallelism.tensor) "
+    "% self.resources.gpusPerNode == 0 && "
+    "(self.parallelism.microBatches * self.parallelism.data) % (self.runPolicy.elastic.minData * "
+    "(self.parallelism.schedule == 'interleaved-1f1b' ? self.parallelism.pipeline : 1)) == 0 && "
+    "(self.parallelism.gradientCompression.mode == 'none' || self.runPolicy.elastic.minData >= 2))",
+    "runPolicy.elastic.minData must keep the global batch (divide microBatches x data) and fill whole pods "
+    "(minData x pipeline x tensor a multiple of gpusPerNode)",
+    _min_keeps_batch,
+)
+"""``runPolicy.elastic.minData`` is a size the job can run at with its declared global batch."""

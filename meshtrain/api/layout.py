@@ -13,7 +13,6 @@ consecutive local ranks of one pod.  Pure: no process groups, no torch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +112,22 @@ class ParallelLayout:
             inter += [list(peers) for peers in zip(*blocks)]
         return intra, inter
 
+    def tensor_fits_pod(self, gpus_per_node: int) -> bool:
+        """Whether every tensor-parallel group lies inside one pod of ``gpus_per_node`` ranks.
+
+        A group is a block of ``tensor`` consecutive ranks, so it does exactly when
+        ``tensor`` divides ``gpus_per_node``.
+        """
+        return gpus_per_node % self.tensor == 0
+
+    def fills_pods(self, gpus_per_node: int) -> bool:
+        """Whether the ranks fill whole pods of ``gpus_per_node`` (the world size is a multiple of it)."""
+        return self.world_size % gpus_per_node == 0
+
+    def pods(self, gpus_per_node: int) -> int:
+        """Pods in the gang, one per node slot of ``gpus_per_node`` ranks."""
+        return self.world_size // gpus_per_node
+
     def pod_of(self, rank: int, gpus_per_node: int) -> int:
         """Pod (node slot) index holding a rank: pod i holds [i*g, (i+1)*g)."""
         return rank // gpus_per_node
@@ -124,22 +139,6 @@ class ParallelLayout:
     def stages_of_pod(self, pod: int, gpus_per_node: int) -> list[int]:
         """Pipeline stages a pod's ranks belong to (sorted, distinct)."""
         return sorted({self.coords(r).pp for r in self.ranks_of_pod(pod, gpus_per_node)})
-
-
-class _Degrees(Protocol):
-    @property
-    def data(self) -> int: ...
-    @property
-    def pipeline(self) -> int: ...
-    @property
-    def tensor(self) -> int: ...
-
-
-def from_spec(parallelism: _Degrees) -> ParallelLayout:
-    """The layout of a spec's ``parallelism`` section."""
-    return ParallelLayout(
-        data=parallelism.data, pipeline=parallelism.pipeline, tensor=parallelism.tensor
-    )
 
 
 VOCAB_ALIGNMENT = 64

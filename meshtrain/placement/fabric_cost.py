@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshtrain.api import layout
 from meshtrain.placement import topology, values
 
 Edge = tuple[int, int, float]
@@ -33,9 +32,7 @@ Edge = tuple[int, int, float]
 
 def pod_traffic(request: values.PlacementRequest) -> list[Edge]:
     """Bytes per step between every pair of pods that talk, in pod order."""
-    grid = layout.ParallelLayout(
-        data=request.data, pipeline=request.pipeline, tensor=request.tensor
-    )
+    grid = request.layout
     per_node = request.gpus_per_node
     pairs: dict[tuple[int, int], float] = {}
 

@@ -10,7 +10,10 @@ spec model (see :mod:`meshtrain.planner.placement_request` for that bridge).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
+
+from meshtrain.api import layout as layout_mod
 
 INSUFFICIENT_GPUS = "InsufficientGPUs"
 """Reason: the eligible nodes do not have enough free GPUs for the whole gang."""
@@ -65,7 +68,13 @@ class FabricLevel:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementRequest:
-    """What one gang needs: its pods, their layout and their traffic per step."""
+    """What one gang needs: its pods, their layout and their traffic per step.
+
+    Built from a job (:func:`meshtrain.planner.placement_request.request_from_spec`), the spec's
+    rules already hold that the degrees fill whole pods and keep a tensor-parallel group in one;
+    the request checks it again with the same predicates of :class:`~meshtrain.api.layout.ParallelLayout`
+    because benchmarks and tests build requests by hand.
+    """
 
     gpus_per_node: int
     """GPUs per pod; a pod runs ranks ``[i*gpus_per_node, (i+1)*gpus_per_node)``."""
@@ -74,7 +83,7 @@ class PlacementRequest:
     pipeline: int
     """Pipeline-parallel degree (stages)."""
     tensor: int
-    """Tensor-parallel degree; must divide ``gpus_per_node`` (a TP group stays in one pod)."""
+    """Tensor-parallel degree."""
     dp_bytes_per_step: float = 0.0
     """Bytes one rank sends to its data-parallel ring successor per optimizer step."""
     pp_bytes_per_step: float = 0.0
@@ -87,15 +96,15 @@ class PlacementRequest:
     """Labels a node must carry to host a pod of this job."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus_per_node", "data", "pipeline", "tensor"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.gpus_per_node % self.tensor:
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        grid = self.layout  # refuses a degree below 1
+        if not grid.tensor_fits_pod(self.gpus_per_node):
             raise ValueError(
                 f"tensor={self.tensor} must divide gpus_per_node={self.gpus_per_node}: "
                 "a tensor-parallel group must stay inside one pod"
             )
-        if self.world_size % self.gpus_per_node:
+        if not grid.fills_pods(self.gpus_per_node):
             raise ValueError(
                 f"world size {self.world_size} (data x pipeline x tensor) is not a multiple "
                 f"of gpus_per_node={self.gpus_per_node}"
@@ -103,15 +112,20 @@ class PlacementRequest:
         if self.dp_bytes_per_step < 0 or self.pp_bytes_per_step < 0:
             raise ValueError("bytes per step must be >= 0")
 
+    @functools.cached_property
+    def layout(self) -> layout_mod.ParallelLayout:
+        """The rank arithmetic of the degrees (cached: the request is frozen)."""
+        return layout_mod.ParallelLayout(data=self.data, pipeline=self.pipeline, tensor=self.tensor)
+
     @property
     def world_size(self) -> int:
         """Ranks in the job: data x pipeline x tensor."""
-        return self.data * self.pipeline * self.tensor
+        return self.layout.world_size
 
     @property
     def pods(self) -> int:
         """Pods in the gang, one per node slot of ``gpus_per_node`` GPUs."""
-        return self.world_size // self.gpus_per_node
+        return self.layout.pods(self.gpus_per_node)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,7 @@ import dataclasses
 import math
 
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
 from meshtrain.planner import dp_compression, memory
 
 NORM_BYTES = 8
@@ -130,7 +131,7 @@ class StageComm:
 
 
 def chunk_param_shapes(
-    shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
+    shape: api_model.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
 ) -> list[tuple[int, ...]]:
     """Shapes of one model chunk's parameters in registration order (after TP sharding).
 
@@ -155,7 +156,7 @@ def chunk_param_shapes(
 
 
 def chunk_param_sizes(
-    shape: api_spec.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
+    shape: api_model.ModelShape, tensor: int, layers: int, *, first: bool, last: bool
 ) -> list[int]:
     """Element counts of :func:`chunk_param_shapes`."""
     return [math.prod(s) for s in chunk_param_shapes(shape, tensor, layers, first=first, last=last)]
@@ -197,7 +198,7 @@ def dp_ranks_per_node(job: api_spec.TrainingJobSpec) -> int:
 
 
 def zero3_collectives(
-    shape: api_spec.ModelShape,
+    shape: api_model.ModelShape,
     tensor: int,
     data: int,
     micro_batches: int,

@@ -42,6 +42,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
 from meshtrain.planner import (
     comm,
     cpu_host,
@@ -80,7 +81,7 @@ def bubble_ratio(pipeline: int, micro_batches: int, virtual_stages: int = 1) -> 
 
 
 def rank_flops_per_microbatch(
-    shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
+    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
 ) -> float:
     """Training FLOPs of one micro-batch on one rank of ``stage``: (6 N_rank + 12 l s h / t) x tokens.
 
@@ -99,7 +100,7 @@ def rank_flops_per_microbatch(
 
 
 def rank_forward_flops_per_microbatch(
-    shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
+    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
 ) -> float:
     """The part of :func:`rank_flops_per_microbatch` that runs in forward.
 
@@ -119,7 +120,7 @@ def rank_forward_flops_per_microbatch(
 
 
 def recompute_flops_per_microbatch(
-    shape: api_spec.ModelShape, pipeline: int, tensor: int, micro_batch: int
+    shape: api_model.ModelShape, pipeline: int, tensor: int, micro_batch: int
 ) -> float:
     """Extra FLOPs of activation checkpointing: one more forward of the stage's blocks, (2 N_blocks + 4 l s h / t) x tokens.
 
@@ -134,7 +135,7 @@ def recompute_flops_per_microbatch(
 
 
 def rank_ops_per_microbatch(
-    shape: api_spec.ModelShape, pipeline: int, stage: int, recompute: bool, loss_chunks: int = 1
+    shape: api_model.ModelShape, pipeline: int, stage: int, recompute: bool, loss_chunks: int = 1
 ) -> tuple[int, int]:
     """Tensor operations (forward, backward) of one micro-batch on one rank of ``stage``.
 
@@ -257,7 +258,7 @@ class TimePlan:
         return self.model_flops / denominator if denominator > 0 else 0.0
 
 
-def model_flops_per_token(shape: api_spec.ModelShape) -> float:
+def model_flops_per_token(shape: api_model.ModelShape) -> float:
     """``6 N + 12 L s h`` with ``N`` the non-embedding parameters (the trainer's MFU numerator)."""
     tied_head = shape.vocab * shape.hidden if shape.tie_embeddings else 0  # still a matmul
     n = memory.total_params(shape) - memory.embedding_params(shape) + tied_head

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import parallelism as api_parallelism
 
 CAST_BYTES = 2
 INT8_SCALE_BYTES = 4
@@ -31,7 +31,7 @@ INDEX_BYTES = 4
 
 
 def dp_collectives(
-    compression: api_spec.GradientCompression,
+    compression: api_parallelism.GradientCompression,
     buckets: list[list[tuple[int, ...]]],
     dp: int,
     grad_bytes: int,
@@ -72,7 +72,7 @@ INT64_BYTES = 8
 
 
 def memory_bytes(
-    compression: api_spec.GradientCompression,
+    compression: api_parallelism.GradientCompression,
     params: int,
     matrices: list[tuple[int, int]],
     bucket: float,

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 from meshtrain.api import layout
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
+from meshtrain.api.spec import parallelism as api_parallelism
 from meshtrain.planner import dp_compression, profiles
 
 
@@ -94,12 +96,12 @@ def scheme_for(precision: str, recipe: str = "meshtrain") -> StateScheme:
 # --------------------------------------------------------------------------- parameters
 
 
-def norm_params(shape: api_spec.ModelShape) -> int:
+def norm_params(shape: api_model.ModelShape) -> int:
     """Parameters of one norm: LayerNorm weight and bias (gpt), RMSNorm weight (llama)."""
     return shape.hidden if shape.family == "llama" else 2 * shape.hidden
 
 
-def block_matrices(shape: api_spec.ModelShape) -> list[int]:
+def block_matrices(shape: api_model.ModelShape) -> list[int]:
     """Dense sizes of one block's matrices in registration order: QKV, attention proj, MLP in, MLP out.
 
     gpt: QKV 3h^2 and a GELU MLP (f h twice); llama: grouped-query QKV
@@ -112,12 +114,12 @@ def block_matrices(shape: api_spec.ModelShape) -> list[int]:
     return [3 * h * h, h * h, f * h, h * f]
 
 
-def kv_heads_per_rank(shape: api_spec.ModelShape, tensor: int) -> int:
+def kv_heads_per_rank(shape: api_model.ModelShape, tensor: int) -> int:
     """Key/value heads a tensor rank holds: its share, or one (replicated) when there are fewer heads than ranks."""
     return max(shape.key_value_heads // tensor, 1)
 
 
-def local_block_matrices(shape: api_spec.ModelShape, tensor: int) -> list[int]:
+def local_block_matrices(shape: api_model.ModelShape, tensor: int) -> list[int]:
     """:func:`block_matrices` on one tensor-parallel rank.
 
     Each is split over ``tensor`` ranks, except that a Llama QKV keeps one
@@ -131,7 +133,7 @@ def local_block_matrices(shape: api_spec.ModelShape, tensor: int) -> list[int]:
     return [n // tensor for n in block_matrices(shape)]
 
 
-def layer_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
+def layer_params(shape: api_model.ModelShape, tensor: int = 1) -> int:
     """Parameters of one block on one tensor-parallel rank.
 
     Two norms (replicated) plus the block's matrices (:func:`block_matrices`),
@@ -140,29 +142,29 @@ def layer_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
     return 2 * norm_params(shape) + sum(local_block_matrices(shape, tensor))
 
 
-def vocab_rows(shape: api_spec.ModelShape, tensor: int) -> int:
+def vocab_rows(shape: api_model.ModelShape, tensor: int) -> int:
     """Rows of the token table (and the head) on one tensor rank: the padded vocabulary's share."""
     return layout.padded_vocab(shape.vocab, tensor) // tensor
 
 
-def embedding_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
+def embedding_params(shape: api_model.ModelShape, tensor: int = 1) -> int:
     """Token table (split along the vocabulary) plus the replicated position table (gpt only)."""
     positions = 0 if shape.family == "llama" else shape.seq_len * shape.hidden
     return vocab_rows(shape, tensor) * shape.hidden + positions
 
 
-def head_params(shape: api_spec.ModelShape, tensor: int = 1) -> int:
+def head_params(shape: api_model.ModelShape, tensor: int = 1) -> int:
     """Final norm (replicated) plus the LM head (split along the vocabulary; none when tied to the embedding)."""
     head = 0 if shape.tie_embeddings else vocab_rows(shape, tensor) * shape.hidden
     return norm_params(shape) + head
 
 
-def total_params(shape: api_spec.ModelShape) -> int:
+def total_params(shape: api_model.ModelShape) -> int:
     """Parameters of the whole model: L blocks + embeddings + final norm and head."""
     return shape.layers * layer_params(shape) + embedding_params(shape) + head_params(shape)
 
 
-def rank_params(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int) -> int:
+def rank_params(shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int) -> int:
     """Parameters held by one rank of pipeline ``stage`` (0-based): its layers' TP shard.
 
     Layers split evenly over stages (interleaving changes which layers a rank
@@ -182,7 +184,7 @@ def rank_params(shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: i
 
 
 def rank_matrices(
-    shape: api_spec.ModelShape, pipeline: int, tensor: int, stage: int
+    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int
 ) -> list[tuple[int, int]]:
     """(rows, columns) of the 2-D parameters one rank of ``stage`` holds (as :func:`rank_params` counts them)."""
     h = shape.hidden
@@ -243,7 +245,7 @@ NORM_STATISTICS = {"gpt": 2, "llama": 1}
 
 
 def layer_activation_bytes(
-    shape: api_spec.ModelShape,
+    shape: api_model.ModelShape,
     micro_batch: int,
     tensor: int,
     scheme: StateScheme,
@@ -311,7 +313,7 @@ def layer_activation_bytes(
 
 
 def checkpointed_layer_bytes(
-    shape: api_spec.ModelShape,
+    shape: api_model.ModelShape,
     micro_batch: int,
     tensor: int,
     scheme: StateScheme,
@@ -331,20 +333,20 @@ LOSS_CHUNK_BYTES = 256 * 2**20
 """fp32 logits of one chunk of the trainer's fused loss (``meshtrain.trainer.parallel.loss.CHUNK_BYTES``)."""
 
 
-def loss_chunk_tokens(shape: api_spec.ModelShape, micro_batch: int, tensor: int) -> int:
+def loss_chunk_tokens(shape: api_model.ModelShape, micro_batch: int, tensor: int) -> int:
     """Tokens per chunk of the trainer's fused loss: one chunk's fp32 logits within :data:`LOSS_CHUNK_BYTES`."""
     return min(
         shape.seq_len * micro_batch, max(1, LOSS_CHUNK_BYTES // (4 * vocab_rows(shape, tensor)))
     )
 
 
-def loss_chunks(shape: api_spec.ModelShape, micro_batch: int, tensor: int) -> int:
+def loss_chunks(shape: api_model.ModelShape, micro_batch: int, tensor: int) -> int:
     """Chunks the fused loss walks per micro-batch."""
     return -(-shape.seq_len * micro_batch // loss_chunk_tokens(shape, micro_batch, tensor))
 
 
 def head_activation_bytes(
-    shape: api_spec.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme
+    shape: api_model.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme
 ) -> float:
     """Activation bytes of the last stage's final norm, head and loss per micro-batch.
 
@@ -366,7 +368,7 @@ def head_activation_bytes(
 
 
 def weight_cast_bytes(
-    shape: api_spec.ModelShape,
+    shape: api_model.ModelShape,
     tensor: int,
     layers: int,
     flight: float,
@@ -442,7 +444,7 @@ MOMENT_BYTES = 4
 """Adam moments are fp32 in every recipe."""
 
 
-def largest_param(shape: api_spec.ModelShape, tensor: int, *, first: bool, last: bool) -> int:
+def largest_param(shape: api_model.ModelShape, tensor: int, *, first: bool, last: bool) -> int:
     """Elements of the largest parameter tensor of a stage (a bucket overshoots by at most one)."""
     sizes = local_block_matrices(shape, tensor)
     if first or last:
@@ -451,7 +453,7 @@ def largest_param(shape: api_spec.ModelShape, tensor: int, *, first: bool, last:
 
 
 def working_buffers(
-    params: int, largest: int, par: api_spec.Parallelism, scheme: StateScheme
+    params: int, largest: int, par: api_parallelism.Parallelism, scheme: StateScheme
 ) -> tuple[float, float]:
     """(backward's transient buffers, the optimizer step's temporaries) of one rank, in bytes.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, profiles
 
@@ -115,7 +114,7 @@ def group_links(
     ``pod_domains[i]`` names the NVLink domain of pod ``i`` (its node, or its
     clique); without it every pod is its own domain (one node per pod).
     """
-    grid = layout_mod.from_spec(job.parallelism)
+    grid = job.parallelism.layout
     per_node = job.resources.gpus_per_node
     domains = (
         list(pod_domains) if pod_domains is not None else [f"pod-{i}" for i in range(job.pods)]

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
@@ -67,7 +66,7 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
     results, meshes = {}, {}
     for case_id, raw in cases:
         job = loading.parse_spec(raw)
-        layout = layout_mod.from_spec(job.parallelism)
+        layout = job.parallelism.layout
         if layout not in meshes:  # group creation is slow on a busy machine: one mesh per layout
             meshes[layout] = mesh_mod.build_mesh(layout, torch.device("cpu"))
         mesh = meshes[layout]
@@ -213,7 +212,7 @@ def evaluate_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, list[
     dist.recv = dist.send = blocking  # type: ignore[assignment]  # a spawned worker's own module
     for case_id, raw in cases:
         job = loading.parse_spec(raw)
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         losses = [eng.evaluate()]
         for _ in range(steps):

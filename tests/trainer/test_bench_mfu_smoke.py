@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.api import spec as spec_mod
+from meshtrain.api.spec import model as api_model
 from meshtrain.trainer.models import gpt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def _bench(tmp_path: Path, launcher: list[str], *options: str) -> dict:
 def test_bench_mfu_runs_on_cpu_and_reports_mfu_by_its_formula(tmp_path):
     """Throughput comes from the bare steps; the profiled ones only check the timings."""
     row = _bench(tmp_path, [sys.executable], "--steps", "2", "--profile")
-    config = gpt.GPTConfig.from_shape(spec_mod.ModelSpec(preset="tiny").shape())
+    config = gpt.GPTConfig.from_shape(api_model.ModelSpec(preset="tiny").shape())
     assert row["flops_per_token"] == gpt.flops_per_token(config)
     assert row["tokens_per_second"] > 0 and row["peak_flops"] > 0
     assert row["mfu"] == pytest.approx(

@@ -17,7 +17,6 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.compile_worker.subproc_pool import SubprocPool
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation
@@ -32,7 +31,7 @@ def compiled_and_eager(layout: dict) -> dict[str, list[tuple[float, float]] | bo
     for name, flag in (("eager", False), ("compiled", True)):
         raw = mt_harness.make_spec(**layout, steps=STEPS, compile=flag)
         job = loading.parse_spec(raw)
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         with mt_harness.no_silent_eager():
             out[name] = [(r.loss, r.grad_norm) for r in (eng.train_step() for _ in range(STEPS))]

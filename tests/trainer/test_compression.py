@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.sandbox.controlplane import ports
 from meshtrain.trainer import engine
@@ -189,7 +188,7 @@ def test_a_skipped_non_finite_step_leaves_no_nan_in_the_error_feedback(mode: str
 def exported_compression(mode: dict) -> dict:
     """On every rank: train 2 steps of a dp2 job with ``mode``, exporter attached; metric values and the truth."""
     job = loading.parse_spec(mt_harness.make_spec(data=2, steps=2, gradient_compression=mode))
-    layout = layout_mod.from_spec(job.parallelism)
+    layout = job.parallelism.layout
     rank = dist.get_rank()
     identity = context.RankIdentity.from_env(layout, rank, rank)
     facts = telemetry.job_facts(job, layout, rank, 1.0)

@@ -19,7 +19,6 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
@@ -59,7 +58,7 @@ def run_cases(steps: int) -> dict:
         raw = mt_harness.make_spec(**layout, bucket_mb=0.05, steps=steps)  # several buckets
         raw["parallelism"]["zeroStage"] = zero_stage
         job = loading.parse_spec(raw)
-        shape = layout_mod.from_spec(job.parallelism)
+        shape = job.parallelism.layout
         if shape not in meshes:
             meshes[shape] = mesh_mod.build_mesh(shape, torch.device("cpu"))
         for clock in ("host", "device"):

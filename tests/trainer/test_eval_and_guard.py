@@ -29,7 +29,6 @@ import pytest
 import torch
 
 from meshtrain.api import exitcodes, loading
-from meshtrain.api import layout as layout_mod
 from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.guards import loss_guard
@@ -66,9 +65,7 @@ def test_validation_loss_is_the_same_on_every_layout():
 def _poisoned_run() -> dict:
     raw = mt_harness.make_spec(lossGuard={"maxConsecutiveSkips": 3})
     job = loading.parse_spec(raw)
-    eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     first = eng.train_step()
     params = dict(eng.model.named_params)
     with torch.no_grad():
@@ -89,9 +86,7 @@ def _streak_checkpoints(root: str) -> dict:
     raw = mt_harness.make_spec(steps=20, lossGuard={"maxConsecutiveSkips": 5})
     raw["checkpoint"] = {"intervalSteps": 1, "keep": 2, "asyncSave": False}
     job = loading.parse_spec(raw)
-    eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     saver = checkpointer.Checkpointer(eng, root=root)
     on_disk = []
 
@@ -146,9 +141,7 @@ def _one_nan_step_with_int8_compression() -> list[str]:
         data=2, gradient_compression={"mode": "int8"}, lossGuard={"maxConsecutiveSkips": 3}
     )
     job = loading.parse_spec(raw)
-    eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     verdicts = [eng.train_step().skipped]
     weight = dict(eng.model.named_params)["tok_emb.weight"]
     good = weight.detach().clone()

@@ -21,7 +21,6 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -77,9 +76,7 @@ def timelines() -> dict:
     for case, layout in CASES.items():
         raw = mt_harness.make_spec(data=2, bucket_mb=0.01, steps=1, **layout)
         job = loading.parse_spec(raw)
-        mesh = mesh or mesh_mod.build_mesh(
-            layout_mod.from_spec(job.parallelism), torch.device("cpu")
-        )
+        mesh = mesh or mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         watch = _Watch()
         eng = engine.Engine(job, mesh, recorder=watch)
         released = []
@@ -136,9 +133,7 @@ def exchanged(overlap: bool) -> dict:
     for case, layout in NUMBER_CASES.items():
         raw = mt_harness.make_spec(data=2, bucket_mb=0.01, steps=2, **layout)
         job = loading.parse_spec(raw)
-        mesh = mesh or mesh_mod.build_mesh(
-            layout_mod.from_spec(job.parallelism), torch.device("cpu")
-        )
+        mesh = mesh or mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         torch.manual_seed(0)
         eng = engine.Engine(job, mesh, recorder=recording.MemoryRecorder())
         reducer = eng.model.reducer

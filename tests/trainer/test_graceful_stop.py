@@ -14,7 +14,6 @@ import pytest
 import torch
 import yaml
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import store
@@ -28,9 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 def agreement_case(raw: dict, asking_rank: int, ask_at: int) -> list[bool]:
     """Only ``asking_rank`` asks to stop, from step ``ask_at`` on; returns what every step said on this rank."""
     job = loading.parse_spec(raw)
-    trainer = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    trainer = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     rank = torch.distributed.get_rank()
     return [
         trainer.train_step(stop_requested=rank == asking_rank and step >= ask_at).stop

@@ -27,9 +27,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api.spec import model as api_model
 from meshtrain.cli import main
 from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer
@@ -43,7 +42,7 @@ LLAMA = {**mt_harness.LLAMA_TINY, "ropeTheta": 500000.0}
 
 
 def _config(model: dict) -> gpt.GPTConfig:
-    return gpt.GPTConfig.from_shape(spec_mod.ModelSpec.model_validate(model).shape())
+    return gpt.GPTConfig.from_shape(api_model.ModelSpec.model_validate(model).shape())
 
 
 def _llama_style_fields(config: gpt.GPTConfig) -> dict[str, Any]:
@@ -161,9 +160,7 @@ def test_every_layout_starts_from_the_directory(tmp_path):
 
 def _train_and_save(raw: dict, root: str) -> dict:
     job = loading.parse_spec(raw)
-    eng = engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     for _ in range(3):
         eng.train_step()
     checkpointer.Checkpointer(eng, root=root).save()

@@ -16,7 +16,6 @@ from pathlib import Path
 import mt_harness
 import torch
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -65,7 +64,7 @@ def count_step_syncs(cases: dict[str, dict]) -> dict[str, list[str]]:
     out = {}
     for case, layout in cases.items():
         job = loading.parse_spec(mt_harness.make_spec(**layout, steps=3))
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         eng.train_step()
         drawn = eng.sampler.next()

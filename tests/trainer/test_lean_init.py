@@ -6,7 +6,6 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.models import gpt
@@ -26,7 +25,7 @@ def built_names_case(raw: dict) -> dict:
     try:
         job = loading.parse_spec(raw)
         trainer = engine.Engine(
-            job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+            job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         )
     finally:
         gpt.initial_value = original

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.data import batches
@@ -27,7 +26,7 @@ def first_step_noise(cases: dict[str, dict]) -> dict[str, tuple]:
     out = {}
     for case, layout in cases.items():
         job = loading.parse_spec(mt_harness.make_spec(**layout, steps=2))
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         result = eng.train_step()
         if eng.noise is None:

@@ -28,7 +28,6 @@ import test_chunked_loss
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
@@ -72,7 +71,7 @@ def _job(precision: str = "fp32", compiled: bool = False):
 
 def _engine(job, device_kind: str) -> engine.Engine:
     device = mesh_mod.device_for(0, use_cuda=device_kind == "cuda")  # a world of one
-    return engine.Engine(job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device))
+    return engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, device))
 
 
 def train(device_kind: str, runs: tuple[tuple[str, bool], ...]) -> dict:

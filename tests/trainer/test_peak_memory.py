@@ -29,7 +29,6 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, profiles
@@ -71,7 +70,7 @@ def block_activations(cases: list[tuple]) -> list[int]:
     out = []
     for case in cases:
         job = _block_job(case)
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         chunk = eng.model.chunks[0]
         block = next(iter(chunk.blocks.values()))
@@ -127,7 +126,7 @@ def peaks(layout: dict, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
     out = {}
     for stage in stages:
         job = loading.parse_spec(_raw(layout, stage))
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         tracker = live_bytes.LiveBytes()
         tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
@@ -226,7 +225,7 @@ def _autocast_raw(case: str) -> dict:
 def bf16_peak(case: str) -> tuple[int, int]:
     """This rank's pipeline stage and the peak live bytes of its second bf16 step."""
     job = loading.parse_spec(_autocast_raw(case))
-    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
     eng = engine.Engine(job, mesh)
     assert eng.precision == "bf16"
     tracker = live_bytes.LiveBytes()

@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -35,7 +34,7 @@ def posting_order(schedule: str, virtual: int) -> dict:
         pipeline=2, schedule=schedule, virtual=virtual, micro_batches=4, steps=1
     )
     job = loading.parse_spec(raw)
-    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
     recorder = recording.MemoryRecorder()
     eng = engine.Engine(job, mesh, recorder=recorder)
     batches: list[tuple[float, list[str]]] = []  # when each batch was issued, and its ops

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, profiles
@@ -144,7 +143,7 @@ def _worker(spec_json: str, out_dir: str) -> None:
 
     job = loading.parse_spec(json.loads(spec_json), "worker")
     mesh_mod.init_process_group(use_cuda=False)
-    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
     recorder = recording.MemoryRecorder()
     trainer = engine.Engine(job, mesh, recorder=recorder)
     for _ in range(STEPS):

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer
@@ -27,9 +26,7 @@ STEPS, SAVE_AT = 5, 3
 
 def _engine(raw: dict) -> engine.Engine:
     job = loading.parse_spec(raw)
-    return engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    return engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
 
 
 def dense_params(eng: engine.Engine) -> dict[str, torch.Tensor]:

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
@@ -20,9 +19,7 @@ STEPS, SAVE_AT = 5, 2
 
 def _engine(raw: dict) -> engine.Engine:
     job = loading.parse_spec(raw)
-    return engine.Engine(
-        job, mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
-    )
+    return engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
 
 
 def resume_case(raw: dict, root: str) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.telemetry import live_bytes
 
@@ -23,7 +23,7 @@ PARTS = [("attention",), ("mlp",), ("attention", "mlp")]
 
 def _config(family: str) -> gpt.GPTConfig:
     raw = mt_harness.LLAMA_TINY if family == "llama" else mt_harness.TINY
-    return gpt.GPTConfig.from_shape(api_spec.ModelSpec.model_validate(raw).shape())
+    return gpt.GPTConfig.from_shape(api_model.ModelSpec.model_validate(raw).shape())
 
 
 def _train_once(family: str, parts: tuple[str, ...]) -> tuple[float, dict[str, torch.Tensor], int]:

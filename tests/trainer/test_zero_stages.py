@@ -11,7 +11,6 @@ import mt_harness
 import pytest
 import torch
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -29,7 +28,7 @@ def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
         raw = mt_harness.make_spec(**layout, steps=steps)
         raw["parallelism"]["zeroStage"] = stage
         job = loading.parse_spec(raw)
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         losses = [eng.train_step().loss for _ in range(steps)]
         report = state_bytes.measure(eng.model, eng.optimizer, eng.model.reducer)
@@ -79,7 +78,7 @@ def zero_collectives() -> dict[int, dict]:
         )  # several buckets of ~13k elements
         raw["parallelism"]["zeroStage"] = stage
         job = loading.parse_spec(raw)
-        mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), torch.device("cpu"))
+        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         recorder = recording.MemoryRecorder()
         eng = engine.Engine(job, mesh, recorder=recorder)
         for _ in range(2):

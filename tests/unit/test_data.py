@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.api import loading, spec
+from meshtrain.api import loading
+from meshtrain.api.spec import training as api_training
 from meshtrain.trainer.data import batches as data
 from meshtrain.trainer.data import token_files
 
@@ -32,7 +33,7 @@ def test_corpus_is_cached(corpus):
 
 
 def _training(**fields):
-    return spec.Training.model_validate(fields)
+    return api_training.Training.model_validate(fields)
 
 
 def test_missing_token_file_names_path_and_field(tmp_path):

@@ -8,13 +8,14 @@ import pytest
 import torch
 import transformers
 
-from meshtrain.api import loading, spec
+from meshtrain.api import loading
+from meshtrain.api.spec import model as api_model
 from meshtrain.planner import memory
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.models import gpt, llama
 
 
-def _hf_count(shape: spec.ModelShape) -> int:
+def _hf_count(shape: api_model.ModelShape) -> int:
     config = transformers.LlamaConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
@@ -40,7 +41,7 @@ def _hf_count(shape: spec.ModelShape) -> int:
     ids=["8b", "70b", "tiny", "tiny-tied"],
 )
 def test_parameter_count_equals_transformers(model):
-    shape = spec.ModelSpec.model_validate(model).shape()
+    shape = api_model.ModelSpec.model_validate(model).shape()
     expected = _hf_count(shape)
     config = gpt.GPTConfig.from_shape(shape)
     assert gpt.dense_param_count(config) == expected
@@ -51,7 +52,7 @@ def test_parameter_count_equals_transformers(model):
 
 
 def test_llama3_8b_is_eight_billion_and_tp8_splits_kv_heads():
-    shape = spec.ModelSpec(preset="llama3-8b").shape()
+    shape = api_model.ModelSpec(preset="llama3-8b").shape()
     assert 8.0e9 < memory.total_params(shape) < 8.1e9
     job = loading.parse_spec(
         {
@@ -78,7 +79,7 @@ def test_kv_heads_and_tensor_that_do_not_divide_one_another_are_refused_naming_t
 
 def test_tied_embeddings_share_one_parameter_after_meta_materialisation():
     config = gpt.GPTConfig.from_shape(
-        spec.ModelSpec(preset="llama-tiny", tieEmbeddings=True).shape()
+        api_model.ModelSpec(preset="llama-tiny", tieEmbeddings=True).shape()
     )
     with torch.device("meta"):
         model = llama.build(config, seed=3)
@@ -135,7 +136,7 @@ LLAMA_3_2_1B_CONFIG = {
 def test_llama3_2_1b_preset_is_metas_published_model(tmp_path):
     """The preset passes the fromHF shape check against Meta's config.json, and counts its parameters."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B_CONFIG))
-    shape = spec.ModelSpec(preset="llama3.2-1b").shape()
+    shape = api_model.ModelSpec(preset="llama3.2-1b").shape()
     config = gpt.GPTConfig.from_shape(shape)
     hf.check_config(tmp_path, config)  # raises naming the first field that differs
     with torch.device("meta"):

@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import status as api_status
 from meshtrain.cli import main
 from meshtrain.operator import command
 from meshtrain.operator.cluster import informer
@@ -133,7 +133,7 @@ def test_validation_loss_and_skipped_updates_reach_the_status():
         "skippedUpdates": 2,
         "updatedAt": "t",
     }
-    status = api_spec.TrainingJobStatus.model_validate(progress_status.status_changes(report))
+    status = api_status.TrainingJobStatus.model_validate(progress_status.status_changes(report))
     assert (status.progress.eval_loss, status.progress.skipped_updates) == (2.75, 2)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
 from meshtrain.planner import comm, cost, memory, network, profiles
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
@@ -26,8 +27,8 @@ def job(**parallelism) -> api_spec.TrainingJobSpec:
 
 
 SHAPES = [
-    api_spec.ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq_len=64, ffn_hidden=256),
-    api_spec.ModelShape(layers=6, hidden=48, heads=6, vocab=96, seq_len=32, ffn_hidden=80),
+    api_model.ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq_len=64, ffn_hidden=256),
+    api_model.ModelShape(layers=6, hidden=48, heads=6, vocab=96, seq_len=32, ffn_hidden=80),
 ]
 
 
@@ -91,7 +92,7 @@ def test_activations_follow_korthikanti_without_dropout() -> None:
     (2 s b h elements, whole) where Megatron-LM keeps its shard and gathers
     again in backward: ``4 + 28/t`` instead of the paper's ``32/t``.
     """
-    shape = api_spec.ModelShape(
+    shape = api_model.ModelShape(
         layers=1, hidden=1024, heads=16, vocab=256, seq_len=2048, ffn_hidden=4096
     )
     s, b, h, a = 2048, 2, 1024, 16
@@ -146,7 +147,7 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> No
 
 
 def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None:
-    shape = api_spec.ModelShape(
+    shape = api_model.ModelShape(
         layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096
     )
     training = cost.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
@@ -155,7 +156,7 @@ def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None
 
 def test_checkpointed_blocks_save_only_their_inputs() -> None:
     """What autograd keeps from a forward of checkpointed blocks is exactly the planner's kept bytes."""
-    shape = api_spec.ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=128)
+    shape = api_model.ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=128)
     model = gpt.GPT(gpt.GPTConfig.from_shape(shape), recompute_blocks=True)
     model.tok_emb = model.pos_emb = model.norm = model.head = (
         None  # a middle pipeline stage: hidden in, hidden out
@@ -178,7 +179,7 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "odd-ffn"])
-def test_parameter_count_matches_the_trainer_model(shape: api_spec.ModelShape) -> None:
+def test_parameter_count_matches_the_trainer_model(shape: api_model.ModelShape) -> None:
     model = gpt.GPT(gpt.GPTConfig.from_shape(shape))
     assert memory.total_params(shape) == sum(p.numel() for p in model.parameters())
     assert memory.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
@@ -196,7 +197,7 @@ STAGE_SHAPES = {
 def test_rank_params_and_registration_order_match_the_sharded_stages(
     p: int, t: int, v: int, model: str
 ) -> None:
-    shape = api_spec.ModelShape(
+    shape = api_model.ModelShape(
         layers=8, hidden=32, heads=4, vocab=64, seq_len=16, ffn_hidden=96, **STAGE_SHAPES[model]
     )
     for stage in range(p):

@@ -9,7 +9,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from meshtrain.api import spec
+from meshtrain.api.spec import training as api_training
 from meshtrain.cli import main
 from meshtrain.trainer.data import batches, prepare
 
@@ -59,7 +59,8 @@ def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, cap
     meta = json.loads((tmp_path / "tokens.bin.json").read_text())
     assert meta["dtype"] == "uint16" and meta["tokens"] == len(expected)
     assert meta["vocab"] == tokenizer.get_vocab_size()
-    training = spec.Training(dataset=str(out))  # the file trains: every id checked, metadata agrees
+    # the file trains: every id checked, metadata agrees
+    training = api_training.Training(dataset=str(out))
     files = batches.open_dataset(training, vocab=512, seq_len=4)
     assert len(files[0].tokens) == len(expected)
 
@@ -98,7 +99,7 @@ def test_uint16_output_for_a_vocabulary_above_65535_is_refused(tmp_path, capsys)
     assert np.fromfile(tmp_path / "t32.bin", dtype="<u4").tolist() == [1, 69_999, 5]
     with pytest.raises(batches.DatasetError, match="set spec.training.tokenDtype: uint32"):
         batches.open_dataset(
-            spec.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1
+            api_training.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1
         )
 
 
@@ -209,7 +210,7 @@ def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused
     prepare.prepare(
         [tmp_path / "a.txt"], tmp_path / "gpt2.json", tmp_path / "b.bin", progress=False
     )
-    mixture = spec.Training.model_validate(
+    mixture = api_training.Training.model_validate(
         {"datasets": [{"path": str(tmp_path / "a.bin")}, {"path": str(tmp_path / "b.bin")}]}
     )
     with pytest.raises(
@@ -224,11 +225,11 @@ def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused
     model_dir.mkdir()
     config = {"bos_token_id": peer.bos_token_id, "eos_token_id": peer.eos_token_id}
     (model_dir / "config.json").write_text(json.dumps(config))
-    one = spec.Training(dataset=str(tmp_path / "a.bin"))
+    one = api_training.Training(dataset=str(tmp_path / "a.bin"))
     batches.check_dataset(
         one, vocab=512, from_hf=str(model_dir)
     )  # the model's own tokenizer: accepted
-    other = spec.Training(dataset=str(tmp_path / "b.bin"))
+    other = api_training.Training(dataset=str(tmp_path / "b.bin"))
     want = rf"b.bin.json: eos_id={gpt2.token_to_id('<|endoftext|>')} but .*config.json eos_token_id"
     with pytest.raises(batches.DatasetError, match=want):
         batches.check_dataset(other, vocab=512, from_hf=str(model_dir))

@@ -68,7 +68,7 @@ def pipeline(tmp_path, monkeypatch):
             "metrics": {"port": base, "peakFlops": 1e12},
         }
     )
-    layout = layout_mod.from_spec(job.parallelism)
+    layout = job.parallelism.layout
     recorders = [make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)]
     events, seconds = telemetry_feed.simulate_step(
         "1f1b", 2, 4, fwd=0.01, bwd=0.02, buckets=3, bucket_seconds=0.002
@@ -268,7 +268,7 @@ def test_exporters_bind_the_configured_host(monkeypatch):
             "metrics": {"port": base, "peakFlops": 1e12},
         }
     )
-    rec = make_recorder(job, layout_mod.from_spec(job.parallelism), 0, None, local_rank=0)
+    rec = make_recorder(job, job.parallelism.layout, 0, None, local_rank=0)
     try:
         assert get(f"http://127.0.0.2:{base}/healthz")[0] == 200
         with pytest.raises(urllib.error.URLError):  # not on every interface

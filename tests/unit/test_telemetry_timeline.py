@@ -7,7 +7,6 @@ import json
 import matplotlib.image
 import pytest
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
 from meshtrain.cli import main
 from meshtrain.trainer.telemetry import steplog, timeline, trace
@@ -31,7 +30,7 @@ def run(tmp_path, schedule: str, p: int, m: int, v: int = 1, dp: int = 1, steps:
             "metrics": {"peakFlops": 1e12},
         }
     )
-    layout = layout_mod.from_spec(job.parallelism)
+    layout = job.parallelism.layout
     recorders = [
         make_recorder(job, layout, r, tmp_path, serve=False) for r in range(layout.world_size)
     ]

@@ -14,13 +14,13 @@ import os
 import numpy as np
 import pytest
 
-from meshtrain.api import spec
+from meshtrain.api.spec import training as api_training
 from meshtrain.trainer.data import batches, token_files, vocab_scan
 
 
 def _open(path, vocab, dtype="uint16"):
     return batches.open_dataset(
-        spec.Training(dataset=str(path), tokenDtype=dtype), vocab=vocab, seq_len=8
+        api_training.Training(dataset=str(path), tokenDtype=dtype), vocab=vocab, seq_len=8
     )
 
 
@@ -42,7 +42,7 @@ def test_uint32_tokens_read_as_uint16_are_refused_naming_the_field_and_the_fix(
     assert len(_open(path, model_vocab, "uint32")[0].tokens) == 5000  # read as what it is: fine
     as_uint16 = np.fromfile(path, dtype="<u2")
     assert as_uint16.max() < 65_536 and (offset or as_uint16.max() < vocab)  # nothing out of range
-    training = spec.Training(dataset=str(path), tokenDtype="uint16")
+    training = api_training.Training(dataset=str(path), tokenDtype="uint16")
     with pytest.raises(batches.DatasetError) as err:  # before any process starts
         batches.check_dataset(training, vocab=min(model_vocab, 65_536))
     message = str(err.value)

@@ -40,6 +40,7 @@ import tqdm
 
 from meshtrain.api import exitcodes, loading
 from meshtrain.api import spec as spec_mod
+from meshtrain.api.spec import checkpoint as api_checkpoint
 from meshtrain.trainer.data import batches
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.telemetry import steplog
@@ -69,7 +70,7 @@ def checkpoint_dir(job: spec_mod.TrainingJobSpec, log_dir: Path) -> Path:
     So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
     local runs never share the pod default ``/checkpoints``.
     """
-    pod_default = spec_mod.Checkpoint.model_fields["path"].default
+    pod_default = api_checkpoint.Checkpoint.model_fields["path"].default
     return (
         Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
     )

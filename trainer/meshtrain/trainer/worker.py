@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = use_cuda()
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
     mesh_mod.init_process_group(use_cuda=cuda)
-    mesh = mesh_mod.build_mesh(layout_mod.from_spec(job.parallelism), device)
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)

@@ -21,13 +21,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from meshtrain import placement
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import run_policy as api_run_policy
+from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import conditions
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Metadata label naming a job's queue (Kueue's convention); jobs without it have an empty ``queue``."""
 JOB_LABELS = ("namespace", "trainingjob")
-FINAL_PHASES = frozenset({api_spec.Phase.SUCCEEDED.value, api_spec.Phase.FAILED.value})
+FINAL_PHASES = frozenset({api_status.Phase.SUCCEEDED.value, api_status.Phase.FAILED.value})
 
 prometheus_client.disable_created_metrics()  # *_created series only add noise to every counter
 
@@ -131,7 +132,7 @@ def observe_job(
     status = body.get("status") or {}
     spec = body.get("spec") or {}
     key = (metadata.get("namespace", ""), metadata.get("name", ""))
-    phase = status.get("phase") or api_spec.Phase.PENDING.value
+    phase = status.get("phase") or api_status.Phase.PENDING.value
     since = None
     if unschedulable:
         since = _unix((placed_condition or {}).get("lastTransitionTime")) or time.time()
@@ -142,7 +143,7 @@ def observe_job(
         restarts=int(status.get("restarts") or 0),
         backoff_limit=int(
             (spec.get("runPolicy") or {}).get(
-                "backoffLimit", api_spec.RunPolicy.model_fields["backoff_limit"].default
+                "backoffLimit", api_run_policy.RunPolicy.model_fields["backoff_limit"].default
             )
         ),
         unschedulable_since=since,
@@ -157,7 +158,7 @@ def observe_job(
         for direction in RESIZE_DIRECTIONS:
             ELASTIC_RESIZES.labels(namespace=key[0], trainingjob=key[1], direction=direction)
     uid = _jobs[key].uid
-    if phase != api_spec.Phase.RUNNING.value or uid in _reached_running:
+    if phase != api_status.Phase.RUNNING.value or uid in _reached_running:
         return
     _reached_running.add(uid)
     created = _unix(metadata.get("creationTimestamp"))
@@ -214,7 +215,7 @@ class _JobCollector(Collector):
             "meshtrain_operator_jobs", "TrainingJobs by phase and queue.", labels=["phase", "queue"]
         )
         for queue in queues:
-            for phase in api_spec.Phase:
+            for phase in api_status.Phase:
                 jobs.add_metric([phase.value, queue], by_phase.get((phase.value, queue), 0))
         yield jobs
         waiting = GaugeMetricFamily(
@@ -272,7 +273,7 @@ class _JobCollector(Collector):
             if view.data_degree is not None:
                 degree.add_metric(key, view.data_degree[0])
                 declared.add_metric(key, view.data_degree[1])
-            for phase in api_spec.Phase:
+            for phase in api_status.Phase:
                 phase_of.add_metric([*key, phase.value], 1.0 if view.phase == phase.value else 0.0)
             restarts.add_metric(key, view.restarts)
             generation.add_metric(key, view.generation)

@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from meshtrain.api import layout
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import pod as api_pod
 from meshtrain.operator.policy import identity, naming
 
 SHUTDOWN_MARGIN_SECONDS = 5
@@ -66,11 +66,7 @@ def _metadata(
 
 def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
     """Pipeline stages of the ranks pod ``index`` runs: ``"2"`` or ``"0-1"``."""
-    grid = layout.ParallelLayout(
-        data=spec.parallelism.data,
-        pipeline=spec.parallelism.pipeline,
-        tensor=spec.parallelism.tensor,
-    )
+    grid = spec.parallelism.layout
     per_pod = spec.resources.gpus_per_node
     stages = [grid.coords(rank).pp for rank in range(index * per_pod, (index + 1) * per_pod)]
     low, high = min(stages), max(stages)
@@ -321,7 +317,7 @@ def build_pod(
 
 
 def _apply_pod_settings(
-    settings: api_spec.PodSettings,
+    settings: api_pod.PodSettings,
     metadata: dict[str, Any],
     container: dict[str, Any],
     pod_spec: dict[str, Any],

@@ -8,9 +8,10 @@ from typing import Any
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import identity, resizing
 
-Phase = api_spec.Phase
+Phase = api_status.Phase
 FINAL = (Phase.SUCCEEDED.value, Phase.FAILED.value)
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshtrain.api import release, rules
+from meshtrain.api import release
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import metrics as api_metrics
 
 GROUP = api_spec.API_GROUP
 API_VERSION = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
@@ -42,7 +43,7 @@ CONTAINER = "trainer"
 # operator runs without --trainer-image (the chart always passes one).
 DEFAULT_TRAINER_IMAGE = f"ghcr.io/meshtrain/trainer:{release.VERSION}"
 """Name of the trainer container."""
-MASTER_PORT = rules.RENDEZVOUS_PORT
+MASTER_PORT = api_metrics.RENDEZVOUS_PORT
 """torchrun rendezvous port on the rank-0 pod."""
 SPEC_DIR = "/etc/meshtrain"
 SPEC_FILE = f"{SPEC_DIR}/job.yaml"

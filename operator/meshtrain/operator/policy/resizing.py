@@ -22,6 +22,7 @@ import pydantic
 
 from meshtrain.api import elastic, rules
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import conditions, queueing
 
 GROW_CHECK_SECONDS = 10.0
@@ -46,13 +47,13 @@ class Grow:
     """Larger allowed sizes, largest first."""
 
 
-def recorded(status: Mapping[str, Any]) -> api_spec.ElasticStatus | None:
+def recorded(status: Mapping[str, Any]) -> api_status.ElasticStatus | None:
     """``status.elastic`` as written by :func:`placed_fields` (None when absent or unreadable)."""
     raw = status.get("elastic")
     if not raw:
         return None
     try:
-        return api_spec.ElasticStatus.model_validate(raw)
+        return api_status.ElasticStatus.model_validate(raw)
     except pydantic.ValidationError:
         return None
 
@@ -289,7 +290,7 @@ def growing(
             conds, type_, conditions.FALSE, conditions.ELASTIC_GROWING, message, now
         )
     fields = {
-        "phase": api_spec.Phase.RESTARTING.value,
+        "phase": api_status.Phase.RESTARTING.value,
         "placement": [],
         "straggler": None,
         "specHash": None,

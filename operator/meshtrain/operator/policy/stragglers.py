@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import run_policy as api_run_policy
+from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import conditions
 
 REASON = "Straggler"
@@ -222,7 +224,7 @@ def _report(
 
 
 def react(
-    policy: api_spec.StragglerPolicy,
+    policy: api_run_policy.StragglerPolicy,
     status: Mapping[str, Any],
     conds: Sequence[dict[str, Any]],
     now: datetime.datetime,
@@ -302,7 +304,7 @@ def react(
         for where, item in slow.items()
     ]
     changes = {
-        "phase": api_spec.Phase.RESTARTING.value,
+        "phase": api_status.Phase.RESTARTING.value,
         "placement": [],
         "straggler": None,
         "excludedNodes": [*(status.get("excludedNodes") or []), *entries],

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import cost, cpu_host, memory, profiles
 from meshtrain.trainer import launch
@@ -425,7 +424,7 @@ def measure(
     budget: float,
 ) -> Measurement:
     """Run ``processes`` processes of ``threads`` threads, as the job would, and measure."""
-    grid = layout_mod.from_spec(job.parallelism)
+    grid = job.parallelism.layout
     groups = {
         axis: grid.all_groups(axis)
         for axis in ("dp", "tp", "pp")

@@ -17,7 +17,7 @@ import math
 import statistics
 from typing import Any
 
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import training as api_training
 
 
 class LossGuardTripped(RuntimeError):
@@ -49,7 +49,7 @@ class LossGuard:
         """Skips in a row, up to the current step."""
 
     @classmethod
-    def from_spec(cls, guard: api_spec.LossGuard) -> LossGuard:
+    def from_spec(cls, guard: api_training.LossGuard) -> LossGuard:
         return cls(
             spike_factor=guard.spike_factor,
             window=guard.window,

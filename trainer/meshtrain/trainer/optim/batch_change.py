@@ -16,7 +16,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import parallelism as api_parallelism
+from meshtrain.api.spec import training as api_training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Resumed:
 
 
 def saved_record(
-    training: api_spec.Training, par: api_spec.Parallelism, plan: LrPlan, step: int
+    training: api_training.Training, par: api_parallelism.Parallelism, plan: LrPlan, step: int
 ) -> dict[str, Any]:
     """What a checkpoint taken after ``step`` keeps of the batch and the learning-rate multiplier."""
     batch = training.effective_global_batch(par)
@@ -65,8 +66,8 @@ def saved_record(
 
 
 def on_resume(
-    training: api_spec.Training,
-    par: api_spec.Parallelism,
+    training: api_training.Training,
+    par: api_parallelism.Parallelism,
     saved: Mapping[str, Any] | None,
     step: int,
 ) -> Resumed | None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.api import layout as layout_mod
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import parallelism as api_parallelism
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.optim import optimizer
 from meshtrain.trainer.parallel import compression as compression_mod
@@ -120,7 +120,7 @@ def parallelize(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     wire_dtype: torch.dtype | None = None,
     zero_stage: int = 0,
-    compression: api_spec.GradientCompression | None = None,
+    compression: api_parallelism.GradientCompression | None = None,
     all_reduce: str = "flat",
     gpus_per_node: int = 1,
 ) -> ParallelModel:

@@ -21,9 +21,9 @@ import dataclasses
 import typing
 from typing import Literal
 
-from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import parallelism as api_parallelism
 
-SCHEDULES: tuple[str, ...] = typing.get_args(api_spec.Schedule)
+SCHEDULES: tuple[str, ...] = typing.get_args(api_parallelism.Schedule)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,110 @@
+"""The TrainingJob spec: one typed model shared by the operator, the trainer and the CLI.
+
+This package is the single source of truth for what a TrainingJob may say.  Here is the spec
+itself (:class:`TrainingJobSpec`, the API's names); each section is a module beside it holding
+its models and the rules on it alone (:mod:`~meshtrain.api.spec.parallelism`, ``model``,
+``training``, ``checkpoint``, ``resources``, ``pod``, ``topology``, ``run_policy``, ``metrics``,
+``trainer``), the rules that read several sections are :mod:`~meshtrain.api.spec.cross_section`,
+and the status is :mod:`~meshtrain.api.spec.status`.  :mod:`meshtrain.api.rules` gathers every
+rule, :mod:`meshtrain.api.crd` generates the CRD from the models and the rules, and
+:mod:`meshtrain.api.loading` reads and validates a job.
+
+Attributes are snake_case in Python and camelCase in YAML (``micro_batches`` is
+``microBatches``).  The models are frozen: derive a changed spec with
+:func:`meshtrain.api.loading.apply_overrides` or ``model_copy(update=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from meshtrain.api.spec import base
+from meshtrain.api.spec.checkpoint import Checkpoint
+from meshtrain.api.spec.metrics import Metrics
+from meshtrain.api.spec.model import ModelSpec
+from meshtrain.api.spec.parallelism import Parallelism
+from meshtrain.api.spec.pod import PodSettings
+from meshtrain.api.spec.resources import Resources
+from meshtrain.api.spec.run_policy import RunPolicy
+from meshtrain.api.spec.topology import Topology
+from meshtrain.api.spec.trainer import TrainerProgram
+from meshtrain.api.spec.training import Training
+
+API_GROUP = "meshtrain.io"
+API_VERSION = "v1alpha1"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+SHORT_NAME = "tj"
+
+
+class TrainingJobSpec(base.SpecModel):
+    """The spec of a TrainingJob."""
+
+    image: str = Field(
+        "",
+        description="Trainer image; it must contain the meshtrain package. Empty: the cluster's "
+        "default trainer image (the operator's --trainer-image, set by the Helm chart).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the trainer image."
+    )
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism, description="Data x pipeline x tensor layout and schedule."
+    )
+    resources: Resources = Field(
+        default_factory=Resources, description="Per-pod GPUs and other resources."
+    )
+    model: ModelSpec = Field(
+        default_factory=lambda: ModelSpec(preset="tiny"), description="GPT decoder shape."
+    )
+    training: Training = Field(
+        default_factory=Training, description="Batch, steps, schedule, precision and data."
+    )
+    checkpoint: Checkpoint = Field(
+        default_factory=Checkpoint, description="Checkpoint location and frequency."
+    )
+    topology: Topology = Field(
+        default_factory=Topology, description="NVLink domain and fabric labels."
+    )
+    run_policy: RunPolicy = Field(
+        default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend."
+    )
+    metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter settings.")
+    trainer: TrainerProgram = Field(
+        default_factory=TrainerProgram,
+        description="The program the pods run: the built-in trainer, or a custom PyTorch program.",
+    )
+    pod: PodSettings = Field(
+        default_factory=PodSettings,
+        description="Pod settings: env, image pull secrets, ServiceAccount, priority, labels, annotations.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job."""
+        return self.parallelism.world_size
+
+    @property
+    def pods(self) -> int:
+        """Pods in the gang: one per node slot of gpusPerNode ranks."""
+        return self.parallelism.layout.pods(self.resources.gpus_per_node)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.training.effective_global_batch(self.parallelism)
+
+
+def to_manifest(name: str, spec: TrainingJobSpec, namespace: str | None = None) -> dict[str, Any]:
+    """A TrainingJob object for the API server (defaults included, nulls dropped)."""
+    metadata: dict[str, Any] = {"name": name}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    }

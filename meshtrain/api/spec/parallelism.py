@@ -1,0 +1,169 @@
+"""``spec.parallelism``: how a job is split (data x pipeline x tensor), how each axis runs, and the
+rules on the section alone.  The rank arithmetic is :class:`~meshtrain.api.layout.ParallelLayout`,
+which :attr:`Parallelism.layout` hands to placement, the planner and the trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from meshtrain.api import layout as layout_mod
+from meshtrain.api.spec import base
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+
+
+class GradientCompression(base.SpecModel):
+    """How data-parallel gradients are compressed on the wire (error feedback for int8, topk, powersgd)."""
+
+    mode: Literal["none", "bf16", "fp16", "int8", "topk", "powersgd"] = Field(
+        "none",
+        description="none (fp32 all-reduce), bf16/fp16 (16-bit all-reduce), int8 (per-rank scale, all-gathered, "
+        "summed in fp32), topk (largest elements with error feedback), powersgd (rank-r approximation of each gradient matrix with error feedback).",
+    )
+    rank: int = Field(4, ge=1, description="powersgd: rank of each matrix's approximation.")
+    topk_ratio: float = Field(
+        0.01, gt=0, le=1, description="topk: share of each bucket's elements a rank sends per step."
+    )
+    warm_start: bool = Field(
+        True, description="powersgd: start each step's power iteration from the previous step's Q."
+    )
+
+
+class Parallelism(base.SpecModel):
+    """How the job is split: data x pipeline x tensor, and how each axis runs."""
+
+    data: int = Field(
+        1, ge=1, description="Data-parallel degree: model replicas that split the global batch."
+    )
+    pipeline: int = Field(
+        1,
+        ge=1,
+        description="Pipeline-parallel degree: number of pipeline stages (layers split across them).",
+    )
+    tensor: int = Field(1, ge=1, description="Tensor-parallel degree: GPUs that split every layer.")
+    schedule: Schedule = Field(
+        "1f1b",
+        description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one backward, bounded activation memory), interleaved-1f1b (virtual stages, smaller bubble).",
+    )
+    virtual_stages: int = Field(
+        1, ge=1, description="Model chunks per pipeline rank for interleaved-1f1b."
+    )
+    micro_batches: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step per data-parallel replica (gradient accumulation and pipeline depth).",
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0,
+        description="ZeRO sharding across the data-parallel group: 0 none, 1 optimizer state and master weights, "
+        "2 also gradients, 3 also parameters (FSDP2, gathered one block at a time).",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="Shard layer-norm and dropout activations along the sequence inside the tensor-parallel group.",
+    )
+    bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.",
+    )
+    all_reduce: Literal["flat", "hierarchical"] = Field(
+        "flat",
+        description="Data-parallel gradient all-reduce: flat (one all-reduce over the group) or hierarchical "
+        "(reduce-scatter inside each node, all-reduce of the shard across nodes, all-gather inside the node).",
+    )
+    gradient_compression: GradientCompression = Field(
+        default_factory=GradientCompression,
+        description="Compression of the data-parallel gradient reduction.",
+    )
+
+    @property
+    def layout(self) -> layout_mod.ParallelLayout:
+        """The rank arithmetic of these degrees, the one layout placement, planner and trainer use.
+
+        Built on each read (three integers): a cached value would survive
+        ``model_copy(update=...)``, which copies the instance dict, and go stale.
+        """
+        return layout_mod.ParallelLayout(data=self.data, pipeline=self.pipeline, tensor=self.tensor)
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job: data x pipeline x tensor."""
+        return self.layout.world_size
+
+    @property
+    def layout_string(self) -> str:
+        """Human layout such as ``dp2·pp4·tp8`` (printer column, logs)."""
+        return str(self.layout)
+
+    @property
+    def micro_batch_round(self) -> int:
+        """``microBatches`` is a multiple of this: interleaved-1f1b runs micro-batches in rounds of
+        ``pipeline``; the other schedules take any number."""
+        return self.pipeline if self.schedule == "interleaved-1f1b" else 1
+
+
+def _virtual_stages_need_interleaving(p: Parallelism) -> str | None:
+    if p.schedule == "interleaved-1f1b" and (p.virtual_stages < 2 or p.pipeline < 2):
+        return (
+            f"interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2 (got pipeline={p.pipeline}, "
+            f"virtualStages={p.virtual_stages}); use 1f1b otherwise"
+        )
+    if p.schedule != "interleaved-1f1b" and p.virtual_stages != 1:
+        return f"virtualStages={p.virtual_stages} only applies to schedule interleaved-1f1b (schedule is {p.schedule})"
+    return None
+
+
+def _interleaved_micro_batches(p: Parallelism) -> str | None:
+    if p.micro_batches % p.micro_batch_round:
+        return (
+            f"interleaved-1f1b runs micro-batches in rounds of pipeline={p.pipeline}: microBatches={p.micro_batches} "
+            f"must be a multiple of it"
+        )
+    return None
+
+
+def _compression_needs_data_parallel(p: Parallelism) -> str | None:
+    mode = p.gradient_compression.mode
+    if mode != "none" and p.data < 2:
+        return (
+            f"gradientCompression.mode={mode} with data={p.data}: there is no data-parallel reduction "
+            "to compress: set data >= 2 or mode none"
+        )
+    if mode != "none" and p.zero_stage >= 2:
+        return (
+            f"gradientCompression.mode={mode} with zeroStage={p.zero_stage}: "
+            f"ZeRO-{p.zero_stage}'s reduce-scatter is not compressed: "
+            "use zeroStage 0 or 1, or mode none"
+        )
+    return None
+
+
+RULES: tuple[base.Rule[Parallelism], ...] = (
+    base.Rule(
+        "virtual-stages-need-interleaving",
+        "spec.parallelism.virtualStages",
+        "self.parallelism.schedule == 'interleaved-1f1b' ? (self.parallelism.virtualStages >= 2 && self.parallelism.pipeline >= 2) : self.parallelism.virtualStages == 1",
+        "interleaved-1f1b needs pipeline >= 2 and virtualStages >= 2; other schedules need virtualStages == 1",
+        _virtual_stages_need_interleaving,
+    ),
+    base.Rule(
+        "interleaved-micro-batches",
+        "spec.parallelism.microBatches",
+        "self.parallelism.schedule != 'interleaved-1f1b' || self.parallelism.microBatches % self.parallelism.pipeline == 0",
+        "interleaved-1f1b needs parallelism.microBatches to be a multiple of parallelism.pipeline",
+        _interleaved_micro_batches,
+    ),
+    base.Rule(
+        "compression-needs-data-parallel",
+        "spec.parallelism.gradientCompression.mode",
+        "self.parallelism.gradientCompression.mode == 'none' || "
+        "(self.parallelism.data >= 2 && self.parallelism.zeroStage < 2)",
+        "parallelism.gradientCompression needs parallelism.data >= 2 and zeroStage 0 or 1 (mode none otherwise)",
+        _compression_needs_data_parallel,
+    ),
+)
+"""Rules on the parallelism section alone (the ones that read other sections are in
+:mod:`meshtrain.api.spec.cross_section`)."""

@@ -1,0 +1,133 @@
+"""``spec.runPolicy``: failure, time and lifetime policy, elastic data parallelism and straggler
+handling, and the rule on the section alone (the ones that read the layout or the checkpoint
+are in :mod:`meshtrain.api.spec.cross_section` and :mod:`meshtrain.api.elastic`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from meshtrain.api.spec import base
+
+
+class Elastic(base.SpecModel):
+    """The data-parallel degrees a job may run at when nodes are lost or come back.
+
+    ``parallelism.data`` states the global batch (microBatch x microBatches x data); at another
+    degree the operator raises or lowers microBatches to keep it, or states the change in status.
+    """
+
+    min_data: int = Field(
+        ge=1,
+        description="Smallest data-parallel degree the job may shrink to when a node is lost and no equal "
+        "replacement fits.",
+    )
+    max_data: int = Field(
+        ge=1,
+        description="Largest data-parallel degree the job may grow to when capacity is free (at the next "
+        "checkpoint).",
+    )
+    grow_stable_seconds: int = Field(
+        120,
+        ge=0,
+        le=86400,
+        description="Grow only after room for a larger degree was found at every check (about every 10 s) "
+        "for this long, so capacity that comes and goes (a flapping node) does not rebuild the gang.",
+    )
+    min_resize_interval_seconds: int = Field(
+        600,
+        ge=0,
+        le=86400,
+        description="Least time between two resizes of the gang: a grow waits until this long after the last "
+        "shrink or grow. A shrink is never delayed (the gang lost a node and cannot run at its size), but it "
+        "starts the interval.",
+    )
+
+
+class StragglerPolicy(base.SpecModel):
+    """What to do about a rank that computes persistently slower than its data-parallel peers."""
+
+    action: Literal["ignore", "report", "replace"] = Field(
+        "report",
+        description="ignore: no detection; report: status.straggler, a Straggler condition, an Event and the "
+        "slowdown metric; replace: also stop the gang at a step boundary with a checkpoint and place it again "
+        "without the slow rank's node (status.excludedNodes), resuming from that step.",
+    )
+    threshold: float = Field(
+        1.25,
+        gt=1,
+        description="A rank is a straggler when its compute time is more than this factor of its peers' median "
+        "(the median over the window of per-step ratios).",
+    )
+    window: int = Field(
+        20,
+        ge=4,
+        le=10000,
+        description="Steps the slowdown is judged over; a rank is flagged once more than half of the last "
+        "window steps were slow, so detection takes about window/2 steps.",
+    )
+    max_replacements: int = Field(
+        3,
+        ge=0,
+        description="replace: nodes excluded for this job at most; after that a straggler is only reported.",
+    )
+
+
+class RunPolicy(base.SpecModel):
+    """Failure, time and lifetime policy."""
+
+    backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job fails.")
+    active_deadline_seconds: int | None = Field(
+        None, ge=1, description="Fail the job when it has been active this long."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job this long after it succeeded or failed."
+    )
+    startup_timeout_seconds: int = Field(
+        600,
+        ge=1,
+        description="Pods not all Running this long after creation count as a failed start.",
+    )
+    suspend: bool = Field(
+        False,
+        description="Remove the pods but keep the job and its status; setting it back to false re-places the job.",
+    )
+    termination_grace_period_seconds: int = Field(
+        60,
+        ge=10,
+        le=86400,
+        description="How long a deleted pod (suspend, spec change, drain) gets to stop: its ranks finish the current step "
+        "and checkpoint it. The pods' terminationGracePeriodSeconds; torchrun waits 5 s less before killing the ranks.",
+    )
+    elastic: Elastic | None = Field(
+        None,
+        description="Run at any data-parallel degree from minData to maxData: the largest that fits, shrinking "
+        "when a node is lost and growing back when capacity returns; empty: only at parallelism.data.",
+    )
+    straggler_policy: StragglerPolicy = Field(
+        default_factory=StragglerPolicy,
+        description="Detection of a slow rank (compared with its data-parallel peers) and what to do about it.",
+    )
+
+
+def _elastic_bounds(policy: RunPolicy) -> str | None:
+    bounds = policy.elastic
+    if bounds is not None and bounds.min_data > bounds.max_data:
+        return (
+            f"elastic.minData={bounds.min_data} is above elastic.maxData={bounds.max_data}: "
+            "minData is the smallest data-parallel degree, maxData the largest"
+        )
+    return None
+
+
+RULES: tuple[base.Rule[RunPolicy], ...] = (
+    base.Rule(
+        "elastic-bounds",
+        "spec.runPolicy.elastic.minData",
+        "!has(self.runPolicy.elastic) || self.runPolicy.elastic.minData <= self.runPolicy.elastic.maxData",
+        "runPolicy.elastic.minData must not exceed runPolicy.elastic.maxData",
+        _elastic_bounds,
+    ),
+)
+"""Rules on the run policy alone."""

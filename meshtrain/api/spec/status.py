@@ -1,0 +1,192 @@
+"""The status subresource of a TrainingJob: phase, conditions, placement, progress, and what the
+operator decided about elastic sizes and stragglers.  Written only by the operator."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from meshtrain.api.spec import base
+
+
+class Phase(str, enum.Enum):
+    """Lifecycle phase of a TrainingJob (see docs/architecture.md)."""
+
+    PENDING = "Pending"
+    PLACING = "Placing"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+class Condition(base.SpecModel):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(
+        description="Condition type, e.g. Placed, Running, Succeeded, Failed, WontFit."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        description="CamelCase reason, a constant of meshtrain.operator.policy.conditions."
+    )
+    message: str = Field("", description="Human explanation with the numbers.")
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+
+
+class PodPlacement(base.SpecModel):
+    """The node chosen for one pod of the gang."""
+
+    pod_index: int = Field(
+        ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode)."
+    )
+    node: str = Field(description="Node name.")
+
+
+class Progress(base.SpecModel):
+    """Last training progress reported by rank 0."""
+
+    step: int = Field(0, ge=0, description="Last completed optimizer step.")
+    loss: float | None = Field(None, description="Loss at that step.")
+    tokens_per_second: float | None = Field(None, description="Throughput of the whole job.")
+    eval_loss: float | None = Field(None, description="Validation loss of the last evaluation.")
+    skipped_updates: int | None = Field(
+        None, ge=0, description="Updates the loss guard skipped so far (in this run of the gang)."
+    )
+    gradient_noise_scale: float | None = Field(
+        None,
+        description="Measured gradient noise scale (McCandlish et al. 2018): the batch beyond which more "
+        "data parallelism stops paying (needs data >= 2).",
+    )
+    updated_at: str | None = Field(None, description="RFC 3339 time of the report.")
+
+
+class ElasticStatus(base.SpecModel):
+    """The size a gang of a job with ``runPolicy.elastic`` was placed at."""
+
+    data: int = Field(ge=1, description="Data-parallel degree of the placed gang.")
+    micro_batches: int = Field(ge=1, description="Micro-batches per replica at that degree.")
+    global_batch: int = Field(ge=1, description="Global batch at that degree.")
+    learning_rate: float = Field(
+        description="Peak learning rate at that global batch (training.lrScaling applied; under none the "
+        "declared rate times the batch ratio)."
+    )
+    checkpoint_step: int | None = Field(
+        None,
+        description=(
+            "Checkpoint step the gang placed at this size resumed from, as its first progress report "
+            "states it (unset until then); it grows only after a newer one."
+        ),
+    )
+    message: str = Field("", description="What changed and why.")
+    resized_at: str | None = Field(
+        None,
+        description="RFC 3339 time the gang was last placed at another degree than before (a shrink or a "
+        "grow); the next grow waits runPolicy.elastic.minResizeIntervalSeconds from it.",
+    )
+    room_since: str | None = Field(
+        None,
+        description="RFC 3339 time since which every grow check found room for a larger degree (empty when "
+        "the last one found none); the gang grows once that lasted runPolicy.elastic.growStableSeconds.",
+    )
+
+
+class OtherStraggler(base.SpecModel):
+    """Another rank flagged at the same time, and where it runs."""
+
+    rank: int = Field(ge=0, description="Global rank.")
+    pod_index: int | None = Field(None, ge=0, description="Node rank of its pod.")
+    node: str | None = Field(None, description="Node the pod was placed on.")
+    slowdown: float = Field(description="Its compute time over its peers' median.")
+
+
+class Straggler(base.SpecModel):
+    """The rank the trainer flagged as persistently slower than its peers, and where it runs."""
+
+    rank: int = Field(ge=0, description="Global rank of the slowest flagged rank.")
+    pod_index: int | None = Field(None, ge=0, description="Node rank of its pod.")
+    node: str | None = Field(None, description="Node the pod was placed on.")
+    slowdown: float = Field(
+        description="Its compute time over its peers' median (median over the window)."
+    )
+    since_step: int | None = Field(
+        None, ge=0, description="Step at which it was first flagged in this run of the gang."
+    )
+    since: str | None = Field(None, description="RFC 3339 time the operator first saw it.")
+    others: list[OtherStraggler] = Field(
+        default_factory=list,
+        description="The other ranks flagged now, slowest first; replace excludes their nodes too.",
+    )
+
+
+class ExcludedNode(base.SpecModel):
+    """A node this job is not placed on again."""
+
+    node: str = Field(description="Node name.")
+    reason: str = Field(description="Why, e.g. Straggler.")
+    message: str = Field("", description="With the numbers: rank, slowdown, step.")
+    time: str | None = Field(None, description="RFC 3339 time it was excluded.")
+    rank: int | None = Field(
+        None, ge=0, description="The straggler rank that was on it (reason Straggler)."
+    )
+
+
+class TrainingJobStatus(base.SpecModel):
+    """The status subresource of a TrainingJob."""
+
+    phase: Phase = Field(Phase.PENDING, description="Lifecycle phase.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Conditions with reasons and messages."
+    )
+    layout: str | None = Field(None, description="Layout such as dp2·pp4·tp8.")
+    world_size: int | None = Field(None, description="Processes in the job, one GPU each.")
+    placement: list[PodPlacement] = Field(
+        default_factory=list, description="Node per pod (rank block)."
+    )
+    cross_level_bytes: dict[str, float] = Field(
+        default_factory=dict, description="Predicted bytes per step crossing each fabric level."
+    )
+    restarts: int = Field(0, ge=0, description="Gang restarts so far.")
+    disruption_restarts: int = Field(
+        0,
+        ge=0,
+        description="Of restarts, those caused by a node lost or a pod disrupted (eviction, preemption, "
+        "drain, node shutdown): not counted against runPolicy.backoffLimit.",
+    )
+    last_checkpoint_step: int | None = Field(
+        None, description="Step of the newest complete checkpoint."
+    )
+    progress: Progress | None = Field(None, description="Last reported training progress.")
+    plan: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Key numbers of the planner: memory per GPU, step time, bubble.",
+    )
+    start_time: str | None = Field(None, description="When the pods first ran.")
+    completion_time: str | None = Field(None, description="When the job succeeded or failed.")
+    observed_generation: int | None = Field(
+        None, description="Spec generation the status describes."
+    )
+    spec_hash: str | None = Field(
+        None,
+        description="Hash of the spec (runPolicy left out) the placed gang was built from; "
+        "a spec with another hash makes the operator rebuild the gang.",
+    )
+    elastic: ElasticStatus | None = Field(
+        None,
+        description="Set once a job with runPolicy.elastic is placed: the data-parallel degree, batch and "
+        "learning rate its gang runs with (the Resized condition says whether that is parallelism.data).",
+    )
+    straggler: Straggler | None = Field(
+        None,
+        description="The rank the trainer flags as a straggler now (runPolicy.stragglerPolicy); empty when none.",
+    )
+    excluded_nodes: list[ExcludedNode] = Field(
+        default_factory=list,
+        description="Nodes a straggler was replaced on; each is left out of this job's placements for 24 h after its time.",
+    )
+    straggler_replacements: int = Field(
+        0, ge=0, description="Gangs rebuilt without a straggler's node so far."
+    )
