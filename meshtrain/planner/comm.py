@@ -272,7 +272,7 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
     shape = job.model.shape()
     par = job.parallelism
     p, t, d, m = par.pipeline, par.tensor, par.data, par.micro_batches
-    v = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    v = par.virtual_stages
     sp = par.sequence_parallel and t > 1
     # Activation checkpointing replays each block's forward in backward, and PyTorch stops the replay once
     # the last tensor backward needs exists: the MLP output's collective (its result saves nothing) is skipped.
@@ -476,7 +476,7 @@ def placement_traffic(
     if par.pipeline == 1:
         return dp, 0.0
     shape = job.model.shape()
-    v = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    v = par.virtual_stages
     seq = shape.seq_len // par.tensor if par.sequence_parallel and par.tensor > 1 else shape.seq_len
     message = job.training.micro_batch * seq * shape.hidden * scheme.wire_bytes
     return dp, float(2 * par.micro_batches * v * message)

@@ -395,7 +395,7 @@ def plan_time(
     """
     shape = job.model.shape()
     par = job.parallelism
-    virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    virtual = par.virtual_stages
     cpu_model = profile.cpu_time_model
     priced = cpu_host.cpu_work_profile(profile) if cpu_model else profile
     kinds = network.links(priced)

@@ -609,7 +609,7 @@ def plan_memory(
     shape = job.model.shape()
     par = job.parallelism
     scheme = scheme_for(resolve_precision(job, profile), recipe)
-    virtual = par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
+    virtual = par.virtual_stages
     # One stage is plain gradient accumulation: the trainer runs it as 1F1B.
     schedule = par.schedule if par.pipeline > 1 else "1f1b"
     micro_batch = job.training.micro_batch

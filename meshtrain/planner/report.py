@@ -311,7 +311,7 @@ def to_text(plan: estimate.Plan) -> str:
         f"tp {human_seconds(w.tp)}, pp {human_seconds(w.pp)}, dp {human_seconds(w.dp)} "
         f"(exposed {human_seconds(w.dp_exposed)}), optimizer {human_seconds(w.optimizer)}",
         f"  pipeline bubble {timing.bubble:.1%} = (p-1)/(v*m+p-1) with p={par.pipeline}, "
-        f"v={par.virtual_stages if par.schedule == 'interleaved-1f1b' else 1}, m={par.micro_batches}; "
+        f"v={par.virtual_stages}, m={par.micro_batches}; "
         f"replayed with each stage's times: stage 0 idle {timing.bubble_stage0:.1%} of "
         f"{human_seconds(timing.pipeline_seconds)}"
         + (

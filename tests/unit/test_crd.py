@@ -110,6 +110,15 @@ def test_every_cel_rule_is_attached_with_its_message_and_field_path():
     ]
 
 
+def test_every_rule_is_stated_in_the_description_of_its_field_once():
+    spec_node = _root()["properties"]["spec"]
+    for rule in (rules.SHAPE_RULE, *rules.RULES):
+        node = spec_node
+        for name in rule.path.split(".")[1:]:  # paths start at spec
+            node = node["properties"][name]
+        assert node["description"].count(f"Rule: {rule.cel_message}.") == 1, rule.name
+
+
 def test_names_subresource_and_printer_columns():
     crd_spec = crd.build()["spec"]
     assert crd_spec["names"]["shortNames"] == ["tj"]

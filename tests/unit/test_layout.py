@@ -38,6 +38,19 @@ def test_tensor_groups_are_consecutive_ranks_inside_one_pod():
         assert len({layout.pod_of(r, gpus_per_node=8) for r in group}) == 1
 
 
+@pytest.mark.parametrize("data,pipeline,tensor", LAYOUTS)
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+def test_tensor_fits_pod_when_every_tensor_group_stays_in_one_pod(data, pipeline, tensor, gpus):
+    layout = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor)
+    inside = all(
+        len({layout.pod_of(r, gpus) for r in group}) == 1 for group in layout.all_groups("tp")
+    )
+    assert layout.fills_pods(gpus) == (layout.world_size % gpus == 0)
+    if layout.fills_pods(gpus):  # whole pods: the predicate is the group property itself
+        assert layout.tensor_fits_pod(gpus) == inside
+        assert layout.pods(gpus) * gpus == layout.world_size
+
+
 def test_pods_hold_contiguous_rank_blocks_and_know_their_stages():
     layout = ParallelLayout(data=2, pipeline=2, tensor=1)
     assert list(layout.ranks_of_pod(1, gpus_per_node=2)) == [2, 3]

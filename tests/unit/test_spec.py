@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from meshtrain.api import loading, rules, spec
+from meshtrain.api import layout, loading, rules, spec
 from tests.builders import JobBuilder
 
 
@@ -19,6 +19,13 @@ def test_layout_string_and_pods():
     job = loading.parse_spec(JobBuilder().layout(2, 4, 8, gpus_per_node=8).model(preset="7b").raw())
     assert job.parallelism.layout_string == "dp2·pp4·tp8"
     assert job.world_size == 64 and job.pods == 8
+
+
+def test_the_layout_is_the_parallelism_sections_and_follows_a_copy():
+    job = loading.parse_spec(JobBuilder().layout(2, 2, 2, gpus_per_node=4).raw())
+    assert job.parallelism.layout == layout.ParallelLayout(data=2, pipeline=2, tensor=2)
+    resized = job.parallelism.model_copy(update={"data": 4})
+    assert resized.layout.data == 4 and resized.world_size == 16
 
 
 # (case, builder, field path the message must name, words the message must contain)

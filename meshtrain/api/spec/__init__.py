@@ -1,17 +1,9 @@
 """The TrainingJob spec: one typed model shared by the operator, the trainer and the CLI.
 
-This package is the single source of truth for what a TrainingJob may say.  Here is the spec
-itself (:class:`TrainingJobSpec`, the API's names); each section is a module beside it holding
-its models and the rules on it alone (:mod:`~meshtrain.api.spec.parallelism`, ``model``,
-``training``, ``checkpoint``, ``resources``, ``pod``, ``topology``, ``run_policy``, ``metrics``,
-``trainer``), the rules that read several sections are :mod:`~meshtrain.api.spec.cross_section`,
-and the status is :mod:`~meshtrain.api.spec.status`.  :mod:`meshtrain.api.rules` gathers every
-rule, :mod:`meshtrain.api.crd` generates the CRD from the models and the rules, and
-:mod:`meshtrain.api.loading` reads and validates a job.
-
-Attributes are snake_case in Python and camelCase in YAML (``micro_batches`` is
-``microBatches``).  The models are frozen: derive a changed spec with
-:func:`meshtrain.api.loading.apply_overrides` or ``model_copy(update=...)``.
+Here is the spec itself (:class:`TrainingJobSpec` and the API's names); each section is a
+module beside it with its models and the rules on that section alone, ``cross_section``
+holds the rules that read several sections and ``status`` the status.  YAML is camelCase
+(``microBatches``), Python snake_case; the models are frozen (``model_copy(update=...)``).
 """
 
 from __future__ import annotations
@@ -21,6 +13,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from meshtrain.api.spec import base
+
+# The sections' classes by name: each field of the spec is named like its section's module.
 from meshtrain.api.spec.checkpoint import Checkpoint
 from meshtrain.api.spec.metrics import Metrics
 from meshtrain.api.spec.model import ModelSpec

@@ -32,7 +32,13 @@ class GradientCompression(base.SpecModel):
 
 
 class Parallelism(base.SpecModel):
-    """How the job is split: data x pipeline x tensor, and how each axis runs."""
+    """How the job is split: data x pipeline x tensor, and how each axis runs.
+
+    A spec read through :mod:`meshtrain.api.loading` keeps every rule, so its consumers
+    do not check them again: ``virtual_stages`` is the model chunks per pipeline rank
+    under any schedule (1 unless interleaved-1f1b), and ``micro_batches`` a multiple of
+    :attr:`micro_batch_round`.
+    """
 
     data: int = Field(
         1, ge=1, description="Data-parallel degree: model replicas that split the global batch."

@@ -40,7 +40,7 @@ def _located(
     spec: api_spec.TrainingJobSpec, nodes: Mapping[int, Any], rank: int, slowdown: float
 ) -> dict[str, Any]:
     """A flagged rank with its pod (by the rank layout) and that pod's node (by the placement)."""
-    pod = rank // spec.resources.gpus_per_node
+    pod = spec.parallelism.layout.pod_of(rank, spec.resources.gpus_per_node)
     entry: dict[str, Any] = {"rank": rank, "podIndex": pod, "slowdown": round(slowdown, 4)}
     if nodes.get(pod):
         entry["node"] = nodes[pod]

@@ -64,9 +64,7 @@ def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
     """
     raw = job.model_dump(by_alias=True, exclude_none=True)
     par = job.parallelism
-    raw["model"]["layers"] = par.pipeline * (
-        par.virtual_stages if par.schedule == "interleaved-1f1b" else 1
-    )
+    raw["model"]["layers"] = par.pipeline * par.virtual_stages
     micro, raw["model"]["seqLen"] = loop_batch(job)
     raw["model"].pop("init", None)  # random weights: an imported checkpoint has other shapes
     # The bundled corpus: the job's token files need not exist where the plan is made.

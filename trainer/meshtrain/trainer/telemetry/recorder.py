@@ -211,7 +211,7 @@ def job_facts(
     return stepstats.JobFacts(
         stages=layout.pipeline,
         micro_batches=par.micro_batches,
-        virtual_stages=par.virtual_stages if par.schedule == "interleaved-1f1b" else 1,
+        virtual_stages=par.virtual_stages,
         world_size=layout.world_size,
         group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
         flops_per_token=model_mod.flops_per_token(config),
