@@ -115,7 +115,8 @@ class ParallelLayout:
     def tensor_fits_pod(self, gpus_per_node: int) -> bool:
         """Whether every tensor-parallel group lies inside one pod of ``gpus_per_node`` ranks.
 
-        A group is a block of ``tensor`` consecutive ranks, so it does exactly when
+        Groups are blocks of ``tensor`` consecutive ranks and pods blocks of
+        ``gpus_per_node``, so over whole pods every group stays in one exactly when
         ``tensor`` divides ``gpus_per_node``.
         """
         return gpus_per_node % self.tensor == 0

@@ -70,10 +70,10 @@ class FabricLevel:
 class PlacementRequest:
     """What one gang needs: its pods, their layout and their traffic per step.
 
-    Built from a job (:func:`meshtrain.planner.placement_request.request_from_spec`), the spec's
-    rules already hold that the degrees fill whole pods and keep a tensor-parallel group in one;
-    the request checks it again with the same predicates of :class:`~meshtrain.api.layout.ParallelLayout`
-    because benchmarks and tests build requests by hand.
+    The degrees must fill whole pods and keep each tensor-parallel group in one.  A request
+    built from a job (:func:`meshtrain.planner.placement_request.request_from_spec`) keeps that
+    by the spec's rules; it is checked again here, with the :class:`~meshtrain.api.layout.ParallelLayout`
+    predicates those rules use, because benchmarks and tests build requests by hand.
     """
 
     gpus_per_node: int
