@@ -55,7 +55,7 @@ import dataclasses
 import math
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import dp_compression, memory
+from meshtrain.planner import gradient_compression, memory
 
 NORM_BYTES = 8
 """The global gradient norm travels as one fp64 scalar per axis."""
@@ -332,12 +332,12 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
                 for sizes, shapes in zip(reversed(chunks), reversed(chunk_shapes))
                 for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
             ]
-            for group, op, calls, nbytes in dp_compression.dp_collectives(
+            for group, op, calls, nbytes in gradient_compression.dp_collectives(
                 par.gradient_compression, bucket_shapes, d, scheme.grads
             ):
                 _add(out, group, op, calls, nbytes)
             exchanges = len(bucket_shapes)
-            last_exchange = dp_compression.dp_collectives(
+            last_exchange = gradient_compression.dp_collectives(
                 par.gradient_compression, bucket_shapes[-1:], d, scheme.grads
             )
         elif par.all_reduce == "hierarchical":  # intra-node reduce-scatter and all-gather of each

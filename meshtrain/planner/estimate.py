@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, cost, memory, placement_request, profiles, validation
+from meshtrain.planner import comm, memory, placement_request, profiles, validation
+from meshtrain.planner.timing import step_time
 
 NOISE_SCALE_FAR_ABOVE = 10.0
 """A global batch this many times the measured gradient noise scale is far above it (warned)."""
@@ -85,7 +86,7 @@ class Plan:
     """Per-stage memory."""
     comm: tuple[comm.StageComm, ...]
     """Per-stage collectives."""
-    time: cost.TimePlan
+    time: step_time.TimePlan
     """Predicted step."""
     batch: BatchCheck
     """Global batch and its warning."""
@@ -150,7 +151,7 @@ def make_plan(
     *,
     recipe: str = "meshtrain",
     nodes: Sequence[placement.Node] | None = None,
-    critical_batch_tokens: int = cost.DEFAULT_CRITICAL_BATCH_TOKENS,
+    critical_batch_tokens: int = step_time.DEFAULT_CRITICAL_BATCH_TOKENS,
     noise_scale: float | None = None,
 ) -> Plan:
     """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
@@ -164,7 +165,7 @@ def make_plan(
         if nodes is not None and placed is not None and placed.nodes
         else None
     )
-    time_plan = cost.plan_time(job, profile, stage_comms, domains)
+    time_plan = step_time.plan_time(job, profile, stage_comms, domains)
     shape = job.model.shape()
     batch = BatchCheck(
         sequences=job.global_batch,

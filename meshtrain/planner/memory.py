@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from meshtrain.api import layout
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import dp_compression, profiles
+from meshtrain.planner import gradient_compression, profiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -672,7 +672,7 @@ def plan_memory(
         compression, exchange = 0.0, 0.0
         bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)
         if par.data > 1:
-            compression, exchange = dp_compression.memory_bytes(
+            compression, exchange = gradient_compression.memory_bytes(
                 par.gradient_compression,
                 params,
                 rank_matrices(shape, par.pipeline, par.tensor, stage),

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from meshtrain.planner import estimate, network, profiles, search, validation
+from meshtrain.planner import estimate, profiles, search, validation
+from meshtrain.planner.timing import network
 
 SCHEMA = "meshtrain.plan/v1"
 """Name and version of the JSON document."""

@@ -11,7 +11,8 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, cost, memory, network, profiles
+from meshtrain.planner import comm, memory, profiles
+from meshtrain.planner.timing import network, step_time
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
 from meshtrain.trainer.telemetry import stepstats
@@ -69,7 +70,7 @@ def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> Non
     "p,m,v", [(1, 4, 1), (2, 4, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (4, 8, 4)]
 )
 def test_bubble_agrees_with_the_trainer_and_telemetry(p: int, m: int, v: int) -> None:
-    ours = cost.bubble_ratio(p, m, v)
+    ours = step_time.bubble_ratio(p, m, v)
     assert ours == pytest.approx((p - 1) / (v * m + p - 1))
     assert ours == schedules.bubble_ratio(p, m, v)
     facts = stepstats.JobFacts(
@@ -149,8 +150,8 @@ def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None
     shape = api_spec.ModelShape(
         layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096
     )
-    training = cost.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
-    assert cost.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
+    training = step_time.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
+    assert step_time.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
 
 
 def test_checkpointed_blocks_save_only_their_inputs() -> None:
@@ -317,11 +318,11 @@ def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
 
 def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:
     shape = SHAPES[0]
-    whole = cost.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
-    assert whole == pytest.approx(cost.model_flops_per_token(shape) * 2 * shape.seq_len)
+    whole = step_time.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
+    assert whole == pytest.approx(step_time.model_flops_per_token(shape) * 2 * shape.seq_len)
     config = gpt.GPTConfig.from_shape(shape)
-    assert cost.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
-    parts = sum(cost.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
+    assert step_time.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
+    parts = sum(step_time.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
     assert parts == pytest.approx(whole)
 
 
@@ -335,7 +336,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
         .raw()
     )
     scheme = memory.scheme_for("bf16")
-    plan = cost.plan_time(big, h100, comm.plan_comm(big, scheme))
+    plan = step_time.plan_time(big, h100, comm.plan_comm(big, scheme))
     assert plan.bubble == pytest.approx(3 / 11)
     # The replayed window holds every action of the pacing stage plus the other stages' fill and drain.
     assert plan.step_seconds >= plan.pipeline_seconds > max(s.busy for s in plan.stages)
@@ -343,7 +344,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
     assert 0 < plan.mfu < h100.achievable_fraction
     # The tiny model over a slow fabric is dominated by communication.
     tiny = loading.parse_spec(JobBuilder().layout(8, 1, 1, gpus_per_node=1).raw())
-    slow = cost.plan_time(tiny, h100, comm.plan_comm(tiny, scheme))
+    slow = step_time.plan_time(tiny, h100, comm.plan_comm(tiny, scheme))
     assert slow.links["dp"].name == "fabric"
     assert slow.verdict == "communication-bound"
 

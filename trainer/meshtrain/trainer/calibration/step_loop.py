@@ -23,7 +23,8 @@ import yaml
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cost, cpu_host, estimate, memory, profiles
+from meshtrain.planner import estimate, memory, profiles
+from meshtrain.planner.timing import cpu_host, step_time
 from meshtrain.trainer import launch
 from meshtrain.trainer.telemetry import loop_trace, steplog, trace
 
@@ -178,13 +179,13 @@ def between_share(
 
     ``loop_run`` holds the step-loop run's wall seconds outside events per
     rank; the median rank's, at the CPU rate a rank gets while all of the
-    job's ranks are runnable (:func:`~meshtrain.planner.cost.cpu_sharing`),
+    job's ranks are runnable (:func:`~meshtrain.planner.timing.step_time.cpu_sharing`),
     is CPU seconds.  1 (all between actions) where nothing was measured.
     """
     outside = loop_run.get("outside_events_seconds") or {}
     if not outside or loop_cpu <= 0:
         return 1.0
-    rate = cost.cpu_sharing(loop, profile).rate(loop.world_size)
+    rate = step_time.cpu_sharing(loop, profile).rate(loop.world_size)
     return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
 
 

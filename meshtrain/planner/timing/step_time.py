@@ -42,15 +42,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import (
-    comm,
-    cpu_host,
-    memory,
-    network,
-    pipeline_window,
-    profiles,
-    shared_pipeline,
-)
+from meshtrain.planner import comm, memory, profiles
+from meshtrain.planner.timing import cpu_host, network, pipeline_replay, pipeline_window
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
 """Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
@@ -364,10 +357,10 @@ def ranks_per_host(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> 
 
 def cpu_sharing(
     job: api_spec.TrainingJobSpec, profile: profiles.Profile
-) -> shared_pipeline.Sharing:
+) -> pipeline_replay.Sharing:
     """How the job's ranks share a CPU host's cores, from the cores they receive together (``available_cores``)."""
     threads = cpu_host.threads_per_rank(profile, ranks_per_host(job, profile))
-    return shared_pipeline.Sharing(cpu_host.available_cores(profile), threads)
+    return pipeline_replay.Sharing(cpu_host.available_cores(profile), threads)
 
 
 def host_oversubscription(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
@@ -459,7 +452,7 @@ def plan_time(
     loop_inside = loop * (1 - share) / actions if replayed else 0.0
     if replayed:
         # Stages sharing the cores: replay the schedule at CPU seconds with processor sharing.
-        piped = shared_pipeline.replay(
+        piped = pipeline_replay.replay(
             par.schedule,
             par.micro_batches,
             [
@@ -468,7 +461,7 @@ def plan_time(
                 )
                 for d in per_microbatch
             ],
-            shared_pipeline.Messages(activations, gradients),
+            pipeline_replay.Messages(activations, gradients),
             cpu_sharing(job, profile),
             replicas=par.data * par.tensor,
             between=loop_between,
