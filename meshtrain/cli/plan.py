@@ -25,7 +25,6 @@ from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import cluster, estimate, memory, profiles, report, search, validation
-from meshtrain.planner.timing import step_time
 
 
 class Calibrator(Protocol):
@@ -78,7 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--critical-batch-tokens",
         type=int,
-        default=step_time.DEFAULT_CRITICAL_BATCH_TOKENS,
+        default=estimate.DEFAULT_CRITICAL_BATCH_TOKENS,
         metavar="N",
         help="warn when the global batch has more tokens than this",
     )

@@ -17,6 +17,9 @@ from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, placement_request, profiles, validation
 from meshtrain.planner.timing import step_time
 
+DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
+"""Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
+
 NOISE_SCALE_FAR_ABOVE = 10.0
 """A global batch this many times the measured gradient noise scale is far above it (warned)."""
 
@@ -151,7 +154,7 @@ def make_plan(
     *,
     recipe: str = "meshtrain",
     nodes: Sequence[placement.Node] | None = None,
-    critical_batch_tokens: int = step_time.DEFAULT_CRITICAL_BATCH_TOKENS,
+    critical_batch_tokens: int = DEFAULT_CRITICAL_BATCH_TOKENS,
     noise_scale: float | None = None,
 ) -> Plan:
     """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""

@@ -12,7 +12,7 @@ import torch
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, profiles
-from meshtrain.planner.timing import network, step_time
+from meshtrain.planner.timing import network, pipeline_window, stage_work, step_time
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
 from meshtrain.trainer.telemetry import stepstats
@@ -70,7 +70,7 @@ def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> Non
     "p,m,v", [(1, 4, 1), (2, 4, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (4, 8, 4)]
 )
 def test_bubble_agrees_with_the_trainer_and_telemetry(p: int, m: int, v: int) -> None:
-    ours = step_time.bubble_ratio(p, m, v)
+    ours = pipeline_window.bubble_ratio(p, m, v)
     assert ours == pytest.approx((p - 1) / (v * m + p - 1))
     assert ours == schedules.bubble_ratio(p, m, v)
     facts = stepstats.JobFacts(
@@ -150,8 +150,8 @@ def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None
     shape = api_spec.ModelShape(
         layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096
     )
-    training = step_time.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
-    assert step_time.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
+    training = stage_work.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
+    assert stage_work.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
 
 
 def test_checkpointed_blocks_save_only_their_inputs() -> None:
@@ -318,11 +318,11 @@ def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
 
 def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:
     shape = SHAPES[0]
-    whole = step_time.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
-    assert whole == pytest.approx(step_time.model_flops_per_token(shape) * 2 * shape.seq_len)
+    whole = stage_work.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
+    assert whole == pytest.approx(stage_work.model_flops_per_token(shape) * 2 * shape.seq_len)
     config = gpt.GPTConfig.from_shape(shape)
-    assert step_time.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
-    parts = sum(step_time.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
+    assert stage_work.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
+    parts = sum(stage_work.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
     assert parts == pytest.approx(whole)
 
 

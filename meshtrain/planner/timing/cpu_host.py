@@ -1,4 +1,4 @@
-"""Step time on a CPU host whose cores the job's ranks share: CPU work over the cores available.
+"""A machine whose ranks share a host's cores: CPU work over the cores available.
 
 On a GPU every rank owns its device; on a CPU host (``meshtrain run``, gloo)
 the ranks and everything else running there share a few cores, and the
@@ -9,12 +9,15 @@ counts the cores twice.  Two bounds hold instead:
 
 * **work**: the step cannot end before the cores have done every rank's CPU
   seconds — compute at the block's FLOPs per CPU second, the per-operation
-  cost, the CPU each collective costs its members, the optimizer — so
-  ``step >= sum over ranks of CPU seconds / available cores``;
+  cost, the CPU each collective costs its members, the optimizer, the step
+  loop — so ``step >= sum over ranks of CPU seconds / available cores``;
 * **dependencies**: nor before the schedule's critical path (pipeline fill
   and drain, collectives, the exposed reduction, the optimizer) with each
   rank running at the cores it could have alone
-  (``min(threads per rank, available cores)``).
+  (``min(threads per rank, available cores)``); with a core per rank a
+  tensor-parallel call waits its calibrated wall time there, and a
+  pipeline's window is a replay of the schedule with the cores shared
+  among the runnable ranks (:mod:`.pipeline_replay`).
 
 The step is the larger.  Every figure is CPU time measured by
 ``--calibrate`` (load-independent); the one figure that depends on other
@@ -26,22 +29,17 @@ knows better replaces it).  Pure.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from meshtrain.planner import profiles
-
-
-def ring_steps(op: str, members: int) -> int:
-    """Message steps of one call: ``2(n-1)`` for all-reduce, 1 for a send, ``n-1`` otherwise."""
-    if op == "all_reduce":
-        return 2 * (members - 1)
-    return 1 if op == "send" else members - 1
-
-
-def bus_factor(op: str, members: int) -> float:
-    """Bus bytes per payload byte (nccl-tests): ``2(n-1)/n`` all-reduce, 1 send, ``(n-1)/n`` otherwise."""
-    if op == "all_reduce":
-        return 2 * (members - 1) / members
-    return 1.0 if op == "send" else (members - 1) / members
+from meshtrain.api import spec as api_spec
+from meshtrain.planner import comm, profiles
+from meshtrain.planner.timing import (
+    machine,
+    network,
+    pipeline_replay,
+    pipeline_window,
+    stage_work,
+)
 
 
 def cpu_cost_fit(fit: profiles.CollectiveFit) -> profiles.CollectiveFit:
@@ -54,17 +52,8 @@ def cpu_cost_fit(fit: profiles.CollectiveFit) -> profiles.CollectiveFit:
         return fit
     return dataclasses.replace(
         fit,
-        alpha=fit.cpu_call_seconds / ring_steps(fit.op, fit.members),
-        bandwidth=fit.cpu_bandwidth * bus_factor(fit.op, fit.members),
-    )
-
-
-def cpu_work_profile(profile: profiles.Profile) -> profiles.Profile:
-    """``profile`` with CPU-second figures in place of wall-time ones: operations, collectives."""
-    return dataclasses.replace(
-        profile,
-        op_overhead=profile.core_op_overhead or profile.op_overhead,
-        collectives=tuple(cpu_cost_fit(f) for f in profile.collectives),
+        alpha=fit.cpu_call_seconds / network.ring_steps(fit.op, fit.members),
+        bandwidth=fit.cpu_bandwidth * network.bus_factor(fit.op, fit.members),
     )
 
 
@@ -82,3 +71,139 @@ def threads_per_rank(profile: profiles.Profile, ranks: int) -> int:
 def rank_speed(profile: profiles.Profile, ranks: int) -> float:
     """Cores one rank runs on when it is the one runnable: its threads, at most the available cores."""
     return min(float(threads_per_rank(profile, ranks)), available_cores(profile))
+
+
+def sharing(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> pipeline_replay.Sharing:
+    """How the job's ranks share a CPU host's cores, from the cores they receive together (``available_cores``)."""
+    threads = threads_per_rank(profile, machine.ranks_per_host(job, profile))
+    return pipeline_replay.Sharing(available_cores(profile), threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuHost(machine.JobOnMachine):
+    """Ranks sharing a host's cores, priced in CPU seconds (:class:`~.machine.Machine`).
+
+    Every rank of the job shares the host, as ``meshtrain run`` starts them;
+    the figures are the CPU seconds the profile's calibration measured.
+    """
+
+    @property
+    def prices(self) -> stage_work.Prices:
+        """CPU seconds: the block's FLOPs per CPU second, an operation's, each collective's per member."""
+        profile = self.profile
+        kinds = network.links(profile, fits=tuple(cpu_cost_fit(f) for f in profile.collectives))
+        links = network.axis_links(self.job, kinds, self.pod_domains)
+        # The CPU of a tensor-parallel call as the trainer's own calls cost it in calibration.
+        links["tp"] = links["tp"].preferring(
+            tuple(
+                cpu_cost_fit(f)
+                for f in profile.tp_collectives
+                if f.cpu_call_seconds > 0 and f.cpu_bandwidth > 0
+            )
+        )
+        return stage_work.Prices(
+            rank_flops=profile.core_flops,
+            op_seconds=profile.core_op_overhead or profile.op_overhead,
+            memory_bandwidth=profile.memory_bandwidth,
+            links=links,
+            domain_link=kinds["nvlink"],
+        )
+
+    @property
+    def speed(self) -> float:
+        """A rank on the critical path runs at the cores it has when it is the one runnable."""
+        return rank_speed(self.profile, machine.ranks_per_host(self.job, self.profile))
+
+    @property
+    def oversubscription(self) -> float:
+        """Threads of the host's ranks over its cores."""
+        return machine.host_oversubscription(self.job, self.profile)
+
+    @property
+    def step_loop_seconds(self) -> float:
+        """The step loop's CPU seconds per rank and step, as calibration measured them."""
+        return self.profile.rank_step_cpu_seconds
+
+    def on_path(
+        self, stage: stage_work.StageTime, stage_comm: comm.StageComm
+    ) -> stage_work.StageTime:
+        """CPU seconds at the rank's speed; with a core per rank, tensor-parallel calls at their wall time.
+
+        A blocked tensor-parallel collective idles its core for its wall
+        time; with more ranks than cores another rank runs meanwhile (the
+        work bound covers the core).
+        """
+        stage = stage.scaled(1 / self.speed)
+        if self.oversubscription > 1.0:
+            return stage
+        return dataclasses.replace(stage, tp=max(stage.tp, self._wall_tp_seconds(stage_comm)))
+
+    def _wall_tp_seconds(self, stage_comm: comm.StageComm) -> float:
+        """A stage's tensor-parallel collectives at the calibrated wall time of a call.
+
+        Each one blocks its rank until every member has arrived and been
+        woken: the wall time of a call that follows compute, not the CPU the
+        call costs, is what the step waits; the trainer's own calls in
+        calibration's step-loop run where they were timed
+        (``tp_collectives``), else the micro-benchmark's.
+        """
+        kind = network.group_links(self.job, self.pod_domains)["tp"]
+        link = network.links(self.profile)[kind].preferring(self.profile.tp_collectives)
+        return sum(
+            network.collective_seconds(c, link) for c in stage_comm.collectives if c.group == "tp"
+        )
+
+    def window(
+        self, durations: Sequence[pipeline_window.StageDurations], send: float
+    ) -> machine.Pipeline:
+        """A pipeline's window replayed with the cores shared (the closed form without one, or interleaved).
+
+        The step loop runs between a stage's actions: inside the window, and
+        not compute.  Calibration measures the share of it outside every
+        event (``step_loop_between_share``); the rest runs inside the
+        actions.  Each message costs its calibrated wall latency where
+        calibration timed the trainer's own messages, else ``send``.
+        """
+        par = self.job.parallelism
+        virtual = pipeline_window.virtual_stages(self.job)
+        if par.pipeline == 1 or virtual != 1:
+            return machine.Pipeline(
+                pipeline_window.window(par.micro_batches, durations, send, virtual)
+            )
+        profile, speed = self.profile, self.speed
+        loop = self.step_loop_seconds
+        share = min(1.0, max(0.0, profile.step_loop_between_share))
+        actions = 2 * par.micro_batches
+        between = loop * share / actions
+        inside = loop * (1 - share) / actions
+        measured = (profile.activation_message_seconds, profile.gradient_message_seconds)
+        activations, gradients = (seconds if seconds > 0 else send for seconds in measured)
+        replayed = pipeline_replay.replay(
+            par.schedule,
+            par.micro_batches,
+            [
+                pipeline_window.StageDurations(
+                    d.forward * speed + inside, d.backward * speed + inside
+                )
+                for d in durations
+            ],
+            pipeline_replay.Messages(activations, gradients),
+            sharing(self.job, profile),
+            replicas=par.data * par.tensor,
+            between=between,
+        )
+        return machine.Pipeline(replayed, step_loop=(between + inside) * actions)
+
+    def bound(self, work: Sequence[stage_work.StageTime], dependencies: float) -> machine.Bound:
+        """The larger of the critical path and all ranks' CPU seconds over the cores available."""
+        par = self.job.parallelism
+        loop = self.step_loop_seconds
+        rank_cpu = tuple(st.busy + st.dp + st.optimizer + loop for st in work)
+        cpu_seconds = par.data * par.tensor * sum(rank_cpu)
+        cores = available_cores(self.profile)
+        return machine.Bound(
+            step_seconds=max(dependencies, cpu_seconds / cores),
+            cpu_seconds=cpu_seconds,
+            available_cores=cores,
+            rank_cpu_seconds=rank_cpu,
+        )

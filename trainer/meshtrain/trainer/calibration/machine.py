@@ -43,7 +43,7 @@ import torch.distributed as dist
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, profiles
-from meshtrain.planner.timing import cpu_host, step_time
+from meshtrain.planner.timing import network, stage_work
 from meshtrain.trainer import launch
 from meshtrain.trainer.calibration import step_loop
 from meshtrain.trainer.models import gpt
@@ -182,7 +182,7 @@ def block_flops(
     Counted as the planner counts it (``6 x the rank's block parameters +
     12 s h / t`` per token) over the block's time less the fixed cost of its
     operations (``overhead``: wall and CPU seconds per operation), so that
-    FLOPs at this rate plus :data:`~meshtrain.planner.timing.step_time.BLOCK_OPS` x
+    FLOPs at this rate plus :data:`~meshtrain.planner.timing.stage_work.BLOCK_OPS` x
     overhead is the block's measured time: the layer norms, attention,
     activation and copies are in the rate, not only the GEMMs.  Under tensor
     parallelism the rank's GEMMs shrink and its norms do not (:func:`rank_block`),
@@ -205,7 +205,7 @@ def block_flops(
     flops = (
         6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
     ) * tokens
-    ops = sum(step_time.BLOCK_OPS)
+    ops = sum(stage_work.BLOCK_OPS)
     return BlockRate(
         flops=flops / max(seconds - ops * overhead[0], 0.1 * seconds),
         core_flops=flops / max(cpu - ops * overhead[1], 0.1 * cpu),
@@ -357,9 +357,9 @@ def fit(
     CPU cost per call and per byte the same way.
     """
     small, large = min(samples), max(samples)
-    alpha = samples[small] / cpu_host.ring_steps(op, members)
+    alpha = samples[small] / network.ring_steps(op, members)
     transfer = max(samples[large] - samples[small], 0.1 * samples[large])
-    bandwidth = cpu_host.bus_factor(op, members) * (large - small) / transfer
+    bandwidth = network.bus_factor(op, members) * (large - small) / transfer
     cpu_call = cpu_bandwidth = 0.0
     if cpu_samples:
         cpu_call = cpu_samples[small]

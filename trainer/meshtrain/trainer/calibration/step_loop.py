@@ -24,7 +24,7 @@ import yaml
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, memory, profiles
-from meshtrain.planner.timing import cpu_host, step_time
+from meshtrain.planner.timing import cpu_host, network
 from meshtrain.trainer import launch
 from meshtrain.trainer.telemetry import loop_trace, steplog, trace
 
@@ -156,8 +156,8 @@ def in_situ_tp_fits(
         measured = profile.collective_fit(op, tensor)
         if measured is None or tensor < 2 or not total["calls"]:
             continue
-        moving = cpu_host.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
-        steps = cpu_host.ring_steps(op, tensor) * total["calls"]
+        moving = network.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
+        steps = network.ring_steps(op, tensor) * total["calls"]
         fit = dataclasses.replace(
             measured, members=tensor, alpha=max(0.0, total["seconds"] - moving) / steps
         )
@@ -179,13 +179,13 @@ def between_share(
 
     ``loop_run`` holds the step-loop run's wall seconds outside events per
     rank; the median rank's, at the CPU rate a rank gets while all of the
-    job's ranks are runnable (:func:`~meshtrain.planner.timing.step_time.cpu_sharing`),
+    job's ranks are runnable (:func:`~meshtrain.planner.timing.cpu_host.sharing`),
     is CPU seconds.  1 (all between actions) where nothing was measured.
     """
     outside = loop_run.get("outside_events_seconds") or {}
     if not outside or loop_cpu <= 0:
         return 1.0
-    rate = step_time.cpu_sharing(loop, profile).rate(loop.world_size)
+    rate = cpu_host.sharing(loop, profile).rate(loop.world_size)
     return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
 
 
