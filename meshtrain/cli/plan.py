@@ -24,7 +24,15 @@ import yaml
 from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cluster, estimate, memory, profiles, report, search, validation
+from meshtrain.planner import (
+    cluster,
+    estimate,
+    precision,
+    profiles,
+    report,
+    search,
+    validation,
+)
 
 
 class Calibrator(Protocol):
@@ -69,7 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--recipe",
-        choices=memory.RECIPES,
+        choices=precision.RECIPES,
         default="meshtrain",
         help="bf16 state accounting: meshtrain (fp32 master weights, 4+4+8 B/param, as the "
         "trainer runs) or mixed (16-bit weights and grads, 2+2+12 B/param)",

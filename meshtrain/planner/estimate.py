@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, placement_request, profiles, validation
+from meshtrain.planner import comm, memory, placement_request, precision, profiles, validation
 from meshtrain.planner.timing import step_time
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
@@ -158,8 +158,8 @@ def make_plan(
     noise_scale: float | None = None,
 ) -> Plan:
     """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
-    precision = memory.resolve_precision(job, profile)
-    scheme = memory.scheme_for(precision, recipe)
+    trained_in = precision.resolve_precision(job, profile)
+    scheme = precision.scheme_for(trained_in, recipe)
     mem = memory.plan_memory(job, profile, recipe)
     stage_comms = comm.plan_comm(job, scheme)
     placed = place(job, nodes) if nodes is not None else None
@@ -179,7 +179,7 @@ def make_plan(
     return Plan(
         job=job,
         profile=profile,
-        precision=precision,
+        precision=trained_in,
         recipe=recipe,
         memory=mem,
         comm=stage_comms,

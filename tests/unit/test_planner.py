@@ -11,7 +11,7 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, profiles
+from meshtrain.planner import comm, memory, parameters, precision, profiles
 from meshtrain.planner.timing import network, pipeline_window, stage_work, step_time
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
@@ -36,24 +36,24 @@ SHAPES = [
 
 
 def test_7b_mixed_precision_adam_needs_112_gb_per_replicated_worker() -> None:
-    state = memory.state_bytes(7e9, memory.MIXED, zero_stage=0, data=64)
-    assert memory.MIXED.total == 16
+    state = memory.state_bytes(7e9, precision.MIXED, zero_stage=0, data=64)
+    assert precision.MIXED.total == 16
     assert state.total == pytest.approx(112e9)
 
 
 def test_zero_stages_divide_the_right_components() -> None:
     n, params = 64, 7e9
-    assert memory.state_bytes(params, memory.MIXED, 1, n).total == pytest.approx(
+    assert memory.state_bytes(params, precision.MIXED, 1, n).total == pytest.approx(
         params * (2 + 2 + 12 / n)
     )
-    assert memory.state_bytes(params, memory.MIXED, 2, n).total == pytest.approx(
+    assert memory.state_bytes(params, precision.MIXED, 2, n).total == pytest.approx(
         params * (2 + (2 + 12) / n)
     )
-    assert memory.state_bytes(params, memory.MIXED, 3, n).total == pytest.approx(params * 16 / n)
-    zero1 = memory.state_bytes(params, memory.MIXED, 1, n)
+    assert memory.state_bytes(params, precision.MIXED, 3, n).total == pytest.approx(params * 16 / n)
+    zero1 = memory.state_bytes(params, precision.MIXED, 1, n)
     assert (zero1.weights, zero1.grads) == (2 * params, 2 * params)
     assert zero1.optimizer == pytest.approx(12 * params / 64)
-    assert memory.FP32.total == 16 and memory.state_bytes(1, memory.FP32, 1, 4).optimizer == 2
+    assert precision.FP32.total == 16 and memory.state_bytes(1, precision.FP32, 1, 4).optimizer == 2
 
 
 def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> None:
@@ -99,18 +99,18 @@ def test_activations_follow_korthikanti_without_dropout() -> None:
     statistics = 2 * 2 * 4 * s * b  # bytes
     for t in (1, 2, 8):
         unfused = memory.layer_activation_bytes(
-            shape, b, t, memory.MIXED, sequence_parallel=False, fused_attention=False
+            shape, b, t, precision.MIXED, sequence_parallel=False, fused_attention=False
         )
         assert unfused == pytest.approx(
             s * b * h * (8 + 24 / t) + 4 * a * s * s * b / t + statistics
         )
         sp = memory.layer_activation_bytes(
-            shape, b, t, memory.MIXED, sequence_parallel=True, fused_attention=False
+            shape, b, t, precision.MIXED, sequence_parallel=True, fused_attention=False
         )
         assert sp == pytest.approx(
             s * b * h * (4 + 28 / t) + 4 * a * s * s * b / t + statistics / t
         )
-        fused = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=False)
+        fused = memory.layer_activation_bytes(shape, b, t, precision.MIXED, sequence_parallel=False)
         assert fused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * b / t + statistics)
 
 
@@ -132,7 +132,10 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> No
         {**raw, "training": {"microBatch": 1, "activationCheckpointing": True}}
     )
     h100 = profiles.get("h100-sxm")
-    shape, scheme = plain.model.shape(), memory.scheme_for(memory.resolve_precision(plain, h100))
+    shape, scheme = (
+        plain.model.shape(),
+        precision.scheme_for(precision.resolve_precision(plain, h100)),
+    )
     per_layer = memory.layer_activation_bytes(shape, 1, 2, scheme, sequence_parallel=True)
     kept = memory.checkpointed_layer_bytes(shape, 1, 2, scheme, sequence_parallel=True)
     assert kept == shape.seq_len * shape.hidden * scheme.stream_bytes / 2
@@ -171,7 +174,7 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         out = model(x)
     out.sum().backward()
-    kept = memory.checkpointed_layer_bytes(shape, 2, 1, memory.FP32, sequence_parallel=False)
+    kept = memory.checkpointed_layer_bytes(shape, 2, 1, precision.FP32, sequence_parallel=False)
     assert sum(saved.values()) == shape.layers * kept
 
 
@@ -181,8 +184,8 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "odd-ffn"])
 def test_parameter_count_matches_the_trainer_model(shape: api_spec.ModelShape) -> None:
     model = gpt.GPT(gpt.GPTConfig.from_shape(shape))
-    assert memory.total_params(shape) == sum(p.numel() for p in model.parameters())
-    assert memory.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
+    assert parameters.total_params(shape) == sum(p.numel() for p in model.parameters())
+    assert parameters.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
 
 
 STAGE_SHAPES = {
@@ -221,7 +224,7 @@ def test_rank_params_and_registration_order_match_the_sharded_stages(
                     shape, t, shape.layers // (p * v), first=j == 0, last=j == p * v - 1
                 )
             assert planned == real
-            assert memory.rank_params(shape, p, t, stage) == sum(real)
+            assert parameters.rank_params(shape, p, t, stage) == sum(real)
 
 
 def _peak_in_flight(actions: list[schedules.Action]) -> int:
@@ -263,10 +266,10 @@ def test_interleaved_first_stage_matches_korthikantis_factor() -> None:
 def test_comm_payloads_per_group() -> None:
     spec = job(data=2, tensor=2, microBatches=3)
     shape = spec.model.shape()
-    stage = comm.stage_comm(spec, 0, memory.FP32)
+    stage = comm.stage_comm(spec, 0, precision.FP32)
     b, s, h = spec.training.micro_batch, shape.seq_len, shape.hidden
     keys = stage.by_key()
-    assert keys[("dp", "all_reduce")].nbytes == memory.rank_params(shape, 1, 2, 0) * 4
+    assert keys[("dp", "all_reduce")].nbytes == parameters.rank_params(shape, 1, 2, 0) * 4
     # 4 reductions per block per micro-batch, the embedding, the head and the loss (3 floats per token), the norm.
     tp = keys[("tp", "all_reduce")]
     assert tp.calls == 4 * shape.layers * 3 + 3 + 3 + 2 * 3 + 1
@@ -279,7 +282,7 @@ def test_pipeline_sends_and_interleaving() -> None:
     spec = job(pipeline=2, microBatches=4, schedule="interleaved-1f1b", virtualStages=2)
     shape = spec.model.shape()
     message = spec.training.micro_batch * shape.seq_len * shape.hidden * 4
-    first, last = comm.plan_comm(spec, memory.FP32)
+    first, last = comm.plan_comm(spec, precision.FP32)
     # virtual stages 0,2 on stage 0 and 1,3 on stage 1: 3 forward and 3 backward hops over 4 chunks.
     assert first.by_key()[("pp", "send")].calls == (1 + 2) * 4
     assert last.by_key()[("pp", "send")].calls == (2 + 1) * 4
@@ -297,7 +300,7 @@ def test_zero_buckets_are_padded_to_the_group() -> None:
         ]
         assert comm.bucket_numels(sizes, 4, limit / 2**20) == theirs
     spec = job(data=4, zeroStage=2, bucketMb=0.01)
-    keys = comm.stage_comm(spec, 0, memory.FP32).by_key()
+    keys = comm.stage_comm(spec, 0, precision.FP32).by_key()
     assert keys[("dp", "reduce_scatter")].nbytes == keys[("dp", "all_gather")].nbytes
     assert keys[("dp", "all_reduce")].nbytes == 8
 
@@ -335,7 +338,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
         .parallelism(microBatches=8)
         .raw()
     )
-    scheme = memory.scheme_for("bf16")
+    scheme = precision.scheme_for("bf16")
     plan = step_time.plan_time(big, h100, comm.plan_comm(big, scheme))
     assert plan.bubble == pytest.approx(3 / 11)
     # The replayed window holds every action of the pacing stage plus the other stages' fill and drain.
@@ -352,7 +355,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
 def test_placement_traffic_in_the_placement_modules_terms() -> None:
     spec = job(data=2, pipeline=2, microBatches=4)
     shape = spec.model.shape()
-    dp, pp = comm.placement_traffic(spec, memory.FP32)
-    assert dp == pytest.approx(max(s.wire("dp") for s in comm.plan_comm(spec, memory.FP32)))
-    assert dp == pytest.approx(2 * (2 - 1) / 2 * memory.rank_params(shape, 2, 1, 0) * 4)
+    dp, pp = comm.placement_traffic(spec, precision.FP32)
+    assert dp == pytest.approx(max(s.wire("dp") for s in comm.plan_comm(spec, precision.FP32)))
+    assert dp == pytest.approx(2 * (2 - 1) / 2 * parameters.rank_params(shape, 2, 1, 0) * 4)
     assert pp == 2 * 4 * spec.training.micro_batch * shape.seq_len * shape.hidden * 4

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory
+from meshtrain.planner import comm, memory, parameters
 from meshtrain.planner.timing import network
 
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -53,10 +53,10 @@ def rank_flops_per_microbatch(
     whole model.
     """
     layers = shape.layers // pipeline
-    n_rank = layers * memory.layer_params(shape, tensor)
+    n_rank = layers * parameters.layer_params(shape, tensor)
     if stage == pipeline - 1:
-        n_rank += memory.head_params(shape, tensor)
-        n_rank += memory.vocab_rows(shape, tensor) * shape.hidden if shape.tie_embeddings else 0
+        n_rank += parameters.head_params(shape, tensor)
+        n_rank += parameters.vocab_rows(shape, tensor) * shape.hidden if shape.tie_embeddings else 0
     attention = 12 * layers * shape.seq_len * shape.hidden / tensor
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
@@ -74,7 +74,7 @@ def rank_forward_flops_per_microbatch(
     layers = shape.layers // pipeline
     tokens = micro_batch * shape.seq_len
     blocks = (
-        6 * layers * memory.layer_params(shape, tensor)
+        6 * layers * parameters.layer_params(shape, tensor)
         + 12 * layers * shape.seq_len * shape.hidden / tensor
     )
     head = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch) - blocks * tokens
@@ -90,7 +90,7 @@ def recompute_flops_per_microbatch(
     """
     layers = shape.layers // pipeline
     forward = (
-        2 * layers * memory.layer_params(shape, tensor)
+        2 * layers * parameters.layer_params(shape, tensor)
         + 4 * layers * shape.seq_len * shape.hidden / tensor
     )
     return forward * micro_batch * shape.seq_len
@@ -169,7 +169,7 @@ class StageTime:
 def model_flops_per_token(shape: api_spec.ModelShape) -> float:
     """``6 N + 12 L s h`` with ``N`` the non-embedding parameters (the trainer's MFU numerator)."""
     tied_head = shape.vocab * shape.hidden if shape.tie_embeddings else 0  # still a matmul
-    n = memory.total_params(shape) - memory.embedding_params(shape) + tied_head
+    n = parameters.total_params(shape) - parameters.embedding_params(shape) + tied_head
     return 6 * n + 12 * shape.layers * shape.seq_len * shape.hidden
 
 
@@ -284,7 +284,7 @@ def _exposed_reduction(
 def _optimizer_seconds(job: api_spec.TrainingJobSpec, stage: int, prices: Prices) -> float:
     """The optimizer step: its bytes through memory and its operations per parameter tensor."""
     shape, par = job.model.shape(), job.parallelism
-    params = memory.rank_params(shape, par.pipeline, par.tensor, stage)
+    params = parameters.rank_params(shape, par.pipeline, par.tensor, stage)
     updated = params / par.data if par.zero_stage >= 1 else params
     tensors = len(
         comm.chunk_param_sizes(

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import memory, profiles
+from meshtrain.planner import parameters, profiles
 from meshtrain.planner.timing import network, stage_work
 from meshtrain.trainer import launch
 from meshtrain.trainer.calibration import step_loop
@@ -203,7 +203,7 @@ def block_flops(
     seconds, cpu = _timed_calls(step, budget, sync)
     tokens = job.training.micro_batch * shape.seq_len
     flops = (
-        6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
+        6 * parameters.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
     ) * tokens
     ops = sum(stage_work.BLOCK_OPS)
     return BlockRate(

@@ -23,7 +23,7 @@ import yaml
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import estimate, memory, profiles
+from meshtrain.planner import estimate, parameters, profiles
 from meshtrain.planner.timing import cpu_host, network
 from meshtrain.trainer import launch
 from meshtrain.trainer.telemetry import loop_trace, steplog, trace
@@ -47,7 +47,7 @@ def loop_batch(job: api_spec.TrainingJobSpec) -> tuple[int, int]:
     """
     shape = job.model.shape()
     tensor = job.parallelism.tensor
-    tokens = max(tensor, int(LOOP_ACTION_FLOPS // (2 * memory.layer_params(shape, tensor))))
+    tokens = max(tensor, int(LOOP_ACTION_FLOPS // (2 * parameters.layer_params(shape, tensor))))
     micro = max(1, min(job.training.micro_batch, tokens // shape.seq_len))
     seq = (
         shape.seq_len if micro * shape.seq_len <= tokens else max(tensor, tokens // tensor * tensor)
