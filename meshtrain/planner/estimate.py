@@ -2,7 +2,7 @@
 
 :func:`make_plan`, which runs the memory, communication and time
 models and, given cluster nodes, the operator's placement planner, and
-returns one :class:`Plan` value that :mod:`.plan_report` prints and
+returns one :class:`Plan` value that :mod:`.report` prints and
 :mod:`.admission` summarises.  Not a printer or a reader of
 files; it works on values only.
 """

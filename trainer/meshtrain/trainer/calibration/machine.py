@@ -13,7 +13,7 @@ after a piece of the job's compute, as in training.
 Each figure is taken over wall time and over the process's CPU time: on a
 CPU host the planner prices CPU work (which other tenants do not change)
 over the cores the ranks received while all computed (which they do).  Collective times are medians over repeats and fitted to
-the ring formulas of :mod:`.cost` (alpha from the smallest message, the
+the ring formulas of :mod:`meshtrain.planner.timing.network` (alpha from the smallest message, the
 bandwidth from the largest).  The result is a profile YAML file that
 ``--profiles-dir`` reads, with the host, device, backend, time and load
 average it was measured under.  This module is I/O (torch, processes); it lives with the trainer because

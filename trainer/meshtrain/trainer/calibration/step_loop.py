@@ -1,6 +1,6 @@
 """Calibration's step-loop run: a short ``meshtrain run`` of the job's own layout, and what its trace says.
 
-The micro-benchmarks of :mod:`.calibrate` time the block, one operation and
+The micro-benchmarks of :mod:`.machine` time the block, one operation and
 each collective in isolation; what happens between them in a real step (the
 Python step loop, telemetry, gloo's threads, a tensor-parallel call waiting
 for its peer, a pipeline message waiting for a core) only a run of the
