@@ -115,11 +115,6 @@ class CpuHost(machine.JobOnMachine):
         return rank_speed(self.profile, machine.ranks_per_host(self.job, self.profile))
 
     @property
-    def oversubscription(self) -> float:
-        """Threads of the host's ranks over its cores."""
-        return machine.host_oversubscription(self.job, self.profile)
-
-    @property
     def step_loop_seconds(self) -> float:
         """The step loop's CPU seconds per rank and step, as calibration measured them."""
         return self.profile.rank_step_cpu_seconds

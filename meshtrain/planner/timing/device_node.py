@@ -40,11 +40,6 @@ class DeviceNode(machine.JobOnMachine):
         return 1.0
 
     @property
-    def oversubscription(self) -> float:
-        """Threads over cores where the ranks share a host's (1 on a GPU)."""
-        return machine.host_oversubscription(self.job, self.profile)
-
-    @property
     def step_loop_seconds(self) -> float:
         """Not measured on a device: 0."""
         return 0.0

@@ -55,6 +55,11 @@ class JobOnMachine:
     pod_domains: Sequence[str] | None = None
     """NVLink domain (or host) of each pod (None: every pod its own)."""
 
+    @property
+    def oversubscription(self) -> float:
+        """Threads the ranks of one host run over its cores (1 without a core count, as on a GPU)."""
+        return host_oversubscription(self.job, self.profile)
+
 
 class Machine(Protocol):
     """One kind of machine as a job's ranks use it."""
