@@ -1,7 +1,7 @@
 """Planner validation: predicted against measured step time and bubble, layout by layout, on this machine.
 
 For each layout it does what a user would: ``meshtrain plan --calibrate``
-(:func:`meshtrain.planner.calibrate.calibrate` at the job's shapes, group
+(:func:`meshtrain.trainer.calibration.machine.calibrate` at the job's shapes, group
 sizes and process count), the plan with that profile, then ``meshtrain run``
 of the same spec (real processes, gloo), and compares the median step time
 after warm-up and the bubble the trainer measured on stage 0.  Then it asks

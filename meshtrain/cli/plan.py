@@ -1,9 +1,10 @@
-"""The ``meshtrain plan`` subcommand: arguments, and the glue from files to the plan_report.
+"""The ``meshtrain plan`` subcommand: arguments, and the glue from files to the report.
 
-:func:`configure` adds the subcommand's arguments to an
+:func:`configure` adds the subcommand's arguments (a table of them) to an
 ``argparse`` parser and sets its handler; :func:`run` reads the job, the
-profile and (optionally) the cluster, calls :func:`.estimate.make_plan` and
-prints :mod:`.plan_report`'s text or JSON.  Errors (bad job, unknown profile,
+profile and (optionally) the cluster, calls
+:func:`meshtrain.planner.estimate.make_plan` and prints
+:mod:`meshtrain.planner.report`'s text or JSON.  Errors (bad job, unknown profile,
 malformed cluster file, unreachable cluster) print one clear message and
 exit with status 2.  The arithmetic is in the other planner modules.
 """
@@ -17,14 +18,22 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import yaml
 
 from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cluster, cost, estimate, memory, profiles, report, search, validation
+from meshtrain.planner import (
+    cluster,
+    estimate,
+    precision,
+    profiles,
+    report,
+    search,
+    validation,
+)
 
 
 class Calibrator(Protocol):
@@ -39,101 +48,137 @@ DEFAULT_CALIBRATION_DIR = "profiles"
 """Where ``--calibrate`` writes without ``--profiles-dir``."""
 
 
+CLUSTER_SOURCES: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "--cluster",
+        {
+            "metavar": "CLUSTER.yaml",
+            "help": "nodes to place the job on (list of name, gpus, labels; see docs/planner.md)",
+        },
+    ),
+    (
+        "--from-cluster",
+        {"action": "store_true", "help": "read the nodes from the current kubeconfig's cluster"},
+    ),
+)
+"""Where the nodes come from (one at most): the flag and its ``add_argument`` options."""
+
+OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "--gpu",
+        {
+            "default": None,
+            "metavar": "PROFILE",
+            "help": "device profile (h100-sxm, h200, a100-80g, a100-40g, l40s, cpu, or a user "
+            "profile); default: cpu when the job's precision is fp32, else h100-sxm",
+        },
+    ),
+    (
+        "--profiles-dir",
+        {
+            "action": "append",
+            "default": [],
+            "metavar": "DIR",
+            "help": f"extra directory of profile YAML files (also ${profiles.ENV_VAR})",
+        },
+    ),
+    (
+        "--recipe",
+        {
+            "choices": precision.RECIPES,
+            "default": "meshtrain",
+            "help": "bf16 state accounting: meshtrain (fp32 master weights, 4+4+8 B/param, as the "
+            "trainer runs) or mixed (16-bit weights and grads, 2+2+12 B/param)",
+        },
+    ),
+    (
+        "--critical-batch-tokens",
+        {
+            "type": int,
+            "default": estimate.DEFAULT_CRITICAL_BATCH_TOKENS,
+            "metavar": "N",
+            "help": "warn when the global batch has more tokens than this",
+        },
+    ),
+    ("--json", {"action": "store_true", "help": f"print the {report.SCHEMA} JSON document"}),
+    (
+        "--calibrate",
+        {
+            "action": "store_true",
+            "help": "first measure this machine at the job's shapes, precision, backend and group "
+            "sizes (matmul FLOP/s, per-op overhead, collective latency and bandwidth) and write a "
+            "profile file into the first --profiles-dir (default ./profiles); then plan with it "
+            "(with --search: also measure the step loop of the three best dp/pp/tp grids before "
+            "ranking)",
+        },
+    ),
+    (
+        "--search",
+        {
+            "action": "store_true",
+            "help": "list the fastest valid layouts (dp/pp/tp, schedule, microBatches, microBatch, "
+            "zeroStage) for --world ranks that fit in memory (and, with a cluster, can be placed), "
+            "ranked by predicted step time; the job's model and global batch are kept",
+        },
+    ),
+    (
+        "--world",
+        {
+            "type": int,
+            "default": None,
+            "metavar": "N",
+            "help": "world size for --search (default: the job's)",
+        },
+    ),
+    (
+        "--top",
+        {
+            "type": int,
+            "default": 10,
+            "metavar": "K",
+            "help": "how many layouts --search lists (default 10)",
+        },
+    ),
+    (
+        "--calibration-seconds",
+        {
+            "type": float,
+            "default": 0.5,
+            "metavar": "S",
+            "help": "how long --calibrate times each measurement (default 0.5; longer is steadier "
+            "on a busy host)",
+        },
+    ),
+    (
+        "--profile-name",
+        {
+            "default": None,
+            "metavar": "NAME",
+            "help": "name of the profile --calibrate writes (default: <base profile>-<host>)",
+        },
+    ),
+    (
+        "--set",
+        {
+            "action": "append",
+            "default": [],
+            "metavar": "PATH=VALUE",
+            "help": "try a spec change without editing the file, e.g. --set "
+            "training.activationCheckpointing=true (repeatable)",
+        },
+    ),
+)
+"""``meshtrain plan``'s options after the job and the cluster source, in the order ``--help`` lists them."""
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``meshtrain plan``'s arguments to ``parser``."""
     parser.add_argument("job", help="TrainingJob YAML file")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument(
-        "--cluster",
-        metavar="CLUSTER.yaml",
-        help="nodes to place the job on (list of name, gpus, labels; see docs/planner.md)",
-    )
-    source.add_argument(
-        "--from-cluster",
-        action="store_true",
-        help="read the nodes from the current kubeconfig's cluster",
-    )
-    parser.add_argument(
-        "--gpu",
-        default=None,
-        metavar="PROFILE",
-        help="device profile (h100-sxm, h200, a100-80g, a100-40g, l40s, cpu, or a user profile); "
-        "default: cpu when the job's precision is fp32, else h100-sxm",
-    )
-    parser.add_argument(
-        "--profiles-dir",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help=f"extra directory of profile YAML files (also ${profiles.ENV_VAR})",
-    )
-    parser.add_argument(
-        "--recipe",
-        choices=memory.RECIPES,
-        default="meshtrain",
-        help="bf16 state accounting: meshtrain (fp32 master weights, 4+4+8 B/param, as the "
-        "trainer runs) or mixed (16-bit weights and grads, 2+2+12 B/param)",
-    )
-    parser.add_argument(
-        "--critical-batch-tokens",
-        type=int,
-        default=cost.DEFAULT_CRITICAL_BATCH_TOKENS,
-        metavar="N",
-        help="warn when the global batch has more tokens than this",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help=f"print the {report.SCHEMA} JSON document"
-    )
-    parser.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="first measure this machine at the job's shapes, precision, backend and group sizes "
-        "(matmul FLOP/s, per-op overhead, collective latency and bandwidth) and write a profile "
-        "file into the first --profiles-dir (default ./profiles); then plan with it (with "
-        "--search: also measure the step loop of the three best dp/pp/tp grids before ranking)",
-    )
-    parser.add_argument(
-        "--search",
-        action="store_true",
-        help="list the fastest valid layouts (dp/pp/tp, schedule, microBatches, microBatch, "
-        "zeroStage) for --world ranks that fit in memory (and, with a cluster, can be placed), "
-        "ranked by predicted step time; the job's model and global batch are kept",
-    )
-    parser.add_argument(
-        "--world",
-        type=int,
-        default=None,
-        metavar="N",
-        help="world size for --search (default: the job's)",
-    )
-    parser.add_argument(
-        "--top",
-        type=int,
-        default=10,
-        metavar="K",
-        help="how many layouts --search lists (default 10)",
-    )
-    parser.add_argument(
-        "--calibration-seconds",
-        type=float,
-        default=0.5,
-        metavar="S",
-        help="how long --calibrate times each measurement (default 0.5; longer is steadier on a busy host)",
-    )
-    parser.add_argument(
-        "--profile-name",
-        default=None,
-        metavar="NAME",
-        help="name of the profile --calibrate writes (default: <base profile>-<host>)",
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="try a spec change without editing the file, e.g. --set "
-        "training.activationCheckpointing=true (repeatable)",
-    )
+    for flag, options in CLUSTER_SOURCES:
+        source.add_argument(flag, **options)
+    for flag, options in OPTIONS:
+        parser.add_argument(flag, **options)
     parser.set_defaults(handler=run)
 
 

@@ -13,7 +13,7 @@ file, the line and the entry and say what is wrong::
           network.topology.nvidia.com/block: block-1
 
 (a bare top-level list of nodes is accepted too).  Not a reader
-of a live cluster; :mod:`.cluster_live` does that with the Kubernetes client.
+of a live cluster; :mod:`meshtrain.cli.cluster_nodes` does that with the Kubernetes client.
 Reading the file is the only I/O here; :func:`parse_text` is pure.
 """
 

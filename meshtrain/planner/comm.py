@@ -56,7 +56,7 @@ import math
 
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
-from meshtrain.planner import dp_compression, memory
+from meshtrain.planner import gradient_compression, parameters, precision
 
 NORM_BYTES = 8
 """The global gradient norm travels as one fp64 scalar per axis."""
@@ -140,10 +140,10 @@ def chunk_param_shapes(
     position tables, then per block ln1, qkv, attention proj, ln2, mlp fc,
     mlp proj, then the final norm and the head (absent when tied to this chunk's embedding).
     """
-    h, v = shape.hidden, memory.vocab_rows(shape, tensor)
+    h, v = shape.hidden, parameters.vocab_rows(shape, tensor)
     llama = shape.family == "llama"
     norm: list[tuple[int, ...]] = [(h,)] if llama else [(h,), (h,)]  # RMSNorm; LayerNorm w, b
-    qkv, proj, fc, down = (n // h for n in memory.local_block_matrices(shape, tensor))
+    qkv, proj, fc, down = (n // h for n in parameters.local_block_matrices(shape, tensor))
     shapes: list[tuple[int, ...]] = []
     if first:
         shapes += [(v, h)] + ([] if llama else [(shape.seq_len, h)])
@@ -205,7 +205,7 @@ def zero3_collectives(
     virtuals: list[int],
     layers_per_chunk: int,
     last_virtual: int,
-    scheme: memory.StateScheme,
+    scheme: precision.StateScheme,
     *,
     keep_last_block: bool,
 ) -> list[tuple[str, str, int, float]]:
@@ -251,188 +251,106 @@ def zero3_collectives(
     return [("dp", "all_gather", gathers, gathered), ("dp", "reduce_scatter", scatters, scattered)]
 
 
-def _add(
-    out: dict[tuple[str, str, bool], list[int]],
-    group: str,
-    op: str,
-    calls: int,
-    nbytes: float,
-    *,
-    after_backward: bool = False,
-) -> None:
-    if calls <= 0:
-        return
-    entry = out.setdefault((group, op, after_backward), [0, 0])
-    entry[0] += calls
-    entry[1] += int(nbytes)
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """Calls of one collective, summed with the others of its group, op and overlap (:func:`_summed`)."""
+
+    group: str
+    """Axis of the process group."""
+    op: str
+    """The collective op."""
+    calls: int
+    """Calls per step (none: the row is dropped)."""
+    nbytes: float
+    """Payload bytes of those calls."""
+    after_backward: bool = False
+    """Outside the overlapped bucket exchanges (:attr:`Collective.after_backward`)."""
 
 
-def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateScheme) -> StageComm:
+@dataclasses.dataclass(frozen=True)
+class _RankChunks:
+    """The model chunks one rank of a pipeline stage holds, in the order the trainer registers them."""
+
+    virtuals: tuple[int, ...]
+    """Virtual stage of each chunk (``chunk x p + stage``)."""
+    layers: int
+    """Blocks per chunk."""
+    last_virtual: int
+    """The model's last virtual stage (``p v - 1``)."""
+    shapes: tuple[list[tuple[int, ...]], ...]
+    """Each chunk's parameter shapes (after TP sharding)."""
+
+    @classmethod
+    def of(cls, job: api_spec.TrainingJobSpec, stage: int) -> _RankChunks:
+        """The chunks of one rank of ``stage``."""
+        shape, par = job.model.shape(), job.parallelism
+        v = par.virtual_stages
+        layers = shape.layers // (par.pipeline * v)
+        last = par.pipeline * v - 1
+        virtuals = tuple(chunk * par.pipeline + stage for chunk in range(v))
+        shapes = tuple(
+            chunk_param_shapes(shape, par.tensor, layers, first=j == 0, last=j == last)
+            for j in virtuals
+        )
+        return cls(virtuals=virtuals, layers=layers, last_virtual=last, shapes=shapes)
+
+    @property
+    def sizes(self) -> list[list[int]]:
+        """Each chunk's parameter element counts."""
+        return [[math.prod(s) for s in shapes] for shapes in self.shapes]
+
+    @property
+    def holds_first(self) -> bool:
+        """Whether the rank holds the embeddings' chunk."""
+        return 0 in self.virtuals
+
+    @property
+    def holds_last(self) -> bool:
+        """Whether the rank holds the head's chunk."""
+        return self.last_virtual in self.virtuals
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """A stage's gradient bucket exchanges over dp."""
+
+    rows: list[_Row]
+    """Every dp collective of a step."""
+    exchanges: int = 0
+    """Bucket exchanges per step (:attr:`StageComm.dp_exchanges`)."""
+    last: tuple[tuple[str, str, int, int], ...] = ()
+    """The legs of the last bucket's exchange (:attr:`StageComm.dp_last_exchange`)."""
+
+
+def stage_comm(
+    job: api_spec.TrainingJobSpec, stage: int, scheme: precision.StateScheme
+) -> StageComm:
     """The collectives of one rank of pipeline ``stage`` in one optimizer step."""
-    shape = job.model.shape()
     par = job.parallelism
-    p, t, d, m = par.pipeline, par.tensor, par.data, par.micro_batches
-    v = par.virtual_stages
-    sp = par.sequence_parallel and t > 1
-    # Activation checkpointing replays each block's forward in backward, and PyTorch stops the replay once
-    # the last tensor backward needs exists: the MLP output's collective (its result saves nothing) is skipped.
-    recompute = job.training.activation_checkpointing
-    b, s, h = job.training.micro_batch, shape.seq_len, shape.hidden
-    layers_per_chunk = shape.layers // (p * v)
-    last_virtual = p * v - 1
-    virtuals = [chunk * p + stage for chunk in range(v)]
-    holds_first = 0 in virtuals
-    holds_last = last_virtual in virtuals
+    chunks = _RankChunks.of(job, stage)
+    dp = _dp_exchange(job, chunks, scheme) if par.data > 1 else _Exchange([])
+    rows = dp.rows + _tp_rows(job, chunks, scheme) + _pp_rows(job, chunks, scheme)
+    return StageComm(
+        stage=stage,
+        collectives=_summed(rows, {"dp": par.data, "tp": par.tensor, "pp": par.pipeline}),
+        dp_exchanges=dp.exchanges,
+        dp_last_exchange=tuple(
+            Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=par.data)
+            for g, op, calls, nbytes in dp.last
+        ),
+    )
+
+
+def _summed(rows: list[_Row], members: dict[str, int]) -> tuple[Collective, ...]:
+    """One :class:`Collective` per (group, op, after backward), in that order, its rows' calls and bytes summed."""
     out: dict[tuple[str, str, bool], list[int]] = {}
-    exchanges = 0
-    last_exchange: list[tuple[str, str, int, int]] = []
-
-    # Parameters of this rank, chunk by chunk in the order the trainer registers them.
-    chunk_shapes = [
-        chunk_param_shapes(shape, t, layers_per_chunk, first=j == 0, last=j == last_virtual)
-        for j in virtuals
-    ]
-    chunks = [[math.prod(s) for s in shapes] for shapes in chunk_shapes]
-    params = sum(sum(sizes) for sizes in chunks)
-
-    # Data parallel: gradient buckets, and under ZeRO the gather of the updated weights.
-    if d > 1:  # buckets never span two chunks; the last chunk's come first
-        buckets = [
-            n
-            for sizes in reversed(chunks)
-            for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
-        ]
-        if par.zero_stage == 3:
-            for group, op, calls, nbytes in zero3_collectives(
-                shape,
-                t,
-                d,
-                m,
-                virtuals,
-                layers_per_chunk,
-                last_virtual,
-                scheme,
-                keep_last_block=par.pipeline == 1,
-            ):
-                gathers = op == "all_gather"
-                _add(out, group, op, calls, nbytes, after_backward=gathers)
-                exchanges += 0 if gathers else calls
-        elif par.zero_stage == 2:  # every micro-batch's backward reduce-scatters each bucket
-            exchanges = m * len(buckets)
-            last_exchange = [("dp", "reduce_scatter", 1, padded(buckets[-1], d) * scheme.grads)]
-            _add(
-                out,
-                "dp",
-                "reduce_scatter",
-                m * len(buckets),
-                m * sum(padded(n, d) for n in buckets) * scheme.grads,
-            )
-        elif par.gradient_compression.mode != "none":
-            bucket_shapes = [
-                [shapes[i] for i in members]
-                for sizes, shapes in zip(reversed(chunks), reversed(chunk_shapes))
-                for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
-            ]
-            for group, op, calls, nbytes in dp_compression.dp_collectives(
-                par.gradient_compression, bucket_shapes, d, scheme.grads
-            ):
-                _add(out, group, op, calls, nbytes)
-            exchanges = len(bucket_shapes)
-            last_exchange = dp_compression.dp_collectives(
-                par.gradient_compression, bucket_shapes[-1:], d, scheme.grads
-            )
-        elif par.all_reduce == "hierarchical":  # intra-node reduce-scatter and all-gather of each
-            # bucket padded to the k peers of a node, inter-node all-reduce of its 1/k shard
-            k = dp_ranks_per_node(job)
-            full = sum(padded(n, k) for n in buckets) * scheme.grads
-            _add(out, "dp", "reduce_scatter", len(buckets), full)
-            _add(out, "dp", "all_reduce", len(buckets), full // k)
-            _add(out, "dp", "all_gather", len(buckets), full)
-            exchanges = len(buckets)
-            last = padded(buckets[-1], k) * scheme.grads
-            last_exchange = [
-                ("dp", "reduce_scatter", 1, last),
-                ("dp", "all_reduce", 1, last // k),
-                ("dp", "all_gather", 1, last),
-            ]
-        else:
-            _add(out, "dp", "all_reduce", len(buckets), params * scheme.grads)
-            exchanges = len(buckets)
-            last_exchange = [("dp", "all_reduce", 1, buckets[-1] * scheme.grads)]
-        if par.zero_stage == 3:  # the norm summed over dp
-            _add(out, "dp", "all_reduce", 1, NORM_BYTES, after_backward=True)
-        elif (
-            par.zero_stage >= 1
-        ):  # owned weights all-gathered bucket by bucket; the norm summed over dp
-            _add(
-                out,
-                "dp",
-                "all_gather",
-                len(buckets),
-                sum(padded(n, d) for n in buckets) * scheme.weights,
-                after_backward=True,
-            )
-            _add(out, "dp", "all_reduce", 1, NORM_BYTES, after_backward=True)
-
-    # Tensor parallel: activations per micro-batch, then per-step reductions.
-    if t > 1:
-        # a full (B, T, H) residual-stream tensor and a row-parallel output, as they cross the group
-        stream = matmul = b * s * h * scheme.wire_bytes
-        blocks = layers_per_chunk * v
-        if sp:
-            # Per sub-layer: gather in / reduce-scatter out forward, the reverse backward.
-            # Each op runs once on a stream tensor and once on a matmul output per sub-layer.
-            _add(out, "tp", "all_gather", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
-            _add(out, "tp", "reduce_scatter", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
-            if (
-                recompute
-            ):  # the replayed forward: both gathers, and the attention output's reduce-scatter
-                _add(out, "tp", "all_gather", 2 * blocks * m, 2 * blocks * m * stream)
-                _add(out, "tp", "reduce_scatter", blocks * m, blocks * m * matmul)
-        else:
-            # Per sub-layer: reduce the row-parallel output forward, the column-parallel input gradient backward.
-            _add(out, "tp", "all_reduce", 4 * blocks * m, 2 * blocks * m * (stream + matmul))
-            if recompute:  # the replayed forward: the attention output's reduction
-                _add(out, "tp", "all_reduce", blocks * m, blocks * m * matmul)
-        if holds_first:  # vocabulary-parallel embedding: sum of the partial lookups
-            if sp:
-                _add(out, "tp", "reduce_scatter", m, m * stream)
-                _add(out, "tp", "all_gather", m, m * stream)
-            else:
-                _add(out, "tp", "all_reduce", m, m * stream)
-        if holds_last:  # head input gradient, then the cross entropy's max and (target, sum-exp)
-            if sp:
-                _add(out, "tp", "all_gather", m, m * stream)
-                _add(out, "tp", "reduce_scatter", m, m * stream)
-            else:
-                _add(out, "tp", "all_reduce", m, m * stream)
-            _add(out, "tp", "all_reduce", 2 * m, m * b * s * LOSS_BYTES * 3)
-        if sp:  # replicated parameters' gradients are per-slice partials under SP
-            norm = memory.norm_params(shape)
-            positions = 0 if shape.family == "llama" else s * h
-            replicated = (
-                2 * norm * layers_per_chunk * v
-                + (positions if holds_first else 0)
-                + (norm if holds_last else 0)
-            )
-            _add(out, "tp", "all_reduce", 1, replicated * scheme.grads)
-        if shape.key_value_heads < t:  # replicated key/value heads: their rows' gradients summed
-            kv_rows = 2 * shape.head_dim  # over the ranks holding the head (ZeRO-2: the owned part)
-            _add(out, "tp", "all_reduce", 1, blocks * kv_rows * h * scheme.grads)
-        _add(out, "tp", "all_reduce", 1, NORM_BYTES)
-
-    # Pipeline: activations forward, their gradients backward, then the norm scalar.
-    if p > 1:
-        seq = s // t if sp else s
-        message = b * seq * h * scheme.wire_bytes
-        sends = sum((j != last_virtual) + (j != 0) for j in virtuals) * m
-        _add(out, "pp", "send", sends, sends * message)
-        if shape.tie_embeddings and (holds_first or holds_last):  # the two copies' gradients summed
-            _add(out, "pp", "all_reduce", 1, memory.vocab_rows(shape, t) * h * scheme.grads)
-        _add(out, "pp", "all_reduce", 1, NORM_BYTES)
-
-    members = {"dp": d, "tp": t, "pp": p}
-    collectives = tuple(
+    for row in rows:
+        if row.calls <= 0:
+            continue
+        entry = out.setdefault((row.group, row.op, row.after_backward), [0, 0])
+        entry[0] += row.calls
+        entry[1] += int(row.nbytes)
+    return tuple(
         Collective(
             group=g,
             op=op,
@@ -443,24 +361,219 @@ def stage_comm(job: api_spec.TrainingJobSpec, stage: int, scheme: memory.StateSc
         )
         for (g, op, after), (calls, nbytes) in sorted(out.items())
     )
-    return StageComm(
-        stage=stage,
-        collectives=collectives,
-        dp_exchanges=exchanges,
-        dp_last_exchange=tuple(
-            Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=d)
-            for g, op, calls, nbytes in last_exchange
+
+
+def _dp_exchange(
+    job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
+) -> _Exchange:
+    """The gradient buckets' exchanges of the job's kind, and under ZeRO the gather of the updated weights."""
+    par = job.parallelism
+    # Buckets never span two chunks; the last chunk's come first.
+    buckets = [
+        n
+        for sizes in reversed(chunks.sizes)
+        for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
+    ]
+    if par.zero_stage == 3:
+        exchange = _zero3_exchange(job, chunks, scheme)
+    elif par.zero_stage == 2:
+        exchange = _zero2_exchange(job, buckets, scheme)
+    elif par.gradient_compression.mode != "none":
+        exchange = _compressed_exchange(job, chunks, scheme)
+    elif par.all_reduce == "hierarchical":
+        exchange = _hierarchical_exchange(job, buckets, scheme)
+    else:
+        params = sum(sum(sizes) for sizes in chunks.sizes)
+        exchange = _Exchange(
+            [_Row("dp", "all_reduce", len(buckets), params * scheme.grads)],
+            len(buckets),
+            (("dp", "all_reduce", 1, buckets[-1] * scheme.grads),),
+        )
+    return dataclasses.replace(
+        exchange, rows=exchange.rows + _zero_after_backward(job, buckets, scheme)
+    )
+
+
+def _zero3_exchange(
+    job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
+) -> _Exchange:
+    """FSDP2's gathers (after backward's overlap) and reduce-scatters (each one exchange)."""
+    par = job.parallelism
+    rows = [
+        _Row(group, op, calls, nbytes, after_backward=op == "all_gather")
+        for group, op, calls, nbytes in zero3_collectives(
+            job.model.shape(),
+            par.tensor,
+            par.data,
+            par.micro_batches,
+            list(chunks.virtuals),
+            chunks.layers,
+            chunks.last_virtual,
+            scheme,
+            keep_last_block=par.pipeline == 1,
+        )
+    ]
+    return _Exchange(rows, sum(row.calls for row in rows if not row.after_backward))
+
+
+def _zero2_exchange(
+    job: api_spec.TrainingJobSpec, buckets: list[int], scheme: precision.StateScheme
+) -> _Exchange:
+    """Every micro-batch's backward reduce-scatters each bucket, padded to the group."""
+    d, m = job.parallelism.data, job.parallelism.micro_batches
+    nbytes = m * sum(padded(n, d) for n in buckets) * scheme.grads
+    return _Exchange(
+        [_Row("dp", "reduce_scatter", m * len(buckets), nbytes)],
+        m * len(buckets),
+        (("dp", "reduce_scatter", 1, padded(buckets[-1], d) * scheme.grads),),
+    )
+
+
+def _compressed_exchange(
+    job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
+) -> _Exchange:
+    """Each bucket's compressed exchange (:mod:`.gradient_compression`), from its members' shapes."""
+    par = job.parallelism
+    bucket_shapes = [
+        [shapes[i] for i in members]
+        for sizes, shapes in zip(reversed(chunks.sizes), reversed(chunks.shapes))
+        for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
+    ]
+    compression = par.gradient_compression
+    rows = gradient_compression.dp_collectives(compression, bucket_shapes, par.data, scheme.grads)
+    last = gradient_compression.dp_collectives(
+        compression, bucket_shapes[-1:], par.data, scheme.grads
+    )
+    return _Exchange([_Row(*row) for row in rows], len(bucket_shapes), tuple(last))
+
+
+def _hierarchical_exchange(
+    job: api_spec.TrainingJobSpec, buckets: list[int], scheme: precision.StateScheme
+) -> _Exchange:
+    """Per bucket, padded to a node's k peers: reduce-scatter inside, all-reduce of the 1/k shard across, all-gather inside."""
+    k = dp_ranks_per_node(job)
+    full = sum(padded(n, k) for n in buckets) * scheme.grads
+    last = padded(buckets[-1], k) * scheme.grads
+    return _Exchange(
+        [
+            _Row("dp", "reduce_scatter", len(buckets), full),
+            _Row("dp", "all_reduce", len(buckets), full // k),
+            _Row("dp", "all_gather", len(buckets), full),
+        ],
+        len(buckets),
+        (
+            ("dp", "reduce_scatter", 1, last),
+            ("dp", "all_reduce", 1, last // k),
+            ("dp", "all_gather", 1, last),
         ),
     )
 
 
-def plan_comm(job: api_spec.TrainingJobSpec, scheme: memory.StateScheme) -> tuple[StageComm, ...]:
+def _zero_after_backward(
+    job: api_spec.TrainingJobSpec, buckets: list[int], scheme: precision.StateScheme
+) -> list[_Row]:
+    """ZeRO after backward: the norm summed over dp and (stages 1-2) the owned weights gathered bucket by bucket."""
+    par = job.parallelism
+    norm = _Row("dp", "all_reduce", 1, NORM_BYTES, after_backward=True)
+    if par.zero_stage == 3:
+        return [norm]
+    if par.zero_stage >= 1:
+        weights = sum(padded(n, par.data) for n in buckets) * scheme.weights
+        return [_Row("dp", "all_gather", len(buckets), weights, after_backward=True), norm]
+    return []
+
+
+def _tp_rows(
+    job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
+) -> list[_Row]:
+    """Tensor parallel: activations per micro-batch, then the per-step reductions (none without TP)."""
+    shape, par = job.model.shape(), job.parallelism
+    t, m = par.tensor, par.micro_batches
+    if t == 1:
+        return []
+    sp = par.sequence_parallel
+    # Activation checkpointing replays each block's forward in backward, and PyTorch stops the replay once
+    # the last tensor backward needs exists: the MLP output's collective (its result saves nothing) is skipped.
+    recompute = job.training.activation_checkpointing
+    b, s, h = job.training.micro_batch, shape.seq_len, shape.hidden
+    # a full (B, T, H) residual-stream tensor and a row-parallel output, as they cross the group
+    stream = matmul = b * s * h * scheme.wire_bytes
+    blocks = chunks.layers * len(chunks.virtuals)
+    first, last = chunks.holds_first, chunks.holds_last
+    per_block = (
+        2 * blocks * m * (stream + matmul)
+    )  # each sub-layer: a stream tensor and a matmul output
+    rows = [  # (applies, op, calls, payload bytes)
+        # Per sub-layer, SP: gather in / reduce-scatter out forward, the reverse backward.
+        (sp, "all_gather", 4 * blocks * m, per_block),
+        (sp, "reduce_scatter", 4 * blocks * m, per_block),
+        # the replayed forward: both gathers, and the attention output's reduce-scatter
+        (sp and recompute, "all_gather", 2 * blocks * m, 2 * blocks * m * stream),
+        (sp and recompute, "reduce_scatter", blocks * m, blocks * m * matmul),
+        # Without SP: reduce the row-parallel output forward, the column-parallel input gradient backward.
+        (not sp, "all_reduce", 4 * blocks * m, per_block),
+        (not sp and recompute, "all_reduce", blocks * m, blocks * m * matmul),
+        # vocabulary-parallel embedding: the sum of the partial lookups
+        (first and sp, "reduce_scatter", m, m * stream),
+        (first and sp, "all_gather", m, m * stream),
+        (first and not sp, "all_reduce", m, m * stream),
+        # head input gradient, then the cross entropy's max and (target, sum-exp)
+        (last and sp, "all_gather", m, m * stream),
+        (last and sp, "reduce_scatter", m, m * stream),
+        (last and not sp, "all_reduce", m, m * stream),
+        (last, "all_reduce", 2 * m, m * b * s * LOSS_BYTES * 3),
+        # SP: replicated parameters' gradients are per-slice partials
+        (sp, "all_reduce", 1, _replicated_params(shape, chunks) * scheme.grads),
+        # replicated key/value heads: their rows' gradients summed over the ranks holding the head
+        (
+            shape.key_value_heads < t,
+            "all_reduce",
+            1,
+            blocks * 2 * shape.head_dim * h * scheme.grads,
+        ),
+        (True, "all_reduce", 1, NORM_BYTES),
+    ]
+    return [_Row("tp", op, calls, nbytes) for applies, op, calls, nbytes in rows if applies]
+
+
+def _replicated_params(shape: api_model.ModelShape, chunks: _RankChunks) -> int:
+    """Parameters a tensor rank holds whole (norms, the position table): partial gradients under SP."""
+    norm = parameters.norm_params(shape)
+    positions = 0 if shape.family == "llama" else shape.seq_len * shape.hidden
+    return (
+        2 * norm * chunks.layers * len(chunks.virtuals)
+        + (positions if chunks.holds_first else 0)
+        + (norm if chunks.holds_last else 0)
+    )
+
+
+def _pp_rows(
+    job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
+) -> list[_Row]:
+    """Pipeline: activations forward, their gradients backward, then the norm scalar (none without a pipeline)."""
+    shape, par = job.model.shape(), job.parallelism
+    if par.pipeline == 1:
+        return []
+    t, h = par.tensor, shape.hidden
+    seq = shape.seq_len // t if par.sequence_parallel and t > 1 else shape.seq_len
+    message = job.training.micro_batch * seq * h * scheme.wire_bytes
+    sends = sum((j != chunks.last_virtual) + (j != 0) for j in chunks.virtuals) * par.micro_batches
+    rows = [_Row("pp", "send", sends, sends * message)]
+    if shape.tie_embeddings and (chunks.holds_first or chunks.holds_last):
+        # the two copies' gradients summed
+        rows.append(_Row("pp", "all_reduce", 1, parameters.vocab_rows(shape, t) * h * scheme.grads))
+    return rows + [_Row("pp", "all_reduce", 1, NORM_BYTES)]
+
+
+def plan_comm(
+    job: api_spec.TrainingJobSpec, scheme: precision.StateScheme
+) -> tuple[StageComm, ...]:
     """Collectives of every pipeline stage (ranks of one stage send alike)."""
     return tuple(stage_comm(job, stage, scheme) for stage in range(job.parallelism.pipeline))
 
 
 def placement_traffic(
-    job: api_spec.TrainingJobSpec, scheme: memory.StateScheme
+    job: api_spec.TrainingJobSpec, scheme: precision.StateScheme
 ) -> tuple[float, float]:
     """Bytes per step in the placement module's terms, from this model: (dp, pp).
 

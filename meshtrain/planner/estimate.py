@@ -2,7 +2,7 @@
 
 :func:`make_plan`, which runs the memory, communication and time
 models and, given cluster nodes, the operator's placement planner, and
-returns one :class:`Plan` value that :mod:`.plan_report` prints and
+returns one :class:`Plan` value that :mod:`.report` prints and
 :mod:`.admission` summarises.  Not a printer or a reader of
 files; it works on values only.
 """
@@ -14,7 +14,11 @@ from collections.abc import Sequence
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, cost, memory, placement_request, profiles, validation
+from meshtrain.planner import comm, memory, placement_request, precision, profiles, validation
+from meshtrain.planner.timing import step_time
+
+DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
+"""Tokens per step past which a warning is printed (GPT-3 trained at ~3.2M tokens; see docs/planner.md)."""
 
 NOISE_SCALE_FAR_ABOVE = 10.0
 """A global batch this many times the measured gradient noise scale is far above it (warned)."""
@@ -85,7 +89,7 @@ class Plan:
     """Per-stage memory."""
     comm: tuple[comm.StageComm, ...]
     """Per-stage collectives."""
-    time: cost.TimePlan
+    time: step_time.TimePlan
     """Predicted step."""
     batch: BatchCheck
     """Global batch and its warning."""
@@ -150,12 +154,12 @@ def make_plan(
     *,
     recipe: str = "meshtrain",
     nodes: Sequence[placement.Node] | None = None,
-    critical_batch_tokens: int = cost.DEFAULT_CRITICAL_BATCH_TOKENS,
+    critical_batch_tokens: int = DEFAULT_CRITICAL_BATCH_TOKENS,
     noise_scale: float | None = None,
 ) -> Plan:
     """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
-    precision = memory.resolve_precision(job, profile)
-    scheme = memory.scheme_for(precision, recipe)
+    trained_in = precision.resolve_precision(job, profile)
+    scheme = precision.scheme_for(trained_in, recipe)
     mem = memory.plan_memory(job, profile, recipe)
     stage_comms = comm.plan_comm(job, scheme)
     placed = place(job, nodes) if nodes is not None else None
@@ -164,7 +168,7 @@ def make_plan(
         if nodes is not None and placed is not None and placed.nodes
         else None
     )
-    time_plan = cost.plan_time(job, profile, stage_comms, domains)
+    time_plan = step_time.plan_time(job, profile, stage_comms, domains)
     shape = job.model.shape()
     batch = BatchCheck(
         sequences=job.global_batch,
@@ -175,7 +179,7 @@ def make_plan(
     return Plan(
         job=job,
         profile=profile,
-        precision=precision,
+        precision=trained_in,
         recipe=recipe,
         memory=mem,
         comm=stage_comms,

@@ -1,13 +1,8 @@
-"""Memory model: parameters and bytes per GPU by component for a TrainingJob layout.
+"""Memory model: bytes per GPU by component for a TrainingJob layout.
 
-Pure arithmetic on the model shape and the layout.
+Pure arithmetic on the model shape and the layout, from the parameters one
+rank holds (:mod:`.parameters`):
 
-* Parameter counts of meshtrain's GPT (:mod:`meshtrain.trainer.models.gpt`: untied
-  token embedding, learned positions, pre-norm blocks without biases in the
-  linears, final LayerNorm, LM head), for the whole model and for the shard
-  one rank holds (its pipeline stage, split over the tensor-parallel group;
-  the token embedding and the head are split along the vocabulary, the
-  position table and the LayerNorms are replicated).
 * Model state per rank (weights, gradients, optimizer state) with the
   bytes-per-parameter of the precision and the division ZeRO applies.
 * Activation memory per micro-batch per layer (the accounting of Korthikanti
@@ -23,180 +18,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshtrain.api import layout
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.api.spec import parallelism as api_parallelism
-from meshtrain.planner import dp_compression, profiles
-
-
-@dataclasses.dataclass(frozen=True)
-class StateScheme:
-    """Bytes per parameter of the model state and per activation element for one precision recipe."""
-
-    name: str
-    """Short name: ``mixed``, ``autocast`` or ``fp32``."""
-    weights: int
-    """Bytes of the weights the forward pass reads."""
-    grads: int
-    """Bytes of a gradient (also the element size of the data-parallel gradient reduction)."""
-    optimizer: int
-    """Bytes of optimizer state (fp32 master copy where there is one, Adam first and second moments)."""
-    stream_bytes: int
-    """Bytes of a residual-stream element: block inputs, LayerNorm outputs, pipeline activations."""
-    matmul_bytes: int
-    """Bytes of a matmul output element (Q, K, V, attention output, MLP hidden, row-parallel outputs)."""
-    wire_bytes: int
-    """Bytes of an activation (or activation-gradient) element sent between pipeline stages or inside the TP group."""
-
-    @property
-    def total(self) -> int:
-        """Bytes per parameter without sharding (16 for Adam in every recipe)."""
-        return self.weights + self.grads + self.optimizer
-
-
-MIXED = StateScheme(
-    "mixed", weights=2, grads=2, optimizer=12, stream_bytes=2, matmul_bytes=2, wire_bytes=2
-)
-"""Mixed-precision Adam as in the ZeRO paper (Rajbhandari et al. 2020) and Megatron-LM:
-16-bit weights and gradients, fp32 master weights and Adam moments (4 + 4 + 4), 16-bit activations."""
-
-AUTOCAST = StateScheme(
-    "autocast", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=2, wire_bytes=2
-)
-"""What meshtrain's trainer does for bf16: fp32 weights (the master copy), fp32 gradients and
-Adam moments, bf16 autocast for matmuls while LayerNorms and the residual stream stay fp32;
-activations cross pipeline stages and the TP group in bf16."""
-
-FP32 = StateScheme(
-    "fp32", weights=4, grads=4, optimizer=8, stream_bytes=4, matmul_bytes=4, wire_bytes=4
-)
-"""Plain fp32 Adam (CPU training): 4 + 4 + (4 m + 4 v), fp32 activations."""
-
-RECIPES = ("meshtrain", "mixed")
-"""How bf16 training is accounted: as meshtrain's trainer runs it, or the 2+2+12 literature recipe."""
-
-
-def resolve_precision(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> str:
-    """The precision a job trains in on a device: ``auto`` takes the profile's."""
-    return profile.precision if job.training.precision == "auto" else job.training.precision
-
-
-def scheme_for(precision: str, recipe: str = "meshtrain") -> StateScheme:
-    """The state scheme of a precision: fp32 -> :data:`FP32`; bf16 -> :data:`AUTOCAST` or :data:`MIXED`."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
-    if precision == "fp32":
-        return FP32
-    if precision == "bf16":
-        return AUTOCAST if recipe == "meshtrain" else MIXED
-    raise ValueError(f"unknown precision {precision!r}; known: bf16, fp32")
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-def norm_params(shape: api_model.ModelShape) -> int:
-    """Parameters of one norm: LayerNorm weight and bias (gpt), RMSNorm weight (llama)."""
-    return shape.hidden if shape.family == "llama" else 2 * shape.hidden
-
-
-def block_matrices(shape: api_model.ModelShape) -> list[int]:
-    """Dense sizes of one block's matrices in registration order: QKV, attention proj, MLP in, MLP out.
-
-    gpt: QKV 3h^2 and a GELU MLP (f h twice); llama: grouped-query QKV
-    (h + 2 kv hd) h and SwiGLU (gate and up fused, 2 f h, then f h).
-    """
-    h, f = shape.hidden, shape.ffn_hidden
-    if shape.family == "llama":
-        kv = shape.key_value_heads * shape.head_dim
-        return [(h + 2 * kv) * h, h * h, 2 * f * h, f * h]
-    return [3 * h * h, h * h, f * h, h * f]
-
-
-def kv_heads_per_rank(shape: api_model.ModelShape, tensor: int) -> int:
-    """Key/value heads a tensor rank holds: its share, or one (replicated) when there are fewer heads than ranks."""
-    return max(shape.key_value_heads // tensor, 1)
-
-
-def local_block_matrices(shape: api_model.ModelShape, tensor: int) -> list[int]:
-    """:func:`block_matrices` on one tensor-parallel rank.
-
-    Each is split over ``tensor`` ranks, except that a Llama QKV keeps one
-    whole key/value head per rank when there are fewer than ``tensor``
-    (the trainer replicates them, as vLLM does).
-    """
-    h, f = shape.hidden, shape.ffn_hidden
-    if shape.family == "llama":
-        kv = kv_heads_per_rank(shape, tensor) * shape.head_dim
-        return [(h // tensor + 2 * kv) * h, h * h // tensor, 2 * f * h // tensor, f * h // tensor]
-    return [n // tensor for n in block_matrices(shape)]
-
-
-def layer_params(shape: api_model.ModelShape, tensor: int = 1) -> int:
-    """Parameters of one block on one tensor-parallel rank.
-
-    Two norms (replicated) plus the block's matrices (:func:`block_matrices`),
-    split over ``tensor`` ranks (:func:`local_block_matrices`).
-    """
-    return 2 * norm_params(shape) + sum(local_block_matrices(shape, tensor))
-
-
-def vocab_rows(shape: api_model.ModelShape, tensor: int) -> int:
-    """Rows of the token table (and the head) on one tensor rank: the padded vocabulary's share."""
-    return layout.padded_vocab(shape.vocab, tensor) // tensor
-
-
-def embedding_params(shape: api_model.ModelShape, tensor: int = 1) -> int:
-    """Token table (split along the vocabulary) plus the replicated position table (gpt only)."""
-    positions = 0 if shape.family == "llama" else shape.seq_len * shape.hidden
-    return vocab_rows(shape, tensor) * shape.hidden + positions
-
-
-def head_params(shape: api_model.ModelShape, tensor: int = 1) -> int:
-    """Final norm (replicated) plus the LM head (split along the vocabulary; none when tied to the embedding)."""
-    head = 0 if shape.tie_embeddings else vocab_rows(shape, tensor) * shape.hidden
-    return norm_params(shape) + head
-
-
-def total_params(shape: api_model.ModelShape) -> int:
-    """Parameters of the whole model: L blocks + embeddings + final norm and head."""
-    return shape.layers * layer_params(shape) + embedding_params(shape) + head_params(shape)
-
-
-def rank_params(shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int) -> int:
-    """Parameters held by one rank of pipeline ``stage`` (0-based): its layers' TP shard.
-
-    Layers split evenly over stages (interleaving changes which layers a rank
-    holds, not how many); the embeddings live on stage 0 and the final norm
-    and head on the last stage.
-    """
-    if not 0 <= stage < pipeline:
-        raise ValueError(f"stage {stage} outside 0..{pipeline - 1}")
-    count = shape.layers // pipeline * layer_params(shape, tensor)
-    if stage == 0:
-        count += embedding_params(shape, tensor)
-    if stage == pipeline - 1:
-        count += head_params(shape, tensor)
-        if shape.tie_embeddings and pipeline > 1:  # the last stage's copy of the tied matrix
-            count += vocab_rows(shape, tensor) * shape.hidden
-    return count
-
-
-def rank_matrices(
-    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int
-) -> list[tuple[int, int]]:
-    """(rows, columns) of the 2-D parameters one rank of ``stage`` holds (as :func:`rank_params` counts them)."""
-    h = shape.hidden
-    qkv, proj, fc, down = local_block_matrices(shape, tensor)
-    out = shape.layers // pipeline * [(qkv // h, h), (h, proj // h), (fc // h, h), (h, down // h)]
-    table = (vocab_rows(shape, tensor), h)
-    if stage == 0:
-        out += [table] + ([] if shape.family == "llama" else [(shape.seq_len, h)])
-    if stage == pipeline - 1 and not (shape.tie_embeddings and pipeline == 1):
-        out.append(table)
-    return out
-
+from meshtrain.planner import comm, gradient_compression, parameters, precision, profiles
 
 # --------------------------------------------------------------------------- model state
 
@@ -218,7 +43,9 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
-def state_bytes(params: float, scheme: StateScheme, zero_stage: int, data: int) -> StateBytes:
+def state_bytes(
+    params: float, scheme: precision.StateScheme, zero_stage: int, data: int
+) -> StateBytes:
     """Weights, gradients and optimizer state of ``params`` parameters on one rank.
 
     ZeRO (Rajbhandari et al. 2020) shards over the ``data`` ranks holding the
@@ -248,7 +75,7 @@ def layer_activation_bytes(
     shape: api_model.ModelShape,
     micro_batch: int,
     tensor: int,
-    scheme: StateScheme,
+    scheme: precision.StateScheme,
     *,
     sequence_parallel: bool,
     fused_attention: bool = True,
@@ -299,7 +126,7 @@ def layer_activation_bytes(
         kept_norms * h * (scheme.wire_bytes if sequence_parallel else scheme.matmul_bytes)
     )
     if llama:  # rotated q, attention output; rotated k and v: this rank's key/value heads
-        kv = kv_heads_per_rank(shape, tensor) * shape.head_dim
+        kv = parameters.kv_heads_per_rank(shape, tensor) * shape.head_dim
         matmul_outputs = 2 * h / tensor + 2 * kv
     else:  # q, k, v, attention output
         matmul_outputs = 4 * h / tensor
@@ -316,7 +143,7 @@ def checkpointed_layer_bytes(
     shape: api_model.ModelShape,
     micro_batch: int,
     tensor: int,
-    scheme: StateScheme,
+    scheme: precision.StateScheme,
     *,
     sequence_parallel: bool,
 ) -> float:
@@ -336,7 +163,8 @@ LOSS_CHUNK_BYTES = 256 * 2**20
 def loss_chunk_tokens(shape: api_model.ModelShape, micro_batch: int, tensor: int) -> int:
     """Tokens per chunk of the trainer's fused loss: one chunk's fp32 logits within :data:`LOSS_CHUNK_BYTES`."""
     return min(
-        shape.seq_len * micro_batch, max(1, LOSS_CHUNK_BYTES // (4 * vocab_rows(shape, tensor)))
+        shape.seq_len * micro_batch,
+        max(1, LOSS_CHUNK_BYTES // (4 * parameters.vocab_rows(shape, tensor))),
     )
 
 
@@ -346,7 +174,7 @@ def loss_chunks(shape: api_model.ModelShape, micro_batch: int, tensor: int) -> i
 
 
 def head_activation_bytes(
-    shape: api_model.ModelShape, micro_batch: int, tensor: int, scheme: StateScheme
+    shape: api_model.ModelShape, micro_batch: int, tensor: int, scheme: precision.StateScheme
 ) -> float:
     """Activation bytes of the last stage's final norm, head and loss per micro-batch.
 
@@ -357,7 +185,7 @@ def head_activation_bytes(
     runs one chunk's logits exist in fp32 (and in the matmul dtype first,
     when that is narrower).
     """
-    s, b, vocab = shape.seq_len, micro_batch, vocab_rows(shape, tensor)
+    s, b, vocab = shape.seq_len, micro_batch, parameters.vocab_rows(shape, tensor)
     chunk = loss_chunk_tokens(shape, micro_batch, tensor)
     logit_bytes = 4 + (scheme.matmul_bytes if scheme.matmul_bytes < 4 else 0)
     return (
@@ -374,7 +202,7 @@ def weight_cast_bytes(
     flight: float,
     *,
     last: bool,
-    scheme: StateScheme,
+    scheme: precision.StateScheme,
     checkpointing: bool = False,
     recompute: Sequence[str] = (),
 ) -> float:
@@ -394,7 +222,7 @@ def weight_cast_bytes(
     """
     if scheme.matmul_bytes >= scheme.weights:
         return 0.0
-    qkv, proj, mlp_in, mlp_out = local_block_matrices(shape, tensor)
+    qkv, proj, mlp_in, mlp_out = parameters.local_block_matrices(shape, tensor)
     block = qkv + proj + mlp_in + mlp_out
     if checkpointing:
         matrices: float = block
@@ -403,7 +231,7 @@ def weight_cast_bytes(
     else:
         matrices = flight * layers * block
     if last:  # the head, tied to the token table or not
-        matrices += vocab_rows(shape, tensor) * shape.hidden
+        matrices += parameters.vocab_rows(shape, tensor) * shape.hidden
     return float(matrices * scheme.matmul_bytes)
 
 
@@ -446,14 +274,14 @@ MOMENT_BYTES = 4
 
 def largest_param(shape: api_model.ModelShape, tensor: int, *, first: bool, last: bool) -> int:
     """Elements of the largest parameter tensor of a stage (a bucket overshoots by at most one)."""
-    sizes = local_block_matrices(shape, tensor)
+    sizes = parameters.local_block_matrices(shape, tensor)
     if first or last:
-        sizes.append(vocab_rows(shape, tensor) * shape.hidden)
+        sizes.append(parameters.vocab_rows(shape, tensor) * shape.hidden)
     return max(sizes)
 
 
 def working_buffers(
-    params: int, largest: int, par: api_parallelism.Parallelism, scheme: StateScheme
+    params: int, largest: int, par: api_parallelism.Parallelism, scheme: precision.StateScheme
 ) -> tuple[float, float]:
     """(backward's transient buffers, the optimizer step's temporaries) of one rank, in bytes.
 
@@ -479,7 +307,7 @@ def working_buffers(
 
 
 def zero3_gathered(
-    block: int, root: int, tables: int, data: int, scheme: StateScheme
+    block: int, root: int, tables: int, data: int, scheme: precision.StateScheme
 ) -> tuple[float, float]:
     """What FSDP2 holds beside the shards under ZeRO-3: (during backward, with the activations; at the end of a chunk's backward).
 
@@ -566,7 +394,7 @@ class MemoryPlan:
 
     total_params: int
     """Parameters of the whole model."""
-    scheme: StateScheme
+    scheme: precision.StateScheme
     """Bytes-per-parameter scheme used."""
     stages: tuple[RankMemory, ...]
     """One entry per pipeline stage (ranks of a stage are alike)."""
@@ -602,113 +430,173 @@ class MemoryPlan:
         return self.headroom >= 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _LayerBytes:
+    """Activation bytes of one block and micro-batch on one rank, as the job's recompute settings keep them."""
+
+    kept: float
+    """What a block keeps for backward, less what selective recompute drops."""
+    rebuilt: float
+    """What backward rebuilds of the one block it recomputes at a time (selective recompute)."""
+    checkpointed: float
+    """Under activation checkpointing: the block's input only."""
+
+    @classmethod
+    def of(cls, job: api_spec.TrainingJobSpec, scheme: precision.StateScheme) -> _LayerBytes:
+        """The figures of ``job``'s blocks."""
+        shape, par, micro_batch = job.model.shape(), job.parallelism, job.training.micro_batch
+        sp = par.sequence_parallel
+        kept = layer_activation_bytes(
+            shape,
+            micro_batch,
+            par.tensor,
+            scheme,
+            sequence_parallel=sp,
+            recompute=job.training.selective_recompute,
+        )
+        whole = layer_activation_bytes(shape, micro_batch, par.tensor, scheme, sequence_parallel=sp)
+        return cls(
+            kept=kept,
+            rebuilt=whole - kept,
+            checkpointed=checkpointed_layer_bytes(
+                shape, micro_batch, par.tensor, scheme, sequence_parallel=sp
+            ),
+        )
+
+
 def plan_memory(
     job: api_spec.TrainingJobSpec, profile: profiles.Profile, recipe: str = "meshtrain"
 ) -> MemoryPlan:
-    """Per-stage memory of a job on a device profile (``recipe``: see :data:`RECIPES`)."""
-    shape = job.model.shape()
-    par = job.parallelism
-    scheme = scheme_for(resolve_precision(job, profile), recipe)
-    virtual = par.virtual_stages
-    # One stage is plain gradient accumulation: the trainer runs it as 1F1B.
-    schedule = par.schedule if par.pipeline > 1 else "1f1b"
-    micro_batch = job.training.micro_batch
-    per_layer = layer_activation_bytes(
-        shape,
-        micro_batch,
-        par.tensor,
-        scheme,
-        sequence_parallel=par.sequence_parallel,
-        recompute=job.training.selective_recompute,
-    )
-    # selective recompute: backward rebuilds the dropped parts of one block at a time
-    rebuilt = (
-        layer_activation_bytes(
-            shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
-        )
-        - per_layer
-    )
-    kept_per_layer = checkpointed_layer_bytes(
-        shape, micro_batch, par.tensor, scheme, sequence_parallel=par.sequence_parallel
-    )
-    layers_per_stage = shape.layers // par.pipeline
-    stages = []
-    for stage in range(par.pipeline):
-        params = rank_params(shape, par.pipeline, par.tensor, stage)
-        state = state_bytes(params, scheme, par.zero_stage, par.data)
-        flight = in_flight_microbatches(schedule, par.pipeline, par.micro_batches, stage, virtual)
-        if (
-            job.training.activation_checkpointing
-        ):  # block inputs kept; one block's working set rebuilt at a time
-            activations = flight * layers_per_stage * kept_per_layer + per_layer
-        else:
-            activations = flight * layers_per_stage * per_layer + rebuilt
-        if stage == par.pipeline - 1:
-            head_flight = par.micro_batches if schedule == "gpipe" else 1
-            activations += head_flight * head_activation_bytes(
-                shape, micro_batch, par.tensor, scheme
-            )
-        last = stage == par.pipeline - 1
-        casts = 0.0
-        if not (par.zero_stage == 3 and par.data > 1):  # FSDP2 gathers bf16 weights: no casts
-            casts = weight_cast_bytes(
-                shape,
-                par.tensor,
-                layers_per_stage,
-                flight,
-                last=last,
-                scheme=scheme,
-                checkpointing=job.training.activation_checkpointing,
-                recompute=job.training.selective_recompute,
-            )
-        largest = largest_param(shape, par.tensor, first=stage == 0, last=last)
-        buffers, step_buffers = working_buffers(params, largest, par, scheme)
-        reduce_end = 0.0
-        if par.zero_stage == 3 and par.data > 1:
-            block = layer_params(shape, par.tensor)
-            # zero3.units: untied tables without pipelining are a unit of their own
-            own_unit = stage == 0 and not shape.tie_embeddings and par.pipeline == 1
-            tables = embedding_params(shape, par.tensor) if own_unit else 0
-            root = params - layers_per_stage * block - tables
-            buffers, reduce_end = zero3_gathered(block, root, tables, par.data, scheme)
-        compression, exchange = 0.0, 0.0
-        bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)
-        if par.data > 1:
-            compression, exchange = dp_compression.memory_bytes(
-                par.gradient_compression,
-                params,
-                rank_matrices(shape, par.pipeline, par.tensor, stage),
-                bucket,
-                par.data,
-                scheme.grads,
-            )
-        if par.data > 1 and par.all_reduce == "hierarchical" and not exchange:
-            # the bucket padded to the node's k ranks and the 1/k shard reduced across nodes
-            # (comm.dp_ranks_per_node: comm imports this module)
-            k = min(max(job.resources.gpus_per_node // par.tensor, 1), par.data)
-            exchange = bucket * scheme.grads * (1 + 1 / k)
-        stages.append(
-            RankMemory(
-                stage=stage,
-                params=params,
-                weights=state.weights,
-                grads=state.grads,
-                optimizer=state.optimizer,
-                activations=activations,
-                in_flight=flight,
-                buffers=buffers,
-                step_buffers=step_buffers,
-                reduce_end=reduce_end,
-                other_activations=activations * max(0.0, flight - 1) / flight,
-                weight_casts=casts,
-                compression=compression,
-                exchange=exchange,
-            )
-        )
+    """Per-stage memory of a job on a device profile (``recipe``: see :data:`~.precision.RECIPES`)."""
+    scheme = precision.scheme_for(precision.resolve_precision(job, profile), recipe)
+    layer = _LayerBytes.of(job, scheme)
     return MemoryPlan(
-        total_params=total_params(shape),
+        total_params=parameters.total_params(job.model.shape()),
         scheme=scheme,
-        stages=tuple(stages),
+        stages=tuple(
+            _rank_memory(job, stage, scheme, layer) for stage in range(job.parallelism.pipeline)
+        ),
         capacity=profile.tensor_memory_bytes,
         reserved=profile.reserved_bytes,
     )
+
+
+def _rank_memory(
+    job: api_spec.TrainingJobSpec, stage: int, scheme: precision.StateScheme, layer: _LayerBytes
+) -> RankMemory:
+    """The peak memory of one rank of ``stage``, by component."""
+    shape, par = job.model.shape(), job.parallelism
+    params = parameters.rank_params(shape, par.pipeline, par.tensor, stage)
+    state = state_bytes(params, scheme, par.zero_stage, par.data)
+    virtual = par.virtual_stages
+    flight = in_flight_microbatches(_schedule(job), par.pipeline, par.micro_batches, stage, virtual)
+    activations = _activations(job, stage, scheme, layer, flight)
+    largest = largest_param(shape, par.tensor, first=stage == 0, last=stage == par.pipeline - 1)
+    buffers, step_buffers = working_buffers(params, largest, par, scheme)
+    reduce_end = 0.0
+    if par.zero_stage == 3 and par.data > 1:  # FSDP2's gathered units, not ZeRO-2's buckets
+        buffers, reduce_end = _zero3_units(job, stage, params, scheme)
+    compression, exchange = _exchange_bytes(job, stage, params, largest, scheme)
+    return RankMemory(
+        stage=stage,
+        params=params,
+        weights=state.weights,
+        grads=state.grads,
+        optimizer=state.optimizer,
+        activations=activations,
+        in_flight=flight,
+        buffers=buffers,
+        step_buffers=step_buffers,
+        reduce_end=reduce_end,
+        other_activations=activations * max(0.0, flight - 1) / flight,
+        weight_casts=_weight_casts(job, stage, scheme, flight),
+        compression=compression,
+        exchange=exchange,
+    )
+
+
+def _schedule(job: api_spec.TrainingJobSpec) -> str:
+    """The job's schedule; one stage is plain gradient accumulation, which the trainer runs as 1F1B."""
+    par = job.parallelism
+    return par.schedule if par.pipeline > 1 else "1f1b"
+
+
+def _activations(
+    job: api_spec.TrainingJobSpec,
+    stage: int,
+    scheme: precision.StateScheme,
+    layer: _LayerBytes,
+    flight: float,
+) -> float:
+    """Activations at the schedule's peak: ``flight`` micro-batches of the stage's blocks, and the head's."""
+    shape, par = job.model.shape(), job.parallelism
+    layers = shape.layers // par.pipeline
+    if job.training.activation_checkpointing:
+        # block inputs kept; one block's working set rebuilt at a time
+        activations = flight * layers * layer.checkpointed + layer.kept
+    else:
+        activations = flight * layers * layer.kept + layer.rebuilt
+    if stage == par.pipeline - 1:
+        head_flight = par.micro_batches if _schedule(job) == "gpipe" else 1
+        activations += head_flight * head_activation_bytes(
+            shape, job.training.micro_batch, par.tensor, scheme
+        )
+    return activations
+
+
+def _weight_casts(
+    job: api_spec.TrainingJobSpec, stage: int, scheme: precision.StateScheme, flight: float
+) -> float:
+    """Autocast's copies of the stage's weights (:func:`weight_cast_bytes`); none under FSDP2, which gathers bf16."""
+    shape, par = job.model.shape(), job.parallelism
+    if par.zero_stage == 3 and par.data > 1:
+        return 0.0
+    return weight_cast_bytes(
+        shape,
+        par.tensor,
+        shape.layers // par.pipeline,
+        flight,
+        last=stage == par.pipeline - 1,
+        scheme=scheme,
+        checkpointing=job.training.activation_checkpointing,
+        recompute=job.training.selective_recompute,
+    )
+
+
+def _zero3_units(
+    job: api_spec.TrainingJobSpec, stage: int, params: int, scheme: precision.StateScheme
+) -> tuple[float, float]:
+    """FSDP2's gathered units beside a rank's shards (:func:`zero3_gathered`)."""
+    shape, par = job.model.shape(), job.parallelism
+    block = parameters.layer_params(shape, par.tensor)
+    # zero3.units: untied tables without pipelining are a unit of their own
+    own_unit = stage == 0 and not shape.tie_embeddings and par.pipeline == 1
+    tables = parameters.embedding_params(shape, par.tensor) if own_unit else 0
+    root = params - shape.layers // par.pipeline * block - tables
+    return zero3_gathered(block, root, tables, par.data, scheme)
+
+
+def _exchange_bytes(
+    job: api_spec.TrainingJobSpec,
+    stage: int,
+    params: int,
+    largest: int,
+    scheme: precision.StateScheme,
+) -> tuple[float, float]:
+    """Gradient compression's state between steps and one bucket's exchange temporaries (none without dp)."""
+    shape, par = job.model.shape(), job.parallelism
+    if par.data == 1:
+        return 0.0, 0.0
+    bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)
+    compression, exchange = gradient_compression.memory_bytes(
+        par.gradient_compression,
+        params,
+        parameters.rank_matrices(shape, par.pipeline, par.tensor, stage),
+        bucket,
+        par.data,
+        scheme.grads,
+    )
+    if par.all_reduce == "hierarchical" and not exchange:
+        # the bucket padded to the node's k ranks and the 1/k shard reduced across nodes
+        exchange = bucket * scheme.grads * (1 + 1 / comm.dp_ranks_per_node(job))
+    return compression, exchange

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from meshtrain.api import spec as api_spec
 from meshtrain.placement import values
-from meshtrain.planner import comm, memory
+from meshtrain.planner import comm, precision
 
 
 def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
     """The placement request of a (validated) TrainingJob spec."""
     par = job.parallelism
-    precision = "fp32" if job.training.precision == "fp32" else "bf16"
-    dp_bytes, pp_bytes = comm.placement_traffic(job, memory.scheme_for(precision))
+    trained_in = "fp32" if job.training.precision == "fp32" else "bf16"
+    dp_bytes, pp_bytes = comm.placement_traffic(job, precision.scheme_for(trained_in))
     return values.PlacementRequest(
         gpus_per_node=job.resources.gpus_per_node,
         data=par.data,

@@ -10,9 +10,11 @@ the :class:`~.estimate.Plan` it is given.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from meshtrain.planner import estimate, network, profiles, search, validation
+from meshtrain.planner import estimate, memory, profiles, search, validation
+from meshtrain.planner.timing import network, step_time
 
 SCHEMA = "meshtrain.plan/v1"
 """Name and version of the JSON document."""
@@ -39,140 +41,39 @@ def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float 
     }
 
 
+PROFILE_KEYS = (
+    "name",
+    "source",
+    "peak_flops",
+    "achievable_fraction",
+    "memory_bytes",
+    "reserved_bytes",
+    "memory_bandwidth",
+    "nvlink_bandwidth",
+    "nvlink_latency",
+    "nic_bandwidth",
+    "nic_latency",
+    "op_overhead",
+    "cores",
+    "calibrated",
+)
+"""The profile's figures the document repeats, in order (``calibration`` follows them)."""
+
+
 def to_json(plan: estimate.Plan) -> dict[str, Any]:
     """The ``meshtrain.plan/v1`` document of a plan."""
-    job, profile, mem, timing = plan.job, plan.profile, plan.memory, plan.time
-    par, shape = job.parallelism, job.model.shape()
-    worst_t = timing.worst
-    placement: dict[str, Any] | None = None
-    if plan.placement is not None:
-        placement = {
-            "schedulable": plan.placement.unschedulable_reason is None,
-            "nodes": list(plan.placement.nodes),
-            "level_bytes": dict(plan.placement.level_bytes),
-            "domains_used": dict(plan.placement.domains_used),
-            "reason": plan.placement.unschedulable_reason,
-            "message": plan.placement.message,
-        }
     return {
         "schema": SCHEMA,
-        "job": {
-            "layout": par.layout_string,
-            "world_size": job.world_size,
-            "pods": job.pods,
-            "gpus_per_node": job.resources.gpus_per_node,
-            "schedule": par.schedule,
-            "virtual_stages": par.virtual_stages,
-            "micro_batches": par.micro_batches,
-            "micro_batch": job.training.micro_batch,
-            "zero_stage": par.zero_stage,
-            "sequence_parallel": par.sequence_parallel,
-            "activation_checkpointing": job.training.activation_checkpointing,
-            "precision": plan.precision,
-            "recipe": plan.recipe,
-        },
-        "model": {
-            "layers": shape.layers,
-            "hidden": shape.hidden,
-            "heads": shape.heads,
-            "vocab": shape.vocab,
-            "seq_len": shape.seq_len,
-            "ffn_hidden": shape.ffn_hidden,
-            "parameters": mem.total_params,
-            "parameters_per_rank_max": max(s.params for s in mem.stages),
-            "flops_per_token": timing.model_flops / timing.tokens_per_step,
-        },
+        "job": _job_json(plan),
+        "model": _model_json(plan),
         "profile": {
-            "name": profile.name,
-            "source": profile.source,
-            "peak_flops": profile.peak_flops,
-            "achievable_fraction": profile.achievable_fraction,
-            "memory_bytes": profile.memory_bytes,
-            "reserved_bytes": profile.reserved_bytes,
-            "memory_bandwidth": profile.memory_bandwidth,
-            "nvlink_bandwidth": profile.nvlink_bandwidth,
-            "nvlink_latency": profile.nvlink_latency,
-            "nic_bandwidth": profile.nic_bandwidth,
-            "nic_latency": profile.nic_latency,
-            "op_overhead": profile.op_overhead,
-            "cores": profile.cores,
-            "calibrated": profile.calibrated,
-            "calibration": profile.calibration or None,
+            **{key: getattr(plan.profile, key) for key in PROFILE_KEYS},
+            "calibration": plan.profile.calibration or None,
         },
         "confidence": plan.confidence.to_json() if plan.confidence else None,
-        "memory": {
-            "capacity_bytes": mem.capacity,
-            "reserved_bytes": mem.reserved,
-            "bytes_per_param": {
-                "weights": mem.scheme.weights,
-                "grads": mem.scheme.grads,
-                "optimizer": mem.scheme.optimizer,
-            },
-            "worst_stage": mem.worst.stage,
-            "peak_bytes": mem.worst.total,
-            "headroom_bytes": mem.headroom,
-            "fits": mem.fits,
-            "per_stage": [
-                {
-                    "stage": s.stage,
-                    "parameters": s.params,
-                    "weights_bytes": s.weights,
-                    "grads_bytes": s.grads,
-                    "optimizer_bytes": s.optimizer,
-                    "activations_bytes": s.activations,
-                    "weight_casts_bytes": s.weight_casts,
-                    "in_flight_microbatches": s.in_flight,
-                    "total_bytes": s.total,
-                }
-                for s in mem.stages
-            ],
-        },
-        "communication": {
-            "links": {g: timing.links[g].name for g in GROUPS},
-            "per_stage": [
-                {
-                    "stage": c.stage,
-                    "groups": _stage_groups(plan, c.stage),
-                    "collectives": [
-                        {
-                            "group": x.group,
-                            "op": x.op,
-                            "calls": x.calls,
-                            "payload_bytes": x.nbytes,
-                            "wire_bytes": x.wire_bytes,
-                            "members": x.members,
-                            "after_backward": x.after_backward,
-                        }
-                        for x in c.collectives
-                    ],
-                }
-                for c in plan.comm
-            ],
-        },
-        "time": {
-            "step_seconds": timing.step_seconds,
-            "pacing_stage": worst_t.stage,
-            "compute_seconds": worst_t.compute,
-            "tp_seconds": worst_t.tp,
-            "pp_seconds": worst_t.pp,
-            "dp_seconds": worst_t.dp,
-            "dp_exposed_seconds": worst_t.dp_exposed,
-            "optimizer_seconds": worst_t.optimizer,
-            "bubble": timing.bubble,
-            "predicted_bubble": timing.bubble_stage0,
-            "pipeline_seconds": timing.pipeline_seconds,
-            "overhead_seconds": worst_t.overhead,
-            "oversubscription": timing.oversubscription,
-            "rank_flops": timing.rank_flops,
-            "dependency_seconds": timing.dependency_seconds,
-            "cpu_seconds": timing.cpu_seconds,
-            "available_cores": timing.available_cores,
-            "work_bound": timing.work_bound,
-            "compute_comm_ratio": _finite(timing.compute_comm_ratio),
-            "verdict": timing.verdict,
-            "tokens_per_second": timing.tokens_per_second,
-            "mfu": timing.mfu,
-        },
+        "memory": _memory_json(plan.memory),
+        "communication": _communication_json(plan),
+        "time": _time_json(plan.time),
         "batch": {
             "global_batch": plan.batch.sequences,
             "tokens_per_step": plan.batch.tokens,
@@ -180,8 +81,139 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "gradient_noise_scale": plan.batch.noise_scale,
             "warning": plan.batch.warning,
         },
-        "placement": placement,
+        "placement": _placement_json(plan.placement),
         "warnings": plan.warnings,
+    }
+
+
+def _job_json(plan: estimate.Plan) -> dict[str, Any]:
+    job = plan.job
+    par = job.parallelism
+    return {
+        "layout": par.layout_string,
+        "world_size": job.world_size,
+        "pods": job.pods,
+        "gpus_per_node": job.resources.gpus_per_node,
+        "schedule": par.schedule,
+        "virtual_stages": par.virtual_stages,
+        "micro_batches": par.micro_batches,
+        "micro_batch": job.training.micro_batch,
+        "zero_stage": par.zero_stage,
+        "sequence_parallel": par.sequence_parallel,
+        "activation_checkpointing": job.training.activation_checkpointing,
+        "precision": plan.precision,
+        "recipe": plan.recipe,
+    }
+
+
+def _model_json(plan: estimate.Plan) -> dict[str, Any]:
+    shape, mem = plan.job.model.shape(), plan.memory
+    return {
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "heads": shape.heads,
+        "vocab": shape.vocab,
+        "seq_len": shape.seq_len,
+        "ffn_hidden": shape.ffn_hidden,
+        "parameters": mem.total_params,
+        "parameters_per_rank_max": max(s.params for s in mem.stages),
+        "flops_per_token": plan.time.model_flops / plan.time.tokens_per_step,
+    }
+
+
+def _memory_json(mem: memory.MemoryPlan) -> dict[str, Any]:
+    return {
+        "capacity_bytes": mem.capacity,
+        "reserved_bytes": mem.reserved,
+        "bytes_per_param": {
+            "weights": mem.scheme.weights,
+            "grads": mem.scheme.grads,
+            "optimizer": mem.scheme.optimizer,
+        },
+        "worst_stage": mem.worst.stage,
+        "peak_bytes": mem.worst.total,
+        "headroom_bytes": mem.headroom,
+        "fits": mem.fits,
+        "per_stage": [
+            {
+                "stage": s.stage,
+                "parameters": s.params,
+                "weights_bytes": s.weights,
+                "grads_bytes": s.grads,
+                "optimizer_bytes": s.optimizer,
+                "activations_bytes": s.activations,
+                "weight_casts_bytes": s.weight_casts,
+                "in_flight_microbatches": s.in_flight,
+                "total_bytes": s.total,
+            }
+            for s in mem.stages
+        ],
+    }
+
+
+def _communication_json(plan: estimate.Plan) -> dict[str, Any]:
+    return {
+        "links": {g: plan.time.links[g].name for g in GROUPS},
+        "per_stage": [
+            {
+                "stage": c.stage,
+                "groups": _stage_groups(plan, c.stage),
+                "collectives": [
+                    {
+                        "group": x.group,
+                        "op": x.op,
+                        "calls": x.calls,
+                        "payload_bytes": x.nbytes,
+                        "wire_bytes": x.wire_bytes,
+                        "members": x.members,
+                        "after_backward": x.after_backward,
+                    }
+                    for x in c.collectives
+                ],
+            }
+            for c in plan.comm
+        ],
+    }
+
+
+def _time_json(timing: step_time.TimePlan) -> dict[str, Any]:
+    worst = timing.worst
+    return {
+        "step_seconds": timing.step_seconds,
+        "pacing_stage": worst.stage,
+        "compute_seconds": worst.compute,
+        "tp_seconds": worst.tp,
+        "pp_seconds": worst.pp,
+        "dp_seconds": worst.dp,
+        "dp_exposed_seconds": worst.dp_exposed,
+        "optimizer_seconds": worst.optimizer,
+        "bubble": timing.bubble,
+        "predicted_bubble": timing.bubble_stage0,
+        "pipeline_seconds": timing.pipeline_seconds,
+        "overhead_seconds": worst.overhead,
+        "oversubscription": timing.oversubscription,
+        "rank_flops": timing.rank_flops,
+        "dependency_seconds": timing.dependency_seconds,
+        "cpu_seconds": timing.cpu_seconds,
+        "available_cores": timing.available_cores,
+        "work_bound": timing.work_bound,
+        "compute_comm_ratio": _finite(timing.compute_comm_ratio),
+        "verdict": timing.verdict,
+        "tokens_per_second": timing.tokens_per_second,
+        "mfu": timing.mfu,
+    }
+
+
+def _placement_json(placed: estimate.PlacementResult | None) -> dict[str, Any] | None:
+    if placed is None:
+        return None
+    return {
+        "schedulable": placed.unschedulable_reason is None,
+        "nodes": list(placed.nodes),
+        "level_bytes": dict(placed.level_bytes),
+        "domains_used": dict(placed.domains_used),
+        "reason": placed.unschedulable_reason,
+        "message": placed.message,
     }
 
 
@@ -228,64 +260,72 @@ def _table(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+MEMORY_COLUMNS: tuple[tuple[str, Callable[[memory.RankMemory], str]], ...] = (
+    ("stage", lambda s: str(s.stage)),
+    ("params", lambda s: _count(s.params)),
+    ("weights", lambda s: human_bytes(s.weights)),
+    ("grads", lambda s: human_bytes(s.grads)),
+    ("optimizer", lambda s: human_bytes(s.optimizer)),
+    ("activations", lambda s: human_bytes(s.activations)),
+    ("bf16 copies", lambda s: human_bytes(s.weight_casts)),
+    ("in flight", lambda s: f"{s.in_flight:g}"),
+    ("total", lambda s: human_bytes(s.total)),
+)
+"""The columns of the report's memory table: heading, and the cell of a stage."""
+
+
 def to_text(plan: estimate.Plan) -> str:
     """The report ``meshtrain plan`` prints."""
-    job, profile, mem, timing = plan.job, plan.profile, plan.memory, plan.time
-    par, shape = job.parallelism, job.model.shape()
     lines = [
+        *_heading(plan),
+        *_memory_lines(plan),
+        *_communication_lines(plan),
+        *_time_lines(plan),
+        *_batch_lines(plan),
+        *_placement_lines(plan),
+    ]
+    if plan.warnings:
+        lines += [""] + [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _heading(plan: estimate.Plan) -> list[str]:
+    job, mem = plan.job, plan.memory
+    par, shape = job.parallelism, job.model.shape()
+    return [
         f"meshtrain plan: {par.layout_string} ({job.world_size} GPUs in {job.pods} pod(s) of "
         f"{job.resources.gpus_per_node}), schedule {par.schedule}"
         + (f" v={par.virtual_stages}" if par.schedule == "interleaved-1f1b" else "")
         + f", m={par.micro_batches}, ZeRO-{par.zero_stage}"
         + (", sequence parallel" if par.sequence_parallel else "")
         + (", activation checkpointing" if job.training.activation_checkpointing else ""),
-        f"device: {profile.name} ({profile.description}); precision {plan.precision}, "
+        f"device: {plan.profile.name} ({plan.profile.description}); precision {plan.precision}, "
         f"state {mem.scheme.weights}+{mem.scheme.grads}+{mem.scheme.optimizer} bytes/param ({mem.scheme.name})",
         "",
         f"model: {_count(mem.total_params)} parameters ({mem.total_params:,}): layers {shape.layers}, hidden "
         f"{shape.hidden}, heads {shape.heads}, ffn {shape.ffn_hidden}, vocab {shape.vocab}, seq {shape.seq_len}",
+    ]
+
+
+def _memory_lines(plan: estimate.Plan) -> list[str]:
+    mem = plan.memory
+    rows = [[title for title, _ in MEMORY_COLUMNS]]
+    rows += [[cell(s) for _, cell in MEMORY_COLUMNS] for s in mem.stages]
+    verdict = "fits" if mem.fits else "DOES NOT FIT"
+    return [
         "",
         "memory per GPU by pipeline stage:",
-    ]
-    rows = [
-        [
-            "stage",
-            "params",
-            "weights",
-            "grads",
-            "optimizer",
-            "activations",
-            "bf16 copies",
-            "in flight",
-            "total",
-        ]
-    ]
-    for s in mem.stages:
-        rows.append(
-            [
-                str(s.stage),
-                _count(s.params),
-                human_bytes(s.weights),
-                human_bytes(s.grads),
-                human_bytes(s.optimizer),
-                human_bytes(s.activations),
-                human_bytes(s.weight_casts),
-                f"{s.in_flight:g}",
-                human_bytes(s.total),
-            ]
-        )
-    lines += _table(rows)
-    verdict = "fits" if mem.fits else "DOES NOT FIT"
-    lines += [
+        *_table(rows),
         f"  device memory {mem.describe_capacity()}; worst stage {mem.worst.stage}: headroom "
         f"{human_bytes(mem.headroom)} ({verdict})",
-        "",
-        "communication per rank per step:",
     ]
+
+
+def _communication_lines(plan: estimate.Plan) -> list[str]:
     rows = [["stage", "group", "link", "op", "calls", "payload", "on the wire", "time"]]
     for c in plan.comm:
         for x in c.collectives:
-            link = timing.links[x.group]
+            link = plan.time.links[x.group]
             rows.append(
                 [
                     str(c.stage),
@@ -300,10 +340,14 @@ def to_text(plan: estimate.Plan) -> str:
             )
         if not c.collectives:
             rows.append([str(c.stage), "-", "-", "(none)", "0", "0 B", "0 B", "0"])
-    lines += _table(rows)
+    return ["", "communication per rank per step:", *_table(rows)]
+
+
+def _time_lines(plan: estimate.Plan) -> list[str]:
+    timing, par = plan.time, plan.job.parallelism
     w = timing.worst
     ratio = timing.compute_comm_ratio
-    lines += [
+    return [
         "",
         f"time per step (pacing stage {w.stage}):",
         f"  compute {human_seconds(w.compute)} at {timing.rank_flops / 1e12:.3g} TFLOP/s per rank"
@@ -319,48 +363,56 @@ def to_text(plan: estimate.Plan) -> str:
             if timing.oversubscription > 1
             else ""
         ),
-        *(
-            [
-                f"  CPU host: {human_seconds(timing.cpu_seconds)} of CPU work per step over "
-                f"{timing.available_cores:.2f} available cores"
-                f" = {human_seconds(timing.cpu_seconds / timing.available_cores)}; schedule's critical path "
-                f"{human_seconds(timing.dependency_seconds)}: "
-                + ("work-bound" if timing.work_bound else "dependency-bound")
-            ]
-            if timing.available_cores > 0
-            else []
-        ),
+        *_cpu_host_lines(timing),
         f"  predicted step {human_seconds(timing.step_seconds)}, {timing.tokens_per_second:,.0f} tokens/s, MFU {timing.mfu:.1%}",
         f"  compute/communication ratio {'inf' if not math.isfinite(ratio) else f'{ratio:.2f}'}: {timing.verdict}",
+    ]
+
+
+def _cpu_host_lines(timing: step_time.TimePlan) -> list[str]:
+    """Which bound set a CPU host's step (nothing where each rank has its own device)."""
+    if timing.available_cores <= 0:
+        return []
+    return [
+        f"  CPU host: {human_seconds(timing.cpu_seconds)} of CPU work per step over "
+        f"{timing.available_cores:.2f} available cores"
+        f" = {human_seconds(timing.cpu_seconds / timing.available_cores)}; schedule's critical path "
+        f"{human_seconds(timing.dependency_seconds)}: "
+        + ("work-bound" if timing.work_bound else "dependency-bound")
+    ]
+
+
+def _batch_lines(plan: estimate.Plan) -> list[str]:
+    batch = plan.batch
+    return [
         "",
         f"  confidence: {plan.confidence.statement}"
         if plan.confidence
-        else f"  confidence: profile {profile.name}, not stated",
+        else f"  confidence: profile {plan.profile.name}, not stated",
         "",
-        f"global batch: {plan.batch.sequences} sequences = {plan.batch.tokens:,} tokens per step "
+        f"global batch: {batch.sequences} sequences = {batch.tokens:,} tokens per step "
         + (
-            f"(measured gradient noise scale {plan.batch.noise_scale:.3g} sequences)"
-            if plan.batch.noise_scale
-            else f"(critical batch {plan.batch.critical_tokens:,} tokens)"
+            f"(measured gradient noise scale {batch.noise_scale:.3g} sequences)"
+            if batch.noise_scale
+            else f"(critical batch {batch.critical_tokens:,} tokens)"
         ),
     ]
-    if plan.placement is not None:
-        lines += ["", "placement (what the operator would do):"]
-        if plan.placement.unschedulable_reason:
-            lines.append(
-                f"  unschedulable: {plan.placement.unschedulable_reason}: {plan.placement.message}"
-            )
-        else:
-            for index, node in enumerate(plan.placement.nodes):
-                lines.append(
-                    f"  pod {index} (ranks {index * job.resources.gpus_per_node}.."
-                    f"{(index + 1) * job.resources.gpus_per_node - 1}) -> {node}"
-                )
-            for level, nbytes in plan.placement.level_bytes.items():
-                lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
-    if plan.warnings:
-        lines += [""] + [f"WARNING: {w}" for w in plan.warnings]
-    return "\n".join(lines)
+
+
+def _placement_lines(plan: estimate.Plan) -> list[str]:
+    placed, per_node = plan.placement, plan.job.resources.gpus_per_node
+    if placed is None:
+        return []
+    lines = ["", "placement (what the operator would do):"]
+    if placed.unschedulable_reason:
+        return lines + [f"  unschedulable: {placed.unschedulable_reason}: {placed.message}"]
+    for index, node in enumerate(placed.nodes):
+        lines.append(
+            f"  pod {index} (ranks {index * per_node}..{(index + 1) * per_node - 1}) -> {node}"
+        )
+    for level, nbytes in placed.level_bytes.items():
+        lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
+    return lines
 
 
 SEARCH_SCHEMA = "meshtrain.plan-search/v1"

@@ -31,7 +31,7 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import memory, profiles
+from meshtrain.planner import memory, precision, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import live_bytes, state_bytes
@@ -107,7 +107,7 @@ def test_planner_counts_what_a_block_keeps_for_backward() -> None:
             job.model.shape(),
             job.training.micro_batch,
             par.tensor,
-            memory.FP32,
+            precision.FP32,
             sequence_parallel=par.sequence_parallel,
             recompute=job.training.selective_recompute,
         )

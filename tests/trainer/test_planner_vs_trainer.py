@@ -27,7 +27,7 @@ import pytest
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, profiles
+from meshtrain.planner import comm, memory, precision, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 
 STEPS = 2
@@ -218,7 +218,7 @@ def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
     job = _job(parallelism, training, model)
     measured = _run(job, tmp_path)
     cpu = profiles.get("cpu")
-    scheme = memory.scheme_for(memory.resolve_precision(job, cpu))
+    scheme = precision.scheme_for(precision.resolve_precision(job, cpu))
     mem = memory.plan_memory(job, cpu)
     for rank in measured:
         predicted = comm.stage_comm(job, rank["stage"], scheme)
@@ -230,7 +230,7 @@ def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
         assert rank["collectives"] == expected, f"rank {rank['rank']} (stage {rank['stage']})"
         if job.parallelism.zero_stage == 3 and job.training.precision == "bf16":
             # FSDP2 gathers the weights in bf16: half the bytes of the same elements in fp32
-            fp32 = comm.stage_comm(job, rank["stage"], memory.FP32).by_key()["dp", "all_gather"]
+            fp32 = comm.stage_comm(job, rank["stage"], precision.FP32).by_key()["dp", "all_gather"]
             assert rank["collectives"]["dp/all_gather"][1] * 2 == fp32.nbytes
         stage = mem.stages[rank["stage"]]
         for kind, value in (

@@ -10,7 +10,7 @@ import transformers
 
 from meshtrain.api import loading
 from meshtrain.api.spec import model as api_model
-from meshtrain.planner import memory
+from meshtrain.planner import parameters
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.models import gpt, llama
 
@@ -45,7 +45,7 @@ def test_parameter_count_equals_transformers(model):
     expected = _hf_count(shape)
     config = gpt.GPTConfig.from_shape(shape)
     assert gpt.dense_param_count(config) == expected
-    assert memory.total_params(shape) == expected
+    assert parameters.total_params(shape) == expected
     with torch.device("meta"):
         built = llama.build(config)
     assert built.num_params() == expected
@@ -53,7 +53,7 @@ def test_parameter_count_equals_transformers(model):
 
 def test_llama3_8b_is_eight_billion_and_tp8_splits_kv_heads():
     shape = api_model.ModelSpec(preset="llama3-8b").shape()
-    assert 8.0e9 < memory.total_params(shape) < 8.1e9
+    assert 8.0e9 < parameters.total_params(shape) < 8.1e9
     job = loading.parse_spec(
         {
             "model": {"preset": "llama3-8b"},
@@ -143,5 +143,5 @@ def test_llama3_2_1b_preset_is_metas_published_model(tmp_path):
         published = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B_CONFIG))
         built = llama.build(config)
     expected = sum(p.numel() for p in published.parameters())
-    assert gpt.dense_param_count(config) == memory.total_params(shape) == expected
+    assert gpt.dense_param_count(config) == parameters.total_params(shape) == expected
     assert built.num_params() == expected

@@ -9,7 +9,7 @@ import pytest
 from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.placement import fabric_cost, topology
-from meshtrain.planner import comm, memory, placement_request
+from meshtrain.planner import comm, placement_request, precision
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -323,7 +323,7 @@ def test_request_from_spec() -> None:
         placement.FabricLevel(LEAF),
     )
     assert request.nvlink_domain_label == CLIQUE and dict(request.node_selector) == {"pool": "gpu"}
-    dp_bytes, pp_bytes = comm.placement_traffic(spec, memory.scheme_for("bf16"))
+    dp_bytes, pp_bytes = comm.placement_traffic(spec, precision.scheme_for("bf16"))
     assert (request.dp_bytes_per_step, request.pp_bytes_per_step) == (dp_bytes, pp_bytes)
     # pipeline traffic: activations forward and gradients back, per micro-batch, in bf16 on the
     # wire under bf16 autocast (2 bytes per element)

@@ -12,7 +12,8 @@ import torch
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
-from meshtrain.planner import comm, cost, memory, network, profiles
+from meshtrain.planner import comm, memory, parameters, precision, profiles
+from meshtrain.planner.timing import network, pipeline_window, stage_work, step_time
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import pipeline, reducer, schedules, tensor
 from meshtrain.trainer.telemetry import stepstats
@@ -36,24 +37,24 @@ SHAPES = [
 
 
 def test_7b_mixed_precision_adam_needs_112_gb_per_replicated_worker() -> None:
-    state = memory.state_bytes(7e9, memory.MIXED, zero_stage=0, data=64)
-    assert memory.MIXED.total == 16
+    state = memory.state_bytes(7e9, precision.MIXED, zero_stage=0, data=64)
+    assert precision.MIXED.total == 16
     assert state.total == pytest.approx(112e9)
 
 
 def test_zero_stages_divide_the_right_components() -> None:
     n, params = 64, 7e9
-    assert memory.state_bytes(params, memory.MIXED, 1, n).total == pytest.approx(
+    assert memory.state_bytes(params, precision.MIXED, 1, n).total == pytest.approx(
         params * (2 + 2 + 12 / n)
     )
-    assert memory.state_bytes(params, memory.MIXED, 2, n).total == pytest.approx(
+    assert memory.state_bytes(params, precision.MIXED, 2, n).total == pytest.approx(
         params * (2 + (2 + 12) / n)
     )
-    assert memory.state_bytes(params, memory.MIXED, 3, n).total == pytest.approx(params * 16 / n)
-    zero1 = memory.state_bytes(params, memory.MIXED, 1, n)
+    assert memory.state_bytes(params, precision.MIXED, 3, n).total == pytest.approx(params * 16 / n)
+    zero1 = memory.state_bytes(params, precision.MIXED, 1, n)
     assert (zero1.weights, zero1.grads) == (2 * params, 2 * params)
     assert zero1.optimizer == pytest.approx(12 * params / 64)
-    assert memory.FP32.total == 16 and memory.state_bytes(1, memory.FP32, 1, 4).optimizer == 2
+    assert precision.FP32.total == 16 and memory.state_bytes(1, precision.FP32, 1, 4).optimizer == 2
 
 
 def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> None:
@@ -70,7 +71,7 @@ def test_ring_allreduce_of_1b_fp16_params_over_100_gbit_is_about_0_32_s() -> Non
     "p,m,v", [(1, 4, 1), (2, 4, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (4, 8, 4)]
 )
 def test_bubble_agrees_with_the_trainer_and_telemetry(p: int, m: int, v: int) -> None:
-    ours = cost.bubble_ratio(p, m, v)
+    ours = pipeline_window.bubble_ratio(p, m, v)
     assert ours == pytest.approx((p - 1) / (v * m + p - 1))
     assert ours == schedules.bubble_ratio(p, m, v)
     facts = stepstats.JobFacts(
@@ -99,18 +100,18 @@ def test_activations_follow_korthikanti_without_dropout() -> None:
     statistics = 2 * 2 * 4 * s * b  # bytes
     for t in (1, 2, 8):
         unfused = memory.layer_activation_bytes(
-            shape, b, t, memory.MIXED, sequence_parallel=False, fused_attention=False
+            shape, b, t, precision.MIXED, sequence_parallel=False, fused_attention=False
         )
         assert unfused == pytest.approx(
             s * b * h * (8 + 24 / t) + 4 * a * s * s * b / t + statistics
         )
         sp = memory.layer_activation_bytes(
-            shape, b, t, memory.MIXED, sequence_parallel=True, fused_attention=False
+            shape, b, t, precision.MIXED, sequence_parallel=True, fused_attention=False
         )
         assert sp == pytest.approx(
             s * b * h * (4 + 28 / t) + 4 * a * s * s * b / t + statistics / t
         )
-        fused = memory.layer_activation_bytes(shape, b, t, memory.MIXED, sequence_parallel=False)
+        fused = memory.layer_activation_bytes(shape, b, t, precision.MIXED, sequence_parallel=False)
         assert fused == pytest.approx(s * b * h * (8 + 24 / t) + 4 * a * s * b / t + statistics)
 
 
@@ -132,7 +133,10 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> No
         {**raw, "training": {"microBatch": 1, "activationCheckpointing": True}}
     )
     h100 = profiles.get("h100-sxm")
-    shape, scheme = plain.model.shape(), memory.scheme_for(memory.resolve_precision(plain, h100))
+    shape, scheme = (
+        plain.model.shape(),
+        precision.scheme_for(precision.resolve_precision(plain, h100)),
+    )
     per_layer = memory.layer_activation_bytes(shape, 1, 2, scheme, sequence_parallel=True)
     kept = memory.checkpointed_layer_bytes(shape, 1, 2, scheme, sequence_parallel=True)
     assert kept == shape.seq_len * shape.hidden * scheme.stream_bytes / 2
@@ -150,8 +154,8 @@ def test_activation_checkpointing_costs_one_more_forward_of_the_blocks() -> None
     shape = api_model.ModelShape(
         layers=8, hidden=1024, heads=16, vocab=50304, seq_len=2048, ffn_hidden=4096
     )
-    training = cost.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
-    assert cost.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
+    training = stage_work.rank_flops_per_microbatch(shape, 2, 1, 0, 1)  # stage 0: blocks only
+    assert stage_work.recompute_flops_per_microbatch(shape, 2, 1, 1) == pytest.approx(training / 3)
 
 
 def test_checkpointed_blocks_save_only_their_inputs() -> None:
@@ -171,7 +175,7 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         out = model(x)
     out.sum().backward()
-    kept = memory.checkpointed_layer_bytes(shape, 2, 1, memory.FP32, sequence_parallel=False)
+    kept = memory.checkpointed_layer_bytes(shape, 2, 1, precision.FP32, sequence_parallel=False)
     assert sum(saved.values()) == shape.layers * kept
 
 
@@ -181,8 +185,8 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "odd-ffn"])
 def test_parameter_count_matches_the_trainer_model(shape: api_model.ModelShape) -> None:
     model = gpt.GPT(gpt.GPTConfig.from_shape(shape))
-    assert memory.total_params(shape) == sum(p.numel() for p in model.parameters())
-    assert memory.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
+    assert parameters.total_params(shape) == sum(p.numel() for p in model.parameters())
+    assert parameters.total_params(shape) == gpt.dense_param_count(gpt.GPTConfig.from_shape(shape))
 
 
 STAGE_SHAPES = {
@@ -221,7 +225,7 @@ def test_rank_params_and_registration_order_match_the_sharded_stages(
                     shape, t, shape.layers // (p * v), first=j == 0, last=j == p * v - 1
                 )
             assert planned == real
-            assert memory.rank_params(shape, p, t, stage) == sum(real)
+            assert parameters.rank_params(shape, p, t, stage) == sum(real)
 
 
 def _peak_in_flight(actions: list[schedules.Action]) -> int:
@@ -263,10 +267,10 @@ def test_interleaved_first_stage_matches_korthikantis_factor() -> None:
 def test_comm_payloads_per_group() -> None:
     spec = job(data=2, tensor=2, microBatches=3)
     shape = spec.model.shape()
-    stage = comm.stage_comm(spec, 0, memory.FP32)
+    stage = comm.stage_comm(spec, 0, precision.FP32)
     b, s, h = spec.training.micro_batch, shape.seq_len, shape.hidden
     keys = stage.by_key()
-    assert keys[("dp", "all_reduce")].nbytes == memory.rank_params(shape, 1, 2, 0) * 4
+    assert keys[("dp", "all_reduce")].nbytes == parameters.rank_params(shape, 1, 2, 0) * 4
     # 4 reductions per block per micro-batch, the embedding, the head and the loss (3 floats per token), the norm.
     tp = keys[("tp", "all_reduce")]
     assert tp.calls == 4 * shape.layers * 3 + 3 + 3 + 2 * 3 + 1
@@ -279,7 +283,7 @@ def test_pipeline_sends_and_interleaving() -> None:
     spec = job(pipeline=2, microBatches=4, schedule="interleaved-1f1b", virtualStages=2)
     shape = spec.model.shape()
     message = spec.training.micro_batch * shape.seq_len * shape.hidden * 4
-    first, last = comm.plan_comm(spec, memory.FP32)
+    first, last = comm.plan_comm(spec, precision.FP32)
     # virtual stages 0,2 on stage 0 and 1,3 on stage 1: 3 forward and 3 backward hops over 4 chunks.
     assert first.by_key()[("pp", "send")].calls == (1 + 2) * 4
     assert last.by_key()[("pp", "send")].calls == (2 + 1) * 4
@@ -297,7 +301,7 @@ def test_zero_buckets_are_padded_to_the_group() -> None:
         ]
         assert comm.bucket_numels(sizes, 4, limit / 2**20) == theirs
     spec = job(data=4, zeroStage=2, bucketMb=0.01)
-    keys = comm.stage_comm(spec, 0, memory.FP32).by_key()
+    keys = comm.stage_comm(spec, 0, precision.FP32).by_key()
     assert keys[("dp", "reduce_scatter")].nbytes == keys[("dp", "all_gather")].nbytes
     assert keys[("dp", "all_reduce")].nbytes == 8
 
@@ -318,11 +322,11 @@ def test_groups_use_nvlink_inside_a_pod_and_the_fabric_across() -> None:
 
 def test_compute_flops_of_all_ranks_add_up_to_the_model() -> None:
     shape = SHAPES[0]
-    whole = cost.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
-    assert whole == pytest.approx(cost.model_flops_per_token(shape) * 2 * shape.seq_len)
+    whole = stage_work.rank_flops_per_microbatch(shape, 1, 1, 0, 2)
+    assert whole == pytest.approx(stage_work.model_flops_per_token(shape) * 2 * shape.seq_len)
     config = gpt.GPTConfig.from_shape(shape)
-    assert cost.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
-    parts = sum(cost.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
+    assert stage_work.model_flops_per_token(shape) == pytest.approx(gpt.flops_per_token(config))
+    parts = sum(stage_work.rank_flops_per_microbatch(shape, 2, 1, s, 2) for s in range(2))
     assert parts == pytest.approx(whole)
 
 
@@ -335,8 +339,8 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
         .parallelism(microBatches=8)
         .raw()
     )
-    scheme = memory.scheme_for("bf16")
-    plan = cost.plan_time(big, h100, comm.plan_comm(big, scheme))
+    scheme = precision.scheme_for("bf16")
+    plan = step_time.plan_time(big, h100, comm.plan_comm(big, scheme))
     assert plan.bubble == pytest.approx(3 / 11)
     # The replayed window holds every action of the pacing stage plus the other stages' fill and drain.
     assert plan.step_seconds >= plan.pipeline_seconds > max(s.busy for s in plan.stages)
@@ -344,7 +348,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
     assert 0 < plan.mfu < h100.achievable_fraction
     # The tiny model over a slow fabric is dominated by communication.
     tiny = loading.parse_spec(JobBuilder().layout(8, 1, 1, gpus_per_node=1).raw())
-    slow = cost.plan_time(tiny, h100, comm.plan_comm(tiny, scheme))
+    slow = step_time.plan_time(tiny, h100, comm.plan_comm(tiny, scheme))
     assert slow.links["dp"].name == "fabric"
     assert slow.verdict == "communication-bound"
 
@@ -352,7 +356,7 @@ def test_step_time_adds_the_bubble_and_verdicts() -> None:
 def test_placement_traffic_in_the_placement_modules_terms() -> None:
     spec = job(data=2, pipeline=2, microBatches=4)
     shape = spec.model.shape()
-    dp, pp = comm.placement_traffic(spec, memory.FP32)
-    assert dp == pytest.approx(max(s.wire("dp") for s in comm.plan_comm(spec, memory.FP32)))
-    assert dp == pytest.approx(2 * (2 - 1) / 2 * memory.rank_params(shape, 2, 1, 0) * 4)
+    dp, pp = comm.placement_traffic(spec, precision.FP32)
+    assert dp == pytest.approx(max(s.wire("dp") for s in comm.plan_comm(spec, precision.FP32)))
+    assert dp == pytest.approx(2 * (2 - 1) / 2 * parameters.rank_params(shape, 2, 1, 0) * 4)
     assert pp == 2 * 4 * spec.training.micro_batch * shape.seq_len * shape.hidden * 4

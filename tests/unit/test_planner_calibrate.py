@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from meshtrain.api import loading
 from meshtrain.cli import main
-from meshtrain.planner import estimate, memory, profiles
+from meshtrain.planner import estimate, parameters, profiles
 from meshtrain.trainer.calibration import machine, step_loop
 from tests.builders import JobBuilder
 
@@ -147,12 +147,14 @@ def test_the_calibrated_block_is_one_tensor_rank_s_share_as_the_planner_counts_i
     )
     shape = spec.model.shape()
     block = machine.rank_block(spec, solo_group)
-    assert sum(p.numel() for p in block.parameters()) == memory.layer_params(shape, tensor)
+    assert sum(p.numel() for p in block.parameters()) == parameters.layer_params(shape, tensor)
     x = torch.randn(2, shape.seq_len, shape.hidden, requires_grad=True)
     with FlopCounterMode(display=False) as counted:
         block(x).sum().backward()
     tokens = 2 * shape.seq_len
-    planner = 6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
+    planner = (
+        6 * parameters.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
+    )
     assert counted.get_total_flops() == pytest.approx(planner * tokens, rel=0.02)
 
 

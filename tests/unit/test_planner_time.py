@@ -19,19 +19,8 @@ from benchmarks import bench_planner_time as bench
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.cli import main
-from meshtrain.planner import (
-    cluster,
-    comm,
-    cost,
-    cpu_host,
-    estimate,
-    network,
-    pipeline_window,
-    profiles,
-    report,
-    search,
-    validation,
-)
+from meshtrain.planner import cluster, comm, estimate, profiles, report, search, validation
+from meshtrain.planner.timing import cpu_host, network, pipeline_window, stage_work, step_time
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import loss as lm_loss
 from meshtrain.trainer.parallel import schedules
@@ -81,7 +70,7 @@ def test_window_of_equal_stages_is_the_trainers_unit_time_simulation(
     )
     assert window.seconds == max(t for line in reference for t, _ in line) + 1
     assert window.busy == tuple(float(len(line)) for line in reference)
-    assert window.idle_share(0) == pytest.approx(cost.bubble_ratio(p, m, v))
+    assert window.idle_share(0) == pytest.approx(pipeline_window.bubble_ratio(p, m, v))
 
 
 def test_slow_sends_and_a_heavy_last_stage_lengthen_the_window() -> None:
@@ -152,11 +141,11 @@ def test_op_counts_are_the_trainer_models_dispatched_ops(chunks: int) -> None:
             loss.backward()
         counts.append((forward.count, backward.count))
     per_block = (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1])
-    assert per_block == cost.BLOCK_OPS
+    assert per_block == stage_work.BLOCK_OPS
     outside = (counts[0][0] - per_block[0], counts[0][1] - per_block[1])
-    planned = cost.OUTSIDE_BLOCK_OPS[0] + cost.LOSS_OPS_PER_CHUNK * chunks
+    planned = stage_work.OUTSIDE_BLOCK_OPS[0] + stage_work.LOSS_OPS_PER_CHUNK * chunks
     assert planned == pytest.approx(outside[0], rel=0.02)
-    assert cost.OUTSIDE_BLOCK_OPS[1] == outside[1]
+    assert stage_work.OUTSIDE_BLOCK_OPS[1] == outside[1]
 
 
 # --- calibrated figures ----------------------------------------------------------------------------
@@ -187,7 +176,7 @@ def test_op_overhead_and_shared_cores_enter_the_step() -> None:
     quiet = estimate.make_plan(spec, calibrated_cpu(op_overhead=0.0)).time
     loaded = estimate.make_plan(spec, calibrated_cpu()).time
     stage = loaded.stages[0]
-    ops = sum(cost.rank_ops_per_microbatch(spec.model.shape(), 1, 0, False))
+    ops = sum(stage_work.rank_ops_per_microbatch(spec.model.shape(), 1, 0, False))
     assert stage.overhead == pytest.approx(ops * spec.parallelism.micro_batches * 5e-6)
     assert loaded.step_seconds > quiet.step_seconds
     four = loading.parse_spec(JobBuilder().layout(4, 1, 1).training(precision="fp32").raw())
@@ -226,7 +215,7 @@ def test_cpu_host_step_is_the_larger_of_work_over_cores_and_the_critical_path() 
     # CPU work does not depend on what other tenants leave; it holds every rank's compute.
     assert busy.cpu_seconds == pytest.approx(free.cpu_seconds)
     flops = sum(
-        cost.rank_flops_per_microbatch(shape, 2, 1, stage, spec.training.micro_batch)
+        stage_work.rank_flops_per_microbatch(shape, 2, 1, stage, spec.training.micro_batch)
         for stage in range(2)
     )
     assert free.cpu_seconds > par.data * flops * par.micro_batches / 4e10
@@ -280,7 +269,7 @@ def test_a_rank_per_core_waits_its_tensor_collectives_wall_time_and_shared_cores
     the work bound and does not move.
     """
 
-    def plan(parallel: api_spec.TrainingJobSpec, wall_alpha: float) -> cost.TimePlan:
+    def plan(parallel: api_spec.TrainingJobSpec, wall_alpha: float) -> step_time.TimePlan:
         fit = profiles.CollectiveFit(
             "all_reduce",
             2,
@@ -563,7 +552,7 @@ def test_a_bucket_exchange_overlaps_backward_only_as_a_whole_chain(exchange: dic
     the dp time hides behind backward; with many buckets the earlier ones do."""
     h100 = profiles.get("h100-sxm")
 
-    def dp_stage(bucket_mb: float) -> cost.StageTime:
+    def dp_stage(bucket_mb: float) -> stage_work.StageTime:
         raw = (
             JobBuilder()
             .layout(16, 1, 1, gpus_per_node=8)
@@ -621,7 +610,7 @@ def test_zero2_hides_each_micro_batchs_reduce_scatters_behind_its_own_backward()
     before, it exposed most of its m exchanges.
     """
 
-    def plan(zero: int) -> cost.TimePlan:
+    def plan(zero: int) -> step_time.TimePlan:
         raw = (
             JobBuilder()
             .layout(16, 1, 1)

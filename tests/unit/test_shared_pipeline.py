@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.planner import pipeline_window, shared_pipeline
+from meshtrain.planner.timing import pipeline_replay, pipeline_window
 
 STAGES = [pipeline_window.StageDurations(forward=1.0, backward=2.0)] * 2
-FREE = shared_pipeline.Messages(activations=0.0, gradients=0.0)
+FREE = pipeline_replay.Messages(activations=0.0, gradients=0.0)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_dedicated_cores_give_the_closed_form(schedule: str) -> None:
     # Two single-thread ranks on two cores: each owns a core.  Huang et al. 2019:
     # window (m + p - 1) (f + b) = 5 x 3, stage 0 idle (p - 1) / (m + p - 1) = 0.2.
-    window = shared_pipeline.replay(
-        schedule, 4, STAGES, FREE, shared_pipeline.Sharing(cores=2, threads=1)
+    window = pipeline_replay.replay(
+        schedule, 4, STAGES, FREE, pipeline_replay.Sharing(cores=2, threads=1)
     )
     assert window.seconds == pytest.approx(15.0)
     assert window.idle_share(0) == pytest.approx(0.2)
@@ -38,8 +38,8 @@ def test_one_core_shared_by_two_stages(schedule: str) -> None:
     #          backwards pair up [10,22]; B4 (s0) alone [22,24] -> idle 1 + 2 = 3 s.
     # Bubble 3 / 24 = 0.125, below the dedicated 0.2: the waiting stage's core
     # served the other one.
-    window = shared_pipeline.replay(
-        schedule, 4, STAGES, FREE, shared_pipeline.Sharing(cores=1, threads=1)
+    window = pipeline_replay.replay(
+        schedule, 4, STAGES, FREE, pipeline_replay.Sharing(cores=1, threads=1)
     )
     assert window.seconds == pytest.approx(24.0)
     assert window.idle_share(0) == pytest.approx(0.125)
@@ -49,8 +49,8 @@ def test_replicas_share_the_cores_with_their_stage() -> None:
     # dp2 x pp2 on two cores: four ranks, two per stage.  While both stages run
     # each rank has half a core, while one runs its two ranks have a core each:
     # the same timeline as two ranks on one core, so the same 24 s and 0.125.
-    window = shared_pipeline.replay(
-        "1f1b", 4, STAGES, FREE, shared_pipeline.Sharing(cores=2, threads=1), replicas=2
+    window = pipeline_replay.replay(
+        "1f1b", 4, STAGES, FREE, pipeline_replay.Sharing(cores=2, threads=1), replicas=2
     )
     assert window.seconds == pytest.approx(24.0)
     assert window.idle_share(0) == pytest.approx(0.125)
@@ -72,12 +72,12 @@ def test_replicas_share_the_cores_with_their_stage() -> None:
 def test_messages_delay_each_hop(
     activations: float, gradients: float, window_seconds: float
 ) -> None:
-    window = shared_pipeline.replay(
+    window = pipeline_replay.replay(
         "gpipe",
         4,
         STAGES,
-        shared_pipeline.Messages(activations=activations, gradients=gradients),
-        shared_pipeline.Sharing(cores=2, threads=1),
+        pipeline_replay.Messages(activations=activations, gradients=gradients),
+        pipeline_replay.Sharing(cores=2, threads=1),
     )
     assert window.seconds == pytest.approx(window_seconds)
     assert window.busy == (pytest.approx(12.0), pytest.approx(12.0))
@@ -90,8 +90,8 @@ def test_loop_work_between_actions_is_not_compute() -> None:
     # backwards (2.5 each) at 10, 12.5, 15, 17.5; stage 0 starts each backward 0.5
     # after stage 1's: B4 ends at 17.5 + 0.5 + 2 = 20.  Stage 0 computes 12 of those
     # 20 seconds: a bubble of 0.4 (0.2 without the loop).
-    window = shared_pipeline.replay(
-        "gpipe", 4, STAGES, FREE, shared_pipeline.Sharing(cores=2, threads=1), between=0.5
+    window = pipeline_replay.replay(
+        "gpipe", 4, STAGES, FREE, pipeline_replay.Sharing(cores=2, threads=1), between=0.5
     )
     assert window.seconds == pytest.approx(20.0)
     assert window.busy[0] == pytest.approx(12.0)
@@ -106,8 +106,8 @@ def test_loop_work_inside_the_actions_is_compute() -> None:
     # same 20 s as with the loop between, but stage 0 now computes 4 x 4 = 16 of
     # them: a bubble of 0.2 instead of 0.4.
     inside = [pipeline_window.StageDurations(forward=1.5, backward=2.5)] * 2
-    window = shared_pipeline.replay(
-        "gpipe", 4, inside, FREE, shared_pipeline.Sharing(cores=2, threads=1)
+    window = pipeline_replay.replay(
+        "gpipe", 4, inside, FREE, pipeline_replay.Sharing(cores=2, threads=1)
     )
     assert window.seconds == pytest.approx(20.0)
     assert window.busy[0] == pytest.approx(16.0)

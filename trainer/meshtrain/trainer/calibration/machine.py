@@ -13,7 +13,7 @@ after a piece of the job's compute, as in training.
 Each figure is taken over wall time and over the process's CPU time: on a
 CPU host the planner prices CPU work (which other tenants do not change)
 over the cores the ranks received while all computed (which they do).  Collective times are medians over repeats and fitted to
-the ring formulas of :mod:`.cost` (alpha from the smallest message, the
+the ring formulas of :mod:`meshtrain.planner.timing.network` (alpha from the smallest message, the
 bandwidth from the largest).  The result is a profile YAML file that
 ``--profiles-dir`` reads, with the host, device, backend, time and load
 average it was measured under.  This module is I/O (torch, processes); it lives with the trainer because
@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cost, cpu_host, memory, profiles
+from meshtrain.planner import parameters, profiles
+from meshtrain.planner.timing import network, stage_work
 from meshtrain.trainer import launch
 from meshtrain.trainer.calibration import step_loop
 from meshtrain.trainer.models import gpt
@@ -180,7 +181,7 @@ def block_flops(
     Counted as the planner counts it (``6 x the rank's block parameters +
     12 s h / t`` per token) over the block's time less the fixed cost of its
     operations (``overhead``: wall and CPU seconds per operation), so that
-    FLOPs at this rate plus :data:`~meshtrain.planner.cost.BLOCK_OPS` x
+    FLOPs at this rate plus :data:`~meshtrain.planner.timing.stage_work.BLOCK_OPS` x
     overhead is the block's measured time: the layer norms, attention,
     activation and copies are in the rate, not only the GEMMs.  Under tensor
     parallelism the rank's GEMMs shrink and its norms do not (:func:`rank_block`),
@@ -201,9 +202,9 @@ def block_flops(
     seconds, cpu = _timed_calls(step, budget, sync)
     tokens = job.training.micro_batch * shape.seq_len
     flops = (
-        6 * memory.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
+        6 * parameters.layer_params(shape, tensor) + 12 * shape.seq_len * shape.hidden / tensor
     ) * tokens
-    ops = sum(cost.BLOCK_OPS)
+    ops = sum(stage_work.BLOCK_OPS)
     return BlockRate(
         flops=flops / max(seconds - ops * overhead[0], 0.1 * seconds),
         core_flops=flops / max(cpu - ops * overhead[1], 0.1 * cpu),
@@ -355,9 +356,9 @@ def fit(
     CPU cost per call and per byte the same way.
     """
     small, large = min(samples), max(samples)
-    alpha = samples[small] / cpu_host.ring_steps(op, members)
+    alpha = samples[small] / network.ring_steps(op, members)
     transfer = max(samples[large] - samples[small], 0.1 * samples[large])
-    bandwidth = cpu_host.bus_factor(op, members) * (large - small) / transfer
+    bandwidth = network.bus_factor(op, members) * (large - small) / transfer
     cpu_call = cpu_bandwidth = 0.0
     if cpu_samples:
         cpu_call = cpu_samples[small]

@@ -1,6 +1,6 @@
 """Calibration's step-loop run: a short ``meshtrain run`` of the job's own layout, and what its trace says.
 
-The micro-benchmarks of :mod:`.calibrate` time the block, one operation and
+The micro-benchmarks of :mod:`.machine` time the block, one operation and
 each collective in isolation; what happens between them in a real step (the
 Python step loop, telemetry, gloo's threads, a tensor-parallel call waiting
 for its peer, a pipeline message waiting for a core) only a run of the
@@ -23,7 +23,8 @@ import yaml
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import cost, cpu_host, estimate, memory, profiles
+from meshtrain.planner import estimate, parameters, profiles
+from meshtrain.planner.timing import cpu_host, network
 from meshtrain.trainer import launch
 from meshtrain.trainer.telemetry import loop_trace, steplog, trace
 
@@ -46,7 +47,7 @@ def loop_batch(job: api_spec.TrainingJobSpec) -> tuple[int, int]:
     """
     shape = job.model.shape()
     tensor = job.parallelism.tensor
-    tokens = max(tensor, int(LOOP_ACTION_FLOPS // (2 * memory.layer_params(shape, tensor))))
+    tokens = max(tensor, int(LOOP_ACTION_FLOPS // (2 * parameters.layer_params(shape, tensor))))
     micro = max(1, min(job.training.micro_batch, tokens // shape.seq_len))
     seq = (
         shape.seq_len if micro * shape.seq_len <= tokens else max(tensor, tokens // tensor * tensor)
@@ -153,8 +154,8 @@ def in_situ_tp_fits(
         measured = profile.collective_fit(op, tensor)
         if measured is None or tensor < 2 or not total["calls"]:
             continue
-        moving = cpu_host.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
-        steps = cpu_host.ring_steps(op, tensor) * total["calls"]
+        moving = network.bus_factor(op, tensor) * total["bytes"] / measured.bandwidth
+        steps = network.ring_steps(op, tensor) * total["calls"]
         fit = dataclasses.replace(
             measured, members=tensor, alpha=max(0.0, total["seconds"] - moving) / steps
         )
@@ -176,13 +177,13 @@ def between_share(
 
     ``loop_run`` holds the step-loop run's wall seconds outside events per
     rank; the median rank's, at the CPU rate a rank gets while all of the
-    job's ranks are runnable (:func:`~meshtrain.planner.cost.cpu_sharing`),
+    job's ranks are runnable (:func:`~meshtrain.planner.timing.cpu_host.sharing`),
     is CPU seconds.  1 (all between actions) where nothing was measured.
     """
     outside = loop_run.get("outside_events_seconds") or {}
     if not outside or loop_cpu <= 0:
         return 1.0
-    rate = cost.cpu_sharing(loop, profile).rate(loop.world_size)
+    rate = cpu_host.sharing(loop, profile).rate(loop.world_size)
     return min(1.0, statistics.median(float(v) for v in outside.values()) * rate / loop_cpu)
 
 

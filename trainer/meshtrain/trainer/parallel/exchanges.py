@@ -29,7 +29,7 @@ Where a chain runs depends on the clock (:mod:`.clocks`):
 
 What stays exposed after backward is the exchange of the buckets that
 became ready last (at least the last bucket's whole chain), which is what
-the planner charges (:func:`meshtrain.planner.cost._stage_time`).
+the planner charges (:func:`meshtrain.planner.timing.stage_work.price`).
 """
 
 from __future__ import annotations

@@ -47,14 +47,40 @@ class Link:
         )
 
 
-def links(profile: profiles.Profile) -> dict[str, Link]:
-    """The two link kinds of a profile; the intra-host one carries the calibration's fits."""
+def links(
+    profile: profiles.Profile, fits: tuple[profiles.CollectiveFit, ...] | None = None
+) -> dict[str, Link]:
+    """The two link kinds of a profile; the intra-host one carries ``fits`` (default: the calibration's)."""
     return {
         "nvlink": Link(
-            "nvlink", profile.nvlink_bandwidth, profile.nvlink_latency, profile.collectives
+            "nvlink",
+            profile.nvlink_bandwidth,
+            profile.nvlink_latency,
+            profile.collectives if fits is None else fits,
         ),
         "fabric": Link("fabric", profile.nic_bandwidth, profile.nic_latency),
     }
+
+
+def axis_links(
+    job: api_spec.TrainingJobSpec, kinds: dict[str, Link], pod_domains: Sequence[str] | None
+) -> dict[str, Link]:
+    """The link of each group axis (``dp``, ``tp``, ``pp``), of ``kinds`` (:func:`links`), by :func:`group_links`."""
+    return {axis: kinds[kind] for axis, kind in group_links(job, pod_domains).items()}
+
+
+def ring_steps(op: str, members: int) -> int:
+    """Message steps of one call: ``2(n-1)`` for all-reduce, 1 for a send, ``n-1`` otherwise."""
+    if op == "all_reduce":
+        return 2 * (members - 1)
+    return 1 if op == "send" else members - 1
+
+
+def bus_factor(op: str, members: int) -> float:
+    """Bus bytes per payload byte (nccl-tests): ``2(n-1)/n`` all-reduce, 1 send, ``(n-1)/n`` otherwise."""
+    if op == "all_reduce":
+        return 2 * (members - 1) / members
+    return 1.0 if op == "send" else (members - 1) / members
 
 
 def ring_allreduce_seconds(nbytes: float, members: int, link: Link, calls: int = 1) -> float:

@@ -1,7 +1,8 @@
-"""The pipeline part of a step with each stage's own durations.
+"""The pipeline part of a step with each stage's own durations, on a device per rank.
 
-The closed form ``(p-1)/(v m + p - 1)`` assumes equal stages and free sends.
-With per-stage times, the fill and drain walk every stage once and the
+The closed form ``(p-1)/(v m + p - 1)`` (Huang et al. 2019; Narayanan et al.
+2021; :func:`bubble_ratio`, reported as the theoretical bubble) assumes
+equal stages and free sends.  With per-stage times, the fill and drain walk every stage once and the
 steady state runs at the pace of the slowest stage (Narayanan et al. 2021,
 sec. 2.2; Huang et al. 2019): a stage's chunk slot lasts
 ``c_s = (f_s + b_s) / v`` and the window is
@@ -18,6 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+
+def bubble_ratio(pipeline: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Theoretical idle share of a stage: ``(p - 1) / (v m + p - 1)`` (GPipe and 1F1B: v = 1)."""
+    return (pipeline - 1) / (virtual_stages * micro_batches + pipeline - 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshtrain.planner import pipeline_window
+from meshtrain.planner.timing import pipeline_window
 
 _EPSILON = 1e-12
 

@@ -1,0 +1,68 @@
+"""A machine whose ranks each own a device: the GPUs of a node.
+
+Work runs at the device's achievable FLOP/s (``peak x achievable_fraction``)
+and pays the profile's cost per operation; collectives pay the alpha-beta
+price of the link their group uses (:mod:`.network`); the pipeline window is
+the closed form of :mod:`.pipeline_window`, and the step is its critical
+path.  A CPU profile without CPU-time figures is priced the same way, each
+rank a device running at its share of the host's cores
+(:meth:`~meshtrain.planner.profiles.Profile.rank_flops`).  Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from meshtrain.planner import comm
+from meshtrain.planner.timing import machine, network, pipeline_window, stage_work
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceNode(machine.JobOnMachine):
+    """A device per rank, priced in wall seconds (:class:`~.machine.Machine`)."""
+
+    @property
+    def prices(self) -> stage_work.Prices:
+        """The device's FLOP/s, cost per operation and memory bandwidth, and its links."""
+        kinds = network.links(self.profile)
+        return stage_work.Prices(
+            rank_flops=self.profile.rank_flops(machine.ranks_per_host(self.job, self.profile)),
+            op_seconds=self.profile.op_overhead,
+            memory_bandwidth=self.profile.memory_bandwidth,
+            links=network.axis_links(self.job, kinds, self.pod_domains),
+            domain_link=kinds["nvlink"],
+        )
+
+    @property
+    def speed(self) -> float:
+        """Prices are wall seconds: work runs at them."""
+        return 1.0
+
+    @property
+    def step_loop_seconds(self) -> float:
+        """Not measured on a device: 0."""
+        return 0.0
+
+    def on_path(
+        self, stage: stage_work.StageTime, stage_comm: comm.StageComm
+    ) -> stage_work.StageTime:
+        """The stage's work as priced: a device runs only its own rank."""
+        return stage
+
+    def window(
+        self, durations: Sequence[pipeline_window.StageDurations], send: float
+    ) -> machine.Pipeline:
+        """The closed form with each stage's own durations."""
+        return machine.Pipeline(
+            pipeline_window.window(
+                self.job.parallelism.micro_batches,
+                durations,
+                send,
+                self.job.parallelism.virtual_stages,
+            )
+        )
+
+    def bound(self, work: Sequence[stage_work.StageTime], dependencies: float) -> machine.Bound:
+        """The critical path: every rank has its own device."""
+        return machine.Bound(step_seconds=dependencies)
