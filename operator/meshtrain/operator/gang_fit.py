@@ -13,8 +13,6 @@ import time
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.api import elastic
-from meshtrain.api import spec as api_spec
 from meshtrain.operator import admitting
 from meshtrain.operator.cluster import informer, owned, status_writes
 from meshtrain.operator.policy import (
@@ -22,6 +20,7 @@ from meshtrain.operator.policy import (
     capacity,
     feasibility,
     lifecycle,
+    placement_outcome,
     rescheduling,
     resizing,
     sizing,
@@ -31,18 +30,6 @@ from meshtrain.operator.policy import (
 from meshtrain.planner import placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sized:
-    """The placement answer at one size of the gang (``size`` None without runPolicy.elastic)."""
-
-    size: elastic.Size | None
-    spec: api_spec.TrainingJobSpec
-    verdict: sizing.Admitted | sizing.Refused | None
-    answer: placement.Placement | placement.Unschedulable | None
-    """None when the verdict refused the size."""
-    refusals: list[str]
 
 
 class GangFit:
@@ -113,7 +100,7 @@ class GangFit:
         nodes: list[placement.Node],
         demand: feasibility.Demand,
         cap: int | None = None,
-    ) -> Sized:
+    ) -> placement_outcome.Sized:
         """Plan the gang at each size runPolicy.elastic allows (none above ``cap``), largest first;
         the first that fits.
 
@@ -122,8 +109,8 @@ class GangFit:
         assert job.spec is not None
         declared = job.declared or job.spec
         usage = self.cache.usage(without=self.freed_by_replacing(job))
-        first: Sized | None = None
-        waiting: Sized | None = None
+        first: placement_outcome.Sized | None = None
+        waiting: placement_outcome.Sized | None = None
         for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap):
             verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
             answer: placement.Placement | placement.Unschedulable | None = None
@@ -138,7 +125,7 @@ class GangFit:
                     claim=self.claims.get(job.ref.uid),
                 )
                 answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
-            sized = Sized(size, spec, verdict, answer, refusals)
+            sized = placement_outcome.Sized(size, spec, verdict, answer, refusals)
             if isinstance(answer, placement.Placement):
                 return sized
             first = first or sized
