@@ -4,6 +4,8 @@ A waiting job is placed again on every node change, so its verdict
 (:func:`sizing.admit`) is kept until what it depends on changes (the job's UID,
 generation, spec, and the profile its candidate nodes choose); each GPU
 product and memory label pair is resolved to a profile once (its file read once).
+Not policy, since it keeps memory across passes and reads profile files; beside
+``cluster``, not in it, since it talks to no API server (only ``gang_fit`` asks it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Read from the informer cache only (no API call, no write): the placement step
 (``placing``) acts on the answer under its lock, and the straggler step asks
-whether the gang would fit without its slow nodes.
+whether the gang would fit without its slow nodes.  Above ``cluster`` and not in
+it, since it talks to no API server; not policy, since it reads the caches and
+remembers per job (scheduler refusals, claims, admission verdicts).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The placement step of a pass: plan the gang and create it, all under one process-wide lock.
 
-:class:`Placer` asks ``gang_fit`` where the gang fits (the memory verdict of
-``sizing``: a job that won't fit fails with ``WontFit`` and gets no pods; a plan
-at each size ``runPolicy.elastic`` allows), records the placement and the plan's
-numbers in the status and creates the gated pods — all before the next job may
-plan, so two jobs never plan onto the same free GPUs.  Under the same lock it
+:class:`Placer` executes: it asks ``gang_fit`` where the gang fits (a plan at
+each size ``runPolicy.elastic`` allows, with the memory verdict of ``sizing``),
+and performs what ``placement_outcome`` says the plan comes to (a job that won't
+fit fails with ``WontFit`` and gets no pods; a placed gang has its placement and
+the plan's numbers recorded, then its gated pods created) — all before the next
+job may plan, so two jobs never plan onto the same free GPUs.  Under the same lock it
 re-checks the planned nodes before the gates are lifted, grows an elastic gang
 when a larger size fits, and drops a placement whose nodes can no longer take it
 (a re-placement, not a restart).  Its memory (backoffs of refused creates, grow

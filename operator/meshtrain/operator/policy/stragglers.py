@@ -3,8 +3,9 @@
 Pure.  :func:`observed` turns the ``straggler`` entry of rank 0's /progress
 (``{rank, slowdown, since_step}``, see ``trainer/meshtrain/trainer/guards/stragglers.py``) into
 ``status.straggler`` with the pod and node of that rank (rank -> pod by the
-rank layout, pod -> node by ``status.placement``).  :func:`react`, called by
-``lifecycle.decide`` while the gang runs, sets the ``Straggler`` condition
+rank layout, pod -> node by ``status.placement``).  :func:`react`, applied
+while the gang runs by the state machine's rules :data:`REPLACE` and
+:data:`REPORTED`, sets the ``Straggler`` condition
 and emits an Event once per straggler; with ``action: replace`` it also
 stops the gang the way a spec change does (full grace period: the ranks
 finish the step, checkpoint it and exit), records the node in
