@@ -12,15 +12,15 @@ from meshtrain.api import elastic, loading
 from meshtrain.operator.policy import (
     conditions,
     lifecycle,
+    memory_admission,
     placement_outcome,
     resizing,
-    sizing,
     volumes,
 )
 from tests.builders import JobBuilder
 
 NOW = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.UTC)
-CHOICE = sizing.Choice(None, "the operator default")
+CHOICE = memory_admission.Choice(None, "the operator default")
 NO_ROOM = placement.Unschedulable(placement.INSUFFICIENT_GPUS, "needs 2 GPUs, 1 free")
 
 
@@ -49,7 +49,7 @@ def placed_on(*nodes: str) -> placement.Placement:
 def sized(
     the_job: lifecycle.JobState,
     answer: placement.Placement | placement.Unschedulable | None,
-    verdict: sizing.Admitted | sizing.Refused | None = None,
+    verdict: memory_admission.Admitted | memory_admission.Refused | None = None,
     refusals: tuple[str, ...] = (),
     size: elastic.Size | None = None,
     spec: Any = None,
@@ -64,7 +64,9 @@ def judge(the_job: lifecycle.JobState, plan: placement_outcome.Sized, **kw: Any)
 
 
 def test_a_refused_memory_plan_fails_the_job_with_no_pods():
-    refused = sizing.Refused(CHOICE, conditions.WONT_FIT, "rank 0 needs 90 GiB", {"fits": False})
+    refused = memory_admission.Refused(
+        CHOICE, conditions.WONT_FIT, "rank 0 needs 90 GiB", {"fits": False}
+    )
     outcome = judge(job(), sized(job(), None, refused))
     assert isinstance(outcome, placement_outcome.WontFit)
     assert (outcome.reason, outcome.message) == (conditions.WONT_FIT, "rank 0 needs 90 GiB")
@@ -146,7 +148,7 @@ def test_the_same_reason_again_is_no_news():
 
 
 def test_a_placed_gang_records_its_nodes_and_the_plan_before_its_pods():
-    admitted = sizing.Admitted(CHOICE, {"fits": True})
+    admitted = memory_admission.Admitted(CHOICE, {"fits": True})
     outcome = judge(job(), sized(job(), placed_on("n0", "n1"), admitted))
     assert isinstance(outcome, placement_outcome.Placed)
     assert outcome.nodes == ("n0", "n1") and outcome.resized is None

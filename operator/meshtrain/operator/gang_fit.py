@@ -22,10 +22,10 @@ from meshtrain.operator.policy import (
     capacity,
     feasibility,
     lifecycle,
+    memory_admission,
     placement_outcome,
     rescheduling,
     resizing,
-    sizing,
     stragglers,
     volumes,
 )
@@ -117,7 +117,7 @@ class GangFit:
             verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
             answer: placement.Placement | placement.Unschedulable | None = None
             refusals: list[str] = []
-            if not isinstance(verdict, sizing.Refused):
+            if not isinstance(verdict, memory_admission.Refused):
                 offered, refusals = capacity.offered_nodes(
                     demand,
                     raw_nodes,

@@ -1,7 +1,7 @@
 """The placement step of a pass: plan the gang and create it, all under one process-wide lock.
 
 :class:`Placer` executes: it asks ``gang_fit`` where the gang fits (a plan at
-each size ``runPolicy.elastic`` allows, with the memory verdict of ``sizing``),
+each size ``runPolicy.elastic`` allows, with the memory verdict of ``memory_admission``),
 and performs what ``placement_outcome`` says the plan comes to (a job that won't
 fit fails with ``WontFit`` and gets no pods; a placed gang has its placement and
 the plan's numbers recorded, then its gated pods created) — all before the next

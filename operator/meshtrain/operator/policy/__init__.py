@@ -1,4 +1,4 @@
-"""The operator's pure policy: decisions, feasibility, sizing, conditions, manifests, status shapes.
+"""The operator's pure policy: decisions, feasibility, memory admission, conditions, manifests, status shapes.
 
 Values in, values out: nothing here talks to the cluster or imports kopf
 (an import-linter contract holds it).  :mod:`.lifecycle` is the state machine:

@@ -22,9 +22,9 @@ from meshtrain.operator.policy import (
     conditions,
     feasibility,
     job_state,
+    memory_admission,
     placement_status,
     resizing,
-    sizing,
     volumes,
 )
 
@@ -36,7 +36,7 @@ class Sized:
     size: elastic.Size | None
     spec: api_spec.TrainingJobSpec
     """The spec at that size."""
-    verdict: sizing.Admitted | sizing.Refused | None
+    verdict: memory_admission.Admitted | memory_admission.Refused | None
     """Memory admission at that size (None: not judged)."""
     answer: placement.Placement | placement.Unschedulable | None
     """None when the verdict refused the size."""
@@ -180,7 +180,7 @@ def judge(
     previous = job.spec.parallelism.data if job.status.get("elastic") else None
     job = dataclasses.replace(job, spec=sized.spec)
     verdict, answer = sized.verdict, sized.answer
-    if isinstance(verdict, sizing.Refused):
+    if isinstance(verdict, memory_admission.Refused):
         status = placement_status.wont_fit(job, verdict.message, now, verdict.summary)
         return WontFit(status, verdict.reason, verdict.message)
     plan = verdict.summary if verdict is not None else None
