@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.operator.policy import conditions, failure, lifecycle
+from meshtrain.operator.policy import conditions, failure, lifecycle, pod_state
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
 
@@ -14,7 +14,7 @@ def spec(limit: int) -> dict:
     return JobBuilder().layout(data=2, gpus_per_node=1).run_policy(backoffLimit=limit).raw()
 
 
-def node_lost(index: int) -> failure.PodState:
+def node_lost(index: int) -> pod_state.PodState:
     return dataclasses.replace(pod(index, "Failed", attempt=1), reason="NodeLost")
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import datetime
 
-from meshtrain.operator.policy import conditions, failure, gang_status
+from meshtrain.operator.policy import conditions, gang_status, pod_state
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 CLAIM = '0/4 nodes are available: persistentvolumeclaim "ckpt" not found.'
 
 
-def pod(index: int, *, bound: bool = False, refused: str | None = None) -> failure.PodState:
-    return failure.PodState(
+def pod(index: int, *, bound: bool = False, refused: str | None = None) -> pod_state.PodState:
+    return pod_state.PodState(
         name=f"j-r0-{index}",
         index=index,
         attempt=0,

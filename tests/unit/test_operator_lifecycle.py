@@ -18,6 +18,8 @@ from meshtrain.operator.policy import (
     identity,
     lifecycle,
     placement_status,
+    pod_state,
+    situation,
 )
 from tests.builders import JobBuilder
 
@@ -66,8 +68,8 @@ def pod(
     disrupted: bool = False,
     message: str | None = None,
     bound: bool = False,
-) -> failure.PodState:
-    return failure.PodState(
+) -> pod_state.PodState:
+    return pod_state.PodState(
         name=f"j-r{attempt}-{index}",
         index=index,
         attempt=attempt,
@@ -100,7 +102,7 @@ def condition(decision: lifecycle.Decision, type_: str) -> dict[str, Any] | None
     return conditions.find(status_of(decision).get("conditions") or [], type_)
 
 
-def running_gang(**kw: Any) -> list[failure.PodState]:
+def running_gang(**kw: Any) -> list[pod_state.PodState]:
     return [pod(0, "Running", ip="10.0.0.1", **kw), pod(1, "Running", **kw)]
 
 
@@ -413,7 +415,7 @@ def test_a_broken_gang_is_deleted_quickly_a_healthy_one_with_time_to_save():
     [deleted] = [a for a in failed.actions if isinstance(a, lifecycle.DeletePods)]
     assert (
         deleted.names == ("j-r0-0", "j-r0-1")
-        and deleted.grace_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
+        and deleted.grace_seconds == failure.BROKEN_GANG_GRACE_SECONDS
     )
     suspended = lifecycle.decide(
         job(_spec_of(2) | {"runPolicy": {"suspend": True}}, **placed_status(phase="Running")),
@@ -448,7 +450,7 @@ def test_rebuilt_gang_waits_for_the_old_pods_then_places_the_new_spec():
     assert kinds(waiting) == ["SetStatus"]  # nothing left to delete: say what it waits for
     placed = conditions.find(status_of(waiting)["conditions"], conditions.PLACED)
     assert placed is not None and placed["reason"] == conditions.OLD_PODS_TERMINATING
-    assert waiting.requeue_after == lifecycle.LEAVING_RECHECK_SECONDS  # woken by the deletion
+    assert waiting.requeue_after == situation.LEAVING_RECHECK_SECONDS  # woken by the deletion
     assert kinds(lifecycle.decide(state, [pod(0, "Running")], at(10)))[0] == "DeletePods"
     assert kinds(lifecycle.decide(state, [], at(11))) == ["Place"]
     assert placement_status.placed(state, ["n0"] * 4, {}, at(12))["specHash"] == _hash_of(
@@ -511,10 +513,10 @@ def test_pod_state_reads_labels_gates_and_exit_code():
             "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 139}}}],
         },
     }
-    state = failure.pod_state(manifest)
+    state = pod_state.pod_state(manifest)
     assert dataclasses.astuple(state)[:6] == ("j-r1-3", 3, 1, "Failed", True, False)
     assert state.node == "n7" and state.exit_code == 139
-    assert failure.pod_state({"metadata": {"name": "other"}}) is None
+    assert pod_state.pod_state({"metadata": {"name": "other"}}) is None
 
 
 @pytest.mark.parametrize(
@@ -567,7 +569,7 @@ def test_pod_state_reads_the_termination_message():
             ],
         },
     }
-    assert failure.pod_state(manifest).termination_message == '{"step": 40}\n'
+    assert pod_state.pod_state(manifest).termination_message == '{"step": 40}\n'
 
 
 def test_wont_fit_fails_the_job_with_the_numbers_and_keeps_the_plan():

@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from meshtrain.operator.policy import failure, rescheduling
+from meshtrain.operator.policy import pod_state, rescheduling
 
 TAINT = (
     "0/3 nodes are available: 1 node(s) had untolerated taint(s), "
@@ -30,8 +30,8 @@ def pod(
     since: datetime.datetime = LONG_AGO,
     nominated: str | None = None,
     **facts: bool,
-) -> failure.PodState:
-    return failure.PodState(
+) -> pod_state.PodState:
+    return pod_state.PodState(
         name=name,
         index=int(name[-1]),
         attempt=0,

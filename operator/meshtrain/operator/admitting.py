@@ -1,9 +1,11 @@
 """The memory admission verdicts of one operator process, remembered per job.
 
 A waiting job is placed again on every node change, so its verdict
-(:func:`sizing.admit`) is kept until what it depends on changes (the job's UID,
+(:func:`memory_admission.admit`) is kept until what it depends on changes (the job's UID,
 generation, spec, and the profile its candidate nodes choose); each GPU
 product and memory label pair is resolved to a profile once (its file read once).
+Not policy, since it keeps memory across passes and reads profile files; beside
+``cluster``, not in it, since it talks to no API server (only ``gang_fit`` asks it).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator.policy import identity, lifecycle, sizing
+from meshtrain.operator.policy import identity, lifecycle, memory_admission
 from meshtrain.planner import admission, profiles
 
 logger = logging.getLogger("meshtrain.operator")
 
-Verdict = sizing.Admitted | sizing.Refused | None
+Verdict = memory_admission.Admitted | memory_admission.Refused | None
 
 
 class Admissions:
@@ -45,10 +47,10 @@ class Admissions:
         return self._products[key]
 
     def admit(self, job: lifecycle.JobState, nodes: Sequence[placement.Node]) -> Verdict:
-        """Admission by plan on the profile of the job's candidate nodes (see ``sizing``)."""
+        """Admission by plan on the profile of the job's candidate nodes (see ``memory_admission``)."""
         assert job.spec is not None
-        candidates = sizing.candidates(job.spec, list(nodes))
-        choice = sizing.choose_profile(
+        candidates = memory_admission.candidates(job.spec, list(nodes))
+        choice = memory_admission.choose_profile(
             [
                 (n.name, self._profile_of(n.labels, job.spec.resources.gpu_resource_name))
                 for n in candidates
@@ -59,7 +61,7 @@ class Admissions:
         cached = self._verdicts.get((job.ref.namespace, job.ref.name))
         if cached is not None and cached[0] == key:
             return cached[1]
-        verdict = sizing.admit(job.spec, choice)
+        verdict = memory_admission.admit(job.spec, choice)
         self._verdicts[(job.ref.namespace, job.ref.name)] = (key, verdict)
         return verdict
 

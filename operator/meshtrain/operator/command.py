@@ -87,6 +87,18 @@ def add_parser(
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 disables it"
     )
+    _add_election_flags(parser)
+    _add_job_flags(parser)
+    parser.add_argument(
+        "--log-format", choices=["json", "text"], default="json", help="log format (default: json)"
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def _add_election_flags(parser: argparse.ArgumentParser) -> None:
+    """The Lease that elects the one replica that acts."""
     parser.add_argument(
         "--lease",
         default=DEFAULT_LEASE,
@@ -112,6 +124,10 @@ def add_parser(
     parser.add_argument(
         "--standalone", action="store_true", help="no leader election (a single replica)"
     )
+
+
+def _add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """What the operator does for every job: resyncs, progress polls, the default profile and image."""
     parser.add_argument(
         "--resync-seconds",
         type=float,
@@ -139,12 +155,6 @@ def add_parser(
         help="trainer image of jobs whose spec.image is empty (env MESHTRAIN_TRAINER_IMAGE; "
         "default: %(default)s)",
     )
-    parser.add_argument(
-        "--log-format", choices=["json", "text"], default="json", help="log format (default: json)"
-    )
-    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    parser.set_defaults(handler=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 Read from the informer cache only (no API call, no write): the placement step
 (``placing``) acts on the answer under its lock, and the straggler step asks
-whether the gang would fit without its slow nodes.
+whether the gang would fit without its slow nodes.  Above ``cluster`` and not in
+it, since it talks to no API server; not policy, since it reads the caches and
+remembers per job (scheduler refusals, claims, admission verdicts).
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import time
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.api import elastic
-from meshtrain.api import spec as api_spec
 from meshtrain.operator import admitting
 from meshtrain.operator.cluster import informer, owned, status_writes
 from meshtrain.operator.policy import (
@@ -22,27 +22,16 @@ from meshtrain.operator.policy import (
     capacity,
     feasibility,
     lifecycle,
+    memory_admission,
+    placement_outcome,
     rescheduling,
     resizing,
-    sizing,
     stragglers,
     volumes,
 )
 from meshtrain.planner import placement_request, profiles
 
 logger = logging.getLogger("meshtrain.operator")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sized:
-    """The placement answer at one size of the gang (``size`` None without runPolicy.elastic)."""
-
-    size: elastic.Size | None
-    spec: api_spec.TrainingJobSpec
-    verdict: sizing.Admitted | sizing.Refused | None
-    answer: placement.Placement | placement.Unschedulable | None
-    """None when the verdict refused the size."""
-    refusals: list[str]
 
 
 class GangFit:
@@ -113,7 +102,7 @@ class GangFit:
         nodes: list[placement.Node],
         demand: feasibility.Demand,
         cap: int | None = None,
-    ) -> Sized:
+    ) -> placement_outcome.Sized:
         """Plan the gang at each size runPolicy.elastic allows (none above ``cap``), largest first;
         the first that fits.
 
@@ -122,13 +111,13 @@ class GangFit:
         assert job.spec is not None
         declared = job.declared or job.spec
         usage = self.cache.usage(without=self.freed_by_replacing(job))
-        first: Sized | None = None
-        waiting: Sized | None = None
+        first: placement_outcome.Sized | None = None
+        waiting: placement_outcome.Sized | None = None
         for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap):
             verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
             answer: placement.Placement | placement.Unschedulable | None = None
             refusals: list[str] = []
-            if not isinstance(verdict, sizing.Refused):
+            if not isinstance(verdict, memory_admission.Refused):
                 offered, refusals = capacity.offered_nodes(
                     demand,
                     raw_nodes,
@@ -138,7 +127,7 @@ class GangFit:
                     claim=self.claims.get(job.ref.uid),
                 )
                 answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
-            sized = Sized(size, spec, verdict, answer, refusals)
+            sized = placement_outcome.Sized(size, spec, verdict, answer, refusals)
             if isinstance(answer, placement.Placement):
                 return sized
             first = first or sized

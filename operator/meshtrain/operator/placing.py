@@ -1,10 +1,11 @@
 """The placement step of a pass: plan the gang and create it, all under one process-wide lock.
 
-:class:`Placer` asks ``gang_fit`` where the gang fits (the memory verdict of
-``sizing``: a job that won't fit fails with ``WontFit`` and gets no pods; a plan
-at each size ``runPolicy.elastic`` allows), records the placement and the plan's
-numbers in the status and creates the gated pods — all before the next job may
-plan, so two jobs never plan onto the same free GPUs.  Under the same lock it
+:class:`Placer` executes: it asks ``gang_fit`` where the gang fits (a plan at
+each size ``runPolicy.elastic`` allows, with the memory verdict of ``memory_admission``),
+and performs what ``placement_outcome`` says the plan comes to (a job that won't
+fit fails with ``WontFit`` and gets no pods; a placed gang has its placement and
+the plan's numbers recorded, then its gated pods created) — all before the next
+job may plan, so two jobs never plan onto the same free GPUs.  Under the same lock it
 re-checks the planned nodes before the gates are lifted, grows an elastic gang
 when a larger size fits, and drops a placement whose nodes can no longer take it
 (a re-placement, not a restart).  Its memory (backoffs of refused creates, grow
@@ -21,7 +22,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshtrain import placement
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import gang_fit
 from meshtrain.operator.cluster import (
@@ -39,15 +39,16 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     conditions,
+    failure,
     feasibility,
     identity,
     lifecycle,
+    placement_outcome,
     placement_status,
     queueing,
     rescheduling,
     resizing,
     retries,
-    sizing,
     volumes,
 )
 
@@ -183,7 +184,7 @@ class Placer:
         """
         names = [p["metadata"]["name"] for p in owned.owned_pods(self.cache, ref)]
         await owned.delete_pods(
-            self.client, self.cache, ref, names, lifecycle.BROKEN_GANG_GRACE_SECONDS
+            self.client, self.cache, ref, names, failure.BROKEN_GANG_GRACE_SECONDS
         )
 
     async def grow(
@@ -202,12 +203,8 @@ class Placer:
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
             sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand)
-            size = sized.size
-            if (
-                size is None
-                or size.data <= action.running
-                or not isinstance(sized.answer, placement.Placement)
-            ):
+            size = placement_outcome.larger_size(sized, action.running)
+            if size is None:
                 interval = resizing.next_grow_check(backoff[1] if backoff else None)
                 self._grow_backoff[key] = (time.monotonic() + interval, interval)
                 return await self.writer.set_status(body, job, resizing.no_room(job.status))
@@ -241,24 +238,16 @@ class Placer:
     async def _wait_for_leaving(self, body: dict[str, Any], job: lifecycle.JobState) -> Step | None:
         """Hold a new gang back while the old one's pods still terminate (None: none left).
 
-        Planned beside them, it would be sized down for a moment's shortage; planned onto
-        their GPUs, kube-scheduler would refuse it until they are gone.  Their deletion
-        wakes the job.
+        Their deletion wakes the job.
         """
         leaving = capacity.still_leaving(
             owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
         )
         if not leaving:
             return None
-        names = ", ".join(sorted(p["metadata"]["name"] for p in leaving))
-        message = f"waiting for pod(s) of the earlier gang to terminate (they hold their GPUs until gone): {names}"
-        return await self.writer.set_status(
-            body,
-            job,
-            placement_status.unschedulable(
-                job, conditions.OLD_PODS_TERMINATING, message, status_writes.now()
-            ),
-        )
+        names = [p["metadata"]["name"] for p in leaving]
+        waiting = placement_outcome.old_gang_leaving(job, names, status_writes.now())
+        return await self.writer.set_status(body, job, waiting)
 
     async def _pod_group(
         self,
@@ -286,10 +275,9 @@ class Placer:
             f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
         )
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
-        changes = {
-            **placement_status.unschedulable(job, refused.reason, message, status_writes.now()),
-            "placement": [],
-        }
+        changes = placement_status.children_refused(
+            job, refused.reason, message, status_writes.now()
+        )
         body, job, _ = await self.writer.set_status(body, job, changes)
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", refused.reason, refused.message)
@@ -298,15 +286,14 @@ class Placer:
     async def place(
         self, action: lifecycle.Place, body: dict[str, Any], job: lifecycle.JobState
     ) -> Step:
+        """Plan the gang and create it (or re-create its missing pods), under the process-wide lock."""
         assert job.spec is not None
         ref, spec = job.ref, job.spec
-        if (
-            action.missing is None
-            and self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None
-        ):
-            return body, job, False  # refused recently: wait (outside the lock) for the backoff
-        if action.missing is None and (waiting := await self._wait_for_leaving(body, job)):
-            return waiting
+        if action.missing is None:
+            if self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None:
+                return body, job, False  # refused recently: wait (outside the lock) for the backoff
+            if waiting := await self._wait_for_leaving(body, job):
+                return waiting
         where = await workloads.flavors(self.client, action.flavors)
         if isinstance(where, queueing.Unassignable):
             return await self._unassignable(body, job, where)
@@ -315,177 +302,159 @@ class Placer:
         except queueing.AssignmentConflict as conflict:
             unassignable = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
             return await self._unassignable(body, job, unassignable)
-        gpu = spec.resources.gpu_resource_name
         claim = self.fit.claims[ref.uid] = await claims.topology(self.client, ref.namespace, spec)
         async with self.lock:
-            started = time.perf_counter()
-            raw_nodes, nodes, avoid = self.fit.candidates(job, gpu)
-            demand = feasibility.demand_of(template)
-            now = status_writes.now()
             if action.missing is not None:
-                wanted = placement_status.missing_per_node(job, action.missing)
-                blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
-                recovery = placement_status.recover_missing(job, action.missing, blocked, now)
-                if isinstance(recovery, placement_status.Recreate):
-                    group = await self._pod_group(
-                        ref, spec, action.attempt, job.status.get("specHash")
-                    )
-                    pods = [
-                        queueing.assign(
-                            builders.build_pod(
-                                ref,
-                                spec,
-                                action.attempt,
-                                i,
-                                node,
-                                default_image=self.trainer_image,
-                                pod_group=group["metadata"]["name"] if group else None,
-                            ),
-                            where,
-                        )
-                        for i, node in recovery.nodes
-                    ]
-                    refused = await children.ensure(
-                        self.client, ref.uid, _shared_children(ref, spec, group), pods
-                    )
-                    if refused is not None:
-                        return await self._refused(body, job, refused)
-                    logger.info(
-                        "re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name
-                    )
-                    return body, job, True
-                live = [
-                    p for p in owned.owned_pods(self.cache, ref) if feasibility.holds_resources(p)
-                ]
-                await owned.delete_pods(
-                    self.client, self.cache, ref, [p["metadata"]["name"] for p in live]
+                return await self._recreate_missing(
+                    action.attempt, action.missing, body, job, template, where
                 )
-                return await self.writer.set_status(body, job, recovery.status)
-            cap = resizing.largest_allowed(job.declared or spec, job.status, now)
-            sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
-            size, verdict, answer, refusals = (
-                sized.size,
-                sized.verdict,
-                sized.answer,
-                sized.refusals,
+            step, placed = await self._place_gang(action.attempt, body, job, template, where, claim)
+        if placed is not None:
+            logger.info(
+                "placed %s/%s %s on %d node(s)",
+                ref.namespace,
+                ref.name,
+                placed.spec.parallelism.layout_string,
+                len(set(placed.nodes)),
             )
-            previous = job.spec.parallelism.data if job.status.get("elastic") else None
-            job = dataclasses.replace(job, spec=sized.spec)
-            spec = sized.spec
-            if isinstance(verdict, sizing.Refused):
-                logger.info("%s/%s refused: %s", ref.namespace, ref.name, verdict.message)
-                metrics.PLACEMENT_FAILURES.labels(reason=verdict.reason).inc()
-                body, job, changed = await self.writer.set_status(
-                    body, job, placement_status.wont_fit(job, verdict.message, now, verdict.summary)
-                )
-                await self.writer.emit(body, "Warning", verdict.reason, verdict.message)
-                return body, job, changed
-            plan = verdict.summary if verdict is not None else None
-            metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
-            assert answer is not None  # only a refused size has no answer
-            if isinstance(answer, placement.Unschedulable):
-                metrics.PLACEMENT_FAILURES.labels(reason=answer.reason).inc()
-                bounds = (job.declared or spec).run_policy.elastic
-                tried = (
-                    f"; no data-parallel degree from {bounds.max_data} down to {bounds.min_data} fits"
-                    if bounds is not None
-                    else ""
-                )
-                if avoid:
-                    tried += f"; excluded for this job (stragglers, scheduler refusals): {', '.join(sorted(avoid))}"
-                if claim is not None and volumes.CONFLICT in refusals:
-                    tried += f"; claim {claim.claim} allows only the nodes of {claim.why}"
-                answer = dataclasses.replace(
-                    answer,
-                    message=f"{answer.message}{tried}; {feasibility.summary(refusals, len(raw_nodes))}",
-                )
-                before = (
-                    conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
-                )
-                body, job, changed = await self.writer.set_status(
-                    body,
-                    job,
-                    placement_status.unschedulable(job, answer.reason, answer.message, now, plan),
-                )
-                if (before.get("reason"), before.get("message")) != (answer.reason, answer.message):
-                    logger.info(
-                        "%s/%s unschedulable: %s: %s",
-                        ref.namespace,
-                        ref.name,
-                        answer.reason,
-                        answer.message,
-                    )
-                    await self.writer.emit(body, "Warning", answer.reason, answer.message)
-                return body, job, changed
-            nodes_used = len(set(answer.nodes))
-            if shared := await claims.access_refusal(self.client, ref.namespace, spec, nodes_used):
-                unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
-                return await self._unassignable(body, job, unshared)
-            declared = job.declared or spec
-            fields = placement_status.placed(job, answer.nodes, answer.level_bytes, now, plan)
-            fields |= resizing.placed_fields(declared, size, {**job.status, **fields}, now)
-            body, job, _ = await self.writer.set_status(body, job, fields)
-            direction = resizing.change(previous, size)
-            if direction is not None and size is not None:
-                metrics.resized(ref.namespace, ref.name, direction)
-                message = fields["elastic"]["message"]
-                logger.info("%s/%s elastic %s: %s", ref.namespace, ref.name, direction, message)
-                await self.writer.emit(
-                    body,
-                    "Warning" if direction == "shrink" else "Normal",
-                    conditions.ELASTIC_SHRUNK
-                    if direction == "shrink"
-                    else conditions.ELASTIC_GROWN,
-                    f"data-parallel degree {previous} -> {size.data}: {message}",
-                )
-            group = await self._pod_group(ref, spec, action.attempt)
-            refused = await children.ensure(
-                self.client,
-                ref.uid,
-                _shared_children(ref, spec, group),
-                [
-                    queueing.assign(pod, where)
-                    for pod in builders.build_pods(
-                        ref,
-                        spec,
-                        action.attempt,
-                        answer.nodes,
-                        default_image=self.trainer_image,
-                        pod_group=group["metadata"]["name"] if group else None,
-                    )
-                ],
+            await self.writer.emit(step[0], "Normal", conditions.GANG_PLACED, placed.message)
+        return step
+
+    async def _recreate_missing(
+        self,
+        attempt: int,
+        missing: tuple[int, ...],
+        body: dict[str, Any],
+        job: lifecycle.JobState,
+        template: dict[str, Any],
+        where: queueing.Assignment,
+    ) -> Step:
+        """Crash recovery of a gated gang: its missing pods on their recorded nodes, or a new plan."""
+        assert job.spec is not None
+        ref, spec = job.ref, job.spec
+        raw_nodes, _, _ = self.fit.candidates(job, spec.resources.gpu_resource_name)
+        demand = feasibility.demand_of(template)
+        now = status_writes.now()
+        wanted = placement_status.missing_per_node(job, missing)
+        blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
+        recovery = placement_status.recover_missing(job, missing, blocked, now)
+        if isinstance(recovery, placement_status.Replan):
+            live = [p for p in owned.owned_pods(self.cache, ref) if feasibility.holds_resources(p)]
+            await owned.delete_pods(
+                self.client, self.cache, ref, [p["metadata"]["name"] for p in live]
             )
-            if refused is not None:
-                return await self._refused(body, job, refused)
-            self.create_failures.forget(ref.uid)
-        logger.info(
-            "placed %s/%s %s on %d node(s)",
-            ref.namespace,
-            ref.name,
-            spec.parallelism.layout_string,
-            len(set(answer.nodes)),
+            return await self.writer.set_status(body, job, recovery.status)
+        group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
+        pods = [
+            queueing.assign(
+                builders.build_pod(
+                    ref,
+                    spec,
+                    attempt,
+                    i,
+                    node,
+                    default_image=self.trainer_image,
+                    pod_group=group["metadata"]["name"] if group else None,
+                ),
+                where,
+            )
+            for i, node in recovery.nodes
+        ]
+        refused = await children.ensure(
+            self.client, ref.uid, _shared_children(ref, spec, group), pods
         )
-        await self.writer.emit(
-            body,
-            "Normal",
-            conditions.GANG_PLACED,
-            f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on {len(set(answer.nodes))} node(s)",
-        )
+        if refused is not None:
+            return await self._refused(body, job, refused)
+        logger.info("re-created %d missing pod(s) of %s/%s", len(pods), ref.namespace, ref.name)
         return body, job, True
+
+    async def _place_gang(
+        self,
+        attempt: int,
+        body: dict[str, Any],
+        job: lifecycle.JobState,
+        template: dict[str, Any],
+        where: queueing.Assignment,
+        claim: volumes.Topology | None,
+    ) -> tuple[Step, placement_outcome.Placed | None]:
+        """Plan the whole gang, write what the plan comes to and, placed, create the gang's children."""
+        assert job.spec is not None
+        ref = job.ref
+        started = time.perf_counter()
+        raw_nodes, nodes, avoid = self.fit.candidates(job, job.spec.resources.gpu_resource_name)
+        demand = feasibility.demand_of(template)
+        now = status_writes.now()
+        cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
+        sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+        outcome = placement_outcome.judge(
+            job, sized, avoid=avoid, claim=claim, nodes_seen=len(raw_nodes), now=now
+        )
+        job = dataclasses.replace(job, spec=sized.spec)
+        if isinstance(outcome, placement_outcome.WontFit):
+            logger.info("%s/%s refused: %s", ref.namespace, ref.name, outcome.message)
+            metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
+            body, job, changed = await self.writer.set_status(body, job, outcome.status)
+            await self.writer.emit(body, "Warning", outcome.reason, outcome.message)
+            return (body, job, changed), None
+        metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
+        if isinstance(outcome, placement_outcome.Unplaced):
+            metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
+            said = f"{ref.namespace}/{ref.name} unschedulable: {outcome.reason}: {outcome.message}"
+            return await self._write_unplaced(body, job, outcome, said), None
+        spec = outcome.spec
+        nodes_used = len(set(outcome.nodes))
+        if shared := await claims.access_refusal(self.client, ref.namespace, spec, nodes_used):
+            unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
+            return await self._unassignable(body, job, unshared), None
+        body, job, _ = await self.writer.set_status(body, job, outcome.status)
+        if (resized := outcome.resized) is not None:
+            metrics.resized(ref.namespace, ref.name, resized.direction)
+            logger.info(
+                "%s/%s elastic %s: %s", ref.namespace, ref.name, resized.direction, resized.detail
+            )
+            await self.writer.emit(body, resized.type, resized.reason, resized.message)
+        group = await self._pod_group(ref, spec, attempt)
+        refused = await children.ensure(
+            self.client,
+            ref.uid,
+            _shared_children(ref, spec, group),
+            [
+                queueing.assign(pod, where)
+                for pod in builders.build_pods(
+                    ref,
+                    spec,
+                    attempt,
+                    outcome.nodes,
+                    default_image=self.trainer_image,
+                    pod_group=group["metadata"]["name"] if group else None,
+                )
+            ],
+        )
+        if refused is not None:
+            return await self._refused(body, job, refused), None
+        self.create_failures.forget(ref.uid)
+        return (body, job, True), outcome
 
     async def _unassignable(
         self, body: dict[str, Any], job: lifecycle.JobState, why: queueing.Unassignable
     ) -> Step:
         """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
-        before = conditions.find(job.status.get("conditions") or [], conditions.PLACED) or {}
-        body, job, changed = await self.writer.set_status(
-            body,
-            job,
-            placement_status.unschedulable(job, why.reason, why.message, status_writes.now()),
-        )
-        if (before.get("reason"), before.get("message")) != (why.reason, why.message):
-            logger.info("%s/%s: %s", job.ref.namespace, job.ref.name, why.message)
-            await self.writer.emit(body, "Warning", why.reason, why.message)
+        unplaced = placement_outcome.unplaced(job, why.reason, why.message, status_writes.now())
+        said = f"{job.ref.namespace}/{job.ref.name}: {why.message}"
+        return await self._write_unplaced(body, job, unplaced, said)
+
+    async def _write_unplaced(
+        self,
+        body: dict[str, Any],
+        job: lifecycle.JobState,
+        unplaced: placement_outcome.Unplaced,
+        said: str,
+    ) -> Step:
+        """Write why the gang has no pods; when that is news, log ``said`` and emit a Warning."""
+        body, job, changed = await self.writer.set_status(body, job, unplaced.status)
+        if unplaced.news:
+            logger.info("%s", said)
+            await self.writer.emit(body, "Warning", unplaced.reason, unplaced.message)
         return body, job, changed
 
 

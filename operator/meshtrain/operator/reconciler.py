@@ -33,11 +33,11 @@ from meshtrain.operator.cluster import (
 from meshtrain.operator.cluster.status_writes import Step, now
 from meshtrain.operator.policy import (
     conditions,
-    failure,
     identity,
     lifecycle,
     naming,
     noise_condition,
+    pod_state,
     progress_status,
     queueing,
     rescheduling,
@@ -114,7 +114,7 @@ class Reconciler:
             return Outcome(changed=False, requeue_after=None, gone=True)
         job = lifecycle.job_state(body)
         pods = owned.owned_pods(self.cache, job.ref)
-        states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
+        states = [s for s in (pod_state.pod_state(p) for p in pods) if s is not None]
         queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
         gate, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
         planned = {p.get("node") for p in job.status.get("placement") or [] if isinstance(p, dict)}

@@ -15,7 +15,14 @@ import pytest
 
 from meshtrain.operator import reconciler
 from meshtrain.operator.cluster import informer, kube
-from meshtrain.operator.policy import conditions, failure, lifecycle, naming, rescheduling
+from meshtrain.operator.policy import (
+    conditions,
+    failure,
+    naming,
+    pod_state,
+    rescheduling,
+    situation,
+)
 from meshtrain.operator.reconciler import Outcome
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, Reconciling, reconcile_passes, wait_for
@@ -56,7 +63,7 @@ def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
     asyncio.run(lift())
     read = private.core.read_namespaced_pod("two-gates", "gates")
     assert [g.name for g in read.spec.scheduling_gates] == [OTHER_GATE]
-    state = failure.pod_state(
+    state = pod_state.pod_state(
         {
             **private.core.api_client.sanitize_for_serialization(read),
             "metadata": {
@@ -332,7 +339,7 @@ def test_a_refusal_after_part_of_the_gang_was_bound_waits_for_the_bound_pods_to_
         waiting = private.condition("gates", "halved", conditions.PLACED)
         assert waiting["reason"] == conditions.OLD_PODS_TERMINATING
         assert f"{stopping.metadata.name} (terminating on {first})" in waiting["message"]
-        assert outcome.requeue_after == lifecycle.LEAVING_RECHECK_SECONDS
+        assert outcome.requeue_after == situation.LEAVING_RECHECK_SECONDS
 
         private.core.delete_namespaced_pod(  # the kubelet confirms the containers stopped
             stopping.metadata.name,
@@ -473,7 +480,7 @@ def test_a_re_placement_from_a_cache_that_missed_the_binding_gives_the_bound_pod
     assert placed["reason"] == conditions.NODES_CHANGED
     [stopping] = private.pods("gates", "lagged")  # not force-deleted
     assert stopping.metadata.uid == pod.metadata.uid and stopping.spec.node_name == node
-    assert stopping.metadata.deletion_grace_period_seconds == lifecycle.BROKEN_GANG_GRACE_SECONDS
+    assert stopping.metadata.deletion_grace_period_seconds == failure.BROKEN_GANG_GRACE_SECONDS
 
 
 def _refuse_dropping_the_placement_of(job: str) -> tuple[dict, dict]:

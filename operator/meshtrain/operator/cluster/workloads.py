@@ -16,7 +16,7 @@ from typing import Any
 
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.cluster import kube
-from meshtrain.operator.policy import builders, failure, identity, lifecycle, queueing
+from meshtrain.operator.policy import builders, identity, lifecycle, pod_state, queueing
 
 logger = logging.getLogger("meshtrain.operator")
 ACTIONS = (
@@ -197,7 +197,7 @@ async def release_after_pods(
     workload = await client.get_workload(namespace=namespace, name=queueing.workload_name(name))
     if workload is None or not queueing.controlled_by(workload, uid):
         return 0
-    states = [s for s in (failure.pod_state(p) for p in pods) if s is not None]
+    states = [s for s in (pod_state.pod_state(p) for p in pods) if s is not None]
     held = sum(s.holds_resources for s in states)
     if held and not isinstance(queueing.state(workload), queueing.Finished):
         return held

@@ -1,5 +1,6 @@
-"""The operator's pure policy: decisions, feasibility, sizing, conditions, manifests, status shapes.
+"""The operator's pure policy: decisions, feasibility, memory admission, conditions, manifests, status shapes.
 
 Values in, values out: nothing here talks to the cluster or imports kopf
-(an import-linter contract holds it).  :mod:`.lifecycle` is the state machine.
+(an import-linter contract holds it).  :mod:`.lifecycle` is the state machine:
+an ordered table of rules drawn from one module per policy.
 """

@@ -218,34 +218,18 @@ def _container_security(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     }
 
 
-def build_pod(
+def _trainer_container(
     job: identity.JobRef,
     spec: api_spec.TrainingJobSpec,
     attempt: int,
     index: int,
-    node: str,
-    *,
-    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
-    pod_group: str | None = None,
+    image: str,
+    mounts: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
-
-    With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
-    scheduler then binds the gang all at once or not at all.
-    """
-    name = naming.pod_name(job.name, attempt, index)
-    volumes, mounts = _volumes(job, spec)
-    labels = {
-        naming.LABEL_NODE_RANK: str(index),
-        naming.LABEL_ATTEMPT: str(attempt),
-        naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
-        naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
-    }
-    metadata = _metadata(job, name, labels)
-    metadata["annotations"] = {naming.ANNOTATION_NODE: node}
+    """The trainer container: torchrun of the built-in trainer, or the job's own command."""
     container = {
         "name": naming.CONTAINER,
-        "image": spec.image or default_image,
+        "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["torchrun"],
         "args": [
@@ -273,6 +257,51 @@ def build_pod(
         "terminationMessagePath": naming.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if spec.trainer.type == "custom":
+        container["command"] = list(spec.trainer.command)
+        container["args"] = list(spec.trainer.args)
+        if spec.trainer.working_dir:
+            container["workingDir"] = spec.trainer.working_dir
+    return container
+
+
+def _pinned_to(node: str) -> dict[str, Any]:
+    """A required node affinity to ``node`` alone (``matchFields`` on ``metadata.name``)."""
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+        }
+    }
+
+
+def build_pod(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    index: int,
+    node: str,
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+    pod_group: str | None = None,
+) -> dict[str, Any]:
+    """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
+
+    With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
+    scheduler then binds the gang all at once or not at all.
+    """
+    name = naming.pod_name(job.name, attempt, index)
+    volumes, mounts = _volumes(job, spec)
+    labels = {
+        naming.LABEL_NODE_RANK: str(index),
+        naming.LABEL_ATTEMPT: str(attempt),
+        naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
+        naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
+    }
+    metadata = _metadata(job, name, labels)
+    metadata["annotations"] = {naming.ANNOTATION_NODE: node}
+    image = spec.image or default_image
+    container = _trainer_container(job, spec, attempt, index, image, mounts)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
@@ -282,19 +311,7 @@ def build_pod(
         "automountServiceAccountToken": bool(spec.pod.service_account_name),
         "securityContext": POD_SECURITY,
         "schedulingGates": [{"name": naming.GANG_GATE}],
-        "affinity": {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchFields": [
-                                {"key": "metadata.name", "operator": "In", "values": [node]}
-                            ]
-                        },
-                    ]
-                }
-            }
-        },
+        "affinity": _pinned_to(node),
         "containers": [container],
         "volumes": volumes,
     }
@@ -305,11 +322,6 @@ def build_pod(
             t.model_dump(by_alias=True, exclude_none=True, mode="json")
             for t in spec.resources.tolerations
         ]
-    if spec.trainer.type == "custom":
-        container["command"] = list(spec.trainer.command)
-        container["args"] = list(spec.trainer.args)
-        if spec.trainer.working_dir:
-            container["workingDir"] = spec.trainer.working_dir
     if pod_group:
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
     _apply_pod_settings(spec.pod, metadata, container, pod_spec)

@@ -1,10 +1,11 @@
-"""Failure policy: is a pod of the gang failed, and may the gang be retried?
+"""Failure policy: is a pod of the gang failed, may the gang be retried, and the rules that say so.
 
-:class:`PodState` (the few facts of a pod the lifecycle needs, read
-from its manifest) and :func:`classify`, which says whether a pod failed and
-whether that failure is *permanent* (restarting cannot help: the job fails at
-once) or *retryable* (the gang is restarted, up to ``runPolicy.backoffLimit``).
-It does not count restarts or act (see ``lifecycle``).
+:func:`classify` says whether a pod failed and whether that failure is
+*permanent* (restarting cannot help: the job fails at once) or *retryable* (the
+gang is restarted, up to ``runPolicy.backoffLimit``).  The rules of the state
+machine (``lifecycle``) that fail or restart a job live here too: an invalid
+spec, ``activeDeadlineSeconds``, a failed or vanished pod of the gang, and
+``startupTimeoutSeconds``.
 
 Classification:
 
@@ -36,10 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from meshtrain.api import exitcodes
-from meshtrain.operator.policy import conditions, identity, naming
+from meshtrain.operator.policy import conditions, job_actions, job_state, pod_state, situation
 
 DISRUPTION_REASONS = frozenset(
     {"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
@@ -59,66 +60,6 @@ PERMANENT_EXIT_CODES = exitcodes.PERMANENT
 
 
 @dataclasses.dataclass(frozen=True)
-class PodState:
-    """What the lifecycle needs to know about one pod."""
-
-    name: str
-    index: int
-    """Node rank in the gang (label meshtrain.io/node-rank)."""
-    attempt: int
-    """Gang attempt (label meshtrain.io/attempt)."""
-    phase: str
-    """Pod phase: Pending, Running, Succeeded, Failed, Unknown."""
-    gated: bool
-    """Still carries the operator's gang scheduling gate (other controllers' gates do not count)."""
-    deleting: bool
-    """Has a deletionTimestamp."""
-    created_at: datetime.datetime | None
-    """metadata.creationTimestamp."""
-    node: str | None = None
-    """Node it is bound or pinned to."""
-    ip: str | None = None
-    """status.podIP once it has one."""
-    exit_code: int | None = None
-    """Exit code of the trainer container once it terminated."""
-    reason: str | None = None
-    """status.reason of the pod (Evicted, NodeLost, ...)."""
-    disrupted: bool = False
-    """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
-    bound: bool = False
-    """spec.nodeName is set: the scheduler bound it."""
-    unschedulable_message: str | None = None
-    """The scheduler's message while its PodScheduled condition is False/Unschedulable."""
-    unschedulable_since: datetime.datetime | None = None
-    """lastTransitionTime of that condition: when the scheduler first refused it."""
-    nominated: str | None = None
-    """status.nominatedNodeName: the node kube-scheduler makes room on (preempts) for it."""
-    reported: tuple[int, str] | None = None
-    """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
-    termination_message: str | None = None
-    """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
-
-    @property
-    def terminal(self) -> bool:
-        """Succeeded or Failed: holds no GPUs any more."""
-        return self.phase in ("Succeeded", "Failed")
-
-    @property
-    def holds_resources(self) -> bool:
-        """Whether it may still hold its node's resources (and so the quota Kueue charged).
-
-        Until it is Succeeded or Failed, terminating or not: the scheduler counts it until then.
-        A deleted Pending pod never bound holds nothing (the scheduler skips it; binding is
-        refused); one that runs is bound.
-        Stricter than Kueue's pod integration (Pod.IsActive counts only Running pods): a bound
-        Pending pod may already hold GPUs while its containers start.
-        """
-        return not self.terminal and not (
-            self.deleting and self.phase == "Pending" and not self.bound
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class Failure:
     """A failed pod and what that means for the job."""
 
@@ -131,65 +72,7 @@ class Failure:
     """The infrastructure ended the pod (node lost, eviction, preemption): not counted against backoffLimit."""
 
 
-def pod_state(pod: dict[str, Any]) -> PodState | None:
-    """Read a pod manifest; None when it lacks the operator's labels (not one of ours)."""
-    metadata = pod.get("metadata") or {}
-    labels = metadata.get("labels") or {}
-    index = naming.int_label(labels, naming.LABEL_NODE_RANK)
-    attempt = naming.int_label(labels, naming.LABEL_ATTEMPT)
-    if index is None or attempt is None:
-        return None
-    status = pod.get("status") or {}
-    exit_code, message = None, None
-    for container in status.get("containerStatuses") or []:
-        if container.get("name") == naming.CONTAINER:
-            terminated = (container.get("state") or {}).get("terminated")
-            if terminated and terminated.get("exitCode") is not None:
-                exit_code = int(terminated["exitCode"])
-            if terminated and isinstance(terminated.get("message"), str):
-                message = terminated["message"]
-    refusal = next(
-        (
-            c
-            for c in status.get("conditions") or []
-            if c.get("type") == "PodScheduled"
-            and c.get("status") == "False"
-            and c.get("reason") == "Unschedulable"
-        ),
-        None,
-    )
-    disrupted = any(
-        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
-    return PodState(
-        name=metadata.get("name", ""),
-        index=index,
-        attempt=attempt,
-        phase=status.get("phase") or "Pending",
-        gated=any(
-            gate.get("name") == naming.GANG_GATE
-            for gate in (pod.get("spec") or {}).get("schedulingGates") or []
-        ),
-        deleting=bool(metadata.get("deletionTimestamp")),
-        created_at=conditions.parse_time(metadata.get("creationTimestamp")),
-        node=identity.planned_node(pod),
-        ip=status.get("podIP"),
-        exit_code=exit_code,
-        reason=status.get("reason"),
-        disrupted=disrupted,
-        bound=bool((pod.get("spec") or {}).get("nodeName")),
-        unschedulable_message=(refusal.get("message") or "Unschedulable") if refusal else None,
-        unschedulable_since=conditions.parse_time(refusal.get("lastTransitionTime"))
-        if refusal
-        else None,
-        nominated=status.get("nominatedNodeName") or None,
-        reported=exitcodes.read_failure_report(message) if exit_code else None,
-        termination_message=message,
-    )
-
-
-def disrupted(pod: PodState) -> bool:
+def disrupted(pod: pod_state.PodState) -> bool:
     """Whether the node or the control plane, not the job, ended ``pod``."""
     return (
         pod.disrupted
@@ -206,7 +89,7 @@ def _disruption_reason(reason: str | None) -> bool:
     )
 
 
-def classify(pod: PodState) -> Failure | None:
+def classify(pod: pod_state.PodState) -> Failure | None:
     """The failure of ``pod``, or None while it is healthy (pending, running or succeeded)."""
     found = _classify(pod)
     if found is None or found.permanent or not disrupted(pod):
@@ -214,7 +97,7 @@ def classify(pod: PodState) -> Failure | None:
     return dataclasses.replace(found, disruption=True)
 
 
-def _classify(pod: PodState) -> Failure | None:
+def _classify(pod: pod_state.PodState) -> Failure | None:
     if pod.phase == "Failed":
         code = pod.exit_code
         if pod.reported is not None and pod.reported[0] in PERMANENT_EXIT_CODES:
@@ -253,3 +136,176 @@ def _classify(pod: PodState) -> Failure | None:
     if pod.deleting and not pod.terminal:
         return Failure(pod.name, False, f"pod {pod.name} is being deleted")
     return None
+
+
+BROKEN_GANG_GRACE_SECONDS = 5
+"""Grace period of the surviving pods of a failed gang: a checkpoint is collective, so with a rank gone they
+cannot save and their full ``runPolicy.terminationGracePeriodSeconds`` would only delay the restart."""
+
+
+def fail(
+    seen: situation.Situation,
+    pods: Sequence[pod_state.PodState],
+    reason: str,
+    message: str,
+    grace_seconds: int | None = None,
+) -> job_actions.Decision:
+    """Failed for ``reason``: the live ``pods`` are deleted (with ``grace_seconds``)."""
+    conds = situation.set_conditions(
+        seen,
+        reason,
+        message,
+        (conditions.FAILED, conditions.TRUE),
+        (conditions.RUNNING, conditions.FALSE),
+    )
+    actions: list[job_actions.Action] = [
+        job_actions.set_status(
+            seen.job,
+            phase=job_state.Phase.FAILED.value,
+            conditions=conds,
+            completionTime=conditions.timestamp(seen.now),
+        ),
+        job_actions.Emit("Warning", reason, message),
+    ]
+    if pod_state.live(pods):
+        actions.append(job_actions.DeletePods(pod_state.live(pods), grace_seconds=grace_seconds))
+    return job_actions.Decision(tuple(actions), requeue_after=0)
+
+
+def restart_or_fail(seen: situation.Situation, failures: Sequence[Failure]) -> job_actions.Decision:
+    """Failed pods of the gang: fail the job (permanent, or backoff used up), else restart the gang.
+
+    A restart counts in ``restarts`` (the new attempt: the old pods become stale) and, when
+    only disruptions caused it, in ``disruptionRestarts``, which ``backoffLimit`` does not count.
+    """
+    job, current = seen.job, seen.current
+    restarts = seen.attempt
+    limit = seen.spec.run_policy.backoff_limit
+    permanent = [f for f in failures if f.permanent]
+    if permanent:
+        message = f"{permanent[0].message}; not retried"
+        reason = conditions.PERMANENT_FAILURE
+        return fail(seen, current, reason, message, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
+    message = "; ".join(f.message for f in failures[:3])
+    disruptions = int(job.status.get("disruptionRestarts") or 0)
+    disruption = all(f.disruption for f in failures)
+    used = max(restarts - disruptions, 0)  # restarts the job's own failures caused
+    if not disruption and used >= limit:
+        return fail(
+            seen,
+            current,
+            conditions.BACKOFF_LIMIT_EXCEEDED,
+            f"{message}; backoffLimit={limit} restart(s) already used",
+            grace_seconds=BROKEN_GANG_GRACE_SECONDS,
+        )
+    note = (
+        f"{message}; restarting the gang (a disruption: not counted against "
+        f"backoffLimit={limit}, {used} used)"
+        if disruption
+        else f"{message}; restarting the gang (restart {used + 1} of {limit})"
+    )
+    conds = situation.set_conditions(
+        seen,
+        conditions.GANG_RESTARTING,
+        note,
+        (conditions.RUNNING, conditions.FALSE),
+        (conditions.PLACED, conditions.FALSE),
+    )
+    restarted = job_actions.set_status(
+        job,
+        phase=job_state.Phase.RESTARTING.value,
+        restarts=restarts + 1,
+        **({"disruptionRestarts": disruptions + 1} if disruption else {}),
+        placement=[],
+        straggler=None,
+        conditions=conds,
+    )
+    event = job_actions.Emit("Warning", conditions.GANG_RESTARTING, note)
+    return situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
+
+
+def _disappeared(seen: situation.Situation, index: int) -> Failure:
+    """The failure of a pod of the gang that no longer exists: a disruption when its node is gone too."""
+    node = next(
+        (
+            p.get("node")
+            for p in seen.job.status.get("placement") or []
+            if isinstance(p, Mapping) and p.get("podIndex") == index
+        ),
+        None,
+    )
+    if node in seen.nodes_gone:
+        message = f"pod of node rank {index} disappeared with its node {node} (deleted)"
+        return Failure(f"index {index}", False, message, disruption=True)
+    return Failure(f"index {index}", False, f"pod of node rank {index} disappeared")
+
+
+def gang_failures(seen: situation.Situation) -> tuple[Failure, ...]:
+    """The failed pods of the gang; without any, a pod missing from a released gang."""
+    failures = tuple(f for f in (classify(p) for p in seen.current) if f is not None)
+    if seen.missing and not failures and any(not p.gated for p in seen.current):
+        return (_disappeared(seen, seen.missing[0]),)
+    return failures
+
+
+def _invalid_spec(seen: situation.Situation) -> job_actions.Decision:
+    message = "spec breaks the rules: " + "; ".join(seen.job.problems)
+    return fail(seen, seen.pods, conditions.INVALID_SPEC, message)
+
+
+def _deadline_left(seen: situation.Situation) -> float | None:
+    """Seconds of ``activeDeadlineSeconds`` left since ``startTime`` (None: no deadline, or not started)."""
+    started = conditions.parse_time(seen.job.status.get("startTime"))
+    deadline = seen.spec.run_policy.active_deadline_seconds
+    if deadline is None or started is None:
+        return None
+    return (started + datetime.timedelta(seconds=deadline) - seen.now).total_seconds()
+
+
+def _past_deadline(seen: situation.Situation) -> bool:
+    left = _deadline_left(seen)
+    return left is not None and left <= 0
+
+
+def _deadline_exceeded(seen: situation.Situation) -> job_actions.Decision:
+    deadline = seen.spec.run_policy.active_deadline_seconds
+    message = f"job active for more than activeDeadlineSeconds={deadline}"
+    return fail(seen, seen.current, conditions.DEADLINE_EXCEEDED, message)
+
+
+def _too_slow_to_start(seen: situation.Situation) -> bool:
+    return seen.startup_left is not None and seen.startup_left <= 0
+
+
+def _startup_timed_out(seen: situation.Situation) -> job_actions.Decision:
+    timeout = seen.spec.run_policy.startup_timeout_seconds
+    waiting = [p.name for p in seen.current if p.phase != "Running"]
+    slow = Failure(
+        waiting[0] if waiting else "gang",
+        False,
+        f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}",
+    )
+    return restart_or_fail(seen, [slow])
+
+
+INVALID_SPEC = situation.Rule(
+    "the spec breaks a rule: Failed (InvalidSpec)",
+    lambda seen: seen.job.spec is None,
+    _invalid_spec,
+)
+DEADLINE_EXCEEDED = situation.Rule(
+    "activeDeadlineSeconds passed since startTime: Failed, and nothing else this pass",
+    _past_deadline,
+    _deadline_exceeded,
+    owed=False,
+)
+GANG_FAILED = situation.Rule(
+    "a pod of the gang failed or vanished: restart the gang, or Failed",
+    lambda seen: bool(seen.once(gang_failures)),
+    lambda seen: restart_or_fail(seen, seen.once(gang_failures)),
+)
+STARTUP_TIMED_OUT = situation.Rule(
+    "the gang is not running startupTimeoutSeconds after its first pod: restart, or Failed",
+    _too_slow_to_start,
+    _startup_timed_out,
+)

@@ -15,7 +15,7 @@ import datetime
 from collections.abc import Sequence
 from typing import Any
 
-from meshtrain.operator.policy import conditions, failure
+from meshtrain.operator.policy import conditions, pod_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Observed:
 
 def observe(
     current: Sequence[dict[str, Any]],
-    pods: Sequence[failure.PodState],
+    pods: Sequence[pod_state.PodState],
     expected: int,
     now: datetime.datetime,
 ) -> Observed:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.operator.policy import queueing, rescheduling, resizing
+from meshtrain.operator.policy import job_state, queueing, rescheduling, resizing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +14,11 @@ class SetStatus:
     """Merge these fields into status (a JSON merge patch of the status subresource)."""
 
     changes: Mapping[str, Any]
+
+
+def set_status(job: job_state.JobState, **fields: Any) -> SetStatus:
+    """Write ``fields``, and the generation they were decided on as ``observedGeneration``."""
+    return SetStatus({**fields, "observedGeneration": job.generation})
 
 
 @dataclasses.dataclass(frozen=True)

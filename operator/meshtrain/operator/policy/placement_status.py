@@ -1,4 +1,4 @@
-"""Status fields of a placement answer: placed, unschedulable, won't fit, unplaced, and crash recovery of a gated gang."""
+"""Status fields of a placement answer: placed, unschedulable, won't fit, unplaced, children refused, and crash recovery of a gated gang."""
 
 from __future__ import annotations
 
@@ -116,6 +116,13 @@ def unplaced(
         "conditions": conds,
         "observedGeneration": job.generation,
     }
+
+
+def children_refused(
+    job: job_state.JobState, reason: str, message: str, now: datetime.datetime
+) -> dict[str, Any]:
+    """Status fields when the API server refused the gang's children: no placement, Placed=False."""
+    return {**unschedulable(job, reason, message, now), "placement": []}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import datetime
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from meshtrain.operator.policy import failure
+from meshtrain.operator.policy import pod_state
 
 EXCLUDED_SECONDS = 300.0
 """How long a node the scheduler refused a released pod stays out of the job's placements."""
@@ -80,7 +80,7 @@ class Refusals:
     """Seconds until a younger refusal has lasted long enough (None: there is none)."""
 
 
-def refused(pods: Sequence[failure.PodState], now: datetime.datetime) -> Refusals:
+def refused(pods: Sequence[pod_state.PodState], now: datetime.datetime) -> Refusals:
     """Released, unbound pods refused node by node, not nominated for their planned node."""
     found: dict[str, str] = {}
     recheck: float | None = None

@@ -3,8 +3,9 @@
 Pure.  :func:`observed` turns the ``straggler`` entry of rank 0's /progress
 (``{rank, slowdown, since_step}``, see ``trainer/meshtrain/trainer/guards/stragglers.py``) into
 ``status.straggler`` with the pod and node of that rank (rank -> pod by the
-rank layout, pod -> node by ``status.placement``).  :func:`react`, called by
-``lifecycle.decide`` while the gang runs, sets the ``Straggler`` condition
+rank layout, pod -> node by ``status.placement``).  :func:`react`, applied
+while the gang runs by the state machine's rules :data:`REPLACE` and
+:data:`REPORTED`, sets the ``Straggler`` condition
 and emits an Event once per straggler; with ``action: replace`` it also
 stops the gang the way a spec change does (full grace period: the ranks
 finish the step, checkpoint it and exit), records the node in
@@ -24,7 +25,7 @@ from typing import Any
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import run_policy as api_run_policy
 from meshtrain.api.spec import status as api_status
-from meshtrain.operator.policy import conditions
+from meshtrain.operator.policy import conditions, job_actions, pod_state, running, situation
 
 REASON = "Straggler"
 """``excludedNodes[].reason`` of a replaced straggler's node."""
@@ -223,6 +224,23 @@ def _report(
     return Reaction({"conditions": updated}, (("Warning", reason, news),))
 
 
+def _nodes_phrase(nodes: Mapping[str, Any]) -> str:
+    return ("node " if len(nodes) == 1 else "nodes ") + ", ".join(nodes)
+
+
+def _cleared(
+    conds: Sequence[dict[str, Any]], previous: Mapping[str, Any], now: datetime.datetime
+) -> Reaction:
+    """No straggler to act on (none, another gang's, or the policy ignores them): Straggler=False once."""
+    if previous.get("status") != conditions.TRUE:
+        return Reaction({}, ())
+    message = "no rank is flagged as a straggler any more"
+    updated = conditions.set(
+        conds, conditions.STRAGGLER, conditions.FALSE, conditions.STRAGGLER_GONE, message, now
+    )
+    return Reaction({"conditions": updated}, (("Normal", conditions.STRAGGLER_GONE, message),))
+
+
 def react(
     policy: api_run_policy.StragglerPolicy,
     status: Mapping[str, Any],
@@ -236,13 +254,7 @@ def react(
     straggler = status.get("straggler")
     previous = conditions.find(conds, conditions.STRAGGLER) or {}
     if not _of_this_gang(straggler, status) or policy.action == "ignore":
-        if previous.get("status") != conditions.TRUE:
-            return Reaction({}, ())
-        message = "no rank is flagged as a straggler any more"
-        updated = conditions.set(
-            conds, conditions.STRAGGLER, conditions.FALSE, conditions.STRAGGLER_GONE, message, now
-        )
-        return Reaction({"conditions": updated}, (("Normal", conditions.STRAGGLER_GONE, message),))
+        return _cleared(conds, previous, now)
     assert isinstance(straggler, Mapping)
     message = describe(straggler)
     others = [o for o in straggler.get("others") or [] if isinstance(o, Mapping)]
@@ -270,15 +282,26 @@ def react(
         replace = False
     if not replace:
         return _report(conds, previous, message, news, now)
-    assert isinstance(node, str)
     slow = _nodes_to_leave(status, straggler, policy.max_replacements - left_out, now)
-    nodes_phrase = ("node " if len(slow) == 1 else "nodes ") + ", ".join(slow)
-    stuck = (
-        f"{message}; not replaced: no placement without {nodes_phrase} fits now at the running size"
-    )
+    stuck = f"{message}; not replaced: no placement without {_nodes_phrase(slow)} fits now at the running size"
     otherwise = _report(
         conds, previous, stuck, f"{news}; {stuck}", now, conditions.STRAGGLER_NO_REPLACEMENT
     )
+    return _replacement(policy, status, conds, slow, news, otherwise, now)
+
+
+def _replacement(
+    policy: api_run_policy.StragglerPolicy,
+    status: Mapping[str, Any],
+    conds: Sequence[dict[str, Any]],
+    slow: Mapping[str, Mapping[str, Any]],
+    news: str,
+    otherwise: Reaction,
+    now: datetime.datetime,
+) -> Reaction:
+    """Stop the gang to place it again without the ``slow`` nodes (each excluded with its rank's numbers)."""
+    replacements = int(status.get("stragglerReplacements") or 0)
+    nodes_phrase = _nodes_phrase(slow)
     checkpoint = status.get("lastCheckpointStep")
     note = (
         f"{news}: stopping the gang (its ranks checkpoint the step they stop at) to place it "
@@ -313,3 +336,48 @@ def react(
     }
     events = (("Warning", conditions.STRAGGLER_REPLACED, note),)
     return Reaction(changes, events, replace=True, otherwise=otherwise, nodes=tuple(slow))
+
+
+def _reaction(seen: situation.Situation) -> Reaction:
+    """The straggler policy's reaction to the running gang's report."""
+    policy = seen.spec.run_policy.straggler_policy
+    conds = seen.once(running.conditions_now)
+    return react(policy, seen.job.status, conds, seen.now)
+
+
+def _replaced(seen: situation.Situation) -> job_actions.Decision:
+    """Stop the gang and place it again without the slow nodes, if a placement without them fits now."""
+    reaction = seen.once(_reaction)
+    assert reaction.nodes and reaction.otherwise is not None
+    fallback = reaction.otherwise
+    replace = job_actions.ReplaceStraggler(
+        reaction.nodes,
+        (
+            job_actions.set_status(seen.job, **reaction.status),
+            *(job_actions.Emit(*event) for event in reaction.events),
+            job_actions.DeletePods(pod_state.undeleted(seen.current)),
+        ),
+        (
+            *([job_actions.set_status(seen.job, **fallback.status)] if fallback.status else []),
+            *(job_actions.Emit(*event) for event in fallback.events),
+        ),
+    )
+    return job_actions.Decision((replace,), requeue_after=0)
+
+
+def _reported(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
+    if not running.all_running(seen):
+        return ()
+    reaction = seen.once(_reaction)
+    written = [job_actions.set_status(seen.job, **reaction.status)] if reaction.status else []
+    return (*written, *(job_actions.Emit(*event) for event in reaction.events))
+
+
+REPLACE = situation.Rule(
+    "stragglerPolicy replace flags a node: rebuild the gang without it if that fits now",
+    lambda seen: running.all_running(seen) and seen.once(_reaction).replace,
+    _replaced,
+)
+REPORTED = situation.Note(
+    "the gang runs: the Straggler condition and its Events as the report says", _reported
+)

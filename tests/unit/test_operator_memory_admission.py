@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
-from meshtrain.operator.policy import progress_status, sizing
+from meshtrain.operator.policy import memory_admission, progress_status
 from meshtrain.planner import admission, profiles
 from meshtrain.sandbox import nodeconfig as sandbox_nodeconfig
 from meshtrain.sandbox import supervisor as sandbox_supervisor
@@ -57,7 +57,7 @@ def node(name: str, product: str | None = None, gpus: int = 8, **labels: str) ->
 )
 def test_candidates(name, selector, nodes, expected):
     spec = loading.parse_spec(JobBuilder().resources(nodeSelector=selector).raw())
-    assert [n.name for n in sizing.candidates(spec, nodes)] == expected
+    assert [n.name for n in memory_admission.candidates(spec, nodes)] == expected
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def test_candidates(name, selector, nodes, expected):
     ],
 )
 def test_choose_profile(name, node_profiles, default, expected, source_has):
-    choice = sizing.choose_profile(node_profiles, default)
+    choice = memory_admission.choose_profile(node_profiles, default)
     assert (choice.profile.name if choice.profile else None) == expected
     assert source_has in choice.source
 
@@ -128,8 +128,8 @@ def test_choose_profile(name, node_profiles, default, expected, source_has):
 )
 def test_admit(name, raw, profile, verdict):
     spec = loading.parse_spec(raw)
-    choice = sizing.Choice(profile, "test")
-    result = sizing.admit(spec, choice)
+    choice = memory_admission.Choice(profile, "test")
+    result = memory_admission.admit(spec, choice)
     assert (type(result).__name__ if result is not None else None) == verdict
     if result is not None:
         assert result.summary["profile"] == profile.name and result.summary["fits"] is (
@@ -141,8 +141,10 @@ def test_admit(name, raw, profile, verdict):
 
 def test_refusal_message_has_the_numbers_and_the_profile_source():
     spec = loading.parse_spec(SEVEN_B_ONE_GPU)
-    refused = sizing.admit(spec, sizing.choose_profile([("gpu-7", labelled(H100))], None))
-    assert isinstance(refused, sizing.Refused) and refused.reason == "WontFit"
+    refused = memory_admission.admit(
+        spec, memory_admission.choose_profile([("gpu-7", labelled(H100))], None)
+    )
+    assert isinstance(refused, memory_admission.Refused) and refused.reason == "WontFit"
     assert "dp1·pp1·tp1 on h100-sxm" in refused.message and "GiB" in refused.message
     # nvidia-smi's 81559 MiB less the 2 GiB reserve
     assert "the GPU has 77.65 GiB for tensors (79.65 GiB less 2.00 GiB" in refused.message
@@ -158,13 +160,13 @@ def test_sandbox_nodes_name_no_known_gpu_so_the_default_judges():
     }
     found = placement.node_from_manifest(manifest, "nvidia.com/gpu")
     spec = loading.parse_spec(TINY_FP32)
-    assert sizing.candidates(spec, [found]) == [found]
+    assert memory_admission.candidates(spec, [found]) == [found]
     assert admission.profile_for_labels(found.labels) is None
     judged = admission.node_profile(found.labels, CPU)
-    choice = sizing.choose_profile([(found.name, judged)], CPU)
+    choice = memory_admission.choose_profile([(found.name, judged)], CPU)
     assert choice.profile == CPU and "operator default --gpu-profile cpu" in choice.source
     assert "Sandbox-CPU names no built-in profile" in choice.source, choice.source
-    assert isinstance(sizing.admit(spec, choice), sizing.Admitted)
+    assert isinstance(memory_admission.admit(spec, choice), memory_admission.Admitted)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,212 @@
+"""Kueue's say in the state machine: the rules of a job Kueue queues.
+
+``queueing`` builds the job's Workload and reads Kueue's answer into a
+``queueing.Gate``; these rules act on it.  The gang exists only while Kueue
+admits the job: held, it has no pods (an eviction stops it like a suspend: every
+pod gets its grace period, nothing counts as a failure); admitted, it is placed
+on the flavors Kueue assigned and tells Kueue whether it is up (PodsReady).  The
+quota goes back (evicted, outdated or suspended job) and a finished job's Workload
+is marked finished only once no pod of the gang holds resources any more.  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from meshtrain.operator.policy import (
+    conditions,
+    finish,
+    job_actions,
+    job_state,
+    pod_state,
+    queueing,
+    situation,
+    suspend,
+)
+
+
+def quota_free(seen: situation.Situation) -> bool:
+    """Whether a stopped gang's quota may go back to Kueue (eviction, outdated Workload, suspend).
+
+    Pod names are reused (an eviction, an outdated Workload or a suspend keeps the attempt), so
+    every pod object of the attempt must be gone, terminal or not: a kept one would block the
+    re-admitted gang's creation while it holds the quota.
+    """
+    return not pod_state.holding(seen.pods) and not seen.current
+
+
+def _workload_open(seen: situation.Situation) -> bool:
+    """Whether the job has a Workload Kueue is not done with."""
+    return (
+        seen.kueue is not None
+        and seen.kueue.state is not None
+        and not isinstance(seen.kueue.state, queueing.Finished)
+    )
+
+
+def _finished_gang_stopping(seen: situation.Situation) -> job_actions.Decision:
+    finished = finish.finished(seen)
+    wait = 1.0 if finished.requeue_after is None else min(finished.requeue_after, 1.0)
+    return job_actions.Decision(finished.actions, requeue_after=wait)
+
+
+def _workload_finished(seen: situation.Situation) -> job_actions.Decision:
+    finished = finish.finished(seen)
+    done = queueing.FinishWorkload(
+        seen.phase == job_state.Phase.SUCCEEDED.value,
+        f"TrainingJob {seen.job.ref.name} {seen.phase.lower()}",
+    )
+    return job_actions.Decision((*finished.actions, done), finished.requeue_after)
+
+
+def _suspended(seen: situation.Situation) -> job_actions.Decision:
+    suspended = suspend.suspended(seen)
+    return job_actions.Decision(
+        (*suspended.actions, queueing.DeleteWorkload()), suspended.requeue_after
+    )
+
+
+def _left(seen: situation.Situation) -> job_actions.Decision:
+    """The queue label is gone and so is the job's Workload: drop Queued; the job is placed as any."""
+    message = (
+        f'metadata.labels["{queueing.QUEUE_LABEL}"] removed: the job no longer waits for Kueue'
+    )
+    conds = [c for c in job_state.conditions_of(seen.job) if c.get("type") != conditions.QUEUED]
+    conds = conditions.set(
+        conds, conditions.PLACED, conditions.FALSE, queueing.QUEUE_REMOVED, message, seen.now
+    )
+    return job_actions.Decision(
+        (
+            job_actions.set_status(seen.job, conditions=conds),
+            job_actions.Emit("Normal", queueing.QUEUE_REMOVED, message),
+        ),
+        requeue_after=0,
+    )
+
+
+def _why_held(gate: queueing.Gate) -> tuple[str, str]:
+    """The Queued reason and message while Kueue withholds admission."""
+    state = gate.state
+    if state is None and gate.rejected:
+        return queueing.WORKLOAD_REJECTED, gate.rejected
+    if state is None:
+        return "WorkloadCreated", "waiting for Kueue: creating the job's Workload"
+    reason = getattr(state, "reason", "Finished")
+    return reason, getattr(state, "message", "") or "the Workload is finished"
+
+
+def _held(seen: situation.Situation) -> job_actions.Decision:
+    """Kueue withholds admission: no pods; create or move the Workload, give quota back, say why.
+
+    The quota goes back only once the gang's pod objects are gone (:func:`quota_free`).
+    """
+    job, pods = seen.job, seen.pods
+    assert seen.kueue is not None
+    state = seen.kueue.state
+    queued = conditions.find(job_state.conditions_of(job), conditions.QUEUED) or {}
+    reason, message = _why_held(seen.kueue)
+    actions: list[job_actions.Action] = []
+    if state is None:
+        actions.append(queueing.CreateWorkload(seen.kueue.priority))
+    if seen.kueue.move_to is not None:
+        actions.append(queueing.MoveWorkload(seen.kueue.move_to))
+    if any(not p.deleting for p in pods):
+        actions.append(job_actions.DeletePods(pod_state.undeleted(pods)))
+    free = quota_free(seen)
+    if free and isinstance(state, queueing.Evicted) and state.holds_quota:
+        actions.append(queueing.ReleaseQuota())
+    elif free and isinstance(state, queueing.Outdated):
+        actions.append(queueing.DeleteWorkload())
+    if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
+        conditions.TRUE,
+        reason,
+        message,
+    ):
+        conds = situation.set_conditions(
+            seen,
+            reason,
+            message,
+            (conditions.QUEUED, conditions.TRUE),
+            (conditions.RUNNING, conditions.FALSE),
+            (conditions.PLACED, conditions.FALSE),
+        )
+        warning = reason in queueing.WARNING_REASONS or isinstance(
+            state, (queueing.Evicted, queueing.Outdated)
+        )
+        actions += [
+            # Time in the queue is not active time: Kubernetes clears a suspended Job's too.
+            job_actions.set_status(
+                job,
+                phase=job_state.Phase.PENDING.value,
+                conditions=conds,
+                placement=[],
+                startTime=None,
+            ),
+            job_actions.Emit("Warning" if warning else "Normal", reason, message),
+        ]
+    # A kept pod's deletion wakes the job; the slow recheck is a safety net.
+    recheck = (
+        1.0 if pod_state.holding(pods) else None if free else situation.LEAVING_RECHECK_SECONDS
+    )
+    return job_actions.Decision(tuple(actions), requeue_after=recheck)
+
+
+def _admission_recorded(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
+    """Queued=False (Admitted) and its Event, once, when Kueue admitted the job."""
+    if seen.kueue is None or not isinstance(seen.kueue.state, queueing.Admitted):
+        return ()
+    queued = conditions.find(job_state.conditions_of(seen.job), conditions.QUEUED) or {}
+    if queued.get("status") == conditions.FALSE:
+        return ()
+    message = f"admitted by Kueue ClusterQueue {seen.kueue.state.cluster_queue}"
+    conds = situation.set_conditions(
+        seen, conditions.ADMITTED, message, (conditions.QUEUED, conditions.FALSE)
+    )
+    return (
+        job_actions.set_status(seen.job, conditions=conds),
+        job_actions.Emit("Normal", conditions.ADMITTED, message),
+    )
+
+
+def _pods_ready(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
+    """PodsReady for Kueue when what it says no longer matches the gang (waitForPodsReady reads it)."""
+    if seen.kueue is None or not isinstance(seen.kueue.state, queueing.Admitted):
+        return ()
+    ready = len(seen.current) == seen.spec.pods and pod_state.all_running(seen.current)
+    if queueing.pods_ready_condition(seen.kueue.state.pods_ready, ready) is None:
+        return ()
+    return (queueing.ReportPodsReady(ready),)
+
+
+FINISHED_GANG_STOPPING = situation.Rule(
+    "finished, its Workload open, a pod still holds resources: wait before Kueue frees the quota",
+    lambda seen: (
+        seen.phase in job_state.FINAL and _workload_open(seen) and pod_state.holding(seen.pods)
+    ),
+    _finished_gang_stopping,
+)
+WORKLOAD_FINISHED = situation.Rule(
+    "finished, its Workload open: mark the Workload finished",
+    lambda seen: seen.phase in job_state.FINAL and _workload_open(seen),
+    _workload_finished,
+)
+SUSPENDED = situation.Rule(
+    "suspended, the gang gone, a Workload exists: suspend and delete the Workload",
+    lambda seen: (
+        seen.spec.run_policy.suspend
+        and quota_free(seen)
+        and seen.kueue is not None
+        and seen.kueue.state is not None
+    ),
+    _suspended,
+)
+LEFT = situation.Rule(
+    "the queue label and the Workload are gone: drop Queued, placed as any job",
+    lambda seen: seen.kueue is None and queueing.was_queued(seen.job.status),
+    _left,
+)
+HELD = situation.Rule(
+    "queued, not admitted: no pods, Workload created/moved/released, Queued=True",
+    lambda seen: seen.kueue is not None and not isinstance(seen.kueue.state, queueing.Admitted),
+    _held,
+)
+ADMISSION_RECORDED = situation.Note("admitted: Queued=False, once", _admission_recorded)
+PODS_READY_REPORTED = situation.Note("admitted: PodsReady as the gang stands", _pods_ready)

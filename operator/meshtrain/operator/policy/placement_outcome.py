@@ -1,0 +1,208 @@
+"""What the placement step does with a plan: the pure half of ``placing``.
+
+``gang_fit`` plans the gang at each size it may take and hands back a
+:class:`Sized`; :func:`judge` says what that answer comes to: the job fails
+because its memory plan fits no GPU (:class:`WontFit`), waits with the reason and
+what was tried (:class:`Unplaced`), or is placed (:class:`Placed`: the status to
+write, the node of each pod, and a resize to announce).  ``placing`` performs it.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.api import elastic
+from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import (
+    conditions,
+    feasibility,
+    job_state,
+    memory_admission,
+    placement_status,
+    resizing,
+    volumes,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """The placement answer at one size of the gang (``size`` None without runPolicy.elastic)."""
+
+    size: elastic.Size | None
+    spec: api_spec.TrainingJobSpec
+    """The spec at that size."""
+    verdict: memory_admission.Admitted | memory_admission.Refused | None
+    """Memory admission at that size (None: not judged)."""
+    answer: placement.Placement | placement.Unschedulable | None
+    """None when the verdict refused the size."""
+    refusals: list[str]
+    """Why each node left out of the offer was (the scheduler's filter reasons)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WontFit:
+    """The memory plan fits no size the job may take: Failed, no pods."""
+
+    status: dict[str, Any]
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Unplaced:
+    """No pods now: the status that says why (Placed=False)."""
+
+    status: dict[str, Any]
+    reason: str
+    message: str
+    news: bool
+    """Placed says something new: log it and emit a Warning."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Resized:
+    """A gang placed at another data-parallel degree than it ran: what to count and announce."""
+
+    direction: str
+    """``shrink`` or ``grow``."""
+    type: str
+    """Event type: Warning for a shrink, Normal for a grow."""
+    reason: str
+    message: str
+    """The Event's message, both degrees named."""
+    detail: str
+    """``status.elastic.message``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """The gang fits: record the placement, then create its pods."""
+
+    status: dict[str, Any]
+    """Status fields written before any pod is created (placement, plan, elastic)."""
+    spec: api_spec.TrainingJobSpec
+    """The spec the pods run (the size placed)."""
+    nodes: tuple[str, ...]
+    """The node of each pod, by pod index."""
+    resized: Resized | None
+    message: str
+    """The GangPlaced Event once the pods exist."""
+
+
+def unplaced(
+    job: job_state.JobState,
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+    plan: Mapping[str, Any] | None = None,
+) -> Unplaced:
+    """The gang cannot be placed now for ``reason``: said once (``news`` while Placed says otherwise)."""
+    before = conditions.find(job_state.conditions_of(job), conditions.PLACED) or {}
+    status = placement_status.unschedulable(job, reason, message, now, plan)
+    news = (before.get("reason"), before.get("message")) != (reason, message)
+    return Unplaced(status, reason, message, news)
+
+
+def old_gang_leaving(
+    job: job_state.JobState, names: Sequence[str], now: datetime.datetime
+) -> dict[str, Any]:
+    """Status fields while pods of the earlier gang still terminate (a new gang waits for them).
+
+    Planned beside them, it would be sized down for a moment's shortage; planned onto their
+    GPUs, kube-scheduler would refuse it until they are gone.
+    """
+    message = (
+        "waiting for pod(s) of the earlier gang to terminate (they hold their GPUs until gone): "
+        + ", ".join(sorted(names))
+    )
+    return placement_status.unschedulable(job, conditions.OLD_PODS_TERMINATING, message, now)
+
+
+def _tried(
+    job: job_state.JobState,
+    sized: Sized,
+    avoid: frozenset[str],
+    claim: volumes.Topology | None,
+) -> str:
+    """What an unschedulable message adds: the sizes tried, the nodes left out, the claim's limit."""
+    bounds = (job.declared or sized.spec).run_policy.elastic
+    tried = (
+        f"; no data-parallel degree from {bounds.max_data} down to {bounds.min_data} fits"
+        if bounds is not None
+        else ""
+    )
+    if avoid:
+        tried += (
+            f"; excluded for this job (stragglers, scheduler refusals): {', '.join(sorted(avoid))}"
+        )
+    if claim is not None and volumes.CONFLICT in sized.refusals:
+        tried += f"; claim {claim.claim} allows only the nodes of {claim.why}"
+    return tried
+
+
+def _resized(
+    previous: int | None, size: elastic.Size | None, fields: Mapping[str, Any]
+) -> Resized | None:
+    direction = resizing.change(previous, size)
+    if direction is None or size is None:
+        return None
+    detail = fields["elastic"]["message"]
+    shrink = direction == "shrink"
+    return Resized(
+        direction,
+        "Warning" if shrink else "Normal",
+        conditions.ELASTIC_SHRUNK if shrink else conditions.ELASTIC_GROWN,
+        f"data-parallel degree {previous} -> {size.data}: {detail}",
+        detail,
+    )
+
+
+def judge(
+    job: job_state.JobState,
+    sized: Sized,
+    *,
+    avoid: frozenset[str],
+    claim: volumes.Topology | None,
+    nodes_seen: int,
+    now: datetime.datetime,
+) -> WontFit | Unplaced | Placed:
+    """What the plan ``sized`` comes to for ``job`` (as read before the plan).
+
+    ``avoid``: nodes left out for this job; ``claim``: where its claim lets pods go;
+    ``nodes_seen``: how many nodes the plan considered.
+    """
+    assert job.spec is not None
+    previous = job.spec.parallelism.data if job.status.get("elastic") else None
+    job = dataclasses.replace(job, spec=sized.spec)
+    verdict, answer = sized.verdict, sized.answer
+    if isinstance(verdict, memory_admission.Refused):
+        status = placement_status.wont_fit(job, verdict.message, now, verdict.summary)
+        return WontFit(status, verdict.reason, verdict.message)
+    plan = verdict.summary if verdict is not None else None
+    assert answer is not None  # only a refused size has no answer
+    if isinstance(answer, placement.Unschedulable):
+        said = feasibility.summary(sized.refusals, nodes_seen)
+        message = f"{answer.message}{_tried(job, sized, avoid, claim)}; {said}"
+        return unplaced(job, answer.reason, message, now, plan)
+    declared = job.declared or sized.spec
+    fields = placement_status.placed(job, answer.nodes, answer.level_bytes, now, plan)
+    fields |= resizing.placed_fields(declared, sized.size, {**job.status, **fields}, now)
+    spec, nodes = sized.spec, tuple(answer.nodes)
+    message = (
+        f"{spec.pods} pod(s) of {spec.parallelism.layout_string} placed on "
+        f"{len(set(nodes))} node(s)"
+    )
+    return Placed(fields, spec, nodes, _resized(previous, sized.size, fields), message)
+
+
+def larger_size(sized: Sized, running: int) -> elastic.Size | None:
+    """The larger size a grow check found room for (None: no larger size fits beside everyone else)."""
+    size = sized.size
+    if size is None or size.data <= running or not isinstance(sized.answer, placement.Placement):
+        return None
+    return size

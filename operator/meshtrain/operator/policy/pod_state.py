@@ -1,0 +1,157 @@
+"""A pod of a TrainingJob as the state machine reads it, and what a set of them says.
+
+:class:`PodState` holds the few facts of a pod the lifecycle needs, read from its
+manifest by :func:`pod_state`; the helpers below answer the questions the rules ask
+of a gang (which pods still hold resources, which a deletion still has to reach).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+from meshtrain.api import exitcodes
+from meshtrain.operator.policy import conditions, identity, naming
+
+
+@dataclasses.dataclass(frozen=True)
+class PodState:
+    """What the lifecycle needs to know about one pod."""
+
+    name: str
+    index: int
+    """Node rank in the gang (label meshtrain.io/node-rank)."""
+    attempt: int
+    """Gang attempt (label meshtrain.io/attempt)."""
+    phase: str
+    """Pod phase: Pending, Running, Succeeded, Failed, Unknown."""
+    gated: bool
+    """Still carries the operator's gang scheduling gate (other controllers' gates do not count)."""
+    deleting: bool
+    """Has a deletionTimestamp."""
+    created_at: datetime.datetime | None
+    """metadata.creationTimestamp."""
+    node: str | None = None
+    """Node it is bound or pinned to."""
+    ip: str | None = None
+    """status.podIP once it has one."""
+    exit_code: int | None = None
+    """Exit code of the trainer container once it terminated."""
+    reason: str | None = None
+    """status.reason of the pod (Evicted, NodeLost, ...)."""
+    disrupted: bool = False
+    """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
+    bound: bool = False
+    """spec.nodeName is set: the scheduler bound it."""
+    unschedulable_message: str | None = None
+    """The scheduler's message while its PodScheduled condition is False/Unschedulable."""
+    unschedulable_since: datetime.datetime | None = None
+    """lastTransitionTime of that condition: when the scheduler first refused it."""
+    nominated: str | None = None
+    """status.nominatedNodeName: the node kube-scheduler makes room on (preempts) for it."""
+    reported: tuple[int, str] | None = None
+    """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
+    termination_message: str | None = None
+    """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
+
+    @property
+    def terminal(self) -> bool:
+        """Succeeded or Failed: holds no GPUs any more."""
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def holds_resources(self) -> bool:
+        """Whether it may still hold its node's resources (and so the quota Kueue charged).
+
+        Until it is Succeeded or Failed, terminating or not: the scheduler counts it until then.
+        A deleted Pending pod never bound holds nothing (the scheduler skips it; binding is
+        refused); one that runs is bound.
+        Stricter than Kueue's pod integration (Pod.IsActive counts only Running pods): a bound
+        Pending pod may already hold GPUs while its containers start.
+        """
+        return not self.terminal and not (
+            self.deleting and self.phase == "Pending" and not self.bound
+        )
+
+
+def pod_state(pod: dict[str, Any]) -> PodState | None:
+    """Read a pod manifest; None when it lacks the operator's labels (not one of ours)."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    index = naming.int_label(labels, naming.LABEL_NODE_RANK)
+    attempt = naming.int_label(labels, naming.LABEL_ATTEMPT)
+    if index is None or attempt is None:
+        return None
+    status = pod.get("status") or {}
+    exit_code, message = None, None
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") == naming.CONTAINER:
+            terminated = (container.get("state") or {}).get("terminated")
+            if terminated and terminated.get("exitCode") is not None:
+                exit_code = int(terminated["exitCode"])
+            if terminated and isinstance(terminated.get("message"), str):
+                message = terminated["message"]
+    refusal = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ),
+        None,
+    )
+    disrupted = any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return PodState(
+        name=metadata.get("name", ""),
+        index=index,
+        attempt=attempt,
+        phase=status.get("phase") or "Pending",
+        gated=any(
+            gate.get("name") == naming.GANG_GATE
+            for gate in (pod.get("spec") or {}).get("schedulingGates") or []
+        ),
+        deleting=bool(metadata.get("deletionTimestamp")),
+        created_at=conditions.parse_time(metadata.get("creationTimestamp")),
+        node=identity.planned_node(pod),
+        ip=status.get("podIP"),
+        exit_code=exit_code,
+        reason=status.get("reason"),
+        disrupted=disrupted,
+        bound=bool((pod.get("spec") or {}).get("nodeName")),
+        unschedulable_message=(refusal.get("message") or "Unschedulable") if refusal else None,
+        unschedulable_since=conditions.parse_time(refusal.get("lastTransitionTime"))
+        if refusal
+        else None,
+        nominated=status.get("nominatedNodeName") or None,
+        reported=exitcodes.read_failure_report(message) if exit_code else None,
+        termination_message=message,
+    )
+
+
+def holding(pods: Sequence[PodState]) -> bool:
+    """Whether a pod still holds its node's resources (:attr:`PodState.holds_resources`).
+
+    A Succeeded or Failed pod holds nothing, even while a finalizer keeps the object.
+    """
+    return any(p.holds_resources for p in pods)
+
+
+def live(pods: Sequence[PodState]) -> tuple[str, ...]:
+    """Names of pods to delete when freeing the job's GPUs (not already finished or going)."""
+    return tuple(p.name for p in pods if not p.deleting and not p.terminal)
+
+
+def undeleted(pods: Sequence[PodState]) -> tuple[str, ...]:
+    """Names of the pods a deletion still has to reach (finished ones included)."""
+    return tuple(p.name for p in pods if not p.deleting)
+
+
+def all_running(pods: Sequence[PodState]) -> bool:
+    """Whether every pod is released and Running (or already Succeeded)."""
+    return all(not p.gated and p.phase in ("Running", "Succeeded") for p in pods)

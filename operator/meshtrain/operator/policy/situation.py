@@ -1,0 +1,171 @@
+"""What one pass of the state machine sees of a job, and the two kinds of rows of its table.
+
+:class:`Situation` holds what ``lifecycle.decide`` is given (the job, its pods, the
+time, Kueue's gate, the nodes gone) and the facts several rules read, each worked
+out once, when a rule first asks.  A :class:`Rule` decides the pass when its guard
+holds; a :class:`Note` decides nothing but owes actions that every decision below it
+carries first.  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import (
+    conditions,
+    gang_status,
+    job_actions,
+    job_state,
+    pod_state,
+    queueing,
+    rescheduling,
+)
+
+Fact = TypeVar("Fact")
+
+LEAVING_RECHECK_SECONDS = 30.0
+"""Safety recheck while a dropped placement's pods are still there (their deletion wakes the job)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Situation:
+    """One job at one pass: what the state machine is given, and what follows from it."""
+
+    job: job_state.JobState
+    pods: tuple[pod_state.PodState, ...]
+    """Every pod labelled with the job, of any attempt."""
+    now: datetime.datetime
+    kueue: queueing.Gate | None = None
+    """Kueue's say over a job it queues (None: the job is not queued)."""
+    nodes_gone: frozenset[str] = frozenset()
+    """Nodes of ``status.placement`` that no longer exist."""
+    _facts: dict[Callable[[Situation], Any], Any] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def once(self, fact: Callable[[Situation], Fact]) -> Fact:
+        """``fact(self)``, worked out at the first ask: a rule's guard and decision share it."""
+        if fact not in self._facts:
+            self._facts[fact] = fact(self)
+        return cast("Fact", self._facts[fact])
+
+    @functools.cached_property
+    def phase(self) -> str:
+        return str(self.job.status.get("phase") or job_state.Phase.PENDING.value)
+
+    @property
+    def spec(self) -> api_spec.TrainingJobSpec:
+        """The valid spec (rules below the invalid-spec rule only)."""
+        assert self.job.spec is not None
+        return self.job.spec
+
+    @functools.cached_property
+    def attempt(self) -> int:
+        """The gang attempt (``status.restarts``): its pods carry it as a label."""
+        return int(self.job.status.get("restarts") or 0)
+
+    @functools.cached_property
+    def current(self) -> tuple[pod_state.PodState, ...]:
+        """The pods of the current attempt (the gang); any other is stale."""
+        return tuple(p for p in self.pods if p.attempt == self.attempt)
+
+    @functools.cached_property
+    def missing(self) -> tuple[int, ...]:
+        """Pod indices of the gang without a pod."""
+        present = {p.index for p in self.current}
+        return tuple(i for i in range(self.spec.pods) if i not in present)
+
+    @functools.cached_property
+    def flavors(self) -> tuple[str, ...]:
+        """The ResourceFlavors Kueue admitted the job with (none when not queued)."""
+        if self.kueue is not None and isinstance(self.kueue.state, queueing.Admitted):
+            return self.kueue.state.flavors
+        return ()
+
+    @functools.cached_property
+    def observed(self) -> gang_status.Observed:
+        """What the gang's pods say about Placed and PodsScheduled."""
+        return gang_status.observe(
+            job_state.conditions_of(self.job), self.current, self.spec.pods, self.now
+        )
+
+    @functools.cached_property
+    def gated(self) -> tuple[str, ...]:
+        """Pods of the gang still behind the gang gate."""
+        return tuple(p.name for p in self.current if p.gated)
+
+    @functools.cached_property
+    def observation(self) -> tuple[job_actions.SetStatus, ...]:
+        """The write of :attr:`observed`'s conditions, when they changed."""
+        if self.observed.conditions == job_state.conditions_of(self.job):
+            return ()
+        return (job_actions.set_status(self.job, conditions=self.observed.conditions),)
+
+    @property
+    def observation_unwritten(self) -> tuple[job_actions.SetStatus, ...]:
+        """:attr:`observation`, unless the gates are lifted this pass (which writes it first)."""
+        return () if self.gated else self.observation
+
+    @functools.cached_property
+    def refusals(self) -> rescheduling.Refusals:
+        """Released pods kube-scheduler refused on their planned nodes."""
+        return rescheduling.refused(self.current, self.now)
+
+    @functools.cached_property
+    def startup_left(self) -> float | None:
+        """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod)."""
+        created = [p.created_at for p in self.current if p.created_at is not None]
+        if not created:
+            return None
+        timeout = self.spec.run_policy.startup_timeout_seconds
+        return (min(created) + datetime.timedelta(seconds=timeout) - self.now).total_seconds()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A row that decides: the first rule whose guard holds decides the pass."""
+
+    name: str
+    """What it checks and decides, as the table reads."""
+    when: Callable[[Situation], bool]
+    """The guard."""
+    then: Callable[[Situation], job_actions.Decision]
+    """What it decides; the actions the notes above it owe go first."""
+    owed: bool = True
+    """False: its decision stands alone, without what the notes above it owe."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """A row that decides nothing: actions every decision below it carries first (none: nothing owed)."""
+
+    name: str
+    """What it adds, as the table reads."""
+    adds: Callable[[Situation], tuple[job_actions.Action, ...]]
+
+
+def set_conditions(
+    situation: Situation, reason: str, message: str, *changes: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """The job's conditions with each ``(type, status)`` of ``changes`` set now, for one reason and message."""
+    conds = job_state.conditions_of(situation.job)
+    for type_, status in changes:
+        conds = conditions.set(conds, type_, status, reason, message, situation.now)
+    return conds
+
+
+def gang_stopped(
+    seen: Situation,
+    status: job_actions.SetStatus,
+    event: job_actions.Emit,
+    grace_seconds: int | None = None,
+) -> job_actions.Decision:
+    """``status`` and ``event``, then the gang's pods deleted (``grace_seconds``); look again at once."""
+    doomed = pod_state.undeleted(seen.current)
+    deleted = (job_actions.DeletePods(doomed, grace_seconds),) if doomed else ()
+    return job_actions.Decision((status, event, *deleted), requeue_after=0)

@@ -1,0 +1,75 @@
+"""Spec change policy: a placed gang whose spec changed is rebuilt for the new spec.
+
+``status.specHash`` records the spec a placement was made for; when the spec
+no longer hashes the same (``runPolicy`` aside), the placement and the old pods
+are dropped and the next pass places the new spec.  Not a restart
+(``restarts`` is unchanged): the pods are not at fault, and they get their full
+grace period to checkpoint the step they stop at.  The checkpoint format is
+layout-independent, so a new parallel layout resumes from it; the CRD refuses
+changes to ``spec.model``, which no checkpoint could survive.  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from meshtrain.operator.policy import (
+    conditions,
+    finish,
+    identity,
+    job_actions,
+    job_state,
+    situation,
+)
+
+
+def _changed(seen: situation.Situation) -> bool:
+    """Whether the spec no longer hashes as the one the placement was made for."""
+    built_from = seen.job.status.get("specHash")
+    if not built_from:
+        return False
+    return not identity.same_spec(built_from, seen.spec)
+
+
+def _gang_done(seen: situation.Situation) -> bool:
+    """Whether every recorded pod of the gang exists and exited 0."""
+    recorded = len(seen.job.status["placement"])
+    return len(seen.current) == recorded and all(p.phase == "Succeeded" for p in seen.current)
+
+
+def _rebuilt(seen: situation.Situation) -> job_actions.Decision:
+    """Drop the placement and the old pods; the next pass places the new spec."""
+    job, spec = seen.job, seen.spec
+    step = job.status.get("lastCheckpointStep")
+    since = f" (last checkpoint so far: step {step})" if step else ""
+    message = (
+        f"spec changed (generation {job.generation}): rebuilding the gang as {spec.parallelism.layout_string} "
+        f"({spec.pods} pod(s)); the old pods checkpoint the step they stop at and training resumes there{since}"
+    )
+    conds = situation.set_conditions(
+        seen,
+        conditions.SPEC_CHANGED,
+        message,
+        (conditions.PLACED, conditions.FALSE),
+        (conditions.RUNNING, conditions.FALSE),
+    )
+    dropped = job_actions.set_status(
+        job,
+        phase=job_state.Phase.RESTARTING.value,
+        placement=[],
+        specHash=None,
+        elastic=None,
+        conditions=conds,
+    )
+    event = job_actions.Emit("Normal", conditions.SPEC_CHANGED, message)
+    return situation.gang_stopped(seen, dropped, event)
+
+
+DONE_BEFORE_REBUILD = situation.Rule(
+    "the spec changed but the old gang already exited 0: Succeeded",
+    lambda seen: _changed(seen) and _gang_done(seen),
+    finish.succeeded,
+)
+REBUILD = situation.Rule(
+    "the spec changed under the placed gang: drop it (SpecChanged), the next pass places the new spec",
+    _changed,
+    _rebuilt,
+)

@@ -1,0 +1,116 @@
+"""From no placement to a released gang: when to place, re-create, lift the gates, place again, wait.
+
+The gang attempt is ``status.restarts``: pods carry it as a label, so pods of
+an older attempt are stale and deleted.  ``status.placement`` is written before
+the pods are created; pods missing from a still-gated gang are re-created on
+the recorded nodes (crash recovery), while a pod missing from a released gang
+is a failure (see ``failure``).  The gates are lifted once every pod exists, and
+a released pod kube-scheduler keeps refusing on its planned node has the gang
+placed again elsewhere (see ``rescheduling``).  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from meshtrain.operator.policy import (
+    conditions,
+    job_actions,
+    job_state,
+    placement_status,
+    pod_state,
+    rescheduling,
+    situation,
+)
+
+
+def _stale_pods_deleted(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
+    stale = tuple(p.name for p in seen.pods if p.attempt != seen.attempt and not p.deleting)
+    return (job_actions.DeletePods(stale),) if stale else ()
+
+
+def _unplaced(seen: situation.Situation) -> bool:
+    return not seen.job.status.get("placement")
+
+
+def _old_pods_leaving(seen: situation.Situation) -> job_actions.Decision:
+    """Delete what is left of a dropped placement and say which pods the new gang waits for.
+
+    Pods without a recorded placement: after a lost status write (rebuild cleanly), or a dropped
+    placement whose pods still terminate (wait for them, woken by their deletion).  A terminal pod
+    holds no GPUs, but the new pods take the same names: it is waited for too (the API server
+    removes it at once unless a finalizer holds it).
+    """
+    job, current = seen.job, seen.current
+    doomed = pod_state.undeleted(current)
+    names = ", ".join(
+        f"{p.name} ({p.phase if p.terminal else 'terminating'}{f' on {p.node}' if p.bound else ''})"
+        for p in sorted(current, key=lambda p: p.name)
+    )
+    message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
+    placed = conditions.find(job_state.conditions_of(job), conditions.PLACED) or {}
+    wait: tuple[job_actions.Action, ...] = ()
+    if (placed.get("reason"), placed.get("message")) != (conditions.OLD_PODS_TERMINATING, message):
+        unschedulable = placement_status.unschedulable(
+            job, conditions.OLD_PODS_TERMINATING, message, seen.now
+        )
+        wait = (job_actions.set_status(job, **unschedulable),)
+    actions = (*([job_actions.DeletePods(doomed)] if doomed else []), *wait)
+    return job_actions.Decision(actions, situation.LEAVING_RECHECK_SECONDS)
+
+
+def _gang_events(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
+    return tuple(job_actions.Emit(*event) for event in seen.observed.events)
+
+
+def _gates_lifted(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
+    """Placed=True first: lifting may find a planned node changed and unplace the gang."""
+    if not seen.gated:
+        return ()
+    return (*seen.observation, job_actions.LiftGates(seen.gated))
+
+
+def _replaced_after_refusals(seen: situation.Situation) -> job_actions.Decision:
+    """PodsScheduled=False first: the reconciler may have to wait out a backoff."""
+    refused = rescheduling.ReplaceRefused(seen.refusals.nodes)
+    return job_actions.Decision((*seen.observation_unwritten, refused))
+
+
+def _waiting(seen: situation.Situation) -> job_actions.Decision:
+    """What the gang shows so far; look again when the startup timeout or a refusal is due."""
+    left, recheck = seen.startup_left, seen.refusals.recheck_after
+    if left is not None:
+        recheck = left if recheck is None else min(left, recheck)
+    return job_actions.Decision(seen.observation_unwritten, recheck)
+
+
+STALE_PODS_DELETED = situation.Note("pods of an earlier attempt: deleted", _stale_pods_deleted)
+OLD_PODS_LEAVING = situation.Rule(
+    "no placement, pods of the attempt still there: delete them, wait until gone",
+    lambda seen: _unplaced(seen) and bool(seen.current),
+    _old_pods_leaving,
+)
+PLACE = situation.Rule(
+    "no placement: place the gang",
+    _unplaced,
+    lambda seen: job_actions.Decision((job_actions.Place(seen.attempt, flavors=seen.flavors),)),
+)
+RECREATE_MISSING = situation.Rule(
+    "pods missing from the still-gated gang: re-create them on their recorded nodes",
+    lambda seen: bool(seen.missing),
+    lambda seen: job_actions.Decision(
+        (job_actions.Place(seen.attempt, seen.missing, seen.flavors),)
+    ),
+)
+GANG_EVENTS = situation.Note("what the gang shows: FailedScheduling Events", _gang_events)
+GATES_LIFTED = situation.Note(
+    "every pod exists, some still gated: Placed=True, gates lifted", _gates_lifted
+)
+SCHEDULER_REFUSED = situation.Rule(
+    "kube-scheduler keeps refusing released pods on their planned nodes: place the gang again",
+    lambda seen: bool(seen.refusals.nodes),
+    _replaced_after_refusals,
+)
+WAITING = situation.Rule(
+    "otherwise: the gang is starting; look again when a timeout is due",
+    lambda seen: True,
+    _waiting,
+)
