@@ -32,9 +32,8 @@ from meshtrain.trainer.data import batches, special_tokens
 from meshtrain.trainer.guards import loss_guard, noise_scale
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.models import gpt, llama
-from meshtrain.trainer.optim import batch_change
-from meshtrain.trainer.optim import optimizer as optim
-from meshtrain.trainer.parallel import compilation, loss, parallelize, zero, zero3
+from meshtrain.trainer.optim import adamw, batch_change, lr_schedule
+from meshtrain.trainer.parallel import clipping, compilation, loss, parallelize, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -166,7 +165,7 @@ class Engine:
                 clock=self.clock,
             )
         else:
-            self.optimizer = optim.build_adamw(
+            self.optimizer = adamw.build_adamw(
                 self.model.named_params,
                 lr=training.learning_rate,
                 weight_decay=training.weight_decay,
@@ -289,7 +288,7 @@ class Engine:
                 n in ranges and p.grad is not None
             ):  # ZeRO-3: within the local rows, the same on every peer
                 grad, offset = zero3.local(p.grad), zero3.flat_offset(p)
-                view = optim.flat_slice(grad, *ranges[n], offset=offset)
+                view = clipping.flat_slice(grad, *ranges[n], offset=offset)
                 if view is not None:
                     views.append(view)
         if not views:  # the same on every peer: their shapes (and ZeRO shards) are alike
@@ -369,15 +368,15 @@ class Engine:
         start = self.clock.start_step()  # host time on every device
         self.recorder.step_start(step, start)
         peak, minimum = training.learning_rates(self.spec.parallelism)
-        lr = optim.lr_at(
+        lr = lr_schedule.lr_at(
             step, peak=peak, minimum=minimum, warmup=training.warmup_steps, total=training.steps
         ) * self.lr_plan.multiplier(step)
-        optim.set_lr(self.optimizer, lr)
+        lr_schedule.set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward()
         clip = (
             self.optimizer.clip_grad_norm
             if isinstance(self.optimizer, zero.ZeroAdamW)
-            else optim.clip_grad_norm
+            else clipping.clip_grad_norm
         )
         norm_tensor = clip(
             self.params,

@@ -47,14 +47,15 @@ import torch.distributed as dist
 from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as spec_mod
+from meshtrain.planner import cost
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.data import batches
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import schedules
-from meshtrain.trainer.telemetry import progress, state_bytes, steplog
+from meshtrain.trainer.parallel import state_bytes
+from meshtrain.trainer.telemetry import progress, steplog
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
@@ -128,7 +129,7 @@ def step_record(
         "time": time.time(),
         "layout": par.layout_string,
         "global_batch": job.global_batch,
-        "bubble_ratio_theoretical": schedules.bubble_ratio(
+        "bubble_ratio_theoretical": cost.bubble_ratio(
             par.pipeline, par.micro_batches, par.virtual_stages
         ),
     }
@@ -159,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
-        recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
+        grad_reducer = trainer.model.reducer
+        recorder.watch(
+            state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
+            grad_reducer.payload_bytes if grad_reducer is not None else None,
+        )
     except batches.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))

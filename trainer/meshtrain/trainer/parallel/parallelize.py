@@ -37,9 +37,17 @@ import torch.distributed as dist
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.optim import optimizer
+from meshtrain.trainer.parallel import (
+    clipping,
+    hierarchical,
+    loss,
+    pipeline,
+    reducer,
+    tensor,
+    zero,
+    zero3,
+)
 from meshtrain.trainer.parallel import compression as compression_mod
-from meshtrain.trainer.parallel import hierarchical, loss, pipeline, reducer, tensor, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -68,9 +76,9 @@ class ParallelModel:
     tied_copy: bool = False
     """This rank holds the last stage's copy of the tied matrix (its gradient is counted on the first stage)."""
 
-    def norm_counted(self, tp_rank: int) -> list[optimizer.Counted]:
+    def norm_counted(self, tp_rank: int) -> list[clipping.Counted]:
         """Per parameter: what this rank counts of it in the global gradient norm (see ``TPPlan.norm_counted``)."""
-        counted: list[optimizer.Counted] = [
+        counted: list[clipping.Counted] = [
             self.tp_plan.norm_counted(name, tp_rank) if self.tp_plan is not None else True
             for name, _ in self.named_params
         ]
