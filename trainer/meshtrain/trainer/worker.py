@@ -50,7 +50,7 @@ from meshtrain.api import spec as spec_mod
 from meshtrain.planner import cost
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
-        batches.check_dataset(
+        dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
         hf.check_spec(job)
     except (loading.SpecError, hf.HFError) as err:
         return _refuse(exitcodes.SPEC, err)
-    except batches.DatasetError as err:
+    except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
     stop = (
         stopping.StopRequest().install()
@@ -160,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
-        grad_reducer = trainer.model.reducer
-        recorder.watch(
-            state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
-            grad_reducer.payload_bytes if grad_reducer is not None else None,
-        )
-    except batches.DatasetError as err:
+    except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
+    grad_reducer = trainer.model.reducer
+    recorder.watch(
+        state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
+        grad_reducer.payload_bytes if grad_reducer is not None else None,
+    )
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
     try:
         restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
@@ -178,12 +178,25 @@ def main(argv: list[str] | None = None) -> int:
         recorder.learning_rates(saver.resumed.plan)
     if rank == 0:
         print(
-            state_bytes.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(),
+            state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    return _train(job, rank, trainer, recorder, saver, log, stop)
+
+
+def _train(
+    job: spec_mod.TrainingJobSpec,
+    rank: int,
+    trainer: engine.Engine,
+    recorder: TelemetryRecorder,
+    saver: checkpointer.Checkpointer,
+    log: steplog.StepLog | None,
+    stop: stopping.StopRequest,
+) -> int:
+    """Train from the step after the restored one to ``training.steps``; the exit code."""
     evaluation = job.training.eval
-    detector = straggler_detector(job, mesh.layout)
+    detector = straggler_detector(job, trainer.mesh.layout)
     faults.slow_down(
         trainer.model.chunks,
         rank,
@@ -204,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if detector is not None:  # the shared times are of the step before this one
             detector.observe(step - 1, result.shared)
             verdict = detector.verdict(step)
-            recorder.stragglers(verdict)
+            recorder.straggler_verdict(verdict)
         due = evaluation.interval and (
             step % evaluation.interval == 0 or step == job.training.steps
         )

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import prometheus_client
 from prometheus_client import exposition
 
-from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import context, recording, stepstats
 from meshtrain.trainer.telemetry import progress as progress_mod
 
@@ -540,7 +540,7 @@ class Exporter:
         if skipped:
             self.metrics.skipped_updates.inc()
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         rank = self.identity.rank
         value = verdict.slowdowns[rank]
         if value is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.api import layout as layout_mod
-from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.models import gpt as model_mod
 from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.telemetry import (
@@ -138,10 +138,10 @@ class TelemetryRecorder(recording.EventCollector):
         for sink in self.sinks:
             sink.health(step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale)
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The straggler detector's verdict, to every sink."""
         for sink in self.sinks:
-            sink.stragglers(verdict)
+            sink.straggler_verdict(verdict)
 
     def memory(self) -> context.MemorySample:
         """Bytes of the watched training state now (each storage once), and the peak."""
