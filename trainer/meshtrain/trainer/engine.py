@@ -8,12 +8,12 @@ steps: draw this rank's micro-batches, run the pipeline schedule (forward,
 backward, gradient reduction overlapped), finish the reductions, clip by the
 global norm, AdamW with warmup + cosine learning rate, and agree on the
 step's mean loss.  Telemetry is timed with one clock chosen from the device
-(:mod:`.parallel.clocks`); on CUDA its stamps are events, so the recorder is
-wrapped in a :class:`~.parallel.recording.DeferredRecorder` that reads them
+(:mod:`.telemetry.clocks`); on CUDA its stamps are events, so the recorder is
+wrapped in a :class:`~.telemetry.recording.DeferredRecorder` that reads them
 after the step.
 
 Process management (:mod:`.launch`, :mod:`.worker`), the step log
-(:mod:`.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
+(:mod:`.telemetry.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
 chunks' parameters, the optimizer and ``sampler.state_dict()``) live elsewhere.
 """
 
@@ -60,7 +60,7 @@ class StepResult:
     lr: float
     """Learning rate used."""
     stop: bool = False
-    """Some rank was asked to stop (:mod:`..stopping`): every rank stops after this step."""
+    """Some rank was asked to stop (:mod:`.guards.stopping`): every rank stops after this step."""
     skipped: str = ""
     """Why the loss guard skipped this step's update (empty: applied)."""
     shared: tuple[float, ...] = ()

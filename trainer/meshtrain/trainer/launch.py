@@ -10,7 +10,7 @@ rank).  While they run it drives a progress bar from rank 0's
 it kills the others at once and returns that rank's exit code, printing the
 end of its log; at the end it prints a summary table.  Interrupted (Ctrl-C,
 SIGTERM), it gives the ranks :data:`STOP_GRACE_S` to agree on a last step and
-checkpoint it (:mod:`.stopping`), so the same command with the same
+checkpoint it (:mod:`.guards.stopping`), so the same command with the same
 ``--log-dir`` resumes there.
 
 Own spawner rather than ``torch.distributed.run``: the agent's restart and

@@ -8,10 +8,10 @@ appends one record per step to ``steps.jsonl`` in the log directory
 (``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
 
 Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
-directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.lossguard`;
+directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.guards.loss_guard`;
 nothing saved, the last good checkpoint stays), 143 stopped by SIGTERM/SIGINT after saving
-(:mod:`.stopping`), 1 anything else (traceback on stderr), 17 injected fault
-(:mod:`.faults`).
+(:mod:`.guards.stopping`), 1 anything else (traceback on stderr), 17 injected fault
+(:mod:`.guards.faults`).
 
 Checkpoints: at start the newest complete checkpoint under
 ``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is

@@ -17,6 +17,9 @@ The one function that composes the parallelisms, in this order:
 4. The **executor** is built around the result: it drives the schedule and
    tells the reducer when gradients are final.
 
+Steps 2 to 4 are :func:`apply_tensor_parallel`, :func:`apply_data_parallel`
+and :func:`build_executor`; :func:`parallelize` calls them in that order.
+
 Precision is not a module transform here: weights stay fp32 (master
 weights) and bf16 is an autocast context the executor enters (GPU only).
 

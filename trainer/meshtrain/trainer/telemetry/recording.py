@@ -3,9 +3,10 @@
 The :class:`StepRecorder` protocol the engine calls around every
 micro-batch forward/backward, every pipeline wait, every collective and at
 the end of each optimizer step; a no-op :class:`NullRecorder`;
-:class:`MemoryRecorder`, which keeps the events in lists (tests, summaries);
-and :class:`DeferredRecorder`, which holds a step's GPU events until they
-can be read.
+:class:`EventCollector`, the one way a recorder collects a step's events
+(under a lock); :class:`MemoryRecorder`, a collector that keeps them and
+sums them up (tests, benchmarks); and :class:`DeferredRecorder`, which holds
+a step's GPU events until they can be read.
 
 Times, as every recorder receives them, are seconds on this process'
 ``time.perf_counter()`` timeline; what they measure depends on the device
@@ -22,8 +23,8 @@ Times, as every recorder receives them, are seconds on this process'
   time on both.
 
 Not an exporter.  Prometheus metrics, the step log and the
-timeline live in :mod:`meshtrain.trainer.telemetry`, which implements this
-protocol (or wraps :class:`MemoryRecorder`).  Calls may come from a
+timeline live in :mod:`meshtrain.trainer.telemetry`, whose recorder
+(:mod:`.recorder`) is an :class:`EventCollector` too.  Calls may come from a
 communication or autograd thread (collective completion, gradient hooks), so
 implementations must be cheap and thread-safe (appending to a list is).
 """
