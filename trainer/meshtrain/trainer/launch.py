@@ -39,7 +39,7 @@ import torch
 import tqdm
 
 from meshtrain.api import exitcodes, loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.telemetry import steplog
@@ -63,13 +63,13 @@ def default_log_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def checkpoint_dir(job: spec_mod.TrainingJobSpec, log_dir: Path) -> Path:
+def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> Path:
     """Where a local run keeps checkpoints: spec.checkpoint.path if the spec changes it, else <log-dir>/checkpoints.
 
     So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
     local runs never share the pod default ``/checkpoints``.
     """
-    pod_default = spec_mod.Checkpoint.model_fields["path"].default
+    pod_default = api_spec.Checkpoint.model_fields["path"].default
     return (
         Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
     )
@@ -127,7 +127,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _summary(
-    job: spec_mod.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
+    job: api_spec.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
 ) -> str:
     rows = [
         ("layout", job.parallelism.layout_string),
@@ -209,7 +209,7 @@ def run_local(
 
 def _load_checked(
     spec_path: str | Path, extra: list[str]
-) -> tuple[dict[str, Any], spec_mod.TrainingJobSpec] | int:
+) -> tuple[dict[str, Any], api_spec.TrainingJobSpec] | int:
     """(metadata, spec with ``extra`` overrides) once spec and dataset are valid, else the exit code.
 
     A missing file fails here, before any process starts; the default corpus is built once here.
@@ -234,7 +234,7 @@ def _load_checked(
 
 
 def _start_ranks(
-    job: spec_mod.TrainingJobSpec, spec_path: str | Path, extra: list[str], log_dir: Path
+    job: api_spec.TrainingJobSpec, spec_path: str | Path, extra: list[str], log_dir: Path
 ) -> tuple[list[subprocess.Popen[bytes]], list[IO[str]]]:
     """One ``python -m meshtrain.trainer`` per rank, each logging to ``rank-<r>.log``; (processes, logs)."""
     world = job.world_size

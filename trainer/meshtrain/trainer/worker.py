@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.planner import cost
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_spec(
     path: str | None, overrides: list[str], steps: int | None
-) -> spec_mod.TrainingJobSpec:
+) -> api_spec.TrainingJobSpec:
     """The spec with overrides applied (raises SpecError)."""
     if not path:
         raise loading.SpecError(
@@ -114,7 +114,7 @@ def use_cuda() -> bool:
 
 
 def step_record(
-    result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec
+    result: engine.StepResult, summary: dict[str, float], job: api_spec.TrainingJobSpec
 ) -> dict[str, Any]:
     """The steps.jsonl record of one step."""
     par = job.parallelism
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(
-    job: spec_mod.TrainingJobSpec,
+    job: api_spec.TrainingJobSpec,
     rank: int,
     trainer: engine.Engine,
     recorder: TelemetryRecorder,
@@ -257,7 +257,7 @@ def _train(
 
 
 def straggler_detector(
-    job: spec_mod.TrainingJobSpec, layout: layout_mod.ParallelLayout
+    job: api_spec.TrainingJobSpec, layout: layout_mod.ParallelLayout
 ) -> stragglers.Detector | None:
     """The detector of ``runPolicy.stragglerPolicy``; None when it is ignored or no rank has a peer."""
     policy = job.run_policy.straggler_policy

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from meshtrain.api import exitcodes
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer.checkpointing import state, store
 from meshtrain.trainer.data import special_tokens
 from meshtrain.trainer.interop import hf
@@ -166,7 +166,7 @@ def export(
     trained; ``bfloat16`` halves the files, as the Llama releases ship).
     """
     directory, marker = find_checkpoint(Path(checkpoint))
-    shape = spec_mod.ModelShape.model_validate(marker.model)
+    shape = api_spec.ModelShape.model_validate(marker.model)
     token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
     if tokenizer is not None:
         token_ids = special_tokens.from_tokenizer_file(tokenizer)

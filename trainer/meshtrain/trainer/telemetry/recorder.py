@@ -24,7 +24,7 @@ from typing import Any
 
 from meshtrain.api import layout as layout_mod
 from meshtrain.trainer.guards import stragglers
-from meshtrain.trainer.models import gpt as model_mod
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.telemetry import (
     context,
@@ -167,7 +167,7 @@ def job_facts(
 ) -> stepstats.JobFacts:
     """The :class:`~.stepstats.JobFacts` of a spec."""
     par = spec.parallelism
-    config = model_mod.GPTConfig.from_shape(spec.model.shape())
+    config = gpt.GPTConfig.from_shape(spec.model.shape())
     peak_lr, min_lr = spec.training.learning_rates(par)
     return stepstats.JobFacts(
         stages=layout.pipeline,
@@ -175,7 +175,7 @@ def job_facts(
         virtual_stages=par.virtual_stages if par.schedule == "interleaved-1f1b" else 1,
         world_size=layout.world_size,
         group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
-        flops_per_token=model_mod.flops_per_token(config),
+        flops_per_token=gpt.flops_per_token(config),
         peak_flops=peak_flops,
         training_steps=spec.training.steps,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,
