@@ -68,6 +68,7 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     from meshtrain.api import loading  # noqa: PLC0415
     from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
+    from meshtrain.trainer.parallel import state_bytes  # noqa: PLC0415
     from meshtrain.trainer.telemetry import recording  # noqa: PLC0415
     from meshtrain.trainer.telemetry.recorder import make_recorder  # noqa: PLC0415
 
@@ -80,7 +81,11 @@ def worker(spec_path: str, out_path: str, log_dir: str) -> None:
     rec = make_recorder(job, layout, rank, log_dir)
     switch = Switch(rec, recording.NullRecorder())
     trainer = engine.Engine(job, mesh, recorder=switch)
-    rec.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
+    grad_reducer = trainer.model.reducer
+    rec.watch(
+        state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
+        grad_reducer.payload_bytes if grad_reducer is not None else None,
+    )
     times = []
     for step in range(STEPS):
         switch.on = telemetry_on(step)

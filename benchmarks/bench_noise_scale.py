@@ -30,7 +30,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import machine
 from meshtrain.api import loading
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import batches, dataset
 from meshtrain.trainer.guards import noise_scale
 from meshtrain.trainer.models import gpt, llama
 
@@ -112,7 +112,7 @@ def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     config = _config()
-    tokens = batches.open_dataset(
+    tokens = dataset.open_dataset(
         loading.parse_spec({"model": SHAPE, "resources": {"gpusPerNode": 1}}).training,
         vocab=config.vocab,
         seq_len=config.seq_len,

@@ -37,8 +37,8 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_zero3, machine, ranks
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import zero3
-from meshtrain.trainer.telemetry import live_bytes, recording, state_bytes
+from meshtrain.trainer.parallel import state_bytes, zero3
+from meshtrain.trainer.telemetry import live_bytes, recording
 
 VARIANTS = {"own-zero2": 2, "fsdp2-no-reshard": 3, "fsdp2-zero3": 3}
 """Variant -> the zeroStage its engine runs."""

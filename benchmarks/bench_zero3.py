@@ -30,7 +30,8 @@ from meshtrain.api import spec as spec_mod
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.telemetry import live_bytes, state_bytes
+from meshtrain.trainer.parallel import state_bytes
+from meshtrain.trainer.telemetry import live_bytes
 
 MODEL = {"layers": 8, "hidden": 256, "heads": 8, "vocab": 8192, "seqLen": 128, "ffnHidden": 1024}
 """Small enough for a 2-core CPU, large enough that weights and optimizer state dominate activations."""

@@ -4,7 +4,7 @@ For each data-parallel degree and ZeRO stage it starts that many
 fresh local gloo ranks; each builds the meshtrain Engine for the preset,
 creates AdamW's state, runs one forward/backward (so every lazily created
 tensor exists) and measures its state with
-:func:`meshtrain.trainer.telemetry.state_bytes.measure`.  A configuration that would not fit
+:func:`meshtrain.trainer.parallel.state_bytes.measure`.  A configuration that would not fit
 in the memory available now is skipped (and listed).  It prints measured
 bytes per parameter beside the formula (fp32 weights and AdamW:
 4 + 4 + 8 replicated, 4 + 4 + 8/N at stage 1, 4 + (4 + 8)/N at stage 2) and
@@ -35,8 +35,7 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import state
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import zero
-from meshtrain.trainer.telemetry import state_bytes
+from meshtrain.trainer.parallel import state_bytes, zero
 
 
 def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJobSpec:

@@ -44,8 +44,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer import launch
-from meshtrain.trainer.parallel import schedules
 from meshtrain.trainer.telemetry import trace
 from tests.telemetry import promserver
 
@@ -134,7 +134,7 @@ def bubbles(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], f
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("m", MICRO_BATCHES)
 def test_measured_bubble_matches_theory(bubbles, schedule, m):
-    theory = schedules.bubble_ratio(2, m)
+    theory = pipeline_window.bubble_ratio(2, m)
     measured = bubbles[(schedule, m)]
     assert abs(measured - theory) <= TOLERANCE, (
         f"{schedule} m={m}: measured {measured:.3f} vs theory {theory:.3f}"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import dataset
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -15,7 +15,7 @@ def corpus_cache(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("meshtrain-cache")
     old = os.environ.get("MESHTRAIN_CACHE_DIR")
     os.environ["MESHTRAIN_CACHE_DIR"] = str(directory)
-    batches.stdlib_corpus()
+    dataset.stdlib_corpus()
     yield directory
     if old is None:
         os.environ.pop("MESHTRAIN_CACHE_DIR", None)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.api import loading
 from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import batches, dataset
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import tensor, zero
@@ -140,7 +140,7 @@ def reference(raw: dict, steps: int) -> dict:
     job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
-    tokens = batches.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
+    tokens = dataset.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
     sampler = whole_batches(tokens, job, t.seed)
 
     def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
@@ -227,8 +227,8 @@ def reference_eval(raw: dict) -> float:
     job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
-    files = batches.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
-    _, held_out = batches.open_eval(t, files, vocab=config.vocab, seq_len=config.seq_len)
+    files = dataset.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len)
+    _, held_out = dataset.open_eval(t, files, vocab=config.vocab, seq_len=config.seq_len)
     sampler = whole_batches(held_out, job, t.seed + 1)
     model = llama.build(config, seed=t.seed)
     total = 0.0

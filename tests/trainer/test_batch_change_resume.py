@@ -12,7 +12,7 @@ import pytest
 
 from meshtrain.api import loading
 from meshtrain.trainer import launch
-from meshtrain.trainer.optim import optimizer
+from meshtrain.trainer.optim import lr_schedule
 from meshtrain.trainer.telemetry import steplog
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def _resume(tmp_path, name: str, dp2_checkpoint, **layout) -> tuple[list[dict], 
 def _schedule(job, step: int) -> float:
     t = job.training
     peak, minimum = t.learning_rates(job.parallelism)
-    return optimizer.lr_at(step, peak=peak, minimum=minimum, warmup=t.warmup_steps, total=t.steps)
+    return lr_schedule.lr_at(step, peak=peak, minimum=minimum, warmup=t.warmup_steps, total=t.steps)
 
 
 def test_a_dp2_checkpoint_resumed_at_dp1_keeps_the_batch_or_scales_the_rate(tmp_path):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from meshtrain.api import loading
 from meshtrain.sandbox.controlplane import ports
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import compression
+from meshtrain.trainer.parallel import compression, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import context, exporter, recording
 from meshtrain.trainer.telemetry import recorder as telemetry
@@ -195,7 +195,10 @@ def exported_compression(mode: dict) -> dict:
     sink = exporter.Exporter(identity, facts, port=ports.pick_free_port(), progress=None)
     recorder = TelemetryRecorder(identity, facts, [sink])
     eng = engine.Engine(job, mesh_mod.build_mesh(layout, torch.device("cpu")), recorder=recorder)
-    recorder.watch(eng.model, eng.optimizer, eng.model.reducer)
+    recorder.watch(
+        state_bytes.meter(eng.model, eng.optimizer, eng.model.reducer),
+        eng.model.reducer.payload_bytes,
+    )
     try:
         for _ in range(2):
             eng.train_step()

@@ -32,7 +32,7 @@ from meshtrain.api.spec import model as api_model
 from meshtrain.cli import main
 from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer
-from meshtrain.trainer.data import batches, special_tokens
+from meshtrain.trainer.data import dataset, special_tokens
 from meshtrain.trainer.data import token_files as meshtrain_tokens
 from meshtrain.trainer.interop import export, hf
 from meshtrain.trainer.models import gpt, llama
@@ -147,7 +147,7 @@ def test_every_layout_starts_from_the_directory(tmp_path):
         specs.append((name, raw))
     results = mt_harness.run_distributed(mt_workers.train_cases, 2, specs, 1)
     job = loading.parse_spec(specs[0][1])
-    files = batches.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
+    files = dataset.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
     sampler = mt_workers.whole_batches(files, job, seed=7)
     batch = sampler.global_batch_at(0)
     with torch.no_grad():

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from meshtrain.api import loading
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.parallel import zero3
-from meshtrain.trainer.telemetry import clocks, live_bytes, recording, state_bytes
+from meshtrain.trainer.parallel import state_bytes, zero3
+from meshtrain.trainer.telemetry import clocks, live_bytes, recording
 
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
 

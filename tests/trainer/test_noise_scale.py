@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from meshtrain.api import loading
 from meshtrain.trainer import engine
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import batches, dataset
 from meshtrain.trainer.guards import noise_scale
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -40,7 +40,7 @@ def reference(raw: dict) -> noise_scale.Estimate:
     """Dense model, one process: squared norms of each replica's rows' gradient and of the whole batch's."""
     job = loading.parse_spec(raw)
     config = gpt.GPTConfig.from_shape(job.model.shape())
-    tokens = batches.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
+    tokens = dataset.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
     batch = batches.BatchSampler(
         tokens,
         seq_len=config.seq_len,

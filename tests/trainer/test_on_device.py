@@ -33,8 +33,8 @@ from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation, loss
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import state_bytes as memory_accounting
 from meshtrain.trainer.telemetry import live_bytes
-from meshtrain.trainer.telemetry import state_bytes as memory_accounting
 
 SHAPE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seqLen": 128, "ffnHidden": 512}
 """Big enough that the CUDA allocator's 512-byte rounding is far below the tolerances."""

@@ -34,7 +34,8 @@ from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, precision, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.telemetry import live_bytes, state_bytes
+from meshtrain.trainer.parallel import state_bytes
+from meshtrain.trainer.telemetry import live_bytes
 
 STAGES = (0, 1, 2, 3)
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}

@@ -2,7 +2,7 @@
 
 For a table of layouts, every rank of a real multi-process run trains two
 steps with a :class:`~meshtrain.trainer.telemetry.recording.MemoryRecorder`
-and measures its model state with :func:`meshtrain.trainer.telemetry.state_bytes.measure`;
+and measures its model state with :func:`meshtrain.trainer.parallel.state_bytes.measure`;
 the test then checks, rank by rank:
 
 * the collectives of the planner's communication model
@@ -139,7 +139,8 @@ def _worker(spec_json: str, out_dir: str) -> None:
 
     from meshtrain.trainer import engine  # noqa: PLC0415
     from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
-    from meshtrain.trainer.telemetry import recording, state_bytes  # noqa: PLC0415
+    from meshtrain.trainer.parallel import state_bytes  # noqa: PLC0415
+    from meshtrain.trainer.telemetry import recording  # noqa: PLC0415
 
     job = loading.parse_spec(json.loads(spec_json), "worker")
     mesh_mod.init_process_group(use_cuda=False)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.trainer.parallel import zero
-from meshtrain.trainer.telemetry import state_bytes
+from meshtrain.trainer.parallel import state_bytes, zero
 
 
 @pytest.mark.parametrize("numel", [1, 7, 64, 1000, 1001])

@@ -14,8 +14,8 @@ import torch
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import zero
-from meshtrain.trainer.telemetry import recording, state_bytes, stepstats
+from meshtrain.trainer.parallel import state_bytes, zero
+from meshtrain.trainer.telemetry import recording, stepstats
 
 STEPS = 5
 STAGES = (0, 1, 2, 3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.api import loading
-from meshtrain.trainer.optim import batch_change, optimizer
+from meshtrain.trainer.optim import batch_change, lr_schedule
 from meshtrain.trainer.telemetry import stepstats
 from tests.builders import JobBuilder
 
@@ -111,7 +111,7 @@ def test_the_engine_rate_is_the_schedule_times_the_multiplier():
     resumed = batch_change.on_resume(after.training, after.parallelism, saved_at(before, 40), 40)
     assert resumed is not None
     t = after.training
-    schedule = optimizer.lr_at(43, peak=1e-3, minimum=1e-4, warmup=t.warmup_steps, total=t.steps)
+    schedule = lr_schedule.lr_at(43, peak=1e-3, minimum=1e-4, warmup=t.warmup_steps, total=t.steps)
     assert schedule * resumed.plan.multiplier(43) == pytest.approx(schedule * 2 * 0.8)
 
 
@@ -132,5 +132,5 @@ def test_the_exported_rate_follows_the_plan():
         warmup_steps=10,
         lr_plan=plan,
     )
-    expected = optimizer.lr_at(42, peak=1e-3, minimum=1e-4, warmup=10, total=100) * 2 * 0.7
+    expected = lr_schedule.lr_at(42, peak=1e-3, minimum=1e-4, warmup=10, total=100) * 2 * 0.7
     assert facts.learning_rate(42) == pytest.approx(expected)

@@ -9,13 +9,13 @@ import torch
 from meshtrain.api import loading
 from meshtrain.api.spec import training as api_training
 from meshtrain.trainer.data import batches as data
-from meshtrain.trainer.data import token_files
+from meshtrain.trainer.data import dataset, token_files
 
 
 @pytest.fixture()
 def corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    return data.stdlib_corpus(cap_bytes=200_000)
+    return dataset.stdlib_corpus(cap_bytes=200_000)
 
 
 def test_stdlib_corpus_is_bytes_of_python_source(corpus):
@@ -28,7 +28,7 @@ def test_stdlib_corpus_is_bytes_of_python_source(corpus):
 
 def test_corpus_is_cached(corpus):
     before = corpus.stat().st_mtime_ns
-    assert data.stdlib_corpus(cap_bytes=200_000) == corpus
+    assert dataset.stdlib_corpus(cap_bytes=200_000) == corpus
     assert corpus.stat().st_mtime_ns == before
 
 
@@ -38,26 +38,28 @@ def _training(**fields):
 
 def test_missing_token_file_names_path_and_field(tmp_path):
     missing = tmp_path / "nope.bin"
-    with pytest.raises(data.DatasetError) as err:
-        data.check_dataset(_training(dataset=str(missing)), vocab=256)
+    with pytest.raises(dataset.DatasetError) as err:
+        dataset.check_dataset(_training(dataset=str(missing)), vocab=256)
     assert str(missing) in str(err.value) and "spec.training.dataset" in str(err.value)
     missing.touch()
     mixture = _training(datasets=[{"path": str(missing)}, {"path": str(tmp_path / "x*.bin")}])
     with pytest.raises(
-        data.DatasetError, match=r"spec.training.datasets\[1\]: the glob .* matches no"
+        dataset.DatasetError, match=r"spec.training.datasets\[1\]: the glob .* matches no"
     ):
-        data.check_dataset(mixture, vocab=256)
+        dataset.check_dataset(mixture, vocab=256)
 
 
 def test_user_token_file_checked_against_vocab(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype="<u2").tofile(path)
-    assert len(data.load_tokens(str(path), vocab=1000, seq_len=16)) == 1000
-    with pytest.raises(data.DatasetError, match="token id 500 >= model vocab 500 at position 500"):
-        data.load_tokens(str(path), vocab=500, seq_len=16)
+    assert len(dataset.load_tokens(str(path), vocab=1000, seq_len=16)) == 1000
+    with pytest.raises(
+        dataset.DatasetError, match="token id 500 >= model vocab 500 at position 500"
+    ):
+        dataset.load_tokens(str(path), vocab=500, seq_len=16)
     path.write_bytes(b"abc")
-    with pytest.raises(data.DatasetError, match="not a multiple of 2"):
-        data.load_tokens(str(path), vocab=1000, seq_len=16)
+    with pytest.raises(dataset.DatasetError, match="not a multiple of 2"):
+        dataset.load_tokens(str(path), vocab=1000, seq_len=16)
 
 
 def _sampler(tokens, dp_rank, dp, m, seed=5):
@@ -108,8 +110,10 @@ def test_every_token_is_checked_not_just_the_first_million(tmp_path, monkeypatch
     ids[2_999_990] = 1000  # far past the first 2**20 tokens
     ids.astype("<u4").tofile(path)
     monkeypatch.setattr(token_files, "CHECK_CHUNK_TOKENS", 1 << 18)  # several chunks
-    with pytest.raises(data.DatasetError) as err:
-        data.open_dataset(_training(dataset=str(path), tokenDtype="uint32"), vocab=1000, seq_len=8)
+    with pytest.raises(dataset.DatasetError) as err:
+        dataset.open_dataset(
+            _training(dataset=str(path), tokenDtype="uint32"), vocab=1000, seq_len=8
+        )
     message = str(err.value)
     assert "token id 1000 >= model vocab 1000 at position 2999990" in message
     assert str(path) in message and "spec.training.dataset" in message
@@ -118,12 +122,12 @@ def test_every_token_is_checked_not_just_the_first_million(tmp_path, monkeypatch
 def test_uint32_ids_above_uint16_load_and_uint16_refuses_a_large_vocab(tmp_path):
     path = tmp_path / "big.bin"
     np.arange(70_000, 70_100, dtype="<u4").tofile(path)
-    opened = data.open_dataset(
+    opened = dataset.open_dataset(
         _training(dataset=str(path), tokenDtype="uint32"), vocab=128_256, seq_len=8
     )
     assert int(opened[0].tokens.max()) == 70_099
-    with pytest.raises(data.DatasetError) as err:
-        data.open_dataset(_training(dataset=str(path)), vocab=128_256, seq_len=8)
+    with pytest.raises(dataset.DatasetError) as err:
+        dataset.open_dataset(_training(dataset=str(path)), vocab=128_256, seq_len=8)
     assert str(path) in str(err.value) and "spec.training.tokenDtype: uint32" in str(err.value)
 
 
@@ -131,8 +135,8 @@ def test_prepared_metadata_with_another_dtype_is_refused(tmp_path):
     path = tmp_path / "t.bin"
     np.arange(100, dtype="<u2").tofile(path)
     (tmp_path / "t.bin.json").write_text('{"dtype": "uint32", "vocab": 100}')
-    with pytest.raises(data.DatasetError, match="holds uint32 tokens .* set tokenDtype: uint32"):
-        data.open_dataset(_training(dataset=str(path)), vocab=100, seq_len=8)
+    with pytest.raises(dataset.DatasetError, match="holds uint32 tokens .* set tokenDtype: uint32"):
+        dataset.open_dataset(_training(dataset=str(path)), vocab=100, seq_len=8)
 
 
 def _mixture(tmp_path):
@@ -143,7 +147,7 @@ def _mixture(tmp_path):
 
 
 def test_mixture_draws_by_weight_the_same_on_every_layout_and_resume(tmp_path):
-    files = data.open_dataset(_mixture(tmp_path), vocab=200, seq_len=8)
+    files = dataset.open_dataset(_mixture(tmp_path), vocab=200, seq_len=8)
     reference = _sampler(files, 0, 1, 1)
     batches = [reference.next()[0].inputs for _ in range(200)]
     from_b = sum(int((batch[:, 0] >= 100).sum()) for batch in batches)
@@ -162,7 +166,7 @@ def test_mixture_draws_by_weight_the_same_on_every_layout_and_resume(tmp_path):
 def test_glob_weights_files_by_their_tokens(tmp_path):
     for name, count in (("p1.bin", 3000), ("p2.bin", 1000)):
         np.zeros(count, dtype="<u2").tofile(tmp_path / name)
-    files = data.open_dataset(_training(dataset=str(tmp_path / "p*.bin")), vocab=10, seq_len=8)
+    files = dataset.open_dataset(_training(dataset=str(tmp_path / "p*.bin")), vocab=10, seq_len=8)
     assert [f.path.name for f in files] == ["p1.bin", "p2.bin"]
     assert [f.weight for f in files] == [0.75, 0.25]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.optim import optimizer
+from meshtrain.trainer.optim import lr_schedule
 from meshtrain.trainer.parallel import pipeline, reducer, tensor
 
 
@@ -60,9 +60,9 @@ def test_split_model_chunks_compose_to_the_full_model():
 
 def test_lr_warmup_then_cosine():
     kw = dict(peak=1.0, minimum=0.1, warmup=4, total=14)
-    assert optimizer.lr_at(1, **kw) == pytest.approx(0.25)
-    assert optimizer.lr_at(4, **kw) == pytest.approx(1.0)
-    assert optimizer.lr_at(9, **kw) == pytest.approx(0.55)
-    assert optimizer.lr_at(14, **kw) == pytest.approx(0.1)
-    lrs = [optimizer.lr_at(s, **kw) for s in range(4, 15)]
+    assert lr_schedule.lr_at(1, **kw) == pytest.approx(0.25)
+    assert lr_schedule.lr_at(4, **kw) == pytest.approx(1.0)
+    assert lr_schedule.lr_at(9, **kw) == pytest.approx(0.55)
+    assert lr_schedule.lr_at(14, **kw) == pytest.approx(0.1)
+    lrs = [lr_schedule.lr_at(s, **kw) for s in range(4, 15)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from meshtrain.api.spec import training as api_training
 from meshtrain.cli import main
-from meshtrain.trainer.data import batches, prepare
+from meshtrain.trainer.data import dataset, prepare
 
 TEXT = [
     "the quick brown fox jumps over the lazy dog",
@@ -59,9 +59,10 @@ def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, cap
     meta = json.loads((tmp_path / "tokens.bin.json").read_text())
     assert meta["dtype"] == "uint16" and meta["tokens"] == len(expected)
     assert meta["vocab"] == tokenizer.get_vocab_size()
-    # the file trains: every id checked, metadata agrees
-    training = api_training.Training(dataset=str(out))
-    files = batches.open_dataset(training, vocab=512, seq_len=4)
+    training = api_training.Training(
+        dataset=str(out)
+    )  # the file trains: every id checked, metadata agrees
+    files = dataset.open_dataset(training, vocab=512, seq_len=4)
     assert len(files[0].tokens) == len(expected)
 
 
@@ -97,8 +98,8 @@ def test_uint16_output_for_a_vocabulary_above_65535_is_refused(tmp_path, capsys)
     assert "do not fit in uint16" in capsys.readouterr().err
     assert main.main([*args, "-o", str(tmp_path / "t32.bin")]) == 0  # auto picks uint32
     assert np.fromfile(tmp_path / "t32.bin", dtype="<u4").tolist() == [1, 69_999, 5]
-    with pytest.raises(batches.DatasetError, match="set spec.training.tokenDtype: uint32"):
-        batches.open_dataset(
+    with pytest.raises(dataset.DatasetError, match="set spec.training.tokenDtype: uint32"):
+        dataset.open_dataset(
             api_training.Training(dataset=str(tmp_path / "t32.bin")), vocab=70_001, seq_len=1
         )
 
@@ -214,9 +215,9 @@ def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused
         {"datasets": [{"path": str(tmp_path / "a.bin")}, {"path": str(tmp_path / "b.bin")}]}
     )
     with pytest.raises(
-        batches.DatasetError, match="a.bin.json and .*b.bin.json were prepared with different"
+        dataset.DatasetError, match="a.bin.json and .*b.bin.json were prepared with different"
     ):
-        batches.check_dataset(mixture, vocab=512)
+        dataset.check_dataset(mixture, vocab=512)
     # the model directory names the ids transformers gives the llama2-style tokenizer's <s> and </s>
     peer = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(llama2), bos_token="<s>", eos_token="</s>"
@@ -226,17 +227,17 @@ def test_data_of_another_tokenizer_than_the_other_source_or_the_model_is_refused
     config = {"bos_token_id": peer.bos_token_id, "eos_token_id": peer.eos_token_id}
     (model_dir / "config.json").write_text(json.dumps(config))
     one = api_training.Training(dataset=str(tmp_path / "a.bin"))
-    batches.check_dataset(
+    dataset.check_dataset(
         one, vocab=512, from_hf=str(model_dir)
     )  # the model's own tokenizer: accepted
     other = api_training.Training(dataset=str(tmp_path / "b.bin"))
     want = rf"b.bin.json: eos_id={gpt2.token_to_id('<|endoftext|>')} but .*config.json eos_token_id"
-    with pytest.raises(batches.DatasetError, match=want):
-        batches.check_dataset(other, vocab=512, from_hf=str(model_dir))
+    with pytest.raises(dataset.DatasetError, match=want):
+        dataset.check_dataset(other, vocab=512, from_hf=str(model_dir))
     (model_dir / "config.json").write_text(
         json.dumps({**config, "bos_token_id": peer.eos_token_id})
     )
     with pytest.raises(
-        batches.DatasetError, match=r"a.bin.json: bos_id=.* but .*config.json bos_token_id"
+        dataset.DatasetError, match=r"a.bin.json: bos_id=.* but .*config.json bos_token_id"
     ):
-        batches.check_dataset(one, vocab=512, from_hf=str(model_dir))
+        dataset.check_dataset(one, vocab=512, from_hf=str(model_dir))

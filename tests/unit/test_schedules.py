@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer.parallel import schedules
 
 CASES = (
@@ -38,7 +39,7 @@ def test_simulated_bubble_equals_theory(schedule, p, m, v):
     timeline = schedules.simulate(schedule, p, m, v)
     span = max(t for stage in timeline for t, _ in stage) + 1
     busy = 2 * m * v  # unit-time actions per stage
-    assert 1 - busy / span == pytest.approx(schedules.bubble_ratio(p, m, v))
+    assert 1 - busy / span == pytest.approx(pipeline_window.bubble_ratio(p, m, v))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 7)])
@@ -75,9 +76,9 @@ def test_last_backward_per_chunk():
 
 
 def test_bubble_formula_values():
-    assert schedules.bubble_ratio(4, 8) == pytest.approx(3 / 11)
-    assert schedules.bubble_ratio(4, 8, 2) == pytest.approx(3 / 19)
-    assert schedules.bubble_ratio(1, 8) == 0
+    assert pipeline_window.bubble_ratio(4, 8) == pytest.approx(3 / 11)
+    assert pipeline_window.bubble_ratio(4, 8, 2) == pytest.approx(3 / 19)
+    assert pipeline_window.bubble_ratio(1, 8) == 0
 
 
 @pytest.mark.parametrize(

@@ -184,7 +184,7 @@ def test_each_rank_exports_its_slowdown_with_rank_and_node_and_rank_zero_reports
         for step in range(1, 5):
             detector.observe(step, [0.1, 0.2])
             for recorder in recorders:
-                recorder.stragglers(detector.verdict(step))
+                recorder.straggler_verdict(detector.verdict(step))
         for rank in (0, 1):
             fams = families(base, rank)
             [ratio] = fams["meshtrain_rank_slowdown_ratio"].samples
@@ -228,10 +228,10 @@ def test_progress_reports_every_flagged_rank_slowest_first():
     for step in range(1, 5):
         detector.observe(step, [0.1, 0.2, 0.1, 0.3])
     report = progress.Progress()
-    report.stragglers(detector.verdict(4))
+    report.straggler_verdict(detector.verdict(4))
     document = report.document()
     assert [f["rank"] for f in document["stragglers"]] == [3, 1]
     assert document["stragglers"][0]["slowdown"] > document["stragglers"][1]["slowdown"] > 1.25
     assert document["straggler"] == document["stragglers"][0]
-    report.stragglers(stragglers.Detector(dp(4), threshold=1.25, window=4).verdict(5))
+    report.straggler_verdict(stragglers.Detector(dp(4), threshold=1.25, window=4).verdict(5))
     assert report.document()["stragglers"] == [] and report.document()["straggler"] is None

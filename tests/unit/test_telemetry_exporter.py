@@ -15,6 +15,7 @@ from prometheus_client import parser
 
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import loading
+from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 from tests.unit import telemetry_feed
@@ -185,7 +186,7 @@ def test_memory_of_the_watched_state_is_exported_by_component(tmp_path):
     opt = torch.optim.AdamW([weight])
     weight.grad = torch.ones(10, 10)
     opt.step()
-    rec.watch([weight, view], opt, None)
+    rec.watch(state_bytes.meter([weight, view], opt, None))
     sample = rec.memory()
     assert (sample.parameters, sample.gradients) == (400, 400)
     assert sample.optimizer == 2 * 400 + 4  # exp_avg + exp_avg_sq + the step counter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.trainer.parallel import schedules
+from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer.telemetry import recording, stepstats
 from tests.unit import telemetry_feed
 
@@ -102,7 +102,7 @@ def test_balanced_pipeline_bubble_equals_theory_on_every_stage(schedule, v, p, m
         stats = stepstats.summarise(
             stage_events, facts(p, m, v), step=1, loss=1.0, tokens=10, seconds=seconds, start=0.0
         )
-        assert stats.bubble_ratio == pytest.approx(schedules.bubble_ratio(p, m, v))
+        assert stats.bubble_ratio == pytest.approx(pipeline_window.bubble_ratio(p, m, v))
         assert stats.bubble_ratio_theoretical == pytest.approx((p - 1) / (v * m + p - 1))
 
 
@@ -178,6 +178,6 @@ def test_log_record_has_the_documented_fields():
 
 
 def test_theoretical_bubble_falls_with_micro_batches_and_virtual_stages():
-    values = [schedules.bubble_ratio(4, m, v) for v in (1, 2) for m in (4, 8, 16)]
+    values = [pipeline_window.bubble_ratio(4, m, v) for v in (1, 2) for m in (4, 8, 16)]
     assert values[:3] == sorted(values[:3], reverse=True)
     assert all(values[3 + i] < values[i] for i in range(3))

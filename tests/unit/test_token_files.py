@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from meshtrain.api.spec import training as api_training
-from meshtrain.trainer.data import batches, token_files, vocab_scan
+from meshtrain.trainer.data import dataset, token_files, vocab_scan
 
 
 def _open(path, vocab, dtype="uint16"):
-    return batches.open_dataset(
+    return dataset.open_dataset(
         api_training.Training(dataset=str(path), tokenDtype=dtype), vocab=vocab, seq_len=8
     )
 
@@ -43,8 +43,8 @@ def test_uint32_tokens_read_as_uint16_are_refused_naming_the_field_and_the_fix(
     as_uint16 = np.fromfile(path, dtype="<u2")
     assert as_uint16.max() < 65_536 and (offset or as_uint16.max() < vocab)  # nothing out of range
     training = api_training.Training(dataset=str(path), tokenDtype="uint16")
-    with pytest.raises(batches.DatasetError) as err:  # before any process starts
-        batches.check_dataset(training, vocab=min(model_vocab, 65_536))
+    with pytest.raises(dataset.DatasetError) as err:  # before any process starts
+        dataset.check_dataset(training, vocab=min(model_vocab, 65_536))
     message = str(err.value)
     assert "looks like uint32 tokens read as uint16" in message
     assert "spec.training.dataset" in message and str(path) in message
@@ -56,7 +56,7 @@ def test_uint16_tokens_read_as_uint32_are_refused_naming_the_field_and_the_fix(t
     path = tmp_path / "raw.bin"
     _ids(4000, min(vocab, 50_000)).astype("<u2").tofile(path)
     assert len(_open(path, min(vocab, 65_536))[0].tokens) == 4000
-    with pytest.raises(batches.DatasetError) as err:
+    with pytest.raises(dataset.DatasetError) as err:
         _open(path, vocab, "uint32")
     message = str(err.value)
     assert "looks like uint16 tokens read as uint32" in message
@@ -66,13 +66,13 @@ def test_uint16_tokens_read_as_uint32_are_refused_naming_the_field_and_the_fix(t
 def test_odd_count_of_uint16_read_as_uint32_names_the_other_dtype(tmp_path):
     path = tmp_path / "odd.bin"
     _ids(4001, 1000).astype("<u2").tofile(path)
-    with pytest.raises(batches.DatasetError, match="not a multiple of 4.*set tokenDtype: uint16"):
+    with pytest.raises(dataset.DatasetError, match="not a multiple of 4.*set tokenDtype: uint16"):
         _open(path, 1000, "uint32")
 
 
 def test_byte_tokens_and_a_tiny_vocabulary_are_not_taken_for_misread_files(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    corpus = batches.stdlib_corpus(cap_bytes=200_000)  # byte-level Python source, uint16
+    corpus = dataset.stdlib_corpus(cap_bytes=200_000)  # byte-level Python source, uint16
     assert len(_open(corpus, 256)[0].tokens) == 200_000
     tiny = tmp_path / "tiny.bin"
     (np.arange(4000) % 4).astype("<u2").tofile(tiny)  # every id <= 3: no high half to tell
@@ -86,13 +86,13 @@ def test_metadata_of_another_version_of_the_file_is_refused(tmp_path):
     meta.write_text(json.dumps({"dtype": "uint16", "vocab": 1000, "tokens": 3000, "bytes": 6000}))
     assert len(_open(path, 1000)[0].tokens) == 3000
     _ids(2000, 1000).astype("<u2").tofile(path)  # rewritten without preparing it again
-    with pytest.raises(batches.DatasetError) as err:
+    with pytest.raises(dataset.DatasetError) as err:
         _open(path, 1000)
     assert "has 4000 bytes but t.bin.json describes a file of 6000 bytes" in str(err.value)
     assert "meshtrain data prepare" in str(err.value) and "spec.training.dataset" in str(err.value)
     meta.write_text("{truncated")
     with pytest.raises(
-        batches.DatasetError, match="unreadable metadata t.bin.json .* or delete t.bin.json"
+        dataset.DatasetError, match="unreadable metadata t.bin.json .* or delete t.bin.json"
     ):
         _open(path, 1000)
 
@@ -102,7 +102,7 @@ def test_metadata_settles_the_type_of_a_file_that_looks_misread(tmp_path):
     ids = np.zeros(4000, dtype="<u2")
     ids[::2] = _ids(2000, 1000)  # every second id 0: what uint32 ids read as uint16 look like
     ids.tofile(path)
-    with pytest.raises(batches.DatasetError, match="looks like uint32"):
+    with pytest.raises(dataset.DatasetError, match="looks like uint32"):
         _open(path, 1000)
     token_files.metadata_path(path).write_text(json.dumps({"dtype": "uint16", "vocab": 1000}))
     assert len(_open(path, 1000)[0].tokens) == 4000
@@ -128,7 +128,7 @@ def test_a_restart_on_an_unchanged_file_skips_the_scan_and_a_change_scans_again(
     assert calls == [5000]  # restarts read the record, not the file
     first = int(np.argmax(_ids(5000, 1000) >= 999))
     with pytest.raises(
-        batches.DatasetError, match=f"token id 999 >= model vocab 999 at position {first}"
+        dataset.DatasetError, match=f"token id 999 >= model vocab 999 at position {first}"
     ):
         _open(
             path, 999
@@ -141,7 +141,7 @@ def test_a_restart_on_an_unchanged_file_skips_the_scan_and_a_change_scans_again(
     ids.astype("<u2").tofile(path)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old mtime
     with pytest.raises(
-        batches.DatasetError, match="token id 1000 >= model vocab 1000 at position 4999"
+        dataset.DatasetError, match="token id 1000 >= model vocab 1000 at position 4999"
     ):
         _open(path, 1000)
     assert calls == [5000, 5000]

@@ -8,12 +8,12 @@ steps: draw this rank's micro-batches, run the pipeline schedule (forward,
 backward, gradient reduction overlapped), finish the reductions, clip by the
 global norm, AdamW with warmup + cosine learning rate, and agree on the
 step's mean loss.  Telemetry is timed with one clock chosen from the device
-(:mod:`.parallel.clocks`); on CUDA its stamps are events, so the recorder is
-wrapped in a :class:`~.parallel.recording.DeferredRecorder` that reads them
+(:mod:`.telemetry.clocks`); on CUDA its stamps are events, so the recorder is
+wrapped in a :class:`~.telemetry.recording.DeferredRecorder` that reads them
 after the step.
 
 Process management (:mod:`.launch`, :mod:`.worker`), the step log
-(:mod:`.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
+(:mod:`.telemetry.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
 chunks' parameters, the optimizer and ``sampler.state_dict()``) live elsewhere.
 """
 
@@ -23,18 +23,18 @@ import contextlib
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer.data import batches, special_tokens
+from meshtrain.trainer.data import batches, dataset, special_tokens, token_files
 from meshtrain.trainer.guards import loss_guard, noise_scale
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.models import gpt, llama
-from meshtrain.trainer.optim import batch_change
-from meshtrain.trainer.optim import optimizer as optim
-from meshtrain.trainer.parallel import compilation, loss, parallelize, zero, zero3
+from meshtrain.trainer.optim import adamw, batch_change, lr_schedule
+from meshtrain.trainer.parallel import clipping, compilation, loss, parallelize, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -60,7 +60,7 @@ class StepResult:
     lr: float
     """Learning rate used."""
     stop: bool = False
-    """Some rank was asked to stop (:mod:`..stopping`): every rank stops after this step."""
+    """Some rank was asked to stop (:mod:`.guards.stopping`): every rank stops after this step."""
     skipped: str = ""
     """Why the loss guard skipped this step's update (empty: applied)."""
     shared: tuple[float, ...] = ()
@@ -79,6 +79,30 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     return precision
+
+
+def autocast_for(
+    precision: str, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager[object]]:
+    """The context the executor runs forward and backward in: bf16 autocast, or nothing (fp32).
+
+    No cast cache: each weight is used once per forward, and a cached cast lives until the
+    forward ends even when recompute (activation checkpointing, selective recompute) frees
+    what autograd saved; uncached, a weight's bf16 copy lives only as long as autograd keeps
+    it (planner.memory.weight_cast_bytes counts those).
+    """
+    if precision != "bf16":
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+
+def norm_groups(mesh: mesh_mod.Mesh, zero_stage: int) -> list[tuple[str, dist.ProcessGroup]]:
+    """The axes whose ranks hold different parts of the gradient, for its global norm."""
+    layout = mesh.layout
+    sharded_axes = (("tp", layout.tensor), ("pp", layout.pipeline))
+    if zero_stage == 3:  # each data-parallel rank holds other rows of every gradient
+        sharded_axes = (("dp", layout.data), *sharded_axes)
+    return [(axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1]
 
 
 class Engine:
@@ -105,47 +129,10 @@ class Engine:
         """``recorder``, behind a DeferredRecorder when the clock's stamps are CUDA events."""
         training, par = spec.training, spec.parallelism
         self.config = gpt.GPTConfig.from_shape(spec.model.shape())
-        with torch.device(
-            "meta"
-        ):  # shapes only: parallelize builds just this rank's pieces, by name and seed
-            dense = llama.build(
-                self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing
-            )
-        gpt.set_selective_recompute(dense, training.selective_recompute)
-        if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
-            dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
         self.precision = resolve_precision(training.precision, mesh.device)
-        # No cast cache: each weight is used once per forward, and a cached cast lives until the
-        # forward ends even when recompute (activation checkpointing, selective recompute) frees
-        # what autograd saved; uncached, a weight's bf16 copy lives only as long as autograd keeps
-        # it (planner.memory.weight_cast_bytes counts those).
-        autocast = (
-            functools.partial(
-                torch.autocast, mesh.device.type, dtype=torch.bfloat16, cache_enabled=False
-            )
-            if self.precision == "bf16"
-            else contextlib.nullcontext
-        )
         self.lr_plan = batch_change.LrPlan()
         """Multiplier on the spec's rates after a resume at another batch (set by the checkpointer)."""
-        self.model = parallelize.parallelize(
-            dense,
-            mesh,
-            schedule=par.schedule,
-            virtual_stages=par.virtual_stages,
-            micro_batches=par.micro_batches,
-            micro_batch=training.micro_batch,
-            sequence_parallel=par.sequence_parallel,
-            bucket_mb=par.bucket_mb,
-            recorder=self.recorder,
-            clock=self.clock,
-            autocast=autocast,
-            wire_dtype=torch.bfloat16 if self.precision == "bf16" else None,
-            zero_stage=par.zero_stage,
-            compression=par.gradient_compression,
-            all_reduce=par.all_reduce,
-            gpus_per_node=spec.resources.gpus_per_node,
-        )
+        self.model = self._parallel_model()
         self.compiled = training.compile and compilation.apply_compile(
             self.model.chunks, mesh.device
         )
@@ -155,23 +142,8 @@ class Engine:
             self.model.executor.loss_fn = functools.partial(
                 loss.lm_loss, fused=loss.FusedChunkMath.compiled(compilation.BACKEND)
             )
-        if par.zero_stage in (1, 2) and self.model.reducer is not None:  # moments sharded over dp
-            self.optimizer = zero.ZeroAdamW(
-                self.model.named_params,
-                self.model.reducer,
-                stage=par.zero_stage,
-                lr=training.learning_rate,
-                weight_decay=training.weight_decay,
-                recorder=self.recorder,
-                clock=self.clock,
-            )
-        else:
-            self.optimizer = optim.build_adamw(
-                self.model.named_params,
-                lr=training.learning_rate,
-                weight_decay=training.weight_decay,
-            )
-        tokens = batches.open_dataset(
+        self.optimizer = self._optimizer()
+        tokens = dataset.open_dataset(
             training, vocab=self.config.vocab, seq_len=self.config.seq_len
         )
         self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
@@ -180,37 +152,90 @@ class Engine:
             hf.max_positions(spec.model.init.from_hf) if spec.model.init.from_hf else None
         )
         """The imported model's ``max_position_embeddings``; checkpoints carry it to ``meshtrain export``."""
-        tokens, held_out = batches.open_eval(
-            training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
-        )
-        sampling = dict(
-            seq_len=self.config.seq_len,
-            micro_batch=training.micro_batch,
-            micro_batches=par.micro_batches,
-            dp_rank=mesh.coords.dp,
-            dp_size=mesh.layout.data,
-        )
-        self.sampler = batches.BatchSampler(tokens, seed=training.seed, **sampling)
-        self.eval_sampler = (
-            batches.BatchSampler(held_out, seed=training.seed + 1, **sampling) if held_out else None
-        )
-        """Draws the fixed evaluation batches (None when training.eval is off)."""
+        self.sampler, self.eval_sampler = self._samplers(tokens)
+        """The training batches, and the fixed evaluation batches (None when training.eval is off)."""
         self.guard = (
             loss_guard.LossGuard.from_spec(training.loss_guard)
             if training.loss_guard.enabled
             else None
         )
         self._norm_counted = self.model.norm_counted(mesh.coords.tp)
-        sharded_axes = (("tp", mesh.layout.tensor), ("pp", mesh.layout.pipeline))
-        if par.zero_stage == 3:  # each data-parallel rank holds other rows of every gradient
-            sharded_axes = (("dp", mesh.layout.data), *sharded_axes)
-        self._norm_groups = [
-            (axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1
-        ]
+        self._norm_groups = norm_groups(mesh, par.zero_stage)
         self.noise = self._noise_tracker()
         """The gradient noise scale from each replica's own and the all-reduced gradient (None: not measured)."""
         self.step = 0
         """Optimizer steps done."""
+
+    def _parallel_model(self) -> parallelize.ParallelModel:
+        """This rank's share of the dense model every rank describes alike (seed, or Hugging Face weights)."""
+        spec, training, par = self.spec, self.spec.training, self.spec.parallelism
+        with torch.device(
+            "meta"
+        ):  # shapes only: parallelize builds just this rank's pieces, by name and seed
+            dense = llama.build(
+                self.config, seed=training.seed, recompute_blocks=training.activation_checkpointing
+            )
+        gpt.set_selective_recompute(dense, training.selective_recompute)
+        if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
+            dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
+        return parallelize.parallelize(
+            dense,
+            self.mesh,
+            schedule=par.schedule,
+            virtual_stages=par.virtual_stages,
+            micro_batches=par.micro_batches,
+            micro_batch=training.micro_batch,
+            sequence_parallel=par.sequence_parallel,
+            bucket_mb=par.bucket_mb,
+            recorder=self.recorder,
+            clock=self.clock,
+            autocast=autocast_for(self.precision, self.mesh.device),
+            wire_dtype=torch.bfloat16 if self.precision == "bf16" else None,
+            zero_stage=par.zero_stage,
+            compression=par.gradient_compression,
+            all_reduce=par.all_reduce,
+            gpus_per_node=spec.resources.gpus_per_node,
+        )
+
+    def _optimizer(self) -> torch.optim.AdamW | zero.ZeroAdamW:
+        """AdamW, with its moments sharded over the data-parallel group under ZeRO-1/2."""
+        training, stage = self.spec.training, self.spec.parallelism.zero_stage
+        if stage in (1, 2) and self.model.reducer is not None:
+            return zero.ZeroAdamW(
+                self.model.named_params,
+                self.model.reducer,
+                stage=stage,
+                lr=training.learning_rate,
+                weight_decay=training.weight_decay,
+                recorder=self.recorder,
+                clock=self.clock,
+            )
+        return adamw.build_adamw(
+            self.model.named_params,
+            lr=training.learning_rate,
+            weight_decay=training.weight_decay,
+        )
+
+    def _samplers(
+        self, tokens: list[token_files.TokenFile]
+    ) -> tuple[batches.BatchSampler, batches.BatchSampler | None]:
+        """The training sampler over ``tokens`` and the evaluation sampler over the held-out data (or None)."""
+        training = self.spec.training
+        tokens, held_out = dataset.open_eval(
+            training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
+        )
+        sampling = dict(
+            seq_len=self.config.seq_len,
+            micro_batch=training.micro_batch,
+            micro_batches=self.spec.parallelism.micro_batches,
+            dp_rank=self.mesh.coords.dp,
+            dp_size=self.mesh.layout.data,
+        )
+        sampler = batches.BatchSampler(tokens, seed=training.seed, **sampling)
+        held = (
+            batches.BatchSampler(held_out, seed=training.seed + 1, **sampling) if held_out else None
+        )
+        return sampler, held
 
     def _noise_tracker(self) -> noise_scale.Tracker | None:
         """Measure the noise scale where the reducer sees each replica's whole local gradient.
@@ -289,7 +314,7 @@ class Engine:
                 n in ranges and p.grad is not None
             ):  # ZeRO-3: within the local rows, the same on every peer
                 grad, offset = zero3.local(p.grad), zero3.flat_offset(p)
-                view = optim.flat_slice(grad, *ranges[n], offset=offset)
+                view = clipping.flat_slice(grad, *ranges[n], offset=offset)
                 if view is not None:
                     views.append(view)
         if not views:  # the same on every peer: their shapes (and ZeRO shards) are alike
@@ -369,15 +394,15 @@ class Engine:
         start = self.clock.start_step()  # host time on every device
         self.recorder.step_start(step, start)
         peak, minimum = training.learning_rates(self.spec.parallelism)
-        lr = optim.lr_at(
+        lr = lr_schedule.lr_at(
             step, peak=peak, minimum=minimum, warmup=training.warmup_steps, total=training.steps
         ) * self.lr_plan.multiplier(step)
-        optim.set_lr(self.optimizer, lr)
+        lr_schedule.set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward()
         clip = (
             self.optimizer.clip_grad_norm
             if isinstance(self.optimizer, zero.ZeroAdamW)
-            else optim.clip_grad_norm
+            else clipping.clip_grad_norm
         )
         norm_tensor = clip(
             self.params,

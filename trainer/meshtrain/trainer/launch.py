@@ -10,7 +10,7 @@ rank).  While they run it drives a progress bar from rank 0's
 it kills the others at once and returns that rank's exit code, printing the
 end of its log; at the end it prints a summary table.  Interrupted (Ctrl-C,
 SIGTERM), it gives the ranks :data:`STOP_GRACE_S` to agree on a last step and
-checkpoint it (:mod:`.stopping`), so the same command with the same
+checkpoint it (:mod:`.guards.stopping`), so the same command with the same
 ``--log-dir`` resumes there.
 
 Own spawner rather than ``torch.distributed.run``: the agent's restart and
@@ -33,15 +33,15 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 import torch
 import tqdm
 
 from meshtrain.api import exitcodes, loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.telemetry import steplog
 
@@ -64,7 +64,7 @@ def default_log_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def checkpoint_dir(job: spec_mod.TrainingJobSpec, log_dir: Path) -> Path:
+def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> Path:
     """Where a local run keeps checkpoints: spec.checkpoint.path if the spec changes it, else <log-dir>/checkpoints.
 
     So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
@@ -128,7 +128,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _summary(
-    job: spec_mod.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
+    job: api_spec.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
 ) -> str:
     rows = [
         ("layout", job.parallelism.layout_string),
@@ -159,55 +159,24 @@ def run_local(
     overrides: list[str] | tuple[str, ...] = (),
 ) -> int:
     """Train ``spec_path`` with local processes; returns the exit code (0 success)."""
-    try:
-        metadata, job = loading.load_manifest(spec_path)
-        extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
-        if extra:
-            job = loading.apply_overrides(job, extra)
-        # a missing file fails here; the corpus is built once here
-        batches.check_dataset(
-            job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
-        )
-        if job.training.dataset == batches.STDLIB:
-            batches.stdlib_corpus()
-        hf.check_spec(job)
-    except (loading.SpecError, hf.HFError) as err:
-        print(err, file=sys.stderr)
-        return exitcodes.SPEC
-    except batches.DatasetError as err:
-        print(err, file=sys.stderr)
-        return exitcodes.DATA
+    extra = list(overrides) + ([f"training.steps={steps}"] if steps is not None else [])
+    checked = _load_checked(spec_path, extra)
+    if isinstance(checked, int):
+        return checked
+    metadata, job = checked
     name = metadata.get("name") or Path(spec_path).stem
     log_dir = Path(log_dir) if log_dir else default_log_dir(name)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / steplog.FILENAME).unlink(missing_ok=True)
-    world = job.world_size
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "meshtrain.trainer",
-        "--spec",
-        str(spec_path),
-        "--log-dir",
-        str(log_dir),
-    ]
-    command += [arg for item in extra for arg in ("--set", item)]
-    procs, logs = [], []
     started = time.monotonic()
-    for rank in range(world):
-        logs.append((log_dir / f"rank-{rank}.log").open("w"))
-        env = _rank_env(rank, world, port, log_dir, cuda)
-        env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
-        procs.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-    total = job.training.steps
+    procs, logs = _start_ranks(job, spec_path, extra, log_dir)
     bar = tqdm.tqdm(
-        total=total, desc=f"{name} {job.parallelism.layout_string}", unit="step", file=sys.stderr
+        total=job.training.steps,
+        desc=f"{name} {job.parallelism.layout_string}",
+        unit="step",
+        file=sys.stderr,
     )
     records: list[dict[str, Any]] = []
-    tail = steplog.Tail(log_dir / steplog.FILENAME)
-    code = 0
     # A terminated launcher (Ctrl-C, SIGTERM from CI or a pod) takes its ranks with it.
     previous = (
         signal.signal(signal.SIGTERM, _on_sigterm)
@@ -215,30 +184,9 @@ def run_local(
         else None
     )
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            fresh = tail.new_records()
-            if fresh:
-                records += fresh
-                last = fresh[-1]
-                bar.update(last["step"] - bar.n)  # by step number: a resumed run starts past 0
-                bar.set_postfix(
-                    loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}"
-                )
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                _stop(procs)
-                bar.close()
-                print(
-                    f"rank {rank} exited with code {code}; stopped the other ranks. "
-                    f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}",
-                    file=sys.stderr,
-                )
-                return code
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(POLL_S)
+        code = _follow(procs, bar, steplog.Tail(log_dir / steplog.FILENAME), records, log_dir)
+        if code != 0:
+            return code
     except (KeyboardInterrupt, _Terminated):
         bar.close()
         print(
@@ -257,4 +205,90 @@ def run_local(
     print(
         f"meshtrain run {name}: done\n{_summary(job, records, time.monotonic() - started, log_dir)}"
     )
-    return code
+    return 0
+
+
+def _load_checked(
+    spec_path: str | Path, extra: list[str]
+) -> tuple[dict[str, Any], api_spec.TrainingJobSpec] | int:
+    """(metadata, spec with ``extra`` overrides) once spec and dataset are valid, else the exit code.
+
+    A missing file fails here, before any process starts; the default corpus is built once here.
+    """
+    try:
+        metadata, job = loading.load_manifest(spec_path)
+        if extra:
+            job = loading.apply_overrides(job, extra)
+        dataset.check_dataset(
+            job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
+        )
+        if job.training.dataset == dataset.STDLIB:
+            dataset.stdlib_corpus()
+        hf.check_spec(job)
+    except (loading.SpecError, hf.HFError) as err:
+        print(err, file=sys.stderr)
+        return exitcodes.SPEC
+    except dataset.DatasetError as err:
+        print(err, file=sys.stderr)
+        return exitcodes.DATA
+    return metadata, job
+
+
+def _start_ranks(
+    job: api_spec.TrainingJobSpec, spec_path: str | Path, extra: list[str], log_dir: Path
+) -> tuple[list[subprocess.Popen[bytes]], list[IO[str]]]:
+    """One ``python -m meshtrain.trainer`` per rank, each logging to ``rank-<r>.log``; (processes, logs)."""
+    world = job.world_size
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "meshtrain.trainer",
+        "--spec",
+        str(spec_path),
+        "--log-dir",
+        str(log_dir),
+    ]
+    command += [arg for item in extra for arg in ("--set", item)]
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[str]] = []
+    for rank in range(world):
+        logs.append((log_dir / f"rank-{rank}.log").open("w"))
+        env = _rank_env(rank, world, port, log_dir, cuda)
+        env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
+        procs.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def _follow(
+    procs: list[subprocess.Popen[bytes]],
+    bar: tqdm.tqdm,
+    tail: steplog.Tail,
+    records: list[dict[str, Any]],
+    log_dir: Path,
+) -> int:
+    """Drive the progress bar from rank 0's step log (appending to ``records``) until every rank
+    exited 0 (returns 0) or one failed: the others are stopped, and its code returned."""
+    while True:
+        codes = [p.poll() for p in procs]
+        fresh = tail.new_records()
+        if fresh:
+            records += fresh
+            last = fresh[-1]
+            bar.update(last["step"] - bar.n)  # by step number: a resumed run starts past 0
+            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}")
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            _stop(procs)
+            bar.close()
+            print(
+                f"rank {rank} exited with code {code}; stopped the other ranks. "
+                f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}",
+                file=sys.stderr,
+            )
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(POLL_S)

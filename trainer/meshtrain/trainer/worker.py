@@ -8,10 +8,10 @@ appends one record per step to ``steps.jsonl`` in the log directory
 (``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
 
 Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
-directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.lossguard`;
+directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.guards.loss_guard`;
 nothing saved, the last good checkpoint stays), 143 stopped by SIGTERM/SIGINT after saving
-(:mod:`.stopping`), 1 anything else (traceback on stderr), 17 injected fault
-(:mod:`.faults`).
+(:mod:`.guards.stopping`), 1 anything else (traceback on stderr), 17 injected fault
+(:mod:`.guards.faults`).
 
 Checkpoints: at start the newest complete checkpoint under
 ``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
@@ -46,15 +46,16 @@ import torch.distributed as dist
 
 from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import layout as layout_mod
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
+from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
-from meshtrain.trainer.data import batches
+from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import schedules
-from meshtrain.trainer.telemetry import progress, state_bytes, steplog
+from meshtrain.trainer.parallel import state_bytes
+from meshtrain.trainer.telemetry import progress, steplog
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_spec(
     path: str | None, overrides: list[str], steps: int | None
-) -> spec_mod.TrainingJobSpec:
+) -> api_spec.TrainingJobSpec:
     """The spec with overrides applied (raises SpecError)."""
     if not path:
         raise loading.SpecError(
@@ -113,7 +114,7 @@ def use_cuda() -> bool:
 
 
 def step_record(
-    result: engine.StepResult, summary: dict[str, float], job: spec_mod.TrainingJobSpec
+    result: engine.StepResult, summary: dict[str, float], job: api_spec.TrainingJobSpec
 ) -> dict[str, Any]:
     """The steps.jsonl record of one step."""
     par = job.parallelism
@@ -128,7 +129,7 @@ def step_record(
         "time": time.time(),
         "layout": par.layout_string,
         "global_batch": job.global_batch,
-        "bubble_ratio_theoretical": schedules.bubble_ratio(
+        "bubble_ratio_theoretical": pipeline_window.bubble_ratio(
             par.pipeline, par.micro_batches, par.virtual_stages
         ),
     }
@@ -140,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
-        batches.check_dataset(
+        dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
         hf.check_spec(job)
     except (loading.SpecError, hf.HFError) as err:
         return _refuse(exitcodes.SPEC, err)
-    except batches.DatasetError as err:
+    except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
     stop = (
         stopping.StopRequest().install()
@@ -159,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
-        recorder.watch(trainer.model, trainer.optimizer, trainer.model.reducer)
-    except batches.DatasetError as err:
+    except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
+    grad_reducer = trainer.model.reducer
+    recorder.watch(
+        state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
+        grad_reducer.payload_bytes if grad_reducer is not None else None,
+    )
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
     try:
         restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
@@ -173,12 +178,25 @@ def main(argv: list[str] | None = None) -> int:
         recorder.learning_rates(saver.resumed.plan)
     if rank == 0:
         print(
-            state_bytes.measure(trainer.model, trainer.optimizer, trainer.model.reducer).summary(),
+            state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    return _train(job, rank, trainer, recorder, saver, log, stop)
+
+
+def _train(
+    job: api_spec.TrainingJobSpec,
+    rank: int,
+    trainer: engine.Engine,
+    recorder: TelemetryRecorder,
+    saver: checkpointer.Checkpointer,
+    log: steplog.StepLog | None,
+    stop: stopping.StopRequest,
+) -> int:
+    """Train from the step after the restored one to ``training.steps``; the exit code."""
     evaluation = job.training.eval
-    detector = straggler_detector(job, mesh.layout)
+    detector = straggler_detector(job, trainer.mesh.layout)
     faults.slow_down(
         trainer.model.chunks,
         rank,
@@ -199,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if detector is not None:  # the shared times are of the step before this one
             detector.observe(step - 1, result.shared)
             verdict = detector.verdict(step)
-            recorder.stragglers(verdict)
+            recorder.straggler_verdict(verdict)
         due = evaluation.interval and (
             step % evaluation.interval == 0 or step == job.training.steps
         )
@@ -239,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def straggler_detector(
-    job: spec_mod.TrainingJobSpec, layout: layout_mod.ParallelLayout
+    job: api_spec.TrainingJobSpec, layout: layout_mod.ParallelLayout
 ) -> stragglers.Detector | None:
     """The detector of ``runPolicy.stragglerPolicy``; None when it is ignored or no rank has a peer."""
     policy = job.run_policy.straggler_policy

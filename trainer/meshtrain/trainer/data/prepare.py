@@ -12,7 +12,7 @@ any other file is one document.  The output is raw little-endian ``uint16``
 or ``uint32`` ids (``auto``: the smallest that holds the vocabulary) with
 ``OUT.json`` beside it (dtype, vocabulary, token count, byte size, tokenizer hash, the
 begin/end-of-text and padding ids, and whether every document starts and ends
-with them), which :mod:`.tokens` checks when a job
+with them), which :mod:`.token_files` checks when a job
 opens the file and checkpoints carry into ``meshtrain export``.  Refused before any
 work: a tokenizer vocabulary above the model's (``--job`` or
 ``--model-vocab``) and ``uint16`` for a vocabulary above 65,536.

@@ -7,7 +7,7 @@ zero embedding under tensor parallelism (the vocabulary-parallel lookup masks
 it) and a wrong loss, silently.  The check reads the file in chunks of
 :data:`CHECK_CHUNK_TOKENS` with one vectorised ``max`` each, so memory stays
 flat on multi-GB files (benchmarks/bench_token_check.py measures GB/s); its
-result is recorded (:mod:`.scan_record`), so a restart on an unchanged file
+result is recorded (:mod:`.vocab_scan`), so a restart on an unchanged file
 does not read it again.
 
 Raw ids carry no element type, and a file read with the wrong one still

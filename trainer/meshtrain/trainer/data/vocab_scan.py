@@ -1,6 +1,6 @@
 """The cached result of a token file's whole-file vocabulary scan, so a restart need not read it all again.
 
-Every id of a token file is checked when a job opens it (:mod:`.tokens`); on
+Every id of a token file is checked when a job opens it (:mod:`.token_files`); on
 a corpus of hundreds of GB that is minutes of reading at every start of
 every rank.  The scan's result, the largest id, is recorded in
 ``FILE.scan.json`` beside the file (under ``$MESHTRAIN_CACHE_DIR/token-scans``

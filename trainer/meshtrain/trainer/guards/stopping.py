@@ -15,7 +15,7 @@ of them, which is what a collective checkpoint needs.
 A stopped rank exits with :data:`meshtrain.api.exitcodes.STOPPED` (143 = 128 +
 SIGTERM), never 0: a pod stopped this way must not read as finished.  Not a
 checkpoint policy (the worker saves) or a launcher's signal handling
-(:mod:`.launch`).
+(:mod:`meshtrain.trainer.launch`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``CHECKPOINT`` is one published checkpoint (``step-NNNNNNNN``, with its
 ``COMPLETE`` marker) or a checkpoint root, whose newest checkpoint is taken.
-The checkpoint is layout-independent (:mod:`.checkpointing.state`), so one
+The checkpoint is layout-independent (:mod:`meshtrain.trainer.checkpointing.state`), so one
 process reads every parameter whole, whatever layout wrote it, and
 :mod:`.hf` writes ``config.json``, ``generation_config.json`` and the
 safetensors.  Parameters are read one shard's worth at a time (DCP reads

@@ -148,7 +148,7 @@ class Attention(nn.Module):
     """Causal grouped-query attention with a fused QKV projection and rotary positions."""
 
     recompute_core = False
-    """Selective recompute: rebuild the attention core in backward (:func:`.model.attend`)."""
+    """Selective recompute: rebuild the attention core in backward (:func:`.gpt.attend`)."""
 
     def __init__(self, config: gpt.GPTConfig) -> None:
         super().__init__()

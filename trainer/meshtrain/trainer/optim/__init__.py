@@ -1,1 +1,1 @@
-"""The optimizer: AdamW, the learning-rate schedule, clipping, and learning rates across batch changes."""
+"""The optimizer: AdamW, the learning-rate schedule, and learning rates across batch changes."""

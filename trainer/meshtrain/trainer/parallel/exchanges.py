@@ -14,7 +14,7 @@ chains in the same order on each process group, whatever order its hooks
 fired in (an unused parameter's bucket completes in ``finish`` on one rank
 and mid-backward on another), which the backends require.
 
-Where a chain runs depends on the clock (:mod:`.clocks`):
+Where a chain runs depends on the clock (:mod:`meshtrain.trainer.telemetry.clocks`):
 
 * host (CPU, gloo): on :class:`ExchangeQueue`'s one worker thread, with
   blocking collectives, while backward goes on computing earlier layers on

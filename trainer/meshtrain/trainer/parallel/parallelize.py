@@ -17,6 +17,9 @@ The one function that composes the parallelisms, in this order:
 4. The **executor** is built around the result: it drives the schedule and
    tells the reducer when gradients are final.
 
+Steps 2 to 4 are :func:`apply_tensor_parallel`, :func:`apply_data_parallel`
+and :func:`build_executor`; :func:`parallelize` calls them in that order.
+
 Precision is not a module transform here: weights stay fp32 (master
 weights) and bf16 is an autocast context the executor enters (GPU only).
 
@@ -30,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +41,17 @@ import torch.distributed as dist
 from meshtrain.api import layout as layout_mod
 from meshtrain.api.spec import parallelism as api_parallelism
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.optim import optimizer
+from meshtrain.trainer.parallel import (
+    clipping,
+    hierarchical,
+    loss,
+    pipeline,
+    reducer,
+    tensor,
+    zero,
+    zero3,
+)
 from meshtrain.trainer.parallel import compression as compression_mod
-from meshtrain.trainer.parallel import hierarchical, loss, pipeline, reducer, tensor, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -68,9 +80,9 @@ class ParallelModel:
     tied_copy: bool = False
     """This rank holds the last stage's copy of the tied matrix (its gradient is counted on the first stage)."""
 
-    def norm_counted(self, tp_rank: int) -> list[optimizer.Counted]:
+    def norm_counted(self, tp_rank: int) -> list[clipping.Counted]:
         """Per parameter: what this rank counts of it in the global gradient norm (see ``TPPlan.norm_counted``)."""
-        counted: list[optimizer.Counted] = [
+        counted: list[clipping.Counted] = [
             self.tp_plan.norm_counted(name, tp_rank) if self.tp_plan is not None else True
             for name, _ in self.named_params
         ]
@@ -139,114 +151,59 @@ def parallelize(
         model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages
     )
 
-    # 2. Tensor parallel: shard what this stage kept.
-    tp_ctx, tp_plan = None, None
-    if layout.tensor > 1:
-        tp_ctx = tensor.TPContext(
-            group=mesh.group("tp"),
-            rank=coords.tp,
-            size=layout.tensor,
-            sequence_parallel=sequence_parallel,
-            recorder=recorder,
-            clock=clock,
-            wire_dtype=wire_dtype,
-        )
-        plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
-        tp_plan = tensor.TPPlan(
-            shards={k: v for p in plans for k, v in p.shards.items()},
-            sequence_partial=[n for p in plans for n in p.sequence_partial],
-            kv_replicas=plans[0].kv_replicas,
-            replica_partial={k: v for p in plans for k, v in p.replica_partial.items()},
-        )
-    kv_group = (
-        kv_replica_group(layout, tp_plan.kv_replicas)
-        if tp_plan is not None and tp_plan.kv_replicas > 1
-        else None
+    # 2. Tensor parallel: shard what this stage kept.  It swaps parameters, so it comes before
+    # anything that holds on to them; then a model built on meta gets the weights TP did not
+    # already build (norms, biases, ...).
+    tp_ctx, tp_plan, kv_group = apply_tensor_parallel(
+        chunks,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        recorder=recorder,
+        clock=clock,
+        wire_dtype=wire_dtype,
     )
-    for chunk in (
-        chunks
-    ):  # a model built on meta gets the weights TP did not already build (norms, biases, ...)
+    for chunk in chunks:
         gpt.materialize(chunk)
         chunk.to(mesh.device)
-    # a tied head on the last stage is the embedding matrix, by name too (initial value, checkpoint)
-    named = [
-        (gpt.logical_name(config, n), p) for chunk in chunks for n, p in chunk.named_parameters()
-    ]
     tied_across = config.tie_embeddings and layout.pipeline > 1
     tied_group = tied_embedding_group(layout) if tied_across else None
-    holds_tied = tied_across and coords.pp in (0, layout.pipeline - 1)
 
     # 3. Data parallel: hook the final parameters, or (ZeRO-3) shard them with FSDP2, which then
     # owns the gradient reduction.
-    grad_reducer = None
-    if layout.data > 1 and zero_stage == 3:
-        zero3.apply_zero3(
-            chunks,
-            mesh.device_mesh["dp"],
-            recorder=recorder,
-            clock=clock,
-            param_dtype=wire_dtype,
-            pipelined=layout.pipeline > 1,
-        )
-        named = [
-            (gpt.logical_name(config, n), p)
-            for chunk in chunks
-            for n, p in chunk.named_parameters()
-        ]
-    elif layout.data > 1:
-        # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
-        # compressed when asked (the spec's rules keep compression off ZeRO-2).
-        reducer_cls: Callable[..., reducer.GradReducer] = (
-            zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
-        )
-        if all_reduce == "hierarchical":  # the spec's rules keep it to ZeRO 0/1 without compression
-            intra, inter = mesh.dp_level_groups(gpus_per_node)
-            reducer_cls = functools.partial(
-                hierarchical.HierarchicalGradReducer, intra=intra, inter=inter
-            )
-        if compression is not None and compression.mode != "none":
-            reducer_cls = functools.partial(
-                compression_mod.CompressedGradReducer,
-                mode=compression.mode,
-                rank=compression.rank,
-                topk_ratio=compression.topk_ratio,
-                warm_start=compression.warm_start,
-            )
-        grad_reducer = reducer_cls(
-            [list(chunk.parameters()) for chunk in chunks],
-            group=mesh.group("dp"),
-            group_size=layout.data,
-            bucket_mb=bucket_mb,
-            recorder=recorder,
-            clock=clock,
-        )
+    grad_reducer = apply_data_parallel(
+        chunks,
+        mesh,
+        zero_stage=zero_stage,
+        compression=compression,
+        all_reduce=all_reduce,
+        gpus_per_node=gpus_per_node,
+        bucket_mb=bucket_mb,
+        recorder=recorder,
+        clock=clock,
+        wire_dtype=wire_dtype,
+    )
+    # the parameters every later step holds (ZeRO-3's DTensors): a tied head on the last stage is
+    # the embedding matrix, by name too (initial value, checkpoint)
+    named = [
+        (gpt.logical_name(config, n), p) for chunk in chunks for n, p in chunk.named_parameters()
+    ]
 
     # 4. The schedule executor around it all.
-    ranks = [layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)]
-    many = layout.pipeline > 1
-    ctx = pipeline.PipelineContext(
-        stage=coords.pp,
-        stages=layout.pipeline,
-        ranks=ranks,
-        forward_group=mesh.group("pp") if many else None,
-        backward_group=mesh.pp_backward_group if many else None,
-    )
     seq = config.seq_len // layout.tensor if (tp_ctx and sequence_parallel) else config.seq_len
-    executor = pipeline.PipelineExecutor(
+    executor = build_executor(
         chunks,
-        ctx,
-        schedule=schedule if many else "1f1b",
+        mesh,
+        schedule=schedule,
         micro_batches=micro_batches,
         activation_shape=(micro_batch, seq, config.hidden),
         activation_dtype=named[0][1].dtype,
         wire_dtype=wire_dtype,
-        device=mesh.device,
-        loss_fn=loss.lm_loss,
         recorder=recorder,
         clock=clock,
         grad_sync=grad_reducer.set_sync if grad_reducer else None,
         autocast=autocast,
     )
+    holds_tied = tied_across and coords.pp in (0, layout.pipeline - 1)
     return ParallelModel(
         chunks=chunks,
         named_params=named,
@@ -257,4 +214,128 @@ def parallelize(
         kv_group=kv_group,
         tied_group=tied_group if holds_tied else None,
         tied_copy=tied_across and coords.pp == layout.pipeline - 1,
+    )
+
+
+def apply_tensor_parallel(
+    chunks: list[gpt.GPT],
+    mesh: mesh_mod.Mesh,
+    *,
+    sequence_parallel: bool,
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+    wire_dtype: torch.dtype | None,
+) -> tuple[tensor.TPContext | None, tensor.TPPlan | None, dist.ProcessGroup | None]:
+    """Swap every chunk's linears and embeddings for tensor-parallel ones.
+
+    Returns the context, the plan and the group of ranks sharing this rank's
+    key/value heads (None unless they are replicated); all None without TP.
+    """
+    if mesh.layout.tensor == 1:
+        return None, None, None
+    tp_ctx = tensor.TPContext(
+        group=mesh.group("tp"),
+        rank=mesh.coords.tp,
+        size=mesh.layout.tensor,
+        sequence_parallel=sequence_parallel,
+        recorder=recorder,
+        clock=clock,
+        wire_dtype=wire_dtype,
+    )
+    plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
+    tp_plan = tensor.TPPlan(
+        shards={k: v for p in plans for k, v in p.shards.items()},
+        sequence_partial=[n for p in plans for n in p.sequence_partial],
+        kv_replicas=plans[0].kv_replicas,
+        replica_partial={k: v for p in plans for k, v in p.replica_partial.items()},
+    )
+    replicas = tp_plan.kv_replicas
+    kv_group = kv_replica_group(mesh.layout, replicas) if replicas > 1 else None
+    return tp_ctx, tp_plan, kv_group
+
+
+def apply_data_parallel(
+    chunks: list[gpt.GPT],
+    mesh: mesh_mod.Mesh,
+    *,
+    zero_stage: int,
+    compression: api_parallelism.GradientCompression | None,
+    all_reduce: str,
+    gpus_per_node: int,
+    bucket_mb: float,
+    recorder: recording.StepRecorder,
+    clock: clocks.Clock,
+    wire_dtype: torch.dtype | None,
+) -> reducer.GradReducer | None:
+    """Reduce gradients over the data-parallel group: the gradient reducer of ``zero_stage``,
+    or None without data parallelism or under ZeRO-3 (FSDP2 shards the chunks and reduces)."""
+    layout = mesh.layout
+    if layout.data == 1:
+        return None
+    if zero_stage == 3:
+        zero3.apply_zero3(
+            chunks,
+            mesh.device_mesh["dp"],
+            recorder=recorder,
+            clock=clock,
+            param_dtype=wire_dtype,
+            pipelined=layout.pipeline > 1,
+        )
+        return None
+    # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
+    # compressed when asked (the spec's rules keep compression off ZeRO-2).
+    reducer_cls: Callable[..., reducer.GradReducer] = (
+        zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
+    )
+    if all_reduce == "hierarchical":  # the spec's rules keep it to ZeRO 0/1 without compression
+        intra, inter = mesh.dp_level_groups(gpus_per_node)
+        reducer_cls = functools.partial(
+            hierarchical.HierarchicalGradReducer, intra=intra, inter=inter
+        )
+    if compression is not None and compression.mode != "none":
+        reducer_cls = functools.partial(
+            compression_mod.CompressedGradReducer,
+            mode=compression.mode,
+            rank=compression.rank,
+            topk_ratio=compression.topk_ratio,
+            warm_start=compression.warm_start,
+        )
+    return reducer_cls(
+        [list(chunk.parameters()) for chunk in chunks],
+        group=mesh.group("dp"),
+        group_size=layout.data,
+        bucket_mb=bucket_mb,
+        recorder=recorder,
+        clock=clock,
+    )
+
+
+def build_executor(
+    chunks: list[gpt.GPT],
+    mesh: mesh_mod.Mesh,
+    *,
+    schedule: str,
+    **executor_args: Any,
+) -> pipeline.PipelineExecutor:
+    """The executor of this stage's ``schedule`` (plain gradient accumulation with one stage).
+
+    ``executor_args`` are :class:`~.pipeline.PipelineExecutor`'s (micro-batches,
+    activation shape and dtypes, recorder, clock, gradient sync, autocast).
+    """
+    layout, coords = mesh.layout, mesh.coords
+    many = layout.pipeline > 1
+    ctx = pipeline.PipelineContext(
+        stage=coords.pp,
+        stages=layout.pipeline,
+        ranks=[layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)],
+        forward_group=mesh.group("pp") if many else None,
+        backward_group=mesh.pp_backward_group if many else None,
+    )
+    return pipeline.PipelineExecutor(
+        chunks,
+        ctx,
+        schedule=schedule if many else "1f1b",
+        device=mesh.device,
+        loss_fn=loss.lm_loss,
+        **executor_args,
     )

@@ -17,7 +17,7 @@ action's receive is posted before this action computes
 two separate process groups, so each direction keeps its own FIFO order.
 
 Each forward, backward and blocking wait is reported to the step recorder,
-timed with the engine's clock (:mod:`.clocks`: host time on CPU, GPU time
+timed with the engine's clock (:mod:`meshtrain.trainer.telemetry.clocks`: host time on CPU, GPU time
 on CUDA);
 before each backward the executor tells the gradient reducer whether it is
 the chunk's last one in the step (only then are gradients reduced).

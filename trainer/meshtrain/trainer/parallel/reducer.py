@@ -13,7 +13,7 @@ micro-batch.  One step therefore makes exactly ``len(buckets)`` collectives.
 
 :meth:`GradReducer.finish` waits for them and turns sums into means.  Each
 collective is started and timed through the engine's clock (its ``launch``,
-:mod:`.clocks`: on CUDA from a side stream, so timing its end holds back
+:mod:`meshtrain.trainer.telemetry.clocks`: on CUDA from a side stream, so timing its end holds back
 neither the host nor backward's stream).  The
 collective is one method, :meth:`GradReducer._launch`: a ZeRO-2 reducer
 overrides it with a reduce-scatter of the bucket (each rank keeps its shard)

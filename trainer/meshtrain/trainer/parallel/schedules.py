@@ -2,10 +2,10 @@
 
 :func:`actions` turns (schedule, stages p, virtual stages v,
 micro-batches m, stage s) into the list of :class:`Action` that stage ``s``
-runs, in order; :func:`bubble_ratio` gives the theoretical idle share
-``(p - 1) / (v * m + p - 1)``; :func:`simulate` replays all stages' lists with
-unit-cost forward/backward to check that they can run together (no deadlock,
-dependencies respected).
+runs, in order; :func:`simulate` replays all stages' lists with unit-cost
+forward/backward to check that they can run together (no deadlock,
+dependencies respected) and idle for the theoretical share
+``(p - 1) / (v * m + p - 1)`` (:func:`meshtrain.planner.timing.pipeline_window.bubble_ratio`).
 
 No tensors, no processes: the executor in :mod:`.pipeline` walks these lists
 and does the point-to-point traffic.
@@ -49,11 +49,6 @@ def Forward(microbatch: int, chunk: int = 0) -> Action:  # noqa: N802 - reads li
 def Backward(microbatch: int, chunk: int = 0) -> Action:  # noqa: N802
     """A backward action."""
     return Action("backward", microbatch, chunk)
-
-
-def bubble_ratio(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Theoretical idle share of a stage: (p - 1) / (v * m + p - 1)."""
-    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
 
 
 def virtual_stage(stage: int, chunk: int, stages: int) -> int:

@@ -9,7 +9,7 @@ sequence-parallel position embedding), and
 :class:`~meshtrain.trainer.models.gpt.GPT` for sharded ones.
 
 Every collective goes through :func:`_timed`, which times it with the
-engine's clock (:mod:`.clocks`) and reports it to the
+engine's clock (:mod:`meshtrain.trainer.telemetry.clocks`) and reports it to the
 :class:`~meshtrain.trainer.telemetry.recording.StepRecorder` as group ``tp``:
 that is why meshtrain has its own layers instead of
 ``torch.distributed.tensor.parallel`` (see docs/trainer.md).

@@ -39,8 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.optim import optimizer as optim
-from meshtrain.trainer.parallel import reducer
+from meshtrain.trainer.parallel import clipping, reducer
 from meshtrain.trainer.telemetry import clocks, recording
 
 
@@ -253,7 +252,7 @@ class ZeroAdamW:
     """AdamW whose moments and update are sharded over the data-parallel group (ZeRO stage 1 or 2).
 
     Exposes ``param_groups`` (one dict per weight-decay class, with ``lr``) so
-    :func:`meshtrain.trainer.optim.optimizer.set_lr` works unchanged.
+    :func:`meshtrain.trainer.optim.lr_schedule.set_lr` works unchanged.
     """
 
     def __init__(
@@ -319,15 +318,15 @@ class ZeroAdamW:
         self,
         params: list[torch.nn.Parameter],
         *,
-        counted: list[optim.Counted],
+        counted: list[clipping.Counted],
         max_norm: float,
-        groups: list[tuple[str, dist.ProcessGroup]],
+        groups: list[tuple[recording.Group, dist.ProcessGroup]],
         recorder: recording.StepRecorder | None = None,
         clock: clocks.Clock | None = None,
     ) -> torch.Tensor:
         """Global L2 gradient norm from owned elements (summed over dp, then tp and pp); clip like clip_grad_norm_.
 
-        Same signature as :func:`meshtrain.trainer.optim.optimizer.clip_grad_norm`:
+        Same signature as :func:`meshtrain.trainer.parallel.clipping.clip_grad_norm`:
         ``counted[i]`` says what this rank counts of ``params[i]``
         (tensor-parallel replicas count once).
         """
@@ -346,8 +345,8 @@ class ZeroAdamW:
                     views.append(view)
         device = self.buckets[0].exp_avg.device if self.buckets else torch.device("cpu")
         owned = [self._owned_grad(index) for index in range(len(self.buckets))]
-        return optim.reduce_norm_and_clip(
-            optim.squared_norm(views, device),
+        return clipping.reduce_norm_and_clip(
+            clipping.squared_norm(views, device),
             owned,
             max_norm=max_norm,
             groups=[("dp", self.group), *groups],

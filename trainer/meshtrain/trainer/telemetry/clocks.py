@@ -29,7 +29,7 @@ The compute stream waits for the side stream only where the result is needed
 (:meth:`DeviceLaunch.wait`, from ``GradReducer.finish``).
 
 A bucket exchange that is a chain of dependent collectives and computations
-(hierarchical all-reduce, compressed exchanges: :mod:`.exchanges`) runs on a
+(hierarchical all-reduce, compressed exchanges: :mod:`meshtrain.trainer.parallel.exchanges`) runs on a
 background thread on the host and inline in the reducer's hook on CUDA.
 ``mark_ready`` notes, on the issuing thread, the point where the bucket's
 gradients are final; ``exchange_stream(mark)`` is the context the chain runs

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from meshtrain.api import layout as layout_mod
-from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import recording, stepstats
 
 JOB_ENV = "MESHTRAIN_JOB_NAME"
@@ -134,7 +134,7 @@ class Sink(Protocol):
         """After step ``step``: its validation loss (None: not evaluated), why its update was skipped ('')
         and the gradient noise scale (None: not measured)."""
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The straggler detector's verdict after a step (the same on every rank)."""
 
     def close(self) -> None:

@@ -18,18 +18,19 @@ scrape target's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from http import server
-from typing import Any, TypedDict
+from typing import Any, Literal
 
 import prometheus_client
 from prometheus_client import exposition
 
-from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import context, recording, stepstats
 from meshtrain.trainer.telemetry import progress as progress_mod
 
@@ -87,182 +88,285 @@ COMM_BUCKETS = (
 """Collective and exposed-communication durations: 100 us to 10 s."""
 
 
-class _FamilyArgs(TypedDict):
-    registry: prometheus_client.CollectorRegistry
-    labelnames: Sequence[str]
+Kind = Literal["counter", "gauge", "histogram"]
+"""The Prometheus metric types a rank exports (their ``# TYPE`` names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+    """One metric family of a rank, as :class:`Metrics` registers it."""
+
+    attribute: str
+    """The :class:`Metrics` attribute that holds it."""
+    kind: Kind
+    """Counter, gauge or histogram."""
+    name: str
+    """Prometheus name (a counter's without its ``_total``)."""
+    help: str
+    """The HELP text."""
+    labels: tuple[str, ...] = ()
+    """Labels after the rank's :data:`LABELS`."""
+    buckets: tuple[float, ...] = ()
+    """A histogram's bucket bounds."""
+    lazy: bool = False
+    """No series until first set (rather than a false 0 before it): the attribute holds the family."""
+
+    @property
+    def series_now(self) -> bool:
+        """The attribute holds the rank's series, made at once (no extra labels, not lazy)."""
+        return not self.labels and not self.lazy
+
+
+COMM = ("group", "op")
+"""Labels of a collective's metrics after the rank's."""
+
+DECLARATIONS: tuple[Declaration, ...] = (
+    Declaration(
+        "tokens",
+        "counter",
+        "meshtrain_tokens",
+        "Tokens of the global batches trained (job-wide, as seen by this rank).",
+    ),
+    Declaration(
+        "tokens_per_second",
+        "gauge",
+        "meshtrain_tokens_per_second",
+        "Job throughput in tokens/s over the last step.",
+    ),
+    Declaration(
+        "step_seconds",
+        "histogram",
+        "meshtrain_step_seconds",
+        "Wall time of an optimizer step.",
+        buckets=STEP_BUCKETS,
+    ),
+    Declaration(
+        "compute_seconds",
+        "histogram",
+        "meshtrain_compute_seconds",
+        "Forward+backward compute time of this rank in a step (straggler signal).",
+        buckets=STEP_BUCKETS,
+    ),
+    Declaration("step", "gauge", "meshtrain_step", "Last completed optimizer step."),
+    Declaration(
+        "last_step_time",
+        "gauge",
+        "meshtrain_last_step_timestamp_seconds",
+        "Unix time the last step completed; the start of training before the first.",
+    ),
+    Declaration("loss", "gauge", "meshtrain_loss", "Mean training loss of the last step."),
+    Declaration(
+        "learning_rate",
+        "gauge",
+        "meshtrain_learning_rate",
+        "Learning rate of the last step (schedule with training.lrScaling applied).",
+    ),
+    Declaration(  # labelled at the first evaluation
+        "eval_loss",
+        "gauge",
+        "meshtrain_eval_loss",
+        "Validation loss of the last evaluation (training.eval).",
+        lazy=True,
+    ),
+    Declaration(
+        "skipped_updates",
+        "counter",
+        "meshtrain_skipped_updates",
+        "Optimizer updates the loss guard skipped (non-finite or spiking loss or gradient norm).",
+    ),
+    Declaration(  # labelled at the first judged step: no series for a job without peers or detection
+        "slowdown",
+        "gauge",
+        "meshtrain_rank_slowdown_ratio",
+        "Compute time of this rank over its data-parallel peers' median, median over the "
+        "runPolicy.stragglerPolicy window (1 = as fast as its peers).",
+        labels=("node",),
+    ),
+    Declaration(
+        "straggler",
+        "gauge",
+        "meshtrain_rank_straggler",
+        "1 while the trainer flags this rank as a straggler (slowdown above the policy threshold for the window), else 0.",
+        labels=("node",),
+    ),
+    Declaration(
+        "mfu",
+        "gauge",
+        "meshtrain_model_flops_utilization_ratio",
+        "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
+    ),
+    Declaration(
+        "peak_flops",
+        "gauge",
+        "meshtrain_device_peak_flops_per_second",
+        "Peak FLOP/s per device used as the MFU denominator.",
+    ),
+    Declaration(
+        "bubble",
+        "gauge",
+        "meshtrain_pipeline_bubble_ratio",
+        "Measured share of the last step's pipeline window this stage spent neither computing nor in exposed communication.",
+    ),
+    Declaration(
+        "bubble_theory",
+        "gauge",
+        "meshtrain_pipeline_bubble_ratio_theoretical",
+        "(p-1)/(v*m+p-1) for this job's schedule.",
+    ),
+    Declaration(
+        "wait",
+        "counter",
+        "meshtrain_pipeline_wait_seconds",
+        "Time blocked on pipeline sends and receives.",
+    ),
+    Declaration(
+        "exposed",
+        "histogram",
+        "meshtrain_exposed_comm_seconds",
+        "Gradient reduction time not hidden behind backward compute, per step.",
+        buckets=(0.0, *COMM_BUCKETS),
+    ),
+    Declaration(
+        "allreduce_seconds",
+        "histogram",
+        "meshtrain_allreduce_seconds",
+        "Duration of one collective call (one gradient bucket for dp); level: flat, or intra / inter"
+        " node for the stages of parallelism.allReduce hierarchical.",
+        labels=(*COMM, "level"),
+        buckets=COMM_BUCKETS,
+    ),
+    Declaration(
+        "allreduce_bytes",
+        "counter",
+        "meshtrain_allreduce_bytes",
+        "Payload bytes of collectives.",
+        labels=COMM,
+    ),
+    Declaration(
+        "bus_bandwidth",
+        "gauge",
+        "meshtrain_collective_bus_bandwidth_bytes_per_second",
+        "Bus bandwidth of the last step's collectives (nccl-tests convention).",
+        labels=COMM,
+    ),
+    Declaration(
+        "compression_ratio",
+        "gauge",
+        "meshtrain_gradient_compression_ratio",
+        "Data-parallel gradient bytes before compression over bytes sent, last step (1: uncompressed).",
+    ),
+    Declaration(
+        "gradient_bytes",
+        "counter",
+        "meshtrain_gradient_reduction_bytes",
+        "Payload bytes of the data-parallel gradient reduction: stage=uncompressed (a plain fp32"
+        " all-reduce's) or sent (after parallelism.gradientCompression).",
+        labels=("stage",),
+    ),
+    Declaration(
+        "memory",
+        "gauge",
+        "meshtrain_memory_bytes",
+        "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.",
+        labels=("component",),
+    ),
+    Declaration(
+        "memory_peak",
+        "gauge",
+        "meshtrain_memory_peak_bytes",
+        "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.",
+    ),
+    Declaration(
+        "training_steps",
+        "gauge",
+        "meshtrain_training_steps",
+        "training.steps: the step the job ends at.",
+    ),
+    Declaration(
+        "global_batch",
+        "gauge",
+        "meshtrain_global_batch_sequences",
+        "Sequences per optimizer step (microBatch x microBatches x data).",
+    ),
+    Declaration(
+        "noise_scale",
+        "gauge",
+        "meshtrain_gradient_noise_scale",
+        "Gradient noise scale in sequences (McCandlish et al. 2018, from the replicas' own and the"
+        " all-reduced gradient norms; needs data >= 2, ZeRO 0 or 1, no sequence parallelism).",
+    ),
+    Declaration(
+        "checkpoint_interval",
+        "gauge",
+        "meshtrain_checkpoint_interval_steps",
+        "checkpoint.intervalSteps (0: saved only at the end).",
+    ),
+    Declaration(
+        "checkpoint_step",
+        "gauge",
+        "meshtrain_checkpoint_last_step",
+        "Step of the newest complete checkpoint.",
+    ),
+    Declaration(
+        "checkpoint_time",
+        "gauge",
+        "meshtrain_checkpoint_last_timestamp_seconds",
+        "Unix time the newest complete checkpoint was saved or resumed from; the start of"
+        " training before the first.",
+    ),
+)
+"""Every metric family of a rank, in the order of the scrape."""
 
 
 class Metrics:
-    """The metric families of one rank, in a private registry."""
+    """The metric families of one rank, in a private registry: one attribute per :data:`DECLARATIONS` row.
+
+    A row's attribute holds the rank's series (labelled at once), or the
+    family where the row has labels of its own or is lazy.
+    """
+
+    tokens: prometheus_client.Counter
+    tokens_per_second: prometheus_client.Gauge
+    step_seconds: prometheus_client.Histogram
+    compute_seconds: prometheus_client.Histogram
+    step: prometheus_client.Gauge
+    last_step_time: prometheus_client.Gauge
+    loss: prometheus_client.Gauge
+    learning_rate: prometheus_client.Gauge
+    eval_loss: prometheus_client.Gauge
+    skipped_updates: prometheus_client.Counter
+    slowdown: prometheus_client.Gauge
+    straggler: prometheus_client.Gauge
+    mfu: prometheus_client.Gauge
+    peak_flops: prometheus_client.Gauge
+    bubble: prometheus_client.Gauge
+    bubble_theory: prometheus_client.Gauge
+    wait: prometheus_client.Counter
+    exposed: prometheus_client.Histogram
+    allreduce_seconds: prometheus_client.Histogram
+    allreduce_bytes: prometheus_client.Counter
+    bus_bandwidth: prometheus_client.Gauge
+    compression_ratio: prometheus_client.Gauge
+    gradient_bytes: prometheus_client.Counter
+    memory: prometheus_client.Gauge
+    memory_peak: prometheus_client.Gauge
+    training_steps: prometheus_client.Gauge
+    global_batch: prometheus_client.Gauge
+    noise_scale: prometheus_client.Gauge
+    checkpoint_interval: prometheus_client.Gauge
+    checkpoint_step: prometheus_client.Gauge
+    checkpoint_time: prometheus_client.Gauge
 
     def __init__(self, identity: context.RankIdentity) -> None:
         prometheus_client.disable_created_metrics()  # *_created series only add noise to every counter
         self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
         """Registry served by this rank (not the process-global default)."""
-        base = identity.labels()
-        self.base = base
+        self.base = identity.labels()
         """Labels of this rank."""
-        reg: _FamilyArgs = {"registry": self.registry, "labelnames": LABELS}
-        comm = (*LABELS, "group", "op")
-        self.tokens = prometheus_client.Counter(
-            "meshtrain_tokens",
-            "Tokens of the global batches trained (job-wide, as seen by this rank).",
-            **reg,
-        ).labels(**base)
-        self.tokens_per_second = prometheus_client.Gauge(
-            "meshtrain_tokens_per_second", "Job throughput in tokens/s over the last step.", **reg
-        ).labels(**base)
-        self.step_seconds = prometheus_client.Histogram(
-            "meshtrain_step_seconds", "Wall time of an optimizer step.", buckets=STEP_BUCKETS, **reg
-        ).labels(**base)
-        self.compute_seconds = prometheus_client.Histogram(
-            "meshtrain_compute_seconds",
-            "Forward+backward compute time of this rank in a step (straggler signal).",
-            buckets=STEP_BUCKETS,
-            **reg,
-        ).labels(**base)
-        self.step = prometheus_client.Gauge(
-            "meshtrain_step", "Last completed optimizer step.", **reg
-        ).labels(**base)
-        self.last_step_time = prometheus_client.Gauge(
-            "meshtrain_last_step_timestamp_seconds",
-            "Unix time the last step completed; the start of training before the first.",
-            **reg,
-        ).labels(**base)
-        self.loss = prometheus_client.Gauge(
-            "meshtrain_loss", "Mean training loss of the last step.", **reg
-        ).labels(**base)
-        self.learning_rate = prometheus_client.Gauge(
-            "meshtrain_learning_rate",
-            "Learning rate of the last step (schedule with training.lrScaling applied).",
-            **reg,
-        ).labels(**base)
-        self.eval_loss = prometheus_client.Gauge(
-            "meshtrain_eval_loss", "Validation loss of the last evaluation (training.eval).", **reg
-        )
-        """Labelled at the first evaluation: no series (rather than a false 0) before it."""
-        self.skipped_updates = prometheus_client.Counter(
-            "meshtrain_skipped_updates",
-            "Optimizer updates the loss guard skipped (non-finite or spiking loss or gradient norm).",
-            **reg,
-        ).labels(**base)
-        straggler: _FamilyArgs = {"registry": self.registry, "labelnames": (*LABELS, "node")}
-        self.slowdown = prometheus_client.Gauge(
-            "meshtrain_rank_slowdown_ratio",
-            "Compute time of this rank over its data-parallel peers' median, median over the "
-            "runPolicy.stragglerPolicy window (1 = as fast as its peers).",
-            **straggler,
-        )
-        """Labelled at the first judged step: no series for a job without peers or detection."""
-        self.straggler = prometheus_client.Gauge(
-            "meshtrain_rank_straggler",
-            "1 while the trainer flags this rank as a straggler (slowdown above the policy threshold for the window), else 0.",
-            **straggler,
-        )
-        self.mfu = prometheus_client.Gauge(
-            "meshtrain_model_flops_utilization_ratio",
-            "Model FLOPs of the last step over world size x peak FLOP/s x step seconds.",
-            **reg,
-        ).labels(**base)
-        self.peak_flops = prometheus_client.Gauge(
-            "meshtrain_device_peak_flops_per_second",
-            "Peak FLOP/s per device used as the MFU denominator.",
-            **reg,
-        ).labels(**base)
-        self.bubble = prometheus_client.Gauge(
-            "meshtrain_pipeline_bubble_ratio",
-            "Measured share of the last step's pipeline window this stage spent neither computing nor in exposed communication.",
-            **reg,
-        ).labels(**base)
-        self.bubble_theory = prometheus_client.Gauge(
-            "meshtrain_pipeline_bubble_ratio_theoretical",
-            "(p-1)/(v*m+p-1) for this job's schedule.",
-            **reg,
-        ).labels(**base)
-        self.wait = prometheus_client.Counter(
-            "meshtrain_pipeline_wait_seconds", "Time blocked on pipeline sends and receives.", **reg
-        ).labels(**base)
-        self.exposed = prometheus_client.Histogram(
-            "meshtrain_exposed_comm_seconds",
-            "Gradient reduction time not hidden behind backward compute, per step.",
-            buckets=(0.0, *COMM_BUCKETS),
-            **reg,
-        ).labels(**base)
-        self.allreduce_seconds = prometheus_client.Histogram(
-            "meshtrain_allreduce_seconds",
-            "Duration of one collective call (one gradient bucket for dp); level: flat, or intra / inter"
-            " node for the stages of parallelism.allReduce hierarchical.",
-            buckets=COMM_BUCKETS,
-            registry=self.registry,
-            labelnames=(*comm, "level"),
-        )
-        self.allreduce_bytes = prometheus_client.Counter(
-            "meshtrain_allreduce_bytes",
-            "Payload bytes of collectives.",
-            registry=self.registry,
-            labelnames=comm,
-        )
-        self.bus_bandwidth = prometheus_client.Gauge(
-            "meshtrain_collective_bus_bandwidth_bytes_per_second",
-            "Bus bandwidth of the last step's collectives (nccl-tests convention).",
-            registry=self.registry,
-            labelnames=comm,
-        )
-        self.compression_ratio = prometheus_client.Gauge(
-            "meshtrain_gradient_compression_ratio",
-            "Data-parallel gradient bytes before compression over bytes sent, last step (1: uncompressed).",
-            **reg,
-        ).labels(**base)
-        self.gradient_bytes = prometheus_client.Counter(
-            "meshtrain_gradient_reduction_bytes",
-            "Payload bytes of the data-parallel gradient reduction: stage=uncompressed (a plain fp32"
-            " all-reduce's) or sent (after parallelism.gradientCompression).",
-            registry=self.registry,
-            labelnames=(*LABELS, "stage"),
-        )
-        self.memory = prometheus_client.Gauge(
-            "meshtrain_memory_bytes",
-            "Bytes of training state held by this rank, by component: parameters, gradients, optimizer.",
-            registry=self.registry,
-            labelnames=(*LABELS, "component"),
-        )
-        self.memory_peak = prometheus_client.Gauge(
-            "meshtrain_memory_peak_bytes",
-            "Peak memory of this rank: CUDA max_memory_allocated on a GPU, the process' peak resident set on CPU.",
-            **reg,
-        ).labels(**base)
-        self.training_steps = self._gauge(
-            "meshtrain_training_steps", "training.steps: the step the job ends at."
-        )
-        self.global_batch = self._gauge(
-            "meshtrain_global_batch_sequences",
-            "Sequences per optimizer step (microBatch x microBatches x data).",
-        )
-        self.noise_scale = self._gauge(
-            "meshtrain_gradient_noise_scale",
-            "Gradient noise scale in sequences (McCandlish et al. 2018, from the replicas' own and the"
-            " all-reduced gradient norms; needs data >= 2, ZeRO 0 or 1, no sequence parallelism).",
-        )
-        self.checkpoint_interval = self._gauge(
-            "meshtrain_checkpoint_interval_steps",
-            "checkpoint.intervalSteps (0: saved only at the end).",
-        )
-        self.checkpoint_step = self._gauge(
-            "meshtrain_checkpoint_last_step", "Step of the newest complete checkpoint."
-        )
-        self.checkpoint_time = self._gauge(
-            "meshtrain_checkpoint_last_timestamp_seconds",
-            "Unix time the newest complete checkpoint was saved or resumed from; the start of"
-            " training before the first.",
-        )
+        for row in DECLARATIONS:
+            family = _register(row, self.registry)
+            setattr(self, row.attribute, family.labels(**self.base) if row.series_now else family)
         self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-
-    def _gauge(self, name: str, documentation: str) -> Any:
-        """A gauge of this rank (its child with the rank's labels)."""
-        family = prometheus_client.Gauge(
-            name, documentation, registry=self.registry, labelnames=LABELS
-        )
-        return family.labels(**self.base)
 
     def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
         """(seconds histogram, bytes counter, bus-bandwidth gauge) children of (group, op)."""
@@ -275,6 +379,19 @@ class Metrics:
                 self.bus_bandwidth.labels(**labels),
             )
         return self._comm_children[key]
+
+
+def _register(
+    row: Declaration, registry: prometheus_client.CollectorRegistry
+) -> prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram:
+    """The family of ``row``, registered in ``registry``."""
+    labelnames = (*LABELS, *row.labels)
+    if row.kind == "histogram":
+        return prometheus_client.Histogram(
+            row.name, row.help, labelnames, registry=registry, buckets=row.buckets
+        )
+    kind = prometheus_client.Counter if row.kind == "counter" else prometheus_client.Gauge
+    return kind(row.name, row.help, labelnames, registry=registry)
 
 
 class _Server(server.ThreadingHTTPServer):
@@ -423,7 +540,7 @@ class Exporter:
         if skipped:
             self.metrics.skipped_updates.inc()
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         rank = self.identity.rank
         value = verdict.slowdowns[rank]
         if value is None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.api import exitcodes
-from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import context, recording, stepstats
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class Progress:
             fields["gradient_noise_scale"] = noise_scale
         self.update(**fields)
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """Every flagged rank as ``{rank, slowdown, since_step}``, slowest first (``stragglers``),
         and the slowest alone (``straggler``, None when none is flagged)."""
         flagged = [

@@ -1,8 +1,8 @@
 """The trainer's telemetry recorder: the engine's :class:`StepRecorder`, made useful.
 
 :class:`TelemetryRecorder` collects one rank's timing events of a
-step (the engine calls it around every micro-batch, wait and collective),
-summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
+step like every recorder (:class:`.recording.EventCollector`; the engine
+calls it around every micro-batch, wait and collective), summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
 the summary to its sinks: the Prometheus exporter (:mod:`.exporter`) and the
 step log and event trace (:mod:`.trace`).  :func:`make_recorder` builds the
 whole thing from a spec, the layout and a rank: the trainer's single point of
@@ -17,15 +17,14 @@ once per step in ``step_end``.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from meshtrain.api import layout as layout_mod
-from meshtrain.trainer.guards import stragglers as slowdown
-from meshtrain.trainer.models import gpt as model_mod
+from meshtrain.trainer.guards import stragglers
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.telemetry import (
     context,
@@ -33,7 +32,6 @@ from meshtrain.trainer.telemetry import (
     peak,
     progress,
     recording,
-    state_bytes,
     stepstats,
     trace,
 )
@@ -42,8 +40,12 @@ KEEP_STEPS = 100
 """Step records kept in :attr:`TelemetryRecorder.steps`."""
 
 
-class TelemetryRecorder:
-    """A :class:`~meshtrain.trainer.telemetry.recording.StepRecorder` that reports each step."""
+class TelemetryRecorder(recording.EventCollector):
+    """A :class:`~meshtrain.trainer.telemetry.recording.StepRecorder` that reports each step.
+
+    Collects a step's events as every recorder does (:class:`~.recording.EventCollector`);
+    ``step_end`` summarises them and hands the summary to the sinks.
+    """
 
     def __init__(
         self,
@@ -52,6 +54,7 @@ class TelemetryRecorder:
         sinks: Sequence[context.Sink],
         device: Any = None,
     ) -> None:
+        super().__init__(started=time.perf_counter())
         self.identity = identity
         """Labels of this rank."""
         self.facts = facts
@@ -66,68 +69,27 @@ class TelemetryRecorder:
         """Summary of the last finished step."""
         self.steps: list[dict[str, float | int]] = []
         """steps.jsonl records of the recent steps (newest last, at most ``KEEP_STEPS``)."""
-        self._lock = threading.Lock()
-        self._events: list[recording.Event] = []
-        self._start = time.perf_counter()
-        self._watched: tuple[Any, Any, Any] | None = None
+        self._measure: Callable[[], Mapping[str, int]] | None = None
+        self._payload: Callable[[], tuple[int, int]] | None = None
 
-    def watch(self, model: Any, optimizer: Any, grad_reducer: Any) -> None:
-        """Measure this rank's training state at every step (:func:`meshtrain.trainer.telemetry.state_bytes.measure`).
-
-        ``model`` is the rank's ParallelModel (or a module, or a list of
-        parameters), ``grad_reducer`` the data-parallel reducer or None.
-        """
-        self._watched = (model, optimizer, grad_reducer)
-
-    # -- StepRecorder --------------------------------------------------------
-
-    def step_start(self, step: int, start: float) -> None:
-        with self._lock:
-            self._events = []
-            self._start = start
-
-    def compute(
-        self, kind: recording.ComputeKind, microbatch: int, chunk: int, start: float, end: float
-    ) -> None:
-        with self._lock:
-            self._events.append(
-                recording.Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk)
-            )
-
-    def wait(self, kind: recording.WaitKind, start: float, end: float) -> None:
-        with self._lock:
-            self._events.append(recording.Event("wait", kind, start, end))
-
-    def collective(
+    def watch(
         self,
-        group: recording.Group,
-        op: str,
-        nbytes: int,
-        start: float,
-        end: float,
-        bucket: int | None = None,
-        level: recording.Level = "flat",
-        cpu_seconds: float | None = None,
+        measure: Callable[[], Mapping[str, int]],
+        payload: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
-        with self._lock:
-            self._events.append(
-                recording.Event(
-                    "collective",
-                    op,
-                    start,
-                    end,
-                    group=group,
-                    nbytes=nbytes,
-                    bucket=bucket,
-                    level=level,
-                    cpu_seconds=cpu_seconds,
-                )
-            )
+        """Measure this rank's training state at every step.
+
+        ``measure`` returns the bytes held now by component (parameters,
+        gradients, optimizer): :func:`meshtrain.trainer.parallel.state_bytes.meter`.
+        ``payload`` is the data-parallel reducer's ``payload_bytes`` (None without one).
+        """
+        self._measure = measure
+        self._payload = payload
+
+    # -- StepRecorder: step_start and the events are the collector's ---------
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
-        with self._lock:
-            events, start = self._events, self._start
-            self._events = []
+        events, start = self.take()
         stats = stepstats.summarise(
             events,
             self.facts,
@@ -137,9 +99,8 @@ class TelemetryRecorder:
             seconds=seconds,
             start=start,
         )
-        grad_reducer = self._watched[2] if self._watched is not None else None
-        if grad_reducer is not None:
-            uncompressed, sent = grad_reducer.payload_bytes()
+        if self._payload is not None:
+            uncompressed, sent = self._payload()
             stats = dataclasses.replace(
                 stats, dp_uncompressed_bytes=uncompressed, dp_sent_bytes=sent
             )
@@ -177,17 +138,17 @@ class TelemetryRecorder:
         for sink in self.sinks:
             sink.health(step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale)
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The straggler detector's verdict, to every sink."""
         for sink in self.sinks:
-            sink.stragglers(verdict)
+            sink.straggler_verdict(verdict)
 
     def memory(self) -> context.MemorySample:
         """Bytes of the watched training state now (each storage once), and the peak."""
         peak_bytes = peak.peak_memory_bytes(self.device)
-        if self._watched is None:
+        if self._measure is None:
             return context.MemorySample(peak_allocated=peak_bytes)
-        state = state_bytes.measure(*self._watched).as_metrics()
+        state = self._measure()
         return context.MemorySample(
             peak_allocated=peak_bytes,
             parameters=state["parameters"],
@@ -206,7 +167,7 @@ def job_facts(
 ) -> stepstats.JobFacts:
     """The :class:`~.stepstats.JobFacts` of a spec."""
     par = spec.parallelism
-    config = model_mod.GPTConfig.from_shape(spec.model.shape())
+    config = gpt.GPTConfig.from_shape(spec.model.shape())
     peak_lr, min_lr = spec.training.learning_rates(par)
     return stepstats.JobFacts(
         stages=layout.pipeline,
@@ -214,7 +175,7 @@ def job_facts(
         virtual_stages=par.virtual_stages,
         world_size=layout.world_size,
         group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
-        flops_per_token=model_mod.flops_per_token(config),
+        flops_per_token=gpt.flops_per_token(config),
         peak_flops=peak_flops,
         training_steps=spec.training.steps,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,

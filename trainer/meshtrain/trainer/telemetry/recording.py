@@ -3,9 +3,10 @@
 The :class:`StepRecorder` protocol the engine calls around every
 micro-batch forward/backward, every pipeline wait, every collective and at
 the end of each optimizer step; a no-op :class:`NullRecorder`;
-:class:`MemoryRecorder`, which keeps the events in lists (tests, summaries);
-and :class:`DeferredRecorder`, which holds a step's GPU events until they
-can be read.
+:class:`EventCollector`, the one way a recorder collects a step's events
+(under a lock); :class:`MemoryRecorder`, a collector that keeps them and
+sums them up (tests, benchmarks); and :class:`DeferredRecorder`, which holds
+a step's GPU events until they can be read.
 
 Times, as every recorder receives them, are seconds on this process'
 ``time.perf_counter()`` timeline; what they measure depends on the device
@@ -22,8 +23,8 @@ Times, as every recorder receives them, are seconds on this process'
   time on both.
 
 Not an exporter.  Prometheus metrics, the step log and the
-timeline live in :mod:`meshtrain.trainer.telemetry`, which implements this
-protocol (or wraps :class:`MemoryRecorder`).  Calls may come from a
+timeline live in :mod:`meshtrain.trainer.telemetry`, whose recorder
+(:mod:`.recorder`) is an :class:`EventCollector` too.  Calls may come from a
 communication or autograd thread (collective completion, gradient hooks), so
 implementations must be cheap and thread-safe (appending to a list is).
 """
@@ -163,16 +164,19 @@ class Event:
     """CPU seconds the process spent over a blocking collective (host clock only; None: not measured)."""
 
 
-class MemoryRecorder:
-    """Keeps every event of the current step in memory; summarises a step."""
+class EventCollector:
+    """Collects the events of the current step, under a lock: the one way a recorder here keeps them.
 
-    def __init__(self) -> None:
+    :class:`MemoryRecorder` and the telemetry's ``TelemetryRecorder`` are
+    collectors that do different things at ``step_end``.
+    """
+
+    def __init__(self, started: float = 0.0) -> None:
         self._lock = threading.Lock()
         self.events: list[Event] = []
         """Events since the last ``step_start``."""
-        self.steps: list[dict[str, float]] = []
-        """One summary per finished step (see :meth:`summary`)."""
-        self.step_started = 0.0
+        self.step_started = started
+        """``step_start``'s time of the current step."""
 
     def step_start(self, step: int, start: float) -> None:
         with self._lock:
@@ -182,14 +186,10 @@ class MemoryRecorder:
     def compute(
         self, kind: ComputeKind, microbatch: int, chunk: int, start: float, end: float
     ) -> None:
-        with self._lock:
-            self.events.append(
-                Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk)
-            )
+        self._add(Event("compute", kind, start, end, microbatch=microbatch, chunk=chunk))
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
-        with self._lock:
-            self.events.append(Event("wait", kind, start, end))
+        self._add(Event("wait", kind, start, end))
 
     def collective(
         self,
@@ -202,20 +202,43 @@ class MemoryRecorder:
         level: Level = "flat",
         cpu_seconds: float | None = None,
     ) -> None:
-        with self._lock:
-            self.events.append(
-                Event(
-                    "collective",
-                    op,
-                    start,
-                    end,
-                    group=group,
-                    nbytes=nbytes,
-                    bucket=bucket,
-                    level=level,
-                    cpu_seconds=cpu_seconds,
-                )
+        self._add(
+            Event(
+                "collective",
+                op,
+                start,
+                end,
+                group=group,
+                nbytes=nbytes,
+                bucket=bucket,
+                level=level,
+                cpu_seconds=cpu_seconds,
             )
+        )
+
+    def _add(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def snapshot(self) -> list[Event]:
+        """A copy of the current step's events."""
+        with self._lock:
+            return list(self.events)
+
+    def take(self) -> tuple[list[Event], float]:
+        """The current step's events and start, leaving no events behind."""
+        with self._lock:
+            events, self.events = self.events, []
+            return events, self.step_started
+
+
+class MemoryRecorder(EventCollector):
+    """Keeps every event of the current step in memory; summarises a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[dict[str, float]] = []
+        """One summary per finished step (see :meth:`summary`)."""
 
     def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         summary = self.summary()
@@ -225,15 +248,13 @@ class MemoryRecorder:
 
     def count(self, what: str, group: str | None = None) -> int:
         """Events of one sort in the current step (e.g. ``count('collective', 'dp')``)."""
-        with self._lock:
-            return sum(
-                1 for e in self.events if e.what == what and (group is None or e.group == group)
-            )
+        return sum(
+            1 for e in self.snapshot() if e.what == what and (group is None or e.group == group)
+        )
 
     def summary(self) -> dict[str, float]:
         """Per-step totals: compute, wait and collective seconds and bytes per group."""
-        with self._lock:
-            events = list(self.events)
+        events = self.snapshot()
         out: dict[str, float] = {"compute_seconds": 0.0, "wait_seconds": 0.0}
         for e in events:
             if e.what == "compute":

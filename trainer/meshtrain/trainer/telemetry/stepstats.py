@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from meshtrain.trainer.optim import batch_change, optimizer
-from meshtrain.trainer.parallel import schedules
+from meshtrain.planner.timing import pipeline_window as planned_window
+from meshtrain.trainer.optim import batch_change, lr_schedule
 from meshtrain.trainer.telemetry import recording
 
 ALL_REDUCE_OPS = frozenset({"all_reduce", "allreduce"})
@@ -79,7 +79,7 @@ class JobFacts:
 
     def learning_rate(self, step: int) -> float:
         """The learning rate the optimizer used at ``step`` (the engine's schedule)."""
-        return optimizer.lr_at(
+        return lr_schedule.lr_at(
             step,
             peak=self.peak_learning_rate,
             minimum=self.min_learning_rate,
@@ -90,7 +90,7 @@ class JobFacts:
     @property
     def bubble_theoretical(self) -> float:
         """(p - 1) / (v * m + p - 1)."""
-        return schedules.bubble_ratio(self.stages, self.micro_batches, self.virtual_stages)
+        return planned_window.bubble_ratio(self.stages, self.micro_batches, self.virtual_stages)
 
 
 @dataclasses.dataclass(frozen=True)

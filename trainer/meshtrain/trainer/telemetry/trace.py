@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from meshtrain.trainer.guards import stragglers as slowdown
+from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import context, recording, steplog, stepstats
 
 TRACE_DIR = "trace"
@@ -140,7 +140,7 @@ class TraceLog:
     ) -> None:
         """The worker's steps.jsonl record carries eval_loss and skipped (trainer/meshtrain/trainer/telemetry/steplog.py)."""
 
-    def stragglers(self, verdict: slowdown.Verdict) -> None:
+    def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The exporter and /progress carry the verdict."""
 
     def close(self) -> None:

@@ -1,63 +1,25 @@
-"""Optimizer pieces: AdamW groups, the learning-rate schedule, global-norm clipping.
+"""Global-norm gradient clipping over a model spread across ranks.
 
-:func:`build_adamw` (``torch.optim.AdamW``; no weight decay on
-1-D parameters such as norms), :func:`lr_at` (linear warmup, then cosine
-decay to the minimum), and :func:`clip_grad_norm`, which computes the true
-norm of the whole model's gradient when it is spread over tensor- and
-pipeline-parallel ranks: every shard counts once, a parameter replicated
-across the tensor-parallel group (norms, position table) counts only on
-tensor rank 0, and data-parallel replicas (identical after the reduction)
-are not summed.  Scaling uses ``torch.nn.utils.clip_grad_norm_``'s rule so a
-single device gives the same result.
-
-ZeRO sharding of the Adam state is :mod:`.parallel.zero`; it changes only
-which gradient elements a rank counts.
+:func:`clip_grad_norm` computes the true norm of the whole model's gradient
+when it is spread over tensor- and pipeline-parallel ranks: every shard
+counts once, a parameter replicated across the tensor-parallel group (norms,
+position table) counts only on tensor rank 0, and data-parallel replicas
+(identical after the reduction) are not summed.  Scaling uses
+``torch.nn.utils.clip_grad_norm_``'s rule so a single device gives the same
+result.  ZeRO-1/2 (:class:`.zero.ZeroAdamW`) counts only its owned elements
+with the same :func:`squared_norm` and :func:`reduce_norm_and_clip`; ZeRO-3
+counts each rank's rows (:mod:`.zero3`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.trainer.parallel import zero3
 from meshtrain.trainer.telemetry import clocks, recording
-
-
-def build_adamw(
-    named_params: list[tuple[str, torch.nn.Parameter]],
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only; beta2 0.95 as in GPT-3 (steadier for large batches)."""
-    decay = [p for _, p in named_params if p.dim() >= 2]
-    no_decay = [p for _, p in named_params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    fused = bool(decay) and decay[0].is_cuda  # one kernel for all tensors on GPU
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
-
-
-def lr_at(step: int, *, peak: float, minimum: float, warmup: int, total: int) -> float:
-    """Learning rate of optimizer step ``step`` (1-based): warmup to ``peak``, cosine to ``minimum``."""
-    if warmup and step <= warmup:
-        return peak * step / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return minimum + 0.5 * (peak - minimum) * (1.0 + math.cos(math.pi * progress))
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every group's learning rate."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
 
 Counted = bool | tuple[int, int]
 """What a rank counts of a parameter in the global norm: all, nothing, or a flat range of it."""
@@ -90,7 +52,7 @@ def clip_grad_norm(
     *,
     counted: list[Counted],
     max_norm: float,
-    groups: list[tuple[str, dist.ProcessGroup]],
+    groups: list[tuple[recording.Group, dist.ProcessGroup]],
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
 ) -> torch.Tensor:
@@ -137,7 +99,7 @@ def reduce_norm_and_clip(
     grads: list[torch.Tensor],
     *,
     max_norm: float,
-    groups: list[tuple[str, dist.ProcessGroup]],
+    groups: list[tuple[recording.Group, dist.ProcessGroup]],
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
 ) -> torch.Tensor:

@@ -5,8 +5,10 @@
 the optimizer's state) and adds up their storage, each storage counted once,
 and :class:`MemoryReport`, which sets the result beside the ZeRO paper's
 per-parameter formula for the layout (:func:`meshtrain.trainer.parallel.zero.expected_bytes_per_param`).
-The trainer logs the report at start and the telemetry recorder measures it
-at every step for the exporter (``as_metrics``: ``meshtrain_memory_bytes{component}``).
+The trainer logs the report at start, and :func:`meter` hands the telemetry
+recorder a measurement to take at every step for the exporter (``as_metrics``:
+``meshtrain_memory_bytes{component}``).  It lives with parallelism because
+what a rank holds is what the sharding (ZeRO stages, FSDP2) leaves it.
 
 Measured, not computed: a lazily created tensor (``torch.optim.AdamW``'s
 moments before the first step, ``.grad`` without a reducer before the first
@@ -20,7 +22,7 @@ fragmentation are outside this; ``torch.cuda.max_memory_allocated`` covers those
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -167,3 +169,9 @@ def measure(model: Any, optimizer: Any, grad_reducer: Any) -> MemoryReport:
         if grad_reducer is not None
         else 1,
     )
+
+
+def meter(model: Any, optimizer: Any, grad_reducer: Any) -> Callable[[], dict[str, int]]:
+    """A measurement of the state of :func:`measure`'s arguments, taken again at every call:
+    bytes by the exporter's ``component`` (:meth:`MemoryReport.as_metrics`)."""
+    return lambda: measure(model, optimizer, grad_reducer).as_metrics()
