@@ -86,19 +86,8 @@ def _crd(args: argparse.Namespace) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="meshtrain", description="Topology-aware 3D-parallel training on Kubernetes."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    sub.add_parser("version", help="print the meshtrain version").set_defaults(handler=_version)
-
-    validate = sub.add_parser("validate", help="check a TrainingJob YAML file against every rule")
-    validate.add_argument("job", help="TrainingJob YAML file")
-    validate.set_defaults(handler=_validate)
-
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``meshtrain run JOB``: train on this machine."""
     run = sub.add_parser(
         "run", help="train a TrainingJob on this machine with local processes (no cluster)"
     )
@@ -119,13 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=_run)
 
-    plan = sub.add_parser(
-        "plan",
-        help="predict memory, communication and step time of a TrainingJob (and its placement)",
-    )
-    plan_command.configure(plan)
-    plan.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
 
+def _add_timeline(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``meshtrain timeline DIR``: one measured pipeline step as a PNG."""
     timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")
     timeline.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
@@ -134,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline.set_defaults(handler=_timeline)
 
+
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``meshtrain report DIR``: a run's pictures."""
     report = sub.add_parser(
         "report",
         help="draw a run (loss, tokens/s, MFU, step time split, all-reduce, per rank) as HTML or PNG",
@@ -149,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(handler=_report)
 
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``meshtrain export CHECKPOINT``: a Hugging Face directory."""
     export = sub.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face model directory (config.json + safetensors)",
@@ -179,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(handler=_export)
 
+
+def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``meshtrain data prepare``: tokenise text into a token file."""
     data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION")
     data_sub.required = True
@@ -208,6 +202,33 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--model-vocab", type=int, help="model vocabulary the tokenizer must fit")
     prepare.set_defaults(handler=_prepare)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshtrain", description="Topology-aware 3D-parallel training on Kubernetes."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    sub.add_parser("version", help="print the meshtrain version").set_defaults(handler=_version)
+
+    validate = sub.add_parser("validate", help="check a TrainingJob YAML file against every rule")
+    validate.add_argument("job", help="TrainingJob YAML file")
+    validate.set_defaults(handler=_validate)
+
+    _add_run(sub)
+
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory, communication and step time of a TrainingJob (and its placement)",
+    )
+    plan_command.configure(plan)
+    plan.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
+
+    _add_timeline(sub)
+    _add_report(sub)
+    _add_export(sub)
+    _add_data(sub)
     operator_command.add_parser(sub)
 
     sub.add_parser(
