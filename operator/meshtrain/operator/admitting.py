@@ -1,11 +1,9 @@
 """The memory admission verdicts of one operator process, remembered per job.
 
-A waiting job is placed again on every node change, so its verdict
-(:func:`memory_admission.admit`) is kept until what it depends on changes (the job's UID,
-generation, spec, and the profile its candidate nodes choose); each GPU
-product and memory label pair is resolved to a profile once (its file read once).
-Not policy, since it keeps memory across passes and reads profile files; beside
-``cluster``, not in it, since it talks to no API server (only ``gang_fit`` asks it).
+A waiting job is placed again on every node change, so its verdict is kept until what it
+depends on changes (UID, generation, spec, chosen profile), and each GPU label set is resolved
+to a profile (its file read) once.  Not policy, since it remembers across passes and reads
+files; not ``cluster``, since it talks to no API server.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``meshtrain operator``: the command-line entry of the operator process.
 
-:func:`add_parser` (the subcommand's flags, registered by
-``meshtrain.cli.main``) and :func:`run`, which configures JSON logging, starts the
-metrics endpoint and runs kopf with the handlers of :mod:`handlers`
-(namespaces or cluster-wide, liveness endpoint, leader election).  Not the handlers or any reconcile logic.
+Its flags (registered by ``meshtrain.cli.main``) and :func:`run`, which configures logging,
+starts the metrics endpoint and runs kopf with the handlers of :mod:`handlers`.
 """
 
 from __future__ import annotations

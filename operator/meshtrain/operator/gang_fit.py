@@ -1,10 +1,8 @@
 """Where a job's gang fits now: the candidate nodes, and a plan at each size it may take.
 
-Read from the informer cache only (no API call, no write): the placement step
-(``placing``) acts on the answer under its lock, and the straggler step asks
-whether the gang would fit without its slow nodes.  Above ``cluster`` and not in
-it, since it talks to no API server; not policy, since it reads the caches and
-remembers per job (scheduler refusals, claims, admission verdicts).
+Read from the informer cache only (no API call, no write): ``placing`` acts on the answer under
+its lock, and the straggler step asks whether the gang would fit without its slow nodes.  Not
+policy, since it reads the caches and remembers per job (refusals, claims, verdicts).
 """
 
 from __future__ import annotations

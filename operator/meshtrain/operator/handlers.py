@@ -1,14 +1,9 @@
 """kopf handlers of the meshtrain operator: thin wiring of watches to the reconciler.
 
-One kopf *daemon* per TrainingJob that loops ``reconcile`` (woken
-by events of the job, by the pod and node informers of ``informer``, or by a
-timer), a deletion handler that removes the job's children, and start-up/clean-up of
-the shared API client and of leader election (``leadership``).  Daemons are
-stopped by kopf when the job is deleted or the operator exits; in a replica
-that does not hold the Lease they wait, with its caches kept warm.
-
-No decisions (``lifecycle``), no manifests (``builders``), no
-API calls of its own (``reconciler`` through ``kube``).
+One kopf daemon per TrainingJob loops ``reconcile``, woken by the job's events, by the pod and
+node informers or by a timer; a deletion handler removes the job's children; start-up and
+clean-up hold the shared API client and leader election.  In a replica that does not hold the
+Lease the daemons wait, with the caches kept warm.
 """
 
 from __future__ import annotations

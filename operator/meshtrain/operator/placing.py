@@ -1,15 +1,9 @@
 """The placement step of a pass: plan the gang and create it, all under one process-wide lock.
 
-:class:`Placer` executes: it asks ``gang_fit`` where the gang fits (a plan at
-each size ``runPolicy.elastic`` allows, with the memory verdict of ``memory_admission``),
-and performs what ``placement_outcome`` says the plan comes to (a job that won't
-fit fails with ``WontFit`` and gets no pods; a placed gang has its placement and
-the plan's numbers recorded, then its gated pods created) — all before the next
-job may plan, so two jobs never plan onto the same free GPUs.  Under the same lock it
-re-checks the planned nodes before the gates are lifted, grows an elastic gang
-when a larger size fits, and drops a placement whose nodes can no longer take it
-(a re-placement, not a restart).  Its memory (backoffs of refused creates, grow
-checks) is per job and forgotten with the job.
+:class:`Placer` asks ``gang_fit`` where the gang fits and performs what ``placement_outcome``
+says the plan comes to, before the next job may plan, so two jobs never plan onto the same
+free GPUs.  Under the same lock it checks the planned nodes again before the gates are lifted,
+grows an elastic gang, and drops a placement whose nodes can no longer take it.
 """
 
 from __future__ import annotations

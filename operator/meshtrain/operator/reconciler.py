@@ -1,15 +1,10 @@
 """One reconcile pass of a TrainingJob: observe -> decide -> act.
 
-:class:`Reconciler` reads the job and its pods, asks :func:`lifecycle.decide`
-what to do and performs the actions: the placement step through ``placing``
-(under one process-wide lock), status writes and Events through
-``status_writes``, Kueue's Workload through ``workloads``, pod deletions by UID
-through ``owned``.  It also polls rank 0's progress while the job runs, reports
-passes failing on the API server, and removes a deleted job's children.
-(Leader election makes sure only one operator process acts at a time.)
-
-It owns no watch and no loop (see ``handlers``), and builds no manifest itself
-(see ``builders``).
+:class:`Reconciler` reads the job and its pods, asks :func:`lifecycle.decide` what to do and
+performs the actions: placement through ``placing``, status and Events through
+``status_writes``, Kueue's Workload through ``workloads``, pod deletions through ``owned``.  It
+also polls rank 0's progress, reports passes failing on the API server, and removes a deleted
+job's children.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Creating a job's children, owned by its UID, with the API server's refusals as answers.
 
-Every child (ConfigMap, Service, pods) carries a controller ownerReference to
-the job's UID.  An object of the same name that this UID does not own belongs
-to someone else — another tenant's Service, the pods of an earlier job of the
-same name that are still terminating — and is never patched nor deleted: the
-job reports ``NameConflict``.  A create the API server refuses (Pod Security
-admission, a ResourceQuota, validation) becomes ``CreateRejected`` with the
-server's message.  Either way the caller drops the placement and tries again
-after :func:`retry_delay`, which doubles per failure up to a cap, so a job that
-cannot be created costs a few requests a minute, not a hot loop.
+A same-named object this UID does not own (another tenant's Service, the terminating pods of an
+earlier job of the same name) is never patched nor deleted: the job reports ``NameConflict``.
+A create the API server refuses (Pod Security, a ResourceQuota, validation) becomes
+``CreateRejected`` with the server's message.  Either way the caller drops the placement and
+tries again after :func:`retry_delay`.
 """
 
 from __future__ import annotations
@@ -30,7 +26,11 @@ _TRANSIENT = (409, 429)
 
 
 def retry_delay(failures: int) -> float:
-    """Seconds to wait before the next try after ``failures`` refused creates in a row."""
+    """Seconds to wait before the next try after ``failures`` refused creates in a row.
+
+    Doubling up to a cap, a job that cannot be created costs a few requests a minute, not a
+    hot loop.
+    """
     doublings = max(failures - 1, 0)
     return min(RETRY_BASE_SECONDS * float(2**doublings), RETRY_CAP_SECONDS)
 

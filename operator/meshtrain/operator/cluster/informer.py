@@ -1,26 +1,9 @@
 """Informer-style caches of pods and nodes: list once, then follow a watch; reads never hit the API.
 
-A reconcile reads its job's pods from the job index and a placement reads
-every node and the per-node usage kept here, so neither sends a LIST (the issue this
-closes: every pass listed pods, every placement listed the cluster).  The
-caches also wake job daemons (``Waker``): a pod change wakes its job; a pod
-that finished or went away, and any node change, wake the jobs waiting for
-capacity.
-
-Memory is bounded by trimming: pods of TrainingJobs (label
-``meshtrain.io/job``) are kept whole but for ``managedFields``, because failure
-classification reads their statuses; any other pod keeps only what capacity
-and feasibility read (node, planned-node annotation, node affinity, container
-requests, overhead, phase, nominated node).  Nodes keep labels, taints, ``unschedulable``,
-allocatable and conditions.  Equal parts (request sets, phases, allocatable)
-are one shared object (:class:`Shared`), names one interned string.
-
-Consistency: lists paginate; a watch resumes from the last resourceVersion
-(bookmarks keep it fresh) and a 410 Gone relists and replaces the store.  The
-operator's own writes are applied from their answers (:meth:`Cache.learn`)
-when they are newer than what is stored, so the pass after a create, patch or
-delete sees it; a deleted object leaves a tombstone (its last version), so a
-write answer that arrives after the DELETED event cannot revive it.
+A reconcile reads its job's pods from the job index and a placement reads every node and the
+per-node usage kept here, so neither sends a LIST.  Trimming bounds the memory on big clusters;
+the operator's own writes are applied from their answers (:meth:`Cache.learn`), so the pass
+after a write sees it.  Watch events wake the job daemons (:class:`Waker`).
 """
 
 from __future__ import annotations
@@ -52,6 +35,9 @@ Key = tuple[str, str]
 
 
 class Waker(Protocol):
+    """Wakes job daemons: a pod change its job; a pod that finished or went away, and any node
+    change, the jobs waiting for capacity."""
+
     def poke(self, key: tuple[str, str]) -> None: ...
     def poke_waiting(self) -> None: ...
 
@@ -124,8 +110,9 @@ def _unshared(part: _T) -> _T:
 def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.Body:
     """A pod as the cache keeps it: whole for children of TrainingJobs, else only what capacity reads.
 
-    ``shared`` (a :class:`Shared`) lets equal parts of foreign pods be one object;
-    a child's ``managedFields`` (the largest part of a pod, read by no one here) are dropped.
+    Children stay whole, since failure classification reads their statuses, but for their
+    ``managedFields`` (the largest part of a pod, read by no one here); ``shared`` (a
+    :class:`Shared`) lets equal parts of foreign pods be one object.
     """
     metadata = pod.get("metadata") or {}
     if job_of(pod):
@@ -431,6 +418,10 @@ class Cache:
         store: Store,
         waker: Waker,
     ) -> None:
+        """List (paginated), then watch from the list's resourceVersion (bookmarks keep it fresh).
+
+        A 410 Gone lists again and replaces the store.
+        """
         version: str | None = None
         scope: dict[str, Any] = {"namespace": None} if what == "pods" else {}
         while True:

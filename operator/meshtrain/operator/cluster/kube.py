@@ -1,16 +1,10 @@
 """The operator's Kubernetes API client: every API request the operator sends goes through here.
 
-Built on ``kubernetes_asyncio`` (why: docs/architecture.md), which loads a
-kubeconfig or the in-cluster service account and keeps credentials fresh
-(projected tokens re-read, exec plugins re-run), and honours proxies.  One
-keyword-only coroutine per API call, so docs/operator.md can list the RBAC
-verbs; lists are paginated.  Bodies are the API server's JSON as plain dicts
-(``_preload_content=False``): generated model classes would cost seconds and
-hundreds of MB on 100,000 pods.  Every call passes through
-:meth:`Client._request`, the one place that counts requests by verb.
-``AlreadyExists`` on create and ``NotFound`` on delete are answers, not
-errors: every write is idempotent.  A write guarded by a resourceVersion
-raises :class:`Conflict` when the object changed meanwhile.
+One keyword-only coroutine per API call on ``kubernetes_asyncio`` (why: docs/architecture.md),
+so docs/operator.md can list the RBAC verbs.  Bodies stay the server's JSON as plain dicts
+(``_preload_content=False``): generated model classes would cost seconds and hundreds of MB
+on 100,000 pods.  Every write is idempotent: ``AlreadyExists`` on create and ``NotFound`` on
+delete are answers, not errors.
 """
 
 from __future__ import annotations
@@ -139,7 +133,10 @@ class Client(KueueCalls):
         ok: Iterable[int] = (),
         **kwargs: Any,
     ) -> Body | None:
-        """Send one request; the JSON answer, None for a status in ``ok``; ApiError otherwise."""
+        """Send one request; the JSON answer, None for a status in ``ok``; ApiError otherwise.
+
+        Every call passes through here, the one place that counts requests by verb.
+        """
         write = verb not in ("get", "list")
         async with self._limit:
             timeout = min(self.lease_left(), REQUEST_SECONDS) if write else REQUEST_SECONDS

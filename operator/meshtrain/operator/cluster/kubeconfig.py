@@ -1,11 +1,7 @@
 """Which kubeconfig a Kubernetes client loads, found the way kubectl finds it.
 
-An explicit ``--kubeconfig`` wins.  Otherwise ``$KUBECONFIG`` is a path list
-(``:``-separated; files that do not exist are skipped) whose files the client
-library merges; otherwise ``~/.kube/config`` when it exists.  When none is
-found, the caller uses the in-cluster service account.  Both Kubernetes
-client libraries (``kubernetes`` and ``kubernetes_asyncio``) accept the
-returned path list as ``config_file`` and merge it as kubectl does.
+An explicit ``--kubeconfig``, else ``$KUBECONFIG`` (a ``:``-separated path list; missing files
+skipped), else ``~/.kube/config`` when it exists; none found: the in-cluster service account.
 """
 
 from __future__ import annotations
@@ -17,7 +13,11 @@ DEFAULT = "~/.kube/config"
 
 
 def kubeconfig_paths(explicit: str | None = None) -> str | None:
-    """The kubeconfig path list to load, or None for the in-cluster service account."""
+    """The kubeconfig path list to load, or None for the in-cluster service account.
+
+    Both client libraries (``kubernetes`` and ``kubernetes_asyncio``) accept it as
+    ``config_file`` and merge its files as kubectl does.
+    """
     if explicit:
         return explicit
     listed = os.environ.get("KUBECONFIG", "")

@@ -1,20 +1,9 @@
 """Leader election over a coordination.k8s.io Lease: one replica reconciles, the others wait warm.
 
-``kubernetes_asyncio.leaderelection`` does the protocol (client-go's): the
-holder renews the Lease every ``retry`` seconds; a candidate takes the Lease
-once it has seen the same record unchanged for ``lease_seconds``.  The holder
-stops acting ``renew_deadline`` after the last renewal it *sent* that
-succeeded, measured here by a watchdog rather than by the library's renew
-loop: the library sends its Lease requests without a timeout, so a renewal
-that hangs (a partition that drops packets) kept the old leader acting
-forever while a standby took over.  Since the holder stops before any
-candidate may start, two replicas never start new passes at once.
-
-The identity is the pod's name, which a container restart keeps: an operator
-killed and restarted in its pod finds the Lease held by itself and resumes at
-once, instead of waiting for a dead peer's record to expire as with kopf
-peering.  A standby keeps its watches and caches filled, so it acts on the
-first pass after it takes over.
+``kubernetes_asyncio.leaderelection`` runs client-go's protocol; a watchdog here stops the
+holder ``renew_deadline`` after the last renewal it sent that succeeded, before any candidate
+may take the Lease, so two replicas never start new passes at once.  A standby keeps its
+watches and caches filled and acts on the first pass after it takes over.
 """
 
 from __future__ import annotations
@@ -107,11 +96,12 @@ class Election:
     """Where the Lease lives and how long it lasts (flags of ``meshtrain operator``)."""
 
     lease: str
-    """Name of the Lease object."""
+    """Name of the Lease object (``--lease``)."""
     namespace: str
     """Namespace of the Lease (the operator's own)."""
     identity: str
-    """This replica's name in ``spec.holderIdentity``; must outlive a container restart."""
+    """This replica's name in ``spec.holderIdentity``; must outlive a container restart, so that a
+    restarted operator finds the Lease held by itself and resumes at once."""
     lease_seconds: int = 15
     """How long a candidate waits on an unchanged record before it takes the Lease (whole seconds)."""
     renew_deadline: float = 10.0
@@ -146,7 +136,12 @@ async def run(
     client: kube.Client, election: Election, leading: asyncio.Event, tenure: Tenure
 ) -> None:
     """Hold ``leading`` set exactly while this replica holds the Lease, and ``tenure`` its end;
-    runs until cancelled."""
+    runs until cancelled.
+
+    The watchdog, not the library's renew loop, ends the tenure: the library sends its Lease
+    requests without a timeout, so a renewal that hangs (a partition that drops packets) kept
+    the old leader acting forever while a standby took over.
+    """
 
     def stand_by() -> None:
         leading.clear()

@@ -1,10 +1,8 @@
 """The operator's own Prometheus metrics (``meshtrain_operator_*``, base units).
 
-Counters and histograms are incremented where the thing happens (reconcile,
-placement, API client); the per-job gauges come from a collector over what the
-reconciler last saw of each job, so a scrape always reports the current
-phase, restarts left and time spent unschedulable.  Per-job series carry
-``namespace`` and ``trainingjob``; docs/telemetry.md lists every series.
+Counters and histograms are incremented where the thing happens; the per-job gauges
+(``namespace``, ``trainingjob``) come from a collector over what the reconciler last saw of each
+job, so a scrape always reports the current phase.  docs/telemetry.md lists every series.
 """
 
 from __future__ import annotations

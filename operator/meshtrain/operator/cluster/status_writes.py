@@ -1,10 +1,7 @@
 """Writes of a TrainingJob's status, and its Events.
 
-A status write carries the resourceVersion it was decided on.  On 409 the job
-is read again: if only its metadata changed (kopf's finalizer and annotations)
-the write is retried on the new version, else ``kube.Conflict`` ends the pass
-and the next pass decides from the fresh read.  Events are best effort: one the
-API server refuses is logged, never retried.
+A status write carries the resourceVersion it was decided on, so it applies only to the job as
+read; Events are best effort (one the API server refuses is logged, never retried).
 """
 
 from __future__ import annotations
@@ -53,6 +50,12 @@ class JobWriter:
     async def set_status(
         self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
     ) -> Step:
+        """Merge ``changes`` into the status of the job as ``body`` was read.
+
+        On 409 the job is read again: if only its metadata changed (kopf's finalizer and
+        annotations) the write is retried on the new version, else ``kube.Conflict`` ends the
+        pass and the next pass decides from the fresh read.
+        """
         if _same(dict(job.status), changes):
             return body, job, False
         ref = job.ref

@@ -1,10 +1,7 @@
 """The operator's side of Kueue's API: reads a queued job's Workload and what it names, acts on it.
 
-:func:`gate` reads what Kueue says of a job (its Workload, the priority a new one gets),
-:func:`perform` carries out the Workload actions :func:`lifecycle.decide` asks for,
-:func:`flavors` reads where the admitted ResourceFlavors let the gang run, and
-:func:`release_after_pods` deletes a deleted job's Workload once its pods are gone.
-The policy is in ``queueing``; the API calls go through ``kube``.
+The policy (the Workload's shape, what Kueue's answer means) is ``queueing``'s; here are its
+reads and writes, through ``kube``.
 """
 
 from __future__ import annotations

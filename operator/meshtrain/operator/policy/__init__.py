@@ -1,6 +1,5 @@
 """The operator's pure policy: decisions, feasibility, memory admission, conditions, manifests, status shapes.
 
-Values in, values out: nothing here talks to the cluster or imports kopf
-(an import-linter contract holds it).  :mod:`.lifecycle` is the state machine:
-an ordered table of rules drawn from one module per policy.
+Values in, values out.  :mod:`.lifecycle` is the state machine: an ordered table of rules drawn
+from one module per policy.
 """

@@ -1,25 +1,9 @@
-"""Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap.
+"""Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap, PodGroup.
 
-Pure ``build_*`` functions from a job (its identity, validated
-spec, gang attempt and planned nodes) to plain dict manifests, each with an
-owner reference to the job.  Nothing here creates, patches or
-reads objects (see ``kube``), chooses nodes (see ``placement``) or decides
-when a gang is (re)built (see ``lifecycle``).
-
-A pod runs ranks ``[i*gpusPerNode, (i+1)*gpusPerNode)`` as one torchrun node::
-
-    torchrun --nnodes=$(PET_NNODES) --nproc-per-node=$(PET_NPROC_PER_NODE)
-             --node-rank=$(PET_NODE_RANK) --master-addr=$(MASTER_ADDR)
-             --master-port=$(MASTER_PORT) --shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)
-             -m meshtrain.trainer
-
-It carries the gang scheduling gate and a required node affinity to its
-planned node (``matchFields`` on ``metadata.name``), declares one named
-container port per local rank's exporter (``metrics-<r>`` = metrics.port + r)
-for the chart's PodMonitor, writes its logs to ``<checkpoint.path>/logs`` and
-rank 0's final progress to the termination message.  A deleted pod gets
-``runPolicy.terminationGracePeriodSeconds`` for its ranks to checkpoint the
-step they stop at (torchrun waits 5 s less before killing them).
+Pure ``build_*`` functions from a job (its identity, validated spec, gang attempt and planned
+nodes) to plain dict manifests, each with an owner reference to the job.  What a pod carries
+(command, environment, ports, volumes, security, gate, affinity): docs/operator.md, "Children
+of a job".
 """
 
 from __future__ import annotations
@@ -287,6 +271,7 @@ def build_pod(
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
 
+    It runs ranks ``[index*gpusPerNode, (index+1)*gpusPerNode)`` as torchrun node ``index``.
     With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
     scheduler then binds the gang all at once or not at all.
     """

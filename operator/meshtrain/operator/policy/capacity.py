@@ -1,13 +1,8 @@
-"""Cluster objects -> the planner's values: nodes with GPUs, and GPUs already taken.
+"""Cluster objects -> the planner's values: the nodes a gang may use, and what pods already hold.
 
-Pure functions that read Pod manifests into
-:class:`placement.Reservation` (Node manifests are read by
-:func:`placement.node_from_manifest`, which the planner shares).  Reservations are
-derived from pods alone (their bound node, or the node their required affinity
-pins them to, and their GPU request), so they survive an operator restart:
-GPUs planned for one gang are held by that gang's (gated) pods from the moment
-they are created.  It lists nothing (see ``kube``) and does
-not plan (see ``placement``).
+Reservations are derived from pods alone (their bound node, or the node their required affinity
+pins them to), so they survive an operator restart: the GPUs planned for a gang are held by
+its gated pods from the moment they are created.  Pure.
 """
 
 from __future__ import annotations

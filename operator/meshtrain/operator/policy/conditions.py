@@ -1,9 +1,6 @@
 """Condition types and reasons of a TrainingJob, and the one function that sets one.
 
-The constants every other module uses for ``status.conditions``
-and :func:`set`, which returns a new condition list where ``lastTransitionTime``
-changes only when a condition's status changes.  It decides
-nothing about when a condition changes (see ``lifecycle``).
+:func:`set` keeps ``lastTransitionTime`` unless a condition's status changes.
 """
 
 from __future__ import annotations

@@ -1,36 +1,9 @@
 """Failure policy: is a pod of the gang failed, may the gang be retried, and the rules that say so.
 
-:func:`classify` says whether a pod failed and whether that failure is
-*permanent* (restarting cannot help: the job fails at once) or *retryable* (the
-gang is restarted, up to ``runPolicy.backoffLimit``).  The rules of the state
-machine (``lifecycle``) that fail or restart a job live here too: an invalid
-spec, ``activeDeadlineSeconds``, a failed or vanished pod of the gang, and
-``startupTimeoutSeconds``.
-
-Classification:
-
-* exit code 2, 3, 4 — the trainer refused its configuration, its dataset or
-  its checkpoint: permanent.  Under torchrun the container exits 1 for any
-  failed worker, so the rank's own code comes from its termination message
-  (``{"exitCode": N, "message": ...}``, :mod:`meshtrain.api.exitcodes`),
-  which also gives the trainer's message;
-* exit code 5 — the loss guard stopped training (a restart would replay the
-  same batches from the same checkpoint): permanent;
-* exit codes 126/127 — the command is not executable / not found in the image:
-  permanent;
-* exit code 128+N — killed by signal N (OOM killer, preemption): retryable;
-* any other non-zero exit code, pod phase Failed without an exit code
-  (evicted, node shutdown), phase Unknown (node lost), a ``DisruptionTarget``
-  condition, or a pod deleted by someone else: retryable.
-
-A failure is a *disruption* when the infrastructure, not the job, ended the pod:
-a ``DisruptionTarget`` condition (eviction, preemption, drain, taint), phase
-Unknown, or a Failed pod whose reason is one of :data:`DISRUPTION_REASONS` or a
-kubelet admission rejection (:data:`KUBELET_OUT_OF`).  A
-gang restart caused only by disruptions does not use ``backoffLimit`` (the
-practice of Job/JobSet ``podFailurePolicy`` with ``onPodConditions:
-DisruptionTarget`` and action ``Ignore``): a 10k-GPU job loses nodes every few
-hours and must not fail for it.
+:func:`classify` judges a pod: *permanent* (the job fails at once) or *retryable* (the gang
+restarts, up to ``runPolicy.backoffLimit``; a restart caused only by disruptions, see
+:func:`disrupted`, does not use it).  The rows of ``lifecycle``'s table that fail or restart
+a job live here too.
 """
 
 from __future__ import annotations
@@ -73,7 +46,15 @@ class Failure:
 
 
 def disrupted(pod: pod_state.PodState) -> bool:
-    """Whether the node or the control plane, not the job, ended ``pod``."""
+    """Whether the node or the control plane, not the job, ended ``pod``.
+
+    A ``DisruptionTarget`` condition (eviction, preemption, drain, taint), phase Unknown, or a
+    Failed pod whose reason is one of :data:`DISRUPTION_REASONS` or a kubelet admission
+    rejection (:data:`KUBELET_OUT_OF`).  A gang restart caused only by disruptions does not use
+    ``backoffLimit`` (the practice of Job/JobSet ``podFailurePolicy`` with ``onPodConditions:
+    DisruptionTarget`` and action ``Ignore``): a 10k-GPU job loses nodes every few hours and
+    must not fail for it.
+    """
     return (
         pod.disrupted
         or pod.phase == "Unknown"
@@ -90,7 +71,18 @@ def _disruption_reason(reason: str | None) -> bool:
 
 
 def classify(pod: pod_state.PodState) -> Failure | None:
-    """The failure of ``pod``, or None while it is healthy (pending, running or succeeded)."""
+    """The failure of ``pod``, or None while it is healthy (pending, running or succeeded).
+
+    Permanent: exit code 2, 3 or 4 (the trainer refused its configuration, its dataset or its
+    checkpoint), 5 (the loss guard stopped training: a restart would replay the same batches from
+    the same checkpoint), 126/127 (the command is not executable / not found in the image).
+    Under torchrun the container exits 1 for any failed worker, so the rank's own code and
+    message come from its termination message (``{"exitCode": N, "message": ...}``,
+    :mod:`meshtrain.api.exitcodes`).  Retryable: 128+N (killed by signal N: OOM killer,
+    preemption), any other non-zero exit code, phase Failed without an exit code (evicted, node
+    shutdown), phase Unknown (node lost), a ``DisruptionTarget`` condition, a pod deleted by
+    someone else.
+    """
     found = _classify(pod)
     if found is None or found.permanent or not disrupted(pod):
         return found

@@ -1,29 +1,9 @@
 """Does a pod fit a node: kube-scheduler's default filters, as pure functions over manifests.
 
-The operator pins every gang pod to one node by required node affinity, so a
-node the scheduler would refuse leaves the pod Pending for good.  Placement
-therefore asks, for each node, the questions kube-scheduler's default filter
-plugins ask of the pod (v1.36 semantics, ``pkg/scheduler/framework/plugins``):
-
-* NodeUnschedulable: ``spec.unschedulable`` unless the pod tolerates
-  ``node.kubernetes.io/unschedulable:NoSchedule``;
-* NodeAffinity: every ``nodeSelector`` label present with the same value;
-* TaintToleration: every NoSchedule and NoExecute taint tolerated
-  (PreferNoSchedule only scores);
-* NodeResourcesFit: pod count below ``allocatable.pods``, and every requested
-  resource (cpu in millicores, memory, ephemeral-storage, extended and
-  hugepages resources) within allocatable minus the requests of the pods
-  already on the node.  A pod's request is the sidecar-aware formula of
-  ``component-helpers/resource.PodRequests``: containers plus restartable init
-  containers, at least each regular init container with the sidecars started
-  before it, pod-level cpu/memory requests where set, plus ``overhead``.
-  Terminal pods (Succeeded, Failed) hold nothing: the scheduler's informer
-  drops them.
-
-One deliberate difference: a node whose Ready condition is not True is refused
-even before the node lifecycle controller has tainted it ``not-ready`` or
-``unreachable`` (the scheduler itself does not read conditions); a gang must not
-be pinned to a node that cannot start it.
+A gang pod is pinned to one node by required node affinity, so a node the scheduler would
+refuse leaves it Pending for good.  Placement therefore asks each node what the default filter
+plugins ask (NodeUnschedulable, NodeAffinity, TaintToleration, NodeResourcesFit; v1.36
+semantics, ``pkg/scheduler/framework/plugins``).
 """
 
 from __future__ import annotations
@@ -92,7 +72,12 @@ def _maximum(into: Counter[str], other: Mapping[str, int]) -> None:
 
 
 def pod_requests(pod: Mapping[str, Any]) -> dict[str, int]:
-    """What the scheduler charges a node for ``pod`` (units of :func:`_amount`)."""
+    """What the scheduler charges a node for ``pod`` (units of :func:`_amount`).
+
+    The sidecar-aware formula of ``component-helpers/resource.PodRequests``: containers plus
+    restartable init containers, at least each regular init container with the sidecars started
+    before it, pod-level cpu/memory requests where set, plus ``overhead``.
+    """
     spec = pod.get("spec") or {}
     total: Counter[str] = Counter()
     for container in spec.get("containers") or []:
@@ -119,7 +104,7 @@ def pod_requests(pod: Mapping[str, Any]) -> dict[str, int]:
 
 
 def holds_resources(pod: Mapping[str, Any]) -> bool:
-    """False once the pod is Succeeded or Failed."""
+    """False once the pod is Succeeded or Failed (the scheduler's informer drops terminal pods)."""
     return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
@@ -152,7 +137,7 @@ class Usage:
     requested: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Sum of their requests per resource."""
     pods: int = 0
-    """How many there are."""
+    """How many there are (held against ``allocatable.pods``)."""
 
 
 def usage(pods: Iterable[Mapping[str, Any]]) -> Usage:
@@ -192,7 +177,12 @@ def untolerated_taint(
 
 
 def ready(node: Mapping[str, Any]) -> bool:
-    """The node's Ready condition is True."""
+    """The node's Ready condition is True.
+
+    Stricter than kube-scheduler, which reads no conditions and waits for the node lifecycle
+    controller's ``not-ready``/``unreachable`` taints: a gang must not be pinned to a node that
+    cannot start it.
+    """
     return any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (node.get("status") or {}).get("conditions") or []

@@ -1,11 +1,9 @@
 """What the observed gang says about placement: Placed once every pod exists, FailedScheduling as it happens.
 
-Pure: from the job's conditions and the current gang's pods to new conditions
-and the Events to record.  ``Placed`` turns True only when every pod of the
-gang exists (a placement whose pods were refused is not placed), and a pod the
-scheduler reports Unschedulable — a missing claim, a taint, resources — shows
-in ``PodsScheduled=False/FailedScheduling`` with the scheduler's own message as
-soon as the pod's status says so, instead of at ``startupTimeoutSeconds``.
+``Placed`` turns True only when every pod of the gang exists (a placement whose pods were
+refused is not placed); a pod the scheduler reports Unschedulable shows in
+``PodsScheduled=False/FailedScheduling`` with the scheduler's message as soon as its status
+says so, not at ``startupTimeoutSeconds``.  Pure.
 """
 
 from __future__ import annotations

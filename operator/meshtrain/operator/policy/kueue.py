@@ -1,12 +1,9 @@
 """Kueue's say in the state machine: the rules of a job Kueue queues.
 
-``queueing`` builds the job's Workload and reads Kueue's answer into a
-``queueing.Gate``; these rules act on it.  The gang exists only while Kueue
-admits the job: held, it has no pods (an eviction stops it like a suspend: every
-pod gets its grace period, nothing counts as a failure); admitted, it is placed
-on the flavors Kueue assigned and tells Kueue whether it is up (PodsReady).  The
-quota goes back (evicted, outdated or suspended job) and a finished job's Workload
-is marked finished only once no pod of the gang holds resources any more.  Pure: no I/O.
+They act on Kueue's answer (``queueing.Gate``).  The gang exists only while Kueue admits the
+job: held, it has no pods (an eviction stops it like a suspend); admitted, it is placed on the
+flavors Kueue assigned.  The quota goes back, and a finished job's Workload is marked finished,
+only once no pod of the gang holds resources any more.  Pure.
 """
 
 from __future__ import annotations

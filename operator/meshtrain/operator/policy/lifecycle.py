@@ -1,30 +1,8 @@
 """The TrainingJob state machine: observed job + pods + time -> actions.
 
-:func:`decide` maps what the operator observes (the job object and its pods)
-and the current time to the actions that move the job towards its desired
-state.  It walks :data:`RULES`, an ordered table whose rows come from one
-module per policy (``failure``, ``suspend``, ``kueue``, ``spec_change``,
-``startup``, ``running``, ``stragglers``, ``finish``): the first rule whose
-guard holds decides; a note on the way owes actions that every decision below
-it carries first (a row's record: ``situation``; the actions: ``job_actions``).
-
-States (``status.phase``)::
-
-    Pending --place--> Placing --all pods Running--> Running --all pods exit 0--> Succeeded
-       ^  (unschedulable: stays Pending, condition Placed=False with the reason)
-       |                  |                            |
-       |                  +------ a pod fails ---------+--> Restarting --place--> Placing
-       |                         (retryable, restarts < backoffLimit)
-       |                  permanent exit code / backoff exhausted / deadline --> Failed
-    Suspended <--- spec.runPolicy.suspend (any non-final phase); resume -> Pending
-    Pending/Restarting --place: the planner says a rank needs more GPU memory than there is--> Failed (WontFit)
-    Placing/Running --spec changed (runPolicy aside)--> Restarting (SpecChanged: old pods deleted, restarts unchanged) --place--> Placing
-    Running --straggler under stragglerPolicy replace--> Restarting (StragglerReplaced: node excluded, pods deleted, restarts unchanged) --place--> Placing
-
-A failure is counted exactly once: the restart increments ``restarts`` (the
-gang attempt, a label of every pod) before the old pods are deleted, which
-makes them stale.  Every decision is idempotent: applying it twice, or
-crashing between its actions, leads to the same next decision.
+:func:`decide` walks :data:`RULES`, an ordered table whose rows come from one module per
+policy: the first rule whose guard holds decides; a note on the way owes actions that every
+decision below it carries first.  The phases and transitions: docs/operator.md, "Lifecycle".
 """
 
 from __future__ import annotations
@@ -127,6 +105,11 @@ def decide(
     nodes_gone: frozenset[str] = frozenset(),
 ) -> Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
+
+    Every decision is idempotent: applying it twice, or crashing between its actions, leads to
+    the same next decision.  A failure is counted exactly once: the restart increments
+    ``restarts`` (the gang attempt, a label of every pod) before the old pods are deleted, which
+    makes them stale.
 
     ``gate`` (Kueue's say) is given for a job Kueue queues: the gang exists only while Kueue admits it.
     ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that vanished with

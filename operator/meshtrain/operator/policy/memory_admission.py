@@ -1,24 +1,9 @@
 """Admission by plan: does a TrainingJob fit the memory of the GPUs it would run on?
 
-The pure policy the operator applies before it places a gang.
-
-* :func:`candidates`: the nodes a job could be placed on (they match its
-  ``resources.nodeSelector`` and offer its GPU resource; cordoned nodes count,
-  their hardware is what it is);
-* :func:`choose_profile`: the device profile to judge the job by — the
-  *smallest* GPU among the candidates that name one
-  (:func:`meshtrain.planner.admission.node_profile`: the product's profile or
-  the operator's default, at the memory the node's labels report; placement
-  may use any candidate, so the job must fit the smallest), else the
-  operator's default (``--gpu-profile``) for nodes that name no GPU, else none;
-* :func:`admit`: :class:`Admitted` with the numbers for ``status.plan``, or
-  :class:`Refused` with the planner's WontFit message (and the same numbers),
-  or None when there is no profile to judge by.
-
-Not the arithmetic (``meshtrain.planner``), the reading of profile
-files (the reconciler resolves each node's label to a profile and passes the
-values in), or the status and Event writes (``placement_status.wont_fit`` and the
-reconciler).
+The pure policy the operator applies before it places a gang: the candidate nodes, the device
+profile to judge by (the smallest GPU among them) and the verdict, with the numbers for
+``status.plan``.  The arithmetic is the planner's (:mod:`meshtrain.planner.admission`);
+``admitting`` reads the profile files and remembers the verdicts.
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ class Admitted:
     """The job fits every GPU it may be placed on."""
 
     choice: Choice
-    """Profile used."""
+    """The profile judged by, and where it came from (``status.plan.profileSource``)."""
     summary: dict[str, Any]
     """``status.plan``: the planner's key numbers (``admission.status_summary``) and ``profileSource``."""
 
@@ -57,7 +42,7 @@ class Refused:
     """The job's worst rank needs more memory than the GPU has."""
 
     choice: Choice
-    """Profile used."""
+    """The profile judged by, and where it came from (``status.plan.profileSource``)."""
     reason: str
     """Condition reason: ``WontFit``."""
     message: str
@@ -69,7 +54,10 @@ class Refused:
 def candidates(
     spec: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]
 ) -> list[placement.Node]:
-    """Nodes matching the job's node selector that offer at least one GPU of its resource."""
+    """Nodes matching the job's node selector that offer at least one GPU of its resource.
+
+    Cordoned nodes count: their hardware is what it is.
+    """
     selector = tuple(spec.resources.node_selector.items())
     return [
         node
@@ -85,6 +73,10 @@ def choose_profile(
 ) -> Choice:
     """The GPU with the least memory for tensors among ``(node name, its profile)`` candidates,
     else ``default`` (no candidate names a GPU).
+
+    Placement may use any candidate, so the job must fit the smallest.  Each node's profile is
+    :func:`meshtrain.planner.admission.node_profile`: its product's, or the operator's default
+    (``--gpu-profile``), at the memory the node's labels report.
 
     Ties on memory go to the profile name, then the node name, so the answer
     does not depend on the order nodes are listed in.

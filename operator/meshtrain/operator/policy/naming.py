@@ -1,9 +1,7 @@
 """Names, labels and annotations the operator puts on the objects it owns.
 
-The constants and the few pure functions that name a job's
-children (pods, headless Service, ConfigMap) and read the operator's own
-labels back.  It builds no manifests (see ``builders``) and
-talks to no API.
+The constants and the few pure functions that name a job's children (pods, headless Service,
+ConfigMap) and read the operator's own labels back.
 """
 
 from __future__ import annotations
@@ -39,10 +37,9 @@ GANG_GATE = f"{GROUP}/gang"
 
 CONTAINER = "trainer"
 
-# The trainer image of this meshtrain release, for jobs with an empty spec.image when the
-# operator runs without --trainer-image (the chart always passes one).
 DEFAULT_TRAINER_IMAGE = f"ghcr.io/meshtrain/trainer:{release.VERSION}"
-"""Name of the trainer container."""
+"""The trainer image of this meshtrain release, for jobs with an empty spec.image when the
+operator runs without --trainer-image (the chart always passes one)."""
 MASTER_PORT = api_metrics.RENDEZVOUS_PORT
 """torchrun rendezvous port on the rank-0 pod."""
 SPEC_DIR = "/etc/meshtrain"

@@ -1,9 +1,8 @@
 """The large-batch warning: a global batch far above the measured gradient noise scale.
 
-McCandlish et al. (2018): beyond the noise scale ``B_noise`` a larger batch buys little
-progress per step, so a job whose global batch is many times its measured ``B_noise`` spends
-GPUs (or accumulation) for almost nothing.  The condition ``BatchAboveNoiseScale`` says so,
-with the numbers.  Pure: no I/O.
+Beyond the noise scale ``B_noise`` a larger batch buys little progress per step (McCandlish et
+al., 2018), so a global batch many times the measured ``B_noise`` spends GPUs (or accumulation)
+for almost nothing: the condition ``BatchAboveNoiseScale`` says so, with the numbers.  Pure.
 """
 
 from __future__ import annotations

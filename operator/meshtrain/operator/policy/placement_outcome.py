@@ -1,11 +1,8 @@
 """What the placement step does with a plan: the pure half of ``placing``.
 
-``gang_fit`` plans the gang at each size it may take and hands back a
-:class:`Sized`; :func:`judge` says what that answer comes to: the job fails
-because its memory plan fits no GPU (:class:`WontFit`), waits with the reason and
-what was tried (:class:`Unplaced`), or is placed (:class:`Placed`: the status to
-write, the node of each pod, and a resize to announce).  ``placing`` performs it.
-Pure: no I/O.
+:func:`judge` says what ``gang_fit``'s answer comes to: the job fails because its memory plan
+fits no GPU (:class:`WontFit`), waits with the reason and what was tried (:class:`Unplaced`), or
+is placed (:class:`Placed`).  ``placing`` performs it.  Pure.
 """
 
 from __future__ import annotations

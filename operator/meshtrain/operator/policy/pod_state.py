@@ -1,8 +1,7 @@
 """A pod of a TrainingJob as the state machine reads it, and what a set of them says.
 
-:class:`PodState` holds the few facts of a pod the lifecycle needs, read from its
-manifest by :func:`pod_state`; the helpers below answer the questions the rules ask
-of a gang (which pods still hold resources, which a deletion still has to reach).
+:class:`PodState` holds the few facts of a pod the lifecycle needs; the helpers answer what the
+rules ask of a gang (which pods still hold resources, which a deletion still has to reach).
 """
 
 from __future__ import annotations

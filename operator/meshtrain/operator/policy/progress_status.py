@@ -1,16 +1,9 @@
-"""Rank 0's training progress report -> TrainingJob status fields.
+"""Rank 0's training progress report -> TrainingJob status fields (``progress``, ``lastCheckpointStep``).
 
-:func:`status_changes`, a pure translation of the JSON that the
-trainer's exporter serves at ``GET /progress`` (``step``, ``loss``,
-``tokens_per_second``, ``last_checkpoint_step``, ``updated_at``) into the
-status fields ``progress`` and ``lastCheckpointStep``; and
-:func:`from_termination_message`, the same for the final copy of that
-document that rank 0 writes to ``$MESHTRAIN_TERMINATION_LOG`` at the end of a
-successful run (the kubelet reports it as the container's
-``state.terminated.message``), so the status of a finished job shows its last
-step even though the last poll came before it.  Malformed values are
-dropped, never raised.  Not the HTTP request (see ``kube``) or the
-polling schedule (see ``reconciler``).
+From the JSON the trainer's exporter serves at ``GET /progress``, polled while the job runs, and
+from the final copy rank 0 writes to its termination message at the end of a successful run, so
+a finished job's status shows its last step although the last poll came before it.  Malformed
+values are dropped, never raised.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Released gang pods that kube-scheduler refused: place the gang again elsewhere, spaced by a backoff.
 
-The operator's feasibility check and kube-scheduler can still disagree once the
-gates are lifted: another tenant's pod bound in the moment between the check
-and the lift, or a filter the operator does not model (another pod's
-anti-affinity).  A pinned pod then stays Pending for good.  No pod of such a
-gang has started training (the ranks rendezvous only once all are up), so the
-whole gang is deleted and placed again, without the refused node(s) for a while
-(:data:`EXCLUDED_SECONDS`): a re-placement, not a restart.
-
-A refusal is acted on only once it has lasted :data:`PERSISTS_SECONDS` (the
-scheduler's first answer may come before a freed node's pods are gone), and never
-while the scheduler has nominated the pod for its planned node: it is preempting
-pods there to make room (its message still reads ``Insufficient ...`` meanwhile),
-and re-placing would only have killed those victims for nothing.
-
-A refusal that no other node would change (a PreFilter failure such as a
-missing claim: the scheduler's message then counts no nodes) is only reported
-(``PodsScheduled=False``), never re-placed.  Re-placements of one job are
-spaced by a backoff (5 s doubling to 300 s), so a disagreement
-the exclusion does not cure cannot loop.  The memory is the reconciler's, per
-job UID: an operator restart forgets it and costs at most one re-placement more.
+The operator's check and kube-scheduler can still disagree once the gates are lifted (a pod
+bound in between, a filter the operator does not model such as another pod's anti-affinity),
+and a pinned pod then stays Pending for good.  No pod of such a gang has trained (the ranks
+rendezvous only once all are up), so the whole gang is placed again without the refused
+node(s): a re-placement, not a restart.
 """
 
 from __future__ import annotations
@@ -34,9 +19,12 @@ from meshtrain.operator.policy import pod_state
 EXCLUDED_SECONDS = 300.0
 """How long a node the scheduler refused a released pod stays out of the job's placements."""
 PERSISTS_SECONDS = 10.0
-"""How long a released pod stays refused (PodScheduled=False since) before the gang is re-placed."""
+"""How long a released pod stays refused (PodScheduled=False since) before the gang is re-placed.
+
+The scheduler's first answer may come before a freed node's pods are gone."""
 SPACING_SECONDS = 5.0
-"""Wait after a job's first re-placement before another; doubles with each, up to :data:`SPACING_CAP_SECONDS`."""
+"""Wait after a job's first re-placement before another; doubles with each, up to :data:`SPACING_CAP_SECONDS`,
+so a disagreement the exclusion does not cure cannot loop."""
 SPACING_CAP_SECONDS = 300.0
 
 _COUNTED = re.compile(r"(?:available:|,)\s*\d+ ")
@@ -55,7 +43,7 @@ class Record:
     """A job's re-placements after refusals (kept by the reconciler, per job UID)."""
 
     replacements: int
-    """Re-placements so far."""
+    """Re-placements so far; the spacing doubles with each."""
     not_before: float
     """time.monotonic() before which no further re-placement is made."""
     excluded: Mapping[str, float]
@@ -81,7 +69,13 @@ class Refusals:
 
 
 def refused(pods: Sequence[pod_state.PodState], now: datetime.datetime) -> Refusals:
-    """Released, unbound pods refused node by node, not nominated for their planned node."""
+    """Released, unbound pods refused node by node, not nominated for their planned node.
+
+    A pod nominated for its planned node is left alone: the scheduler is preempting pods there
+    to make room (its message still reads ``Insufficient ...`` meanwhile), and re-placing would
+    only have killed those victims for nothing.  A refusal of the pod as a whole (PreFilter,
+    :func:`about_the_node`) is only reported: no other node would change it.
+    """
     found: dict[str, str] = {}
     recheck: float | None = None
     for pod in pods:

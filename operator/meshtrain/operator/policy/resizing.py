@@ -1,14 +1,9 @@
 """runPolicy.elastic in the operator: which specs a placement tries, and what a resize writes.
 
-A placement tries the allowed data-parallel degrees largest first (``meshtrain.api.elastic``),
-so a gang that lost a node resumes at the largest degree that fits.  A gang running below its
-largest degree is checked for room to grow once it has published a checkpoint newer than the
-one it resumed from (the step its first report states, as the trainer reports the checkpoint it
-restored; the status at placement may predate the old gang's last checkpoint); growing is a rebuild
-like a spec change (the old pods checkpoint the step they stop at, nothing counts as a failure).
-It grows only once every check for ``growStableSeconds`` found room (``status.elastic.roomSince``)
-and ``minResizeIntervalSeconds`` passed since the last resize (``status.elastic.resizedAt``); until
-then a gang placed again (after a failure) is not placed larger than it ran either.  Pure: no I/O.
+A placement tries the allowed data-parallel degrees largest first, so a gang that lost a node
+resumes at the largest degree that fits.  A smaller gang grows back once it has checkpointed
+since it resumed, room has lasted ``growStableSeconds`` and the last resize is
+``minResizeIntervalSeconds`` old: a rebuild like a spec change, not a failure.  Pure.
 """
 
 from __future__ import annotations
@@ -266,7 +261,8 @@ def baseline(status: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str,
     """``status.elastic`` with the checkpoint the placed gang resumed from, at its first report stating one.
 
     Empty when already known or when the report states none (a gang that restored nothing takes its
-    first saved checkpoint as the baseline).
+    first saved checkpoint as the baseline).  Not taken from the status at placement, which may
+    predate the old gang's last checkpoint.
     """
     raw = status.get("elastic")
     step = changes.get("lastCheckpointStep")

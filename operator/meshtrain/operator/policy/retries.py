@@ -1,9 +1,8 @@
 """Refused tries of a job, for one spec generation: how many in a row, and when the next may go.
 
-The reconciler keeps one :class:`Backoff` per kind of refusal (the children's
-creates, the Kueue Workload's), keyed by job UID: a namesake created again is a
-new job.  A new spec generation tries again at once.  The caller passes the
-time (``time.monotonic()``) and the delay after N refusals in a row.
+The reconciler keeps one :class:`Backoff` per kind of refusal (the children's creates, the Kueue
+Workload's), keyed by job UID: a namesake created again is a new job.  A new spec generation
+tries again at once.
 """
 
 from __future__ import annotations
@@ -27,7 +26,10 @@ class Tries:
 
 
 class Backoff:
-    """Tries per job UID; ``delay(n)`` is the wait after ``n`` refusals in a row."""
+    """Tries per job UID; ``delay(n)`` is the wait after ``n`` refusals in a row.
+
+    The caller passes the time, ``time.monotonic()``.
+    """
 
     def __init__(self, delay: Callable[[int], float]) -> None:
         self._delay = delay

@@ -1,10 +1,8 @@
 """What one pass of the state machine sees of a job, and the two kinds of rows of its table.
 
-:class:`Situation` holds what ``lifecycle.decide`` is given (the job, its pods, the
-time, Kueue's gate, the nodes gone) and the facts several rules read, each worked
-out once, when a rule first asks.  A :class:`Rule` decides the pass when its guard
-holds; a :class:`Note` decides nothing but owes actions that every decision below it
-carries first.  Pure: no I/O.
+:class:`Situation` holds what ``lifecycle.decide`` is given and the facts several rules read,
+each worked out once, when a rule first asks.  A :class:`Rule` decides the pass when its guard
+holds; a :class:`Note` owes actions that every decision below it carries first.  Pure.
 """
 
 from __future__ import annotations

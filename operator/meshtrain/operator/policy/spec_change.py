@@ -1,12 +1,9 @@
 """Spec change policy: a placed gang whose spec changed is rebuilt for the new spec.
 
-``status.specHash`` records the spec a placement was made for; when the spec
-no longer hashes the same (``runPolicy`` aside), the placement and the old pods
-are dropped and the next pass places the new spec.  Not a restart
-(``restarts`` is unchanged): the pods are not at fault, and they get their full
-grace period to checkpoint the step they stop at.  The checkpoint format is
-layout-independent, so a new parallel layout resumes from it; the CRD refuses
-changes to ``spec.model``, which no checkpoint could survive.  Pure: no I/O.
+When the spec no longer hashes as ``status.specHash`` (``runPolicy`` aside), the placement and
+the old pods are dropped and the next pass places the new spec.  Not a restart: the pods get
+their full grace period to checkpoint the step they stop at, and the checkpoint, being
+layout-independent, resumes under the new layout.  Pure.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """From no placement to a released gang: when to place, re-create, lift the gates, place again, wait.
 
-The gang attempt is ``status.restarts``: pods carry it as a label, so pods of
-an older attempt are stale and deleted.  ``status.placement`` is written before
-the pods are created; pods missing from a still-gated gang are re-created on
-the recorded nodes (crash recovery), while a pod missing from a released gang
-is a failure (see ``failure``).  The gates are lifted once every pod exists, and
-a released pod kube-scheduler keeps refusing on its planned node has the gang
-placed again elsewhere (see ``rescheduling``).  Pure: no I/O.
+The gang attempt is ``status.restarts``, a label of every pod, so pods of an older attempt are
+stale.  ``status.placement`` is written before the pods are created: pods missing from a
+still-gated gang are re-created on the recorded nodes (crash recovery), while a pod missing
+from a released gang is a failure.  Pure.
 """
 
 from __future__ import annotations

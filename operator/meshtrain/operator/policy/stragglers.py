@@ -1,18 +1,9 @@
 """runPolicy.stragglerPolicy in the operator: the trainer's straggler report -> status, Events, a new gang.
 
-Pure.  :func:`observed` turns the ``straggler`` entry of rank 0's /progress
-(``{rank, slowdown, since_step}``, see ``trainer/meshtrain/trainer/guards/stragglers.py``) into
-``status.straggler`` with the pod and node of that rank (rank -> pod by the
-rank layout, pod -> node by ``status.placement``).  :func:`react`, applied
-while the gang runs by the state machine's rules :data:`REPLACE` and
-:data:`REPORTED`, sets the ``Straggler`` condition
-and emits an Event once per straggler; with ``action: replace`` it also
-stops the gang the way a spec change does (full grace period: the ranks
-finish the step, checkpoint it and exit), records the node in
-``status.excludedNodes`` and clears the placement, so the next pass places the
-gang without that node and it resumes from the checkpoint.  Not a restart
-(``restarts`` is unchanged): the pods did not fail.  :func:`excluded` is the
-set placement leaves out.
+:func:`observed` puts the ranks rank 0's /progress flags (the trainer's
+``guards/stragglers.py``) on their pods and nodes in ``status.straggler``; :func:`react` sets
+the ``Straggler`` condition and, under ``action: replace``, excludes the node and stops the
+gang so that the next pass places it elsewhere.  Not a restart: the pods did not fail.  Pure.
 """
 
 from __future__ import annotations
@@ -249,7 +240,10 @@ def react(
 ) -> Reaction:
     """The Straggler condition, its Event, and under ``replace`` the rebuild without the slow node.
 
-    ``conds`` are the conditions as this pass leaves them.
+    A replacement stops the gang the way a spec change does (full grace period: the ranks
+    finish the step, checkpoint it and exit), records the node in ``status.excludedNodes`` and
+    clears the placement; the new gang resumes from the checkpoint.  ``conds`` are the
+    conditions as this pass leaves them.
     """
     straggler = status.get("straggler")
     previous = conditions.find(conds, conditions.STRAGGLER) or {}

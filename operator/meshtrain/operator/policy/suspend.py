@@ -1,10 +1,8 @@
 """Suspend policy (``spec.runPolicy.suspend``): the gang goes, the status stays; resume places it again.
 
-Suspending deletes every pod with its own grace period (the ranks checkpoint
-the step they stop at) and keeps ``restarts``; nothing counts as a failure.
-Resuming waits until the suspended gang is gone, so its pods are not taken for
-a failed gang, then the job is Pending again with ``startTime`` reset (time
-suspended is not active time).  Pure: no I/O.
+Suspending deletes every pod with its own grace period (the ranks checkpoint the step they stop
+at); nothing counts as a failure.  Resuming waits until the suspended gang is gone, so that its
+pods are not taken for a failed gang, and resets ``startTime``: time suspended is not active.
 """
 
 from __future__ import annotations

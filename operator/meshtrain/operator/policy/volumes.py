@@ -1,23 +1,9 @@
 """Volume topology: the nodes a job's claim lets its pods run on (kube-scheduler's VolumeBinding filter).
 
-A pod whose PersistentVolumeClaim is bound to a volume with ``spec.nodeAffinity``
-(a local volume, a zonal disk) is bound only to a node that affinity allows;
-pinned anywhere else, kube-scheduler refuses it (``node(s) had volume node
-affinity conflict``) and it stays Pending.  Placement therefore offers only the
-nodes :func:`topology` allows:
-
-* a bound claim (``spec.volumeName``): the volume's required node affinity (none: any node);
-* an unbound claim of a ``WaitForFirstConsumer`` class without a provisioner
-  (``kubernetes.io/no-provisioner``, local volumes): the nodes an unclaimed volume
-  of the class that could take the claim (size, access modes) allows — the scheduler
-  binds one of those for the node the pod goes to;
-* an unbound claim of a ``WaitForFirstConsumer`` class with a provisioner: the
-  class's ``allowedTopologies`` (none: any node);
-* anything else (no claim of that name, an unbound ``Immediate`` claim): no
-  restriction here; kube-scheduler refuses the pod as a whole and the job says so
-  (``PodsScheduled=False``).
-
-Pure: the manifests are read by the caller (``claims``).
+A pod whose claim is bound to a volume with ``spec.nodeAffinity`` (a local volume, a zonal
+disk) and pinned to a node that affinity does not allow stays Pending (``volume node affinity
+conflict``), so placement offers only the nodes :func:`topology` allows.  The caller
+(``claims``) reads the manifests.
 """
 
 from __future__ import annotations
@@ -41,7 +27,7 @@ class Topology:
     """Where a job's claim lets its pods go."""
 
     claim: str
-    """The claim's name."""
+    """The claim's name (``checkpoint.claimName``)."""
     terms: tuple[Mapping[str, Any], ...]
     """Node selector terms (ORed); a node matching one of them is allowed."""
     why: str
@@ -135,6 +121,15 @@ def topology(
 
     ``volume``: the volume it is bound to; ``storage_class``: its class;
     ``volumes``: the cluster's volumes (read only for an unbound local claim).
+
+    * a bound claim (``spec.volumeName``): the volume's required node affinity (none: any node);
+    * an unbound claim of a ``WaitForFirstConsumer`` class without a provisioner (local
+      volumes): the nodes an unclaimed volume of the class that could take the claim (size,
+      access modes) allows; the scheduler binds one of those for the node the pod goes to;
+    * an unbound claim of a ``WaitForFirstConsumer`` class with a provisioner: the class's
+      ``allowedTopologies`` (none: any node);
+    * anything else (no claim of that name, an unbound ``Immediate`` claim): no restriction
+      here; kube-scheduler refuses the pod as a whole and the job says so (``PodsScheduled=False``).
     """
     if claim is None:
         return None
