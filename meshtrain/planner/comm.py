@@ -216,7 +216,6 @@ class _Row:
     group: str
     """Axis of the process group."""
     op: str
-    """The collective op."""
     calls: int
     """Calls per step (none: the row is dropped)."""
     nbytes: float
