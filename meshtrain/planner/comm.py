@@ -169,7 +169,7 @@ def zero3_collectives(
 ) -> list[tuple[str, str, int, float]]:
     """ZeRO-3 (FSDP2) per step: (group, op, calls, payload bytes) of one rank.
 
-    Units as ``trainer/parallel/zero3.units`` makes them: the embedding
+    Units as :func:`meshtrain.trainer.parallel.zero3.units` makes them: the embedding
     tables (first chunk, untied, without pipelining), each block, and each chunk's root (final
     norm and head, plus tied tables).  Per micro-batch every unit with
     parameters is gathered for its forward and again for its backward

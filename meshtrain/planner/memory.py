@@ -304,7 +304,7 @@ def zero3_gathered(
 ) -> tuple[float, float]:
     """What FSDP2 holds beside the shards under ZeRO-3: (during backward, with the activations; at the end of a chunk's backward).
 
-    Units as the trainer wraps them (``trainer/parallel/zero3.units``): the
+    Units as the trainer wraps them (:func:`meshtrain.trainer.parallel.zero3.units`): the
     embedding tables (``tables`` parameters; 0 when tied to the head or
     pipelined), one unit per block (``block`` parameters) and the
     chunk's root (``root``: final norm and head, plus the tables when tied
