@@ -1,30 +1,9 @@
-"""The TrainingJob CustomResourceDefinition, generated from the spec model.
+"""The TrainingJob CustomResourceDefinition, generated from the spec and status models and the rules.
 
-A pure translation of :class:`meshtrain.api.spec.TrainingJobSpec`
-and :class:`~meshtrain.api.spec.status.TrainingJobStatus` (their pydantic JSON
-schemas) into a *structural* OpenAPI v3 schema the API server accepts, plus
-every rule of :mod:`meshtrain.api.rules` as CEL ``x-kubernetes-validations``
-(and as a sentence of the description of the field it points at), the status
-subresource, printer columns and names.  ``python -m meshtrain.api.crd`` (or ``meshtrain crd``) prints the YAML
-that is checked in at ``manifests/crd/trainingjobs.meshtrain.io.yaml``; a unit
-test fails when the two drift.
-
-Translation rules (JSON Schema 2020-12 from pydantic -> Kubernetes structural):
-
-* ``$ref``/``$defs`` are inlined (structural schemas have no references);
-* ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``;
-* ``exclusiveMinimum: n`` becomes ``minimum: n`` + ``exclusiveMinimum: true``;
-* a field built by ``default_factory`` gets the factory's whole value as
-  ``default`` so the API server fills every default (CEL rules then read
-  them; it validates a default against the rules as written, without
-  filling nested defaults first);
-* ``title``, ``additionalProperties: false`` and null defaults are dropped
-  (unknown fields are pruned by the server, and refused by ``kubectl apply``
-  with server-side field validation);
-* ``dict[str, Any]`` becomes ``x-kubernetes-preserve-unknown-fields: true`` —
-  the only place the schema is open;
-* each rule's message is appended to the description of the field at its
-  path (``Rule: ...``), so a model's descriptions never state a rule again.
+The models' pydantic JSON schemas become a structural OpenAPI v3 schema (:func:`model_schema`)
+and every rule of :mod:`meshtrain.api.rules` a CEL ``x-kubernetes-validations`` entry.
+``python -m meshtrain.api.crd`` (or ``meshtrain crd``) prints the YAML checked in at
+``manifests/crd/trainingjobs.meshtrain.io.yaml``; a unit test fails when the two drift.
 """
 
 from __future__ import annotations
@@ -60,7 +39,7 @@ _KEEP = (
     "maxItems",
     "format",
 )
-"""JSON-schema keywords carried over unchanged (after the rewrites above)."""
+"""JSON-schema keywords carried over unchanged (after :func:`_structural`'s rewrites)."""
 
 
 def _resolve(node: Any, defs: dict[str, Any]) -> Any:
@@ -161,7 +140,23 @@ def _factory_defaults(model: type[pydantic.BaseModel], schema: dict[str, Any]) -
 
 
 def model_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
-    """Structural OpenAPI v3 schema of a pydantic model (camelCase field names)."""
+    """Structural OpenAPI v3 schema of a pydantic model (camelCase field names).
+
+    From pydantic's JSON Schema 2020-12 to Kubernetes' structural schema:
+
+    * ``$ref``/``$defs`` are inlined (structural schemas have no references);
+    * ``anyOf: [X, {type: null}]`` becomes ``X`` with ``nullable: true``;
+    * ``exclusiveMinimum: n`` becomes ``minimum: n`` + ``exclusiveMinimum: true``;
+    * a field built by ``default_factory`` gets the factory's whole value as
+      ``default`` so the API server fills every default (CEL rules then read
+      them; it validates a default against the rules as written, without
+      filling nested defaults first);
+    * ``title``, ``additionalProperties: false`` and null defaults are dropped
+      (unknown fields are pruned by the server, and refused by ``kubectl apply``
+      with server-side field validation);
+    * ``dict[str, Any]`` becomes ``x-kubernetes-preserve-unknown-fields: true``,
+      the only place the schema is open.
+    """
     raw = model.model_json_schema(by_alias=True)
     defs = raw.pop("$defs", {})
     schema = _structural(_resolve(raw, defs))
@@ -193,7 +188,10 @@ MODEL_IMMUTABLE = {
 
 
 def _describe_rules(schema: dict[str, Any], judged: tuple[base.Rule[Any], ...]) -> None:
-    """Append each rule's message to the description of the field at its path."""
+    """Append each rule's message to the description of the field at its path (``Rule: ...``).
+
+    So a model's field descriptions never state a rule again.
+    """
     for rule in judged:
         node = schema
         for name in rule.path.removeprefix("spec").strip(".").split("."):

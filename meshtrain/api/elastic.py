@@ -1,11 +1,9 @@
 """Elastic data parallelism: the sizes a job may run at, and the spec it runs with at each.
 
-``parallelism.data`` states the global batch ``G = microBatch x microBatches x data``.  At
-another degree ``d`` the gradient accumulation is changed to ``G / (microBatch x d)`` so the
-optimizer sees the same batch; where that does not divide, the nearest whole accumulation is
-used and the changed batch (and learning rate: ``training.lrScaling``, under ``none`` the batch
-ratio) is stated.  The rule that the smallest degree keeps the batch is stated here, where the
-sizes are.  Pure: no I/O.
+At a degree ``d`` other than ``parallelism.data`` the accumulation becomes ``G / (microBatch x d)``,
+so the optimizer sees the same global batch ``G``; where that does not divide, the nearest whole
+accumulation is used and the changed batch and learning rate are stated (:func:`describe`).
+The rule that the smallest degree keeps the batch is here, where the sizes are.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Rank-layout arithmetic for data x pipeline x tensor parallelism.
+"""Rank-layout arithmetic for data x pipeline x tensor parallelism: :class:`ParallelLayout`.
 
-One object owns the mesh arithmetic: degrees, world size, the coordinates of a
-rank and the members of each process group.  The order is fixed by the design:
-pipeline outermost, then data, tensor innermost::
+Degrees, world size, a rank's coordinates and each process group's members, in the order the
+design fixes (pipeline outermost, tensor innermost)::
 
     rank = (pp * data + dp) * tensor + tp
 
-so a tensor-parallel group is a block of consecutive ranks and therefore of
-consecutive local ranks of one pod.  Pure: no process groups, no torch.
+so a tensor-parallel group is a block of consecutive local ranks of one pod.
 """
 
 from __future__ import annotations

@@ -1,17 +1,4 @@
-"""Named decoder shapes a TrainingJob can ask for with ``model.preset``.
-
-The realistic shapes follow the GPT-3 paper's table of model sizes (125M, 350M,
-1.3B) and the common 7B decoder shape; the vocabulary is GPT-2's 50257 padded to
-50304 (a multiple of 128, so it splits evenly over tensor-parallel ranks).
-``tiny`` uses byte-level tokens (vocab 256) and is sized for CPU tests.
-The ``llama*`` presets are Llama-family shapes (RoPE, RMSNorm, SwiGLU,
-grouped-query attention): ``llama3-8b`` and ``llama3-70b`` follow Meta's
-published Llama 3 configurations (128,256-token vocabulary, 8 key/value
-heads, RoPE base 500,000); ``llama3.2-1b`` follows Llama 3.2 1B (tied
-embeddings, Llama 3.1's RoPE scaling, trained here at its original 8,192
-context), the Llama shape that trains on one GPU; ``llama-tiny`` has the GPT ``tiny`` preset's
-width and depth for CPU tests and side-by-side benchmarks.
-"""
+"""Named decoder shapes a TrainingJob can ask for with ``model.preset``: :data:`PRESETS`."""
 
 from typing import Literal
 
@@ -78,3 +65,15 @@ PRESETS: dict[str, dict[str, PresetValue]] = {
         "rope_theta": 500000.0,
     },
 }
+"""Each preset's shape fields, and where they come from.
+
+The GPT shapes follow the GPT-3 paper's table of model sizes (125M, 350M, 1.3B) and the common 7B
+decoder shape; their vocabulary is GPT-2's 50257 padded to 50304 (a multiple of 128, so it splits
+evenly over tensor-parallel ranks).  ``tiny`` uses byte-level tokens (vocab 256) and is sized for
+CPU tests.  The ``llama*`` presets are Llama-family shapes (RoPE, RMSNorm, SwiGLU, grouped-query
+attention): ``llama3-8b`` and ``llama3-70b`` follow Meta's published Llama 3 configurations
+(128,256-token vocabulary, 8 key/value heads, RoPE base 500,000); ``llama3.2-1b`` follows Llama 3.2
+1B (tied embeddings, Llama 3.1's RoPE scaling, trained here at its original 8,192 context), the
+Llama shape that trains on one GPU; ``llama-tiny`` has ``tiny``'s width and depth for CPU tests
+and side-by-side benchmarks.
+"""

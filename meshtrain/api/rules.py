@@ -1,14 +1,11 @@
 """Every rule of a TrainingJob, gathered from where each is stated, and the checks that apply them.
 
-Each rule is one record (:class:`meshtrain.api.spec.base.Rule`) beside the section it
-judges, or in :mod:`meshtrain.api.spec.cross_section` when it reads several; this module
-only lists them, judges a spec against all of them and holds the rules on
-``metadata.name``.  The Python check sees the resolved model shape (presets included) and
-reports the actual values; the CEL form, which the CRD carries so ``kubectl apply`` refuses
-the job, judges only explicit model fields, so preset-based shapes are checked by the
-operator, which reports the same message in the job's status.
-
-Pure: no I/O.  Single-field constraints (minimums, enums) live on the models.
+Each rule (:class:`~meshtrain.api.spec.base.Rule`) sits beside the section it judges, or in
+:mod:`meshtrain.api.spec.cross_section` when it reads several; this module lists them, judges a
+spec against all of them and holds the rules on ``metadata.name``.  The Python check sees the
+resolved model shape (presets included); the CEL form in the CRD judges only explicit model
+fields, so the operator checks preset-based shapes and reports the same message in the status.
+Single-field constraints (minimums, enums) are on the models.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Reading the nodes of a live cluster for ``meshtrain plan --from-cluster``.
 
-The planner's only Kubernetes I/O: one function that lists the cluster's
-Node objects with the official ``kubernetes`` client (the kubeconfig found by
-:mod:`meshtrain.operator.cluster.kubeconfig`, or the in-cluster service account) and turns each into a placement :class:`~meshtrain.placement.Node`
-with the converter the operator uses too (:func:`meshtrain.placement.node_from_manifest`),
-so the planner and the operator see the same allocatable GPUs and labels.
-
-Not a view of what is free.  GPUs already used by running pods
-are not subtracted: the plan answers "where would this job go on an empty
-cluster of this shape".
+The planner's only Kubernetes I/O, with the official ``kubernetes`` client.  Each Node becomes a
+placement :class:`~meshtrain.placement.Node` through the converter the operator uses too
+(:func:`meshtrain.placement.node_from_manifest`), so both see the same allocatable GPUs and labels.
 """
 
 from __future__ import annotations
@@ -29,7 +23,12 @@ def list_nodes(
     context: str | None = None,
     gpu_resource: str = "nvidia.com/gpu",
 ) -> list[placement.Node]:
-    """Every node of the cluster as the placement planner sees it."""
+    """Every node of the cluster as the placement planner sees it.
+
+    The kubeconfig is found as the operator finds it (:mod:`meshtrain.operator.cluster.kubeconfig`),
+    else the in-cluster service account is used.  GPUs already used by running pods are not
+    subtracted: the plan answers "where would this job go on an empty cluster of this shape".
+    """
     config_file = clientconfig.kubeconfig_paths(kubeconfig)
     try:
         if config_file is not None:

@@ -1,9 +1,7 @@
-"""The ``meshtrain`` command line: one subcommand per user task.
+"""The ``meshtrain`` command line: one subcommand per user task, handed to the module that does it.
 
-This module only parses arguments and hands over to the module that does the
-work.  Those modules are imported when their subcommand runs, not before:
-``meshtrain --help`` and ``meshtrain validate`` should not pay for importing
-torch, kopf or matplotlib.
+Those modules are imported when their subcommand runs, so that ``meshtrain --help`` and
+``meshtrain validate`` do not pay for importing torch, kopf or matplotlib.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The ``meshtrain plan`` subcommand: arguments, and the glue from files to the report.
+"""The ``meshtrain plan`` subcommand: its arguments (a table), and the glue from files to the report.
 
-:func:`configure` adds the subcommand's arguments (a table of them) to an
-``argparse`` parser and sets its handler; :func:`run` reads the job, the
-profile and (optionally) the cluster, calls
-:func:`meshtrain.planner.estimate.make_plan` and prints
-:mod:`meshtrain.planner.report`'s text or JSON.  Errors (bad job, unknown profile,
-malformed cluster file, unreachable cluster) print one clear message and
-exit with status 2.  The arithmetic is in the other planner modules.
+:func:`run` reads the job, the profile and (optionally) the cluster, calls
+:func:`meshtrain.planner.estimate.make_plan` and prints :mod:`meshtrain.planner.report`'s text or
+JSON.  A bad job, an unknown profile, a malformed cluster file or an unreachable cluster prints
+one message and exits with status 2.
 """
 
 from __future__ import annotations

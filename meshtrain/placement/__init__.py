@@ -1,17 +1,9 @@
 """Topology-aware gang placement: which node hosts each pod of a TrainingJob.
 
-Pure and deterministic: ``placement.plan(request, nodes, reservations)``
-returns a :class:`Placement` (a node per pod index and the predicted bytes per
-step crossing each fabric level) or an :class:`Unschedulable` with a reason
-constant and a message.  No Kubernetes imports, no I/O: the operator turns
-cluster objects into :class:`Node` and :class:`Reservation` values and the
-answer into pods.  See docs/placement.md for the cost model and algorithm.
-
-Modules: ``values`` (the data), ``manifests`` (Node manifests as values),
-``topology`` (levels, label families, the domain tree), ``fabric_cost``
-(traffic and bytes model), ``planner`` (``plan`` and the topology-blind
-``first_fit`` reference).  The request of a TrainingJob spec, with its pod
-traffic from the planner's communication model, is built a layer up by
+Pure and deterministic: ``placement.plan(request, nodes, reservations)`` returns a
+:class:`Placement` or an :class:`Unschedulable`; the operator turns cluster objects into
+:class:`Node` and :class:`Reservation` values and the answer into pods.  docs/placement.md has the
+cost model and the algorithm.  A spec becomes a request a layer up, in
 :mod:`meshtrain.planner.placement_request`.
 """
 

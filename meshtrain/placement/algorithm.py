@@ -1,26 +1,9 @@
-"""The placement planner: which node hosts each pod of a gang.
+"""The placement algorithm: :func:`plan`, and :func:`first_fit`, the topology-blind packing it is measured against.
 
-:func:`plan`, a pure and deterministic function from a request,
-the nodes and the existing reservations to a :class:`~values.Placement` (a node
-per pod index, its predicted traffic per fabric level) or an
-:class:`~values.Unschedulable` with a reason and a message; and
-:func:`first_fit`, the topology-blind packing the planner is measured against.
-It does no I/O, holds no state between calls and does not
-reserve anything; the operator records the result and turns it into pods.
-
-Algorithm (docs/placement.md has the picture):
-
-1. Count free pod slots per eligible node (``free GPUs // gpus_per_node``).
-2. Build the domain tree (fabric levels top first, NVLink domain, node).
-3. Descend from the root into the child that holds the whole gang at the
-   deepest level (then the smallest such child): the smallest subtree that fits.
-4. Where no child holds the rest, split it over children, largest first and
-   the last one best-fit, cutting at unit boundaries (a whole pipeline stage,
-   or a whole pipeline column) when the spare capacity allows.
-5. Pods are laid along a pod order in consecutive runs, so ranks that talk
-   (DP ring neighbours, PP neighbours) land in the same subtree where they can.
-   Two orders are tried (stage-major keeps DP rings together, column-major
-   keeps pipelines together); the one with the lower modelled cost wins.
+:func:`plan` descends the domain tree (:mod:`.topology`) into the smallest subtree that holds the
+gang, splits the gang at whole stages or pipelines where no child holds it, and keeps the cheaper
+of two pod orders by the cost model (:mod:`.fabric_cost`); docs/placement.md has the steps.
+Nothing is reserved here: the operator records the answer.
 """
 
 from __future__ import annotations
@@ -178,7 +161,9 @@ def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
     Stage-major is pod index order; its unit is the smallest run of pods that
     starts and ends on a stage boundary.  Column-major (only when every stage
     fills whole pods) walks one pipeline (a column of pods, one per stage)
-    after another; its unit is one column.
+    after another; its unit is one column.  Runs are consecutive in the order,
+    so stage-major keeps DP rings together and column-major pipelines;
+    :func:`plan` keeps the one with the lower modelled cost.
     """
     pods = request.pods
     per_stage = request.data * request.tensor

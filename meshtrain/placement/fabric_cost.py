@@ -1,23 +1,10 @@
-"""The traffic and cost model of a placement.
+"""The traffic and cost model of a placement (docs/placement.md).
 
-Which pods talk to which and how many bytes per optimizer step
-(derived from the fixed rank layout of :mod:`meshtrain.api.layout`), the price of
-those bytes given the nodes the pods sit on, and the formulas that turn a
-model shape into bytes per step.  It chooses nothing and does
-not measure anything; the numbers are a model (see docs/placement.md).
-
-Model, per optimizer step:
-
-* data parallel: every (stage, tp-index) group of ``data`` ranks runs a ring
-  all-reduce in dp order; each rank sends ``2 (N-1)/N x gradient bytes`` of its
-  shard to its successor (ZeRO-1/2 reduce-scatter + all-gather move the same);
-* pipeline parallel: rank ``(pp, dp, tp)`` exchanges activations (forward) and
-  their gradients (backward) of every micro-batch with ``(pp+1, dp, tp)``;
-* tensor parallel traffic never leaves a pod, so placement cannot change it
-  and it is not counted.
-
-Traffic between two pods is priced at the highest level their nodes' paths
-differ at: ``bytes x weight(level)``.
+:func:`pod_traffic` sums, per pair of pods, the bytes per step their ranks exchange under the
+fixed rank layout: each data-parallel ring in dp order, each rank with its next-stage peer
+(tensor-parallel traffic never leaves a pod, so placement cannot change it and it is not counted).
+:func:`evaluate` prices them at the highest fabric level the two nodes' paths differ at,
+``bytes x weight(level)``.
 """
 
 from __future__ import annotations

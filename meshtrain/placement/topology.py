@@ -1,15 +1,8 @@
-"""The cluster's shape as the planner sees it: levels, domains, free pod slots.
+"""The cluster's shape as the placement algorithm sees it: fabric levels, domains, free pod slots.
 
-The known fabric label families and their detection, the default
-level weights, each node's *path* (its domain at every fabric level, then its
-NVLink domain) and the tree of domains with free pod slots that the planner
-walks.  It does not choose nodes (see ``planner``) nor price
-traffic (see ``fabric_cost``).
-
-Domains nest by path: two nodes share a leaf domain only if they also share
-the spine and block above it, so a leaf name reused under two spines names two
-leaves.  A node without a level's label is a domain of its own at that level
-(and below), so the planner treats unlabelled nodes as far from everything.
+The known fabric label families and their detection, the default level weights, each node's
+*path* (its domain at every fabric level, then its NVLink domain) and the tree of domains with
+free pod slots that :mod:`.algorithm` walks.
 """
 
 from __future__ import annotations
@@ -102,8 +95,11 @@ def node_path(
 ) -> tuple[str, ...]:
     """The node's domain value at each level, then its NVLink domain.
 
-    A missing label becomes ``<node-name>``: label values cannot contain ``<``,
-    so this never collides with a real domain.
+    Domains nest by path: two nodes share a leaf domain only if they also share
+    the spine and block above it, so a leaf name reused under two spines names
+    two leaves.  A missing label becomes ``<node-name>`` (label values cannot
+    contain ``<``, so this never collides with a real domain): the node is a
+    domain of its own at that level and below, far from everything.
     """
     own = f"<{node.name}>"
     values = [node.labels.get(level.label, own) for level in levels]

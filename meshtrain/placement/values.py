@@ -1,10 +1,8 @@
-"""Plain data of the placement: what the planner is given and what it returns.
+"""Plain data of the placement: what the algorithm is given and what it returns.
 
-Frozen values only: cluster nodes, reservations, the request derived from a
-TrainingJob, and the two possible answers (:class:`Placement` or
-:class:`Unschedulable`).  This module computes nothing beyond checking that a
-request is self-consistent; it knows nothing of Kubernetes objects or of the
-spec model (see :mod:`meshtrain.planner.placement_request` for that bridge).
+Frozen values: cluster nodes, reservations, the request a TrainingJob becomes (built from the spec
+by :mod:`meshtrain.planner.placement_request`), and the two answers, :class:`Placement` and
+:class:`Unschedulable`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The planner: what a TrainingJob will need and do, predicted before it runs.
 
-``meshtrain plan JOB.yaml`` (see docs/planner.md) reports parameters, memory
-per GPU by component with headroom, bytes per process group per step,
-predicted step time, pipeline bubble, the computation-to-communication
-ratio, the global batch against a critical batch size and, given nodes, the
-placement the operator would make.
-
-docs/planner.md lists the modules and what each holds.  Not a measurement;
-the trainer's telemetry measures, and tests hold the two against each other.
+``meshtrain plan JOB.yaml`` reports parameters, memory per GPU by component, bytes per process
+group, step time, pipeline bubble, the computation-to-communication ratio, the batch against a
+critical batch size and, given nodes, the operator's placement.  docs/planner.md lists the
+modules.  The trainer's telemetry measures what this predicts; tests hold the two together.
 """

@@ -1,19 +1,8 @@
-"""What the operator asks the planner: does the job fit, and which numbers go in the status.
+"""What the operator asks the planner: does the job fit, what goes in ``status.plan``, which profile judges a node.
 
-Three small pure functions for the operator's reconcile path:
-
-* :func:`check` ``(spec, profile) -> None | WontFit``: refuse a job whose
-  worst rank needs more device memory than the profile has, with a message
-  carrying the numbers by component;
-* :func:`status_summary` ``(plan) -> dict``: the key numbers of a plan for
-  ``status.plan`` of the TrainingJob (JSON-ready, camelCase keys, stable);
-* :func:`profile_for_labels` ``(labels) -> Profile | None``: the profile of
-  a node from the GPU product label that NVIDIA's GPU feature discovery sets
-  (``nvidia.com/gpu.product``), so the operator can pick the profile from
-  the nodes it places on.
-
-Not Kubernetes I/O or condition handling; the operator turns a
-:class:`WontFit` into a condition and an Event.
+Pure functions for the operator's reconcile path (:func:`check`, :func:`status_summary`,
+:func:`profile_for_labels`, :func:`node_profile`); the operator turns a :class:`WontFit` into a
+condition and an Event.
 """
 
 from __future__ import annotations

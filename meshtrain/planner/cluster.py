@@ -1,20 +1,9 @@
 """Cluster description files: the nodes ``meshtrain plan --cluster`` places a job on.
 
-The parser of a small YAML format (a list of nodes with a name,
-a GPU count and labels) into the placement module's
-:class:`~meshtrain.placement.Node` values, with errors that name the
-file, the line and the entry and say what is wrong::
-
-    nodes:
-      - name: gpu-a1
-        gpus: 8
-        labels:
-          nvidia.com/gpu.clique: clique-a
-          network.topology.nvidia.com/block: block-1
-
-(a bare top-level list of nodes is accepted too).  Not a reader
-of a live cluster; :mod:`meshtrain.cli.cluster_nodes` does that with the Kubernetes client.
-Reading the file is the only I/O here; :func:`parse_text` is pure.
+A small YAML format (``nodes:``, a list of nodes with a name, a GPU count and labels; a bare list
+works too; docs/planner.md shows it) read into placement :class:`~meshtrain.placement.Node` values,
+with errors that name the file, the entry and the line.  A live cluster is read by
+:mod:`meshtrain.cli.cluster_nodes`.
 """
 
 from __future__ import annotations

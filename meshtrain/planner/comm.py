@@ -1,52 +1,10 @@
 """Communication model: the collectives one rank runs per optimizer step, and their bytes.
 
-An enumeration, per pipeline stage, of every collective the
-trainer's engine issues in one step (group, op, calls, payload bytes), built
-from the model shape, the layout and the precision scheme.  It follows what
-:mod:`meshtrain.trainer.parallel` does, call for call, so that a test can
-compare it exactly with the bytes the trainer's recorder measures:
-
-* **dp**: the gradient reducer packs this rank's parameters (reverse
-  registration order, never two model chunks in one bucket) into buckets of
-  ``bucketMb`` MiB and all-reduces each bucket once per step (payload: every
-  gradient once).  With ZeRO (:mod:`meshtrain.trainer.parallel.zero`) stage
-  1 keeps the all-reduce, stage 2 reduce-scatters each bucket, padded to a
-  multiple of the group size, after every micro-batch's backward (so no
-  full-size gradient outlives a micro-batch), and both all-gather each bucket's updated weights (padded) and sum
-  the gradient norm over the group (one fp64 scalar).  Stage 3 (FSDP2) gathers
-  every block before its forward and its backward and reduce-scatters its
-  gradients, per micro-batch (:func:`zero3_collectives`).  ``allReduce:
-  hierarchical`` replaces a bucket's all-reduce by a reduce-scatter inside the
-  node, an all-reduce of the 1/k shard across nodes (k: the group's ranks per
-  node) and an all-gather inside the node.
-* **tp** (tensor > 1), per micro-batch: Megatron's two reductions per
-  sub-layer (attention, MLP), one forward (row-parallel output) and one
-  backward (column-parallel input gradient); under sequence parallelism each
-  becomes an all-gather and a reduce-scatter in each direction.  The
-  vocabulary-parallel embedding reduces its output, the head's input
-  gradient is reduced, and the vocabulary-parallel cross entropy all-reduces
-  a max and a (target logit, sum of exp) pair per token.  Per step: the
-  global gradient norm (one fp64 scalar), under sequence parallelism one
-  all-reduce of the replicated parameters' gradients, and with fewer
-  key/value heads than tensor ranks one all-reduce of the k/v rows'
-  gradients over the ranks holding the same head (a subgroup of tp,
-  recorded as tp).
-* **pp** (pipeline > 1): one activation sent forward per micro-batch and
-  model chunk (except from the last virtual stage) and one gradient sent
-  back (except from the first), shaped (micro batch, seq [/ tp under SP],
-  hidden); per step the global-norm scalar and, with tied embeddings, one
-  all-reduce of the matrix's gradient between the first and the last stage.  The trainer records pipeline
-  waits, not pipeline bytes, so only the dp and tp figures are measured.
-
-Each bucket's gradient exchange (the flat all-reduce, the hierarchical
-chain, a compressed exchange, a ZeRO-2 or ZeRO-3 reduce-scatter) is issued
-when the bucket's gradients are final and overlaps the rest of backward
-(:attr:`StageComm.dp_exchanges` counts them); ZeRO's parameter gathers and
-the dp norm are marked :attr:`Collective.after_backward`.
-
-Payload bytes follow the recorder's convention (the full buffer, also for
-all-gather and reduce-scatter); :attr:`Collective.wire_bytes` is what a rank
-actually sends under ring algorithms.  Pure: no torch, no I/O.
+Per pipeline stage, every collective the trainer's engine issues in one step (group, op, calls,
+payload bytes), call for call as :mod:`meshtrain.trainer.parallel` does, so that a test compares
+it exactly with the bytes the trainer's recorder measures.  docs/planner.md lists each group's
+collectives; payload bytes follow the recorder's convention (the full buffer), and
+:attr:`Collective.wire_bytes` is what a rank sends under ring algorithms.
 """
 
 from __future__ import annotations
@@ -211,7 +169,7 @@ def zero3_collectives(
 ) -> list[tuple[str, str, int, float]]:
     """ZeRO-3 (FSDP2) per step: (group, op, calls, payload bytes) of one rank.
 
-    Units as ``trainer/parallel/zero3.units`` makes them: the embedding
+    Units as :func:`meshtrain.trainer.parallel.zero3.units` makes them: the embedding
     tables (first chunk, untied, without pipelining), each block, and each chunk's root (final
     norm and head, plus tied tables).  Per micro-batch every unit with
     parameters is gathered for its forward and again for its backward
@@ -258,7 +216,6 @@ class _Row:
     group: str
     """Axis of the process group."""
     op: str
-    """The collective op."""
     calls: int
     """Calls per step (none: the row is dropped)."""
     nbytes: float
@@ -419,7 +376,7 @@ def _zero3_exchange(
 def _zero2_exchange(
     job: api_spec.TrainingJobSpec, buckets: list[int], scheme: precision.StateScheme
 ) -> _Exchange:
-    """Every micro-batch's backward reduce-scatters each bucket, padded to the group."""
+    """Every micro-batch's backward reduce-scatters each bucket, padded to the group (so no full-size gradient outlives a micro-batch)."""
     d, m = job.parallelism.data, job.parallelism.micro_batches
     nbytes = m * sum(padded(n, d) for n in buckets) * scheme.grads
     return _Exchange(

@@ -1,10 +1,8 @@
 """The whole plan of one TrainingJob on one device profile (and optionally a cluster).
 
-:func:`make_plan`, which runs the memory, communication and time
-models and, given cluster nodes, the operator's placement planner, and
-returns one :class:`Plan` value that :mod:`.report` prints and
-:mod:`.admission` summarises.  Not a printer or a reader of
-files; it works on values only.
+:func:`make_plan` runs the memory, communication and time models and, given nodes, the operator's
+placement, and returns one :class:`Plan` that :mod:`.report` prints and :mod:`.admission`
+summarises.
 """
 
 from __future__ import annotations

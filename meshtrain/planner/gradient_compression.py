@@ -1,22 +1,8 @@
-"""Data-parallel collectives per step under gradient compression (``parallelism.gradientCompression``).
+"""Data-parallel collectives and memory under gradient compression (``parallelism.gradientCompression``).
 
-Mirrors :mod:`meshtrain.trainer.parallel.compression`, bucket by bucket,
-call for call, in the recorder's payload convention (the buffer a
-collective works on; an all-gather counts its gathered output):
-
-* bf16 / fp16: one all-reduce of the bucket in 2-byte elements;
-* int8: two all-gathers: each rank's 4-byte scale and its bucket in 1-byte
-  elements (``dp x (4 + n)`` bytes gathered: summed in fp32 by the receivers);
-* topk: two all-gathers of ``k = max(1, int(ratio x n))`` elements per rank
-  (4-byte values, 4-byte indices);
-* powersgd: matrices with ``min(rows, cols) > r`` send ``P`` (rows x r) and
-  ``Q`` (cols x r) in one all-reduce each; everything else of the bucket one
-  uncompressed all-reduce.
-
-:func:`memory_bytes` gives what the compressed exchange keeps between steps
-(error feedback, PowerSGD's Q) and the temporaries of one bucket's exchange.
-
-Pure: no torch, no I/O.
+Mirrors :mod:`meshtrain.trainer.parallel.compression` bucket by bucket, call for call, in the
+recorder's payload convention (the buffer a collective works on; an all-gather counts its
+gathered output).
 """
 
 from __future__ import annotations
@@ -36,7 +22,19 @@ def dp_collectives(
     dp: int,
     grad_bytes: int,
 ) -> list[tuple[str, str, int, int]]:
-    """(group, op, calls, payload bytes) of one step for buckets given as their members' shapes."""
+    """(group, op, calls, payload bytes) of one step for buckets given as their members' shapes.
+
+    Per bucket of ``n`` elements:
+
+    * bf16 / fp16: one all-reduce of the bucket in 2-byte elements;
+    * int8: two all-gathers: each rank's 4-byte scale and its bucket in 1-byte
+      elements (``dp x (4 + n)`` bytes gathered: summed in fp32 by the receivers);
+    * topk: two all-gathers of ``k = max(1, int(ratio x n))`` elements per rank
+      (4-byte values, 4-byte indices);
+    * powersgd: matrices with ``min(rows, cols) > r`` send ``P`` (rows x r) and
+      ``Q`` (cols x r) in one all-reduce each; everything else of the bucket one
+      uncompressed all-reduce.
+    """
     out: list[tuple[str, str, int, int]] = []
     for shapes in buckets:
         n = sum(math.prod(s) for s in shapes)

@@ -1,16 +1,9 @@
 """Memory model: bytes per GPU by component for a TrainingJob layout.
 
-Pure arithmetic on the model shape and the layout, from the parameters one
-rank holds (:mod:`.parameters`):
-
-* Model state per rank (weights, gradients, optimizer state) with the
-  bytes-per-parameter of the precision and the division ZeRO applies.
-* Activation memory per micro-batch per layer (the accounting of Korthikanti
-  et al. 2022, adapted to this model) times the micro-batches a stage keeps
-  in flight under the chosen pipeline schedule.
-
-docs/planner.md states every formula and its source.  Not a
-measurement.
+Model state from the parameters one rank holds (:mod:`.parameters`) at the precision's bytes per
+parameter, divided as ZeRO divides it; activations per micro-batch and block (Korthikanti et al.
+2022, adapted to this model) times the micro-batches a stage keeps in flight under its schedule;
+the working buffers beside them.  docs/planner.md states every formula and its source.
 """
 
 from __future__ import annotations
@@ -311,7 +304,7 @@ def zero3_gathered(
 ) -> tuple[float, float]:
     """What FSDP2 holds beside the shards under ZeRO-3: (during backward, with the activations; at the end of a chunk's backward).
 
-    Units as the trainer wraps them (``trainer/parallel/zero3.units``): the
+    Units as the trainer wraps them (:func:`meshtrain.trainer.parallel.zero3.units`): the
     embedding tables (``tables`` parameters; 0 when tied to the head or
     pipelined), one unit per block (``block`` parameters) and the
     chunk's root (``root``: final norm and head, plus the tables when tied

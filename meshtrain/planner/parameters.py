@@ -1,13 +1,8 @@
-"""Parameter counts of meshtrain's models, whole and per rank.
+"""Parameter counts of meshtrain's GPT and Llama decoders, whole and per rank.
 
-meshtrain's GPT (:mod:`meshtrain.trainer.models.gpt`: untied token
-embedding, learned positions, pre-norm blocks without biases in the
-linears, final LayerNorm, LM head) and Llama decoder
-(:mod:`meshtrain.trainer.models.llama`: grouped-query attention, SwiGLU,
-RMSNorm, no position table), for the whole model and for the shard one rank
-holds (its pipeline stage, split over the tensor-parallel group; the token
-embedding and the head are split along the vocabulary, the position table
-and the norms are replicated).  Pure.
+A rank holds its pipeline stage split over the tensor-parallel group: the token embedding and the
+head split along the vocabulary, the position table and the norms replicated (docs/planner.md,
+"Parameters").
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Build a :class:`~values.PlacementRequest` from a TrainingJob spec.
+"""A TrainingJob spec as a placement request: the bridge from :mod:`meshtrain.api.spec` to placement.
 
-The bridge from the typed spec (:mod:`meshtrain.api.spec`) to the
-planner's plain request.  The bytes per step that placement weighs come from
-the planner's communication model (:func:`meshtrain.planner.comm.placement_traffic`),
-the same model that ``meshtrain plan`` reports and that tests hold equal to
-the bytes the trainer measures.  It does not validate the spec
-(the spec rules do) and does not plan.
-
-Placement happens on a GPU cluster, so ``precision: auto`` is priced as bf16
-autocast (fp32 master weights and gradients, fp32 residual stream between
-stages), which is how the trainer runs there.
+The bytes per step placement weighs come from the planner's communication model
+(:func:`meshtrain.planner.comm.placement_traffic`), the one ``meshtrain plan`` reports and tests
+hold equal to the bytes the trainer measures.
 """
 
 from __future__ import annotations
@@ -20,7 +13,12 @@ from meshtrain.planner import comm, precision
 
 
 def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
-    """The placement request of a (validated) TrainingJob spec."""
+    """The placement request of a (validated) TrainingJob spec.
+
+    Placement happens on a GPU cluster, so ``precision: auto`` is priced as bf16
+    autocast (fp32 master weights and gradients, fp32 residual stream between
+    stages), which is how the trainer runs there.
+    """
     par = job.parallelism
     trained_in = "fp32" if job.training.precision == "fp32" else "bf16"
     dp_bytes, pp_bytes = comm.placement_traffic(job, precision.scheme_for(trained_in))

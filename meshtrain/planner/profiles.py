@@ -1,16 +1,8 @@
-"""Hardware profiles: the device figures the planner's formulas need.
+"""Hardware profiles: the device figures the planner's formulas need, and their YAML files.
 
-The :class:`Profile` value (peak FLOP/s, memory, link bandwidths
-and latencies of one accelerator model) and the loader of profile YAML files.
-The built-in files live in ``meshtrain/planner/profiles/*.yaml``, one per
-device, each with a ``source:`` note naming the datasheet its figures come
-from.  Users add or override profiles with files of the same form in a
-directory given by ``--profiles-dir`` or the ``MESHTRAIN_PROFILES_DIR``
-environment variable (several directories separated by ``os.pathsep``); a user
-file with a built-in's name replaces the built-in.
-
-Not a detector of the hardware the code runs on.  Reading the
-YAML files is the only I/O here.
+The built-in files are ``meshtrain/planner/profiles/*.yaml``, one per device, each with a
+``source:`` naming its datasheet; files of the same form in ``--profiles-dir`` or
+``$MESHTRAIN_PROFILES_DIR`` add profiles or replace a built-in of the same name.
 """
 
 from __future__ import annotations

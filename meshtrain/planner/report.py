@@ -1,10 +1,7 @@
-"""Presenting a plan: the text report and the versioned JSON document.
+"""Presenting a plan: the text report (:func:`to_text`) and the ``meshtrain.plan/v1`` JSON document (:func:`to_json`).
 
-:func:`to_json` builds the ``meshtrain.plan/v1`` document (every
-key is documented in docs/planner.md; within v1 keys are only ever added,
-never renamed or removed) and :func:`to_text` the human table printed by
-``meshtrain plan``.  Not a computation; every number comes from
-the :class:`~.estimate.Plan` it is given.
+docs/planner.md documents every key; within v1 keys are only ever added, never renamed or removed.
+Every number comes from the :class:`~.estimate.Plan` it is given.
 """
 
 from __future__ import annotations

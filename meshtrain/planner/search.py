@@ -1,20 +1,9 @@
 """``meshtrain plan --search``: the fastest valid layouts for a world size, ranked by predicted step time.
 
-Every layout of ``world`` ranks is tried: tensor degrees that divide
-``gpusPerNode`` and the heads, pipeline degrees that divide the layers, the
-rest data parallel; the global batch of the job is kept (``microBatch x
-microBatches x data``), with the job's micro-batch or a smaller power of two;
-every schedule the pipeline allows; ZeRO 0-2 when there is data parallelism.
-A candidate must pass the spec's own validation and fit the profile's
-memory; with nodes, the operator's placement must place it (checked for the
-best candidates until ``limit`` are placeable).
-
-A profile calibrated on a CPU host carries the step loop of the layout it
-was calibrated for (its CPU, tensor-parallel calls, pipeline messages); with
-``measure`` (``--search --calibrate``) the best :data:`MEASURED_GRIDS`
-distinct grids are measured the same way on their own best layout and
-their candidates priced again with it before the final ranking.  Pure apart
-from that callable: the caller reads files and hands it in.
+:func:`layouts` lists the candidates (docs/planner.md, "Layout search"); each must pass the spec's
+own validation, fit the profile's memory and, with nodes, be placed by the operator's placement.
+With ``measure`` (``--search --calibrate``), the best :data:`MEASURED_GRIDS` grids have their step
+loop measured on their own layout before the final ranking; the caller hands that callable in.
 """
 
 from __future__ import annotations

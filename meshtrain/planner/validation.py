@@ -1,14 +1,8 @@
 """How far to trust a predicted step time: the profile's provenance and the measured error band.
 
-``benchmarks/bench_planner_time.py`` runs several layouts with calibrated
-profiles and writes, besides its results file, ``validation.json`` next to
-this module: the spread of measured over predicted step time and the
-largest bubble error over the runs it is given (``--band``), the machine
-and the load.  :func:`confidence` combines that band with what the
-profile says of itself (measured by ``--calibrate``, on this host or not;
-or datasheet figures never checked against a run) into the statement the
-plan report and ``--json`` carry.  Reading and writing that file is the only
-I/O here.
+The band is ``validation.json`` beside this module, written by ``benchmarks/bench_planner_time.py``
+from its runs' results; :func:`confidence` combines it with what the profile says of itself into
+the statement the plan report and ``--json`` carry (docs/planner.md, "Confidence").
 """
 
 from __future__ import annotations

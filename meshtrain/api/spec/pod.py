@@ -216,4 +216,3 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         _labels_not_reserved,
     ),
 )
-"""Rules on the pod settings."""

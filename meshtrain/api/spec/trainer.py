@@ -63,4 +63,3 @@ RULES: tuple[base.Rule[TrainerProgram], ...] = (
         _custom_trainer_command,
     ),
 )
-"""Rules on the trainer section."""

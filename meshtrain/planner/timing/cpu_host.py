@@ -1,29 +1,10 @@
 """A machine whose ranks share a host's cores: CPU work over the cores available.
 
-On a GPU every rank owns its device; on a CPU host (``meshtrain run``, gloo)
-the ranks and everything else running there share a few cores, and the
-Linux scheduler gives the cores to whichever threads are runnable.  A rank
-waiting in the bubble or in a collective needs no core, so the others use
-it: pricing every rank at ``cores / ranks`` of a core *and* adding its waits
-counts the cores twice.  Two bounds hold instead:
-
-* **work**: the step cannot end before the cores have done every rank's CPU
-  seconds — compute at the block's FLOPs per CPU second, the per-operation
-  cost, the CPU each collective costs its members, the optimizer, the step
-  loop — so ``step >= sum over ranks of CPU seconds / available cores``;
-* **dependencies**: nor before the schedule's critical path (pipeline fill
-  and drain, collectives, the exposed reduction, the optimizer) with each
-  rank running at the cores it could have alone
-  (``min(threads per rank, available cores)``); with a core per rank a
-  tensor-parallel call waits its calibrated wall time there, and a
-  pipeline's window is a replay of the schedule with the cores shared
-  among the runnable ranks (:mod:`.pipeline_replay`).
-
-The step is the larger.  Every figure is CPU time measured by
-``--calibrate`` (load-independent); the one figure that depends on other
-tenants is the cores available to the job (``Profile.available_cores``, what
-the job's ranks received while all computed at calibration; a caller who
-knows better replaces it).  Pure.
+A rank waiting in the bubble or in a collective needs no core and the others use it, so pricing
+each rank at ``cores / ranks`` of a core *and* adding its waits would count the cores twice.  The
+step is the larger of two bounds instead (:meth:`CpuHost.bound`): all ranks' CPU seconds over the
+available cores, and the critical path with each rank at the cores it could have alone
+(docs/planner.md, "CPU hosts").
 """
 
 from __future__ import annotations
@@ -58,7 +39,11 @@ def cpu_cost_fit(fit: profiles.CollectiveFit) -> profiles.CollectiveFit:
 
 
 def available_cores(profile: profiles.Profile) -> float:
-    """Cores the job's ranks can use together: measured at calibration, else all of them."""
+    """Cores the job's ranks can use together: measured at calibration, else all of them.
+
+    The one figure of the model that depends on other tenants; every other is CPU time, which
+    does not change with the load.
+    """
     measured = profile.available_cores
     return min(measured, float(profile.cores)) if measured > 0 else float(profile.cores)
 

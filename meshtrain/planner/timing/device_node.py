@@ -1,12 +1,9 @@
-"""A machine whose ranks each own a device: the GPUs of a node.
+"""A machine whose ranks each own a device: the GPUs of a node, priced in wall seconds.
 
-Work runs at the device's achievable FLOP/s (``peak x achievable_fraction``)
-and pays the profile's cost per operation; collectives pay the alpha-beta
-price of the link their group uses (:mod:`.network`); the pipeline window is
-the closed form of :mod:`.pipeline_window`, and the step is its critical
-path.  A CPU profile without CPU-time figures is priced the same way, each
-rank a device running at its share of the host's cores
-(:meth:`~meshtrain.planner.profiles.Profile.rank_flops`).  Pure.
+Work at the device's achievable FLOP/s and cost per operation, collectives at the alpha-beta price
+of their group's link (:mod:`.network`), the closed-form pipeline window, the step its critical
+path.  A CPU profile without CPU-time figures is priced the same way, each rank a device at its
+share of the host's cores (:meth:`~meshtrain.planner.profiles.Profile.rank_flops`).
 """
 
 from __future__ import annotations

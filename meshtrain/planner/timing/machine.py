@@ -1,12 +1,9 @@
-"""What the step-time model asks of a machine, whatever its kind.
+"""What the step-time model asks of a machine, whatever its kind: :class:`Machine`.
 
-:mod:`.step_time` prices each stage's work at the machine's
-:class:`~.stage_work.Prices` and puts the step together from the answers
-below without knowing which kind of machine gives them.  One
-implementation per kind, chosen once from the profile:
-:class:`.device_node.DeviceNode` (a device per rank) and
-:class:`.cpu_host.CpuHost` (ranks sharing a host's cores, priced in CPU
-seconds).  Pure.
+:mod:`.step_time` prices each stage's work at the machine's :class:`~.stage_work.Prices` and
+composes the step from its answers.  One implementation per kind, chosen once from the profile:
+:class:`.device_node.DeviceNode` (a device per rank) and :class:`.cpu_host.CpuHost` (ranks
+sharing a host's cores).
 """
 
 from __future__ import annotations

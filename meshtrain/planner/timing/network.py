@@ -1,12 +1,9 @@
 """Time on the network: the link each process group uses and the alpha-beta price of a collective on it.
 
-Hockney's alpha-beta model with the ring algorithms as analysed by Patarasuk
-and Yuan 2009 and Thakur et al. 2005: all-reduce ``2 (n-1) alpha + 2 (n-1)/n
-M / B``; all-gather and reduce-scatter ``(n-1) alpha + (n-1)/n M / B``; a
-point-to-point send ``alpha + M / B``.  A group whose ranks all sit in one
-NVLink domain uses the domain's link (``nvlink_*`` of the profile), any
-other the fabric's (``nic_*``); a calibrated profile's measured fits per op
-and group size replace the intra-host link's alpha and beta.  Pure.
+Hockney's alpha-beta model with the ring algorithms as analysed by Patarasuk and Yuan 2009 and
+Thakur et al. 2005 (the formulas are on the functions below).  A group inside one NVLink domain
+uses the domain's link (the profile's ``nvlink_*``), any other the fabric's (``nic_*``); a
+calibrated profile's fits per op and group size replace the intra-host link's figures.
 """
 
 from __future__ import annotations

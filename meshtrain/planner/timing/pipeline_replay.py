@@ -1,38 +1,9 @@
 """The pipeline window when the stages' ranks share a host's cores: a replay with processor sharing.
 
-With a device per rank, a stage waiting in the fill or drain leaves its
-device idle, and the window is the closed form of :mod:`.pipeline_window`.
-On a CPU host the Linux scheduler shares the cores among the runnable
-threads in proportion to their weight (CFS/EEVDF fair share): a stage that
-waits needs no core, so the others run faster meanwhile, and the idle share
-of stage 0 and the window both change.
-
-Model: the job's ranks share ``A`` cores (the cores they receive together,
-what calibration and the host sampler measure; the host's cores on a quiet
-host).  When ``k`` of the job's ranks are runnable, each with ``T`` threads,
-the scheduler splits the cores evenly among their threads, so a rank
-progresses at
-
-    ``T x min(1, A / (k T))``  CPU seconds per second.
-
-With ``R T <= A`` every rank has its own cores and this is the dedicated
-window; with ``R T > A`` a waiting stage's share goes to the running ones and
-the job's cores stay busy while any rank can run (on a host shared with
-other tenants, the scheduler's sleeper credit returns most of a waiting
-rank's share to it later, so the job keeps about ``A`` over the step).
-
-Each stage runs its actions in the trainer's order (GPipe: every forward,
-then every backward; 1F1B: ``p - s - 1`` warm-up forwards, then one forward
-one backward, then the remaining backwards); a forward of stage ``s > 0``
-waits for the same micro-batch's forward of ``s - 1`` and a backward of
-``s < p - 1`` for the backward of ``s + 1``, each plus that message's
-latency (:class:`Messages`: activations and gradients apart, as calibration
-measures them).  All ranks of one stage (its data- and tensor-parallel
-replicas) run in step.  Before each action a rank runs its share of the
-step loop (posting messages, bookkeeping) once the action's input is
-there: runnable, but not compute.  A stage counts as busy from the start to
-the end of each action (as the trainer's compute intervals do, descheduled
-time included).  Pure.
+On a CPU host the Linux scheduler shares the cores among the runnable threads (CFS/EEVDF fair
+share): a stage that waits in the fill or drain needs no core, so the others run faster meanwhile,
+and the window and stage 0's idle share differ from the closed form of :mod:`.pipeline_window`
+(docs/planner.md, "Pipelines on shared cores").
 """
 
 from __future__ import annotations
@@ -47,22 +18,36 @@ _EPSILON = 1e-12
 
 @dataclasses.dataclass(frozen=True)
 class Sharing:
-    """The cores a job's ranks share and the threads each runs."""
+    """The cores a job's ranks share and the threads each runs.
+
+    With ``R T <= A`` (``R`` ranks) every rank has its own cores and the replay is the dedicated
+    window; with ``R T > A`` a waiting stage's share goes to the running ones and the job's cores
+    stay busy while any rank can run (on a host shared with other tenants, the scheduler's sleeper
+    credit returns most of a waiting rank's share to it later, so the job keeps about ``A`` over
+    the step).
+    """
 
     cores: float
-    """Cores the job's ranks receive together (A)."""
+    """Cores the job's ranks receive together (A): what calibration and the host sampler measure; the
+    host's cores on a quiet host."""
     threads: int
     """Threads each rank runs (T)."""
 
     def rate(self, runnable: int) -> float:
-        """CPU seconds per second of one rank while ``runnable`` of the job's ranks are runnable."""
+        """CPU seconds per second of one rank while ``runnable`` (``k``) of the job's ranks are runnable.
+
+        The scheduler splits the cores evenly among the runnable threads: ``T x min(1, A / (k T))``.
+        """
         demand = runnable * self.threads
         return self.threads * min(1.0, self.cores / demand) if demand > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Messages:
-    """Wall seconds from an action's end to the neighbour that waits for its output holding it."""
+    """Wall seconds from an action's end to the neighbour that waits for its output holding it.
+
+    Activations and gradients apart, as calibration measures them.
+    """
 
     activations: float
     """A forward's output, on its way to the next stage."""
@@ -73,7 +58,11 @@ class Messages:
 def stage_actions(
     schedule: str, stages: int, micro_batches: int, stage: int
 ) -> list[tuple[str, int]]:
-    """``("F", i)`` and ``("B", i)`` in the order ``stage`` runs them (gpipe or 1f1b)."""
+    """``("F", i)`` and ``("B", i)`` in the order ``stage`` runs them.
+
+    GPipe: every forward, then every backward; 1F1B: ``p - s - 1`` warm-up
+    forwards, then one forward one backward, then the remaining backwards.
+    """
     m = micro_batches
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -95,8 +84,15 @@ def replay(
 ) -> pipeline_window.Window:
     """The window of one step; ``stages`` hold CPU seconds per micro-batch, ``replicas`` ranks per stage.
 
-    ``between``: CPU seconds of the rank's own loop before each action (posting
-    its messages, bookkeeping): runnable, but not compute.
+    Each stage runs its actions in the trainer's order (:func:`stage_actions`); a
+    forward of stage ``s > 0`` waits for the same micro-batch's forward of
+    ``s - 1`` and a backward of ``s < p - 1`` for the backward of ``s + 1``, each
+    plus that message's latency (``messages``).  All ranks of one stage (its
+    data- and tensor-parallel replicas) run in step.  ``between``: CPU seconds of
+    the rank's own loop before each action, once its input is there (posting its
+    messages, bookkeeping): runnable, but not compute.  A stage counts as busy
+    from the start to the end of each action, as the trainer's compute intervals
+    do (descheduled time included).
     """
     p = len(stages)
     orders = [stage_actions(schedule, p, micro_batches, s) for s in range(p)]

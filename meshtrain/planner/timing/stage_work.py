@@ -1,18 +1,9 @@
 """What one rank of a pipeline stage does in one step, and its seconds at a machine's prices.
 
-The work is counted here, machine-free: ``6 N`` FLOPs per token for the
-matmuls of the parameters a rank holds plus ``12 l s h / t`` for attention
-(Kaplan et al. 2020; Narayanan et al. 2021), a fixed cost per tensor
-operation (the trainer's block runs 28 forward and 53 backward), every
-collective of :mod:`meshtrain.planner.comm`, and an optimizer that streams
-32 bytes per updated parameter.  :func:`price` turns it into a
-:class:`StageTime` at the :class:`Prices` a machine quotes
-(:mod:`.machine`): wall seconds on a GPU, CPU seconds on a CPU host.
-
-Data-parallel bucket exchanges (each bucket's whole chain: flat,
-hierarchical or compressed) overlap the last micro-batch's backward; what
-does not fit behind it (at least the last bucket's exchange) is exposed, and
-so is everything after backward (ZeRO's gathers, the norm).  Pure.
+The work is counted here, machine-free: matmul and attention FLOPs, tensor operations, every
+collective of :mod:`meshtrain.planner.comm` and the optimizer's bytes.  :func:`price` turns it
+into a :class:`StageTime` at the :class:`Prices` a machine quotes (:mod:`.machine`): wall seconds
+on a GPU, CPU seconds on a CPU host.
 """
 
 from __future__ import annotations
@@ -47,6 +38,8 @@ def rank_flops_per_microbatch(
     shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
 ) -> float:
     """Training FLOPs of one micro-batch on one rank of ``stage``: (6 N_rank + 12 l s h / t) x tokens.
+
+    Kaplan et al. 2020; Narayanan et al. 2021.
 
     ``N_rank`` counts the parameters the rank multiplies with (its blocks and,
     on the last stage, the final norm and head; embedding lookups are not
@@ -198,7 +191,13 @@ class Prices:
 
 
 def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Prices) -> StageTime:
-    """One rank's seconds of ``stage_comm.stage`` in one step at ``prices``."""
+    """One rank's seconds of ``stage_comm.stage`` in one step at ``prices``.
+
+    Data-parallel bucket exchanges (each bucket's whole chain: flat,
+    hierarchical or compressed) overlap the last micro-batch's backward; what
+    does not fit behind it (at least the last bucket's exchange) is exposed, and
+    so is everything after backward (ZeRO's gathers, the norm).
+    """
     par = job.parallelism
     stage = stage_comm.stage
     per_mb, forward_mb = _flops_per_microbatch(job, stage)

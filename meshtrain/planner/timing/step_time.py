@@ -1,23 +1,9 @@
 """The step-time model: each stage's work priced by a machine, and the step put together from it.
 
-:func:`plan_time` chooses the machine the profile describes once
-(:mod:`.machine`: a device per rank, or ranks sharing a CPU host's cores),
-prices every stage's work at its prices (:mod:`.stage_work`) and composes
-the step from the machine's answers, whatever its kind:
-
-* each stage's work as seconds on the schedule's critical path, and its
-  forward and backward per micro-batch;
-* the pipeline window over them, with the sends between stages (its stage-0
-  idle share is the predicted bubble; the theoretical
-  ``(p-1)/(v m + p - 1)`` is reported beside it);
-* ``step = window + exposed dp + closing all-reduces + optimizer`` (plus the
-  step loop outside the window), or longer where the machine's capacity
-  bounds it (a CPU host's cores).
-
-The computation-to-communication ratio compares compute seconds with the
-sum of all collective seconds of the busiest rank; below 1 the job is
-communication-bound.  Not a simulator of overlap inside a step, or a
-measurement.
+:func:`plan_time` chooses the machine the profile describes once (:func:`machine_for`) and
+composes ``step = window + exposed dp + closing all-reduces + optimizer`` (plus the step loop
+outside the window) from its answers whatever its kind, or longer where the machine's capacity
+bounds it (a CPU host's cores).  Within a step only the data-parallel reduction overlaps compute.
 """
 
 from __future__ import annotations

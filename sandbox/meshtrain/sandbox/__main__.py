@@ -1,9 +1,7 @@
 """``python -m meshtrain.sandbox up|down|status|run-example``: the sandbox's commands.
 
-Argument parsing and printing; the work is in :mod:`.supervisor`
-(processes) and :mod:`.example` (applying and following a job).  Make calls
-these (``make sandbox-up`` ...); nothing here is needed by the operator or
-the trainer.
+Argument parsing and printing; :mod:`.supervisor` runs the processes and :mod:`.example` applies
+and follows a job.  Make calls these (``make sandbox-up`` ...).
 """
 
 from __future__ import annotations

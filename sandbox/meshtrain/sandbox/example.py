@@ -1,12 +1,9 @@
 """``run-example``: apply a TrainingJob to the sandbox and follow it to the end.
 
-The README's main job on a laptop.  It makes the checkpoint
-volume the example names (a PersistentVolume on a sandbox directory,
-pre-bound to the claim), ``kubectl apply``s the example, prints a line
-whenever the job's phase, step or restart count changes (like
-``kubectl get tj -w``), and finishes with where the metrics, logs and
-timeline picture are.  Not a test; tests/e2e drives the same
-functions and asserts.
+The README's main job on a laptop: it makes the checkpoint volume the example names, applies the
+example, prints a line whenever the job's phase, step or restart count changes (like
+``kubectl get tj -w``) and ends with where the metrics, logs and timeline picture are.
+tests/e2e drives the same functions and asserts.
 """
 
 from __future__ import annotations

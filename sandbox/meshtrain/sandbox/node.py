@@ -1,14 +1,8 @@
 """The sandbox's real nodes: a network namespace each, containerd, kubelet, kube-proxy; CoreDNS.
 
-:func:`setup_network` makes a node's namespace and veth link
-(:mod:`.nodeconfig` says which addresses), :func:`join_nodes` the links and
-routes between the nodes' namespaces; :func:`write_configs` writes the
-components' files; :func:`commands` gives their command lines (containerd,
-kubelet and kube-proxy run inside the namespace through ``nsenter --net``,
-which leaves the mount namespace shared, so the kubelet's volume mounts are
-the ones containerd sees); :func:`teardown` kills what they leave behind
-(containers, shims, mounts, cgroups, the namespace).  Processes themselves
-are started and stopped by :mod:`.supervisor`.
+Setting up and joining the nodes' networks (addresses from :mod:`.nodeconfig`), writing the
+components' files, their command lines, and tearing down what they leave behind (containers,
+shims, mounts, cgroups, the namespace); :mod:`.supervisor` starts and stops the processes.
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ class Node:
     root: pathlib.Path
     """``<state>/nodes/<node name>``."""
     net: nodeconfig.Addresses
-    """Its network."""
     spec: nodes_mod.NodeSpec
     """Name, topology labels and GPU count."""
 
@@ -234,6 +227,11 @@ def write_configs(
 
 
 def _in_netns(net: nodeconfig.Addresses, argv: list[str]) -> list[str]:
+    """``argv`` inside the node's network namespace.
+
+    ``nsenter --net`` leaves the mount namespace shared, so the kubelet's volume
+    mounts are the ones containerd sees.
+    """
     return ["nsenter", f"--net=/run/netns/{net.netns}", "--", *argv]
 
 

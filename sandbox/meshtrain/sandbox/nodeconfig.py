@@ -1,18 +1,8 @@
-"""Configuration of the sandbox's real node: addresses, containerd, CNI, kubelet, kube-proxy, CoreDNS.
+"""Configuration of the sandbox's real nodes: addresses, containerd, CNI, kubelet, kube-proxy, CoreDNS.
 
-Pure builders; :mod:`.node` writes them and starts the processes.
-
-Addresses: every node of a sandbox gets its own network namespace, joined to
-the host by one veth pair on a /30 link.  The host end of the first node's link
-carries the API server's and CoreDNS's address, each namespace end its node's.
-Pods hang off a bridge inside their node's namespace, on a /24 of their own;
-no namespace has a default route, so no pod packet can leave the machine.  The
-host gets a route to each pod /24 through that node's veth, so host processes
-(Prometheus, kubectl port-forward) reach pod IPs as they would on a kind
-network.  Nodes after the first reach the API server and CoreDNS through their
-own link to the host, and the other nodes' pods through a veth pair to the
-first node's namespace, which forwards between them (a star: the host itself
-forwards nothing).
+Pure builders; :mod:`.node` writes them and starts the processes.  Each node has a network
+namespace of its own, joined to the host by a veth pair on a /30, and the first node's namespace
+forwards pod traffic between the nodes (a star: the host itself forwards nothing).
 """
 
 from __future__ import annotations
@@ -39,7 +29,14 @@ RUNC = "/usr/sbin/runc"
 
 @dataclasses.dataclass(frozen=True)
 class Addresses:
-    """One sandbox's network: namespace, veth pair and subnets."""
+    """One node's network: namespace, veth pair and subnets.
+
+    Pods hang off a bridge inside the node's namespace, on their /24; no
+    namespace has a default route, so no pod packet can leave the machine.  The
+    host gets a route to each pod /24 through that node's veth, so host
+    processes (Prometheus, kubectl port-forward) reach pod IPs as they would on
+    a kind network.
+    """
 
     index: int
     """Third octet shared by the link and pod subnets (0..255)."""

@@ -1,9 +1,7 @@
-"""The sandbox's GPU node: its name, place in the fabric and GPU count, and the labels' names.
+"""The sandbox's GPU nodes: name, place in the fabric, GPU count, and the labels' names.
 
-Real GPU clusters carry NVIDIA's topology labels
-(``network.topology.nvidia.com/block`` and ``.../leaf``) and the
-``nvidia.com/gpu`` extended resource; the sandbox's kubelet node registers
-with the same labels and advertises the resource (:mod:`.nodeconfig`).
+The kubelet nodes register with NVIDIA's topology labels and advertise the ``nvidia.com/gpu``
+extended resource, as real GPU clusters' nodes do (:mod:`.nodeconfig`).
 """
 
 from __future__ import annotations

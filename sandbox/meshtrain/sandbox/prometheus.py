@@ -1,12 +1,8 @@
 """Prometheus for the sandbox: Debian's ``prometheus`` binary on a loopback port.
 
-:func:`build_config` (pure) writes the scrape configuration: the trainer's
-per-rank exporters and the operator's, each from a file_sd list, with
-``honor_labels`` so the exporters' job/namespace/pod labels win, and
-meshtrain's rules (``dashboards/rules.yaml``) when present; :func:`targets`
-(pure) turns the API server's pods into those lists (pod IP and named
-container port), as Kubernetes service discovery would: Debian builds
-Prometheus without it.  :func:`command` is the command line.
+It scrapes the trainer's and the operator's exporters from file_sd target lists that
+:func:`targets` makes from the API server's pods, as Kubernetes service discovery would: Debian
+builds Prometheus without it.
 """
 
 from __future__ import annotations
@@ -39,7 +35,11 @@ OPERATOR_PORTS = r"metrics"
 
 
 def build_config(*, targets_dir: pathlib.Path, rule_files: list[pathlib.Path]) -> dict[str, Any]:
-    """The prometheus.yml of the sandbox: one file_sd job per target file :func:`targets` fills."""
+    """The prometheus.yml of the sandbox: one file_sd job per target file :func:`targets` fills.
+
+    ``honor_labels``, so the exporters' job/namespace/pod labels win; ``rule_files`` are
+    meshtrain's rules (``dashboards/rules.yaml``) when present.
+    """
 
     def job(name: str) -> dict[str, Any]:
         return {

@@ -1,17 +1,9 @@
 """Bringing the sandbox up and down: one supervisor process owns every part.
 
-``up`` starts a detached supervisor (``python -m meshtrain.sandbox serve``)
-and waits until it reports ready; the supervisor makes a network namespace
-per node and joins them, starts the control plane (etcd, kube-apiserver,
-kube-scheduler, kube-controller-manager) on the host end of the first node's
-link, a containerd in each node's namespace, builds (cached) and imports the
-images, starts CoreDNS, and each node's kubelet and kube-proxy (:mod:`.node`),
-installs the chart with helm (the operator runs as the chart's Deployment
-from the built image) and starts Prometheus.
-It records every process group and the nodes' names in ``state.json`` so
-that ``down`` can stop it all, and check that nothing is left, even after a
-crash.  A component that cannot start stops the whole sandbox with a message
-naming it.
+``up`` starts a detached supervisor (``python -m meshtrain.sandbox serve``) and waits until it
+reports ready; the supervisor starts the parts in order (docs/sandbox.md, "What runs") and
+records every process group and the nodes' names in ``state.json``, so that ``down`` can stop it
+all and check that nothing is left, even after a crash.
 """
 
 from __future__ import annotations

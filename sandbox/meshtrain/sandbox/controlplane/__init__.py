@@ -1,13 +1,8 @@
-"""A real, local Kubernetes control plane for tests and the sandbox.
+"""A real, local Kubernetes control plane for tests and the sandbox: :class:`ControlPlane`.
 
-:class:`ControlPlane` starts etcd and kube-apiserver (optionally
-kube-scheduler and kube-controller-manager) from binaries that
-``scripts/bootstrap.sh`` builds from the pinned Kubernetes release
-(:mod:`.binaries` finds them); :mod:`.pki`, :mod:`.kubeconfig`, :mod:`.ports`
-and :mod:`.rest` are its parts.
-
-Not a cluster with nodes: no kubelet runs here; the sandbox
-(:mod:`meshtrain.sandbox`) adds a real kubelet node on top. It never downloads or builds binaries itself.
+It runs the binaries ``scripts/bootstrap.sh`` builds from the pinned Kubernetes release
+(:mod:`.binaries` finds them, never builds them).  No kubelet runs here: the sandbox adds real
+nodes on top.
 """
 
 from meshtrain.sandbox.controlplane.binaries import Binaries, BinariesMissingError, locate

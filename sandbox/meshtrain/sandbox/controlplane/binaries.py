@@ -1,13 +1,8 @@
-"""Find the control-plane binaries that ``scripts/bootstrap.sh`` provides.
+"""Find what ``scripts/bootstrap.sh`` provides: binaries at the pinned versions, the Prometheus Operator CRDs.
 
-A lookup of the Prometheus Operator CRD files the bootstrap
-fetched (:func:`monitoring_crds`), and a lookup, per binary, through (1) ``$KUBEBUILDER_ASSETS``, (2) the
-bootstrap's cache directory ``${MESHTRAIN_CACHE:-~/.cache/meshtrain}/bin/<k8s
-version>/``, (3) ``PATH``; a binary from (1) or (3) is used only if it reports
-the pinned version. The result is a frozen :class:`Binaries` of absolute paths.
-
-It never builds or downloads anything; a missing binary raises
-:class:`BinariesMissingError` telling the user to run ``make bootstrap``.
+:func:`locate` finds the control plane's binaries, :func:`locate_node` the sandbox node's,
+:func:`monitoring_crds` the CRD files.  Nothing is built or downloaded here: a missing binary
+raises :class:`BinariesMissingError` telling the user to run ``make bootstrap``.
 """
 
 from __future__ import annotations
@@ -102,7 +97,12 @@ def monitoring_crds() -> list[pathlib.Path]:
 
 
 def locate() -> Binaries:
-    """Find every binary at the pinned version, or raise :class:`BinariesMissingError`."""
+    """Find every binary at the pinned version, or raise :class:`BinariesMissingError`.
+
+    Per binary: ``$KUBEBUILDER_ASSETS``, then the bootstrap's cache directory
+    ``${MESHTRAIN_CACHE:-~/.cache/meshtrain}/bin/<k8s version>/``, then ``PATH``;
+    one from the first or the last is used only if it reports the pinned version.
+    """
     bin_dir = cache_bin_dir()
     versions = _read_versions(bin_dir)
     found: dict[str, pathlib.Path] = {}
@@ -175,7 +175,7 @@ def _wanted(name: str, versions: Versions) -> str:
 
 
 def _find(name: str, bin_dir: pathlib.Path, wanted: str) -> pathlib.Path | None:
-    """First usable ``name``: assets dir or PATH at ``wanted``, else the cache dir.
+    """First usable ``name``: the assets dir at ``wanted``, else the cache dir, else PATH at ``wanted``.
 
     Binaries in the cache dir are trusted without running them: the bootstrap
     verified their versions and the directory is keyed by version.

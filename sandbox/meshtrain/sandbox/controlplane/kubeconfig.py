@@ -1,10 +1,7 @@
-"""Kubeconfig files for the local control plane.
+"""Kubeconfig files for the local control plane: one cluster, one user, one context.
 
-Builds a one-cluster, one-user, one-context kubeconfig with the
-CA and credentials embedded (so the file works from any directory) and writes
-it with mode 0600.
-
-Not a kubeconfig merger or reader; clients read these files.
+The CA and credentials are embedded, so a file works from any directory; it is written with mode
+0600.
 """
 
 from __future__ import annotations

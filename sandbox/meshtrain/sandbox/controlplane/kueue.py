@@ -1,12 +1,9 @@
-"""Kueue's controller manager on a local control plane, as a cluster runs it.
+"""Kueue's controller manager on a local control plane, as a cluster runs it: :class:`Kueue`.
 
-scripts/bootstrap.sh builds ``kueue`` from the ``sigs.k8s.io/kueue`` Go module and copies
-the release's CRDs and webhook configurations next to it.  :class:`Kueue` installs those
-CRDs, serves Kueue's webhooks on loopback with a certificate of the control plane's CA
-(Kueue's own certificate rotation needs a Service and a Secret, which a control plane
-without nodes cannot serve), points the webhook configurations at it, and registers
-the job kinds it is given as external frameworks (whose controllers create their own
-Workloads, as meshtrain's operator does for TrainingJobs).
+It installs the CRDs the bootstrap copied from the pinned release, serves Kueue's webhooks on
+loopback with a certificate of the control plane's CA (Kueue's own rotation needs a Service and a
+Secret, which a control plane without nodes cannot serve), and registers the job kinds it is given
+as external frameworks, whose controllers create their own Workloads (docs/controlplane.md).
 """
 
 from __future__ import annotations

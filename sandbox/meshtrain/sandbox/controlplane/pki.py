@@ -1,12 +1,8 @@
-"""TLS material for a throw-away local control plane.
+"""TLS material for a throw-away local control plane (:func:`generate`).
 
-One self-signed CA, a serving certificate for kube-apiserver
-(loopback and in-cluster names), client certificates for the admin
-(``system:masters``), the scheduler and the controller-manager, and the
-service-account signing key pair — all ECDSA P-256, written as PEM files.
-
-Not a production PKI. Keys are unencrypted and short-lived (a
-week), meant for tests and the local sandbox only.
+One self-signed CA, the apiserver's serving certificate, client certificates for the admin, the
+scheduler and the controller-manager, and the service-account signing key pair: ECDSA P-256 PEM
+files, keys unencrypted and valid a week, for tests and the sandbox only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Free loopback TCP ports for the control plane's components.
 
-Ask the kernel for an unused port by binding port 0, then release
-it for the component to bind. Another process can take the port in between;
-:func:`bind_failed` recognises that in a component's log so the caller can
-retry with new ports.
-
-Not a reservation. Nothing here holds a port for anyone.
+A port the kernel hands out for port 0 is released for the component to bind, so another process
+can take it in between: :func:`bind_failed` recognises that in a component's log, and the caller
+retries with new ports.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """A minimal HTTPS client for the local control plane's own needs.
 
-JSON requests over ``urllib`` with the control plane's CA and a
-client certificate or bearer token — enough to poll ``/readyz`` and to create
-the ServiceAccount, Role, RoleBinding and TokenRequest behind
-:meth:`meshtrain.sandbox.controlplane.server.ControlPlane.restricted_kubeconfig`.
-
-Not a Kubernetes client (the operator uses ``kubernetes_asyncio``; tests, the
-sandbox and ``plan --from-cluster`` the ``kubernetes`` package): it exists so
-that starting a control plane needs nothing but the standard library and
+JSON over ``urllib`` with the control plane's CA and a client certificate or bearer token: enough
+to poll ``/readyz`` and to create what
+:meth:`~meshtrain.sandbox.controlplane.server.ControlPlane.restricted_kubeconfig` needs.  Not a
+Kubernetes client: it lets a control plane start with nothing but the standard library and
 ``cryptography``.
 """
 

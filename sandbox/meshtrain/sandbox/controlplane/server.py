@@ -1,16 +1,9 @@
-"""A real, local Kubernetes control plane: etcd + kube-apiserver (+ scheduler,
-+ controller-manager), started as child processes on loopback.
+"""A real, local Kubernetes control plane on loopback (the envtest pattern): :class:`ControlPlane`.
 
-:class:`ControlPlane` — the envtest pattern, usable from pytest
-fixtures and from the local sandbox. It picks free ports, generates TLS
-material, starts each component in its own process group with its log in the
-data directory, waits for readiness, writes an admin kubeconfig, and can hand
-out kubeconfigs of restricted ServiceAccounts. ``stop()`` kills every process
-group and removes the data directory; it is idempotent and also runs at exit.
-
-Not a kubelet or a node. Pods are stored and (with the scheduler)
-bound, never run; the sandbox's kubelet does that. Nothing here is meant
-for production: credentials are throw-away and etcd runs without fsync.
+etcd and kube-apiserver, optionally kube-scheduler and kube-controller-manager, as child processes
+for the pytest fixtures and the sandbox (docs/controlplane.md).  Pods are stored and (with the
+scheduler) bound, never run: the sandbox's kubelet runs them.  Credentials are throw-away and etcd
+runs without fsync: nothing here is for production.
 """
 
 from __future__ import annotations
@@ -154,7 +147,8 @@ class ControlPlane:
     def stop(self) -> None:
         """Kill every component's process group and remove the data directory.
 
-        Safe to call any number of times, and after a failed :meth:`start`.
+        Safe to call any number of times, and after a failed :meth:`start`; it
+        also runs at exit.
         """
         for component in reversed(self._components):
             _kill_group(component.process)
