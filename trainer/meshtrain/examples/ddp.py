@@ -1,13 +1,9 @@
 """A plain PyTorch DDP program, as a researcher would write it, for `trainer.type: custom`.
 
-It knows nothing of meshtrain: `torchrun` gives it RANK, LOCAL_RANK and WORLD_SIZE (the gang
-comes from the PET_* variables the operator sets), and it trains a small regression with
-DistributedDataParallel.  Rank 0 checkpoints to $MESHTRAIN_CHECKPOINT_DIR (the job's volume)
-every --checkpoint-every steps ($CHECKPOINT_EVERY, default 10), after the last step, and when
-the gang is stopped with SIGTERM (a deletion or a Kueue preemption; the pods' grace period
-covers it), always as a temporary file renamed over the previous one, so a restarted gang
-resumes from the newest step.  meshtrain's layout variables (MESHTRAIN_DP/PP/TP) are printed
-to show what a 3D-parallel program would read.
+It knows nothing of meshtrain: torchrun gives it its rank and world, and it trains a small
+regression with DistributedDataParallel.  Rank 0 checkpoints to $MESHTRAIN_CHECKPOINT_DIR (every
+--checkpoint-every steps, after the last one and on SIGTERM) by renaming a temporary file over the
+previous one, so a restarted gang resumes from the newest step.
 
     torchrun --nproc-per-node=2 -m meshtrain.examples.ddp --steps 20
 """

@@ -1,5 +1,6 @@
-"""The meshtrain trainer: 3D-parallel GPT training that runs inside every pod.
+"""The meshtrain trainer: 3D-parallel GPT and Llama training that runs inside every pod.
 
-The model knows nothing of distribution; parallelism is applied from outside
-(:mod:`meshtrain.trainer.parallel`).  Not the operator, and no Kubernetes calls.
+Subpackages by concern (models, data, parallel, checkpointing, telemetry, ...), layered by an
+import contract.  The model knows nothing of distribution; parallelism is applied from outside
+(:mod:`meshtrain.trainer.parallel`).
 """

@@ -1,20 +1,9 @@
 """The training engine: one optimizer step of this rank, from batch to updated weights.
 
-:class:`Engine`, built from a validated TrainingJob spec and the
-process-group mesh.  Every rank builds the same dense model from the seed
-(so any layout starts from the same weights), hands it to
-:func:`~meshtrain.trainer.parallel.parallelize.parallelize`, and then runs
-steps: draw this rank's micro-batches, run the pipeline schedule (forward,
-backward, gradient reduction overlapped), finish the reductions, clip by the
-global norm, AdamW with warmup + cosine learning rate, and agree on the
-step's mean loss.  Telemetry is timed with one clock chosen from the device
-(:mod:`.telemetry.clocks`); on CUDA its stamps are events, so the recorder is
-wrapped in a :class:`~.telemetry.recording.DeferredRecorder` that reads them
-after the step.
-
-Process management (:mod:`.launch`, :mod:`.worker`), the step log
-(:mod:`.telemetry.steplog`) and checkpoints (:mod:`.checkpointing`, which saves the
-chunks' parameters, the optimizer and ``sampler.state_dict()``) live elsewhere.
+:class:`Engine` builds this rank's share of the dense model (the same initial weights on every
+layout), its optimizer and samplers, and runs steps: the pipeline schedule with the gradient
+reduction overlapped, clipping, AdamW, and one world all-reduce on which every rank agrees on the
+loss.  Processes, the step log and checkpoints are the worker's.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """``meshtrain run``: train a TrainingJob on this machine with one process per rank.
 
-:func:`run_local`.  It validates the spec and the dataset before
-any process starts (an invalid spec is refused with the lead's field-naming
-message), prepares the default corpus once, then starts ``world_size``
-processes of ``python -m meshtrain.trainer`` with torchrun's environment
-variables and a free port (gloo on CPU; NCCL when this machine has a GPU per
-rank).  While they run it drives a progress bar from rank 0's
-``steps.jsonl`` (step, loss, tokens/s, ETA).  When any rank exits non-zero
-it kills the others at once and returns that rank's exit code, printing the
-end of its log; at the end it prints a summary table.  Interrupted (Ctrl-C,
-SIGTERM), it gives the ranks :data:`STOP_GRACE_S` to agree on a last step and
-checkpoint it (:mod:`.guards.stopping`), so the same command with the same
-``--log-dir`` resumes there.
-
-Own spawner rather than ``torch.distributed.run``: the agent's restart and
-rendezvous machinery is what the operator does in a cluster; here we want
-the opposite (fail fast, one log per rank, a progress bar).
-
-Not the Kubernetes path (pods run ``torchrun ... -m
-meshtrain.trainer`` directly) or the training itself (:mod:`.worker`).
+:func:`run_local` checks spec and dataset before any process starts, then runs ``world_size``
+processes of ``python -m meshtrain.trainer`` with torchrun's variables behind a progress bar.
+Its own spawner, not ``torch.distributed.run``: the agent's restarts and rendezvous are what the
+operator does in a cluster, and here we want the opposite (fail fast, one log per rank).
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""One training process: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`).
+"""One training rank: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`).
 
-Reads the spec (``--spec`` or ``$MESHTRAIN_SPEC_FILE``), applies
-``--set`` overrides, joins the process group from torchrun's environment
-(``WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT``), builds the
-mesh and the :class:`~meshtrain.trainer.engine.Engine`, and trains.  Rank 0
-appends one record per step to ``steps.jsonl`` in the log directory
-(``--log-dir`` or ``$MESHTRAIN_LOG_DIR``).
-
-Exit codes: 0 done, 2 invalid spec, 3 unusable dataset, 4 unusable checkpoint
-directory (:mod:`.checkpointing`), 5 stopped by the loss guard (:mod:`.guards.loss_guard`;
-nothing saved, the last good checkpoint stays), 143 stopped by SIGTERM/SIGINT after saving
-(:mod:`.guards.stopping`), 1 anything else (traceback on stderr), 17 injected fault
-(:mod:`.guards.faults`).
-
-Checkpoints: at start the newest complete checkpoint under
-``spec.checkpoint.path`` (``$MESHTRAIN_CHECKPOINT_DIR`` overrides it) is
-loaded and training continues from the step after it; one is saved every
-``checkpoint.intervalSteps``, at the end, and after the step at which the
-ranks agreed to stop on a signal (pod deletion: suspend, spec change, drain);
-with ``checkpoint.asyncSave`` a due save is written in the background and
-the run waits for it only at the next save, a stop or its end.  Each
-published checkpoint (and the one loaded) becomes ``last_checkpoint_step``
-of rank 0's ``/progress``.
-
-Final progress: when the run succeeds, global rank 0 writes its ``/progress``
-document to ``$MESHTRAIN_TERMINATION_LOG`` if that is set (the operator sets
-``/dev/termination-log``; :mod:`.telemetry.progress`).  A rank that exits
-with code 2, 3 or 4 writes ``{"exitCode": N, "message": ...}`` there instead:
-torchrun exits 1 for any failed worker, and this report is how the code's
-class reaches the operator.
-
-Not a launcher; it never starts other processes.
+Reads the spec, joins the process group, builds the mesh and the engine, resumes from the newest
+checkpoint and trains, saving checkpoints and rank 0's ``steps.jsonl``; its exit codes are listed
+in docs/trainer.md, "Running".  A refused spec, dataset or checkpoint (2, 3, 4) is also written to
+the termination log, because torchrun exits 1 for any failed worker
+(:func:`.telemetry.progress.write_failure`).
 """
 
 from __future__ import annotations

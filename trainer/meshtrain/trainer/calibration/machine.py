@@ -1,24 +1,10 @@
 """``meshtrain plan --calibrate``: measure this machine into a device profile file.
 
-It starts the job's processes (one per rank on a CPU host, each with the
-threads ``meshtrain run`` gives it; one per GPU on a GPU host) and measures
-what the planner's time model needs, at the job's shapes and precision,
-while every rank measures at once (so cores shared by more ranks than they
-hold, and other load on the host, are in the figures): the fixed cost of
-one small tensor operation forward and backward, the FLOP/s of the
-trainer's own block (and, for the record, of its GEMMs alone), and for each collective (all-reduce,
-all-gather, reduce-scatter, send/recv) its latency and bandwidth with the
-job's backend and group sizes, all groups of an axis at once and each call
-after a piece of the job's compute, as in training.
-Each figure is taken over wall time and over the process's CPU time: on a
-CPU host the planner prices CPU work (which other tenants do not change)
-over the cores the ranks received while all computed (which they do).  Collective times are medians over repeats and fitted to
-the ring formulas of :mod:`meshtrain.planner.timing.network` (alpha from the smallest message, the
-bandwidth from the largest).  The result is a profile YAML file that
-``--profiles-dir`` reads, with the host, device, backend, time and load
-average it was measured under.  This module is I/O (torch, processes); it lives with the trainer because
-the planner imports no torch.  ``meshtrain plan --calibrate`` reaches it
-through the CLI.
+It starts the job's processes and measures, all at once (so shared cores and other load are in
+the figures), what the planner's time model needs: the trainer's block FLOP/s, one small
+operation's fixed cost, and each collective's latency and bandwidth fitted to the ring formulas,
+over wall and CPU time (docs/planner.md, "Calibration").  It lives with the trainer because the
+planner imports no torch.
 """
 
 from __future__ import annotations
@@ -147,8 +133,9 @@ class BlockRate:
 def rank_block(job: api_spec.TrainingJobSpec, solo: dist.ProcessGroup | None) -> torch.nn.Module:
     """The trainer's block as one tensor-parallel rank runs it, without its communication.
 
-    The block is sharded by the trainer's own :func:`~.parallel.tensor.apply_tensor_parallel`
-    (its heads and MLP columns, 1/t of the GEMMs) while its norms and residuals stay whole,
+    The block is sharded by the trainer's own
+    :func:`~meshtrain.trainer.parallel.tensor.apply_tensor_parallel` (its heads and MLP
+    columns, 1/t of the GEMMs) while its norms and residuals stay whole,
     as on every tensor-parallel rank.  The region's reductions run over ``solo``, a group
     of this process alone, so they cost a call and move nothing: the collectives are
     measured on their own.  Sequence parallelism is not reproduced (its norms run on 1/t
@@ -559,7 +546,7 @@ def measure_step_loop(job: api_spec.TrainingJobSpec, profile: profiles.Profile) 
 
     The step loop's CPU and its share between actions, the tensor-parallel
     calls' wall and CPU costs and the pipeline's message latencies are the
-    layout's own (:mod:`.step_loop_run`); the micro-benchmarks' figures stay.
+    layout's own (:mod:`.step_loop`); the micro-benchmarks' figures stay.
     ``--search --calibrate`` measures its best layouts this way.  A GPU
     profile is returned as is.
     """

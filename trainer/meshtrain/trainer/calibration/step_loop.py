@@ -1,12 +1,8 @@
 """Calibration's step-loop run: a short ``meshtrain run`` of the job's own layout, and what its trace says.
 
-The micro-benchmarks of :mod:`.machine` time the block, one operation and
-each collective in isolation; what happens between them in a real step (the
-Python step loop, telemetry, gloo's threads, a tensor-parallel call waiting
-for its peer, a pipeline message waiting for a core) only a run of the
-trainer shows.  This runs the job's layout with one block per stage at the
-job's sizes (:func:`loop_job`) and fits those figures to its step log and
-trace (:mod:`.telemetry.loop_trace`).
+What happens between the micro-benchmarks' pieces in a real step (the Python step loop,
+telemetry, gloo's threads, a tensor-parallel call waiting for its peer, a pipeline message
+waiting for a core) only a run of the trainer shows (:mod:`meshtrain.trainer.telemetry.loop_trace`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Trainer state on disk: layout-independent DCP checkpoints, published atomically, resumed automatically.
 
-:mod:`.store` (the directory protocol: temporary directory,
-COMPLETE marker, atomic rename, discovery, pruning, damage detection),
-:mod:`.sharded` (a rank's pieces of dense tensors for DCP), :mod:`.state`
-(what a checkpoint holds and the DCP calls) and :mod:`.checkpointer` (when
-to save, resume at start, fault injection for tests).
-
-Not the training loop; the worker calls a :class:`.checkpointer.Checkpointer`.
+:mod:`.checkpointer` decides when to save and resumes at start, :mod:`.state` is what a checkpoint
+holds, :mod:`.sharded` maps a rank's pieces to dense tensors and :mod:`.store` is the directory
+protocol (docs/checkpoints.md).
 """

@@ -1,36 +1,9 @@
 """When to save, and resuming at start: the checkpoint policy the worker calls.
 
-:class:`Checkpointer`, built around a running
-:class:`~meshtrain.trainer.engine.Engine`.  :meth:`Checkpointer.restore`
-(at start, every rank) loads the newest complete checkpoint under
-``spec.checkpoint.path`` and puts the engine at the step after it;
-:meth:`Checkpointer.after_step` saves every ``checkpoint.intervalSteps``
-steps and at the last step, publishes atomically and prunes to
-``checkpoint.keep`` (and the last good checkpoint: one taken while the loss
-guard skipped updates is not good, see :func:`.store.prune`).  Rank 0 makes every file-system decision (which
-checkpoint, the temporary name, publish, prune) and broadcasts it, so all
-ranks act on the same answer; hashing the files (at save and at load) is
-split over all ranks.  An error on any rank is raised on every rank.
-
-With ``checkpoint.asyncSave`` (the default) a due save does not stall
-training: each rank copies its share of the state to host memory (the only
-part the step waits for), and ``torch.distributed.checkpoint.async_save``
-writes it from a background thread while training goes on; the same thread
-then hashes, publishes and prunes exactly as a blocking save does.  The
-background work talks only over a process group of its own (gloo), so it
-never interleaves with the training collectives; one save is in flight at a
-time (the next due save, a stop and the end of the run wait for it), and
-:meth:`Checkpointer.published` hands the steps it published to the main
-thread.  Publishing is still the atomic rename of a complete directory, so a
-process killed while a save is in flight leaves the last published
-checkpoint as it was.
-
-Fault injection for tests: ``MESHTRAIN_FAULT_INJECT_SAVE=STEP[:MODE]`` stops
-the save of step ``STEP`` after every rank's data is written and before the
-checkpoint is published: ``die`` (default) exits at once with code 17,
-``pause`` prints a line and sleeps so a test can SIGKILL the run there.
-
-Not the file format (:mod:`.state`) or the directory protocol (:mod:`.store`).
+Rank 0 makes every file-system decision (which checkpoint, the temporary name, publish, prune) and
+broadcasts it, so all ranks act on one answer; hashing is split over the ranks, and an error on any
+rank is raised on all.  With ``checkpoint.asyncSave`` a save is written and published from a
+background thread over a gloo group of its own, one save in flight at a time (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -356,6 +329,11 @@ class Checkpointer:
         return guard.consecutive if guard is not None else 0
 
     def _maybe_fault(self, step: int) -> None:
+        """Tests: stop the save of ``step`` after every rank's data is written, before publishing.
+
+        ``die`` exits at once with :data:`FAULT_EXIT_CODE`; ``pause`` sleeps so a test can
+        SIGKILL the run there.
+        """
         if self.fault is None or self.fault[0] != step:
             return
         if dist.get_rank() == 0:

@@ -1,23 +1,10 @@
 """Layout-independent tensors for DCP: each rank's pieces of a logical (dense) tensor.
 
-The mapping from what a rank holds to where it sits in the
-dense, unsharded tensor of the same name.  A rank's parameter may be a
-tensor-parallel shard (rows or columns of the dense matrix; for the fused
-QKV weight, one row block of each of q, k and v), and under ZeRO its
-optimizer state covers only a flat range of that shard.  Both are described
-as :class:`Piece` s: a global offset, a size, and a view of the rank's own
-memory with that shape.  :class:`ChunkedTensor` carries a rank's pieces of one
-logical tensor into ``torch.distributed.checkpoint``, which stores every
-piece under the logical name with its offsets and, on load, reads each
-requested piece from whatever pieces were stored.  That is what lets a
-checkpoint written at one (dp, pp, tp, zero) layout load at any other.
-
-It implements DCP's checkpointable protocol (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``) the way DTensor does,
-but with any number of rectangular pieces per rank, which a flat ZeRO range
-of a 2-D shard needs (a partial first row, whole rows, a partial last row).
-
-Not a tensor you compute with; every op on it raises.
+What a rank holds (a tensor-parallel shard, or a ZeRO flat range of one) is described as
+:class:`Piece` s: dense offsets and a view of the rank's memory.  :class:`ChunkedTensor` carries
+them into DCP as DTensor does, but with any number of rectangles per rank, which a flat range of a
+2-D shard needs; on load DCP reads each requested piece from whatever pieces were stored, so a
+checkpoint written at one (dp, pp, tp, zero) layout loads at any other.
 """
 
 from __future__ import annotations
@@ -205,7 +192,12 @@ def pieces_of_flat(
 
 
 class ChunkedTensor(torch.Tensor):
-    """One logical tensor as DCP sees it: its dense shape and this rank's pieces of it."""
+    """One logical tensor as DCP sees it: its dense shape and this rank's pieces of it.
+
+    It implements DCP's checkpointable protocol (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``); it is not a tensor to compute with:
+    every op on it raises.
+    """
 
     _pieces: list[Piece]
 

@@ -1,33 +1,9 @@
-"""What a meshtrain checkpoint holds, and saving/loading it with ``torch.distributed.checkpoint``.
+"""What a meshtrain checkpoint holds, and saving and loading it with ``torch.distributed.checkpoint``.
 
-:func:`state_dict`, which describes a rank's training state as
-DCP entries keyed by *dense* names, layout-independent:
-
-* ``model.<param>``: the parameter, e.g. ``model.blocks.3.attn.qkv.weight``
-  with the dense shape; each rank contributes its tensor-parallel pieces
-  (:mod:`.sharded`), pipeline stages contribute only their own blocks, and
-  data-parallel replicas write each piece once (DCP deduplicates);
-* ``optim.<param>.exp_avg`` / ``.exp_avg_sq``: AdamW's moments with the
-  parameter's dense shape; under ZeRO each rank contributes only the flat
-  range it owns, as rectangles;
-* ``trainer``: JSON with the step, the optimizer's step count, the
-  learning-rate schedule and the data position;
-* ``rng.<rank>``: each rank's torch RNG state (restored when the world size
-  is unchanged);
-* ``compression.<run>.<rank>.<key>``: gradient compression's error feedback
-  and PowerSGD's warm-start Q of each rank (:mod:`..parallel.compression`),
-  where ``<run>`` names the mode, its rank, the layout and the bucket size:
-  bucket ``b`` member ``i`` means the same tensor only when all of those are
-  the same, so only then is the state restored; otherwise it starts fresh
-  (zero error, the seeded Q), as at the first step.
-
-and :func:`save_into` / :func:`load_from`, the collective DCP calls on one
-directory.  Because every entry is a piece of a dense tensor, DCP's load plan
-reads each rank's pieces from whatever pieces were written: any (dp, pp,
-tp, zero) layout loads any other.
-
-Not the directory protocol (:mod:`.store`) or the policy of when
-to save (:mod:`.checkpointer`).
+:func:`state_dict` describes a rank's training state as DCP entries keyed by dense names
+(``model.<param>``, ``optim.<param>.exp_avg``, ``trainer``, ``rng.<rank>``, ``compression.*``;
+docs/checkpoints.md, "What a checkpoint holds"), each rank contributing its pieces, so DCP's load
+plan lets any (dp, pp, tp, zero) layout load any other.
 """
 
 from __future__ import annotations
@@ -170,7 +146,12 @@ def trainer_record(engine: Any) -> dict[str, Any]:
 
 
 def compression_entries(engine: Any) -> dict[str, torch.Tensor]:
-    """This rank's error-feedback and Q tensors (live, loaded in place), under layout-specific keys."""
+    """This rank's error-feedback and Q tensors (live, loaded in place), under layout-specific keys.
+
+    ``compression.<run>.<rank>.<key>``: ``<run>`` names the mode and its parameters, the layout
+    and the bucket size, because bucket ``b`` member ``i`` means the same tensor only when all of
+    those are the same; otherwise the state starts fresh (zero error, the seeded Q), as at step 1.
+    """
     grad_reducer = engine.model.reducer
     if not isinstance(grad_reducer, compression.CompressedGradReducer):
         return {}
@@ -184,7 +165,11 @@ def compression_entries(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def state_dict(engine: Any, *, rng: bool = True) -> dict[str, Any]:
-    """This rank's DCP state dict: views of its live tensors under dense names (see the module doc)."""
+    """This rank's DCP state dict: views of its live tensors under dense names (docs/checkpoints.md).
+
+    Every entry is a piece of a dense tensor, so DCP's load plan reads each rank's pieces from
+    whatever pieces were written.
+    """
     layouts = dense_layout(engine)
     entries: dict[str, Any] = {}
     named = dict(engine.model.named_params)

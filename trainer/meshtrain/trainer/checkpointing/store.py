@@ -1,22 +1,9 @@
 """The checkpoint directory on disk: naming, atomic publish, the COMPLETE marker, discovery, pruning.
 
-Plain file-system logic, no process groups and no tensors.  A
-checkpoint directory (``spec.checkpoint.path``) holds::
-
-    step-00000040/          a published checkpoint
-        COMPLETE            JSON marker: format, step, layout, model shape, every file's size and sha256
-        .metadata           DCP's global metadata
-        __0_0.distcp ...    DCP data files (one or more per writing rank)
-    .tmp-step-00000050-<id>/  a save in progress (or one killed mid-way); never loaded
-
-A save writes everything into a ``.tmp-`` directory, then rank 0 hashes the
-files, writes ``COMPLETE`` (fsynced) and renames the directory to its final
-``step-`` name, then fsyncs the parent.  ``rename`` is atomic on POSIX file
-systems, so a process killed at any point leaves either no ``step-`` directory
-or a complete one: a ``step-`` directory without a valid marker is therefore
-not an interrupted save but damage, and is reported as such.
-
-Not the contents of a checkpoint (:mod:`.state`) or DCP calls.
+Plain file-system logic, no process groups and no tensors.  A save is written into a ``.tmp-``
+directory, which is renamed to ``step-NNNNNNNN`` once its ``COMPLETE`` marker is fsynced; rename
+is atomic on POSIX, so a ``step-`` directory without a valid marker is not an interrupted save but
+damage, and is reported as such (docs/checkpoints.md, "Writing a checkpoint").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The deterministic batches of a run, drawn from the job's opened token files.
 
-:class:`BatchSampler` draws the global batch of every step from the seed
-alone (random windows of ``seq_len + 1`` tokens, each from a source picked by
-weight), so every layout and every resume sees the same global batches; each
-data-parallel rank takes a disjoint contiguous slice of it and splits that
-into micro-batches.  Its position (the next step) is saved and restored with
-``state_dict``.  Which files it draws from is :mod:`.dataset`'s.
-
-Not a tokenizer, a shuffling epoch loader or a prefetching
-worker pool; the reads are tiny next to a training step.
+:class:`BatchSampler` draws every step's global batch from the seed and the step alone, so every
+layout and every resume sees the same batches; each data-parallel rank takes its slice.  No
+epochs and no prefetching workers: the reads are tiny next to a training step.
 """
 
 from __future__ import annotations

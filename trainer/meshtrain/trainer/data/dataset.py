@@ -1,16 +1,8 @@
-"""The job's dataset: which token files ``training.dataset(s)`` names, checked and opened.
+"""The job's dataset: the token files ``training.dataset(s)`` names, checked and opened.
 
-* the default corpus, byte-level tokens (vocab 256) of the Python standard
-  library sources that every machine with Python has: the sorted ``*.py``
-  files under ``sysconfig.get_paths()['stdlib']``, concatenated, capped to a
-  few MB and cached as a uint16 ``.bin`` file;
-* user token files (:mod:`.token_files`): raw uint16 or uint32 ids, one file, a
-  glob, or several with mixing weights, every id checked when opened;
-* the evaluation data: ``eval.dataset``, or ``eval.heldOut`` cut off the end of each file.
-
-:func:`check_dataset` refuses an unusable dataset before any process starts
-(:class:`DatasetError` names the path and the spec field).  The batches drawn
-from the opened files are :mod:`.batches`'.
+The default ``stdlib`` corpus (byte-level tokens of the Python standard library's sources, which
+every machine with Python has), user token files (:mod:`.token_files`) and the evaluation data.
+:func:`check_dataset` refuses an unusable dataset before any process starts.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """``meshtrain data prepare``: text or JSONL tokenised with a user's ``tokenizer.json`` into a token file.
 
-The ``tokenizers`` library (the Rust tokenizer Hugging Face models ship)
-encodes documents in batches with the tokenizer's own special tokens
-(``add_special_tokens=True``: its post-processor decides, so a Llama-style
-tokenizer starts every document with its begin-of-text token and GPT-2's adds
-none, exactly as ``transformers`` encodes a document), and every document ends
-with the end-of-text token when the tokenizer has one (unless its
-post-processor already put it there), so windows that cross documents see the
-boundary.  A ``.jsonl`` input is one document per line (its ``--text-field``);
-any other file is one document.  The output is raw little-endian ``uint16``
-or ``uint32`` ids (``auto``: the smallest that holds the vocabulary) with
-``OUT.json`` beside it (dtype, vocabulary, token count, byte size, tokenizer hash, the
-begin/end-of-text and padding ids, and whether every document starts and ends
-with them), which :mod:`.token_files` checks when a job
-opens the file and checkpoints carry into ``meshtrain export``.  Refused before any
-work: a tokenizer vocabulary above the model's (``--job`` or
-``--model-vocab``) and ``uint16`` for a vocabulary above 65,536.
+Documents are encoded as ``transformers`` encodes them (with the tokenizer's own special tokens)
+and each ends with the end-of-text token, so windows that cross documents see the boundary.  The
+metadata written beside the output (dtype, vocabulary, size, tokenizer hash, special ids) is what
+:mod:`.token_files` checks when a job opens the file.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Begin/end-of-text token ids: found in a tokenizer, carried by token files and checkpoints, exported.
+"""Begin/end-of-text and padding token ids: from a tokenizer through token files and checkpoints to exports.
 
-A model directory without them makes transformers fall back to its config
-class's defaults (``LlamaConfig``: bos 1, eos 2; ``GPT2Config``: 50256), so
-``generate`` would stop at whatever token happens to have that id.  The ids
-come from the tokenizer the data was prepared with (``meshtrain data
-prepare`` records them beside the token file), else from the Hugging Face
-directory the job started from (``model.init.fromHF``); the checkpoint
-records them and ``meshtrain export`` writes them (``--tokenizer`` overrides).
+A Hugging Face model whose config lacks them falls back to its config class's defaults
+(``LlamaConfig``: bos 1, eos 2; ``GPT2Config``: 50256), so ``generate`` would stop at whatever
+token happens to have that id.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Token files on disk: element type, a whole-file vocabulary check, and weighted sources.
 
-A token file is raw little-endian ``uint16`` or ``uint32`` ids (no header),
-memory-mapped.  Every id of every file is checked against the model's
-vocabulary when the file is opened: an id outside it would otherwise become a
-zero embedding under tensor parallelism (the vocabulary-parallel lookup masks
-it) and a wrong loss, silently.  The check reads the file in chunks of
-:data:`CHECK_CHUNK_TOKENS` with one vectorised ``max`` each, so memory stays
-flat on multi-GB files (benchmarks/bench_token_check.py measures GB/s); its
-result is recorded (:mod:`.vocab_scan`), so a restart on an unchanged file
-does not read it again.
-
-Raw ids carry no element type, and a file read with the wrong one still
-yields plausible small ids: uint32 ids read as uint16 are the ids with a zero
-between each pair (their high halves), uint16 ids read as uint32 are pairs
-fused into ids above 65,535.  The ``data prepare`` metadata beside a file
-(``FILE.bin.json``: dtype, vocabulary, size) settles it; a file without one
-is refused when its first :data:`SNIFF_TOKENS` ids look like the other type
-read wrongly (:func:`misread_as`).
+A token file is raw little-endian ``uint16`` or ``uint32`` ids, no header, memory-mapped.  Every
+id is checked against the model's vocabulary when the file is opened: under tensor parallelism an
+id outside it would silently be a zero embedding and a wrong loss.  Raw ids carry no element type,
+so a file without ``data prepare`` metadata is refused when its first ids look misread
+(:func:`misread_as`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The cached result of a token file's whole-file vocabulary scan, so a restart need not read it all again.
+"""The recorded result of a token file's vocabulary scan, so a restart need not read it all again.
 
-Every id of a token file is checked when a job opens it (:mod:`.token_files`); on
-a corpus of hundreds of GB that is minutes of reading at every start of
-every rank.  The scan's result, the largest id, is recorded in
-``FILE.scan.json`` beside the file (under ``$MESHTRAIN_CACHE_DIR/token-scans``
-when the file's directory is not writable) together with what identifies
-the file's contents: its size, its modification time in nanoseconds and a
-sha256 of its first and last :data:`EDGE_BYTES`.  A start whose file still
-matches all of them takes the largest id from the record; any difference
-(the file rewritten, appended to, touched or replaced) scans again.  The
-record is an optimisation: one that cannot be written is skipped.
+On a corpus of hundreds of GB the scan is minutes of reading at every start of every rank.  The
+largest id is recorded beside the file (or in the cache directory) with what identifies its
+contents (:func:`fingerprint`); any change scans again.  A record that cannot be written is skipped.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Fault injection for testing failure handling.
+"""Fault injection for testing failure handling, driven by environment variables.
 
-``MESHTRAIN_FAULT_INJECT=rank:step``: :func:`maybe_fail`, called by the
-worker before each step; when the variable names this rank and step, the
-process dies at once (exit code :data:`EXIT_CODE`, no cleanup), as a crashed
-GPU or a killed pod would.
-
-``MESHTRAIN_FAULT_SLOW=rank:factor[:step]``: :func:`slow_down` makes that
-rank's forward and backward compute about ``factor`` times as long (from
-``step`` on, default 1), as a throttled GPU would: the straggler detector's
-test input.  The sleeps sit inside the model chunks' forward (a forward
-hook), so they count as compute, not as waiting.
-
-Not a chaos framework; one rank, one step, one way to die or drag.
+``MESHTRAIN_FAULT_INJECT=rank:step`` kills that rank before that step (exit :data:`EXIT_CODE`, no
+cleanup), as a crashed GPU would.  ``MESHTRAIN_FAULT_SLOW=rank:factor[:step]`` makes that rank's
+compute about ``factor`` times as long, as a throttled GPU would: the straggler detector's test
+input.  Its sleeps sit in a forward hook, so they count as compute, not as waiting.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The loss guard: skip an optimizer update whose loss or gradient norm is bad, stop after K in a row.
 
-Pure policy on the two numbers every rank already agrees on (the global mean
-loss and the global gradient norm), so every rank decides the same without a
-collective.  A step is skipped when either is not finite, or when the loss
-exceeds ``spikeFactor`` x the median of the last ``window`` accepted losses
-(once ``window`` of them exist).  A skipped step's gradients are dropped and
-the weights and optimizer state stay as they were; the step still counts
+Pure policy on the global loss and gradient norm every rank already agrees on, so all ranks decide
+alike without a collective.  A skipped step keeps weights and optimizer state and still counts
 (its batch is consumed), as Megatron-LM counts a skipped iteration.
 """
 
@@ -57,7 +53,11 @@ class LossGuard:
         )
 
     def judge(self, loss: float, grad_norm: float) -> Verdict:
-        """The verdict on a step; raises :class:`LossGuardTripped` at the K-th skip in a row."""
+        """The verdict on a step; raises :class:`LossGuardTripped` at the K-th skip in a row.
+
+        Skipped: a loss or gradient norm that is not finite, or a loss above ``spikeFactor`` x
+        the median of the last ``window`` accepted losses (once ``window`` of them exist).
+        """
         verdict = self._verdict(loss, grad_norm)
         if not verdict.skip:
             self.consecutive = 0

@@ -1,16 +1,9 @@
 """The gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
 
-``B_noise = tr(Sigma) / |G|^2``: the batch size at which the noise of a gradient estimate is as
-large as the gradient itself; well beyond it, more data parallelism buys little.  Data-parallel
-training measures it for free: each replica's gradient before the all-reduce is a small-batch
-estimate (``b = microBatch x microBatches`` sequences) and the all-reduced one a large-batch estimate
-(``B = b x data``).  From their squared norms (paper, appendix A.1) the unbiased estimates are::
-
-    |G|^2 = (B |G_B|^2 - b |G_b|^2) / (B - b)
-    S     = (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
-
-Each is noisy; as the paper does, both are averaged over steps (exponential moving averages) and
-the noise scale is the ratio of the averages.  In sequences, the unit of ``training.globalBatch``.
+``B_noise = tr(Sigma) / |G|^2``, in sequences: the batch size at which a gradient estimate's noise
+is as large as the gradient itself; well beyond it, more data parallelism buys little.  Data
+parallelism measures it for free: each replica's gradient is a small-batch estimate and the
+all-reduced one a large-batch estimate (:func:`estimate`).
 """
 
 from __future__ import annotations
@@ -33,7 +26,15 @@ class Estimate:
 
 
 def estimate(small_square: float, large_square: float, small: int, large: int) -> Estimate:
-    """The unbiased |G|^2 and S from squared norms of a ``small``- and a ``large``-batch gradient."""
+    """The unbiased |G|^2 and S from squared norms of a ``small``- and a ``large``-batch gradient.
+
+    Data parallelism gives both: each replica's gradient before the all-reduce is the small
+    batch (``b = microBatch x microBatches`` sequences), the all-reduced one the large batch
+    (``B = b x data``).  From their squared norms (the paper's appendix A.1)::
+
+        |G|^2 = (B |G_B|^2 - b |G_b|^2) / (B - b)
+        S     = (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
+    """
     if not 0 < small < large:
         raise ValueError(f"need 0 < small batch < large batch, got {small} and {large}")
     gradient_square = (large * large_square - small * small_square) / (large - small)
@@ -42,7 +43,11 @@ def estimate(small_square: float, large_square: float, small: int, large: int) -
 
 
 class Tracker:
-    """Moving averages of |G|^2 and S over steps; :attr:`value` is their ratio."""
+    """Moving averages of |G|^2 and S over steps; :attr:`value` is their ratio.
+
+    Each step's estimates are noisy, so, as the paper does, both are averaged over steps and the
+    noise scale is the ratio of the averages.
+    """
 
     def __init__(self, small: int, large: int, smoothing: float = SMOOTHING) -> None:
         self.small, self.large, self.smoothing = small, large, smoothing

@@ -1,21 +1,9 @@
 """A graceful stop: SIGTERM or SIGINT -> every rank stops after the same step, with a checkpoint of it.
 
-Why: Kubernetes deletes a gang's pods when the job is suspended, its spec
-changes or a node is drained; it sends SIGTERM (torchrun passes it on to the
-ranks) and kills what is still running after the pods' grace period
-(``runPolicy.terminationGracePeriodSeconds``, 60 s by default).  Killing at once would lose every step since the last checkpoint.
-Locally, Ctrl-C on ``meshtrain run`` reaches every rank as SIGINT.
-
-How: the signal only sets :attr:`StopRequest.requested`.  Ranks see a signal
-at different moments, so the engine adds the flag to the step's loss
-all-reduce over the whole world (:meth:`~meshtrain.trainer.engine.Engine.train_step`):
-every rank reads the same sum and the run stops after the same step on all
-of them, which is what a collective checkpoint needs.
-
-A stopped rank exits with :data:`meshtrain.api.exitcodes.STOPPED` (143 = 128 +
-SIGTERM), never 0: a pod stopped this way must not read as finished.  Not a
-checkpoint policy (the worker saves) or a launcher's signal handling
-(:mod:`meshtrain.trainer.launch`).
+Kubernetes sends SIGTERM when it deletes a gang's pods (suspend, spec change, drain) and kills them
+after the grace period; stopping at once would lose every step since the last checkpoint.  The
+signal only sets a flag, which the step's world all-reduce sums, so every rank stops after the same
+step (:meth:`~meshtrain.trainer.engine.Engine.train_step`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Straggler detection: which rank computes persistently slower than the ranks that do its work.
 
-Pure (no torch, no process group): every rank feeds :class:`Detector` the
-same vector of per-rank compute seconds (gathered by the step's one world
-all-reduce, see :meth:`meshtrain.trainer.engine.Engine.train_step`), so every
-rank reaches the same verdict.
-
-A rank's peers are its data-parallel group (same pipeline stage, same tensor
-shard): they run the same kernels on equally sized batches.  Each step a
-rank's ratio is its compute time over the median of its peers' (the other
-replicas', so two replicas compare with each other); its slowdown is the
-median of its ratios over the last ``window`` steps, so one slow step (a
-checkpoint, a page fault) never flags a rank while a rank slow in about half
-of the window is flagged: about ``window / 2`` steps after it slows down.
-A tensor-parallel group synchronises inside its compute, so a slow GPU slows
-its whole group; the group shares one NVLink domain (its pod's node), which is
-what the operator acts on.  Without peers (``data == 1``) nothing is judged.
-
-A flagged rank stays flagged until its slowdown falls below the threshold by
-:func:`clear_margin` (hysteresis): a rank hovering at the threshold does not flap.
-
-Vectorised with numpy (one sort per data-parallel group per step, the
-leave-one-out median read off the sorted order): at world 10240 the per-rank
-Python loop cost seconds per step (``benchmarks/bench_straggler_detector.py``).
+Pure: every rank feeds :class:`Detector` the same vector of per-rank compute seconds (carried by
+the step's one world all-reduce), so all reach the same verdict.  A rank's peers are its
+data-parallel group; its slowdown is the median over a window of its time over theirs, with
+hysteresis (docs/trainer.md, "Straggler detection").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """``meshtrain export CHECKPOINT -o HF_DIR``: a meshtrain checkpoint as a Hugging Face model directory.
 
-``CHECKPOINT`` is one published checkpoint (``step-NNNNNNNN``, with its
-``COMPLETE`` marker) or a checkpoint root, whose newest checkpoint is taken.
-The checkpoint is layout-independent (:mod:`meshtrain.trainer.checkpointing.state`), so one
-process reads every parameter whole, whatever layout wrote it, and
-:mod:`.hf` writes ``config.json``, ``generation_config.json`` and the
-safetensors.  Parameters are read one shard's worth at a time (DCP reads
-only the entries asked for), so exporting a 70B model needs the memory of a
-shard, not of the model; shards above ``--max-shard-size`` are split as
-transformers' ``save_pretrained`` splits them, with an index.
-
-Begin/end-of-text ids come from ``--tokenizer`` when given, else from the
-checkpoint (its data's tokenizer, or the directory the job started from).
-``--dtype bfloat16`` writes bf16 weights (default: float32, as trained).
+A checkpoint is layout-independent, so one process reads every parameter whole, one shard's worth
+at a time (DCP reads only the entries asked for): exporting a 70B model needs the memory of a
+shard, not of the model.  :mod:`.hf` writes the files.
 """
 
 from __future__ import annotations

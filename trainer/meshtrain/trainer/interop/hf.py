@@ -1,17 +1,9 @@
 """Hugging Face interop: meshtrain weights to and from ``config.json`` + safetensors.
 
-A Llama model maps to transformers' ``LlamaForCausalLM`` and a GPT model to
-``GPT2LMHeadModel``.  The name maps below are the whole translation: fused
-projections are cut into (or joined from) their Hugging Face pieces
-(``attn.qkv`` = q, k, v; ``mlp.fc`` = gate, up), GPT-2's ``Conv1D`` weights
-are transposed, and GPT-2's biases, which meshtrain's GPT does not have, are
-written as zeros and must be zero on import.
-
-Import is lazy and per parameter (:class:`HFWeights`): the engine's meta
-model asks for one dense tensor at a time (as for seeded init), so every
-layout starts from the directory while each rank reads only its own pieces.
-Everything a directory says is checked against the spec before training
-(:func:`check_directory`): an error names the file and the field.
+Llama maps to transformers' ``LlamaForCausalLM`` and GPT to ``GPT2LMHeadModel``; the name maps
+below are the whole translation.  Import is lazy and per parameter (:class:`HFWeights`), so each
+rank reads only its own pieces, and :func:`check_directory` refuses a directory that disagrees
+with the spec before training, naming the file and the field.
 """
 
 from __future__ import annotations

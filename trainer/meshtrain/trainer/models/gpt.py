@@ -1,24 +1,9 @@
-"""The GPT-style decoder that meshtrain trains, and its own accounting.
+"""The GPT-style decoder that meshtrain trains, and its own accounting (parameters, FLOPs per token).
 
-Token + position embeddings, ``layers`` pre-norm blocks (causal
-self-attention through ``F.scaled_dot_product_attention``, then a GELU MLP), a
-final LayerNorm and an untied LM head.  It also counts its parameters and its
-training FLOPs per token (see docs/trainer.md for the formula).
-
-Initial weights are a function of (seed, parameter name) alone
-(:func:`initial_value`), not of the order a global generator is drawn in.  So
-a model built on the ``meta`` device (shapes only, no memory) can be given
-its weights piece by piece: a rank materialises just the tensors it keeps,
-one at a time (:func:`materialize`, :func:`dense_value`), and every layout
-still starts from the same weights as a single device.
-
-Imports only torch (an import contract) and knows nothing of distribution:
-tensor, pipeline and data parallelism are applied from outside by
-:mod:`meshtrain.trainer.parallel`, which swaps the linear and embedding
-modules for sharded ones and drops the parts a pipeline stage does not own
-(an absent part is ``None`` and :meth:`GPT.forward` skips it).  The attention
-module infers its number of (local) heads from the width of its QKV output so
-that it runs unchanged on a tensor-parallel shard.
+Initial weights are a function of (seed, parameter name) alone (:func:`initial_value`), so a model
+built on the ``meta`` device is materialised piece by piece and every layout starts from one
+device's weights.  Parallelism is applied from outside: :mod:`meshtrain.trainer.parallel` swaps
+modules for sharded ones and drops what a pipeline stage does not own (an absent part is ``None``).
 """
 
 from __future__ import annotations
@@ -165,7 +150,11 @@ def attend(
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with a fused QKV projection."""
+    """Causal multi-head self-attention with a fused QKV projection.
+
+    Its (local) heads come from the width of the QKV output, so it runs unchanged on a
+    tensor-parallel shard.
+    """
 
     recompute_core = False
     """Selective recompute: rebuild the attention core in backward (:func:`attend`)."""

@@ -1,17 +1,9 @@
 """The Llama-family decoder: RoPE, RMSNorm, SwiGLU and grouped-query attention.
 
-It keeps :class:`~meshtrain.trainer.models.gpt.GPT`'s module names and structure
-(``tok_emb``, ``blocks.{i}.ln1/attn.qkv/attn.proj/ln2/mlp.fc/mlp.proj``,
-``norm``, ``head``; ``pos_emb`` is always ``None``), so pipeline splitting,
-tensor parallelism, checkpoints and the lean initialisation treat both
-families alike.  The fused projections are ``attn.qkv`` with rows
-``[q | k | v]`` (q: heads x head_dim, k and v: kv_heads x head_dim each) and
-``mlp.fc`` with rows ``[gate | up]``; ``qkv_sizes`` / ``fc_sizes`` name the
-blocks so tensor parallelism splits each block on its own.  Rotary
-embeddings use the rotate-half layout of Hugging Face's ``LlamaForCausalLM``
-(so its weights load unchanged) and are computed in fp32 from the positions
-of the sequence the attention sees: under sequence parallelism that is the
-whole sequence, after the gather.  Imports only torch.
+It keeps :class:`~meshtrain.trainer.models.gpt.GPT`'s module names and structure (``pos_emb`` is
+``None``), so parallelism, checkpoints and initialisation treat both families alike.  The fused
+``attn.qkv`` (rows ``[q | k | v]``) and ``mlp.fc`` (``[gate | up]``) name their blocks
+(``qkv_sizes``, ``fc_sizes``), so tensor parallelism splits each block on its own.
 """
 
 from __future__ import annotations
@@ -145,7 +137,12 @@ class _RotaryQKV(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with a fused QKV projection and rotary positions."""
+    """Causal grouped-query attention with a fused QKV projection and rotary positions.
+
+    Rotary embeddings use the rotate-half layout of Hugging Face's ``LlamaForCausalLM`` (so its
+    weights load unchanged), in fp32, over the positions of the sequence the attention sees:
+    under sequence parallelism the whole sequence, after the gather.
+    """
 
     recompute_core = False
     """Selective recompute: rebuild the attention core in backward (:func:`.gpt.attend`)."""

@@ -1,12 +1,8 @@
-"""What a run resumed at another global batch does to its learning rate.
+"""What a run resumed at another global batch does to its learning rate (pure).
 
-A checkpoint records the batch it was trained at and the multiplier the run put on the spec's
-rates (``training.learningRate`` with ``lrScaling`` applied).  A run that restores it at another
-global batch (a resize whose accumulation could not keep it, a layout patch) multiplies the rates
-by the batch ratio when ``lrScaling`` is ``none`` (Goyal et al. 2017's linear rule, the checkpoint's
-batch as the reference); ``linear`` and ``sqrt`` already follow the batch through the spec.  A rate
-that goes up does so along a linear ramp at the slope of the run's own warmup (``warmupSteps x (1 -
-old/new)`` steps); one that goes down drops at once.  Pure: no I/O, no torch.
+Under ``lrScaling: none`` the rates follow the batch ratio (Goyal et al. 2017, the checkpoint's
+batch as the reference); a rate that goes up is ramped in at the slope of the run's own warmup,
+one that goes down drops at once (docs/trainer.md, "Optimizer, clipping, precision").
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Global-norm gradient clipping over a model spread across ranks.
 
-:func:`clip_grad_norm` computes the true norm of the whole model's gradient
-when it is spread over tensor- and pipeline-parallel ranks: every shard
-counts once, a parameter replicated across the tensor-parallel group (norms,
-position table) counts only on tensor rank 0, and data-parallel replicas
-(identical after the reduction) are not summed.  Scaling uses
-``torch.nn.utils.clip_grad_norm_``'s rule so a single device gives the same
-result.  ZeRO-1/2 (:class:`.zero.ZeroAdamW`) counts only its owned elements
-with the same :func:`squared_norm` and :func:`reduce_norm_and_clip`; ZeRO-3
-counts each rank's rows (:mod:`.zero3`).
+The norm is the whole model's: every shard counts once, a parameter replicated over tensor ranks
+only on one of them, and data-parallel replicas (identical after the reduction) are not summed.
+The scale rule is ``torch.nn.utils.clip_grad_norm_``'s, so one device gives the same result.
+ZeRO-1/2 and ZeRO-3 count their owned elements with the same :func:`squared_norm` and
+:func:`reduce_norm_and_clip`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """``training.compile``: ``torch.compile`` of every transformer block, with a fallback to eager.
 
-Each block's forward is compiled on its own (the module stays where it is
-and its forward goes through dynamo), as TorchTitan does: all
-blocks run the same code, so dynamo builds the block's graph once and reuses
-it for every layer, and the embedding and the head's matmuls stay eager.
-What compiling buys is fusion of the memory-bound work between the
-matmuls: LayerNorm/RMSNorm, GELU/SiLU, the residual adds, RoPE, and, in
-bf16, the chunked loss's softmax arithmetic (:class:`.loss.FusedChunkMath`,
-which reads each chunk's logits once in bf16 instead of writing fp32 copies
-of them).
-
-Tensor-parallel region boundaries are ``torch.compiler.disable``-d
-(:func:`meshtrain.trainer.parallel.tensor.enter_region` /
-``leave_region``): dynamo breaks the graph there, so every collective stays
-a timed, recorded call of meshtrain's own and the compiled graphs are the
-pure compute between them.
-
-Fallback: before compiling, :func:`compile_problem` compiles and runs a tiny
-function forward and backward on the device (inductor needs a C++ compiler
-on CPU and Triton on GPU); if that fails the blocks stay eager and the reason
-is printed once.  Dynamo's ``suppress_errors`` is also set, so a block graph
-the backend cannot compile runs eagerly instead of stopping the job.
-
-Fallbacks are counted (:class:`FallbackWatch`): the engine says once on
-stderr when a compiled frame ran eagerly, and reports how many did.
+All blocks run the same code, so dynamo builds one graph for every layer (as TorchTitan compiles
+each block), fusing the memory-bound work between the matmuls.  Tensor-parallel region boundaries
+are graph breaks, so every collective stays a timed call of meshtrain's own.  Where the backend
+cannot compile here (:func:`compile_problem`) the blocks stay eager; frames that fall back later
+are counted (:class:`FallbackWatch`).
 """
 
 from __future__ import annotations

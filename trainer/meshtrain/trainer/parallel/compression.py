@@ -1,35 +1,10 @@
 """Gradient compression on the data-parallel reduction (``parallelism.gradientCompression``).
 
-:class:`CompressedGradReducer` keeps the reducer's buckets (``.grad`` views
-into flat buffers, filled during backward) and replaces the bucket's plain
-all-reduce, at :meth:`finish`, by a compressed exchange that leaves the mean
-gradient, approximated, in the bucket:
-
-* ``bf16`` / ``fp16``: the bucket is all-reduced in 16 bits (2 bytes per element).
-* ``int8``: each rank quantises its bucket to int8 on 127 levels of its own
-  scale (its max magnitude); the int8 payloads and the fp32 scales are
-  all-gathered and every rank dequantises and sums them in fp32, so the
-  precision does not shrink with the group size (the wire carries
-  ``N x n`` bytes, gathered, against ``4 x n`` for an fp32 all-reduce).
-* ``topk``: each rank sends its ``ratio x n`` largest-magnitude elements
-  (values and int32 indices, all-gathered) and the receivers scatter-add them.
-* ``powersgd`` (Vogels et al. 2019): every matrix ``M`` (n x m) is
-  approximated as ``P Q^T`` of rank r with one power iteration: ``P = M Q``
-  (all-reduced, orthonormalised), ``Q = M^T P`` (all-reduced); ``Q`` is kept
-  for the next step (warm start).  Vectors and matrices too small to gain
-  travel uncompressed in one all-reduce.
-
-``int8``, ``topk`` and ``powersgd`` keep **error feedback**: what a rank's
-compression dropped this step is added to its gradient next step
-(:attr:`CompressedGradReducer.state` holds it, created at construction and
-updated in place, so a checkpoint saves and loads it); a step the loss guard
-skips leaves none (:meth:`CompressedGradReducer.discard_step`).  Each bucket's
-exchange is issued, in bucket index order, as soon as it and every bucket
-before it are final (:mod:`.exchanges`), overlapped with the rest of
-backward; each touches only its own state, so the arithmetic is the same as
-exchanging them one by one after backward.
-Each collective is reported to the recorder with its real payload, so
-``bytes on the wire`` come from the recorder as for uncompressed runs.
+:class:`CompressedGradReducer` keeps the reducer's buckets and replaces a bucket's all-reduce by a
+compressed exchange (bf16 or fp16, int8, top-k, PowerSGD) that leaves the approximate mean in it.
+int8, topk and powersgd keep error feedback in :attr:`CompressedGradReducer.state`, which
+checkpoints carry.  Exchanges run per bucket, overlapped with backward (:mod:`.exchanges`), and
+report their real payload.
 """
 
 from __future__ import annotations
@@ -73,7 +48,12 @@ def mean_of_int8(payloads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class CompressedGradReducer(exchanges.QueuedGradReducer):
-    """A gradient reducer whose per-bucket exchange is compressed (see the module docstring)."""
+    """A gradient reducer whose per-bucket exchange is compressed (one ``_exchange_<mode>`` each).
+
+    Error feedback adds what a rank's compression dropped this step to its gradient next step.
+    Each bucket's exchange touches only its own state, so overlapping the exchanges with backward
+    gives the arithmetic of exchanging them one by one after it.
+    """
 
     def __init__(
         self,
@@ -194,6 +174,7 @@ class CompressedGradReducer(exchanges.QueuedGradReducer):
     # --- the modes --------------------------------------------------------------------
 
     def _exchange_bf16(self, bucket: reducer.Bucket) -> None:
+        """All-reduce in 16 bits (bf16 or fp16): 2 bytes per element."""
         low = bucket.buffer.div(self.group_size).to(CAST[self.mode])  # mean first: no fp16 overflow
         self._all_reduce(low, bucket)
         bucket.buffer.copy_(low)
@@ -201,6 +182,12 @@ class CompressedGradReducer(exchanges.QueuedGradReducer):
     _exchange_fp16 = _exchange_bf16
 
     def _exchange_int8(self, bucket: reducer.Bucket) -> None:
+        """Each rank's values on 127 levels of its own scale; payloads and scales all-gathered.
+
+        Every rank dequantises and sums them in fp32, so the precision does not shrink with the
+        group size; the wire carries ``N x n`` bytes, gathered, against ``4 x n`` for an fp32
+        all-reduce.
+        """
         x = bucket.buffer.add_(self._error(bucket, 0, bucket.buffer))
         q, scale = quantise_int8(x)
         self._error(bucket, 0, x).copy_(x - dequantise_int8(q, scale))
@@ -209,6 +196,10 @@ class CompressedGradReducer(exchanges.QueuedGradReducer):
         bucket.buffer.copy_(mean_of_int8(payloads, scales))
 
     def _exchange_topk(self, bucket: reducer.Bucket) -> None:
+        """Each rank's ``ratio x n`` largest-magnitude elements, all-gathered and scatter-added.
+
+        Values and int32 indices travel.
+        """
         x = bucket.buffer.add_(self._error(bucket, 0, bucket.buffer))
         k = max(1, int(self.topk_ratio * x.numel()))
         index = x.abs().topk(k, sorted=False).indices
@@ -221,6 +212,12 @@ class CompressedGradReducer(exchanges.QueuedGradReducer):
         bucket.buffer.zero_().index_add_(0, all_index.long(), all_values).div_(self.group_size)
 
     def _exchange_powersgd(self, bucket: reducer.Bucket) -> None:
+        """PowerSGD (Vogels et al. 2019): every matrix ``M`` as ``P Q^T`` of rank r.
+
+        One power iteration: ``P = M Q`` (all-reduced, orthonormalised), then ``Q = M^T P``
+        (all-reduced); ``Q`` is kept for the next step (warm start).  Vectors and matrices too
+        small to gain travel uncompressed in one all-reduce.
+        """
         r = self.rank
         matrices, rest = [], []
         for member, param in enumerate(bucket.params):

@@ -1,35 +1,10 @@
-"""Bucket exchanges that are chains of collectives, overlapped with backward.
+"""Bucket exchanges that are chains of collectives (hierarchical, compressed), overlapped with backward.
 
-The flat reducer's exchange is one asynchronous all-reduce per bucket.  The
-hierarchical all-reduce (reduce-scatter, all-reduce, all-gather, each
-needing the previous one's result) and the compressed exchanges (quantise,
-gather, decode; PowerSGD's two all-reduces with an orthonormalisation
-between) are chains.  :class:`QueuedGradReducer` issues each bucket's whole
-chain in bucket index order, as PyTorch DDP's Reducer launches its buckets
-(``next_bucket_``): when bucket ``i`` becomes ready (the reducer's hook), it
-submits every bucket from the lowest not yet submitted up to, not
-including, the lowest one not ready; :meth:`QueuedGradReducer.finish`
-submits the rest in index order.  Every rank therefore issues the same
-chains in the same order on each process group, whatever order its hooks
-fired in (an unused parameter's bucket completes in ``finish`` on one rank
-and mid-backward on another), which the backends require.
-
-Where a chain runs depends on the clock (:mod:`meshtrain.trainer.telemetry.clocks`):
-
-* host (CPU, gloo): on :class:`ExchangeQueue`'s one worker thread, with
-  blocking collectives, while backward goes on computing earlier layers on
-  the calling thread.  After a chain fails, the chains queued behind it are
-  skipped (their collectives would pair with the peers' remaining legs of
-  the failed one) and :meth:`ExchangeQueue.drain` raises the failure at once.
-* CUDA (NCCL): inline in the hook, on the clock's exchange stream after the
-  bucket's ready mark.  Kernels and NCCL collectives are asynchronous, so a
-  thread gains nothing, and issuing data-parallel collectives from a thread
-  while tensor and pipeline collectives are issued from others would let the
-  order across communicators differ between ranks (an NCCL deadlock).
-
-What stays exposed after backward is the exchange of the buckets that
-became ready last (at least the last bucket's whole chain), which is what
-the planner charges (:func:`meshtrain.planner.timing.stage_work.price`).
+:class:`QueuedGradReducer` issues each bucket's whole chain in bucket index order, so every rank
+issues the same collectives in the same order on each process group: on the host from one worker
+thread (:class:`ExchangeQueue`), on CUDA inline on the clock's exchange stream.  At least the last
+bucket's chain stays exposed after backward, which the planner charges
+(:func:`meshtrain.planner.timing.stage_work.price`).
 """
 
 from __future__ import annotations
@@ -48,7 +23,16 @@ from meshtrain.trainer.telemetry import clocks
 
 
 class ExchangeQueue:
-    """Runs bucket exchanges in submission order: on one worker thread (host), inline on CUDA."""
+    """Runs bucket exchanges in submission order: on one worker thread (host), inline on CUDA.
+
+    On the host the thread runs each chain with blocking collectives while backward goes on
+    computing earlier layers on the calling thread; after a chain fails, the chains queued
+    behind it are skipped (their collectives would pair with the peers' remaining legs of the
+    failed one) and :meth:`drain` raises the failure at once.  On CUDA kernels and NCCL
+    collectives are asynchronous, so a thread gains nothing, and issuing data-parallel
+    collectives from a thread while tensor and pipeline collectives are issued from others
+    would let the order across communicators differ between ranks (an NCCL deadlock).
+    """
 
     def __init__(self, clock: clocks.Clock) -> None:
         self.clock = clock
@@ -127,6 +111,13 @@ class QueuedGradReducer(reducer.GradReducer):
 
     The exchange leaves this rank's reduced gradient in the bucket; it must
     not touch another bucket (they run while backward fills the others).
+
+    Chains are submitted in bucket index order, as PyTorch DDP's Reducer launches its buckets
+    (``next_bucket_``): when bucket ``i`` becomes ready, every bucket from the lowest not yet
+    submitted up to, not including, the lowest one not ready.  Every rank then issues the same
+    chains in the same order on each process group, whatever order its hooks fired in (an
+    unused parameter's bucket completes in :meth:`finish` on one rank and mid-backward on
+    another), which the backends require.
     """
 
     def __init__(

@@ -1,21 +1,10 @@
 """Hierarchical data-parallel all-reduce (``parallelism.allReduce: hierarchical``).
 
-:class:`HierarchicalGradReducer` keeps the reducer's buckets and hooks and
-replaces a bucket's one all-reduce over the data-parallel group by three
-collectives over the node structure of the placement (pod ``i`` runs ranks
-``[i g, (i+1) g)``, :meth:`meshtrain.api.layout.ParallelLayout.dp_levels`):
-
-1. reduce-scatter inside the node (the NVLink domain): each of the ``k``
-   local peers ends with the node's sum of ``1/k`` of the bucket;
-2. all-reduce of that shard across the nodes, between the peers at the same
-   position (``1/k`` of the bytes on the inter-node fabric);
-3. all-gather inside the node, so every rank holds the whole sum.
-
-The bucket is padded to a multiple of ``k``.  Each stage is reported with
-``level`` intra or inter.  The three run one after another, as a chain on
-the exchange thread (:mod:`.exchanges`) from the moment the bucket is
-complete, so they overlap the rest of backward like the flat reducer's
-asynchronous all-reduce.
+:class:`HierarchicalGradReducer` replaces a bucket's all-reduce by a reduce-scatter among the
+``k`` ranks of its node, an all-reduce of that ``1/k`` shard across the nodes and an all-gather
+on the node (:meth:`meshtrain.api.layout.ParallelLayout.dp_levels`), so only ``1/k`` of the bytes
+cross the inter-node fabric.  The three run as one chain (:mod:`.exchanges`), overlapped with
+backward.
 """
 
 from __future__ import annotations

@@ -1,37 +1,9 @@
 """The language-model loss: LM head and cross-entropy fused, chunked over tokens.
 
-The plain loss writes the (tokens, vocab) logits in the autocast dtype, an
-fp32 copy of them, and keeps a softmax of the same size for backward: at
-1.3B parameters with 8k tokens a micro-batch, 2.4 GiB that exist only to be
-reduced to one number.  :func:`lm_loss` never holds more than one chunk of
-logits: for every chunk of tokens it computes that chunk's logits (in the
-autocast dtype, as the head would), upcasts only them to fp32, takes the
-loss and, at once, the summed loss's d / d logits = softmax - one-hot, and
-contracts that with the head weight and the chunk's hidden states into the
-chunk's input gradient and its share of the weight gradient.  Forward
-therefore keeps two gradients (the hidden states' size, and the head
-weight's in fp32) instead of logits, and backward only scales them by the
-incoming gradient over the token count (Liger-Kernel's fused linear
-cross-entropy also computes the gradients in forward, though already
-divided there); the head's matmuls run once each, as in the plain loss.
-Chunks are balanced (:func:`balanced_chunks`), so a batch has at most two
-chunk lengths.
-
-The per-chunk arithmetic between the matmuls (upcast, row maximum, exp,
-sum, softmax minus one-hot) is memory-bound: done eagerly it writes an fp32
-copy of the chunk's logits and reads and writes that about ten times.  With
-``training.compile`` and bf16 it runs as three compiled functions
-(:class:`FusedChunkMath`: row maximum; target logit and sum of
-exponentials; gradient), each of which reads the chunk's logits once in the
-matmul's dtype, and only the gradient is written, in that dtype.
-
-With tensor parallelism the head weight is this rank's vocabulary shard
-(column-parallel): per chunk the row maximum and the two sums (target logit,
-sum of exponentials) are all-reduced over the tensor-parallel group, so no
-rank sees more than ``vocab / tp`` logits of a token, and the hidden-state
-gradient is a partial sum that the head's entry into the tensor-parallel
-region all-reduces (or reduce-scatters under sequence parallelism) in
-backward, as for any column-parallel layer.
+The plain loss writes the (tokens, vocab) logits, an fp32 copy and a softmax for backward: at 1.3B
+parameters with 8k tokens a micro-batch, 2.4 GiB that exist only to be reduced to one number.
+:func:`lm_loss` holds one chunk of logits at a time and computes the gradients in forward
+(:class:`_LinearCrossEntropy`); under tensor parallelism each rank sees only its vocabulary shard.
 """
 
 from __future__ import annotations
@@ -267,7 +239,21 @@ def _fused_chunk(
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss in forward, with its gradients computed there too; backward scales them."""
+    """Loss in forward, with its gradients computed there too; backward scales them.
+
+    Per chunk of tokens: the chunk's logits (in the autocast dtype, as the head would), upcast to
+    fp32, the loss and at once the summed loss's d / d logits = softmax - one-hot, contracted with
+    the head weight and the chunk's hidden states into the chunk's input gradient and its share
+    of the weight gradient.  Forward thus keeps two gradients (the hidden states' size, and the
+    head weight's in fp32) instead of logits, and backward only scales them by the incoming
+    gradient over the token count (Liger-Kernel's fused linear cross-entropy also computes the
+    gradients in forward, though already divided there); the head's matmuls run once each, as
+    in the plain loss.
+
+    Under tensor parallelism each chunk's row maximum and its two sums (target logit, sum of
+    exponentials) are all-reduced over the group, and the hidden-state gradient is a partial sum
+    that the head's entry into the tensor-parallel region reduces in backward.
+    """
 
     @staticmethod
     def forward(

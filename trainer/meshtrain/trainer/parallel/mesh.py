@@ -1,15 +1,9 @@
 """Process groups: the default group from torchrun's environment and the (pp, dp, tp) mesh.
 
-:func:`init_process_group` (gloo on CPU, NCCL on GPU, with a
-timeout so a dead peer turns into an error rather than a hang) and
-:func:`build_mesh`, which creates the DeviceMesh of shape
-``(pipeline, data, tensor)`` named ``("pp", "dp", "tp")``.  Row-major order
-over that shape gives exactly DESIGN's ``rank = (pp*data + dp)*tensor + tp``;
-:class:`Mesh` checks it against :mod:`meshtrain.api.layout` and adds a second
-pipeline group so activations and gradients travel on separate channels.
-
-Not the rank arithmetic itself (that is
-:class:`meshtrain.api.layout.ParallelLayout`, pure and shared with the operator).
+:func:`build_mesh` creates the DeviceMesh of shape ``(pipeline, data, tensor)``, whose row-major
+order is DESIGN's ``rank = (pp*data + dp)*tensor + tp``; :class:`Mesh` checks it against
+:class:`meshtrain.api.layout.ParallelLayout` and adds a second pipeline group, so activations and
+gradients travel apart.  Groups time out, so a dead peer is an error, not a hang.
 """
 
 from __future__ import annotations

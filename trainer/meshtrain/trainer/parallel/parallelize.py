@@ -1,30 +1,9 @@
-"""``parallelize``: turn a dense GPT into this rank's share of a dp x pp x tp job.
+"""``parallelize``: turn a dense model into this rank's share of a dp x pp x tp job.
 
-The one function that composes the parallelisms, in this order:
-
-0. The dense model may be on the ``meta`` device (shapes only): each
-   parameter gets its weights when a step below needs them, so a rank never
-   holds more than its own share plus one dense matrix.
-1. **Pipeline split** first: keep only this stage's blocks (and embeddings
-   or head).  Everything after works on what the rank keeps, so tensor
-   sharding never touches layers another stage owns.
-2. **Tensor parallel** next: swap the kept linears/embeddings for sharded
-   ones.  This replaces parameters, so it must come before anything that
-   holds on to parameter objects.
-3. **Data parallel** last: the gradient reducer hooks the final parameter
-   objects (after TP swapped them) and makes their ``.grad`` views into
-   its buckets.
-4. The **executor** is built around the result: it drives the schedule and
-   tells the reducer when gradients are final.
-
-Steps 2 to 4 are :func:`apply_tensor_parallel`, :func:`apply_data_parallel`
-and :func:`build_executor`; :func:`parallelize` calls them in that order.
-
-Precision is not a module transform here: weights stay fp32 (master
-weights) and bf16 is an autocast context the executor enters (GPU only).
-
-Not model construction (:mod:`meshtrain.trainer.models.gpt`) or the
-training loop (:mod:`meshtrain.trainer.engine`).
+The one function that composes the parallelisms, in the order its comments explain: pipeline
+split, tensor parallel, data parallel (or ZeRO-3), then the executor.  The model may be on the
+``meta`` device, so a rank never holds more than its share plus one dense matrix.  Precision is
+not a module transform: weights stay fp32, and bf16 is an autocast the executor enters.
 """
 
 from __future__ import annotations
@@ -146,7 +125,8 @@ def parallelize(
     layout, coords = mesh.layout, mesh.coords
     config = model.config
 
-    # 1. Pipeline: this stage's chunks (the rest of the model is dropped).
+    # 1. Pipeline first: this stage's chunks (the rest of the model is dropped), so nothing
+    # later spends time or memory on layers another stage owns.
     chunks = pipeline.split_model(
         model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages
     )

@@ -1,30 +1,10 @@
 """Pipeline parallelism: splitting the model into stages and running a schedule.
 
-:func:`split_model` cuts a :class:`~meshtrain.trainer.models.gpt.GPT`
-into this rank's chunks (balanced blocks; embeddings on the first virtual
-stage, final norm and head on the last), and :class:`PipelineExecutor`, which
-walks the action list of :mod:`.schedules` for one optimizer step.  Forwards
-receive activations from the previous virtual stage and send theirs on;
-backwards receive output gradients and send input gradients back.  Every
-point-to-point operation goes through ``torch.distributed.batch_isend_irecv``:
-an action's send is batched with the next action's receive when both use the
-same group (on NCCL one grouped call, so two stages that send to each other at
-once, as interleaved 1F1B does at p = 2, cannot both block in a send).  Sends
-stay in flight until the end of the step and a receive blocks only when its
-data is needed, so a valid schedule cannot deadlock on gloo; on gloo the next
-action's receive is posted before this action computes
-(:meth:`PipelineExecutor._prefetch`).  Activations and gradients travel on
-two separate process groups, so each direction keeps its own FIFO order.
-
-Each forward, backward and blocking wait is reported to the step recorder,
-timed with the engine's clock (:mod:`meshtrain.trainer.telemetry.clocks`: host time on CPU, GPU time
-on CUDA);
-before each backward the executor tells the gradient reducer whether it is
-the chunk's last one in the step (only then are gradients reduced).
-
-Not a schedule generator (:mod:`.schedules`) or a tensor-parallel
-layer; it treats chunks as opaque modules.  Why not
-``torch.distributed.pipelining``: see docs/trainer.md.
+:func:`split_model` cuts the model into this rank's chunks; :class:`PipelineExecutor` walks the
+:mod:`.schedules` action list of one step, reporting every forward, backward and wait.  Sends and
+receives go through ``batch_isend_irecv`` on two process groups (one per direction, each its own
+FIFO) and sends stay in flight until the step ends, so a valid schedule cannot deadlock
+(docs/trainer.md, "Pipeline parallel", also on why not ``torch.distributed.pipelining``).
 """
 
 from __future__ import annotations

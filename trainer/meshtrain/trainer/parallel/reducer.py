@@ -1,28 +1,10 @@
 """Data parallelism: bucketed gradient reduction overlapped with backward.
 
-:class:`GradReducer`.  At construction it packs the parameters,
-in reverse registration order (roughly the order backward produces their
-gradients), into buckets of about ``bucket_mb`` MiB and makes every ``.grad``
-a view into its bucket's flat buffer, so reducing a bucket is one collective
-on one contiguous tensor with no copies.  A post-accumulate-grad hook counts
-the gradients of a bucket that are final; when the last one arrives the
-bucket's collective is launched asynchronously while backward goes on
-computing earlier layers.  During gradient accumulation (micro-batches other
-than the last) the hooks do nothing, so there is no traffic until the last
-micro-batch.  One step therefore makes exactly ``len(buckets)`` collectives.
-
-:meth:`GradReducer.finish` waits for them and turns sums into means.  Each
-collective is started and timed through the engine's clock (its ``launch``,
-:mod:`meshtrain.trainer.telemetry.clocks`: on CUDA from a side stream, so timing its end holds back
-neither the host nor backward's stream).  The
-collective is one method, :meth:`GradReducer._launch`: a ZeRO-2 reducer
-overrides it with a reduce-scatter of the bucket (each rank keeps its shard)
-and :meth:`finish` accordingly; ZeRO-1 keeps the all-reduce and shards only
-the optimizer state.
-
-Not the optimizer, or the tensor-parallel reductions (those are
-in :mod:`.tensor`).  It assumes each parameter is used once per forward (no
-weight tying), which holds for meshtrain's GPT.
+:class:`GradReducer` packs the parameters, in reverse registration order, into buckets whose flat
+buffers the ``.grad`` are views of, and launches a bucket's collective as soon as its last
+gradient is final, while backward goes on.  Nothing is sent before the last micro-batch, so a step
+makes one collective per bucket.  The collective is one method (:meth:`GradReducer._launch`), which
+ZeRO-2 and the chained exchanges replace.
 """
 
 from __future__ import annotations
@@ -69,7 +51,9 @@ class GradReducer:
 
     ``params`` is a list of parameters, or one list per model chunk (interleaved
     pipeline): a bucket then never spans two chunks, so its gradients are all
-    final after the same chunk's backward.
+    final after the same chunk's backward.  A bucket is launched once every member's
+    post-accumulate-grad hook has fired in the last micro-batch's backward: each parameter's
+    gradient must be accumulated once per backward.
     """
 
     def __init__(

@@ -1,18 +1,9 @@
 """Pipeline schedules as pure data: the ordered actions of one stage in one step.
 
-:func:`actions` turns (schedule, stages p, virtual stages v,
-micro-batches m, stage s) into the list of :class:`Action` that stage ``s``
-runs, in order; :func:`simulate` replays all stages' lists with unit-cost
-forward/backward to check that they can run together (no deadlock,
-dependencies respected) and idle for the theoretical share
-``(p - 1) / (v * m + p - 1)`` (:func:`meshtrain.planner.timing.pipeline_window.bubble_ratio`).
-
-No tensors, no processes: the executor in :mod:`.pipeline` walks these lists
-and does the point-to-point traffic.
-
-Chunks: stage ``s`` holds ``v`` model chunks; chunk ``c`` is virtual stage
-``c * p + s`` (Megatron's interleaving), so activations go round the ring
-of stages ``v`` times.
+:func:`actions` lists what stage ``s`` runs (gpipe, 1f1b, or interleaved-1f1b, where chunk ``c`` of
+stage ``s`` is virtual stage ``c * p + s``: Megatron's interleaving); :func:`simulate` replays every
+stage with unit-time actions to check that they can run together and idle for the theoretical
+share ``(p - 1) / (v * m + p - 1)``.  No tensors, no processes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""Memory accounting: bytes of weights, gradients and optimizer state one rank really holds.
+"""Memory accounting: the bytes of weights, gradients and optimizer state one rank really holds.
 
-:func:`measure`, which walks the tensors that exist on this rank
-(parameters, gradient buffers of the data-parallel reducer or ``.grad``,
-the optimizer's state) and adds up their storage, each storage counted once,
-and :class:`MemoryReport`, which sets the result beside the ZeRO paper's
-per-parameter formula for the layout (:func:`meshtrain.trainer.parallel.zero.expected_bytes_per_param`).
-The trainer logs the report at start, and :func:`meter` hands the telemetry
-recorder a measurement to take at every step for the exporter (``as_metrics``:
-``meshtrain_memory_bytes{component}``).  It lives with parallelism because
-what a rank holds is what the sharding (ZeRO stages, FSDP2) leaves it.
-
-Measured, not computed: a lazily created tensor (``torch.optim.AdamW``'s
-moments before the first step, ``.grad`` without a reducer before the first
-backward) counts only once it exists.  The checkpointer creates AdamW's state
-up front, so after start-up only the no-DP gradients are missing.
-
-Not a CUDA allocator profile (activations, workspace and
-fragmentation are outside this; ``torch.cuda.max_memory_allocated`` covers those).
+:func:`measure` adds up the storage of the tensors that exist on this rank (each storage once) and
+:class:`MemoryReport` sets it beside the ZeRO paper's formula; :func:`meter` hands telemetry a
+measurement for every step.  It lives with parallelism because what a rank holds is what the
+sharding leaves it.  Measured, not computed: a lazily created tensor counts once it exists.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Tensor parallelism: Megatron-style sharded layers and the rules to apply them.
 
-Four autograd functions that move activations in and out of the
-tensor-parallel region (copy / reduce, and their sequence-parallel variants
-gather / reduce-scatter along the sequence), the layers built on them
-(column- and row-parallel linear, vocabulary-parallel embedding, a
-sequence-parallel position embedding), and
-:func:`apply_tensor_parallel`, which swaps the dense modules of a
-:class:`~meshtrain.trainer.models.gpt.GPT` for sharded ones.
-
-Every collective goes through :func:`_timed`, which times it with the
-engine's clock (:mod:`meshtrain.trainer.telemetry.clocks`) and reports it to the
-:class:`~meshtrain.trainer.telemetry.recording.StepRecorder` as group ``tp``:
-that is why meshtrain has its own layers instead of
-``torch.distributed.tensor.parallel`` (see docs/trainer.md).
-
-Not process-group setup (:mod:`.mesh`) or gradient reduction
-across data-parallel replicas (:mod:`.reducer`).
+Four autograd functions move activations into and out of the tensor-parallel region (copy and
+reduce, or sequence parallelism's gather and reduce-scatter); the column- and row-parallel linears
+and the vocabulary-parallel embedding are built on them, and :func:`apply_tensor_parallel` swaps a
+model's dense modules for them.  Every collective is timed and reported as group ``tp``: why these
+are meshtrain's own layers, not ``torch.distributed.tensor.parallel`` (docs/trainer.md).
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
-"""ZeRO stages 1 and 2: optimizer state (and gradients) sharded over the data-parallel group.
+"""ZeRO stages 1 and 2: optimizer state (and, at 2, gradients) sharded over the data-parallel group.
 
-* the shard arithmetic (pure): every gradient bucket of the
-  :class:`~meshtrain.trainer.parallel.reducer.GradReducer` is a flat buffer of
-  ``n`` elements; it is padded to ``N * ceil(n / N)`` and rank ``r`` of the
-  ``N`` data-parallel ranks owns the flat range ``[r * s, min((r + 1) * s, n))``
-  with ``s = ceil(n / N)`` (:func:`shard_range`).  A parameter that straddles
-  a boundary is split between owners (:func:`segments`).
-* :class:`ZeroAdamW` (stages 1 and 2): keeps AdamW's two moments only for
-  the owned range of every bucket (``8 / N`` bytes per parameter in fp32),
-  updates the owned elements of the weights, then all-gathers every bucket's
-  updated elements so each replica again holds the full weights.  It also
-  computes the global gradient norm from the owned gradient elements only.
-  The AdamW arithmetic is the same elementwise sequence as
-  ``torch.optim.AdamW`` so ZeRO 0, 1 and 2 give the same numbers.
-* :class:`ShardedGradReducer` (stage 2): instead of keeping every gradient in
-  persistent full-size buckets, each bucket's gradients are packed into a
-  transient flat buffer as soon as a backward produced all of them (every
-  micro-batch), the parameters' ``.grad`` are released, and the buffer is
-  reduce-scattered and added to the rank's owned range (``4 / N`` bytes per
-  parameter, also under gradient accumulation).
-
-meshtrain keeps fp32 weights and computes in bf16 under autocast on GPU, so
-the weights *are* the fp32 master copy: ZeRO-1 here shards the Adam moments
-(the master weights have no separate copy to shard), and the measured bytes
-follow 4 + 4 + 8/N (stage 1) and 4 + (4 + 8)/N (stage 2) per parameter.
-
-Not ZeRO-3 (parameters stay replicated), or the checkpoint
-format (:mod:`meshtrain.trainer.checkpointing` saves the owned moments under
-their dense parameter names, so any layout can load them).
+Each gradient bucket is padded to ``N * ceil(n / N)`` elements and rank ``r`` owns a flat range of
+it (:func:`shard_range`, :func:`segments`).  :class:`ZeroAdamW` keeps AdamW's moments for the owned
+range only and all-gathers the updated weights; :class:`ShardedGradReducer` (stage 2) keeps only
+the owned gradients.  The fp32 weights are the master copy, so stage 1 shards just the moments
+(docs/checkpoints.md, "ZeRO").
 """
 
 from __future__ import annotations
@@ -250,6 +227,11 @@ class _BucketState:
 
 class ZeroAdamW:
     """AdamW whose moments and update are sharded over the data-parallel group (ZeRO stage 1 or 2).
+
+    It keeps the two moments of every bucket's owned range only (``8 / N`` bytes per parameter
+    in fp32), updates the owned weights, then all-gathers each bucket's updated elements so every
+    replica holds the full weights again.  The arithmetic is ``torch.optim.AdamW``'s elementwise
+    sequence, so ZeRO 0, 1 and 2 give the same numbers.
 
     Exposes ``param_groups`` (one dict per weight-decay class, with ``lr``) so
     :func:`meshtrain.trainer.optim.lr_schedule.set_lr` works unchanged.

@@ -1,26 +1,10 @@
 """ZeRO stage 3: parameters, gradients and optimizer state sharded over data parallelism, by FSDP2.
 
-:func:`apply_zero3` calls PyTorch's ``fully_shard`` on the embeddings and
-on every transformer block of every model chunk (one all-gather /
-reduce-scatter unit each) and then on the chunk itself (its final norm and
-head form the root unit), so only one block's weights are gathered at a
-time; :func:`units` says which units reshard after forward.  It runs after tensor parallelism swapped the layers, so FSDP2 shards
-the tensor-parallel pieces (plain tensors) along dim 0 over the
-data-parallel mesh; during a unit's forward and backward the layers see
-their whole tensor-parallel piece again, so meshtrain's own TP layers work
-unchanged.  Gradients are reduce-scattered after every micro-batch's
-backward (FSDP2's default), so only the gradient shard accumulates.
-
-The parameters become ``DTensor`` shards; ``torch.optim.AdamW`` updates
-them shard by shard (the ZeRO-3 optimizer is the ordinary one).
-:func:`local` gives the plain local tensor of a parameter or gradient, and
-:func:`flat_offset` where that shard starts in the TP piece's flat order
-(the checkpoint writes it like a ZeRO-1/2 moment range).
-
-Every all-gather and reduce-scatter goes through :class:`_RecordedAllGather`
-/ :class:`_RecordedReduceScatter` so telemetry sees them like any other
-``dp`` collective.  Why FSDP2 rather than more of meshtrain's own sharding:
-see docs/architecture.md (ZeRO-3).
+:func:`apply_zero3` calls ``fully_shard`` on the embeddings and on every block (:func:`units`)
+after tensor parallelism swapped the layers, so FSDP2 shards the tensor-parallel pieces along
+dim 0 and meshtrain's own layers see whole pieces inside a unit.  The ordinary ``torch.optim.AdamW``
+updates the ``DTensor`` shards, and every gather and reduce-scatter is recorded as a ``dp``
+collective.  Why FSDP2: docs/architecture.md (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -91,8 +75,9 @@ def apply_zero3(
 ) -> None:
     """Shard every chunk's parameters over ``dp_mesh`` in the FSDP2 units of :func:`units`.
 
-    ``param_dtype`` (bf16 under bf16 training) is what the units gather and
-    compute with; the shards, the optimizer and the reduce-scatter stay fp32
+    Gradients are reduce-scattered after every micro-batch's backward (FSDP2's default), so
+    only the gradient shard accumulates.  ``param_dtype`` (bf16 under bf16 training) is what
+    the units gather and compute with; the shards, the optimizer and the reduce-scatter stay fp32
     (Megatron's and DeepSpeed's recipe: half the all-gather bytes).
     """
     all_gather = _RecordedAllGather(recorder, clock)

@@ -1,46 +1,11 @@
 """Timestamps for step telemetry: host seconds on CPU, GPU-timeline seconds on CUDA.
 
-The clock the engine reads around every forward, backward,
-pipeline wait and collective it reports to the
-:class:`~meshtrain.trainer.telemetry.recording.StepRecorder`; the engine owns
-one, chosen by :func:`for_device`.
-
-* :class:`HostClock` (CPU, gloo): ``time.perf_counter()``.  Work on CPU
-  tensors runs on the calling thread and a gloo collective's future completes
-  when the data has arrived, so host time is the work's time.
-* :class:`CudaClock` (GPU, NCCL): kernels and NCCL collectives are queued and
-  run later, so host time around them measures only the launch.  Its stamps
-  are CUDA events recorded on the stream the work runs on.  At step start it
-  reads ``perf_counter`` and records a reference event (the GPU is idle
-  there: the previous step ended by reading the loss on the host, and it
-  synchronises to make sure), and after the step's sync :meth:`CudaClock.seconds`
-  places an event on the host timeline as
-  ``reference_host + reference.elapsed_time(event) / 1000``.  The stamps reach
-  telemetry through :class:`~meshtrain.trainer.telemetry.recording.DeferredRecorder`.
-
-An asynchronous collective whose end must be timed without blocking anyone
-(the data-parallel buckets overlapped with backward) goes through
-``launch``.  On the host it notes the launch time and reads the clock again
-when the collective completes.  On CUDA the collective is issued from a side
-stream that first waits for the compute stream; ``work.wait()`` issued on the
-side stream makes that stream (not the host, not the compute stream) wait for
-NCCL's internal stream, and an event recorded after it is the end on the GPU.
-The compute stream waits for the side stream only where the result is needed
-(:meth:`DeviceLaunch.wait`, from ``GradReducer.finish``).
-
-A bucket exchange that is a chain of dependent collectives and computations
-(hierarchical all-reduce, compressed exchanges: :mod:`meshtrain.trainer.parallel.exchanges`) runs on a
-background thread on the host and inline in the reducer's hook on CUDA.
-``mark_ready`` notes, on the issuing thread, the point where the bucket's
-gradients are final; ``exchange_stream(mark)`` is the context the chain runs
-in (on CUDA: the clock's exchange stream, which first waits for the mark, so
-neither the host nor backward's stream waits for the chain);
-``join_exchanges`` makes the compute stream wait for every chain issued (the
-host waits for the thread itself).
-
-Not the step's wall time (the engine reads ``perf_counter``
-around the whole step, which ends with a host sync), checkpoint timing, or a
-recorder.
+The engine owns one clock (:func:`for_device`) and passes it wherever the recorder goes.
+:class:`HostClock` reads ``perf_counter`` around work that runs on the calling thread;
+:class:`CudaClock` records CUDA events on the stream the work runs on (host time there measures
+only the launch) and places them on the host timeline after the step's sync.  Overlapped
+collectives and exchange chains are timed on streams of their own, so timing holds back neither
+the host nor backward (docs/telemetry.md, "Timing on GPUs").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Plain values shared by the telemetry modules: who a rank is, what it holds.
+"""Plain values shared by the telemetry modules: who a rank is, what it holds, where a step goes.
 
-:class:`RankIdentity` (the labels of every metric a rank
-exports, read from the operator's environment variables), :class:`MemorySample`
-and the :class:`Sink` protocol that the exporter, the progress document and the trace implement.
-
-Reads nothing but the environment.
+:class:`RankIdentity` (the labels of every metric, from the operator's environment variables),
+:class:`MemorySample`, and the :class:`Sink` protocol of the exporter, the progress document and
+the trace.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Prometheus exporter of one rank, and the /progress endpoint of global rank 0.
+"""Prometheus exporter of one rank, and the ``/progress`` endpoint of global rank 0.
 
-:class:`Exporter`, a :class:`~.context.Sink` that turns each
-step's :class:`~.stepstats.StepStats` into Prometheus metrics (names
-listed in docs/telemetry.md) in its own registry, and serves
-them over HTTP on ``metrics.port + local_rank``: one small server per rank, so
-a pod with g GPUs exposes ports ``port .. port + g - 1``, bound to
-``$MESHTRAIN_METRICS_HOST`` (default ``0.0.0.0``).  Global rank 0 also
-answers ``GET /progress`` with JSON ``{step, loss, tokens_per_second,
-last_checkpoint_step, updated_at}`` for the operator.
-
-Not a push client or an aggregator.  Every metric carries the
-rank's labels (job, namespace, pod, rank, dp, pp, tp); sums and quantiles
-across ranks are PromQL's job (dashboards/).  Scrape with ``honor_labels:
-true`` so that the exporter's ``job``/``namespace``/``pod`` labels win over the
-scrape target's.
+One small HTTP server per rank on ``metrics.port + local_rank``, every series with the rank's
+labels; sums and quantiles across ranks are PromQL's.  Per rank rather than per pod because
+torchrun's ranks are separate processes (docs/telemetry.md, "Exporter: one HTTP server per
+rank").  The metric families are one table, :data:`DECLARATIONS`.
 """
 
 from __future__ import annotations
@@ -443,7 +433,6 @@ class Exporter:
         host: str = DEFAULT_HOST,
     ) -> None:
         self.metrics = Metrics(identity)
-        """The metric families."""
         self.identity = identity
         self.progress = progress
         """The /progress document served (global rank 0 only; another sink keeps it up to date)."""

@@ -1,28 +1,8 @@
 """Peak memory from allocations: the bytes of live tensor storages, tracked on any device.
 
-CUDA has ``torch.cuda.max_memory_allocated``; CPU has nothing like it (the
-resident set counts the allocator's cache, the corpus and the interpreter).
-:class:`LiveBytes` is a ``TorchDispatchMode`` that sees every tensor an op
-creates, counts the bytes of each new storage once, and uncounts them when
-the storage is freed (a weak reference's callback), so ``peak`` is the
-high-water mark of live tensor bytes, as the CUDA caching allocator reports
-it, minus the allocator's rounding.
-
-Tensors that exist before the mode is entered (weights, gradient buckets,
-optimizer state) are registered with :meth:`LiveBytes.track`.
-
-A storage can also change size in place: FSDP2 (ZeRO-3) allocates and frees
-a unit's all-gathered parameters with ``UntypedStorage.resize_``, which no
-dispatch mode sees.  While the mode is active that method is wrapped (as
-PyTorch's own ``MemTracker`` does), so a resize moves ``current`` by the
-difference; an ``aten.resize_``/``set_`` output is re-read after the op.
-A DTensor counts as its local shard.  Not seen: tensors made without an op (``torch.from_numpy``) and a
-collective's internal staging buffers.  Costs a Python call per op: for
-tests and benchmarks, not for production steps.
-
-Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it is a private
-module whose per-module attribution copies a snapshot at every new peak; the
-count needed here is its core (storage weak references) without the rest.
+CUDA has ``torch.cuda.max_memory_allocated``; a CPU has nothing like it (the resident set counts
+the allocator's cache, the corpus and the interpreter).  :class:`LiveBytes` is a dispatch mode that
+counts each new storage until it is freed, and FSDP2's in-place storage resizes too.
 """
 
 from __future__ import annotations
@@ -38,7 +18,23 @@ from torch.utils._pytree import tree_flatten
 
 
 class LiveBytes(TorchDispatchMode):
-    """Live and peak bytes of tensor storages created under the mode (plus those registered)."""
+    """Live and peak bytes of tensor storages created under the mode (plus those registered).
+
+    Each new storage counts once, until it is freed (a weak reference's callback), so ``peak`` is
+    the high-water mark of live tensor bytes as the CUDA caching allocator reports it, less the
+    allocator's rounding.  Tensors that exist before the mode is entered (weights, gradient
+    buckets, optimizer state) are registered with :meth:`track`.  FSDP2 (ZeRO-3) allocates and
+    frees a unit's gathered parameters with ``UntypedStorage.resize_``, which no dispatch mode
+    sees: while the mode is active that method is wrapped (as PyTorch's own ``MemTracker`` does),
+    so a resize moves ``current`` by the difference; an ``aten.resize_``/``set_`` output is re-read
+    after the op.  A DTensor counts as its local shard.
+
+    Not seen: tensors made without an op (``torch.from_numpy``) and a collective's internal
+    staging buffers.  It costs a Python call per op: for tests and benchmarks, not production
+    steps.  Not ``torch.distributed._tools.mem_tracker.MemTracker``: a private module whose
+    per-module attribution copies a snapshot at every new peak; this is its core (storage weak
+    references) without the rest.
+    """
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -1,10 +1,8 @@
 """What a run's event trace (:mod:`.trace`) says about the step loop around the compute.
 
-Calibration's step-loop run and the planner's validation bench read the
-trainer's own trace lines: the seconds of a step no recorded event covers,
-the tensor-parallel calls and what they waited, and how long each pipeline
-message still in flight when its receiver asked for it took to arrive.  Pure: trace lines
-in, figures out.
+Pure, trace lines in and figures out: the seconds no recorded event covers, the tensor-parallel
+calls, and the latency of pipeline messages still in flight.  Calibration's step-loop run and the
+planner's validation bench read them.
 """
 
 from __future__ import annotations

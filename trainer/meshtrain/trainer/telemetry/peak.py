@@ -1,13 +1,8 @@
-"""The denominators: peak FLOP/s of a device and peak memory of this process.
+"""The denominators: peak FLOP/s of a device (for MFU) and peak memory of this process.
 
-:func:`resolve_peak_flops` picks the peak used for MFU (the spec's
-``metrics.peakFlops`` if set, else the dense bf16 peak of a known GPU from its
-name, else a short fp32 matmul measurement on this CPU thread) and
-:func:`peak_memory_bytes` reads the high-water mark of memory.
-
-Not a profiler.  The CPU figure is a best-case single-thread
-matmul rate measured once at start-up (~0.1 s), so CPU MFU reads as "share of
-what this core does on a large matmul".
+The peak FLOP/s is ``metrics.peakFlops``, else a known GPU's dense bf16 peak, else a short fp32
+matmul on this CPU thread at start-up (~0.1 s), so CPU MFU reads as "share of what this core does
+on a large matmul".
 """
 
 from __future__ import annotations

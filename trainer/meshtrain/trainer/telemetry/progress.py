@@ -1,19 +1,10 @@
 """What global rank 0 tells the operator: the progress document and its final copy.
 
-:class:`Progress`, a :class:`~.context.Sink` that keeps the JSON
-document ``{step, loss, tokens_per_second, last_checkpoint_step,
-updated_at, eval_loss, skipped_updates, straggler}`` up to date (the exporter serves it at ``GET /progress``), and
-:func:`write_termination_log`, which writes that document once, at the end
-of a successful run, to the file named by ``$MESHTRAIN_TERMINATION_LOG``
-(the operator sets ``/dev/termination-log``, so the kubelet puts it into the
-container's ``state.terminated.message``).
-
-Only at success: a failed rank leaves the file empty, so a pod with
-``terminationMessagePolicy: FallbackToLogsOnError`` still reports the end of
-its log.
-
-Not an HTTP server (:mod:`.exporter` serves the document) or a
-checkpoint policy (the worker reports published checkpoints).
+:class:`Progress` keeps the document the exporter serves at ``GET /progress``;
+:func:`write_termination_log` writes it once more at the end of a successful run to
+``$MESHTRAIN_TERMINATION_LOG``, which the kubelet reports as the container's termination message
+(docs/telemetry.md, "Exporter: one HTTP server per rank").  A refused rank writes its exit code
+there instead (:func:`write_failure`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The trainer's telemetry recorder: the engine's :class:`StepRecorder`, made useful.
+"""The trainer's telemetry recorder: the engine's :class:`~.recording.StepRecorder`, made useful.
 
-:class:`TelemetryRecorder` collects one rank's timing events of a
-step like every recorder (:class:`.recording.EventCollector`; the engine
-calls it around every micro-batch, wait and collective), summarises them at ``step_end`` with :func:`.stepstats.summarise` and hands
-the summary to its sinks: the Prometheus exporter (:mod:`.exporter`) and the
-step log and event trace (:mod:`.trace`).  :func:`make_recorder` builds the
-whole thing from a spec, the layout and a rank: the trainer's single point of
-construction.
-
-Not a timer.  The engine measures; this module never wraps or
-patches engine code.  The per-event calls only append to a list under a lock
-(they may come from a communication thread); all arithmetic and I/O happen
-once per step in ``step_end``.
+:class:`TelemetryRecorder` collects a step's events like every recorder and, once per step at
+``step_end``, summarises them (:func:`.stepstats.summarise`) for its sinks: exporter, progress,
+step log and trace.  The per-event calls only append under a lock (they may come from a
+communication thread).  :func:`make_recorder` is the trainer's one point of construction.
 """
 
 from __future__ import annotations

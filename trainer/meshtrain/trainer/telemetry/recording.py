@@ -1,32 +1,11 @@
 """The engine's one telemetry interface: what happened, when, during a step.
 
-The :class:`StepRecorder` protocol the engine calls around every
-micro-batch forward/backward, every pipeline wait, every collective and at
-the end of each optimizer step; a no-op :class:`NullRecorder`;
-:class:`EventCollector`, the one way a recorder collects a step's events
-(under a lock); :class:`MemoryRecorder`, a collector that keeps them and
-sums them up (tests, benchmarks); and :class:`DeferredRecorder`, which holds
-a step's GPU events until they can be read.
-
-Times, as every recorder receives them, are seconds on this process'
-``time.perf_counter()`` timeline; what they measure depends on the device
-(:mod:`.clocks`):
-
-* CPU (gloo): host time around the work.  For asynchronous collectives
-  ``end`` is when completion was observed (a future callback, so close to the
-  real end on gloo).
-* CUDA (NCCL): when the GPU ran the work.  The engine stamps with CUDA events
-  on the stream the work runs on and wraps its recorder in a
-  :class:`DeferredRecorder`, which converts them to perf_counter seconds after
-  the step's sync and forwards the step's events, in order, just before
-  ``step_end``.  ``step_start``'s time and ``step_end``'s seconds are host
-  time on both.
-
-Not an exporter.  Prometheus metrics, the step log and the
-timeline live in :mod:`meshtrain.trainer.telemetry`, whose recorder
-(:mod:`.recorder`) is an :class:`EventCollector` too.  Calls may come from a
-communication or autograd thread (collective completion, gradient hooks), so
-implementations must be cheap and thread-safe (appending to a list is).
+The :class:`StepRecorder` protocol the engine calls around every forward and backward, wait and
+collective; :class:`EventCollector`, the one way a recorder keeps a step's events; and
+:class:`DeferredRecorder`, which holds a step's CUDA events until they can be read.  Times are
+seconds on ``time.perf_counter()``'s timeline: host time around the work on CPU, when the GPU ran
+it on CUDA (:mod:`.clocks`).  Calls may come from a communication or autograd thread, so a recorder
+must be cheap and thread-safe.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Pictures of a run without Grafana: ``meshtrain report DIR -o report.html`` (or ``.png``).
 
-Reads what a run leaves in its log directory (``steps.jsonl`` of rank 0 and
-``trace/rank-N.jsonl`` of every rank, see :mod:`.steplog`) and draws loss,
-tokens/s, MFU, the step time of each pipeline stage split into compute,
-exposed communication, bubble and optimizer update, collective time by group
-per step, per-rank step and compute times, and the last step's pipeline
-timeline.  The HTML page is one self-contained file (PNGs embedded as data
-URIs); a ``.png`` output is one picture of every chart.
+Reads a run's ``steps.jsonl`` and event traces (:mod:`.trace`) and draws loss, throughput, MFU,
+each stage's step split, collective and per-rank times and the last step's timeline, as one
+self-contained HTML page or one picture (docs/telemetry.md, "A run's report").
 """
 
 from __future__ import annotations

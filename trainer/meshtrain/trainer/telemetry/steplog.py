@@ -1,10 +1,7 @@
 """The step log: ``DIR/steps.jsonl``, one JSON object per optimizer step, written by rank 0.
 
-The one writer and reader of that file.  Each line is flushed, so the
-launcher's progress bar and anyone tailing the file see steps as they finish.
-Every record has at least ``step, loss, tokens, step_seconds,
-tokens_per_second``; the worker adds the learning rate, the gradient norm and
-rank 0's timing summary (:meth:`~meshtrain.trainer.telemetry.stepstats.StepStats.log_record`).
+The one writer and reader of that file.  Each line is flushed, so the launcher's progress bar and
+anyone tailing the file see steps as they finish.
 """
 
 from __future__ import annotations

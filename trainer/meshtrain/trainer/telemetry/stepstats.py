@@ -1,32 +1,8 @@
-"""Pure arithmetic on one step's timing events: bubble, exposed comm, bandwidth, MFU.
+"""Pure arithmetic on one step's timing events: bubble, exposed communication, bandwidth, MFU.
 
-The definitions behind every number the trainer reports about a
-step, as functions of plain values (the :class:`~meshtrain.trainer.telemetry.recording.Event`
-list of one rank and a few facts about the job).  Unit-tested without torch
-processes or clocks.
-
-Not a recorder or an exporter.  :mod:`.recorder` collects the
-events and calls :func:`summarise`; :mod:`.exporter` and :mod:`.trace`
-publish the result.
-
-Definitions (docs/telemetry.md explains them with a figure):
-
-- *compute*: union of this rank's forward/backward intervals.
-- *exposed communication*: from the end of the last backward compute until
-  the last data-parallel gradient bucket completes (0 if it completed first).
-- *measured bubble*: share of the step's pipeline window spent neither
-  computing nor in exposed communication.  The window runs from
-  ``step_start`` to the end of the last event the engine reported (the
-  gradient-norm all-reduce that synchronises the stages, the last bucket or
-  the last backward); the optimizer update after it is reported apart as
-  ``update_seconds`` (it is not a property of the schedule).
-- *theoretical bubble*: ``(p - 1) / (v * m + p - 1)`` for every schedule
-  (gpipe and 1f1b share it; interleaving divides the fill/drain by ``v``).
-- *bus bandwidth* (nccl-tests convention): ``algbw = bytes / seconds``, times
-  ``2 (n - 1) / n`` for all-reduce and ``(n - 1) / n`` for reduce-scatter
-  and all-gather (``bytes`` is the full, unsharded buffer), 1 otherwise.
-- *MFU*: model FLOPs of the step (FLOPs per token x tokens of the global batch)
-  over ``seconds x world size x peak FLOP/s per device``.
+The definitions behind every number the trainer reports about a step (docs/telemetry.md,
+"Definitions"), as functions of plain values: one rank's :class:`~.recording.Event` list and a few
+facts about the job.  Unit-tested without processes or clocks.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The pipeline timeline picture of one measured step (``meshtrain timeline``).
 
-Reads a run's event traces (``DIR/trace/rank-N.jsonl``, written
-by :mod:`.steplog`), picks one step and draws it like the GPipe and Megatron
-figures: one row per pipeline stage, a block per forward and per backward of
-each micro-batch (labelled with the micro-batch number; forward and backward
-in different colours, later chunks of an interleaved schedule lighter),
-idle time left as grey gaps, and the data-parallel gradient buckets on rows
-of their own.  The title compares the measured bubble of every stage with
-the theoretical one.
-
-Not a profiler viewer.  It shows the ranks of data-parallel
-replica 0 and tensor shard 0 (one rank per stage); stages are aligned by the
-wall clock each rank stamped on its step.
+Reads a run's event traces (:mod:`.trace`) and draws one step like the GPipe and Megatron figures:
+a row per pipeline stage (its rank of replica 0 and tensor shard 0, aligned by the wall clock each
+rank stamped), a block per forward and backward, idle time as gaps, and the gradient buckets on
+rows of their own (docs/telemetry.md, "The timeline").
 """
 
 from __future__ import annotations

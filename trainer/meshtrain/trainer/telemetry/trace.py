@@ -1,13 +1,8 @@
 """The per-rank event trace, ``DIR/trace/rank-N.jsonl``, and optionally the step log.
 
-:class:`TraceLog` is a :class:`~.context.Sink`.  Every rank writes one trace
-line per step: its coordinates, the job facts, the wall-clock origin ``t0``
-of the step and every event (forward/backward per micro-batch and chunk,
-waits, collectives with bucket and bytes) in seconds since ``t0``.  Where no
-engine writes the step log (benchmarks, tests), global rank 0 also appends
-:meth:`~.stepstats.StepStats.log_record` to ``steps.jsonl`` through
-:class:`meshtrain.trainer.telemetry.steplog.StepLog`.  Files are appended and flushed
-once per step; :func:`read_trace` reads a trace back.
+:class:`TraceLog`, a sink, appends one line per step: the rank's coordinates, the job facts, the
+wall-clock origin ``t0`` and every event in seconds since it (docs/telemetry.md, "Files").  Where
+no engine writes the step log (benchmarks, tests), rank 0 appends it too.
 """
 
 from __future__ import annotations
@@ -81,7 +76,6 @@ class TraceLog:
     ) -> None:
         """``steps=False``: write only the trace (someone else writes steps.jsonl)."""
         self.log_dir = log_dir
-        """Directory of the run's logs."""
         self._header = {
             "rank": identity.rank,
             "pp": identity.coords.pp,
