@@ -33,7 +33,7 @@ from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation, loss
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import state_bytes as memory_accounting
+from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import live_bytes
 
 SHAPE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seqLen": 128, "ffnHidden": 512}
@@ -148,23 +148,23 @@ def peak_of_a_step(device_kind: str, precision: str) -> int:
     """
     eng = _engine(_job(precision), device_kind)
 
-    def state_bytes() -> int:
-        tensors = memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer)
-        return memory_accounting.storage_bytes(tensors)
+    def state_now() -> int:
+        tensors = state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer)
+        return state_bytes.storage_bytes(tensors)
 
     if device_kind == "cuda":
         eng.train_step()
         torch.cuda.synchronize()
-        not_the_jobs = torch.cuda.memory_allocated() - state_bytes()
+        not_the_jobs = torch.cuda.memory_allocated() - state_now()
         torch.cuda.reset_peak_memory_stats()
         eng.train_step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - not_the_jobs
     tracker = live_bytes.LiveBytes()
-    tracker.track(memory_accounting.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
     with tracker:
         eng.train_step()
-        assert tracker.current == state_bytes(), "the first step left more than the state"
+        assert tracker.current == state_now(), "the first step left more than the state"
         tracker.reset_peak()
         eng.train_step()
     return tracker.peak
