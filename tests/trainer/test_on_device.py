@@ -31,9 +31,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from meshtrain.api import loading
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import compilation, loss
+from meshtrain.trainer.parallel import compilation, loss, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import live_bytes
 
 SHAPE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seqLen": 128, "ffnHidden": 512}
