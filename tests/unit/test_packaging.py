@@ -5,6 +5,8 @@ The import name is the path: each portion root listed in pyproject's
 PEP 420 namespace package, and nothing at the repository root is a package.
 """
 
+import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -143,3 +145,40 @@ def test_built_wheel_holds_every_portion_and_imports_from_itself(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("meshtrain ")
+
+
+def _config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_package_of_the_namespace_is_under_the_import_contracts():
+    """A new ``meshtrain.X`` must be a root package of import-linter, or no contract sees it."""
+    on_disk = {
+        f"meshtrain.{folder.name}"
+        for root in _portion_roots()
+        for folder in (root / "meshtrain").iterdir()
+        if (folder / "__init__.py").is_file()
+    }
+    assert set(_config()["tool"]["importlinter"]["root_packages"]) == on_disk
+
+
+def test_the_model_files_may_import_no_dependency_but_torch():
+    """The models contract forbids every third-party dependency of pyproject but torch, by import name."""
+    names = {
+        re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        for requirement in _config()["project"]["dependencies"]
+    }
+    imported_as = {
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if any(d.lower().replace("_", "-") in names - {"torch"} for d in dists)
+        and module.isidentifier()
+        and not module.startswith("_")
+    }
+    contract = next(
+        c
+        for c in _config()["tool"]["importlinter"]["contracts"]
+        if c.get("source_modules") == ["meshtrain.trainer.models"]
+    )
+    missing = imported_as - set(contract["forbidden_modules"])
+    assert not missing, f"add {sorted(missing)} to the models contract's forbidden_modules"

@@ -65,8 +65,8 @@ app.kubernetes.io/part-of: meshtrain
 {{- end }}
 
 {{/*
-Rules on namespaced resources, in every watched namespace (operator/kube.py
-and operator/handlers.py are the callers):
+Rules on namespaced resources, in every watched namespace (the operator's
+cluster/kube.py and handlers.py are the callers):
 - trainingjobs: kopf lists and watches them and patches its finalizer and
   progress annotations; the reconciler reads one (get) and deletes finished
   jobs after ttlSecondsAfterFinished.  status: phase, placement, conditions.
