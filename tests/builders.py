@@ -61,7 +61,10 @@ CPU_TRAINING = {
 class JobBuilder:
     """A TrainingJob, one section at a time (the tiny preset on one GPU unless told otherwise)."""
 
-    def __init__(self, name: str = "job", namespace: str = "default", pool: str | None = None):
+    def __init__(
+        self, name: str = "job", namespace: str | None = "default", pool: str | None = None
+    ):
+        """``namespace`` None leaves it out of the manifest: the one ``kubectl -n`` names."""
         self._name, self._namespace = name, namespace
         self._raw: dict[str, Any] = {
             "parallelism": {"data": 1, "pipeline": 1, "tensor": 1},
@@ -82,6 +85,15 @@ class JobBuilder:
         """
         builder = cls().model(TINY).parallelism(**CPU_PARALLELISM).training(**CPU_TRAINING)
         builder._split_global_batch = True
+        return builder
+
+    @classmethod
+    def from_manifest(cls, document: dict[str, Any], *, name: str | None = None) -> JobBuilder:
+        """A TrainingJob written elsewhere (an example users apply): its name (or ``name``),
+        namespace and spec, to change section by section."""
+        metadata = document["metadata"]
+        builder = cls(name or metadata["name"], metadata.get("namespace"))
+        builder._raw = copy.deepcopy(document["spec"])
         return builder
 
     def clone(self) -> JobBuilder:
@@ -146,9 +158,12 @@ class JobBuilder:
 
     def manifest(self) -> dict[str, Any]:
         """The whole TrainingJob object."""
+        metadata = {"name": self._name}
+        if self._namespace is not None:
+            metadata["namespace"] = self._namespace
         return {
             "apiVersion": f"{api_spec.API_GROUP}/{api_spec.API_VERSION}",
             "kind": api_spec.KIND,
-            "metadata": {"name": self._name, "namespace": self._namespace},
+            "metadata": metadata,
             "spec": self.raw(),
         }

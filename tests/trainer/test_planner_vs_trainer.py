@@ -29,6 +29,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, precision, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
+from tests.builders import JobBuilder
 
 STEPS = 2
 TIMEOUT_S = 300
@@ -111,25 +112,17 @@ def _cases() -> list:
 def _job(
     parallelism: dict, training: dict | None = None, model: dict | None = None
 ) -> api_spec.TrainingJobSpec:
-    raw = {
-        "parallelism": {"microBatches": 4, "bucketMb": 0.05, **parallelism},
-        "resources": {"gpusPerNode": 2},
-        "model": {
-            "preset": "tiny",
-            "layers": 4,
-            "hidden": 64,
-            "heads": 4,
-            "seqLen": 32,
-            **(model or {}),
-        },
-        "training": {
-            "microBatch": 2,
-            "steps": STEPS,
-            "precision": "fp32",
-            "dataset": "stdlib",
-            **(training or {}),
-        },
-    }
+    raw = (
+        JobBuilder()
+        .gpus(2)
+        .parallelism(microBatches=4, bucketMb=0.05)
+        .parallelism(**parallelism)
+        .model(layers=4, hidden=64, heads=4, seqLen=32)
+        .model(**(model or {}))
+        .training(microBatch=2, steps=STEPS, precision="fp32", dataset="stdlib")
+        .training(**(training or {}))
+        .raw()
+    )
     return loading.parse_spec(raw, "test")
 
 
