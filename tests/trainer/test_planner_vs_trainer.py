@@ -29,7 +29,6 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, precision, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
-from tests.builders import JobBuilder
 
 STEPS = 2
 TIMEOUT_S = 300
@@ -112,6 +111,9 @@ def _cases() -> list:
 def _job(
     parallelism: dict, training: dict | None = None, model: dict | None = None
 ) -> api_spec.TrainingJobSpec:
+    # the workers run this file as a script, without the repository's tests on their path
+    from tests.builders import JobBuilder  # noqa: PLC0415
+
     raw = (
         JobBuilder()
         .gpus(2)
