@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from meshtrain.trainer.parallel import loss
+from tests.builders import JobBuilder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainer"))
 import mt_harness
@@ -26,20 +27,27 @@ import test_compile
 
 
 @pytest.mark.parametrize(
-    ("layout", "loss_tolerance", "norm_tolerance"),
+    ("run", "loss_tolerance", "norm_tolerance"),
     [
-        ({"tensor": 2, "sequence_parallel": True}, 1e-5, 1e-4),
-        ({"data": 2, "zero_stage": 3}, 1e-5, 1e-4),
+        (JobBuilder.cpu_run().layout(tensor=2).parallelism(sequenceParallel=True), 1e-5, 1e-4),
+        (JobBuilder.cpu_run().layout(data=2).parallelism(zeroStage=3), 1e-5, 1e-4),
         # bf16: the loss's compiled arithmetic over a vocabulary-parallel head too; inductor's
         # fusions round bf16 differently from eager's separate kernels
-        ({"tensor": 2, "sequence_parallel": True, "precision": "bf16"}, 1e-3, 1e-2),
+        (
+            JobBuilder.cpu_run()
+            .layout(tensor=2)
+            .parallelism(sequenceParallel=True)
+            .training(precision="bf16"),
+            1e-3,
+            1e-2,
+        ),
     ],
     ids=["tp2-sp", "dp2-zero3", "tp2-sp-bf16"],
 )
 def test_compiled_blocks_train_like_eager_ones(
-    layout: dict, loss_tolerance: float, norm_tolerance: float
+    run: JobBuilder, loss_tolerance: float, norm_tolerance: float
 ) -> None:
-    results = mt_harness.run_distributed(test_compile.compiled_and_eager, 2, layout)
+    results = mt_harness.run_distributed(test_compile.compiled_and_eager, 2, run)
     for rank, result in enumerate(results):
         assert result["was_compiled"], f"rank {rank}: the blocks were not compiled"
         for (value, norm), (want_value, want_norm) in zip(result["compiled"], result["eager"]):

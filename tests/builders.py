@@ -1,8 +1,9 @@
-"""Fluent TrainingJob builders shared by every test tier, in Kueue's ``wrappers`` style.
+"""The one TrainingJob builder of every test tier, in Kueue's ``wrappers`` style.
 
 ``JobBuilder().layout(data=2).raw()`` is a spec dict for the pure tests;
 ``JobBuilder("a", ns, pool).layout(data=8).gpus(4).manifest()`` a whole object
-for the API server.  No YAML is copied into tests.
+for the API server; ``JobBuilder.cpu_run().layout(pipeline=2).raw()`` a tiny run
+the trainer tests train on the CPU.  No YAML is copied into tests.
 """
 
 from __future__ import annotations
@@ -15,19 +16,89 @@ from meshtrain.api import spec as api_spec
 POOL_LABEL = "meshtrain.test/pool"
 """Node label that confines a test's jobs to the nodes the test created."""
 
+TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
+"""The model of :meth:`JobBuilder.cpu_run`: a GPT that trains in seconds on the CPU."""
+LLAMA_TINY = {
+    "family": "llama",
+    "layers": 4,
+    "hidden": 32,
+    "heads": 4,
+    "kvHeads": 2,
+    "vocab": 256,
+    "seqLen": 32,
+    "ffnHidden": 96,
+}
+"""Grouped-query attention with 2 key/value heads: tp2 splits them, one per rank."""
+LLAMA_MQA = {**LLAMA_TINY, "kvHeads": 1}
+"""One key/value head: under tp2 both ranks hold it (replicated)."""
+
+CPU_PARALLELISM = {
+    "schedule": "1f1b",
+    "virtualStages": 1,
+    "microBatches": 1,
+    "sequenceParallel": False,
+    "bucketMb": 25.0,
+    "zeroStage": 0,
+    "gradientCompression": {"mode": "none"},
+    "allReduce": "flat",
+}
+"""Every parallelism knob of :meth:`JobBuilder.cpu_run` beside the degrees, at its default."""
+CPU_TRAINING = {
+    "globalBatch": 8,
+    "steps": 5,
+    "learningRate": 3e-3,
+    "minLearningRate": 3e-4,
+    "warmupSteps": 2,
+    "weightDecay": 0.1,
+    "gradClip": 1.0,
+    "precision": "fp32",
+    "seed": 7,
+    "dataset": "stdlib",
+}
+"""The training section of :meth:`JobBuilder.cpu_run` (``microBatch`` follows from the layout)."""
+
 
 class JobBuilder:
     """A TrainingJob, one section at a time (the tiny preset on one GPU unless told otherwise)."""
 
-    def __init__(self, name: str = "job", namespace: str = "default", pool: str | None = None):
+    def __init__(
+        self, name: str = "job", namespace: str | None = "default", pool: str | None = None
+    ):
+        """``namespace`` None leaves it out of the manifest: the one ``kubectl -n`` names."""
         self._name, self._namespace = name, namespace
         self._raw: dict[str, Any] = {
             "parallelism": {"data": 1, "pipeline": 1, "tensor": 1},
             "resources": {"gpusPerNode": 1},
             "model": {"preset": "tiny"},
         }
+        self._split_global_batch = False
         if pool:
             self._section("resources", nodeSelector={POOL_LABEL: pool})
+
+    @classmethod
+    def cpu_run(cls) -> JobBuilder:
+        """A tiny run to train on the CPU: :data:`TINY` in fp32 on the stdlib dataset, 5 steps of
+        global batch 8, every parallelism knob written out at its default (:data:`CPU_PARALLELISM`).
+
+        ``training.microBatch``, unless set, splits the global batch evenly over the data-parallel
+        replicas and the micro-batches, so that every layout trains on the same batches.
+        """
+        builder = cls().model(TINY).parallelism(**CPU_PARALLELISM).training(**CPU_TRAINING)
+        builder._split_global_batch = True
+        return builder
+
+    @classmethod
+    def from_manifest(cls, document: dict[str, Any], *, name: str | None = None) -> JobBuilder:
+        """A TrainingJob written elsewhere (an example users apply): its name (or ``name``),
+        namespace and spec, to change section by section."""
+        metadata = document["metadata"]
+        builder = cls(name or metadata["name"], metadata.get("namespace"))
+        builder._raw = copy.deepcopy(document["spec"])
+        return builder
+
+    def clone(self) -> JobBuilder:
+        """A copy to build on, this builder unchanged."""
+        return copy.deepcopy(self)
 
     def _section(self, name: str, **values: Any) -> JobBuilder:
         self._raw.setdefault(name, {}).update(values)
@@ -46,7 +117,10 @@ class JobBuilder:
     def parallelism(self, **values: Any) -> JobBuilder:
         return self._section("parallelism", **values)
 
-    def model(self, **values: Any) -> JobBuilder:
+    def model(self, base: dict[str, Any] | None = None, /, **values: Any) -> JobBuilder:
+        """``base``, when given, replaces the model section; ``values`` update it."""
+        if base is not None:
+            self._raw["model"] = copy.deepcopy(base)
         return self._section("model", **values)
 
     def training(self, **values: Any) -> JobBuilder:
@@ -75,13 +149,21 @@ class JobBuilder:
 
     def raw(self) -> dict[str, Any]:
         """The ``spec`` dict."""
-        return copy.deepcopy(self._raw)
+        raw = copy.deepcopy(self._raw)
+        if self._split_global_batch:
+            training, parallelism = raw["training"], raw["parallelism"]
+            split = parallelism["data"] * parallelism["microBatches"]
+            training.setdefault("microBatch", training["globalBatch"] // split)
+        return raw
 
     def manifest(self) -> dict[str, Any]:
         """The whole TrainingJob object."""
+        metadata = {"name": self._name}
+        if self._namespace is not None:
+            metadata["namespace"] = self._namespace
         return {
             "apiVersion": f"{api_spec.API_GROUP}/{api_spec.API_VERSION}",
             "kind": api_spec.KIND,
-            "metadata": {"name": self._name, "namespace": self._namespace},
+            "metadata": metadata,
             "spec": self.raw(),
         }

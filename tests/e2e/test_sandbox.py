@@ -38,6 +38,7 @@ import yaml
 
 from meshtrain.sandbox import example, node, supervisor
 from meshtrain.sandbox.controlplane import binaries
+from tests.builders import JobBuilder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -96,17 +97,17 @@ def _prometheus(state: dict, query: str) -> list[dict]:
         return json.loads(answer.read())["data"]["result"]
 
 
-def _variant(
-    paths: supervisor.Paths, name: str, claim: str, steps: int, interval: int | None = None
-) -> pathlib.Path:
+def _example(name: str, claim: str) -> JobBuilder:
+    """The sandbox's example job renamed, its checkpoints on ``claim``: to change section by section."""
     document = yaml.safe_load(EXAMPLE.read_text())
-    document["metadata"]["name"] = name
-    document["spec"]["checkpoint"]["claimName"] = claim
-    document["spec"]["training"]["steps"] = steps
-    if interval is not None:
-        document["spec"]["checkpoint"]["intervalSteps"] = interval
-    path = paths.root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(document))
+    return JobBuilder.from_manifest(document, name=name).checkpoint(claimName=claim)
+
+
+def _written(paths: supervisor.Paths, job: JobBuilder) -> pathlib.Path:
+    """``job``'s manifest in a file under the sandbox's root, for :func:`example.apply`."""
+    manifest = job.manifest()
+    path = paths.root / f"{manifest['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
     return path
 
 
@@ -220,7 +221,8 @@ def _run_until_checkpoint(
 ) -> tuple[str, pathlib.Path, int]:
     """Apply a variant of the example; once a checkpoint of ``at_least`` steps or more is complete, the job
     still running, return its namespace, checkpoint directory and newest checkpoint step."""
-    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps))
+    job = _example(name, claim).training(steps=steps)
+    namespace, _ = example.apply(paths, _written(paths, job))
     checkpoints = paths.root / "volumes" / namespace / claim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -318,13 +320,15 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     """
     paths, _state = sandbox
     name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60
-    namespace, _ = example.apply(paths, _variant(paths, name, claim, steps=steps, interval=1000))
+    job = _example(name, claim).training(steps=steps).checkpoint(intervalSteps=1000)
+    namespace, _ = example.apply(paths, _written(paths, job))
     checkpoints = paths.root / "volumes" / namespace / claim
     step_log = checkpoints / "logs" / "steps.jsonl"
     trained = _wait_for_logged_step(step_log, at_least=10)
     assert _saved_steps(checkpoints) == [], "no periodic checkpoint in this variant"
     old_pods = {p["metadata"]["uid"] for p in _pods(paths, name)}
     print(f"patching {name} to dp4·pp1·tp1 after step {trained}")
+    # raw on purpose: a merge patch as a user types it to kubectl patch
     example.kubectl(
         paths,
         "patch",

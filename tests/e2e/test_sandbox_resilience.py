@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import yaml
 
 from meshtrain.operator.policy import conditions
 from meshtrain.sandbox import example, nodeconfig, supervisor
-from tests.e2e.test_sandbox import _events, _gang_logs, _pods, _saved_steps
+from tests.e2e.test_sandbox import _events, _example, _gang_logs, _pods, _saved_steps, _written
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -119,18 +118,6 @@ def _logged(step_log: pathlib.Path) -> list[dict]:
     return out
 
 
-def _manifest(paths: supervisor.Paths, name: str, claim: str, spec: dict) -> pathlib.Path:
-    document = yaml.safe_load(example.DEFAULT_EXAMPLE.read_text())
-    document["metadata"]["name"] = name
-    merged = document["spec"]
-    for key, value in spec.items():
-        merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
-    merged["checkpoint"]["claimName"] = claim
-    path = paths.root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
-
-
 def _pod_cpu_cgroups(node_state: dict, pod_uid: str) -> list[pathlib.Path]:
     """The pod's cgroup directories with a CPU quota file (v1 ``cpu``, or v2 ``cpu.max``)."""
     found = []
@@ -164,21 +151,18 @@ def test_replace_moves_a_slow_ranks_pod_off_its_node(
     name, claim = "sandbox-straggler", "straggler-checkpoints"
     example.kubectl(paths, "cordon", OTHER_NODE)  # the gang starts on SLOW_NODE
     try:
-        manifest = _manifest(
-            paths,
-            name,
-            claim,
-            {
-                "parallelism": {"data": 2, "pipeline": 1, "tensor": 1, "microBatches": 2},
-                "resources": {"gpusPerNode": 1},
-                "training": {"steps": 400},
-                "checkpoint": {"intervalSteps": 5, "keep": 3},
-                "runPolicy": {
-                    "stragglerPolicy": {"action": "replace", "threshold": 1.5, "window": 8},
-                    "terminationGracePeriodSeconds": 60,
-                },
-            },
+        job = (
+            _example(name, claim)
+            .parallelism(data=2, pipeline=1, tensor=1, microBatches=2)
+            .resources(gpusPerNode=1)
+            .training(steps=400)
+            .checkpoint(intervalSteps=5, keep=3)
+            .run_policy(
+                stragglerPolicy={"action": "replace", "threshold": 1.5, "window": 8},
+                terminationGracePeriodSeconds=60,
+            )
         )
+        manifest = _written(paths, job)
         namespace, _ = example.apply(paths, manifest)
         status = _wait("the gang Running", lambda: _running_on(paths, namespace, name, 2), 600)
         assert {p["node"] for p in status["placement"]} == {SLOW_NODE}
@@ -267,25 +251,22 @@ def test_elastic_job_shrinks_when_a_node_goes_away_and_grows_back(
     paths, _state = sandbox
     name, claim = "sandbox-elastic", "elastic-checkpoints"
     stable, interval = 20, 40
-    manifest = _manifest(
-        paths,
-        name,
-        claim,
-        {
-            "parallelism": {"data": 2, "pipeline": 1, "tensor": 2, "microBatches": 2},
-            "training": {"steps": 5000},
-            "checkpoint": {"intervalSteps": 10, "keep": 3},
-            "runPolicy": {
-                "elastic": {
-                    "minData": 1,
-                    "maxData": 2,
-                    "growStableSeconds": stable,
-                    "minResizeIntervalSeconds": interval,
-                },
-                "terminationGracePeriodSeconds": 20,
+    job = (
+        _example(name, claim)
+        .parallelism(data=2, pipeline=1, tensor=2, microBatches=2)  # gpusPerNode stays 2
+        .training(steps=5000)
+        .checkpoint(intervalSteps=10, keep=3)
+        .run_policy(
+            elastic={
+                "minData": 1,
+                "maxData": 2,
+                "growStableSeconds": stable,
+                "minResizeIntervalSeconds": interval,
             },
-        },
+            terminationGracePeriodSeconds=20,
+        )
     )
+    manifest = _written(paths, job)
     namespace, _ = example.apply(paths, manifest)
     status = _wait("the dp2 gang Running", lambda: _running_on(paths, namespace, name, 2), 600)
     assert {p["node"] for p in status["placement"]} == {SLOW_NODE, OTHER_NODE}

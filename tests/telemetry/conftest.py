@@ -22,6 +22,7 @@ import yaml
 
 from meshtrain.trainer import launch
 from meshtrain.trainer.telemetry import steplog
+from tests.builders import JobBuilder
 from tests.telemetry import promserver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,30 +70,20 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
     work = tmp_path_factory.mktemp("scraped-run")
     world = 4
     base = promserver.free_port_block(world)
-    manifest = {
-        "apiVersion": "meshtrain.io/v1alpha1",
-        "kind": "TrainingJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "parallelism": {
-                "data": 2,
-                "pipeline": 2,
-                "tensor": 1,
-                "schedule": "1f1b",
-                "microBatches": MICRO_BATCHES,
-            },
-            "resources": {"gpusPerNode": world},
-            "model": {"preset": "tiny"},
-            "training": {
-                "steps": STEPS,
-                "microBatch": 2,
-                "warmupSteps": 2,
-                "eval": {"interval": 100, "batches": 1, "heldOut": 0.02},
-            },
-            "checkpoint": {"path": str(work / "ckpt"), "intervalSteps": 0},
-            "metrics": {"port": base},
-        },
-    }
+    manifest = (
+        JobBuilder(JOB, None)
+        .layout(data=2, pipeline=2, gpus_per_node=world)
+        .parallelism(schedule="1f1b", microBatches=MICRO_BATCHES)
+        .training(
+            steps=STEPS,
+            microBatch=2,
+            warmupSteps=2,
+            eval={"interval": 100, "batches": 1, "heldOut": 0.02},
+        )
+        .checkpoint(path=str(work / "ckpt"), intervalSteps=0)
+        .metrics(port=base)
+        .manifest()
+    )
     spec_path = work / "job.yaml"
     spec_path.write_text(yaml.safe_dump(manifest))
     prom = promserver.PrometheusServer(

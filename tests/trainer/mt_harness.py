@@ -5,7 +5,7 @@ multiprocessing, spawn start method), gives each torchrun's environment and
 a joined process group (gloo on the CPU, or NCCL with a GPU per rank),
 calls ``fn(*args)`` and returns every rank's return value (through
 ``torch.save`` files), or raises if a rank fails or the deadline passes.
-Also :func:`make_spec`, a builder for small specs.
+The specs come from :meth:`tests.builders.JobBuilder.cpu_run`.
 
 Not the product launcher (:mod:`meshtrain.trainer.launch`).
 Unique module name on purpose: child processes import it by name.
@@ -27,76 +27,6 @@ import yaml
 
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer.parallel import mesh
-
-TINY = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 128}
-LLAMA_TINY = {
-    "family": "llama",
-    "layers": 4,
-    "hidden": 32,
-    "heads": 4,
-    "kvHeads": 2,
-    "vocab": 256,
-    "seqLen": 32,
-    "ffnHidden": 96,
-}
-"""Grouped-query attention with 2 key/value heads: tp2 splits them, one per rank."""
-LLAMA_MQA = {**LLAMA_TINY, "kvHeads": 1}
-"""One key/value head: under tp2 both ranks hold it (replicated)."""
-
-
-def make_spec(
-    *,
-    data: int = 1,
-    pipeline: int = 1,
-    tensor: int = 1,
-    schedule: str = "1f1b",
-    virtual: int = 1,
-    micro_batches: int = 1,
-    global_batch: int = 8,
-    sequence_parallel: bool = False,
-    bucket_mb: float = 25.0,
-    zero_stage: int = 0,
-    gradient_compression: dict | None = None,
-    all_reduce: str = "flat",
-    gpus_per_node: int | None = None,
-    steps: int = 5,
-    model: dict | None = None,
-    **training: Any,
-) -> dict:
-    """A valid spec dict (camelCase) for a tiny CPU run; training fields override the defaults."""
-    world = data * pipeline * tensor
-    train = {
-        "microBatch": global_batch // (data * micro_batches),
-        "globalBatch": global_batch,
-        "steps": steps,
-        "learningRate": 3e-3,
-        "minLearningRate": 3e-4,
-        "warmupSteps": 2,
-        "weightDecay": 0.1,
-        "gradClip": 1.0,
-        "precision": "fp32",
-        "seed": 7,
-        "dataset": "stdlib",
-    }
-    train.update(training)
-    return {
-        "parallelism": {
-            "data": data,
-            "pipeline": pipeline,
-            "tensor": tensor,
-            "schedule": schedule,
-            "virtualStages": virtual,
-            "microBatches": micro_batches,
-            "sequenceParallel": sequence_parallel,
-            "bucketMb": bucket_mb,
-            "zeroStage": zero_stage,
-            "gradientCompression": gradient_compression or {"mode": "none"},
-            "allReduce": all_reduce,
-        },
-        "resources": {"gpusPerNode": gpus_per_node or world},
-        "model": dict(model or TINY),
-        "training": train,
-    }
 
 
 def no_silent_eager() -> Any:

@@ -18,21 +18,26 @@ import sys
 import time
 from pathlib import Path
 
-import mt_harness
 import pytest
 import yaml
 
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.telemetry import steplog
+from tests.builders import JobBuilder
 
 STEPS = 6
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
 
 
 def _spec(tmp_path: Path) -> Path:
-    raw = mt_harness.make_spec(data=2, steps=STEPS)
-    raw["parallelism"]["zeroStage"] = 1
-    raw["checkpoint"] = {"intervalSteps": 2, "keep": 2}
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(data=2)
+        .parallelism(zeroStage=1)
+        .training(steps=STEPS)
+        .checkpoint(intervalSteps=2, keep=2)
+        .raw()
+    )
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

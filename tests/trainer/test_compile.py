@@ -21,15 +21,16 @@ from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import JobBuilder
 
 STEPS = 2
 
 
-def compiled_and_eager(layout: dict) -> dict[str, list[tuple[float, float]] | bool]:
+def compiled_and_eager(run: JobBuilder) -> dict[str, list[tuple[float, float]] | bool]:
     """(loss, grad norm) per step, eager then compiled, on this rank."""
     out: dict[str, list[tuple[float, float]] | bool] = {}
     for name, flag in (("eager", False), ("compiled", True)):
-        raw = mt_harness.make_spec(**layout, steps=STEPS, compile=flag)
+        raw = run.clone().training(steps=STEPS, compile=flag).raw()
         job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
@@ -80,7 +81,7 @@ def test_a_backend_that_cannot_compile_leaves_the_blocks_eager(monkeypatch, caps
     assert "no C++ compiler" in capsys.readouterr().err
 
 
-def _traced_and_eager(layout: dict) -> dict:
+def _traced_and_eager(run: JobBuilder) -> dict:
     """:func:`compiled_and_eager` with a backend that runs dynamo's and AOTAutograd's graphs as
     traced (no inductor code generation, which costs minutes on this machine), counting them."""
     traced = {"forward": 0, "backward": 0}
@@ -95,28 +96,39 @@ def _traced_and_eager(layout: dict) -> dict:
     compilation.BACKEND = aot_autograd(
         fw_compiler=counted("forward"), bw_compiler=counted("backward")
     )
-    return {**compiled_and_eager(layout), "traced": traced}
+    return {**compiled_and_eager(run), "traced": traced}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("layout", "loss_graphs", "tolerance"),
+    ("run", "loss_graphs", "tolerance"),
     [
-        ({"data": 2, "zero_stage": 3}, 0, 1e-6),
-        ({"data": 2, "zero_stage": 3, "model": {"preset": "llama-tiny"}}, 0, 1e-6),
-        ({"data": 2, "zero_stage": 3, "precision": "bf16"}, 3, 1e-3),
+        (JobBuilder.cpu_run().layout(data=2).parallelism(zeroStage=3), 0, 1e-6),
+        (
+            JobBuilder.cpu_run()
+            .model({"preset": "llama-tiny"})
+            .layout(data=2)
+            .parallelism(zeroStage=3),
+            0,
+            1e-6,
+        ),
+        (
+            JobBuilder.cpu_run().layout(data=2).parallelism(zeroStage=3).training(precision="bf16"),
+            3,
+            1e-3,
+        ),
     ],
     ids=["gpt", "llama", "gpt-bf16"],
 )
 def test_zero3_blocks_compile_around_fsdp2s_hooks_and_train_like_eager_ones(
-    layout, loss_graphs, tolerance
+    run, loss_graphs, tolerance
 ):
     """Under ZeRO-3 the compiled graph is the block's compute on the gathered weights: one forward
     and one backward graph serve every block and step (FSDP2's gathers and reduce-scatters stay
     outside it), and the losses and gradient norms are eager's.  In bf16 the loss's three chunk
     functions add a forward graph each (they run inside the loss's own autograd function, which
     has no traced backward) and agree with the eager arithmetic to bf16's precision."""
-    for rank, result in enumerate(mt_harness.run_distributed(_traced_and_eager, 2, layout)):
+    for rank, result in enumerate(mt_harness.run_distributed(_traced_and_eager, 2, run)):
         assert result["was_compiled"], rank
         assert result["traced"] == {"forward": 1 + loss_graphs, "backward": 1}, rank
         for (loss, norm), (want_loss, want_norm) in zip(result["compiled"], result["eager"]):

@@ -31,6 +31,7 @@ from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import context, exporter, recording
 from meshtrain.trainer.telemetry import recorder as telemetry
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
+from tests.builders import JobBuilder
 
 SHAPES = [(48, 16), (16,), (32, 24)]
 WORLD = 2
@@ -187,7 +188,13 @@ def test_a_skipped_non_finite_step_leaves_no_nan_in_the_error_feedback(mode: str
 
 def exported_compression(mode: dict) -> dict:
     """On every rank: train 2 steps of a dp2 job with ``mode``, exporter attached; metric values and the truth."""
-    job = loading.parse_spec(mt_harness.make_spec(data=2, steps=2, gradient_compression=mode))
+    job = loading.parse_spec(
+        JobBuilder.cpu_run()
+        .layout(data=2)
+        .parallelism(gradientCompression=mode)
+        .training(steps=2)
+        .raw()
+    )
     layout = job.parallelism.layout
     rank = dist.get_rank()
     identity = context.RankIdentity.from_env(layout, rank, rank)

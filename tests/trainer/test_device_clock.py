@@ -24,13 +24,18 @@ from meshtrain.api import spec as spec_mod
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
+from tests.builders import JobBuilder
 from tests.unit import fake_device
 
 STEPS = 3
-CASES = [  # (case, layout, ZeRO stage): every call site that reports a time
-    ("dp2-pp2", {"data": 2, "pipeline": 2, "micro_batches": 2}, 0),
-    ("dp2-tp2-sp", {"data": 2, "tensor": 2, "sequence_parallel": True}, 0),
-    ("dp2-tp2-sp-zero2", {"data": 2, "tensor": 2, "sequence_parallel": True}, 2),
+cpu = JobBuilder.cpu_run
+CASES = [  # (case, run): every call site that reports a time
+    ("dp2-pp2", cpu().layout(data=2, pipeline=2).parallelism(microBatches=2, zeroStage=0)),
+    ("dp2-tp2-sp", cpu().layout(data=2, tensor=2).parallelism(sequenceParallel=True, zeroStage=0)),
+    (
+        "dp2-tp2-sp-zero2",
+        cpu().layout(data=2, tensor=2).parallelism(sequenceParallel=True, zeroStage=2),
+    ),
 ]
 
 
@@ -54,9 +59,8 @@ def _engine(
 def run_cases(steps: int) -> dict:
     """On every rank, per case and clock: what the recorder received in each step."""
     out, meshes = {}, {}
-    for case, layout, zero_stage in CASES:
-        raw = mt_harness.make_spec(**layout, bucket_mb=0.05, steps=steps)  # several buckets
-        raw["parallelism"]["zeroStage"] = zero_stage
+    for case, run in CASES:
+        raw = run.clone().parallelism(bucketMb=0.05).training(steps=steps).raw()  # several buckets
         job = loading.parse_spec(raw)
         shape = job.parallelism.layout
         if shape not in meshes:
@@ -89,7 +93,7 @@ def run_cases(steps: int) -> dict:
 @pytest.mark.slow
 def test_cuda_clock_path_reports_what_the_host_clock_reports():
     for rank_result in mt_harness.run_distributed(run_cases, 4, STEPS):
-        for case, _, _ in CASES:
+        for case, _ in CASES:
             host, device = rank_result[(case, "host")], rank_result[(case, "device")]
             assert not host["deferred"] and device["deferred"]
             for h, d in zip(host["steps"], device["steps"], strict=True):

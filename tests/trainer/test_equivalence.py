@@ -15,112 +15,140 @@ import mt_workers
 import pytest
 import torch
 
+from tests.builders import LLAMA_MQA, LLAMA_TINY, JobBuilder
+
 STEPS = 5
 LOSS_RTOL = 1e-6
 """fp32 summation order differs between layouts; measured differences stay below 2e-7."""
 NORM_RTOL = 1e-6
-# id -> (spec overrides); global batch 8 everywhere.
+cpu = JobBuilder.cpu_run
+# id -> spec; global batch 8 everywhere.
 CASES_2 = {
-    "dp2": dict(data=2),
-    "dp2-accum2-smallbuckets": dict(data=2, micro_batches=2, bucket_mb=0.05),
-    "pp2-gpipe": dict(pipeline=2, schedule="gpipe", micro_batches=4),
-    "pp2-1f1b": dict(pipeline=2, schedule="1f1b", micro_batches=4),
-    "pp2-interleaved": dict(pipeline=2, schedule="interleaved-1f1b", virtual=2, micro_batches=4),
-    "tp2": dict(tensor=2),
-    "tp2-sp-accum2": dict(tensor=2, sequence_parallel=True, micro_batches=2),
-    "tp2-sp-recompute": dict(tensor=2, sequence_parallel=True, activationCheckpointing=True),
-    "tp2-sp-selective": dict(
-        tensor=2, sequence_parallel=True, micro_batches=2, selectiveRecompute=["attention", "mlp"]
+    "dp2": cpu().layout(data=2),
+    "dp2-accum2-smallbuckets": cpu().layout(data=2).parallelism(microBatches=2, bucketMb=0.05),
+    "pp2-gpipe": cpu().layout(pipeline=2).parallelism(schedule="gpipe", microBatches=4),
+    "pp2-1f1b": cpu().layout(pipeline=2).parallelism(schedule="1f1b", microBatches=4),
+    "pp2-interleaved": (
+        cpu()
+        .layout(pipeline=2)
+        .parallelism(schedule="interleaved-1f1b", virtualStages=2, microBatches=4)
     ),
-    "pp2-1f1b-recompute": dict(
-        pipeline=2, schedule="1f1b", micro_batches=4, activationCheckpointing=True
+    "tp2": cpu().layout(tensor=2),
+    "tp2-sp-accum2": cpu().layout(tensor=2).parallelism(sequenceParallel=True, microBatches=2),
+    "tp2-sp-recompute": (
+        cpu()
+        .layout(tensor=2)
+        .parallelism(sequenceParallel=True)
+        .training(activationCheckpointing=True)
     ),
-    "dp2-zero1-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=1),
-    "dp2-zero2-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05, zero_stage=2),
-    "dp2-zero3-accum2": dict(data=2, micro_batches=2, zero_stage=3),
-    "llama-dp2-accum2": dict(data=2, micro_batches=2, model=mt_harness.LLAMA_TINY),
-    "llama-pp2-1f1b": dict(
-        pipeline=2, schedule="1f1b", micro_batches=4, model=mt_harness.LLAMA_TINY
+    "tp2-sp-selective": (
+        cpu()
+        .layout(tensor=2)
+        .parallelism(sequenceParallel=True, microBatches=2)
+        .training(selectiveRecompute=["attention", "mlp"])
     ),
-    "llama-tp2-sp-recompute": dict(
-        tensor=2, sequence_parallel=True, activationCheckpointing=True, model=mt_harness.LLAMA_TINY
+    "pp2-1f1b-recompute": (
+        cpu()
+        .layout(pipeline=2)
+        .parallelism(schedule="1f1b", microBatches=4)
+        .training(activationCheckpointing=True)
     ),
-    "llama-tied-tp2": dict(tensor=2, model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True}),
+    "dp2-zero1-accum2": (
+        cpu().layout(data=2).parallelism(microBatches=2, bucketMb=0.05, zeroStage=1)
+    ),
+    "dp2-zero2-accum2": (
+        cpu().layout(data=2).parallelism(microBatches=2, bucketMb=0.05, zeroStage=2)
+    ),
+    "dp2-zero3-accum2": cpu().layout(data=2).parallelism(microBatches=2, zeroStage=3),
+    "llama-dp2-accum2": cpu().model(LLAMA_TINY).layout(data=2).parallelism(microBatches=2),
+    "llama-pp2-1f1b": (
+        cpu().model(LLAMA_TINY).layout(pipeline=2).parallelism(schedule="1f1b", microBatches=4)
+    ),
+    "llama-tp2-sp-recompute": (
+        cpu()
+        .model(LLAMA_TINY)
+        .layout(tensor=2)
+        .parallelism(sequenceParallel=True)
+        .training(activationCheckpointing=True)
+    ),
+    "llama-tied-tp2": cpu().model(LLAMA_TINY, tieEmbeddings=True).layout(tensor=2),
     # a vocabulary tp does not divide: tables padded to 384 rows (2 x 192), padding out of the loss
-    "vocab257-tp2": dict(tensor=2, model={**mt_harness.TINY, "vocab": 257}),
-    "llama-tied-vocab257-tp2-sp": dict(
-        tensor=2,
-        sequence_parallel=True,
-        model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True, "vocab": 257},
+    "vocab257-tp2": cpu().model(vocab=257).layout(tensor=2),
+    "llama-tied-vocab257-tp2-sp": (
+        cpu()
+        .model(LLAMA_TINY, tieEmbeddings=True, vocab=257)
+        .layout(tensor=2)
+        .parallelism(sequenceParallel=True)
     ),
     # one key/value head over two tensor ranks: replicated, its gradient summed over both holders
-    "llama-mqa-tp2-sp-accum2": dict(
-        tensor=2, sequence_parallel=True, micro_batches=2, model=mt_harness.LLAMA_MQA
+    "llama-mqa-tp2-sp-accum2": (
+        cpu().model(LLAMA_MQA).layout(tensor=2).parallelism(sequenceParallel=True, microBatches=2)
     ),
     # the embedding tied across stages: both copies' gradients summed (Megatron's embedding group)
-    "llama-tied-pp2-1f1b": dict(
-        pipeline=2,
-        schedule="1f1b",
-        micro_batches=4,
-        model={**mt_harness.LLAMA_TINY, "tieEmbeddings": True},
+    "llama-tied-pp2-1f1b": (
+        cpu()
+        .model(LLAMA_TINY, tieEmbeddings=True)
+        .layout(pipeline=2)
+        .parallelism(schedule="1f1b", microBatches=4)
     ),
     # top-k keeping every element is the one exact compression mode
-    "dp2-topk-all": dict(data=2, gradient_compression={"mode": "topk", "topkRatio": 1.0}),
+    "dp2-topk-all": (
+        cpu().layout(data=2).parallelism(gradientCompression={"mode": "topk", "topkRatio": 1.0})
+    ),
 }
 CASES_8 = {
-    "dp2-pp2-tp2-1f1b": dict(data=2, pipeline=2, tensor=2, micro_batches=2),
-    "dp2-pp2-tp2-gpipe-sp": dict(
-        data=2, pipeline=2, tensor=2, schedule="gpipe", micro_batches=2, sequence_parallel=True
+    "dp2-pp2-tp2-1f1b": cpu().layout(data=2, pipeline=2, tensor=2).parallelism(microBatches=2),
+    "dp2-pp2-tp2-gpipe-sp": (
+        cpu()
+        .layout(data=2, pipeline=2, tensor=2)
+        .parallelism(schedule="gpipe", microBatches=2, sequenceParallel=True)
     ),
-    "dp2-pp2-tp2-interleaved-sp": dict(
-        data=2,
-        pipeline=2,
-        tensor=2,
-        schedule="interleaved-1f1b",
-        virtual=2,
-        micro_batches=2,
-        sequence_parallel=True,
-        bucket_mb=0.02,
+    "dp2-pp2-tp2-interleaved-sp": (
+        cpu()
+        .layout(data=2, pipeline=2, tensor=2)
+        .parallelism(
+            schedule="interleaved-1f1b",
+            virtualStages=2,
+            microBatches=2,
+            sequenceParallel=True,
+            bucketMb=0.02,
+        )
     ),
 }
 # two simulated nodes of 4 ranks: reduce-scatter over 2 dp peers per node, all-reduce across the nodes
-CASES_8["dp4-tp2-hierarchical-2nodes"] = dict(
-    data=4, tensor=2, micro_batches=2, bucket_mb=0.05, all_reduce="hierarchical", gpus_per_node=4
+CASES_8["dp4-tp2-hierarchical-2nodes"] = (
+    cpu()
+    .layout(data=4, tensor=2, gpus_per_node=4)
+    .parallelism(microBatches=2, bucketMb=0.05, allReduce="hierarchical")
 )
-CASES_8["dp2-pp2-tp2-interleaved-sp-zero3"] = {
-    **CASES_8["dp2-pp2-tp2-interleaved-sp"],
-    "zero_stage": 3,
-}
+CASES_8["dp2-pp2-tp2-interleaved-sp-zero3"] = (
+    CASES_8["dp2-pp2-tp2-interleaved-sp"].clone().parallelism(zeroStage=3)
+)
 # replicated key/value head, and the embedding tied across stages under ZeRO-1
-CASES_8["llama-mqa-tied-dp2-pp2-tp2-zero1"] = dict(
-    data=2,
-    pipeline=2,
-    tensor=2,
-    micro_batches=2,
-    zero_stage=1,
-    model={**mt_harness.LLAMA_MQA, "tieEmbeddings": True},
+CASES_8["llama-mqa-tied-dp2-pp2-tp2-zero1"] = (
+    cpu()
+    .model(LLAMA_MQA, tieEmbeddings=True)
+    .layout(data=2, pipeline=2, tensor=2)
+    .parallelism(microBatches=2, zeroStage=1)
 )
-CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = {
-    **CASES_8["dp2-pp2-tp2-interleaved-sp"],
-    "model": mt_harness.LLAMA_TINY,
-}
+CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = (
+    CASES_8["dp2-pp2-tp2-interleaved-sp"].clone().model(LLAMA_TINY)
+)
 
 
 @pytest.fixture(scope="module")
 def references():
     """The single-device reference of each model of the tables, by its case's model dict."""
-    models = {repr(kw.get("model")): kw.get("model") for kw in {**CASES_2, **CASES_8}.values()}
-    return {
-        key: mt_workers.reference(mt_harness.make_spec(model=m), STEPS) for key, m in models.items()
-    }
+    models = {repr(b.raw()["model"]): b.raw()["model"] for b in {**CASES_2, **CASES_8}.values()}
+    return {key: mt_workers.reference(cpu().model(m).raw(), STEPS) for key, m in models.items()}
 
 
 def _reference_of(table: dict, case: str, references: dict) -> dict:
-    return references[repr(table[case].get("model"))]
+    return references[repr(table[case].raw()["model"])]
 
 
 def _run(table: dict, world: int) -> dict:
-    cases = [(name, mt_harness.make_spec(**kw)) for name, kw in table.items()]
+    cases = [(name, builder.raw()) for name, builder in table.items()]
     merged: dict[str, dict] = {}
     for rank_result in mt_harness.run_distributed(mt_workers.train_cases, world, cases, STEPS):
         for name, result in rank_result.items():
@@ -219,16 +247,16 @@ def test_hierarchical_all_reduce_runs_per_level_and_cuts_inter_node_bytes(world8
 
 @pytest.mark.slow
 def test_recorder_sees_every_microbatch_and_collective(world2, world8):
-    cases = [(name, kw, world2) for name, kw in CASES_2.items()] + [
-        (name, kw, world8) for name, kw in CASES_8.items()
+    cases = [(name, b.raw()["parallelism"], world2) for name, b in CASES_2.items()] + [
+        (name, b.raw()["parallelism"], world8) for name, b in CASES_8.items()
     ]
     for name, kw, result_set in cases:
-        m, v = kw.get("micro_batches", 1), kw.get("virtual", 1)
+        m, v = kw["microBatches"], kw["virtualStages"]
         expected = sorted(
             (k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v)
         )
         for rank_result in result_set[name]["ranks"]:
             assert all(step == expected for step in rank_result["computes"]), name
-            assert (rank_result["tp_collectives"] > 0) == (kw.get("tensor", 1) > 1), name
-            if kw.get("pipeline", 1) > 1:
+            assert (rank_result["tp_collectives"] > 0) == (kw["tensor"] > 1), name
+            if kw["pipeline"] > 1:
                 assert rank_result["recv_waits"] > 0, name

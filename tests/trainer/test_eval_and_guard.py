@@ -33,29 +33,31 @@ from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.guards import loss_guard
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import LLAMA_TINY, JobBuilder
 
 EVAL = {"eval": {"interval": 1, "batches": 2, "heldOut": 0.05}}
+cpu = JobBuilder.cpu_run
 CASES = {
-    "one": dict(),
-    "tp2-sp": dict(tensor=2, sequence_parallel=True),
-    "pp2": dict(pipeline=2, micro_batches=2),
-    "dp2": dict(data=2),
-    "llama-tp2": dict(tensor=2, model=mt_harness.LLAMA_TINY),
-    "llama-one": dict(model=mt_harness.LLAMA_TINY),
+    "one": cpu(),
+    "tp2-sp": cpu().layout(tensor=2).parallelism(sequenceParallel=True),
+    "pp2": cpu().layout(pipeline=2).parallelism(microBatches=2),
+    "dp2": cpu().layout(data=2),
+    "llama-tp2": cpu().model(LLAMA_TINY).layout(tensor=2),
+    "llama-one": cpu().model(LLAMA_TINY),
 }
 
 
 @pytest.mark.slow
 def test_validation_loss_is_the_same_on_every_layout():
-    ones = [(n, mt_harness.make_spec(**kw, **EVAL)) for n, kw in CASES.items() if "one" in n]
-    twos = [(n, mt_harness.make_spec(**kw, **EVAL)) for n, kw in CASES.items() if "one" not in n]
+    ones = [(n, run.clone().training(**EVAL).raw()) for n, run in CASES.items() if "one" in n]
+    twos = [(n, run.clone().training(**EVAL).raw()) for n, run in CASES.items() if "one" not in n]
     results = {**mt_harness.run_distributed(mt_workers.evaluate_cases, 1, ones, 2)[0]}
     for rank_result in mt_harness.run_distributed(mt_workers.evaluate_cases, 2, twos, 2):
         for name, losses in rank_result.items():  # every rank reports the same
             assert results.setdefault(name, losses) == losses, name
-    for name, kw in CASES.items():
+    for name, run in CASES.items():
         one = "llama-one" if "llama" in name else "one"
-        expected = mt_workers.reference_eval(mt_harness.make_spec(model=kw.get("model"), **EVAL))
+        expected = mt_workers.reference_eval(cpu().model(run.raw()["model"]).training(**EVAL).raw())
         before, after = results[name]
         assert abs(before - expected) / expected < 1e-5, (name, before, expected)
         assert abs(after - results[one][1]) / results[one][1] < 1e-5, (name, after)
@@ -63,7 +65,7 @@ def test_validation_loss_is_the_same_on_every_layout():
 
 
 def _poisoned_run() -> dict:
-    raw = mt_harness.make_spec(lossGuard={"maxConsecutiveSkips": 3})
+    raw = cpu().training(lossGuard={"maxConsecutiveSkips": 3}).raw()
     job = loading.parse_spec(raw)
     eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     first = eng.train_step()
@@ -83,8 +85,12 @@ def _poisoned_run() -> dict:
 
 def _streak_checkpoints(root: str) -> dict:
     """Three good steps, three skipped ones, one good again, a checkpoint after each (keep 2)."""
-    raw = mt_harness.make_spec(steps=20, lossGuard={"maxConsecutiveSkips": 5})
-    raw["checkpoint"] = {"intervalSteps": 1, "keep": 2, "asyncSave": False}
+    raw = (
+        cpu()
+        .training(steps=20, lossGuard={"maxConsecutiveSkips": 5})
+        .checkpoint(intervalSteps=1, keep=2, asyncSave=False)
+        .raw()
+    )
     job = loading.parse_spec(raw)
     eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
     saver = checkpointer.Checkpointer(eng, root=root)
@@ -137,8 +143,12 @@ def test_guard_skips_non_finite_updates_and_trips_after_k():
 
 
 def _one_nan_step_with_int8_compression() -> list[str]:
-    raw = mt_harness.make_spec(
-        data=2, gradient_compression={"mode": "int8"}, lossGuard={"maxConsecutiveSkips": 3}
+    raw = (
+        cpu()
+        .layout(data=2)
+        .parallelism(gradientCompression={"mode": "int8"})
+        .training(lossGuard={"maxConsecutiveSkips": 3})
+        .raw()
     )
     job = loading.parse_spec(raw)
     eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
@@ -163,16 +173,20 @@ def test_one_skipped_step_does_not_poison_compressed_training():
 
 @pytest.mark.slow
 def test_spiking_run_stops_with_exit_5_and_keeps_its_checkpoints(tmp_path, capsys):
-    raw = mt_harness.make_spec(
-        data=2,
-        steps=12,
-        learningRate=50.0,
-        minLearningRate=50.0,
-        warmupSteps=3,
-        gradClip=0.0,
-        lossGuard={"spikeFactor": 1.5, "window": 1, "maxConsecutiveSkips": 2},
+    raw = (
+        cpu()
+        .layout(data=2)
+        .training(
+            steps=12,
+            learningRate=50.0,
+            minLearningRate=50.0,
+            warmupSteps=3,
+            gradClip=0.0,
+            lossGuard={"spikeFactor": 1.5, "window": 1, "maxConsecutiveSkips": 2},
+        )
+        .checkpoint(intervalSteps=1, keep=1)
+        .raw()
     )
-    raw["checkpoint"] = {"intervalSteps": 1, "keep": 1}
     job = mt_harness.write_job(tmp_path, raw)
     code = launch.run_local(job, log_dir=tmp_path / "logs")
     err = capsys.readouterr().err

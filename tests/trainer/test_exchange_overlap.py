@@ -25,14 +25,22 @@ from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import recording
+from tests.builders import JobBuilder
 
 HOLD_S = 60.0
+
+
+def _dp2() -> JobBuilder:
+    """Two data ranks, buckets of 0.01 MiB: several of them."""
+    return JobBuilder.cpu_run().layout(data=2).parallelism(bucketMb=0.01)
+
+
 CASES = {
-    "hierarchical": dict(all_reduce="hierarchical", gpus_per_node=1),
-    "bf16": dict(gradient_compression={"mode": "bf16"}),
-    "int8": dict(gradient_compression={"mode": "int8"}),
-    "topk": dict(gradient_compression={"mode": "topk", "topkRatio": 0.1}),
-    "powersgd": dict(gradient_compression={"mode": "powersgd", "rank": 2}),
+    "hierarchical": _dp2().parallelism(allReduce="hierarchical").gpus(1),
+    "bf16": _dp2().parallelism(gradientCompression={"mode": "bf16"}),
+    "int8": _dp2().parallelism(gradientCompression={"mode": "int8"}),
+    "topk": _dp2().parallelism(gradientCompression={"mode": "topk", "topkRatio": 0.1}),
+    "powersgd": _dp2().parallelism(gradientCompression={"mode": "powersgd", "rank": 2}),
 }
 
 
@@ -73,8 +81,8 @@ def _hold(until: threading.Event, released: list[bool]) -> Callable[[torch.Tenso
 def timelines() -> dict:
     """On every rank, per case: whether the hold was released, and bucket 0's and backward's ends."""
     out, mesh = {}, None
-    for case, layout in CASES.items():
-        raw = mt_harness.make_spec(data=2, bucket_mb=0.01, steps=1, **layout)
+    for case, run in CASES.items():
+        raw = run.clone().training(steps=1).raw()
         job = loading.parse_spec(raw)
         mesh = mesh or mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         watch = _Watch()
@@ -118,11 +126,11 @@ def test_bucket_exchanges_finish_while_backward_still_runs() -> None:
 
 
 NUMBER_CASES = {
-    "int8": dict(gradient_compression={"mode": "int8"}),
-    "powersgd": dict(gradient_compression={"mode": "powersgd", "rank": 2}),
+    "int8": _dp2().parallelism(gradientCompression={"mode": "int8"}),
+    "powersgd": _dp2().parallelism(gradientCompression={"mode": "powersgd", "rank": 2}),
     # both ranks on one simulated node: an intra-node group of 2 (reduce-scatter and all-gather
     # carry data) and an inter-node group of 1
-    "hierarchical": dict(all_reduce="hierarchical", gpus_per_node=2),
+    "hierarchical": _dp2().parallelism(allReduce="hierarchical").gpus(2),
 }
 
 
@@ -130,8 +138,8 @@ def exchanged(overlap: bool) -> dict:
     """Per case, two steps' reduced gradients (every bucket after ``finish``) and reducer state;
     ``overlap=False`` removes the reducer's hooks, so every exchange is issued from ``finish``."""
     out, mesh = {}, None
-    for case, layout in NUMBER_CASES.items():
-        raw = mt_harness.make_spec(data=2, bucket_mb=0.01, steps=2, **layout)
+    for case, run in NUMBER_CASES.items():
+        raw = run.clone().training(steps=2).raw()
         job = loading.parse_spec(raw)
         mesh = mesh or mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         torch.manual_seed(0)

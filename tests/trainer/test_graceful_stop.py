@@ -20,6 +20,7 @@ from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.guards import stopping
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import steplog
+from tests.builders import JobBuilder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,13 @@ def agreement_case(raw: dict, asking_rank: int, ask_at: int) -> list[bool]:
 
 @pytest.mark.slow
 def test_one_rank_asking_stops_every_rank_after_the_same_step():
-    raw = mt_harness.make_spec(data=2, pipeline=2, micro_batches=2, steps=4)
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(data=2, pipeline=2)
+        .parallelism(microBatches=2)
+        .training(steps=4)
+        .raw()
+    )
     answers = mt_harness.run_distributed(agreement_case, 4, raw, 3, 2)
     assert answers == [[False, True, True, True]] * 4
 
@@ -81,10 +88,13 @@ def _steps(log_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_interrupted_run_saves_its_last_step_and_the_same_command_resumes_there(tmp_path):
-    raw = mt_harness.make_spec(data=2, steps=400)
-    raw["checkpoint"] = {
-        "intervalSteps": 1000
-    }  # no periodic checkpoint: the only one is the stop's
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(data=2)
+        .training(steps=400)
+        .checkpoint(intervalSteps=1000)  # no periodic checkpoint: the only one is the stop's
+        .raw()
+    )
     job = tmp_path / "job.yaml"
     job.write_text(
         yaml.safe_dump(

@@ -31,6 +31,7 @@ from meshtrain.cli import main
 from meshtrain.trainer.interop import export, hf
 from meshtrain.trainer.models import llama
 from meshtrain.trainer.telemetry import live_bytes
+from tests.builders import TINY, JobBuilder
 
 SPECIAL = {"<unk>": 0, "<s>": 7, "</s>": 11, "<pad>": 13}
 """Ids away from transformers' LlamaConfig defaults (bos 1, eos 2), so a default cannot pass for ours."""
@@ -60,7 +61,12 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tokens = root / "tokens.bin"
     argv = ["data", "prepare", str(root / "docs.jsonl"), "--tokenizer", str(tok), "-o", str(tokens)]
     assert main.main(argv) == 0
-    raw = mt_harness.make_spec(model=LLAMA, steps=3, dataset=str(tokens), tokenDtype="uint16")
+    raw = (
+        JobBuilder.cpu_run()
+        .model(LLAMA)
+        .training(steps=3, dataset=str(tokens), tokenDtype="uint16")
+        .raw()
+    )
     mt_harness.run_distributed(_train_and_save, 1, raw, str(root / "ckpt"))
     directory, _ = export.find_checkpoint(root / "ckpt")
     shapes = export.model_shapes(directory)
@@ -171,7 +177,7 @@ def test_bf16_export_loads_in_transformers_as_bf16_with_the_rounded_weights(expo
 
 
 def test_bf16_export_of_a_gpt2_model_gives_its_rounded_logits_in_transformers(tmp_path):
-    config = _config(mt_harness.TINY)
+    config = _config(TINY)
     torch.manual_seed(0)
     ours = llama.build(config).eval()
     hf.write(tmp_path, config, dict(ours.named_parameters()), dtype="bfloat16")

@@ -37,8 +37,9 @@ from meshtrain.trainer.data import token_files as meshtrain_tokens
 from meshtrain.trainer.interop import export, hf
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import LLAMA_TINY, TINY, JobBuilder
 
-LLAMA = {**mt_harness.LLAMA_TINY, "ropeTheta": 500000.0}
+LLAMA = {**LLAMA_TINY, "ropeTheta": 500000.0}
 
 
 def _config(model: dict) -> gpt.GPTConfig:
@@ -102,7 +103,7 @@ def _meshtrain_from(directory: Path, config: gpt.GPTConfig) -> gpt.GPT:
     return model.eval()
 
 
-@pytest.mark.parametrize("model", [LLAMA, mt_harness.TINY], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("model", [LLAMA, TINY], ids=["llama", "gpt2"])
 def test_imported_model_gives_transformers_logits(model, tmp_path):
     config = _config(model)
     peer = _hf_model(config)
@@ -136,15 +137,13 @@ def test_every_layout_starts_from_the_directory(tmp_path):
     config = _config(LLAMA)
     peer = _hf_model(config)
     peer.save_pretrained(tmp_path)
+    imported = JobBuilder.cpu_run().model(LLAMA, init={"fromHF": str(tmp_path)})
     cases = {
-        "tp2-sp": dict(tensor=2, sequence_parallel=True),
-        "pp2": dict(pipeline=2, micro_batches=2),
-        "dp2": dict(data=2),
+        "tp2-sp": imported.clone().layout(tensor=2).parallelism(sequenceParallel=True),
+        "pp2": imported.clone().layout(pipeline=2).parallelism(microBatches=2),
+        "dp2": imported.clone().layout(data=2),
     }
-    specs = []
-    for name, kw in cases.items():
-        raw = mt_harness.make_spec(model={**LLAMA, "init": {"fromHF": str(tmp_path)}}, **kw)
-        specs.append((name, raw))
+    specs = [(name, run.raw()) for name, run in cases.items()]
     results = mt_harness.run_distributed(mt_workers.train_cases, 2, specs, 1)
     job = loading.parse_spec(specs[0][1])
     files = dataset.open_dataset(job.training, vocab=config.vocab, seq_len=config.seq_len)
@@ -174,7 +173,7 @@ def _train_and_save(raw: dict, root: str) -> dict:
         LLAMA,
         {**LLAMA, "tieEmbeddings": True},
         {**LLAMA, "kvHeads": 1},
-        mt_harness.TINY,
+        TINY,
         {**LLAMA, "vocab": 257},
     ],
     ids=[
@@ -186,7 +185,7 @@ def _train_and_save(raw: dict, root: str) -> dict:
     ],
 )
 def test_exported_checkpoint_gives_meshtrain_logits_in_transformers(model, tmp_path):
-    raw = mt_harness.make_spec(tensor=2, model=model, steps=3)
+    raw = JobBuilder.cpu_run().model(model).layout(tensor=2).training(steps=3).raw()
     mt_harness.run_distributed(_train_and_save, 2, raw, str(tmp_path / "ckpt"))
     out = tmp_path / "hf"
     assert main.main(["export", str(tmp_path / "ckpt"), "-o", str(out)]) == 0
@@ -214,7 +213,8 @@ def test_directory_disagreeing_with_the_spec_is_refused_naming_file_and_field(tm
     _hf_model(config).save_pretrained(tmp_path / "hf")
     wrong = {**LLAMA, "kvHeads": 4, "init": {"fromHF": str(tmp_path / "hf")}}
     code = launch.run_local(
-        mt_harness.write_job(tmp_path, mt_harness.make_spec(model=wrong)), log_dir=tmp_path / "logs"
+        mt_harness.write_job(tmp_path, JobBuilder.cpu_run().model(wrong).raw()),
+        log_dir=tmp_path / "logs",
     )
     err = capsys.readouterr().err
     assert code == 2 and not (tmp_path / "logs").exists()
@@ -359,7 +359,12 @@ def test_export_keeps_the_imported_models_context_length(tmp_path):
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     fast.save_pretrained(tmp_path / "in")
-    raw = mt_harness.make_spec(model={**LLAMA, "init": {"fromHF": str(tmp_path / "in")}}, steps=1)
+    raw = (
+        JobBuilder.cpu_run()
+        .model(LLAMA, init={"fromHF": str(tmp_path / "in")})
+        .training(steps=1)
+        .raw()
+    )
     mt_harness.run_distributed(_train_and_save, 1, raw, str(tmp_path / "ckpt"))
     assert main.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")

@@ -19,17 +19,19 @@ import torch
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import JobBuilder
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
 SOURCES = tuple(
     str(Path(p).resolve())
     for p in (Path(loading.__file__).parents[1], Path(engine.__file__).parent)
 )
+cpu = JobBuilder.cpu_run
 CASES = {
-    "tp2-sp": dict(tensor=2, sequence_parallel=True),
-    "dp2-zero2": dict(data=2, micro_batches=2, zero_stage=2, bucket_mb=0.05),
-    "dp2-accum2": dict(data=2, micro_batches=2, bucket_mb=0.05),
-    "pp2-1f1b": dict(pipeline=2, micro_batches=4),
+    "tp2-sp": cpu().layout(tensor=2).parallelism(sequenceParallel=True),
+    "dp2-zero2": cpu().layout(data=2).parallelism(microBatches=2, zeroStage=2, bucketMb=0.05),
+    "dp2-accum2": cpu().layout(data=2).parallelism(microBatches=2, bucketMb=0.05),
+    "pp2-1f1b": cpu().layout(pipeline=2).parallelism(microBatches=4),
 }
 
 
@@ -59,11 +61,11 @@ class SyncCounter:
             setattr(torch.Tensor, name, original)
 
 
-def count_step_syncs(cases: dict[str, dict]) -> dict[str, list[str]]:
+def count_step_syncs(cases: dict[str, JobBuilder]) -> dict[str, list[str]]:
     """On every rank, per case: the host reads meshtrain's code made during the second step."""
     out = {}
-    for case, layout in cases.items():
-        job = loading.parse_spec(mt_harness.make_spec(**layout, steps=3))
+    for case, run in cases.items():
+        job = loading.parse_spec(run.clone().training(steps=3).raw())
         mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         eng.train_step()

@@ -11,6 +11,7 @@ import pytest
 from meshtrain.trainer import launch
 from meshtrain.trainer.guards import faults
 from meshtrain.trainer.telemetry import steplog
+from tests.builders import JobBuilder
 
 
 def _write(tmp_path, raw: dict, name: str = "job.yaml"):
@@ -18,7 +19,7 @@ def _write(tmp_path, raw: dict, name: str = "job.yaml"):
 
 
 def test_invalid_spec_refused_before_any_process(tmp_path, capsys):
-    raw = mt_harness.make_spec(tensor=3)  # 4 heads do not split over 3 ranks
+    raw = JobBuilder.cpu_run().layout(tensor=3).raw()  # 4 heads do not split over 3 ranks
     code = launch.run_local(_write(tmp_path, raw), log_dir=tmp_path / "logs")
     assert code == 2
     err = capsys.readouterr().err
@@ -28,7 +29,7 @@ def test_invalid_spec_refused_before_any_process(tmp_path, capsys):
 
 def test_invalid_override_refused(tmp_path, capsys):
     code = launch.run_local(
-        _write(tmp_path, mt_harness.make_spec()),
+        _write(tmp_path, JobBuilder.cpu_run().raw()),
         log_dir=tmp_path / "logs",
         overrides=["parallelism.microBatches=0"],
     )
@@ -40,7 +41,8 @@ def test_invalid_override_refused(tmp_path, capsys):
 def test_missing_dataset_is_a_clear_error(tmp_path, capsys):
     missing = tmp_path / "corpus.bin"
     code = launch.run_local(
-        _write(tmp_path, mt_harness.make_spec(dataset=str(missing))), log_dir=tmp_path / "logs"
+        _write(tmp_path, JobBuilder.cpu_run().training(dataset=str(missing)).raw()),
+        log_dir=tmp_path / "logs",
     )
     assert code == 3
     err = capsys.readouterr().err
@@ -50,7 +52,8 @@ def test_missing_dataset_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_run_trains_and_writes_step_log(tmp_path, capsys):
-    path = _write(tmp_path, mt_harness.make_spec(pipeline=2, micro_batches=2, steps=20))
+    run = JobBuilder.cpu_run().layout(pipeline=2).parallelism(microBatches=2).training(steps=20)
+    path = _write(tmp_path, run.raw())
     code = launch.run_local(path, steps=3, log_dir=tmp_path / "logs")
     assert code == 0
     records = steplog.read(tmp_path / "logs" / steplog.FILENAME)
@@ -65,7 +68,7 @@ def test_run_trains_and_writes_step_log(tmp_path, capsys):
 @pytest.mark.slow
 def test_dead_rank_stops_the_run_within_seconds(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, "1:3")
-    path = _write(tmp_path, mt_harness.make_spec(data=2, steps=50))
+    path = _write(tmp_path, JobBuilder.cpu_run().layout(data=2).training(steps=50).raw())
     code = launch.run_local(path, log_dir=tmp_path / "logs")
     returned = time.time()
     assert code == faults.EXIT_CODE

@@ -10,6 +10,7 @@ from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import JobBuilder
 
 
 def built_names_case(raw: dict) -> dict:
@@ -41,7 +42,8 @@ def built_names_case(raw: dict) -> dict:
 
 @pytest.mark.slow
 def test_each_rank_builds_only_its_own_parameters_once():
-    raw = mt_harness.make_spec(pipeline=2, tensor=2, micro_batches=2, steps=1)
+    run = JobBuilder.cpu_run().layout(pipeline=2, tensor=2).parallelism(microBatches=2)
+    raw = run.training(steps=1).raw()
     results = mt_harness.run_distributed(built_names_case, 4, raw)
     everything = set(
         dict(

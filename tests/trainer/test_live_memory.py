@@ -25,6 +25,7 @@ from meshtrain.api import loading
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import state_bytes, zero3
 from meshtrain.trainer.telemetry import clocks, live_bytes, recording
+from tests.builders import JobBuilder
 
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
 
@@ -72,7 +73,7 @@ def rises(steps: int) -> dict[str, int]:
     """
     model = gpt.GPT(
         gpt.GPTConfig.from_shape(
-            loading.parse_spec(mt_harness.make_spec(model=SHAPE)).model.shape()
+            loading.parse_spec(JobBuilder.cpu_run().model(SHAPE).raw()).model.shape()
         )
     )
     dp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))

@@ -15,17 +15,21 @@ from meshtrain.trainer.data import batches, dataset
 from meshtrain.trainer.guards import noise_scale
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import JobBuilder
 
+cpu = JobBuilder.cpu_run
 CASES = {
-    "dp2-tp2": dict(data=2, tensor=2),
-    "dp2-pp2-accum2": dict(data=2, pipeline=2, micro_batches=2),
+    "dp2-tp2": cpu().layout(data=2, tensor=2).training(steps=2),
+    "dp2-pp2-accum2": (
+        cpu().layout(data=2, pipeline=2).parallelism(microBatches=2).training(steps=2)
+    ),
 }
 
 
-def first_step_noise(cases: dict[str, dict]) -> dict[str, tuple]:
+def first_step_noise(cases: dict[str, JobBuilder]) -> dict[str, tuple]:
     out = {}
-    for case, layout in cases.items():
-        job = loading.parse_spec(mt_harness.make_spec(**layout, steps=2))
+    for case, run in cases.items():
+        job = loading.parse_spec(run.raw())
         mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         result = eng.train_step()
@@ -65,7 +69,11 @@ def reference(raw: dict) -> noise_scale.Estimate:
     )
 
 
-COMPRESSED = {"dp4-int8": dict(data=4, gradient_compression={"mode": "int8"})}
+COMPRESSED = {
+    "dp4-int8": (
+        cpu().layout(data=4).parallelism(gradientCompression={"mode": "int8"}).training(steps=2)
+    )
+}
 """Lossy compression: the all-reduced gradient is an approximation, so nothing is measured."""
 
 
@@ -74,8 +82,8 @@ def test_first_step_noise_scale_matches_a_one_process_reference():
     [measured, *_] = mt_harness.run_distributed(first_step_noise, 4, {**CASES, **COMPRESSED})
     for case in COMPRESSED:
         assert measured[case] == (None, None, None), case
-    for case, layout in CASES.items():
-        expected = reference(mt_harness.make_spec(**layout, steps=2))
+    for case, run in CASES.items():
+        expected = reference(run.raw())
         gradient_square, trace, value = measured[case]
         assert gradient_square == pytest.approx(expected.gradient_square, rel=1e-4), case
         assert trace == pytest.approx(expected.trace, rel=1e-4), case

@@ -34,6 +34,7 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compilation, loss, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import live_bytes
+from tests.builders import JobBuilder
 
 SHAPE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seqLen": 128, "ffnHidden": 512}
 """Big enough that the CUDA allocator's 512-byte rounding is far below the tolerances."""
@@ -57,13 +58,12 @@ def device_kind(record_testsuite_property) -> str:
 
 
 def _job(precision: str = "fp32", compiled: bool = False):
-    raw = mt_harness.make_spec(
-        micro_batches=2,
-        global_batch=8,
-        steps=STEPS,
-        model=SHAPE,
-        precision=precision,
-        compile=compiled,
+    raw = (
+        JobBuilder.cpu_run()
+        .model(SHAPE)
+        .parallelism(microBatches=2)
+        .training(globalBatch=8, steps=STEPS, precision=precision, compile=compiled)
+        .raw()
     )
     return loading.parse_spec(raw)
 

@@ -36,15 +36,17 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import live_bytes
+from tests.builders import JobBuilder
 
 STAGES = (0, 1, 2, 3)
 SHAPE = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32, "ffnHidden": 256}
 LLAMA = {**SHAPE, "family": "llama", "kvHeads": 2, "ffnHidden": 160}
 MODELS = {"gpt": SHAPE, "llama": LLAMA, "llama-mqa": {**LLAMA, "kvHeads": 1}}
+cpu = JobBuilder.cpu_run
 BLOCK_LAYOUTS = {
-    "dp2": dict(data=2),
-    "tp2": dict(tensor=2),
-    "tp2-sp": dict(tensor=2, sequence_parallel=True),
+    "dp2": cpu().layout(data=2),
+    "tp2": cpu().layout(tensor=2),
+    "tp2-sp": cpu().layout(tensor=2).parallelism(sequenceParallel=True),
 }
 # (layout, model, selective recompute): every model on every layout, then recompute
 BLOCK_CASES = [(lay, model, ()) for lay in BLOCK_LAYOUTS for model in MODELS] + [
@@ -56,12 +58,13 @@ BLOCK_CASES = [(lay, model, ()) for lay in BLOCK_LAYOUTS for model in MODELS] + 
 
 def _block_job(case: tuple) -> api_spec.TrainingJobSpec:
     layout, model, recompute = case
-    raw = mt_harness.make_spec(
-        **BLOCK_LAYOUTS[layout],
-        micro_batches=1,
-        steps=1,
-        model=MODELS[model],
-        selectiveRecompute=list(recompute),
+    raw = (
+        BLOCK_LAYOUTS[layout]
+        .clone()
+        .model(MODELS[model])
+        .parallelism(microBatches=1)
+        .training(steps=1, selectiveRecompute=list(recompute))
+        .raw()
     )
     return loading.parse_spec(raw)
 
@@ -115,18 +118,15 @@ def test_planner_counts_what_a_block_keeps_for_backward() -> None:
         assert planned == pytest.approx(kept, rel=0.02), f"{case}: planned {planned}, kept {kept}"
 
 
-def _raw(layout: dict, stage: int) -> dict:
-    layout = {"model": SHAPE, **layout}
-    raw = mt_harness.make_spec(**layout, bucket_mb=0.05, steps=2)
-    raw["parallelism"]["zeroStage"] = stage
-    return raw
+def _raw(run: JobBuilder, stage: int) -> dict:
+    return run.clone().parallelism(bucketMb=0.05, zeroStage=stage).training(steps=2).raw()
 
 
-def peaks(layout: dict, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
+def peaks(run: JobBuilder, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
     """On every rank: per ZeRO stage, the pipeline stage and the peak live bytes of step 2."""
     out = {}
     for stage in stages:
-        job = loading.parse_spec(_raw(layout, stage))
+        job = loading.parse_spec(_raw(run, stage))
         mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
         tracker = live_bytes.LiveBytes()
@@ -139,20 +139,32 @@ def peaks(layout: dict, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
     return out
 
 
-# id -> (layout, world, whether ZeRO-2's gradient saving exceeds its working buckets: a pipeline
+# id -> (run, world, whether ZeRO-2's gradient saving exceeds its working buckets: a pipeline
 # stage of this tiny model holds fewer gradient bytes than three 0.05 MiB buckets save)
 LAYOUTS = {
-    "dp2-accum4": (dict(data=2, micro_batches=4), 2, True),
-    "dp2-pp2-accum4": (dict(data=2, pipeline=2, micro_batches=4), 4, False),
-    "llama-dp2-accum4": (dict(data=2, micro_batches=4, model=LLAMA), 2, True),
+    "dp2-accum4": (cpu().model(SHAPE).layout(data=2).parallelism(microBatches=4), 2, True),
+    "dp2-pp2-accum4": (
+        cpu().model(SHAPE).layout(data=2, pipeline=2).parallelism(microBatches=4),
+        4,
+        False,
+    ),
+    "llama-dp2-accum4": (cpu().model(LLAMA).layout(data=2).parallelism(microBatches=4), 2, True),
 }
 
 
 # gradient compression (ZeRO 0 and 1 only): error feedback, PowerSGD's Q and the exchange's temporaries
 COMPRESSED = {
-    "dp2-int8": dict(data=2, micro_batches=2, gradient_compression={"mode": "int8"}),
-    "dp2-powersgd": dict(
-        data=2, micro_batches=2, gradient_compression={"mode": "powersgd", "rank": 2}
+    "dp2-int8": (
+        cpu()
+        .model(SHAPE)
+        .layout(data=2)
+        .parallelism(microBatches=2, gradientCompression={"mode": "int8"})
+    ),
+    "dp2-powersgd": (
+        cpu()
+        .model(SHAPE)
+        .layout(data=2)
+        .parallelism(microBatches=2, gradientCompression={"mode": "powersgd", "rank": 2})
     ),
 }
 
@@ -160,12 +172,12 @@ COMPRESSED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(COMPRESSED))
 def test_planner_predicts_the_measured_peak_under_gradient_compression(case: str) -> None:
-    layout, stages = COMPRESSED[case], (0, 1)
-    cpu = profiles.get("cpu")
-    results = mt_harness.run_distributed(peaks, 2, layout, stages)
+    run, stages = COMPRESSED[case], (0, 1)
+    host = profiles.get("cpu")
+    results = mt_harness.run_distributed(peaks, 2, run, stages)
     for rank, result in enumerate(results):
         for stage in stages:
-            plan = memory.plan_memory(loading.parse_spec(_raw(layout, stage)), cpu)
+            plan = memory.plan_memory(loading.parse_spec(_raw(run, stage)), host)
             predicted, measured = plan.stages[0].total, result[stage]["peak"]
             assert predicted == pytest.approx(measured, rel=0.10), (
                 f"rank {rank} {case} ZeRO-{stage}: planner {predicted:.0f} B, measured peak {measured} B"
@@ -175,12 +187,12 @@ def test_planner_predicts_the_measured_peak_under_gradient_compression(case: str
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_planner_predicts_the_measured_peak_and_zero2_saves_it(case: str) -> None:
-    layout, world, zero2_saves = LAYOUTS[case]
-    cpu = profiles.get("cpu")
-    results = mt_harness.run_distributed(peaks, world, layout)
+    run, world, zero2_saves = LAYOUTS[case]
+    host = profiles.get("cpu")
+    results = mt_harness.run_distributed(peaks, world, run)
     for rank, result in enumerate(results):
         for stage in STAGES:
-            plan = memory.plan_memory(loading.parse_spec(_raw(layout, stage)), cpu)
+            plan = memory.plan_memory(loading.parse_spec(_raw(run, stage)), host)
             predicted = plan.stages[result[stage]["pp"]].total
             measured = result[stage]["peak"]
             assert predicted == pytest.approx(measured, rel=0.10), (
@@ -197,15 +209,40 @@ def test_planner_predicts_the_measured_peak_and_zero2_saves_it(case: str) -> Non
 # without them the planner falls 21% short there), more tokens where recompute is checked
 WIDE = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 256, "ffnHidden": 1024}
 AUTOCAST = {
-    # id: (layout, training fields, world, sequence length, global batch)
+    # id: (run: layout, training fields, sequence length, global batch; world)
     # stage 0 of 1F1B holds two micro-batches, so two copies of its blocks' matrices
-    "pp2-1f1b": (dict(pipeline=2, micro_batches=4), {}, 2, 32, 4),
+    "pp2-1f1b": (
+        cpu()
+        .model(WIDE, seqLen=32)
+        .layout(pipeline=2)
+        .parallelism(microBatches=4)
+        .training(globalBatch=4),
+        2,
+    ),
     # backward rebuilds each block: one block's copy, whatever is in flight
-    "checkpointing": (dict(micro_batches=2), {"activationCheckpointing": True}, 1, 128, 16),
+    "checkpointing": (
+        cpu()
+        .model(WIDE, seqLen=128)
+        .parallelism(microBatches=2)
+        .training(globalBatch=16, activationCheckpointing=True),
+        1,
+    ),
     # the MLP is rebuilt one block at a time: its copies are not kept per micro-batch
-    "recompute-mlp": (dict(micro_batches=2), {"selectiveRecompute": ["mlp"]}, 1, 128, 16),
+    "recompute-mlp": (
+        cpu()
+        .model(WIDE, seqLen=128)
+        .parallelism(microBatches=2)
+        .training(globalBatch=16, selectiveRecompute=["mlp"]),
+        1,
+    ),
     # FSDP2 applies only over data ranks: at data 1 the fp32 weights are cast as without ZeRO
-    "zero3-data1": (dict(micro_batches=2), {}, 1, 128, 16),
+    "zero3-data1": (
+        cpu()
+        .model(WIDE, seqLen=128)
+        .parallelism(microBatches=2, zeroStage=3)
+        .training(globalBatch=16),
+        1,
+    ),
 }
 SHORT, HIGH = 0.95, 1.10
 """Bounds on planned / measured: short, admission passes a job that will not fit; high, it refuses
@@ -213,14 +250,8 @@ one that would."""
 
 
 def _autocast_raw(case: str) -> dict:
-    layout, training, _, seq_len, global_batch = AUTOCAST[case]
-    model = {**WIDE, "seqLen": seq_len}
-    raw = mt_harness.make_spec(
-        **layout, model=model, global_batch=global_batch, steps=2, precision="bf16", **training
-    )
-    if case == "zero3-data1":
-        raw["parallelism"]["zeroStage"] = 3
-    return raw
+    run, _ = AUTOCAST[case]
+    return run.clone().training(steps=2, precision="bf16").raw()
 
 
 def bf16_peak(case: str) -> tuple[int, int]:
@@ -241,7 +272,7 @@ def bf16_peak(case: str) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(AUTOCAST))
 def test_planner_predicts_the_bf16_peak_with_the_weights_copies(case: str) -> None:
-    world = AUTOCAST[case][2]
+    world = AUTOCAST[case][1]
     plan = memory.plan_memory(loading.parse_spec(_autocast_raw(case)), profiles.get("cpu"))
     for rank, (stage, measured) in enumerate(mt_harness.run_distributed(bf16_peak, world, case)):
         planned = plan.stages[stage]

@@ -26,12 +26,17 @@ from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import recording
+from tests.builders import JobBuilder
 
 
 def posting_order(schedule: str, virtual: int) -> dict:
     """This rank's stage, when each receive was posted and when each compute began, for one step."""
-    raw = mt_harness.make_spec(
-        pipeline=2, schedule=schedule, virtual=virtual, micro_batches=4, steps=1
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(pipeline=2)
+        .parallelism(schedule=schedule, virtualStages=virtual, microBatches=4)
+        .training(steps=1)
+        .raw()
     )
     job = loading.parse_spec(raw)
     mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))

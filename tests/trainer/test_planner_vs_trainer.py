@@ -111,25 +111,20 @@ def _cases() -> list:
 def _job(
     parallelism: dict, training: dict | None = None, model: dict | None = None
 ) -> api_spec.TrainingJobSpec:
-    raw = {
-        "parallelism": {"microBatches": 4, "bucketMb": 0.05, **parallelism},
-        "resources": {"gpusPerNode": 2},
-        "model": {
-            "preset": "tiny",
-            "layers": 4,
-            "hidden": 64,
-            "heads": 4,
-            "seqLen": 32,
-            **(model or {}),
-        },
-        "training": {
-            "microBatch": 2,
-            "steps": STEPS,
-            "precision": "fp32",
-            "dataset": "stdlib",
-            **(training or {}),
-        },
-    }
+    # the workers run this file as a script, without the repository's tests on their path
+    from tests.builders import JobBuilder  # noqa: PLC0415
+
+    raw = (
+        JobBuilder()
+        .gpus(2)
+        .parallelism(microBatches=4, bucketMb=0.05)
+        .parallelism(**parallelism)
+        .model(layers=4, hidden=64, heads=4, seqLen=32)
+        .model(**(model or {}))
+        .training(microBatch=2, steps=STEPS, precision="fp32", dataset="stdlib")
+        .training(**(training or {}))
+        .raw()
+    )
     return loading.parse_spec(raw, "test")
 
 

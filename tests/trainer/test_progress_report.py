@@ -22,13 +22,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import mt_harness
 import pytest
 import yaml
 
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer.checkpointing import checkpointer
 from meshtrain.trainer.telemetry import progress
+from tests.builders import JobBuilder
 
 STEPS = 6
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
@@ -37,9 +37,13 @@ KEYS = set(progress.FIELDS)
 
 
 def _spec(tmp_path: Path, port: int) -> Path:
-    raw = mt_harness.make_spec(steps=STEPS)
-    raw["checkpoint"] = {"intervalSteps": 2, "keep": 2}
-    raw["metrics"] = {"port": port}
+    raw = (
+        JobBuilder.cpu_run()
+        .training(steps=STEPS)
+        .checkpoint(intervalSteps=2, keep=2)
+        .metrics(port=port)
+        .raw()
+    )
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -20,6 +20,7 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import tensor
+from tests.builders import LLAMA_MQA, LLAMA_TINY, JobBuilder
 
 STEPS, SAVE_AT = 5, 3
 
@@ -74,20 +75,30 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
     return merged
 
 
+cpu = JobBuilder.cpu_run
 SOURCES = {
-    # family -> (model, layout that writes the checkpoint, its ZeRO stage, world, parameter tensors)
-    "gpt": (mt_harness.TINY, dict(data=2, pipeline=2, tensor=2), 3, 8, 4 * 8 + 5),
+    # family -> (the run that writes the checkpoint: model, layout, ZeRO stage; world, parameter tensors)
+    "gpt": (cpu().layout(data=2, pipeline=2, tensor=2).parallelism(zeroStage=3), 8, 4 * 8 + 5),
     # a vocabulary tp2 does not divide: tables padded to 384 rows, checkpoint written at 257
     # (ZeRO-1 moments: flat ranges crossing the padding), loaded unpadded at tp1 and padded again
-    "gpt-vocab257": ({**mt_harness.TINY, "vocab": 257}, dict(data=2, tensor=2), 1, 4, 4 * 8 + 5),
+    "gpt-vocab257": (
+        cpu().model(vocab=257).layout(data=2, tensor=2).parallelism(zeroStage=1),
+        4,
+        4 * 8 + 5,
+    ),
     # grouped-query QKV split over tp2 (one key/value head per rank) is the piece to get right
-    "llama": (mt_harness.LLAMA_TINY, dict(pipeline=2, tensor=2), 0, 4, 4 * 6 + 3),
+    "llama": (
+        cpu().model(LLAMA_TINY).layout(pipeline=2, tensor=2).parallelism(zeroStage=0),
+        4,
+        4 * 6 + 3,
+    ),
     # one key/value head held by both tp ranks, and the embedding tied across the two stages:
     # each is written by two ranks and must load as one dense tensor
     "llama-mqa-tied": (
-        {**mt_harness.LLAMA_MQA, "tieEmbeddings": True},
-        dict(pipeline=2, tensor=2),
-        0,
+        cpu()
+        .model(LLAMA_MQA, tieEmbeddings=True)
+        .layout(pipeline=2, tensor=2)
+        .parallelism(zeroStage=0),
         4,
         4 * 6 + 2,
     ),
@@ -96,12 +107,11 @@ SOURCES = {
 
 @pytest.fixture(scope="module", params=list(SOURCES))
 def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    model, source, zero_stage, world, tensors = SOURCES[request.param]
+    source, world, tensors = SOURCES[request.param]
     root = tmp_path_factory.mktemp(f"reshard-{request.param}")
-    raw = mt_harness.make_spec(**source, micro_batches=2, steps=STEPS, model=model)
-    raw["parallelism"]["zeroStage"] = zero_stage
+    raw = source.clone().parallelism(microBatches=2).training(steps=STEPS).raw()
     written = mt_harness.run_distributed(save_and_continue, world, raw, str(root), timeout_s=400)
-    return root, written, model, tensors
+    return root, written, raw["model"], tensors
 
 
 @pytest.mark.slow
@@ -114,8 +124,14 @@ def test_reshard_loads_equal_params_and_continues_the_same(
     saved: tuple, target: dict, zero_stage: int, world: int
 ) -> None:
     root, written, model, tensors = saved
-    raw = mt_harness.make_spec(**target, steps=STEPS, model=model)
-    raw["parallelism"]["zeroStage"] = zero_stage
+    raw = (
+        cpu()
+        .model(model)
+        .layout(**target)
+        .parallelism(zeroStage=zero_stage)
+        .training(steps=STEPS)
+        .raw()
+    )
     loaded = mt_harness.run_distributed(load_and_continue, world, raw, str(root), timeout_s=400)
     before, after = _merged(written), _merged(loaded)
     assert sorted(before) == sorted(after) and len(before) == tensors

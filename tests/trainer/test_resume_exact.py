@@ -13,6 +13,7 @@ from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from tests.builders import JobBuilder
 
 STEPS, SAVE_AT = 5, 2
 
@@ -74,17 +75,16 @@ def corrupt_case(raw: dict, root: str) -> str:
 
 def scenarios(root: str) -> dict:
     """Every scenario of this module in one 2-rank session (process start-up dominates on small machines)."""
-    out = {}
+    out, dp2 = {}, JobBuilder.cpu_run().layout(data=2)
     for stage in (0, 2, 3):
-        raw = mt_harness.make_spec(data=2, steps=STEPS)
-        raw["parallelism"]["zeroStage"] = stage
+        raw = dp2.clone().training(steps=STEPS).parallelism(zeroStage=stage).raw()
         out[f"resume-zero{stage}"] = resume_case(raw, f"{root}/resume-zero{stage}")
     for mode in ({"mode": "powersgd", "rank": 2}, {"mode": "topk", "topkRatio": 0.1}):
         # error feedback (and PowerSGD's warm-start Q) must come back, or the next step differs
-        raw = mt_harness.make_spec(data=2, steps=STEPS, gradient_compression=mode)
+        raw = dp2.clone().training(steps=STEPS).parallelism(gradientCompression=mode).raw()
         out[f"resume-{mode['mode']}"] = resume_case(raw, f"{root}/resume-{mode['mode']}")
-    saved = mt_harness.make_spec(data=2, steps=2)
-    other = mt_harness.make_spec(data=2, steps=2, model={**mt_harness.TINY, "hidden": 64})
+    saved = dp2.clone().training(steps=2).raw()
+    other = dp2.clone().training(steps=2).model(hidden=64).raw()
     out["shape"] = shape_mismatch_case(saved, other, f"{root}/shape")
     out["corrupt"] = corrupt_case(saved, f"{root}/corrupt")
     return out

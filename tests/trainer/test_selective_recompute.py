@@ -9,7 +9,6 @@ layouts with tensor and sequence parallelism are rows of
 
 from __future__ import annotations
 
-import mt_harness
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,12 +16,13 @@ import torch.nn.functional as F
 from meshtrain.api.spec import model as api_model
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.telemetry import live_bytes
+from tests.builders import LLAMA_TINY, TINY
 
 PARTS = [("attention",), ("mlp",), ("attention", "mlp")]
 
 
 def _config(family: str) -> gpt.GPTConfig:
-    raw = mt_harness.LLAMA_TINY if family == "llama" else mt_harness.TINY
+    raw = LLAMA_TINY if family == "llama" else TINY
     return gpt.GPTConfig.from_shape(api_model.ModelSpec.model_validate(raw).shape())
 
 

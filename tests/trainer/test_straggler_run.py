@@ -12,12 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mt_harness
 import pytest
 import yaml
 
 from meshtrain.trainer.guards import faults
 from meshtrain.trainer.telemetry import progress, steplog
+from tests.builders import JobBuilder
 
 LAUNCH = "import sys; from meshtrain.trainer import launch; sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
 SLOW_FROM, WINDOW, STEPS = 4, 8, 16
@@ -25,8 +25,14 @@ SLOW_FROM, WINDOW, STEPS = 4, 8, 16
 
 @pytest.mark.slow
 def test_a_rank_slowed_4x_is_flagged_within_the_window_and_reported(tmp_path: Path) -> None:
-    raw = mt_harness.make_spec(data=2, micro_batches=2, steps=STEPS)
-    raw["runPolicy"] = {"stragglerPolicy": {"threshold": 2.0, "window": WINDOW}}
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(data=2)
+        .parallelism(microBatches=2)
+        .training(steps=STEPS)
+        .run_policy(stragglerPolicy={"threshold": 2.0, "window": WINDOW})
+        .raw()
+    )
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(raw))
     final = tmp_path / "termination-log"

@@ -16,17 +16,17 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes, zero
 from meshtrain.trainer.telemetry import recording, stepstats
+from tests.builders import JobBuilder
 
 STEPS = 5
 STAGES = (0, 1, 2, 3)
 
 
-def train_zero_stages(layout: dict, steps: int) -> dict[int, dict]:
+def train_zero_stages(run: JobBuilder, steps: int) -> dict[int, dict]:
     """On every rank: per ZeRO stage, the losses of ``steps`` steps and the memory report after them."""
     out = {}
     for stage in STAGES:
-        raw = mt_harness.make_spec(**layout, steps=steps)
-        raw["parallelism"]["zeroStage"] = stage
+        raw = run.clone().training(steps=steps).parallelism(zeroStage=stage).raw()
         job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         eng = engine.Engine(job, mesh)
@@ -59,24 +59,32 @@ def _check(results: list[dict[int, dict]], dp: int) -> None:
 
 @pytest.mark.slow
 def test_zero_matches_zero0_at_dp2() -> None:
-    _check(mt_harness.run_distributed(train_zero_stages, 2, {"data": 2}, STEPS), dp=2)
+    run = JobBuilder.cpu_run().layout(data=2)
+    _check(mt_harness.run_distributed(train_zero_stages, 2, run, STEPS), dp=2)
 
 
 @pytest.mark.slow
 def test_zero_matches_zero0_at_dp2_pp2_tp2_sp() -> None:
     # sequence parallel too: its TP-partial norm gradients must be summed on ZeRO-2's shards
-    layout = {"data": 2, "pipeline": 2, "tensor": 2, "micro_batches": 2, "sequence_parallel": True}
-    _check(mt_harness.run_distributed(train_zero_stages, 8, layout, STEPS, timeout_s=400), dp=2)
+    run = (
+        JobBuilder.cpu_run()
+        .layout(data=2, pipeline=2, tensor=2)
+        .parallelism(microBatches=2, sequenceParallel=True)
+    )
+    _check(mt_harness.run_distributed(train_zero_stages, 8, run, STEPS, timeout_s=400), dp=2)
 
 
 def zero_collectives() -> dict[int, dict]:
     """On every rank: per ZeRO stage, the dp collectives of the second step and the buckets' element counts."""
     out = {}
     for stage in (0, 1, 2):
-        raw = mt_harness.make_spec(
-            data=2, bucket_mb=0.05, steps=2
-        )  # several buckets of ~13k elements
-        raw["parallelism"]["zeroStage"] = stage
+        raw = (
+            JobBuilder.cpu_run()
+            .layout(data=2)
+            .parallelism(bucketMb=0.05, zeroStage=stage)  # several buckets of ~13k elements
+            .training(steps=2)
+            .raw()
+        )
         job = loading.parse_spec(raw)
         mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
         recorder = recording.MemoryRecorder()

@@ -10,6 +10,7 @@ from meshtrain.api import loading
 from meshtrain.api.spec import training as api_training
 from meshtrain.trainer.data import batches as data
 from meshtrain.trainer.data import dataset, token_files
+from tests.builders import JobBuilder
 
 
 @pytest.fixture()
@@ -173,7 +174,9 @@ def test_glob_weights_files_by_their_tokens(tmp_path):
 
 def test_spec_refuses_dataset_and_datasets_together():
     with pytest.raises(loading.SpecError, match="spec.training.datasets: both dataset="):
-        loading.parse_spec({"training": {"dataset": "/x.bin", "datasets": [{"path": "/y.bin"}]}})
+        loading.parse_spec(
+            JobBuilder().training(dataset="/x.bin", datasets=[{"path": "/y.bin"}]).raw()
+        )
 
 
 class _CountingTokens(np.ndarray):

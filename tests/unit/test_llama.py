@@ -13,6 +13,7 @@ from meshtrain.api.spec import model as api_model
 from meshtrain.planner import parameters
 from meshtrain.trainer.interop import hf
 from meshtrain.trainer.models import gpt, llama
+from tests.builders import JobBuilder
 
 
 def _hf_count(shape: api_model.ModelShape) -> int:
@@ -54,26 +55,16 @@ def test_parameter_count_equals_transformers(model):
 def test_llama3_8b_is_eight_billion_and_tp8_splits_kv_heads():
     shape = api_model.ModelSpec(preset="llama3-8b").shape()
     assert 8.0e9 < parameters.total_params(shape) < 8.1e9
-    job = loading.parse_spec(
-        {
-            "model": {"preset": "llama3-8b"},
-            "parallelism": {"tensor": 8},
-            "resources": {"gpusPerNode": 8},
-        }
-    )
+    job = loading.parse_spec(JobBuilder().model(preset="llama3-8b").layout(tensor=8).raw())
     assert job.model.shape().key_value_heads // job.parallelism.tensor == 1
 
 
 def test_kv_heads_and_tensor_that_do_not_divide_one_another_are_refused_naming_the_fix():
     replicated = {"preset": "llama-tiny"}  # 2 kv heads over 4 ranks: each held by 2
-    loading.parse_spec(
-        {"model": replicated, "parallelism": {"tensor": 4}, "resources": {"gpusPerNode": 4}}
-    )
+    loading.parse_spec(JobBuilder().model(replicated).layout(tensor=4).raw())
     odd = {"preset": "llama-tiny", "heads": 12, "hidden": 96, "kvHeads": 6, "vocab": 264}
     with pytest.raises(loading.SpecError) as err:
-        loading.parse_spec(
-            {"model": odd, "parallelism": {"tensor": 4}, "resources": {"gpusPerNode": 4}}
-        )
+        loading.parse_spec(JobBuilder().model(odd).layout(tensor=4).raw())
     assert "spec.model.kvHeads: kvHeads=6 and tensor=4" in str(err.value)
 
 
@@ -91,11 +82,13 @@ def test_tied_embeddings_share_one_parameter_after_meta_materialisation():
 
 def test_embeddings_tied_across_stages_are_accepted_except_under_zero2():
     def job(zero_stage: int) -> dict:
-        return {
-            "model": {"preset": "llama-tiny", "tieEmbeddings": True},
-            "parallelism": {"pipeline": 2, "data": 2, "zeroStage": zero_stage},
-            "resources": {"gpusPerNode": 4},
-        }
+        return (
+            JobBuilder()
+            .model(preset="llama-tiny", tieEmbeddings=True)
+            .layout(pipeline=2, data=2)
+            .parallelism(zeroStage=zero_stage)
+            .raw()
+        )
 
     assert loading.parse_spec(job(1)).model.shape().tie_embeddings
     with pytest.raises(loading.SpecError) as err:

@@ -10,6 +10,7 @@ from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.placement import fabric_cost, topology
 from meshtrain.planner import comm, placement_request, precision
+from tests.builders import JobBuilder
 
 BLOCK, SPINE, LEAF = (
     "network.topology.nvidia.com/block",
@@ -299,16 +300,17 @@ def test_pod_traffic_of_a_small_layout() -> None:
 
 def test_request_from_spec() -> None:
     spec = loading.parse_spec(
-        {
-            "parallelism": {"data": 2, "pipeline": 2, "tensor": 4, "microBatches": 4},
-            "resources": {"gpusPerNode": 8, "nodeSelector": {"pool": "gpu"}},
-            "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32},
-            "training": {"microBatch": 2},
-            "topology": {
-                "nvlinkDomainLabel": CLIQUE,
-                "levels": [{"label": BLOCK, "mode": "required"}, {"label": LEAF}],
-            },
-        }
+        JobBuilder()
+        .layout(data=2, pipeline=2, tensor=4, gpus_per_node=8)
+        .parallelism(microBatches=4)
+        .resources(nodeSelector={"pool": "gpu"})
+        .model({"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32})
+        .training(microBatch=2)
+        .topology(
+            nvlinkDomainLabel=CLIQUE,
+            levels=[{"label": BLOCK, "mode": "required"}, {"label": LEAF}],
+        )
+        .raw()
     )
     request = placement_request.request_from_spec(spec)
     assert (

@@ -118,22 +118,15 @@ def test_activations_follow_korthikanti_without_dropout() -> None:
 
 
 def test_activation_checkpointing_keeps_block_inputs_and_one_working_set() -> None:
-    raw = {
-        "parallelism": {
-            "data": 1,
-            "pipeline": 2,
-            "tensor": 2,
-            "microBatches": 8,
-            "sequenceParallel": True,
-        },
-        "resources": {"gpusPerNode": 4},
-        "model": {"preset": "1.3b"},
-        "training": {"microBatch": 1},
-    }
-    plain = loading.parse_spec(raw)
-    recompute = loading.parse_spec(
-        {**raw, "training": {"microBatch": 1, "activationCheckpointing": True}}
+    job = (
+        JobBuilder()
+        .layout(data=1, pipeline=2, tensor=2)
+        .parallelism(microBatches=8, sequenceParallel=True)
+        .model(preset="1.3b")
+        .training(microBatch=1)
     )
+    plain = loading.parse_spec(job.raw())
+    recompute = loading.parse_spec(job.training(activationCheckpointing=True).raw())
     h100 = profiles.get("h100-sxm")
     shape, scheme = (
         plain.model.shape(),

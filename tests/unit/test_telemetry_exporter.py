@@ -18,6 +18,7 @@ from meshtrain.api import loading
 from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
+from tests.builders import JobBuilder
 from tests.unit import telemetry_feed
 
 DESIGN_NAMES = {
@@ -62,12 +63,11 @@ def pipeline(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRAIN_POD_NAME", "demo-0")
     base = free_base(4)
     job = loading.parse_spec(
-        {
-            "parallelism": {"data": 2, "pipeline": 2, "microBatches": 4},
-            "resources": {"gpusPerNode": 4},
-            "model": {"preset": "tiny"},
-            "metrics": {"port": base, "peakFlops": 1e12},
-        }
+        JobBuilder()
+        .layout(data=2, pipeline=2)
+        .parallelism(microBatches=4)
+        .metrics(port=base, peakFlops=1e12)
+        .raw()
     )
     layout = job.parallelism.layout
     recorders = [make_recorder(job, layout, rank, tmp_path, local_rank=rank) for rank in range(4)]
@@ -262,13 +262,7 @@ def test_exporters_bind_the_configured_host(monkeypatch):
         exporter.HOST_ENV, "127.0.0.2"
     )  # a loopback address of its own, as a sandbox pod has
     base = free_base(1)
-    job = loading.parse_spec(
-        {
-            "resources": {"gpusPerNode": 1},
-            "model": {"preset": "tiny"},
-            "metrics": {"port": base, "peakFlops": 1e12},
-        }
-    )
+    job = loading.parse_spec(JobBuilder().metrics(port=base, peakFlops=1e12).raw())
     rec = make_recorder(job, job.parallelism.layout, 0, None, local_rank=0)
     try:
         assert get(f"http://127.0.0.2:{base}/healthz")[0] == 200

@@ -11,24 +11,19 @@ from meshtrain.api import loading
 from meshtrain.cli import main
 from meshtrain.trainer.telemetry import steplog, timeline, trace
 from meshtrain.trainer.telemetry.recorder import make_recorder
+from tests.builders import JobBuilder
 from tests.unit import telemetry_feed
 
 
 def run(tmp_path, schedule: str, p: int, m: int, v: int = 1, dp: int = 1, steps: int = 2):
     """A dp x pp synthetic run of ``steps`` steps logged under tmp_path; returns the log dir."""
     job = loading.parse_spec(
-        {
-            "parallelism": {
-                "data": dp,
-                "pipeline": p,
-                "microBatches": m,
-                "schedule": schedule,
-                "virtualStages": v,
-            },
-            "resources": {"gpusPerNode": dp * p},
-            "model": {"preset": "tiny", "layers": 8},
-            "metrics": {"peakFlops": 1e12},
-        }
+        JobBuilder()
+        .layout(data=dp, pipeline=p)
+        .parallelism(microBatches=m, schedule=schedule, virtualStages=v)
+        .model(layers=8)
+        .metrics(peakFlops=1e12)
+        .raw()
     )
     layout = job.parallelism.layout
     recorders = [

@@ -17,19 +17,12 @@ import pytest
 import yaml
 
 from meshtrain.api import loading, rules
+from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 
-BASE = {
-    "apiVersion": "meshtrain.io/v1alpha1",
-    "kind": "TrainingJob",
-    "metadata": {"name": "named"},
-    "spec": {
-        "parallelism": {"data": 2},
-        "resources": {"gpusPerNode": 1},
-        "model": {"preset": "tiny"},
-    },
-}
+BASE = JobBuilder("named", None).parallelism(data=2).manifest()
+"""A valid job the candidates go into (no namespace: kubectl's -n)."""
 NAMES = ["run-2", "a", "dotted.name", "Upper", "7b-run", "end-", "under_score", "x" * 40, "x" * 41]
 QUANTITIES = [
     "1", "1.5", ".5", "5.", "100m", "16Gi", "1e3", "2E", "+1", "-1", "1e-3", "1E+3",

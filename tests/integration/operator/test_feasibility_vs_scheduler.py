@@ -25,6 +25,7 @@ import pytest
 from meshtrain.api import loading
 from meshtrain.operator.policy import builders, feasibility, identity
 from meshtrain.sandbox import controlplane
+from tests.builders import JobBuilder
 from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
@@ -151,24 +152,18 @@ def _foreign_pod(rng: random.Random, node: str) -> dict[str, Any]:
 def _probe(rng: random.Random, node: str) -> dict[str, Any]:
     """The pod the operator would create for a random job, pinned to ``node``, without its gate."""
     gpus = rng.choice([1, 2, 4])
-    resources: dict[str, Any] = {"gpusPerNode": gpus}
+    job = JobBuilder().layout(data=gpus)
     if rng.random() < 0.6:
-        resources["cpu"] = rng.choice(["1", "3", "8"])
+        job.resources(cpu=rng.choice(["1", "3", "8"]))
     if rng.random() < 0.6:
-        resources["memory"] = rng.choice(["2Gi", "20Gi", "48Gi"])
+        job.resources(memory=rng.choice(["2Gi", "20Gi", "48Gi"]))
     if rng.random() < 0.3:
-        resources["extraResources"] = {"rdma/ib": "1"}
+        job.resources(extraResources={"rdma/ib": "1"})
     if rng.random() < 0.5:
-        resources["tolerations"] = [t for t in JOB_TOLERATIONS if rng.random() < 0.5]
+        job.resources(tolerations=[t for t in JOB_TOLERATIONS if rng.random() < 0.5])
     if rng.random() < 0.3:
-        resources["nodeSelector"] = {"pool": "a"}
-    spec = loading.parse_spec(
-        {
-            "parallelism": {"data": gpus, "pipeline": 1, "tensor": 1},
-            "resources": resources,
-            "model": {"preset": "tiny"},
-        }
-    )
+        job.resources(nodeSelector={"pool": "a"})
+    spec = loading.parse_spec(job.raw())
     ref = identity.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
     pod = builders.build_pod(ref, spec, 0, 0, node)
     pod["metadata"].pop("ownerReferences")

@@ -2,258 +2,211 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import yaml
 
 from meshtrain.api import rules
+from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 
-VALID = {
-    "apiVersion": "meshtrain.io/v1alpha1",
-    "kind": "TrainingJob",
-    "metadata": {"name": "bad"},
-    "spec": {
-        "parallelism": {"data": 2, "pipeline": 2, "tensor": 2},
-        "resources": {"gpusPerNode": 4},
-        "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 64},
-    },
-}
+
+def _valid(name: str = "bad") -> JobBuilder:
+    """dp2 x pp2 x tp2 on pods of 4 GPUs, an explicit small shape; no namespace (kubectl's -n)."""
+    shape = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 64}
+    return JobBuilder(name, None).layout(data=2, pipeline=2, tensor=2, gpus_per_node=4).model(shape)
 
 
 def _rule(name: str) -> str:
     return next(r.cel_message for r in (*rules.RULES, rules.SHAPE_RULE) if r.name == name)
 
 
-def _with(path: str, value) -> dict:
-    body = copy.deepcopy(VALID)
-    node = body
-    *parents, last = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[last] = value
-    return body
-
-
-def _straggler_replace_with_data(data: int) -> dict:
-    body = _with("spec.parallelism", {"data": data, "pipeline": 2, "tensor": 2})
-    body["spec"]["checkpoint"] = {"claimName": "ckpt"}
-    body["spec"]["runPolicy"] = {"stragglerPolicy": {"action": "replace"}}
-    return body
-
-
-def _sequence_parallel_with_odd_seq_len() -> dict:
-    body = _with("spec.parallelism.sequenceParallel", True)
-    body["spec"]["model"]["seqLen"] = 63
-    return body
-
-
-def _elastic_from_three_of_four() -> dict:
-    body = _with("spec.parallelism", {"data": 4, "pipeline": 1, "tensor": 1, "microBatches": 1})
-    body["spec"]["runPolicy"] = {"elastic": {"minData": 3, "maxData": 4}}  # 3 divides no batch of 4
-    return body
-
-
-def _kv_heads_and_tensor_coprime() -> dict:
-    body = _with("spec.parallelism.tensor", 4)  # 6 kv heads: neither split nor replicated evenly
-    body["spec"]["model"] = {
-        **body["spec"]["model"],
-        "family": "llama",
-        "hidden": 96,
-        "heads": 12,
-        "kvHeads": 6,
-    }
-    return body
-
-
-def _tied_across_stages_with_zero2() -> dict:
-    body = _with("spec.parallelism.zeroStage", 2)
-    body["spec"]["model"]["tieEmbeddings"] = True
-    return body
-
-
 INVALID = [
     (
         "kvHeads and tensor divide neither way",
-        _kv_heads_and_tensor_coprime(),
+        _valid()
+        .parallelism(tensor=4)  # 6 kv heads: neither split nor replicated evenly
+        .model(family="llama", hidden=96, heads=12, kvHeads=6)
+        .manifest(),
         _rule("kv-heads-split-over-tensor"),
     ),
     (
         "embedding tied across stages under ZeRO-2",
-        _tied_across_stages_with_zero2(),
+        _valid().parallelism(zeroStage=2).model(tieEmbeddings=True).manifest(),
         _rule("tied-embeddings-across-stages-unsharded"),
     ),
     (
         "tensor does not divide gpusPerNode",
-        _with("spec.parallelism.tensor", 3),
+        _valid().parallelism(tensor=3).manifest(),
         _rule("tensor-divides-gpus-per-node"),
     ),
     (
         "world not a multiple of gpusPerNode",
-        _with("spec.resources.gpusPerNode", 16),
+        _valid().gpus(16).manifest(),
         _rule("world-multiple-of-gpus-per-node"),
     ),
     (
         "global batch arithmetic",
-        _with("spec.training", {"globalBatch": 7}),
+        _valid().training(globalBatch=7).manifest(),
         _rule("global-batch-arithmetic"),
     ),
     (
         "virtual stages without interleaving",
-        _with("spec.parallelism.virtualStages", 2),
+        _valid().parallelism(virtualStages=2).manifest(),
         _rule("virtual-stages-need-interleaving"),
     ),
     (
         "interleaved micro-batches",
-        _with(
-            "spec.parallelism",
-            {
-                "data": 2,
-                "pipeline": 2,
-                "tensor": 2,
-                "schedule": "interleaved-1f1b",
-                "virtualStages": 2,
-                "microBatches": 3,
-            },
-        ),
+        _valid()
+        .parallelism(schedule="interleaved-1f1b", virtualStages=2, microBatches=3)
+        .manifest(),
         _rule("interleaved-micro-batches"),
     ),
-    ("layers over stages", _with("spec.model.layers", 3), _rule("layers-split-over-stages")),
-    ("heads over tensor", _with("spec.model.heads", 3), _rule("heads-split-over-tensor")),
-    ("hidden over heads", _with("spec.model.hidden", 66), _rule("hidden-split-over-heads")),
-    ("ffn over tensor", _with("spec.model.ffnHidden", 255), _rule("ffn-split-over-tensor")),
+    ("layers over stages", _valid().model(layers=3).manifest(), _rule("layers-split-over-stages")),
+    ("heads over tensor", _valid().model(heads=3).manifest(), _rule("heads-split-over-tensor")),
+    ("hidden over heads", _valid().model(hidden=66).manifest(), _rule("hidden-split-over-heads")),
+    ("ffn over tensor", _valid().model(ffnHidden=255).manifest(), _rule("ffn-split-over-tensor")),
     (
         "sequence parallel over tensor",
-        _sequence_parallel_with_odd_seq_len(),
+        _valid().parallelism(sequenceParallel=True).model(seqLen=63).manifest(),
         _rule("sequence-split-over-tensor"),
     ),
     (
         "metrics ports over the rendezvous port",
-        _with("spec.metrics", {"port": 29498}),
+        _valid().metrics(port=29498).manifest(),
         _rule("metrics-ports-fit"),
     ),
     (
         "learning rate order",
-        _with("spec.training", {"learningRate": 0.001, "minLearningRate": 0.01}),
+        _valid().training(learningRate=0.001, minLearningRate=0.01).manifest(),
         _rule("learning-rate-order"),
     ),
     (
         "elastic minData above maxData",
-        _with("spec.runPolicy", {"elastic": {"minData": 2, "maxData": 1}}),
+        _valid().run_policy(elastic={"minData": 2, "maxData": 1}).manifest(),
         _rule("elastic-bounds"),
     ),
     (
         "elastic bounds without the declared degree",
-        _with("spec.runPolicy", {"elastic": {"minData": 4, "maxData": 8}}),
+        _valid().run_policy(elastic={"minData": 4, "maxData": 8}).manifest(),
         _rule("elastic-holds-data"),
     ),
     (
         "elastic resizes without a checkpoint claim",
-        _with("spec.runPolicy", {"elastic": {"minData": 1, "maxData": 2}}),
+        _valid().run_policy(elastic={"minData": 1, "maxData": 2}).manifest(),
         _rule("elastic-keeps-checkpoints"),
     ),
     (
         "elastic minData that cannot keep the global batch",
-        _elastic_from_three_of_four(),
+        _valid()
+        .parallelism(data=4, pipeline=1, tensor=1, microBatches=1)
+        .run_policy(elastic={"minData": 3, "maxData": 4})  # 3 divides no batch of 4
+        .manifest(),
         _rule("elastic-min-keeps-batch"),
     ),
-    ("incomplete model shape", _with("spec.model", {"layers": 4}), _rule("model-shape-complete")),
+    (
+        "incomplete model shape",
+        _valid().model({"layers": 4}).manifest(),
+        _rule("model-shape-complete"),
+    ),
     (
         "selective recompute beside full activation checkpointing",
-        _with("spec.training", {"activationCheckpointing": True, "selectiveRecompute": ["mlp"]}),
+        _valid().training(activationCheckpointing=True, selectiveRecompute=["mlp"]).manifest(),
         _rule("selective-or-full-recompute"),
     ),
     (
         "env name not a C identifier",
-        _with("spec.pod", {"env": [{"name": "NCCL-IB-HCA", "value": "mlx5"}]}),
+        _valid().pod(env=[{"name": "NCCL-IB-HCA", "value": "mlx5"}]).manifest(),
         "spec.pod.env[0].name in body should match",
     ),
     (
         "env credential as a plain value",
-        _with("spec.pod", {"env": [{"name": "HF_TOKEN", "value": "hf_x"}]}),
+        _valid().pod(env=[{"name": "HF_TOKEN", "value": "hf_x"}]).manifest(),
         _rule("env-no-plain-secrets"),
     ),
     (
         "env overriding the operator's variables",
-        _with("spec.pod", {"env": [{"name": "PET_NNODES", "value": "1"}]}),
+        _valid().pod(env=[{"name": "PET_NNODES", "value": "1"}]).manifest(),
         _rule("env-not-reserved"),
     ),
     (
         "env valueFrom with two sources",
-        _with(
-            "spec.pod",
-            {
-                "env": [
-                    {
-                        "name": "X",
-                        "valueFrom": {
-                            "fieldRef": {"fieldPath": "spec.nodeName"},
-                            "secretKeyRef": {"name": "s", "key": "k"},
-                        },
-                    }
-                ]
-            },
-        ),
+        _valid()
+        .pod(
+            env=[
+                {
+                    "name": "X",
+                    "valueFrom": {
+                        "fieldRef": {"fieldPath": "spec.nodeName"},
+                        "secretKeyRef": {"name": "s", "key": "k"},
+                    },
+                }
+            ]
+        )
+        .manifest(),
         _rule("env-value-or-source"),
     ),
     (
         "custom trainer without a command",
-        _with("spec.trainer", {"type": "custom"}),
+        _valid().trainer(type="custom").manifest(),
         _rule("custom-trainer-command"),
     ),
     (
         "straggler replace without data-parallel peers",
-        _straggler_replace_with_data(1),
+        _valid()
+        .parallelism(data=1)
+        .checkpoint(claimName="ckpt")
+        .run_policy(stragglerPolicy={"action": "replace"})
+        .manifest(),
         _rule("straggler-replace-needs-peers"),
     ),
     (
         "straggler replace without a checkpoint volume",
-        _with("spec.runPolicy", {"stragglerPolicy": {"action": "replace"}}),
+        _valid().run_policy(stragglerPolicy={"action": "replace"}).manifest(),
         _rule("straggler-replace-keeps-checkpoints"),
     ),
     (
         "straggler threshold not above 1",
-        _with("spec.runPolicy", {"stragglerPolicy": {"threshold": 1}}),
+        _valid().run_policy(stragglerPolicy={"threshold": 1}).manifest(),
         "should be greater than 1",
     ),
     (
         "pod label the operator selects by",
-        _with("spec.pod", {"labels": {"meshtrain.io/attempt": "9"}}),
+        _valid().pod(labels={"meshtrain.io/attempt": "9"}).manifest(),
         _rule("labels-not-reserved"),
     ),
     (
         "the GPU resource asked again through extraResources",
-        _with("spec.resources", {"gpusPerNode": 4, "extraResources": {"nvidia.com/gpu": "8"}}),
+        _valid().resources(extraResources={"nvidia.com/gpu": "8"}).manifest(),
         _rule("extra-resources-leave-the-gpu-to-gpus-per-node"),
     ),
     (
         "unknown schedule (enum)",
-        _with("spec.parallelism.schedule", "zero-bubble"),
+        _valid().parallelism(schedule="zero-bubble").manifest(),
         'Unsupported value: "zero-bubble"',
     ),
     (
         "elastic minimum resize interval above a day",
-        _with(
-            "spec.runPolicy",
-            {"elastic": {"minData": 2, "maxData": 2, "minResizeIntervalSeconds": 86401}},
-        ),
+        _valid()
+        .run_policy(elastic={"minData": 2, "maxData": 2, "minResizeIntervalSeconds": 86401})
+        .manifest(),
         "spec.runPolicy.elastic.minResizeIntervalSeconds: Invalid value: 86401",
     ),
     (
         "elastic grow stability negative",
-        _with("spec.runPolicy", {"elastic": {"minData": 2, "maxData": 2, "growStableSeconds": -1}}),
+        _valid()
+        .run_policy(elastic={"minData": 2, "maxData": 2, "growStableSeconds": -1})
+        .manifest(),
         "spec.runPolicy.elastic.growStableSeconds: Invalid value: -1",
     ),
     (
         "data below its minimum",
-        _with("spec.parallelism.data", 0),
+        _valid().parallelism(data=0).manifest(),
         "should be greater than or equal to 1",
     ),
     (
         "name too long",
-        _with("metadata.name", "x" * 41),
+        _valid("x" * 41).manifest(),
         "metadata.name must be at most 40 characters",
     ),
 ]
@@ -269,7 +222,7 @@ def test_kubectl_explain_shows_the_model_descriptions(cluster):
 
 
 def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
-    body = _with("metadata.name", "good")
+    body = _valid("good").manifest()
     result = cluster.kubectl(
         "apply",
         "--dry-run=server",
@@ -298,11 +251,12 @@ def test_invalid_spec_is_refused_by_kubectl_apply(cluster, namespace, case, body
 
 
 def test_model_is_immutable_but_the_layout_may_change(cluster, namespace):
-    body = _with("metadata.name", "fixedmodel")
+    body = _valid("fixedmodel").manifest()
     created = cluster.kubectl(
         "apply", "--server-side", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(body)
     )
     assert created.returncode == 0, created.stderr
+    # the patches are raw on purpose: merge patches as a user types them to kubectl patch
     reshaped = cluster.kubectl(
         "patch",
         "tj",
