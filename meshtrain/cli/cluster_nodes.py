@@ -10,7 +10,7 @@ from __future__ import annotations
 import kubernetes
 
 from meshtrain import placement
-from meshtrain.operator.cluster import kubeconfig as clientconfig
+from meshtrain.operator.cluster.kubeconfig import kubeconfig_paths
 
 
 class ClusterUnavailable(RuntimeError):
@@ -29,7 +29,7 @@ def list_nodes(
     else the in-cluster service account is used.  GPUs already used by running pods are not
     subtracted: the plan answers "where would this job go on an empty cluster of this shape".
     """
-    config_file = clientconfig.kubeconfig_paths(kubeconfig)
+    config_file = kubeconfig_paths(kubeconfig)
     try:
         if config_file is not None:
             api = kubernetes.config.new_client_from_config(config_file=config_file, context=context)

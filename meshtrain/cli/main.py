@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.api import loading, release
-from meshtrain.cli import plan as plan_command
+from meshtrain.cli import plan
 from meshtrain.operator import command as operator_command
 from meshtrain.planner import search
 
@@ -43,9 +43,9 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
-def _calibrator() -> plan_command.Calibrator:
+def _calibrator() -> plan.Calibrator:
     """``plan --calibrate``'s measurement: torch and processes, so it lives with the trainer."""
-    calibrator: plan_command.Calibrator = importlib.import_module(
+    calibrator: plan.Calibrator = importlib.import_module(
         "meshtrain.trainer.calibration.machine"
     ).calibrate
     return calibrator
@@ -216,12 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_run(sub)
 
-    plan = sub.add_parser(
+    plan_parser = sub.add_parser(
         "plan",
         help="predict memory, communication and step time of a TrainingJob (and its placement)",
     )
-    plan_command.configure(plan)
-    plan.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
+    plan.configure(plan_parser)
+    plan_parser.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
 
     _add_timeline(sub)
     _add_report(sub)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from meshtrain.api import loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer import engine
 from meshtrain.trainer.data import batches, dataset
 from meshtrain.trainer.models import gpt, llama
@@ -122,7 +122,7 @@ def train_cases(cases: list[tuple[str, dict]], steps: int) -> dict[str, dict]:
     return results
 
 
-def whole_batches(files: list, job: spec_mod.TrainingJobSpec, seed: int) -> batches.BatchSampler:
+def whole_batches(files: list, job: api_spec.TrainingJobSpec, seed: int) -> batches.BatchSampler:
     """A sampler of whole global batches (one device, one micro-batch)."""
     return batches.BatchSampler(
         files,
@@ -166,7 +166,7 @@ def reference(raw: dict, steps: int) -> dict:
     return {"grads": grads, "losses": losses, "norms": norms}
 
 
-def _torch_adamw_with_schedule(model: torch.nn.Module, job: spec_mod.TrainingJobSpec):
+def _torch_adamw_with_schedule(model: torch.nn.Module, job: api_spec.TrainingJobSpec):
     """torch's AdamW (decay on matrices only, betas as GPT-3) and torch's LR schedulers.
 
     Linear warmup from lr/warmup at step 1 to the peak at step ``warmup``, then

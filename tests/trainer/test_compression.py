@@ -29,8 +29,7 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import compression, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import context, exporter, recording
-from meshtrain.trainer.telemetry import recorder as telemetry
-from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
+from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, job_facts
 from tests.builders import JobBuilder
 
 SHAPES = [(48, 16), (16,), (32, 24)]
@@ -198,7 +197,7 @@ def exported_compression(mode: dict) -> dict:
     layout = job.parallelism.layout
     rank = dist.get_rank()
     identity = context.RankIdentity.from_env(layout, rank, rank)
-    facts = telemetry.job_facts(job, layout, rank, 1.0)
+    facts = job_facts(job, layout, rank, 1.0)
     sink = exporter.Exporter(identity, facts, port=ports.pick_free_port(), progress=None)
     recorder = TelemetryRecorder(identity, facts, [sink])
     eng = engine.Engine(job, mesh_mod.build_mesh(layout, torch.device("cpu")), recorder=recorder)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from meshtrain.api import loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
@@ -40,7 +40,7 @@ CASES = [  # (case, run): every call site that reports a time
 
 
 def _engine(
-    job: spec_mod.TrainingJobSpec,
+    job: api_spec.TrainingJobSpec,
     mesh: mesh_mod.Mesh,
     recorder: recording.MemoryRecorder,
     clock: str,

@@ -8,8 +8,7 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api.spec import training as api_training
-from meshtrain.trainer.data import batches as data
-from meshtrain.trainer.data import dataset, token_files
+from meshtrain.trainer.data import batches, dataset, token_files
 from tests.builders import JobBuilder
 
 
@@ -64,7 +63,7 @@ def test_user_token_file_checked_against_vocab(tmp_path):
 
 
 def _sampler(tokens, dp_rank, dp, m, seed=5):
-    return data.BatchSampler(
+    return batches.BatchSampler(
         tokens,
         seq_len=8,
         micro_batch=8 // (dp * m),
@@ -150,18 +149,18 @@ def _mixture(tmp_path):
 def test_mixture_draws_by_weight_the_same_on_every_layout_and_resume(tmp_path):
     files = dataset.open_dataset(_mixture(tmp_path), vocab=200, seq_len=8)
     reference = _sampler(files, 0, 1, 1)
-    batches = [reference.next()[0].inputs for _ in range(200)]
-    from_b = sum(int((batch[:, 0] >= 100).sum()) for batch in batches)
+    drawn = [reference.next()[0].inputs for _ in range(200)]
+    from_b = sum(int((batch[:, 0] >= 100).sum()) for batch in drawn)
     share = from_b / (200 * 8)
     assert 0.2 < share < 0.3, share  # weight 1 of 4
-    for batch in batches:  # a window never straddles two sources
+    for batch in drawn:  # a window never straddles two sources
         assert ((batch >= 100).all(dim=1) | (batch < 100).all(dim=1)).all()
     for dp, m in [(2, 1), (4, 2)]:
         parts = [mb for r in range(dp) for mb in _sampler(files, r, dp, m).next()]
-        assert torch.equal(torch.cat([p.inputs for p in parts]), batches[0])
+        assert torch.equal(torch.cat([p.inputs for p in parts]), drawn[0])
     resumed = _sampler(files, 0, 1, 1)
     resumed.load_state_dict({"position": 150, "seed": 5})
-    assert torch.equal(resumed.next()[0].inputs, batches[150])
+    assert torch.equal(resumed.next()[0].inputs, drawn[150])
 
 
 def test_glob_weights_files_by_their_tokens(tmp_path):

@@ -22,8 +22,8 @@ from meshtrain.cli import main
 from meshtrain.planner import cluster, comm, estimate, profiles, report, search, validation
 from meshtrain.planner.timing import cpu_host, network, pipeline_window, stage_work, step_time
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.parallel import loss as lm_loss
 from meshtrain.trainer.parallel import schedules
+from meshtrain.trainer.parallel.loss import lm_loss
 from meshtrain.trainer.telemetry import recording, stepstats
 from tests.builders import JobBuilder
 
@@ -136,7 +136,7 @@ def test_op_counts_are_the_trainer_models_dispatched_ops(chunks: int) -> None:
         model = gpt.GPT(dataclasses.replace(config, layers=layers))
         tokens = torch.randint(0, 96, (2, 16))
         with _CountOps() as forward:
-            loss = lm_loss.lm_loss(model, tokens, tokens, chunk_bytes=chunk_bytes)
+            loss = lm_loss(model, tokens, tokens, chunk_bytes=chunk_bytes)
         with _CountOps() as backward:
             loss.backward()
         counts.append((forward.count, backward.count))
