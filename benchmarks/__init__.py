@@ -1,9 +1,9 @@
 """meshtrain benchmarks: one script per question, each printing a table and
 writing JSON with the machine it ran on to benchmarks/results/.
 
-Each script appends the repository root to ``sys.path`` (``append``, not
-``insert(0, ...)``): ahead of the standard library the root's ``operator/``
-(meshtrain.operator's source) would shadow the standard library's
-``operator``, in the script's own fresh imports and in torch.compile's
-worker processes, which take ``sys.path`` as their PYTHONPATH.
+Run as ``python benchmarks/bench_x.py`` (``python -m benchmarks`` runs them so
+too), a script has only ``benchmarks/`` on ``sys.path``: each appends the
+repository root to import its helpers (``benchmarks.machine``, ``benchmarks.ranks``,
+for some ``tests.*``).  Where the root stands on the path does not matter: no
+folder at the root shadows the standard library.
 """

@@ -39,7 +39,7 @@ from benchmarks import machine, ranks
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, state, store
-from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import mesh
 
 SMALL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "seqLen": 64}
 
@@ -55,7 +55,7 @@ def _engine(model: dict, dp: int, stage: int, steps: int, interval: int) -> engi
             "checkpoint": {"intervalSteps": interval, "keep": 2, "asyncSave": False},
         }
     )
-    return engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
+    return engine.Engine(job, mesh.build_mesh(job.parallelism.layout, torch.device("cpu")))
 
 
 def _dir_bytes(path: Path) -> int:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
-from meshtrain.api import layout as layout_mod
+from meshtrain.api import layout
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import hierarchical, reducer
 from meshtrain.trainer.telemetry import recording
@@ -99,9 +99,8 @@ def _step_times(
 
 def _rank(rank: int, world: int, port: int, steps: int, out: str) -> None:
     ranks.join(rank, world, port)
-    intra_lists, inter_lists = layout_mod.ParallelLayout(
-        data=world, pipeline=1, tensor=1
-    ).dp_levels(PER_NODE)
+    flat = layout.ParallelLayout(data=world, pipeline=1, tensor=1)
+    intra_lists, inter_lists = flat.dp_levels(PER_NODE)
     intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
     inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
     setups = {}

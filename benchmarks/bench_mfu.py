@@ -59,7 +59,7 @@ from meshtrain.api import loading
 from meshtrain.planner import admission, memory, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine
-from meshtrain.trainer.calibration import machine as calibrate
+from meshtrain.trainer.calibration import measure
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import pipeline
@@ -254,7 +254,7 @@ def memory_report(job: Any, device: torch.device) -> dict[str, Any]:
     report: dict[str, Any] = {"planned_peak_gib": planned / 2**30}
     if device.type == "cuda":
         report["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-        for key, value in calibrate.device_memory(device).items():
+        for key, value in measure.device_memory(device).items():
             report[f"{key}_gib"] = value / 2**30
     if profile is not None:
         report["profile"] = {

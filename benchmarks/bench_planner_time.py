@@ -1,7 +1,7 @@
 """Planner validation: predicted against measured step time and bubble, layout by layout, on this machine.
 
 For each layout it does what a user would: ``meshtrain plan --calibrate``
-(:func:`meshtrain.trainer.calibration.machine.calibrate` at the job's shapes, group
+(:func:`meshtrain.trainer.calibration.measure.calibrate` at the job's shapes, group
 sizes and process count), the plan with that profile, then ``meshtrain run``
 of the same spec (real processes, gloo), and compares the median step time
 after warm-up and the bubble the trainer measured on stage 0.  Then it asks
@@ -42,8 +42,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
 from meshtrain.trainer import launch
-from meshtrain.trainer.calibration import machine as calibrate
-from meshtrain.trainer.calibration import step_loop
+from meshtrain.trainer.calibration import measure, step_loop
 from meshtrain.trainer.telemetry import loop_trace, steplog, stepstats, trace
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
@@ -89,7 +88,7 @@ def job_raw(parallelism: dict[str, Any], steps: int, checkpoints: str) -> dict[s
     }
 
 
-def measure(
+def measured_run(
     raw: dict[str, Any], workdir: Path, name: str
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Every steps.jsonl record of a real ``meshtrain run`` of the spec, and the host over its steady steps.
@@ -264,10 +263,10 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
     """
     raw = job_raw(parallelism, steps, str(tmp / name / "checkpoints"))
     job = loading.parse_spec(raw, name)
-    load_before = calibrate.load_average()
-    before = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
-    records, host = measure(raw, tmp, name)
-    after = calibrate.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
+    load_before = measure.load_average()
+    before = measure.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
+    records, host = measured_run(raw, tmp, name)
+    after = measure.calibrate(job, profiles.get("cpu"), f"cpu-{name}", budget=CALIBRATION_S)
     calibrated = bracketed(before, after)
     steady = records[WARMUP_STEPS:] or records
     row = {
@@ -294,7 +293,7 @@ def validate_layout(name: str, parallelism: dict[str, Any], steps: int, tmp: Pat
         "calibration_before_run": profiles.to_mapping(before),
         "host_during_run": host,
         "load_average_before": load_before,
-        "load_average_after": calibrate.load_average(),
+        "load_average_after": measure.load_average(),
     }
     return row | predictions(job, calibrated, before, row)
 
@@ -393,7 +392,7 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
     loop measured on their own layout.
     """
     base = loading.parse_spec(job_raw({"data": world}, steps, str(tmp / "search-base")), "base")
-    profile = calibrate.calibrate(base, profiles.get("cpu"), "cpu-search", budget=CALIBRATION_S)
+    profile = measure.calibrate(base, profiles.get("cpu"), "cpu-search", budget=CALIBRATION_S)
     by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
 
     def measure_grid(
@@ -401,9 +400,7 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
     ) -> profiles.Profile:
         """``--search --calibrate``'s step-loop run of a grid, kept to predict its run again."""
         par = layout.parallelism
-        by_grid[par.data, par.pipeline, par.tensor] = calibrate.measure_step_loop(
-            layout, calibrated
-        )
+        by_grid[par.data, par.pipeline, par.tensor] = measure.measure_step_loop(layout, calibrated)
         return by_grid[par.data, par.pipeline, par.tensor]
 
     ranked: list[search.Candidate] = []
@@ -420,7 +417,7 @@ def check_search(world: int, steps: int, tmp: Path) -> dict[str, Any]:
         layout = {k: v for k, v in candidate.parallelism.items() if k != "microBatch"}
         raw = job_raw(layout, steps, str(tmp / name / "checkpoints"))
         raw["training"]["microBatch"] = candidate.parallelism["microBatch"]
-        records, host = measure(raw, tmp, name)
+        records, host = measured_run(raw, tmp, name)
         steady = records[WARMUP_STEPS:] or records
         priced = by_grid.get(search.grid(candidate.parallelism), profile)
         at_run = estimate.make_plan(

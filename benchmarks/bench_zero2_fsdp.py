@@ -36,8 +36,7 @@ import torch.distributed as dist
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_zero3, machine, ranks
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import state_bytes, zero3
+from meshtrain.trainer.parallel import mesh, state_bytes, zero3
 from meshtrain.trainer.telemetry import live_bytes, recording
 
 VARIANTS = {"own-zero2": 2, "fsdp2-no-reshard": 3, "fsdp2-zero3": 3}
@@ -63,7 +62,7 @@ def _rank(
     recorder = recording.MemoryRecorder()
     eng = engine.Engine(
         job,
-        mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")),
+        mesh.build_mesh(job.parallelism.layout, torch.device("cpu")),
         recorder=recorder,
     )
     eng.train_step()

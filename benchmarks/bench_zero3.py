@@ -26,18 +26,17 @@ import torch.distributed as dist
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
 from meshtrain.api import loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import state_bytes
+from meshtrain.trainer.parallel import mesh, state_bytes
 from meshtrain.trainer.telemetry import live_bytes
 
 MODEL = {"layers": 8, "hidden": 256, "heads": 8, "vocab": 8192, "seqLen": 128, "ffnHidden": 1024}
 """Small enough for a 2-core CPU, large enough that weights and optimizer state dominate activations."""
 
 
-def _spec(dp: int, stage: int, micro_batches: int, steps: int) -> spec_mod.TrainingJobSpec:
+def _spec(dp: int, stage: int, micro_batches: int, steps: int) -> api_spec.TrainingJobSpec:
     return loading.parse_spec(
         {
             "parallelism": {"data": dp, "zeroStage": stage, "microBatches": micro_batches},
@@ -58,7 +57,7 @@ def _rank(
 ) -> None:
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(world, stage, micro_batches, steps)
-    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
+    eng = engine.Engine(job, mesh.build_mesh(job.parallelism.layout, torch.device("cpu")))
     eng.train_step()
     tracker = live_bytes.LiveBytes()
     tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))

@@ -30,15 +30,14 @@ import torch.distributed as dist
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine, ranks
 from meshtrain.api import loading
-from meshtrain.api import spec as spec_mod
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import state
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import state_bytes, zero
+from meshtrain.trainer.parallel import mesh, state_bytes, zero
 
 
-def _spec(preset: str, dp: int, stage: int, seq_len: int) -> spec_mod.TrainingJobSpec:
+def _spec(preset: str, dp: int, stage: int, seq_len: int) -> api_spec.TrainingJobSpec:
     return loading.parse_spec(
         {
             "parallelism": {"data": dp, "zeroStage": stage},
@@ -54,7 +53,7 @@ def _rank(
 ) -> None:
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(preset, world, stage, seq_len)
-    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
+    eng = engine.Engine(job, mesh.build_mesh(job.parallelism.layout, torch.device("cpu")))
     state.init_optimizer_state(
         eng.optimizer
     )  # AdamW's moments exist from the start (as the worker does)

@@ -2,7 +2,7 @@
 
 What ``meshtrain plan --calibrate`` measures on a GPU host (the block's
 FLOP/s at the job's shapes in bf16, the per-operation overhead), run through
-:func:`meshtrain.trainer.calibration.machine.calibrate` so it needs only the trainer's
+:func:`meshtrain.trainer.calibration.measure.calibrate` so it needs only the trainer's
 packages (a device machine has no Kubernetes client).  Writes the profile
 YAML to ``$MESHTRAIN_BENCH_RESULTS`` (default ``benchmarks/results``) and
 prints the predicted step time of the job with the datasheet and the
@@ -25,7 +25,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
 from meshtrain.api import loading
 from meshtrain.planner import estimate, profiles
-from meshtrain.trainer.calibration import machine as calibrate
+from meshtrain.trainer.calibration import measure
 from tests.builders import JobBuilder
 
 
@@ -46,7 +46,7 @@ def main() -> int:
     )
     job = loading.parse_spec(raw, "gpu-1.3b")
     budget = float(sys.argv[1]) if len(sys.argv) > 1 else 0.5
-    measured = calibrate.calibrate(job, base, f"{base.name}-calibrated", budget=budget)
+    measured = measure.calibrate(job, base, f"{base.name}-calibrated", budget=budget)
     path = profiles.write(measured, Path(os.environ.get(machine.RESULTS_ENV) or machine.RESULTS))
     summary = {
         "device": device,

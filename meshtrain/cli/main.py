@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
 def _calibrator() -> plan.Calibrator:
     """``plan --calibrate``'s measurement: torch and processes, so it lives with the trainer."""
     calibrator: plan.Calibrator = importlib.import_module(
-        "meshtrain.trainer.calibration.machine"
+        "meshtrain.trainer.calibration.measure"
     ).calibrate
     return calibrator
 
@@ -54,7 +54,7 @@ def _calibrator() -> plan.Calibrator:
 def _layout_measure() -> search.MeasureLayout:
     """``plan --search --calibrate``'s step-loop runs of the best grids: torch, so with the trainer."""
     measure: search.MeasureLayout = importlib.import_module(
-        "meshtrain.trainer.calibration.machine"
+        "meshtrain.trainer.calibration.measure"
     ).measure_step_loop
     return measure
 

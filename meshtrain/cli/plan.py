@@ -34,7 +34,7 @@ from meshtrain.planner import (
 
 
 class Calibrator(Protocol):
-    """``meshtrain.trainer.calibration.machine.calibrate``: measures this machine (torch), handed in by the CLI."""
+    """``meshtrain.trainer.calibration.measure.calibrate``: measures this machine (torch), handed in by the CLI."""
 
     def __call__(
         self, job: api_spec.TrainingJobSpec, base: profiles.Profile, name: str, *, budget: float

@@ -41,7 +41,7 @@ class Candidate:
 
 
 MeasureLayout = Callable[[api_spec.TrainingJobSpec, profiles.Profile], profiles.Profile]
-"""``meshtrain.trainer.calibration.machine.measure_step_loop``: a profile with a layout's own step-loop figures."""
+"""``meshtrain.trainer.calibration.measure.measure_step_loop``: a profile with a layout's own step-loop figures."""
 
 MEASURED_GRIDS = 3
 """Distinct (dp, pp, tp) grids whose step loop a measuring search runs before its final ranking."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from meshtrain.sandbox.controlplane.ports import pick_free_port
+from meshtrain.trainer import launch
 from meshtrain.trainer.parallel import mesh
 
 
@@ -80,7 +80,7 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="mt-dist-") as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(world, pick_free_port(), fn, args, out_dir, use_cuda),
+            args=(world, launch.free_port(), fn, args, out_dir, use_cuda),
             nprocs=world,
             join=False,
             start_method="spawn",

@@ -42,8 +42,8 @@ def compiled_and_eager(run: JobBuilder) -> dict[str, list[tuple[float, float]] |
 
 
 def test_inductor_compile_workers_start_in_a_test_process():
-    """They take this process's ``sys.path`` as PYTHONPATH: with the checkout's root ahead of
-    the standard library its ``operator/`` killed them at start (the root conftest.py)."""
+    """They take this process's ``sys.path`` as PYTHONPATH, the checkout's root included (pytest's
+    pythonpath): before the namespace layout the root's ``operator/`` package killed them at start."""
     pool = SubprocPool(2)
     try:
         assert pool.submit(os.getpid).result(timeout=120) != os.getpid()
@@ -52,8 +52,8 @@ def test_inductor_compile_workers_start_in_a_test_process():
 
 
 def test_dynamo_traces_the_standard_librarys_operator():
-    """Dynamo's polyfill re-imports ``operator`` from ``sys.path`` when it is first imported: the
-    checkout's ``operator/`` ahead of the standard library broke its ``operator.*`` functions."""
+    """Dynamo's polyfill re-imports ``operator`` from ``sys.path`` when it is first imported: a
+    package named ``operator`` at the checkout's root (the old layout) broke its functions."""
     traced = torch.compile(
         lambda x: x * operator.indexOf([3, 5, 7], 5), backend="eager", fullgraph=True
     )

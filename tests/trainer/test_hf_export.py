@@ -28,7 +28,7 @@ from test_hf_interop import LLAMA, _config, _train_and_save
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from meshtrain.cli import main
-from meshtrain.trainer.interop import export, hf
+from meshtrain.trainer.interop import export, to_hf
 from meshtrain.trainer.models import llama
 from meshtrain.trainer.telemetry import live_bytes
 from tests.builders import TINY, JobBuilder
@@ -180,7 +180,7 @@ def test_bf16_export_of_a_gpt2_model_gives_its_rounded_logits_in_transformers(tm
     config = _config(TINY)
     torch.manual_seed(0)
     ours = llama.build(config).eval()
-    hf.write(tmp_path, config, dict(ours.named_parameters()), dtype="bfloat16")
+    to_hf.write(tmp_path, config, dict(ours.named_parameters()), dtype="bfloat16")
     auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(auto).__name__ == "GPT2LMHeadModel" and auto.dtype == torch.bfloat16
     tokens = torch.randint(0, config.vocab, (2, config.seq_len))

@@ -32,9 +32,8 @@ from meshtrain.api.spec import model as api_model
 from meshtrain.cli import main
 from meshtrain.trainer import engine, launch
 from meshtrain.trainer.checkpointing import checkpointer
-from meshtrain.trainer.data import dataset, special_tokens
-from meshtrain.trainer.data import token_files as meshtrain_tokens
-from meshtrain.trainer.interop import export, hf
+from meshtrain.trainer.data import dataset, special_tokens, token_files
+from meshtrain.trainer.interop import config_json, export, from_hf, name_map, to_hf
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from tests.builders import LLAMA_TINY, TINY, JobBuilder
@@ -95,10 +94,10 @@ def _hf_model(config: gpt.GPTConfig, **llama_extra: Any) -> transformers.PreTrai
 
 
 def _meshtrain_from(directory: Path, config: gpt.GPTConfig) -> gpt.GPT:
-    hf.check_directory(directory, config)
+    from_hf.check_directory(directory, config)
     with torch.device("meta"):
         model = llama.build(config)
-    model.initial_weights = hf.HFWeights(directory, config)
+    model.initial_weights = from_hf.HFWeights(directory, config)
     gpt.materialize(model)
     return model.eval()
 
@@ -125,7 +124,7 @@ def test_imported_llama_gives_transformers_gradients(model, tmp_path):
     inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
     F.cross_entropy(ours(inputs).reshape(-1, config.vocab), targets).backward()
     F.cross_entropy(peer(inputs).logits.reshape(-1, config.vocab), targets).backward()
-    grads = hf.to_hf(config, {n: p.grad for n, p in ours.named_parameters()})
+    grads = name_map.to_hf(config, {n: p.grad for n, p in ours.named_parameters()})
     peer_grads = dict(peer.named_parameters())
     assert set(grads) == set(peer_grads)
     for key, grad in grads.items():
@@ -225,8 +224,8 @@ def test_directory_disagreeing_with_the_spec_is_refused_naming_file_and_field(tm
     tensors = load_file(weights)
     tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(config.ffn_hidden + 8, config.hidden)
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(hf.HFError) as bad:
-        hf.check_directory(tmp_path / "hf", config)
+    with pytest.raises(config_json.HFError) as bad:
+        from_hf.check_directory(tmp_path / "hf", config)
     assert str(weights) in str(bad.value)
     assert "model.layers.1.mlp.up_proj.weight has shape [104, 32]" in str(bad.value)
 
@@ -234,8 +233,8 @@ def test_directory_disagreeing_with_the_spec_is_refused_naming_file_and_field(tm
     raw = json.loads(config_path.read_text())
     raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
     config_path.write_text(json.dumps(raw))
-    with pytest.raises(hf.HFError, match="config.json: rope_type='llama3'"):
-        hf.check_directory(tmp_path / "hf", config)
+    with pytest.raises(config_json.HFError, match="config.json: rope_type='llama3'"):
+        from_hf.check_directory(tmp_path / "hf", config)
 
 
 def test_fields_a_config_leaves_out_are_judged_at_transformers_defaults(tmp_path):
@@ -250,13 +249,14 @@ def test_fields_a_config_leaves_out_are_judged_at_transformers_defaults(tmp_path
     peer = transformers.AutoConfig.from_pretrained(tmp_path)  # what transformers will run
     theta = (getattr(peer, "rope_parameters", None) or {}).get("rope_theta") or peer.rope_theta
     eps_only = {**LLAMA, "normEps": float(peer.rms_norm_eps)}  # ropeTheta still 500000
-    with pytest.raises(hf.HFError, match=f"rope_theta={float(theta)}"):
-        hf.check_config(tmp_path, _config(eps_only))
+    with pytest.raises(config_json.HFError, match=f"rope_theta={float(theta)}"):
+        config_json.check_config(tmp_path, _config(eps_only))
     theta_only = {**LLAMA, "ropeTheta": float(theta)}  # normEps still 1e-5
-    with pytest.raises(hf.HFError, match=f"rms_norm_eps={peer.rms_norm_eps!r}"):
-        hf.check_config(tmp_path, _config(theta_only))
+    with pytest.raises(config_json.HFError, match=f"rms_norm_eps={peer.rms_norm_eps!r}"):
+        config_json.check_config(tmp_path, _config(theta_only))
     agreeing = {**LLAMA, "ropeTheta": float(theta), "normEps": float(peer.rms_norm_eps)}
-    hf.check_config(tmp_path, _config(agreeing))  # the peer's effective values are accepted
+    # the peer's effective values are accepted
+    config_json.check_config(tmp_path, _config(agreeing))
 
 
 @pytest.mark.parametrize(
@@ -266,8 +266,8 @@ def test_llama_architecture_meshtrain_lacks_is_refused(extra, tmp_path):
     config = _config(LLAMA)
     _hf_model(config, **extra).save_pretrained(tmp_path)
     [(key, value)] = extra.items()
-    with pytest.raises(hf.HFError, match=f"config.json: {key}={value!r}"):
-        hf.check_directory(tmp_path, config)
+    with pytest.raises(config_json.HFError, match=f"config.json: {key}={value!r}"):
+        from_hf.check_directory(tmp_path, config)
 
 
 def test_tensor_the_spec_does_not_map_is_refused_naming_file_and_tensor(tmp_path):
@@ -277,8 +277,8 @@ def test_tensor_the_spec_does_not_map_is_refused_naming_file_and_tensor(tmp_path
     tensors = load_file(weights)
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(config.hidden)
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(hf.HFError) as bad:
-        hf.check_directory(tmp_path, config)
+    with pytest.raises(config_json.HFError) as bad:
+        from_hf.check_directory(tmp_path, config)
     assert f"{weights}: tensor model.layers.0.self_attn.q_proj.bias has no place" in str(bad.value)
 
 
@@ -306,8 +306,8 @@ def test_scaled_rope_in_either_spelling_is_refused(scaling, tmp_path):
     raw = json.loads(path.read_text())
     raw["rope_scaling"] = scaling
     path.write_text(json.dumps(raw))
-    with pytest.raises(hf.HFError, match=r"config.json: rope_type="):
-        hf.check_directory(tmp_path, config)
+    with pytest.raises(config_json.HFError, match=r"config.json: rope_type="):
+        from_hf.check_directory(tmp_path, config)
 
 
 LLAMA3_SCALING = {  # one frequency kept, one blended, the rest slowed down (head_dim 16)
@@ -330,8 +330,8 @@ def test_llama3_scaled_rope_imports_and_exports_with_transformers_logits(tmp_pat
     config = _config(model)
     peer = _hf_model(config, rope_scaling={"rope_type": "llama3", **LLAMA3_SCALING})
     peer.save_pretrained(tmp_path / "in")
-    with pytest.raises(hf.HFError, match="set spec.model.ropeScaling: {factor: 4.0"):
-        hf.check_config(tmp_path / "in", _config({**LLAMA, "hidden": 64}))
+    with pytest.raises(config_json.HFError, match="set spec.model.ropeScaling: {factor: 4.0"):
+        config_json.check_config(tmp_path / "in", _config({**LLAMA, "hidden": 64}))
     ours = _meshtrain_from(tmp_path / "in", config)
     tokens = torch.randint(0, config.vocab, (2, config.seq_len))
     with torch.no_grad():
@@ -340,7 +340,7 @@ def test_llama3_scaled_rope_imports_and_exports_with_transformers_logits(tmp_pat
         plain = llama.build(_config({**LLAMA, "hidden": 64})).eval()  # same weights, plain RoPE
         plain.load_state_dict(ours.state_dict())
         assert (plain(tokens) - expected)[:, 16:].abs().max() > 1e-3  # the rewrite matters here
-    hf.write(tmp_path / "out", config, dict(ours.named_parameters()))
+    to_hf.write(tmp_path / "out", config, dict(ours.named_parameters()))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
@@ -386,10 +386,12 @@ def test_every_eos_id_of_the_imported_model_and_the_data_reaches_transformers(tm
     peer.save_pretrained(tmp_path / "in")
     tokens = tmp_path / "data.bin"
     meta = {"bos_id": 0, "eos_id": 5, "pad_id": None}  # what `meshtrain data prepare` records
-    meshtrain_tokens.metadata_path(tokens).write_text(json.dumps(meta))
-    files = [meshtrain_tokens.TokenFile(tokens, None, 1.0)]  # type: ignore[arg-type]
+    token_files.metadata_path(tokens).write_text(json.dumps(meta))
+    files = [token_files.TokenFile(tokens, None, 1.0)]  # type: ignore[arg-type]
     ids = special_tokens.for_job(files, str(tmp_path / "in"))
-    hf.write(tmp_path / "out", config, dict(llama.build(config).named_parameters()), token_ids=ids)
+    to_hf.write(
+        tmp_path / "out", config, dict(llama.build(config).named_parameters()), token_ids=ids
+    )
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
     assert generation.eos_token_id == [1, 8, 9, 5]
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == [1, 8, 9, 5]
@@ -400,7 +402,7 @@ def test_a_sharded_directory_is_read_through_its_index(tmp_path):
     config = _config(LLAMA)
     peer = _hf_model(config)
     peer.save_pretrained(tmp_path, max_shard_size="20KB")
-    assert (tmp_path / hf.WEIGHTS_INDEX).is_file()
+    assert (tmp_path / config_json.WEIGHTS_INDEX).is_file()
     stray = {k: torch.zeros_like(v) for k, v in peer.state_dict().items()}
     save_file(stray, tmp_path / "original.safetensors", metadata={"format": "pt"})
     tokens = torch.randint(0, config.vocab, (2, config.seq_len))
@@ -409,11 +411,12 @@ def test_a_sharded_directory_is_read_through_its_index(tmp_path):
         torch.testing.assert_close(
             _meshtrain_from(tmp_path, config)(tokens), want, rtol=1e-5, atol=1e-5
         )
-    (tmp_path / hf.WEIGHTS_INDEX).unlink()
+    (tmp_path / config_json.WEIGHTS_INDEX).unlink()
     with pytest.raises(
-        hf.HFError, match=r"is in both .*model-\d+-of-\d+\.safetensors and .*original\.safetensors"
+        config_json.HFError,
+        match=r"is in both .*model-\d+-of-\d+\.safetensors and .*original\.safetensors",
     ):
-        hf.check_directory(tmp_path, config)
+        from_hf.check_directory(tmp_path, config)
 
 
 def _mistral(config: gpt.GPTConfig, sliding_window: int | None) -> transformers.PreTrainedModel:
@@ -442,9 +445,9 @@ def test_mistral_sliding_window_and_other_head_dim_are_refused_naming_the_key(tm
     config = _config(LLAMA)
     _mistral(config, config.seq_len // 2).save_pretrained(tmp_path / "window")
     with pytest.raises(
-        hf.HFError, match=f"sliding_window={config.seq_len // 2} but spec.model.seqLen"
+        config_json.HFError, match=f"sliding_window={config.seq_len // 2} but spec.model.seqLen"
     ):
-        hf.check_directory(tmp_path / "window", config)
+        from_hf.check_directory(tmp_path / "window", config)
     _hf_model(config, head_dim=2 * config.head_dim).save_pretrained(tmp_path / "wide")
-    with pytest.raises(hf.HFError, match=f"head_dim={2 * config.head_dim} but"):
-        hf.check_directory(tmp_path / "wide", config)
+    with pytest.raises(config_json.HFError, match=f"head_dim={2 * config.head_dim} but"):
+        from_hf.check_directory(tmp_path / "wide", config)

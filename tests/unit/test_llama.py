@@ -11,7 +11,7 @@ import transformers
 from meshtrain.api import loading
 from meshtrain.api.spec import model as api_model
 from meshtrain.planner import parameters
-from meshtrain.trainer.interop import hf
+from meshtrain.trainer.interop import config_json
 from meshtrain.trainer.models import gpt, llama
 from tests.builders import JobBuilder
 
@@ -131,7 +131,7 @@ def test_llama3_2_1b_preset_is_metas_published_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B_CONFIG))
     shape = api_model.ModelSpec(preset="llama3.2-1b").shape()
     config = gpt.GPTConfig.from_shape(shape)
-    hf.check_config(tmp_path, config)  # raises naming the first field that differs
+    config_json.check_config(tmp_path, config)  # raises naming the first field that differs
     with torch.device("meta"):
         published = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B_CONFIG))
         built = llama.build(config)

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshtrain.api import loading
 from meshtrain.cli import main
 from meshtrain.planner import estimate, parameters, profiles
-from meshtrain.trainer.calibration import machine, step_loop
+from meshtrain.trainer.calibration import measure, step_loop
 from tests.builders import JobBuilder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -42,12 +42,12 @@ def _tiny_dp2() -> dict:
 def test_fit_recovers_alpha_and_bus_bandwidth() -> None:
     alpha, bandwidth, n = 1e-4, 1e9, 4
     samples = {m: 2 * (n - 1) * alpha + 2 * (n - 1) / n * m / bandwidth for m in (256, 1 << 21)}
-    fitted = machine.fit("all_reduce", n, samples, processes=n)
+    fitted = measure.fit("all_reduce", n, samples, processes=n)
     assert fitted.alpha == pytest.approx(alpha, rel=0.01)
     assert fitted.bandwidth == pytest.approx(bandwidth, rel=0.01)
     cpu_call, cpu_bandwidth = 3e-5, 4e9
     cpu = {m: cpu_call + (m - 256) / cpu_bandwidth for m in (256, 1 << 21)}
-    fitted = machine.fit("all_reduce", n, samples, processes=n, cpu_samples=cpu)
+    fitted = measure.fit("all_reduce", n, samples, processes=n, cpu_samples=cpu)
     assert fitted.cpu_call_seconds == pytest.approx(cpu_call)
     assert fitted.cpu_bandwidth == pytest.approx(cpu_bandwidth)
 
@@ -146,7 +146,7 @@ def test_the_calibrated_block_is_one_tensor_rank_s_share_as_the_planner_counts_i
         .raw()
     )
     shape = spec.model.shape()
-    block = machine.rank_block(spec, solo_group)
+    block = measure.rank_block(spec, solo_group)
     assert sum(p.numel() for p in block.parameters()) == parameters.layer_params(shape, tensor)
     x = torch.randn(2, shape.seq_len, shape.hidden, requires_grad=True)
     with FlopCounterMode(display=False) as counted:
@@ -186,7 +186,7 @@ def test_the_step_loop_run_sends_the_job_s_messages_where_its_block_is_affordabl
     shape = loop.model.shape()
     assert shape.hidden == 2048 and loop.parallelism.tensor == 2
     assert shape.seq_len % 2 == 0 and loop.training.micro_batch == 1
-    block = machine.rank_block(loop, solo_group)
+    block = measure.rank_block(loop, solo_group)
     x = torch.randn(1, shape.seq_len, shape.hidden)
     with torch.no_grad(), FlopCounterMode(display=False) as counted:
         block(x)
@@ -222,7 +222,7 @@ def test_the_trainer_s_tensor_parallel_calls_fit_what_the_plan_waits_for_them() 
         collectives=(micro_benchmark,),
         calibration={"host": socket.gethostname()},
     )
-    fitted = machine.measure_step_loop(job, profile)
+    fitted = measure.measure_step_loop(job, profile)
     loop_run = fitted.calibration["step_loop_run"]
     calls = loop_run["tp_calls"]
     assert set(calls) == {"all_reduce"} and calls["all_reduce"]["calls"] > 0
@@ -302,9 +302,9 @@ def test_a_layout_s_step_loop_is_measured_from_the_micro_benchmarks_alone(
         activation_message_seconds=0.01,
         gradient_message_seconds=0.02,
     )
-    from_clean = machine.measure_step_loop(job, clean)
+    from_clean = measure.measure_step_loop(job, clean)
     assert from_clean.rank_step_cpu_seconds > 0 and from_clean.tp_collectives
-    assert machine.measure_step_loop(job, other) == from_clean
+    assert measure.measure_step_loop(job, other) == from_clean
 
 
 def test_a_pipeline_s_messages_are_timed_on_the_trainer_s_own_sends() -> None:

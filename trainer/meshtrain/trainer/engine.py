@@ -20,7 +20,7 @@ import torch.distributed as dist
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer.data import batches, dataset, special_tokens, token_files
 from meshtrain.trainer.guards import loss_guard, noise_scale
-from meshtrain.trainer.interop import hf
+from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.optim import adamw, batch_change, lr_schedule
 from meshtrain.trainer.parallel import clipping, compilation, loss, parallelize, zero, zero3
@@ -138,7 +138,7 @@ class Engine:
         self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
         """Begin/end-of-text ids of the data's tokenizer; checkpoints carry them to ``meshtrain export``."""
         self.hf_max_positions = (
-            hf.max_positions(spec.model.init.from_hf) if spec.model.init.from_hf else None
+            config_json.max_positions(spec.model.init.from_hf) if spec.model.init.from_hf else None
         )
         """The imported model's ``max_position_embeddings``; checkpoints carry it to ``meshtrain export``."""
         self.sampler, self.eval_sampler = self._samplers(tokens)
@@ -166,7 +166,7 @@ class Engine:
             )
         gpt.set_selective_recompute(dense, training.selective_recompute)
         if spec.model.init.from_hf:  # every rank reads its own pieces from the directory
-            dense.initial_weights = hf.HFWeights(spec.model.init.from_hf, self.config)
+            dense.initial_weights = from_hf.HFWeights(spec.model.init.from_hf, self.config)
         return parallelize.parallelize(
             dense,
             self.mesh,

@@ -27,7 +27,7 @@ from meshtrain.api import exitcodes, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
 from meshtrain.trainer.data import dataset
-from meshtrain.trainer.interop import hf
+from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.telemetry import steplog
 
 POLL_S = 0.2
@@ -73,10 +73,6 @@ def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> di
         MASTER_PORT=str(port),
         MESHTRAIN_LOG_DIR=str(log_dir),
         MESHTRAIN_DEVICE="cuda" if cuda else "cpu",
-        # `python -m` puts the working directory first on sys.path, and torch.compile's workers
-        # take sys.path as PYTHONPATH: from a checkout's root its operator/ would shadow the
-        # standard library's there (they die, and compiled blocks run eagerly)
-        PYTHONSAFEPATH="1",
     )
     if not cuda:  # share the cores instead of every rank spawning one thread per core
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
@@ -209,8 +205,8 @@ def _load_checked(
         )
         if job.training.dataset == dataset.STDLIB:
             dataset.stdlib_corpus()
-        hf.check_spec(job)
-    except (loading.SpecError, hf.HFError) as err:
+        from_hf.check_spec(job)
+    except (loading.SpecError, config_json.HFError) as err:
         print(err, file=sys.stderr)
         return exitcodes.SPEC
     except dataset.DatasetError as err:

@@ -26,7 +26,7 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
-from meshtrain.trainer.interop import hf
+from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import progress, steplog
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
-        hf.check_spec(job)
-    except (loading.SpecError, hf.HFError) as err:
+        from_hf.check_spec(job)
+    except (loading.SpecError, config_json.HFError) as err:
         return _refuse(exitcodes.SPEC, err)
     except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)

@@ -2,7 +2,7 @@
 
 A checkpoint is layout-independent, so one process reads every parameter whole, one shard's worth
 at a time (DCP reads only the entries asked for): exporting a 70B model needs the memory of a
-shard, not of the model.  :mod:`.hf` writes the files.
+shard, not of the model.  :mod:`.to_hf` writes the files.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from meshtrain.api import exitcodes
 from meshtrain.api.spec import model as api_model
 from meshtrain.trainer.checkpointing import state, store
 from meshtrain.trainer.data import special_tokens
-from meshtrain.trainer.interop import hf
+from meshtrain.trainer.interop import config_json, to_hf
 from meshtrain.trainer.models import gpt
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -161,7 +161,7 @@ def export(
     if tokenizer is not None:
         token_ids = special_tokens.from_tokenizer_file(tokenizer)
     copy_tokenizer(Path(output), tokenizer, marker.extra.get("from_hf"), token_ids)
-    return hf.write_sharded(
+    return to_hf.write_sharded(
         output,
         gpt.GPTConfig.from_shape(shape),
         model_shapes(directory),
@@ -194,5 +194,7 @@ def main(args: argparse.Namespace) -> int:
         print(err, file=sys.stderr)
         return exitcodes.CHECKPOINT
     names = ", ".join(p.name for p in written)
-    print(f"wrote {Path(args.output) / hf.CONFIG}, {hf.GENERATION_CONFIG} and {names}")
+    print(
+        f"wrote {Path(args.output) / config_json.CONFIG}, {config_json.GENERATION_CONFIG} and {names}"
+    )
     return 0

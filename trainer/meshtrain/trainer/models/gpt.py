@@ -366,7 +366,7 @@ def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
     """The dense tensor of parameter ``name``: ``param`` itself, or its initial value while it is on ``meta``.
 
     The initial value comes from ``model.initial_weights`` when it is set
-    (a Hugging Face directory, :class:`meshtrain.trainer.interop.hf.HFWeights`), else
+    (a Hugging Face directory, :class:`meshtrain.trainer.interop.from_hf.HFWeights`), else
     from the seed.
     """
     if not param.is_meta:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from meshtrain.planner.timing import pipeline_window as planned_window
+from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer.optim import batch_change, lr_schedule
 from meshtrain.trainer.telemetry import recording
 
@@ -66,7 +66,7 @@ class JobFacts:
     @property
     def bubble_theoretical(self) -> float:
         """(p - 1) / (v * m + p - 1)."""
-        return planned_window.bubble_ratio(self.stages, self.micro_batches, self.virtual_stages)
+        return pipeline_window.bubble_ratio(self.stages, self.micro_batches, self.virtual_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +229,7 @@ def collective_stats(
     return tuple(out)
 
 
-def pipeline_window(events: Sequence[recording.Event], start: float, seconds: float) -> float:
+def window_seconds(events: Sequence[recording.Event], start: float, seconds: float) -> float:
     """Seconds from ``start`` to the end of the last event (the whole step if there is none)."""
     if not events:
         return seconds
@@ -250,7 +250,7 @@ def summarise(
     compute = [e for e in events if e.what == "compute"]
     compute_union = union_seconds((e.start, e.end) for e in compute)
     exposed = exposed_comm(events)
-    window = pipeline_window(events, start, seconds)
+    window = window_seconds(events, start, seconds)
     bubble = 0.0
     if window > 0:
         bubble = min(1.0, max(0.0, 1.0 - (compute_union + exposed) / window))

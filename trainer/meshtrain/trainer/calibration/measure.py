@@ -32,8 +32,7 @@ from meshtrain.planner.timing import network, stage_work
 from meshtrain.trainer import launch
 from meshtrain.trainer.calibration import step_loop
 from meshtrain.trainer.models import gpt
-from meshtrain.trainer.parallel import mesh
-from meshtrain.trainer.parallel import tensor as tp
+from meshtrain.trainer.parallel import mesh, tensor
 
 MESSAGE_BYTES = (1 << 8, 1 << 14, 1 << 18, 1 << 21)
 """Payload sizes a collective is timed at (full buffer, as the trainer's recorder counts)."""
@@ -142,16 +141,16 @@ def rank_block(job: api_spec.TrainingJobSpec, solo: dist.ProcessGroup | None) ->
     of the tokens; the block measured here runs them on all).
     """
     shape = job.model.shape()
-    tensor = job.parallelism.tensor
+    degree = job.parallelism.tensor
     one_layer = dataclasses.replace(
-        gpt.GPTConfig.from_shape(shape), layers=1, vocab=8 * tensor, tie_embeddings=False
+        gpt.GPTConfig.from_shape(shape), layers=1, vocab=8 * degree, tie_embeddings=False
     )
-    if tensor == 1:
+    if degree == 1:
         return gpt.Block(one_layer)
     assert solo is not None, "a tensor-parallel block needs its one-process group"
     model = gpt.GPT(one_layer)
     model.tok_emb = model.pos_emb = model.norm = model.head = None
-    tp.apply_tensor_parallel(model, tp.TPContext(group=solo, rank=0, size=tensor))
+    tensor.apply_tensor_parallel(model, tensor.TPContext(group=solo, rank=0, size=degree))
     return model.blocks["0"]
 
 

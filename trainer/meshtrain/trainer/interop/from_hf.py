@@ -1,0 +1,154 @@
+"""A Hugging Face directory a job starts from (``spec.model.init.fromHF``).
+
+:class:`HFWeights` reads each parameter on demand, so each rank reads only its own pieces, and
+:func:`check_directory` refuses a directory that disagrees with the spec before any process
+starts, naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from meshtrain.api import spec as api_spec
+from meshtrain.trainer.interop import config_json, name_map
+from meshtrain.trainer.models import gpt, llama
+
+
+def _indexed_files(directory: Path) -> dict[str, Path]:
+    """The ``weight_map`` of ``model.safetensors.index.json``, as transformers loads a sharded model."""
+    index = directory / config_json.WEIGHTS_INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise config_json.HFError(
+            f"{config_json.FIELD}: {index} is not a safetensors index with a weight_map ({err})"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise config_json.HFError(
+            f"{config_json.FIELD}: {index}: weight_map is not an object of tensor name -> file"
+        )
+    where = {str(key): directory / str(name) for key, name in weight_map.items()}
+    missing = sorted({str(p) for p in where.values() if not p.is_file()})
+    if missing:
+        raise config_json.HFError(
+            f"{config_json.FIELD}: {index} names files that are not there: {', '.join(missing)}"
+        )
+    return where
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it (one file or a sharded set).
+
+    With ``model.safetensors.index.json`` its ``weight_map`` decides (other
+    ``*.safetensors`` files, e.g. a consolidated copy, are not read); without
+    one, every file is read and a tensor in two of them is refused.
+    """
+    if (directory / config_json.WEIGHTS_INDEX).is_file():
+        return _indexed_files(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise config_json.HFError(f"{config_json.FIELD}: {directory} has no *.safetensors file")
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key in where:
+                    raise config_json.HFError(
+                        f"{config_json.FIELD}: tensor {key} is in both {where[key]} and {path}: "
+                        f"remove the stale file, or add the {config_json.WEIGHTS_INDEX} that says "
+                        "which to load"
+                    )
+                where[key] = path
+    return where
+
+
+class HFWeights:
+    """Dense meshtrain parameters read on demand from a Hugging Face directory (``model.initial_weights``)."""
+
+    def __init__(self, directory: str | Path, config: gpt.GPTConfig) -> None:
+        self.directory = Path(directory)
+        self.config = config
+        self.files = {k: str(v) for k, v in _tensor_files(self.directory).items()}
+        """Hugging Face tensor name -> safetensors file."""
+
+    def _read(self, key: str) -> torch.Tensor:
+        with safe_open(self.files[key], framework="pt") as handle:
+            tensor: torch.Tensor = handle.get_tensor(key)
+        return tensor
+
+    def __call__(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        parts = name_map.hf_parts(self.config, name)
+        pieces = [self._read(p.key).t() if p.transpose else self._read(p.key) for p in parts]
+        return torch.cat(pieces, dim=0).float().contiguous().reshape(shape)
+
+
+def _hf_shapes(
+    directory: Path, files: dict[str, Path]
+) -> Iterator[tuple[str, tuple[int, ...], Path]]:
+    for key, path in files.items():
+        with safe_open(str(path), framework="pt") as handle:
+            yield key, tuple(handle.get_slice(key).get_shape()), path
+
+
+def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
+    """Refuse, before any process starts, a directory whose config or tensors disagree with the spec."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise config_json.HFError(f"{config_json.FIELD}: {directory} is not a directory")
+    config_json.check_config(directory, config)
+    files = _tensor_files(directory)
+    shapes = {key: (shape, path) for key, shape, path in _hf_shapes(directory, files)}
+    with torch.device("meta"):
+        expected = name_map.to_hf(config, dict(llama.build(config).named_parameters()))
+    for key, tensor in expected.items():
+        if key not in shapes:
+            if key.endswith(".bias"):
+                continue  # an absent GPT-2 bias is a zero one
+            raise config_json.HFError(
+                f"{config_json.FIELD}: {directory}: tensor {key} is missing from the "
+                "safetensors files"
+            )
+        shape, path = shapes[key]
+        if shape != tuple(tensor.shape):
+            raise config_json.HFError(
+                f"{config_json.FIELD}: {path}: tensor {key} has shape {list(shape)}, the spec's "
+                f"model needs {list(tensor.shape)} (spec.model: {config.family}, "
+                f"hidden={config.hidden}, heads={config.heads}, kvHeads={config.key_value_heads}, "
+                f"ffnHidden={config.ffn_hidden}, vocab={config.vocab})"
+            )
+    for key in sorted(set(shapes) - set(expected)):
+        if not _ignored_by_transformers(config, key):
+            raise config_json.HFError(
+                f"{config_json.FIELD}: {shapes[key][1]}: tensor {key} has no place in the spec's "
+                f"model (spec.model: {config.family}, layers={config.layers}, "
+                f"tieEmbeddings={config.tie_embeddings}); loading it would drop it, so this model's "
+                "logits cannot be reproduced"
+            )
+    for key in name_map.zero_biases(config):
+        if key in shapes:
+            with safe_open(str(shapes[key][1]), framework="pt") as handle:
+                if handle.get_tensor(key).abs().max() > 0:
+                    raise config_json.HFError(
+                        f"{config_json.FIELD}: {shapes[key][1]}: {key} is not zero; meshtrain's "
+                        "GPT has no linear biases, so this model cannot be loaded exactly"
+                    )
+
+
+def _ignored_by_transformers(config: gpt.GPTConfig, key: str) -> bool:
+    """Tensors transformers itself skips or overwrites on load: RoPE and causal-mask buffers, a tied head."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return True
+    if config.family == "gpt" and key.endswith((".attn.bias", ".attn.masked_bias")):
+        return True
+    return key == "lm_head.weight" and config.tie_embeddings
+
+
+def check_spec(job: api_spec.TrainingJobSpec) -> None:
+    """:func:`check_directory` for a job that starts from a Hugging Face directory (else nothing)."""
+    if job.model.init.from_hf:
+        check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))

@@ -1,0 +1,154 @@
+"""Meshtrain weights written as a Hugging Face directory: safetensors shards, index and configs.
+
+Shards are written as transformers writes them (``model-00001-of-0000N.safetensors`` and
+``model.safetensors.index.json``; one shard is ``model.safetensors``), one shard's parameters
+in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from meshtrain.trainer.data import special_tokens
+from meshtrain.trainer.interop import config_json, name_map
+from meshtrain.trainer.models import gpt, llama
+
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Element types an export can write, by the name ``config.json``'s ``torch_dtype`` gives them."""
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """File of shard ``index`` (0-based) of ``count``: transformers' ``model-00001-of-00003.safetensors``."""
+    return (
+        config_json.WEIGHTS if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    )
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Consecutive items (name, bytes) grouped into shards of at most ``max_bytes``; an item larger than that is a shard alone."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes:
+        if shards[-1] and filled + nbytes > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += nbytes
+    return [s for s in shards if s]
+
+
+def _clear_weights(directory: Path) -> None:
+    """Remove the weights of an earlier export (a stale shard would be loaded beside the new ones)."""
+    stale = [
+        directory / config_json.WEIGHTS,
+        directory / config_json.WEIGHTS_INDEX,
+        *directory.glob("model-*-of-*.safetensors"),
+    ]
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
+Loader = Callable[[list[str]], dict[str, torch.Tensor]]
+"""Dense meshtrain parameters by name, read when asked for."""
+
+
+def write_sharded(
+    directory: str | Path,
+    config: gpt.GPTConfig,
+    shapes: dict[str, tuple[int, ...]],
+    load: Loader,
+    *,
+    max_shard_bytes: int,
+    token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+    max_positions: int | None = None,
+    dtype: str = "float32",
+) -> list[Path]:
+    """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes``; returns the files.
+
+    ``dtype`` (a :data:`WEIGHT_DTYPES` name) is what the weights are rounded
+    to on the way out (``bfloat16``: round to nearest even, as ``Tensor.to``).
+
+    ``shapes`` names every dense parameter; ``load`` is asked for one
+    shard's parameters at a time, so no more than one shard (plus the
+    largest parameter) is in memory.  More than one shard gets
+    ``model.safetensors.index.json``; one is ``model.safetensors``.  All of a
+    parameter's pieces (q, k, v of a fused QKV) go to one shard.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _clear_weights(directory)
+    order = {name: i for i, (name, _) in enumerate(_model_order(config))}
+    names = sorted(shapes, key=lambda n: order.get(n, len(order)))
+    element = WEIGHT_DTYPES[dtype]
+    itemsize = element.itemsize
+    sizes = [(n, math.prod(shapes[n]) * itemsize) for n in names]
+    biases = name_map.zero_biases(config)
+    sizes += [(key, n * itemsize) for key, n in biases.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    files = []
+    for index, members in enumerate(shards):
+        file = shard_file_name(index, len(shards))
+        dense = load([n for n in members if n not in biases])
+        tensors: dict[str, torch.Tensor] = {}
+        for name in members:
+            if name in biases:
+                tensors[name] = torch.zeros(biases[name], dtype=element)
+            else:
+                whole = dense.pop(name).detach().float().cpu()
+                pieces = name_map.hf_tensors(config, name, whole)
+                tensors.update({key: t.to(element).contiguous() for key, t in pieces.items()})
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+        files.append(directory / file)
+        del dense, tensors
+    if len(shards) > 1:
+        index_doc = {
+            "metadata": {"total_size": total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (directory / config_json.WEIGHTS_INDEX).write_text(json.dumps(index_doc, indent=2) + "\n")
+        files.append(directory / config_json.WEIGHTS_INDEX)
+    (directory / config_json.CONFIG).write_text(
+        json.dumps(config_json.hf_config(config, token_ids, max_positions, dtype), indent=2) + "\n"
+    )
+    (directory / config_json.GENERATION_CONFIG).write_text(
+        json.dumps(config_json.generation_config(token_ids), indent=2) + "\n"
+    )
+    return files
+
+
+def _model_order(config: gpt.GPTConfig) -> list[tuple[str, torch.Tensor]]:
+    with torch.device("meta"):
+        return list(llama.build(config).named_parameters())
+
+
+def write(
+    directory: str | Path,
+    config: gpt.GPTConfig,
+    dense: dict[str, torch.Tensor],
+    *,
+    max_shard_bytes: int = 1 << 62,
+    token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
+    max_positions: int | None = None,
+    dtype: str = "float32",
+) -> list[Path]:
+    """:func:`write_sharded` for parameters already in memory (meshtrain names)."""
+    return write_sharded(
+        directory,
+        config,
+        {name: tuple(t.shape) for name, t in dense.items()},
+        lambda names: {n: dense[n] for n in names},
+        max_shard_bytes=max_shard_bytes,
+        token_ids=token_ids,
+        max_positions=max_positions,
+        dtype=dtype,
+    )
