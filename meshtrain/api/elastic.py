@@ -26,11 +26,9 @@ class Size:
 
 
 def _runnable(spec: TrainingJobSpec, data: int) -> bool:
-    """Whether a gang of ``data`` replicas fills whole pods and keeps the axis rules."""
-    par = spec.parallelism
-    if not dataclasses.replace(par.layout, data=data).fills_pods(spec.resources.gpus_per_node):
-        return False
-    return par.gradient_compression.mode == "none" or data >= 2
+    """Whether a gang of ``data`` replicas fills whole pods and has peers for its gradient compression."""
+    par = spec.parallelism.model_copy(update={"data": data})
+    return par.layout.fills_pods(spec.resources.gpus_per_node) and par.compression_has_peers
 
 
 def size_at(spec: TrainingJobSpec, data: int) -> Size | None:

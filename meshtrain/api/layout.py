@@ -123,6 +123,36 @@ class ParallelLayout:
         """Whether the ranks fill whole pods of ``gpus_per_node`` (the world size is a multiple of it)."""
         return self.world_size % gpus_per_node == 0
 
+    def tensor_split_problem(self, gpus_per_node: int) -> str | None:
+        """Why a tensor-parallel group would leave a pod of ``gpus_per_node`` ranks, or None (:meth:`tensor_fits_pod`)."""
+        if self.tensor_fits_pod(gpus_per_node):
+            return None
+        return (
+            f"tensor={self.tensor} does not divide gpusPerNode={gpus_per_node}; a tensor-parallel group must "
+            f"stay inside one node's NVLink domain: choose tensor from the divisors of {gpus_per_node}"
+        )
+
+    def pod_fill_problem(self, gpus_per_node: int) -> str | None:
+        """Why the ranks do not fill whole pods of ``gpus_per_node``, or None (:meth:`fills_pods`)."""
+        if self.fills_pods(gpus_per_node):
+            return None
+        return (
+            f"world size data x pipeline x tensor = {self} = {self.world_size} is not a multiple of "
+            f"gpusPerNode={gpus_per_node}; every pod runs gpusPerNode ranks: change the degrees or gpusPerNode"
+        )
+
+    def pod_problem(self, gpus_per_node: int) -> str | None:
+        """Why pods of ``gpus_per_node`` ranks cannot run this layout, or None.
+
+        The spec's rules judge each half on its own field; a placement request,
+        which has no spec, refuses the first.
+        """
+        return self.tensor_split_problem(gpus_per_node) or self.pod_fill_problem(gpus_per_node)
+
+    def dp_ranks_per_pod(self, gpus_per_node: int) -> int:
+        """Ranks of one data-parallel group in one pod of ``gpus_per_node``: ``gpusPerNode / tensor``, at most ``data``."""
+        return min(max(gpus_per_node // self.tensor, 1), self.data)
+
     def pods(self, gpus_per_node: int) -> int:
         """Pods in the gang, one per node slot of ``gpus_per_node`` ranks."""
         return self.world_size // gpus_per_node

@@ -165,12 +165,12 @@ def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
     so stage-major keeps DP rings together and column-major pipelines;
     :func:`plan` keeps the one with the lower modelled cost.
     """
-    pods = request.pods
-    per_stage = request.data * request.tensor
+    pods, grid = request.pods, request.layout
+    per_stage = grid.data * grid.tensor
     unit = math.lcm(per_stage, request.gpus_per_node) // request.gpus_per_node
     orders = [(list(range(pods)), unit)]
-    if per_stage % request.gpus_per_node == 0 and unit > 1 and request.pipeline > 1:
-        stages = request.pipeline
+    if per_stage % request.gpus_per_node == 0 and unit > 1 and grid.pipeline > 1:
+        stages = grid.pipeline
         orders.append(([(q % stages) * unit + q // stages for q in range(pods)], stages))
     return orders
 

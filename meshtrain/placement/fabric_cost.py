@@ -29,13 +29,13 @@ def pod_traffic(request: values.PlacementRequest) -> list[Edge]:
             key = (pod_a, pod_b) if pod_a < pod_b else (pod_b, pod_a)
             pairs[key] = pairs.get(key, 0.0) + size
 
-    for pp in range(request.pipeline):
-        for tp in range(request.tensor):
-            ring = [grid.rank_of(pp, dp, tp) for dp in range(request.data)]
+    for pp in range(grid.pipeline):
+        for tp in range(grid.tensor):
+            ring = [grid.rank_of(pp, dp, tp) for dp in range(grid.data)]
             if len(ring) > 1:
                 for index, rank in enumerate(ring):
                     add(rank, ring[(index + 1) % len(ring)], request.dp_bytes_per_step)
-            if pp + 1 < request.pipeline:
+            if pp + 1 < grid.pipeline:
                 for dp, rank in enumerate(ring):
                     add(rank, grid.rank_of(pp + 1, dp, tp), request.pp_bytes_per_step)
     return [(a, b, size) for (a, b), size in sorted(pairs.items())]

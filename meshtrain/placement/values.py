@@ -8,7 +8,6 @@ by :mod:`meshtrain.planner.placement_request`), and the two answers, :class:`Pla
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 
 from meshtrain.api import layout as layout_mod
@@ -68,20 +67,17 @@ class FabricLevel:
 class PlacementRequest:
     """What one gang needs: its pods, their layout and their traffic per step.
 
-    The degrees must fill whole pods and keep each tensor-parallel group in one.  A request
-    built from a job (:func:`meshtrain.planner.placement_request.request_from_spec`) keeps that
-    by the spec's rules; it is checked again here, with the :class:`~meshtrain.api.layout.ParallelLayout`
-    predicates those rules use, because benchmarks and tests build requests by hand.
+    The layout must fill whole pods and keep each tensor-parallel group in one.  A request
+    built from a job (:func:`meshtrain.planner.placement_request.request_from_spec`) carries the
+    spec's layout, which keeps that by the spec's rules; the request asks the layout again
+    (:meth:`~meshtrain.api.layout.ParallelLayout.pod_problem`, the rules' own check) because
+    benchmarks and tests build requests by hand.
     """
 
     gpus_per_node: int
     """GPUs per pod; a pod runs ranks ``[i*gpus_per_node, (i+1)*gpus_per_node)``."""
-    data: int
-    """Data-parallel degree."""
-    pipeline: int
-    """Pipeline-parallel degree (stages)."""
-    tensor: int
-    """Tensor-parallel degree."""
+    layout: layout_mod.ParallelLayout
+    """The job's degrees and rank arithmetic (``spec.parallelism.layout``)."""
     dp_bytes_per_step: float = 0.0
     """Bytes one rank sends to its data-parallel ring successor per optimizer step."""
     pp_bytes_per_step: float = 0.0
@@ -96,24 +92,11 @@ class PlacementRequest:
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
-        grid = self.layout  # refuses a degree below 1
-        if not grid.tensor_fits_pod(self.gpus_per_node):
-            raise ValueError(
-                f"tensor={self.tensor} must divide gpus_per_node={self.gpus_per_node}: "
-                "a tensor-parallel group must stay inside one pod"
-            )
-        if not grid.fills_pods(self.gpus_per_node):
-            raise ValueError(
-                f"world size {self.world_size} (data x pipeline x tensor) is not a multiple "
-                f"of gpus_per_node={self.gpus_per_node}"
-            )
+        problem = self.layout.pod_problem(self.gpus_per_node)
+        if problem is not None:
+            raise ValueError(problem)
         if self.dp_bytes_per_step < 0 or self.pp_bytes_per_step < 0:
             raise ValueError("bytes per step must be >= 0")
-
-    @functools.cached_property
-    def layout(self) -> layout_mod.ParallelLayout:
-        """The rank arithmetic of the degrees (cached: the request is frozen)."""
-        return layout_mod.ParallelLayout(data=self.data, pipeline=self.pipeline, tensor=self.tensor)
 
     @property
     def world_size(self) -> int:

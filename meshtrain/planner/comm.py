@@ -151,8 +151,7 @@ def padded(numel: int, members: int) -> int:
 
 def dp_ranks_per_node(job: api_spec.TrainingJobSpec) -> int:
     """Ranks of one data-parallel group on one node (``gpusPerNode / tensor``, at most ``data``)."""
-    par = job.parallelism
-    return min(max(job.resources.gpus_per_node // par.tensor, 1), par.data)
+    return job.parallelism.layout.dp_ranks_per_pod(job.resources.gpus_per_node)
 
 
 def zero3_collectives(

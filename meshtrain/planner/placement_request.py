@@ -19,14 +19,11 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
     autocast (fp32 master weights and gradients, fp32 residual stream between
     stages), which is how the trainer runs there.
     """
-    par = job.parallelism
     trained_in = "fp32" if job.training.precision == "fp32" else "bf16"
     dp_bytes, pp_bytes = comm.placement_traffic(job, precision.scheme_for(trained_in))
     return values.PlacementRequest(
         gpus_per_node=job.resources.gpus_per_node,
-        data=par.data,
-        pipeline=par.pipeline,
-        tensor=par.tensor,
+        layout=job.parallelism.layout,
         dp_bytes_per_step=dp_bytes,
         pp_bytes_per_step=pp_bytes,
         nvlink_domain_label=job.topology.nvlink_domain_label,

@@ -404,9 +404,8 @@ def _placement_lines(plan: estimate.Plan) -> list[str]:
     if placed.unschedulable_reason:
         return lines + [f"  unschedulable: {placed.unschedulable_reason}: {placed.message}"]
     for index, node in enumerate(placed.nodes):
-        lines.append(
-            f"  pod {index} (ranks {index * per_node}..{(index + 1) * per_node - 1}) -> {node}"
-        )
+        ranks = plan.job.parallelism.layout.ranks_of_pod(index, per_node)
+        lines.append(f"  pod {index} (ranks {ranks[0]}..{ranks[-1]}) -> {node}")
     for level, nbytes in placed.level_bytes.items():
         lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
     return lines

@@ -1,7 +1,8 @@
 """``meshtrain plan --search``: the fastest valid layouts for a world size, ranked by predicted step time.
 
-:func:`layouts` lists the candidates (docs/planner.md, "Layout search"); each must pass the spec's
-own validation, fit the profile's memory and, with nodes, be placed by the operator's placement.
+:func:`layouts` lists the layouts of a world size (docs/planner.md, "Layout search") and
+:func:`candidates` keeps those the spec's own rules accept; each must also fit the profile's memory
+and, with nodes, be placed by the operator's placement.
 With ``measure`` (``--search --calibrate``), the best :data:`MEASURED_GRIDS` grids have their step
 loop measured on their own layout before the final ranking; the caller hands that callable in.
 """
@@ -59,17 +60,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""Pipeline schedules tried, in this order; one stage skips gpipe, which is 1f1b there."""
+
+
 def layouts(job: api_spec.TrainingJobSpec, world: int) -> Iterator[dict[str, Any]]:
-    """Spec changes (camelCase ``parallelism`` keys, ``microBatch``) of every layout worth trying."""
-    shape = job.model.shape()
-    per_node = job.resources.gpus_per_node
+    """Spec changes (camelCase ``parallelism`` keys, ``microBatch``) of every layout of ``world`` ranks
+    that keeps the job's global batch, valid or not: :func:`candidates` keeps those the rules accept."""
     sequences = job.global_batch
     for tensor in _divisors(world):
-        if per_node % tensor or shape.heads % tensor:
-            continue
         for pipeline in _divisors(world // tensor):
-            if shape.layers % pipeline:
-                continue
             data = world // (tensor * pipeline)
             if sequences % data:
                 continue
@@ -78,21 +78,13 @@ def layouts(job: api_spec.TrainingJobSpec, world: int) -> Iterator[dict[str, Any
             for micro_batch in sorted(sizes):
                 if per_replica % micro_batch:
                     continue
-                micro_batches = per_replica // micro_batch
-                schedules = ["1f1b"] if pipeline == 1 else ["gpipe", "1f1b"]
-                if (
-                    pipeline > 1
-                    and micro_batches % pipeline == 0
-                    and shape.layers % (2 * pipeline) == 0
-                ):
-                    schedules.append("interleaved-1f1b")
-                for schedule in schedules:
+                for schedule in SCHEDULES[1:] if pipeline == 1 else SCHEDULES:
                     for zero in (0, 1, 2) if data > 1 else (0,):
                         yield {
                             "data": data,
                             "pipeline": pipeline,
                             "tensor": tensor,
-                            "microBatches": micro_batches,
+                            "microBatches": per_replica // micro_batch,
                             "schedule": schedule,
                             "zeroStage": zero,
                             **({"virtualStages": 2} if schedule == "interleaved-1f1b" else {}),
@@ -100,12 +92,33 @@ def layouts(job: api_spec.TrainingJobSpec, world: int) -> Iterator[dict[str, Any
                         }
 
 
-def _with_layout(job: api_spec.TrainingJobSpec, change: dict[str, Any]) -> api_spec.TrainingJobSpec:
+def candidates(
+    job: api_spec.TrainingJobSpec, world: int
+) -> Iterator[tuple[dict[str, Any], api_spec.TrainingJobSpec]]:
+    """Each of :func:`layouts` that passes the spec's own rules, with its spec.
+
+    The rules alone prune (tensor dividing gpusPerNode and the heads, the layers
+    split over the stages, interleaving's rounds, ...): the search states none again.
+    """
     raw = job.model_dump(by_alias=True, exclude_none=True)
+    for change in layouts(job, world):
+        try:
+            yield change, _with_layout(raw, change)
+        except loading.SpecError:
+            continue
+
+
+def _with_layout(raw: dict[str, Any], change: dict[str, Any]) -> api_spec.TrainingJobSpec:
+    """The spec ``raw`` (a job's camelCase dump) with ``change`` applied, through every rule."""
     parallelism = {k: v for k, v in change.items() if k != "microBatch"}
-    raw["parallelism"] = {**raw["parallelism"], **parallelism}
-    raw["training"] = {**raw["training"], "microBatch": change["microBatch"]}
-    return loading.parse_spec(raw, "search candidate")
+    return loading.parse_spec(
+        {
+            **raw,
+            "parallelism": {**raw["parallelism"], **parallelism},
+            "training": {**raw["training"], "microBatch": change["microBatch"]},
+        },
+        "search candidate",
+    )
 
 
 def label(change: dict[str, Any]) -> str:
@@ -130,11 +143,7 @@ def search(
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
     scored: list[Scored] = []
-    for change in layouts(job, world):
-        try:
-            candidate = _with_layout(job, change)
-        except loading.SpecError:
-            continue  # a rule of the spec refuses it (batch arithmetic, gpusPerNode, ...)
+    for change, candidate in candidates(job, world):
         plan = estimate.make_plan(candidate, profile, recipe=recipe)
         if not plan.memory.fits:
             continue

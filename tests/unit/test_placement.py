@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from meshtrain import placement
-from meshtrain.api import loading
+from meshtrain.api import layout, loading
 from meshtrain.placement import fabric_cost, topology
 from meshtrain.planner import comm, placement_request, precision
 from tests.builders import JobBuilder
@@ -67,7 +67,7 @@ def job(
     extra.setdefault("dp_bytes_per_step", 1000.0)
     extra.setdefault("pp_bytes_per_step", 10.0)
     return placement.PlacementRequest(
-        gpus_per_node=per_node, data=data, pipeline=pipeline, tensor=tensor, **extra
+        gpus_per_node=per_node, layout=layout.ParallelLayout(data, pipeline, tensor), **extra
     )
 
 
@@ -273,7 +273,7 @@ def test_required_level_is_honoured_when_it_can_be() -> None:
 
 
 def test_invalid_requests_are_refused() -> None:
-    with pytest.raises(ValueError, match="must divide gpus_per_node"):
+    with pytest.raises(ValueError, match="does not divide gpusPerNode"):
         job(tensor=3)
     with pytest.raises(ValueError, match="not a multiple"):
         job(tensor=2, data=3)
@@ -314,9 +314,9 @@ def test_request_from_spec() -> None:
     )
     request = placement_request.request_from_spec(spec)
     assert (
-        request.data,
-        request.pipeline,
-        request.tensor,
+        request.layout.data,
+        request.layout.pipeline,
+        request.layout.tensor,
         request.gpus_per_node,
         request.pods,
     ) == (2, 2, 4, 8, 2)

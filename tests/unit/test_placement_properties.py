@@ -96,9 +96,7 @@ def draw(seed: int) -> Case:
     )
     request = placement.PlacementRequest(
         gpus_per_node=per_node,
-        data=data,
-        pipeline=pipeline,
-        tensor=tensor,
+        layout=layout.ParallelLayout(data=data, pipeline=pipeline, tensor=tensor),
         dp_bytes_per_step=rng.choice([1e9, 4e8, 1e6]),
         pp_bytes_per_step=rng.choice([5e7, 1e7, 5e9]),
         nvlink_domain_label=CLIQUE if clique else None,
@@ -170,9 +168,7 @@ def test_tensor_groups_never_leave_an_nvlink_domain(cases) -> None:
         if not isinstance(result, placement.Placement):
             continue
         request = case.request
-        grid = layout.ParallelLayout(
-            data=request.data, pipeline=request.pipeline, tensor=request.tensor
-        )
+        grid = request.layout
         node_paths = paths(case)
         for group in grid.all_groups("tp"):
             domains = {

@@ -12,23 +12,11 @@ from meshtrain.api.spec import TrainingJobSpec, base, metrics
 
 
 def _tensor_divides_gpus(spec: TrainingJobSpec) -> str | None:
-    tp, gpus = spec.parallelism.tensor, spec.resources.gpus_per_node
-    if not spec.parallelism.layout.tensor_fits_pod(gpus):
-        return (
-            f"tensor={tp} does not divide gpusPerNode={gpus}; a tensor-parallel group must stay inside one "
-            f"node's NVLink domain: choose tensor from the divisors of {gpus}"
-        )
-    return None
+    return spec.parallelism.layout.tensor_split_problem(spec.resources.gpus_per_node)
 
 
 def _world_multiple_of_node(spec: TrainingJobSpec) -> str | None:
-    world, gpus = spec.world_size, spec.resources.gpus_per_node
-    if not spec.parallelism.layout.fills_pods(gpus):
-        return (
-            f"world size data x pipeline x tensor = {spec.parallelism.layout_string} = {world} is not a multiple "
-            f"of gpusPerNode={gpus}; every pod runs gpusPerNode ranks: change the degrees or gpusPerNode"
-        )
-    return None
+    return spec.parallelism.layout.pod_fill_problem(spec.resources.gpus_per_node)
 
 
 def _batch_arithmetic(spec: TrainingJobSpec) -> str | None:
@@ -105,7 +93,7 @@ def _hierarchical_all_reduce_fits(spec: TrainingJobSpec) -> str | None:
             f"gradientCompression.mode={par.gradient_compression.mode}: it replaces the plain data-parallel "
             "all-reduce, so it needs data >= 2, zeroStage 0 or 1 and mode none: set allReduce flat or change those"
         )
-    per_node = min(max(gpus // par.tensor, 1), par.data)
+    per_node = par.layout.dp_ranks_per_pod(gpus)
     if par.data % per_node:
         return (
             f"allReduce=hierarchical with data={par.data} and {per_node} data-parallel ranks per node "

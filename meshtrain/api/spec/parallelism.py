@@ -105,6 +105,11 @@ class Parallelism(base.SpecModel):
         return str(self.layout)
 
     @property
+    def compression_has_peers(self) -> bool:
+        """Whether gradient compression has a data-parallel reduction to compress: mode none, or data >= 2."""
+        return self.gradient_compression.mode == "none" or self.data >= 2
+
+    @property
     def micro_batch_round(self) -> int:
         """``microBatches`` is a multiple of this: interleaved-1f1b runs micro-batches in rounds of
         ``pipeline``; the other schedules take any number."""
@@ -133,7 +138,7 @@ def _interleaved_micro_batches(p: Parallelism) -> str | None:
 
 def _compression_needs_data_parallel(p: Parallelism) -> str | None:
     mode = p.gradient_compression.mode
-    if mode != "none" and p.data < 2:
+    if not p.compression_has_peers:
         return (
             f"gradientCompression.mode={mode} with data={p.data}: there is no data-parallel reduction "
             "to compress: set data >= 2 or mode none"

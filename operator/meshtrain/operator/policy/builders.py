@@ -50,11 +50,8 @@ def _metadata(
 
 def pipeline_stages(spec: api_spec.TrainingJobSpec, index: int) -> str:
     """Pipeline stages of the ranks pod ``index`` runs: ``"2"`` or ``"0-1"``."""
-    grid = spec.parallelism.layout
-    per_pod = spec.resources.gpus_per_node
-    stages = [grid.coords(rank).pp for rank in range(index * per_pod, (index + 1) * per_pod)]
-    low, high = min(stages), max(stages)
-    return str(low) if low == high else f"{low}-{high}"
+    stages = spec.parallelism.layout.stages_of_pod(index, spec.resources.gpus_per_node)
+    return str(stages[0]) if len(stages) == 1 else f"{stages[0]}-{stages[-1]}"
 
 
 def build_configmap(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
