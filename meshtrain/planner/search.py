@@ -87,7 +87,8 @@ def layouts(job: api_spec.TrainingJobSpec, world: int) -> Iterator[dict[str, Any
                             "microBatches": per_replica // micro_batch,
                             "schedule": schedule,
                             "zeroStage": zero,
-                            **({"virtualStages": 2} if schedule == "interleaved-1f1b" else {}),
+                            # one chunk per rank unless interleaved, whatever the job declares
+                            "virtualStages": 2 if schedule == "interleaved-1f1b" else 1,
                             "microBatch": micro_batch,
                         }
 

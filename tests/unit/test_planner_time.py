@@ -407,6 +407,18 @@ def test_search_ranks_valid_fitting_layouts_by_predicted_time() -> None:
     assert every[0] == found[0] and len(every) > 5
 
 
+def test_search_tries_every_schedule_whatever_schedule_the_job_declares() -> None:
+    """A job that runs interleaved 1F1B still gets GPipe and 1F1B candidates (with one chunk per rank)."""
+    base = JobBuilder().layout(2, 2, 1, gpus_per_node=4).parallelism(microBatches=4)
+    plain = loading.parse_spec(base.clone().parallelism(schedule="1f1b").raw())
+    interleaved = loading.parse_spec(
+        base.clone().parallelism(schedule="interleaved-1f1b", virtualStages=2).raw()
+    )
+    tried = [[change for change, _ in search.candidates(job, 8)] for job in (plain, interleaved)]
+    assert {c["schedule"] for c in tried[1]} == {"gpipe", "1f1b", "interleaved-1f1b"}
+    assert tried[1] == tried[0]
+
+
 def test_search_on_a_cluster_keeps_only_placeable_layouts() -> None:
     base = loading.parse_spec(
         JobBuilder().layout(4, 1, 1, gpus_per_node=4).training(precision="fp32").raw()
