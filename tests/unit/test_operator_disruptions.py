@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.operator.policy import conditions, failure, lifecycle, pod_state
+from meshtrain.operator.policy import conditions, failure, job_actions, lifecycle, pod_state
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
 
@@ -25,7 +25,7 @@ def test_a_lost_node_restarts_the_gang_even_with_the_backoff_limit_used_up():
     assert status["phase"] == "Restarting", status
     assert status["restarts"] == 2 and status["disruptionRestarts"] == 1
     assert "not counted against backoffLimit=1" in next(
-        a.message for a in decision.actions if isinstance(a, lifecycle.Emit)
+        a.message for a in decision.actions if isinstance(a, job_actions.Emit)
     )
 
 
@@ -45,7 +45,7 @@ def test_own_failures_still_exhaust_the_limit_and_disruptions_do_not_hide_them()
     crashed = [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)]
     decision = lifecycle.decide(state, crashed, at(5))
     assert status_of(decision)["phase"] == "Failed"
-    reasons = [a.reason for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    reasons = [a.reason for a in decision.actions if isinstance(a, job_actions.Emit)]
     assert reasons == [conditions.BACKOFF_LIMIT_EXCEEDED]
     # With one disruption fewer the job's own restart is still within the limit.
     state = job(spec(2), **placed_status(phase="Running", restarts=3, disruptionRestarts=2))

@@ -19,7 +19,7 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     feasibility,
-    lifecycle,
+    job_state,
     memory_admission,
     placement_outcome,
     rescheduling,
@@ -50,7 +50,7 @@ class GangFit:
         self.claims.pop(uid, None)
 
     def candidates(
-        self, job: lifecycle.JobState, gpu: str, also_avoid: frozenset[str] = frozenset()
+        self, job: job_state.JobState, gpu: str, also_avoid: frozenset[str] = frozenset()
     ) -> tuple[list[dict[str, Any]], list[placement.Node], frozenset[str]]:
         """The nodes a placement of ``job`` may use (raw, and as the planner sees them), and the
         nodes it avoids (replaced stragglers, scheduler refusals)."""
@@ -62,7 +62,7 @@ class GangFit:
             nodes = [n for n in nodes if n.name not in avoid]
         return raw_nodes, nodes, avoid
 
-    def fits_without(self, job: lifecycle.JobState, slow: frozenset[str]) -> bool:
+    def fits_without(self, job: job_state.JobState, slow: frozenset[str]) -> bool:
         """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
         job's excluded nodes, counting its own pods' resources as free.
 
@@ -88,14 +88,14 @@ class GangFit:
             )
         return fits
 
-    def freed_by_replacing(self, job: lifecycle.JobState) -> list[dict[str, Any]]:
+    def freed_by_replacing(self, job: job_state.JobState) -> list[dict[str, Any]]:
         return capacity.freed_by_replacing(
             owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
         )
 
     def plan_sizes(
         self,
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         raw_nodes: list[dict[str, Any]],
         nodes: list[placement.Node],
         demand: feasibility.Demand,

@@ -36,10 +36,11 @@ from meshtrain.operator.policy import (
     failure,
     feasibility,
     identity,
-    lifecycle,
+    job_actions,
+    job_state,
+    kueue_workload,
     placement_outcome,
     placement_status,
-    queueing,
     rescheduling,
     resizing,
     retries,
@@ -85,7 +86,7 @@ class Placer:
         self._grow_backoff.pop((ref.namespace, ref.name), None)
 
     async def lift_gates(
-        self, action: lifecycle.LiftGates, body: dict[str, Any], job: lifecycle.JobState
+        self, action: job_actions.LiftGates, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Lift the gang's gates, unless a planned node can no longer take its pods: then place it again."""
         ref = job.ref
@@ -114,7 +115,7 @@ class Placer:
         return body, job, True
 
     async def replace_refused(
-        self, action: rescheduling.ReplaceRefused, body: dict[str, Any], job: lifecycle.JobState
+        self, action: rescheduling.ReplaceRefused, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Place the gang again away from the nodes kube-scheduler refused, spaced per ``rescheduling``."""
         now = time.monotonic()
@@ -125,7 +126,7 @@ class Placer:
         message = rescheduling.message(action.nodes)
         return await self._replace(body, job, conditions.SCHEDULER_REFUSED, message)
 
-    async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
+    async def _planned_nodes_changed(self, job: job_state.JobState) -> dict[str, str]:
         """Planned nodes that can no longer take their pods of the gang (name -> why).
 
         The nodes are read from the API server (not the cache, which may lag a watch event
@@ -154,7 +155,7 @@ class Placer:
         )
 
     async def _replace(
-        self, body: dict[str, Any], job: lifecycle.JobState, reason: str, message: str
+        self, body: dict[str, Any], job: job_state.JobState, reason: str, message: str
     ) -> Step:
         """A planned node cannot take its pods (before or after the gates were lifted): delete
         the gang's pods and place it again.
@@ -164,7 +165,7 @@ class Placer:
         ref = job.ref
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         body, job, _ = await self.writer.set_status(
-            body, job, placement_status.unplaced(job, status_writes.now(), message, reason)
+            body, job, placement_status.dropped(job, status_writes.now(), message, reason)
         )
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", reason, message)
@@ -182,7 +183,7 @@ class Placer:
         )
 
     async def grow(
-        self, action: resizing.Grow, body: dict[str, Any], job: lifecycle.JobState
+        self, action: resizing.Grow, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Rebuild a gang running below its largest size when a larger one fits beside everyone else."""
         assert job.declared is not None
@@ -229,7 +230,7 @@ class Placer:
         )
         return body, job, True
 
-    async def _wait_for_leaving(self, body: dict[str, Any], job: lifecycle.JobState) -> Step | None:
+    async def _wait_for_leaving(self, body: dict[str, Any], job: job_state.JobState) -> Step | None:
         """Hold a new gang back while the old one's pods still terminate (None: none left).
 
         Their deletion wakes the job.
@@ -260,7 +261,7 @@ class Placer:
         return builders.build_pod_group(ref, spec, attempt, stamped) if self._gang_api else None
 
     async def _refused(
-        self, body: dict[str, Any], job: lifecycle.JobState, refused: children.Refused
+        self, body: dict[str, Any], job: job_state.JobState, refused: children.Refused
     ) -> Step:
         """Children refused: remove what was created, drop the placement, say why, wait longer each time."""
         ref, now = job.ref, time.monotonic()
@@ -278,7 +279,7 @@ class Placer:
         return body, job, True
 
     async def place(
-        self, action: lifecycle.Place, body: dict[str, Any], job: lifecycle.JobState
+        self, action: job_actions.Place, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Plan the gang and create it (or re-create its missing pods), under the process-wide lock."""
         assert job.spec is not None
@@ -289,12 +290,16 @@ class Placer:
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
         where = await workloads.flavors(self.client, action.flavors)
-        if isinstance(where, queueing.Unassignable):
+        if isinstance(where, kueue_workload.Unassignable):
             return await self._unassignable(body, job, where)
         try:
-            template = queueing.assign(builders.build_pod(ref, spec, action.attempt, 0, ""), where)
-        except queueing.AssignmentConflict as conflict:
-            unassignable = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
+            template = kueue_workload.assign(
+                builders.build_pod(ref, spec, action.attempt, 0, ""), where
+            )
+        except kueue_workload.AssignmentConflict as conflict:
+            unassignable = kueue_workload.Unassignable(
+                kueue_workload.FLAVOR_CONFLICT, str(conflict)
+            )
             return await self._unassignable(body, job, unassignable)
         claim = self.fit.claims[ref.uid] = await claims.topology(self.client, ref.namespace, spec)
         async with self.lock:
@@ -319,9 +324,9 @@ class Placer:
         attempt: int,
         missing: tuple[int, ...],
         body: dict[str, Any],
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         template: dict[str, Any],
-        where: queueing.Assignment,
+        where: kueue_workload.Assignment,
     ) -> Step:
         """Crash recovery of a gated gang: its missing pods on their recorded nodes, or a new plan."""
         assert job.spec is not None
@@ -340,7 +345,7 @@ class Placer:
             return await self.writer.set_status(body, job, recovery.status)
         group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
         pods = [
-            queueing.assign(
+            kueue_workload.assign(
                 builders.build_pod(
                     ref,
                     spec,
@@ -366,9 +371,9 @@ class Placer:
         self,
         attempt: int,
         body: dict[str, Any],
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         template: dict[str, Any],
-        where: queueing.Assignment,
+        where: kueue_workload.Assignment,
         claim: volumes.Topology | None,
     ) -> tuple[Step, placement_outcome.Placed | None]:
         """Plan the whole gang, write what the plan comes to and, placed, create the gang's children."""
@@ -398,7 +403,7 @@ class Placer:
         spec = outcome.spec
         nodes_used = len(set(outcome.nodes))
         if shared := await claims.access_refusal(self.client, ref.namespace, spec, nodes_used):
-            unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
+            unshared = kueue_workload.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
             return await self._unassignable(body, job, unshared), None
         body, job, _ = await self.writer.set_status(body, job, outcome.status)
         if (resized := outcome.resized) is not None:
@@ -413,7 +418,7 @@ class Placer:
             ref.uid,
             _shared_children(ref, spec, group),
             [
-                queueing.assign(pod, where)
+                kueue_workload.assign(pod, where)
                 for pod in builders.build_pods(
                     ref,
                     spec,
@@ -430,7 +435,7 @@ class Placer:
         return (body, job, True), outcome
 
     async def _unassignable(
-        self, body: dict[str, Any], job: lifecycle.JobState, why: queueing.Unassignable
+        self, body: dict[str, Any], job: job_state.JobState, why: kueue_workload.Unassignable
     ) -> Step:
         """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
         unplaced = placement_outcome.unplaced(job, why.reason, why.message, status_writes.now())
@@ -440,7 +445,7 @@ class Placer:
     async def _write_unplaced(
         self,
         body: dict[str, Any],
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         unplaced: placement_outcome.Unplaced,
         said: str,
     ) -> Step:

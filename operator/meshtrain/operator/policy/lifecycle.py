@@ -13,8 +13,11 @@ from collections.abc import Sequence
 from meshtrain.operator.policy import (
     failure,
     finish,
+    job_actions,
+    job_state,
     kueue,
-    queueing,
+    kueue_workload,
+    pod_state,
     running,
     situation,
     spec_change,
@@ -22,41 +25,6 @@ from meshtrain.operator.policy import (
     stragglers,
     suspend,
 )
-from meshtrain.operator.policy.job_actions import (
-    Action,
-    Decision,
-    DeleteJob,
-    DeletePods,
-    Emit,
-    LiftGates,
-    Place,
-    PollProgress,
-    ReplaceStraggler,
-    SetStatus,
-)
-from meshtrain.operator.policy.job_state import FINAL, JobState, Phase, job_state
-from meshtrain.operator.policy.pod_state import PodState
-
-__all__ = [
-    "FINAL",
-    "RULES",
-    "Action",
-    "Decision",
-    "DeleteJob",
-    "DeletePods",
-    "Emit",
-    "JobState",
-    "LiftGates",
-    "Phase",
-    "Place",
-    "PodState",
-    "PollProgress",
-    "ReplaceStraggler",
-    "SetStatus",
-    "decide",
-    "job_state",
-]
-"""Callers name the actions and the job through this module, the state machine's face."""
 
 RULES: tuple[situation.Rule | situation.Note, ...] = (
     # The job as a whole: finished, invalid, suspended, queued.
@@ -98,12 +66,12 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
 
 
 def decide(
-    job: JobState,
-    pods: Sequence[PodState],
+    job: job_state.JobState,
+    pods: Sequence[pod_state.PodState],
     now: datetime.datetime,
-    gate: queueing.Gate | None = None,
+    kueue: kueue_workload.Gate | None = None,
     nodes_gone: frozenset[str] = frozenset(),
-) -> Decision:
+) -> job_actions.Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
 
     Every decision is idempotent: applying it twice, or crashing between its actions, leads to
@@ -111,12 +79,12 @@ def decide(
     ``restarts`` (the gang attempt, a label of every pod) before the old pods are deleted, which
     makes them stale.
 
-    ``gate`` (Kueue's say) is given for a job Kueue queues: the gang exists only while Kueue admits it.
+    ``kueue`` (Kueue's say) is given for a job Kueue queues: the gang exists only while Kueue admits it.
     ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that vanished with
     its node, as PodGC force-deletes it, is a disruption).
     """
-    seen = situation.Situation(job, tuple(pods), now, gate, nodes_gone)
-    owed: list[Action] = []
+    seen = situation.Situation(job, tuple(pods), now, kueue, nodes_gone)
+    owed: list[job_actions.Action] = []
     for row in RULES:
         if isinstance(row, situation.Note):
             owed += row.adds(seen)
@@ -124,5 +92,5 @@ def decide(
             decided = row.then(seen)
             if not row.owed:
                 return decided
-            return Decision((*owed, *decided.actions), decided.requeue_after)
+            return job_actions.Decision((*owed, *decided.actions), decided.requeue_after)
     raise AssertionError("the last rule of the table always decides")

@@ -19,8 +19,8 @@ from meshtrain.operator.policy import (
     gang_status,
     job_actions,
     job_state,
+    kueue_workload,
     pod_state,
-    queueing,
     rescheduling,
 )
 
@@ -38,7 +38,7 @@ class Situation:
     pods: tuple[pod_state.PodState, ...]
     """Every pod labelled with the job, of any attempt."""
     now: datetime.datetime
-    kueue: queueing.Gate | None = None
+    kueue: kueue_workload.Gate | None = None
     """Kueue's say over a job it queues (None: the job is not queued)."""
     nodes_gone: frozenset[str] = frozenset()
     """Nodes of ``status.placement`` that no longer exist."""
@@ -81,7 +81,7 @@ class Situation:
     @functools.cached_property
     def flavors(self) -> tuple[str, ...]:
         """The ResourceFlavors Kueue admitted the job with (none when not queued)."""
-        if self.kueue is not None and isinstance(self.kueue.state, queueing.Admitted):
+        if self.kueue is not None and isinstance(self.kueue.state, kueue_workload.Admitted):
             return self.kueue.state.flavors
         return ()
 

@@ -1,9 +1,9 @@
-"""A TrainingJob queued by Kueue: its Workload, and what Kueue's answer means for the gang.
+"""A job's Kueue Workload as values: built from the job, read as Kueue's answer, patched.
 
-A job labelled ``kueue.x-k8s.io/queue-name`` is one Kueue Workload (one pod set: the gang)
-that meshtrain creates and owns, as Kueue expects of an external framework.  Kueue decides
-when the gang may hold its GPUs (quota, fair sharing, preemption); meshtrain decides where.
-This module builds the Workload and reads Kueue's conditions; it does no I/O.
+A job labelled ``kueue.x-k8s.io/queue-name`` is one Workload (one pod set: the gang) that
+meshtrain creates and owns, as Kueue expects of an external framework; Kueue decides when the
+gang may hold its GPUs, meshtrain where.  What to do with the answer (:class:`Gate`) is
+``kueue``'s; the reads and writes are ``cluster.workloads``'.  Pure.
 """
 
 from __future__ import annotations
