@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.operator.policy import conditions, failure, job_actions, lifecycle, pod_state
+from meshtrain.operator.policy import conditions, job_actions, lifecycle, pod_failure, pod_state
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
 
@@ -31,10 +31,10 @@ def test_a_lost_node_restarts_the_gang_even_with_the_backoff_limit_used_up():
 
 def test_disrupted_and_unknown_pods_are_disruptions_but_a_crash_is_not():
     evicted = pod(1, "Running", disrupted=True)
-    assert failure.classify(evicted).disruption
-    assert failure.classify(pod(1, "Unknown")).disruption
-    assert not failure.classify(pod(1, "Failed", exit_code=1)).disruption
-    assert not failure.classify(
+    assert pod_failure.classify(evicted).disruption
+    assert pod_failure.classify(pod(1, "Unknown")).disruption
+    assert not pod_failure.classify(pod(1, "Failed", exit_code=1)).disruption
+    assert not pod_failure.classify(
         pod(1, "Failed", exit_code=3)
     ).disruption  # permanent stays permanent
 
@@ -75,11 +75,11 @@ KUBELET_REJECTIONS = ("OutOfnvidia.com/gpu", "OutOfcpu", "OutOfpods", "Unexpecte
 def test_a_pod_refused_by_the_kubelet_at_admission_is_a_disruption():
     for reason in KUBELET_REJECTIONS:
         refused = dataclasses.replace(pod(1, "Failed"), reason=reason)
-        found = failure.classify(refused)
+        found = pod_failure.classify(refused)
         assert found is not None and found.disruption, reason
     for reason in ("OutOf", "DeadlineExceeded", None):
         failed = dataclasses.replace(pod(1, "Failed"), reason=reason)
-        assert not failure.classify(failed).disruption, reason
+        assert not pod_failure.classify(failed).disruption, reason
 
 
 def test_a_gang_refused_by_a_kubelet_restarts_without_using_the_backoff_limit():

@@ -20,6 +20,7 @@ from meshtrain.operator.policy import (
     job_state,
     lifecycle,
     placement_status,
+    pod_failure,
     pod_state,
     situation,
 )
@@ -533,13 +534,13 @@ def test_pod_state_reads_labels_gates_and_exit_code():
     ],
 )
 def test_failure_classification(phase, code, permanent, text):
-    found = failure.classify(pod(0, phase, exit_code=code))
+    found = pod_failure.classify(pod(0, phase, exit_code=code))
     assert found.permanent is permanent and text in found.message
 
 
 @pytest.mark.parametrize("phase", ["Pending", "Running", "Succeeded"])
 def test_healthy_pods_are_not_failures(phase):
-    assert failure.classify(pod(0, phase)) is None
+    assert pod_failure.classify(pod(0, phase)) is None
 
 
 def test_success_without_a_termination_message_keeps_the_polled_progress():

@@ -31,15 +31,6 @@ def quota_free(seen: situation.Situation) -> bool:
     return not pod_state.holding(seen.pods) and not seen.current
 
 
-def _workload_open(seen: situation.Situation) -> bool:
-    """Whether the job has a Workload Kueue is not done with."""
-    return (
-        seen.kueue is not None
-        and seen.kueue.state is not None
-        and not isinstance(seen.kueue.state, kueue_workload.Finished)
-    )
-
-
 def _finished_gang_stopping(seen: situation.Situation) -> job_actions.Decision:
     finished = finish.finished(seen)
     wait = 1.0 if finished.requeue_after is None else min(finished.requeue_after, 1.0)
@@ -172,19 +163,17 @@ def _pods_ready(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
     return (kueue_workload.ReportPodsReady(ready),)
 
 
-FINISHED_GANG_STOPPING = situation.Rule(
-    "finished, its Workload open, a pod still holds resources: wait before Kueue frees the quota",
-    lambda seen: (
-        seen.phase in job_state.FINAL and _workload_open(seen) and pod_state.holding(seen.pods)
-    ),
+FINISHED_GANG_STOPPING = situation.FINISHED.rule(
+    "its Workload open, a pod still holds resources: wait before Kueue frees the quota",
+    lambda seen: seen.workload_open and pod_state.holding(seen.pods),
     _finished_gang_stopping,
 )
-WORKLOAD_FINISHED = situation.Rule(
-    "finished, its Workload open: mark the Workload finished",
-    lambda seen: seen.phase in job_state.FINAL and _workload_open(seen),
+WORKLOAD_FINISHED = situation.FINISHED.rule(
+    "its Workload open, no pod holds resources: mark the Workload finished",
+    lambda seen: seen.workload_open and not pod_state.holding(seen.pods),
     _workload_finished,
 )
-SUSPENDED = situation.Rule(
+SUSPENDED = situation.VALID.rule(
     "suspended, the gang gone, a Workload exists: suspend and delete the Workload",
     lambda seen: (
         seen.spec.run_policy.suspend
@@ -194,17 +183,15 @@ SUSPENDED = situation.Rule(
     ),
     _suspended,
 )
-LEFT = situation.Rule(
+LEFT = situation.VALID.rule(
     "the queue label and the Workload are gone: drop Queued, placed as any job",
-    lambda seen: seen.kueue is None and kueue_workload.was_queued(seen.job.status),
+    lambda seen: seen.left_kueue,
     _left,
 )
-HELD = situation.Rule(
+HELD = situation.VALID.rule(
     "queued, not admitted: no pods, Workload created/moved/released, Queued=True",
-    lambda seen: (
-        seen.kueue is not None and not isinstance(seen.kueue.state, kueue_workload.Admitted)
-    ),
+    lambda seen: not seen.kueue_admits,
     _held,
 )
-ADMISSION_RECORDED = situation.Note("admitted: Queued=False, once", _admission_recorded)
-PODS_READY_REPORTED = situation.Note("admitted: PodsReady as the gang stands", _pods_ready)
+ADMISSION_RECORDED = situation.MAY_RUN.note("admitted: Queued=False, once", _admission_recorded)
+PODS_READY_REPORTED = situation.MAY_RUN.note("admitted: PodsReady as the gang stands", _pods_ready)

@@ -2,7 +2,8 @@
 
 :func:`decide` walks :data:`RULES`, an ordered table whose rows come from one module per
 policy: the first rule whose guard holds decides; a note on the way owes actions that every
-decision below it carries first.  The phases and transitions: docs/operator.md, "Lifecycle".
+decision below it carries first.  The rows lie in the named sections of ``situation`` (what the
+rows above leave for them).  The phases and transitions: docs/operator.md, "Lifecycle".
 """
 
 from __future__ import annotations
@@ -27,38 +28,45 @@ from meshtrain.operator.policy import (
 )
 
 RULES: tuple[situation.Rule | situation.Note, ...] = (
-    # The job as a whole: finished, invalid, suspended, queued.
+    # FINISHED: Succeeded or Failed.
     kueue.FINISHED_GANG_STOPPING,
     kueue.WORKLOAD_FINISHED,
     finish.FINISHED,
+    # Not finished.
     failure.INVALID_SPEC,
+    # VALID: not finished, the spec keeps every rule.
     kueue.SUSPENDED,
     suspend.SUSPEND,
     suspend.RESUME,
     kueue.LEFT,
     kueue.HELD,
+    # MAY_RUN: the gang may exist (not suspended, not held by Kueue).
     kueue.ADMISSION_RECORDED,
     startup.STALE_PODS_DELETED,
     kueue.PODS_READY_REPORTED,
-    # The gang of the current attempt.
     failure.DEADLINE_EXCEEDED,
+    # UNPLACED: no placement recorded.
     startup.OLD_PODS_LEAVING,
     startup.PLACE,
+    # SPEC_CHANGED: placed for an earlier spec.
     spec_change.DONE_BEFORE_REBUILD,
     spec_change.REBUILD,
+    # PLACED: placed for the spec as it is.
     failure.GANG_FAILED,
     startup.RECREATE_MISSING,
+    # GANG_EXISTS: every pod of the gang exists, none failed.
     finish.SUCCEEDED,
-    # Every pod exists.
     startup.GANG_EVENTS,
     startup.GATES_LIFTED,
     startup.SCHEDULER_REFUSED,
+    # GANG_RUNNING: every pod of the gang runs.
     running.ENTERED,
     stragglers.REPLACE,
     stragglers.REPORTED,
     running.PROGRESS_POLLED,
     running.GROW_CHECK,
     running.RUNNING,
+    # GANG_STARTING: not every pod runs yet.
     failure.STARTUP_TIMED_OUT,
     startup.WAITING,
 )
@@ -79,9 +87,9 @@ def decide(
     ``restarts`` (the gang attempt, a label of every pod) before the old pods are deleted, which
     makes them stale.
 
-    ``kueue`` (Kueue's say) is given for a job Kueue queues: the gang exists only while Kueue admits it.
-    ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that vanished with
-    its node, as PodGC force-deletes it, is a disruption).
+    ``kueue`` (Kueue's answer) is given for a job Kueue queues: the gang exists only while Kueue
+    admits it.  ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that
+    vanished with its node, as PodGC force-deletes it, is a disruption).
     """
     seen = situation.Situation(job, tuple(pods), now, kueue, nodes_gone)
     owed: list[job_actions.Action] = []

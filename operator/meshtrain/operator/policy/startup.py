@@ -24,10 +24,6 @@ def _stale_pods_deleted(seen: situation.Situation) -> tuple[job_actions.Action, 
     return (job_actions.DeletePods(stale),) if stale else ()
 
 
-def _unplaced(seen: situation.Situation) -> bool:
-    return not seen.job.status.get("placement")
-
-
 def _old_pods_leaving(seen: situation.Situation) -> job_actions.Decision:
     """Delete what is left of a dropped placement and say which pods the new gang waits for.
 
@@ -79,35 +75,40 @@ def _waiting(seen: situation.Situation) -> job_actions.Decision:
     return job_actions.Decision(seen.observation_unwritten, recheck)
 
 
-STALE_PODS_DELETED = situation.Note("pods of an earlier attempt: deleted", _stale_pods_deleted)
-OLD_PODS_LEAVING = situation.Rule(
-    "no placement, pods of the attempt still there: delete them, wait until gone",
-    lambda seen: _unplaced(seen) and bool(seen.current),
+STALE_PODS_DELETED = situation.MAY_RUN.note(
+    "pods of an earlier attempt: deleted", _stale_pods_deleted
+)
+OLD_PODS_LEAVING = situation.UNPLACED.rule(
+    "pods of the attempt still there: delete them, wait until gone",
+    lambda seen: bool(seen.current),
     _old_pods_leaving,
 )
-PLACE = situation.Rule(
-    "no placement: place the gang",
-    _unplaced,
+PLACE = situation.UNPLACED.rule(
+    "no pod of the attempt left: place the gang",
+    lambda seen: not seen.current,
     lambda seen: job_actions.Decision((job_actions.Place(seen.attempt, flavors=seen.flavors),)),
 )
-RECREATE_MISSING = situation.Rule(
-    "pods missing from the still-gated gang: re-create them on their recorded nodes",
-    lambda seen: bool(seen.missing),
+RECREATE_MISSING = situation.PLACED.rule(
+    "pods missing from the still-gated gang, none failed: re-create them on their recorded nodes",
+    lambda seen: bool(seen.missing) and not seen.failures,
     lambda seen: job_actions.Decision(
         (job_actions.Place(seen.attempt, seen.missing, seen.flavors),)
     ),
 )
-GANG_EVENTS = situation.Note("what the gang shows: FailedScheduling Events", _gang_events)
-GATES_LIFTED = situation.Note(
-    "every pod exists, some still gated: Placed=True, gates lifted", _gates_lifted
+GANG_EVENTS = situation.GANG_EXISTS.note(
+    "what the gang shows: FailedScheduling Events", _gang_events
 )
-SCHEDULER_REFUSED = situation.Rule(
+GATES_LIFTED = situation.GANG_EXISTS.note(
+    "some pods still gated: Placed=True, gates lifted", _gates_lifted
+)
+SCHEDULER_REFUSED = situation.GANG_EXISTS.rule(
     "kube-scheduler keeps refusing released pods on their planned nodes: place the gang again",
     lambda seen: bool(seen.refusals.nodes),
     _replaced_after_refusals,
 )
 WAITING = situation.Rule(
-    "otherwise: the gang is starting; look again when a timeout is due",
+    "otherwise (the gang is starting): look again when a timeout is due",
     lambda seen: True,
     _waiting,
 )
+"""The last row: only a starting gang reaches it (:data:`situation.GANG_STARTING`), and it always decides."""
