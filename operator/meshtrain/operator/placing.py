@@ -21,6 +21,7 @@ from meshtrain.operator import gang_fit
 from meshtrain.operator.cluster import (
     children,
     claims,
+    clock,
     informer,
     kube,
     metrics,
@@ -41,6 +42,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     placement_outcome,
     placement_status,
+    pod_state,
     rescheduling,
     resizing,
     retries,
@@ -165,7 +167,7 @@ class Placer:
         ref = job.ref
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         body, job, _ = await self.writer.set_status(
-            body, job, placement_status.dropped(job, status_writes.now(), message, reason)
+            body, job, placement_status.dropped(job, clock.now(), message, reason)
         )
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", reason, message)
@@ -193,7 +195,8 @@ class Placer:
         if backoff is not None and time.monotonic() < backoff[0]:
             return body, job, False
         async with self.lock:
-            raw_nodes, nodes, _ = self.fit.candidates(job, job.declared.resources.gpu_resource_name)
+            gpu = job.declared.resources.gpu_resource_name
+            raw_nodes, nodes, _ = self.fit.candidates(job, gpu, clock.now())
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
@@ -205,7 +208,7 @@ class Placer:
                 return await self.writer.set_status(body, job, resizing.no_room(job.status))
         self._grow_backoff.pop(key, None)  # room: check again at every pass until it is stable
         checked = resizing.room_found(
-            job.declared, job.status, action.running, size.data, status_writes.now()
+            job.declared, job.status, action.running, size.data, clock.now()
         )
         if not checked.grow:
             body, job, changed = await self.writer.set_status(body, job, checked.fields)
@@ -215,7 +218,7 @@ class Placer:
                     body, "Normal", conditions.ELASTIC_GROW_PENDING, checked.message
                 )
             return body, job, changed
-        fields, message = resizing.growing(job.status, action.running, size, status_writes.now())
+        fields, message = resizing.growing(job.status, action.running, size, clock.now())
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         # roomSince written with it: the placement that follows may then pick the larger size
         body, job, _ = await self.writer.set_status(
@@ -231,18 +234,20 @@ class Placer:
         return body, job, True
 
     async def _wait_for_leaving(self, body: dict[str, Any], job: job_state.JobState) -> Step | None:
-        """Hold a new gang back while the old one's pods still terminate (None: none left).
+        """Hold a new gang back while the earlier one's pods still terminate (None: none left).
 
-        Their deletion wakes the job.
+        The state machine deleted them this pass (stale pods); what the wait says is the same
+        policy's as for the attempt's own (``placement_outcome.old_gang_leaving``).  Their
+        deletion wakes the job.
         """
         leaving = capacity.still_leaving(
             owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
         )
         if not leaving:
             return None
-        names = [p["metadata"]["name"] for p in leaving]
-        waiting = placement_outcome.old_gang_leaving(job, names, status_writes.now())
-        return await self.writer.set_status(body, job, waiting)
+        pods = [s for s in (pod_state.read(p) for p in leaving) if s is not None]
+        waiting = placement_outcome.old_gang_leaving(job, pods, clock.now())
+        return await self.writer.set_status(body, job, waiting.status)
 
     async def _pod_group(
         self,
@@ -270,9 +275,7 @@ class Placer:
             f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
         )
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
-        changes = placement_status.children_refused(
-            job, refused.reason, message, status_writes.now()
-        )
+        changes = placement_status.children_refused(job, refused.reason, message, clock.now())
         body, job, _ = await self.writer.set_status(body, job, changes)
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", refused.reason, refused.message)
@@ -331,9 +334,9 @@ class Placer:
         """Crash recovery of a gated gang: its missing pods on their recorded nodes, or a new plan."""
         assert job.spec is not None
         ref, spec = job.ref, job.spec
-        raw_nodes, _, _ = self.fit.candidates(job, spec.resources.gpu_resource_name)
+        now = clock.now()
+        raw_nodes, _, _ = self.fit.candidates(job, spec.resources.gpu_resource_name, now)
         demand = feasibility.demand_of(template)
-        now = status_writes.now()
         wanted = placement_status.missing_per_node(job, missing)
         blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
         recovery = placement_status.recover_missing(job, missing, blocked, now)
@@ -380,9 +383,10 @@ class Placer:
         assert job.spec is not None
         ref = job.ref
         started = time.perf_counter()
-        raw_nodes, nodes, avoid = self.fit.candidates(job, job.spec.resources.gpu_resource_name)
+        now = clock.now()
+        gpu = job.spec.resources.gpu_resource_name
+        raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
-        now = status_writes.now()
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
         outcome = placement_outcome.judge(
@@ -438,7 +442,7 @@ class Placer:
         self, body: dict[str, Any], job: job_state.JobState, why: kueue_workload.Unassignable
     ) -> Step:
         """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
-        unplaced = placement_outcome.unplaced(job, why.reason, why.message, status_writes.now())
+        unplaced = placement_outcome.unplaced(job, why.reason, why.message, clock.now())
         said = f"{job.ref.namespace}/{job.ref.name}: {why.message}"
         return await self._write_unplaced(body, job, unplaced, said)
 

@@ -18,6 +18,7 @@ from meshtrain import placement
 from meshtrain.operator import gang_fit, placing
 from meshtrain.operator.cluster import (
     children,
+    clock,
     informer,
     kube,
     metrics,
@@ -25,7 +26,7 @@ from meshtrain.operator.cluster import (
     status_writes,
     workloads,
 )
-from meshtrain.operator.cluster.status_writes import Step, now
+from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     conditions,
     identity,
@@ -118,7 +119,7 @@ class Reconciler:
         gone = frozenset(
             n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
         )
-        decision = lifecycle.decide(job, states, now(), kueue, gone)
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
@@ -198,7 +199,7 @@ class Reconciler:
         if isinstance(action, rescheduling.ReplaceRefused):
             return await self.placer.replace_refused(action, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
-            fits = self.fit.fits_without(job, frozenset(action.nodes))
+            fits = self.fit.fits_without(job, frozenset(action.nodes), clock.now())
             changed = False
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)
@@ -226,7 +227,7 @@ class Reconciler:
         changes = progress_status.polled_changes(report)
         changes |= resizing.baseline(job.status, changes)
         if job.spec is not None:
-            changes |= stragglers.observed(job.spec, job.status, report, now())
+            changes |= stragglers.observed(job.spec, job.status, report, clock.now())
         if not changes:
             return body, job, False
         warning = None
@@ -237,7 +238,7 @@ class Reconciler:
                 job.spec.global_batch,
                 (changes.get("progress") or {}).get("gradientNoiseScale"),
                 (changes.get("progress") or {}).get("step"),
-                now(),
+                clock.now(),
             )
             if conds != list(before):
                 changes["conditions"] = conds
@@ -283,7 +284,7 @@ class Reconciler:
             status,
             reason,
             message,
-            now(),
+            clock.now(),
         )
         body, job, _ = await self.writer.set_status(body, job, {"conditions": conds})
         if error is not None:

@@ -6,12 +6,11 @@ read; Events are best effort (one the API server refuses is logged, never retrie
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Iterable
 from typing import Any
 
-from meshtrain.operator.cluster import informer, kube, metrics
+from meshtrain.operator.cluster import clock, informer, kube, metrics
 from meshtrain.operator.policy import conditions, identity, job_actions, job_state
 
 logger = logging.getLogger("meshtrain.operator")
@@ -21,10 +20,6 @@ CONFLICT_RETRIES = 3
 
 Step = tuple[dict[str, Any], job_state.JobState, bool]
 """What an action leaves: the job as last written or read, its state, and whether anything changed."""
-
-
-def now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
 
 
 def _decided_on(read: dict[str, Any], fresh: dict[str, Any]) -> bool:
@@ -88,7 +83,7 @@ class JobWriter:
                 type_=type_,
                 reason=reason,
                 message=message,
-                now=conditions.timestamp(now()),
+                now=conditions.timestamp(clock.now()),
             )
         except (kube.ApiError, OSError) as err:
             logger.warning("could not record event %s: %s", reason, err)
@@ -108,7 +103,7 @@ class JobWriter:
                 type_=note.type,
                 reason=note.reason,
                 message=f"TrainingJob {ref.namespace}/{ref.name}: {note.message}",
-                now=conditions.timestamp(now()),
+                now=conditions.timestamp(clock.now()),
             )
         except (kube.ApiError, OSError) as err:
             logger.warning("could not record event %s on node %s: %s", note.reason, node, err)

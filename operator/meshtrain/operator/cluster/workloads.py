@@ -8,13 +8,12 @@ it is policy: ``policy.kueue_workload`` and ``policy.kueue``.
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.cluster import kube
+from meshtrain.operator.cluster import clock, kube
 from meshtrain.operator.policy import builders, identity, job_state, kueue_workload, pod_state
 
 logger = logging.getLogger("meshtrain.operator")
@@ -31,10 +30,6 @@ ACTIONS = (
 
 class Rejected(Exception):
     """The API server refused to create the job's Workload (a 4xx that retrying does not fix)."""
-
-
-def now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
 
 
 async def gate(
@@ -151,16 +146,16 @@ async def perform(
         logger.info("%s/%s: Workload deleted (outdated or suspended)", ref.namespace, ref.name)
         return True
     if isinstance(action, kueue_workload.ReleaseQuota):
-        patch = kueue_workload.release_patch(workload, now())
+        patch = kueue_workload.release_patch(workload, clock.now())
         logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)
     elif isinstance(action, kueue_workload.ReportPodsReady):
-        ready = kueue_workload.pods_ready_patch(workload, ready=action.ready, now=now())
+        ready = kueue_workload.pods_ready_patch(workload, ready=action.ready, now=clock.now())
         if ready is None:
             return False
         patch = ready
     else:
         patch = kueue_workload.finish_patch(
-            workload, succeeded=action.succeeded, message=action.message, now=now()
+            workload, succeeded=action.succeeded, message=action.message, now=clock.now()
         )
     await client.patch_workload_status(
         namespace=metadata["namespace"],

@@ -9,10 +9,8 @@ from a released gang is a failure.  Pure.
 from __future__ import annotations
 
 from meshtrain.operator.policy import (
-    conditions,
     job_actions,
-    job_state,
-    placement_status,
+    placement_outcome,
     pod_state,
     rescheduling,
     situation,
@@ -30,22 +28,12 @@ def _old_pods_leaving(seen: situation.Situation) -> job_actions.Decision:
     Pods without a recorded placement: after a lost status write (rebuild cleanly), or a dropped
     placement whose pods still terminate (wait for them, woken by their deletion).  A terminal pod
     holds no GPUs, but the new pods take the same names: it is waited for too (the API server
-    removes it at once unless a finalizer holds it).
+    removes it at once unless a finalizer holds it).  An earlier attempt's pods still
+    terminating are waited for when the gang is placed (``placing``), the same way.
     """
-    job, current = seen.job, seen.current
-    doomed = pod_state.undeleted(current)
-    names = ", ".join(
-        f"{p.name} ({p.phase if p.terminal else 'terminating'}{f' on {p.node}' if p.bound else ''})"
-        for p in sorted(current, key=lambda p: p.name)
-    )
-    message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
-    placed = conditions.find(job_state.conditions_of(job), conditions.PLACED) or {}
-    wait: tuple[job_actions.Action, ...] = ()
-    if (placed.get("reason"), placed.get("message")) != (conditions.OLD_PODS_TERMINATING, message):
-        unschedulable = placement_status.unschedulable(
-            job, conditions.OLD_PODS_TERMINATING, message, seen.now
-        )
-        wait = (job_actions.set_status(job, **unschedulable),)
+    doomed = pod_state.undeleted(seen.current)
+    waiting = placement_outcome.old_gang_leaving(seen.job, seen.current, seen.now)
+    wait = (job_actions.set_status(seen.job, **waiting.status),) if waiting.news else ()
     actions = (*([job_actions.DeletePods(doomed)] if doomed else []), *wait)
     return job_actions.Decision(actions, situation.LEAVING_RECHECK_SECONDS)
 
