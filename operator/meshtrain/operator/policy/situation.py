@@ -189,7 +189,8 @@ class Rule:
     owed: bool = True
     """False: its decision stands alone, without what the notes above it owe."""
     section: Section | None = None
-    """The section it lies in (None: the whole table)."""
+    """The section it lies in (None: the whole table); the table's last rule lies in one its guard
+    need not say, since the rows above it leave only that section."""
 
 
 @dataclasses.dataclass(frozen=True)

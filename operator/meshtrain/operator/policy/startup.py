@@ -98,5 +98,6 @@ WAITING = situation.Rule(
     "otherwise (the gang is starting): look again when a timeout is due",
     lambda seen: True,
     _waiting,
+    section=situation.GANG_STARTING,
 )
-"""The last row: only a starting gang reaches it (:data:`situation.GANG_STARTING`), and it always decides."""
+"""The last row, and the one whose guard always holds: only a starting gang gets this far."""
