@@ -38,7 +38,7 @@ async def gate(
     queue: kueue_workload.Queue | None,
     rejected: tuple[str, bool] | None = None,
 ) -> tuple[kueue_workload.Gate | None, dict[str, Any] | None]:
-    """Kueue's say over the job (None when it is not queued) and its own Workload as read.
+    """Kueue's answer for the job (None when it is not queued) and its own Workload as read.
 
     ``rejected``: why the last Workload create was refused, and whether its backoff is over.
     """

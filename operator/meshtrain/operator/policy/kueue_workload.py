@@ -332,7 +332,7 @@ def was_queued(status: Mapping[str, Any]) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """Kueue's say over a queued job: its workload's state, None before the workload exists."""
+    """Kueue's answer for a queued job: its Workload's state, None before the Workload exists."""
 
     state: State | None
     priority: Priority = Priority(0)
@@ -346,7 +346,7 @@ class Gate:
 def gate_for(
     workload: Mapping[str, Any] | None, uid: str, queue: Queue | None, spec_hash: str | None
 ) -> Gate | None:
-    """Kueue's say over job ``uid`` labelled with ``queue``, given the Workload of its name.
+    """Kueue's answer for job ``uid`` labelled with ``queue``, given the Workload of its name.
 
     None: the job is not queued (any more).  A Gate without a state: the job has no
     Workload yet (the caller reads the priority it gets).  The queue label follows Kueue's

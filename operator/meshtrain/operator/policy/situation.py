@@ -43,7 +43,7 @@ class Situation:
     """Every pod labelled with the job, of any attempt."""
     now: datetime.datetime
     kueue: kueue_workload.Gate | None = None
-    """Kueue's say over a job it queues (None: the job is not queued)."""
+    """Kueue's answer for a job it queues (None: the job is not queued)."""
     nodes_gone: frozenset[str] = frozenset()
     """Nodes of ``status.placement`` that no longer exist."""
     _facts: dict[Callable[[Situation], Any], Any] = dataclasses.field(
