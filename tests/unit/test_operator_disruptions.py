@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.operator.policy import conditions, failure, lifecycle, pod_state
+from meshtrain.operator.policy import conditions, job_actions, lifecycle, pod_failure, pod_state
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
 
@@ -25,16 +25,16 @@ def test_a_lost_node_restarts_the_gang_even_with_the_backoff_limit_used_up():
     assert status["phase"] == "Restarting", status
     assert status["restarts"] == 2 and status["disruptionRestarts"] == 1
     assert "not counted against backoffLimit=1" in next(
-        a.message for a in decision.actions if isinstance(a, lifecycle.Emit)
+        a.message for a in decision.actions if isinstance(a, job_actions.Emit)
     )
 
 
 def test_disrupted_and_unknown_pods_are_disruptions_but_a_crash_is_not():
     evicted = pod(1, "Running", disrupted=True)
-    assert failure.classify(evicted).disruption
-    assert failure.classify(pod(1, "Unknown")).disruption
-    assert not failure.classify(pod(1, "Failed", exit_code=1)).disruption
-    assert not failure.classify(
+    assert pod_failure.classify(evicted).disruption
+    assert pod_failure.classify(pod(1, "Unknown")).disruption
+    assert not pod_failure.classify(pod(1, "Failed", exit_code=1)).disruption
+    assert not pod_failure.classify(
         pod(1, "Failed", exit_code=3)
     ).disruption  # permanent stays permanent
 
@@ -45,7 +45,7 @@ def test_own_failures_still_exhaust_the_limit_and_disruptions_do_not_hide_them()
     crashed = [pod(0, "Running", attempt=3), pod(1, "Failed", attempt=3, exit_code=1)]
     decision = lifecycle.decide(state, crashed, at(5))
     assert status_of(decision)["phase"] == "Failed"
-    reasons = [a.reason for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    reasons = [a.reason for a in decision.actions if isinstance(a, job_actions.Emit)]
     assert reasons == [conditions.BACKOFF_LIMIT_EXCEEDED]
     # With one disruption fewer the job's own restart is still within the limit.
     state = job(spec(2), **placed_status(phase="Running", restarts=3, disruptionRestarts=2))
@@ -75,11 +75,11 @@ KUBELET_REJECTIONS = ("OutOfnvidia.com/gpu", "OutOfcpu", "OutOfpods", "Unexpecte
 def test_a_pod_refused_by_the_kubelet_at_admission_is_a_disruption():
     for reason in KUBELET_REJECTIONS:
         refused = dataclasses.replace(pod(1, "Failed"), reason=reason)
-        found = failure.classify(refused)
+        found = pod_failure.classify(refused)
         assert found is not None and found.disruption, reason
     for reason in ("OutOf", "DeadlineExceeded", None):
         failed = dataclasses.replace(pod(1, "Failed"), reason=reason)
-        assert not failure.classify(failed).disruption, reason
+        assert not pod_failure.classify(failed).disruption, reason
 
 
 def test_a_gang_refused_by_a_kubelet_restarts_without_using_the_backoff_limit():

@@ -16,8 +16,11 @@ from meshtrain.operator.policy import (
     conditions,
     failure,
     identity,
+    job_actions,
+    job_state,
     lifecycle,
     placement_status,
+    pod_failure,
     pod_state,
     situation,
 )
@@ -30,7 +33,7 @@ def at(seconds: float) -> datetime.datetime:
     return T0 + datetime.timedelta(seconds=seconds)
 
 
-def job(spec: dict[str, Any] | None = None, **status: Any) -> lifecycle.JobState:
+def job(spec: dict[str, Any] | None = None, **status: Any) -> job_state.JobState:
     """A job of 2 pods (dp2, 1 GPU per pod) unless ``spec`` says otherwise."""
     raw = spec if spec is not None else JobBuilder().layout(data=2, gpus_per_node=1).raw()
     body = {
@@ -38,7 +41,7 @@ def job(spec: dict[str, Any] | None = None, **status: Any) -> lifecycle.JobState
         "spec": raw,
         "status": status,
     }
-    return lifecycle.job_state(body)
+    return job_state.read(body)
 
 
 def placed_status(**extra: Any) -> dict[str, Any]:
@@ -86,19 +89,19 @@ def pod(
     )
 
 
-def kinds(decision: lifecycle.Decision) -> list[str]:
+def kinds(decision: job_actions.Decision) -> list[str]:
     return [type(a).__name__ for a in decision.actions]
 
 
-def status_of(decision: lifecycle.Decision) -> dict[str, Any]:
+def status_of(decision: job_actions.Decision) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for action in decision.actions:
-        if isinstance(action, lifecycle.SetStatus):
+        if isinstance(action, job_actions.SetStatus):
             merged.update(action.changes)
     return merged
 
 
-def condition(decision: lifecycle.Decision, type_: str) -> dict[str, Any] | None:
+def condition(decision: job_actions.Decision, type_: str) -> dict[str, Any] | None:
     return conditions.find(status_of(decision).get("conditions") or [], type_)
 
 
@@ -312,7 +315,7 @@ def test_invalid_spec_condition_names_the_rule():
     failed = condition(decision, conditions.FAILED)
     assert failed["reason"] == conditions.INVALID_SPEC
     assert "heads=3 is not divisible by tensor=2" in failed["message"]
-    emitted = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    emitted = [a for a in decision.actions if isinstance(a, job_actions.Emit)]
     assert emitted[0].type == "Warning" and emitted[0].reason == conditions.INVALID_SPEC
 
 
@@ -345,7 +348,7 @@ def test_restart_is_counted_once_even_if_applied_twice():
 def test_gates_are_not_lifted_while_a_pod_is_missing():
     decision = lifecycle.decide(job(**placed_status()), [pod(1, gated=True)], at(1))
     assert kinds(decision) == ["Place"]
-    assert decision.actions[0] == lifecycle.Place(attempt=0, missing=(0,))
+    assert decision.actions[0] == job_actions.Place(attempt=0, missing=(0,))
 
 
 def test_missing_pods_are_counted_on_their_recorded_nodes():
@@ -389,7 +392,7 @@ def test_ttl_requeues_until_due():
 def test_finished_job_frees_gpus_of_pods_still_running():
     state = job(phase="Failed", completionTime=conditions.timestamp(T0))
     decision = lifecycle.decide(state, [pod(0, "Running"), pod(1, "Failed")], at(1))
-    assert decision.actions == (lifecycle.DeletePods(("j-r0-0",)),)
+    assert decision.actions == (job_actions.DeletePods(("j-r0-0",)),)
 
 
 def test_every_status_change_records_the_observed_generation():
@@ -412,7 +415,7 @@ def test_a_broken_gang_is_deleted_quickly_a_healthy_one_with_time_to_save():
         [pod(0, "Running"), pod(1, "Failed", exit_code=137)],
         at(9),
     )
-    [deleted] = [a for a in failed.actions if isinstance(a, lifecycle.DeletePods)]
+    [deleted] = [a for a in failed.actions if isinstance(a, job_actions.DeletePods)]
     assert (
         deleted.names == ("j-r0-0", "j-r0-1")
         and deleted.grace_seconds == failure.BROKEN_GANG_GRACE_SECONDS
@@ -422,7 +425,7 @@ def test_a_broken_gang_is_deleted_quickly_a_healthy_one_with_time_to_save():
         running_gang(),
         at(9),
     )
-    [deleted] = [a for a in suspended.actions if isinstance(a, lifecycle.DeletePods)]
+    [deleted] = [a for a in suspended.actions if isinstance(a, job_actions.DeletePods)]
     assert deleted.grace_seconds is None
 
 
@@ -513,10 +516,10 @@ def test_pod_state_reads_labels_gates_and_exit_code():
             "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 139}}}],
         },
     }
-    state = pod_state.pod_state(manifest)
+    state = pod_state.read(manifest)
     assert dataclasses.astuple(state)[:6] == ("j-r1-3", 3, 1, "Failed", True, False)
     assert state.node == "n7" and state.exit_code == 139
-    assert pod_state.pod_state({"metadata": {"name": "other"}}) is None
+    assert pod_state.read({"metadata": {"name": "other"}}) is None
 
 
 @pytest.mark.parametrize(
@@ -531,13 +534,13 @@ def test_pod_state_reads_labels_gates_and_exit_code():
     ],
 )
 def test_failure_classification(phase, code, permanent, text):
-    found = failure.classify(pod(0, phase, exit_code=code))
+    found = pod_failure.classify(pod(0, phase, exit_code=code))
     assert found.permanent is permanent and text in found.message
 
 
 @pytest.mark.parametrize("phase", ["Pending", "Running", "Succeeded"])
 def test_healthy_pods_are_not_failures(phase):
-    assert failure.classify(pod(0, phase)) is None
+    assert pod_failure.classify(pod(0, phase)) is None
 
 
 def test_success_without_a_termination_message_keeps_the_polled_progress():
@@ -569,7 +572,7 @@ def test_pod_state_reads_the_termination_message():
             ],
         },
     }
-    assert pod_state.pod_state(manifest).termination_message == '{"step": 40}\n'
+    assert pod_state.read(manifest).termination_message == '{"step": 40}\n'
 
 
 def test_wont_fit_fails_the_job_with_the_numbers_and_keeps_the_plan():

@@ -11,7 +11,7 @@ from meshtrain import placement
 from meshtrain.api import elastic, loading
 from meshtrain.operator.policy import (
     conditions,
-    lifecycle,
+    job_state,
     memory_admission,
     placement_outcome,
     resizing,
@@ -33,13 +33,13 @@ def raw(elastic_bounds: tuple[int, int] | None = None) -> dict[str, Any]:
     return builder.raw()
 
 
-def job(spec: dict[str, Any] | None = None, **status: Any) -> lifecycle.JobState:
+def job(spec: dict[str, Any] | None = None, **status: Any) -> job_state.JobState:
     body = {
         "metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 2},
         "spec": spec if spec is not None else raw(),
         "status": status,
     }
-    return lifecycle.job_state(body)
+    return job_state.read(body)
 
 
 def placed_on(*nodes: str) -> placement.Placement:
@@ -47,7 +47,7 @@ def placed_on(*nodes: str) -> placement.Placement:
 
 
 def sized(
-    the_job: lifecycle.JobState,
+    the_job: job_state.JobState,
     answer: placement.Placement | placement.Unschedulable | None,
     verdict: memory_admission.Admitted | memory_admission.Refused | None = None,
     refusals: tuple[str, ...] = (),
@@ -58,7 +58,7 @@ def sized(
     return placement_outcome.Sized(size, spec or the_job.spec, verdict, answer, list(refusals))
 
 
-def judge(the_job: lifecycle.JobState, plan: placement_outcome.Sized, **kw: Any) -> Any:
+def judge(the_job: job_state.JobState, plan: placement_outcome.Sized, **kw: Any) -> Any:
     options: dict[str, Any] = {"avoid": frozenset(), "claim": None, "nodes_seen": 3, "now": NOW}
     return placement_outcome.judge(the_job, plan, **(options | kw))
 
@@ -125,7 +125,7 @@ UNSCHEDULABLE = [
 )
 def test_an_unschedulable_gang_waits_and_says_what_was_tried(
     name: str,
-    the_job: lifecycle.JobState,
+    the_job: job_state.JobState,
     refusals: tuple[str, ...],
     options: dict[str, Any],
     added: str,

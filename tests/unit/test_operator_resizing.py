@@ -7,7 +7,7 @@ import datetime
 import pytest
 
 from meshtrain.api import elastic, loading
-from meshtrain.operator.policy import lifecycle, resizing
+from meshtrain.operator.policy import job_state, resizing
 from tests.builders import JobBuilder
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -37,7 +37,7 @@ def test_the_job_state_runs_the_recorded_size_and_keeps_the_declared_spec():
         "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
         "status": {"elastic": fields["elastic"], "placement": [{"podIndex": 0, "node": "a"}]},
     }
-    job = lifecycle.job_state(body)
+    job = job_state.read(body)
     assert job.declared == spec
     assert job.spec.parallelism.data == 3 and job.spec.pods == 3
     assert job.spec.parallelism.micro_batches == 4
@@ -126,9 +126,9 @@ def test_a_job_kueue_admits_never_grows_past_its_declared_size():
         "metadata": {"name": "j", "namespace": "n", "uid": "u", "generation": 1},
         "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
     }
-    assert max(s.data for s, _ in resizing.candidates(lifecycle.job_state(body).declared)) == 8
+    assert max(s.data for s, _ in resizing.candidates(job_state.read(body).declared)) == 8
     body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
-    job = lifecycle.job_state(body)
+    job = job_state.read(body)
     assert [s.data for s, _ in resizing.candidates(job.declared)] == [4, 3, 2]
     record = resizing.placed_fields(job.declared, elastic.size_at(job.declared, 4), {}, NOW)
     assert resizing.grow_due(job.declared, {**record, "lastCheckpointStep": 9}) is None

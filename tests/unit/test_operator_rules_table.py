@@ -5,9 +5,10 @@ from __future__ import annotations
 from meshtrain.operator.policy import (
     failure,
     finish,
+    job_actions,
     kueue,
+    kueue_workload,
     lifecycle,
-    queueing,
     running,
     situation,
     startup,
@@ -47,7 +48,7 @@ CASES = [
     ),
     (
         "Kueue holds a queued job",
-        situation.Situation(job(), (), at(0), queueing.Gate(None)),
+        situation.Situation(job(), (), at(0), kueue_workload.Gate(None)),
         kueue.HELD,
     ),
     (
@@ -75,15 +76,15 @@ def test_notes_owe_their_actions_to_the_decision_below_them():
     stale = pod(0, "Running", attempt=0)
     current = job(**placed_status(restarts=1))
     decision = lifecycle.decide(current, [stale], at(5))
-    assert isinstance(decision.actions[0], lifecycle.DeletePods)
+    assert isinstance(decision.actions[0], job_actions.DeletePods)
     assert decision.actions[0].names == (stale.name,)
-    assert isinstance(decision.actions[-1], lifecycle.Place)  # the missing pods of attempt 1
+    assert isinstance(decision.actions[-1], job_actions.Place)  # the missing pods of attempt 1
     # ... but the deadline's failure stands alone.
     late = job(
         JobBuilder().layout(data=2, gpus_per_node=1).run_policy(activeDeadlineSeconds=10).raw(),
         **placed_status(restarts=1),
     )
     failed = lifecycle.decide(late, [stale], at(60))
-    assert isinstance(failed.actions[0], lifecycle.SetStatus)
+    assert isinstance(failed.actions[0], job_actions.SetStatus)
     assert failed.actions[0].changes["phase"] == "Failed"
     assert all(stale.name not in getattr(a, "names", ()) for a in failed.actions)

@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 
 from meshtrain.api import loading
-from meshtrain.operator.policy import conditions, lifecycle, placement_status, stragglers
+from meshtrain.operator.policy import (
+    conditions,
+    job_actions,
+    lifecycle,
+    placement_status,
+    stragglers,
+)
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import (
     at,
@@ -91,7 +97,7 @@ def test_report_sets_the_condition_and_emits_one_event_per_straggler():
     found = condition(decision, conditions.STRAGGLER)
     assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_DETECTED
     assert found["message"] == "rank 3 (pod 1 on node n1) is a straggler"
-    [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    [event] = [a for a in decision.actions if isinstance(a, job_actions.Emit)]
     assert event.reason == conditions.STRAGGLER_DETECTED and "1.6x" in event.message
     assert "since step 40" in event.message
     # The same rank on the same node flagged again from a later step (the trainer cleared and
@@ -99,7 +105,7 @@ def test_report_sets_the_condition_and_emits_one_event_per_straggler():
     later = {**flagged(), **status_of(decision)}
     later["straggler"] = {**later["straggler"], "sinceStep": 52}
     again = lifecycle.decide(job(spec_raw("report"), **later), running_gang(), at(15))
-    assert not [a for a in again.actions if isinstance(a, lifecycle.Emit)]
+    assert not [a for a in again.actions if isinstance(a, job_actions.Emit)]
     # Applied: the next pass (the slowdown moved) changes nothing and emits nothing.
     again = job(
         spec_raw("report"),
@@ -117,19 +123,19 @@ def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
     [replace] = [
         a
         for a in lifecycle.decide(state, running_gang(), at(10)).actions
-        if isinstance(a, lifecycle.ReplaceStraggler)
+        if isinstance(a, job_actions.ReplaceStraggler)
     ]
     assert replace.nodes == ("n1",)
     # Nowhere to go without n1 (the reconciler plans it): only reported, the gang keeps running.
-    kept = lifecycle.Decision(replace.otherwise)
+    kept = job_actions.Decision(replace.otherwise)
     assert kinds(kept) == ["SetStatus", "Emit"]
     found = condition(kept, conditions.STRAGGLER)
     assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_NO_REPLACEMENT
     assert "no placement without node n1" in found["message"]
     assert "excludedNodes" not in status_of(kept)
-    decision = lifecycle.Decision(replace.replaced)  # a placement without n1 fits
+    decision = job_actions.Decision(replace.replaced)  # a placement without n1 fits
     assert kinds(decision)[-1] == "DeletePods"
-    [deleted] = [a for a in decision.actions if isinstance(a, lifecycle.DeletePods)]
+    [deleted] = [a for a in decision.actions if isinstance(a, job_actions.DeletePods)]
     assert deleted.names == ("j-r0-0", "j-r0-1")
     assert deleted.grace_seconds is None  # the pods' own: time to checkpoint the step they stop at
     status = status_of(decision)
@@ -143,7 +149,7 @@ def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
     assert replaced["reason"] == conditions.STRAGGLER_REPLACED
     assert "without node n1" in replaced["message"] and "step 40" in replaced["message"]
     assert condition(decision, conditions.RUNNING)["reason"] == conditions.STRAGGLER_REPLACED
-    reasons = [a.reason for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    reasons = [a.reason for a in decision.actions if isinstance(a, job_actions.Emit)]
     assert reasons == [conditions.STRAGGLER_REPLACED]
     # The new gang waits for the old pods, then is placed (the reconciler leaves n1 out).
     after = job(spec_raw("replace"), **{**flagged(), **status})
@@ -178,7 +184,7 @@ def test_a_failed_gang_restarts_without_its_straggler_and_a_stale_one_replaces_n
     )
     assert placed["straggler"] is None
     assert (
-        placement_status.unplaced(job(spec_raw(), **flagged()), at(11), "gone")["straggler"] is None
+        placement_status.dropped(job(spec_raw(), **flagged()), at(11), "gone")["straggler"] is None
     )
     # An entry naming a node the placed gang is not on was measured on another gang: not acted on.
     moved = flagged(placement=[{"podIndex": 0, "node": "n2"}, {"podIndex": 1, "node": "n3"}])
@@ -215,9 +221,9 @@ def test_a_rank_slow_again_after_its_node_was_replaced_is_not_replaced_again():
     [replace] = [
         a
         for a in lifecycle.decide(state, running_gang(), at(10)).actions
-        if isinstance(a, lifecycle.ReplaceStraggler)
+        if isinstance(a, job_actions.ReplaceStraggler)
     ]
-    first = status_of(lifecycle.Decision(replace.replaced))
+    first = status_of(job_actions.Decision(replace.replaced))
     assert first["excludedNodes"][0]["rank"] == 3
     again = {
         **flagged(),
@@ -233,7 +239,7 @@ def test_a_rank_slow_again_after_its_node_was_replaced_is_not_replaced_again():
     found = condition(decision, conditions.STRAGGLER)
     assert found["status"] == "True" and found["reason"] == conditions.STRAGGLER_FOLLOWS_RANK
     assert "moved off node(s) n1" in found["message"]
-    [event] = [a for a in decision.actions if isinstance(a, lifecycle.Emit)]
+    [event] = [a for a in decision.actions if isinstance(a, job_actions.Emit)]
     assert event.reason == conditions.STRAGGLER_FOLLOWS_RANK and "n2" in event.message
     # Another rank slow on n2 is still a node to replace.
     other = {**again, "straggler": {**again["straggler"], "rank": 2}}
@@ -257,13 +263,13 @@ def test_every_flagged_rank_is_reported_and_their_nodes_left_out_in_one_rebuild(
     assert seen["others"] == [{"rank": 0, "podIndex": 0, "node": "n0", "slowdown": 1.4}]
     state = job(spec_raw("replace"), **placed_status(phase="Running", straggler=seen))
     decision = lifecycle.decide(state, running_gang(), at(10))
-    [replace] = [a for a in decision.actions if isinstance(a, lifecycle.ReplaceStraggler)]
+    [replace] = [a for a in decision.actions if isinstance(a, job_actions.ReplaceStraggler)]
     assert replace.nodes == ("n1", "n0")
-    status = status_of(lifecycle.Decision(replace.replaced))
+    status = status_of(job_actions.Decision(replace.replaced))
     assert [(e["node"], e["rank"]) for e in status["excludedNodes"]] == [("n1", 3), ("n0", 0)]
     assert "1.4x" in status["excludedNodes"][1]["message"]
     assert status["stragglerReplacements"] == 1  # one rebuild
-    kept = condition(lifecycle.Decision(replace.otherwise), conditions.STRAGGLER)
+    kept = condition(job_actions.Decision(replace.otherwise), conditions.STRAGGLER)
     assert "also flagged: rank 0 (pod 0 on node n0)" in kept["message"]
     assert "no placement without nodes n1, n0" in kept["message"]
     # maxReplacements caps the nodes one rebuild may take.
@@ -273,6 +279,6 @@ def test_every_flagged_rank_is_reported_and_their_nodes_left_out_in_one_rebuild(
     [one] = [
         a
         for a in lifecycle.decide(capped, running_gang(), at(10)).actions
-        if isinstance(a, lifecycle.ReplaceStraggler)
+        if isinstance(a, job_actions.ReplaceStraggler)
     ]
     assert one.nodes == ("n1",)

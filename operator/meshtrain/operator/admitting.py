@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator.policy import identity, lifecycle, memory_admission
+from meshtrain.operator.policy import identity, job_state, memory_admission
 from meshtrain.planner import admission, profiles
 
 logger = logging.getLogger("meshtrain.operator")
@@ -44,7 +44,7 @@ class Admissions:
                 self._products[key] = None
         return self._products[key]
 
-    def admit(self, job: lifecycle.JobState, nodes: Sequence[placement.Node]) -> Verdict:
+    def admit(self, job: job_state.JobState, nodes: Sequence[placement.Node]) -> Verdict:
         """Admission by plan on the profile of the job's candidate nodes (see ``memory_admission``)."""
         assert job.spec is not None
         candidates = memory_admission.candidates(job.spec, list(nodes))

@@ -8,18 +8,22 @@ policy, since it reads the caches and remembers per job (refusals, claims, verdi
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain import placement
+from meshtrain.api import elastic
+from meshtrain.api import spec as api_spec
 from meshtrain.operator import admitting
-from meshtrain.operator.cluster import informer, owned, status_writes
+from meshtrain.operator.cluster import informer, owned
 from meshtrain.operator.policy import (
     builders,
     capacity,
     feasibility,
-    lifecycle,
+    job_state,
     memory_admission,
     placement_outcome,
     rescheduling,
@@ -50,19 +54,25 @@ class GangFit:
         self.claims.pop(uid, None)
 
     def candidates(
-        self, job: lifecycle.JobState, gpu: str, also_avoid: frozenset[str] = frozenset()
+        self,
+        job: job_state.JobState,
+        gpu: str,
+        now: datetime.datetime,
+        also_avoid: frozenset[str] = frozenset(),
     ) -> tuple[list[dict[str, Any]], list[placement.Node], frozenset[str]]:
-        """The nodes a placement of ``job`` may use (raw, and as the planner sees them), and the
-        nodes it avoids (replaced stragglers, scheduler refusals)."""
+        """The nodes a placement of ``job`` may use at ``now`` (raw, and as the planner sees them),
+        and the nodes it avoids (replaced stragglers, scheduler refusals)."""
         raw_nodes, nodes = self._nodes(gpu)
         refused = rescheduling.excluded(self.refusals.get(job.ref.uid), time.monotonic())
-        avoid = stragglers.excluded(job.status, status_writes.now()) | refused | also_avoid
+        avoid = stragglers.excluded(job.status, now) | refused | also_avoid
         if avoid:
             raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
             nodes = [n for n in nodes if n.name not in avoid]
         return raw_nodes, nodes, avoid
 
-    def fits_without(self, job: lifecycle.JobState, slow: frozenset[str]) -> bool:
+    def fits_without(
+        self, job: job_state.JobState, slow: frozenset[str], now: datetime.datetime
+    ) -> bool:
         """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
         job's excluded nodes, counting its own pods' resources as free.
 
@@ -72,7 +82,7 @@ class GangFit:
         assert job.spec is not None
         declared = job.declared or job.spec
         gpu = declared.resources.gpu_resource_name
-        raw_nodes, nodes, _ = self.candidates(job, gpu, slow)
+        raw_nodes, nodes, _ = self.candidates(job, gpu, now, slow)
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
         running = job.spec.parallelism.data
         sized = self.plan_sizes(job, raw_nodes, nodes, demand, cap=running)
@@ -88,51 +98,54 @@ class GangFit:
             )
         return fits
 
-    def freed_by_replacing(self, job: lifecycle.JobState) -> list[dict[str, Any]]:
+    def freed_by_replacing(self, job: job_state.JobState) -> list[dict[str, Any]]:
         return capacity.freed_by_replacing(
             owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
         )
 
     def plan_sizes(
         self,
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         raw_nodes: list[dict[str, Any]],
         nodes: list[placement.Node],
         demand: feasibility.Demand,
         cap: int | None = None,
     ) -> placement_outcome.Sized:
-        """Plan the gang at each size runPolicy.elastic allows (none above ``cap``), largest first;
-        the first that fits.
-
-        Without one that fits: the largest size's answer (a memory refusal only when every size is refused).
-        """
+        """The plan at the size ``placement_outcome.choose`` picks among those runPolicy.elastic allows
+        (none above ``cap``), planned largest first until one fits."""
         assert job.spec is not None
         declared = job.declared or job.spec
         usage = self.cache.usage(without=self.freed_by_replacing(job))
-        first: placement_outcome.Sized | None = None
-        waiting: placement_outcome.Sized | None = None
-        for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap):
-            verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
-            answer: placement.Placement | placement.Unschedulable | None = None
-            refusals: list[str] = []
-            if not isinstance(verdict, memory_admission.Refused):
-                offered, refusals = capacity.offered_nodes(
-                    demand,
-                    raw_nodes,
-                    usage,
-                    gpus_per_pod=spec.resources.gpus_per_node,
-                    pods_wanted=spec.pods,
-                    claim=self.claims.get(job.ref.uid),
-                )
-                answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
-            sized = placement_outcome.Sized(size, spec, verdict, answer, refusals)
-            if isinstance(answer, placement.Placement):
-                return sized
-            first = first or sized
-            if waiting is None and answer is not None:
-                waiting = sized
-        assert first is not None
-        return waiting or first
+        return placement_outcome.choose(
+            self._plan_at(job, size, spec, raw_nodes, nodes, demand, usage)
+            for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap)
+        )
+
+    def _plan_at(
+        self,
+        job: job_state.JobState,
+        size: elastic.Size | None,
+        spec: api_spec.TrainingJobSpec,
+        raw_nodes: list[dict[str, Any]],
+        nodes: list[placement.Node],
+        demand: feasibility.Demand,
+        usage: Mapping[str, feasibility.Usage],
+    ) -> placement_outcome.Sized:
+        """Memory admission at one size and, unless it refused, a plan on the nodes that offer room."""
+        verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
+        answer: placement.Placement | placement.Unschedulable | None = None
+        refusals: list[str] = []
+        if not isinstance(verdict, memory_admission.Refused):
+            offered, refusals = capacity.offered_nodes(
+                demand,
+                raw_nodes,
+                usage,
+                gpus_per_pod=spec.resources.gpus_per_node,
+                pods_wanted=spec.pods,
+                claim=self.claims.get(job.ref.uid),
+            )
+            answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
+        return placement_outcome.Sized(size, spec, verdict, answer, refusals)
 
     def _nodes(self, gpu: str) -> tuple[list[dict[str, Any]], list[placement.Node]]:
         """The cached nodes, and as the planner sees them (rebuilt only when a node changed)."""

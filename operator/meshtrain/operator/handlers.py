@@ -20,7 +20,7 @@ import kopf
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import reconciler
 from meshtrain.operator.cluster import children, informer, kube, leadership
-from meshtrain.operator.policy import naming, queueing
+from meshtrain.operator.policy import kueue_workload, naming
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
 API_ERRORS_REPORTED_AFTER = 3
@@ -194,7 +194,10 @@ async def job_event(namespace: str | None, name: str, memo: kopf.Memo, **_: Any)
 
 
 @kopf.on.event(
-    queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={naming.LABEL_JOB: kopf.PRESENT}
+    kueue_workload.GROUP,
+    kueue_workload.VERSION,
+    kueue_workload.PLURAL,
+    labels={naming.LABEL_JOB: kopf.PRESENT},
 )
 async def workload_event(
     namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any

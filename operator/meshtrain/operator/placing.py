@@ -21,6 +21,7 @@ from meshtrain.operator import gang_fit
 from meshtrain.operator.cluster import (
     children,
     claims,
+    clock,
     informer,
     kube,
     metrics,
@@ -36,10 +37,12 @@ from meshtrain.operator.policy import (
     failure,
     feasibility,
     identity,
-    lifecycle,
+    job_actions,
+    job_state,
+    kueue_workload,
     placement_outcome,
     placement_status,
-    queueing,
+    pod_state,
     rescheduling,
     resizing,
     retries,
@@ -85,7 +88,7 @@ class Placer:
         self._grow_backoff.pop((ref.namespace, ref.name), None)
 
     async def lift_gates(
-        self, action: lifecycle.LiftGates, body: dict[str, Any], job: lifecycle.JobState
+        self, action: job_actions.LiftGates, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Lift the gang's gates, unless a planned node can no longer take its pods: then place it again."""
         ref = job.ref
@@ -114,7 +117,7 @@ class Placer:
         return body, job, True
 
     async def replace_refused(
-        self, action: rescheduling.ReplaceRefused, body: dict[str, Any], job: lifecycle.JobState
+        self, action: rescheduling.ReplaceRefused, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Place the gang again away from the nodes kube-scheduler refused, spaced per ``rescheduling``."""
         now = time.monotonic()
@@ -125,7 +128,7 @@ class Placer:
         message = rescheduling.message(action.nodes)
         return await self._replace(body, job, conditions.SCHEDULER_REFUSED, message)
 
-    async def _planned_nodes_changed(self, job: lifecycle.JobState) -> dict[str, str]:
+    async def _planned_nodes_changed(self, job: job_state.JobState) -> dict[str, str]:
         """Planned nodes that can no longer take their pods of the gang (name -> why).
 
         The nodes are read from the API server (not the cache, which may lag a watch event
@@ -154,7 +157,7 @@ class Placer:
         )
 
     async def _replace(
-        self, body: dict[str, Any], job: lifecycle.JobState, reason: str, message: str
+        self, body: dict[str, Any], job: job_state.JobState, reason: str, message: str
     ) -> Step:
         """A planned node cannot take its pods (before or after the gates were lifted): delete
         the gang's pods and place it again.
@@ -164,7 +167,7 @@ class Placer:
         ref = job.ref
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         body, job, _ = await self.writer.set_status(
-            body, job, placement_status.unplaced(job, status_writes.now(), message, reason)
+            body, job, placement_status.dropped(job, clock.now(), message, reason)
         )
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", reason, message)
@@ -182,7 +185,7 @@ class Placer:
         )
 
     async def grow(
-        self, action: resizing.Grow, body: dict[str, Any], job: lifecycle.JobState
+        self, action: resizing.Grow, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Rebuild a gang running below its largest size when a larger one fits beside everyone else."""
         assert job.declared is not None
@@ -192,7 +195,8 @@ class Placer:
         if backoff is not None and time.monotonic() < backoff[0]:
             return body, job, False
         async with self.lock:
-            raw_nodes, nodes, _ = self.fit.candidates(job, job.declared.resources.gpu_resource_name)
+            gpu = job.declared.resources.gpu_resource_name
+            raw_nodes, nodes, _ = self.fit.candidates(job, gpu, clock.now())
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
@@ -204,7 +208,7 @@ class Placer:
                 return await self.writer.set_status(body, job, resizing.no_room(job.status))
         self._grow_backoff.pop(key, None)  # room: check again at every pass until it is stable
         checked = resizing.room_found(
-            job.declared, job.status, action.running, size.data, status_writes.now()
+            job.declared, job.status, action.running, size.data, clock.now()
         )
         if not checked.grow:
             body, job, changed = await self.writer.set_status(body, job, checked.fields)
@@ -214,7 +218,7 @@ class Placer:
                     body, "Normal", conditions.ELASTIC_GROW_PENDING, checked.message
                 )
             return body, job, changed
-        fields, message = resizing.growing(job.status, action.running, size, status_writes.now())
+        fields, message = resizing.growing(job.status, action.running, size, clock.now())
         logger.info("%s/%s: %s", ref.namespace, ref.name, message)
         # roomSince written with it: the placement that follows may then pick the larger size
         body, job, _ = await self.writer.set_status(
@@ -229,19 +233,21 @@ class Placer:
         )
         return body, job, True
 
-    async def _wait_for_leaving(self, body: dict[str, Any], job: lifecycle.JobState) -> Step | None:
-        """Hold a new gang back while the old one's pods still terminate (None: none left).
+    async def _wait_for_leaving(self, body: dict[str, Any], job: job_state.JobState) -> Step | None:
+        """Hold a new gang back while the earlier one's pods still terminate (None: none left).
 
-        Their deletion wakes the job.
+        The state machine deleted them this pass (stale pods); what the wait says is the same
+        policy's as for the attempt's own (``placement_outcome.old_gang_leaving``).  Their
+        deletion wakes the job.
         """
         leaving = capacity.still_leaving(
             owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
         )
         if not leaving:
             return None
-        names = [p["metadata"]["name"] for p in leaving]
-        waiting = placement_outcome.old_gang_leaving(job, names, status_writes.now())
-        return await self.writer.set_status(body, job, waiting)
+        pods = [s for s in (pod_state.read(p) for p in leaving) if s is not None]
+        waiting = placement_outcome.old_gang_leaving(job, pods, clock.now())
+        return await self.writer.set_status(body, job, waiting.status)
 
     async def _pod_group(
         self,
@@ -260,7 +266,7 @@ class Placer:
         return builders.build_pod_group(ref, spec, attempt, stamped) if self._gang_api else None
 
     async def _refused(
-        self, body: dict[str, Any], job: lifecycle.JobState, refused: children.Refused
+        self, body: dict[str, Any], job: job_state.JobState, refused: children.Refused
     ) -> Step:
         """Children refused: remove what was created, drop the placement, say why, wait longer each time."""
         ref, now = job.ref, time.monotonic()
@@ -269,16 +275,14 @@ class Placer:
             f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
         )
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
-        changes = placement_status.children_refused(
-            job, refused.reason, message, status_writes.now()
-        )
+        changes = placement_status.children_refused(job, refused.reason, message, clock.now())
         body, job, _ = await self.writer.set_status(body, job, changes)
         await self._delete_gang(ref)
         await self.writer.emit(body, "Warning", refused.reason, refused.message)
         return body, job, True
 
     async def place(
-        self, action: lifecycle.Place, body: dict[str, Any], job: lifecycle.JobState
+        self, action: job_actions.Place, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         """Plan the gang and create it (or re-create its missing pods), under the process-wide lock."""
         assert job.spec is not None
@@ -289,12 +293,16 @@ class Placer:
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
         where = await workloads.flavors(self.client, action.flavors)
-        if isinstance(where, queueing.Unassignable):
+        if isinstance(where, kueue_workload.Unassignable):
             return await self._unassignable(body, job, where)
         try:
-            template = queueing.assign(builders.build_pod(ref, spec, action.attempt, 0, ""), where)
-        except queueing.AssignmentConflict as conflict:
-            unassignable = queueing.Unassignable(queueing.FLAVOR_CONFLICT, str(conflict))
+            template = kueue_workload.assign(
+                builders.build_pod(ref, spec, action.attempt, 0, ""), where
+            )
+        except kueue_workload.AssignmentConflict as conflict:
+            unassignable = kueue_workload.Unassignable(
+                kueue_workload.FLAVOR_CONFLICT, str(conflict)
+            )
             return await self._unassignable(body, job, unassignable)
         claim = self.fit.claims[ref.uid] = await claims.topology(self.client, ref.namespace, spec)
         async with self.lock:
@@ -319,16 +327,16 @@ class Placer:
         attempt: int,
         missing: tuple[int, ...],
         body: dict[str, Any],
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         template: dict[str, Any],
-        where: queueing.Assignment,
+        where: kueue_workload.Assignment,
     ) -> Step:
         """Crash recovery of a gated gang: its missing pods on their recorded nodes, or a new plan."""
         assert job.spec is not None
         ref, spec = job.ref, job.spec
-        raw_nodes, _, _ = self.fit.candidates(job, spec.resources.gpu_resource_name)
+        now = clock.now()
+        raw_nodes, _, _ = self.fit.candidates(job, spec.resources.gpu_resource_name, now)
         demand = feasibility.demand_of(template)
-        now = status_writes.now()
         wanted = placement_status.missing_per_node(job, missing)
         blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
         recovery = placement_status.recover_missing(job, missing, blocked, now)
@@ -340,7 +348,7 @@ class Placer:
             return await self.writer.set_status(body, job, recovery.status)
         group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
         pods = [
-            queueing.assign(
+            kueue_workload.assign(
                 builders.build_pod(
                     ref,
                     spec,
@@ -366,18 +374,19 @@ class Placer:
         self,
         attempt: int,
         body: dict[str, Any],
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         template: dict[str, Any],
-        where: queueing.Assignment,
+        where: kueue_workload.Assignment,
         claim: volumes.Topology | None,
     ) -> tuple[Step, placement_outcome.Placed | None]:
         """Plan the whole gang, write what the plan comes to and, placed, create the gang's children."""
         assert job.spec is not None
         ref = job.ref
         started = time.perf_counter()
-        raw_nodes, nodes, avoid = self.fit.candidates(job, job.spec.resources.gpu_resource_name)
+        now = clock.now()
+        gpu = job.spec.resources.gpu_resource_name
+        raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
-        now = status_writes.now()
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
         outcome = placement_outcome.judge(
@@ -398,7 +407,7 @@ class Placer:
         spec = outcome.spec
         nodes_used = len(set(outcome.nodes))
         if shared := await claims.access_refusal(self.client, ref.namespace, spec, nodes_used):
-            unshared = queueing.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
+            unshared = kueue_workload.Unassignable(conditions.CLAIM_NOT_SHARED, shared)
             return await self._unassignable(body, job, unshared), None
         body, job, _ = await self.writer.set_status(body, job, outcome.status)
         if (resized := outcome.resized) is not None:
@@ -413,7 +422,7 @@ class Placer:
             ref.uid,
             _shared_children(ref, spec, group),
             [
-                queueing.assign(pod, where)
+                kueue_workload.assign(pod, where)
                 for pod in builders.build_pods(
                     ref,
                     spec,
@@ -430,17 +439,17 @@ class Placer:
         return (body, job, True), outcome
 
     async def _unassignable(
-        self, body: dict[str, Any], job: lifecycle.JobState, why: queueing.Unassignable
+        self, body: dict[str, Any], job: job_state.JobState, why: kueue_workload.Unassignable
     ) -> Step:
         """The admitted flavors give the gang nowhere to go: no pods; say why (once) and look again."""
-        unplaced = placement_outcome.unplaced(job, why.reason, why.message, status_writes.now())
+        unplaced = placement_outcome.unplaced(job, why.reason, why.message, clock.now())
         said = f"{job.ref.namespace}/{job.ref.name}: {why.message}"
         return await self._write_unplaced(body, job, unplaced, said)
 
     async def _write_unplaced(
         self,
         body: dict[str, Any],
-        job: lifecycle.JobState,
+        job: job_state.JobState,
         unplaced: placement_outcome.Unplaced,
         said: str,
     ) -> Step:

@@ -18,6 +18,7 @@ from meshtrain import placement
 from meshtrain.operator import gang_fit, placing
 from meshtrain.operator.cluster import (
     children,
+    clock,
     informer,
     kube,
     metrics,
@@ -25,16 +26,18 @@ from meshtrain.operator.cluster import (
     status_writes,
     workloads,
 )
-from meshtrain.operator.cluster.status_writes import Step, now
+from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     conditions,
     identity,
+    job_actions,
+    job_state,
+    kueue_workload,
     lifecycle,
     naming,
     noise_condition,
     pod_state,
     progress_status,
-    queueing,
     rescheduling,
     resizing,
     retries,
@@ -107,16 +110,16 @@ class Reconciler:
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             metrics.forget(namespace, name)
             return Outcome(changed=False, requeue_after=None, gone=True)
-        job = lifecycle.job_state(body)
+        job = job_state.read(body)
         pods = owned.owned_pods(self.cache, job.ref)
-        states = [s for s in (pod_state.pod_state(p) for p in pods) if s is not None]
-        queue = queueing.queue_of((body.get("metadata") or {}).get("labels"))
-        gate, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
+        states = [s for s in (pod_state.read(p) for p in pods) if s is not None]
+        queue = kueue_workload.queue_of((body.get("metadata") or {}).get("labels"))
+        kueue, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
         planned = {p.get("node") for p in job.status.get("placement") or [] if isinstance(p, dict)}
         gone = frozenset(
             n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
         )
-        decision = lifecycle.decide(job, states, now(), gate, gone)
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
@@ -127,13 +130,13 @@ class Reconciler:
                 except workloads.Rejected as err:
                     did = refused_now = self._workload_refused(job, str(err))
                 else:
-                    if isinstance(action, queueing.CreateWorkload):
+                    if isinstance(action, kueue_workload.CreateWorkload):
                         self._workload_rejections.forget(job.ref.uid)
             else:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
-        if phase == lifecycle.Phase.RUNNING.value:  # it ran where it was placed: start afresh
+        if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh
             self.fit.refusals.pop(job.ref.uid, None)
         placed = (
             conditions.find((body.get("status") or {}).get("conditions") or [], conditions.PLACED)
@@ -156,47 +159,47 @@ class Reconciler:
             retry = spaced if retry is None or spaced is None else min(retry, spaced)
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
-        if any(isinstance(a, lifecycle.PollProgress) for a in decision.actions):
+        if any(isinstance(a, job_actions.PollProgress) for a in decision.actions):
             requeue = (
                 self.settings.progress_seconds
                 if requeue is None
                 else min(requeue, self.settings.progress_seconds)
             )
-        done = phase in lifecycle.FINAL and requeue is None and not changed
+        done = phase in job_state.FINAL and requeue is None and not changed
         return Outcome(
             changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
         )
 
     async def _act(
-        self, action: lifecycle.Action, body: dict[str, Any], job: lifecycle.JobState
+        self, action: job_actions.Action, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         ref = job.ref
-        if isinstance(action, lifecycle.SetStatus):
+        if isinstance(action, job_actions.SetStatus):
             return await self.writer.set_status(body, job, dict(action.changes))
-        if isinstance(action, lifecycle.Emit):
+        if isinstance(action, job_actions.Emit):
             await self.writer.emit(body, action.type, action.reason, action.message)
             return body, job, False
-        if isinstance(action, lifecycle.DeletePods):
+        if isinstance(action, job_actions.DeletePods):
             await owned.delete_pods(
                 self.client, self.cache, ref, action.names, action.grace_seconds
             )
             return body, job, True
-        if isinstance(action, lifecycle.LiftGates):
+        if isinstance(action, job_actions.LiftGates):
             return await self.placer.lift_gates(action, body, job)
-        if isinstance(action, lifecycle.DeleteJob):
+        if isinstance(action, job_actions.DeleteJob):
             logger.info("deleting %s/%s: ttlSecondsAfterFinished elapsed", ref.namespace, ref.name)
             await self.client.delete_job(namespace=ref.namespace, name=ref.name)
             return body, job, True
-        if isinstance(action, lifecycle.PollProgress):
+        if isinstance(action, job_actions.PollProgress):
             return await self._poll(action, body, job)
-        if isinstance(action, lifecycle.Place):
+        if isinstance(action, job_actions.Place):
             return await self.placer.place(action, body, job)
         if isinstance(action, resizing.Grow):
             return await self.placer.grow(action, body, job)
         if isinstance(action, rescheduling.ReplaceRefused):
             return await self.placer.replace_refused(action, body, job)
-        if isinstance(action, lifecycle.ReplaceStraggler):
-            fits = self.fit.fits_without(job, frozenset(action.nodes))
+        if isinstance(action, job_actions.ReplaceStraggler):
+            fits = self.fit.fits_without(job, frozenset(action.nodes), clock.now())
             changed = False
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)
@@ -208,7 +211,7 @@ class Reconciler:
         raise TypeError(f"unknown action {action!r}")
 
     async def _poll(
-        self, action: lifecycle.PollProgress, body: dict[str, Any], job: lifecycle.JobState
+        self, action: job_actions.PollProgress, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         key = (job.ref.namespace, job.ref.name)
         if time.monotonic() - self._last_progress.get(key, 0.0) < self.settings.progress_seconds:
@@ -224,7 +227,7 @@ class Reconciler:
         changes = progress_status.polled_changes(report)
         changes |= resizing.baseline(job.status, changes)
         if job.spec is not None:
-            changes |= stragglers.observed(job.spec, job.status, report, now())
+            changes |= stragglers.observed(job.spec, job.status, report, clock.now())
         if not changes:
             return body, job, False
         warning = None
@@ -235,7 +238,7 @@ class Reconciler:
                 job.spec.global_batch,
                 (changes.get("progress") or {}).get("gradientNoiseScale"),
                 (changes.get("progress") or {}).get("step"),
-                now(),
+                clock.now(),
             )
             if conds != list(before):
                 changes["conditions"] = conds
@@ -246,12 +249,12 @@ class Reconciler:
             )
         return body, job, False
 
-    def _rejected(self, job: lifecycle.JobState) -> tuple[str, bool] | None:
+    def _rejected(self, job: job_state.JobState) -> tuple[str, bool] | None:
         """Why the job's Workload was refused for this generation, and whether to try again now."""
         found = self._workload_rejections.current(job.ref.uid, job.generation)
         return None if found is None else (found.why, found.not_before <= time.monotonic())
 
-    def _workload_refused(self, job: lifecycle.JobState, message: str) -> bool:
+    def _workload_refused(self, job: job_state.JobState, message: str) -> bool:
         """Back off before creating the refused Workload again; the next pass says why (Queued)."""
         tries = self._workload_rejections.refused(
             job.ref.uid, job.generation, time.monotonic(), message
@@ -268,7 +271,7 @@ class Reconciler:
         body = await self.client.get_job(namespace=namespace, name=name)
         if body is None:
             return
-        job = lifecycle.job_state(body)
+        job = job_state.read(body)
         if error is None:
             status, reason = conditions.FALSE, conditions.RECONCILE_RECOVERED
             message = "a reconcile pass succeeded again"
@@ -281,7 +284,7 @@ class Reconciler:
             status,
             reason,
             message,
-            now(),
+            clock.now(),
         )
         body, job, _ = await self.writer.set_status(body, job, {"conditions": conds})
         if error is not None:

@@ -63,7 +63,7 @@ def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
     asyncio.run(lift())
     read = private.core.read_namespaced_pod("two-gates", "gates")
     assert [g.name for g in read.spec.scheduling_gates] == [OTHER_GATE]
-    state = pod_state.pod_state(
+    state = pod_state.read(
         {
             **private.core.api_client.sanitize_for_serialization(read),
             "metadata": {

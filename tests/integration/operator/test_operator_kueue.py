@@ -17,7 +17,7 @@ import kubernetes
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshtrain.operator.policy import queueing
+from meshtrain.operator.policy import kueue_workload
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import kueue
 from tests.builders import JobBuilder
@@ -39,11 +39,11 @@ PLURALS = {
 def _kueue_object(cluster: Cluster, body: dict[str, Any]) -> None:
     if body["kind"] in PLURALS:
         cluster.custom.create_cluster_custom_object(
-            queueing.GROUP, queueing.VERSION, PLURALS[body["kind"]], body
+            kueue_workload.GROUP, kueue_workload.VERSION, PLURALS[body["kind"]], body
         )
     else:
         cluster.custom.create_namespaced_custom_object(
-            queueing.GROUP, queueing.VERSION, NS, "localqueues", body
+            kueue_workload.GROUP, kueue_workload.VERSION, NS, "localqueues", body
         )
 
 
@@ -57,8 +57,8 @@ def _kueue_cluster(
         cluster = Cluster(api, str(plane.kubeconfig_path), str(binaries.kubectl))
         cluster.install_crds()
         cluster.core.create_namespace({"metadata": {"name": NS}})
-        with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK], config):
-            api_version = f"{queueing.GROUP}/{queueing.VERSION}"
+        with kueue.Kueue(plane, work, [kueue_workload.EXTERNAL_FRAMEWORK], config):
+            api_version = f"{kueue_workload.GROUP}/{kueue_workload.VERSION}"
             for body in (
                 {"kind": "ResourceFlavor", "metadata": {"name": "gpus"}},
                 {
@@ -120,8 +120,8 @@ def ready_checked(
 def _queued_job(name: str, priority: str) -> dict[str, Any]:
     body = JobBuilder(name, NS, pool="kq").layout(data=8).gpus(8).manifest()
     body["metadata"]["labels"] = {
-        queueing.QUEUE_LABEL: QUEUE,
-        queueing.PRIORITY_CLASS_LABEL: priority,
+        kueue_workload.QUEUE_LABEL: QUEUE,
+        kueue_workload.PRIORITY_CLASS_LABEL: priority,
     }
     return body
 
@@ -135,7 +135,11 @@ def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
 def _workload(cluster: Cluster, job: str) -> dict[str, Any] | None:
     try:
         return cluster.custom.get_namespaced_custom_object(
-            queueing.GROUP, queueing.VERSION, NS, queueing.PLURAL, queueing.workload_name(job)
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
+            NS,
+            kueue_workload.PLURAL,
+            kueue_workload.workload_name(job),
         )
     except kubernetes.client.ApiException as err:
         if err.status == 404:
@@ -378,7 +382,7 @@ def test_an_ended_pod_kept_by_a_finalizer_holds_a_suspended_jobs_quota_until_it_
 def test_a_job_naming_a_queue_that_does_not_exist_waits_and_says_so(queued) -> None:
     cluster, _operator = queued
     body = _queued_job("lost", "low")
-    body["metadata"]["labels"][queueing.QUEUE_LABEL] = "no-such-queue"
+    body["metadata"]["labels"][kueue_workload.QUEUE_LABEL] = "no-such-queue"
     _apply(cluster, body)
     held = wait_for(
         "Kueue's verdict on the missing LocalQueue",
@@ -415,21 +419,22 @@ def test_a_job_naming_a_priority_class_that_does_not_exist_waits_and_says_so(que
         "the missing WorkloadPriorityClass named in Queued",
         lambda: (
             (c := _queued_condition(cluster, "unranked")).get("reason")
-            == queueing.PRIORITY_CLASS_NOT_FOUND
+            == kueue_workload.PRIORITY_CLASS_NOT_FOUND
             and c
         ),
         timeout=60,
     )
     assert held["status"] == "True"
     assert (
-        queueing.PRIORITY_CLASS_LABEL in held["message"] and "no-such-priority" in held["message"]
+        kueue_workload.PRIORITY_CLASS_LABEL in held["message"]
+        and "no-such-priority" in held["message"]
     )
     assert _workload(cluster, "unranked") is None and cluster.pods(NS, "unranked") == []
     # Once the class exists the job is queued with its value (within one resync).
     _kueue_object(
         cluster,
         {
-            "apiVersion": f"{queueing.GROUP}/{queueing.VERSION}",
+            "apiVersion": f"{kueue_workload.GROUP}/{kueue_workload.VERSION}",
             "kind": "WorkloadPriorityClass",
             "metadata": {"name": "no-such-priority"},
             "value": 5,
@@ -481,10 +486,10 @@ def test_a_workload_of_the_jobs_name_owned_by_another_object_is_neither_read_nor
     cluster, _operator = queued
     owner = cluster.core.create_namespaced_config_map(NS, {"metadata": {"name": "other-owner"}})
     foreign = {
-        "apiVersion": f"{queueing.GROUP}/{queueing.VERSION}",
+        "apiVersion": f"{kueue_workload.GROUP}/{kueue_workload.VERSION}",
         "kind": "Workload",
         "metadata": {
-            "name": queueing.workload_name("namesake"),
+            "name": kueue_workload.workload_name("namesake"),
             "ownerReferences": [
                 {
                     "apiVersion": "v1",
@@ -514,13 +519,14 @@ def test_a_workload_of_the_jobs_name_owned_by_another_object_is_neither_read_nor
         },
     }
     cluster.custom.create_namespaced_custom_object(
-        queueing.GROUP, queueing.VERSION, NS, queueing.PLURAL, foreign
+        kueue_workload.GROUP, kueue_workload.VERSION, NS, kueue_workload.PLURAL, foreign
     )
     _apply(cluster, _queued_job("namesake", "low"))
     held = wait_for(
         "namesake held: the Workload of its name is not its own",
         lambda: (
-            (c := _queued_condition(cluster, "namesake")).get("reason") == queueing.NAME_TAKEN and c
+            (c := _queued_condition(cluster, "namesake")).get("reason") == kueue_workload.NAME_TAKEN
+            and c
         ),
         timeout=60,
     )
@@ -533,7 +539,11 @@ def test_a_workload_of_the_jobs_name_owned_by_another_object_is_neither_read_nor
     )
     # Once it is gone, the job's own Workload is created.
     cluster.custom.delete_namespaced_custom_object(
-        queueing.GROUP, queueing.VERSION, NS, queueing.PLURAL, queueing.workload_name("namesake")
+        kueue_workload.GROUP,
+        kueue_workload.VERSION,
+        NS,
+        kueue_workload.PLURAL,
+        kueue_workload.workload_name("namesake"),
     )
     own = wait_for(
         "namesake's own Workload",

@@ -25,7 +25,7 @@ import kubernetes
 import pytest
 import yaml
 
-from meshtrain.operator.policy import queueing
+from meshtrain.operator.policy import kueue_workload
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import kueue
 from tests.builders import JobBuilder
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 RBAC = pathlib.Path(REPO) / "manifests" / "rbac" / "rbac.yaml"
 OPERATOR_NAMESPACE, SERVICE_ACCOUNT = "meshtrain-system", "meshtrain"
-API_VERSION = f"{queueing.GROUP}/{queueing.VERSION}"
+API_VERSION = f"{kueue_workload.GROUP}/{kueue_workload.VERSION}"
 SOLO_NS, SOLO_QUEUE, SPARE_QUEUE = "solo-team", "solo", "spare"
 RESYNC_PASSES = 3.0
 """Seconds in which the operator (resync 2 s, woken by every pod event) has decided again."""
@@ -45,10 +45,12 @@ def _create(cluster: Cluster, body: dict[str, Any], namespace: str | None = None
     plural = body["kind"].lower() + "s"
     body = {"apiVersion": API_VERSION, **body}
     if namespace is None:
-        cluster.custom.create_cluster_custom_object(queueing.GROUP, queueing.VERSION, plural, body)
+        cluster.custom.create_cluster_custom_object(
+            kueue_workload.GROUP, kueue_workload.VERSION, plural, body
+        )
     else:
         cluster.custom.create_namespaced_custom_object(
-            queueing.GROUP, queueing.VERSION, namespace, plural, body
+            kueue_workload.GROUP, kueue_workload.VERSION, namespace, plural, body
         )
 
 
@@ -143,7 +145,7 @@ def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
         api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
         cluster = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
         cluster.install_crds()
-        with kueue.Kueue(plane, work, [queueing.EXTERNAL_FRAMEWORK]):
+        with kueue.Kueue(plane, work, [kueue_workload.EXTERNAL_FRAMEWORK]):
             _create(cluster, {"kind": "ResourceFlavor", "metadata": {"name": "plain"}})
             cluster.core.create_namespace({"metadata": {"name": SOLO_NS}})
             for queue in (SOLO_QUEUE, SPARE_QUEUE):
@@ -176,7 +178,7 @@ def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
 
 def _job(name: str, namespace: str, queue: str, pool: str) -> dict[str, Any]:
     body = JobBuilder(name, namespace, pool=pool).layout(data=8).gpus(8).manifest()
-    body["metadata"]["labels"] = {queueing.QUEUE_LABEL: queue}
+    body["metadata"]["labels"] = {kueue_workload.QUEUE_LABEL: queue}
     return body
 
 
@@ -189,11 +191,11 @@ def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
 def _workload(cluster: Cluster, namespace: str, job: str) -> dict[str, Any] | None:
     try:
         return cluster.custom.get_namespaced_custom_object(
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             namespace,
-            queueing.PLURAL,
-            queueing.workload_name(job),
+            kueue_workload.PLURAL,
+            kueue_workload.workload_name(job),
         )
     except kubernetes.client.ApiException as err:
         if err.status == 404:
@@ -360,7 +362,7 @@ def test_the_pods_priority_class_ranks_the_workload_and_kueue_preempts_by_it(fit
         "nopc held",
         lambda: (
             (c := cluster.condition(SOLO_NS, "nopc", "Queued")).get("reason")
-            == queueing.POD_PRIORITY_CLASS_NOT_FOUND
+            == kueue_workload.POD_PRIORITY_CLASS_NOT_FOUND
             and c
         ),
         timeout=60,
@@ -393,7 +395,7 @@ def test_the_gang_runs_where_the_admitted_flavor_says(fit) -> None:
 def _label(cluster: Cluster, namespace: str, job: str, queue: str | None) -> None:
     cluster.custom.patch_namespaced_custom_object(
         "meshtrain.io", "v1alpha1", namespace, "trainingjobs", job,
-        {"metadata": {"labels": {queueing.QUEUE_LABEL: queue}}},
+        {"metadata": {"labels": {kueue_workload.QUEUE_LABEL: queue}}},
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from meshtrain.operator import reconciler
 from meshtrain.operator.cluster import informer, kube
-from meshtrain.operator.policy import queueing
+from meshtrain.operator.policy import kueue_workload
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster
 
@@ -27,7 +27,7 @@ def test_a_workload_the_api_server_refuses_is_a_condition_and_an_event_with_back
 def _refused_workload_is_said_with_backoff(cluster: Cluster, namespace: str) -> None:
     cluster.core.create_namespace({"metadata": {"name": namespace}})
     manifest = JobBuilder("queued", namespace).layout(data=1, gpus_per_node=1).manifest()
-    manifest["metadata"]["labels"] = {queueing.QUEUE_LABEL: "team-queue"}
+    manifest["metadata"]["labels"] = {kueue_workload.QUEUE_LABEL: "team-queue"}
     custom = cluster.custom
     custom.create_namespaced_custom_object(
         "meshtrain.io", "v1alpha1", namespace, "trainingjobs", manifest

@@ -1,11 +1,14 @@
-"""The operator's Kueue calls (Workloads, priority classes, ResourceFlavors), part of ``kube.Client``."""
+"""The client's requests to Kueue's objects (Workloads, priority classes, ResourceFlavors).
+
+A part of ``kube.Client``, one keyword-only coroutine per call; ``workloads`` uses them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from meshtrain.operator.policy import queueing
+from meshtrain.operator.policy import kueue_workload
 
 Body = dict[str, Any]
 
@@ -33,10 +36,10 @@ class KueueCalls:
             "get",
             "workloads",
             self._custom.get_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             namespace,
-            queueing.PLURAL,
+            kueue_workload.PLURAL,
             name,
             ok=(404,),
         )
@@ -47,10 +50,10 @@ class KueueCalls:
             "create",
             "workloads",
             self._custom.create_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             manifest["metadata"]["namespace"],
-            queueing.PLURAL,
+            kueue_workload.PLURAL,
             manifest,
             ok=(409,),
         )
@@ -63,10 +66,10 @@ class KueueCalls:
             "patch",
             "workloads/status",
             self._custom.patch_namespaced_custom_object_status,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             namespace,
-            queueing.PLURAL,
+            kueue_workload.PLURAL,
             name,
             {**patch, "metadata": {"resourceVersion": resource_version}},
             ok=(404,),
@@ -81,10 +84,10 @@ class KueueCalls:
             "patch",
             "workloads",
             self._custom.patch_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             namespace,
-            queueing.PLURAL,
+            kueue_workload.PLURAL,
             name,
             {"metadata": {"resourceVersion": resource_version}, "spec": {"queueName": queue}},
             ok=(404,),
@@ -97,10 +100,10 @@ class KueueCalls:
             "delete",
             "workloads",
             self._custom.delete_namespaced_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             namespace,
-            queueing.PLURAL,
+            kueue_workload.PLURAL,
             name,
             body={"preconditions": {"uid": uid}},
             ok=(404, 409),
@@ -112,8 +115,8 @@ class KueueCalls:
             "get",
             "workloadpriorityclasses",
             self._custom.get_cluster_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             "workloadpriorityclasses",
             name,
             ok=(404,),
@@ -126,7 +129,7 @@ class KueueCalls:
             "get",
             "priorityclasses",
             self._custom.get_cluster_custom_object,
-            queueing.POD_PRIORITY_GROUP,
+            kueue_workload.POD_PRIORITY_GROUP,
             "v1",
             "priorityclasses",
             name,
@@ -140,7 +143,7 @@ class KueueCalls:
             "list",
             "priorityclasses",
             self._custom.list_cluster_custom_object,
-            queueing.POD_PRIORITY_GROUP,
+            kueue_workload.POD_PRIORITY_GROUP,
             "v1",
             "priorityclasses",
         )
@@ -152,8 +155,8 @@ class KueueCalls:
             "get",
             "resourceflavors",
             self._custom.get_cluster_custom_object,
-            queueing.GROUP,
-            queueing.VERSION,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
             "resourceflavors",
             name,
             ok=(404,),

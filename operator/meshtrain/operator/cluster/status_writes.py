@@ -6,25 +6,20 @@ read; Events are best effort (one the API server refuses is logged, never retrie
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Iterable
 from typing import Any
 
-from meshtrain.operator.cluster import informer, kube, metrics
-from meshtrain.operator.policy import conditions, identity, lifecycle
+from meshtrain.operator.cluster import clock, informer, kube, metrics
+from meshtrain.operator.policy import conditions, identity, job_actions, job_state
 
 logger = logging.getLogger("meshtrain.operator")
 
 CONFLICT_RETRIES = 3
 """Status writes retried after a 409 when the job changed only outside spec and status."""
 
-Step = tuple[dict[str, Any], lifecycle.JobState, bool]
+Step = tuple[dict[str, Any], job_state.JobState, bool]
 """What an action leaves: the job as last written or read, its state, and whether anything changed."""
-
-
-def now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
 
 
 def _decided_on(read: dict[str, Any], fresh: dict[str, Any]) -> bool:
@@ -48,7 +43,7 @@ class JobWriter:
         self.cache = cache
 
     async def set_status(
-        self, body: dict[str, Any], job: lifecycle.JobState, changes: dict[str, Any]
+        self, body: dict[str, Any], job: job_state.JobState, changes: dict[str, Any]
     ) -> Step:
         """Merge ``changes`` into the status of the job as ``body`` was read.
 
@@ -79,7 +74,7 @@ class JobWriter:
             return body, job, False
         if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
             metrics.RESTARTS.labels(namespace=job.ref.namespace, trainingjob=job.ref.name).inc()
-        return answer, lifecycle.job_state(answer), True
+        return answer, job_state.read(answer), True
 
     async def emit(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
         try:
@@ -88,16 +83,16 @@ class JobWriter:
                 type_=type_,
                 reason=reason,
                 message=message,
-                now=conditions.timestamp(now()),
+                now=conditions.timestamp(clock.now()),
             )
         except (kube.ApiError, OSError) as err:
             logger.warning("could not record event %s: %s", reason, err)
 
     async def emit_on_node(
-        self, node: str, ref: identity.JobRef, actions: Iterable[lifecycle.Action]
+        self, node: str, ref: identity.JobRef, actions: Iterable[job_actions.Action]
     ) -> None:
         """The first Emit of ``actions`` as an Event of ``node`` too (where an SRE looking at the node sees it)."""
-        note = next((a for a in actions if isinstance(a, lifecycle.Emit)), None)
+        note = next((a for a in actions if isinstance(a, job_actions.Emit)), None)
         if note is None:
             return
         raw = self.cache.nodes.get(("", node)) or {}
@@ -108,7 +103,7 @@ class JobWriter:
                 type_=note.type,
                 reason=note.reason,
                 message=f"TrainingJob {ref.namespace}/{ref.name}: {note.message}",
-                now=conditions.timestamp(now()),
+                now=conditions.timestamp(clock.now()),
             )
         except (kube.ApiError, OSError) as err:
             logger.warning("could not record event %s on node %s: %s", note.reason, node, err)

@@ -1,28 +1,29 @@
-"""The operator's side of Kueue's API: reads a queued job's Workload and what it names, acts on it.
+"""Kueue's Workloads on the cluster: a queued job's Workload read into Kueue's answer, and written.
 
-The policy (the Workload's shape, what Kueue's answer means) is ``queueing``'s; here are its
-reads and writes, through ``kube``.
+Reads the Workload (and the priority classes and ResourceFlavors it names) into
+``kueue_workload.Gate`` and carries out the Workload actions the state machine decides, through
+``kube`` (whose Kueue requests are ``kueue_calls``).  What the answer means and what to do with
+it is policy: ``policy.kueue_workload`` and ``policy.kueue``.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.cluster import kube
-from meshtrain.operator.policy import builders, identity, lifecycle, pod_state, queueing
+from meshtrain.operator.cluster import clock, kube
+from meshtrain.operator.policy import builders, identity, job_state, kueue_workload, pod_state
 
 logger = logging.getLogger("meshtrain.operator")
 ACTIONS = (
-    queueing.CreateWorkload,
-    queueing.ReleaseQuota,
-    queueing.ReportPodsReady,
-    queueing.FinishWorkload,
-    queueing.DeleteWorkload,
-    queueing.MoveWorkload,
+    kueue_workload.CreateWorkload,
+    kueue_workload.ReleaseQuota,
+    kueue_workload.ReportPodsReady,
+    kueue_workload.FinishWorkload,
+    kueue_workload.DeleteWorkload,
+    kueue_workload.MoveWorkload,
 )
 """The lifecycle's actions that act on the Workload (:func:`perform`)."""
 
@@ -31,54 +32,52 @@ class Rejected(Exception):
     """The API server refused to create the job's Workload (a 4xx that retrying does not fix)."""
 
 
-def now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
-
-
 async def gate(
     client: kube.Client,
     body: dict[str, Any],
-    queue: queueing.Queue | None,
+    queue: kueue_workload.Queue | None,
     rejected: tuple[str, bool] | None = None,
-) -> tuple[queueing.Gate | None, dict[str, Any] | None]:
-    """Kueue's say over the job (None when it is not queued) and its own Workload as read.
+) -> tuple[kueue_workload.Gate | None, dict[str, Any] | None]:
+    """Kueue's answer for the job (None when it is not queued) and its own Workload as read.
 
     ``rejected``: why the last Workload create was refused, and whether its backoff is over.
     """
     metadata = body["metadata"]
-    if queue is None and not queueing.was_queued(body.get("status") or {}):
+    if queue is None and not kueue_workload.was_queued(body.get("status") or {}):
         return None, None
     workload = await client.get_workload(
-        namespace=metadata["namespace"], name=queueing.workload_name(metadata["name"])
+        namespace=metadata["namespace"], name=kueue_workload.workload_name(metadata["name"])
     )
-    declared = lifecycle.job_state(body).declared  # Kueue holds the declared size's quota
+    declared = job_state.read(body).declared  # Kueue holds the declared size's quota
     spec_hash = identity.spec_hash(declared) if declared is not None else None
     stamped = (
         ((workload or {}).get("metadata") or {})
         .get("annotations", {})
-        .get(queueing.SPEC_HASH_ANNOTATION)
+        .get(kueue_workload.SPEC_HASH_ANNOTATION)
     )
     if declared is not None and stamped and identity.same_spec(stamped, declared):
         spec_hash = stamped  # a Workload an earlier release stamped is not outdated by it
-    found = queueing.gate_for(workload, metadata["uid"], queue, spec_hash)
+    found = kueue_workload.gate_for(workload, metadata["uid"], queue, spec_hash)
     own = (
         workload
-        if workload is not None and queueing.controlled_by(workload, metadata["uid"])
+        if workload is not None and kueue_workload.controlled_by(workload, metadata["uid"])
         else None
     )
     if found is None or found.state is not None or queue is None:
         return found, own
     if rejected is not None and not rejected[1]:  # the same Queued condition, nothing created
-        return queueing.Gate(queueing.Waiting(queueing.WORKLOAD_REJECTED, rejected[0])), None
+        return kueue_workload.Gate(
+            kueue_workload.Waiting(kueue_workload.WORKLOAD_REJECTED, rejected[0])
+        ), None
     priority = await priority_of(client, queue, declared)
-    if isinstance(priority, queueing.Waiting):
-        return queueing.Gate(priority), None
-    return queueing.Gate(None, priority, rejected=rejected[0] if rejected else None), None
+    if isinstance(priority, kueue_workload.Waiting):
+        return kueue_workload.Gate(priority), None
+    return kueue_workload.Gate(None, priority, rejected=rejected[0] if rejected else None), None
 
 
 async def priority_of(
-    client: kube.Client, queue: queueing.Queue, spec: api_spec.TrainingJobSpec | None
-) -> queueing.Priority | queueing.Waiting:
+    client: kube.Client, queue: kueue_workload.Queue, spec: api_spec.TrainingJobSpec | None
+) -> kueue_workload.Priority | kueue_workload.Waiting:
     """The Workload's priority, derived as Kueue does for its own integrations.
 
     The WorkloadPriorityClass label first, else the pods' PriorityClass
@@ -88,48 +87,50 @@ async def priority_of(
     if queue.priority_class:
         value = await client.workload_priority(name=queue.priority_class)
         if value is None:
-            return queueing.missing_priority_class(queue)
-        return queueing.workload_priority(queue.priority_class, value)
+            return kueue_workload.missing_priority_class(queue)
+        return kueue_workload.workload_priority(queue.priority_class, value)
     name = spec.pod.priority_class_name if spec is not None else None
     if name:
         value = await client.pod_priority(name=name)
         if value is None:
-            return queueing.missing_pod_priority_class(name)
-        return queueing.pod_priority(name, value)
-    return queueing.default_priority(await client.list_priority_classes())
+            return kueue_workload.missing_pod_priority_class(name)
+        return kueue_workload.pod_priority(name, value)
+    return kueue_workload.default_priority(await client.list_priority_classes())
 
 
 async def perform(
     client: kube.Client,
-    action: queueing.CreateWorkload
-    | queueing.ReleaseQuota
-    | queueing.ReportPodsReady
-    | queueing.FinishWorkload
-    | queueing.DeleteWorkload
-    | queueing.MoveWorkload,
-    job: lifecycle.JobState,
-    queue: queueing.Queue | None,
+    action: kueue_workload.CreateWorkload
+    | kueue_workload.ReleaseQuota
+    | kueue_workload.ReportPodsReady
+    | kueue_workload.FinishWorkload
+    | kueue_workload.DeleteWorkload
+    | kueue_workload.MoveWorkload,
+    job: job_state.JobState,
+    queue: kueue_workload.Queue | None,
     workload: dict[str, Any] | None,
     trainer_image: str,
 ) -> bool:
     """Carry out one Workload action of the lifecycle; whether it changed anything."""
     ref = job.ref
-    if isinstance(action, queueing.CreateWorkload):
+    if isinstance(action, kueue_workload.CreateWorkload):
         assert job.declared is not None and queue is not None
         template = builders.build_pod(ref, job.declared, 0, 0, "", default_image=trainer_image)
-        manifest = queueing.build_workload(ref, job.declared, queue, template, action.priority)
+        manifest = kueue_workload.build_workload(
+            ref, job.declared, queue, template, action.priority
+        )
         try:
             created = await client.create_workload(manifest=manifest)
         except kube.ApiError as err:
             if 400 <= err.status < 500 and err.status != 429:
-                raise Rejected(queueing.workload_rejected(err.status, err.body)) from err
+                raise Rejected(kueue_workload.workload_rejected(err.status, err.body)) from err
             raise
         logger.info("queued %s/%s in Kueue LocalQueue %s", ref.namespace, ref.name, queue.name)
         return created is not None
     if workload is None:
         return False
     metadata = workload["metadata"]
-    if isinstance(action, queueing.MoveWorkload):
+    if isinstance(action, kueue_workload.MoveWorkload):
         await client.patch_workload_queue(
             namespace=metadata["namespace"],
             name=metadata["name"],
@@ -138,23 +139,23 @@ async def perform(
         )
         logger.info("%s/%s: Workload moved to LocalQueue %s", ref.namespace, ref.name, action.queue)
         return True
-    if isinstance(action, queueing.DeleteWorkload):
+    if isinstance(action, kueue_workload.DeleteWorkload):
         await client.delete_workload(
             namespace=metadata["namespace"], name=metadata["name"], uid=metadata["uid"]
         )
         logger.info("%s/%s: Workload deleted (outdated or suspended)", ref.namespace, ref.name)
         return True
-    if isinstance(action, queueing.ReleaseQuota):
-        patch = queueing.release_patch(workload, now())
+    if isinstance(action, kueue_workload.ReleaseQuota):
+        patch = kueue_workload.release_patch(workload, clock.now())
         logger.info("%s/%s: evicted gang gone, quota released", ref.namespace, ref.name)
-    elif isinstance(action, queueing.ReportPodsReady):
-        ready = queueing.pods_ready_patch(workload, ready=action.ready, now=now())
+    elif isinstance(action, kueue_workload.ReportPodsReady):
+        ready = kueue_workload.pods_ready_patch(workload, ready=action.ready, now=clock.now())
         if ready is None:
             return False
         patch = ready
     else:
-        patch = queueing.finish_patch(
-            workload, succeeded=action.succeeded, message=action.message, now=now()
+        patch = kueue_workload.finish_patch(
+            workload, succeeded=action.succeeded, message=action.message, now=clock.now()
         )
     await client.patch_workload_status(
         namespace=metadata["namespace"],
@@ -167,19 +168,19 @@ async def perform(
 
 async def flavors(
     client: kube.Client, names: tuple[str, ...]
-) -> queueing.Assignment | queueing.Unassignable:
+) -> kueue_workload.Assignment | kueue_workload.Unassignable:
     """Where Kueue's admitted ResourceFlavors let the gang run (none named: anywhere)."""
     found = []
     for name in names:
         flavor = await client.resource_flavor(name=name)
         if flavor is None:
-            return queueing.Unassignable(
-                queueing.FLAVOR_NOT_FOUND,
+            return kueue_workload.Unassignable(
+                kueue_workload.FLAVOR_NOT_FOUND,
                 f"ResourceFlavor {name}, which Kueue admitted the job with, does not exist; "
                 "placing it once it does (or once Kueue admits it again)",
             )
         found.append(flavor)
-    return queueing.assignment(found)
+    return kueue_workload.assignment(found)
 
 
 async def release_after_pods(
@@ -191,12 +192,14 @@ async def release_after_pods(
     delete the Workload with the job, and Kueue then admit another job onto GPUs the
     stopping ranks still use.
     """
-    workload = await client.get_workload(namespace=namespace, name=queueing.workload_name(name))
-    if workload is None or not queueing.controlled_by(workload, uid):
+    workload = await client.get_workload(
+        namespace=namespace, name=kueue_workload.workload_name(name)
+    )
+    if workload is None or not kueue_workload.controlled_by(workload, uid):
         return 0
-    states = [s for s in (pod_state.pod_state(p) for p in pods) if s is not None]
+    states = [s for s in (pod_state.read(p) for p in pods) if s is not None]
     held = sum(s.holds_resources for s in states)
-    if held and not isinstance(queueing.state(workload), queueing.Finished):
+    if held and not isinstance(kueue_workload.state(workload), kueue_workload.Finished):
         return held
     metadata = workload["metadata"]
     await client.delete_workload(namespace=namespace, name=metadata["name"], uid=metadata["uid"])

@@ -64,12 +64,12 @@ def succeeded(seen: situation.Situation) -> job_actions.Decision:
     )
 
 
-FINISHED = situation.Rule(
-    "Succeeded or Failed: delete what still runs; delete the job after ttlSecondsAfterFinished",
-    lambda seen: seen.phase in job_state.FINAL,
+FINISHED = situation.FINISHED.rule(
+    "no Workload left open: delete what still runs; delete the job after ttlSecondsAfterFinished",
+    lambda seen: not seen.workload_open,
     finished,
 )
-SUCCEEDED = situation.Rule(
+SUCCEEDED = situation.GANG_EXISTS.rule(
     "every pod of the gang exited 0: Succeeded",
     lambda seen: all(p.phase == "Succeeded" for p in seen.current),
     succeeded,

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.operator.policy import job_state, queueing, rescheduling, resizing
+from meshtrain.operator.policy import job_state, kueue_workload, rescheduling, resizing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +96,12 @@ Action = (
     | PollProgress
     | resizing.Grow
     | rescheduling.ReplaceRefused
-    | queueing.CreateWorkload
-    | queueing.ReleaseQuota
-    | queueing.ReportPodsReady
-    | queueing.FinishWorkload
-    | queueing.DeleteWorkload
-    | queueing.MoveWorkload
+    | kueue_workload.CreateWorkload
+    | kueue_workload.ReleaseQuota
+    | kueue_workload.ReportPodsReady
+    | kueue_workload.FinishWorkload
+    | kueue_workload.DeleteWorkload
+    | kueue_workload.MoveWorkload
 )
 
 

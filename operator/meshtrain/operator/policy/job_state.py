@@ -34,7 +34,7 @@ class JobState:
     """The validated spec as written (``spec`` differs only while runPolicy.elastic resized the gang)."""
 
 
-def job_state(body: Mapping[str, Any]) -> JobState:
+def read(body: Mapping[str, Any]) -> JobState:
     """Read a TrainingJob object; an invalid spec gives ``spec=None`` and the problems."""
     metadata = body.get("metadata") or {}
     ref = identity.JobRef(

@@ -1,9 +1,10 @@
-"""Kueue's say in the state machine: the rules of a job Kueue queues.
+"""Kueue policy: what the state machine does with a job Kueue queues, given Kueue's answer.
 
-They act on Kueue's answer (``queueing.Gate``).  The gang exists only while Kueue admits the
-job: held, it has no pods (an eviction stops it like a suspend); admitted, it is placed on the
-flavors Kueue assigned.  The quota goes back, and a finished job's Workload is marked finished,
-only once no pod of the gang holds resources any more.  Pure.
+The rows of ``lifecycle``'s table for a queued job; the answer itself is read from the Workload
+by ``kueue_workload``, and the Workload read and written by ``cluster.workloads``.  The gang
+exists only while Kueue admits the job: held, it has no pods (an eviction stops it like a
+suspend); admitted, it is placed on the flavors Kueue assigned.  The quota goes back, and a
+finished job's Workload is marked finished, only once no pod of the gang holds resources.  Pure.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from meshtrain.operator.policy import (
     finish,
     job_actions,
     job_state,
+    kueue_workload,
     pod_state,
-    queueing,
     situation,
     suspend,
 )
@@ -30,15 +31,6 @@ def quota_free(seen: situation.Situation) -> bool:
     return not pod_state.holding(seen.pods) and not seen.current
 
 
-def _workload_open(seen: situation.Situation) -> bool:
-    """Whether the job has a Workload Kueue is not done with."""
-    return (
-        seen.kueue is not None
-        and seen.kueue.state is not None
-        and not isinstance(seen.kueue.state, queueing.Finished)
-    )
-
-
 def _finished_gang_stopping(seen: situation.Situation) -> job_actions.Decision:
     finished = finish.finished(seen)
     wait = 1.0 if finished.requeue_after is None else min(finished.requeue_after, 1.0)
@@ -47,7 +39,7 @@ def _finished_gang_stopping(seen: situation.Situation) -> job_actions.Decision:
 
 def _workload_finished(seen: situation.Situation) -> job_actions.Decision:
     finished = finish.finished(seen)
-    done = queueing.FinishWorkload(
+    done = kueue_workload.FinishWorkload(
         seen.phase == job_state.Phase.SUCCEEDED.value,
         f"TrainingJob {seen.job.ref.name} {seen.phase.lower()}",
     )
@@ -57,33 +49,31 @@ def _workload_finished(seen: situation.Situation) -> job_actions.Decision:
 def _suspended(seen: situation.Situation) -> job_actions.Decision:
     suspended = suspend.suspended(seen)
     return job_actions.Decision(
-        (*suspended.actions, queueing.DeleteWorkload()), suspended.requeue_after
+        (*suspended.actions, kueue_workload.DeleteWorkload()), suspended.requeue_after
     )
 
 
 def _left(seen: situation.Situation) -> job_actions.Decision:
     """The queue label is gone and so is the job's Workload: drop Queued; the job is placed as any."""
-    message = (
-        f'metadata.labels["{queueing.QUEUE_LABEL}"] removed: the job no longer waits for Kueue'
-    )
+    message = f'metadata.labels["{kueue_workload.QUEUE_LABEL}"] removed: the job no longer waits for Kueue'
     conds = [c for c in job_state.conditions_of(seen.job) if c.get("type") != conditions.QUEUED]
     conds = conditions.set(
-        conds, conditions.PLACED, conditions.FALSE, queueing.QUEUE_REMOVED, message, seen.now
+        conds, conditions.PLACED, conditions.FALSE, kueue_workload.QUEUE_REMOVED, message, seen.now
     )
     return job_actions.Decision(
         (
             job_actions.set_status(seen.job, conditions=conds),
-            job_actions.Emit("Normal", queueing.QUEUE_REMOVED, message),
+            job_actions.Emit("Normal", kueue_workload.QUEUE_REMOVED, message),
         ),
         requeue_after=0,
     )
 
 
-def _why_held(gate: queueing.Gate) -> tuple[str, str]:
+def _why_held(gate: kueue_workload.Gate) -> tuple[str, str]:
     """The Queued reason and message while Kueue withholds admission."""
     state = gate.state
     if state is None and gate.rejected:
-        return queueing.WORKLOAD_REJECTED, gate.rejected
+        return kueue_workload.WORKLOAD_REJECTED, gate.rejected
     if state is None:
         return "WorkloadCreated", "waiting for Kueue: creating the job's Workload"
     reason = getattr(state, "reason", "Finished")
@@ -102,16 +92,16 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
     reason, message = _why_held(seen.kueue)
     actions: list[job_actions.Action] = []
     if state is None:
-        actions.append(queueing.CreateWorkload(seen.kueue.priority))
+        actions.append(kueue_workload.CreateWorkload(seen.kueue.priority))
     if seen.kueue.move_to is not None:
-        actions.append(queueing.MoveWorkload(seen.kueue.move_to))
+        actions.append(kueue_workload.MoveWorkload(seen.kueue.move_to))
     if any(not p.deleting for p in pods):
         actions.append(job_actions.DeletePods(pod_state.undeleted(pods)))
     free = quota_free(seen)
-    if free and isinstance(state, queueing.Evicted) and state.holds_quota:
-        actions.append(queueing.ReleaseQuota())
-    elif free and isinstance(state, queueing.Outdated):
-        actions.append(queueing.DeleteWorkload())
+    if free and isinstance(state, kueue_workload.Evicted) and state.holds_quota:
+        actions.append(kueue_workload.ReleaseQuota())
+    elif free and isinstance(state, kueue_workload.Outdated):
+        actions.append(kueue_workload.DeleteWorkload())
     if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
         conditions.TRUE,
         reason,
@@ -125,8 +115,8 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
             (conditions.RUNNING, conditions.FALSE),
             (conditions.PLACED, conditions.FALSE),
         )
-        warning = reason in queueing.WARNING_REASONS or isinstance(
-            state, (queueing.Evicted, queueing.Outdated)
+        warning = reason in kueue_workload.WARNING_REASONS or isinstance(
+            state, (kueue_workload.Evicted, kueue_workload.Outdated)
         )
         actions += [
             # Time in the queue is not active time: Kubernetes clears a suspended Job's too.
@@ -148,7 +138,7 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
 
 def _admission_recorded(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
     """Queued=False (Admitted) and its Event, once, when Kueue admitted the job."""
-    if seen.kueue is None or not isinstance(seen.kueue.state, queueing.Admitted):
+    if seen.kueue is None or not isinstance(seen.kueue.state, kueue_workload.Admitted):
         return ()
     queued = conditions.find(job_state.conditions_of(seen.job), conditions.QUEUED) or {}
     if queued.get("status") == conditions.FALSE:
@@ -165,27 +155,25 @@ def _admission_recorded(seen: situation.Situation) -> tuple[job_actions.Action, 
 
 def _pods_ready(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
     """PodsReady for Kueue when what it says no longer matches the gang (waitForPodsReady reads it)."""
-    if seen.kueue is None or not isinstance(seen.kueue.state, queueing.Admitted):
+    if seen.kueue is None or not isinstance(seen.kueue.state, kueue_workload.Admitted):
         return ()
     ready = len(seen.current) == seen.spec.pods and pod_state.all_running(seen.current)
-    if queueing.pods_ready_condition(seen.kueue.state.pods_ready, ready) is None:
+    if kueue_workload.pods_ready_condition(seen.kueue.state.pods_ready, ready) is None:
         return ()
-    return (queueing.ReportPodsReady(ready),)
+    return (kueue_workload.ReportPodsReady(ready),)
 
 
-FINISHED_GANG_STOPPING = situation.Rule(
-    "finished, its Workload open, a pod still holds resources: wait before Kueue frees the quota",
-    lambda seen: (
-        seen.phase in job_state.FINAL and _workload_open(seen) and pod_state.holding(seen.pods)
-    ),
+FINISHED_GANG_STOPPING = situation.FINISHED.rule(
+    "its Workload open, a pod still holds resources: wait before Kueue frees the quota",
+    lambda seen: seen.workload_open and pod_state.holding(seen.pods),
     _finished_gang_stopping,
 )
-WORKLOAD_FINISHED = situation.Rule(
-    "finished, its Workload open: mark the Workload finished",
-    lambda seen: seen.phase in job_state.FINAL and _workload_open(seen),
+WORKLOAD_FINISHED = situation.FINISHED.rule(
+    "its Workload open, no pod holds resources: mark the Workload finished",
+    lambda seen: seen.workload_open and not pod_state.holding(seen.pods),
     _workload_finished,
 )
-SUSPENDED = situation.Rule(
+SUSPENDED = situation.VALID.rule(
     "suspended, the gang gone, a Workload exists: suspend and delete the Workload",
     lambda seen: (
         seen.spec.run_policy.suspend
@@ -195,15 +183,15 @@ SUSPENDED = situation.Rule(
     ),
     _suspended,
 )
-LEFT = situation.Rule(
+LEFT = situation.VALID.rule(
     "the queue label and the Workload are gone: drop Queued, placed as any job",
-    lambda seen: seen.kueue is None and queueing.was_queued(seen.job.status),
+    lambda seen: seen.left_kueue,
     _left,
 )
-HELD = situation.Rule(
+HELD = situation.VALID.rule(
     "queued, not admitted: no pods, Workload created/moved/released, Queued=True",
-    lambda seen: seen.kueue is not None and not isinstance(seen.kueue.state, queueing.Admitted),
+    lambda seen: not seen.kueue_admits,
     _held,
 )
-ADMISSION_RECORDED = situation.Note("admitted: Queued=False, once", _admission_recorded)
-PODS_READY_REPORTED = situation.Note("admitted: PodsReady as the gang stands", _pods_ready)
+ADMISSION_RECORDED = situation.MAY_RUN.note("admitted: Queued=False, once", _admission_recorded)
+PODS_READY_REPORTED = situation.MAY_RUN.note("admitted: PodsReady as the gang stands", _pods_ready)

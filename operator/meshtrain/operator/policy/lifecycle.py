@@ -2,7 +2,8 @@
 
 :func:`decide` walks :data:`RULES`, an ordered table whose rows come from one module per
 policy: the first rule whose guard holds decides; a note on the way owes actions that every
-decision below it carries first.  The phases and transitions: docs/operator.md, "Lifecycle".
+decision below it carries first.  The rows lie in the named sections of ``situation`` (what the
+rows above leave for them).  The phases and transitions: docs/operator.md, "Lifecycle".
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from collections.abc import Sequence
 from meshtrain.operator.policy import (
     failure,
     finish,
+    job_actions,
+    job_state,
     kueue,
-    queueing,
+    kueue_workload,
+    pod_state,
     running,
     situation,
     spec_change,
@@ -22,75 +26,47 @@ from meshtrain.operator.policy import (
     stragglers,
     suspend,
 )
-from meshtrain.operator.policy.job_actions import (
-    Action,
-    Decision,
-    DeleteJob,
-    DeletePods,
-    Emit,
-    LiftGates,
-    Place,
-    PollProgress,
-    ReplaceStraggler,
-    SetStatus,
-)
-from meshtrain.operator.policy.job_state import FINAL, JobState, Phase, job_state
-from meshtrain.operator.policy.pod_state import PodState
-
-__all__ = [
-    "FINAL",
-    "RULES",
-    "Action",
-    "Decision",
-    "DeleteJob",
-    "DeletePods",
-    "Emit",
-    "JobState",
-    "LiftGates",
-    "Phase",
-    "Place",
-    "PodState",
-    "PollProgress",
-    "ReplaceStraggler",
-    "SetStatus",
-    "decide",
-    "job_state",
-]
-"""Callers name the actions and the job through this module, the state machine's face."""
 
 RULES: tuple[situation.Rule | situation.Note, ...] = (
-    # The job as a whole: finished, invalid, suspended, queued.
+    # FINISHED: Succeeded or Failed.
     kueue.FINISHED_GANG_STOPPING,
     kueue.WORKLOAD_FINISHED,
     finish.FINISHED,
+    # Not finished.
     failure.INVALID_SPEC,
+    # VALID: not finished, the spec keeps every rule.
     kueue.SUSPENDED,
     suspend.SUSPEND,
     suspend.RESUME,
     kueue.LEFT,
     kueue.HELD,
+    # MAY_RUN: the gang may exist (not suspended, not held by Kueue).
     kueue.ADMISSION_RECORDED,
     startup.STALE_PODS_DELETED,
     kueue.PODS_READY_REPORTED,
-    # The gang of the current attempt.
     failure.DEADLINE_EXCEEDED,
+    # UNPLACED: no placement recorded.
     startup.OLD_PODS_LEAVING,
     startup.PLACE,
+    # SPEC_CHANGED: placed for an earlier spec.
     spec_change.DONE_BEFORE_REBUILD,
     spec_change.REBUILD,
+    # PLACED: placed for the spec as it is.
     failure.GANG_FAILED,
     startup.RECREATE_MISSING,
+    # GANG_EXISTS: every pod of the gang exists, none failed.
     finish.SUCCEEDED,
-    # Every pod exists.
     startup.GANG_EVENTS,
     startup.GATES_LIFTED,
     startup.SCHEDULER_REFUSED,
+    # GANG_RUNNING: every pod of the gang runs.
     running.ENTERED,
     stragglers.REPLACE,
     stragglers.REPORTED,
     running.PROGRESS_POLLED,
     running.GROW_CHECK,
     running.RUNNING,
+    # GANG_STARTING: not every pod runs yet.
     failure.STARTUP_TIMED_OUT,
     startup.WAITING,
 )
@@ -98,12 +74,12 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
 
 
 def decide(
-    job: JobState,
-    pods: Sequence[PodState],
+    job: job_state.JobState,
+    pods: Sequence[pod_state.PodState],
     now: datetime.datetime,
-    gate: queueing.Gate | None = None,
+    kueue: kueue_workload.Gate | None = None,
     nodes_gone: frozenset[str] = frozenset(),
-) -> Decision:
+) -> job_actions.Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
 
     Every decision is idempotent: applying it twice, or crashing between its actions, leads to
@@ -111,12 +87,12 @@ def decide(
     ``restarts`` (the gang attempt, a label of every pod) before the old pods are deleted, which
     makes them stale.
 
-    ``gate`` (Kueue's say) is given for a job Kueue queues: the gang exists only while Kueue admits it.
-    ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that vanished with
-    its node, as PodGC force-deletes it, is a disruption).
+    ``kueue`` (Kueue's answer) is given for a job Kueue queues: the gang exists only while Kueue
+    admits it.  ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that
+    vanished with its node, as PodGC force-deletes it, is a disruption).
     """
-    seen = situation.Situation(job, tuple(pods), now, gate, nodes_gone)
-    owed: list[Action] = []
+    seen = situation.Situation(job, tuple(pods), now, kueue, nodes_gone)
+    owed: list[job_actions.Action] = []
     for row in RULES:
         if isinstance(row, situation.Note):
             owed += row.adds(seen)
@@ -124,5 +100,5 @@ def decide(
             decided = row.then(seen)
             if not row.owed:
                 return decided
-            return Decision((*owed, *decided.actions), decided.requeue_after)
+            return job_actions.Decision((*owed, *decided.actions), decided.requeue_after)
     raise AssertionError("the last rule of the table always decides")

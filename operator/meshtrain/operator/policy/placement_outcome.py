@@ -1,15 +1,16 @@
 """What the placement step does with a plan: the pure half of ``placing``.
 
-:func:`judge` says what ``gang_fit``'s answer comes to: the job fails because its memory plan
-fits no GPU (:class:`WontFit`), waits with the reason and what was tried (:class:`Unplaced`), or
-is placed (:class:`Placed`).  ``placing`` performs it.  Pure.
+:func:`choose` picks the size to place from ``gang_fit``'s plans at each size, and :func:`judge`
+says what that plan comes to: the job fails because its memory plan fits no GPU
+(:class:`WontFit`), waits with the reason and what was tried (:class:`Unplaced`), or is placed
+(:class:`Placed`).  ``placing`` performs it.  Pure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from meshtrain import placement
@@ -21,6 +22,7 @@ from meshtrain.operator.policy import (
     job_state,
     memory_admission,
     placement_status,
+    pod_state,
     resizing,
     volumes,
 )
@@ -39,6 +41,25 @@ class Sized:
     """None when the verdict refused the size."""
     refusals: list[str]
     """Why each node left out of the offer was (the scheduler's filter reasons)."""
+
+
+def choose(tried: Iterable[Sized]) -> Sized:
+    """The size to place, from the plans at each size the job may take, largest first.
+
+    The first that fits; else the first a plan answered (why the gang is unschedulable); else
+    the first (memory admission refused every size, so the refusal is the answer).  ``tried`` is
+    read only up to the first that fits: smaller sizes are not planned.
+    """
+    first: Sized | None = None
+    answered: Sized | None = None
+    for sized in tried:
+        if isinstance(sized.answer, placement.Placement):
+            return sized
+        first = first or sized
+        if answered is None and sized.answer is not None:
+            answered = sized
+    assert first is not None, "a job may always take at least one size"
+    return answered or first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +127,20 @@ def unplaced(
 
 
 def old_gang_leaving(
-    job: job_state.JobState, names: Sequence[str], now: datetime.datetime
-) -> dict[str, Any]:
-    """Status fields while pods of the earlier gang still terminate (a new gang waits for them).
+    job: job_state.JobState, pods: Sequence[pod_state.PodState], now: datetime.datetime
+) -> Unplaced:
+    """The gang waits while ``pods`` of a dropped placement are still there: Placed=False, naming them.
 
-    Planned beside them, it would be sized down for a moment's shortage; planned onto their
-    GPUs, kube-scheduler would refuse it until they are gone.
+    Pods of the attempt take the new pods' names; an earlier attempt's hold their GPUs until gone
+    (planned beside them, the gang would be sized down for a moment's shortage; onto their GPUs,
+    kube-scheduler would refuse it until they are gone).
     """
-    message = (
-        "waiting for pod(s) of the earlier gang to terminate (they hold their GPUs until gone): "
-        + ", ".join(sorted(names))
+    names = ", ".join(
+        f"{p.name} ({p.phase if p.terminal else 'terminating'}{f' on {p.node}' if p.bound else ''})"
+        for p in sorted(pods, key=lambda p: p.name)
     )
-    return placement_status.unschedulable(job, conditions.OLD_PODS_TERMINATING, message, now)
+    message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
+    return unplaced(job, conditions.OLD_PODS_TERMINATING, message, now)
 
 
 def _tried(

@@ -1,4 +1,4 @@
-"""Status fields of a placement answer: placed, unschedulable, won't fit, unplaced, children refused, and crash recovery of a gated gang."""
+"""Status fields of a placement answer: placed, unschedulable, won't fit, a placement dropped, children refused, and crash recovery of a gated gang."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def wont_fit(
     }
 
 
-def unplaced(
+def dropped(
     job: job_state.JobState,
     now: datetime.datetime,
     message: str,
@@ -162,4 +162,4 @@ def recover_missing(
         return Recreate(tuple((i, recorded[i]) for i in missing))
     why = ", ".join(f"{node}: {reason}" for node, reason in sorted(blocked.items()))
     message = f"recorded nodes can no longer take the gang ({why}); planning it again"
-    return Replan(unplaced(job, now, message))
+    return Replan(dropped(job, now, message))

@@ -75,7 +75,7 @@ class PodState:
         )
 
 
-def pod_state(pod: dict[str, Any]) -> PodState | None:
+def read(pod: dict[str, Any]) -> PodState | None:
     """Read a pod manifest; None when it lacks the operator's labels (not one of ours)."""
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}

@@ -18,7 +18,7 @@ import pydantic
 from meshtrain.api import elastic, rules
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import status as api_status
-from meshtrain.operator.policy import conditions, queueing
+from meshtrain.operator.policy import conditions, kueue_workload
 
 GROW_CHECK_SECONDS = 10.0
 """How often a gang that may grow is checked for room while it runs (the first check's backoff)."""
@@ -154,7 +154,7 @@ def within_quota(
     bounds = declared.run_policy.elastic
     if (
         bounds is None
-        or queueing.QUEUE_LABEL not in (labels or {})
+        or kueue_workload.QUEUE_LABEL not in (labels or {})
         or bounds.max_data <= declared.parallelism.data
     ):
         return declared

@@ -13,15 +13,9 @@ from meshtrain.operator.policy import (
     conditions,
     job_actions,
     job_state,
-    pod_state,
     resizing,
     situation,
 )
-
-
-def all_running(seen: situation.Situation) -> bool:
-    """Whether every pod of the gang is released and Running (or already Succeeded)."""
-    return pod_state.all_running(seen.current)
 
 
 def conditions_now(seen: situation.Situation) -> list[dict[str, Any]]:
@@ -41,8 +35,6 @@ def conditions_now(seen: situation.Situation) -> list[dict[str, Any]]:
 
 
 def _entered(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
-    if not all_running(seen):
-        return ()
     if seen.phase != job_state.Phase.RUNNING.value:
         running = job_state.Phase.RUNNING.value
         conds = seen.once(conditions_now)
@@ -51,8 +43,6 @@ def _entered(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
 
 
 def _progress_polled(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
-    if not all_running(seen):
-        return ()
     rank0 = next(p for p in seen.current if p.index == 0)
     if rank0.ip and rank0.phase == "Running":
         return (job_actions.PollProgress(rank0.name, rank0.ip, seen.spec.metrics.port),)
@@ -69,15 +59,15 @@ def _grow_check(seen: situation.Situation) -> job_actions.Decision:
     return job_actions.Decision((grow,), requeue_after=resizing.GROW_CHECK_SECONDS)
 
 
-ENTERED = situation.Note("every pod runs: Running (once), else what the gang shows", _entered)
-PROGRESS_POLLED = situation.Note("rank 0 runs: its /progress read", _progress_polled)
-GROW_CHECK = situation.Rule(
-    "running below its largest elastic size, checkpointed since placed: look for room to grow",
-    lambda seen: all_running(seen) and seen.once(_grow) is not None,
+ENTERED = situation.GANG_RUNNING.note("Running (once), else what the gang shows", _entered)
+PROGRESS_POLLED = situation.GANG_RUNNING.note("rank 0 runs: its /progress read", _progress_polled)
+GROW_CHECK = situation.GANG_RUNNING.rule(
+    "below its largest elastic size, checkpointed since placed: look for room to grow",
+    lambda seen: seen.once(_grow) is not None,
     _grow_check,
 )
-RUNNING = situation.Rule(
+RUNNING = situation.GANG_RUNNING.rule(
     "every pod runs: nothing more",
-    all_running,
+    lambda seen: True,
     lambda seen: job_actions.Decision(),
 )

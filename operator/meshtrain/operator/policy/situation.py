@@ -1,8 +1,10 @@
-"""What one pass of the state machine sees of a job, and the two kinds of rows of its table.
+"""What one pass of the state machine sees of a job, the rows of its table, and their sections.
 
 :class:`Situation` holds what ``lifecycle.decide`` is given and the facts several rules read,
 each worked out once, when a rule first asks.  A :class:`Rule` decides the pass when its guard
-holds; a :class:`Note` owes actions that every decision below it carries first.  Pure.
+holds; a :class:`Note` owes actions that every decision below it carries first.  A
+:class:`Section` names what the rows above it leave for the rows in it (the gang exists, it
+runs, ...): its condition is part of each of their guards.  Pure.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import (
     conditions,
     gang_status,
+    identity,
     job_actions,
     job_state,
+    kueue_workload,
+    pod_failure,
     pod_state,
-    queueing,
     rescheduling,
 )
 
@@ -38,8 +42,8 @@ class Situation:
     pods: tuple[pod_state.PodState, ...]
     """Every pod labelled with the job, of any attempt."""
     now: datetime.datetime
-    kueue: queueing.Gate | None = None
-    """Kueue's say over a job it queues (None: the job is not queued)."""
+    kueue: kueue_workload.Gate | None = None
+    """Kueue's answer for a job it queues (None: the job is not queued)."""
     nodes_gone: frozenset[str] = frozenset()
     """Nodes of ``status.placement`` that no longer exist."""
     _facts: dict[Callable[[Situation], Any], Any] = dataclasses.field(
@@ -56,11 +60,48 @@ class Situation:
     def phase(self) -> str:
         return str(self.job.status.get("phase") or job_state.Phase.PENDING.value)
 
+    @functools.cached_property
+    def finished(self) -> bool:
+        """Succeeded or Failed."""
+        return self.phase in job_state.FINAL
+
     @property
     def spec(self) -> api_spec.TrainingJobSpec:
-        """The valid spec (rules below the invalid-spec rule only)."""
+        """The valid spec: read only in :data:`VALID` and the sections within it."""
         assert self.job.spec is not None
         return self.job.spec
+
+    @functools.cached_property
+    def kueue_admits(self) -> bool:
+        """Whether Kueue lets the gang exist: the job is not queued, or its Workload is admitted."""
+        return self.kueue is None or isinstance(self.kueue.state, kueue_workload.Admitted)
+
+    @functools.cached_property
+    def left_kueue(self) -> bool:
+        """Whether the job was queued and no longer is (its queue label and Workload are gone)."""
+        return self.kueue is None and kueue_workload.was_queued(self.job.status)
+
+    @functools.cached_property
+    def workload_open(self) -> bool:
+        """Whether the job has a Workload Kueue is not done with."""
+        return (
+            self.kueue is not None
+            and self.kueue.state is not None
+            and not isinstance(self.kueue.state, kueue_workload.Finished)
+        )
+
+    @functools.cached_property
+    def placed(self) -> bool:
+        """Whether a placement is recorded (``status.placement``)."""
+        return bool(self.job.status.get("placement"))
+
+    @functools.cached_property
+    def spec_changed(self) -> bool:
+        """Whether the spec no longer hashes as the one the placement was made for (``status.specHash``)."""
+        built_from = self.job.status.get("specHash")
+        if not built_from:
+            return False
+        return not identity.same_spec(built_from, self.spec)
 
     @functools.cached_property
     def attempt(self) -> int:
@@ -79,9 +120,20 @@ class Situation:
         return tuple(i for i in range(self.spec.pods) if i not in present)
 
     @functools.cached_property
+    def failures(self) -> tuple[pod_failure.Failure, ...]:
+        """The failed pods of the gang; without any, a pod missing from the released gang."""
+        placement = self.job.status.get("placement") or []
+        return pod_failure.of_gang(self.current, self.missing, placement, self.nodes_gone)
+
+    @functools.cached_property
+    def gang_running(self) -> bool:
+        """Whether every pod of the gang is released and Running (or already Succeeded)."""
+        return pod_state.all_running(self.current)
+
+    @functools.cached_property
     def flavors(self) -> tuple[str, ...]:
         """The ResourceFlavors Kueue admitted the job with (none when not queued)."""
-        if self.kueue is not None and isinstance(self.kueue.state, queueing.Admitted):
+        if self.kueue is not None and isinstance(self.kueue.state, kueue_workload.Admitted):
             return self.kueue.state.flavors
         return ()
 
@@ -131,11 +183,14 @@ class Rule:
     name: str
     """What it checks and decides, as the table reads."""
     when: Callable[[Situation], bool]
-    """The guard."""
+    """The guard: its section's condition, and then its own."""
     then: Callable[[Situation], job_actions.Decision]
     """What it decides; the actions the notes above it owe go first."""
     owed: bool = True
     """False: its decision stands alone, without what the notes above it owe."""
+    section: Section | None = None
+    """The section it lies in (None: the whole table); the table's last rule lies in one its guard
+    need not say, since the rows above it leave only that section."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +200,75 @@ class Note:
     name: str
     """What it adds, as the table reads."""
     adds: Callable[[Situation], tuple[job_actions.Action, ...]]
+    """The actions, none outside its section."""
+    section: Section | None = None
+    """The section it lies in (None: the whole table)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A named part of the table: what the rows above it leave for the rows in it.
+
+    Its rows' guards hold only inside it, so no row rests on the ones above it unsaid.
+    """
+
+    name: str
+    """What holds in it."""
+    holds: Callable[[Situation], bool]
+    """Its condition, read once the sections around it cover the situation."""
+    within: Section | None = None
+    """The section it lies in (None: the whole table)."""
+
+    def covers(self, seen: Situation) -> bool:
+        """Whether ``seen`` lies in this section (and in the sections around it)."""
+        return (self.within is None or self.within.covers(seen)) and self.holds(seen)
+
+    def rule(
+        self,
+        name: str,
+        when: Callable[[Situation], bool],
+        then: Callable[[Situation], job_actions.Decision],
+        owed: bool = True,
+    ) -> Rule:
+        """A rule of this section: it decides when the section covers the situation and ``when`` holds."""
+        return Rule(name, lambda seen: self.covers(seen) and when(seen), then, owed, self)
+
+    def note(self, name: str, adds: Callable[[Situation], tuple[job_actions.Action, ...]]) -> Note:
+        """A note of this section: it adds nothing outside it."""
+        return Note(name, lambda seen: adds(seen) if self.covers(seen) else (), self)
+
+
+FINISHED = Section("finished: Succeeded or Failed", lambda seen: seen.finished)
+VALID = Section(
+    "not finished, the spec keeps every rule",
+    lambda seen: not seen.finished and seen.job.spec is not None,
+)
+MAY_RUN = Section(
+    "the gang may exist: not suspended, not held by Kueue",
+    lambda seen: (
+        not seen.spec.run_policy.suspend
+        and seen.phase != job_state.Phase.SUSPENDED.value
+        and not seen.left_kueue
+        and seen.kueue_admits
+    ),
+    VALID,
+)
+UNPLACED = Section("no placement recorded", lambda seen: not seen.placed, MAY_RUN)
+SPEC_CHANGED = Section(
+    "placed for an earlier spec", lambda seen: seen.placed and seen.spec_changed, MAY_RUN
+)
+PLACED = Section(
+    "placed for the spec as it is", lambda seen: seen.placed and not seen.spec_changed, MAY_RUN
+)
+GANG_EXISTS = Section(
+    "every pod of the gang exists, none failed",
+    lambda seen: not seen.missing and not seen.failures,
+    PLACED,
+)
+GANG_RUNNING = Section("every pod of the gang runs", lambda seen: seen.gang_running, GANG_EXISTS)
+GANG_STARTING = Section(
+    "the gang is starting: not every pod runs yet", lambda seen: not seen.gang_running, GANG_EXISTS
+)
 
 
 def set_conditions(

@@ -11,19 +11,10 @@ from __future__ import annotations
 from meshtrain.operator.policy import (
     conditions,
     finish,
-    identity,
     job_actions,
     job_state,
     situation,
 )
-
-
-def _changed(seen: situation.Situation) -> bool:
-    """Whether the spec no longer hashes as the one the placement was made for."""
-    built_from = seen.job.status.get("specHash")
-    if not built_from:
-        return False
-    return not identity.same_spec(built_from, seen.spec)
 
 
 def _gang_done(seen: situation.Situation) -> bool:
@@ -60,13 +51,13 @@ def _rebuilt(seen: situation.Situation) -> job_actions.Decision:
     return situation.gang_stopped(seen, dropped, event)
 
 
-DONE_BEFORE_REBUILD = situation.Rule(
-    "the spec changed but the old gang already exited 0: Succeeded",
-    lambda seen: _changed(seen) and _gang_done(seen),
+DONE_BEFORE_REBUILD = situation.SPEC_CHANGED.rule(
+    "the old gang already exited 0: Succeeded",
+    _gang_done,
     finish.succeeded,
 )
-REBUILD = situation.Rule(
-    "the spec changed under the placed gang: drop it (SpecChanged), the next pass places the new spec",
-    _changed,
+REBUILD = situation.SPEC_CHANGED.rule(
+    "drop the old gang (SpecChanged), the next pass places the new spec",
+    lambda seen: not _gang_done(seen),
     _rebuilt,
 )

@@ -9,10 +9,8 @@ from a released gang is a failure.  Pure.
 from __future__ import annotations
 
 from meshtrain.operator.policy import (
-    conditions,
     job_actions,
-    job_state,
-    placement_status,
+    placement_outcome,
     pod_state,
     rescheduling,
     situation,
@@ -24,32 +22,18 @@ def _stale_pods_deleted(seen: situation.Situation) -> tuple[job_actions.Action, 
     return (job_actions.DeletePods(stale),) if stale else ()
 
 
-def _unplaced(seen: situation.Situation) -> bool:
-    return not seen.job.status.get("placement")
-
-
 def _old_pods_leaving(seen: situation.Situation) -> job_actions.Decision:
     """Delete what is left of a dropped placement and say which pods the new gang waits for.
 
     Pods without a recorded placement: after a lost status write (rebuild cleanly), or a dropped
     placement whose pods still terminate (wait for them, woken by their deletion).  A terminal pod
     holds no GPUs, but the new pods take the same names: it is waited for too (the API server
-    removes it at once unless a finalizer holds it).
+    removes it at once unless a finalizer holds it).  An earlier attempt's pods still
+    terminating are waited for when the gang is placed (``placing``), the same way.
     """
-    job, current = seen.job, seen.current
-    doomed = pod_state.undeleted(current)
-    names = ", ".join(
-        f"{p.name} ({p.phase if p.terminal else 'terminating'}{f' on {p.node}' if p.bound else ''})"
-        for p in sorted(current, key=lambda p: p.name)
-    )
-    message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
-    placed = conditions.find(job_state.conditions_of(job), conditions.PLACED) or {}
-    wait: tuple[job_actions.Action, ...] = ()
-    if (placed.get("reason"), placed.get("message")) != (conditions.OLD_PODS_TERMINATING, message):
-        unschedulable = placement_status.unschedulable(
-            job, conditions.OLD_PODS_TERMINATING, message, seen.now
-        )
-        wait = (job_actions.set_status(job, **unschedulable),)
+    doomed = pod_state.undeleted(seen.current)
+    waiting = placement_outcome.old_gang_leaving(seen.job, seen.current, seen.now)
+    wait = (job_actions.set_status(seen.job, **waiting.status),) if waiting.news else ()
     actions = (*([job_actions.DeletePods(doomed)] if doomed else []), *wait)
     return job_actions.Decision(actions, situation.LEAVING_RECHECK_SECONDS)
 
@@ -79,35 +63,41 @@ def _waiting(seen: situation.Situation) -> job_actions.Decision:
     return job_actions.Decision(seen.observation_unwritten, recheck)
 
 
-STALE_PODS_DELETED = situation.Note("pods of an earlier attempt: deleted", _stale_pods_deleted)
-OLD_PODS_LEAVING = situation.Rule(
-    "no placement, pods of the attempt still there: delete them, wait until gone",
-    lambda seen: _unplaced(seen) and bool(seen.current),
+STALE_PODS_DELETED = situation.MAY_RUN.note(
+    "pods of an earlier attempt: deleted", _stale_pods_deleted
+)
+OLD_PODS_LEAVING = situation.UNPLACED.rule(
+    "pods of the attempt still there: delete them, wait until gone",
+    lambda seen: bool(seen.current),
     _old_pods_leaving,
 )
-PLACE = situation.Rule(
-    "no placement: place the gang",
-    _unplaced,
+PLACE = situation.UNPLACED.rule(
+    "no pod of the attempt left: place the gang",
+    lambda seen: not seen.current,
     lambda seen: job_actions.Decision((job_actions.Place(seen.attempt, flavors=seen.flavors),)),
 )
-RECREATE_MISSING = situation.Rule(
-    "pods missing from the still-gated gang: re-create them on their recorded nodes",
-    lambda seen: bool(seen.missing),
+RECREATE_MISSING = situation.PLACED.rule(
+    "pods missing from the still-gated gang, none failed: re-create them on their recorded nodes",
+    lambda seen: bool(seen.missing) and not seen.failures,
     lambda seen: job_actions.Decision(
         (job_actions.Place(seen.attempt, seen.missing, seen.flavors),)
     ),
 )
-GANG_EVENTS = situation.Note("what the gang shows: FailedScheduling Events", _gang_events)
-GATES_LIFTED = situation.Note(
-    "every pod exists, some still gated: Placed=True, gates lifted", _gates_lifted
+GANG_EVENTS = situation.GANG_EXISTS.note(
+    "what the gang shows: FailedScheduling Events", _gang_events
 )
-SCHEDULER_REFUSED = situation.Rule(
+GATES_LIFTED = situation.GANG_EXISTS.note(
+    "some pods still gated: Placed=True, gates lifted", _gates_lifted
+)
+SCHEDULER_REFUSED = situation.GANG_EXISTS.rule(
     "kube-scheduler keeps refusing released pods on their planned nodes: place the gang again",
     lambda seen: bool(seen.refusals.nodes),
     _replaced_after_refusals,
 )
 WAITING = situation.Rule(
-    "otherwise: the gang is starting; look again when a timeout is due",
+    "otherwise (the gang is starting): look again when a timeout is due",
     lambda seen: True,
     _waiting,
+    section=situation.GANG_STARTING,
 )
+"""The last row, and the one whose guard always holds: only a starting gang gets this far."""

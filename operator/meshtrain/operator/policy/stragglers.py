@@ -360,18 +360,16 @@ def _replaced(seen: situation.Situation) -> job_actions.Decision:
 
 
 def _reported(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
-    if not running.all_running(seen):
-        return ()
     reaction = seen.once(_reaction)
     written = [job_actions.set_status(seen.job, **reaction.status)] if reaction.status else []
     return (*written, *(job_actions.Emit(*event) for event in reaction.events))
 
 
-REPLACE = situation.Rule(
+REPLACE = situation.GANG_RUNNING.rule(
     "stragglerPolicy replace flags a node: rebuild the gang without it if that fits now",
-    lambda seen: running.all_running(seen) and seen.once(_reaction).replace,
+    lambda seen: seen.once(_reaction).replace,
     _replaced,
 )
-REPORTED = situation.Note(
-    "the gang runs: the Straggler condition and its Events as the report says", _reported
+REPORTED = situation.GANG_RUNNING.note(
+    "the Straggler condition and its Events as the report says", _reported
 )

@@ -57,13 +57,13 @@ def _resumed(seen: situation.Situation) -> job_actions.Decision:
     )
 
 
-SUSPEND = situation.Rule(
+SUSPEND = situation.VALID.rule(
     "spec.runPolicy.suspend: delete the pods, Suspended",
     lambda seen: seen.spec.run_policy.suspend,
     suspended,
 )
-RESUME = situation.Rule(
+RESUME = situation.VALID.rule(
     "Suspended and suspend is false again: once the pods are gone, Pending",
-    lambda seen: seen.phase == job_state.Phase.SUSPENDED.value,
+    lambda seen: seen.phase == job_state.Phase.SUSPENDED.value and not seen.spec.run_policy.suspend,
     _resumed,
 )

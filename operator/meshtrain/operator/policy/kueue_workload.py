@@ -1,9 +1,9 @@
-"""A TrainingJob queued by Kueue: its Workload, and what Kueue's answer means for the gang.
+"""A job's Kueue Workload as values: built from the job, read as Kueue's answer, patched.
 
-A job labelled ``kueue.x-k8s.io/queue-name`` is one Kueue Workload (one pod set: the gang)
-that meshtrain creates and owns, as Kueue expects of an external framework.  Kueue decides
-when the gang may hold its GPUs (quota, fair sharing, preemption); meshtrain decides where.
-This module builds the Workload and reads Kueue's conditions; it does no I/O.
+A job labelled ``kueue.x-k8s.io/queue-name`` is one Workload (one pod set: the gang) that
+meshtrain creates and owns, as Kueue expects of an external framework; Kueue decides when the
+gang may hold its GPUs, meshtrain where.  What to do with the answer (:class:`Gate`) is
+``kueue``'s; the reads and writes are ``cluster.workloads``'.  Pure.
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def was_queued(status: Mapping[str, Any]) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """Kueue's say over a queued job: its workload's state, None before the workload exists."""
+    """Kueue's answer for a queued job: its Workload's state, None before the Workload exists."""
 
     state: State | None
     priority: Priority = Priority(0)
@@ -346,7 +346,7 @@ class Gate:
 def gate_for(
     workload: Mapping[str, Any] | None, uid: str, queue: Queue | None, spec_hash: str | None
 ) -> Gate | None:
-    """Kueue's say over job ``uid`` labelled with ``queue``, given the Workload of its name.
+    """Kueue's answer for job ``uid`` labelled with ``queue``, given the Workload of its name.
 
     None: the job is not queued (any more).  A Gate without a state: the job has no
     Workload yet (the caller reads the priority it gets).  The queue label follows Kueue's

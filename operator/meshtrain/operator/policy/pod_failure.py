@@ -1,0 +1,156 @@
+"""Whether a pod of the gang failed, and how: permanent, retryable, or a disruption.
+
+:func:`classify` judges one pod, :func:`of_gang` the gang of an attempt (a pod gone from a
+released gang failed too).  What the job does about it is ``failure``'s.  Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.api import exitcodes
+from meshtrain.operator.policy import pod_state
+
+DISRUPTION_REASONS = frozenset(
+    {"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
+)
+"""Pod status.reason set when the node or the kubelet, not the container, ended a pod.
+
+``UnexpectedAdmissionError``: the kubelet's device manager could not allocate the pod's devices.
+"""
+
+KUBELET_OUT_OF = "OutOf"
+"""Prefix of the reason the kubelet gives a pod it refuses for lack of a resource
+(``OutOfnvidia.com/gpu``, ``OutOfcpu``, ``OutOfpods``): e.g. while it still tears down a
+terminal pod of the previous gang, whose resources the scheduler already counts free."""
+
+PERMANENT_EXIT_CODES = exitcodes.PERMANENT
+"""Exit codes after which restarting the gang cannot help."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A failed pod and what that means for the job."""
+
+    pod: str
+    permanent: bool
+    """True: fail the job now; False: restart the gang if the backoff limit allows."""
+    message: str
+    """What happened, with the exit code or reason."""
+    disruption: bool = False
+    """The infrastructure ended the pod (node lost, eviction, preemption): not counted against backoffLimit."""
+
+
+def disrupted(pod: pod_state.PodState) -> bool:
+    """Whether the node or the control plane, not the job, ended ``pod``.
+
+    A ``DisruptionTarget`` condition (eviction, preemption, drain, taint), phase Unknown, or a
+    Failed pod whose reason is one of :data:`DISRUPTION_REASONS` or a kubelet admission
+    rejection (:data:`KUBELET_OUT_OF`).  A gang restart caused only by disruptions does not use
+    ``backoffLimit`` (the practice of Job/JobSet ``podFailurePolicy`` with ``onPodConditions:
+    DisruptionTarget`` and action ``Ignore``): a 10k-GPU job loses nodes every few hours and
+    must not fail for it.
+    """
+    return (
+        pod.disrupted
+        or pod.phase == "Unknown"
+        or (pod.phase == "Failed" and _disruption_reason(pod.reason))
+    )
+
+
+def _disruption_reason(reason: str | None) -> bool:
+    if reason is None:
+        return False
+    return reason in DISRUPTION_REASONS or (
+        reason.startswith(KUBELET_OUT_OF) and len(reason) > len(KUBELET_OUT_OF)
+    )
+
+
+def classify(pod: pod_state.PodState) -> Failure | None:
+    """The failure of ``pod``, or None while it is healthy (pending, running or succeeded).
+
+    Permanent: exit code 2, 3 or 4 (the trainer refused its configuration, its dataset or its
+    checkpoint), 5 (the loss guard stopped training: a restart would replay the same batches from
+    the same checkpoint), 126/127 (the command is not executable / not found in the image).
+    Under torchrun the container exits 1 for any failed worker, so the rank's own code and
+    message come from its termination message (``{"exitCode": N, "message": ...}``,
+    :mod:`meshtrain.api.exitcodes`).  Retryable: 128+N (killed by signal N: OOM killer,
+    preemption), any other non-zero exit code, phase Failed without an exit code (evicted, node
+    shutdown), phase Unknown (node lost), a ``DisruptionTarget`` condition, a pod deleted by
+    someone else.
+    """
+    found = _classify(pod)
+    if found is None or found.permanent or not disrupted(pod):
+        return found
+    return dataclasses.replace(found, disruption=True)
+
+
+def _classify(pod: pod_state.PodState) -> Failure | None:
+    if pod.phase == "Failed":
+        code = pod.exit_code
+        if pod.reported is not None and pod.reported[0] in PERMANENT_EXIT_CODES:
+            rank_code, said = pod.reported
+            return Failure(
+                pod.name,
+                True,
+                f"pod {pod.name}: a rank exited with code {rank_code} "
+                f"({PERMANENT_EXIT_CODES[rank_code]}): {said}",
+            )
+        if code in PERMANENT_EXIT_CODES:
+            return Failure(
+                pod.name,
+                True,
+                f"pod {pod.name} exited with code {code}: {PERMANENT_EXIT_CODES[code]}",
+            )
+        if code is not None and code > 128:
+            return Failure(
+                pod.name,
+                False,
+                f"pod {pod.name} was killed by signal {code - 128} (exit code {code})",
+            )
+        if code is not None and code != 0:
+            return Failure(pod.name, False, f"pod {pod.name} exited with code {code}")
+        return Failure(pod.name, False, f"pod {pod.name} failed ({pod.reason or 'no exit code'})")
+    if pod.phase == "Unknown":
+        return Failure(
+            pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)"
+        )
+    if pod.disrupted and not pod.terminal:
+        return Failure(
+            pod.name,
+            False,
+            f"pod {pod.name} is being disrupted ({pod.reason or 'DisruptionTarget'})",
+        )
+    if pod.deleting and not pod.terminal:
+        return Failure(pod.name, False, f"pod {pod.name} is being deleted")
+    return None
+
+
+def _disappeared(index: int, placement: Sequence[Any], nodes_gone: frozenset[str]) -> Failure:
+    """The failure of a pod of the gang that no longer exists: a disruption when its node is gone too."""
+    node = next(
+        (p.get("node") for p in placement if isinstance(p, Mapping) and p.get("podIndex") == index),
+        None,
+    )
+    if node in nodes_gone:
+        message = f"pod of node rank {index} disappeared with its node {node} (deleted)"
+        return Failure(f"index {index}", False, message, disruption=True)
+    return Failure(f"index {index}", False, f"pod of node rank {index} disappeared")
+
+
+def of_gang(
+    gang: Sequence[pod_state.PodState],
+    missing: Sequence[int],
+    placement: Sequence[Any],
+    nodes_gone: frozenset[str],
+) -> tuple[Failure, ...]:
+    """The failed pods of ``gang``; without any, a pod ``missing`` from it once released.
+
+    ``placement``: ``status.placement``; ``nodes_gone``: its nodes that no longer exist.
+    """
+    failures = tuple(f for f in (classify(p) for p in gang) if f is not None)
+    if missing and not failures and any(not p.gated for p in gang):
+        return (_disappeared(missing[0], placement, nodes_gone),)
+    return failures
