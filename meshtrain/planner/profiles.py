@@ -155,26 +155,6 @@ class Profile:
         """Whether the figures were measured by ``meshtrain plan --calibrate``."""
         return bool(self.calibration)
 
-    def _core_share(self, ranks: int) -> float:
-        """Cores' worth of compute one of ``ranks`` ranks gets: its ``cores // ranks`` threads, time-shared."""
-        threads = max(1, self.cores // ranks)
-        return threads * min(1.0, self.cores / (ranks * threads))
-
-    def rank_flops(self, ranks_per_host: int) -> float:
-        """Matmul FLOP/s of one rank when ``ranks_per_host`` ranks share the host's cores.
-
-        From the measurement with the nearest rank count, scaled by the
-        rank's share of the cores (each rank runs ``cores // ranks`` threads,
-        as ``meshtrain run`` and the pods set ``OMP_NUM_THREADS``; past the
-        core count ranks time-share).  Without a measurement: the achievable
-        FLOP/s.
-        """
-        if not self.flops_by_ranks or not self.cores:
-            return self.achievable_flops
-        ranks = max(1, ranks_per_host)
-        nearest = min(self.flops_by_ranks, key=lambda r: (abs(r - ranks), r))
-        return self.flops_by_ranks[nearest] * self._core_share(ranks) / self._core_share(nearest)
-
     def collective_fit(self, op: str, members: int) -> CollectiveFit | None:
         """The measured fit of ``op`` closest in group size to ``members`` (None when unmeasured)."""
         fits = [f for f in self.collectives if f.op == op]

@@ -20,7 +20,15 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.cli import main
 from meshtrain.planner import cluster, comm, estimate, profiles, report, search, validation
-from meshtrain.planner.timing import cpu_host, network, pipeline_window, stage_work, step_time
+from meshtrain.planner.timing import (
+    core_share,
+    cpu_host,
+    device_node,
+    network,
+    pipeline_window,
+    stage_work,
+    step_time,
+)
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import schedules
 from meshtrain.trainer.parallel.loss import lm_loss
@@ -165,10 +173,11 @@ def test_a_measured_fit_replaces_the_links_alpha_and_beta() -> None:
 
 def test_ranks_beyond_the_cores_share_them() -> None:
     profile = calibrated_cpu()
-    assert profile.rank_flops(2) == pytest.approx(2e10)  # measured with 2 ranks, 1 thread each
-    assert profile.rank_flops(4) == pytest.approx(1e10)  # 4 single-thread ranks on 2 cores
-    assert profile.rank_flops(1) == pytest.approx(4e10)  # one rank gets both cores
-    assert profiles.get("h100-sxm").rank_flops(8) == profiles.get("h100-sxm").achievable_flops
+    flops_per_rank = core_share.flops_per_rank
+    assert flops_per_rank(profile, 2) == pytest.approx(2e10)  # measured with 2 ranks, 1 thread each
+    assert flops_per_rank(profile, 4) == pytest.approx(1e10)  # 4 single-thread ranks on 2 cores
+    assert flops_per_rank(profile, 1) == pytest.approx(4e10)  # one rank gets both cores
+    assert flops_per_rank(profiles.get("h100-sxm"), 8) == profiles.get("h100-sxm").achievable_flops
 
 
 def test_op_overhead_and_shared_cores_enter_the_step() -> None:
@@ -229,6 +238,24 @@ def test_cpu_host_step_is_the_larger_of_work_over_cores_and_the_critical_path() 
     assert cpu_host.available_cores(cpu_time_profile(available_cores=0.0)) == 2.0
     gpu = estimate.make_plan(spec, profiles.get("h100-sxm")).time
     assert gpu.cpu_seconds == 0.0 and gpu.available_cores == 0.0 and not gpu.work_bound
+
+
+def test_the_profile_names_one_kind_of_machine() -> None:
+    """The profile says which kind of machine prices the job, and only a shared host reports its load.
+
+    No ``cores``: a device per rank; ``cores`` alone: each rank a device at its share of them;
+    CPU-time figures too: CPU seconds over the cores, the one kind that reports CPU work.
+    """
+    spec = job(data=2)
+    gpu, shared, cpu = profiles.get("h100-sxm"), calibrated_cpu(), cpu_time_profile()
+    assert type(step_time.machine_for(spec, gpu)) is device_node.DeviceNode
+    assert type(step_time.machine_for(spec, shared)) is core_share.CoreShareHost
+    assert type(step_time.machine_for(spec, cpu)) is cpu_host.CpuHost
+    assert estimate.make_plan(spec, gpu).time.host is None
+    by_share = estimate.make_plan(spec, shared).time.host
+    assert by_share is not None and by_share.oversubscription == 1.0 and by_share.work is None
+    by_cpu = estimate.make_plan(spec, cpu).time.host
+    assert by_cpu is not None and by_cpu.work is not None and by_cpu.work.available_cores == 2.0
 
 
 def test_calibrated_message_latencies_delay_the_replayed_pipeline() -> None:

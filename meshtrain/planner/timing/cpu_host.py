@@ -19,6 +19,7 @@ from meshtrain.planner.timing import (
     network,
     pipeline_replay,
     pipeline_window,
+    shared_host,
     stage_work,
 )
 
@@ -48,19 +49,14 @@ def available_cores(profile: profiles.Profile) -> float:
     return min(measured, float(profile.cores)) if measured > 0 else float(profile.cores)
 
 
-def threads_per_rank(profile: profiles.Profile, ranks: int) -> int:
-    """Threads each rank runs: ``cores // ranks``, at least one (as ``meshtrain run`` sets ``OMP_NUM_THREADS``)."""
-    return max(1, profile.cores // max(1, ranks))
-
-
 def rank_speed(profile: profiles.Profile, ranks: int) -> float:
     """Cores one rank runs on when it is the one runnable: its threads, at most the available cores."""
-    return min(float(threads_per_rank(profile, ranks)), available_cores(profile))
+    return min(float(shared_host.threads_per_rank(profile, ranks)), available_cores(profile))
 
 
 def sharing(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> pipeline_replay.Sharing:
     """How the job's ranks share a CPU host's cores, from the cores they receive together (``available_cores``)."""
-    threads = threads_per_rank(profile, machine.ranks_per_host(job, profile))
+    threads = shared_host.threads_per_rank(profile, shared_host.ranks(job))
     return pipeline_replay.Sharing(available_cores(profile), threads)
 
 
@@ -96,13 +92,18 @@ class CpuHost(machine.JobOnMachine):
 
     @property
     def speed(self) -> float:
-        """A rank on the critical path runs at the cores it has when it is the one runnable."""
-        return rank_speed(self.profile, machine.ranks_per_host(self.job, self.profile))
+        """Cores a rank on the critical path runs at: those it has when it is the one runnable."""
+        return rank_speed(self.profile, shared_host.ranks(self.job))
 
     @property
-    def step_loop_seconds(self) -> float:
-        """The step loop's CPU seconds per rank and step, as calibration measured them."""
-        return self.profile.rank_step_cpu_seconds
+    def rank_flops(self) -> float:
+        """The block's FLOPs per CPU second at the rank's speed."""
+        return self.profile.core_flops * self.speed
+
+    @property
+    def oversubscription(self) -> float:
+        """Threads of the host's ranks over its cores (:func:`~.shared_host.oversubscription`)."""
+        return shared_host.oversubscription(self.job, self.profile)
 
     def on_path(
         self, stage: stage_work.StageTime, stage_comm: comm.StageComm
@@ -117,6 +118,10 @@ class CpuHost(machine.JobOnMachine):
         if self.oversubscription > 1.0:
             return stage
         return dataclasses.replace(stage, tp=max(stage.tp, self._wall_tp_seconds(stage_comm)))
+
+    def seconds_on_path(self, priced: float) -> float:
+        """CPU seconds at the rank's speed."""
+        return priced / self.speed
 
     def _wall_tp_seconds(self, stage_comm: comm.StageComm) -> float:
         """A stage's tensor-parallel collectives at the calibrated wall time of a call.
@@ -141,17 +146,19 @@ class CpuHost(machine.JobOnMachine):
         The step loop runs between a stage's actions: inside the window, and
         not compute.  Calibration measures the share of it outside every
         event (``step_loop_between_share``); the rest runs inside the
-        actions.  Each message costs its calibrated wall latency where
-        calibration timed the trainer's own messages, else ``send``.
+        actions, and what is left of it follows the window.  Each message
+        costs its calibrated wall latency where calibration timed the
+        trainer's own messages, else ``send``.
         """
         par = self.job.parallelism
         virtual = self.job.parallelism.virtual_stages
         if par.pipeline == 1 or virtual != 1:
             return machine.Pipeline(
-                pipeline_window.window(par.micro_batches, durations, send, virtual)
+                pipeline_window.window(par.micro_batches, durations, send, virtual),
+                after_window=self._step_loop_after(0.0),
             )
         profile, speed = self.profile, self.speed
-        loop = self.step_loop_seconds
+        loop = profile.rank_step_cpu_seconds
         share = min(1.0, max(0.0, profile.step_loop_between_share))
         actions = 2 * par.micro_batches
         between = loop * share / actions
@@ -172,18 +179,24 @@ class CpuHost(machine.JobOnMachine):
             replicas=par.data * par.tensor,
             between=between,
         )
-        return machine.Pipeline(replayed, step_loop=(between + inside) * actions)
+        return machine.Pipeline(
+            replayed, after_window=self._step_loop_after((between + inside) * actions)
+        )
+
+    def _step_loop_after(self, inside: float) -> float:
+        """Critical-path seconds of a rank's step loop after the window, ``inside`` CPU seconds of it having run within."""
+        return (self.profile.rank_step_cpu_seconds - inside) / self.speed
 
     def bound(self, work: Sequence[stage_work.StageTime], dependencies: float) -> machine.Bound:
         """The larger of the critical path and all ranks' CPU seconds over the cores available."""
         par = self.job.parallelism
-        loop = self.step_loop_seconds
+        loop = self.profile.rank_step_cpu_seconds
         rank_cpu = tuple(st.busy + st.dp + st.optimizer + loop for st in work)
         cpu_seconds = par.data * par.tensor * sum(rank_cpu)
         cores = available_cores(self.profile)
         return machine.Bound(
             step_seconds=max(dependencies, cpu_seconds / cores),
-            cpu_seconds=cpu_seconds,
-            available_cores=cores,
-            rank_cpu_seconds=rank_cpu,
+            host=shared_host.HostLoad(
+                self.oversubscription, shared_host.CpuWork(cpu_seconds, cores, rank_cpu)
+            ),
         )

@@ -2,8 +2,7 @@
 
 Work at the device's achievable FLOP/s and cost per operation, collectives at the alpha-beta price
 of their group's link (:mod:`.network`), the closed-form pipeline window, the step its critical
-path.  A CPU profile without CPU-time figures is priced the same way, each rank a device at its
-share of the host's cores (:meth:`~meshtrain.planner.profiles.Profile.rank_flops`).
+path.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ class DeviceNode(machine.JobOnMachine):
         """The device's FLOP/s, cost per operation and memory bandwidth, and its links."""
         kinds = network.links(self.profile)
         return stage_work.Prices(
-            rank_flops=self.profile.rank_flops(machine.ranks_per_host(self.job, self.profile)),
+            rank_flops=self.rank_flops,
             op_seconds=self.profile.op_overhead,
             memory_bandwidth=self.profile.memory_bandwidth,
             links=network.axis_links(self.job, kinds, self.pod_domains),
@@ -32,20 +31,19 @@ class DeviceNode(machine.JobOnMachine):
         )
 
     @property
-    def speed(self) -> float:
-        """Prices are wall seconds: work runs at them."""
-        return 1.0
-
-    @property
-    def step_loop_seconds(self) -> float:
-        """Not measured on a device: 0."""
-        return 0.0
+    def rank_flops(self) -> float:
+        """The device's achievable FLOP/s."""
+        return self.profile.achievable_flops
 
     def on_path(
         self, stage: stage_work.StageTime, stage_comm: comm.StageComm
     ) -> stage_work.StageTime:
         """The stage's work as priced: a device runs only its own rank."""
         return stage
+
+    def seconds_on_path(self, priced: float) -> float:
+        """Prices are wall seconds: work runs at them."""
+        return priced
 
     def window(
         self, durations: Sequence[pipeline_window.StageDurations], send: float

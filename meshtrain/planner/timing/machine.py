@@ -2,8 +2,10 @@
 
 :mod:`.step_time` prices each stage's work at the machine's :class:`~.stage_work.Prices` and
 composes the step from its answers.  One implementation per kind, chosen once from the profile:
-:class:`.device_node.DeviceNode` (a device per rank) and :class:`.cpu_host.CpuHost` (ranks
-sharing a host's cores).
+:class:`.device_node.DeviceNode` (a device per rank), :class:`.core_share.CoreShareHost` (a CPU
+host's ranks, each a device at its share of the cores) and :class:`.cpu_host.CpuHost` (ranks
+sharing a host's cores, priced in CPU seconds).  What only a shared host has comes back as the
+bound's ``host`` part.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Protocol
 
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, profiles
-from meshtrain.planner.timing import pipeline_window, stage_work
+from meshtrain.planner.timing import pipeline_window, shared_host, stage_work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,22 +25,18 @@ class Pipeline:
 
     window: pipeline_window.Window
     """From the step's start until the last stage finishes its last backward."""
-    step_loop: float = 0.0
-    """Priced seconds of a rank's step loop that run inside the window (the rest follows it)."""
+    after_window: float = 0.0
+    """Critical-path seconds of a rank's own work that follow the window and the stages' tails (a CPU host's step loop left over)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Bound:
-    """The step, and the machine's capacity where that bounds it."""
+    """The step, and what it asks of a host whose cores the ranks share."""
 
     step_seconds: float
     """Predicted wall time of one step."""
-    cpu_seconds: float = 0.0
-    """CPU seconds of all ranks in one step, where the cores they share bound the step (0 elsewhere)."""
-    available_cores: float = 0.0
-    """Cores the ranks share (0 where each rank has its own device)."""
-    rank_cpu_seconds: tuple[float, ...] = ()
-    """CPU seconds of one rank of each stage in one step, step loop included (empty elsewhere)."""
+    host: shared_host.HostLoad | None = None
+    """The shared host's load (None: each rank has its own device)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +50,6 @@ class JobOnMachine:
     pod_domains: Sequence[str] | None = None
     """NVLink domain (or host) of each pod (None: every pod its own)."""
 
-    @property
-    def oversubscription(self) -> float:
-        """Threads the ranks of one host run over its cores (1 without a core count, as on a GPU)."""
-        return host_oversubscription(self.job, self.profile)
-
 
 class Machine(Protocol):
     """One kind of machine as a job's ranks use it."""
@@ -67,24 +60,18 @@ class Machine(Protocol):
         ...
 
     @property
-    def speed(self) -> float:
-        """Priced seconds of work a rank does per second on the schedule's critical path."""
-        ...
-
-    @property
-    def oversubscription(self) -> float:
-        """Threads the ranks of one host run over its cores (1 without a core count)."""
-        ...
-
-    @property
-    def step_loop_seconds(self) -> float:
-        """Priced seconds a rank's step loop costs per step beyond its tensor work (0: not measured)."""
+    def rank_flops(self) -> float:
+        """Matmul FLOP/s one rank computes at on the schedule's critical path."""
         ...
 
     def on_path(
         self, stage: stage_work.StageTime, stage_comm: comm.StageComm
     ) -> stage_work.StageTime:
         """A stage's priced work as seconds on the critical path, waits included."""
+        ...
+
+    def seconds_on_path(self, priced: float) -> float:
+        """Critical-path seconds of work priced at ``priced`` (a pipeline message, a closing all-reduce)."""
         ...
 
     def window(self, durations: Sequence[pipeline_window.StageDurations], send: float) -> Pipeline:
@@ -94,17 +81,3 @@ class Machine(Protocol):
     def bound(self, work: Sequence[stage_work.StageTime], dependencies: float) -> Bound:
         """The step: the critical path ``dependencies``, or longer where all ranks' priced ``work`` needs it."""
         ...
-
-
-def ranks_per_host(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> int:
-    """Ranks sharing one host: a pod's ``gpusPerNode``; on a CPU profile (``cores``) every rank, as ``meshtrain run`` starts them."""
-    return job.world_size if profile.cores else job.resources.gpus_per_node
-
-
-def host_oversubscription(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
-    """Threads of one host's ranks over its cores (each rank runs ``max(1, cores // ranks)`` threads)."""
-    if not profile.cores:
-        return 1.0
-    ranks = ranks_per_host(job, profile)
-    threads = max(1, profile.cores // ranks)
-    return max(1.0, ranks * threads / profile.cores)

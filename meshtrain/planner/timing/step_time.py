@@ -1,8 +1,8 @@
 """The step-time model: each stage's work priced by a machine, and the step put together from it.
 
 :func:`plan_time` chooses the machine the profile describes once (:func:`machine_for`) and
-composes ``step = window + exposed dp + closing all-reduces + optimizer`` (plus the step loop
-outside the window) from its answers whatever its kind, or longer where the machine's capacity
+composes ``step = window + exposed dp + closing all-reduces + optimizer`` (plus what the machine
+runs after the window) from its answers whatever its kind, or longer where the machine's capacity
 bounds it (a CPU host's cores).  Within a step only the data-parallel reduction overlaps compute.
 """
 
@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, profiles
 from meshtrain.planner.timing import (
+    core_share,
     cpu_host,
     device_node,
     machine,
     network,
     pipeline_window,
+    shared_host,
     stage_work,
 )
 
@@ -48,22 +50,43 @@ class TimePlan:
     bubble_stage0: float = 0.0
     """Idle share of stage 0's pipeline window: what the trainer measures as the bubble."""
     rank_flops: float = 0.0
-    """Matmul FLOP/s one rank computes at (shared cores accounted for)."""
-    oversubscription: float = 1.0
-    """Threads the ranks of one host run over its cores (above 1 they time-share; 1 without a core count)."""
+    """Matmul FLOP/s one rank computes at on the critical path (shared cores accounted for)."""
     dependency_seconds: float = 0.0
     """The schedule's critical path: pipeline window, exposed reduction, optimizer."""
-    cpu_seconds: float = 0.0
-    """CPU host: CPU seconds of all ranks in one step (0 elsewhere)."""
-    available_cores: float = 0.0
-    """CPU host: cores the ranks share; ``cpu_seconds / available_cores`` bounds the step (0 elsewhere)."""
-    rank_cpu_seconds: tuple[float, ...] = ()
-    """CPU host: CPU seconds of one rank of each stage in one step, the step loop included (empty elsewhere)."""
+    host: shared_host.HostLoad | None = None
+    """What the step asks of a host whose cores the ranks share (None: each rank has its own device)."""
 
     @property
     def work_bound(self) -> bool:
-        """Whether the host's cores, not the schedule, set the step (CPU hosts)."""
-        return self.available_cores > 0 and self.step_seconds > self.dependency_seconds
+        """Whether the machine's capacity (a CPU host's cores), not the schedule's critical path, set the step."""
+        return self.step_seconds > self.dependency_seconds
+
+    # The host's figures as the report (``meshtrain plan --json``) and calibration read them,
+    # whatever the kind of machine: threads over cores 1, CPU work 0 where no host prices them.
+
+    @property
+    def oversubscription(self) -> float:
+        """Threads the ranks of one host run over its cores (above 1 they time-share; 1 without a shared host)."""
+        return self.host.oversubscription if self.host else 1.0
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU seconds of all ranks in one step (0 where CPU time is not priced)."""
+        return self._cpu_work.cpu_seconds if self._cpu_work else 0.0
+
+    @property
+    def available_cores(self) -> float:
+        """Cores the ranks share; ``cpu_seconds / available_cores`` bounds the step (0 where CPU time is not priced)."""
+        return self._cpu_work.available_cores if self._cpu_work else 0.0
+
+    @property
+    def rank_cpu_seconds(self) -> tuple[float, ...]:
+        """CPU seconds of one rank of each stage in one step, the step loop included (empty where CPU time is not priced)."""
+        return self._cpu_work.rank_cpu_seconds if self._cpu_work else ()
+
+    @property
+    def _cpu_work(self) -> shared_host.CpuWork | None:
+        return self.host.work if self.host else None
 
     @property
     def worst(self) -> stage_work.StageTime:
@@ -98,9 +121,16 @@ def machine_for(
     profile: profiles.Profile,
     pod_domains: Sequence[str] | None = None,
 ) -> machine.Machine:
-    """The kind of machine ``profile`` describes, as ``job``'s ranks use it: a calibrated CPU host's cores, else a device per rank."""
+    """The kind of machine ``profile`` describes, as ``job``'s ranks use it.
+
+    A CPU host with CPU-time figures (``core_flops``, from calibration) prices CPU seconds over its
+    cores; one without them (``cores`` only) each rank as a device at its share of the cores; a
+    profile without ``cores`` a device per rank.
+    """
     if profile.cpu_time_model:
         return cpu_host.CpuHost(job, profile, pod_domains)
+    if profile.cores:
+        return core_share.CoreShareHost(job, profile, pod_domains)
     return device_node.DeviceNode(job, profile, pod_domains)
 
 
@@ -114,25 +144,26 @@ def plan_time(
 
     The pipeline window comes from each stage's forward and backward
     seconds; then the exposed data-parallel reduction, the stages' closing
-    all-reduces, the optimizer and the step loop follow.
+    all-reduces, the optimizer and what the machine runs after the window
+    (a CPU host's step loop) follow.
     """
-    host = machine_for(job, profile, pod_domains)
-    prices = host.prices
+    on_machine = machine_for(job, profile, pod_domains)
+    prices = on_machine.prices
     work = [stage_work.price(job, sc, prices) for sc in stage_comms]
-    stages = [host.on_path(st, sc) for st, sc in zip(work, stage_comms)]
+    stages = [on_machine.on_path(st, sc) for st, sc in zip(work, stage_comms)]
     pp_link = prices.links["pp"]
-    send = _send_seconds(stage_comms[0], pp_link) / host.speed
+    send = on_machine.seconds_on_path(_send_seconds(stage_comms[0], pp_link))
     # The stages' closing all-reduces (tied embeddings, the norm) run once, after the last backward.
-    closing = [_closing_seconds(sc, pp_link) / host.speed for sc in stage_comms]
+    closing = [on_machine.seconds_on_path(_closing_seconds(sc, pp_link)) for sc in stage_comms]
     durations = [
-        _per_microbatch(job, st, sc, closes, pp_link, host.speed)
+        _per_microbatch(job, st, sc, closes, pp_link, on_machine)
         for st, sc, closes in zip(stages, stage_comms, closing)
     ]
-    piped = host.window(durations, send)
+    piped = on_machine.window(durations, send)
     tail = max(st.dp_exposed + c + st.optimizer for st, c in zip(stages, closing))
-    tail += (host.step_loop_seconds - piped.step_loop) / host.speed
+    tail += piped.after_window
     dependencies = piped.window.seconds + tail
-    bound = host.bound(work, dependencies)
+    bound = on_machine.bound(work, dependencies)
     shape, par = job.model.shape(), job.parallelism
     tokens = job.global_batch * shape.seq_len
     return TimePlan(
@@ -148,12 +179,9 @@ def plan_time(
         peak_flops=profile.peak_flops,
         pipeline_seconds=piped.window.seconds,
         bubble_stage0=piped.window.idle_share(0, closing=closing[0], exposed=stages[0].dp_exposed),
-        rank_flops=prices.rank_flops * host.speed,
-        oversubscription=host.oversubscription,
+        rank_flops=on_machine.rank_flops,
         dependency_seconds=dependencies,
-        cpu_seconds=bound.cpu_seconds,
-        available_cores=bound.available_cores,
-        rank_cpu_seconds=bound.rank_cpu_seconds,
+        host=bound.host,
     )
 
 
@@ -163,7 +191,7 @@ def _per_microbatch(
     stage_comm: comm.StageComm,
     closing: float,
     link: network.Link,
-    speed: float,
+    on_machine: machine.Machine,
 ) -> pipeline_window.StageDurations:
     """A stage's forward and backward seconds of one micro-batch on the critical path.
 
@@ -175,7 +203,9 @@ def _per_microbatch(
         for c in stage_comm.collectives
         if c.group == "pp" and c.op == "send"
     )
-    busy = (stage.busy - sends / speed - closing) / job.parallelism.micro_batches
+    busy = (
+        stage.busy - on_machine.seconds_on_path(sends) - closing
+    ) / job.parallelism.micro_batches
     own = stage.compute + stage.overhead
     share = stage.forward / own if own > 0 else 1 - stage_work.BACKWARD_SHARE
     return pipeline_window.StageDurations(forward=busy * share, backward=busy * (1 - share))
