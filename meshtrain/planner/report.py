@@ -367,7 +367,7 @@ def _time_lines(plan: estimate.Plan) -> list[str]:
 
 
 def _cpu_host_lines(timing: step_time.TimePlan) -> list[str]:
-    """Which bound set a CPU host's step (nothing where each rank has its own device)."""
+    """Which bound set a CPU host's step (nothing where CPU time is not priced: a device per rank, a host by core share)."""
     if timing.available_cores <= 0:
         return []
     return [
