@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from meshtrain.api.spec import run_policy
+from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import (
     conditions,
     disruption_budget,
@@ -207,3 +208,25 @@ def test_time_left_is_read_from_the_status_only():
     later = conditions.timestamp(at(30))
     state = job(spec(), phase="Restarting", restarts=2, disruptions={"notBefore": later})
     assert lifecycle.decide(state, [], at(0)).requeue_after == pytest.approx(30.0)
+
+
+def test_what_the_restart_writes_is_a_valid_status_of_the_crd():
+    _, status = cycle(spec(), placed_status(), 5)
+    _, status = cycle(spec(), status, 6)
+    written = api_status.TrainingJobStatus.model_validate(status)
+    assert written.disruptions is not None and written.disruptions.streak == 2
+    assert [n.node for n in written.excluded_nodes] == ["n1"]
+
+
+def test_a_straggler_exclusion_is_kept_and_an_expired_exclusion_is_renewed():
+    straggler = {"node": "n7", "reason": stragglers.REASON, "time": conditions.timestamp(at(0))}
+    status = placed_status(excludedNodes=[straggler])
+    _, status = cycle(spec(), status, 5)
+    _, status = cycle(spec(), status, 6)
+    assert [e["node"] for e in status["excludedNodes"]] == ["n7", "n1"]
+    # A day later n1 may be used again; disrupting once more excludes it again.
+    later = 6 + stragglers.EXCLUSION_SECONDS + 1
+    assert stragglers.excluded(status, at(later)) == frozenset()
+    _, status = cycle(spec(), status, later)
+    assert [e["node"] for e in status["excludedNodes"]] == ["n7", "n1", "n1"]
+    assert stragglers.excluded(status, at(later + 1)) == {"n1"}

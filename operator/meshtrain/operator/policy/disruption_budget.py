@@ -5,7 +5,8 @@ not use ``backoffLimit``, so without a budget of its own a node with a broken de
 restarted a job hundreds of times a minute.  :func:`judge` counts the disruption restarts in a
 row (a gang that ran for :data:`STEADY_SECONDS` starts the count again), fails the job once they
 pass the limit, spaces the next placement after a repeated one (:data:`WAITING`), and excludes
-a node that disrupted the job twice the way a straggler's node is (``status.excludedNodes``).
+a node that disrupted the job twice the way a straggler's node is (``status.excludedNodes``,
+left out of the job's placements for ``stragglers.EXCLUSION_SECONDS``).
 Pure: the jitter comes from the job's UID and attempt, so a decision repeated waits the same.
 """
 
@@ -25,7 +26,6 @@ from meshtrain.operator.policy import (
     pod_state,
     retries,
     situation,
-    stragglers,
 )
 
 REASON = "Disrupted"
@@ -131,10 +131,10 @@ def _nodes_after(
 
 
 def _exclusions(
-    status: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]], now: datetime.datetime
+    nodes: Sequence[Mapping[str, Any]], hit: Mapping[str, str], now: datetime.datetime
 ) -> list[dict[str, Any]]:
-    """``excludedNodes`` entries for the nodes that reached :data:`EXCLUDED_AFTER` and are not excluded yet."""
-    already = stragglers.excluded(status, now)
+    """``excludedNodes`` entries for the nodes of ``hit`` that have now disrupted the job
+    :data:`EXCLUDED_AFTER` times or more (again after an earlier exclusion ran out: a new entry)."""
     return [
         {
             "node": entry["node"],
@@ -143,8 +143,17 @@ def _exclusions(
             "time": conditions.timestamp(now),
         }
         for entry in nodes
-        if entry["count"] >= EXCLUDED_AFTER and entry["node"] not in already
+        if entry["node"] in hit and entry["count"] >= EXCLUDED_AFTER
     ]
+
+
+def _excluded_after(status: Mapping[str, Any], added: Sequence[dict[str, Any]]) -> list[Any]:
+    """``status.excludedNodes`` with ``added``: other reasons' entries kept, of this reason the newest
+    :data:`NODES_KEPT`."""
+    previous = [e for e in status.get("excludedNodes") or [] if isinstance(e, Mapping)]
+    ours = [i for i, e in enumerate(previous) if e.get("reason") == REASON]
+    dropped = set(ours[: max(len(ours) + len(added) - NODES_KEPT, 0)])
+    return [*(e for i, e in enumerate(previous) if i not in dropped), *added]
 
 
 def describe(nodes: Sequence[Mapping[str, Any]]) -> str:
@@ -161,7 +170,8 @@ def judge(
     """One more disruption restart of ``seen``'s gang (``message``: what failed)."""
     status, limit = seen.job.status, seen.spec.run_policy.disruption_restart_limit
     before = streak(seen)
-    nodes = _nodes_after(_record(status).get("nodes"), disrupting_nodes(seen, failures), seen.now)
+    hit = disrupting_nodes(seen, failures)
+    nodes = _nodes_after(_record(status).get("nodes"), hit, seen.now)
     if before >= limit:
         exceeded = (
             f"{message}; {before} disruption restart(s) in a row already "
@@ -180,11 +190,11 @@ def judge(
         "notBefore": conditions.timestamp(not_before) if wait else None,
         "nodes": nodes,
     }
-    excluded = _exclusions(status, nodes, seen.now)
+    excluded = _exclusions(nodes, hit, seen.now)
     changes: dict[str, Any] = {"disruptions": record}
     note = f"disruption restart {before + 1} of {limit} in a row"
     if excluded:
-        changes["excludedNodes"] = [*(status.get("excludedNodes") or []), *excluded]
+        changes["excludedNodes"] = _excluded_after(status, excluded)
         gone = ", ".join(e["node"] for e in excluded)
         note += f"; node(s) {gone} excluded: each disrupted the job {EXCLUDED_AFTER} times"
     if wait:
