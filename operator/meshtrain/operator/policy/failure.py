@@ -1,10 +1,10 @@
 """Failure policy: a gang with a failed pod restarts from its checkpoint, or the job fails.
 
 A permanent failure, or a retryable one once ``runPolicy.backoffLimit`` restarts are used, fails
-the job; a restart caused only by disruptions does not use the limit but its own
-(``disruption_budget``).  What counts as a failure
-is ``pod_failure``'s.  The rows of ``lifecycle``'s table that fail or restart a job: an invalid
-spec, a passed deadline, a failed gang, a gang too slow to start.
+the job; a restart caused only by disruptions does not use the limit but a budget of its own
+(``disruption_budget``).  What counts as a failure is ``pod_failure``'s.  The rows of
+``lifecycle``'s table that fail or restart a job: an invalid spec, a passed deadline, a failed
+gang, a gang too slow to start.
 """
 
 from __future__ import annotations
