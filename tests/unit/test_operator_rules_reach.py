@@ -125,6 +125,8 @@ def _status(r: random.Random, spec: dict[str, Any], pods: int, running: bool) ->
         status["elastic"] = {"data": r.randint(1, run_policy["elastic"]["maxData"])}
         status["lastCheckpointStep"] = r.choice([5, 50, 50])
         status["checkpointStep"] = r.choice([None, 10, 10])
+    if status.get("disruptionRestarts") and status["restarts"] == 2:  # no draw: the stream stays
+        status["disruptions"] = {"streak": 2, "notBefore": conditions.timestamp(at(30))}
     return status
 
 

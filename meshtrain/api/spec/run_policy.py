@@ -78,6 +78,16 @@ class RunPolicy(base.SpecModel):
     """Failure, time and lifetime policy."""
 
     backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job fails.")
+    disruption_restart_limit: int = Field(
+        10,
+        ge=0,
+        le=1000,
+        description="Gang restarts in a row caused by disruptions (node lost, eviction, preemption, a pod the "
+        "kubelet refused such as UnexpectedAdmissionError) allowed before the job fails; not counted against "
+        "backoffLimit. The count starts again once a gang has run for 10 minutes. Repeated disruptions wait "
+        "with exponential backoff and jitter, and a node that disrupts the job twice is excluded "
+        "(status.excludedNodes).",
+    )
     active_deadline_seconds: int | None = Field(
         None, ge=1, description="Fail the job when it has been active this long."
     )

@@ -126,11 +126,44 @@ class ExcludedNode(base.SpecModel):
     """A node this job is not placed on again."""
 
     node: str = Field(description="Node name.")
-    reason: str = Field(description="Why, e.g. Straggler.")
-    message: str = Field("", description="With the numbers: rank, slowdown, step.")
+    reason: str = Field(description="Why: Straggler, or Disrupted (it disrupted the job twice).")
+    message: str = Field(
+        "", description="With the numbers: rank, slowdown, step; or the disruptions."
+    )
     time: str | None = Field(None, description="RFC 3339 time it was excluded.")
     rank: int | None = Field(
         None, ge=0, description="The straggler rank that was on it (reason Straggler)."
+    )
+
+
+class DisruptedNode(base.SpecModel):
+    """A node that disrupted this job's gang (runPolicy.disruptionRestartLimit)."""
+
+    node: str = Field(description="Node name.")
+    count: int = Field(ge=1, description="Gang restarts it caused.")
+    reason: str = Field(
+        "", description="The last disruption's reason, e.g. UnexpectedAdmissionError."
+    )
+    time: str | None = Field(None, description="RFC 3339 time of the last disruption.")
+
+
+class Disruptions(base.SpecModel):
+    """Gang restarts caused by disruptions: the run of them, when the next placement may go, and where."""
+
+    streak: int = Field(
+        0,
+        ge=0,
+        description="Disruption restarts in a row (since a gang last ran for 10 minutes); the job fails "
+        "once it passes runPolicy.disruptionRestartLimit.",
+    )
+    not_before: str | None = Field(
+        None,
+        description="RFC 3339 time before which the gang is not placed again (exponential backoff "
+        "with jitter after a repeated disruption).",
+    )
+    nodes: list[DisruptedNode] = Field(
+        default_factory=list,
+        description="The nodes that disrupted the job, most recent last (at most 32).",
     )
 
 
@@ -155,6 +188,10 @@ class TrainingJobStatus(base.SpecModel):
         ge=0,
         description="Of restarts, those caused by a node lost or a pod disrupted (eviction, preemption, "
         "drain, node shutdown): not counted against runPolicy.backoffLimit.",
+    )
+    disruptions: Disruptions | None = Field(
+        None,
+        description="Set after a disruption restart: the streak, the backoff and the nodes that caused them.",
     )
     last_checkpoint_step: int | None = Field(
         None, description="Step of the newest complete checkpoint."
@@ -185,7 +222,8 @@ class TrainingJobStatus(base.SpecModel):
     )
     excluded_nodes: list[ExcludedNode] = Field(
         default_factory=list,
-        description="Nodes a straggler was replaced on; each is left out of this job's placements for 24 h after its time.",
+        description="Nodes a straggler was replaced on, or that disrupted the job twice; each is left out of "
+        "this job's placements for 24 h after its time.",
     )
     straggler_replacements: int = Field(
         0, ge=0, description="Gangs rebuilt without a straggler's node so far."

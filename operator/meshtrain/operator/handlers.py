@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ import kopf
 
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import reconciler
-from meshtrain.operator.cluster import children, informer, kube, leadership
+from meshtrain.operator.cluster import api_errors, children, informer, kube, leadership
 from meshtrain.operator.policy import kueue_workload, naming
 
 RESOURCE = (api_spec.API_GROUP, api_spec.API_VERSION, api_spec.PLURAL)
@@ -149,7 +150,13 @@ async def run_job(
                 outcome = reconciler.Outcome(changed=True, requeue_after=0)
             except (TimeoutError, kube.ApiError, OSError) as err:
                 failures += 1
-                delay = children.retry_delay(failures)
+                delay = api_errors.retry_delay(
+                    err,
+                    failures,
+                    random.random(),
+                    base=children.RETRY_BASE_SECONDS,
+                    cap=children.RETRY_CAP_SECONDS,
+                )
                 logger.warning(
                     "reconcile of %s/%s failed (%d in a row), again in %.0f s: %s",
                     *key,

@@ -12,19 +12,22 @@ import asyncio
 import functools
 import gc
 import logging
+import random
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
-from meshtrain.operator.cluster import kube
+from meshtrain.operator.cluster import api_errors, kube
 from meshtrain.operator.policy import feasibility, identity, naming
 
 logger = logging.getLogger("meshtrain.operator")
 
 RETRY_SECONDS = 1.0
-"""Pause before re-opening a watch that failed."""
+"""Pause before re-opening a watch that failed once; doubled (with jitter) for each failure in a row."""
+RETRY_CAP_SECONDS = 30.0
+"""Longest pause between two tries of a failing list or watch."""
 TOMBSTONE_SECONDS = 120.0
 """How long a deleted object's last version is remembered (a write answer may arrive after its DELETED event)."""
 FINISHED = ("Succeeded", "Failed")
@@ -424,6 +427,7 @@ class Cache:
         """
         version: str | None = None
         scope: dict[str, Any] = {"namespace": None} if what == "pods" else {}
+        failures = 0  # tries in a row that failed
         while True:
             try:
                 if version is None:
@@ -438,6 +442,7 @@ class Cache:
                     waker.poke_waiting()
                     logger.info("cache of %s filled: %d object(s)", what, len(store))
                 async for type_, obj in watch(**scope, resource_version=version):
+                    failures = 0
                     version = (obj.get("metadata") or {}).get("resourceVersion") or version
                     if type_ == "BOOKMARK":
                         continue
@@ -450,11 +455,19 @@ class Cache:
                 if err.status == 410:
                     version = None  # too old: list again and replace the store
                     continue
+                failures += 1
                 logger.warning("watch of %s failed: %s", what, err)
-                await asyncio.sleep(RETRY_SECONDS)
+                await asyncio.sleep(_retry_delay(err, failures))
             except (TimeoutError, OSError, ValueError) as err:
+                failures += 1
                 logger.warning("watch of %s interrupted: %s", what, err)
-                await asyncio.sleep(RETRY_SECONDS)
+                await asyncio.sleep(_retry_delay(err, failures))
+
+
+def _retry_delay(err: BaseException, failures: int) -> float:
+    return api_errors.retry_delay(
+        err, failures, random.random(), base=RETRY_SECONDS, cap=RETRY_CAP_SECONDS
+    )
 
 
 class _UsageView(Mapping[str, feasibility.Usage]):

@@ -19,8 +19,8 @@ from typing import Any, TypeAlias
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 
+from meshtrain.operator.cluster import api_errors, clock, metrics
 from meshtrain.operator.cluster import kubeconfig as clientconfig
-from meshtrain.operator.cluster import metrics
 from meshtrain.operator.cluster.api_errors import (
     ApiError,
     Conflict,
@@ -57,9 +57,10 @@ async def _send(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     timeout: float,
-) -> tuple[int, str]:
+) -> tuple[int, str, str | None]:
+    """Status, body and ``Retry-After`` header of one request."""
     response = await call(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
-    return response.status, await response.text()
+    return response.status, await response.text(), response.headers.get("Retry-After")
 
 
 async def _configuration(kubeconfig: str | None) -> tuple[k8s.Configuration, Any]:
@@ -146,7 +147,9 @@ class Client(KueueCalls):
             try:
                 # The whole exchange within the timeout: cancelled, the connection is closed and
                 # the API server abandons the request (its context ends with the connection).
-                status, text = await asyncio.wait_for(_send(call, args, kwargs, timeout), timeout)
+                status, text, wait = await asyncio.wait_for(
+                    _send(call, args, kwargs, timeout), timeout
+                )
             except k8s.ApiException as err:  # refused before sending (bad arguments)
                 raise ApiError(err.status, verb, resource, str(err.reason)) from err
             except Exception as err:
@@ -163,7 +166,8 @@ class Client(KueueCalls):
                 return None
             metrics.api_error(verb)
             error = Conflict if status == 409 and verb != "create" else ApiError
-            raise error(status, verb, resource, error_message(text))
+            after = api_errors.retry_after(wait, clock.now())
+            raise error(status, verb, resource, error_message(text), after)
         answer = json.loads(text) if text else {}
         if verb != "get" and verb != "list" and self.on_write is not None:
             self.on_write(verb, answer)
@@ -521,7 +525,8 @@ class Client(KueueCalls):
         if response.status >= 300:
             metrics.api_error("watch")
             text = await response.text()
-            raise ApiError(response.status, "watch", resource, error_message(text))
+            after = api_errors.retry_after(response.headers.get("Retry-After"), clock.now())
+            raise ApiError(response.status, "watch", resource, error_message(text), after)
         try:
             async for line in response.content:
                 if not line.strip():

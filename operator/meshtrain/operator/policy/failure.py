@@ -1,18 +1,21 @@
 """Failure policy: a gang with a failed pod restarts from its checkpoint, or the job fails.
 
 A permanent failure, or a retryable one once ``runPolicy.backoffLimit`` restarts are used, fails
-the job; a restart caused only by disruptions does not use the limit.  What counts as a failure
-is ``pod_failure``'s.  The rows of ``lifecycle``'s table that fail or restart a job: an invalid
-spec, a passed deadline, a failed gang, a gang too slow to start.
+the job; a restart caused only by disruptions does not use the limit but a budget of its own
+(``disruption_budget``).  What counts as a failure is ``pod_failure``'s.  The rows of
+``lifecycle``'s table that fail or restart a job: an invalid spec, a passed deadline, a failed
+gang, a gang too slow to start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Sequence
 
 from meshtrain.operator.policy import (
     conditions,
+    disruption_budget,
     job_actions,
     job_state,
     pod_failure,
@@ -74,6 +77,10 @@ def restart_or_fail(
     disruptions = int(job.status.get("disruptionRestarts") or 0)
     disruption = all(f.disruption for f in failures)
     used = max(restarts - disruptions, 0)  # restarts the job's own failures caused
+    budget = disruption_budget.judge(seen, failures, message) if disruption else None
+    if budget is not None and budget.exceeded is not None:
+        reason = disruption_budget.LIMIT_EXCEEDED
+        return fail(seen, current, reason, budget.exceeded, BROKEN_GANG_GRACE_SECONDS)
     if not disruption and used >= limit:
         return fail(
             seen,
@@ -84,8 +91,8 @@ def restart_or_fail(
         )
     note = (
         f"{message}; restarting the gang (a disruption: not counted against "
-        f"backoffLimit={limit}, {used} used)"
-        if disruption
+        f"backoffLimit={limit}, {used} used; {budget.note})"
+        if budget is not None
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
     conds = situation.set_conditions(
@@ -99,13 +106,16 @@ def restart_or_fail(
         job,
         phase=job_state.Phase.RESTARTING.value,
         restarts=restarts + 1,
-        **({"disruptionRestarts": disruptions + 1} if disruption else {}),
+        **({"disruptionRestarts": disruptions + 1, **budget.status} if budget else {}),
         placement=[],
         straggler=None,
         conditions=conds,
     )
     event = job_actions.Emit("Warning", conditions.GANG_RESTARTING, note)
-    return situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
+    stopped = situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
+    if budget is not None and budget.wait > 0:  # a repeated disruption: look again when it is over
+        return dataclasses.replace(stopped, requeue_after=budget.wait)
+    return stopped
 
 
 def _invalid_spec(seen: situation.Situation) -> job_actions.Decision:

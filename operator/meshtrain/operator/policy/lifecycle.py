@@ -12,6 +12,7 @@ import datetime
 from collections.abc import Sequence
 
 from meshtrain.operator.policy import (
+    disruption_budget,
     failure,
     finish,
     job_actions,
@@ -47,6 +48,7 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     failure.DEADLINE_EXCEEDED,
     # UNPLACED: no placement recorded.
     startup.OLD_PODS_LEAVING,
+    disruption_budget.WAITING,
     startup.PLACE,
     # SPEC_CHANGED: placed for an earlier spec.
     spec_change.DONE_BEFORE_REBUILD,
