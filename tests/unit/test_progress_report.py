@@ -7,6 +7,8 @@ import json
 import pytest
 
 from meshtrain.operator.policy import progress_report, progress_status
+from meshtrain.trainer.guards import stragglers as trainer_stragglers
+from meshtrain.trainer.telemetry import progress as trainer_progress
 
 TRAINER_DOCUMENT = {
     "step": 120,
@@ -124,3 +126,26 @@ def test_polls_of_a_failing_pod_slow_down_to_five_minutes(failures, wait):
 
 def test_a_poll_interval_above_the_cap_is_kept():
     assert progress_report.wait_after(3, 600.0) == 600.0
+
+
+def test_the_trainers_largest_document_fits_and_passes():
+    doc = trainer_progress.Progress()
+    doc.update(
+        step=progress_report.MAX_INTEGER,
+        loss=-1.2345678901234567e-300,
+        tokens_per_second=1.2345678901234567e300,
+        last_checkpoint_step=progress_report.MAX_INTEGER,
+        eval_loss=-1.2345678901234567e-300,
+        skipped_updates=progress_report.MAX_INTEGER,
+        gradient_noise_scale=1.2345678901234567e300,
+    )
+    flags = tuple(
+        trainer_stragglers.Flag(65535 - i, 1.2345678901234567e300, progress_report.MAX_INTEGER)
+        for i in range(100)
+    )
+    doc.straggler_verdict(trainer_stragglers.Verdict(1, (), flags))
+    body = json.dumps(doc.document()).encode()
+    assert len(body) <= progress_report.BODY_LIMIT
+    assert trainer_progress.MAX_STRAGGLERS == progress_report.MAX_STRAGGLERS
+    reading = progress_report.parse(body)
+    assert reading.notes == () and len(reading.document["stragglers"]) == 16
