@@ -8,6 +8,7 @@ Shared by the unit tests of the operator's progress client and the operator's in
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import socketserver
@@ -109,6 +110,19 @@ ANSWERS: dict[str, Callable[[BinaryIO], None]] = {
     "not UTF-8": document(b'{"step": 1, "updated_at": "\xff\xfe"}'),
 }
 """Answers by name: each writes the whole HTTP response (or as much as the client takes)."""
+
+
+def rotating(names: list[str]) -> Callable[[BinaryIO], None]:
+    """Each request answered by the next of ``names`` (of :data:`ANSWERS`), round and round."""
+    turns = itertools.cycle([ANSWERS[name] for name in names])
+    lock = threading.Lock()
+
+    def answer(out: BinaryIO) -> None:
+        with lock:
+            chosen = next(turns)
+        chosen(out)
+
+    return answer
 
 
 class Server:
