@@ -94,6 +94,10 @@ def elastic_job(running_at: int, checkpointed: int) -> job_state.JobState:
     )
 
 
+CUSTOM = JobBuilder().layout(data=2, gpus_per_node=1).trainer(type="custom", command=["train"])
+"""A user's own program, which says nothing of a progress port."""
+
+
 CASES = [
     # name, job, pods, the rule that decides, action kinds
     (
@@ -114,6 +118,20 @@ CASES = [
         "rank 0 has no IP yet: nothing to poll",
         job(seen_running=True),
         gang(ip=None),
+        running.RUNNING,
+        [],
+    ),
+    (
+        "a custom program declaring a progress port: polled there",
+        job(CUSTOM.clone().trainer(progressPort=9500), seen_running=True),
+        gang(),
+        running.RUNNING,
+        ["PollProgress"],
+    ),
+    (
+        "a custom program declaring no progress port: never polled",
+        job(CUSTOM, seen_running=True),
+        gang(),
         running.RUNNING,
         [],
     ),
@@ -158,6 +176,23 @@ def test_the_grow_check_names_the_running_size_and_the_larger_ones():
     [*_, grow] = lifecycle.decide(state, gang(2), T0).actions
     assert isinstance(grow, resizing.Grow)
     assert grow.running == 2 and [s.data for s in grow.sizes] == [4, 3]
+
+
+@pytest.mark.parametrize(
+    ("builder", "port"),
+    [
+        (JobBuilder().layout(data=2, gpus_per_node=1).metrics(port=9600), 9600),
+        (CUSTOM.clone().trainer(progressPort=9500), 9500),
+        (CUSTOM, None),
+    ],
+)
+def test_rank_zero_is_polled_at_the_port_its_program_serves_progress_on(builder, port):
+    polls = [
+        a
+        for a in lifecycle.decide(job(builder, seen_running=True), gang(), T0).actions
+        if isinstance(a, job_actions.PollProgress)
+    ]
+    assert [(p.ip, p.port) for p in polls] == ([] if port is None else [("10.0.0.1", port)])
 
 
 def test_a_gang_not_all_running_is_not_in_the_running_section():

@@ -175,6 +175,12 @@ INVALID = [
         ["trainer.type custom"],
     ),
     (
+        "progress port for the built-in trainer",
+        JobBuilder().trainer(progressPort=9500),
+        "spec.trainer.progressPort",
+        ["progressPort=9500", "trainer.type custom", "metrics.port"],
+    ),
+    (
         "gradient compression without data parallelism",
         JobBuilder().parallelism(gradientCompression={"mode": "bf16"}),
         "spec.parallelism.gradientCompression.mode",

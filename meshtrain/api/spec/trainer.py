@@ -35,6 +35,15 @@ class TrainerProgram(base.SpecModel):
     working_dir: str | None = Field(
         None, max_length=4096, description="custom: working directory of the container."
     )
+    progress_port: int | None = Field(
+        None,
+        ge=1024,
+        le=65535,
+        description="custom: port on which the program's global rank 0 serves meshtrain's progress "
+        "document (GET /progress, a JSON object of at most 4 KiB: step, loss, tokens_per_second, "
+        "last_checkpoint_step, updated_at); the operator stores it in status.progress.  Unset: the "
+        "operator does not poll the program.",
+    )
 
 
 def _custom_trainer_command(program: TrainerProgram) -> str | None:
@@ -52,6 +61,15 @@ def _custom_trainer_command(program: TrainerProgram) -> str | None:
     return None
 
 
+def _custom_progress_port(program: TrainerProgram) -> str | None:
+    if program.progress_port is not None and program.type != "custom":
+        return (
+            f"trainer.progressPort={program.progress_port} is for trainer.type custom; the built-in "
+            "trainer serves its progress on metrics.port: remove trainer.progressPort"
+        )
+    return None
+
+
 RULES: tuple[base.Rule[TrainerProgram], ...] = (
     base.Rule(
         "custom-trainer-command",
@@ -61,5 +79,13 @@ RULES: tuple[base.Rule[TrainerProgram], ...] = (
         "trainer.type custom needs trainer.command; trainer.command, args and workingDir are only "
         "for trainer.type custom",
         _custom_trainer_command,
+    ),
+    base.Rule(
+        "custom-trainer-progress-port",
+        "spec.trainer.progressPort",
+        "!has(self.trainer.progressPort) || self.trainer.type == 'custom'",
+        "trainer.progressPort is only for trainer.type custom (the built-in trainer serves its "
+        "progress on metrics.port)",
+        _custom_progress_port,
     ),
 )

@@ -109,6 +109,7 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     if memo.elector is not None:
         memo.elector.cancel()
     await memo.reconciler.client.close()
+    await memo.reconciler.progress.close()
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> None:

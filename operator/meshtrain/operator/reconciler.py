@@ -23,6 +23,7 @@ from meshtrain.operator.cluster import (
     kube,
     metrics,
     owned,
+    progress_client,
     status_writes,
     workloads,
 )
@@ -57,7 +58,7 @@ class Settings:
     progress_seconds: float = 10.0
     """How often rank 0's /progress is read while a job runs."""
     progress_timeout_seconds: float = 2.0
-    """Timeout of one /progress request."""
+    """Deadline of one whole /progress request (connect, headers, body)."""
     gpu_profile: profiles.Profile | None = None
     """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
     trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
@@ -92,7 +93,9 @@ class Reconciler:
             fit=self.fit,
             trainer_image=settings.trainer_image,
         )
-        self._last_progress: dict[tuple[str, str], float] = {}
+        self.progress = progress_client.Poller(
+            every=settings.progress_seconds, timeout=settings.progress_timeout_seconds
+        )
         self._workload_rejections = retries.Backoff(children.retry_delay)
         """Jobs (by UID) whose Workload the API server refused: when they may try again, and why."""
 
@@ -214,15 +217,8 @@ class Reconciler:
         self, action: job_actions.PollProgress, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
         key = (job.ref.namespace, job.ref.name)
-        if time.monotonic() - self._last_progress.get(key, 0.0) < self.settings.progress_seconds:
-            return body, job, False
-        self._last_progress[key] = time.monotonic()
-        try:
-            report = await kube.get_progress(
-                ip=action.ip, port=action.port, timeout=self.settings.progress_timeout_seconds
-            )
-        except Exception as err:  # noqa: BLE001 - the exporter may not be up yet; tolerated
-            logger.debug("progress of %s unavailable: %s", action.pod, err)
+        report = await self.progress.poll(key, ip=action.ip, port=action.port)
+        if report is None:  # not due, or no usable answer (the poller logs why)
             return body, job, False
         changes = progress_status.polled_changes(report)
         changes |= resizing.baseline(job.status, changes)
@@ -305,7 +301,7 @@ class Reconciler:
         held = await owned.delete_children(self.client, self.cache, ref)
         if held:
             return held
-        self._last_progress.pop((namespace, name), None)
+        self.progress.forget((namespace, name))
         self._workload_rejections.forget(uid)
         self.placer.forget(ref)
         metrics.forget(namespace, name)

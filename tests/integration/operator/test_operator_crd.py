@@ -152,6 +152,11 @@ INVALID = [
         _rule("custom-trainer-command"),
     ),
     (
+        "progress port for the built-in trainer",
+        _valid().trainer(progressPort=9500).manifest(),
+        _rule("custom-trainer-progress-port"),
+    ),
+    (
         "straggler replace without data-parallel peers",
         _valid()
         .parallelism(data=1)
@@ -239,6 +244,23 @@ def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
     assert stored["spec"]["parallelism"]["schedule"] == "1f1b"
     assert stored["spec"]["runPolicy"]["backoffLimit"] == 3
     assert stored["spec"]["resources"]["gpuResourceName"] == "nvidia.com/gpu"
+
+
+def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):
+    body = _valid("own").trainer(type="custom", command=["train"], progressPort=9500).manifest()
+    result = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-o",
+        "yaml",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump(body),
+    )
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["spec"]["trainer"]["progressPort"] == 9500
 
 
 @pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])

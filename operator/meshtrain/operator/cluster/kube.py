@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
@@ -31,7 +30,7 @@ from meshtrain.operator.cluster.api_errors import (
 from meshtrain.operator.cluster.kueue_calls import KueueCalls
 from meshtrain.operator.policy import naming
 
-__all__ = ["ApiError", "Body", "Client", "Conflict", "NotLeading", "connection", "get_progress"]
+__all__ = ["ApiError", "Body", "Client", "Conflict", "NotLeading", "connection"]
 
 Body: TypeAlias = dict[str, Any]
 """An API object as the server sends it (camelCase JSON)."""
@@ -593,13 +592,3 @@ class Client(KueueCalls):
         await self._request(
             "create", "events", self._core.create_namespaced_event, namespace, event
         )
-
-
-def _read_progress(url: str, timeout: float) -> Body:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # http to a pod IP
-        return dict(json.loads(response.read() or b"{}"))
-
-
-async def get_progress(*, ip: str, port: int, timeout: float = 2.0) -> Body:
-    """GET http://ip:port/progress of the trainer's exporter (not the API server)."""
-    return await asyncio.to_thread(_read_progress, f"http://{ip}:{port}/progress", timeout)

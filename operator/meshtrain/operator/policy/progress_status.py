@@ -2,14 +2,15 @@
 
 From the JSON the trainer's exporter serves at ``GET /progress``, polled while the job runs, and
 from the final copy rank 0 writes to its termination message at the end of a successful run, so
-a finished job's status shows its last step although the last poll came before it.  Malformed
-values are dropped, never raised.
+a finished job's status shows its last step although the last poll came before it.  Both pass
+:mod:`progress_report`'s schema first: what breaks it is dropped, never raised.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from meshtrain.operator.policy import progress_report
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -67,11 +68,7 @@ def polled_changes(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _document(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    return progress_report.parse(text.encode("utf-8", "replace")).document
 
 
 def from_termination_message(message: str | None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Prometheus exporter of one rank, and the ``/progress`` endpoint of global rank 0.
 
-One small HTTP server per rank on ``metrics.port + local_rank``, every series with the rank's
-labels; sums and quantiles across ranks are PromQL's.  Per rank rather than per pod because
+One small HTTP server per rank on ``metrics.port + local_rank`` (:mod:`http_server`: bounded in
+time and connections), every series with the rank's labels; sums and quantiles across ranks are PromQL's.  Per rank rather than per pod because
 torchrun's ranks are separate processes (docs/telemetry.md, "Exporter: one HTTP server per
 rank").  The metric families are one table, :data:`DECLARATIONS`.
 """
@@ -12,16 +12,14 @@ import dataclasses
 import json
 import logging
 import os
-import threading
 from collections.abc import Sequence
-from http import server
 from typing import Any, Literal
 
 import prometheus_client
 from prometheus_client import exposition
 
 from meshtrain.trainer.guards import stragglers
-from meshtrain.trainer.telemetry import context, recording, stepstats
+from meshtrain.trainer.telemetry import context, http_server, recording, stepstats
 from meshtrain.trainer.telemetry import progress as progress_mod
 
 log = logging.getLogger(__name__)
@@ -384,40 +382,23 @@ def _register(
     return kind(row.name, row.help, labelnames, registry=registry)
 
 
-class _Server(server.ThreadingHTTPServer):
-    """A threading HTTP server that does not print a traceback when a scraper hangs up."""
-
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """Scrapers time out and disconnect; that is not worth a traceback on the training log."""
-
-
-def _handler(
+def _routes(
     registry: prometheus_client.CollectorRegistry, progress: progress_mod.Progress | None
-) -> type[server.BaseHTTPRequestHandler]:
-    class Handler(server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # http.server's name
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body, ctype = exposition.generate_latest(registry), exposition.CONTENT_TYPE_LATEST
-            elif path == "/progress" and progress is not None:
-                body, ctype = json.dumps(progress.document()).encode(), "application/json"
-            elif path == "/healthz":
-                body, ctype = b"ok\n", "text/plain"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-            """Scrapes every few seconds are not worth a log line."""
-
-    return Handler
+) -> dict[str, http_server.Route]:
+    """What a rank serves: /metrics and /healthz; rank 0 adds /progress."""
+    routes: dict[str, http_server.Route] = {
+        "/metrics": lambda: (
+            exposition.generate_latest(registry),
+            exposition.CONTENT_TYPE_LATEST,
+        ),
+        "/healthz": lambda: (b"ok\n", "text/plain"),
+    }
+    if progress is not None:
+        routes["/progress"] = lambda: (
+            json.dumps(progress.document()).encode(),
+            "application/json",
+        )
+    return routes
 
 
 class Exporter:
@@ -448,9 +429,11 @@ class Exporter:
         self.metrics.last_step_time.set_to_current_time()
         self.port = port
         """TCP port of the HTTP server."""
-        self._server: server.ThreadingHTTPServer | None = None
+        self._server: http_server.Server | None = None
         try:
-            self._server = _Server((host, port), _handler(self.metrics.registry, self.progress))
+            self._server = http_server.Server(
+                host, port, _routes(self.metrics.registry, self.progress)
+            )
         except OSError as err:
             log.warning(
                 "rank %d: metrics address %s:%d unavailable (%s); metrics are not served",
@@ -460,9 +443,6 @@ class Exporter:
                 err,
             )
             return
-        threading.Thread(
-            target=self._server.serve_forever, name=f"metrics-{port}", daemon=True
-        ).start()
 
     @property
     def serving(self) -> bool:
@@ -540,6 +520,5 @@ class Exporter:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None

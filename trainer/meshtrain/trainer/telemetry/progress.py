@@ -41,6 +41,10 @@ FIELDS = (
 )
 """Keys of the progress document, in order."""
 
+MAX_STRAGGLERS = 16
+"""Most flagged ranks the document lists (the slowest): the operator reads at most 16, and the
+whole document must stay under the 4 KiB it reads of it."""
+
 
 class Progress:
     """The progress document of global rank 0, updated at every step and every published checkpoint."""
@@ -110,11 +114,11 @@ class Progress:
         self.update(**fields)
 
     def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
-        """Every flagged rank as ``{rank, slowdown, since_step}``, slowest first (``stragglers``),
-        and the slowest alone (``straggler``, None when none is flagged)."""
+        """The flagged ranks as ``{rank, slowdown, since_step}``, slowest first (``stragglers``, at
+        most :data:`MAX_STRAGGLERS`), and the slowest alone (``straggler``, None when none is flagged)."""
         flagged = [
             {"rank": f.rank, "slowdown": round(f.slowdown, 4), "since_step": f.since_step}
-            for f in verdict.flagged
+            for f in verdict.flagged[:MAX_STRAGGLERS]
         ]
         with self._lock:
             self._doc["straggler"] = flagged[0] if flagged else None

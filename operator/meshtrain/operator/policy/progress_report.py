@@ -1,0 +1,202 @@
+"""The strict schema of rank 0's progress document: the tenant's bytes -> a document the status may hold.
+
+A pod's ``GET /progress`` answer and its termination message are written by a tenant's program,
+so they are read as hostile: at most :data:`BODY_LIMIT` bytes of UTF-8 JSON, one object, no
+duplicate keys, no ``NaN``/``Infinity``, every known field checked for type and range (finite
+numbers, integers within JSON's exact range, bounded strings and lists), unknown fields dropped.
+A field that breaks the schema is left out with a short note naming it; nothing raises.  A
+NaN or a 20-digit integer would otherwise make the API server refuse the whole status write.
+Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+BODY_LIMIT = 4096
+"""Most bytes of one document: the trainer's largest is under 1.5 KiB (docs/operator.md, "Progress")."""
+
+MAX_INTEGER = 2**53 - 1
+"""Largest integer a field may hold: JSON's exact range, well inside the status' int64."""
+
+MAX_STRAGGLERS = 16
+"""Most entries of ``stragglers`` (the trainer sends its slowest 16)."""
+
+MAX_TIME_LENGTH = 40
+"""Longest ``updated_at`` (RFC 3339 with fractions and an offset is 35 characters)."""
+
+MAX_NOTES = 4
+"""Most notes kept about one document; the rest are counted."""
+
+NOTE_QUOTE = 32
+"""Characters of a tenant's key quoted in a note."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What the schema kept of one document, and why it dropped the rest."""
+
+    document: dict[str, Any] | None
+    """The known fields that passed, by the trainer's names; None: not a progress document at all."""
+    notes: tuple[str, ...] = ()
+    """Short reasons for what was dropped (at most :data:`MAX_NOTES`, each naming the field)."""
+
+
+class _Refused(ValueError):
+    """The body is not one JSON object (the message says why)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a number JSON allows")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Refused(f"duplicate key {_quote(key)}")
+        found[key] = value
+    return found
+
+
+def _quote(text: str) -> str:
+    return repr(text[:NOTE_QUOTE] + ("..." if len(text) > NOTE_QUOTE else ""))
+
+
+def _integer(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INTEGER:
+        return value
+    return None
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and abs(value) > MAX_INTEGER:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _positive(value: Any) -> float | None:
+    number = _finite(value)
+    return number if number is not None and number > 0 else None
+
+
+def _not_negative(value: Any) -> float | None:
+    number = _finite(value)
+    return number if number is not None and number >= 0 else None
+
+
+def _time(value: Any) -> str | None:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TIME_LENGTH:
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return value if parsed.tzinfo is not None else None
+
+
+def _flagged(value: Any) -> dict[str, Any] | None:
+    """One flagged rank: ``{rank, slowdown, since_step}`` (``since_step`` optional)."""
+    if not isinstance(value, Mapping):
+        return None
+    rank, slowdown = _integer(value.get("rank")), _positive(value.get("slowdown"))
+    if rank is None or slowdown is None:
+        return None
+    entry: dict[str, Any] = {"rank": rank, "slowdown": slowdown}
+    if "since_step" in value:
+        since = _integer(value["since_step"])
+        if since is None:
+            return None
+        entry["since_step"] = since
+    return entry
+
+
+def _flagged_list(value: Any) -> list[dict[str, Any]] | None:
+    if not isinstance(value, list) or len(value) > MAX_STRAGGLERS:
+        return None
+    entries = [_flagged(item) for item in value]
+    return None if any(e is None for e in entries) else [e for e in entries if e is not None]
+
+
+_NULL = object()
+"""A field's checker found null, which the field allows."""
+
+
+def _nullable(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: _NULL if value is None else check(value)
+
+
+FIELDS: Mapping[str, Callable[[Any], Any]] = {
+    "step": _integer,
+    "loss": _nullable(_finite),
+    "tokens_per_second": _nullable(_not_negative),
+    "last_checkpoint_step": _nullable(_integer),
+    "updated_at": _nullable(_time),
+    "eval_loss": _nullable(_finite),
+    "skipped_updates": _integer,
+    "straggler": _nullable(_flagged),
+    "stragglers": _flagged_list,
+    "gradient_noise_scale": _nullable(_positive),
+}
+"""The trainer's fields (``meshtrain.trainer.telemetry.progress.FIELDS``) and their checks: a
+checked value, or None when the value breaks the schema."""
+
+
+def parse(body: bytes) -> Reading:
+    """The fields of ``body`` that pass the schema (``document`` None when it is no JSON object)."""
+    if len(body) > BODY_LIMIT:
+        return Reading(None, (f"the document has more than {BODY_LIMIT} bytes",))
+    try:
+        raw = json.loads(
+            body.decode("utf-8"), object_pairs_hook=_unique, parse_constant=_no_constant
+        )
+    except _Refused as err:
+        return Reading(None, (f"not a progress document: {err}",))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return Reading(None, ("not a progress document: not UTF-8 JSON, or nested too deep",))
+    if not isinstance(raw, dict):
+        return Reading(
+            None, (f"not a progress document: a JSON {type(raw).__name__}, not an object",)
+        )
+    return _checked(raw)
+
+
+def _checked(raw: Mapping[str, Any]) -> Reading:
+    document: dict[str, Any] = {}
+    notes: list[str] = []
+    for key, check in FIELDS.items():
+        if key not in raw:
+            continue
+        value = check(raw[key])
+        if value is None:
+            notes.append(f"{key}: {type(raw[key]).__name__} out of the schema, ignored")
+        else:
+            document[key] = None if value is _NULL else value
+    unknown = [key for key in raw if key not in FIELDS]
+    if unknown:
+        named = ", ".join(_quote(key) for key in unknown[:2])
+        notes.append(f"{len(unknown)} unknown field(s) ignored: {named}")
+    if len(notes) > MAX_NOTES:
+        notes[MAX_NOTES - 1 :] = [f"and {len(notes) - MAX_NOTES + 1} more field(s) ignored"]
+    return Reading(document, tuple(notes))
+
+
+MAX_BACKOFF_SECONDS = 300.0
+"""Longest wait between two polls of a job whose pod keeps failing them."""
+
+
+def wait_after(failures: int, every: float) -> float:
+    """Seconds from one poll of a job to its next: ``every``, doubled per poll in a row that failed.
+
+    Per job, so a pod that answers slowly or badly costs the operator at most one request per
+    wait, and a fixed pod is read at the normal rate again after its first good answer.
+    """
+    return min(every * 2.0 ** min(failures, 16), max(every, MAX_BACKOFF_SECONDS))

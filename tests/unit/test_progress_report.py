@@ -1,0 +1,151 @@
+"""The strict schema of rank 0's progress document, table-driven: what passes, what is dropped and why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtrain.operator.policy import progress_report, progress_status
+from meshtrain.trainer.guards import stragglers as trainer_stragglers
+from meshtrain.trainer.telemetry import progress as trainer_progress
+
+TRAINER_DOCUMENT = {
+    "step": 120,
+    "loss": 2.5,
+    "tokens_per_second": 4096.0,
+    "last_checkpoint_step": 100,
+    "updated_at": "2026-01-01T12:00:00Z",
+    "eval_loss": 2.75,
+    "skipped_updates": 1,
+    "straggler": {"rank": 3, "slowdown": 1.8, "since_step": 90},
+    "stragglers": [{"rank": 3, "slowdown": 1.8, "since_step": 90}],
+    "gradient_noise_scale": 512.0,
+}
+"""Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS)."""
+
+
+def parse(doc: object) -> progress_report.Reading:
+    return progress_report.parse(json.dumps(doc).encode())
+
+
+def test_the_trainers_document_passes_whole():
+    reading = parse(TRAINER_DOCUMENT)
+    assert reading.document == TRAINER_DOCUMENT and reading.notes == ()
+
+
+def test_the_schema_knows_every_field_the_trainer_sends():
+    assert set(progress_report.FIELDS) == set(TRAINER_DOCUMENT)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("step", -1),
+        ("step", 2**64),
+        ("step", 10**3000),
+        ("step", 1.5),
+        ("step", True),
+        ("step", "17"),
+        ("step", None),
+        ("loss", "low"),
+        ("loss", 10**400),
+        ("tokens_per_second", -5.0),
+        ("last_checkpoint_step", [1]),
+        ("updated_at", "yesterday"),
+        ("updated_at", "2026-01-01T12:00:00"),  # no offset
+        ("updated_at", "2026-01-01T12:00:00Z" + " " * 100),
+        ("eval_loss", {"v": 1}),
+        ("skipped_updates", -1),
+        ("straggler", {"rank": -1, "slowdown": 2.0}),
+        ("straggler", {"rank": 1, "slowdown": 0}),
+        ("straggler", {"rank": 1, "slowdown": 2.0, "since_step": "x"}),
+        ("straggler", "rank 3"),
+        ("stragglers", [{"rank": 1, "slowdown": 2.0}] * 17),
+        ("stragglers", [{"rank": 1}]),
+        ("stragglers", None),
+        ("gradient_noise_scale", 0),
+    ],
+)
+def test_a_field_out_of_the_schema_is_dropped_with_a_note_naming_it(field, value):
+    reading = parse({"step": 5, field: value} if field != "step" else {field: value})
+    assert reading.document is not None and field not in reading.document
+    assert len(reading.notes) == 1 and reading.notes[0].startswith(f"{field}:")
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b'{"step": 1, "step": 2}', "duplicate key 'step'"),
+        (b'{"step": 1, "loss": NaN}', "NaN is not a number JSON allows"),
+        (b'{"step": 1, "loss": -Infinity}', "-Infinity is not a number JSON allows"),
+        (b'{"step": 1', "not UTF-8 JSON"),
+        (b"[1, 2]", "a JSON list, not an object"),
+        (b"[" * 5000 + b"]" * 5000, "more than 4096 bytes"),
+        (b"[" * 2000 + b"]" * 2000, "nested too deep"),
+        (b'{"a": "\xff"}', "not UTF-8 JSON"),
+        (b"\x00\x01binary", "not UTF-8 JSON"),
+    ],
+)
+def test_a_body_that_is_no_json_object_is_refused_whole(body, why):
+    reading = progress_report.parse(body)
+    assert reading.document is None
+    assert len(reading.notes) == 1 and why in reading.notes[0]
+
+
+def test_nulls_the_trainer_sends_before_its_first_step_are_kept():
+    doc = {"step": 0, "loss": None, "updated_at": None, "straggler": None, "eval_loss": None}
+    assert parse(doc).document == doc
+
+
+def test_unknown_fields_are_dropped_and_quoted_bounded():
+    reading = parse({"step": 1, "x" * 1000: 1, "extra": 2, "third": 3})
+    assert reading.document == {"step": 1}
+    (note,) = reading.notes
+    assert note.startswith("3 unknown field(s) ignored") and len(note) < 120
+
+
+def test_notes_are_bounded_in_number():
+    reading = parse({key: "junk" for key in progress_report.FIELDS})
+    assert reading.document == {}
+    assert len(reading.notes) == progress_report.MAX_NOTES
+    assert reading.notes[-1] == "and 7 more field(s) ignored"
+
+
+def test_a_hostile_termination_message_changes_nothing():
+    assert progress_status.from_termination_message('{"step": 12, "loss": NaN}') == {}
+    assert progress_status.from_termination_message('{"step": 1e400}') == {}
+
+
+@pytest.mark.parametrize(
+    ("failures", "wait"), [(0, 10.0), (1, 20.0), (2, 40.0), (5, 300.0), (10**6, 300.0)]
+)
+def test_polls_of_a_failing_pod_slow_down_to_five_minutes(failures, wait):
+    assert progress_report.wait_after(failures, 10.0) == wait
+
+
+def test_a_poll_interval_above_the_cap_is_kept():
+    assert progress_report.wait_after(3, 600.0) == 600.0
+
+
+def test_the_trainers_largest_document_fits_and_passes():
+    doc = trainer_progress.Progress()
+    doc.update(
+        step=progress_report.MAX_INTEGER,
+        loss=-1.2345678901234567e-300,
+        tokens_per_second=1.2345678901234567e300,
+        last_checkpoint_step=progress_report.MAX_INTEGER,
+        eval_loss=-1.2345678901234567e-300,
+        skipped_updates=progress_report.MAX_INTEGER,
+        gradient_noise_scale=1.2345678901234567e300,
+    )
+    flags = tuple(
+        trainer_stragglers.Flag(65535 - i, 1.2345678901234567e300, progress_report.MAX_INTEGER)
+        for i in range(100)
+    )
+    doc.straggler_verdict(trainer_stragglers.Verdict(1, (), flags))
+    body = json.dumps(doc.document()).encode()
+    assert len(body) <= progress_report.BODY_LIMIT
+    assert trainer_progress.MAX_STRAGGLERS == progress_report.MAX_STRAGGLERS
+    reading = progress_report.parse(body)
+    assert reading.notes == () and len(reading.document["stragglers"]) == 16
