@@ -1,7 +1,8 @@
 """Failure policy: a gang with a failed pod restarts from its checkpoint, or the job fails.
 
 A permanent failure, or a retryable one once ``runPolicy.backoffLimit`` restarts are used, fails
-the job; a restart caused only by disruptions does not use the limit.  What counts as a failure
+the job; a restart caused only by disruptions does not use the limit.  A failure the kubelet
+names (ErrImagePull, OOMKilled, ...) gives the condition and Event its reason.  What counts as a failure
 is ``pod_failure``'s.  The rows of ``lifecycle``'s table that fail or restart a job: an invalid
 spec, a passed deadline, a failed gang, a gang too slow to start.
 """
@@ -68,7 +69,7 @@ def restart_or_fail(
     permanent = [f for f in failures if f.permanent]
     if permanent:
         message = f"{permanent[0].message}; not retried"
-        reason = conditions.PERMANENT_FAILURE
+        reason = permanent[0].reason or conditions.PERMANENT_FAILURE
         return fail(seen, current, reason, message, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
     message = "; ".join(f.message for f in failures[:3])
     disruptions = int(job.status.get("disruptionRestarts") or 0)
@@ -88,9 +89,10 @@ def restart_or_fail(
         if disruption
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
+    reason = next((f.reason for f in failures if f.reason), conditions.GANG_RESTARTING)
     conds = situation.set_conditions(
         seen,
-        conditions.GANG_RESTARTING,
+        reason,
         note,
         (conditions.RUNNING, conditions.FALSE),
         (conditions.PLACED, conditions.FALSE),
@@ -104,7 +106,7 @@ def restart_or_fail(
         straggler=None,
         conditions=conds,
     )
-    event = job_actions.Emit("Warning", conditions.GANG_RESTARTING, note)
+    event = job_actions.Emit("Warning", reason, note)
     return situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
 
 
