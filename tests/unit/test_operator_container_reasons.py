@@ -292,3 +292,12 @@ def test_healthy_pods_report_no_problem():
         assert read(kubelet_pod(0, **status))[0].problem is None
     done = kubelet_pod(0, phase="Succeeded", **terminated("Completed", 0))
     assert read(done)[0].problem is None and pod_failure.classify(read(done)[0]) is None
+
+
+def test_a_startup_timeout_names_what_the_kubelet_says_keeps_the_gang_waiting():
+    pods = read(kubelet_pod(0, **running()), kubelet_pod(1, **waiting("ErrImagePull", TLS_TIMEOUT)))
+    decision = lifecycle.decide(job(), pods, at(91))
+    assert status_of(decision)["phase"] == "Restarting"
+    shown = condition(decision, conditions.RUNNING)
+    assert shown["reason"] == "ErrImagePull"
+    assert "startupTimeoutSeconds=90" in shown["message"] and TLS_TIMEOUT in shown["message"]

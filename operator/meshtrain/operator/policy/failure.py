@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from meshtrain.operator.policy import (
     conditions,
+    container_reasons,
     job_actions,
     job_state,
     pod_failure,
@@ -141,11 +142,16 @@ def _too_slow_to_start(seen: situation.Situation) -> bool:
 
 def _startup_timed_out(seen: situation.Situation) -> job_actions.Decision:
     timeout = seen.spec.run_policy.startup_timeout_seconds
-    waiting = [p.name for p in seen.current if p.phase != "Running"]
+    waiting = [p for p in seen.current if p.phase != "Running"]
+    message = f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}"
+    named = next((p for p in waiting if p.problem is not None), None)
+    if named is not None and named.problem is not None:  # what the kubelet says keeps it waiting
+        message += "; " + container_reasons.described(named.name, named.problem)
     slow = pod_failure.Failure(
-        waiting[0] if waiting else "gang",
+        waiting[0].name if waiting else "gang",
         False,
-        f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}",
+        message,
+        reason=named.problem.reason if named is not None and named.problem is not None else None,
     )
     return restart_or_fail(seen, [slow])
 
