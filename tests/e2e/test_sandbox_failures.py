@@ -118,6 +118,7 @@ def _delay(pods: _Watch, job: _Watch, reasons: frozenset[str]) -> tuple[str, flo
             for reason, message in said:
                 if _names(condition, reason, message):
                     first_said = min(t for (r, _), t in said.items() if r == reason)
+                    print(f"{reason}: named {at - first_said:.1f}s after the kubelet said it")
                     return reason, at - first_said
     raise AssertionError(f"no condition named {sorted(reasons)}; the kubelet said {sorted(said)}")
 
