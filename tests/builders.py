@@ -129,6 +129,13 @@ class JobBuilder:
     def resources(self, **values: Any) -> JobBuilder:
         return self._section("resources", **values)
 
+    def image(self, image: str, pull_policy: str | None = None) -> JobBuilder:
+        """``spec.image`` and, when given, ``spec.imagePullPolicy``."""
+        self._raw["image"] = image
+        if pull_policy is not None:
+            self._raw["imagePullPolicy"] = pull_policy
+        return self
+
     def run_policy(self, **values: Any) -> JobBuilder:
         return self._section("runPolicy", **values)
 

@@ -2,7 +2,8 @@
 
 A permanent failure, or a retryable one once ``runPolicy.backoffLimit`` restarts are used, fails
 the job; a restart caused only by disruptions does not use the limit but a budget of its own
-(``disruption_budget``).  What counts as a failure is ``pod_failure``'s.  The rows of
+(``disruption_budget``).  A failure the kubelet names (ErrImagePull, OOMKilled, ...) gives the
+condition and Event its reason.  What counts as a failure is ``pod_failure``'s.  The rows of
 ``lifecycle``'s table that fail or restart a job: an invalid spec, a passed deadline, a failed
 gang, a gang too slow to start.
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from meshtrain.operator.policy import (
     conditions,
+    container_reasons,
     disruption_budget,
     job_actions,
     job_state,
@@ -71,7 +73,7 @@ def restart_or_fail(
     permanent = [f for f in failures if f.permanent]
     if permanent:
         message = f"{permanent[0].message}; not retried"
-        reason = conditions.PERMANENT_FAILURE
+        reason = permanent[0].reason or conditions.PERMANENT_FAILURE
         return fail(seen, current, reason, message, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
     message = "; ".join(f.message for f in failures[:3])
     disruptions = int(job.status.get("disruptionRestarts") or 0)
@@ -95,9 +97,10 @@ def restart_or_fail(
         if budget is not None
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
+    reason = next((f.reason for f in failures if f.reason), conditions.GANG_RESTARTING)
     conds = situation.set_conditions(
         seen,
-        conditions.GANG_RESTARTING,
+        reason,
         note,
         (conditions.RUNNING, conditions.FALSE),
         (conditions.PLACED, conditions.FALSE),
@@ -111,7 +114,7 @@ def restart_or_fail(
         straggler=None,
         conditions=conds,
     )
-    event = job_actions.Emit("Warning", conditions.GANG_RESTARTING, note)
+    event = job_actions.Emit("Warning", reason, note)
     stopped = situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
     if budget is not None and budget.wait > 0:  # a repeated disruption: look again when it is over
         return dataclasses.replace(stopped, requeue_after=budget.wait)
@@ -149,11 +152,16 @@ def _too_slow_to_start(seen: situation.Situation) -> bool:
 
 def _startup_timed_out(seen: situation.Situation) -> job_actions.Decision:
     timeout = seen.spec.run_policy.startup_timeout_seconds
-    waiting = [p.name for p in seen.current if p.phase != "Running"]
+    waiting = [p for p in seen.current if p.phase != "Running"]
+    message = f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}"
+    named = next((p for p in waiting if p.problem is not None), None)
+    if named is not None and named.problem is not None:  # what the kubelet says keeps it waiting
+        message += "; " + container_reasons.described(named.name, named.problem)
     slow = pod_failure.Failure(
-        waiting[0] if waiting else "gang",
+        waiting[0].name if waiting else "gang",
         False,
-        f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}",
+        message,
+        reason=named.problem.reason if named is not None and named.problem is not None else None,
     )
     return restart_or_fail(seen, [slow])
 

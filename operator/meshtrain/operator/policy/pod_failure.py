@@ -7,11 +7,12 @@ released gang failed too).  What the job does about it is ``failure``'s.  Pure.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import exitcodes
-from meshtrain.operator.policy import pod_state
+from meshtrain.operator.policy import container_reasons, pod_state
 
 DISRUPTION_REASONS = frozenset(
     {"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
@@ -41,6 +42,9 @@ class Failure:
     """What happened, with the exit code or reason."""
     disruption: bool = False
     """The infrastructure ended the pod (node lost, eviction, preemption): not counted against backoffLimit."""
+    reason: str | None = None
+    """The kubelet's reason (ErrImagePull, OOMKilled, ...): the job's condition and Event carry it
+    (None: the operator's own, PermanentFailure or GangRestarting)."""
 
 
 def disrupted(pod: pod_state.PodState) -> bool:
@@ -79,7 +83,9 @@ def classify(pod: pod_state.PodState) -> Failure | None:
     :mod:`meshtrain.api.exitcodes`).  Retryable: 128+N (killed by signal N: OOM killer,
     preemption), any other non-zero exit code, phase Failed without an exit code (evicted, node
     shutdown), phase Unknown (node lost), a ``DisruptionTarget`` condition, a pod deleted by
-    someone else.
+    someone else.  A reason the kubelet gives (``container_reasons``) names the failure: an image
+    that cannot be pulled, or a command the image cannot run, is permanent; ``OOMKilled``,
+    ``Evicted`` and ``DeadlineExceeded`` are retryable, the eviction a disruption.
     """
     found = _classify(pod)
     if found is None or found.permanent or not disrupted(pod):
@@ -104,6 +110,8 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
                 True,
                 f"pod {pod.name} exited with code {code}: {PERMANENT_EXIT_CODES[code]}",
             )
+        if pod.problem is not None:
+            return _named(pod.name, pod.problem, container_reasons.cannot_run(pod.problem))
         if code is not None and code > 128:
             return Failure(
                 pod.name,
@@ -125,7 +133,29 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
         )
     if pod.deleting and not pod.terminal:
         return Failure(pod.name, False, f"pod {pod.name} is being deleted")
+    if pod.problem is not None and container_reasons.never_pulls(pod.problem):
+        return _named(pod.name, pod.problem, True)
     return None
+
+
+def _named(pod: str, problem: container_reasons.Problem, permanent: bool) -> Failure:
+    """The failure the kubelet names: its reason, and its message."""
+    message = container_reasons.described(pod, problem)
+    return Failure(pod, permanent, message, reason=problem.reason)
+
+
+def _config_overdue(pod: pod_state.PodState, now: datetime.datetime) -> Failure | None:
+    """A Secret or ConfigMap the pod needs, still missing after the grace: permanent."""
+    problem = pod.problem
+    if problem is None or pod.terminal or pod.deleting:
+        return None
+    if not container_reasons.config_overdue(problem, pod.started_at, now):
+        return None
+    grace = container_reasons.CONFIG_GRACE_SECONDS
+    failed = _named(pod.name, problem, True)
+    return dataclasses.replace(
+        failed, message=f"{failed.message} (still, {grace}s after it started)"
+    )
 
 
 def _disappeared(index: int, placement: Sequence[Any], nodes_gone: frozenset[str]) -> Failure:
@@ -145,12 +175,14 @@ def of_gang(
     missing: Sequence[int],
     placement: Sequence[Any],
     nodes_gone: frozenset[str],
+    now: datetime.datetime,
 ) -> tuple[Failure, ...]:
-    """The failed pods of ``gang``; without any, a pod ``missing`` from it once released.
+    """The failed pods of ``gang`` at ``now``; without any, a pod ``missing`` from it once released.
 
     ``placement``: ``status.placement``; ``nodes_gone``: its nodes that no longer exist.
     """
-    failures = tuple(f for f in (classify(p) for p in gang) if f is not None)
+    judged = (classify(p) or _config_overdue(p, now) for p in gang)
+    failures = tuple(f for f in judged if f is not None)
     if missing and not failures and any(not p.gated for p in gang):
         return (_disappeared(missing[0], placement, nodes_gone),)
     return failures

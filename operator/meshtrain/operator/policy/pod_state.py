@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshtrain.api import exitcodes
-from meshtrain.operator.policy import conditions, identity, naming
+from meshtrain.operator.policy import conditions, container_reasons, identity, naming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,12 @@ class PodState:
     """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
     termination_message: str | None = None
     """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
+    problem: container_reasons.Problem | None = None
+    """The first reason the kubelet gives for a container not running or the pod's end (ErrImagePull, OOMKilled, ...)."""
+    creating: bool = False
+    """A container waits in ContainerCreating: the kubelet pulls its image or mounts its volumes."""
+    started_at: datetime.datetime | None = None
+    """status.startTime: when the kubelet took the pod (before pulling its image)."""
 
     @property
     def terminal(self) -> bool:
@@ -130,6 +136,9 @@ def read(pod: dict[str, Any]) -> PodState | None:
         nominated=status.get("nominatedNodeName") or None,
         reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
+        problem=container_reasons.read(pod),
+        creating=container_reasons.creating(pod),
+        started_at=conditions.parse_time(status.get("startTime")),
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import (
     conditions,
+    container_reasons,
     gang_status,
     identity,
     job_actions,
@@ -123,7 +124,7 @@ class Situation:
     def failures(self) -> tuple[pod_failure.Failure, ...]:
         """The failed pods of the gang; without any, a pod missing from the released gang."""
         placement = self.job.status.get("placement") or []
-        return pod_failure.of_gang(self.current, self.missing, placement, self.nodes_gone)
+        return pod_failure.of_gang(self.current, self.missing, placement, self.nodes_gone, self.now)
 
     @functools.cached_property
     def gang_running(self) -> bool:
@@ -168,11 +169,17 @@ class Situation:
 
     @functools.cached_property
     def startup_left(self) -> float | None:
-        """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod)."""
+        """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod).
+
+        While the kubelet creates a pod's containers (pulls the image) the timeout waits, for up
+        to ``container_reasons.PULL_ALLOWANCE_SECONDS`` more.
+        """
         created = [p.created_at for p in self.current if p.created_at is not None]
         if not created:
             return None
         timeout = self.spec.run_policy.startup_timeout_seconds
+        if any(p.creating and not p.terminal for p in self.current):
+            timeout += container_reasons.PULL_ALLOWANCE_SECONDS
         return (min(created) + datetime.timedelta(seconds=timeout) - self.now).total_seconds()
 
 

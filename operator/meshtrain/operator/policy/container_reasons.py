@@ -1,0 +1,187 @@
+"""What the kubelet says about a pod's containers: why one cannot start, or why it ended.
+
+:func:`read` finds, in a pod manifest, the first reason worth naming (a pull that failed, a
+Secret the environment names that is missing, the OOM killer, an eviction); the rest say
+what it means for the job: a failure now (:func:`never_pulls`, :func:`cannot_run`), a failure
+once :data:`CONFIG_GRACE_SECONDS` passed (:func:`config_overdue`), or only a condition while the
+kubelet retries.  The pod's own words are bounded: a few containers, a few hundred characters.  Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+IMAGE_PULL_REASONS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "RegistryUnavailable",
+        "SignatureValidationFailed",
+        "ImageInspectError",
+    }
+)
+"""Waiting reasons of a container whose image the kubelet could not get (kubelet/images/types.go)."""
+NEVER_PULLS = frozenset({"InvalidImageName", "ErrImageNeverPull", "SignatureValidationFailed"})
+"""Image reasons no retry can change: a malformed name, ``imagePullPolicy: Never`` without the
+image on the node, a signature the node's policy refuses."""
+MISSING_IMAGE = re.compile(
+    r"not found|manifest unknown|no such host|unauthorized|denied|forbidden"
+    r"|repository does not exist|invalid reference format|name unknown",
+    re.IGNORECASE,
+)
+"""What the registry answers (through containerd) for an image that is not there or not ours to
+pull: ``ErrImagePull``/``ImagePullBackOff`` with such a message fail the job at once.  Any other
+message (a timeout, a refused connection, 429/5xx) is retried by the kubelet."""
+CONFIG_ERROR = "CreateContainerConfigError"
+"""The container's configuration names something missing: a Secret or ConfigMap of ``env``."""
+CREATE_ERROR = "CreateContainerError"
+"""The runtime could not create the container (a name still reserved, a bad mount); retried."""
+WAITING_REASONS = IMAGE_PULL_REASONS | {CONFIG_ERROR, CREATE_ERROR, "RunContainerError"}
+"""Waiting reasons that name a problem (``ContainerCreating`` and ``PodInitializing`` do not)."""
+CREATING = frozenset({"ContainerCreating", "PodInitializing"})
+"""Waiting reasons while the kubelet pulls the image or mounts the volumes: not a problem."""
+OOM_KILLED = "OOMKilled"
+START_ERROR_REASONS = frozenset({"StartError", "ContainerCannotRun"})
+"""Terminated reasons of a container whose command could not start."""
+CANNOT_RUN = re.compile(
+    r"executable file not found|no such file or directory|permission denied|exec format error",
+    re.IGNORECASE,
+)
+"""A start error no retry can change: the command is not in the image, or cannot execute."""
+TERMINATED_REASONS = START_ERROR_REASONS | {OOM_KILLED}
+"""Terminated reasons that name a problem (``Error`` and ``Completed`` say only the exit code)."""
+EVICTED, DEADLINE_EXCEEDED = "Evicted", "DeadlineExceeded"
+POD_REASONS = frozenset({EVICTED, DEADLINE_EXCEEDED})
+"""Pod ``status.reason`` values the kubelet explains in ``status.message``."""
+REASONS = WAITING_REASONS | TERMINATED_REASONS | POD_REASONS
+"""Every reason :func:`read` reports: each is also the reason of the job's condition and Event."""
+
+CONFIG_GRACE_SECONDS = 60
+"""How long a missing Secret or ConfigMap may stay missing after the kubelet took the pod (its
+``status.startTime``) before the job fails: one applied with the job, or by a controller
+moments later, is seen by the kubelet's next retry (10 s, then 20 s, 40 s)."""
+PULL_ALLOWANCE_SECONDS = 3600
+"""How long ``startupTimeoutSeconds`` waits while the kubelet creates a pod's containers (pulls a
+6 GB image: minutes): the timeout covers scheduling and starting, not the download; a volume
+that never mounts (also ``ContainerCreating``) still times out, this much later."""
+MAX_CONTAINERS = 16
+"""Container statuses read per list of a pod: ours have one; a tenant's webhook may add more."""
+MAX_MESSAGE = 512
+"""Characters of the kubelet's message kept (the image name is the tenant's; status stays small)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A reason the kubelet gives for a pod's container not running, or for the pod's end."""
+
+    reason: str
+    """The kubelet's reason, one of :data:`REASONS`."""
+    message: str
+    """The kubelet's message, at most :data:`MAX_MESSAGE` characters."""
+    container: str | None = None
+    """The container it concerns (None: the pod as a whole, evicted or past its deadline)."""
+    memory_limit: str | None = None
+    """The container's ``resources.limits.memory`` (None: unlimited)."""
+
+
+def _text(value: object) -> str:
+    text = value if isinstance(value, str) else ""
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
+
+
+def _memory_limits(spec: Mapping[str, Any]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for key in ("initContainers", "containers"):
+        for container in (spec.get(key) or [])[:MAX_CONTAINERS]:
+            limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+            if isinstance(limit, str):
+                found[str(container.get("name"))] = limit
+    return found
+
+
+def _statuses(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Init containers first (a pod's later containers wait for them), each list bounded."""
+    init = (status.get("initContainerStatuses") or [])[:MAX_CONTAINERS]
+    return [*init, *(status.get("containerStatuses") or [])[:MAX_CONTAINERS]]
+
+
+def _of_container(container: Mapping[str, Any], limits: Mapping[str, str]) -> Problem | None:
+    state = container.get("state") or {}
+    name = str(container.get("name") or "")
+    for kind, reasons in (("terminated", TERMINATED_REASONS), ("waiting", WAITING_REASONS)):
+        said = state.get(kind) or {}
+        if said.get("reason") in reasons:
+            message = _text(said.get("message"))
+            return Problem(said["reason"], message, name, limits.get(name))
+    return None
+
+
+def read(pod: Mapping[str, Any]) -> Problem | None:
+    """The first problem ``pod`` (a manifest) reports: the pod's own reason, then its containers'."""
+    status = pod.get("status") or {}
+    if status.get("reason") in POD_REASONS:
+        return Problem(status["reason"], _text(status.get("message")))
+    limits = _memory_limits(pod.get("spec") or {})
+    for container in _statuses(status):
+        problem = _of_container(container, limits)
+        if problem is not None:
+            return problem
+    return None
+
+
+def creating(pod: Mapping[str, Any]) -> bool:
+    """Whether the kubelet still creates a container of ``pod`` (pulls its image, mounts volumes)."""
+    return any(
+        ((c.get("state") or {}).get("waiting") or {}).get("reason") in CREATING
+        for c in _statuses(pod.get("status") or {})
+    )
+
+
+def described(pod: str, problem: Problem) -> str:
+    """``problem`` in a sentence that names the pod, the container and the kubelet's words."""
+    where = f"pod {pod}" + (f", container {problem.container}" if problem.container else "")
+    said = f": {problem.message}" if problem.message else ""
+    if problem.reason != OOM_KILLED:
+        return f"{where}: {problem.reason}{said}"
+    limit = problem.memory_limit or "none set"
+    return (
+        f"{where}: OOMKilled: the container used more than its memory limit ({limit}); "
+        "raise spec.resources.memory, or lower training.microBatch (activations) or "
+        "resources.shmSize (/dev/shm counts against the limit)"
+    )
+
+
+def never_pulls(problem: Problem) -> bool:
+    """Whether ``problem`` is an image no retry can get: a bad name, or one the registry does not have for us."""
+    return problem.reason in NEVER_PULLS or (
+        problem.reason in IMAGE_PULL_REASONS and bool(MISSING_IMAGE.search(problem.message))
+    )
+
+
+def cannot_run(problem: Problem) -> bool:
+    """Whether ``problem`` is a command the image cannot run (not found, not executable)."""
+    return problem.reason in START_ERROR_REASONS and bool(CANNOT_RUN.search(problem.message))
+
+
+def config_overdue(
+    problem: Problem, started: datetime.datetime | None, now: datetime.datetime
+) -> bool:
+    """Whether a missing Secret or ConfigMap is still missing :data:`CONFIG_GRACE_SECONDS` after ``started``."""
+    if problem.reason != CONFIG_ERROR or started is None:
+        return False
+    return (now - started).total_seconds() >= CONFIG_GRACE_SECONDS
+
+
+def pending(pods: Sequence[tuple[str, Problem]]) -> str | None:
+    """The message of the first of ``pods``' problems (name, problem), and how many there are."""
+    if not pods:
+        return None
+    name, problem = pods[0]
+    more = f" (and {len(pods) - 1} more pod(s))" if len(pods) > 1 else ""
+    return described(name, problem) + more
