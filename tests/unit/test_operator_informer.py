@@ -285,3 +285,51 @@ def test_a_relist_keeps_what_the_operator_wrote_after_the_list_was_taken():
     assert store.names_of_job("ns", "j") == ["created-during-list", "old"]
     store.replace([_pod("old", 3, "j")], version="20")  # a list newer than both writes
     assert store.names_of_job("ns", "j") == ["old"]
+
+
+def test_the_cache_is_synced_once_the_jobs_of_every_watched_namespace_are_listed():
+    """Own gated pods hold their nodes only while their job is known live: a placement before
+    the TrainingJobs are listed would see those nodes free."""
+    listed: list[str | None] = []
+    release = asyncio.Event()
+
+    class _Client:
+        on_write = None
+
+        async def list_pods(self, **_: Any) -> tuple[list[Any], str]:
+            return [], "1"
+
+        async def list_nodes(self, **_: Any) -> tuple[list[Any], str]:
+            return [], "1"
+
+        async def list_jobs(self, *, namespace: str | None, **_: Any) -> tuple[list[Any], str]:
+            if namespace == "b":
+                await release.wait()
+            listed.append(namespace)
+            job = _job("j", 1, "u1")
+            job["metadata"]["namespace"] = namespace
+            return [job], "1"
+
+        async def _forever(self, **_: Any):
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
+
+        watch_pods = watch_nodes = watch_jobs = _forever
+
+    cache = informer.Cache()
+
+    async def follow() -> tuple[bool, bool]:
+        task = asyncio.create_task(cache.run(_Client(), namespaces=["a", "b"]))  # type: ignore[arg-type]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        before = cache.synced.is_set()
+        release.set()
+        await asyncio.wait_for(cache.synced.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return before, cache.synced.is_set()
+
+    assert asyncio.run(follow()) == (False, True)
+    assert listed == ["a", "b"]  # each watched namespace, never all of them
+    # the list of b (after a's) replaced b's jobs only
+    assert cache.jobs.get(("a", "j")) is not None and cache.jobs.get(("b", "j")) is not None

@@ -236,8 +236,10 @@ class Store:
         if not names:
             del self._by_job[(key[0], job)]
 
-    def replace(self, objects: Iterable[kube.Body], version: str | None = None) -> None:
-        """The full state after a list taken at ``version``.
+    def replace(
+        self, objects: Iterable[kube.Body], version: str | None = None, namespace: str | None = None
+    ) -> None:
+        """The full state after a list taken at ``version`` (of ``namespace`` only, if given).
 
         What the store learned after the list was taken (the operator's own writes
         answered while a long list paginated: a newer object, a tombstone) is kept;
@@ -247,22 +249,20 @@ class Store:
             taken = int(version) if version is not None else None
         except ValueError:
             taken = None
-        newer = {
-            key: obj
-            for key, obj in self._objects.items()
-            if taken is not None and _version(obj) > taken
-        }
-        tombstones = {
-            key: mark
-            for key, mark in self._tombstones.items()
-            if taken is not None and mark[0] > taken
-        }
+
+        def kept(key: Key, found_version: int) -> bool:
+            outside = namespace is not None and key[0] != namespace
+            return outside or (taken is not None and found_version > taken)
+
+        newer = {key for key, obj in self._objects.items() if kept(key, _version(obj))}
         for key, old in list(self._objects.items()):
             if key not in newer:
                 self._index(key, old, add=False)
                 del self._objects[key]
                 self._changed(old, None)
-        self._tombstones = tombstones
+        self._tombstones = {
+            key: mark for key, mark in self._tombstones.items() if kept(key, mark[0])
+        }
         for obj in objects:
             self.upsert(obj)
 
@@ -419,7 +419,9 @@ class Cache:
 
     def learn(self, verb: str, obj: kube.Body) -> None:
         """Apply the answer of one of the operator's own writes (``kube.Client.on_write``)."""
-        store = {"Pod": self.pods, "Node": self.nodes}.get(str(obj.get("kind")))
+        store = {"Pod": self.pods, "Node": self.nodes, "TrainingJob": self.jobs}.get(
+            str(obj.get("kind"))
+        )
         if store is None:
             return
         metadata = obj.get("metadata") or {}
@@ -481,7 +483,7 @@ class Cache:
             try:
                 if version is None:
                     items, version = await list_(**scope, keep=store.trim)
-                    store.replace(items, version)
+                    store.replace(items, version, scope.get("namespace"))
                     # The cache is most of the heap and its JSON trees hold no cycles: kept out of
                     # the collector, a full collection no longer walks 100,000 pods (0.3 s a pass).
                     gc.freeze()
