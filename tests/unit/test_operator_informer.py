@@ -189,6 +189,11 @@ def test_own_gated_pods_stop_counting_when_their_job_goes_and_count_when_it_come
     assert cache.usage()["n1"].pods == 0
     cache.jobs.replace([_job("j", 7, "u1")], version="7")  # a relist
     assert cache.usage()["n1"].pods == 1
+    cache.jobs.remove(_job("j", 8, "u1"))
+    # The operator's own status write (placement is written before the gang is created) tells
+    # the cache of its job at once, before the watch's event: the next placement sees the nodes held.
+    cache.learn("patch", _job("j", 9, "u1", phase="Placing"))
+    assert cache.usage()["n1"].pods == 1
 
 
 def _node(version: int, heartbeat: str, gpus: str = "8") -> dict[str, Any]:
