@@ -1,8 +1,8 @@
-"""Informer-style caches of pods and nodes: list once, then follow a watch; reads never hit the API.
+"""Informer-style caches of pods, nodes and TrainingJobs: list once, then follow a watch.
 
 A reconcile reads its job's pods from the job index and a placement reads every node and the
-per-node usage kept here, so neither sends a LIST.  The TrainingJobs followed here say which
-gated pods are the operator's own (``capacity.counted_node``).  Trimming bounds the memory on big clusters;
+per-node usage kept here, so neither sends a LIST.  The TrainingJobs say which unbound pods are
+the operator's own (``capacity.counted_node``).  Trimming bounds the memory on big clusters;
 the operator's own writes are applied from their answers (:meth:`Cache.learn`), so the pass
 after a write sees it.  Watch events wake the job daemons (:class:`Waker`).
 """
