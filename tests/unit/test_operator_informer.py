@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from meshtrain.operator.cluster import informer
-from meshtrain.operator.policy import feasibility
+from meshtrain.operator.policy import capacity, feasibility
 
 
 def _pod(name: str, version: int, job: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -66,6 +66,8 @@ def test_foreign_pods_keep_only_what_capacity_reads_and_job_pods_stay_whole():
     foreign = _pod("f", 1, annotations={"meshtrain.io/planned-node": "n1", "other": "x"})
     foreign["spec"] = {
         "nodeName": "n1",
+        "schedulerName": "default-scheduler",
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}},
         "containers": [{"name": "c", "image": "i", "env": [{"name": "A"}], "resources": {"x": 1}}],
         "initContainers": [{"name": "s", "restartPolicy": "Always", "resources": {"y": 2}}],
         "overhead": {"cpu": "1"},
@@ -75,11 +77,12 @@ def test_foreign_pods_keep_only_what_capacity_reads_and_job_pods_stay_whole():
     slim = informer.trim_pod(foreign)
     assert slim["spec"] == {
         "nodeName": "n1",
+        "schedulerName": "default-scheduler",
         "overhead": {"cpu": "1"},
         "containers": [{"resources": {"x": 1}}],
         "initContainers": [{"resources": {"y": 2}, "restartPolicy": "Always"}],
     }
-    assert slim["metadata"]["annotations"] == {"meshtrain.io/planned-node": "n1"}
+    assert "annotations" not in slim["metadata"]  # a foreign pod's annotation reserves nothing
     assert slim["status"] == {"phase": "Running"}
     own = _pod("o", 1, "j")
     assert informer.trim_pod(own) is own
@@ -103,40 +106,94 @@ def test_the_cache_learns_deletes_of_unbound_pods_as_gone_and_graceful_ones_as_t
     assert [p["metadata"]["name"] for p in cache.job_pods("ns", "j")] == ["b", "c"]
 
 
+def _job(name: str, version: int, uid: str, phase: str | None = None) -> dict[str, Any]:
+    return {
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": "ns", "uid": uid, "resourceVersion": str(version)},
+        "status": {"phase": phase} if phase else {},
+    }
+
+
 def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
-    """Incremental per-node usage against feasibility.usage over what the store holds."""
+    """Incremental per-node usage against capacity.counted_node and feasibility.usage over what
+    the stores hold, while pods change and jobs are created, finished, deleted and re-created
+    (a namesake under another UID)."""
     rng = random.Random(7)
     cache = informer.Cache()
     version = 0
-    for _ in range(600):
+    for _ in range(800):
         version += 1
+        if rng.random() < 0.1:
+            if rng.random() < 0.3:
+                cache.jobs.remove(_job("j", version, "u0"))
+            else:
+                uid = rng.choice(["u1", "u1", "u2"])
+                phase = rng.choice([None, "Running", "Succeeded"])
+                cache.jobs.upsert(_job("j", version, uid, phase))
+            continue
         name = f"p{rng.randrange(40)}"
         if rng.random() < 0.25:
             cache.pods.remove(_pod(name, version))
             continue
         pod = _pod(name, version, rng.choice([None, "j"]))
+        pod["metadata"]["ownerReferences"] = [{"uid": rng.choice(["u1", "u1", "u2", "u3"])}]
         pod["spec"] = {
             "nodeName": rng.choice(["a", "b", None]),
             "containers": [{"resources": {"requests": {"cpu": f"{rng.randrange(1, 9)}00m"}}}],
         }
         if pod["spec"]["nodeName"] is None:
             pod["metadata"]["annotations"] = {"meshtrain.io/planned-node": "c"}
-        pod["status"] = {"phase": rng.choice(["Pending", "Running", "Succeeded"])}
+            if rng.random() < 0.3:
+                pod["status"]["nominatedNodeName"] = "d"
+        pod["status"]["phase"] = rng.choice(["Pending", "Running", "Succeeded"])
         cache.pods.upsert(pod)
         if rng.random() < 0.1:  # read between changes: what was read must not go stale
             dict(cache.usage())
+    cache.jobs.upsert(_job("j", version + 1, "u1"))  # ends with a live job, whatever came before
+    live = "u1"
     skipped = cache.job_pods("ns", "j")
     for left_out in ([], skipped):
         by_node: dict[str, list[dict[str, Any]]] = {}
         for pod in cache.pods.values():
-            if pod not in left_out:
-                node = pod["spec"].get("nodeName") or "c"
+            owner = live if informer.job_of(pod) == "j" else None
+            node = capacity.counted_node(pod, owner)
+            if pod not in left_out and node:
                 by_node.setdefault(node, []).append(pod)
         expected = {node: feasibility.usage(pods) for node, pods in by_node.items()}
         found = cache.usage(without=left_out)
         assert {n: u for n, u in found.items() if u.pods} == {
             n: u for n, u in expected.items() if u.pods
         }
+        if not left_out:  # the draw must end with own pods and a nominee counted
+            assert "c" in expected and "d" in expected, expected
+
+
+def test_own_gated_pods_stop_counting_when_their_job_goes_and_count_when_it_comes():
+    """The pod list may arrive before the job list (start-up) and a job may be deleted or finish
+    while its gated pods remain: the pods are counted again under the job's new answer."""
+    cache = informer.Cache()
+    pod = _pod("g", 1, "j", ownerReferences=[{"uid": "u1"}])
+    pod["metadata"]["annotations"] = {"meshtrain.io/planned-node": "n1"}
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "8"}}
+    cache.pods.upsert(pod)
+    assert "n1" not in cache.usage()  # no live job owns it yet
+    cache.jobs.upsert(_job("j", 2, "u1"))
+    assert cache.usage()["n1"].requested == {"nvidia.com/gpu": 8}
+    cache.jobs.upsert(_job("j", 3, "u1", phase="Succeeded"))
+    assert cache.usage()["n1"].pods == 0
+    cache.jobs.upsert(_job("j", 4, "u1", phase="Running"))
+    assert cache.usage()["n1"].pods == 1
+    cache.jobs.remove(_job("j", 5, "u1"))
+    assert cache.usage()["n1"].pods == 0
+    cache.jobs.upsert(_job("j", 6, "u2"))  # a namesake: another UID owns nothing of it
+    assert cache.usage()["n1"].pods == 0
+    cache.jobs.replace([_job("j", 7, "u1")], version="7")  # a relist
+    assert cache.usage()["n1"].pods == 1
+    cache.jobs.remove(_job("j", 8, "u1"))
+    # The operator's own status write (placement is written before the gang is created) tells
+    # the cache of its job at once, before the watch's event: the next placement sees the nodes held.
+    cache.learn("patch", _job("j", 9, "u1", phase="Placing"))
+    assert cache.usage()["n1"].pods == 1
 
 
 def _node(version: int, heartbeat: str, gpus: str = "8") -> dict[str, Any]:
@@ -179,6 +236,13 @@ def test_a_node_heartbeat_wakes_no_waiting_job_but_a_real_change_does():
 
         async def list_nodes(self, **_: Any) -> tuple[list[Any], str]:
             return [_node(1, "t0")], "1"
+
+        async def list_jobs(self, **_: Any) -> tuple[list[Any], str]:
+            return [], "1"
+
+        async def watch_jobs(self, **_: Any):
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
 
         async def watch_pods(self, **_: Any):
             await asyncio.Event().wait()
@@ -226,3 +290,51 @@ def test_a_relist_keeps_what_the_operator_wrote_after_the_list_was_taken():
     assert store.names_of_job("ns", "j") == ["created-during-list", "old"]
     store.replace([_pod("old", 3, "j")], version="20")  # a list newer than both writes
     assert store.names_of_job("ns", "j") == ["old"]
+
+
+def test_the_cache_is_synced_once_the_jobs_of_every_watched_namespace_are_listed():
+    """Own gated pods hold their nodes only while their job is known live: a placement before
+    the TrainingJobs are listed would see those nodes free."""
+    listed: list[str | None] = []
+    release = asyncio.Event()
+
+    class _Client:
+        on_write = None
+
+        async def list_pods(self, **_: Any) -> tuple[list[Any], str]:
+            return [], "1"
+
+        async def list_nodes(self, **_: Any) -> tuple[list[Any], str]:
+            return [], "1"
+
+        async def list_jobs(self, *, namespace: str | None, **_: Any) -> tuple[list[Any], str]:
+            if namespace == "b":
+                await release.wait()
+            listed.append(namespace)
+            job = _job("j", 1, "u1")
+            job["metadata"]["namespace"] = namespace
+            return [job], "1"
+
+        async def _forever(self, **_: Any):
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
+
+        watch_pods = watch_nodes = watch_jobs = _forever
+
+    cache = informer.Cache()
+
+    async def follow() -> tuple[bool, bool]:
+        task = asyncio.create_task(cache.run(_Client(), namespaces=["a", "b"]))  # type: ignore[arg-type]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        before = cache.synced.is_set()
+        release.set()
+        await asyncio.wait_for(cache.synced.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return before, cache.synced.is_set()
+
+    assert asyncio.run(follow()) == (False, True)
+    assert listed == ["a", "b"]  # each watched namespace, never all of them
+    # the list of b (after a's) replaced b's jobs only
+    assert cache.jobs.get(("a", "j")) is not None and cache.jobs.get(("b", "j")) is not None

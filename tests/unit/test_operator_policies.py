@@ -1,4 +1,4 @@
-"""Small operator policies: conditions, reservations from pods, progress reports, CLI flags."""
+"""Small operator policies: conditions, usage from pods, progress reports, CLI flags."""
 
 from __future__ import annotations
 
@@ -57,15 +57,22 @@ def _pod(name, node, gpus, phase="Pending", job=None, namespace="ns", bound=Fals
     return manifest
 
 
-def test_reservations_come_from_live_pods_with_their_planned_node():
+def test_usage_comes_from_bound_pods_and_the_gated_pods_of_live_jobs():
     pods = [
-        _pod("a", "n1", 4, job="a"),
+        _pod("a", "n1", 4, job="a"),  # gated, planned onto n1, but no live job "a" owns it
         _pod("b", "n1", 2, phase="Running", job="b", bound=True),
-        _pod("c", "n2", 8, phase="Succeeded", job="c"),  # finished: frees its GPUs
-        _pod("mine", "n2", 8, job="me"),  # excluded: the job being planned
+        _pod("c", "n2", 8, phase="Succeeded", job="c", bound=True),  # finished: frees its GPUs
+        _pod("mine", "n2", 8, job="me"),  # left out: the job being planned
+        _pod("live", "n3", 4, job="live"),  # gated, its job "live" (UID u) exists
     ]
-    taken = capacity.reservations(pods, "nvidia.com/gpu", exclude=("ns", "me"))
-    assert sorted((r.node, r.gpus) for r in taken) == [("n1", 2), ("n1", 4)]
+    cache = informer.Cache()
+    for version, pod in enumerate(pods):
+        cache.pods.upsert({**pod, "metadata": {**pod["metadata"], "resourceVersion": str(version)}})
+    for name in ("me", "live"):
+        cache.jobs.upsert({"metadata": {"name": name, "namespace": "ns", "uid": "u"}})
+    used = cache.usage(without=cache.job_pods("ns", "me"))
+    taken = {node: used[node].requested.get("nvidia.com/gpu", 0) for node in used}
+    assert {node: gpus for node, gpus in taken.items() if gpus} == {"n1": 2, "n3": 4}
     nodes = [
         placement.node_from_manifest(
             {
@@ -77,7 +84,6 @@ def test_reservations_come_from_live_pods_with_their_planned_node():
         for n in ("n1", "n2")
     ]
     assert nodes[0].allocatable_gpus == 8 and nodes[0].labels == {"x": "y"}
-    assert capacity.free_gpus(nodes, taken) == {"n1": 2, "n2": 8}
 
 
 def test_only_the_current_attempts_live_pods_count_as_freed_by_replacing():

@@ -89,7 +89,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     cache = informer.Cache()
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=memo.settings)
     memo.wakeups = Wakeups()
-    memo.watches = asyncio.create_task(cache.run(client, memo.wakeups))
+    memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()
     tenure = leadership.Tenure(math.inf if memo.election is None else -math.inf)
     # A pass under way when the Lease is lost writes no more, and no write outlives the Lease.

@@ -7,11 +7,14 @@ finished pods).  For every node, a probe — the pod the operator would create
 for a random TrainingJob, ungated, pinned to that node — is handed to
 kube-scheduler.  The scheduler binding it or reporting it Unschedulable is the
 truth; ``feasibility.verdict`` on the same objects read back from the API
-server must agree for every node.
+server must agree for every node.  Hostile foreign pods (annotations, affinities,
+nominations, forged owner references) are judged the same way, with the usage the
+operator's own cache reads from the API server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import random
 import time
@@ -23,10 +26,11 @@ import kubernetes
 import pytest
 
 from meshtrain.api import loading
-from meshtrain.operator.policy import builders, feasibility, identity
+from meshtrain.operator.cluster import informer, kube
+from meshtrain.operator.policy import builders, capacity, feasibility, identity, naming
 from meshtrain.sandbox import controlplane
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import wait_for
+from tests.integration.operator.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +179,14 @@ def _probe(rng: random.Random, node: str) -> dict[str, Any]:
 
 
 def _scheduler_verdict(core: kubernetes.client.CoreV1Api, name: str) -> tuple[bool, str] | None:
-    pod = core.read_namespaced_pod(name, "probe")
+    return _scheduler_verdict_in(core, name, "probe")
+
+
+def _scheduler_verdict_in(
+    core: kubernetes.client.CoreV1Api, name: str, namespace: str
+) -> tuple[bool, str] | None:
+    """(bound, "") or (False, the scheduler's message) once kube-scheduler decided; else None."""
+    pod = core.read_namespaced_pod(name, namespace)
     if pod.spec.node_name:
         return True, ""
     for condition in pod.status.conditions or []:
@@ -269,3 +280,136 @@ def test_operator_verdict_equals_the_scheduler_on_every_node_of_random_clusters(
     # the clusters must exercise both answers and several filters, or agreement proves little
     assert reasons[None] >= 5 and len(results) - reasons[None] >= 5, reasons
     assert len(reasons) >= 5, reasons
+
+
+# Hostile foreign pods (issue #32 item 3): what a pod says of itself reserves nothing.
+
+NEVER = {"meshtrain.io/no-such-node": "x"}
+"""A nodeSelector no node matches: the pod stays Pending for good."""
+
+
+@pytest.fixture(scope="module")
+def tenants(control_plane_binaries) -> Iterator[Cluster]:
+    """A control plane with kube-scheduler and the TrainingJob CRD, and two tenants' namespaces."""
+    with Cluster.private(control_plane_binaries) as found:
+        for namespace in ("tenant-a", "tenant-b"):
+            found.core.create_namespace({"metadata": {"name": namespace}})
+        yield found
+
+
+def _gpu_pod(name: str, gpus: int, **spec: Any) -> dict[str, Any]:
+    limits = {"nvidia.com/gpu": str(gpus)}
+    return {
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "c", "image": "pause", "resources": {"limits": limits}}]}
+        | spec,
+    }
+
+
+def _gang_pod(ref: identity.JobRef, node: str) -> dict[str, Any]:
+    """The gated 8-GPU pod the operator builds for ``ref``, planned onto ``node``."""
+    spec = loading.parse_spec(JobBuilder().layout(data=8, gpus_per_node=8).gpus(8).raw())
+    return builders.build_pod(ref, spec, 0, 0, node)
+
+
+def _hostile_pods(cluster: Cluster, nodes: dict[str, str]) -> dict[str, str]:
+    """One hostile pod per case in tenant-a, each aimed at its own node; the case -> its pod's name."""
+    uid = {}
+    for namespace, name in (("tenant-a", "ours"), ("tenant-b", "theirs"), ("tenant-a", "gone")):
+        uid[name] = cluster.apply(JobBuilder(name, namespace).layout(data=8).gpus(8))["metadata"][
+            "uid"
+        ]
+    cluster.delete_job("tenant-a", "gone")  # no finalizer without an operator: gone at once
+    pin = _gang_pod(identity.JobRef("x", "tenant-a", ""), nodes["affinity"])["spec"]["affinity"]
+    pods = {
+        "annotation": _gpu_pod("annotated", 8, nodeSelector=NEVER),  # marked below
+        "affinity": _gpu_pod("pinned", 16, affinity=pin),  # never fits its one node
+        "nominated-elsewhere": _gpu_pod("elsewhere", 8, schedulerName="another-scheduler"),
+        "nominated": _gpu_pod("nominee", 8, schedulingGates=[{"name": "example.com/hold"}]),
+        "other-tenants-uid": _gang_pod(
+            identity.JobRef("ours", "tenant-a", uid["theirs"]), nodes["other-tenants-uid"]
+        ),
+        "deleted-jobs-uid": _gang_pod(
+            identity.JobRef("gone", "tenant-a", uid["gone"]), nodes["deleted-jobs-uid"]
+        ),
+        "own": _gang_pod(identity.JobRef("ours", "tenant-a", uid["ours"]), nodes["own"]),
+    }
+    pods["annotation"]["metadata"]["annotations"] = {naming.ANNOTATION_NODE: nodes["annotation"]}
+    for case in ("other-tenants-uid", "deleted-jobs-uid", "own"):
+        pods[case]["metadata"]["name"] = f"gang-{case}"
+    for case, pod in pods.items():
+        cluster.core.create_namespaced_pod("tenant-a", pod)
+        if case.startswith("nominated"):
+            cluster.core.patch_namespaced_pod_status(
+                pod["metadata"]["name"], "tenant-a", {"status": {"nominatedNodeName": nodes[case]}}
+            )
+    return {case: pod["metadata"]["name"] for case, pod in pods.items()}
+
+
+def _operator_usage(cluster: Cluster) -> dict[str, feasibility.Usage]:
+    """What the operator's own cache (listing pods, nodes and TrainingJobs) says each node holds."""
+
+    async def read() -> dict[str, feasibility.Usage]:
+        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
+        cache = informer.Cache()
+        follow = asyncio.create_task(cache.run(client))
+        try:
+            await asyncio.wait_for(cache.synced.wait(), 30)
+            return dict(cache.usage())
+        finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+            await client.close()
+
+    return asyncio.run(read())
+
+
+def test_hostile_foreign_pods_reserve_on_a_node_what_the_scheduler_counts_and_no_more(tenants):
+    """On an empty 8-GPU node each, a hostile pod: a never-schedulable pod with the operator's
+    planned-node annotation; a one-node matchFields affinity; a nomination another scheduler's
+    pod carries, and one kube-scheduler honours (a gated pod nominated there); gang pods with
+    forged owner references, naming a live job of the namespace but another tenant's job UID, or
+    a deleted job's UID.  A probe asking for all 8 GPUs, pinned to the node, gets kube-scheduler's
+    verdict; the operator's cache must give the same.  The operator's own gated pod of a live
+    job holds its node (the scheduler does not know the gang's plan)."""
+    cases = (
+        "annotation",
+        "affinity",
+        "nominated-elsewhere",
+        "nominated",
+        "other-tenants-uid",
+        "deleted-jobs-uid",
+        "own",
+    )
+    nodes = {case: tenants.add_node("hostile", gpus=8, name=f"hostile-{case}") for case in cases}
+    _hostile_pods(tenants, nodes)
+    time.sleep(2.0)  # kube-scheduler tries the pods it may schedule (and keeps them Pending)
+    usage = _operator_usage(tenants)
+    api = tenants.core.api_client
+    probes = {}
+    for case, node in nodes.items():
+        probe = _gang_pod(identity.JobRef(f"probe-{case}", "tenant-a", ""), node)
+        probe["metadata"].pop("ownerReferences")
+        probe["spec"].pop("schedulingGates")
+        probes[case] = api.sanitize_for_serialization(
+            tenants.core.create_namespaced_pod("tenant-a", probe)
+        )
+    verdicts = {}
+    for case, node in nodes.items():
+        name = probes[case]["metadata"]["name"]
+        truth = wait_for(
+            f"scheduler decision on {name}",
+            lambda n=name: _scheduler_verdict_in(tenants.core, n, "tenant-a"),
+            timeout=30,
+        )
+        node_obj = api.sanitize_for_serialization(tenants.core.read_node(node))
+        reason = feasibility.verdict(
+            feasibility.demand_of(probes[case]), node_obj, usage.get(node, capacity.NOTHING)
+        )
+        verdicts[case] = (truth[0], reason, truth[1])
+    own = verdicts.pop("own")
+    assert own[:2] == (True, "Insufficient nvidia.com/gpu"), own
+    disagreements = {c: v for c, v in verdicts.items() if v[0] != (v[1] is None)}
+    assert not disagreements, disagreements
+    # both answers occur, or agreement proves little
+    assert {v[0] for v in verdicts.values()} == {True, False}, verdicts

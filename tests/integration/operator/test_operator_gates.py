@@ -283,16 +283,16 @@ def test_a_pod_nominated_to_a_planned_node_before_the_gates_lift_gets_the_gang_p
     first = private.add_node("nominated", gpus=4, name="nominated-a")
     private.apply(JobBuilder("outranked", "gates", "nominated").layout(data=4).gpus(4))
     _pass(private, "outranked")  # the gated pod, planned onto the only node
-    other_scheduler = {  # kube-scheduler leaves it alone: only its nomination is at play here
+    nominee = {  # gated, kube-scheduler leaves it alone: only its nomination is at play
         "metadata": {"name": "nominee"},
         "spec": {
-            "schedulerName": "another-scheduler",
+            "schedulingGates": [{"name": OTHER_GATE}],
             "containers": [
                 {"name": "c", "image": "pause", "resources": {"limits": {"nvidia.com/gpu": "4"}}}
             ],
         },
     }
-    private.core.create_namespaced_pod("default", other_scheduler)
+    private.core.create_namespaced_pod("default", nominee)
     private.core.patch_namespaced_pod_status(
         "nominee", "default", {"status": {"nominatedNodeName": first}}
     )

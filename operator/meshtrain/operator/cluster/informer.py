@@ -1,7 +1,8 @@
-"""Informer-style caches of pods and nodes: list once, then follow a watch; reads never hit the API.
+"""Informer-style caches of pods, nodes and TrainingJobs: list once, then follow a watch.
 
 A reconcile reads its job's pods from the job index and a placement reads every node and the
-per-node usage kept here, so neither sends a LIST.  Trimming bounds the memory on big clusters;
+per-node usage kept here, so neither sends a LIST.  The TrainingJobs say which unbound pods are
+the operator's own (``capacity.counted_node``).  Trimming bounds the memory on big clusters;
 the operator's own writes are applied from their answers (:meth:`Cache.learn`), so the pass
 after a write sees it.  Watch events wake the job daemons (:class:`Waker`).
 """
@@ -16,11 +17,11 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from meshtrain.operator.cluster import api_errors, kube
-from meshtrain.operator.policy import feasibility, identity, naming
+from meshtrain.operator.policy import capacity, feasibility, naming
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -115,7 +116,8 @@ def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.B
 
     Children stay whole, since failure classification reads their statuses, but for their
     ``managedFields`` (the largest part of a pod, read by no one here); ``shared`` (a
-    :class:`Shared`) lets equal parts of foreign pods be one object.
+    :class:`Shared`) lets equal parts of foreign pods be one object.  A foreign pod's
+    annotations and affinity reserve nothing (``capacity.counted_node``) and are not kept.
     """
     metadata = pod.get("metadata") or {}
     if job_of(pod):
@@ -124,13 +126,10 @@ def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.B
         kept = {k: v for k, v in metadata.items() if k != "managedFields"}
         return {**pod, "metadata": kept}
     spec = pod.get("spec") or {}
-    annotations = _pick(metadata.get("annotations"), (naming.ANNOTATION_NODE,))
     slim_spec = {k: shared(v) for k, v in _pick(spec, ("overhead", "resources")).items()}
-    if "nodeName" in spec:
-        slim_spec["nodeName"] = _name(spec["nodeName"])
-    affinity = (spec.get("affinity") or {}).get("nodeAffinity")
-    if affinity:
-        slim_spec["affinity"] = shared({"nodeAffinity": affinity})
+    for name in ("nodeName", "schedulerName"):
+        if name in spec:
+            slim_spec[name] = _name(spec[name])
     slim_spec["containers"] = shared(
         [_pick(c, ("resources",)) for c in spec.get("containers") or []]
     )
@@ -142,8 +141,6 @@ def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.B
     if "namespace" in metadata:
         slim_metadata["namespace"] = _name(metadata["namespace"])
     slim_metadata.update(_pick(metadata, ("deletionTimestamp",)))
-    if annotations:
-        slim_metadata["annotations"] = shared(annotations)
     return {
         "metadata": slim_metadata,
         "spec": slim_spec,
@@ -169,6 +166,17 @@ def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube
                 [_pick(c, ("type", "status")) for c in status.get("conditions") or []]
             ),
         },
+    }
+
+
+def trim_job(job: kube.Body) -> kube.Body:
+    """A TrainingJob as the cache keeps it: whether it is live, and its UID."""
+    metadata = job.get("metadata") or {}
+    return {
+        "metadata": _pick(
+            metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
+        ),
+        "status": _pick(job.get("status"), ("phase",)),
     }
 
 
@@ -231,8 +239,10 @@ class Store:
         if not names:
             del self._by_job[(key[0], job)]
 
-    def replace(self, objects: Iterable[kube.Body], version: str | None = None) -> None:
-        """The full state after a list taken at ``version``.
+    def replace(
+        self, objects: Iterable[kube.Body], version: str | None = None, namespace: str | None = None
+    ) -> None:
+        """The full state after a list taken at ``version`` (of ``namespace`` only, if given).
 
         What the store learned after the list was taken (the operator's own writes
         answered while a long list paginated: a newer object, a tombstone) is kept;
@@ -242,22 +252,20 @@ class Store:
             taken = int(version) if version is not None else None
         except ValueError:
             taken = None
-        newer = {
-            key: obj
-            for key, obj in self._objects.items()
-            if taken is not None and _version(obj) > taken
-        }
-        tombstones = {
-            key: mark
-            for key, mark in self._tombstones.items()
-            if taken is not None and mark[0] > taken
-        }
+
+        def kept(key: Key, found_version: int) -> bool:
+            outside = namespace is not None and key[0] != namespace
+            return outside or (taken is not None and found_version > taken)
+
+        newer = {key for key, obj in self._objects.items() if kept(key, _version(obj))}
         for key, old in list(self._objects.items()):
             if key not in newer:
                 self._index(key, old, add=False)
                 del self._objects[key]
                 self._changed(old, None)
-        self._tombstones = tombstones
+        self._tombstones = {
+            key: mark for key, mark in self._tombstones.items() if kept(key, mark[0])
+        }
         for obj in objects:
             self.upsert(obj)
 
@@ -307,7 +315,7 @@ class Store:
 
 
 class Cache:
-    """The pod and node informers of one operator process."""
+    """The pod, node and TrainingJob informers of one operator process."""
 
     def __init__(self) -> None:
         shared = Shared()
@@ -315,6 +323,9 @@ class Cache:
             functools.partial(trim_pod, shared=shared), by_job=True, on_change=self._count
         )
         self.nodes = Store(functools.partial(trim_node, shared=shared))
+        self.jobs = Store(trim_job, on_change=self._job_changed)
+        self._live: dict[Key, str] = {}
+        """(namespace, job) -> UID of the live TrainingJob of that name (``capacity.live_uid``)."""
         self._requested: dict[str, Counter[str]] = {}
         """Node -> summed requests of the pods holding resources there (kept up to date per event)."""
         self._pods_on: Counter[str] = Counter()
@@ -322,8 +333,10 @@ class Cache:
         self._usage_of: dict[str, feasibility.Usage] = {}
         """Node -> its usage as last asked for; dropped when a pod on the node changes."""
         self.synced = asyncio.Event()
-        """Set once both stores hold a full list."""
+        """Set once every store holds a full list."""
         self._synced: set[str] = set()
+        self._expected: set[str] = {"pods", "nodes"}
+        """What :meth:`run` follows: the lists ``synced`` waits for."""
 
     def job_pods(self, namespace: str, job: str) -> list[kube.Body]:
         """Pods labelled with ``job`` in ``namespace``, by name."""
@@ -332,20 +345,44 @@ class Cache:
         )
         return [p for p in found if p is not None]
 
+    def _node_of(self, pod: kube.Body) -> str | None:
+        """The node ``pod`` takes resources on, as :func:`capacity.counted_node` says."""
+        job = job_of(pod)
+        owner = self._live.get((_key(pod)[0], job)) if job else None
+        return capacity.counted_node(pod, owner)
+
     def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
         for pod, sign in ((old, -1), (new, 1)):
-            if pod is None or not feasibility.holds_resources(pod):
-                continue
-            node = identity.planned_node(pod)
-            if not node:
-                continue
-            requested = self._requested.get(node)
-            if requested is None:
-                requested = self._requested[node] = Counter()
-            for resource, amount in feasibility.pod_requests(pod).items():
-                requested[resource] += sign * amount
-            self._pods_on[node] += sign
-            self._usage_of.pop(node, None)
+            if pod is not None:
+                self._charge(pod, self._node_of(pod), sign)
+
+    def _charge(self, pod: kube.Body, node: str | None, sign: int) -> None:
+        if not node:
+            return
+        requested = self._requested.get(node)
+        if requested is None:
+            requested = self._requested[node] = Counter()
+        for resource, amount in feasibility.pod_requests(pod).items():
+            requested[resource] += sign * amount
+        self._pods_on[node] += sign
+        self._usage_of.pop(node, None)
+
+    def _job_changed(self, old: kube.Body | None, new: kube.Body | None) -> None:
+        """A job that became live or stopped being live (or a namesake with another UID): its
+        pods are counted again under the new answer."""
+        key = _key(new or old or {})
+        live = capacity.live_uid(new) if new is not None else None
+        if self._live.get(key) == live:
+            return
+        pods = self.job_pods(*key)
+        for pod in pods:
+            self._charge(pod, self._node_of(pod), -1)
+        if live is None:
+            self._live.pop(key, None)
+        else:
+            self._live[key] = live
+        for pod in pods:
+            self._charge(pod, self._node_of(pod), 1)
 
     def usage(self, *, without: Iterable[kube.Body] = ()) -> Mapping[str, feasibility.Usage]:
         """What the pods on each node take (``feasibility.usage`` of them), leaving ``without`` out.
@@ -356,8 +393,8 @@ class Cache:
         """
         left_out: dict[str, Counter[str]] = {}
         for pod in without:
-            node = identity.planned_node(pod)
-            if node and feasibility.holds_resources(pod) and node in self._requested:
+            node = self._node_of(pod)
+            if node and node in self._requested:
                 left_out.setdefault(node, Counter())
                 left_out[node].update(feasibility.pod_requests(pod))
                 left_out[node]["\0pods"] += 1
@@ -385,7 +422,9 @@ class Cache:
 
     def learn(self, verb: str, obj: kube.Body) -> None:
         """Apply the answer of one of the operator's own writes (``kube.Client.on_write``)."""
-        store = {"Pod": self.pods, "Node": self.nodes}.get(str(obj.get("kind")))
+        store = {"Pod": self.pods, "Node": self.nodes, "TrainingJob": self.jobs}.get(
+            str(obj.get("kind"))
+        )
         if store is None:
             return
         metadata = obj.get("metadata") or {}
@@ -401,16 +440,31 @@ class Cache:
             return
         store.upsert(obj)
 
-    async def run(self, client: kube.Client, waker: Waker | None = None) -> None:
-        """Follow pods (all namespaces: foreign pods hold GPUs too) and nodes until cancelled.
+    async def run(
+        self, client: kube.Client, waker: Waker | None = None, namespaces: Sequence[str] = ()
+    ) -> None:
+        """Follow pods (all namespaces: foreign pods hold GPUs too), nodes, and the TrainingJobs of
+        ``namespaces`` (the operator's watch; none: all) until cancelled.
 
         Also makes ``client`` report its writes to the cache; ``waker`` (None: none) is poked.
         """
         client.on_write = self.learn
         waker = waker or _Asleep()
+        watched: list[str | None] = [*namespaces] or [None]
+        scopes = {f"trainingjobs in {n or 'all namespaces'}": n for n in watched}
+        self._expected = {"pods", "nodes", *scopes}
+        jobs = [
+            self._follow(
+                what, client.list_jobs, client.watch_jobs, self.jobs, waker, {"namespace": n}
+            )
+            for what, n in scopes.items()
+        ]
         await asyncio.gather(
-            self._follow("pods", client.list_pods, client.watch_pods, self.pods, waker),
-            self._follow("nodes", client.list_nodes, client.watch_nodes, self.nodes, waker),
+            self._follow(
+                "pods", client.list_pods, client.watch_pods, self.pods, waker, {"namespace": None}
+            ),
+            self._follow("nodes", client.list_nodes, client.watch_nodes, self.nodes, waker, {}),
+            *jobs,
         )
 
     async def _follow(
@@ -420,24 +474,25 @@ class Cache:
         watch: Callable[..., Any],
         store: Store,
         waker: Waker,
+        scope: dict[str, Any],
     ) -> None:
         """List (paginated), then watch from the list's resourceVersion (bookmarks keep it fresh).
 
-        A 410 Gone lists again and replaces the store.
+        ``scope`` are the list and watch calls' arguments; a 410 Gone lists again and replaces
+        the store.
         """
         version: str | None = None
-        scope: dict[str, Any] = {"namespace": None} if what == "pods" else {}
         failures = 0  # tries in a row that failed
         while True:
             try:
                 if version is None:
                     items, version = await list_(**scope, keep=store.trim)
-                    store.replace(items, version)
+                    store.replace(items, version, scope.get("namespace"))
                     # The cache is most of the heap and its JSON trees hold no cycles: kept out of
                     # the collector, a full collection no longer walks 100,000 pods (0.3 s a pass).
                     gc.freeze()
                     self._synced.add(what)
-                    if self._synced == {"pods", "nodes"}:
+                    if self._synced >= self._expected:
                         self.synced.set()
                     waker.poke_waiting()
                     logger.info("cache of %s filled: %d object(s)", what, len(store))

@@ -199,7 +199,32 @@ class Client(KueueCalls):
             if not token:
                 return items, str(metadata.get("resourceVersion") or "")
 
-    # TrainingJobs: get, update status, delete.
+    # TrainingJobs: get, list, watch, update status, delete.
+    async def list_jobs(
+        self, *, namespace: str | None, keep: Callable[[Body], Body] | None = None
+    ) -> tuple[list[Body], str]:
+        """TrainingJobs of a namespace (None: of every namespace), and the list's version."""
+        call, args = self._jobs_call(namespace)
+        return await self._list("trainingjobs", call, *args, keep=keep)
+
+    async def watch_jobs(
+        self, *, namespace: str | None, resource_version: str
+    ) -> AsyncIterator[tuple[str, Body]]:
+        """(type, job) events from ``resource_version`` on (see :meth:`_watch`)."""
+        call, args = self._jobs_call(namespace)
+        async for event in self._watch(
+            "trainingjobs", call, *args, resource_version=resource_version
+        ):
+            yield event
+
+    def _jobs_call(
+        self, namespace: str | None
+    ) -> tuple[Callable[..., Awaitable[Any]], tuple[str, ...]]:
+        """The list call of TrainingJobs in ``namespace`` (None: all) and its arguments."""
+        if namespace:
+            return self._custom.list_namespaced_custom_object, (GROUP, VERSION, namespace, PLURAL)
+        return self._custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
+
     async def get_job(self, *, namespace: str, name: str) -> Body | None:
         """The TrainingJob, or None when it is gone."""
         return await self._request(

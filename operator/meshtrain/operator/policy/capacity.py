@@ -1,8 +1,11 @@
 """Cluster objects -> the planner's values: the nodes a gang may use, and what pods already hold.
 
-Reservations are derived from pods alone (their bound node, or the node their required affinity
-pins them to), so they survive an operator restart: the GPUs planned for a gang are held by
-its gated pods from the moment they are created.  Pure.
+A node is used by what kube-scheduler counts there and by nothing a tenant can write: pods bound
+to it, pods the scheduler holds it for (a nomination, which only it or a holder of
+``pods/status`` writes), and this operator's own unbound pods of live jobs, owned by the job's
+UID (the GPUs planned for a gang are held by its gated pods from the moment they are created,
+and survive an operator restart).  A foreign pod's annotation or node affinity reserves nothing.
+Pure.
 """
 
 from __future__ import annotations
@@ -15,18 +18,10 @@ from meshtrain.operator.policy import feasibility, identity, naming, volumes
 
 NOTHING = feasibility.Usage()
 """Usage of a node no pod holds resources on."""
-
-
-def pod_gpus(pod: dict[str, Any], gpu_resource: str) -> int:
-    """GPUs a pod requests (limits count where requests are absent, as for extended resources)."""
-    total = 0
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        resources = container.get("resources") or {}
-        amount = (resources.get("requests") or {}).get(
-            gpu_resource, (resources.get("limits") or {}).get(gpu_resource, 0)
-        )
-        total += placement.resource_count(amount)
-    return total
+DEFAULT_SCHEDULER = "default-scheduler"
+"""The scheduler of the gang pods (the API server's default ``spec.schedulerName``)."""
+FINISHED_PHASES = ("Succeeded", "Failed")
+"""TrainingJob phases after which its pods hold nothing for it."""
 
 
 def holds_gpus(pod: dict[str, Any]) -> bool:
@@ -34,39 +29,35 @@ def holds_gpus(pod: dict[str, Any]) -> bool:
     return ((pod.get("status") or {}).get("phase")) not in ("Succeeded", "Failed")
 
 
-def belongs_to(pod: dict[str, Any], namespace: str, job: str) -> bool:
-    """True when the pod is a child of TrainingJob ``namespace/job``."""
-    metadata = pod.get("metadata") or {}
-    return (
-        metadata.get("namespace") == namespace
-        and (metadata.get("labels") or {}).get(naming.LABEL_JOB) == job
-    )
+def live_uid(job: Mapping[str, Any]) -> str | None:
+    """The UID of a TrainingJob whose gated pods hold their nodes: None once it is being deleted or finished."""
+    metadata = job.get("metadata") or {}
+    if metadata.get("deletionTimestamp"):
+        return None
+    if (job.get("status") or {}).get("phase") in FINISHED_PHASES:
+        return None
+    return metadata.get("uid") or None
 
 
-def reservations(
-    pods: Iterable[dict[str, Any]],
-    gpu_resource: str,
-    *,
-    exclude: tuple[str, str] | None = None,
-) -> list[placement.Reservation]:
-    """GPUs held on each node by live pods, except those of job ``exclude`` = (namespace, name)."""
-    result = []
-    for pod in pods:
-        if not holds_gpus(pod):
-            continue
-        if exclude is not None and belongs_to(pod, *exclude):
-            continue
-        gpus = pod_gpus(pod, gpu_resource)
-        node = identity.planned_node(pod)
-        if gpus <= 0 or not node:
-            continue
-        metadata = pod.get("metadata") or {}
-        result.append(
-            placement.Reservation(
-                node=node, gpus=gpus, owner=f"{metadata.get('namespace')}/{metadata.get('name')}"
-            )
-        )
-    return result
+def counted_node(pod: Mapping[str, Any], live_owner: str | None) -> str | None:
+    """The node whose resources ``pod`` takes, or None.
+
+    ``live_owner`` is the UID of the live TrainingJob in the pod's namespace that its
+    ``meshtrain.io/job`` label names (None: no such job).  A terminal pod takes nothing; a bound
+    one its node; an unbound one owned by ``live_owner`` the node the operator planned for it; any
+    other unbound pod only the node kube-scheduler nominated it for, as the scheduler holds it
+    (its own pods only, whatever their gates).
+    """
+    if not feasibility.holds_resources(pod):
+        return None
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName"):
+        return str(spec["nodeName"])
+    if live_owner is not None and owned_by(pod, live_owner):
+        return identity.planned_node(dict(pod))
+    if (spec.get("schedulerName") or DEFAULT_SCHEDULER) != DEFAULT_SCHEDULER:
+        return None
+    return (pod.get("status") or {}).get("nominatedNodeName") or None
 
 
 def free_gpus(

@@ -55,7 +55,10 @@ def same_spec(stamped: str, spec: api_spec.TrainingJobSpec) -> bool:
 
 def planned_node(pod: dict[str, Any]) -> str | None:
     """The node a pod is bound to, or the one its required affinity pins it to, or the one
-    kube-scheduler nominated it for (preemption made room there and the scheduler holds it)."""
+    kube-scheduler nominated it for (preemption made room there and the scheduler holds it).
+
+    Read of the operator's own pods; what a foreign pod holds is ``capacity.counted_node``'s.
+    """
     bound = (pod.get("spec") or {}).get("nodeName")
     if bound:
         return str(bound)
