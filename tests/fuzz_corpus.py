@@ -57,6 +57,10 @@ VALID_AT_BOUNDS: dict[str, dict[str, Any]] = {
     )
     .model(layers=limits.MAX_LAYERS)
     .manifest(),
+    "integral-floats": _job("at-integral-floats")
+    .parallelism(data=2.0, microBatches=4.0)
+    .training(steps=1e3, learningRate=1)
+    .manifest(),
     "steps": _job("at-steps")
     .training(
         steps=limits.MAX_STEPS,
@@ -75,8 +79,9 @@ VALID_AT_BOUNDS: dict[str, dict[str, Any]] = {
         "registry.example.com:5000/team/trainer@sha256:" + "0" * 64,
     ),
 }
-"""Valid jobs at (not above) the bounds: the bounds are not too tight."""
+"""Valid jobs at (not above) the bounds, so the bounds are not too tight; and integral floats
+where integers go, which the API server reads as integers (JSON has one number type)."""
 
-PLANNED_AT_BOUNDS = ("world", "pipeline", "interleaved", "steps", "strings")
+PLANNED_AT_BOUNDS = ("world", "pipeline", "interleaved", "integral-floats", "steps", "strings")
 """The ones ``meshtrain plan`` is given too: planning dp65536 is quadratic in the layout today
 (``meshtrain.api.layout`` groups; the off-loop planning work makes it fast)."""

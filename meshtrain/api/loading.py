@@ -11,6 +11,7 @@ error rather than a silent overwrite, and a message quotes only a bounded part o
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,27 @@ class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no 
                 seen.add(key)
         mapping: dict[Any, Any] = super().construct_mapping(node, deep)
         return mapping
+
+
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+"""``3e-4`` is a number, as kubectl's YAML 1.2 reader and every user read it (PyYAML's YAML 1.1
+wants ``3.0e-4`` and would read a string)."""
+
+
+def _json_numbers(node: Any) -> Any:
+    """``node`` with every integral float as an int: the API server reads ``2.0`` as the integer
+    2 (JSON has one number type), so ``data: 2.0`` is a degree and ``2.5`` is not."""
+    if isinstance(node, float) and node.is_integer():
+        return int(node)
+    if isinstance(node, dict):
+        return {key: _json_numbers(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_json_numbers(value) for value in node]
+    return node
 
 
 def _expanded_size_problem(root: yaml.Node) -> str | None:
@@ -183,7 +205,7 @@ def parse_spec(raw: object, source: str = "spec") -> api_spec.TrainingJobSpec:
         problem = f"must be a mapping of the spec's sections, got {base.quoted(raw)}"
         raise SpecError([rules.Problem(path="spec", message=problem)], source)
     try:
-        spec = api_spec.TrainingJobSpec.model_validate(raw)
+        spec = api_spec.TrainingJobSpec.model_validate(_json_numbers(raw))
     except pydantic.ValidationError as err:
         raise SpecError([_problem(e) for e in err.errors()], source) from None
     problems = rules.check(spec)

@@ -61,7 +61,7 @@ FIELD_CASES: list[Case] = [
     _field("data-zero", "spec.parallelism.data", 0),
     _field("data-negative", "spec.parallelism.data", -1),
     _field("data-bool", "spec.parallelism.data", True),
-    _field("data-float", "spec.parallelism.data", 2.0),
+    _field("data-fraction", "spec.parallelism.data", 2.5),
     _field("data-string", "spec.parallelism.data", "2"),
     _field("data-list", "spec.parallelism.data", [2]),
     _field("data-null-map", "spec.parallelism.data", {"value": 2}),
@@ -78,11 +78,11 @@ FIELD_CASES: list[Case] = [
     _field("steps-1e30", "spec.training.steps", 10**30),
     _field("steps-zero", "spec.training.steps", 0),
     _field("steps-string", "spec.training.steps", "100"),
-    _field("steps-float", "spec.training.steps", 100.0),
+    _field("steps-fraction", "spec.training.steps", 100.5),
     _field("learning-rate-inf", "spec.training.learningRate", float("inf")),
     _field("learning-rate-minus-inf", "spec.training.learningRate", float("-inf")),
     _field("learning-rate-nan", "spec.training.learningRate", float("nan")),
-    _field("learning-rate-string", "spec.training.learningRate", "3e-4"),
+    _field("learning-rate-string", "spec.training.learningRate", "0.0003"),
     _field("learning-rate-bool", "spec.training.learningRate", True),
     _field("seed-2-pow-64", "spec.training.seed", 2**64),
     _field("seed-negative", "spec.training.seed", -1),
@@ -197,7 +197,9 @@ TEXT_CASES: list[Case] = [
     _text("alias-bomb-top", _bomb(12), "aliases"),
     _text(
         "duplicate-data",
-        _replaced("data: 2\n", "data: 2\n    data: 65536\n"),
+        # kubectl keeps the last of duplicate keys (its YAML reader, before the API server sees
+        # them), so the last is the bad one here: the file is refused there too
+        _replaced("data: 2\n", "data: 2\n    data: 65537\n"),
         "duplicate key 'data'",
     ),
     _text(
@@ -243,7 +245,9 @@ TEXT_CASES: list[Case] = [
         "spec.training.learningRate",
     ),
     _text(
-        "two-documents", _dump(BASE).decode() + "---\n" + _dump(BASE).decode(), "single document"
+        "two-documents",
+        _dump(BASE).decode() + "---\n" + _dump(_with("spec.parallelism.data", 0)).decode(),
+        "single document",
     ),
     _text("empty", "", "expected a YAML mapping"),
     _text("only-comment", "# nothing here\n", "expected a YAML mapping"),
