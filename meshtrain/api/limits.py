@@ -35,10 +35,10 @@ MAX_LAYERS = 1_024
 """Transformer blocks (the largest published decoders have about 130)."""
 
 MAX_HIDDEN = 65_536
-"""Model width, MLP inner width and low-rank ranks (Llama 3.1 405B: 16384 wide, 53248 MLP)."""
+"""Model width, and the rank of powersgd's gradient approximation (Llama 3.1 405B is 16384 wide)."""
 
 MAX_FFN_HIDDEN = 262_144
-"""MLP inner width."""
+"""MLP inner width (Llama 3.1 405B: 53248)."""
 
 MAX_HEADS = 1_024
 """Attention heads and key/value heads."""
