@@ -80,13 +80,24 @@ class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no 
         return mapping
 
 
-_BoundedLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
-)
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no types
+    """PyYAML's safe dumper, quoting every string the bounded loader would read as a number."""
+
+
+for _reader_or_writer in (_BoundedLoader, _Dumper):
+    _reader_or_writer.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
+    )
 """``3e-4`` is a number, as kubectl's YAML 1.2 reader and every user read it (PyYAML's YAML 1.1
-wants ``3.0e-4`` and would read a string)."""
+wants ``3.0e-4`` and would read a string); so the dumper quotes a string ``1e5``."""
+
+
+def dump_yaml(document: object) -> str:
+    """``document`` as YAML that :func:`load_yaml` reads back unchanged (keys in order)."""
+    text: str = yaml.dump(document, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+    return text
 
 
 def _json_numbers(node: Any) -> Any:
