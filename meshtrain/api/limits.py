@@ -20,3 +20,75 @@ MAX_PIPELINE = 512
 
 MAX_TENSOR = 64
 """Tensor-parallel degree (a tensor group stays inside one NVLink domain)."""
+
+MAX_VIRTUAL_STAGES = 64
+"""Model chunks per pipeline rank (interleaved-1f1b)."""
+
+MAX_MICRO_BATCHES = 4_096
+"""Micro-batches per step per replica: the pipeline schedule the planner and trainer walk has
+``pipeline x microBatches x virtualStages`` entries."""
+
+MAX_GPUS_PER_NODE = 64
+"""GPUs in one pod (one node slot); the largest GPU servers hold 16."""
+
+MAX_LAYERS = 1_024
+"""Transformer blocks (the largest published decoders have about 130)."""
+
+MAX_HIDDEN = 65_536
+"""Model width, and the rank of powersgd's gradient approximation (Llama 3.1 405B is 16384 wide)."""
+
+MAX_FFN_HIDDEN = 262_144
+"""MLP inner width (Llama 3.1 405B: 53248)."""
+
+MAX_HEADS = 1_024
+"""Attention heads and key/value heads."""
+
+MAX_VOCAB = 1_048_576
+"""Vocabulary size (the largest published tokenizers have about 256k entries)."""
+
+MAX_SEQ_LEN = 1_048_576
+"""Sequence length in tokens (and RoPE's original context length)."""
+
+MAX_STEPS = 100_000_000
+"""Optimizer steps, and every count of steps (warmup, intervals, windows)."""
+
+MAX_GLOBAL_BATCH = 16_777_216
+"""Sequences per optimizer step (also microBatch, referenceBatch)."""
+
+MAX_EVAL_BATCHES = 100_000
+"""Global batches per evaluation."""
+
+MAX_SECONDS = 315_360_000
+"""Any duration in seconds (deadlines, TTLs, timeouts): ten years."""
+
+MAX_COUNT = 10_000
+"""Small counts a job repeats: restarts, checkpoints kept, replacements, skips in a row."""
+
+MAX_SEED = 2**32 - 1
+"""Random seed: 32 bits, what every generator the trainer seeds accepts (NumPy's included; the
+API server keeps schema bounds as floats, so 2**63 - 1 would not survive there)."""
+
+MAX_BUCKET_MB = 65_536.0
+"""Gradient all-reduce bucket in MiB (64 GiB)."""
+
+MAX_STRING_LENGTH = 4_096
+"""Any string the spec does not bound more tightly (paths, commands, annotation values)."""
+
+MAX_IMAGE_LENGTH = 1_024
+"""A container image reference."""
+
+MAX_LIST_LENGTH = 64
+"""Lists the spec does not bound more tightly (tolerations, fabric levels, data sources,
+node selector and label maps)."""
+
+MAX_DOCUMENT_BYTES = 1_048_576
+"""A TrainingJob file (the API server refuses objects over about 1.5 MiB; the spec is a few KiB)."""
+
+MAX_DOCUMENT_DEPTH = 32
+"""Nesting of mappings and lists in a TrainingJob file (the spec nests six deep)."""
+
+MAX_DOCUMENT_NODES = 100_000
+"""Scalars, mappings and lists in a TrainingJob file, aliases expanded: an alias bomb stops here."""
+
+MAX_QUOTED = 80
+"""Characters of a user's value an error message quotes; the rest is elided."""

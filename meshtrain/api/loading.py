@@ -3,10 +3,15 @@
 Every entry point returns a :class:`~meshtrain.api.spec.TrainingJobSpec` that
 passed both the model's field checks and every rule of :mod:`meshtrain.api.rules`,
 or raises :class:`SpecError` listing each problem with its YAML field path.
+
+A file is read as hostile input: its size, nesting and alias expansion are bounded
+(:mod:`meshtrain.api.limits`) before anything is built from it, a duplicate key is an
+error rather than a silent overwrite, and a message quotes only a bounded part of it.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +19,12 @@ import pydantic
 import yaml
 from pydantic.alias_generators import to_camel
 
-from meshtrain.api import rules
+from meshtrain.api import limits, rules
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import base, kube_names
+
+MAX_LISTED = 20
+"""Problems a :class:`SpecError` lists one by one; the rest are counted."""
 
 
 class SpecError(ValueError):
@@ -24,10 +33,142 @@ class SpecError(ValueError):
     def __init__(self, problems: list[rules.Problem], source: str = "spec") -> None:
         self.problems = problems
         self.source = source
-        lines = "\n".join(f"  - {p}" for p in problems)
+        lines = "\n".join(f"  - {p}" for p in problems[:MAX_LISTED])
+        if len(problems) > MAX_LISTED:
+            lines += f"\n  - ... and {len(problems) - MAX_LISTED} more"
         super().__init__(
             f"{source} is not a valid TrainingJob ({len(problems)} problem(s)):\n{lines}"
         )
+
+
+def _refused(source: str, message: str) -> SpecError:
+    return SpecError([rules.Problem(path=source, message=message)], source)
+
+
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types
+    """PyYAML's safe loader, refusing duplicate keys and nesting deeper than the limit."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        self.depth += 1
+        try:
+            if self.depth > limits.MAX_DOCUMENT_DEPTH:
+                raise yaml.YAMLError(
+                    f"nested deeper than {limits.MAX_DOCUMENT_DEPTH} mappings or lists "
+                    f"(line {self.peek_event().start_mark.line + 1}); a TrainingJob nests six deep"
+                )
+            node: yaml.Node = super().compose_node(parent, index)
+            return node
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise yaml.YAMLError(
+                        f"duplicate key {base.quoted(key_node.value)} at line "
+                        f"{key_node.start_mark.line + 1}: YAML keeps only the last, so say it once"
+                    )
+                seen.add(key)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep)
+        return mapping
+
+
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no types
+    """PyYAML's safe dumper, quoting every string the bounded loader would read as a number."""
+
+
+for _reader_or_writer in (_BoundedLoader, _Dumper):
+    _reader_or_writer.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
+    )
+"""``3e-4`` is a number, as kubectl's YAML 1.2 reader and every user read it (PyYAML's YAML 1.1
+wants ``3.0e-4`` and would read a string); so the dumper quotes a string ``1e5``."""
+
+
+def dump_yaml(document: object) -> str:
+    """``document`` as YAML that :func:`load_yaml` reads back unchanged (keys in order)."""
+    text: str = yaml.dump(document, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+    return text
+
+
+def _json_numbers(node: Any) -> Any:
+    """``node`` with every integral float as an int: the API server reads ``2.0`` as the integer
+    2 (JSON has one number type), so ``data: 2.0`` is a degree and ``2.5`` is not."""
+    if isinstance(node, float) and node.is_integer():
+        return int(node)
+    if isinstance(node, dict):
+        return {key: _json_numbers(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_json_numbers(value) for value in node]
+    return node
+
+
+def _expanded_size_problem(root: yaml.Node) -> str | None:
+    """Whether ``root``, aliases expanded, holds more than MAX_DOCUMENT_NODES nodes (stops there)."""
+    stack, count = [root], 0
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > limits.MAX_DOCUMENT_NODES:
+            return (
+                f"more than {limits.MAX_DOCUMENT_NODES} values once its aliases (*name) are expanded: "
+                "an alias bomb, or far more than a TrainingJob holds; write the values out"
+            )
+        if isinstance(node, yaml.MappingNode):
+            stack.extend(part for pair in node.value for part in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return None
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, at most MAX_DOCUMENT_BYTES of UTF-8."""
+    source = str(path)
+    with path.open("rb") as file:
+        data = file.read(limits.MAX_DOCUMENT_BYTES + 1)
+    if len(data) > limits.MAX_DOCUMENT_BYTES:
+        raise _refused(
+            source, f"larger than {limits.MAX_DOCUMENT_BYTES} bytes: a TrainingJob is a few KiB"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _refused(
+            source, f"not UTF-8 text (byte {err.start}): a TrainingJob is a YAML text file"
+        ) from None
+
+
+def load_yaml(text: str, source: str = "spec") -> Any:
+    """One YAML document, bounded: no duplicate keys, nesting or alias expansion past the limits."""
+    if len(text) > limits.MAX_DOCUMENT_BYTES:
+        raise _refused(source, f"longer than {limits.MAX_DOCUMENT_BYTES} characters")
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        problem = _expanded_size_problem(node)
+        if problem:
+            raise _refused(source, problem)
+        return loader.construct_document(node)
+    except (yaml.YAMLError, ValueError, RecursionError, OverflowError) as err:
+        if isinstance(err, SpecError):
+            raise
+        message = str(err)
+        if len(message) > 4 * limits.MAX_QUOTED:
+            message = message[: 4 * limits.MAX_QUOTED] + " ..."
+        raise _refused(source, f"not valid YAML: {message}") from None
+    finally:
+        loader.dispose()
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -37,60 +178,94 @@ def _location(loc: tuple[int | str, ...]) -> str:
         if isinstance(item, int):
             parts[-1] += f"[{item}]"
         elif item not in ("function-after", "literal"):
-            parts.append(to_camel(str(item)))
+            name = to_camel(str(item))
+            parts.append(name if len(name) <= limits.MAX_QUOTED else base.quoted(name))
     return ".".join(parts)
 
 
-def parse_spec(raw: dict[str, Any] | None, source: str = "spec") -> api_spec.TrainingJobSpec:
+FIXES = {
+    "less_than_equal": "lower it: the limit keeps one job from stalling a shared operator",
+    "int_type": "write a whole number without quotes or a decimal point",
+    "float_type": "write a number without quotes",
+    "bool_type": "write true or false without quotes",
+    "string_type": "write a string (quote it if YAML reads it as something else)",
+    "finite_number": "write a finite number (not .inf or .nan)",
+    "extra_forbidden": "remove it or fix its spelling (see kubectl explain trainingjob.spec)",
+}
+"""The fix a pydantic error type calls for, added to its message."""
+
+
+def _problem(error: Any) -> rules.Problem:
+    """One pydantic error as a problem: the field, pydantic's message, the fix and a bounded quote."""
+    fix = FIXES.get(error["type"]) or kube_names.PATTERN_HINTS.get(
+        (error.get("ctx") or {}).get("pattern", "")
+    )
+    message = f"{error['msg']}{f'; {fix}' if fix else ''} (got {base.quoted(error.get('input'))})"
+    return rules.Problem(path=_location(error["loc"]), message=message)
+
+
+def parse_spec(raw: object, source: str = "spec") -> api_spec.TrainingJobSpec:
     """Build a spec from a dict (the ``spec`` of a TrainingJob) and check every rule.
 
     Raises :class:`SpecError` listing all problems: type and range errors from
     the schema first, then the cross-field rules of :mod:`meshtrain.api.rules`.
     """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problem = f"must be a mapping of the spec's sections, got {base.quoted(raw)}"
+        raise SpecError([rules.Problem(path="spec", message=problem)], source)
     try:
-        spec = api_spec.TrainingJobSpec.model_validate(raw or {})
+        spec = api_spec.TrainingJobSpec.model_validate(_json_numbers(raw))
     except pydantic.ValidationError as err:
-        problems = [
-            rules.Problem(path=_location(e["loc"]), message=f"{e['msg']} (got {e.get('input')!r})")
-            for e in err.errors()
-        ]
-        raise SpecError(problems, source) from None
+        raise SpecError([_problem(e) for e in err.errors()], source) from None
     problems = rules.check(spec)
     if problems:
         raise SpecError(problems, source)
     return spec
 
 
+def _header_problems(document: dict[str, Any]) -> list[rules.Problem]:
+    """kind, apiVersion and metadata.name as the API server reads them."""
+    group_version = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+    problems = []
+    if document.get("kind") != api_spec.KIND:
+        got = base.quoted(document.get("kind"))
+        problems.append(
+            rules.Problem(path="kind", message=f"expected {api_spec.KIND!r}, got {got}")
+        )
+    if document.get("apiVersion") != group_version:
+        got = base.quoted(document.get("apiVersion"))
+        problems.append(
+            rules.Problem(path="apiVersion", message=f"expected {group_version!r}, got {got}")
+        )
+    metadata = document.get("metadata")
+    if metadata is None:
+        return problems
+    if not isinstance(metadata, dict):
+        message = f"must be a mapping (name, namespace, labels), got {base.quoted(metadata)}"
+        return [*problems, rules.Problem(path="metadata", message=message)]
+    name = metadata.get("name")
+    if "name" in metadata and not isinstance(name, str):
+        message = f"must be a string such as my-run, got {base.quoted(name)}"
+        return [*problems, rules.Problem(path="metadata.name", message=message)]
+    return [*problems, *(rules.check_name(name) if isinstance(name, str) else [])]
+
+
 def parse_manifest(
     document: dict[str, Any], source: str = "manifest"
 ) -> tuple[dict[str, Any], api_spec.TrainingJobSpec]:
     """Validate a whole TrainingJob object; returns (metadata, spec)."""
-    kind = document.get("kind")
-    if kind != api_spec.KIND:
-        raise SpecError(
-            [rules.Problem(path="kind", message=f"expected {api_spec.KIND!r}, got {kind!r}")],
-            source,
-        )
-    api_version = document.get("apiVersion")
-    if api_version != f"{api_spec.API_GROUP}/{api_spec.API_VERSION}":
-        raise SpecError(
-            [
-                rules.Problem(
-                    path="apiVersion",
-                    message=f"expected '{api_spec.API_GROUP}/{api_spec.API_VERSION}', got {api_version!r}",
-                )
-            ],
-            source,
-        )
-    metadata = document.get("metadata") or {}
-    named = rules.check_name(str(metadata.get("name") or "")) if "name" in metadata else []
+    header = _header_problems(document)
+    if any(p.path in ("kind", "apiVersion", "metadata") for p in header):
+        raise SpecError(header, source)
     try:
         spec = parse_spec(document.get("spec"), source)
     except SpecError as err:
-        raise SpecError([*named, *err.problems], source) from None
-    if named:
-        raise SpecError(named, source)
-    return metadata, spec
+        raise SpecError([*header, *err.problems], source) from None
+    if header:
+        raise SpecError(header, source)
+    return document.get("metadata") or {}, spec
 
 
 def load_manifest(path: str | Path) -> tuple[dict[str, Any], api_spec.TrainingJobSpec]:
@@ -98,18 +273,13 @@ def load_manifest(path: str | Path) -> tuple[dict[str, Any], api_spec.TrainingJo
     path = Path(path)
     if not path.is_file():
         raise SpecError([rules.Problem(path=str(path), message="file not found")], str(path))
-    try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(
-            [rules.Problem(path=str(path), message=f"not valid YAML: {err}")], str(path)
-        ) from None
+    document = load_yaml(_read_text(path), str(path))
     if not isinstance(document, dict):
         raise SpecError(
             [rules.Problem(path=str(path), message="expected a YAML mapping (a TrainingJob)")],
             str(path),
         )
-    if "kind" in document:
+    if "kind" in document or "apiVersion" in document:
         return parse_manifest(document, str(path))
     return {}, parse_spec(document, str(path))
 
@@ -147,5 +317,5 @@ def apply_overrides(
                 raise SpecError(
                     [rules.Problem(path=dotted, message=f"{key} is not a section")], "--set"
                 )
-        node[keys[-1]] = yaml.safe_load(value)
+        node[keys[-1]] = load_yaml(value, "--set")
     return parse_spec(raw, "spec with --set overrides")

@@ -20,6 +20,7 @@ from meshtrain.api import elastic
 from meshtrain.api.spec import (
     TrainingJobSpec,
     base,
+    checkpoint,
     cross_section,
     model,
     parallelism,
@@ -55,6 +56,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
     *cross_section.RULES,
     elastic.MIN_KEEPS_BATCH,
     *(rule.within(lambda spec: spec.parallelism) for rule in parallelism.RULES),
+    *(rule.within(lambda spec: spec.checkpoint) for rule in checkpoint.RULES),
     *(rule.within(lambda spec: spec.model) for rule in model.RULES),
     *(rule.within(lambda spec: spec.training) for rule in training.RULES),
     *(rule.within(lambda spec: spec.run_policy) for rule in run_policy.RULES),

@@ -17,10 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from meshtrain import placement
-from meshtrain.api import loading
+from meshtrain.api import limits, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import (
     cluster,
@@ -182,8 +180,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _measured_noise_scale(path: str) -> float | None:
     """status.progress.gradientNoiseScale of a TrainingJob file (``kubectl get tj NAME -o yaml``), if any."""
     try:
-        document = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        document = loading.load_yaml(Path(path).read_text(), path)
+    except (OSError, ValueError):  # a SpecError is a ValueError
         return None
     progress = ((document or {}).get("status") or {}).get("progress") or {}
     value = progress.get("gradientNoiseScale") if isinstance(progress, dict) else None
@@ -219,6 +217,8 @@ def _search(
     args: argparse.Namespace,
 ) -> int:
     world = args.world or job.world_size
+    if not 1 <= world <= limits.MAX_WORLD_SIZE:
+        raise ValueError(f"--world must be between 1 and {limits.MAX_WORLD_SIZE}, got {world}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.calibrate and profile.cpu_time_model:

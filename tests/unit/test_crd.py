@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from meshtrain.api import crd, rules, spec
+from meshtrain.api.spec import kube_names
 from meshtrain.cli import main
 
 
@@ -90,8 +91,11 @@ def test_enums_minimums_and_nullables_come_from_the_model():
         "minimum": 0,
         "exclusiveMinimum": True,
     }
+    # a node selector's values are label values (issue #32: the API server refuses others in every pod)
     assert props["resources"]["properties"]["nodeSelector"]["additionalProperties"] == {
-        "type": "string"
+        "type": "string",
+        "maxLength": 63,
+        "pattern": kube_names.LABEL_VALUE,
     }
 
 

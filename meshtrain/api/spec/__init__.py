@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from meshtrain.api.spec import base
+from meshtrain.api import limits
+from meshtrain.api.spec import base, kube_names
 
 # The sections' classes by name: each field of the spec is named like its section's module.
 from meshtrain.api.spec.checkpoint import Checkpoint
@@ -38,6 +39,8 @@ class TrainingJobSpec(base.SpecModel):
 
     image: str = Field(
         "",
+        max_length=limits.MAX_IMAGE_LENGTH,
+        pattern=kube_names.IMAGE_REFERENCE,
         description="Trainer image; it must contain the meshtrain package. Empty: the cluster's "
         "default trainer image (the operator's --trainer-image, set by the Helm chart).",
     )

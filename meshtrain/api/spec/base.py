@@ -15,18 +15,36 @@ import pydantic
 from pydantic import ConfigDict
 from pydantic.alias_generators import to_camel
 
+from meshtrain.api import limits
+
 Judged = TypeVar("Judged")
 Whole = TypeVar("Whole")
 
 
-class SpecModel(pydantic.BaseModel):
-    """Base for every spec and status section: camelCase in YAML, frozen, no unknown keys."""
+class StatusModel(pydantic.BaseModel):
+    """Base for every status section: camelCase in YAML, frozen, no unknown keys."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         frozen=True,
         extra="forbid",
+    )
+
+
+class SpecModel(StatusModel):
+    """Base for every spec section: as a status section, and strict as the API server is.
+
+    A tenant writes the spec, so nothing is coerced: ``tensor: true`` or ``data: 2.0`` is
+    not an integer, ``"1"`` not a number, ``.inf`` and ``.nan`` not a finite float, and no
+    string is longer than :data:`~meshtrain.api.limits.MAX_STRING_LENGTH` unless its field
+    says so (the CRD carries the same ``maxLength``).
+    """
+
+    model_config = ConfigDict(
+        strict=True,
+        allow_inf_nan=False,
+        str_max_length=limits.MAX_STRING_LENGTH,
     )
 
 
@@ -58,3 +76,18 @@ class Rule(Generic[Judged]):
         return Rule(
             self.name, self.path, self.cel, self.cel_message, lambda whole: check(part(whole))
         )
+
+
+def quoted(value: object) -> str:
+    """``repr(value)``, elided to :data:`~meshtrain.api.limits.MAX_QUOTED` characters: an error
+    message quotes a bounded part of what a user wrote, never the whole of a hostile input."""
+    text = repr(value) if not isinstance(value, (dict, list)) else _shallow(value)
+    if len(text) <= limits.MAX_QUOTED:
+        return text
+    return f"{text[: limits.MAX_QUOTED]}... ({len(text)} characters)"
+
+
+def _shallow(value: dict[object, object] | list[object]) -> str:
+    """A mapping or list named by its size, not walked (an alias bomb's expansion is huge)."""
+    kind = "mapping" if isinstance(value, dict) else "list"
+    return f"<a {kind} of {len(value)} item(s)>"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import Field
 
-from meshtrain.api.spec import base
+from meshtrain.api import limits
+from meshtrain.api.spec import base, kube_names
 
 
 class Checkpoint(base.SpecModel):
@@ -15,16 +18,54 @@ class Checkpoint(base.SpecModel):
         min_length=1,
         description="Directory for checkpoints inside the pod (or on this machine for meshtrain run).",
     )
-    claim_name: str | None = Field(
+    claim_name: kube_names.ClaimName | None = Field(
         None,
         description="PersistentVolumeClaim mounted at path; empty uses an emptyDir (lost with the pod).",
     )
     interval_steps: int = Field(
-        100, ge=0, description="Save every N optimizer steps (0: only at the end)."
+        100,
+        ge=0,
+        le=limits.MAX_STEPS,
+        description="Save every N optimizer steps (0: only at the end).",
     )
-    keep: int = Field(3, ge=1, description="Complete checkpoints to keep; older ones are pruned.")
+    keep: int = Field(
+        3,
+        ge=1,
+        le=limits.MAX_COUNT,
+        description="Complete checkpoints to keep; older ones are pruned.",
+    )
     async_save: bool = Field(
         True,
         description="Write a due checkpoint in the background while training goes on (the step waits only "
         "for the copy of the state to host memory); false writes it before the next step.",
     )
+
+
+CHECKPOINT_PATH = r"^(/[^/\x00-\x1f\x7f]+)+/?$"
+"""An absolute path below ``/``: no empty segment (``//``) and no control character."""
+DOT_SEGMENT = r"/\.\.?(/|$)"
+"""A ``.`` or ``..`` segment: the path is not normalised, or climbs out of its directory."""
+PATH_MESSAGE = (
+    "checkpoint.path must be an absolute, normalised directory below /, without '.' or '..' "
+    "segments, '//' or control characters, e.g. /checkpoints"
+)
+
+
+def _path_normalised(checkpoint: Checkpoint) -> str | None:
+    path = checkpoint.path
+    if re.fullmatch(CHECKPOINT_PATH.strip("^$"), path) and not re.search(DOT_SEGMENT, path):
+        return None
+    return f"{PATH_MESSAGE}; got {base.quoted(path)}"
+
+
+RULES: tuple[base.Rule[Checkpoint], ...] = (
+    base.Rule(
+        "checkpoint-path-normalised",
+        "spec.checkpoint.path",
+        f"self.checkpoint.path.matches(r'{CHECKPOINT_PATH}') && "
+        f"!self.checkpoint.path.matches(r'{DOT_SEGMENT}')",
+        PATH_MESSAGE,
+        _path_normalised,
+    ),
+)
+"""Rules on the checkpoint section alone."""

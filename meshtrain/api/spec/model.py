@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from meshtrain.api import presets
+from meshtrain.api import limits, presets
 from meshtrain.api.spec import base
 
 Family = Literal["gpt", "llama"]
@@ -26,7 +26,9 @@ class RopeScaling(base.SpecModel):
         description="Wavelengths below originalMaxPositionEmbeddings / highFreqFactor are kept; between the two they are blended.",
     )
     original_max_position_embeddings: int = Field(
-        ge=1, description="Context length the model was pretrained at (8192 for Llama 3.1)."
+        ge=1,
+        le=limits.MAX_SEQ_LEN,
+        description="Context length the model was pretrained at (8192 for Llama 3.1).",
     )
 
 
@@ -65,6 +67,7 @@ class ModelInit(base.SpecModel):
     from_hf: str | None = Field(
         None,
         alias="fromHF",
+        max_length=limits.MAX_STRING_LENGTH,
         description="A Hugging Face model directory (config.json + *.safetensors, e.g. from meshtrain export) "
         "whose weights start the run on any layout; its config must agree with the model shape.",
     )
@@ -103,6 +106,7 @@ class ModelSpec(base.SpecModel):
     kv_heads: int | None = Field(
         None,
         ge=1,
+        le=limits.MAX_HEADS,
         description="Key/value heads of grouped-query attention (llama). Empty: the preset's, else heads.",
     )
     tie_embeddings: bool | None = Field(
@@ -124,18 +128,31 @@ class ModelSpec(base.SpecModel):
         default_factory=ModelInit,
         description="Starting weights: the seed, or a Hugging Face directory.",
     )
-    layers: int | None = Field(None, ge=1, description="Transformer blocks (overrides the preset).")
-    hidden: int | None = Field(None, ge=1, description="Model width (overrides the preset).")
-    heads: int | None = Field(None, ge=1, description="Attention heads (overrides the preset).")
+    layers: int | None = Field(
+        None, ge=1, le=limits.MAX_LAYERS, description="Transformer blocks (overrides the preset)."
+    )
+    hidden: int | None = Field(
+        None, ge=1, le=limits.MAX_HIDDEN, description="Model width (overrides the preset)."
+    )
+    heads: int | None = Field(
+        None, ge=1, le=limits.MAX_HEADS, description="Attention heads (overrides the preset)."
+    )
     vocab: int | None = Field(
-        None, ge=2, description="Vocabulary size (overrides the preset); 256 for byte-level data."
+        None,
+        ge=2,
+        le=limits.MAX_VOCAB,
+        description="Vocabulary size (overrides the preset); 256 for byte-level data.",
     )
     seq_len: int | None = Field(
-        None, ge=1, description="Sequence length in tokens (overrides the preset)."
+        None,
+        ge=1,
+        le=limits.MAX_SEQ_LEN,
+        description="Sequence length in tokens (overrides the preset).",
     )
     ffn_hidden: int | None = Field(
         None,
         ge=1,
+        le=limits.MAX_FFN_HIDDEN,
         description="MLP inner width; defaults to 4 x hidden (gpt) or 8/3 x hidden rounded up to a multiple of 256 (llama).",
     )
 

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from meshtrain.api import layout as layout_mod
+from meshtrain.api import limits
 from meshtrain.api.spec import base
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -22,7 +23,9 @@ class GradientCompression(base.SpecModel):
         description="none (fp32 all-reduce), bf16/fp16 (16-bit all-reduce), int8 (per-rank scale, all-gathered, "
         "summed in fp32), topk (largest elements with error feedback), powersgd (rank-r approximation of each gradient matrix with error feedback).",
     )
-    rank: int = Field(4, ge=1, description="powersgd: rank of each matrix's approximation.")
+    rank: int = Field(
+        4, ge=1, le=limits.MAX_HIDDEN, description="powersgd: rank of each matrix's approximation."
+    )
     topk_ratio: float = Field(
         0.01, gt=0, le=1, description="topk: share of each bucket's elements a rank sends per step."
     )
@@ -41,24 +44,37 @@ class Parallelism(base.SpecModel):
     """
 
     data: int = Field(
-        1, ge=1, description="Data-parallel degree: model replicas that split the global batch."
+        1,
+        ge=1,
+        le=limits.MAX_DATA,
+        description="Data-parallel degree: model replicas that split the global batch.",
     )
     pipeline: int = Field(
         1,
         ge=1,
+        le=limits.MAX_PIPELINE,
         description="Pipeline-parallel degree: number of pipeline stages (layers split across them).",
     )
-    tensor: int = Field(1, ge=1, description="Tensor-parallel degree: GPUs that split every layer.")
+    tensor: int = Field(
+        1,
+        ge=1,
+        le=limits.MAX_TENSOR,
+        description="Tensor-parallel degree: GPUs that split every layer.",
+    )
     schedule: Schedule = Field(
         "1f1b",
         description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one backward, bounded activation memory), interleaved-1f1b (virtual stages, smaller bubble).",
     )
     virtual_stages: int = Field(
-        1, ge=1, description="Model chunks per pipeline rank for interleaved-1f1b."
+        1,
+        ge=1,
+        le=limits.MAX_VIRTUAL_STAGES,
+        description="Model chunks per pipeline rank for interleaved-1f1b.",
     )
     micro_batches: int = Field(
         1,
         ge=1,
+        le=limits.MAX_MICRO_BATCHES,
         description="Micro-batches per optimizer step per data-parallel replica (gradient accumulation and pipeline depth).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(
@@ -73,6 +89,7 @@ class Parallelism(base.SpecModel):
     bucket_mb: float = Field(
         25.0,
         gt=0,
+        le=limits.MAX_BUCKET_MB,
         description="Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as all its gradients are ready.",
     )
     all_reduce: Literal["flat", "hierarchical"] = Field(
@@ -152,7 +169,24 @@ def _compression_needs_data_parallel(p: Parallelism) -> str | None:
     return None
 
 
+def _world_size_bound(p: Parallelism) -> str | None:
+    if p.world_size > limits.MAX_WORLD_SIZE:
+        return (
+            f"data x pipeline x tensor = {p.data} x {p.pipeline} x {p.tensor} = {p.world_size} ranks is "
+            f"above the largest job, {limits.MAX_WORLD_SIZE}: lower a degree"
+        )
+    return None
+
+
 RULES: tuple[base.Rule[Parallelism], ...] = (
+    base.Rule(
+        "world-size-bound",
+        "spec.parallelism.data",
+        "self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor <= "
+        f"{limits.MAX_WORLD_SIZE}",
+        f"parallelism.data x pipeline x tensor (the world size) must be at most {limits.MAX_WORLD_SIZE}",
+        _world_size_bound,
+    ),
     base.Rule(
         "virtual-stages-need-interleaving",
         "spec.parallelism.virtualStages",

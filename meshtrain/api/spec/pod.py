@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from meshtrain.api.spec import base
+from meshtrain.api.spec import base, kube_names
 
 
 class KeyRef(base.SpecModel):
@@ -82,7 +82,7 @@ class PodSettings(base.SpecModel):
     priority_class_name: str | None = Field(
         None, max_length=253, description="PriorityClass of the pods (preemption order)."
     )
-    labels: dict[str, str] = Field(
+    labels: dict[str, kube_names.LabelValue] = Field(
         default_factory=dict,
         max_length=64,
         description="Extra pod labels.",
@@ -173,6 +173,27 @@ def _labels_not_reserved(pod: PodSettings) -> str | None:
     return None
 
 
+def _keys_qualified(field: str) -> base.Rule[PodSettings]:
+    """pod.<field>'s keys are qualified names (the API server refuses others in every pod)."""
+    message = (
+        f"pod.{field} keys must be Kubernetes qualified names: an optional DNS prefix and '/', "
+        "then at most 63 letters, digits, '-', '_' or '.' starting and ending with a letter or "
+        "digit, e.g. team or example.com/team"
+    )
+
+    def check(pod: PodSettings) -> str | None:
+        bad = [k for k in getattr(pod, field) if not kube_names.is_qualified_name(k)]
+        return f"{message}; got {base.quoted(bad[0])}" if bad else None
+
+    return base.Rule(
+        f"pod-{field}-keys-qualified",
+        f"spec.pod.{field}",
+        kube_names.cel_all_keys_qualified(f"self.pod.{field}"),
+        message,
+        check,
+    )
+
+
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -215,4 +236,6 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         "(the operator selects its pods by them)",
         _labels_not_reserved,
     ),
+    _keys_qualified("labels"),
+    _keys_qualified("annotations"),
 )

@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 from pydantic.alias_generators import to_snake
 
-from meshtrain.api.spec import base
+from meshtrain.api import limits
+from meshtrain.api.spec import base, kube_names
 
 
 class Toleration(base.SpecModel):
@@ -18,16 +19,18 @@ class Toleration(base.SpecModel):
 
     key: str | None = Field(
         None,
+        max_length=kube_names.QUALIFIED_NAME_MAX_LENGTH,
         description="Taint key the toleration applies to; empty matches all keys with operator Exists.",
     )
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, description="Taint value for operator Equal.")
+    value: kube_names.LabelValue | None = Field(None, description="Taint value for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to tolerate; empty tolerates all effects."
     )
     toleration_seconds: int | None = Field(
         None,
         ge=0,
+        le=limits.MAX_SECONDS,
         description="For NoExecute: how long the pod stays bound after the taint appears.",
     )
 
@@ -42,16 +45,24 @@ class Resources(base.SpecModel):
     gpus_per_node: int = Field(
         8,
         ge=1,
+        le=limits.MAX_GPUS_PER_NODE,
         description="GPUs per pod; one pod per node runs torchrun --nproc-per-node=gpusPerNode.",
     )
     gpu_resource_name: str = Field(
-        "nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU."
+        "nvidia.com/gpu",
+        min_length=1,
+        max_length=kube_names.QUALIFIED_NAME_MAX_LENGTH,
+        pattern=kube_names.QUALIFIED_NAME,
+        description="Extended resource name of a GPU.",
     )
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Labels a node must carry to host this job's pods."
+    node_selector: dict[str, kube_names.LabelValue] = Field(
+        default_factory=dict,
+        max_length=limits.MAX_LIST_LENGTH,
+        description="Labels a node must carry to host this job's pods.",
     )
     tolerations: list[Toleration] = Field(
         default_factory=list,
+        max_length=limits.MAX_LIST_LENGTH,
         description="Tolerations added to every pod (e.g. for GPU node taints).",
     )
     extra_resources: dict[str, Annotated[str, Field(max_length=QUANTITY_MAX_LENGTH)]] = Field(
@@ -81,25 +92,35 @@ QUANTITY = re.compile(r"[+-]?\d*(\.\d*)?(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE
 may be empty: "Gi" and "." parse as zero), then a binary-SI, decimal-SI or exponent suffix."""
 
 
+POSITIVE = r"^\+?[0-9]*\.?[0-9]*[1-9]"
+"""A quantity above zero: no minus sign, and a non-zero digit before the suffix."""
+
+
 def is_quantity(value: str) -> bool:
     """What CEL's ``isQuantity`` (``resource.ParseQuantity``) accepts."""
     return value != "" and QUANTITY.fullmatch(value) is not None
 
 
+def is_positive_quantity(value: str) -> bool:
+    """A quantity above zero (``-1Gi``, ``0`` and ``Gi`` are quantities, but not sizes)."""
+    return is_quantity(value) and re.match(POSITIVE, value) is not None
+
+
 def _quantity_rule(field: str, optional: bool) -> base.Rule[Resources]:
     attribute = f"self.resources.{field}"
-    cel = f"isQuantity({attribute})"
+    cel = f"isQuantity({attribute}) && {attribute}.matches(r'{POSITIVE}')"
     path = f"spec.resources.{field}"
     message = (
         f"resources.{field} must be a Kubernetes quantity such as 16Gi, 500m or 2 "
-        "(a number with an optional suffix Ki Mi Gi Ti Pi Ei, m k M G T P E, or e<exponent>)"
+        "(a number with an optional suffix Ki Mi Gi Ti Pi Ei, m k M G T P E, or e<exponent>) "
+        "above zero"
     )
 
     def check(resources: Resources) -> str | None:
         value = getattr(resources, to_snake(field))
-        if value is None or is_quantity(value):
+        if value is None or is_positive_quantity(value):
             return None
-        return f"{message}; got {value!r}"
+        return f"{message}; got {base.quoted(value)}"
 
     return base.Rule(
         f"{field}-is-quantity",
@@ -111,12 +132,12 @@ def _quantity_rule(field: str, optional: bool) -> base.Rule[Resources]:
 
 
 EXTRA_RESOURCES_MESSAGE = (
-    "every resources.extraResources value must be a Kubernetes quantity such as 1 or 8"
+    "every resources.extraResources value must be a Kubernetes quantity such as 1 or 8, above zero"
 )
 
 
 def _extra_resources_are_quantities(resources: Resources) -> str | None:
-    bad = {k: v for k, v in resources.extra_resources.items() if not is_quantity(v)}
+    bad = {k: v for k, v in resources.extra_resources.items() if not is_positive_quantity(v)}
     if bad:
         return f"{EXTRA_RESOURCES_MESSAGE}; got {bad}"
     return None
@@ -137,14 +158,33 @@ def _extra_resources_leave_the_gpu_to_gpus_per_node(r: Resources) -> str | None:
     return None
 
 
+NODE_SELECTOR_MESSAGE = (
+    "resources.nodeSelector keys must be Kubernetes qualified names, e.g. example.com/pool "
+    "(an optional DNS prefix and '/', then at most 63 letters, digits, '-', '_' or '.')"
+)
+
+
+def _node_selector_keys_qualified(r: Resources) -> str | None:
+    bad = [k for k in r.node_selector if not kube_names.is_qualified_name(k)]
+    return f"{NODE_SELECTOR_MESSAGE}; got {base.quoted(bad[0])}" if bad else None
+
+
 RULES: tuple[base.Rule[Resources], ...] = (
+    base.Rule(
+        "node-selector-keys-qualified",
+        "spec.resources.nodeSelector",
+        kube_names.cel_all_keys_qualified("self.resources.nodeSelector"),
+        NODE_SELECTOR_MESSAGE,
+        _node_selector_keys_qualified,
+    ),
     _quantity_rule("cpu", optional=True),
     _quantity_rule("memory", optional=True),
     _quantity_rule("shmSize", optional=False),
     base.Rule(
         "extra-resources-are-quantities",
         "spec.resources.extraResources",
-        "self.resources.extraResources.all(k, isQuantity(self.resources.extraResources[k]))",
+        "self.resources.extraResources.all(k, isQuantity(self.resources.extraResources[k]) && "
+        f"self.resources.extraResources[k].matches(r'{POSITIVE}'))",
         EXTRA_RESOURCES_MESSAGE,
         _extra_resources_are_quantities,
     ),

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from meshtrain.api import limits
 from meshtrain.api.spec import base
 
 
@@ -20,11 +21,13 @@ class Elastic(base.SpecModel):
 
     min_data: int = Field(
         ge=1,
+        le=limits.MAX_DATA,
         description="Smallest data-parallel degree the job may shrink to when a node is lost and no equal "
         "replacement fits.",
     )
     max_data: int = Field(
         ge=1,
+        le=limits.MAX_DATA,
         description="Largest data-parallel degree the job may grow to when capacity is free (at the next "
         "checkpoint).",
     )
@@ -70,6 +73,7 @@ class StragglerPolicy(base.SpecModel):
     max_replacements: int = Field(
         3,
         ge=0,
+        le=limits.MAX_COUNT,
         description="replace: nodes excluded for this job at most; after that a straggler is only reported.",
     )
 
@@ -77,7 +81,9 @@ class StragglerPolicy(base.SpecModel):
 class RunPolicy(base.SpecModel):
     """Failure, time and lifetime policy."""
 
-    backoff_limit: int = Field(3, ge=0, description="Gang restarts allowed before the job fails.")
+    backoff_limit: int = Field(
+        3, ge=0, le=limits.MAX_COUNT, description="Gang restarts allowed before the job fails."
+    )
     disruption_restart_limit: int = Field(
         10,
         ge=0,
@@ -89,14 +95,21 @@ class RunPolicy(base.SpecModel):
         "(status.excludedNodes).",
     )
     active_deadline_seconds: int | None = Field(
-        None, ge=1, description="Fail the job when it has been active this long."
+        None,
+        ge=1,
+        le=limits.MAX_SECONDS,
+        description="Fail the job when it has been active this long.",
     )
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the job this long after it succeeded or failed."
+        None,
+        ge=0,
+        le=limits.MAX_SECONDS,
+        description="Delete the job this long after it succeeded or failed.",
     )
     startup_timeout_seconds: int = Field(
         600,
         ge=1,
+        le=limits.MAX_SECONDS,
         description="Pods not all Running this long after creation count as a failed start.",
     )
     suspend: bool = Field(

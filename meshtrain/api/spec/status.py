@@ -23,7 +23,7 @@ class Phase(str, enum.Enum):
     SUSPENDED = "Suspended"
 
 
-class Condition(base.SpecModel):
+class Condition(base.StatusModel):
     """A Kubernetes-style condition."""
 
     type: str = Field(
@@ -37,7 +37,7 @@ class Condition(base.SpecModel):
     last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
 
 
-class PodPlacement(base.SpecModel):
+class PodPlacement(base.StatusModel):
     """The node chosen for one pod of the gang."""
 
     pod_index: int = Field(
@@ -46,7 +46,7 @@ class PodPlacement(base.SpecModel):
     node: str = Field(description="Node name.")
 
 
-class Progress(base.SpecModel):
+class Progress(base.StatusModel):
     """Last training progress reported by rank 0."""
 
     step: int = Field(0, ge=0, description="Last completed optimizer step.")
@@ -64,7 +64,7 @@ class Progress(base.SpecModel):
     updated_at: str | None = Field(None, description="RFC 3339 time of the report.")
 
 
-class ElasticStatus(base.SpecModel):
+class ElasticStatus(base.StatusModel):
     """The size a gang of a job with ``runPolicy.elastic`` was placed at."""
 
     data: int = Field(ge=1, description="Data-parallel degree of the placed gang.")
@@ -94,7 +94,7 @@ class ElasticStatus(base.SpecModel):
     )
 
 
-class OtherStraggler(base.SpecModel):
+class OtherStraggler(base.StatusModel):
     """Another rank flagged at the same time, and where it runs."""
 
     rank: int = Field(ge=0, description="Global rank.")
@@ -103,7 +103,7 @@ class OtherStraggler(base.SpecModel):
     slowdown: float = Field(description="Its compute time over its peers' median.")
 
 
-class Straggler(base.SpecModel):
+class Straggler(base.StatusModel):
     """The rank the trainer flagged as persistently slower than its peers, and where it runs."""
 
     rank: int = Field(ge=0, description="Global rank of the slowest flagged rank.")
@@ -122,7 +122,7 @@ class Straggler(base.SpecModel):
     )
 
 
-class ExcludedNode(base.SpecModel):
+class ExcludedNode(base.StatusModel):
     """A node this job is not placed on again."""
 
     node: str = Field(description="Node name.")
@@ -136,7 +136,7 @@ class ExcludedNode(base.SpecModel):
     )
 
 
-class DisruptedNode(base.SpecModel):
+class DisruptedNode(base.StatusModel):
     """A node that disrupted this job's gang (runPolicy.disruptionRestartLimit)."""
 
     node: str = Field(description="Node name.")
@@ -147,7 +147,7 @@ class DisruptedNode(base.SpecModel):
     time: str | None = Field(None, description="RFC 3339 time of the last disruption.")
 
 
-class Disruptions(base.SpecModel):
+class Disruptions(base.StatusModel):
     """Gang restarts caused by disruptions: the run of them, when the next placement may go, and where."""
 
     streak: int = Field(
@@ -167,7 +167,7 @@ class Disruptions(base.SpecModel):
     )
 
 
-class TrainingJobStatus(base.SpecModel):
+class TrainingJobStatus(base.StatusModel):
     """The status subresource of a TrainingJob."""
 
     phase: Phase = Field(Phase.PENDING, description="Lifecycle phase.")

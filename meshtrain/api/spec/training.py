@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from meshtrain.api import limits
 from meshtrain.api.spec import base
 from meshtrain.api.spec.parallelism import Parallelism
 
@@ -41,6 +42,7 @@ class LrScaling(base.SpecModel):
     reference_batch: int | None = Field(
         None,
         ge=1,
+        le=limits.MAX_GLOBAL_BATCH,
         description="The global batch learningRate was tuned at.",
     )
 
@@ -64,11 +66,13 @@ class Evaluation(base.SpecModel):
     interval: int = Field(
         0,
         ge=0,
+        le=limits.MAX_STEPS,
         description="Evaluate every N optimizer steps (and after the last); 0 turns evaluation off.",
     )
     batches: int = Field(
         2,
         ge=1,
+        le=limits.MAX_EVAL_BATCHES,
         description="Global batches (of the training batch size) per evaluation; the same ones every time.",
     )
     dataset: str | None = Field(
@@ -99,11 +103,15 @@ class LossGuard(base.SpecModel):
         description="Also skip when the loss exceeds this factor x the median of the last window accepted losses; 0 off.",
     )
     window: int = Field(
-        20, ge=1, description="Accepted steps whose median loss a spike is measured against."
+        20,
+        ge=1,
+        le=limits.MAX_STEPS,
+        description="Accepted steps whose median loss a spike is measured against.",
     )
     max_consecutive_skips: int = Field(
         5,
         ge=0,
+        le=limits.MAX_STEPS,
         description="Stop the job (exit 5, permanent) after this many skipped updates in a row; the last good "
         "checkpoint is kept. 0 never stops.",
     )
@@ -115,17 +123,23 @@ class Training(base.SpecModel):
     global_batch: int | None = Field(
         None,
         ge=1,
+        le=limits.MAX_GLOBAL_BATCH,
         description="Sequences per optimizer step. Empty derives it.",
     )
     micro_batch: int = Field(
-        1, ge=1, description="Sequences per micro-batch per data-parallel replica."
+        1,
+        ge=1,
+        le=limits.MAX_GLOBAL_BATCH,
+        description="Sequences per micro-batch per data-parallel replica.",
     )
-    steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    steps: int = Field(100, ge=1, le=limits.MAX_STEPS, description="Optimizer steps to train.")
     learning_rate: float = Field(3e-4, gt=0, description="Peak learning rate (after warmup).")
     min_learning_rate: float = Field(
         3e-5, ge=0, description="Learning rate at the end of the cosine decay."
     )
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps from 0 to learningRate.")
+    warmup_steps: int = Field(
+        10, ge=0, le=limits.MAX_STEPS, description="Linear warmup steps from 0 to learningRate."
+    )
     lr_scaling: LrScaling = Field(
         default_factory=LrScaling,
         description="Scale learningRate and minLearningRate with the global batch (none, linear, sqrt).",
@@ -142,6 +156,7 @@ class Training(base.SpecModel):
     seed: int = Field(
         1234,
         ge=0,
+        le=limits.MAX_SEED,
         description="Seed for weights and data order; the same seed gives the same run on every layout.",
     )
     activation_checkpointing: bool = Field(
@@ -156,6 +171,7 @@ class Training(base.SpecModel):
         ]
     ] = Field(
         default_factory=list,
+        max_length=2,
         description="Recompute only these parts of every block in backward instead of keeping their activations: "
         "attention (the attention core: scores, softmax, their product with V) and/or mlp (the MLP sub-layer from "
         "its input: norm, up-projection, activation). Empty: none.",
@@ -173,6 +189,7 @@ class Training(base.SpecModel):
     )
     datasets: list[DatasetSource] = Field(
         default_factory=list,
+        max_length=limits.MAX_LIST_LENGTH,
         description="Several token files (paths or globs) with mixing weights; replaces dataset when set.",
     )
     token_dtype: TokenDtype = Field(

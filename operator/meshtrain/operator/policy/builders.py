@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import pod as api_pod
 from meshtrain.operator.policy import identity, naming
@@ -61,7 +60,7 @@ def build_configmap(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dic
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, naming.configmap_name(job.name)),
-        "data": {"job.yaml": yaml.safe_dump(document, sort_keys=False, allow_unicode=True)},
+        "data": {"job.yaml": loading.dump_yaml(document)},
     }
 
 
