@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import gang_fit
+from meshtrain.operator import gang_fit, planning
 from meshtrain.operator.cluster import (
     children,
     claims,
@@ -200,8 +200,12 @@ class Placer:
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
-            sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand)
-            size = placement_outcome.larger_size(sized, action.running)
+            try:
+                sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand)
+            except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
+                logger.info("%s/%s: no grow check: %s", ref.namespace, ref.name, err)
+                sized = None
+            size = placement_outcome.larger_size(sized, action.running) if sized else None
             if size is None:
                 interval = resizing.next_grow_check(backoff[1] if backoff else None)
                 self._grow_backoff[key] = (time.monotonic() + interval, interval)
@@ -388,17 +392,20 @@ class Placer:
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
-        sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+        try:
+            sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+        except planning.DeadlineExceeded as exceeded:
+            return await self._planning_refused(body, job, exceeded), None
+        except planning.WorkerFailed as failed:
+            unplaced = placement_outcome.unplaced(job, conditions.PLANNING_FAILED, str(failed), now)
+            said = f"{ref.namespace}/{ref.name} not planned: {failed}"
+            return await self._write_unplaced(body, job, unplaced, said), None
         outcome = placement_outcome.judge(
             job, sized, avoid=avoid, claim=claim, nodes_seen=len(raw_nodes), now=now
         )
         job = dataclasses.replace(job, spec=sized.spec)
         if isinstance(outcome, placement_outcome.WontFit):
-            logger.info("%s/%s refused: %s", ref.namespace, ref.name, outcome.message)
-            metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
-            body, job, changed = await self.writer.set_status(body, job, outcome.status)
-            await self.writer.emit(body, "Warning", outcome.reason, outcome.message)
-            return (body, job, changed), None
+            return await self._write_refused(body, job, outcome), None
         metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, placement_outcome.Unplaced):
             metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
@@ -437,6 +444,23 @@ class Placer:
             return await self._refused(body, job, refused), None
         self.create_failures.forget(ref.uid)
         return (body, job, True), outcome
+
+    async def _planning_refused(
+        self, body: dict[str, Any], job: job_state.JobState, exceeded: planning.DeadlineExceeded
+    ) -> Step:
+        """Planning outlasted the deadline (the worker was killed): the job fails, naming the deadline."""
+        refused = placement_outcome.planning_refused(job, exceeded.seconds, clock.now())
+        return await self._write_refused(body, job, refused)
+
+    async def _write_refused(
+        self, body: dict[str, Any], job: job_state.JobState, refused: placement_outcome.WontFit
+    ) -> Step:
+        """Write a refusal before placement (the job fails), log it and emit a Warning."""
+        logger.info("%s/%s refused: %s", job.ref.namespace, job.ref.name, refused.message)
+        metrics.PLACEMENT_FAILURES.labels(reason=refused.reason).inc()
+        body, job, changed = await self.writer.set_status(body, job, refused.status)
+        await self.writer.emit(body, "Warning", refused.reason, refused.message)
+        return body, job, changed
 
     async def _unassignable(
         self, body: dict[str, Any], job: job_state.JobState, why: kueue_workload.Unassignable
