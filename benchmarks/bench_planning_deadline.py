@@ -28,7 +28,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
 from meshtrain import placement
-from meshtrain.api import layout, limits, loading
+from meshtrain.api import layout, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import planning
 from meshtrain.operator.policy import memory_admission, placement_outcome
@@ -97,15 +97,7 @@ def costs(cutoff: float) -> list[dict[str, Any]]:
     return rows
 
 
-SLOW = loading.parse_spec(
-    JobBuilder()
-    .model(preset="1.3b")
-    .layout(data=limits.MAX_WORLD_SIZE // 8, tensor=8)
-    .gpus(8)
-    .checkpoint(claimName="ckpt")
-    .run_policy(elastic={"minData": 2048, "maxData": limits.MAX_WORLD_SIZE // 8})
-    .raw()
-)
+SLOW = loading.parse_spec(JobBuilder.largest_world(elastic_down_to=2048).raw())
 """The largest world, any degree from 8192 down to 2048 (a second or two of planning on a full
 cluster, where every degree is planned); down to 1 it takes more than ten minutes."""
 

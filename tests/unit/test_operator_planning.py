@@ -11,7 +11,7 @@ import pathlib
 import time
 
 from meshtrain import placement
-from meshtrain.api import limits, loading
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.operator import planning
 from meshtrain.operator.policy import memory_admission, placement_outcome
@@ -21,15 +21,7 @@ from tests.builders import JobBuilder
 CHOICE = memory_admission.Choice(profiles.get("h100-sxm"), "the test's profile")
 NODES = tuple(placement.Node(f"n{i}", 8, {}) for i in range(2))
 NORMAL = loading.parse_spec(JobBuilder().layout(data=2).gpus(1).raw())
-HOSTILE = loading.parse_spec(
-    JobBuilder()
-    .model(preset="1.3b")
-    .layout(data=limits.MAX_WORLD_SIZE // 8, tensor=8)
-    .gpus(8)
-    .checkpoint(claimName="ckpt")
-    .run_policy(elastic={"minData": 1, "maxData": limits.MAX_WORLD_SIZE // 8})
-    .raw()
-)
+HOSTILE = loading.parse_spec(JobBuilder.largest_world(elastic_down_to=1).raw())
 """65,536 GPUs, any data-parallel degree down to 1: where none fits, every degree is planned."""
 
 

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from meshtrain.api import limits
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 
@@ -84,14 +83,6 @@ def _normal(name: str, namespace: str, pool: str) -> JobBuilder:
     return JobBuilder(name, namespace, pool).layout(data=2).gpus(1)
 
 
-def _largest(name: str, namespace: str, pool: str) -> JobBuilder:
-    """The largest world the CRD admits: dp8192·pp1·tp8 on 8-GPU pods."""
-    data = limits.MAX_WORLD_SIZE // 8
-    return (
-        JobBuilder(name, namespace, pool).model(preset="1.3b").layout(data=data, tensor=8).gpus(8)
-    )
-
-
 def _placed_after(cluster: Cluster, namespace: str, name: str, since: float) -> float:
     wait_for(
         f"{namespace}/{name} placed",
@@ -112,9 +103,8 @@ def test_hostile_jobs_neither_stall_the_operator_nor_delay_a_normal_job(
 
     full = f"{pool}-full"  # no node has room there: an elastic job plans every degree
     with LeaseWatch(cluster, planner.lease) as lease:
-        cluster.apply(_largest("fixed", namespace, full))
-        elastic = _largest("elastic", namespace, full).checkpoint(claimName="ckpt")
-        cluster.apply(elastic.run_policy(elastic={"minData": 1, "maxData": 8192}))
+        cluster.apply(JobBuilder.largest_world("fixed", namespace, full))
+        cluster.apply(JobBuilder.largest_world("elastic", namespace, full, elastic_down_to=1))
         started = time.monotonic()
         cluster.apply(_normal("normal", namespace, pool))
         together = _placed_after(cluster, namespace, "normal", started)
