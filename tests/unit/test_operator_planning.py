@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import subprocess
+import sys
 import time
 
 from meshtrain import placement
@@ -91,3 +93,37 @@ def test_a_plan_past_the_deadline_is_cut_off_and_the_loop_never_waits_on_it() ->
     assert killed is not None
     assert not _alive(killed), f"worker {killed} still runs after the deadline"
     assert after == placement_outcome.plan_sizes(ask(NORMAL))
+
+
+ORPHAN = """
+import asyncio, sys, time
+from meshtrain.operator import planning
+from tests.unit import test_operator_planning as here
+
+async def main():
+    worker = planning.Worker(deadline_seconds=600)
+    await worker.plan(here.ask(here.NORMAL))
+    print(worker._pid, flush=True)
+    await worker.plan(here.ask(here.HOSTILE, offered=()))  # minutes of planning
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_operator_leaves_no_worker_behind() -> None:
+    """SIGKILL runs no clean-up: the worker, mid-plan, notices its parent gone and ends."""
+    operator = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN],
+        stdout=subprocess.PIPE,
+        cwd=pathlib.Path(__file__).parents[2],
+    )
+    assert operator.stdout is not None
+    worker = int(operator.stdout.readline())
+    time.sleep(0.5)
+    assert _alive(worker)
+    operator.kill()
+    operator.wait(timeout=10)
+    deadline = time.monotonic() + 3 * planning.PARENT_CHECK_SECONDS + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), f"worker {worker} outlived the operator"

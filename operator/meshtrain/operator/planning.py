@@ -16,6 +16,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 from meshtrain.operator.policy import placement_outcome
@@ -39,6 +41,25 @@ class DeadlineExceeded(Exception):
 
 class WorkerFailed(Exception):
     """The worker died (out of memory, killed) or did not start: no verdict on the job."""
+
+
+PARENT_CHECK_SECONDS = 1.0
+"""How often the worker checks that the operator that started it still runs."""
+
+
+def _exit_with(parent: int) -> None:
+    """Run in the worker at its start: end it once ``parent`` is gone.
+
+    A killed operator (SIGKILL, OOM) closes nothing, and the worker, mid-plan or idle, would
+    live on as an orphan burning CPU; its new parent is not ``parent``.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _ready() -> int:
@@ -78,8 +99,13 @@ class Worker:
         if self._pool is not None:
             return self._pool
         # spawn, not fork: the operator runs threads (the metrics server, the executor's own).
+        # A spawned child imports the parent's main module again: `meshtrain` and
+        # `python -m meshtrain.cli.main` run their entry only under `__name__ == "__main__"`.
         pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn")
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_exit_with,
+            initargs=(os.getpid(),),
         )
         try:
             pid = await asyncio.wait_for(
