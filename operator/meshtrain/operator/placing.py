@@ -51,6 +51,13 @@ from meshtrain.operator.policy import (
 
 logger = logging.getLogger("meshtrain.operator")
 
+SLOW_PLAN_SECONDS = 0.5
+"""A plan that takes this long in the worker is slow: real jobs plan in milliseconds."""
+PLAN_SPACING = 20.0
+"""A job whose slow plan placed nothing is not planned again for this many times what that plan
+took, so a job whose plans are slow (yet within the deadline) holds the placement lock, which
+every other job plans under, a twentieth of the time at most."""
+
 
 def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
@@ -75,6 +82,8 @@ class Placer:
         self.trainer_image = trainer_image
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
+        self._next_plan: dict[str, float] = {}
+        """Jobs (by UID) whose last plan was slow and placed nothing: when they may plan again (:data:`PLAN_SPACING`)."""
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
@@ -86,6 +95,7 @@ class Placer:
         self.fit.forget(ref.namespace, ref.name, ref.uid)
         self.create_failures.forget(ref.uid)
         self._grow_backoff.pop((ref.namespace, ref.name), None)
+        self._next_plan.pop(ref.uid, None)
 
     async def lift_gates(
         self, action: job_actions.LiftGates, body: dict[str, Any], job: job_state.JobState
@@ -294,6 +304,8 @@ class Placer:
         if action.missing is None:
             if self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None:
                 return body, job, False  # refused recently: wait (outside the lock) for the backoff
+            if time.monotonic() < self._next_plan.get(ref.uid, 0.0):
+                return body, job, False  # its last plan placed nothing: spaced by what it took
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
         where = await workloads.flavors(self.client, action.flavors)
@@ -408,6 +420,12 @@ class Placer:
             return await self._write_refused(body, job, outcome), None
         metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, placement_outcome.Unplaced):
+            if (took := self.fit.worker.last_seconds) >= SLOW_PLAN_SECONDS:
+                self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
+                logger.info(
+                    "%s/%s: planned in %.1f s without a place; next plan in %.0f s at the earliest",
+                    *(ref.namespace, ref.name, took, PLAN_SPACING * took),
+                )
             metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
             said = f"{ref.namespace}/{ref.name} unschedulable: {outcome.reason}: {outcome.message}"
             return await self._write_unplaced(body, job, outcome, said), None
@@ -443,6 +461,7 @@ class Placer:
         if refused is not None:
             return await self._refused(body, job, refused), None
         self.create_failures.forget(ref.uid)
+        self._next_plan.pop(ref.uid, None)
         return (body, job, True), outcome
 
     async def _planning_refused(

@@ -76,14 +76,17 @@ class Worker:
         self._pid: int | None = None
         self._lock = asyncio.Lock()
         """One plan at a time: a plan's deadline starts when the worker takes it, not when queued."""
+        self.last_seconds = 0.0
+        """What the last plan that finished took in the worker (not counting a worker's start)."""
 
     async def plan(self, ask: placement_outcome.Ask) -> placement_outcome.Sized:
         """:func:`placement_outcome.plan_sizes` of ``ask`` in the worker, within the deadline."""
         async with self._lock:
             pool = await self._started()
             loop = asyncio.get_running_loop()
+            started = time.monotonic()
             try:
-                return await asyncio.wait_for(
+                sized = await asyncio.wait_for(
                     loop.run_in_executor(pool, placement_outcome.plan_sizes, ask),
                     self.deadline_seconds,
                 )
@@ -93,6 +96,8 @@ class Worker:
             except BrokenProcessPool as err:
                 self.stop()
                 raise WorkerFailed(f"the planning worker died: {err}") from err
+            self.last_seconds = time.monotonic() - started
+            return sized
 
     async def _started(self) -> concurrent.futures.ProcessPoolExecutor:
         """The running worker, or a fresh one once it has imported the planner."""
