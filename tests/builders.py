@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from meshtrain.api import limits
 from meshtrain.api import spec as api_spec
 
 POOL_LABEL = "meshtrain.test/pool"
@@ -85,6 +86,27 @@ class JobBuilder:
         """
         builder = cls().model(TINY).parallelism(**CPU_PARALLELISM).training(**CPU_TRAINING)
         builder._split_global_batch = True
+        return builder
+
+    @classmethod
+    def largest_world(
+        cls,
+        name: str = "job",
+        namespace: str | None = "default",
+        pool: str | None = None,
+        *,
+        elastic_down_to: int | None = None,
+    ) -> JobBuilder:
+        """The largest world the CRD admits (``limits.MAX_WORLD_SIZE``): dp·tp8 of the 1.3b preset on
+        8-GPU pods; ``elastic_down_to``: any data-parallel degree down to it (with a claim)."""
+        data = limits.MAX_WORLD_SIZE // 8
+        builder = (
+            cls(name, namespace, pool).model(preset="1.3b").layout(data=data, tensor=8).gpus(8)
+        )
+        if elastic_down_to is not None:
+            builder.checkpoint(claimName="ckpt").run_policy(
+                elastic={"minData": elastic_down_to, "maxData": data}
+            )
         return builder
 
     @classmethod

@@ -85,12 +85,18 @@ class ParallelLayout:
         return [self.rank_of(p, c.dp, c.tp) for p in range(self.pipeline)]
 
     def all_groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis`` ('tp', 'dp' or 'pp'), each listed once, in rank order."""
-        member_of = {"tp": self.tp_group, "dp": self.dp_group, "pp": self.pp_group}[axis]
-        seen: dict[tuple[int, ...], None] = {}
-        for rank in range(self.world_size):
-            seen.setdefault(tuple(member_of(rank)), None)
-        return [list(group) for group in seen]
+        """Every group along ``axis`` ('tp', 'dp' or 'pp'), each listed once, in rank order.
+
+        A group is ``count`` ranks ``stride`` apart from its first (the rank formula), so the
+        groups cost O(world) to list rather than O(world x group) to collect rank by rank.
+        """
+        stride, count = {
+            "tp": (1, self.tensor),
+            "dp": (self.tensor, self.data),
+            "pp": (self.tensor * self.data, self.pipeline),
+        }[axis]
+        firsts = (r for r in range(self.world_size) if (r // stride) % count == 0)
+        return [list(range(first, first + stride * count, stride)) for first in firsts]
 
     def dp_levels(self, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every data-parallel group split by node: (intra-node groups, inter-node groups).

@@ -6,14 +6,19 @@ even where helm is not installed.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
+import yaml
+
+from meshtrain.operator import command, planning
 from meshtrain.operator.policy import naming
 from meshtrain.planner import profiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEMPLATES = ROOT / "charts" / "meshtrain" / "templates"
+CHART = ROOT / "charts" / "meshtrain"
+TEMPLATES = CHART / "templates"
 
 
 def _text(name: str) -> str:
@@ -122,3 +127,14 @@ def test_leader_election_has_its_lease_rbac_and_a_stable_identity() -> None:
     assert "name: POD_NAME" in deployment and "fieldPath: metadata.name" in deployment
     rbac = _text("rbac.yaml")
     assert 'resources: ["leases"]' in rbac and 'verbs: ["get", "create", "update"]' in rbac
+
+
+def test_operator_is_given_the_planning_deadline_the_chart_defaults_to_the_operators() -> None:
+    assert "--planning-deadline-seconds={{ .Values.operator.planningDeadlineSeconds }}" in _text(
+        "deployment.yaml"
+    )
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["operator"]["planningDeadlineSeconds"] == planning.DEFAULT_DEADLINE_SECONDS
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    bounds = schema["properties"]["operator"]["properties"]["planningDeadlineSeconds"]
+    assert bounds["maximum"] == command.MAX_PLANNING_DEADLINE  # what the flag refuses above

@@ -31,6 +31,18 @@ def test_groups_partition_the_world(data, pipeline, tensor):
         assert all(len(g) == size for g in groups)
 
 
+@pytest.mark.parametrize("data,pipeline,tensor", [*LAYOUTS, (5, 3, 2), (4, 6, 1), (1, 7, 3)])
+def test_all_groups_are_each_ranks_own_group_listed_once_in_rank_order(data, pipeline, tensor):
+    """The O(world) listing equals collecting ``tp_group``/``dp_group``/``pp_group`` rank by rank."""
+    layout = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor)
+    member_of = {"tp": layout.tp_group, "dp": layout.dp_group, "pp": layout.pp_group}
+    for axis, group_of in member_of.items():
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(layout.world_size):
+            seen.setdefault(tuple(group_of(rank)), None)
+        assert layout.all_groups(axis) == [list(group) for group in seen]
+
+
 def test_tensor_groups_are_consecutive_ranks_inside_one_pod():
     layout = ParallelLayout(data=2, pipeline=4, tensor=8)
     for group in layout.all_groups("tp"):

@@ -207,3 +207,26 @@ def test_a_grow_check_finds_room_only_for_a_larger_size_that_fits():
     assert placement_outcome.larger_size(sized(the_job, placed_on("a"), size=two), 2) is None
     assert placement_outcome.larger_size(sized(the_job, NO_ROOM, size=four), 2) is None
     assert placement_outcome.larger_size(sized(the_job, placed_on("a")), 2) is None
+
+
+@pytest.mark.parametrize(
+    "bounds, what_to_change",
+    [
+        (None, "; lower the parallelism degrees"),
+        ((2, 4), "; narrow runPolicy.elastic [minData=2, maxData=4] (every degree in it"),
+    ],
+)
+def test_a_plan_past_the_deadline_fails_the_job_naming_the_deadline_and_the_fix(
+    bounds: tuple[int, int] | None, what_to_change: str
+) -> None:
+    refused = placement_outcome.planning_refused(job(raw(bounds)), 2.5, NOW)
+    assert refused.reason == conditions.PLANNING_DEADLINE_EXCEEDED
+    assert refused.status["phase"] == job_state.Phase.FAILED.value
+    assert refused.status["observedGeneration"] == 2
+    by_type = {c["type"]: c for c in refused.status["conditions"]}
+    assert (by_type["Failed"]["status"], by_type["Placed"]["status"]) == ("True", "False")
+    assert by_type["Failed"]["reason"] == by_type["Placed"]["reason"] == refused.reason
+    assert conditions.WONT_FIT not in by_type
+    for said in ("planning deadline of 2.5 s", "--planning-deadline-seconds", what_to_change):
+        assert said in refused.message, refused.message
+    assert by_type["Failed"]["message"] == refused.message

@@ -10,7 +10,7 @@ from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.api.spec import status as api_status
 from meshtrain.cli import main
-from meshtrain.operator import command
+from meshtrain.operator import command, planning
 from meshtrain.operator.cluster import informer
 from meshtrain.operator.policy import builders, capacity, conditions, identity, progress_status
 from meshtrain.planner import profiles
@@ -187,6 +187,17 @@ def test_operator_gpu_profile_flag(monkeypatch):
     with pytest.raises(profiles.ProfileError, match="known profiles"):
         command.gpu_profile("tpu-v9")
     assert main.main(["operator", "--gpu-profile", "tpu-v9"]) == 2  # refused before kopf starts
+
+
+def test_operator_planning_deadline_flag(monkeypatch, capsys):
+    monkeypatch.delenv("MESHTRAIN_PLANNING_DEADLINE_SECONDS", raising=False)
+    parsed = main.build_parser().parse_args(["operator"])
+    assert parsed.planning_deadline_seconds == planning.DEFAULT_DEADLINE_SECONDS
+    monkeypatch.setenv("MESHTRAIN_PLANNING_DEADLINE_SECONDS", "2.5")
+    assert main.build_parser().parse_args(["operator"]).planning_deadline_seconds == 2.5
+    for refused in ("0", "601"):  # refused before kopf starts
+        assert main.main(["operator", "--planning-deadline-seconds", refused]) == 2
+        assert "--planning-deadline-seconds must be above 0" in capsys.readouterr().err
 
 
 def test_a_profile_file_that_does_not_load_stops_the_operator_at_start(

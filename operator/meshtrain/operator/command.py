@@ -13,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from meshtrain.operator import planning
 from meshtrain.operator.policy import naming
 from meshtrain.planner import admission, profiles
 
@@ -25,6 +26,8 @@ MIN_LEASE_SECONDS = 3
 """Shortest Lease the election's timing allows (a retry of at least 1 s, renewal within 2/3)."""
 DEFAULT_GPU_PROFILE = "h100-sxm"
 """Profile for nodes that do not name their GPU: the common training GPU, as ``meshtrain plan`` assumes for bf16."""
+MAX_PLANNING_DEADLINE = 600.0
+"""Largest ``--planning-deadline-seconds``: placements wait behind a plan, so it stays minutes at most."""
 NO_PROFILE = "none"
 """``--gpu-profile`` value that admits jobs unchecked when no node names its GPU."""
 
@@ -147,6 +150,17 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "such jobs unchecked (env MESHTRAIN_GPU_PROFILE; default: %(default)s)",
     )
     parser.add_argument(
+        "--planning-deadline-seconds",
+        type=float,
+        default=float(
+            os.environ.get("MESHTRAIN_PLANNING_DEADLINE_SECONDS", planning.DEFAULT_DEADLINE_SECONDS)
+        ),
+        metavar="SECONDS",
+        help="longest a job's placement plan may take in the planning worker (a child process, off "
+        "the event loop); a job whose plan takes longer is refused with PlanningDeadlineExceeded "
+        "(env MESHTRAIN_PLANNING_DEADLINE_SECONDS; default: %(default)s)",
+    )
+    parser.add_argument(
         "--trainer-image",
         default=os.environ.get("MESHTRAIN_TRAINER_IMAGE", naming.DEFAULT_TRAINER_IMAGE),
         metavar="IMAGE",
@@ -157,6 +171,13 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the operator until it is interrupted (exit status 2 at once for an unknown ``--gpu-profile``)."""
+    if not 0 < args.planning_deadline_seconds <= MAX_PLANNING_DEADLINE:
+        print(
+            "meshtrain operator: --planning-deadline-seconds must be above 0 and at most "
+            f"{MAX_PLANNING_DEADLINE:g} (a plan holds every other job's placement while it runs)",
+            file=sys.stderr,
+        )
+        return 2
     if args.lease_seconds < MIN_LEASE_SECONDS:
         print(
             f"meshtrain operator: --lease-seconds must be at least {MIN_LEASE_SECONDS}",
@@ -190,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             progress_seconds=args.progress_seconds,
             gpu_profile=default_profile,
             trainer_image=args.trainer_image,
+            planning_deadline_seconds=args.planning_deadline_seconds,
         ),
     )
     clusterwide = not args.namespace

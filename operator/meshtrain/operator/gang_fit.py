@@ -1,8 +1,10 @@
 """Where a job's gang fits now: the candidate nodes, and a plan at each size it may take.
 
 Read from the informer cache only (no API call, no write): ``placing`` acts on the answer under
-its lock, and the straggler step asks whether the gang would fit without its slow nodes.  Not
-policy, since it reads the caches and remembers per job (refusals, claims, verdicts).
+its lock, and the straggler step asks whether the gang would fit without its slow nodes.  The
+nodes' offer is read here; the plan at each size is made in the planning worker (``planning``),
+off the event loop and under its deadline.  Not policy, since it reads the caches and remembers
+per job (refusals, claims).
 """
 
 from __future__ import annotations
@@ -11,27 +13,22 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.api import elastic
-from meshtrain.api import spec as api_spec
-from meshtrain.operator import admitting
+from meshtrain.operator import admitting, planning
 from meshtrain.operator.cluster import informer, owned
 from meshtrain.operator.policy import (
     builders,
     capacity,
     feasibility,
     job_state,
-    memory_admission,
     placement_outcome,
     rescheduling,
-    resizing,
     stragglers,
     volumes,
 )
-from meshtrain.planner import placement_request, profiles
+from meshtrain.planner import profiles
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -39,8 +36,14 @@ logger = logging.getLogger("meshtrain.operator")
 class GangFit:
     """What the cluster offers each job's gang, as the cache sees it."""
 
-    def __init__(self, cache: informer.Cache, gpu_profile: profiles.Profile | None) -> None:
+    def __init__(
+        self,
+        cache: informer.Cache,
+        gpu_profile: profiles.Profile | None,
+        worker: planning.Worker,
+    ) -> None:
         self.cache = cache
+        self.worker = worker
         self._planner_nodes: tuple[Any, list[dict[str, Any]], list[placement.Node]] = (None, [], [])
         self._admissions = admitting.Admissions(gpu_profile)
         self.refusals: dict[str, rescheduling.Record] = {}
@@ -49,7 +52,6 @@ class GangFit:
         """Where each job's claim lets its pods go, as its last placement read it (by UID)."""
 
     def forget(self, namespace: str, name: str, uid: str) -> None:
-        self._admissions.forget(namespace, name)
         self.refusals.pop(uid, None)
         self.claims.pop(uid, None)
 
@@ -70,7 +72,7 @@ class GangFit:
             nodes = [n for n in nodes if n.name not in avoid]
         return raw_nodes, nodes, avoid
 
-    def fits_without(
+    async def fits_without(
         self, job: job_state.JobState, slow: frozenset[str], now: datetime.datetime
     ) -> bool:
         """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
@@ -85,7 +87,11 @@ class GangFit:
         raw_nodes, nodes, _ = self.candidates(job, gpu, now, slow)
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
         running = job.spec.parallelism.data
-        sized = self.plan_sizes(job, raw_nodes, nodes, demand, cap=running)
+        try:
+            sized = await self.plan_sizes(job, raw_nodes, nodes, demand, cap=running)
+        except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
+            logger.info("%s/%s: straggler node(s) kept: %s", job.ref.namespace, job.ref.name, err)
+            return False
         fits = isinstance(sized.answer, placement.Placement) and (
             sized.size is None or sized.size.data >= running
         )
@@ -103,7 +109,7 @@ class GangFit:
             owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
         )
 
-    def plan_sizes(
+    async def plan_sizes(
         self,
         job: job_state.JobState,
         raw_nodes: list[dict[str, Any]],
@@ -112,40 +118,29 @@ class GangFit:
         cap: int | None = None,
     ) -> placement_outcome.Sized:
         """The plan at the size ``placement_outcome.choose`` picks among those runPolicy.elastic allows
-        (none above ``cap``), planned largest first until one fits."""
+        (none above ``cap``), planned largest first until one fits, in the planning worker.
+
+        Raises ``planning.DeadlineExceeded`` when that takes longer than the worker's deadline, and
+        ``planning.WorkerFailed`` when the worker dies.
+        """
         assert job.spec is not None
         declared = job.declared or job.spec
-        usage = self.cache.usage(without=self.freed_by_replacing(job))
-        return placement_outcome.choose(
-            self._plan_at(job, size, spec, raw_nodes, nodes, demand, usage)
-            for size, spec in resizing.no_larger_than(resizing.candidates(declared), cap)
+        offered, refusals = capacity.offered_nodes(
+            demand,
+            raw_nodes,
+            self.cache.usage(without=self.freed_by_replacing(job)),
+            gpus_per_pod=declared.resources.gpus_per_node,
+            pods_wanted=placement_outcome.most_pods(declared),
+            claim=self.claims.get(job.ref.uid),
         )
-
-    def _plan_at(
-        self,
-        job: job_state.JobState,
-        size: elastic.Size | None,
-        spec: api_spec.TrainingJobSpec,
-        raw_nodes: list[dict[str, Any]],
-        nodes: list[placement.Node],
-        demand: feasibility.Demand,
-        usage: Mapping[str, feasibility.Usage],
-    ) -> placement_outcome.Sized:
-        """Memory admission at one size and, unless it refused, a plan on the nodes that offer room."""
-        verdict = self._admissions.admit(dataclasses.replace(job, spec=spec), nodes)
-        answer: placement.Placement | placement.Unschedulable | None = None
-        refusals: list[str] = []
-        if not isinstance(verdict, memory_admission.Refused):
-            offered, refusals = capacity.offered_nodes(
-                demand,
-                raw_nodes,
-                usage,
-                gpus_per_pod=spec.resources.gpus_per_node,
-                pods_wanted=spec.pods,
-                claim=self.claims.get(job.ref.uid),
-            )
-            answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
-        return placement_outcome.Sized(size, spec, verdict, answer, refusals)
+        ask = placement_outcome.Ask(
+            declared=declared,
+            cap=cap,
+            choice=self._admissions.choice(declared, nodes),
+            offered=tuple(offered),
+        )
+        sized = await self.worker.plan(ask)
+        return dataclasses.replace(sized, refusals=refusals if sized.answer is not None else [])
 
     def _nodes(self, gpu: str) -> tuple[list[dict[str, Any]], list[placement.Node]]:
         """The cached nodes, and as the planner sees them (rebuilt only when a node changed)."""

@@ -108,6 +108,7 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     memo.watches.cancel()
     if memo.elector is not None:
         memo.elector.cancel()
+    memo.reconciler.fit.worker.stop()
     await memo.reconciler.client.close()
     await memo.reconciler.progress.close()
 

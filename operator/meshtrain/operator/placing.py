@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import gang_fit
+from meshtrain.operator import gang_fit, planning
 from meshtrain.operator.cluster import (
     children,
     claims,
@@ -51,6 +51,13 @@ from meshtrain.operator.policy import (
 
 logger = logging.getLogger("meshtrain.operator")
 
+SLOW_PLAN_SECONDS = 0.5
+"""A plan that takes this long in the worker is slow: real jobs plan in milliseconds."""
+PLAN_SPACING = 20.0
+"""A job whose slow plan placed nothing is not planned again for this many times what that plan
+took, so a job whose plans are slow (yet within the deadline) holds the placement lock, which
+every other job plans under, a twentieth of the time at most."""
+
 
 def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
@@ -75,6 +82,8 @@ class Placer:
         self.trainer_image = trainer_image
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
+        self._next_plan: dict[str, float] = {}
+        """Jobs (by UID) whose last plan was slow and placed nothing: when they may plan again (:data:`PLAN_SPACING`)."""
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
@@ -86,6 +95,7 @@ class Placer:
         self.fit.forget(ref.namespace, ref.name, ref.uid)
         self.create_failures.forget(ref.uid)
         self._grow_backoff.pop((ref.namespace, ref.name), None)
+        self._next_plan.pop(ref.uid, None)
 
     async def lift_gates(
         self, action: job_actions.LiftGates, body: dict[str, Any], job: job_state.JobState
@@ -200,8 +210,12 @@ class Placer:
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
-            sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand)
-            size = placement_outcome.larger_size(sized, action.running)
+            try:
+                sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand)
+            except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
+                logger.info("%s/%s: no grow check: %s", ref.namespace, ref.name, err)
+                sized = None
+            size = placement_outcome.larger_size(sized, action.running) if sized else None
             if size is None:
                 interval = resizing.next_grow_check(backoff[1] if backoff else None)
                 self._grow_backoff[key] = (time.monotonic() + interval, interval)
@@ -290,6 +304,8 @@ class Placer:
         if action.missing is None:
             if self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None:
                 return body, job, False  # refused recently: wait (outside the lock) for the backoff
+            if time.monotonic() < self._next_plan.get(ref.uid, 0.0):
+                return body, job, False  # its last plan placed nothing: spaced by what it took
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
         where = await workloads.flavors(self.client, action.flavors)
@@ -388,19 +404,28 @@ class Placer:
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
-        sized = self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+        try:
+            sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+        except planning.DeadlineExceeded as exceeded:
+            return await self._planning_refused(body, job, exceeded), None
+        except planning.WorkerFailed as failed:
+            unplaced = placement_outcome.unplaced(job, conditions.PLANNING_FAILED, str(failed), now)
+            said = f"{ref.namespace}/{ref.name} not planned: {failed}"
+            return await self._write_unplaced(body, job, unplaced, said), None
         outcome = placement_outcome.judge(
             job, sized, avoid=avoid, claim=claim, nodes_seen=len(raw_nodes), now=now
         )
         job = dataclasses.replace(job, spec=sized.spec)
         if isinstance(outcome, placement_outcome.WontFit):
-            logger.info("%s/%s refused: %s", ref.namespace, ref.name, outcome.message)
-            metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
-            body, job, changed = await self.writer.set_status(body, job, outcome.status)
-            await self.writer.emit(body, "Warning", outcome.reason, outcome.message)
-            return (body, job, changed), None
+            return await self._write_refused(body, job, outcome), None
         metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, placement_outcome.Unplaced):
+            if (took := self.fit.worker.last_seconds) >= SLOW_PLAN_SECONDS:
+                self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
+                logger.info(
+                    "%s/%s: planned in %.1f s without a place; next plan in %.0f s at the earliest",
+                    *(ref.namespace, ref.name, took, PLAN_SPACING * took),
+                )
             metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
             said = f"{ref.namespace}/{ref.name} unschedulable: {outcome.reason}: {outcome.message}"
             return await self._write_unplaced(body, job, outcome, said), None
@@ -436,7 +461,25 @@ class Placer:
         if refused is not None:
             return await self._refused(body, job, refused), None
         self.create_failures.forget(ref.uid)
+        self._next_plan.pop(ref.uid, None)
         return (body, job, True), outcome
+
+    async def _planning_refused(
+        self, body: dict[str, Any], job: job_state.JobState, exceeded: planning.DeadlineExceeded
+    ) -> Step:
+        """Planning outlasted the deadline (the worker was killed): the job fails, naming the deadline."""
+        refused = placement_outcome.planning_refused(job, exceeded.seconds, clock.now())
+        return await self._write_refused(body, job, refused)
+
+    async def _write_refused(
+        self, body: dict[str, Any], job: job_state.JobState, refused: placement_outcome.WontFit
+    ) -> Step:
+        """Write a refusal before placement (the job fails), log it and emit a Warning."""
+        logger.info("%s/%s refused: %s", job.ref.namespace, job.ref.name, refused.message)
+        metrics.PLACEMENT_FAILURES.labels(reason=refused.reason).inc()
+        body, job, changed = await self.writer.set_status(body, job, refused.status)
+        await self.writer.emit(body, "Warning", refused.reason, refused.message)
+        return body, job, changed
 
     async def _unassignable(
         self, body: dict[str, Any], job: job_state.JobState, why: kueue_workload.Unassignable

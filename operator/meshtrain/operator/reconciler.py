@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import gang_fit, placing
+from meshtrain.operator import gang_fit, placing, planning
 from meshtrain.operator.cluster import (
     children,
     clock,
@@ -63,6 +63,8 @@ class Settings:
     """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
     trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
     """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
+    planning_deadline_seconds: float = planning.DEFAULT_DEADLINE_SECONDS
+    """Longest a gang's plan may take in the planning worker; a job whose plan takes longer is refused."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,9 @@ class Reconciler:
         self.cache = cache
         self.settings = settings
         self.writer = status_writes.JobWriter(client, cache)
-        self.fit = gang_fit.GangFit(cache, settings.gpu_profile)
+        self.fit = gang_fit.GangFit(
+            cache, settings.gpu_profile, planning.Worker(settings.planning_deadline_seconds)
+        )
         self.placer = placing.Placer(
             client=client,
             cache=cache,
@@ -202,7 +206,7 @@ class Reconciler:
         if isinstance(action, rescheduling.ReplaceRefused):
             return await self.placer.replace_refused(action, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
-            fits = self.fit.fits_without(job, frozenset(action.nodes), clock.now())
+            fits = await self.fit.fits_without(job, frozenset(action.nodes), clock.now())
             changed = False
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)

@@ -26,6 +26,7 @@ from meshtrain.operator.policy import (
     resizing,
     volumes,
 )
+from meshtrain.planner import placement_request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,56 @@ def choose(tried: Iterable[Sized]) -> Sized:
             answered = sized
     assert first is not None, "a job may always take at least one size"
     return answered or first
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """Everything planning a gang needs, as plain values: it is pickled to the planning worker."""
+
+    declared: api_spec.TrainingJobSpec
+    """The job's declared spec; its sizes come from ``runPolicy.elastic``."""
+    cap: int | None
+    """No size above this data-parallel degree (None: any size allowed)."""
+    choice: memory_admission.Choice
+    """The profile memory admission judges every size by (the same nodes are candidates at each)."""
+    offered: tuple[placement.Node, ...]
+    """Nodes with room, each offering at most :func:`most_pods` pods (a size takes no more than its own)."""
+
+
+def most_pods(declared: api_spec.TrainingJobSpec) -> int:
+    """The most pods any size of the job has: the offer :class:`Ask` carries is capped at it."""
+    bounds = declared.run_policy.elastic
+    data = max(declared.parallelism.data, bounds.max_data if bounds is not None else 0)
+    per_replica = declared.parallelism.pipeline * declared.parallelism.tensor
+    return -(-data * per_replica // declared.resources.gpus_per_node)
+
+
+def plan_sizes(ask: Ask) -> Sized:
+    """The plan at the size :func:`choose` picks among those runPolicy.elastic allows (none above
+    ``ask.cap``), planned largest first until one fits.
+
+    Work grows with the world size and the elastic range, so the operator runs this in its
+    planning worker under a deadline, never on its event loop.  ``refusals`` is left empty: the
+    nodes without room are the caller's, the same at every size.
+    """
+    return choose(
+        _plan_at(ask, size, spec)
+        for size, spec in resizing.no_larger_than(resizing.candidates(ask.declared), ask.cap)
+    )
+
+
+def _plan_at(ask: Ask, size: elastic.Size | None, spec: api_spec.TrainingJobSpec) -> Sized:
+    """Memory admission at one size and, unless it refused, a plan on the offered nodes."""
+    verdict = memory_admission.admit(spec, ask.choice)
+    if isinstance(verdict, memory_admission.Refused):
+        return Sized(size, spec, verdict, None, [])
+    most = spec.pods * spec.resources.gpus_per_node  # what a node offers at this size, at most
+    offered = [
+        node if node.allocatable_gpus <= most else dataclasses.replace(node, allocatable_gpus=most)
+        for node in ask.offered
+    ]
+    answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
+    return Sized(size, spec, verdict, answer, [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +175,26 @@ def unplaced(
     status = placement_status.unschedulable(job, reason, message, now, plan)
     news = (before.get("reason"), before.get("message")) != (reason, message)
     return Unplaced(status, reason, message, news)
+
+
+def planning_refused(job: job_state.JobState, seconds: float, now: datetime.datetime) -> WontFit:
+    """Planning the gang outlasted the operator's deadline of ``seconds``: the job fails, naming the
+    deadline and what to change (planning the same spec again would take as long)."""
+    bounds = (job.declared or job.spec).run_policy.elastic if job.spec is not None else None
+    narrower = (
+        f"narrow runPolicy.elastic [minData={bounds.min_data}, maxData={bounds.max_data}] "
+        "(every degree in it may be planned) or lower"
+        if bounds is not None
+        else "lower"
+    )
+    message = (
+        f"planning the gang took longer than the operator's planning deadline of {seconds:g} s "
+        "(--planning-deadline-seconds, chart value operator.planningDeadlineSeconds) and was "
+        f"stopped; {narrower} the parallelism degrees, or ask the cluster administrator to raise "
+        "the deadline; then create the job again"
+    )
+    reason = conditions.PLANNING_DEADLINE_EXCEEDED
+    return WontFit(placement_status.refused(job, reason, message, now), reason, message)
 
 
 def old_gang_leaving(

@@ -88,6 +88,20 @@ def wont_fit(
     conds = conditions.set(
         job_state.conditions_of(job), conditions.WONT_FIT, conditions.TRUE, reason, message, now
     )
+    return refused(job, reason, message, now, plan, conds)
+
+
+def refused(
+    job: job_state.JobState,
+    reason: str,
+    message: str,
+    now: datetime.datetime,
+    plan: Mapping[str, Any] | None = None,
+    conds: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Status fields of a job refused before it was placed: Failed, with Placed=False and Failed
+    naming ``reason``; no pods.  ``conds``: the conditions to start from (the job's own by default)."""
+    conds = job_state.conditions_of(job) if conds is None else conds
     conds = conditions.set(conds, conditions.PLACED, conditions.FALSE, reason, message, now)
     conds = conditions.set(conds, conditions.FAILED, conditions.TRUE, reason, message, now)
     return {

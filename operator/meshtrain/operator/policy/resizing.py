@@ -246,13 +246,13 @@ def grow_due(declared: api_spec.TrainingJobSpec, status: Mapping[str, Any]) -> G
     record = recorded(status)
     if declared.run_policy.elastic is None or record is None:
         return None
+    newest = status.get("lastCheckpointStep")
+    if record.checkpoint_step is None or newest is None or newest <= record.checkpoint_step:
+        return None  # checked first: the sizes cost a rule check per degree of the range
     larger = [
         size for size, _ in candidates(declared) if size is not None and size.data > record.data
     ]
     if not larger:
-        return None
-    newest = status.get("lastCheckpointStep")
-    if record.checkpoint_step is None or newest is None or newest <= record.checkpoint_step:
         return None
     return Grow(record.data, tuple(larger))
 
