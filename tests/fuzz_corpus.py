@@ -81,7 +81,3 @@ VALID_AT_BOUNDS: dict[str, dict[str, Any]] = {
 }
 """Valid jobs at (not above) the bounds, so the bounds are not too tight; and integral floats
 where integers go, which the API server reads as integers (JSON has one number type)."""
-
-PLANNED_AT_BOUNDS = ("world", "pipeline", "interleaved", "integral-floats", "steps", "strings")
-"""The ones ``meshtrain plan`` is given too: planning dp65536 is quadratic in the layout today
-(``meshtrain.api.layout`` groups; the off-loop planning work makes it fast)."""
