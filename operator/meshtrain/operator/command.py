@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from meshtrain.operator.policy import naming
+from meshtrain.operator.policy import kueue_workload, naming
 from meshtrain.planner import admission, profiles
 
 if TYPE_CHECKING:
@@ -153,6 +153,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         help="trainer image of jobs whose spec.image is empty (env MESHTRAIN_TRAINER_IMAGE; "
         "default: %(default)s)",
     )
+    parser.add_argument(
+        "--default-queue",
+        default=os.environ.get("MESHTRAIN_DEFAULT_QUEUE") or None,
+        metavar="LOCALQUEUE",
+        help="label every TrainingJob that names no Kueue LocalQueue (kueue.x-k8s.io/queue-name) "
+        "with this one, so that Kueue admits every job; Kueue's convention is 'default' "
+        "(env MESHTRAIN_DEFAULT_QUEUE; default: none, such jobs bypass Kueue)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
     if args.lease_seconds < MIN_LEASE_SECONDS:
         print(
             f"meshtrain operator: --lease-seconds must be at least {MIN_LEASE_SECONDS}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.default_queue and not kueue_workload.DNS_1123_SUBDOMAIN.fullmatch(args.default_queue):
+        print(
+            f"meshtrain operator: --default-queue {args.default_queue!r} cannot name a LocalQueue "
+            "(an RFC 1123 subdomain: lower-case letters, digits, '-' and '.')",
             file=sys.stderr,
         )
         return 2
@@ -190,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             progress_seconds=args.progress_seconds,
             gpu_profile=default_profile,
             trainer_image=args.trainer_image,
+            default_queue=args.default_queue,
         ),
     )
     clusterwide = not args.namespace

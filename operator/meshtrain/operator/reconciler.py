@@ -62,6 +62,8 @@ class Settings:
     """Profile a job is judged by when no candidate node names its GPU (``--gpu-profile``); None: not judged."""
     trainer_image: str = naming.DEFAULT_TRAINER_IMAGE
     """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
+    default_queue: str | None = None
+    """LocalQueue of jobs that name none (``--default-queue``); None: such jobs bypass Kueue."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,9 @@ class Reconciler:
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             metrics.forget(namespace, name)
             return Outcome(changed=False, requeue_after=None, gone=True)
+        body = await workloads.default_queue(
+            self.client, self.writer, body, self.settings.default_queue
+        )
         job = job_state.read(body)
         pods = owned.owned_pods(self.cache, job.ref)
         states = [s for s in (pod_state.read(p) for p in pods) if s is not None]
