@@ -564,6 +564,14 @@ def test_network_policies_can_be_turned_off_and_follow_the_listed_namespaces(too
         ("mt", "np-meshtrain-operator"), ("a", "np-meshtrain-trainers"), ("b", "np-meshtrain-trainers"),
     ]  # fmt: skip
     assert kinds("--set", "networkPolicy.enabled=false") == []
+    outside = {"ipBlock": {"cidr": "192.0.2.0/24"}}
+    rendered = run(tools, "helm", "template", "np", str(CHART), "--namespace", "mt",
+                   "--set", "networkPolicy.trainerNamespaces={a}",
+                   "--set-json", f"networkPolicy.extraIngressFrom=[{json.dumps(outside)}]")  # fmt: skip
+    policies = [
+        d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "NetworkPolicy"
+    ]
+    assert [p["spec"]["ingress"][0]["from"][-1] for p in policies] == [outside, outside]
     assert kinds("--set", "operator.deploy=false", "--set", "networkPolicy.trainerNamespaces={a}") == [
         ("a", "np-meshtrain-trainers")
     ]  # fmt: skip
