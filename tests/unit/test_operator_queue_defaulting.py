@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from meshtrain.cli import main
 from meshtrain.operator.policy import kueue_workload, queue_defaulting
 from tests.builders import JobBuilder
 
@@ -67,3 +68,15 @@ def test_the_event_names_the_label_the_queue_and_the_way_out() -> None:
     said = queue_defaulting.message("default")
     assert 'metadata.labels["kueue.x-k8s.io/queue-name"] set to "default"' in said
     assert "set the label to choose another LocalQueue" in said
+
+
+def test_the_operator_takes_the_default_queue_from_its_flag_or_env_and_refuses_a_bad_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("MESHTRAIN_DEFAULT_QUEUE", raising=False)
+    assert main.build_parser().parse_args(["operator"]).default_queue is None
+    monkeypatch.setenv("MESHTRAIN_DEFAULT_QUEUE", "default")
+    assert main.build_parser().parse_args(["operator"]).default_queue == "default"
+    for bad in ("Team_Queue", "q" * 254):
+        assert main.main(["operator", "--default-queue", bad]) == 2  # before kopf starts
+        assert "cannot name a LocalQueue" in capsys.readouterr().err

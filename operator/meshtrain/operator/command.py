@@ -171,10 +171,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.default_queue and not kueue_workload.DNS_1123_SUBDOMAIN.fullmatch(args.default_queue):
+    queue = kueue_workload.Queue(args.default_queue, None) if args.default_queue else None
+    if queue is not None and kueue_workload.invalid_queue_name(queue) is not None:
         print(
             f"meshtrain operator: --default-queue {args.default_queue!r} cannot name a LocalQueue "
-            "(an RFC 1123 subdomain: lower-case letters, digits, '-' and '.')",
+            "(an RFC 1123 subdomain of at most 253 characters: lower-case letters, digits, '-', '.')",
             file=sys.stderr,
         )
         return 2
