@@ -391,13 +391,20 @@ def test_a_users_own_ddp_program_runs_under_the_same_placement_and_gang(
 
 
 PROBE = (
-    "import socket, sys\n"
-    "try:\n"
-    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()\n"
-    "except OSError as err:\n"
-    "    print('refused', err); sys.exit(3)\n"
-    "print('connected')\n"
+    "import socket, sys, time\n"
+    "deadline = time.monotonic() + float(sys.argv[3])\n"
+    "while True:\n"
+    "    try:\n"
+    "        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()\n"
+    "    except OSError as err:\n"
+    "        if time.monotonic() > deadline:\n"
+    "            print('refused', err); sys.exit(3)\n"
+    "        time.sleep(1)\n"
+    "    else:\n"
+    "        print('connected'); break\n"
 )
+"""Try to connect to argv[1]:argv[2] for argv[3] seconds (the enforcer learns a new pod's address
+within seconds: a peer is let in once it has)."""
 RESTRICTED_CONTAINER = {
     "runAsNonRoot": True,
     "runAsUser": 65532,
@@ -407,8 +414,10 @@ RESTRICTED_CONTAINER = {
 }
 
 
-def _probe(paths: supervisor.Paths, namespace: str, name: str, labels: dict, target: str) -> str:
-    """A pod that tries one TCP connection to ``target`` (ip:port); its answer, once it ended."""
+def _probe(
+    paths: supervisor.Paths, namespace: str, name: str, labels: dict, target: str, seconds: int
+) -> str:
+    """A pod that tries to connect to ``target`` (ip:port) for ``seconds``; its answer, once it ended."""
     _operator, trainer_image, _pause = node.image_names()
     ip, port = target.rsplit(":", 1)
     pod = {
@@ -423,7 +432,7 @@ def _probe(paths: supervisor.Paths, namespace: str, name: str, labels: dict, tar
                     "name": "probe",
                     "image": trainer_image,
                     "imagePullPolicy": "Never",
-                    "command": ["python", "-c", PROBE, ip, port],
+                    "command": ["python", "-c", PROBE, ip, port, str(seconds)],
                     "securityContext": RESTRICTED_CONTAINER,
                 }
             ],
@@ -484,12 +493,12 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
             f"{rank0['status']['podIP']}:{naming.MASTER_PORT}"  # torchrun's store, open all run
         )
         # A pod the policy names (a trainer of this namespace) connects: the port is open ...
-        peer = _probe(paths, namespace, "peer-probe", {naming.LABEL_JOB: "probe"}, target)
+        peer = _probe(paths, namespace, "peer-probe", {naming.LABEL_JOB: "probe"}, target, 60)
         assert peer == "connected", peer
         # ... and one outside the namespace cannot, nor one of the namespace that is no trainer.
-        outsider = _probe(paths, "outside", "outsider-probe", {"app": "curious"}, target)
+        outsider = _probe(paths, "outside", "outsider-probe", {"app": "curious"}, target, 20)
         assert outsider.startswith("refused"), outsider
-        neighbour = _probe(paths, namespace, "neighbour-probe", {"app": "curious"}, target)
+        neighbour = _probe(paths, namespace, "neighbour-probe", {"app": "curious"}, target, 20)
         assert neighbour.startswith("refused"), neighbour
         # The gang trains on, and Prometheus (on the host, let in by ipBlock) still scrapes it.
         before = (example.job(paths, namespace, name) or {})["status"]["progress"]["step"]
@@ -499,6 +508,9 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
         assert _prometheus(state, f'meshtrain_tokens_total{{job="{name}"}}'), "not scraped"
     finally:
         example.kubectl(paths, "delete", "trainingjob", name, "-n", namespace, "--wait=false", check=False)  # fmt: skip
+        # Its gang stops (a checkpoint, then exit) before the sandbox goes: no container left running.
+        example.kubectl(paths, "wait", "--for=delete", "pod", "-l", f"{naming.LABEL_JOB}={name}",
+                        "-n", namespace, "--timeout=180s", check=False)  # fmt: skip
         example.kubectl(paths, "delete", "-f", "-", stdin=policy, check=False)
         example.kubectl(paths, "delete", "namespace", "outside", "--wait=false", check=False)
         for probe in ("peer-probe", "neighbour-probe"):

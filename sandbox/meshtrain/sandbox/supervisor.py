@@ -413,7 +413,10 @@ class _Supervisor:
     def stop(self) -> None:
         self.stopping = True
         self._stop_process("prometheus")
-        for component in ("network-policies", "kube-proxy", "kubelet"):
+        for slot in range(len(self.nodes)):
+            # Its rules go with the node's namespace: nothing to wind down, no slow shutdown.
+            self._stop_process(_process_name("network-policies", slot), grace_seconds=1.0)
+        for component in ("kube-proxy", "kubelet"):
             for slot in range(len(self.nodes)):
                 self._stop_process(_process_name(component, slot))
         self._stop_process("coredns")
@@ -430,13 +433,13 @@ class _Supervisor:
         self.state["status"] = "stopped"
         _write_state(self.paths, self.state)
 
-    def _stop_process(self, name: str) -> None:
+    def _stop_process(self, name: str, grace_seconds: float = 30.0) -> None:
         proc = self.children.get(name)
         if proc is None:
             return
         _signal_group(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
