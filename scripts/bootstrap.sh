@@ -16,8 +16,10 @@
 #     k8s.io/kubernetes wrapper module; containerd, containerd-shim-runc-v2 and
 #     ctr from github.com/containerd/containerd/v2 at CONTAINERD_VERSION
 #     (Kubernetes 1.36 needs containerd 2.x; Debian 12 ships 1.6); CoreDNS from
-#     github.com/coredns/coredns at COREDNS_VERSION; runc, the CNI plugins,
-#     buildah, mmdebstrap, iptables and gcc from Debian (apt-get).
+#     github.com/coredns/coredns at COREDNS_VERSION; the NetworkPolicy enforcer
+#     kube-router from github.com/cloudnativelabs/kube-router/v2 at
+#     KUBE_ROUTER_VERSION (the bridge CNI enforces none); runc, the CNI plugins,
+#     buildah, mmdebstrap, iptables, ipset and gcc from Debian (apt-get).
 #   * prometheus/promtool: Debian's `prometheus` package (service left stopped).
 #   * the Prometheus Operator's PodMonitor, ServiceMonitor and PrometheusRule
 #     CRDs, from the github.com/prometheus-operator/prometheus-operator Go
@@ -49,6 +51,7 @@ PROMETHEUS_OPERATOR_VERSION="${MESHTRAIN_PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
 KUEUE_VERSION="${MESHTRAIN_KUEUE_VERSION:-v0.17.0}"
 CONTAINERD_VERSION="${MESHTRAIN_CONTAINERD_VERSION:-v2.4.2}"
 COREDNS_VERSION="${MESHTRAIN_COREDNS_VERSION:-v1.15.0}"
+KUBE_ROUTER_VERSION="${MESHTRAIN_KUBE_ROUTER_VERSION:-v2.1.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
@@ -56,9 +59,10 @@ KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 NODE_KUBE_BINARIES=(kubelet kube-proxy)
 CONTAINERD_BINARIES=(containerd containerd-shim-runc-v2 ctr)
 # Debian packages of the node: the OCI runtime, CNI plugins (/usr/lib/cni),
-# the image builder, the base image's rootfs builder, and a C compiler with a
-# static libc for Kubernetes' pause.c (the pod sandbox image).
-NODE_DEBIAN_PACKAGES=(runc containernetworking-plugins buildah mmdebstrap iptables gcc libc6-dev)
+# the image builder, the base image's rootfs builder, a C compiler with a
+# static libc for Kubernetes' pause.c (the pod sandbox image), and ipset for
+# kube-router's NetworkPolicy firewall.
+NODE_DEBIAN_PACKAGES=(runc containernetworking-plugins buildah mmdebstrap iptables gcc libc6-dev ipset)
 MONITORING_CRD_DIR="$CACHE_ROOT/crds/prometheus-operator-$PROMETHEUS_OPERATOR_VERSION"
 MONITORING_CRDS=(podmonitors servicemonitors prometheusrules)
 
@@ -253,29 +257,54 @@ build_helm() {
 
 # --- Kueue ----------------------------------------------------------------------
 
+# Builds package $5 of Go module $3 at version $4 into $1/bin/$2 (ldflags $6) and leaves the
+# module's directory in MODULE_ROOT. The checksum database has no record of the modules built
+# this way, so Go is told not to ask it for that module alone; go.sum still pins the hash of
+# what was downloaded.
+build_from_module() {
+  local root="$1" name="$2" module="$3" version="$4" package="$5" ldflags="$6"
+  local wrapper="$BUILD_ROOT/$name-$version"
+  require_go
+  export GONOSUMDB="${GONOSUMDB:+$GONOSUMDB,}$module"
+  MODULE_ROOT="$(module_dir "$module" "$version")"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$MODULE_ROOT/go.mod")" \
+    "$(printf '\t%s %s\n' "$module" "$version")" ""
+  mkdir -p "$root/bin"
+  BIN_DIR="$root/bin" build_binary "$name" "$wrapper" "$package" "$ldflags"
+}
+
 # Kueue's controller manager, its CRDs and its webhook configurations, from the
 # sigs.k8s.io/kueue module, into $CACHE_ROOT/kueue-<version>/ (the Kueue
-# integration tests install them on their control plane). The checksum database
-# has no record of this module, so Go is told not to ask it for Kueue alone;
-# go.sum still pins the hash of what was downloaded.
+# integration tests install them on their control plane).
 build_kueue() {
-  local root="$CACHE_ROOT/kueue-$KUEUE_VERSION" wrapper="$BUILD_ROOT/kueue-$KUEUE_VERSION" kueue_dir
+  local root="$CACHE_ROOT/kueue-$KUEUE_VERSION" kueue_dir
   if [[ -x "$root/bin/kueue" && -s "$root/webhooks.yaml" ]] && compgen -G "$root/crds/*.yaml" >/dev/null; then
     log "Kueue $KUEUE_VERSION present: $root"
     return
   fi
-  require_go
-  export GONOSUMDB="${GONOSUMDB:+$GONOSUMDB,}sigs.k8s.io/kueue"
-  kueue_dir="$(module_dir sigs.k8s.io/kueue "$KUEUE_VERSION")"
-  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$kueue_dir/go.mod")" \
-    "$(printf '\tsigs.k8s.io/kueue %s\n' "$KUEUE_VERSION")" ""
-  mkdir -p "$root/bin" "$root/crds"
-  BIN_DIR="$root/bin" build_binary kueue "$wrapper" sigs.k8s.io/kueue/cmd/kueue \
+  build_from_module "$root" kueue sigs.k8s.io/kueue "$KUEUE_VERSION" sigs.k8s.io/kueue/cmd/kueue \
     "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+  kueue_dir="$MODULE_ROOT"
+  mkdir -p "$root/crds"
   cp "$kueue_dir"/config/components/crd/bases/kueue.x-k8s.io_*.yaml "$root/crds/"
   cp "$kueue_dir/config/components/webhook/manifests.yaml" "$root/webhooks.yaml"
   chmod u+w "$root"/crds/*.yaml "$root/webhooks.yaml"  # the module cache is read-only
   log "Kueue $KUEUE_VERSION: $root"
+}
+
+# kube-router, whose network policy controller the sandbox's node runs beside kube-proxy as its
+# NetworkPolicy enforcer (the bridge CNI enforces none), from its Go module into
+# $CACHE_ROOT/kube-router-<version>/bin/. It needs iptables, ipset and the physdev match, which
+# every kernel the sandbox runs on has (kube-network-policies needs nft_queue, which some lack).
+# Node only, so `make test`'s --no-node bootstrap skips it.
+build_kube_router() {
+  local root="$CACHE_ROOT/kube-router-$KUBE_ROUTER_VERSION"
+  if [[ -x "$root/bin/kube-router" ]]; then
+    log "kube-router $KUBE_ROUTER_VERSION present: $root"
+    return
+  fi
+  build_from_module "$root" kube-router github.com/cloudnativelabs/kube-router/v2 \
+    "$KUBE_ROUTER_VERSION" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router ""
 }
 
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
@@ -415,6 +444,7 @@ main() {
   fetch_monitoring_crds
   build_kueue
 
+  ((WITH_NODE)) && build_kube_router
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

@@ -16,6 +16,9 @@
    dp4·pp1) between two periodic checkpoints: the deleted gang saves the step
    it stopped at, and the rebuilt gang resumes there, resharded.
 5. A user's own DDP program (spec.trainer type custom) in the same image.
+5b. The chart's trainer NetworkPolicy, enforced by kube-network-policies on each node: while a
+   gang trains, a pod of another namespace cannot connect to its rank 0, a pod the policy names
+   (a trainer of the namespace) can, and the gang and Prometheus are undisturbed.
 6. ``down`` leaves no process, container, mount or network namespace behind.
 """
 
@@ -36,7 +39,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from meshtrain.sandbox import example, node, supervisor
+from meshtrain.operator.policy import naming
+from meshtrain.sandbox import example, node, nodeconfig, supervisor
 from meshtrain.sandbox.controlplane import binaries
 from tests.builders import JobBuilder
 
@@ -384,3 +388,130 @@ def test_a_users_own_ddp_program_runs_under_the_same_placement_and_gang(
     assert torch.load(saved)["step"] == int(document["spec"]["trainer"]["args"][1])
     logs = _gang_logs(paths, namespace, name, 0)
     assert "ddp example: world 4" in logs, "torchrun formed one 4-rank group across both pods"
+
+
+PROBE = (
+    "import socket, sys, time\n"
+    "deadline = time.monotonic() + float(sys.argv[3])\n"
+    "while True:\n"
+    "    try:\n"
+    "        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()\n"
+    "    except OSError as err:\n"
+    "        if time.monotonic() > deadline:\n"
+    "            print('refused', err); sys.exit(3)\n"
+    "        time.sleep(1)\n"
+    "    else:\n"
+    "        print('connected'); break\n"
+)
+"""Try to connect to argv[1]:argv[2] for argv[3] seconds (the enforcer learns a new pod's address
+within seconds: a peer is let in once it has)."""
+RESTRICTED_CONTAINER = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _probe(
+    paths: supervisor.Paths, namespace: str, name: str, labels: dict, target: str, seconds: int
+) -> str:
+    """A pod that tries to connect to ``target`` (ip:port) for ``seconds``; its answer, once it ended."""
+    _operator, trainer_image, _pause = node.image_names()
+    ip, port = target.rsplit(":", 1)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": trainer_image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", PROBE, ip, port, str(seconds)],
+                    "securityContext": RESTRICTED_CONTAINER,
+                }
+            ],
+        },
+    }
+    example.kubectl(paths, "apply", "-f", "-", stdin=json.dumps(pod))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        phase = example.kubectl(
+            paths, "get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}"
+        )
+        if phase in ("Succeeded", "Failed"):
+            return example.kubectl(paths, "logs", "-n", namespace, name).strip()
+        time.sleep(1)
+    raise AssertionError(f"probe {namespace}/{name} did not finish")
+
+
+HOST_LINKS = {"ipBlock": {"cidr": f"{nodeconfig.LINK_PREFIX}.0.0/16"}}
+"""Prometheus, on the host, reaches pods from these link addresses (the sandbox's install lets them in)."""
+
+
+def _trainer_policy(namespace: str) -> str:
+    """The chart's trainer NetworkPolicy for ``namespace``, as `helm upgrade` would add it."""
+    found = binaries.locate()
+    rendered = subprocess.run(
+        [str(found.helm), "template", supervisor.RELEASE, str(supervisor.REPO / "charts" / "meshtrain"),
+         "--namespace", supervisor.NAMESPACE, "--show-only", "templates/network-policy.yaml",
+         "--set", f"networkPolicy.trainerNamespaces={{{namespace}}}",
+         "--set-json", f"networkPolicy.extraIngressFrom=[{json.dumps(HOST_LINKS)}]"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    return yaml.safe_dump_all([d for d in documents if d["metadata"]["namespace"] == namespace])
+
+
+def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
+    paths, state = sandbox
+    job = _example("fenced", "fenced-checkpoints").training(steps=100000)
+    namespace, name = example.apply(paths, _written(paths, job))
+    policy = _trainer_policy(namespace)
+    example.kubectl(paths, "apply", "-f", "-", stdin=policy)
+    example.kubectl(paths, "create", "namespace", "outside", check=False)
+    try:
+        deadline = time.monotonic() + 600
+        rank0: dict = {}
+        status: dict = {}
+        while time.monotonic() < deadline:
+            status = (example.job(paths, namespace, name) or {}).get("status") or {}
+            pods = {p["metadata"]["name"]: p for p in _pods(paths, name)}
+            rank0 = next((p for n, p in pods.items() if n.endswith("-0")), {})
+            if (status.get("progress") or {}).get("step", 0) >= 1 and rank0:
+                break
+            time.sleep(2)
+        assert rank0, f"the gang never trained: {status}"
+        target = (
+            f"{rank0['status']['podIP']}:{naming.MASTER_PORT}"  # torchrun's store, open all run
+        )
+        # A pod the policy names (a trainer of this namespace) connects: the port is open ...
+        peer = _probe(paths, namespace, "peer-probe", {naming.LABEL_JOB: "probe"}, target, 60)
+        assert peer == "connected", peer
+        # ... and one outside the namespace cannot, nor one of the namespace that is no trainer.
+        outsider = _probe(paths, "outside", "outsider-probe", {"app": "curious"}, target, 20)
+        assert outsider.startswith("refused"), outsider
+        neighbour = _probe(paths, namespace, "neighbour-probe", {"app": "curious"}, target, 20)
+        assert neighbour.startswith("refused"), neighbour
+        # The gang trains on, and Prometheus (on the host, let in by ipBlock) still scrapes it.
+        before = (example.job(paths, namespace, name) or {})["status"]["progress"]["step"]
+        time.sleep(10)
+        after = (example.job(paths, namespace, name) or {})["status"]
+        assert after["phase"] == "Running" and after["progress"]["step"] > before, after
+        assert _prometheus(state, f'meshtrain_tokens_total{{job="{name}"}}'), "not scraped"
+    finally:
+        example.kubectl(paths, "delete", "trainingjob", name, "-n", namespace, "--wait=false", check=False)  # fmt: skip
+        # Its gang stops (a checkpoint, then exit) before the sandbox goes: no container left running.
+        example.kubectl(paths, "wait", "--for=delete", "pod", "-l", f"{naming.LABEL_JOB}={name}",
+                        "-n", namespace, "--timeout=180s", check=False)  # fmt: skip
+        example.kubectl(paths, "delete", "-f", "-", stdin=policy, check=False)
+        example.kubectl(paths, "delete", "namespace", "outside", "--wait=false", check=False)
+        for probe in ("peer-probe", "neighbour-probe"):
+            example.kubectl(paths, "delete", "pod", probe, "-n", namespace, "--wait=false", check=False)  # fmt: skip

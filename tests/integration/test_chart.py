@@ -7,7 +7,9 @@
 - bad values fail at install time with the schema's message;
 - the ServiceAccount may do exactly what docs/operator.md lists and no more
   (``kubectl auth can-i --as=system:serviceaccount:NS:SA``; Secrets denied);
-- manifests/rbac and manifests/operator equal fresh ``helm template`` output.
+- manifests/rbac and manifests/operator equal fresh ``helm template`` output;
+- the NetworkPolicies pass a server-side dry-run, and their selectors, evaluated by the API
+  server on real pods, pick the operator's and the trainers' pods and no foreign one.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import uuid
 import pytest
 import yaml
 
+from meshtrain.api import loading
+from meshtrain.operator.policy import builders, identity
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
+from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 
@@ -465,3 +470,108 @@ def test_alerts_link_the_runbooks_the_release_names(tools: dict) -> None:
         == f"https://wiki.example/meshtrain/runbooks#{r['alert'].lower()}"
         for r in alerts
     ), [r["annotations"]["runbook_url"] for r in alerts]
+
+
+def _selector(selector: dict) -> str:
+    """A LabelSelector as kubectl's ``-l`` (matchLabels and Exists expressions, as the chart writes)."""
+    terms = [f"{key}={value}" for key, value in (selector.get("matchLabels") or {}).items()]
+    for expression in selector.get("matchExpressions") or []:
+        assert expression["operator"] == "Exists", expression
+        terms.append(expression["key"])
+    return ",".join(terms)
+
+
+def _selected(tools: dict, kind: str, selector: dict, *scope: str) -> set[str]:
+    """What the API server itself lists for ``selector`` (an empty one selects everything)."""
+    listed = run(tools, "kubectl", "get", kind, *scope, "-o", "name", "-l", _selector(selector))
+    assert listed.returncode == 0, listed.stderr
+    return {line.split("/", 1)[1] for line in listed.stdout.split()}
+
+
+def _create_pod(tools: dict, namespace: str, name: str, labels: dict[str, str]) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}],
+        },
+    }
+    created = run(tools, "kubectl", "create", "-f", "-", stdin=json.dumps(pod))
+    assert created.returncode == 0, created.stderr
+
+
+def test_network_policies_admit_only_the_gang_the_operator_and_prometheus(tools: dict) -> None:
+    release_ns, team = namespace(tools, "chart-np"), namespace(tools, "chart-team")
+    rendered = run(tools, "helm", "template", "np", str(CHART), "--namespace", release_ns,
+                   "--set", "watch.mode=namespaces", "--set", f"watch.namespaces={{{team}}}")  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    applied = run(tools, "kubectl", "apply", "--dry-run=server", "-o", "json", "-f", "-",
+                  stdin=rendered.stdout)  # fmt: skip
+    assert applied.returncode == 0, applied.stderr
+    items = json.loads(applied.stdout)["items"]
+    policies = {o["metadata"]["name"]: o for o in items if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"np-meshtrain-operator", "np-meshtrain-trainers"}
+    operator_policy, trainers = policies["np-meshtrain-operator"], policies["np-meshtrain-trainers"]
+    assert operator_policy["metadata"]["namespace"] == release_ns
+    assert trainers["metadata"]["namespace"] == team
+    prometheus = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    # The operator takes connections only on its metrics port, only from Prometheus.
+    assert operator_policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = operator_policy["spec"]["ingress"]
+    assert rule == {"from": [prometheus], "ports": [{"port": 9090, "protocol": "TCP"}]}
+
+    # Real pods: the operator's (its Deployment's template), a trainer as the operator builds
+    # it, and a foreign pod in the trainers' namespace; the API server evaluates the selectors.
+    deployment = next(o for o in items if o["kind"] == "Deployment")
+    _create_pod(tools, release_ns, "operator", deployment["spec"]["template"]["metadata"]["labels"])
+    spec = loading.parse_spec(JobBuilder().raw())
+    trainer = builders.build_pod(identity.JobRef("llm", team, "uid-1"), spec, 0, 0, "node-a")
+    created = run(tools, "kubectl", "create", "-f", "-", stdin=json.dumps(trainer))
+    assert created.returncode == 0, created.stderr
+    _create_pod(tools, team, "foreign", {"app": "curious"})
+    _create_pod(tools, release_ns, "neighbour", {"app": "curious"})
+
+    pod = trainer["metadata"]["name"]
+    assert _selected(tools, "pods", operator_policy["spec"]["podSelector"], "-n", release_ns) == {"operator"}  # fmt: skip
+    assert _selected(tools, "pods", trainers["spec"]["podSelector"], "-n", team) == {pod}
+    [rule] = trainers["spec"]["ingress"]
+    assert "ports" not in rule, "the gang's collectives use any port"
+    gang, operator, scraper = rule["from"]
+    assert set(gang) == {"podSelector"}  # this namespace only
+    assert _selected(tools, "pods", gang["podSelector"], "-n", team) == {pod}
+    assert _selected(tools, "namespaces", operator["namespaceSelector"]) == {release_ns}
+    assert _selected(tools, "pods", operator["podSelector"], "-n", release_ns) == {"operator"}
+    assert scraper == prometheus
+
+
+def test_network_policies_can_be_turned_off_and_follow_the_listed_namespaces(tools: dict) -> None:
+    def kinds(*values: str) -> list[tuple[str, str]]:
+        rendered = run(tools, "helm", "template", "np", str(CHART), "--namespace", "mt", *values)
+        assert rendered.returncode == 0, rendered.stderr
+        return [
+            (d["metadata"].get("namespace", ""), d["metadata"]["name"])
+            for d in yaml.safe_load_all(rendered.stdout)
+            if d and d["kind"] == "NetworkPolicy"
+        ]
+
+    assert kinds() == [("mt", "np-meshtrain-operator")]  # watch.mode all: no namespace known
+    assert kinds("--set", "networkPolicy.trainerNamespaces={a,b}") == [
+        ("mt", "np-meshtrain-operator"), ("a", "np-meshtrain-trainers"), ("b", "np-meshtrain-trainers"),
+    ]  # fmt: skip
+    assert kinds("--set", "networkPolicy.enabled=false") == []
+    outside = {"ipBlock": {"cidr": "192.0.2.0/24"}}
+    rendered = run(tools, "helm", "template", "np", str(CHART), "--namespace", "mt",
+                   "--set", "networkPolicy.trainerNamespaces={a}",
+                   "--set-json", f"networkPolicy.extraIngressFrom=[{json.dumps(outside)}]")  # fmt: skip
+    policies = [
+        d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "NetworkPolicy"
+    ]
+    assert [p["spec"]["ingress"][0]["from"][-1] for p in policies] == [outside, outside]
+    assert kinds("--set", "operator.deploy=false", "--set", "networkPolicy.trainerNamespaces={a}") == [
+        ("a", "np-meshtrain-trainers")
+    ]  # fmt: skip

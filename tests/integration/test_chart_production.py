@@ -4,6 +4,8 @@
   (aggregated by the real kube-controller-manager);
 - the admission guardrails (a ValidatingAdmissionPolicy) are enforced by the API
   server itself, with messages that name the field;
+- ``kueue.requireQueue: refuse`` refuses a job that names no Kueue LocalQueue, and the removal
+  of the label, while a job created before stays deletable;
 - the CRD upgrade path of the chart README works from the previous chart release;
 - `make chart-package` stamps one version on the chart and both images.
 """
@@ -71,15 +73,16 @@ class Tools:
         return self.run("kubectl", *args).stdout.strip() == "yes"
 
 
-def _job(name: str, image: str | None = None, data: int = 1) -> str:
+def _job(name: str, image: str | None = None, data: int = 1, queue: str | None = None) -> str:
     spec = JobBuilder().layout(data=data).raw()
     if image is not None:
         spec["image"] = image
+    labels = {} if queue is None else {"kueue.x-k8s.io/queue-name": queue}
     return yaml.safe_dump(
         {
             "apiVersion": "meshtrain.io/v1alpha1",
             "kind": "TrainingJob",
-            "metadata": {"name": name},
+            "metadata": {"name": name, "labels": labels},
             "spec": spec,
         }
     )
@@ -92,6 +95,22 @@ def _eventually(check, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.5)
     return check()
+
+
+def _hold_with_finalizer(tools: Tools, namespace: str, job: str) -> None:
+    """Give ``job`` the operator's finalizer, as a job the operator has seen carries."""
+    tools.ok("kubectl", "patch", "trainingjob", job, "-n", namespace, "--type=merge",
+             "-p", json.dumps({"metadata": {"finalizers": ["meshtrain.io/cleanup"]}}))  # fmt: skip
+
+
+def _deleted_past_finalizer(tools: Tools, namespace: str, job: str) -> bool:
+    """Delete ``job`` and take its finalizer away (the operator's part): whether it goes."""
+    tools.ok("kubectl", "delete", "trainingjob", job, "-n", namespace, "--wait=false")
+    tools.ok("kubectl", "patch", "trainingjob", job, "-n", namespace, "--type=json",
+             "-p", json.dumps([{"op": "remove", "path": "/metadata/finalizers"}]))  # fmt: skip
+    return _eventually(
+        lambda: tools.run("kubectl", "get", "trainingjob", job, "-n", namespace).returncode != 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +182,7 @@ def test_admission_guardrails_refuse_foreign_images_and_oversized_jobs_at_apply(
     # A job admitted before the guardrails were turned on, carrying the operator's finalizer.
     tools.ok("helm", "install", "guard", str(CHART), "-n", release_ns, "--set", "operator.deploy=false")  # fmt: skip
     tools.ok("kubectl", "create", "-n", team, "-f", "-", stdin=_job("legacy", image="docker.io/old/trainer:1"))  # fmt: skip
-    tools.ok("kubectl", "patch", "trainingjob", "legacy", "-n", team, "--type=merge",
-             "-p", json.dumps({"metadata": {"finalizers": ["meshtrain.io/cleanup"]}}))  # fmt: skip
+    _hold_with_finalizer(tools, team, "legacy")
     tools.ok(
         "helm", "upgrade", "guard", str(CHART), "-n", release_ns,
         "--set", "operator.deploy=false",
@@ -200,12 +218,43 @@ def test_admission_guardrails_refuse_foreign_images_and_oversized_jobs_at_apply(
     changed = tools.run("kubectl", "patch", "trainingjob", "legacy", "-n", team, "--type=merge",
                         "-p", json.dumps({"spec": {"image": "docker.io/evil/trainer:2"}}))  # fmt: skip
     assert changed.returncode != 0 and "is not from an allowed registry" in changed.stderr
-    tools.ok("kubectl", "delete", "trainingjob", "legacy", "-n", team, "--wait=false")
-    tools.ok("kubectl", "patch", "trainingjob", "legacy", "-n", team, "--type=json",
-             "-p", json.dumps([{"op": "remove", "path": "/metadata/finalizers"}]))  # fmt: skip
-    assert _eventually(
-        lambda: tools.run("kubectl", "get", "trainingjob", "legacy", "-n", team).returncode != 0
-    ), "the pre-existing job could not be deleted"
+    assert _deleted_past_finalizer(tools, team, "legacy"), (
+        "the pre-existing job could not be deleted"
+    )
+
+
+def test_a_required_queue_refuses_jobs_that_name_no_local_queue_at_apply(
+    fresh_plane: Tools,
+) -> None:
+    tools = fresh_plane
+    release_ns, team = tools.namespace("mt-kueue"), tools.namespace("team")
+    tools.ok("helm", "install", "kq", str(CHART), "-n", release_ns, "--set", "operator.deploy=false")  # fmt: skip
+    tools.ok("kubectl", "create", "-n", team, "-f", "-", stdin=_job("legacy"))
+    _hold_with_finalizer(tools, team, "legacy")
+    tools.ok("kubectl", "create", "-n", team, "-f", "-", stdin=_job("queued", queue="team-queue"))
+    tools.ok("helm", "upgrade", "kq", str(CHART), "-n", release_ns,
+             "--set", "operator.deploy=false", "--set", "kueue.requireQueue=refuse")  # fmt: skip
+
+    def refused(manifest: str) -> str:
+        result = tools.run("kubectl", "create", "-n", team, "-f", "-", stdin=manifest)
+        return "" if result.returncode == 0 else result.stderr
+
+    probes = iter(range(1000))
+    assert _eventually(lambda: bool(refused(_job(f"probe-{next(probes)}")))), (
+        "a job naming no LocalQueue was admitted"
+    )
+    message = refused(_job("unqueued"))
+    assert 'metadata.labels["kueue.x-k8s.io/queue-name"] is required' in message, message
+    assert f"kubectl get localqueues -n {team}" in message, message
+    assert refused(_job("empty", queue=""))
+    assert not refused(_job("named", queue="team-queue"))
+    # Taking the label away is refused too; a job created before stays updatable and deletable.
+    removed = tools.run("kubectl", "label", "trainingjob", "queued", "-n", team, "kueue.x-k8s.io/queue-name-")  # fmt: skip
+    assert removed.returncode != 0 and "is required" in removed.stderr, removed.stderr
+    tools.ok("kubectl", "label", "trainingjob", "legacy", "-n", team, "owner=research")
+    assert _deleted_past_finalizer(tools, team, "legacy"), (
+        "the job created before the requirement could not be deleted"
+    )
 
 
 def _served_schema(tools: Tools) -> dict:

@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from meshtrain.sandbox import network_policies
 from meshtrain.sandbox.controlplane import binaries, kueue
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh"
@@ -121,6 +122,10 @@ def test_script_and_python_pin_the_same_versions() -> None:
     ) in text
     assert f"MONITORING_CRDS=({' '.join(binaries.MONITORING_CRDS)})" in text
     assert f'KUEUE_VERSION="${{MESHTRAIN_KUEUE_VERSION:-{kueue.DEFAULT_KUEUE_VERSION}}}"' in text
+    assert (
+        f'KUBE_ROUTER_VERSION="${{MESHTRAIN_KUBE_ROUTER_VERSION:-'
+        f'{network_policies.DEFAULT_VERSION}}}"'
+    ) in text
 
 
 def test_missing_binaries_error_says_how_to_get_them(

@@ -109,6 +109,10 @@ def test_every_template_is_tested() -> None:
         "admission-policy.yaml",
         # applied to a real API server (with Kueue) in test_operator_kueue_fit.py
         "kueue-queue-policy.yaml",
+        # installed on a real API server, refusing unlabelled jobs, in test_chart_production.py
+        "kueue-required-policy.yaml",
+        # server-side dry-run, selectors evaluated by a real API server in test_chart.py
+        "network-policy.yaml",
         # rendered, projected and read by the operator in test_operator_admission.py
         "profiles.yaml",
     }
@@ -138,3 +142,16 @@ def test_operator_is_given_the_planning_deadline_the_chart_defaults_to_the_opera
     schema = json.loads((CHART / "values.schema.json").read_text())
     bounds = schema["properties"]["operator"]["properties"]["planningDeadlineSeconds"]
     assert bounds["maximum"] == command.MAX_PLANNING_DEADLINE  # what the flag refuses above
+
+
+def test_the_trainer_policy_selects_the_label_the_operator_gives_trainer_pods() -> None:
+    text = _text("network-policy.yaml")
+    assert f"key: {naming.LABEL_JOB}" in text
+    assert 'policyTypes: ["Ingress"]' in text  # egress (API server, storage, DNS) stays open
+
+
+def test_a_required_queue_is_defaulted_by_the_operator_or_refused_at_admission() -> None:
+    assert "- --default-queue=default" in _text("deployment.yaml")
+    refused = _text("kueue-required-policy.yaml")
+    assert 'eq .Values.kueue.requireQueue "refuse"' in refused
+    assert 'metadata.labels["kueue.x-k8s.io/queue-name"] is required' in refused

@@ -6,7 +6,7 @@ import ipaddress
 import pathlib
 import tomllib
 
-from meshtrain.sandbox import nodeconfig, nodes
+from meshtrain.sandbox import network_policies, nodeconfig, nodes
 
 STATE = pathlib.Path("/tmp/some-sandbox")
 
@@ -192,3 +192,18 @@ def test_gpu_patch_adds_the_extended_resource_to_capacity() -> None:
     node = nodes.NodeSpec(name="n", block="b", leaf="l", gpus=4)
     labels = nodeconfig.node_labels(node)
     assert labels[nodes.BLOCK_LABEL] == "b" and labels[nodes.LEAF_LABEL] == "l"
+
+
+def test_the_policy_enforcer_runs_only_its_firewall_in_the_node() -> None:
+    argv = network_policies.command(
+        pathlib.Path("/cache/kube-router"),
+        netns="mt-node-3",
+        node_name="node-a",
+        kubeconfig=STATE / "kubeconfig",
+        service_range="10.0.0.0/24",
+    )
+    assert argv[:4] == ["nsenter", "--net=/run/netns/mt-node-3", "--", "/cache/kube-router"]
+    assert "--hostname-override=node-a" in argv and f"--kubeconfig={STATE / 'kubeconfig'}" in argv
+    assert "--run-firewall=true" in argv
+    for other in ("--run-router=false", "--run-service-proxy=false", "--enable-cni=false"):
+        assert other in argv  # kube-proxy and the bridge CNI keep their parts

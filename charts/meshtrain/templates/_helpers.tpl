@@ -68,7 +68,8 @@ app.kubernetes.io/part-of: meshtrain
 Rules on namespaced resources, in every watched namespace (the operator's
 cluster/kube.py and handlers.py are the callers):
 - trainingjobs: kopf lists and watches them and patches its finalizer and
-  progress annotations; the reconciler reads one (get) and deletes finished
+  progress annotations (and the reconciler the kueue.x-k8s.io/queue-name label
+  under kueue.requireQueue "default"); the reconciler reads one (get) and deletes finished
   jobs after ttlSecondsAfterFinished.  status: phase, placement, conditions.
 - pods: kopf watches the gang pods; the reconciler creates them gated,
   patches the gate away, deletes them on gang restart, suspend and finish.

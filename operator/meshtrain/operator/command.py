@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from meshtrain.operator import planning
-from meshtrain.operator.policy import naming
+from meshtrain.operator.policy import kueue_workload, naming
 from meshtrain.planner import admission, profiles
 
 if TYPE_CHECKING:
@@ -167,6 +167,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         help="trainer image of jobs whose spec.image is empty (env MESHTRAIN_TRAINER_IMAGE; "
         "default: %(default)s)",
     )
+    parser.add_argument(
+        "--default-queue",
+        default=os.environ.get("MESHTRAIN_DEFAULT_QUEUE") or None,
+        metavar="LOCALQUEUE",
+        help="label every TrainingJob that names no Kueue LocalQueue (kueue.x-k8s.io/queue-name) "
+        "with this one, so that Kueue admits every job; Kueue's convention is 'default' "
+        "(env MESHTRAIN_DEFAULT_QUEUE; default: none, such jobs bypass Kueue)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +189,14 @@ def run(args: argparse.Namespace) -> int:
     if args.lease_seconds < MIN_LEASE_SECONDS:
         print(
             f"meshtrain operator: --lease-seconds must be at least {MIN_LEASE_SECONDS}",
+            file=sys.stderr,
+        )
+        return 2
+    queue = kueue_workload.Queue(args.default_queue, None) if args.default_queue else None
+    if queue is not None and kueue_workload.invalid_queue_name(queue) is not None:
+        print(
+            f"meshtrain operator: --default-queue {args.default_queue!r} cannot name a LocalQueue "
+            "(an RFC 1123 subdomain of at most 253 characters: lower-case letters, digits, '-', '.')",
             file=sys.stderr,
         )
         return 2
@@ -212,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             gpu_profile=default_profile,
             trainer_image=args.trainer_image,
             planning_deadline_seconds=args.planning_deadline_seconds,
+            default_queue=args.default_queue,
         ),
     )
     clusterwide = not args.namespace

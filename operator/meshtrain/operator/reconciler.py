@@ -65,6 +65,8 @@ class Settings:
     """Image of jobs whose spec.image is empty (the chart's trainer.image)."""
     planning_deadline_seconds: float = planning.DEFAULT_DEADLINE_SECONDS
     """Longest a gang's plan may take in the planning worker; a job whose plan takes longer is refused."""
+    default_queue: str | None = None
+    """LocalQueue of jobs that name none (``--default-queue``); None: such jobs bypass Kueue."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,9 @@ class Reconciler:
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             metrics.forget(namespace, name)
             return Outcome(changed=False, requeue_after=None, gone=True)
+        body = await workloads.default_queue(
+            self.client, self.writer, body, self.settings.default_queue
+        )
         job = job_state.read(body)
         pods = owned.owned_pods(self.cache, job.ref)
         states = [s for s in (pod_state.read(p) for p in pods) if s is not None]

@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
+from meshtrain.sandbox import network_policies, nodeconfig, prometheus
 from meshtrain.sandbox import node as node_mod
-from meshtrain.sandbox import nodeconfig, prometheus
 from meshtrain.sandbox import nodes as nodes_mod
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
 from meshtrain.sandbox.controlplane import ports, server
@@ -232,6 +232,7 @@ class _Supervisor:
                 json.dumps(nodeconfig.gpu_capacity_patch(n.spec.gpus)),
             )
         self._timed("kubelet nodes Ready", t3)
+        self._start_network_policies()
 
         t4 = time.monotonic()
         self._helm_install(found.helm, operator_image, trainer_image)
@@ -250,6 +251,19 @@ class _Supervisor:
             alive=lambda: containerd.poll() is None,
             log=self.paths.logs / f"{name}.log",
         )
+
+    def _start_network_policies(self) -> None:
+        """The NetworkPolicy enforcer on every node (:mod:`.network_policies`)."""
+        binary = network_policies.locate()
+        for slot, n in enumerate(self.nodes):
+            argv = network_policies.command(
+                binary,
+                netns=n.net.netns,
+                node_name=n.spec.name,
+                kubeconfig=self.paths.kubeconfig,
+                service_range=server.SERVICE_CLUSTER_IP_RANGE,
+            )
+            self._spawn(_process_name("network-policies", slot), argv)
 
     def _kubectl(self, kubectl: pathlib.Path, *args: str) -> str:
         result = subprocess.run(
@@ -294,6 +308,9 @@ class _Supervisor:
             "operator.gpuProfile=cpu",
             "--set-json",
             f"operator.extraEnv={json.dumps(env)}",
+            # Prometheus and the tests run on the host: let its link addresses through.
+            "--set-json",
+            f'networkPolicy.extraIngressFrom=[{{"ipBlock":{{"cidr":"{nodeconfig.LINK_PREFIX}.0.0/16"}}}}]',
             "--kubeconfig",
             str(self.paths.kubeconfig),
             "--wait",
@@ -396,6 +413,9 @@ class _Supervisor:
     def stop(self) -> None:
         self.stopping = True
         self._stop_process("prometheus")
+        for slot in range(len(self.nodes)):
+            # Its rules go with the node's namespace: nothing to wind down, no slow shutdown.
+            self._stop_process(_process_name("network-policies", slot), grace_seconds=1.0)
         for component in ("kube-proxy", "kubelet"):
             for slot in range(len(self.nodes)):
                 self._stop_process(_process_name(component, slot))
@@ -413,13 +433,13 @@ class _Supervisor:
         self.state["status"] = "stopped"
         _write_state(self.paths, self.state)
 
-    def _stop_process(self, name: str) -> None:
+    def _stop_process(self, name: str, grace_seconds: float = 30.0) -> None:
         proc = self.children.get(name)
         if proc is None:
             return
         _signal_group(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)

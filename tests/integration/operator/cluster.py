@@ -25,6 +25,7 @@ import kubernetes
 from meshtrain.api import crd
 from meshtrain.operator import reconciler
 from meshtrain.operator.cluster import informer, kube
+from meshtrain.operator.policy import kueue_workload
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
 from meshtrain.sandbox.controlplane.ports import pick_free_port
@@ -191,6 +192,21 @@ class Cluster:
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except kubernetes.client.ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def workload(self, namespace: str, job: str) -> dict[str, Any] | None:
+        """The Kueue Workload of ``job`` (``trainingjob-<job>``), or None."""
+        try:
+            return self.custom.get_namespaced_custom_object(
+                kueue_workload.GROUP,
+                kueue_workload.VERSION,
+                namespace,
+                kueue_workload.PLURAL,
+                kueue_workload.workload_name(job),
+            )
         except kubernetes.client.ApiException as err:
             if err.status == 404:
                 return None

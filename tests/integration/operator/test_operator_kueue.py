@@ -133,18 +133,7 @@ def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
 
 
 def _workload(cluster: Cluster, job: str) -> dict[str, Any] | None:
-    try:
-        return cluster.custom.get_namespaced_custom_object(
-            kueue_workload.GROUP,
-            kueue_workload.VERSION,
-            NS,
-            kueue_workload.PLURAL,
-            kueue_workload.workload_name(job),
-        )
-    except kubernetes.client.ApiException as err:
-        if err.status == 404:
-            return None
-        raise
+    return cluster.workload(NS, job)
 
 
 def _queued_condition(cluster: Cluster, job: str) -> dict[str, Any]:

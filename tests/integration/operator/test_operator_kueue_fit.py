@@ -189,18 +189,7 @@ def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
 
 
 def _workload(cluster: Cluster, namespace: str, job: str) -> dict[str, Any] | None:
-    try:
-        return cluster.custom.get_namespaced_custom_object(
-            kueue_workload.GROUP,
-            kueue_workload.VERSION,
-            namespace,
-            kueue_workload.PLURAL,
-            kueue_workload.workload_name(job),
-        )
-    except kubernetes.client.ApiException as err:
-        if err.status == 404:
-            return None
-        raise
+    return cluster.workload(namespace, job)
 
 
 def _admitted(cluster: Cluster, namespace: str, job: str) -> bool:

@@ -199,7 +199,7 @@ class Client(KueueCalls):
             if not token:
                 return items, str(metadata.get("resourceVersion") or "")
 
-    # TrainingJobs: get, list, watch, update status, delete.
+    # TrainingJobs: get, list, watch, update status, label, delete.
     async def list_jobs(
         self, *, namespace: str | None, keep: Callable[[Body], Body] | None = None
     ) -> tuple[list[Body], str]:
@@ -250,10 +250,30 @@ class Client(KueueCalls):
         patch: Body = {"status": status}
         if resource_version:
             patch["metadata"] = {"resourceVersion": resource_version}
+        call = self._custom.patch_namespaced_custom_object_status
+        return await self._merge_job("trainingjobs/status", call, namespace, name, patch)
+
+    async def patch_job_metadata(self, *, namespace: str, name: str, patch: Body) -> Body | None:
+        """Merge ``patch`` (labels, guarded by its ``metadata.resourceVersion``) into the job.
+
+        None when the job is gone; :class:`Conflict` when it changed since it was read.
+        """
+        call = self._custom.patch_namespaced_custom_object
+        return await self._merge_job("trainingjobs", call, namespace, name, patch)
+
+    async def _merge_job(
+        self,
+        resource: str,
+        call: Callable[..., Awaitable[Any]],
+        namespace: str,
+        name: str,
+        patch: Body,
+    ) -> Body | None:
+        """A JSON merge patch of the job (or its status); None when it is gone."""
         return await self._request(
             "patch",
-            "trainingjobs/status",
-            self._custom.patch_namespaced_custom_object_status,
+            resource,
+            call,
             GROUP,
             VERSION,
             namespace,

@@ -1,6 +1,7 @@
 """Kueue's Workloads on the cluster: a queued job's Workload read into Kueue's answer, and written.
 
-Reads the Workload (and the priority classes and ResourceFlavors it names) into
+Labels a job that names no LocalQueue when the cluster requires Kueue (``queue_defaulting``),
+reads the Workload (and the priority classes and ResourceFlavors it names) into
 ``kueue_workload.Gate`` and carries out the Workload actions the state machine decides, through
 ``kube`` (whose Kueue requests are ``kueue_calls``).  What the answer means and what to do with
 it is policy: ``policy.kueue_workload`` and ``policy.kueue``.
@@ -13,8 +14,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.cluster import clock, kube
-from meshtrain.operator.policy import builders, identity, job_state, kueue_workload, pod_state
+from meshtrain.operator.cluster import clock, kube, status_writes
+from meshtrain.operator.policy import (
+    builders,
+    identity,
+    job_state,
+    kueue_workload,
+    pod_state,
+    queue_defaulting,
+)
 
 logger = logging.getLogger("meshtrain.operator")
 ACTIONS = (
@@ -30,6 +38,29 @@ ACTIONS = (
 
 class Rejected(Exception):
     """The API server refused to create the job's Workload (a 4xx that retrying does not fix)."""
+
+
+async def default_queue(
+    client: kube.Client,
+    writer: status_writes.JobWriter,
+    body: dict[str, Any],
+    queue: str | None,
+) -> dict[str, Any]:
+    """``body`` labelled with the LocalQueue ``queue`` when it names none (``queue_defaulting``).
+
+    The label is written before the pass decides, so nothing places the job around Kueue.
+    """
+    patch = queue_defaulting.label_patch(body, queue)
+    if patch is None or queue is None:
+        return body
+    metadata = body["metadata"]
+    answer = await client.patch_job_metadata(
+        namespace=metadata["namespace"], name=metadata["name"], patch=patch
+    )
+    if answer is None:
+        return body
+    await writer.emit(answer, "Normal", queue_defaulting.DEFAULTED, queue_defaulting.message(queue))
+    return answer
 
 
 async def gate(
