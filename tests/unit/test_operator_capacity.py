@@ -1,5 +1,6 @@
 """capacity.counted_node: a node is used by what kube-scheduler counts and by the operator's own
-gated pods of live jobs, never by what a foreign pod says of itself (issue #32 item 3).
+gated pods of live jobs, on the node their job's status.placement holds, never by what a pod says
+of itself (issue #32 item 3; a pod a tenant made owned by its own job: review finding 1).
 
 The same rule against the real kube-scheduler: tests/integration/operator/test_feasibility_vs_scheduler.py.
 """
@@ -17,6 +18,9 @@ from tests.builders import JobBuilder
 
 JOB = identity.JobRef("train", "team-a", "uid-live")
 SPEC = loading.parse_spec(JobBuilder().layout(data=8, gpus_per_node=8).gpus(8).raw())
+LIVE = capacity.Owner(uid="uid-live", attempt=0, placement={0: "n1"})
+"""JOB as its status says: attempt 0, pod 0 planned onto n1."""
+NAMESAKE = capacity.Owner(uid="uid-namesake", attempt=0, placement={0: "n1"})
 
 
 def _own(node: str = "n1") -> dict[str, Any]:
@@ -85,12 +89,12 @@ def _forged(namespace: str) -> dict[str, Any]:
             None,
             "another scheduler's nominee: kube-scheduler ignores it",
         ),
-        (_own(), "uid-live", "n1", "the operator's own gated pod of its live job"),
+        (_own(), LIVE, "n1", "the operator's own gated pod of its live job"),
         (_own(), None, None, "the job is gone, deleted or finished"),
-        (_own(), "uid-namesake", None, "a namesake job (another UID) does not own it"),
+        (_own(), NAMESAKE, None, "a namesake job (another UID) does not own it"),
         (
             {**_own(), "status": {"phase": "Failed"}},
-            "uid-live",
+            LIVE,
             None,
             "own but terminal",
         ),
@@ -107,7 +111,49 @@ def test_a_forged_copy_of_an_own_pod_counts_only_where_its_owner_lives():
     a copy in another namespace finds no live job there, so it reserves nothing."""
     forged = _forged("team-b")
     assert capacity.counted_node(forged, None) is None
-    assert capacity.counted_node(copy.deepcopy(_own()), "uid-live") == "n1"
+    assert capacity.counted_node(copy.deepcopy(_own()), LIVE) == "n1"
+
+
+def _with(pod: dict[str, Any], change: Any) -> dict[str, Any]:
+    change(pod)
+    return pod
+
+
+def _relabel(key: str, value: str) -> Any:
+    return lambda pod: pod["metadata"]["labels"].__setitem__(key, value)
+
+
+def _controller(**changes: Any) -> Any:
+    return lambda pod: pod["metadata"]["ownerReferences"][0].update(changes)
+
+
+@pytest.mark.parametrize(
+    ("pod", "counted", "why"),
+    [
+        (_own("n2"), "n1", "pinned elsewhere: the placement, not the pod, says where it holds"),
+        (
+            _with(_own(), lambda p: p["metadata"].__setitem__("name", "train-extra")),
+            None,
+            "another name than the entry's pod: a second pod for one placement entry",
+        ),
+        (_with(_own(), _relabel(naming.LABEL_ATTEMPT, "1")), None, "an attempt not the status's"),
+        (_with(_own(), _relabel(naming.LABEL_NODE_RANK, "7")), None, "an index not placed"),
+        (
+            _with(_own(), lambda p: p["spec"].__setitem__("schedulingGates", [])),
+            None,
+            "ungated: kube-scheduler decides where it goes",
+        ),
+        (_with(_own(), _controller(controller=False)), None, "owned, not controlled, by the job"),
+        (_with(_own(), _controller(kind="Job")), None, "controlled by another kind, same UID"),
+    ],
+)
+def test_a_pod_of_a_live_job_reserves_only_the_node_its_placement_holds_for_that_pod(
+    pod, counted, why
+):
+    """Labels, owner references and annotations are anyone's to write: a pod owned by a live job
+    reserves the node that job's status.placement holds, and only as the one pod the operator
+    creates for that entry (review finding 1)."""
+    assert capacity.counted_node(pod, LIVE) == counted, why
 
 
 @pytest.mark.parametrize(
@@ -122,3 +168,22 @@ def test_a_forged_copy_of_an_own_pod_counts_only_where_its_owner_lives():
 )
 def test_a_job_is_live_until_it_finishes_or_is_deleted(job, uid):
     assert capacity.live_uid(job) == uid
+    owner = capacity.live_owner(job)
+    assert (owner.uid if owner else None) == uid
+
+
+def test_a_live_jobs_status_says_which_node_each_gated_pod_holds():
+    job = {
+        "metadata": {"uid": "u"},
+        "status": {
+            "restarts": 2,
+            "placement": [
+                {"podIndex": 0, "node": "n1"},
+                {"podIndex": 1, "node": "n2"},
+                {"podIndex": "1", "node": "n9"},  # not what the operator writes: ignored
+                "garbage",
+            ],
+        },
+    }
+    assert capacity.live_owner(job) == capacity.Owner("u", 2, {0: "n1", 1: "n2"})
+    assert capacity.live_owner({"metadata": {"uid": "u"}}) == capacity.Owner("u", 0, {})

@@ -7,11 +7,19 @@ import random
 from typing import Any
 
 from meshtrain.operator.cluster import informer
-from meshtrain.operator.policy import capacity, feasibility
+from meshtrain.operator.policy import capacity, feasibility, naming
+
+
+def _controller(job: str, uid: str) -> list[dict[str, Any]]:
+    """The controller owner reference the operator puts on the pods of TrainingJob ``job``."""
+    ref = {"apiVersion": naming.API_VERSION, "kind": "TrainingJob", "name": job, "uid": uid}
+    return [{**ref, "controller": True}]
 
 
 def _pod(name: str, version: int, job: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A pod; with ``job``, one of that TrainingJob's (its label and controller reference)."""
     labels = {"meshtrain.io/job": job} if job else {}
+    owners = {"ownerReferences": _controller(job, f"uid-{job}")} if job else {}
     return {
         "kind": "Pod",
         "metadata": {
@@ -19,6 +27,7 @@ def _pod(name: str, version: int, job: str | None = None, **extra: Any) -> dict[
             "namespace": "ns",
             "resourceVersion": str(version),
             "labels": labels,
+            **owners,
             **extra,
         },
         "spec": {"containers": [{"name": "c", "image": "busybox"}]},
@@ -88,6 +97,26 @@ def test_foreign_pods_keep_only_what_capacity_reads_and_job_pods_stay_whole():
     assert informer.trim_pod(own) is own
 
 
+def test_only_pods_a_training_job_controls_are_kept_whole_whatever_their_labels():
+    """Labels are anyone's to write: a pod labelled with a job but controlled by no TrainingJob
+    (or owned without being controlled, or controlled by another kind) is trimmed like any foreign
+    pod, so large annotations or env on it cost the operator nothing (review finding 7)."""
+    bulk = {"annotations": {"big": "x" * 100_000}}
+    labelled = _pod("l", 1, "j", ownerReferences=[], **bulk)
+    not_controller = _pod("n", 1, "j", **bulk)
+    not_controller["metadata"]["ownerReferences"][0]["controller"] = False
+    other_kind = _pod("k", 1, "j", **bulk)
+    other_kind["metadata"]["ownerReferences"][0].update(kind="Job", apiVersion="batch/v1")
+    for pod in (labelled, not_controller, other_kind):
+        slim = informer.trim_pod(pod)
+        assert set(slim["metadata"]) == {"name", "namespace", "resourceVersion"}, pod
+    store = _store()
+    for pod in (labelled, not_controller, other_kind, _pod("own", 1, "j", **bulk)):
+        store.upsert(pod)
+    assert store.names_of_job("ns", "j") == ["own"]  # only the job's children are its pods
+    assert store.get(("ns", "own"))["metadata"]["annotations"] == bulk["annotations"]
+
+
 def test_the_cache_learns_deletes_of_unbound_pods_as_gone_and_graceful_ones_as_terminating():
     cache = informer.Cache()
     cache.learn("create", _pod("a", 1, "j"))
@@ -106,12 +135,43 @@ def test_the_cache_learns_deletes_of_unbound_pods_as_gone_and_graceful_ones_as_t
     assert [p["metadata"]["name"] for p in cache.job_pods("ns", "j")] == ["b", "c"]
 
 
-def _job(name: str, version: int, uid: str, phase: str | None = None) -> dict[str, Any]:
+PLACED = {0: "n1"}
+"""The placement of the jobs below unless told otherwise: pod 0 on n1."""
+
+
+def _job(
+    name: str,
+    version: int,
+    uid: str,
+    phase: str | None = None,
+    placement: dict[int, str] | None = None,
+    restarts: int = 0,
+) -> dict[str, Any]:
+    """A TrainingJob whose status (the operator's: tenants cannot write it) places its pods."""
+    planned = PLACED if placement is None else placement
+    status: dict[str, Any] = {
+        "restarts": restarts,
+        "placement": [{"podIndex": i, "node": n} for i, n in planned.items()],
+    }
+    if phase:
+        status["phase"] = phase
     return {
         "kind": "TrainingJob",
         "metadata": {"name": name, "namespace": "ns", "uid": uid, "resourceVersion": str(version)},
-        "status": {"phase": phase} if phase else {},
+        "status": status,
     }
+
+
+def _gang_pod(job: str, version: int, uid: str, attempt: int = 0, index: int = 0) -> dict[str, Any]:
+    """The gated pod the operator creates for pod ``index`` of ``job``'s gang ``attempt``."""
+    pod = _pod(
+        naming.pod_name(job, attempt, index), version, job, ownerReferences=_controller(job, uid)
+    )
+    pod["metadata"]["labels"].update(
+        {naming.LABEL_ATTEMPT: str(attempt), naming.LABEL_NODE_RANK: str(index)}
+    )
+    pod["spec"]["schedulingGates"] = [{"name": naming.GANG_GATE}]
+    return pod
 
 
 def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
@@ -121,6 +181,7 @@ def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
     rng = random.Random(7)
     cache = informer.Cache()
     version = 0
+    placements = [{0: "c", 1: "c"}, {0: "e", 1: "c"}, {}]
     for _ in range(800):
         version += 1
         if rng.random() < 0.1:
@@ -129,15 +190,23 @@ def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
             else:
                 uid = rng.choice(["u1", "u1", "u2"])
                 phase = rng.choice([None, "Running", "Succeeded"])
-                cache.jobs.upsert(_job("j", version, uid, phase))
+                placement, restarts = rng.choice(placements), rng.choice([0, 0, 1])
+                cache.jobs.upsert(_job("j", version, uid, phase, placement, restarts))
             continue
-        name = f"p{rng.randrange(40)}"
+        attempt, index = rng.choice([0, 0, 1]), rng.randrange(3)
+        name = rng.choice([f"p{rng.randrange(40)}", naming.pod_name("j", attempt, index)])
         if rng.random() < 0.25:
             cache.pods.remove(_pod(name, version))
             continue
-        pod = _pod(name, version, rng.choice([None, "j"]))
-        pod["metadata"]["ownerReferences"] = [{"uid": rng.choice(["u1", "u1", "u2", "u3"])}]
+        if rng.random() < 0.5:
+            pod = _gang_pod("j", version, rng.choice(["u1", "u1", "u2", "u3"]), attempt, index)
+            pod["metadata"]["name"] = name
+        else:
+            pod = _pod(name, version, rng.choice([None, "j"]))
+            pod["metadata"]["ownerReferences"] = _controller("j", rng.choice(["u1", "u2", "u3"]))
+        gates = pod["spec"].get("schedulingGates") if rng.random() < 0.8 else None
         pod["spec"] = {
+            **({"schedulingGates": gates} if gates else {}),
             "nodeName": rng.choice(["a", "b", None]),
             "containers": [{"resources": {"requests": {"cpu": f"{rng.randrange(1, 9)}00m"}}}],
         }
@@ -149,8 +218,10 @@ def test_the_cache_usage_kept_per_event_equals_adding_up_its_pods():
         cache.pods.upsert(pod)
         if rng.random() < 0.1:  # read between changes: what was read must not go stale
             dict(cache.usage())
-    cache.jobs.upsert(_job("j", version + 1, "u1"))  # ends with a live job, whatever came before
-    live = "u1"
+    # ends with a live job, whatever came before, and one of its gated pods (pod 1, on c)
+    cache.jobs.upsert(_job("j", version + 1, "u1", placement=placements[0]))
+    cache.pods.upsert(_gang_pod("j", version + 2, "u1", index=1))
+    live = capacity.live_owner(cache.jobs.get(("ns", "j")) or {})
     skipped = cache.job_pods("ns", "j")
     for left_out in ([], skipped):
         by_node: dict[str, list[dict[str, Any]]] = {}
@@ -172,7 +243,7 @@ def test_own_gated_pods_stop_counting_when_their_job_goes_and_count_when_it_come
     """The pod list may arrive before the job list (start-up) and a job may be deleted or finish
     while its gated pods remain: the pods are counted again under the job's new answer."""
     cache = informer.Cache()
-    pod = _pod("g", 1, "j", ownerReferences=[{"uid": "u1"}])
+    pod = _gang_pod("j", 1, "u1")
     pod["metadata"]["annotations"] = {"meshtrain.io/planned-node": "n1"}
     pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "8"}}
     cache.pods.upsert(pod)
@@ -194,6 +265,30 @@ def test_own_gated_pods_stop_counting_when_their_job_goes_and_count_when_it_come
     # the cache of its job at once, before the watch's event: the next placement sees the nodes held.
     cache.learn("patch", _job("j", 9, "u1", phase="Placing"))
     assert cache.usage()["n1"].pods == 1
+
+
+def test_an_own_pod_holds_the_node_its_jobs_status_places_it_on_and_no_forged_pod_holds_any():
+    """The node comes from status.placement (the status subresource, which tenants cannot write),
+    never from the pod: a pod a tenant creates with its own live job's label, controller reference
+    and gate, pinned to another team's node, holds nothing there (review finding 1)."""
+    cache = informer.Cache()
+    gpus = {"limits": {"nvidia.com/gpu": "8"}}
+    own = _gang_pod("j", 1, "u1")
+    forged = _gang_pod("j", 2, "u1", index=1)  # pod 1 of a gang placed with pod 0 only
+    renamed = _gang_pod("j", 3, "u1")  # a second pod for pod 0's entry
+    renamed["metadata"]["name"] = "j-extra"
+    for pod in (own, forged, renamed):
+        pod["metadata"]["annotations"] = {"meshtrain.io/planned-node": "theirs"}
+        pod["spec"]["containers"][0]["resources"] = gpus
+        cache.pods.upsert(pod)
+    cache.jobs.upsert(_job("j", 4, "u1"))
+    usage = dict(cache.usage())
+    assert "theirs" not in usage and usage["n1"].pods == 1
+    cache.jobs.upsert(_job("j", 5, "u1", placement={0: "n2"}))  # the operator placed it again
+    usage = dict(cache.usage())
+    assert usage["n2"].pods == 1 and usage.get("n1", capacity.NOTHING).pods == 0
+    cache.jobs.upsert(_job("j", 6, "u1", placement={0: "n2"}, restarts=1))  # a new attempt
+    assert all(u.pods == 0 for u in cache.usage().values())
 
 
 def _node(version: int, heartbeat: str, gpus: str = "8") -> dict[str, Any]:

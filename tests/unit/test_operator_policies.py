@@ -63,13 +63,16 @@ def test_usage_comes_from_bound_pods_and_the_gated_pods_of_live_jobs():
         _pod("b", "n1", 2, phase="Running", job="b", bound=True),
         _pod("c", "n2", 8, phase="Succeeded", job="c", bound=True),  # finished: frees its GPUs
         _pod("mine", "n2", 8, job="me"),  # left out: the job being planned
-        _pod("live", "n3", 4, job="live"),  # gated, its job "live" (UID u) exists
+        _pod("live-r0-0", "n3", 4, job="live"),  # gated, its live job "live" placed it on n3
     ]
     cache = informer.Cache()
     for version, pod in enumerate(pods):
         cache.pods.upsert({**pod, "metadata": {**pod["metadata"], "resourceVersion": str(version)}})
-    for name in ("me", "live"):
-        cache.jobs.upsert({"metadata": {"name": name, "namespace": "ns", "uid": "u"}})
+    for name, node in (("me", "n2"), ("live", "n3")):
+        placed = {"restarts": 0, "placement": [{"podIndex": 0, "node": node}]}
+        cache.jobs.upsert(
+            {"metadata": {"name": name, "namespace": "ns", "uid": "u"}, "status": placed}
+        )
     used = cache.usage(without=cache.job_pods("ns", "me"))
     taken = {node: used[node].requested.get("nvidia.com/gpu", 0) for node in used}
     assert {node: gpus for node, gpus in taken.items() if gpus} == {"n1": 2, "n3": 4}

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from meshtrain.operator.cluster import progress_client
+from meshtrain.operator.policy import identity
 from tests import hostile_progress
 
 DEADLINE = 1.5
@@ -27,6 +28,13 @@ def _rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _job(name: str = "j", uid: str = "uid-1") -> identity.JobRef:
+    return identity.JobRef(name=name, namespace="ns", uid=uid)
+
+
+JOB = _job()
 
 
 def _poller() -> progress_client.Poller:
@@ -92,9 +100,9 @@ def test_a_body_that_is_no_document_gives_no_report_and_slows_the_polls(name):
     async def twice() -> tuple[dict | None, bool]:
         poller = _poller()
         try:
-            first = await poller.poll(("ns", "j"), ip="127.0.0.1", port=server.port)
-            again = await poller.poll(("ns", "j"), ip="127.0.0.1", port=server.port)
-            return first, again is None and poller._failures[("ns", "j")] == 1
+            first = await poller.poll(JOB, ip="127.0.0.1", port=server.port)
+            again = await poller.poll(JOB, ip="127.0.0.1", port=server.port)
+            return first, again is None and poller._failures[JOB.uid] == 1
         finally:
             await poller.close()
 
@@ -104,12 +112,36 @@ def test_a_body_that_is_no_document_gives_no_report_and_slows_the_polls(name):
     assert waited and len(server.requests) == 1, "the second poll waits for its turn"
 
 
+def test_a_namesake_re_created_is_polled_afresh_and_a_forgotten_job_at_once():
+    """The backoff is the job's, by UID: a job deleted and created again under its name (a new
+    UID) does not wait out the old one's failures, and forget(uid) drops what was kept."""
+
+    async def polls() -> tuple[bool, bool, bool, int]:
+        poller = _poller()
+        try:
+            await poller.poll(JOB, ip="127.0.0.1", port=server.port)  # refused: backs off
+            waits = await poller.poll(JOB, ip="127.0.0.1", port=server.port) is None
+            namesake = _job(uid="uid-2")
+            await poller.poll(namesake, ip="127.0.0.1", port=server.port)
+            fresh = poller._failures.get(namesake.uid) == 1
+            poller.forget(JOB.uid)
+            await poller.poll(JOB, ip="127.0.0.1", port=server.port)
+            return waits, fresh, poller._failures.get(JOB.uid) == 1, len(server.requests)
+        finally:
+            await poller.close()
+
+    with hostile_progress.Server(hostile_progress.ANSWERS["malformed JSON"]) as server:
+        waits, fresh, forgotten, requests = asyncio.run(polls())
+    assert waits and fresh and forgotten
+    assert requests == 3, "the namesake and the forgotten job are polled, the waiting one is not"
+
+
 def test_nan_and_infinity_are_not_numbers_json_allows():
     async def poll(name: str) -> dict | None:
         poller = _poller()
         try:
             with hostile_progress.Server(hostile_progress.ANSWERS[name]) as server:
-                return await poller.poll(("ns", name), ip="127.0.0.1", port=server.port)
+                return await poller.poll(_job(name), ip="127.0.0.1", port=server.port)
         finally:
             await poller.close()
 
@@ -121,7 +153,7 @@ def test_a_good_answer_is_read_and_checked():
     async def poll() -> dict | None:
         poller = _poller()
         try:
-            return await poller.poll(("ns", "j"), ip="127.0.0.1", port=server.port)
+            return await poller.poll(JOB, ip="127.0.0.1", port=server.port)
         finally:
             await poller.close()
 
@@ -135,9 +167,9 @@ def test_a_slow_pod_does_not_hold_up_another_jobs_poll():
         try:
             started = time.monotonic()
             slow_poll = asyncio.create_task(
-                poller.poll(("ns", "slow"), ip="127.0.0.1", port=slow.port)
+                poller.poll(_job("slow", "uid-slow"), ip="127.0.0.1", port=slow.port)
             )
-            report = await poller.poll(("ns", "good"), ip="127.0.0.1", port=good.port)
+            report = await poller.poll(_job("good", "uid-good"), ip="127.0.0.1", port=good.port)
             took = time.monotonic() - started
             assert await slow_poll is None
             return took, report
@@ -158,8 +190,8 @@ def test_a_pod_not_listening_yet_is_polled_at_the_normal_rate():
         poller = _poller()
         try:
             port = hostile_progress.closed_port()
-            report = await poller.poll(("ns", "j"), ip="127.0.0.1", port=port)
-            return report, poller._failures.get(("ns", "j"), 0)
+            report = await poller.poll(JOB, ip="127.0.0.1", port=port)
+            return report, poller._failures.get(JOB.uid, 0)
         finally:
             await poller.close()
 

@@ -225,8 +225,7 @@ class Reconciler:
     async def _poll(
         self, action: job_actions.PollProgress, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
-        key = (job.ref.namespace, job.ref.name)
-        report = await self.progress.poll(key, ip=action.ip, port=action.port)
+        report = await self.progress.poll(job.ref, ip=action.ip, port=action.port)
         if report is None:  # not due, or no usable answer (the poller logs why)
             return body, job, False
         changes = progress_status.polled_changes(report)
@@ -310,7 +309,7 @@ class Reconciler:
         held = await owned.delete_children(self.client, self.cache, ref)
         if held:
             return held
-        self.progress.forget((namespace, name))
+        self.progress.forget(uid)
         self._workload_rejections.forget(uid)
         self.placer.forget(ref)
         metrics.forget(namespace, name)

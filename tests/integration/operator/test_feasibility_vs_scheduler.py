@@ -7,8 +7,9 @@ finished pods).  For every node, a probe — the pod the operator would create
 for a random TrainingJob, ungated, pinned to that node — is handed to
 kube-scheduler.  The scheduler binding it or reporting it Unschedulable is the
 truth; ``feasibility.verdict`` on the same objects read back from the API
-server must agree for every node.  Hostile foreign pods (annotations, affinities,
-nominations, forged owner references) are judged the same way, with the usage the
+server must agree for every node.  Hostile pods (annotations, affinities,
+nominations, forged owner references, and gated pods a tenant makes for its own live job
+on a node outside that job's status.placement) are judged the same way, with the usage the
 operator's own cache reads from the API server.
 """
 
@@ -30,7 +31,7 @@ from meshtrain.operator.cluster import informer, kube
 from meshtrain.operator.policy import builders, capacity, feasibility, identity, naming
 from meshtrain.sandbox import controlplane
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, wait_for
+from tests.integration.operator.cluster import GROUP, PLURAL, VERSION, Cluster, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -306,10 +307,19 @@ def _gpu_pod(name: str, gpus: int, **spec: Any) -> dict[str, Any]:
     }
 
 
-def _gang_pod(ref: identity.JobRef, node: str) -> dict[str, Any]:
-    """The gated 8-GPU pod the operator builds for ``ref``, planned onto ``node``."""
-    spec = loading.parse_spec(JobBuilder().layout(data=8, gpus_per_node=8).gpus(8).raw())
-    return builders.build_pod(ref, spec, 0, 0, node)
+def _gang_pod(ref: identity.JobRef, node: str, index: int = 0) -> dict[str, Any]:
+    """The gated 8-GPU pod ``index`` the operator builds for ``ref``, planned onto ``node``."""
+    spec = loading.parse_spec(JobBuilder().layout(data=16, gpus_per_node=8).gpus(8).raw())
+    return builders.build_pod(ref, spec, 0, index, node)
+
+
+def _place(cluster: Cluster, namespace: str, name: str, node: str) -> None:
+    """Record pod 0 of the job's gang attempt 0 on ``node``, through the status subresource as
+    the operator does (tenants cannot write it)."""
+    status = {"restarts": 0, "placement": [{"podIndex": 0, "node": node}]}
+    cluster.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+    )
 
 
 def _hostile_pods(cluster: Cluster, nodes: dict[str, str]) -> dict[str, str]:
@@ -320,6 +330,8 @@ def _hostile_pods(cluster: Cluster, nodes: dict[str, str]) -> dict[str, str]:
             "uid"
         ]
     cluster.delete_job("tenant-a", "gone")  # no finalizer without an operator: gone at once
+    _place(cluster, "tenant-a", "ours", nodes["own"])
+    ours = identity.JobRef("ours", "tenant-a", uid["ours"])
     pin = _gang_pod(identity.JobRef("x", "tenant-a", ""), nodes["affinity"])["spec"]["affinity"]
     pods = {
         "annotation": _gpu_pod("annotated", 8, nodeSelector=NEVER),  # marked below
@@ -332,10 +344,14 @@ def _hostile_pods(cluster: Cluster, nodes: dict[str, str]) -> dict[str, str]:
         "deleted-jobs-uid": _gang_pod(
             identity.JobRef("gone", "tenant-a", uid["gone"]), nodes["deleted-jobs-uid"]
         ),
-        "own": _gang_pod(identity.JobRef("ours", "tenant-a", uid["ours"]), nodes["own"]),
+        "own": _gang_pod(ours, nodes["own"]),
+        # gated pods the tenant makes for its own live job: every label, the owner reference and
+        # the gate as the operator writes them, pinned to a node the job's placement does not hold
+        "own-jobs-unplaced-pod": _gang_pod(ours, nodes["own-jobs-unplaced-pod"], index=1),
+        "own-jobs-second-pod": _gang_pod(ours, nodes["own-jobs-second-pod"]),
     }
     pods["annotation"]["metadata"]["annotations"] = {naming.ANNOTATION_NODE: nodes["annotation"]}
-    for case in ("other-tenants-uid", "deleted-jobs-uid", "own"):
+    for case in ("other-tenants-uid", "deleted-jobs-uid", "own-jobs-second-pod"):
         pods[case]["metadata"]["name"] = f"gang-{case}"
     for case, pod in pods.items():
         cluster.core.create_namespaced_pod("tenant-a", pod)
@@ -369,9 +385,11 @@ def test_hostile_foreign_pods_reserve_on_a_node_what_the_scheduler_counts_and_no
     planned-node annotation; a one-node matchFields affinity; a nomination another scheduler's
     pod carries, and one kube-scheduler honours (a gated pod nominated there); gang pods with
     forged owner references, naming a live job of the namespace but another tenant's job UID, or
-    a deleted job's UID.  A probe asking for all 8 GPUs, pinned to the node, gets kube-scheduler's
-    verdict; the operator's cache must give the same.  The operator's own gated pod of a live
-    job holds its node (the scheduler does not know the gang's plan)."""
+    a deleted job's UID; gated gang pods the tenant makes for its own live job, pinned to a node
+    its status.placement does not hold (a pod index not placed; a second pod for a placed index).
+    A probe asking for all 8 GPUs, pinned to the node, gets kube-scheduler's verdict; the
+    operator's cache must give the same.  The operator's own gated pod of a live job holds the
+    node its status.placement names (the scheduler does not know the gang's plan)."""
     cases = (
         "annotation",
         "affinity",
@@ -380,6 +398,8 @@ def test_hostile_foreign_pods_reserve_on_a_node_what_the_scheduler_counts_and_no
         "other-tenants-uid",
         "deleted-jobs-uid",
         "own",
+        "own-jobs-unplaced-pod",
+        "own-jobs-second-pod",
     )
     nodes = {case: tenants.add_node("hostile", gpus=8, name=f"hostile-{case}") for case in cases}
     _hostile_pods(tenants, nodes)

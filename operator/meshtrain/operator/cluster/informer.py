@@ -1,8 +1,8 @@
 """Informer-style caches of pods, nodes and TrainingJobs: list once, then follow a watch.
 
 A reconcile reads its job's pods from the job index and a placement reads every node and the
-per-node usage kept here, so neither sends a LIST.  The TrainingJobs say which unbound pods are
-the operator's own (``capacity.counted_node``).  Trimming bounds the memory on big clusters;
+per-node usage kept here, so neither sends a LIST.  The TrainingJobs' status says which unbound
+pods are the operator's own and where they hold resources (``capacity.counted_node``).  Trimming bounds the memory on big clusters;
 the operator's own writes are applied from their answers (:meth:`Cache.learn`), so the pass
 after a write sees it.  Watch events wake the job daemons (:class:`Waker`).
 """
@@ -114,13 +114,16 @@ def _unshared(part: _T) -> _T:
 def trim_pod(pod: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube.Body:
     """A pod as the cache keeps it: whole for children of TrainingJobs, else only what capacity reads.
 
-    Children stay whole, since failure classification reads their statuses, but for their
-    ``managedFields`` (the largest part of a pod, read by no one here); ``shared`` (a
-    :class:`Shared`) lets equal parts of foreign pods be one object.  A foreign pod's
-    annotations and affinity reserve nothing (``capacity.counted_node``) and are not kept.
+    A child is a pod whose controller owner reference is a TrainingJob (``capacity.controller_uid``);
+    it stays whole, since failure classification reads its status, but for its ``managedFields``
+    (the largest part of a pod, read by no one here).  Every other pod is foreign, whatever labels
+    it carries: a label is anyone's to write, and a whole pod with large annotations or env per
+    label would let any tenant grow the operator's memory.  ``shared`` (a :class:`Shared`) lets
+    equal parts of foreign pods be one object.  A foreign pod's annotations and affinity reserve
+    nothing (``capacity.counted_node``) and are not kept.
     """
     metadata = pod.get("metadata") or {}
-    if job_of(pod):
+    if capacity.controller_uid(pod) is not None:
         if "managedFields" not in metadata:
             return pod
         kept = {k: v for k, v in metadata.items() if k != "managedFields"}
@@ -170,13 +173,14 @@ def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube
 
 
 def trim_job(job: kube.Body) -> kube.Body:
-    """A TrainingJob as the cache keeps it: whether it is live, and its UID."""
+    """A TrainingJob as the cache keeps it: whether it is live, its UID, and which gated pods hold
+    which nodes (``status.restarts`` and ``status.placement``, ``capacity.live_owner``)."""
     metadata = job.get("metadata") or {}
     return {
         "metadata": _pick(
             metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
         ),
-        "status": _pick(job.get("status"), ("phase",)),
+        "status": _pick(job.get("status"), ("phase", "restarts", "placement")),
     }
 
 
@@ -324,8 +328,8 @@ class Cache:
         )
         self.nodes = Store(functools.partial(trim_node, shared=shared))
         self.jobs = Store(trim_job, on_change=self._job_changed)
-        self._live: dict[Key, str] = {}
-        """(namespace, job) -> UID of the live TrainingJob of that name (``capacity.live_uid``)."""
+        self._live: dict[Key, capacity.Owner] = {}
+        """(namespace, job) -> the live TrainingJob of that name (``capacity.live_owner``)."""
         self._requested: dict[str, Counter[str]] = {}
         """Node -> summed requests of the pods holding resources there (kept up to date per event)."""
         self._pods_on: Counter[str] = Counter()
@@ -368,10 +372,10 @@ class Cache:
         self._usage_of.pop(node, None)
 
     def _job_changed(self, old: kube.Body | None, new: kube.Body | None) -> None:
-        """A job that became live or stopped being live (or a namesake with another UID): its
-        pods are counted again under the new answer."""
+        """A job that became live or stopped being live (or a namesake with another UID), or whose
+        placement or attempt changed: its pods are counted again under the new answer."""
         key = _key(new or old or {})
-        live = capacity.live_uid(new) if new is not None else None
+        live = capacity.live_owner(new) if new is not None else None
         if self._live.get(key) == live:
             return
         pods = self.job_pods(*key)

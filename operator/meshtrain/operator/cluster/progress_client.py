@@ -6,7 +6,8 @@ bytes, and settings for each limit below.  No redirect is followed, no proxy is 
 environment, nothing is decompressed (a gzip bomb), no cookie is kept; headers are capped in
 count and length and at most ``BODY_LIMIT + 1`` body bytes are read before the connection is
 dropped.  What the body says passes :mod:`~meshtrain.operator.policy.progress_report`'s schema.
-Each job is polled at most once per ``--progress-seconds``, less often after failures.
+Each job is polled at most once per ``--progress-seconds``, less often after failures; what is
+kept per job is keyed by its UID, so a namesake re-created starts afresh.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from meshtrain.operator.policy import progress_report
+from meshtrain.operator.policy import identity, progress_report
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -35,9 +36,6 @@ CONCURRENT = 64
 """Polls in flight at once across every job (each holds one socket)."""
 ERROR_QUOTE = 200
 """Characters of an error kept in a log line (an error may quote the pod's bytes)."""
-
-Key = tuple[str, str]
-"""A job's namespace and name."""
 
 
 class Refused(Exception):
@@ -79,10 +77,14 @@ class Poller:
         self.timeout = timeout
         """Deadline of one whole request, in seconds."""
         self._session: aiohttp.ClientSession | None = None
-        self._next: dict[Key, float] = {}
-        self._failures: dict[Key, int] = {}
-        self._notes: dict[Key, tuple[str, ...]] = {}
-        self._busy: set[Key] = set()
+        self._next: dict[str, float] = {}
+        """Job UID -> when it is due again (monotonic seconds)."""
+        self._failures: dict[str, int] = {}
+        """Job UID -> failed polls in a row."""
+        self._notes: dict[str, tuple[str, ...]] = {}
+        """Job UID -> what its last refused answer was refused for."""
+        self._busy: set[str] = set()
+        """UIDs of the jobs being polled now."""
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # made on the operator's loop, at its first poll
@@ -119,8 +121,9 @@ class Poller:
         except (aiohttp.ClientError, OSError, ValueError) as err:
             raise Refused(f"{type(err).__name__}: {str(err)[:ERROR_QUOTE]}") from None
 
-    async def poll(self, key: Key, *, ip: str, port: int) -> dict[str, Any] | None:
-        """The checked document of ``key``'s rank 0 when it is due and answers; else None (logged)."""
+    async def poll(self, job: identity.JobRef, *, ip: str, port: int) -> dict[str, Any] | None:
+        """The checked document of ``job``'s rank 0 when it is due and answers; else None (logged)."""
+        key = job.uid
         now = time.monotonic()
         if key in self._busy or now < self._next.get(key, 0.0):
             return None
@@ -130,7 +133,7 @@ class Poller:
         except Refused as err:
             if not err.counted:  # the trainer is still starting: the normal rate, no warning
                 self._next[key] = now + self.every
-                logger.debug("progress of %s/%s: %s", *key, err)
+                logger.debug("progress of %s/%s: %s", job.namespace, job.name, err)
                 return None
             reading = progress_report.Reading(None, (str(err),))
         finally:
@@ -138,28 +141,29 @@ class Poller:
         failures = self._failures.get(key, 0) + 1 if reading.document is None else 0
         self._failures[key] = failures
         self._next[key] = now + progress_report.wait_after(failures, self.every)
-        self._note(key, reading.notes, failures)
+        self._note(job, reading.notes, failures)
         return reading.document
 
-    def _note(self, key: Key, notes: tuple[str, ...], failures: int) -> None:
+    def _note(self, job: identity.JobRef, notes: tuple[str, ...], failures: int) -> None:
         """Log what the schema or the client refused: a warning when it changes, else at debug."""
         if not notes:
-            self._notes.pop(key, None)
+            self._notes.pop(job.uid, None)
             return
-        level = logging.DEBUG if self._notes.get(key) == notes else logging.WARNING
-        self._notes[key] = notes
+        level = logging.DEBUG if self._notes.get(job.uid) == notes else logging.WARNING
+        self._notes[job.uid] = notes
         logger.log(
             level,
             "progress of %s/%s: %s (%d failed poll(s) in a row)",
-            *key,
+            job.namespace,
+            job.name,
             "; ".join(notes),
             failures,
         )
 
-    def forget(self, key: Key) -> None:
-        """Drop what is kept about a deleted job."""
+    def forget(self, uid: str) -> None:
+        """Drop what is kept about the deleted job of ``uid``."""
         for kept in (self._next, self._failures, self._notes):
-            kept.pop(key, None)
+            kept.pop(uid, None)
 
     async def close(self) -> None:
         """Close the connection pool (the operator stops)."""

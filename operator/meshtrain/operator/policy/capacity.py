@@ -2,19 +2,23 @@
 
 A node is used by what kube-scheduler counts there and by nothing a tenant can write: pods bound
 to it, pods the scheduler holds it for (a nomination, which only it or a holder of
-``pods/status`` writes), and this operator's own unbound pods of live jobs, owned by the job's
-UID (the GPUs planned for a gang are held by its gated pods from the moment they are created,
-and survive an operator restart).  A foreign pod's annotation or node affinity reserves nothing.
-Pure.
+``pods/status`` writes), and this operator's own gated pods of live jobs (the GPUs planned for a
+gang are held by its gated pods from the moment they are created, and survive an operator
+restart).  A tenant can create a pod with any labels, owner reference and annotation, so an own
+pod's node is read from its job's ``status.placement`` (written through the status subresource,
+which tenants cannot write), never from the pod: a pod counts there only as the one pod the
+operator creates for that entry.  A pod's annotation or node affinity reserves nothing.  Pure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator.policy import feasibility, identity, naming, volumes
+from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import feasibility, naming, volumes
 
 NOTHING = feasibility.Usage()
 """Usage of a node no pod holds resources on."""
@@ -39,22 +43,86 @@ def live_uid(job: Mapping[str, Any]) -> str | None:
     return metadata.get("uid") or None
 
 
-def counted_node(pod: Mapping[str, Any], live_owner: str | None) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """A live TrainingJob as its status says which gated pods hold which nodes."""
+
+    uid: str
+    """metadata.uid: the controller owner reference of its pods."""
+    attempt: int
+    """status.restarts: the gang attempt whose pods hold nodes (their ``meshtrain.io/attempt``)."""
+    placement: Mapping[int, str]
+    """status.placement: pod index -> the node the operator planned for it."""
+
+
+def live_owner(job: Mapping[str, Any]) -> Owner | None:
+    """What a live TrainingJob's status holds for its gated pods; None once it is deleted or finished."""
+    uid = live_uid(job)
+    if uid is None:
+        return None
+    status = job.get("status") or {}
+    restarts = status.get("restarts")
+    planned: dict[int, str] = {}
+    for entry in status.get("placement") or []:
+        if not isinstance(entry, dict):
+            continue
+        index, node = entry.get("podIndex"), entry.get("node")
+        if type(index) is int and isinstance(node, str) and node:
+            planned[index] = node
+    attempt = restarts if type(restarts) is int else 0
+    return Owner(uid=uid, attempt=attempt, placement=planned)
+
+
+def controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The UID in ``obj``'s controller owner reference when that controller is a TrainingJob."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if (
+            ref.get("controller") is True
+            and ref.get("kind") == api_spec.KIND
+            and str(ref.get("apiVersion") or "").startswith(f"{naming.GROUP}/")
+        ):
+            return str(ref.get("uid") or "") or None
+    return None
+
+
+def reserved_node(pod: Mapping[str, Any], owner: Owner) -> str | None:
+    """The node ``owner``'s ``status.placement`` holds for ``pod``: None unless ``pod`` is the gated
+    pod the operator creates for that entry (its controller, name, attempt and index).
+
+    Names are unique in a namespace, so one pod at most counts per placement entry, and only on
+    the node the operator planned: a pod a tenant made reserves nothing the job does not hold.
+    """
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    index = naming.int_label(labels, naming.LABEL_NODE_RANK)
+    attempt = naming.int_label(labels, naming.LABEL_ATTEMPT)
+    if index is None or attempt != owner.attempt or controller_uid(pod) != owner.uid:
+        return None
+    if metadata.get("name") != naming.pod_name(str(labels.get(naming.LABEL_JOB)), attempt, index):
+        return None
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    if not any(gate.get("name") == naming.GANG_GATE for gate in gates):
+        return None
+    return owner.placement.get(index)
+
+
+def counted_node(pod: Mapping[str, Any], owner: Owner | None) -> str | None:
     """The node whose resources ``pod`` takes, or None.
 
-    ``live_owner`` is the UID of the live TrainingJob in the pod's namespace that its
-    ``meshtrain.io/job`` label names (None: no such job).  A terminal pod takes nothing; a bound
-    one its node; an unbound one owned by ``live_owner`` the node the operator planned for it; any
-    other unbound pod only the node kube-scheduler nominated it for, as the scheduler holds it
-    (its own pods only, whatever their gates).
+    ``owner`` is the live TrainingJob in the pod's namespace that its ``meshtrain.io/job`` label
+    names (None: no such job).  A terminal pod takes nothing; a bound one its node; an unbound
+    one the node ``owner``'s placement holds for it (:func:`reserved_node`); any other unbound
+    pod only the node kube-scheduler nominated it for, as the scheduler holds it (its own pods
+    only, whatever their gates).
     """
     if not feasibility.holds_resources(pod):
         return None
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
         return str(spec["nodeName"])
-    if live_owner is not None and owned_by(pod, live_owner):
-        return identity.planned_node(dict(pod))
+    reserved = reserved_node(pod, owner) if owner is not None else None
+    if reserved is not None:
+        return reserved
     if (spec.get("schedulerName") or DEFAULT_SCHEDULER) != DEFAULT_SCHEDULER:
         return None
     return (pod.get("status") or {}).get("nominatedNodeName") or None
