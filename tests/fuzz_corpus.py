@@ -14,7 +14,8 @@ from tests.builders import JobBuilder
 CASES = Path(__file__).parent / "data" / "fuzz" / "cases"
 """One malformed manifest per file (written by ``tests/data/fuzz/make_corpus.py``)."""
 INDEX: dict[str, dict[str, Any]] = json.loads((CASES.parent / "index.json").read_text())
-"""File name -> ``names`` (what its error must say) and ``yaml`` (kubectl can read it)."""
+"""File name -> ``names`` (what its error must say), ``yaml`` (UTF-8 YAML text) and, where
+``kubectl apply`` cannot name the same field, ``kubectl``: what it says and why."""
 
 _WIDEST = {
     "layers": limits.MAX_LAYERS,

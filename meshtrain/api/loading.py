@@ -172,13 +172,17 @@ def load_yaml(text: str, source: str = "spec") -> Any:
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
-    """Pydantic error location -> a YAML field path such as spec.parallelism.microBatches."""
+    """Pydantic error location -> a YAML field path such as spec.parallelism.microBatches.
+
+    Pydantic names fields by their aliases (the YAML's camelCase) and keys as written, so a
+    key is printed as the user wrote it, as the API server prints it: an unknown
+    ``micro_batches`` is not shown as ``microBatches``."""
     parts = ["spec"]
     for item in loc:
         if isinstance(item, int):
             parts[-1] += f"[{item}]"
         elif item not in ("function-after", "literal"):
-            name = to_camel(str(item))
+            name = str(item)
             parts.append(name if len(name) <= limits.MAX_QUOTED else base.quoted(name))
     return ".".join(parts)
 
@@ -216,7 +220,10 @@ def parse_spec(raw: object, source: str = "spec") -> api_spec.TrainingJobSpec:
         problem = f"must be a mapping of the spec's sections, got {base.quoted(raw)}"
         raise SpecError([rules.Problem(path="spec", message=problem)], source)
     try:
-        spec = api_spec.TrainingJobSpec.model_validate(_json_numbers(raw))
+        # by alias only: the API server knows ``gpusPerNode``, never the Python name ``gpus_per_node``
+        spec = api_spec.TrainingJobSpec.model_validate(
+            _json_numbers(raw), by_alias=True, by_name=False
+        )
     except pydantic.ValidationError as err:
         raise SpecError([_problem(e) for e in err.errors()], source) from None
     problems = rules.check(spec)

@@ -3,8 +3,9 @@
 ``python tests/data/fuzz/make_corpus.py`` rewrites ``cases/`` and ``index.json``; both are
 committed, so the tests read fixed files and a change to this script shows in the diff.
 Each case is a valid job (``tests/builders.JobBuilder``) with one thing wrong, or a file
-that is not a TrainingJob at all; ``index.json`` says what each error must name and whether
-the file is YAML text ``kubectl apply`` can read.  Every bound of the CRD is also tried just
+that is not a TrainingJob at all; ``index.json`` says what each error must name, whether
+the file is UTF-8 YAML text, and, where ``kubectl apply`` cannot name the same field, what
+it says instead and why (``KUBECTL``).  Every bound of the CRD is also tried just
 above its limit (walked from the generated schema, so a new bound gets its case).
 """
 
@@ -30,7 +31,7 @@ BASE: dict[str, Any] = JobBuilder("fuzz", None).parallelism(data=2).manifest()
 """The valid job every field case changes one thing of."""
 
 Case = tuple[str, bytes, str, bool]
-"""File name, contents, what the error names, whether kubectl can read it as YAML."""
+"""File name, contents, what the error names, whether it is UTF-8 YAML text."""
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
@@ -121,15 +122,35 @@ FIELD_CASES: list[Case] = [
     _field("gpus-per-node-zero", "spec.resources.gpusPerNode", 0),
     _field("gpu-resource-space", "spec.resources.gpuResourceName", "nvidia gpu"),
     _field("node-selector-bad-key", "spec.resources.nodeSelector", {"bad key!": "x"}),
-    _field("node-selector-bad-value", "spec.resources.nodeSelector", {"pool": "bad value!"}),
-    _field("node-selector-int-value", "spec.resources.nodeSelector", {"pool": 1}),
+    _field(
+        "node-selector-bad-value",
+        "spec.resources.nodeSelector",
+        {"pool": "bad value!"},
+        names="spec.resources.nodeSelector.pool",
+    ),
+    _field(
+        "node-selector-int-value",
+        "spec.resources.nodeSelector",
+        {"pool": 1},
+        names="spec.resources.nodeSelector.pool",
+    ),
     _field("label-bad-key", "spec.pod.labels", {"bad key!": "x"}),
     _field("label-unicode-key", "spec.pod.labels", {"\u00e9quipe": "x"}),
-    _field("label-long-value", "spec.pod.labels", {"team": "x" * 64}),
+    _field("label-long-value", "spec.pod.labels", {"team": "x" * 64}, names="spec.pod.labels.team"),
     _field("annotation-bad-key", "spec.pod.annotations", {"a/b/c": "x"}),
-    _field("fabric-label-bad", "spec.topology.levels", [{"label": "bad label!"}]),
+    _field(
+        "fabric-label-bad",
+        "spec.topology.levels",
+        [{"label": "bad label!"}],
+        names="spec.topology.levels[0].label",
+    ),
     _field("nvlink-label-bad", "spec.topology.nvlinkDomainLabel", "a b"),
-    _field("env-name-bad", "spec.pod.env", [{"name": "1BAD", "value": "x"}]),
+    _field(
+        "env-name-bad",
+        "spec.pod.env",
+        [{"name": "1BAD", "value": "x"}],
+        names="spec.pod.env[0].name",
+    ),
     _field("unknown-field", "spec.parallelism.dataa", 2),
     _field("unknown-section", "spec.everything", {"a": 1}),
     _field("unknown-long-key", "spec." + "k" * 5000, 1, names="spec.'kkkkkkkk"),
@@ -276,7 +297,12 @@ TEXT_CASES: list[Case] = [
     _text(
         "zero-width-key",
         _replaced("    data: 2", "    d\u200bata: 2"),
-        "spec.parallelism",
+        "spec.parallelism.d\u200bata",
+    ),
+    _text(
+        "snake-case-key",
+        _replaced("gpusPerNode: 1", "gpus_per_node: 1"),
+        "spec.resources.gpus_per_node",
     ),
     _text(
         "bom-and-control",
@@ -351,6 +377,107 @@ def bound_cases() -> list[Case]:
     return cases
 
 
+_INF = "kubectl converts YAML to JSON before it sends it, and JSON has no {}: its own parse error names no field"
+_PARSE = "kubectl's YAML reader refuses the file before the API server sees it; its error names the line, not a field"
+_NOTHING = "kubectl reads no object from the file and sends nothing"
+_DECODE = (
+    "the API server's strict decoder refuses an unknown field before the schema is checked, "
+    "and names that field: {}"
+)
+_COLLAPSED = (
+    "kubectl's YAML reader keeps the last of duplicate keys silently; the API server judges "
+    "what is left"
+)
+_GO_YAML = "kubectl's YAML reader (go-yaml) {}; the API server refuses the result by its type"
+KUBECTL: dict[str, tuple[str, str]] = {
+    "bucket-inf.yaml": ("unsupported value: +Inf", _INF.format("infinity")),
+    "bucket-nan.yaml": ("unsupported value: NaN", _INF.format("NaN")),
+    "learning-rate-inf.yaml": ("unsupported value: +Inf", _INF.format("infinity")),
+    "learning-rate-minus-inf.yaml": ("unsupported value: -Inf", _INF.format("infinity")),
+    "learning-rate-nan.yaml": ("unsupported value: NaN", _INF.format("NaN")),
+    "rope-theta-inf.yaml": ("unsupported value: +Inf", _INF.format("infinity")),
+    "float-inf-literal.yaml": ("unsupported value: +Inf", _INF.format("infinity")),
+    "alias-bomb.yaml": ("yaml: document contains excessive aliasing", _PARSE),
+    "alias-bomb-top.yaml": ("yaml: document contains excessive aliasing", _PARSE),
+    "tabs.yaml": ("yaml: line 7: found character that cannot start any token", _PARSE),
+    "unclosed-quote.yaml": ("yaml: line 14: found unexpected end of stream", _PARSE),
+    "bad-indent.yaml": ("yaml: line 7: did not find expected key", _PARSE),
+    "empty.yaml": ("no objects passed to apply", _NOTHING),
+    "only-comment.yaml": ("no objects passed to apply", _NOTHING),
+    "top-list.yaml": (
+        "invalid object to validate",
+        "kubectl's client-side check refuses a file that is not one object",
+    ),
+    "top-scalar.yaml": (
+        "invalid object to validate",
+        "kubectl's client-side check refuses a file that is not one object",
+    ),
+    "api-version-wrong.yaml": (
+        'no matches for kind "TrainingJob" in version "meshtrain.io/v1"',
+        "kubectl maps apiVersion and kind to a resource before it sends anything; no CRD serves "
+        "meshtrain.io/v1, so it names the version, not the field",
+    ),
+    "duplicate-kind.yaml": (
+        'no matches for kind "Pod" in version "meshtrain.io/v1alpha1"',
+        _COLLAPSED + " (kind: Pod, which no CRD of the group serves)",
+    ),
+    "duplicate-data.yaml": (
+        "spec.parallelism.data: Invalid value: 65537",
+        _COLLAPSED + " (data: 65537)",
+    ),
+    "duplicate-spec.yaml": (
+        "spec.parallelism: Invalid value: world size data x pipeline x tensor must be a multiple of resources.gpusPerNode",
+        _COLLAPSED + " (the second spec, without resources)",
+    ),
+    "data-null-map.yaml": (
+        'unknown field "spec.parallelism.data.value"',
+        _DECODE.format("the key inside the mapping"),
+    ),
+    "alias-bomb-in-data.yaml": (
+        'unknown field "lol"',
+        _DECODE.format(
+            "the anchor's top-level key, which kubectl's reader expands within its alias limit"
+        ),
+    ),
+    "deep-nesting-block.yaml": (
+        'unknown field "spec.k0"',
+        _DECODE.format("the outermost nested key"),
+    ),
+    "deep-nesting-flow.yaml": (
+        'spec.parallelism.data: Invalid value: "array"',
+        _GO_YAML.format("reads all 2000 levels of nesting"),
+    ),
+    "huge-integer-digits.yaml": (
+        'spec.parallelism.data: Invalid value: "string"',
+        _GO_YAML.format("reads a 5000-digit integer as a string"),
+    ),
+    "python-tag.yaml": (
+        'spec.parallelism.data: Invalid value: "array"',
+        _GO_YAML.format("ignores the python tag and reads its list"),
+    ),
+    "binary-random.yaml": ("yaml: control characters are not allowed", _PARSE),
+    "binary-png.yaml": ("yaml: control characters are not allowed", _PARSE),
+    "utf16.yaml": (
+        "spec.parallelism.data: Invalid value: 1.1805916207174113e+21",
+        "kubectl decodes UTF-16 (the file has a byte-order mark) and the API server refuses "
+        "data: 2^70 by its bound; meshtrain reads UTF-8 only and refuses the encoding",
+    ),
+    "latin1.yaml": (
+        'spec.model.preset: Unsupported value: "t\ufffdny"',
+        "kubectl replaces the byte that is not UTF-8 and the API server refuses the preset it "
+        "does not know; meshtrain refuses the encoding",
+    ),
+    "two-documents.yaml": (
+        "spec.parallelism.data: Invalid value: 0",
+        "kubectl applies each document on its own: the first, the valid base job, is accepted "
+        "(created by a real apply); the second is refused naming its field",
+    ),
+}
+"""File name -> (what ``kubectl apply``'s error says, why it cannot name the field ``meshtrain
+validate`` names) for the files the API server does not judge as validate does; kubectl's
+error names validate's field for every other file."""
+
+
 def main() -> int:
     cases = FIELD_CASES + TEXT_CASES + bound_cases()
     names = [c[0] for c in cases]
@@ -359,9 +486,13 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     index = {}
+    assert set(KUBECTL) <= set(names), "KUBECTL names a file that is not a case"
     for name, data, names_, readable in cases:
         (out / name).write_bytes(data)
         index[name] = {"names": names_, "yaml": readable}
+        if name in KUBECTL:
+            says, why = KUBECTL[name]
+            index[name]["kubectl"] = {"says": says, "why": why}
     (HERE / "index.json").write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {len(cases)} cases to {out}")
     return 0
