@@ -5,7 +5,9 @@ by the chart).  ``kubectl get -w`` watches the job's pods and the TrainingJob an
 version as it arrives: the kubelet first reporting a reason on a pod, and the job's condition
 first carrying that reason with the kubelet's message, must lie within 30 s.
 
-1. An image tag that does not exist, pulled (``IfNotPresent``): the pull error is named.
+1. An image tag that does not exist, pulled (``IfNotPresent``) from a registry the sandbox
+   cannot reach: the pull error is named within 30 s and the job is neither failed nor
+   restarted (a registry out of reach may come back; the startup timeout bounds the wait).
 2. The same tag under ``imagePullPolicy: Never``: ``ErrImageNeverPull``, and the job fails at
    once without spending a restart.
 3. A Secret the pod's ``env`` names that does not exist: ``CreateContainerConfigError`` is
@@ -179,8 +181,16 @@ def test_a_missing_image_is_named_and_under_pull_policy_never_fails_at_once(
         time.sleep(NAMED_WITHIN)
     reason, delay = _delay(pods, job, pulls)
     assert delay <= NAMED_WITHIN, delay
+    # The sandbox has no route to ghcr.io: containerd says the registry cannot be reached (a
+    # lookup or connection error), a fault that may pass, not that the tag is missing.
+    said = {m for _, pod in pods.seen for r, m in _reported(pod) if r in pulls}
+    assert not any("not found" in m or "manifest unknown" in m for m in said), said
     last = job.seen[-1][1]
-    assert not last["status"].get("restarts"), json.dumps(last["status"], indent=2)
+    status = last["status"]
+    assert status.get("phase") != "Failed", json.dumps(status, indent=2)
+    assert not status.get("restarts"), json.dumps(status, indent=2)
+    shown = _condition(last, conditions.RUNNING)
+    assert shown["status"] == conditions.FALSE and shown["reason"] in pulls, shown
     assert _job_events(paths, pulled, reason), f"an Event with reason {reason}"
     print(f"{pulled}: {json.dumps(last['status'].get('conditions'), indent=2)}")
 

@@ -60,6 +60,44 @@ EVICTED = (
     "The node was low on resource: memory. Threshold quantity: 100Mi, available: 80Mi. "
     "Container trainer was using 3Gi, request is 1Gi, has larger consumption of memory. "
 )
+# The kubelet's eviction messages for a pod over its own limits (pkg/kubelet/eviction/helpers.go:
+# containerEphemeralStorageMessageFmt, podEphemeralStorageMessageFmt, emptyDirMessageFmt): its
+# localStorageEviction passes no DisruptionTarget condition (eviction_manager.go evictPod(..., nil)).
+OWN_LIMIT_EVICTIONS = (
+    'Container trainer exceeded its local ephemeral storage limit "1Gi". ',
+    "Pod ephemeral local storage usage exceeds the total limit of containers 1Gi. ",
+    'Usage of EmptyDir volume "dshm" exceeds the limit "8Gi". ',
+)
+# A registry the cluster cannot reach for a moment, or a token being renewed: containerd's words
+# (remotes/docker: "unexpected status from %s request to %s: %s"; Go's resolver: "no such host").
+TRANSIENT_PULLS = (
+    f'failed to pull and unpack image "{IMAGE}": failed to resolve reference "{IMAGE}": failed to '
+    'do request: Head "https://ghcr.io/v2/meshtrain/trainer/manifests/no-such-tag": dial tcp: '
+    "lookup ghcr.io on 10.96.0.10:53: no such host",
+    f'failed to pull and unpack image "{IMAGE}": failed to resolve reference "{IMAGE}": failed to '
+    "authorize: failed to fetch oauth token: unexpected status from GET request to "
+    "https://ghcr.io/token?scope=repository%3Ameshtrain%2Ftrainer%3Apull: 401 Unauthorized",
+    'failed to pull and unpack image "123456789012.dkr.ecr.us-east-1.amazonaws.com/team/trainer:v1":'
+    ' failed to resolve reference "123456789012.dkr.ecr.us-east-1.amazonaws.com/team/trainer:v1": '
+    "unexpected status from HEAD request to https://123456789012.dkr.ecr.us-east-1.amazonaws.com"
+    "/v2/team/trainer/manifests/v1: 403 Forbidden",
+    "Error response from daemon: denied: Your authorization token has expired. Reauthenticate "
+    "and try again.",
+)
+# runc refusing a bind mount whose source is not there yet (a volume still being set up): the
+# words "no such file or directory" are the mount's, not the command's.
+MOUNT_RACE = (
+    "failed to create containerd task: failed to create shim task: OCI runtime create failed: "
+    "runc create failed: unable to start container process: error during container init: error "
+    'mounting "/var/lib/kubelet/pods/0c1d/volumes/kubernetes.io~configmap/cfg" to rootfs at '
+    '"/etc/meshtrain": mount /var/lib/kubelet/pods/0c1d/volumes/kubernetes.io~configmap/cfg:'
+    "/etc/meshtrain (via /proc/self/fd/6), flags: 0x5001: no such file or directory: unknown"
+)
+NO_SCRIPT = (
+    "failed to create containerd task: failed to create shim task: OCI runtime create failed: "
+    'runc create failed: unable to start container process: exec: "/opt/meshtrain/run.sh": stat '
+    "/opt/meshtrain/run.sh: no such file or directory: unknown"
+)
 
 
 def at(seconds: float) -> datetime.datetime:
@@ -233,8 +271,22 @@ def test_oom_killed_once_the_backoff_limit_is_used_fails_the_job_naming_it():
     assert "OOMKilled" in failed["message"] and "64Mi" in failed["message"]
 
 
-def test_an_eviction_is_a_disruption_named_with_the_kubelets_message():
-    evicted = kubelet_pod(1, phase="Failed", reason="Evicted", message=EVICTED)
+def disruption_target(reason: str, message: str) -> dict[str, Any]:
+    """The condition the kubelet, kube-scheduler or a controller adds before ending a pod."""
+    return {
+        "type": "DisruptionTarget",
+        "status": "True",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": conditions.timestamp(at(29)),
+    }
+
+
+def test_a_node_pressure_eviction_is_a_disruption_named_with_the_kubelets_message():
+    """The kubelet's node-pressure eviction: phase Failed, reason Evicted, and a DisruptionTarget
+    condition with reason TerminationByKubelet (eviction_manager.go synchronize)."""
+    pressure = [disruption_target("TerminationByKubelet", EVICTED)]
+    evicted = kubelet_pod(1, phase="Failed", reason="Evicted", message=EVICTED, conditions=pressure)
     pods = read(kubelet_pod(0, phase="Running", **running()), evicted)
     decision = lifecycle.decide(job(), pods, at(30))
     status = status_of(decision)
@@ -261,9 +313,28 @@ def test_a_command_the_image_lacks_fails_the_job_at_once():
     assert failed["reason"] == "StartError" and "executable file not found" in failed["message"]
 
 
+def pod_conditions(ready_to_start: str) -> list[dict[str, Any]]:
+    """The kubelet's pod conditions while a container waits in ContainerCreating."""
+    since = conditions.timestamp(at(2))
+    return [
+        {
+            "type": "PodReadyToStartContainers",
+            "status": ready_to_start,
+            "lastTransitionTime": since,
+        },
+        {"type": "Initialized", "status": "True", "lastTransitionTime": since},
+        {"type": "Ready", "status": "False", "reason": "ContainersNotReady"},
+        {"type": "ContainersReady", "status": "False", "reason": "ContainersNotReady"},
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": since},
+    ]
+
+
 def test_an_image_still_pulling_does_not_count_against_the_startup_timeout():
     creating = waiting("ContainerCreating")
-    pulling = read(kubelet_pod(0, **running()), kubelet_pod(1, **creating))
+    pulling = read(
+        kubelet_pod(0, **running()),
+        kubelet_pod(1, conditions=pod_conditions("True"), **creating),
+    )
     past = at(90 + 60)  # startupTimeoutSeconds=90 after the first pod was created
     decision = lifecycle.decide(job(), pulling, past)
     assert "phase" not in status_of(decision)
@@ -273,6 +344,23 @@ def test_an_image_still_pulling_does_not_count_against_the_startup_timeout():
     assert status_of(timed_out)["phase"] == "Restarting"
     beyond = at(90 + container_reasons.PULL_ALLOWANCE_SECONDS)
     assert status_of(lifecycle.decide(job(), pulling, beyond))["phase"] == "Restarting"
+
+
+@pytest.mark.parametrize("ready", ["False", None])
+def test_a_pod_whose_volumes_or_sandbox_are_not_ready_gets_no_pull_allowance_and_is_named(ready):
+    """ContainerCreating before PodReadyToStartContainers=True: a volume that does not mount
+    (Multi-Attach, a missing Secret volume) or a sandbox the CNI cannot create, not a pull; a
+    kubelet older than 1.29 writes no such condition (None) and gets no allowance either."""
+    found = pod_conditions(ready or "False")
+    if ready is None:
+        found = found[1:]  # no PodReadyToStartContainers at all
+    stuck = kubelet_pod(1, conditions=found, **waiting("ContainerCreating"))
+    pods = read(kubelet_pod(0, **running()), stuck)
+    decision = lifecycle.decide(job(), pods, at(91))
+    assert status_of(decision)["phase"] == "Restarting"
+    message = condition(decision, conditions.RUNNING)["message"]
+    assert "startupTimeoutSeconds=90" in message and "PodReadyToStartContainers" in message
+    assert "FailedMount" in message and "pod j-r0-1" in message
 
 
 def test_what_the_pod_says_is_bounded():
@@ -301,3 +389,73 @@ def test_a_startup_timeout_names_what_the_kubelet_says_keeps_the_gang_waiting():
     shown = condition(decision, conditions.RUNNING)
     assert shown["reason"] == "ErrImagePull"
     assert "startupTimeoutSeconds=90" in shown["message"] and TLS_TIMEOUT in shown["message"]
+
+
+@pytest.mark.parametrize("message", OWN_LIMIT_EVICTIONS)
+def test_an_eviction_for_the_pods_own_limits_is_the_jobs_failure_and_uses_the_backoff_limit(
+    message,
+):
+    evicted = kubelet_pod(1, phase="Failed", reason="Evicted", message=message)
+    pods = read(kubelet_pod(0, phase="Running", **running()), evicted)
+    found = pod_failure.classify(pods[1])
+    assert found is not None and not found.disruption and not found.permanent
+    decision = lifecycle.decide(job(), pods, at(30))
+    status = status_of(decision)
+    assert status["phase"] == "Restarting" and "disruptionRestarts" not in status
+    assert "excludedNodes" not in status and "disruptions" not in status
+    shown = condition(decision, conditions.RUNNING)
+    assert shown["reason"] == "Evicted" and message.strip() in shown["message"]
+    assert "restart 1 of" in shown["message"]
+    spent = lifecycle.decide(job(spec(backoffLimit=0)), pods, at(30))
+    failed = condition(spent, conditions.FAILED)
+    assert failed["reason"] == conditions.BACKOFF_LIMIT_EXCEEDED
+    assert message.strip() in failed["message"]
+
+
+def test_a_pending_termination_condition_is_not_a_disruption_target():
+    """Newer kubelets mark a limit eviction PendingTermination/EvictionByKubelet, not DisruptionTarget."""
+    pending = {
+        "type": "PendingTermination",
+        "status": "True",
+        "reason": "EvictionByKubelet",
+        "message": OWN_LIMIT_EVICTIONS[0],
+    }
+    evicted = kubelet_pod(
+        1, phase="Failed", reason="Evicted", message=OWN_LIMIT_EVICTIONS[0], conditions=[pending]
+    )
+    found = pod_failure.classify(read(evicted)[0])
+    assert found is not None and not found.disruption and found.reason == "Evicted"
+
+
+@pytest.mark.parametrize("message", TRANSIENT_PULLS)
+@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff"])
+def test_a_pull_failing_for_a_passing_fault_of_the_cluster_is_named_and_retried(reason, message):
+    said = message if reason == "ErrImagePull" else f"Back-off pulling image: {message}"
+    pods = read(kubelet_pod(0, **running()), kubelet_pod(1, **waiting(reason, said)))
+    decision = lifecycle.decide(job(), pods, at(8))
+    assert "phase" not in status_of(decision)
+    shown = condition(decision, conditions.RUNNING)
+    assert (shown["status"], shown["reason"]) == (conditions.FALSE, reason)
+    assert said in shown["message"]
+    assert [e.reason for e in events(decision)] == [reason]
+    # Left to the kubelet's retries; the startup timeout still bounds it, naming the pull.
+    late = lifecycle.decide(job(), pods, at(91))
+    assert status_of(late)["phase"] == "Restarting"
+    assert said in condition(late, conditions.RUNNING)["message"]
+
+
+def test_a_start_error_from_a_mount_is_retried_and_a_missing_command_path_is_permanent():
+    mount = read(
+        kubelet_pod(0, phase="Running", **running()),
+        kubelet_pod(1, phase="Failed", **terminated("StartError", 128, MOUNT_RACE)),
+    )
+    retried = lifecycle.decide(job(), mount, at(30))
+    assert status_of(retried)["phase"] == "Restarting"
+    assert condition(retried, conditions.RUNNING)["reason"] == "StartError"
+    script = read(
+        kubelet_pod(0, phase="Running", **running()),
+        kubelet_pod(1, phase="Failed", **terminated("StartError", 128, NO_SCRIPT)),
+    )
+    failed = lifecycle.decide(job(), script, at(30))
+    assert status_of(failed)["phase"] == "Failed" and "restarts" not in status_of(failed)
+    assert condition(failed, conditions.FAILED)["reason"] == "StartError"

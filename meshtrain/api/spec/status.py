@@ -156,6 +156,12 @@ class Disruptions(base.StatusModel):
         description="Disruption restarts in a row (since a gang last ran for 10 minutes); the job fails "
         "once it passes runPolicy.disruptionRestartLimit.",
     )
+    preemptions: int = Field(
+        0,
+        ge=0,
+        description="Preemption restarts in a row (kube-scheduler preemption, the Eviction API): "
+        "spaced like the others, not counted against runPolicy.disruptionRestartLimit.",
+    )
     not_before: str | None = Field(
         None,
         description="RFC 3339 time before which the gang is not placed again (exponential backoff "

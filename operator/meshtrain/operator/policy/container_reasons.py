@@ -31,13 +31,16 @@ NEVER_PULLS = frozenset({"InvalidImageName", "ErrImageNeverPull", "SignatureVali
 """Image reasons no retry can change: a malformed name, ``imagePullPolicy: Never`` without the
 image on the node, a signature the node's policy refuses."""
 MISSING_IMAGE = re.compile(
-    r"not found|manifest unknown|no such host|unauthorized|denied|forbidden"
-    r"|repository does not exist|invalid reference format|name unknown",
+    r"not found|manifest unknown|name unknown|repository does not exist"
+    r"|invalid reference format|pull access denied",
     re.IGNORECASE,
 )
 """What the registry answers (through containerd) for an image that is not there or not ours to
 pull: ``ErrImagePull``/``ImagePullBackOff`` with such a message fail the job at once.  Any other
-message (a timeout, a refused connection, 429/5xx) is retried by the kubelet."""
+message is named and retried by the kubelet, the startup timeout bounding it: a timeout, a
+refused connection, 429/5xx, and also what a passing fault of the cluster says (``no such host``
+while CoreDNS restarts; ``401 Unauthorized``, ``403 Forbidden`` or ``denied: Your authorization
+token has expired`` while a registry token is renewed, every 12 h on ECR)."""
 CONFIG_ERROR = "CreateContainerConfigError"
 """The container's configuration names something missing: a Secret or ConfigMap of ``env``."""
 CREATE_ERROR = "CreateContainerError"
@@ -45,15 +48,25 @@ CREATE_ERROR = "CreateContainerError"
 WAITING_REASONS = IMAGE_PULL_REASONS | {CONFIG_ERROR, CREATE_ERROR, "RunContainerError"}
 """Waiting reasons that name a problem (``ContainerCreating`` and ``PodInitializing`` do not)."""
 CREATING = frozenset({"ContainerCreating", "PodInitializing"})
-"""Waiting reasons while the kubelet pulls the image or mounts the volumes: not a problem."""
+"""Waiting reasons while the kubelet prepares the pod or pulls the image: not a problem."""
+READY_TO_START = "PodReadyToStartContainers"
+"""Pod condition the kubelet sets True once the pod's sandbox exists, its network configured and
+its volumes mounted (kubelet 1.29+): past it, a container still ``ContainerCreating`` waits for
+its image."""
 OOM_KILLED = "OOMKilled"
 START_ERROR_REASONS = frozenset({"StartError", "ContainerCannotRun"})
 """Terminated reasons of a container whose command could not start."""
 CANNOT_RUN = re.compile(
-    r"executable file not found|no such file or directory|permission denied|exec format error",
+    r"executable file not found"
+    r'|exec:? "?[^"\s]+"?: (?:stat \S+: )?(?:no such file or directory|permission denied'
+    r"|exec format error)",
     re.IGNORECASE,
 )
-"""A start error no retry can change: the command is not in the image, or cannot execute."""
+"""A start error no retry can change: runc could not find or execute the command
+(``exec: "torchrun": executable file not found in $PATH``, ``exec: "/run.sh": stat /run.sh: no
+such file or directory``, ``exec /run.sh: exec format error``).  The same words from a mount
+(``error mounting "..." to rootfs at "/data": ...: no such file or directory``: a volume not yet
+there) are not the command's: retried."""
 TERMINATED_REASONS = START_ERROR_REASONS | {OOM_KILLED}
 """Terminated reasons that name a problem (``Error`` and ``Completed`` say only the exit code)."""
 EVICTED, DEADLINE_EXCEEDED = "Evicted", "DeadlineExceeded"
@@ -67,11 +80,15 @@ CONFIG_GRACE_SECONDS = 60
 ``status.startTime``) before the job fails: one applied with the job, or by a controller
 moments later, is seen by the kubelet's next retry (10 s, then 20 s, 40 s)."""
 PULL_ALLOWANCE_SECONDS = 3600
-"""How long ``startupTimeoutSeconds`` waits while the kubelet creates a pod's containers (pulls a
-6 GB image: minutes): the timeout covers scheduling and starting, not the download; a volume
-that never mounts (also ``ContainerCreating``) still times out, this much later."""
+"""How long ``startupTimeoutSeconds`` waits while the kubelet pulls a pod's image (a 6 GB image:
+minutes): the timeout covers scheduling and starting, not the download.  Only once the pod is
+:data:`READY_TO_START`: before that ``ContainerCreating`` also covers a volume that never mounts
+(Multi-Attach, a missing Secret volume) and a sandbox the CNI cannot create, which time out as
+any start does, the message saying so (:func:`unprepared`)."""
 MAX_CONTAINERS = 16
 """Container statuses read per list of a pod: ours have one; a tenant's webhook may add more."""
+MAX_CONDITIONS = 32
+"""Pod conditions read (the kubelet and the control plane write fewer than ten)."""
 MAX_MESSAGE = 512
 """Characters of the kubelet's message kept (the image name is the tenant's; status stays small)."""
 
@@ -135,12 +152,39 @@ def read(pod: Mapping[str, Any]) -> Problem | None:
     return None
 
 
-def creating(pod: Mapping[str, Any]) -> bool:
-    """Whether the kubelet still creates a container of ``pod`` (pulls its image, mounts volumes)."""
+def _creating(pod: Mapping[str, Any]) -> bool:
     return any(
         ((c.get("state") or {}).get("waiting") or {}).get("reason") in CREATING
         for c in _statuses(pod.get("status") or {})
     )
+
+
+def _ready_to_start(pod: Mapping[str, Any]) -> bool:
+    found = (pod.get("status") or {}).get("conditions") or []
+    return any(
+        isinstance(c, Mapping) and c.get("type") == READY_TO_START and c.get("status") == "True"
+        for c in found[:MAX_CONDITIONS]
+    )
+
+
+def pulling(pod: Mapping[str, Any]) -> bool:
+    """Whether the kubelet pulls an image of ``pod``: a container waits in ``ContainerCreating``
+    (or ``PodInitializing``) with the sandbox made and the volumes mounted (:data:`READY_TO_START`)."""
+    return _creating(pod) and _ready_to_start(pod)
+
+
+def unprepared(pod: Mapping[str, Any]) -> bool:
+    """Whether a container of ``pod`` waits in ``ContainerCreating`` before :data:`READY_TO_START`:
+    its volumes are not mounted or its sandbox not created (the pod's Events say which)."""
+    return _creating(pod) and not _ready_to_start(pod)
+
+
+UNPREPARED = (
+    "ContainerCreating, not yet PodReadyToStartContainers: its volumes are not mounted or its "
+    "sandbox not created (the pod's Events say which: FailedMount, FailedAttachVolume, "
+    "FailedCreatePodSandBox)"
+)
+"""What the startup timeout adds for a pod :func:`unprepared`."""
 
 
 def described(pod: str, problem: Problem) -> str:

@@ -6,7 +6,9 @@ restarted a job hundreds of times a minute.  :func:`judge` counts the disruption
 row (a gang that ran for :data:`STEADY_SECONDS` starts the count again), fails the job once they
 pass the limit, spaces the next placement after a repeated one (:data:`WAITING`), and excludes
 a node that disrupted the job twice the way a straggler's node is (``status.excludedNodes``,
-left out of the job's placements for ``stragglers.EXCLUSION_SECONDS``).
+left out of the job's placements for ``stragglers.EXCLUSION_SECONDS``).  A preemption
+(:data:`PREEMPTIONS`: the cluster took the pods back for other work, from a healthy node) is
+spaced the same way but spends no budget and excludes no node.
 Pure: the jitter comes from the job's UID and attempt, so a decision repeated waits the same.
 """
 
@@ -44,6 +46,15 @@ BACKOFF_CAP_SECONDS = 300.0
 """Longest wait between two placements of a job that keeps being disrupted (before jitter)."""
 NODES_KEPT = 32
 """Nodes remembered in ``status.disruptions.nodes`` (most recent): the status stays bounded."""
+PREEMPTIONS = frozenset({"PreemptionByScheduler", "EvictionByEvictionAPI", "Preempting"})
+"""Reasons (of the ``DisruptionTarget`` condition, or the pod's ``status.reason``) of a disruption
+that says nothing against the node: kube-scheduler preempting for a pod of higher priority, an
+Eviction API call (``kubectl drain``, the cluster autoscaler's scale-down, a descheduler), the
+kubelet preempting to admit a critical pod.  Node-caused reasons (``TerminationByKubelet`` under
+node pressure or shutdown, ``DeletionByTaintManager`` for a NoExecute taint such as
+``unreachable``, ``DeletionByPodGC`` for a node gone, a node lost, a kubelet admission
+rejection) count against the limit and exclude the node; these do neither: a rolling drain or a
+busy priority class must not fail a job or leave healthy nodes out of it for a day."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +81,46 @@ def _record(status: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _reason(pod: pod_state.PodState) -> str:
+    """What disrupted ``pod``: its ``status.reason`` (``Evicted``, ``UnexpectedAdmissionError``), else
+    its ``DisruptionTarget`` condition's (``PreemptionByScheduler``, ``DeletionByTaintManager``)."""
     if pod.phase == "Unknown":
         return "NodeLost"
-    return pod.reason or ("DisruptionTarget" if pod.disrupted else "Disrupted")
+    return (
+        pod.reason
+        or pod.disruption_reason
+        or ("DisruptionTarget" if pod.disrupted else "Disrupted")
+    )
+
+
+def preempted(pod: pod_state.PodState) -> bool:
+    """Whether ``pod`` was disrupted for other work, not by its node (:data:`PREEMPTIONS`)."""
+    return pod.disruption_reason in PREEMPTIONS or pod.reason in PREEMPTIONS
+
+
+def _failed_pods(
+    seen: situation.Situation, failures: Sequence[pod_failure.Failure]
+) -> list[pod_state.PodState | None]:
+    by_name = {p.name: p for p in seen.current}
+    return [by_name.get(f.pod) for f in failures]
+
+
+def only_preempted(seen: situation.Situation, failures: Sequence[pod_failure.Failure]) -> bool:
+    """Whether every failed pod of ``failures`` was preempted (:func:`preempted`)."""
+    pods = _failed_pods(seen, failures)
+    return bool(pods) and all(p is not None and preempted(p) for p in pods)
 
 
 def disrupting_nodes(
     seen: situation.Situation, failures: Sequence[pod_failure.Failure]
 ) -> dict[str, str]:
-    """The nodes the disrupted pods of the gang were on -> the disruption's reason.
+    """The nodes the disrupted pods of the gang were on -> the disruption's reason; a preempted
+    pod's node is not among them.
 
     A pod gone with its node (``pod_failure.of_gang``) is found through ``status.placement``.
     """
-    by_name = {p.name: p for p in seen.current}
     found: dict[str, str] = {}
-    for failed in failures:
-        pod = by_name.get(failed.pod)
-        if pod is not None and pod.node:
+    for pod in _failed_pods(seen, failures):
+        if pod is not None and pod.node and not preempted(pod):
             found.setdefault(pod.node, _reason(pod))
     if not found:
         for entry in seen.job.status.get("placement") or []:
@@ -98,17 +132,25 @@ def disrupting_nodes(
     return found
 
 
-def streak(seen: situation.Situation) -> int:
-    """Disruption restarts in a row before this one: none once the gang ran :data:`STEADY_SECONDS`."""
+def _steady(seen: situation.Situation) -> bool:
+    """Whether the gang has run (every pod Running) for :data:`STEADY_SECONDS`."""
     running = conditions.find(job_state.conditions_of(seen.job), conditions.RUNNING) or {}
     since = conditions.parse_time(running.get("lastTransitionTime"))
-    if (
+    return (
         running.get("status") == conditions.TRUE
         and since is not None
         and (seen.now - since).total_seconds() >= STEADY_SECONDS
-    ):
-        return 0
-    return _whole(_record(seen.job.status).get("streak"))
+    )
+
+
+def streak(seen: situation.Situation) -> int:
+    """Disruption restarts in a row before this one: none once the gang ran :data:`STEADY_SECONDS`."""
+    return 0 if _steady(seen) else _whole(_record(seen.job.status).get("streak"))
+
+
+def preemptions(seen: situation.Situation) -> int:
+    """Preemption restarts in a row before this one (not in :func:`streak`), likewise."""
+    return 0 if _steady(seen) else _whole(_record(seen.job.status).get("preemptions"))
 
 
 def _nodes_after(
@@ -164,10 +206,47 @@ def describe(nodes: Sequence[Mapping[str, Any]]) -> str:
     return said + (f" and {more} more" if more > 0 else "")
 
 
+def _spacing(seen: situation.Situation, before: int) -> tuple[float, str | None]:
+    """The wait after ``before`` disruption restarts in a row (none after the first) and
+    ``disruptions.notBefore`` for it."""
+    if before <= 0:
+        return 0.0, None
+    fraction = retries.fraction_of(f"{seen.job.ref.uid}/{seen.attempt}")
+    wait = retries.jittered(
+        before, base=BACKOFF_BASE_SECONDS, cap=BACKOFF_CAP_SECONDS, fraction=fraction
+    )
+    return wait, conditions.timestamp(seen.now + datetime.timedelta(seconds=math.ceil(wait)))
+
+
+def _preemption(seen: situation.Situation, failures: Sequence[pod_failure.Failure]) -> Verdict:
+    """One more preemption restart: spaced, not counted, no node excluded."""
+    record, before, earlier = _record(seen.job.status), streak(seen), preemptions(seen)
+    wait, not_before = _spacing(seen, before + earlier)
+    reasons = sorted({_reason(p) for p in _failed_pods(seen, failures) if p is not None})
+    changes = {
+        "disruptions": {
+            "streak": before,
+            "preemptions": earlier + 1,
+            "notBefore": not_before,
+            "nodes": _nodes_after(record.get("nodes"), {}, seen.now),
+        }
+    }
+    limit = seen.spec.run_policy.disruption_restart_limit
+    note = (
+        f"a preemption ({', '.join(reasons)}): not counted against "
+        f"disruptionRestartLimit={limit}, no node excluded"
+    )
+    if wait:
+        note += f"; placing the gang again in {math.ceil(wait)} s"
+    return Verdict(changes, wait, note, None)
+
+
 def judge(
     seen: situation.Situation, failures: Sequence[pod_failure.Failure], message: str
 ) -> Verdict:
     """One more disruption restart of ``seen``'s gang (``message``: what failed)."""
+    if only_preempted(seen, failures):
+        return _preemption(seen, failures)
     status, limit = seen.job.status, seen.spec.run_policy.disruption_restart_limit
     before = streak(seen)
     hit = disrupting_nodes(seen, failures)
@@ -178,16 +257,12 @@ def judge(
             f"(runPolicy.disruptionRestartLimit={limit}); disrupted by node(s) {describe(nodes)}"
         )
         return Verdict({}, 0.0, "", exceeded)
-    wait = 0.0
-    if before > 0:
-        fraction = retries.fraction_of(f"{seen.job.ref.uid}/{seen.attempt}")
-        wait = retries.jittered(
-            before, base=BACKOFF_BASE_SECONDS, cap=BACKOFF_CAP_SECONDS, fraction=fraction
-        )
-    not_before = seen.now + datetime.timedelta(seconds=math.ceil(wait))
+    earlier = preemptions(seen)
+    wait, not_before = _spacing(seen, before + earlier)
     record = {
         "streak": before + 1,
-        "notBefore": conditions.timestamp(not_before) if wait else None,
+        "preemptions": earlier,
+        "notBefore": not_before,
         "nodes": nodes,
     }
     excluded = _exclusions(nodes, hit, seen.now)

@@ -157,6 +157,10 @@ def _startup_timed_out(seen: situation.Situation) -> job_actions.Decision:
     named = next((p for p in waiting if p.problem is not None), None)
     if named is not None and named.problem is not None:  # what the kubelet says keeps it waiting
         message += "; " + container_reasons.described(named.name, named.problem)
+    else:
+        unprepared = next((p for p in waiting if p.unprepared), None)
+        if unprepared is not None:
+            message += f"; pod {unprepared.name}: {container_reasons.UNPREPARED}"
     slow = pod_failure.Failure(
         waiting[0].name if waiting else "gang",
         False,

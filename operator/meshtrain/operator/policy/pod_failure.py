@@ -15,11 +15,26 @@ from meshtrain.api import exitcodes
 from meshtrain.operator.policy import container_reasons, pod_state
 
 DISRUPTION_REASONS = frozenset(
-    {"NodeLost", "Evicted", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError"}
+    {
+        "NodeLost",
+        "Preempting",
+        "Shutdown",
+        "Terminated",
+        "UnexpectedAdmissionError",
+        "TopologyAffinityError",
+        "SMTAlignmentError",
+        "NodeAffinity",
+    }
 )
 """Pod status.reason set when the node or the kubelet, not the container, ended a pod.
 
-``UnexpectedAdmissionError``: the kubelet's device manager could not allocate the pod's devices.
+The kubelet's admission rejections: ``UnexpectedAdmissionError`` (its device manager could not
+allocate the pod's devices), ``TopologyAffinityError`` (its topology manager could not align them
+on a NUMA node), ``SMTAlignmentError`` (its CPU manager could not give whole cores),
+``NodeAffinity`` (the node's labels changed after binding).  ``Evicted`` is not here: the kubelet
+marks only its node-pressure evictions ``DisruptionTarget`` (reason ``TerminationByKubelet``); a
+pod evicted for exceeding its own ephemeral-storage or emptyDir limit carries none and failed by
+its own doing (as Job ``podFailurePolicy`` reads it).
 """
 
 KUBELET_OUT_OF = "OutOf"
@@ -85,7 +100,8 @@ def classify(pod: pod_state.PodState) -> Failure | None:
     shutdown), phase Unknown (node lost), a ``DisruptionTarget`` condition, a pod deleted by
     someone else.  A reason the kubelet gives (``container_reasons``) names the failure: an image
     that cannot be pulled, or a command the image cannot run, is permanent; ``OOMKilled``,
-    ``Evicted`` and ``DeadlineExceeded`` are retryable, the eviction a disruption.
+    ``Evicted`` and ``DeadlineExceeded`` are retryable, the eviction a disruption only with a
+    ``DisruptionTarget`` condition (node pressure, not the pod's own storage limits).
     """
     found = _classify(pod)
     if found is None or found.permanent or not disrupted(pod):
@@ -126,11 +142,8 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
             pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)"
         )
     if pod.disrupted and not pod.terminal:
-        return Failure(
-            pod.name,
-            False,
-            f"pod {pod.name} is being disrupted ({pod.reason or 'DisruptionTarget'})",
-        )
+        why = pod.reason or pod.disruption_reason or "DisruptionTarget"
+        return Failure(pod.name, False, f"pod {pod.name} is being disrupted ({why})")
     if pod.deleting and not pod.terminal:
         return Failure(pod.name, False, f"pod {pod.name} is being deleted")
     if pod.problem is not None and container_reasons.never_pulls(pod.problem):

@@ -42,6 +42,9 @@ class PodState:
     """status.reason of the pod (Evicted, NodeLost, ...)."""
     disrupted: bool = False
     """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
+    disruption_reason: str | None = None
+    """That condition's reason: who disrupts it (``PreemptionByScheduler``, ``TerminationByKubelet``,
+    ``DeletionByTaintManager``, ``EvictionByEvictionAPI``, ``DeletionByPodGC``, ...)."""
     bound: bool = False
     """spec.nodeName is set: the scheduler bound it."""
     unschedulable_message: str | None = None
@@ -56,8 +59,11 @@ class PodState:
     """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
     problem: container_reasons.Problem | None = None
     """The first reason the kubelet gives for a container not running or the pod's end (ErrImagePull, OOMKilled, ...)."""
-    creating: bool = False
-    """A container waits in ContainerCreating: the kubelet pulls its image or mounts its volumes."""
+    pulling: bool = False
+    """A container waits in ContainerCreating with the pod ready to start containers: the kubelet
+    pulls its image (``container_reasons.pulling``)."""
+    unprepared: bool = False
+    """A container waits in ContainerCreating before that: its volumes or sandbox are not ready."""
     started_at: datetime.datetime | None = None
     """status.startTime: when the kubelet took the pod (before pulling its image)."""
 
@@ -108,9 +114,13 @@ def read(pod: dict[str, Any]) -> PodState | None:
         ),
         None,
     )
-    disrupted = any(
-        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-        for c in status.get("conditions") or []
+    disruption = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        ),
+        None,
     )
     return PodState(
         name=metadata.get("name", ""),
@@ -127,7 +137,8 @@ def read(pod: dict[str, Any]) -> PodState | None:
         ip=status.get("podIP"),
         exit_code=exit_code,
         reason=status.get("reason"),
-        disrupted=disrupted,
+        disrupted=disruption is not None,
+        disruption_reason=_text(disruption.get("reason")) if disruption else None,
         bound=bool((pod.get("spec") or {}).get("nodeName")),
         unschedulable_message=(refusal.get("message") or "Unschedulable") if refusal else None,
         unschedulable_since=conditions.parse_time(refusal.get("lastTransitionTime"))
@@ -137,9 +148,15 @@ def read(pod: dict[str, Any]) -> PodState | None:
         reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
         problem=container_reasons.read(pod),
-        creating=container_reasons.creating(pod),
+        pulling=container_reasons.pulling(pod),
+        unprepared=container_reasons.unprepared(pod),
         started_at=conditions.parse_time(status.get("startTime")),
     )
+
+
+def _text(value: object) -> str | None:
+    """A reason written by the control plane: a short word, or None."""
+    return value[:64] if isinstance(value, str) and value else None
 
 
 def holding(pods: Sequence[PodState]) -> bool:

@@ -171,14 +171,14 @@ class Situation:
     def startup_left(self) -> float | None:
         """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod).
 
-        While the kubelet creates a pod's containers (pulls the image) the timeout waits, for up
-        to ``container_reasons.PULL_ALLOWANCE_SECONDS`` more.
+        While the kubelet pulls a pod's image (``PodState.pulling``: past its volumes and sandbox)
+        the timeout waits, for up to ``container_reasons.PULL_ALLOWANCE_SECONDS`` more.
         """
         created = [p.created_at for p in self.current if p.created_at is not None]
         if not created:
             return None
         timeout = self.spec.run_policy.startup_timeout_seconds
-        if any(p.creating and not p.terminal for p in self.current):
+        if any(p.pulling and not p.terminal for p in self.current):
             timeout += container_reasons.PULL_ALLOWANCE_SECONDS
         return (min(created) + datetime.timedelta(seconds=timeout) - self.now).total_seconds()
 
