@@ -450,19 +450,20 @@ def _probe(
     raise AssertionError(f"probe {namespace}/{name} did not finish")
 
 
-def _trainer_namespaces(paths: supervisor.Paths, namespaces: str) -> None:
-    """`helm upgrade` the sandbox's release with ``networkPolicy.trainerNamespaces={namespaces}``,
+def _trainer_namespaces(paths: supervisor.Paths, *namespaces: str) -> None:
+    """`helm upgrade` the sandbox's release with ``networkPolicy.trainerNamespaces`` = ``namespaces``,
     as an administrator does: the chart's trainer policy goes into (or out of) those namespaces,
     and the operator, rolled with its new flags, gives (or stops giving) each gang there its
     own policy.  The install's other values stay (Prometheus on the host is let in by ipBlock)."""
     found = binaries.locate()
-    subprocess.run(
+    upgraded = subprocess.run(
         [str(found.helm), "upgrade", supervisor.RELEASE, str(supervisor.REPO / "charts" / "meshtrain"),
          "--namespace", supervisor.NAMESPACE, "--reuse-values",
-         "--set", f"networkPolicy.trainerNamespaces={{{namespaces}}}",
+         "--set-json", f"networkPolicy.trainerNamespaces={json.dumps(list(namespaces))}",
          "--kubeconfig", str(paths.kubeconfig), "--wait", "--timeout", "5m"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )  # fmt: skip
+    assert upgraded.returncode == 0, upgraded.stderr
 
 
 def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
@@ -513,7 +514,7 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
         # Its gang stops (a checkpoint, then exit) before the sandbox goes: no container left running.
         example.kubectl(paths, "wait", "--for=delete", "pod", "-l", f"{naming.LABEL_JOB}={name}",
                         "-n", namespace, "--timeout=180s", check=False)  # fmt: skip
-        _trainer_namespaces(paths, "")  # the chart's trainer policy goes, and the operator's flag
+        _trainer_namespaces(paths)  # the chart's trainer policy goes, and the operator's flag
         example.kubectl(paths, "delete", "namespace", "outside", "--wait=false", check=False)
         for probe in ("gang-probe", "other-job-probe", "neighbour-probe"):
             example.kubectl(paths, "delete", "pod", probe, "-n", namespace, "--wait=false", check=False)  # fmt: skip
