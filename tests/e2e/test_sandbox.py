@@ -40,7 +40,7 @@ import pytest
 import yaml
 
 from meshtrain.operator.policy import naming
-from meshtrain.sandbox import example, node, nodeconfig, supervisor
+from meshtrain.sandbox import example, node, supervisor
 from meshtrain.sandbox.controlplane import binaries
 from tests.builders import JobBuilder
 
@@ -450,22 +450,20 @@ def _probe(
     raise AssertionError(f"probe {namespace}/{name} did not finish")
 
 
-HOST_LINKS = {"ipBlock": {"cidr": f"{nodeconfig.LINK_PREFIX}.0.0/16"}}
-"""Prometheus, on the host, reaches pods from these link addresses (the sandbox's install lets them in)."""
-
-
-def _trainer_policy(namespace: str) -> str:
-    """The chart's trainer NetworkPolicy for ``namespace``, as `helm upgrade` would add it."""
+def _trainer_namespaces(paths: supervisor.Paths, *namespaces: str) -> None:
+    """`helm upgrade` the sandbox's release with ``networkPolicy.trainerNamespaces`` = ``namespaces``,
+    as an administrator does: the chart's trainer policy goes into (or out of) those namespaces,
+    and the operator, rolled with its new flags, gives (or stops giving) each gang there its
+    own policy.  The install's other values stay (Prometheus on the host is let in by ipBlock)."""
     found = binaries.locate()
-    rendered = subprocess.run(
-        [str(found.helm), "template", supervisor.RELEASE, str(supervisor.REPO / "charts" / "meshtrain"),
-         "--namespace", supervisor.NAMESPACE, "--show-only", "templates/network-policy.yaml",
-         "--set", f"networkPolicy.trainerNamespaces={{{namespace}}}",
-         "--set-json", f"networkPolicy.extraIngressFrom=[{json.dumps(HOST_LINKS)}]"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    documents = [d for d in yaml.safe_load_all(rendered) if d]
-    return yaml.safe_dump_all([d for d in documents if d["metadata"]["namespace"] == namespace])
+    upgraded = subprocess.run(
+        [str(found.helm), "upgrade", supervisor.RELEASE, str(supervisor.REPO / "charts" / "meshtrain"),
+         "--namespace", supervisor.NAMESPACE, "--reuse-values",
+         "--set-json", f"networkPolicy.trainerNamespaces={json.dumps(list(namespaces))}",
+         "--kubeconfig", str(paths.kubeconfig), "--wait", "--timeout", "5m"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert upgraded.returncode == 0, upgraded.stderr
 
 
 def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
@@ -473,9 +471,10 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
 ) -> None:
     paths, state = sandbox
     job = _example("fenced", "fenced-checkpoints").training(steps=100000)
+    namespace = job.manifest()["metadata"].get("namespace", "default")
+    example.kubectl(paths, "create", "namespace", namespace, check=False)
+    _trainer_namespaces(paths, namespace)  # before the gang: its policy comes with it
     namespace, name = example.apply(paths, _written(paths, job))
-    policy = _trainer_policy(namespace)
-    example.kubectl(paths, "apply", "-f", "-", stdin=policy)
     example.kubectl(paths, "create", "namespace", "outside", check=False)
     try:
         deadline = time.monotonic() + 600
@@ -492,10 +491,14 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
         target = (
             f"{rank0['status']['podIP']}:{naming.MASTER_PORT}"  # torchrun's store, open all run
         )
-        # A pod the policy names (a trainer of this namespace) connects: the port is open ...
-        peer = _probe(paths, namespace, "peer-probe", {naming.LABEL_JOB: "probe"}, target, 60)
-        assert peer == "connected", peer
-        # ... and one outside the namespace cannot, nor one of the namespace that is no trainer.
+        # The gang's own pods connect (it trained: rendezvous and collectives), and so does a
+        # pod with the gang's label: the port is open to the gang ...
+        own = _probe(paths, namespace, "gang-probe", {naming.LABEL_JOB: name}, target, 60)
+        assert own == "connected", own
+        # ... while a trainer pod of another job of this namespace cannot connect, nor one
+        # outside the namespace, nor one of the namespace that is no trainer.
+        other = _probe(paths, namespace, "other-job-probe", {naming.LABEL_JOB: "other"}, target, 20)  # fmt: skip
+        assert other.startswith("refused"), other
         outsider = _probe(paths, "outside", "outsider-probe", {"app": "curious"}, target, 20)
         assert outsider.startswith("refused"), outsider
         neighbour = _probe(paths, namespace, "neighbour-probe", {"app": "curious"}, target, 20)
@@ -511,7 +514,7 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
         # Its gang stops (a checkpoint, then exit) before the sandbox goes: no container left running.
         example.kubectl(paths, "wait", "--for=delete", "pod", "-l", f"{naming.LABEL_JOB}={name}",
                         "-n", namespace, "--timeout=180s", check=False)  # fmt: skip
-        example.kubectl(paths, "delete", "-f", "-", stdin=policy, check=False)
+        _trainer_namespaces(paths)  # the chart's trainer policy goes, and the operator's flag
         example.kubectl(paths, "delete", "namespace", "outside", "--wait=false", check=False)
-        for probe in ("peer-probe", "neighbour-probe"):
+        for probe in ("gang-probe", "other-job-probe", "neighbour-probe"):
             example.kubectl(paths, "delete", "pod", probe, "-n", namespace, "--wait=false", check=False)  # fmt: skip

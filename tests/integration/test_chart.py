@@ -61,6 +61,9 @@ NAMESPACED_ALLOWED = [
     ("patch", "configmaps"),
     ("delete", "configmaps"),
     ("create", "events"),
+    ("get", "networkpolicies.networking.k8s.io"),
+    ("create", "networkpolicies.networking.k8s.io"),
+    ("delete", "networkpolicies.networking.k8s.io"),
     ("get", "workloads.kueue.x-k8s.io"),
     ("list", "workloads.kueue.x-k8s.io"),
     ("watch", "workloads.kueue.x-k8s.io"),
@@ -98,6 +101,8 @@ DENIED = [
     ("create", "pods/exec"),
     ("update", "configmaps"),
     ("delete", "podgroups.scheduling.k8s.io"),
+    ("update", "networkpolicies.networking.k8s.io"),
+    ("patch", "networkpolicies.networking.k8s.io"),
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"),
     ("create", "serviceaccounts/token"),
@@ -525,24 +530,37 @@ def test_network_policies_admit_only_the_gang_the_operator_and_prometheus(tools:
     [rule] = operator_policy["spec"]["ingress"]
     assert rule == {"from": [prometheus], "ports": [{"port": 9090, "protocol": "TCP"}]}
 
-    # Real pods: the operator's (its Deployment's template), a trainer as the operator builds
-    # it, and a foreign pod in the trainers' namespace; the API server evaluates the selectors.
+    # Real pods: the operator's (its Deployment's template), trainers of two jobs as the operator
+    # builds them, and a foreign pod in the trainers' namespace; the API server evaluates the
+    # selectors.
     deployment = next(o for o in items if o["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--gang-network-policy-namespace={team}" in args, args
     _create_pod(tools, release_ns, "operator", deployment["spec"]["template"]["metadata"]["labels"])
     spec = loading.parse_spec(JobBuilder().raw())
-    trainer = builders.build_pod(identity.JobRef("llm", team, "uid-1"), spec, 0, 0, "node-a")
-    created = run(tools, "kubectl", "create", "-f", "-", stdin=json.dumps(trainer))
-    assert created.returncode == 0, created.stderr
+    llm, other = identity.JobRef("llm", team, "uid-1"), identity.JobRef("other", team, "uid-2")
+    trainer = builders.build_pod(llm, spec, 0, 0, "node-a")
+    for manifest in (trainer, builders.build_pod(other, spec, 0, 0, "node-a")):
+        created = run(tools, "kubectl", "create", "-f", "-", stdin=json.dumps(manifest))
+        assert created.returncode == 0, created.stderr
     _create_pod(tools, team, "foreign", {"app": "curious"})
     _create_pod(tools, release_ns, "neighbour", {"app": "curious"})
 
     pod = trainer["metadata"]["name"]
     assert _selected(tools, "pods", operator_policy["spec"]["podSelector"], "-n", release_ns) == {"operator"}  # fmt: skip
-    assert _selected(tools, "pods", trainers["spec"]["podSelector"], "-n", team) == {pod}
+    assert _selected(tools, "pods", trainers["spec"]["podSelector"], "-n", team) == {pod, "other-r0-0"}  # fmt: skip
     [rule] = trainers["spec"]["ingress"]
-    assert "ports" not in rule, "the gang's collectives use any port"
-    gang, operator, scraper = rule["from"]
+    operator, scraper = rule["from"]  # no trainer pod: each gang's own policy admits its pods
+    # The operator's policy of job llm (with its gang): llm's pods, from llm's pods only.
+    gang_policy = builders.build_network_policy(llm)
+    applied = run(tools, "kubectl", "apply", "--dry-run=server", "-o", "json", "-f", "-",
+                  stdin=json.dumps(gang_policy))  # fmt: skip
+    assert applied.returncode == 0, applied.stderr
+    [gang_rule] = json.loads(applied.stdout)["spec"]["ingress"]
+    assert "ports" not in gang_rule, "the gang's collectives use any port"
+    [gang] = gang_rule["from"]
     assert set(gang) == {"podSelector"}  # this namespace only
+    assert _selected(tools, "pods", gang_policy["spec"]["podSelector"], "-n", team) == {pod}
     assert _selected(tools, "pods", gang["podSelector"], "-n", team) == {pod}
     assert _selected(tools, "namespaces", operator["namespaceSelector"]) == {release_ns}
     assert _selected(tools, "pods", operator["podSelector"], "-n", release_ns) == {"operator"}
@@ -564,6 +582,11 @@ def test_network_policies_can_be_turned_off_and_follow_the_listed_namespaces(too
         ("mt", "np-meshtrain-operator"), ("a", "np-meshtrain-trainers"), ("b", "np-meshtrain-trainers"),
     ]  # fmt: skip
     assert kinds("--set", "networkPolicy.enabled=false") == []
+    off = run(tools, "helm", "template", "np", str(CHART), "--namespace", "mt",
+              "--set", "networkPolicy.enabled=false", "--set", "networkPolicy.trainerNamespaces={a}")  # fmt: skip
+    assert off.returncode == 0, off.stderr
+    assert "--gang-network-policy-namespace" not in off.stdout  # no per-gang policy either
+    assert "networkpolicies" not in off.stdout  # nor the RBAC to create one
     outside = {"ipBlock": {"cidr": "192.0.2.0/24"}}
     rendered = run(tools, "helm", "template", "np", str(CHART), "--namespace", "mt",
                    "--set", "networkPolicy.trainerNamespaces={a}",

@@ -150,6 +150,16 @@ def test_the_trainer_policy_selects_the_label_the_operator_gives_trainer_pods() 
     assert 'policyTypes: ["Ingress"]' in text  # egress (API server, storage, DNS) stays open
 
 
+def test_the_operator_isolates_each_gang_where_the_chart_writes_the_trainer_policy() -> None:
+    text = _text("network-policy.yaml")
+    assert text.count("operator: Exists") == 1, "trainer pods as targets, never as peers"
+    assert 'range include "meshtrain.trainerPolicyNamespaces"' in text
+    deployment = _text("deployment.yaml")
+    assert 'include "meshtrain.trainerPolicyNamespaces"' in deployment
+    assert "- --gang-network-policy-namespace={{ . }}" in deployment
+    assert 'resources: ["networkpolicies"]' in _text("_helpers.tpl")
+
+
 def test_a_required_queue_is_defaulted_by_the_operator_or_refused_at_admission() -> None:
     assert "- --default-queue=default" in _text("deployment.yaml")
     refused = _text("kueue-required-policy.yaml")

@@ -295,3 +295,30 @@ def test_the_rdma_switch_adds_ipc_lock_and_one_rdma_device_per_pod():
     assert not any(
         k.startswith("rdma/") for k in pod["spec"]["containers"][0]["resources"]["requests"]
     )
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A LabelSelector of matchLabels only (what the builder writes) against a pod's labels."""
+    assert set(selector) == {"matchLabels"}, selector
+    return all(labels.get(key) == value for key, value in selector["matchLabels"].items())
+
+
+def test_the_gang_network_policy_admits_the_jobs_own_pods_on_any_port_and_no_other_job():
+    spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
+    policy = builders.build_network_policy(REF)
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
+    assert policy["metadata"]["name"] == "llm-gang"
+    assert policy["metadata"]["namespace"] == "research"
+    [owner] = policy["metadata"]["ownerReferences"]
+    assert owner["uid"] == "1234" and owner["controller"] is True
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    assert "ports" not in rule, "rendezvous and collectives use ports chosen at run time"
+    [peer] = rule["from"]
+    assert set(peer) == {"podSelector"}, "a podSelector alone: the policy's own namespace only"
+    own = [p["metadata"]["labels"] for p in builders.build_pods(REF, spec, 3, ["a", "b"])]
+    other = identity.JobRef(name="llm2", namespace="research", uid="5678")
+    theirs = [p["metadata"]["labels"] for p in builders.build_pods(other, spec, 0, ["a", "b"])]
+    for selector in (policy["spec"]["podSelector"], peer["podSelector"]):
+        assert all(_selects(selector, labels) for labels in own)
+        assert not any(_selects(selector, labels) for labels in theirs)

@@ -106,6 +106,12 @@ cluster/kube.py and handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.networkPolicy.enabled }}
+# Each gang's own NetworkPolicy (created with it, deleted with it).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "delete"]
+{{- end }}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get"]
@@ -172,4 +178,17 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 {{- else }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- end }}
+{{- end }}
+
+{{/*
+Namespaces whose trainer pods get the chart's trainer NetworkPolicy, and whose gangs the
+operator gives a NetworkPolicy each (a JSON list): the watched namespaces (watch.mode
+"namespaces") and networkPolicy.trainerNamespaces.
+*/}}
+{{- define "meshtrain.trainerPolicyNamespaces" -}}
+{{- $namespaces := .Values.networkPolicy.trainerNamespaces }}
+{{- if eq .Values.watch.mode "namespaces" }}
+{{- $namespaces = concat .Values.watch.namespaces $namespaces | uniq }}
+{{- end }}
+{{- $namespaces | toJson }}
 {{- end }}

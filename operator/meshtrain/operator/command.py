@@ -175,6 +175,20 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "with this one, so that Kueue admits every job; Kueue's convention is 'default' "
         "(env MESHTRAIN_DEFAULT_QUEUE; default: none, such jobs bypass Kueue)",
     )
+    parser.add_argument(
+        "--gang-network-policy-namespace",
+        action="append",
+        default=[
+            n
+            for n in os.environ.get("MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES", "").split(",")
+            if n
+        ],
+        metavar="NAMESPACE",
+        help="give each gang of this namespace a NetworkPolicy admitting only its own pods "
+        "(repeatable; the chart names the namespaces its trainer policy admits the operator and "
+        "Prometheus in; env MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES, comma-separated; "
+        "default: none)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
             trainer_image=args.trainer_image,
             planning_deadline_seconds=args.planning_deadline_seconds,
             default_queue=args.default_queue,
+            isolated_namespaces=frozenset(args.gang_network_policy_namespace),
         ),
     )
     clusterwide = not args.namespace

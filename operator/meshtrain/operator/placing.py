@@ -74,12 +74,15 @@ class Placer:
         writer: status_writes.JobWriter,
         fit: gang_fit.GangFit,
         trainer_image: str,
+        isolated_namespaces: frozenset[str] = frozenset(),
     ) -> None:
         self.client = client
         self.cache = cache
         self.writer = writer
         self.fit = fit
         self.trainer_image = trainer_image
+        self.isolated_namespaces = isolated_namespaces
+        """Namespaces where each gang gets its own NetworkPolicy (``--gang-network-policy-namespace``)."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         self._next_plan: dict[str, float] = {}
@@ -379,7 +382,7 @@ class Placer:
             for i, node in recovery.nodes
         ]
         refused = await children.ensure(
-            self.client, ref.uid, _shared_children(ref, spec, group), pods
+            self.client, ref.uid, self._shared_children(ref, spec, group), pods
         )
         if refused is not None:
             return await self._refused(body, job, refused)
@@ -445,7 +448,7 @@ class Placer:
         refused = await children.ensure(
             self.client,
             ref.uid,
-            _shared_children(ref, spec, group),
+            self._shared_children(ref, spec, group),
             [
                 kueue_workload.assign(pod, where)
                 for pod in builders.build_pods(
@@ -503,18 +506,20 @@ class Placer:
             await self.writer.emit(body, "Warning", unplaced.reason, unplaced.message)
         return body, job, changed
 
+    def _shared_children(
+        self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
+    ) -> list[dict[str, Any]]:
+        """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup if
+        served, NetworkPolicy in an isolated namespace.
 
-def _shared_children(
-    ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
-) -> list[dict[str, Any]]:
-    """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup if served.
-
-    Crash recovery ensures them again with the missing pods (they exist: each is read, and
-    brought up to date when it is the job's), so a recovered gang never rests on how far the
-    killed pass got.
-    """
-    return [
-        builders.build_configmap(ref, spec),
-        builders.build_service(ref, spec),
-        *([group] if group else []),
-    ]
+        Crash recovery ensures them again with the missing pods (they exist: each is read, and
+        brought up to date when it is the job's), so a recovered gang never rests on how far the
+        killed pass got.
+        """
+        isolated = ref.namespace in self.isolated_namespaces
+        return [
+            builders.build_configmap(ref, spec),
+            builders.build_service(ref, spec),
+            *([builders.build_network_policy(ref)] if isolated else []),
+            *([group] if group else []),
+        ]

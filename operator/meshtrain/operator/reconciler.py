@@ -67,6 +67,9 @@ class Settings:
     """Longest a gang's plan may take in the planning worker; a job whose plan takes longer is refused."""
     default_queue: str | None = None
     """LocalQueue of jobs that name none (``--default-queue``); None: such jobs bypass Kueue."""
+    isolated_namespaces: frozenset[str] = frozenset()
+    """Namespaces where each gang gets a NetworkPolicy admitting only its own pods
+    (``--gang-network-policy-namespace``); elsewhere none is created."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Reconciler:
             writer=self.writer,
             fit=self.fit,
             trainer_image=settings.trainer_image,
+            isolated_namespaces=settings.isolated_namespaces,
         )
         self.progress = progress_client.Poller(
             every=settings.progress_seconds, timeout=settings.progress_timeout_seconds
@@ -306,7 +310,8 @@ class Reconciler:
         quota: the caller calls again later.
         """
         ref = identity.JobRef(name=name, namespace=namespace, uid=uid)
-        held = await owned.delete_children(self.client, self.cache, ref)
+        isolated = namespace in self.settings.isolated_namespaces
+        held = await owned.delete_children(self.client, self.cache, ref, isolated=isolated)
         if held:
             return held
         self.progress.forget(uid)

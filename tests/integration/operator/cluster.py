@@ -390,6 +390,18 @@ class OperatorProcess:
             self.process.wait(timeout=10)
         self.process = None
 
+    @contextlib.contextmanager
+    def instead_of(self, session: OperatorProcess) -> Iterator[OperatorProcess]:
+        """Run this operator while ``session`` is stopped (one operator at a time acts on a
+        namespace); ``session`` is started again after."""
+        session.stop()
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+            session.start()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -98,6 +98,7 @@ class Client(KueueCalls):
         """The library's client, for its own protocols (leader election's Lease)."""
         self._core = k8s.CoreV1Api(api)
         self._custom = k8s.CustomObjectsApi(api)
+        self._networking = k8s.NetworkingV1Api(api)
         self._refresher = refresher
         self._limit = asyncio.Semaphore(CONCURRENCY)
         self.on_write: Callable[[str, Body], None] | None = None
@@ -341,6 +342,8 @@ class Client(KueueCalls):
             return "configmaps", self._core.create_namespaced_config_map
         if kind == "PodGroup":
             return "podgroups", self._create_pod_group
+        if kind == "NetworkPolicy":
+            return "networkpolicies", self._networking.create_namespaced_network_policy
         raise ValueError(f"no create call for kind {kind}")
 
     # PodGroups (scheduling.k8s.io/v1alpha2, the native gang API where it is served).
@@ -366,7 +369,7 @@ class Client(KueueCalls):
         return any(r.get("name") == POD_GROUP_PLURAL for r in (found or {}).get("resources") or [])
 
     async def create(self, *, manifest: Body) -> Body | None:
-        """Create a namespaced core/v1 object (Pod, Service, ConfigMap); None when it already exists."""
+        """Create a job's child (Pod, Service, ConfigMap, PodGroup, NetworkPolicy); None when it already exists."""
         resource, call = self._collection(manifest)
         return await self._request(
             "create", resource, call, manifest["metadata"]["namespace"], manifest, ok=(409,)
@@ -442,21 +445,23 @@ class Client(KueueCalls):
             )
         )
 
-    # Pods, Services and ConfigMaps: read one, patch one, delete (create is above).
+    # Pods, Services, ConfigMaps, NetworkPolicies: read one, patch one, delete (create is above).
     _READ = {
         "Pod": "pods",
         "Service": "services",
         "ConfigMap": "configmaps",
         "PodGroup": POD_GROUP_PLURAL,
+        "NetworkPolicy": "networkpolicies",
     }
 
     async def read(self, *, kind: str, namespace: str, name: str) -> Body | None:
-        """A Pod, Service, ConfigMap or PodGroup, or None when there is none of that name."""
+        """A Pod, Service, ConfigMap, PodGroup or NetworkPolicy, or None when there is none of that name."""
         calls = {
             "Pod": self._core.read_namespaced_pod,
             "Service": self._core.read_namespaced_service,
             "ConfigMap": self._core.read_namespaced_config_map,
             "PodGroup": self._read_pod_group,
+            "NetworkPolicy": self._networking.read_namespaced_network_policy,
         }
         return await self._request("get", self._READ[kind], calls[kind], name, namespace, ok=(404,))
 
@@ -486,10 +491,11 @@ class Client(KueueCalls):
         )
 
     async def delete(self, *, kind: str, namespace: str, name: str, uid: str) -> None:
-        """Delete the Service or ConfigMap ``name`` if it is still the object ``uid`` (a precondition)."""
+        """Delete the Service, ConfigMap or NetworkPolicy ``name`` if it is still the object ``uid`` (a precondition)."""
         calls = {
             "Service": self._core.delete_namespaced_service,
             "ConfigMap": self._core.delete_namespaced_config_map,
+            "NetworkPolicy": self._networking.delete_namespaced_network_policy,
         }
         await self._request(
             "delete",

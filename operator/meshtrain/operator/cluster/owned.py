@@ -40,8 +40,13 @@ async def delete_pods(
     )
 
 
-async def delete_children(client: kube.Client, cache: informer.Cache, ref: identity.JobRef) -> int:
+async def delete_children(
+    client: kube.Client, cache: informer.Cache, ref: identity.JobRef, *, isolated: bool = False
+) -> int:
     """Remove the children the deleted job ``ref`` owns, and nothing else (idempotent).
+
+    ``isolated``: the job's namespace is one where gangs get their own NetworkPolicy, which
+    goes too.
 
     Returns how many of its pods still hold their resources while its Workload holds
     Kueue quota: the caller calls again later.  The Workload goes only once they are gone
@@ -72,6 +77,7 @@ async def delete_children(client: kube.Client, cache: informer.Cache, ref: ident
     for kind, child in (
         ("Service", naming.service_name(ref.name)),
         ("ConfigMap", naming.configmap_name(ref.name)),
+        *([("NetworkPolicy", naming.network_policy_name(ref.name))] if isolated else []),
     ):
         await children.delete_owned(client, ref.uid, kind, ref.namespace, child)
     return 0

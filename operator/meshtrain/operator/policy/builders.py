@@ -1,4 +1,5 @@
-"""Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap, PodGroup.
+"""Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap, PodGroup,
+NetworkPolicy.
 
 Pure ``build_*`` functions from a job (its identity, validated spec, gang attempt and planned
 nodes) to plain dict manifests, each with an owner reference to the job.  What a pod carries
@@ -82,6 +83,26 @@ def build_service(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[
                 },
                 {"name": "metrics", "port": spec.metrics.port, "targetPort": spec.metrics.port},
             ],
+        },
+    }
+
+
+def build_network_policy(job: identity.JobRef) -> dict[str, Any]:
+    """NetworkPolicy: the job's pods take connections from the job's own pods, on any port.
+
+    Rendezvous and collectives (gloo, NCCL) use ports chosen at run time, so no port is named.
+    NetworkPolicies add up: the chart's namespace-wide trainer policy admits the operator and
+    Prometheus besides, and nothing admits another job's pods.
+    """
+    own = {"matchLabels": {naming.LABEL_JOB: job.name}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, naming.network_policy_name(job.name)),
+        "spec": {
+            "podSelector": own,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": own}]}],
         },
     }
 

@@ -80,6 +80,11 @@ def service_name(job: str) -> str:
     return job
 
 
+def network_policy_name(job: str) -> str:
+    """The NetworkPolicy admitting the gang's own pods, and no other pod, to its pods."""
+    return f"{job}-gang"
+
+
 def configmap_name(job: str) -> str:
     """The ConfigMap holding the job's spec YAML."""
     return f"{job}-spec"

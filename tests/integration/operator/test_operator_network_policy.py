@@ -1,0 +1,118 @@
+"""Each gang's own NetworkPolicy against a real API server (``make test`` tier).
+
+With ``MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES`` naming the namespace (the chart's
+``--gang-network-policy-namespace``), the operator creates, with the gang, a NetworkPolicy
+owned by the job whose selectors, evaluated by the API server against the real pods, select
+exactly the gang's pods, as targets and as peers; it goes with the job.  Without it none is
+created.  Traffic itself needs a kubelet and a policy enforcer: tests/e2e/test_sandbox.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+
+from meshtrain.operator.policy import conditions
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import OperatorProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _selector(selector: dict) -> str:
+    """A LabelSelector of matchLabels (what the operator writes) as a ``label_selector`` query."""
+    assert set(selector) == {"matchLabels"}, selector
+    return ",".join(f"{key}={value}" for key, value in selector["matchLabels"].items())
+
+
+def _selected(cluster, namespace: str, selector: dict) -> set[str]:
+    """The pods the API server itself lists for ``selector``."""
+    listed = cluster.core.list_namespaced_pod(namespace, label_selector=_selector(selector))
+    return {p.metadata.name for p in listed.items}
+
+
+def _policies(kube_api, namespace: str) -> dict[str, dict]:
+    networking = kubernetes.client.NetworkingV1Api(kube_api)
+    listed = networking.list_namespaced_network_policy(namespace)
+    return {
+        p.metadata.name: kube_api.sanitize_for_serialization(p)
+        for p in listed.items
+        if p.metadata.deletion_timestamp is None
+    }
+
+
+@pytest.fixture
+def isolating(cluster, operator, namespace, tmp_path) -> Iterator[OperatorProcess]:
+    """An operator of this namespace alone that isolates its gangs (the session's stopped)."""
+    own = OperatorProcess(
+        cluster.kubeconfig,
+        str(tmp_path / "operator.log"),
+        scope=("--namespace", namespace),
+        lease=f"isolating-{namespace}",
+        env={"MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES": f"elsewhere,{namespace}"},
+    )
+    with own.instead_of(operator):
+        yield own
+
+
+def test_each_gang_gets_a_policy_admitting_only_its_own_pods_deleted_with_the_job(
+    cluster, isolating, namespace, pool, kube_api
+):
+    cluster.add_node(pool, gpus=4)
+    llm = cluster.apply(JobBuilder("llm", namespace, pool).layout(data=2).gpus(1))
+    cluster.apply(JobBuilder("other", namespace, pool).layout(data=2).gpus(1))
+    gang = {p.metadata.name for p in cluster.wait_gang(namespace, "llm", 2, timeout=60)}
+    theirs = {p.metadata.name for p in cluster.wait_gang(namespace, "other", 2, timeout=60)}
+    policies = _policies(kube_api, namespace)
+    assert set(policies) == {"llm-gang", "other-gang"}
+    policy = policies["llm-gang"]
+    [owner] = policy["metadata"]["ownerReferences"]
+    assert owner["uid"] == llm["metadata"]["uid"] and owner["controller"] is True
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    assert "ports" not in rule, "rendezvous and collectives use any port"
+    [peer] = rule["from"]
+    assert set(peer) == {"podSelector"}, "peers of the policy's own namespace only"
+    assert _selected(cluster, namespace, policy["spec"]["podSelector"]) == gang
+    assert _selected(cluster, namespace, peer["podSelector"]) == gang
+    assert not gang & theirs
+
+    cluster.delete_job(namespace, "llm")
+    wait_for("llm's policy deleted", lambda: "llm-gang" not in _policies(kube_api, namespace))
+    assert set(_policies(kube_api, namespace)) == {"other-gang"}
+
+
+def test_a_policy_of_the_same_name_owned_by_someone_else_is_a_name_conflict(
+    cluster, isolating, namespace, pool, kube_api
+):
+    cluster.add_node(pool, gpus=1)
+    networking = kubernetes.client.NetworkingV1Api(kube_api)
+    theirs = networking.create_namespaced_network_policy(
+        namespace, {"metadata": {"name": "web-gang"}, "spec": {"podSelector": {}}}
+    )
+    cluster.apply(JobBuilder("web", namespace, pool))
+    placed = wait_for(
+        "NameConflict",
+        lambda: (
+            (c := cluster.condition(namespace, "web", conditions.PLACED)).get("reason")
+            == conditions.NAME_CONFLICT
+            and c
+        ),
+        timeout=30,
+    )
+    assert f"NetworkPolicy {namespace}/web-gang already exists" in placed["message"]
+    assert cluster.pods(namespace, "web") == []
+    cluster.delete_job(namespace, "web")
+    wait_for("job deleted", lambda: cluster.job(namespace, "web") is None)
+    after = networking.read_namespaced_network_policy("web-gang", namespace)
+    assert after.metadata.uid == theirs.metadata.uid  # neither patched nor deleted
+    assert after.metadata.resource_version == theirs.metadata.resource_version
+
+
+def test_no_policy_where_the_namespace_is_not_named(cluster, operator, namespace, pool, kube_api):
+    cluster.add_node(pool, gpus=1)
+    cluster.apply(JobBuilder("open", namespace, pool))
+    cluster.wait_gang(namespace, "open", 1, timeout=60)
+    assert _policies(kube_api, namespace) == {}
