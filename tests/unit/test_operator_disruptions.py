@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from meshtrain.operator.policy import conditions, job_actions, lifecycle, pod_failure, pod_state
 from tests.builders import JobBuilder
+from tests.unit.test_operator_container_reasons import kubelet_pod, read, terminated
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
 
 
@@ -89,3 +92,39 @@ def test_a_gang_refused_by_a_kubelet_restarts_without_using_the_backoff_limit():
     status = status_of(decision)
     assert status["phase"] == "Restarting", status
     assert status["restarts"] == 2 and status["disruptionRestarts"] == 1
+
+
+# What the real kubelet (v1.36, the e2e sandbox: tests/e2e/test_sandbox_disruptions.py) wrote on a
+# running pod it refused after its node's nvidia.com/gpu capacity dropped to 0 and it restarted:
+# the pod's reason and message, and the trainer container killed by it (torchrun exits 1 on SIGTERM).
+REFUSED_BY_THE_KUBELET = {
+    "reason": "OutOfnvidia.com/gpu",
+    "message": (
+        "Pod was rejected: Node didn't have enough resource: nvidia.com/gpu, "
+        "requested: 1, used: 0, capacity: 0"
+    ),
+}
+TORCHRUN_ON_SIGTERM = (
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 15\n"
+)
+
+
+@pytest.mark.parametrize("code", [1, 2, 137])
+def test_a_running_pod_the_kubelet_refuses_is_a_disruption_named_by_the_kubelet(code):
+    # Whatever its killed container exited with: even a code that would be permanent (2) is the
+    # consequence of the refusal, not the job's own failure.
+    manifest = kubelet_pod(
+        0,
+        phase="Failed",
+        attempt=1,
+        **REFUSED_BY_THE_KUBELET,
+        **terminated("Error", code, TORCHRUN_ON_SIGTERM),
+    )
+    [refused] = read(manifest)
+    found = pod_failure.classify(refused)
+    assert found is not None and found.disruption and not found.permanent, found
+    assert found.message == (
+        f"pod {refused.name} ended by node n0: OutOfnvidia.com/gpu: "
+        + REFUSED_BY_THE_KUBELET["message"]
+    )
+    assert found.reason is None, "a condition reason may not hold '.' or '/'"

@@ -346,9 +346,8 @@ def _cgroup_dirs(cgroup_root: str) -> list[pathlib.Path]:
         return found
     for hierarchy in CGROUP_FS.iterdir():
         top = hierarchy / cgroup_root.lstrip("/")
-        if top.is_dir():
-            found.extend(p for p in top.rglob("*") if p.is_dir())
-            found.append(top)
+        # os.walk skips a cgroup removed while it walks (a container's, torn down meanwhile).
+        found.extend(pathlib.Path(directory) for directory, _, _ in os.walk(top))
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 

@@ -110,6 +110,8 @@ def classify(pod: pod_state.PodState) -> Failure | None:
 
 
 def _classify(pod: pod_state.PodState) -> Failure | None:
+    if pod.phase == "Failed" and _disruption_reason(pod.reason):
+        return _ended_by_node(pod)
     if pod.phase == "Failed":
         code = pod.exit_code
         if pod.reported is not None and pod.reported[0] in PERMANENT_EXIT_CODES:
@@ -149,6 +151,16 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
     if pod.problem is not None and container_reasons.never_pulls(pod.problem):
         return _named(pod.name, pod.problem, True)
     return None
+
+
+def _ended_by_node(pod: pod_state.PodState) -> Failure:
+    """A pod the node or its kubelet ended (a refusal at admission, a shutdown): named by its reason.
+
+    The kubelet kills the containers of a running pod it refuses (after its restart) or shuts down;
+    their exit codes follow from that, so they neither name the failure nor make it permanent.
+    """
+    said = f": {pod.message}" if pod.message else ""
+    return Failure(pod.name, False, f"pod {pod.name} ended by node {pod.node}: {pod.reason}{said}")
 
 
 def _named(pod: str, problem: container_reasons.Problem, permanent: bool) -> Failure:

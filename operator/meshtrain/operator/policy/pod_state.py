@@ -40,6 +40,9 @@ class PodState:
     """Exit code of the trainer container once it terminated."""
     reason: str | None = None
     """status.reason of the pod (Evicted, NodeLost, ...)."""
+    message: str | None = None
+    """status.message of the pod: the kubelet's words for that reason (at most
+    ``container_reasons.MAX_MESSAGE`` characters)."""
     disrupted: bool = False
     """Carries a True DisruptionTarget condition (eviction, preemption, node drain)."""
     disruption_reason: str | None = None
@@ -137,6 +140,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
         ip=status.get("podIP"),
         exit_code=exit_code,
         reason=status.get("reason"),
+        message=_said(status.get("message")),
         disrupted=disruption is not None,
         disruption_reason=_text(disruption.get("reason")) if disruption else None,
         bound=bool((pod.get("spec") or {}).get("nodeName")),
@@ -152,6 +156,13 @@ def read(pod: dict[str, Any]) -> PodState | None:
         unprepared=container_reasons.unprepared(pod),
         started_at=conditions.parse_time(status.get("startTime")),
     )
+
+
+def _said(value: object) -> str | None:
+    """A message written by the kubelet, bounded, or None."""
+    if not isinstance(value, str) or not value:
+        return None
+    return value[: container_reasons.MAX_MESSAGE]
 
 
 def _text(value: object) -> str | None:
