@@ -75,6 +75,7 @@ class Placer:
         fit: gang_fit.GangFit,
         trainer_image: str,
         isolated_namespaces: frozenset[str] = frozenset(),
+        gang_peers: builders.GangPeers = builders.NO_PEERS,
     ) -> None:
         self.client = client
         self.cache = cache
@@ -83,6 +84,8 @@ class Placer:
         self.trainer_image = trainer_image
         self.isolated_namespaces = isolated_namespaces
         """Namespaces where each gang gets its own NetworkPolicy (``--gang-network-policy-namespace``)."""
+        self.gang_peers = gang_peers
+        """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         self._next_plan: dict[str, float] = {}
@@ -520,6 +523,6 @@ class Placer:
         return [
             builders.build_configmap(ref, spec),
             builders.build_service(ref, spec),
-            *([builders.build_network_policy(ref)] if isolated else []),
+            *([builders.build_network_policy(ref, spec, self.gang_peers)] if isolated else []),
             *([group] if group else []),
         ]

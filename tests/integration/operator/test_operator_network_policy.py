@@ -3,12 +3,15 @@
 With ``MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES`` naming the namespace (the chart's
 ``--gang-network-policy-namespace``), the operator creates, with the gang, a NetworkPolicy
 owned by the job whose selectors, evaluated by the API server against the real pods, select
-exactly the gang's pods, as targets and as peers; it goes with the job.  Without it none is
+exactly the gang's pods, as targets and as peers, and that admits the operator and Prometheus
+the chart names (``MESHTRAIN_GANG_NETWORK_POLICY_*_PEERS``) on their ports alone; it goes with
+the job.  Without it none is
 created.  Traffic itself needs a kubelet and a policy enforcer: tests/e2e/test_sandbox.py.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import kubernetes
@@ -43,6 +46,15 @@ def _policies(kube_api, namespace: str) -> dict[str, dict]:
     }
 
 
+OPERATOR = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "meshtrain-system"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "meshtrain"}},
+}
+"""The operator's pods, as the chart names them to the operator."""
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+"""The Prometheus the chart's values name."""
+
+
 @pytest.fixture
 def isolating(cluster, operator, namespace, tmp_path) -> Iterator[OperatorProcess]:
     """An operator of this namespace alone that isolates its gangs (the session's stopped)."""
@@ -51,7 +63,11 @@ def isolating(cluster, operator, namespace, tmp_path) -> Iterator[OperatorProces
         str(tmp_path / "operator.log"),
         scope=("--namespace", namespace),
         lease=f"isolating-{namespace}",
-        env={"MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES": f"elsewhere,{namespace}"},
+        env={
+            "MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES": f"elsewhere,{namespace}",
+            "MESHTRAIN_GANG_NETWORK_POLICY_OPERATOR_PEERS": json.dumps([OPERATOR]),
+            "MESHTRAIN_GANG_NETWORK_POLICY_METRICS_PEERS": json.dumps([PROMETHEUS]),
+        },
     )
     with own.instead_of(operator):
         yield own
@@ -71,7 +87,20 @@ def test_each_gang_gets_a_policy_admitting_only_its_own_pods_deleted_with_the_jo
     [owner] = policy["metadata"]["ownerReferences"]
     assert owner["uid"] == llm["metadata"]["uid"] and owner["controller"] is True
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    [rule] = policy["spec"]["ingress"]
+    # Self-contained: the operator (its /progress on rank 0's exporter port) and Prometheus
+    # (every local rank's exporter) get in without the chart's trainer policy; the rendezvous
+    # port (torchrun's unauthenticated TCPStore) is the gang's alone.
+    rule, operator_rule, scraper_rule = policy["spec"]["ingress"]
+    container = cluster.core.read_namespaced_pod(sorted(gang)[0], namespace).spec.containers[0]
+    ports = {p.name: p.container_port for p in container.ports}
+    assert operator_rule == {
+        "from": [OPERATOR],
+        "ports": [{"port": ports["metrics-0"], "protocol": "TCP"}],
+    }
+    assert scraper_rule["from"] == [PROMETHEUS]
+    [scraped] = scraper_rule["ports"]  # gpusPerNode 1: one exporter
+    assert scraped == {"port": ports["metrics-0"], "protocol": "TCP"}
+    assert set(ports) == {"metrics-0", "rendezvous"}
     assert "ports" not in rule, "rendezvous and collectives use any port"
     [peer] = rule["from"]
     assert set(peer) == {"podSelector"}, "peers of the policy's own namespace only"
