@@ -107,10 +107,10 @@ cluster/kube.py and handlers.py are the callers):
   resources: ["events"]
   verbs: ["create"]
 {{- if .Values.networkPolicy.enabled }}
-# Each gang's own NetworkPolicy (created with it, deleted with it).
+# Each gang's own NetworkPolicy (created with it, brought up to date with it, deleted with it).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]

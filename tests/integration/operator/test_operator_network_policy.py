@@ -145,3 +145,24 @@ def test_no_policy_where_the_namespace_is_not_named(cluster, operator, namespace
     cluster.apply(JobBuilder("open", namespace, pool))
     cluster.wait_gang(namespace, "open", 1, timeout=60)
     assert _policies(kube_api, namespace) == {}
+
+
+def test_a_policy_the_job_owns_is_brought_up_to_date_when_its_gang_is_ensured_again(
+    cluster, isolating, namespace, pool, kube_api
+):
+    cluster.add_node(pool, gpus=2)
+    cluster.apply(JobBuilder("llm", namespace, pool).layout(data=2).gpus(1))
+    gang = cluster.wait_gang(namespace, "llm", 2, timeout=60)
+    networking = kubernetes.client.NetworkingV1Api(kube_api)
+    own = {"podSelector": {"matchLabels": {"meshtrain.io/job": "llm"}}}
+    stale = {"spec": {"ingress": [{"from": [own]}]}}  # as an older operator left it
+    networking.patch_namespaced_network_policy("llm-gang", namespace, stale)
+    cluster.core.delete_namespaced_pod(gang[0].metadata.name, namespace, grace_period_seconds=0)
+    policy = wait_for(
+        "the policy admits the operator and Prometheus again",
+        lambda: (
+            len((p := _policies(kube_api, namespace)["llm-gang"])["spec"]["ingress"]) == 3 and p
+        ),
+        timeout=60,
+    )
+    assert [rule["from"] for rule in policy["spec"]["ingress"]] == [[own], [OPERATOR], [PROMETHEUS]]
