@@ -187,3 +187,9 @@ def test_the_trainer_policy_names_every_exporter_port_a_node_may_run_and_hands_g
     command.add_parser(parser.add_subparsers())
     peers = command.gang_peers(parser.parse_args(["operator"]))
     assert peers.operator == peers.metrics == ({"podSelector": {}},)
+
+
+def test_the_schema_refuses_more_scrapers_than_the_operator_takes() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    extra = schema["properties"]["networkPolicy"]["properties"]["extraIngressFrom"]
+    assert extra["maxItems"] + 1 == command.MAX_PEERS  # the Prometheus the values name, then these
