@@ -140,6 +140,8 @@ class Reconciler:
         gone = frozenset(
             n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
         )
+        if states and job.status.get("phase") not in job_state.FINAL:
+            await self.placer.check_gang_policy(job)
         decision = lifecycle.decide(job, states, clock.now(), kueue, gone)
         changed = refused_now = False
         for action in decision.actions:

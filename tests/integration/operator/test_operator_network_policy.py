@@ -55,21 +55,26 @@ PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name
 """The Prometheus the chart's values name."""
 
 
-@pytest.fixture
-def isolating(cluster, operator, namespace, tmp_path) -> Iterator[OperatorProcess]:
-    """An operator of this namespace alone that isolates its gangs (the session's stopped)."""
-    own = OperatorProcess(
+def _isolating_operator(cluster, namespace: str, tmp_path, isolated: str = "") -> OperatorProcess:
+    """An operator of this namespace alone that isolates the gangs of ``isolated`` (default: of
+    this namespace; not started)."""
+    return OperatorProcess(
         cluster.kubeconfig,
-        str(tmp_path / "operator.log"),
+        str(tmp_path / f"operator-{isolated or 'isolating'}.log"),
         scope=("--namespace", namespace),
-        lease=f"isolating-{namespace}",
+        lease=f"isolating-{isolated or 'own'}-{namespace}",
         env={
-            "MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES": f"elsewhere,{namespace}",
+            "MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES": isolated or f"elsewhere,{namespace}",
             "MESHTRAIN_GANG_NETWORK_POLICY_OPERATOR_PEERS": json.dumps([OPERATOR]),
             "MESHTRAIN_GANG_NETWORK_POLICY_METRICS_PEERS": json.dumps([PROMETHEUS]),
         },
     )
-    with own.instead_of(operator):
+
+
+@pytest.fixture
+def isolating(cluster, operator, namespace, tmp_path) -> Iterator[OperatorProcess]:
+    """An operator of this namespace alone that isolates its gangs (the session's stopped)."""
+    with _isolating_operator(cluster, namespace, tmp_path).instead_of(operator) as own:
         yield own
 
 
@@ -166,3 +171,35 @@ def test_a_policy_the_job_owns_is_brought_up_to_date_when_its_gang_is_ensured_ag
         timeout=60,
     )
     assert [rule["from"] for rule in policy["spec"]["ingress"]] == [[own], [OPERATOR], [PROMETHEUS]]
+
+
+def test_isolation_turned_on_while_gangs_run_gives_them_policies_and_off_removes_only_its_own(
+    cluster, operator, namespace, pool, kube_api, tmp_path
+):
+    cluster.add_node(pool, gpus=4)
+    llm = cluster.apply(JobBuilder("llm", namespace, pool).layout(data=2).gpus(1))
+    cluster.apply(JobBuilder("other", namespace, pool).layout(data=2).gpus(1))
+    cluster.wait_gang(namespace, "llm", 2, timeout=60)
+    cluster.wait_gang(namespace, "other", 2, timeout=60)
+    assert _policies(kube_api, namespace) == {}  # the session's operator isolates no namespace
+    networking = kubernetes.client.NetworkingV1Api(kube_api)
+    theirs = networking.create_namespaced_network_policy(
+        namespace, {"metadata": {"name": "other-gang"}, "spec": {"podSelector": {}}}
+    )
+
+    with _isolating_operator(cluster, namespace, tmp_path).instead_of(operator):
+        policy = wait_for(
+            "the running gang's policy",
+            lambda: _policies(kube_api, namespace).get("llm-gang"),
+            timeout=30,
+        )
+        [owner] = policy["metadata"]["ownerReferences"]
+        assert owner["uid"] == llm["metadata"]["uid"]
+        assert len(policy["spec"]["ingress"]) == 3  # its own pods, the operator, Prometheus
+
+    # The namespace dropped from the isolated ones: the job's own policy goes, not a foreign one.
+    with _isolating_operator(cluster, namespace, tmp_path, "elsewhere").instead_of(operator):
+        wait_for("llm's policy removed", lambda: "llm-gang" not in _policies(kube_api, namespace))
+    after = networking.read_namespaced_network_policy("other-gang", namespace)
+    assert after.metadata.uid == theirs.metadata.uid  # neither patched nor deleted
+    assert after.metadata.resource_version == theirs.metadata.resource_version
