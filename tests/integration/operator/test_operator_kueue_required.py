@@ -153,10 +153,14 @@ def test_without_a_default_local_queue_the_job_waits_in_kueue_and_says_so(requir
     # Kueue's own words (v0.17.0): the LocalQueue the label names does not exist.
     assert held["reason"] == "Inadmissible", held
     assert "LocalQueue default doesn't exist" in held["message"], held
-    events = cluster.core.list_namespaced_event(BARE_NS).items
-    assert any(e.reason == "Inadmissible" and e.type == "Warning" for e in events), [
-        (e.reason, e.type) for e in events
-    ]
+    wait_for(  # the Event follows the condition: the operator writes the status first
+        "an Inadmissible Warning",
+        lambda: any(
+            e.reason == "Inadmissible" and e.type == "Warning"
+            for e in cluster.core.list_namespaced_event(BARE_NS).items
+        ),
+        timeout=10,
+    )
     # A free node is there, yet nothing places the job around Kueue.
     time.sleep(5)
     assert cluster.pods(BARE_NS, "stray") == []
