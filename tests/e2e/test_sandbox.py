@@ -16,9 +16,10 @@
    dp4·pp1) between two periodic checkpoints: the deleted gang saves the step
    it stopped at, and the rebuilt gang resumes there, resharded.
 5. A user's own DDP program (spec.trainer type custom) in the same image.
-5b. The chart's trainer NetworkPolicy, enforced by kube-network-policies on each node: while a
-   gang trains, a pod of another namespace cannot connect to its rank 0, a pod the policy names
-   (a trainer of the namespace) can, and the gang and Prometheus are undisturbed.
+5b. The gang's own NetworkPolicy and the chart's trainer policy, enforced by kube-router's
+   firewall on each node: while a gang trains, a pod with the gang's label can connect to its
+   rank 0's rendezvous port, while a trainer of another job, a pod of another namespace and a
+   pod of the namespace that is no trainer cannot; the gang and Prometheus are undisturbed.
 6. ``down`` leaves no process, container, mount or network namespace behind.
 """
 

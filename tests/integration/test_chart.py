@@ -23,7 +23,8 @@ import uuid
 import pytest
 import yaml
 
-from meshtrain.api import loading
+from meshtrain.api import limits, loading
+from meshtrain.operator import command
 from meshtrain.operator.policy import builders, identity
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
@@ -63,6 +64,7 @@ NAMESPACED_ALLOWED = [
     ("create", "events"),
     ("get", "networkpolicies.networking.k8s.io"),
     ("create", "networkpolicies.networking.k8s.io"),
+    ("patch", "networkpolicies.networking.k8s.io"),
     ("delete", "networkpolicies.networking.k8s.io"),
     ("get", "workloads.kueue.x-k8s.io"),
     ("list", "workloads.kueue.x-k8s.io"),
@@ -102,7 +104,6 @@ DENIED = [
     ("update", "configmaps"),
     ("delete", "podgroups.scheduling.k8s.io"),
     ("update", "networkpolicies.networking.k8s.io"),
-    ("patch", "networkpolicies.networking.k8s.io"),
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"),
     ("create", "serviceaccounts/token"),
@@ -549,22 +550,48 @@ def test_network_policies_admit_only_the_gang_the_operator_and_prometheus(tools:
     pod = trainer["metadata"]["name"]
     assert _selected(tools, "pods", operator_policy["spec"]["podSelector"], "-n", release_ns) == {"operator"}  # fmt: skip
     assert _selected(tools, "pods", trainers["spec"]["podSelector"], "-n", team) == {pod, "other-r0-0"}  # fmt: skip
-    [rule] = trainers["spec"]["ingress"]
-    operator, scraper = rule["from"]  # no trainer pod: each gang's own policy admits its pods
-    # The operator's policy of job llm (with its gang): llm's pods, from llm's pods only.
-    gang_policy = builders.build_network_policy(llm)
+    # Only gang peers reach the rendezvous port: the operator gets rank 0's exporter port (its
+    # /progress), Prometheus the exporters' ports, by the names the trainer container gives them.
+    [to_operator, to_scraper] = trainers["spec"]["ingress"]
+    [operator] = to_operator["from"]  # no trainer pod: each gang's own policy admits its pods
+    assert to_scraper["from"] == [prometheus]
+    container_ports = {p["name"]: p for p in trainer["spec"]["containers"][0]["ports"]}
+    assert to_operator["ports"] == [{"port": "metrics-0", "protocol": "TCP"}]
+    assert container_ports["metrics-0"]["containerPort"] == spec.metrics.port
+    named = [p["port"] for p in to_scraper["ports"]]
+    assert {p["protocol"] for p in to_scraper["ports"]} == {"TCP"}
+    assert set(container_ports) - set(named) == {"rendezvous"}, "every exporter, no rendezvous"
+    assert len(named) == limits.MAX_GPUS_PER_NODE  # any gpusPerNode the CRD admits
+    assert _selected(tools, "namespaces", operator["namespaceSelector"]) == {release_ns}
+    assert _selected(tools, "pods", operator["podSelector"], "-n", release_ns) == {"operator"}
+
+    # The operator's policy of job llm (with its gang), from the peers the chart hands it:
+    # llm's pods on any port, the operator and Prometheus on their ports, and no one else.
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+    peers = builders.GangPeers(
+        operator=command.parse_peers("operator", env["MESHTRAIN_GANG_NETWORK_POLICY_OPERATOR_PEERS"]),
+        metrics=command.parse_peers("metrics", env["MESHTRAIN_GANG_NETWORK_POLICY_METRICS_PEERS"]),
+    )  # fmt: skip
+    gang_policy = builders.build_network_policy(llm, spec, peers)
     applied = run(tools, "kubectl", "apply", "--dry-run=server", "-o", "json", "-f", "-",
                   stdin=json.dumps(gang_policy))  # fmt: skip
     assert applied.returncode == 0, applied.stderr
-    [gang_rule] = json.loads(applied.stdout)["spec"]["ingress"]
+    gang_rule, operator_rule, scraper_rule = json.loads(applied.stdout)["spec"]["ingress"]
     assert "ports" not in gang_rule, "the gang's collectives use any port"
     [gang] = gang_rule["from"]
     assert set(gang) == {"podSelector"}  # this namespace only
     assert _selected(tools, "pods", gang_policy["spec"]["podSelector"], "-n", team) == {pod}
     assert _selected(tools, "pods", gang["podSelector"], "-n", team) == {pod}
-    assert _selected(tools, "namespaces", operator["namespaceSelector"]) == {release_ns}
-    assert _selected(tools, "pods", operator["podSelector"], "-n", release_ns) == {"operator"}
-    assert scraper == prometheus
+    [gang_operator] = operator_rule["from"]
+    assert _selected(tools, "namespaces", gang_operator["namespaceSelector"]) == {release_ns}
+    assert _selected(tools, "pods", gang_operator["podSelector"], "-n", release_ns) == {"operator"}
+    assert operator_rule["ports"] == [{"port": spec.metrics.port, "protocol": "TCP"}]
+    assert scraper_rule["from"] == [prometheus]
+    rendezvous = container_ports["rendezvous"]["containerPort"]
+    for rule in (operator_rule, scraper_rule):
+        assert all(
+            not p["port"] <= rendezvous <= p.get("endPort", p["port"]) for p in rule["ports"]
+        )
 
 
 def test_network_policies_can_be_turned_off_and_follow_the_listed_namespaces(tools: dict) -> None:
@@ -586,6 +613,7 @@ def test_network_policies_can_be_turned_off_and_follow_the_listed_namespaces(too
               "--set", "networkPolicy.enabled=false", "--set", "networkPolicy.trainerNamespaces={a}")  # fmt: skip
     assert off.returncode == 0, off.stderr
     assert "--gang-network-policy-namespace" not in off.stdout  # no per-gang policy either
+    assert "GANG_NETWORK_POLICY" not in off.stdout  # nor its peers
     assert "networkpolicies" not in off.stdout  # nor the RBAC to create one
     outside = {"ipBlock": {"cidr": "192.0.2.0/24"}}
     rendered = run(tools, "helm", "template", "np", str(CHART), "--namespace", "mt",
@@ -594,7 +622,14 @@ def test_network_policies_can_be_turned_off_and_follow_the_listed_namespaces(too
     policies = [
         d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "NetworkPolicy"
     ]
-    assert [p["spec"]["ingress"][0]["from"][-1] for p in policies] == [outside, outside]
+    assert [p["spec"]["ingress"][-1]["from"][-1] for p in policies] == [outside, outside]
+    [deployment] = [
+        d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "Deployment"
+    ]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+    assert (
+        json.loads(env["MESHTRAIN_GANG_NETWORK_POLICY_METRICS_PEERS"])[-1] == outside
+    )  # gangs too
     assert kinds("--set", "operator.deploy=false", "--set", "networkPolicy.trainerNamespaces={a}") == [
         ("a", "np-meshtrain-trainers")
     ]  # fmt: skip

@@ -6,12 +6,14 @@ even where helm is not installed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import re
 
 import yaml
 
+from meshtrain.api import limits
 from meshtrain.operator import command, planning
 from meshtrain.operator.policy import naming
 from meshtrain.planner import profiles
@@ -165,3 +167,29 @@ def test_a_required_queue_is_defaulted_by_the_operator_or_refused_at_admission()
     refused = _text("kueue-required-policy.yaml")
     assert 'eq .Values.kueue.requireQueue "refuse"' in refused
     assert 'metadata.labels["kueue.x-k8s.io/queue-name"] is required' in refused
+
+
+def test_the_trainer_policy_names_every_exporter_port_a_node_may_run_and_hands_gangs_the_peers(
+    monkeypatch,
+) -> None:
+    helpers = _text("_helpers.tpl")
+    assert f"range $rank := until {limits.MAX_GPUS_PER_NODE}" in helpers
+    assert f'printf "{naming.METRICS_PORT_PREFIX}%d" $rank' in helpers
+    policy = _text("network-policy.yaml")
+    assert f'"port": "{naming.metrics_port_name(0)}"' in policy  # the operator: rank 0's /progress
+    assert str(naming.MASTER_PORT) not in policy and "rendezvous" not in policy.split("spec:")[-1]
+    deployment = _text("deployment.yaml")
+    for kind in ("operator", "metrics"):  # the environment the operator's flags read
+        name = f"MESHTRAIN_GANG_NETWORK_POLICY_{kind.upper()}_PEERS"
+        assert f"- name: {name}" in deployment
+        monkeypatch.setenv(name, '[{"podSelector": {}}]')
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    peers = command.gang_peers(parser.parse_args(["operator"]))
+    assert peers.operator == peers.metrics == ({"podSelector": {}},)
+
+
+def test_the_schema_refuses_more_scrapers_than_the_operator_takes() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    extra = schema["properties"]["networkPolicy"]["properties"]["extraIngressFrom"]
+    assert extra["maxItems"] + 1 == command.MAX_PEERS  # the Prometheus the values name, then these

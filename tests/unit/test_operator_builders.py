@@ -305,14 +305,14 @@ def _selects(selector: dict, labels: dict[str, str]) -> bool:
 
 def test_the_gang_network_policy_admits_the_jobs_own_pods_on_any_port_and_no_other_job():
     spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
-    policy = builders.build_network_policy(REF)
+    policy = builders.build_network_policy(REF, spec)
     assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
     assert policy["metadata"]["name"] == "llm-gang"
     assert policy["metadata"]["namespace"] == "research"
     [owner] = policy["metadata"]["ownerReferences"]
     assert owner["uid"] == "1234" and owner["controller"] is True
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    [rule] = policy["spec"]["ingress"]
+    [rule] = policy["spec"]["ingress"]  # no peers named: no rule besides the gang's own
     assert "ports" not in rule, "rendezvous and collectives use ports chosen at run time"
     [peer] = rule["from"]
     assert set(peer) == {"podSelector"}, "a podSelector alone: the policy's own namespace only"
@@ -322,3 +322,59 @@ def test_the_gang_network_policy_admits_the_jobs_own_pods_on_any_port_and_no_oth
     for selector in (policy["spec"]["podSelector"], peer["podSelector"]):
         assert all(_selects(selector, labels) for labels in own)
         assert not any(_selects(selector, labels) for labels in theirs)
+
+
+OPERATOR_PEER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "meshtrain-system"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "meshtrain"}},
+}
+PROMETHEUS_PEERS = (
+    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+    {"ipBlock": {"cidr": "10.0.0.0/8"}},
+)
+PEERS = builders.GangPeers(operator=(OPERATOR_PEER,), metrics=PROMETHEUS_PEERS)
+
+
+def _covers(port: dict, number: int) -> bool:
+    """Whether a NetworkPolicyPort (a number, with or without endPort) admits ``number``."""
+    return port["port"] <= number <= port.get("endPort", port["port"])
+
+
+def _container_ports(spec: api_spec.TrainingJobSpec) -> dict[str, int]:
+    [container] = builders.build_pods(REF, spec, 0, ["a", "b"])[0]["spec"]["containers"]
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def test_the_gang_policy_admits_the_operator_on_the_progress_port_and_prometheus_on_the_exporters():
+    spec = spec_of(JobBuilder().layout(data=8, gpus_per_node=4).metrics(port=9400))
+    policy = builders.build_network_policy(REF, spec, PEERS)
+    own, operator, prometheus = policy["spec"]["ingress"]
+    assert "ports" not in own and own["from"][0]["podSelector"] == policy["spec"]["podSelector"]
+    assert operator["from"] == [OPERATOR_PEER]
+    assert [p["port"] for p in operator["ports"]] == [9400], "where rank 0 serves /progress"
+    assert prometheus["from"] == list(PROMETHEUS_PEERS)
+    ports = _container_ports(spec)
+    exporters = {n for name, n in ports.items() if name.startswith(naming.METRICS_PORT_PREFIX)}
+    assert len(exporters) == 4
+    for rule in (operator, prometheus):
+        assert all(p["protocol"] == "TCP" for p in rule["ports"])
+        assert not any(_covers(p, ports["rendezvous"]) for p in rule["ports"]), "TCPStore"
+    admitted = {n for n in range(1, 65536) if any(_covers(p, n) for p in prometheus["ports"])}
+    assert admitted == exporters
+
+
+def test_the_gang_policy_admits_a_custom_programs_declared_progress_port_or_no_operator():
+    custom = JobBuilder().layout(data=2, gpus_per_node=1).trainer(type="custom", command=["t"])
+    declared = builders.build_network_policy(
+        REF, spec_of(custom.clone().trainer(progressPort=9500)), PEERS
+    )
+    assert declared["spec"]["ingress"][1]["ports"] == [{"protocol": "TCP", "port": 9500}]
+    silent = builders.build_network_policy(REF, spec_of(custom), PEERS)
+    assert [r["from"] for r in silent["spec"]["ingress"][1:]] == [list(PROMETHEUS_PEERS)]
+
+
+def test_a_gang_policy_rule_without_peers_is_left_out_never_an_empty_from():
+    spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
+    only_operator = builders.GangPeers(operator=(OPERATOR_PEER,))
+    rules = builders.build_network_policy(REF, spec, only_operator)["spec"]["ingress"]
+    assert len(rules) == 2 and all(rule["from"] for rule in rules)

@@ -107,10 +107,10 @@ cluster/kube.py and handlers.py are the callers):
   resources: ["events"]
   verbs: ["create"]
 {{- if .Values.networkPolicy.enabled }}
-# Each gang's own NetworkPolicy (created with it, deleted with it).
+# Each gang's own NetworkPolicy (created with it, brought up to date with it, deleted with it).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
@@ -191,4 +191,35 @@ operator gives a NetworkPolicy each (a JSON list): the watched namespaces (watch
 {{- $namespaces = concat .Values.watch.namespaces $namespaces | uniq }}
 {{- end }}
 {{- $namespaces | toJson }}
+{{- end }}
+
+{{/*
+NetworkPolicyPeers of the operator's pods (a JSON list): its namespace and pod labels.
+*/}}
+{{- define "meshtrain.operatorPeers" -}}
+{{- $pods := include "meshtrain.selectorLabels" . | fromYaml }}
+{{- list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" $pods)) | toJson }}
+{{- end }}
+
+{{/*
+NetworkPolicyPeers allowed to scrape (a JSON list): the Prometheus the values name and
+networkPolicy.extraIngressFrom.
+*/}}
+{{- define "meshtrain.metricsPeers" -}}
+{{- $prometheus := .Values.networkPolicy.prometheus }}
+{{- $peer := dict "namespaceSelector" (dict "matchLabels" $prometheus.namespaceSelector) "podSelector" (dict "matchLabels" $prometheus.podSelector) }}
+{{- concat (list $peer) (.Values.networkPolicy.extraIngressFrom | default list) | toJson }}
+{{- end }}
+
+{{/*
+The trainer exporters' ports by name (a JSON list of NetworkPolicyPorts): metrics-<local
+rank> for every local rank a node may run (meshtrain/api/limits.py MAX_GPUS_PER_NODE).
+Named, because each job picks its own metrics.port; the rendezvous port is not among them.
+*/}}
+{{- define "meshtrain.trainerMetricsPorts" -}}
+{{- $ports := list }}
+{{- range $rank := until 64 }}
+{{- $ports = append $ports (dict "protocol" "TCP" "port" (printf "metrics-%d" $rank)) }}
+{{- end }}
+{{- $ports | toJson }}
 {{- end }}

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 from typing import TYPE_CHECKING
 
 from meshtrain.operator import planning
-from meshtrain.operator.policy import kueue_workload, naming
+from meshtrain.operator.policy import builders, kueue_workload, naming
 from meshtrain.planner import admission, profiles
 
 if TYPE_CHECKING:
@@ -189,6 +190,49 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "Prometheus in; env MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES, comma-separated; "
         "default: none)",
     )
+    for kind, who in (("operator", "the operator's pods"), ("metrics", "Prometheus")):
+        parser.add_argument(
+            f"--gang-network-policy-{kind}-peers",
+            default=os.environ.get(f"MESHTRAIN_GANG_NETWORK_POLICY_{kind.upper()}_PEERS", "[]"),
+            metavar="JSON",
+            help=f"NetworkPolicyPeers of {who}, a JSON list, that each gang's NetworkPolicy admits "
+            f"on the job's {'progress port' if kind == 'operator' else 'exporter ports'} (env "
+            f"MESHTRAIN_GANG_NETWORK_POLICY_{kind.upper()}_PEERS; default: none)",
+        )
+
+
+MAX_PEERS = 32
+"""Most NetworkPolicyPeers one ``--gang-network-policy-*-peers`` flag may name."""
+
+_PEER_KEYS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
+
+
+def parse_peers(flag: str, text: str) -> tuple[dict[str, object], ...]:
+    """The NetworkPolicyPeers of ``flag``'s JSON list; ValueError naming the flag and the fix."""
+    try:
+        peers = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{flag} is not JSON ({err}): give a list of NetworkPolicyPeers") from err
+    if not isinstance(peers, list) or len(peers) > MAX_PEERS:
+        raise ValueError(f"{flag} must be a JSON list of at most {MAX_PEERS} NetworkPolicyPeers")
+    for index, peer in enumerate(peers):
+        if not isinstance(peer, dict) or not peer or not set(peer) <= _PEER_KEYS:
+            raise ValueError(
+                f"{flag}[{index}] must be an object with some of {', '.join(sorted(_PEER_KEYS))}"
+            )
+    return tuple(peers)
+
+
+def gang_peers(args: argparse.Namespace) -> builders.GangPeers:
+    """The peers each gang's NetworkPolicy admits besides its own pods (ValueError: a bad flag)."""
+    return builders.GangPeers(
+        operator=parse_peers(
+            "--gang-network-policy-operator-peers", args.gang_network_policy_operator_peers
+        ),
+        metrics=parse_peers(
+            "--gang-network-policy-metrics-peers", args.gang_network_policy_metrics_peers
+        ),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,6 +257,11 @@ def run(args: argparse.Namespace) -> int:
             "(an RFC 1123 subdomain of at most 253 characters: lower-case letters, digits, '-', '.')",
             file=sys.stderr,
         )
+        return 2
+    try:
+        peers = gang_peers(args)
+    except ValueError as err:
+        print(f"meshtrain operator: {err}", file=sys.stderr)
         return 2
     try:
         default_profile = gpu_profile(args.gpu_profile)
@@ -244,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
             planning_deadline_seconds=args.planning_deadline_seconds,
             default_queue=args.default_queue,
             isolated_namespaces=frozenset(args.gang_network_policy_namespace),
+            gang_peers=peers,
         ),
     )
     clusterwide = not args.namespace

@@ -40,6 +40,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kueue_workload,
+    naming,
     placement_outcome,
     placement_status,
     pod_state,
@@ -75,6 +76,7 @@ class Placer:
         fit: gang_fit.GangFit,
         trainer_image: str,
         isolated_namespaces: frozenset[str] = frozenset(),
+        gang_peers: builders.GangPeers = builders.NO_PEERS,
     ) -> None:
         self.client = client
         self.cache = cache
@@ -83,6 +85,8 @@ class Placer:
         self.trainer_image = trainer_image
         self.isolated_namespaces = isolated_namespaces
         """Namespaces where each gang gets its own NetworkPolicy (``--gang-network-policy-namespace``)."""
+        self.gang_peers = gang_peers
+        """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         self._next_plan: dict[str, float] = {}
@@ -92,6 +96,8 @@ class Placer:
         """Whether PodGroups are served (None: not asked yet)."""
         self.create_failures = retries.Backoff(children.retry_delay)
         """Jobs (by UID: a namesake re-created is a new job) whose children were refused: when they may try again."""
+        self._policy_checked: set[str] = set()
+        """Jobs (by UID) whose gang NetworkPolicy this process has ensured or removed once."""
 
     def forget(self, ref: identity.JobRef) -> None:
         """Drop what is remembered of a deleted job."""
@@ -99,6 +105,41 @@ class Placer:
         self.create_failures.forget(ref.uid)
         self._grow_backoff.pop((ref.namespace, ref.name), None)
         self._next_plan.pop(ref.uid, None)
+        self._policy_checked.discard(ref.uid)
+
+    async def check_gang_policy(self, job: job_state.JobState) -> None:
+        """Once per job and process, for a gang that has pods: ensure its NetworkPolicy where
+        its namespace is isolated (isolation turned on while it ran), delete the one it owns
+        where it is not (turned off); a same-named policy it does not own is left alone.
+
+        One read (and a create, patch or delete) per job per operator start, no LIST.
+        """
+        ref = job.ref
+        if ref.uid in self._policy_checked or job.spec is None:
+            return
+        if ref.namespace in self.isolated_namespaces:
+            policy = builders.build_network_policy(ref, job.spec, self.gang_peers)
+            refused = await children.ensure(self.client, ref.uid, [policy], [])
+            if refused is not None:
+                logger.warning(
+                    "%s/%s: no gang NetworkPolicy: %s", ref.namespace, ref.name, refused.message
+                )
+        elif self.isolated_namespaces:  # none isolated: no RBAC on NetworkPolicies to ask with
+            name = naming.network_policy_name(ref.name)
+            try:
+                await children.delete_owned(
+                    self.client, ref.uid, "NetworkPolicy", ref.namespace, name
+                )
+            except kube.ApiError as err:
+                if err.status != 403:  # forbidden: a namespace the RBAC does not cover
+                    raise
+                logger.info(
+                    "%s/%s: gang NetworkPolicy not checked: HTTP %s",
+                    ref.namespace,
+                    ref.name,
+                    err.status,
+                )
+        self._policy_checked.add(ref.uid)
 
     async def lift_gates(
         self, action: job_actions.LiftGates, body: dict[str, Any], job: job_state.JobState
@@ -520,6 +561,6 @@ class Placer:
         return [
             builders.build_configmap(ref, spec),
             builders.build_service(ref, spec),
-            *([builders.build_network_policy(ref)] if isolated else []),
+            *([builders.build_network_policy(ref, spec, self.gang_peers)] if isolated else []),
             *([group] if group else []),
         ]

@@ -29,6 +29,7 @@ from meshtrain.operator.cluster import (
 )
 from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
+    builders,
     conditions,
     identity,
     job_actions,
@@ -70,6 +71,9 @@ class Settings:
     isolated_namespaces: frozenset[str] = frozenset()
     """Namespaces where each gang gets a NetworkPolicy admitting only its own pods
     (``--gang-network-policy-namespace``); elsewhere none is created."""
+    gang_peers: builders.GangPeers = builders.NO_PEERS
+    """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports
+    (``--gang-network-policy-operator-peers``, ``--gang-network-policy-metrics-peers``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,7 @@ class Reconciler:
             fit=self.fit,
             trainer_image=settings.trainer_image,
             isolated_namespaces=settings.isolated_namespaces,
+            gang_peers=settings.gang_peers,
         )
         self.progress = progress_client.Poller(
             every=settings.progress_seconds, timeout=settings.progress_timeout_seconds
@@ -135,6 +140,8 @@ class Reconciler:
         gone = frozenset(
             n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
         )
+        if states and job.status.get("phase") not in job_state.FINAL:
+            await self.placer.check_gang_policy(job)
         decision = lifecycle.decide(job, states, clock.now(), kueue, gone)
         changed = refused_now = False
         for action in decision.actions:

@@ -64,9 +64,10 @@ def _conflict(kind: str, existing: Mapping[str, Any]) -> Refused:
     )
 
 
-UPDATED = ("Service", "ConfigMap")
-"""Kinds brought up to date when they exist and are the job's (a rebuilt gang's new spec); pods and
-PodGroups are immutable where it matters and get new names instead."""
+UPDATED = ("Service", "ConfigMap", "NetworkPolicy")
+"""Kinds brought up to date when they exist and are the job's (a rebuilt gang's new spec or ports,
+the operator's new peers); pods and PodGroups are immutable where it matters and get new names
+instead."""
 
 
 async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Refused | None:
@@ -107,7 +108,7 @@ async def ensure(
     shared: Sequence[dict[str, Any]],
     pods: Sequence[dict[str, Any]],
 ) -> Refused | None:
-    """Create ``shared`` objects (ConfigMap, Service — updated when the job owns them —, PodGroup), then ``pods``.
+    """Create ``shared`` objects (ConfigMap, Service, NetworkPolicy — updated when the job owns them —, PodGroup), then ``pods``.
 
     Two waves, each concurrent: a pod exists only once every shared object does, so an
     operator killed between the calls leaves at worst shared objects without pods (crash

@@ -466,15 +466,15 @@ class Client(KueueCalls):
         return await self._request("get", self._READ[kind], calls[kind], name, namespace, ok=(404,))
 
     async def patch(self, *, manifest: Body, uid: str, resource_version: str) -> None:
-        """Merge ``manifest`` into the Service or ConfigMap of its name, only if it is still the
-        object ``uid`` at ``resource_version`` (:class:`Conflict` otherwise: one deleted and
-        created again meanwhile, perhaps by another tenant, is never patched)."""
+        """Merge ``manifest`` into the Service, ConfigMap or NetworkPolicy of its name, only if it
+        is still the object ``uid`` at ``resource_version`` (:class:`Conflict` otherwise: one
+        deleted and created again meanwhile, perhaps by another tenant, is never patched)."""
         resource, _ = self._collection(manifest)
-        call = (
-            self._core.patch_namespaced_service
-            if resource == "services"
-            else self._core.patch_namespaced_config_map
-        )
+        call = {
+            "services": self._core.patch_namespaced_service,
+            "configmaps": self._core.patch_namespaced_config_map,
+            "networkpolicies": self._networking.patch_namespaced_network_policy,
+        }[resource]
         metadata = manifest["metadata"]
         guarded = {
             **manifest,

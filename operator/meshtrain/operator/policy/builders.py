@@ -9,6 +9,7 @@ of a job".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,23 +88,52 @@ def build_service(job: identity.JobRef, spec: api_spec.TrainingJobSpec) -> dict[
     }
 
 
-def build_network_policy(job: identity.JobRef) -> dict[str, Any]:
-    """NetworkPolicy: the job's pods take connections from the job's own pods, on any port.
+@dataclasses.dataclass(frozen=True)
+class GangPeers:
+    """Who besides the gang's own pods may reach a gang (the chart's flags, docs/operator.md)."""
 
-    Rendezvous and collectives (gloo, NCCL) use ports chosen at run time, so no port is named.
-    NetworkPolicies add up: the chart's namespace-wide trainer policy admits the operator and
-    Prometheus besides, and nothing admits another job's pods.
+    operator: tuple[dict[str, Any], ...] = ()
+    """NetworkPolicyPeers of the operator's pods: admitted on the job's progress port."""
+    metrics: tuple[dict[str, Any], ...] = ()
+    """NetworkPolicyPeers of Prometheus (and the chart's extraIngressFrom): admitted on the exporters' ports."""
+
+
+NO_PEERS = GangPeers()
+"""Only the gang's own pods (no ``--gang-network-policy-*-peers``)."""
+
+
+def metrics_ports(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
+    """The exporters' ports as one NetworkPolicyPort: ``metrics.port`` + each local rank."""
+    last = spec.metrics.port + spec.resources.gpus_per_node - 1
+    port: dict[str, Any] = {"protocol": "TCP", "port": spec.metrics.port}
+    return {**port, "endPort": last} if last > spec.metrics.port else port
+
+
+def build_network_policy(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, peers: GangPeers = NO_PEERS
+) -> dict[str, Any]:
+    """NetworkPolicy: the job's pods take connections from the job's own pods on any port, the
+    operator on the progress port and Prometheus on the exporters' ports.
+
+    Self-contained: it keeps the operator and Prometheus in when the chart's namespace-wide
+    trainer policy is gone.  Rendezvous and collectives (gloo, NCCL) use ports chosen at run
+    time, so the own-pods rule names no port; every other rule names its ports, so only the
+    gang reaches the unauthenticated rendezvous store.  A rule with no peer is left out (an
+    empty ``from`` would admit everyone).
     """
     own = {"matchLabels": {naming.LABEL_JOB: job.name}}
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": own}]}]
+    port = naming.progress_port(spec)
+    if peers.operator and port is not None:
+        progress = {"protocol": "TCP", "port": port}
+        ingress.append({"from": list(peers.operator), "ports": [progress]})
+    if peers.metrics:
+        ingress.append({"from": list(peers.metrics), "ports": [metrics_ports(spec)]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _metadata(job, naming.network_policy_name(job.name)),
-        "spec": {
-            "podSelector": own,
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": own}]}],
-        },
+        "spec": {"podSelector": own, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 

@@ -102,3 +102,9 @@ def int_label(labels: Mapping[str, str] | None, key: str) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+def progress_port(spec: api_spec.TrainingJobSpec) -> int | None:
+    """Where rank 0 serves /progress: the built-in trainer's metrics port, a custom program's
+    declared ``trainer.progressPort``; None: a custom program that declares none is not polled."""
+    return spec.metrics.port if spec.trainer.type == "builtin" else spec.trainer.progress_port

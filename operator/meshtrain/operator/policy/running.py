@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import (
     conditions,
     job_actions,
     job_state,
+    naming,
     resizing,
     situation,
 )
@@ -43,15 +43,9 @@ def _entered(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
     return seen.observation_unwritten
 
 
-def progress_port(spec: api_spec.TrainingJobSpec) -> int | None:
-    """Where rank 0 serves /progress: the built-in trainer's metrics port, a custom program's
-    declared ``trainer.progressPort``; None: a custom program that declares none is not polled."""
-    return spec.metrics.port if spec.trainer.type == "builtin" else spec.trainer.progress_port
-
-
 def _progress_polled(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
     rank0 = next(p for p in seen.current if p.index == 0)
-    port = progress_port(seen.spec)
+    port = naming.progress_port(seen.spec)
     if rank0.ip and rank0.phase == "Running" and port is not None:
         return (job_actions.PollProgress(rank0.name, rank0.ip, port),)
     return ()
