@@ -57,6 +57,9 @@ PLAN_SPACING = 20.0
 """A job whose slow plan placed nothing is not planned again for this many times what that plan
 took, so a job whose plans are slow (yet within the deadline) holds the placement lock, which
 every other job plans under, a twentieth of the time at most."""
+FAILED_PLAN_RETRY_SECONDS = 30.0
+"""A job whose plan got no verdict (the worker died twice, or the node starved it of CPU) is not
+planned again for this long: each plan may cost a fresh worker's start."""
 
 
 def _describe(problems: Mapping[str, str]) -> str:
@@ -86,7 +89,8 @@ class Placer:
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         self._next_plan: dict[str, float] = {}
-        """Jobs (by UID) whose last plan was slow and placed nothing: when they may plan again (:data:`PLAN_SPACING`)."""
+        """Jobs (by UID) whose last plan was slow and placed nothing, or got no verdict: when they may
+        plan again (:data:`PLAN_SPACING`, :data:`FAILED_PLAN_RETRY_SECONDS`)."""
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
@@ -412,6 +416,7 @@ class Placer:
         except planning.DeadlineExceeded as exceeded:
             return await self._planning_refused(body, job, exceeded), None
         except planning.WorkerFailed as failed:
+            self._next_plan[ref.uid] = time.monotonic() + FAILED_PLAN_RETRY_SECONDS
             unplaced = placement_outcome.unplaced(job, conditions.PLANNING_FAILED, str(failed), now)
             said = f"{ref.namespace}/{ref.name} not planned: {failed}"
             return await self._write_unplaced(body, job, unplaced, said), None
