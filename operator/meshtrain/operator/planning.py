@@ -149,15 +149,14 @@ class Worker:
                 now_cpu = cpu_seconds(pid)
                 used = wall if cpu_before is None or now_cpu is None else now_cpu - cpu_before
                 if used >= deadline:
-                    self.stop()
                     raise DeadlineExceeded(deadline)
                 if wall >= WALL_CAP_FACTOR * deadline:
-                    self.stop()
                     raise Starved(used, wall)
                 wait = min(deadline - used, WALL_CAP_FACTOR * deadline - wall)
                 await asyncio.wait({fut}, timeout=max(wait, 0.02))
-        except BaseException:
+        except BaseException:  # past the deadline or the cap, or cancelled: the worker goes too
             if not fut.done():
+                fut.cancel()  # its worker's death is no news to anyone
                 self.stop()
             raise
         sized = fut.result()
