@@ -7,7 +7,10 @@ job of the largest world the CRD admits with an elastic range planned size by si
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -127,3 +130,108 @@ def test_a_killed_operator_leaves_no_worker_behind() -> None:
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker), f"worker {worker} outlived the operator"
+
+
+def test_a_cancelled_plan_stops_the_worker_and_the_next_plan_gets_its_whole_deadline() -> None:
+    """kopf cancels a deleted job's handler mid-plan: the worker is killed with it, so the next job's
+    plan does not queue behind the cancelled one and run out of deadline waiting."""
+
+    async def run() -> tuple[int | None, placement_outcome.Sized]:
+        worker = planning.Worker(deadline_seconds=30)
+        await worker.plan(ask(NORMAL))
+        cancelled = worker._pid
+        hostile = asyncio.create_task(worker.plan(ask(HOSTILE, offered=())))
+        await asyncio.sleep(1.0)
+        hostile.cancel()
+        try:
+            await hostile
+        except asyncio.CancelledError:
+            pass
+        worker.deadline_seconds = 3
+        try:
+            return cancelled, await worker.plan(ask(NORMAL))
+        finally:
+            worker.stop()
+
+    cancelled, after = asyncio.run(run())
+    assert cancelled is not None and not _alive(cancelled), "the cancelled plan's worker runs on"
+    assert after == placement_outcome.plan_sizes(ask(NORMAL))
+
+
+def test_a_worker_cancelled_while_starting_is_killed_at_once() -> None:
+    """Cancelled while its worker imports the planner, a start leaves no process to finish it."""
+
+    async def run() -> list[multiprocessing.process.BaseProcess]:
+        worker = planning.Worker(deadline_seconds=30)
+        starting = asyncio.create_task(worker.plan(ask(NORMAL)))
+        await asyncio.sleep(0.2)
+        started = multiprocessing.active_children()
+        assert started, "no worker process started"
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.3)
+        return [p for p in started if p.is_alive()]
+
+    assert not asyncio.run(run()), "a cancelled start left its worker running"
+
+
+def _plan_while_stopped(deadline: float, stopped_for: float) -> placement_outcome.Sized:
+    """Plan NORMAL in a worker the kernel runs none of the time for ``stopped_for`` seconds (SIGSTOP):
+    a node so busy that the plan waits on the wall clock with no CPU time."""
+
+    async def run() -> placement_outcome.Sized:
+        worker = planning.Worker(deadline_seconds=deadline)
+        await worker.plan(ask(NORMAL))
+        pid = worker._pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(stopped_for, os.kill, pid, signal.SIGCONT)
+        try:
+            return await worker.plan(ask(NORMAL))
+        finally:
+            worker.stop()
+
+    return asyncio.run(run())
+
+
+def test_the_deadline_is_cpu_time_not_time_spent_waiting_for_a_cpu() -> None:
+    """Waiting past the deadline on the wall clock with no CPU time is no verdict on the job."""
+    deadline = 1.0
+    assert 2 * deadline < planning.WALL_CAP_FACTOR * deadline
+    assert _plan_while_stopped(deadline, 2 * deadline) == placement_outcome.plan_sizes(ask(NORMAL))
+
+
+def test_a_plan_starved_past_the_wall_cap_is_stopped_without_a_verdict_on_the_job() -> None:
+    deadline = 0.5
+    started = time.monotonic()
+    try:
+        _plan_while_stopped(deadline, 60)
+    except planning.DeadlineExceeded:
+        raise AssertionError("a starved plan was refused as if it had used its deadline") from None
+    except planning.Starved as starved:
+        assert starved.cpu_seconds < deadline <= starved.wall_seconds
+        assert isinstance(starved, planning.WorkerFailed)  # no verdict: the job is planned again
+    else:
+        raise AssertionError("the starved plan was never stopped")
+    assert time.monotonic() - started < 60
+
+
+def test_a_worker_that_died_while_idle_is_replaced_without_blaming_the_next_job() -> None:
+    async def run() -> placement_outcome.Sized:
+        worker = planning.Worker(deadline_seconds=30)
+        await worker.plan(ask(NORMAL))
+        assert worker._pid is not None
+        os.kill(worker._pid, signal.SIGKILL)
+        dead = worker._pid
+        while _alive(dead):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the pool notices its worker gone
+        try:
+            return await worker.plan(ask(NORMAL))
+        finally:
+            worker.stop()
+
+    assert asyncio.run(run()) == placement_outcome.plan_sizes(ask(NORMAL))

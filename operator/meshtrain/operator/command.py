@@ -157,8 +157,8 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
             os.environ.get("MESHTRAIN_PLANNING_DEADLINE_SECONDS", planning.DEFAULT_DEADLINE_SECONDS)
         ),
         metavar="SECONDS",
-        help="longest a job's placement plan may take in the planning worker (a child process, off "
-        "the event loop); a job whose plan takes longer is refused with PlanningDeadlineExceeded "
+        help="most CPU time a job's placement plan may take in the planning worker (a child process, off "
+        "the event loop); a job whose plan uses more is refused with PlanningDeadlineExceeded "
         "(env MESHTRAIN_PLANNING_DEADLINE_SECONDS; default: %(default)s)",
     )
     parser.add_argument(

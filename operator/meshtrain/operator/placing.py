@@ -53,11 +53,16 @@ from meshtrain.operator.policy import (
 logger = logging.getLogger("meshtrain.operator")
 
 SLOW_PLAN_SECONDS = 0.5
-"""A plan that takes this long in the worker is slow: real jobs plan in milliseconds."""
+"""A plan that takes this long in the worker is slow (logged with its spacing): real jobs plan in
+milliseconds."""
 PLAN_SPACING = 20.0
-"""A job whose slow plan placed nothing is not planned again for this many times what that plan
-took, so a job whose plans are slow (yet within the deadline) holds the placement lock, which
-every other job plans under, a twentieth of the time at most."""
+"""A job whose plan placed nothing is not planned again for this many times what that plan took,
+so a job whose plans are slow (yet within the deadline) holds the placement lock, which every
+other job plans under, a twentieth of the time at most.  A pass that comes meanwhile (a wake when
+capacity frees) is not lost: the job is planned again as the spacing ends."""
+FAILED_PLAN_RETRY_SECONDS = 30.0
+"""A job whose plan got no verdict (the worker died twice, or the node starved it of CPU) is not
+planned again for this long: each plan may cost a fresh worker's start."""
 
 
 def _describe(problems: Mapping[str, str]) -> str:
@@ -89,9 +94,12 @@ class Placer:
         """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
-        self._next_plan: dict[str, float] = {}
-        """Jobs (by UID) whose last plan was slow and placed nothing: when they may plan again (:data:`PLAN_SPACING`)."""
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
+        self._next_plan: dict[str, float] = {}
+        """Jobs (by UID) whose last plan placed nothing, or got no verdict: when they may
+        plan again (:data:`PLAN_SPACING`, :data:`FAILED_PLAN_RETRY_SECONDS`)."""
+        self._deferred: set[str] = set()
+        """Jobs (by UID) a pass found spaced out: planned again as their spacing ends."""
         self._gang_api: bool | None = None
         """Whether PodGroups are served (None: not asked yet)."""
         self.create_failures = retries.Backoff(children.retry_delay)
@@ -106,6 +114,7 @@ class Placer:
         self._grow_backoff.pop((ref.namespace, ref.name), None)
         self._next_plan.pop(ref.uid, None)
         self._policy_checked.discard(ref.uid)
+        self._deferred.discard(ref.uid)
 
     async def check_gang_policy(self, job: job_state.JobState) -> None:
         """Once per job and process, for a gang that has pods: ensure its NetworkPolicy where
@@ -140,6 +149,17 @@ class Placer:
                     err.status,
                 )
         self._policy_checked.add(ref.uid)
+
+    def spaced_for(self, uid: str) -> float | None:
+        """Seconds until a job a pass found spaced out may plan again (None: no pass is owed).
+
+        Owed once: past the spacing, the pass that came then owes nothing more.
+        """
+        left = self._next_plan.get(uid, 0.0) - time.monotonic()
+        if uid not in self._deferred or left <= 0:
+            self._deferred.discard(uid)
+            return None
+        return left
 
     async def lift_gates(
         self, action: job_actions.LiftGates, body: dict[str, Any], job: job_state.JobState
@@ -349,7 +369,9 @@ class Placer:
             if self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None:
                 return body, job, False  # refused recently: wait (outside the lock) for the backoff
             if time.monotonic() < self._next_plan.get(ref.uid, 0.0):
+                self._deferred.add(ref.uid)  # planned as the spacing ends (``spaced_for``)
                 return body, job, False  # its last plan placed nothing: spaced by what it took
+            self._deferred.discard(ref.uid)
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
         where = await workloads.flavors(self.client, action.flavors)
@@ -453,6 +475,7 @@ class Placer:
         except planning.DeadlineExceeded as exceeded:
             return await self._planning_refused(body, job, exceeded), None
         except planning.WorkerFailed as failed:
+            self._next_plan[ref.uid] = time.monotonic() + FAILED_PLAN_RETRY_SECONDS
             unplaced = placement_outcome.unplaced(job, conditions.PLANNING_FAILED, str(failed), now)
             said = f"{ref.namespace}/{ref.name} not planned: {failed}"
             return await self._write_unplaced(body, job, unplaced, said), None
@@ -464,8 +487,9 @@ class Placer:
             return await self._write_refused(body, job, outcome), None
         metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, placement_outcome.Unplaced):
-            if (took := self.fit.worker.last_seconds) >= SLOW_PLAN_SECONDS:
-                self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
+            took = self.fit.worker.last_seconds
+            self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
+            if took >= SLOW_PLAN_SECONDS:
                 logger.info(
                     "%s/%s: planned in %.1f s without a place; next plan in %.0f s at the earliest",
                     *(ref.namespace, ref.name, took, PLAN_SPACING * took),

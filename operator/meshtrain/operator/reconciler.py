@@ -180,6 +180,8 @@ class Reconciler:
         if any(isinstance(a, rescheduling.ReplaceRefused) for a in decision.actions):
             spaced = rescheduling.wait(self.fit.refusals.get(job.ref.uid), time.monotonic())
             retry = spaced if retry is None or spaced is None else min(retry, spaced)
+        if (spaced_plan := self.placer.spaced_for(job.ref.uid)) is not None:
+            retry = spaced_plan if retry is None else min(retry, spaced_plan)
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
         if any(isinstance(a, job_actions.PollProgress) for a in decision.actions):

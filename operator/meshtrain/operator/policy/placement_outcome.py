@@ -188,7 +188,7 @@ def planning_refused(job: job_state.JobState, seconds: float, now: datetime.date
         else "lower"
     )
     message = (
-        f"planning the gang took longer than the operator's planning deadline of {seconds:g} s "
+        f"planning the gang took more CPU time than the operator's planning deadline of {seconds:g} s "
         "(--planning-deadline-seconds, chart value operator.planningDeadlineSeconds) and was "
         f"stopped; {narrower} the parallelism degrees, or ask the cluster administrator to raise "
         "the deadline; then create the job again"
