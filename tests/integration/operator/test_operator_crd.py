@@ -21,6 +21,21 @@ def _rule(name: str) -> str:
     return next(r.cel_message for r in (*rules.RULES, rules.SHAPE_RULE) if r.name == name)
 
 
+def _dry_run(cluster, namespace: str, body: dict):
+    """``kubectl apply --dry-run=server`` of ``body``: the object as the API server would store it."""
+    return cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-o",
+        "yaml",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump(body),
+    )
+
+
 INVALID = [
     (
         "kvHeads and tensor divide neither way",
@@ -228,17 +243,7 @@ def test_kubectl_explain_shows_the_model_descriptions(cluster):
 
 def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
     body = _valid("good").manifest()
-    result = cluster.kubectl(
-        "apply",
-        "--dry-run=server",
-        "-n",
-        namespace,
-        "-o",
-        "yaml",
-        "-f",
-        "-",
-        stdin=yaml.safe_dump(body),
-    )
+    result = _dry_run(cluster, namespace, body)
     assert result.returncode == 0, result.stderr
     stored = yaml.safe_load(result.stdout)
     assert stored["spec"]["parallelism"]["schedule"] == "1f1b"
@@ -248,17 +253,7 @@ def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
 
 def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):
     body = _valid("own").trainer(type="custom", command=["train"], progressPort=9500).manifest()
-    result = cluster.kubectl(
-        "apply",
-        "--dry-run=server",
-        "-n",
-        namespace,
-        "-o",
-        "yaml",
-        "-f",
-        "-",
-        stdin=yaml.safe_dump(body),
-    )
+    result = _dry_run(cluster, namespace, body)
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["spec"]["trainer"]["progressPort"] == 9500
 
