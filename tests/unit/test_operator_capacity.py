@@ -140,8 +140,8 @@ def _controller(**changes: Any) -> Any:
         (_with(_own(), _relabel(naming.LABEL_NODE_RANK, "7")), None, "an index not placed"),
         (
             _with(_own(), lambda p: p["spec"].__setitem__("schedulingGates", [])),
-            None,
-            "ungated: kube-scheduler decides where it goes",
+            "n1",
+            "released, not yet bound: pinned to the placed node, about to bind there",
         ),
         (_with(_own(), _controller(controller=False)), None, "owned, not controlled, by the job"),
         (_with(_own(), _controller(kind="Job")), None, "controlled by another kind, same UID"),

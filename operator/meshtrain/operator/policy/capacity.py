@@ -86,11 +86,14 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
 
 
 def reserved_node(pod: Mapping[str, Any], owner: Owner) -> str | None:
-    """The node ``owner``'s ``status.placement`` holds for ``pod``: None unless ``pod`` is the gated
-    pod the operator creates for that entry (its controller, name, attempt and index).
+    """The node ``owner``'s ``status.placement`` holds for ``pod``: None unless ``pod`` is the pod
+    the operator creates for that entry (its controller, name, attempt and index).
 
     Names are unique in a namespace, so one pod at most counts per placement entry, and only on
     the node the operator planned: a pod a tenant made reserves nothing the job does not hold.
+    Gated or released makes no difference: a released pod holds its node until it binds there
+    (else the next plan would count its GPUs free while the scheduler is still binding it, and
+    two gangs would be placed on the same GPUs: test_competing_jobs_never_share_gpus).
     """
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
@@ -99,9 +102,6 @@ def reserved_node(pod: Mapping[str, Any], owner: Owner) -> str | None:
     if index is None or attempt != owner.attempt or controller_uid(pod) != owner.uid:
         return None
     if metadata.get("name") != naming.pod_name(str(labels.get(naming.LABEL_JOB)), attempt, index):
-        return None
-    gates = (pod.get("spec") or {}).get("schedulingGates") or []
-    if not any(gate.get("name") == naming.GANG_GATE for gate in gates):
         return None
     return owner.placement.get(index)
 
