@@ -102,18 +102,6 @@ def test_only_the_current_attempts_live_pods_count_as_freed_by_replacing():
     assert [p["metadata"]["name"] for p in leaving] == ["j-r1-1", "j-r0-0"]
 
 
-def test_cordoned_nodes_offer_nothing():
-    node = placement.node_from_manifest(
-        {
-            "metadata": {"name": "n"},
-            "spec": {"unschedulable": True},
-            "status": {"allocatable": {"nvidia.com/gpu": "8"}},
-        },
-        "nvidia.com/gpu",
-    )
-    assert node.unschedulable and capacity.free_gpus([node], []) == {}
-
-
 def test_progress_report_to_status():
     report = {
         "step": 42,

@@ -128,17 +128,6 @@ def counted_node(pod: Mapping[str, Any], owner: Owner | None) -> str | None:
     return (pod.get("status") or {}).get("nominatedNodeName") or None
 
 
-def free_gpus(
-    nodes: Iterable[placement.Node], taken: Iterable[placement.Reservation]
-) -> dict[str, int]:
-    """Free GPUs per schedulable node."""
-    free = {node.name: node.allocatable_gpus for node in nodes if not node.unschedulable}
-    for reservation in taken:
-        if reservation.node in free:
-            free[reservation.node] -= reservation.gpus
-    return free
-
-
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     """True when ``obj`` carries an ownerReference to the object with ``uid``."""
     return any(
