@@ -92,3 +92,13 @@ MAX_DOCUMENT_NODES = 100_000
 
 MAX_QUOTED = 80
 """Characters of a user's value an error message quotes; the rest is elided."""
+
+MAX_POD_OVERRIDE_BYTES = 65_536
+"""``spec.podTemplateOverride.spec`` as JSON: every key and scalar counted (a pod spec of a few
+sidecars and volumes is a few KiB)."""
+
+MAX_POD_OVERRIDE_CONTAINERS = 16
+"""Containers and init containers (sidecars included) a pod template override adds or merges."""
+
+MAX_POD_OVERRIDE_VOLUMES = 64
+"""Volumes a pod template override adds."""

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from meshtrain.api import crd, rules, spec
+from meshtrain.api import crd, limits, rules, spec
 from meshtrain.api.spec import kube_names
 from meshtrain.cli import main
 
@@ -63,9 +63,13 @@ def test_schema_is_structural(section):
             assert node["exclusiveMinimum"] is True and "minimum" in node, path
 
 
-def test_only_the_planner_plan_preserves_unknown_fields():
+def test_only_the_planner_plan_and_the_pod_template_preserve_unknown_fields():
+    """The partial PodSpec of podTemplateOverride is kept as written (the API server validates the
+    merged pod, issue #33); it is bounded by maxProperties and the model's size limit."""
     open_paths = [p for p, n in _walk(_root(), "") if n.get("x-kubernetes-preserve-unknown-fields")]
-    assert open_paths == [".status.plan"]
+    assert open_paths == [".spec.podTemplateOverride.spec", ".status.plan"]
+    pod_spec = _root()["properties"]["spec"]["properties"]["podTemplateOverride"]
+    assert pod_spec["properties"]["spec"]["maxProperties"] == limits.MAX_LIST_LENGTH
 
 
 def test_server_defaulting_of_an_empty_spec_equals_the_model_defaults():

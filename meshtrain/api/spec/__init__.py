@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from meshtrain.api import limits
-from meshtrain.api.spec import base, kube_names
+from meshtrain.api.spec import base, kube_names, pod_template
 
 # The sections' classes by name: each field of the spec is named like its section's module.
 from meshtrain.api.spec.checkpoint import Checkpoint
@@ -21,6 +21,7 @@ from meshtrain.api.spec.metrics import Metrics
 from meshtrain.api.spec.model import ModelSpec
 from meshtrain.api.spec.parallelism import Parallelism
 from meshtrain.api.spec.pod import PodSettings
+from meshtrain.api.spec.pod_template import PodTemplateOverride
 from meshtrain.api.spec.resources import Resources
 from meshtrain.api.spec.run_policy import RunPolicy
 from meshtrain.api.spec.topology import Topology
@@ -77,6 +78,20 @@ class TrainingJobSpec(base.SpecModel):
         default_factory=PodSettings,
         description="Pod settings: env, image pull secrets, ServiceAccount, priority, labels, annotations.",
     )
+    pod_template_override: PodTemplateOverride = Field(
+        default_factory=PodTemplateOverride,
+        description="A partial pod (metadata.labels and annotations, a partial PodSpec) merged into "
+        "every pod of the gang: volumes, mounts, affinity, init and sidecar containers, security.",
+    )
+
+    @model_validator(mode="after")
+    def _override_leaves_the_gpus(self) -> TrainingJobSpec:
+        problem = pod_template.gpu_problem(
+            self.pod_template_override, self.resources.gpu_resource_name
+        )
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @property
     def world_size(self) -> int:

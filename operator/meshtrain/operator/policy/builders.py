@@ -16,7 +16,7 @@ from typing import Any
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import pod as api_pod
-from meshtrain.operator.policy import identity, naming
+from meshtrain.operator.policy import identity, naming, node_affinity, pod_override
 
 SHUTDOWN_MARGIN_SECONDS = 5
 """torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
@@ -298,10 +298,10 @@ def _trainer_container(
 
 def _pinned_to(node: str) -> dict[str, Any]:
     """A required node affinity to ``node`` alone (``matchFields`` on ``metadata.name``)."""
-    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    terms = node_affinity.pinned((), node)
     return {
         "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}
         }
     }
 
@@ -357,7 +357,8 @@ def build_pod(
     if pod_group:
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
     _apply_pod_settings(spec.pod, metadata, container, pod_spec)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+    return pod_override.merge(pod, spec.pod_template_override, node)
 
 
 def _apply_pod_settings(

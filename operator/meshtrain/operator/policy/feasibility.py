@@ -2,7 +2,8 @@
 
 A gang pod is pinned to one node by required node affinity, so a node the scheduler would
 refuse leaves it Pending for good.  Placement therefore asks each node what the default filter
-plugins ask (NodeUnschedulable, NodeAffinity, TaintToleration, NodeResourcesFit; v1.36
+plugins ask (NodeUnschedulable, NodeAffinity with the job's own required terms, TaintToleration,
+NodeResourcesFit; v1.36
 semantics, ``pkg/scheduler/framework/plugins``).
 """
 
@@ -17,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kubernetes.utils import quantity
+
+from meshtrain.operator.policy import node_affinity
 
 CPU, MEMORY, EPHEMERAL_STORAGE, PODS = "cpu", "memory", "ephemeral-storage", "pods"
 UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
@@ -118,6 +121,9 @@ class Demand:
     """The pod's tolerations, as in its manifest."""
     node_selector: Mapping[str, str]
     """The pod's nodeSelector."""
+    node_affinity: tuple[Mapping[str, Any], ...] = ()
+    """The pod's required node selector terms (ORed) less the operator's pin to its planned node
+    (:func:`node_affinity.unpinned`); empty: the pod asks for no node."""
 
 
 def demand_of(pod: Mapping[str, Any]) -> Demand:
@@ -127,6 +133,7 @@ def demand_of(pod: Mapping[str, Any]) -> Demand:
         requests=pod_requests(pod),
         tolerations=tuple(spec.get("tolerations") or ()),
         node_selector=dict(spec.get("nodeSelector") or {}),
+        node_affinity=node_affinity.unpinned(node_affinity.required_terms(pod)),
     )
 
 
@@ -210,6 +217,8 @@ def with_selector(demand: Demand, node: Mapping[str, Any], state: str | None) ->
         return state
     labels = (node.get("metadata") or {}).get("labels") or {}
     if any(labels.get(key) != value for key, value in demand.node_selector.items()):
+        return SELECTOR_MISMATCH
+    if demand.node_affinity and not node_affinity.any_term_matches(demand.node_affinity, node):
         return SELECTOR_MISMATCH
     return state
 

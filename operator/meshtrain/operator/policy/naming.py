@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from meshtrain.api import release
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import metrics as api_metrics
+from meshtrain.api.spec import pod_template as api_pod_template
 
 GROUP = api_spec.API_GROUP
 API_VERSION = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
@@ -35,7 +36,8 @@ ANNOTATION_NODE = f"{GROUP}/planned-node"
 GANG_GATE = f"{GROUP}/gang"
 """Scheduling gate on every pod until the whole gang exists."""
 
-CONTAINER = "trainer"
+CONTAINER = api_pod_template.TRAINER_CONTAINER
+"""The trainer container's name (a podTemplateOverride container of this name merges into it)."""
 
 DEFAULT_TRAINER_IMAGE = f"ghcr.io/meshtrain/trainer:{release.VERSION}"
 """The trainer image of this meshtrain release, for jobs with an empty spec.image when the

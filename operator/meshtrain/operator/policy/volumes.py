@@ -14,6 +14,8 @@ from typing import Any
 
 from kubernetes.utils import quantity
 
+from meshtrain.operator.policy import node_affinity
+
 CONFLICT = "node(s) had volume node affinity conflict"
 """Refusal reason, worded as kube-scheduler's VolumeBinding filter words it."""
 NO_PROVISIONER = "kubernetes.io/no-provisioner"
@@ -34,41 +36,7 @@ class Topology:
     """Where the terms come from (for messages)."""
 
     def allows(self, node: Mapping[str, Any]) -> bool:
-        return any(_term_matches(term, node) for term in self.terms)
-
-
-def _expression_matches(expression: Mapping[str, Any], value: str | None) -> bool:
-    operator = expression.get("operator")
-    values = [str(v) for v in expression.get("values") or []]
-    if operator == "In":
-        return value is not None and value in values
-    if operator == "NotIn":
-        return value is None or value not in values
-    if operator == "Exists":
-        return value is not None
-    if operator == "DoesNotExist":
-        return value is None
-    if operator in ("Gt", "Lt") and value is not None and len(values) == 1:
-        try:
-            left, right = int(value), int(values[0])
-        except ValueError:
-            return False
-        return left > right if operator == "Gt" else left < right
-    return False
-
-
-def _term_matches(term: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
-    """core/v1 NodeSelectorTerm: every expression and field holds (an empty term matches nothing)."""
-    metadata = node.get("metadata") or {}
-    labels = metadata.get("labels") or {}
-    expressions = term.get("matchExpressions") or []
-    fields = term.get("matchFields") or []
-    if not expressions and not fields:
-        return False
-    return all(_expression_matches(e, labels.get(e.get("key"))) for e in expressions) and all(
-        f.get("key") == "metadata.name" and _expression_matches(f, metadata.get("name"))
-        for f in fields
-    )
+        return node_affinity.any_term_matches(self.terms, node)
 
 
 def _allowed_topologies(storage_class: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

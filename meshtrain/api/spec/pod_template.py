@@ -1,0 +1,271 @@
+"""``spec.podTemplateOverride``: a partial pod merged into every pod of the gang (Kubeflow Trainer
+v2's ``podTemplateOverrides``, JobSet's pod template), and what it may not touch.
+
+``spec`` is a partial core/v1 PodSpec kept as written (the CRD preserves it): its shape is the
+API server's to judge, on the merged pod.  Here are its bounds and the fields the operator owns
+(the gang's gate, its DNS names, the rank environment, the pin to the planned node, its own
+volumes), each refused with the field's path and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from meshtrain.api import limits
+from meshtrain.api.spec import base, kube_names, pod
+
+PATH = "spec.podTemplateOverride"
+TRAINER_CONTAINER = "trainer"
+"""The name of the trainer container in every pod: an override container of this name merges into it."""
+OPERATOR_VOLUMES = ("shm", "checkpoints", "spec", "tmp")
+"""Volumes the operator mounts in the trainer container (shared memory, the checkpoint claim, the
+job's spec, scratch space)."""
+
+OWNED_POD_FIELDS: Mapping[str, str] = {
+    "nodeName": "the operator pins each pod to its planned node by required node affinity; "
+    "restrict the nodes with affinity.nodeAffinity",
+    "schedulingGates": "the operator's gate holds the pods until the whole gang exists",
+    "schedulingGroup": "the operator names the gang's PodGroup (spec.schedulingGroup)",
+    "hostname": "the operator names each pod in the job's headless Service",
+    "subdomain": "the operator names each pod in the job's headless Service",
+    "restartPolicy": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
+    "terminationGracePeriodSeconds": "set spec.runPolicy.terminationGracePeriodSeconds",
+    "activeDeadlineSeconds": "set spec.runPolicy.activeDeadlineSeconds",
+    "nodeSelector": "set spec.resources.nodeSelector (placement reads it), or use affinity.nodeAffinity",
+    "serviceAccountName": "set spec.pod.serviceAccountName",
+    "serviceAccount": "set spec.pod.serviceAccountName",
+    "priorityClassName": "set spec.pod.priorityClassName (Kueue and preemption read it)",
+    "priority": "set spec.pod.priorityClassName (Kueue and preemption read it)",
+    "imagePullSecrets": "set spec.pod.imagePullSecrets",
+}
+"""Pod fields the operator sets, and where a job says what it wants instead."""
+
+OWNED_TRAINER_FIELDS: Mapping[str, str] = {
+    "image": "set spec.image",
+    "imagePullPolicy": "set spec.imagePullPolicy",
+    "command": "set spec.trainer.command (spec.trainer.type: custom)",
+    "args": "set spec.trainer.args (spec.trainer.type: custom)",
+    "workingDir": "set spec.trainer.workingDir",
+    "terminationMessagePath": "rank 0 reports its final progress there",
+    "terminationMessagePolicy": "rank 0 reports its final progress there",
+}
+"""Fields of the trainer container the operator sets, and where a job says what it wants instead."""
+
+MERGED_LISTS = ("containers", "initContainers", "volumes")
+"""Lists of named mappings the operator merges by name (containers) or appends to."""
+LISTS = ("tolerations", "hostAliases", "readinessGates", "resourceClaims")
+"""Other pod lists the override's entries are appended to."""
+MAPPINGS = ("securityContext", "affinity")
+"""Pod mappings the operator merges with its own."""
+
+
+class OverrideMetadata(base.SpecModel):
+    """Labels and annotations added to every pod of the gang."""
+
+    labels: dict[str, kube_names.LabelValue] = Field(
+        default_factory=dict, max_length=limits.MAX_LIST_LENGTH, description="Extra pod labels."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=limits.MAX_LIST_LENGTH,
+        description="Extra pod annotations, e.g. k8s.v1.cni.cncf.io/networks for Multus.",
+    )
+
+    @field_validator("labels", "annotations")
+    @classmethod
+    def _keys(cls, value: dict[str, str], info: Any) -> dict[str, str]:
+        field = f"{PATH}.metadata.{info.field_name}"
+        bad = [k for k in value if not kube_names.is_qualified_name(k)]
+        if bad:
+            raise ValueError(
+                f"{field} keys must be Kubernetes qualified names (an optional DNS prefix and '/', "
+                f"then at most 63 letters, digits, '-', '_' or '.'); got {base.quoted(bad[0])}"
+            )
+        taken = sorted(
+            k for k in value if k.startswith(pod.RESERVED_LABEL_PREFIX) or k in pod.RESERVED_LABELS
+        )
+        if taken:
+            raise ValueError(
+                f"{field} {taken} are the operator's own (it selects and places its pods by them): "
+                f"choose keys outside {pod.RESERVED_LABEL_PREFIX}* and {', '.join(pod.RESERVED_LABELS)}"
+            )
+        return value
+
+
+class PodTemplateOverride(base.SpecModel):
+    """A partial pod merged into every pod of the gang."""
+
+    metadata: OverrideMetadata = Field(
+        default_factory=OverrideMetadata, description="Labels and annotations of every pod."
+    )
+    spec: dict[str, Any] = Field(
+        default_factory=dict,
+        max_length=limits.MAX_LIST_LENGTH,
+        description="A partial core/v1 PodSpec merged into every pod: volumes, init containers "
+        "and sidecars, containers (the one named trainer merges into the trainer container: env, "
+        "envFrom and volumeMounts appended, resources and securityContext merged), affinity (a "
+        "required nodeAffinity is ANDed with the operator's pin to the planned node), tolerations "
+        "(appended), securityContext (merged), and any other pod field not owned by the operator. "
+        "The API server validates the merged pod; see docs/operator.md.",
+    )
+
+    @field_validator("spec")
+    @classmethod
+    def _spec(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problems = list(_problems(value))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+
+def _size(value: Any) -> str | None:
+    """Why ``value`` is too large or too deep, walked without recursion and never past the bounds."""
+    budget, stack = limits.MAX_POD_OVERRIDE_BYTES, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limits.MAX_DOCUMENT_DEPTH:
+            return f"{PATH}.spec nests deeper than {limits.MAX_DOCUMENT_DEPTH} levels"
+        if isinstance(item, dict):
+            budget -= 2 + sum(len(str(k)) + 4 for k in item)
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            budget -= 2 + len(item)
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            budget -= len(str(item)) + 2
+        if budget < 0:
+            return (
+                f"{PATH}.spec is larger than {limits.MAX_POD_OVERRIDE_BYTES} bytes: keep large "
+                "files in a ConfigMap or volume and mount them"
+            )
+    return None
+
+
+def _entries(spec: Mapping[str, Any], key: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(path, entry) of the list ``spec[key]`` (its shape checked by :func:`_problems` first)."""
+    for i, entry in enumerate(spec.get(key) or []):
+        yield f"{PATH}.spec.{key}[{i}]", entry
+
+
+def _shape(spec: Mapping[str, Any]) -> str | None:
+    """The merged lists are lists of named mappings, within their bounds."""
+    for key in MERGED_LISTS:
+        items = spec.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            return f"{PATH}.spec.{key} must be a list of mappings"
+        unnamed = next((i for i, e in enumerate(items) if not isinstance(e.get("name"), str)), None)
+        if unnamed is not None:
+            return f"{PATH}.spec.{key}[{unnamed}] needs a name (a string)"
+    for key in LISTS:
+        if not isinstance(spec.get(key, []), list):
+            return f"{PATH}.spec.{key} must be a list"
+    for key in MAPPINGS:
+        if not isinstance(spec.get(key, {}), dict):
+            return f"{PATH}.spec.{key} must be a mapping"
+    containers = len(spec.get("containers") or []) + len(spec.get("initContainers") or [])
+    if containers > limits.MAX_POD_OVERRIDE_CONTAINERS:
+        return (
+            f"{PATH}.spec has {containers} containers and initContainers; at most "
+            f"{limits.MAX_POD_OVERRIDE_CONTAINERS}"
+        )
+    if len(spec.get("volumes") or []) > limits.MAX_POD_OVERRIDE_VOLUMES:
+        return f"{PATH}.spec.volumes has more than {limits.MAX_POD_OVERRIDE_VOLUMES} entries"
+    return None
+
+
+def _owned(spec: Mapping[str, Any]) -> Iterator[str]:
+    for key in spec:
+        if key in OWNED_POD_FIELDS:
+            yield f"{PATH}.spec.{key} is set by the operator: {OWNED_POD_FIELDS[key]}"
+    for where, volume in _entries(spec, "volumes"):
+        if volume["name"] in OPERATOR_VOLUMES:
+            yield (
+                f"{where}.name {volume['name']!r} is a volume of the operator "
+                f"({', '.join(OPERATOR_VOLUMES)}): choose another name"
+            )
+    for where, container in _entries(spec, "initContainers"):
+        if container["name"] == TRAINER_CONTAINER:
+            yield f"{where}.name {TRAINER_CONTAINER!r} is the trainer container's: choose another name"
+    for where, container in _entries(spec, "containers"):
+        if container["name"] == TRAINER_CONTAINER:
+            yield from _trainer_owned(where, container)
+
+
+def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
+    for key in container:
+        if key in OWNED_TRAINER_FIELDS:
+            yield f"{where}.{key} is set by the operator: {OWNED_TRAINER_FIELDS[key]}"
+    env = container.get("env") or []
+    if not isinstance(env, list):
+        return
+    for i, var in enumerate(env):
+        name = var.get("name") if isinstance(var, dict) else None
+        if isinstance(name, str) and (
+            name.startswith(pod.RESERVED_ENV_PREFIXES) or name in pod.RESERVED_ENV_NAMES
+        ):
+            yield (
+                f"{where}.env[{i}] {name} is set by the operator for torchrun and the trainer "
+                f"({', '.join(p + '*' for p in pod.RESERVED_ENV_PREFIXES)}, "
+                f"{', '.join(pod.RESERVED_ENV_NAMES)}): remove it; the layout comes from spec.parallelism"
+            )
+
+
+REQUIRED_TERMS = (
+    f"{PATH}.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+    ".nodeSelectorTerms"
+)
+
+
+def _node_terms(spec: Mapping[str, Any]) -> str | None:
+    """The required node selector terms are a list of mappings, each with a requirement: the
+    operator ANDs each with its pin to the planned node, and an empty term (which matches no
+    node) would then match that node."""
+    affinity = spec.get("affinity", {})
+    nodes = affinity.get("nodeAffinity", {}) if isinstance(affinity, dict) else None
+    required = (
+        nodes.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+        if isinstance(nodes, dict)
+        else None
+    )
+    terms = required.get("nodeSelectorTerms", []) if isinstance(required, dict) else None
+    if not isinstance(terms, list):
+        return f"{PATH}.spec.affinity: affinity, nodeAffinity and its required part are mappings, nodeSelectorTerms a list"
+    for i, term in enumerate(terms):
+        if not isinstance(term, dict) or not (
+            term.get("matchExpressions") or term.get("matchFields")
+        ):
+            return (
+                f"{REQUIRED_TERMS}[{i}] has no matchExpressions nor matchFields: it matches no "
+                "node; remove it or give it a requirement"
+            )
+    return None
+
+
+def _problems(spec: Mapping[str, Any]) -> Iterator[str]:
+    """Every bound and owned field ``spec`` breaks (the first shape problem alone: the rest read it)."""
+    broken = _size(spec) or _shape(spec) or _node_terms(spec)
+    if broken:
+        yield broken
+        return
+    yield from _owned(spec)
+
+
+def gpu_problem(override: PodTemplateOverride, gpu_resource: str) -> str | None:
+    """The trainer container's GPUs are ``resources.gpusPerNode``: an override may not name them."""
+    for where, container in _entries(override.spec, "containers"):
+        if container["name"] != TRAINER_CONTAINER:
+            continue
+        resources = container.get("resources")
+        for kind in ("requests", "limits"):
+            amounts = resources.get(kind) if isinstance(resources, dict) else None
+            if isinstance(amounts, dict) and gpu_resource in amounts:
+                return (
+                    f"{where}.resources.{kind}[{gpu_resource!r}] is set by the operator: "
+                    "set spec.resources.gpusPerNode (and gpuResourceName)"
+                )
+    return None

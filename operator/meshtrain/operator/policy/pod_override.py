@@ -1,0 +1,96 @@
+"""``spec.podTemplateOverride`` merged into a pod the builders made (pure).
+
+The override's metadata adds labels and annotations; its partial PodSpec adds to the pod: lists
+are appended (volumes, init containers, tolerations, ...), mappings merged (securityContext),
+and the container named like the trainer merges into it (env, envFrom, volumeMounts, ports
+appended; resources and securityContext merged) while other containers are added.  A required
+node affinity is ANDed with the operator's pin to the planned node (:mod:`node_affinity`).  What
+the operator owns was refused before (``meshtrain.api.spec.pod_template``), so nothing here
+replaces it; the API server validates the merged pod.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from meshtrain.api.spec import pod_template
+from meshtrain.operator.policy import node_affinity
+
+APPENDED_CONTAINER_LISTS = (
+    "env",
+    "envFrom",
+    "volumeMounts",
+    "volumeDevices",
+    "ports",
+    "resizePolicy",
+)
+"""Lists of the trainer container the override's entries are appended to."""
+MERGED_MAPPINGS = ("securityContext",)
+"""Mappings whose keys the override sets, keeping the others (pod and trainer container)."""
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+
+
+def merge(
+    pod: dict[str, Any], override: pod_template.PodTemplateOverride, node: str
+) -> dict[str, Any]:
+    """``pod`` with ``override`` merged in (changed in place, and returned)."""
+    metadata = pod["metadata"]
+    metadata["labels"] = {**metadata.get("labels", {}), **override.metadata.labels}
+    metadata["annotations"] = {**metadata.get("annotations", {}), **override.metadata.annotations}
+    spec = pod["spec"]
+    for key, value in copy.deepcopy(override.spec).items():
+        if key == "containers":
+            _containers(spec, value)
+        elif key == "affinity":
+            spec["affinity"] = _affinity(value, node)
+        else:
+            _set(spec, key, value)
+    return pod
+
+
+def _set(into: dict[str, Any], key: str, value: Any) -> None:
+    """A list appended to, a merged mapping merged, anything else set."""
+    existing = into.get(key)
+    if isinstance(existing, list) and isinstance(value, list):
+        into[key] = [*existing, *value]
+    elif key in MERGED_MAPPINGS and isinstance(existing, Mapping) and isinstance(value, Mapping):
+        into[key] = {**existing, **value}
+    else:
+        into[key] = value
+
+
+def _containers(spec: dict[str, Any], containers: list[dict[str, Any]]) -> None:
+    own = {c["name"]: c for c in spec["containers"]}
+    for container in containers:
+        target = own.get(container["name"])
+        if target is None:
+            spec["containers"].append(container)
+            continue
+        for key, value in container.items():
+            if key == "resources" and isinstance(value, Mapping):
+                target["resources"] = _resources(target.get("resources") or {}, value)
+            elif key in APPENDED_CONTAINER_LISTS or key in MERGED_MAPPINGS:
+                _set(target, key, value)
+            else:
+                target[key] = value
+
+
+def _resources(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, Any]:
+    """Requests and limits merged amount by amount; other keys (``claims``) as the override says."""
+    merged = {**ours, **theirs}
+    for kind in ("requests", "limits"):
+        if isinstance(theirs.get(kind), Mapping):
+            merged[kind] = {**(ours.get(kind) or {}), **theirs[kind]}
+    return merged
+
+
+def _affinity(value: Mapping[str, Any], node: str) -> dict[str, Any]:
+    """The override's affinity with its required node terms ANDed with the pin to ``node``."""
+    affinity = dict(value)
+    nodes = dict(affinity.get("nodeAffinity") or {})
+    terms = (nodes.get(REQUIRED) or {}).get("nodeSelectorTerms") or []
+    nodes[REQUIRED] = {"nodeSelectorTerms": node_affinity.pinned(terms, node)}
+    affinity["nodeAffinity"] = nodes
+    return affinity
