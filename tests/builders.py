@@ -167,6 +167,22 @@ class JobBuilder:
     def pod(self, **values: Any) -> JobBuilder:
         return self._section("pod", **values)
 
+    def pod_template(
+        self,
+        spec: dict[str, Any] | None = None,
+        *,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+    ) -> JobBuilder:
+        """``spec.podTemplateOverride``: a partial PodSpec and the pods' extra labels and annotations."""
+        override = self._raw.setdefault("podTemplateOverride", {})
+        if spec is not None:
+            override["spec"] = copy.deepcopy(spec)
+        metadata = {k: v for k, v in (("labels", labels), ("annotations", annotations)) if v}
+        if metadata:
+            override["metadata"] = metadata
+        return self
+
     def topology(self, **values: Any) -> JobBuilder:
         return self._section("topology", **values)
 

@@ -20,7 +20,7 @@ import collections
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes
@@ -208,8 +208,14 @@ def _ignore_missing(call: Any, *args: Any, **kwargs: Any) -> None:
             raise
 
 
-def _round(core: kubernetes.client.CoreV1Api, rng: random.Random) -> list[dict[str, Any]]:
-    """One random cluster; every node's verdicts (operator's and scheduler's)."""
+def _round(
+    core: kubernetes.client.CoreV1Api,
+    rng: random.Random,
+    probe: Callable[[random.Random, str], dict[str, Any]] = _probe,
+    labels: Callable[[random.Random], dict[str, str]] | None = None,
+) -> list[dict[str, Any]]:
+    """One random cluster; every node's verdicts (operator's and scheduler's) on ``probe``'s pods,
+    the nodes labelled by ``labels`` too when given."""
     api = core.api_client
     names = [f"n{uuid.uuid4().hex[:6]}" for _ in range(rng.randint(3, 6))]
     foreign: list[str] = []
@@ -217,6 +223,8 @@ def _round(core: kubernetes.client.CoreV1Api, rng: random.Random) -> list[dict[s
     try:
         for name in names:
             node, status = _random_node(rng, name)
+            if labels is not None:
+                node["metadata"]["labels"].update(labels(rng))
             core.create_node(node)
             # the TaintNodesByCondition admission plugin taints every new node not-ready; the
             # node lifecycle controller would lift it once Ready is True (there is none here)
@@ -232,9 +240,9 @@ def _round(core: kubernetes.client.CoreV1Api, rng: random.Random) -> list[dict[s
                     )
         time.sleep(1.0)  # the scheduler's cache follows the pod watch
         for name in names:
-            probe = _probe(rng, name)
-            core.create_namespaced_pod("probe", probe)
-            probes[name] = probe["metadata"]["name"]
+            made = probe(rng, name)
+            core.create_namespaced_pod("probe", made)
+            probes[name] = made["metadata"]["name"]
         results = []
         for name in names:
             truth = wait_for(
@@ -281,6 +289,84 @@ def test_operator_verdict_equals_the_scheduler_on_every_node_of_random_clusters(
     # the clusters must exercise both answers and several filters, or agreement proves little
     assert reasons[None] >= 5 and len(results) - reasons[None] >= 5, reasons
     assert len(reasons) >= 5, reasons
+
+
+# The job's own required node affinity (issue #33 item 1): podTemplateOverride's terms, ANDed
+# with the operator's pin to the planned node, judged as kube-scheduler judges them.
+
+REQUIREMENTS = (
+    {"key": "pool", "operator": "In", "values": ["a"]},
+    {"key": "pool", "operator": "In", "values": ["a", "b"]},
+    {"key": "pool", "operator": "NotIn", "values": ["b"]},
+    {"key": "gen", "operator": "Gt", "values": ["2"]},
+    {"key": "gen", "operator": "Lt", "values": ["3"]},
+    {"key": "ssd", "operator": "Exists"},
+    {"key": "ssd", "operator": "DoesNotExist"},
+    {"key": "missing", "operator": "NotIn", "values": ["x"]},
+)
+"""Requirements on node labels (every operator of a NodeSelectorRequirement)."""
+
+
+def _affinity_labels(rng: random.Random) -> dict[str, str]:
+    """Labels the requirements read: a generation that is a number or not, or none; an SSD or not."""
+    labels = {}
+    gen = rng.choice(["1", "2", "3", "4", "07", "x", None])
+    if gen is not None:
+        labels["gen"] = gen
+    if rng.random() < 0.5:
+        labels["ssd"] = "true"
+    return labels
+
+
+def _term(rng: random.Random, node: str) -> dict[str, Any]:
+    term: dict[str, Any] = {
+        "matchExpressions": [dict(r) for r in rng.sample(REQUIREMENTS, rng.randint(1, 2))]
+    }
+    if rng.random() < 0.25:  # the job names nodes too: this one or not
+        operator = rng.choice(["In", "NotIn"])
+        value = rng.choice([node, "elsewhere"])  # the API allows one value on a field
+        term["matchFields"] = [{"key": "metadata.name", "operator": operator, "values": [value]}]
+    return term
+
+
+def _affinity_probe(rng: random.Random, node: str) -> dict[str, Any]:
+    """The pod the operator would create for a small job whose podTemplateOverride requires one of
+    one to three random node selector terms (and prefers another), pinned to ``node``."""
+    terms = [_term(rng, node) for _ in range(rng.randint(1, 3))]
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms},
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "preference": _term(rng, node)}
+            ],
+        }
+    }
+    job = (
+        JobBuilder()
+        .layout(data=1)
+        .resources(cpu="250m", tolerations=list(JOB_TOLERATIONS))
+        .pod_template({"affinity": affinity})
+    )
+    spec = loading.parse_spec(job.raw())
+    ref = identity.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
+    pod = builders.build_pod(ref, spec, 0, 0, node)
+    pod["metadata"].pop("ownerReferences")
+    pod["spec"].pop("schedulingGates")
+    return pod
+
+
+def test_required_node_affinity_of_the_job_is_judged_as_the_scheduler_judges_it(scheduled):
+    rng = random.Random(20261129)
+    results = [
+        verdict
+        for _ in range(ROUNDS)
+        for verdict in _round(scheduled, rng, _affinity_probe, _affinity_labels)
+    ]
+    disagreements = [r for r in results if r["scheduler_binds"] != (r["operator_reason"] is None)]
+    assert not disagreements, disagreements
+    reasons = collections.Counter(r["operator_reason"] for r in results)
+    # both answers, and many refusals for the affinity alone, or agreement proves little
+    assert reasons[None] >= 5 and reasons[feasibility.SELECTOR_MISMATCH] >= 5, reasons
 
 
 # Hostile foreign pods (issue #32 item 3): what a pod says of itself reserves nothing.

@@ -1,0 +1,235 @@
+"""spec.podTemplateOverride's bounds and refusals (meshtrain.api.spec.pod_template): each owned field
+is refused with its path and the fix, and what the builders own is exactly what is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshtrain.api import limits, loading
+from meshtrain.api.spec import pod_template
+from meshtrain.operator.policy import builders, identity
+from tests.builders import JobBuilder
+
+REF = identity.JobRef(name="llm", namespace="research", uid="1234")
+TRAINER = pod_template.TRAINER_CONTAINER
+
+
+def problems(builder: JobBuilder) -> list[str]:
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(builder.raw())
+    return [str(p) for p in err.value.problems]
+
+
+def job(spec: dict[str, Any] | None = None, **metadata: Any) -> JobBuilder:
+    return JobBuilder().layout(data=2).pod_template(spec, **metadata)
+
+
+EVERY_SOURCE = {
+    "volumes": [
+        {"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}},
+        {"name": "conf", "configMap": {"name": "tokenizer"}},
+        {"name": "creds", "secret": {"secretName": "tracker"}},
+        {"name": "store", "csi": {"driver": "s3.csi.example.com", "readOnly": True}},
+        {
+            "name": "scratch",
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "1Gi"}},
+                    }
+                }
+            },
+        },
+        {"name": "weights", "image": {"reference": "registry.local/llama:8b"}},
+    ],
+    "initContainers": [
+        {"name": "warm", "image": "busybox", "command": ["true"]},
+        {"name": "ship-logs", "image": "fluent-bit", "restartPolicy": "Always"},
+    ],
+    "containers": [
+        {
+            "name": TRAINER,
+            "env": [{"name": "HF_HOME", "value": "/data/hf"}],
+            "envFrom": [{"configMapRef": {"name": "nccl"}}],
+            "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+            "resources": {"limits": {"example.com/nic": "1"}},
+            "securityContext": {"runAsUser": 1000},
+        },
+        {"name": "exporter", "image": "exporter:1"},
+    ],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                ]
+            }
+        },
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+    },
+    "tolerations": [{"key": "spot", "operator": "Exists"}],
+    "securityContext": {"supplementalGroups": [4000]},
+    "hostAliases": [{"ip": "10.0.0.5", "hostnames": ["store.local"]}],
+    "dnsConfig": {"options": [{"name": "ndots", "value": "2"}]},
+}
+
+
+def test_every_kind_of_addition_the_issue_names_is_accepted():
+    raw = job(
+        EVERY_SOURCE,
+        labels={"team": "nlp"},
+        annotations={"k8s.v1.cni.cncf.io/networks": "rdma-net"},
+    ).raw()
+    spec = loading.parse_spec(raw)
+    assert spec.pod_template_override.spec == EVERY_SOURCE
+    assert spec.pod_template_override.metadata.labels == {"team": "nlp"}
+
+
+REFUSED = [
+    ("gate", {"schedulingGates": [{"name": "x"}]}, "spec.podTemplateOverride.spec.schedulingGates"),
+    ("hostname", {"hostname": "a"}, "spec.podTemplateOverride.spec.hostname"),
+    ("subdomain", {"subdomain": "a"}, "headless Service"),
+    ("restart policy", {"restartPolicy": "Always"}, "spec.runPolicy.backoffLimit"),
+    ("node name", {"nodeName": "n"}, "spec.podTemplateOverride.spec.nodeName"),
+    ("node selector", {"nodeSelector": {"a": "b"}}, "spec.resources.nodeSelector"),
+    ("grace", {"terminationGracePeriodSeconds": 1}, "spec.runPolicy.terminationGracePeriodSeconds"),
+    ("service account", {"serviceAccountName": "x"}, "spec.pod.serviceAccountName"),
+    ("priority", {"priorityClassName": "x"}, "spec.pod.priorityClassName"),
+    (
+        "checkpoint volume",
+        {"volumes": [{"name": "checkpoints", "emptyDir": {}}]},
+        "spec.podTemplateOverride.spec.volumes[0].name 'checkpoints'",
+    ),
+    (
+        "rank env",
+        {"containers": [{"name": TRAINER, "env": [{"name": "MASTER_ADDR", "value": "x"}]}]},
+        "spec.podTemplateOverride.spec.containers[0].env[0] MASTER_ADDR",
+    ),
+    (
+        "meshtrain env",
+        {"containers": [{"name": TRAINER, "env": [{"name": "MESHTRAIN_TP", "value": "2"}]}]},
+        "MESHTRAIN_TP is set by the operator",
+    ),
+    (
+        "trainer image",
+        {"containers": [{"name": TRAINER, "image": "x"}]},
+        "spec.podTemplateOverride.spec.containers[0].image is set by the operator: set spec.image",
+    ),
+    (
+        "trainer command",
+        {"containers": [{"name": TRAINER, "command": ["x"]}]},
+        "spec.trainer.command",
+    ),
+    (
+        "trainer as init",
+        {"initContainers": [{"name": TRAINER, "image": "x"}]},
+        "spec.podTemplateOverride.spec.initContainers[0].name 'trainer'",
+    ),
+    (
+        "gpus",
+        {"containers": [{"name": TRAINER, "resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+        "containers[0].resources.limits['nvidia.com/gpu'] is set by the operator",
+    ),
+    (
+        "empty node term",
+        {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{}]}
+                }
+            }
+        },
+        "nodeSelectorTerms[0] has no matchExpressions nor matchFields",
+    ),
+    ("unnamed container", {"containers": [{"image": "x"}]}, "containers[0] needs a name"),
+    ("volumes not a list", {"volumes": {"a": 1}}, "spec.podTemplateOverride.spec.volumes must be"),
+    ("tolerations not a list", {"tolerations": {}}, "tolerations must be a list"),
+]
+
+
+@pytest.mark.parametrize("case,spec,words", REFUSED, ids=[c[0] for c in REFUSED])
+def test_owned_fields_are_refused_naming_the_field_and_the_fix(case, spec, words):
+    found = problems(job(spec))
+    assert any(words in p for p in found), (case, found)
+
+
+def test_the_operators_labels_and_annotations_are_refused():
+    found = problems(job(labels={"meshtrain.io/job": "x"}))
+    assert any("spec.podTemplateOverride.metadata.labels" in p for p in found), found
+    found = problems(job(annotations={"meshtrain.io/planned-node": "n"}))
+    assert any("spec.podTemplateOverride.metadata.annotations" in p for p in found), found
+
+
+def test_sizes_are_bounded_by_limits():
+    sidecars = [
+        {"name": f"s{i}", "image": "x"} for i in range(limits.MAX_POD_OVERRIDE_CONTAINERS + 1)
+    ]
+    assert any("at most" in p for p in problems(job({"initContainers": sidecars})))
+    volumes = [
+        {"name": f"v{i}", "emptyDir": {}} for i in range(limits.MAX_POD_OVERRIDE_VOLUMES + 1)
+    ]
+    assert any("more than" in p for p in problems(job({"volumes": volumes})))
+    huge = {"containers": [{"name": "big", "args": ["x" * 4000] * 20}]}
+    assert any("larger than" in p for p in problems(job(huge)))
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(limits.MAX_DOCUMENT_DEPTH + 5):
+        node["a"] = {}
+        node = node["a"]
+    assert any("nests deeper" in p for p in problems(job({"overhead": deep})))
+
+
+def _built(spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    parsed = loading.parse_spec(
+        JobBuilder().layout(data=2).checkpoint(claimName="ckpt").pod_template(spec).raw()
+    )
+    return builders.build_pod(REF, parsed, 0, 0, "node-a")
+
+
+def test_every_volume_env_and_label_the_builder_sets_is_refused():
+    pod = _built()
+    for volume in pod["spec"]["volumes"]:
+        found = problems(job({"volumes": [{"name": volume["name"], "emptyDir": {}}]}))
+        assert any(f"{volume['name']!r} is a volume of the operator" in p for p in found)
+    [trainer] = pod["spec"]["containers"]
+    for var in trainer["env"]:
+        override = {"containers": [{"name": TRAINER, "env": [{"name": var["name"], "value": "1"}]}]}
+        assert any(f"{var['name']} is set by the operator" in p for p in problems(job(override)))
+    for key in pod["metadata"]["labels"]:
+        assert problems(job(labels={key: "x"})), key
+
+
+MERGED_POD_FIELDS = {"containers", "volumes", "affinity", "securityContext", "tolerations"}
+"""Pod fields the builder sets that an override adds to, never replaces."""
+OPEN_POD_FIELDS = {"enableServiceLinks", "automountServiceAccountToken"}
+"""Pod fields the builder sets that an override may set (nothing of the gang depends on them)."""
+
+
+def test_every_field_the_builder_sets_is_owned_merged_or_open():
+    spec = _built()["spec"]
+    # and a pod with every optional field: a node selector, tolerations, a group, a ServiceAccount
+    raw = (
+        JobBuilder()
+        .layout(data=2)
+        .resources(nodeSelector={"a": "b"}, tolerations=[{"key": "k", "operator": "Exists"}])
+        .pod(serviceAccountName="sa", priorityClassName="p", imagePullSecrets=["s"])
+        .raw()
+    )
+    full = builders.build_pod(REF, loading.parse_spec(raw), 0, 0, "n", pod_group="g")["spec"]
+    for key in {*spec, *full}:
+        assert key in pod_template.OWNED_POD_FIELDS or key in MERGED_POD_FIELDS | OPEN_POD_FIELDS, (
+            key
+        )
+    [trainer] = full["containers"]
+    for key in trainer:
+        assert key in pod_template.OWNED_TRAINER_FIELDS or key in (
+            "name",
+            "resources",
+            "env",
+            "volumeMounts",
+            "ports",
+            "securityContext",
+        ), key
