@@ -229,6 +229,27 @@ class Cluster:
             {},
         )
 
+    def wait_reason(
+        self, namespace: str, name: str, type_: str, reason: str, timeout: float = 30
+    ) -> dict[str, Any]:
+        """The job's condition ``type_`` once its reason is ``reason``."""
+        return wait_for(
+            f"{namespace}/{name} {type_} with reason {reason}",
+            lambda: (c := self.condition(namespace, name, type_)).get("reason") == reason and c,
+            timeout,
+        )
+
+    def events(self, namespace: str, name: str, reason: str) -> list[Any]:
+        """The Events of ``reason`` about object ``name``, once there is one."""
+        return wait_for(
+            f"a {reason} Event of {namespace}/{name}",
+            lambda: [
+                e
+                for e in self.core.list_namespaced_event(namespace).items
+                if e.reason == reason and e.involved_object.name == name
+            ],
+        )
+
     def wait_phase(
         self, namespace: str, name: str, phase: str, timeout: float = 30
     ) -> dict[str, Any]:

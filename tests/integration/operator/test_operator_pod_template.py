@@ -10,7 +10,6 @@ import pytest
 
 from meshtrain.operator.policy import conditions, naming
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -114,14 +113,7 @@ def test_an_owned_field_fails_the_job_naming_the_field(cluster, operator, namesp
     assert failed["reason"] == conditions.INVALID_SPEC
     assert "spec.podTemplateOverride.spec.hostname" in failed["message"]
     assert "headless Service" in failed["message"]
-    events = wait_for(
-        "InvalidSpec event",
-        lambda: [
-            e
-            for e in cluster.core.list_namespaced_event(namespace).items
-            if e.reason == conditions.INVALID_SPEC and e.involved_object.name == "owned"
-        ],
-    )
+    events = cluster.events(namespace, "owned", conditions.INVALID_SPEC)
     assert "spec.podTemplateOverride.spec.hostname" in events[0].message
     assert cluster.pods(namespace, "owned") == []
     assert operator.alive()
@@ -140,25 +132,12 @@ def test_a_merged_pod_the_api_server_refuses_is_reported_in_its_words_with_backo
         ]
     }
     cluster.apply(JobBuilder("refused", namespace, pool).layout(data=2).pod_template(broken))
-    placed = wait_for(
-        "Placed=False/CreateRejected",
-        lambda: (
-            (c := cluster.condition(namespace, "refused", conditions.PLACED)).get("reason")
-            == conditions.CREATE_REJECTED
-            and c
-        ),
-        timeout=30,
+    placed = cluster.wait_reason(
+        namespace, "refused", conditions.PLACED, conditions.CREATE_REJECTED
     )
     # the API server's own validation of the merged pod, field path and all
     assert "volumeMounts" in placed["message"] and "nowhere" in placed["message"]
-    events = wait_for(
-        "CreateRejected events",
-        lambda: [
-            e
-            for e in cluster.core.list_namespaced_event(namespace).items
-            if e.reason == conditions.CREATE_REJECTED and e.involved_object.name == "refused"
-        ],
-    )
+    events = cluster.events(namespace, "refused", conditions.CREATE_REJECTED)
     assert "nowhere" in events[0].message
     assert cluster.pods(namespace, "refused") == []
     assert operator.alive()
