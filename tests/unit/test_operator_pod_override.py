@@ -8,7 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from meshtrain.api import loading
-from meshtrain.operator.policy import builders, feasibility, identity, naming, node_affinity
+from meshtrain.operator.policy import (
+    builders,
+    feasibility,
+    identity,
+    kueue_workload,
+    naming,
+    node_affinity,
+)
 from tests.builders import JobBuilder
 
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
@@ -191,3 +198,34 @@ def test_numbers_compare_as_kubernetes_parses_them():
     assert not node_affinity.expression_matches(gt, "4_0")  # Go's ParseInt refuses underscores
     assert not node_affinity.expression_matches(gt, str(2**63))  # and anything past int64
     assert not node_affinity.expression_matches(gt, None)
+
+
+def test_kueue_counts_the_overrides_containers_and_sidecars():
+    built = pod(
+        {
+            "initContainers": [
+                {
+                    "name": "ship-logs",
+                    "image": "x",
+                    "restartPolicy": "Always",
+                    "resources": {"requests": {"cpu": "500m"}},
+                },
+            ],
+            "containers": [
+                {"name": "bare", "image": "x"},
+                {"name": "capped", "image": "x", "resources": {"limits": {"memory": "1Gi"}}},
+            ],
+        },
+        node="",
+    )
+    spec = loading.parse_spec(JobBuilder().layout(data=4, gpus_per_node=2).raw())
+    body = kueue_workload.build_workload(
+        REF, spec, kueue_workload.Queue("q", None), built, kueue_workload.Priority(0)
+    )
+    template = body["spec"]["podSets"][0]["template"]["spec"]
+    assert [c["name"] for c in template["containers"]] == [naming.CONTAINER, "bare", "capped"]
+    assert template["containers"][1]["resources"] == {"requests": {}}
+    assert template["containers"][2]["resources"] == {"requests": {"memory": "1Gi"}}
+    assert template["initContainers"] == [
+        {"name": "ship-logs", "resources": {"requests": {"cpu": "500m"}}, "restartPolicy": "Always"}
+    ]

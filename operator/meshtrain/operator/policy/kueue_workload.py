@@ -138,6 +138,17 @@ def default_priority(priority_classes: Sequence[Mapping[str, Any]]) -> Priority:
     return pod_priority(lowest["metadata"]["name"], int(lowest.get("value") or 0))
 
 
+def _requests_only(container: Mapping[str, Any]) -> dict[str, Any]:
+    """A container as Kueue counts it: its requests (a limit alone requests the limit) and whether
+    it is a sidecar."""
+    resources = container.get("resources") or {}
+    requests = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    counted: dict[str, Any] = {"name": container["name"], "resources": {"requests": requests}}
+    if container.get("restartPolicy"):
+        counted["restartPolicy"] = container["restartPolicy"]
+    return counted
+
+
 def build_workload(
     job: identity.JobRef,
     spec: api_spec.TrainingJobSpec,
@@ -152,11 +163,12 @@ def build_workload(
     ``priority`` orders it in its queue and decides what it may preempt.
     """
     template_spec = pod["spec"]
-    containers = [
-        {"name": c["name"], "resources": {"requests": dict(c["resources"]["requests"])}}
-        for c in template_spec["containers"]
-    ]
+    containers = [_requests_only(c) for c in template_spec["containers"]]
     template: dict[str, Any] = {"spec": {"containers": containers, "restartPolicy": "Never"}}
+    if template_spec.get("initContainers"):  # podTemplateOverride's: sidecars count in the quota
+        template["spec"]["initContainers"] = [
+            _requests_only(c) for c in template_spec["initContainers"]
+        ]
     for key in ("nodeSelector", "tolerations", "priorityClassName"):
         if template_spec.get(key):
             template["spec"][key] = template_spec[key]
