@@ -8,8 +8,12 @@ from typing import Any
 
 import pytest
 
-from meshtrain.operator.policy import conditions, naming
+from meshtrain.api import loading
+from meshtrain.operator.policy import builders, conditions, naming
 from tests.builders import JobBuilder
+from tests.unit.test_pod_template import EVERY_SOURCE
+from tests.unit.test_pod_template_docs import REF as DOCS_REF
+from tests.unit.test_pod_template_docs import docs_pods
 
 pytestmark = pytest.mark.integration
 
@@ -142,3 +146,29 @@ def test_a_merged_pod_the_api_server_refuses_is_reported_in_its_words_with_backo
     assert cluster.pods(namespace, "refused") == []
     assert operator.alive()
     assert cluster.status(namespace, "refused").get("phase") != "Failed"
+
+
+def test_the_documented_overrides_and_every_volume_source_pass_the_api_servers_validation(
+    cluster, namespace
+):
+    """Server-side dry-run creates of the pods the builders make: the API server's own validation
+    of the merged pod (a field it does not know is refused, not dropped)."""
+    every = loading.parse_spec(JobBuilder().layout(data=2).gpus(1).pod_template(EVERY_SOURCE).raw())
+    pods = [*docs_pods(), builders.build_pod(DOCS_REF, every, 0, 0, "node-a")]
+    for pod in pods:
+        pod["metadata"]["namespace"] = namespace
+        stored = cluster.core.api_client.sanitize_for_serialization(
+            cluster.core.create_namespaced_pod(
+                namespace, pod, dry_run="All", field_validation="Strict"
+            )
+        )
+        assert [v["name"] for v in stored["spec"]["volumes"]] == [
+            v["name"] for v in pod["spec"]["volumes"]
+        ]
+        assert len(stored["spec"].get("initContainers") or []) == len(
+            pod["spec"].get("initContainers") or []
+        )
+    stored_volumes = {v["name"]: v for v in stored["spec"]["volumes"]}
+    for volume in EVERY_SOURCE["volumes"]:
+        source = next(k for k in volume if k != "name")
+        assert source in stored_volumes[volume["name"]], volume
