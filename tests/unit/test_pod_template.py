@@ -134,6 +134,15 @@ REFUSED = [
         "containers[0].resources.limits['nvidia.com/gpu'] is set by the operator",
     ),
     (
+        "gpus on a sidecar",
+        {
+            "initContainers": [
+                {"name": "s", "image": "x", "resources": {"requests": {"nvidia.com/gpu": "1"}}}
+            ]
+        },
+        "initContainers[0].resources.requests['nvidia.com/gpu'] is set by the operator",
+    ),
+    (
         "empty node term",
         {
             "affinity": {

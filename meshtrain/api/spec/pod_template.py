@@ -256,16 +256,16 @@ def _problems(spec: Mapping[str, Any]) -> Iterator[str]:
 
 
 def gpu_problem(override: PodTemplateOverride, gpu_resource: str) -> str | None:
-    """The trainer container's GPUs are ``resources.gpusPerNode``: an override may not name them."""
-    for where, container in _entries(override.spec, "containers"):
-        if container["name"] != TRAINER_CONTAINER:
-            continue
-        resources = container.get("resources")
-        for kind in ("requests", "limits"):
-            amounts = resources.get(kind) if isinstance(resources, dict) else None
-            if isinstance(amounts, dict) and gpu_resource in amounts:
-                return (
-                    f"{where}.resources.{kind}[{gpu_resource!r}] is set by the operator: "
-                    "set spec.resources.gpusPerNode (and gpuResourceName)"
-                )
+    """The gang's GPUs are ``resources.gpusPerNode`` on the trainer container: no container of an
+    override names them (placement, capacity and Kueue count them per pod)."""
+    for key in ("containers", "initContainers"):
+        for where, container in _entries(override.spec, key):
+            resources = container.get("resources")
+            for kind in ("requests", "limits"):
+                amounts = resources.get(kind) if isinstance(resources, dict) else None
+                if isinstance(amounts, dict) and gpu_resource in amounts:
+                    return (
+                        f"{where}.resources.{kind}[{gpu_resource!r}] is set by the operator: the "
+                        "gang's GPUs are spec.resources.gpusPerNode on the trainer container"
+                    )
     return None
