@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshtrain import placement
 from meshtrain.api import loading
 from meshtrain.operator.policy import (
     builders,
     feasibility,
     identity,
     kueue_workload,
+    memory_admission,
     naming,
     node_affinity,
 )
@@ -229,3 +231,16 @@ def test_kueue_counts_the_overrides_containers_and_sidecars():
     assert template["initContainers"] == [
         {"name": "ship-logs", "resources": {"requests": {"cpu": "500m"}}, "restartPolicy": "Always"}
     ]
+
+
+def test_memory_admission_judges_by_the_nodes_the_jobs_affinity_allows():
+    """A job that asks for h100 nodes is not judged by a smaller GPU it can never run on."""
+    nodes = [
+        placement.Node(name="small", allocatable_gpus=8, labels={"gpu": "a100"}),
+        placement.Node(name="big", allocatable_gpus=8, labels={"gpu": "h100"}),
+    ]
+    required = {"affinity": {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [GPU_H100]}}}}
+    spec = loading.parse_spec(JobBuilder().pod_template(required).raw())
+    assert [n.name for n in memory_admission.candidates(spec, nodes)] == ["big"]
+    everywhere = loading.parse_spec(JobBuilder().raw())
+    assert [n.name for n in memory_admission.candidates(everywhere, nodes)] == ["small", "big"]

@@ -14,6 +14,7 @@ from typing import Any
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import node_affinity
 from meshtrain.planner import admission, estimate, profiles
 
 
@@ -54,16 +55,24 @@ class Refused:
 def candidates(
     spec: api_spec.TrainingJobSpec, nodes: Sequence[placement.Node]
 ) -> list[placement.Node]:
-    """Nodes matching the job's node selector that offer at least one GPU of its resource.
+    """Nodes matching the job's node selector and required node affinity
+    (``podTemplateOverride``) that offer at least one GPU of its resource.
 
     Cordoned nodes count: their hardware is what it is.
     """
     selector = tuple(spec.resources.node_selector.items())
+    terms = node_affinity.required_terms({"spec": spec.pod_template_override.spec})
     return [
         node
         for node in nodes
         if node.allocatable_gpus > 0
         and all(node.labels.get(key) == value for key, value in selector)
+        and (
+            not terms
+            or node_affinity.any_term_matches(
+                terms, {"metadata": {"name": node.name, "labels": node.labels}}
+            )
+        )
     ]
 
 
