@@ -25,6 +25,7 @@ from meshtrain.api.spec import (
     model,
     parallelism,
     pod,
+    pod_template,
     resources,
     run_policy,
     trainer,
@@ -62,6 +63,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
     *(rule.within(lambda spec: spec.run_policy) for rule in run_policy.RULES),
     *(rule.within(lambda spec: spec.trainer) for rule in trainer.RULES),
     *(rule.within(lambda spec: spec.pod) for rule in pod.RULES),
+    *(rule.within(lambda spec: spec.pod_template_override.metadata) for rule in pod_template.RULES),
     *QUANTITY_RULES,
 )
 """Every rule but :data:`SHAPE_RULE`, in the order their problems are listed."""

@@ -5,7 +5,7 @@ what the operator sets itself, and credentials kept out of plain values."""
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -161,34 +161,49 @@ def _env_no_plain_secrets(pod: PodSettings) -> str | None:
     return None
 
 
-def _labels_not_reserved(pod: PodSettings) -> str | None:
-    taken = sorted(
-        k for k in pod.labels if k.startswith(RESERVED_LABEL_PREFIX) or k in RESERVED_LABELS
-    )
-    if taken:
-        return (
-            f"labels {taken} are the operator's own (it selects its pods by them): "
-            f"choose keys outside {RESERVED_LABEL_PREFIX}* and {', '.join(RESERVED_LABELS)}"
+def labels_not_reserved(section: str, field: str, name: str) -> base.Rule[Any]:
+    """``spec.<section>.<field>`` (a map of a model at ``section``) uses none of the operator's keys."""
+
+    def check(judged: Any) -> str | None:
+        taken = sorted(
+            k
+            for k in getattr(judged, field)
+            if k.startswith(RESERVED_LABEL_PREFIX) or k in RESERVED_LABELS
         )
-    return None
+        if taken:
+            return (
+                f"{field} {taken} are the operator's own (it selects its pods by them): "
+                f"choose keys outside {RESERVED_LABEL_PREFIX}* and {', '.join(RESERVED_LABELS)}"
+            )
+        return None
+
+    return base.Rule(
+        name,
+        f"spec.{section}.{field}",
+        f"self.{section}.{field}.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}') && "
+        f"!(k in {_cel_list(RESERVED_LABELS)}))",
+        f"{section}.{field} may not use {RESERVED_LABEL_PREFIX}* or {', '.join(RESERVED_LABELS)} "
+        "(the operator selects its pods by them)",
+        check,
+    )
 
 
-def _keys_qualified(field: str) -> base.Rule[PodSettings]:
-    """pod.<field>'s keys are qualified names (the API server refuses others in every pod)."""
+def keys_qualified(section: str, field: str, name: str) -> base.Rule[Any]:
+    """``spec.<section>.<field>``'s keys are qualified names (the API server refuses others in every pod)."""
     message = (
-        f"pod.{field} keys must be Kubernetes qualified names: an optional DNS prefix and '/', "
+        f"{section}.{field} keys must be Kubernetes qualified names: an optional DNS prefix and '/', "
         "then at most 63 letters, digits, '-', '_' or '.' starting and ending with a letter or "
         "digit, e.g. team or example.com/team"
     )
 
-    def check(pod: PodSettings) -> str | None:
-        bad = [k for k in getattr(pod, field) if not kube_names.is_qualified_name(k)]
+    def check(judged: Any) -> str | None:
+        bad = [k for k in getattr(judged, field) if not kube_names.is_qualified_name(k)]
         return f"{message}; got {base.quoted(bad[0])}" if bad else None
 
     return base.Rule(
-        f"pod-{field}-keys-qualified",
-        f"spec.pod.{field}",
-        kube_names.cel_all_keys_qualified(f"self.pod.{field}"),
+        name,
+        f"spec.{section}.{field}",
+        kube_names.cel_all_keys_qualified(f"self.{section}.{field}"),
         message,
         check,
     )
@@ -227,15 +242,7 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         "valueFrom.secretKeyRef, not a plain value",
         _env_no_plain_secrets,
     ),
-    base.Rule(
-        "labels-not-reserved",
-        "spec.pod.labels",
-        f"self.pod.labels.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}') && "
-        f"!(k in {_cel_list(RESERVED_LABELS)}))",
-        f"pod.labels may not use {RESERVED_LABEL_PREFIX}* or {', '.join(RESERVED_LABELS)} "
-        "(the operator selects its pods by them)",
-        _labels_not_reserved,
-    ),
-    _keys_qualified("labels"),
-    _keys_qualified("annotations"),
+    labels_not_reserved("pod", "labels", "labels-not-reserved"),
+    keys_qualified("pod", "labels", "pod-labels-keys-qualified"),
+    keys_qualified("pod", "annotations", "pod-annotations-keys-qualified"),
 )

@@ -74,26 +74,6 @@ class OverrideMetadata(base.SpecModel):
         description="Extra pod annotations, e.g. k8s.v1.cni.cncf.io/networks for Multus.",
     )
 
-    @field_validator("labels", "annotations")
-    @classmethod
-    def _keys(cls, value: dict[str, str], info: Any) -> dict[str, str]:
-        field = f"{PATH}.metadata.{info.field_name}"
-        bad = [k for k in value if not kube_names.is_qualified_name(k)]
-        if bad:
-            raise ValueError(
-                f"{field} keys must be Kubernetes qualified names (an optional DNS prefix and '/', "
-                f"then at most 63 letters, digits, '-', '_' or '.'); got {base.quoted(bad[0])}"
-            )
-        taken = sorted(
-            k for k in value if k.startswith(pod.RESERVED_LABEL_PREFIX) or k in pod.RESERVED_LABELS
-        )
-        if taken:
-            raise ValueError(
-                f"{field} {taken} are the operator's own (it selects and places its pods by them): "
-                f"choose keys outside {pod.RESERVED_LABEL_PREFIX}* and {', '.join(pod.RESERVED_LABELS)}"
-            )
-        return value
-
 
 class PodTemplateOverride(base.SpecModel):
     """A partial pod merged into every pod of the gang."""
@@ -269,3 +249,13 @@ def gpu_problem(override: PodTemplateOverride, gpu_resource: str) -> str | None:
                         "gang's GPUs are spec.resources.gpusPerNode on the trainer container"
                     )
     return None
+
+
+METADATA = "podTemplateOverride.metadata"
+RULES: tuple[base.Rule[OverrideMetadata], ...] = (
+    pod.labels_not_reserved(METADATA, "labels", "pod-template-labels-not-reserved"),
+    pod.labels_not_reserved(METADATA, "annotations", "pod-template-annotations-not-reserved"),
+    pod.keys_qualified(METADATA, "labels", "pod-template-labels-keys-qualified"),
+    pod.keys_qualified(METADATA, "annotations", "pod-template-annotations-keys-qualified"),
+)
+"""Rules on the override's metadata (CEL in the CRD: ``kubectl apply`` refuses them)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
 from meshtrain.api import loading
 from meshtrain.operator.policy import builders, conditions, naming
@@ -172,3 +173,22 @@ def test_the_documented_overrides_and_every_volume_source_pass_the_api_servers_v
     for volume in EVERY_SOURCE["volumes"]:
         source = next(k for k in volume if k != "name")
         assert source in stored_volumes[volume["name"]], volume
+
+
+@pytest.mark.parametrize(
+    ("labels", "annotations", "words"),
+    [
+        ({"meshtrain.io/job": "other"}, None, "podTemplateOverride.metadata.labels may not use"),
+        (None, {"meshtrain.io/planned-node": "n"}, "podTemplateOverride.metadata.annotations"),
+        ({"bad key!": "x"}, None, "must be Kubernetes qualified names"),
+    ],
+)
+def test_the_operators_labels_are_refused_by_kubectl_apply(
+    cluster, namespace, labels, annotations, words
+):
+    job = JobBuilder("labelled", namespace).layout(data=2)
+    job.pod_template(labels=labels, annotations=annotations)
+    result = cluster.kubectl(
+        "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(job.manifest())
+    )
+    assert result.returncode != 0 and words in result.stderr, result.stderr
