@@ -244,3 +244,14 @@ def test_memory_admission_judges_by_the_nodes_the_jobs_affinity_allows():
     assert [n.name for n in memory_admission.candidates(spec, nodes)] == ["big"]
     everywhere = loading.parse_spec(JobBuilder().raw())
     assert [n.name for n in memory_admission.candidates(everywhere, nodes)] == ["small", "big"]
+
+
+def test_a_users_own_pin_to_the_planned_node_stays_in_the_demand():
+    """A job's own ``matchFields: metadata.name In [x]`` term keeps its meaning once pinned."""
+    own = {"matchFields": [node_affinity.pin("node-a")]}
+    built = pod({"affinity": {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [own]}}}})
+    terms = built["spec"]["affinity"]["nodeAffinity"][REQUIRED]["nodeSelectorTerms"]
+    assert terms == [{"matchFields": [node_affinity.pin("node-a"), node_affinity.pin("node-a")]}]
+    demand = feasibility.demand_of(built)
+    assert demand.node_affinity == (own,)
+    assert feasibility.refusal(demand, ready(node("node-b"))) == feasibility.SELECTOR_MISMATCH
