@@ -17,7 +17,8 @@ import kubernetes
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshtrain.operator.policy import kueue_workload
+from meshtrain.api import loading
+from meshtrain.operator.policy import builders, identity, kueue_workload
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import kueue
 from tests.builders import JobBuilder
@@ -544,3 +545,37 @@ def test_a_workload_of_the_jobs_name_owned_by_another_object_is_neither_read_nor
         timeout=60,
     )
     assert own["metadata"]["ownerReferences"][0]["name"] == "namesake"
+
+
+def test_a_workload_counting_an_overrides_sidecar_and_containers_is_accepted_by_kueue(
+    queued,
+) -> None:
+    """The Workload of a job whose podTemplateOverride adds a native sidecar and a container without
+    requests passes Kueue's schema and webhooks (server-side dry run: no quota taken)."""
+    cluster, _operator = queued
+    override = {
+        "initContainers": [
+            {
+                "name": "ship-logs",
+                "image": "fluent-bit:3",
+                "restartPolicy": "Always",
+                "resources": {"requests": {"cpu": "100m"}},
+            }
+        ],
+        "containers": [{"name": "exporter", "image": "exporter:1"}],
+    }
+    spec = loading.parse_spec(
+        JobBuilder("sidecars", NS, pool="kq").layout(data=8).gpus(8).pod_template(override).raw()
+    )
+    ref = identity.JobRef("sidecars", NS, "00000000-0000-0000-0000-000000000001")
+    template = builders.build_pod(ref, spec, 0, 0, "")
+    body = kueue_workload.build_workload(
+        ref, spec, kueue_workload.Queue(QUEUE, None), template, kueue_workload.Priority(0)
+    )
+    stored = cluster.custom.create_namespaced_custom_object(
+        kueue_workload.GROUP, kueue_workload.VERSION, NS, kueue_workload.PLURAL, body, dry_run="All"
+    )
+    pod_set = stored["spec"]["podSets"][0]["template"]["spec"]
+    assert [c["name"] for c in pod_set["initContainers"]] == ["ship-logs"]
+    assert pod_set["initContainers"][0]["restartPolicy"] == "Always"
+    assert [c["name"] for c in pod_set["containers"]] == ["trainer", "exporter"]
