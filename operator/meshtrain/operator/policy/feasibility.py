@@ -3,8 +3,7 @@
 A gang pod is pinned to one node by required node affinity, so a node the scheduler would
 refuse leaves it Pending for good.  Placement therefore asks each node what the default filter
 plugins ask (NodeUnschedulable, NodeAffinity with the job's own required terms, TaintToleration,
-NodeResourcesFit; v1.36
-semantics, ``pkg/scheduler/framework/plugins``).
+NodeResourcesFit; v1.36 semantics, ``pkg/scheduler/framework/plugins``).
 """
 
 from __future__ import annotations
