@@ -8,7 +8,9 @@ is :mod:`meshtrain.api.elastic`'s.  Every message names the fields, the values a
 
 from __future__ import annotations
 
-from meshtrain.api.spec import TrainingJobSpec, base, metrics
+import re
+
+from meshtrain.api.spec import TrainingJobSpec, base, metrics, urls
 
 
 def _tensor_divides_gpus(spec: TrainingJobSpec) -> str | None:
@@ -187,6 +189,49 @@ def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def object_urls(spec: TrainingJobSpec) -> list[tuple[str, str]]:
+    """(field, URL) of every ``s3://`` URL the spec names."""
+    t = spec.training
+    named = [
+        ("spec.training.dataset", t.dataset),
+        *((f"spec.training.datasets[{i}].path", d.path) for i, d in enumerate(t.datasets)),
+        ("spec.training.eval.dataset", t.eval.dataset),
+        ("spec.model.init.fromHF", spec.model.init.from_hf),
+        ("spec.checkpoint.path", spec.checkpoint.path),
+    ]
+    return [(field, url) for field, url in named if url is not None and urls.is_url(url)]
+
+
+def _object_storage_for_urls(spec: TrainingJobSpec) -> str | None:
+    found = object_urls(spec)
+    for field, url in found:
+        if not re.fullmatch(urls.PATTERN.strip("^$"), url):
+            return (
+                f"{field}={base.quoted(url)} is not an s3://bucket/key URL (a bucket of 3-63 lower-case "
+                "letters, digits, '.' and '-', then the key): correct the URL"
+            )
+    if found and spec.object_storage is None:
+        field, url = found[0]
+        return (
+            f"{field}={base.quoted(url)} is an object-storage URL but spec.objectStorage is not set: add "
+            "objectStorage: {endpoint: https://<your S3 endpoint>, region: <region>, credentialsSecret: "
+            "<Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY>}, or use a path in the pod"
+        )
+    return None
+
+
+_CEL_URL_FIELDS = " || ".join(
+    (
+        "self.training.dataset.startsWith('s3://')",
+        "(has(self.training.datasets) && self.training.datasets.exists(d, d.path.startsWith('s3://')))",
+        "(has(self.training.eval) && has(self.training.eval.dataset) "
+        "&& self.training.eval.dataset.startsWith('s3://'))",
+        "(has(self.model.init) && has(self.model.init.fromHF) && self.model.init.fromHF.startsWith('s3://'))",
+        "self.checkpoint.path.startsWith('s3://')",
+    )
+)
+
+
 RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
     base.Rule(
         "tensor-divides-gpus-per-node",
@@ -324,6 +369,14 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "runPolicy.stragglerPolicy.action replace needs checkpoint.claimName (the gang is rebuilt on other "
         "nodes and resumes from a checkpoint they can all mount)",
         _straggler_replace_keeps_checkpoints,
+    ),
+    base.Rule(
+        "object-storage-for-urls",
+        "spec.objectStorage",
+        f"has(self.objectStorage) || !({_CEL_URL_FIELDS})",
+        "s3:// URLs in training.dataset(s), training.eval.dataset, model.init.fromHF or checkpoint.path "
+        "need spec.objectStorage (endpoint, region, credentialsSecret)",
+        _object_storage_for_urls,
     ),
 )
 """Rules across sections, judged on the whole spec."""

@@ -26,6 +26,7 @@ import tqdm
 from meshtrain.api import exitcodes, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
+from meshtrain.trainer import storage
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.telemetry import steplog
@@ -200,6 +201,7 @@ def _load_checked(
         metadata, job = loading.load_manifest(spec_path)
         if extra:
             job = loading.apply_overrides(job, extra)
+        storage.configure(job.object_storage)  # the ranks inherit the endpoint and region
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )

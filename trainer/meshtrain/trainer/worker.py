@@ -22,7 +22,7 @@ from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner.timing import pipeline_window
-from meshtrain.trainer import engine
+from meshtrain.trainer import engine, storage
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
+        storage.configure(job.object_storage)
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from meshtrain.api import exitcodes
 from meshtrain.api.spec import model as api_model
+from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import state, store
 from meshtrain.trainer.data import special_tokens
 from meshtrain.trainer.interop import config_json, to_hf
@@ -117,8 +118,8 @@ def copy_tokenizer(
         sources["tokenizer.json"] = tokenizer
         if tokenizer.name == "tokenizer.json":
             sources |= {n: tokenizer.parent / n for n in TOKENIZER_FILES[1:]}
-    elif from_hf and (Path(from_hf) / "tokenizer.json").is_file():
-        sources = {n: Path(from_hf) / n for n in TOKENIZER_FILES}
+    elif from_hf and (storage.local_path(from_hf, config_json.FIELD) / "tokenizer.json").is_file():
+        sources = {n: storage.local_path(from_hf, config_json.FIELD) / n for n in TOKENIZER_FILES}
     sources = {name: path for name, path in sources.items() if path.is_file()}
     if not sources:
         return
