@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from meshtrain.api import release
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import metrics as api_metrics
+from meshtrain.api.spec import urls
 
 GROUP = api_spec.API_GROUP
 API_VERSION = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
@@ -60,9 +61,19 @@ def metrics_port_name(local_rank: int) -> str:
     return f"{METRICS_PORT_PREFIX}{local_rank}"
 
 
+VOLUME_DIR_FOR_BUCKET = "/checkpoints"
+"""Where the checkpoint volume (logs, traces) is mounted when ``checkpoint.path`` is an ``s3://`` URL."""
+
+
+def volume_dir(checkpoint_path: str) -> str:
+    """Mount path of the checkpoint volume: ``checkpoint.path``, or :data:`VOLUME_DIR_FOR_BUCKET`
+    when the checkpoints go to a bucket (the volume then keeps only the logs)."""
+    return VOLUME_DIR_FOR_BUCKET if urls.is_url(checkpoint_path) else checkpoint_path
+
+
 def log_dir(checkpoint_path: str) -> str:
     """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/logs``, so logs outlive the pods with the claim."""
-    return f"{checkpoint_path.rstrip('/')}/{LOG_SUBDIR}"
+    return f"{volume_dir(checkpoint_path).rstrip('/')}/{LOG_SUBDIR}"
 
 
 def pod_name(job: str, attempt: int, index: int) -> str:
