@@ -79,7 +79,7 @@ def test_pods_get_the_store_and_its_keys_by_secret_reference_and_no_bucket_mount
     assert env["AWS_CA_BUNDLE"] == "/etc/meshtrain/object-storage-ca/ca.crt"
     mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
     assert mounts["checkpoints"]["mountPath"] == "/checkpoints"  # the logs' volume, not the URL
-    assert env["MESHTRAIN_LOG_DIR"] == "/checkpoints/logs"
+    assert env["MESHTRAIN_LOG_DIR"] == "/checkpoints/research/llm/logs"
     assert env["MESHTRAIN_CHECKPOINT_DIR"] == "s3://ckpt/runs"
     assert mounts["object-storage-ca"] == {
         "name": "object-storage-ca",

@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
     except store.CheckpointError as err:
+        saver.close()
         return _refuse(exitcodes.CHECKPOINT, err)
     if restored is not None:
         recorder.checkpoint_saved(restored)
@@ -157,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
-    return _train(job, rank, trainer, recorder, saver, log, stop)
+    try:
+        return _train(job, rank, trainer, recorder, saver, log, stop)
+    except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
+        return _refuse(exitcodes.CHECKPOINT, err)
+    finally:
+        saver.close()
 
 
 def _train(

@@ -158,10 +158,11 @@ def _env(
         "MESHTRAIN_DP": p.data,
         "MESHTRAIN_JOB_NAME": job.name,
         "MESHTRAIN_NAMESPACE": job.namespace,
+        "MESHTRAIN_JOB_UID": job.uid,  # the job's own checkpoint directory records it (docs/checkpoints.md)
         "MESHTRAIN_ATTEMPT": attempt,
         "MESHTRAIN_SPEC_FILE": naming.SPEC_FILE,
         "MESHTRAIN_CHECKPOINT_DIR": spec.checkpoint.path,
-        "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path),
+        "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path, job.namespace, job.name),
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),

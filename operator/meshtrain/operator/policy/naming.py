@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshtrain.api import job_dir as api_job_dir
 from meshtrain.api import release
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import metrics as api_metrics
@@ -50,8 +51,6 @@ SCRATCH_DIR = "/tmp"
 """Writable scratch space of the trainer (an emptyDir; the image sets HOME to it)."""
 TERMINATION_LOG = "/dev/termination-log"
 """The trainer container's terminationMessagePath: rank 0 writes its final progress there."""
-LOG_SUBDIR = "logs"
-"""Directory under ``checkpoint.path`` (on the checkpoint volume) for steps.jsonl and the rank traces."""
 METRICS_PORT_PREFIX = "metrics-"
 """Container port names of the per-rank exporters: ``metrics-0`` .. ``metrics-<gpusPerNode-1>``."""
 
@@ -71,9 +70,11 @@ def volume_dir(checkpoint_path: str) -> str:
     return VOLUME_DIR_FOR_BUCKET if urls.is_url(checkpoint_path) else checkpoint_path
 
 
-def log_dir(checkpoint_path: str) -> str:
-    """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/logs``, so logs outlive the pods with the claim."""
-    return f"{volume_dir(checkpoint_path).rstrip('/')}/{LOG_SUBDIR}"
+def log_dir(checkpoint_path: str, namespace: str, job: str) -> str:
+    """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/<namespace>/<job>/logs``, in the job's own
+    directory, so logs outlive the pods with the claim and jobs sharing a claim keep theirs apart
+    (under :func:`volume_dir` when the checkpoints go to a bucket)."""
+    return api_job_dir.log_dir(volume_dir(checkpoint_path), namespace, job)
 
 
 def pod_name(job: str, attempt: int, index: int) -> str:

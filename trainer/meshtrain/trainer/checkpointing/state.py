@@ -222,8 +222,11 @@ def check_compatible(directory: Path, entries: dict[str, Any], metadata: Any) ->
         raise store.CheckpointError(f"{directory}: does not fit this job's model:\n  {listing}")
 
 
-def load_from(directory: Path, engine: Any) -> dict[str, Any]:
-    """Load ``directory`` into the engine's live tensors (collective); returns the trainer record."""
+def prepare_load(directory: Path, engine: Any) -> tuple[dict[str, Any], bool]:
+    """This rank's entries to load from ``directory`` and whether its RNG state is there (local, no collective).
+
+    Refuses (CheckpointError) before any data is read when the checkpoint does not fit the model.
+    """
     init_optimizer_state(engine.optimizer)
     entries = state_dict(engine)
     metadata = read_metadata(directory)
@@ -238,11 +241,17 @@ def load_from(directory: Path, engine: Any) -> dict[str, Any]:
         if key not in stored or tuple(stored[key].size) != tuple(entries[key].shape):
             del entries[key]
     check_compatible(directory, entries, metadata)
+    return entries, rng_ok
+
+
+def load_prepared(directory: Path, prepared: tuple[dict[str, Any], bool]) -> dict[str, Any]:
+    """Load the entries of :func:`prepare_load` into the live tensors (collective); returns the trainer record."""
+    entries, rng_ok = prepared
     try:
         dcp.load(entries, storage_reader=dcp.FileSystemReader(str(directory)))
     except Exception as err:  # DCP wraps per-rank failures; name the checkpoint
         raise store.CheckpointError(f"{directory}: loading failed: {err}") from err
-    record = json.loads(entries[TRAINER_KEY])
+    record: dict[str, Any] = json.loads(entries[TRAINER_KEY])
     if rng_ok:
-        torch.set_rng_state(entries[rng_key])
+        torch.set_rng_state(entries[f"rng.{dist.get_rank()}"])
     return record

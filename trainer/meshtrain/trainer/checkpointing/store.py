@@ -18,6 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from meshtrain.api import job_dir
+
 FORMAT = "meshtrain-checkpoint/1"
 """Value of the marker's ``format`` field; anything else is a foreign checkpoint."""
 MARKER = "COMPLETE"
@@ -26,10 +28,10 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
 GUARD_SKIPS = "loss_guard_consecutive_skips"
 """Marker ``extra`` key: updates the loss guard had skipped in a row when the checkpoint was taken (0: good)."""
-IGNORED = {"lost+found", "logs"}
-"""Entries a volume may carry that are not checkpoints and not a problem: ``lost+found`` of a fresh
-filesystem, and ``logs``, where the operator's pods keep steps.jsonl and the rank traces
-(``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs``)."""
+IGNORED = {"lost+found", job_dir.LOG_SUBDIR, job_dir.OWNER_FILE}
+"""Entries a checkpoint directory may carry that are not checkpoints and not a problem: ``lost+found``
+of a fresh filesystem, ``logs``, where the operator's pods keep steps.jsonl and the rank traces
+(``MESHTRAIN_LOG_DIR=<checkpoint.path>/<namespace>/<name>/logs``), and the job's owner record."""
 
 
 class CheckpointError(RuntimeError):
@@ -253,7 +255,10 @@ def last_good(published: list[Published]) -> Published | None:
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory.
+    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory of ``root``.
+
+    ``root`` is the job's own directory, which its owner record gives to one writer at a time: nothing
+    of another job is ever looked at (:mod:`meshtrain.api.job_dir`).
 
     The last good checkpoint (:func:`last_good`) is kept even when it is older
     than ``keep`` others: those may all have been taken while the loss guard
