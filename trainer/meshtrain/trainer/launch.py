@@ -28,6 +28,7 @@ from meshtrain.api import exitcodes, job_dir, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
 from meshtrain.trainer import storage
+from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.telemetry import steplog
@@ -51,7 +52,7 @@ def default_log_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> Path:
+def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> store.Location:
     """Where a local run keeps checkpoints: spec.checkpoint.path if the spec changes it, else <log-dir>/checkpoints.
 
     So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
@@ -59,7 +60,9 @@ def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> Path:
     """
     pod_default = api_checkpoint.Checkpoint.model_fields["path"].default
     return (
-        Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
+        store.location(job.checkpoint.path)
+        if job.checkpoint.path != pod_default
+        else log_dir / "checkpoints"
     )
 
 

@@ -50,18 +50,22 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
     return path is not None and urls.is_url(str(path))
 
 
-@functools.cache
-def filesystem() -> Any:
-    """This process's s3fs client, from the environment (built once)."""
+def options() -> dict[str, Any]:
+    """s3fs's options from the environment (also what fsspec users such as torch DCP are given)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or None
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
     style = os.environ.get(object_storage.ADDRESSING_ENV) or ("path" if endpoint else "auto")
-    return s3fs.S3FileSystem(
-        endpoint_url=endpoint,
-        client_kwargs={"region_name": region} if region else {},
-        config_kwargs={"s3": {"addressing_style": style}, "retries": {"max_attempts": 5}},
-        skip_instance_cache=True,
-    )
+    return {
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": region} if region else {},
+        "config_kwargs": {"s3": {"addressing_style": style}, "retries": {"max_attempts": 5}},
+    }
+
+
+@functools.cache
+def filesystem() -> Any:
+    """This process's s3fs client, from the environment (built once)."""
+    return s3fs.S3FileSystem(**options(), skip_instance_cache=True)
 
 
 def _key(url: str) -> str:
@@ -128,7 +132,7 @@ def _call(url: str, action: Any) -> Any:
     """``action(filesystem())``, with the store's errors said with the URL and the fix."""
     try:
         return action(filesystem())
-    except (FileNotFoundError, ObjectStorageError):
+    except (FileNotFoundError, FileExistsError, ObjectStorageError):
         raise
     except PermissionError as err:
         raise ObjectStorageError(
@@ -204,9 +208,19 @@ def listing(prefix: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_bytes(url: str, data: bytes) -> None:
-    """Store ``data`` as object ``url`` (one PUT)."""
-    _call(url, lambda fs: fs.pipe_file(_key(url), data))
+def write_bytes(url: str, data: bytes, *, exclusive: bool = False) -> bool:
+    """Store ``data`` as object ``url`` (one PUT); ``exclusive``: only if there is none (False: there is).
+
+    The exclusive PUT is conditional (``If-None-Match: *``, which AWS S3 and versitygw honour).
+    """
+    try:
+        _call(
+            url,
+            lambda fs: fs.pipe_file(_key(url), data, mode="create" if exclusive else "overwrite"),
+        )
+    except FileExistsError:
+        return False
+    return True
 
 
 def remove(urls_: list[str]) -> None:

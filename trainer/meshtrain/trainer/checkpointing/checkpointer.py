@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
@@ -126,7 +125,7 @@ class Checkpointer:
         """``root`` overrides ``spec.checkpoint.path`` (``meshtrain run`` puts checkpoints beside its logs)."""
         self.engine = engine
         spec = engine.spec
-        self.shared_root = Path(root or spec.checkpoint.path)
+        self.shared_root = store.location(root or spec.checkpoint.path)
         """``checkpoint.path`` as given: the job's own directory is under it (:mod:`meshtrain.api.job_dir`)."""
         self.root = self.shared_root
         """This job's checkpoints: its own directory once :meth:`restore` took it."""
@@ -189,10 +188,10 @@ class Checkpointer:
             return str(root), (str(found[0].path), found[1], None if good is None else good.step)
 
         root, found = _on_rank0(find)
-        self.root = Path(root)
+        self.root = store.location(root)
         if found is None:
             return None
-        path, marker, self.last_good = Path(found[0]), found[1], found[2]
+        path, marker, self.last_good = store.location(found[0]), found[1], found[2]
         model, step = marker.model, marker.step
         rank, world = dist.get_rank(), dist.get_world_size()
         _everywhere(lambda: store.verify(path, marker, hashes=True, part=rank, parts=world))
@@ -228,7 +227,7 @@ class Checkpointer:
                 _say(self.resumed.message)
         return step
 
-    def _load(self, path: Path) -> dict[str, Any]:
+    def _load(self, path: store.Location) -> dict[str, Any]:
         """Every rank's share of ``path`` into the engine (collective); any rank's failure fails all."""
         prepared: list[tuple[dict[str, Any], bool]] = []
 
@@ -293,15 +292,14 @@ class Checkpointer:
             finally:
                 self._in_flight = None
 
-    def save(self) -> Path:
+    def save(self) -> store.Location:
         """Write, publish and prune a checkpoint of the engine's current step now (collective)."""
         self.wait()
         step = self.engine.step
         start = time.perf_counter()
-        tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        tmp = store.location(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
         entries = state.state_dict(self.engine)
         skips = self._guard_skips()
-        _everywhere(lambda: tmp.mkdir(parents=True, exist_ok=True))
         _everywhere(lambda: state.save_into(tmp, entries))
         written = time.perf_counter() - start
         final = self._publish(step, tmp, len(entries), written, start, None, skips)
@@ -314,16 +312,15 @@ class Checkpointer:
         if self._group is None:
             self._group, self._poll = _gloo_group(), _gloo_group()
         start = time.perf_counter()
-        tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        tmp = store.location(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
         entries: dict[str, Any] = {}
         started: list[concurrent.futures.Future[Any]] = []
 
         def begin() -> None:
             entries.update(sharded.host_copy(state.state_dict(self.engine)))
-            tmp.mkdir(parents=True, exist_ok=True)
             upload = async_save(
                 entries,
-                storage_writer=FileSystemWriter(str(tmp)),
+                storage_writer=state.writer(tmp),
                 process_group=self._group,
                 async_stager=_Staged(),
             )
@@ -349,13 +346,13 @@ class Checkpointer:
     def _publish(
         self,
         step: int,
-        tmp: Path,
+        tmp: store.Location,
         entries: int,
         written: float,
         start: float,
         group: dist.ProcessGroup | None,
         skips: int,
-    ) -> Path:
+    ) -> store.Location:
         """Every rank's data is in ``tmp``: hash it (split over ranks), then rank 0 publishes and prunes.
 
         ``skips``: updates the loss guard had skipped in a row at ``step`` (0:
@@ -394,7 +391,7 @@ class Checkpointer:
             return str(final), None if good is None else good.step
 
         published, self.last_good = _on_rank0(publish, group)
-        final = Path(published)
+        final = store.location(published)
         self.last_saved = step
         if dist.get_rank() == 0:
             _say(f"saved step {step} to {final} in {time.perf_counter() - start:.2f}s")

@@ -18,14 +18,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from meshtrain.api import job_dir
+from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import store
 
 
-def _read(path: Path) -> job_dir.Owner | None:
+def _read(path: store.Location) -> job_dir.Owner | None:
     """The record at ``path`` (None: there is none); raises CheckpointError on a bad one."""
     try:
-        with path.open("rb") as handle:
-            data = handle.read(job_dir.RECORD_LIMIT + 1)
+        if isinstance(path, storage.ObjectPath):
+            data = storage.read_small(path.url, job_dir.RECORD_LIMIT)
+        else:
+            with path.open("rb") as handle:
+                data = handle.read(job_dir.RECORD_LIMIT + 1)
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -36,9 +40,17 @@ def _read(path: Path) -> job_dir.Owner | None:
         raise store.CheckpointError(str(err)) from None
 
 
-def _write(path: Path, owner: job_dir.Owner, *, exclusive: bool = False) -> bool:
-    """Write the record atomically; with ``exclusive`` only if none exists (False: one appeared)."""
+def _write(path: store.Location, owner: job_dir.Owner, *, exclusive: bool = False) -> bool:
+    """Write the record atomically; with ``exclusive`` only if none exists (False: one appeared).
+
+    In a bucket one PUT is atomic, and an exclusive one is conditional (``If-None-Match: *``).
+    """
     text = job_dir.render(owner).encode()
+    if isinstance(path, storage.ObjectPath):
+        try:
+            return storage.write_bytes(path.url, text, exclusive=exclusive)
+        except OSError as err:
+            raise store.CheckpointError(f"{path}: cannot write the owner record ({err})") from None
     if exclusive:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -85,9 +97,10 @@ def me(identity: job_dir.JobIdentity) -> job_dir.Owner:
     )
 
 
-def claim(directory: Path, mine: job_dir.Owner) -> job_dir.Verdict:
+def claim(directory: store.Location, mine: job_dir.Owner) -> job_dir.Verdict:
     """Take ``directory`` for ``mine`` (creating it) or raise CheckpointError saying who holds it."""
-    directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(directory, Path):
+        directory.mkdir(parents=True, exist_ok=True)
     path = directory / job_dir.OWNER_FILE
     for _ in range(3):  # a record created between the read and the exclusive create is judged again
         current = _read(path)
@@ -105,7 +118,7 @@ def claim(directory: Path, mine: job_dir.Owner) -> job_dir.Verdict:
 class Heartbeat:
     """Rank 0's hold on the directory: a thread refreshing the record, and the check before each save."""
 
-    def __init__(self, directory: Path, mine: job_dir.Owner) -> None:
+    def __init__(self, directory: store.Location, mine: job_dir.Owner) -> None:
         self.path = directory / job_dir.OWNER_FILE
         self.mine = mine
         self._lost: str | None = None
@@ -150,12 +163,14 @@ LEGACY_SCAN_LIMIT = 10_000
 """Most entries of ``checkpoint.path`` looked at for checkpoints of the flat layout of older releases."""
 
 
-def legacy_note(root: Path, directory: Path) -> str | None:
+def legacy_note(root: store.Location, directory: store.Location) -> str | None:
     """A warning when ``root`` holds ``step-*`` written straight into it by an older meshtrain.
 
     They are not resumed (which job wrote them is unknown) and nothing deletes them; the note says
     how to hand them to this job.
     """
+    if isinstance(root, storage.ObjectPath):
+        return None  # no release wrote checkpoints into a bucket before job directories
     try:
         entries = [entry.name for _, entry in zip(range(LEGACY_SCAN_LIMIT), os.scandir(root))]
     except OSError:
@@ -174,7 +189,7 @@ def legacy_note(root: Path, directory: Path) -> str | None:
 class Holding:
     """The directory a trainer writes in, and its hold on it."""
 
-    directory: Path
+    directory: store.Location
     """The job's own directory (``<checkpoint.path>/<namespace>/<name>``), or the path as given."""
     heartbeat: Heartbeat | None
     """Rank 0's refreshing hold (None: no job identity, the directory is used as given)."""
@@ -184,7 +199,7 @@ class Holding:
     """This job's UID (recorded in each checkpoint's marker)."""
 
 
-def take(root: Path, env: Mapping[str, str]) -> Holding:
+def take(root: store.Location, env: Mapping[str, str]) -> Holding:
     """Claim the directory of the job ``env`` names under ``root`` (rank 0); with none, ``root`` itself, unguarded."""
     try:
         identity = job_dir.identity_from_env(env)
@@ -192,7 +207,7 @@ def take(root: Path, env: Mapping[str, str]) -> Holding:
         raise store.CheckpointError(str(err)) from None
     if identity is None:
         return Holding(directory=root, heartbeat=None)
-    directory = Path(job_dir.job_dir(str(root), identity.namespace, identity.name))
+    directory = store.location(job_dir.job_dir(str(root), identity.namespace, identity.name))
     mine = me(identity)
     verdict = claim(directory, mine)
     notes = [verdict.message] if verdict.previous_uid is not None else []
