@@ -1,9 +1,11 @@
-"""The test S3 server itself (tests/s3server.py): a real versitygw that serves ranged reads."""
+"""The test S3 server itself (tests/s3server.py), a real versitygw that serves ranged reads; and
+the trainer's error for a store it cannot reach."""
 
 from __future__ import annotations
 
 import s3fs
 
+from meshtrain.trainer import storage
 from tests import s3server
 
 
@@ -25,3 +27,18 @@ def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
         assert "scripts/bootstrap.sh" in str(err)
     else:
         raise AssertionError("no error for a missing binary")
+
+
+def test_an_unreachable_store_is_said_with_the_url_and_the_fix(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard: nothing listens
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    storage.filesystem.cache_clear()
+    try:
+        storage.size("s3://nowhere/key")
+    except storage.ObjectStorageError as err:
+        assert "s3://nowhere/key" in str(err) and "spec.objectStorage" in str(err)
+    else:
+        raise AssertionError("no error from an unreachable store")
+    finally:
+        storage.filesystem.cache_clear()

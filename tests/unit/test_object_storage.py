@@ -96,3 +96,16 @@ def test_pods_get_the_store_and_its_keys_by_secret_reference_and_no_bucket_mount
 def test_without_object_storage_the_pod_has_no_store_variables():
     pod = builders.build_pod(REF, loading.parse_spec(JobBuilder().raw()), 0, 0, "n-a")
     assert not [name for name in _env(pod) if name.startswith("AWS_")]
+
+
+def test_checkpoints_in_a_bucket_outlive_the_gang_like_a_claim():
+    raw = (
+        JobBuilder()
+        .layout(data=2, gpus_per_node=1)
+        .run_policy(elastic={"minData": 1, "maxData": 2}, stragglerPolicy={"action": "replace"})
+        .raw()
+    )
+    with pytest.raises(loading.SpecError, match="or drop runPolicy.elastic"):
+        loading.parse_spec(raw)
+    bucket = {"checkpoint": {"path": "s3://ckpt/runs"}, "objectStorage": STORE}
+    loading.parse_spec(raw | bucket)  # no claim needed: the bucket keeps them

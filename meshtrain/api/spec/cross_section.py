@@ -157,14 +157,19 @@ def _elastic_holds_data(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _persistent(spec: TrainingJobSpec) -> bool:
+    """Whether the checkpoints outlive the pods: on a claim, or in a bucket."""
+    return bool(spec.checkpoint.claim_name) or urls.is_url(spec.checkpoint.path)
+
+
 def _elastic_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
     bounds = spec.run_policy.elastic
-    if bounds is not None and bounds.max_data > bounds.min_data and not spec.checkpoint.claim_name:
+    if bounds is not None and bounds.max_data > bounds.min_data and not _persistent(spec):
         return (
             f"runPolicy.elastic [minData={bounds.min_data}, maxData={bounds.max_data}] but checkpoint.claimName "
             "is empty: every resize rebuilds the gang, possibly on other nodes, and an emptyDir checkpoint stays "
             "behind, so training would restart from step 0 at each: give checkpoint.claimName (a "
-            "PersistentVolumeClaim every node can mount) or drop runPolicy.elastic"
+            "PersistentVolumeClaim every node can mount), an s3:// checkpoint.path, or drop runPolicy.elastic"
         )
     return None
 
@@ -180,11 +185,12 @@ def _straggler_replace_needs_peers(spec: TrainingJobSpec) -> str | None:
 
 
 def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
-    if spec.run_policy.straggler_policy.action == "replace" and not spec.checkpoint.claim_name:
+    if spec.run_policy.straggler_policy.action == "replace" and not _persistent(spec):
         return (
             "stragglerPolicy.action is replace but checkpoint.claimName is empty: the rebuilt gang runs on "
             "other nodes and an emptyDir checkpoint stays behind, so training would restart from step 0: "
-            "give checkpoint.claimName (a PersistentVolumeClaim every node can mount) or use action report"
+            "give checkpoint.claimName (a PersistentVolumeClaim every node can mount), an s3:// checkpoint.path, "
+            "or use action report"
         )
     return None
 
@@ -347,7 +353,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "elastic-keeps-checkpoints",
         "spec.checkpoint.claimName",
         "!has(self.runPolicy.elastic) || self.runPolicy.elastic.maxData <= self.runPolicy.elastic.minData "
-        "|| has(self.checkpoint.claimName)",
+        "|| has(self.checkpoint.claimName) || self.checkpoint.path.startsWith('s3://')",
         "runPolicy.elastic with maxData above minData needs checkpoint.claimName (each resize rebuilds the "
         "gang and resumes from a checkpoint every node can mount)",
         _elastic_keeps_checkpoints,
@@ -365,7 +371,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "straggler-replace-keeps-checkpoints",
         "spec.checkpoint.claimName",
         "!has(self.runPolicy.stragglerPolicy) || self.runPolicy.stragglerPolicy.action != 'replace' "
-        "|| has(self.checkpoint.claimName)",
+        "|| has(self.checkpoint.claimName) || self.checkpoint.path.startsWith('s3://')",
         "runPolicy.stragglerPolicy.action replace needs checkpoint.claimName (the gang is rebuilt on other "
         "nodes and resumes from a checkpoint they can all mount)",
         _straggler_replace_keeps_checkpoints,

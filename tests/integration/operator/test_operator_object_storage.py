@@ -36,10 +36,14 @@ def test_an_s3_url_needs_object_storage_at_apply(cluster, namespace):
     message = next(r.cel_message for r in rules.RULES if r.name == "object-storage-for-urls")
     refused = _dry_run(cluster, namespace, _job("no-store").manifest())
     assert refused.returncode != 0 and message in refused.stderr
-    accepted = _dry_run(
+    accepted = _dry_run(  # elastic without a claim: the bucket keeps the checkpoints
         cluster,
         namespace,
-        _job("store").object_storage(**STORE).checkpoint(path="s3://ckpt/x").manifest(),
+        _job("store")
+        .object_storage(**STORE)
+        .checkpoint(path="s3://ckpt/x")
+        .run_policy(elastic={"minData": 1, "maxData": 2})
+        .manifest(),
     )
     assert accepted.returncode == 0, accepted.stderr
     assert yaml.safe_load(accepted.stdout)["spec"]["objectStorage"]["addressingStyle"] == "path"

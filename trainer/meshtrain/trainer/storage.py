@@ -139,9 +139,10 @@ def _call(url: str, action: Any) -> Any:
             f"{url}: access denied ({err}): check spec.objectStorage.credentialsSecret "
             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket's policy"
         ) from None
-    except OSError as err:
+    except Exception as err:  # noqa: BLE001 - botocore's own errors (connection, no credentials) are no OSError
         raise ObjectStorageError(
-            f"{url}: the object store failed ({err}): check spec.objectStorage.endpoint and region"
+            f"{url}: the object store failed ({type(err).__name__}: {err}): check "
+            "spec.objectStorage (endpoint, region, credentialsSecret) and that the store is reachable"
         ) from None
 
 
