@@ -3,6 +3,8 @@ the trainer's error for a store it cannot reach."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import s3fs
 
 from meshtrain.trainer import storage
@@ -42,3 +44,9 @@ def test_an_unreachable_store_is_said_with_the_url_and_the_fix(monkeypatch):
         raise AssertionError("no error from an unreachable store")
     finally:
         storage.filesystem.cache_clear()
+
+
+def test_the_fixture_and_the_bootstrap_pin_the_same_versitygw():
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh").read_text()
+    pin = f'VERSITYGW_VERSION="${{MESHTRAIN_VERSITYGW_VERSION:-{s3server.DEFAULT_VERSION}}}"'
+    assert pin in script
