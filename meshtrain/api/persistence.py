@@ -11,14 +11,12 @@ from __future__ import annotations
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
 from meshtrain.api.spec import run_policy as api_run_policy
-
-OBJECT_STORE_PREFIX = "s3://"
-"""A ``checkpoint.path`` with this prefix is a bucket: persistent without a claim."""
+from meshtrain.api.spec import urls
 
 
 def persistent(checkpoint: api_checkpoint.Checkpoint) -> bool:
     """Whether checkpoints outlive the pods: a claim, or an object store."""
-    return checkpoint.claim_name is not None or checkpoint.path.startswith(OBJECT_STORE_PREFIX)
+    return checkpoint.claim_name is not None or urls.is_url(checkpoint.path)
 
 
 def restarts(run_policy: api_run_policy.RunPolicy) -> list[str]:
