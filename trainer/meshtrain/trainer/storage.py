@@ -59,6 +59,8 @@ def options() -> dict[str, Any]:
         "endpoint_url": endpoint,
         "client_kwargs": {"region_name": region} if region else {},
         "config_kwargs": {"s3": {"addressing_style": style}, "retries": {"max_attempts": 5}},
+        # Other processes (ranks, the next writer) change the bucket: never answer from an old listing.
+        "use_listings_cache": False,
     }
 
 
