@@ -6,7 +6,8 @@
   window read is refused naming the object;
 * ``model.init.fromHF`` from a bucket: the directory's model files are copied once into the cache
   (not its other objects) and the imported weights equal those imported from the local directory;
-  a directory above the size bound is refused naming the field and the fix.
+  a directory above the size bound is refused naming the field and the fix; a run started from the
+  bucket's directory trains the losses of a run started from the local one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import re
 from pathlib import Path
 
+import mt_harness
 import numpy as np
 import pytest
 import s3fs
@@ -23,11 +25,12 @@ import torch
 import transformers
 
 from meshtrain.api.spec import model as api_model
-from meshtrain.trainer import storage
+from meshtrain.trainer import launch, storage
 from meshtrain.trainer.data import batches, token_files
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.models import gpt, llama
-from tests.builders import LLAMA_TINY
+from meshtrain.trainer.telemetry import steplog
+from tests.builders import LLAMA_TINY, JobBuilder
 
 VOCAB = 1000
 SEQ_LEN = 64
@@ -129,8 +132,7 @@ def _weights(directory: str | Path, config: gpt.GPTConfig) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
-    config = _config()
+def _save_hf(config: gpt.GPTConfig, directory: Path) -> None:
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
@@ -146,7 +148,12 @@ def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
             tie_word_embeddings=config.tie_embeddings,
         )
     )
-    hf.save_pretrained(tmp_path / "hf")
+    hf.save_pretrained(directory)
+
+
+def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
+    config = _config()
+    _save_hf(config, tmp_path / "hf")
     bucket = s3_server.make_bucket("models")
     client = _client(s3_server)
     client.put(str(tmp_path / "hf"), f"{bucket}/llama", recursive=True)
@@ -172,3 +179,28 @@ def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
         config_json.HFError, match=rf"spec.model.init.fromHF: {bucket}/llama2 holds"
     ):
         from_hf.check_directory(f"{bucket}/llama2", config)
+
+
+def _first_losses(tmp_path: Path, name: str, from_hf: str, endpoint: str) -> list[float]:
+    raw = (
+        JobBuilder.cpu_run()
+        .model({**LLAMA_TINY, "init": {"fromHF": from_hf}})
+        .training(steps=2)
+        .object_storage(endpoint=endpoint)
+        .raw()
+    )
+    log_dir = tmp_path / name
+    assert (
+        launch.run_local(mt_harness.write_job(tmp_path, raw, f"{name}.yaml"), log_dir=log_dir) == 0
+    )
+    return [r["loss"] for r in steplog.read(log_dir / steplog.FILENAME)]
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_directory_in_a_bucket(s3_server, tmp_path):
+    _save_hf(_config(), tmp_path / "hf")
+    url = s3_server.make_bucket("run-models") + "/llama"
+    _client(s3_server).put(str(tmp_path / "hf"), url, recursive=True)
+    from_bucket = _first_losses(tmp_path, "bucket", url, s3_server.endpoint)
+    from_disk = _first_losses(tmp_path, "disk", str(tmp_path / "hf"), s3_server.endpoint)
+    assert from_bucket == from_disk and len(from_bucket) == 2
