@@ -41,7 +41,7 @@ def _save(root: storage.ObjectPath, step: int, payload: bytes) -> storage.Object
     return prefix
 
 
-def test_marker_last_protocol_in_a_bucket(s3_server):
+def test_marker_last_protocol_in_a_bucket(s3_server, monkeypatch):
     root = store.location(s3_server.make_bucket("protocol") + "/job")
     assert isinstance(root, storage.ObjectPath) and store.scan(root) == []
     for step in (2, 3):
@@ -60,7 +60,14 @@ def test_marker_last_protocol_in_a_bucket(s3_server):
     with pytest.raises(store.CheckpointError, match="sha256 .* differs from the marker"):
         store.latest(root)
 
+    removals: list[list[str]] = []
+    remove = storage.remove
+    monkeypatch.setattr(storage, "remove", lambda urls: (removals.append(list(urls)), remove(urls)))
     store.prune(root, keep=1)
+    marker = f"{root}/step-00000002/{store.MARKER}"
+    first = next(i for i, urls in enumerate(removals) if marker in urls)
+    later = [i for i, urls in enumerate(removals) if f"{root}/step-00000002/.metadata" in urls]
+    assert removals[first] == [marker] and later and min(later) > first  # the marker goes first
     assert [p.step for p in store.scan(root)] == [3]
     assert sorted(storage.listing(root.url)) == [
         "step-00000003/.metadata",
