@@ -35,6 +35,7 @@ def test_an_unreachable_store_is_said_with_the_url_and_the_fix(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard: nothing listens
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     storage.filesystem.cache_clear()
     try:
         storage.size("s3://nowhere/key")

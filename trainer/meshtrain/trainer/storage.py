@@ -37,6 +37,8 @@ DIRECTORY_SUFFIXES = (".json", ".safetensors", ".model", ".txt")
 ``*.bin``/``*.pth`` duplicates of the weights, nor sub-directories such as ``original/``)."""
 MAX_LISTED = 100_000
 """Objects one listing may return; a larger prefix is refused."""
+DEFAULT_ATTEMPTS = 5
+"""Tries of one request (botocore's retries of throttling and connection errors); ``AWS_MAX_ATTEMPTS`` overrides."""
 READ_CONCURRENCY = 32
 """Ranged GETs in flight at once in :func:`read_ranges`."""
 
@@ -55,10 +57,11 @@ def options() -> dict[str, Any]:
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or None
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
     style = os.environ.get(object_storage.ADDRESSING_ENV) or ("path" if endpoint else "auto")
+    attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_ATTEMPTS)
     return {
         "endpoint_url": endpoint,
         "client_kwargs": {"region_name": region} if region else {},
-        "config_kwargs": {"s3": {"addressing_style": style}, "retries": {"max_attempts": 5}},
+        "config_kwargs": {"s3": {"addressing_style": style}, "retries": {"max_attempts": attempts}},
         # Other processes (ranks, the next writer) change the bucket: never answer from an old listing.
         "use_listings_cache": False,
     }
