@@ -26,6 +26,9 @@
 #     module at PROMETHEUS_OPERATOR_VERSION (its example/prometheus-operator-crd
 #     files), so the chart's monitoring objects are dry-run against the real
 #     schemas. They land in $CACHE_ROOT/crds/prometheus-operator-<version>/.
+#   * versitygw, the S3-compatible server the object-storage tests start (its
+#     posix backend serves a directory), from github.com/versity/versitygw at
+#     VERSITYGW_VERSION into $CACHE_ROOT/versitygw-<version>/bin/.
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -52,6 +55,7 @@ KUEUE_VERSION="${MESHTRAIN_KUEUE_VERSION:-v0.17.0}"
 CONTAINERD_VERSION="${MESHTRAIN_CONTAINERD_VERSION:-v2.4.2}"
 COREDNS_VERSION="${MESHTRAIN_COREDNS_VERSION:-v1.15.0}"
 KUBE_ROUTER_VERSION="${MESHTRAIN_KUBE_ROUTER_VERSION:-v2.1.0}"
+VERSITYGW_VERSION="${MESHTRAIN_VERSITYGW_VERSION:-v1.8.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
@@ -307,6 +311,20 @@ build_kube_router() {
     "$KUBE_ROUTER_VERSION" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router ""
 }
 
+# versitygw, a real S3-compatible gateway (its posix backend serves a directory), from its Go
+# module into $CACHE_ROOT/versitygw-<version>/bin/. The object-storage tests (make test) start it
+# on loopback (tests/s3server.py), so --no-node builds it too.
+build_versitygw() {
+  local root="$CACHE_ROOT/versitygw-$VERSITYGW_VERSION"
+  if [[ -x "$root/bin/versitygw" ]]; then
+    log "versitygw $VERSITYGW_VERSION present: $root"
+    return
+  fi
+  build_from_module "$root" versitygw github.com/versity/versitygw "$VERSITYGW_VERSION" \
+    github.com/versity/versitygw/cmd/versitygw \
+    "-X main.Version=$VERSITYGW_VERSION -X main.Build=$VERSITYGW_VERSION -X main.BuildTime=1970-01-01T00:00:00Z"
+}
+
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
 # stamps the version like this.
 build_containerd() {
@@ -443,6 +461,7 @@ main() {
   log "all binaries present: ${wanted[*]}"
   fetch_monitoring_crds
   build_kueue
+  build_versitygw
 
   ((WITH_NODE)) && build_kube_router
   ((WITH_NODE)) && install_node_packages

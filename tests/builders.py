@@ -192,6 +192,9 @@ class JobBuilder:
     def trainer(self, **values: Any) -> JobBuilder:
         return self._section("trainer", **values)
 
+    def object_storage(self, **values: Any) -> JobBuilder:
+        return self._section("objectStorage", **values)
+
     def raw(self) -> dict[str, Any]:
         """The ``spec`` dict."""
         raw = copy.deepcopy(self._raw)

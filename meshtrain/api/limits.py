@@ -77,6 +77,9 @@ MAX_STRING_LENGTH = 4_096
 MAX_IMAGE_LENGTH = 1_024
 """A container image reference."""
 
+MAX_URL_LENGTH = 2_048
+"""An endpoint URL (``spec.objectStorage.endpoint``)."""
+
 MAX_LIST_LENGTH = 64
 """Lists the spec does not bound more tightly (tolerations, fabric levels, data sources,
 node selector and label maps)."""

@@ -200,9 +200,9 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
         scraped,
         pod_ips,
     )
-    # MESHTRAIN_LOG_DIR=<checkpoint.path>/logs: the step log and every rank's trace outlive the pods on the claim
+    # MESHTRAIN_LOG_DIR=<checkpoint.path>/<ns>/<name>/logs: the step log and every rank's trace outlive the pods on the claim
     claim = yaml.safe_load(EXAMPLE.read_text())["spec"]["checkpoint"]["claimName"]
-    logs = paths.root / "volumes" / namespace / claim / "logs"
+    logs = paths.root / "volumes" / namespace / claim / namespace / name / "logs"
     assert (logs / "steps.jsonl").is_file(), sorted(p.name for p in logs.parent.iterdir())
     assert sorted(p.name for p in (logs / "trace").glob("rank-*.jsonl")) == [
         f"rank-{r}.jsonl" for r in range(4)
@@ -228,7 +228,7 @@ def _run_until_checkpoint(
     still running, return its namespace, checkpoint directory and newest checkpoint step."""
     job = _example(name, claim).training(steps=steps)
     namespace, _ = example.apply(paths, _written(paths, job))
-    checkpoints = paths.root / "volumes" / namespace / claim
+    checkpoints = paths.root / "volumes" / namespace / claim / namespace / name
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = (example.job(paths, namespace, name) or {}).get("status") or {}
@@ -327,7 +327,7 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     name, claim, steps = "sandbox-reshape", "reshape-checkpoints", 60
     job = _example(name, claim).training(steps=steps).checkpoint(intervalSteps=1000)
     namespace, _ = example.apply(paths, _written(paths, job))
-    checkpoints = paths.root / "volumes" / namespace / claim
+    checkpoints = paths.root / "volumes" / namespace / claim / namespace / name
     step_log = checkpoints / "logs" / "steps.jsonl"
     trained = _wait_for_logged_step(step_log, at_least=10)
     assert _saved_steps(checkpoints) == [], "no periodic checkpoint in this variant"

@@ -168,7 +168,7 @@ def test_replace_moves_a_slow_ranks_pod_off_its_node(
         assert {p["node"] for p in status["placement"]} == {SLOW_NODE}
     finally:
         example.kubectl(paths, "uncordon", OTHER_NODE)
-    checkpoints = paths.root / "volumes" / namespace / claim
+    checkpoints = paths.root / "volumes" / namespace / claim / namespace / name
     step_log = checkpoints / "logs" / "steps.jsonl"
     _wait("10 steps", lambda: len(_logged(step_log)) >= 10, 300)
     slow_pod = next(
@@ -270,7 +270,7 @@ def test_elastic_job_shrinks_when_a_node_goes_away_and_grows_back(
     namespace, _ = example.apply(paths, manifest)
     status = _wait("the dp2 gang Running", lambda: _running_on(paths, namespace, name, 2), 600)
     assert {p["node"] for p in status["placement"]} == {SLOW_NODE, OTHER_NODE}
-    checkpoints = paths.root / "volumes" / namespace / claim
+    checkpoints = paths.root / "volumes" / namespace / claim / namespace / name
     step_log = checkpoints / "logs" / "steps.jsonl"
     _wait("a checkpoint", lambda: _saved_steps(checkpoints), 600)
     declared_batch = _logged(step_log)[-1]["global_batch"]

@@ -196,7 +196,7 @@ def test_logs_on_the_checkpoint_volume_and_final_progress_in_the_termination_mes
     )
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
     container, env = pod["spec"]["containers"][0], env_of(pod)
-    assert env["MESHTRAIN_LOG_DIR"] == "/ckpt/run1/logs"
+    assert env["MESHTRAIN_LOG_DIR"] == "/ckpt/run1/research/llm/logs"  # the job's own directory
     mount = next(m for m in container["volumeMounts"] if m["name"] == "checkpoints")
     assert env["MESHTRAIN_LOG_DIR"].startswith(
         mount["mountPath"].rstrip("/") + "/"

@@ -19,6 +19,7 @@ from meshtrain.api.spec import base, kube_names, pod_template
 from meshtrain.api.spec.checkpoint import Checkpoint
 from meshtrain.api.spec.metrics import Metrics
 from meshtrain.api.spec.model import ModelSpec
+from meshtrain.api.spec.object_storage import ObjectStorage
 from meshtrain.api.spec.parallelism import Parallelism
 from meshtrain.api.spec.pod import PodSettings
 from meshtrain.api.spec.pod_template import PodTemplateOverride
@@ -77,6 +78,11 @@ class TrainingJobSpec(base.SpecModel):
     pod: PodSettings = Field(
         default_factory=PodSettings,
         description="Pod settings: env, image pull secrets, ServiceAccount, priority, labels, annotations.",
+    )
+    object_storage: ObjectStorage | None = Field(
+        None,
+        description="The S3-compatible store that s3:// URLs of the dataset, fromHF and checkpoint.path "
+        "name: endpoint, region and the Secret of its credentials.",
     )
     pod_template_override: PodTemplateOverride = Field(
         default_factory=PodTemplateOverride,

@@ -7,7 +7,7 @@ import re
 from pydantic import Field
 
 from meshtrain.api import limits
-from meshtrain.api.spec import base, kube_names
+from meshtrain.api.spec import base, kube_names, urls
 
 
 class Checkpoint(base.SpecModel):
@@ -16,7 +16,8 @@ class Checkpoint(base.SpecModel):
     path: str = Field(
         "/checkpoints",
         min_length=1,
-        description="Directory for checkpoints inside the pod (or on this machine for meshtrain run).",
+        description="Directory for checkpoints inside the pod (or on this machine for meshtrain run), "
+        "or an s3://bucket/prefix of spec.objectStorage.",
     )
     claim_name: kube_names.ClaimName | None = Field(
         None,
@@ -47,13 +48,14 @@ DOT_SEGMENT = r"/\.\.?(/|$)"
 """A ``.`` or ``..`` segment: the path is not normalised, or climbs out of its directory."""
 PATH_MESSAGE = (
     "checkpoint.path must be an absolute, normalised directory below /, without '.' or '..' "
-    "segments, '//' or control characters, e.g. /checkpoints"
+    "segments, '//' or control characters, e.g. /checkpoints, or an s3://bucket/prefix URL"
 )
 
 
 def _path_normalised(checkpoint: Checkpoint) -> str | None:
     path = checkpoint.path
-    if re.fullmatch(CHECKPOINT_PATH.strip("^$"), path) and not re.search(DOT_SEGMENT, path):
+    shape = urls.PREFIX_PATTERN if urls.is_url(path) else CHECKPOINT_PATH
+    if re.fullmatch(shape.strip("^$"), path) and not re.search(DOT_SEGMENT, path):
         return None
     return f"{PATH_MESSAGE}; got {base.quoted(path)}"
 
@@ -62,7 +64,8 @@ RULES: tuple[base.Rule[Checkpoint], ...] = (
     base.Rule(
         "checkpoint-path-normalised",
         "spec.checkpoint.path",
-        f"self.checkpoint.path.matches(r'{CHECKPOINT_PATH}') && "
+        f"(self.checkpoint.path.matches(r'{CHECKPOINT_PATH}') || "
+        f"self.checkpoint.path.matches(r'{urls.PREFIX_PATTERN}')) && "
         f"!self.checkpoint.path.matches(r'{DOT_SEGMENT}')",
         PATH_MESSAGE,
         _path_normalised,

@@ -8,7 +8,9 @@ is :mod:`meshtrain.api.elastic`'s.  Every message names the fields, the values a
 
 from __future__ import annotations
 
-from meshtrain.api.spec import TrainingJobSpec, base, metrics
+import re
+
+from meshtrain.api.spec import TrainingJobSpec, base, metrics, urls
 
 
 def _tensor_divides_gpus(spec: TrainingJobSpec) -> str | None:
@@ -155,14 +157,19 @@ def _elastic_holds_data(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _persistent(spec: TrainingJobSpec) -> bool:
+    """Whether the checkpoints outlive the pods: on a claim, or in a bucket."""
+    return bool(spec.checkpoint.claim_name) or urls.is_url(spec.checkpoint.path)
+
+
 def _elastic_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
     bounds = spec.run_policy.elastic
-    if bounds is not None and bounds.max_data > bounds.min_data and not spec.checkpoint.claim_name:
+    if bounds is not None and bounds.max_data > bounds.min_data and not _persistent(spec):
         return (
             f"runPolicy.elastic [minData={bounds.min_data}, maxData={bounds.max_data}] but checkpoint.claimName "
             "is empty: every resize rebuilds the gang, possibly on other nodes, and an emptyDir checkpoint stays "
             "behind, so training would restart from step 0 at each: give checkpoint.claimName (a "
-            "PersistentVolumeClaim every node can mount) or drop runPolicy.elastic"
+            "PersistentVolumeClaim every node can mount), an s3:// checkpoint.path, or drop runPolicy.elastic"
         )
     return None
 
@@ -178,13 +185,57 @@ def _straggler_replace_needs_peers(spec: TrainingJobSpec) -> str | None:
 
 
 def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
-    if spec.run_policy.straggler_policy.action == "replace" and not spec.checkpoint.claim_name:
+    if spec.run_policy.straggler_policy.action == "replace" and not _persistent(spec):
         return (
             "stragglerPolicy.action is replace but checkpoint.claimName is empty: the rebuilt gang runs on "
             "other nodes and an emptyDir checkpoint stays behind, so training would restart from step 0: "
-            "give checkpoint.claimName (a PersistentVolumeClaim every node can mount) or use action report"
+            "give checkpoint.claimName (a PersistentVolumeClaim every node can mount), an s3:// checkpoint.path, "
+            "or use action report"
         )
     return None
+
+
+def object_urls(spec: TrainingJobSpec) -> list[tuple[str, str]]:
+    """(field, URL) of every ``s3://`` URL the spec names."""
+    t = spec.training
+    named = [
+        ("spec.training.dataset", t.dataset),
+        *((f"spec.training.datasets[{i}].path", d.path) for i, d in enumerate(t.datasets)),
+        ("spec.training.eval.dataset", t.eval.dataset),
+        ("spec.model.init.fromHF", spec.model.init.from_hf),
+        ("spec.checkpoint.path", spec.checkpoint.path),
+    ]
+    return [(field, url) for field, url in named if url is not None and urls.is_url(url)]
+
+
+def _object_storage_for_urls(spec: TrainingJobSpec) -> str | None:
+    found = object_urls(spec)
+    for field, url in found:
+        if not re.fullmatch(urls.PATTERN.strip("^$"), url):
+            return (
+                f"{field}={base.quoted(url)} is not an s3://bucket/key URL (a bucket of 3-63 lower-case "
+                "letters, digits, '.' and '-', then the key): correct the URL"
+            )
+    if found and spec.object_storage is None:
+        field, url = found[0]
+        return (
+            f"{field}={base.quoted(url)} is an object-storage URL but spec.objectStorage is not set: add "
+            "objectStorage: {endpoint: https://<your S3 endpoint>, region: <region>, credentialsSecret: "
+            "<Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY>}, or use a path in the pod"
+        )
+    return None
+
+
+_CEL_URL_FIELDS = " || ".join(
+    (
+        "self.training.dataset.startsWith('s3://')",
+        "(has(self.training.datasets) && self.training.datasets.exists(d, d.path.startsWith('s3://')))",
+        "(has(self.training.eval) && has(self.training.eval.dataset) "
+        "&& self.training.eval.dataset.startsWith('s3://'))",
+        "(has(self.model.init) && has(self.model.init.fromHF) && self.model.init.fromHF.startsWith('s3://'))",
+        "self.checkpoint.path.startsWith('s3://')",
+    )
+)
 
 
 RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
@@ -302,7 +353,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "elastic-keeps-checkpoints",
         "spec.checkpoint.claimName",
         "!has(self.runPolicy.elastic) || self.runPolicy.elastic.maxData <= self.runPolicy.elastic.minData "
-        "|| has(self.checkpoint.claimName)",
+        "|| has(self.checkpoint.claimName) || self.checkpoint.path.startsWith('s3://')",
         "runPolicy.elastic with maxData above minData needs checkpoint.claimName (each resize rebuilds the "
         "gang and resumes from a checkpoint every node can mount)",
         _elastic_keeps_checkpoints,
@@ -320,10 +371,18 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "straggler-replace-keeps-checkpoints",
         "spec.checkpoint.claimName",
         "!has(self.runPolicy.stragglerPolicy) || self.runPolicy.stragglerPolicy.action != 'replace' "
-        "|| has(self.checkpoint.claimName)",
+        "|| has(self.checkpoint.claimName) || self.checkpoint.path.startsWith('s3://')",
         "runPolicy.stragglerPolicy.action replace needs checkpoint.claimName (the gang is rebuilt on other "
         "nodes and resumes from a checkpoint they can all mount)",
         _straggler_replace_keeps_checkpoints,
+    ),
+    base.Rule(
+        "object-storage-for-urls",
+        "spec.objectStorage",
+        f"has(self.objectStorage) || !({_CEL_URL_FIELDS})",
+        "s3:// URLs in training.dataset(s), training.eval.dataset, model.init.fromHF or checkpoint.path "
+        "need spec.objectStorage (endpoint, region, credentialsSecret)",
+        _object_storage_for_urls,
     ),
 )
 """Rules across sections, judged on the whole spec."""

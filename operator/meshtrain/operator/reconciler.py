@@ -30,6 +30,7 @@ from meshtrain.operator.cluster import (
 from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     builders,
+    checkpoint_condition,
     conditions,
     identity,
     job_actions,
@@ -158,6 +159,8 @@ class Reconciler:
             else:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
+        body, job, did = await self._checkpoints_warned(body, job)
+        changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh
             self.fit.refusals.pop(job.ref.uid, None)
@@ -265,6 +268,21 @@ class Reconciler:
                 body, "Warning", conditions.GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE, warning
             )
         return body, job, False
+
+    async def _checkpoints_warned(self, body: dict[str, Any], job: job_state.JobState) -> Step:
+        """``CheckpointsNotPersistent`` as the spec says, after the pass's own writes (which it must not undo)."""
+        if job.spec is None or job.status.get("phase") in job_state.FINAL:
+            return body, job, False
+        before = job.status.get("conditions") or []
+        conds, warning = checkpoint_condition.changes(before, job.spec, clock.now())
+        if conds == list(before):
+            return body, job, False
+        body, job, did = await self.writer.set_status(
+            body, job, dict(job_actions.set_status(job, conditions=conds).changes)
+        )
+        if warning is not None:
+            await self.writer.emit(body, "Warning", conditions.EMPTY_DIR_CHECKPOINTS, warning)
+        return body, job, did
 
     def _rejected(self, job: job_state.JobState) -> tuple[str, bool] | None:
         """Why the job's Workload was refused for this generation, and whether to try again now."""

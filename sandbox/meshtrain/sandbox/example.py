@@ -152,12 +152,12 @@ def follow(
 def log_dirs(
     paths: supervisor.Paths, namespace: str, name: str, claim: str | None
 ) -> list[pathlib.Path]:
-    """Where a job's step log and traces are: ``logs`` on its checkpoint claim.
+    """Where a job's step log and traces are: ``logs`` in the job's directory on its checkpoint claim.
 
-    The operator sets ``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs``, which is
-    ``<state>/volumes/<ns>/<claim>/logs`` on this machine.
+    The operator sets ``MESHTRAIN_LOG_DIR=<checkpoint.path>/<ns>/<name>/logs``, which is
+    ``<state>/volumes/<ns>/<claim>/<ns>/<name>/logs`` on this machine.
     """
-    return [paths.root / "volumes" / namespace / claim / "logs"] if claim else []
+    return [paths.root / "volumes" / namespace / claim / namespace / name / "logs"] if claim else []
 
 
 def timeline(paths: supervisor.Paths, namespace: str, name: str) -> pathlib.Path | None:

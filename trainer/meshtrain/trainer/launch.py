@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -23,9 +24,11 @@ from typing import IO, Any
 import torch
 import tqdm
 
-from meshtrain.api import exitcodes, loading
+from meshtrain.api import exitcodes, job_dir, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
+from meshtrain.trainer import storage
+from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.telemetry import steplog
@@ -49,7 +52,7 @@ def default_log_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> Path:
+def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> store.Location:
     """Where a local run keeps checkpoints: spec.checkpoint.path if the spec changes it, else <log-dir>/checkpoints.
 
     So re-running ``meshtrain run`` with the same ``--log-dir`` resumes, and
@@ -57,8 +60,34 @@ def checkpoint_dir(job: api_spec.TrainingJobSpec, log_dir: Path) -> Path:
     """
     pod_default = api_checkpoint.Checkpoint.model_fields["path"].default
     return (
-        Path(job.checkpoint.path) if job.checkpoint.path != pod_default else log_dir / "checkpoints"
+        store.location(job.checkpoint.path)
+        if job.checkpoint.path != pod_default
+        else log_dir / "checkpoints"
     )
+
+
+def job_identity(
+    job: api_spec.TrainingJobSpec, metadata: dict[str, Any], name: str, log_dir: Path
+) -> dict[str, str]:
+    """The job the ranks run for, as their environment (raises OwnerError on a bad name).
+
+    With ``checkpoint.path`` set, that directory may be shared: the job writes in its own
+    ``<path>/<namespace>/<name>`` (namespace ``local`` unless the manifest names one), under a UID
+    of this run, so a second live run of the name is refused and a later one resumes.  Without it,
+    ``<log-dir>/checkpoints`` is the run's own directory already and is used as it is (no identity).
+    """
+    directory = checkpoint_dir(job, log_dir)
+    if directory == log_dir / "checkpoints":
+        return {}
+    namespace = str(metadata.get("namespace") or job_dir.LOCAL_NAMESPACE)
+    job_dir.job_dir(
+        str(directory), namespace, name
+    )  # a name that cannot name a directory fails here
+    return {
+        job_dir.NAMESPACE_ENV: namespace,
+        job_dir.NAME_ENV: name,
+        job_dir.UID_ENV: str(uuid.uuid4()),
+    }
 
 
 def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
@@ -150,7 +179,15 @@ def run_local(
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / steplog.FILENAME).unlink(missing_ok=True)
     started = time.monotonic()
-    procs, logs = _start_ranks(job, spec_path, extra, log_dir)
+    try:
+        identity = job_identity(job, metadata, name, log_dir)
+    except job_dir.OwnerError as err:
+        print(
+            f"metadata: {err}; set metadata.name (and namespace) to a Kubernetes name",
+            file=sys.stderr,
+        )
+        return exitcodes.SPEC
+    procs, logs = _start_ranks(job, spec_path, extra, log_dir, identity)
     bar = tqdm.tqdm(
         total=job.training.steps,
         desc=f"{name} {job.parallelism.layout_string}",
@@ -200,6 +237,7 @@ def _load_checked(
         metadata, job = loading.load_manifest(spec_path)
         if extra:
             job = loading.apply_overrides(job, extra)
+        storage.configure(job.object_storage)  # the ranks inherit the endpoint and region
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
@@ -216,7 +254,11 @@ def _load_checked(
 
 
 def _start_ranks(
-    job: api_spec.TrainingJobSpec, spec_path: str | Path, extra: list[str], log_dir: Path
+    job: api_spec.TrainingJobSpec,
+    spec_path: str | Path,
+    extra: list[str],
+    log_dir: Path,
+    identity: dict[str, str],
 ) -> tuple[list[subprocess.Popen[bytes]], list[IO[str]]]:
     """One ``python -m meshtrain.trainer`` per rank, each logging to ``rank-<r>.log``; (processes, logs)."""
     world = job.world_size
@@ -238,6 +280,9 @@ def _start_ranks(
         logs.append((log_dir / f"rank-{rank}.log").open("w"))
         env = _rank_env(rank, world, port, log_dir, cuda)
         env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
+        for key in (job_dir.NAMESPACE_ENV, job_dir.NAME_ENV, job_dir.UID_ENV):
+            env.pop(key, None)  # this run's identity, never one inherited from a pod's environment
+        env.update(identity)
         procs.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     return procs, logs
 

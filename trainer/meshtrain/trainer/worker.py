@@ -22,7 +22,7 @@ from meshtrain.api import exitcodes, loading, rules
 from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner.timing import pipeline_window
-from meshtrain.trainer import engine
+from meshtrain.trainer import engine, storage
 from meshtrain.trainer.checkpointing import checkpointer, store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
+        storage.configure(job.object_storage)
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
     except store.CheckpointError as err:
+        saver.close()
         return _refuse(exitcodes.CHECKPOINT, err)
     if restored is not None:
         recorder.checkpoint_saved(restored)
@@ -156,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
-    return _train(job, rank, trainer, recorder, saver, log, stop)
+    try:
+        return _train(job, rank, trainer, recorder, saver, log, stop)
+    except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
+        return _refuse(exitcodes.CHECKPOINT, err)
+    finally:
+        saver.close()
 
 
 def _train(

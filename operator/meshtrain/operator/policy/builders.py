@@ -15,6 +15,7 @@ from typing import Any
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import object_storage as api_object_storage
 from meshtrain.api.spec import pod as api_pod
 from meshtrain.operator.policy import identity, naming, node_affinity, pod_override
 
@@ -157,10 +158,11 @@ def _env(
         "MESHTRAIN_DP": p.data,
         "MESHTRAIN_JOB_NAME": job.name,
         "MESHTRAIN_NAMESPACE": job.namespace,
+        "MESHTRAIN_JOB_UID": job.uid,  # the job's own checkpoint directory records it (docs/checkpoints.md)
         "MESHTRAIN_ATTEMPT": attempt,
         "MESHTRAIN_SPEC_FILE": naming.SPEC_FILE,
         "MESHTRAIN_CHECKPOINT_DIR": spec.checkpoint.path,
-        "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path),
+        "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path, job.namespace, job.name),
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
@@ -175,6 +177,29 @@ def _env(
     env.append(  # the straggler metrics name the node
         {"name": "MESHTRAIN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
     )
+    return env + object_storage_env(spec.object_storage)
+
+
+def object_storage_env(storage: api_object_storage.ObjectStorage | None) -> list[dict[str, Any]]:
+    """The S3 client's variables: endpoint, region, style, CA plain; the keys by ``secretKeyRef``
+    (the operator never reads the Secret; a missing key keeps the pod from starting, and says so)."""
+    if storage is None:
+        return []
+    env: list[dict[str, Any]] = [
+        {"name": key, "value": value}
+        for key, value in api_object_storage.client_environment(storage).items()
+    ]
+    if storage.credentials_secret:
+        for key in (api_object_storage.ACCESS_KEY_ID, api_object_storage.SECRET_ACCESS_KEY):
+            ref = {"name": storage.credentials_secret, "key": key}
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+        token = {"name": storage.credentials_secret, "key": api_object_storage.SESSION_TOKEN}
+        env.append(
+            {
+                "name": api_object_storage.SESSION_TOKEN,
+                "valueFrom": {"secretKeyRef": {**token, "optional": True}},
+            }
+        )
     return env
 
 
@@ -212,10 +237,26 @@ def _volumes(
     # The root filesystem is read-only: these are the only places the trainer writes.
     mounts: list[dict[str, Any]] = [
         {"name": "shm", "mountPath": "/dev/shm"},
-        {"name": "checkpoints", "mountPath": spec.checkpoint.path},
+        {"name": "checkpoints", "mountPath": naming.volume_dir(spec.checkpoint.path)},
         {"name": "spec", "mountPath": naming.SPEC_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": naming.SCRATCH_DIR},
     ]
+    storage = spec.object_storage
+    if storage is not None and storage.ca_config_map:  # the private CA of the store's endpoint
+        ca = api_object_storage.CA_KEY
+        volumes.append(
+            {
+                "name": "object-storage-ca",
+                "configMap": {"name": storage.ca_config_map, "items": [{"key": ca, "path": ca}]},
+            }
+        )
+        mounts.append(
+            {
+                "name": "object-storage-ca",
+                "mountPath": api_object_storage.CA_MOUNT_DIR,
+                "readOnly": True,
+            }
+        )
     return volumes, mounts
 
 

@@ -109,6 +109,14 @@ BATCH_ABOVE_NOISE_SCALE = "BatchAboveNoiseScale"
 GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE = "GlobalBatchFarAboveNoiseScale"
 GLOBAL_BATCH_NEAR_NOISE_SCALE = "GlobalBatchNearNoiseScale"
 
+# Checkpoints lost with the pods (meshtrain.api.persistence).
+CHECKPOINTS_NOT_PERSISTENT = "CheckpointsNotPersistent"
+"""True while checkpoints go to an emptyDir though the run policy lets the gang restart."""
+EMPTY_DIR_CHECKPOINTS = "EmptyDirCheckpoints"
+"""CheckpointsNotPersistent=True: no checkpoint.claimName and no s3:// checkpoint.path."""
+PERSISTENT_CHECKPOINTS = "PersistentCheckpoints"
+"""CheckpointsNotPersistent=False: the spec now keeps checkpoints on a claim or in a bucket."""
+
 TRUE, FALSE = "True", "False"
 
 

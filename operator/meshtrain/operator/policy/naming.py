@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshtrain.api import job_dir as api_job_dir
 from meshtrain.api import release
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import metrics as api_metrics
 from meshtrain.api.spec import pod_template as api_pod_template
+from meshtrain.api.spec import urls
 
 GROUP = api_spec.API_GROUP
 API_VERSION = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
@@ -51,8 +53,6 @@ SCRATCH_DIR = "/tmp"
 """Writable scratch space of the trainer (an emptyDir; the image sets HOME to it)."""
 TERMINATION_LOG = "/dev/termination-log"
 """The trainer container's terminationMessagePath: rank 0 writes its final progress there."""
-LOG_SUBDIR = "logs"
-"""Directory under ``checkpoint.path`` (on the checkpoint volume) for steps.jsonl and the rank traces."""
 METRICS_PORT_PREFIX = "metrics-"
 """Container port names of the per-rank exporters: ``metrics-0`` .. ``metrics-<gpusPerNode-1>``."""
 
@@ -62,9 +62,21 @@ def metrics_port_name(local_rank: int) -> str:
     return f"{METRICS_PORT_PREFIX}{local_rank}"
 
 
-def log_dir(checkpoint_path: str) -> str:
-    """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/logs``, so logs outlive the pods with the claim."""
-    return f"{checkpoint_path.rstrip('/')}/{LOG_SUBDIR}"
+VOLUME_DIR_FOR_BUCKET = "/checkpoints"
+"""Where the checkpoint volume (logs, traces) is mounted when ``checkpoint.path`` is an ``s3://`` URL."""
+
+
+def volume_dir(checkpoint_path: str) -> str:
+    """Mount path of the checkpoint volume: ``checkpoint.path``, or :data:`VOLUME_DIR_FOR_BUCKET`
+    when the checkpoints go to a bucket (the volume then keeps only the logs)."""
+    return VOLUME_DIR_FOR_BUCKET if urls.is_url(checkpoint_path) else checkpoint_path
+
+
+def log_dir(checkpoint_path: str, namespace: str, job: str) -> str:
+    """``MESHTRAIN_LOG_DIR`` of the pods: ``<checkpoint.path>/<namespace>/<job>/logs``, in the job's own
+    directory, so logs outlive the pods with the claim and jobs sharing a claim keep theirs apart
+    (under :func:`volume_dir` when the checkpoints go to a bucket)."""
+    return api_job_dir.log_dir(volume_dir(checkpoint_path), namespace, job)
 
 
 def pod_name(job: str, attempt: int, index: int) -> str:

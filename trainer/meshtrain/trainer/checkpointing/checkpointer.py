@@ -15,29 +15,37 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from meshtrain.trainer.checkpointing import sharded, state, store
+from meshtrain.trainer.checkpointing import owner, sharded, state, store
 from meshtrain.trainer.optim import batch_change
 
 FAULT_ENV = "MESHTRAIN_FAULT_INJECT_SAVE"
 FAULT_EXIT_CODE = 17
+LOAD_FAULT_ENV = "MESHTRAIN_FAULT_INJECT_LOAD"
+"""Tests: ``raise`` makes the last rank raise an OSError while loading a checkpoint."""
 
 
 def parse_fault(value: str | None) -> tuple[int, str] | None:
-    """``"4"`` -> (4, 'die'); ``"4:pause"`` -> (4, 'pause'); empty -> None."""
+    """``"4"`` -> (4, 'die'); ``"4:pause"`` -> (4, 'pause'); ``"4:raise"`` -> (4, 'raise'); empty -> None."""
     if not value:
         return None
     step, _, mode = value.partition(":")
     mode = mode or "die"
-    if not step.isdigit() or mode not in ("die", "pause"):
+    if not step.isdigit() or mode not in ("die", "pause", "raise"):
         raise ValueError(
-            f"{FAULT_ENV}={value!r}: expected STEP or STEP:die or STEP:pause, e.g. 4:pause"
+            f"{FAULT_ENV}={value!r}: expected STEP or STEP:die, STEP:pause or STEP:raise, e.g. 4:pause"
         )
     return int(step), mode
+
+
+def _injected(what: str) -> None:
+    """Tests: an OSError on the last rank only (the others must learn of it, not wait for it)."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise OSError(f"injected fault on rank {dist.get_rank()} while {what}")
 
 
 def _say(message: str) -> None:
@@ -45,37 +53,53 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
+JOB_UID_KEY = "job_uid"
+"""Marker ``extra`` key: the UID of the job that wrote the checkpoint (empty for a bare trainer)."""
+
+
+def _failure(err: BaseException) -> str:
+    """An exception as the message every rank raises: a CheckpointError's own text, else its type and text."""
+    return str(err) if isinstance(err, store.CheckpointError) else f"{type(err).__name__}: {err}"
+
+
 def _agree(payload: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Rank 0's ``payload`` on every rank; an exception instance there is raised everywhere."""
     box = [payload if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    if isinstance(box[0], store.CheckpointError):
-        raise store.CheckpointError(str(box[0]))
+    if isinstance(box[0], BaseException):
+        raise store.CheckpointError(_failure(box[0]))
     return box[0]
 
 
-def _everywhere(fn: Any) -> None:
-    """Run ``fn`` on every rank; a CheckpointError on any rank is raised on all of them (the lowest rank's)."""
+def _everywhere(fn: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Run ``fn`` on every rank; every rank's result, or any rank's exception raised on all of them.
+
+    The lowest failing rank's error is raised, as a CheckpointError, on every rank: an exception on
+    one rank must not leave the others waiting in the next collective until its timeout.
+    """
+    mine: tuple[str | None, Any]
     try:
-        fn()
-        mine = None
-    except store.CheckpointError as err:
-        mine = str(err)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, mine)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise store.CheckpointError(first)
+        mine = (None, fn())
+    except Exception as err:  # noqa: BLE001 - any failure, reported to every rank, not only CheckpointError
+        mine = (_failure(err), None)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, (error, _) in enumerate(everyone):
+        if error is not None:
+            raise store.CheckpointError(
+                error if rank == dist.get_rank(group) else f"rank {rank}: {error}"
+            )
+    return [result for _, result in everyone]
 
 
 def _on_rank0(fn: Any, group: dist.ProcessGroup | None = None) -> Any:
-    """Run ``fn`` on rank 0 and share its result (or its CheckpointError) with every rank."""
+    """Run ``fn`` on rank 0 and share its result (or its exception, as a CheckpointError) with every rank."""
     result: Any = None
     if dist.get_rank() == 0:
         try:
             result = fn()
-        except store.CheckpointError as err:
-            result = err
+        except Exception as err:  # noqa: BLE001 - any failure on rank 0 reaches every rank
+            result = store.CheckpointError(_failure(err))
     return _agree(result, group)
 
 
@@ -101,7 +125,12 @@ class Checkpointer:
         """``root`` overrides ``spec.checkpoint.path`` (``meshtrain run`` puts checkpoints beside its logs)."""
         self.engine = engine
         spec = engine.spec
-        self.root = Path(root or spec.checkpoint.path)
+        self.shared_root = store.location(root or spec.checkpoint.path)
+        """``checkpoint.path`` as given: the job's own directory is under it (:mod:`meshtrain.api.job_dir`)."""
+        self.root = self.shared_root
+        """This job's checkpoints: its own directory once :meth:`restore` took it."""
+        self.holding: owner.Holding | None = None
+        """Rank 0's hold on the directory (:func:`.owner.take`)."""
         self.interval = spec.checkpoint.interval_steps
         self.keep = spec.checkpoint.keep
         self.total = spec.training.steps
@@ -117,6 +146,8 @@ class Checkpointer:
         )
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._in_flight: concurrent.futures.Future[int] | None = None
+        self._poll: dist.ProcessGroup | None = None
+        """Where the ranks agree that a background save finished (its own group: the save's runs in a thread)."""
         self._published: list[int] = []
         self.resumed: batch_change.Resumed | None = None
         """Set by :meth:`restore` when the checkpoint was trained at another batch (or mid-ramp)."""
@@ -143,19 +174,24 @@ class Checkpointer:
         """
         state.init_optimizer_state(self.engine.optimizer)
 
-        def find() -> tuple[str, store.Marker, int | None] | None:
+        def find() -> tuple[str, tuple[str, store.Marker, int | None] | None]:
+            self.holding = owner.take(self.shared_root, os.environ)
+            for note in self.holding.notes:
+                _say(note)
+            root = self.holding.directory
             found = store.latest(
-                self.root, hashes=False
+                root, hashes=False
             )  # names, marker, sizes; the hashes are split below
             if found is None:
-                return None
-            good = store.last_good(store.scan(self.root))
-            return str(found[0].path), found[1], None if good is None else good.step
+                return str(root), None
+            good = store.last_good(store.scan(root))
+            return str(root), (str(found[0].path), found[1], None if good is None else good.step)
 
-        found = _on_rank0(find)
+        root, found = _on_rank0(find)
+        self.root = store.location(root)
         if found is None:
             return None
-        path, marker, self.last_good = Path(found[0]), found[1], found[2]
+        path, marker, self.last_good = store.location(found[0]), found[1], found[2]
         model, step = marker.model, marker.step
         rank, world = dist.get_rank(), dist.get_world_size()
         _everywhere(lambda: store.verify(path, marker, hashes=True, part=rank, parts=world))
@@ -170,7 +206,7 @@ class Checkpointer:
                 f"this job (spec.model) has {_shape_text(mine)}; refusing to load"
             )
         start = time.perf_counter()
-        record = state.load_from(path, self.engine)
+        record = self._load(path)
         self.engine.step = record["step"]
         self.engine.sampler.load_state_dict(record["data"])
         if self.engine.guard is not None and record.get("loss_guard"):
@@ -184,10 +220,33 @@ class Checkpointer:
             self.engine.lr_plan = self.resumed.plan
         self.last_saved = step
         if dist.get_rank() == 0:
-            _say(f"resumed from {path} (step {step}) in {time.perf_counter() - start:.2f}s")
+            writer = marker.extra.get(JOB_UID_KEY)
+            by = f", written by job uid {writer}" if writer else ""
+            _say(f"resumed from {path} (step {step}{by}) in {time.perf_counter() - start:.2f}s")
             if self.resumed is not None:
                 _say(self.resumed.message)
         return step
+
+    def _load(self, path: store.Location) -> dict[str, Any]:
+        """Every rank's share of ``path`` into the engine (collective); any rank's failure fails all."""
+        prepared: list[tuple[dict[str, Any], bool]] = []
+
+        def prepare() -> None:
+            if os.environ.get(LOAD_FAULT_ENV) == "raise":
+                _injected(f"loading {path}")
+            prepared.append(state.prepare_load(path, self.engine))
+
+        _everywhere(
+            prepare
+        )  # local checks first: a rank refusing here must not leave the others in DCP
+        loaded = _everywhere(lambda: state.load_prepared(path, prepared[0]))
+        record: dict[str, Any] = loaded[dist.get_rank()]
+        return record
+
+    def close(self) -> None:
+        """A clean exit: give the directory up so the next writer need not wait for the heartbeat to go stale."""
+        if self.holding is not None and self.holding.heartbeat is not None:
+            self.holding.heartbeat.release()
 
     # --- save ------------------------------------------------------------------
 
@@ -208,11 +267,22 @@ class Checkpointer:
             self.save()
 
     def published(self) -> list[int]:
-        """Steps published since the last call (raises a background save's error on this rank)."""
-        if self._in_flight is not None and self._in_flight.done():
+        """Steps published since the last call (collective: a background save's error is raised on every rank).
+
+        The ranks agree that every rank's background save is done before any of them waits on it, so
+        a failed save stops them all at the same step.
+        """
+        if self._in_flight is not None and self._all_done():
             self.wait()
         done, self._published = self._published, []
         return done
+
+    def _all_done(self) -> bool:
+        """Whether the background save is done on every rank (a tiny all-reduce over the poll group)."""
+        assert self._in_flight is not None
+        done = torch.tensor([1 if self._in_flight.done() else 0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll)
+        return bool(done.item())
 
     def wait(self) -> None:
         """Let the save in flight, if any, finish (collective when one is in flight on every rank)."""
@@ -222,16 +292,15 @@ class Checkpointer:
             finally:
                 self._in_flight = None
 
-    def save(self) -> Path:
+    def save(self) -> store.Location:
         """Write, publish and prune a checkpoint of the engine's current step now (collective)."""
         self.wait()
         step = self.engine.step
         start = time.perf_counter()
-        tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        tmp = store.location(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
         entries = state.state_dict(self.engine)
         skips = self._guard_skips()
-        state.save_into(tmp, entries)
-        dist.barrier()
+        _everywhere(lambda: state.save_into(tmp, entries))
         written = time.perf_counter() - start
         final = self._publish(step, tmp, len(entries), written, start, None, skips)
         self._published.append(step)
@@ -241,29 +310,33 @@ class Checkpointer:
         """Copy this rank's state to host memory, then write and publish it from the background thread."""
         self.wait()  # one save in flight at a time
         if self._group is None:
-            group = dist.new_group(backend="gloo")
-            assert isinstance(group, dist.ProcessGroup)  # every rank is a member
-            self._group = group
+            self._group, self._poll = _gloo_group(), _gloo_group()
         start = time.perf_counter()
-        tmp = Path(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
-        entries = sharded.host_copy(state.state_dict(self.engine))
+        tmp = store.location(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        entries: dict[str, Any] = {}
+        started: list[concurrent.futures.Future[Any]] = []
+
+        def begin() -> None:
+            entries.update(sharded.host_copy(state.state_dict(self.engine)))
+            upload = async_save(
+                entries,
+                storage_writer=state.writer(tmp),
+                process_group=self._group,
+                async_stager=_Staged(),
+            )
+            assert isinstance(upload, concurrent.futures.Future)  # a stager that stages at once
+            started.append(upload)
+
         skips = self._guard_skips()
-        tmp.mkdir(parents=True, exist_ok=True)
-        upload = async_save(
-            entries,
-            storage_writer=FileSystemWriter(str(tmp)),
-            process_group=self._group,
-            async_stager=_Staged(),
-        )
-        assert isinstance(upload, concurrent.futures.Future)  # a stager that stages at once
+        _everywhere(begin)
+        upload = started[0]
         if dist.get_rank() == 0:
             _say(
                 f"step {step}: state copied in {time.perf_counter() - start:.2f}s, writing in the background"
             )
 
         def finish() -> int:
-            upload.result()
-            dist.barrier(group=self._group)
+            _everywhere(lambda: _written(upload), self._group)
             written = time.perf_counter() - start
             self._publish(step, tmp, len(entries), written, start, self._group, skips)
             return step
@@ -273,27 +346,24 @@ class Checkpointer:
     def _publish(
         self,
         step: int,
-        tmp: Path,
+        tmp: store.Location,
         entries: int,
         written: float,
         start: float,
         group: dist.ProcessGroup | None,
         skips: int,
-    ) -> Path:
+    ) -> store.Location:
         """Every rank's data is in ``tmp``: hash it (split over ranks), then rank 0 publishes and prunes.
 
         ``skips``: updates the loss guard had skipped in a row at ``step`` (0:
         a good checkpoint, which pruning keeps until a newer good one exists).
         """
-        self._maybe_fault(step)
-        shares: list[dict[str, Any]] = [
-            {}
-        ] * dist.get_world_size()  # every rank hashes its share of the files
-        dist.all_gather_object(
-            shares,
-            store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size()),
-            group=group,
-        )
+
+        def share() -> dict[str, Any]:  # every rank hashes its share of the files
+            self._maybe_fault(step)
+            return store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size())
+
+        shares: list[dict[str, Any]] = _everywhere(share, group)
 
         def publish() -> tuple[str, int | None]:
             files = {name: facts for share in shares for name, facts in share.items()}
@@ -310,15 +380,18 @@ class Checkpointer:
                     "max_position_embeddings": self.engine.hf_max_positions,
                     "from_hf": self.engine.spec.model.init.from_hf,
                     store.GUARD_SKIPS: skips,
+                    JOB_UID_KEY: self.holding.uid if self.holding is not None else "",
                 },
             )
+            if self.holding is not None and self.holding.heartbeat is not None:
+                self.holding.heartbeat.beat()  # still the owner (raises if another writer took over)
             final = store.publish(tmp, marker)
             store.prune(self.root, self.keep)
             good = store.last_good(store.scan(self.root))
             return str(final), None if good is None else good.step
 
         published, self.last_good = _on_rank0(publish, group)
-        final = Path(published)
+        final = store.location(published)
         self.last_saved = step
         if dist.get_rank() == 0:
             _say(f"saved step {step} to {final} in {time.perf_counter() - start:.2f}s")
@@ -332,9 +405,12 @@ class Checkpointer:
         """Tests: stop the save of ``step`` after every rank's data is written, before publishing.
 
         ``die`` exits at once with :data:`FAULT_EXIT_CODE`; ``pause`` sleeps so a test can
-        SIGKILL the run there.
+        SIGKILL the run there; ``raise`` raises an OSError on the last rank only.
         """
         if self.fault is None or self.fault[0] != step:
+            return
+        if self.fault[1] == "raise":
+            _injected(f"saving step {step}")
             return
         if dist.get_rank() == 0:
             _say(
@@ -344,6 +420,17 @@ class Checkpointer:
             os._exit(FAULT_EXIT_CODE)
         while True:
             time.sleep(3600)
+
+
+def _written(upload: concurrent.futures.Future[Any]) -> None:
+    """Wait for this rank's background write (its result, DCP's metadata, need not travel)."""
+    upload.result()
+
+
+def _gloo_group() -> dist.ProcessGroup:
+    group = dist.new_group(backend="gloo")
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return group
 
 
 def _shape_text(shape: dict[str, int]) -> str:

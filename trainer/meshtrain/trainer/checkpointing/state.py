@@ -9,14 +9,16 @@ plan lets any (dp, pp, tp, zero) layout load any other.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 
+from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import sharded, store
 from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.parallel import compression, zero, zero3
@@ -186,23 +188,37 @@ def state_dict(engine: Any, *, rng: bool = True) -> dict[str, Any]:
     return entries
 
 
-def save_into(directory: Path, entries: dict[str, Any]) -> None:
-    """Every rank writes its entries into ``directory`` (collective)."""
+def writer(directory: store.Location) -> StorageWriter:
+    """DCP's writer of ``directory``: its file-system writer, or over fsspec (s3fs) for a bucket."""
+    if isinstance(directory, storage.ObjectPath):
+        return FsspecWriter(directory.url, **storage.options())
     directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(directory)))
+    return dcp.FileSystemWriter(str(directory))
 
 
-def read_metadata(directory: Path) -> Any:
+def reader(directory: store.Location) -> StorageReader:
+    """DCP's reader of ``directory`` (over fsspec for a bucket)."""
+    if isinstance(directory, storage.ObjectPath):
+        return FsspecReader(directory.url, **storage.options())
+    return dcp.FileSystemReader(str(directory))
+
+
+def save_into(directory: store.Location, entries: dict[str, Any]) -> None:
+    """Every rank writes its entries into ``directory`` (collective)."""
+    dcp.save(entries, storage_writer=writer(directory))
+
+
+def read_metadata(directory: store.Location) -> Any:
     """DCP's global metadata of a checkpoint; raises CheckpointError naming the file."""
     try:
-        return dcp.FileSystemReader(str(directory)).read_metadata()
+        return reader(directory).read_metadata()
     except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file
         raise store.CheckpointError(
             f"{directory / '.metadata'}: unreadable DCP metadata ({err})"
         ) from None
 
 
-def check_compatible(directory: Path, entries: dict[str, Any], metadata: Any) -> None:
+def check_compatible(directory: store.Location, entries: dict[str, Any], metadata: Any) -> None:
     """Refuse before reading data when a tensor this rank needs is absent or has another dense shape."""
     stored = metadata.state_dict_metadata
     problems = []
@@ -222,8 +238,11 @@ def check_compatible(directory: Path, entries: dict[str, Any], metadata: Any) ->
         raise store.CheckpointError(f"{directory}: does not fit this job's model:\n  {listing}")
 
 
-def load_from(directory: Path, engine: Any) -> dict[str, Any]:
-    """Load ``directory`` into the engine's live tensors (collective); returns the trainer record."""
+def prepare_load(directory: store.Location, engine: Any) -> tuple[dict[str, Any], bool]:
+    """This rank's entries to load from ``directory`` and whether its RNG state is there (local, no collective).
+
+    Refuses (CheckpointError) before any data is read when the checkpoint does not fit the model.
+    """
     init_optimizer_state(engine.optimizer)
     entries = state_dict(engine)
     metadata = read_metadata(directory)
@@ -238,11 +257,19 @@ def load_from(directory: Path, engine: Any) -> dict[str, Any]:
         if key not in stored or tuple(stored[key].size) != tuple(entries[key].shape):
             del entries[key]
     check_compatible(directory, entries, metadata)
+    return entries, rng_ok
+
+
+def load_prepared(
+    directory: store.Location, prepared: tuple[dict[str, Any], bool]
+) -> dict[str, Any]:
+    """Load the entries of :func:`prepare_load` into the live tensors (collective); returns the trainer record."""
+    entries, rng_ok = prepared
     try:
-        dcp.load(entries, storage_reader=dcp.FileSystemReader(str(directory)))
+        dcp.load(entries, storage_reader=reader(directory))
     except Exception as err:  # DCP wraps per-rank failures; name the checkpoint
         raise store.CheckpointError(f"{directory}: loading failed: {err}") from err
-    record = json.loads(entries[TRAINER_KEY])
+    record: dict[str, Any] = json.loads(entries[TRAINER_KEY])
     if rng_ok:
-        torch.set_rng_state(entries[rng_key])
+        torch.set_rng_state(entries[f"rng.{dist.get_rank()}"])
     return record

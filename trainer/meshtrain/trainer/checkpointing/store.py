@@ -4,6 +4,11 @@ Plain file-system logic, no process groups and no tensors.  A save is written in
 directory, which is renamed to ``step-NNNNNNNN`` once its ``COMPLETE`` marker is fsynced; rename
 is atomic on POSIX, so a ``step-`` directory without a valid marker is not an interrupted save but
 damage, and is reported as such (docs/checkpoints.md, "Writing a checkpoint").
+
+An ``s3://`` checkpoint path has no rename: there every object is written under its final
+``step-`` prefix and the marker LAST, a prefix without a marker is a save in progress (not damage),
+and pruning deletes the marker first (the ``_bucket_`` functions below; docs/checkpoints.md,
+"Checkpoints in a bucket").  Each public function takes a :data:`Location` of either kind.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from meshtrain.api import job_dir
+from meshtrain.trainer import storage
 
 FORMAT = "meshtrain-checkpoint/1"
 """Value of the marker's ``format`` field; anything else is a foreign checkpoint."""
@@ -26,10 +35,22 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
 GUARD_SKIPS = "loss_guard_consecutive_skips"
 """Marker ``extra`` key: updates the loss guard had skipped in a row when the checkpoint was taken (0: good)."""
-IGNORED = {"lost+found", "logs"}
-"""Entries a volume may carry that are not checkpoints and not a problem: ``lost+found`` of a fresh
-filesystem, and ``logs``, where the operator's pods keep steps.jsonl and the rank traces
-(``MESHTRAIN_LOG_DIR=<checkpoint.path>/logs``)."""
+IGNORED = {"lost+found", job_dir.LOG_SUBDIR, job_dir.OWNER_FILE}
+"""Entries a checkpoint directory may carry that are not checkpoints and not a problem: ``lost+found``
+of a fresh filesystem, ``logs``, where the operator's pods keep steps.jsonl and the rank traces
+(``MESHTRAIN_LOG_DIR=<checkpoint.path>/<namespace>/<name>/logs``), and the job's owner record."""
+
+
+HASH_CHUNK = 8 * 1024 * 1024
+"""Bytes per ranged read while hashing an object of a bucket (bounded memory whatever its size)."""
+
+Location = Path | storage.ObjectPath
+"""A checkpoint directory on a file system, or a prefix of a bucket."""
+
+
+def location(path: str | Path) -> Location:
+    """``path`` as a :data:`Location`: an ``s3://`` URL is a prefix of a bucket, anything else a path."""
+    return storage.ObjectPath(str(path).rstrip("/")) if storage.is_url(path) else Path(path)
 
 
 class CheckpointError(RuntimeError):
@@ -63,7 +84,7 @@ class Published:
     """A published checkpoint found on disk."""
 
     step: int
-    path: Path
+    path: Location
 
 
 def step_dir_name(step: int) -> str:
@@ -71,8 +92,15 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def new_tmp_dir(root: Path, step: int) -> Path:
-    """A fresh in-progress directory name for a save of ``step`` (not created)."""
+def new_tmp_dir(root: Location, step: int) -> Location:
+    """A fresh in-progress directory name for a save of ``step`` (not created).
+
+    In a bucket: the final ``step-`` prefix, cleared of what an interrupted save of it left.
+    """
+    if isinstance(root, storage.ObjectPath):
+        final = root / step_dir_name(step)
+        _bucket_clear(final)
+        return final
     return root / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
 
 
@@ -96,11 +124,15 @@ def data_files(directory: Path) -> list[str]:
     )
 
 
-def describe_files(directory: Path, *, part: int = 0, parts: int = 1) -> dict[str, dict[str, Any]]:
+def describe_files(
+    directory: Location, *, part: int = 0, parts: int = 1
+) -> dict[str, dict[str, Any]]:
     """Size and sha256 of the data files of ``directory``; with ``parts`` > 1 only every parts-th from ``part``.
 
     The ranks of a job split the hashing this way (each takes its share, rank 0 merges).
     """
+    if isinstance(directory, storage.ObjectPath):
+        return _bucket_describe_files(directory, part=part, parts=parts)
     return {
         name: file_digest(directory / name)
         for i, name in enumerate(data_files(directory))
@@ -116,12 +148,14 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, marker: Marker) -> Path:
+def publish(tmp: Location, marker: Marker) -> Location:
     """Write the marker into ``tmp`` and rename it to its final name; returns the published path.
 
     Called by one process after every rank's files are in ``tmp``.  Refuses
-    to overwrite an existing checkpoint of the same step.
+    to overwrite an existing checkpoint of the same step.  In a bucket: the marker, last.
     """
+    if isinstance(tmp, storage.ObjectPath):
+        return _bucket_publish(tmp, marker)
     for path in tmp.rglob("*"):
         if path.is_file():
             _fsync_path(path)
@@ -141,7 +175,7 @@ def publish(tmp: Path, marker: Marker) -> Path:
     return final
 
 
-def read_marker(directory: Path) -> Marker:
+def read_marker(directory: Location) -> Marker:
     """Parse and check a checkpoint's COMPLETE file; raises :class:`CheckpointError` naming it."""
     path = directory / MARKER
     if not path.is_file():
@@ -170,38 +204,60 @@ def read_marker(directory: Path) -> Marker:
     return marker
 
 
-def verify(directory: Path, marker: Marker, *, hashes: bool, part: int = 0, parts: int = 1) -> None:
+def verify(
+    directory: Location, marker: Marker, *, hashes: bool, part: int = 0, parts: int = 1
+) -> None:
     """Check that every file the marker lists is there with its size (and hash); raise naming the first bad file.
 
     With ``parts`` > 1 only every parts-th file from ``part`` is hashed (ranks split the reading).
+    In a bucket the sizes come from one listing and the hashes from ranged reads.
     """
+    sizes, digest = _sizes_and_digest(directory)
     for index, (name, facts) in enumerate(sorted(marker.files.items())):
         path = directory / name
-        if not path.is_file():
+        size = sizes(name)
+        if size is None:
             raise CheckpointError(f"{path}: listed in {directory / MARKER} but missing")
-        size = path.stat().st_size
         if size != facts["bytes"]:
             raise CheckpointError(
                 f"{path}: {size} bytes, the marker says {facts['bytes']} (truncated or overwritten)"
             )
         if hashes and index % parts == part:
-            digest = file_digest(path)["sha256"]
-            if digest != facts["sha256"]:
+            found = digest(name, size)
+            if found != facts["sha256"]:
                 raise CheckpointError(
-                    f"{path}: sha256 {digest[:16]}... differs from the marker's "
+                    f"{path}: sha256 {found[:16]}... differs from the marker's "
                     f"{facts['sha256'][:16]}... (corrupt)"
                 )
     if not marker.files:
         raise CheckpointError(f"{directory / MARKER}: lists no data files")
 
 
-def scan(root: Path) -> list[Published]:
+def _sizes_and_digest(
+    directory: Location,
+) -> tuple[Callable[[str], int | None], Callable[[str, int], str]]:
+    """(size of a file by name or None, its sha256) in ``directory``: a file system's, or a bucket's."""
+    if isinstance(directory, storage.ObjectPath):
+        objects = _bucket_objects(directory)
+        return (
+            lambda name: objects[name]["size"] if name in objects else None,
+            lambda name, size: _bucket_digest(f"{directory.url}/{name}", size)["sha256"],
+        )
+    return (
+        lambda name: (directory / name).stat().st_size if (directory / name).is_file() else None,
+        lambda name, _: str(file_digest(directory / name)["sha256"]),
+    )
+
+
+def scan(root: Location) -> list[Published]:
     """Published checkpoints under ``root``, oldest first; raises on anything foreign or damaged.
 
     In-progress (``.tmp-``) directories are skipped: they are interrupted
     saves.  Any other entry is not something meshtrain writes, and a
     checkpoint directory holding it is refused rather than trained into.
     """
+    if isinstance(root, storage.ObjectPath):
+        return _bucket_scan(root)
     if not root.exists():
         return []
     if not root.is_dir():
@@ -220,7 +276,7 @@ def scan(root: Path) -> list[Published]:
     return sorted(found, key=lambda p: p.step)
 
 
-def latest(root: Path, *, hashes: bool = True) -> tuple[Published, Marker] | None:
+def latest(root: Location, *, hashes: bool = True) -> tuple[Published, Marker] | None:
     """The newest published checkpoint, its marker read and its files verified; None when there is none.
 
     A damaged newest checkpoint raises: resuming from an older one, or from
@@ -252,15 +308,20 @@ def last_good(published: list[Published]) -> Published | None:
     return None
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory.
+def prune(root: Location, keep: int) -> list[Location]:
+    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory of ``root``.
+
+    ``root`` is the job's own directory, which its owner record gives to one writer at a time: nothing
+    of another job is ever looked at (:mod:`meshtrain.api.job_dir`).
 
     The last good checkpoint (:func:`last_good`) is kept even when it is older
     than ``keep`` others: those may all have been taken while the loss guard
     skipped updates, and if it then stops the job, the last good one is the
     one to go back to.
     """
-    removed = []
+    if isinstance(root, storage.ObjectPath):
+        return _bucket_prune(root, keep)
+    removed: list[Location] = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
@@ -272,7 +333,107 @@ def prune(root: Path, keep: int) -> list[Path]:
             continue
         # Rename first so a crash halfway through deleting leaves a .tmp- directory, not a damaged step-.
         doomed = root / f"{TMP_PREFIX}pruned-{old.path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(old.path, doomed)
+        os.rename(root / old.path.name, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(old.path)
+    return removed
+
+
+# --- a bucket: the marker-last protocol (no rename on an object store) -------------------------
+
+
+def _bucket_objects(directory: storage.ObjectPath) -> dict[str, dict[str, Any]]:
+    return storage.listing(directory.url)
+
+
+def _bucket_digest(url: str, size: int) -> dict[str, Any]:
+    """Size and sha256 of one object, read in :data:`HASH_CHUNK` ranges."""
+    hasher = hashlib.sha256()
+    for start in range(0, size, HASH_CHUNK):
+        (data,) = storage.read_ranges([(url, start, min(size, start + HASH_CHUNK))])
+        hasher.update(data)
+    return {"bytes": size, "sha256": hasher.hexdigest()}
+
+
+def _bucket_clear(directory: storage.ObjectPath) -> None:
+    """Delete what an interrupted save left under ``directory``; refuse when it is published."""
+    objects = _bucket_objects(directory)
+    if MARKER in objects:
+        raise CheckpointError(
+            f"{directory}: already published; refusing to overwrite a published checkpoint"
+        )
+    storage.remove([f"{directory.url}/{name}" for name in objects])
+
+
+def _bucket_describe_files(
+    directory: storage.ObjectPath, *, part: int = 0, parts: int = 1
+) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the data objects under ``directory`` (every parts-th from ``part``)."""
+    objects = _bucket_objects(directory)
+    names = sorted(name for name in objects if name != MARKER)
+    return {
+        name: _bucket_digest(f"{directory.url}/{name}", objects[name]["size"])
+        for i, name in enumerate(names)
+        if i % parts == part
+    }
+
+
+def _bucket_publish(directory: storage.ObjectPath, marker: Marker) -> storage.ObjectPath:
+    """Write the marker LAST, once every object it lists is there with its size."""
+    objects = _bucket_objects(directory)
+    if MARKER in objects:
+        raise CheckpointError(
+            f"{directory}: already published; refusing to overwrite a published checkpoint"
+        )
+    for name, facts in marker.files.items():
+        if objects.get(name, {}).get("size") != facts["bytes"]:
+            raise CheckpointError(f"{directory.url}/{name}: not written whole; not publishing")
+    storage.write_bytes(f"{directory.url}/{MARKER}", marker.to_json().encode())
+    return directory
+
+
+def _bucket_steps(root: storage.ObjectPath) -> tuple[dict[int, bool], dict[str, Any]]:
+    """({step: has a marker}, every object of ``root``) in one listing; foreign objects refused."""
+    objects = storage.listing(root.url)
+    steps: dict[int, bool] = {}
+    for name in objects:
+        top, _, rest = name.partition("/")
+        match = STEP_DIR.match(top)
+        if match:
+            step = int(match.group(1))
+            steps[step] = steps.get(step, False) or rest == MARKER
+        elif top not in IGNORED:
+            raise CheckpointError(
+                f"{root.url}/{name}: not a meshtrain checkpoint (expected only step-NNNNNNNN/ "
+                f"prefixes in {root.url}); point spec.checkpoint.path at a prefix of its own"
+            )
+    return steps, objects
+
+
+def _bucket_scan(root: storage.ObjectPath) -> list[Published]:
+    """Published (marked) checkpoints under ``root``, oldest first; unmarked prefixes are saves in progress."""
+    steps, _ = _bucket_steps(root)
+    return [
+        Published(step=step, path=root / step_dir_name(step))
+        for step, marked in sorted(steps.items())
+        if marked
+    ]
+
+
+def _bucket_prune(root: storage.ObjectPath, keep: int) -> list[Location]:
+    """Delete unmarked prefixes and all but the newest ``keep`` checkpoints (the last good one kept).
+
+    Each doomed checkpoint loses its marker first, then its objects.
+    """
+    steps, objects = _bucket_steps(root)
+    published = [Published(s, root / step_dir_name(s)) for s, m in sorted(steps.items()) if m]
+    good = last_good(published)
+    doomed = [p for p in published[: max(0, len(published) - keep)] if p != good]
+    removed: list[Location] = []
+    for old in doomed:
+        storage.remove([f"{root.url}/{step_dir_name(old.step)}/{MARKER}"])
+    garbage = {step_dir_name(s) for s, marked in steps.items() if not marked}
+    garbage |= {step_dir_name(p.step) for p in doomed}
+    storage.remove([f"{root.url}/{name}" for name in objects if name.partition("/")[0] in garbage])
+    removed += [root / name for name in sorted(garbage)]
     return removed

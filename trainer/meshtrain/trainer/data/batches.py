@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from meshtrain.trainer.data import token_files
+from meshtrain.trainer.data import ranged_tokens, token_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +80,7 @@ class BatchSampler:
         return self._read(self.windows(index))
 
     def _read(self, windows: list[tuple[int, int]]) -> torch.Tensor:
-        rows = [
-            np.asarray(self.sources[s][o : o + self.seq_len + 1], dtype=np.int64)
-            for s, o in windows
-        ]
-        return torch.from_numpy(np.stack(rows))
+        return torch.from_numpy(ranged_tokens.read_windows(self.sources, windows, self.seq_len + 1))
 
     def next(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next global batch; advances the position."""

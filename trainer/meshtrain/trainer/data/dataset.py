@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.api.spec import training as api_training
-from meshtrain.trainer.data import special_tokens, token_files, vocab_scan
+from meshtrain.trainer import storage
+from meshtrain.trainer.data import ranged_tokens, special_tokens, token_files, vocab_scan
 
 STDLIB = "stdlib"
 """Dataset name of the default corpus."""
@@ -85,7 +86,7 @@ def check_dataset(
     (:func:`.special_tokens.check_agreement`)."""
     entries = dataset_entries(training)
     try:
-        every: list[Path] = []
+        every: list[token_files.Location] = []
         named = [(p, _field(training, i)) for i, (p, _) in enumerate(entries) if p != STDLIB]
         if training.eval.interval and training.eval.dataset:
             named.append((training.eval.dataset, EVAL_FIELD + ".dataset"))
@@ -101,7 +102,7 @@ def check_dataset(
                 token_files.check_type(path, dtype=training.token_dtype, vocab=vocab, field=field)
             every += files
         special_tokens.check_agreement(every, from_hf)
-    except token_files.TokenFileError as err:
+    except (token_files.TokenFileError, storage.ObjectStorageError) as err:
         raise DatasetError(
             f"{err} (expected raw {training.token_dtype} tokens, or '{STDLIB}' for the built-in corpus)"
         ) from None
@@ -123,7 +124,7 @@ def open_dataset(
         return token_files.open_sources(
             entries, dtype=training.token_dtype, vocab=vocab, seq_len=seq_len
         )
-    except token_files.TokenFileError as err:
+    except (token_files.TokenFileError, storage.ObjectStorageError) as err:
         raise DatasetError(str(err)) from None
 
 
@@ -158,7 +159,9 @@ def open_eval(
     return train, held
 
 
-def load_tokens(dataset: str, *, vocab: int, seq_len: int, dtype: str = "uint16") -> np.ndarray:
+def load_tokens(
+    dataset: str, *, vocab: int, seq_len: int, dtype: str = "uint16"
+) -> np.ndarray | ranged_tokens.RangedTokens:
     """One token file (or 'stdlib') as a read-only memmap, every id checked against ``vocab``."""
     path = stdlib_corpus() if dataset == STDLIB else Path(dataset).expanduser()
     try:

@@ -15,7 +15,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from meshtrain.trainer import storage
 from meshtrain.trainer.data import token_files
+
+FROM_HF_FIELD = "spec.model.init.fromHF"
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
 """Begin-of-text tokens of common tokenizers (Llama 3, Llama 2 / Mistral, Gemma, GPT-2's shared one), tried in order."""
@@ -151,7 +154,7 @@ def agreed(records: Iterable[TokenIds]) -> TokenIds:
     )
 
 
-def from_token_files(paths: Iterable[Path]) -> TokenIds:
+def from_token_files(paths: Iterable[token_files.Location]) -> TokenIds:
     """The ids ``meshtrain data prepare`` recorded beside the token files (those without metadata say nothing)."""
     records = []
     for path in map(token_files.metadata_path, paths):
@@ -190,11 +193,11 @@ def for_job(files: Iterable[token_files.TokenFile], from_hf: str | None) -> Toke
     found = from_token_files(f.path for f in files)
     if not from_hf:
         return found
-    imported = from_hf_directory(Path(from_hf))
+    imported = from_hf_directory(storage.local_path(from_hf, FROM_HF_FIELD))
     return dataclasses.replace(found.or_else(imported), eos=imported.with_eos(found.eos).eos)
 
 
-def _prepared(path: Path) -> dict[str, Any] | None:
+def _prepared(path: token_files.Location) -> dict[str, Any] | None:
     meta_path = token_files.metadata_path(path)
     if not meta_path.is_file():
         return None
@@ -202,7 +205,7 @@ def _prepared(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def check_agreement(paths: Iterable[Path], from_hf: str | None) -> None:
+def check_agreement(paths: Iterable[token_files.Location], from_hf: str | None) -> None:
     """Refuse data tokenised with different tokenizers, or with one other than the imported model's.
 
     Judged from what ``meshtrain data prepare`` recorded beside each file
@@ -213,7 +216,7 @@ def check_agreement(paths: Iterable[Path], from_hf: str | None) -> None:
     an instruct model stops at several).
     """
     prepared = [(path, meta) for path in paths if (meta := _prepared(path)) is not None]
-    hashes: dict[str, Path] = {}
+    hashes: dict[str, token_files.Location] = {}
     for path, meta in prepared:
         digest = meta.get("tokenizer_sha256")
         if digest and hashes and digest not in hashes:
@@ -227,7 +230,7 @@ def check_agreement(paths: Iterable[Path], from_hf: str | None) -> None:
             hashes[digest] = path
     if not from_hf or not prepared:
         return
-    directory = Path(from_hf)
+    directory = storage.local_path(from_hf, FROM_HF_FIELD)
     files = [
         directory / n
         for n in ("generation_config.json", "config.json")

@@ -1,6 +1,7 @@
 """Token files on disk: element type, a whole-file vocabulary check, and weighted sources.
 
-A token file is raw little-endian ``uint16`` or ``uint32`` ids, no header, memory-mapped.  Every
+A token file is raw little-endian ``uint16`` or ``uint32`` ids, no header, memory-mapped (or, in a
+bucket, read by byte ranges: :mod:`.ranged_tokens`).  Every
 id is checked against the model's vocabulary when the file is opened: under tensor parallelism an
 id outside it would silently be a zero embedding and a wrong loss.  Raw ids carry no element type,
 so a file without ``data prepare`` metadata is refused when its first ids look misread
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.trainer.data import vocab_scan
+from meshtrain.trainer import storage
+from meshtrain.trainer.data import ranged_tokens, vocab_scan
 
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Element types of token files, by their spec name (``training.tokenDtype``)."""
@@ -31,6 +33,10 @@ HIGH_HALF_LIMIT = 3
 """uint32 ids below 2^18 (every vocabulary in use: Llama 3 has 128,256) have high halves of at most 3."""
 
 
+Location = Path | storage.ObjectPath
+"""A token file on disk, or an object of a bucket (``s3://``)."""
+
+
 class TokenFileError(ValueError):
     """A token file cannot be used; the message names the file and the spec field."""
 
@@ -39,18 +45,20 @@ class TokenFileError(ValueError):
 class TokenFile:
     """One opened token file."""
 
-    path: Path
-    tokens: np.ndarray
-    """Read-only memmap of the ids."""
+    path: Location
+    tokens: np.ndarray | ranged_tokens.RangedTokens
+    """Read-only memmap of the ids (a ranged reader for an object)."""
     weight: float
     """Share of the training windows drawn from this file (weights of all files sum to 1)."""
 
 
-def expand(pattern: str, field: str) -> list[Path]:
+def expand(pattern: str, field: str) -> list[Location]:
     """The files a path or glob names, sorted (the order, and so the sampling, is reproducible)."""
+    if storage.is_url(pattern):
+        return _expand_objects(pattern, field)
     if glob.has_magic(pattern):
         matches = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser())))
-        files = [p for p in matches if p.is_file() and not _is_sidecar(p)]
+        files: list[Location] = [p for p in matches if p.is_file() and not _is_sidecar(p)]
         if not files:
             raise TokenFileError(f"{field}: the glob {pattern!r} matches no token file")
         return files
@@ -58,6 +66,25 @@ def expand(pattern: str, field: str) -> list[Path]:
     if not path.is_file():
         raise TokenFileError(f"{field}: token file {str(path)!r} does not exist")
     return [path]
+
+
+def _expand_objects(pattern: str, field: str) -> list[Location]:
+    """:func:`expand` in a bucket: one listing, the sidecars told apart by name."""
+    if glob.has_magic(pattern):
+        matches = storage.glob(pattern)
+        names = set(matches)
+        sidecars = (vocab_scan.SUFFIX, METADATA_SUFFIX)
+        files: list[Location] = [
+            storage.ObjectPath(url)
+            for url in matches
+            if not any(url.endswith(s) and url[: -len(s)] in names for s in sidecars)
+        ]
+        if not files:
+            raise TokenFileError(f"{field}: the glob {pattern!r} matches no token object")
+        return files
+    if not storage.ObjectPath(pattern).is_file():
+        raise TokenFileError(f"{field}: token object {pattern!r} does not exist")
+    return [storage.ObjectPath(pattern)]
 
 
 def _is_sidecar(path: Path) -> bool:
@@ -68,12 +95,12 @@ def _is_sidecar(path: Path) -> bool:
     )
 
 
-def metadata_path(path: Path) -> Path:
+def metadata_path(path: Location) -> Location:
     """Where ``meshtrain data prepare`` wrote the metadata of token file ``path``."""
     return path.with_name(path.name + METADATA_SUFFIX)
 
 
-def check_metadata(path: Path, dtype: str, vocab: int, field: str) -> bool:
+def check_metadata(path: Location, dtype: str, vocab: int, field: str) -> bool:
     """Refuse a file whose ``data prepare`` metadata says another dtype, a larger vocabulary or another size.
 
     Returns whether the file has metadata (then its element type is known, not guessed).
@@ -165,7 +192,7 @@ def scanned_largest_id(path: Path, tokens: np.ndarray, dtype: str) -> int:
     return found
 
 
-def _misread_error(path: Path, dtype: str, actual: str, field: str) -> TokenFileError:
+def _misread_error(path: Location, dtype: str, actual: str, field: str) -> TokenFileError:
     return TokenFileError(
         f"{field}: {str(path)!r} looks like {actual} tokens read as {dtype} "
         f"(spec.training.tokenDtype={dtype}; its first {SNIFF_TOKENS} ids are what {actual} ids read "
@@ -174,7 +201,7 @@ def _misread_error(path: Path, dtype: str, actual: str, field: str) -> TokenFile
     )
 
 
-def check_type(path: Path, *, dtype: str, vocab: int, field: str) -> None:
+def check_type(path: Location, *, dtype: str, vocab: int, field: str) -> None:
     """The cheap checks of a file's element type, before any process starts: metadata, byte count, first ids."""
     described = check_metadata(path, dtype, vocab, field)
     itemsize = DTYPES[dtype].itemsize
@@ -188,20 +215,35 @@ def check_type(path: Path, *, dtype: str, vocab: int, field: str) -> None:
         )
     if described:
         return
-    first = np.fromfile(path, dtype=DTYPES[dtype], count=min(SNIFF_TOKENS, size // itemsize))
+    first = _first_ids(path, DTYPES[dtype], min(SNIFF_TOKENS, size // itemsize))
     actual = misread_as(first, dtype, vocab)
     if actual is not None:
         raise _misread_error(path, dtype, actual, field)
 
 
-def open_token_file(path: Path, *, dtype: str, vocab: int, seq_len: int, field: str) -> np.ndarray:
-    """The ids of ``path`` as a read-only memmap, every one checked against ``vocab``."""
+def _first_ids(path: Location, dtype: np.dtype[Any], count: int) -> np.ndarray:
+    """The first ``count`` ids of a file (one ranged read of an object)."""
+    if isinstance(path, storage.ObjectPath):
+        data = storage.read_ranges([(path.url, 0, count * dtype.itemsize)])[0]
+        return np.frombuffer(data, dtype=dtype)
+    return np.fromfile(path, dtype=dtype, count=count)
+
+
+def open_token_file(
+    path: Location, *, dtype: str, vocab: int, seq_len: int, field: str
+) -> np.ndarray | ranged_tokens.RangedTokens:
+    """The ids of ``path`` as a read-only memmap, every one checked against ``vocab``.
+
+    An object is read by ranges, its ids checked as they are read (:mod:`.ranged_tokens`).
+    """
     check_type(path, dtype=dtype, vocab=vocab, field=field)
     count = path.stat().st_size // DTYPES[dtype].itemsize
     if count < seq_len + 2:
         raise TokenFileError(
             f"{field}: {str(path)!r} holds {count} tokens, fewer than seqLen + 2 = {seq_len + 2}"
         )
+    if isinstance(path, storage.ObjectPath):
+        return ranged_tokens.RangedTokens(path.url, DTYPES[dtype], vocab)
     tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
     if scanned_largest_id(path, tokens, dtype) < vocab:
         return tokens

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from meshtrain.trainer import storage
 from meshtrain.trainer.data import special_tokens
 from meshtrain.trainer.models import gpt
 
@@ -78,7 +79,7 @@ def hf_config(
 
 def max_positions(directory: str | Path) -> int | None:
     """``max_position_embeddings`` of a Hugging Face directory's ``config.json`` (None when it names none)."""
-    value = _read_config(Path(directory)).get("max_position_embeddings")
+    value = _read_config(storage.local_path(directory, FIELD)).get("max_position_embeddings")
     return value if isinstance(value, int) else None
 
 

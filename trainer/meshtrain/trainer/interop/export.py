@@ -16,11 +16,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from meshtrain.api import exitcodes
 from meshtrain.api.spec import model as api_model
+from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import state, store
 from meshtrain.trainer.data import special_tokens
 from meshtrain.trainer.interop import config_json, to_hf
@@ -50,7 +50,7 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
-def find_checkpoint(path: Path) -> tuple[Path, store.Marker]:
+def find_checkpoint(path: store.Location) -> tuple[store.Location, store.Marker]:
     """The checkpoint directory ``path`` names (itself, or its newest), marker read and files verified."""
     if (path / store.MARKER).is_file():
         marker = store.read_marker(path)
@@ -62,7 +62,7 @@ def find_checkpoint(path: Path) -> tuple[Path, store.Marker]:
     return found[0].path, found[1]
 
 
-def model_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+def model_shapes(directory: store.Location) -> dict[str, tuple[int, ...]]:
     """Dense shape of every model parameter of a checkpoint, by its meshtrain name (metadata only)."""
     metadata = state.read_metadata(directory)
     return {
@@ -72,7 +72,7 @@ def model_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def read_params(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def read_params(directory: store.Location, names: list[str]) -> dict[str, torch.Tensor]:
     """The named model parameters of a checkpoint as whole tensors (one process; reads only these)."""
     metadata = state.read_metadata(directory).state_dict_metadata
     entries = {
@@ -84,11 +84,11 @@ def read_params(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
     if entries:
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
             warnings.simplefilter("ignore", UserWarning)
-            dcp_load(entries, storage_reader=FileSystemReader(str(directory)))
+            dcp_load(entries, storage_reader=state.reader(directory))
     return {key.removeprefix("model."): value for key, value in entries.items()}
 
 
-def read_dense(directory: Path) -> dict[str, torch.Tensor]:
+def read_dense(directory: store.Location) -> dict[str, torch.Tensor]:
     """Every model parameter of a checkpoint as a whole tensor, by its meshtrain name (one process)."""
     return read_params(directory, list(model_shapes(directory)))
 
@@ -117,8 +117,8 @@ def copy_tokenizer(
         sources["tokenizer.json"] = tokenizer
         if tokenizer.name == "tokenizer.json":
             sources |= {n: tokenizer.parent / n for n in TOKENIZER_FILES[1:]}
-    elif from_hf and (Path(from_hf) / "tokenizer.json").is_file():
-        sources = {n: Path(from_hf) / n for n in TOKENIZER_FILES}
+    elif from_hf and (storage.local_path(from_hf, config_json.FIELD) / "tokenizer.json").is_file():
+        sources = {n: storage.local_path(from_hf, config_json.FIELD) / n for n in TOKENIZER_FILES}
     sources = {name: path for name, path in sources.items() if path.is_file()}
     if not sources:
         return
@@ -155,7 +155,7 @@ def export(
     ``dtype``: the weights' element type in the export (``float32``, as
     trained; ``bfloat16`` halves the files, as the Llama releases ship).
     """
-    directory, marker = find_checkpoint(Path(checkpoint))
+    directory, marker = find_checkpoint(store.location(checkpoint))
     shape = api_model.ModelShape.model_validate(marker.model)
     token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
     if tokenizer is not None:

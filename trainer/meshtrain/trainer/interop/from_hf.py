@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from meshtrain.api import spec as api_spec
+from meshtrain.trainer import storage
 from meshtrain.trainer.interop import config_json, name_map
 from meshtrain.trainer.models import gpt, llama
 
@@ -71,7 +72,7 @@ class HFWeights:
     """Dense meshtrain parameters read on demand from a Hugging Face directory (``model.initial_weights``)."""
 
     def __init__(self, directory: str | Path, config: gpt.GPTConfig) -> None:
-        self.directory = Path(directory)
+        self.directory = storage.local_path(directory, config_json.FIELD)
         self.config = config
         self.files = {k: str(v) for k, v in _tensor_files(self.directory).items()}
         """Hugging Face tensor name -> safetensors file."""
@@ -97,7 +98,10 @@ def _hf_shapes(
 
 def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
     """Refuse, before any process starts, a directory whose config or tensors disagree with the spec."""
-    directory = Path(directory).expanduser()
+    try:
+        directory = storage.local_path(directory, config_json.FIELD).expanduser()
+    except storage.ObjectStorageError as err:
+        raise config_json.HFError(str(err)) from None
     if not directory.is_dir():
         raise config_json.HFError(f"{config_json.FIELD}: {directory} is not a directory")
     config_json.check_config(directory, config)
