@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.api.spec import training as api_training
-from meshtrain.trainer.data import special_tokens, token_files, vocab_scan
+from meshtrain.trainer.data import file_modes, special_tokens, token_files, vocab_scan
 
 STDLIB = "stdlib"
 """Dataset name of the default corpus."""
@@ -60,6 +60,7 @@ def stdlib_corpus(directory: Path | None = None, cap_bytes: int = STDLIB_CAP_BYT
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".tmp")
     with os.fdopen(fd, "wb") as out:
         out.write(tokens.astype("<u2").tobytes())
+    file_modes.publish(tmp)
     os.replace(tmp, target)
     return target
 

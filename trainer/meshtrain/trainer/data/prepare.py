@@ -23,7 +23,7 @@ import tqdm
 from tokenizers import Tokenizer
 
 from meshtrain.api import loading
-from meshtrain.trainer.data import special_tokens, token_files
+from meshtrain.trainer.data import file_modes, special_tokens, token_files
 
 BATCH_DOCUMENTS = 256
 """Documents per ``encode_batch`` call (the library parallelises inside a batch)."""
@@ -83,6 +83,29 @@ def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file: one path resolved (symlinks), or one inode (hard links)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: not the same file
+        return False
+
+
+def check_output(inputs: list[Path], tokenizer_path: Path, output: Path) -> None:
+    """Refuse an ``-o`` whose token file or metadata file is one of the inputs or the tokenizer."""
+    written = [output, token_files.metadata_path(output)]
+    for source in [*inputs, tokenizer_path]:
+        for target in written:
+            if _same_file(source, target):
+                what = "the tokenizer (--tokenizer)" if source == tokenizer_path else "an input"
+                raise PrepareError(
+                    f"-o/--output {output}: {target} is {what} {source}; preparing would overwrite "
+                    "it: write the token file to another path (-o)"
+                )
+
+
 def document_ids(encoded: list[int], eos: int | None) -> list[int]:
     """One document's ids as written: the tokenizer's encoding, then end-of-text unless it ends with one."""
     if eos is None or encoded[-1:] == [eos]:
@@ -104,6 +127,7 @@ def prepare(
     missing = [str(p) for p in [tokenizer_path, *inputs] if not p.is_file()]
     if missing:
         raise PrepareError(f"no such file: {', '.join(missing)}")
+    check_output(inputs, tokenizer_path, output)
     tokenizer = special_tokens.load_tokenizer(tokenizer_path)
     vocab = vocab_size(tokenizer)
     if model_vocab is not None and vocab > model_vocab:
@@ -139,6 +163,7 @@ def prepare(
                 out.write(flat.astype(token_files.DTYPES[dtype]).tobytes())
                 count += len(flat)
                 bar.update(sum(len(doc.encode("utf-8")) for doc in batch))
+        file_modes.publish(tmp)  # mkstemp's 0600 would hide it from pods of another UID
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from meshtrain.trainer.data import file_modes
+
 FORMAT = "meshtrain-token-scan/1"
 """Value of a record's ``format`` field; a record without it is ignored."""
 SUFFIX = ".scan.json"
@@ -79,6 +81,7 @@ def _write_atomically(target: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
+        file_modes.publish(tmp)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
