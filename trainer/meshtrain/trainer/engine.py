@@ -105,6 +105,7 @@ class Engine:
         recorder: recording.StepRecorder | None = None,
     ) -> None:
         """Weights are fp32 (master weights under bf16 autocast)."""
+        spec = from_hf.with_config(spec)  # config.json's values where the spec is silent
         self.spec = spec
         self.mesh = mesh
         self.clock = clocks.for_device(mesh.device)

@@ -200,12 +200,12 @@ def _load_checked(
         metadata, job = loading.load_manifest(spec_path)
         if extra:
             job = loading.apply_overrides(job, extra)
+        job = from_hf.check_spec(job)  # config.json's values where the spec is silent
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
         if job.training.dataset == dataset.STDLIB:
             dataset.stdlib_corpus()
-        from_hf.check_spec(job)
     except (loading.SpecError, config_json.HFError) as err:
         print(err, file=sys.stderr)
         return exitcodes.SPEC

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer.interop import config_json, name_map
 from meshtrain.trainer.models import gpt, llama
@@ -148,7 +149,34 @@ def _ignored_by_transformers(config: gpt.GPTConfig, key: str) -> bool:
     return key == "lm_head.weight" and config.tie_embeddings
 
 
-def check_spec(job: api_spec.TrainingJobSpec) -> None:
-    """:func:`check_directory` for a job that starts from a Hugging Face directory (else nothing)."""
+def with_config(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
+    """``job`` with every ``spec.model`` field it leaves out taken from its ``fromHF`` directory's ``config.json``.
+
+    What the spec states wins, and :func:`check_directory` then refuses a
+    stated value that differs from the file's, naming both; what it leaves
+    out (a preset's value included) is the file's (:func:`.config_json.stated`).
+    A job without ``fromHF``, or whose directory has no readable config, is
+    returned as is (:func:`check_directory` says what is wrong).
+    """
+    if not job.model.init.from_hf:
+        return job
+    directory = Path(job.model.init.from_hf).expanduser()
+    try:
+        stated = config_json.stated(directory)
+    except config_json.HFError:
+        return job
+    raw = job.model_dump(by_alias=True, exclude_none=True)
+    taken = {key: value for key, value in stated.items() if key not in raw["model"]}
+    if not taken:
+        return job
+    raw["model"] = {**raw["model"], **taken}
+    return loading.parse_spec(raw, f"spec.model with {directory / config_json.CONFIG}'s values")
+
+
+def check_spec(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
+    """The job completed from its Hugging Face directory (:func:`with_config`) and checked against it
+    (:func:`check_directory`); a job without ``fromHF`` as it is."""
+    job = with_config(job)
     if job.model.init.from_hf:
         check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))
+    return job
