@@ -109,9 +109,16 @@ def check_dataset(
 
 
 def open_dataset(
-    training: api_training.Training, *, vocab: int, seq_len: int
+    training: api_training.Training,
+    *,
+    vocab: int,
+    seq_len: int,
+    share: token_files.Share | None = None,
 ) -> list[token_files.TokenFile]:
-    """Every source of ``training`` opened and checked, id by id, against the model vocabulary."""
+    """Every source of ``training`` opened and checked, id by id, against the model vocabulary.
+
+    ``share``: the job's ranks, which scan a file no record vouches for once between them.
+    """
     check_dataset(training, vocab=vocab)
     if not training.datasets and training.dataset == STDLIB:  # byte tokens, always uint16
         tokens = load_tokens(STDLIB, vocab=vocab, seq_len=seq_len)
@@ -122,14 +129,19 @@ def open_dataset(
             for index, (pattern, weight) in enumerate(dataset_entries(training))
         ]
         return token_files.open_sources(
-            entries, dtype=training.token_dtype, vocab=vocab, seq_len=seq_len
+            entries, dtype=training.token_dtype, vocab=vocab, seq_len=seq_len, share=share
         )
     except token_files.TokenFileError as err:
         raise DatasetError(str(err)) from None
 
 
 def open_eval(
-    training: api_training.Training, files: list[token_files.TokenFile], *, vocab: int, seq_len: int
+    training: api_training.Training,
+    files: list[token_files.TokenFile],
+    *,
+    vocab: int,
+    seq_len: int,
+    share: token_files.Share | None = None,
 ) -> tuple[list[token_files.TokenFile], list[token_files.TokenFile] | None]:
     """(training files, evaluation files or None): ``eval.dataset`` opened, or ``eval.heldOut`` cut off the end of each file."""
     ev = training.eval
@@ -142,6 +154,7 @@ def open_eval(
                 dtype=training.token_dtype,
                 vocab=vocab,
                 seq_len=seq_len,
+                share=share,
             )
         except token_files.TokenFileError as err:
             raise DatasetError(str(err)) from None
