@@ -48,9 +48,9 @@ from benchmarks import machine
 from meshtrain.api import loading
 from meshtrain.trainer import engine, launch
 from meshtrain.trainer.interop import from_hf
-from meshtrain.trainer.models import gpt
+from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import tensor
+from meshtrain.trainer.parallel import pipeline, tensor
 
 SHAPE = {
     "vocab_size": 32000,
@@ -99,15 +99,16 @@ def write_tokens(path: Path, gib: float) -> None:
 
 def spec(model_dir: Path, tokens: Path, layout: dict[str, int]) -> dict[str, Any]:
     """The job: the shape every spec states; key/value heads, MLP width, eps and RoPE from config.json."""
-    data, pipeline = layout.get("data", 1), layout.get("pipeline", 1)
-    micro_batches = 2 if pipeline > 1 else 1
+    data, stages = layout.get("data", 1), layout.get("pipeline", 1)
+    micro_batches = 2 if stages > 1 else 1
+    shape = json.loads((model_dir / "config.json").read_text())
     return {
         "model": {
             "family": "llama",
-            "layers": SHAPE["num_hidden_layers"],
-            "hidden": SHAPE["hidden_size"],
-            "heads": SHAPE["num_attention_heads"],
-            "vocab": SHAPE["vocab_size"],
+            "layers": shape["num_hidden_layers"],
+            "hidden": shape["hidden_size"],
+            "heads": shape["num_attention_heads"],
+            "vocab": shape["vocab_size"],
             "seqLen": SEQ_LEN,
             "init": {"fromHF": str(model_dir)},
         },
@@ -116,7 +117,7 @@ def spec(model_dir: Path, tokens: Path, layout: dict[str, int]) -> dict[str, Any
             **layout,
             "microBatches": micro_batches,
         },
-        "resources": {"gpusPerNode": data * pipeline * layout.get("tensor", 1)},
+        "resources": {"gpusPerNode": data * stages * layout.get("tensor", 1)},
         "training": {
             "globalBatch": data * micro_batches,
             "microBatch": 1,
@@ -141,6 +142,26 @@ def _whole_then_cut(
 ) -> torch.Tensor:
     """The parent commit's tensor-parallel import: the whole dense tensor read, then this rank's piece cut."""
     return tensor.shard(gpt.dense_value(model, name, param), spec, rank, size)
+
+
+def import_main(model_dir: Path, mode: str, out: Path) -> None:
+    """Tensor-parallel rank 0 of 2 building its pieces from the directory, alone (no process group):
+    the import without the other ranks' noise; its time and VmHWM to ``out``."""
+    torch.set_num_threads(1)
+    if mode == "before":
+        tensor.shard_param = _whole_then_cut
+    raw = spec(model_dir, model_dir / "none.bin", LAYOUTS["tp2"])
+    job = from_hf.check_spec(loading.parse_spec(raw))
+    config = gpt.GPTConfig.from_shape(job.model.shape())
+    with torch.device("meta"):
+        model = llama.build(config)
+    model.initial_weights = from_hf.HFWeights(model_dir, config)
+    [chunk] = pipeline.split_model(model, stage=0, stages=1, virtual_stages=1)
+    started = time.perf_counter()
+    tensor.apply_tensor_parallel(chunk, tensor.TPContext(group=None, rank=0, size=2))  # type: ignore[arg-type]
+    gpt.materialize(chunk)
+    seconds = time.perf_counter() - started
+    out.write_text(json.dumps({"import_s": seconds, "vm_hwm_gib": _vm_hwm_kib() / 2**20}))
 
 
 def rank_main(raw: dict[str, Any], mode: str, out: Path, launched: float) -> None:
@@ -205,11 +226,24 @@ def _clear_records(tokens: Path, work: Path) -> None:
         record.unlink()
 
 
+def _print(layout: str, mode: str, seconds: float, peaks: list[float]) -> None:
+    shown = ", ".join(f"{p:.2f}" for p in peaks)
+    print(f"{layout:<24} {mode:<6} {seconds:7.1f}s  VmHWM per rank {shown} GiB", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--token-gib", type=float, default=1.0)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--smoke", action="store_true", help="a tiny model; no results file")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per layout and mode, alternating"
+    )
+    parser.add_argument("--name", default="fast_start", help="results file name")
+    parser.add_argument(
+        "--import-alone", action="store_true", help="also time tp rank 0's import alone"
+    )
+    parser.add_argument("--import-of", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("before", "after"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -217,6 +251,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.rank_of:
         rank_main(json.loads(args.rank_of.read_text()), args.mode, args.out, args.launched)
+        return 0
+    if args.import_of:
+        import_main(args.import_of, args.mode, args.out)
         return 0
     if args.smoke:
         SHAPE.update(SMOKE)
@@ -230,27 +267,37 @@ def main() -> int:
         print(
             f"wrote the model and {args.token_gib} GiB of tokens in {time.perf_counter() - started:.0f}s"
         )
-        for name in args.layouts.split(","):
+        for name in filter(None, args.layouts.split(",")):
             layout = LAYOUTS[name]
             raw = spec(root / "hf", tokens, layout)
             world = layout.get("data", 1) * layout.get("pipeline", 1) * layout.get("tensor", 1)
-            for mode in ("before", "after"):
-                _clear_records(tokens, root)
-                ranks = run_layout(raw, mode, world, root)
-                row = {
-                    "layout": name,
-                    "mode": mode,
-                    "time_to_first_step_s": max(r["time_to_first_step_s"] for r in ranks),
-                    "peak_vm_hwm_gib_max_rank": max(r["vm_hwm_gib"] for r in ranks),
-                    "ranks": ranks,
-                }
-                rows.append(row)
-                peaks = ", ".join(f"{r['vm_hwm_gib']:.2f}" for r in ranks)
-                print(
-                    f"{name:<7} {mode:<6} first step after {row['time_to_first_step_s']:7.1f}s  "
-                    f"VmHWM per rank {peaks} GiB",
-                    flush=True,
-                )
+            for repeat in range(args.repeats):
+                for mode in ("before", "after") if repeat % 2 == 0 else ("after", "before"):
+                    _clear_records(tokens, root)
+                    load = os.getloadavg()[0]
+                    ranks = run_layout(raw, mode, world, root)
+                    row = {
+                        "layout": name,
+                        "mode": mode,
+                        "repeat": repeat,
+                        "load_average_1m_before": load,
+                        "time_to_first_step_s": max(r["time_to_first_step_s"] for r in ranks),
+                        "peak_vm_hwm_gib_max_rank": max(r["vm_hwm_gib"] for r in ranks),
+                        "ranks": ranks,
+                    }
+                    rows.append(row)
+                    _print(
+                        name, mode, row["time_to_first_step_s"], [r["vm_hwm_gib"] for r in ranks]
+                    )
+        for repeat in range(args.repeats if args.import_alone else 0):
+            for mode in ("before", "after") if repeat % 2 == 0 else ("after", "before"):
+                out = root / "import.json"
+                command = [sys.executable, __file__, "--import-of", str(root / "hf")]
+                subprocess.run([*command, "--mode", mode, "--out", str(out)], check=True)
+                alone = {"layout": "tp2-rank0-import-alone", "mode": mode, "repeat": repeat}
+                alone |= json.loads(out.read_text())
+                rows.append(alone)
+                _print(alone["layout"], mode, alone["import_s"], [alone["vm_hwm_gib"]])
     if args.smoke:
         return 0
     results = {
@@ -262,7 +309,7 @@ def main() -> int:
         "every rank scans every token), see the module docstring",
         "rows": rows,
     }
-    path = machine.write_results("fast_start", results)
+    path = machine.write_results(args.name, results)
     print(f"wrote {path}")
     return 0
 
