@@ -149,3 +149,16 @@ def test_written_model_files_and_a_new_directory_get_the_umasks_modes(umask, tmp
 def test_umask_is_read_without_changing_it(umask):
     assert file_modes.umask() == umask
     assert os.umask(umask) == umask
+
+
+def test_a_directory_named_through_a_symlink_is_written_where_it_points(tmp_path):
+    config, params = _model()
+    real = tmp_path / "volume" / "model"
+    real.mkdir(parents=True)
+    (real / "README.md").write_text("kept")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    to_hf.write(link, config, params)
+    assert link.is_symlink() and (real / "model.safetensors").is_file()
+    assert (real / "README.md").read_text() == "kept"
+    assert not [p for p in (tmp_path / "volume").iterdir() if ".tmp-" in p.name]

@@ -69,7 +69,9 @@ def staged(directory: str | Path, replaces: tuple[str, ...] = WEIGHT_FILES) -> I
     is the staging directory renamed.  On an exception only the staging
     directory goes.
     """
-    directory = Path(directory)
+    directory = Path(
+        directory
+    ).resolve()  # staged beside the real directory: renames stay on its filesystem
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(
             f"-o/--output {directory}: a file, not a directory: name a directory"
