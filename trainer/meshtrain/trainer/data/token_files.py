@@ -2,7 +2,9 @@
 
 A token file is raw little-endian ``uint16`` or ``uint32`` ids, no header, memory-mapped.  Every
 id is checked against the model's vocabulary when the file is opened: under tensor parallelism an
-id outside it would silently be a zero embedding and a wrong loss.  Raw ids carry no element type,
+id outside it would silently be a zero embedding and a wrong loss.  The largest id comes from
+``data prepare``'s metadata or a scan record when they still describe the file; otherwise the
+ranks of a job scan the file once between them (:func:`largest_ids`).  Raw ids carry no element type,
 so a file without ``data prepare`` metadata is refused when its first ids look misread
 (:func:`misread_as`).
 """

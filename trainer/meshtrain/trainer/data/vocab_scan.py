@@ -3,6 +3,7 @@
 On a corpus of hundreds of GB the scan is minutes of reading at every start of every rank.  The
 largest id is recorded beside the file (or in the cache directory) with what identifies its
 contents (:func:`fingerprint`); any change scans again.  A record that cannot be written is skipped.
+:func:`sampled_digest` is the cheaper, modification-time-free identity ``data prepare`` records.
 """
 
 from __future__ import annotations
