@@ -94,6 +94,19 @@ def norm_groups(mesh: mesh_mod.Mesh, zero_stage: int) -> list[tuple[str, dist.Pr
     return [(axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1]
 
 
+def scan_share(device: torch.device) -> token_files.Share | None:
+    """Every rank of the job, splitting the id scan of a token file no record vouches for (None: alone)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+
+    def max_over_ranks(values: list[int]) -> list[int]:
+        found = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return [int(v) for v in found.tolist()]
+
+    return token_files.Share(dist.get_rank(), dist.get_world_size(), max_over_ranks)
+
+
 class Engine:
     """This rank's model share, optimizer and data, and the step loop body."""
 
@@ -105,6 +118,7 @@ class Engine:
         recorder: recording.StepRecorder | None = None,
     ) -> None:
         """Weights are fp32 (master weights under bf16 autocast)."""
+        spec = from_hf.with_config(spec)  # config.json's values where the spec is silent
         self.spec = spec
         self.mesh = mesh
         self.clock = clocks.for_device(mesh.device)
@@ -133,7 +147,10 @@ class Engine:
             )
         self.optimizer = self._optimizer()
         tokens = dataset.open_dataset(
-            training, vocab=self.config.vocab, seq_len=self.config.seq_len
+            training,
+            vocab=self.config.vocab,
+            seq_len=self.config.seq_len,
+            share=scan_share(mesh.device),
         )
         self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
         """Begin/end-of-text ids of the data's tokenizer; checkpoints carry them to ``meshtrain export``."""
@@ -211,7 +228,11 @@ class Engine:
         """The training sampler over ``tokens`` and the evaluation sampler over the held-out data (or None)."""
         training = self.spec.training
         tokens, held_out = dataset.open_eval(
-            training, tokens, vocab=self.config.vocab, seq_len=self.config.seq_len
+            training,
+            tokens,
+            vocab=self.config.vocab,
+            seq_len=self.config.seq_len,
+            share=scan_share(self.mesh.device),
         )
         sampling = dict(
             seq_len=self.config.seq_len,

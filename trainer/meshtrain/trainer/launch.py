@@ -238,12 +238,12 @@ def _load_checked(
         if extra:
             job = loading.apply_overrides(job, extra)
         storage.configure(job.object_storage)  # the ranks inherit the endpoint and region
+        job = from_hf.check_spec(job)  # config.json's values where the spec is silent
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
         if job.training.dataset == dataset.STDLIB:
             dataset.stdlib_corpus()
-        from_hf.check_spec(job)
     except (loading.SpecError, config_json.HFError) as err:
         print(err, file=sys.stderr)
         return exitcodes.SPEC

@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_spec(args.spec, args.overrides, args.steps)
         storage.configure(job.object_storage)
+        job = from_hf.check_spec(job)  # config.json's values where the spec is silent
         dataset.check_dataset(
             job.training, vocab=job.model.shape().vocab, from_hf=job.model.init.from_hf
         )
-        from_hf.check_spec(job)
     except (loading.SpecError, config_json.HFError) as err:
         return _refuse(exitcodes.SPEC, err)
     except dataset.DatasetError as err:

@@ -18,7 +18,13 @@ import numpy as np
 
 from meshtrain.api.spec import training as api_training
 from meshtrain.trainer import storage
-from meshtrain.trainer.data import ranged_tokens, special_tokens, token_files, vocab_scan
+from meshtrain.trainer.data import (
+    file_modes,
+    ranged_tokens,
+    special_tokens,
+    token_files,
+    vocab_scan,
+)
 
 STDLIB = "stdlib"
 """Dataset name of the default corpus."""
@@ -61,6 +67,7 @@ def stdlib_corpus(directory: Path | None = None, cap_bytes: int = STDLIB_CAP_BYT
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".tmp")
     with os.fdopen(fd, "wb") as out:
         out.write(tokens.astype("<u2").tobytes())
+    file_modes.publish(tmp)
     os.replace(tmp, target)
     return target
 
@@ -109,9 +116,16 @@ def check_dataset(
 
 
 def open_dataset(
-    training: api_training.Training, *, vocab: int, seq_len: int
+    training: api_training.Training,
+    *,
+    vocab: int,
+    seq_len: int,
+    share: token_files.Share | None = None,
 ) -> list[token_files.TokenFile]:
-    """Every source of ``training`` opened and checked, id by id, against the model vocabulary."""
+    """Every source of ``training`` opened and checked, id by id, against the model vocabulary.
+
+    ``share``: the job's ranks, which scan a file no record vouches for once between them.
+    """
     check_dataset(training, vocab=vocab)
     if not training.datasets and training.dataset == STDLIB:  # byte tokens, always uint16
         tokens = load_tokens(STDLIB, vocab=vocab, seq_len=seq_len)
@@ -122,14 +136,19 @@ def open_dataset(
             for index, (pattern, weight) in enumerate(dataset_entries(training))
         ]
         return token_files.open_sources(
-            entries, dtype=training.token_dtype, vocab=vocab, seq_len=seq_len
+            entries, dtype=training.token_dtype, vocab=vocab, seq_len=seq_len, share=share
         )
     except (token_files.TokenFileError, storage.ObjectStorageError) as err:
         raise DatasetError(str(err)) from None
 
 
 def open_eval(
-    training: api_training.Training, files: list[token_files.TokenFile], *, vocab: int, seq_len: int
+    training: api_training.Training,
+    files: list[token_files.TokenFile],
+    *,
+    vocab: int,
+    seq_len: int,
+    share: token_files.Share | None = None,
 ) -> tuple[list[token_files.TokenFile], list[token_files.TokenFile] | None]:
     """(training files, evaluation files or None): ``eval.dataset`` opened, or ``eval.heldOut`` cut off the end of each file."""
     ev = training.eval
@@ -142,6 +161,7 @@ def open_eval(
                 dtype=training.token_dtype,
                 vocab=vocab,
                 seq_len=seq_len,
+                share=share,
             )
         except token_files.TokenFileError as err:
             raise DatasetError(str(err)) from None

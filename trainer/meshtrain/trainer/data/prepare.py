@@ -2,8 +2,9 @@
 
 Documents are encoded as ``transformers`` encodes them (with the tokenizer's own special tokens)
 and each ends with the end-of-text token, so windows that cross documents see the boundary.  The
-metadata written beside the output (dtype, vocabulary, size, tokenizer hash, special ids) is what
-:mod:`.token_files` checks when a job opens the file.
+metadata written beside the output (dtype, vocabulary, size, tokenizer hash, special ids, the
+largest id and a digest of sampled blocks) is what :mod:`.token_files` checks when a job opens
+the file: with it, no rank scans the file for its largest id.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tqdm
 from tokenizers import Tokenizer
 
 from meshtrain.api import loading
-from meshtrain.trainer.data import special_tokens, token_files
+from meshtrain.trainer.data import file_modes, special_tokens, token_files, vocab_scan
 
 BATCH_DOCUMENTS = 256
 """Documents per ``encode_batch`` call (the library parallelises inside a batch)."""
@@ -83,6 +84,29 @@ def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file: one path resolved (symlinks), or one inode (hard links)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: not the same file
+        return False
+
+
+def check_output(inputs: list[Path], tokenizer_path: Path, output: Path) -> None:
+    """Refuse an ``-o`` whose token file or metadata file is one of the inputs or the tokenizer."""
+    written = [output, output.with_name(output.name + token_files.METADATA_SUFFIX)]
+    for source in [*inputs, tokenizer_path]:
+        for target in written:
+            if _same_file(source, target):
+                what = "the tokenizer (--tokenizer)" if source == tokenizer_path else "an input"
+                raise PrepareError(
+                    f"-o/--output {output}: {target} is {what} {source}; preparing would overwrite "
+                    "it: write the token file to another path (-o)"
+                )
+
+
 def document_ids(encoded: list[int], eos: int | None) -> list[int]:
     """One document's ids as written: the tokenizer's encoding, then end-of-text unless it ends with one."""
     if eos is None or encoded[-1:] == [eos]:
@@ -104,6 +128,7 @@ def prepare(
     missing = [str(p) for p in [tokenizer_path, *inputs] if not p.is_file()]
     if missing:
         raise PrepareError(f"no such file: {', '.join(missing)}")
+    check_output(inputs, tokenizer_path, output)
     tokenizer = special_tokens.load_tokenizer(tokenizer_path)
     vocab = vocab_size(tokenizer)
     if model_vocab is not None and vocab > model_vocab:
@@ -118,6 +143,7 @@ def prepare(
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
     count = 0
+    max_id = -1  # recorded, so no rank of a job scans the file for it (token_files.largest_ids)
     total_bytes = sum(p.stat().st_size for p in inputs)
     try:
         with (
@@ -138,7 +164,9 @@ def prepare(
                 flat = np.asarray(ids, dtype=np.int64)
                 out.write(flat.astype(token_files.DTYPES[dtype]).tobytes())
                 count += len(flat)
+                max_id = max(max_id, int(flat.max(initial=-1)))
                 bar.update(sum(len(doc.encode("utf-8")) for doc in batch))
+        file_modes.publish(tmp)  # mkstemp's 0600 would hide it from pods of another UID
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -153,6 +181,8 @@ def prepare(
         "bos_per_document": bool(prefix),
         "eos_per_document": eos is not None,
         "bytes": output.stat().st_size,
+        "max_id": max_id,
+        "sample_sha256": vocab_scan.sampled_digest(output),
         "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
         "inputs": [str(p) for p in inputs],
     }

@@ -3,7 +3,9 @@
 A token file is raw little-endian ``uint16`` or ``uint32`` ids, no header, memory-mapped (or, in a
 bucket, read by byte ranges: :mod:`.ranged_tokens`).  Every
 id is checked against the model's vocabulary when the file is opened: under tensor parallelism an
-id outside it would silently be a zero embedding and a wrong loss.  Raw ids carry no element type,
+id outside it would silently be a zero embedding and a wrong loss.  The largest id comes from
+``data prepare``'s metadata or a scan record when they still describe the file; otherwise the
+ranks of a job scan the file once between them (:func:`largest_ids`).  Raw ids carry no element type,
 so a file without ``data prepare`` metadata is refused when its first ids look misread
 (:func:`misread_as`).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,15 +184,75 @@ def largest_id(tokens: np.ndarray) -> int:
     return found
 
 
-def scanned_largest_id(path: Path, tokens: np.ndarray, dtype: str) -> int:
-    """The largest id of the file: from its scan record when the file is unchanged, else scanned and recorded."""
-    known = vocab_scan.largest_id(path, dtype)
-    if known is not None:
-        return known
-    before = vocab_scan.fingerprint(path, dtype)
-    found = largest_id(tokens)
-    vocab_scan.record(path, dtype, found, before)
-    return found
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """The ranks of a job that open the same files and split a scan between them."""
+
+    rank: int
+    """This rank's index among them."""
+    size: int
+    """How many there are."""
+    max_over_ranks: Callable[[list[int]], list[int]]
+    """The element-wise maximum of a list every rank passes (a collective: every rank calls it alike)."""
+
+
+def prepared_largest_id(path: Path, dtype: str) -> int | None:
+    """The largest id ``data prepare`` recorded for ``path``, if its metadata still describes the file.
+
+    Checked cheaply: the element type, the byte count and the digest of
+    sampled blocks (:func:`.vocab_scan.sampled_digest`, 1 MiB read) must
+    match; metadata without them (older) or that does not match vouches for
+    nothing.
+    """
+    try:
+        meta = json.loads(metadata_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("max_id"), int):
+        return None
+    if meta.get("dtype") != dtype or meta.get("bytes") != path.stat().st_size:
+        return None
+    if meta.get("sample_sha256") != vocab_scan.sampled_digest(path):
+        return None
+    return int(meta["max_id"])
+
+
+def _known_largest_id(path: Path, dtype: str) -> int | None:
+    prepared = prepared_largest_id(path, dtype)
+    return prepared if prepared is not None else vocab_scan.largest_id(path, dtype)
+
+
+def largest_ids(
+    files: list[tuple[Path, np.ndarray]], dtype: str, share: Share | None = None
+) -> list[int]:
+    """The largest id of every file: from ``data prepare``'s metadata or a scan record when they
+    vouch for it, else scanned (and the scan recorded, :mod:`.vocab_scan`).
+
+    Alone, a process scans what no record vouches for.  With ``share``, a
+    file that any rank finds unvouched for is scanned once between the ranks:
+    each scans its ``1/size`` of the ids, one ``max_over_ranks`` combines them
+    (two collectives in all, whatever the number of files), and rank 0 records
+    the result; at the next start no rank reads it.
+    """
+    known = [_known_largest_id(path, dtype) for path, _ in files]
+    needed = [int(k is None) for k in known]
+    rank, size = (share.rank, share.size) if share else (0, 1)
+    if share:
+        needed = share.max_over_ranks(needed)
+    if not any(needed):
+        return [k for k in known if k is not None]
+    before = {i: vocab_scan.fingerprint(files[i][0], dtype) for i, n in enumerate(needed) if n}
+    partial = [-1] * len(files)
+    for i in before:
+        tokens = files[i][1]
+        part = tokens[len(tokens) * rank // size : len(tokens) * (rank + 1) // size]
+        partial[i] = largest_id(part) if len(part) else -1
+    if share:
+        partial = share.max_over_ranks(partial)
+    if rank == 0:
+        for i, fingerprint in before.items():
+            vocab_scan.record(files[i][0], dtype, partial[i], fingerprint)
+    return [partial[i] if needed[i] or k is None else k for i, k in enumerate(known)]
 
 
 def _misread_error(path: Location, dtype: str, actual: str, field: str) -> TokenFileError:
@@ -229,13 +292,12 @@ def _first_ids(path: Location, dtype: np.dtype[Any], count: int) -> np.ndarray:
     return np.fromfile(path, dtype=dtype, count=count)
 
 
-def open_token_file(
-    path: Location, *, dtype: str, vocab: int, seq_len: int, field: str
-) -> np.ndarray | ranged_tokens.RangedTokens:
-    """The ids of ``path`` as a read-only memmap, every one checked against ``vocab``.
+Tokens = np.ndarray | ranged_tokens.RangedTokens
+"""A file's ids: a memmap on disk, or ranged reads of an object (its ids checked as read)."""
 
-    An object is read by ranges, its ids checked as they are read (:mod:`.ranged_tokens`).
-    """
+
+def _open(path: Location, *, dtype: str, vocab: int, seq_len: int, field: str) -> Tokens:
+    """The ids of ``path`` once its type and length are checked (a memmap's ids not yet)."""
     check_type(path, dtype=dtype, vocab=vocab, field=field)
     count = path.stat().st_size // DTYPES[dtype].itemsize
     if count < seq_len + 2:
@@ -244,12 +306,18 @@ def open_token_file(
         )
     if isinstance(path, storage.ObjectPath):
         return ranged_tokens.RangedTokens(path.url, DTYPES[dtype], vocab)
-    tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
-    if scanned_largest_id(path, tokens, dtype) < vocab:
-        return tokens
+    return np.memmap(path, dtype=DTYPES[dtype], mode="r")
+
+
+def _check_ids(
+    path: Path, tokens: np.ndarray, largest: int, *, dtype: str, vocab: int, field: str
+) -> None:
+    """Refuse a file whose largest id is outside the vocabulary, naming the first such id and where."""
+    if largest < vocab:
+        return
     bad = first_out_of_vocab(tokens, vocab)
     if bad is None:  # the file changed between the scan and now: scanned again, all in range
-        return tokens
+        return
     position, token = bad
     raise TokenFileError(
         f"{field}: {str(path)!r} has token id {token} >= model vocab {vocab} at position {position} "
@@ -258,20 +326,44 @@ def open_token_file(
     )
 
 
+def open_token_file(path: Location, *, dtype: str, vocab: int, seq_len: int, field: str) -> Tokens:
+    """The ids of ``path``, every one checked against ``vocab`` (one process; an object's as read)."""
+    tokens = _open(path, dtype=dtype, vocab=vocab, seq_len=seq_len, field=field)
+    if isinstance(tokens, np.ndarray):
+        [largest] = largest_ids([(path, tokens)], dtype)  # type: ignore[list-item]
+        _check_ids(path, tokens, largest, dtype=dtype, vocab=vocab, field=field)  # type: ignore[arg-type]
+    return tokens
+
+
 def open_sources(
-    entries: list[tuple[str, float, str]], *, dtype: str, vocab: int, seq_len: int
+    entries: list[tuple[str, float, str]],
+    *,
+    dtype: str,
+    vocab: int,
+    seq_len: int,
+    share: Share | None = None,
 ) -> list[TokenFile]:
-    """Open (path or glob, weight, spec field) entries; a glob's weight is shared by its files in proportion to their tokens."""
-    opened: list[TokenFile] = []
+    """Open (path or glob, weight, spec field) entries; a glob's weight is shared by its files in proportion to their tokens.
+
+    Every id is checked against ``vocab``; with ``share`` (every rank of a
+    job calls this alike) the files no record vouches for are scanned once
+    between the ranks, not by each (:func:`largest_ids`).
+    """
     total_weight = sum(weight for _, weight, _ in entries)
+    sources = []
     for pattern, weight, where in entries:
         files = expand(pattern, where)
-        arrays = [
-            open_token_file(p, dtype=dtype, vocab=vocab, seq_len=seq_len, field=where)
-            for p in files
-        ]
-        counts = sum(len(a) for a in arrays)
-        for path, array in zip(files, arrays):
-            share = weight / total_weight * len(array) / counts
-            opened.append(TokenFile(path=path, tokens=array, weight=share))
+        arrays = [_open(p, dtype=dtype, vocab=vocab, seq_len=seq_len, field=where) for p in files]
+        sources.append((weight, where, list(zip(files, arrays))))
+    # objects are not scanned (a scan would download them whole): their ids are checked as read
+    every = [(p, a) for _, _, pairs in sources for p, a in pairs if isinstance(a, np.ndarray)]
+    largest = iter(largest_ids(every, dtype, share))  # type: ignore[arg-type]
+    opened: list[TokenFile] = []
+    for weight, where, pairs in sources:
+        counts = sum(len(a) for _, a in pairs)
+        for path, array in pairs:
+            if isinstance(array, np.ndarray):
+                _check_ids(path, array, next(largest), dtype=dtype, vocab=vocab, field=where)  # type: ignore[arg-type]
+            share_ = weight / total_weight * len(array) / counts
+            opened.append(TokenFile(path=path, tokens=array, weight=share_))
     return opened

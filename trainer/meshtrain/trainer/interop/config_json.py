@@ -133,11 +133,65 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return raw
 
 
+def _family(raw: dict[str, Any]) -> str | None:
+    """meshtrain's family of a ``model_type`` (None: none that meshtrain loads)."""
+    return {"llama": "llama", "mistral": "llama", "gpt2": "gpt"}.get(str(raw.get("model_type")))
+
+
+def _effective(raw: dict[str, Any], key: str, family: str) -> Any:
+    """The value of ``key`` transformers runs the model with: the file's, else its config class's default."""
+    # what transformers assumes for a key the file leaves out (LlamaConfig / GPT2Config defaults)
+    defaults = {
+        "num_key_value_heads": raw.get("num_attention_heads"),
+        "n_inner": None,
+        "rms_norm_eps": LLAMA_DEFAULT_NORM_EPS,
+    }
+    value = raw.get(key, defaults.get(key))
+    if key == "n_inner" and value is None:
+        value = 4 * raw.get("n_embd", 0)
+    if key == "tie_word_embeddings" and value is None:
+        value = family == "gpt"  # transformers' default for GPT-2
+    return value
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    return LLAMA_DEFAULT_ROPE_THETA if theta is None else float(theta)
+
+
+def stated(directory: Path) -> dict[str, Any]:
+    """``spec.model`` fields (camelCase) with the values the model of ``config.json`` runs with.
+
+    Shape, tied embeddings, norm epsilon and RoPE (base and Llama 3.1
+    scaling): what transformers makes of the file, its config class's
+    defaults for keys it leaves out.  ``seqLen`` is not among them
+    (``max_position_embeddings`` is the context the model was made for; a
+    job may train shorter).  Empty for a ``model_type`` meshtrain does not
+    load (:func:`check_config` refuses it).
+    """
+    raw = _read_config(directory)
+    family = _family(raw)
+    if family is None:
+        return {}
+    fields = _LLAMA_FIELDS if family == "llama" else _GPT2_FIELDS
+    values: dict[str, Any] = {"family": family}
+    for key, _, spec_field in fields:
+        value = _effective(raw, key, family)
+        if spec_field != "seqLen" and value is not None:
+            values[spec_field] = value
+    if family == "llama":
+        values["ropeTheta"] = _rope_theta(raw)
+        for _, rope in _rope_settings(raw):
+            if (rope.get("rope_type") or rope.get("type")) == "llama3":
+                values["ropeScaling"] = {field: rope.get(key) for key, field in _LLAMA3_KEYS}
+    return values
+
+
 def check_config(directory: Path, config: gpt.GPTConfig) -> None:
     """Refuse a ``config.json`` whose family or shape differs from the spec's, naming both fields."""
     raw = _read_config(directory)
     path = directory / CONFIG
-    family = {"llama": "llama", "mistral": "llama", "gpt2": "gpt"}.get(str(raw.get("model_type")))
+    family = _family(raw)
     if family != config.family:
         raise HFError(
             f"{FIELD}: {path}: model_type={raw.get('model_type')!r} but spec.model.family={config.family}"
@@ -160,18 +214,8 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
             "is not supported"
         )
     fields = _LLAMA_FIELDS if family == "llama" else _GPT2_FIELDS
-    # what transformers assumes for a key the file leaves out (LlamaConfig / GPT2Config defaults)
-    defaults = {
-        "num_key_value_heads": raw.get("num_attention_heads"),
-        "n_inner": None,
-        "rms_norm_eps": LLAMA_DEFAULT_NORM_EPS,
-    }
     for key, attr, spec_field in fields:
-        value = raw.get(key, defaults.get(key))
-        if key == "n_inner" and value is None:
-            value = 4 * raw.get("n_embd", 0)
-        if key == "tie_word_embeddings" and value is None:
-            value = family == "gpt"  # transformers' default for GPT-2
+        value = _effective(raw, key, family)
         mine = getattr(config, attr)
         close = (
             isinstance(mine, float)
@@ -181,7 +225,8 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
         if value != mine and not close:
             raise HFError(
                 f"{FIELD}: {path}: {key}={value!r} but spec.model.{spec_field}={mine!r}: "
-                f"set spec.model.{spec_field}: {value!r} to train this model"
+                f"set spec.model.{spec_field}: {value!r} to train this model, or leave it out "
+                "to take config.json's"
             )
     if family == "gpt" and raw.get("activation_function", "gelu_new") != "gelu":
         raise HFError(
@@ -190,10 +235,8 @@ def check_config(directory: Path, config: gpt.GPTConfig) -> None:
         )
     if family == "llama":
         _check_llama_architecture(raw, path, config)
-    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
-    if theta is None:
-        theta = LLAMA_DEFAULT_ROPE_THETA
-    if family == "llama" and float(theta) != config.rope_theta:
+    theta = _rope_theta(raw)
+    if family == "llama" and theta != config.rope_theta:
         raise HFError(
             f"{FIELD}: {path}: rope_theta={theta} but spec.model.ropeTheta={config.rope_theta}"
         )

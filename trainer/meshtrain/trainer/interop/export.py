@@ -97,21 +97,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """A Hugging Face directory's tokenizer, as ``AutoTokenizer.from_pretrained`` reads it."""
 
 
-def copy_tokenizer(
-    output: Path,
-    tokenizer: Path | None,
-    from_hf: str | None,
-    token_ids: special_tokens.TokenIds,
-) -> None:
-    """Put a tokenizer into the export so ``AutoTokenizer.from_pretrained(output)`` works.
+def tokenizer_sources(tokenizer: Path | None, from_hf: str | None) -> dict[str, Path]:
+    """The tokenizer files an export copies, by their name in the export.
 
     ``--tokenizer`` wins (with its directory's ``tokenizer_config.json`` and
     ``special_tokens_map.json`` when it is that directory's ``tokenizer.json``),
     else the files of the ``model.init.fromHF`` directory the checkpoint
-    started from.  A ``tokenizer.json`` without its config gets one naming
-    the begin/end-of-text and padding tokens of the exported ids.
+    started from.
     """
-    output.mkdir(parents=True, exist_ok=True)
     sources: dict[str, Path] = {}
     if tokenizer is not None:
         sources["tokenizer.json"] = tokenizer
@@ -119,13 +112,23 @@ def copy_tokenizer(
             sources |= {n: tokenizer.parent / n for n in TOKENIZER_FILES[1:]}
     elif from_hf and (storage.local_path(from_hf, config_json.FIELD) / "tokenizer.json").is_file():
         sources = {n: storage.local_path(from_hf, config_json.FIELD) / n for n in TOKENIZER_FILES}
-    sources = {name: path for name, path in sources.items() if path.is_file()}
+    return {name: path for name, path in sources.items() if path.is_file()}
+
+
+def copy_tokenizer(
+    staging: Path, sources: dict[str, Path], token_ids: special_tokens.TokenIds
+) -> None:
+    """Put a tokenizer into the export so ``AutoTokenizer.from_pretrained(output)`` works.
+
+    ``sources`` (:func:`tokenizer_sources`) are copied into the staging
+    directory (read before anything of the output is replaced: they may be
+    the output's own files).  A ``tokenizer.json`` without its config gets
+    one naming the begin/end-of-text and padding tokens of the exported ids.
+    """
     if not sources:
         return
-    for name in TOKENIZER_FILES:  # no stale file of an earlier export beside the new tokenizer
-        (output / name).unlink(missing_ok=True)
     for name, path in sources.items():
-        shutil.copyfile(path, output / name)
+        shutil.copyfile(path, staging / name)
     if "tokenizer_config.json" not in sources:
         loaded = special_tokens.load_tokenizer(sources["tokenizer.json"])
 
@@ -139,7 +142,23 @@ def copy_tokenizer(
             "pad_token": token(token_ids.pad),
         }
         text = json.dumps({k: v for k, v in config.items() if v is not None}, indent=2)
-        (output / "tokenizer_config.json").write_text(text + "\n")
+        (staging / "tokenizer_config.json").write_text(text + "\n")
+
+
+class OutputError(ValueError):
+    """An ``-o`` the export must not write; the message names the option and the fix."""
+
+
+def check_output(output: Path, checkpoint: Path) -> None:
+    """Refuse an output that is a file, or is or is inside the checkpoint read (its files would change under it)."""
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"-o/--output {output}: a file, not a directory: name a directory")
+    out, source = output.resolve(), checkpoint.resolve()
+    if out == source or source in out.parents:
+        raise OutputError(
+            f"-o/--output {output}: inside the checkpoint {checkpoint} it exports, whose files it "
+            "must not change: write the Hugging Face directory elsewhere (-o)"
+        )
 
 
 def export(
@@ -154,23 +173,35 @@ def export(
 
     ``dtype``: the weights' element type in the export (``float32``, as
     trained; ``bfloat16`` halves the files, as the Llama releases ship).
+    Written into a temporary sibling and moved into place when complete
+    (:func:`.to_hf.staged`): exporting into the ``fromHF`` directory the
+    model came from replaces its weights and tokenizer only with whole new
+    ones, and keeps its other files.
     """
     directory, marker = find_checkpoint(store.location(checkpoint))
+    output = Path(output)
+    if isinstance(directory, Path):  # a bucket checkpoint cannot hold a local output
+        check_output(output, directory)
     shape = api_model.ModelShape.model_validate(marker.model)
     token_ids = special_tokens.TokenIds.from_json(marker.extra.get("token_ids") or {})
     if tokenizer is not None:
         token_ids = special_tokens.from_tokenizer_file(tokenizer)
-    copy_tokenizer(Path(output), tokenizer, marker.extra.get("from_hf"), token_ids)
-    return to_hf.write_sharded(
-        output,
-        gpt.GPTConfig.from_shape(shape),
-        model_shapes(directory),
-        lambda names: read_params(directory, names),
-        max_shard_bytes=max_shard_bytes,
-        token_ids=token_ids,
-        max_positions=marker.extra.get("max_position_embeddings"),
-        dtype=dtype,
-    )
+    sources = tokenizer_sources(tokenizer, marker.extra.get("from_hf"))
+    # an earlier export's tokenizer files go when a new tokenizer comes (no stale config beside it)
+    replaces = to_hf.WEIGHT_FILES + (TOKENIZER_FILES if sources else ())
+    with to_hf.staged(output, replaces) as staging:
+        copy_tokenizer(staging, sources, token_ids)
+        files = to_hf.write_sharded(
+            staging,
+            gpt.GPTConfig.from_shape(shape),
+            model_shapes(directory),
+            lambda names: read_params(directory, names),
+            max_shard_bytes=max_shard_bytes,
+            token_ids=token_ids,
+            max_positions=marker.extra.get("max_position_embeddings"),
+            dtype=dtype,
+        )
+    return [output / f.name for f in files]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -193,6 +224,9 @@ def main(args: argparse.Namespace) -> int:
     except store.CheckpointError as err:
         print(err, file=sys.stderr)
         return exitcodes.CHECKPOINT
+    except OutputError as err:
+        print(err, file=sys.stderr)
+        return 2  # a usage error, as argparse reports one
     names = ", ".join(p.name for p in written)
     print(
         f"wrote {Path(args.output) / config_json.CONFIG}, {config_json.GENERATION_CONFIG} and {names}"

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer import storage
 from meshtrain.trainer.interop import config_json, name_map
@@ -87,6 +88,48 @@ class HFWeights:
         pieces = [self._read(p.key).t() if p.transpose else self._read(p.key) for p in parts]
         return torch.cat(pieces, dim=0).float().contiguous().reshape(shape)
 
+    def _slice(self, part: name_map.Part, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (1) ``[start, stop)`` of a part as meshtrain holds it; only they are read."""
+        hf_dim = 1 - dim if part.transpose else dim  # Conv1D stores (in, out)
+        with safe_open(self.files[part.key], framework="pt") as handle:
+            sliced = handle.get_slice(part.key)
+            tensor: torch.Tensor = sliced[start:stop] if hf_dim == 0 else sliced[:, start:stop]
+        return tensor.t() if part.transpose else tensor
+
+    def _extent(self, part: name_map.Part) -> int:
+        """Rows of a part as meshtrain holds it (the header only)."""
+        with safe_open(self.files[part.key], framework="pt") as handle:
+            hf_shape = handle.get_slice(part.key).get_shape()
+        return int(hf_shape[-1] if part.transpose else hf_shape[0])
+
+    def piece(
+        self, name: str, shape: torch.Size | tuple[int, ...], dim: int, ranges: gpt.Ranges
+    ) -> torch.Tensor:
+        """``ranges`` along ``dim`` of parameter ``name`` (:meth:`__call__`'s tensor), reading only them.
+
+        A fused parameter is its parts concatenated along dim 0: a range of
+        rows is cut from the parts it overlaps, a range of columns from every
+        part.  Equal, element for element, to the ranges of :meth:`__call__`.
+        """
+        parts = name_map.hf_parts(self.config, name)
+        blocks: list[torch.Tensor] = []
+        for start, stop in ranges:
+            if dim == 1:
+                blocks.append(torch.cat([self._slice(p, 1, start, stop) for p in parts], dim=0))
+                continue
+            offset = 0
+            for part in parts:
+                extent = self._extent(part)
+                low, high = max(start, offset), min(stop, offset + extent)
+                if low < high:
+                    blocks.append(self._slice(part, 0, low - offset, high - offset))
+                offset += extent
+        if not blocks:
+            empty = list(shape)
+            empty[dim] = 0
+            return torch.empty(empty)
+        return torch.cat(blocks, dim=dim).float().contiguous()
+
 
 def _hf_shapes(
     directory: Path, files: dict[str, Path]
@@ -152,7 +195,34 @@ def _ignored_by_transformers(config: gpt.GPTConfig, key: str) -> bool:
     return key == "lm_head.weight" and config.tie_embeddings
 
 
-def check_spec(job: api_spec.TrainingJobSpec) -> None:
-    """:func:`check_directory` for a job that starts from a Hugging Face directory (else nothing)."""
+def with_config(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
+    """``job`` with every ``spec.model`` field it leaves out taken from its ``fromHF`` directory's ``config.json``.
+
+    What the spec states wins, and :func:`check_directory` then refuses a
+    stated value that differs from the file's, naming both; what it leaves
+    out (a preset's value included) is the file's (:func:`.config_json.stated`).
+    A job without ``fromHF``, or whose directory has no readable config, is
+    returned as is (:func:`check_directory` says what is wrong).
+    """
+    if not job.model.init.from_hf:
+        return job
+    directory = Path(job.model.init.from_hf).expanduser()
+    try:
+        stated = config_json.stated(directory)
+    except config_json.HFError:
+        return job
+    raw = job.model_dump(by_alias=True, exclude_none=True)
+    taken = {key: value for key, value in stated.items() if key not in raw["model"]}
+    if not taken:
+        return job
+    raw["model"] = {**raw["model"], **taken}
+    return loading.parse_spec(raw, f"spec.model with {directory / config_json.CONFIG}'s values")
+
+
+def check_spec(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
+    """The job completed from its Hugging Face directory (:func:`with_config`) and checked against it
+    (:func:`check_directory`); a job without ``fromHF`` as it is."""
+    job = with_config(job)
     if job.model.init.from_hf:
         check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))
+    return job

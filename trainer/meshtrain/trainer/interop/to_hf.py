@@ -2,20 +2,28 @@
 
 Shards are written as transformers writes them (``model-00001-of-0000N.safetensors`` and
 ``model.safetensors.index.json``; one shard is ``model.safetensors``), one shard's parameters
-in memory at a time.
+in memory at a time.  Everything is written into a temporary sibling directory first
+(:func:`staged`) and moved into place only once complete, so no file of the target directory
+(the model the checkpoint was imported from, say) is removed or overwritten before its
+replacement is whole; the files get the umask's modes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import json
 import math
-from collections.abc import Callable
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from meshtrain.trainer.data import special_tokens
+from meshtrain.trainer.data import file_modes, special_tokens
 from meshtrain.trainer.interop import config_json, name_map
 from meshtrain.trainer.models import gpt, llama
 
@@ -43,15 +51,53 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return [s for s in shards if s]
 
 
-def _clear_weights(directory: Path) -> None:
-    """Remove the weights of an earlier export (a stale shard would be loaded beside the new ones)."""
-    stale = [
-        directory / config_json.WEIGHTS,
-        directory / config_json.WEIGHTS_INDEX,
-        *directory.glob("model-*-of-*.safetensors"),
-    ]
-    for path in stale:
-        path.unlink(missing_ok=True)
+WEIGHT_FILES = (config_json.WEIGHTS, config_json.WEIGHTS_INDEX, "model-*-of-*.safetensors")
+"""Names (globs) of an export's weights: an earlier export's that the new one does not rewrite are
+stale (a stale shard would be loaded beside the new ones) and go once the new files are in place."""
+_PUBLISH_LAST = (config_json.WEIGHTS_INDEX, config_json.CONFIG)
+"""Moved into place after the shards they name, so a reader never finds an index without its shards."""
+
+
+@contextlib.contextmanager
+def staged(directory: str | Path, replaces: tuple[str, ...] = WEIGHT_FILES) -> Iterator[Path]:
+    """A temporary sibling of ``directory`` to write into; its files are moved into ``directory`` on success.
+
+    Nothing of ``directory`` is touched before the block completes: then each
+    new file replaces its namesake (one ``rename`` each), the entries of
+    ``directory`` matching ``replaces`` that the block did not write are
+    removed, and every other file of ``directory`` stays.  A new directory
+    is the staging directory renamed.  On an exception only the staging
+    directory goes.
+    """
+    directory = Path(
+        directory
+    ).resolve()  # staged beside the real directory: renames stay on its filesystem
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"-o/--output {directory}: a file, not a directory: name a directory"
+        )
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+    try:
+        yield staging
+        _publish(staging, directory, replaces)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, directory: Path, replaces: tuple[str, ...]) -> None:
+    written = sorted(p.name for p in staging.iterdir())
+    for name in written:
+        file_modes.publish(staging / name)  # mkdtemp's 0700, safetensors' 0600
+    if not directory.exists():
+        file_modes.publish(staging)
+        os.rename(staging, directory)
+        return
+    for name in sorted(written, key=lambda n: n in _PUBLISH_LAST):
+        os.replace(staging / name, directory / name)
+    for old in sorted(directory.iterdir()):
+        if old.name not in written and any(fnmatch.fnmatch(old.name, g) for g in replaces):
+            old.unlink(missing_ok=True)
 
 
 Loader = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -69,7 +115,8 @@ def write_sharded(
     max_positions: int | None = None,
     dtype: str = "float32",
 ) -> list[Path]:
-    """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes``; returns the files.
+    """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes`` into the new
+    directory ``directory`` (see :func:`staged`); returns the files.
 
     ``dtype`` (a :data:`WEIGHT_DTYPES` name) is what the weights are rounded
     to on the way out (``bfloat16``: round to nearest even, as ``Tensor.to``).
@@ -81,8 +128,6 @@ def write_sharded(
     parameter's pieces (q, k, v of a fused QKV) go to one shard.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    _clear_weights(directory)
     order = {name: i for i, (name, _) in enumerate(_model_order(config))}
     names = sorted(shapes, key=lambda n: order.get(n, len(order)))
     element = WEIGHT_DTYPES[dtype]
@@ -141,14 +186,16 @@ def write(
     max_positions: int | None = None,
     dtype: str = "float32",
 ) -> list[Path]:
-    """:func:`write_sharded` for parameters already in memory (meshtrain names)."""
-    return write_sharded(
-        directory,
-        config,
-        {name: tuple(t.shape) for name, t in dense.items()},
-        lambda names: {n: dense[n] for n in names},
-        max_shard_bytes=max_shard_bytes,
-        token_ids=token_ids,
-        max_positions=max_positions,
-        dtype=dtype,
-    )
+    """:func:`write_sharded` for parameters already in memory (meshtrain names), through :func:`staged`."""
+    with staged(directory) as staging:
+        files = write_sharded(
+            staging,
+            config,
+            {name: tuple(t.shape) for name, t in dense.items()},
+            lambda names: {n: dense[n] for n in names},
+            max_shard_bytes=max_shard_bytes,
+            token_ids=token_ids,
+            max_positions=max_positions,
+            dtype=dtype,
+        )
+    return [Path(directory) / f.name for f in files]

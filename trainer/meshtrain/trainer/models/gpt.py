@@ -12,7 +12,8 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -230,8 +231,22 @@ def set_selective_recompute(model: nn.Module, parts: list[str] | tuple[str, ...]
             module.recompute_core = "attention" in parts
 
 
-InitialWeights = Callable[[str, "torch.Size | tuple[int, ...]"], torch.Tensor]
-"""A source of the dense initial value of a parameter, by name and shape."""
+Ranges = Sequence[tuple[int, int]]
+"""``[start, stop)`` ranges along one dimension of a dense tensor."""
+
+
+class InitialWeights(Protocol):
+    """A source of the dense initial values of parameters (a Hugging Face directory), by name and shape."""
+
+    def __call__(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """The dense value of parameter ``name``."""
+        ...
+
+    def piece(
+        self, name: str, shape: torch.Size | tuple[int, ...], dim: int, ranges: Ranges
+    ) -> torch.Tensor:
+        """The ``ranges`` along ``dim`` of the dense value, concatenated along ``dim``; reads only those."""
+        ...
 
 
 class GPT(nn.Module):
@@ -375,6 +390,22 @@ def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
     if model.initial_weights is not None:
         return model.initial_weights(name, param.shape)
     return initial_value(model.config, model.seed, name, param.shape)
+
+
+def dense_piece(
+    model: GPT, name: str, param: torch.Tensor, dim: int, ranges: Ranges
+) -> torch.Tensor:
+    """The ``ranges`` along ``dim`` of parameter ``name``'s dense tensor, concatenated (a new tensor).
+
+    From a Hugging Face directory only those ranges are read (a tensor-parallel
+    rank's rows or columns); otherwise they are cut from :func:`dense_value`.
+    """
+    if param.is_meta and model.initial_weights is not None:
+        return model.initial_weights.piece(
+            logical_name(model.config, name), param.shape, dim, ranges
+        )
+    full = dense_value(model, name, param)
+    return torch.cat([full.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
 
 
 def materialize(model: GPT) -> None:

@@ -100,6 +100,38 @@ def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Te
     return torch.cat(pieces, dim=spec.dim).clone()
 
 
+def shard_ranges(spec: ShardSpec, dense: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges along ``spec.dim`` of a dense tensor of extent ``dense`` (padded,
+    under ``spec.extent``) that :func:`shard` cuts for ``rank``, in the order it concatenates them."""
+    ranges, offset = [], 0
+    for extent, replicas in zip(spec.block_sizes(dense), spec.block_replicas()):
+        step = -(-extent // (size // replicas))  # torch.chunk's piece size
+        index = rank // replicas
+        ranges.append(
+            (offset + min(extent, index * step), offset + min(extent, (index + 1) * step))
+        )
+        offset += extent
+    return ranges
+
+
+def shard_param(
+    model: gpt.GPT, name: str, param: torch.Tensor, spec: ShardSpec, rank: int, size: int
+) -> torch.Tensor:
+    """:func:`shard` of parameter ``name``'s dense value, reading only this rank's ranges
+    (:func:`meshtrain.trainer.models.gpt.dense_piece`): a Hugging Face import reads a rank's rows or
+    columns, not the whole tensor.  Equal, element for element, to ``shard(dense_value(...))``."""
+    dense = param.shape[spec.dim]
+    padded = layout.padded_vocab(spec.extent, size) if spec.extent else dense
+    ranges = shard_ranges(spec, padded, rank, size)
+    inside = [(min(start, dense), min(stop, dense)) for start, stop in ranges]
+    piece = gpt.dense_piece(model, name, param, spec.dim, inside)
+    missing = sum(stop - start for start, stop in ranges) - piece.shape[spec.dim]
+    if missing:  # the last ranks' rows past the vocabulary: zeros, as shard pads them
+        padding = [0, 0] * (piece.dim() - 1 - spec.dim) + [0, missing]
+        piece = F.pad(piece, padding)
+    return piece
+
+
 def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The dense tensor from every rank's piece (inverse of :func:`shard`; a replicated block from its first holder)."""
     size = len(pieces)
@@ -333,10 +365,9 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     def swap(
         owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec
     ) -> None:
-        full = gpt.dense_value(
-            model, f"{prefix}{attr}.weight", getattr(owner, attr).weight
-        )  # one dense matrix at a time
-        setattr(owner, attr, cls(shard(full, spec, ctx.rank, ctx.size), ctx))
+        name = f"{prefix}{attr}.weight"
+        piece = shard_param(model, name, getattr(owner, attr).weight, spec, ctx.rank, ctx.size)
+        setattr(owner, attr, cls(piece, ctx))
         shards[gpt.logical_name(model.config, f"{prefix}{attr}.weight")] = spec
 
     replicas = kv_replicas(model.config.key_value_heads, ctx.size)
