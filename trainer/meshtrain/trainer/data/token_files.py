@@ -231,7 +231,7 @@ def largest_ids(
     Alone, a process scans what no record vouches for.  With ``share``, a
     file that any rank finds unvouched for is scanned once between the ranks:
     each scans its ``1/size`` of the ids, one ``max_over_ranks`` combines them
-    (two collectives in all, whatever the number of files), and rank 0 records
+    (three collectives in all, whatever the number of files: the last waits for the record), and rank 0 records
     the result; at the next start no rank reads it.
     """
     known = [_known_largest_id(path, dtype) for path, _ in files]
@@ -252,6 +252,8 @@ def largest_ids(
     if rank == 0:
         for i, fingerprint in before.items():
             vocab_scan.record(files[i][0], dtype, partial[i], fingerprint)
+    if share:  # no rank opens the files again before the record exists (it would scan them again)
+        share.max_over_ranks([0])
     return [partial[i] if needed[i] or k is None else k for i, k in enumerate(known)]
 
 
