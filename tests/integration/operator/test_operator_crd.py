@@ -130,6 +130,11 @@ INVALID = [
         _rule("selective-or-full-recompute"),
     ),
     (
+        "document mask on the built-in byte corpus",
+        _valid().training(documentMask=True).manifest(),
+        _rule("documents-known"),
+    ),
+    (
         "env name not a C identifier",
         _valid().pod(env=[{"name": "NCCL-IB-HCA", "value": "mlx5"}]).manifest(),
         "spec.pod.env[0].name in body should match",

@@ -80,7 +80,9 @@ class TelemetryRecorder(recording.EventCollector):
 
     # -- StepRecorder: step_start and the events are the collector's ---------
 
-    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def step_end(
+        self, step: int, loss: float, tokens: int, seconds: float, model_flops: float | None = None
+    ) -> None:
         events, start = self.take()
         stats = stepstats.summarise(
             events,
@@ -90,6 +92,7 @@ class TelemetryRecorder(recording.EventCollector):
             tokens=int(tokens),
             seconds=seconds,
             start=start,
+            model_flops=model_flops,
         )
         if self._payload is not None:
             uncompressed, sent = self._payload()
