@@ -271,6 +271,17 @@ def _documents_known(t: Training) -> str | None:
     return None
 
 
+def _epochs_without_weights(t: Training) -> str | None:
+    weighted = [source.path for source in t.datasets if source.weight != 1.0]
+    if t.sampling == "epochs" and weighted:
+        return (
+            f"sampling=epochs with {len(weighted)} weighted dataset(s) (e.g. {base.quoted(weighted[0])}): an epoch takes every "
+            "window of every file once, so each source's share is its token count; remove the "
+            "weights or use sampling: random"
+        )
+    return None
+
+
 RULES: tuple[base.Rule[Training], ...] = (
     base.Rule(
         "eval-has-data",
@@ -300,6 +311,14 @@ RULES: tuple[base.Rule[Training], ...] = (
         "training.documentMask needs token files with an end-of-text id (meshtrain data prepare); the "
         "built-in 'stdlib' corpus has none",
         _documents_known,
+    ),
+    base.Rule(
+        "epochs-without-weights",
+        "spec.training.sampling",
+        "!has(self.training.sampling) || self.training.sampling != 'epochs' || !has(self.training.datasets) || self.training.datasets.all(d, !has(d.weight) || d.weight == 1.0)",
+        "training.sampling: epochs takes every window of every file once per epoch: "
+        "training.datasets weights do not apply (remove them or use sampling: random)",
+        _epochs_without_weights,
     ),
     base.Rule(
         "selective-or-full-recompute",

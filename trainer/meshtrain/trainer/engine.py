@@ -228,7 +228,9 @@ class Engine:
             dp_rank=self.mesh.coords.dp,
             dp_size=self.mesh.layout.data,
         )
-        sampler = batches.BatchSampler(tokens, seed=training.seed, **sampling)
+        sampler = batches.BatchSampler(
+            tokens, seed=training.seed, sampling=training.sampling, **sampling
+        )
         held = (
             batches.BatchSampler(held_out, seed=training.seed + 1, **sampling) if held_out else None
         )

@@ -128,10 +128,13 @@ class TelemetryRecorder(recording.EventCollector):
         eval_loss: float | None,
         skipped: str,
         noise_scale: float | None = None,
+        epoch: int | None = None,
     ) -> None:
-        """Validation loss, loss-guard verdict and gradient noise scale of ``step``, to every sink."""
+        """Validation loss, loss-guard verdict, gradient noise scale and epoch of ``step``, to every sink."""
         for sink in self.sinks:
-            sink.health(step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale)
+            sink.health(
+                step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale, epoch=epoch
+            )
 
     def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The straggler detector's verdict, to every sink."""
