@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from meshtrain.api import loading
+from meshtrain.planner import comm, precision, profiles
+from meshtrain.planner.timing import stage_work, step_time
 from meshtrain.trainer.data import batches, dataset, epochs, token_files
-from meshtrain.trainer.models import documents
+from meshtrain.trainer.models import documents, gpt
 from tests.builders import JobBuilder
 
 EOS = 0
@@ -191,3 +193,31 @@ def test_epochs_refuse_mixture_weights_in_the_spec():
     )
     with pytest.raises(ValueError, match=r"spec.training.sampling: .*weight"):
         loading.parse_spec(raw.raw())
+
+
+def test_the_planner_counts_masked_attention_as_the_trainer_counts_equal_documents():
+    """Documents of the declared length: the planner's model FLOPs are the trainer's exact count."""
+    h100 = profiles.get("h100-sxm")
+    scheme = precision.scheme_for("bf16")
+    base = JobBuilder().layout(2, 2, 1, gpus_per_node=4).model(preset="1.3b")
+    full = loading.parse_spec(base.clone().raw())
+    docs = loading.parse_spec(
+        base.clone().training(dataset="/data/t.bin", documentMask=True, documentLength=512).raw()
+    )
+    shape = docs.model.shape()
+    tokens = docs.global_batch * shape.seq_len
+    windows = torch.full((docs.global_batch, shape.seq_len), 5)
+    windows[:, 511::512] = EOS  # every window: four documents of 512 tokens
+    config = gpt.GPTConfig.from_shape(shape)
+    squares = docs.global_batch * (shape.seq_len // 512) * 512**2  # recounted here
+    assert documents.squares(windows, EOS) == squares
+    exact = gpt.training_flops(config, tokens, squares)
+    planned = step_time.plan_time(docs, h100, comm.plan_comm(docs, scheme))
+    assert planned.model_flops == pytest.approx(exact, rel=1e-12)
+    unmasked = step_time.plan_time(full, h100, comm.plan_comm(full, scheme))
+    assert planned.model_flops < unmasked.model_flops
+    assert planned.step_seconds < unmasked.step_seconds  # less attention to compute
+    undeclared = loading.parse_spec(
+        base.clone().training(dataset="/data/t.bin", documentMask=True).raw()
+    )
+    assert stage_work.attention_span(undeclared) == shape.seq_len  # an upper bound

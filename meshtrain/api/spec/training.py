@@ -203,6 +203,14 @@ class Training(base.SpecModel):
         "document (documents end with the end-of-text id that meshtrain data prepare recorded in the token "
         "files' metadata), and positions restart at 0 at each document start.",
     )
+    document_length: int | None = Field(
+        None,
+        ge=1,
+        le=limits.MAX_SEQ_LEN,
+        description="The documents' mean length in tokens, for the planner under documentMask: attention "
+        "is counted over documents of this length instead of whole windows (meshtrain data prepare "
+        "records tokens and documents; their ratio). Unset: whole windows, an upper bound.",
+    )
     sampling: Sampling = Field(
         "random",
         description="random: each window drawn uniformly (with replacement) from the seed and the step; epochs: "

@@ -293,15 +293,18 @@ class Engine:
             self._sum_grad_ranges({gpt.TIED_NAME: (0, numel)}, self.model.tied_group, axis="pp")
         return loss
 
-    def _documents(self, micro: list[batches.MicroBatch]) -> list[documents.Documents] | None:
-        """Each micro-batch's document mask and positions (None without ``training.documentMask``).
+    def _documents(
+        self, micro: list[batches.MicroBatch]
+    ) -> Callable[[int], documents.Documents] | None:
+        """Micro-batch index -> its document mask and positions (None without ``training.documentMask``).
 
         Every stage builds them from the token ids its sampler read (the first stage's
         inputs), so none travel between stages; every tensor rank builds the same.
         """
-        if self.document_end is None:
+        eos = self.document_end
+        if eos is None:
             return None
-        return [documents.of_tokens(self._on_device(mb.inputs), self.document_end) for mb in micro]
+        return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos)
 
     def _document_squares(self, micro: list[batches.MicroBatch]) -> float | None:
         """This rank's share of the step's sum of squared document lengths (None without a mask).

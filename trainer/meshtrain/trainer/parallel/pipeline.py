@@ -237,7 +237,7 @@ class PipelineExecutor:
         self,
         inputs: list[torch.Tensor] | None,
         targets: list[torch.Tensor] | None,
-        documents: list[documents_mod.Documents] | None = None,
+        documents: Callable[[int], documents_mod.Documents] | None = None,
     ) -> torch.Tensor:
         """Evaluation: every micro-batch forward through every chunk, no backward; returns the summed loss/m.
 
@@ -260,7 +260,7 @@ class PipelineExecutor:
                     for work in dist.batch_isend_irecv([recv]):
                         work.wait()
                     x = x.to(self.activation_dtype)
-                docs = documents[microbatch] if documents is not None else None
+                docs = documents(microbatch) if documents is not None else None
                 with self.autocast():
                     if j == self.last_virtual:
                         target = targets[microbatch].to(self.device)
@@ -280,13 +280,14 @@ class PipelineExecutor:
         self,
         inputs: list[torch.Tensor] | None,
         targets: list[torch.Tensor] | None,
-        documents: list[documents_mod.Documents] | None = None,
+        documents: Callable[[int], documents_mod.Documents] | None = None,
     ) -> torch.Tensor:
         """One step: every forward and backward of this stage; returns the summed loss/m (0 off the last stage).
 
         ``inputs`` are needed on the first stage and ``targets`` on the last
-        (each a list of (micro_batch, seq_len) tensors); ``documents`` (one per micro-batch,
-        ``training.documentMask``) on every stage.  Gradients are left
+        (each a list of (micro_batch, seq_len) tensors); ``documents`` (``training.documentMask``)
+        builds a micro-batch's mask on every stage when its forward runs, so only the masks of
+        micro-batches in flight (autograd keeps them for backward) are alive.  Gradients are left
         accumulated in the parameters (the reducer syncs them).
         """
         m, p = self.micro_batches, self.ctx.stages
@@ -309,7 +310,7 @@ class PipelineExecutor:
                     x = self._wait_recv(recv).requires_grad_()
                 with torch.profiler.record_function(COMPUTE_RANGES[0]):
                     start = self.clock.now()
-                    docs = documents[action.microbatch] if documents is not None else None
+                    docs = documents(action.microbatch) if documents is not None else None
                     with self.autocast():
                         if j == self.last_virtual:
                             target = targets[action.microbatch].to(self.device)
