@@ -1,11 +1,12 @@
 """``training.documentMask`` trains every layout like each document run alone (``make test`` tier).
 
-The reference is independent of the mask: a one-process loop that cuts each window of the global
-batch at its end-of-text ids with a plain loop, runs every document through the dense model on
-its own (no mask, positions from 0) and takes the cross-entropy of the logits put back in window
-order.  The masked packed run equals it on one device and on every layout of the equivalence
-matrix (``test_equivalence``'s tables, the mask switched on), to the tolerances those tests use;
-the MFU figure follows the FLOPs recounted from the batch's document lengths.
+The reference is independent of the mask: :func:`mt_workers.reference`, the one-process loop
+of the equivalence tests, with the logits of :func:`per_document_logits`: each window of the
+global batch cut at its end-of-text ids by a plain loop, every document run through the dense
+model alone (no mask, positions from 0), the logits put back in window order.  The masked packed
+run equals it on one device and on every layout of the equivalence matrix (``test_equivalence``'s
+tables, the mask switched on), to the tolerances those tests use; the MFU figure follows the
+FLOPs recounted from the batch's document lengths.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import pytest
 import test_equivalence as matrix
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshtrain.api import loading
 from meshtrain.trainer import engine
@@ -75,37 +75,6 @@ def per_document_logits(model: gpt.GPT, inputs: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def per_document_reference(raw: dict, steps: int) -> dict:
-    """:func:`mt_workers.reference` with each document run alone instead of the masked window."""
-    job = loading.parse_spec(raw)
-    t = job.training
-    config = gpt.GPTConfig.from_shape(job.model.shape())
-    sampler = mt_workers.whole_batches(
-        dataset.open_dataset(t, vocab=config.vocab, seq_len=config.seq_len), job, t.seed
-    )
-
-    def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
-        batch = sampler.global_batch_at(index)  # (G, T+1)
-        logits = per_document_logits(model, batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1))
-
-    model = llama.build(config, seed=t.seed)
-    loss_of(model, 0).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model = llama.build(config, seed=t.seed)
-    opt, schedule = mt_workers._torch_adamw_with_schedule(model, job)
-    losses, norms = [], []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(model, step)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
-        opt.step()
-        schedule.step()
-        losses.append(loss.item())
-    return {"grads": grads, "losses": losses, "norms": norms}
-
-
 @pytest.fixture(scope="module")
 def references(documents_file):
     models = {
@@ -113,8 +82,10 @@ def references(documents_file):
         for b in {**matrix.CASES_2, **matrix.CASES_8}.values()
     }
     return {
-        key: per_document_reference(
-            masked(JobBuilder.cpu_run().model(m), documents_file).raw(), STEPS
+        key: mt_workers.reference(
+            masked(JobBuilder.cpu_run().model(m), documents_file).raw(),
+            STEPS,
+            forward=per_document_logits,
         )
         for key, m in models.items()
     }
@@ -210,3 +181,27 @@ def test_mfu_counts_each_documents_attention_square(documents_file):
             got = rank[step]
             assert got["flops"] == pytest.approx(expected, rel=1e-12)
             assert got["mfu"] == pytest.approx(expected / (got["seconds"] * 2 * 1e12), rel=1e-9)
+
+
+@pytest.mark.parametrize("model", [TINY, LLAMA_TINY], ids=["gpt", "llama"])
+def test_compiled_blocks_take_the_mask_in_one_graph(model):
+    """``training.compile`` compiles each block's forward: the documents ride in as inputs of one
+    full graph (no recompilation per batch) and give eager's logits and gradients."""
+    job = loading.parse_spec(JobBuilder.cpu_run().model(model).raw())
+    config = gpt.GPTConfig.from_shape(job.model.shape())
+    eager, compiled = llama.build(config, seed=3), llama.build(config, seed=3)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for block in compiled.blocks.values():
+        block.forward = torch.compile(block.forward, backend="aot_eager", fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # three batches, three different masks
+        tokens = torch.randint(0, 8, (2, config.seq_len), generator=generator)  # ids 0: ends
+        docs = documents.of_tokens(tokens, EOS)
+        want, got = eager(tokens, documents=docs), compiled(tokens, documents=docs)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
