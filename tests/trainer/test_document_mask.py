@@ -18,6 +18,7 @@ import mt_workers
 import numpy as np
 import pytest
 import test_equivalence as matrix
+import test_resume_exact as resume
 import torch
 import torch.distributed as dist
 
@@ -33,23 +34,27 @@ EOS = 0
 STEPS = matrix.STEPS
 
 
-@pytest.fixture(scope="module")
-def documents_file(tmp_path_factory, corpus_cache) -> str:
+def write_documents(directory, size: int) -> str:
     """Byte tokens of Python sources cut into documents of 1 to 40 ids, each ended by EOS, with
     the metadata ``meshtrain data prepare`` writes (windows of 32 hold 1 to 10 documents)."""
-    text = np.fromfile(dataset.stdlib_corpus(), dtype="<u2")[:60_000]
+    text = np.fromfile(dataset.stdlib_corpus(), dtype="<u2")[:size]
     rng = np.random.default_rng(5)
     pieces, at = [], 0
     while at < len(text):
         size = int(rng.integers(1, 41))
         pieces += [text[at : at + size], np.array([EOS], dtype=np.uint16)]
         at += size
-    path = tmp_path_factory.mktemp("documents") / "docs.bin"
+    path = directory / "docs.bin"
     tokens = np.concatenate(pieces).astype("<u2")
     tokens.tofile(path)
     meta = {"dtype": "uint16", "vocab": 256, "tokens": len(tokens), "eos_id": EOS}
     token_files.metadata_path(path).write_text(json.dumps(meta))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def documents_file(tmp_path_factory, corpus_cache) -> str:
+    return write_documents(tmp_path_factory.mktemp("documents"), 60_000)
 
 
 def masked(builder: JobBuilder, path: str) -> JobBuilder:
@@ -205,3 +210,21 @@ def test_compiled_blocks_take_the_mask_in_one_graph(model):
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.slow
+def test_a_masked_epoch_run_resumes_exactly_on_two_stages(tmp_path, corpus_cache):
+    """pp2 (each stage rebuilds the masks), epochs over a file of 19 windows (the third
+    step's batch crosses into the second epoch): restored at step 2 from its checkpoint, the
+    run continues with the uninterrupted run's losses, bit for bit."""
+    path = write_documents(tmp_path, 600)
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(pipeline=2)
+        .parallelism(schedule="1f1b", microBatches=2)
+        .training(dataset=path, documentMask=True, sampling="epochs", steps=resume.STEPS)
+        .raw()
+    )
+    for result in mt_harness.run_distributed(resume.resume_case, 2, raw, str(tmp_path / "ckpt")):
+        assert result["restored"] == resume.SAVE_AT
+        assert result["resumed"] == result["uninterrupted"][resume.SAVE_AT :]
