@@ -287,7 +287,7 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "epoch",
         "gauge",
         "meshtrain_epoch",
-        "training.sampling: epochs: the epoch (0-based) of the last step's first window.",
+        "training.sampling: epochs: the epoch (0-based) of the last step's first window (0 under random).",
     ),
     Declaration(
         "checkpoint_interval",
