@@ -135,8 +135,12 @@ def whole_batches(files: list, job: api_spec.TrainingJobSpec, seed: int) -> batc
     )
 
 
-def reference(raw: dict, steps: int) -> dict:
-    """Single process, no parallel code: step-1 gradients and per-step losses."""
+def reference(raw: dict, steps: int, forward=None) -> dict:
+    """Single process, no parallel code: step-1 gradients and per-step losses.
+
+    ``forward(model, inputs)`` gives the (G, T, V) logits (default: ``model(inputs)``).
+    """
+    forward = forward or (lambda model, inputs: model(inputs))
     job = loading.parse_spec(raw)
     t = job.training
     config = gpt.GPTConfig.from_shape(job.model.shape())
@@ -145,7 +149,7 @@ def reference(raw: dict, steps: int) -> dict:
 
     def loss_of(model: gpt.GPT, index: int) -> torch.Tensor:
         batch = sampler.global_batch_at(index)  # (G, T+1)
-        logits = model(batch[:, :-1])  # (G, T, V)
+        logits = forward(model, batch[:, :-1])  # (G, T, V)
         return F.cross_entropy(logits.reshape(-1, config.vocab), batch[:, 1:].reshape(-1))
 
     model = llama.build(config, seed=t.seed)

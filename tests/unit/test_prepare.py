@@ -58,6 +58,7 @@ def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, cap
     assert np.fromfile(out, dtype="<u2").tolist() == expected
     meta = json.loads((tmp_path / "tokens.bin.json").read_text())
     assert meta["dtype"] == "uint16" and meta["tokens"] == len(expected)
+    assert meta["documents"] == len(TEXT) == expected.count(eos)  # tokens / documents
     assert meta["vocab"] == tokenizer.get_vocab_size()
     training = api_training.Training(
         dataset=str(out)

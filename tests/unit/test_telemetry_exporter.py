@@ -347,3 +347,10 @@ def test_before_the_first_step_the_last_step_time_is_the_start_of_training():
         assert value is not None and before <= value <= time.time()
     finally:
         sink.close()
+
+
+def test_the_epoch_is_exported_once_given(pipeline):
+    base, recorders = pipeline
+    recorders[0].health(4, eval_loss=None, skipped="", epoch=2)
+    [sample] = families(base, 0)["meshtrain_epoch"].samples
+    assert sample.value == 2

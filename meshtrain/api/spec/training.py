@@ -14,6 +14,7 @@ from meshtrain.api.spec.parallelism import Parallelism
 
 Precision = Literal["auto", "fp32", "bf16"]
 TokenDtype = Literal["uint16", "uint32"]
+Sampling = Literal["random", "epochs"]
 
 
 class DatasetSource(base.SpecModel):
@@ -196,6 +197,25 @@ class Training(base.SpecModel):
         "uint16",
         description="Element type of the token files: uint16 (vocabulary up to 65,536) or uint32 (larger ones, e.g. Llama 3's 128,256).",
     )
+    document_mask: bool = Field(
+        False,
+        description="Mask attention at document boundaries: a token attends only to earlier tokens of its own "
+        "document (documents end with the end-of-text id that meshtrain data prepare recorded in the token "
+        "files' metadata), and positions restart at 0 at each document start.",
+    )
+    document_length: int | None = Field(
+        None,
+        ge=1,
+        le=limits.MAX_SEQ_LEN,
+        description="The documents' mean length in tokens, for the planner under documentMask: attention "
+        "is counted over documents of this length instead of whole windows (meshtrain data prepare "
+        "records tokens and documents; their ratio). Unset: whole windows, an upper bound.",
+    )
+    sampling: Sampling = Field(
+        "random",
+        description="random: each window drawn uniformly (with replacement) from the seed and the step; epochs: "
+        "every non-overlapping window once per epoch, in a seeded order that no resume or resize changes.",
+    )
 
     eval: Evaluation = Field(
         default_factory=Evaluation, description="Validation loss: interval, batches, held-out data."
@@ -249,6 +269,27 @@ def _selective_or_full_recompute(t: Training) -> str | None:
     return None
 
 
+def _documents_known(t: Training) -> str | None:
+    if t.document_mask and not t.datasets and t.dataset == "stdlib":
+        return (
+            "documentMask=true but dataset is 'stdlib', the built-in byte corpus, which has no end-of-text "
+            "id: prepare token files with meshtrain data prepare (each document ends with the tokenizer's "
+            "end-of-text id) or set documentMask: false"
+        )
+    return None
+
+
+def _epochs_without_weights(t: Training) -> str | None:
+    weighted = [source.path for source in t.datasets if source.weight != 1.0]
+    if t.sampling == "epochs" and weighted:
+        return (
+            f"sampling=epochs with {len(weighted)} weighted dataset(s) (e.g. {base.quoted(weighted[0])}): an epoch takes every "
+            "window of every file once, so each source's share is its token count; remove the "
+            "weights or use sampling: random"
+        )
+    return None
+
+
 RULES: tuple[base.Rule[Training], ...] = (
     base.Rule(
         "eval-has-data",
@@ -270,6 +311,22 @@ RULES: tuple[base.Rule[Training], ...] = (
         "self.training.minLearningRate <= self.training.learningRate",
         "training.minLearningRate must not exceed training.learningRate",
         _learning_rate_order,
+    ),
+    base.Rule(
+        "documents-known",
+        "spec.training.documentMask",
+        "!has(self.training.documentMask) || !self.training.documentMask || (has(self.training.datasets) && size(self.training.datasets) > 0) || (has(self.training.dataset) && self.training.dataset != 'stdlib')",
+        "training.documentMask needs token files with an end-of-text id (meshtrain data prepare); the "
+        "built-in 'stdlib' corpus has none",
+        _documents_known,
+    ),
+    base.Rule(
+        "epochs-without-weights",
+        "spec.training.sampling",
+        "!has(self.training.sampling) || self.training.sampling != 'epochs' || !has(self.training.datasets) || self.training.datasets.all(d, !has(d.weight) || d.weight == 1.0)",
+        "training.sampling: epochs takes every window of every file once per epoch: "
+        "training.datasets weights do not apply (remove them or use sampling: random)",
+        _epochs_without_weights,
     ),
     base.Rule(
         "selective-or-full-recompute",

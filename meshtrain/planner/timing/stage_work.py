@@ -34,12 +34,33 @@ OPTIMIZER_OPS_PER_TENSOR = 16
 """Per parameter tensor and step: AdamW's single-tensor update (~12 ops), the norm and zeroing."""
 
 
+def attention_span(job: api_spec.TrainingJobSpec) -> int:
+    """Tokens a token attends over, as FLOPs count them: the window, or under ``training.documentMask``
+    the documents' mean length (``training.documentLength``) when given.
+
+    A window of documents of length d costs ``12 l h d`` per token in attention, ``sum(d_i^2)``
+    over its documents (the trainer's MFU counts the batch's own lengths:
+    :func:`meshtrain.trainer.models.gpt.training_flops`); documents of equal length are exact.
+    """
+    seq, training = job.model.shape().seq_len, job.training
+    if training.document_mask and training.document_length is not None:
+        return min(training.document_length, seq)
+    return seq
+
+
 def rank_flops_per_microbatch(
-    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
+    shape: api_model.ModelShape,
+    pipeline: int,
+    tensor: int,
+    stage: int,
+    micro_batch: int,
+    *,
+    span: int | None = None,
 ) -> float:
     """Training FLOPs of one micro-batch on one rank of ``stage``: (6 N_rank + 12 l s h / t) x tokens.
 
-    Kaplan et al. 2020; Narayanan et al. 2021.
+    Kaplan et al. 2020; Narayanan et al. 2021.  ``span`` (:func:`attention_span`) replaces
+    ``s`` in the attention term (default: the window).
 
     ``N_rank`` counts the parameters the rank multiplies with (its blocks and,
     on the last stage, the final norm and head; embedding lookups are not
@@ -51,12 +72,18 @@ def rank_flops_per_microbatch(
     if stage == pipeline - 1:
         n_rank += parameters.head_params(shape, tensor)
         n_rank += parameters.vocab_rows(shape, tensor) * shape.hidden if shape.tie_embeddings else 0
-    attention = 12 * layers * shape.seq_len * shape.hidden / tensor
+    attention = 12 * layers * (span or shape.seq_len) * shape.hidden / tensor
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
 
 def rank_forward_flops_per_microbatch(
-    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
+    shape: api_model.ModelShape,
+    pipeline: int,
+    tensor: int,
+    stage: int,
+    micro_batch: int,
+    *,
+    span: int | None = None,
 ) -> float:
     """The part of :func:`rank_flops_per_microbatch` that runs in forward.
 
@@ -69,14 +96,20 @@ def rank_forward_flops_per_microbatch(
     tokens = micro_batch * shape.seq_len
     blocks = (
         6 * layers * parameters.layer_params(shape, tensor)
-        + 12 * layers * shape.seq_len * shape.hidden / tensor
+        + 12 * layers * (span or shape.seq_len) * shape.hidden / tensor
     )
-    head = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch) - blocks * tokens
+    whole = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch, span=span)
+    head = whole - blocks * tokens
     return blocks * tokens * (1 - BACKWARD_SHARE) + head
 
 
 def recompute_flops_per_microbatch(
-    shape: api_model.ModelShape, pipeline: int, tensor: int, micro_batch: int
+    shape: api_model.ModelShape,
+    pipeline: int,
+    tensor: int,
+    micro_batch: int,
+    *,
+    span: int | None = None,
 ) -> float:
     """Extra FLOPs of activation checkpointing: one more forward of the stage's blocks, (2 N_blocks + 4 l s h / t) x tokens.
 
@@ -85,7 +118,7 @@ def recompute_flops_per_microbatch(
     layers = shape.layers // pipeline
     forward = (
         2 * layers * parameters.layer_params(shape, tensor)
-        + 4 * layers * shape.seq_len * shape.hidden / tensor
+        + 4 * layers * (span or shape.seq_len) * shape.hidden / tensor
     )
     return forward * micro_batch * shape.seq_len
 
@@ -160,11 +193,12 @@ class StageTime:
         )
 
 
-def model_flops_per_token(shape: api_model.ModelShape) -> float:
-    """``6 N + 12 L s h`` with ``N`` the non-embedding parameters (the trainer's MFU numerator)."""
+def model_flops_per_token(shape: api_model.ModelShape, *, span: int | None = None) -> float:
+    """``6 N + 12 L s h`` with ``N`` the non-embedding parameters (the trainer's MFU numerator);
+    ``span`` (:func:`attention_span`) in place of ``s``."""
     tied_head = shape.vocab * shape.hidden if shape.tie_embeddings else 0  # still a matmul
     n = parameters.total_params(shape) - parameters.embedding_params(shape) + tied_head
-    return 6 * n + 12 * shape.layers * shape.seq_len * shape.hidden
+    return 6 * n + 12 * shape.layers * (span or shape.seq_len) * shape.hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +260,17 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
 def _flops_per_microbatch(job: api_spec.TrainingJobSpec, stage: int) -> tuple[float, float]:
     """A rank's FLOPs of one micro-batch (activation checkpointing's replay included) and their forward part."""
     shape, par, micro_batch = job.model.shape(), job.parallelism, job.training.micro_batch
-    per_mb = rank_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, micro_batch)
+    span = attention_span(job)
+    per_mb = rank_flops_per_microbatch(
+        shape, par.pipeline, par.tensor, stage, micro_batch, span=span
+    )
     if job.training.activation_checkpointing:
-        per_mb += recompute_flops_per_microbatch(shape, par.pipeline, par.tensor, micro_batch)
-    forward = rank_forward_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, micro_batch)
+        per_mb += recompute_flops_per_microbatch(
+            shape, par.pipeline, par.tensor, micro_batch, span=span
+        )
+    forward = rank_forward_flops_per_microbatch(
+        shape, par.pipeline, par.tensor, stage, micro_batch, span=span
+    )
     return per_mb, forward
 
 

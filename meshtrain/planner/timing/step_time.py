@@ -174,7 +174,8 @@ def plan_time(
         ),
         step_seconds=bound.step_seconds,
         tokens_per_step=tokens,
-        model_flops=stage_work.model_flops_per_token(shape) * tokens,
+        model_flops=stage_work.model_flops_per_token(shape, span=stage_work.attention_span(job))
+        * tokens,
         world_size=job.world_size,
         peak_flops=profile.peak_flops,
         pipeline_seconds=piped.window.seconds,

@@ -130,6 +130,18 @@ INVALID = [
         _rule("selective-or-full-recompute"),
     ),
     (
+        "document mask on the built-in byte corpus",
+        _valid().training(documentMask=True).manifest(),
+        _rule("documents-known"),
+    ),
+    (
+        "epochs over weighted datasets",
+        _valid()
+        .training(sampling="epochs", datasets=[{"path": "/data/a.bin", "weight": 2.0}])
+        .manifest(),
+        _rule("epochs-without-weights"),
+    ),
+    (
         "env name not a C identifier",
         _valid().pod(env=[{"name": "NCCL-IB-HCA", "value": "mlx5"}]).manifest(),
         "spec.pod.env[0].name in body should match",

@@ -21,7 +21,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.trainer.data import batches, dataset, special_tokens, token_files
 from meshtrain.trainer.guards import loss_guard, noise_scale
 from meshtrain.trainer.interop import config_json, from_hf
-from meshtrain.trainer.models import gpt, llama
+from meshtrain.trainer.models import documents, gpt, llama
 from meshtrain.trainer.optim import adamw, batch_change, lr_schedule
 from meshtrain.trainer.parallel import clipping, compilation, loss, parallelize, zero, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
@@ -160,6 +160,12 @@ class Engine:
         """The imported model's ``max_position_embeddings``; checkpoints carry it to ``meshtrain export``."""
         self.sampler, self.eval_sampler = self._samplers(tokens)
         """The training batches, and the fixed evaluation batches (None when training.eval is off)."""
+        self.document_end = (
+            dataset.document_end(f.path for f in tokens)  # eval files: agreed by open_dataset
+            if training.document_mask
+            else None
+        )
+        """The end-of-text id documents end with (``training.documentMask``); None: no mask."""
         self.guard = (
             loss_guard.LossGuard.from_spec(training.loss_guard)
             if training.loss_guard.enabled
@@ -171,6 +177,8 @@ class Engine:
         """The gradient noise scale from each replica's own and the all-reduced gradient (None: not measured)."""
         self.step = 0
         """Optimizer steps done."""
+        self._squares: float | None = None
+        """This rank's share of the last batch's squared document lengths (:meth:`_document_squares`)."""
 
     def _parallel_model(self) -> parallelize.ParallelModel:
         """This rank's share of the dense model every rank describes alike (seed, or Hugging Face weights)."""
@@ -241,7 +249,9 @@ class Engine:
             dp_rank=self.mesh.coords.dp,
             dp_size=self.mesh.layout.data,
         )
-        sampler = batches.BatchSampler(tokens, seed=training.seed, **sampling)
+        sampler = batches.BatchSampler(
+            tokens, seed=training.seed, sampling=training.sampling, **sampling
+        )
         held = (
             batches.BatchSampler(held_out, seed=training.seed + 1, **sampling) if held_out else None
         )
@@ -284,7 +294,8 @@ class Engine:
         executor = self.model.executor
         inputs = [self._on_device(mb.inputs) for mb in micro] if executor.needs_inputs else None
         targets = [self._on_device(mb.targets) for mb in micro] if executor.holds_loss else None
-        loss = executor.run(inputs, targets)
+        loss = executor.run(inputs, targets, self._documents(micro))
+        self._squares = self._document_squares(micro)
         if self.model.reducer is not None:
             self.model.reducer.finish()
         plan = self.model.tp_plan
@@ -302,6 +313,30 @@ class Engine:
             numel = dict(self.model.named_params)[gpt.TIED_NAME].numel()
             self._sum_grad_ranges({gpt.TIED_NAME: (0, numel)}, self.model.tied_group, axis="pp")
         return loss
+
+    def _documents(
+        self, micro: list[batches.MicroBatch]
+    ) -> Callable[[int], documents.Documents] | None:
+        """Micro-batch index -> its document mask and positions (None without ``training.documentMask``).
+
+        Every stage builds them from the token ids its sampler read (the first stage's
+        inputs), so none travel between stages; every tensor rank builds the same.
+        """
+        eos = self.document_end
+        if eos is None:
+            return None
+        return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos)
+
+    def _document_squares(self, micro: list[batches.MicroBatch]) -> float | None:
+        """This rank's share of the step's sum of squared document lengths (None without a mask).
+
+        Each data-parallel replica's stages and tensor ranks hold the same rows: each adds
+        1 / (tensor x pipeline) of them, so the world sum (:meth:`_agree`) counts every row once.
+        """
+        if self.document_end is None:
+            return None
+        rows = sum(documents.squares(mb.inputs, self.document_end) for mb in micro)
+        return rows / (self.mesh.layout.tensor * self.mesh.layout.pipeline)
 
     def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
         """A batch tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
@@ -350,7 +385,8 @@ class Engine:
         norm: torch.Tensor,
         share: float | None,
         local_square: torch.Tensor | None = None,
-    ) -> tuple[float, bool, float, tuple[float, ...], float]:
+        squares: float | None = None,
+    ) -> tuple[float, bool, float, tuple[float, ...], float, float | None]:
         """The global batch's mean loss, whether any rank asked to stop, the gradient norm,
         every rank's ``share``, and the replicas' mean small-batch squared gradient norm.
 
@@ -363,6 +399,8 @@ class Engine:
         gathered vector.  ``local_square`` (this rank's part of its replica's own
         squared gradient norm) rides along: summed over the world and divided by
         ``data`` it is the replicas' mean small-batch squared norm (NaN when not measured).
+        ``squares`` (this rank's share of the batch's squared document lengths) rides along
+        too: the world sum is the global batch's (None when not counted).
         """
         layout = self.mesh.layout
         loss_share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
@@ -370,6 +408,8 @@ class Engine:
             (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=loss_share.device
         )
         parts = [loss_share, flag]
+        if squares is not None:
+            parts.append(torch.full_like(flag, squares))
         if local_square is not None:
             parts.append(local_square.detach().double().reshape(1) / layout.data)
         if share is not None:  # filled on the device: no host-to-device copy, no sync
@@ -382,8 +422,9 @@ class Engine:
         loss, stops, *rest, grad_norm = torch.cat(
             [value, norm.detach().double().reshape(1)]
         ).tolist()
+        total_squares = round(rest.pop(0)) if squares is not None else None
         small_square = rest.pop(0) if local_square is not None else float("nan")
-        return loss, stops > 0, grad_norm, tuple(rest), small_square
+        return loss, stops > 0, grad_norm, tuple(rest), small_square, total_squares
 
     def zero_grad(self) -> None:
         """Clear gradients (in place when they live in reducer buckets)."""
@@ -427,8 +468,8 @@ class Engine:
             local_square = self.model.reducer.take_local_square()
             if local_square is None:
                 local_square = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        loss, stop, norm, shared, small_square = self._agree(
-            loss_sum, stop_requested, norm_tensor, share, local_square
+        loss, stop, norm, shared, small_square, squares = self._agree(
+            loss_sum, stop_requested, norm_tensor, share, local_square, self._squares
         )
         noise = self.noise.update(small_square, norm * norm) if self.noise is not None else None
         verdict = self.guard.judge(loss, norm) if self.guard else None  # same on every rank
@@ -442,7 +483,11 @@ class Engine:
             self._compile_watch.say_once()
         seconds = time.perf_counter() - start
         tokens = self.sampler.global_batch * self.config.seq_len
-        self.recorder.step_end(step, loss, tokens, seconds)
+        if squares is None:
+            self.recorder.step_end(step, loss, tokens, seconds)
+        else:  # attention counted over the documents the mask leaves
+            flops = gpt.training_flops(self.config, tokens, squares)
+            self.recorder.step_end(step, loss, tokens, seconds, model_flops=flops)
         return StepResult(
             step=step,
             loss=loss,
@@ -469,7 +514,7 @@ class Engine:
             micro = self.eval_sampler.at(index)
             inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
             targets = [mb.targets for mb in micro] if executor.holds_loss else None
-            total += executor.forward_only(inputs, targets).double()
+            total += executor.forward_only(inputs, targets, self._documents(micro)).double()
         layout = self.mesh.layout
         share = total / (layout.tensor * layout.data * self.spec.training.eval.batches)
         dist.all_reduce(share)  # only last-stage ranks hold a loss, each tp rank the same one

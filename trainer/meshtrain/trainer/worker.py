@@ -203,8 +203,13 @@ def _train(
             step % evaluation.interval == 0 or step == job.training.steps
         )
         eval_loss = trainer.evaluate() if due else None
+        epoch = trainer.sampler.epoch_at(step - 1) if trainer.sampler.order else None
         recorder.health(
-            step, eval_loss=eval_loss, skipped=result.skipped, noise_scale=result.noise_scale
+            step,
+            eval_loss=eval_loss,
+            skipped=result.skipped,
+            noise_scale=result.noise_scale,
+            epoch=epoch,
         )
         if log is not None:
             record = step_record(result, recorder.steps[-1], job)
@@ -212,6 +217,8 @@ def _train(
                 record["batch_change"] = saver.resumed.record | {"message": saver.resumed.message}
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
+            if epoch is not None:
+                record["epoch"] = epoch
             if result.skipped:
                 record["skipped"] = result.skipped
             if verdict is not None:

@@ -1,8 +1,10 @@
 """The deterministic batches of a run, drawn from the job's opened token files.
 
-:class:`BatchSampler` draws every step's global batch from the seed and the step alone, so every
-layout and every resume sees the same batches; each data-parallel rank takes its slice.  No
-epochs and no prefetching workers: the reads are tiny next to a training step.
+:class:`BatchSampler` draws every step's global batch from the seed and the step alone
+(``sampling: random``, with replacement), or takes the next windows of the seeded epoch order
+(``sampling: epochs``, :mod:`.epochs`), so every layout and every resume sees the same batches;
+each data-parallel rank takes its slice.  No prefetching workers: the reads are tiny next to a
+training step.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from meshtrain.trainer.data import ranged_tokens, token_files
+from meshtrain.trainer.data import epochs, ranged_tokens, token_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class BatchSampler:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        sampling: str = "random",
     ) -> None:
         files = tokens if isinstance(tokens, list) else None
         self.sources = [f.tokens for f in files] if files else [tokens]
@@ -56,6 +59,24 @@ class BatchSampler:
         """Sequences per optimizer step."""
         self.position = 0
         """Index of the next global batch (steps drawn so far)."""
+        self.order = (
+            epochs.WindowOrder.of([len(t) for t in self.sources], seq_len=seq_len, seed=seed)
+            if sampling == "epochs"
+            else None
+        )
+        """The epoch order of the windows (``sampling: epochs``); None: random draws."""
+        self.origin = (0, 0)
+        """(batch index, windows of the epoch order drawn before it): where a resume at another
+        global batch picks the order up (:meth:`load_state_dict`)."""
+
+    def first_window(self, index: int) -> int:
+        """How many windows of the epoch order come before global batch ``index``."""
+        step, drawn = self.origin
+        return drawn + (index - step) * self.global_batch
+
+    def epoch_at(self, index: int) -> int:
+        """The epoch (0-based) of global batch ``index``'s first window (0 under random sampling)."""
+        return self.order.epoch_of(self.first_window(index)) if self.order else 0
 
     def windows(self, index: int) -> list[tuple[int, int]]:
         """(source, start offset) of the ``global_batch`` windows of batch ``index``: a function of seed and index only.
@@ -63,6 +84,9 @@ class BatchSampler:
         With several sources each window first picks its source by weight,
         then a uniform start inside it; one source keeps the plain draw.
         """
+        if self.order is not None:  # the next global_batch windows of the epoch order
+            first = self.first_window(index)
+            return [self.order.window(first + i) for i in range(self.global_batch)]
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         highs = [len(t) - self.seq_len - 1 for t in self.sources]
         if len(self.sources) == 1:
@@ -98,13 +122,25 @@ class BatchSampler:
         ]
 
     def state_dict(self) -> dict[str, int]:
-        """The data position, for checkpoints."""
-        return {"position": self.position, "seed": self.seed}
+        """The data position, for checkpoints (under epochs also the windows drawn so far)."""
+        state = {"position": self.position, "seed": self.seed}
+        if self.order is not None:
+            state["windows"] = self.first_window(self.position)
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at a saved position (the seed must match)."""
+        """Resume at a saved position (the seed must match).
+
+        Under epochs the order continues at the saved window count, so a resume at
+        another global batch (a resize) neither repeats nor skips a window.
+        """
         if state["seed"] != self.seed:
             raise ValueError(
                 f"data state was saved with seed {state['seed']}, this run uses {self.seed}"
             )
         self.position = int(state["position"])
+        drawn = state.get("windows")
+        self.origin = (
+            self.position,
+            int(drawn) if drawn is not None else self.position * self.global_batch,
+        )

@@ -12,6 +12,7 @@ import hashlib
 import os
 import sysconfig
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ STDLIB_CAP_BYTES = 4 * 1024 * 1024
 DATASET_FIELD = "spec.training.dataset"
 DATASETS_FIELD = "spec.training.datasets"
 EVAL_FIELD = "spec.training.eval"
+DOCUMENT_MASK_FIELD = "spec.training.documentMask"
 UINT16_VOCAB = 65536
 """Largest vocabulary uint16 token files can hold."""
 
@@ -113,6 +115,40 @@ def check_dataset(
         raise DatasetError(
             f"{err} (expected raw {training.token_dtype} tokens, or '{STDLIB}' for the built-in corpus)"
         ) from None
+    if training.document_mask:
+        if any(pattern == STDLIB for pattern, _ in entries):
+            raise DatasetError(
+                f"{DOCUMENT_MASK_FIELD}: the built-in '{STDLIB}' corpus has no end-of-text id: train on "
+                "token files from meshtrain data prepare, or set documentMask: false"
+            )
+        document_end(every)
+
+
+def document_end(paths: Iterable[token_files.Location]) -> int:
+    """The end-of-text id that closes every document of ``paths`` (``training.documentMask``).
+
+    Read from what ``meshtrain data prepare`` recorded beside each file: a file
+    without that record, or with no end-of-text id, or files that end documents
+    with different ids are refused (the mask would cut documents wrongly).
+    """
+    found: dict[int, token_files.Location] = {}
+    for path in paths:
+        ids = special_tokens.from_token_files([path])
+        if not ids.eos:
+            raise DatasetError(
+                f"{DOCUMENT_MASK_FIELD}: {str(path)!r} has no end-of-text id in "
+                f"{token_files.metadata_path(path).name} (written by meshtrain data prepare): prepare "
+                "it with meshtrain data prepare and a tokenizer that has an end-of-text token, or set "
+                "documentMask: false"
+            )
+        found.setdefault(ids.eos[0], path)
+    if len(found) != 1:
+        named = ", ".join(f"{eos} ({str(path)!r})" for eos, path in found.items())
+        raise DatasetError(
+            f"{DOCUMENT_MASK_FIELD}: the token files end documents with different ids ({named or 'no files'}): "
+            "prepare them with one tokenizer"
+        )
+    return next(iter(found))
 
 
 def open_dataset(

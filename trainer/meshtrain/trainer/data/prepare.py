@@ -142,7 +142,7 @@ def prepare(
     prefix, _ = special_tokens.document_template(tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
-    count = 0
+    count = documents_count = 0
     max_id = -1  # recorded, so no rank of a job scans the file for it (token_files.largest_ids)
     total_bytes = sum(p.stat().st_size for p in inputs)
     try:
@@ -159,6 +159,7 @@ def prepare(
             for batch in _batches(documents(inputs, text_field), BATCH_DOCUMENTS):
                 encoded = tokenizer.encode_batch(batch, add_special_tokens=True)
                 ids: list[int] = []
+                documents_count += len(encoded)
                 for e in encoded:
                     ids += document_ids(e.ids, eos)
                 flat = np.asarray(ids, dtype=np.int64)
@@ -175,6 +176,7 @@ def prepare(
         "dtype": dtype,
         "vocab": vocab,
         "tokens": count,
+        "documents": documents_count,
         "eos_id": eos,
         "bos_id": special.bos,
         "pad_id": special.pad,

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from meshtrain.trainer.models import documents as documents_mod
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -137,14 +139,23 @@ def attend(
     *,
     recompute: bool,
     enable_gqa: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal ``scaled_dot_product_attention``; with ``recompute`` its internals are rebuilt in backward.
+
+    ``mask`` (B, 1, T, T) bool replaces the causal mask (:mod:`.documents`: causal inside each
+    document, nothing across documents); the same on every head, so on every tensor rank.
 
     The checkpoint keeps q, k and v (which the QKV projection's output holds
     anyway) and drops what the kernel saves for backward: the scores and
     softmax of an unfused kernel, the output and log-sum-exp of a flash one.
     """
-    core = functools.partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=enable_gqa)
+    core = functools.partial(
+        F.scaled_dot_product_attention,
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=enable_gqa,
+    )
     if recompute and torch.is_grad_enabled():
         return checkpoint(core, q, k, v, use_reentrant=False)
     return core(q, k, v)
@@ -170,13 +181,16 @@ class Attention(nn.Module):
         """Dense rows of the fused output's blocks (q, k, v): tensor parallelism splits each alone."""
         self.proj = nn.Linear(config.hidden, config.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, 3 * local_heads * head_dim)
         batch, seq, width = qkv.shape
         local_heads = width // (3 * self.head_dim)
         qkv = qkv.view(batch, seq, 3, local_heads, self.head_dim)  # (B, T, 3, h, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, T, hd)
-        y = attend(q, k, v, recompute=self.recompute_core)  # (B, h, T, hd)
+        mask = documents.mask if documents is not None else None
+        y = attend(q, k, v, recompute=self.recompute_core, mask=mask)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim)  # (B, T, h * hd)
         return self.proj(y)
 
@@ -208,8 +222,10 @@ class Block(nn.Module):
         self.ln2: nn.Module = nn.LayerNorm(config.hidden)
         self.mlp: nn.Module = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(
+        self, x: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), documents)
         if self.recompute_mlp and torch.is_grad_enabled():
             return x + checkpoint(self._mlp_sublayer, x, use_reentrant=False)
         return x + self._mlp_sublayer(x)
@@ -285,9 +301,15 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(initial_value(self.config, self.seed, name, param.shape))
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> the first block's input (B, T, H)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+    def embed(
+        self, tokens: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> the first block's input (B, T, H); positions restart per document if given."""
+        positions = (
+            documents.positions  # (B, T)
+            if documents is not None
+            else torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+        )
         return self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, H)
 
     def forward(
@@ -295,26 +317,35 @@ class GPT(nn.Module):
         x: torch.Tensor,
         *,
         apply_head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None,
+        documents: documents_mod.Documents | None = None,
     ) -> torch.Tensor:
         """Logits (or a hidden state).
+
+        ``documents``: mask attention at document boundaries and restart positions per document.
 
         ``apply_head(hidden, head)`` replaces the head's own call (the fused
         loss); it runs inside this forward, where a sharding wrapper has the
         head's weight gathered.
         """
-        x = self.features(x)
+        x = self.features(x, documents)
         if self.head is not None:
             # (B, T, V) logits (or this rank's vocabulary shard), or what apply_head makes of them
             x = self.head(x) if apply_head is None else apply_head(x, self.head)
         return x
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
+    def features(
+        self, x: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
         """Everything but the LM head: tokens (or a hidden state) to the head's input (or a hidden state)."""
         if self.tok_emb is not None:
-            x = self.embed(x)  # (B, T, H)
+            x = self.embed(x, documents)  # (B, T, H)
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            x = (
+                checkpoint(block, x, documents, use_reentrant=False)
+                if recompute
+                else block(x, documents)
+            )
         if self.norm is not None:
             x = self.norm(x)
         return x
@@ -366,6 +397,19 @@ def flops_per_token(config: GPTConfig, *, causal_half: bool = False) -> float:
     if causal_half:
         attention /= 2
     return 6 * n + attention
+
+
+def training_flops(config: GPTConfig, tokens: int, document_squares: int) -> float:
+    """Training FLOPs of ``tokens`` tokens packed in documents whose squared lengths sum to ``document_squares``.
+
+    :func:`flops_per_token`'s ``6 N`` per token, and its attention term over
+    each document's own square instead of the window's: ``12 L H sum(d^2)``
+    in place of ``12 L H T^2`` per sequence (what a document mask leaves,
+    counted as the full squares the PaLM definition counts; one document per
+    window gives :func:`flops_per_token` times ``tokens`` back).
+    """
+    n = dense_param_count(config, include_embeddings=False)
+    return 6 * n * tokens + 12 * config.layers * config.hidden * document_squares
 
 
 TIED_NAME = "tok_emb.weight"

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.trainer.models import documents as documents_mod
 from meshtrain.trainer.models import gpt
 
 
@@ -24,14 +25,19 @@ def rope_tables(
     theta: float,
     device: torch.device,
     scaling: gpt.RopeScaling | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, rotary frequency), each (T, head_dim), fp32."""
+    """cos and sin of every (position, rotary frequency), each (T, head_dim), fp32.
+
+    ``positions`` (B, T): each token's own position (restarting per document); the tables are then (B, T, head_dim).
+    """
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     )
     if scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)  # (T, hd/2)
+    where = torch.arange(seq, device=device) if positions is None else positions  # (T,) or (B, T)
+    angles = where.float()[..., None] * inv_freq  # (T, hd/2) or (B, T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd): rotate-half layout
     return angles.cos(), angles.sin()
 
@@ -118,7 +124,8 @@ class _RotaryQKV(torch.autograd.Function):
         batch, seq, _ = qkv.shape
         out = torch.empty_like(qkv)  # (B, T, (h + 2 kv) * hd)
         qk = qkv[..., :rotated].unflatten(-1, (-1, head_dim))  # (B, T, h + kv, hd)
-        out[..., :rotated] = apply_rope(qk, cos[:, None], sin[:, None]).flatten(-2)
+        # cos, sin: (T, hd) or (B, T, hd), one head axis inserted before hd
+        out[..., :rotated] = apply_rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2)).flatten(-2)
         out[..., rotated:] = qkv[..., rotated:]
         fctx.save_for_backward(cos, sin)
         fctx.rotated, fctx.head_dim = rotated, head_dim
@@ -130,7 +137,8 @@ class _RotaryQKV(torch.autograd.Function):
         rotated = fctx.rotated
         out = torch.empty_like(grad)
         g = grad[..., :rotated].unflatten(-1, (-1, fctx.head_dim))
-        back = (g * cos[:, None] - _rotate_half(g) * sin[:, None]).to(grad.dtype)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        back = (g * cos - _rotate_half(g) * sin).to(grad.dtype)
         out[..., :rotated] = back.flatten(-2)
         out[..., rotated:] = grad[..., rotated:]
         return out, None, None, None, None
@@ -160,12 +168,17 @@ class Attention(nn.Module):
         """Dense rows of the fused output's blocks (q, k, v): tensor parallelism splits each alone."""
         self.proj = nn.Linear(q_rows, config.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, (h + 2 kv) * hd) on this rank
         batch, seq, width = qkv.shape
         kv_heads = width // ((self.group + 2) * self.head_dim)  # local key/value heads
         heads = kv_heads * self.group
-        cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
+        positions = documents.positions if documents is not None else None
+        cos, sin = rope_tables(
+            seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions
+        )
         qkv = _RotaryQKV.apply(qkv, cos, sin, (heads + kv_heads) * self.head_dim, self.head_dim)
         q, k, v = qkv.split(
             [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1
@@ -174,7 +187,12 @@ class Attention(nn.Module):
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd), rotated
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         y = gpt.attend(
-            q, k, v, recompute=self.recompute_core, enable_gqa=self.group > 1
+            q,
+            k,
+            v,
+            recompute=self.recompute_core,
+            enable_gqa=self.group > 1,
+            mask=documents.mask if documents is not None else None,
         )  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)  # (B, T, h * hd)
         out: torch.Tensor = self.proj(y)
@@ -228,7 +246,9 @@ class Llama(gpt.GPT):
         if not self.head.weight.is_meta:
             self.reset_parameters()
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self, tokens: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
         assert self.tok_emb is not None  # only the first stage embeds
         out: torch.Tensor = self.tok_emb(tokens)  # (B, T, H): positions are rotations in attention
         return out

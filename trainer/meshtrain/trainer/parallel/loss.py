@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.trainer.models import documents as documents_mod
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import tensor
 
@@ -121,8 +122,11 @@ def lm_loss(
     *,
     chunk_bytes: int = CHUNK_BYTES,
     fused: FusedChunkMath | None = None,
+    documents: documents_mod.Documents | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``model`` (the last pipeline chunk, holding norm and head) on ``x``.
+
+    ``documents``: the micro-batch's document mask and positions (``training.documentMask``).
 
     ``x`` is what the chunk takes (token ids, or the previous stage's hidden
     state) and ``targets`` (B, T) the next tokens.  The loss is computed
@@ -148,7 +152,7 @@ def lm_loss(
             fused=fused,
         )
 
-    loss: torch.Tensor = model(x, apply_head=head_loss)
+    loss: torch.Tensor = model(x, apply_head=head_loss, documents=documents)
     return loss
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from meshtrain.trainer.models import documents as documents_mod
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import schedules
 from meshtrain.trainer.telemetry import clocks, recording
@@ -102,7 +103,7 @@ class PipelineExecutor:
         activation_dtype: torch.dtype,
         wire_dtype: torch.dtype | None = None,
         device: torch.device,
-        loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
         recorder: recording.StepRecorder,
         clock: clocks.Clock,
         grad_sync: Callable[[bool], None] | None = None,
@@ -142,6 +143,24 @@ class PipelineExecutor:
     def needs_inputs(self) -> bool:
         """Whether this stage reads token ids (it holds virtual stage 0)."""
         return self.ctx.stage == 0
+
+    def _compute(
+        self,
+        chunk: int,
+        x: torch.Tensor,
+        target: torch.Tensor | None,
+        documents: documents_mod.Documents | None,
+    ) -> torch.Tensor:
+        """Chunk ``chunk`` on ``x``: its loss on ``target`` on the last virtual stage, else its output.
+
+        ``documents`` (``training.documentMask``) is rebuilt by every stage from the micro-batch's
+        token ids, which every stage's sampler reads: nothing extra travels between stages.
+        """
+        kwargs = {} if documents is None else {"documents": documents}
+        if target is not None:
+            return self.loss_fn(self.chunks[chunk], x, target, **kwargs)
+        out: torch.Tensor = self.chunks[chunk](x, **kwargs)
+        return out
 
     def _peer(self, j: int) -> int:
         return self.ctx.ranks[j % self.ctx.stages]
@@ -215,7 +234,10 @@ class PipelineExecutor:
 
     @torch.no_grad()
     def forward_only(
-        self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
+        self,
+        inputs: list[torch.Tensor] | None,
+        targets: list[torch.Tensor] | None,
+        documents: Callable[[int], documents_mod.Documents] | None = None,
     ) -> torch.Tensor:
         """Evaluation: every micro-batch forward through every chunk, no backward; returns the summed loss/m.
 
@@ -238,12 +260,13 @@ class PipelineExecutor:
                     for work in dist.batch_isend_irecv([recv]):
                         work.wait()
                     x = x.to(self.activation_dtype)
+                docs = documents(microbatch) if documents is not None else None
                 with self.autocast():
                     if j == self.last_virtual:
                         target = targets[microbatch].to(self.device)
-                        loss_sum += self.loss_fn(self.chunks[chunk], x, target) / m
+                        loss_sum += self._compute(chunk, x, target, docs) / m
                     else:
-                        out = self.chunks[chunk](x)
+                        out = self._compute(chunk, x, None, docs)
                 if j != self.last_virtual:
                     sent = out.to(self.wire_dtype).contiguous()
                     send = dist.P2POp(dist.isend, sent, self._peer(j + 1), self.ctx.forward_group)
@@ -254,12 +277,17 @@ class PipelineExecutor:
         return loss_sum
 
     def run(
-        self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
+        self,
+        inputs: list[torch.Tensor] | None,
+        targets: list[torch.Tensor] | None,
+        documents: Callable[[int], documents_mod.Documents] | None = None,
     ) -> torch.Tensor:
         """One step: every forward and backward of this stage; returns the summed loss/m (0 off the last stage).
 
         ``inputs`` are needed on the first stage and ``targets`` on the last
-        (each a list of (micro_batch, seq_len) tensors).  Gradients are left
+        (each a list of (micro_batch, seq_len) tensors); ``documents`` (``training.documentMask``)
+        builds a micro-batch's mask on every stage when its forward runs, so only the masks of
+        micro-batches in flight (autograd keeps them for backward) are alive.  Gradients are left
         accumulated in the parameters (the reducer syncs them).
         """
         m, p = self.micro_batches, self.ctx.stages
@@ -282,12 +310,13 @@ class PipelineExecutor:
                     x = self._wait_recv(recv).requires_grad_()
                 with torch.profiler.record_function(COMPUTE_RANGES[0]):
                     start = self.clock.now()
+                    docs = documents(action.microbatch) if documents is not None else None
                     with self.autocast():
                         if j == self.last_virtual:
                             target = targets[action.microbatch].to(self.device)
-                            out = self.loss_fn(self.chunks[action.chunk], x, target) / m
+                            out = self._compute(action.chunk, x, target, docs) / m
                         else:
-                            out = self.chunks[action.chunk](x)
+                            out = self._compute(action.chunk, x, None, docs)
                     end = self.clock.now()
                 self.recorder.compute("forward", action.microbatch, action.chunk, start, end)
                 saved[key] = (x if j > 0 else None, out)

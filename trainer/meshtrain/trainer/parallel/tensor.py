@@ -316,8 +316,8 @@ class SequenceParallelPositionEmbedding(nn.Module):
         self.tp = ctx
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        emb = F.embedding(positions, self.weight)  # (T, H)
-        return emb.chunk(self.tp.size, dim=0)[self.tp.rank]  # (T/tp, H)
+        emb = F.embedding(positions, self.weight)  # (T, H), or (B, T, H) for per-document positions
+        return emb.chunk(self.tp.size, dim=-2)[self.tp.rank]  # (T/tp, H) or (B, T/tp, H)
 
 
 # --- applying TP to the model -------------------------------------------------

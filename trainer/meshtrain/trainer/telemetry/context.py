@@ -128,9 +128,10 @@ class Sink(Protocol):
         eval_loss: float | None,
         skipped: str,
         noise_scale: float | None = None,
+        epoch: int | None = None,
     ) -> None:
         """After step ``step``: its validation loss (None: not evaluated), why its update was skipped ('')
-        and the gradient noise scale (None: not measured)."""
+        the gradient noise scale (None: not measured) and the epoch of its batch (None: not in epochs)."""
 
     def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The straggler detector's verdict after a step (the same on every rank)."""

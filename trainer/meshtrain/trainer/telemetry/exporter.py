@@ -284,6 +284,12 @@ DECLARATIONS: tuple[Declaration, ...] = (
         " all-reduced gradient norms; needs data >= 2, ZeRO 0 or 1, no sequence parallelism).",
     ),
     Declaration(
+        "epoch",
+        "gauge",
+        "meshtrain_epoch",
+        "training.sampling: epochs: the epoch (0-based) of the last step's first window (0 under random).",
+    ),
+    Declaration(
         "checkpoint_interval",
         "gauge",
         "meshtrain_checkpoint_interval_steps",
@@ -341,6 +347,7 @@ class Metrics:
     training_steps: prometheus_client.Gauge
     global_batch: prometheus_client.Gauge
     noise_scale: prometheus_client.Gauge
+    epoch: prometheus_client.Gauge
     checkpoint_interval: prometheus_client.Gauge
     checkpoint_step: prometheus_client.Gauge
     checkpoint_time: prometheus_client.Gauge
@@ -501,9 +508,12 @@ class Exporter:
         eval_loss: float | None,
         skipped: str,
         noise_scale: float | None = None,
+        epoch: int | None = None,
     ) -> None:
         if noise_scale is not None:
             self.metrics.noise_scale.set(noise_scale)
+        if epoch is not None:
+            self.metrics.epoch.set(epoch)
         if eval_loss is not None:
             self.metrics.eval_loss.labels(**self.metrics.base).set(eval_loss)
         if skipped:

@@ -103,6 +103,7 @@ class Progress:
         eval_loss: float | None,
         skipped: str,
         noise_scale: float | None = None,
+        epoch: int | None = None,
     ) -> None:
         with self._lock:
             skips = self._doc["skipped_updates"] + (1 if skipped else 0)

@@ -80,7 +80,9 @@ class TelemetryRecorder(recording.EventCollector):
 
     # -- StepRecorder: step_start and the events are the collector's ---------
 
-    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def step_end(
+        self, step: int, loss: float, tokens: int, seconds: float, model_flops: float | None = None
+    ) -> None:
         events, start = self.take()
         stats = stepstats.summarise(
             events,
@@ -90,6 +92,7 @@ class TelemetryRecorder(recording.EventCollector):
             tokens=int(tokens),
             seconds=seconds,
             start=start,
+            model_flops=model_flops,
         )
         if self._payload is not None:
             uncompressed, sent = self._payload()
@@ -125,10 +128,13 @@ class TelemetryRecorder(recording.EventCollector):
         eval_loss: float | None,
         skipped: str,
         noise_scale: float | None = None,
+        epoch: int | None = None,
     ) -> None:
-        """Validation loss, loss-guard verdict and gradient noise scale of ``step``, to every sink."""
+        """Validation loss, loss-guard verdict, gradient noise scale and epoch of ``step``, to every sink."""
         for sink in self.sinks:
-            sink.health(step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale)
+            sink.health(
+                step, eval_loss=eval_loss, skipped=skipped, noise_scale=noise_scale, epoch=epoch
+            )
 
     def straggler_verdict(self, verdict: stragglers.Verdict) -> None:
         """The straggler detector's verdict, to every sink."""

@@ -55,8 +55,14 @@ class StepRecorder(Protocol):
         ``cpu_seconds``: the process's CPU seconds over a blocking call on the host (None: not measured).
         """
 
-    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
-        """Optimizer step ``step`` done: mean loss, tokens of the global batch, wall seconds."""
+    def step_end(
+        self, step: int, loss: float, tokens: int, seconds: float, model_flops: float | None = None
+    ) -> None:
+        """Optimizer step ``step`` done: mean loss, tokens of the global batch, wall seconds.
+
+        ``model_flops``: the step's model FLOPs counted from its batch (masked attention,
+        ``training.documentMask``); None: the job's FLOPs per token times ``tokens``.
+        """
 
 
 class NullRecorder:
@@ -86,7 +92,9 @@ class NullRecorder:
     ) -> None:
         pass
 
-    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def step_end(
+        self, step: int, loss: float, tokens: int, seconds: float, model_flops: float | None = None
+    ) -> None:
         pass
 
 
@@ -219,7 +227,9 @@ class MemoryRecorder(EventCollector):
         self.steps: list[dict[str, float]] = []
         """One summary per finished step (see :meth:`summary`)."""
 
-    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def step_end(
+        self, step: int, loss: float, tokens: int, seconds: float, model_flops: float | None = None
+    ) -> None:
         summary = self.summary()
         summary.update(step=step, loss=loss, tokens=tokens, step_seconds=seconds)
         with self._lock:
@@ -311,10 +321,15 @@ class DeferredRecorder:
             end,
         )
 
-    def step_end(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def step_end(
+        self, step: int, loss: float, tokens: int, seconds: float, model_flops: float | None = None
+    ) -> None:
         self.clock.synchronize()
         with self._lock:
             held, self._held = self._held, []
         for forward, start, end in held:
             forward(self.clock.seconds(start), self.clock.seconds(end))
-        self.inner.step_end(step, loss, tokens, seconds)
+        if model_flops is None:
+            self.inner.step_end(step, loss, tokens, seconds)
+        else:
+            self.inner.step_end(step, loss, tokens, seconds, model_flops=model_flops)

@@ -245,8 +245,13 @@ def summarise(
     tokens: int,
     seconds: float,
     start: float,
+    model_flops: float | None = None,
 ) -> StepStats:
-    """The :class:`StepStats` of one step from this rank's events; ``start`` is the step's origin."""
+    """The :class:`StepStats` of one step from this rank's events; ``start`` is the step's origin.
+
+    ``model_flops``: the step's FLOPs as counted from its batch (documents under
+    ``training.documentMask``); None: ``facts.flops_per_token`` times ``tokens``.
+    """
     compute = [e for e in events if e.what == "compute"]
     compute_union = union_seconds((e.start, e.end) for e in compute)
     exposed = exposed_comm(events)
@@ -254,7 +259,8 @@ def summarise(
     bubble = 0.0
     if window > 0:
         bubble = min(1.0, max(0.0, 1.0 - (compute_union + exposed) / window))
-    model_flops = facts.flops_per_token * tokens
+    if model_flops is None:
+        model_flops = facts.flops_per_token * tokens
     mfu = 0.0
     if seconds > 0 and facts.peak_flops > 0:
         mfu = model_flops / (seconds * facts.world_size * facts.peak_flops)

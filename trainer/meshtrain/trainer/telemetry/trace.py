@@ -131,6 +131,7 @@ class TraceLog:
         eval_loss: float | None,
         skipped: str,
         noise_scale: float | None = None,
+        epoch: int | None = None,
     ) -> None:
         """The worker's steps.jsonl record carries eval_loss and skipped (trainer/meshtrain/trainer/telemetry/steplog.py)."""
 

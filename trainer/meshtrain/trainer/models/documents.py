@@ -1,0 +1,57 @@
+"""Documents packed into one training window: who may attend to whom, and each token's position.
+
+``training.documentMask`` trains a window that holds the end of one document and the start of the
+next as if each document were alone: a token attends only to earlier tokens of its own document
+and its position counts from its document's first token.  A document ends with its end-of-text
+id (``meshtrain data prepare`` writes one after each); the id belongs to the document it ends.
+
+The mask is a boolean (B, 1, T, T) block-diagonal causal matrix for
+``scaled_dot_product_attention`` (docs/trainer.md says why not FlexAttention); a function of the
+token ids alone, so every pipeline stage and tensor rank rebuilds the same one from the
+micro-batch it already reads, and nothing travels between stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """The document structure of one micro-batch, on the device it is used on."""
+
+    positions: torch.Tensor
+    """(B, T) int64: each token's index inside its document (0 at a document's first token)."""
+    mask: torch.Tensor
+    """(B, 1, T, T) bool: query t may attend key s (same document and s <= t)."""
+
+
+def document_index(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B, T) int64: which document of its row each token belongs to (0 for the row's first)."""
+    ends = (tokens == eos).long()  # (B, T)
+    return torch.cumsum(ends, dim=1) - ends  # an end-of-text id closes its own document
+
+
+def of_tokens(tokens: torch.Tensor, eos: int) -> Documents:
+    """The documents of ``tokens`` (B, T) whose documents end with ``eos``."""
+    batch, seq = tokens.shape
+    doc = document_index(tokens, eos)  # (B, T)
+    index = torch.arange(seq, device=tokens.device).expand(batch, seq)  # (B, T)
+    starts = torch.ones_like(tokens, dtype=torch.bool)  # a token after an end-of-text starts one
+    starts[:, 1:] = tokens[:, :-1] == eos
+    first = torch.cummax(
+        torch.where(starts, index, 0), dim=1
+    ).values  # (B, T): its document's start
+    same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+    return Documents(positions=index - first, mask=(same & causal).unsqueeze(1))
+
+
+def squares(tokens: torch.Tensor, eos: int) -> int:
+    """Sum over the documents of every row of their squared lengths (what attention FLOPs scale with)."""
+    tokens = tokens.cpu()
+    rows = tokens.shape[1] * torch.arange(len(tokens))[:, None]  # (B, 1): each row's own bins
+    counts = torch.bincount((document_index(tokens, eos) + rows).flatten())
+    return int((counts * counts).sum())
