@@ -118,8 +118,10 @@ class Heartbeat:
         while not self._stop.wait(job_dir.HEARTBEAT_SECONDS):
             try:
                 self.beat()
-            except store.CheckpointError:
-                return  # check() raises it at the next save
+            except (OSError, store.CheckpointError):
+                if self._lost is not None:
+                    return  # taken over: beat() raises it again at the next save
+                # a failed read or write of the record (a volume hiccup): try again at the next beat
 
     def beat(self) -> None:
         """Refresh the heartbeat; raise CheckpointError when another writer holds the record now."""
@@ -141,9 +143,12 @@ class Heartbeat:
         """Stop the thread and mark the record released (a clean exit: the next job need not wait)."""
         self._stop.set()
         with self._lock:
-            current = _read(self.path) if self._lost is None else None
-            if current is not None and current.writer == self.mine.writer:
-                _write(self.path, dataclasses.replace(current, released=True))
+            try:
+                current = _read(self.path) if self._lost is None else None
+                if current is not None and current.writer == self.mine.writer:
+                    _write(self.path, dataclasses.replace(current, released=True))
+            except (OSError, store.CheckpointError):
+                pass  # best effort: the record goes stale STALE_SECONDS after the last beat anyway
 
 
 LEGACY_SCAN_LIMIT = 10_000
