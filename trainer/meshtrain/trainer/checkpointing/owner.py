@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -23,13 +24,16 @@ from meshtrain.trainer.checkpointing import store
 
 def _read(path: Path) -> job_dir.Owner | None:
     """The record at ``path`` (None: there is none); raises CheckpointError on a bad one."""
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(job_dir.RECORD_LIMIT + 1)
+    try:  # non-blocking and checked: a FIFO or a device put there must not hang or flood the reader
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as err:
         raise store.CheckpointError(f"{path}: cannot read the owner record ({err})") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise store.CheckpointError(f"{path}: not a regular file; remove it")
+        data = handle.read(job_dir.RECORD_LIMIT + 1)
     try:
         return job_dir.parse(data.decode("utf-8", errors="replace"), str(path))
     except job_dir.OwnerError as err:
