@@ -239,9 +239,8 @@ class Checkpointer:
                 _injected(f"loading {path}")
             prepared.append(state.prepare_load(path, self.engine))
 
-        _everywhere(
-            prepare
-        )  # local checks first: a rank refusing here must not leave the others in DCP
+        # local checks first: a rank refusing here must not leave the others waiting inside DCP
+        _everywhere(prepare)
         loaded = _everywhere(lambda: state.load_prepared(path, prepared[0]))
         record: dict[str, Any] = loaded[dist.get_rank()]
         return record
