@@ -15,7 +15,8 @@ SPEC = 2
 DATA = 3
 """The dataset is missing or unusable."""
 CHECKPOINT = 4
-"""A checkpoint exists but cannot be loaded (corrupt, foreign, another model shape)."""
+"""A checkpoint cannot be loaded (corrupt, foreign, another model shape) or saved (any error, on any
+rank: every rank exits with it), or another live writer holds the job's checkpoint directory."""
 LOSS_GUARD = 5
 """The loss guard skipped ``training.lossGuard.maxConsecutiveSkips`` updates in a row; permanent: a
 restart would replay the same batches from the same checkpoint (the last good one is kept)."""
@@ -27,7 +28,7 @@ INTERRUPTED = 128 + signal.SIGINT
 PERMANENT: dict[int, str] = {
     SPEC: "the trainer rejected its configuration",
     DATA: "the dataset is missing or unusable",
-    CHECKPOINT: "the checkpoint cannot be loaded",
+    CHECKPOINT: "the checkpoint cannot be loaded or saved, or another job writes its directory",
     LOSS_GUARD: "the loss guard stopped training after too many skipped updates in a row "
     "(training.lossGuard; the last good checkpoint is kept)",
     126: "the container command is not executable",

@@ -192,3 +192,11 @@ def test_the_pods_carry_the_job_uid_and_log_in_the_job_directory() -> None:
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env[job_dir.UID_ENV] == "5f0c"
     assert env["MESHTRAIN_LOG_DIR"] == "/checkpoints/research/llm/logs"
+
+
+def test_a_fifo_in_place_of_the_record_is_refused_not_waited_on(tmp_path) -> None:
+    directory = tmp_path / "team" / "llm"
+    directory.mkdir(parents=True)
+    os.mkfifo(directory / job_dir.OWNER_FILE)
+    with pytest.raises(store.CheckpointError, match="not a regular file"):
+        owner.claim(directory, owner.me(job_dir.JobIdentity("team", "llm", "u")))

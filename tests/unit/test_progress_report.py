@@ -21,6 +21,7 @@ TRAINER_DOCUMENT = {
     "straggler": {"rank": 3, "slowdown": 1.8, "since_step": 90},
     "stragglers": [{"rank": 3, "slowdown": 1.8, "since_step": 90}],
     "gradient_noise_scale": 512.0,
+    "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
 }
 """Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS)."""
 
@@ -65,6 +66,8 @@ def test_the_schema_knows_every_field_the_trainer_sends():
         ("stragglers", [{"rank": 1}]),
         ("stragglers", None),
         ("gradient_noise_scale", 0),
+        ("resumed_from_uid", "../../etc"),
+        ("resumed_from_uid", "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a" * 100),
     ],
 )
 def test_a_field_out_of_the_schema_is_dropped_with_a_note_naming_it(field, value):
@@ -109,7 +112,7 @@ def test_notes_are_bounded_in_number():
     reading = parse({key: "junk" for key in progress_report.FIELDS})
     assert reading.document == {}
     assert len(reading.notes) == progress_report.MAX_NOTES
-    assert reading.notes[-1] == "and 7 more field(s) ignored"
+    assert reading.notes[-1] == "and 8 more field(s) ignored"
 
 
 def test_a_hostile_termination_message_changes_nothing():

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from meshtrain.api import limits
 from meshtrain.api.spec import base
 
 
@@ -62,6 +63,12 @@ class Progress(base.StatusModel):
         "data parallelism stops paying (needs data >= 2).",
     )
     updated_at: str | None = Field(None, description="RFC 3339 time of the report.")
+    resumed_from_uid: str | None = Field(
+        None,
+        max_length=limits.MAX_UID_LENGTH,
+        description="UID of the job that wrote the checkpoint this gang resumed from; another than "
+        "metadata.uid when the job was deleted and applied again (docs/checkpoints.md).",
+    )
 
 
 class ElasticStatus(base.StatusModel):

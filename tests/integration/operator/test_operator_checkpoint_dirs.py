@@ -8,6 +8,7 @@ turned False once its run policy allows no restart.  ``make test`` tier (integra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -83,9 +84,7 @@ def test_two_jobs_on_one_path_keep_their_own_and_a_live_writer_fails_the_new_job
     cluster.delete_job(namespace, "first")
     wait_for("first deleted", lambda: cluster.job(namespace, "first") is None, timeout=60)
     held = _owner(directory)
-    alive = job_dir.Owner(
-        **{**vars(held), "released": False, "host": "elsewhere", "heartbeat": time.time()}
-    )
+    alive = dataclasses.replace(held, released=False, host="elsewhere", heartbeat=time.time())
     (directory / job_dir.OWNER_FILE).write_text(job_dir.render(alive))
     cluster.apply(_job("first", namespace, pool, root))
     code, err, message = _train(cluster, namespace, "first", tmp_path)
@@ -100,6 +99,23 @@ def test_two_jobs_on_one_path_keep_their_own_and_a_live_writer_fails_the_new_job
     assert "another live writer holds it" in failed["message"]
     assert [p.step for p in store.scan(directory)] == [1, 2], "the refused job wrote nothing"
     assert json.loads((directory / job_dir.OWNER_FILE).read_text())["host"] == "elsewhere"
+
+    # the old writer went quiet (stale heartbeat): applied again, the job resumes and its status says whose
+    cluster.delete_job(namespace, "first")
+    wait_for("first deleted", lambda: cluster.job(namespace, "first") is None, timeout=60)
+    stale = dataclasses.replace(alive, heartbeat=time.time() - 2 * job_dir.STALE_SECONDS)
+    (directory / job_dir.OWNER_FILE).write_text(job_dir.render(stale))
+    cluster.apply(_job("first", namespace, pool, root))
+    code, err, message = _train(cluster, namespace, "first", tmp_path)
+    assert code == 0, err[-3000:]
+    assert f"resuming the checkpoints that uid {uids['first']} wrote" in err
+    [pod] = cluster.pods(namespace, "first")
+    cluster.set_pod_phase(namespace, pod.metadata.name, "Succeeded", exit_code=0, message=message)
+    status = cluster.wait_phase(namespace, "first", "Succeeded", timeout=30)
+    assert status["progress"]["resumedFromUid"] == uids["first"]
+    assert (
+        _owner(directory).uid == cluster.job(namespace, "first")["metadata"]["uid"] != uids["first"]
+    )
 
 
 def test_checkpoints_not_persistent_turns_false_when_no_restart_is_allowed(

@@ -80,9 +80,8 @@ def job_identity(
     if directory == log_dir / "checkpoints":
         return {}
     namespace = str(metadata.get("namespace") or job_dir.LOCAL_NAMESPACE)
-    job_dir.job_dir(
-        str(directory), namespace, name
-    )  # a name that cannot name a directory fails here
+    # a name that cannot name a directory fails here, before any process starts
+    job_dir.job_dir(str(directory), namespace, name)
     return {
         job_dir.NAMESPACE_ENV: namespace,
         job_dir.NAME_ENV: name,

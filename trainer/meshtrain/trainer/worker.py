@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(exitcodes.CHECKPOINT, err)
     if restored is not None:
         recorder.checkpoint_saved(restored)
+    # status.progress.resumedFromUid: which job (UID) wrote the checkpoint this gang resumed from
+    if saver.resumed_uid is not None and recorder.progress is not None:
+        recorder.progress.update(resumed_from_uid=saver.resumed_uid)
     if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
         recorder.learning_rates(saver.resumed.plan)
     if rank == 0:

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,9 @@ MAX_STRAGGLERS = 16
 
 MAX_TIME_LENGTH = 40
 """Longest ``updated_at`` (RFC 3339 with fractions and an offset is 35 characters)."""
+
+UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+"""A job UID as the API server (and ``meshtrain run``) makes them, RFC 4122 (``resumed_from_uid``)."""
 
 MAX_NOTES = 4
 """Most notes kept about one document; the rest are counted."""
@@ -93,6 +97,12 @@ def _not_negative(value: Any) -> float | None:
     return number if number is not None and number >= 0 else None
 
 
+def _uid(value: Any) -> str | None:
+    if not isinstance(value, str) or not UID.fullmatch(value):
+        return None
+    return value
+
+
 def _time(value: Any) -> str | None:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_TIME_LENGTH:
         return None
@@ -145,6 +155,7 @@ FIELDS: Mapping[str, Callable[[Any], Any]] = {
     "straggler": _nullable(_flagged),
     "stragglers": _flagged_list,
     "gradient_noise_scale": _nullable(_positive),
+    "resumed_from_uid": _nullable(_uid),
 }
 """The trainer's fields (``meshtrain.trainer.telemetry.progress.FIELDS``) and their checks: a
 checked value, or None when the value breaks the schema."""

@@ -47,6 +47,8 @@ def status_changes(report: dict[str, Any]) -> dict[str, Any]:
     skipped = _number(report.get("skipped_updates"), int)
     if skipped:
         progress["skippedUpdates"] = skipped
+    if isinstance(report.get("resumed_from_uid"), str):
+        progress["resumedFromUid"] = report["resumed_from_uid"]
     if isinstance(report.get("updated_at"), str):
         progress["updatedAt"] = report["updated_at"]
     changes: dict[str, Any] = {"progress": progress}

@@ -149,6 +149,8 @@ class Checkpointer:
         self._poll: dist.ProcessGroup | None = None
         """Where the ranks agree that a background save finished (its own group: the save's runs in a thread)."""
         self._published: list[int] = []
+        self.resumed_uid: str | None = None
+        """UID of the job that wrote the checkpoint :meth:`restore` loaded (None: unknown or none)."""
         self.resumed: batch_change.Resumed | None = None
         """Set by :meth:`restore` when the checkpoint was trained at another batch (or mid-ramp)."""
 
@@ -219,9 +221,9 @@ class Checkpointer:
         if self.resumed is not None:
             self.engine.lr_plan = self.resumed.plan
         self.last_saved = step
+        self.resumed_uid = str(marker.extra.get(JOB_UID_KEY) or "") or None
         if dist.get_rank() == 0:
-            writer = marker.extra.get(JOB_UID_KEY)
-            by = f", written by job uid {writer}" if writer else ""
+            by = f", written by job uid {self.resumed_uid}" if self.resumed_uid else ""
             _say(f"resumed from {path} (step {step}{by}) in {time.perf_counter() - start:.2f}s")
             if self.resumed is not None:
                 _say(self.resumed.message)
@@ -236,9 +238,8 @@ class Checkpointer:
                 _injected(f"loading {path}")
             prepared.append(state.prepare_load(path, self.engine))
 
-        _everywhere(
-            prepare
-        )  # local checks first: a rank refusing here must not leave the others in DCP
+        # local checks first: a rank refusing here must not leave the others waiting inside DCP
+        _everywhere(prepare)
         loaded = _everywhere(lambda: state.load_prepared(path, prepared[0]))
         record: dict[str, Any] = loaded[dist.get_rank()]
         return record

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -22,18 +23,34 @@ from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import store
 
 
-def _read(path: store.Location) -> job_dir.Owner | None:
-    """The record at ``path`` (None: there is none); raises CheckpointError on a bad one."""
-    try:
-        if isinstance(path, storage.ObjectPath):
-            data = storage.read_small(path.url, job_dir.RECORD_LIMIT)
-        else:
-            with path.open("rb") as handle:
-                data = handle.read(job_dir.RECORD_LIMIT + 1)
+def _read_local(path: Path) -> bytes | None:
+    """At most RECORD_LIMIT + 1 bytes of the file (None: there is none)."""
+    try:  # non-blocking and checked: a FIFO or a device put there must not hang or flood the reader
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as err:
         raise store.CheckpointError(f"{path}: cannot read the owner record ({err})") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise store.CheckpointError(f"{path}: not a regular file; remove it")
+        return handle.read(job_dir.RECORD_LIMIT + 1)
+
+
+def _read(path: store.Location) -> job_dir.Owner | None:
+    """The record at ``path`` (None: there is none); raises CheckpointError on a bad one."""
+    data: bytes | None
+    if isinstance(path, storage.ObjectPath):
+        try:
+            data = storage.read_small(path.url, job_dir.RECORD_LIMIT)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise store.CheckpointError(f"{path}: cannot read the owner record ({err})") from None
+    else:
+        data = _read_local(path)
+    if data is None:
+        return None
     try:
         return job_dir.parse(data.decode("utf-8", errors="replace"), str(path))
     except job_dir.OwnerError as err:
@@ -131,8 +148,10 @@ class Heartbeat:
         while not self._stop.wait(job_dir.HEARTBEAT_SECONDS):
             try:
                 self.beat()
-            except store.CheckpointError:
-                return  # check() raises it at the next save
+            except (OSError, store.CheckpointError):
+                if self._lost is not None:
+                    return  # taken over: beat() raises it again at the next save
+                # a failed read or write of the record (a volume hiccup): try again at the next beat
 
     def beat(self) -> None:
         """Refresh the heartbeat; raise CheckpointError when another writer holds the record now."""
@@ -154,9 +173,12 @@ class Heartbeat:
         """Stop the thread and mark the record released (a clean exit: the next job need not wait)."""
         self._stop.set()
         with self._lock:
-            current = _read(self.path) if self._lost is None else None
-            if current is not None and current.writer == self.mine.writer:
-                _write(self.path, dataclasses.replace(current, released=True))
+            try:
+                current = _read(self.path) if self._lost is None else None
+                if current is not None and current.writer == self.mine.writer:
+                    _write(self.path, dataclasses.replace(current, released=True))
+            except (OSError, store.CheckpointError):
+                pass  # best effort: the record goes stale STALE_SECONDS after the last beat anyway
 
 
 LEGACY_SCAN_LIMIT = 10_000

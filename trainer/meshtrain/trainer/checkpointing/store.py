@@ -270,7 +270,7 @@ def scan(root: Location) -> list[Published]:
         if not match or not entry.is_dir():
             raise CheckpointError(
                 f"{entry}: not a meshtrain checkpoint (expected only step-NNNNNNNN directories "
-                f"in {root}); point spec.checkpoint.path at a directory of its own"
+                f"in {root}, a job's own directory <checkpoint.path>/<namespace>/<name>); move it elsewhere"
             )
         found.append(Published(step=int(match.group(1)), path=entry))
     return sorted(found, key=lambda p: p.step)

@@ -38,6 +38,7 @@ FIELDS = (
     "straggler",
     "stragglers",
     "gradient_noise_scale",
+    "resumed_from_uid",
 )
 """Keys of the progress document, in order."""
 
@@ -62,6 +63,7 @@ class Progress:
             "straggler": None,
             "stragglers": [],
             "gradient_noise_scale": None,
+            "resumed_from_uid": None,
         }
 
     def update(self, **fields: Any) -> None:

@@ -60,7 +60,7 @@ def _expected(log_dir: Path) -> str:
     return (
         f"{log_dir} holds no meshtrain run: expected {steplog.FILENAME} and "
         f"{trace.TRACE_DIR}/rank-N.jsonl, written by `meshtrain run --log-dir DIR` or by the "
-        "trainer pods under <checkpoint.path>/logs"
+        "trainer pods under <checkpoint.path>/<namespace>/<name>/logs"
     )
 
 
