@@ -171,6 +171,14 @@ def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
         "generation_config.json",
         "model.safetensors",
     ]
+    stale = storage.cache_dir() / ".tmp-dead-copy"  # a copy killed halfway
+    stale.mkdir()
+    client.pipe(f"{bucket}/llama/generation_config.json", b"{}")  # the directory changed
+    storage.local_directory.cache_clear()
+    newer = storage.local_path(url, config_json.FIELD)
+    assert newer != copy and (newer / "model.safetensors").is_file()
+    assert not copy.exists() and not stale.exists(), "the older copy and the dead one are deleted"
+    assert newer.stat().st_mode & 0o777 == 0o777 & ~storage._umask()
 
     monkeypatch.setenv(storage.DIRECTORY_LIMIT_ENV, "1000")
     client.pipe(f"{bucket}/llama2/config.json", (tmp_path / "hf" / "config.json").read_bytes())

@@ -53,6 +53,7 @@ def parse_size(text: str) -> int:
 def find_checkpoint(path: store.Location) -> tuple[store.Location, store.Marker]:
     """The checkpoint directory ``path`` names (itself, or its newest), marker read and files verified."""
     if (path / store.MARKER).is_file():
+        path = store.approved(path)  # a bucket's step prefix: the attempt its marker approves
         marker = store.read_marker(path)
         store.verify(path, marker, hashes=True)
         return path, marker
