@@ -17,8 +17,8 @@ from pydantic import Field
 from meshtrain.api import limits
 from meshtrain.api.spec import base, kube_names
 
-ENDPOINT_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
-"""``http(s)://host[:port]``: the store's S3 API, no path, no credentials in the URL."""
+ENDPOINT_PATTERN = r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$"
+"""``http(s)://host[:port]`` (an IPv6 literal in brackets): the store's S3 API, no path, no credentials."""
 ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
 """Key of the credentials Secret holding the access key id (and the variable it becomes)."""
 SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
