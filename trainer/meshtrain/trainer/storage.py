@@ -310,7 +310,12 @@ def _probe(bucket: str, directory: str) -> None:
         second = _call(probe, lambda fs: _put(fs, probe, b"probe", True))
     finally:
         remove([probe])
-    if first and second:
+    if not first:
+        raise ObjectStorageError(
+            f"{probe}: the store refused an exclusive PUT of a new key (If-None-Match: *); check "
+            "that it supports conditional writes and that the credentials may write there"
+        )
+    if second:
         raise ObjectStorageError(
             f"s3://{bucket}: the store ignores conditional writes (If-None-Match: *), which "
             "meshtrain needs so that one writer owns a job's checkpoints and publishes a step: use "
