@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import os
 import re
 import signal
@@ -214,3 +216,20 @@ def test_train_kill_resume_and_export_from_a_bucket(s3_server, tmp_path):
     with safe_open(str(out / "model.safetensors"), framework="pt") as exported:
         embedding = exported.get_tensor("transformer.wte.weight")
     assert tuple(embedding.shape) == (TINY["vocab"], TINY["hidden"])
+
+
+def test_a_save_takes_the_sha256_the_store_kept_and_reads_nothing_back(s3_server, monkeypatch):
+    root = store.location(s3_server.make_bucket("checksums") + "/job")
+    prefix = _save(root, 2, b"p" * 1000)
+    with storage.filesystem().open(f"{prefix.url[5:]}/__1_0.distcp", "wb", block_size=5 << 20) as f:
+        f.write(bytes(range(256)) * (48 << 10))  # 12 MiB in parts: a composite checksum
+    before = len(s3_server.operations())
+    files = store.describe_files(prefix)
+    assert "s3_GetObject" not in s3_server.operations()[before:], "nothing read back to hash"
+    whole = hashlib.sha256(b"p" * 1000).digest()
+    assert files["__0_0.distcp"]["s3_sha256"] == base64.b64encode(whole).decode()
+    assert files["__1_0.distcp"]["s3_sha256_type"] == "COMPOSITE"
+    store.publish(prefix, _marker(2, files))
+    monkeypatch.setenv(store.REHASH_ENV, "1")
+    found = store.latest(root)
+    assert found is not None and found[0].path == prefix  # re-hashed: whole, composite as kept

@@ -79,6 +79,8 @@ def options() -> dict[str, Any]:
         },
         # Other processes (ranks, the next writer) change the bucket: never answer from an old listing.
         "use_listings_cache": False,
+        # Every upload carries its SHA-256, which the store checks and keeps (:func:`head`).
+        "s3_additional_kwargs": {"ChecksumAlgorithm": "SHA256"},
     }
 
 
@@ -172,6 +174,21 @@ def size(url: str) -> int:
     if info.get("type") != "file":
         raise FileNotFoundError(f"{url}: not an object")
     return int(info["size"])
+
+
+def head(url: str) -> dict[str, Any]:
+    """One object's {size, etag, sha256, sha256_type}: the SHA-256 the store kept from the upload
+    (base64; ``FULL_OBJECT``: of the whole object, ``COMPOSITE``: of its parts' checksums), or None."""
+    bucket, _, key = _key(url).partition("/")
+    out = _call(
+        url, lambda fs: fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    )
+    return {
+        "size": int(out["ContentLength"]),
+        "etag": str(out.get("ETag", "")),
+        "sha256": out.get("ChecksumSHA256"),
+        "sha256_type": out.get("ChecksumType") or "FULL_OBJECT",
+    }
 
 
 def read_small(url: str, limit: int = SMALL_OBJECT_BYTES) -> bytes:

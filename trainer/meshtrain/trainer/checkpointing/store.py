@@ -17,6 +17,7 @@ of either kind.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -431,10 +432,22 @@ def _bucket_describe_files(
             continue
         if name not in objects:
             raise CheckpointError(f"{directory.url}/{name}: listed by rank 0 but missing")
-        facts = objects[name]
-        described[name] = _bucket_digest(f"{directory.url}/{name}", facts["size"])
-        described[name]["etag"] = facts["etag"]
+        described[name] = _bucket_describe(f"{directory.url}/{name}")
     return described
+
+
+def _bucket_describe(url: str) -> dict[str, Any]:
+    """Size, ETag and SHA-256 of one object: the one the store kept from the upload (one HEAD),
+    else read back and hashed (stores that keep no checksums)."""
+    found = storage.head(url)
+    if found["sha256"]:
+        return {
+            "bytes": found["size"],
+            "etag": found["etag"],
+            "s3_sha256": found["sha256"],
+            "s3_sha256_type": found["sha256_type"],
+        }
+    return {**_bucket_digest(url, found["size"]), "etag": found["etag"]}
 
 
 def _bucket_compare(directory: storage.ObjectPath, files: dict[str, dict[str, Any]]) -> None:
@@ -490,12 +503,28 @@ def _bucket_verify(
     rehash = hashes and os.environ.get(REHASH_ENV) == "1"
     for index, (name, facts) in enumerate(sorted(marker.files.items())):
         if (rehash or not facts.get("etag")) and hashes and index % parts == part:
-            found = _bucket_digest(f"{directory.url}/{name}", facts["bytes"])["sha256"]
-            if found != facts["sha256"]:
+            found, expected = _bucket_rehash(f"{directory.url}/{name}", facts)
+            if found != expected:
                 raise CheckpointError(
                     f"{directory.url}/{name}: sha256 {found[:16]}... differs from the marker's "
-                    f"{facts['sha256'][:16]}... (corrupt)"
+                    f"{expected[:16]}... (corrupt)"
                 )
+
+
+def _bucket_rehash(url: str, facts: dict[str, Any]) -> tuple[str, str]:
+    """(sha256 found, sha256 the marker has) of one object, re-read in full where that can tell.
+
+    A composite checksum (a multipart upload's, of its parts' checksums) cannot be recomputed
+    without the part boundaries: there the store's kept value is compared (the store checked
+    every part's SHA-256 at upload).
+    """
+    if "sha256" in facts:
+        return str(_bucket_digest(url, facts["bytes"])["sha256"]), str(facts["sha256"])
+    expected = str(facts["s3_sha256"])
+    if facts.get("s3_sha256_type") == "COMPOSITE":
+        return str(storage.head(url)["sha256"]), expected
+    digest = bytes.fromhex(_bucket_digest(url, facts["bytes"])["sha256"])
+    return base64.b64encode(digest).decode(), expected
 
 
 @dataclasses.dataclass(frozen=True)
