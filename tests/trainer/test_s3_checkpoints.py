@@ -1,8 +1,11 @@
 """Checkpoints in a bucket of a real S3 server (versitygw; make test tier).
 
-* the marker-last protocol: a step prefix without its COMPLETE marker is a save in progress (skipped,
-  not damage), a corrupt object is refused by its hash, pruning leaves only the newest, the owner
-  record's exclusive write is conditional on the server;
+* the protocol: each save writes an attempt prefix of its own and one conditional marker per step
+  approves one attempt; an attempt without a marker is a save in progress (skipped, not damage, kept
+  while fresh), an overwritten object is refused by its ETag (and its hash), pruning deletes the
+  marker first and leaves only the newest, the owner record's exclusive write is conditional on
+  the server; two writers of one step publish one whole checkpoint; a marker whose list differs
+  from the objects is not published; a save takes the store's kept SHA-256 and reads nothing back;
 * a tiny CPU run (dp2, the dataset and the checkpoints in the bucket) SIGKILLed while the save of
   step 4 is written but unpublished resumes from the bucket's step 2 (not from 0), and ``meshtrain
   export`` writes a Hugging Face directory from the bucket's newest checkpoint.
