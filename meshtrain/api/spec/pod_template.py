@@ -1,10 +1,11 @@
 """``spec.podTemplateOverride``: a partial pod merged into every pod of the gang (Kubeflow Trainer
 v2's ``podTemplateOverrides``, JobSet's pod template), and what it may not touch.
 
-``spec`` is a partial core/v1 PodSpec kept as written (the CRD preserves it): its shape is the
-API server's to judge, on the merged pod.  Here are its bounds and the fields the operator owns
-(the gang's gate, its DNS names, the rank environment, the pin to the planned node, its own
-volumes), each refused with the field's path and the fix.
+``spec`` is a partial core/v1 PodSpec kept as written (the CRD preserves it): the API server
+judges the merged pod, :mod:`pod_template_shape` what the operator merges and reads.  Here are
+its bounds and the fields the operator owns (the gang's gate, its DNS names, the rank
+environment, the pin to the planned node, its own volumes), each refused with the field's path
+and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from meshtrain.api import limits
-from meshtrain.api.spec import base, kube_names, pod
+from meshtrain.api.spec import base, kube_names, pod, pod_template_shape
 
 PATH = "spec.podTemplateOverride"
 TRAINER_CONTAINER = "trainer"
@@ -40,6 +41,7 @@ OWNED_POD_FIELDS: Mapping[str, str] = {
     "priorityClassName": "set spec.pod.priorityClassName (Kueue and preemption read it)",
     "priority": "set spec.pod.priorityClassName (Kueue and preemption read it)",
     "imagePullSecrets": "set spec.pod.imagePullSecrets",
+    "schedulerName": "the gang's gate and PodGroup are the default scheduler's",
 }
 """Pod fields the operator sets, and where a job says what it wants instead."""
 
@@ -51,15 +53,14 @@ OWNED_TRAINER_FIELDS: Mapping[str, str] = {
     "workingDir": "set spec.trainer.workingDir",
     "terminationMessagePath": "rank 0 reports its final progress there",
     "terminationMessagePolicy": "rank 0 reports its final progress there",
+    "restartPolicy": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
+    "restartPolicyRules": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
 }
 """Fields of the trainer container the operator sets, and where a job says what it wants instead."""
 
 MERGED_LISTS = ("containers", "initContainers", "volumes")
-"""Lists of named mappings the operator merges by name (containers) or appends to."""
-LISTS = ("tolerations", "hostAliases", "readinessGates", "resourceClaims")
-"""Other pod lists the override's entries are appended to."""
-MAPPINGS = ("securityContext", "affinity")
-"""Pod mappings the operator merges with its own."""
+"""Lists of named mappings: a container named like the trainer merges into it; every other
+entry is appended (its name must not be one of the operator's)."""
 
 
 class OverrideMetadata(base.SpecModel):
@@ -131,22 +132,12 @@ def _entries(spec: Mapping[str, Any], key: str) -> Iterator[tuple[str, Mapping[s
 
 
 def _shape(spec: Mapping[str, Any]) -> str | None:
-    """The merged lists are lists of named mappings, within their bounds."""
+    """The merged lists' entries are named, within their bounds (their types checked before)."""
     for key in MERGED_LISTS:
-        items = spec.get(key)
-        if items is None:
-            continue
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            return f"{PATH}.spec.{key} must be a list of mappings"
+        items = spec.get(key) or []
         unnamed = next((i for i, e in enumerate(items) if not isinstance(e.get("name"), str)), None)
         if unnamed is not None:
             return f"{PATH}.spec.{key}[{unnamed}] needs a name (a string)"
-    for key in LISTS:
-        if not isinstance(spec.get(key, []), list):
-            return f"{PATH}.spec.{key} must be a list"
-    for key in MAPPINGS:
-        if not isinstance(spec.get(key, {}), dict):
-            return f"{PATH}.spec.{key} must be a mapping"
     containers = len(spec.get("containers") or []) + len(spec.get("initContainers") or [])
     if containers > limits.MAX_POD_OVERRIDE_CONTAINERS:
         return (
@@ -174,6 +165,11 @@ def _owned(spec: Mapping[str, Any]) -> Iterator[str]:
     for where, container in _entries(spec, "containers"):
         if container["name"] == TRAINER_CONTAINER:
             yield from _trainer_owned(where, container)
+        elif "restartPolicy" in container:
+            yield (
+                f"{where}.restartPolicy is for init containers (sidecars): the operator "
+                "restarts the whole gang; remove it"
+            )
 
 
 def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
@@ -195,40 +191,9 @@ def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
             )
 
 
-REQUIRED_TERMS = (
-    f"{PATH}.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
-    ".nodeSelectorTerms"
-)
-
-
-def _node_terms(spec: Mapping[str, Any]) -> str | None:
-    """The required node selector terms are a list of mappings, each with a requirement: the
-    operator ANDs each with its pin to the planned node, and an empty term (which matches no
-    node) would then match that node."""
-    affinity = spec.get("affinity", {})
-    nodes = affinity.get("nodeAffinity", {}) if isinstance(affinity, dict) else None
-    required = (
-        nodes.get("requiredDuringSchedulingIgnoredDuringExecution", {})
-        if isinstance(nodes, dict)
-        else None
-    )
-    terms = required.get("nodeSelectorTerms", []) if isinstance(required, dict) else None
-    if not isinstance(terms, list):
-        return f"{PATH}.spec.affinity: affinity, nodeAffinity and its required part are mappings, nodeSelectorTerms a list"
-    for i, term in enumerate(terms):
-        if not isinstance(term, dict) or not (
-            term.get("matchExpressions") or term.get("matchFields")
-        ):
-            return (
-                f"{REQUIRED_TERMS}[{i}] has no matchExpressions nor matchFields: it matches no "
-                "node; remove it or give it a requirement"
-            )
-    return None
-
-
 def _problems(spec: Mapping[str, Any]) -> Iterator[str]:
     """Every bound and owned field ``spec`` breaks (the first shape problem alone: the rest read it)."""
-    broken = _size(spec) or _shape(spec) or _node_terms(spec)
+    broken = _size(spec) or pod_template_shape.problem(spec, f"{PATH}.spec") or _shape(spec)
     if broken:
         yield broken
         return

@@ -51,14 +51,39 @@ def merge(
 
 
 def _set(into: dict[str, Any], key: str, value: Any) -> None:
-    """A list appended to, a merged mapping merged, anything else set."""
+    """A list appended to, a merged mapping merged, anything else the operator left unset set.
+
+    Raises TypeError where ``value`` would replace a list or mapping of the operator's (the
+    validation refuses such an override first).
+    """
     existing = into.get(key)
-    if isinstance(existing, list) and isinstance(value, list):
+    if isinstance(existing, list):
+        if not isinstance(value, list):
+            raise TypeError(f"{key}: a list of the operator's cannot be replaced")
         into[key] = [*existing, *value]
-    elif key in MERGED_MAPPINGS and isinstance(existing, Mapping) and isinstance(value, Mapping):
-        into[key] = {**existing, **value}
+    elif isinstance(existing, Mapping) and key in MERGED_MAPPINGS:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{key}: a mapping of the operator's cannot be replaced")
+        into[key] = (
+            _security(existing, value) if key == "securityContext" else {**existing, **value}
+        )
     else:
         into[key] = value
+
+
+def _security(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, Any]:
+    """A securityContext merged key by key, its capabilities deep: the adds united, the drops
+    (the operator's ``drop: [ALL]``) kept."""
+    merged = {**ours, **theirs}
+    if "capabilities" in ours or "capabilities" in theirs:
+        mine, yours = ours.get("capabilities") or {}, theirs.get("capabilities") or {}
+        capabilities = {**mine, **yours}
+        for kind in ("add", "drop"):
+            names = [*(mine.get(kind) or []), *(yours.get(kind) or [])]
+            if names:
+                capabilities[kind] = list(dict.fromkeys(names))
+        merged["capabilities"] = capabilities
+    return merged
 
 
 def _containers(spec: dict[str, Any], containers: list[dict[str, Any]]) -> None:
@@ -69,7 +94,7 @@ def _containers(spec: dict[str, Any], containers: list[dict[str, Any]]) -> None:
             spec["containers"].append(container)
             continue
         for key, value in container.items():
-            if key == "resources" and isinstance(value, Mapping):
+            if key == "resources":
                 target["resources"] = _resources(target.get("resources") or {}, value)
             elif key in APPENDED_CONTAINER_LISTS or key in MERGED_MAPPINGS:
                 _set(target, key, value)
