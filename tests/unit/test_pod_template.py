@@ -260,6 +260,39 @@ REFUSED_SHAPES = [
 ]
 
 
+REFUSED_ENV = [
+    *(
+        (f"{name} on {where}", {where: [{"name": who, "env": [{"name": name, "value": "0"}]}]})
+        for name in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_VISIBLE_DEVICES")
+        for where, who in (("containers", TRAINER), ("containers", "s"), ("initContainers", "i"))
+    ),
+    *(
+        (
+            f"plain secret on {where}",
+            {where: [{"name": who, "env": [{"name": "HF_TOKEN", "value": "x"}]}]},
+        )
+        for where, who in (("containers", TRAINER), ("containers", "s"), ("initContainers", "i"))
+    ),
+]
+
+
+@pytest.mark.parametrize("case,spec", REFUSED_ENV, ids=[c[0] for c in REFUSED_ENV])
+def test_no_container_sees_other_gpus_or_holds_a_plain_secret(case, spec):
+    [entries] = spec.values()
+    found = problems(job(spec))
+    assert any(f"env[0] {entries[0]['env'][0]['name']}" in p for p in found), (case, found)
+
+
+def test_spec_pod_env_may_not_choose_the_gpus():
+    found = problems(job().pod(env=[{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]))
+    assert any("CUDA_VISIBLE_DEVICES: the device plugin sets" in p for p in found), found
+
+
+def test_the_object_stores_env_is_free_without_an_object_store():
+    env = [{"name": "AWS_REGION", "value": "eu"}]
+    assert loading.parse_spec(job(_trainer(env=env)).pod(env=env).raw())
+
+
 @pytest.mark.parametrize("case,spec,words", REFUSED_SHAPES, ids=[c[0] for c in REFUSED_SHAPES])
 def test_what_the_operator_merges_or_reads_is_shaped_as_the_api_server_wants(case, spec, words):
     found = problems(job(spec))
@@ -318,9 +351,25 @@ def test_sizes_are_bounded_by_limits():
     assert any("nests deeper" in p for p in problems(job({"overhead": deep})))
 
 
+STORAGE = {
+    "endpoint": "https://minio.storage:9000",
+    "region": "eu",
+    "credentialsSecret": "s3",
+    "caConfigMap": "store-ca",
+}
+
+
 def _built(spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A pod with everything optional the builder adds to the trainer: a checkpoint claim, the
+    object store with its credentials and CA, RDMA."""
     parsed = loading.parse_spec(
-        JobBuilder().layout(data=2).checkpoint(claimName="ckpt").pod_template(spec).raw()
+        JobBuilder()
+        .layout(data=2)
+        .checkpoint(claimName="ckpt")
+        .object_storage(**STORAGE)
+        .pod(rdma=True)
+        .pod_template(spec)
+        .raw()
     )
     return builders.build_pod(REF, parsed, 0, 0, "node-a")
 
@@ -332,8 +381,17 @@ def test_every_volume_env_and_label_the_builder_sets_is_refused():
         assert any(f"{volume['name']!r} is a volume of the operator" in p for p in found)
     [trainer] = pod["spec"]["containers"]
     for var in trainer["env"]:
-        override = {"containers": [{"name": TRAINER, "env": [{"name": var["name"], "value": "1"}]}]}
-        assert any(f"{var['name']} is set by the operator" in p for p in problems(job(override)))
+        taken = {"name": var["name"], "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        override = {"containers": [{"name": TRAINER, "env": [taken]}]}
+        stored = job(override).object_storage(**STORAGE)
+        assert any(f"{var['name']} is set by the operator" in p for p in problems(stored)), var
+        in_pod = job().object_storage(**STORAGE).pod(env=[taken])
+        assert problems(in_pod), var
+    for mount in trainer["volumeMounts"]:
+        if mount["name"] == "object-storage-ca":
+            moved = {"volumeMounts": [{"name": "x", "mountPath": mount["mountPath"]}]}
+            found = problems(job(_trainer(**moved)))
+            assert any(f"mountPath {mount['mountPath']} is the operator's" in p for p in found)
     for key in pod["metadata"]["labels"]:
         assert problems(job(labels={key: "x"})), key
 

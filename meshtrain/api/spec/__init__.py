@@ -94,6 +94,8 @@ class TrainingJobSpec(base.SpecModel):
     def _override_leaves_the_gpus(self) -> TrainingJobSpec:
         problem = pod_template.gpu_problem(
             self.pod_template_override, self.resources.gpu_resource_name
+        ) or pod_template.storage_env_problem(
+            self.pod_template_override, [v.name for v in self.pod.env], bool(self.object_storage)
         )
         if problem:
             raise ValueError(problem)

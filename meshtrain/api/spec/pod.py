@@ -111,6 +111,12 @@ RESERVED_ENV_PREFIXES = ("MESHTRAIN_", "PET_", "TORCHELASTIC_")
 """Environment the operator sets for torchrun and the trainer; a job may not override it."""
 RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 """The same, by whole name."""
+GPU_ENV_NAMES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_VISIBLE_DEVICES")
+"""Which GPUs a container sees is the device plugin's to set (the GPUs the pod was given)."""
+GPU_ENV_FIX = (
+    "the device plugin sets which GPUs a container sees (set here, a container could use "
+    "GPUs of other pods on the node): remove it; request GPUs with resources.gpusPerNode"
+)
 SECRET_ENV_NAME = r"(?i)(secret|token|passw(or)?d|api_?key|access_?key|private_?key|credential)"
 """A plain ``value`` under such a name is almost certainly a credential."""
 RESERVED_LABEL_PREFIX = "meshtrain.io/"
@@ -148,6 +154,13 @@ def _env_not_reserved(pod: PodSettings) -> str | None:
                 f"({', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)}, {', '.join(RESERVED_ENV_NAMES)}): "
                 "remove it; the layout comes from spec.parallelism"
             )
+    return None
+
+
+def _env_no_gpu_visibility(pod: PodSettings) -> str | None:
+    for i, var in enumerate(pod.env):
+        if var.name in GPU_ENV_NAMES:
+            return f"env[{i}] {var.name}: {GPU_ENV_FIX}"
     return None
 
 
@@ -233,6 +246,14 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         f"pod.env may not set {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} or "
         f"{', '.join(RESERVED_ENV_NAMES)}: the operator sets them for torchrun and the trainer",
         _env_not_reserved,
+    ),
+    base.Rule(
+        "env-no-gpu-visibility",
+        "spec.pod.env",
+        f"self.pod.env.all(e, !(e.name in {_cel_list(GPU_ENV_NAMES)}))",
+        f"pod.env may not set {', '.join(GPU_ENV_NAMES)}: the device plugin sets which GPUs a "
+        "container sees",
+        _env_no_gpu_visibility,
     ),
     base.Rule(
         "env-no-plain-secrets",

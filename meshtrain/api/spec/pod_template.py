@@ -10,20 +10,23 @@ and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from meshtrain.api import limits
-from meshtrain.api.spec import base, kube_names, pod, pod_template_shape
+from meshtrain.api.spec import base, kube_names, object_storage, pod, pod_template_shape
 
 PATH = "spec.podTemplateOverride"
 TRAINER_CONTAINER = "trainer"
 """The name of the trainer container in every pod: an override container of this name merges into it."""
-OPERATOR_VOLUMES = ("shm", "checkpoints", "spec", "tmp")
+OPERATOR_VOLUMES = ("shm", "checkpoints", "spec", "tmp", object_storage.CA_VOLUME)
 """Volumes the operator mounts in the trainer container (shared memory, the checkpoint claim, the
-job's spec, scratch space)."""
+job's spec, scratch space, the object store's CA)."""
+OPERATOR_MOUNT_PATHS = (object_storage.CA_MOUNT_DIR,)
+"""Fixed mount paths of the trainer container's volumes that a job could otherwise also choose."""
 
 OWNED_POD_FIELDS: Mapping[str, str] = {
     "nodeName": "the operator pins each pod to its planned node by required node affinity; "
@@ -160,9 +163,11 @@ def _owned(spec: Mapping[str, Any]) -> Iterator[str]:
                 f"({', '.join(OPERATOR_VOLUMES)}): choose another name"
             )
     for where, container in _entries(spec, "initContainers"):
+        yield from _env(where, container)
         if container["name"] == TRAINER_CONTAINER:
             yield f"{where}.name {TRAINER_CONTAINER!r} is the trainer container's: choose another name"
     for where, container in _entries(spec, "containers"):
+        yield from _env(where, container)
         if container["name"] == TRAINER_CONTAINER:
             yield from _trainer_owned(where, container)
         elif "restartPolicy" in container:
@@ -172,10 +177,29 @@ def _owned(spec: Mapping[str, Any]) -> Iterator[str]:
             )
 
 
+def _env(where: str, container: Mapping[str, Any]) -> Iterator[str]:
+    """Any container's env: no GPU visibility of its own, no credential in a plain value."""
+    for i, var in enumerate(container.get("env") or []):
+        name = var.get("name")
+        if not isinstance(name, str):
+            continue
+        if name in pod.GPU_ENV_NAMES:
+            yield f"{where}.env[{i}] {name}: {pod.GPU_ENV_FIX}"
+        elif var.get("value") is not None and re.search(pod.SECRET_ENV_NAME, name):
+            yield (
+                f"{where}.env[{i}] {name} looks like a credential but has a plain value, which "
+                "anyone who can read the TrainingJob sees: put it in a Secret and use "
+                "valueFrom.secretKeyRef"
+            )
+
+
 def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
     for key in container:
         if key in OWNED_TRAINER_FIELDS:
             yield f"{where}.{key} is set by the operator: {OWNED_TRAINER_FIELDS[key]}"
+    for i, mount in enumerate(container.get("volumeMounts") or []):
+        if mount.get("mountPath") in OPERATOR_MOUNT_PATHS:
+            yield f"{where}.volumeMounts[{i}].mountPath {mount['mountPath']} is the operator's: choose another"
     env = container.get("env") or []
     if not isinstance(env, list):
         return
@@ -213,6 +237,29 @@ def gpu_problem(override: PodTemplateOverride, gpu_resource: str) -> str | None:
                         f"{where}.resources.{kind}[{gpu_resource!r}] is set by the operator: the "
                         "gang's GPUs are spec.resources.gpusPerNode on the trainer container"
                     )
+    return None
+
+
+def storage_env_problem(
+    override: PodTemplateOverride, pod_env: Sequence[str], storage_set: bool
+) -> str | None:
+    """With ``spec.objectStorage`` set, the operator gives the trainer the S3 client's variables:
+    neither ``spec.pod.env`` (names ``pod_env``) nor the trainer container's env sets them."""
+    if not storage_set:
+        return None
+    named = [(f"spec.pod.env[{i}]", name) for i, name in enumerate(pod_env)]
+    for where, container in _entries(override.spec, "containers"):
+        if container["name"] == TRAINER_CONTAINER:
+            named += [
+                (f"{where}.env[{i}]", v.get("name"))
+                for i, v in enumerate(container.get("env") or [])
+            ]
+    for where, name in named:
+        if name in object_storage.OPERATOR_ENV:
+            return (
+                f"{where} {name} is set by the operator from spec.objectStorage: set the store "
+                "there (endpoint, region, credentialsSecret, caConfigMap) and remove it"
+            )
     return None
 
 

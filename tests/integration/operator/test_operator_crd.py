@@ -152,6 +152,11 @@ INVALID = [
         _rule("env-no-plain-secrets"),
     ),
     (
+        "env choosing the GPUs a container sees",
+        _valid().pod(env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]).manifest(),
+        _rule("env-no-gpu-visibility"),
+    ),
+    (
         "env overriding the operator's variables",
         _valid().pod(env=[{"name": "PET_NNODES", "value": "1"}]).manifest(),
         _rule("env-not-reserved"),
