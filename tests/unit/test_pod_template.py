@@ -332,6 +332,18 @@ def test_the_operators_labels_and_annotations_are_refused():
     assert any("spec.podTemplateOverride.metadata.annotations" in p for p in found), found
 
 
+def test_kueues_labels_and_annotations_are_refused_on_the_pods():
+    queue = {"kueue.x-k8s.io/queue-name": "other"}
+    for where, built in (
+        ("spec.podTemplateOverride.metadata.labels", job(labels=queue)),
+        ("spec.podTemplateOverride.metadata.annotations", job(annotations=queue)),
+        ("spec.pod.labels", job().pod(labels=queue)),
+        ("spec.pod.annotations", job().pod(annotations=queue)),
+    ):
+        found = problems(built)
+        assert any(where in p and "kueue.x-k8s.io/queue-name" in p for p in found), found
+
+
 def test_sizes_are_bounded_by_limits():
     sidecars = [
         {"name": f"s{i}", "image": "x"} for i in range(limits.MAX_POD_OVERRIDE_CONTAINERS + 1)

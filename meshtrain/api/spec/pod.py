@@ -121,6 +121,9 @@ SECRET_ENV_NAME = r"(?i)(secret|token|passw(or)?d|api_?key|access_?key|private_?
 """A plain ``value`` under such a name is almost certainly a credential."""
 RESERVED_LABEL_PREFIX = "meshtrain.io/"
 """Labels the operator selects its pods by."""
+KUEUE_PREFIX = "kueue.x-k8s.io/"
+"""Kueue's labels and annotations: on a pod they would make Kueue manage it apart from the gang's
+Workload (its pod integration), or forge Kueue's own bookkeeping."""
 RESERVED_LABELS = ("app.kubernetes.io/managed-by",)
 """The same, by whole key."""
 
@@ -175,28 +178,30 @@ def _env_no_plain_secrets(pod: PodSettings) -> str | None:
 
 
 def labels_not_reserved(section: str, field: str, name: str) -> base.Rule[Any]:
-    """``spec.<section>.<field>`` (a map of a model at ``section``) uses none of the operator's keys."""
+    """``spec.<section>.<field>`` (a map of a model at ``section``) uses none of the operator's
+    or Kueue's keys."""
+    prefixes = (RESERVED_LABEL_PREFIX, KUEUE_PREFIX)
+    allowed = f"{', '.join(p + '*' for p in prefixes)} or {', '.join(RESERVED_LABELS)}"
 
     def check(judged: Any) -> str | None:
         taken = sorted(
-            k
-            for k in getattr(judged, field)
-            if k.startswith(RESERVED_LABEL_PREFIX) or k in RESERVED_LABELS
+            k for k in getattr(judged, field) if k.startswith(prefixes) or k in RESERVED_LABELS
         )
         if taken:
             return (
-                f"{field} {taken} are the operator's own (it selects its pods by them): "
-                f"choose keys outside {RESERVED_LABEL_PREFIX}* and {', '.join(RESERVED_LABELS)}"
+                f"{field} {taken} are the operator's own or Kueue's (the operator selects its "
+                f"pods by them, Kueue manages pods by them): choose keys outside {allowed}"
             )
         return None
 
     return base.Rule(
         name,
         f"spec.{section}.{field}",
-        f"self.{section}.{field}.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}') && "
-        f"!(k in {_cel_list(RESERVED_LABELS)}))",
-        f"{section}.{field} may not use {RESERVED_LABEL_PREFIX}* or {', '.join(RESERVED_LABELS)} "
-        "(the operator selects its pods by them)",
+        f"self.{section}.{field}.all(k, "
+        + " && ".join(f"!k.startsWith('{p}')" for p in prefixes)
+        + f" && !(k in {_cel_list(RESERVED_LABELS)}))",
+        f"{section}.{field} may not use {allowed} (the operator selects its pods by them, "
+        "Kueue manages pods by them)",
         check,
     )
 
@@ -264,6 +269,7 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         _env_no_plain_secrets,
     ),
     labels_not_reserved("pod", "labels", "labels-not-reserved"),
+    labels_not_reserved("pod", "annotations", "annotations-not-reserved"),
     keys_qualified("pod", "labels", "pod-labels-keys-qualified"),
     keys_qualified("pod", "annotations", "pod-annotations-keys-qualified"),
 )

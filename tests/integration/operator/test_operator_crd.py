@@ -213,6 +213,11 @@ INVALID = [
         _rule("labels-not-reserved"),
     ),
     (
+        "pod annotation of Kueue's",
+        _valid().pod(annotations={"kueue.x-k8s.io/workload": "w"}).manifest(),
+        _rule("annotations-not-reserved"),
+    ),
+    (
         "the GPU resource asked again through extraResources",
         _valid().resources(extraResources={"nvidia.com/gpu": "8"}).manifest(),
         _rule("extra-resources-leave-the-gpu-to-gpus-per-node"),
