@@ -96,7 +96,9 @@ def test_sidecars_tolerations_security_and_metadata_add_to_the_operators():
         labels={"team": "nlp"},
         annotations={"k8s.v1.cni.cncf.io/networks": "rdma-net"},
     )
-    assert built["spec"]["initContainers"] == [sidecar]
+    # the restricted container defaults under the sidecar's own settings
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert built["spec"]["initContainers"] == [{**sidecar, "securityContext": restricted}]
     assert built["spec"]["tolerations"][-1] == {"key": "spot", "operator": "Exists"}
     assert built["spec"]["securityContext"] == {
         **builders.POD_SECURITY,
@@ -270,6 +272,34 @@ def test_capabilities_merge_deep_keeping_drop_all_and_ipc_lock():
     security = trainer(builders.build_pod(REF, spec, 0, 0, "node-a"))["securityContext"]
     assert security["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_PTRACE"]}
     assert security["allowPrivilegeEscalation"] is False
+
+
+def test_added_containers_get_the_restricted_defaults_under_their_own():
+    built = pod(
+        {
+            "initContainers": [{"name": "warm", "image": "x", "securityContext": {"runAsUser": 7}}],
+            "containers": [
+                {"name": "exporter", "image": "x"},
+                {
+                    "name": "probe",
+                    "image": "x",
+                    "securityContext": {"capabilities": {"add": ["NET_RAW"]}},
+                },
+            ],
+        }
+    )
+    [warm] = built["spec"]["initContainers"]
+    exporter, probe = built["spec"]["containers"][1:]
+    assert warm["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsUser": 7,
+    }
+    assert exporter["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert probe["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_RAW"]}
 
 
 def test_kueue_sees_the_jobs_required_terms_pod_resources_and_overhead():

@@ -3,7 +3,9 @@
 The override's metadata adds labels and annotations; its partial PodSpec adds to the pod: lists
 are appended (volumes, init containers, tolerations, ...), mappings merged (securityContext),
 and the container named like the trainer merges into it (env, envFrom, volumeMounts, ports
-appended; resources and securityContext merged) while other containers are added.  A required
+appended; resources and securityContext merged, capabilities deep) while other containers are
+added, each over the restricted container defaults (no privilege escalation, every capability
+dropped) that its own securityContext may add to.  A required
 node affinity is ANDed with the operator's pin to the planned node (:mod:`node_affinity`).  What
 the operator owns was refused before (``meshtrain.api.spec.pod_template``), so nothing here
 replaces it; the API server validates the merged pod.
@@ -30,6 +32,12 @@ APPENDED_CONTAINER_LISTS = (
 MERGED_MAPPINGS = ("securityContext",)
 """Mappings whose keys the override sets, keeping the others (pod and trainer container)."""
 REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+RESTRICTED_CONTAINER: Mapping[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
+"""The restricted Pod Security Standard's container settings, under every added container's own
+(the pod's securityContext already sets seccomp RuntimeDefault and a non-root user)."""
 
 
 def merge(
@@ -41,8 +49,15 @@ def merge(
     metadata["annotations"] = {**metadata.get("annotations", {}), **override.metadata.annotations}
     spec = pod["spec"]
     for key, value in copy.deepcopy(override.spec).items():
-        if key == "containers":
-            _containers(spec, value)
+        if key in ("containers", "initContainers"):
+            for container in value:
+                if container["name"] != pod_template.TRAINER_CONTAINER:  # none is in init
+                    security = container.get("securityContext") or {}
+                    container["securityContext"] = _security(RESTRICTED_CONTAINER, security)
+            if key == "containers":
+                _containers(spec, value)
+            else:
+                _set(spec, key, value)
         elif key == "affinity":
             spec["affinity"] = _affinity(value, node)
         else:
