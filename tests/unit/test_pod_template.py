@@ -344,6 +344,15 @@ def test_kueues_labels_and_annotations_are_refused_on_the_pods():
         assert any(where in p and "kueue.x-k8s.io/queue-name" in p for p in found), found
 
 
+def test_the_pods_annotations_are_bounded_together():
+    count = limits.MAX_POD_ANNOTATION_BYTES // 2 // 4000
+    within = {f"example.com/a{i}": "x" * 4000 for i in range(count)}
+    assert loading.parse_spec(job(annotations=within).pod(annotations=within).raw())
+    over = {**within, "example.com/b": "x" * 4000}
+    found = problems(job(annotations=over).pod(annotations=over))
+    assert any(f"at most {limits.MAX_POD_ANNOTATION_BYTES}" in p for p in found), found
+
+
 def test_sizes_are_bounded_by_limits():
     sidecars = [
         {"name": f"s{i}", "image": "x"} for i in range(limits.MAX_POD_OVERRIDE_CONTAINERS + 1)

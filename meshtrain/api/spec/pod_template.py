@@ -263,6 +263,23 @@ def storage_env_problem(
     return None
 
 
+def annotations_problem(
+    override: PodTemplateOverride, pod_annotations: Mapping[str, str]
+) -> str | None:
+    """The pods' annotations (``spec.pod``'s and the override's) within their bound."""
+    size = sum(
+        len(k) + len(v)
+        for annotations in (pod_annotations, override.metadata.annotations)
+        for k, v in annotations.items()
+    )
+    if size > limits.MAX_POD_ANNOTATION_BYTES:
+        return (
+            f"spec.pod.annotations and {PATH}.metadata.annotations hold {size} bytes; at most "
+            f"{limits.MAX_POD_ANNOTATION_BYTES}: keep large values in a ConfigMap"
+        )
+    return None
+
+
 METADATA = "podTemplateOverride.metadata"
 RULES: tuple[base.Rule[OverrideMetadata], ...] = (
     pod.labels_not_reserved(METADATA, "labels", "pod-template-labels-not-reserved"),
