@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
 from meshtrain.api import limits, loading
 from meshtrain.api.spec import pod_template
+from meshtrain.cli import main
 from meshtrain.operator.policy import builders, identity
 from tests.builders import JobBuilder
 
@@ -473,3 +475,28 @@ def test_every_field_the_builder_sets_is_owned_merged_or_open():
             "ports",
             "securityContext",
         ), key
+
+
+def test_validate_warns_that_preferences_choose_nothing(tmp_path, capsys):
+    preferred = {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 1,
+                    "preference": {"matchExpressions": [{"key": "z", "operator": "Exists"}]},
+                }
+            ]
+        }
+    }
+    spread = {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    path = tmp_path / "job.yaml"
+    for override in ({"affinity": preferred}, {"topologySpreadConstraints": [spread]}):
+        path.write_text(yaml.safe_dump(job(override).checkpoint(claimName="c").manifest()))
+        assert main.main(["validate", str(path)]) == 0
+        assert (
+            "warning: spec.podTemplateOverride.spec: preferred node affinity"
+            in capsys.readouterr().err
+        )
+    path.write_text(yaml.safe_dump(job({"affinity": {}}).checkpoint(claimName="c").manifest()))
+    assert main.main(["validate", str(path)]) == 0
+    assert "warning" not in capsys.readouterr().err

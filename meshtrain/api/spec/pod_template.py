@@ -280,6 +280,24 @@ def annotations_problem(
     return None
 
 
+def placement_warning(override: PodTemplateOverride) -> str | None:
+    """Why part of the override's placement does nothing (``meshtrain validate`` warns): each pod
+    is pinned to the one node the operator planned, so preferences choose nothing."""
+    spec = override.spec
+    affinity = spec.get("affinity") or {}
+    nodes = affinity.get("nodeAffinity") or {}
+    spreads = spec.get("topologySpreadConstraints") or []
+    if nodes.get("preferredDuringSchedulingIgnoredDuringExecution") or any(
+        s.get("whenUnsatisfiable") == "ScheduleAnyway" for s in spreads
+    ):
+        return (
+            f"{PATH}.spec: preferred node affinity and ScheduleAnyway spreads choose nothing (each "
+            "pod is pinned to the node the operator planned): use required terms or "
+            "spec.resources.nodeSelector"
+        )
+    return None
+
+
 METADATA = "podTemplateOverride.metadata"
 RULES: tuple[base.Rule[OverrideMetadata], ...] = (
     pod.labels_not_reserved(METADATA, "labels", "pod-template-labels-not-reserved"),
