@@ -579,3 +579,33 @@ def test_a_workload_counting_an_overrides_sidecar_and_containers_is_accepted_by_
     assert [c["name"] for c in pod_set["initContainers"]] == ["ship-logs"]
     assert pod_set["initContainers"][0]["restartPolicy"] == "Always"
     assert [c["name"] for c in pod_set["containers"]] == ["trainer", "exporter"]
+
+
+def test_a_workload_carrying_an_overrides_required_terms_and_overhead_is_accepted_by_kueue(
+    queued,
+) -> None:
+    """The Workload keeps the override's required node terms (less the pin), pod-level resources
+    and overhead through Kueue's schema and webhooks (server-side dry run: no quota taken)."""
+    cluster, _operator = queued
+    gpu = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+    required = {"nodeSelectorTerms": [gpu]}
+    override = {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}},
+        "resources": {"requests": {"cpu": "8", "memory": "16Gi"}},
+        "overhead": {"memory": "1Gi"},
+    }
+    spec = loading.parse_spec(
+        JobBuilder("affine", NS, pool="kq").layout(data=8).gpus(8).pod_template(override).raw()
+    )
+    ref = identity.JobRef("affine", NS, "00000000-0000-0000-0000-000000000002")
+    template = builders.build_pod(ref, spec, 0, 0, "")
+    body = kueue_workload.build_workload(
+        ref, spec, kueue_workload.Queue(QUEUE, None), template, kueue_workload.Priority(0)
+    )
+    stored = cluster.custom.create_namespaced_custom_object(
+        kueue_workload.GROUP, kueue_workload.VERSION, NS, kueue_workload.PLURAL, body, dry_run="All"
+    )
+    pod_set = stored["spec"]["podSets"][0]["template"]["spec"]
+    assert pod_set["affinity"] == override["affinity"]
+    assert pod_set["overhead"] == {"memory": "1Gi"}
+    assert pod_set["resources"] == {"requests": {"cpu": "8", "memory": "16Gi"}}

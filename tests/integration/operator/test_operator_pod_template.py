@@ -124,6 +124,25 @@ def test_an_owned_field_fails_the_job_naming_the_field(cluster, operator, namesp
     assert operator.alive()
 
 
+def test_a_badly_shaped_override_fails_the_job_and_the_operator_lives_on(
+    cluster, operator, namespace, pool
+):
+    """Once a crash of placement (AttributeError in feasibility), retried by kopf for ever."""
+    cluster.add_node(pool, gpus=8)
+    required = {"nodeSelectorTerms": [{"matchExpressions": "abc"}]}
+    shaped = {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    }
+    job = JobBuilder("shaped-badly", namespace, pool).layout(data=2).pod_template(shaped)
+    cluster.apply(job)
+    cluster.wait_phase(namespace, "shaped-badly", "Failed")
+    failed = cluster.condition(namespace, "shaped-badly", "Failed")
+    assert failed["reason"] == conditions.INVALID_SPEC
+    assert "nodeSelectorTerms[0].matchExpressions must be a list" in failed["message"]
+    assert cluster.pods(namespace, "shaped-badly") == []
+    assert operator.alive()
+
+
 def test_a_merged_pod_the_api_server_refuses_is_reported_in_its_words_with_backoff(
     cluster, operator, namespace, pool
 ):
