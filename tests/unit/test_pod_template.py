@@ -210,7 +210,8 @@ REFUSED_SHAPES = [
     ),
     ("In without values", _required(_expression(key="a", operator="In")), "must be non-empty"),
     ("bad operator", _required(_expression(key="a", operator="Is")), ".operator must be one of"),
-    ("no key", _required(_expression(operator="Exists")), ".key must be a non-empty string"),
+    ("no key", _required(_expression(operator="Exists")), ".key must be a label key"),
+    ("bad key", _required(_expression(key="a b", operator="Exists")), ".key must be a label key"),
     (
         "Exists with values",
         _required(_expression(key="a", operator="Exists", values=["b"])),

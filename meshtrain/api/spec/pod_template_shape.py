@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from meshtrain.api.spec import kube_names
 from meshtrain.api.spec import resources as api_resources
 
 POD_LISTS = (
@@ -191,8 +192,8 @@ def _requirement(requirement: Any, path: str, field: bool) -> Iterator[str]:
         return
     key, operator = requirement.get("key"), requirement.get("operator")
     values = requirement.get("values", [])
-    if not isinstance(key, str) or not key:
-        yield f"{path}.key must be a non-empty string"
+    if not isinstance(key, str) or not (field or kube_names.is_qualified_name(key)):
+        yield f"{path}.key must be a label key (a qualified name, e.g. example.com/gpu)"
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         yield f"{path}.values must be a list of strings"
         return
