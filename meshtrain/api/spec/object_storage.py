@@ -31,6 +31,18 @@ CA_MOUNT_DIR = "/etc/meshtrain/object-storage-ca"
 """Where the operator mounts :attr:`ObjectStorage.ca_config_map` read-only."""
 CA_KEY = "ca.crt"
 """Key of the CA ConfigMap holding the PEM bundle."""
+CA_VOLUME = "object-storage-ca"
+"""The volume of :attr:`ObjectStorage.ca_config_map` in every pod."""
+OPERATOR_ENV = (
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_CA_BUNDLE",
+    ACCESS_KEY_ID,
+    SECRET_ACCESS_KEY,
+    SESSION_TOKEN,
+)
+"""Variables the operator sets from this section (besides ``MESHTRAIN_*``): a job sets none."""
 
 
 class ObjectStorage(base.SpecModel):
