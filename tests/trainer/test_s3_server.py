@@ -95,3 +95,13 @@ def test_a_failed_ranged_read_names_the_failing_object(s3_server):
     storage.write_bytes(f"{url}/present", b"x" * 100)
     with pytest.raises(FileNotFoundError, match="absent"):
         storage.read_ranges([(f"{url}/present", 0, 10), (f"{url}/absent", 0, 10)])
+
+
+def test_ranged_reads_past_their_deadline_are_said_with_the_url(s3_server, monkeypatch):
+    url = s3_server.make_bucket("deadline") + "/slow"
+    storage.write_bytes(url, b"x" * 100)
+    monkeypatch.setattr(storage, "READ_DEADLINE_S", 1e-6)
+    with pytest.raises(
+        storage.ObjectStorageError, match=rf"{url}: 1 ranged reads got no full answer"
+    ):
+        storage.read_ranges([(url, 0, 10)])

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import fsspec.asyn
 import s3fs
 
 from meshtrain.api.spec import object_storage, urls
@@ -47,6 +48,8 @@ READ_TIMEOUT_S = 20
 """Seconds a started response may stall before a try fails: a stalled store fails a request within
 about ``DEFAULT_ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S)`` = 90 s, below the 300 s process-group
 timeout, and the error names the URL instead of showing up as an NCCL timeout."""
+READ_DEADLINE_S = 120
+"""Seconds one round of :func:`read_ranges` may take in all (a store that answers, slowly, forever)."""
 PROBE_PREFIX = ".meshtrain-probe-"
 """Name prefix of the short-lived object that tests a bucket's conditional writes (:func:`write_bytes`)."""
 READ_CONCURRENCY = 32
@@ -205,15 +208,7 @@ def read_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
     """The bytes ``[start, end)`` of each (url, start, end), fetched concurrently; each must be whole."""
     if not requests:
         return []
-    paths = [_key(url) for url, _, _ in requests]
-    starts = [start for _, start, _ in requests]
-    ends = [end for _, _, end in requests]
-    found = _call(
-        _where(requests),
-        lambda fs: fs.cat_ranges(
-            paths, starts, ends, batch_size=READ_CONCURRENCY, on_error="return"
-        ),
-    )
+    found = _call(_where(requests), lambda fs: _cat_ranges(fs, requests))
     failed = [
         (where, data)
         for (where, _, _), data in zip(requests, found)
@@ -231,6 +226,29 @@ def read_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
                 "(the object changed or was truncated while training)"
             )
     return [bytes(data) for data in found]
+
+
+def _cat_ranges(fs: Any, requests: list[tuple[str, int, int]]) -> list[Any]:
+    """s3fs's concurrent ranged GETs (each result its bytes or its error), within :data:`READ_DEADLINE_S`."""
+    try:
+        return list(
+            fsspec.asyn.sync(
+                fs.loop,
+                fs._cat_ranges,
+                [_key(url) for url, _, _ in requests],
+                [start for _, start, _ in requests],
+                [end for _, _, end in requests],
+                batch_size=READ_CONCURRENCY,
+                on_error="return",
+                timeout=READ_DEADLINE_S,
+            )
+        )
+    except fsspec.asyn.FSTimeoutError:
+        raise ObjectStorageError(
+            f"{_where(requests)}: {len(requests)} ranged reads got no full answer within "
+            f"{READ_DEADLINE_S} s: check that the store (spec.objectStorage.endpoint) is reachable "
+            "and not overloaded"
+        ) from None
 
 
 def _where(requests: list[tuple[str, int, int]]) -> str:
