@@ -202,14 +202,15 @@ def with_config(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
     stated value that differs from the file's, naming both; what it leaves
     out (a preset's value included) is the file's (:func:`.config_json.stated`).
     A job without ``fromHF``, or whose directory has no readable config, is
-    returned as is (:func:`check_directory` says what is wrong).
+    returned as is (:func:`check_directory` says what is wrong). An ``s3://``
+    directory is read from its local copy (:func:`.storage.local_path`).
     """
     if not job.model.init.from_hf:
         return job
-    directory = Path(job.model.init.from_hf).expanduser()
     try:
+        directory = storage.local_path(job.model.init.from_hf, config_json.FIELD).expanduser()
         stated = config_json.stated(directory)
-    except config_json.HFError:
+    except (config_json.HFError, storage.ObjectStorageError):
         return job
     raw = job.model_dump(by_alias=True, exclude_none=True)
     taken = {key: value for key, value in stated.items() if key not in raw["model"]}
