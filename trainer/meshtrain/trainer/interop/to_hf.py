@@ -5,7 +5,8 @@ Shards are written as transformers writes them (``model-00001-of-0000N.safetenso
 in memory at a time.  Everything is written into a temporary sibling directory first
 (:func:`staged`) and moved into place only once complete, so no file of the target directory
 (the model the checkpoint was imported from, say) is removed or overwritten before its
-replacement is whole; the files get the umask's modes.
+replacement is whole; the files get the umask's modes. Moving them in removes the old config and
+index first, so a crash midway leaves a directory that fails to load, never two exports mixed.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ WEIGHT_FILES = (config_json.WEIGHTS, config_json.WEIGHTS_INDEX, "model-*-of-*.sa
 """Names (globs) of an export's weights: an earlier export's that the new one does not rewrite are
 stale (a stale shard would be loaded beside the new ones) and go once the new files are in place."""
 _PUBLISH_LAST = (config_json.WEIGHTS_INDEX, config_json.CONFIG)
-"""Moved into place after the shards they name, so a reader never finds an index without its shards."""
+"""Moved into place after the shards they name, config last: a loader finds nothing to load before."""
+_ENTRY_POINTS = (config_json.WEIGHTS_INDEX, config_json.WEIGHTS, config_json.CONFIG)
+"""What a loader opens first: an earlier export's go before any new file arrives, so that a crash
+midway leaves a directory that fails to load (no config, no index), never old and new shards mixed."""
 
 
 @contextlib.contextmanager
@@ -86,6 +90,16 @@ def staged(directory: str | Path, replaces: tuple[str, ...] = WEIGHT_FILES) -> I
 
 
 def _publish(staging: Path, directory: Path, replaces: tuple[str, ...]) -> None:
+    """Move the staged files into ``directory``, so that no crash leaves a loadable mix of two exports.
+
+    Shards of two exports share names (``model-00001-of-00003.safetensors``),
+    so a crash between two renames could leave new and old shards under the
+    old index. Hence: the old entry points (:data:`_ENTRY_POINTS`) go first,
+    then the new shards and other files, then the index and the config
+    (:data:`_PUBLISH_LAST`), then the stale shards the new index does not
+    name. Interrupted, the directory has no ``config.json``, which
+    transformers and :func:`.from_hf.check_directory` refuse: export again.
+    """
     written = sorted(p.name for p in staging.iterdir())
     for name in written:
         file_modes.publish(staging / name)  # mkdtemp's 0700, safetensors' 0600
@@ -93,10 +107,17 @@ def _publish(staging: Path, directory: Path, replaces: tuple[str, ...]) -> None:
         file_modes.publish(staging)
         os.rename(staging, directory)
         return
-    for name in sorted(written, key=lambda n: n in _PUBLISH_LAST):
+
+    def replaced(name: str) -> bool:
+        return name in written or any(fnmatch.fnmatch(name, g) for g in replaces)
+
+    for name in _ENTRY_POINTS:
+        if replaced(name):
+            (directory / name).unlink(missing_ok=True)
+    for name in sorted(written, key=lambda n: (n in _PUBLISH_LAST, n == config_json.CONFIG)):
         os.replace(staging / name, directory / name)
     for old in sorted(directory.iterdir()):
-        if old.name not in written and any(fnmatch.fnmatch(old.name, g) for g in replaces):
+        if old.name not in written and replaced(old.name):
             old.unlink(missing_ok=True)
 
 
