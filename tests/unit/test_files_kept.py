@@ -10,6 +10,8 @@
   kept; an output URL is refused naming ``-o/--output`` (no local ``s3:`` directory appears);
   an existing output whose parent an unprivileged user may not write is staged inside it, and a
   new one there is refused naming ``-o/--output`` (the kernel's permission checks, as uid 65534);
+* ``data prepare`` into a previous run's output that fails once the new token file is in place
+  leaves no metadata beside it (the previous run's would vouch for the new file's ids);
 * the files get the modes a plain ``open()`` gets under the process umask (the OS is the
   reference: a file created here with ``open`` under the same umask), for 022 and 027.
 
@@ -34,7 +36,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from meshtrain.api.spec import model as api_model
 from meshtrain.cli import main
-from meshtrain.trainer.data import file_modes
+from meshtrain.trainer.data import file_modes, token_files, vocab_scan
 from meshtrain.trainer.interop import to_hf
 from meshtrain.trainer.models import gpt, llama
 from tests.builders import LLAMA_TINY
@@ -264,3 +266,24 @@ def test_an_output_whose_parent_is_read_only_is_staged_inside_it():
     finally:
         parent.chmod(0o755)
         shutil.rmtree(base)
+
+
+def test_prepare_failing_after_the_new_tokens_are_in_place_leaves_no_old_metadata(
+    tmp_path, monkeypatch
+):
+    tok = _tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "a.txt").write_text("w2 w3 w4 w5 " * 10)
+    (tmp_path / "b.txt").write_text("w7 " * 30)
+    out = tmp_path / "out" / "tokens.bin"
+    assert _prepare([tmp_path / "a.txt"], tok, out) == 0
+    assert token_files.metadata_path(out).is_file()
+
+    def crash(path):
+        raise OSError("injected: the machine went down")
+
+    monkeypatch.setattr(vocab_scan, "sampled_digest", crash)  # read once the tokens are in place
+    with pytest.raises(OSError, match="injected"):
+        _prepare([tmp_path / "b.txt"], tok, out)
+
+    assert out.stat().st_size == (30 + 1) * 2  # the new run's tokens and its end-of-text
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tokens.bin"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -100,19 +99,6 @@ def largest_id(path: Path, dtype: str) -> int | None:
     return None
 
 
-def _write_atomically(target: Path, text: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        file_modes.publish(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def record(path: Path, dtype: str, max_id: int, fingerprint_before: dict[str, Any]) -> Path | None:
     """Record the scan's result, if the file did not change while it was scanned; returns where.
 
@@ -123,7 +109,7 @@ def record(path: Path, dtype: str, max_id: int, fingerprint_before: dict[str, An
     text = json.dumps({**fingerprint_before, "max_id": max_id}, indent=2) + "\n"
     for target in (beside(path), in_cache(path)):
         try:
-            _write_atomically(target, text)
+            file_modes.write_atomically(target, text)
             return target
         except OSError:
             continue
