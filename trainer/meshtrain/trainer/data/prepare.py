@@ -193,6 +193,7 @@ def prepare(
         "bytes": output.stat().st_size,
         "max_id": max_id,
         "sample_sha256": vocab_scan.sampled_digest(output),
+        "written": vocab_scan.identity(output),
         "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
         "inputs": [str(p) for p in inputs],
     }

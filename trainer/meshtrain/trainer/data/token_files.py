@@ -201,8 +201,9 @@ def prepared_largest_id(path: Path, dtype: str) -> int | None:
 
     Checked cheaply: the element type, the byte count and the digest of
     sampled blocks (:func:`.vocab_scan.sampled_digest`, 1 MiB read) must
-    match; metadata without them (older) or that does not match vouches for
-    nothing.
+    match, and the file ``data prepare`` wrote (same device and inode, its
+    ``written`` record) must not have been written since; metadata without
+    them (older) or that does not match vouches for nothing.
     """
     try:
         meta = json.loads(metadata_path(path).read_text())
@@ -211,6 +212,8 @@ def prepared_largest_id(path: Path, dtype: str) -> int | None:
     if not isinstance(meta, dict) or not isinstance(meta.get("max_id"), int):
         return None
     if meta.get("dtype") != dtype or meta.get("bytes") != path.stat().st_size:
+        return None
+    if vocab_scan.edited_in_place(path, meta.get("written")):
         return None
     if meta.get("sample_sha256") != vocab_scan.sampled_digest(path):
         return None
