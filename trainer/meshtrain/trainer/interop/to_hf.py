@@ -100,9 +100,8 @@ def staged(directory: str | Path, replaces: tuple[str, ...] = WEIGHT_FILES) -> I
     (``.NAME.tmp-HOST-PID-*``), or inside it when its parent is not
     writable; an earlier export's left there is removed first (:func:`remove_stale`).
     """
-    directory = local_output(
-        directory
-    ).resolve()  # staged beside it: renames stay on its filesystem
+    # the real directory (not a symlink to it): staged beside it, renames stay on its filesystem
+    directory = local_output(directory).resolve()
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(
             f"-o/--output {directory}: a file, not a directory: name a directory"
