@@ -6,8 +6,9 @@
   window read is refused naming the object;
 * ``model.init.fromHF`` from a bucket: the directory's model files are copied once into the cache
   (not its other objects) and the imported weights equal those imported from the local directory;
-  a directory above the size bound is refused naming the field and the fix; a run started from the
-  bucket's directory trains the losses of a run started from the local one.
+  a directory above the size bound is refused naming the field and the fix; the values a spec
+  leaves out are taken from the bucket's ``config.json``; a run started from the bucket's directory
+  trains the losses of a run started from the local one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import s3fs
 import torch
 import transformers
 
+from meshtrain.api import loading
 from meshtrain.api.spec import model as api_model
 from meshtrain.trainer import launch, storage
 from meshtrain.trainer.data import batches, token_files
@@ -187,6 +189,37 @@ def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
         config_json.HFError, match=rf"spec.model.init.fromHF: {bucket}/llama2 holds"
     ):
         from_hf.check_directory(f"{bucket}/llama2", config)
+
+
+def test_values_a_spec_leaves_out_are_taken_from_config_json_in_a_bucket(s3_server, tmp_path):
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=160,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-6,
+            rope_theta=250000.0,
+        )
+    ).save_pretrained(tmp_path / "hf")
+    url = s3_server.make_bucket("silent-models") + "/llama"
+    _client(s3_server).put(str(tmp_path / "hf"), url, recursive=True)
+    stated = {"family": "llama", "layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32}
+    raw = (
+        JobBuilder.cpu_run()
+        .model({**stated, "init": {"fromHF": url}})
+        .object_storage(endpoint=s3_server.endpoint)
+        .raw()
+    )
+
+    shape = from_hf.check_spec(loading.parse_spec(raw)).model.shape()
+
+    assert (shape.kv_heads, shape.ffn_hidden, shape.norm_eps) == (2, 160, 1e-6)
+    assert shape.rope_theta == 250000.0
 
 
 def _first_losses(tmp_path: Path, name: str, from_hf: str, endpoint: str) -> list[float]:
