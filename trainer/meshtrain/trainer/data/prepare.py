@@ -142,7 +142,7 @@ def prepare(
     prefix, _ = special_tokens.document_template(tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
-    count = documents_count = 0
+    count = documents_count = squares = 0  # squares: sum of squared document lengths
     max_id = -1  # recorded, so no rank of a job scans the file for it (token_files.largest_ids)
     total_bytes = sum(p.stat().st_size for p in inputs)
     try:
@@ -161,7 +161,9 @@ def prepare(
                 ids: list[int] = []
                 documents_count += len(encoded)
                 for e in encoded:
-                    ids += document_ids(e.ids, eos)
+                    document = document_ids(e.ids, eos)
+                    ids += document
+                    squares += len(document) ** 2
                 flat = np.asarray(ids, dtype=np.int64)
                 out.write(flat.astype(token_files.DTYPES[dtype]).tobytes())
                 count += len(flat)
@@ -177,6 +179,8 @@ def prepare(
         "vocab": vocab,
         "tokens": count,
         "documents": documents_count,
+        # sum(d^2) / sum(d): the documents' attention-weighted length (training.documentLength)
+        "attention_length": round(squares / count, 1) if count else 0,
         "eos_id": eos,
         "bos_id": special.bos,
         "pad_id": special.pad,
