@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meshtrain.api import loading
-from meshtrain.planner import comm, precision, profiles
+from meshtrain.planner import comm, memory, precision, profiles
 from meshtrain.planner.timing import stage_work, step_time
 from meshtrain.trainer.data import batches, dataset, epochs, token_files
 from meshtrain.trainer.models import documents, gpt, llama
@@ -298,3 +298,36 @@ def test_every_layer_shares_one_mask_and_one_pair_of_rotary_tables(family):
             for p in ptrs
         }
         assert len(tables) == 2  # cos and sin
+
+
+def _saved_bytes(model, tokens, docs) -> int:
+    """Bytes autograd keeps for a forward of ``model`` (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.features(tokens, docs)
+    return sum(storages.values())
+
+
+def test_the_planner_counts_what_autograd_keeps_for_the_documents():
+    """The memory model's documentMask bytes (one mask and one pair of rotary tables per
+    micro-batch, k and v repeated per block) are what the real model's autograd keeps beyond an
+    unmasked forward, measured (fp32, grouped-query Llama)."""
+    model, config = _llama()
+    tokens = torch.randint(0, 8, (2, config.seq_len), generator=torch.Generator().manual_seed(4))
+    extra = _saved_bytes(model, tokens, documents.of_tokens(tokens, EOS)) - _saved_bytes(
+        model, tokens, None
+    )
+    job = loading.parse_spec(JobBuilder.cpu_run().model(LLAMA_TINY).raw())
+    shared, per_block = memory.document_bytes(job.model.shape(), 2, 1, precision.FP32)
+    assert shared + config.layers * per_block == extra
+    masked = loading.parse_spec(
+        JobBuilder.cpu_run().model(LLAMA_TINY).training(dataset="/d/t.bin", documentMask=True).raw()
+    )
+    cpu = profiles.get("cpu")
+    worst = memory.plan_memory(masked, cpu).worst.activations
+    assert worst > memory.plan_memory(job, cpu).worst.activations  # counted in the plan
