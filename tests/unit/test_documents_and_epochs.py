@@ -331,3 +331,19 @@ def test_the_planner_counts_what_autograd_keeps_for_the_documents():
     cpu = profiles.get("cpu")
     worst = memory.plan_memory(masked, cpu).worst.activations
     assert worst > memory.plan_memory(job, cpu).worst.activations  # counted in the plan
+
+
+def test_an_epoch_resume_over_other_data_is_refused_naming_the_datasets(tmp_path):
+    """The saved window count indexes one permutation: other files (or other sizes, another
+    seq_len) would silently draw another order, so the resume is refused."""
+    files = _files(tmp_path, [8 * 13 + 1, 8 * 4 + 1])
+    first = _sampler(files)
+    for _ in range(3):
+        first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    _sampler(files).load_state_dict(state)  # the same data: accepted
+    for other in ([8 * 14 + 1, 8 * 4 + 1], [8 * 4 + 1, 8 * 13 + 1], [8 * 13 + 1]):
+        with pytest.raises(ValueError, match=r"spec.training.datasets .*new checkpoint.path"):
+            _sampler(_files(tmp_path, other)).load_state_dict(state)
+    older = {k: v for k, v in state.items() if not k.startswith("order_") and k != "seq_len"}
+    _sampler(_files(tmp_path, [8 * 14 + 1])).load_state_dict(older)  # no record: as before
