@@ -183,6 +183,16 @@ def test_document_mask_needs_an_end_of_text_id_and_names_the_field(tmp_path):
     assert dataset.document_end([path]) == 0
 
 
+def test_document_mask_refuses_a_begin_of_text_that_is_the_end_of_text(tmp_path):
+    """bos == eos with a begin-of-text before every document: each would close a document."""
+    meta = {"dtype": "uint16", "eos_id": 7, "bos_id": 7, "bos_per_document": True}
+    path = _doc_file(tmp_path, meta)
+    with pytest.raises(dataset.DatasetError, match=r"spec.training.documentMask: .*one-token"):
+        dataset.document_end([path])
+    token_files.metadata_path(path).write_text(json.dumps(meta | {"bos_per_document": False}))
+    assert dataset.document_end([path]) == 7  # GPT-2: one id for both, no prefix
+
+
 def test_document_mask_refuses_the_byte_corpus_in_the_spec():
     with pytest.raises(ValueError, match=r"spec.training.documentMask: .*stdlib"):
         loading.parse_spec(JobBuilder.cpu_run().training(documentMask=True).raw())
