@@ -357,3 +357,13 @@ def test_an_epoch_resume_over_other_data_is_refused_naming_the_datasets(tmp_path
             _sampler(_files(tmp_path, other)).load_state_dict(state)
     older = {k: v for k, v in state.items() if not k.startswith("order_") and k != "seq_len"}
     _sampler(_files(tmp_path, [8 * 14 + 1])).load_state_dict(older)  # no record: as before
+
+
+def test_the_mask_rows_are_aligned_for_the_memory_efficient_kernel():
+    """A window of 30 tokens: rows stride 32 keys, so CUDA's kernel takes the mask as it is."""
+    tokens = torch.randint(0, 8, (2, 30), generator=torch.Generator().manual_seed(5))
+    mask = documents.of_tokens(tokens, EOS).mask
+    assert mask.shape == (2, 1, 30, 30) and mask.stride(-2) % documents.MASK_ALIGNMENT == 0
+    q = torch.randn(2, 2, 30, 4)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.contiguous())
+    torch.testing.assert_close(gpt.attend(q, q, q, recompute=False, mask=mask), dense)

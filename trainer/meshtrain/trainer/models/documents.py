@@ -20,6 +20,9 @@ import dataclasses
 
 import torch
 
+MASK_ALIGNMENT = 16
+"""Keys a mask row's stride is a multiple of (what CUDA's memory-efficient SDPA kernel wants)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
@@ -55,7 +58,12 @@ def of_tokens(tokens: torch.Tensor, eos: int, dtype: torch.dtype = torch.float32
     same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
     allowed = (same & causal).unsqueeze(1)  # (B, 1, T, T)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
+    # rows padded to a multiple of 16 keys: CUDA's memory-efficient kernel would otherwise
+    # pad a copy of the mask at every call (and every layer would keep its own)
+    padded = torch.zeros(
+        batch, 1, seq, seq + (-seq) % MASK_ALIGNMENT, dtype=dtype, device=tokens.device
+    )
+    bias = padded[..., :seq]  # (B, 1, T, T) view
     return Documents(positions=index - first, mask=bias.masked_fill_(~allowed, float("-inf")))
 
 
