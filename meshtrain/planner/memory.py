@@ -132,6 +132,27 @@ def layer_activation_bytes(
     return s * b * per_token + rope_tables
 
 
+def document_bytes(
+    shape: api_model.ModelShape, micro_batch: int, tensor: int, scheme: precision.StateScheme
+) -> tuple[float, float]:
+    """``training.documentMask``'s extra activation bytes on one rank: (per micro-batch, per block).
+
+    Per micro-batch, shared by the stage's blocks: the additive (B, 1, T, T) mask in the
+    matmul dtype and Llama's (B, T, hd) fp32 rotary cos and sin of per-document positions.  Per
+    block (Llama with grouped-query attention): k and v repeated to every query head for the
+    masked kernel, less the (T, hd) rotary tables a block no longer builds.
+    """
+    s, b, hd = shape.seq_len, micro_batch, shape.head_dim
+    shared = b * s * s * scheme.matmul_bytes
+    if shape.family != "llama":
+        return shared, 0.0
+    heads = max(shape.heads // tensor, 1)
+    repeated = 2 * b * s * heads * hd * scheme.matmul_bytes
+    if heads == parameters.kv_heads_per_rank(shape, tensor):
+        repeated = 0  # no grouped-query attention: nothing repeated
+    return shared + 2 * b * s * hd * 4, repeated - 2 * s * hd * 4
+
+
 def checkpointed_layer_bytes(
     shape: api_model.ModelShape,
     micro_batch: int,
@@ -529,6 +550,10 @@ def _activations(
         activations = flight * layers * layer.checkpointed + layer.kept
     else:
         activations = flight * layers * layer.kept + layer.rebuilt
+    if job.training.document_mask:
+        shared, per_block = document_bytes(shape, job.training.micro_batch, par.tensor, scheme)
+        blocks = 1 if job.training.activation_checkpointing else flight * layers
+        activations += flight * shared + blocks * per_block
     if stage == par.pipeline - 1:
         head_flight = par.micro_batches if _schedule(job) == "gpipe" else 1
         activations += head_flight * head_activation_bytes(

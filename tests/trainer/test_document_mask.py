@@ -165,9 +165,18 @@ def _mfu_steps(raw: dict) -> list[dict]:
     return out
 
 
-def test_mfu_counts_each_documents_attention_square(documents_file):
+MFU_LAYOUTS = {
+    "dp2": JobBuilder.cpu_run().layout(data=2),
+    "tp2": JobBuilder.cpu_run().layout(tensor=2),
+    "pp2": JobBuilder.cpu_run().layout(pipeline=2).parallelism(schedule="1f1b", microBatches=2),
+}
+"""Each rank adds 1 / (tensor x pipeline) of its replica's squares: every divisor exercised."""
+
+
+@pytest.mark.parametrize("layout", list(MFU_LAYOUTS))
+def test_mfu_counts_each_documents_attention_square(layout, documents_file):
     """model FLOPs = 6 N tokens + 12 L H sum(d^2) over the documents the batch really holds."""
-    builder = masked(JobBuilder.cpu_run().layout(data=2), documents_file)
+    builder = masked(MFU_LAYOUTS[layout], documents_file)
     raw = builder.metrics(peakFlops=1e12).raw()
     ranks = mt_harness.run_distributed(_mfu_steps, 2, raw)
     job = loading.parse_spec(raw)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from meshtrain.api import loading
-from meshtrain.planner import comm, precision, profiles
+from meshtrain.planner import comm, memory, precision, profiles
 from meshtrain.planner.timing import stage_work, step_time
 from meshtrain.trainer.data import batches, dataset, epochs, token_files
-from meshtrain.trainer.models import documents, gpt
-from tests.builders import JobBuilder
+from meshtrain.trainer.models import documents, gpt, llama
+from tests.builders import LLAMA_TINY, JobBuilder
 
 EOS = 0
 
@@ -52,13 +52,14 @@ def test_positions_restart_after_every_end_of_text():
 
 def test_mask_lets_a_token_see_only_its_own_documents_past():
     rows = _rows()
-    mask = documents.of_tokens(rows, EOS).mask
-    assert mask.shape == (4, 1, 24, 24) and mask.dtype == torch.bool
+    mask = documents.of_tokens(rows, EOS, torch.bfloat16).mask
+    assert mask.shape == (4, 1, 24, 24) and mask.dtype == torch.bfloat16  # additive, q's dtype
     for b, row in enumerate(rows.tolist()):
         owner = [d for d, doc in enumerate(_documents_of(row)) for _ in doc]
         for q in range(24):
             for k in range(24):
-                assert mask[b, 0, q, k].item() == (k <= q and owner[k] == owner[q])
+                allowed = k <= q and owner[k] == owner[q]
+                assert mask[b, 0, q, k].item() == (0.0 if allowed else float("-inf"))
 
 
 def test_squares_sum_every_documents_squared_length():
@@ -182,6 +183,16 @@ def test_document_mask_needs_an_end_of_text_id_and_names_the_field(tmp_path):
     assert dataset.document_end([path]) == 0
 
 
+def test_document_mask_refuses_a_begin_of_text_that_is_the_end_of_text(tmp_path):
+    """bos == eos with a begin-of-text before every document: each would close a document."""
+    meta = {"dtype": "uint16", "eos_id": 7, "bos_id": 7, "bos_per_document": True}
+    path = _doc_file(tmp_path, meta)
+    with pytest.raises(dataset.DatasetError, match=r"spec.training.documentMask: .*one-token"):
+        dataset.document_end([path])
+    token_files.metadata_path(path).write_text(json.dumps(meta | {"bos_per_document": False}))
+    assert dataset.document_end([path]) == 7  # GPT-2: one id for both, no prefix
+
+
 def test_document_mask_refuses_the_byte_corpus_in_the_spec():
     with pytest.raises(ValueError, match=r"spec.training.documentMask: .*stdlib"):
         loading.parse_spec(JobBuilder.cpu_run().training(documentMask=True).raw())
@@ -216,8 +227,143 @@ def test_the_planner_counts_masked_attention_as_the_trainer_counts_equal_documen
     assert planned.model_flops == pytest.approx(exact, rel=1e-12)
     unmasked = step_time.plan_time(full, h100, comm.plan_comm(full, scheme))
     assert planned.model_flops < unmasked.model_flops
-    assert planned.step_seconds < unmasked.step_seconds  # less attention to compute
+    # the masked kernel computes every score of the window: no time saved, only MFU's count
+    assert planned.step_seconds == pytest.approx(unmasked.step_seconds, rel=1e-12)
     undeclared = loading.parse_spec(
         base.clone().training(dataset="/data/t.bin", documentMask=True).raw()
     )
     assert stage_work.attention_span(undeclared) == shape.seq_len  # an upper bound
+
+
+def _llama(**overrides):
+    job = loading.parse_spec(JobBuilder.cpu_run().model({**LLAMA_TINY, **overrides}).raw())
+    config = gpt.GPTConfig.from_shape(job.model.shape())
+    return llama.build(config, seed=3), config
+
+
+def test_masked_grouped_query_attention_takes_every_head_on_the_pinned_kernels(monkeypatch):
+    """CUDA's memory-efficient kernel, the fused one that takes a mask, refuses ``enable_gqa``:
+    the masked call gets k and v of every query head, no ``enable_gqa``, a mask in q's dtype,
+    inside the pinned kernel set (here the CPU's: the memory-efficient flag is off)."""
+    model, config = _llama()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        enabled = torch.backends.cuda.mem_efficient_sdp_enabled()
+        calls.append((q.shape, k.shape, v.shape, kwargs, enabled))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    tokens = torch.randint(0, 8, (2, config.seq_len), generator=torch.Generator().manual_seed(1))
+    model(tokens, documents=documents.of_tokens(tokens, EOS))
+    assert len(calls) == config.layers
+    for q, k, v, kwargs, efficient in calls:
+        assert q[1] == k[1] == v[1] == config.heads  # 4 query heads, 2 key/value heads repeated
+        assert not kwargs.get("enable_gqa", False)
+        assert kwargs["attn_mask"].dtype == torch.float32
+        assert not efficient  # pinned to MASKED_KERNELS["cpu"] for the call
+    calls.clear()
+    model(tokens)  # unmasked: grouped-query attention as before
+    assert all(k[1] == 2 and kwargs["enable_gqa"] for _, k, _, kwargs, _ in calls)
+
+
+def test_the_cuda_kernel_set_leaves_no_math_fallback():
+    """Pinned to CUDA's masked kernels, a call neither takes fails instead of running the math
+    kernel (on this CPU nothing is left: torch's dispatcher refuses)."""
+    q = torch.randn(1, 2, 8, 4)
+    mask = torch.zeros(1, 1, 8, 8)
+    pinned = torch.nn.attention.sdpa_kernel(gpt.MASKED_KERNELS["cuda"])
+    with pinned, pytest.raises(RuntimeError, match="No viable backend"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_every_layer_shares_one_mask_and_one_pair_of_rotary_tables(family):
+    """Autograd keeps the (B, 1, T, T) mask once per micro-batch, not once per layer, and
+    Llama's (B, T, hd) fp32 cos and sin once (saved tensors counted by their storage)."""
+    if family == "llama":
+        model, config = _llama()
+    else:
+        job = loading.parse_spec(JobBuilder.cpu_run().raw())
+        config = gpt.GPTConfig.from_shape(job.model.shape())
+        model = gpt.GPT(config, seed=3)
+    batch, seq = 2, config.seq_len
+    tokens = torch.randint(0, 8, (batch, seq), generator=torch.Generator().manual_seed(2))
+    saved: dict[tuple[int, ...], set[int]] = {}
+
+    def pack(t):
+        saved.setdefault(tuple(t.shape), set()).add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, documents=documents.of_tokens(tokens, EOS)).sum()
+    assert config.layers > 1
+    assert len(saved[(batch, 1, seq, seq)]) == 1
+    if family == "llama":
+        tables = {
+            p
+            for shape, ptrs in saved.items()
+            if shape == (batch, seq, config.head_dim)
+            for p in ptrs
+        }
+        assert len(tables) == 2  # cos and sin
+
+
+def _saved_bytes(model, tokens, docs) -> int:
+    """Bytes autograd keeps for a forward of ``model`` (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.features(tokens, docs)
+    return sum(storages.values())
+
+
+def test_the_planner_counts_what_autograd_keeps_for_the_documents():
+    """The memory model's documentMask bytes (one mask and one pair of rotary tables per
+    micro-batch, k and v repeated per block) are what the real model's autograd keeps beyond an
+    unmasked forward, measured (fp32, grouped-query Llama)."""
+    model, config = _llama()
+    tokens = torch.randint(0, 8, (2, config.seq_len), generator=torch.Generator().manual_seed(4))
+    extra = _saved_bytes(model, tokens, documents.of_tokens(tokens, EOS)) - _saved_bytes(
+        model, tokens, None
+    )
+    job = loading.parse_spec(JobBuilder.cpu_run().model(LLAMA_TINY).raw())
+    shared, per_block = memory.document_bytes(job.model.shape(), 2, 1, precision.FP32)
+    assert shared + config.layers * per_block == extra
+    masked = loading.parse_spec(
+        JobBuilder.cpu_run().model(LLAMA_TINY).training(dataset="/d/t.bin", documentMask=True).raw()
+    )
+    cpu = profiles.get("cpu")
+    worst = memory.plan_memory(masked, cpu).worst.activations
+    assert worst > memory.plan_memory(job, cpu).worst.activations  # counted in the plan
+
+
+def test_an_epoch_resume_over_other_data_is_refused_naming_the_datasets(tmp_path):
+    """The saved window count indexes one permutation: other files (or other sizes, another
+    seq_len) would silently draw another order, so the resume is refused."""
+    files = _files(tmp_path, [8 * 13 + 1, 8 * 4 + 1])
+    first = _sampler(files)
+    for _ in range(3):
+        first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    _sampler(files).load_state_dict(state)  # the same data: accepted
+    for other in ([8 * 14 + 1, 8 * 4 + 1], [8 * 4 + 1, 8 * 13 + 1], [8 * 13 + 1]):
+        with pytest.raises(ValueError, match=r"spec.training.datasets .*new checkpoint.path"):
+            _sampler(_files(tmp_path, other)).load_state_dict(state)
+    older = {k: v for k, v in state.items() if not k.startswith("order_") and k != "seq_len"}
+    _sampler(_files(tmp_path, [8 * 14 + 1])).load_state_dict(older)  # no record: as before
+
+
+def test_the_mask_rows_are_aligned_for_the_memory_efficient_kernel():
+    """A window of 30 tokens: rows stride 32 keys, so CUDA's kernel takes the mask as it is."""
+    tokens = torch.randint(0, 8, (2, 30), generator=torch.Generator().manual_seed(5))
+    mask = documents.of_tokens(tokens, EOS).mask
+    assert mask.shape == (2, 1, 30, 30) and mask.stride(-2) % documents.MASK_ALIGNMENT == 0
+    q = torch.randn(2, 2, 30, 4)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.contiguous())
+    torch.testing.assert_close(gpt.attend(q, q, q, recompute=False, mask=mask), dense)

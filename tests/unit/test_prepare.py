@@ -59,6 +59,10 @@ def test_text_and_jsonl_become_the_tokenizers_ids_with_end_of_text(tmp_path, cap
     meta = json.loads((tmp_path / "tokens.bin.json").read_text())
     assert meta["dtype"] == "uint16" and meta["tokens"] == len(expected)
     assert meta["documents"] == len(TEXT) == expected.count(eos)  # tokens / documents
+    lengths = [len(tokenizer.encode(t, add_special_tokens=False).ids) + 1 for t in TEXT]
+    assert sum(lengths) == len(expected)
+    weighted = sum(d * d for d in lengths) / sum(lengths)  # training.documentLength
+    assert meta["attention_length"] == pytest.approx(weighted, abs=0.05)
     assert meta["vocab"] == tokenizer.get_vocab_size()
     training = api_training.Training(
         dataset=str(out)

@@ -207,9 +207,10 @@ class Training(base.SpecModel):
         None,
         ge=1,
         le=limits.MAX_SEQ_LEN,
-        description="The documents' mean length in tokens, for the planner under documentMask: attention "
-        "is counted over documents of this length instead of whole windows (meshtrain data prepare "
-        "records tokens and documents; their ratio). Unset: whole windows, an upper bound.",
+        description="The documents' attention-weighted length in tokens, sum(d^2) / sum(d) over their lengths d, "
+        "for the planner's model FLOPs (the MFU numerator) under documentMask: attention is counted over "
+        "documents instead of whole windows (meshtrain data prepare records it as attention_length). Step "
+        "time still counts whole windows (the masked kernel computes them). Unset: whole windows.",
     )
     sampling: Sampling = Field(
         "random",

@@ -35,12 +35,14 @@ OPTIMIZER_OPS_PER_TENSOR = 16
 
 
 def attention_span(job: api_spec.TrainingJobSpec) -> int:
-    """Tokens a token attends over, as FLOPs count them: the window, or under ``training.documentMask``
-    the documents' mean length (``training.documentLength``) when given.
+    """Tokens a token attends over, as model FLOPs (the MFU numerator) count them: the window, or
+    under ``training.documentMask`` the documents' attention-weighted length
+    (``training.documentLength``, ``sum(d^2) / sum(d)``) when given.
 
-    A window of documents of length d costs ``12 l h d`` per token in attention, ``sum(d_i^2)``
-    over its documents (the trainer's MFU counts the batch's own lengths:
-    :func:`meshtrain.trainer.models.gpt.training_flops`); documents of equal length are exact.
+    Documents of lengths d_i cost ``12 l h sum(d_i^2)`` in attention, ``12 l h span`` per token
+    with ``span = sum(d^2) / sum(d)`` (the trainer's MFU counts the batch's own lengths:
+    :func:`meshtrain.trainer.models.gpt.training_flops`).  Only the numerator: the masked
+    kernel does the whole window's T x T work, so step time counts the window.
     """
     seq, training = job.model.shape().seq_len, job.training
     if training.document_mask and training.document_length is not None:
@@ -49,18 +51,12 @@ def attention_span(job: api_spec.TrainingJobSpec) -> int:
 
 
 def rank_flops_per_microbatch(
-    shape: api_model.ModelShape,
-    pipeline: int,
-    tensor: int,
-    stage: int,
-    micro_batch: int,
-    *,
-    span: int | None = None,
+    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
 ) -> float:
     """Training FLOPs of one micro-batch on one rank of ``stage``: (6 N_rank + 12 l s h / t) x tokens.
 
-    Kaplan et al. 2020; Narayanan et al. 2021.  ``span`` (:func:`attention_span`) replaces
-    ``s`` in the attention term (default: the window).
+    Kaplan et al. 2020; Narayanan et al. 2021.  The window's ``s`` also under
+    ``training.documentMask``: the masked kernel computes every T x T score.
 
     ``N_rank`` counts the parameters the rank multiplies with (its blocks and,
     on the last stage, the final norm and head; embedding lookups are not
@@ -72,18 +68,12 @@ def rank_flops_per_microbatch(
     if stage == pipeline - 1:
         n_rank += parameters.head_params(shape, tensor)
         n_rank += parameters.vocab_rows(shape, tensor) * shape.hidden if shape.tie_embeddings else 0
-    attention = 12 * layers * (span or shape.seq_len) * shape.hidden / tensor
+    attention = 12 * layers * shape.seq_len * shape.hidden / tensor
     return (6 * n_rank + attention) * micro_batch * shape.seq_len
 
 
 def rank_forward_flops_per_microbatch(
-    shape: api_model.ModelShape,
-    pipeline: int,
-    tensor: int,
-    stage: int,
-    micro_batch: int,
-    *,
-    span: int | None = None,
+    shape: api_model.ModelShape, pipeline: int, tensor: int, stage: int, micro_batch: int
 ) -> float:
     """The part of :func:`rank_flops_per_microbatch` that runs in forward.
 
@@ -96,20 +86,14 @@ def rank_forward_flops_per_microbatch(
     tokens = micro_batch * shape.seq_len
     blocks = (
         6 * layers * parameters.layer_params(shape, tensor)
-        + 12 * layers * (span or shape.seq_len) * shape.hidden / tensor
+        + 12 * layers * shape.seq_len * shape.hidden / tensor
     )
-    whole = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch, span=span)
-    head = whole - blocks * tokens
+    head = rank_flops_per_microbatch(shape, pipeline, tensor, stage, micro_batch) - blocks * tokens
     return blocks * tokens * (1 - BACKWARD_SHARE) + head
 
 
 def recompute_flops_per_microbatch(
-    shape: api_model.ModelShape,
-    pipeline: int,
-    tensor: int,
-    micro_batch: int,
-    *,
-    span: int | None = None,
+    shape: api_model.ModelShape, pipeline: int, tensor: int, micro_batch: int
 ) -> float:
     """Extra FLOPs of activation checkpointing: one more forward of the stage's blocks, (2 N_blocks + 4 l s h / t) x tokens.
 
@@ -118,7 +102,7 @@ def recompute_flops_per_microbatch(
     layers = shape.layers // pipeline
     forward = (
         2 * layers * parameters.layer_params(shape, tensor)
-        + 4 * layers * (span or shape.seq_len) * shape.hidden / tensor
+        + 4 * layers * shape.seq_len * shape.hidden / tensor
     )
     return forward * micro_batch * shape.seq_len
 
@@ -260,17 +244,10 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
 def _flops_per_microbatch(job: api_spec.TrainingJobSpec, stage: int) -> tuple[float, float]:
     """A rank's FLOPs of one micro-batch (activation checkpointing's replay included) and their forward part."""
     shape, par, micro_batch = job.model.shape(), job.parallelism, job.training.micro_batch
-    span = attention_span(job)
-    per_mb = rank_flops_per_microbatch(
-        shape, par.pipeline, par.tensor, stage, micro_batch, span=span
-    )
+    per_mb = rank_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, micro_batch)
     if job.training.activation_checkpointing:
-        per_mb += recompute_flops_per_microbatch(
-            shape, par.pipeline, par.tensor, micro_batch, span=span
-        )
-    forward = rank_forward_flops_per_microbatch(
-        shape, par.pipeline, par.tensor, stage, micro_batch, span=span
-    )
+        per_mb += recompute_flops_per_microbatch(shape, par.pipeline, par.tensor, micro_batch)
+    forward = rank_forward_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, micro_batch)
     return per_mb, forward
 
 

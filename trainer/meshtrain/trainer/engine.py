@@ -325,7 +325,8 @@ class Engine:
         eos = self.document_end
         if eos is None:
             return None
-        return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos)
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32  # attention's queries
+        return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos, dtype)
 
     def _document_squares(self, micro: list[batches.MicroBatch]) -> float | None:
         """This rank's share of the step's sum of squared document lengths (None without a mask).

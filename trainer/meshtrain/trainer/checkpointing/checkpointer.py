@@ -210,7 +210,10 @@ class Checkpointer:
         start = time.perf_counter()
         record = self._load(path)
         self.engine.step = record["step"]
-        self.engine.sampler.load_state_dict(record["data"])
+        try:
+            self.engine.sampler.load_state_dict(record["data"])
+        except ValueError as err:  # another seed or other data: an error naming the fields
+            raise store.CheckpointError(f"{path}: {err}") from None
         if self.engine.guard is not None and record.get("loss_guard"):
             self.engine.guard.load_state_dict(record["loss_guard"])
         state.set_optimizer_step(self.engine.optimizer, record["optimizer_step"])

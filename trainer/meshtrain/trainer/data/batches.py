@@ -10,6 +10,7 @@ training step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import torch
@@ -126,18 +127,41 @@ class BatchSampler:
         state = {"position": self.position, "seed": self.seed}
         if self.order is not None:
             state["windows"] = self.first_window(self.position)
+            state |= self._order_identity()
         return state
+
+    def _order_identity(self) -> dict[str, int]:
+        """What the epoch order is a permutation of: its size, seq_len, and a digest of every
+        source's first window index (so of each file's window count, in order)."""
+        assert self.order is not None
+        starts = ",".join(map(str, self.order.starts)).encode()
+        digest = int.from_bytes(hashlib.sha256(starts).digest()[:7], "big")  # exact in JSON
+        return {"order_size": self.order.size, "seq_len": self.seq_len, "order_digest": digest}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at a saved position (the seed must match).
 
         Under epochs the order continues at the saved window count, so a resume at
-        another global batch (a resize) neither repeats nor skips a window.
+        another global batch (a resize) neither repeats nor skips a window; data whose
+        windows differ from the saved order's (another file list, other files, another
+        seq_len) are refused: the saved count would index another permutation.
         """
         if state["seed"] != self.seed:
             raise ValueError(
                 f"data state was saved with seed {state['seed']}, this run uses {self.seed}"
             )
+        if self.order is not None and "order_digest" in state:  # older checkpoints: not recorded
+            saved, mine = ({k: state[k] for k in self._order_identity()}, self._order_identity())
+            if saved != mine:
+                raise ValueError(
+                    f"sampling: epochs cannot continue the saved epoch order: it was drawn over "
+                    f"{saved['order_size']} windows of {saved['seq_len']} tokens (digest "
+                    f"{saved['order_digest']:x}), this run's data makes {mine['order_size']} windows "
+                    f"of {mine['seq_len']} tokens (digest {mine['order_digest']:x}): "
+                    "spec.training.datasets (or spec.training.dataset) and spec.model.seqLen must name "
+                    "the files the checkpoint was trained on, in the same order; to train on other "
+                    "data, start the job with a new checkpoint.path"
+                )
         self.position = int(state["position"])
         drawn = state.get("windows")
         self.origin = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sysconfig
 import tempfile
@@ -128,8 +129,9 @@ def document_end(paths: Iterable[token_files.Location]) -> int:
     """The end-of-text id that closes every document of ``paths`` (``training.documentMask``).
 
     Read from what ``meshtrain data prepare`` recorded beside each file: a file
-    without that record, or with no end-of-text id, or files that end documents
-    with different ids are refused (the mask would cut documents wrongly).
+    without that record, or with no end-of-text id, or whose documents start with
+    a begin-of-text id equal to it, or files that end documents with different ids
+    are refused (the mask would cut documents wrongly).
     """
     found: dict[int, token_files.Location] = {}
     for path in paths:
@@ -141,6 +143,13 @@ def document_end(paths: Iterable[token_files.Location]) -> int:
                 "it with meshtrain data prepare and a tokenizer that has an end-of-text token, or set "
                 "documentMask: false"
             )
+        if ids.bos == ids.eos[0] and _bos_per_document(path):
+            raise DatasetError(
+                f"{DOCUMENT_MASK_FIELD}: {str(path)!r} starts every document with id {ids.bos}, "
+                "which is also its end-of-text id: the mask would make every begin-of-text a "
+                "one-token document; prepare it with a tokenizer whose begin- and end-of-text "
+                "ids differ (or whose template adds no begin-of-text), or set documentMask: false"
+            )
         found.setdefault(ids.eos[0], path)
     if len(found) != 1:
         named = ", ".join(f"{eos} ({str(path)!r})" for eos, path in found.items())
@@ -149,6 +158,12 @@ def document_end(paths: Iterable[token_files.Location]) -> int:
             "prepare them with one tokenizer"
         )
     return next(iter(found))
+
+
+def _bos_per_document(path: token_files.Location) -> bool:
+    """Whether ``meshtrain data prepare`` started every document of ``path`` with a begin-of-text id."""
+    meta = json.loads(token_files.metadata_path(path).read_text())
+    return bool(meta.get("bos_per_document", False))
 
 
 def open_dataset(

@@ -148,7 +148,7 @@ def prepare(
     output.parent.mkdir(parents=True, exist_ok=True)
     meta_path = output.with_name(output.name + token_files.METADATA_SUFFIX)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
-    count = documents_count = 0
+    count = documents_count = squares = 0  # squares: sum of squared document lengths
     max_id = -1  # recorded, so no rank of a job scans the file for it (token_files.largest_ids)
     total_bytes = sum(p.stat().st_size for p in inputs)
     try:
@@ -167,7 +167,9 @@ def prepare(
                 ids: list[int] = []
                 documents_count += len(encoded)
                 for e in encoded:
-                    ids += document_ids(e.ids, eos)
+                    document = document_ids(e.ids, eos)
+                    ids += document
+                    squares += len(document) ** 2
                 flat = np.asarray(ids, dtype=np.int64)
                 out.write(flat.astype(token_files.DTYPES[dtype]).tobytes())
                 count += len(flat)
@@ -185,6 +187,8 @@ def prepare(
         "vocab": vocab,
         "tokens": count,
         "documents": documents_count,
+        # sum(d^2) / sum(d): the documents' attention-weighted length (training.documentLength)
+        "attention_length": round(squares / count, 1) if count else 0,
         "eos_id": eos,
         "bos_id": special.bos,
         "pad_id": special.pad,

@@ -5,10 +5,13 @@ next as if each document were alone: a token attends only to earlier tokens of i
 and its position counts from its document's first token.  A document ends with its end-of-text
 id (``meshtrain data prepare`` writes one after each); the id belongs to the document it ends.
 
-The mask is a boolean (B, 1, T, T) block-diagonal causal matrix for
-``scaled_dot_product_attention`` (docs/trainer.md says why not FlexAttention); a function of the
-token ids alone, so every pipeline stage and tensor rank rebuilds the same one from the
-micro-batch it already reads, and nothing travels between stages.
+The mask is an additive (B, 1, T, T) block-diagonal causal matrix (0 where attention is
+allowed, -inf elsewhere) for ``scaled_dot_product_attention`` (docs/trainer.md says why not
+FlexAttention), built once per micro-batch in the attention's dtype, so every layer passes the
+same tensor and autograd keeps it once (a boolean mask would be turned into a new float bias by
+every layer, each kept for backward).  A function of the token ids alone, so every pipeline stage
+and tensor rank rebuilds the same one from the micro-batch it already reads, and nothing travels
+between stages.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+MASK_ALIGNMENT = 16
+"""Keys a mask row's stride is a multiple of (what CUDA's memory-efficient SDPA kernel wants)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +31,11 @@ class Documents:
     positions: torch.Tensor
     """(B, T) int64: each token's index inside its document (0 at a document's first token)."""
     mask: torch.Tensor
-    """(B, 1, T, T) bool: query t may attend key s (same document and s <= t)."""
+    """(B, 1, T, T) additive, in the attention's dtype: 0 where query t may attend key s (same
+    document and s <= t), -inf elsewhere."""
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Llama's rotary cos and sin of ``positions`` (each (B, T, head_dim), fp32), computed once
+    per micro-batch by the model and shared by its layers; None until then."""
 
 
 def document_index(tokens: torch.Tensor, eos: int) -> torch.Tensor:
@@ -34,8 +44,9 @@ def document_index(tokens: torch.Tensor, eos: int) -> torch.Tensor:
     return torch.cumsum(ends, dim=1) - ends  # an end-of-text id closes its own document
 
 
-def of_tokens(tokens: torch.Tensor, eos: int) -> Documents:
-    """The documents of ``tokens`` (B, T) whose documents end with ``eos``."""
+def of_tokens(tokens: torch.Tensor, eos: int, dtype: torch.dtype = torch.float32) -> Documents:
+    """The documents of ``tokens`` (B, T) whose documents end with ``eos``; the mask in ``dtype``
+    (the dtype attention's queries have: bf16 under bf16 autocast)."""
     batch, seq = tokens.shape
     doc = document_index(tokens, eos)  # (B, T)
     index = torch.arange(seq, device=tokens.device).expand(batch, seq)  # (B, T)
@@ -46,7 +57,14 @@ def of_tokens(tokens: torch.Tensor, eos: int) -> Documents:
     ).values  # (B, T): its document's start
     same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
-    return Documents(positions=index - first, mask=(same & causal).unsqueeze(1))
+    allowed = (same & causal).unsqueeze(1)  # (B, 1, T, T)
+    # rows padded to a multiple of 16 keys: CUDA's memory-efficient kernel would otherwise
+    # pad a copy of the mask at every call (and every layer would keep its own)
+    padded = torch.zeros(
+        batch, 1, seq, seq + (-seq) % MASK_ALIGNMENT, dtype=dtype, device=tokens.device
+    )
+    bias = padded[..., :seq]  # (B, 1, T, T) view
+    return Documents(positions=index - first, mask=bias.masked_fill_(~allowed, float("-inf")))
 
 
 def squares(tokens: torch.Tensor, eos: int) -> int:

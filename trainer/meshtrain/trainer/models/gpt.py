@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.trainer.models import documents as documents_mod
@@ -132,6 +133,16 @@ RECOMPUTABLE = ("attention", "mlp")
 """Parts of a block that selective recompute (``training.selectiveRecompute``) can rebuild in backward."""
 
 
+MASKED_KERNELS = {
+    "cuda": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+    "cpu": [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+}
+"""The only SDPA kernels a masked attention may run on, per device type.  On CUDA the flash
+kernel refuses any mask and the math one builds (B, h, T, T) scores and probabilities per layer
+(gigabytes at T = 8,192): pinned, a call no fused kernel takes fails loudly instead of running
+out of memory.  The CPU's fused kernel takes a mask and its math kernel is its fallback."""
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,22 +154,31 @@ def attend(
 ) -> torch.Tensor:
     """Causal ``scaled_dot_product_attention``; with ``recompute`` its internals are rebuilt in backward.
 
-    ``mask`` (B, 1, T, T) bool replaces the causal mask (:mod:`.documents`: causal inside each
-    document, nothing across documents); the same on every head, so on every tensor rank.
+    ``mask`` (B, 1, T, T) additive (:mod:`.documents`: causal inside each document, -inf across
+    documents) replaces the causal mask; the same on every head, so on every tensor rank.  It
+    runs only on :data:`MASKED_KERNELS` (no ``enable_gqa`` with a mask: CUDA's memory-efficient
+    kernel refuses it, so callers pass k and v of every head).
 
     The checkpoint keeps q, k and v (which the QKV projection's output holds
     anyway) and drops what the kernel saves for backward: the scores and
     softmax of an unfused kernel, the output and log-sum-exp of a flash one.
     """
-    core = functools.partial(
-        F.scaled_dot_product_attention,
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=enable_gqa,
-    )
+    if mask is None:
+        core = functools.partial(
+            F.scaled_dot_product_attention, is_causal=True, enable_gqa=enable_gqa
+        )
+    else:
+        core = functools.partial(_masked, mask=mask.to(q.dtype))  # a no-op in q's dtype
     if recompute and torch.is_grad_enabled():
-        return checkpoint(core, q, k, v, use_reentrant=False)
+        out: torch.Tensor = checkpoint(core, q, k, v, use_reentrant=False)
+        return out
     return core(q, k, v)
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with an additive mask, on the device's :data:`MASKED_KERNELS` only."""
+    with sdpa_kernel(MASKED_KERNELS.get(q.device.type, MASKED_KERNELS["cpu"])):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):

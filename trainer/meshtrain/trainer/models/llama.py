@@ -8,6 +8,7 @@ It keeps :class:`~meshtrain.trainer.models.gpt.GPT`'s module names and structure
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -175,10 +176,13 @@ class Attention(nn.Module):
         batch, seq, width = qkv.shape
         kv_heads = width // ((self.group + 2) * self.head_dim)  # local key/value heads
         heads = kv_heads * self.group
-        positions = documents.positions if documents is not None else None
-        cos, sin = rope_tables(
-            seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions
-        )
+        if documents is not None and documents.rope is not None:  # shared by every layer
+            cos, sin = documents.rope
+        else:
+            positions = documents.positions if documents is not None else None
+            cos, sin = rope_tables(
+                seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions
+            )
         qkv = _RotaryQKV.apply(qkv, cos, sin, (heads + kv_heads) * self.head_dim, self.head_dim)
         q, k, v = qkv.split(
             [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1
@@ -186,13 +190,19 @@ class Attention(nn.Module):
         q = q.view(batch, seq, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd), rotated
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd), rotated
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        mask = documents.mask if documents is not None else None
+        if mask is not None and self.group > 1:
+            # CUDA's memory-efficient kernel (the fused one that takes a mask) refuses
+            # enable_gqa: k and v repeated to every query head, (B, h, T, hd) each
+            k = k.repeat_interleave(self.group, dim=1)
+            v = v.repeat_interleave(self.group, dim=1)
         y = gpt.attend(
             q,
             k,
             v,
             recompute=self.recompute_core,
-            enable_gqa=self.group > 1,
-            mask=documents.mask if documents is not None else None,
+            enable_gqa=self.group > 1 and mask is None,
+            mask=mask,
         )  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)  # (B, T, h * hd)
         out: torch.Tensor = self.proj(y)
@@ -252,6 +262,22 @@ class Llama(gpt.GPT):
         assert self.tok_emb is not None  # only the first stage embeds
         out: torch.Tensor = self.tok_emb(tokens)  # (B, T, H): positions are rotations in attention
         return out
+
+    def features(
+        self, x: torch.Tensor, documents: documents_mod.Documents | None = None
+    ) -> torch.Tensor:
+        """GPT's, with the documents' rotary tables computed once for all of this chunk's layers.
+
+        Per-document positions make the tables (B, T, head_dim) fp32 each; built in every
+        layer, autograd would keep one pair per layer (:class:`_RotaryQKV` saves them).
+        """
+        if documents is not None and documents.rope is None and self.blocks:
+            c, positions = self.config, documents.positions  # (B, T)
+            rope = rope_tables(
+                positions.shape[1], c.head_dim, c.rope_theta, x.device, c.rope_scaling, positions
+            )
+            documents = dataclasses.replace(documents, rope=rope)
+        return super().features(x, documents)
 
 
 def build(config: gpt.GPTConfig, *, seed: int = 0, recompute_blocks: bool = False) -> gpt.GPT:
