@@ -267,11 +267,20 @@ def _spec(**checkpoint: object) -> object:
     return loading.parse_spec(JobBuilder().checkpoint(**checkpoint).raw())
 
 
-def test_checkpoints_not_persistent_only_without_claim_when_a_restart_is_allowed() -> None:
+def test_checkpoints_not_persistent_for_every_job_without_claim_or_bucket() -> None:
     assert "set checkpoint.claimName" in (persistence.warning(_spec()) or "")
+    assert "backoffLimit" in (persistence.warning(_spec()) or "")
     assert persistence.warning(_spec(claimName="ckpt")) is None
+    bucket = (
+        JobBuilder()
+        .checkpoint(path="s3://bucket/runs")
+        .object_storage(endpoint="https://s3.example", region="r", credentialsSecret="s3")
+    )
+    assert persistence.warning(loading.parse_spec(bucket.raw())) is None
+    # no restart the run policy counts, but a suspend, a preemption or a drain restarts it all the same
     never = JobBuilder().run_policy(backoffLimit=0, disruptionRestartLimit=0).raw()
-    assert persistence.warning(loading.parse_spec(never)) is None
+    message = persistence.warning(loading.parse_spec(never)) or ""
+    assert "runPolicy.suspend, a preemption (Kueue)" in message and "backoffLimit" not in message
     only_disruptions = JobBuilder().run_policy(backoffLimit=0).raw()
     assert "disruptionRestartLimit 10" in (
         persistence.warning(loading.parse_spec(only_disruptions)) or ""
