@@ -91,7 +91,7 @@ def test_two_jobs_on_one_root_keep_and_resume_their_own(tmp_path: Path) -> None:
     assert flat.is_dir() and (flat / "COMPLETE").read_text() == "{}", "nothing deletes them"
 
     # alpha's directory holds an in-progress save of another writer; beta prunes with keep 1
-    stray = dirs["alpha"] / ".tmp-0badc0de-step-00000006-0badc0de"
+    stray = dirs["alpha"] / ".tmp-step-00000006-0badc0de"
     stray.mkdir()
     (stray / "shard").write_bytes(b"x")
     for path in (stray / "shard", stray):  # an earlier writer's, untouched for an hour: stale

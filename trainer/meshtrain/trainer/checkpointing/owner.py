@@ -132,7 +132,7 @@ def _write(path: store.Location, owner: job_dir.Owner, *, exclusive: bool = Fals
             return False
         return True
     tag = job_dir.writer_tag(owner.writer)
-    tmp = path.parent / f"{store.TMP_PREFIX}{tag}-owner-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / store.tmp_name(tag, "owner")
     try:
         _sync_write(tmp, text, os.O_TRUNC)
         os.replace(tmp, path)

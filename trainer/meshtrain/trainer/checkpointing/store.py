@@ -97,8 +97,16 @@ def step_dir_name(step: int) -> str:
 
 
 def tmp_name(tag: str, what: str) -> str:
-    """A temporary entry of the writer ``tag`` (:func:`job_dir.writer_tag`): ``.tmp-<tag>-<what>-<random>``."""
-    return f"{TMP_PREFIX}{tag}-{what}-{uuid.uuid4().hex[:8]}"
+    """A temporary entry of the writer ``tag`` (:func:`job_dir.writer_tag`): ``.tmp-<what>-<tag>-<random>``."""
+    return f"{TMP_PREFIX}{what}-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def tmp_of(name: str, tag: str) -> bool:
+    """Whether ``name`` is a temporary entry of the writer ``tag`` (:func:`tmp_name`)."""
+    return (
+        name.startswith(TMP_PREFIX)
+        and re.search(rf"-{re.escape(tag)}-[0-9a-f]{{8}}$", name) is not None
+    )
 
 
 def new_tmp_dir(root: Location, step: int, tag: str = "x") -> Location:
@@ -384,7 +392,7 @@ def prune(
         return _bucket_prune(root, keep)
     removed: list[Location] = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        mine = entry.name.startswith(f"{TMP_PREFIX}{tag}-")
+        mine = tmp_of(entry.name, tag)
         if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir():
             continue
         if mine or stale(entry, stale_seconds):
