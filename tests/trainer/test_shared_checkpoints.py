@@ -161,3 +161,32 @@ def test_a_second_live_writer_is_refused_and_a_dead_ones_directory_resumed(tmp_p
     assert code == 0, err[-3000:]
     log = _rank0(tmp_path / "third")
     assert "was re-created" in log and "resumed from" in log
+
+
+@pytest.mark.slow
+def test_a_writer_taken_over_stops_at_its_next_step(tmp_path: Path, monkeypatch) -> None:
+    """A later attempt claims the directory of a running writer: the writer exits code 4 within seconds."""
+    root = tmp_path / "claim"
+    directory = root / "team" / "solo"
+    run = _start(_job(tmp_path, "solo", root), tmp_path / "old", 100_000)
+    deadline = time.monotonic() + 300
+    while not list(directory.glob("step-*")):  # running, and its first checkpoint published
+        assert run.poll() is None, run.stderr.read().decode(errors="replace")[-3000:]  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the run never published a checkpoint"
+        time.sleep(0.2)
+    held = owner.newest(directory)[1]
+    assert held is not None and not held.released
+    monkeypatch.setenv(job_dir.ATTEMPT_ENV, "99")
+    later = owner.me(job_dir.JobIdentity("team", "solo", held.uid))
+    owner.claim(directory, later, 0.5)
+    try:
+        code, _ = _finish(run, timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    log = _rank0(tmp_path / "old")
+    assert code == exitcodes.CHECKPOINT and "no longer owns the directory" in log, log[-3000:]
+    record = owner.newest(directory)[1]
+    assert record is not None and record.writer == later.writer, (
+        "the old writer left the claim alone"
+    )

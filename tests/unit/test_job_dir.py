@@ -151,6 +151,25 @@ def test_a_quiet_foreign_record_is_taken_over_and_a_released_one_at_once(tmp_pat
     _claim(directory, "newer")  # no wait for a released record (the watch would refuse a live one)
 
 
+def test_a_crashed_rewrites_leftover_goes_once_stale_and_a_fresh_one_stays(tmp_path) -> None:
+    directory = tmp_path / "team" / "llm"
+    records = directory / job_dir.OWNER_DIR
+    records.mkdir(parents=True)
+    crashed, fresh = (
+        records / store.tmp_name("0badc0de", "owner"),
+        records / store.tmp_name("1", "owner"),
+    )
+    crashed.write_text("{")
+    fresh.write_text("{")
+    os.utime(crashed, (0, 0))
+    mine, generation = _claim(directory, "u")
+    assert not crashed.exists() and fresh.exists()
+    assert owner._generations(directory) == [generation] and store.scan(directory) == []
+    with pytest.raises(job_dir.OwnerError, match="between 0.05 and 600"):
+        job_dir.heartbeat_seconds({job_dir.HEARTBEAT_ENV: "0"})
+    assert job_dir.heartbeat_seconds({}) == job_dir.HEARTBEAT_SECONDS
+
+
 def test_a_dead_local_writer_is_gone_but_a_pid_of_another_container_says_nothing(tmp_path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
