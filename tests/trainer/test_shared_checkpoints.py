@@ -28,12 +28,14 @@ LAUNCH = (
 )
 
 
-def _job(tmp_path: Path, name: str, root: Path, *, keep: int = 2, data: int = 2) -> Path:
+def _job(
+    tmp_path: Path, name: str, root: Path, *, keep: int = 2, data: int = 2, interval: int = 2
+) -> Path:
     builder = (
         JobBuilder.cpu_run()
         .layout(data=data)
         .training(steps=4)
-        .checkpoint(path=str(root), intervalSteps=2, keep=keep)
+        .checkpoint(path=str(root), intervalSteps=interval, keep=keep)
     )
     manifest = builder.manifest() | {"metadata": {"name": name, "namespace": "team"}}
     path = tmp_path / f"{name}.yaml"
@@ -168,11 +170,13 @@ def test_a_writer_taken_over_stops_at_its_next_step(tmp_path: Path, monkeypatch)
     """A later attempt claims the directory of a running writer: the writer exits code 4 within seconds."""
     root = tmp_path / "claim"
     directory = root / "team" / "solo"
-    run = _start(_job(tmp_path, "solo", root), tmp_path / "old", 100_000)
+    # no save due for 50000 steps: only the per-step check can stop it
+    run = _start(_job(tmp_path, "solo", root, interval=50_000), tmp_path / "old", 100_000)
+    steps = tmp_path / "old" / steplog.FILENAME
     deadline = time.monotonic() + 300
-    while not list(directory.glob("step-*")):  # running, and its first checkpoint published
+    while not (steps.exists() and steplog.read(steps)):  # it claimed the directory and trains
         assert run.poll() is None, run.stderr.read().decode(errors="replace")[-3000:]  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "the run never published a checkpoint"
+        assert time.monotonic() < deadline, "the run never trained a step"
         time.sleep(0.2)
     held = owner.newest(directory)[1]
     assert held is not None and not held.released
