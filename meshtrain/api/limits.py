@@ -108,3 +108,7 @@ MAX_POD_OVERRIDE_CONTAINERS = 16
 
 MAX_POD_OVERRIDE_VOLUMES = 64
 """Volumes a pod template override adds."""
+
+MAX_POD_ANNOTATION_BYTES = 65_536
+"""Keys and values of ``spec.pod.annotations`` and ``spec.podTemplateOverride.metadata.annotations``
+together (the API server takes 256 KiB of annotations per object; the operator adds its own)."""

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.api import loading, persistence, release
+from meshtrain.api.spec import pod_template
 from meshtrain.cli import plan
 from meshtrain.operator import command as operator_command
 from meshtrain.planner import search
@@ -28,8 +29,12 @@ def _validate(args: argparse.Namespace) -> int:
     except loading.SpecError as err:
         print(err, file=sys.stderr)
         return 2
-    if (warned := persistence.warning(job)) is not None:
-        print(f"warning: {warned}", file=sys.stderr)
+    for warned in (
+        persistence.warning(job),
+        pod_template.placement_warning(job.pod_template_override),
+    ):
+        if warned is not None:
+            print(f"warning: {warned}", file=sys.stderr)
     print(
         f"{args.job}: valid TrainingJob {job.parallelism.layout_string}, world size {job.world_size}, "
         f"{job.pods} pod(s) of {job.resources.gpus_per_node} GPU(s), global batch {job.global_batch}"

@@ -5,7 +5,10 @@
   (transformers loads the directory and gives meshtrain's logits), and every file has the
   mode a plain ``open()`` gets under the umask (the OS, probed here, is the reference);
 * an output inside the checkpoint it exports is refused naming ``-o/--output``, exit 2,
-  the checkpoint's files unchanged.
+  the checkpoint's files unchanged;
+* an export into an earlier export's directory that fails between two of its renames leaves a
+  directory that neither transformers nor ``fromHF`` loads (never the two exports' shards mixed),
+  and exporting again gives the new model.
 
 Tier: ``make test`` (trainer).
 """
@@ -22,7 +25,7 @@ from test_hf_interop import LLAMA, _config, _hf_model, _train_and_save
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from meshtrain.cli import main
-from meshtrain.trainer.interop import export
+from meshtrain.trainer.interop import config_json, export, from_hf, to_hf
 from meshtrain.trainer.models import llama
 from tests.builders import JobBuilder
 
@@ -88,3 +91,42 @@ def test_export_into_its_checkpoint_is_refused_naming_the_option(tmp_path, capsy
         assert "-o/--output" in err and "elsewhere" in err
     after = sorted((p.relative_to(directory), p.stat().st_size) for p in directory.rglob("*"))
     assert after == before
+
+
+def _sharded_export(directory, config, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    dense = dict(llama.build(config).named_parameters())
+    files = to_hf.write(directory, config, dense, max_shard_bytes=40_000)
+    assert len(files) > 3  # shards and their index
+    return dense
+
+
+def test_an_export_interrupted_between_two_renames_leaves_no_loadable_mix(tmp_path, monkeypatch):
+    config = _config(LLAMA)
+    out = tmp_path / "out"
+    _sharded_export(out, config, seed=1)
+    renames = []
+
+    def second_rename_fails(src, dst):
+        renames.append(dst)
+        if len(renames) == 2:
+            raise OSError("injected: the machine went down")
+        os.rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(to_hf.os, "replace", second_rename_fails)
+        with pytest.raises(OSError, match="injected"):
+            _sharded_export(out, config, seed=2)
+
+    assert any(p.name.startswith("model-0000") for p in out.iterdir())
+    with pytest.raises((OSError, ValueError)):  # no config.json: no model to build
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(config_json.HFError, match="config.json does not exist"):
+        from_hf.check_directory(out, config)
+    new = _sharded_export(out, config, seed=2)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ours = llama.build(config)
+    ours.load_state_dict({k: v.detach() for k, v in new.items()})
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(auto(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)

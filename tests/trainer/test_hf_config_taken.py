@@ -3,7 +3,8 @@
 A Llama directory saved by transformers with an ``rms_norm_eps``, a RoPE base, grouped-query
 heads, an MLP width, tied embeddings and Llama 3.1 RoPE scaling that the spec does not state:
 the job takes each from the file and gives transformers' logits (the peer, 1e-5); a value the
-spec states and the file contradicts is refused naming both, before any process starts.
+spec states and the file contradicts is refused naming both, before any process starts; so is a
+value a named preset states (the file does not override it), naming the preset.
 
 Tier: ``make test`` (trainer).
 """
@@ -11,13 +12,14 @@ Tier: ``make test`` (trainer).
 from __future__ import annotations
 
 import mt_harness
+import pytest
 import torch
 import transformers
 from test_hf_interop import LLAMA3_SCALING, _config, _meshtrain_from
 
 from meshtrain.api import loading
 from meshtrain.trainer import launch
-from meshtrain.trainer.interop import from_hf
+from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.models import gpt
 from tests.builders import JobBuilder
 
@@ -108,3 +110,22 @@ def test_meshtrain_run_of_a_spec_silent_on_what_the_file_states_trains(tmp_path)
     )
     code = launch.run_local(mt_harness.write_job(tmp_path, raw), log_dir=tmp_path / "logs")
     assert code == 0
+
+
+def test_a_presets_value_the_file_contradicts_is_refused_naming_the_preset(tmp_path):
+    _directory(tmp_path)  # 2 layers, ffn 160, where llama-tiny says 4 and 192
+    preset = {"preset": "llama-tiny", "init": {"fromHF": str(tmp_path)}}
+    raw = JobBuilder.cpu_run().model(preset).raw()
+    with pytest.raises(config_json.HFError) as refused:
+        from_hf.check_spec(loading.parse_spec(raw))
+    assert "intermediate_size=160 but spec.model.ffnHidden=192" in str(refused.value)
+    assert "spec.model.preset=llama-tiny" in str(refused.value)
+
+    raw = JobBuilder.cpu_run().model({**preset, "layers": 2, "ffnHidden": 160}).raw()
+    shape = from_hf.check_spec(loading.parse_spec(raw)).model.shape()
+    assert (shape.layers, shape.ffn_hidden, shape.norm_eps, shape.tie_embeddings) == (
+        2,
+        160,
+        FILE["rms_norm_eps"],
+        True,
+    )  # what the preset leaves out is the file's

@@ -6,8 +6,9 @@
   window read is refused naming the object;
 * ``model.init.fromHF`` from a bucket: the directory's model files are copied once into the cache
   (not its other objects) and the imported weights equal those imported from the local directory;
-  a directory above the size bound is refused naming the field and the fix; a run started from the
-  bucket's directory trains the losses of a run started from the local one.
+  a directory above the size bound is refused naming the field and the fix; the values a spec
+  leaves out are taken from the bucket's ``config.json``; a run started from the bucket's directory
+  trains the losses of a run started from the local one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import s3fs
 import torch
 import transformers
 
+from meshtrain.api import loading
 from meshtrain.api.spec import model as api_model
 from meshtrain.trainer import launch, storage
 from meshtrain.trainer.data import batches, token_files
@@ -171,6 +173,14 @@ def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
         "generation_config.json",
         "model.safetensors",
     ]
+    stale = storage.cache_dir() / ".tmp-dead-copy"  # a copy killed halfway
+    stale.mkdir()
+    client.pipe(f"{bucket}/llama/generation_config.json", b"{}")  # the directory changed
+    storage.local_directory.cache_clear()
+    newer = storage.local_path(url, config_json.FIELD)
+    assert newer != copy and (newer / "model.safetensors").is_file()
+    assert not copy.exists() and not stale.exists(), "the older copy and the dead one are deleted"
+    assert newer.stat().st_mode & 0o777 == 0o777 & ~storage._umask()
 
     monkeypatch.setenv(storage.DIRECTORY_LIMIT_ENV, "1000")
     client.pipe(f"{bucket}/llama2/config.json", (tmp_path / "hf" / "config.json").read_bytes())
@@ -179,6 +189,37 @@ def test_from_hf_directory_in_a_bucket(s3_server, tmp_path, monkeypatch):
         config_json.HFError, match=rf"spec.model.init.fromHF: {bucket}/llama2 holds"
     ):
         from_hf.check_directory(f"{bucket}/llama2", config)
+
+
+def test_values_a_spec_leaves_out_are_taken_from_config_json_in_a_bucket(s3_server, tmp_path):
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=160,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-6,
+            rope_theta=250000.0,
+        )
+    ).save_pretrained(tmp_path / "hf")
+    url = s3_server.make_bucket("silent-models") + "/llama"
+    _client(s3_server).put(str(tmp_path / "hf"), url, recursive=True)
+    stated = {"family": "llama", "layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32}
+    raw = (
+        JobBuilder.cpu_run()
+        .model({**stated, "init": {"fromHF": url}})
+        .object_storage(endpoint=s3_server.endpoint)
+        .raw()
+    )
+
+    shape = from_hf.check_spec(loading.parse_spec(raw)).model.shape()
+
+    assert (shape.kv_heads, shape.ffn_hidden, shape.norm_eps) == (2, 160, 1e-6)
+    assert shape.rope_theta == 250000.0
 
 
 def _first_losses(tmp_path: Path, name: str, from_hf: str, endpoint: str) -> list[float]:

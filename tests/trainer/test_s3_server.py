@@ -3,8 +3,11 @@ the trainer's error for a store it cannot reach."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+import botocore.exceptions
+import pytest
 import s3fs
 
 from meshtrain.trainer import storage
@@ -51,3 +54,54 @@ def test_the_fixture_and_the_bootstrap_pin_the_same_versitygw():
     script = (Path(__file__).resolve().parents[2] / "scripts" / "bootstrap.sh").read_text()
     pin = f'VERSITYGW_VERSION="${{MESHTRAIN_VERSITYGW_VERSION:-{s3server.DEFAULT_VERSION}}}"'
     assert pin in script
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused(s3_server, monkeypatch):
+    url = s3_server.make_bucket("no-conditions") + "/job/owner.json"
+    fs = storage.filesystem()
+    pipe = fs.pipe_file
+    monkeypatch.setattr(storage, "_PROBED", set())
+    monkeypatch.setattr(
+        fs, "pipe_file", lambda path, data, mode="overwrite": pipe(path, data, mode="overwrite")
+    )
+    with pytest.raises(storage.ObjectStorageError, match="ignores conditional writes"):
+        storage.write_bytes(url, b"{}", exclusive=True)
+    assert storage.listing(url.rsplit("/", 1)[0]) == {}, "the probe is deleted"
+    monkeypatch.setattr(fs, "pipe_file", pipe)
+    monkeypatch.setattr(storage, "_PROBED", set())
+    assert storage.write_bytes(url, b"{}", exclusive=True)
+    assert not storage.write_bytes(url, b"{}", exclusive=True)
+
+
+def test_any_412_on_an_exclusive_put_means_the_object_exists():
+    refusal = botocore.exceptions.ClientError(
+        {"Error": {"Code": "PreconditionFailed"}, "ResponseMetadata": {"HTTPStatusCode": 412}},
+        "PutObject",
+    )
+    err = OSError(errno.EINVAL, "At least one of the pre-conditions you specified did not hold")
+    err.__cause__ = refusal
+
+    class Store:
+        def pipe_file(self, path: str, data: bytes, mode: str) -> None:
+            raise err
+
+    assert storage._put(Store(), "s3://b/k", b"", True) is False
+    with pytest.raises(OSError):
+        storage._put(Store(), "s3://b/k", b"", False)
+
+
+def test_a_failed_ranged_read_names_the_failing_object(s3_server):
+    url = s3_server.make_bucket("ranges")
+    storage.write_bytes(f"{url}/present", b"x" * 100)
+    with pytest.raises(FileNotFoundError, match="absent"):
+        storage.read_ranges([(f"{url}/present", 0, 10), (f"{url}/absent", 0, 10)])
+
+
+def test_ranged_reads_past_their_deadline_are_said_with_the_url(s3_server, monkeypatch):
+    url = s3_server.make_bucket("deadline") + "/slow"
+    storage.write_bytes(url, b"x" * 100)
+    monkeypatch.setattr(storage, "READ_DEADLINE_S", 1e-6)
+    with pytest.raises(
+        storage.ObjectStorageError, match=rf"{url}: 1 ranged reads got no full answer"
+    ):
+        storage.read_ranges([(url, 0, 10)])

@@ -4,7 +4,8 @@ Four gloo ranks open the same two files without metadata or a scan record: each 
 of each file's ids (the counts of ``token_files.largest_id`` per rank), every rank gets the
 largest id of the whole file (an id past the vocabulary planted in one rank's quarter is
 refused on every rank, naming its position), the result is recorded once, and a second open
-reads no id.  The engine's share (``engine.scan_share``) is the one used.
+reads no id, and only rank 0 reads the files to check the record (the others learn the result
+from it).  The engine's share (``engine.scan_share``) is the one used.
 
 Tier: ``make test`` (trainer).
 """
@@ -40,10 +41,23 @@ def _open_counting(paths: list[str], vocab: int) -> dict:
         result["error"] = str(err)
     result["first"] = list(calls)
     calls.clear()
+    reads = _count_record_reads()
     if "error" not in result:
         dataset.open_dataset(training, vocab=vocab, seq_len=8, share=share)
     result["second"] = list(calls)
+    result["record_reads"] = len(reads)
     return result
+
+
+def _count_record_reads() -> list[str]:
+    """Calls of what reads a token file to check a record (its fingerprint, its sampled digest)."""
+    reads: list[str] = []
+    for name in ("fingerprint", "sampled_digest"):
+        real = getattr(vocab_scan, name)
+        setattr(
+            vocab_scan, name, lambda *a, _real=real, _name=name: reads.append(_name) or _real(*a)
+        )
+    return reads
 
 
 def _files(tmp_path: Path, planted: int | None = None) -> list[str]:
@@ -77,3 +91,10 @@ def test_an_id_past_the_vocabulary_in_one_ranks_quarter_is_refused_on_every_rank
     results = mt_harness.run_distributed(_open_counting, 4, paths, 1000)
     for result in results:
         assert f"token id 1000 >= model vocab 1000 at position {planted}" in result["error"]
+
+
+def test_only_rank_0_reads_the_files_to_check_their_records(tmp_path):
+    results = mt_harness.run_distributed(_open_counting, 4, _files(tmp_path), 1000)
+    assert [r["second"] for r in results] == [[]] * 4  # the record vouched for both files
+    assert results[0]["record_reads"] >= len(COUNTS)
+    assert [r["record_reads"] for r in results[1:]] == [0, 0, 0]

@@ -49,6 +49,7 @@ def test_an_s3_url_without_object_storage_is_refused_naming_field_and_fix(sectio
         ({"checkpoint": {"path": "s3://ckpt//runs"}}, "checkpoint.path must be an absolute"),
         ({"checkpoint": {"path": "s3://ckpt/../runs"}}, "checkpoint.path must be an absolute"),
         ({"objectStorage": {"endpoint": "https://user:pw@minio"}}, "spec.objectStorage.endpoint"),
+        ({"objectStorage": {"endpoint": "https://[fd00::1"}}, "spec.objectStorage.endpoint"),
     ],
 )
 def test_malformed_urls_are_refused(values, expected):
@@ -109,3 +110,11 @@ def test_checkpoints_in_a_bucket_outlive_the_gang_like_a_claim():
         loading.parse_spec(raw)
     bucket = {"checkpoint": {"path": "s3://ckpt/runs"}, "objectStorage": STORE}
     loading.parse_spec(raw | bucket)  # no claim needed: the bucket keeps them
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["http://[fd00::1]:9000", "https://[::1]", "http://10.0.0.1:7070/"]
+)
+def test_ip_literal_endpoints_are_accepted(endpoint):
+    raw = JobBuilder().raw() | {"objectStorage": {"endpoint": endpoint}}
+    assert loading.parse_spec(raw).object_storage.endpoint == endpoint

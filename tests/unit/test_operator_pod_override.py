@@ -5,6 +5,8 @@ reading of them.  Which node kube-scheduler accepts is the differential test's
 
 from __future__ import annotations
 
+import copy
+import random
 from typing import Any
 
 from meshtrain import placement
@@ -94,7 +96,9 @@ def test_sidecars_tolerations_security_and_metadata_add_to_the_operators():
         labels={"team": "nlp"},
         annotations={"k8s.v1.cni.cncf.io/networks": "rdma-net"},
     )
-    assert built["spec"]["initContainers"] == [sidecar]
+    # the restricted container defaults under the sidecar's own settings
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert built["spec"]["initContainers"] == [{**sidecar, "securityContext": restricted}]
     assert built["spec"]["tolerations"][-1] == {"key": "spot", "operator": "Exists"}
     assert built["spec"]["securityContext"] == {
         **builders.POD_SECURITY,
@@ -255,3 +259,145 @@ def test_a_users_own_pin_to_the_planned_node_stays_in_the_demand():
     demand = feasibility.demand_of(built)
     assert demand.node_affinity == (own,)
     assert feasibility.refusal(demand, ready(node("node-b"))) == feasibility.SELECTOR_MISMATCH
+
+
+def test_capabilities_merge_deep_keeping_drop_all_and_ipc_lock():
+    raw = JobBuilder().layout(data=4, gpus_per_node=2).pod(rdma=True)
+    added = {
+        "containers": [
+            {"name": "trainer", "securityContext": {"capabilities": {"add": ["SYS_PTRACE"]}}}
+        ]
+    }
+    spec = loading.parse_spec(raw.pod_template(added).raw())
+    security = trainer(builders.build_pod(REF, spec, 0, 0, "node-a"))["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_PTRACE"]}
+    assert security["allowPrivilegeEscalation"] is False
+
+
+def test_added_containers_get_the_restricted_defaults_under_their_own():
+    built = pod(
+        {
+            "initContainers": [{"name": "warm", "image": "x", "securityContext": {"runAsUser": 7}}],
+            "containers": [
+                {"name": "exporter", "image": "x"},
+                {
+                    "name": "probe",
+                    "image": "x",
+                    "securityContext": {"capabilities": {"add": ["NET_RAW"]}},
+                },
+            ],
+        }
+    )
+    [warm] = built["spec"]["initContainers"]
+    exporter, probe = built["spec"]["containers"][1:]
+    assert warm["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsUser": 7,
+    }
+    assert exporter["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert probe["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_RAW"]}
+
+
+def test_kueue_sees_the_jobs_required_terms_pod_resources_and_overhead():
+    built = pod(
+        {
+            "affinity": {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [GPU_H100, ZONE_B]}}},
+            "resources": {"requests": {"cpu": "8"}},
+            "overhead": {"memory": "1Gi"},
+        },
+        node="",
+    )
+    spec = loading.parse_spec(JobBuilder().layout(data=4, gpus_per_node=2).raw())
+    body = kueue_workload.build_workload(
+        REF, spec, kueue_workload.Queue("q", None), built, kueue_workload.Priority(0)
+    )
+    template = body["spec"]["podSets"][0]["template"]["spec"]
+    assert template["affinity"] == {
+        "nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [GPU_H100, ZONE_B]}}
+    }
+    assert template["resources"] == {"requests": {"cpu": "8"}}
+    assert template["overhead"] == {"memory": "1Gi"}
+    plain = kueue_workload.build_workload(
+        REF, spec, kueue_workload.Queue("q", None), pod(node=""), kueue_workload.Priority(0)
+    )
+    assert "affinity" not in plain["spec"]["podSets"][0]["template"]["spec"]
+
+
+POD_KEYS = (
+    "containers",
+    "initContainers",
+    "volumes",
+    "tolerations",
+    "securityContext",
+    "affinity",
+    "resources",
+    "overhead",
+    "hostAliases",
+    "dnsConfig",
+    "enableServiceLinks",
+)
+CONTAINER_KEYS = ("env", "envFrom", "volumeMounts", "ports", "securityContext", "resources", "args")
+VALUES: tuple[Any, ...] = (
+    None,
+    "x",
+    7,
+    True,
+    [],
+    ["x"],
+    [{}],
+    [{"name": "extra", "value": "1"}],
+    {},
+    {"requests": "x"},
+    {"requests": {"cpu": "1"}, "limits": {"memory": "bad"}},
+    {"capabilities": {"add": ["NET_ADMIN"]}},
+    {"capabilities": None},
+    {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [{"matchExpressions": "abc"}]}}},
+    {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [GPU_H100]}}},
+    {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": []}}},
+    {"nodeAffinity": None},
+    [{"key": "k", "operator": "Exists"}],
+)
+
+
+def _random_override(rng: random.Random) -> dict[str, Any]:
+    override: dict[str, Any] = {
+        key: rng.choice(VALUES) for key in rng.sample(POD_KEYS, rng.randint(1, 3))
+    }
+    if rng.random() < 0.6:
+        name = rng.choice(("trainer", "sidecar"))
+        container = {
+            key: rng.choice(VALUES) for key in rng.sample(CONTAINER_KEYS, rng.randint(1, 3))
+        }
+        override[rng.choice(("containers", "initContainers"))] = [{"name": name, **container}]
+    return override
+
+
+def test_any_accepted_override_builds_and_keeps_the_operators_env_and_mounts():
+    """Random overrides, nulls and wrong types among them: what validation accepts never
+    crashes the builder, placement or Kueue, and never drops the operator's env or mounts."""
+    rng = random.Random(33)
+    base = JobBuilder().layout(data=4, gpus_per_node=2).resources(cpu="4", memory="8Gi")
+    plain = trainer(builders.build_pod(REF, loading.parse_spec(base.raw()), 0, 0, "node-a"))
+    accepted = 0
+    for _ in range(3000):
+        override = _random_override(rng)
+        try:
+            spec = loading.parse_spec(copy.deepcopy(base).pod_template(override).raw())
+        except loading.SpecError:
+            continue
+        accepted += 1
+        built = builders.build_pod(REF, spec, 0, 0, "node-a")
+        feasibility.demand_of(builders.build_pod(REF, spec, 0, 0, ""))
+        kueue_workload.build_workload(
+            REF, spec, kueue_workload.Queue("q", None), built, kueue_workload.Priority(0)
+        )
+        merged = trainer(built)
+        assert all(var in merged["env"] for var in plain["env"]), override
+        assert all(mount in merged["volumeMounts"] for mount in plain["volumeMounts"]), override
+        assert merged["securityContext"]["capabilities"]["drop"] == ["ALL"], override
+        assert merged["securityContext"]["allowPrivilegeEscalation"] is False, override
+    assert accepted > 100

@@ -3,7 +3,8 @@
 ``data prepare`` records the largest id with the byte count and a digest of sampled blocks; a
 job opening the unchanged file (even a copy of it, whose modification time differs) reads no id
 of it, and a rewrite of a sampled block (same size, an id past the vocabulary put there) is
-noticed: the file is scanned and refused at that id's position.  The scan itself is counted by
+noticed: the file is scanned and refused at that id's position; so is an id past the vocabulary
+written in place into the prepared file outside the sampled blocks (its modification time).  The scan itself is counted by
 replacing ``token_files.largest_id``.
 
 Tier: ``make test`` (unit).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -23,13 +25,13 @@ from meshtrain.cli import main
 from meshtrain.trainer.data import dataset, token_files, vocab_scan
 
 
-def _prepared(tmp_path):
+def _prepared(tmp_path, count: int = 200_000):
     words = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 300)}}
     tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     text = tmp_path / "docs.txt"
-    text.write_text(" ".join(f"w{2 + (i * 37) % 290}" for i in range(200_000)))
+    text.write_text(" ".join(f"w{2 + (i * 37) % 290}" for i in range(count)))
     out = tmp_path / "tokens.bin"
     argv = ["data", "prepare", str(text), "--tokenizer", str(tmp_path / "tokenizer.json")]
     assert main.main([*argv, "-o", str(out)]) == 0
@@ -93,3 +95,23 @@ def test_metadata_without_a_recorded_largest_id_is_scanned_once_then_recorded(
     _open(out)
     _open(out)
     assert calls == [meta["tokens"]]
+
+
+def test_an_in_place_edit_outside_the_sampled_blocks_is_noticed_by_its_time(tmp_path, monkeypatch):
+    out = _prepared(tmp_path, count=700_000)  # large enough for gaps between the sampled blocks
+    size = out.stat().st_size
+    second_block = (size - vocab_scan.SAMPLE_BYTES) // (vocab_scan.SAMPLE_BLOCKS - 1)
+    assert second_block > vocab_scan.SAMPLE_BYTES
+    position = (vocab_scan.SAMPLE_BYTES + second_block) // 4  # an id between blocks 1 and 2
+    digest = vocab_scan.sampled_digest(out)
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    with out.open("r+b") as handle:
+        handle.seek(position * 2)
+        handle.write(np.array([300], dtype="<u2").tobytes())
+    assert vocab_scan.sampled_digest(out) == digest and out.stat().st_size == size
+    calls = _scans(monkeypatch)
+    with pytest.raises(
+        dataset.DatasetError, match=f"token id 300 >= model vocab 300 at position {position}"
+    ):
+        _open(out)
+    assert calls == [size // 2]

@@ -92,8 +92,14 @@ class TrainingJobSpec(base.SpecModel):
 
     @model_validator(mode="after")
     def _override_leaves_the_gpus(self) -> TrainingJobSpec:
-        problem = pod_template.gpu_problem(
-            self.pod_template_override, self.resources.gpu_resource_name
+        problem = (
+            pod_template.gpu_problem(self.pod_template_override, self.resources.gpu_resource_name)
+            or pod_template.storage_env_problem(
+                self.pod_template_override,
+                [v.name for v in self.pod.env],
+                bool(self.object_storage),
+            )
+            or pod_template.annotations_problem(self.pod_template_override, self.pod.annotations)
         )
         if problem:
             raise ValueError(problem)

@@ -220,8 +220,9 @@ def _object_storage_for_urls(spec: TrainingJobSpec) -> str | None:
         field, url = found[0]
         return (
             f"{field}={base.quoted(url)} is an object-storage URL but spec.objectStorage is not set: add "
-            "objectStorage: {endpoint: https://<your S3 endpoint>, region: <region>, credentialsSecret: "
-            "<Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY>}, or use a path in the pod"
+            "objectStorage: {endpoint: https://<your S3 endpoint>, region: <region>} (and credentialsSecret: "
+            "<Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY> unless the pods get credentials from "
+            "their service account, e.g. IRSA or EKS pod identity), or use a path in the pod"
         )
     return None
 
@@ -381,7 +382,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "spec.objectStorage",
         f"has(self.objectStorage) || !({_CEL_URL_FIELDS})",
         "s3:// URLs in training.dataset(s), training.eval.dataset, model.init.fromHF or checkpoint.path "
-        "need spec.objectStorage (endpoint, region, credentialsSecret)",
+        "need spec.objectStorage (endpoint, region; credentialsSecret unless the pod has its own identity)",
         _object_storage_for_urls,
     ),
 )

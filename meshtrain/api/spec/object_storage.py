@@ -17,8 +17,8 @@ from pydantic import Field
 from meshtrain.api import limits
 from meshtrain.api.spec import base, kube_names
 
-ENDPOINT_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
-"""``http(s)://host[:port]``: the store's S3 API, no path, no credentials in the URL."""
+ENDPOINT_PATTERN = r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$"
+"""``http(s)://host[:port]`` (an IPv6 literal in brackets): the store's S3 API, no path, no credentials."""
 ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
 """Key of the credentials Secret holding the access key id (and the variable it becomes)."""
 SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -31,6 +31,18 @@ CA_MOUNT_DIR = "/etc/meshtrain/object-storage-ca"
 """Where the operator mounts :attr:`ObjectStorage.ca_config_map` read-only."""
 CA_KEY = "ca.crt"
 """Key of the CA ConfigMap holding the PEM bundle."""
+CA_VOLUME = "object-storage-ca"
+"""The volume of :attr:`ObjectStorage.ca_config_map` in every pod."""
+OPERATOR_ENV = (
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_CA_BUNDLE",
+    ACCESS_KEY_ID,
+    SECRET_ACCESS_KEY,
+    SESSION_TOKEN,
+)
+"""Variables the operator sets from this section (besides ``MESHTRAIN_*``): a job sets none."""
 
 
 class ObjectStorage(base.SpecModel):

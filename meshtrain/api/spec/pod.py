@@ -111,10 +111,19 @@ RESERVED_ENV_PREFIXES = ("MESHTRAIN_", "PET_", "TORCHELASTIC_")
 """Environment the operator sets for torchrun and the trainer; a job may not override it."""
 RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 """The same, by whole name."""
+GPU_ENV_NAMES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_VISIBLE_DEVICES")
+"""Which GPUs a container sees is the device plugin's to set (the GPUs the pod was given)."""
+GPU_ENV_FIX = (
+    "the device plugin sets which GPUs a container sees (set here, a container could use "
+    "GPUs of other pods on the node): remove it; request GPUs with resources.gpusPerNode"
+)
 SECRET_ENV_NAME = r"(?i)(secret|token|passw(or)?d|api_?key|access_?key|private_?key|credential)"
 """A plain ``value`` under such a name is almost certainly a credential."""
 RESERVED_LABEL_PREFIX = "meshtrain.io/"
 """Labels the operator selects its pods by."""
+KUEUE_PREFIX = "kueue.x-k8s.io/"
+"""Kueue's labels and annotations: on a pod they would make Kueue manage it apart from the gang's
+Workload (its pod integration), or forge Kueue's own bookkeeping."""
 RESERVED_LABELS = ("app.kubernetes.io/managed-by",)
 """The same, by whole key."""
 
@@ -151,6 +160,13 @@ def _env_not_reserved(pod: PodSettings) -> str | None:
     return None
 
 
+def _env_no_gpu_visibility(pod: PodSettings) -> str | None:
+    for i, var in enumerate(pod.env):
+        if var.name in GPU_ENV_NAMES:
+            return f"env[{i}] {var.name}: {GPU_ENV_FIX}"
+    return None
+
+
 def _env_no_plain_secrets(pod: PodSettings) -> str | None:
     for i, var in enumerate(pod.env):
         if var.value is not None and re.search(SECRET_ENV_NAME, var.name):
@@ -162,28 +178,30 @@ def _env_no_plain_secrets(pod: PodSettings) -> str | None:
 
 
 def labels_not_reserved(section: str, field: str, name: str) -> base.Rule[Any]:
-    """``spec.<section>.<field>`` (a map of a model at ``section``) uses none of the operator's keys."""
+    """``spec.<section>.<field>`` (a map of a model at ``section``) uses none of the operator's
+    or Kueue's keys."""
+    prefixes = (RESERVED_LABEL_PREFIX, KUEUE_PREFIX)
+    allowed = f"{', '.join(p + '*' for p in prefixes)} or {', '.join(RESERVED_LABELS)}"
 
     def check(judged: Any) -> str | None:
         taken = sorted(
-            k
-            for k in getattr(judged, field)
-            if k.startswith(RESERVED_LABEL_PREFIX) or k in RESERVED_LABELS
+            k for k in getattr(judged, field) if k.startswith(prefixes) or k in RESERVED_LABELS
         )
         if taken:
             return (
-                f"{field} {taken} are the operator's own (it selects its pods by them): "
-                f"choose keys outside {RESERVED_LABEL_PREFIX}* and {', '.join(RESERVED_LABELS)}"
+                f"{field} {taken} are the operator's own or Kueue's (the operator selects its "
+                f"pods by them, Kueue manages pods by them): choose keys outside {allowed}"
             )
         return None
 
     return base.Rule(
         name,
         f"spec.{section}.{field}",
-        f"self.{section}.{field}.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}') && "
-        f"!(k in {_cel_list(RESERVED_LABELS)}))",
-        f"{section}.{field} may not use {RESERVED_LABEL_PREFIX}* or {', '.join(RESERVED_LABELS)} "
-        "(the operator selects its pods by them)",
+        f"self.{section}.{field}.all(k, "
+        + " && ".join(f"!k.startsWith('{p}')" for p in prefixes)
+        + f" && !(k in {_cel_list(RESERVED_LABELS)}))",
+        f"{section}.{field} may not use {allowed} (the operator selects its pods by them, "
+        "Kueue manages pods by them)",
         check,
     )
 
@@ -235,6 +253,14 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         _env_not_reserved,
     ),
     base.Rule(
+        "env-no-gpu-visibility",
+        "spec.pod.env",
+        f"self.pod.env.all(e, !(e.name in {_cel_list(GPU_ENV_NAMES)}))",
+        f"pod.env may not set {', '.join(GPU_ENV_NAMES)}: the device plugin sets which GPUs a "
+        "container sees",
+        _env_no_gpu_visibility,
+    ),
+    base.Rule(
         "env-no-plain-secrets",
         "spec.pod.env",
         f"self.pod.env.all(e, !has(e.value) || !e.name.matches('{SECRET_ENV_NAME}'))",
@@ -243,6 +269,7 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
         _env_no_plain_secrets,
     ),
     labels_not_reserved("pod", "labels", "labels-not-reserved"),
+    labels_not_reserved("pod", "annotations", "annotations-not-reserved"),
     keys_qualified("pod", "labels", "pod-labels-keys-qualified"),
     keys_qualified("pod", "annotations", "pod-annotations-keys-qualified"),
 )

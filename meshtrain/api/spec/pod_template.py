@@ -1,28 +1,32 @@
 """``spec.podTemplateOverride``: a partial pod merged into every pod of the gang (Kubeflow Trainer
 v2's ``podTemplateOverrides``, JobSet's pod template), and what it may not touch.
 
-``spec`` is a partial core/v1 PodSpec kept as written (the CRD preserves it): its shape is the
-API server's to judge, on the merged pod.  Here are its bounds and the fields the operator owns
-(the gang's gate, its DNS names, the rank environment, the pin to the planned node, its own
-volumes), each refused with the field's path and the fix.
+``spec`` is a partial core/v1 PodSpec kept as written (the CRD preserves it): the API server
+judges the merged pod, :mod:`pod_template_shape` what the operator merges and reads.  Here are
+its bounds and the fields the operator owns (the gang's gate, its DNS names, the rank
+environment, the pin to the planned node, its own volumes), each refused with the field's path
+and the fix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from meshtrain.api import limits
-from meshtrain.api.spec import base, kube_names, pod
+from meshtrain.api.spec import base, kube_names, object_storage, pod, pod_template_shape
 
 PATH = "spec.podTemplateOverride"
 TRAINER_CONTAINER = "trainer"
 """The name of the trainer container in every pod: an override container of this name merges into it."""
-OPERATOR_VOLUMES = ("shm", "checkpoints", "spec", "tmp")
+OPERATOR_VOLUMES = ("shm", "checkpoints", "spec", "tmp", object_storage.CA_VOLUME)
 """Volumes the operator mounts in the trainer container (shared memory, the checkpoint claim, the
-job's spec, scratch space)."""
+job's spec, scratch space, the object store's CA)."""
+OPERATOR_MOUNT_PATHS = (object_storage.CA_MOUNT_DIR,)
+"""Fixed mount paths of the trainer container's volumes that a job could otherwise also choose."""
 
 OWNED_POD_FIELDS: Mapping[str, str] = {
     "nodeName": "the operator pins each pod to its planned node by required node affinity; "
@@ -40,6 +44,7 @@ OWNED_POD_FIELDS: Mapping[str, str] = {
     "priorityClassName": "set spec.pod.priorityClassName (Kueue and preemption read it)",
     "priority": "set spec.pod.priorityClassName (Kueue and preemption read it)",
     "imagePullSecrets": "set spec.pod.imagePullSecrets",
+    "schedulerName": "the gang's gate and PodGroup are the default scheduler's",
 }
 """Pod fields the operator sets, and where a job says what it wants instead."""
 
@@ -51,15 +56,14 @@ OWNED_TRAINER_FIELDS: Mapping[str, str] = {
     "workingDir": "set spec.trainer.workingDir",
     "terminationMessagePath": "rank 0 reports its final progress there",
     "terminationMessagePolicy": "rank 0 reports its final progress there",
+    "restartPolicy": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
+    "restartPolicyRules": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
 }
 """Fields of the trainer container the operator sets, and where a job says what it wants instead."""
 
 MERGED_LISTS = ("containers", "initContainers", "volumes")
-"""Lists of named mappings the operator merges by name (containers) or appends to."""
-LISTS = ("tolerations", "hostAliases", "readinessGates", "resourceClaims")
-"""Other pod lists the override's entries are appended to."""
-MAPPINGS = ("securityContext", "affinity")
-"""Pod mappings the operator merges with its own."""
+"""Lists of named mappings: a container named like the trainer merges into it; every other
+entry is appended (its name must not be one of the operator's)."""
 
 
 class OverrideMetadata(base.SpecModel):
@@ -131,22 +135,12 @@ def _entries(spec: Mapping[str, Any], key: str) -> Iterator[tuple[str, Mapping[s
 
 
 def _shape(spec: Mapping[str, Any]) -> str | None:
-    """The merged lists are lists of named mappings, within their bounds."""
+    """The merged lists' entries are named, within their bounds (their types checked before)."""
     for key in MERGED_LISTS:
-        items = spec.get(key)
-        if items is None:
-            continue
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            return f"{PATH}.spec.{key} must be a list of mappings"
+        items = spec.get(key) or []
         unnamed = next((i for i, e in enumerate(items) if not isinstance(e.get("name"), str)), None)
         if unnamed is not None:
             return f"{PATH}.spec.{key}[{unnamed}] needs a name (a string)"
-    for key in LISTS:
-        if not isinstance(spec.get(key, []), list):
-            return f"{PATH}.spec.{key} must be a list"
-    for key in MAPPINGS:
-        if not isinstance(spec.get(key, {}), dict):
-            return f"{PATH}.spec.{key} must be a mapping"
     containers = len(spec.get("containers") or []) + len(spec.get("initContainers") or [])
     if containers > limits.MAX_POD_OVERRIDE_CONTAINERS:
         return (
@@ -169,17 +163,43 @@ def _owned(spec: Mapping[str, Any]) -> Iterator[str]:
                 f"({', '.join(OPERATOR_VOLUMES)}): choose another name"
             )
     for where, container in _entries(spec, "initContainers"):
+        yield from _env(where, container)
         if container["name"] == TRAINER_CONTAINER:
             yield f"{where}.name {TRAINER_CONTAINER!r} is the trainer container's: choose another name"
     for where, container in _entries(spec, "containers"):
+        yield from _env(where, container)
         if container["name"] == TRAINER_CONTAINER:
             yield from _trainer_owned(where, container)
+        elif "restartPolicy" in container:
+            yield (
+                f"{where}.restartPolicy is for init containers (sidecars): the operator "
+                "restarts the whole gang; remove it"
+            )
+
+
+def _env(where: str, container: Mapping[str, Any]) -> Iterator[str]:
+    """Any container's env: no GPU visibility of its own, no credential in a plain value."""
+    for i, var in enumerate(container.get("env") or []):
+        name = var.get("name")
+        if not isinstance(name, str):
+            continue
+        if name in pod.GPU_ENV_NAMES:
+            yield f"{where}.env[{i}] {name}: {pod.GPU_ENV_FIX}"
+        elif var.get("value") is not None and re.search(pod.SECRET_ENV_NAME, name):
+            yield (
+                f"{where}.env[{i}] {name} looks like a credential but has a plain value, which "
+                "anyone who can read the TrainingJob sees: put it in a Secret and use "
+                "valueFrom.secretKeyRef"
+            )
 
 
 def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
     for key in container:
         if key in OWNED_TRAINER_FIELDS:
             yield f"{where}.{key} is set by the operator: {OWNED_TRAINER_FIELDS[key]}"
+    for i, mount in enumerate(container.get("volumeMounts") or []):
+        if mount.get("mountPath") in OPERATOR_MOUNT_PATHS:
+            yield f"{where}.volumeMounts[{i}].mountPath {mount['mountPath']} is the operator's: choose another"
     env = container.get("env") or []
     if not isinstance(env, list):
         return
@@ -195,40 +215,9 @@ def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
             )
 
 
-REQUIRED_TERMS = (
-    f"{PATH}.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
-    ".nodeSelectorTerms"
-)
-
-
-def _node_terms(spec: Mapping[str, Any]) -> str | None:
-    """The required node selector terms are a list of mappings, each with a requirement: the
-    operator ANDs each with its pin to the planned node, and an empty term (which matches no
-    node) would then match that node."""
-    affinity = spec.get("affinity", {})
-    nodes = affinity.get("nodeAffinity", {}) if isinstance(affinity, dict) else None
-    required = (
-        nodes.get("requiredDuringSchedulingIgnoredDuringExecution", {})
-        if isinstance(nodes, dict)
-        else None
-    )
-    terms = required.get("nodeSelectorTerms", []) if isinstance(required, dict) else None
-    if not isinstance(terms, list):
-        return f"{PATH}.spec.affinity: affinity, nodeAffinity and its required part are mappings, nodeSelectorTerms a list"
-    for i, term in enumerate(terms):
-        if not isinstance(term, dict) or not (
-            term.get("matchExpressions") or term.get("matchFields")
-        ):
-            return (
-                f"{REQUIRED_TERMS}[{i}] has no matchExpressions nor matchFields: it matches no "
-                "node; remove it or give it a requirement"
-            )
-    return None
-
-
 def _problems(spec: Mapping[str, Any]) -> Iterator[str]:
     """Every bound and owned field ``spec`` breaks (the first shape problem alone: the rest read it)."""
-    broken = _size(spec) or _shape(spec) or _node_terms(spec)
+    broken = _size(spec) or pod_template_shape.problem(spec, f"{PATH}.spec") or _shape(spec)
     if broken:
         yield broken
         return
@@ -248,6 +237,64 @@ def gpu_problem(override: PodTemplateOverride, gpu_resource: str) -> str | None:
                         f"{where}.resources.{kind}[{gpu_resource!r}] is set by the operator: the "
                         "gang's GPUs are spec.resources.gpusPerNode on the trainer container"
                     )
+    return None
+
+
+def storage_env_problem(
+    override: PodTemplateOverride, pod_env: Sequence[str], storage_set: bool
+) -> str | None:
+    """With ``spec.objectStorage`` set, the operator gives the trainer the S3 client's variables:
+    neither ``spec.pod.env`` (names ``pod_env``) nor the trainer container's env sets them."""
+    if not storage_set:
+        return None
+    named = [(f"spec.pod.env[{i}]", name) for i, name in enumerate(pod_env)]
+    for where, container in _entries(override.spec, "containers"):
+        if container["name"] == TRAINER_CONTAINER:
+            named += [
+                (f"{where}.env[{i}]", v.get("name"))
+                for i, v in enumerate(container.get("env") or [])
+            ]
+    for where, name in named:
+        if name in object_storage.OPERATOR_ENV:
+            return (
+                f"{where} {name} is set by the operator from spec.objectStorage: set the store "
+                "there (endpoint, region, credentialsSecret, caConfigMap) and remove it"
+            )
+    return None
+
+
+def annotations_problem(
+    override: PodTemplateOverride, pod_annotations: Mapping[str, str]
+) -> str | None:
+    """The pods' annotations (``spec.pod``'s and the override's) within their bound."""
+    size = sum(
+        len(k) + len(v)
+        for annotations in (pod_annotations, override.metadata.annotations)
+        for k, v in annotations.items()
+    )
+    if size > limits.MAX_POD_ANNOTATION_BYTES:
+        return (
+            f"spec.pod.annotations and {PATH}.metadata.annotations hold {size} bytes; at most "
+            f"{limits.MAX_POD_ANNOTATION_BYTES}: keep large values in a ConfigMap"
+        )
+    return None
+
+
+def placement_warning(override: PodTemplateOverride) -> str | None:
+    """Why part of the override's placement does nothing (``meshtrain validate`` warns): each pod
+    is pinned to the one node the operator planned, so preferences choose nothing."""
+    spec = override.spec
+    affinity = spec.get("affinity") or {}
+    nodes = affinity.get("nodeAffinity") or {}
+    spreads = spec.get("topologySpreadConstraints") or []
+    if nodes.get("preferredDuringSchedulingIgnoredDuringExecution") or any(
+        s.get("whenUnsatisfiable") == "ScheduleAnyway" for s in spreads
+    ):
+        return (
+            f"{PATH}.spec: preferred node affinity and ScheduleAnyway spreads choose nothing (each "
+            "pod is pinned to the node the operator planned): use required terms or "
+            "spec.resources.nodeSelector"
+        )
     return None
 
 

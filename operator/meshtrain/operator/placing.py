@@ -353,10 +353,14 @@ class Placer:
             f"{refused.message} (try {tries.failures}; next in {tries.not_before - now:.0f} s)"
         )
         logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
-        changes = placement_status.children_refused(job, refused.reason, message, clock.now())
-        body, job, _ = await self.writer.set_status(body, job, changes)
+        reason, changes = refused.reason, placement_status.children_refused
+        if refused.invalid and tries.failures >= children.INVALID_TRIES:  # refused for ever
+            reason, changes = conditions.INVALID_SPEC, placement_status.refused
+        body, job, _ = await self.writer.set_status(
+            body, job, changes(job, reason, message, clock.now())
+        )
         await self._delete_gang(ref)
-        await self.writer.emit(body, "Warning", refused.reason, refused.message)
+        await self.writer.emit(body, "Warning", reason, refused.message)
         return body, job, True
 
     async def place(

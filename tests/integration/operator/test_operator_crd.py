@@ -152,6 +152,11 @@ INVALID = [
         _rule("env-no-plain-secrets"),
     ),
     (
+        "env choosing the GPUs a container sees",
+        _valid().pod(env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]).manifest(),
+        _rule("env-no-gpu-visibility"),
+    ),
+    (
         "env overriding the operator's variables",
         _valid().pod(env=[{"name": "PET_NNODES", "value": "1"}]).manifest(),
         _rule("env-not-reserved"),
@@ -206,6 +211,11 @@ INVALID = [
         "pod label the operator selects by",
         _valid().pod(labels={"meshtrain.io/attempt": "9"}).manifest(),
         _rule("labels-not-reserved"),
+    ),
+    (
+        "pod annotation of Kueue's",
+        _valid().pod(annotations={"kueue.x-k8s.io/workload": "w"}).manifest(),
+        _rule("annotations-not-reserved"),
     ),
     (
         "the GPU resource asked again through extraResources",

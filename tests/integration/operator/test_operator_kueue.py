@@ -547,6 +547,24 @@ def test_a_workload_of_the_jobs_name_owned_by_another_object_is_neither_read_nor
     assert own["metadata"]["ownerReferences"][0]["name"] == "namesake"
 
 
+def _dry_run_workload(cluster: Cluster, name: str, override: dict[str, Any]) -> dict[str, Any]:
+    """The pod set template of the Workload of job ``name`` with ``override``, as Kueue's schema
+    and webhooks keep it (server-side dry run: no quota taken)."""
+    spec = loading.parse_spec(
+        JobBuilder(name, NS, pool="kq").layout(data=8).gpus(8).pod_template(override).raw()
+    )
+    ref = identity.JobRef(name, NS, "00000000-0000-0000-0000-000000000001")
+    template = builders.build_pod(ref, spec, 0, 0, "")
+    body = kueue_workload.build_workload(
+        ref, spec, kueue_workload.Queue(QUEUE, None), template, kueue_workload.Priority(0)
+    )
+    stored = cluster.custom.create_namespaced_custom_object(
+        kueue_workload.GROUP, kueue_workload.VERSION, NS, kueue_workload.PLURAL, body, dry_run="All"
+    )
+    pod_set: dict[str, Any] = stored["spec"]["podSets"][0]["template"]["spec"]
+    return pod_set
+
+
 def test_a_workload_counting_an_overrides_sidecar_and_containers_is_accepted_by_kueue(
     queued,
 ) -> None:
@@ -564,18 +582,26 @@ def test_a_workload_counting_an_overrides_sidecar_and_containers_is_accepted_by_
         ],
         "containers": [{"name": "exporter", "image": "exporter:1"}],
     }
-    spec = loading.parse_spec(
-        JobBuilder("sidecars", NS, pool="kq").layout(data=8).gpus(8).pod_template(override).raw()
-    )
-    ref = identity.JobRef("sidecars", NS, "00000000-0000-0000-0000-000000000001")
-    template = builders.build_pod(ref, spec, 0, 0, "")
-    body = kueue_workload.build_workload(
-        ref, spec, kueue_workload.Queue(QUEUE, None), template, kueue_workload.Priority(0)
-    )
-    stored = cluster.custom.create_namespaced_custom_object(
-        kueue_workload.GROUP, kueue_workload.VERSION, NS, kueue_workload.PLURAL, body, dry_run="All"
-    )
-    pod_set = stored["spec"]["podSets"][0]["template"]["spec"]
+    pod_set = _dry_run_workload(cluster, "sidecars", override)
     assert [c["name"] for c in pod_set["initContainers"]] == ["ship-logs"]
     assert pod_set["initContainers"][0]["restartPolicy"] == "Always"
     assert [c["name"] for c in pod_set["containers"]] == ["trainer", "exporter"]
+
+
+def test_a_workload_carrying_an_overrides_required_terms_and_overhead_is_accepted_by_kueue(
+    queued,
+) -> None:
+    """The Workload keeps the override's required node terms (less the pin), pod-level resources
+    and overhead through Kueue's schema and webhooks (server-side dry run: no quota taken)."""
+    cluster, _operator = queued
+    gpu = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+    required = {"nodeSelectorTerms": [gpu]}
+    override = {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}},
+        "resources": {"requests": {"cpu": "8", "memory": "16Gi"}},
+        "overhead": {"memory": "1Gi"},
+    }
+    pod_set = _dry_run_workload(cluster, "affine", override)
+    assert pod_set["affinity"] == override["affinity"]
+    assert pod_set["overhead"] == {"memory": "1Gi"}
+    assert pod_set["resources"] == {"requests": {"cpu": "8", "memory": "16Gi"}}

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from meshtrain.api import loading
+from meshtrain.operator.cluster import children
 from meshtrain.operator.policy import builders, conditions, naming
 from tests.builders import JobBuilder
 from tests.unit.test_pod_template import EVERY_SOURCE
@@ -124,6 +125,25 @@ def test_an_owned_field_fails_the_job_naming_the_field(cluster, operator, namesp
     assert operator.alive()
 
 
+def test_a_badly_shaped_override_fails_the_job_and_the_operator_lives_on(
+    cluster, operator, namespace, pool
+):
+    """Once a crash of placement (AttributeError in feasibility), retried by kopf for ever."""
+    cluster.add_node(pool, gpus=8)
+    required = {"nodeSelectorTerms": [{"matchExpressions": "abc"}]}
+    shaped = {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    }
+    job = JobBuilder("shaped-badly", namespace, pool).layout(data=2).pod_template(shaped)
+    cluster.apply(job)
+    cluster.wait_phase(namespace, "shaped-badly", "Failed")
+    failed = cluster.condition(namespace, "shaped-badly", "Failed")
+    assert failed["reason"] == conditions.INVALID_SPEC
+    assert "nodeSelectorTerms[0].matchExpressions must be a list" in failed["message"]
+    assert cluster.pods(namespace, "shaped-badly") == []
+    assert operator.alive()
+
+
 def test_a_merged_pod_the_api_server_refuses_is_reported_in_its_words_with_backoff(
     cluster, operator, namespace, pool
 ):
@@ -147,6 +167,23 @@ def test_a_merged_pod_the_api_server_refuses_is_reported_in_its_words_with_backo
     assert cluster.pods(namespace, "refused") == []
     assert operator.alive()
     assert cluster.status(namespace, "refused").get("phase") != "Failed"
+
+
+def test_a_merged_pod_refused_as_invalid_again_and_again_fails_the_job(
+    cluster, operator, namespace, pool
+):
+    """422 Invalid is the spec's fault: after children.INVALID_TRIES refusals of one generation
+    (2 s, then 4 s apart) the job fails with InvalidSpec and the server's message."""
+    cluster.add_node(pool, gpus=8)
+    broken = {"containers": [{"name": "exporter", "image": "x", "ports": [{"containerPort": 0}]}]}
+    cluster.apply(JobBuilder("invalid", namespace, pool).layout(data=2).pod_template(broken))
+    cluster.wait_phase(namespace, "invalid", "Failed")
+    failed = cluster.condition(namespace, "invalid", "Failed")
+    assert failed["reason"] == conditions.INVALID_SPEC
+    assert "containerPort" in failed["message"], failed["message"]
+    assert f"try {children.INVALID_TRIES};" in failed["message"], failed["message"]
+    assert cluster.pods(namespace, "invalid") == []
+    assert operator.alive()
 
 
 def test_the_documented_overrides_and_every_volume_source_pass_the_api_servers_validation(

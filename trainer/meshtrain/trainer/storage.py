@@ -19,9 +19,12 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import fsspec.asyn
 import s3fs
 
 from meshtrain.api.spec import object_storage, urls
@@ -37,8 +40,18 @@ DIRECTORY_SUFFIXES = (".json", ".safetensors", ".model", ".txt")
 ``*.bin``/``*.pth`` duplicates of the weights, nor sub-directories such as ``original/``)."""
 MAX_LISTED = 100_000
 """Objects one listing may return; a larger prefix is refused."""
-DEFAULT_ATTEMPTS = 5
+DEFAULT_ATTEMPTS = 3
 """Tries of one request (botocore's retries of throttling and connection errors); ``AWS_MAX_ATTEMPTS`` overrides."""
+CONNECT_TIMEOUT_S = 10
+"""Seconds to connect to the store before a try fails (botocore's default, 60, outlasts a collective's patience)."""
+READ_TIMEOUT_S = 20
+"""Seconds a started response may stall before a try fails: a stalled store fails a request within
+about ``DEFAULT_ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S)`` = 90 s, below the 300 s process-group
+timeout, and the error names the URL instead of showing up as an NCCL timeout."""
+READ_DEADLINE_S = 120
+"""Seconds one round of :func:`read_ranges` may take in all (a store that answers, slowly, forever)."""
+PROBE_PREFIX = ".meshtrain-probe-"
+"""Name prefix of the short-lived object that tests a bucket's conditional writes (:func:`write_bytes`)."""
 READ_CONCURRENCY = 32
 """Ranged GETs in flight at once in :func:`read_ranges`."""
 
@@ -61,9 +74,16 @@ def options() -> dict[str, Any]:
     return {
         "endpoint_url": endpoint,
         "client_kwargs": {"region_name": region} if region else {},
-        "config_kwargs": {"s3": {"addressing_style": style}, "retries": {"max_attempts": attempts}},
+        "config_kwargs": {
+            "s3": {"addressing_style": style},
+            "retries": {"max_attempts": attempts, "mode": "standard"},
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+        },
         # Other processes (ranks, the next writer) change the bucket: never answer from an old listing.
         "use_listings_cache": False,
+        # Every upload carries its SHA-256, which the store checks and keeps (:func:`head`).
+        "s3_additional_kwargs": {"ChecksumAlgorithm": "SHA256"},
     }
 
 
@@ -159,6 +179,21 @@ def size(url: str) -> int:
     return int(info["size"])
 
 
+def head(url: str) -> dict[str, Any]:
+    """One object's {size, etag, sha256, sha256_type}: the SHA-256 the store kept from the upload
+    (base64; ``FULL_OBJECT``: of the whole object, ``COMPOSITE``: of its parts' checksums), or None."""
+    bucket, _, key = _key(url).partition("/")
+    out = _call(
+        url, lambda fs: fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    )
+    return {
+        "size": int(out["ContentLength"]),
+        "etag": str(out.get("ETag", "")),
+        "sha256": out.get("ChecksumSHA256"),
+        "sha256_type": out.get("ChecksumType") or "FULL_OBJECT",
+    }
+
+
 def read_small(url: str, limit: int = SMALL_OBJECT_BYTES) -> bytes:
     """A whole object of at most ``limit`` bytes."""
     length = size(url)
@@ -173,16 +208,17 @@ def read_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
     """The bytes ``[start, end)`` of each (url, start, end), fetched concurrently; each must be whole."""
     if not requests:
         return []
-    paths = [_key(url) for url, _, _ in requests]
-    starts = [start for _, start, _ in requests]
-    ends = [end for _, _, end in requests]
-    url = requests[0][0]
-    found = _call(
-        url,
-        lambda fs: fs.cat_ranges(
-            paths, starts, ends, batch_size=READ_CONCURRENCY, on_error="raise"
-        ),
-    )
+    found = _call(_where(requests), lambda fs: _cat_ranges(fs, requests))
+    failed = [
+        (where, data)
+        for (where, _, _), data in zip(requests, found)
+        if isinstance(data, BaseException)
+    ]
+    if failed:
+        where, error = failed[0]
+        if isinstance(error, FileNotFoundError):
+            raise FileNotFoundError(f"{where}: no such object ({error})") from None
+        _call(where, lambda _: _raise(error))  # said with the failing request's URL
     for (where, start, end), data in zip(requests, found):
         if len(data) != end - start:
             raise ObjectStorageError(
@@ -190,6 +226,39 @@ def read_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
                 "(the object changed or was truncated while training)"
             )
     return [bytes(data) for data in found]
+
+
+def _cat_ranges(fs: Any, requests: list[tuple[str, int, int]]) -> list[Any]:
+    """s3fs's concurrent ranged GETs (each result its bytes or its error), within :data:`READ_DEADLINE_S`."""
+    try:
+        return list(
+            fsspec.asyn.sync(
+                fs.loop,
+                fs._cat_ranges,
+                [_key(url) for url, _, _ in requests],
+                [start for _, start, _ in requests],
+                [end for _, _, end in requests],
+                batch_size=READ_CONCURRENCY,
+                on_error="return",
+                timeout=READ_DEADLINE_S,
+            )
+        )
+    except fsspec.asyn.FSTimeoutError:
+        raise ObjectStorageError(
+            f"{_where(requests)}: {len(requests)} ranged reads got no full answer within "
+            f"{READ_DEADLINE_S} s: check that the store (spec.objectStorage.endpoint) is reachable "
+            "and not overloaded"
+        ) from None
+
+
+def _where(requests: list[tuple[str, int, int]]) -> str:
+    """The URL(s) a batch of reads touches, for an error that is not one request's."""
+    names = sorted({url for url, _, _ in requests})
+    return names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} other objects)"
+
+
+def _raise(err: BaseException) -> None:
+    raise err
 
 
 def glob(pattern: str) -> list[str]:
@@ -202,31 +271,91 @@ def glob(pattern: str) -> list[str]:
 
 
 def listing(prefix: str) -> dict[str, dict[str, Any]]:
-    """Every object below ``prefix`` (a directory-like URL): relative key -> {size, etag}."""
+    """Every object below ``prefix`` (a directory-like URL): relative key -> {size, etag, modified}.
+
+    ``modified``: LastModified in seconds since the epoch (now, where the store gives none).
+    """
     root = _key(prefix).rstrip("/")
     found = _call(prefix, lambda fs: fs.find(root, detail=True, maxdepth=None))
     if len(found) > MAX_LISTED:
         raise ObjectStorageError(f"{prefix}: holds more than {MAX_LISTED} objects")
     return {
-        key[len(root) + 1 :]: {"size": int(info["size"]), "etag": str(info.get("ETag", ""))}
+        key[len(root) + 1 :]: {
+            "size": int(info["size"]),
+            "etag": str(info.get("ETag", "")),
+            "modified": _seconds(info.get("LastModified")),
+        }
         for key, info in found.items()
         if info.get("type") == "file" and key.startswith(root + "/")
     }
 
 
+def _seconds(stamp: Any) -> float:
+    return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else time.time()
+
+
 def write_bytes(url: str, data: bytes, *, exclusive: bool = False) -> bool:
     """Store ``data`` as object ``url`` (one PUT); ``exclusive``: only if there is none (False: there is).
 
-    The exclusive PUT is conditional (``If-None-Match: *``, which AWS S3 and versitygw honour).
+    The exclusive PUT is conditional (``If-None-Match: *``, which AWS S3 and versitygw honour); a
+    store that ignores the condition is refused once per bucket (:func:`check_conditional_writes`).
     """
+    if exclusive:
+        check_conditional_writes(url)
+    return bool(_call(url, lambda fs: _put(fs, url, data, exclusive)))
+
+
+def _put(fs: Any, url: str, data: bytes, exclusive: bool) -> bool:
     try:
-        _call(
-            url,
-            lambda fs: fs.pipe_file(_key(url), data, mode="create" if exclusive else "overwrite"),
-        )
+        fs.pipe_file(_key(url), data, mode="create" if exclusive else "overwrite")
     except FileExistsError:
         return False
+    except OSError as err:
+        if exclusive and _precondition_failed(err):
+            return False  # any 412 on an If-None-Match PUT: the object exists
+        raise
     return True
+
+
+def _precondition_failed(err: OSError) -> bool:
+    """Whether ``err`` is an HTTP 412 (s3fs maps one without a ``Condition`` field to EINVAL)."""
+    response = getattr(err.__cause__, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = response.get("Error", {}).get("Code")
+    return status == 412 or code in ("PreconditionFailed", "412")
+
+
+def check_conditional_writes(url: str) -> None:
+    """Refuse a bucket that ignores ``If-None-Match`` (checked once per bucket, next to ``url``)."""
+    bucket = _key(url).split("/", 1)[0]
+    if bucket not in _PROBED:
+        _probe(bucket, url.rstrip("/").rsplit("/", 1)[0])
+        _PROBED.add(bucket)
+
+
+_PROBED: set[str] = set()
+"""Buckets whose conditional writes this process has checked."""
+
+
+def _probe(bucket: str, directory: str) -> None:
+    """Two exclusive PUTs of one new key: the second must be refused."""
+    probe = f"{directory}/{PROBE_PREFIX}{uuid.uuid4().hex[:16]}"
+    try:
+        first = _call(probe, lambda fs: _put(fs, probe, b"probe", True))
+        second = _call(probe, lambda fs: _put(fs, probe, b"probe", True))
+    finally:
+        remove([probe])
+    if not first:
+        raise ObjectStorageError(
+            f"{probe}: the store refused an exclusive PUT of a new key (If-None-Match: *); check "
+            "that it supports conditional writes and that the credentials may write there"
+        )
+    if second:
+        raise ObjectStorageError(
+            f"s3://{bucket}: the store ignores conditional writes (If-None-Match: *), which "
+            "meshtrain needs so that one writer owns a job's checkpoints and publishes a step: use "
+            "a store that honours them (AWS S3, versitygw, MinIO, Ceph RGW 18+ and others)"
+        )
 
 
 def remove(urls_: list[str]) -> None:
@@ -260,11 +389,12 @@ def local_directory(url: str, field: str) -> Path:
     """A local copy of the objects directly under ``url`` whose names end in :data:`DIRECTORY_SUFFIXES`.
 
     Made once per machine and contents: the copy's name hashes the listing (names, sizes, ETags),
-    so a changed directory is copied again; ranks of one machine wait on a lock for the first.
+    so a changed directory is copied again (and the older copy of the URL deleted); ranks of one
+    machine wait on the cache-wide lock for the first.
     Refused above :func:`directory_limit` bytes or the free space of the cache's disk.
     """
     objects = {
-        name: facts
+        name: {"size": facts["size"], "etag": facts["etag"]}
         for name, facts in listing(url).items()
         if "/" not in name and name.endswith(DIRECTORY_SUFFIXES)
     }
@@ -283,11 +413,43 @@ def local_directory(url: str, field: str) -> Path:
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     target = root / digest
-    with (root / f"{digest}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(
+            lock, fcntl.LOCK_EX
+        )  # cache-wide: one copy at a time, the free space checked under it
         if not target.is_dir():
+            _clean_cache(root, url, digest)
             _copy_directory(url, objects, target, total)
+            (root / f"{digest}{SOURCE_SUFFIX}").write_text(url)
     return target
+
+
+SOURCE_SUFFIX = ".source"
+"""A copy's companion file naming the URL it copies (so an older copy of the URL can be found)."""
+
+
+def _clean_cache(root: Path, url: str, keep: str) -> None:
+    """Under the cache-wide lock: every ``.tmp-`` entry is a dead copy, other copies of ``url`` are stale."""
+    for entry in root.iterdir():
+        if entry.name.startswith(".tmp-"):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.endswith(SOURCE_SUFFIX) and entry.name != f"{keep}{SOURCE_SUFFIX}":
+            with entry.open() as handle:
+                source = handle.read(4096)
+            if source == url:
+                shutil.rmtree(root / entry.name.removesuffix(SOURCE_SUFFIX), ignore_errors=True)
+                entry.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask (from /proc, without changing it; 0o022 where unreadable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _copy_directory(url: str, objects: dict[str, dict[str, Any]], target: Path, total: int) -> None:
@@ -309,7 +471,7 @@ def _copy_directory(url: str, objects: dict[str, dict[str, Any]], target: Path, 
         for name, facts in objects.items():
             if (tmp / name).stat().st_size != facts["size"]:
                 raise ObjectStorageError(f"{base}/{name}: changed while it was copied; try again")
-        tmp.chmod(0o755)
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0o700 would hide the copy from other users
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -23,6 +23,11 @@ RETRY_CAP_SECONDS = 120.0
 """Longest wait between two tries (a fixed namespace or quota is picked up within two minutes)."""
 _TRANSIENT = (409, 429)
 """Statuses that are no refusal: already exists (examined), throttled."""
+INVALID = 422
+"""The API server's answer to an object its validation refuses (not Pod Security's 403)."""
+INVALID_TRIES = 3
+"""Refusals of a pod as invalid, for one spec generation, after which the job fails (InvalidSpec):
+the merged pod is the spec's, and it would be refused for ever."""
 
 
 def retry_delay(failures: int) -> float:
@@ -43,6 +48,8 @@ class Refused:
     """``conditions.CREATE_REJECTED`` or ``conditions.NAME_CONFLICT``."""
     message: str
     """Which object, and the API server's message or the owner that holds the name."""
+    invalid: bool = False
+    """The API server's validation refused a pod (422): the spec, not the cluster, is at fault."""
 
 
 def owner_uids(obj: Mapping[str, Any]) -> list[str]:
@@ -99,6 +106,7 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
             conditions.CREATE_REJECTED,
             f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
             f"{err.body}",
+            invalid=kind == "Pod" and err.status == INVALID,
         )
 
 

@@ -246,13 +246,13 @@ def _volumes(
         ca = api_object_storage.CA_KEY
         volumes.append(
             {
-                "name": "object-storage-ca",
+                "name": api_object_storage.CA_VOLUME,
                 "configMap": {"name": storage.ca_config_map, "items": [{"key": ca, "path": ca}]},
             }
         )
         mounts.append(
             {
-                "name": "object-storage-ca",
+                "name": api_object_storage.CA_VOLUME,
                 "mountPath": api_object_storage.CA_MOUNT_DIR,
                 "readOnly": True,
             }

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import builders, conditions, identity, naming
+from meshtrain.operator.policy import builders, conditions, identity, naming, node_affinity
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
@@ -159,7 +159,8 @@ def build_workload(
     """The Workload of ``job``: one pod set of ``spec.pods`` copies of ``pod``'s requests.
 
     ``pod`` is a pod of the gang as the builders make it; Kueue sees its containers'
-    requests, node selector and tolerations, which is what its quota and flavors judge.
+    requests, pod-level resources and overhead, node selector, tolerations and required node
+    affinity (less the pin to a node), which is what its quota and flavors judge.
     ``priority`` orders it in its queue and decides what it may preempt.
     """
     template_spec = pod["spec"]
@@ -169,9 +170,15 @@ def build_workload(
         template["spec"]["initContainers"] = [
             _requests_only(c) for c in template_spec["initContainers"]
         ]
-    for key in ("nodeSelector", "tolerations", "priorityClassName"):
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "resources", "overhead"):
         if template_spec.get(key):
             template["spec"][key] = template_spec[key]
+    terms = node_affinity.unpinned(node_affinity.required_terms(pod))
+    if terms:  # podTemplateOverride's: Kueue picks only flavors whose nodes they allow
+        required = {"nodeSelectorTerms": [dict(t) for t in terms]}
+        template["spec"]["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+        }
     workload_spec: dict[str, Any] = {
         "queueName": queue.name,
         "podSets": [{"name": POD_SET, "count": spec.pods, "template": template}],

@@ -3,7 +3,9 @@
 The override's metadata adds labels and annotations; its partial PodSpec adds to the pod: lists
 are appended (volumes, init containers, tolerations, ...), mappings merged (securityContext),
 and the container named like the trainer merges into it (env, envFrom, volumeMounts, ports
-appended; resources and securityContext merged) while other containers are added.  A required
+appended; resources and securityContext merged, capabilities deep) while other containers are
+added, each over the restricted container defaults (no privilege escalation, every capability
+dropped) that its own securityContext may add to.  A required
 node affinity is ANDed with the operator's pin to the planned node (:mod:`node_affinity`).  What
 the operator owns was refused before (``meshtrain.api.spec.pod_template``), so nothing here
 replaces it; the API server validates the merged pod.
@@ -30,6 +32,12 @@ APPENDED_CONTAINER_LISTS = (
 MERGED_MAPPINGS = ("securityContext",)
 """Mappings whose keys the override sets, keeping the others (pod and trainer container)."""
 REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+RESTRICTED_CONTAINER: Mapping[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
+"""The restricted Pod Security Standard's container settings, under every added container's own
+(the pod's securityContext already sets seccomp RuntimeDefault and a non-root user)."""
 
 
 def merge(
@@ -41,8 +49,15 @@ def merge(
     metadata["annotations"] = {**metadata.get("annotations", {}), **override.metadata.annotations}
     spec = pod["spec"]
     for key, value in copy.deepcopy(override.spec).items():
-        if key == "containers":
-            _containers(spec, value)
+        if key in ("containers", "initContainers"):
+            for container in value:
+                if container["name"] != pod_template.TRAINER_CONTAINER:  # none is in init
+                    security = container.get("securityContext") or {}
+                    container["securityContext"] = _security(RESTRICTED_CONTAINER, security)
+            if key == "containers":
+                _containers(spec, value)
+            else:
+                _set(spec, key, value)
         elif key == "affinity":
             spec["affinity"] = _affinity(value, node)
         else:
@@ -51,14 +66,39 @@ def merge(
 
 
 def _set(into: dict[str, Any], key: str, value: Any) -> None:
-    """A list appended to, a merged mapping merged, anything else set."""
+    """A list appended to, a merged mapping merged, anything else the operator left unset set.
+
+    Raises TypeError where ``value`` would replace a list or mapping of the operator's (the
+    validation refuses such an override first).
+    """
     existing = into.get(key)
-    if isinstance(existing, list) and isinstance(value, list):
+    if isinstance(existing, list):
+        if not isinstance(value, list):
+            raise TypeError(f"{key}: a list of the operator's cannot be replaced")
         into[key] = [*existing, *value]
-    elif key in MERGED_MAPPINGS and isinstance(existing, Mapping) and isinstance(value, Mapping):
-        into[key] = {**existing, **value}
+    elif isinstance(existing, Mapping) and key in MERGED_MAPPINGS:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{key}: a mapping of the operator's cannot be replaced")
+        into[key] = (
+            _security(existing, value) if key == "securityContext" else {**existing, **value}
+        )
     else:
         into[key] = value
+
+
+def _security(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, Any]:
+    """A securityContext merged key by key, its capabilities deep: the adds united, the drops
+    (the operator's ``drop: [ALL]``) kept."""
+    merged = {**ours, **theirs}
+    if "capabilities" in ours or "capabilities" in theirs:
+        mine, yours = ours.get("capabilities") or {}, theirs.get("capabilities") or {}
+        capabilities = {**mine, **yours}
+        for kind in ("add", "drop"):
+            names = [*(mine.get(kind) or []), *(yours.get(kind) or [])]
+            if names:
+                capabilities[kind] = list(dict.fromkeys(names))
+        merged["capabilities"] = capabilities
+    return merged
 
 
 def _containers(spec: dict[str, Any], containers: list[dict[str, Any]]) -> None:
@@ -69,7 +109,7 @@ def _containers(spec: dict[str, Any], containers: list[dict[str, Any]]) -> None:
             spec["containers"].append(container)
             continue
         for key, value in container.items():
-            if key == "resources" and isinstance(value, Mapping):
+            if key == "resources":
                 target["resources"] = _resources(target.get("resources") or {}, value)
             elif key in APPENDED_CONTAINER_LISTS or key in MERGED_MAPPINGS:
                 _set(target, key, value)

@@ -5,20 +5,26 @@ directory, which is renamed to ``step-NNNNNNNN`` once its ``COMPLETE`` marker is
 is atomic on POSIX, so a ``step-`` directory without a valid marker is not an interrupted save but
 damage, and is reported as such (docs/checkpoints.md, "Writing a checkpoint").
 
-An ``s3://`` checkpoint path has no rename: there every object is written under its final
-``step-`` prefix and the marker LAST, a prefix without a marker is a save in progress (not damage),
-and pruning deletes the marker first (the ``_bucket_`` functions below; docs/checkpoints.md,
-"Checkpoints in a bucket").  Each public function takes a :data:`Location` of either kind.
+An ``s3://`` checkpoint path has no rename: there each save writes under a prefix of its own,
+``step-NNNNNNNN/a-<random>/`` (an attempt), and publishes by a conditional PUT (``If-None-Match``)
+of the step's one marker ``step-NNNNNNNN/COMPLETE``, which names the attempt and each object's
+size and ETag: of two writers of one step only one can publish, and readers load only the attempt
+the marker names.  An attempt without a marker is a save in progress (not damage); pruning deletes
+the marker first and another attempt's objects only once stale (the ``_bucket_`` functions below;
+docs/checkpoints.md, "Checkpoints in a bucket").  Each public function takes a :data:`Location`
+of either kind.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +53,19 @@ Fence = Callable[[], None]
 
 HASH_CHUNK = 8 * 1024 * 1024
 """Bytes per ranged read while hashing an object of a bucket (bounded memory whatever its size)."""
+HASH_BATCH = 8
+"""Ranged reads of one object in flight at once while hashing it (``HASH_BATCH * HASH_CHUNK`` bytes held)."""
+DCP_METADATA = ".metadata"
+"""DCP's metadata object, which a bucket checkpoint must hold to be published."""
+ATTEMPT_KEY = "attempt"
+"""Marker ``extra`` key of a bucket checkpoint: the attempt prefix (``a-<hex>``) the marker approves."""
+ATTEMPT = re.compile(r"^a-[0-9a-f]{16}$")
+STALE_SECONDS = 6 * 3600
+"""Age after which an unpublished attempt in a bucket is an abandoned save that pruning may delete."""
+SMALL_MARKER_BYTES = 16 * 1024 * 1024
+"""Largest marker read while scanning a bucket (a marker lists every object of one checkpoint)."""
+REHASH_ENV = "MESHTRAIN_CHECKPOINT_REHASH"
+"""Set to 1: a resume from a bucket re-reads every object to check its sha256 (default: sizes and ETags)."""
 
 Location = Path | storage.ObjectPath
 """A checkpoint directory on a file system, or a prefix of a bucket."""
@@ -112,12 +131,10 @@ def tmp_of(name: str, tag: str) -> bool:
 def new_tmp_dir(root: Location, step: int, tag: str = "x") -> Location:
     """A fresh in-progress directory name for a save of ``step`` by the writer ``tag`` (not created).
 
-    In a bucket: the final ``step-`` prefix, cleared of what an interrupted save of it left.
+    In a bucket: a new attempt prefix ``step-NNNNNNNN/a-<random>`` (nothing is deleted).
     """
     if isinstance(root, storage.ObjectPath):
-        final = root / step_dir_name(step)
-        _bucket_clear(final)
-        return final
+        return _bucket_new_attempt(root, step)
     return root / tmp_name(tag, step_dir_name(step))
 
 
@@ -164,17 +181,18 @@ def data_files(directory: Path) -> list[str]:
 
 
 def describe_files(
-    directory: Location, *, part: int = 0, parts: int = 1
+    directory: Location, *, part: int = 0, parts: int = 1, names: list[str] | None = None
 ) -> dict[str, dict[str, Any]]:
     """Size and sha256 of the data files of ``directory``; with ``parts`` > 1 only every parts-th from ``part``.
 
-    The ranks of a job split the hashing this way (each takes its share, rank 0 merges).
+    The ranks of a job split the hashing this way (each takes its share, rank 0 merges). ``names``:
+    the files one listing found (rank 0's, broadcast), instead of each rank's own listing.
     """
     if isinstance(directory, storage.ObjectPath):
-        return _bucket_describe_files(directory, part=part, parts=parts)
+        return _bucket_describe_files(directory, part=part, parts=parts, names=names)
     return {
         name: file_digest(directory / name)
-        for i, name in enumerate(data_files(directory))
+        for i, name in enumerate(sorted(names) if names is not None else data_files(directory))
         if i % parts == part
     }
 
@@ -222,7 +240,11 @@ def publish(tmp: Location, marker: Marker, fence: Fence | None = None) -> Locati
 
 def read_marker(directory: Location) -> Marker:
     """Parse and check a checkpoint's COMPLETE file; raises :class:`CheckpointError` naming it."""
-    path = directory / MARKER
+    path = (
+        _bucket_marker(directory)
+        if isinstance(directory, storage.ObjectPath)
+        else directory / MARKER
+    )
     if not path.is_file():
         raise CheckpointError(
             f"{path}: missing; {directory} is named like a published checkpoint but has no "
@@ -246,6 +268,8 @@ def read_marker(directory: Location) -> Marker:
         raise CheckpointError(
             f"{path}: says step {marker.step} but the directory is {directory.name}"
         )
+    if isinstance(directory, storage.ObjectPath):
+        _bucket_check_attempt(directory, path, marker)
     return marker
 
 
@@ -255,8 +279,11 @@ def verify(
     """Check that every file the marker lists is there with its size (and hash); raise naming the first bad file.
 
     With ``parts`` > 1 only every parts-th file from ``part`` is hashed (ranks split the reading).
-    In a bucket the sizes come from one listing and the hashes from ranged reads.
+    In a bucket: sizes and ETags from one listing (hashes only with :data:`REHASH_ENV`).
     """
+    if isinstance(directory, storage.ObjectPath):
+        _bucket_verify(directory, marker, hashes=hashes, part=part, parts=parts)
+        return
     sizes, digest = _sizes_and_digest(directory)
     for index, (name, facts) in enumerate(sorted(marker.files.items())):
         path = directory / name
@@ -279,15 +306,9 @@ def verify(
 
 
 def _sizes_and_digest(
-    directory: Location,
+    directory: Path,
 ) -> tuple[Callable[[str], int | None], Callable[[str, int], str]]:
-    """(size of a file by name or None, its sha256) in ``directory``: a file system's, or a bucket's."""
-    if isinstance(directory, storage.ObjectPath):
-        objects = _bucket_objects(directory)
-        return (
-            lambda name: objects[name]["size"] if name in objects else None,
-            lambda name, size: _bucket_digest(f"{directory.url}/{name}", size)["sha256"],
-        )
+    """(size of a file by name or None, its sha256) in ``directory``."""
     return (
         lambda name: (directory / name).stat().st_size if (directory / name).is_file() else None,
         lambda name, _: str(file_digest(directory / name)["sha256"]),
@@ -413,101 +434,256 @@ def prune(
     return removed
 
 
-# --- a bucket: the marker-last protocol (no rename on an object store) -------------------------
+# --- a bucket: attempts and one conditional marker per step (no rename on an object store) ----
 
 
-def _bucket_objects(directory: storage.ObjectPath) -> dict[str, dict[str, Any]]:
-    return storage.listing(directory.url)
-
-
-def _bucket_digest(url: str, size: int) -> dict[str, Any]:
-    """Size and sha256 of one object, read in :data:`HASH_CHUNK` ranges."""
-    hasher = hashlib.sha256()
-    for start in range(0, size, HASH_CHUNK):
-        (data,) = storage.read_ranges([(url, start, min(size, start + HASH_CHUNK))])
-        hasher.update(data)
-    return {"bytes": size, "sha256": hasher.hexdigest()}
-
-
-def _bucket_clear(directory: storage.ObjectPath) -> None:
-    """Delete what an interrupted save left under ``directory``; refuse when it is published."""
-    objects = _bucket_objects(directory)
-    if MARKER in objects:
+def _bucket_new_attempt(root: storage.ObjectPath, step: int) -> storage.ObjectPath:
+    """A fresh attempt prefix for a save of ``step``; refused when the step is already published."""
+    prefix = root / step_dir_name(step)
+    if (prefix / MARKER).is_file():
         raise CheckpointError(
-            f"{directory}: already published; refusing to overwrite a published checkpoint"
+            f"{prefix}: already published; refusing to overwrite a published checkpoint"
         )
-    storage.remove([f"{directory.url}/{name}" for name in objects])
+    return prefix / f"a-{uuid.uuid4().hex[:16]}"
 
 
-def _bucket_describe_files(
-    directory: storage.ObjectPath, *, part: int = 0, parts: int = 1
-) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of the data objects under ``directory`` (every parts-th from ``part``)."""
-    objects = _bucket_objects(directory)
-    names = sorted(name for name in objects if name != MARKER)
-    return {
-        name: _bucket_digest(f"{directory.url}/{name}", objects[name]["size"])
-        for i, name in enumerate(names)
-        if i % parts == part
-    }
-
-
-def _bucket_publish(directory: storage.ObjectPath, marker: Marker) -> storage.ObjectPath:
-    """Write the marker LAST, once every object it lists is there with its size."""
-    objects = _bucket_objects(directory)
-    if MARKER in objects:
-        raise CheckpointError(
-            f"{directory}: already published; refusing to overwrite a published checkpoint"
-        )
-    for name, facts in marker.files.items():
-        if objects.get(name, {}).get("size") != facts["bytes"]:
-            raise CheckpointError(f"{directory.url}/{name}: not written whole; not publishing")
-    storage.write_bytes(f"{directory.url}/{MARKER}", marker.to_json().encode())
+def approved(directory: Location) -> Location:
+    """A bucket's step prefix as the attempt its marker approves; anything else itself."""
+    if isinstance(directory, storage.ObjectPath) and STEP_DIR.match(directory.name):
+        step = int(directory.name.removeprefix("step-"))
+        found = _bucket_published(directory.with_name(""), {step: True})
+        return found[0].path
     return directory
 
 
-def _bucket_steps(root: storage.ObjectPath) -> tuple[dict[int, bool], dict[str, Any]]:
-    """({step: has a marker}, every object of ``root``) in one listing; foreign objects refused."""
+def _bucket_marker(directory: storage.ObjectPath) -> storage.ObjectPath:
+    """The marker of ``directory``: its own for a step prefix, its step prefix's for an attempt."""
+    return directory / MARKER if STEP_DIR.match(directory.name) else directory.with_name(MARKER)
+
+
+def _bucket_check_attempt(directory: storage.ObjectPath, path: Location, marker: Marker) -> None:
+    """An attempt is loaded only when its step's marker approves it (and says its step)."""
+    if STEP_DIR.match(directory.name):
+        return
+    approved = marker.extra.get(ATTEMPT_KEY)
+    if approved != directory.name:
+        raise CheckpointError(
+            f"{path}: approves attempt {approved!r}, not {directory.name!r}; load "
+            f"{directory.with_name(str(approved))} (or the step prefix) instead"
+        )
+    step_name = directory.url.rsplit("/", 2)[-2]
+    if step_name != step_dir_name(marker.step):
+        raise CheckpointError(f"{path}: says step {marker.step} but the prefix is {step_name}")
+
+
+def _bucket_digest(url: str, size: int) -> dict[str, Any]:
+    """Size and sha256 of one object, read in :data:`HASH_CHUNK` ranges, :data:`HASH_BATCH` at a time."""
+    hasher = hashlib.sha256()
+    ranges = [(url, start, min(size, start + HASH_CHUNK)) for start in range(0, size, HASH_CHUNK)]
+    for first in range(0, len(ranges), HASH_BATCH):
+        for data in storage.read_ranges(ranges[first : first + HASH_BATCH]):
+            hasher.update(data)
+    return {"bytes": size, "sha256": hasher.hexdigest()}
+
+
+def data_listing(directory: storage.ObjectPath) -> dict[str, dict[str, Any]]:
+    """The data objects of an attempt (one listing): relative name -> {size, etag, modified}.
+
+    Rank 0 may list once and hand the names to every rank's :func:`describe_files` (``names``).
+    """
+    return {n: f for n, f in storage.listing(directory.url).items() if n != MARKER}
+
+
+def _bucket_describe_files(
+    directory: storage.ObjectPath, *, part: int = 0, parts: int = 1, names: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Size, ETag and sha256 of the data objects under ``directory`` (every parts-th from ``part``)."""
+    objects = data_listing(directory)
+    chosen = sorted(objects) if names is None else sorted(names)
+    described: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(chosen):
+        if i % parts != part:
+            continue
+        if name not in objects:
+            raise CheckpointError(f"{directory.url}/{name}: listed by rank 0 but missing")
+        described[name] = _bucket_describe(f"{directory.url}/{name}")
+    return described
+
+
+def _bucket_describe(url: str) -> dict[str, Any]:
+    """Size, ETag and SHA-256 of one object: the one the store kept from the upload (one HEAD),
+    else read back and hashed (stores that keep no checksums)."""
+    found = storage.head(url)
+    if found["sha256"]:
+        return {
+            "bytes": found["size"],
+            "etag": found["etag"],
+            "s3_sha256": found["sha256"],
+            "s3_sha256_type": found["sha256_type"],
+        }
+    return {**_bucket_digest(url, found["size"]), "etag": found["etag"]}
+
+
+def _bucket_compare(directory: storage.ObjectPath, files: dict[str, dict[str, Any]]) -> None:
+    """Raise unless the objects under ``directory`` are exactly ``files``, each with its size and ETag."""
+    objects = data_listing(directory)
+    if DCP_METADATA not in objects:
+        raise CheckpointError(f"{directory.url}/{DCP_METADATA}: missing (DCP's metadata)")
+    extra, missing = sorted(set(objects) - set(files)), sorted(set(files) - set(objects))
+    if extra or missing:
+        raise CheckpointError(
+            f"{directory.url}: objects {extra[:5]} are not in the marker's list and "
+            f"{missing[:5]} of the list are missing"
+        )
+    for name, facts in sorted(files.items()):
+        found = objects[name]
+        if found["size"] != facts["bytes"]:
+            raise CheckpointError(
+                f"{directory.url}/{name}: {found['size']} bytes, the marker says {facts['bytes']} "
+                "(truncated or overwritten)"
+            )
+        if facts.get("etag") and found["etag"] != facts["etag"]:
+            raise CheckpointError(
+                f"{directory.url}/{name}: ETag {found['etag']} differs from the marker's "
+                f"{facts['etag']} (overwritten since it was described)"
+            )
+
+
+def _bucket_publish(attempt: storage.ObjectPath, marker: Marker) -> storage.ObjectPath:
+    """Write the step's marker LAST and only if there is none (``If-None-Match``), naming ``attempt``."""
+    if not ATTEMPT.match(attempt.name):
+        raise CheckpointError(f"{attempt}: not an attempt prefix (from new_tmp_dir)")
+    try:
+        _bucket_compare(attempt, marker.files)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; not publishing") from None
+    approved = dataclasses.replace(marker, extra={**marker.extra, ATTEMPT_KEY: attempt.name})
+    path = _bucket_marker(attempt)
+    if not storage.write_bytes(path.url, approved.to_json().encode(), exclusive=True):
+        raise CheckpointError(
+            f"{path}: already published (by another attempt); refusing to overwrite a "
+            "published checkpoint"
+        )
+    return attempt
+
+
+def _bucket_verify(
+    directory: storage.ObjectPath, marker: Marker, *, hashes: bool, part: int, parts: int
+) -> None:
+    """Sizes and ETags from one listing; sha256 re-read only with :data:`REHASH_ENV` or an ETag-less marker."""
+    if not marker.files:
+        raise CheckpointError(f"{_bucket_marker(directory)}: lists no data files")
+    _bucket_compare(directory, marker.files)
+    rehash = hashes and os.environ.get(REHASH_ENV) == "1"
+    for index, (name, facts) in enumerate(sorted(marker.files.items())):
+        if (rehash or not facts.get("etag")) and hashes and index % parts == part:
+            found, expected = _bucket_rehash(f"{directory.url}/{name}", facts)
+            if found != expected:
+                raise CheckpointError(
+                    f"{directory.url}/{name}: sha256 {found[:16]}... differs from the marker's "
+                    f"{expected[:16]}... (corrupt)"
+                )
+
+
+def _bucket_rehash(url: str, facts: dict[str, Any]) -> tuple[str, str]:
+    """(sha256 found, sha256 the marker has) of one object, re-read in full where that can tell.
+
+    A composite checksum (a multipart upload's, of its parts' checksums) cannot be recomputed
+    without the part boundaries: there the store's kept value is compared (the store checked
+    every part's SHA-256 at upload).
+    """
+    if "sha256" in facts:
+        return str(_bucket_digest(url, facts["bytes"])["sha256"]), str(facts["sha256"])
+    expected = str(facts["s3_sha256"])
+    if facts.get("s3_sha256_type") == "COMPOSITE":
+        return str(storage.head(url)["sha256"]), expected
+    digest = bytes.fromhex(_bucket_digest(url, facts["bytes"])["sha256"])
+    return base64.b64encode(digest).decode(), expected
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """One attempt prefix of a bucket's step and what it holds."""
+
+    step: int
+    """Its step."""
+    prefix: str
+    """``step-NNNNNNNN/a-...`` ('' name part for stray objects directly under the step prefix)."""
+    objects: tuple[str, ...]
+    """Its objects, relative to the job's directory."""
+    newest: float
+    """Newest LastModified of its objects (seconds since the epoch)."""
+
+
+def _bucket_steps(root: storage.ObjectPath) -> tuple[dict[int, bool], list[_Attempt]]:
+    """({step: has a marker}, every attempt) of ``root`` in one listing; foreign objects refused."""
     objects = storage.listing(root.url)
     steps: dict[int, bool] = {}
-    for name in objects:
+    grouped: dict[tuple[int, str], list[tuple[str, float]]] = {}
+    for name, facts in objects.items():
         top, _, rest = name.partition("/")
         match = STEP_DIR.match(top)
         if match:
             step = int(match.group(1))
             steps[step] = steps.get(step, False) or rest == MARKER
-        elif top not in IGNORED:
+            if rest != MARKER:
+                attempt = rest.partition("/")[0] if "/" in rest else ""
+                grouped.setdefault((step, f"{top}/{attempt}"), []).append((name, facts["modified"]))
+        elif top not in IGNORED and not top.startswith(storage.PROBE_PREFIX):
             raise CheckpointError(
                 f"{root.url}/{name}: not a meshtrain checkpoint (expected only step-NNNNNNNN/ "
                 f"prefixes in {root.url}); point spec.checkpoint.path at a prefix of its own"
             )
-    return steps, objects
+    attempts = [
+        _Attempt(step, prefix, tuple(n for n, _ in found), max(m for _, m in found))
+        for (step, prefix), found in sorted(grouped.items())
+    ]
+    return steps, attempts
+
+
+def _bucket_published(root: storage.ObjectPath, steps: dict[int, bool]) -> list[Published]:
+    """Each marked step as the attempt its marker approves (the step prefix when the marker is unreadable)."""
+    published = []
+    for step, marked in sorted(steps.items()):
+        if not marked:
+            continue
+        prefix = root / step_dir_name(step)
+        try:
+            raw = json.loads(storage.read_small(f"{prefix}/{MARKER}", SMALL_MARKER_BYTES))
+            attempt = raw.get("extra", {}).get(ATTEMPT_KEY)
+        except (OSError, ValueError, AttributeError):
+            attempt = None
+        ok = isinstance(attempt, str) and ATTEMPT.match(attempt)
+        published.append(Published(step=step, path=prefix / str(attempt) if ok else prefix))
+    return published
 
 
 def _bucket_scan(root: storage.ObjectPath) -> list[Published]:
-    """Published (marked) checkpoints under ``root``, oldest first; unmarked prefixes are saves in progress."""
+    """Published (marked) checkpoints under ``root``, oldest first; unmarked attempts are saves in progress."""
     steps, _ = _bucket_steps(root)
-    return [
-        Published(step=step, path=root / step_dir_name(step))
-        for step, marked in sorted(steps.items())
-        if marked
-    ]
+    return _bucket_published(root, steps)
 
 
 def _bucket_prune(root: storage.ObjectPath, keep: int) -> list[Location]:
-    """Delete unmarked prefixes and all but the newest ``keep`` checkpoints (the last good one kept).
+    """Delete all but the newest ``keep`` checkpoints (the last good one kept), marker first.
 
-    Each doomed checkpoint loses its marker first, then its objects.
+    Of another attempt (a save in progress, a loser, a crashed save) nothing is deleted until
+    its newest object is :data:`STALE_SECONDS` old: it may be a live writer's.
     """
-    steps, objects = _bucket_steps(root)
-    published = [Published(s, root / step_dir_name(s)) for s, m in sorted(steps.items()) if m]
+    steps, attempts = _bucket_steps(root)
+    published = _bucket_published(root, steps)
     good = last_good(published)
     doomed = [p for p in published[: max(0, len(published) - keep)] if p != good]
+    storage.remove([f"{root.url}/{step_dir_name(old.step)}/{MARKER}" for old in doomed])
+    approved = {str(p.path) for p in published}
+    doomed_paths = {str(old.path) for old in doomed}
+    now = time.time()
     removed: list[Location] = []
-    for old in doomed:
-        storage.remove([f"{root.url}/{step_dir_name(old.step)}/{MARKER}"])
-    garbage = {step_dir_name(s) for s, marked in steps.items() if not marked}
-    garbage |= {step_dir_name(p.step) for p in doomed}
-    storage.remove([f"{root.url}/{name}" for name in objects if name.partition("/")[0] in garbage])
-    removed += [root / name for name in sorted(garbage)]
+    for attempt in attempts:
+        prefix = root / attempt.prefix.rstrip("/")
+        mine = prefix.url in approved
+        gone = prefix.url in doomed_paths
+        if gone or (not mine and now - attempt.newest > STALE_SECONDS):
+            storage.remove([f"{root.url}/{name}" for name in attempt.objects])
+            removed.append(prefix)
     return removed

@@ -9,6 +9,7 @@ have, and is applied before the rename that makes them visible.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -38,3 +39,18 @@ def publish(path: str | Path) -> None:
     """Give ``path`` (a file or a directory) the mode a plain ``open()`` / ``mkdir`` would have."""
     wanted = DIRECTORY_MODE if os.path.isdir(path) else FILE_MODE
     os.chmod(path, wanted & ~umask())
+
+
+def write_atomically(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` through a temporary sibling renamed over it: a reader (or a crash)
+    sees the old file or the whole new one, never a part; the file gets :func:`publish`'s mode."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        publish(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -124,7 +124,12 @@ def prepare(
     text_field: str = "text",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Tokenise ``inputs`` into ``output`` (atomically) and write its metadata; returns the metadata."""
+    """Tokenise ``inputs`` into ``output`` (atomically) and write its metadata; returns the metadata.
+
+    The previous metadata goes before the new token file is moved into place, and the new one is
+    written through a temporary file: a crash leaves the new file with no metadata (a job checks
+    it as raw ids), never with the previous run's.
+    """
     missing = [str(p) for p in [tokenizer_path, *inputs] if not p.is_file()]
     if missing:
         raise PrepareError(f"no such file: {', '.join(missing)}")
@@ -141,6 +146,7 @@ def prepare(
     eos = special.eos[0] if special.eos else None  # the document separator
     prefix, _ = special_tokens.document_template(tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
+    meta_path = output.with_name(output.name + token_files.METADATA_SUFFIX)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=output.name, suffix=".tmp")
     count = documents_count = 0
     max_id = -1  # recorded, so no rank of a job scans the file for it (token_files.largest_ids)
@@ -168,6 +174,8 @@ def prepare(
                 max_id = max(max_id, int(flat.max(initial=-1)))
                 bar.update(sum(len(doc.encode("utf-8")) for doc in batch))
         file_modes.publish(tmp)  # mkstemp's 0600 would hide it from pods of another UID
+        # the previous run's metadata would describe the new file (its max_id vouching for it)
+        meta_path.unlink(missing_ok=True)
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -185,11 +193,11 @@ def prepare(
         "bytes": output.stat().st_size,
         "max_id": max_id,
         "sample_sha256": vocab_scan.sampled_digest(output),
+        "written": vocab_scan.identity(output),
         "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
         "inputs": [str(p) for p in inputs],
     }
-    meta_path = output.with_name(output.name + token_files.METADATA_SUFFIX)
-    meta_path.write_text(json.dumps(metadata, indent=2) + "\n")
+    file_modes.write_atomically(meta_path, json.dumps(metadata, indent=2) + "\n")
     return metadata
 
 

@@ -201,8 +201,9 @@ def prepared_largest_id(path: Path, dtype: str) -> int | None:
 
     Checked cheaply: the element type, the byte count and the digest of
     sampled blocks (:func:`.vocab_scan.sampled_digest`, 1 MiB read) must
-    match; metadata without them (older) or that does not match vouches for
-    nothing.
+    match, and the file ``data prepare`` wrote (same device and inode, its
+    ``written`` record) must not have been written since; metadata without
+    them (older) or that does not match vouches for nothing.
     """
     try:
         meta = json.loads(metadata_path(path).read_text())
@@ -211,6 +212,8 @@ def prepared_largest_id(path: Path, dtype: str) -> int | None:
     if not isinstance(meta, dict) or not isinstance(meta.get("max_id"), int):
         return None
     if meta.get("dtype") != dtype or meta.get("bytes") != path.stat().st_size:
+        return None
+    if vocab_scan.edited_in_place(path, meta.get("written")):
         return None
     if meta.get("sample_sha256") != vocab_scan.sampled_digest(path):
         return None
@@ -228,20 +231,28 @@ def largest_ids(
     """The largest id of every file: from ``data prepare``'s metadata or a scan record when they
     vouch for it, else scanned (and the scan recorded, :mod:`.vocab_scan`).
 
-    Alone, a process scans what no record vouches for.  With ``share``, a
-    file that any rank finds unvouched for is scanned once between the ranks:
-    each scans its ``1/size`` of the ids, one ``max_over_ranks`` combines them
-    (three collectives in all, whatever the number of files: the last waits for the record), and rank 0 records
-    the result; at the next start no rank reads it.
+    Alone, a process scans what no record vouches for.  With ``share``,
+    rank 0 alone checks the records (the other ranks read no file for it)
+    and one ``max_over_ranks`` tells every rank what they vouch for (-1:
+    nothing); a file no record vouches for is scanned once between the
+    ranks: each scans its ``1/size`` of the ids, one ``max_over_ranks``
+    combines them (three collectives in all, whatever the number of files:
+    the last waits for the record), and rank 0 records the result; at the
+    next start no rank reads it.
     """
-    known = [_known_largest_id(path, dtype) for path, _ in files]
-    needed = [int(k is None) for k in known]
     rank, size = (share.rank, share.size) if share else (0, 1)
+    known = [_known_largest_id(path, dtype) if rank == 0 else None for path, _ in files]
     if share:
-        needed = share.max_over_ranks(needed)
+        vouched = share.max_over_ranks([-1 if k is None else k for k in known])
+        known = [None if k < 0 else k for k in vouched]
+    needed = [int(k is None) for k in known]
     if not any(needed):
         return [k for k in known if k is not None]
-    before = {i: vocab_scan.fingerprint(files[i][0], dtype) for i, n in enumerate(needed) if n}
+    before = {
+        i: vocab_scan.fingerprint(files[i][0], dtype) if rank == 0 else {}
+        for i, n in enumerate(needed)
+        if n
+    }
     partial = [-1] * len(files)
     for i in before:
         tokens = files[i][1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +67,15 @@ SAMPLE_BYTES = 1 << 16
 
 
 def sampled_digest(path: Path) -> str:
-    """sha256 of the file's size and :data:`SAMPLE_BLOCKS` evenly spaced blocks (first and last included).
+    """sha256 of the file's size and :data:`SAMPLE_BLOCKS` evenly spaced blocks of :data:`SAMPLE_BYTES`
+    (the first and the last 64 KiB among them).
 
     What ``data prepare`` records to be checked cheaply at every start: no
-    modification time (a copy to another volume keeps it), and a rewrite that
-    changes any sampled block, the first or last MiB of it, or the size is
-    noticed; a change confined to the unsampled bytes is not.
+    modification time (a copy to another volume does not keep it), and a
+    rewrite that changes a sampled block or the size is noticed.  A change
+    confined to the unsampled bytes of a copy is trusted; the file
+    ``data prepare`` wrote itself is also held to its modification time
+    (:func:`identity`), so editing it in place is noticed.
     """
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
@@ -83,6 +85,25 @@ def sampled_digest(path: Path) -> str:
             handle.seek(last * index // (SAMPLE_BLOCKS - 1))
             digest.update(handle.read(SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def identity(path: Path) -> dict[str, int]:
+    """Which file ``path`` is (device, inode) and when it was last written (``mtime_ns``)."""
+    stat = path.stat()
+    return {"device": stat.st_dev, "inode": stat.st_ino, "mtime_ns": stat.st_mtime_ns}
+
+
+def edited_in_place(path: Path, written: object) -> bool:
+    """Whether ``path`` is the very file whose :func:`identity` was ``written`` and was written since.
+
+    A copy (another device or inode) is not: its modification time says
+    nothing about its contents, so only :func:`sampled_digest` vouches for it.
+    """
+    if not isinstance(written, dict):
+        return False
+    now = identity(path)
+    same_file = (written.get("device"), written.get("inode")) == (now["device"], now["inode"])
+    return same_file and written.get("mtime_ns") != now["mtime_ns"]
 
 
 def largest_id(path: Path, dtype: str) -> int | None:
@@ -100,19 +121,6 @@ def largest_id(path: Path, dtype: str) -> int | None:
     return None
 
 
-def _write_atomically(target: Path, text: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        file_modes.publish(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def record(path: Path, dtype: str, max_id: int, fingerprint_before: dict[str, Any]) -> Path | None:
     """Record the scan's result, if the file did not change while it was scanned; returns where.
 
@@ -123,7 +131,7 @@ def record(path: Path, dtype: str, max_id: int, fingerprint_before: dict[str, An
     text = json.dumps({**fingerprint_before, "max_id": max_id}, indent=2) + "\n"
     for target in (beside(path), in_cache(path)):
         try:
-            _write_atomically(target, text)
+            file_modes.write_atomically(target, text)
             return target
         except OSError:
             continue

@@ -53,6 +53,7 @@ def parse_size(text: str) -> int:
 def find_checkpoint(path: store.Location) -> tuple[store.Location, store.Marker]:
     """The checkpoint directory ``path`` names (itself, or its newest), marker read and files verified."""
     if (path / store.MARKER).is_file():
+        path = store.approved(path)  # a bucket's step prefix: the attempt its marker approves
         marker = store.read_marker(path)
         store.verify(path, marker, hashes=True)
         return path, marker
@@ -145,17 +146,13 @@ def copy_tokenizer(
         (staging / "tokenizer_config.json").write_text(text + "\n")
 
 
-class OutputError(ValueError):
-    """An ``-o`` the export must not write; the message names the option and the fix."""
-
-
 def check_output(output: Path, checkpoint: Path) -> None:
     """Refuse an output that is a file, or is or is inside the checkpoint read (its files would change under it)."""
     if output.exists() and not output.is_dir():
-        raise OutputError(f"-o/--output {output}: a file, not a directory: name a directory")
+        raise to_hf.OutputError(f"-o/--output {output}: a file, not a directory: name a directory")
     out, source = output.resolve(), checkpoint.resolve()
     if out == source or source in out.parents:
-        raise OutputError(
+        raise to_hf.OutputError(
             f"-o/--output {output}: inside the checkpoint {checkpoint} it exports, whose files it "
             "must not change: write the Hugging Face directory elsewhere (-o)"
         )
@@ -178,8 +175,8 @@ def export(
     model came from replaces its weights and tokenizer only with whole new
     ones, and keeps its other files.
     """
+    output = to_hf.local_output(output)
     directory, marker = find_checkpoint(store.location(checkpoint))
-    output = Path(output)
     if isinstance(directory, Path):  # a bucket checkpoint cannot hold a local output
         check_output(output, directory)
     shape = api_model.ModelShape.model_validate(marker.model)
@@ -224,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     except store.CheckpointError as err:
         print(err, file=sys.stderr)
         return exitcodes.CHECKPOINT
-    except OutputError as err:
+    except to_hf.OutputError as err:
         print(err, file=sys.stderr)
         return 2  # a usage error, as argparse reports one
     names = ", ".join(p.name for p in written)

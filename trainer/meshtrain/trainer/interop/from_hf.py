@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshtrain.api import loading
+from meshtrain.api import loading, presets
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
 from meshtrain.trainer import storage
 from meshtrain.trainer.interop import config_json, name_map
 from meshtrain.trainer.models import gpt, llama
@@ -199,30 +200,50 @@ def with_config(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
     """``job`` with every ``spec.model`` field it leaves out taken from its ``fromHF`` directory's ``config.json``.
 
     What the spec states wins, and :func:`check_directory` then refuses a
-    stated value that differs from the file's, naming both; what it leaves
-    out (a preset's value included) is the file's (:func:`.config_json.stated`).
+    stated value that differs from the file's, naming both; a named preset
+    states its values too (the operator plans memory for them); what the
+    spec leaves out is the file's (:func:`.config_json.stated`).
     A job without ``fromHF``, or whose directory has no readable config, is
-    returned as is (:func:`check_directory` says what is wrong).
+    returned as is (:func:`check_directory` says what is wrong). An ``s3://``
+    directory is read from its local copy (:func:`.storage.local_path`).
     """
     if not job.model.init.from_hf:
         return job
-    directory = Path(job.model.init.from_hf).expanduser()
     try:
+        directory = storage.local_path(job.model.init.from_hf, config_json.FIELD).expanduser()
         stated = config_json.stated(directory)
-    except config_json.HFError:
+    except (config_json.HFError, storage.ObjectStorageError):
         return job
     raw = job.model_dump(by_alias=True, exclude_none=True)
-    taken = {key: value for key, value in stated.items() if key not in raw["model"]}
+    given = set(raw["model"]) | _preset_fields(job.model)
+    taken = {key: value for key, value in stated.items() if key not in given}
     if not taken:
         return job
     raw["model"] = {**raw["model"], **taken}
     return loading.parse_spec(raw, f"spec.model with {directory / config_json.CONFIG}'s values")
 
 
+def _preset_fields(model: api_model.ModelSpec) -> set[str]:
+    """The ``spec.model`` fields (camelCase) the job's named preset states."""
+    if not model.preset:
+        return set()
+    fields = api_model.ModelSpec.model_fields
+    return {fields[name].alias or name for name in presets.PRESETS[model.preset]}
+
+
 def check_spec(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
     """The job completed from its Hugging Face directory (:func:`with_config`) and checked against it
     (:func:`check_directory`); a job without ``fromHF`` as it is."""
     job = with_config(job)
-    if job.model.init.from_hf:
+    if not job.model.init.from_hf:
+        return job
+    try:
         check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))
+    except config_json.HFError as err:
+        if not job.model.preset:
+            raise
+        raise config_json.HFError(
+            f"{err} (spec.model.preset={job.model.preset} states the fields the spec does not set: "
+            "set the field, or drop the preset to take config.json's)"
+        ) from None
     return job

@@ -5,7 +5,8 @@ Shards are written as transformers writes them (``model-00001-of-0000N.safetenso
 in memory at a time.  Everything is written into a temporary sibling directory first
 (:func:`staged`) and moved into place only once complete, so no file of the target directory
 (the model the checkpoint was imported from, say) is removed or overwritten before its
-replacement is whole; the files get the umask's modes.
+replacement is whole; the files get the umask's modes. Moving them in removes the old config and
+index first, so a crash midway leaves a directory that fails to load, never two exports mixed.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import fnmatch
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,29 +59,59 @@ WEIGHT_FILES = (config_json.WEIGHTS, config_json.WEIGHTS_INDEX, "model-*-of-*.sa
 """Names (globs) of an export's weights: an earlier export's that the new one does not rewrite are
 stale (a stale shard would be loaded beside the new ones) and go once the new files are in place."""
 _PUBLISH_LAST = (config_json.WEIGHTS_INDEX, config_json.CONFIG)
-"""Moved into place after the shards they name, so a reader never finds an index without its shards."""
+"""Moved into place after the shards they name, config last: a loader finds nothing to load before."""
+_ENTRY_POINTS = (config_json.WEIGHTS_INDEX, config_json.WEIGHTS, config_json.CONFIG)
+"""What a loader opens first: an earlier export's go before any new file arrives, so that a crash
+midway leaves a directory that fails to load (no config, no index), never old and new shards mixed."""
+
+
+STALE_STAGING_S = 3600.0
+"""A staging directory nothing was written into for this long is an abandoned export's."""
+MAX_STAGING_ENTRIES = 10_000
+"""Entries of one directory looked at for staging leftovers (a hostile directory is not walked whole)."""
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+"""An output given as a URL (``s3://``, ``gs://``, ``hf://``), which is no local directory."""
+
+
+class OutputError(ValueError):
+    """An output the export cannot write; the message names ``-o/--output`` and the fix."""
+
+
+def local_output(directory: str | Path) -> Path:
+    """``directory`` as a path; a URL is refused (``Path`` would make ``s3://b/x`` a local ``s3:/b/x``)."""
+    if URL.match(str(directory)):
+        raise OutputError(
+            f"-o/--output {directory}: a URL; export writes a local directory: export to one, "
+            "then upload it with your own tools (aws s3 cp --recursive, huggingface-cli upload)"
+        )
+    return Path(directory)
 
 
 @contextlib.contextmanager
 def staged(directory: str | Path, replaces: tuple[str, ...] = WEIGHT_FILES) -> Iterator[Path]:
-    """A temporary sibling of ``directory`` to write into; its files are moved into ``directory`` on success.
+    """A temporary directory to write into; its files are moved into ``directory`` on success.
 
     Nothing of ``directory`` is touched before the block completes: then each
-    new file replaces its namesake (one ``rename`` each), the entries of
+    new file replaces its namesake (:func:`_publish`), the entries of
     ``directory`` matching ``replaces`` that the block did not write are
     removed, and every other file of ``directory`` stays.  A new directory
     is the staging directory renamed.  On an exception only the staging
-    directory goes.
+    directory goes.  The staging directory is a sibling of ``directory``
+    (``.NAME.tmp-HOST-PID-*``), or inside it when its parent is not
+    writable; an earlier export's left there is removed first (:func:`remove_stale`).
     """
-    directory = Path(
-        directory
-    ).resolve()  # staged beside the real directory: renames stay on its filesystem
+    # the real directory (not a symlink to it): staged beside it, renames stay on its filesystem
+    directory = local_output(directory).resolve()
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(
             f"-o/--output {directory}: a file, not a directory: name a directory"
         )
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+    prefix = f".{directory.name}.tmp-"
+    where = _staging_parent(directory)
+    for place in (directory.parent, directory):
+        remove_stale(place, prefix)
+    host = socket.gethostname()
+    staging = Path(tempfile.mkdtemp(dir=where, prefix=f"{prefix}{host}-{os.getpid()}-"))
     try:
         yield staging
         _publish(staging, directory, replaces)
@@ -85,7 +119,85 @@ def staged(directory: str | Path, replaces: tuple[str, ...] = WEIGHT_FILES) -> I
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _staging_parent(directory: Path) -> Path:
+    """Where the staging directory goes: beside ``directory``, else inside it (its parent read-only)."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(
+            f"-o/--output {directory}: its parent cannot be created ({err}): name a "
+            "directory you may write"
+        ) from None
+    if os.access(directory.parent, os.W_OK | os.X_OK):
+        return directory.parent
+    if directory.is_dir() and os.access(directory, os.W_OK | os.X_OK):
+        return directory
+    raise OutputError(
+        f"-o/--output {directory}: neither it nor its parent {directory.parent} is writable: "
+        "name a directory you may write"
+    )
+
+
+def remove_stale(where: Path, prefix: str) -> list[Path]:
+    """Remove the staging directories ``prefix*`` in ``where`` that a killed export left; returns them.
+
+    Stale: named for this host and a process that is gone, or with nothing
+    written into it for :data:`STALE_STAGING_S` (another host's, or its
+    process id reused).  A running export's is kept.
+    """
+    removed = []
+    try:
+        with os.scandir(where) as entries:
+            candidates = [
+                Path(e.path)
+                for _, e in zip(range(MAX_STAGING_ENTRIES), entries)
+                if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
+            ]
+    except OSError:
+        return []
+    for staging in candidates:
+        if _abandoned(staging, staging.name[len(prefix) :]):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
+def _abandoned(staging: Path, tail: str) -> bool:
+    host, _, pid = tail.rpartition("-")[0].rpartition("-")  # HOST-PID-RANDOM
+    if host == socket.gethostname() and pid.isdigit() and not _running(int(pid)):
+        return True
+    try:
+        with os.scandir(staging) as entries:
+            times = [staging.stat().st_mtime] + [
+                e.stat(follow_symlinks=False).st_mtime
+                for _, e in zip(range(MAX_STAGING_ENTRIES), entries)
+            ]
+    except OSError:
+        return False
+    return time.time() - max(times) > STALE_STAGING_S
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 def _publish(staging: Path, directory: Path, replaces: tuple[str, ...]) -> None:
+    """Move the staged files into ``directory``, so that no crash leaves a loadable mix of two exports.
+
+    Shards of two exports share names (``model-00001-of-00003.safetensors``),
+    so a crash between two renames could leave new and old shards under the
+    old index. Hence: the old entry points (:data:`_ENTRY_POINTS`) go first,
+    then the new shards and other files, then the index and the config
+    (:data:`_PUBLISH_LAST`), then the stale shards the new index does not
+    name. Interrupted, the directory has no ``config.json``, which
+    transformers and :func:`.from_hf.check_directory` refuse: export again.
+    """
     written = sorted(p.name for p in staging.iterdir())
     for name in written:
         file_modes.publish(staging / name)  # mkdtemp's 0700, safetensors' 0600
@@ -93,10 +205,17 @@ def _publish(staging: Path, directory: Path, replaces: tuple[str, ...]) -> None:
         file_modes.publish(staging)
         os.rename(staging, directory)
         return
-    for name in sorted(written, key=lambda n: n in _PUBLISH_LAST):
+
+    def replaced(name: str) -> bool:
+        return name in written or any(fnmatch.fnmatch(name, g) for g in replaces)
+
+    for name in _ENTRY_POINTS:
+        if replaced(name):
+            (directory / name).unlink(missing_ok=True)
+    for name in sorted(written, key=lambda n: (n in _PUBLISH_LAST, n == config_json.CONFIG)):
         os.replace(staging / name, directory / name)
     for old in sorted(directory.iterdir()):
-        if old.name not in written and any(fnmatch.fnmatch(old.name, g) for g in replaces):
+        if old.name not in written and replaced(old.name):
             old.unlink(missing_ok=True)
 
 
