@@ -1,9 +1,12 @@
 """A job's own checkpoint directory on a shared root, and the owner record that guards it.
 
 One layout for a local path, a claim and a bucket: ``<checkpoint.path>/<namespace>/<name>/`` holds
-the job's ``step-*``, its in-progress ``.tmp-*``, its ``logs`` and :data:`OWNER_FILE`.  Pure: paths
-are strings joined with ``/`` (a directory and an object-store prefix alike); reading and writing
-the record is the caller's (docs/checkpoints.md, "Jobs sharing a volume").
+the job's ``step-*``, its in-progress ``.tmp-*``, its ``logs`` and the owner records under
+:data:`OWNER_DIR`: one file per claim, ``owner/<generation>.json``, each created only if absent
+(``O_EXCL``, ``If-None-Match: *``), the highest generation owning the directory.  A claim is thus a
+compare-and-swap on a file system and in a bucket alike, and a writer refreshes only its own record.
+Pure: paths are strings joined with ``/``; reading and writing the records is the caller's
+(docs/checkpoints.md, "Jobs sharing a volume").
 """
 
 from __future__ import annotations
@@ -23,13 +26,26 @@ ATTEMPT_ENV = "MESHTRAIN_ATTEMPT"
 LOCAL_NAMESPACE = "local"
 """Namespace of a ``meshtrain run`` whose manifest names none."""
 OWNER_FILE = "OWNER.json"
+"""The single owner record of the first release of job directories (ignored; no release wrote it)."""
+OWNER_DIR = "owner"
+"""Subdirectory (prefix) of the owner records, ``<generation>.json``."""
+GENERATION = re.compile(r"^(\d{8})\.json$")
+"""Name of one owner record: its generation, zero-padded."""
+MAX_GENERATION = 10**8 - 1
 LOG_SUBDIR = "logs"
 """The job's step log and rank traces, beside its checkpoints (``MESHTRAIN_LOG_DIR`` in pods)."""
 HEARTBEAT_SECONDS = 10.0
 """How often the writer refreshes its heartbeat, whatever the save interval (a thread, not a step)."""
-STALE_SECONDS = 60.0
-"""A heartbeat older than this (six missed beats) is a writer that is gone; node clocks must agree
-far better than this (NTP)."""
+HEARTBEAT_ENV = "MESHTRAIN_OWNER_HEARTBEAT_SECONDS"
+"""Overrides :data:`HEARTBEAT_SECONDS` (tests; every writer and claimant of a directory must agree)."""
+WATCH_BEATS = 2.5
+"""A foreign record that does not change for this many beats, watched on the claimant's own monotonic
+clock, is a writer that is gone: no two machines' wall clocks are compared."""
+PATIENCE_BEATS = 6.0
+"""How long (beats) a claimant waits for a live foreign writer to stop or release before refusing:
+a job applied again while the old one's pods still terminate resumes instead of failing."""
+STALE_SECONDS = PATIENCE_BEATS * HEARTBEAT_SECONDS
+"""Age (by the directory's own mtimes) after which another writer's leftover ``.tmp-`` is garbage."""
 RECORD_LIMIT = 4096
 """Most bytes of an owner record read; a larger one is refused, not parsed."""
 SEGMENT = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -69,9 +85,15 @@ class Owner:
     pid: int
     """Process id of the writer on ``host``: a local run finds a dead one at once."""
     heartbeat: float
-    """Unix time of the writer's last heartbeat."""
+    """Unix time of the writer's last heartbeat (informational: liveness is judged by change)."""
     released: bool = False
     """The writer exited cleanly and gave the directory up."""
+    boot_id: str = ""
+    """The writer's kernel boot id: a pid means something only under the same boot."""
+    pid_ns: int = 0
+    """Inode of the writer's pid namespace: a pid means something only in the same one."""
+    start_time: int = 0
+    """Start time of the writer's process (clock ticks after boot): a reused pid has another."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +152,11 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "pid": int,
     "heartbeat": (int, float),
     "released": bool,
+    "boot_id": str,
+    "pid_ns": int,
+    "start_time": int,
 }
+_OPTIONAL = {"released", "boot_id", "pid_ns", "start_time"}
 
 
 def parse(text: str, where: str) -> Owner:
@@ -145,11 +171,13 @@ def parse(text: str, where: str) -> Owner:
     if (
         not isinstance(raw, dict)
         or set(raw) - set(_TYPES)
-        or not set(_TYPES) - {"released"} <= set(raw)
+        or not set(_TYPES) - _OPTIONAL <= set(raw)
     ):
         raise OwnerError(f"{where}: not an owner record (fields {sorted(_TYPES)}); {fix}")
     for key, kind in _TYPES.items():
-        value = raw.get(key, False)
+        if key not in raw:
+            continue
+        value = raw[key]
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise OwnerError(f"{where}: field {key!r} has the wrong type; {fix}")
         if isinstance(value, str) and len(value) > 512:
@@ -159,23 +187,52 @@ def parse(text: str, where: str) -> Owner:
     return Owner(**raw)
 
 
-def live(owner: Owner, now: float, *, holder_gone: bool = False) -> bool:
-    """Whether ``owner`` still writes: not released, not known dead, heartbeat within :data:`STALE_SECONDS`.
+def heartbeat_seconds(env: Mapping[str, str]) -> float:
+    """The heartbeat interval: :data:`HEARTBEAT_ENV` (0.05 .. 600 s) or :data:`HEARTBEAT_SECONDS`."""
+    raw = env.get(HEARTBEAT_ENV, "")
+    if not raw:
+        return HEARTBEAT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.05 <= value <= 600:
+        raise OwnerError(f"{HEARTBEAT_ENV}={raw[:32]!r}: expected seconds between 0.05 and 600")
+    return value
 
-    A heartbeat far in the future is a broken clock, not a writer that lives forever.
-    """
-    if owner.released or holder_gone:
-        return False
-    return abs(now - owner.heartbeat) < STALE_SECONDS
+
+def record_name(generation: int) -> str:
+    """The owner record of ``generation``, relative to the job directory."""
+    return f"{OWNER_DIR}/{generation:08d}.json"
 
 
-def decide(current: Owner | None, me: Owner, now: float, *, holder_gone: bool = False) -> Verdict:
-    """Whether ``me`` may write in the directory whose record is ``current`` (None: no record).
+def writer_tag(writer: str) -> str:
+    """The random last part of a writer id (``<uid>/<attempt>/<tag>``): it names the writer's temporary files."""
+    tag = writer.rsplit("/", 1)[-1]
+    return tag if re.fullmatch(r"[0-9a-f]{1,32}", tag) else "x"
 
-    The same job (same UID, a later attempt) takes over at once: the operator runs one gang at a
-    time.  Another UID of the same namespace/name is the job deleted and applied again: it resumes
-    once the old writer is gone (released, dead or stale) and is refused while it lives.  A record
-    of another namespace/name is never taken over: the directory was moved or tampered with.
+
+def _attempt(owner: Owner) -> int | None:
+    parts = owner.writer.split("/")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def must_watch(current: Owner, me: Owner) -> bool:
+    """Whether ``me`` must watch ``current`` for change before judging it: another unreleased UID of this job."""
+    same_job = (current.namespace, current.name) == (me.namespace, me.name)
+    return same_job and current.uid != me.uid and not current.released
+
+
+def decide(current: Owner | None, me: Owner, *, live: bool) -> Verdict:
+    """Whether ``me`` may write in the directory whose newest record is ``current`` (None: no record).
+
+    ``live``: the record's writer was seen to beat (:data:`WATCH_BEATS`) until the claimant's patience
+    ran out (:data:`PATIENCE_BEATS`); False when it is released, known dead or went quiet.
+
+    The same job (same UID) takes over at once from an earlier attempt (the operator runs one gang
+    at a time) and is refused by a later one.  Another UID of the same namespace/name is the job
+    deleted and applied again: it resumes once the old writer is gone and is refused while it lives.
+    A record of another namespace/name is never taken over: the directory was moved or tampered with.
     """
     if current is None:
         return Verdict(
@@ -188,19 +245,26 @@ def decide(current: Owner | None, me: Owner, now: float, *, holder_gone: bool = 
             f"{me.namespace}/{me.name}; a job's checkpoints are never trained into by another",
         )
     if current.uid == me.uid:
+        theirs, mine = _attempt(current), _attempt(me)
+        if theirs is not None and mine is not None and theirs > mine:
+            return Verdict(
+                "refuse",
+                f"a later attempt ({current.writer}) of this job owns the directory; this attempt "
+                f"({me.writer}) is outdated and stops",
+            )
         return Verdict("claim", f"attempt {me.writer} takes over from {current.writer}")
-    age = now - current.heartbeat
-    if live(current, now, holder_gone=holder_gone):
+    if live:
         return Verdict(
             "refuse",
             f"another live writer holds it: job {current.namespace}/{current.name} uid {current.uid} "
-            f"(writer {current.writer} on {current.host}, heartbeat {age:.0f}s ago); two jobs of one "
-            f"name must not write one directory. If that job is being deleted, apply this one again "
-            f"once its pods are gone (its record goes stale {STALE_SECONDS:.0f}s after its last heartbeat)",
+            f"(writer {current.writer} on {current.host}, its heartbeat kept changing); two jobs of "
+            f"one name must not write one directory. If that job is being deleted, apply this one "
+            f"again once its pods are gone (a record that stops changing for {WATCH_BEATS:g} "
+            f"heartbeats is taken over)",
         )
     return Verdict(
         "claim",
         f"{me.namespace}/{me.name} was re-created (uid {current.uid} -> {me.uid}): resuming the "
-        f"checkpoints that uid {current.uid} wrote (its last heartbeat {age:.0f}s ago)",
+        f"checkpoints that uid {current.uid} wrote (writer {current.writer} released or gone)",
         previous_uid=current.uid,
     )

@@ -1,9 +1,11 @@
-"""Whether a job's checkpoints outlive its pods, and the warning when they do not though it may restart.
+"""Whether a job's checkpoints outlive its pods, and the warning when they do not.
 
 Without ``checkpoint.claimName`` (or an ``s3://`` ``checkpoint.path``) checkpoints go to an emptyDir,
-lost with the pods: every gang restart, suspend, preemption or resize starts again from step 0.
-The spec is valid all the same (a short run may not care); ``meshtrain validate`` warns, and the
-operator sets the condition ``CheckpointsNotPersistent``.
+lost with the pods: every gang restart, suspend, preemption, re-placement or drain starts again from
+step 0.  Every job takes checkpoints (at least of its last step), and most of those restarts are not
+the run policy's to allow, so every such job is warned about.  The spec is valid all the same (a
+short run may not care); ``meshtrain validate`` warns, and the operator sets the condition
+``CheckpointsNotPersistent``.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ def restarts(run_policy: api_run_policy.RunPolicy) -> list[str]:
 
 
 def warning(spec: api_spec.TrainingJobSpec) -> str | None:
-    """Why the job's checkpoints would be lost at a restart its run policy allows; None when they would not."""
-    allowed = restarts(spec.run_policy)
-    if persistent(spec.checkpoint) or not allowed:
+    """Why the job's checkpoints would be lost when its pods are replaced; None when they outlive them."""
+    if persistent(spec.checkpoint):
         return None
+    allowed = restarts(spec.run_policy)
+    policy = f"a gang restart that runPolicy allows ({', '.join(allowed)}), " if allowed else ""
     return (
         f"spec.checkpoint.claimName is not set: checkpoints go to an emptyDir that is lost with the "
-        f"pods, so a gang restart that runPolicy allows ({', '.join(allowed)}), a suspend or a "
-        f"preemption starts training again from step 0; set checkpoint.claimName to a "
+        f"pods, so {policy}runPolicy.suspend, a preemption (Kueue), a re-placement after a spec "
+        f"change or a node drain starts training again from step 0; set checkpoint.claimName to a "
         f"PersistentVolumeClaim every node can mount, or checkpoint.path to an s3:// URL"
     )

@@ -85,10 +85,22 @@ def test_an_exception_on_one_rank_exits_every_rank_with_the_checkpoint_code(
         assert f"injected fault on rank {WORLD - 1} while saving step 4" in err
     assert [p.step for p in store.scan(root)] == [2], "the failed save was not published"
 
+    # a rank failing to make its DCP writer, before DCP's first collective: every rank exits 4 too
+    setup = _ranks(job, root, **{checkpointer.FAULT_ENV: "4:writer"})
+    assert [code for code, _ in setup] == [exitcodes.CHECKPOINT] * WORLD, setup[0][1][-3000:]
+    for _, err in setup:
+        assert f"injected fault on rank {WORLD - 1} while making the writer of" in err
+    assert [p.step for p in store.scan(root)] == [2]
+
     loaded = _ranks(job, root, **{checkpointer.LOAD_FAULT_ENV: "raise"})
     assert [code for code, _ in loaded] == [exitcodes.CHECKPOINT] * WORLD, loaded[0][1][-3000:]
     for _, err in loaded:
         assert f"injected fault on rank {WORLD - 1} while loading {root / 'step-00000002'}" in err
+
+    setup = _ranks(job, root, **{checkpointer.LOAD_FAULT_ENV: "reader"})
+    assert [code for code, _ in setup] == [exitcodes.CHECKPOINT] * WORLD, setup[0][1][-3000:]
+    for _, err in setup:
+        assert f"injected fault on rank {WORLD - 1} while making the reader of" in err
 
     resumed = _ranks(job, root)
     assert [code for code, _ in resumed] == [0] * WORLD, resumed[0][1][-3000:]

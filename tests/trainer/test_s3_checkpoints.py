@@ -107,11 +107,11 @@ def test_marker_last_protocol_in_a_bucket(s3_server, monkeypatch):
     with pytest.raises(store.CheckpointError, match="not a meshtrain checkpoint"):
         store.scan(root)
 
-    record = root / job_dir.OWNER_FILE
+    record = root / job_dir.record_name(1)
     first = owner.me(job_dir.JobIdentity("ns", "job", "uid-1"))
     assert owner._write(record, first, exclusive=True)
     assert not owner._write(record, first, exclusive=True)  # the server refused the second
-    assert owner._read(record) == first
+    assert owner._read(record) == first and owner.newest(root) == (1, first)
 
 
 def test_two_writers_of_one_step_publish_one_whole_checkpoint(s3_server):

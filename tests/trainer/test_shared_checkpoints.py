@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from meshtrain.api import exitcodes, job_dir
-from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.checkpointing import checkpointer, owner, store
 from meshtrain.trainer.telemetry import steplog
 from tests.builders import JobBuilder
 
@@ -28,12 +28,14 @@ LAUNCH = (
 )
 
 
-def _job(tmp_path: Path, name: str, root: Path, *, keep: int = 2, data: int = 2) -> Path:
+def _job(
+    tmp_path: Path, name: str, root: Path, *, keep: int = 2, data: int = 2, interval: int = 2
+) -> Path:
     builder = (
         JobBuilder.cpu_run()
         .layout(data=data)
         .training(steps=4)
-        .checkpoint(path=str(root), intervalSteps=2, keep=keep)
+        .checkpoint(path=str(root), intervalSteps=interval, keep=keep)
     )
     manifest = builder.manifest() | {"metadata": {"name": name, "namespace": "team"}}
     path = tmp_path / f"{name}.yaml"
@@ -41,10 +43,14 @@ def _job(tmp_path: Path, name: str, root: Path, *, keep: int = 2, data: int = 2)
     return path
 
 
+BEAT = {job_dir.HEARTBEAT_ENV: "0.5"}
+"""A short heartbeat: a claimant watches a record 1.25 s for change, and a live writer 3 s."""
+
+
 def _start(job: Path, log_dir: Path, steps: int, **env: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-c", LAUNCH, str(job), str(log_dir), str(steps)],
-        env={**os.environ, **env},
+        env={**os.environ, **BEAT, **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -78,10 +84,11 @@ def test_two_jobs_on_one_root_keep_and_resume_their_own(tmp_path: Path) -> None:
     dirs = {name: root / "team" / name for name in first}
     assert {name: _steps(d) for name, d in dirs.items()} == {"alpha": [2, 4], "beta": [2, 4]}
     for name, directory in dirs.items():
-        owner = job_dir.parse((directory / job_dir.OWNER_FILE).read_text(), name)
-        assert (owner.namespace, owner.name, owner.released) == ("team", name, True)
+        record = owner.newest(directory)[1]
+        assert record is not None
+        assert (record.namespace, record.name, record.released) == ("team", name, True)
         marker = store.read_marker(directory / "step-00000004")
-        assert marker.extra[checkpointer.JOB_UID_KEY] == owner.uid
+        assert marker.extra[checkpointer.JOB_UID_KEY] == record.uid
     assert "flat layout of older meshtrain releases" in _rank0(tmp_path / "alpha-1")
     assert flat.is_dir() and (flat / "COMPLETE").read_text() == "{}", "nothing deletes them"
 
@@ -89,6 +96,8 @@ def test_two_jobs_on_one_root_keep_and_resume_their_own(tmp_path: Path) -> None:
     stray = dirs["alpha"] / ".tmp-step-00000006-0badc0de"
     stray.mkdir()
     (stray / "shard").write_bytes(b"x")
+    for path in (stray / "shard", stray):  # an earlier writer's, untouched for an hour: stale
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
     beta = _job(tmp_path, "beta", root, keep=1)
     code, err = _finish(_start(beta, tmp_path / "beta-2", 8))
     assert code == 0, err[-3000:]
@@ -101,8 +110,9 @@ def test_two_jobs_on_one_root_keep_and_resume_their_own(tmp_path: Path) -> None:
     assert f"resumed from {dirs['beta'] / 'step-00000004'} (step 4, written by job uid" in log
     assert f"resumed from {dirs['alpha'] / 'step-00000004'}" in _rank0(tmp_path / "alpha-2")
     assert [r["step"] for r in steplog.read(tmp_path / "beta-2" / steplog.FILENAME)] == [5, 6, 7, 8]
-    assert _steps(dirs["beta"]) == [8] and _steps(dirs["alpha"]) == [4, 6]
-    assert not stray.exists(), "alpha prunes its own leftover save"
+    # each run of ``meshtrain run`` is a job of its own UID: it keeps what the earlier one wrote
+    assert _steps(dirs["beta"]) == [2, 4, 8] and _steps(dirs["alpha"]) == [2, 4, 6]
+    assert not stray.exists(), "alpha prunes a stale leftover save"
 
 
 @pytest.mark.slow
@@ -118,6 +128,12 @@ def test_a_new_job_name_on_the_old_path_does_not_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in steplog.read(tmp_path / "taint" / steplog.FILENAME)] == [1, 2]
     assert _steps(root / "team" / "example") == [2, 4]
     assert _steps(root / "team" / "taint-one") == [2]
+    # the example applied again (a new UID) with nothing left to train: refused, not "Succeeded"
+    code, _ = _finish(_start(_job(tmp_path, "example", root), tmp_path / "again", 4))
+    refused = _rank0(tmp_path / "again")
+    assert code == exitcodes.CHECKPOINT, refused[-3000:]
+    assert "so it would train nothing. Raise training.steps" in refused
+    assert _steps(root / "team" / "example") == [2, 4]
 
 
 @pytest.mark.slow
@@ -147,3 +163,34 @@ def test_a_second_live_writer_is_refused_and_a_dead_ones_directory_resumed(tmp_p
     assert code == 0, err[-3000:]
     log = _rank0(tmp_path / "third")
     assert "was re-created" in log and "resumed from" in log
+
+
+@pytest.mark.slow
+def test_a_writer_taken_over_stops_at_its_next_step(tmp_path: Path, monkeypatch) -> None:
+    """A later attempt claims the directory of a running writer: the writer exits code 4 within seconds."""
+    root = tmp_path / "claim"
+    directory = root / "team" / "solo"
+    # no save due for 50000 steps: only the per-step check can stop it
+    run = _start(_job(tmp_path, "solo", root, interval=50_000), tmp_path / "old", 100_000)
+    steps = tmp_path / "old" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (steps.exists() and steplog.read(steps)):  # it claimed the directory and trains
+        assert run.poll() is None, run.stderr.read().decode(errors="replace")[-3000:]  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the run never trained a step"
+        time.sleep(0.2)
+    held = owner.newest(directory)[1]
+    assert held is not None and not held.released
+    monkeypatch.setenv(job_dir.ATTEMPT_ENV, "99")
+    later = owner.me(job_dir.JobIdentity("team", "solo", held.uid))
+    owner.claim(directory, later, 0.5)
+    try:
+        code, _ = _finish(run, timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    log = _rank0(tmp_path / "old")
+    assert code == exitcodes.CHECKPOINT and "no longer owns the directory" in log, log[-3000:]
+    record = owner.newest(directory)[1]
+    assert record is not None and record.writer == later.writer, (
+        "the old writer left the claim alone"
+    )

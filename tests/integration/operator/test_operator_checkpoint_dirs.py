@@ -2,22 +2,19 @@
 
 The pods' own command (torchrun with the environment the operator gave the pod, and the spec of the
 job's ConfigMap) runs on this machine, as in ``test_operator_exit_codes``; the job's UID comes from
-the real API server.  Also ``CheckpointsNotPersistent``: set on a claimless job that may restart,
-turned False once its run policy allows no restart.  ``make test`` tier (integration).
+the real API server.  Also ``CheckpointsNotPersistent``: set on every claimless job (suspend,
+preemption and drains restart it whatever its run policy), turned False once it has a claim.  ``make test`` tier (integration).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import time
 from pathlib import Path
 
 import pytest
 
 from meshtrain.api import exitcodes, job_dir
 from meshtrain.operator.policy import conditions
-from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.checkpointing import checkpointer, owner, store
 from tests.builders import CPU_PARALLELISM, CPU_TRAINING, TINY, JobBuilder
 from tests.integration.operator.cluster import Cluster, wait_for
 from tests.integration.operator.test_operator_exit_codes import _run_pod_command
@@ -25,12 +22,17 @@ from tests.integration.operator.test_operator_exit_codes import _run_pod_command
 pytestmark = pytest.mark.integration
 
 
-def _job(name: str, namespace: str, pool: str, root: Path) -> JobBuilder:
+BEAT = 0.5
+"""The owner heartbeat of these tests (``MESHTRAIN_OWNER_HEARTBEAT_SECONDS``): a claimant watches a
+quiet record 1.25 s and a live one 3 s."""
+
+
+def _job(name: str, namespace: str, pool: str, root: Path, steps: int = 2) -> JobBuilder:
     return (
         JobBuilder(name, namespace, pool)
         .model(TINY)
         .parallelism(**CPU_PARALLELISM)
-        .training(**{**CPU_TRAINING, "steps": 2, "microBatch": 8})
+        .training(**{**CPU_TRAINING, "steps": steps, "microBatch": 8})
         .checkpoint(path=str(root), intervalSteps=1, keep=2)
     )
 
@@ -50,12 +52,15 @@ def _train(cluster: Cluster, namespace: str, name: str, tmp_path: Path) -> tuple
 
 
 def _owner(directory: Path) -> job_dir.Owner:
-    return job_dir.parse((directory / job_dir.OWNER_FILE).read_text(), str(directory))
+    record = owner.newest(directory)[1]
+    assert record is not None
+    return record
 
 
 def test_two_jobs_on_one_path_keep_their_own_and_a_live_writer_fails_the_new_job(
-    cluster, operator, namespace, pool, tmp_path
+    cluster, operator, namespace, pool, tmp_path, monkeypatch
 ):
+    monkeypatch.setenv(job_dir.HEARTBEAT_ENV, str(BEAT))  # the pods' commands run with it
     cluster.add_node(pool, gpus=2)
     root = tmp_path / "claim"
     uids = {}
@@ -83,9 +88,11 @@ def test_two_jobs_on_one_path_keep_their_own_and_a_live_writer_fails_the_new_job
     directory = root / namespace / "first"
     cluster.delete_job(namespace, "first")
     wait_for("first deleted", lambda: cluster.job(namespace, "first") is None, timeout=60)
-    held = _owner(directory)
-    alive = dataclasses.replace(held, released=False, host="elsewhere", heartbeat=time.time())
-    (directory / job_dir.OWNER_FILE).write_text(job_dir.render(alive))
+    monkeypatch.setenv(job_dir.ATTEMPT_ENV, "9")
+    alive = owner.me(job_dir.JobIdentity(namespace, "first", uids["first"]))
+    monkeypatch.delenv(job_dir.ATTEMPT_ENV)
+    _, generation = owner.claim(directory, alive, BEAT)  # the old job's writer, beating on
+    beating = owner.Heartbeat(directory, alive, generation, BEAT)
     cluster.apply(_job("first", namespace, pool, root))
     code, err, message = _train(cluster, namespace, "first", tmp_path)
     report = exitcodes.read_failure_report(message)
@@ -98,14 +105,14 @@ def test_two_jobs_on_one_path_keep_their_own_and_a_live_writer_fails_the_new_job
     assert failed["reason"] == conditions.PERMANENT_FAILURE
     assert "another live writer holds it" in failed["message"]
     assert [p.step for p in store.scan(directory)] == [1, 2], "the refused job wrote nothing"
-    assert json.loads((directory / job_dir.OWNER_FILE).read_text())["host"] == "elsewhere"
+    assert _owner(directory).writer == alive.writer
 
-    # the old writer went quiet (stale heartbeat): applied again, the job resumes and its status says whose
+    # the old writer went quiet (its record stopped changing, not released): applied again with
+    # more steps to train, the job resumes and its status says whose checkpoints
     cluster.delete_job(namespace, "first")
     wait_for("first deleted", lambda: cluster.job(namespace, "first") is None, timeout=60)
-    stale = dataclasses.replace(alive, heartbeat=time.time() - 2 * job_dir.STALE_SECONDS)
-    (directory / job_dir.OWNER_FILE).write_text(job_dir.render(stale))
-    cluster.apply(_job("first", namespace, pool, root))
+    beating._stop.set()
+    cluster.apply(_job("first", namespace, pool, root, steps=3))
     code, err, message = _train(cluster, namespace, "first", tmp_path)
     assert code == 0, err[-3000:]
     assert f"resuming the checkpoints that uid {uids['first']} wrote" in err
@@ -118,11 +125,14 @@ def test_two_jobs_on_one_path_keep_their_own_and_a_live_writer_fails_the_new_job
     )
 
 
-def test_checkpoints_not_persistent_turns_false_when_no_restart_is_allowed(
+def test_checkpoints_not_persistent_without_restarts_too_and_false_once_claimed(
     cluster, operator, namespace, pool, tmp_path
 ):
     cluster.add_node(pool, gpus=2)
-    cluster.apply(_job("brittle", namespace, pool, tmp_path))
+    never = _job("brittle", namespace, pool, tmp_path).run_policy(
+        backoffLimit=0, disruptionRestartLimit=0
+    )
+    cluster.apply(never)
     wait_for(
         "CheckpointsNotPersistent=True",
         lambda: (
@@ -132,9 +142,7 @@ def test_checkpoints_not_persistent_turns_false_when_no_restart_is_allowed(
             == "True"
         ),
     )
-    cluster.patch_job(
-        namespace, "brittle", {"runPolicy": {"backoffLimit": 0, "disruptionRestartLimit": 0}}
-    )
+    cluster.patch_job(namespace, "brittle", {"checkpoint": {"claimName": "ckpt"}})
     cleared = wait_for(
         "CheckpointsNotPersistent=False",
         lambda: (

@@ -1,8 +1,9 @@
-"""The condition ``CheckpointsNotPersistent``: checkpoints on an emptyDir of a job that may restart.
+"""The condition ``CheckpointsNotPersistent``: checkpoints on an emptyDir, lost with the pods.
 
 True with the fix in its message while the spec keeps checkpoints only in the pods
-(:func:`meshtrain.api.persistence.warning`); False once it no longer does; never added to a job
-that never needed it.  Pure.
+(:func:`meshtrain.api.persistence.warning`: any claimless job whose ``checkpoint.path`` is not
+``s3://``, since suspend, preemption, re-placement and drains restart it whatever its run policy);
+False once it no longer does; never added to a job that never needed it.  Pure.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ def changes(
         conditions.CHECKPOINTS_NOT_PERSISTENT,
         conditions.FALSE,
         conditions.PERSISTENT_CHECKPOINTS,
-        "checkpoints outlive the pods (checkpoint.claimName or an s3:// checkpoint.path), or the "
-        "run policy allows no restart",
+        "checkpoints outlive the pods (checkpoint.claimName or an s3:// checkpoint.path)",
         now,
     )
     return conds, None

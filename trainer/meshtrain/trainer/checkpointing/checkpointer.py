@@ -19,25 +19,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from meshtrain.api import exitcodes, job_dir
 from meshtrain.trainer.checkpointing import owner, sharded, state, store
 from meshtrain.trainer.optim import batch_change
 
 FAULT_ENV = "MESHTRAIN_FAULT_INJECT_SAVE"
 FAULT_EXIT_CODE = 17
 LOAD_FAULT_ENV = "MESHTRAIN_FAULT_INJECT_LOAD"
-"""Tests: ``raise`` makes the last rank raise an OSError while loading a checkpoint."""
+"""Tests: ``raise`` makes the last rank raise an OSError while loading a checkpoint, ``reader``
+while making its DCP reader (before DCP's first collective)."""
+FAULT_MODES = ("die", "pause", "raise", "writer")
 
 
 def parse_fault(value: str | None) -> tuple[int, str] | None:
-    """``"4"`` -> (4, 'die'); ``"4:pause"`` -> (4, 'pause'); ``"4:raise"`` -> (4, 'raise'); empty -> None."""
+    """``"4"`` -> (4, 'die'); ``"4:pause"``, ``"4:raise"``, ``"4:writer"`` -> (4, mode); empty -> None.
+
+    ``writer``: the last rank raises while making its DCP writer of the save of that step.
+    """
     if not value:
         return None
     step, _, mode = value.partition(":")
     mode = mode or "die"
-    if not step.isdigit() or mode not in ("die", "pause", "raise"):
+    if not step.isdigit() or mode not in FAULT_MODES:
         raise ValueError(
-            f"{FAULT_ENV}={value!r}: expected STEP or STEP:die, STEP:pause or STEP:raise, e.g. 4:pause"
+            f"{FAULT_ENV}={value!r}: expected STEP or STEP:MODE with MODE one of "
+            f"{', '.join(FAULT_MODES)}, e.g. 4:pause"
         )
     return int(step), mode
 
@@ -53,8 +61,7 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
-JOB_UID_KEY = "job_uid"
-"""Marker ``extra`` key: the UID of the job that wrote the checkpoint (empty for a bare trainer)."""
+JOB_UID_KEY = store.JOB_UID_KEY
 
 
 def _failure(err: BaseException) -> str:
@@ -195,6 +202,7 @@ class Checkpointer:
             return None
         path, marker, self.last_good = store.location(found[0]), found[1], found[2]
         model, step = marker.model, marker.step
+        self._refuse_finished_predecessor(path, marker)
         rank, world = dist.get_rank(), dist.get_world_size()
         _everywhere(lambda: store.verify(path, marker, hashes=True, part=rank, parts=world))
         mine = self._model_shape()
@@ -232,18 +240,38 @@ class Checkpointer:
                 _say(self.resumed.message)
         return step
 
+    def _refuse_finished_predecessor(self, path: store.Location, marker: store.Marker) -> None:
+        """A re-created job (another UID) must not report success for training it did not do.
+
+        Raised on every rank alike (each has the marker).
+        """
+        writer = str(marker.extra.get(JOB_UID_KEY) or "")
+        mine = os.environ.get(job_dir.UID_ENV, "")
+        if writer and mine and writer != mine and marker.step >= self.total:
+            raise store.CheckpointError(
+                f"{path}: written by job uid {writer}, the job of this name before it was re-created, "
+                f"at step {marker.step}; this job (uid {mine}) trains to training.steps={self.total}, "
+                f"so it would train nothing. Raise training.steps to continue that training, rename "
+                f"this job to start afresh, or move {self.root} away"
+            )
+
     def _load(self, path: store.Location) -> dict[str, Any]:
         """Every rank's share of ``path`` into the engine (collective); any rank's failure fails all."""
         prepared: list[tuple[dict[str, Any], bool]] = []
+        readers: list[StorageReader] = []
+        fault = os.environ.get(LOAD_FAULT_ENV)
 
         def prepare() -> None:
-            if os.environ.get(LOAD_FAULT_ENV) == "raise":
+            if fault == "raise":
                 _injected(f"loading {path}")
             prepared.append(state.prepare_load(path, self.engine))
+            if fault == "reader":
+                _injected(f"making the reader of {path}")
+            readers.append(state.reader(path))
 
-        # local checks first: a rank refusing here must not leave the others waiting inside DCP
+        # local steps first: a rank refusing here must not leave the others waiting inside DCP
         _everywhere(prepare)
-        loaded = _everywhere(lambda: state.load_prepared(path, prepared[0]))
+        loaded = _everywhere(lambda: state.load_prepared(path, prepared[0], readers[0]))
         record: dict[str, Any] = loaded[dist.get_rank()]
         return record
 
@@ -262,13 +290,46 @@ class Checkpointer:
         """Save if ``step`` is due (collective): in the background with ``asyncSave``, else now.
 
         What was published, now or by an earlier background save, is in :meth:`published`.
+        Rank 0 exits with code 4 at once when its heartbeat found the directory taken over.
         """
+        self._stop_if_lost()
         if not self.due(step) or self.last_saved == step:
             return
         if self.asynchronous:
             self._start_async(step)
         else:
             self.save()
+
+    def _stop_if_lost(self) -> None:
+        """Exit 4 now when another writer took the directory over (the other ranks fail at the next collective)."""
+        heartbeat = self.holding.heartbeat if self.holding is not None else None
+        if heartbeat is not None and heartbeat.lost is not None:
+            _say(heartbeat.lost)
+            os._exit(exitcodes.CHECKPOINT)
+
+    def _tag(self) -> str:
+        """This writer's tag in its temporary names (rank 0's; ``x`` without an owner record)."""
+        heartbeat = self.holding.heartbeat if self.holding is not None else None
+        return heartbeat.tag if heartbeat is not None else "x"
+
+    def _new_tmp(self, step: int) -> store.Location:
+        """Rank 0's fresh in-progress name for the save of ``step``, on every rank."""
+        return store.location(
+            _on_rank0(lambda: str(store.new_tmp_dir(self.root, step, self._tag())))
+        )
+
+    def _writer(self, tmp: store.Location, step: int) -> StorageWriter:
+        """Every rank's DCP writer of ``tmp``, made in a step of its own (a failure reaches every rank
+        here, before any rank enters DCP's collectives)."""
+        made: list[StorageWriter] = []
+
+        def make() -> None:
+            if self.fault == (step, "writer"):
+                _injected(f"making the writer of {tmp}")
+            made.append(state.writer(tmp))
+
+        _everywhere(make)
+        return made[0]
 
     def published(self) -> list[int]:
         """Steps published since the last call (collective: a background save's error is raised on every rank).
@@ -301,10 +362,11 @@ class Checkpointer:
         self.wait()
         step = self.engine.step
         start = time.perf_counter()
-        tmp = store.location(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        tmp = self._new_tmp(step)
         entries = state.state_dict(self.engine)
         skips = self._guard_skips()
-        _everywhere(lambda: state.save_into(tmp, entries))
+        writer = self._writer(tmp, step)
+        _everywhere(lambda: state.save_into(writer, entries))
         written = time.perf_counter() - start
         final = self._publish(step, tmp, len(entries), written, start, None, skips)
         self._published.append(step)
@@ -316,15 +378,16 @@ class Checkpointer:
         if self._group is None:
             self._group, self._poll = _gloo_group(), _gloo_group()
         start = time.perf_counter()
-        tmp = store.location(_on_rank0(lambda: str(store.new_tmp_dir(self.root, step))))
+        tmp = self._new_tmp(step)
         entries: dict[str, Any] = {}
         started: list[concurrent.futures.Future[Any]] = []
+        writer = self._writer(tmp, step)
 
         def begin() -> None:
             entries.update(sharded.host_copy(state.state_dict(self.engine)))
             upload = async_save(
                 entries,
-                storage_writer=state.writer(tmp),
+                storage_writer=writer,
                 process_group=self._group,
                 async_stager=_Staged(),
             )
@@ -340,9 +403,16 @@ class Checkpointer:
             )
 
         def finish() -> int:
-            _everywhere(lambda: _written(upload), self._group)
-            written = time.perf_counter() - start
-            self._publish(step, tmp, len(entries), written, start, self._group, skips)
+            try:
+                _everywhere(lambda: _written(upload), self._group)
+                written = time.perf_counter() - start
+                self._publish(step, tmp, len(entries), written, start, self._group, skips)
+            except store.CheckpointError:
+                raise
+            except Exception as err:  # a failed collective (a rank gone) too: exit 4
+                raise store.CheckpointError(
+                    f"background save of step {step}: {_failure(err)}"
+                ) from err
             return step
 
         self._in_flight = self._worker.submit(finish)
@@ -387,10 +457,19 @@ class Checkpointer:
                     JOB_UID_KEY: self.holding.uid if self.holding is not None else "",
                 },
             )
-            if self.holding is not None and self.holding.heartbeat is not None:
-                self.holding.heartbeat.beat()  # still the owner (raises if another writer took over)
-            final = store.publish(tmp, marker)
-            store.prune(self.root, self.keep)
+            heartbeat = self.holding.heartbeat if self.holding is not None else None
+            fence = heartbeat.check if heartbeat is not None else None
+            if heartbeat is not None:
+                heartbeat.beat()  # still the owner (raises if another writer took over)
+            final = store.publish(tmp, marker, fence)
+            store.prune(
+                self.root,
+                self.keep,
+                tag=self._tag(),
+                fence=fence,
+                uid=self.holding.uid if self.holding is not None else "",
+                stale_seconds=job_dir.PATIENCE_BEATS * job_dir.heartbeat_seconds(os.environ),
+            )
             good = store.last_good(store.scan(self.root))
             return str(final), None if good is None else good.step
 
@@ -411,7 +490,7 @@ class Checkpointer:
         ``die`` exits at once with :data:`FAULT_EXIT_CODE`; ``pause`` sleeps so a test can
         SIGKILL the run there; ``raise`` raises an OSError on the last rank only.
         """
-        if self.fault is None or self.fault[0] != step:
+        if self.fault is None or self.fault[0] != step or self.fault[1] == "writer":
             return
         if self.fault[1] == "raise":
             _injected(f"saving step {step}")

@@ -1,9 +1,11 @@
-"""The owner record of a job's checkpoint directory on a file system: claim, heartbeat, release.
+"""The owner records of a job's checkpoint directory: claim, heartbeat, fencing, release.
 
-Rank 0 claims the directory at start (:func:`claim`, the policy is :func:`meshtrain.api.job_dir.decide`),
-refreshes the heartbeat from a thread every :data:`~meshtrain.api.job_dir.HEARTBEAT_SECONDS` and at
-each save, and gives it up on a clean exit.  A writer whose record was taken over stops at its next
-save instead of writing beside the new owner.
+Rank 0 claims the directory at start (:func:`claim`; the policy is :func:`meshtrain.api.job_dir.decide`)
+by creating the next generation's record exclusively, so of two claimants on one record exactly one
+wins.  It refreshes only its own record from a thread every heartbeat, and loses the directory the
+moment a higher generation exists: :meth:`Heartbeat.check` fences each publish and deletion, and the
+trainer stops at its next step (docs/checkpoints.md, "Who may write").  Liveness is judged by change
+seen on the claimant's own monotonic clock, and a dead process only where its pid means something.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from meshtrain.api import job_dir
 from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import store
+
+RECORDS_LIMIT = 1000
+"""Most owner records (and their temporary files) a directory may hold; more is refused."""
+CLAIM_TRIES = 5
+"""Claims lost to a concurrent claimant before giving up."""
 
 
 def _read_local(path: Path) -> bytes | None:
@@ -57,10 +65,58 @@ def _read(path: store.Location) -> job_dir.Owner | None:
         raise store.CheckpointError(str(err)) from None
 
 
+def _names(directory: store.Location) -> list[str]:
+    """The entries of the records' folder (at most :data:`RECORDS_LIMIT`)."""
+    records = directory / job_dir.OWNER_DIR
+    try:
+        if isinstance(records, storage.ObjectPath):
+            names = list(storage.listing(records.url))
+        else:
+            with os.scandir(records) as entries:
+                names = [entry.name for _, entry in zip(range(RECORDS_LIMIT + 1), entries)]
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise store.CheckpointError(f"{records}: cannot list the owner records ({err})") from None
+    if len(names) > RECORDS_LIMIT:
+        raise store.CheckpointError(
+            f"{records}: more than {RECORDS_LIMIT} entries; not written by meshtrain, remove them"
+        )
+    return names
+
+
+def _generations(directory: store.Location) -> list[int]:
+    """The generations of the records there are, ascending."""
+    found = (job_dir.GENERATION.match(name) for name in _names(directory))
+    return sorted(int(match.group(1)) for match in found if match)
+
+
+def newest(directory: store.Location) -> tuple[int, job_dir.Owner | None]:
+    """The highest generation and its record ((0, None): none yet)."""
+    for _ in range(CLAIM_TRIES):
+        generations = _generations(directory)
+        if not generations:
+            return 0, None
+        record = _read(directory / job_dir.record_name(generations[-1]))
+        if record is not None:
+            return generations[-1], record
+        # pruned between the listing and the read (a newer one exists): list again
+    raise store.CheckpointError(f"{directory / job_dir.OWNER_DIR}: keeps changing while read")
+
+
+def _sync_write(path: Path, text: bytes, flags: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o666)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def _write(path: store.Location, owner: job_dir.Owner, *, exclusive: bool = False) -> bool:
     """Write the record atomically; with ``exclusive`` only if none exists (False: one appeared).
 
     In a bucket one PUT is atomic, and an exclusive one is conditional (``If-None-Match: *``).
+    A local rewrite goes through a temporary file named after the writer (:func:`job_dir.writer_tag`).
     """
     text = job_dir.render(owner).encode()
     if isinstance(path, storage.ObjectPath):
@@ -68,36 +124,71 @@ def _write(path: store.Location, owner: job_dir.Owner, *, exclusive: bool = Fals
             return storage.write_bytes(path.url, text, exclusive=exclusive)
         except OSError as err:
             raise store.CheckpointError(f"{path}: cannot write the owner record ({err})") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
     if exclusive:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            _sync_write(path, text, os.O_EXCL)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
         return True
-    tmp = path.parent / f"{store.TMP_PREFIX}owner-{uuid.uuid4().hex[:8]}"
-    with tmp.open("wb") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    tag = job_dir.writer_tag(owner.writer)
+    tmp = path.parent / store.tmp_name(tag, "owner")
+    try:
+        _sync_write(tmp, text, os.O_TRUNC)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return True
 
 
-def _gone(owner: job_dir.Owner) -> bool:
-    """Whether the record's writer is known dead: it ran on this host and its process is no more."""
-    if owner.host != socket.gethostname() or owner.pid <= 0:
-        return False
+def _tidy(directory: store.Location, generation: int, stale_seconds: float) -> None:
+    """The owner of ``generation`` removes older records and stale temporary files of the records' folder."""
+    older = [g for g in _generations(directory) if g < generation]
+    records = directory / job_dir.OWNER_DIR
+    if isinstance(records, storage.ObjectPath):
+        storage.remove([(records / f"{g:08d}.json").url for g in older])
+        return
+    for g in older:
+        (records / f"{g:08d}.json").unlink(missing_ok=True)
+    for name in _names(directory):
+        if name.startswith(store.TMP_PREFIX) and store.stale(records / name, stale_seconds):
+            (records / name).unlink(missing_ok=True)
+
+
+def _boot_id() -> str:
     try:
-        os.kill(owner.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
+        return Path("/proc/sys/kernel/random/boot_id").read_text()[:64].strip()
+    except OSError:
+        return ""
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_time(pid: int | str) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (None: no such process)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()[:4096]
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # the command name may hold spaces and parentheses
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _gone(owner: job_dir.Owner) -> bool:
+    """Whether the record's writer is known dead: same boot and pid namespace, and its process is no more.
+
+    Elsewhere (another node, container or boot) a pid says nothing, and only the heartbeat counts.
+    """
+    if not owner.boot_id or owner.pid <= 0 or owner.start_time <= 0:
         return False
-    return False
+    if owner.boot_id != _boot_id() or owner.pid_ns != _pid_ns():
+        return False
+    return _start_time(owner.pid) != owner.start_time
 
 
 def me(identity: job_dir.JobIdentity) -> job_dir.Owner:
@@ -111,74 +202,149 @@ def me(identity: job_dir.JobIdentity) -> job_dir.Owner:
         host=socket.gethostname(),
         pid=os.getpid(),
         heartbeat=time.time(),
+        boot_id=_boot_id(),
+        pid_ns=_pid_ns(),
+        start_time=_start_time("self") or 0,
     )
 
 
-def claim(directory: store.Location, mine: job_dir.Owner) -> job_dir.Verdict:
-    """Take ``directory`` for ``mine`` (creating it) or raise CheckpointError saying who holds it."""
+def _watch(
+    directory: store.Location, generation: int, seen: job_dir.Owner, beat: float
+) -> Literal["live", "gone", "moved"]:
+    """Watch a foreign record on this process's monotonic clock.
+
+    ``gone``: released, or unchanged for :data:`~job_dir.WATCH_BEATS` beats; ``live``: still changing
+    after :data:`~job_dir.PATIENCE_BEATS`; ``moved``: another claim came first (judge again).
+    """
+    start = changed = time.monotonic()
+    while True:
+        time.sleep(beat / 4)
+        current_generation, current = newest(directory)
+        if current_generation != generation:
+            return "moved"
+        if current is None or current.released:
+            return "gone"
+        now = time.monotonic()
+        if current != seen:
+            seen, changed = current, now
+        if now - changed >= job_dir.WATCH_BEATS * beat:
+            return "gone"
+        if now - start >= job_dir.PATIENCE_BEATS * beat:
+            return "live"
+
+
+def claim(
+    directory: store.Location, mine: job_dir.Owner, beat: float = job_dir.HEARTBEAT_SECONDS
+) -> tuple[job_dir.Verdict, int]:
+    """Take ``directory`` for ``mine`` (creating it): the verdict and the generation now owned.
+
+    Raises CheckpointError saying who holds it.  The next generation's record is created only if
+    absent, so a concurrent claim makes this one judge the directory again.
+    """
     if isinstance(directory, Path):
         directory.mkdir(parents=True, exist_ok=True)
-    path = directory / job_dir.OWNER_FILE
-    for _ in range(3):  # a record created between the read and the exclusive create is judged again
-        current = _read(path)
-        gone = current is not None and _gone(current)
-        verdict = job_dir.decide(current, mine, time.time(), holder_gone=gone)
+    for _ in range(CLAIM_TRIES):
+        generation, current = newest(directory)
+        live = False
+        if current is not None and job_dir.must_watch(current, mine) and not _gone(current):
+            seen = _watch(directory, generation, current, beat)
+            if seen == "moved":
+                continue
+            live = seen == "live"
+        verdict = job_dir.decide(current, mine, live=live)
         if verdict.action == "refuse":
             raise store.CheckpointError(f"{directory}: {verdict.message}")
-        if _write(path, mine, exclusive=current is None):
-            return verdict
+        if generation >= job_dir.MAX_GENERATION:
+            raise store.CheckpointError(f"{directory / job_dir.OWNER_DIR}: generations exhausted")
+        if _write(directory / job_dir.record_name(generation + 1), mine, exclusive=True):
+            _tidy(directory, generation + 1, job_dir.PATIENCE_BEATS * beat)
+            return verdict, generation + 1
     raise store.CheckpointError(
-        f"{path}: keeps changing under this writer; another job writes here"
+        f"{directory / job_dir.OWNER_DIR}: keeps changing under this writer; another job writes here"
     )
 
 
 class Heartbeat:
-    """Rank 0's hold on the directory: a thread refreshing the record, and the check before each save."""
+    """Rank 0's hold on the directory: a thread refreshing its own record, and the fence of each write."""
 
-    def __init__(self, directory: store.Location, mine: job_dir.Owner) -> None:
-        self.path = directory / job_dir.OWNER_FILE
+    def __init__(
+        self,
+        directory: store.Location,
+        mine: job_dir.Owner,
+        generation: int,
+        beat: float = job_dir.HEARTBEAT_SECONDS,
+    ) -> None:
+        self.directory = directory
         self.mine = mine
+        self.generation = generation
+        self.interval = beat
+        self.tag = job_dir.writer_tag(mine.writer)
+        """Names this writer's temporary files and directories."""
         self._lost: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="checkpoint-owner", daemon=True)
         self._thread.start()
 
+    @property
+    def lost(self) -> str | None:
+        """Why this writer no longer owns the directory (None: it does, as far as the last look saw)."""
+        return self._lost
+
     def _run(self) -> None:
-        while not self._stop.wait(job_dir.HEARTBEAT_SECONDS):
+        while not self._stop.wait(self.interval):
             try:
                 self.beat()
             except (OSError, store.CheckpointError):
                 if self._lost is not None:
-                    return  # taken over: beat() raises it again at the next save
+                    return  # taken over: the trainer stops at its next step
                 # a failed read or write of the record (a volume hiccup): try again at the next beat
 
-    def beat(self) -> None:
-        """Refresh the heartbeat; raise CheckpointError when another writer holds the record now."""
+    def _judge(self) -> None:
+        """Set the lost flag when a newer generation exists or this one's record names another writer."""
+        generation, current = newest(self.directory)
+        if generation != self.generation or current is None or current.writer != self.mine.writer:
+            holder = "nobody" if current is None else f"{current.writer} on {current.host}"
+            self._lost = (
+                f"{self.directory}: this writer ({self.mine.writer}) no longer owns the directory "
+                f"(the newest owner record, generation {generation}, names {holder}); stopping "
+                f"instead of writing beside it"
+            )
+
+    def _hold(self) -> None:
+        """Raise CheckpointError unless this writer still owns the directory (the caller holds the lock)."""
+        if self._lost is None:
+            self._judge()
+        if self._lost is not None:
+            raise store.CheckpointError(self._lost)
+
+    def check(self) -> None:
+        """The fence: raise CheckpointError unless this writer still owns the directory (read, no write)."""
         with self._lock:
-            if self._lost is None:
-                current = _read(self.path)
-                if current is None or current.writer != self.mine.writer:
-                    holder = "nobody" if current is None else f"{current.writer} on {current.host}"
-                    self._lost = (
-                        f"{self.path}: this writer ({self.mine.writer}) no longer owns the directory "
-                        f"(the record names {holder}); stopping instead of writing beside it"
-                    )
-                else:
-                    _write(self.path, dataclasses.replace(current, heartbeat=time.time()))
-            if self._lost is not None:
-                raise store.CheckpointError(self._lost)
+            self._hold()
+
+    def beat(self) -> None:
+        """Refresh this writer's own record; raise CheckpointError when a newer claim exists."""
+        with self._lock:
+            self._hold()
+            path = self.directory / job_dir.record_name(self.generation)
+            _write(path, dataclasses.replace(self.mine, heartbeat=time.time()))
+            _tidy(self.directory, self.generation, job_dir.PATIENCE_BEATS * self.interval)
 
     def release(self) -> None:
         """Stop the thread and mark the record released (a clean exit: the next job need not wait)."""
         self._stop.set()
         with self._lock:
             try:
-                current = _read(self.path) if self._lost is None else None
-                if current is not None and current.writer == self.mine.writer:
-                    _write(self.path, dataclasses.replace(current, released=True))
+                if self._lost is None:
+                    self._judge()
+                if self._lost is None:
+                    path = self.directory / job_dir.record_name(self.generation)
+                    _write(
+                        path, dataclasses.replace(self.mine, heartbeat=time.time(), released=True)
+                    )
             except (OSError, store.CheckpointError):
-                pass  # best effort: the record goes stale STALE_SECONDS after the last beat anyway
+                pass  # best effort: a claimant sees the record stop changing anyway
 
 
 LEGACY_SCAN_LIMIT = 10_000
@@ -197,7 +363,12 @@ def legacy_note(root: store.Location, directory: store.Location) -> str | None:
         entries = [entry.name for _, entry in zip(range(LEGACY_SCAN_LIMIT), os.scandir(root))]
     except OSError:
         return None
-    steps = sorted(name for name in entries if store.STEP_DIR.match(name))
+    # a namespace may be named like step-NNNNNNNN: only a directory with a marker is a checkpoint
+    steps = sorted(
+        name
+        for name in entries
+        if store.STEP_DIR.match(name) and (Path(root) / name / store.MARKER).is_file()
+    )
     if not steps:
         return None
     return (
@@ -225,15 +396,18 @@ def take(root: store.Location, env: Mapping[str, str]) -> Holding:
     """Claim the directory of the job ``env`` names under ``root`` (rank 0); with none, ``root`` itself, unguarded."""
     try:
         identity = job_dir.identity_from_env(env)
+        beat = job_dir.heartbeat_seconds(env)
     except job_dir.OwnerError as err:
         raise store.CheckpointError(str(err)) from None
     if identity is None:
         return Holding(directory=root, heartbeat=None)
     directory = store.location(job_dir.job_dir(str(root), identity.namespace, identity.name))
     mine = me(identity)
-    verdict = claim(directory, mine)
+    verdict, generation = claim(directory, mine, beat)
     notes = [verdict.message] if verdict.previous_uid is not None else []
     legacy = legacy_note(root, directory)
     if legacy is not None:
         notes.append(legacy)
-    return Holding(directory, Heartbeat(directory, mine), tuple(notes), identity.uid)
+    return Holding(
+        directory, Heartbeat(directory, mine, generation, beat), tuple(notes), identity.uid
+    )

@@ -203,9 +203,10 @@ def reader(directory: store.Location) -> StorageReader:
     return dcp.FileSystemReader(str(directory))
 
 
-def save_into(directory: store.Location, entries: dict[str, Any]) -> None:
-    """Every rank writes its entries into ``directory`` (collective)."""
-    dcp.save(entries, storage_writer=writer(directory))
+def save_into(storage_writer: StorageWriter, entries: dict[str, Any]) -> None:
+    """Every rank writes its entries with its :func:`writer` (collective; the writer is made before,
+    so a rank failing to make one fails before any rank enters DCP's collectives)."""
+    dcp.save(entries, storage_writer=storage_writer)
 
 
 def read_metadata(directory: store.Location) -> Any:
@@ -261,12 +262,15 @@ def prepare_load(directory: store.Location, engine: Any) -> tuple[dict[str, Any]
 
 
 def load_prepared(
-    directory: store.Location, prepared: tuple[dict[str, Any], bool]
+    directory: store.Location, prepared: tuple[dict[str, Any], bool], storage_reader: StorageReader
 ) -> dict[str, Any]:
-    """Load the entries of :func:`prepare_load` into the live tensors (collective); returns the trainer record."""
+    """Load the entries of :func:`prepare_load` into the live tensors with ``storage_reader`` (collective).
+
+    Returns the trainer record.  The reader is made before (:func:`reader`), with the other local steps.
+    """
     entries, rng_ok = prepared
     try:
-        dcp.load(entries, storage_reader=reader(directory))
+        dcp.load(entries, storage_reader=storage_reader)
     except Exception as err:  # DCP wraps per-rank failures; name the checkpoint
         raise store.CheckpointError(f"{directory}: loading failed: {err}") from err
     record: dict[str, Any] = json.loads(entries[TRAINER_KEY])

@@ -41,10 +41,14 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
 GUARD_SKIPS = "loss_guard_consecutive_skips"
 """Marker ``extra`` key: updates the loss guard had skipped in a row when the checkpoint was taken (0: good)."""
-IGNORED = {"lost+found", job_dir.LOG_SUBDIR, job_dir.OWNER_FILE}
+IGNORED = {"lost+found", job_dir.LOG_SUBDIR, job_dir.OWNER_FILE, job_dir.OWNER_DIR}
 """Entries a checkpoint directory may carry that are not checkpoints and not a problem: ``lost+found``
 of a fresh filesystem, ``logs``, where the operator's pods keep steps.jsonl and the rank traces
-(``MESHTRAIN_LOG_DIR=<checkpoint.path>/<namespace>/<name>/logs``), and the job's owner record."""
+(``MESHTRAIN_LOG_DIR=<checkpoint.path>/<namespace>/<name>/logs``), and the job's owner records."""
+JOB_UID_KEY = "job_uid"
+"""Marker ``extra`` key: the UID of the job that wrote the checkpoint (empty for a bare trainer)."""
+Fence = Callable[[], None]
+"""Raises CheckpointError unless this writer still owns the directory (:meth:`.owner.Heartbeat.check`)."""
 
 
 HASH_CHUNK = 8 * 1024 * 1024
@@ -111,14 +115,49 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def new_tmp_dir(root: Location, step: int) -> Location:
-    """A fresh in-progress directory name for a save of ``step`` (not created).
+def tmp_name(tag: str, what: str) -> str:
+    """A temporary entry of the writer ``tag`` (:func:`job_dir.writer_tag`): ``.tmp-<what>-<tag>-<random>``."""
+    return f"{TMP_PREFIX}{what}-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def tmp_of(name: str, tag: str) -> bool:
+    """Whether ``name`` is a temporary entry of the writer ``tag`` (:func:`tmp_name`)."""
+    return (
+        name.startswith(TMP_PREFIX)
+        and re.search(rf"-{re.escape(tag)}-[0-9a-f]{{8}}$", name) is not None
+    )
+
+
+def new_tmp_dir(root: Location, step: int, tag: str = "x") -> Location:
+    """A fresh in-progress directory name for a save of ``step`` by the writer ``tag`` (not created).
 
     In a bucket: a new attempt prefix ``step-NNNNNNNN/a-<random>`` (nothing is deleted).
     """
     if isinstance(root, storage.ObjectPath):
         return _bucket_new_attempt(root, step)
-    return root / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    return root / tmp_name(tag, step_dir_name(step))
+
+
+def stale(path: Path, seconds: float, limit: int = 1000) -> bool:
+    """Whether ``path`` and its direct entries (at most ``limit``) were all last modified ``seconds`` ago.
+
+    Only the file system's own times are compared (a save in progress keeps touching them).
+    """
+    try:
+        newest = path.lstat().st_mtime
+        if path.is_dir() and not path.is_symlink():
+            with os.scandir(path) as entries:
+                for _, entry in zip(range(limit), entries):
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        probe = path.parent / tmp_name("clock", "probe")
+        probe.touch()
+        try:
+            now = probe.lstat().st_mtime
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError:
+        return False
+    return now - newest >= seconds
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -166,13 +205,17 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Location, marker: Marker) -> Location:
+def publish(tmp: Location, marker: Marker, fence: Fence | None = None) -> Location:
     """Write the marker into ``tmp`` and rename it to its final name; returns the published path.
 
     Called by one process after every rank's files are in ``tmp``.  Refuses
     to overwrite an existing checkpoint of the same step.  In a bucket: the marker, last.
+    ``fence`` runs right before the rename (the marker's write in a bucket): a writer that was
+    taken over publishes nothing.
     """
     if isinstance(tmp, storage.ObjectPath):
+        if fence is not None:
+            fence()
         return _bucket_publish(tmp, marker)
     for path in tmp.rglob("*"):
         if path.is_file():
@@ -188,6 +231,8 @@ def publish(tmp: Location, marker: Marker) -> Location:
         raise CheckpointError(
             f"{final} already exists; refusing to overwrite a published checkpoint"
         )
+    if fence is not None:
+        fence()
     os.rename(tmp, final)
     _fsync_path(tmp.parent)
     return final
@@ -329,31 +374,60 @@ def last_good(published: list[Published]) -> Published | None:
     return None
 
 
-def prune(root: Location, keep: int) -> list[Location]:
-    """Delete all but the newest ``keep`` published checkpoints and every leftover ``.tmp-`` directory of ``root``.
+def _foreign_uid(published: Published, uid: str) -> bool:
+    """Whether the checkpoint's marker names another job UID than ``uid`` (an inherited checkpoint)."""
+    try:
+        marker = read_marker(published.path)
+    except CheckpointError:
+        return False
+    writer = str(marker.extra.get(JOB_UID_KEY) or "")
+    return bool(uid and writer and writer != uid)
 
-    ``root`` is the job's own directory, which its owner record gives to one writer at a time: nothing
-    of another job is ever looked at (:mod:`meshtrain.api.job_dir`).
+
+def prune(
+    root: Location,
+    keep: int,
+    *,
+    tag: str = "x",
+    fence: Fence | None = None,
+    uid: str = "",
+    stale_seconds: float = job_dir.STALE_SECONDS,
+) -> list[Location]:
+    """Delete all but the newest ``keep`` published checkpoints of ``uid`` and this writer's leftover ``.tmp-``.
+
+    ``root`` is the job's own directory, which its owner records give to one writer at a time:
+    nothing of another job is ever looked at (:mod:`meshtrain.api.job_dir`).  Only the writer
+    ``tag``'s temporary directories go at once; another writer's only once :func:`stale` (a
+    taken-over writer must not delete its successor's save in progress).  ``fence`` runs before
+    each deletion.  Checkpoints whose marker names another job UID (inherited from the job of the
+    same name before it was re-created) are neither counted nor deleted.
 
     The last good checkpoint (:func:`last_good`) is kept even when it is older
     than ``keep`` others: those may all have been taken while the loss guard
     skipped updates, and if it then stops the job, the last good one is the
     one to go back to.
     """
+    check: Fence = fence or (lambda: None)
+    check()
     if isinstance(root, storage.ObjectPath):
         return _bucket_prune(root, keep)
     removed: list[Location] = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
+        mine = tmp_of(entry.name, tag)
+        if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir():
+            continue
+        if mine or stale(entry, stale_seconds):
+            check()
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
-    published = scan(root)
+    published = [p for p in scan(root) if not _foreign_uid(p, uid)]
     good = last_good(published)
     for old in published[: max(0, len(published) - keep)]:
         if old == good:
             continue
         # Rename first so a crash halfway through deleting leaves a .tmp- directory, not a damaged step-.
-        doomed = root / f"{TMP_PREFIX}pruned-{old.path.name}-{uuid.uuid4().hex[:8]}"
+        doomed = root / tmp_name(tag, f"pruned-{old.path.name}")
+        check()
         os.rename(root / old.path.name, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(old.path)
