@@ -236,3 +236,16 @@ def test_a_save_takes_the_sha256_the_store_kept_and_reads_nothing_back(s3_server
     monkeypatch.setenv(store.REHASH_ENV, "1")
     found = store.latest(root)
     assert found is not None and found[0].path == prefix  # re-hashed: whole, composite as kept
+
+
+def test_a_bucket_prune_keeps_the_checkpoints_another_job_uid_wrote(s3_server):
+    root = store.location(s3_server.make_bucket("inherited") + "/job")
+    assert isinstance(root, storage.ObjectPath)
+    for step, uid in ((2, "old-uid"), (3, "new-uid"), (4, "new-uid")):
+        prefix = _save(root, step, bytes([step]) * 100)
+        marker = dataclasses.replace(
+            _marker(step, store.describe_files(prefix)), extra={store.JOB_UID_KEY: uid}
+        )
+        store.publish(prefix, marker)
+    store.prune(root, keep=1, uid="new-uid")
+    assert [p.step for p in store.scan(root)] == [2, 4]  # the inherited step 2 is not this job's

@@ -410,7 +410,7 @@ def prune(
     check: Fence = fence or (lambda: None)
     check()
     if isinstance(root, storage.ObjectPath):
-        return _bucket_prune(root, keep)
+        return _bucket_prune(root, keep, uid=uid)
     removed: list[Location] = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         mine = tmp_of(entry.name, tag)
@@ -664,16 +664,18 @@ def _bucket_scan(root: storage.ObjectPath) -> list[Published]:
     return _bucket_published(root, steps)
 
 
-def _bucket_prune(root: storage.ObjectPath, keep: int) -> list[Location]:
-    """Delete all but the newest ``keep`` checkpoints (the last good one kept), marker first.
+def _bucket_prune(root: storage.ObjectPath, keep: int, *, uid: str = "") -> list[Location]:
+    """Delete all but the newest ``keep`` checkpoints of ``uid`` (the last good one kept), marker first.
 
     Of another attempt (a save in progress, a loser, a crashed save) nothing is deleted until
-    its newest object is :data:`STALE_SECONDS` old: it may be a live writer's.
+    its newest object is :data:`STALE_SECONDS` old: it may be a live writer's.  Checkpoints
+    whose marker names another job UID (inherited) are neither counted nor deleted.
     """
     steps, attempts = _bucket_steps(root)
     published = _bucket_published(root, steps)
-    good = last_good(published)
-    doomed = [p for p in published[: max(0, len(published) - keep)] if p != good]
+    own = [p for p in published if not _foreign_uid(p, uid)]
+    good = last_good(own)
+    doomed = [p for p in own[: max(0, len(own) - keep)] if p != good]
     storage.remove([f"{root.url}/{step_dir_name(old.step)}/{MARKER}" for old in doomed])
     approved = {str(p.path) for p in published}
     doomed_paths = {str(old.path) for old in doomed}
