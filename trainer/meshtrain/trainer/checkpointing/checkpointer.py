@@ -433,9 +433,15 @@ class Checkpointer:
         a good checkpoint, which pruning keeps until a newer good one exists).
         """
 
+        # One listing, rank 0's: ranks whose listings differ (an NFS attribute cache, an eventually
+        # consistent store) would otherwise split the files differently and leave some unhashed.
+        names: list[str] = _on_rank0(lambda: store.listed_names(tmp), group)
+
         def share() -> dict[str, Any]:  # every rank hashes its share of the files
             self._maybe_fault(step)
-            return store.describe_files(tmp, part=dist.get_rank(), parts=dist.get_world_size())
+            return store.describe_files(
+                tmp, part=dist.get_rank(), parts=dist.get_world_size(), names=names
+            )
 
         shares: list[dict[str, Any]] = _everywhere(share, group)
 

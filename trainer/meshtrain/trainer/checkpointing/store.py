@@ -180,6 +180,13 @@ def data_files(directory: Path) -> list[str]:
     )
 
 
+def listed_names(directory: Location) -> list[str]:
+    """The data files of ``directory`` by one listing (rank 0's, which every rank then hashes from)."""
+    if isinstance(directory, storage.ObjectPath):
+        return sorted(data_listing(directory))
+    return data_files(directory)
+
+
 def describe_files(
     directory: Location, *, part: int = 0, parts: int = 1, names: list[str] | None = None
 ) -> dict[str, dict[str, Any]]:
