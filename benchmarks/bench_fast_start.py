@@ -200,13 +200,7 @@ def run_layout(raw: dict[str, Any], mode: str, world: int, work: Path) -> list[d
     procs = []
     for rank in range(world):
         env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **launch.rank_env(rank, world, port, work / "logs", cuda=False),
             "MESHTRAIN_CACHE_DIR": str(work / "cache"),
             "OMP_NUM_THREADS": "1",
         }

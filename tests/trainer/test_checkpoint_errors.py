@@ -10,7 +10,6 @@ process group's timeout.  ``make test`` tier.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,14 +33,7 @@ def _ranks(job: Path, root: Path, **extra: str) -> list[tuple[int, str]]:
     procs = []
     for rank in range(WORLD):
         env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "MESHTRAIN_DEVICE": "cpu",
+            **launch.rank_env(rank, WORLD, int(port), root.parent / "rank-logs", cuda=False),
             "MESHTRAIN_CHECKPOINT_DIR": str(root),
             "OMP_NUM_THREADS": "1",
             **extra,

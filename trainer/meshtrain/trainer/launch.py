@@ -89,7 +89,8 @@ def job_identity(
     }
 
 
-def _rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dict[str, str]:
+    """torchrun's environment for ``rank`` of a one-machine job (tests and benchmarks launch ranks so too)."""
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -277,7 +278,7 @@ def _start_ranks(
     logs: list[IO[str]] = []
     for rank in range(world):
         logs.append((log_dir / f"rank-{rank}.log").open("w"))
-        env = _rank_env(rank, world, port, log_dir, cuda)
+        env = rank_env(rank, world, port, log_dir, cuda)
         env.setdefault("MESHTRAIN_CHECKPOINT_DIR", str(checkpoint_dir(job, log_dir)))
         for key in (job_dir.NAMESPACE_ENV, job_dir.NAME_ENV, job_dir.UID_ENV):
             env.pop(key, None)  # this run's identity, never one inherited from a pod's environment
