@@ -72,14 +72,19 @@ def job_identity(
     """The job the ranks run for, as their environment (raises OwnerError on a bad name).
 
     With ``checkpoint.path`` set, that directory may be shared: the job writes in its own
-    ``<path>/<namespace>/<name>`` (namespace ``local`` unless the manifest names one), under a UID
+    ``<path>/<namespace>/<name>`` (namespace ``local`` unless the manifest or ``MESHTRAIN_NAMESPACE`` names one), under a UID
     of this run, so a second live run of the name is refused and a later one resumes.  Without it,
     ``<log-dir>/checkpoints`` is the run's own directory already and is used as it is (no identity).
     """
     directory = checkpoint_dir(job, log_dir)
     if directory == log_dir / "checkpoints":
         return {}
-    namespace = str(metadata.get("namespace") or job_dir.LOCAL_NAMESPACE)
+    # the manifest's namespace, else the one the environment names (as a pod's does), else "local"
+    namespace = str(
+        metadata.get("namespace")
+        or os.environ.get(job_dir.NAMESPACE_ENV)
+        or job_dir.LOCAL_NAMESPACE
+    )
     # a name that cannot name a directory fails here, before any process starts
     job_dir.job_dir(str(directory), namespace, name)
     return {
