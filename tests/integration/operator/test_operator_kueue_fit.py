@@ -388,13 +388,19 @@ def _label(cluster: Cluster, namespace: str, job: str, queue: str | None) -> Non
     )  # fmt: skip
 
 
+LOADED = 180
+"""Seconds this test waits for Kueue and the operator: generous, CI shares two cores."""
+
+
 def test_the_queue_label_follows_kueues_rules(fit) -> None:
     cluster = fit
     cluster.add_node("solo", gpus=8)  # room for a job that leaves Kueue
     _apply(cluster, _job("holder", SOLO_NS, SOLO_QUEUE, "solo"))
-    wait_for("holder admitted", lambda: _admitted(cluster, SOLO_NS, "holder"), timeout=60)
+    wait_for("holder admitted", lambda: _admitted(cluster, SOLO_NS, "holder"), timeout=LOADED)
     _apply(cluster, _job("mover", SOLO_NS, SOLO_QUEUE, "solo"))
-    waiting = wait_for("mover's Workload", lambda: _workload(cluster, SOLO_NS, "mover"), timeout=60)
+    waiting = wait_for(
+        "mover's Workload", lambda: _workload(cluster, SOLO_NS, "mover"), timeout=LOADED
+    )
 
     def refused() -> Any:
         """The admitted job's label change, refused (the policy may take a moment to be live)."""
@@ -405,7 +411,7 @@ def test_the_queue_label_follows_kueues_rules(fit) -> None:
         _label(cluster, SOLO_NS, "holder", SOLO_QUEUE)
         return None
 
-    error = wait_for("the admission policy refusing holder's new queue", refused, timeout=30)
+    error = wait_for("the admission policy refusing holder's new queue", refused, timeout=LOADED)
     message = json.loads(error.body)["message"]
     assert (
         'metadata.labels["kueue.x-k8s.io/queue-name"] cannot change from solo to spare' in message
@@ -415,7 +421,9 @@ def test_the_queue_label_follows_kueues_rules(fit) -> None:
 
     # mover waits: its Workload (the same object) moves to the spare queue and is admitted there.
     _label(cluster, SOLO_NS, "mover", SPARE_QUEUE)
-    wait_for("mover admitted by spare", lambda: _admitted(cluster, SOLO_NS, "mover"), timeout=60)
+    wait_for(
+        "mover admitted by spare", lambda: _admitted(cluster, SOLO_NS, "mover"), timeout=LOADED
+    )
     moved = _workload(cluster, SOLO_NS, "mover")
     assert moved["metadata"]["uid"] == waiting["metadata"]["uid"]
     assert moved["spec"]["queueName"] == SPARE_QUEUE
@@ -423,7 +431,7 @@ def test_the_queue_label_follows_kueues_rules(fit) -> None:
 
     # leaver waits behind holder; without its label it leaves Kueue and is placed at once.
     _apply(cluster, _job("leaver", SOLO_NS, SOLO_QUEUE, "solo"))
-    wait_for("leaver's Workload", lambda: _workload(cluster, SOLO_NS, "leaver"), timeout=60)
+    wait_for("leaver's Workload", lambda: _workload(cluster, SOLO_NS, "leaver"), timeout=LOADED)
     assert cluster.pods(SOLO_NS, "leaver") == []
     _label(cluster, SOLO_NS, "leaver", None)
     # the operator deletes it; Kueue's resource-in-use finalizer may keep it a while longer
@@ -433,9 +441,9 @@ def test_the_queue_label_follows_kueues_rules(fit) -> None:
             (w := _workload(cluster, SOLO_NS, "leaver")) is None
             or bool(w["metadata"].get("deletionTimestamp"))
         ),
-        timeout=60,
+        timeout=LOADED,
     )
-    cluster.wait_gang(SOLO_NS, "leaver", 1, timeout=60)
+    cluster.wait_gang(SOLO_NS, "leaver", 1, timeout=LOADED)
     assert cluster.condition(SOLO_NS, "leaver", "Queued") == {}
     for job in ("leaver", "mover", "holder"):
         _delete(cluster, SOLO_NS, job)
