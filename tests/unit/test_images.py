@@ -93,7 +93,17 @@ def test_context_is_filtered(path: pathlib.Path) -> None:
     assert "*" in ignore and "!meshtrain/" in ignore
 
 
-TRAINER_ONLY = ("torch", "numpy", "tqdm", "matplotlib", "cryptography", "safetensors", "tokenizers")
+TRAINER_ONLY = (
+    "torch",
+    "numpy",
+    "tqdm",
+    "matplotlib",
+    "cryptography",
+    "safetensors",
+    "tokenizers",
+    "fsspec",
+    "s3fs",
+)
 """Dependencies the operator image leaves out (the operator must not import them)."""
 
 
