@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import parser
 
 from meshtrain.api import loading
+from meshtrain.cli import main
 from meshtrain.trainer.telemetry import goodput, steplog
 from meshtrain.trainer.telemetry.recorder import make_recorder
 from tests.builders import JobBuilder
@@ -30,7 +31,9 @@ def _steps(log_dir, runs):
         for first, last, start, seconds in runs:
             for index, step in enumerate(range(first, last + 1)):
                 end = start + (index + 1) * seconds
-                out.write(json.dumps({"step": step, "step_seconds": seconds, "time": end}) + "\n")
+                record = {"step": step, "step_seconds": seconds, "time": end}
+                record |= {"loss": 2.0, "tokens_per_second": 100.0}  # what meshtrain report needs
+                out.write(json.dumps(record) + "\n")
 
 
 def _recovery(log_dir, **fields):
@@ -93,6 +96,19 @@ def test_in_place_recovery_then_gang_rebuild(tmp_path):
         {"detection": 0.5, "restart": 21.6, "reload": 2.5, "recompute": 5.4}
     )
     assert account.other_seconds == pytest.approx(0, abs=1e-6)  # every second of 0..58 is placed
+
+
+def test_report_shows_goodput_and_each_failures_split(tmp_path, capsys):
+    test_in_place_recovery_then_gang_rebuild(tmp_path)
+    out = tmp_path / "report.html"
+    assert main.main(["report", str(tmp_path), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "goodput: 48.28%" in printed  # 28 / 58
+    assert "lost to failures: restart: 21.6 s" in printed
+    assert "gang (gang restart), resumed after step 12, 3 step(s) lost" in printed
+    page = out.read_text()
+    assert '<table id="goodput">' in page and page.count("<tr><td>") == 2  # one row per failure
+    assert "<td>process</td><td>exit 1</td><td>step 8</td><td>2</td>" in page
 
 
 def test_a_step_log_that_goes_back_without_a_record_is_an_unrecorded_restart(tmp_path):
