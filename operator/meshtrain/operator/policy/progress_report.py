@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 BODY_LIMIT = 4096
-"""Most bytes of one document: the trainer's largest is under 1.5 KiB (docs/operator.md, "Progress")."""
+"""Most bytes of one document: the trainer's largest is under 2.2 KiB (docs/operator.md, "Progress")."""
 
 MAX_INTEGER = 2**53 - 1
 """Largest integer a field may hold: JSON's exact range, well inside the status' int64."""

@@ -475,6 +475,13 @@ class Exporter:
         self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
         # A 0 would read as "no step since 1970" and page MeshtrainJobStalled during every start-up.
         self.metrics.last_step_time.set_to_current_time()
+        if progress is not None:  # global rank 0: every phase and tier at 0 until a failure
+            for phase in goodput_mod.PHASES:
+                for tier in goodput_mod.TIERS:
+                    self.metrics.recovery_seconds.labels(
+                        **self.metrics.base, phase=phase, tier=tier
+                    )
+            self.metrics.lost_steps.labels(**self.metrics.base)
         self.port = port
         """TCP port of the HTTP server."""
         self._causes: set[str] = set()
