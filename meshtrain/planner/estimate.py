@@ -227,4 +227,5 @@ def failure_state(
         nic_bandwidth=profile.nic_bandwidth,
         storage_interval_steps=job.checkpoint.interval_steps,
         memory_interval_steps=getattr(in_memory, "interval_steps", None),
+        async_save=job.checkpoint.async_save,
     )

@@ -35,7 +35,8 @@ FAILURE_RATE_SOURCE = (
 DEFAULT_RESTART_SECONDS = 27.0
 """Failure to the next reported step of a full gang rebuild, measured in the sandbox (issue #34:
 a rank of the example job killed at step 58, progress again 27 s later, most of it Python, torch
-and process-group start-up): detection, restart and the reload of the checkpoint."""
+and process-group start-up): detection and restart; the example's checkpoint is a few MiB, so its
+reload is in there too, and a large model's reload is added (:func:`plan_failures`)."""
 
 DEFAULT_STORAGE_BANDWIDTH = 1e9
 """Bytes per second a checkpoint is written to storage at, all ranks together: an assumption (a
@@ -53,7 +54,8 @@ class Assumptions:
     failure_rate: float = DEFAULT_FAILURE_RATE
     """Failures per GPU-hour."""
     restart_seconds: float = DEFAULT_RESTART_SECONDS
-    """Seconds from a failure to training again (detection, restart, reload)."""
+    """Seconds from a failure to the process groups up again (detection and restart); the
+    checkpoint's reload is predicted on top."""
     save_seconds: float | None = None
     """Measured seconds one storage checkpoint blocks training (None: predicted from the bytes)."""
     storage_bandwidth: float = DEFAULT_STORAGE_BANDWIDTH
@@ -86,7 +88,10 @@ class Interval:
     save_source: str
     """How ``save_seconds`` was found (measured, or the bytes and bandwidth it was predicted from)."""
     restart_seconds: float
-    """Seconds from a failure to training again (R)."""
+    """Seconds from a failure to training again (R): the restart plus ``reload_seconds``."""
+    reload_seconds: float
+    """The reload part of R, predicted: the whole checkpoint read from storage, or a rank's shard
+    copied back from host memory."""
     young_seconds: float
     """Young's interval sqrt(2 delta M), seconds of training between checkpoints."""
     daly_seconds: float
@@ -162,26 +167,30 @@ def plan_interval(
     save_source: str,
     restart: float,
     *,
+    reload: float,
+    least_seconds: float = 0.0,
     mtbf: float,
     step_seconds: float,
     configured_steps: int | None,
 ) -> Interval:
-    """The best interval of one kind of checkpoint, in seconds and in whole steps."""
+    """The best interval of one kind of checkpoint, in seconds and in whole steps (at least one,
+    and at least ``least_seconds``)."""
     best = daly_interval(delta, mtbf)
-    steps = max(1, round(best / step_seconds))
+    steps = max(1, round(best / step_seconds), math.ceil(least_seconds / step_seconds))
     configured = configured_steps if configured_steps else None
     return Interval(
         kind=kind,
         save_seconds=delta,
         save_source=save_source,
-        restart_seconds=restart,
+        restart_seconds=restart + reload,
+        reload_seconds=reload,
         young_seconds=young_interval(delta, mtbf),
         daly_seconds=best,
         steps=steps,
-        goodput=expected_goodput(steps * step_seconds, delta, restart, mtbf),
+        goodput=expected_goodput(steps * step_seconds, delta, restart + reload, mtbf),
         configured_steps=configured,
         configured_goodput=(
-            expected_goodput(configured * step_seconds, delta, restart, mtbf)
+            expected_goodput(configured * step_seconds, delta, restart + reload, mtbf)
             if configured
             else None
         ),
@@ -208,20 +217,37 @@ class JobState:
     """``checkpoint.intervalSteps`` (0: only at the end)."""
     memory_interval_steps: int | None
     """``checkpoint.inMemory.intervalSteps`` (None or 0: off)."""
+    async_save: bool = True
+    """``checkpoint.asyncSave``: a save blocks only for the host copy, the write runs behind."""
+
+
+def storage_save(state: JobState, assumed: Assumptions) -> tuple[float, str, float]:
+    """(seconds a storage checkpoint blocks training, how that was found, the least seconds
+    between two: an asynchronous write must finish before the next save starts)."""
+    write = state.state_bytes / assumed.storage_bandwidth
+    written = (
+        f"{state.state_bytes / 2**30:.2f} GiB of weights and optimizer state at "
+        f"{assumed.storage_bandwidth / 1e9:g} GB/s (--storage-bandwidth)"
+    )
+    if assumed.save_seconds is not None:
+        return assumed.save_seconds, "measured (--save-seconds)", 0.0
+    if not state.async_save:
+        return write, f"predicted: {written}", 0.0
+    copy = state.rank_bytes / HOST_COPY_BANDWIDTH
+    return (
+        copy,
+        f"predicted: asyncSave blocks for the host copy of {state.rank_bytes / 2**30:.2f} GiB per "
+        f"rank at {HOST_COPY_BANDWIDTH / 1e9:g} GB/s; the write of {written} takes "
+        f"{write:.3g} s behind it, the least interval",
+        write,
+    )
 
 
 def plan_failures(state: JobState, assumed: Assumptions) -> FailurePlan:
     """Expected goodput and best checkpoint intervals of a job under ``assumed`` failures."""
     assumed.check()
     mtbf = mtbf_seconds(assumed.failure_rate, state.gpus)
-    if assumed.save_seconds is not None:
-        storage_delta, storage_source = assumed.save_seconds, "measured (--save-seconds)"
-    else:
-        storage_delta = state.state_bytes / assumed.storage_bandwidth
-        storage_source = (
-            f"predicted: {state.state_bytes / 2**30:.2f} GiB of weights and optimizer state at "
-            f"{assumed.storage_bandwidth / 1e9:g} GB/s (--storage-bandwidth)"
-        )
+    storage_delta, storage_source, least = storage_save(state, assumed)
     peer = state.pods >= 2
     host = state.rank_bytes / HOST_COPY_BANDWIDTH
     transfer = state.rank_bytes / state.nic_bandwidth if peer else 0.0
@@ -249,6 +275,8 @@ def plan_failures(state: JobState, assumed: Assumptions) -> FailurePlan:
             storage_delta,
             storage_source,
             assumed.restart_seconds,
+            reload=state.state_bytes / assumed.storage_bandwidth,
+            least_seconds=least,
             mtbf=mtbf,
             step_seconds=state.step_seconds,
             configured_steps=state.storage_interval_steps,
@@ -258,6 +286,7 @@ def plan_failures(state: JobState, assumed: Assumptions) -> FailurePlan:
             host + transfer,
             memory_source,
             assumed.restart_seconds,
+            reload=host,
             mtbf=mtbf,
             step_seconds=state.step_seconds,
             configured_steps=state.memory_interval_steps,

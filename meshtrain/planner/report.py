@@ -89,6 +89,7 @@ def _interval_json(interval: failures.Interval) -> dict[str, Any]:
         "save_seconds": interval.save_seconds,
         "save_source": interval.save_source,
         "restart_seconds": interval.restart_seconds,
+        "reload_seconds": interval.reload_seconds,
         "young_interval_seconds": interval.young_seconds,
         "daly_interval_seconds": interval.daly_seconds,
         "interval_steps": interval.steps,
@@ -458,7 +459,8 @@ def _failure_lines(planned: failures.FailurePlan | None) -> list[str]:
         )
         lines += [
             f"  {interval.kind} checkpoints: save {human_seconds(interval.save_seconds)} "
-            f"({interval.save_source}), restart {human_seconds(interval.restart_seconds)}",
+            f"({interval.save_source}), restart {human_seconds(interval.restart_seconds)} "
+            f"(reload {human_seconds(interval.reload_seconds)} of it)",
             f"    best interval (Daly) {human_seconds(interval.daly_seconds)} = every "
             f"{interval.steps} steps (Young: {human_seconds(interval.young_seconds)}): expected "
             f"goodput {interval.goodput:.2%}{configured}",

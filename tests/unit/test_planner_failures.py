@@ -142,3 +142,35 @@ def test_plan_json_and_text_carry_the_failure_plan(tmp_path, capsys) -> None:
     assert "Llama 3" in text and "storage checkpoints" in text and "memory checkpoints" in text
     assert main.main(["plan", str(job), "--failure-rate", "-1"]) == 2
     assert "--failure-rate" in capsys.readouterr().err
+
+
+def _state(**overrides) -> failures.JobState:
+    fields = {
+        "gpus": 1024,
+        "pods": 128,
+        "step_seconds": 2.0,
+        "state_bytes": 1e12,  # 1 TB of weights and optimizer state
+        "rank_bytes": 2e9,
+        "nic_bandwidth": 50e9,
+        "storage_interval_steps": 100,
+        "memory_interval_steps": None,
+    }
+    return failures.JobState(**(fields | overrides))
+
+
+def test_an_asynchronous_save_blocks_for_the_host_copy_and_spaces_saves_by_the_write() -> None:
+    assumed = failures.Assumptions(storage_bandwidth=1e9)  # the write takes 1,000 s
+    planned = failures.plan_failures(_state(), assumed)
+    assert planned.storage.save_seconds == pytest.approx(2e9 / failures.HOST_COPY_BANDWIDTH)
+    assert planned.storage.steps >= 1000 / 2.0  # the next save waits for the write
+    assert planned.storage.reload_seconds == pytest.approx(1000)  # a restore reads it all
+    synchronous = failures.plan_failures(_state(async_save=False), assumed)
+    assert synchronous.storage.save_seconds == pytest.approx(1000)
+    expected = failures.daly_interval(1000, synchronous.mtbf_seconds)
+    assert synchronous.storage.steps == round(expected / 2.0)
+    # in memory: the shard to host and to a peer pod; one pod has no peer
+    assert planned.memory.save_seconds == pytest.approx(
+        2e9 / failures.HOST_COPY_BANDWIDTH + 2e9 / 50e9
+    )
+    alone = failures.plan_failures(_state(pods=1), assumed)
+    assert alone.memory.save_seconds == pytest.approx(2e9 / failures.HOST_COPY_BANDWIDTH)

@@ -59,6 +59,7 @@ GOLDEN_KEYS = {
         "daly_interval_seconds",
         "expected_goodput",
         "interval_steps",
+        "reload_seconds",
         "restart_seconds",
         "save_seconds",
         "save_source",
