@@ -216,3 +216,11 @@ def test_rank_0_exports_the_account_and_the_failures_it_sees(tmp_path, monkeypat
     ) == pytest.approx(1.0)
     assert value("meshtrain_recovery_seconds_count", phase="reload", tier="process") == 1
     assert value("meshtrain_lost_steps_total") == 1  # step 5's first run
+
+
+def test_the_gang_record_reads_the_end_of_a_long_log(tmp_path):
+    _steps(tmp_path, [(1, 20_000, T0, 0.5)])  # about 2 MiB: more than the first tail read
+    assert (tmp_path / steplog.FILENAME).stat().st_size > 2**20
+    assert goodput.last_step(tmp_path) == (20_000, T0 + 10_000)
+    record = goodput.gang_record(tmp_path, 19_990, rejoined_at=T0 + 10_100, restored_at=T0 + 10_101)
+    assert record is not None and record["lostSteps"] == 10

@@ -322,9 +322,13 @@ def read_recoveries(log_dir: str | Path) -> list[Recovery]:
     return [r for r in found if r is not None]
 
 
-def read_steps(log_dir: str | Path) -> Iterator[tuple[int, float, float]]:
-    """(step, step_seconds, time) of every readable step record, in the log's order."""
-    for line in _lines(Path(log_dir) / steplog.FILENAME, line_limit=MAX_STEP_LINE):
+def read_steps(
+    log_dir: str | Path, *, tail_bytes: int | None = None
+) -> Iterator[tuple[int, float, float]]:
+    """(step, step_seconds, time) of every readable step record, in the log's order (with
+    ``tail_bytes``: of those in its last ``tail_bytes`` bytes)."""
+    path = Path(log_dir) / steplog.FILENAME
+    for line in _lines(path, line_limit=MAX_STEP_LINE, tail_bytes=tail_bytes):
         record = _json(line)
         if not isinstance(record, dict):
             continue
@@ -361,8 +365,11 @@ def account_of(log_dir: str | Path) -> Account:
 def last_step(log_dir: str | Path) -> tuple[int, float] | None:
     """(step, time) of the step log's last readable record, or None."""
     last = None
-    for step, _, at in read_steps(log_dir):
-        last = (step, at)
+    for tail in (2**20, 2 * MAX_STEP_LINE):  # the end of the log, not all of it: start-up waits
+        for step, _, at in read_steps(log_dir, tail_bytes=tail):
+            last = (step, at)
+        if last is not None:
+            return last
     return last
 
 
@@ -438,6 +445,8 @@ class Tracker:
         """Recovery records appended since the last call (at most :data:`MAX_RECOVERY_BYTES`)."""
         try:
             with self._path.open("rb") as handle:
+                if handle.seek(0, 2) < self._offset:  # truncated: read it again from the start
+                    self._offset = 0
                 handle.seek(self._offset)
                 chunk = handle.read(MAX_RECOVERY_BYTES)
         except OSError:
