@@ -156,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         recorder.progress.update(resumed_from_uid=saver.resumed_uid)
     if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
         recorder.learning_rates(saver.resumed.plan)
-    if (
-        rank == 0
-    ):  # a gang rebuilt after a failure: its recovery record (docs/telemetry.md, "Goodput")
+    if rank == 0:
+        # a gang rebuilt after a failure: its recovery record (docs/telemetry.md, "Goodput")
         goodput.note_gang_restart(args.log_dir, restored, rejoined_at=rejoined_at)
         print(
             state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
