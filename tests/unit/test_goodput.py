@@ -224,3 +224,25 @@ def test_the_gang_record_reads_the_end_of_a_long_log(tmp_path):
     assert goodput.last_step(tmp_path) == (20_000, T0 + 10_000)
     record = goodput.gang_record(tmp_path, 19_990, rejoined_at=T0 + 10_100, restored_at=T0 + 10_101)
     assert record is not None and record["lostSteps"] == 10
+
+
+def test_recovery_causes_are_bounded_label_values(monkeypatch):
+    from meshtrain.trainer.telemetry import context, exporter, progress  # noqa: PLC0415
+
+    job = loading.parse_spec(JobBuilder().raw())
+    identity = context.RankIdentity.from_env(job.parallelism.layout, 0, env={})
+    facts = make_recorder(job, job.parallelism.layout, 0, None, serve=False).facts
+    sink = exporter.Exporter(identity, facts, port=free_base(1), progress=progress.Progress())
+    try:
+        spans = dict.fromkeys(goodput.PHASES, 1.0)
+        failures = [goodput.Failure("process", f"exit {n}", T0, 0, 1, spans) for n in range(20)]
+        sink.goodput(None, failures)
+        counted = {
+            s.labels["cause"]: s.value
+            for f in sink.metrics.registry.collect()
+            for s in f.samples
+            if s.name == "meshtrain_recoveries_total"
+        }
+    finally:
+        sink.close()
+    assert len(counted) == exporter.MAX_CAUSES + 1 and counted["other"] == 20 - exporter.MAX_CAUSES

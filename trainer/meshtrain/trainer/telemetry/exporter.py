@@ -9,6 +9,7 @@ rank").  The metric families are one table, :data:`DECLARATIONS`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -475,16 +476,11 @@ class Exporter:
         self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
         # A 0 would read as "no step since 1970" and page MeshtrainJobStalled during every start-up.
         self.metrics.last_step_time.set_to_current_time()
+        self._causes: set[str] = set()
         if progress is not None:  # global rank 0: every phase and tier at 0 until a failure
-            for phase in goodput_mod.PHASES:
-                for tier in goodput_mod.TIERS:
-                    self.metrics.recovery_seconds.labels(
-                        **self.metrics.base, phase=phase, tier=tier
-                    )
-            self.metrics.lost_steps.labels(**self.metrics.base)
+            self.goodput(None, [])
         self.port = port
         """TCP port of the HTTP server."""
-        self._causes: set[str] = set()
         self._server: http_server.Server | None = None
         try:
             self._server = http_server.Server(
@@ -547,25 +543,24 @@ class Exporter:
             m.memory_peak.set(memory.peak_allocated)
 
     def goodput(
-        self, account: goodput_mod.Account, failures: Sequence[goodput_mod.Failure]
+        self, account: goodput_mod.Account | None, failures: Sequence[goodput_mod.Failure]
     ) -> None:
-        """Rank 0's goodput after a step, and the failures found since the last one."""
+        """Rank 0's goodput after a step (None: none yet, every phase and tier made at 0), and the
+        failures found since the last one (causes past the first :data:`MAX_CAUSES` read ``other``)."""
         m = self.metrics
-        if account.ratio is not None:
+        if account is not None and account.ratio is not None:
             m.goodput.labels(**m.base).set(account.ratio)
+        for phase, tier in itertools.product(goodput_mod.PHASES, goodput_mod.TIERS):
+            m.recovery_seconds.labels(**m.base, phase=phase, tier=tier)
         lost = m.lost_steps.labels(**m.base)
         for failure in failures:
             for phase, seconds in failure.seconds.items():
                 m.recovery_seconds.labels(**m.base, phase=phase, tier=failure.tier).observe(seconds)
-            m.recoveries.labels(**m.base, tier=failure.tier, cause=self._cause(failure.cause)).inc()
+            if failure.cause not in self._causes and len(self._causes) < MAX_CAUSES:
+                self._causes.add(failure.cause)
+            cause = failure.cause if failure.cause in self._causes else "other"
+            m.recoveries.labels(**m.base, tier=failure.tier, cause=cause).inc()
             lost.inc(failure.lost_steps)
-
-    def _cause(self, cause: str) -> str:
-        """``cause`` as a label value: the first :data:`MAX_CAUSES` distinct ones, then ``other``."""
-        if cause not in self._causes and len(self._causes) >= MAX_CAUSES:
-            return "other"
-        self._causes.add(cause)
-        return cause
 
     def checkpoint_saved(self, step: int) -> None:
         self.metrics.checkpoint_step.set(step)
