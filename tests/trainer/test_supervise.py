@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import yaml
 from torch.distributed.checkpoint import format_utils
 
 from meshtrain.api import exitcodes
-from meshtrain.trainer import launch
+from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.guards import faults
 from meshtrain.trainer.telemetry import recoveries, steplog
@@ -54,37 +53,29 @@ def _supervisors(
     local: int,
     *flags: str,
     trainer: tuple[str, ...] = (),
+    port: int | None = None,
+    only: int | None = None,
     **env: str,
 ) -> list[subprocess.Popen[bytes]]:
-    """``pods`` supervisors on loopback, each logging to ``out/sup-<pod>.log``."""
-    port = launch.free_port()
-    full = {
-        **os.environ,
-        "MESHTRAIN_DEVICE": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "MESHTRAIN_SPEC_FILE": str(spec),
-        "MESHTRAIN_LOG_DIR": str(out / "logs"),
-        "MESHTRAIN_CHECKPOINT_DIR": str(out / "checkpoints"),
-        **env,
-    }
+    """``pods`` supervisors on loopback (just pod ``only`` when given), each in its own session
+    (a pod: its children die with it) logging to ``out/sup-<pod>.log``."""
+    port = port or launch.free_port()
+    full = {**supervise.loopback_env(spec, out), **env}
     procs = []
-    for pod in range(pods):
-        command = [
-            sys.executable,
-            "-m",
-            "meshtrain.trainer.supervise",
-            f"--nnodes={pods}",
-            f"--nproc-per-node={local}",
-            f"--node-rank={pod}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            *flags,
-        ]
+    for pod in range(pods) if only is None else [only]:
+        command = supervise.loopback_command(pods, local, pod, port, *flags)
         if trainer:
             command += ["--", *trainer]
-        log = (out / f"sup-{pod}.log").open("wb")
+        log = (out / f"sup-{pod}.log").open("ab")
         procs.append(
-            subprocess.Popen(command, cwd=REPO, env=full, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=full,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         )
     return procs
 
@@ -125,20 +116,51 @@ def _tensors(directory: Path, scratch: Path) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if not k.startswith("rng.")}
 
 
-@pytest.mark.slow
-def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(tmp_path: Path) -> None:
-    steps = 5
-    spec = _spec(tmp_path, steps)
-    faulted = tmp_path / "faulted"
-    faulted.mkdir()
-    fault = {faults.ENV: "3:3:kill"}  # global rank 3 (pod 1) is SIGKILLed before step 3
-    codes = _wait(_supervisors(spec, faulted, 2, 2, **fault), faulted)
-    text = _logs(faulted)
-    assert codes == [0, 0], text  # neither supervisor gave up; both finished the run
+STEPS = 8
 
-    joined: dict[int, dict[int, int]] = {}  # generation -> rank -> pid
+
+@pytest.fixture(scope="module")
+def unfaulted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(spec, the checkpoint of the last step of an unfaulted ``meshtrain run`` of it)."""
+    directory = tmp_path_factory.mktemp("unfaulted")
+    spec = _spec(directory, STEPS)
+    assert launch.run_local(spec, log_dir=directory / "run") == 0
+    return spec, Path(str(store.scan(directory / "run" / "checkpoints")[-1].path))
+
+
+def _same_final_state(out: Path, reference: Path, scratch: Path) -> None:
+    """The run in ``out`` ended with ``reference``'s weights and optimizer state, bit for bit."""
+    final = store.scan(out / "checkpoints")[-1]
+    assert final.step == STEPS
+    ours = _tensors(Path(str(final.path)), scratch)
+    theirs = _tensors(reference, scratch)
+    assert sorted(ours) == sorted(theirs) and any(k.startswith("model.") for k in ours)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+
+
+def _pids(text: str) -> dict[int, dict[int, int]]:
+    """generation -> rank -> pid, from the workers' "joined" lines."""
+    joined: dict[int, dict[int, int]] = {}
     for rank, pid, generation in JOINED.findall(text):
         joined.setdefault(int(generation), {})[int(rank)] = int(pid)
+    return joined
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    spec, reference = unfaulted
+    fault = {faults.ENV: "3:3:kill"}  # global rank 3 (pod 1) is SIGKILLed before step 3
+    codes = _wait(_supervisors(spec, tmp_path, 2, 2, **fault), tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text  # neither supervisor gave up; both finished the run
+
+    joined = _pids(text)
     assert sorted(joined) == [0, 1], text
     before, after = joined[0], joined[1]
     assert sorted(before) == sorted(after) == [0, 1, 2, 3]
@@ -148,7 +170,7 @@ def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(tmp_path: Path) -> N
     ]
     assert after[3] != before[3] and after[3] in spares_of_pod1, text  # the spare started first
 
-    [record] = recoveries.read(faulted / "logs" / recoveries.FILENAME)
+    [record] = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
     assert record["generation"] == 1 and record["tier"] == "process"
     assert record["cause"] == "SIGKILL" and record["ranks"] == [3]
     assert record["resumedStep"] == 2 and record["lostSteps"] == 0
@@ -157,21 +179,37 @@ def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(tmp_path: Path) -> N
         record[k] for k in ("failedAt", "detectedAt", "rejoinedAt", "restoredAt", "firstStepAt")
     ]
     assert times == sorted(times) and times[-1] - times[0] < 120, record
-    assert max(r["step"] for r in steplog.read(faulted / "logs" / steplog.FILENAME)) == steps
+    assert max(r["step"] for r in steplog.read(tmp_path / "logs" / steplog.FILENAME)) == STEPS
+    _same_final_state(tmp_path, reference, tmp_path)
 
-    reference = tmp_path / "reference"
-    assert launch.run_local(spec, log_dir=reference) == 0
-    final = store.scan(faulted / "checkpoints")[-1]
-    assert final.step == steps
-    name = Path(str(final.path)).name
-    ours = _tensors(faulted / "checkpoints" / name, tmp_path)
-    theirs = _tensors(reference / "checkpoints" / name, tmp_path)
-    assert sorted(ours) == sorted(theirs) and any(k.startswith("model.") for k in ours)
-    for key, value in theirs.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(ours[key], value), key
-        else:
-            assert ours[key] == value, key
+
+@pytest.mark.slow
+def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    spec, reference = unfaulted
+    port = launch.free_port()
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= 2):
+        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.1)
+    os.killpg(pod1.pid, signal.SIGKILL)  # the pod's container: supervisor, workers, spare
+    pod1.wait()
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the kubelet's restart
+    codes = _wait([pod0, pod1], tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text
+    assert "pod 1: restarted: joining the next round" in text
+    joined = _pids(text)
+    last = max(joined)
+    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in (0, 1)), text
+    assert all(joined[0][r] != joined[last][r] for r in (2, 3)), text
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert records and records[-1]["tier"] in ("container", "pod"), records
+    assert set(records[-1]["ranks"]) == {2, 3}, records
+    _same_final_state(tmp_path, reference, tmp_path)
 
 
 @pytest.mark.slow

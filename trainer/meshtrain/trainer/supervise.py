@@ -122,10 +122,11 @@ def _pick(flag: Any, value: Any) -> Any:
 
 
 def classify(code: int) -> str:
-    """``done`` (0), ``final`` (a permanent code or STOPPED: pass it through) or ``failed``."""
+    """``done`` (0), ``final`` (a permanent code, STOPPED, or GANG_RESTART from a worker that gave
+    up: pass it through) or ``failed``."""
     if code == 0:
         return "done"
-    if code in exitcodes.PERMANENT or code == exitcodes.STOPPED:
+    if code in exitcodes.PERMANENT or code in (exitcodes.STOPPED, exitcodes.GANG_RESTART):
         return "final"
     return "failed"
 
@@ -340,6 +341,35 @@ class Supervisor:
         while left < self.args.nnodes and time.monotonic() < deadline:
             time.sleep(POLL_S)
             left = self.store.add(rendezvous.DONE, 0)
+
+
+def loopback_command(pods: int, local: int, pod: int, port: int, *flags: str) -> list[str]:
+    """The command of pod ``pod``'s supervisor when ``pods`` supervisors share this machine
+    (tests and benchmarks; a pod runs it with its ``PET_*`` environment instead)."""
+    return [
+        sys.executable,
+        "-m",
+        "meshtrain.trainer.supervise",
+        f"--nnodes={pods}",
+        f"--nproc-per-node={local}",
+        f"--node-rank={pod}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        *flags,
+    ]
+
+
+def loopback_env(spec: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment of loopback supervisors on the CPU (tests and benchmarks): the spec, logs
+    under ``out/logs``, checkpoints under ``out/checkpoints``, one thread per rank."""
+    return {
+        **os.environ,
+        "MESHTRAIN_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MESHTRAIN_SPEC_FILE": str(spec),
+        "MESHTRAIN_LOG_DIR": os.path.join(out, "logs"),
+        "MESHTRAIN_CHECKPOINT_DIR": os.path.join(out, "checkpoints"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
