@@ -49,8 +49,8 @@ def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
     if target == (rank, step) and generation == 0:
         kill = bool(value and value.endswith(":kill"))
         sys.stderr.write(
-            f"{ENV}: rank {rank} pid {os.getpid()} dies ({'SIGKILL' if kill else f'exit {EXIT_CODE}'}) "
-            f"before step {step}\n"
+            f"{ENV}: rank {rank} dies before step {step} "
+            f"(pid {os.getpid()}, {'SIGKILL' if kill else f'exit {EXIT_CODE}'})\n"
         )
         sys.stderr.flush()
         if kill:
