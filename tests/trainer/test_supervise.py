@@ -263,3 +263,23 @@ def test_sigterm_stops_every_rank_after_a_checkpoint(tmp_path: Path) -> None:
     assert [c.step for c in store.scan(tmp_path / "checkpoints")] == [last]
     assert "supervise pod 0: exit 143" in _logs(tmp_path)
     assert last < 500
+
+
+@pytest.mark.slow
+def test_losing_pod_0_and_its_store_sends_every_pod_to_a_gang_rebuild(tmp_path: Path) -> None:
+    raw = JobBuilder.cpu_run().layout(data=2).training(steps=500).raw()
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    termination = tmp_path / "termination-log"
+    pod0, pod1 = _supervisors(
+        spec, tmp_path, 2, 1, "--warm-spares=0", MESHTRAIN_TERMINATION_LOG=str(termination)
+    )
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and steplog.read(log)):
+        assert pod1.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.1)
+    os.killpg(pod0.pid, signal.SIGKILL)  # pod 0: the store, its supervisor and its worker
+    assert _wait([pod1], tmp_path, timeout=120) == [exitcodes.GANG_RESTART], _logs(tmp_path)
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.GANG_RESTART

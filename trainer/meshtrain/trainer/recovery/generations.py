@@ -188,7 +188,16 @@ def _say(message: str) -> None:
 
 
 def run(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str | None) -> int:
-    """Run ``body`` once per generation until it returns an exit code (see the module)."""
+    """Run ``body`` once per generation until it returns an exit code (see the module); 75 when
+    the store is gone (pod 0 was lost: the gang is rebuilt)."""
+    try:
+        return _generations(body, use_cuda=use_cuda, log_dir=log_dir)
+    except dist.DistNetworkError as err:
+        _say(f"the rendezvous store is gone ({err}); leaving for a gang rebuild")
+        return exitcodes.GANG_RESTART
+
+
+def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str | None) -> int:
     settings = Settings.from_env()
     assert settings is not None, f"{SUPERVISED_ENV} is not set"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
