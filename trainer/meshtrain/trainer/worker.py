@@ -150,60 +150,54 @@ def _session(
 ) -> int:
     """Build mesh and engine on the joined process group, restore, train; the exit code.
 
-    Supervised (``session``), the recorder is closed at the end so that the next generation can
-    serve on its port, and a failure of the generation raises instead of exiting.
+    Supervised (``session``), the session closes the recorder at the generation's end (the next
+    one serves on its port), and a failure of the generation raises instead of exiting.
     """
     rank = int(os.environ.get("RANK", "0"))
     mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     if session is not None:
-        session.attach(recorder.progress)
+        session.attach(recorder)
     try:
-        try:
-            trainer = engine.Engine(job, mesh, recorder=recorder)
-        except dataset.DatasetError as err:
-            return _refuse(exitcodes.DATA, err)
-        grad_reducer = trainer.model.reducer
-        recorder.watch(
-            state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
-            grad_reducer.payload_bytes if grad_reducer is not None else None,
+        trainer = engine.Engine(job, mesh, recorder=recorder)
+    except dataset.DatasetError as err:
+        return _refuse(exitcodes.DATA, err)
+    grad_reducer = trainer.model.reducer
+    recorder.watch(
+        state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
+        grad_reducer.payload_bytes if grad_reducer is not None else None,
+    )
+    saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
+    try:
+        # continue after the newest complete checkpoint, if there is one
+        # (gp-mem's seam: checkpointing.recovery.restore(trainer, saver, snapshots))
+        restored = saver.restore()
+    except store.CheckpointError as err:
+        saver.close()
+        return _checkpoint_failed(err, session)
+    if session is not None:
+        session.restored(restored, "storage")
+    if restored is not None:
+        recorder.checkpoint_saved(restored)
+    # status.progress.resumedFromUid: which job (UID) wrote the checkpoint this gang resumed from
+    if saver.resumed_uid is not None and recorder.progress is not None:
+        recorder.progress.update(resumed_from_uid=saver.resumed_uid)
+    if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
+        recorder.learning_rates(saver.resumed.plan)
+    if rank == 0:
+        print(
+            state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
+            file=sys.stderr,
         )
-        saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
-        try:
-            # continue after the newest complete checkpoint, if there is one
-            # (gp-mem's seam: checkpointing.recovery.restore(trainer, saver, snapshots))
-            restored = saver.restore()
-        except store.CheckpointError as err:
-            saver.close()
-            return _checkpoint_failed(err, session)
-        if session is not None:
-            session.restored(restored, "storage")
-        if restored is not None:
-            recorder.checkpoint_saved(restored)
-        # status.progress.resumedFromUid: which job (UID) wrote the checkpoint this gang resumed from
-        if saver.resumed_uid is not None and recorder.progress is not None:
-            recorder.progress.update(resumed_from_uid=saver.resumed_uid)
-        if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
-            recorder.learning_rates(saver.resumed.plan)
-        if rank == 0:
-            print(
-                state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
-                file=sys.stderr,
-            )
-        log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
-        try:
-            return _train(job, rank, trainer, recorder, saver, log, stop, session)
-        except (
-            store.CheckpointError
-        ) as err:  # raised on every rank alike (checkpointer._everywhere)
-            return _checkpoint_failed(err, session)
-        finally:
-            saver.close()
-            if log is not None and session is not None:
-                log.close()
+    log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    try:
+        return _train(job, rank, trainer, recorder, saver, log, stop, session)
+    except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
+        return _checkpoint_failed(err, session)
     finally:
-        if session is not None:
-            recorder.close()
+        saver.close()
+        if log is not None and session is not None:
+            log.close()
 
 
 def _checkpoint_failed(err: store.CheckpointError, session: generations.Session | None) -> int:

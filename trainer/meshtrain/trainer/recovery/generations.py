@@ -34,6 +34,7 @@ from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.recovery import abort, rendezvous
 from meshtrain.trainer.telemetry import progress as progress_mod
 from meshtrain.trainer.telemetry import recoveries
+from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
 
 SUPERVISED_ENV = "MESHTRAIN_SUPERVISED"
 """Set by the supervisor to its recovery settings (JSON): the worker runs :func:`run`."""
@@ -123,6 +124,7 @@ class Session:
     source: str = "storage"
     recorded: bool = False
     progress: progress_mod.Progress | None = None
+    recorder: TelemetryRecorder | None = None
 
     def interrupted(self) -> bool:
         """Whether this generation is over (the watcher fired or the store moved on)."""
@@ -133,12 +135,20 @@ class Session:
         except Exception:  # noqa: BLE001 - the store is gone: so is the generation
             return True
 
-    def attach(self, progress: progress_mod.Progress | None) -> None:
-        """The new progress document of this generation: it carries the earlier records too."""
-        self.progress = progress
-        if progress is not None:
+    def attach(self, recorder: TelemetryRecorder) -> None:
+        """This generation's recorder: its progress document carries the earlier records too, and
+        the session closes it at the end (:meth:`close`)."""
+        self.recorder = recorder
+        self.progress = recorder.progress
+        if self.progress is not None:
             for record in self.history:
-                progress.recovered(record)
+                self.progress.recovered(record)
+
+    def close(self) -> None:
+        """Close the recorder (files, the metrics server's port)."""
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
 
     def restored(self, step: int | None, source: str) -> None:
         """The state was loaded (``step`` None: from scratch)."""
@@ -249,6 +259,7 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
             _say(f"generation {generation} ended ({type(err).__name__}: {str(err)[:160]})")
         finally:
             watcher.stop()
+            session.close()
             _teardown()
 
 
