@@ -41,6 +41,10 @@ SUPERVISED_ENV = "MESHTRAIN_SUPERVISED"
 WATCH_S = 0.2
 """How often the watcher reads the store's generation."""
 STORE_TIMEOUT_S = 60.0
+FIRST_JOIN_TIMEOUT_S = 600.0
+"""How long round 0 waits for every rank: the pods of a new gang start apart (image pulls, node
+start-up), as torchrun's rendezvous ``join_timeout`` (600 s) allows; later rounds wait
+``rejoinTimeoutSeconds``."""
 
 
 class Interrupted(Exception):
@@ -222,7 +226,10 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
     history: list[dict[str, Any]] = []
     while True:
         generation = rendezvous.generation(store)
-        outcome = rendezvous.join(store, generation, rank, world, settings.rejoin_timeout_s)
+        patience = settings.rejoin_timeout_s
+        if generation == 0:
+            patience = max(patience, FIRST_JOIN_TIMEOUT_S)
+        outcome = rendezvous.join(store, generation, rank, world, patience)
         if outcome == "moved":
             continue
         if outcome != "ready":
