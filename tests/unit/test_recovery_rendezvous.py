@@ -6,10 +6,11 @@ import signal
 import time
 
 import pytest
+import torch.distributed
 
 from meshtrain.api import exitcodes
 from meshtrain.trainer import launch, supervise
-from meshtrain.trainer.recovery import rendezvous
+from meshtrain.trainer.recovery import generations, rendezvous
 
 
 @pytest.fixture
@@ -99,3 +100,14 @@ def test_worker_codes_are_classified(code, verdict):
 
 def test_causes_name_signals():
     assert supervise.cause(-signal.SIGKILL) == "SIGKILL" and supervise.cause(1) == "exit 1"
+
+
+def test_communication_errors_are_told_from_a_ranks_own():
+    gloo = RuntimeError(
+        "[third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer"
+    )
+    assert generations.communication_error(gloo)
+    assert generations.communication_error(torch.distributed.DistBackendError("NCCL error"))
+    assert not generations.communication_error(
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    )

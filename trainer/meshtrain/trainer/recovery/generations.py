@@ -47,6 +47,10 @@ start-up), as torchrun's rendezvous ``join_timeout`` (600 s) allows; later round
 ``rejoinTimeoutSeconds``."""
 
 
+COMMUNICATION_MARKS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+"""Texts of a communication failure in a ``RuntimeError`` (gloo raises no ``DistError``)."""
+
+
 class Interrupted(Exception):
     """The current generation ended under this worker (a peer failed): rejoin the next one."""
 
@@ -260,6 +264,8 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
                 _say("the rendezvous store is gone; leaving for a gang rebuild")
                 return exitcodes.GANG_RESTART
             if not watcher.fired.is_set() and not session.interrupted():
+                if not isinstance(err, Interrupted) and not communication_error(err):
+                    raise  # this rank's own failure: its supervisor replaces the process
                 # the first to see it: a peer is gone and nobody started a new round yet
                 failure = rendezvous.Failure("process", "peer lost", (), time.time())
                 rendezvous.start_round(store, generation, failure, settings.in_place_limit)
@@ -268,6 +274,16 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
             watcher.stop()
             session.close()
             _teardown()
+
+
+def communication_error(err: BaseException) -> bool:
+    """Whether ``err`` came from a collective (a peer gone), not from this rank's own code.
+
+    torch raises NCCL's errors as ``DistError`` subclasses but gloo's as plain ``RuntimeError``
+    naming gloo's transport, so both are recognised.
+    """
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(mark in text for mark in COMMUNICATION_MARKS)
 
 
 def _teardown() -> None:
