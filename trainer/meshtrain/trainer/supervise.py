@@ -34,6 +34,8 @@ HEARTBEAT_TIMEOUT_S = 5.0
 """Pod 0 declares a pod lost when its heartbeat has not changed for this long."""
 LINGER_S = 15.0
 """How long pod 0 keeps the store up at the end for the other supervisors to read it."""
+MAX_REAPED = 64
+"""Orphans collected per poll."""
 STORE_CONNECT_S = 60.0
 """How long a supervisor tries to reach pod 0's store at its start."""
 DEFAULT_RECOVERY = {
@@ -256,6 +258,7 @@ class Supervisor:
             code = self.check_workers()
             if code is not None:
                 return code
+            self.reap_orphans()
             time.sleep(POLL_S)
 
     def check_workers(self) -> int | None:
@@ -286,6 +289,21 @@ class Supervisor:
             self.pool.close()
             return 0
         return None
+
+    def reap_orphans(self) -> None:
+        """As a container's PID 1, collect exited orphans (a killed worker's own children), never
+        one of this supervisor's children, whose code ``Popen.poll`` reads."""
+        for spare in self.pool.spares:
+            spare.proc.poll()  # a spare that died is collected here, not left in the way
+        ours = {w.pid for w in self.workers.values()} | {s.pid for s in self.pool.spares}
+        for _ in range(MAX_REAPED):
+            try:
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if found is None or found.si_pid in ours:
+                return
+            os.waitpid(found.si_pid, 0)
 
     def give_up(self, why: str) -> int:
         """Halt the gang for a rebuild (75), leaving the reason in the termination log."""
