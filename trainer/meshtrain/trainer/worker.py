@@ -23,7 +23,7 @@ from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer import engine, storage
-from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.checkpointing import checkpointer, memory, recovery, store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import config_json, from_hf
@@ -143,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         grad_reducer.payload_bytes if grad_reducer is not None else None,
     )
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
-    try:
-        restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
+    snapshots = memory.MemorySnapshots(trainer, job, root=memory.default_root(os.environ))
+    try:  # continue after the newest in-memory snapshot or complete checkpoint, if there is one
+        restored, source = recovery.restore(trainer, saver, snapshots)
     except store.CheckpointError as err:
+        snapshots.close()
         saver.close()
         return _refuse(exitcodes.CHECKPOINT, err)
-    if restored is not None:
+    if restored is not None and source == "storage":
         recorder.checkpoint_saved(restored)
     # status.progress.resumedFromUid: which job (UID) wrote the checkpoint this gang resumed from
     if saver.resumed_uid is not None and recorder.progress is not None:
@@ -162,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     try:
-        return _train(job, rank, trainer, recorder, saver, log, stop)
+        return _train(job, rank, trainer, recorder, saver, snapshots, log, stop)
     except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
         return _refuse(exitcodes.CHECKPOINT, err)
     finally:
+        snapshots.close()
         saver.close()
 
 
@@ -175,6 +178,7 @@ def _train(
     trainer: engine.Engine,
     recorder: TelemetryRecorder,
     saver: checkpointer.Checkpointer,
+    snapshots: memory.MemorySnapshots,
     log: steplog.StepLog | None,
     stop: stopping.StopRequest,
 ) -> int:
@@ -196,6 +200,7 @@ def _train(
                 stop_requested=stop.requested, share=_previous_compute(detector, recorder)
             )
         except loss_guard.LossGuardTripped as err:
+            snapshots.wait()  # its background exchange uses the process group
             return _guard_stop(step, err, saver, log)
         verdict = None
         if detector is not None:  # the shared times are of the step before this one
@@ -231,10 +236,13 @@ def _train(
             record["cpu_seconds"], cpu_mark = time.process_time() - cpu_mark, time.process_time()
             log.write(record)
         saver.after_step(step)
+        snapshots.after_step(step)
         for published in saver.published():  # COMPLETE and renamed: /progress may report it
             recorder.checkpoint_saved(published)
         if result.stop and step < job.training.steps:
+            snapshots.wait()
             return _stop_after(step, saver, recorder, log, stop)
+    snapshots.wait()
     saver.wait()  # the last save, if it is still being written
     for published in saver.published():
         recorder.checkpoint_saved(published)
