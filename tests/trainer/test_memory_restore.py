@@ -9,7 +9,10 @@ in-place restart of the process does, and reads only what the directories hold.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mt_harness
@@ -21,7 +24,9 @@ from meshtrain.api import loading
 from meshtrain.planner import snapshots as planned
 from meshtrain.trainer import engine
 from meshtrain.trainer.checkpointing import checkpointer, memory, recovery, snapshot_file, store
+from meshtrain.trainer.guards import faults
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.telemetry import steplog
 from tests.builders import JobBuilder
 
 STEPS, EVERY, STOP = 5, 2, 3
@@ -131,7 +136,24 @@ def peer_cases(raw: dict, root: str) -> dict:
     saver = checkpointer.Checkpointer(trainer, root=f"{root}/other/storage")
     out["other-layout"] = recovery.restore(trainer, saver, refused)
     refused.close()
+    out["no-room"] = no_room_case(raw, f"{root}/no-room")
     return out
+
+
+def no_room_case(raw: dict, base: str) -> dict:
+    """Pod 1's /dev/shm takes no file (its directory is a file here): no snapshot is complete,
+    no rank waits on another, training goes on."""
+    if dist.get_rank() == 0:
+        Path(base).mkdir(parents=True)
+        (Path(base) / "pod-1").write_text("")
+    dist.barrier()
+    trainer = _engine(raw)
+    snaps = _snapshots(trainer, raw, base)
+    for step in range(1, STOP + 1):
+        trainer.train_step()
+        snaps.after_step(step)
+    snaps.close()
+    return {"last": snaps.last, "step": trainer.step, "pod-0": sorted(os.listdir(f"{base}/pod-0"))}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -211,3 +233,43 @@ def test_both_copies_of_a_shard_lost_falls_back_to_storage(
 def test_a_snapshot_of_another_layout_is_refused(session: tuple[Path, list[dict]]) -> None:
     for result in session[1]:
         assert result["peer"]["other-layout"] == (None, "none")  # not loaded; no storage either
+
+
+LAUNCH = (
+    "import sys; from meshtrain.trainer import launch; "
+    "sys.exit(launch.run_local(sys.argv[1], log_dir=sys.argv[2]))"
+)
+
+
+@pytest.mark.slow
+def test_the_worker_resumes_from_memory_after_a_rank_dies(tmp_path: Path) -> None:
+    """``meshtrain run``'s ranks: rank 1 dies before step 6; the rerun restores step 4 from the
+    snapshots (storage has no checkpoint: it saves only the last step) and recomputes step 5
+    exactly as the first run did."""
+    raw = _raw("dp2") | {"checkpoint": {"intervalSteps": 0, "inMemory": {"intervalSteps": 4}}}
+    raw["training"]["steps"] = 6
+    spec = mt_harness.write_job(tmp_path, raw)
+    env = {**os.environ, memory.ROOT_ENV: str(tmp_path / "shm")}
+
+    def run(log_dir: Path, **extra: str) -> subprocess.CompletedProcess[bytes]:
+        command = [sys.executable, "-c", LAUNCH, str(spec), str(log_dir)]
+        return subprocess.run(command, env=env | extra, capture_output=True, timeout=300)
+
+    first = run(tmp_path / "first", **{faults.ENV: "1:6"})
+    assert first.returncode != 0
+    second = run(tmp_path / "second")
+    assert second.returncode == 0, second.stderr.decode(errors="replace")[-3000:]
+    assert "restored step 4 from memory" in (tmp_path / "second" / "rank-0.log").read_text()
+    before = {r["step"]: r["loss"] for r in steplog.read(tmp_path / "first" / steplog.FILENAME)}
+    after = {r["step"]: r["loss"] for r in steplog.read(tmp_path / "second" / steplog.FILENAME)}
+    assert max(before) == 5 and min(after) == 5
+    assert after[5] == before[5]  # bit-for-bit: the state of step 4 came back whole
+
+
+@pytest.mark.slow
+def test_a_pod_without_room_leaves_no_snapshot_and_blocks_nobody(
+    session: tuple[Path, list[dict]],
+) -> None:
+    for result in session[1]:
+        case = result["peer"]["no-room"]
+        assert case == {"last": None, "step": STOP, "pod-0": []}  # rank 0's own copy is dropped

@@ -16,11 +16,9 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import mmap
-import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,14 @@ import torch.distributed as dist
 from meshtrain.api import job_dir
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import snapshots as planned
-from meshtrain.trainer.checkpointing import checkpointer, sharded, snapshot_file, state, store
+from meshtrain.trainer.checkpointing import (
+    checkpointer,
+    peer_copy,
+    sharded,
+    snapshot_file,
+    state,
+    store,
+)
 from meshtrain.trainer.optim import batch_change
 
 ROOT_ENV = "MESHTRAIN_MEMORY_CHECKPOINT_DIR"
@@ -210,63 +215,23 @@ class MemorySnapshots:
 
     def _exchange(self, step: int, path: Path | None) -> bool:
         """Send this rank's file to its buddy while receiving its ward's; whether both went through."""
-        assert self.buddy is not None and self.ward is not None
-        size = path.stat().st_size if path is not None else 0
-        out = torch.tensor([size if size <= self.limit else 0], dtype=torch.int64)
-        into = torch.zeros(1, dtype=torch.int64)
-        sizes = (self._send(out, self.buddy), self._recv_into(self.ward)(into))
-        for request in sizes:
-            request.wait()
-        incoming = int(into.item())
-        with _Sending(path if out.item() else None) as data:
-            sent = self._send(data, self.buddy) if data is not None else None
-            received = 0 < incoming <= self.limit and self._receive(
-                self.ward, step, incoming, self._recv_into(self.ward)
-            )
-            if sent is not None:
-                sent.wait()
-        return bool(out.item()) and received
-
-    def _send(self, tensor: torch.Tensor, to: int) -> dist.Work:
-        work = dist.isend(tensor, to, group=self._group)
-        assert work is not None  # this rank is in the group
-        return work
-
-    def _recv_into(self, source: int) -> Callable[[torch.Tensor], dist.Work]:
-        def post(tensor: torch.Tensor) -> dist.Work:
-            work = dist.irecv(tensor, source, group=self._group)
-            assert work is not None  # this rank is in the group
-            return work
-
-        return post
-
-    def _receive(
-        self, rank: int, step: int, size: int, post: Callable[[torch.Tensor], dist.Work]
-    ) -> bool:
-        """Receive ``rank``'s file of ``step`` (``size`` bytes, already bounded) into the root atomically."""
-        final = self.root / snapshot_file.name(rank, step)
-        tmp = self.root / f"{snapshot_file.TMP_PREFIX}{final.name}.{os.getpid()}"
-        self.root.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "w+b") as out:
-                os.posix_fallocate(out.fileno(), 0, size)  # ENOSPC now, not SIGBUS while writing
-                with mmap.mmap(out.fileno(), size) as mapped:
-                    target = torch.frombuffer(mapped, dtype=torch.uint8)
-                    post(target).wait()
-                    del target
-            os.replace(tmp, final)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            _say(f"rank {self.rank}: keeping rank {rank}'s snapshot of step {step} failed: {err}")
-            return False
-        return True
+        assert self._group is not None and self.buddy is not None and self.ward is not None
+        sent, received = peer_copy.exchange(
+            self._group,
+            path,
+            to=self.buddy,
+            source=self.ward,
+            final=self.root / snapshot_file.name(self.ward, step),
+            limit=self.limit,
+        )
+        return sent and received
 
     def _prune(self, step: int, *, keep: bool) -> None:
         """Every rank has ``step`` (``keep``): drop older snapshots; else drop ``step``'s own files."""
         held, stale = snapshot_file.listing(self.root)
         for rank, old in held:
             if (old < step) if keep else (old == step):
-                (self.root / snapshot_file.name(rank, old)).unlink(missing_ok=True)
+                snapshot_file.discard(self.root / snapshot_file.name(rank, old))
         del stale  # another rank of this pod may be writing its next snapshot: see available()
 
     # --- restore ---------------------------------------------------------------
@@ -278,7 +243,7 @@ class MemorySnapshots:
         self.wait()
         held, stale = snapshot_file.listing(self.root)
         for path in stale:  # a writer that died mid-write; every rank's writes are done by now
-            path.unlink(missing_ok=True)
+            snapshot_file.discard(path)
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, sorted(held), group=self._group)
         chosen = choose(everyone, self.world)
@@ -343,54 +308,20 @@ class MemorySnapshots:
 
     def _fetch(self, step: int, transfers: list[tuple[int, int]]) -> bool:
         """Carry out the transfers (holder, rank) in order; whether this rank's own snapshot is here."""
+        assert self._group is not None
         got = all(rank != self.rank for _, rank in transfers)
         for holder, rank in transfers:  # every rank walks the same list: pairs never cross
+            path = self.root / snapshot_file.name(rank, step)
             if holder == self.rank:
-                path = self.root / snapshot_file.name(rank, step)
-                size = path.stat().st_size if path.is_file() else 0
-                size = size if size <= self.limit else 0
-                dist.send(torch.tensor([size], dtype=torch.int64), rank, group=self._group)
-                if size:
-                    with _Sending(path) as data:
-                        assert data is not None
-                        dist.send(data, rank, group=self._group)
+                peer_copy.send(self._group, path, to=rank, limit=self.limit)
             elif rank == self.rank:
-                into = torch.zeros(1, dtype=torch.int64)
-                dist.recv(into, holder, group=self._group)
-                size = int(into.item())
-                if 0 < size <= self.limit:
-                    got = self._receive(rank, step, size, self._recv_into(holder))
+                got = peer_copy.receive(self._group, path, source=holder, limit=self.limit)
         return got
 
     def close(self) -> None:
         """Let the snapshot in flight finish and stop the background thread (files stay)."""
         self.wait()
         self._worker.shutdown(wait=True)
-
-
-class _Sending:
-    """A file's bytes as a uint8 tensor for a send (a private mapping: nothing is copied)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self._file: Any = None
-        self._mapped: mmap.mmap | None = None
-
-    def __enter__(self) -> torch.Tensor | None:
-        if self.path is None:
-            return None
-        self._file = open(self.path, "rb")
-        self._mapped = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(self._mapped, dtype=torch.uint8)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._mapped is not None:
-            try:
-                self._mapped.close()
-            except BufferError:  # a tensor still views it: the mapping goes with the tensor
-                pass
-        if self._file is not None:
-            self._file.close()
 
 
 def _record(header: Mapping[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def listing(root: Path) -> tuple[set[tuple[int, int]], list[Path]]:
     stale: list[Path] = []
     try:
         entries = list(itertools.islice(os.scandir(root), MAX_FILES))
-    except FileNotFoundError:
+    except OSError:  # missing, or not a directory: holds nothing
         return held, stale
     for entry in entries:
         if entry.name.startswith(TMP_PREFIX):
@@ -103,9 +103,17 @@ def write(root: Path, head: dict[str, Any], entries: dict[str, Any]) -> Path:
                 out.write(flat.numpy().data)
         os.replace(tmp, final)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
     return final
+
+
+def discard(path: Path) -> None:
+    """Remove ``path`` if it can be removed (a cleanup never raises)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _read_header(stream: BinaryIO, path: Path, max_header: int) -> dict[str, Any]:
