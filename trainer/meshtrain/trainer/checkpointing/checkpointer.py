@@ -197,7 +197,10 @@ class Checkpointer:
         root, found = _on_rank0(find)
         self.root = store.location(root)
         self._located = (found,)
-        return None if found is None else found[1].step
+        if found is None:
+            return None
+        self.last_good = found[2]  # the loss guard's message names it whichever source loads
+        return found[1].step
 
     def restore(self) -> int | None:
         """Load the newest complete checkpoint, if any (collective); returns its step.
