@@ -51,6 +51,7 @@ def test_a_snapshot_loads_back_bit_for_bit(tmp_path: Path) -> None:
         ({"model": {"layers": 3}}, "model shape"),
         ({"step": 6}, "step"),
     ],
+    ids=["layout", "model", "step"],
 )
 def test_another_layout_model_or_step_is_refused(tmp_path: Path, change: dict, words: str) -> None:
     path, head = _written(tmp_path)
@@ -78,4 +79,12 @@ def test_a_hostile_header_length_or_a_truncated_file_is_refused(tmp_path: Path) 
         snapshot_file.check(path, head)
     path.write_bytes(b"not a snapshot")
     with pytest.raises(store.CheckpointError, match="not a meshtrain"):
+        snapshot_file.check(path, head)
+
+
+def test_an_unreadable_trainer_record_is_refused(tmp_path: Path) -> None:
+    entries = _entries(1)
+    head = snapshot_file.header(FACTS, entries, "{not json")
+    path = snapshot_file.write(tmp_path, head, entries)
+    with pytest.raises(store.CheckpointError, match="trainer record"):
         snapshot_file.check(path, head)

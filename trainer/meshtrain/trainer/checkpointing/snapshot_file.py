@@ -155,7 +155,14 @@ def mismatch(found: dict[str, Any], mine: dict[str, Any]) -> str | None:
             return f"its {what} {found.get(key)} differs from this job's {mine[key]}"
     if found.get("tensors") != mine["tensors"] or found.get("bytes") != mine["bytes"]:
         return "its tensors (names, offsets, shapes or dtypes) differ from this rank's"
-    return None
+    return None if _record_readable(found.get("record")) else "its trainer record is unreadable"
+
+
+def _record_readable(record: object) -> bool:
+    try:
+        return isinstance(record, str) and isinstance(json.loads(record), dict)
+    except ValueError:
+        return False
 
 
 def check(path: Path, mine: dict[str, Any]) -> dict[str, Any]:
