@@ -2,9 +2,10 @@
 parallel layout and ZeRO stage; a lost pod's shards come from its peer; without every shard, or
 from another layout, the restore falls back to storage.
 
-Each "pod" keeps its snapshots in a directory of its own (its /dev/shm), which outlives the
-engines: a restart here drops the engine and its snapshot object and builds both afresh, as an
-in-place restart of the process does, and reads only what the directories hold.
+Each "pod" keeps its snapshots in a directory of its own (its /dev/shm).  The first processes
+train, snapshot and exit; the test then removes what a lost node would take with it; new
+processes restore from what the directories kept, and the weights after the last step are
+compared with an unfaulted run's.  One launch of each for every case (start-up dominates).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mt_harness
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshtrain.api import loading
 from meshtrain.planner import snapshots as planned
@@ -46,7 +48,11 @@ def _pod_root(base: str, raw: dict) -> Path:
 
 
 def _weights(trainer: engine.Engine) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in trainer.model.named_params}
+    """This rank's parameters as plain tensors (a ZeRO-3 DTensor's local shard)."""
+    local = {
+        n: p.to_local() if isinstance(p, DTensor) else p for n, p in trainer.model.named_params
+    }
+    return {name: p.detach().clone() for name, p in local.items()}
 
 
 def _snapshots(trainer: engine.Engine, raw: dict, base: str) -> memory.MemorySnapshots:
@@ -90,53 +96,54 @@ def _unfaulted(raw: dict) -> dict[str, torch.Tensor]:
     return _weights(straight)
 
 
-def _lose(base: str, pod: int, rank: int | None = None) -> None:
-    """Rank 0 removes a pod's snapshots (all of them, or only ``rank``'s), between barriers."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        directory = Path(base) / f"pod-{pod}"
-        if rank is None:
-            shutil.rmtree(directory)
-        else:
-            for path in directory.glob(f"rank-{rank:05d}.*"):
-                path.unlink()
-    dist.barrier()
+def _lose(base: Path, pod: int, rank: int | None = None) -> None:
+    """A pod's snapshots gone (all of them, as when its node is lost, or only ``rank``'s)."""
+    directory = base / f"pod-{pod}"
+    if rank is None:
+        shutil.rmtree(directory)
+    else:
+        for path in directory.glob(f"rank-{rank:05d}.*"):
+            path.unlink()
 
 
-def layout_case(raw: dict, root: str) -> dict:
-    """Snapshots, a stop, a fresh start from memory: the weights of an unfaulted run."""
-    faulted = _faulted(raw, f"{root}/shm", f"{root}/storage")
-    resumed = _resumed(raw, f"{root}/shm", f"{root}/storage")
-    return faulted | resumed | {"exact": _same(resumed["weights"], _unfaulted(raw))}
+PEER_ROOTS = ("lost-pod", "both", "other")
+"""dp2 on two pods: pod 1 lost (its shards come from pod 0's peer copies); both copies of rank 1
+lost (storage, checkpointed at step 2); a tp2 engine on dp2's snapshots."""
 
 
-def peer_cases(raw: dict, root: str) -> dict:
-    """dp2 on two pods: pod 1 lost (its shards come from pod 0's peer copies); then both copies
-    of rank 1 lost (storage, checkpointed at step 2); then a tp2 engine on dp2's snapshots."""
-    reference = _unfaulted(raw)
-    out = {}
-    _faulted(raw, f"{root}/lost-pod/shm", f"{root}/lost-pod/storage")
-    _lose(f"{root}/lost-pod/shm", pod=1)
-    lost_pod = _resumed(raw, f"{root}/lost-pod/shm", f"{root}/lost-pod/storage")
-    out["lost-pod"] = lost_pod | {"exact": _same(lost_pod["weights"], reference)}
-    out["lost-pod-files"] = sorted(p.name for p in Path(f"{root}/lost-pod/shm/pod-1").iterdir())
-    base, storage = f"{root}/both/shm", f"{root}/both/storage"
-    _faulted(raw, base, storage, save_at=EVERY)
-    _lose(base, pod=1, rank=1)
-    _lose(base, pod=0, rank=1)
-    both = _resumed(raw, base, storage)
-    out["both-copies-lost"] = both | {"exact": _same(both["weights"], reference)}
-    other = JobBuilder.cpu_run().layout(tensor=2)
-    tp2 = other.training(steps=STEPS).checkpoint(inMemory={"intervalSteps": EVERY}).raw()
-    _faulted(raw, f"{root}/other/shm", f"{root}/other/storage")
-    trainer = _engine(tp2)
+def train_and_stop(root: str) -> dict:
+    """The first processes: every unfaulted run, and every run that snapshots and stops."""
+    out: dict = {"rank": dist.get_rank()}
+    for name in LAYOUTS:
+        raw = _raw(name)
+        out[name] = _faulted(raw, f"{root}/{name}/shm", f"{root}/{name}/storage")
+        out[name]["unfaulted"] = _unfaulted(raw)
+    dp2 = _raw("dp2")
+    for case in PEER_ROOTS:
+        save_at = EVERY if case == "both" else None
+        _faulted(dp2, f"{root}/{case}/shm", f"{root}/{case}/storage", save_at=save_at)
+    out["no-room"] = no_room_case(dp2, f"{root}/no-room")
+    return out
+
+
+def start_again(root: str) -> dict:
+    """The second processes: every restore, from what the pods' directories kept."""
+    out: dict = {
+        name: _resumed(_raw(name), f"{root}/{name}/shm", f"{root}/{name}/storage")
+        for name in LAYOUTS
+    }
+    dp2 = _raw("dp2")
+    for case in ("lost-pod", "both"):
+        out[case] = _resumed(dp2, f"{root}/{case}/shm", f"{root}/{case}/storage")
+    tp2 = JobBuilder.cpu_run().layout(tensor=2).training(steps=STEPS)
+    tp2_raw = tp2.checkpoint(inMemory={"intervalSteps": EVERY}).raw()
+    trainer = _engine(tp2_raw)
     refused = memory.MemorySnapshots(
-        trainer, loading.parse_spec(tp2), root=Path(f"{root}/other/shm/pod-{dist.get_rank()}")
+        trainer, loading.parse_spec(tp2_raw), root=Path(f"{root}/other/shm/pod-{dist.get_rank()}")
     )
     saver = checkpointer.Checkpointer(trainer, root=f"{root}/other/storage")
     out["other-layout"] = recovery.restore(trainer, saver, refused)
     refused.close()
-    out["no-room"] = no_room_case(raw, f"{root}/no-room")
     return out
 
 
@@ -176,63 +183,67 @@ def _raw(name: str) -> dict:
     return builder.training(steps=STEPS).checkpoint(inMemory={"intervalSteps": EVERY}).raw()
 
 
-def scenarios(root: str) -> dict:
-    """Every case of this module in one 2-rank session (process start-up dominates on small machines)."""
-    out = {name: layout_case(_raw(name), f"{root}/{name}") for name in LAYOUTS}
-    out["peer"] = peer_cases(_raw("dp2"), f"{root}/peer")
-    out["rank"] = dist.get_rank()
-    return out
-
-
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], list[dict]]:
+    """Two sets of processes: the pods' directories outlive the first, then nodes are lost."""
     root = tmp_path_factory.mktemp("memory")
-    return root, mt_harness.run_distributed(scenarios, 2, str(root))
+    first = mt_harness.run_distributed(train_and_stop, 2, str(root))
+    _lose(root / "lost-pod" / "shm", pod=1)
+    _lose(root / "both" / "shm", pod=1, rank=1)
+    _lose(root / "both" / "shm", pod=0, rank=1)
+    return root, first, mt_harness.run_distributed(start_again, 2, str(root))
+
+
+Session = tuple[Path, list[dict], list[dict]]
+"""The root, what each rank of the first processes returned, and of the second."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_memory_restore_equals_an_unfaulted_run(
-    session: tuple[Path, list[dict]], name: str
-) -> None:
-    root, results = session
-    for result in results:
-        case = result[name]
-        assert (case["step"], case["source"]) == (EVERY, "memory")  # no storage checkpoint exists
-        assert case["exact"]  # bit-for-bit the weights of the run that never stopped
-        assert case["last"] == EVERY
+def test_memory_restore_equals_an_unfaulted_run(session: Session, name: str) -> None:
+    root, first, second = session
+    for before, after in zip(first, second, strict=True):
+        assert (after[name]["step"], after[name]["source"]) == (EVERY, "memory")
+        assert _same(after[name]["weights"], before[name]["unfaulted"])  # bit for bit
+        assert before[name]["last"] == EVERY
     # the planner's estimate (what validate checks /dev/shm against) is the largest rank's
     # tensors: its file is that and a header
-    largest, planned_bytes = (
-        max(r[name]["file_bytes"] for r in results),
-        results[0][name]["planned"],
-    )
+    largest = max(r[name]["file_bytes"] for r in first)
+    planned_bytes = first[0][name]["planned"]
     assert planned_bytes <= largest <= planned_bytes + snapshot_file.HEADER_SLACK
-    assert store.latest(root / name / "storage", hashes=False) is None
+    assert store.latest(root / name / "storage", hashes=False) is None  # nothing to fall back on
 
 
 @pytest.mark.slow
-def test_a_lost_pods_shards_come_from_its_peer(session: tuple[Path, list[dict]]) -> None:
-    for result in session[1]:
-        case = result["peer"]["lost-pod"]
-        assert (case["step"], case["source"]) == (EVERY, "memory") and case["exact"]
+def test_a_lost_pods_shards_come_from_its_peer(session: Session) -> None:
+    root, first, second = session
+    for before, after in zip(first, second, strict=True):
+        case = after["lost-pod"]
+        assert (case["step"], case["source"]) == (EVERY, "memory")
+        assert _same(case["weights"], before["dp2"]["unfaulted"])
     # the replaced pod holds its rank's snapshot again (sent by pod 0)
-    assert snapshot_file.name(1, EVERY) in session[1][0]["peer"]["lost-pod-files"]
+    assert (root / "lost-pod" / "shm" / "pod-1" / snapshot_file.name(1, EVERY)).is_file()
 
 
 @pytest.mark.slow
-def test_both_copies_of_a_shard_lost_falls_back_to_storage(
-    session: tuple[Path, list[dict]],
-) -> None:
-    for result in session[1]:
-        case = result["peer"]["both-copies-lost"]
-        assert (case["step"], case["source"]) == (EVERY, "storage") and case["exact"]
+def test_both_copies_of_a_shard_lost_falls_back_to_storage(session: Session) -> None:
+    _, first, second = session
+    for before, after in zip(first, second, strict=True):
+        case = after["both"]
+        assert (case["step"], case["source"]) == (EVERY, "storage")
+        assert _same(case["weights"], before["dp2"]["unfaulted"])
 
 
 @pytest.mark.slow
-def test_a_snapshot_of_another_layout_is_refused(session: tuple[Path, list[dict]]) -> None:
-    for result in session[1]:
-        assert result["peer"]["other-layout"] == (None, "none")  # not loaded; no storage either
+def test_a_snapshot_of_another_layout_is_refused(session: Session) -> None:
+    for result in session[2]:
+        assert result["other-layout"] == (None, "none")  # not loaded; no storage either
+
+
+@pytest.mark.slow
+def test_a_pod_without_room_leaves_no_snapshot_and_blocks_nobody(session: Session) -> None:
+    for result in session[1]:  # rank 0's own copy is dropped: the step is incomplete
+        assert result["no-room"] == {"last": None, "step": STOP, "pod-0": []}
 
 
 LAUNCH = (
@@ -264,12 +275,3 @@ def test_the_worker_resumes_from_memory_after_a_rank_dies(tmp_path: Path) -> Non
     after = {r["step"]: r["loss"] for r in steplog.read(tmp_path / "second" / steplog.FILENAME)}
     assert max(before) == 5 and min(after) == 5
     assert after[5] == before[5]  # bit-for-bit: the state of step 4 came back whole
-
-
-@pytest.mark.slow
-def test_a_pod_without_room_leaves_no_snapshot_and_blocks_nobody(
-    session: tuple[Path, list[dict]],
-) -> None:
-    for result in session[1]:
-        case = result["peer"]["no-room"]
-        assert case == {"last": None, "step": STOP, "pod-0": []}  # rank 0's own copy is dropped
