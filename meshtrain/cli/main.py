@@ -29,9 +29,7 @@ def _validate(args: argparse.Namespace) -> int:
     except loading.SpecError as err:
         print(err, file=sys.stderr)
         return 2
-    refused = snapshots.snapshot_problems(
-        job
-    )  # the pod could not hold them: every write would fail
+    refused = snapshots.snapshot_problems(job)  # in-memory checkpoints the pods cannot hold
     if refused:
         print(f"{args.job}: " + "\n".join(refused), file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,16 @@ def test_an_unreadable_trainer_record_is_refused(tmp_path: Path) -> None:
     path = snapshot_file.write(tmp_path, head, entries)
     with pytest.raises(store.CheckpointError, match="trainer record"):
         snapshot_file.check(path, head)
+
+
+def test_a_snapshot_larger_than_the_free_room_is_not_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entries = _entries(1)
+    head = snapshot_file.header(FACTS, entries, "{}")
+    real = os.statvfs(tmp_path)
+    full = os.statvfs_result((real.f_bsize, 1, 0, 0, 0, 0, 0, 0, 0, 255))  # no block free
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    with pytest.raises(OSError, match="bytes needed"):
+        snapshot_file.write(tmp_path, head, entries)
+    assert list(tmp_path.iterdir()) == []  # not even a temporary file

@@ -80,6 +80,7 @@ class Incoming:
             return
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
+            snapshot_file.make_room(final.parent, size)
             with open(self.tmp, "wb") as out:
                 try:
                     os.posix_fallocate(out.fileno(), 0, size)  # ENOSPC now, not SIGBUS later

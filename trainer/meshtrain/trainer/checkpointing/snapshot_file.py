@@ -9,6 +9,7 @@ beyond their header.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -90,11 +91,15 @@ def header(facts: dict[str, Any], entries: dict[str, Any], record: str) -> dict[
 
 
 def write(root: Path, head: dict[str, Any], entries: dict[str, Any]) -> Path:
-    """Write a snapshot of host tensors ``entries`` under ``root`` atomically; its final path."""
+    """Write a snapshot of host tensors ``entries`` under ``root`` atomically; its final path.
+
+    OSError (ENOSPC) before writing anything when the file system has less room than the file.
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / name(head["rank"], head["step"])
     tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
     encoded = json.dumps(head, sort_keys=True).encode()
+    make_room(root, len(MAGIC) + LENGTH_BYTES + len(encoded) + int(head["bytes"]))
     try:
         with open(tmp, "wb") as out:
             out.write(MAGIC + len(encoded).to_bytes(LENGTH_BYTES, "little") + encoded)
@@ -106,6 +111,15 @@ def write(root: Path, head: dict[str, Any], entries: dict[str, Any]) -> Path:
         discard(tmp)
         raise
     return final
+
+
+def make_room(root: Path, need: int) -> None:
+    """OSError (ENOSPC) when ``root``'s file system has less than ``need`` bytes free: a snapshot
+    never fills ``/dev/shm``, which NCCL and data loader workers need too."""
+    room = os.statvfs(root)
+    free = room.f_bavail * room.f_frsize
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{need} bytes needed, {free} free", str(root))
 
 
 def discard(path: Path) -> None:
