@@ -146,7 +146,10 @@ class MemorySnapshots:
         after a batch change (as :attr:`.Checkpointer.resumed`)."""
         self.timings: collections.deque[Timing] = collections.deque(maxlen=64)
         """The recent snapshots' costs (the benchmark and the log read them)."""
-        self._group = _gloo_group() if self.interval else None
+        self.group = _gloo_group() if self.interval else None
+        """The snapshots' own gloo group (None when off): a watcher that aborts the process
+        groups of a failed generation must abort this one too, or a peer exchange in flight
+        waits on the lost rank."""
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._in_flight: concurrent.futures.Future[Timing | None] | None = None
         self._chosen: tuple[tuple[int, list[tuple[int, int]]] | None] | None = None
@@ -154,7 +157,7 @@ class MemorySnapshots:
     @property
     def enabled(self) -> bool:
         """Whether ``checkpoint.inMemory.intervalSteps`` is set."""
-        return self._group is not None
+        return self.group is not None
 
     # --- snapshot --------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class MemorySnapshots:
             ok = self._exchange(step, path) and ok
         peered = time.perf_counter() - start - written
         flag = torch.tensor([1 if ok else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         self._prune(step, keep=bool(flag.item()))
         if not flag.item():
             return None
@@ -215,9 +218,9 @@ class MemorySnapshots:
 
     def _exchange(self, step: int, path: Path | None) -> bool:
         """Send this rank's file to its buddy while receiving its ward's; whether both went through."""
-        assert self._group is not None and self.buddy is not None and self.ward is not None
+        assert self.group is not None and self.buddy is not None and self.ward is not None
         sent, received = peer_copy.exchange(
-            self._group,
+            self.group,
             path,
             to=self.buddy,
             source=self.ward,
@@ -245,7 +248,7 @@ class MemorySnapshots:
         for path in stale:  # a writer that died mid-write; every rank's writes are done by now
             snapshot_file.discard(path)
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, sorted(held), group=self._group)
+        dist.all_gather_object(everyone, sorted(held), group=self.group)
         chosen = choose(everyone, self.world)
         self._chosen = (chosen,)
         return None if chosen is None else chosen[0]
@@ -281,7 +284,7 @@ class MemorySnapshots:
                 return str(err)
             return None
 
-        refusals = [r for r in _gathered(check(), self._group) if r is not None]
+        refusals = [r for r in _gathered(check(), self.group) if r is not None]
         if refusals:
             if self.rank == 0:
                 _say(f"not restoring step {step} from memory: {refusals[0]}; using storage")
@@ -295,7 +298,7 @@ class MemorySnapshots:
                 return str(err)
             return None
 
-        failures = [f for f in _gathered(load(), self._group) if f is not None]
+        failures = [f for f in _gathered(load(), self.group) if f is not None]
         if failures:  # checked above, so the live state is half-loaded: never train on it
             raise store.CheckpointError(f"loading in-memory snapshot of step {step}: {failures[0]}")
         torch.set_rng_state(entries[rng_key])
@@ -308,14 +311,14 @@ class MemorySnapshots:
 
     def _fetch(self, step: int, transfers: list[tuple[int, int]]) -> bool:
         """Carry out the transfers (holder, rank) in order; whether this rank's own snapshot is here."""
-        assert self._group is not None
+        assert self.group is not None
         got = all(rank != self.rank for _, rank in transfers)
         for holder, rank in transfers:  # every rank walks the same list: pairs never cross
             path = self.root / snapshot_file.name(rank, step)
             if holder == self.rank:
-                peer_copy.send(self._group, path, to=rank, limit=self.limit)
+                peer_copy.send(self.group, path, to=rank, limit=self.limit)
             elif rank == self.rank:
-                got = peer_copy.receive(self._group, path, source=holder, limit=self.limit)
+                got = peer_copy.receive(self.group, path, source=holder, limit=self.limit)
         return got
 
     def close(self) -> None:
