@@ -24,7 +24,7 @@ from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer import engine, storage
-from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.checkpointing import checkpointer, memory, recovery, store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import config_json, from_hf
@@ -170,16 +170,16 @@ def _session(
         grad_reducer.payload_bytes if grad_reducer is not None else None,
     )
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
-    try:
-        # continue after the newest complete checkpoint, if there is one
-        # (gp-mem's seam: checkpointing.recovery.restore(trainer, saver, snapshots))
-        restored = saver.restore()
+    snapshots = memory.MemorySnapshots(trainer, job, root=memory.default_root(os.environ))
+    try:  # continue after the newest in-memory snapshot or complete checkpoint, if there is one
+        restored, source = recovery.restore(trainer, saver, snapshots)
     except store.CheckpointError as err:
+        snapshots.close()
         saver.close()
         return _checkpoint_failed(err, session)
     if session is not None:
-        session.restored(restored, "storage")
-    if restored is not None:
+        session.restored(restored, source)
+    if restored is not None and source == "storage":
         recorder.checkpoint_saved(restored)
     # status.progress.resumedFromUid: which job (UID) wrote the checkpoint this gang resumed from
     if saver.resumed_uid is not None and recorder.progress is not None:
@@ -196,10 +196,11 @@ def _session(
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     try:
-        return _train(job, rank, trainer, recorder, saver, log, stop, session)
+        return _train(job, rank, trainer, recorder, saver, snapshots, log, stop, session)
     except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
         return _checkpoint_failed(err, session)
     finally:
+        snapshots.close()
         saver.close()
         if log is not None and session is not None:
             log.close()
@@ -218,6 +219,7 @@ def _train(
     trainer: engine.Engine,
     recorder: TelemetryRecorder,
     saver: checkpointer.Checkpointer,
+    snapshots: memory.MemorySnapshots,
     log: steplog.StepLog | None,
     stop: stopping.StopRequest,
     session: generations.Session | None = None,
@@ -240,6 +242,7 @@ def _train(
                 stop_requested=stop.requested, share=_previous_compute(detector, recorder)
             )
         except loss_guard.LossGuardTripped as err:
+            snapshots.wait()  # its background exchange uses the process group
             return _guard_stop(step, err, saver, log)
         verdict = None
         if detector is not None:  # the shared times are of the step before this one
@@ -275,12 +278,15 @@ def _train(
             record["cpu_seconds"], cpu_mark = time.process_time() - cpu_mark, time.process_time()
             log.write(record)
         saver.after_step(step)
+        snapshots.after_step(step)
         for published in saver.published():  # COMPLETE and renamed: /progress may report it
             recorder.checkpoint_saved(published)
         if session is not None:  # after the checkpoint: the recovery record's first step is whole
             session.step_done(step)
         if result.stop and step < job.training.steps:
+            snapshots.wait()
             return _stop_after(step, saver, recorder, log, stop)
+    snapshots.wait()
     saver.wait()  # the last save, if it is still being written
     for published in saver.published():
         recorder.checkpoint_saved(published)
