@@ -8,9 +8,11 @@ a finished job's status shows its last step although the last poll came before i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.operator.policy import progress_report
+from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import in_place, job_actions, progress_report
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -67,6 +69,18 @@ def polled_changes(report: dict[str, Any]) -> dict[str, Any]:
     if "progress" in changes:
         changes["progress"].setdefault("gradientNoiseScale", None)
     return changes
+
+
+def recovery_changes(
+    status: Mapping[str, Any], report: Mapping[str, Any], spec: api_spec.TrainingJobSpec
+) -> tuple[dict[str, Any], tuple[job_actions.Emit, ...]]:
+    """``status.recovery`` with the trainer's in-place records of ``report`` not counted yet
+    (tiers process and pod; :mod:`in_place`), and an Event for each; empty when none is new."""
+    attempt = int(status.get("restarts") or 0)
+    counted = in_place.from_report(status, attempt, report.get("recovery"), spec)
+    if counted.recovery is None:
+        return {}, ()
+    return {"recovery": counted.recovery}, counted.events
 
 
 def _document(text: str) -> dict[str, Any] | None:
