@@ -4,7 +4,7 @@ operator decided about elastic sizes and stragglers.  Written only by the operat
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -192,7 +192,7 @@ class RecoveryRecord(base.StatusModel):
     pod: str | None = Field(
         None, description="The pod whose trainer container restarted (tier container)."
     )
-    ranks: list[int] = Field(
+    ranks: list[Annotated[int, Field(ge=0, description="A global rank.")]] = Field(
         default_factory=list, description="Global ranks that failed (at most 16)."
     )
     failed_at: float | None = Field(None, description="Unix time the failure was first observed.")

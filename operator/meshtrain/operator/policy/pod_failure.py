@@ -147,7 +147,7 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
         return Failure(pod.name, False, f"pod {pod.name} failed ({pod.reason or 'no exit code'})")
     if not pod.terminal and pod.exit_code == exitcodes.GANG_RESTART:
         return _gang_restart(pod)  # its other containers (sidecars) may keep the pod Running
-    if not pod.terminal and _oom_killed(pod.problem) and pod.problem is not None:
+    if not pod.terminal and oom_killed(pod.problem) and pod.problem is not None:
         return _named(pod.name, pod.problem, False)  # restarted in place, it would run out again
     if pod.phase == "Unknown":
         return Failure(
@@ -173,7 +173,7 @@ def _gang_restart(pod: pod_state.PodState) -> Failure:
     )
 
 
-def _oom_killed(problem: container_reasons.Problem | None) -> bool:
+def oom_killed(problem: container_reasons.Problem | None) -> bool:
     """The trainer container was OOM-killed (the kubelet restarts it in place, or is about to)."""
     return (
         problem is not None
