@@ -29,7 +29,7 @@ from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
-from meshtrain.trainer.telemetry import progress, steplog
+from meshtrain.trainer.telemetry import goodput, progress, steplog
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = use_cuda()
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
     mesh_mod.init_process_group(use_cuda=cuda)
+    rejoined_at = time.time()  # the gang's process groups are up (a gang record's rejoinedAt)
     mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
     try:
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
         recorder.learning_rates(saver.resumed.plan)
     if rank == 0:
+        # a gang rebuilt after a failure: its recovery record (docs/telemetry.md, "Goodput")
+        goodput.note_gang_restart(args.log_dir, restored, rejoined_at=rejoined_at)
         print(
             state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
             file=sys.stderr,

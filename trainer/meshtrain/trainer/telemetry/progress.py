@@ -39,6 +39,7 @@ FIELDS = (
     "stragglers",
     "gradient_noise_scale",
     "resumed_from_uid",
+    "goodput",
 )
 """Keys of the progress document, in order."""
 
@@ -64,6 +65,7 @@ class Progress:
             "stragglers": [],
             "gradient_noise_scale": None,
             "resumed_from_uid": None,
+            "goodput": None,
         }
 
     def update(self, **fields: Any) -> None:
