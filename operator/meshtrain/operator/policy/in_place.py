@@ -32,14 +32,14 @@ def _exhausted(seen: situation.Situation) -> bool:
 
 
 def _rebuild(seen: situation.Situation) -> job_actions.Decision:
-    done = seen.once(_counted).attempt_restarts
+    counted = seen.once(_counted)
     limit = seen.spec.run_policy.recovery.in_place_limit
-    last = (seen.once(_counted).recovery or recovery_count.book(seen.job.status, seen.attempt))[
-        "last"
-    ] or {}
-    why = f"; the last after {last.get('cause')}" if last.get("cause") else ""
+    recovery = counted.recovery or recovery_count.book(seen.job.status, seen.attempt)
+    cause = (recovery["last"] or {}).get("cause")
+    why = f"; the last after {cause}" if cause else ""
     message = (
-        f"{done} in-place restarts of this gang exceed runPolicy.recovery.inPlaceLimit={limit}{why}"
+        f"{counted.attempt_restarts} in-place restarts of this gang exceed "
+        f"runPolicy.recovery.inPlaceLimit={limit}{why}"
     )
     return failure.restart_or_fail(
         seen, [pod_failure.Failure("gang", False, message, reason=recovery_count.EXHAUSTED)]
