@@ -45,6 +45,18 @@ class PodPlacement(base.StatusModel):
         ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode)."
     )
     node: str = Field(description="Node name.")
+    pod: str | None = Field(
+        None,
+        max_length=limits.MAX_POD_NAME_LENGTH,
+        description="The pod that holds this index once a lost pod was replaced alone "
+        "(runPolicy.recovery); absent: the gang's own <job>-r<attempt>-<index>.",
+    )
+    replaced: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_COUNT,
+        description="Times this index was replaced in this gang attempt.",
+    )
 
 
 class Progress(base.StatusModel):

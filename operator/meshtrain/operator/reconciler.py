@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import gang_fit, placing, planning
+from meshtrain.operator import gang_fit, placing, planning, replacing
 from meshtrain.operator.cluster import (
     children,
     clock,
@@ -109,6 +109,7 @@ class Reconciler:
             isolated_namespaces=settings.isolated_namespaces,
             gang_peers=settings.gang_peers,
         )
+        self.replacer = replacing.Replacer(self.placer)
         self.progress = progress_client.Poller(
             every=settings.progress_seconds, timeout=settings.progress_timeout_seconds
         )
@@ -226,6 +227,9 @@ class Reconciler:
             return await self.placer.grow(action, body, job)
         if isinstance(action, rescheduling.ReplaceRefused):
             return await self.placer.replace_refused(action, body, job)
+        if isinstance(action, job_actions.ReplacePods):
+            replaced = await self.replacer.replace(action, body, job)
+            return replaced or await self._all(action.otherwise, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
             fits = await self.fit.fits_without(job, frozenset(action.nodes), clock.now())
             changed = False
@@ -237,6 +241,16 @@ class Reconciler:
                     await self.writer.emit_on_node(node, job.ref, action.replaced)
             return body, job, changed
         raise TypeError(f"unknown action {action!r}")
+
+    async def _all(
+        self, actions: tuple[job_actions.Action, ...], body: dict[str, Any], job: job_state.JobState
+    ) -> Step:
+        """Each of ``actions`` in turn; changed when any changed something."""
+        changed = False
+        for step in actions:
+            body, job, did = await self._act(step, body, job)
+            changed = changed or did
+        return body, job, changed
 
     async def _poll(
         self, action: job_actions.PollProgress, body: dict[str, Any], job: job_state.JobState

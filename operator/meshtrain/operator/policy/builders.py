@@ -17,7 +17,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import object_storage as api_object_storage
 from meshtrain.api.spec import pod as api_pod
-from meshtrain.operator.policy import identity, naming, node_affinity, pod_override
+from meshtrain.operator.policy import identity, naming, node_affinity, pod_override, replacement
 
 SHUTDOWN_MARGIN_SECONDS = 5
 """torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
@@ -356,20 +356,23 @@ def build_pod(
     *,
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
     pod_group: str | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
 
     It runs ranks ``[index*gpusPerNode, (index+1)*gpusPerNode)`` as torchrun node ``index``.
     With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
-    scheduler then binds the gang all at once or not at all.
+    scheduler then binds the gang all at once or not at all.  ``name``: a replacement's
+    (``naming.replacement_pod_name``), else the gang's own ``<job>-r<attempt>-<index>``.
     """
-    name = naming.pod_name(job.name, attempt, index)
+    name = name or naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
     labels = {
         naming.LABEL_NODE_RANK: str(index),
         naming.LABEL_ATTEMPT: str(attempt),
         naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
         naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
+        **({naming.LABEL_REJOINS: "true"} if replacement.rejoins(spec) else {}),
     }
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}

@@ -19,6 +19,7 @@ from meshtrain.operator.policy import (
     job_state,
     kueue,
     kueue_workload,
+    pod_loss,
     pod_state,
     running,
     situation,
@@ -54,6 +55,7 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     spec_change.DONE_BEFORE_REBUILD,
     spec_change.REBUILD,
     # PLACED: placed for the spec as it is.
+    pod_loss.REPLACE_LOST,
     failure.GANG_FAILED,
     startup.RECREATE_MISSING,
     # GANG_EXISTS: every pod of the gang exists, none failed.
