@@ -20,6 +20,11 @@ rank: every rank exits with it), or another live writer holds the job's checkpoi
 LOSS_GUARD = 5
 """The loss guard skipped ``training.lossGuard.maxConsecutiveSkips`` updates in a row; permanent: a
 restart would replay the same batches from the same checkpoint (the last good one is kept)."""
+GANG_RESTART = 75
+"""In-place recovery is refused or exhausted (``runPolicy.recovery.inPlaceLimit`` reached, a rank did
+not rejoin within ``rejoinTimeoutSeconds``, pod 0's rendezvous store is gone): the supervisor exits
+with it and the operator rebuilds the whole gang at once (counted against ``backoffLimit``). The
+kubelet never restarts a container in place on it (75 is BSD's EX_TEMPFAIL: retryable, elsewhere)."""
 STOPPED = 128 + signal.SIGTERM
 """A rank stopped on a signal after saving its last step; never 0, so a stopped pod does not read as finished."""
 INTERRUPTED = 128 + signal.SIGINT
