@@ -4,7 +4,8 @@
 only a node that shares the survivors' domain at every ``required`` fabric level may take it (the
 gang's plan required one domain there); among those, a spare node reserved for the job comes
 first, then the node whose traffic to the surviving pods costs least by the fabric cost model
-(:mod:`.fabric_cost`).  Pure and deterministic, like :func:`meshtrain.placement.plan`.
+(:mod:`.fabric_cost`).  :func:`spares` picks the nodes a running gang keeps in reserve for
+that.  Pure and deterministic, like :func:`meshtrain.placement.plan`.
 """
 
 from __future__ import annotations
@@ -111,3 +112,35 @@ def _none_left(
         f"pod {index} must stay in the surviving pods' {level} domain (required), which has no "
         f"node with {per} free GPUs; {sum(slots.values())} free pod slot(s) elsewhere",
     )
+
+
+def spares(
+    request: values.PlacementRequest,
+    placed: Sequence[str],
+    nodes: Iterable[values.Node],
+    free: Mapping[str, int],
+    count: int,
+) -> tuple[str, ...]:
+    """Up to ``count`` nodes to hold in reserve for a gang placed on ``placed``.
+
+    Each is a node with a free pod slot that hosts no pod of the gang (a node lost takes its own
+    spare with it), inside the gang's domain at every required level (where a replacement may
+    go), nearest pod 0's node in the fabric first (the deepest level they share), then by name.
+    """
+    known = {node.name: node for node in nodes}
+    if not placed or placed[0] not in known:
+        return ()
+    levels = request.levels or topology.detect_levels(known.values())
+    label = request.nvlink_domain_label
+    anchor = topology.node_path(known[placed[0]], levels, label)
+    required = [index for index, level in enumerate(levels) if level.required]
+    depth = required[-1] + 1 if required else 0
+    gang = set(placed)
+    ranked = []
+    for name, slots in free.items():
+        if slots < 1 or name in gang or name not in known:
+            continue
+        path = topology.node_path(known[name], levels, label)
+        if path[:depth] == anchor[:depth]:
+            ranked.append((-topology.crossing(path, anchor), name))
+    return tuple(name for _, name in sorted(ranked)[: max(count, 0)])

@@ -10,6 +10,7 @@ from meshtrain.operator.policy import (
     builders,
     failure,
     job_actions,
+    kueue_workload,
     lifecycle,
     naming,
     pod_loss,
@@ -98,6 +99,35 @@ def test_pod_zero_a_crash_an_old_gang_or_a_custom_trainer_rebuild_the_gang():
         job(custom.raw(), **three()), gang(pod(2, "Running", deleting=True)), at(5)
     )
     assert status_of(decision)["restarts"] == 1
+
+
+def test_recovery_in_place_off_or_a_smaller_limit_rebuild_the_gang():
+    lost = gang(pod(2, "Running", deleting=True))
+    for recovery in ({"inPlace": False}, {"inPlaceLimit": 0}):
+        raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery=recovery).raw()
+        decision = lifecycle.decide(job(raw, **three()), lost, at(5))
+        assert status_of(decision)["restarts"] == 1 and "ReplacePods" not in kinds(decision)
+    off = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery={"inPlace": False})
+    assert not pod_state.read(
+        builders.build_pod(job(off.raw()).ref, job(off.raw()).spec, 0, 1, "n1")
+    ).rejoins
+
+
+def test_a_spare_pod_holds_a_gang_pods_gpus_and_is_no_pod_of_the_gang():
+    raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery={"spareNodes": 1}).raw()
+    state = job(raw)
+    spare = builders.build_spare_pod(state.ref, state.spec, 2, 0, "n9")
+    gang_pod = builders.build_pod(state.ref, state.spec, 2, 0, "n9")
+    assert spare["metadata"]["name"] == "j-r2-s0" and pod_state.read(spare) is None
+    (container,) = spare["spec"]["containers"]
+    assert container["resources"] == gang_pod["spec"]["containers"][0]["resources"]
+    assert container["command"][:2] == ["python", "-c"] and not spare["spec"]["volumes"]
+    assert spare["spec"]["affinity"] == gang_pod["spec"]["affinity"]  # pinned to its node
+    assert not spare["spec"].get("schedulingGates")
+    workload = kueue_workload.build_workload(
+        state.ref, state.spec, kueue_workload.Queue("q", None), gang_pod, kueue_workload.Priority(0)
+    )
+    assert workload["spec"]["podSets"][0]["count"] == 3 + 1  # the quota counts the spare
 
 
 def test_the_in_place_limit_bounds_the_replacements_of_an_attempt():

@@ -108,3 +108,14 @@ def test_several_lost_pods_share_nodes_only_as_far_as_their_slots_go():
     assert got.cost == best
     none_left = replacement.replace(req, GANG, {1, 3}, nodes(), {"l2-0": 1})
     assert isinstance(none_left, placement.Unschedulable)
+
+
+def test_spares_go_beside_the_gang_nearest_pod_zero_and_inside_a_required_leaf():
+    req = request()
+    free = {"l0-0": 1, "l0-2": 1, "l1-1": 1, "l2-0": 1, "l2-1": 1}
+    # l0-0 and l0-2 host the gang's pods: a node lost would take its spare along.
+    assert replacement.spares(req, GANG, nodes(), free, 2) == ("l1-1", "l2-0")
+    assert replacement.spares(req, GANG, nodes(), {"l2-1": 1, "l2-0": 1}, 1) == ("l2-0",)
+    gang = ["l0-0", "l0-1", "l0-0", "l0-1"]
+    assert replacement.spares(request(True), gang, nodes(), free, 3) == ("l0-2",)
+    assert replacement.spares(req, gang, nodes(), {"l0-2": 0}, 1) == ()

@@ -59,6 +59,13 @@ class PodPlacement(base.StatusModel):
     )
 
 
+class SpareNode(base.StatusModel):
+    """A node held in reserve for the job (runPolicy.recovery.spareNodes) by a spare pod."""
+
+    pod: str = Field(max_length=limits.MAX_POD_NAME_LENGTH, description="The spare pod.")
+    node: str = Field(description="The node whose GPUs it holds for a replacement.")
+
+
 class Progress(base.StatusModel):
     """Last training progress reported by rank 0."""
 
@@ -203,6 +210,12 @@ class TrainingJobStatus(base.StatusModel):
     world_size: int | None = Field(None, description="Processes in the job, one GPU each.")
     placement: list[PodPlacement] = Field(
         default_factory=list, description="Node per pod (rank block)."
+    )
+    spares: list[SpareNode] = Field(
+        default_factory=list,
+        max_length=limits.MAX_SPARE_NODES,
+        description="Nodes held in reserve while the gang runs (runPolicy.recovery.spareNodes): a lost "
+        "pod's replacement takes one first.",
     )
     cross_level_bytes: dict[str, float] = Field(
         default_factory=dict, description="Predicted bytes per step crossing each fabric level."

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import gang_fit, placing, planning, replacing
+from meshtrain.operator import gang_fit, placing, planning, replacing, sparing
 from meshtrain.operator.cluster import (
     children,
     clock,
@@ -110,6 +110,7 @@ class Reconciler:
             gang_peers=settings.gang_peers,
         )
         self.replacer = replacing.Replacer(self.placer)
+        self.spares = sparing.Spares(self.placer)
         self.progress = progress_client.Poller(
             every=settings.progress_seconds, timeout=settings.progress_timeout_seconds
         )
@@ -161,6 +162,10 @@ class Reconciler:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
         body, job, did = await self._checkpoints_warned(body, job)
+        changed = changed or did
+        admitted = kueue.state if kueue is not None else None
+        flavors = admitted.flavors if isinstance(admitted, kueue_workload.Admitted) else ()
+        body, job, did = await self.spares.keep(body, job, flavors)
         changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh

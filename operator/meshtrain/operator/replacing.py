@@ -2,9 +2,9 @@
 
 :class:`Replacer` carries out ``job_actions.ReplacePods``: it picks a node for each lost pod
 (``meshtrain.placement.replacement``: the survivors' domain kept where the plan requires it,
-spare nodes first, else the fabric cost model), writes the replacements into ``status.placement``
-and ``status.recovery`` first, then creates each replacement (already released: the gang it
-joins runs) and deletes the lost pods.  An operator killed in between finds the recorded name and
+spare nodes first (``sparing``), else the fabric cost model), writes the replacements into
+``status.placement`` and ``status.recovery`` first, releases the spares it takes, then creates
+each replacement (already released: the gang it joins runs) and deletes the lost pods.  An operator killed in between finds the recorded name and
 creates it (the create is idempotent).  Without room it answers None: the reconciler then
 rebuilds the gang as before.
 """
@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import placing
+from meshtrain.operator import placing, sparing
 from meshtrain.operator.cluster import children, clock, owned, workloads
 from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
@@ -24,6 +24,7 @@ from meshtrain.operator.policy import (
     capacity,
     conditions,
     feasibility,
+    identity,
     job_actions,
     job_state,
     kueue_workload,
@@ -68,6 +69,7 @@ class Replacer:
                 )
                 body, job, _ = await placer.writer.set_status(body, job, changes)
                 chosen.update({r.index: (r.pod, r.node) for r in made})
+                await self._release(job, action.attempt, answer.spares_used)
             pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in sorted(chosen)]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
         if refused is not None:
@@ -122,10 +124,12 @@ class Replacer:
         avoid = frozenset(action.avoid)
         raw_nodes, _, _ = fit.candidates(job, gpu, clock.now(), also_avoid=avoid)
         demand = feasibility.demand_of(self._template(job, action.attempt, where))
+        spare_pods = sparing.held(owned.owned_pods(cache, job.ref), action.attempt)
+        spares = {identity.planned_node(p) or "" for p in spare_pods} - avoid
         offered, _ = capacity.offered_nodes(
             demand,
             raw_nodes,
-            cache.usage(),
+            cache.usage(without=spare_pods),  # a spare's GPUs are the replacement's
             gpus_per_pod=per_pod,
             pods_wanted=len(fresh),
             claim=fit.claims.get(job.ref.uid),
@@ -135,7 +139,17 @@ class Replacer:
         on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
         every = [placement.node_from_manifest(n, gpu) for n in cache.nodes.values()]
         request = placement_request.request_from_spec(spec)
-        return choice.replace(request, on, fresh, every, free)
+        return choice.replace(request, on, fresh, every, free, spares)
+
+    async def _release(self, job: job_state.JobState, attempt: int, nodes: tuple[str, ...]) -> None:
+        """Delete the spare pods on ``nodes``: their GPUs go to the replacements (the spare exits
+        at SIGTERM; kube-scheduler binds the replacement once it is gone)."""
+        if not nodes:
+            return
+        cache = self.placer.cache
+        spares = sparing.held(owned.owned_pods(cache, job.ref), attempt)
+        names = [p["metadata"]["name"] for p in spares if identity.planned_node(p) in nodes]
+        await owned.delete_pods(self.placer.client, cache, job.ref, names)
 
     def _replaced(
         self, action: job_actions.ReplacePods, job: job_state.JobState, answer: choice.Replacement

@@ -144,3 +144,41 @@ def test_pod_zero_lost_rebuilds_the_gang(plane, space):
     pods = cluster.wait_gang(namespace, "zero", 3, attempt=1)
     assert [p.metadata.name for p in pods] == ["zero-r1-0", "zero-r1-1", "zero-r1-2"]
     assert cluster.status(namespace, "zero")["restarts"] == 1
+
+
+def test_a_lost_pod_takes_the_spare_node_and_a_new_spare_is_reserved(plane, space):
+    cluster, (namespace, pool) = plane, space
+    leaf_a, _ = _fabric(cluster, pool, in_leaf=5, elsewhere=2)
+    job = JobBuilder("spare", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF, "mode": "required"}])
+    job.run_policy(recovery={"spareNodes": 1})
+    _start(cluster, job, namespace, "spare")
+    (first,) = wait_for(
+        "a spare node reserved", lambda: cluster.status(namespace, "spare").get("spares"), 60
+    )
+    gang = {e["node"] for e in cluster.status(namespace, "spare")["placement"]}
+    held = _bound(cluster, namespace, first["pod"])  # kube-scheduler bound it: its GPUs are held
+    assert first["node"] == held.spec.node_name and first["node"] in leaf_a - gang
+    assert "meshtrain.io/node-rank" not in held.metadata.labels
+    cluster.core.delete_namespaced_pod("spare-r0-1", namespace)
+    replaced = _bound(cluster, namespace, "spare-r0-1-p1")
+    assert replaced.spec.node_name == first["node"]  # the spare's node, though others were free
+    spares = [
+        p for p in cluster.pods(namespace, "spare") if "meshtrain.io/spare" in p.metadata.labels
+    ]
+    assert all(p.spec.node_name != first["node"] for p in spares)  # its reservation released
+    (event,) = cluster.events(namespace, "spare", "PodReplaced")
+    assert "(a spare)" in event.message
+    (second,) = wait_for(
+        "a new spare reserved",
+        lambda: [
+            s
+            for s in cluster.status(namespace, "spare").get("spares") or []
+            if s["node"] != first["node"]
+        ],
+        60,
+    )
+    gang = {e["node"] for e in cluster.status(namespace, "spare")["placement"]}
+    assert second["node"] in leaf_a - gang
+    assert _bound(cluster, namespace, second["pod"]).spec.node_name == second["node"]
+    assert cluster.status(namespace, "spare").get("restarts", 0) == 0

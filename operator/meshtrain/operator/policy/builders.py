@@ -405,6 +405,46 @@ def build_pod(
     return pod_override.merge(pod, spec.pod_template_override, node)
 
 
+SPARE_PROGRAM = (
+    "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); signal.pause()"
+)
+"""What a spare pod runs: nothing, until SIGTERM, which it answers at once (its node is wanted)."""
+SPARE_GRACE_SECONDS = 5
+"""Grace period of a spare pod: it exits at SIGTERM, so its GPUs are free within a moment."""
+
+
+def build_spare_pod(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    number: int,
+    node: str,
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+) -> dict[str, Any]:
+    """Spare pod ``number`` of gang ``attempt``, pinned to ``node``: it requests what a gang pod
+    requests (so neither kube-scheduler nor another job's plan gives those GPUs away) and runs
+    an idle Python in the trainer image, with no volume, port or environment of the gang."""
+    pod = build_pod(job, spec, attempt, 0, node, default_image=default_image)
+    name = naming.spare_pod_name(job.name, attempt, number)
+    labels = pod["metadata"]["labels"]
+    for key in (naming.LABEL_NODE_RANK, naming.LABEL_PIPELINE_STAGES, naming.LABEL_REJOINS):
+        labels.pop(key, None)
+    labels[naming.LABEL_SPARE] = str(number)
+    pod["metadata"]["name"] = name
+    pod_spec = pod["spec"]
+    pod_spec.update(hostname=name, terminationGracePeriodSeconds=SPARE_GRACE_SECONDS, volumes=[])
+    pod_spec.pop("schedulingGates", None)
+    pod_spec.pop("initContainers", None)
+    trainer = next(c for c in pod_spec["containers"] if c["name"] == naming.CONTAINER)
+    trainer.update(
+        command=["python", "-c", SPARE_PROGRAM], args=[], env=[], ports=[], volumeMounts=[]
+    )
+    trainer.pop("workingDir", None)
+    pod_spec["containers"] = [trainer]
+    return pod
+
+
 def _apply_pod_settings(
     settings: api_pod.PodSettings,
     metadata: dict[str, Any],

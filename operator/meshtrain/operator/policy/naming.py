@@ -31,6 +31,9 @@ LABEL_SPEC_HASH = f"{GROUP}/spec-hash"
 LABEL_REJOINS = f"{GROUP}/rejoins"
 """``"true"`` on a pod whose trainer can join its running gang's rendezvous (built-in trainer
 recovering in place): only such a gang has a lost pod replaced alone."""
+LABEL_SPARE = f"{GROUP}/spare"
+"""On a spare pod (``runPolicy.recovery.spareNodes``): its number; it holds a node's GPUs for a
+replacement and carries no node rank, so the gang's rules never count it."""
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "meshtrain-operator"
 """Value of ``app.kubernetes.io/managed-by`` on every child."""
@@ -92,6 +95,11 @@ def replacement_pod_name(job: str, attempt: int, index: int, replacement: int) -
     ``<job>-r<attempt>-<index>-p<replacement>`` (its hostname too; pod 0 is never replaced, so
     ``MASTER_ADDR``, pod 0's name in the headless Service, stays valid)."""
     return f"{pod_name(job, attempt, index)}-p{replacement}"
+
+
+def spare_pod_name(job: str, attempt: int, number: int) -> str:
+    """Spare pod ``number`` of gang ``attempt``: ``<job>-r<attempt>-s<number>``."""
+    return f"{job}-r{attempt}-s{number}"
 
 
 def pod_group_name(job: str, attempt: int, spec_hash: str) -> str:

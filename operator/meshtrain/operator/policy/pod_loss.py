@@ -69,7 +69,7 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
         return None
     if not all(p.rejoins and not p.terminal and not p.gated for p in survivors):
         return None
-    limit = replacement.settings(spec).in_place_limit
+    limit = spec.run_policy.recovery.in_place_limit
     if replacement.replaced_so_far(seen.job.status) + len(indices) > limit:
         return None
     lost_pods = [p for p in seen.current if p.index in indices]

@@ -1,4 +1,4 @@
-"""Replacing a lost pod of a running gang: the job's recovery settings, the recorded pod of each
+"""Replacing a lost pod of a running gang: whether its pods rejoin, the recorded pod of each
 index, and the status a replacement writes.
 
 ``status.placement[i].pod`` names the pod that holds index ``i`` once it was replaced (absent:
@@ -21,33 +21,9 @@ TIER = "pod"
 """``status.recovery.byTier`` key and record tier of a replaced pod."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """``runPolicy.recovery`` as the pod tier reads it."""
-
-    in_place: bool = True
-    """Recover in place (built-in trainer only)."""
-    in_place_limit: int = 10
-    """In-place recoveries (any tier) per gang attempt before the full gang rebuild."""
-    spare_nodes: int = 0
-    """Nodes held in reserve for the job while it runs."""
-
-
-def settings(spec: api_spec.TrainingJobSpec) -> Settings:
-    """The job's recovery settings; the defaults while the spec has no ``runPolicy.recovery``."""
-    found = getattr(spec.run_policy, "recovery", None)
-    if found is None:
-        return Settings()
-    return Settings(
-        in_place=bool(getattr(found, "in_place", True)),
-        in_place_limit=int(getattr(found, "in_place_limit", 10)),
-        spare_nodes=int(getattr(found, "spare_nodes", 0)),
-    )
-
-
 def rejoins(spec: api_spec.TrainingJobSpec) -> bool:
     """Whether the job's pods can join a running gang's rendezvous (built-in trainer, in place)."""
-    return spec.trainer.type == "builtin" and settings(spec).in_place
+    return spec.trainer.type == "builtin" and spec.run_policy.recovery.in_place
 
 
 def entries(status: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
