@@ -3,10 +3,10 @@
 :class:`Replacer` carries out ``job_actions.ReplacePods``: it picks a node for each lost pod
 (``meshtrain.placement.replacement``: the survivors' domain kept where the plan requires it,
 spare nodes first (``sparing``), else the fabric cost model), writes the replacements into
-``status.placement`` and ``status.recovery`` first, releases the spares it takes, then creates
-each replacement (already released: the gang it joins runs) and deletes the lost pods.  An operator killed in between finds the recorded name and
-creates it (the create is idempotent).  Without room it answers None: the reconciler then
-rebuilds the gang as before.
+``status.placement`` and ``status.recovery`` first, releases the spares it takes, deletes the
+lost pods, then creates each replacement (already released: the gang it joins runs).  An
+operator killed in between finds the recorded name and creates it (the create is idempotent).
+Without room it answers None: the reconciler then rebuilds the gang as before.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class Replacer:
                 body, job, _ = await placer.writer.set_status(body, job, changes)
                 chosen.update({r.index: (r.pod, r.node) for r in made})
                 await self._release(job, action.attempt, answer.spares_used)
+            # The lost pods go first: a gang slot never has two live holders.
+            await owned.delete_pods(placer.client, placer.cache, ref, action.doomed)
             pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in sorted(chosen)]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
         if refused is not None:
@@ -77,7 +79,6 @@ class Replacer:
                 "%s/%s: replacement refused: %s", ref.namespace, ref.name, refused.message
             )
             return None
-        await owned.delete_pods(placer.client, placer.cache, ref, action.doomed)
         if made:
             message = replacement.message(made)
             logger.info("%s/%s: %s", ref.namespace, ref.name, message)
