@@ -137,6 +137,12 @@ def test_the_in_place_limit_bounds_the_replacements_of_an_attempt():
     kept = dataclasses.replace(pod(2, "Running"), name="j-r0-2-p10")
     decision = lifecycle.decide(job(spec(), **used), gang(lost, kept), at(5))
     assert status_of(decision)["restarts"] == 1  # 10 replaced: recovery.inPlaceLimit's default
+    # The other tiers' restarts of this attempt count too (status.recovery, gp-kubelet's book).
+    booked = three(recovery={"attempt": 0, "attemptRestarts": 10})
+    decision = lifecycle.decide(job(spec(), **booked), gang(lost), at(5))
+    assert status_of(decision)["restarts"] == 1
+    older = three(recovery={"attempt": 7, "attemptRestarts": 10})  # of another attempt: not these
+    assert "ReplacePods" in kinds(lifecycle.decide(job(spec(), **older), gang(lost), at(5)))
 
 
 def test_a_superseded_pod_is_stale_and_the_replacement_is_the_gang():
@@ -172,6 +178,7 @@ def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
     assert changes["placement"][:2] == three()["placement"][:2]
     recovery = changes["recovery"]
     assert recovery["inPlaceRestarts"] == 3 and recovery["byTier"] == {"process": 2, "pod": 1}
+    assert recovery["attempt"] == 0 and recovery["attemptRestarts"] == 1  # none booked for it yet
     assert recovery["last"]["tier"] == "pod" and recovery["last"]["ranks"] == [2]
     assert replacement.next_name("j", 0, changes["placement"][2], 2) == "j-r0-2-p2"
     assert naming.replacement_pod_name("j", 0, 2, 1) == "j-r0-2-p1"

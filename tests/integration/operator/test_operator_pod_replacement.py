@@ -15,7 +15,14 @@ import kubernetes
 import pytest
 
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+from tests.integration.operator.cluster import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    Cluster,
+    OperatorProcess,
+    wait_for,
+)
 from tests.integration.operator.test_operator_chaos import Kubelet
 
 pytestmark = pytest.mark.integration
@@ -24,7 +31,9 @@ LEAF = "meshtrain.test/leaf"
 
 
 @pytest.fixture(scope="module")
-def plane(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
+def plane_and_operator(
+    control_plane_binaries, tmp_path_factory
+) -> Iterator[tuple[Cluster, OperatorProcess]]:
     """A private API server with kube-scheduler, the operator, and a stand-in kubelet: bound pods
     run, deleted ones go once their containers would have stopped."""
     with Cluster.private(control_plane_binaries) as found:
@@ -33,9 +42,14 @@ def plane(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
         with Kubelet(found):
             operator.start()
             try:
-                yield found
+                yield found, operator
             finally:
                 operator.stop()
+
+
+@pytest.fixture
+def plane(plane_and_operator) -> Cluster:
+    return plane_and_operator[0]
 
 
 @pytest.fixture
@@ -182,3 +196,41 @@ def test_a_lost_pod_takes_the_spare_node_and_a_new_spare_is_reserved(plane, spac
     assert second["node"] in leaf_a - gang
     assert _bound(cluster, namespace, second["pod"]).spec.node_name == second["node"]
     assert cluster.status(namespace, "spare").get("restarts", 0) == 0
+
+
+def test_a_replacement_recorded_before_a_crash_is_created_once_after_it(plane_and_operator, space):
+    """The operator dies between writing the replacement into status and creating it: the next
+    operator creates that very pod on the recorded node, and counts it once."""
+    (cluster, operator), (namespace, pool) = plane_and_operator, space
+    leaf_a, _ = _fabric(cluster, pool, in_leaf=4, elsewhere=0)
+    job = JobBuilder("crash", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF, "mode": "required"}])
+    _start(cluster, job, namespace, "crash")
+    placement = cluster.status(namespace, "crash")["placement"]
+    (free,) = leaf_a - {e["node"] for e in placement}
+    operator.kill()
+    try:
+        # What a pass killed after its status write left: the lost pod gone, its replacement
+        # recorded and not created.
+        placement[2] = {"podIndex": 2, "node": free, "pod": "crash-r0-2-p1", "replaced": 1}
+        cluster.custom.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "crash",
+            {"status": {"placement": placement}},
+        )
+        cluster.core.delete_namespaced_pod("crash-r0-2", namespace, grace_period_seconds=0)
+    finally:
+        operator.start()
+    replaced = _bound(cluster, namespace, "crash-r0-2-p1")
+    assert replaced.spec.node_name == free
+    status = cluster.status(namespace, "crash")
+    assert status["placement"][2]["replaced"] == 1 and status.get("restarts", 0) == 0, status
+    assert _pod(cluster, namespace, "crash-r0-2-p2") is None
+    assert sorted(p.metadata.name for p in cluster.pods(namespace, "crash")) == [
+        "crash-r0-0",
+        "crash-r0-1",
+        "crash-r0-2-p1",
+    ]

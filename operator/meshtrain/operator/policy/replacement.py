@@ -53,6 +53,15 @@ def replaced_so_far(status: Mapping[str, Any]) -> int:
     return sum(int(e.get("replaced") or 0) for e in entries(status).values())
 
 
+def attempt_restarts(status: Mapping[str, Any], attempt: int) -> int:
+    """In-place restarts of any tier in gang ``attempt`` (``status.recovery.attemptRestarts``
+    when it is of that attempt), and at least the pods replaced in it."""
+    stored = status.get("recovery") or {}
+    same = isinstance(stored, Mapping) and stored.get("attempt") == attempt
+    counted = int(stored.get("attemptRestarts") or 0) if same else 0
+    return max(counted, replaced_so_far(status))
+
+
 def next_name(job: str, attempt: int, entry: Mapping[str, Any] | None, index: int) -> str:
     """Name of the next replacement of ``index``."""
     done = int(entry.get("replaced") or 0) if entry is not None else 0
@@ -96,8 +105,11 @@ def status_changes(
     by_tier[TIER] = int(by_tier.get(TIER) or 0) + len(replaced)
     stamp = now.timestamp()
     ranks = [x.index * gpus_per_pod + r for x in replaced for r in range(gpus_per_pod)]
+    attempt = int(job.status.get("restarts") or 0)
     recovery.update(
         inPlaceRestarts=int(recovery.get("inPlaceRestarts") or 0) + len(replaced),
+        attempt=attempt,
+        attemptRestarts=attempt_restarts(job.status, attempt) + len(replaced),
         byTier=by_tier,
         last={
             "tier": TIER,
