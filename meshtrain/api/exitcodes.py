@@ -41,6 +41,24 @@ PERMANENT: dict[int, str] = {
 }
 """Exit codes after which restarting the gang cannot help, and what each means."""
 
+CONTAINER_DIED: dict[int, str] = {
+    1: "an uncaught error ended the supervisor (Python's code for an unhandled exception)",
+    128 + signal.SIGILL: "killed by SIGILL (an illegal instruction in native code)",
+    128
+    + signal.SIGABRT: "killed by SIGABRT (native code aborted: a failed CUDA, NCCL or C++ check)",
+    128 + signal.SIGBUS: "killed by SIGBUS (a bus error: often /dev/shm exhausted)",
+    128 + signal.SIGFPE: "killed by SIGFPE (an arithmetic fault in native code)",
+    128 + signal.SIGKILL: "killed by SIGKILL (a kill -9, the runtime, or the OOM killer)",
+    128 + signal.SIGSEGV: "killed by SIGSEGV (a segmentation fault in native code)",
+}
+"""The trainer container's exit codes that mean "this container died" while its pod and node are
+fine: the kubelet restarts the container in place on them (``restartPolicyRules``, built-in
+trainer with ``runPolicy.recovery.inPlace``).  Never 0 (done), a :data:`PERMANENT` code, or
+:data:`GANG_RESTART`, :data:`STOPPED` (143: the pod is being stopped; its rank saved) and
+:data:`INTERRUPTED`: those end the container for good and the operator decides.  An OOM kill
+(137, reason ``OOMKilled``) is restarted too, but the operator rebuilds the gang on it (the same
+step would run out of memory again), counted against ``backoffLimit`` as before."""
+
 MESSAGE_LIMIT = 3000
 """Characters of the trainer's message kept in a failure report (the kubelet keeps 4096 bytes)."""
 

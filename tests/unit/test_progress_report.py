@@ -22,8 +22,25 @@ TRAINER_DOCUMENT = {
     "stragglers": [{"rank": 3, "slowdown": 1.8, "since_step": 90}],
     "gradient_noise_scale": 512.0,
     "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
+    "recovery": [
+        {
+            "generation": 1,
+            "tier": "process",
+            "cause": "exit 1",
+            "ranks": [3],
+            "failedAt": 100.0,
+            "detectedAt": 100.5,
+            "rejoinedAt": 101.0,
+            "restoredAt": 101.5,
+            "resumedStep": 40,
+            "source": "memory",
+            "lostSteps": 2,
+            "firstStepAt": 102.0,
+        }
+    ],
 }
-"""Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS)."""
+"""Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS, and ``recovery``
+once it recovered in place)."""
 
 
 def parse(doc: object) -> progress_report.Reading:
@@ -112,7 +129,7 @@ def test_notes_are_bounded_in_number():
     reading = parse({key: "junk" for key in progress_report.FIELDS})
     assert reading.document == {}
     assert len(reading.notes) == progress_report.MAX_NOTES
-    assert reading.notes[-1] == "and 8 more field(s) ignored"
+    assert reading.notes[-1] == "and 9 more field(s) ignored"
 
 
 def test_a_hostile_termination_message_changes_nothing():

@@ -41,6 +41,7 @@ from meshtrain.operator.policy import (
     noise_condition,
     pod_state,
     progress_status,
+    recovery_count,
     rescheduling,
     resizing,
     retries,
@@ -265,8 +266,11 @@ class Reconciler:
             return body, job, False
         changes = progress_status.polled_changes(report)
         changes |= resizing.baseline(job.status, changes)
+        restarted: tuple[str, ...] = ()
         if job.spec is not None:
             changes |= stragglers.observed(job.spec, job.status, report, clock.now())
+            recovered, restarted = progress_status.recovery_changes(job.status, report, job.spec)
+            changes |= recovered
         if not changes:
             return body, job, False
         warning = None
@@ -282,6 +286,8 @@ class Reconciler:
             if conds != list(before):
                 changes["conditions"] = conds
         body, job, _ = await self.writer.set_status(body, job, changes)
+        for told in restarted:  # each in-place restart the trainer made, named
+            await self.writer.emit(body, "Warning", recovery_count.RESTARTED, told)
         if warning is not None:
             await self.writer.emit(
                 body, "Warning", conditions.GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE, warning

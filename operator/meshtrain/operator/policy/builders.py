@@ -17,7 +17,14 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import object_storage as api_object_storage
 from meshtrain.api.spec import pod as api_pod
-from meshtrain.operator.policy import identity, naming, node_affinity, pod_override, replacement
+from meshtrain.operator.policy import (
+    identity,
+    kubelet_tier,
+    naming,
+    node_affinity,
+    pod_override,
+    replacement,
+)
 
 SHUTDOWN_MARGIN_SECONDS = 5
 """torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
@@ -166,6 +173,7 @@ def _env(
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
+        **kubelet_tier.recovery_env(spec),
     }
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
     env.append(
@@ -298,22 +306,15 @@ def _trainer_container(
     image: str,
     mounts: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The trainer container: torchrun of the built-in trainer, or the job's own command."""
+    """The trainer container: the built-in trainer's supervisor (restarted in place by the kubelet
+    when it dies, ``kubelet_tier``), or the job's own command (torchrun, the gang rebuilt)."""
+    run, args = kubelet_tier.command(spec)
     container = {
         "name": naming.CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["torchrun"],
-        "args": [
-            "--nnodes=$(PET_NNODES)",
-            "--nproc-per-node=$(PET_NPROC_PER_NODE)",
-            "--node-rank=$(PET_NODE_RANK)",
-            "--master-addr=$(MASTER_ADDR)",
-            "--master-port=$(MASTER_PORT)",
-            "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)",
-            "-m",
-            "meshtrain.trainer",
-        ],
+        "command": run,
+        "args": args,
         "env": _env(job, spec, attempt, index),
         "ports": [
             *(
@@ -328,12 +329,10 @@ def _trainer_container(
         # Rank 0 writes its final progress here; a failed container reports its log's end instead.
         "terminationMessagePath": naming.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **kubelet_tier.restart_fields(spec),
     }
-    if spec.trainer.type == "custom":
-        container["command"] = list(spec.trainer.command)
-        container["args"] = list(spec.trainer.args)
-        if spec.trainer.working_dir:
-            container["workingDir"] = spec.trainer.working_dir
+    if spec.trainer.type == "custom" and spec.trainer.working_dir:
+        container["workingDir"] = spec.trainer.working_dir
     return container
 
 

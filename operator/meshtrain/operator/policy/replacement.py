@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import job_state, naming, pod_state
+from meshtrain.operator.policy import job_state, naming, pod_state, recovery_count
 
 TIER = "pod"
 """``status.recovery.byTier`` key and record tier of a replaced pod."""
@@ -54,12 +54,10 @@ def replaced_so_far(status: Mapping[str, Any]) -> int:
 
 
 def attempt_restarts(status: Mapping[str, Any], attempt: int) -> int:
-    """In-place restarts of any tier in gang ``attempt`` (``status.recovery.attemptRestarts``
-    when it is of that attempt), and at least the pods replaced in it."""
-    stored = status.get("recovery") or {}
-    same = isinstance(stored, Mapping) and stored.get("attempt") == attempt
-    counted = int(stored.get("attemptRestarts") or 0) if same else 0
-    return max(counted, replaced_so_far(status))
+    """In-place restarts of any tier in gang ``attempt`` (``status.recovery.attemptRestarts``,
+    ``recovery_count``'s book), and at least the pods replaced in it."""
+    booked = int(recovery_count.book(status, attempt)["attemptRestarts"])
+    return max(booked, replaced_so_far(status))
 
 
 def next_name(job: str, attempt: int, entry: Mapping[str, Any] | None, index: int) -> str:
@@ -100,24 +98,26 @@ def status_changes(
             "pod": r.pod,
             "replaced": int(before.get("replaced") or 0) + 1,
         }
-    recovery = dict(job.status.get("recovery") or {})
-    by_tier = dict(recovery.get("byTier") or {})
-    by_tier[TIER] = int(by_tier.get(TIER) or 0) + len(replaced)
-    stamp = now.timestamp()
-    ranks = [x.index * gpus_per_pod + r for x in replaced for r in range(gpus_per_pod)]
     attempt = int(job.status.get("restarts") or 0)
+    recovery = recovery_count.book(job.status, attempt)
+    by_tier = dict(recovery["byTier"])
+    by_tier[TIER] = by_tier.get(TIER, 0) + len(replaced)
+    stamp = round(now.timestamp(), 3)
+    ranks = [x.index * gpus_per_pod + r for x in replaced for r in range(gpus_per_pod)]
+    record: dict[str, Any] = dict.fromkeys(recovery_count.RECORD_KEYS)
+    record.update(
+        tier=TIER,
+        cause="; ".join(sorted({r.cause for r in replaced})),
+        pod=replaced[0].lost,
+        ranks=ranks[: recovery_count.MAX_RANKS],
+        failedAt=stamp,
+        detectedAt=stamp,
+    )
     recovery.update(
-        inPlaceRestarts=int(recovery.get("inPlaceRestarts") or 0) + len(replaced),
-        attempt=attempt,
+        inPlaceRestarts=recovery["inPlaceRestarts"] + len(replaced),
         attemptRestarts=attempt_restarts(job.status, attempt) + len(replaced),
         byTier=by_tier,
-        last={
-            "tier": TIER,
-            "cause": "; ".join(sorted({r.cause for r in replaced})),
-            "ranks": ranks,
-            "failedAt": stamp,
-            "detectedAt": stamp,
-        },
+        last=record,
     )
     return {
         "placement": [placed[i] for i in sorted(placed)],
