@@ -177,7 +177,11 @@ def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
     }
     assert changes["placement"][:2] == three()["placement"][:2]
     recovery = changes["recovery"]
-    assert recovery["inPlaceRestarts"] == 3 and recovery["byTier"] == {"process": 2, "container": 0, "pod": 1}
+    assert recovery["inPlaceRestarts"] == 3 and recovery["byTier"] == {
+        "process": 2,
+        "container": 0,
+        "pod": 1,
+    }
     assert recovery["attempt"] == 0 and recovery["attemptRestarts"] == 1  # none booked for it yet
     assert recovery["last"]["tier"] == "pod" and recovery["last"]["ranks"] == [2]
     assert replacement.next_name("j", 0, changes["placement"][2], 2) == "j-r0-2-p2"
