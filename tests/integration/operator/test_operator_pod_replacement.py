@@ -124,6 +124,9 @@ def test_a_deleted_pod_alone_is_replaced_in_its_required_leaf(plane, space):
         "pod": "keep-r0-2-p1",
         "replaced": 1,
     }
+    recovery = status["recovery"]
+    assert recovery["byTier"]["pod"] == 1 and recovery["attemptRestarts"] == 1, recovery
+    assert recovery["last"]["tier"] == "pod" and recovery["last"]["ranks"] == [4, 5]
     (event,) = cluster.events(namespace, "keep", "PodReplaced")
     assert "keep-r0-2-p1" in event.message
     assert "pod deleted" in event.message or "pod vanished" in event.message  # as the pass saw it
