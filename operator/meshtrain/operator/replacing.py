@@ -46,7 +46,8 @@ class Replacer:
     async def replace(
         self, action: job_actions.ReplacePods, body: dict[str, Any], job: job_state.JobState
     ) -> Step | None:
-        """Replace the lost pods of ``action``; None: no node takes them now (nothing was done)."""
+        """Replace the lost pods of ``action``; None: not replaced (no node takes them now, or the
+        API server refused the replacement): the caller rebuilds the gang instead."""
         assert job.spec is not None
         ref, spec, placer = job.ref, job.spec, self.placer
         where = await workloads.flavors(placer.client, action.flavors)
