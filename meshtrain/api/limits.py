@@ -81,6 +81,9 @@ MAX_BUCKET_MB = 65_536.0
 MAX_STRING_LENGTH = 4_096
 """Any string the spec does not bound more tightly (paths, commands, annotation values)."""
 
+MAX_POD_NAME_LENGTH = 63
+"""A pod name that is also its hostname (a DNS label): a replacement's ``<job>-r<a>-<i>-p<n>``."""
+
 MAX_UID_LENGTH = 128
 """A Kubernetes object UID (36 characters today) as a status field carries it."""
 

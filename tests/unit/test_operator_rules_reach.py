@@ -188,6 +188,9 @@ def _pods(r: random.Random, pods: int, attempt: int, running: bool) -> list[pod_
             )
             for i in range(pods)
         ]
+        if running and pods > 1 and r.random() < 0.3:  # a gang that rejoins loses its last pod
+            gang = [dataclasses.replace(p, rejoins=True) for p in gang]
+            gang[-1] = dataclasses.replace(gang[-1], deleting=True)
     stale = [_pod(r, r.randrange(pods), attempt - 1) for _ in range(r.choice([0, 0, 1])) if attempt]
     return gang + stale
 

@@ -45,6 +45,25 @@ class PodPlacement(base.StatusModel):
         ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode)."
     )
     node: str = Field(description="Node name.")
+    pod: str | None = Field(
+        None,
+        max_length=limits.MAX_POD_NAME_LENGTH,
+        description="The pod that holds this index once a lost pod was replaced alone "
+        "(runPolicy.recovery); absent: the gang's own <job>-r<attempt>-<index>.",
+    )
+    replaced: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_COUNT,
+        description="Times this index was replaced in this gang attempt.",
+    )
+
+
+class SpareNode(base.StatusModel):
+    """A node held in reserve for the job (runPolicy.recovery.spareNodes) by a spare pod."""
+
+    pod: str = Field(max_length=limits.MAX_POD_NAME_LENGTH, description="The spare pod.")
+    node: str = Field(description="The node whose GPUs it holds for a replacement.")
 
 
 class Progress(base.StatusModel):
@@ -285,6 +304,12 @@ class TrainingJobStatus(base.StatusModel):
     world_size: int | None = Field(None, description="Processes in the job, one GPU each.")
     placement: list[PodPlacement] = Field(
         default_factory=list, description="Node per pod (rank block)."
+    )
+    spares: list[SpareNode] = Field(
+        default_factory=list,
+        max_length=limits.MAX_SPARE_NODES,
+        description="Nodes held in reserve while the gang runs (runPolicy.recovery.spareNodes): a lost "
+        "pod's replacement takes one first.",
     )
     cross_level_bytes: dict[str, float] = Field(
         default_factory=dict, description="Predicted bytes per step crossing each fabric level."

@@ -20,6 +20,7 @@ from meshtrain.operator.policy import (
     job_state,
     kueue,
     kueue_workload,
+    pod_loss,
     pod_state,
     running,
     situation,
@@ -56,6 +57,7 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     spec_change.REBUILD,
     # PLACED: placed for the spec as it is.
     in_place.COUNTED,
+    pod_loss.REPLACE_LOST,
     failure.GANG_FAILED,
     in_place.EXHAUSTED_REBUILD,
     startup.RECREATE_MISSING,

@@ -86,6 +86,8 @@ class PodState:
     """A container waits in ContainerCreating before that: its volumes or sandbox are not ready."""
     started_at: datetime.datetime | None = None
     """status.startTime: when the kubelet took the pod (before pulling its image)."""
+    rejoins: bool = False
+    """Labelled ``naming.LABEL_REJOINS``: its trainer can join the running gang's rendezvous."""
     uid: str = ""
     """metadata.uid: a pod re-created under the same name is another pod."""
     restarts: int = 0
@@ -180,6 +182,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
         pulling=container_reasons.pulling(pod),
         unprepared=container_reasons.unprepared(pod),
         started_at=conditions.parse_time(status.get("startTime")),
+        rejoins=labels.get(naming.LABEL_REJOINS) == "true",
         uid=_text(metadata.get("uid")) or "",
         restarts=_count(trainer.get("restartCount")),
         last_exit=_last_exit(trainer),

@@ -23,8 +23,9 @@ from meshtrain.operator.policy import pod_failure, pod_state
 
 TIERS = ("process", "container", "pod")
 """The in-place tiers ``status.recovery.byTier`` counts."""
-REPORTED_TIERS = ("process", "pod")
-"""Tiers counted from the trainer's records (``container`` is counted from the pods)."""
+REPORTED_TIERS = ("process",)
+"""Tiers counted from the trainer's records (``container`` is counted from the pods, ``pod`` by the
+operator as it creates the replacement: ``replacement.status_changes``)."""
 RECORD_KEYS = (
     "generation",
     "tier",
