@@ -166,7 +166,8 @@ class Reconciler:
         changed = changed or did
         admitted = kueue.state if kueue is not None else None
         flavors = admitted.flavors if isinstance(admitted, kueue_workload.Admitted) else ()
-        body, job, did = await self.spares.keep(body, job, flavors)
+        count = admitted.count if isinstance(admitted, kueue_workload.Admitted) else None
+        body, job, did = await self.spares.keep(body, job, flavors, count)
         changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh

@@ -3,9 +3,11 @@
 :class:`Replacer` carries out ``job_actions.ReplacePods``: it picks a node for each lost pod
 (``meshtrain.placement.replacement``: the survivors' domain kept where the plan requires it,
 spare nodes first (``sparing``), else the fabric cost model), writes the replacements into
-``status.placement`` and ``status.recovery`` first, releases the spares it takes, deletes the
-lost pods, then creates each replacement (already released: the gang it joins runs).  An
-operator killed in between finds the recorded name and creates it (the create is idempotent).
+``status.placement`` (``pending``) and ``status.recovery`` first, releases the spares it takes,
+deletes the lost pods, then creates each replacement (already released: the gang it joins runs)
+once its lost pod stopped or its node is known dead (``replacement.holders``), and marks it
+created.  A pass after a crash, or after the lost pod stopped, finds the pending name and creates
+it (the create is idempotent).
 Without room it answers None: the reconciler then rebuilds the gang as before.
 """
 
@@ -71,10 +73,15 @@ class Replacer:
                 body, job, _ = await placer.writer.set_status(body, job, changes)
                 chosen.update({r.index: (r.pod, r.node) for r in made})
                 await self._release(job, action.attempt, answer.spares_used)
-            # The lost pods go first: a gang slot never has two live holders.
+            # The lost pods go first, and a replacement waits until its lost pod stopped (or its
+            # node is known dead): a gang slot never has two live holders.
             await owned.delete_pods(placer.client, placer.cache, ref, action.doomed)
-            pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in sorted(chosen)]
+            ready = self._vacated(job, action.attempt, chosen)
+            pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in ready]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
+            if refused is None and ready:
+                created = replacement.created(job.status, ready)
+                body, job, _ = await placer.writer.set_status(body, job, created)
         if refused is not None:
             logger.warning(
                 "%s/%s: replacement refused: %s", ref.namespace, ref.name, refused.message
@@ -84,7 +91,7 @@ class Replacer:
             message = replacement.message(made)
             logger.info("%s/%s: %s", ref.namespace, ref.name, message)
             await placer.writer.emit(body, "Normal", conditions.POD_REPLACED, message)
-        return body, job, True
+        return body, job, bool(made or ready or action.doomed)
 
     def _recorded(
         self,
@@ -92,8 +99,10 @@ class Replacer:
         job: job_state.JobState,
         where: kueue_workload.Assignment,
     ) -> dict[int, tuple[str, str]]:
-        """Replacements already recorded but not in the cache (a crash came between the status
-        write and the create), whose node can still take them: index -> (pod, node)."""
+        """Replacements recorded but not created yet (``pending``: their lost pod was still
+        stopping, or a crash came between the status write and the create), whose node can still
+        take them: index -> (pod, node).  A replacement created and lost since is not here: it is
+        a new loss, replaced afresh (counted, announced)."""
         ref = job.ref
         placed = replacement.entries(job.status)
         cached = {p["metadata"]["name"] for p in owned.owned_pods(self.placer.cache, ref)}
@@ -102,7 +111,8 @@ class Replacer:
             entry = placed.get(index) or {}
             name, node = entry.get("pod"), entry.get("node")
             fits = isinstance(node, str) and node not in action.avoid
-            if isinstance(name, str) and isinstance(node, str) and fits and name not in cached:
+            pending = replacement.pending(entry) and name not in cached
+            if isinstance(name, str) and isinstance(node, str) and fits and pending:
                 found[index] = (name, node)
         if not found:
             return found
@@ -111,6 +121,31 @@ class Replacer:
         raw = list(self.placer.cache.nodes.values())
         blocked = capacity.infeasible_nodes(demand, wanted, raw, self.placer.cache.usage())
         return {i: pn for i, pn in found.items() if pn[1] not in blocked}
+
+    def _vacated(
+        self, job: job_state.JobState, attempt: int, chosen: dict[int, tuple[str, str]]
+    ) -> list[int]:
+        """The indices of ``chosen`` whose lost pods no longer run (terminal, gone, or on a node
+        known dead): their replacements may be created now; the others wait (a pod event brings
+        the next pass)."""
+        cache = self.placer.cache
+        pods = owned.owned_pods(cache, job.ref)
+        ready = []
+        for index in sorted(chosen):
+            left = replacement.holders(
+                pods, attempt, index, chosen[index][0], lambda n: cache.nodes.get(("", n))
+            )
+            if left:
+                logger.info(
+                    "%s/%s: pod %d's replacement waits for %s to stop",
+                    job.ref.namespace,
+                    job.ref.name,
+                    index,
+                    ", ".join(left),
+                )
+            else:
+                ready.append(index)
+        return ready
 
     def _choose(
         self,

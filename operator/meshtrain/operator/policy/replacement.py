@@ -4,14 +4,16 @@ index, and the status a replacement writes.
 ``status.placement[i].pod`` names the pod that holds index ``i`` once it was replaced (absent:
 the gang's own ``<job>-r<attempt>-<i>``); a pod of the attempt whose name is not the recorded one
 is superseded: stale, like a pod of an earlier attempt.  The entry is written before the pod is
-created, so a pass after a crash finds the name to create.  Pure.
+created, with ``pending: true`` until the create succeeded, so a pass after a crash finds the name
+to create; an entry no longer pending names a pod that was created: once it is gone it was lost
+again, a new loss (counted, announced, within ``inPlaceLimit``), never recreated silently.  Pure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
@@ -19,11 +21,48 @@ from meshtrain.operator.policy import job_state, naming, pod_state, recovery_cou
 
 TIER = "pod"
 """``status.recovery.byTier`` key and record tier of a replaced pod."""
+OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
+"""The taint an administrator puts on a node known to be shut down (non-graceful node shutdown):
+its pods are no longer running anywhere."""
 
 
 def rejoins(spec: api_spec.TrainingJobSpec) -> bool:
     """Whether the job's pods can join a running gang's rendezvous (built-in trainer, in place)."""
     return spec.trainer.type == "builtin" and spec.run_policy.recovery.in_place
+
+
+NODE_LOSS_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+"""The NoExecute taints the node lifecycle controller puts on a node that stopped reporting."""
+NODE_LOSS_TOLERATION_MAX = 30
+"""Most seconds a rejoining gang's pod stays on a node that stopped reporting before the taint
+manager evicts it (the API server's DefaultTolerationSeconds would give 300)."""
+
+
+def node_loss_seconds(spec: api_spec.TrainingJobSpec) -> int:
+    """How long a rejoining pod tolerates its node's loss: a third of the rejoin window, at most
+    :data:`NODE_LOSS_TOLERATION_MAX`, so the survivors still wait when its loss is seen."""
+    return max(
+        1, min(NODE_LOSS_TOLERATION_MAX, spec.run_policy.recovery.rejoin_timeout_seconds // 3)
+    )
+
+
+def node_loss_tolerations(spec: api_spec.TrainingJobSpec) -> list[dict[str, Any]]:
+    """Tolerations of a rejoining gang's pod for its node's loss, with :func:`node_loss_seconds`.
+
+    The API server's DefaultTolerationSeconds admission adds its 300 s tolerations only to a pod
+    that has none for these taints, so these stand; a taint the job tolerates itself
+    (``resources.tolerations``, by key or by an empty key) is left as the job wrote it.  None for
+    a gang that cannot rejoin.
+    """
+    if not rejoins(spec):
+        return []
+    own = {t.key for t in spec.resources.tolerations}
+    seconds = node_loss_seconds(spec)
+    return [
+        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+        for key in NODE_LOSS_TAINTS
+        if key not in own and None not in own
+    ]
 
 
 def entries(status: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
@@ -39,6 +78,59 @@ def recorded_pod(job: str, attempt: int, entry: Mapping[str, Any] | None, index:
     """The pod that holds ``index``: the replacement the entry names, else the gang's own."""
     named = entry.get("pod") if entry is not None else None
     return named if isinstance(named, str) and named else naming.pod_name(job, attempt, index)
+
+
+def pending(entry: Mapping[str, Any] | None) -> bool:
+    """Whether ``entry`` names a replacement recorded but not yet created (``pending: true``)."""
+    return entry is not None and entry.get("pending") is True
+
+
+def created(status: Mapping[str, Any], indices: Sequence[int]) -> dict[str, Any]:
+    """Status fields once the replacements of ``indices`` were created: no longer pending."""
+    placed = entries(status)
+    for index in indices:
+        if index in placed:
+            placed[index] = {k: v for k, v in placed[index].items() if k != "pending"}
+    return {"placement": [placed[i] for i in sorted(placed)]}
+
+
+def node_dead(node: Mapping[str, Any] | None) -> bool:
+    """Whether a pod on ``node`` is known to run no more: the Node object is gone (None), or it
+    carries the ``out-of-service`` taint.  An unreachable node is not dead: its pods may run."""
+    if node is None:
+        return True
+    taints = (node.get("spec") or {}).get("taints") or []
+    return any(isinstance(t, Mapping) and t.get("key") == OUT_OF_SERVICE for t in taints)
+
+
+def holders(
+    pods: Sequence[Mapping[str, Any]],
+    attempt: int,
+    index: int,
+    replacement_pod: str,
+    node: Callable[[str], Mapping[str, Any] | None],
+) -> list[str]:
+    """The pods other than ``replacement_pod`` that may still run as pod ``index`` of gang
+    ``attempt``: not terminal, bound to a node (``node``: by name, None once deleted) not known
+    dead.  The replacement is created only
+    once there are none, so a rank slot never has two live holders (a deleted pod runs out its
+    grace period; a pod on an unreachable node keeps running until its node is declared dead)."""
+    found = []
+    for pod in pods:
+        metadata = pod.get("metadata") or {}
+        labels = metadata.get("labels") or {}
+        if metadata.get("name") == replacement_pod:
+            continue
+        if naming.int_label(labels, naming.LABEL_NODE_RANK) != index:
+            continue
+        if naming.int_label(labels, naming.LABEL_ATTEMPT) != attempt:
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        bound = (pod.get("spec") or {}).get("nodeName")
+        if bound and not node_dead(node(str(bound))):
+            found.append(str(metadata.get("name") or ""))
+    return sorted(found)
 
 
 def superseded(
@@ -97,6 +189,7 @@ def status_changes(
             "node": r.node,
             "pod": r.pod,
             "replaced": int(before.get("replaced") or 0) + 1,
+            "pending": True,
         }
     attempt = int(job.status.get("restarts") or 0)
     recovery = recovery_count.book(job.status, attempt)
