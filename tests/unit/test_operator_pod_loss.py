@@ -157,13 +157,15 @@ def test_a_superseded_pod_is_stale_and_the_replacement_is_the_gang():
     assert "SetStatus" not in kinds(decision) or status_of(decision).get("restarts") is None
 
 
-def test_a_replacement_gets_the_startup_timeout_from_its_own_creation():
+def test_a_replacement_gets_the_rejoin_timeout_from_its_own_creation():
+    """The survivors wait rejoinTimeoutSeconds (120 s) for it, not startupTimeoutSeconds (600 s):
+    a replacement not running by then rebuilds the gang (review finding 15)."""
     status = three()
     status["placement"][2] = {"podIndex": 2, "node": "n4", "pod": "j-r0-2-p1", "replaced": 1}
     new = dataclasses.replace(pod(2, "Pending", created=1000), name="j-r0-2-p1")
     state = job(spec(), **status)
-    assert "restarts" not in status_of(lifecycle.decide(state, gang(new), at(1500)))
-    assert status_of(lifecycle.decide(state, gang(new), at(1700)))["restarts"] == 1  # 600 s later
+    assert "restarts" not in status_of(lifecycle.decide(state, gang(new), at(1100)))
+    assert status_of(lifecycle.decide(state, gang(new), at(1130)))["restarts"] == 1  # 120 s later
 
 
 def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
@@ -282,3 +284,22 @@ def test_spares_stay_within_what_kueue_admitted():
     assert sparing.wanted(state, admitted.count) == 1  # 4 admitted, 3 of them the gang's
     assert sparing.wanted(state, 3) == 0 and sparing.wanted(state, 2) == 0
     assert sparing.wanted(state) == 4  # no Kueue: spareNodes
+
+
+def test_a_changed_recovery_policy_refuses_the_pod_tier():
+    """runPolicy is outside the spec hash: an edit of runPolicy.recovery rebuilds no gang, so a
+    replacement built now would run other settings than its gang; the pod tier is refused then
+    (review finding 16)."""
+
+    def built(**recovery: Any) -> dict[str, Any]:
+        raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery=recovery).raw()
+        state = job(raw)
+        return builders.build_pod(state.ref, state.spec, 0, 0, "n0")
+
+    pod0 = built()
+    assert replacement.recovery_env(pod0)  # the supervisor's settings, read back
+    assert not replacement.recovery_changed(pod0, built())
+    assert not replacement.recovery_changed(None, built())
+    assert not replacement.recovery_changed(pod0, built(spareNodes=2))  # not the trainer's
+    assert replacement.recovery_changed(pod0, built(inPlaceLimit=3))
+    assert replacement.recovery_changed(pod0, built(rejoinTimeoutSeconds=60))

@@ -32,6 +32,7 @@ from meshtrain.operator.policy import (
     builders,
     checkpoint_condition,
     conditions,
+    feasibility,
     identity,
     job_actions,
     job_state,
@@ -146,7 +147,8 @@ class Reconciler:
         )
         if states and job.status.get("phase") not in job_state.FINAL:
             await self.placer.check_gang_policy(job)
-        decision = lifecycle.decide(job, states, clock.now(), kueue, gone)
+        spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):

@@ -55,6 +55,10 @@ class Replacer:
         where = await workloads.flavors(placer.client, action.flavors)
         if isinstance(where, kueue_workload.Unassignable):
             return None
+        if self._recovery_changed(job, action.attempt, where):
+            message = "runPolicy.recovery changed since the gang started: the gang is rebuilt"
+            await placer.writer.emit(body, "Warning", conditions.POD_NOT_REPLACED, message)
+            return None
         async with placer.lock:
             chosen = self._recorded(action, job, where)
             fresh = [i for i in action.indices if i not in chosen]
@@ -121,6 +125,22 @@ class Replacer:
         raw = list(self.placer.cache.nodes.values())
         blocked = capacity.infeasible_nodes(demand, wanted, raw, self.placer.cache.usage())
         return {i: pn for i, pn in found.items() if pn[1] not in blocked}
+
+    def _recovery_changed(
+        self, job: job_state.JobState, attempt: int, where: kueue_workload.Assignment
+    ) -> bool:
+        """Whether a replacement built now would carry another ``runPolicy.recovery`` than the
+        gang's pod 0 (the spec hash leaves runPolicy out: no gang rebuild followed the edit)."""
+        first = naming.pod_name(job.ref.name, attempt, 0)
+        pod0 = next(
+            (
+                p
+                for p in owned.owned_pods(self.placer.cache, job.ref)
+                if p["metadata"]["name"] == first
+            ),
+            None,
+        )
+        return replacement.recovery_changed(pod0, self._template(job, attempt, where))
 
     def _vacated(
         self, job: job_state.JobState, attempt: int, chosen: dict[int, tuple[str, str]]

@@ -13,6 +13,7 @@ shows them in ``status.spares``.  ``replacing`` takes a spare first.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     naming,
     replacement,
+    retries,
 )
 from meshtrain.placement import replacement as choice
 from meshtrain.planner import placement_request
@@ -78,6 +80,9 @@ class Spares:
 
     def __init__(self, placer: placing.Placer) -> None:
         self.placer = placer
+        self.short = retries.Backoff(children.retry_delay)
+        """Jobs whose last reservation found no room for every spare: the next waits (doubling,
+        at most ``children.RETRY_CAP_SECONDS``), not every pass; a pod event does not cut it short."""
 
     async def keep(
         self,
@@ -101,7 +106,11 @@ class Spares:
         if doomed:
             await owned.delete_pods(placer.client, placer.cache, ref, doomed)
         changed = bool(doomed)
-        if len(kept) < want:
+        if want == 0:
+            self.short.forget(ref.uid)
+        elif (
+            len(kept) < want and self.short.wait(ref.uid, job.generation, time.monotonic()) is None
+        ):
             taken = {p["metadata"]["name"] for p in spare_pods(pods)}
             where = await workloads.flavors(placer.client, flavors)
             if isinstance(where, kueue_workload.Assignment):
@@ -109,6 +118,10 @@ class Spares:
                     made = await self._reserve(job, attempt, want - len(kept), taken, where)
                 kept += made
                 changed = changed or bool(made)
+                if len(kept) < want:
+                    self.short.refused(ref.uid, job.generation, time.monotonic(), "no room")
+                else:
+                    self.short.forget(ref.uid)
         listed = shown(kept)
         if listed != (job.status.get("spares") or []):
             body, job, _ = await placer.writer.set_status(

@@ -216,8 +216,10 @@ def test_a_replacement_recorded_before_a_crash_is_created_once_after_it(plane_an
     operator.kill()
     try:
         # What a pass killed after its status write left: the lost pod gone, its replacement
-        # recorded and not created.
-        placement[2] = {"podIndex": 2, "node": free, "pod": "crash-r0-2-p1", "replaced": 1}
+        # recorded and not created (pending).
+        placement[2] = {
+            "podIndex": 2, "node": free, "pod": "crash-r0-2-p1", "replaced": 1, "pending": True
+        }  # fmt: skip
         cluster.custom.patch_namespaced_custom_object_status(
             GROUP,
             VERSION,
@@ -273,3 +275,24 @@ def test_a_replacement_waits_until_the_pod_it_replaces_has_stopped(plane, space)
     for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
         seconds = [t.toleration_seconds for t in replaced.spec.tolerations if t.key == key]
         assert seconds == [30], (key, replaced.spec.tolerations)
+
+
+def test_a_replacement_lost_again_is_a_new_loss_counted_and_announced(plane, space):
+    """The replacement ran, then was lost too: it is not recreated silently under its recorded
+    name but replaced afresh, counted against inPlaceLimit, with its own Event (finding 3)."""
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=5, elsewhere=0)
+    _start(cluster, JobBuilder("again", namespace, pool).layout(data=6).gpus(2), namespace, "again")
+    cluster.core.delete_namespaced_pod("again-r0-2", namespace)
+    _bound(cluster, namespace, "again-r0-2-p1")
+    cluster.wait_reason(namespace, "again", "Running", "AllPodsRunning")
+    cluster.core.delete_namespaced_pod("again-r0-2-p1", namespace)
+    second = _bound(cluster, namespace, "again-r0-2-p2")
+    status = cluster.status(namespace, "again")
+    assert (
+        status["placement"][2]["pod"] == "again-r0-2-p2" and status["placement"][2]["replaced"] == 2
+    )
+    assert status["recovery"]["attemptRestarts"] == 2 and status.get("restarts", 0) == 0, status
+    events = cluster.events(namespace, "again", "PodReplaced")
+    assert len(events) == 2 and any("again-r0-2-p2" in e.message for e in events)
+    assert second.metadata.name in {p.metadata.name for p in cluster.pods(namespace, "again")}

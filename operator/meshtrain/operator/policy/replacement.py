@@ -21,6 +21,9 @@ from meshtrain.operator.policy import job_state, naming, pod_state, recovery_cou
 
 TIER = "pod"
 """``status.recovery.byTier`` key and record tier of a replaced pod."""
+MAX_CONTAINERS, MAX_ENV = 64, 1024
+"""Containers and environment variables of a pod read (a pod is bounded by the API server, but
+a read loop is bounded here too)."""
 OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
 """The taint an administrator puts on a node known to be shut down (non-graceful node shutdown):
 its pods are no longer running anywhere."""
@@ -131,6 +134,32 @@ def holders(
         if bound and not node_dead(node(str(bound))):
             found.append(str(metadata.get("name") or ""))
     return sorted(found)
+
+
+RECOVERY_ENV_PREFIX = "MESHTRAIN_RECOVERY_"
+"""The trainer's environment that carries ``runPolicy.recovery`` (``kubelet_tier.recovery_env``)."""
+
+
+def recovery_env(pod: Mapping[str, Any]) -> dict[str, str]:
+    """The ``runPolicy.recovery`` a pod was built with, as its trainer container's environment."""
+    found: dict[str, str] = {}
+    for container in ((pod.get("spec") or {}).get("containers") or [])[:MAX_CONTAINERS]:
+        if container.get("name") != naming.CONTAINER:
+            continue
+        for var in (container.get("env") or [])[:MAX_ENV]:
+            name = var.get("name") if isinstance(var, Mapping) else None
+            if isinstance(name, str) and name.startswith(RECOVERY_ENV_PREFIX):
+                found[name] = str(var.get("value"))
+    return found
+
+
+def recovery_changed(
+    survivor: Mapping[str, Any] | None, replacement_pod: Mapping[str, Any]
+) -> bool:
+    """Whether ``runPolicy.recovery`` changed since the gang attempt began: the replacement built
+    now would run with other settings than ``survivor`` (pod 0, which every pod tier keeps).  The
+    pod tier is then refused and the gang rebuilt, so one gang never mixes recovery settings."""
+    return survivor is not None and recovery_env(survivor) != recovery_env(replacement_pod)
 
 
 def superseded(
