@@ -293,6 +293,9 @@ def test_a_replacement_lost_again_is_a_new_loss_counted_and_announced(plane, spa
         status["placement"][2]["pod"] == "again-r0-2-p2" and status["placement"][2]["replaced"] == 2
     )
     assert status["recovery"]["attemptRestarts"] == 2 and status.get("restarts", 0) == 0, status
-    events = cluster.events(namespace, "again", "PodReplaced")
-    assert len(events) == 2 and any("again-r0-2-p2" in e.message for e in events)
+    events = wait_for(  # the Event follows the create
+        "two PodReplaced Events",
+        lambda: len(found := cluster.events(namespace, "again", "PodReplaced")) == 2 and found,
+    )
+    assert any("again-r0-2-p2" in e.message for e in events)
     assert second.metadata.name in {p.metadata.name for p in cluster.pods(namespace, "again")}
