@@ -200,6 +200,14 @@ def test_a_pending_replacement_is_created_and_then_no_longer_pending():
     }  # fmt: skip
     placed = replacement.entries(status)
     assert replacement.pending(placed[2]) and not replacement.pending(placed[1])
+    # Planned again while pending (its node was taken meanwhile): same name, counted once.
+    assert replacement.planned_name("j", 0, placed[2], 2) == "j-r0-2-p1"
+    assert replacement.planned_name("j", 0, placed[1], 1) == "j-r0-1-p1"
+    state = job(spec(), **{**status, "recovery": {"attempt": 0, "attemptRestarts": 1}})
+    moved = [replacement.Replaced(2, "j-r0-2", "pod deleted", "j-r0-2-p1", "n5", spare=False)]
+    changes = replacement.status_changes(state, moved, 1, at(5))
+    assert changes["placement"][2] == {**status["placement"][2], "node": "n5"}
+    assert changes["recovery"]["attemptRestarts"] == 1
     done = replacement.created(status, [2])["placement"]
     assert done[2] == {"podIndex": 2, "node": "n4", "pod": "j-r0-2-p1", "replaced": 1}
     assert done[:2] == status["placement"][:2]

@@ -3,10 +3,10 @@
 :class:`Replacer` carries out ``job_actions.ReplacePods``: it picks a node for each lost pod
 (``meshtrain.placement.replacement``: the survivors' domain kept where the plan requires it,
 spare nodes first (``sparing``), else the fabric cost model), writes the replacements into
-``status.placement`` (``pending``) and ``status.recovery`` first, releases the spares it takes,
-deletes the lost pods, then creates each replacement (already released: the gang it joins runs)
-once its lost pod stopped or its node is known dead (``replacement.holders``), and marks it
-created.  A pass after a crash, or after the lost pod stopped, finds the pending name and creates
+``status.placement`` (``pending``) and ``status.recovery`` first, deletes the lost pods, then,
+once a lost pod stopped or its node is known dead (``replacement.holders``), releases the spare
+its replacement takes and creates the replacement (already released: the gang it joins runs),
+and marks it created.  A pass after a crash, or after the lost pod stopped, finds the pending name and creates
 it (the create is idempotent).
 Without room it answers None: the reconciler then rebuilds the gang as before.
 """
@@ -76,11 +76,12 @@ class Replacer:
                 )
                 body, job, _ = await placer.writer.set_status(body, job, changes)
                 chosen.update({r.index: (r.pod, r.node) for r in made})
-                await self._release(job, action.attempt, answer.spares_used)
             # The lost pods go first, and a replacement waits until its lost pod stopped (or its
             # node is known dead): a gang slot never has two live holders.
             await owned.delete_pods(placer.client, placer.cache, ref, action.doomed)
             ready = self._vacated(job, action.attempt, chosen)
+            # A spare holds its node until the replacement that takes it can be created.
+            await self._release(job, action.attempt, tuple(chosen[i][1] for i in ready))
             pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in ready]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
             if refused is None and ready:
@@ -122,8 +123,10 @@ class Replacer:
             return found
         demand = feasibility.demand_of(self._template(job, action.attempt, where))
         wanted = collections.Counter(node for _, node in found.values())
-        raw = list(self.placer.cache.nodes.values())
-        blocked = capacity.infeasible_nodes(demand, wanted, raw, self.placer.cache.usage())
+        cache = self.placer.cache
+        spares = sparing.held(owned.owned_pods(cache, ref), action.attempt)  # theirs to take
+        raw = list(cache.nodes.values())
+        blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=spares))
         return {i: pn for i, pn in found.items() if pn[1] not in blocked}
 
     def _recovery_changed(
@@ -199,8 +202,9 @@ class Replacer:
         return choice.replace(request, on, fresh, every, free, spares)
 
     async def _release(self, job: job_state.JobState, attempt: int, nodes: tuple[str, ...]) -> None:
-        """Delete the spare pods on ``nodes``: their GPUs go to the replacements (the spare exits
-        at SIGTERM; kube-scheduler binds the replacement once it is gone)."""
+        """Delete the spare pods on ``nodes`` (those of the replacements created now): their GPUs
+        go to the replacements (the spare exits at SIGTERM; kube-scheduler binds the replacement
+        once it is gone).  Until then the spare keeps the node for its replacement."""
         if not nodes:
             return
         cache = self.placer.cache
@@ -219,7 +223,9 @@ class Replacer:
                 lost=causes[index][0]
                 or replacement.recorded_pod(job.ref.name, action.attempt, placed.get(index), index),
                 cause=causes[index][1],
-                pod=replacement.next_name(job.ref.name, action.attempt, placed.get(index), index),
+                pod=replacement.planned_name(
+                    job.ref.name, action.attempt, placed.get(index), index
+                ),
                 node=node,
                 spare=node in answer.spares_used,
             )

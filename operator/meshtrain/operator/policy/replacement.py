@@ -181,6 +181,14 @@ def attempt_restarts(status: Mapping[str, Any], attempt: int) -> int:
     return max(booked, replaced_so_far(status))
 
 
+def planned_name(job: str, attempt: int, entry: Mapping[str, Any] | None, index: int) -> str:
+    """Name of the replacement to plan for ``index``: a pending one keeps its recorded name (it
+    was never created), else the next one."""
+    if pending(entry) and entry is not None and isinstance(entry.get("pod"), str):
+        return str(entry["pod"])
+    return next_name(job, attempt, entry, index)
+
+
 def next_name(job: str, attempt: int, entry: Mapping[str, Any] | None, index: int) -> str:
     """Name of the next replacement of ``index``."""
     done = int(entry.get("replaced") or 0) if entry is not None else 0
@@ -209,21 +217,30 @@ def status_changes(
     gpus_per_pod: int,
     now: datetime.datetime,
 ) -> dict[str, Any]:
-    """Placement entries of the replacements, and ``status.recovery`` counted (tier ``pod``)."""
+    """Placement entries of the replacements, and ``status.recovery`` counted (tier ``pod``).
+
+    A replacement planned again while its entry is still pending (its node was taken while the
+    lost pod stopped) moves to its new node under the same name, and is not counted again.
+    """
     placed = entries(job.status)
+    new = 0
     for r in replaced:
         before = placed.get(r.index) or {}
+        again = pending(before)
+        new += not again
         placed[r.index] = {
             "podIndex": r.index,
             "node": r.node,
             "pod": r.pod,
-            "replaced": int(before.get("replaced") or 0) + 1,
+            "replaced": int(before.get("replaced") or 0) + (0 if again else 1),
             "pending": True,
         }
     attempt = int(job.status.get("restarts") or 0)
     recovery = recovery_count.book(job.status, attempt)
+    if new == 0:
+        return {"placement": [placed[i] for i in sorted(placed)], "recovery": recovery}
     by_tier = dict(recovery["byTier"])
-    by_tier[TIER] = by_tier.get(TIER, 0) + len(replaced)
+    by_tier[TIER] = by_tier.get(TIER, 0) + new
     stamp = round(now.timestamp(), 3)
     ranks = [x.index * gpus_per_pod + r for x in replaced for r in range(gpus_per_pod)]
     record: dict[str, Any] = dict.fromkeys(recovery_count.RECORD_KEYS)
@@ -236,8 +253,8 @@ def status_changes(
         detectedAt=stamp,
     )
     recovery.update(
-        inPlaceRestarts=recovery["inPlaceRestarts"] + len(replaced),
-        attemptRestarts=attempt_restarts(job.status, attempt) + len(replaced),
+        inPlaceRestarts=recovery["inPlaceRestarts"] + new,
+        attemptRestarts=attempt_restarts(job.status, attempt) + new,
         byTier=by_tier,
         last=record,
     )
