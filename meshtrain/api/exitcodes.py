@@ -25,6 +25,11 @@ GANG_RESTART = 75
 not rejoin within ``rejoinTimeoutSeconds``, pod 0's rendezvous store is gone): the supervisor exits
 with it and the operator rebuilds the whole gang at once (counted against ``backoffLimit``). The
 kubelet never restarts a container in place on it (75 is BSD's EX_TEMPFAIL: retryable, elsewhere)."""
+FENCED = 76
+"""The pod's rank slot was taken by another pod (a replacement the operator created for it while
+it was thought lost; ``MESHTRAIN_POD_UID`` registered in the rendezvous store): its supervisor
+stops its workers and exits with it, so a slot never has two live holders.  Not restarted in
+place; the operator has already superseded the pod."""
 STOPPED = 128 + signal.SIGTERM
 """A rank stopped on a signal after saving its last step; never 0, so a stopped pod does not read as finished."""
 INTERRUPTED = 128 + signal.SIGINT

@@ -6,7 +6,7 @@ import yaml
 
 from meshtrain.api import exitcodes, loading, release
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import builders, identity, kubelet_tier, naming
+from meshtrain.operator.policy import builders, identity, kubelet_tier, naming, replacement
 from tests.builders import JobBuilder
 
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
@@ -240,7 +240,9 @@ def test_resources_volumes_selector_tolerations():
     }
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
     assert pod["spec"]["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        # A gang that rejoins sees a lost node within its rejoin window (pod_loss, finding 2).
+        *replacement.node_loss_tolerations(spec_of(JobBuilder())),
     ]
 
 

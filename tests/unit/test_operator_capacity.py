@@ -8,6 +8,7 @@ The same rule against the real kube-scheduler: tests/integration/operator/test_f
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -187,3 +188,29 @@ def test_a_live_jobs_status_says_which_node_each_gated_pod_holds():
     }
     assert capacity.live_owner(job) == capacity.Owner("u", 2, {0: "n1", 1: "n2"})
     assert capacity.live_owner({"metadata": {"uid": "u"}}) == capacity.Owner("u", 0, {})
+
+
+def test_an_unbound_replacement_and_a_spare_hold_the_nodes_their_job_status_names():
+    """A replacement (status.placement[i].pod) and a spare pod (status.spares) are released at
+    once and hold their node until kube-scheduler binds them: another job's plan must not count
+    those GPUs free (review finding 4)."""
+    replacement = builders.build_pod(JOB, SPEC, 0, 0, "n3", name="train-r0-0-p1")
+    replacement["status"] = {"phase": "Pending"}
+    spare = builders.build_spare_pod(JOB, SPEC, 0, 0, "n4")
+    spare["status"] = {"phase": "Pending"}
+    job = {
+        "metadata": {"uid": "uid-live"},
+        "status": {
+            "placement": [{"podIndex": 0, "node": "n3", "pod": "train-r0-0-p1", "replaced": 1}],
+            "spares": [{"pod": "train-r0-s0", "node": "n4"}],
+        },
+    }
+    owner = capacity.live_owner(job)
+    assert owner is not None
+    assert capacity.counted_node(replacement, owner) == "n3"
+    assert capacity.counted_node(spare, owner) == "n4"
+    assert capacity.counted_node(_own("n3"), owner) is None  # superseded: the replacement holds it
+    # Nothing the status does not name: neither a spare it does not list nor another attempt's.
+    assert capacity.counted_node(spare, capacity.Owner("uid-live", 0, {0: "n3"})) is None
+    assert capacity.counted_node(spare, dataclasses.replace(owner, attempt=1)) is None
+    assert capacity.counted_node(replacement, LIVE) is None  # recorded nowhere: a forgery

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from meshtrain.operator import sparing
 from meshtrain.operator.policy import (
     builders,
     failure,
@@ -156,13 +157,15 @@ def test_a_superseded_pod_is_stale_and_the_replacement_is_the_gang():
     assert "SetStatus" not in kinds(decision) or status_of(decision).get("restarts") is None
 
 
-def test_a_replacement_gets_the_startup_timeout_from_its_own_creation():
+def test_a_replacement_gets_the_rejoin_timeout_from_its_own_creation():
+    """The survivors wait rejoinTimeoutSeconds (120 s) for it, not startupTimeoutSeconds (600 s):
+    a replacement not running by then rebuilds the gang (review finding 15)."""
     status = three()
     status["placement"][2] = {"podIndex": 2, "node": "n4", "pod": "j-r0-2-p1", "replaced": 1}
     new = dataclasses.replace(pod(2, "Pending", created=1000), name="j-r0-2-p1")
     state = job(spec(), **status)
-    assert "restarts" not in status_of(lifecycle.decide(state, gang(new), at(1500)))
-    assert status_of(lifecycle.decide(state, gang(new), at(1700)))["restarts"] == 1  # 600 s later
+    assert "restarts" not in status_of(lifecycle.decide(state, gang(new), at(1100)))
+    assert status_of(lifecycle.decide(state, gang(new), at(1130)))["restarts"] == 1  # 120 s later
 
 
 def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
@@ -174,6 +177,7 @@ def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
         "node": "n7",
         "pod": "j-r0-2-p1",
         "replaced": 1,
+        "pending": True,  # recorded, not created yet (review finding 3)
     }
     assert changes["placement"][:2] == three()["placement"][:2]
     recovery = changes["recovery"]
@@ -187,3 +191,123 @@ def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
     assert replacement.next_name("j", 0, changes["placement"][2], 2) == "j-r0-2-p2"
     assert naming.replacement_pod_name("j", 0, 2, 1) == "j-r0-2-p1"
     assert pod_loss.REPLACE_LOST in lifecycle.RULES
+
+
+def test_a_pending_replacement_is_created_and_then_no_longer_pending():
+    status = three()
+    status["placement"][2] = {
+        "podIndex": 2, "node": "n4", "pod": "j-r0-2-p1", "replaced": 1, "pending": True
+    }  # fmt: skip
+    placed = replacement.entries(status)
+    assert replacement.pending(placed[2]) and not replacement.pending(placed[1])
+    # Planned again while pending (its node was taken meanwhile): same name, counted once.
+    assert replacement.planned_name("j", 0, placed[2], 2) == "j-r0-2-p1"
+    assert replacement.planned_name("j", 0, placed[1], 1) == "j-r0-1-p1"
+    state = job(spec(), **{**status, "recovery": {"attempt": 0, "attemptRestarts": 1}})
+    moved = [replacement.Replaced(2, "j-r0-2", "pod deleted", "j-r0-2-p1", "n5", spare=False)]
+    changes = replacement.status_changes(state, moved, 1, at(5))
+    assert changes["placement"][2] == {**status["placement"][2], "node": "n5"}
+    assert changes["recovery"]["attemptRestarts"] == 1
+    done = replacement.created(status, [2])["placement"]
+    assert done[2] == {"podIndex": 2, "node": "n4", "pod": "j-r0-2-p1", "replaced": 1}
+    assert done[:2] == status["placement"][:2]
+
+
+def test_a_pending_replacement_is_not_counted_twice_against_the_limit():
+    """Recorded at the limit (10 of 10), not created yet: the next pass still creates it; once
+    created and lost again, it is a new loss, refused past the limit (the gang is rebuilt)."""
+    status = three(recovery={"attempt": 0, "attemptRestarts": 10})
+    entry = {"podIndex": 2, "node": "n4", "pod": "j-r0-2-p1", "replaced": 1, "pending": True}
+    status["placement"][2] = entry
+    pods = [p for p in gang() if p.index != 2]  # the replacement does not exist yet
+    assert "ReplacePods" in kinds(lifecycle.decide(job(spec(), **status), pods, at(5)))
+    status["placement"][2] = {k: v for k, v in entry.items() if k != "pending"}
+    decision = lifecycle.decide(job(spec(), **status), pods, at(5))
+    assert "ReplacePods" not in kinds(decision) and status_of(decision)["restarts"] == 1
+
+
+def _raw_pod(name: str, index: int, node: str, phase: str = "Running") -> dict[str, Any]:
+    labels = {naming.LABEL_NODE_RANK: str(index), naming.LABEL_ATTEMPT: "0"}
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"nodeName": node},
+        "status": {"phase": phase},
+    }
+
+
+def test_a_replacement_waits_until_its_lost_pod_stopped_or_its_node_is_dead():
+    nodes = {
+        "n2": {"metadata": {"name": "n2"}, "spec": {}},
+        "n3": {"spec": {"taints": [{"key": replacement.OUT_OF_SERVICE, "effect": "NoExecute"}]}},
+        "n5": {"spec": {"taints": [{"key": "node.kubernetes.io/unreachable"}]}},
+    }
+    new = _raw_pod("j-r0-2-p1", 2, "n7")
+    other = _raw_pod("j-r0-1", 1, "n1")
+
+    def holders(*pods: dict[str, Any]) -> list[str]:
+        return replacement.holders([new, other, *pods], 0, 2, "j-r0-2-p1", nodes.get)
+
+    assert holders(_raw_pod("j-r0-2", 2, "n2")) == ["j-r0-2"]  # running out its grace period
+    assert holders(_raw_pod("j-r0-2", 2, "n5")) == ["j-r0-2"]  # unreachable: may still run
+    assert holders(_raw_pod("j-r0-2", 2, "n2", "Failed")) == []  # stopped
+    assert holders(_raw_pod("j-r0-2", 2, "n3")) == []  # out-of-service: known shut down
+    assert holders(_raw_pod("j-r0-2", 2, "gone")) == []  # its Node object deleted
+    assert holders() == []  # gone
+    earlier = _raw_pod("j-r0-2", 2, "n2")
+    earlier["metadata"]["labels"][naming.LABEL_ATTEMPT] = "1"
+    assert holders(earlier) == []  # another attempt's pod holds no slot of this one
+
+
+def test_rejoining_pods_tolerate_a_lost_node_a_third_of_the_rejoin_window():
+    def tolerations(**recovery: Any) -> list[dict[str, Any]]:
+        raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery=recovery).raw()
+        state = job(raw)
+        built = builders.build_pod(state.ref, state.spec, 0, 1, "n1")
+        return [t for t in built["spec"].get("tolerations") or [] if "NoExecute" in str(t)]
+
+    keys = ["node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"]
+    found = tolerations()
+    assert [t["key"] for t in found] == keys
+    assert {t["tolerationSeconds"] for t in found} == {30}  # min(30, 120 / 3)
+    assert {t["tolerationSeconds"] for t in tolerations(rejoinTimeoutSeconds=45)} == {15}
+    assert tolerations(inPlace=False) == []  # the gang is rebuilt: the API server's 300 s stay
+
+
+def test_spares_stay_within_what_kueue_admitted():
+    """spareNodes raised on an admitted job (runPolicy is outside the Workload's spec hash, so no
+    new Workload): no more spares than the admitted pod set counts beside the gang (finding 5)."""
+    raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery={"spareNodes": 4}).raw()
+    state = job(raw, **three())
+    workload = {
+        "status": {
+            "conditions": [{"type": "Admitted", "status": "True"}],
+            "admission": {
+                "clusterQueue": "q",
+                "podSetAssignments": [{"name": kueue_workload.POD_SET, "count": 4, "flavors": {}}],
+            },
+        }
+    }
+    admitted = kueue_workload.state(workload)
+    assert isinstance(admitted, kueue_workload.Admitted) and admitted.count == 4
+    assert sparing.wanted(state, admitted.count) == 1  # 4 admitted, 3 of them the gang's
+    assert sparing.wanted(state, 3) == 0 and sparing.wanted(state, 2) == 0
+    assert sparing.wanted(state) == 4  # no Kueue: spareNodes
+
+
+def test_a_changed_recovery_policy_refuses_the_pod_tier():
+    """runPolicy is outside the spec hash: an edit of runPolicy.recovery rebuilds no gang, so a
+    replacement built now would run other settings than its gang; the pod tier is refused then
+    (review finding 16)."""
+
+    def built(**recovery: Any) -> dict[str, Any]:
+        raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery=recovery).raw()
+        state = job(raw)
+        return builders.build_pod(state.ref, state.spec, 0, 0, "n0")
+
+    pod0 = built()
+    assert replacement.recovery_env(pod0)  # the supervisor's settings, read back
+    assert not replacement.recovery_changed(pod0, built())
+    assert not replacement.recovery_changed(None, built())
+    assert not replacement.recovery_changed(pod0, built(spareNodes=2))  # not the trainer's
+    assert replacement.recovery_changed(pod0, built(inPlaceLimit=3))
+    assert replacement.recovery_changed(pod0, built(rejoinTimeoutSeconds=60))

@@ -235,6 +235,21 @@ def test_a_workload_is_finished_only_once_the_ended_gangs_pods_are_gone():
     assert kueue_workload.FinishWorkload in _types(lifecycle.decide(failed, stopped, at(5), gate))
 
 
+def test_a_spare_pod_still_holding_its_gpus_keeps_the_quota():
+    """A spare pod (runPolicy.recovery.spareNodes) is no pod of the gang, but it holds GPUs the
+    Workload admitted: the quota waits for it too (review finding 13)."""
+    failed = job(phase="Failed", completionTime=conditions.timestamp(T0))
+    gate = kueue_workload.Gate(kueue_workload.Admitted("research"))
+    waiting = lifecycle.decide(failed, [], T0, gate, spares_holding=1)
+    assert kueue_workload.FinishWorkload not in _types(waiting) and waiting.requeue_after
+    assert kueue_workload.FinishWorkload in _types(lifecycle.decide(failed, [], T0, gate))
+    running = job(**placed_status(phase="Running", restarts=0))
+    evicted = kueue_workload.Gate(kueue_workload.Evicted("Preempted", "", holds_quota=True))
+    held = lifecycle.decide(running, [], at(10), evicted, spares_holding=1)
+    assert kueue_workload.ReleaseQuota not in _types(held)
+    assert kueue_workload.ReleaseQuota in _types(lifecycle.decide(running, [], at(10), evicted))
+
+
 def _reported(decision: job_actions.Decision) -> list[bool]:
     return [a.ready for a in decision.actions if isinstance(a, kueue_workload.ReportPodsReady)]
 

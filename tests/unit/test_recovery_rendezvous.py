@@ -111,3 +111,31 @@ def test_communication_errors_are_told_from_a_ranks_own():
     assert not generations.communication_error(
         RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     )
+
+
+def test_a_replacement_fences_the_pod_it_replaces(store):
+    old, new = "uid-old", "uid-new"
+    assert rendezvous.claim_slot(store, 2, old)
+    assert rendezvous.claim_slot(store, 2, old)  # its container restarted: still its slot
+    assert rendezvous.holds_slot(store, 2, old)
+    assert rendezvous.claim_slot(store, 2, new)  # the replacement takes node rank 2
+    assert not rendezvous.holds_slot(store, 2, old) and rendezvous.holds_slot(store, 2, new)
+    assert not rendezvous.claim_slot(store, 2, old)  # the old pod, back later, stays fenced
+    assert rendezvous.holds_slot(store, 2, new) and rendezvous.claim_slot(store, 2, new)
+    assert rendezvous.claim_slot(store, 1, old) is False  # fenced for every slot
+    assert rendezvous.claim_slot(store, 1, "") and rendezvous.holds_slot(store, 1, "")
+
+
+def test_a_fenced_supervisor_exits_and_leaves_the_gang_alone(store, monkeypatch, tmp_path):
+    """The old pod's supervisor starts again (its node came back) after the replacement took
+    node rank 1: it starts no worker, exits FENCED, says why, and halts nothing."""
+    assert rendezvous.claim_slot(store, 1, "uid-old")
+    assert rendezvous.claim_slot(store, 1, "uid-new")
+    monkeypatch.setenv("MESHTRAIN_POD_UID", "uid-old")
+    monkeypatch.setenv("MESHTRAIN_TERMINATION_LOG", str(tmp_path / "termination"))
+    argv = ["--node-rank", "1", "--nnodes", "2", "--warm-spares", "0"]
+    args = supervise.build_parser().parse_args(argv)
+    supervisor = supervise.Supervisor(args, supervise.settings(args), store)
+    assert supervisor.run() == exitcodes.FENCED
+    assert not supervisor.workers and rendezvous.halted(store) is None
+    assert "replaced" in (tmp_path / "termination").read_text()

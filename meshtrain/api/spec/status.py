@@ -57,6 +57,11 @@ class PodPlacement(base.StatusModel):
         le=limits.MAX_COUNT,
         description="Times this index was replaced in this gang attempt.",
     )
+    pending: bool | None = Field(
+        None,
+        description="The replacement named by pod is recorded but not created yet (a pass after "
+        "an operator crash creates it); absent once created.",
+    )
 
 
 class SpareNode(base.StatusModel):

@@ -32,6 +32,7 @@ from meshtrain.operator.policy import (
     builders,
     checkpoint_condition,
     conditions,
+    feasibility,
     identity,
     job_actions,
     job_state,
@@ -146,7 +147,8 @@ class Reconciler:
         )
         if states and job.status.get("phase") not in job_state.FINAL:
             await self.placer.check_gang_policy(job)
-        decision = lifecycle.decide(job, states, clock.now(), kueue, gone)
+        spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
@@ -166,7 +168,8 @@ class Reconciler:
         changed = changed or did
         admitted = kueue.state if kueue is not None else None
         flavors = admitted.flavors if isinstance(admitted, kueue_workload.Admitted) else ()
-        body, job, did = await self.spares.keep(body, job, flavors)
+        count = admitted.count if isinstance(admitted, kueue_workload.Admitted) else None
+        body, job, did = await self.spares.keep(body, job, flavors, count)
         changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh

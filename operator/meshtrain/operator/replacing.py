@@ -3,9 +3,11 @@
 :class:`Replacer` carries out ``job_actions.ReplacePods``: it picks a node for each lost pod
 (``meshtrain.placement.replacement``: the survivors' domain kept where the plan requires it,
 spare nodes first (``sparing``), else the fabric cost model), writes the replacements into
-``status.placement`` and ``status.recovery`` first, releases the spares it takes, deletes the
-lost pods, then creates each replacement (already released: the gang it joins runs).  An
-operator killed in between finds the recorded name and creates it (the create is idempotent).
+``status.placement`` (``pending``) and ``status.recovery`` first, deletes the lost pods, then,
+once a lost pod stopped or its node is known dead (``replacement.holders``), releases the spare
+its replacement takes and creates the replacement (already released: the gang it joins runs),
+and marks it created.  A pass after a crash, or after the lost pod stopped, finds the pending name and creates
+it (the create is idempotent).
 Without room it answers None: the reconciler then rebuilds the gang as before.
 """
 
@@ -53,6 +55,10 @@ class Replacer:
         where = await workloads.flavors(placer.client, action.flavors)
         if isinstance(where, kueue_workload.Unassignable):
             return None
+        if self._recovery_changed(job, action.attempt, where):
+            message = "runPolicy.recovery changed since the gang started: the gang is rebuilt"
+            await placer.writer.emit(body, "Warning", conditions.POD_NOT_REPLACED, message)
+            return None
         async with placer.lock:
             chosen = self._recorded(action, job, where)
             fresh = [i for i in action.indices if i not in chosen]
@@ -70,11 +76,17 @@ class Replacer:
                 )
                 body, job, _ = await placer.writer.set_status(body, job, changes)
                 chosen.update({r.index: (r.pod, r.node) for r in made})
-                await self._release(job, action.attempt, answer.spares_used)
-            # The lost pods go first: a gang slot never has two live holders.
+            # The lost pods go first, and a replacement waits until its lost pod stopped (or its
+            # node is known dead): a gang slot never has two live holders.
             await owned.delete_pods(placer.client, placer.cache, ref, action.doomed)
-            pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in sorted(chosen)]
+            ready = self._vacated(job, action.attempt, chosen)
+            # A spare holds its node until the replacement that takes it can be created.
+            await self._release(job, action.attempt, tuple(chosen[i][1] for i in ready))
+            pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in ready]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
+            if refused is None and ready:
+                created = replacement.created(job.status, ready)
+                body, job, _ = await placer.writer.set_status(body, job, created)
         if refused is not None:
             logger.warning(
                 "%s/%s: replacement refused: %s", ref.namespace, ref.name, refused.message
@@ -84,7 +96,7 @@ class Replacer:
             message = replacement.message(made)
             logger.info("%s/%s: %s", ref.namespace, ref.name, message)
             await placer.writer.emit(body, "Normal", conditions.POD_REPLACED, message)
-        return body, job, True
+        return body, job, bool(made or ready or action.doomed)
 
     def _recorded(
         self,
@@ -92,8 +104,10 @@ class Replacer:
         job: job_state.JobState,
         where: kueue_workload.Assignment,
     ) -> dict[int, tuple[str, str]]:
-        """Replacements already recorded but not in the cache (a crash came between the status
-        write and the create), whose node can still take them: index -> (pod, node)."""
+        """Replacements recorded but not created yet (``pending``: their lost pod was still
+        stopping, or a crash came between the status write and the create), whose node can still
+        take them: index -> (pod, node).  A replacement created and lost since is not here: it is
+        a new loss, replaced afresh (counted, announced)."""
         ref = job.ref
         placed = replacement.entries(job.status)
         cached = {p["metadata"]["name"] for p in owned.owned_pods(self.placer.cache, ref)}
@@ -102,15 +116,59 @@ class Replacer:
             entry = placed.get(index) or {}
             name, node = entry.get("pod"), entry.get("node")
             fits = isinstance(node, str) and node not in action.avoid
-            if isinstance(name, str) and isinstance(node, str) and fits and name not in cached:
+            pending = replacement.pending(entry) and name not in cached
+            if isinstance(name, str) and isinstance(node, str) and fits and pending:
                 found[index] = (name, node)
         if not found:
             return found
         demand = feasibility.demand_of(self._template(job, action.attempt, where))
         wanted = collections.Counter(node for _, node in found.values())
-        raw = list(self.placer.cache.nodes.values())
-        blocked = capacity.infeasible_nodes(demand, wanted, raw, self.placer.cache.usage())
+        cache = self.placer.cache
+        spares = sparing.held(owned.owned_pods(cache, ref), action.attempt)  # theirs to take
+        raw = list(cache.nodes.values())
+        blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=spares))
         return {i: pn for i, pn in found.items() if pn[1] not in blocked}
+
+    def _recovery_changed(
+        self, job: job_state.JobState, attempt: int, where: kueue_workload.Assignment
+    ) -> bool:
+        """Whether a replacement built now would carry another ``runPolicy.recovery`` than the
+        gang's pod 0 (the spec hash leaves runPolicy out: no gang rebuild followed the edit)."""
+        first = naming.pod_name(job.ref.name, attempt, 0)
+        pod0 = next(
+            (
+                p
+                for p in owned.owned_pods(self.placer.cache, job.ref)
+                if p["metadata"]["name"] == first
+            ),
+            None,
+        )
+        return replacement.recovery_changed(pod0, self._template(job, attempt, where))
+
+    def _vacated(
+        self, job: job_state.JobState, attempt: int, chosen: dict[int, tuple[str, str]]
+    ) -> list[int]:
+        """The indices of ``chosen`` whose lost pods no longer run (terminal, gone, or on a node
+        known dead): their replacements may be created now; the others wait (a pod event brings
+        the next pass)."""
+        cache = self.placer.cache
+        pods = owned.owned_pods(cache, job.ref)
+        ready = []
+        for index in sorted(chosen):
+            left = replacement.holders(
+                pods, attempt, index, chosen[index][0], lambda n: cache.nodes.get(("", n))
+            )
+            if left:
+                logger.info(
+                    "%s/%s: pod %d's replacement waits for %s to stop",
+                    job.ref.namespace,
+                    job.ref.name,
+                    index,
+                    ", ".join(left),
+                )
+            else:
+                ready.append(index)
+        return ready
 
     def _choose(
         self,
@@ -144,8 +202,9 @@ class Replacer:
         return choice.replace(request, on, fresh, every, free, spares)
 
     async def _release(self, job: job_state.JobState, attempt: int, nodes: tuple[str, ...]) -> None:
-        """Delete the spare pods on ``nodes``: their GPUs go to the replacements (the spare exits
-        at SIGTERM; kube-scheduler binds the replacement once it is gone)."""
+        """Delete the spare pods on ``nodes`` (those of the replacements created now): their GPUs
+        go to the replacements (the spare exits at SIGTERM; kube-scheduler binds the replacement
+        once it is gone).  Until then the spare keeps the node for its replacement."""
         if not nodes:
             return
         cache = self.placer.cache
@@ -164,7 +223,9 @@ class Replacer:
                 lost=causes[index][0]
                 or replacement.recorded_pod(job.ref.name, action.attempt, placed.get(index), index),
                 cause=causes[index][1],
-                pod=replacement.next_name(job.ref.name, action.attempt, placed.get(index), index),
+                pod=replacement.planned_name(
+                    job.ref.name, action.attempt, placed.get(index), index
+                ),
                 node=node,
                 spare=node in answer.spares_used,
             )

@@ -3,7 +3,8 @@
 A spare is a pod of the job on a node beside the gang (``builders.build_spare_pod``): it requests
 what a gang pod requests and idles, so kube-scheduler and every other job's plan (both count pods)
 leave those GPUs alone, the reservation outlives an operator restart (it is an object, not the
-operator's memory), and Kueue charges it to the job's quota (the Workload counts the spares).
+operator's memory), and Kueue charges it to the job's quota (the Workload counts the spares; a job
+holds no more spares than its admitted Workload counts, whatever ``spareNodes`` says since).
 :class:`Spares` keeps ``spareNodes`` of them while the gang runs, chosen by the topology rules
 (``meshtrain.placement.replacement.spares``), deletes them when the gang stops or is rebuilt, and
 shows them in ``status.spares``.  ``replacing`` takes a spare first.
@@ -12,6 +13,7 @@ shows them in ``status.spares``.  ``replacing`` takes a spare first.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     naming,
     replacement,
+    retries,
 )
 from meshtrain.placement import replacement as choice
 from meshtrain.planner import placement_request
@@ -52,12 +55,16 @@ def held(pods: Sequence[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
     ]
 
 
-def wanted(job: job_state.JobState) -> int:
-    """How many spares the job holds now: ``spareNodes`` while its gang runs and rejoins, else none."""
+def wanted(job: job_state.JobState, admitted: int | None = None) -> int:
+    """How many spares the job holds now: ``spareNodes`` while its gang runs and rejoins, else
+    none; under Kueue no more than its Workload admitted beside the gang (``admitted``: the pods
+    Kueue admitted, None without Kueue): ``spareNodes`` raised after admission, which does not
+    make a new Workload, must not take GPUs outside the quota."""
     spec = job.spec
     if spec is None or job.status.get("phase") != job_state.Phase.RUNNING.value:
         return 0
-    return spec.run_policy.recovery.spare_nodes if replacement.rejoins(spec) else 0
+    want = spec.run_policy.recovery.spare_nodes if replacement.rejoins(spec) else 0
+    return want if admitted is None else max(0, min(want, admitted - spec.pods))
 
 
 def shown(pods: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
@@ -73,14 +80,21 @@ class Spares:
 
     def __init__(self, placer: placing.Placer) -> None:
         self.placer = placer
+        self.short = retries.Backoff(children.retry_delay)
+        """Jobs whose last reservation found no room for every spare: the next waits (doubling,
+        at most ``children.RETRY_CAP_SECONDS``), not every pass; a pod event does not cut it short."""
 
     async def keep(
-        self, body: dict[str, Any], job: job_state.JobState, flavors: tuple[str, ...] = ()
+        self,
+        body: dict[str, Any],
+        job: job_state.JobState,
+        flavors: tuple[str, ...] = (),
+        admitted: int | None = None,
     ) -> Step:
         """Delete the spares the job no longer holds, reserve the ones it lacks (on the nodes the
-        admitted Kueue ``flavors`` allow), show them."""
+        admitted Kueue ``flavors`` allow, within the ``admitted`` pod count), show them."""
         placer, ref = self.placer, job.ref
-        attempt, want = int(job.status.get("restarts") or 0), wanted(job)
+        attempt, want = int(job.status.get("restarts") or 0), wanted(job, admitted)
         pods = owned.owned_pods(placer.cache, ref)
         kept = sorted(held(pods, attempt), key=lambda p: p["metadata"]["name"])[:want]
         names = {p["metadata"]["name"] for p in kept}
@@ -92,7 +106,11 @@ class Spares:
         if doomed:
             await owned.delete_pods(placer.client, placer.cache, ref, doomed)
         changed = bool(doomed)
-        if len(kept) < want:
+        if want == 0:
+            self.short.forget(ref.uid)
+        elif (
+            len(kept) < want and self.short.wait(ref.uid, job.generation, time.monotonic()) is None
+        ):
             taken = {p["metadata"]["name"] for p in spare_pods(pods)}
             where = await workloads.flavors(placer.client, flavors)
             if isinstance(where, kueue_workload.Assignment):
@@ -100,6 +118,10 @@ class Spares:
                     made = await self._reserve(job, attempt, want - len(kept), taken, where)
                 kept += made
                 changed = changed or bool(made)
+                if len(kept) < want:
+                    self.short.refused(ref.uid, job.generation, time.monotonic(), "no room")
+                else:
+                    self.short.forget(ref.uid)
         listed = shown(kept)
         if listed != (job.status.get("spares") or []):
             body, job, _ = await placer.writer.set_status(

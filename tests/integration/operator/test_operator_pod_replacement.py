@@ -3,11 +3,13 @@
 A running gang of three pods loses pod 2: only it is replaced, on a node of the leaf its plan
 requires, bound there by kube-scheduler, while pods 0 and 1 keep their UIDs and the gang attempt
 stays; with ``runPolicy.recovery.spareNodes`` the replacement takes the spare and a new spare is
-reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang.
+reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang; a replacement waits until
+the pod it replaces has stopped; the pods tolerate a lost node for a third of the rejoin window.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -214,8 +216,10 @@ def test_a_replacement_recorded_before_a_crash_is_created_once_after_it(plane_an
     operator.kill()
     try:
         # What a pass killed after its status write left: the lost pod gone, its replacement
-        # recorded and not created.
-        placement[2] = {"podIndex": 2, "node": free, "pod": "crash-r0-2-p1", "replaced": 1}
+        # recorded and not created (pending).
+        placement[2] = {
+            "podIndex": 2, "node": free, "pod": "crash-r0-2-p1", "replaced": 1, "pending": True
+        }  # fmt: skip
         cluster.custom.patch_namespaced_custom_object_status(
             GROUP,
             VERSION,
@@ -237,3 +241,61 @@ def test_a_replacement_recorded_before_a_crash_is_created_once_after_it(plane_an
         "crash-r0-1",
         "crash-r0-2-p1",
     ]
+
+
+def test_a_replacement_waits_until_the_pod_it_replaces_has_stopped(plane, space):
+    """A deleted pod whose containers still run (a finalizer stands for its grace period) keeps
+    its rank: the replacement is recorded pending and created only once the pod is gone, so one
+    rank never has two live pods (review finding 1)."""
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=4, elsewhere=0)
+    job = JobBuilder("hold", namespace, pool).layout(data=6).gpus(2)
+    _start(cluster, job, namespace, "hold")
+    hold = {"metadata": {"finalizers": ["meshtrain.test/still-running"]}}
+    cluster.core.patch_namespaced_pod("hold-r0-2", namespace, hold)
+    cluster.core.delete_namespaced_pod("hold-r0-2", namespace)
+    wait_for(
+        "the replacement recorded, pending",
+        lambda: cluster.status(namespace, "hold")["placement"][2].get("pending") is True,
+    )
+    time.sleep(3)  # passes go by (the kubelet's confirmation is one): the old pod still runs
+    old = _pod(cluster, namespace, "hold-r0-2")
+    assert old is not None and old.metadata.deletion_timestamp and old.status.phase == "Running"
+    assert _pod(cluster, namespace, "hold-r0-2-p1") is None
+    cluster.core.patch_namespaced_pod("hold-r0-2", namespace, {"metadata": {"finalizers": None}})
+    replaced = _bound(cluster, namespace, "hold-r0-2-p1")
+    assert replaced.spec.node_name != old.spec.node_name  # its GPUs were held till the end
+    wait_for(
+        "the replacement created, no longer pending",
+        lambda: "pending" not in cluster.status(namespace, "hold")["placement"][2],
+    )
+    assert cluster.status(namespace, "hold")["recovery"]["attemptRestarts"] == 1  # counted once
+    # The API server's DefaultTolerationSeconds left the pods' own node-loss tolerations alone:
+    # a third of rejoinTimeoutSeconds (120 s), not its 300 s.
+    for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
+        seconds = [t.toleration_seconds for t in replaced.spec.tolerations if t.key == key]
+        assert seconds == [30], (key, replaced.spec.tolerations)
+
+
+def test_a_replacement_lost_again_is_a_new_loss_counted_and_announced(plane, space):
+    """The replacement ran, then was lost too: it is not recreated silently under its recorded
+    name but replaced afresh, counted against inPlaceLimit, with its own Event (finding 3)."""
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=5, elsewhere=0)
+    _start(cluster, JobBuilder("again", namespace, pool).layout(data=6).gpus(2), namespace, "again")
+    cluster.core.delete_namespaced_pod("again-r0-2", namespace)
+    _bound(cluster, namespace, "again-r0-2-p1")
+    cluster.wait_reason(namespace, "again", "Running", "AllPodsRunning")
+    cluster.core.delete_namespaced_pod("again-r0-2-p1", namespace)
+    second = _bound(cluster, namespace, "again-r0-2-p2")
+    status = cluster.status(namespace, "again")
+    assert (
+        status["placement"][2]["pod"] == "again-r0-2-p2" and status["placement"][2]["replaced"] == 2
+    )
+    assert status["recovery"]["attemptRestarts"] == 2 and status.get("restarts", 0) == 0, status
+    events = wait_for(  # the Event follows the create
+        "two PodReplaced Events",
+        lambda: len(found := cluster.events(namespace, "again", "PodReplaced")) == 2 and found,
+    )
+    assert any("again-r0-2-p2" in e.message for e in events)
+    assert second.metadata.name in {p.metadata.name for p in cluster.pods(namespace, "again")}

@@ -153,6 +153,8 @@ class Supervisor:
         self.heartbeat = 0
         self.seen: dict[int, tuple[bytes, float]] = {}
         self.lost: set[int] = set()
+        self.uid = os.environ.get("MESHTRAIN_POD_UID", "")
+        """This pod's UID (downward API): the rendezvous store fences its slot with it."""
 
     # -- children ------------------------------------------------------------------------
 
@@ -216,6 +218,8 @@ class Supervisor:
     def run(self) -> int:
         """Start the workers and the spares, then watch them until the pod's exit code is known."""
         rendezvous.init_generation(self.store)
+        if not rendezvous.claim_slot(self.store, self.pod, self.uid):
+            return self.fenced()
         if self.store.add(f"rdzv/pod{self.pod}/incarnation", 1) > 1:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
             failure = rendezvous.Failure("container", "container restarted", ranks, time.time())
@@ -233,6 +237,8 @@ class Supervisor:
                 return self.stop()
             if time.monotonic() - last_beat >= HEARTBEAT_S:
                 last_beat = time.monotonic()
+                if not rendezvous.holds_slot(self.store, self.pod, self.uid):
+                    return self.fenced()
                 self.beat()
             code = rendezvous.halted(self.store)
             if code is not None:
@@ -292,6 +298,14 @@ class Supervisor:
             if found is None or found.si_pid in ours:
                 return
             os.waitpid(found.si_pid, 0)
+
+    def fenced(self) -> int:
+        """Another pod (a replacement) holds this pod's node rank: stop, leave the gang alone."""
+        why = f"node rank {self.pod} is held by a replacement pod: this pod was replaced"
+        _say(self.pod, why)
+        self.stop_workers(self.args.shutdown_timeout)
+        progress.write_failure(exitcodes.FENCED, why)
+        return exitcodes.FENCED
 
     def give_up(self, why: str) -> int:
         """Halt the gang for a rebuild (75), leaving the reason in the termination log."""

@@ -17,9 +17,11 @@ from meshtrain.api import spec as api_spec
 from meshtrain.operator.cluster import clock, kube, status_writes
 from meshtrain.operator.policy import (
     builders,
+    feasibility,
     identity,
     job_state,
     kueue_workload,
+    naming,
     pod_state,
     queue_defaulting,
 )
@@ -230,6 +232,11 @@ async def release_after_pods(
         return 0
     states = [s for s in (pod_state.read(p) for p in pods) if s is not None]
     held = sum(s.holds_resources for s in states)
+    held += sum(  # its spare pods (no pods of the gang) hold GPUs of the quota too
+        feasibility.holds_resources(p)
+        for p in pods
+        if naming.LABEL_SPARE in ((p.get("metadata") or {}).get("labels") or {})
+    )
     if held and not isinstance(kueue_workload.state(workload), kueue_workload.Finished):
         return held
     metadata = workload["metadata"]

@@ -179,6 +179,9 @@ def _env(
     env.append(
         {"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     )
+    env.append(  # the supervisor fences its rank slot with it (a replaced pod's exits)
+        {"name": "MESHTRAIN_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+    )
     env.append(
         {"name": "MESHTRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     )
@@ -396,6 +399,11 @@ def build_pod(
         pod_spec["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True, mode="json")
             for t in spec.resources.tolerations
+        ]
+    if replacement.rejoins(spec):  # a lost node seen within the rejoin window, not after 300 s
+        pod_spec["tolerations"] = [
+            *pod_spec.get("tolerations", []),
+            *replacement.node_loss_tolerations(spec),
         ]
     if pod_group:
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group}

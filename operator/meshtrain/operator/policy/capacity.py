@@ -53,6 +53,10 @@ class Owner:
     """status.restarts: the gang attempt whose pods hold nodes (their ``meshtrain.io/attempt``)."""
     placement: Mapping[int, str]
     """status.placement: pod index -> the node the operator planned for it."""
+    pods: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    """status.placement: pod index -> the replacement that holds it (absent: the gang's own pod)."""
+    spares: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """status.spares: spare pod name -> the node it holds for the job."""
 
 
 def live_owner(job: Mapping[str, Any]) -> Owner | None:
@@ -63,14 +67,22 @@ def live_owner(job: Mapping[str, Any]) -> Owner | None:
     status = job.get("status") or {}
     restarts = status.get("restarts")
     planned: dict[int, str] = {}
+    pods: dict[int, str] = {}
     for entry in status.get("placement") or []:
         if not isinstance(entry, dict):
             continue
-        index, node = entry.get("podIndex"), entry.get("node")
+        index, node, pod = entry.get("podIndex"), entry.get("node"), entry.get("pod")
         if type(index) is int and isinstance(node, str) and node:
             planned[index] = node
+            if isinstance(pod, str) and pod:
+                pods[index] = pod
+    spares: dict[str, str] = {}
+    for entry in status.get("spares") or []:
+        pod, node = (entry.get("pod"), entry.get("node")) if isinstance(entry, dict) else ("", "")
+        if isinstance(pod, str) and isinstance(node, str) and pod and node:
+            spares[pod] = node
     attempt = restarts if type(restarts) is int else 0
-    return Owner(uid=uid, attempt=attempt, placement=planned)
+    return Owner(uid=uid, attempt=attempt, placement=planned, pods=pods, spares=spares)
 
 
 def controller_uid(obj: Mapping[str, Any]) -> str | None:
@@ -87,7 +99,8 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
 
 def reserved_node(pod: Mapping[str, Any], owner: Owner) -> str | None:
     """The node ``owner``'s ``status.placement`` holds for ``pod``: None unless ``pod`` is the pod
-    the operator creates for that entry (its controller, name, attempt and index).
+    the operator creates for that entry (its controller, name, attempt and index: the gang's own
+    name, or the replacement the entry names), or a spare pod ``status.spares`` names.
 
     Names are unique in a namespace, so one pod at most counts per placement entry, and only on
     the node the operator planned: a pod a tenant made reserves nothing the job does not hold.
@@ -99,11 +112,15 @@ def reserved_node(pod: Mapping[str, Any], owner: Owner) -> str | None:
     labels = metadata.get("labels") or {}
     index = naming.int_label(labels, naming.LABEL_NODE_RANK)
     attempt = naming.int_label(labels, naming.LABEL_ATTEMPT)
-    if index is None or attempt != owner.attempt or controller_uid(pod) != owner.uid:
+    if attempt != owner.attempt or controller_uid(pod) != owner.uid:
         return None
-    if metadata.get("name") != naming.pod_name(str(labels.get(naming.LABEL_JOB)), attempt, index):
-        return None
-    return owner.placement.get(index)
+    name = metadata.get("name")
+    if index is None:  # a spare pod: the node status.spares holds for it
+        return owner.spares.get(str(name)) if naming.LABEL_SPARE in labels else None
+    own = owner.pods.get(index) or naming.pod_name(
+        str(labels.get(naming.LABEL_JOB)), attempt, index
+    )
+    return owner.placement.get(index) if name == own else None
 
 
 def counted_node(pod: Mapping[str, Any], owner: Owner | None) -> str | None:

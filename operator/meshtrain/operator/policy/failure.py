@@ -22,6 +22,7 @@ from meshtrain.operator.policy import (
     job_state,
     pod_failure,
     pod_state,
+    replacement,
     situation,
 )
 
@@ -151,9 +152,14 @@ def _too_slow_to_start(seen: situation.Situation) -> bool:
 
 
 def _startup_timed_out(seen: situation.Situation) -> job_actions.Decision:
-    timeout = seen.spec.run_policy.startup_timeout_seconds
+    timeout, named_as = seen.spec.run_policy.startup_timeout_seconds, "startupTimeoutSeconds"
+    if seen.phase == job_state.Phase.RUNNING.value and replacement.rejoins(seen.spec):
+        timeout, named_as = (
+            seen.spec.run_policy.recovery.rejoin_timeout_seconds,
+            "rejoinTimeoutSeconds",
+        )
     waiting = [p for p in seen.current if p.phase != "Running"]
-    message = f"{len(waiting)} pod(s) not Running after startupTimeoutSeconds={timeout}"
+    message = f"{len(waiting)} pod(s) not Running after {named_as}={timeout}"
     named = next((p for p in waiting if p.problem is not None), None)
     if named is not None and named.problem is not None:  # what the kubelet says keeps it waiting
         message += "; " + container_reasons.described(named.name, named.problem)

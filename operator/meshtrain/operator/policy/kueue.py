@@ -28,7 +28,7 @@ def quota_free(seen: situation.Situation) -> bool:
     every pod object of the attempt must be gone, terminal or not: a kept one would block the
     re-admitted gang's creation while it holds the quota.
     """
-    return not pod_state.holding(seen.pods) and not seen.current
+    return not seen.holding and not seen.current
 
 
 def _finished_gang_stopping(seen: situation.Situation) -> job_actions.Decision:
@@ -130,9 +130,7 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
             job_actions.Emit("Warning" if warning else "Normal", reason, message),
         ]
     # A kept pod's deletion wakes the job; the slow recheck is a safety net.
-    recheck = (
-        1.0 if pod_state.holding(pods) else None if free else situation.LEAVING_RECHECK_SECONDS
-    )
+    recheck = 1.0 if seen.holding else None if free else situation.LEAVING_RECHECK_SECONDS
     return job_actions.Decision(tuple(actions), requeue_after=recheck)
 
 
@@ -165,12 +163,12 @@ def _pods_ready(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
 
 FINISHED_GANG_STOPPING = situation.FINISHED.rule(
     "its Workload open, a pod still holds resources: wait before Kueue frees the quota",
-    lambda seen: seen.workload_open and pod_state.holding(seen.pods),
+    lambda seen: seen.workload_open and seen.holding,
     _finished_gang_stopping,
 )
 WORKLOAD_FINISHED = situation.FINISHED.rule(
     "its Workload open, no pod holds resources: mark the Workload finished",
-    lambda seen: seen.workload_open and not pod_state.holding(seen.pods),
+    lambda seen: seen.workload_open and not seen.holding,
     _workload_finished,
 )
 SUSPENDED = situation.VALID.rule(

@@ -193,7 +193,8 @@ def build_workload(
         }
     workload_spec: dict[str, Any] = {
         "queueName": queue.name,
-        # The spare pods request what a gang pod does: the quota counts them (runPolicy.recovery.spareNodes).
+        # The spare pods request what a gang pod does: the quota counts them (runPolicy.recovery.spareNodes);
+        # spareNodes raised after admission gets no more spares than admitted (sparing.wanted).
         "podSets": [{"name": POD_SET, "count": spec.pods + _spares(spec), "template": template}],
     }
     workload_spec["priority"] = priority.value
@@ -231,6 +232,9 @@ class Admitted:
     """(status, reason) of the workload's PodsReady condition; None while it has none."""
     flavors: tuple[str, ...] = ()
     """The ResourceFlavors Kueue assigned the gang's pod set: its pods go where they say."""
+    count: int | None = None
+    """The pods Kueue admitted in the gang's pod set (``podSetAssignments[].count``; None: not
+    said): the gang's and its spares'; spares past it would run outside the quota."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,10 +511,16 @@ def state(workload: Mapping[str, Any]) -> State:
             if pod_set.get("name") == POD_SET
             for name in (pod_set.get("flavors") or {}).values()
         ]
+        counts = [
+            pod_set.get("count")
+            for pod_set in status["admission"].get("podSetAssignments") or []
+            if pod_set.get("name") == POD_SET and type(pod_set.get("count")) is int
+        ]
         return Admitted(
             status["admission"].get("clusterQueue", ""),
             (ready.get("status", ""), ready.get("reason", "")) if ready else None,
             tuple(sorted(set(assigned))),
+            counts[0] if counts else None,
         )
     reserved = conditions.find(status.get("conditions") or [], QUOTA_RESERVED) or {}
     return Waiting(

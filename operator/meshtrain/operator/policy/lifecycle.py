@@ -86,6 +86,7 @@ def decide(
     now: datetime.datetime,
     kueue: kueue_workload.Gate | None = None,
     nodes_gone: frozenset[str] = frozenset(),
+    spares_holding: int = 0,
 ) -> job_actions.Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
 
@@ -96,9 +97,10 @@ def decide(
 
     ``kueue`` (Kueue's answer) is given for a job Kueue queues: the gang exists only while Kueue
     admits it.  ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that
-    vanished with its node, as PodGC force-deletes it, is a disruption).
+    vanished with its node, as PodGC force-deletes it, is a disruption).  ``spares_holding``: the
+    job's spare pods that still hold resources (no pods of the gang; the quota waits for them).
     """
-    seen = situation.Situation(job, tuple(pods), now, kueue, nodes_gone)
+    seen = situation.Situation(job, tuple(pods), now, kueue, nodes_gone, spares_holding)
     owed: list[job_actions.Action] = []
     for row in RULES:
         if isinstance(row, situation.Note):

@@ -1,7 +1,10 @@
 """The pod tier of in-place recovery: a pod lost from a running gang is replaced alone.
 
-A pod is lost when it is deleted, evicted or disrupted, its node is gone or stopped reporting
-(phase Unknown, the node lifecycle controller's grace past), or it vanished; a pod whose own
+A pod is lost when it is deleted, evicted or disrupted, its node is gone, or it vanished.  A node
+that stops reporting is tainted ``unreachable``/``not-ready`` (NoExecute) by the node lifecycle
+controller; a rejoining gang's pods tolerate that only ``replacement.node_loss_seconds`` (a third
+of the rejoin window, at most 30 s), then the taint manager evicts them (deleted, with a
+``DisruptionTarget`` condition): a lost node is seen well within the window.  A pod whose own
 trainer failed is not lost (the kubelet's container tier and the gang rebuild answer that).  When
 every lost pod is lost that way, none is pod 0 (its supervisor hosts the rendezvous store), every
 other pod of the gang still runs and can rejoin (``naming.LABEL_REJOINS``), and the gang attempt
@@ -70,7 +73,9 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
     if not all(p.rejoins and not p.terminal and not p.gated for p in survivors):
         return None
     limit = spec.run_policy.recovery.in_place_limit
-    if replacement.attempt_restarts(seen.job.status, seen.attempt) + len(indices) > limit:
+    placed = replacement.entries(seen.job.status)
+    new = [i for i in indices if not replacement.pending(placed.get(i))]  # pending: counted
+    if replacement.attempt_restarts(seen.job.status, seen.attempt) + len(new) > limit:
         return None
     lost_pods = [p for p in seen.current if p.index in indices]
     return job_actions.ReplacePods(

@@ -48,9 +48,17 @@ class Situation:
     """Kueue's answer for a job it queues (None: the job is not queued)."""
     nodes_gone: frozenset[str] = frozenset()
     """Nodes of ``status.placement`` that no longer exist."""
+    spares_holding: int = 0
+    """The job's spare pods (``runPolicy.recovery.spareNodes``) that still hold resources: they
+    are no pods of the gang, but hold GPUs (and Kueue quota) until they are gone."""
     _facts: dict[Callable[[Situation], Any], Any] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
     )
+
+    @property
+    def holding(self) -> bool:
+        """Whether a pod of the job, a spare included, still holds its node's resources."""
+        return self.spares_holding > 0 or pod_state.holding(self.pods)
 
     def once(self, fact: Callable[[Situation], Fact]) -> Fact:
         """``fact(self)``, worked out at the first ask: a rule's guard and decision share it."""
@@ -183,7 +191,8 @@ class Situation:
     @functools.cached_property
     def startup_left(self) -> float | None:
         """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod);
-        in a gang that ran (phase Running), since its newest pod (a replacement) was created.
+        in a gang that ran (phase Running), since its newest pod (a replacement) was created, and
+        for a gang that rejoins, of ``rejoinTimeoutSeconds`` (what its survivors wait).
 
         While the kubelet pulls a pod's image (``PodState.pulling``: past its volumes and sandbox)
         the timeout waits, for up to ``container_reasons.PULL_ALLOWANCE_SECONDS`` more.
@@ -191,11 +200,17 @@ class Situation:
         created = [p.created_at for p in self.current if p.created_at is not None]
         if not created:
             return None
-        timeout = self.spec.run_policy.startup_timeout_seconds
-        if any(p.pulling and not p.terminal for p in self.current):
-            timeout += container_reasons.PULL_ALLOWANCE_SECONDS
+        ran = self.phase == job_state.Phase.RUNNING.value
+        if ran and replacement.rejoins(self.spec):
+            # The survivors wait for a replacement only rejoinTimeoutSeconds, then give up (75):
+            # waiting longer for it is time the gang cannot use.
+            timeout = self.spec.run_policy.recovery.rejoin_timeout_seconds
+        else:
+            timeout = self.spec.run_policy.startup_timeout_seconds
+            if any(p.pulling and not p.terminal for p in self.current):
+                timeout += container_reasons.PULL_ALLOWANCE_SECONDS
         # A gang that ran waits only for a replaced pod: its clock starts with that pod.
-        first = max(created) if self.phase == job_state.Phase.RUNNING.value else min(created)
+        first = max(created) if ran else min(created)
         return (first + datetime.timedelta(seconds=timeout) - self.now).total_seconds()
 
 

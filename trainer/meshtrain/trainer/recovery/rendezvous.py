@@ -17,6 +17,9 @@ own under ``g{g}/``):
 - ``halt``: an exit code every supervisor and worker leaves with (first writer wins).
 - ``step``: the newest step global rank 0 completed (a recovery's lost steps).
 - ``pod{p}/hb``, ``pod{p}/incarnation``, ``done``: supervisors' liveness, restarts and finish.
+- ``pod{p}/uid`` and ``fenced/{uid}``: the pod (its UID) that holds node rank ``p``, and the pods
+  that held it before (fencing: a replacement registers its UID and fences the one it replaces,
+  whose supervisor then exits with ``exitcodes.FENCED``, even when it comes back later).
 """
 
 from __future__ import annotations
@@ -124,6 +127,39 @@ def halt(store: c10d.Store, code: int) -> int:
 def joined_generation(store: c10d.Store, rank: int) -> int:
     """The newest round ``rank`` joined (-1: none)."""
     return _int(store, f"rdzv/rank{rank}/gen", -1)
+
+
+MAX_UID = 64
+"""Bytes of a pod UID kept (a Kubernetes UID has 36)."""
+MAX_CLAIMS = 8
+"""Tries to take a slot that other pods keep taking (each try fences the one before)."""
+
+
+def claim_slot(store: c10d.Store, pod: int, uid: str) -> bool:
+    """Register the pod ``uid`` as the holder of node rank ``pod``, fencing the one before it;
+    False when ``uid`` itself was fenced (a replacement holds the slot: exit).  An empty ``uid``
+    (no downward API: a loopback run) claims nothing and is never fenced."""
+    uid = uid[:MAX_UID]
+    if not uid:
+        return True
+    if store.check([f"rdzv/fenced/{uid}"]):
+        return False
+    key, expected = f"rdzv/pod{pod}/uid", ""
+    for _ in range(MAX_CLAIMS):
+        held = store.compare_set(key, expected, uid).decode(errors="replace")[:MAX_UID]
+        if held == uid:
+            return True
+        store.set(f"rdzv/fenced/{held}", "1")  # the pod this one replaces
+        if store.check([f"rdzv/fenced/{uid}"]):  # a newer one fenced this pod meanwhile
+            return False
+        expected = held
+    return False
+
+
+def holds_slot(store: c10d.Store, pod: int, uid: str) -> bool:
+    """Whether the pod ``uid`` still holds node rank ``pod`` (not fenced by a replacement)."""
+    uid = uid[:MAX_UID]
+    return not uid or not store.check([f"rdzv/fenced/{uid}"])
 
 
 def report(store: c10d.Store, round_: int, failure: Failure) -> None:
