@@ -246,3 +246,42 @@ def test_recovery_causes_are_bounded_label_values(monkeypatch):
     finally:
         sink.close()
     assert len(counted) == exporter.MAX_CAUSES + 1 and counted["other"] == 20 - exporter.MAX_CAUSES
+
+
+def test_a_tracker_kept_across_an_in_place_recovery_counts_it_once(tmp_path):
+    """The producer's order: the session hands the tracker the record at restore time, the first
+    step after it ends, only then is the record (with firstStepAt) appended; the live account is
+    the replayed one, with no ``unrecorded`` failure."""
+    record = {
+        "generation": 1,
+        "tier": "process",
+        "cause": "exit 1",
+        "ranks": [3],
+        "failedAt": T0 + 10.4,
+        "detectedAt": T0 + 10.9,
+        "rejoinedAt": T0 + 12.0,
+        "restoredAt": T0 + 12.5,
+        "resumedStep": 8,
+        "source": "memory",
+        "lostSteps": 2,
+        "firstStepAt": None,
+    }
+    tracker = goodput.Tracker(tmp_path)
+    found = []
+    for step in range(1, 11):  # generation 0: steps 1-10 at 1 s
+        _steps(tmp_path, [(step, step, T0 + step - 1, 1.0)])
+        found += tracker.step(step, 1.0, T0 + step)
+    tracker.recovered(goodput.parse_recovery(record))  # Session.restored, generation 1
+    for step in (9, 10, 11):
+        _steps(tmp_path, [(step, step, T0 + 12.5 + step - 9, 1.0)])
+        found += tracker.step(step, 1.0, T0 + 13.5 + step - 9)
+        if step == 9:  # Session.step_done: the record, once its first step is whole
+            _recovery(tmp_path, **record | {"firstStepAt": T0 + 13.5})
+    live, replayed = tracker.accountant.account(), goodput.account_of(tmp_path)
+    assert [(f.tier, f.lost_steps) for f in found] == [("process", 2)]
+    assert live.failure_count == replayed.failure_count == 1
+    assert live.productive_seconds == pytest.approx(replayed.productive_seconds) == 11
+    assert dict(live.lost_seconds) == pytest.approx(dict(replayed.lost_seconds))
+    assert dict(live.lost_seconds) == pytest.approx(
+        {"detection": 0.5, "restart": 1.1, "reload": 0.5, "recompute": 2.4}
+    )

@@ -429,8 +429,18 @@ def note_gang_restart(
 # ------------------------------------------------------------------------------ live, on rank 0
 
 
+def _key(record: Recovery) -> tuple[float, int | None]:
+    """What tells a recovery record from another (one failure, one restore)."""
+    return record.failed_at, record.resumed_step
+
+
 class Tracker:
-    """Rank 0's live account: the log directory's history, then each step and new recovery record."""
+    """Rank 0's live account: the log directory's history, then each step and new recovery record.
+
+    One per process: a supervised worker keeps it across its generations (an in-place recovery
+    reads nothing again), and its session hands it each in-place recovery at restore time
+    (:meth:`recovered`), before the first step after it, whose record is written only then.
+    """
 
     def __init__(self, log_dir: str | Path) -> None:
         self.accountant = replay(log_dir)
@@ -440,6 +450,16 @@ class Tracker:
             self._offset = self._path.stat().st_size  # what replay read; new records come after
         except OSError:
             self._offset = 0
+        self._handed: dict[tuple[float, int | None], None] = {}  # recovered(), not yet read back
+        self._found: list[Failure] = []  # recovered() since the last step
+
+    def recovered(self, record: Recovery) -> None:
+        """A recovery of this process, known before its first step: counted now, and its line in
+        ``recoveries.jsonl`` (written after that step) is not counted again."""
+        self._handed[_key(record)] = None
+        while len(self._handed) > MAX_FAILURES:  # records never written (a full disk): forget them
+            del self._handed[next(iter(self._handed))]
+        self._found.append(self.accountant.recovery(record))
 
     def _new_recoveries(self) -> list[Recovery]:
         """Recovery records appended since the last call (at most :data:`MAX_RECOVERY_BYTES`)."""
@@ -460,10 +480,18 @@ class Tracker:
             for line in complete.splitlines()
             if len(line) <= MAX_RECOVERY_LINE
         )
-        return [r for r in found if r is not None]
+        return [r for r in found if r is not None and not self._known(r)]
+
+    def _known(self, record: Recovery) -> bool:
+        """Whether ``record`` was handed to :meth:`recovered` already (then forgotten there)."""
+        if _key(record) not in self._handed:
+            return False
+        del self._handed[_key(record)]
+        return True
 
     def step(self, step: int, seconds: float, at: float) -> list[Failure]:
         """A step ended: the failures recorded or revealed since the last one."""
-        found = [self.accountant.recovery(r) for r in self._new_recoveries()]
+        found, self._found = self._found, []
+        found += [self.accountant.recovery(r) for r in self._new_recoveries()]
         unrecorded = self.accountant.step(step, seconds, at)
         return found + ([unrecorded] if unrecorded is not None else [])
