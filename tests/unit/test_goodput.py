@@ -6,6 +6,7 @@ productive and what each failure cost; the module must find the same from the tw
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import time
@@ -16,7 +17,7 @@ from prometheus_client import parser
 
 from meshtrain.api import loading
 from meshtrain.cli import main
-from meshtrain.trainer.telemetry import goodput, steplog
+from meshtrain.trainer.telemetry import goodput, report, steplog
 from meshtrain.trainer.telemetry.recorder import make_recorder
 from tests.builders import JobBuilder
 from tests.unit import telemetry_feed
@@ -285,3 +286,23 @@ def test_a_tracker_kept_across_an_in_place_recovery_counts_it_once(tmp_path):
     assert dict(live.lost_seconds) == pytest.approx(
         {"detection": 0.5, "restart": 1.1, "reload": 0.5, "recompute": 2.4}
     )
+
+
+def test_wall_time_starts_at_the_job_start_and_the_first_start_up_is_its_own(tmp_path):
+    # the job started at T0 - 20 (RFC 3339, as Kubernetes writes it); its first step began at T0
+    _steps(tmp_path, [(1, 10, T0, 1.0)])
+    started = datetime.datetime.fromtimestamp(T0 - 20, tz=datetime.UTC).isoformat()
+    tracker = goodput.Tracker(tmp_path, environ={goodput.JOB_STARTED_ENV: started})
+    account = tracker.accountant.account()
+    assert account.startup_seconds == pytest.approx(20)
+    assert account.wall_seconds == pytest.approx(30)
+    assert account.ratio == pytest.approx(10 / 30)
+    assert account.other_seconds == pytest.approx(0, abs=1e-6)
+    # unix seconds read too; a start after the first step (a restarted pod 0) counts from the step
+    late = goodput.Tracker(tmp_path, environ={goodput.JOB_STARTED_ENV: str(T0 + 5)})
+    assert late.accountant.account().wall_seconds == pytest.approx(10)
+    assert late.accountant.account().startup_seconds == 0
+    for bad in ("", "yesterday", "nan", "-1", "1e300"):
+        assert goodput.job_started({goodput.JOB_STARTED_ENV: bad}) is None
+    rows = dict(report.goodput_rows(account))
+    assert rows["start-up before the first step"] == "20.0 s"

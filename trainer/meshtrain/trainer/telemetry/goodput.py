@@ -8,7 +8,9 @@ a failure interrupted.  A recovery record splits the rest of a failure's cost in
 ``detection`` (failedAt -> detectedAt), ``restart`` (-> rejoinedAt) and ``reload``
 (-> restoredAt); a step log that goes back without a record is a restart nobody recorded, its
 gap counted as ``restart``.  What is neither productive nor lost (start-up, checkpoint stalls,
-evaluation) is the rest of the wall time.
+evaluation) is the rest of the wall time.  Wall time starts at the job's start when the trainer
+knows it (``$MESHTRAIN_JOB_STARTED_AT``, :func:`job_started`), else at the first step; the time
+from the job's start to its first step is ``startup``.
 
 :class:`Accountant` takes the records one at a time (the trainer feeds it live);
 :func:`account_of` replays a log directory (``meshtrain report``).  Both files are a tenant's
@@ -21,8 +23,10 @@ import array
 import bisect
 import collections
 import dataclasses
+import datetime
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Iterator, Mapping
@@ -55,6 +59,10 @@ MAX_STEP_LINE = 32 * 2**20
 
 MAX_TIME = 1e11
 """Latest unix time a record may carry (year 5138): beyond it the field is refused."""
+
+JOB_STARTED_ENV = "MESHTRAIN_JOB_STARTED_AT"
+"""When the job started (unix seconds, or RFC 3339 as Kubernetes writes times): the start of the
+wall time.  The supervisor sets it to its own start when the pod's environment has none."""
 
 CAUSE = re.compile(r"[A-Za-z0-9 _.:/+-]{1,40}")
 """A cause this module keeps as written (metric label values stay short); others read ``other``."""
@@ -90,13 +98,15 @@ class Account:
     productive_seconds: float
     """Step time of every step's last run."""
     wall_seconds: float
-    """From the start of the first step to the last record (or now, live)."""
+    """From the job's start (else the start of the first step) to the last record (or now, live)."""
     lost_seconds: Mapping[str, float]
     """Seconds lost to failures by phase (:data:`PHASES`)."""
     failures: tuple[Failure, ...]
     """The newest failures (at most :data:`MAX_FAILURES`), oldest first."""
     failure_count: int
     """Every failure seen."""
+    startup_seconds: float = 0.0
+    """From the job's start to the start of its first step (0 when the start is not known)."""
 
     @property
     def ratio(self) -> float | None:
@@ -108,9 +118,8 @@ class Account:
     @property
     def other_seconds(self) -> float:
         """Wall time neither productive nor lost to a failure (start-up, checkpoints, evaluation)."""
-        return max(
-            0.0, self.wall_seconds - self.productive_seconds - sum(self.lost_seconds.values())
-        )
+        lost = sum(self.lost_seconds.values()) + self.startup_seconds
+        return max(0.0, self.wall_seconds - self.productive_seconds - lost)
 
     def progress(self) -> dict[str, Any]:
         """The progress document's ``goodput`` field (the trainer's snake_case names)."""
@@ -185,7 +194,8 @@ def _span(start: float | None, end: float | None) -> float:
 class Accountant:
     """Goodput built record by record: steps (:meth:`step`) and recoveries (:meth:`recovery`) in time order."""
 
-    def __init__(self) -> None:
+    def __init__(self, started_at: float | None = None) -> None:
+        self._started_at = started_at  # the job's start (None: not known)
         self._steps = array.array("q")  # the alive runs' steps, increasing
         self._cumulative = array.array("d")  # their step seconds, summed up to each
         self._first_start: float | None = None
@@ -266,8 +276,13 @@ class Accountant:
     def account(self, now: float | None = None) -> Account:
         """The account so far; ``now`` (live) ends the wall time instead of the last record."""
         end = self._last_time if now is None else now
-        wall = _span(self._first_start, end)
+        start, startup = self._first_start, 0.0
+        if self._started_at is not None and self._first_start is not None:
+            start = min(self._started_at, self._first_start)
+            startup = _span(self._started_at, self._first_start)
+        wall = _span(start, end)
         return Account(
+            startup_seconds=startup,
             productive_seconds=self._cumulative[-1] if self._cumulative else 0.0,
             wall_seconds=wall,
             lost_seconds=dict(self._lost),
@@ -338,12 +353,29 @@ def read_steps(
             yield step, seconds, at
 
 
-def replay(log_dir: str | Path) -> Accountant:
-    """An accountant fed a log directory's steps and recoveries in time order.
+def job_started(environ: Mapping[str, str]) -> float | None:
+    """The job's start from :data:`JOB_STARTED_ENV` (None: unset or unreadable)."""
+    raw = environ.get(JOB_STARTED_ENV, "").strip()[:64]
+    try:
+        return _time(float(raw))
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.datetime.fromisoformat(raw)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return _time(parsed.timestamp())
+
+
+def replay(log_dir: str | Path, started_at: float | None = None) -> Accountant:
+    """An accountant fed a log directory's steps and recoveries in time order (wall time from
+    ``started_at`` when given).
 
     A recovery goes after the steps that ended by its failure and before the later ones.
     """
-    accountant = Accountant()
+    accountant = Accountant(started_at)
     pending = collections.deque(sorted(read_recoveries(log_dir), key=lambda r: r.failed_at))
     for step, seconds, at in read_steps(log_dir):
         while pending and pending[0].failed_at < at - seconds:
@@ -442,8 +474,9 @@ class Tracker:
     (:meth:`recovered`), before the first step after it, whose record is written only then.
     """
 
-    def __init__(self, log_dir: str | Path) -> None:
-        self.accountant = replay(log_dir)
+    def __init__(self, log_dir: str | Path, environ: Mapping[str, str] | None = None) -> None:
+        started = job_started(os.environ if environ is None else environ)
+        self.accountant = replay(log_dir, started)
         """The account so far."""
         self._path = Path(log_dir) / RECOVERIES
         try:
