@@ -33,7 +33,7 @@ from torch._C import _distributed_c10d as c10d
 from meshtrain.api import exitcodes
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.recovery import abort, rendezvous
-from meshtrain.trainer.telemetry import goodput, recoveries
+from meshtrain.trainer.telemetry import goodput, goodput_live, recoveries
 from meshtrain.trainer.telemetry import progress as progress_mod
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
 
@@ -134,7 +134,7 @@ class Session:
     recorded: bool = False
     progress: progress_mod.Progress | None = None
     recorder: TelemetryRecorder | None = None
-    tracker: goodput.Tracker | None = None
+    tracker: goodput_live.Tracker | None = None
     """Rank 0's goodput account, the same in every generation of this process (None elsewhere)."""
     record: recoveries.Recovery | None = None
     """Rank 0: this generation's recovery record, once restored (firstStepAt still unset)."""
@@ -242,7 +242,9 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
     )
     sockets = abort.GlooSockets(port, kept_ports={metrics})
     history: list[dict[str, Any]] = []
-    tracker = goodput.Tracker(log_dir) if rank == 0 and log_dir else None  # read once a process
+    tracker = (
+        goodput_live.Tracker(log_dir) if rank == 0 and log_dir else None
+    )  # read once a process
     while True:
         generation = rendezvous.generation(store)
         patience = settings.rejoin_timeout_s

@@ -12,7 +12,8 @@ evaluation) is the rest of the wall time.  Wall time starts at the job's start w
 knows it (``$MESHTRAIN_JOB_STARTED_AT``, :func:`job_started`), else at the first step; the time
 from the job's start to its first step is ``startup``.
 
-:class:`Accountant` takes the records one at a time (the trainer feeds it live);
+:class:`Accountant` takes the records one at a time (the trainer feeds it live,
+:mod:`.goodput_live`);
 :func:`account_of` replays a log directory (``meshtrain report``).  Both files are a tenant's
 and read as hostile: bounded lines and bytes, every field checked, a bad record skipped.
 """
@@ -26,7 +27,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import re
 import time
 from collections.abc import Iterator, Mapping
@@ -184,6 +184,33 @@ def parse_recovery(record: Any) -> Recovery | None:
     )
 
 
+def _checked(value: Any) -> float:
+    """A summary's number of seconds (ValueError when it is not one)."""
+    number = _time(value)
+    if number is None:
+        raise ValueError(f"not a number of seconds: {str(value)[:40]}")
+    return number
+
+
+def _failure(value: Any) -> Failure:
+    """A failure as :meth:`Accountant.state` wrote it (ValueError when it is not one)."""
+    if not isinstance(value, dict) or not isinstance(value.get("seconds"), dict):
+        raise ValueError("failure")
+    tier, cause = value.get("tier"), value.get("cause")
+    resumed, lost = _step(value.get("resumed_step")), _step(value.get("lost_steps"))
+    if tier not in TIERS or not isinstance(cause, str) or resumed is None or lost is None:
+        raise ValueError("failure fields")
+    seconds = {phase: _checked(value["seconds"].get(phase)) for phase in PHASES}
+    return Failure(
+        tier,
+        cause if CAUSE.fullmatch(cause) or cause in ("other", "unknown") else "other",
+        _checked(value.get("failed_at")),
+        resumed,
+        lost,
+        seconds,
+    )
+
+
 def _span(start: float | None, end: float | None) -> float:
     """``end - start``, 0 when either is unknown or the clock went back."""
     if start is None or end is None:
@@ -273,6 +300,60 @@ class Accountant:
             Failure(record.tier, record.cause, record.failed_at, resumed, count, seconds)
         )
 
+    def fold(self, step: int) -> None:
+        """Keep the runs up to ``step`` (a published checkpoint's: no restore goes before it) as
+        one entry: their seconds still count, the arrays stay as long as the steps since."""
+        keep = bisect.bisect_right(self._steps, step)
+        if keep > 1:
+            del self._steps[: keep - 1]
+            del self._cumulative[: keep - 1]
+
+    def state(self) -> dict[str, Any]:
+        """The account as JSON (:meth:`from_state`): a summary that spares a restart the replay."""
+        return {
+            "startedAt": self._started_at,
+            "firstStart": self._first_start,
+            "lastTime": self._last_time,
+            "lost": dict(self._lost),
+            "count": self._count,
+            "steps": list(self._steps),
+            "cumulative": list(self._cumulative),
+            "failures": [
+                dataclasses.asdict(f) | {"seconds": dict(f.seconds)} for f in self._failures
+            ],
+        }
+
+    @staticmethod
+    def from_state(state: Any, started_at: float | None) -> Accountant:
+        """The accountant :meth:`state` described; ValueError when a field is not as written."""
+        if not isinstance(state, dict):
+            raise ValueError("not an object")
+        made = Accountant(started_at if started_at is not None else _time(state.get("startedAt")))
+        made._first_start = _time(state.get("firstStart"))
+        made._last_time = _time(state.get("lastTime"))
+        lost, count = state.get("lost"), _step(state.get("count"))
+        if not isinstance(lost, dict) or count is None:
+            raise ValueError("lost or count")
+        for phase in PHASES:
+            made._lost[phase] = _checked(lost.get(phase))
+        made._count = count
+        steps, cumulative = state.get("steps"), state.get("cumulative")
+        if not isinstance(steps, list) or not isinstance(cumulative, list):
+            raise ValueError("steps")
+        if len(steps) != len(cumulative) or len(steps) > limits.MAX_STEPS:
+            raise ValueError("steps and cumulative differ")
+        for value in steps:
+            step = _step(value)
+            if step is None or (made._steps and step <= made._steps[-1]):
+                raise ValueError("steps not increasing")
+            made._steps.append(step)
+        made._cumulative.extend(_checked(c) for c in cumulative)
+        failures = state.get("failures")
+        if not isinstance(failures, list):
+            raise ValueError("failures")
+        made._failures.extend(_failure(f) for f in failures[-MAX_FAILURES:])
+        return made
+
     def account(self, now: float | None = None) -> Account:
         """The account so far; ``now`` (live) ends the wall time instead of the last record."""
         end = self._last_time if now is None else now
@@ -294,19 +375,21 @@ class Accountant:
 # ------------------------------------------------------------------------------ reading the logs
 
 
-def _lines(path: Path, *, line_limit: int, tail_bytes: int | None = None) -> Iterator[bytes]:
-    """Complete lines of ``path`` of at most ``line_limit`` bytes (a longer one is skipped);
-    with ``tail_bytes``, only those in its last ``tail_bytes`` bytes."""
+def _lines(
+    path: Path, *, line_limit: int, tail_bytes: int | None = None, start: int = 0
+) -> Iterator[bytes]:
+    """Complete lines of ``path`` of at most ``line_limit`` bytes (a longer one is skipped) from
+    byte ``start`` (a line's start); with ``tail_bytes``, only those in its last ``tail_bytes``."""
     try:
         handle = path.open("rb")
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         return
     with handle:
-        if tail_bytes is not None:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - tail_bytes))
-            if size > tail_bytes:
-                handle.readline(line_limit + 1)  # a partial first line
+        size = handle.seek(0, 2)
+        begin = start if tail_bytes is None else max(start, size - tail_bytes)
+        handle.seek(begin)
+        if begin > start:
+            handle.readline(line_limit + 1)  # a partial first line
         while True:
             line = handle.readline(line_limit + 1)
             if not line:
@@ -319,32 +402,37 @@ def _lines(path: Path, *, line_limit: int, tail_bytes: int | None = None) -> Ite
             yield line
 
 
-def _json(line: bytes) -> Any:
+def json_line(line: bytes) -> Any:
+    """A line's JSON value, or None."""
     try:
         return json.loads(line)
     except (ValueError, RecursionError):
         return None
 
 
-def read_recoveries(log_dir: str | Path) -> list[Recovery]:
-    """The readable recovery records of a log directory (its newest :data:`MAX_RECOVERY_BYTES`)."""
+def read_recoveries(log_dir: str | Path, *, start: int = 0) -> list[Recovery]:
+    """The readable recovery records of a log directory from byte ``start`` (its newest
+    :data:`MAX_RECOVERY_BYTES`)."""
     found = (
-        parse_recovery(_json(line))
+        parse_recovery(json_line(line))
         for line in _lines(
-            Path(log_dir) / RECOVERIES, line_limit=MAX_RECOVERY_LINE, tail_bytes=MAX_RECOVERY_BYTES
+            Path(log_dir) / RECOVERIES,
+            line_limit=MAX_RECOVERY_LINE,
+            tail_bytes=MAX_RECOVERY_BYTES,
+            start=start,
         )
     )
     return [r for r in found if r is not None]
 
 
 def read_steps(
-    log_dir: str | Path, *, tail_bytes: int | None = None
+    log_dir: str | Path, *, tail_bytes: int | None = None, start: int = 0
 ) -> Iterator[tuple[int, float, float]]:
-    """(step, step_seconds, time) of every readable step record, in the log's order (with
-    ``tail_bytes``: of those in its last ``tail_bytes`` bytes)."""
+    """(step, step_seconds, time) of every readable step record from byte ``start``, in the log's
+    order (with ``tail_bytes``: of those in its last ``tail_bytes`` bytes)."""
     path = Path(log_dir) / steplog.FILENAME
-    for line in _lines(path, line_limit=MAX_STEP_LINE, tail_bytes=tail_bytes):
-        record = _json(line)
+    for line in _lines(path, line_limit=MAX_STEP_LINE, tail_bytes=tail_bytes, start=start):
+        record = json_line(line)
         if not isinstance(record, dict):
             continue
         step, at = _step(record.get("step")), _time(record.get("time"))
@@ -376,14 +464,23 @@ def replay(log_dir: str | Path, started_at: float | None = None) -> Accountant:
     A recovery goes after the steps that ended by its failure and before the later ones.
     """
     accountant = Accountant(started_at)
-    pending = collections.deque(sorted(read_recoveries(log_dir), key=lambda r: r.failed_at))
-    for step, seconds, at in read_steps(log_dir):
+    feed(accountant, read_steps(log_dir), read_recoveries(log_dir))
+    return accountant
+
+
+def feed(
+    accountant: Accountant,
+    steps: Iterator[tuple[int, float, float]],
+    records: list[Recovery],
+) -> None:
+    """Give ``accountant`` the steps and recovery records in time order (:func:`replay`)."""
+    pending = collections.deque(sorted(records, key=lambda r: r.failed_at))
+    for step, seconds, at in steps:
         while pending and pending[0].failed_at < at - seconds:
             accountant.recovery(pending.popleft())
         accountant.step(step, seconds, at)
     for record in pending:
         accountant.recovery(record)
-    return accountant
 
 
 def account_of(log_dir: str | Path) -> Account:
@@ -456,75 +553,3 @@ def note_gang_restart(
         with (Path(log_dir) / RECOVERIES).open("a", encoding="utf-8") as out:
             out.write(json.dumps(record, sort_keys=True) + "\n")
     return record
-
-
-# ------------------------------------------------------------------------------ live, on rank 0
-
-
-def _key(record: Recovery) -> tuple[float, int | None]:
-    """What tells a recovery record from another (one failure, one restore)."""
-    return record.failed_at, record.resumed_step
-
-
-class Tracker:
-    """Rank 0's live account: the log directory's history, then each step and new recovery record.
-
-    One per process: a supervised worker keeps it across its generations (an in-place recovery
-    reads nothing again), and its session hands it each in-place recovery at restore time
-    (:meth:`recovered`), before the first step after it, whose record is written only then.
-    """
-
-    def __init__(self, log_dir: str | Path, environ: Mapping[str, str] | None = None) -> None:
-        started = job_started(os.environ if environ is None else environ)
-        self.accountant = replay(log_dir, started)
-        """The account so far."""
-        self._path = Path(log_dir) / RECOVERIES
-        try:
-            self._offset = self._path.stat().st_size  # what replay read; new records come after
-        except OSError:
-            self._offset = 0
-        self._handed: dict[tuple[float, int | None], None] = {}  # recovered(), not yet read back
-        self._found: list[Failure] = []  # recovered() since the last step
-
-    def recovered(self, record: Recovery) -> None:
-        """A recovery of this process, known before its first step: counted now, and its line in
-        ``recoveries.jsonl`` (written after that step) is not counted again."""
-        self._handed[_key(record)] = None
-        while len(self._handed) > MAX_FAILURES:  # records never written (a full disk): forget them
-            del self._handed[next(iter(self._handed))]
-        self._found.append(self.accountant.recovery(record))
-
-    def _new_recoveries(self) -> list[Recovery]:
-        """Recovery records appended since the last call (at most :data:`MAX_RECOVERY_BYTES`)."""
-        try:
-            with self._path.open("rb") as handle:
-                if handle.seek(0, 2) < self._offset:  # truncated: read it again from the start
-                    self._offset = 0
-                handle.seek(self._offset)
-                chunk = handle.read(MAX_RECOVERY_BYTES)
-        except OSError:
-            return []
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        if not complete and len(chunk) == MAX_RECOVERY_BYTES:  # one line longer than the chunk
-            complete = chunk
-        self._offset += len(complete)
-        found = (
-            parse_recovery(_json(line))
-            for line in complete.splitlines()
-            if len(line) <= MAX_RECOVERY_LINE
-        )
-        return [r for r in found if r is not None and not self._known(r)]
-
-    def _known(self, record: Recovery) -> bool:
-        """Whether ``record`` was handed to :meth:`recovered` already (then forgotten there)."""
-        if _key(record) not in self._handed:
-            return False
-        del self._handed[_key(record)]
-        return True
-
-    def step(self, step: int, seconds: float, at: float) -> list[Failure]:
-        """A step ended: the failures recorded or revealed since the last one."""
-        found, self._found = self._found, []
-        found += [self.accountant.recovery(r) for r in self._new_recoveries()]
-        unrecorded = self.accountant.step(step, seconds, at)
-        return found + ([unrecorded] if unrecorded is not None else [])

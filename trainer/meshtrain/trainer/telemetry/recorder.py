@@ -21,7 +21,7 @@ from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.telemetry import (
     context,
     exporter,
-    goodput,
+    goodput_live,
     peak,
     progress,
     recording,
@@ -46,7 +46,7 @@ class TelemetryRecorder(recording.EventCollector):
         facts: stepstats.JobFacts,
         sinks: Sequence[context.Sink],
         device: Any = None,
-        tracker: goodput.Tracker | None = None,
+        tracker: goodput_live.Tracker | None = None,
     ) -> None:
         super().__init__(started=time.perf_counter())
         self.identity = identity
@@ -136,7 +136,10 @@ class TelemetryRecorder(recording.EventCollector):
                 sink.facts = self.facts
 
     def checkpoint_saved(self, step: int) -> None:
-        """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete (published)."""
+        """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete
+        (published), and the goodput tracker (its summary)."""
+        if self.tracker is not None:
+            self.tracker.checkpoint_saved(step)
         for sink in self.sinks:
             sink.checkpoint_saved(step)
 
@@ -213,7 +216,7 @@ def make_recorder(
     device: Any = None,
     serve: bool = True,
     steps_log: bool = True,
-    tracker: goodput.Tracker | None = None,
+    tracker: goodput_live.Tracker | None = None,
 ) -> TelemetryRecorder:
     """The trainer's recorder: Prometheus exporter on ``$MESHTRAIN_METRICS_HOST:spec.metrics.port + local_rank``
     (rank 0 also keeps and serves the /progress document), steps.jsonl (rank 0)
@@ -249,7 +252,7 @@ def make_recorder(
             )
         )
     if tracker is None and rank == 0 and log_dir is not None:
-        tracker = goodput.Tracker(log_dir)
+        tracker = goodput_live.Tracker(log_dir)
     return TelemetryRecorder(identity, facts, sinks, device=device, tracker=tracker)
 
 
