@@ -174,8 +174,13 @@ TRAINING_PANELS: list[Panel] = [
     Panel(
         "Goodput",
         "percentunit",
-        [("goodput", f"max by (namespace, job) (meshtrain_goodput_ratio{{{SEL}}})")],
-        "Productive step time (each step's last run) over wall time since the job's first step, "
+        [
+            (
+                "goodput",
+                f'max by (namespace, job) (meshtrain_goodput_ratio{{{JOBSEL}, rank="0"}})',
+            )
+        ],
+        "Productive step time (each step's last run) over wall time since the job's start, "
         "across restarts (global rank 0; status.goodput holds the same). Llama 3's pre-training "
         "held above 90 %.",
         thresholds=[(None, "red"), (0.8, "orange"), (0.9, "green")],
@@ -183,10 +188,15 @@ TRAINING_PANELS: list[Panel] = [
     Panel(
         "Time lost to failures by phase",
         "s",
-        [("{{phase}}", f"sum by (phase) (meshtrain_recovery_seconds_sum{{{SEL}}})")],
-        "Seconds failures cost since rank 0's process started, by phase: detection, restart, "
-        "reload, recomputed steps (meshtrain_recovery_seconds; a rebuilt gang starts again from 0, "
-        "status.goodput.lostSeconds and meshtrain report keep the whole run).",
+        [
+            (
+                "{{phase}}",
+                f'max by (phase) (meshtrain_goodput_lost_seconds{{{JOBSEL}, rank="0"}})',
+            )
+        ],
+        "Seconds failures cost the whole run so far, by phase: detection, restart, reload, "
+        "recomputed steps (global rank 0's account, across restarts: status.goodput.lostSeconds; "
+        "meshtrain_recovery_seconds has each failure's, counted by rank 0's current process).",
     ),
     Panel(
         "Training progress",

@@ -158,9 +158,9 @@ OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
         {
             "type": float,
             "default": failures.DEFAULT_FAILURE_RATE,
-            "metavar": "R",
-            "help": "failures per GPU-hour (default %(default).3g: 466 interruptions in 54 days on "
-            "16,384 H100s, Meta's Llama 3 paper)",
+            "metavar": "RATE",
+            "help": "failures per GPU-hour (default %(default).3g: 419 unexpected interruptions "
+            "in 54 days on 16,384 H100s, Meta's Llama 3 paper, scaled linearly per GPU)",
         },
     ),
     (
@@ -188,8 +188,29 @@ OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
             "type": float,
             "default": failures.DEFAULT_RESTART_SECONDS,
             "metavar": "S",
-            "help": "seconds from a failure to training again (default %(default)g: a full gang "
-            "rebuild measured in the sandbox)",
+            "help": "seconds from a failure to training again after a gang rebuild, before the "
+            "storage reload (default %(default)g: measured in the sandbox)",
+        },
+    ),
+    (
+        "--in-place-restart-seconds",
+        {
+            "type": float,
+            "default": failures.IN_PLACE_RESTART_SECONDS,
+            "metavar": "S",
+            "help": "the same for an in-place recovery, before the reload from host memory "
+            "(default %(default)g: benchmarks/results/recovery-vm.json)",
+        },
+    ),
+    (
+        "--memory-share",
+        {
+            "type": float,
+            "default": None,
+            "metavar": "P",
+            "help": f"share of failures an in-memory checkpoint recovers (default "
+            f"{failures.MEMORY_SHARE_WITH_PEER:g} with a peer pod, "
+            f"{failures.MEMORY_SHARE_ALONE:g} with one pod; docs/planner.md)",
         },
     ),
     (
@@ -317,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
             failure=failures.Assumptions(
                 failure_rate=args.failure_rate,
                 restart_seconds=args.restart_seconds,
+                in_place_restart_seconds=args.in_place_restart_seconds,
+                memory_share=args.memory_share,
                 save_seconds=args.save_seconds,
                 storage_bandwidth=args.storage_bandwidth,
             ),

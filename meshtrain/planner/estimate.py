@@ -19,6 +19,7 @@ from meshtrain.planner import (
     placement_request,
     precision,
     profiles,
+    snapshots,
     validation,
 )
 from meshtrain.planner.timing import step_time
@@ -214,18 +215,18 @@ def failure_state(
     """What the failure plan needs of a job: its size, step time and checkpoint bytes.
 
     A checkpoint holds every parameter's weights and optimizer state once (DCP writes a replicated
-    tensor once); a rank copies its own shard (weights and optimizer state) to host and peer.
+    tensor once); a rank copies its own snapshot to host and peer (:func:`snapshots.snapshot_bytes`,
+    what the trainer sizes its in-memory checkpoints by).
     """
     scheme = mem.scheme
-    in_memory = getattr(job.checkpoint, "in_memory", None)  # checkpoint.inMemory (gp-mem)
     return failures.JobState(
         gpus=job.world_size,
         pods=job.pods,
         step_seconds=step_seconds,
         state_bytes=mem.total_params * (scheme.weights + scheme.optimizer),
-        rank_bytes=max(s.weights + s.optimizer for s in mem.stages),
+        rank_bytes=snapshots.snapshot_bytes(job),
         nic_bandwidth=profile.nic_bandwidth,
         storage_interval_steps=job.checkpoint.interval_steps,
-        memory_interval_steps=getattr(in_memory, "interval_steps", None),
+        memory_interval_steps=job.checkpoint.in_memory.interval_steps,
         async_save=job.checkpoint.async_save,
     )

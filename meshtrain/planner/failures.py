@@ -1,6 +1,12 @@
 """Planning for failures: a job's mean time between failures, its expected goodput, and the
 checkpoint interval that maximises it (Young 1974, Daly 2006), for storage and in-memory checkpoints.
 
+Storage checkpoints alone follow Daly's model below.  In-memory checkpoints are a second level
+(as in Gemini, SOSP'23): a share ``p`` of the failures restores from memory (an in-place restart,
+``Rm``) and the rest from storage (a gang rebuild, which empties every pod's /dev/shm: ``Rs``), so
+``waste ~ dm/tm + ds/ts + p (tm/2 + Rm)/M + (1-p)(ts/2 + Rs)/M``, each level's interval Daly's at
+that level's own mean time between failures (``M/p``, ``M/(1-p)``); :func:`two_level_goodput`.
+
 The model is Daly's ("A higher order estimate of the optimum checkpoint interval for restart dumps",
 Future Generation Computer Systems 22, 2006): failures arrive as a Poisson process of mean
 interval ``M`` (also during a restart), a checkpoint costs ``delta`` seconds of blocked training,
@@ -15,28 +21,56 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from meshtrain.api import limits
+
 LLAMA3_INTERRUPTIONS = 466
 """Job interruptions in Llama 3 405B's pre-training (Meta, "The Llama 3 Herd of Models", 2024, §3.3.4)."""
+LLAMA3_PLANNED = 47
+"""Of those, planned interruptions (automated maintenance: firmware upgrades, configuration or
+dataset updates); the other 419 were unexpected, about 78% of them hardware (same source)."""
 LLAMA3_DAYS = 54
 """Days of the snapshot those interruptions were counted over (same source)."""
 LLAMA3_GPUS = 16_384
 """H100 GPUs of that job (same source)."""
 
-DEFAULT_FAILURE_RATE = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
-"""Interruptions per GPU-hour, from Llama 3's figures: 466 / (54 d x 24 h x 16,384 GPUs) = 2.19e-5
-(one every 2.8 hours on 16,384 GPUs; 45 hours on 1,024)."""
+DEFAULT_FAILURE_RATE = (LLAMA3_INTERRUPTIONS - LLAMA3_PLANNED) / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
+"""Unexpected interruptions per GPU-hour, from Llama 3's figures: 419 / (54 d x 24 h x 16,384 GPUs)
+= 1.97e-5 (one every 3.1 hours on 16,384 GPUs; 50 hours on 1,024).  Planned interruptions are left
+out (they are scheduled, with a checkpoint first).  Scaling it linearly with the GPU count is an
+assumption: 78% of them were hardware, which fails per part, but a shared switch or a software bug
+does not scale so."""
 
 FAILURE_RATE_SOURCE = (
-    "Meta, The Llama 3 Herd of Models (2024), 3.3.4: 466 job interruptions in 54 days "
-    "on 16,384 H100 GPUs"
+    "Meta, The Llama 3 Herd of Models (2024), 3.3.4: 419 unexpected job interruptions "
+    "(466 less 47 planned, 78% hardware) in 54 days on 16,384 H100 GPUs, scaled linearly per GPU"
 )
 """Where :data:`DEFAULT_FAILURE_RATE` comes from, as the report names it."""
 
-DEFAULT_RESTART_SECONDS = 27.0
+GANG_RESTART_SECONDS = 27.0
 """Failure to the next reported step of a full gang rebuild, measured in the sandbox (issue #34:
 a rank of the example job killed at step 58, progress again 27 s later, most of it Python, torch
 and process-group start-up): detection and restart; the example's checkpoint is a few MiB, so its
 reload is in there too, and a large model's reload is added (:func:`plan_failures`)."""
+
+IN_PLACE_RESTART_SECONDS = 2.2
+"""Failure to the next completed step of an in-place process recovery (a warm spare takes the
+killed rank, the healthy ranks rebuild their process groups), best of the runs in
+``benchmarks/results/recovery-vm.json`` (2.17 s: detection 0.13, rejoin 1.40, restore of a tiny
+model 0.46); a large model's reload from host memory is added (:func:`plan_failures`)."""
+
+DEFAULT_RESTART_SECONDS = GANG_RESTART_SECONDS
+"""``--restart-seconds``: what a failure that storage must recover costs (a gang rebuild)."""
+
+MEMORY_SHARE_WITH_PEER = 0.9
+"""Share of failures an in-memory checkpoint recovers when every shard has a peer copy on another
+pod: a failed process, GPU or node leaves a copy of every shard (the lost pod's on its peer);
+not a failure that takes several nodes at once (a network switch or cable: about 8% of Llama 3's
+unexpected interruptions; a rack's power) or that forces a gang rebuild (pod 0 and the store
+lost, the in-place budget spent).  An assumption, stated in the report: pass your own."""
+
+MEMORY_SHARE_ALONE = 0.22
+"""The same with one pod (no peer copy): only failures that leave the node and its /dev/shm up,
+the 22% of Llama 3's unexpected interruptions that were not hardware.  An assumption."""
 
 DEFAULT_STORAGE_BANDWIDTH = 1e9
 """Bytes per second a checkpoint is written to storage at, all ranks together: an assumption (a
@@ -54,8 +88,13 @@ class Assumptions:
     failure_rate: float = DEFAULT_FAILURE_RATE
     """Failures per GPU-hour."""
     restart_seconds: float = DEFAULT_RESTART_SECONDS
-    """Seconds from a failure to the process groups up again (detection and restart); the
-    checkpoint's reload is predicted on top."""
+    """Seconds from a failure to the process groups up again after a gang rebuild (detection and
+    restart); the storage checkpoint's reload is predicted on top."""
+    in_place_restart_seconds: float = IN_PLACE_RESTART_SECONDS
+    """The same for an in-place recovery (what an in-memory restore follows)."""
+    memory_share: float | None = None
+    """Share of failures an in-memory checkpoint recovers (None: :data:`MEMORY_SHARE_WITH_PEER`
+    with 2+ pods, else :data:`MEMORY_SHARE_ALONE`)."""
     save_seconds: float | None = None
     """Measured seconds one storage checkpoint blocks training (None: predicted from the bytes)."""
     storage_bandwidth: float = DEFAULT_STORAGE_BANDWIDTH
@@ -66,6 +105,7 @@ class Assumptions:
         for flag, value, positive in (
             ("--failure-rate", self.failure_rate, True),
             ("--restart-seconds", self.restart_seconds, False),
+            ("--in-place-restart-seconds", self.in_place_restart_seconds, False),
             ("--storage-bandwidth", self.storage_bandwidth, True),
         ):
             if not math.isfinite(value) or value < 0 or (positive and value == 0):
@@ -75,6 +115,8 @@ class Assumptions:
             math.isfinite(self.save_seconds) and self.save_seconds > 0
         ):
             raise ValueError(f"--save-seconds must be a finite number > 0, got {self.save_seconds}")
+        if self.memory_share is not None and not 0.0 <= self.memory_share <= 1.0:
+            raise ValueError(f"--memory-share must be between 0 and 1, got {self.memory_share}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +163,12 @@ class FailurePlan:
     storage: Interval
     """Checkpoints to storage (``checkpoint.intervalSteps``)."""
     memory: Interval
-    """Checkpoints to host memory and a peer (``checkpoint.inMemory``)."""
+    """Checkpoints to host memory and a peer (``checkpoint.inMemory``) over storage ones: its
+    goodput is the two levels' (:func:`two_level_goodput`)."""
+    memory_share: float = MEMORY_SHARE_WITH_PEER
+    """Share of failures the in-memory checkpoints recover (the rest: storage)."""
+    storage_steps_beside_memory: int = 1
+    """Best storage interval in steps when memory recovers ``memory_share`` of the failures."""
     source: str = FAILURE_RATE_SOURCE
     """Where the failure rate comes from (the default's publication, or ``--failure-rate``)."""
 
@@ -176,7 +223,7 @@ def plan_interval(
     """The best interval of one kind of checkpoint, in seconds and in whole steps (at least one,
     and at least ``least_seconds``)."""
     best = daly_interval(delta, mtbf)
-    steps = max(1, round(best / step_seconds), math.ceil(least_seconds / step_seconds))
+    steps = _steps(best, step_seconds, least_seconds)
     configured = configured_steps if configured_steps else None
     return Interval(
         kind=kind,
@@ -243,23 +290,119 @@ def storage_save(state: JobState, assumed: Assumptions) -> tuple[float, str, flo
     )
 
 
+def memory_share(state: JobState, assumed: Assumptions) -> float:
+    """The share of failures an in-memory checkpoint recovers (``--memory-share`` or the default)."""
+    if assumed.memory_share is not None:
+        return assumed.memory_share
+    return MEMORY_SHARE_WITH_PEER if state.pods >= 2 else MEMORY_SHARE_ALONE
+
+
+def _level_waste(tau: float, delta: float, restart: float, share: float, mtbf: float) -> float:
+    """One level's share of wall time wasted: its checkpoints, and per failure it recovers half an
+    interval and its restart (an infinite ``tau``: no checkpoints, every failure loses the lot)."""
+    if share <= 0:
+        return delta / tau if tau > 0 else math.inf
+    return (delta / tau if tau > 0 else math.inf) + share * (tau / 2 + restart) / mtbf
+
+
+def two_level_goodput(
+    memory: tuple[float, float, float],
+    storage: tuple[float, float, float],
+    *,
+    share: float,
+    mtbf: float,
+) -> float:
+    """First-order goodput of in-memory checkpoints over storage ones, each level's
+    ``(interval, save seconds, restart seconds)``; a share ``share`` of the failures (mean interval
+    ``mtbf``) is recovered from memory, the rest from storage (see the module)."""
+    waste = _level_waste(*memory, share, mtbf) + _level_waste(*storage, 1.0 - share, mtbf)
+    return max(0.0, 1.0 - waste)
+
+
+def _steps(seconds: float, step_seconds: float, least_seconds: float = 0.0) -> int:
+    """An interval in whole steps: at least one and ``least_seconds``, at most ``MAX_STEPS``."""
+    if not math.isfinite(seconds):
+        return limits.MAX_STEPS
+    best = max(1, round(seconds / step_seconds), math.ceil(least_seconds / step_seconds))
+    return min(best, limits.MAX_STEPS)
+
+
+def plan_memory(
+    state: JobState, assumed: Assumptions, storage: Interval, *, mtbf: float, least_storage: float
+) -> tuple[Interval, float, int]:
+    """In-memory checkpoints over ``storage`` ones: (the memory interval with the two levels'
+    goodput, the share of failures memory recovers, the storage interval in steps beside it)."""
+    share = memory_share(state, assumed)
+    peer = state.pods >= 2
+    host = state.rank_bytes / HOST_COPY_BANDWIDTH  # blocks training; the exchange runs behind it
+    exchange = state.rank_bytes / state.nic_bandwidth if peer else 0.0
+    source = (
+        f"predicted: {state.rank_bytes / 2**30:.2f} GiB per rank to host at "
+        f"{HOST_COPY_BANDWIDTH / 1e9:g} GB/s"
+        + (
+            f"; the copy to a peer pod at {state.nic_bandwidth / 1e9:g} GB/s "
+            f"({exchange:.3g} s) runs behind it, the least interval"
+            if peer
+            else " (one pod: no peer copy)"
+        )
+        + f"; memory recovers {share:.0%} of failures"
+    )
+    restart = assumed.in_place_restart_seconds + host  # the shard back from host memory
+    memory_mtbf = mtbf / share if share > 0 else math.inf
+    storage_mtbf = mtbf / (1.0 - share) if share < 1 else math.inf
+    best = daly_interval(host, memory_mtbf) if share > 0 else math.inf
+    steps = _steps(best, state.step_seconds, max(host, exchange))
+    beside = _steps(
+        daly_interval(storage.save_seconds, storage_mtbf) if share < 1 else math.inf,
+        state.step_seconds,
+        least_storage,
+    )
+
+    def goodput(memory_steps: int, storage_steps: int | None) -> float:
+        storage_tau = storage_steps * state.step_seconds if storage_steps else math.inf
+        return two_level_goodput(
+            (memory_steps * state.step_seconds, host, restart),
+            (storage_tau, storage.save_seconds, storage.restart_seconds),
+            share=share,
+            mtbf=mtbf,
+        )
+
+    configured = state.memory_interval_steps or None
+    interval = Interval(
+        kind="memory",
+        save_seconds=host,
+        save_source=source,
+        restart_seconds=restart,
+        reload_seconds=host,
+        young_seconds=young_interval(host, memory_mtbf) if share > 0 else math.inf,
+        daly_seconds=best,
+        steps=steps,
+        goodput=goodput(steps, beside),
+        configured_steps=configured,
+        configured_goodput=(
+            goodput(configured, storage.configured_steps) if configured is not None else None
+        ),
+    )
+    return interval, share, beside
+
+
 def plan_failures(state: JobState, assumed: Assumptions) -> FailurePlan:
     """Expected goodput and best checkpoint intervals of a job under ``assumed`` failures."""
     assumed.check()
     mtbf = mtbf_seconds(assumed.failure_rate, state.gpus)
     storage_delta, storage_source, least = storage_save(state, assumed)
-    peer = state.pods >= 2
-    host = state.rank_bytes / HOST_COPY_BANDWIDTH
-    transfer = state.rank_bytes / state.nic_bandwidth if peer else 0.0
-    memory_source = (
-        f"predicted: {state.rank_bytes / 2**30:.2f} GiB per rank to host at "
-        f"{HOST_COPY_BANDWIDTH / 1e9:g} GB/s"
-        + (
-            f" + to a peer pod at {state.nic_bandwidth / 1e9:g} GB/s"
-            if peer
-            else " (one pod: no peer copy)"
-        )
+    storage = plan_interval(
+        "storage",
+        storage_delta,
+        storage_source,
+        assumed.restart_seconds,
+        reload=state.state_bytes / assumed.storage_bandwidth,
+        least_seconds=least,
+        mtbf=mtbf,
+        step_seconds=state.step_seconds,
+        configured_steps=state.storage_interval_steps,
     )
+    memory, share, beside = plan_memory(state, assumed, storage, mtbf=mtbf, least_storage=least)
     return FailurePlan(
         failure_rate=assumed.failure_rate,
         source=(
@@ -270,25 +413,8 @@ def plan_failures(state: JobState, assumed: Assumptions) -> FailurePlan:
         gpus=state.gpus,
         mtbf_seconds=mtbf,
         step_seconds=state.step_seconds,
-        storage=plan_interval(
-            "storage",
-            storage_delta,
-            storage_source,
-            assumed.restart_seconds,
-            reload=state.state_bytes / assumed.storage_bandwidth,
-            least_seconds=least,
-            mtbf=mtbf,
-            step_seconds=state.step_seconds,
-            configured_steps=state.storage_interval_steps,
-        ),
-        memory=plan_interval(
-            "memory",
-            host + transfer,
-            memory_source,
-            assumed.restart_seconds,
-            reload=host,
-            mtbf=mtbf,
-            step_seconds=state.step_seconds,
-            configured_steps=state.memory_interval_steps,
-        ),
+        storage=storage,
+        memory=memory,
+        memory_share=share,
+        storage_steps_beside_memory=beside,
     )

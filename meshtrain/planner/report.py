@@ -90,8 +90,9 @@ def _interval_json(interval: failures.Interval) -> dict[str, Any]:
         "save_source": interval.save_source,
         "restart_seconds": interval.restart_seconds,
         "reload_seconds": interval.reload_seconds,
-        "young_interval_seconds": interval.young_seconds,
-        "daly_interval_seconds": interval.daly_seconds,
+        # infinite (None) where no failure is recovered at that level (--memory-share 0 or 1)
+        "young_interval_seconds": _finite(interval.young_seconds),
+        "daly_interval_seconds": _finite(interval.daly_seconds),
         "interval_steps": interval.steps,
         "expected_goodput": interval.goodput,
         "configured_interval_steps": interval.configured_steps,
@@ -110,6 +111,8 @@ def _failures_json(planned: failures.FailurePlan | None) -> dict[str, Any] | Non
         "step_seconds": planned.step_seconds,
         "storage": _interval_json(planned.storage),
         "memory": _interval_json(planned.memory),
+        "memory_share": planned.memory_share,
+        "storage_interval_steps_beside_memory": planned.storage_steps_beside_memory,
     }
 
 
@@ -442,6 +445,10 @@ def _placement_lines(plan: estimate.Plan) -> list[str]:
     return lines
 
 
+def _human_interval(seconds: float) -> str:
+    return human_seconds(seconds) if math.isfinite(seconds) else "never"
+
+
 def _failure_lines(planned: failures.FailurePlan | None) -> list[str]:
     if planned is None:
         return []
@@ -461,10 +468,14 @@ def _failure_lines(planned: failures.FailurePlan | None) -> list[str]:
             f"  {interval.kind} checkpoints: save {human_seconds(interval.save_seconds)} "
             f"({interval.save_source}), restart {human_seconds(interval.restart_seconds)} "
             f"(reload {human_seconds(interval.reload_seconds)} of it)",
-            f"    best interval (Daly) {human_seconds(interval.daly_seconds)} = every "
-            f"{interval.steps} steps (Young: {human_seconds(interval.young_seconds)}): expected "
+            f"    best interval (Daly) {_human_interval(interval.daly_seconds)} = every "
+            f"{interval.steps} steps (Young: {_human_interval(interval.young_seconds)}): expected "
             f"goodput {interval.goodput:.2%}{configured}",
         ]
+    lines.append(
+        f"  memory recovers {planned.memory_share:.0%} of failures (the rest: storage, best every "
+        f"{planned.storage_steps_beside_memory} steps beside it); memory goodput is both levels'"
+    )
     return lines
 
 

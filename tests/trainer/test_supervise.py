@@ -8,6 +8,7 @@ the weights and optimizer state of an unfaulted run (every checkpoint tensor com
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ from meshtrain.api import exitcodes
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.guards import faults
-from meshtrain.trainer.telemetry import recoveries, steplog
+from meshtrain.trainer.telemetry import goodput, recoveries, steplog
 from tests.builders import JobBuilder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +157,10 @@ def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(
 ) -> None:
     spec, reference = unfaulted
     fault = {faults.ENV: "3:3:kill"}  # global rank 3 (pod 1) is SIGKILLed before step 3
-    codes = _wait(_supervisors(spec, tmp_path, 2, 2, **fault), tmp_path)
+    final = tmp_path / "termination.log"  # rank 0's last progress document
+    codes = _wait(
+        _supervisors(spec, tmp_path, 2, 2, **fault, MESHTRAIN_TERMINATION_LOG=str(final)), tmp_path
+    )
     text = _logs(tmp_path)
     assert codes == [0, 0], text  # neither supervisor gave up; both finished the run
 
@@ -180,6 +184,13 @@ def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(
     ]
     assert times == sorted(times) and times[-1] - times[0] < 120, record
     assert max(r["step"] for r in steplog.read(tmp_path / "logs" / steplog.FILENAME)) == STEPS
+    # the live goodput (one account across the generations) is the replay of the logs: one failure
+    live = json.loads(final.read_text())["goodput"]
+    replayed = goodput.account_of(tmp_path / "logs")
+    assert [f.tier for f in replayed.failures] == ["process"], replayed.failures
+    assert live["productive_seconds"] == pytest.approx(replayed.productive_seconds, abs=2e-3)
+    assert live["lost_seconds"] == pytest.approx(dict(replayed.lost_seconds), abs=2e-3)
+    assert live["lost_seconds"]["restart"] > 0
     _same_final_state(tmp_path, reference, tmp_path)
 
 

@@ -6,6 +6,7 @@ productive and what each failure cost; the module must find the same from the tw
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import time
@@ -16,7 +17,7 @@ from prometheus_client import parser
 
 from meshtrain.api import loading
 from meshtrain.cli import main
-from meshtrain.trainer.telemetry import goodput, steplog
+from meshtrain.trainer.telemetry import goodput, goodput_live, report, steplog
 from meshtrain.trainer.telemetry.recorder import make_recorder
 from tests.builders import JobBuilder
 from tests.unit import telemetry_feed
@@ -246,3 +247,105 @@ def test_recovery_causes_are_bounded_label_values(monkeypatch):
     finally:
         sink.close()
     assert len(counted) == exporter.MAX_CAUSES + 1 and counted["other"] == 20 - exporter.MAX_CAUSES
+
+
+def test_a_tracker_kept_across_an_in_place_recovery_counts_it_once(tmp_path):
+    """The producer's order: the session hands the tracker the record at restore time, the first
+    step after it ends, only then is the record (with firstStepAt) appended; the live account is
+    the replayed one, with no ``unrecorded`` failure."""
+    record = {
+        "generation": 1,
+        "tier": "process",
+        "cause": "exit 1",
+        "ranks": [3],
+        "failedAt": T0 + 10.4,
+        "detectedAt": T0 + 10.9,
+        "rejoinedAt": T0 + 12.0,
+        "restoredAt": T0 + 12.5,
+        "resumedStep": 8,
+        "source": "memory",
+        "lostSteps": 2,
+        "firstStepAt": None,
+    }
+    tracker = goodput_live.Tracker(tmp_path)
+    found = []
+    for step in range(1, 11):  # generation 0: steps 1-10 at 1 s
+        _steps(tmp_path, [(step, step, T0 + step - 1, 1.0)])
+        found += tracker.step(step, 1.0, T0 + step)
+    tracker.recovered(goodput.parse_recovery(record))  # Session.restored, generation 1
+    for step in (9, 10, 11):
+        _steps(tmp_path, [(step, step, T0 + 12.5 + step - 9, 1.0)])
+        found += tracker.step(step, 1.0, T0 + 13.5 + step - 9)
+        if step == 9:  # Session.step_done: the record, once its first step is whole
+            _recovery(tmp_path, **record | {"firstStepAt": T0 + 13.5})
+    live, replayed = tracker.accountant.account(), goodput.account_of(tmp_path)
+    assert [(f.tier, f.lost_steps) for f in found] == [("process", 2)]
+    assert live.failure_count == replayed.failure_count == 1
+    assert live.productive_seconds == pytest.approx(replayed.productive_seconds) == 11
+    assert dict(live.lost_seconds) == pytest.approx(dict(replayed.lost_seconds))
+    assert dict(live.lost_seconds) == pytest.approx(
+        {"detection": 0.5, "restart": 1.1, "reload": 0.5, "recompute": 2.4}
+    )
+
+
+def test_wall_time_starts_at_the_job_start_and_the_first_start_up_is_its_own(tmp_path):
+    # the job started at T0 - 20 (RFC 3339, as Kubernetes writes it); its first step began at T0
+    _steps(tmp_path, [(1, 10, T0, 1.0)])
+    started = datetime.datetime.fromtimestamp(T0 - 20, tz=datetime.UTC).isoformat()
+    tracker = goodput_live.Tracker(tmp_path, environ={goodput.JOB_STARTED_ENV: started})
+    account = tracker.accountant.account()
+    assert account.startup_seconds == pytest.approx(20)
+    assert account.wall_seconds == pytest.approx(30)
+    assert account.ratio == pytest.approx(10 / 30)
+    assert account.other_seconds == pytest.approx(0, abs=1e-6)
+    # unix seconds read too; a start after the first step (a restarted pod 0) counts from the step
+    late = goodput_live.Tracker(tmp_path, environ={goodput.JOB_STARTED_ENV: str(T0 + 5)})
+    assert late.accountant.account().wall_seconds == pytest.approx(10)
+    assert late.accountant.account().startup_seconds == 0
+    for bad in ("", "yesterday", "nan", "-1", "1e300"):
+        assert goodput.job_started({goodput.JOB_STARTED_ENV: bad}) is None
+    rows = dict(report.goodput_rows(account))
+    assert rows["start-up before the first step"] == "20.0 s"
+
+
+def test_a_new_process_starts_from_the_summary_and_what_the_logs_gained_since(tmp_path):
+    _steps(tmp_path, [(1, 10, T0, 1.0)])
+    first = goodput_live.Tracker(tmp_path)  # rank 0's process: it read the ten steps
+    record = {"tier": "process", "cause": "exit 1", "failedAt": T0 + 10.4}
+    record |= {"detectedAt": T0 + 10.9, "rejoinedAt": T0 + 12.0, "restoredAt": T0 + 12.5}
+    record |= {"resumedStep": 8}
+    first.recovered(goodput.parse_recovery(record))  # in place, at restore
+    _steps(tmp_path, [(9, 9, T0 + 12.5, 1.0)])
+    first.step(9, 1.0, T0 + 13.5)
+    first.checkpoint_saved(9)  # published before the session writes the record
+    _recovery(tmp_path, **record | {"firstStepAt": T0 + 13.5})
+    assert (tmp_path / goodput_live.SUMMARY).is_file()
+    # the steps before the summary are not read again: blank the first record (same length)
+    with (tmp_path / steplog.FILENAME).open("r+b") as log:
+        line = log.readline()
+        log.seek(0)
+        log.write(b" " * (len(line) - 1) + b"\n")
+    _steps(tmp_path, [(10, 11, T0 + 13.5, 1.0)])
+    second = goodput_live.Tracker(tmp_path)  # a new process (a container restart)
+    account = second.accountant.account()
+    assert account.failure_count == 1  # the record handed before the summary is not counted again
+    assert account.productive_seconds == pytest.approx(11)  # step 1 from the summary
+    assert dict(account.lost_seconds) == pytest.approx(
+        {"detection": 0.5, "restart": 1.1, "reload": 0.5, "recompute": 2.4}
+    )
+    assert goodput.account_of(tmp_path).productive_seconds == pytest.approx(10)  # (blanked step 1)
+
+
+def test_without_a_summary_a_process_start_reads_a_bounded_tail(tmp_path, monkeypatch):
+    _steps(tmp_path, [(1, 200, T0, 1.0)])
+    size = (tmp_path / steplog.FILENAME).stat().st_size
+    monkeypatch.setattr(goodput_live, "START_TAIL_BYTES", size // 4)
+    account = goodput_live.Tracker(tmp_path).accountant.account()
+    assert 40 <= account.productive_seconds <= 51  # about the last quarter of the steps
+    # a summary of another history (its log was longer) is not used
+    (tmp_path / goodput_live.SUMMARY).write_text(
+        json.dumps({"version": 1, "stepsOffset": size + 1, "recoveriesOffset": 0, "account": {}})
+    )
+    assert goodput_live.read_summary(tmp_path) is None
+    (tmp_path / goodput_live.SUMMARY).write_text("{not json")
+    assert goodput_live.Tracker(tmp_path).accountant.account().productive_seconds <= 51

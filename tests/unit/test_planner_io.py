@@ -49,9 +49,11 @@ GOLDEN_KEYS = {
         "failure_rate_source",
         "gpus",
         "memory",
+        "memory_share",
         "mtbf_seconds",
         "step_seconds",
         "storage",
+        "storage_interval_steps_beside_memory",
     ],
     "failures.storage": [
         "configured_goodput",

@@ -93,6 +93,7 @@ def test_the_schema_knows_every_field_the_trainer_sends():
         ("resumed_from_uid", "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a" * 100),
         ("goodput", {**TRAINER_DOCUMENT["goodput"], "ratio": 1.5}),
         ("goodput", {**TRAINER_DOCUMENT["goodput"], "wall_seconds": -1}),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "wall_seconds": 3000.0}),  # < productive + lost
         ("goodput", {**TRAINER_DOCUMENT["goodput"], "wall_seconds": True}),
         ("goodput", {**TRAINER_DOCUMENT["goodput"], "extra": 1}),
         ("goodput", {**TRAINER_DOCUMENT["goodput"], "lost_seconds": {"detection": 1}}),
@@ -156,6 +157,17 @@ def test_goodput_becomes_status_goodput_in_camel_case():
     }
 
 
+def test_the_goodput_ratio_is_derived_from_the_seconds():
+    sent = {**TRAINER_DOCUMENT, "goodput": {**TRAINER_DOCUMENT["goodput"], "ratio": 0.99}}
+    assert progress_status.status_changes(parse(sent).document)["goodput"]["ratio"] == 0.875
+    # productive + lost may pass wall by 1% + 1 s (rounding, another pod's clock), not more
+    wall = (3500.0 + 65.0 - 1.0) / 1.01
+    near = {**TRAINER_DOCUMENT["goodput"], "wall_seconds": wall + 0.01}
+    assert parse({**TRAINER_DOCUMENT, "goodput": near}).document["goodput"] is not None
+    far = {**TRAINER_DOCUMENT["goodput"], "wall_seconds": wall - 0.01}
+    assert "goodput" not in parse({**TRAINER_DOCUMENT, "goodput": far}).document
+
+
 def test_a_hostile_termination_message_changes_nothing():
     assert progress_status.from_termination_message('{"step": 12, "loss": NaN}') == {}
     assert progress_status.from_termination_message('{"step": 1e400}') == {}
@@ -184,9 +196,9 @@ def test_the_trainers_largest_document_fits_and_passes():
         gradient_noise_scale=1.2345678901234567e300,
         goodput={
             "ratio": 0.12345678901234567,
-            "productive_seconds": 1.2345678901234567e300,
+            "productive_seconds": 1.2345678901234567e299,  # as long as e300; within the wall
             "wall_seconds": 1.2345678901234567e300,
-            "lost_seconds": dict.fromkeys(progress_report.GOODPUT_PHASES, 1.2345678901234567e300),
+            "lost_seconds": dict.fromkeys(progress_report.GOODPUT_PHASES, 1.2345678901234567e299),
         },
     )
     flags = tuple(

@@ -394,6 +394,7 @@ def loopback_env(spec: str | os.PathLike[str], out: str | os.PathLike[str]) -> d
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    os.environ.setdefault("MESHTRAIN_JOB_STARTED_AT", f"{time.time():.3f}")  # goodput's wall start
     config = settings(args)
     try:
         store = rendezvous.connect(

@@ -157,7 +157,10 @@ def _session(
     # the gang's process groups are up (a gang record's rejoinedAt)
     rejoined_at = session.rejoined_at if session is not None else time.time()
     mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
-    recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
+    kept = session.tracker if session is not None else None  # one goodput account per process
+    recorder = make_recorder(
+        job, mesh.layout, rank, args.log_dir, device=device, steps_log=False, tracker=kept
+    )
     if session is not None:
         session.attach(recorder)
     try:

@@ -189,9 +189,16 @@ GOODPUT_PHASES = ("detection", "restart", "reload", "recompute")
 """The lost-time phases of ``goodput.lost_seconds`` (the trainer's ``telemetry.goodput.PHASES``)."""
 
 
+GOODPUT_SLACK = (1.01, 1.0)
+"""productive + lost may pass wall by 1% + 1 s (the trainer rounds to milliseconds, and a failure's
+times come from the failed pod's clock) before the figures are refused as inconsistent."""
+
+
 def _goodput(value: Any) -> dict[str, Any] | None:
     """``{ratio, productive_seconds, wall_seconds, lost_seconds: {phase: seconds}}``: every number
-    finite and not negative, the ratio at most 1 (or null before a step), no other key."""
+    finite and not negative, productive + lost at most wall (:data:`GOODPUT_SLACK`), no other key;
+    the ratio sent at most 1 (or null), but the one kept derived: productive over wall (null at no
+    wall time)."""
     if not isinstance(value, Mapping) or set(value) != {
         "ratio",
         "productive_seconds",
@@ -199,8 +206,8 @@ def _goodput(value: Any) -> dict[str, Any] | None:
         "lost_seconds",
     }:
         return None
-    ratio = value["ratio"]
-    if ratio is not None and ((checked := _not_negative(ratio)) is None or checked > 1):
+    sent = value["ratio"]  # checked, then derived from the seconds rather than taken
+    if sent is not None and ((checked := _not_negative(sent)) is None or checked > 1):
         return None
     lost = value["lost_seconds"]
     if not isinstance(lost, Mapping) or set(lost) != set(GOODPUT_PHASES):
@@ -209,8 +216,12 @@ def _goodput(value: Any) -> dict[str, Any] | None:
     phases = {phase: _not_negative(lost[phase]) for phase in GOODPUT_PHASES}
     if None in seconds.values() or None in phases.values():
         return None
+    productive, wall = seconds["productive_seconds"] or 0.0, seconds["wall_seconds"] or 0.0
+    scale, slack = GOODPUT_SLACK
+    if productive + sum(p or 0.0 for p in phases.values()) > wall * scale + slack:
+        return None
     return {
-        "ratio": None if ratio is None else float(ratio),
+        "ratio": min(1.0, productive / wall) if wall > 0 else None,
         **seconds,
         "lost_seconds": phases,
     }

@@ -8,7 +8,8 @@ blocked collective raises.  A worker whose collective failed first (a peer died)
 round itself (:func:`.rendezvous.start_round`: one bump per failure).  Either way the main thread
 destroys the groups, drops the engine, frees memory, and joins the next round — no new Python, no
 new ``import torch``.  Global rank 0 writes one recovery record after the first step of a new
-round (:mod:`meshtrain.trainer.telemetry.recoveries`).
+round (:mod:`meshtrain.trainer.telemetry.recoveries`); its goodput tracker, one for the process,
+gets the record at restore time, before that step.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from torch._C import _distributed_c10d as c10d
 from meshtrain.api import exitcodes
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.recovery import abort, rendezvous
+from meshtrain.trainer.telemetry import goodput, goodput_live, recoveries
 from meshtrain.trainer.telemetry import progress as progress_mod
-from meshtrain.trainer.telemetry import recoveries
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
 
 SUPERVISED_ENV = "MESHTRAIN_SUPERVISED"
@@ -133,6 +134,10 @@ class Session:
     recorded: bool = False
     progress: progress_mod.Progress | None = None
     recorder: TelemetryRecorder | None = None
+    tracker: goodput_live.Tracker | None = None
+    """Rank 0's goodput account, the same in every generation of this process (None elsewhere)."""
+    record: recoveries.Recovery | None = None
+    """Rank 0: this generation's recovery record, once restored (firstStepAt still unset)."""
 
     def interrupted(self) -> bool:
         """Whether this generation is over (the watcher fired or the store moved on)."""
@@ -161,17 +166,17 @@ class Session:
     def restored(self, step: int | None, source: str) -> None:
         """The state was loaded (``step`` None: from scratch)."""
         self.restored_at, self.resumed_step, self.source = time.time(), step or 0, source
+        if self.rank != 0 or self.generation == 0:
+            return
+        self.record = self._record()
+        parsed = goodput.parse_recovery(self.record.to_json())
+        if self.tracker is not None and parsed is not None:  # before the step the record waits for
+            self.tracker.recovered(parsed)
 
-    def step_done(self, step: int) -> None:
-        """A step completed: rank 0 notes it in the store, and after a recovery writes its record."""
-        if self.rank != 0:
-            return
-        self.store.set(rendezvous.STEP, str(step))
-        if self.generation == 0 or self.recorded:
-            return
-        self.recorded = True
+    def _record(self) -> recoveries.Recovery:
+        """This generation's recovery record as known now (no first step yet)."""
         merged = rendezvous.summary(self.store, self.generation)
-        record = recoveries.Recovery(
+        return recoveries.Recovery(
             generation=self.generation,
             tier=merged["tier"],
             cause=merged["cause"],
@@ -183,8 +188,17 @@ class Session:
             resumed_step=self.resumed_step,
             source="memory" if self.source == "memory" else "storage",
             lost_steps=max(0, self.previous_step - self.resumed_step),
-            first_step_at=time.time(),
         )
+
+    def step_done(self, step: int) -> None:
+        """A step completed: rank 0 notes it in the store, and after a recovery writes its record."""
+        if self.rank != 0:
+            return
+        self.store.set(rendezvous.STEP, str(step))
+        if self.generation == 0 or self.recorded:
+            return
+        self.recorded = True
+        record = dataclasses.replace(self.record or self._record(), first_step_at=time.time())
         if self.log_dir:
             with contextlib.suppress(OSError):
                 recoveries.append(self.log_dir, record)
@@ -228,6 +242,9 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
     )
     sockets = abort.GlooSockets(port, kept_ports={metrics})
     history: list[dict[str, Any]] = []
+    tracker = (
+        goodput_live.Tracker(log_dir) if rank == 0 and log_dir else None
+    )  # read once a process
     while True:
         generation = rendezvous.generation(store)
         patience = settings.rejoin_timeout_s
@@ -256,7 +273,9 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
         )
         watcher = Watcher(store, generation, sockets)
         watcher.start()
-        session = Session(generation, store, rank, watcher, log_dir, history, previous)
+        session = Session(
+            generation, store, rank, watcher, log_dir, history, previous, tracker=tracker
+        )
         try:
             return body(session)
         except (RuntimeError, Interrupted) as err:

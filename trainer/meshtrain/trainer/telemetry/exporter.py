@@ -323,6 +323,28 @@ DECLARATIONS: tuple[Declaration, ...] = (
         " across restarts (global rank 0).",
         lazy=True,
     ),
+    Declaration(  # global rank 0 only, from its first step
+        "goodput_productive",
+        "gauge",
+        "meshtrain_goodput_productive_seconds",
+        "Productive step time of the whole run so far (each step's last run; global rank 0).",
+        lazy=True,
+    ),
+    Declaration(  # global rank 0 only, from its first step
+        "goodput_wall",
+        "gauge",
+        "meshtrain_goodput_wall_seconds",
+        "Wall time of the whole run so far, from the job's start (global rank 0).",
+        lazy=True,
+    ),
+    Declaration(
+        "goodput_lost",
+        "gauge",
+        "meshtrain_goodput_lost_seconds",
+        "Seconds failures cost the whole run so far, by phase (global rank 0; status.goodput's"
+        " lostSeconds).",
+        labels=("phase",),
+    ),
     Declaration(
         "recovery_seconds",
         "histogram",
@@ -390,6 +412,9 @@ class Metrics:
     checkpoint_step: prometheus_client.Gauge
     checkpoint_time: prometheus_client.Gauge
     goodput: prometheus_client.Gauge
+    goodput_productive: prometheus_client.Gauge
+    goodput_wall: prometheus_client.Gauge
+    goodput_lost: prometheus_client.Gauge
     recovery_seconds: prometheus_client.Histogram
     recoveries: prometheus_client.Counter
     lost_steps: prometheus_client.Counter
@@ -550,6 +575,11 @@ class Exporter:
         m = self.metrics
         if account is not None and account.ratio is not None:
             m.goodput.labels(**m.base).set(account.ratio)
+            m.goodput_productive.labels(**m.base).set(account.productive_seconds)
+            m.goodput_wall.labels(**m.base).set(account.wall_seconds)
+        for phase in goodput_mod.PHASES:  # the whole run's, across processes (the account's)
+            seconds = account.lost_seconds[phase] if account is not None else 0.0
+            m.goodput_lost.labels(**m.base, phase=phase).set(seconds)
         for phase, tier in itertools.product(goodput_mod.PHASES, goodput_mod.TIERS):
             m.recovery_seconds.labels(**m.base, phase=phase, tier=tier)
         lost = m.lost_steps.labels(**m.base)

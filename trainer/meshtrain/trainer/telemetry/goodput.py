@@ -8,9 +8,12 @@ a failure interrupted.  A recovery record splits the rest of a failure's cost in
 ``detection`` (failedAt -> detectedAt), ``restart`` (-> rejoinedAt) and ``reload``
 (-> restoredAt); a step log that goes back without a record is a restart nobody recorded, its
 gap counted as ``restart``.  What is neither productive nor lost (start-up, checkpoint stalls,
-evaluation) is the rest of the wall time.
+evaluation) is the rest of the wall time.  Wall time starts at the job's start when the trainer
+knows it (``$MESHTRAIN_JOB_STARTED_AT``, :func:`job_started`), else at the first step; the time
+from the job's start to its first step is ``startup``.
 
-:class:`Accountant` takes the records one at a time (the trainer feeds it live);
+:class:`Accountant` takes the records one at a time (the trainer feeds it live,
+:mod:`.goodput_live`);
 :func:`account_of` replays a log directory (``meshtrain report``).  Both files are a tenant's
 and read as hostile: bounded lines and bytes, every field checked, a bad record skipped.
 """
@@ -21,6 +24,7 @@ import array
 import bisect
 import collections
 import dataclasses
+import datetime
 import json
 import math
 import re
@@ -56,6 +60,10 @@ MAX_STEP_LINE = 32 * 2**20
 MAX_TIME = 1e11
 """Latest unix time a record may carry (year 5138): beyond it the field is refused."""
 
+JOB_STARTED_ENV = "MESHTRAIN_JOB_STARTED_AT"
+"""When the job started (unix seconds, or RFC 3339 as Kubernetes writes times): the start of the
+wall time.  The supervisor sets it to its own start when the pod's environment has none."""
+
 CAUSE = re.compile(r"[A-Za-z0-9 _.:/+-]{1,40}")
 """A cause this module keeps as written (metric label values stay short); others read ``other``."""
 
@@ -90,13 +98,15 @@ class Account:
     productive_seconds: float
     """Step time of every step's last run."""
     wall_seconds: float
-    """From the start of the first step to the last record (or now, live)."""
+    """From the job's start (else the start of the first step) to the last record (or now, live)."""
     lost_seconds: Mapping[str, float]
     """Seconds lost to failures by phase (:data:`PHASES`)."""
     failures: tuple[Failure, ...]
     """The newest failures (at most :data:`MAX_FAILURES`), oldest first."""
     failure_count: int
     """Every failure seen."""
+    startup_seconds: float = 0.0
+    """From the job's start to the start of its first step (0 when the start is not known)."""
 
     @property
     def ratio(self) -> float | None:
@@ -108,9 +118,8 @@ class Account:
     @property
     def other_seconds(self) -> float:
         """Wall time neither productive nor lost to a failure (start-up, checkpoints, evaluation)."""
-        return max(
-            0.0, self.wall_seconds - self.productive_seconds - sum(self.lost_seconds.values())
-        )
+        lost = sum(self.lost_seconds.values()) + self.startup_seconds
+        return max(0.0, self.wall_seconds - self.productive_seconds - lost)
 
     def progress(self) -> dict[str, Any]:
         """The progress document's ``goodput`` field (the trainer's snake_case names)."""
@@ -175,6 +184,33 @@ def parse_recovery(record: Any) -> Recovery | None:
     )
 
 
+def _checked(value: Any) -> float:
+    """A summary's number of seconds (ValueError when it is not one)."""
+    number = _time(value)
+    if number is None:
+        raise ValueError(f"not a number of seconds: {str(value)[:40]}")
+    return number
+
+
+def _failure(value: Any) -> Failure:
+    """A failure as :meth:`Accountant.state` wrote it (ValueError when it is not one)."""
+    if not isinstance(value, dict) or not isinstance(value.get("seconds"), dict):
+        raise ValueError("failure")
+    tier, cause = value.get("tier"), value.get("cause")
+    resumed, lost = _step(value.get("resumed_step")), _step(value.get("lost_steps"))
+    if tier not in TIERS or not isinstance(cause, str) or resumed is None or lost is None:
+        raise ValueError("failure fields")
+    seconds = {phase: _checked(value["seconds"].get(phase)) for phase in PHASES}
+    return Failure(
+        tier,
+        cause if CAUSE.fullmatch(cause) or cause in ("other", "unknown") else "other",
+        _checked(value.get("failed_at")),
+        resumed,
+        lost,
+        seconds,
+    )
+
+
 def _span(start: float | None, end: float | None) -> float:
     """``end - start``, 0 when either is unknown or the clock went back."""
     if start is None or end is None:
@@ -185,7 +221,8 @@ def _span(start: float | None, end: float | None) -> float:
 class Accountant:
     """Goodput built record by record: steps (:meth:`step`) and recoveries (:meth:`recovery`) in time order."""
 
-    def __init__(self) -> None:
+    def __init__(self, started_at: float | None = None) -> None:
+        self._started_at = started_at  # the job's start (None: not known)
         self._steps = array.array("q")  # the alive runs' steps, increasing
         self._cumulative = array.array("d")  # their step seconds, summed up to each
         self._first_start: float | None = None
@@ -263,11 +300,70 @@ class Accountant:
             Failure(record.tier, record.cause, record.failed_at, resumed, count, seconds)
         )
 
+    def fold(self, step: int) -> None:
+        """Keep the runs up to ``step`` (a published checkpoint's: no restore goes before it) as
+        one entry: their seconds still count, the arrays stay as long as the steps since."""
+        keep = bisect.bisect_right(self._steps, step)
+        if keep > 1:
+            del self._steps[: keep - 1]
+            del self._cumulative[: keep - 1]
+
+    def state(self) -> dict[str, Any]:
+        """The account as JSON (:meth:`from_state`): a summary that spares a restart the replay."""
+        return {
+            "startedAt": self._started_at,
+            "firstStart": self._first_start,
+            "lastTime": self._last_time,
+            "lost": dict(self._lost),
+            "count": self._count,
+            "steps": list(self._steps),
+            "cumulative": list(self._cumulative),
+            "failures": [
+                dataclasses.asdict(f) | {"seconds": dict(f.seconds)} for f in self._failures
+            ],
+        }
+
+    @staticmethod
+    def from_state(state: Any, started_at: float | None) -> Accountant:
+        """The accountant :meth:`state` described; ValueError when a field is not as written."""
+        if not isinstance(state, dict):
+            raise ValueError("not an object")
+        made = Accountant(started_at if started_at is not None else _time(state.get("startedAt")))
+        made._first_start = _time(state.get("firstStart"))
+        made._last_time = _time(state.get("lastTime"))
+        lost, count = state.get("lost"), _step(state.get("count"))
+        if not isinstance(lost, dict) or count is None:
+            raise ValueError("lost or count")
+        for phase in PHASES:
+            made._lost[phase] = _checked(lost.get(phase))
+        made._count = count
+        steps, cumulative = state.get("steps"), state.get("cumulative")
+        if not isinstance(steps, list) or not isinstance(cumulative, list):
+            raise ValueError("steps")
+        if len(steps) != len(cumulative) or len(steps) > limits.MAX_STEPS:
+            raise ValueError("steps and cumulative differ")
+        for value in steps:
+            step = _step(value)
+            if step is None or (made._steps and step <= made._steps[-1]):
+                raise ValueError("steps not increasing")
+            made._steps.append(step)
+        made._cumulative.extend(_checked(c) for c in cumulative)
+        failures = state.get("failures")
+        if not isinstance(failures, list):
+            raise ValueError("failures")
+        made._failures.extend(_failure(f) for f in failures[-MAX_FAILURES:])
+        return made
+
     def account(self, now: float | None = None) -> Account:
         """The account so far; ``now`` (live) ends the wall time instead of the last record."""
         end = self._last_time if now is None else now
-        wall = _span(self._first_start, end)
+        start, startup = self._first_start, 0.0
+        if self._started_at is not None and self._first_start is not None:
+            start = min(self._started_at, self._first_start)
+            startup = _span(self._started_at, self._first_start)
+        wall = _span(start, end)
         return Account(
+            startup_seconds=startup,
             productive_seconds=self._cumulative[-1] if self._cumulative else 0.0,
             wall_seconds=wall,
             lost_seconds=dict(self._lost),
@@ -279,19 +375,21 @@ class Accountant:
 # ------------------------------------------------------------------------------ reading the logs
 
 
-def _lines(path: Path, *, line_limit: int, tail_bytes: int | None = None) -> Iterator[bytes]:
-    """Complete lines of ``path`` of at most ``line_limit`` bytes (a longer one is skipped);
-    with ``tail_bytes``, only those in its last ``tail_bytes`` bytes."""
+def _lines(
+    path: Path, *, line_limit: int, tail_bytes: int | None = None, start: int = 0
+) -> Iterator[bytes]:
+    """Complete lines of ``path`` of at most ``line_limit`` bytes (a longer one is skipped) from
+    byte ``start`` (a line's start); with ``tail_bytes``, only those in its last ``tail_bytes``."""
     try:
         handle = path.open("rb")
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         return
     with handle:
-        if tail_bytes is not None:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - tail_bytes))
-            if size > tail_bytes:
-                handle.readline(line_limit + 1)  # a partial first line
+        size = handle.seek(0, 2)
+        begin = start if tail_bytes is None else max(start, size - tail_bytes)
+        handle.seek(begin)
+        if begin > start:
+            handle.readline(line_limit + 1)  # a partial first line
         while True:
             line = handle.readline(line_limit + 1)
             if not line:
@@ -304,32 +402,37 @@ def _lines(path: Path, *, line_limit: int, tail_bytes: int | None = None) -> Ite
             yield line
 
 
-def _json(line: bytes) -> Any:
+def json_line(line: bytes) -> Any:
+    """A line's JSON value, or None."""
     try:
         return json.loads(line)
     except (ValueError, RecursionError):
         return None
 
 
-def read_recoveries(log_dir: str | Path) -> list[Recovery]:
-    """The readable recovery records of a log directory (its newest :data:`MAX_RECOVERY_BYTES`)."""
+def read_recoveries(log_dir: str | Path, *, start: int = 0) -> list[Recovery]:
+    """The readable recovery records of a log directory from byte ``start`` (its newest
+    :data:`MAX_RECOVERY_BYTES`)."""
     found = (
-        parse_recovery(_json(line))
+        parse_recovery(json_line(line))
         for line in _lines(
-            Path(log_dir) / RECOVERIES, line_limit=MAX_RECOVERY_LINE, tail_bytes=MAX_RECOVERY_BYTES
+            Path(log_dir) / RECOVERIES,
+            line_limit=MAX_RECOVERY_LINE,
+            tail_bytes=MAX_RECOVERY_BYTES,
+            start=start,
         )
     )
     return [r for r in found if r is not None]
 
 
 def read_steps(
-    log_dir: str | Path, *, tail_bytes: int | None = None
+    log_dir: str | Path, *, tail_bytes: int | None = None, start: int = 0
 ) -> Iterator[tuple[int, float, float]]:
-    """(step, step_seconds, time) of every readable step record, in the log's order (with
-    ``tail_bytes``: of those in its last ``tail_bytes`` bytes)."""
+    """(step, step_seconds, time) of every readable step record from byte ``start``, in the log's
+    order (with ``tail_bytes``: of those in its last ``tail_bytes`` bytes)."""
     path = Path(log_dir) / steplog.FILENAME
-    for line in _lines(path, line_limit=MAX_STEP_LINE, tail_bytes=tail_bytes):
-        record = _json(line)
+    for line in _lines(path, line_limit=MAX_STEP_LINE, tail_bytes=tail_bytes, start=start):
+        record = json_line(line)
         if not isinstance(record, dict):
             continue
         step, at = _step(record.get("step")), _time(record.get("time"))
@@ -338,20 +441,46 @@ def read_steps(
             yield step, seconds, at
 
 
-def replay(log_dir: str | Path) -> Accountant:
-    """An accountant fed a log directory's steps and recoveries in time order.
+def job_started(environ: Mapping[str, str]) -> float | None:
+    """The job's start from :data:`JOB_STARTED_ENV` (None: unset or unreadable)."""
+    raw = environ.get(JOB_STARTED_ENV, "").strip()[:64]
+    try:
+        return _time(float(raw))
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.datetime.fromisoformat(raw)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return _time(parsed.timestamp())
+
+
+def replay(log_dir: str | Path, started_at: float | None = None) -> Accountant:
+    """An accountant fed a log directory's steps and recoveries in time order (wall time from
+    ``started_at`` when given).
 
     A recovery goes after the steps that ended by its failure and before the later ones.
     """
-    accountant = Accountant()
-    pending = collections.deque(sorted(read_recoveries(log_dir), key=lambda r: r.failed_at))
-    for step, seconds, at in read_steps(log_dir):
+    accountant = Accountant(started_at)
+    feed(accountant, read_steps(log_dir), read_recoveries(log_dir))
+    return accountant
+
+
+def feed(
+    accountant: Accountant,
+    steps: Iterator[tuple[int, float, float]],
+    records: list[Recovery],
+) -> None:
+    """Give ``accountant`` the steps and recovery records in time order (:func:`replay`)."""
+    pending = collections.deque(sorted(records, key=lambda r: r.failed_at))
+    for step, seconds, at in steps:
         while pending and pending[0].failed_at < at - seconds:
             accountant.recovery(pending.popleft())
         accountant.step(step, seconds, at)
     for record in pending:
         accountant.recovery(record)
-    return accountant
 
 
 def account_of(log_dir: str | Path) -> Account:
@@ -424,46 +553,3 @@ def note_gang_restart(
         with (Path(log_dir) / RECOVERIES).open("a", encoding="utf-8") as out:
             out.write(json.dumps(record, sort_keys=True) + "\n")
     return record
-
-
-# ------------------------------------------------------------------------------ live, on rank 0
-
-
-class Tracker:
-    """Rank 0's live account: the log directory's history, then each step and new recovery record."""
-
-    def __init__(self, log_dir: str | Path) -> None:
-        self.accountant = replay(log_dir)
-        """The account so far."""
-        self._path = Path(log_dir) / RECOVERIES
-        try:
-            self._offset = self._path.stat().st_size  # what replay read; new records come after
-        except OSError:
-            self._offset = 0
-
-    def _new_recoveries(self) -> list[Recovery]:
-        """Recovery records appended since the last call (at most :data:`MAX_RECOVERY_BYTES`)."""
-        try:
-            with self._path.open("rb") as handle:
-                if handle.seek(0, 2) < self._offset:  # truncated: read it again from the start
-                    self._offset = 0
-                handle.seek(self._offset)
-                chunk = handle.read(MAX_RECOVERY_BYTES)
-        except OSError:
-            return []
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        if not complete and len(chunk) == MAX_RECOVERY_BYTES:  # one line longer than the chunk
-            complete = chunk
-        self._offset += len(complete)
-        found = (
-            parse_recovery(_json(line))
-            for line in complete.splitlines()
-            if len(line) <= MAX_RECOVERY_LINE
-        )
-        return [r for r in found if r is not None]
-
-    def step(self, step: int, seconds: float, at: float) -> list[Failure]:
-        """A step ended: the failures recorded or revealed since the last one."""
-        found = [self.accountant.recovery(r) for r in self._new_recoveries()]
-        unrecorded = self.accountant.step(step, seconds, at)
-        return found + ([unrecorded] if unrecorded is not None else [])

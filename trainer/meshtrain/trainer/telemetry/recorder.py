@@ -21,7 +21,7 @@ from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.telemetry import (
     context,
     exporter,
-    goodput,
+    goodput_live,
     peak,
     progress,
     recording,
@@ -46,7 +46,7 @@ class TelemetryRecorder(recording.EventCollector):
         facts: stepstats.JobFacts,
         sinks: Sequence[context.Sink],
         device: Any = None,
-        tracker: goodput.Tracker | None = None,
+        tracker: goodput_live.Tracker | None = None,
     ) -> None:
         super().__init__(started=time.perf_counter())
         self.identity = identity
@@ -104,18 +104,19 @@ class TelemetryRecorder(recording.EventCollector):
                 stats, dp_uncompressed_bytes=uncompressed, dp_sent_bytes=sent
             )
         self.last = stats
-        self.steps.append(stats.log_record())
+        ended = time.time()  # the step record's time: the live goodput and its replay agree
+        self.steps.append(stats.log_record() | {"time": ended})
         del self.steps[:-KEEP_STEPS]
-        self._goodput(stats)
+        self._goodput(stats, ended)
         memory = self.memory()
         for sink in self.sinks:
             sink.publish(stats, events, start, memory)
 
-    def _goodput(self, stats: stepstats.StepStats) -> None:
-        """Rank 0: the step into the goodput account, the account to /progress and the exporter."""
+    def _goodput(self, stats: stepstats.StepStats, now: float) -> None:
+        """Rank 0: the step (ended at ``now``) into the goodput account, the account to /progress
+        and the exporter."""
         if self.tracker is None:
             return
-        now = time.time()
         found = self.tracker.step(stats.step, stats.seconds, now)
         account = self.tracker.accountant.account(now)
         for sink in self.sinks:
@@ -135,7 +136,10 @@ class TelemetryRecorder(recording.EventCollector):
                 sink.facts = self.facts
 
     def checkpoint_saved(self, step: int) -> None:
-        """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete (published)."""
+        """Tell the sinks (the /progress document) that a checkpoint of ``step`` is complete
+        (published), and the goodput tracker (its summary)."""
+        if self.tracker is not None:
+            self.tracker.checkpoint_saved(step)
         for sink in self.sinks:
             sink.checkpoint_saved(step)
 
@@ -212,13 +216,16 @@ def make_recorder(
     device: Any = None,
     serve: bool = True,
     steps_log: bool = True,
+    tracker: goodput_live.Tracker | None = None,
 ) -> TelemetryRecorder:
     """The trainer's recorder: Prometheus exporter on ``$MESHTRAIN_METRICS_HOST:spec.metrics.port + local_rank``
     (rank 0 also keeps and serves the /progress document), steps.jsonl (rank 0)
     and the event trace under ``log_dir``.
 
     ``serve=False`` skips the HTTP server; ``steps_log=False`` leaves steps.jsonl
-    to a caller that writes it itself from :attr:`TelemetryRecorder.steps`.
+    to a caller that writes it itself from :attr:`TelemetryRecorder.steps`.  ``tracker``: the
+    goodput account to keep (a supervised worker's, one per process); None: rank 0 with a log
+    directory reads a new one.
     """
     identity = context.RankIdentity.from_env(layout, rank, local_rank)
     facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
@@ -244,7 +251,8 @@ def make_recorder(
                 Path(log_dir), identity, facts, schedule=spec.parallelism.schedule, steps=steps_log
             )
         )
-    tracker = goodput.Tracker(log_dir) if rank == 0 and log_dir is not None else None
+    if tracker is None and rank == 0 and log_dir is not None:
+        tracker = goodput_live.Tracker(log_dir)
     return TelemetryRecorder(identity, facts, sinks, device=device, tracker=tracker)
 
 

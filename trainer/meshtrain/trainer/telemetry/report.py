@@ -311,9 +311,10 @@ def goodput_rows(account: goodput.Account | None) -> list[tuple[str, str]]:
     return [
         ("goodput", f"{account.ratio:.2%}"),
         ("productive step time", _seconds(account.productive_seconds)),
-        ("wall time since the first step", _seconds(account.wall_seconds)),
+        ("wall time", _seconds(account.wall_seconds)),
+        ("start-up before the first step", _seconds(account.startup_seconds)),
         *((f"lost to failures: {phase}", _seconds(lost[phase])) for phase in goodput.PHASES),
-        ("other (start-up, checkpoints, evaluation)", _seconds(account.other_seconds)),
+        ("other (later start-ups, checkpoints, evaluation)", _seconds(account.other_seconds)),
         ("failures", str(account.failure_count)),
     ]
 
