@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import calendar
+
 import yaml
 
 from meshtrain.api import exitcodes, loading, release
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import builders, identity, kubelet_tier, naming, replacement
+from meshtrain.operator.policy import (
+    builders,
+    identity,
+    job_state,
+    kubelet_tier,
+    naming,
+    replacement,
+)
+from meshtrain.trainer.telemetry import goodput
 from tests.builders import JobBuilder
 
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
@@ -410,3 +420,26 @@ def test_no_restart_rules_for_a_custom_trainer_or_without_in_place_recovery():
         assert "restartPolicy" not in container and "restartPolicyRules" not in container
         assert pod["spec"]["restartPolicy"] == "Never"
         assert env_of(pod)[kubelet_tier.ENV_IN_PLACE] == "0"
+
+
+def test_the_pods_tell_the_trainer_when_the_job_was_created():
+    """The goodput account's wall time starts at the TrainingJob's creationTimestamp, read back
+    by the trainer's own parser (``goodput.job_started``) as the same instant."""
+    created = "2026-11-29T15:04:05Z"
+    body = {
+        "metadata": {
+            "name": "llm",
+            "namespace": "research",
+            "uid": "1234",
+            "creationTimestamp": created,
+        },
+        "spec": JobBuilder().raw(),
+    }
+    job = job_state.read(body)
+    assert job.ref == REF  # the creation time is not part of the identity
+    env = env_of(builders.build_pod(job.ref, spec_of(JobBuilder()), 0, 0, "node-a"))
+    expected = calendar.timegm((2026, 11, 29, 15, 4, 5, 0, 0, 0))
+    assert goodput.job_started(env) == expected
+    assert "MESHTRAIN_JOB_STARTED_AT" not in env_of(
+        builders.build_pod(REF, spec_of(JobBuilder()), 0, 0, "node-a")
+    )

@@ -175,6 +175,8 @@ def _env(
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
         **kubelet_tier.recovery_env(spec),
     }
+    if job.created:  # the goodput account's wall time starts with the job (docs/telemetry.md)
+        plain["MESHTRAIN_JOB_STARTED_AT"] = job.created
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
     env.append(
         {"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}

@@ -25,6 +25,9 @@ class JobRef:
     """metadata.namespace."""
     uid: str
     """metadata.uid (owner references need it)."""
+    created: str = dataclasses.field(default="", compare=False)
+    """metadata.creationTimestamp (RFC 3339; empty: unknown): where the job's goodput wall time
+    starts (``MESHTRAIN_JOB_STARTED_AT``); not part of the identity."""
 
 
 def spec_hash(spec: api_spec.TrainingJobSpec) -> str:

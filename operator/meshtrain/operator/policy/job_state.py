@@ -41,6 +41,7 @@ def read(body: Mapping[str, Any]) -> JobState:
         name=metadata.get("name", ""),
         namespace=metadata.get("namespace", ""),
         uid=metadata.get("uid", ""),
+        created=str(metadata.get("creationTimestamp") or ""),
     )
     raw_spec = body.get("spec") or {}
     ttl = (raw_spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
