@@ -70,7 +70,7 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
     if not all(p.rejoins and not p.terminal and not p.gated for p in survivors):
         return None
     limit = spec.run_policy.recovery.in_place_limit
-    if replacement.attempt_restarts(seen.job.status, seen.attempt) + len(indices) > limit:
+    if replacement.attempt_restarts(seen.job.status, seen.attempt, seen.now) + len(indices) > limit:
         return None
     lost_pods = [p for p in seen.current if p.index in indices]
     return job_actions.ReplacePods(
