@@ -1,7 +1,7 @@
 """The in-place budget of a gang attempt: it starts again once the gang has run ten minutes with no
 restart (the stable-running rule of the disruption budget), the rebuild past it is a disruption
 when lost pods and nodes used it up, and a trainer store that started again (its rounds from 0)
-has its records counted anew."""
+has its records counted anew; a trainer container in CrashLoopBackOff rebuilds the gang at once."""
 
 from __future__ import annotations
 
@@ -133,3 +133,33 @@ def test_a_status_without_the_new_fields_reads_as_before():
     booked = recovery_count.book(status, 0, at(10 * STEADY))
     assert booked["attemptRestarts"] == 3 and booked["attemptDisruptions"] == 0
     assert booked["countedAt"] is None
+
+
+BACKED_OFF = {
+    "waiting": {
+        "reason": "CrashLoopBackOff",
+        "message": "back-off 10s restarting failed container=trainer pod=j-r0-1_ns(uid-1)",
+    }
+}
+
+
+def test_a_trainer_container_in_crash_loop_back_off_rebuilds_the_gang_at_once():
+    crashed = {**KILLED, "exitCode": 1}
+    held = gang(manifest(0), manifest(1, restarts=2, last=crashed, state=BACKED_OFF))
+    decision = lifecycle.decide(job(spec(), **running()), held, at(10))
+    status = status_of(decision)
+    assert status["restarts"] == 1 and status["phase"] == "Restarting"
+    cond = conditions.find(status["conditions"], conditions.RUNNING)
+    assert cond is not None and cond["reason"] == "CrashLoopBackOff"
+    assert "j-r0-1" in cond["message"] and "back-off 10s" in cond["message"]
+    restarted = gang(manifest(0), manifest(1, restarts=2, last=crashed))  # running again
+    decision = lifecycle.decide(job(spec(), **running()), restarted, at(10))
+    assert "restarts" not in status_of(decision)
+
+
+def test_a_sidecar_in_crash_loop_back_off_is_not_the_trainers():
+    pod = manifest(1)
+    sidecar = {"name": "ship-logs", "restartCount": 4, "state": BACKED_OFF}
+    pod["status"]["containerStatuses"].append(sidecar)
+    decision = lifecycle.decide(job(spec(), **running()), gang(manifest(0), pod), at(10))
+    assert "restarts" not in status_of(decision)
