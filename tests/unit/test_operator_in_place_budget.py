@@ -1,17 +1,22 @@
 """The in-place budget of a gang attempt: it starts again once the gang has run ten minutes with no
 restart (the stable-running rule of the disruption budget), the rebuild past it is a disruption
 when lost pods and nodes used it up, and a trainer store that started again (its rounds from 0)
-has its records counted anew; a trainer container in CrashLoopBackOff rebuilds the gang at once."""
+has its records counted anew, and the store's cumulative counts miss no restart the few records
+left out; a trainer container in CrashLoopBackOff rebuilds the gang at once."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import pytest
 
 from meshtrain.operator.policy import (
     conditions,
     disruption_budget,
     job_state,
     lifecycle,
+    progress_report,
     progress_status,
     recovery_count,
     replacement,
@@ -163,3 +168,41 @@ def test_a_sidecar_in_crash_loop_back_off_is_not_the_trainers():
     pod["status"]["containerStatuses"].append(sidecar)
     decision = lifecycle.decide(job(spec(), **running()), gang(manifest(0), pod), at(10))
     assert "restarts" not in status_of(decision)
+
+
+def counted_report(counts: Any, *records: dict[str, Any]) -> dict[str, Any]:
+    body = {"step": 42, "recovery": list(records), "recovery_counts": counts}
+    reading = progress_report.parse(json.dumps(body).encode())
+    assert reading.document is not None
+    return reading.document
+
+
+def test_the_stores_counts_count_every_process_restart_the_records_left_out():
+    newest = [{**RECORD, "generation": g} for g in (4, 5)]  # 5 rounds, the report names 2
+    changes, told = progress_status.recovery_changes(
+        running(), counted_report({"process": 5}, *newest), parsed(spec()), at(9)
+    )
+    recovery = changes["recovery"]
+    assert recovery["byTier"]["process"] == 5 and recovery["attemptRestarts"] == 5
+    assert recovery["countedProcess"] == 5 and recovery["last"]["generation"] == 5
+    assert len(told) == 4, "at most 4 Events a pass, the last summing the rest"
+    status = running(recovery=recovery)
+    same = counted_report({"process": 5}, *newest)
+    assert progress_status.recovery_changes(status, same, parsed(spec()), at(19)) == ({}, ())
+    more = counted_report({"process": 7}, *newest)  # two more whose records were not seen
+    changes, _ = progress_status.recovery_changes(status, more, parsed(spec()), at(29))
+    assert changes["recovery"]["byTier"]["process"] == 7
+    restarted = counted_report({"process": 1}, {**RECORD, "generation": 1})  # a new store
+    changes, _ = progress_status.recovery_changes(
+        running(recovery=changes["recovery"]), restarted, parsed(spec()), at(39)
+    )
+    assert changes["recovery"]["byTier"]["process"] == 8
+
+
+@pytest.mark.parametrize(
+    "counts", [{"process": -1}, {"process": 1.5}, {"everything": 1}, [1], {"process": True}]
+)
+def test_counts_out_of_the_schema_are_dropped(counts):
+    body = {"step": 1, "recovery": [RECORD], "recovery_counts": counts}
+    reading = progress_report.parse(json.dumps(body).encode())
+    assert reading.document is not None and "recovery_counts" not in reading.document

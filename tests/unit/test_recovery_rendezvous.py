@@ -71,6 +71,13 @@ def test_after_a_quiet_stretch_the_in_place_budget_starts_again(store, monkeypat
     assert rendezvous.halted(store) == exitcodes.GANG_RESTART
 
 
+def test_each_round_is_counted_once_by_tier_whoever_asks(store):
+    rendezvous.init_generation(store)
+    assert rendezvous.counted(store, 1, "process") == {"process": 1, "container": 0, "pod": 0}
+    assert rendezvous.counted(store, 1, "process")["process"] == 1, "a new rank 0 asks again"
+    assert rendezvous.counted(store, 2, "pod") == {"process": 1, "container": 0, "pod": 1}
+
+
 def test_the_widest_tier_names_the_round(store):
     rendezvous.init_generation(store)
     rendezvous.start_round(store, 0, failure(2, 3, tier="pod", cause="pod lost"), limit=10)

@@ -298,6 +298,12 @@ class RecoveryStatus(base.StatusModel):
         None,
         description="Newest rendezvous round of the trainer's records counted in that attempt.",
     )
+    counted_process: int | None = Field(
+        None,
+        ge=0,
+        description="The trainer store's cumulative process-tier count (its progress report's "
+        "recovery_counts) counted in that attempt.",
+    )
     counted_pods: list[CountedPod] = Field(
         default_factory=list,
         max_length=limits.MAX_COUNTED_PODS,

@@ -95,7 +95,8 @@ def recovery_changes(
     (tiers process and pod; :mod:`recovery_count`), and the message of an Event for each (reason
     ``recovery_count.RESTARTED``); empty when none is new."""
     attempt = int(status.get("restarts") or 0)
-    counted = recovery_count.from_report(status, attempt, report.get("recovery"), spec, now)
+    records, counts = report.get("recovery"), report.get("recovery_counts")
+    counted = recovery_count.from_report(status, attempt, records, spec, now, counts)
     if counted.recovery is None:
         return {}, ()
     return {"recovery": counted.recovery}, counted.events

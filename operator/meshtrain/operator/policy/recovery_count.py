@@ -122,6 +122,7 @@ def book(
         "attemptDisruptions": 0 if fresh else (_int(stored.get("attemptDisruptions")) or 0),
         "countedAt": stored.get("countedAt") if same else None,
         "countedGeneration": _int(stored.get("countedGeneration")) if same else None,
+        "countedProcess": _int(stored.get("countedProcess")) if same else None,
         "countedPods": [p for p in pods if isinstance(p, Mapping)],
     }
 
@@ -270,17 +271,43 @@ def from_report(
     records: Any,
     spec: api_spec.TrainingJobSpec,
     now: datetime.datetime | None = None,
+    counts: Any = None,
 ) -> Counted:
     """The trainer's in-place records (``recovery`` of a progress report that passed
-    ``progress_report``'s schema) that ``status`` has not counted yet (at ``now``)."""
+    ``progress_report``'s schema) that ``status`` has not counted yet (at ``now``); with the
+    store's cumulative ``counts`` (``recovery_counts``), as many process restarts as it grew by
+    since ``countedProcess``, so none is missed."""
     if not isinstance(records, list):
         return Counted(None)
     recovery = book(status, attempt, now)
     restarts, newest, generation = _reported_restarts(records, recovery["countedGeneration"])
-    if newest is None:
+    total = _int(counts.get("process")) if isinstance(counts, Mapping) else None
+    if total is not None:
+        restarts = _by_count(restarts, total, recovery["countedProcess"], newest)
+    if newest is None and not restarts:
         return Counted(None, attempt_restarts=recovery["attemptRestarts"])
     limit = spec.run_policy.recovery.in_place_limit
     updated, events = _tally(recovery, restarts, limit, now)
     updated["countedGeneration"] = generation
-    updated["last"] = newest
+    if total is not None:
+        updated["countedProcess"] = total
+    updated["last"] = newest or recovery["last"]
     return Counted(updated, events, updated["attemptRestarts"])
+
+
+def _by_count(
+    restarts: list[Restart], total: int, before: int | None, newest: Mapping[str, Any] | None
+) -> list[Restart]:
+    """The process restarts the store's cumulative count ``total`` adds to ``before`` (a lower
+    count: the store started again, all of it new): the records' own where they name them, the
+    others told by the count alone."""
+    new = total - before if before is not None and total >= before else total
+    if new <= 0:
+        return []
+    shown = restarts[-new:]
+    unnamed = Restart(
+        "process",
+        dict(newest) if newest is not None else _record(tier="process"),
+        "the trainer recovered in place (process tier; counted by the store, its record not seen)",
+    )
+    return [*([unnamed] * (new - len(shown))), *shown]

@@ -18,6 +18,9 @@ own under ``g{g}/``):
   starts again, as the operator's does.
 - ``halt``: an exit code every supervisor and worker leaves with (first writer wins).
 - ``step``: the newest step global rank 0 completed (a recovery's lost steps).
+- ``count/{tier}``: in-place recoveries of each tier this store has seen (each round once, by
+  ``r{n}/counted``): the progress report carries them so that the operator misses none, whatever
+  rank 0's process or the report's few newest records saw.
 - ``pod{p}/hb``, ``pod{p}/incarnation``, ``done``: supervisors' liveness, restarts and finish.
 """
 
@@ -213,6 +216,13 @@ def join(store: c10d.Store, round_: int, rank: int, world: int, timeout_s: float
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(POLL_S)
+
+
+def counted(store: c10d.Store, round_: int, tier: str) -> dict[str, int]:
+    """Count round ``round_`` (of ``tier``) once, whoever asks; every tier's count so far."""
+    if store.add(f"rdzv/r{round_}/counted", 1) == 1:
+        store.add(f"rdzv/count/{tier}", 1)
+    return {t: store.add(f"rdzv/count/{t}", 0) for t in TIER_ORDER[:3]}
 
 
 def summary(store: c10d.Store, round_: int) -> dict[str, Any]:
