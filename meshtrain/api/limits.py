@@ -64,6 +64,10 @@ MAX_SECONDS = 315_360_000
 MAX_COUNT = 10_000
 """Small counts a job repeats: restarts, checkpoints kept, replacements, skips in a row."""
 
+MAX_COUNTED_PODS = MAX_COUNT + 1
+"""Pods ``status.recovery.countedPods`` lists: the operator keeps at most
+``runPolicy.recovery.inPlaceLimit + 1`` (past that many restarted pods the gang is rebuilt)."""
+
 MAX_SPARE_NODES = 1_024
 """Nodes one job keeps reserved as spares (``runPolicy.recovery.spareNodes``); placement sizes its
 search with them (one spare per 16 pods of the largest world is 256)."""

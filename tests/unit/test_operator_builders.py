@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import calendar
 
+import pytest
 import yaml
 
 from meshtrain.api import exitcodes, loading, release
@@ -394,7 +395,7 @@ def test_a_gang_policy_rule_without_peers_is_left_out_never_an_empty_from():
 
 def test_the_built_in_trainer_is_restarted_in_place_by_the_kubelet_when_it_dies():
     spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
-    container = builders.build_pod(REF, spec, 0, 0, "n-a")["spec"]["containers"][0]
+    container = builders.build_pod(REF, spec, 0, 1, "n-b")["spec"]["containers"][0]
     assert container["restartPolicy"] == "Never"
     [rule] = container["restartPolicyRules"]
     assert rule["action"] == "Restart" and rule["exitCodes"]["operator"] == "In"
@@ -443,3 +444,41 @@ def test_the_pods_tell_the_trainer_when_the_job_was_created():
     assert "MESHTRAIN_JOB_STARTED_AT" not in env_of(
         builders.build_pod(REF, spec_of(JobBuilder()), 0, 0, "node-a")
     )
+
+
+def test_pod_0_hosts_the_store_and_carries_no_restart_rules_its_death_rebuilds_the_gang():
+    spec = spec_of(JobBuilder().layout(data=4, gpus_per_node=1))
+    pods = builders.build_pods(REF, spec, 0, ["a", "b", "c", "d"])
+    ruled = ["restartPolicyRules" in p["spec"]["containers"][0] for p in pods]
+    assert ruled == [False, True, True, True]
+    assert "restartPolicy" not in pods[0]["spec"]["containers"][0]
+    assert env_of(pods[0])[kubelet_tier.ENV_IN_PLACE] == "1", "its processes still restart in place"
+
+
+def test_where_the_api_server_serves_no_restart_rules_no_pod_carries_them():
+    spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
+    for pod in builders.build_pods(REF, spec, 0, ["a", "b"], restart_rules=False):
+        container = pod["spec"]["containers"][0]
+        assert "restartPolicy" not in container and "restartPolicyRules" not in container
+        assert container["command"] == list(kubelet_tier.SUPERVISOR_COMMAND)
+        assert env_of(pod)[kubelet_tier.ENV_IN_PLACE] == "1", "the process tier stays"
+    served = builders.build_pod(REF, spec, 0, 1, "b", restart_rules=True)
+    assert served["spec"]["containers"][0]["restartPolicyRules"]
+
+
+@pytest.mark.parametrize(
+    ("version", "served"),
+    [
+        ({"major": "1", "minor": "35", "gitVersion": "v1.35.0"}, True),
+        ({"major": "1", "minor": "36"}, True),
+        ({"major": "1", "minor": "35+", "gitVersion": "v1.35.2-eks-1"}, True),
+        ({"major": "2", "minor": "0"}, True),
+        ({"major": "1", "minor": "34"}, False),
+        ({"major": "1", "minor": "30+"}, False),
+        ({"major": "", "minor": ""}, False),
+        ({"major": "one", "minor": "35"}, False),
+        ({}, False),
+    ],
+)
+def test_restart_rules_are_used_from_kubernetes_1_35_on(version, served):
+    assert kubelet_tier.rules_served(version) is served

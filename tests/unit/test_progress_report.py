@@ -38,6 +38,7 @@ TRAINER_DOCUMENT = {
             "firstStepAt": 102.0,
         }
     ],
+    "recovery_counts": {"process": 1, "container": 0, "pod": 0},
     "goodput": {
         "ratio": 0.875,
         "productive_seconds": 3500.0,
@@ -46,7 +47,7 @@ TRAINER_DOCUMENT = {
     },
 }
 """Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS, and ``recovery``
-once it recovered in place)."""
+and ``recovery_counts`` once it recovered in place)."""
 
 
 def parse(doc: object) -> progress_report.Reading:

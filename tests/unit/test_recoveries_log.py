@@ -67,3 +67,6 @@ def test_the_progress_document_keeps_the_newest_records():
         doc.recovered(record(generation).to_json())
     kept = doc.document()[progress.RECOVERY]
     assert [r["generation"] for r in kept] == [1, 2, 3, 4][-recoveries.RECENT :]
+    assert progress.RECOVERY_COUNTS not in doc.document(), "none given: an older caller"
+    doc.recovered(record(5).to_json(), {"process": 5, "container": 0, "pod": 0})
+    assert doc.document()[progress.RECOVERY_COUNTS] == {"process": 5, "container": 0, "pod": 0}

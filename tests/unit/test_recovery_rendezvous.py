@@ -9,6 +9,7 @@ import pytest
 import torch.distributed
 
 from meshtrain.api import exitcodes
+from meshtrain.api.spec import run_policy as api_run_policy
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.recovery import generations, rendezvous
 
@@ -55,6 +56,26 @@ def test_past_the_limit_the_gang_is_halted_for_a_rebuild(store):
     assert rendezvous.generation(store) == 1
     assert rendezvous.halted(store) == exitcodes.GANG_RESTART
     assert rendezvous.halt(store, exitcodes.SPEC) == exitcodes.GANG_RESTART  # the first code stays
+
+
+def test_after_a_quiet_stretch_the_in_place_budget_starts_again(store, monkeypatch):
+    rendezvous.init_generation(store)
+    now = [1_000_000.0]
+    monkeypatch.setattr(rendezvous.time, "time", lambda: now[0])
+    assert rendezvous.start_round(store, 0, failure(1), limit=1)
+    now[0] += api_run_policy.STEADY_RUNNING_SECONDS
+    assert rendezvous.start_round(store, 1, failure(1), limit=1), "counted anew"
+    assert rendezvous.halted(store) is None and rendezvous.generation(store) == 2
+    now[0] += api_run_policy.STEADY_RUNNING_SECONDS - 1
+    assert not rendezvous.start_round(store, 2, failure(1), limit=1), "2 within the stretch"
+    assert rendezvous.halted(store) == exitcodes.GANG_RESTART
+
+
+def test_each_round_is_counted_once_by_tier_whoever_asks(store):
+    rendezvous.init_generation(store)
+    assert rendezvous.counted(store, 1, "process") == {"process": 1, "container": 0, "pod": 0}
+    assert rendezvous.counted(store, 1, "process")["process"] == 1, "a new rank 0 asks again"
+    assert rendezvous.counted(store, 2, "pod") == {"process": 1, "container": 0, "pod": 1}
 
 
 def test_the_widest_tier_names_the_round(store):

@@ -78,6 +78,12 @@ class StragglerPolicy(base.SpecModel):
     )
 
 
+STEADY_RUNNING_SECONDS = 600
+"""A gang that has run this long with no restart has recovered: its in-place restart count
+(``inPlaceLimit``, the operator's and the supervisor's) and its disruption restarts in a row
+(``disruptionRestartLimit``) start again."""
+
+
 class Recovery(base.SpecModel):
     """How a failed rank is recovered before the whole gang is rebuilt (docs/operator.md).
 
@@ -95,8 +101,10 @@ class Recovery(base.SpecModel):
         10,
         ge=0,
         le=limits.MAX_COUNT,
-        description="In-place restarts (any tier: process, container, pod) one gang attempt may make; past it the "
-        "operator rebuilds the whole gang, which counts against backoffLimit. 0: every failure rebuilds the gang.",
+        description="In-place restarts (any tier: process, container, pod) one gang attempt may make; the count "
+        "starts again once the gang has run 10 minutes with no restart. Past it the operator rebuilds the whole "
+        "gang, which counts against backoffLimit (against disruptionRestartLimit when lost pods or nodes used the "
+        "budget up). 0: every failure rebuilds the gang.",
     )
     warm_spares: int = Field(
         1,

@@ -288,12 +288,30 @@ class RecoveryStatus(base.StatusModel):
         description="In-place restarts of that gang attempt: past runPolicy.recovery.inPlaceLimit the "
         "gang is rebuilt.",
     )
+    attempt_disruptions: int = Field(
+        0,
+        ge=0,
+        description="Of attemptRestarts, those disruptions caused (pods and nodes lost): the rebuild past "
+        "the limit is a disruption when the others stay within it.",
+    )
+    counted_at: str | None = Field(
+        None,
+        description="When the last in-place restart of that attempt was counted: once the gang has run "
+        "10 minutes since (and since it last started running), attemptRestarts starts again.",
+    )
     counted_generation: int | None = Field(
         None,
         description="Newest rendezvous round of the trainer's records counted in that attempt.",
     )
+    counted_process: int | None = Field(
+        None,
+        ge=0,
+        description="The trainer store's cumulative process-tier count (its progress report's "
+        "recovery_counts) counted in that attempt.",
+    )
     counted_pods: list[CountedPod] = Field(
         default_factory=list,
+        max_length=limits.MAX_COUNTED_PODS,
         description="Pods of that attempt whose container restarts are counted (each restart once).",
     )
 

@@ -169,6 +169,14 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "default: %(default)s)",
     )
     parser.add_argument(
+        "--container-restart-rules",
+        choices=tuple(RESTART_RULES),
+        default=os.environ.get("MESHTRAIN_CONTAINER_RESTART_RULES", "auto"),
+        help="give trainer containers restartPolicyRules (the kubelet restarts a dead container in "
+        "place): 'auto' asks the API server's version once (1.35 or newer: on), 'on' or 'off' "
+        "decide (env MESHTRAIN_CONTAINER_RESTART_RULES; default: %(default)s)",
+    )
+    parser.add_argument(
         "--default-queue",
         default=os.environ.get("MESHTRAIN_DEFAULT_QUEUE") or None,
         metavar="LOCALQUEUE",
@@ -200,6 +208,9 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
             f"MESHTRAIN_GANG_NETWORK_POLICY_{kind.upper()}_PEERS; default: none)",
         )
 
+
+RESTART_RULES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+"""``--container-restart-rules`` -> ``reconciler.Settings.container_restart_rules``."""
 
 MAX_PEERS = 32
 """Most NetworkPolicyPeers one ``--gang-network-policy-*-peers`` flag may name."""
@@ -294,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
             default_queue=args.default_queue,
             isolated_namespaces=frozenset(args.gang_network_policy_namespace),
             gang_peers=peers,
+            container_restart_rules=RESTART_RULES[args.container_restart_rules],
         ),
     )
     clusterwide = not args.namespace

@@ -87,7 +87,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.watching.server_timeout = 300
     client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
     cache = informer.Cache()
-    memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=memo.settings)
+    resolved = await reconciler.resolved(client, memo.settings)
+    memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
     memo.wakeups = Wakeups()
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()

@@ -82,6 +82,7 @@ class Placer:
         trainer_image: str,
         isolated_namespaces: frozenset[str] = frozenset(),
         gang_peers: builders.GangPeers = builders.NO_PEERS,
+        restart_rules: bool = True,
     ) -> None:
         self.client = client
         self.cache = cache
@@ -92,6 +93,8 @@ class Placer:
         """Namespaces where each gang gets its own NetworkPolicy (``--gang-network-policy-namespace``)."""
         self.gang_peers = gang_peers
         """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports."""
+        self.restart_rules = restart_rules
+        """The API server accepts container restart rules (``kubelet_tier``): pods carry them."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
@@ -442,6 +445,7 @@ class Placer:
                     i,
                     node,
                     default_image=self.trainer_image,
+                    restart_rules=self.restart_rules,
                     pod_group=group["metadata"]["name"] if group else None,
                 ),
                 where,
@@ -526,6 +530,7 @@ class Placer:
                     attempt,
                     outcome.nodes,
                     default_image=self.trainer_image,
+                    restart_rules=self.restart_rules,
                     pod_group=group["metadata"]["name"] if group else None,
                 )
             ],

@@ -36,6 +36,7 @@ from meshtrain.operator.policy import (
     identity,
     job_actions,
     job_state,
+    kubelet_tier,
     kueue_workload,
     lifecycle,
     naming,
@@ -77,6 +78,32 @@ class Settings:
     gang_peers: builders.GangPeers = builders.NO_PEERS
     """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports
     (``--gang-network-policy-operator-peers``, ``--gang-network-policy-metrics-peers``)."""
+    container_restart_rules: bool | None = None
+    """Whether trainer pods carry container restart rules (``--container-restart-rules``; the
+    kubelet tier, ``kubelet_tier``); None: as the API server's version allows (:func:`resolved`)."""
+
+
+async def resolved(client: kube.Client, settings: Settings) -> Settings:
+    """``settings`` with ``container_restart_rules`` decided: asked of the API server once when
+    None (its ``/version``: 1.35 or newer accepts the rules); unanswered, the rules are left out."""
+    if settings.container_restart_rules is not None:
+        return settings
+    try:
+        version = await client.server_version()
+    except kube.ApiError as err:
+        logger.warning(
+            "API server version not read (%s): trainer pods carry no container restart rules "
+            "(set --container-restart-rules=on to force them)",
+            err,
+        )
+        return dataclasses.replace(settings, container_restart_rules=False)
+    rules = kubelet_tier.rules_served(version)
+    logger.info(
+        "API server %s: container restart rules (the kubelet tier of in-place restarts) %s",
+        str(version.get("gitVersion") or "of unknown version")[:64],
+        "used" if rules else "not served; processes still restart in place, containers do not",
+    )
+    return dataclasses.replace(settings, container_restart_rules=rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +137,7 @@ class Reconciler:
             trainer_image=settings.trainer_image,
             isolated_namespaces=settings.isolated_namespaces,
             gang_peers=settings.gang_peers,
+            restart_rules=settings.container_restart_rules is not False,
         )
         self.replacer = replacing.Replacer(self.placer)
         self.spares = sparing.Spares(self.placer)
@@ -272,7 +300,9 @@ class Reconciler:
         restarted: tuple[str, ...] = ()
         if job.spec is not None:
             changes |= stragglers.observed(job.spec, job.status, report, clock.now())
-            recovered, restarted = progress_status.recovery_changes(job.status, report, job.spec)
+            recovered, restarted = progress_status.recovery_changes(
+                job.status, report, job.spec, clock.now()
+            )
             changes |= recovered
         if not changes:
             return body, job, False

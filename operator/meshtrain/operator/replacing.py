@@ -257,6 +257,7 @@ class Replacer:
             index,
             node,
             default_image=self.placer.trainer_image,
+            restart_rules=self.placer.restart_rules,
             name=name,
         )
         pod["spec"]["schedulingGates"] = [

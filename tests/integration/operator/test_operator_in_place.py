@@ -1,7 +1,9 @@
 """In-place restarts on the real API server (Kubernetes 1.36).
 
 1. The gang's pods as the operator builds them carry the kubelet tier (the trainer container's
-   ``restartPolicy: Never`` and ``restartPolicyRules``) and the API server takes them as built, a
+   ``restartPolicy: Never`` and ``restartPolicyRules``; not pod 0, whose supervisor hosts the
+   rendezvous store), the operator uses the rules where the API server accepts them (its version,
+   asked once), and the API server takes the pods as built, a
    pod template override's sidecars and init containers included; a rule the server's validation
    refuses is refused (the rules are judged, not dropped); an override of the trainer's rules
    fails the job naming the field.
@@ -14,12 +16,15 @@ That the kubelet restarts the container by these rules is the sandbox's test
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import kubernetes
 import pytest
 
 from meshtrain.api import loading
+from meshtrain.operator import reconciler
+from meshtrain.operator.cluster import kube
 from meshtrain.operator.policy import (
     builders,
     conditions,
@@ -51,9 +56,13 @@ def _trainer(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_pods_as_built_are_accepted_with_their_restart_rules(cluster, namespace):
-    job = JobBuilder().layout(data=4).gpus(2).pod_template(OVERRIDE)
+    job = JobBuilder().layout(data=6).gpus(2).pod_template(OVERRIDE)
     spec = loading.parse_spec(job.raw())
-    for pod in builders.build_pods(REF, spec, 0, ["n0", "n1"]):
+    first, *others = builders.build_pods(REF, spec, 0, ["n0", "n1", "n2"])
+    stored = _stored(cluster, namespace, first)
+    assert "restartPolicyRules" not in _trainer(stored), "pod 0 hosts the store: a gang rebuild"
+    assert "restartPolicy" not in _trainer(stored)
+    for pod in others:
         stored = _stored(cluster, namespace, pod)
         trainer = _trainer(stored)
         assert trainer["command"] == list(kubelet_tier.SUPERVISOR_COMMAND)
@@ -70,13 +79,41 @@ def test_the_pods_as_built_are_accepted_with_their_restart_rules(cluster, namesp
 
 
 def test_the_api_server_judges_the_rules_it_is_given(cluster, namespace):
-    spec = loading.parse_spec(JobBuilder().raw())
-    pod = builders.build_pod(REF, spec, 0, 0, "n0")
+    spec = loading.parse_spec(JobBuilder().layout(data=2).gpus(1).raw())
+    pod = builders.build_pod(REF, spec, 0, 1, "n0")
     del _trainer(pod)["restartPolicy"]  # rules without the container's own policy
     with pytest.raises(kubernetes.client.ApiException) as refused:
         _stored(cluster, namespace, pod)
     assert refused.value.status == 422
     assert "restartPolicy" in refused.value.body and "restart rules" in refused.value.body
+
+
+def _resolved(cluster, settings: reconciler.Settings) -> reconciler.Settings:
+    async def resolve() -> reconciler.Settings:
+        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
+        try:
+            return await reconciler.resolved(client, settings)
+        finally:
+            await client.close()
+
+    return asyncio.run(resolve())
+
+
+def test_the_operator_uses_restart_rules_where_the_api_server_accepts_them(cluster, namespace):
+    spec = loading.parse_spec(JobBuilder().layout(data=2).gpus(1).raw())
+    try:  # the source of truth: does this API server take a pod with the rules?
+        _stored(cluster, namespace, builders.build_pod(REF, spec, 0, 1, "n1"))
+        accepted = True
+    except kubernetes.client.ApiException as refused:
+        assert refused.status == 422 and "restartPolicy" in refused.body
+        accepted = False
+    detected = _resolved(cluster, reconciler.Settings())
+    assert detected.container_restart_rules is accepted
+    told = reconciler.Settings(container_restart_rules=not accepted)
+    assert _resolved(cluster, told) == told, "an explicit --container-restart-rules is not asked"
+    for pod in builders.build_pods(REF, spec, 0, ["n0", "n1"], restart_rules=False):
+        trainer = _trainer(_stored(cluster, namespace, pod))  # accepted by any API server
+        assert "restartPolicy" not in trainer and "restartPolicyRules" not in trainer
 
 
 def test_an_override_of_the_trainers_restart_rules_fails_the_job_naming_it(

@@ -357,6 +357,11 @@ class Client(KueueCalls):
             *POD_GROUP_API, namespace, POD_GROUP_PLURAL, name, **kwargs
         )
 
+    async def server_version(self) -> Body:
+        """The API server's ``/version`` document (``major``, ``minor``, ``gitVersion``, ...)."""
+        found = await self._request("get", "version", k8s.VersionApi(self._api).get_code)
+        return found or {}
+
     async def serves_pod_groups(self) -> bool:
         """Whether the API server serves PodGroups (the GenericWorkload feature gate is on)."""
         found = await self._request(

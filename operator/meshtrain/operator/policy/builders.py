@@ -310,9 +310,11 @@ def _trainer_container(
     index: int,
     image: str,
     mounts: list[dict[str, Any]],
+    restart_rules: bool,
 ) -> dict[str, Any]:
     """The trainer container: the built-in trainer's supervisor (restarted in place by the kubelet
-    when it dies, ``kubelet_tier``), or the job's own command (torchrun, the gang rebuilt)."""
+    when it dies, ``kubelet_tier``, where ``restart_rules``), or the job's own command (torchrun,
+    the gang rebuilt)."""
     run, args = kubelet_tier.command(spec)
     container = {
         "name": naming.CONTAINER,
@@ -334,7 +336,7 @@ def _trainer_container(
         # Rank 0 writes its final progress here; a failed container reports its log's end instead.
         "terminationMessagePath": naming.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        **kubelet_tier.restart_fields(spec),
+        **kubelet_tier.restart_fields(spec, index, rules=restart_rules),
     }
     if spec.trainer.type == "custom" and spec.trainer.working_dir:
         container["workingDir"] = spec.trainer.working_dir
@@ -361,6 +363,7 @@ def build_pod(
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
     pod_group: str | None = None,
     name: str | None = None,
+    restart_rules: bool = True,
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
 
@@ -368,6 +371,7 @@ def build_pod(
     With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
     scheduler then binds the gang all at once or not at all.  ``name``: a replacement's
     (``naming.replacement_pod_name``), else the gang's own ``<job>-r<attempt>-<index>``.
+    ``restart_rules``: the API server accepts container restart rules (``kubelet_tier``).
     """
     name = name or naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
@@ -381,7 +385,7 @@ def build_pod(
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
     image = spec.image or default_image
-    container = _trainer_container(job, spec, attempt, index, image, mounts)
+    container = _trainer_container(job, spec, attempt, index, image, mounts, restart_rules)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
@@ -503,11 +507,21 @@ def build_pods(
     *,
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
     pod_group: str | None = None,
+    restart_rules: bool = True,
 ) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
         raise ValueError(f"placement has {len(nodes)} node(s) but the job has {spec.pods} pod(s)")
     return [
-        build_pod(job, spec, attempt, index, node, default_image=default_image, pod_group=pod_group)
+        build_pod(
+            job,
+            spec,
+            attempt,
+            index,
+            node,
+            default_image=default_image,
+            pod_group=pod_group,
+            restart_rules=restart_rules,
+        )
         for index, node in enumerate(nodes)
     ]

@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from meshtrain.api.spec import run_policy as api_run_policy
 from meshtrain.planner import admission
 
 # Condition types.
@@ -123,6 +124,12 @@ PERSISTENT_CHECKPOINTS = "PersistentCheckpoints"
 
 TRUE, FALSE = "True", "False"
 
+STEADY_SECONDS = float(api_run_policy.STEADY_RUNNING_SECONDS)
+"""A gang that ran (every pod Running) this long with no restart has recovered: the disruption
+restarts in a row (``disruption_budget``) and the in-place restarts of the attempt
+(``recovery_count``) start their count again, so a long job that loses a node or a process every
+few hours never fails for it."""
+
 
 def timestamp(now: datetime.datetime) -> str:
     """RFC 3339 UTC timestamp with a Z, as the API server writes them."""
@@ -142,6 +149,19 @@ def find(conditions: Iterable[dict[str, Any]], type_: str) -> dict[str, Any] | N
         if condition.get("type") == type_:
             return condition
     return None
+
+
+def steady(
+    status: Mapping[str, Any], now: datetime.datetime, since: datetime.datetime | None = None
+) -> bool:
+    """Whether the gang has run (``Running`` True) for :data:`STEADY_SECONDS`, and as long since
+    ``since`` (its last restart) when given."""
+    running = find(status.get("conditions") or [], RUNNING) or {}
+    start = parse_time(running.get("lastTransitionTime"))
+    if running.get("status") != TRUE or start is None:
+        return False
+    start = max(start, since) if since is not None else start
+    return (now - start).total_seconds() >= STEADY_SECONDS
 
 
 def set(  # noqa: A001 - called as conditions.set(...)

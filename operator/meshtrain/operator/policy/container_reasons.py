@@ -54,6 +54,9 @@ READY_TO_START = "PodReadyToStartContainers"
 its volumes mounted (kubelet 1.29+): past it, a container still ``ContainerCreating`` waits for
 its image."""
 OOM_KILLED = "OOMKilled"
+CRASH_LOOP = "CrashLoopBackOff"
+"""Waiting reason of a container the kubelet holds back before restarting it again (its crash
+back-off: 10 s after the second death in a row, doubling to 5 min)."""
 START_ERROR_REASONS = frozenset({"StartError", "ContainerCannotRun"})
 """Terminated reasons of a container whose command could not start."""
 CANNOT_RUN = re.compile(

@@ -23,7 +23,6 @@ from typing import Any
 from meshtrain.operator.policy import (
     conditions,
     job_actions,
-    job_state,
     pod_failure,
     pod_state,
     retries,
@@ -36,7 +35,7 @@ LIMIT_EXCEEDED = "DisruptionLimitExceeded"
 """Failed condition's reason once the disruption restarts in a row pass the limit."""
 EXCLUDED_AFTER = 2
 """Disruptions by one node after which the job is placed without it."""
-STEADY_SECONDS = 600.0
+STEADY_SECONDS = conditions.STEADY_SECONDS
 """A gang that ran (every pod Running) this long before a disruption starts the count again: a long
 job that loses a node every few hours must not fail for it."""
 BACKOFF_BASE_SECONDS = 5.0
@@ -134,13 +133,7 @@ def disrupting_nodes(
 
 def _steady(seen: situation.Situation) -> bool:
     """Whether the gang has run (every pod Running) for :data:`STEADY_SECONDS`."""
-    running = conditions.find(job_state.conditions_of(seen.job), conditions.RUNNING) or {}
-    since = conditions.parse_time(running.get("lastTransitionTime"))
-    return (
-        running.get("status") == conditions.TRUE
-        and since is not None
-        and (seen.now - since).total_seconds() >= STEADY_SECONDS
-    )
+    return conditions.steady(seen.job.status, seen.now)
 
 
 def streak(seen: situation.Situation) -> int:

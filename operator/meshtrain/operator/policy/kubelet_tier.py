@@ -5,12 +5,19 @@ The built-in trainer runs its per-pod supervisor (``meshtrain.trainer.supervise`
 failed worker processes itself (the process tier).  When the supervisor's container dies (SIGKILL,
 a crash in native code), the kubelet restarts it on the same pod, node and volumes, by the
 container's ``restartPolicyRules`` (KEP-5307, beta and on by default since Kubernetes 1.35): no
-pod is deleted and nothing is placed again; the operator counts it (``in_place``).  A custom
-trainer keeps torchrun and the gang rebuild.  Pure: manifests only.
+pod is deleted and nothing is placed again; the operator counts it (``in_place``).  Not on pod 0:
+its supervisor hosts the rendezvous store, which a restart would lose (the other pods then exit
+75 anyway), so its container dying is a gang rebuild.  An API server before 1.35 refuses
+``restartPolicy`` on a regular container (1.34 only with the alpha gate): the operator asks the
+server's version once (:func:`rules_served`, ``--container-restart-rules``) and leaves the rules
+out there; the supervisor still recovers processes in place.  A custom trainer keeps torchrun and
+the gang rebuild.  Pure: manifests only.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.api import exitcodes
@@ -22,6 +29,11 @@ SUPERVISOR_COMMAND = ("python", "-m", "meshtrain.trainer.supervise")
 
 RESTART_CODES = tuple(sorted(exitcodes.CONTAINER_DIED))
 """Exit codes the kubelet restarts the trainer container on (:data:`exitcodes.CONTAINER_DIED`)."""
+
+RULES_SINCE = (1, 35)
+"""Kubernetes version whose API server accepts ``restartPolicyRules`` by default (KEP-5307 beta)."""
+POD_WITHOUT_RULES = 0
+"""Pod index whose container never restarts in place: its supervisor hosts the rendezvous store."""
 
 ENV_IN_PLACE = "MESHTRAIN_RECOVERY_IN_PLACE"
 ENV_IN_PLACE_LIMIT = "MESHTRAIN_RECOVERY_IN_PLACE_LIMIT"
@@ -42,13 +54,29 @@ def command(spec: api_spec.TrainingJobSpec) -> tuple[list[str], list[str]]:
     return list(SUPERVISOR_COMMAND), []
 
 
-def restart_fields(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
-    """The trainer container's ``restartPolicy`` and ``restartPolicyRules`` (none when not :func:`enabled`).
+def rules_served(version: Mapping[str, Any]) -> bool:
+    """Whether an API server of ``version`` (its ``/version`` document) accepts container restart
+    rules: :data:`RULES_SINCE` or newer (``minor`` may carry a ``+``, e.g. ``"35+"`` on managed
+    clusters).  An unreadable version: False (pods without rules are accepted everywhere)."""
+    try:
+        major = int(re.sub(r"\D+$", "", str(version.get("major") or ""))[:8])
+        minor = int(re.sub(r"\D+$", "", str(version.get("minor") or ""))[:8])
+    except ValueError:
+        return False
+    return (major, minor) >= RULES_SINCE
+
+
+def restart_fields(
+    spec: api_spec.TrainingJobSpec, index: int, *, rules: bool = True
+) -> dict[str, Any]:
+    """The trainer container's ``restartPolicy`` and ``restartPolicyRules`` for pod ``index``: none
+    when not :func:`enabled`, on pod :data:`POD_WITHOUT_RULES`, or where the API server serves no
+    rules (``rules`` False).
 
     ``Never`` stays the policy for every other code (rules need an explicit container policy):
     the pod then fails as before and the operator decides (permanent code, gang restart, done).
     """
-    if not enabled(spec):
+    if not enabled(spec) or index == POD_WITHOUT_RULES or not rules:
         return {}
     rule = {"action": "Restart", "exitCodes": {"operator": "In", "values": list(RESTART_CODES)}}
     return {"restartPolicy": "Never", "restartPolicyRules": [rule]}

@@ -103,7 +103,8 @@ def classify(pod: pod_state.PodState) -> Failure | None:
     ``Evicted`` and ``DeadlineExceeded`` are retryable, the eviction a disruption only with a
     ``DisruptionTarget`` condition (node pressure, not the pod's own storage limits).
     A trainer container the kubelet restarts in place (``kubelet_tier``) is no failure, unless it
-    was OOM-killed (the same step would run out of memory again: the gang is rebuilt, as before);
+    was OOM-killed (the same step would run out of memory again: the gang is rebuilt, as before)
+    or the kubelet holds it in ``CrashLoopBackOff`` (it died again: :func:`_crash_looping`);
     exit code 75 (:data:`~meshtrain.api.exitcodes.GANG_RESTART`) asks for the gang rebuild even
     while sidecars keep the pod Running.
     """
@@ -149,6 +150,8 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
         return _gang_restart(pod)  # its other containers (sidecars) may keep the pod Running
     if not pod.terminal and oom_killed(pod.problem) and pod.problem is not None:
         return _named(pod.name, pod.problem, False)  # restarted in place, it would run out again
+    if not pod.terminal and pod.crash_loop is not None:
+        return _crash_looping(pod)
     if pod.phase == "Unknown":
         return Failure(
             pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)"
@@ -161,6 +164,21 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
     if pod.problem is not None and container_reasons.never_pulls(pod.problem):
         return _named(pod.name, pod.problem, True)
     return None
+
+
+def _crash_looping(pod: pod_state.PodState) -> Failure:
+    """The trainer container died again and the kubelet holds it back: its back-off (doubling to
+    5 min) would soon outlast ``rejoinTimeoutSeconds``, and a crash that repeats (a bug: exit 1)
+    would loop on the same pod, so the gang is rebuilt now."""
+    before = f" after exit code {pod.last_exit.exit_code}" if pod.last_exit is not None else ""
+    return Failure(
+        pod.name,
+        False,
+        f"pod {pod.name}: its trainer container died again{before} and the kubelet holds it in "
+        f"{container_reasons.CRASH_LOOP} ({pod.crash_loop}): the gang is rebuilt instead of "
+        "waiting out the back-off",
+        reason=container_reasons.CRASH_LOOP,
+    )
 
 
 def _gang_restart(pod: pod_state.PodState) -> Failure:

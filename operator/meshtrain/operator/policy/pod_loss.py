@@ -75,7 +75,7 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
     limit = spec.run_policy.recovery.in_place_limit
     placed = replacement.entries(seen.job.status)
     new = [i for i in indices if not replacement.pending(placed.get(i))]  # pending: counted
-    if replacement.attempt_restarts(seen.job.status, seen.attempt) + len(new) > limit:
+    if replacement.attempt_restarts(seen.job.status, seen.attempt, seen.now) + len(new) > limit:
         return None
     lost_pods = [p for p in seen.current if p.index in indices]
     return job_actions.ReplacePods(

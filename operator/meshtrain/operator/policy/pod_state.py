@@ -94,6 +94,9 @@ class PodState:
     """``restartCount`` of the trainer container: the kubelet's in-place restarts of it."""
     last_exit: LastExit | None = None
     """How the trainer container last ended before such a restart (None: never restarted)."""
+    crash_loop: str | None = None
+    """The kubelet's message while it holds the trainer container in ``CrashLoopBackOff`` (None:
+    it is not)."""
 
     @property
     def terminal(self) -> bool:
@@ -186,7 +189,16 @@ def read(pod: dict[str, Any]) -> PodState | None:
         uid=_text(metadata.get("uid")) or "",
         restarts=_count(trainer.get("restartCount")),
         last_exit=_last_exit(trainer),
+        crash_loop=_crash_loop(trainer),
     )
+
+
+def _crash_loop(container: dict[str, Any]) -> str | None:
+    state = container.get("state")
+    waiting = state.get("waiting") if isinstance(state, dict) else None
+    if not isinstance(waiting, dict) or waiting.get("reason") != container_reasons.CRASH_LOOP:
+        return None
+    return _said(waiting.get("message")) or container_reasons.CRASH_LOOP
 
 
 def _count(value: object) -> int:

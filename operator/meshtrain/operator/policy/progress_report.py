@@ -185,6 +185,17 @@ def _recovery_list(value: Any) -> list[dict[str, Any]] | None:
     return None if any(e is None for e in entries) else [e for e in entries if e is not None]
 
 
+COUNTED_TIERS = ("process", "container", "pod")
+"""Tiers of ``recovery_counts``: the in-place recoveries the job's store counted, cumulative."""
+
+
+def _recovery_counts(value: Any) -> dict[str, int] | None:
+    if not isinstance(value, Mapping) or not set(value) <= set(COUNTED_TIERS):
+        return None
+    counts = {tier: _integer(value[tier]) for tier in value}
+    return None if None in counts.values() else {k: v for k, v in counts.items() if v is not None}
+
+
 GOODPUT_PHASES = ("detection", "restart", "reload", "recompute")
 """The lost-time phases of ``goodput.lost_seconds`` (the trainer's ``telemetry.goodput.PHASES``)."""
 
@@ -248,6 +259,7 @@ FIELDS: Mapping[str, Callable[[Any], Any]] = {
     "gradient_noise_scale": _nullable(_positive),
     "resumed_from_uid": _nullable(_uid),
     "recovery": _recovery_list,
+    "recovery_counts": _recovery_counts,
     "goodput": _nullable(_goodput),
 }
 """The trainer's fields (``meshtrain.trainer.telemetry.progress.FIELDS``) and their checks: a

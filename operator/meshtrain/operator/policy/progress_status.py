@@ -9,6 +9,7 @@ a finished job's status shows its last step although the last poll came before i
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,13 +86,17 @@ def polled_changes(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def recovery_changes(
-    status: Mapping[str, Any], report: Mapping[str, Any], spec: api_spec.TrainingJobSpec
+    status: Mapping[str, Any],
+    report: Mapping[str, Any],
+    spec: api_spec.TrainingJobSpec,
+    now: datetime.datetime | None = None,
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``status.recovery`` with the trainer's in-place records of ``report`` not counted yet
     (tiers process and pod; :mod:`recovery_count`), and the message of an Event for each (reason
     ``recovery_count.RESTARTED``); empty when none is new."""
     attempt = int(status.get("restarts") or 0)
-    counted = recovery_count.from_report(status, attempt, report.get("recovery"), spec)
+    records, counts = report.get("recovery"), report.get("recovery_counts")
+    counted = recovery_count.from_report(status, attempt, records, spec, now, counts)
     if counted.recovery is None:
         return {}, ()
     return {"recovery": counted.recovery}, counted.events

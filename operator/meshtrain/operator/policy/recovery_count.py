@@ -6,8 +6,14 @@ Two sources.  The kubelet's restarts of a pod's trainer container (its restart r
 ``process`` and ``pod`` (its ``container`` records are the restarts the pods show, counted from
 them; they only give ``last`` its timings).  Each restart counts once, whichever pass sees it:
 the status keeps what was counted (each pod's restartCount by UID, the newest generation of the
-records), and starts again with each gang attempt.  The rows of the state machine that write it,
-and rebuild the gang past ``runPolicy.recovery.inPlaceLimit``, are ``in_place``'s.  Pure.
+records), and starts again with each gang attempt.  The budget of the attempt
+(``attemptRestarts``, checked against ``runPolicy.recovery.inPlaceLimit``) starts again too once the
+gang has run ``conditions.STEADY_SECONDS`` with no restart (the rule of ``disruption_budget``); the
+restarts in it that disruptions caused (lost pods and nodes: ``attemptDisruptions``) make the
+rebuild past the limit a disruption.  A trainer record of a lower round than the newest counted
+means pod 0's store started again (its rounds count from 0): its records are counted anew.  The
+rows of the state machine that write it, and rebuild the gang past the limit, are ``in_place``'s.
+Pure.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import pod_failure, pod_state
+from meshtrain.operator.policy import conditions, pod_failure, pod_state
 
 TIERS = ("process", "container", "pod")
 """The in-place tiers ``status.recovery.byTier`` counts."""
@@ -81,9 +87,24 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def book(status: Mapping[str, Any], attempt: int) -> dict[str, Any]:
+def _budget_reset(
+    stored: Mapping[str, Any], status: Mapping[str, Any], now: datetime.datetime
+) -> bool:
+    """Whether the gang ran :data:`conditions.STEADY_SECONDS` since the attempt's last restart."""
+    at = stored.get("countedAt")
+    try:
+        since = conditions.parse_time(at if isinstance(at, str) else None)
+    except ValueError:  # not written by this operator: no reset
+        return False
+    return since is not None and conditions.steady(status, now, since)
+
+
+def book(
+    status: Mapping[str, Any], attempt: int, now: datetime.datetime | None = None
+) -> dict[str, Any]:
     """``status.recovery`` as stored (defaults where missing), its per-attempt part reset when it is
-    of another gang attempt than ``attempt``."""
+    of another gang attempt than ``attempt``, and its budget (``attemptRestarts``,
+    ``attemptDisruptions``) when the gang ran steadily since the last restart (at ``now``)."""
     raw = status.get("recovery")
     stored: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     found = stored.get("byTier")
@@ -91,13 +112,17 @@ def book(status: Mapping[str, Any], attempt: int) -> dict[str, Any]:
     same = _int(stored.get("attempt")) == attempt
     listed = stored.get("countedPods")
     pods: list[Any] = listed if same and isinstance(listed, list) else []
+    fresh = not same or (now is not None and _budget_reset(stored, status, now))
     return {
         "inPlaceRestarts": _int(stored.get("inPlaceRestarts")) or 0,
         "byTier": {tier: _int(tiers.get(tier)) or 0 for tier in TIERS},
         "last": stored.get("last") if isinstance(stored.get("last"), Mapping) else None,
         "attempt": attempt,
-        "attemptRestarts": (_int(stored.get("attemptRestarts")) or 0) if same else 0,
+        "attemptRestarts": 0 if fresh else (_int(stored.get("attemptRestarts")) or 0),
+        "attemptDisruptions": 0 if fresh else (_int(stored.get("attemptDisruptions")) or 0),
+        "countedAt": stored.get("countedAt") if same else None,
         "countedGeneration": _int(stored.get("countedGeneration")) if same else None,
+        "countedProcess": _int(stored.get("countedProcess")) if same else None,
         "countedPods": [p for p in pods if isinstance(p, Mapping)],
     }
 
@@ -163,6 +188,8 @@ def _reported_restarts(
         (r for r in records if _valid_record(r)),
         key=lambda r: int(r["generation"]),
     )
+    if fresh and counted_generation is not None and fresh[-1]["generation"] < counted_generation:
+        counted_generation = None  # pod 0's store started again: its rounds count from 0
     fresh = [r for r in fresh if counted_generation is None or r["generation"] > counted_generation]
     restarts = [
         Restart(
@@ -181,7 +208,10 @@ def _reported_restarts(
 
 
 def _tally(
-    recovery: dict[str, Any], restarts: Sequence[Restart], limit: int
+    recovery: dict[str, Any],
+    restarts: Sequence[Restart],
+    limit: int,
+    now: datetime.datetime | None,
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``recovery`` with ``restarts`` added, and an Event naming each (at most :data:`MAX_EVENTS`,
     the last summing the rest)."""
@@ -205,6 +235,9 @@ def _tally(
         "inPlaceRestarts": recovery["inPlaceRestarts"] + len(restarts),
         "byTier": tiers,
         "attemptRestarts": done + len(restarts),
+        "countedAt": conditions.timestamp(now)
+        if restarts and now is not None
+        else recovery["countedAt"],
     }
     return updated, tuple(events)
 
@@ -214,9 +247,10 @@ def from_pods(
     attempt: int,
     gang: Sequence[pod_state.PodState],
     spec: api_spec.TrainingJobSpec,
+    now: datetime.datetime | None = None,
 ) -> Counted:
-    """The container restarts the gang's pods show that ``status`` has not counted yet."""
-    recovery = book(status, attempt)
+    """The container restarts the gang's pods show that ``status`` has not counted yet (at ``now``)."""
+    recovery = book(status, attempt, now)
     limit = spec.run_policy.recovery.in_place_limit
     restarts, counted = _container_restarts(
         gang, recovery["countedPods"], spec.resources.gpus_per_node
@@ -224,7 +258,7 @@ def from_pods(
     counted = counted[: limit + 1]  # past that many pods the gang is rebuilt this pass
     if not restarts and counted == recovery["countedPods"]:
         return Counted(None, attempt_restarts=recovery["attemptRestarts"])
-    updated, events = _tally(recovery, restarts, limit)
+    updated, events = _tally(recovery, restarts, limit, now)
     updated["countedPods"] = counted
     if restarts:
         updated["last"] = restarts[-1].record
@@ -232,18 +266,48 @@ def from_pods(
 
 
 def from_report(
-    status: Mapping[str, Any], attempt: int, records: Any, spec: api_spec.TrainingJobSpec
+    status: Mapping[str, Any],
+    attempt: int,
+    records: Any,
+    spec: api_spec.TrainingJobSpec,
+    now: datetime.datetime | None = None,
+    counts: Any = None,
 ) -> Counted:
     """The trainer's in-place records (``recovery`` of a progress report that passed
-    ``progress_report``'s schema) that ``status`` has not counted yet."""
+    ``progress_report``'s schema) that ``status`` has not counted yet (at ``now``); with the
+    store's cumulative ``counts`` (``recovery_counts``), as many process restarts as it grew by
+    since ``countedProcess``, so none is missed."""
     if not isinstance(records, list):
         return Counted(None)
-    recovery = book(status, attempt)
+    recovery = book(status, attempt, now)
     restarts, newest, generation = _reported_restarts(records, recovery["countedGeneration"])
-    if newest is None:
+    total = _int(counts.get("process")) if isinstance(counts, Mapping) else None
+    if total is not None:
+        restarts = _by_count(restarts, total, recovery["countedProcess"], newest)
+    if newest is None and not restarts:
         return Counted(None, attempt_restarts=recovery["attemptRestarts"])
     limit = spec.run_policy.recovery.in_place_limit
-    updated, events = _tally(recovery, restarts, limit)
+    updated, events = _tally(recovery, restarts, limit, now)
     updated["countedGeneration"] = generation
-    updated["last"] = newest
+    if total is not None:
+        updated["countedProcess"] = total
+    updated["last"] = newest or recovery["last"]
     return Counted(updated, events, updated["attemptRestarts"])
+
+
+def _by_count(
+    restarts: list[Restart], total: int, before: int | None, newest: Mapping[str, Any] | None
+) -> list[Restart]:
+    """The process restarts the store's cumulative count ``total`` adds to ``before`` (a lower
+    count: the store started again, all of it new): the records' own where they name them, the
+    others told by the count alone."""
+    new = total - before if before is not None and total >= before else total
+    if new <= 0:
+        return []
+    shown = restarts[-new:]
+    unnamed = Restart(
+        "process",
+        dict(newest) if newest is not None else _record(tier="process"),
+        "the trainer recovered in place (process tier; counted by the store, its record not seen)",
+    )
+    return [*([unnamed] * (new - len(shown))), *shown]

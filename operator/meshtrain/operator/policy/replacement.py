@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import job_state, naming, pod_state, recovery_count
+from meshtrain.operator.policy import conditions, job_state, naming, pod_state, recovery_count
 
 TIER = "pod"
 """``status.recovery.byTier`` key and record tier of a replaced pod."""
@@ -174,11 +174,17 @@ def replaced_so_far(status: Mapping[str, Any]) -> int:
     return sum(int(e.get("replaced") or 0) for e in entries(status).values())
 
 
-def attempt_restarts(status: Mapping[str, Any], attempt: int) -> int:
+def attempt_restarts(
+    status: Mapping[str, Any], attempt: int, now: datetime.datetime | None = None
+) -> int:
     """In-place restarts of any tier in gang ``attempt`` (``status.recovery.attemptRestarts``,
-    ``recovery_count``'s book), and at least the pods replaced in it."""
-    booked = int(recovery_count.book(status, attempt)["attemptRestarts"])
-    return max(booked, replaced_so_far(status))
+    ``recovery_count``'s book: none once the gang ran steadily since the last), and at least the
+    pods replaced in it where the book is older than ``countedAt``."""
+    booked = recovery_count.book(status, attempt, now)
+    since = (
+        replaced_so_far(status) if booked["countedAt"] is None else 0
+    )  # written before the count
+    return max(int(booked["attemptRestarts"]), since)
 
 
 def planned_name(job: str, attempt: int, entry: Mapping[str, Any] | None, index: int) -> str:
@@ -236,7 +242,7 @@ def status_changes(
             "pending": True,
         }
     attempt = int(job.status.get("restarts") or 0)
-    recovery = recovery_count.book(job.status, attempt)
+    recovery = recovery_count.book(job.status, attempt, now)
     if new == 0:
         return {"placement": [placed[i] for i in sorted(placed)], "recovery": recovery}
     by_tier = dict(recovery["byTier"])
@@ -254,7 +260,9 @@ def status_changes(
     )
     recovery.update(
         inPlaceRestarts=recovery["inPlaceRestarts"] + new,
-        attemptRestarts=attempt_restarts(job.status, attempt) + new,
+        attemptRestarts=attempt_restarts(job.status, attempt, now) + new,
+        attemptDisruptions=recovery["attemptDisruptions"] + new,
+        countedAt=conditions.timestamp(now),
         byTier=by_tier,
         last=record,
     )

@@ -203,8 +203,9 @@ class Session:
             with contextlib.suppress(OSError):
                 recoveries.append(self.log_dir, record)
         self.history.append(record.to_json())
+        counts = rendezvous.counted(self.store, self.generation, record.tier)
         if self.progress is not None:
-            self.progress.recovered(record.to_json())
+            self.progress.recovered(record.to_json(), counts)
 
 
 def supervised() -> bool:

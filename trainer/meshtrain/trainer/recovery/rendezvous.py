@@ -14,8 +14,13 @@ own under ``g{g}/``):
 - ``g{g}/joined`` (count) and ``rank{r}/gen``: who joined which round.
 - ``inplace``: in-place recoveries of this gang attempt (the store lives as long as pod 0's
   supervisor, i.e. one gang attempt); past ``inPlaceLimit`` the claimant halts the gang instead.
+  ``inplaceAt`` (unix time of the last): after ``STEADY_RUNNING_SECONDS`` with none the count
+  starts again, as the operator's does.
 - ``halt``: an exit code every supervisor and worker leaves with (first writer wins).
 - ``step``: the newest step global rank 0 completed (a recovery's lost steps).
+- ``count/{tier}``: in-place recoveries of each tier this store has seen (each round once, by
+  ``r{n}/counted``): the progress report carries them so that the operator misses none, whatever
+  rank 0's process or the report's few newest records saw.
 - ``pod{p}/hb``, ``pod{p}/incarnation``, ``done``: supervisors' liveness, restarts and finish.
 - ``pod{p}/uid`` and ``fenced/{uid}``: the pod (its UID) that holds node rank ``p``, and the pods
   that held it before (fencing: a replacement registers its UID and fences the one it replaces,
@@ -33,10 +38,12 @@ from typing import Any
 from torch._C import _distributed_c10d as c10d
 
 from meshtrain.api import exitcodes
+from meshtrain.api.spec import run_policy as api_run_policy
 
 GENERATION = "rdzv/generation"
 HALT = "rdzv/halt"
 IN_PLACE = "rdzv/inplace"
+IN_PLACE_AT = "rdzv/inplaceAt"
 STEP = "rdzv/step"
 DONE = "rdzv/done"
 MAX_FAILURES = 64
@@ -181,14 +188,17 @@ def failures(store: c10d.Store, round_: int) -> list[Failure]:
     return found
 
 
-def detected_at(store: c10d.Store, round_: int) -> float | None:
-    key = f"rdzv/r{round_}/detectedAt"
+def _float(store: c10d.Store, key: str) -> float | None:
     if not store.check([key]):
         return None
     try:
         return float(store.get(key)[:32])
     except ValueError:
         return None
+
+
+def detected_at(store: c10d.Store, round_: int) -> float | None:
+    return _float(store, f"rdzv/r{round_}/detectedAt")
 
 
 def start_round(store: c10d.Store, current: int, failure: Failure, limit: int) -> bool:
@@ -201,6 +211,11 @@ def start_round(store: c10d.Store, current: int, failure: Failure, limit: int) -
     report(store, nxt, failure)
     if store.add(f"rdzv/r{nxt}/claim", 1) != 1:
         return False
+    now = time.time()
+    last = _float(store, IN_PLACE_AT)
+    if last is not None and now - last >= api_run_policy.STEADY_RUNNING_SECONDS:
+        store.set(IN_PLACE, "0")  # a quiet gang: its budget starts again
+    store.set(IN_PLACE_AT, repr(now))
     if store.add(IN_PLACE, 1) > limit:
         halt(store, exitcodes.GANG_RESTART)
         return False
@@ -237,6 +252,13 @@ def join(store: c10d.Store, round_: int, rank: int, world: int, timeout_s: float
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(POLL_S)
+
+
+def counted(store: c10d.Store, round_: int, tier: str) -> dict[str, int]:
+    """Count round ``round_`` (of ``tier``) once, whoever asks; every tier's count so far."""
+    if store.add(f"rdzv/r{round_}/counted", 1) == 1:
+        store.add(f"rdzv/count/{tier}", 1)
+    return {t: store.add(f"rdzv/count/{t}", 0) for t in TIER_ORDER[:3]}
 
 
 def summary(store: c10d.Store, round_: int) -> dict[str, Any]:

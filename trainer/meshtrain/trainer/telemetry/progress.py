@@ -46,6 +46,9 @@ FIELDS = (
 
 RECOVERY = "recovery"
 """Key of the newest recovery records (:meth:`Progress.recovered`), present after the first one."""
+RECOVERY_COUNTS = "recovery_counts"
+"""Key of the in-place recoveries by tier the job's store counted (``{process, container, pod}``):
+cumulative, so the operator counts every one however few records it saw."""
 
 MAX_STRAGGLERS = 16
 """Most flagged ranks the document lists (the slowest): the operator reads at most 16, and the
@@ -133,12 +136,14 @@ class Progress:
             self._doc["straggler"] = flagged[0] if flagged else None
             self._doc["stragglers"] = flagged
 
-    def recovered(self, record: Mapping[str, Any]) -> None:
+    def recovered(self, record: Mapping[str, Any], counts: Mapping[str, int] | None = None) -> None:
         """An in-place recovery's record (:mod:`.recoveries`, JSON form): ``recovery`` keeps the
-        newest :data:`.recoveries.RECENT`, oldest first."""
+        newest :data:`.recoveries.RECENT`, oldest first; ``counts``: the store's
+        (:data:`RECOVERY_COUNTS`)."""
         with self._lock:
             recent = [*self._doc.get(RECOVERY, []), dict(record)][-recoveries.RECENT :]
-        self.update(**{RECOVERY: recent})
+        more = {RECOVERY_COUNTS: dict(counts)} if counts is not None else {}
+        self.update(**{RECOVERY: recent}, **more)
 
     def close(self) -> None:
         """Nothing to release."""
