@@ -5,6 +5,7 @@ the abort's choices."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -12,8 +13,9 @@ import pytest
 import torch.distributed
 
 from meshtrain.api import exitcodes
+from meshtrain.operator.policy import progress_report
 from meshtrain.trainer import launch, supervise
-from meshtrain.trainer.recovery import abort, generations, rendezvous
+from meshtrain.trainer.recovery import abort, generations, rendezvous, spares
 
 POD0 = rendezvous.Incarnation(0, 1, "pod-0-uid")
 
@@ -257,3 +259,46 @@ def test_workers_get_nccl_error_handling_off_and_their_incarnation(store, monkey
     handed = sup.rank_env(0)[rendezvous.INCARNATION_ENV]
     assert rendezvous.Incarnation.loads(1, handed) == rendezvous.Incarnation(1, 1, "3f1c-uid")
     assert supervise.classify(rendezvous.SUPERSEDED) == "superseded"
+
+
+def test_a_recovery_that_restored_nothing_records_none(store, tmp_path):
+    rendezvous.init_generation(store)
+    rendezvous.start_round(store, 0, failure(1), 10)
+    session = generations.Session(1, store, 0, None, str(tmp_path), [], 3)  # type: ignore[arg-type]
+    session.restored(None, "none")
+    session.step_done(1)
+    assert session.history[0]["source"] == "none"
+    assert "none" in progress_report.RECOVERY_SOURCES  # the operator keeps such a record
+
+
+def test_the_store_leaving_after_rank_0_finished_is_a_clean_exit(store):
+    args = supervise.build_parser().parse_args(["--nnodes=2", "--node-rank=1", "--master-port=1"])
+    sup = supervise.Supervisor(args, supervise.settings(args), store)
+    sup.workers = {0: spares.Child(subprocess.Popen(["true"]), time.time())}
+    assert sup.finished_anyway() is None  # rank 0 had not finished: a lost store is a failure
+    sup.rank0_finished = True
+    assert sup.finished_anyway() == 0
+    sup.workers = {0: spares.Child(subprocess.Popen(["false"]), time.time())}
+    assert sup.finished_anyway() is None
+
+
+def test_a_replaced_pod_that_comes_back_takes_no_incarnation(store):
+    old = rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old")
+    again = rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old")  # container restart
+    assert old is not None and again is not None and again.number == old.number + 1
+    new = rendezvous.take_incarnation(store, 1, "uid-new", uid="uid-new")  # the replacement
+    assert new is not None and rendezvous.superseded(store, again)
+    assert rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old") is None  # fenced
+    assert not rendezvous.superseded(store, new)
+
+
+def test_a_replaced_supervisor_exits_superseded_and_halts_nothing(store, monkeypatch, tmp_path):
+    assert rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old")
+    assert rendezvous.take_incarnation(store, 1, "uid-new", uid="uid-new")
+    monkeypatch.setenv(rendezvous.POD_UID_ENV, "uid-old")
+    monkeypatch.setenv("MESHTRAIN_TERMINATION_LOG", str(tmp_path / "termination"))
+    args = supervise.build_parser().parse_args(["--nnodes=2", "--node-rank=1", "--warm-spares=0"])
+    sup = supervise.Supervisor(args, supervise.settings(args), store)
+    assert sup.run() == rendezvous.SUPERSEDED
+    assert not sup.workers and rendezvous.halted(store) is None
+    assert "replaced" in (tmp_path / "termination").read_text()

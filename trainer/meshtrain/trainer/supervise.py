@@ -227,7 +227,13 @@ class Supervisor:
     def run(self) -> int:
         """Start the workers and the spares, then watch them until the pod's exit code is known."""
         rendezvous.init_generation(self.store)
-        self.incarnation = rendezvous.take_incarnation(self.store, self.pod, self.identity)
+        taken = rendezvous.take_incarnation(
+            self.store, self.pod, self.identity, uid=os.environ.get(rendezvous.POD_UID_ENV, "")
+        )
+        if taken is None:
+            progress.write_failure(rendezvous.SUPERSEDED, "this pod was replaced by another")
+            return self.superseded()
+        self.incarnation = taken
         if self.incarnation.number > 1:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
             failure = rendezvous.Failure("container", "container restarted", ranks, time.time())

@@ -376,8 +376,11 @@ def _peers(store: c10d.TCPStore, generation: int, rank: int, world: int) -> froz
         return frozenset()
     store.set(f"rdzv/g{generation}/host{rank}", host)
     keys = [f"rdzv/g{generation}/host{r}" for r in range(world)]
-    store.wait(keys)
-    return frozenset(v[:64].decode("ascii", "replace") for v in store.multi_get(keys))
+    try:
+        store.wait(keys, datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return frozenset(v[:64].decode("ascii", "replace") for v in store.multi_get(keys))
+    except RuntimeError:  # a rank left meanwhile: its group will fail, any address qualifies
+        return frozenset()
 
 
 def communication_error(err: BaseException) -> bool:

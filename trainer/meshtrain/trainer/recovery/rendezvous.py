@@ -17,8 +17,11 @@ own under ``g{g}/``):
   ``g{n}/joined`` (distinct ranks counted): who joined round ``n``; ``rank{r}/gen``: the newest
   round rank ``r`` joined.
 - ``pod{p}/incarnation``: the newest incarnation number of pod ``p``'s supervisor (one per
-  container start).  A process of an older incarnation (a pod declared lost whose containers
-  still run) is fenced: it never joins a round and leaves with :data:`SUPERSEDED`.
+  container start; ``pod{p}/holder``: its number and identity).  A process of an older
+  incarnation (a pod declared lost whose containers still run) is fenced: it never joins a round
+  and leaves with :data:`SUPERSEDED`.  With ``MESHTRAIN_POD_UID``, ``pod{p}/uid`` names the pod
+  holding node rank ``p`` and ``fenced/{uid}`` the pods it replaced: a replaced pod that comes
+  back takes no new incarnation.
 - ``inplace``: in-place recoveries of this gang attempt (the store lives as long as pod 0's
   supervisor, i.e. one gang attempt); past ``inPlaceLimit`` the claimant halts the gang instead.
 - ``halt``: an exit code every supervisor and worker leaves with (first writer wins).
@@ -57,6 +60,8 @@ MAX_FAILURES = 64
 """Failure reports read per round."""
 MAX_VALUE = 4096
 """Bytes of a report read back (the store is shared by every pod: bound what is trusted)."""
+MAX_UID = 64
+"""Bytes of a pod UID kept (a Kubernetes UID has 36)."""
 POLL_S = 0.05
 TIER_ORDER = ("process", "container", "pod", "gang")
 
@@ -155,10 +160,24 @@ class Incarnation:
         return Incarnation(pod, int(value), identity[:200])
 
 
-def take_incarnation(store: c10d.Store, pod: int, identity: str) -> Incarnation:
-    """A new incarnation of ``pod``: every older one is fenced from now on."""
+def take_incarnation(
+    store: c10d.Store, pod: int, identity: str, *, uid: str = ""
+) -> Incarnation | None:
+    """A new incarnation of ``pod``: every older one is fenced from now on.  With the pod's
+    ``uid`` (``MESHTRAIN_POD_UID``) a new pod holding node rank ``pod`` also fences the UID it
+    replaces for good (``pod{p}/uid``, ``fenced/{uid}``): None when ``uid`` itself was fenced (the
+    replaced pod came back: it must leave, not supersede its replacement)."""
+    uid = uid[:MAX_UID]
+    if uid:
+        if store.check([f"rdzv/fenced/{uid}"]):
+            return None
+        key = f"rdzv/pod{pod}/uid"
+        held = store.get(key)[:MAX_UID].decode("ascii", "replace") if store.check([key]) else ""
+        if held and held != uid:
+            store.set(f"rdzv/fenced/{held}", "1")
+        store.set(key, uid)
     taken = Incarnation(pod, store.add(f"rdzv/pod{pod}/incarnation", 1), identity)
-    store.set(f"rdzv/pod{pod}/uid", taken.dumps())
+    store.set(f"rdzv/pod{pod}/holder", taken.dumps())
     return taken
 
 
