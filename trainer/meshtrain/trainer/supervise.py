@@ -246,28 +246,39 @@ class Supervisor:
             _say(self.pod, f"rank {self.pod * self.local + local_rank} pid {child.pid}")
         _say(self.pod, f"spares {[s.pid for s in self.pool.spares]}")
         self.beats.start()
+        errors = generations.StoreErrors()
         while True:
             if self.stopping:
                 return self.stop()
-            if rendezvous.superseded(self.store, self.incarnation):
-                return self.superseded()
-            self.rank0_finished = self.rank0_finished or bool(
-                self.store.check([rendezvous.FINISHED])
-            )
-            code = rendezvous.halted(self.store)
-            if code is not None:
-                _say(self.pod, f"the gang was halted with {code}")
-                if code == exitcodes.GANG_RESTART:
-                    progress.write_failure(
-                        code, "in-place recovery exhausted or impossible (limit, rejoin timeout)"
-                    )
-                self.stop_workers(self.args.shutdown_timeout)
-                return code
-            code = self.check_workers()
+            try:
+                code = self.read_store()
+                errors.ok()
+            except (RuntimeError, OSError):
+                if errors.failed():  # several failed reads over seconds: the store is gone
+                    raise
+                time.sleep(POLL_S)
+                continue
+            if code is None:
+                code = self.check_workers()
             if code is not None:
                 return code
             self.reap_orphans()
             time.sleep(POLL_S)
+
+    def read_store(self) -> int | None:
+        """What the store says: superseded, rank 0 finished, the gang halted (the exit code)."""
+        if rendezvous.superseded(self.store, self.incarnation):
+            return self.superseded()
+        self.rank0_finished = self.rank0_finished or bool(self.store.check([rendezvous.FINISHED]))
+        code = rendezvous.halted(self.store)
+        if code is not None:
+            _say(self.pod, f"the gang was halted with {code}")
+            if code == exitcodes.GANG_RESTART:
+                progress.write_failure(
+                    code, "in-place recovery exhausted or impossible (limit, rejoin timeout)"
+                )
+            self.stop_workers(self.args.shutdown_timeout)
+        return code
 
     def check_workers(self) -> int | None:
         """React to the workers that exited; the pod's exit code once it is known."""
