@@ -302,3 +302,10 @@ def test_a_replaced_supervisor_exits_superseded_and_halts_nothing(store, monkeyp
     assert sup.run() == rendezvous.SUPERSEDED
     assert not sup.workers and rendezvous.halted(store) is None
     assert "replaced" in (tmp_path / "termination").read_text()
+
+
+def test_a_rank_that_died_right_after_taking_its_key_starts_a_round(store):
+    rendezvous.init_generation(store)
+    store.set("rdzv/g0/rank1", "1:uid/42")  # its compare-and-set, then SIGKILL before counting
+    assert rendezvous.ranks_failed(store, (1,), failure(1), limit=10) == 1
+    assert rendezvous.generation(store) == 1  # its replacement is not left waiting for a move

@@ -202,6 +202,11 @@ def joined_generation(store: c10d.Store, rank: int) -> int:
     return _int(store, f"rdzv/rank{rank}/gen", -1)
 
 
+def joined(store: c10d.Store, round_: int, rank: int) -> bool:
+    """Whether a process took ``rank``'s place in ``round_`` (counted or about to be)."""
+    return joined_generation(store, rank) >= round_ or store.check([f"rdzv/g{round_}/rank{rank}"])
+
+
 def report(store: c10d.Store, round_: int, failure: Failure) -> None:
     """Add ``failure`` to what round ``round_`` recovers from."""
     index = store.add(f"rdzv/r{round_}/nfail", 1)
@@ -259,7 +264,7 @@ def ranks_failed(store: c10d.Store, ranks: tuple[int, ...], failure: Failure, li
     """``ranks`` are gone: start a new round if one of them was in the current round, else report
     the failure to the current round (which waits for their replacements); the round that recovers."""
     current = generation(store)
-    if any(joined_generation(store, r) >= current for r in ranks):
+    if any(joined(store, current, r) for r in ranks):
         start_round(store, current, failure, limit)
         return current + 1
     report(store, current, failure)
