@@ -1,8 +1,10 @@
 """Child process of test_gloo_abort (run by path; a unique module name).
 
 Rank 0 blocks in an all_reduce that rank 1 (alive, asleep) never joins; a thread shuts rank 0's
-gloo sockets down (:class:`meshtrain.trainer.recovery.abort.GlooSockets`); rank 0 writes how long
-the collective took to raise and whether the store still answers.
+gloo sockets down (:class:`meshtrain.trainer.recovery.abort.GlooSockets`, which found them across
+the group's creation); rank 0 writes how long the collective took to raise, whether the store
+still answers, and whether an HTTP-like connection opened after the group (an object store's
+pool) still carries data.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -24,7 +27,7 @@ from meshtrain.trainer.recovery import abort, rendezvous
 def main(rank: int, port: int, out: Path) -> None:
     store = rendezvous.connect("127.0.0.1", port, master=rank == 0, timeout_s=60)
     sockets = abort.GlooSockets(port)
-    sockets.mark()
+    abort.install(sockets)
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("g0/", store),
@@ -38,6 +41,9 @@ def main(rank: int, port: int, out: Path) -> None:
         while not out.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         os._exit(0)
+    server = socket.create_server(("127.0.0.1", 0))  # an HTTP server's stand-in
+    client = socket.create_connection(server.getsockname())  # opened after the group: not gloo's
+    served, _ = server.accept()
     shut: list[int] = []
     timer = threading.Timer(0.5, lambda: shut.append(sockets.shutdown()))
     timer.start()
@@ -50,11 +56,19 @@ def main(rank: int, port: int, out: Path) -> None:
     seconds = time.monotonic() - started
     timer.join()  # the count is appended after the shutdown that freed the collective
     store.set("after-abort", "still here")
+    try:
+        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        served.sendall(served.recv(64))
+        http = client.recv(64).decode()
+    except OSError as err:
+        http = f"broken: {err}"
     result = {
         "seconds": seconds,
         "error": error,
         "shut": shut,
         "store": store.get("after-abort").decode(),
+        "http": http,
+        "tracked": len(sockets.inodes),
     }
     out.write_text(json.dumps(result))
     os._exit(0)

@@ -1,8 +1,12 @@
-"""The rendezvous protocol on a real TCPStore: one bump per failure, reports, the limit, joins; the supervisor's code classes."""
+"""The rendezvous protocol on a real TCPStore: one bump per failure (threads racing), reports, the
+limit, joins counted once per rank, fencing of old incarnations; the supervisor's code classes;
+the abort's choices."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import threading
 import time
 
 import pytest
@@ -10,13 +14,22 @@ import torch.distributed
 
 from meshtrain.api import exitcodes
 from meshtrain.api.spec import run_policy as api_run_policy
+from meshtrain.operator.policy import progress_report
 from meshtrain.trainer import launch, supervise
-from meshtrain.trainer.recovery import generations, rendezvous
+from meshtrain.trainer.recovery import abort, generations, rendezvous, spares
+
+POD0 = rendezvous.Incarnation(0, 1, "pod-0-uid")
 
 
 @pytest.fixture
 def store():
     return rendezvous.connect("127.0.0.1", launch.free_port(), master=True, timeout_s=10)
+
+
+def join(store, round_, rank, world, timeout_s, *, member="a", incarnation=POD0, **kwargs):
+    return rendezvous.join(
+        store, round_, rank, world, timeout_s, member=member, incarnation=incarnation, **kwargs
+    )
 
 
 def failure(*ranks: int, tier: str = "process", cause: str = "SIGKILL") -> rendezvous.Failure:
@@ -42,7 +55,7 @@ def test_two_observers_of_one_failure_bump_once(store):
 
 def test_a_rank_that_had_not_joined_the_round_only_reports_to_it(store):
     rendezvous.init_generation(store)
-    rendezvous.join(store, 0, 0, 1, timeout_s=1)  # rank 0 joined round 0, rank 1 never did
+    join(store, 0, 0, 1, timeout_s=1)  # rank 0 joined round 0, rank 1 never did
     assert rendezvous.ranks_failed(store, (1,), failure(1), limit=10) == 0
     assert rendezvous.generation(store) == 0
     assert rendezvous.ranks_failed(store, (0,), failure(0), limit=10) == 1
@@ -53,8 +66,8 @@ def test_past_the_limit_the_gang_is_halted_for_a_rebuild(store):
     rendezvous.init_generation(store)
     assert rendezvous.start_round(store, 0, failure(1), limit=1)
     assert not rendezvous.start_round(store, 1, failure(1), limit=1)
-    assert rendezvous.generation(store) == 1
     assert rendezvous.halted(store) == exitcodes.GANG_RESTART
+    assert join(store, rendezvous.generation(store), 0, 1, timeout_s=1) == "halt"
     assert rendezvous.halt(store, exitcodes.SPEC) == exitcodes.GANG_RESTART  # the first code stays
 
 
@@ -88,12 +101,12 @@ def test_the_widest_tier_names_the_round(store):
 
 def test_a_join_waits_for_every_rank_and_sees_a_newer_round(store):
     rendezvous.init_generation(store)
-    assert rendezvous.join(store, 0, 0, 2, timeout_s=0.2) == "timeout"
-    assert rendezvous.join(store, 0, 1, 2, timeout_s=1) == "ready"
+    assert join(store, 0, 0, 2, timeout_s=0.2) == "timeout"
+    assert join(store, 0, 1, 2, timeout_s=1, member="b") == "ready"
     store.set(rendezvous.GENERATION, "1")
-    assert rendezvous.join(store, 0, 0, 2, timeout_s=1) == "moved"
+    assert join(store, 0, 0, 2, timeout_s=1) == "moved"
     rendezvous.halt(store, exitcodes.GANG_RESTART)
-    assert rendezvous.join(store, 1, 0, 2, timeout_s=1) == "halt"
+    assert join(store, 1, 0, 2, timeout_s=1) == "halt"
 
 
 def test_a_garbled_report_is_skipped(store):
@@ -138,13 +151,11 @@ def test_a_replacement_fences_the_pod_it_replaces(store):
     old, new = "uid-old", "uid-new"
     assert rendezvous.claim_slot(store, 2, old)
     assert rendezvous.claim_slot(store, 2, old)  # its container restarted: still its slot
-    assert rendezvous.holds_slot(store, 2, old)
     assert rendezvous.claim_slot(store, 2, new)  # the replacement takes node rank 2
-    assert not rendezvous.holds_slot(store, 2, old) and rendezvous.holds_slot(store, 2, new)
     assert not rendezvous.claim_slot(store, 2, old)  # the old pod, back later, stays fenced
-    assert rendezvous.holds_slot(store, 2, new) and rendezvous.claim_slot(store, 2, new)
+    assert rendezvous.claim_slot(store, 2, new)
     assert rendezvous.claim_slot(store, 1, old) is False  # fenced for every slot
-    assert rendezvous.claim_slot(store, 1, "") and rendezvous.holds_slot(store, 1, "")
+    assert rendezvous.claim_slot(store, 1, "")
 
 
 def test_a_fenced_supervisor_exits_and_leaves_the_gang_alone(store, monkeypatch, tmp_path):
@@ -160,3 +171,188 @@ def test_a_fenced_supervisor_exits_and_leaves_the_gang_alone(store, monkeypatch,
     assert supervisor.run() == exitcodes.FENCED
     assert not supervisor.workers and rendezvous.halted(store) is None
     assert "replaced" in (tmp_path / "termination").read_text()
+
+
+def race(store, count: int, call) -> list:
+    """``call(client, i)`` from ``count`` threads at once, each on its own connection."""
+    clients = [store.clone() for _ in range(count)]
+    results: list = [None] * count
+    gate = threading.Barrier(count)
+
+    def one(i: int) -> None:
+        gate.wait()
+        results[i] = call(clients[i], i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def test_racing_claimants_bump_once_and_count_one_restart(store):
+    rendezvous.init_generation(store)
+    won = race(store, 8, lambda c, i: rendezvous.start_round(c, 0, failure(i), 10, token=f"t{i}"))
+    assert won.count(True) == 1
+    assert rendezvous.generation(store) == 1
+    assert int(store.get(rendezvous.IN_PLACE)) == 1
+    winner = won.index(True)
+    assert store.get(rendezvous.GENERATION) == f"1:t{winner}".encode()  # the bump is the claim
+    assert len(rendezvous.failures(store, 1)) == 8  # every observer's report kept
+
+
+def test_a_claim_on_a_moved_round_fails_without_a_second_bump(store):
+    rendezvous.init_generation(store)
+    assert rendezvous.start_round(store, 0, failure(1), 10)
+    assert not rendezvous.start_round(store, 0, failure(tier="process", cause="peer lost"), 10)
+    assert rendezvous.generation(store) == 1 and int(store.get(rendezvous.IN_PLACE)) == 1
+
+
+def test_a_worker_never_joins_a_round_twice_and_waits_for_it_to_move(store):
+    rendezvous.init_generation(store)
+    assert join(store, 0, 0, 2, timeout_s=0.2) == "timeout"
+    # its collective failed, the claim was lost: joining the old round again counts nothing ...
+    assert join(store, 0, 0, 2, timeout_s=0.2) == "timeout"
+    assert store.add("rdzv/g0/joined", 0) == 1
+    # ... and it returns once another caller's bump moves the round
+    later = threading.Timer(0.3, lambda: rendezvous.start_round(store.clone(), 0, failure(1), 10))
+    later.start()
+    assert join(store, 0, 0, 2, timeout_s=10) == "moved"
+    later.join()
+    assert rendezvous.generation(store) == 1
+
+
+def test_interleaved_joins_count_each_rank_once(store):
+    rendezvous.init_generation(store)
+    # two processes claim rank 1 at once (a replacement while the old one still runs): one counts
+    outcomes = race(store, 2, lambda c, i: join(c, 0, 1, 2, 0.5, member=f"p{i}"))
+    assert sorted(outcomes) == ["timeout", "timeout"]
+    assert store.add("rdzv/g0/joined", 0) == 1
+    assert join(store, 0, 0, 2, timeout_s=2, member="r0") == "ready"
+
+
+def test_an_older_incarnation_is_fenced_off(store):
+    rendezvous.init_generation(store)
+    old = rendezvous.take_incarnation(store, 1, "uid-old")
+    new = rendezvous.take_incarnation(store, 1, "uid-new")
+    assert (old.number, new.number) == (1, 2)
+    assert rendezvous.superseded(store, old) and not rendezvous.superseded(store, new)
+    assert join(store, 0, 2, 4, 0.2, incarnation=old) == "superseded"
+    assert store.add("rdzv/g0/joined", 0) == 0
+    assert rendezvous.Incarnation.loads(1, new.dumps()) == new
+
+
+def test_a_rank_key_held_by_a_newer_incarnation_fences_the_older(store):
+    rendezvous.init_generation(store)
+    older = rendezvous.Incarnation(1, 1, "uid-a")
+    newer = rendezvous.Incarnation(1, 2, "uid-b")
+    assert join(store, 0, 2, 4, 0.2, member="uid-b/7", incarnation=newer) == "timeout"
+    assert join(store, 0, 2, 4, 0.2, member="uid-a/9", incarnation=older) == "superseded"
+    assert store.add("rdzv/g0/joined", 0) == 1
+
+
+def test_a_newer_incarnation_watching_a_superseded_process_is_told(store):
+    rendezvous.init_generation(store)
+    old = rendezvous.take_incarnation(store, 0, "uid")
+    later = threading.Timer(0.3, lambda: rendezvous.take_incarnation(store.clone(), 0, "uid"))
+    later.start()
+    assert join(store, 0, 0, 2, timeout_s=10, incarnation=old) == "superseded"
+    later.join()
+
+
+def test_a_stop_during_a_rejoin_ends_the_wait(store):
+    rendezvous.init_generation(store)
+    assert join(store, 0, 0, 2, timeout_s=10, stopped=lambda: True) == "stopped"
+    assert generations.JOIN_EXITS["stopped"] == exitcodes.STOPPED
+
+
+def test_a_garbled_generation_reads_as_no_round():
+    assert rendezvous.number(b"7:abc") == 7 and rendezvous.number(b"x:1") == -1
+
+
+def test_one_store_error_is_not_a_lost_store():
+    errors = generations.StoreErrors(failures=3, span_s=0.2)
+    assert not errors.failed() and not errors.failed()
+    errors.ok()
+    assert not errors.failed() and not errors.failed()
+    time.sleep(0.25)
+    assert errors.failed()
+
+
+def test_the_abort_is_chosen_by_backend_and_bounded():
+    sockets = abort.GlooSockets(1)
+    called: list[str] = []
+    left: list[int] = []
+    abort.abort_groups(sockets, "gloo", nccl_abort=lambda: called.append("nccl"), leave=left.append)
+    assert called == [] and left == []
+    abort.abort_groups(sockets, "nccl", nccl_abort=lambda: called.append("nccl"), leave=left.append)
+    assert called == ["nccl"] and left == []
+    stuck = threading.Event()
+    abort.abort_groups(sockets, "cpu:gloo,cuda:nccl", nccl_abort=stuck.wait, deadline_s=0.1,
+                       leave=left.append)  # fmt: skip
+    stuck.set()
+    assert left == [abort.ABORT_STUCK]
+    assert supervise.classify(abort.ABORT_STUCK) == "failed"  # the supervisor replaces it
+
+
+def test_workers_get_nccl_error_handling_off_and_their_incarnation(store, monkeypatch):
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # what torch's docs warn against
+    monkeypatch.setenv(rendezvous.POD_UID_ENV, "3f1c-uid")
+    args = supervise.build_parser().parse_args(["--nnodes=2", "--node-rank=1", "--master-port=1"])
+    sup = supervise.Supervisor(args, supervise.settings(args), store)
+    sup.incarnation = rendezvous.take_incarnation(store, sup.pod, sup.identity)
+    assert sup.child_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    handed = sup.rank_env(0)[rendezvous.INCARNATION_ENV]
+    assert rendezvous.Incarnation.loads(1, handed) == rendezvous.Incarnation(1, 1, "3f1c-uid")
+    assert supervise.classify(rendezvous.SUPERSEDED) == "superseded"
+
+
+def test_a_recovery_that_restored_nothing_records_none(store, tmp_path):
+    rendezvous.init_generation(store)
+    rendezvous.start_round(store, 0, failure(1), 10)
+    session = generations.Session(1, store, 0, None, str(tmp_path), [], 3)  # type: ignore[arg-type]
+    session.restored(None, "none")
+    session.step_done(1)
+    assert session.history[0]["source"] == "none"
+    assert "none" in progress_report.RECOVERY_SOURCES  # the operator keeps such a record
+
+
+def test_the_store_leaving_after_rank_0_finished_is_a_clean_exit(store):
+    args = supervise.build_parser().parse_args(["--nnodes=2", "--node-rank=1", "--master-port=1"])
+    sup = supervise.Supervisor(args, supervise.settings(args), store)
+    sup.workers = {0: spares.Child(subprocess.Popen(["true"]), time.time())}
+    assert sup.finished_anyway() is None  # rank 0 had not finished: a lost store is a failure
+    sup.rank0_finished = True
+    assert sup.finished_anyway() == 0
+    sup.workers = {0: spares.Child(subprocess.Popen(["false"]), time.time())}
+    assert sup.finished_anyway() is None
+
+
+def test_a_replaced_pod_that_comes_back_takes_no_incarnation(store):
+    old = rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old")
+    again = rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old")  # container restart
+    assert old is not None and again is not None and again.number == old.number + 1
+    new = rendezvous.take_incarnation(store, 1, "uid-new", uid="uid-new")  # the replacement
+    assert new is not None and rendezvous.superseded(store, again)
+    assert rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old") is None  # fenced
+    assert not rendezvous.superseded(store, new)
+
+
+def test_a_replaced_supervisor_exits_superseded_and_halts_nothing(store, monkeypatch, tmp_path):
+    assert rendezvous.take_incarnation(store, 1, "uid-old", uid="uid-old")
+    assert rendezvous.take_incarnation(store, 1, "uid-new", uid="uid-new")
+    monkeypatch.setenv(rendezvous.POD_UID_ENV, "uid-old")
+    monkeypatch.setenv("MESHTRAIN_TERMINATION_LOG", str(tmp_path / "termination"))
+    args = supervise.build_parser().parse_args(["--nnodes=2", "--node-rank=1", "--warm-spares=0"])
+    sup = supervise.Supervisor(args, supervise.settings(args), store)
+    assert sup.run() == rendezvous.SUPERSEDED
+    assert not sup.workers and rendezvous.halted(store) is None
+    assert "replaced" in (tmp_path / "termination").read_text()
+
+
+def test_a_rank_that_died_right_after_taking_its_key_starts_a_round(store):
+    rendezvous.init_generation(store)
+    store.set("rdzv/g0/rank1", "1:uid/42")  # its compare-and-set, then SIGKILL before counting
+    assert rendezvous.ranks_failed(store, (1,), failure(1), limit=10) == 1
+    assert rendezvous.generation(store) == 1  # its replacement is not left waiting for a move

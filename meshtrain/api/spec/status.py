@@ -249,7 +249,7 @@ class RecoveryRecord(base.StatusModel):
     )
     restored_at: float | None = Field(None, description="Unix time the state was loaded.")
     resumed_step: int | None = Field(None, description="Step training continued after.")
-    source: Literal["memory", "storage"] | None = Field(
+    source: Literal["memory", "storage", "none"] | None = Field(
         None, description="Where the restored state came from."
     )
     lost_steps: int | None = Field(None, description="Steps computed again.")

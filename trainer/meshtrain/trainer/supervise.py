@@ -6,9 +6,11 @@ local rank (torchrun's environment) and ``runPolicy.recovery.warmSpares`` warm s
 (:mod:`.recovery.spares`), heartbeats, and watches its children.  A worker that fails with a
 retryable code is replaced by a spare and the gang rebuilds its process groups in place
 (:mod:`.recovery.rendezvous`, :mod:`.recovery.generations`); healthy workers keep their processes.
-Exit codes (docs/recovery.md): 0 when every worker finished; a permanent worker code and
-``STOPPED`` pass through; ``GANG_RESTART`` (75) when in-place recovery is off, exhausted or
-impossible (rejoin timeout, store gone).
+Exit codes (docs/recovery.md): 0 when every worker finished (also when the store goes away
+after rank 0 finished); a permanent worker code and ``STOPPED`` pass through; ``GANG_RESTART``
+(75) when in-place recovery is off, exhausted or impossible (rejoin timeout, store gone);
+``SUPERSEDED`` (76) when a newer incarnation of this pod took over (a pod declared lost whose
+containers still ran: it is fenced off and leaves without touching the gang).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from types import FrameType
 from typing import Any
 
@@ -31,8 +35,13 @@ from meshtrain.trainer.telemetry import progress
 POLL_S = 0.1
 HEARTBEAT_S = 1.0
 """How often a supervisor bumps its heartbeat key."""
-HEARTBEAT_TIMEOUT_S = 5.0
-"""Pod 0 declares a pod lost when its heartbeat has not changed for this long."""
+HEARTBEAT_TIMEOUT_S = 30.0
+"""Pod 0 declares a pod lost when its heartbeat has not changed for this long (a fixed
+constant, docs/recovery.md: long enough for a paused or busy node, short against the rejoin
+timeout)."""
+NCCL_ASYNC_ERROR_HANDLING = "0"
+"""Forced on the workers: torch's ``_abort_process_group`` is documented for 0 (the watchdog
+must leave the communicators to the watcher's abort, :mod:`.recovery.abort`)."""
 LINGER_S = 15.0
 """How long pod 0 keeps the store up at the end for the other supervisors to read it."""
 MAX_REAPED = 64
@@ -112,10 +121,12 @@ def _pick(flag: Any, value: Any) -> Any:
 
 
 def classify(code: int) -> str:
-    """``done`` (0), ``final`` (a permanent code, STOPPED, or GANG_RESTART from a worker that gave
-    up: pass it through) or ``failed``."""
+    """``done`` (0), ``superseded`` (the worker was fenced off), ``final`` (a permanent code,
+    STOPPED, or GANG_RESTART from a worker that gave up: pass it through) or ``failed``."""
     if code == 0:
         return "done"
+    if code == rendezvous.SUPERSEDED:
+        return "superseded"
     if code in exitcodes.PERMANENT or code in (exitcodes.STOPPED, exitcodes.GANG_RESTART):
         return "final"
     return "failed"
@@ -150,11 +161,10 @@ class Supervisor:
         self.workers: dict[int, spares.Child] = {}
         self.finished: set[int] = set()
         self.stopping = False
-        self.heartbeat = 0
-        self.seen: dict[int, tuple[bytes, float]] = {}
-        self.lost: set[int] = set()
-        self.uid = os.environ.get("MESHTRAIN_POD_UID", "")
-        """This pod's UID (downward API): the rendezvous store fences its slot with it."""
+        self.identity = os.environ.get(rendezvous.POD_UID_ENV) or uuid.uuid4().hex
+        self.incarnation = rendezvous.Incarnation(self.pod, 0, self.identity)
+        self.beats = Heartbeats(self)
+        self.rank0_finished = False
 
     # -- children ------------------------------------------------------------------------
 
@@ -163,9 +173,7 @@ class Supervisor:
         env[generations.SUPERVISED_ENV] = generations.Settings(
             self.config.in_place_limit, self.config.rejoin_timeout_s
         ).dumps()
-        env.setdefault(
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"
-        )  # abort communicators, keep the process
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
         if env.get("MESHTRAIN_DEVICE") == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.local)))
         return env
@@ -180,6 +188,7 @@ class Supervisor:
             "GROUP_RANK": str(self.pod),
             "MASTER_ADDR": self.args.master_addr,
             "MASTER_PORT": str(self.args.master_port),
+            rendezvous.INCARNATION_ENV: self.incarnation.dumps(),
         }
 
     def start(self, local_rank: int, child: spares.Child) -> None:
@@ -218,9 +227,14 @@ class Supervisor:
     def run(self) -> int:
         """Start the workers and the spares, then watch them until the pod's exit code is known."""
         rendezvous.init_generation(self.store)
-        if not rendezvous.claim_slot(self.store, self.pod, self.uid):
-            return self.fenced()
-        if self.store.add(f"rdzv/pod{self.pod}/incarnation", 1) > 1:
+        taken = rendezvous.take_incarnation(
+            self.store, self.pod, self.identity, uid=os.environ.get(rendezvous.POD_UID_ENV, "")
+        )
+        if taken is None:
+            progress.write_failure(rendezvous.SUPERSEDED, "this pod was replaced by another")
+            return self.superseded()
+        self.incarnation = taken
+        if self.incarnation.number > 1:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
             failure = rendezvous.Failure("container", "container restarted", ranks, time.time())
             _say(self.pod, "restarted: joining the next round")
@@ -231,29 +245,40 @@ class Supervisor:
         for local_rank, child in sorted(self.workers.items()):
             _say(self.pod, f"rank {self.pod * self.local + local_rank} pid {child.pid}")
         _say(self.pod, f"spares {[s.pid for s in self.pool.spares]}")
-        last_beat = 0.0
+        self.beats.start()
+        errors = generations.StoreErrors()
         while True:
             if self.stopping:
                 return self.stop()
-            if time.monotonic() - last_beat >= HEARTBEAT_S:
-                last_beat = time.monotonic()
-                if not rendezvous.holds_slot(self.store, self.pod, self.uid):
-                    return self.fenced()
-                self.beat()
-            code = rendezvous.halted(self.store)
-            if code is not None:
-                _say(self.pod, f"the gang was halted with {code}")
-                if code == exitcodes.GANG_RESTART:
-                    progress.write_failure(
-                        code, "in-place recovery exhausted or impossible (limit, rejoin timeout)"
-                    )
-                self.stop_workers(self.args.shutdown_timeout)
-                return code
-            code = self.check_workers()
+            try:
+                code = self.read_store()
+                errors.ok()
+            except (RuntimeError, OSError):
+                if errors.failed():  # several failed reads over seconds: the store is gone
+                    raise
+                time.sleep(POLL_S)
+                continue
+            if code is None:
+                code = self.check_workers()
             if code is not None:
                 return code
             self.reap_orphans()
             time.sleep(POLL_S)
+
+    def read_store(self) -> int | None:
+        """What the store says: superseded, rank 0 finished, the gang halted (the exit code)."""
+        if rendezvous.superseded(self.store, self.incarnation):
+            return self.superseded()
+        self.rank0_finished = self.rank0_finished or bool(self.store.check([rendezvous.FINISHED]))
+        code = rendezvous.halted(self.store)
+        if code is not None:
+            _say(self.pod, f"the gang was halted with {code}")
+            if code == exitcodes.GANG_RESTART:
+                progress.write_failure(
+                    code, "in-place recovery exhausted or impossible (limit, rejoin timeout)"
+                )
+            self.stop_workers(self.args.shutdown_timeout)
+        return code
 
     def check_workers(self) -> int | None:
         """React to the workers that exited; the pod's exit code once it is known."""
@@ -266,6 +291,8 @@ class Supervisor:
                 self.finished.add(local_rank)
                 continue
             rank = self.pod * self.local + local_rank
+            if verdict == "superseded":
+                return self.superseded()
             if verdict == "final":
                 _say(self.pod, f"rank {rank} exited {code}: passing it through")
                 if code != exitcodes.STOPPED:  # a stop is agreed by the ranks themselves
@@ -299,14 +326,6 @@ class Supervisor:
                 return
             os.waitpid(found.si_pid, 0)
 
-    def fenced(self) -> int:
-        """Another pod (a replacement) holds this pod's node rank: stop, leave the gang alone."""
-        why = f"node rank {self.pod} is held by a replacement pod: this pod was replaced"
-        _say(self.pod, why)
-        self.stop_workers(self.args.shutdown_timeout)
-        progress.write_failure(exitcodes.FENCED, why)
-        return exitcodes.FENCED
-
     def give_up(self, why: str) -> int:
         """Halt the gang for a rebuild (75), leaving the reason in the termination log."""
         _say(self.pod, f"{why}: exit {exitcodes.GANG_RESTART} (gang rebuild)")
@@ -315,30 +334,11 @@ class Supervisor:
         self.stop_workers(self.args.shutdown_timeout)
         return exitcodes.GANG_RESTART
 
-    def beat(self) -> None:
-        """Bump this pod's heartbeat; pod 0 also looks for pods whose heartbeat stopped."""
-        self.heartbeat += 1
-        self.store.set(f"rdzv/pod{self.pod}/hb", str(self.heartbeat))
-        if self.pod != 0:
-            return
-        now = time.monotonic()
-        for pod in range(1, self.args.nnodes):
-            key = f"rdzv/pod{pod}/hb"
-            if not self.store.check([key]) or self.store.check([f"rdzv/pod{pod}/left"]):
-                continue  # not started yet (the round's rejoin timeout covers it), or done
-            value = self.store.get(key)[:32]
-            if pod not in self.seen or self.seen[pod][0] != value:
-                self.seen[pod] = (value, now)
-                self.lost.discard(pod)
-            elif now - self.seen[pod][1] > HEARTBEAT_TIMEOUT_S and pod not in self.lost:
-                self.lost.add(pod)
-                self.pod_lost(pod, now - self.seen[pod][1])
-
-    def pod_lost(self, pod: int, silent_s: float) -> None:
-        ranks = tuple(range(pod * self.local, (pod + 1) * self.local))
-        _say(self.pod, f"pod {pod} lost (no heartbeat for {silent_s:.0f}s): a round waits for it")
-        failure = rendezvous.Failure("pod", "pod lost", ranks, time.time() - silent_s)
-        rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
+    def superseded(self) -> int:
+        """A newer incarnation of this pod runs: stop the workers, leave the gang alone."""
+        _say(self.pod, f"superseded by a newer incarnation: exit {rendezvous.SUPERSEDED}")
+        self.stop_workers(self.args.shutdown_timeout)
+        return rendezvous.SUPERSEDED
 
     def stop(self) -> int:
         """SIGTERM: the workers stop after a checkpoint of the same step; STOPPED unless one exited otherwise."""
@@ -352,15 +352,91 @@ class Supervisor:
         return exitcodes.STOPPED if exitcodes.STOPPED in codes else exitcodes.GANG_RESTART
 
     def linger(self) -> None:
-        """Pod 0: keep the store up until every supervisor left (or :data:`LINGER_S`)."""
+        """Pod 0: keep the store up until every supervisor left, or no other pod's heartbeat
+        moves any more, within the shutdown timeout (at least :data:`LINGER_S`)."""
         self.store.set(f"rdzv/pod{self.pod}/left", "1")
         left = self.store.add(rendezvous.DONE, 1)
         if self.pod != 0:
             return
-        deadline = time.monotonic() + LINGER_S
+        deadline = time.monotonic() + max(LINGER_S, self.args.shutdown_timeout)
         while left < self.args.nnodes and time.monotonic() < deadline:
+            if not self.beats.others_alive(3 * HEARTBEAT_S):
+                return
             time.sleep(POLL_S)
             left = self.store.add(rendezvous.DONE, 0)
+
+    def finished_anyway(self) -> int | None:
+        """The store went away after rank 0 passed its final barrier: 0 when this pod's workers
+        finish too (within the shutdown timeout), else None."""
+        if not self.rank0_finished:
+            return None
+        deadline = time.monotonic() + self.args.shutdown_timeout
+        for child in self.workers.values():
+            try:
+                code = child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return None
+            if code != 0:
+                return None
+        self.pool.close()
+        return 0
+
+
+class Heartbeats(threading.Thread):
+    """Bumps this pod's heartbeat on its own store connection (the main loop may block in
+    ``stop_workers``); pod 0's also declares pods whose heartbeat stopped lost."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        super().__init__(name="heartbeats", daemon=True)
+        self.supervisor = supervisor
+        self.store = supervisor.store.clone()
+        self.heartbeat = 0
+        self.seen: dict[int, tuple[bytes, float]] = {}
+        self.lost: set[int] = set()
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - the main loop decides whether the store is gone
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def others_alive(self, within_s: float) -> bool:
+        """Whether another pod's heartbeat changed within ``within_s`` (pod 0's view)."""
+        now = time.monotonic()
+        return any(now - at < within_s for _, at in self.seen.values())
+
+    def beat(self) -> None:
+        """Bump this pod's heartbeat; pod 0 also looks for pods whose heartbeat stopped."""
+        sup = self.supervisor
+        self.heartbeat += 1
+        self.store.set(f"rdzv/pod{sup.pod}/hb", str(self.heartbeat))
+        if sup.pod != 0:
+            return
+        now = time.monotonic()
+        for pod in range(1, sup.args.nnodes):
+            key = f"rdzv/pod{pod}/hb"
+            if not self.store.check([key]) or self.store.check([f"rdzv/pod{pod}/left"]):
+                self.seen.pop(pod, None)
+                continue  # not started yet (the round's rejoin timeout covers it), or done
+            value = self.store.get(key)[:32]
+            if pod not in self.seen or self.seen[pod][0] != value:
+                self.seen[pod] = (value, now)
+                self.lost.discard(pod)
+            elif now - self.seen[pod][1] > HEARTBEAT_TIMEOUT_S and pod not in self.lost:
+                self.lost.add(pod)
+                self.pod_lost(pod, now - self.seen[pod][1])
+
+    def pod_lost(self, pod: int, silent_s: float) -> None:
+        sup = self.supervisor
+        ranks = tuple(range(pod * sup.local, (pod + 1) * sup.local))
+        _say(sup.pod, f"pod {pod} lost (no heartbeat for {silent_s:.0f}s): a round waits for it")
+        failure = rendezvous.Failure("pod", "pod lost", ranks, time.time() - silent_s)
+        rendezvous.ranks_failed(self.store, ranks, failure, sup.config.in_place_limit)
 
 
 def loopback_command(pods: int, local: int, pod: int, port: int, *flags: str) -> list[str]:
@@ -418,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = supervisor.run()
     except (RuntimeError, OSError) as err:  # the store is gone: pod 0 was lost
+        done = supervisor.finished_anyway()
+        if done is not None:
+            _say(args.node_rank, f"the store left after rank 0 finished ({err}): exit 0")
+            return done
         _say(args.node_rank, f"lost the rendezvous store ({err})")
         supervisor.stop_workers(args.shutdown_timeout)
         progress.write_failure(exitcodes.GANG_RESTART, f"lost the rendezvous store: {err}")
@@ -426,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.linger()
     except (RuntimeError, OSError):
         pass
+    finally:
+        supervisor.beats.stop()
     _say(args.node_rank, f"exit {code}")
     return code
 

@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda session: _session(job, args, stop, device, session),
             use_cuda=cuda,
             log_dir=args.log_dir,
+            metrics_port=job.metrics.port,
+            stopped=lambda: stop.requested,
         )
     mesh_mod.init_process_group(use_cuda=cuda)
     return _session(job, args, stop, device, None)
@@ -296,6 +298,8 @@ def _train(
     if log is not None:
         log.close()
     dist.barrier()
+    if session is not None:
+        session.finished()
     if recorder.progress is not None:  # global rank 0: the final progress for the operator
         progress.write_termination_log(recorder.progress.document())
     dist.destroy_process_group()

@@ -141,7 +141,7 @@ MAX_RECOVERIES = 4
 MAX_CAUSE = 120
 """Longest ``cause`` of a recovery record."""
 RECOVERY_TIERS = ("process", "container", "pod", "gang")
-RECOVERY_SOURCES = ("memory", "storage")
+RECOVERY_SOURCES = ("memory", "storage", "none")
 _RECORD_NUMBERS = {
     "failedAt": _not_negative,
     "detectedAt": _not_negative,

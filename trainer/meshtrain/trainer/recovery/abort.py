@@ -1,22 +1,36 @@
 """Abort this process's process groups so that a collective blocked in them returns at once.
 
-NCCL communicators abort (``ProcessGroup.abort()`` through torch's ``_abort_process_group``).
 Gloo cannot abort a blocked collective (``abort()`` leaves an ``all_reduce`` waiting until the
 peer's process exits), so :class:`GlooSockets` shuts down the TCP sockets gloo opened: the blocked
-read fails in milliseconds and the collective raises.  It knows them as the sockets that appeared
-since :meth:`GlooSockets.mark` (taken just before ``init_process_group``), less those to the
-rendezvous store (``MASTER_PORT``) and to ports named as kept (the metrics server).
+read fails in milliseconds and the collective raises.  It knows them positively: the established
+TCP sockets that appeared across each group creation (``init_process_group``, ``new_group`` and
+the subgroups: :func:`install` wraps torch's ``_new_process_group_helper``; the main thread
+creates groups) whose remote address is a gang peer (the hosts the ranks published) and which is
+not the rendezvous store's connection.  A connection another thread opened meanwhile to anything
+else (the object store's HTTP pool, the metrics server's clients) is left alone, and a descriptor
+is re-checked by inode after ``os.dup`` so that a reused fd number is never shut down.
+
+NCCL communicators abort through torch's ``_abort_process_group``, which torch 2.15 documents for
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the supervisor sets it): the watchdog must not tear the
+communicators (or the process) down on its own.  The gloo sockets go first, then NCCL, in a thread
+with a deadline: a communicator that does not abort in time ends the process
+(:data:`ABORT_STUCK`) and the supervisor replaces it.  One lock (:data:`GROUPS`) orders group
+creation, destruction and the abort.  The NCCL path is unmeasured (no GPU in CI).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import ipaddress
 import os
 import socket
-from collections.abc import Collection
+import threading
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 PROC_TCP = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
@@ -25,6 +39,24 @@ MAX_PROC_BYTES = 8 << 20
 MAX_FDS = 65536
 """Most descriptors looked at."""
 ESTABLISHED = "01"
+NCCL_ABORT_S = 30.0
+"""How long the NCCL abort may take before the process ends itself."""
+ABORT_STUCK = 70
+"""Exit code of a worker whose NCCL abort did not return in time (a retryable failure)."""
+GROUPS = threading.RLock()
+"""Held while groups are created or destroyed, and while they are aborted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Connection:
+    """An established TCP connection of this network namespace."""
+
+    local_port: int
+    """Its local port."""
+    remote: str
+    """The remote address (IPv4 or IPv6 text)."""
+    remote_port: int
+    """The remote port."""
 
 
 def socket_fds() -> dict[int, int]:
@@ -44,9 +76,19 @@ def socket_fds() -> dict[int, int]:
     return found
 
 
-def tcp_ports() -> dict[int, tuple[int, int]]:
-    """Established TCP sockets of this network namespace: inode -> (local port, remote port)."""
-    ports: dict[int, tuple[int, int]] = {}
+def _address(hexed: str) -> str:
+    """/proc/net/tcp's address (32-bit words in host order, little-endian here) as text."""
+    raw = bytes.fromhex(hexed)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(words) == 4:
+        return str(ipaddress.IPv4Address(words))
+    address = ipaddress.IPv6Address(words)
+    return str(address.ipv4_mapped or address)
+
+
+def connections() -> dict[int, Connection]:
+    """Established TCP connections of this network namespace: inode -> connection."""
+    found: dict[int, Connection] = {}
     for table in PROC_TCP:
         try:
             with Path(table).open("rb") as handle:
@@ -58,41 +100,68 @@ def tcp_ports() -> dict[int, tuple[int, int]]:
             if len(fields) < 10 or fields[3] != ESTABLISHED:
                 continue
             try:
-                local = int(fields[1].rsplit(":", 1)[1], 16)
-                remote = int(fields[2].rsplit(":", 1)[1], 16)
-                ports[int(fields[9])] = (local, remote)
+                remote, remote_port = fields[2].rsplit(":", 1)
+                found[int(fields[9])] = Connection(
+                    int(fields[1].rsplit(":", 1)[1], 16), _address(remote), int(remote_port, 16)
+                )
             except (ValueError, IndexError):
                 continue
-    return ports
+    return found
+
+
+def is_peer(address: str, peers: Collection[str]) -> bool:
+    """Whether ``address`` is a gang peer's (any address when the peers are unknown)."""
+    return not peers or address in peers or ipaddress.ip_address(address).is_loopback
 
 
 class GlooSockets:
-    """The TCP sockets of this process's gloo groups, found by difference (see the module)."""
+    """The TCP sockets of this process's gloo groups (see the module)."""
 
     def __init__(self, store_port: int, kept_ports: Collection[int] = ()) -> None:
         self.store_port = store_port
         """The rendezvous store's port: connections to it are never touched."""
         self.kept_ports = frozenset(kept_ports)
         """Local ports whose connections are never touched (this rank's metrics server)."""
-        self._before: frozenset[int] = frozenset()
+        self.peers: frozenset[str] = frozenset()
+        """The gang's addresses (empty: unknown, any remote address qualifies)."""
+        self.inodes: set[int] = set()
+        """The sockets found so far."""
 
-    def mark(self) -> None:
-        """Remember the sockets open now: they are not gloo's (call before ``init_process_group``)."""
-        self._before = frozenset(socket_fds())
+    @contextlib.contextmanager
+    def creating(self) -> Iterator[None]:
+        """Around a group's creation: the sockets that appear meanwhile are the group's."""
+        with GROUPS:
+            before = frozenset(socket_fds())
+            try:
+                yield
+            finally:
+                found = connections()
+                for inode in frozenset(socket_fds()) - before:
+                    conn = found.get(inode)
+                    if conn is None or self.store_port in (conn.remote_port, conn.local_port):
+                        continue
+                    if conn.local_port in self.kept_ports or not is_peer(conn.remote, self.peers):
+                        continue
+                    self.inodes.add(inode)
+
+    def forget(self) -> None:
+        """The groups were destroyed: their sockets are no longer ours to shut."""
+        self.inodes.clear()
 
     def shutdown(self) -> int:
-        """Shut down (both ways) every gloo socket opened since :meth:`mark`; how many."""
-        ports = tcp_ports()
+        """Shut down (both ways) every gloo socket found; how many."""
         done = 0
-        for inode, fd in socket_fds().items():
-            if inode in self._before or inode not in ports:
-                continue
-            local, remote = ports[inode]
-            if remote == self.store_port or local == self.store_port or local in self.kept_ports:
+        fds = socket_fds()
+        for inode in sorted(self.inodes):
+            fd = fds.get(inode)
+            if fd is None:
                 continue
             with contextlib.suppress(OSError):
-                # a duplicate of the descriptor: shutdown acts on the socket, close only on the copy
-                sock = socket.socket(fileno=os.dup(fd))
+                copy = os.dup(fd)  # shutdown acts on the socket, close only on the copy
+                if os.fstat(copy).st_ino != inode:  # the number was reused meanwhile
+                    os.close(copy)
+                    continue
+                sock = socket.socket(fileno=copy)
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                     done += 1
@@ -101,13 +170,58 @@ class GlooSockets:
         return done
 
 
-def abort_groups(sockets: GlooSockets) -> int:
-    """Abort every process group of this process: NCCL's communicators, gloo's sockets.
+_tracking: list[GlooSockets] = []
+
+
+def install(sockets: GlooSockets) -> None:
+    """Have every group torch creates from now on record its sockets in ``sockets``."""
+    _tracking[:] = [sockets]
+    c10d = dist.distributed_c10d
+    helper = c10d._new_process_group_helper
+    if getattr(helper, "_meshtrain_tracked", False):
+        return
+
+    @functools.wraps(helper)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        if not _tracking:
+            return helper(*args, **kwargs)
+        with _tracking[0].creating():
+            return helper(*args, **kwargs)
+
+    tracked._meshtrain_tracked = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = tracked
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether groups of ``backend`` (``nccl``, ``gloo``, ``cpu:gloo,cuda:nccl``) need NCCL's abort."""
+    return "nccl" in backend.lower()
+
+
+def _abort_nccl() -> None:
+    with GROUPS, contextlib.suppress(Exception):  # an aborted group may refuse politely
+        if dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
+
+
+def abort_groups(
+    sockets: GlooSockets,
+    backend: str,
+    *,
+    nccl_abort: Callable[[], None] = _abort_nccl,
+    deadline_s: float = NCCL_ABORT_S,
+    leave: Callable[[int], object] = os._exit,
+) -> int:
+    """Abort every process group of this process: gloo's sockets first, then NCCL's
+    communicators (by ``backend``) within ``deadline_s``, else ``leave(ABORT_STUCK)``.
 
     Called from the watcher thread while the main thread may be blocked in a collective; the
     number of gloo sockets shut down.
     """
-    if dist.is_initialized() and torch.cuda.is_available():
-        with contextlib.suppress(Exception):  # gloo-only groups cannot abort
-            dist.distributed_c10d._abort_process_group()
-    return sockets.shutdown()
+    done = sockets.shutdown()
+    if uses_nccl(backend):
+        worker = threading.Thread(target=nccl_abort, name="nccl-abort", daemon=True)
+        worker.start()
+        worker.join(deadline_s)
+        if worker.is_alive():
+            leave(ABORT_STUCK)
+    return done

@@ -20,6 +20,7 @@ import datetime
 import gc
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -42,6 +43,11 @@ SUPERVISED_ENV = "MESHTRAIN_SUPERVISED"
 WATCH_S = 0.2
 """How often the watcher reads the store's generation."""
 STORE_TIMEOUT_S = 60.0
+WATCH_TIMEOUT_S = 5.0
+"""The watcher's store calls give up after this long (its own connection)."""
+STORE_LOST_FAILURES = 3
+STORE_LOST_S = 10.0
+"""The store counts as lost after this many failed reads in a row spanning this long."""
 FIRST_JOIN_TIMEOUT_S = 600.0
 """How long round 0 waits for every rank: the pods of a new gang start apart (image pulls, node
 start-up), as torchrun's rendezvous ``join_timeout`` (600 s) allows; later rounds wait
@@ -80,14 +86,27 @@ class Settings:
 class Watcher(threading.Thread):
     """Aborts this process's groups once the store's generation leaves ``generation`` (or the store is gone)."""
 
-    def __init__(self, store: c10d.TCPStore, generation: int, sockets: abort.GlooSockets) -> None:
+    def __init__(
+        self,
+        store: c10d.TCPStore,
+        generation: int,
+        sockets: abort.GlooSockets,
+        *,
+        backend: str,
+        incarnation: rendezvous.Incarnation,
+    ) -> None:
         super().__init__(name=f"generation-watcher-{generation}", daemon=True)
         self.store = store.clone()  # its own connection: the main thread may hold the other
+        self.store.set_timeout(datetime.timedelta(seconds=WATCH_TIMEOUT_S))
         self.generation = generation
         self.sockets = sockets
+        self.backend = backend
+        self.incarnation = incarnation
         self.fired = threading.Event()
         """Set once the groups were aborted."""
         self.store_lost = False
+        self.superseded = False
+        self.errors = StoreErrors()
         self._stop = threading.Event()
 
     def run(self) -> None:
@@ -97,15 +116,37 @@ class Watcher(threading.Thread):
                     rendezvous.generation(self.store) != self.generation
                     or rendezvous.halted(self.store) is not None
                 )
-            except Exception:  # noqa: BLE001 - any store error: pod 0 is gone
-                moved, self.store_lost = True, True
-            if moved:
+                self.superseded = rendezvous.superseded(self.store, self.incarnation)
+                self.errors.ok()
+            except Exception:  # noqa: BLE001 - any store error: pod 0 may be gone
+                moved = self.store_lost = self.errors.failed()
+            if moved or self.superseded:
                 self.fired.set()
-                abort.abort_groups(self.sockets)
+                abort.abort_groups(self.sockets, self.backend)
                 return
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class StoreErrors:
+    """Failed store reads in a row: one error is a hiccup, :data:`STORE_LOST_FAILURES` spanning
+    :data:`STORE_LOST_S` mean the store is gone."""
+
+    def __init__(self, failures: int = STORE_LOST_FAILURES, span_s: float = STORE_LOST_S) -> None:
+        self.failures, self.span_s = failures, span_s
+        self.count, self.first = 0, 0.0
+
+    def ok(self) -> None:
+        self.count = 0
+
+    def failed(self) -> bool:
+        """Note a failed read; whether the store now counts as lost."""
+        now = time.monotonic()
+        if self.count == 0:
+            self.first = now
+        self.count += 1
+        return self.count >= self.failures and now - self.first >= self.span_s
 
 
 @dataclasses.dataclass
@@ -130,7 +171,7 @@ class Session:
     """When this generation's process group was built."""
     restored_at: float | None = None
     resumed_step: int = 0
-    source: str = "storage"
+    source: str = "none"
     recorded: bool = False
     progress: progress_mod.Progress | None = None
     recorder: TelemetryRecorder | None = None
@@ -163,6 +204,12 @@ class Session:
             self.recorder.close()
             self.recorder = None
 
+    def finished(self) -> None:
+        """Past the final barrier: rank 0 tells the supervisors (the store may go away now)."""
+        if self.rank == 0:
+            with contextlib.suppress(Exception):  # finished either way
+                self.store.set(rendezvous.FINISHED, "1")
+
     def restored(self, step: int | None, source: str) -> None:
         """The state was loaded (``step`` None: from scratch)."""
         self.restored_at, self.resumed_step, self.source = time.time(), step or 0, source
@@ -186,7 +233,7 @@ class Session:
             rejoined_at=self.rejoined_at,
             restored_at=self.restored_at or self.rejoined_at,
             resumed_step=self.resumed_step,
-            source="memory" if self.source == "memory" else "storage",
+            source=recoveries.source(self.source),
             lost_steps=max(0, self.previous_step - self.resumed_step),
         )
 
@@ -220,17 +267,44 @@ def _say(message: str) -> None:
     )
 
 
-def run(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str | None) -> int:
+def run(
+    body: Callable[[Session], int],
+    *,
+    use_cuda: bool,
+    log_dir: str | None,
+    metrics_port: int,
+    stopped: Callable[[], bool] = lambda: False,
+) -> int:
     """Run ``body`` once per generation until it returns an exit code (see the module); 75 when
-    the store is gone (pod 0 was lost: the gang is rebuilt)."""
+    the store is gone (pod 0 was lost: the gang is rebuilt), :data:`rendezvous.SUPERSEDED` when a
+    newer incarnation of this pod runs, ``STOPPED`` when a stop came during a rejoin."""
     try:
-        return _generations(body, use_cuda=use_cuda, log_dir=log_dir)
+        return _generations(
+            body, use_cuda=use_cuda, log_dir=log_dir, metrics_port=metrics_port, stopped=stopped
+        )
     except dist.DistNetworkError as err:
         _say(f"the rendezvous store is gone ({err}); leaving for a gang rebuild")
         return exitcodes.GANG_RESTART
 
 
-def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str | None) -> int:
+def incarnation() -> rendezvous.Incarnation:
+    """This worker's incarnation, as its supervisor handed it over."""
+    pod = int(os.environ.get("GROUP_RANK", "0"))
+    return rendezvous.Incarnation.loads(pod, os.environ.get(rendezvous.INCARNATION_ENV, "0:"))
+
+
+JOIN_EXITS = {"superseded": rendezvous.SUPERSEDED, "stopped": exitcodes.STOPPED}
+"""Exit codes of join outcomes that end the worker without halting the gang."""
+
+
+def _generations(
+    body: Callable[[Session], int],
+    *,
+    use_cuda: bool,
+    log_dir: str | None,
+    metrics_port: int,
+    stopped: Callable[[], bool],
+) -> int:
     settings = Settings.from_env()
     assert settings is not None, f"{SUPERVISED_ENV} is not set"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -238,10 +312,12 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
     store = rendezvous.connect(
         os.environ["MASTER_ADDR"], port, master=False, timeout_s=STORE_TIMEOUT_S
     )
-    metrics = int(os.environ.get("MESHTRAIN_METRICS_PORT", "0")) + int(
-        os.environ.get("LOCAL_RANK", "0")
-    )
-    sockets = abort.GlooSockets(port, kept_ports={metrics})
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    sockets = abort.GlooSockets(port, kept_ports={metrics_port + local})
+    abort.install(sockets)
+    backend = "nccl" if use_cuda else "gloo"
+    fence = incarnation()
+    member = f"{fence.identity}/{os.getpid()}"
     history: list[dict[str, Any]] = []
     tracker = (
         goodput_live.Tracker(log_dir) if rank == 0 and log_dir else None
@@ -251,9 +327,15 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
         patience = settings.rejoin_timeout_s
         if generation == 0:
             patience = max(patience, FIRST_JOIN_TIMEOUT_S)
-        outcome = rendezvous.join(store, generation, rank, world, patience)
+        outcome = rendezvous.join(
+            store, generation, rank, world, patience,
+            member=member, incarnation=fence, stopped=stopped,
+        )  # fmt: skip
         if outcome == "moved":
             continue
+        if outcome in JOIN_EXITS:
+            _say(f"generation {generation}: {outcome}; leaving with {JOIN_EXITS[outcome]}")
+            return JOIN_EXITS[outcome]
         if outcome != "ready":
             code = rendezvous.halted(store)
             if code is None:  # nobody came in time: the gang is rebuilt
@@ -262,17 +344,20 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
             return code
         _say(f"joined generation {generation}")
         previous = int(store.get(rendezvous.STEP)) if store.check([rendezvous.STEP]) else 0
-        sockets.mark()
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            store=c10d.PrefixStore(f"g{generation}/", store),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(
-                seconds=float(os.environ.get("MESHTRAIN_PG_TIMEOUT_S", mesh_mod.DEFAULT_TIMEOUT_S))
-            ),
-        )
-        watcher = Watcher(store, generation, sockets)
+        sockets.peers = _peers(store, generation, rank, world)
+        with abort.GROUPS:
+            dist.init_process_group(
+                backend=backend,
+                store=c10d.PrefixStore(f"g{generation}/", store),
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(
+                    seconds=float(
+                        os.environ.get("MESHTRAIN_PG_TIMEOUT_S", mesh_mod.DEFAULT_TIMEOUT_S)
+                    )
+                ),
+            )
+        watcher = Watcher(store, generation, sockets, backend=backend, incarnation=fence)
         watcher.start()
         session = Session(
             generation, store, rank, watcher, log_dir, history, previous, tracker=tracker
@@ -280,6 +365,9 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
         try:
             return body(session)
         except (RuntimeError, Interrupted) as err:
+            if watcher.superseded:
+                _say("a newer incarnation of this pod runs; leaving")
+                return rendezvous.SUPERSEDED
             if watcher.store_lost:
                 _say("the rendezvous store is gone; leaving for a gang rebuild")
                 return exitcodes.GANG_RESTART
@@ -288,12 +376,31 @@ def _generations(body: Callable[[Session], int], *, use_cuda: bool, log_dir: str
                     raise  # this rank's own failure: its supervisor replaces the process
                 # the first to see it: a peer is gone and nobody started a new round yet
                 failure = rendezvous.Failure("process", "peer lost", (), time.time())
-                rendezvous.start_round(store, generation, failure, settings.in_place_limit)
+                rendezvous.start_round(
+                    store, generation, failure, settings.in_place_limit, token=member
+                )
             _say(f"generation {generation} ended ({type(err).__name__}: {str(err)[:160]})")
         finally:
             watcher.stop()
             session.close()
-            _teardown()
+            _teardown(sockets)
+
+
+def _peers(store: c10d.TCPStore, generation: int, rank: int, world: int) -> frozenset[str]:
+    """Publish this rank's address for round ``generation`` and read the gang's (gloo's peers)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return frozenset()  # gloo binds an interface's address: any peer address qualifies
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return frozenset()
+    store.set(f"rdzv/g{generation}/host{rank}", host)
+    keys = [f"rdzv/g{generation}/host{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return frozenset(v[:64].decode("ascii", "replace") for v in store.multi_get(keys))
+    except RuntimeError:  # a rank left meanwhile: its group will fail, any address qualifies
+        return frozenset()
 
 
 def communication_error(err: BaseException) -> bool:
@@ -306,10 +413,11 @@ def communication_error(err: BaseException) -> bool:
     return isinstance(err, dist.DistError) or any(mark in text for mark in COMMUNICATION_MARKS)
 
 
-def _teardown() -> None:
+def _teardown(sockets: abort.GlooSockets) -> None:
     """Destroy the groups and free what the dropped engine held."""
-    with contextlib.suppress(Exception):  # aborted groups may refuse politely
+    with abort.GROUPS, contextlib.suppress(Exception):  # aborted groups may refuse politely
         dist.destroy_process_group()
+    sockets.forget()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -4,14 +4,24 @@ Pod 0's supervisor hosts a ``torch.distributed.TCPStore`` on ``MASTER_PORT``; su
 workers are its clients.  Keys (all under ``rdzv/``; a process group of generation ``g`` keeps its
 own under ``g{g}/``):
 
-- ``generation``: the current round.  A round is started by the one caller that claims it
-  (``r{n}/claim``, an atomic add) and then sets ``generation: n-1 -> n`` by compare-and-set:
-  one bump per failure, whoever detects it first (the failed rank's supervisor, or a worker whose
-  collective failed).  A failure that happened before its rank joined the current round needs no
-  new round: it is only reported to the current one (the round waits for the replacement).
+- ``generation``: the current round, ``"{n}"`` or ``"{n}:{token}"``.  A round is started by one
+  atomic compare-and-set ``generation: "{n-1}..." -> "{n}:{token}"``: the bump is the claim, the
+  caller whose token comes back started it (one bump per failure, whoever detects it first: the
+  failed rank's supervisor, or a worker whose collective failed).  A claimant that dies after its
+  bump leaves a moved generation, never a wedged one.  A failure that happened before its rank
+  joined the current round needs no new round: it is only reported to the current one (the round
+  waits for the replacement).
 - ``r{n}/nfail`` and ``r{n}/fail{i}``: the failures that round ``n`` recovers from (JSON).
 - ``r{n}/detectedAt``: when the claimant started round ``n``.
-- ``g{g}/joined`` (count) and ``rank{r}/gen``: who joined which round.
+- ``g{n}/rank{r}`` (the joining process's identity, set once by compare-and-set) and
+  ``g{n}/joined`` (distinct ranks counted): who joined round ``n``; ``rank{r}/gen``: the newest
+  round rank ``r`` joined.
+- ``pod{p}/incarnation``: the newest incarnation number of pod ``p``'s supervisor (one per
+  container start; ``pod{p}/holder``: its number and identity).  A process of an older
+  incarnation (a pod declared lost whose containers still run) is fenced: it never joins a round
+  and leaves with :data:`SUPERSEDED`.  With ``MESHTRAIN_POD_UID``, ``pod{p}/uid`` names the pod
+  holding node rank ``p`` and ``fenced/{uid}`` the pods it replaced: a replaced pod that comes
+  back takes no new incarnation.
 - ``inplace``: in-place recoveries of this gang attempt (the store lives as long as pod 0's
   supervisor, i.e. one gang attempt); past ``inPlaceLimit`` the claimant halts the gang instead.
   ``inplaceAt`` (unix time of the last): after ``STEADY_RUNNING_SECONDS`` with none the count
@@ -21,10 +31,8 @@ own under ``g{g}/``):
 - ``count/{tier}``: in-place recoveries of each tier this store has seen (each round once, by
   ``r{n}/counted``): the progress report carries them so that the operator misses none, whatever
   rank 0's process or the report's few newest records saw.
-- ``pod{p}/hb``, ``pod{p}/incarnation``, ``done``: supervisors' liveness, restarts and finish.
-- ``pod{p}/uid`` and ``fenced/{uid}``: the pod (its UID) that holds node rank ``p``, and the pods
-  that held it before (fencing: a replacement registers its UID and fences the one it replaces,
-  whose supervisor then exits with ``exitcodes.FENCED``, even when it comes back later).
+- ``finished``: rank 0 passed the final barrier (losing the store after it is not a failure).
+- ``pod{p}/hb``, ``done``: supervisors' liveness and finish.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import dataclasses
 import datetime
 import json
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from torch._C import _distributed_c10d as c10d
@@ -46,10 +56,19 @@ IN_PLACE = "rdzv/inplace"
 IN_PLACE_AT = "rdzv/inplaceAt"
 STEP = "rdzv/step"
 DONE = "rdzv/done"
+FINISHED = "rdzv/finished"
+SUPERSEDED = exitcodes.FENCED
+"""Exit code of a process fenced off: a newer incarnation of its pod runs (docs/recovery.md)."""
+INCARNATION_ENV = "MESHTRAIN_INCARNATION"
+"""Set by the supervisor for its workers: its incarnation (``{number}:{identity}``)."""
+POD_UID_ENV = "MESHTRAIN_POD_UID"
+"""The pod's UID (downward API): an incarnation's identity when set."""
 MAX_FAILURES = 64
 """Failure reports read per round."""
 MAX_VALUE = 4096
 """Bytes of a report read back (the store is shared by every pod: bound what is trusted)."""
+MAX_UID = 64
+"""Bytes of a pod UID kept (a Kubernetes UID has 36)."""
 POLL_S = 0.05
 TIER_ORDER = ("process", "container", "pod", "gang")
 
@@ -111,13 +130,60 @@ def _int(store: c10d.Store, key: str, default: int) -> int:
         return default
 
 
+def number(raw: bytes) -> int:
+    """The round of a generation value (``{n}`` or ``{n}:{token}``); -1 when garbled."""
+    try:
+        return int(raw[:64].split(b":", 1)[0])
+    except ValueError:
+        return -1
+
+
 def init_generation(store: c10d.Store) -> int:
     """The current generation, 0 when the store is new."""
-    return int(store.compare_set(GENERATION, "", "0")[:32])
+    return number(store.compare_set(GENERATION, "", "0"))
 
 
 def generation(store: c10d.Store) -> int:
-    return _int(store, GENERATION, 0)
+    return number(store.get(GENERATION)) if store.check([GENERATION]) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Incarnation:
+    """One start of a pod's supervisor (and the workers it starts): the fence of its ranks."""
+
+    pod: int
+    """The pod (node rank)."""
+    number: int
+    """Its place among the pod's starts (1, 2, ...): the newest runs, older ones are fenced."""
+    identity: str
+    """Who took it: the pod's UID when known (``MESHTRAIN_POD_UID``), else a random token."""
+
+    def dumps(self) -> str:
+        return f"{self.number}:{self.identity}"
+
+    @staticmethod
+    def loads(pod: int, raw: str) -> Incarnation:
+        value, _, identity = raw.partition(":")
+        return Incarnation(pod, int(value), identity[:200])
+
+
+def take_incarnation(
+    store: c10d.Store, pod: int, identity: str, *, uid: str = ""
+) -> Incarnation | None:
+    """A new incarnation of ``pod``: every older one is fenced from now on.  With the pod's
+    ``uid`` (``MESHTRAIN_POD_UID``) a new pod holding node rank ``pod`` also fences the UID it
+    replaces for good (``pod{p}/uid``, ``fenced/{uid}``): None when ``uid`` itself was fenced (the
+    replaced pod came back: it must leave, not supersede its replacement)."""
+    if not claim_slot(store, pod, uid):
+        return None
+    taken = Incarnation(pod, store.add(f"rdzv/pod{pod}/incarnation", 1), identity)
+    store.set(f"rdzv/pod{pod}/holder", taken.dumps())
+    return taken
+
+
+def superseded(store: c10d.Store, incarnation: Incarnation) -> bool:
+    """Whether a newer incarnation of the pod took over (this one must leave, not join)."""
+    return _int(store, f"rdzv/pod{incarnation.pod}/incarnation", 0) > incarnation.number
 
 
 def halted(store: c10d.Store) -> int | None:
@@ -136,8 +202,6 @@ def joined_generation(store: c10d.Store, rank: int) -> int:
     return _int(store, f"rdzv/rank{rank}/gen", -1)
 
 
-MAX_UID = 64
-"""Bytes of a pod UID kept (a Kubernetes UID has 36)."""
 MAX_CLAIMS = 8
 """Tries to take a slot that other pods keep taking (each try fences the one before)."""
 
@@ -163,10 +227,9 @@ def claim_slot(store: c10d.Store, pod: int, uid: str) -> bool:
     return False
 
 
-def holds_slot(store: c10d.Store, pod: int, uid: str) -> bool:
-    """Whether the pod ``uid`` still holds node rank ``pod`` (not fenced by a replacement)."""
-    uid = uid[:MAX_UID]
-    return not uid or not store.check([f"rdzv/fenced/{uid}"])
+def joined(store: c10d.Store, round_: int, rank: int) -> bool:
+    """Whether a process took ``rank``'s place in ``round_`` (counted or about to be)."""
+    return joined_generation(store, rank) >= round_ or store.check([f"rdzv/g{round_}/rank{rank}"])
 
 
 def report(store: c10d.Store, round_: int, failure: Failure) -> None:
@@ -201,26 +264,32 @@ def detected_at(store: c10d.Store, round_: int) -> float | None:
     return _float(store, f"rdzv/r{round_}/detectedAt")
 
 
-def start_round(store: c10d.Store, current: int, failure: Failure, limit: int) -> bool:
-    """Report ``failure`` and start round ``current + 1`` unless another caller did; whether this one did.
+def start_round(
+    store: c10d.Store, current: int, failure: Failure, limit: int, token: str = ""
+) -> bool:
+    """Report ``failure`` and start round ``current + 1`` unless another caller did; whether this
+    one did (the bump is the claim: one atomic compare-and-set, see the module).
 
-    Past ``limit`` in-place recoveries the gang is halted with :data:`exitcodes.GANG_RESTART`
-    instead.
+    Past ``limit`` in-place recoveries the winner halts the gang with
+    :data:`exitcodes.GANG_RESTART` (and says False: no round to recover in).
     """
     nxt = current + 1
     report(store, nxt, failure)
-    if store.add(f"rdzv/r{nxt}/claim", 1) != 1:
+    raw = store.get(GENERATION) if store.check([GENERATION]) else b""
+    if number(raw) != current:
+        return False  # the round moved on already
+    claim = f"{nxt}:{token or uuid.uuid4().hex}"
+    if store.compare_set(GENERATION, raw.decode("ascii", "replace"), claim) != claim.encode():
         return False
     now = time.time()
     last = _float(store, IN_PLACE_AT)
     if last is not None and now - last >= api_run_policy.STEADY_RUNNING_SECONDS:
         store.set(IN_PLACE, "0")  # a quiet gang: its budget starts again
     store.set(IN_PLACE_AT, repr(now))
+    store.set(f"rdzv/r{nxt}/detectedAt", repr(time.time()))
     if store.add(IN_PLACE, 1) > limit:
         halt(store, exitcodes.GANG_RESTART)
         return False
-    store.set(f"rdzv/r{nxt}/detectedAt", repr(time.time()))
-    store.compare_set(GENERATION, str(current), str(nxt))
     return True
 
 
@@ -228,26 +297,77 @@ def ranks_failed(store: c10d.Store, ranks: tuple[int, ...], failure: Failure, li
     """``ranks`` are gone: start a new round if one of them was in the current round, else report
     the failure to the current round (which waits for their replacements); the round that recovers."""
     current = generation(store)
-    if any(joined_generation(store, r) >= current for r in ranks):
+    if any(joined(store, current, r) for r in ranks):
         start_round(store, current, failure, limit)
         return current + 1
     report(store, current, failure)
     return current
 
 
-def join(store: c10d.Store, round_: int, rank: int, world: int, timeout_s: float) -> str:
-    """Join round ``round_`` and wait for all ``world`` ranks: ``ready``, ``moved`` (a newer round
-    started meanwhile), ``halt``, or ``timeout`` (after ``timeout_s``)."""
-    store.set(f"rdzv/rank{rank}/gen", str(round_))
-    key = f"rdzv/g{round_}/joined"
-    store.add(key, 1)
+def join(
+    store: c10d.Store,
+    round_: int,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    *,
+    member: str,
+    incarnation: Incarnation,
+    stopped: Callable[[], bool] = lambda: False,
+) -> str:
+    """Join round ``round_`` as process ``member`` of ``incarnation`` and wait for all ``world``
+    ranks: ``ready``, ``moved`` (a newer round started meanwhile), ``halt``, ``stopped`` (a stop
+    was requested), ``superseded`` (fenced: leave with :data:`SUPERSEDED`) or ``timeout``.
+
+    ``g{n}/rank{r}`` is set once by compare-and-set, so a rank is counted once.  A process finding
+    it held by itself (it joined this round already) or by another process of an older or the
+    same incarnation never joins again: it waits for the round to move on; one held by a newer
+    incarnation is fenced off.
+    """
     deadline = time.monotonic() + timeout_s
+    if superseded(store, incarnation):
+        return "superseded"
+    mine = f"{incarnation.number}:{member}"
+    held = store.compare_set(f"rdzv/g{round_}/rank{rank}", "", mine)
+    if held != mine.encode() or _joined(store, round_, rank) == member:
+        if number(held) > incarnation.number:
+            return "superseded"
+        return _wait(store, round_, world, deadline, incarnation, stopped, count=False)
+    store.add(f"rdzv/g{round_}/joined", 1)
+    store.set(f"rdzv/rank{rank}/gen", str(round_))
+    store.set(f"rdzv/g{round_}/counted{rank}", mine)
+    return _wait(store, round_, world, deadline, incarnation, stopped, count=True)
+
+
+def _joined(store: c10d.Store, round_: int, rank: int) -> str:
+    """The member counted for ``rank`` in ``round_`` (empty: none yet)."""
+    key = f"rdzv/g{round_}/counted{rank}"
+    if not store.check([key]):
+        return ""
+    return store.get(key)[:MAX_VALUE].decode("ascii", "replace").partition(":")[2]
+
+
+def _wait(
+    store: c10d.Store,
+    round_: int,
+    world: int,
+    deadline: float,
+    incarnation: Incarnation,
+    stopped: Callable[[], bool],
+    *,
+    count: bool,
+) -> str:
+    """Wait for every rank of ``round_`` (``count``) or only for the round to move on."""
     while True:
         if halted(store) is not None:
             return "halt"
+        if stopped():
+            return "stopped"
+        if superseded(store, incarnation):
+            return "superseded"
         if generation(store) != round_:
             return "moved"
-        if store.add(key, 0) >= world:
+        if count and store.add(f"rdzv/g{round_}/joined", 0) >= world:
             return "ready"
         if time.monotonic() > deadline:
             return "timeout"

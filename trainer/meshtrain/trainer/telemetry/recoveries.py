@@ -19,7 +19,7 @@ TIERS = ("process", "container", "pod", "gang")
 """What was restarted: a process (a spare took its rank), a container (kubelet restart rules), a pod
 (re-placed), or the whole gang (the operator's rebuild; never written by the trainer)."""
 
-SOURCES = ("memory", "storage")
+SOURCES = ("memory", "storage", "none")
 """Where the restored state came from: an in-memory snapshot or a storage checkpoint."""
 
 MAX_READ_BYTES = 1 << 20
@@ -34,7 +34,12 @@ MAX_CAUSE = 120
 """Characters of ``cause`` kept."""
 
 Tier = Literal["process", "container", "pod", "gang"]
-Source = Literal["memory", "storage"]
+Source = Literal["memory", "storage", "none"]
+
+
+def source(name: str) -> Source:
+    """A restore's source as a record names it (``none``: nothing was restored)."""
+    return "memory" if name == "memory" else "storage" if name == "storage" else "none"
 
 
 @dataclasses.dataclass(frozen=True)
