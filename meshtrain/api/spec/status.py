@@ -51,11 +51,11 @@ class PodPlacement(base.StatusModel):
         description="The pod that holds this index once a lost pod was replaced alone "
         "(runPolicy.recovery); absent: the gang's own <job>-r<attempt>-<index>.",
     )
-    replaced: int = Field(
-        0,
+    replaced: int | None = Field(
+        None,
         ge=0,
         le=limits.MAX_COUNT,
-        description="Times this index was replaced in this gang attempt.",
+        description="Times this index was replaced in this gang attempt (absent: never).",
     )
     pending: bool | None = Field(
         None,
