@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import sys
 import tempfile
@@ -66,6 +67,7 @@ def _engine(job: api_spec.TrainingJobSpec) -> engine.Engine:
 
 
 def _pod(base: Path) -> Path:
+    os.environ[memory.NODE_ENV] = f"node-{dist.get_rank()}"  # each pod on a node of its own
     return base / f"pod-{dist.get_rank()}"
 
 

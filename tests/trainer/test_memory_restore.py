@@ -42,9 +42,15 @@ def _engine(raw: dict) -> engine.Engine:
 
 
 def _pod_root(base: str, raw: dict) -> Path:
-    """This rank's pod directory (its /dev/shm)."""
+    """This rank's pod directory (its /dev/shm); each pod on a node of its own, named as the
+    operator names it (every rank of this harness runs on one machine)."""
     per_pod = loading.parse_spec(raw).resources.gpus_per_node
-    return Path(base) / f"pod-{dist.get_rank() // per_pod}"
+    return _on_node(Path(base), dist.get_rank() // per_pod)
+
+
+def _on_node(base: Path, pod: int) -> Path:
+    os.environ[memory.NODE_ENV] = f"node-{pod}"
+    return base / f"pod-{pod}"
 
 
 def _weights(trainer: engine.Engine) -> dict[str, torch.Tensor]:
@@ -106,9 +112,12 @@ def _lose(base: Path, pod: int, rank: int | None = None) -> None:
             path.unlink()
 
 
-PEER_ROOTS = ("lost-pod", "both", "other")
+PEER_ROOTS = ("lost-pod", "both", "other", "damaged")
 """dp2 on two pods: pod 1 lost (its shards come from pod 0's peer copies); both copies of rank 1
-lost (storage, checkpointed at step 2); a tp2 engine on dp2's snapshots."""
+lost (storage, checkpointed at step 2); a tp2 engine on dp2's snapshots; a byte of rank 1's own
+snapshot changed (its checksum refuses it: storage, checkpointed at step 2)."""
+STORED = ("both", "damaged")
+"""The cases with a storage checkpoint of step 2."""
 
 
 def train_and_stop(root: str) -> dict:
@@ -120,7 +129,7 @@ def train_and_stop(root: str) -> dict:
         out[name]["unfaulted"] = _unfaulted(raw)
     dp2 = _raw("dp2")
     for case in PEER_ROOTS:
-        save_at = EVERY if case == "both" else None
+        save_at = EVERY if case in STORED else None
         _faulted(dp2, f"{root}/{case}/shm", f"{root}/{case}/storage", save_at=save_at)
     out["no-room"] = no_room_case(dp2, f"{root}/no-room")
     return out
@@ -133,13 +142,15 @@ def start_again(root: str) -> dict:
         for name in LAYOUTS
     }
     dp2 = _raw("dp2")
-    for case in ("lost-pod", "both"):
+    for case in ("lost-pod", *STORED):
         out[case] = _resumed(dp2, f"{root}/{case}/shm", f"{root}/{case}/storage")
     tp2 = JobBuilder.cpu_run().layout(tensor=2).training(steps=STEPS)
     tp2_raw = tp2.checkpoint(inMemory={"intervalSteps": EVERY}).raw()
     trainer = _engine(tp2_raw)
     refused = memory.MemorySnapshots(
-        trainer, loading.parse_spec(tp2_raw), root=Path(f"{root}/other/shm/pod-{dist.get_rank()}")
+        trainer,
+        loading.parse_spec(tp2_raw),
+        root=_on_node(Path(f"{root}/other/shm"), dist.get_rank()),
     )
     saver = checkpointer.Checkpointer(trainer, root=f"{root}/other/storage")
     out["other-layout"] = recovery.restore(trainer, saver, refused)
@@ -191,6 +202,10 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict],
     _lose(root / "lost-pod" / "shm", pod=1)
     _lose(root / "both" / "shm", pod=1, rank=1)
     _lose(root / "both" / "shm", pod=0, rank=1)
+    damaged = root / "damaged" / "shm" / "pod-1" / snapshot_file.name(1, EVERY)
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x01
+    damaged.write_bytes(bytes(data))
     return root, first, mt_harness.run_distributed(start_again, 2, str(root))
 
 
@@ -226,12 +241,15 @@ def test_a_lost_pods_shards_come_from_its_peer(session: Session) -> None:
 
 
 @pytest.mark.slow
-def test_both_copies_of_a_shard_lost_falls_back_to_storage(session: Session) -> None:
+@pytest.mark.parametrize("case", STORED)
+def test_both_copies_lost_or_a_damaged_snapshot_falls_back_to_storage(
+    session: Session, case: str
+) -> None:
+    """Both copies of rank 1 gone, or its own copy's checksum refusing it: storage, exactly."""
     _, first, second = session
     for before, after in zip(first, second, strict=True):
-        case = after["both"]
-        assert (case["step"], case["source"]) == (EVERY, "storage")
-        assert _same(case["weights"], before["dp2"]["unfaulted"])
+        assert (after[case]["step"], after[case]["source"]) == (EVERY, "storage")
+        assert _same(after[case]["weights"], before["dp2"]["unfaulted"])
 
 
 @pytest.mark.slow

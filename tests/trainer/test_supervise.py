@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import format_utils
 
 from meshtrain.api import exitcodes
 from meshtrain.trainer import launch, supervise
-from meshtrain.trainer.checkpointing import store
+from meshtrain.trainer.checkpointing import memory, snapshot_file, store
 from meshtrain.trainer.guards import faults
 from meshtrain.trainer.telemetry import goodput, recoveries, steplog
 from tests.builders import JobBuilder
@@ -56,10 +56,12 @@ def _supervisors(
     trainer: tuple[str, ...] = (),
     port: int | None = None,
     only: int | None = None,
+    shm: Path | None = None,
     **env: str,
 ) -> list[subprocess.Popen[bytes]]:
     """``pods`` supervisors on loopback (just pod ``only`` when given), each in its own session
-    (a pod: its children die with it) logging to ``out/sup-<pod>.log``."""
+    (a pod: its children die with it) logging to ``out/sup-<pod>.log``; ``shm``: each pod's
+    in-memory snapshots under ``shm/pod-<pod>`` (its own /dev/shm)."""
     port = port or launch.free_port()
     full = {**supervise.loopback_env(spec, out), **env}
     procs = []
@@ -68,11 +70,12 @@ def _supervisors(
         if trainer:
             command += ["--", *trainer]
         log = (out / f"sup-{pod}.log").open("ab")
+        own = {memory.ROOT_ENV: str(shm / f"pod-{pod}")} if shm is not None else {}
         procs.append(
             subprocess.Popen(
                 command,
                 cwd=REPO,
-                env=full,
+                env=full | own,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -191,6 +194,32 @@ def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(
     assert live["productive_seconds"] == pytest.approx(replayed.productive_seconds, abs=2e-3)
     assert live["lost_seconds"] == pytest.approx(dict(replayed.lost_seconds), abs=2e-3)
     assert live["lost_seconds"]["restart"] > 0
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restored_from_memory_in_place(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    """Snapshots every 2 steps, storage only at the end: rank 3 SIGKILLed before step 6 (step 5
+    done) comes back from the snapshots (its own pod's, its peer's), the healthy ranks load them
+    into their rebuilt engines, and the run ends exactly as the unfaulted one."""
+    _, reference = unfaulted
+    spec = _spec(tmp_path, STEPS, intervalSteps=0, inMemory={"intervalSteps": 2})
+    fault = {faults.ENV: "3:6:kill"}
+    shm = tmp_path / "shm"
+    codes = _wait(_supervisors(spec, tmp_path, 2, 2, shm=shm, **fault), tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text
+    assert sorted(_pids(text)) == [0, 1], text  # one in-place recovery, no gang rebuild
+    [record] = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert record["source"] == "memory", record
+    assert record["resumedStep"] in (2, 4) and record["lostSteps"] > 0, record
+    assert f"restored step {record['resumedStep']} from memory" in text
+    assert [c.step for c in store.scan(tmp_path / "checkpoints")] == [STEPS]  # nothing else stored
+    # each pod holds its own ranks' snapshots and its peer pod's (pods on different nodes)
+    held = {pod: snapshot_file.listing(shm / f"pod-{pod}")[0] for pod in (0, 1)}
+    assert {rank for rank, _ in held[0]} == {rank for rank, _ in held[1]} == {0, 1, 2, 3}, held
     _same_final_state(tmp_path, reference, tmp_path)
 
 

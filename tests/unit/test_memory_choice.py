@@ -28,14 +28,85 @@ def test_choose_the_newest_step_every_shard_exists_of(held, world, expected) -> 
     assert memory.choose(held, world) == expected
 
 
+def _pods(*nodes: str, per_pod: int) -> list[str]:
+    """Each pod's node, for each of its ``per_pod`` ranks (ranks in pod order)."""
+    return [node for node in nodes for _ in range(per_pod)]
+
+
 @pytest.mark.parametrize(
-    ("rank", "world", "per_pod", "expected"),
-    [(0, 16, 8, 8), (9, 16, 8, 1), (15, 16, 8, 7), (3, 8, 8, None), (2, 6, 2, 4), (5, 6, 2, 1)],
+    ("nodes", "expected"),
+    [
+        # one pod per node: the same local rank of the next pod, as before
+        (_pods("a", "b", per_pod=8), [*range(8, 16), *range(8)]),
+        (_pods("a", "b", "c", per_pod=2), [2, 3, 4, 5, 0, 1]),
+        # four pods of one rank, two on each node: never the neighbour pod on the same node
+        (_pods("a", "a", "b", "b", per_pod=1), [2, 3, 0, 1]),
+        # the placement interleaved the nodes: still across
+        (_pods("a", "b", "a", "b", per_pod=2), [2, 3, 0, 1, 6, 7, 4, 5]),
+        # every pod on one node: no peer copy (it would die with the original)
+        (_pods("a", "a", per_pod=2), None),
+        (["a"], None),
+    ],
+    ids=["two-nodes", "three-nodes", "two-pods-a-node", "interleaved", "one-node", "one-rank"],
 )
-def test_the_buddy_is_the_same_local_rank_of_the_next_pod(rank, world, per_pod, expected) -> None:
-    assert memory.buddy(rank, world, per_pod) == expected
-    if expected is not None:  # never a rank of the same pod: one node's loss leaves a copy
-        assert expected // per_pod != rank // per_pod
+def test_the_buddy_is_on_another_node(nodes: list[str], expected: list[int] | None) -> None:
+    chosen = memory.buddies(nodes)
+    assert chosen == expected
+    if chosen is not None:
+        assert sorted(chosen) == list(range(len(nodes)))  # each rank keeps exactly one copy
+        assert memory.same_node(nodes, chosen) == []  # one node's loss leaves a copy of each
+
+
+def test_a_node_with_more_than_half_the_ranks_is_named() -> None:
+    nodes = _pods("a", "a", "b", per_pod=1)
+    chosen = memory.buddies(nodes)
+    assert chosen is not None and sorted(chosen) == [0, 1, 2]
+    assert memory.same_node(nodes, chosen) == [1]  # rank 1's copy is on node a as well
+
+
+def test_the_node_name_and_its_fallback_outside_kubernetes() -> None:
+    assert memory.node_name({"MESHTRAIN_NODE_NAME": "gpu-7", "GROUP_RANK": "1"}, 3) == "gpu-7"
+    assert memory.node_name({"GROUP_RANK": "1"}, 3) == "pod-1"  # torchrun's and the supervisor's
+    assert memory.node_name({"LOCAL_WORLD_SIZE": "2"}, 3) == "pod-1"
+    assert memory.node_name({"GROUP_RANK": "x", "LOCAL_WORLD_SIZE": "0"}, 3) == "pod-0"
+    assert len(memory.node_name({"MESHTRAIN_NODE_NAME": "n" * 999}, 0)) == memory.MAX_NODE_NAME
+
+
+class _Snapshots:
+    """A stand-in whose snapshot fails half-way (recovery.restore's fallback, without processes)."""
+
+    resumed = None
+
+    def available(self) -> int:
+        return 6
+
+    def restore(self) -> int:
+        raise memory.HalfLoaded("rank 1: copy failed")
+
+
+class _Saver:
+    def __init__(self, on_storage: int | None) -> None:
+        self.on_storage, self.restored = on_storage, False
+
+    def locate(self) -> int | None:
+        return self.on_storage
+
+    def restore(self) -> int | None:
+        self.restored = True
+        return self.on_storage
+
+
+def test_a_snapshot_failing_half_way_is_overwritten_from_storage() -> None:
+    saver = _Saver(4)
+    assert recovery.restore(None, saver, _Snapshots()) == (4, "storage")  # type: ignore[arg-type]
+    assert saver.restored
+
+
+def test_a_snapshot_failing_half_way_without_storage_asks_for_a_fresh_engine() -> None:
+    saver = _Saver(None)
+    with pytest.raises(memory.HalfLoaded, match="copy failed"):
+        recovery.restore(None, saver, _Snapshots())  # type: ignore[arg-type]
+    assert saver.restored  # storage was asked first
 
 
 @pytest.mark.parametrize(

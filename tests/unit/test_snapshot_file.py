@@ -102,3 +102,39 @@ def test_a_snapshot_larger_than_the_free_room_is_not_started(
     with pytest.raises(OSError, match="bytes needed"):
         snapshot_file.write(tmp_path, head, entries)
     assert list(tmp_path.iterdir()) == []  # not even a temporary file
+
+
+def test_a_changed_byte_is_refused_by_its_checksum(tmp_path: Path) -> None:
+    path, head = _written(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor; sizes and header unchanged
+    path.write_bytes(bytes(data))
+    live = _entries(2)
+    with pytest.raises(store.CheckpointError, match="checksum"):
+        snapshot_file.load(path, head, live)
+    assert all(torch.equal(live[k], v) for k, v in _entries(2).items())  # nothing was loaded
+    assert snapshot_file.verify(memoryview(bytes(data)), 1 << 20) == "checksum mismatch"
+    data[-1] ^= 0x01
+    assert snapshot_file.verify(memoryview(bytes(data)), 1 << 20) is None
+    assert "header lists" in (snapshot_file.verify(memoryview(bytes(data[:-1])), 1 << 20) or "")
+
+
+def test_links_planted_in_the_directory_are_neither_listed_read_nor_written_through(
+    tmp_path: Path,
+) -> None:
+    path, head = _written(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = elsewhere / path.name
+    path.rename(moved)
+    path.symlink_to(moved)  # a snapshot name that is a link: not a snapshot
+    assert snapshot_file.listing(tmp_path) == (set(), [])
+    with pytest.raises(OSError):
+        snapshot_file.check(path, head)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    with pytest.raises(OSError):  # never opened through a link, nor over an existing file
+        snapshot_file.create(path).close()
+    with pytest.raises(OSError):
+        snapshot_file.create(victim).close()
+    assert victim.read_text() == "keep" and moved.stat().st_size > 0

@@ -178,9 +178,11 @@ def _session(
     snapshots = memory.MemorySnapshots(trainer, job, root=memory.default_root(os.environ))
     try:  # continue after the newest in-memory snapshot or complete checkpoint, if there is one
         restored, source = recovery.restore(trainer, saver, snapshots)
-    except store.CheckpointError as err:
+    except (store.CheckpointError, memory.HalfLoaded) as err:
         snapshots.close()
         saver.close()
+        if isinstance(err, memory.HalfLoaded):  # a fresh engine next (its files are dropped)
+            return _rebuild_after(err, session)
         return _checkpoint_failed(err, session)
     if session is not None:
         session.restored(restored, source)
@@ -216,6 +218,16 @@ def _checkpoint_failed(err: store.CheckpointError, session: generations.Session 
     if session is not None and session.interrupted():
         raise generations.Interrupted(str(err)) from err
     return _refuse(exitcodes.CHECKPOINT, err)
+
+
+def _rebuild_after(err: memory.HalfLoaded, session: generations.Session | None) -> int:
+    """A snapshot failed half-way and storage had nothing: supervised, the next generation builds a
+    fresh engine; else the gang is started again (never exit 4 for a bad snapshot)."""
+    if session is not None:
+        raise generations.Interrupted(str(err)) from err
+    print(f"{err}; restarting the gang", file=sys.stderr)
+    progress.write_failure(exitcodes.GANG_RESTART, str(err))
+    return exitcodes.GANG_RESTART
 
 
 def _train(

@@ -283,7 +283,15 @@ class Checkpointer:
         return record
 
     def close(self) -> None:
-        """A clean exit: give the directory up so the next writer need not wait for the heartbeat to go stale."""
+        """A clean exit: let a save in flight end (a failed one, e.g. a peer lost under it, is
+        logged), stop the background thread, then give the directory up, so the next writer need
+        not wait for the heartbeat to go stale and no old thread writes under a released directory."""
+        if self._in_flight is not None:
+            try:
+                self.wait()
+            except Exception as err:  # noqa: BLE001 - the run is ending or rebuilt: logged only
+                _say(f"the save in flight when closing failed: {_failure(err)}")
+        self._worker.shutdown(wait=True, cancel_futures=True)
         if self.holding is not None and self.holding.heartbeat is not None:
             self.holding.heartbeat.release()
 

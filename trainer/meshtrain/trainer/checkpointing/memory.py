@@ -1,5 +1,5 @@
 """In-memory checkpoints (``checkpoint.inMemory``): every K steps each rank's training state in its
-pod's ``/dev/shm`` and on a buddy rank in the next pod, for restores in seconds after a failure.
+pod's ``/dev/shm`` and on a buddy rank on another node, for restores in seconds after a failure.
 
 A snapshot holds what a storage checkpoint holds of a rank (:func:`.state.state_dict`: weights,
 optimizer moments and step, the trainer record with data position, loss guard and learning-rate
@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,6 +39,10 @@ from meshtrain.trainer.checkpointing import (
 )
 from meshtrain.trainer.optim import batch_change
 
+NODE_ENV = "MESHTRAIN_NODE_NAME"
+"""The node a pod runs on (the operator sets it from ``spec.nodeName``)."""
+MAX_NODE_NAME = 253
+"""Characters of a node name compared (a Kubernetes name is at most this long)."""
 ROOT_ENV = "MESHTRAIN_MEMORY_CHECKPOINT_DIR"
 """Overrides the snapshot directory (tests, local runs); else :func:`default_root`."""
 SHM_BASE = Path("/dev/shm/meshtrain")
@@ -64,11 +69,44 @@ def default_root(env: Mapping[str, str]) -> Path:
     return SHM_BASE / (namespace or "local") / (name or "job") / uid
 
 
-def buddy(rank: int, world: int, per_pod: int) -> int | None:
-    """The rank that keeps ``rank``'s peer copy: the same local rank of the next pod (None: one pod)."""
-    if world // per_pod < 2:
+def node_name(env: Mapping[str, str], rank: int) -> str:
+    """The node this rank runs on: ``$MESHTRAIN_NODE_NAME``; outside Kubernetes each pod counts as
+    a node of its own (loopback pods share one machine): ``pod-<GROUP_RANK>``, else
+    ``pod-<RANK // LOCAL_WORLD_SIZE>``."""
+    if env.get(NODE_ENV):
+        return env[NODE_ENV][:MAX_NODE_NAME]
+    pod = env.get("GROUP_RANK", "")
+    if not pod.isdigit():
+        per_pod = env.get("LOCAL_WORLD_SIZE", "")
+        pod = str(rank // int(per_pod)) if per_pod.isdigit() and int(per_pod) > 0 else "0"
+    return f"pod-{int(pod)}"
+
+
+def buddies(nodes: Sequence[str]) -> list[int] | None:
+    """Who keeps each rank's peer copy, given each rank's node: None when every rank is on one node.
+
+    The ranks are listed node by node (nodes in the order of their first rank, ranks in order) and
+    each rank's buddy is the one ``m`` places further round that list, ``m`` the most ranks any node
+    has: the nearest rank on another node whenever no node has more than half the ranks (with
+    one pod per node: the same local rank of the next pod).  A permutation, so every rank keeps
+    exactly one other's copy; past half on one node some pairs share it (:func:`same_node`).
+    """
+    first: dict[str, int] = {}
+    for rank, node in enumerate(nodes):
+        first.setdefault(node, rank)
+    if len(first) < 2:
         return None
-    return (rank + per_pod) % world
+    order = sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r))
+    shift = max(collections.Counter(nodes).values())
+    chosen = [0] * len(nodes)
+    for place, rank in enumerate(order):
+        chosen[rank] = order[(place + shift) % len(order)]
+    return chosen
+
+
+def same_node(nodes: Sequence[str], chosen: Sequence[int]) -> list[int]:
+    """The ranks whose buddy shares their node (their peer copy does not survive that node)."""
+    return [rank for rank, other in enumerate(chosen) if nodes[other] == nodes[rank]]
 
 
 def choose(
@@ -107,6 +145,11 @@ class Timing:
     """Size of this rank's file."""
 
 
+class HalfLoaded(Exception):
+    """A snapshot failed to load on some rank after others had begun copying theirs in: the
+    engine's state is mixed and must be overwritten whole (storage) or rebuilt (no storage)."""
+
+
 class MemorySnapshots:
     """One rank's in-memory snapshots and its part in the restore protocol."""
 
@@ -118,11 +161,18 @@ class MemorySnapshots:
         """Steps between snapshots (0: off; nothing here runs a collective then)."""
         self.total = job.training.steps
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        per_pod = job.resources.gpus_per_node
-        self.buddy = buddy(self.rank, self.world, per_pod) if in_memory.peer else None
+        self.node = node_name(os.environ, self.rank)
+        """The node this rank runs on (:func:`node_name`)."""
+        self.group = _gloo_group() if self.interval else None
+        """The snapshots' own gloo group (None when off): a watcher that aborts the process
+        groups of a failed generation must abort this one too, or a peer exchange in flight
+        waits on the lost rank."""
+        self.buddy: int | None = None
         """Who keeps this rank's peer copy (None: no peer copy)."""
-        self.ward = (self.rank - per_pod) % self.world if self.buddy is not None else None
+        self.ward: int | None = None
         """Whose peer copy this rank keeps."""
+        if self.group is not None and in_memory.peer:
+            self._pair()
         self.limit = int(2 * planned.snapshot_bytes(job)) + TRANSFER_SLACK
         """The largest snapshot file a rank sends or accepts, from the spec (never from a file)."""
         par = job.parallelism
@@ -130,6 +180,7 @@ class MemorySnapshots:
             "version": 1,
             "rank": self.rank,
             "world": self.world,
+            "node": self.node,
             "layout": {
                 "data": par.data,
                 "pipeline": par.pipeline,
@@ -146,13 +197,31 @@ class MemorySnapshots:
         after a batch change (as :attr:`.Checkpointer.resumed`)."""
         self.timings: collections.deque[Timing] = collections.deque(maxlen=64)
         """The recent snapshots' costs (the benchmark and the log read them)."""
-        self.group = _gloo_group() if self.interval else None
-        """The snapshots' own gloo group (None when off): a watcher that aborts the process
-        groups of a failed generation must abort this one too, or a peer exchange in flight
-        waits on the lost rank."""
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._in_flight: concurrent.futures.Future[Timing | None] | None = None
         self._chosen: tuple[tuple[int, list[tuple[int, int]]] | None] | None = None
+
+    def _pair(self) -> None:
+        """Choose buddy and ward from every rank's node (collective; again in every generation:
+        a replaced pod may run on another node)."""
+        nodes: list[Any] = [None] * self.world
+        dist.all_gather_object(nodes, self.node, group=self.group)
+        names = [str(n)[:MAX_NODE_NAME] for n in nodes]
+        chosen = buddies(names)
+        if chosen is None:
+            if self.rank == 0:
+                _say(
+                    f"every rank runs on node {names[0]!r}: no peer copies (they would not "
+                    "survive its loss); each pod keeps its own snapshots only"
+                )
+            return
+        shared = same_node(names, chosen)
+        if shared and self.rank == 0:
+            _say(
+                f"more than half of the ranks run on one node: the peer copies of ranks "
+                f"{shared[:16]} share their node and do not survive its loss"
+            )
+        self.buddy, self.ward = chosen[self.rank], chosen.index(self.rank)
 
     @property
     def enabled(self) -> bool:
@@ -256,7 +325,9 @@ class MemorySnapshots:
     def restore(self) -> int | None:
         """Load the newest step every rank's snapshot exists of (collective): missing ones are
         sent by their holders first.  None: no such step, or a snapshot does not fit this engine
-        (another layout or model: the caller restores from storage)."""
+        (another layout or model), is damaged (size, CRC-32) or unreadable: nothing was loaded and
+        the caller restores from storage.  :class:`HalfLoaded` on every rank when the copy into
+        the live state failed somewhere (that step's files are dropped)."""
         if not self.enabled:
             return None
         if self._chosen is None:
@@ -275,34 +346,36 @@ class MemorySnapshots:
         path = self.root / snapshot_file.name(self.rank, step)
         mine = self._header(step, entries, "")
 
-        def check() -> str | None:
+        found: dict[str, Any] = {}
+        payload: list[bytearray] = []
+
+        def read() -> str | None:
             if not got:
                 return f"rank {self.rank}: its snapshot of step {step} did not arrive"
             try:
-                snapshot_file.check(path, mine)
+                head, data = snapshot_file.read(path, mine)
             except (OSError, store.CheckpointError) as err:
                 return str(err)
+            found.update(head)
+            payload.append(data)
             return None
 
-        refusals = [r for r in _gathered(check(), self.group) if r is not None]
-        if refusals:
+        refusals = [r for r in _gathered(read(), self.group) if r is not None]
+        if refusals:  # nothing loaded yet: storage, or a fresh start, is exact
             if self.rank == 0:
                 _say(f"not restoring step {step} from memory: {refusals[0]}; using storage")
             return None
-        found: dict[str, Any] = {}
-
-        def load() -> str | None:
-            try:
-                found.update(snapshot_file.load(path, mine, entries))
-            except (OSError, store.CheckpointError) as err:
-                return str(err)
-            return None
-
-        failures = [f for f in _gathered(load(), self.group) if f is not None]
-        if failures:  # checked above, so the live state is half-loaded: never train on it
-            raise store.CheckpointError(f"loading in-memory snapshot of step {step}: {failures[0]}")
-        torch.set_rng_state(entries[rng_key])
-        self.resumed = checkpointer.apply_record(self.engine, _record(found), str(path))
+        try:  # every rank's file is checked and read: only copies into the live state remain
+            snapshot_file.apply(payload.pop(), entries)
+            torch.set_rng_state(entries[rng_key])
+            self.resumed = checkpointer.apply_record(self.engine, _record(found), str(path))
+            failed = None
+        except Exception as err:  # noqa: BLE001 - agreed on below, then the caller falls back
+            failed = f"rank {self.rank}: {type(err).__name__}: {err}"
+        failures = [f for f in _gathered(failed, self.group) if f is not None]
+        if failures:  # the live state is half-loaded: never train on it, never load it again
+            self._prune(step, keep=False)
+            raise HalfLoaded(f"loading the in-memory snapshot of step {step}: {failures[0]}")
         self.last = step
         if self.rank == 0:
             moved = f", {len(transfers)} shard(s) from peers" if transfers else ""

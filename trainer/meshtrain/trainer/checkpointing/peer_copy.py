@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -57,10 +58,15 @@ def _hear(group: dist.ProcessGroup, source: int) -> int:
 
 def _size(path: Path | None, limit: int) -> int:
     """Bytes of ``path`` to send (0: nothing, or more than ``limit``)."""
-    if path is None or not path.is_file():
+    if path is None:
         return 0
-    size = path.stat().st_size
-    return size if size <= limit else 0
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISREG(found.st_mode):  # a link or anything else planted there is not sent
+        return 0
+    return found.st_size if found.st_size <= limit else 0
 
 
 def _outgoing(path: Path, size: int) -> torch.Tensor:
@@ -72,7 +78,7 @@ class Incoming:
     """A file being received: room made under its final name's directory, renamed when complete."""
 
     def __init__(self, final: Path, size: int, limit: int) -> None:
-        self.final = final
+        self.final, self.limit = final, limit
         self.tmp = final.with_name(f"{snapshot_file.TMP_PREFIX}{final.name}.{os.getpid()}")
         self.target: torch.Tensor | None = None
         """Where the bytes go (a shared mapping of the temporary file); None: not ready."""
@@ -81,7 +87,8 @@ class Incoming:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             snapshot_file.make_room(final.parent, size)
-            with open(self.tmp, "wb") as out:
+            snapshot_file.discard(self.tmp)  # this process's own leftover, if any
+            with snapshot_file.create(self.tmp) as out:
                 try:
                     os.posix_fallocate(out.fileno(), 0, size)  # ENOSPC now, not SIGBUS later
                 except OSError as err:
@@ -99,10 +106,16 @@ class Incoming:
         return self.target is not None
 
     def commit(self) -> bool:
-        """Rename the received file into place (the mapping is dropped first); whether it was."""
+        """Check the received file (size, header, CRC-32) and rename it into place (the mapping
+        is dropped first); whether it was.  A damaged copy is refused and removed."""
         if self.target is None:
             return False
+        damage = snapshot_file.verify(self.target.numpy().data, self.limit)
         self.target = None
+        if damage is not None:
+            _say(f"refusing the copy of {self.final.name}: {damage}")
+            snapshot_file.discard(self.tmp)
+            return False
         try:
             os.replace(self.tmp, self.final)
         except OSError as err:  # the root went away meanwhile: this copy is lost, not the run

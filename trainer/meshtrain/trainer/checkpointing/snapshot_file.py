@@ -1,6 +1,8 @@
 """One rank's in-memory snapshot as a file: a bounded JSON header, then its tensors' raw bytes.
 
-Written under a temporary name and renamed, so a reader sees a whole file or none.  A snapshot is
+Written under a temporary name (created exclusively, never through a symbolic link) and renamed,
+so a reader sees a whole file or none; the header carries the CRC-32 of the bytes after it, checked
+before any of them is loaded and when a peer copy arrives.  A snapshot is
 bound to the layout that wrote it (a rank's own shards, not dense tensors): it is read back only
 into an engine whose entries match its header exactly, which also bounds every read by what the
 reading rank holds.  Files of other ranks (peer copies) are only moved as bytes, never parsed
@@ -10,10 +12,12 @@ beyond their header.
 from __future__ import annotations
 
 import errno
+import io
 import itertools
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +35,10 @@ MAX_FILES = 4_096
 each with the previous one while a newer one is written)."""
 HEADER_SLACK = 1 << 20
 """Header bytes allowed beyond this rank's own header (the trainer record's lists vary in length)."""
+WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+"""A new file is created, never an existing one (or a link planted in /dev/shm) written through."""
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+"""A snapshot is read only as the file it names, never through a link."""
 
 
 def name(rank: int, step: int) -> str:
@@ -52,9 +60,39 @@ def listing(root: Path) -> tuple[set[tuple[int, int]], list[Path]]:
     for entry in entries:
         if entry.name.startswith(TMP_PREFIX):
             stale.append(Path(entry.path))
-        elif (found := NAME.fullmatch(entry.name)) is not None and entry.is_file():
+        elif (found := NAME.fullmatch(entry.name)) is not None and _plain_file(entry):
             held.add((int(found.group(1)), int(found.group(2))))
     return held, stale
+
+
+def _plain_file(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def create(path: Path) -> io.BufferedWriter:
+    """``path`` created for writing, exclusively and not through a symbolic link (an existing
+    file or link there: OSError)."""
+    return io.BufferedWriter(io.FileIO(os.open(path, WRITE_FLAGS, 0o600), "wb"))
+
+
+def open_existing(path: Path) -> io.BufferedReader:
+    """``path`` opened for reading, never through a symbolic link (ELOOP)."""
+    return io.BufferedReader(io.FileIO(os.open(path, READ_FLAGS), "rb"))
+
+
+def payload_crc(entries: dict[str, Any]) -> int:
+    """CRC-32 of the bytes a snapshot of host tensors ``entries`` holds after its header."""
+    crc = 0
+    for _, _, data in tensors(entries):
+        crc = zlib.crc32(_raw(data), crc)
+    return crc
+
+
+def _raw(data: torch.Tensor) -> memoryview:
+    return data.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def tensors(entries: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], torch.Tensor]]:
@@ -82,7 +120,8 @@ def data_bytes(entries: dict[str, Any]) -> int:
 
 def header(facts: dict[str, Any], entries: dict[str, Any], record: str) -> dict[str, Any]:
     """The header of a snapshot of ``entries``: ``facts`` (rank, step, world, layout, model), the
-    trainer record (JSON text), the tensors' signature and their total bytes."""
+    trainer record (JSON text), the tensors' signature and their total bytes (``crc32``, of the
+    bytes, is added by :func:`write`)."""
     return facts | {
         "record": record,
         "tensors": signature(entries),
@@ -98,14 +137,14 @@ def write(root: Path, head: dict[str, Any], entries: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / name(head["rank"], head["step"])
     tmp = root / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
-    encoded = json.dumps(head, sort_keys=True).encode()
+    encoded = json.dumps(head | {"crc32": payload_crc(entries)}, sort_keys=True).encode()
     make_room(root, len(MAGIC) + LENGTH_BYTES + len(encoded) + int(head["bytes"]))
+    discard(tmp)  # a leftover of this very process (a write that failed earlier)
     try:
-        with open(tmp, "wb") as out:
+        with create(tmp) as out:
             out.write(MAGIC + len(encoded).to_bytes(LENGTH_BYTES, "little") + encoded)
             for _, _, data in tensors(entries):
-                flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
-                out.write(flat.numpy().data)
+                out.write(_raw(data))
         os.replace(tmp, final)
     except BaseException:
         discard(tmp)
@@ -150,7 +189,7 @@ def _read_header(stream: BinaryIO, path: Path, max_header: int) -> dict[str, Any
 
 def read_header(path: Path, max_header: int) -> dict[str, Any]:
     """The header of the snapshot at ``path`` (at most ``max_header`` bytes read)."""
-    with open(path, "rb") as stream:
+    with open_existing(path) as stream:
         return _read_header(stream, path, max_header)
 
 
@@ -182,7 +221,7 @@ def _record_readable(record: object) -> bool:
 def check(path: Path, mine: dict[str, Any]) -> dict[str, Any]:
     """The header of ``path`` when it fits this rank (``mine``: the header this rank would write,
     step included) and the file holds every byte it lists; else CheckpointError saying why."""
-    with open(path, "rb") as stream:
+    with open_existing(path) as stream:
         found = _read_header(stream, path, max_header(mine))
         reason = mismatch(found, mine)
         if reason is not None:
@@ -190,27 +229,66 @@ def check(path: Path, mine: dict[str, Any]) -> dict[str, Any]:
         size, expected = os.fstat(stream.fileno()).st_size, stream.tell() + int(mine["bytes"])
     if size != expected:
         raise store.CheckpointError(f"{path}: {size} bytes, its header lists {expected}")
+    if not isinstance(found.get("crc32"), int):
+        raise store.CheckpointError(f"{path}: its header has no crc32")
     return found
+
+
+def read(path: Path, mine: dict[str, Any]) -> tuple[dict[str, Any], bytearray]:
+    """The header and the bytes of the snapshot at ``path``, checked (:func:`check`, then the
+    CRC-32 of the bytes); nothing is loaded, so a refusal leaves the live state untouched."""
+    found = check(path, mine)
+    count = int(mine["bytes"])
+    payload = bytearray(count)
+    with open_existing(path) as stream:
+        _read_header(stream, path, max_header(mine))
+        if count and stream.readinto(payload) != count:
+            raise store.CheckpointError(f"{path}: truncated")
+    if zlib.crc32(payload) != found["crc32"]:
+        raise store.CheckpointError(f"{path}: checksum mismatch (its bytes changed since written)")
+    return found, payload
+
+
+def apply(payload: bytearray, entries: dict[str, Any]) -> None:
+    """Copy the bytes :func:`read` returned into the live tensors of ``entries`` (whose sizes
+    :func:`check` matched against the header)."""
+    offset = 0
+    for _, _, live in tensors(entries):
+        count = live.numel() * live.element_size()
+        if count:
+            stored = torch.frombuffer(payload, dtype=torch.uint8, count=count, offset=offset)
+            with torch.no_grad():
+                live.copy_(stored.view(live.dtype).view(live.shape))
+        offset += count
 
 
 def load(path: Path, mine: dict[str, Any], entries: dict[str, Any]) -> dict[str, Any]:
     """Copy the snapshot at ``path`` into the live tensors of ``entries``; its header.
 
-    :func:`check` first: every read is sized by this rank's own tensors.
+    :func:`read` first: every read is sized by this rank's own tensors, and checksummed.
     """
-    found = check(path, mine)
-    with open(path, "rb") as stream:
-        _read_header(stream, path, max_header(mine))
-        for _, _, live in tensors(entries):
-            count = live.numel() * live.element_size()
-            buffer = bytearray(count)
-            if stream.readinto(buffer) != count:
-                raise store.CheckpointError(f"{path}: truncated")
-            stored = (
-                torch.frombuffer(buffer, dtype=torch.uint8)
-                if count
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            with torch.no_grad():
-                live.copy_(stored.view(live.dtype).view(live.shape))
+    found, payload = read(path, mine)
+    apply(payload, entries)
     return found
+
+
+def verify(data: memoryview, max_header: int) -> str | None:
+    """Why the snapshot file in ``data`` (a received peer copy, whole) is damaged; None: its header
+    parses, its size is what the header lists and its bytes have the header's CRC-32."""
+    lead = len(MAGIC) + LENGTH_BYTES
+    if len(data) < lead or bytes(data[: len(MAGIC)]) != MAGIC:
+        return "not a meshtrain in-memory snapshot"
+    length = int.from_bytes(data[len(MAGIC) : lead], "little")
+    if length > min(max_header, len(data) - lead):
+        return f"header of {length} bytes in a file of {len(data)}"
+    try:
+        head = json.loads(bytes(data[lead : lead + length]))
+    except ValueError as err:
+        return f"unreadable header ({err})"
+    if not isinstance(head, dict) or not isinstance(head.get("crc32"), int):
+        return "its header has no crc32"
+    if head.get("bytes") != len(data) - lead - length:
+        return f"{len(data)} bytes, its header lists {lead + length}+{head.get('bytes')!r}"
+    if zlib.crc32(data[lead + length :]) != head["crc32"]:
+        return "checksum mismatch"
+    return None
