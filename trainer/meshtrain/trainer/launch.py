@@ -113,8 +113,9 @@ def rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dic
     return env
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace: float = KILL_GRACE_S) -> None:
-    """Terminate every live process, then kill what is left after ``grace`` seconds."""
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace: float = KILL_GRACE_S) -> None:
+    """Terminate every live process, then kill what is left after ``grace`` seconds (the supervisor
+    stops its workers so too)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -217,7 +218,7 @@ def run_local(
             f"the same command with --log-dir {log_dir} resumes)",
             file=sys.stderr,
         )
-        _stop(procs, grace=STOP_GRACE_S)
+        stop_processes(procs, grace=STOP_GRACE_S)
         return exitcodes.INTERRUPTED
     finally:
         if previous is not None:
@@ -312,7 +313,7 @@ def _follow(
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
-            _stop(procs)
+            stop_processes(procs)
             bar.close()
             print(
                 f"rank {rank} exited with code {code}; stopped the other ranks. "

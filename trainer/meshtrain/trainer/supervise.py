@@ -29,6 +29,7 @@ from typing import Any
 
 from meshtrain.api import exitcodes, loading
 from meshtrain.api.spec import run_policy
+from meshtrain.trainer import launch
 from meshtrain.trainer.recovery import generations, rendezvous, spares
 from meshtrain.trainer.telemetry import progress
 
@@ -210,16 +211,7 @@ class Supervisor:
         """SIGTERM every live worker, SIGKILL what is left after ``grace``; their exit codes."""
         self.pool.close()
         procs = [w.proc for w in self.workers.values()]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        launch.stop_processes(procs, grace)
         return [proc.returncode for proc in procs]
 
     # -- the loop --------------------------------------------------------------------------
