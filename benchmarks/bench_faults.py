@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{TARGET_NODE}'s kubelet and containerd were restarted and are now stopped")
         if not was_up:  # a sandbox someone else started is theirs to bring down
             results["down_leftovers"] = supervisor.down(paths)
+        if args.state_dir is None:  # this run's own state directory, volumes included
+            shutil.rmtree(paths.root, ignore_errors=True)
         path = machine.write_results("sandbox_faults", results)
         print(f"results: {path}")
     print(table(runs, args.faults))
