@@ -230,6 +230,7 @@ def _summarise(
     created: float,
 ) -> dict[str, Any]:
     records = _records(job_dir)
+    recoveries = fault_analysis.read_jsonl(job_dir / "logs" / "recoveries.jsonl")
     gap = fault_analysis.usual_gap(records)
     for fault in faults:
         cost = fault_analysis.fault_cost(records, fault["injected_at"], gap)
@@ -239,6 +240,7 @@ def _summarise(
             resumed_after=cost.resumed_after,
             seconds_to_next_step=None if seconds is None else round(seconds, 2),
             steps_lost=cost.steps_lost,
+            trainer_recovery=fault_analysis.recovery_for(recoveries, cost),
         )
     good = fault_analysis.goodput(records)
     status = final.get("status") or {}
@@ -259,7 +261,7 @@ def _summarise(
             k: status.get(k)
             for k in ("restarts", "disruptionRestarts", "recovery", "goodput", "progress")
         },
-        "recoveries": fault_analysis.read_jsonl(job_dir / "logs" / "recoveries.jsonl"),
+        "recoveries": recoveries,
         "final_checkpoint": max(_saved_steps(job_dir), default=None),
     }
 
@@ -379,22 +381,38 @@ def image_times(log: pathlib.Path) -> list[str]:
     ]
 
 
+def _cell(fault: dict[str, Any]) -> str:
+    """``seconds s, N lost``, and the trainer's tier and restore source when it recorded them."""
+    text = f"{fault.get('seconds_to_next_step')} s, {fault.get('steps_lost')} lost"
+    record = fault.get("trainer_recovery") or {}
+    if record:
+        text += f" ({record.get('tier')}/{record.get('source')})"
+    return text
+
+
 def table(runs: dict[str, dict[str, Any]], faults: list[str]) -> str:
     modes = list(runs)
-    widths = [24] + [22] * len(modes)
+    widths = [22] + [34] * len(modes)
     out = [fault_analysis.row("fault", modes, widths)]
     for index, kind in enumerate(faults):
-        cells = []
-        for mode in modes:
-            found = runs[mode]["faults"][index] if index < len(runs[mode]["faults"]) else {}
-            cells.append(
-                f"{found.get('seconds_to_next_step')} s, {found.get('steps_lost')} lost"
-                if found
-                else None
-            )
+        cells = [
+            _cell(runs[m]["faults"][index]) if index < len(runs[m]["faults"]) else None
+            for m in modes
+        ]
         out.append(fault_analysis.row(f"{kind} -> next step", cells, widths))
     out.append(fault_analysis.row("goodput", [runs[m]["goodput"]["ratio"] for m in modes], widths))
     return "\n".join(out)
+
+
+def speedups(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Per fault: the gang rebuild's time to the next step over the in-place mode's (same run)."""
+    if "rebuild" not in runs or "inplace" not in runs:
+        return {}
+    out: dict[str, float | None] = {}
+    for old, new in zip(runs["rebuild"]["faults"], runs["inplace"]["faults"], strict=False):
+        slow, fast = old.get("seconds_to_next_step"), new.get("seconds_to_next_step")
+        out[old["fault"]] = round(slow / fast, 2) if slow and fast else None
+    return out
 
 
 def _interrupted(signum: int, _frame: object) -> None:
@@ -462,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             _wait("the job's pods gone", lambda m=mode: not _pods(paths, f"faults-{m}"), 300)  # type: ignore[misc]
         results["runs"] = runs
+        results["speedup"] = speedups(runs)
         results["weights"] = (
             {"compared": False, "why": "--no-weights"}
             if args.no_weights
@@ -481,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         path = machine.write_results("sandbox_faults", results)
         print(f"results: {path}")
     print(table(runs, args.faults))
+    if results.get("speedup"):
+        print(f"gang rebuild / in place, time to the next step: {results['speedup']}")
     print(f"weights: {json.dumps(results['weights'])}")
     return 0
 

@@ -149,6 +149,18 @@ def fault_cost(records: Sequence[StepRecord], injected_at: float, gap: float) ->
     return FaultCost(injected_at, last_before, None, None, None)
 
 
+def recovery_for(recoveries: Sequence[dict[str, Any]], cost: FaultCost) -> dict[str, Any] | None:
+    """The trainer's recovery record (``recoveries.jsonl``) of the fault: the first whose
+    detection lies between the fault and the next completed step."""
+    if cost.next_step_at is None:
+        return None
+    for record in recoveries:
+        detected = record.get("detectedAt")
+        if isinstance(detected, int | float) and cost.injected_at <= detected <= cost.next_step_at:
+            return record
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Goodput:
     """Productive step time over the wall time of a run."""

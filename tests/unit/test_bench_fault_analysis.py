@@ -67,3 +67,13 @@ def test_the_tail_parses_only_what_was_appended(tmp_path: Path) -> None:
     assert [r.step for r in tail.read()] == [1]
     log.write_text(log.read_text() + ' "time": 6.0, "step_seconds": 0.5}\n')
     assert [r.step for r in tail.read()] == [1, 2]
+
+
+def test_the_trainers_recovery_record_of_a_fault_is_the_one_detected_after_it() -> None:
+    records = _run((1, 18, 0.0), (18, 30, 21.0))
+    cost = fa.fault_cost(records, 18.5, fa.usual_gap(records))
+    assert cost.resumed_after == 17 and cost.steps_lost == 1
+    earlier = {"detectedAt": 10.0, "tier": "process"}
+    this = {"detectedAt": 19.0, "tier": "process", "source": "memory"}
+    assert fa.recovery_for([earlier, this], cost) == this
+    assert fa.recovery_for([earlier], cost) is None
