@@ -73,3 +73,11 @@ def join(rank: int, world: int, port: int, *, threads: int = 1, timeout_s: float
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+def leave(result: Any, out: str) -> None:
+    """Rank 0 saves ``result`` for :func:`spawn`; every rank waits for it and leaves the group."""
+    if dist.get_rank() == 0:
+        torch.save(result, Path(out) / RESULT)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -172,6 +172,23 @@ TRAINING_PANELS: list[Panel] = [
         "measured (ZeRO-2/3, sequence parallelism, one replica).",
     ),
     Panel(
+        "Goodput",
+        "percentunit",
+        [("goodput", f"max by (namespace, job) (meshtrain_goodput_ratio{{{SEL}}})")],
+        "Productive step time (each step's last run) over wall time since the job's first step, "
+        "across restarts (global rank 0; status.goodput holds the same). Llama 3's pre-training "
+        "held above 90 %.",
+        thresholds=[(None, "red"), (0.8, "orange"), (0.9, "green")],
+    ),
+    Panel(
+        "Time lost to failures by phase",
+        "s",
+        [("{{phase}}", f"sum by (phase) (meshtrain_recovery_seconds_sum{{{SEL}}})")],
+        "Seconds failures cost since rank 0's process started, by phase: detection, restart, "
+        "reload, recomputed steps (meshtrain_recovery_seconds; a rebuilt gang starts again from 0, "
+        "status.goodput.lostSeconds and meshtrain report keep the whole run).",
+    ),
+    Panel(
         "Training progress",
         "none",
         [

@@ -24,6 +24,9 @@ STOPPED = 128 + signal.SIGTERM
 """A rank stopped on a signal after saving its last step; never 0, so a stopped pod does not read as finished."""
 INTERRUPTED = 128 + signal.SIGINT
 """``meshtrain run`` was interrupted (Ctrl-C or SIGTERM) and stopped its ranks."""
+GANG_RESTART = 75
+"""The supervisor gave up recovering in place (``runPolicy.recovery.inPlaceLimit`` reached, a rejoin
+timed out, the rendezvous store is gone, or in-place recovery is off): rebuild the gang; retryable."""
 
 PERMANENT: dict[int, str] = {
     SPEC: "the trainer rejected its configuration",

@@ -15,7 +15,7 @@ from meshtrain.api import loading, persistence, release
 from meshtrain.api.spec import pod_template
 from meshtrain.cli import plan
 from meshtrain.operator import command as operator_command
-from meshtrain.planner import search
+from meshtrain.planner import search, snapshots
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -28,6 +28,10 @@ def _validate(args: argparse.Namespace) -> int:
         job = loading.load_spec_file(args.job)
     except loading.SpecError as err:
         print(err, file=sys.stderr)
+        return 2
+    refused = snapshots.snapshot_problems(job)  # in-memory checkpoints the pods cannot hold
+    if refused:
+        print(f"{args.job}: " + "\n".join(refused), file=sys.stderr)
         return 2
     for warned in (
         persistence.warning(job),

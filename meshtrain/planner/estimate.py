@@ -12,7 +12,15 @@ from collections.abc import Sequence
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, memory, placement_request, precision, profiles, validation
+from meshtrain.planner import (
+    comm,
+    failures,
+    memory,
+    placement_request,
+    precision,
+    profiles,
+    validation,
+)
 from meshtrain.planner.timing import step_time
 
 DEFAULT_CRITICAL_BATCH_TOKENS = 4 * 2**20
@@ -95,6 +103,8 @@ class Plan:
     """Placement on the given cluster (None without one)."""
     confidence: validation.Confidence | None = None
     """What the predicted time rests on (set by the caller that knows the host; None: not stated)."""
+    failures: failures.FailurePlan | None = None
+    """Expected goodput under failures and the best checkpoint intervals (None: not planned)."""
 
     @property
     def warnings(self) -> list[str]:
@@ -154,8 +164,12 @@ def make_plan(
     nodes: Sequence[placement.Node] | None = None,
     critical_batch_tokens: int = DEFAULT_CRITICAL_BATCH_TOKENS,
     noise_scale: float | None = None,
+    failure: failures.Assumptions | None = None,
 ) -> Plan:
-    """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement."""
+    """Plan ``job`` on ``profile``; with ``nodes``, also place it and price links by that placement.
+
+    ``failure`` (default: :class:`failures.Assumptions`' defaults) prices failures and checkpoints.
+    """
     trained_in = precision.resolve_precision(job, profile)
     scheme = precision.scheme_for(trained_in, recipe)
     mem = memory.plan_memory(job, profile, recipe)
@@ -184,4 +198,34 @@ def make_plan(
         time=time_plan,
         batch=batch,
         placement=placed,
+        failures=failures.plan_failures(
+            failure_state(job, profile, mem, time_plan.step_seconds),
+            failure or failures.Assumptions(),
+        ),
+    )
+
+
+def failure_state(
+    job: api_spec.TrainingJobSpec,
+    profile: profiles.Profile,
+    mem: memory.MemoryPlan,
+    step_seconds: float,
+) -> failures.JobState:
+    """What the failure plan needs of a job: its size, step time and checkpoint bytes.
+
+    A checkpoint holds every parameter's weights and optimizer state once (DCP writes a replicated
+    tensor once); a rank copies its own shard (weights and optimizer state) to host and peer.
+    """
+    scheme = mem.scheme
+    in_memory = getattr(job.checkpoint, "in_memory", None)  # checkpoint.inMemory (gp-mem)
+    return failures.JobState(
+        gpus=job.world_size,
+        pods=job.pods,
+        step_seconds=step_seconds,
+        state_bytes=mem.total_params * (scheme.weights + scheme.optimizer),
+        rank_bytes=max(s.weights + s.optimizer for s in mem.stages),
+        nic_bandwidth=profile.nic_bandwidth,
+        storage_interval_steps=job.checkpoint.interval_steps,
+        memory_interval_steps=getattr(in_memory, "interval_steps", None),
+        async_save=job.checkpoint.async_save,
     )

@@ -510,7 +510,7 @@ def _rank_memory(
     reduce_end = 0.0
     if par.zero_stage == 3 and par.data > 1:  # FSDP2's gathered units, not ZeRO-2's buckets
         buffers, reduce_end = _zero3_units(job, stage, params, scheme)
-    compression, exchange = _exchange_bytes(job, stage, params, largest, scheme)
+    compression, exchange = exchange_bytes(job, stage, params, largest, scheme)
     return RankMemory(
         stage=stage,
         params=params,
@@ -594,7 +594,7 @@ def _zero3_units(
     return zero3_gathered(block, root, tables, par.data, scheme)
 
 
-def _exchange_bytes(
+def exchange_bytes(
     job: api_spec.TrainingJobSpec,
     stage: int,
     params: int,

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from meshtrain.planner import estimate, memory, profiles, search, validation
+from meshtrain.planner import estimate, failures, memory, profiles, search, validation
 from meshtrain.planner.timing import network, step_time
 
 SCHEMA = "meshtrain.plan/v1"
@@ -79,7 +79,37 @@ def to_json(plan: estimate.Plan) -> dict[str, Any]:
             "warning": plan.batch.warning,
         },
         "placement": _placement_json(plan.placement),
+        "failures": _failures_json(plan.failures),
         "warnings": plan.warnings,
+    }
+
+
+def _interval_json(interval: failures.Interval) -> dict[str, Any]:
+    return {
+        "save_seconds": interval.save_seconds,
+        "save_source": interval.save_source,
+        "restart_seconds": interval.restart_seconds,
+        "reload_seconds": interval.reload_seconds,
+        "young_interval_seconds": interval.young_seconds,
+        "daly_interval_seconds": interval.daly_seconds,
+        "interval_steps": interval.steps,
+        "expected_goodput": interval.goodput,
+        "configured_interval_steps": interval.configured_steps,
+        "configured_goodput": interval.configured_goodput,
+    }
+
+
+def _failures_json(planned: failures.FailurePlan | None) -> dict[str, Any] | None:
+    if planned is None:
+        return None
+    return {
+        "failure_rate_per_gpu_hour": planned.failure_rate,
+        "failure_rate_source": planned.source,
+        "gpus": planned.gpus,
+        "mtbf_seconds": planned.mtbf_seconds,
+        "step_seconds": planned.step_seconds,
+        "storage": _interval_json(planned.storage),
+        "memory": _interval_json(planned.memory),
     }
 
 
@@ -280,6 +310,7 @@ def to_text(plan: estimate.Plan) -> str:
         *_time_lines(plan),
         *_batch_lines(plan),
         *_placement_lines(plan),
+        *_failure_lines(plan.failures),
     ]
     if plan.warnings:
         lines += [""] + [f"WARNING: {w}" for w in plan.warnings]
@@ -408,6 +439,32 @@ def _placement_lines(plan: estimate.Plan) -> list[str]:
         lines.append(f"  pod {index} (ranks {ranks[0]}..{ranks[-1]}) -> {node}")
     for level, nbytes in placed.level_bytes.items():
         lines.append(f"  bytes per step crossing {level}: {human_bytes(nbytes)}")
+    return lines
+
+
+def _failure_lines(planned: failures.FailurePlan | None) -> list[str]:
+    if planned is None:
+        return []
+    lines = [
+        "",
+        f"failures: {planned.failure_rate:.3g} per GPU-hour x {planned.gpus} GPUs = one every "
+        f"{planned.mtbf_seconds / 3600:.3g} h (MTBF {human_seconds(planned.mtbf_seconds)})",
+        f"  rate from {planned.source}",
+    ]
+    for interval in (planned.storage, planned.memory):
+        configured = (
+            f"; the spec's {interval.configured_steps} steps: {interval.configured_goodput:.2%}"
+            if interval.configured_goodput is not None
+            else ""
+        )
+        lines += [
+            f"  {interval.kind} checkpoints: save {human_seconds(interval.save_seconds)} "
+            f"({interval.save_source}), restart {human_seconds(interval.restart_seconds)} "
+            f"(reload {human_seconds(interval.reload_seconds)} of it)",
+            f"    best interval (Daly) {human_seconds(interval.daly_seconds)} = every "
+            f"{interval.steps} steps (Young: {human_seconds(interval.young_seconds)}): expected "
+            f"goodput {interval.goodput:.2%}{configured}",
+        ]
     return lines
 
 

@@ -8,13 +8,14 @@ operator too, in test_dashboards_live.py.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
 import pytest
 
-from meshtrain.trainer.telemetry import progress
-from tests.telemetry.conftest import JOB, NAMESPACE, RULES, STEPS
+from meshtrain.trainer.telemetry import goodput, progress
+from tests.telemetry.conftest import JOB, NAMESPACE, REPO, RULES, STEPS
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +93,33 @@ def test_step_log_has_the_documented_fields(scraped_run):
     assert all(
         r["allreduce_seconds"] > 0 for r in scraped_run.records
     )  # dp=2: gradient buckets every step
+
+
+def _panel_queries(title: str) -> list[str]:
+    board = json.loads((REPO / "dashboards" / "meshtrain-training.json").read_text())
+    (panel,) = [p for p in board["panels"] if p["title"] == title]
+    resolved = {"$namespace": NAMESPACE, "$job": JOB, "$pod": ".*", "$rank": ".*"}
+    queries = []
+    for target in panel["targets"]:
+        expr = target["expr"]
+        for name, value in resolved.items():
+            expr = expr.replace(name, value)
+        queries.append(expr)
+    return queries
+
+
+def test_goodput_panels_answer_from_the_scrape(scraped_run):
+    """The dashboard's goodput queries return rank 0's series; the ratio is its account of the log."""
+    (ratio_query,) = _panel_queries("Goodput")
+    (ratio,) = scraped_run.prom.query(ratio_query, scraped_run.at)
+    replayed = goodput.account_of(scraped_run.log_dir).ratio
+    assert replayed is not None and 0.5 < float(ratio["value"][1]) <= 1
+    assert float(ratio["value"][1]) == pytest.approx(replayed, abs=0.1)
+    (lost_query,) = _panel_queries("Time lost to failures by phase")
+    lost = scraped_run.prom.query(lost_query, scraped_run.at)
+    assert {r["metric"]["phase"]: float(r["value"][1]) for r in lost} == dict.fromkeys(
+        goodput.PHASES, 0.0
+    )  # a run without failures: every phase at 0
+    series = scraped_run.prom.query(f'meshtrain_goodput_ratio{{job="{JOB}"}}', scraped_run.at)
+    assert [r["metric"]["rank"] for r in series] == ["0"]  # global rank 0 alone
+    assert scraped_run.progress[-1]["goodput"]["lost_seconds"] == dict.fromkeys(goodput.PHASES, 0.0)

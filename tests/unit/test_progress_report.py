@@ -22,6 +22,12 @@ TRAINER_DOCUMENT = {
     "stragglers": [{"rank": 3, "slowdown": 1.8, "since_step": 90}],
     "gradient_noise_scale": 512.0,
     "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
+    "goodput": {
+        "ratio": 0.875,
+        "productive_seconds": 3500.0,
+        "wall_seconds": 4000.0,
+        "lost_seconds": {"detection": 1.5, "restart": 20.0, "reload": 3.5, "recompute": 40.0},
+    },
 }
 """Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS)."""
 
@@ -68,6 +74,13 @@ def test_the_schema_knows_every_field_the_trainer_sends():
         ("gradient_noise_scale", 0),
         ("resumed_from_uid", "../../etc"),
         ("resumed_from_uid", "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a" * 100),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "ratio": 1.5}),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "wall_seconds": -1}),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "wall_seconds": True}),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "extra": 1}),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "lost_seconds": {"detection": 1}}),
+        ("goodput", {**TRAINER_DOCUMENT["goodput"], "lost_seconds": [1, 2, 3, 4]}),
+        ("goodput", [0.5]),
     ],
 )
 def test_a_field_out_of_the_schema_is_dropped_with_a_note_naming_it(field, value):
@@ -112,7 +125,18 @@ def test_notes_are_bounded_in_number():
     reading = parse({key: "junk" for key in progress_report.FIELDS})
     assert reading.document == {}
     assert len(reading.notes) == progress_report.MAX_NOTES
-    assert reading.notes[-1] == "and 8 more field(s) ignored"
+    more = len(progress_report.FIELDS) - progress_report.MAX_NOTES + 1
+    assert reading.notes[-1] == f"and {more} more field(s) ignored"
+
+
+def test_goodput_becomes_status_goodput_in_camel_case():
+    changes = progress_status.status_changes(parse(TRAINER_DOCUMENT).document)
+    assert changes["goodput"] == {
+        "ratio": 0.875,
+        "productiveSeconds": 3500.0,
+        "wallSeconds": 4000.0,
+        "lostSeconds": {"detection": 1.5, "restart": 20.0, "reload": 3.5, "recompute": 40.0},
+    }
 
 
 def test_a_hostile_termination_message_changes_nothing():
@@ -141,6 +165,12 @@ def test_the_trainers_largest_document_fits_and_passes():
         eval_loss=-1.2345678901234567e-300,
         skipped_updates=progress_report.MAX_INTEGER,
         gradient_noise_scale=1.2345678901234567e300,
+        goodput={
+            "ratio": 0.12345678901234567,
+            "productive_seconds": 1.2345678901234567e300,
+            "wall_seconds": 1.2345678901234567e300,
+            "lost_seconds": dict.fromkeys(progress_report.GOODPUT_PHASES, 1.2345678901234567e300),
+        },
     )
     flags = tuple(
         trainer_stragglers.Flag(65535 - i, 1.2345678901234567e300, progress_report.MAX_INTEGER)

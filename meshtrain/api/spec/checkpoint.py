@@ -10,6 +10,27 @@ from meshtrain.api import limits
 from meshtrain.api.spec import base, kube_names, urls
 
 
+class InMemoryCheckpoint(base.SpecModel):
+    """Snapshots of every rank's training state in the pod's memory (``/dev/shm``) and a peer's.
+
+    A process or node failure restores from them when every rank's copy survives somewhere,
+    else from storage (docs/checkpoints.md, "In-memory checkpoints").
+    """
+
+    interval_steps: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_STEPS,
+        description="Copy every rank's training state to host memory every N optimizer steps "
+        "(0: off). The copies count against resources.shmSize and resources.memory.",
+    )
+    peer: bool = Field(
+        True,
+        description="Also keep each rank's copy on its buddy rank in the next pod, so that losing "
+        "one node loses no shard (jobs of one pod have no peer).",
+    )
+
+
 class Checkpoint(base.SpecModel):
     """Where and how often training state is saved; resume is automatic."""
 
@@ -39,6 +60,11 @@ class Checkpoint(base.SpecModel):
         True,
         description="Write a due checkpoint in the background while training goes on (the step waits only "
         "for the copy of the state to host memory); false writes it before the next step.",
+    )
+    in_memory: InMemoryCheckpoint = Field(
+        default_factory=InMemoryCheckpoint,
+        description="In-memory checkpoints: fast restores after a process or node failure; "
+        "storage checkpoints (intervalSteps) can then be rarer.",
     )
 
 

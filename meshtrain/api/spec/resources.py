@@ -4,6 +4,7 @@ through ``gpusPerNode``."""
 
 from __future__ import annotations
 
+import decimal
 import re
 from typing import Annotated, Literal
 
@@ -104,6 +105,31 @@ def is_quantity(value: str) -> bool:
 def is_positive_quantity(value: str) -> bool:
     """A quantity above zero (``-1Gi``, ``0`` and ``Gi`` are quantities, but not sizes)."""
     return is_quantity(value) and re.match(POSITIVE, value) is not None
+
+
+SUFFIXES: dict[str, float] = {
+    **{s: 1024**i for i, s in enumerate(("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: 1000**i for i, s in enumerate(("", "k", "M", "G", "T", "P", "E")) if s},
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+}
+"""A quantity suffix's multiplier (``e<exponent>`` is parsed apart)."""
+
+
+def quantity_value(value: str) -> float:
+    """A quantity as a number (``16Gi`` -> 17179869184.0); ValueError when it is none."""
+    if not is_quantity(value):
+        raise ValueError(f"not a Kubernetes quantity: {base.quoted(value)}")
+    number = re.match(r"[+-]?\d*(\.\d*)?", value)
+    assert number is not None  # the grammar starts with it
+    digits, suffix = number.group(0), value[number.end() :]
+    if not digits.strip("+-."):
+        return 0.0
+    if suffix[:1] in ("e", "E"):  # decimal arithmetic: an exponent past a float's range saturates
+        exponent = max(-999, min(999, int(suffix[1:])))  # past a float's range either way
+        return float(decimal.Decimal(digits) * decimal.Decimal(10) ** exponent)
+    return float(digits) * SUFFIXES[suffix]
 
 
 def _quantity_rule(field: str, optional: bool) -> base.Rule[Resources]:

@@ -71,6 +71,27 @@ class Progress(base.StatusModel):
     )
 
 
+class LostSeconds(base.StatusModel):
+    """Seconds lost to failures, by phase."""
+
+    detection: float = Field(0.0, ge=0, description="Failure to its detection.")
+    restart: float = Field(0.0, ge=0, description="Detection to the process groups rebuilt.")
+    reload: float = Field(0.0, ge=0, description="Process groups rebuilt to the state loaded.")
+    recompute: float = Field(
+        0.0, ge=0, description="Steps done and done again after a restore, and steps cut short."
+    )
+
+
+class Goodput(base.StatusModel):
+    """Productive step time over wall time since the job's first step, across restarts (rank 0's
+    steps.jsonl and recoveries.jsonl, docs/telemetry.md, "Goodput")."""
+
+    ratio: float | None = Field(None, ge=0, le=1, description="productiveSeconds / wallSeconds.")
+    productive_seconds: float = Field(0.0, ge=0, description="Step time of each step's last run.")
+    wall_seconds: float = Field(0.0, ge=0, description="Wall time since the first step started.")
+    lost_seconds: LostSeconds | None = Field(None, description="Time lost to failures, by phase.")
+
+
 class ElasticStatus(base.StatusModel):
     """The size a gang of a job with ``runPolicy.elastic`` was placed at."""
 
@@ -210,6 +231,9 @@ class TrainingJobStatus(base.StatusModel):
         None, description="Step of the newest complete checkpoint."
     )
     progress: Progress | None = Field(None, description="Last reported training progress.")
+    goodput: Goodput | None = Field(
+        None, description="Goodput and the time lost to failures, as rank 0 last reported them."
+    )
     plan: dict[str, Any] = Field(
         default_factory=dict,
         description="Key numbers of the planner: memory per GPU, step time, bubble.",

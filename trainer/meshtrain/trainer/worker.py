@@ -1,4 +1,5 @@
-"""One training rank: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`).
+"""One training rank: ``python -m meshtrain.trainer`` under torchrun (or :mod:`.launch`), or a
+worker of :mod:`.supervise` that rebuilds its process groups in place (:mod:`.recovery.generations`).
 
 Reads the spec, joins the process group, builds the mesh and the engine, resumes from the newest
 checkpoint and trains, saving checkpoints and rank 0's ``steps.jsonl``; its exit codes are listed
@@ -23,13 +24,14 @@ from meshtrain.api import layout as layout_mod
 from meshtrain.api import spec as api_spec
 from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer import engine, storage
-from meshtrain.trainer.checkpointing import checkpointer, store
+from meshtrain.trainer.checkpointing import checkpointer, memory, recovery, store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
-from meshtrain.trainer.telemetry import progress, steplog
+from meshtrain.trainer.recovery import generations
+from meshtrain.trainer.telemetry import goodput, progress, steplog
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
@@ -127,12 +129,37 @@ def main(argv: list[str] | None = None) -> int:
     stop = (
         stopping.StopRequest().install()
     )  # before the slow start: a signal during it still stops cleanly
-    rank = int(os.environ.get("RANK", "0"))
     cuda = use_cuda()
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
+    if generations.supervised():  # under meshtrain.trainer.supervise: one session per generation
+        return generations.run(
+            lambda session: _session(job, args, stop, device, session),
+            use_cuda=cuda,
+            log_dir=args.log_dir,
+        )
     mesh_mod.init_process_group(use_cuda=cuda)
+    return _session(job, args, stop, device, None)
+
+
+def _session(
+    job: api_spec.TrainingJobSpec,
+    args: argparse.Namespace,
+    stop: stopping.StopRequest,
+    device: torch.device,
+    session: generations.Session | None,
+) -> int:
+    """Build mesh and engine on the joined process group, restore, train; the exit code.
+
+    Supervised (``session``), the session closes the recorder at the generation's end (the next
+    one serves on its port), and a failure of the generation raises instead of exiting.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    # the gang's process groups are up (a gang record's rejoinedAt)
+    rejoined_at = session.rejoined_at if session is not None else time.time()
     mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
     recorder = make_recorder(job, mesh.layout, rank, args.log_dir, device=device, steps_log=False)
+    if session is not None:
+        session.attach(recorder)
     try:
         trainer = engine.Engine(job, mesh, recorder=recorder)
     except dataset.DatasetError as err:
@@ -143,30 +170,47 @@ def main(argv: list[str] | None = None) -> int:
         grad_reducer.payload_bytes if grad_reducer is not None else None,
     )
     saver = checkpointer.Checkpointer(trainer, root=os.environ.get(CHECKPOINT_DIR_ENV))
-    try:
-        restored = saver.restore()  # continue after the newest complete checkpoint, if there is one
+    snapshots = memory.MemorySnapshots(trainer, job, root=memory.default_root(os.environ))
+    try:  # continue after the newest in-memory snapshot or complete checkpoint, if there is one
+        restored, source = recovery.restore(trainer, saver, snapshots)
     except store.CheckpointError as err:
+        snapshots.close()
         saver.close()
-        return _refuse(exitcodes.CHECKPOINT, err)
-    if restored is not None:
+        return _checkpoint_failed(err, session)
+    if session is not None:
+        session.restored(restored, source)
+    if restored is not None and source == "storage":
         recorder.checkpoint_saved(restored)
     # status.progress.resumedFromUid: which job (UID) wrote the checkpoint this gang resumed from
     if saver.resumed_uid is not None and recorder.progress is not None:
         recorder.progress.update(resumed_from_uid=saver.resumed_uid)
     if saver.resumed is not None:  # restored at another global batch: the rates follow its plan
         recorder.learning_rates(saver.resumed.plan)
-    if rank == 0:
+    if rank == 0 and (session is None or session.generation == 0):
+        # a gang rebuilt after a failure: its recovery record (docs/telemetry.md, "Goodput");
+        # an in-place recovery (a later generation) is recorded by the session instead
+        goodput.note_gang_restart(args.log_dir, restored, rejoined_at=rejoined_at)
         print(
             state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
             file=sys.stderr,
         )
     log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
     try:
-        return _train(job, rank, trainer, recorder, saver, log, stop)
+        return _train(job, rank, trainer, recorder, saver, snapshots, log, stop, session)
     except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
-        return _refuse(exitcodes.CHECKPOINT, err)
+        return _checkpoint_failed(err, session)
     finally:
+        snapshots.close()
         saver.close()
+        if log is not None and session is not None:
+            log.close()
+
+
+def _checkpoint_failed(err: store.CheckpointError, session: generations.Session | None) -> int:
+    """Exit 4, unless the generation ended under the checkpoint (a peer failed): then rejoin."""
+    if session is not None and session.interrupted():
+        raise generations.Interrupted(str(err)) from err
+    return _refuse(exitcodes.CHECKPOINT, err)
 
 
 def _train(
@@ -175,8 +219,10 @@ def _train(
     trainer: engine.Engine,
     recorder: TelemetryRecorder,
     saver: checkpointer.Checkpointer,
+    snapshots: memory.MemorySnapshots,
     log: steplog.StepLog | None,
     stop: stopping.StopRequest,
+    session: generations.Session | None = None,
 ) -> int:
     """Train from the step after the restored one to ``training.steps``; the exit code."""
     evaluation = job.training.eval
@@ -190,12 +236,13 @@ def _train(
     )
     cpu_mark = time.process_time()
     for step in range(trainer.step + 1, job.training.steps + 1):
-        faults.maybe_fail(rank, step)
+        faults.maybe_fail(rank, step, generation=session.generation if session else 0)
         try:
             result = trainer.train_step(
                 stop_requested=stop.requested, share=_previous_compute(detector, recorder)
             )
         except loss_guard.LossGuardTripped as err:
+            snapshots.wait()  # its background exchange uses the process group
             return _guard_stop(step, err, saver, log)
         verdict = None
         if detector is not None:  # the shared times are of the step before this one
@@ -231,10 +278,15 @@ def _train(
             record["cpu_seconds"], cpu_mark = time.process_time() - cpu_mark, time.process_time()
             log.write(record)
         saver.after_step(step)
+        snapshots.after_step(step)
         for published in saver.published():  # COMPLETE and renamed: /progress may report it
             recorder.checkpoint_saved(published)
+        if session is not None:  # after the checkpoint: the recovery record's first step is whole
+            session.step_done(step)
         if result.stop and step < job.training.steps:
+            snapshots.wait()
             return _stop_after(step, saver, recorder, log, stop)
+    snapshots.wait()
     saver.wait()  # the last save, if it is still being written
     for published in saver.published():
         recorder.checkpoint_saved(published)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 BODY_LIMIT = 4096
-"""Most bytes of one document: the trainer's largest is under 1.5 KiB (docs/operator.md, "Progress")."""
+"""Most bytes of one document: the trainer's largest is under 2.2 KiB (docs/operator.md, "Progress")."""
 
 MAX_INTEGER = 2**53 - 1
 """Largest integer a field may hold: JSON's exact range, well inside the status' int64."""
@@ -136,6 +136,37 @@ def _flagged_list(value: Any) -> list[dict[str, Any]] | None:
     return None if any(e is None for e in entries) else [e for e in entries if e is not None]
 
 
+GOODPUT_PHASES = ("detection", "restart", "reload", "recompute")
+"""The lost-time phases of ``goodput.lost_seconds`` (the trainer's ``telemetry.goodput.PHASES``)."""
+
+
+def _goodput(value: Any) -> dict[str, Any] | None:
+    """``{ratio, productive_seconds, wall_seconds, lost_seconds: {phase: seconds}}``: every number
+    finite and not negative, the ratio at most 1 (or null before a step), no other key."""
+    if not isinstance(value, Mapping) or set(value) != {
+        "ratio",
+        "productive_seconds",
+        "wall_seconds",
+        "lost_seconds",
+    }:
+        return None
+    ratio = value["ratio"]
+    if ratio is not None and ((checked := _not_negative(ratio)) is None or checked > 1):
+        return None
+    lost = value["lost_seconds"]
+    if not isinstance(lost, Mapping) or set(lost) != set(GOODPUT_PHASES):
+        return None
+    seconds = {key: _not_negative(value[key]) for key in ("productive_seconds", "wall_seconds")}
+    phases = {phase: _not_negative(lost[phase]) for phase in GOODPUT_PHASES}
+    if None in seconds.values() or None in phases.values():
+        return None
+    return {
+        "ratio": None if ratio is None else float(ratio),
+        **seconds,
+        "lost_seconds": phases,
+    }
+
+
 _NULL = object()
 """A field's checker found null, which the field allows."""
 
@@ -156,6 +187,7 @@ FIELDS: Mapping[str, Callable[[Any], Any]] = {
     "stragglers": _flagged_list,
     "gradient_noise_scale": _nullable(_positive),
     "resumed_from_uid": _nullable(_uid),
+    "goodput": _nullable(_goodput),
 }
 """The trainer's fields (``meshtrain.trainer.telemetry.progress.FIELDS``) and their checks: a
 checked value, or None when the value breaks the schema."""

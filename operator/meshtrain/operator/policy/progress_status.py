@@ -52,10 +52,22 @@ def status_changes(report: dict[str, Any]) -> dict[str, Any]:
     if isinstance(report.get("updated_at"), str):
         progress["updatedAt"] = report["updated_at"]
     changes: dict[str, Any] = {"progress": progress}
+    if isinstance(report.get("goodput"), dict):  # checked by progress_report: every number bounded
+        changes["goodput"] = goodput_status(report["goodput"])
     checkpoint = _number(report.get("last_checkpoint_step"), int)
     if checkpoint is not None and checkpoint >= 0:
         changes["lastCheckpointStep"] = checkpoint
     return changes
+
+
+def goodput_status(goodput: dict[str, Any]) -> dict[str, Any]:
+    """``status.goodput`` from the report's checked ``goodput`` field (camelCase names)."""
+    return {
+        "ratio": goodput["ratio"],
+        "productiveSeconds": goodput["productive_seconds"],
+        "wallSeconds": goodput["wall_seconds"],
+        "lostSeconds": dict(goodput["lost_seconds"]),
+    }
 
 
 def polled_changes(report: dict[str, Any]) -> dict[str, Any]:

@@ -160,6 +160,8 @@ class Checkpointer:
         """UID of the job that wrote the checkpoint :meth:`restore` loaded (None: unknown or none)."""
         self.resumed: batch_change.Resumed | None = None
         """Set by :meth:`restore` when the checkpoint was trained at another batch (or mid-ramp)."""
+        self._located: tuple[tuple[str, store.Marker, int | None] | None] | None = None
+        """What :meth:`locate` found (a 1-tuple: None inside means no checkpoint), until :meth:`restore`."""
 
     # --- resume ----------------------------------------------------------------
 
@@ -175,13 +177,9 @@ class Checkpointer:
             "zero_stage": par.zero_stage,
         }
 
-    def restore(self) -> int | None:
-        """Load the newest complete checkpoint, if any (collective); returns its step.
-
-        Damage, a foreign directory or another model shape raise
-        :class:`~.store.CheckpointError` on every rank: never a silent fresh start.
-        """
-        state.init_optimizer_state(self.engine.optimizer)
+    def locate(self) -> int | None:
+        """Take the job's directory and find its newest complete checkpoint (collective, nothing
+        loaded); its step, None when there is none.  :meth:`restore` loads what this found."""
 
         def find() -> tuple[str, tuple[str, store.Marker, int | None] | None]:
             self.holding = owner.take(self.shared_root, os.environ)
@@ -198,6 +196,23 @@ class Checkpointer:
 
         root, found = _on_rank0(find)
         self.root = store.location(root)
+        self._located = (found,)
+        if found is None:
+            return None
+        self.last_good = found[2]  # the loss guard's message names it whichever source loads
+        return found[1].step
+
+    def restore(self) -> int | None:
+        """Load the newest complete checkpoint, if any (collective); returns its step.
+
+        Damage, a foreign directory or another model shape raise
+        :class:`~.store.CheckpointError` on every rank: never a silent fresh start.
+        """
+        state.init_optimizer_state(self.engine.optimizer)
+        if self._located is None:
+            self.locate()
+        assert self._located is not None
+        (found,), self._located = self._located, None
         if found is None:
             return None
         path, marker, self.last_good = store.location(found[0]), found[1], found[2]
@@ -217,20 +232,7 @@ class Checkpointer:
             )
         start = time.perf_counter()
         record = self._load(path)
-        self.engine.step = record["step"]
-        try:
-            self.engine.sampler.load_state_dict(record["data"])
-        except ValueError as err:  # another seed or other data: an error naming the fields
-            raise store.CheckpointError(f"{path}: {err}") from None
-        if self.engine.guard is not None and record.get("loss_guard"):
-            self.engine.guard.load_state_dict(record["loss_guard"])
-        state.set_optimizer_step(self.engine.optimizer, record["optimizer_step"])
-        spec = self.engine.spec
-        self.resumed = batch_change.on_resume(
-            spec.training, spec.parallelism, record.get("batch"), record["step"]
-        )
-        if self.resumed is not None:
-            self.engine.lr_plan = self.resumed.plan
+        self.resumed = apply_record(self.engine, record, str(path))
         self.last_saved = step
         self.resumed_uid = str(marker.extra.get(JOB_UID_KEY) or "") or None
         if dist.get_rank() == 0:
@@ -239,6 +241,11 @@ class Checkpointer:
             if self.resumed is not None:
                 _say(self.resumed.message)
         return step
+
+    def restored_elsewhere(self, resumed: batch_change.Resumed | None) -> None:
+        """The state came from another source (in-memory snapshots): forget what :meth:`locate`
+        found (the directory stays held); ``resumed``: that source's batch change, if any."""
+        self._located, self.resumed = None, resumed
 
     def _refuse_finished_predecessor(self, path: store.Location, marker: store.Marker) -> None:
         """A re-created job (another UID) must not report success for training it did not do.
@@ -509,6 +516,26 @@ class Checkpointer:
             os._exit(FAULT_EXIT_CODE)
         while True:
             time.sleep(3600)
+
+
+def apply_record(engine: Any, record: dict[str, Any], where: str) -> batch_change.Resumed | None:
+    """Set the engine's step, data position, loss guard, optimizer step and learning-rate plan from
+    a checkpoint's trainer record (:func:`.state.trainer_record`); the batch change, if any."""
+    engine.step = record["step"]
+    try:
+        engine.sampler.load_state_dict(record["data"])
+    except ValueError as err:  # another seed or other data: an error naming the fields
+        raise store.CheckpointError(f"{where}: {err}") from None
+    if engine.guard is not None and record.get("loss_guard"):
+        engine.guard.load_state_dict(record["loss_guard"])
+    state.set_optimizer_step(engine.optimizer, record["optimizer_step"])
+    spec = engine.spec
+    resumed = batch_change.on_resume(
+        spec.training, spec.parallelism, record.get("batch"), record["step"]
+    )
+    if resumed is not None:
+        engine.lr_plan = resumed.plan
+    return resumed
 
 
 def _written(upload: concurrent.futures.Future[Any]) -> None:

@@ -259,6 +259,11 @@ def chunked(shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype) -> Ch
     return ChunkedTensor(shape, [p for p in pieces if p.data.numel()], dtype)
 
 
+def pieces_in(tensor: ChunkedTensor) -> list[Piece]:
+    """The pieces a :class:`ChunkedTensor` carries (views of the rank's memory)."""
+    return tensor._pieces
+
+
 def host_copy(entries: dict[str, Any]) -> dict[str, Any]:
     """A snapshot of a DCP state dict in host memory: every piece and tensor copied, the rest as is.
 

@@ -1,7 +1,9 @@
 """Fault injection for testing failure handling, driven by environment variables.
 
 ``MESHTRAIN_FAULT_INJECT=rank:step`` kills that rank before that step (exit :data:`EXIT_CODE`, no
-cleanup), as a crashed GPU would.  ``MESHTRAIN_FAULT_SLOW=rank:factor[:step]`` makes that rank's
+cleanup), as a crashed GPU would; ``rank:step:kill`` sends it SIGKILL instead, as the kernel's OOM
+killer would.  A supervised worker fails so only in generation 0: the spare that takes its rank
+replays the step.  ``MESHTRAIN_FAULT_SLOW=rank:factor[:step]`` makes that rank's
 compute about ``factor`` times as long, as a throttled GPU would: the straggler detector's test
 input.  Its sleeps sit in a forward hook, so they count as compute, not as waiting.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import statistics
 import sys
 import time
@@ -26,22 +29,32 @@ OWN_COMPUTE_STEPS = 5
 
 
 def parse(value: str | None) -> tuple[int, int] | None:
-    """``"3:2"`` -> (rank 3, step 2); empty -> None."""
+    """``"3:2"`` -> (rank 3, step 2); empty -> None (``"3:2:kill"`` too)."""
     if not value:
         return None
+    parts = value.split(":")
     try:
-        rank, step = (int(part) for part in value.split(":"))
+        if len(parts) == 3 and parts[2] == "kill":
+            parts = parts[:2]
+        rank, step = (int(part) for part in parts)
     except ValueError:
-        raise ValueError(f"{ENV}={value!r}: expected RANK:STEP, e.g. 3:2") from None
+        raise ValueError(f"{ENV}={value!r}: expected RANK:STEP[:kill], e.g. 3:2") from None
     return rank, step
 
 
-def maybe_fail(rank: int, step: int) -> None:
-    """Die here if the fault-injection variable says so."""
-    target = parse(os.environ.get(ENV))
-    if target == (rank, step):
-        sys.stderr.write(f"{ENV}: rank {rank} dies before step {step}\n")
+def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
+    """Die here if the fault-injection variable says so (only in ``generation`` 0)."""
+    value = os.environ.get(ENV)
+    target = parse(value)
+    if target == (rank, step) and generation == 0:
+        kill = bool(value and value.endswith(":kill"))
+        sys.stderr.write(
+            f"{ENV}: rank {rank} dies before step {step} "
+            f"(pid {os.getpid()}, {'SIGKILL' if kill else f'exit {EXIT_CODE}'})\n"
+        )
         sys.stderr.flush()
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
         os._exit(EXIT_CODE)
 
 

@@ -9,6 +9,7 @@ rank").  The metric families are one table, :data:`DECLARATIONS`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from prometheus_client import exposition
 
 from meshtrain.trainer.guards import stragglers
 from meshtrain.trainer.telemetry import context, http_server, recording, stepstats
+from meshtrain.trainer.telemetry import goodput as goodput_mod
 from meshtrain.trainer.telemetry import progress as progress_mod
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,12 @@ COMM_BUCKETS = (
     10.0,
 )
 """Collective and exposed-communication durations: 100 us to 10 s."""
+RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+"""A recovery phase's seconds: 100 ms (an in-place rejoin) to 30 min (a gang rebuilt elsewhere)."""
 
+
+MAX_CAUSES = 16
+"""Distinct ``cause`` label values of ``meshtrain_recoveries_total`` (more read ``other``)."""
 
 Kind = Literal["counter", "gauge", "histogram"]
 """The Prometheus metric types a rank exports (their ``# TYPE`` names)."""
@@ -308,6 +315,37 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "Unix time the newest complete checkpoint was saved or resumed from; the start of"
         " training before the first.",
     ),
+    Declaration(  # global rank 0 only, from its first step
+        "goodput",
+        "gauge",
+        "meshtrain_goodput_ratio",
+        "Productive step time (each step's last run) over wall time since the job's first step,"
+        " across restarts (global rank 0).",
+        lazy=True,
+    ),
+    Declaration(
+        "recovery_seconds",
+        "histogram",
+        "meshtrain_recovery_seconds",
+        "Seconds one failure cost, by phase (detection, restart, reload, recompute) and the tier"
+        " that recovered it (global rank 0).",
+        labels=("phase", "tier"),
+        buckets=RECOVERY_BUCKETS,
+    ),
+    Declaration(
+        "recoveries",
+        "counter",
+        "meshtrain_recoveries",
+        "Failures recovered, by tier and cause, seen by this process (global rank 0).",
+        labels=("tier", "cause"),
+    ),
+    Declaration(
+        "lost_steps",
+        "counter",
+        "meshtrain_lost_steps",
+        "Steps done and done again after a restore to an earlier step (global rank 0).",
+        lazy=True,
+    ),
 )
 """Every metric family of a rank, in the order of the scrape."""
 
@@ -351,6 +389,10 @@ class Metrics:
     checkpoint_interval: prometheus_client.Gauge
     checkpoint_step: prometheus_client.Gauge
     checkpoint_time: prometheus_client.Gauge
+    goodput: prometheus_client.Gauge
+    recovery_seconds: prometheus_client.Histogram
+    recoveries: prometheus_client.Counter
+    lost_steps: prometheus_client.Counter
 
     def __init__(self, identity: context.RankIdentity) -> None:
         prometheus_client.disable_created_metrics()  # *_created series only add noise to every counter
@@ -434,6 +476,9 @@ class Exporter:
         self.metrics.checkpoint_time.set_to_current_time()  # the interval's clock starts with training
         # A 0 would read as "no step since 1970" and page MeshtrainJobStalled during every start-up.
         self.metrics.last_step_time.set_to_current_time()
+        self._causes: set[str] = set()
+        if progress is not None:  # global rank 0: every phase and tier at 0 until a failure
+            self.goodput(None, [])
         self.port = port
         """TCP port of the HTTP server."""
         self._server: http_server.Server | None = None
@@ -496,6 +541,26 @@ class Exporter:
             for component, value in memory.components().items():
                 m.memory.labels(**m.base, component=component).set(value)
             m.memory_peak.set(memory.peak_allocated)
+
+    def goodput(
+        self, account: goodput_mod.Account | None, failures: Sequence[goodput_mod.Failure]
+    ) -> None:
+        """Rank 0's goodput after a step (None: none yet, every phase and tier made at 0), and the
+        failures found since the last one (causes past the first :data:`MAX_CAUSES` read ``other``)."""
+        m = self.metrics
+        if account is not None and account.ratio is not None:
+            m.goodput.labels(**m.base).set(account.ratio)
+        for phase, tier in itertools.product(goodput_mod.PHASES, goodput_mod.TIERS):
+            m.recovery_seconds.labels(**m.base, phase=phase, tier=tier)
+        lost = m.lost_steps.labels(**m.base)
+        for failure in failures:
+            for phase, seconds in failure.seconds.items():
+                m.recovery_seconds.labels(**m.base, phase=phase, tier=failure.tier).observe(seconds)
+            if failure.cause not in self._causes and len(self._causes) < MAX_CAUSES:
+                self._causes.add(failure.cause)
+            cause = failure.cause if failure.cause in self._causes else "other"
+            m.recoveries.labels(**m.base, tier=failure.tier, cause=cause).inc()
+            lost.inc(failure.lost_steps)
 
     def checkpoint_saved(self, step: int) -> None:
         self.metrics.checkpoint_step.set(step)

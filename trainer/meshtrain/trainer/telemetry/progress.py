@@ -20,7 +20,7 @@ from typing import Any
 
 from meshtrain.api import exitcodes
 from meshtrain.trainer.guards import stragglers
-from meshtrain.trainer.telemetry import context, recording, stepstats
+from meshtrain.trainer.telemetry import context, recording, recoveries, stepstats
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,13 @@ FIELDS = (
     "stragglers",
     "gradient_noise_scale",
     "resumed_from_uid",
+    "goodput",
 )
-"""Keys of the progress document, in order."""
+"""Keys of the progress document, in order; after an in-place recovery it also has
+:data:`RECOVERY` (absent before: the schema of older operators knows only these)."""
+
+RECOVERY = "recovery"
+"""Key of the newest recovery records (:meth:`Progress.recovered`), present after the first one."""
 
 MAX_STRAGGLERS = 16
 """Most flagged ranks the document lists (the slowest): the operator reads at most 16, and the
@@ -64,6 +69,7 @@ class Progress:
             "stragglers": [],
             "gradient_noise_scale": None,
             "resumed_from_uid": None,
+            "goodput": None,
         }
 
     def update(self, **fields: Any) -> None:
@@ -126,6 +132,13 @@ class Progress:
         with self._lock:
             self._doc["straggler"] = flagged[0] if flagged else None
             self._doc["stragglers"] = flagged
+
+    def recovered(self, record: Mapping[str, Any]) -> None:
+        """An in-place recovery's record (:mod:`.recoveries`, JSON form): ``recovery`` keeps the
+        newest :data:`.recoveries.RECENT`, oldest first."""
+        with self._lock:
+            recent = [*self._doc.get(RECOVERY, []), dict(record)][-recoveries.RECENT :]
+        self.update(**{RECOVERY: recent})
 
     def close(self) -> None:
         """Nothing to release."""

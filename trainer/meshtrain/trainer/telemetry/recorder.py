@@ -21,6 +21,7 @@ from meshtrain.trainer.optim import batch_change
 from meshtrain.trainer.telemetry import (
     context,
     exporter,
+    goodput,
     peak,
     progress,
     recording,
@@ -45,6 +46,7 @@ class TelemetryRecorder(recording.EventCollector):
         facts: stepstats.JobFacts,
         sinks: Sequence[context.Sink],
         device: Any = None,
+        tracker: goodput.Tracker | None = None,
     ) -> None:
         super().__init__(started=time.perf_counter())
         self.identity = identity
@@ -61,6 +63,8 @@ class TelemetryRecorder(recording.EventCollector):
         """Summary of the last finished step."""
         self.steps: list[dict[str, float | int]] = []
         """steps.jsonl records of the recent steps (newest last, at most ``KEEP_STEPS``)."""
+        self.tracker = tracker
+        """Global rank 0's goodput account (None elsewhere, or without a log directory)."""
         self._measure: Callable[[], Mapping[str, int]] | None = None
         self._payload: Callable[[], tuple[int, int]] | None = None
 
@@ -102,9 +106,23 @@ class TelemetryRecorder(recording.EventCollector):
         self.last = stats
         self.steps.append(stats.log_record())
         del self.steps[:-KEEP_STEPS]
+        self._goodput(stats)
         memory = self.memory()
         for sink in self.sinks:
             sink.publish(stats, events, start, memory)
+
+    def _goodput(self, stats: stepstats.StepStats) -> None:
+        """Rank 0: the step into the goodput account, the account to /progress and the exporter."""
+        if self.tracker is None:
+            return
+        now = time.time()
+        found = self.tracker.step(stats.step, stats.seconds, now)
+        account = self.tracker.accountant.account(now)
+        for sink in self.sinks:
+            if isinstance(sink, exporter.Exporter):
+                sink.goodput(account, found)
+        if self.progress is not None:
+            self.progress.update(goodput=account.progress())
 
     # -- beyond the protocol -------------------------------------------------
 
@@ -226,7 +244,8 @@ def make_recorder(
                 Path(log_dir), identity, facts, schedule=spec.parallelism.schedule, steps=steps_log
             )
         )
-    return TelemetryRecorder(identity, facts, sinks, device=device)
+    tracker = goodput.Tracker(log_dir) if rank == 0 and log_dir is not None else None
+    return TelemetryRecorder(identity, facts, sinks, device=device, tracker=tracker)
 
 
 __all__ = ["TelemetryRecorder", "job_facts", "make_recorder"]

@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ import matplotlib.pyplot as plt  # after matplotlib.use(): the backend must be c
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from meshtrain.trainer.telemetry import steplog, timeline, trace
+from meshtrain.trainer.telemetry import goodput, steplog, timeline, trace
 
 SPLIT_COLOURS = {
     "compute": "#3b75af",
@@ -54,6 +55,8 @@ class Run:
     """steps.jsonl, one record per step (the last record wins for a step a resumed run repeated)."""
     traces: dict[int, list[dict[str, Any]]]
     """rank -> its trace lines, one per step."""
+    goodput: goodput.Account | None = None
+    """The run's goodput from steps.jsonl and recoveries.jsonl (None: not read)."""
 
 
 def _expected(log_dir: Path) -> str:
@@ -110,7 +113,12 @@ def load(log_dir: Path) -> Run:
         lines = _records(path, {"rank", "pp", "dp", "tp", "step", "seconds", "events"})
         if lines:
             traces[lines[0]["rank"]] = list({line["step"]: line for line in lines}.values())
-    return Run(log_dir=log_dir, steps=[by_step[s] for s in sorted(by_step)], traces=traces)
+    return Run(
+        log_dir=log_dir,
+        steps=[by_step[s] for s in sorted(by_step)],
+        traces=traces,
+        goodput=goodput.account_of(log_dir),
+    )
 
 
 def _steady(values: list[T]) -> list[T]:
@@ -287,6 +295,78 @@ def summary(run: Run) -> list[tuple[str, str]]:
     return rows
 
 
+FAILURE_COLUMNS = ("tier", "cause", "resumed after", "steps lost", *goodput.PHASES, "lost")
+"""The per-failure table's columns after the failure's time."""
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.1f} s"
+
+
+def goodput_rows(account: goodput.Account | None) -> list[tuple[str, str]]:
+    """(what, value) rows of the goodput section (none when no step record has a time)."""
+    if account is None or account.ratio is None:
+        return []
+    lost = account.lost_seconds
+    return [
+        ("goodput", f"{account.ratio:.2%}"),
+        ("productive step time", _seconds(account.productive_seconds)),
+        ("wall time since the first step", _seconds(account.wall_seconds)),
+        *((f"lost to failures: {phase}", _seconds(lost[phase])) for phase in goodput.PHASES),
+        ("other (start-up, checkpoints, evaluation)", _seconds(account.other_seconds)),
+        ("failures", str(account.failure_count)),
+    ]
+
+
+def failure_rows(account: goodput.Account | None) -> list[list[str]]:
+    """One row per failure (the newest :data:`goodput.MAX_FAILURES`): when, tier, cause, the loss."""
+    if account is None:
+        return []
+    return [
+        [
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(f.failed_at)),
+            f.tier,
+            f.cause,
+            f"step {f.resumed_step}",
+            str(f.lost_steps),
+            *(_seconds(f.seconds[phase]) for phase in goodput.PHASES),
+            _seconds(f.lost_seconds),
+        ]
+        for f in account.failures
+    ]
+
+
+def goodput_text(account: goodput.Account | None) -> list[str]:
+    """The goodput section as lines of text (what ``meshtrain report`` also prints)."""
+    rows = goodput_rows(account)
+    if not rows:
+        return []
+    lines = [f"{what}: {value}" for what, value in rows]
+    for row in failure_rows(account):
+        lines.append(
+            f"  {row[0]} UTC {row[1]} ({row[2]}), resumed after {row[3]}, {row[4]} step(s) lost: "
+            + ", ".join(f"{p} {v}" for p, v in zip(goodput.PHASES, row[5:9], strict=True))
+        )
+    return lines
+
+
+def _goodput_html(account: goodput.Account | None) -> str:
+    rows = goodput_rows(account)
+    if not rows:
+        return ""
+    table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    failures = failure_rows(account)
+    listed = ""
+    if failures:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in ("failed at (UTC)", *FAILURE_COLUMNS))
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+            for row in failures
+        )
+        listed = f'<table id="failures"><tr>{head}</tr>{body}</table>'
+    return f'<h2>Goodput</h2><table id="goodput">{table}</table>{listed}'
+
+
 def write_html(run: Run, out: Path) -> Path:
     """The self-contained HTML report."""
     figures = []
@@ -319,7 +399,7 @@ def write_html(run: Run, out: Path) -> Path:
         "<style>body{font-family:sans-serif;max-width:900px;margin:2em auto}"
         "th{text-align:left;padding-right:2em}img{max-width:100%}</style></head><body>"
         f"<h1>meshtrain report</h1><p>{html.escape(str(run.log_dir))}</p>"
-        f"<table>{rows}</table>{note}{images}</body></html>\n"
+        f"<table>{rows}</table>{_goodput_html(run.goodput)}{note}{images}</body></html>\n"
     )
     out.write_text(page, encoding="utf-8")
     return out
@@ -351,4 +431,6 @@ def main(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     (write_png if out.suffix.lower() == ".png" else write_html)(run, out)
     print(f"{out}: {len(run.steps)} steps, {len(run.traces)} rank trace(s)")
+    for line in goodput_text(run.goodput):
+        print(line)
     return 0

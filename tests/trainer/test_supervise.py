@@ -1,0 +1,285 @@
+"""The per-pod supervisor on loopback: in-place recovery with a warm spare, the limit, pass-through, SIGTERM.
+
+Two supervisors play two pods of two local ranks (dp2·pp2, the tiny CPU model).  A rank SIGKILLed
+mid-run is replaced by the spare its pod started before the failure; the healthy ranks keep their
+processes, the supervisors never exit, rank 0 writes the recovery record, and the run ends with
+the weights and optimizer state of an unfaulted run (every checkpoint tensor compared).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from torch.distributed.checkpoint import format_utils
+
+from meshtrain.api import exitcodes
+from meshtrain.trainer import launch, supervise
+from meshtrain.trainer.checkpointing import store
+from meshtrain.trainer.guards import faults
+from meshtrain.trainer.telemetry import recoveries, steplog
+from tests.builders import JobBuilder
+
+REPO = Path(__file__).resolve().parents[2]
+JOINED = re.compile(r"meshtrain worker rank (\d+) pid (\d+): joined generation (\d+)")
+SPARES = re.compile(r"meshtrain supervise pod (\d+): spares \[([\d, ]*)\]")
+
+
+def _spec(directory: Path, steps: int, **checkpoint: Any) -> Path:
+    raw = (
+        JobBuilder.cpu_run()
+        .layout(data=2, pipeline=2)
+        .training(steps=steps)
+        .checkpoint(**{"intervalSteps": 1, "keep": 2, "asyncSave": False, **checkpoint})
+        .raw()
+    )
+    path = directory / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _supervisors(
+    spec: Path,
+    out: Path,
+    pods: int,
+    local: int,
+    *flags: str,
+    trainer: tuple[str, ...] = (),
+    port: int | None = None,
+    only: int | None = None,
+    **env: str,
+) -> list[subprocess.Popen[bytes]]:
+    """``pods`` supervisors on loopback (just pod ``only`` when given), each in its own session
+    (a pod: its children die with it) logging to ``out/sup-<pod>.log``."""
+    port = port or launch.free_port()
+    full = {**supervise.loopback_env(spec, out), **env}
+    procs = []
+    for pod in range(pods) if only is None else [only]:
+        command = supervise.loopback_command(pods, local, pod, port, *flags)
+        if trainer:
+            command += ["--", *trainer]
+        log = (out / f"sup-{pod}.log").open("ab")
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=full,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], out: Path, timeout: float = 400) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise AssertionError(_logs(out)) from None
+    return codes
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(out.glob("sup-*.log")))
+
+
+def _tensors(directory: Path, scratch: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, flattened, without the ``rng.*`` states: the global RNG is
+    seeded at random in every process and training never draws from it (its generators are seeded)."""
+    target = scratch / f"{directory.parent.parent.name}-{directory.name}.pt"
+    format_utils.dcp_to_torch_save(str(directory), str(target))
+    loaded = torch.load(target, weights_only=False)
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = value
+
+    walk(loaded, "")
+    return {k: v for k, v in flat.items() if not k.startswith("rng.")}
+
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def unfaulted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(spec, the checkpoint of the last step of an unfaulted ``meshtrain run`` of it)."""
+    directory = tmp_path_factory.mktemp("unfaulted")
+    spec = _spec(directory, STEPS)
+    assert launch.run_local(spec, log_dir=directory / "run") == 0
+    return spec, Path(str(store.scan(directory / "run" / "checkpoints")[-1].path))
+
+
+def _same_final_state(out: Path, reference: Path, scratch: Path) -> None:
+    """The run in ``out`` ended with ``reference``'s weights and optimizer state, bit for bit."""
+    final = store.scan(out / "checkpoints")[-1]
+    assert final.step == STEPS
+    ours = _tensors(Path(str(final.path)), scratch)
+    theirs = _tensors(reference, scratch)
+    assert sorted(ours) == sorted(theirs) and any(k.startswith("model.") for k in ours)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+
+
+def _pids(text: str) -> dict[int, dict[int, int]]:
+    """generation -> rank -> pid, from the workers' "joined" lines."""
+    joined: dict[int, dict[int, int]] = {}
+    for rank, pid, generation in JOINED.findall(text):
+        joined.setdefault(int(generation), {})[int(rank)] = int(pid)
+    return joined
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_replaced_by_a_warm_spare_in_place(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    spec, reference = unfaulted
+    fault = {faults.ENV: "3:3:kill"}  # global rank 3 (pod 1) is SIGKILLed before step 3
+    codes = _wait(_supervisors(spec, tmp_path, 2, 2, **fault), tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text  # neither supervisor gave up; both finished the run
+
+    joined = _pids(text)
+    assert sorted(joined) == [0, 1], text
+    before, after = joined[0], joined[1]
+    assert sorted(before) == sorted(after) == [0, 1, 2, 3]
+    assert all(before[r] == after[r] for r in (0, 1, 2)), "a healthy rank was restarted"
+    spares_of_pod1 = [
+        int(p) for pod, pids in SPARES.findall(text) if pod == "1" for p in pids.split(",") if p
+    ]
+    assert after[3] != before[3] and after[3] in spares_of_pod1, text  # the spare started first
+
+    [record] = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert record["generation"] == 1 and record["tier"] == "process"
+    assert record["cause"] == "SIGKILL" and record["ranks"] == [3]
+    assert record["resumedStep"] == 2 and record["lostSteps"] == 0
+    assert record["source"] == "storage"
+    times = [
+        record[k] for k in ("failedAt", "detectedAt", "rejoinedAt", "restoredAt", "firstStepAt")
+    ]
+    assert times == sorted(times) and times[-1] - times[0] < 120, record
+    assert max(r["step"] for r in steplog.read(tmp_path / "logs" / steplog.FILENAME)) == STEPS
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    spec, reference = unfaulted
+    port = launch.free_port()
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= 2):
+        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.1)
+    os.killpg(pod1.pid, signal.SIGKILL)  # the pod's container: supervisor, workers, spare
+    pod1.wait()
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the kubelet's restart
+    codes = _wait([pod0, pod1], tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text
+    assert "pod 1: restarted: joining the next round" in text
+    joined = _pids(text)
+    last = max(joined)
+    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in (0, 1)), text
+    assert all(joined[0][r] != joined[last][r] for r in (2, 3)), text
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert records and records[-1]["tier"] in ("container", "pod"), records
+    assert set(records[-1]["ranks"]) == {2, 3}, records
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_past_the_in_place_limit_the_supervisor_exits_for_a_gang_rebuild(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, 4)
+    termination = tmp_path / "termination-log"
+    procs = _supervisors(
+        spec,
+        tmp_path,
+        1,
+        4,
+        "--in-place-limit=0",
+        "--warm-spares=0",
+        **{faults.ENV: "1:2", "MESHTRAIN_TERMINATION_LOG": str(termination)},
+    )
+    assert _wait(procs, tmp_path) == [exitcodes.GANG_RESTART], _logs(tmp_path)
+    code, message = exitcodes.read_failure_report(termination.read_text()) or (None, "")
+    assert code == exitcodes.GANG_RESTART and "in-place" in message
+
+
+@pytest.mark.slow
+def test_a_permanent_worker_code_passes_through(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, 2)
+    termination = tmp_path / "termination-log"
+    procs = _supervisors(
+        spec,
+        tmp_path,
+        1,
+        4,
+        "--warm-spares=0",
+        trainer=("--set", "training.steps=-1"),  # refused by every worker: exit 2
+        MESHTRAIN_TERMINATION_LOG=str(termination),
+    )
+    assert _wait(procs, tmp_path) == [exitcodes.SPEC], _logs(tmp_path)
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.SPEC
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_after_a_checkpoint(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, 500, intervalSteps=1000)
+    [proc] = _supervisors(spec, tmp_path, 1, 4)
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and steplog.read(log)):
+        assert proc.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert _wait([proc], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
+    last = max(r["step"] for r in steplog.read(log))
+    assert [c.step for c in store.scan(tmp_path / "checkpoints")] == [last]
+    assert "supervise pod 0: exit 143" in _logs(tmp_path)
+    assert last < 500
+
+
+@pytest.mark.slow
+def test_losing_pod_0_and_its_store_sends_every_pod_to_a_gang_rebuild(tmp_path: Path) -> None:
+    raw = JobBuilder.cpu_run().layout(data=2).training(steps=500).raw()
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    termination = tmp_path / "termination-log"
+    pod0, pod1 = _supervisors(
+        spec, tmp_path, 2, 1, "--warm-spares=0", MESHTRAIN_TERMINATION_LOG=str(termination)
+    )
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and steplog.read(log)):
+        assert pod1.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.1)
+    os.killpg(pod0.pid, signal.SIGKILL)  # pod 0: the store, its supervisor and its worker
+    assert _wait([pod1], tmp_path, timeout=120) == [exitcodes.GANG_RESTART], _logs(tmp_path)
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.GANG_RESTART

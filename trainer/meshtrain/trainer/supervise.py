@@ -1,0 +1,431 @@
+"""``python -m meshtrain.trainer.supervise``: the per-pod supervisor of the built-in trainer.
+
+It replaces torchrun in the trainer container (same ``PET_*`` / ``MASTER_*`` environment).  Pod
+0's supervisor hosts the job's TCPStore on ``MASTER_PORT``; each supervisor starts one worker per
+local rank (torchrun's environment) and ``runPolicy.recovery.warmSpares`` warm spares
+(:mod:`.recovery.spares`), heartbeats, and watches its children.  A worker that fails with a
+retryable code is replaced by a spare and the gang rebuilds its process groups in place
+(:mod:`.recovery.rendezvous`, :mod:`.recovery.generations`); healthy workers keep their processes.
+Exit codes (docs/recovery.md): 0 when every worker finished; a permanent worker code and
+``STOPPED`` pass through; ``GANG_RESTART`` (75) when in-place recovery is off, exhausted or
+impossible (rejoin timeout, store gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+from meshtrain.api import exitcodes, loading
+from meshtrain.trainer.recovery import generations, rendezvous, spares
+from meshtrain.trainer.telemetry import progress
+
+POLL_S = 0.1
+HEARTBEAT_S = 1.0
+"""How often a supervisor bumps its heartbeat key."""
+HEARTBEAT_TIMEOUT_S = 5.0
+"""Pod 0 declares a pod lost when its heartbeat has not changed for this long."""
+LINGER_S = 15.0
+"""How long pod 0 keeps the store up at the end for the other supervisors to read it."""
+MAX_REAPED = 64
+"""Orphans collected per poll."""
+STORE_CONNECT_S = 60.0
+"""How long a supervisor tries to reach pod 0's store at its start."""
+DEFAULT_RECOVERY = {
+    "in_place": True,
+    "in_place_limit": 10,
+    "warm_spares": 1,
+    "rejoin_timeout_seconds": 120,
+}
+"""``runPolicy.recovery``'s defaults (docs/recovery.md), for a spec without the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the supervisor does on a failure (``runPolicy.recovery``, flags override)."""
+
+    in_place: bool
+    """Recover in place; False: any retryable failure stops the pod with 75."""
+    in_place_limit: int
+    """In-place recoveries per gang attempt."""
+    warm_spares: int
+    """Spare processes kept per pod."""
+    rejoin_timeout_s: float
+    """How long a round waits for every rank."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="python -m meshtrain.trainer.supervise",
+        description="Run this pod's trainer ranks, recovering failed ones in place.",
+    )
+    parser.add_argument("--nnodes", type=int, default=int(env("PET_NNODES", "1")))
+    parser.add_argument("--nproc-per-node", type=int, default=int(env("PET_NPROC_PER_NODE", "1")))
+    parser.add_argument("--node-rank", type=int, default=int(env("PET_NODE_RANK", "0")))
+    parser.add_argument("--master-addr", default=env("MASTER_ADDR", "127.0.0.1"))
+    parser.add_argument("--master-port", type=int, default=int(env("MASTER_PORT", "29500")))
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=float(env("PET_SHUTDOWN_TIMEOUT", "30")),
+        help="seconds the workers get after SIGTERM to save and leave",
+    )
+    parser.add_argument("--warm-spares", type=int, default=None, help="override the spec's")
+    parser.add_argument("--in-place-limit", type=int, default=None, help="override the spec's")
+    parser.add_argument("--rejoin-timeout", type=float, default=None, help="override the spec's")
+    parser.add_argument("--no-in-place", action="store_true", help="any failure: exit 75")
+    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- trainer arguments")
+    return parser
+
+
+def spec_recovery(trainer_args: list[str]) -> dict[str, Any]:
+    """``runPolicy.recovery`` of the spec the workers will read, or the defaults.
+
+    A spec that does not load is the workers' to refuse (exit 2, passed through).
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--spec", default=os.environ.get("MESHTRAIN_SPEC_FILE"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    known, _ = parser.parse_known_args(trainer_args)
+    found = dict(DEFAULT_RECOVERY)
+    try:
+        job = loading.load_spec_file(known.spec) if known.spec else None
+    except (loading.SpecError, OSError):
+        job = None
+    recovery = getattr(job.run_policy, "recovery", None) if job is not None else None
+    for key in found:
+        if recovery is not None and getattr(recovery, key, None) is not None:
+            found[key] = getattr(recovery, key)
+    return found
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    spec = spec_recovery(args.trainer_args)
+    return Settings(
+        in_place=bool(spec["in_place"]) and not args.no_in_place,
+        in_place_limit=int(_pick(args.in_place_limit, spec["in_place_limit"])),
+        warm_spares=max(
+            0, min(int(_pick(args.warm_spares, spec["warm_spares"])), args.nproc_per_node)
+        ),
+        rejoin_timeout_s=float(_pick(args.rejoin_timeout, spec["rejoin_timeout_seconds"])),
+    )
+
+
+def _pick(flag: Any, value: Any) -> Any:
+    return value if flag is None else flag
+
+
+def classify(code: int) -> str:
+    """``done`` (0), ``final`` (a permanent code, STOPPED, or GANG_RESTART from a worker that gave
+    up: pass it through) or ``failed``."""
+    if code == 0:
+        return "done"
+    if code in exitcodes.PERMANENT or code in (exitcodes.STOPPED, exitcodes.GANG_RESTART):
+        return "final"
+    return "failed"
+
+
+def cause(code: int) -> str:
+    """A failure's cause as the records name it: ``SIGKILL``, ``exit 1``."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+def _say(pod: int, message: str) -> None:
+    print(f"meshtrain supervise pod {pod}: {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """One pod's supervisor (see the module)."""
+
+    def __init__(self, args: argparse.Namespace, config: Settings, store: Any) -> None:
+        self.args = args
+        self.config = config
+        self.store = store
+        self.pod = args.node_rank
+        self.local = args.nproc_per_node
+        self.world = args.nnodes * args.nproc_per_node
+        self.trainer_args = [a for a in args.trainer_args if a != "--"]
+        self.pool = spares.Pool(self.child_env(), config.warm_spares)
+        self.workers: dict[int, spares.Child] = {}
+        self.finished: set[int] = set()
+        self.stopping = False
+        self.heartbeat = 0
+        self.seen: dict[int, tuple[bytes, float]] = {}
+        self.lost: set[int] = set()
+
+    # -- children ------------------------------------------------------------------------
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[generations.SUPERVISED_ENV] = generations.Settings(
+            self.config.in_place_limit, self.config.rejoin_timeout_s
+        ).dumps()
+        env.setdefault(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"
+        )  # abort communicators, keep the process
+        if env.get("MESHTRAIN_DEVICE") == "cpu":
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.local)))
+        return env
+
+    def rank_env(self, local_rank: int) -> dict[str, str]:
+        """torchrun's variables for ``local_rank`` of this pod."""
+        return {
+            "RANK": str(self.pod * self.local + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(self.local),
+            "GROUP_RANK": str(self.pod),
+            "MASTER_ADDR": self.args.master_addr,
+            "MASTER_PORT": str(self.args.master_port),
+        }
+
+    def start(self, local_rank: int, child: spares.Child) -> None:
+        spares.assign(child, local_rank, self.rank_env(local_rank), self.trainer_args)
+        self.workers[local_rank] = child
+
+    def replace(self, local_rank: int) -> None:
+        """Give ``local_rank`` to a spare (a cold process if none is left) and start another spare."""
+        child, warm = self.pool.take()
+        self.start(local_rank, child)
+        self.pool.refill()
+        _say(
+            self.pod,
+            f"rank {self.pod * self.local + local_rank} taken by {'spare' if warm else 'new process'}"
+            f" pid {child.pid} (started {time.time() - child.started_at:.1f}s ago)",
+        )
+
+    def stop_workers(self, grace: float) -> list[int]:
+        """SIGTERM every live worker, SIGKILL what is left after ``grace``; their exit codes."""
+        self.pool.close()
+        procs = [w.proc for w in self.workers.values()]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return [proc.returncode for proc in procs]
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the workers and the spares, then watch them until the pod's exit code is known."""
+        rendezvous.init_generation(self.store)
+        if self.store.add(f"rdzv/pod{self.pod}/incarnation", 1) > 1:
+            ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
+            failure = rendezvous.Failure("container", "container restarted", ranks, time.time())
+            _say(self.pod, "restarted: joining the next round")
+            rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
+        for local_rank in range(self.local):
+            self.start(local_rank, self.pool.spawn())
+        self.pool.refill()
+        for local_rank, child in sorted(self.workers.items()):
+            _say(self.pod, f"rank {self.pod * self.local + local_rank} pid {child.pid}")
+        _say(self.pod, f"spares {[s.pid for s in self.pool.spares]}")
+        last_beat = 0.0
+        while True:
+            if self.stopping:
+                return self.stop()
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                last_beat = time.monotonic()
+                self.beat()
+            code = rendezvous.halted(self.store)
+            if code is not None:
+                _say(self.pod, f"the gang was halted with {code}")
+                if code == exitcodes.GANG_RESTART:
+                    progress.write_failure(
+                        code, "in-place recovery exhausted or impossible (limit, rejoin timeout)"
+                    )
+                self.stop_workers(self.args.shutdown_timeout)
+                return code
+            code = self.check_workers()
+            if code is not None:
+                return code
+            self.reap_orphans()
+            time.sleep(POLL_S)
+
+    def check_workers(self) -> int | None:
+        """React to the workers that exited; the pod's exit code once it is known."""
+        for local_rank, child in sorted(self.workers.items()):
+            code = child.proc.poll()
+            if code is None or local_rank in self.finished:
+                continue
+            verdict = classify(code)
+            if verdict == "done":
+                self.finished.add(local_rank)
+                continue
+            rank = self.pod * self.local + local_rank
+            if verdict == "final":
+                _say(self.pod, f"rank {rank} exited {code}: passing it through")
+                if code != exitcodes.STOPPED:  # a stop is agreed by the ranks themselves
+                    rendezvous.halt(self.store, code)
+                self.stop_workers(self.args.shutdown_timeout)
+                return code
+            _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
+            if not self.config.in_place:
+                return self.give_up(f"rank {rank} failed ({cause(code)}); in-place recovery is off")
+            failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
+            rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
+            if rendezvous.halted(self.store) is None:
+                self.replace(local_rank)
+        if len(self.finished) == self.local:
+            self.pool.close()
+            return 0
+        return None
+
+    def reap_orphans(self) -> None:
+        """As a container's PID 1, collect exited orphans (a killed worker's own children), never
+        one of this supervisor's children, whose code ``Popen.poll`` reads."""
+        for spare in self.pool.spares:
+            spare.proc.poll()  # a spare that died is collected here, not left in the way
+        ours = {w.pid for w in self.workers.values()} | {s.pid for s in self.pool.spares}
+        for _ in range(MAX_REAPED):
+            try:
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if found is None or found.si_pid in ours:
+                return
+            os.waitpid(found.si_pid, 0)
+
+    def give_up(self, why: str) -> int:
+        """Halt the gang for a rebuild (75), leaving the reason in the termination log."""
+        _say(self.pod, f"{why}: exit {exitcodes.GANG_RESTART} (gang rebuild)")
+        rendezvous.halt(self.store, exitcodes.GANG_RESTART)
+        progress.write_failure(exitcodes.GANG_RESTART, why)
+        self.stop_workers(self.args.shutdown_timeout)
+        return exitcodes.GANG_RESTART
+
+    def beat(self) -> None:
+        """Bump this pod's heartbeat; pod 0 also looks for pods whose heartbeat stopped."""
+        self.heartbeat += 1
+        self.store.set(f"rdzv/pod{self.pod}/hb", str(self.heartbeat))
+        if self.pod != 0:
+            return
+        now = time.monotonic()
+        for pod in range(1, self.args.nnodes):
+            key = f"rdzv/pod{pod}/hb"
+            if not self.store.check([key]) or self.store.check([f"rdzv/pod{pod}/left"]):
+                continue  # not started yet (the round's rejoin timeout covers it), or done
+            value = self.store.get(key)[:32]
+            if pod not in self.seen or self.seen[pod][0] != value:
+                self.seen[pod] = (value, now)
+                self.lost.discard(pod)
+            elif now - self.seen[pod][1] > HEARTBEAT_TIMEOUT_S and pod not in self.lost:
+                self.lost.add(pod)
+                self.pod_lost(pod, now - self.seen[pod][1])
+
+    def pod_lost(self, pod: int, silent_s: float) -> None:
+        ranks = tuple(range(pod * self.local, (pod + 1) * self.local))
+        _say(self.pod, f"pod {pod} lost (no heartbeat for {silent_s:.0f}s): a round waits for it")
+        failure = rendezvous.Failure("pod", "pod lost", ranks, time.time() - silent_s)
+        rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
+
+    def stop(self) -> int:
+        """SIGTERM: the workers stop after a checkpoint of the same step; STOPPED unless one exited otherwise."""
+        _say(self.pod, "SIGTERM: asking the workers to save and stop")
+        codes = self.stop_workers(self.args.shutdown_timeout)
+        final = [c for c in codes if classify(c) == "final" and c != exitcodes.STOPPED]
+        if final:
+            return final[0]
+        if all(c == 0 for c in codes):
+            return 0
+        return exitcodes.STOPPED if exitcodes.STOPPED in codes else exitcodes.GANG_RESTART
+
+    def linger(self) -> None:
+        """Pod 0: keep the store up until every supervisor left (or :data:`LINGER_S`)."""
+        self.store.set(f"rdzv/pod{self.pod}/left", "1")
+        left = self.store.add(rendezvous.DONE, 1)
+        if self.pod != 0:
+            return
+        deadline = time.monotonic() + LINGER_S
+        while left < self.args.nnodes and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            left = self.store.add(rendezvous.DONE, 0)
+
+
+def loopback_command(pods: int, local: int, pod: int, port: int, *flags: str) -> list[str]:
+    """The command of pod ``pod``'s supervisor when ``pods`` supervisors share this machine
+    (tests and benchmarks; a pod runs it with its ``PET_*`` environment instead)."""
+    return [
+        sys.executable,
+        "-m",
+        "meshtrain.trainer.supervise",
+        f"--nnodes={pods}",
+        f"--nproc-per-node={local}",
+        f"--node-rank={pod}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        *flags,
+    ]
+
+
+def loopback_env(spec: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment of loopback supervisors on the CPU (tests and benchmarks): the spec, logs
+    under ``out/logs``, checkpoints under ``out/checkpoints``, one thread per rank."""
+    return {
+        **os.environ,
+        "MESHTRAIN_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MESHTRAIN_SPEC_FILE": str(spec),
+        "MESHTRAIN_LOG_DIR": os.path.join(out, "logs"),
+        "MESHTRAIN_CHECKPOINT_DIR": os.path.join(out, "checkpoints"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = settings(args)
+    try:
+        store = rendezvous.connect(
+            args.master_addr,
+            args.master_port,
+            master=args.node_rank == 0,
+            timeout_s=STORE_CONNECT_S,
+        )
+    except (RuntimeError, OSError) as err:
+        why = f"cannot reach the rendezvous store {args.master_addr}:{args.master_port}: {err}"
+        _say(args.node_rank, why)
+        progress.write_failure(exitcodes.GANG_RESTART, why)
+        return exitcodes.GANG_RESTART
+    supervisor = Supervisor(args, config, store)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        supervisor.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        code = supervisor.run()
+    except (RuntimeError, OSError) as err:  # the store is gone: pod 0 was lost
+        _say(args.node_rank, f"lost the rendezvous store ({err})")
+        supervisor.stop_workers(args.shutdown_timeout)
+        progress.write_failure(exitcodes.GANG_RESTART, f"lost the rendezvous store: {err}")
+        return exitcodes.GANG_RESTART
+    try:
+        supervisor.linger()
+    except (RuntimeError, OSError):
+        pass
+    _say(args.node_rank, f"exit {code}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
