@@ -484,6 +484,19 @@ OPERATOR_PANELS: list[Panel] = [
         "status.restarts of each TrainingJob.",
     ),
     Panel(
+        "Restarts by tier",
+        "none",
+        [
+            (
+                "{{namespace}}/{{trainingjob}} {{tier}}",
+                f"sum by (namespace, trainingjob, tier) (increase(meshtrain_operator_restarts_total{{{OPSEL}}}[1h]))",
+            )
+        ],
+        "Restarts in the last hour by tier: gang (the gang rebuilt, counted against backoffLimit), "
+        "container (the kubelet restarted a trainer container in place), process and pod (the "
+        "trainer recovered in place); status.recovery has the last one's cause.",
+    ),
+    Panel(
         "Straggler replacements",
         "none",
         [
@@ -590,6 +603,12 @@ OPERATOR_ANNOTATIONS = [
         f"sum by (namespace, trainingjob) (increase(meshtrain_operator_gang_restarts_total{{{OPSEL}}}[1m])) > 0",
         "red",
         "{{namespace}}/{{trainingjob}} restarted its gang",
+    ),
+    _annotation(
+        "In-place restarts",
+        f'sum by (namespace, trainingjob, tier) (increase(meshtrain_operator_restarts_total{{{OPSEL}, tier!="gang"}}[1m])) > 0',
+        "yellow",
+        "{{namespace}}/{{trainingjob}} restarted in place ({{tier}})",
     ),
     _annotation(
         "Straggler replaced",

@@ -20,14 +20,15 @@ rank: every rank exits with it), or another live writer holds the job's checkpoi
 LOSS_GUARD = 5
 """The loss guard skipped ``training.lossGuard.maxConsecutiveSkips`` updates in a row; permanent: a
 restart would replay the same batches from the same checkpoint (the last good one is kept)."""
+GANG_RESTART = 75
+"""In-place recovery is refused or exhausted (``runPolicy.recovery.inPlaceLimit`` reached, a rank did
+not rejoin within ``rejoinTimeoutSeconds``, pod 0's rendezvous store is gone): the supervisor exits
+with it and the operator rebuilds the whole gang at once (counted against ``backoffLimit``). The
+kubelet never restarts a container in place on it (75 is BSD's EX_TEMPFAIL: retryable, elsewhere)."""
 STOPPED = 128 + signal.SIGTERM
 """A rank stopped on a signal after saving its last step; never 0, so a stopped pod does not read as finished."""
 INTERRUPTED = 128 + signal.SIGINT
 """``meshtrain run`` was interrupted (Ctrl-C or SIGTERM) and stopped its ranks."""
-GANG_RESTART = 75
-"""The supervisor gave up recovering in place (``runPolicy.recovery.inPlaceLimit`` reached, a rejoin
-timed out, the rendezvous store is gone, or in-place recovery is off): rebuild the gang; retryable."""
-
 PERMANENT: dict[int, str] = {
     SPEC: "the trainer rejected its configuration",
     DATA: "the dataset is missing or unusable",
@@ -38,6 +39,24 @@ PERMANENT: dict[int, str] = {
     127: "the container command was not found in the image",
 }
 """Exit codes after which restarting the gang cannot help, and what each means."""
+
+CONTAINER_DIED: dict[int, str] = {
+    1: "an uncaught error ended the supervisor (Python's code for an unhandled exception)",
+    128 + signal.SIGILL: "killed by SIGILL (an illegal instruction in native code)",
+    128
+    + signal.SIGABRT: "killed by SIGABRT (native code aborted: a failed CUDA, NCCL or C++ check)",
+    128 + signal.SIGBUS: "killed by SIGBUS (a bus error: often /dev/shm exhausted)",
+    128 + signal.SIGFPE: "killed by SIGFPE (an arithmetic fault in native code)",
+    128 + signal.SIGKILL: "killed by SIGKILL (a kill -9, the runtime, or the OOM killer)",
+    128 + signal.SIGSEGV: "killed by SIGSEGV (a segmentation fault in native code)",
+}
+"""The trainer container's exit codes that mean "this container died" while its pod and node are
+fine: the kubelet restarts the container in place on them (``restartPolicyRules``, built-in
+trainer with ``runPolicy.recovery.inPlace``).  Never 0 (done), a :data:`PERMANENT` code, or
+:data:`GANG_RESTART`, :data:`STOPPED` (143: the pod is being stopped; its rank saved) and
+:data:`INTERRUPTED`: those end the container for good and the operator decides.  An OOM kill
+(137, reason ``OOMKilled``) is restarted too, but the operator rebuilds the gang on it (the same
+step would run out of memory again), counted against ``backoffLimit`` as before."""
 
 MESSAGE_LIMIT = 3000
 """Characters of the trainer's message kept in a failure report (the kubelet keeps 4096 bytes)."""

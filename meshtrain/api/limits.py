@@ -64,6 +64,13 @@ MAX_SECONDS = 315_360_000
 MAX_COUNT = 10_000
 """Small counts a job repeats: restarts, checkpoints kept, replacements, skips in a row."""
 
+MAX_SPARE_NODES = 1_024
+"""Nodes one job keeps reserved as spares (``runPolicy.recovery.spareNodes``); placement sizes its
+search with them (one spare per 16 pods of the largest world is 256)."""
+
+MAX_REJOIN_SECONDS = 86_400
+"""How long ranks may wait at a rendezvous round (``runPolicy.recovery.rejoinTimeoutSeconds``): a day."""
+
 MAX_SEED = 2**32 - 1
 """Random seed: 32 bits, what every generator the trainer seeds accepts (NumPy's included; the
 API server keeps schema bounds as floats, so 2**63 - 1 would not survive there)."""
@@ -73,6 +80,9 @@ MAX_BUCKET_MB = 65_536.0
 
 MAX_STRING_LENGTH = 4_096
 """Any string the spec does not bound more tightly (paths, commands, annotation values)."""
+
+MAX_POD_NAME_LENGTH = 63
+"""A pod name that is also its hostname (a DNS label): a replacement's ``<job>-r<a>-<i>-p<n>``."""
 
 MAX_UID_LENGTH = 128
 """A Kubernetes object UID (36 characters today) as a status field carries it."""

@@ -10,8 +10,9 @@
    between their namespaces), run from the trainer image, train to Succeeded, and
    Prometheus scraped their metrics at the pod IPs; kubectl logs, exec and
    describe work.
-3. The same job again, and one rank's container killed mid-run: the gang
-   restarts, resumes from its checkpoint and succeeds with status.restarts == 1.
+3. The same job again without in-place recovery (``runPolicy.recovery.inPlace: false``), and one
+   rank's container killed mid-run: the gang restarts, resumes from its checkpoint and succeeds
+   with status.restarts == 1.
 4. The same job again, re-laid-out mid-run with ``kubectl patch`` (dp2·pp2 ->
    dp4·pp1) between two periodic checkpoints: the deleted gang saves the step
    it stopped at, and the rebuilt gang resumes there, resharded.
@@ -223,10 +224,12 @@ def _run_until_checkpoint(
     steps: int,
     at_least: int = 10,
     timeout: float = 600,
+    run_policy: dict | None = None,
 ) -> tuple[str, pathlib.Path, int]:
-    """Apply a variant of the example; once a checkpoint of ``at_least`` steps or more is complete, the job
-    still running, return its namespace, checkpoint directory and newest checkpoint step."""
-    job = _example(name, claim).training(steps=steps)
+    """Apply a variant of the example (``run_policy`` merged in); once a checkpoint of ``at_least``
+    steps or more is complete, the job still running, return its namespace, checkpoint directory
+    and newest checkpoint step."""
+    job = _example(name, claim).training(steps=steps).run_policy(**(run_policy or {}))
     namespace, _ = example.apply(paths, _written(paths, job))
     checkpoints = paths.root / "volumes" / namespace / claim / namespace / name
     deadline = time.monotonic() + timeout
@@ -294,7 +297,9 @@ def test_killed_rank_restarts_the_gang_and_resumes_from_checkpoint(
 ) -> None:
     paths, _state = sandbox
     name, steps = "sandbox-restart", 300
-    namespace, checkpoints, saved = _run_until_checkpoint(paths, name, "restart-checkpoints", steps)
+    namespace, checkpoints, saved = _run_until_checkpoint(
+        paths, name, "restart-checkpoints", steps, run_policy={"recovery": {"inPlace": False}}
+    )  # the full gang rebuild; tests/e2e/test_sandbox_in_place.py restarts the container in place
     pod = next(
         p
         for p in _pods(paths, name)

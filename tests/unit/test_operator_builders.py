@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import yaml
 
-from meshtrain.api import loading, release
+from meshtrain.api import exitcodes, loading, release
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import builders, identity, naming
+from meshtrain.operator.policy import builders, identity, kubelet_tier, naming
 from tests.builders import JobBuilder
 
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
@@ -134,7 +134,8 @@ def test_deleted_pods_get_the_grace_period_to_checkpoint_and_torchrun_a_little_l
     )
     pod = builders.build_pod(REF, spec, 0, 0, "n-a")
     assert pod["spec"]["terminationGracePeriodSeconds"] == 120
-    assert "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)" in pod["spec"]["containers"][0]["args"]
+    # the supervisor reads torchrun's variable (its workers get that long after SIGTERM)
+    assert pod["spec"]["containers"][0]["command"] == list(kubelet_tier.SUPERVISOR_COMMAND)
     assert env_of(pod)["PET_SHUTDOWN_TIMEOUT"] == "115"
     default = builders.build_pod(
         REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1)), 0, 0, "n-a"
@@ -145,13 +146,12 @@ def test_deleted_pods_get_the_grace_period_to_checkpoint_and_torchrun_a_little_l
     )
 
 
-def test_torchrun_command_and_env():
+def test_supervisor_command_and_torchruns_env():
     spec = spec_of(JobBuilder().layout(data=2, pipeline=2, tensor=2, gpus_per_node=4))
     pod = builders.build_pod(REF, spec, 3, 1, "n-b")
     container = pod["spec"]["containers"][0]
-    assert container["command"] == ["torchrun"]
-    assert container["args"][-2:] == ["-m", "meshtrain.trainer"]
-    assert "--node-rank=$(PET_NODE_RANK)" in container["args"]
+    assert container["command"] == ["python", "-m", "meshtrain.trainer.supervise"]
+    assert container["args"] == []
     env = env_of(pod)
     assert (
         env["PET_NNODES"] == "2"
@@ -378,3 +378,33 @@ def test_a_gang_policy_rule_without_peers_is_left_out_never_an_empty_from():
     only_operator = builders.GangPeers(operator=(OPERATOR_PEER,))
     rules = builders.build_network_policy(REF, spec, only_operator)["spec"]["ingress"]
     assert len(rules) == 2 and all(rule["from"] for rule in rules)
+
+
+def test_the_built_in_trainer_is_restarted_in_place_by_the_kubelet_when_it_dies():
+    spec = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
+    container = builders.build_pod(REF, spec, 0, 0, "n-a")["spec"]["containers"][0]
+    assert container["restartPolicy"] == "Never"
+    [rule] = container["restartPolicyRules"]
+    assert rule["action"] == "Restart" and rule["exitCodes"]["operator"] == "In"
+    codes = set(rule["exitCodes"]["values"])
+    assert {1, 134, 137, 139} <= codes
+    never = {0, exitcodes.GANG_RESTART, exitcodes.STOPPED, exitcodes.INTERRUPTED}
+    assert not codes & (never | set(exitcodes.PERMANENT))
+    env = env_of(builders.build_pod(REF, spec, 0, 0, "n-a"))
+    assert env[kubelet_tier.ENV_IN_PLACE] == "1" and env[kubelet_tier.ENV_IN_PLACE_LIMIT] == "10"
+    assert env[kubelet_tier.ENV_WARM_SPARES] == "1"
+    assert env[kubelet_tier.ENV_REJOIN_TIMEOUT] == "120"
+
+
+def test_no_restart_rules_for_a_custom_trainer_or_without_in_place_recovery():
+    custom = JobBuilder().layout(data=2, gpus_per_node=1).trainer(type="custom", command=["train"])
+    for builder in (
+        custom,
+        JobBuilder().layout(data=2, gpus_per_node=1).run_policy(recovery={"inPlace": False}),
+        JobBuilder().layout(data=2, gpus_per_node=1).run_policy(recovery={"inPlaceLimit": 0}),
+    ):
+        pod = builders.build_pod(REF, spec_of(builder), 0, 0, "n-a")
+        container = pod["spec"]["containers"][0]
+        assert "restartPolicy" not in container and "restartPolicyRules" not in container
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert env_of(pod)[kubelet_tier.ENV_IN_PLACE] == "0"

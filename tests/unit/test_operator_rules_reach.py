@@ -188,6 +188,9 @@ def _pods(r: random.Random, pods: int, attempt: int, running: bool) -> list[pod_
             )
             for i in range(pods)
         ]
+        if running and pods > 1 and r.random() < 0.3:  # a gang that rejoins loses its last pod
+            gang = [dataclasses.replace(p, rejoins=True) for p in gang]
+            gang[-1] = dataclasses.replace(gang[-1], deleting=True)
     stale = [_pod(r, r.randrange(pods), attempt - 1) for _ in range(r.choice([0, 0, 1])) if attempt]
     return gang + stale
 
@@ -238,13 +241,27 @@ def _job(r: random.Random, running: bool) -> tuple[job_state.JobState, int]:
     return job_state.read(body), pods
 
 
+def _restarted(side: random.Random, gang: list[pod_state.PodState]) -> list[pod_state.PodState]:
+    """Now and then a running pod whose trainer container the kubelet restarted in place (once,
+    or past the default inPlaceLimit); drawn from ``side``, so the main stream stays."""
+    if side.random() >= 0.15:
+        return gang
+    last = pod_state.LastExit(137, "Error", None, at(-5))
+    return [
+        dataclasses.replace(p, uid=f"u-{p.name}", restarts=side.choice([1, 12]), last_exit=last)
+        if p.phase == "Running" and side.random() < 0.5
+        else p
+        for p in gang
+    ]
+
+
 def situations(seed: int, count: int) -> Iterator[situation.Situation]:
-    r = random.Random(seed)
+    r, side = random.Random(seed), random.Random(seed + 1)
     for _ in range(count):
         running = r.random() < 0.2  # a running gang now and then: the last rows need one
         job, pods = _job(r, running)
         attempt = int(job.status.get("restarts") or 0)
-        gang = _pods(r, pods, attempt, running)
+        gang = _restarted(side, _pods(r, pods, attempt, running))
         gone = frozenset(f"n{i}" for i in range(pods) if r.random() < 0.05)
         now = at(r.choice([0, 5, 11, 61, 400, 1200]))
         yield situation.Situation(job, tuple(gang), now, _kueue(r, running), gone)

@@ -22,6 +22,22 @@ TRAINER_DOCUMENT = {
     "stragglers": [{"rank": 3, "slowdown": 1.8, "since_step": 90}],
     "gradient_noise_scale": 512.0,
     "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
+    "recovery": [
+        {
+            "generation": 1,
+            "tier": "process",
+            "cause": "exit 1",
+            "ranks": [3],
+            "failedAt": 100.0,
+            "detectedAt": 100.5,
+            "rejoinedAt": 101.0,
+            "restoredAt": 101.5,
+            "resumedStep": 40,
+            "source": "memory",
+            "lostSteps": 2,
+            "firstStepAt": 102.0,
+        }
+    ],
     "goodput": {
         "ratio": 0.875,
         "productive_seconds": 3500.0,
@@ -29,7 +45,8 @@ TRAINER_DOCUMENT = {
         "lost_seconds": {"detection": 1.5, "restart": 20.0, "reload": 3.5, "recompute": 40.0},
     },
 }
-"""Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS)."""
+"""Every field the trainer sends (meshtrain.trainer.telemetry.progress.FIELDS, and ``recovery``
+once it recovered in place)."""
 
 
 def parse(doc: object) -> progress_report.Reading:

@@ -275,6 +275,30 @@ INVALID = [
         "spec.resources.extraResources",
         ["gpuResourceName", "'nvidia.com/gpu'", "'8'", "gpusPerNode=2"],
     ),
+    (
+        "more warm spares than a pod's ranks",
+        JobBuilder().gpus(2).run_policy(recovery={"warmSpares": 3}),
+        "spec.runPolicy.recovery.warmSpares",
+        ["warmSpares=3", "gpusPerNode=2", "at most 2"],
+    ),
+    (
+        "a negative in-place budget",
+        JobBuilder().run_policy(recovery={"inPlaceLimit": -1}),
+        "spec.runPolicy.recovery.inPlaceLimit",
+        ["greater than or equal to 0"],
+    ),
+    (
+        "a rejoin timeout of zero",
+        JobBuilder().run_policy(recovery={"rejoinTimeoutSeconds": 0}),
+        "spec.runPolicy.recovery.rejoinTimeoutSeconds",
+        ["greater than or equal to 1"],
+    ),
+    (
+        "spare nodes past their bound",
+        JobBuilder().run_policy(recovery={"spareNodes": 1025}),
+        "spec.runPolicy.recovery.spareNodes",
+        ["less than or equal to 1024"],
+    ),
 ]
 
 
@@ -287,6 +311,12 @@ def test_invalid_spec_is_refused_naming_field_and_values(case, builder, path, wo
     message = next(str(p) for p in err.value.problems if p.path == path)
     for word in words:
         assert word in message, f"{case}: {word!r} missing from {message!r}"
+
+
+def test_recovery_defaults_restart_in_place_with_one_warm_spare():
+    recovery = loading.parse_spec(JobBuilder().raw()).run_policy.recovery
+    assert (recovery.in_place, recovery.in_place_limit, recovery.warm_spares) == (True, 10, 1)
+    assert (recovery.rejoin_timeout_seconds, recovery.spare_nodes) == (120, 0)
 
 
 def test_every_broken_rule_is_listed_at_once():

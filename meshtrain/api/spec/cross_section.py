@@ -195,6 +195,16 @@ def _straggler_replace_keeps_checkpoints(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _warm_spares_fit(spec: TrainingJobSpec) -> str | None:
+    spares, gpus = spec.run_policy.recovery.warm_spares, spec.resources.gpus_per_node
+    if spares > gpus:
+        return (
+            f"runPolicy.recovery.warmSpares={spares} is above resources.gpusPerNode={gpus}: a pod never "
+            f"loses more ranks than it runs, so more spares only hold memory: choose at most {gpus}"
+        )
+    return None
+
+
 def object_urls(spec: TrainingJobSpec) -> list[tuple[str, str]]:
     """(field, URL) of every ``s3://`` URL the spec names."""
     t = spec.training
@@ -376,6 +386,14 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "runPolicy.stragglerPolicy.action replace needs checkpoint.claimName (the gang is rebuilt on other "
         "nodes and resumes from a checkpoint they can all mount)",
         _straggler_replace_keeps_checkpoints,
+    ),
+    base.Rule(
+        "warm-spares-fit",
+        "spec.runPolicy.recovery.warmSpares",
+        "!has(self.runPolicy.recovery) || !has(self.runPolicy.recovery.warmSpares) "
+        "|| self.runPolicy.recovery.warmSpares <= self.resources.gpusPerNode",
+        "runPolicy.recovery.warmSpares must be at most resources.gpusPerNode (a pod's ranks)",
+        _warm_spares_fit,
     ),
     base.Rule(
         "object-storage-for-urls",

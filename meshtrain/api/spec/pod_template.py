@@ -56,8 +56,10 @@ OWNED_TRAINER_FIELDS: Mapping[str, str] = {
     "workingDir": "set spec.trainer.workingDir",
     "terminationMessagePath": "rank 0 reports its final progress there",
     "terminationMessagePolicy": "rank 0 reports its final progress there",
-    "restartPolicy": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
-    "restartPolicyRules": "the operator restarts the whole gang: set spec.runPolicy.backoffLimit",
+    "restartPolicy": "the kubelet restarts the trainer in place by the operator's rules, else the "
+    "operator restarts the whole gang: set spec.runPolicy.recovery and spec.runPolicy.backoffLimit",
+    "restartPolicyRules": "the kubelet restarts the trainer in place by the operator's rules, else the "
+    "operator restarts the whole gang: set spec.runPolicy.recovery and spec.runPolicy.backoffLimit",
 }
 """Fields of the trainer container the operator sets, and where a job says what it wants instead."""
 

@@ -78,6 +78,49 @@ class StragglerPolicy(base.SpecModel):
     )
 
 
+class Recovery(base.SpecModel):
+    """How a failed rank is recovered before the whole gang is rebuilt (docs/operator.md).
+
+    In place: the pods stay where they are; the built-in trainer's supervisor replaces a failed
+    worker process (a warm spare takes its rank) and the kubelet restarts a dead trainer container
+    (container restart rules); every rank rejoins a new rendezvous round and training resumes.
+    """
+
+    in_place: bool = Field(
+        True,
+        description="Restart failed trainer processes and containers in place (no pod deleted, no placement "
+        "redone); built-in trainer only: a custom trainer (trainer.type custom) always gets the gang rebuild.",
+    )
+    in_place_limit: int = Field(
+        10,
+        ge=0,
+        le=limits.MAX_COUNT,
+        description="In-place restarts (any tier: process, container, pod) one gang attempt may make; past it the "
+        "operator rebuilds the whole gang, which counts against backoffLimit. 0: every failure rebuilds the gang.",
+    )
+    warm_spares: int = Field(
+        1,
+        ge=0,
+        le=limits.MAX_GPUS_PER_NODE,
+        description="Pre-started spare trainer processes per pod (torch imported, waiting for a rank), so a failed "
+        "rank's replacement does not pay a cold Python and torch start; 0: a replacement starts cold.",
+    )
+    rejoin_timeout_seconds: int = Field(
+        120,
+        ge=1,
+        le=limits.MAX_REJOIN_SECONDS,
+        description="How long the ranks wait at a new rendezvous round for every rank (a replaced pod's included) "
+        "before giving up; then the pods exit with the gang-restart code and the operator rebuilds the gang.",
+    )
+    spare_nodes: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_SPARE_NODES,
+        description="Nodes kept reserved for this job beside its gang, so a pod lost with its node is re-placed "
+        "there without waiting for the scheduler; 0: none.",
+    )
+
+
 class RunPolicy(base.SpecModel):
     """Failure, time and lifetime policy."""
 
@@ -131,6 +174,11 @@ class RunPolicy(base.SpecModel):
     straggler_policy: StragglerPolicy = Field(
         default_factory=StragglerPolicy,
         description="Detection of a slow rank (compared with its data-parallel peers) and what to do about it.",
+    )
+    recovery: Recovery = Field(
+        default_factory=Recovery,
+        description="In-place recovery of a failed rank (process, container) before the gang is rebuilt, its "
+        "budget, warm spare processes, the rejoin timeout and spare nodes.",
     )
 
 

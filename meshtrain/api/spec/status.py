@@ -4,7 +4,7 @@ operator decided about elastic sizes and stragglers.  Written only by the operat
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -45,6 +45,25 @@ class PodPlacement(base.StatusModel):
         ge=0, description="Node rank: the pod holds ranks [i*gpusPerNode, (i+1)*gpusPerNode)."
     )
     node: str = Field(description="Node name.")
+    pod: str | None = Field(
+        None,
+        max_length=limits.MAX_POD_NAME_LENGTH,
+        description="The pod that holds this index once a lost pod was replaced alone "
+        "(runPolicy.recovery); absent: the gang's own <job>-r<attempt>-<index>.",
+    )
+    replaced: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_COUNT,
+        description="Times this index was replaced in this gang attempt.",
+    )
+
+
+class SpareNode(base.StatusModel):
+    """A node held in reserve for the job (runPolicy.recovery.spareNodes) by a spare pod."""
+
+    pod: str = Field(max_length=limits.MAX_POD_NAME_LENGTH, description="The spare pod.")
+    node: str = Field(description="The node whose GPUs it holds for a replacement.")
 
 
 class Progress(base.StatusModel):
@@ -201,6 +220,79 @@ class Disruptions(base.StatusModel):
     )
 
 
+class RecoveryRecord(base.StatusModel):
+    """One in-place recovery: the trainer's record (``recoveries.jsonl``), or a container restart the kubelet made."""
+
+    generation: int | None = Field(None, description="Rendezvous round training continued in.")
+    tier: Literal["process", "container", "pod", "gang"] = Field(
+        description="What was restarted: a process (a spare took its rank), a container (the kubelet's "
+        "restart rules), a pod (re-placed), the gang."
+    )
+    cause: str = Field(description="Why: exit 1, SIGKILL, OOMKilled, pod deleted, node lost, ...")
+    pod: str | None = Field(
+        None, description="The pod whose trainer container restarted (tier container)."
+    )
+    ranks: list[Annotated[int, Field(ge=0, description="A global rank.")]] = Field(
+        default_factory=list, description="Global ranks that failed (at most 16)."
+    )
+    failed_at: float | None = Field(None, description="Unix time the failure was first observed.")
+    detected_at: float | None = Field(
+        None, description="Unix time the new rendezvous round started."
+    )
+    rejoined_at: float | None = Field(
+        None, description="Unix time the process groups were rebuilt."
+    )
+    restored_at: float | None = Field(None, description="Unix time the state was loaded.")
+    resumed_step: int | None = Field(None, description="Step training continued after.")
+    source: Literal["memory", "storage"] | None = Field(
+        None, description="Where the restored state came from."
+    )
+    lost_steps: int | None = Field(None, description="Steps computed again.")
+    first_step_at: float | None = Field(None, description="Unix time the next step completed.")
+
+
+class RecoveryTiers(base.StatusModel):
+    """In-place restarts by tier."""
+
+    process: int = Field(0, ge=0, description="Worker processes the supervisor replaced.")
+    container: int = Field(
+        0, ge=0, description="Trainer containers the kubelet restarted in place."
+    )
+    pod: int = Field(0, ge=0, description="Pods re-placed while the others waited.")
+
+
+class CountedPod(base.StatusModel):
+    """A pod whose trainer container restarts are counted."""
+
+    uid: str = Field(max_length=128, description="The pod's UID.")
+    restarts: int = Field(ge=0, description="Its trainer container's restartCount counted so far.")
+
+
+class RecoveryStatus(base.StatusModel):
+    """In-place restarts (runPolicy.recovery): counted once each, with the last one's cause."""
+
+    in_place_restarts: int = Field(0, ge=0, description="In-place restarts of any tier so far.")
+    by_tier: RecoveryTiers = Field(default_factory=RecoveryTiers, description="The same, by tier.")
+    last: RecoveryRecord | None = Field(None, description="The newest in-place recovery.")
+    attempt: int = Field(
+        0, ge=0, description="Gang attempt (status.restarts) the counts below are of."
+    )
+    attempt_restarts: int = Field(
+        0,
+        ge=0,
+        description="In-place restarts of that gang attempt: past runPolicy.recovery.inPlaceLimit the "
+        "gang is rebuilt.",
+    )
+    counted_generation: int | None = Field(
+        None,
+        description="Newest rendezvous round of the trainer's records counted in that attempt.",
+    )
+    counted_pods: list[CountedPod] = Field(
+        default_factory=list,
+        description="Pods of that attempt whose container restarts are counted (each restart once).",
+    )
+
+
 class TrainingJobStatus(base.StatusModel):
     """The status subresource of a TrainingJob."""
 
@@ -212,6 +304,12 @@ class TrainingJobStatus(base.StatusModel):
     world_size: int | None = Field(None, description="Processes in the job, one GPU each.")
     placement: list[PodPlacement] = Field(
         default_factory=list, description="Node per pod (rank block)."
+    )
+    spares: list[SpareNode] = Field(
+        default_factory=list,
+        max_length=limits.MAX_SPARE_NODES,
+        description="Nodes held in reserve while the gang runs (runPolicy.recovery.spareNodes): a lost "
+        "pod's replacement takes one first.",
     )
     cross_level_bytes: dict[str, float] = Field(
         default_factory=dict, description="Predicted bytes per step crossing each fabric level."
@@ -264,4 +362,8 @@ class TrainingJobStatus(base.StatusModel):
     )
     straggler_replacements: int = Field(
         0, ge=0, description="Gangs rebuilt without a straggler's node so far."
+    )
+    recovery: RecoveryStatus | None = Field(
+        None,
+        description="In-place restarts (process, container, pod) counted with their cause; set after the first.",
     )

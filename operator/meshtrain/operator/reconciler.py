@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from meshtrain import placement
-from meshtrain.operator import gang_fit, placing, planning
+from meshtrain.operator import gang_fit, placing, planning, replacing, sparing
 from meshtrain.operator.cluster import (
     children,
     clock,
@@ -41,6 +41,7 @@ from meshtrain.operator.policy import (
     noise_condition,
     pod_state,
     progress_status,
+    recovery_count,
     rescheduling,
     resizing,
     retries,
@@ -109,6 +110,8 @@ class Reconciler:
             isolated_namespaces=settings.isolated_namespaces,
             gang_peers=settings.gang_peers,
         )
+        self.replacer = replacing.Replacer(self.placer)
+        self.spares = sparing.Spares(self.placer)
         self.progress = progress_client.Poller(
             every=settings.progress_seconds, timeout=settings.progress_timeout_seconds
         )
@@ -160,6 +163,10 @@ class Reconciler:
                 body, job, did = await self._act(action, body, job)
             changed = changed or did
         body, job, did = await self._checkpoints_warned(body, job)
+        changed = changed or did
+        admitted = kueue.state if kueue is not None else None
+        flavors = admitted.flavors if isinstance(admitted, kueue_workload.Admitted) else ()
+        body, job, did = await self.spares.keep(body, job, flavors)
         changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh
@@ -226,6 +233,9 @@ class Reconciler:
             return await self.placer.grow(action, body, job)
         if isinstance(action, rescheduling.ReplaceRefused):
             return await self.placer.replace_refused(action, body, job)
+        if isinstance(action, job_actions.ReplacePods):
+            replaced = await self.replacer.replace(action, body, job)
+            return replaced or await self._all(action.otherwise, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
             fits = await self.fit.fits_without(job, frozenset(action.nodes), clock.now())
             changed = False
@@ -238,6 +248,16 @@ class Reconciler:
             return body, job, changed
         raise TypeError(f"unknown action {action!r}")
 
+    async def _all(
+        self, actions: tuple[job_actions.Action, ...], body: dict[str, Any], job: job_state.JobState
+    ) -> Step:
+        """Each of ``actions`` in turn; changed when any changed something."""
+        changed = False
+        for step in actions:
+            body, job, did = await self._act(step, body, job)
+            changed = changed or did
+        return body, job, changed
+
     async def _poll(
         self, action: job_actions.PollProgress, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
@@ -246,8 +266,11 @@ class Reconciler:
             return body, job, False
         changes = progress_status.polled_changes(report)
         changes |= resizing.baseline(job.status, changes)
+        restarted: tuple[str, ...] = ()
         if job.spec is not None:
             changes |= stragglers.observed(job.spec, job.status, report, clock.now())
+            recovered, restarted = progress_status.recovery_changes(job.status, report, job.spec)
+            changes |= recovered
         if not changes:
             return body, job, False
         warning = None
@@ -263,6 +286,8 @@ class Reconciler:
             if conds != list(before):
                 changes["conditions"] = conds
         body, job, _ = await self.writer.set_status(body, job, changes)
+        for told in restarted:  # each in-place restart the trainer made, named
+            await self.writer.emit(body, "Warning", recovery_count.RESTARTED, told)
         if warning is not None:
             await self.writer.emit(
                 body, "Warning", conditions.GLOBAL_BATCH_FAR_ABOVE_NOISE_SCALE, warning

@@ -208,6 +208,16 @@ INVALID = [
         "should be greater than 1",
     ),
     (
+        "more warm spares than a pod's ranks",
+        _valid().run_policy(recovery={"warmSpares": 5}).manifest(),
+        _rule("warm-spares-fit"),
+    ),
+    (
+        "in-place budget past its bound",
+        _valid().run_policy(recovery={"inPlaceLimit": 10001}).manifest(),
+        "spec.runPolicy.recovery.inPlaceLimit: Invalid value: 10001",
+    ),
+    (
         "pod label the operator selects by",
         _valid().pod(labels={"meshtrain.io/attempt": "9"}).manifest(),
         _rule("labels-not-reserved"),
@@ -271,6 +281,14 @@ def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
     assert stored["spec"]["parallelism"]["schedule"] == "1f1b"
     assert stored["spec"]["runPolicy"]["backoffLimit"] == 3
     assert stored["spec"]["resources"]["gpuResourceName"] == "nvidia.com/gpu"
+    recovery = stored["spec"]["runPolicy"]["recovery"]
+    assert recovery == {
+        "inPlace": True,
+        "inPlaceLimit": 10,
+        "warmSpares": 1,
+        "rejoinTimeoutSeconds": 120,
+        "spareNodes": 0,
+    }
 
 
 def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):

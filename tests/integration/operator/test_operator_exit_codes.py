@@ -1,6 +1,7 @@
-"""A trainer's permanent exit code survives torchrun: a missing dataset fails the job at once, in its words.
+"""A trainer's permanent exit code survives the pod's command: a missing dataset fails the job at
+once, in its words.
 
-The pod's own command (torchrun with the pod's arguments and environment, and
+The pod's own command (the built-in trainer's supervisor, with the pod's environment, and
 the spec the operator wrote to the job's ConfigMap) runs on this machine; its
 exit status and the file it leaves at ``$MESHTRAIN_TERMINATION_LOG`` become
 the pod's status, as the kubelet reports them (``terminationMessagePolicy:
@@ -39,10 +40,10 @@ def _run_pod_command(pod, spec_file: str, termination_log: str) -> subprocess.Co
         MESHTRAIN_TERMINATION_LOG=termination_log,
         MESHTRAIN_DEVICE="cpu",
     )
-    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container.args]
-    assert container.command == ["torchrun"]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container.args or []]
+    assert container.command[0] == "python"  # the image's; here this machine's
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *args],
+        [sys.executable, *container.command[1:], *args],
         env={**os.environ, **env},
         cwd=REPO,
         capture_output=True,
@@ -51,7 +52,7 @@ def _run_pod_command(pod, spec_file: str, termination_log: str) -> subprocess.Co
     )
 
 
-def test_a_missing_dataset_fails_the_job_at_once_through_torchrun(
+def test_a_missing_dataset_fails_the_job_at_once_through_the_supervisor(
     cluster, operator, namespace, pool, tmp_path
 ):
     cluster.add_node(pool, gpus=2)
@@ -65,9 +66,10 @@ def test_a_missing_dataset_fails_the_job_at_once_through_torchrun(
     termination_log = tmp_path / "termination-log"
     termination_log.touch()  # the kubelet creates the file the container writes
     ran = _run_pod_command(pod, str(spec_file), str(termination_log))
-    assert ran.returncode == 1, ran.stderr[-2000:]  # torchrun hides the worker's code 3 ...
+    # the supervisor passes the worker's permanent code through (torchrun made it 1) ...
+    assert ran.returncode == exitcodes.DATA, ran.stderr[-2000:]
     report = exitcodes.read_failure_report(termination_log.read_text())
-    assert report is not None and report[0] == exitcodes.DATA  # ... the report keeps it
+    assert report is not None and report[0] == exitcodes.DATA  # ... and the report keeps it
     assert MISSING in report[1]
 
     cluster.set_pod_phase(

@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from meshtrain.api import exitcodes, loading
+from meshtrain.api.spec import run_policy
 from meshtrain.trainer.recovery import generations, rendezvous, spares
 from meshtrain.trainer.telemetry import progress
 
@@ -38,13 +39,6 @@ MAX_REAPED = 64
 """Orphans collected per poll."""
 STORE_CONNECT_S = 60.0
 """How long a supervisor tries to reach pod 0's store at its start."""
-DEFAULT_RECOVERY = {
-    "in_place": True,
-    "in_place_limit": 10,
-    "warm_spares": 1,
-    "rejoin_timeout_seconds": 120,
-}
-"""``runPolicy.recovery``'s defaults (docs/recovery.md), for a spec without the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,36 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def spec_recovery(trainer_args: list[str]) -> dict[str, Any]:
-    """``runPolicy.recovery`` of the spec the workers will read, or the defaults.
+def spec_recovery(trainer_args: list[str]) -> run_policy.Recovery:
+    """``runPolicy.recovery`` of the spec the workers will read, or its defaults.
 
     A spec that does not load is the workers' to refuse (exit 2, passed through).
     """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--spec", default=os.environ.get("MESHTRAIN_SPEC_FILE"))
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
     known, _ = parser.parse_known_args(trainer_args)
-    found = dict(DEFAULT_RECOVERY)
     try:
         job = loading.load_spec_file(known.spec) if known.spec else None
     except (loading.SpecError, OSError):
         job = None
-    recovery = getattr(job.run_policy, "recovery", None) if job is not None else None
-    for key in found:
-        if recovery is not None and getattr(recovery, key, None) is not None:
-            found[key] = getattr(recovery, key)
-    return found
+    return job.run_policy.recovery if job is not None else run_policy.Recovery()
 
 
 def settings(args: argparse.Namespace) -> Settings:
     spec = spec_recovery(args.trainer_args)
     return Settings(
-        in_place=bool(spec["in_place"]) and not args.no_in_place,
-        in_place_limit=int(_pick(args.in_place_limit, spec["in_place_limit"])),
+        in_place=spec.in_place and not args.no_in_place,
+        in_place_limit=int(_pick(args.in_place_limit, spec.in_place_limit)),
         warm_spares=max(
-            0, min(int(_pick(args.warm_spares, spec["warm_spares"])), args.nproc_per_node)
+            0, min(int(_pick(args.warm_spares, spec.warm_spares)), args.nproc_per_node)
         ),
-        rejoin_timeout_s=float(_pick(args.rejoin_timeout, spec["rejoin_timeout_seconds"])),
+        rejoin_timeout_s=float(_pick(args.rejoin_timeout, spec.rejoin_timeout_seconds)),
     )
 
 

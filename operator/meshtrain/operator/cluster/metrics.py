@@ -50,6 +50,15 @@ RESTARTS = prometheus_client.Counter(
     "Gang restarts performed after a pod failure.",
     labelnames=JOB_LABELS,
 )
+RESTART_TIERS = ("gang", "process", "container", "pod")
+"""``tier`` of :data:`RESTARTS_BY_TIER`: the operator's gang rebuild, or an in-place restart."""
+RESTARTS_BY_TIER = prometheus_client.Counter(
+    "meshtrain_operator_restarts",
+    "Restarts of a job's training by tier: gang (the operator rebuilt the gang, as "
+    "meshtrain_operator_gang_restarts_total counts), container (the kubelet restarted a trainer "
+    "container in place), process or pod (the trainer's supervisor recovered in place).",
+    labelnames=(*JOB_LABELS, "tier"),
+)
 ELASTIC_RESIZES = prometheus_client.Counter(
     "meshtrain_operator_elastic_resizes",
     "Gangs placed at another data-parallel degree than they ran at (runPolicy.elastic), by direction.",
@@ -150,6 +159,8 @@ def observe_job(
         data_degree=_data_degree(spec, status),
         straggler_replacements=int(status.get("stragglerReplacements") or 0),
     )
+    for tier in RESTART_TIERS:  # each tier's series from 0, not from its first restart
+        RESTARTS_BY_TIER.labels(namespace=key[0], trainingjob=key[1], tier=tier)
     if (spec.get("runPolicy") or {}).get(
         "elastic"
     ):  # each direction's series from 0, not from its first resize
@@ -183,6 +194,8 @@ def resized(namespace: str, name: str, direction: str) -> None:
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted job, its restart counter included (a series per job ever seen would only grow)."""
     RESTARTS.remove(namespace, name)  # a no-op for a job never restarted
+    for tier in RESTART_TIERS:
+        RESTARTS_BY_TIER.remove(namespace, name, tier)
     for direction in RESIZE_DIRECTIONS:
         ELASTIC_RESIZES.remove(namespace, name, direction)
     view = _jobs.pop((namespace, name), None)
@@ -195,7 +208,31 @@ def forget_all() -> None:
     _jobs.clear()
     _reached_running.clear()
     RESTARTS.clear()
+    RESTARTS_BY_TIER.clear()
     ELASTIC_RESIZES.clear()
+
+
+def restarted(
+    namespace: str, name: str, before: Mapping[str, Any], after: Mapping[str, Any]
+) -> None:
+    """Count the restarts a status write records: a gang rebuild (``restarts`` grew) and the
+    in-place restarts of each tier (``recovery.byTier`` grew)."""
+    labels = {"namespace": namespace, "trainingjob": name}
+    if int(after.get("restarts") or 0) > int(before.get("restarts") or 0):
+        RESTARTS.labels(**labels).inc()
+        RESTARTS_BY_TIER.labels(**labels, tier="gang").inc()
+    old, new = _tiers(before), _tiers(after)
+    for tier in RESTART_TIERS[1:]:
+        if new.get(tier, 0) > old.get(tier, 0):
+            RESTARTS_BY_TIER.labels(**labels, tier=tier).inc(new[tier] - old.get(tier, 0))
+
+
+def _tiers(status: Mapping[str, Any]) -> dict[str, int]:
+    recovery = status.get("recovery")
+    tiers = recovery.get("byTier") if isinstance(recovery, Mapping) else None
+    if not isinstance(tiers, Mapping):
+        return {}
+    return {k: v for k, v in tiers.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def api_error(verb: str) -> None:

@@ -72,8 +72,7 @@ class JobWriter:
             raise kube.Conflict(409, "patch", "trainingjobs/status", "kept changing")
         if answer is None:
             return body, job, False
-        if changes.get("restarts", 0) > int(job.status.get("restarts") or 0):
-            metrics.RESTARTS.labels(namespace=job.ref.namespace, trainingjob=job.ref.name).inc()
+        metrics.restarted(job.ref.namespace, job.ref.name, job.status, {**job.status, **changes})
         return answer, job_state.read(answer), True
 
     async def emit(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:

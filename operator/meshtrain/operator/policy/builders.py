@@ -17,7 +17,14 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import object_storage as api_object_storage
 from meshtrain.api.spec import pod as api_pod
-from meshtrain.operator.policy import identity, naming, node_affinity, pod_override
+from meshtrain.operator.policy import (
+    identity,
+    kubelet_tier,
+    naming,
+    node_affinity,
+    pod_override,
+    replacement,
+)
 
 SHUTDOWN_MARGIN_SECONDS = 5
 """torchrun stops waiting for its ranks this long before the kubelet's SIGKILL."""
@@ -166,6 +173,7 @@ def _env(
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
+        **kubelet_tier.recovery_env(spec),
     }
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
     env.append(
@@ -298,22 +306,15 @@ def _trainer_container(
     image: str,
     mounts: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The trainer container: torchrun of the built-in trainer, or the job's own command."""
+    """The trainer container: the built-in trainer's supervisor (restarted in place by the kubelet
+    when it dies, ``kubelet_tier``), or the job's own command (torchrun, the gang rebuilt)."""
+    run, args = kubelet_tier.command(spec)
     container = {
         "name": naming.CONTAINER,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["torchrun"],
-        "args": [
-            "--nnodes=$(PET_NNODES)",
-            "--nproc-per-node=$(PET_NPROC_PER_NODE)",
-            "--node-rank=$(PET_NODE_RANK)",
-            "--master-addr=$(MASTER_ADDR)",
-            "--master-port=$(MASTER_PORT)",
-            "--shutdown-timeout=$(PET_SHUTDOWN_TIMEOUT)",
-            "-m",
-            "meshtrain.trainer",
-        ],
+        "command": run,
+        "args": args,
         "env": _env(job, spec, attempt, index),
         "ports": [
             *(
@@ -328,12 +329,10 @@ def _trainer_container(
         # Rank 0 writes its final progress here; a failed container reports its log's end instead.
         "terminationMessagePath": naming.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **kubelet_tier.restart_fields(spec),
     }
-    if spec.trainer.type == "custom":
-        container["command"] = list(spec.trainer.command)
-        container["args"] = list(spec.trainer.args)
-        if spec.trainer.working_dir:
-            container["workingDir"] = spec.trainer.working_dir
+    if spec.trainer.type == "custom" and spec.trainer.working_dir:
+        container["workingDir"] = spec.trainer.working_dir
     return container
 
 
@@ -356,20 +355,23 @@ def build_pod(
     *,
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
     pod_group: str | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
 
     It runs ranks ``[index*gpusPerNode, (index+1)*gpusPerNode)`` as torchrun node ``index``.
     With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
-    scheduler then binds the gang all at once or not at all.
+    scheduler then binds the gang all at once or not at all.  ``name``: a replacement's
+    (``naming.replacement_pod_name``), else the gang's own ``<job>-r<attempt>-<index>``.
     """
-    name = naming.pod_name(job.name, attempt, index)
+    name = name or naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
     labels = {
         naming.LABEL_NODE_RANK: str(index),
         naming.LABEL_ATTEMPT: str(attempt),
         naming.LABEL_PIPELINE_STAGES: pipeline_stages(spec, index),
         naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
+        **({naming.LABEL_REJOINS: "true"} if replacement.rejoins(spec) else {}),
     }
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
@@ -400,6 +402,46 @@ def build_pod(
     _apply_pod_settings(spec.pod, metadata, container, pod_spec)
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
     return pod_override.merge(pod, spec.pod_template_override, node)
+
+
+SPARE_PROGRAM = (
+    "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); signal.pause()"
+)
+"""What a spare pod runs: nothing, until SIGTERM, which it answers at once (its node is wanted)."""
+SPARE_GRACE_SECONDS = 5
+"""Grace period of a spare pod: it exits at SIGTERM, so its GPUs are free within a moment."""
+
+
+def build_spare_pod(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    number: int,
+    node: str,
+    *,
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+) -> dict[str, Any]:
+    """Spare pod ``number`` of gang ``attempt``, pinned to ``node``: it requests what a gang pod
+    requests (so neither kube-scheduler nor another job's plan gives those GPUs away) and runs
+    an idle Python in the trainer image, with no volume, port or environment of the gang."""
+    pod = build_pod(job, spec, attempt, 0, node, default_image=default_image)
+    name = naming.spare_pod_name(job.name, attempt, number)
+    labels = pod["metadata"]["labels"]
+    for key in (naming.LABEL_NODE_RANK, naming.LABEL_PIPELINE_STAGES, naming.LABEL_REJOINS):
+        labels.pop(key, None)
+    labels[naming.LABEL_SPARE] = str(number)
+    pod["metadata"]["name"] = name
+    pod_spec = pod["spec"]
+    pod_spec.update(hostname=name, terminationGracePeriodSeconds=SPARE_GRACE_SECONDS, volumes=[])
+    pod_spec.pop("schedulingGates", None)
+    pod_spec.pop("initContainers", None)
+    trainer = next(c for c in pod_spec["containers"] if c["name"] == naming.CONTAINER)
+    trainer.update(
+        command=["python", "-c", SPARE_PROGRAM], args=[], env=[], ports=[], volumeMounts=[]
+    )
+    trainer.pop("workingDir", None)
+    pod_spec["containers"] = [trainer]
+    return pod
 
 
 def _apply_pod_settings(

@@ -152,6 +152,19 @@ def read(pod: Mapping[str, Any]) -> Problem | None:
     return None
 
 
+def restarted_oom(pod: Mapping[str, Any], container: str) -> Problem | None:
+    """The OOM kill ``container`` was restarted in place after (its ``lastState``), or None."""
+    limits = _memory_limits(pod.get("spec") or {})
+    for status in _statuses(pod.get("status") or {}):
+        if status.get("name") != container:
+            continue
+        last = status.get("lastState")
+        said = last.get("terminated") if isinstance(last, Mapping) else None
+        if isinstance(said, Mapping) and said.get("reason") == OOM_KILLED:
+            return Problem(OOM_KILLED, _text(said.get("message")), container, limits.get(container))
+    return None
+
+
 def _creating(pod: Mapping[str, Any]) -> bool:
     return any(
         ((c.get("state") or {}).get("waiting") or {}).get("reason") in CREATING

@@ -85,8 +85,32 @@ class ReplaceStraggler:
     otherwise: tuple[SetStatus | Emit, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplacePods:
+    """Replace the lost pods ``indices`` of the running gang ``attempt`` alone, if a node takes
+    each now (its domain kept where the plan requires one), else do ``otherwise`` (today's rule:
+    the gang rebuilt, at a smaller elastic size where that is what fits).
+
+    Only the cluster says whether a node takes them, so the choice is the reconciler's.
+    """
+
+    attempt: int
+    indices: tuple[int, ...]
+    causes: tuple[tuple[int, str, str], ...]
+    """(pod index, lost pod's name or "", why it was lost) of each lost pod."""
+    avoid: tuple[str, ...]
+    """Nodes a replacement must not go to: the lost pods' own, where the node lost them."""
+    doomed: tuple[str, ...]
+    """Lost pods still to delete (the replacement supersedes them)."""
+    flavors: tuple[str, ...]
+    """The ResourceFlavors Kueue admitted the job with."""
+    otherwise: tuple[Action, ...]
+    """What ``failure.GANG_FAILED`` decides for the same pass."""
+
+
 Action = (
     SetStatus
+    | ReplacePods
     | ReplaceStraggler
     | Emit
     | DeletePods

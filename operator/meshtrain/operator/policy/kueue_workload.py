@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import builders, conditions, identity, naming, node_affinity
+from meshtrain.operator.policy import (
+    builders,
+    conditions,
+    identity,
+    naming,
+    node_affinity,
+    replacement,
+)
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
@@ -149,6 +156,11 @@ def _requests_only(container: Mapping[str, Any]) -> dict[str, Any]:
     return counted
 
 
+def _spares(spec: api_spec.TrainingJobSpec) -> int:
+    """Spare pods the job holds while it runs (none for a gang that cannot rejoin)."""
+    return spec.run_policy.recovery.spare_nodes if replacement.rejoins(spec) else 0
+
+
 def build_workload(
     job: identity.JobRef,
     spec: api_spec.TrainingJobSpec,
@@ -181,7 +193,8 @@ def build_workload(
         }
     workload_spec: dict[str, Any] = {
         "queueName": queue.name,
-        "podSets": [{"name": POD_SET, "count": spec.pods, "template": template}],
+        # The spare pods request what a gang pod does: the quota counts them (runPolicy.recovery.spareNodes).
+        "podSets": [{"name": POD_SET, "count": spec.pods + _spares(spec), "template": template}],
     }
     workload_spec["priority"] = priority.value
     if priority.ref is not None:

@@ -15,10 +15,12 @@ from meshtrain.operator.policy import (
     disruption_budget,
     failure,
     finish,
+    in_place,
     job_actions,
     job_state,
     kueue,
     kueue_workload,
+    pod_loss,
     pod_state,
     running,
     situation,
@@ -54,7 +56,10 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     spec_change.DONE_BEFORE_REBUILD,
     spec_change.REBUILD,
     # PLACED: placed for the spec as it is.
+    in_place.COUNTED,
+    pod_loss.REPLACE_LOST,
     failure.GANG_FAILED,
+    in_place.EXHAUSTED_REBUILD,
     startup.RECREATE_MISSING,
     # GANG_EXISTS: every pod of the gang exists, none failed.
     finish.SUCCEEDED,

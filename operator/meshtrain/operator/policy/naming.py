@@ -28,6 +28,12 @@ LABEL_PIPELINE_STAGES = f"{GROUP}/pipeline-stages"
 """Pipeline stages whose ranks the pod runs, ``"0"`` or ``"0-1"``."""
 LABEL_SPEC_HASH = f"{GROUP}/spec-hash"
 """Hash of the spec the pod was built from (``status.specHash`` of its gang)."""
+LABEL_REJOINS = f"{GROUP}/rejoins"
+"""``"true"`` on a pod whose trainer can join its running gang's rendezvous (built-in trainer
+recovering in place): only such a gang has a lost pod replaced alone."""
+LABEL_SPARE = f"{GROUP}/spare"
+"""On a spare pod (``runPolicy.recovery.spareNodes``): its number; it holds a node's GPUs for a
+replacement and carries no node rank, so the gang's rules never count it."""
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "meshtrain-operator"
 """Value of ``app.kubernetes.io/managed-by`` on every child."""
@@ -82,6 +88,18 @@ def log_dir(checkpoint_path: str, namespace: str, job: str) -> str:
 def pod_name(job: str, attempt: int, index: int) -> str:
     """Pod ``index`` of gang attempt ``attempt``: ``<job>-r<attempt>-<index>`` (also its hostname)."""
     return f"{job}-r{attempt}-{index}"
+
+
+def replacement_pod_name(job: str, attempt: int, index: int, replacement: int) -> str:
+    """The ``replacement``-th pod replacing a lost pod ``index`` of gang ``attempt``:
+    ``<job>-r<attempt>-<index>-p<replacement>`` (its hostname too; pod 0 is never replaced, so
+    ``MASTER_ADDR``, pod 0's name in the headless Service, stays valid)."""
+    return f"{pod_name(job, attempt, index)}-p{replacement}"
+
+
+def spare_pod_name(job: str, attempt: int, number: int) -> str:
+    """Spare pod ``number`` of gang ``attempt``: ``<job>-r<attempt>-s<number>``."""
+    return f"{job}-r{attempt}-s{number}"
 
 
 def pod_group_name(job: str, attempt: int, spec_hash: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import exitcodes
-from meshtrain.operator.policy import container_reasons, pod_state
+from meshtrain.operator.policy import container_reasons, naming, pod_state
 
 DISRUPTION_REASONS = frozenset(
     {
@@ -102,6 +102,10 @@ def classify(pod: pod_state.PodState) -> Failure | None:
     that cannot be pulled, or a command the image cannot run, is permanent; ``OOMKilled``,
     ``Evicted`` and ``DeadlineExceeded`` are retryable, the eviction a disruption only with a
     ``DisruptionTarget`` condition (node pressure, not the pod's own storage limits).
+    A trainer container the kubelet restarts in place (``kubelet_tier``) is no failure, unless it
+    was OOM-killed (the same step would run out of memory again: the gang is rebuilt, as before);
+    exit code 75 (:data:`~meshtrain.api.exitcodes.GANG_RESTART`) asks for the gang rebuild even
+    while sidecars keep the pod Running.
     """
     found = _classify(pod)
     if found is None or found.permanent or not disrupted(pod):
@@ -130,6 +134,8 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
             )
         if pod.problem is not None:
             return _named(pod.name, pod.problem, container_reasons.cannot_run(pod.problem))
+        if code == exitcodes.GANG_RESTART:
+            return _gang_restart(pod)
         if code is not None and code > 128:
             return Failure(
                 pod.name,
@@ -139,6 +145,10 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
         if code is not None and code != 0:
             return Failure(pod.name, False, f"pod {pod.name} exited with code {code}")
         return Failure(pod.name, False, f"pod {pod.name} failed ({pod.reason or 'no exit code'})")
+    if not pod.terminal and pod.exit_code == exitcodes.GANG_RESTART:
+        return _gang_restart(pod)  # its other containers (sidecars) may keep the pod Running
+    if not pod.terminal and oom_killed(pod.problem) and pod.problem is not None:
+        return _named(pod.name, pod.problem, False)  # restarted in place, it would run out again
     if pod.phase == "Unknown":
         return Failure(
             pod.name, False, f"pod {pod.name} is in phase Unknown (node {pod.node} lost)"
@@ -151,6 +161,25 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
     if pod.problem is not None and container_reasons.never_pulls(pod.problem):
         return _named(pod.name, pod.problem, True)
     return None
+
+
+def _gang_restart(pod: pod_state.PodState) -> Failure:
+    return Failure(
+        pod.name,
+        False,
+        f"pod {pod.name}: the trainer gave up recovering in place (exit code "
+        f"{exitcodes.GANG_RESTART}: runPolicy.recovery.inPlaceLimit reached, a rank did not rejoin, "
+        "or rank 0's store is gone)",
+    )
+
+
+def oom_killed(problem: container_reasons.Problem | None) -> bool:
+    """The trainer container was OOM-killed (the kubelet restarts it in place, or is about to)."""
+    return (
+        problem is not None
+        and problem.reason == container_reasons.OOM_KILLED
+        and problem.container == naming.CONTAINER
+    )
 
 
 def _ended_by_node(pod: pod_state.PodState) -> Failure:

@@ -14,6 +14,23 @@ from typing import Any
 from meshtrain.api import exitcodes
 from meshtrain.operator.policy import conditions, container_reasons, identity, naming
 
+MAX_RESTART_COUNT = 2**31 - 1
+"""Largest ``restartCount`` read (the API's int32); anything else reads as 0."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LastExit:
+    """How the trainer container ended before the kubelet restarted it in place (``lastState.terminated``)."""
+
+    exit_code: int
+    """Its exit code."""
+    reason: str | None = None
+    """The kubelet's reason: ``Error``, ``OOMKilled``, ... (at most 64 characters)."""
+    signal: int | None = None
+    """The signal that ended it, when the runtime reports one."""
+    finished_at: datetime.datetime | None = None
+    """When it ended."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PodState:
@@ -69,6 +86,14 @@ class PodState:
     """A container waits in ContainerCreating before that: its volumes or sandbox are not ready."""
     started_at: datetime.datetime | None = None
     """status.startTime: when the kubelet took the pod (before pulling its image)."""
+    rejoins: bool = False
+    """Labelled ``naming.LABEL_REJOINS``: its trainer can join the running gang's rendezvous."""
+    uid: str = ""
+    """metadata.uid: a pod re-created under the same name is another pod."""
+    restarts: int = 0
+    """``restartCount`` of the trainer container: the kubelet's in-place restarts of it."""
+    last_exit: LastExit | None = None
+    """How the trainer container last ended before such a restart (None: never restarted)."""
 
     @property
     def terminal(self) -> bool:
@@ -99,9 +124,10 @@ def read(pod: dict[str, Any]) -> PodState | None:
     if index is None or attempt is None:
         return None
     status = pod.get("status") or {}
-    exit_code, message = None, None
-    for container in status.get("containerStatuses") or []:
+    exit_code, message, trainer = None, None, {}
+    for container in (status.get("containerStatuses") or [])[: container_reasons.MAX_CONTAINERS]:
         if container.get("name") == naming.CONTAINER:
+            trainer = container
             terminated = (container.get("state") or {}).get("terminated")
             if terminated and terminated.get("exitCode") is not None:
                 exit_code = int(terminated["exitCode"])
@@ -151,10 +177,43 @@ def read(pod: dict[str, Any]) -> PodState | None:
         nominated=status.get("nominatedNodeName") or None,
         reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
-        problem=container_reasons.read(pod),
+        problem=container_reasons.read(pod)
+        or container_reasons.restarted_oom(pod, naming.CONTAINER),
         pulling=container_reasons.pulling(pod),
         unprepared=container_reasons.unprepared(pod),
         started_at=conditions.parse_time(status.get("startTime")),
+        rejoins=labels.get(naming.LABEL_REJOINS) == "true",
+        uid=_text(metadata.get("uid")) or "",
+        restarts=_count(trainer.get("restartCount")),
+        last_exit=_last_exit(trainer),
+    )
+
+
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0
+    return value if 0 <= value <= MAX_RESTART_COUNT else 0
+
+
+def _last_exit(container: dict[str, Any]) -> LastExit | None:
+    """``lastState.terminated`` of the trainer container, read defensively (a status is any JSON)."""
+    last = container.get("lastState")
+    terminated = last.get("terminated") if isinstance(last, dict) else None
+    if not isinstance(terminated, dict):
+        return None
+    code = terminated.get("exitCode")
+    if isinstance(code, bool) or not isinstance(code, int):
+        return None
+    signal = terminated.get("signal")
+    try:
+        finished = conditions.parse_time(str(terminated.get("finishedAt") or "")[:64])
+    except ValueError:
+        finished = None
+    return LastExit(
+        exit_code=code,
+        reason=_text(terminated.get("reason")),
+        signal=signal if isinstance(signal, int) and not isinstance(signal, bool) else None,
+        finished_at=finished,
     )
 
 

@@ -136,6 +136,55 @@ def _flagged_list(value: Any) -> list[dict[str, Any]] | None:
     return None if any(e is None for e in entries) else [e for e in entries if e is not None]
 
 
+MAX_RECOVERIES = 4
+"""Most recovery records of ``recovery`` (the trainer sends its newest 2)."""
+MAX_CAUSE = 120
+"""Longest ``cause`` of a recovery record."""
+RECOVERY_TIERS = ("process", "container", "pod", "gang")
+RECOVERY_SOURCES = ("memory", "storage")
+_RECORD_NUMBERS = {
+    "failedAt": _not_negative,
+    "detectedAt": _not_negative,
+    "rejoinedAt": _not_negative,
+    "restoredAt": _not_negative,
+    "firstStepAt": _not_negative,
+    "resumedStep": _integer,
+    "lostSteps": _integer,
+}
+
+
+def _recovery_record(value: Any) -> dict[str, Any] | None:
+    """One in-place recovery record (camelCase, ``meshtrain.trainer.telemetry.recoveries``):
+    ``generation``, ``tier`` and ``cause`` required; the rest checked, or left out when null."""
+    if not isinstance(value, Mapping):
+        return None
+    generation, tier, cause = value.get("generation"), value.get("tier"), value.get("cause")
+    if _integer(generation) is None or tier not in RECOVERY_TIERS or not isinstance(cause, str):
+        return None
+    entry: dict[str, Any] = {"generation": generation, "tier": tier, "cause": cause[:MAX_CAUSE]}
+    ranks = value.get("ranks")
+    if isinstance(ranks, list) and len(ranks) <= MAX_STRAGGLERS:
+        entry["ranks"] = [r for r in (_integer(r) for r in ranks) if r is not None]
+    for key, check in _RECORD_NUMBERS.items():
+        if value.get(key) is not None:
+            checked = check(value[key])
+            if checked is None:
+                return None
+            entry[key] = checked
+    if value.get("source") is not None:
+        if value["source"] not in RECOVERY_SOURCES:
+            return None
+        entry["source"] = value["source"]
+    return entry
+
+
+def _recovery_list(value: Any) -> list[dict[str, Any]] | None:
+    if not isinstance(value, list) or len(value) > MAX_RECOVERIES:
+        return None
+    entries = [_recovery_record(item) for item in value]
+    return None if any(e is None for e in entries) else [e for e in entries if e is not None]
+
+
 GOODPUT_PHASES = ("detection", "restart", "reload", "recompute")
 """The lost-time phases of ``goodput.lost_seconds`` (the trainer's ``telemetry.goodput.PHASES``)."""
 
@@ -187,6 +236,7 @@ FIELDS: Mapping[str, Callable[[Any], Any]] = {
     "stragglers": _flagged_list,
     "gradient_noise_scale": _nullable(_positive),
     "resumed_from_uid": _nullable(_uid),
+    "recovery": _recovery_list,
     "goodput": _nullable(_goodput),
 }
 """The trainer's fields (``meshtrain.trainer.telemetry.progress.FIELDS``) and their checks: a

@@ -1,4 +1,5 @@
-"""Rank 0's training progress report -> TrainingJob status fields (``progress``, ``lastCheckpointStep``).
+"""Rank 0's training progress report -> TrainingJob status fields (``progress``, ``lastCheckpointStep``,
+the trainer's in-place recoveries in ``recovery``).
 
 From the JSON the trainer's exporter serves at ``GET /progress``, polled while the job runs, and
 from the final copy rank 0 writes to its termination message at the end of a successful run, so
@@ -8,9 +9,11 @@ a finished job's status shows its last step although the last poll came before i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.operator.policy import progress_report
+from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import progress_report, recovery_count
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -79,6 +82,19 @@ def polled_changes(report: dict[str, Any]) -> dict[str, Any]:
     if "progress" in changes:
         changes["progress"].setdefault("gradientNoiseScale", None)
     return changes
+
+
+def recovery_changes(
+    status: Mapping[str, Any], report: Mapping[str, Any], spec: api_spec.TrainingJobSpec
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``status.recovery`` with the trainer's in-place records of ``report`` not counted yet
+    (tiers process and pod; :mod:`recovery_count`), and the message of an Event for each (reason
+    ``recovery_count.RESTARTED``); empty when none is new."""
+    attempt = int(status.get("restarts") or 0)
+    counted = recovery_count.from_report(status, attempt, report.get("recovery"), spec)
+    if counted.recovery is None:
+        return {}, ()
+    return {"recovery": counted.recovery}, counted.events
 
 
 def _document(text: str) -> dict[str, Any] | None:

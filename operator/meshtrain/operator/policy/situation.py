@@ -26,6 +26,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     pod_failure,
     pod_state,
+    replacement,
     rescheduling,
 )
 
@@ -111,8 +112,20 @@ class Situation:
 
     @functools.cached_property
     def current(self) -> tuple[pod_state.PodState, ...]:
-        """The pods of the current attempt (the gang); any other is stale."""
-        return tuple(p for p in self.pods if p.attempt == self.attempt)
+        """The pods of the current attempt (the gang), but those a replacement superseded; any other is stale."""
+        placed = replacement.entries(self.job.status)
+        name, attempt = self.job.ref.name, self.attempt
+        return tuple(
+            p
+            for p in self.pods
+            if p.attempt == attempt and not replacement.superseded(name, attempt, placed, p)
+        )
+
+    @functools.cached_property
+    def stale(self) -> tuple[pod_state.PodState, ...]:
+        """Pods of an earlier attempt, and pods of this one a replacement superseded."""
+        kept = {id(p) for p in self.current}
+        return tuple(p for p in self.pods if id(p) not in kept)
 
     @functools.cached_property
     def missing(self) -> tuple[int, ...]:
@@ -169,7 +182,8 @@ class Situation:
 
     @functools.cached_property
     def startup_left(self) -> float | None:
-        """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod).
+        """Seconds of ``startupTimeoutSeconds`` left since the gang's first pod was created (None: no pod);
+        in a gang that ran (phase Running), since its newest pod (a replacement) was created.
 
         While the kubelet pulls a pod's image (``PodState.pulling``: past its volumes and sandbox)
         the timeout waits, for up to ``container_reasons.PULL_ALLOWANCE_SECONDS`` more.
@@ -180,7 +194,9 @@ class Situation:
         timeout = self.spec.run_policy.startup_timeout_seconds
         if any(p.pulling and not p.terminal for p in self.current):
             timeout += container_reasons.PULL_ALLOWANCE_SECONDS
-        return (min(created) + datetime.timedelta(seconds=timeout) - self.now).total_seconds()
+        # A gang that ran waits only for a replaced pod: its clock starts with that pod.
+        first = max(created) if self.phase == job_state.Phase.RUNNING.value else min(created)
+        return (first + datetime.timedelta(seconds=timeout) - self.now).total_seconds()
 
 
 @dataclasses.dataclass(frozen=True)

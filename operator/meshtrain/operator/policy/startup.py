@@ -18,7 +18,7 @@ from meshtrain.operator.policy import (
 
 
 def _stale_pods_deleted(seen: situation.Situation) -> tuple[job_actions.Action, ...]:
-    stale = tuple(p.name for p in seen.pods if p.attempt != seen.attempt and not p.deleting)
+    stale = tuple(p.name for p in seen.stale if not p.deleting)
     return (job_actions.DeletePods(stale),) if stale else ()
 
 
@@ -64,7 +64,7 @@ def _waiting(seen: situation.Situation) -> job_actions.Decision:
 
 
 STALE_PODS_DELETED = situation.MAY_RUN.note(
-    "pods of an earlier attempt: deleted", _stale_pods_deleted
+    "pods of an earlier attempt, or superseded by a replacement: deleted", _stale_pods_deleted
 )
 OLD_PODS_LEAVING = situation.UNPLACED.rule(
     "pods of the attempt still there: delete them, wait until gone",

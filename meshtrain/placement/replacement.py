@@ -1,0 +1,146 @@
+"""Where a lost pod of a running gang goes: one node per lost index, beside the pods that survive.
+
+:func:`replace` keeps every surviving pod where it is and picks a node for each lost pod index:
+only a node that shares the survivors' domain at every ``required`` fabric level may take it (the
+gang's plan required one domain there); among those, a spare node reserved for the job comes
+first, then the node whose traffic to the surviving pods costs least by the fabric cost model
+(:mod:`.fabric_cost`).  :func:`spares` picks the nodes a running gang keeps in reserve for
+that.  Pure and deterministic, like :func:`meshtrain.placement.plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+from meshtrain.placement import fabric_cost, topology, values
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """Nodes for the lost pods of a gang."""
+
+    nodes: Mapping[int, str]
+    """Pod index -> the node its replacement goes to."""
+    spares_used: tuple[str, ...]
+    """The spare nodes among them (their reservations are released for the replacements)."""
+    cost: float
+    """Modelled cost of the whole gang's traffic with the replacements in place."""
+
+
+def replace(
+    request: values.PlacementRequest,
+    placed: Sequence[str],
+    lost: Collection[int],
+    nodes: Iterable[values.Node],
+    free: Mapping[str, int],
+    spares: Collection[str] = (),
+) -> Replacement | values.Unschedulable:
+    """Nodes for the ``lost`` pod indices of a gang placed on ``placed`` (node per pod index).
+
+    ``nodes``: every node whose labels the fabric is read from (the survivors' included);
+    ``free``: node -> free pod slots for this gang (a spare's reserved slots counted free);
+    ``spares``: nodes reserved for the job, used first.  Lost indices are placed lowest first,
+    each priced against the survivors and the replacements chosen before it.
+    """
+    known = {node.name: node for node in nodes}
+    levels = request.levels or topology.detect_levels(known.values())
+    label = request.nvlink_domain_label
+    path = {name: topology.node_path(node, levels, label) for name, node in known.items()}
+    required = [index for index, level in enumerate(levels) if level.required]
+    depth = required[-1] + 1 if required else 0
+    where = {i: node for i, node in enumerate(placed) if i not in lost}
+    anchor = next((path[n] for n in where.values() if n in path), None)
+    if depth and anchor is None:
+        return values.Unschedulable(
+            values.TOPOLOGY_UNSATISFIABLE, "no surviving pod's node is known: no domain to keep"
+        )
+    weights = topology.weights(levels)
+    edges = fabric_cost.pod_traffic(request)
+    slots = {name: count for name, count in free.items() if count > 0 and name in path}
+    chosen: dict[int, str] = {}
+    for index in sorted(lost):
+        inside = [n for n in slots if anchor is None or path[n][:depth] == anchor[:depth]]
+        if not inside:
+            return _none_left(request, index, slots, depth, levels)
+        pool = [n for n in inside if n in spares] or inside
+        best = min(pool, key=lambda n: (_cost(index, n, where, edges, path, weights), n))
+        where[index] = chosen[index] = best
+        slots[best] -= 1
+        if slots[best] == 0:
+            del slots[best]
+    total = fabric_cost.evaluate(edges, [path[where[i]] for i in range(len(placed))], weights)[1]
+    used = tuple(sorted({n for n in chosen.values() if n in spares}))
+    return Replacement(nodes=chosen, spares_used=used, cost=total)
+
+
+def _cost(
+    index: int,
+    node: str,
+    where: Mapping[int, str],
+    edges: Sequence[fabric_cost.Edge],
+    path: Mapping[str, tuple[str, ...]],
+    weights: Sequence[float],
+) -> float:
+    """Weighted bytes per step between pod ``index`` on ``node`` and the pods already placed."""
+    total = 0.0
+    for a, b, size in edges:
+        other = b if a == index else a if b == index else None
+        if other is None or other not in where:
+            continue
+        total += size * weights[topology.crossing(path[node], path[where[other]])]
+    return total
+
+
+def _none_left(
+    request: values.PlacementRequest,
+    index: int,
+    slots: Mapping[str, int],
+    depth: int,
+    levels: Sequence[values.FabricLevel],
+) -> values.Unschedulable:
+    """Why pod ``index`` has nowhere to go: no free slot at all, or none inside the required domain."""
+    per = request.gpus_per_node
+    if not slots:
+        return values.Unschedulable(
+            values.INSUFFICIENT_GPUS,
+            f"no node has {per} free GPUs for the replacement of pod {index}",
+        )
+    level = levels[depth - 1].label
+    return values.Unschedulable(
+        values.TOPOLOGY_UNSATISFIABLE,
+        f"pod {index} must stay in the surviving pods' {level} domain (required), which has no "
+        f"node with {per} free GPUs; {sum(slots.values())} free pod slot(s) elsewhere",
+    )
+
+
+def spares(
+    request: values.PlacementRequest,
+    placed: Sequence[str],
+    nodes: Iterable[values.Node],
+    free: Mapping[str, int],
+    count: int,
+) -> tuple[str, ...]:
+    """Up to ``count`` nodes to hold in reserve for a gang placed on ``placed``.
+
+    Each is a node with a free pod slot that hosts no pod of the gang (a node lost takes its own
+    spare with it), inside the gang's domain at every required level (where a replacement may
+    go), nearest pod 0's node in the fabric first (the deepest level they share), then by name.
+    """
+    known = {node.name: node for node in nodes}
+    if not placed or placed[0] not in known:
+        return ()
+    levels = request.levels or topology.detect_levels(known.values())
+    label = request.nvlink_domain_label
+    anchor = topology.node_path(known[placed[0]], levels, label)
+    required = [index for index, level in enumerate(levels) if level.required]
+    depth = required[-1] + 1 if required else 0
+    gang = set(placed)
+    ranked = []
+    for name, slots in free.items():
+        if slots < 1 or name in gang or name not in known:
+            continue
+        path = topology.node_path(known[name], levels, label)
+        if path[:depth] == anchor[:depth]:
+            ranked.append((-topology.crossing(path, anchor), name))
+    return tuple(name for _, name in sorted(ranked)[: max(count, 0)])

@@ -1,0 +1,204 @@
+"""Replacing the lost pods of a running gang, and nothing else, under the placement lock.
+
+:class:`Replacer` carries out ``job_actions.ReplacePods``: it picks a node for each lost pod
+(``meshtrain.placement.replacement``: the survivors' domain kept where the plan requires it,
+spare nodes first (``sparing``), else the fabric cost model), writes the replacements into
+``status.placement`` and ``status.recovery`` first, releases the spares it takes, deletes the
+lost pods, then creates each replacement (already released: the gang it joins runs).  An
+operator killed in between finds the recorded name and creates it (the create is idempotent).
+Without room it answers None: the reconciler then rebuilds the gang as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.operator import placing, sparing
+from meshtrain.operator.cluster import children, clock, owned, workloads
+from meshtrain.operator.cluster.status_writes import Step
+from meshtrain.operator.policy import (
+    builders,
+    capacity,
+    conditions,
+    feasibility,
+    identity,
+    job_actions,
+    job_state,
+    kueue_workload,
+    naming,
+    replacement,
+)
+from meshtrain.placement import replacement as choice
+from meshtrain.planner import placement_request
+
+logger = logging.getLogger("meshtrain.operator")
+
+
+class Replacer:
+    """Replaces lost pods for every job of the process, under the placer's lock."""
+
+    def __init__(self, placer: placing.Placer) -> None:
+        self.placer = placer
+
+    async def replace(
+        self, action: job_actions.ReplacePods, body: dict[str, Any], job: job_state.JobState
+    ) -> Step | None:
+        """Replace the lost pods of ``action``; None: not replaced (no node takes them now, or the
+        API server refused the replacement): the caller rebuilds the gang instead."""
+        assert job.spec is not None
+        ref, spec, placer = job.ref, job.spec, self.placer
+        where = await workloads.flavors(placer.client, action.flavors)
+        if isinstance(where, kueue_workload.Unassignable):
+            return None
+        async with placer.lock:
+            chosen = self._recorded(action, job, where)
+            fresh = [i for i in action.indices if i not in chosen]
+            made: list[replacement.Replaced] = []
+            if fresh:
+                answer = self._choose(action, job, fresh, where)
+                if isinstance(answer, placement.Unschedulable):
+                    message = f"lost pod(s) {fresh} not replaced alone: {answer.message}"
+                    logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+                    await placer.writer.emit(body, "Warning", conditions.POD_NOT_REPLACED, message)
+                    return None
+                made = self._replaced(action, job, answer)
+                changes = replacement.status_changes(
+                    job, made, spec.resources.gpus_per_node, clock.now()
+                )
+                body, job, _ = await placer.writer.set_status(body, job, changes)
+                chosen.update({r.index: (r.pod, r.node) for r in made})
+                await self._release(job, action.attempt, answer.spares_used)
+            # The lost pods go first: a gang slot never has two live holders.
+            await owned.delete_pods(placer.client, placer.cache, ref, action.doomed)
+            pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in sorted(chosen)]
+            refused = await children.ensure(placer.client, ref.uid, [], pods)
+        if refused is not None:
+            logger.warning(
+                "%s/%s: replacement refused: %s", ref.namespace, ref.name, refused.message
+            )
+            return None
+        if made:
+            message = replacement.message(made)
+            logger.info("%s/%s: %s", ref.namespace, ref.name, message)
+            await placer.writer.emit(body, "Normal", conditions.POD_REPLACED, message)
+        return body, job, True
+
+    def _recorded(
+        self,
+        action: job_actions.ReplacePods,
+        job: job_state.JobState,
+        where: kueue_workload.Assignment,
+    ) -> dict[int, tuple[str, str]]:
+        """Replacements already recorded but not in the cache (a crash came between the status
+        write and the create), whose node can still take them: index -> (pod, node)."""
+        ref = job.ref
+        placed = replacement.entries(job.status)
+        cached = {p["metadata"]["name"] for p in owned.owned_pods(self.placer.cache, ref)}
+        found: dict[int, tuple[str, str]] = {}
+        for index in action.indices:
+            entry = placed.get(index) or {}
+            name, node = entry.get("pod"), entry.get("node")
+            fits = isinstance(node, str) and node not in action.avoid
+            if isinstance(name, str) and isinstance(node, str) and fits and name not in cached:
+                found[index] = (name, node)
+        if not found:
+            return found
+        demand = feasibility.demand_of(self._template(job, action.attempt, where))
+        wanted = collections.Counter(node for _, node in found.values())
+        raw = list(self.placer.cache.nodes.values())
+        blocked = capacity.infeasible_nodes(demand, wanted, raw, self.placer.cache.usage())
+        return {i: pn for i, pn in found.items() if pn[1] not in blocked}
+
+    def _choose(
+        self,
+        action: job_actions.ReplacePods,
+        job: job_state.JobState,
+        fresh: list[int],
+        where: kueue_workload.Assignment,
+    ) -> choice.Replacement | placement.Unschedulable:
+        """Nodes for the ``fresh`` lost indices, beside the surviving pods."""
+        assert job.spec is not None
+        spec, fit, cache = job.spec, self.placer.fit, self.placer.cache
+        gpu, per_pod = spec.resources.gpu_resource_name, spec.resources.gpus_per_node
+        avoid = frozenset(action.avoid)
+        raw_nodes, _, _ = fit.candidates(job, gpu, clock.now(), also_avoid=avoid)
+        demand = feasibility.demand_of(self._template(job, action.attempt, where))
+        spare_pods = sparing.held(owned.owned_pods(cache, job.ref), action.attempt)
+        spares = {identity.planned_node(p) or "" for p in spare_pods} - avoid
+        offered, _ = capacity.offered_nodes(
+            demand,
+            raw_nodes,
+            cache.usage(without=spare_pods),  # a spare's GPUs are the replacement's
+            gpus_per_pod=per_pod,
+            pods_wanted=len(fresh),
+            claim=fit.claims.get(job.ref.uid),
+        )
+        free = {n.name: n.allocatable_gpus // per_pod for n in offered}
+        placed = replacement.entries(job.status)
+        on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
+        every = [placement.node_from_manifest(n, gpu) for n in cache.nodes.values()]
+        request = placement_request.request_from_spec(spec)
+        return choice.replace(request, on, fresh, every, free, spares)
+
+    async def _release(self, job: job_state.JobState, attempt: int, nodes: tuple[str, ...]) -> None:
+        """Delete the spare pods on ``nodes``: their GPUs go to the replacements (the spare exits
+        at SIGTERM; kube-scheduler binds the replacement once it is gone)."""
+        if not nodes:
+            return
+        cache = self.placer.cache
+        spares = sparing.held(owned.owned_pods(cache, job.ref), attempt)
+        names = [p["metadata"]["name"] for p in spares if identity.planned_node(p) in nodes]
+        await owned.delete_pods(self.placer.client, cache, job.ref, names)
+
+    def _replaced(
+        self, action: job_actions.ReplacePods, job: job_state.JobState, answer: choice.Replacement
+    ) -> list[replacement.Replaced]:
+        placed = replacement.entries(job.status)
+        causes = {index: (pod, cause) for index, pod, cause in action.causes}
+        return [
+            replacement.Replaced(
+                index=index,
+                lost=causes[index][0]
+                or replacement.recorded_pod(job.ref.name, action.attempt, placed.get(index), index),
+                cause=causes[index][1],
+                pod=replacement.next_name(job.ref.name, action.attempt, placed.get(index), index),
+                node=node,
+                spare=node in answer.spares_used,
+            )
+            for index, node in sorted(answer.nodes.items())
+        ]
+
+    def _template(
+        self, job: job_state.JobState, attempt: int, where: kueue_workload.Assignment
+    ) -> dict[str, Any]:
+        assert job.spec is not None
+        return kueue_workload.assign(builders.build_pod(job.ref, job.spec, attempt, 0, ""), where)
+
+    def _pod(
+        self,
+        job: job_state.JobState,
+        attempt: int,
+        index: int,
+        name: str,
+        node: str,
+        where: kueue_workload.Assignment,
+    ) -> dict[str, Any]:
+        """The replacement: the gang's pod ``index`` under its own name, released at once (the
+        gang it joins runs; a PodGroup's gang was bound long ago, so it names none)."""
+        assert job.spec is not None
+        pod = builders.build_pod(
+            job.ref,
+            job.spec,
+            attempt,
+            index,
+            node,
+            default_image=self.placer.trainer_image,
+            name=name,
+        )
+        pod["spec"]["schedulingGates"] = [
+            g for g in pod["spec"].get("schedulingGates") or [] if g.get("name") != naming.GANG_GATE
+        ]
+        return kueue_workload.assign(pod, where)

@@ -1,0 +1,239 @@
+"""Replacing only a lost pod, on a real API server and kube-scheduler (the test plays the kubelet).
+
+A running gang of three pods loses pod 2: only it is replaced, on a node of the leaf its plan
+requires, bound there by kube-scheduler, while pods 0 and 1 keep their UIDs and the gang attempt
+stays; with ``runPolicy.recovery.spareNodes`` the replacement takes the spare and a new spare is
+reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    Cluster,
+    OperatorProcess,
+    wait_for,
+)
+from tests.integration.operator.test_operator_chaos import Kubelet
+
+pytestmark = pytest.mark.integration
+
+LEAF = "meshtrain.test/leaf"
+
+
+@pytest.fixture(scope="module")
+def plane_and_operator(
+    control_plane_binaries, tmp_path_factory
+) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    """A private API server with kube-scheduler, the operator, and a stand-in kubelet: bound pods
+    run, deleted ones go once their containers would have stopped."""
+    with Cluster.private(control_plane_binaries) as found:
+        log = tmp_path_factory.mktemp("operator") / "operator.log"
+        operator = OperatorProcess(found.kubeconfig, str(log))
+        with Kubelet(found):
+            operator.start()
+            try:
+                yield found, operator
+            finally:
+                operator.stop()
+
+
+@pytest.fixture
+def plane(plane_and_operator) -> Cluster:
+    return plane_and_operator[0]
+
+
+@pytest.fixture
+def space(plane) -> Iterator[tuple[str, str]]:
+    """A namespace and a node pool of the test's own."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    plane.core.create_namespace({"metadata": {"name": name}})
+    yield name, f"p{uuid.uuid4().hex[:6]}"
+
+
+def _fabric(cluster, pool: str, in_leaf: int, elsewhere: int) -> tuple[set[str], set[str]]:
+    """Nodes of 2 GPUs: ``in_leaf`` in leaf a, ``elsewhere`` in leaf b."""
+    a = {cluster.add_node(pool, gpus=2, labels={LEAF: "a"}) for _ in range(in_leaf)}
+    b = {cluster.add_node(pool, gpus=2, labels={LEAF: "b"}) for _ in range(elsewhere)}
+    return a, b
+
+
+def _start(cluster, job: JobBuilder, namespace: str, name: str) -> dict[str, str]:
+    """Apply ``job`` and wait until its gang of three runs; its pods' UIDs by name."""
+    cluster.apply(job)
+    pods = cluster.wait_gang(namespace, name, 3)
+    cluster.wait_phase(namespace, name, "Running", timeout=60)
+    return {p.metadata.name: p.metadata.uid for p in pods}
+
+
+def _pod(cluster, namespace: str, name: str):
+    """The pod, or None while it does not exist."""
+    try:
+        return cluster.core.read_namespaced_pod(name, namespace)
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def _bound(cluster, namespace: str, name: str):
+    """The pod once kube-scheduler bound it."""
+    return wait_for(
+        f"{namespace}/{name} bound",
+        lambda: (p := _pod(cluster, namespace, name)) is not None and p.spec.node_name and p,
+        60,
+    )
+
+
+def test_a_deleted_pod_alone_is_replaced_in_its_required_leaf(plane, space):
+    cluster, (namespace, pool) = plane, space
+    leaf_a, _ = _fabric(cluster, pool, in_leaf=4, elsewhere=2)
+    job = JobBuilder("keep", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF, "mode": "required"}])
+    before = _start(cluster, job, namespace, "keep")
+    cluster.core.delete_namespaced_pod("keep-r0-2", namespace)  # the kubelet confirms it
+    replaced = _bound(cluster, namespace, "keep-r0-2-p1")
+    assert replaced.spec.node_name in leaf_a  # the required leaf, though leaf b has room too
+    assert not replaced.spec.scheduling_gates
+    env = {e.name: e.value for e in replaced.spec.containers[0].env if e.value is not None}
+    assert env["MASTER_ADDR"] == f"keep-r0-0.keep.{namespace}.svc" and env["PET_NODE_RANK"] == "2"
+    assert env["MESHTRAIN_ATTEMPT"] == "0" and replaced.spec.hostname == "keep-r0-2-p1"
+    pods = {
+        "keep-r0-0": before["keep-r0-0"],
+        "keep-r0-1": before["keep-r0-1"],
+        "keep-r0-2-p1": replaced.metadata.uid,
+    }
+    wait_for(  # the lost pod gone once the kubelet confirmed it; the others the very same pods
+        "only the replacement new",
+        lambda: {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "keep")} == pods,
+    )
+    status = cluster.status(namespace, "keep")
+    assert status.get("restarts", 0) == 0 and status["phase"] == "Running", status
+    assert status["placement"][2] == {
+        "podIndex": 2,
+        "node": replaced.spec.node_name,
+        "pod": "keep-r0-2-p1",
+        "replaced": 1,
+    }
+    recovery = status["recovery"]
+    assert recovery["byTier"]["pod"] == 1 and recovery["attemptRestarts"] == 1, recovery
+    assert recovery["last"]["tier"] == "pod" and recovery["last"]["ranks"] == [4, 5]
+    (event,) = cluster.events(namespace, "keep", "PodReplaced")
+    assert "keep-r0-2-p1" in event.message
+    assert "pod deleted" in event.message or "pod vanished" in event.message  # as the pass saw it
+    # The replacement runs: the gang runs again, nothing else changed.
+    cluster.wait_reason(namespace, "keep", "Running", "AllPodsRunning")
+    assert {p.metadata.name for p in cluster.pods(namespace, "keep")} == set(pods)
+
+
+def test_a_lost_pod_without_room_in_its_leaf_rebuilds_the_gang(plane, space):
+    cluster, (namespace, pool) = plane, space
+    _, leaf_b = _fabric(cluster, pool, in_leaf=3, elsewhere=3)
+    job = JobBuilder("full", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF, "mode": "required"}])
+    _start(cluster, job, namespace, "full")
+    # Pod 1's node is deleted, and PodGC force-deletes its pod: leaf a has no free node left.
+    lost = cluster.core.read_namespaced_pod("full-r0-1", namespace).spec.node_name
+    cluster.core.delete_node(lost)
+    cluster.core.delete_namespaced_pod("full-r0-1", namespace, grace_period_seconds=0)
+    pods = cluster.wait_gang(namespace, "full", 3, attempt=1)
+    assert [p.metadata.name for p in pods] == ["full-r1-0", "full-r1-1", "full-r1-2"]
+    assert {_bound(cluster, namespace, p.metadata.name).spec.node_name for p in pods} == leaf_b
+    assert cluster.status(namespace, "full")["restarts"] == 1
+    assert cluster.events(namespace, "full", "PodNotReplaced")
+
+
+def test_pod_zero_lost_rebuilds_the_gang(plane, space):
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=4, elsewhere=0)
+    job = JobBuilder("zero", namespace, pool).layout(data=6).gpus(2)
+    _start(cluster, job, namespace, "zero")
+    cluster.core.delete_namespaced_pod("zero-r0-0", namespace)
+    pods = cluster.wait_gang(namespace, "zero", 3, attempt=1)
+    assert [p.metadata.name for p in pods] == ["zero-r1-0", "zero-r1-1", "zero-r1-2"]
+    assert cluster.status(namespace, "zero")["restarts"] == 1
+
+
+def test_a_lost_pod_takes_the_spare_node_and_a_new_spare_is_reserved(plane, space):
+    cluster, (namespace, pool) = plane, space
+    leaf_a, _ = _fabric(cluster, pool, in_leaf=5, elsewhere=2)
+    job = JobBuilder("spare", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF, "mode": "required"}])
+    job.run_policy(recovery={"spareNodes": 1})
+    _start(cluster, job, namespace, "spare")
+    (first,) = wait_for(
+        "a spare node reserved", lambda: cluster.status(namespace, "spare").get("spares"), 60
+    )
+    gang = {e["node"] for e in cluster.status(namespace, "spare")["placement"]}
+    held = _bound(cluster, namespace, first["pod"])  # kube-scheduler bound it: its GPUs are held
+    assert first["node"] == held.spec.node_name and first["node"] in leaf_a - gang
+    assert "meshtrain.io/node-rank" not in held.metadata.labels
+    cluster.core.delete_namespaced_pod("spare-r0-1", namespace)
+    replaced = _bound(cluster, namespace, "spare-r0-1-p1")
+    assert replaced.spec.node_name == first["node"]  # the spare's node, though others were free
+    spares = [
+        p for p in cluster.pods(namespace, "spare") if "meshtrain.io/spare" in p.metadata.labels
+    ]
+    assert all(p.spec.node_name != first["node"] for p in spares)  # its reservation released
+    (event,) = cluster.events(namespace, "spare", "PodReplaced")
+    assert "(a spare)" in event.message
+    (second,) = wait_for(
+        "a new spare reserved",
+        lambda: [
+            s
+            for s in cluster.status(namespace, "spare").get("spares") or []
+            if s["node"] != first["node"]
+        ],
+        60,
+    )
+    gang = {e["node"] for e in cluster.status(namespace, "spare")["placement"]}
+    assert second["node"] in leaf_a - gang
+    assert _bound(cluster, namespace, second["pod"]).spec.node_name == second["node"]
+    assert cluster.status(namespace, "spare").get("restarts", 0) == 0
+
+
+def test_a_replacement_recorded_before_a_crash_is_created_once_after_it(plane_and_operator, space):
+    """The operator dies between writing the replacement into status and creating it: the next
+    operator creates that very pod on the recorded node, and counts it once."""
+    (cluster, operator), (namespace, pool) = plane_and_operator, space
+    leaf_a, _ = _fabric(cluster, pool, in_leaf=4, elsewhere=0)
+    job = JobBuilder("crash", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF, "mode": "required"}])
+    _start(cluster, job, namespace, "crash")
+    placement = cluster.status(namespace, "crash")["placement"]
+    (free,) = leaf_a - {e["node"] for e in placement}
+    operator.kill()
+    try:
+        # What a pass killed after its status write left: the lost pod gone, its replacement
+        # recorded and not created.
+        placement[2] = {"podIndex": 2, "node": free, "pod": "crash-r0-2-p1", "replaced": 1}
+        cluster.custom.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            "crash",
+            {"status": {"placement": placement}},
+        )
+        cluster.core.delete_namespaced_pod("crash-r0-2", namespace, grace_period_seconds=0)
+    finally:
+        operator.start()
+    replaced = _bound(cluster, namespace, "crash-r0-2-p1")
+    assert replaced.spec.node_name == free
+    status = cluster.status(namespace, "crash")
+    assert status["placement"][2]["replaced"] == 1 and status.get("restarts", 0) == 0, status
+    assert _pod(cluster, namespace, "crash-r0-2-p2") is None
+    assert sorted(p.metadata.name for p in cluster.pods(namespace, "crash")) == [
+        "crash-r0-0",
+        "crash-r0-1",
+        "crash-r0-2-p1",
+    ]
