@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 STALL_FLOOR_SECONDS = 2.0
-"""A gap between two step records at least this long (and ``STALL_FACTOR`` times the run's usual
-gap) is a stall: the step after it is the first of a recovered run."""
+"""Idle time between two step records at least this long (and ``STALL_FACTOR`` times the run's
+usual idle time between steps) is a stall: the step after it is the first of a recovered run."""
 STALL_FACTOR = 5.0
 MAX_LOG_BYTES = 64 * 1024 * 1024
 """Largest step log or recovery log read (a tiny job's run is a few hundred kB)."""
@@ -118,8 +118,9 @@ class Tail:
 
 
 def usual_gap(records: Sequence[StepRecord]) -> float:
-    """Median seconds from one step's end to the next step's end."""
-    gaps = [b.end - a.end for a, b in zip(records, records[1:], strict=False) if b.end > a.end]
+    """Median idle seconds between one step's end and the next step's start (the step's own
+    duration left out: a slow step on a loaded machine is no stall)."""
+    gaps = [b.start - a.end for a, b in zip(records, records[1:], strict=False) if b.step > a.step]
     return statistics.median(gaps) if gaps else 0.0
 
 

@@ -77,3 +77,12 @@ def test_the_trainers_recovery_record_of_a_fault_is_the_one_detected_after_it() 
     this = {"detectedAt": 19.0, "tier": "process", "source": "memory"}
     assert fa.recovery_for([earlier, this], cost) == this
     assert fa.recovery_for([earlier], cost) is None
+
+
+def test_slow_steps_are_no_stall_but_the_idle_time_of_a_recovery_is() -> None:
+    # ten-second steps with 0.1 s between them; a fault at 35 and 6 s idle before step 5
+    records = [fa.StepRecord(s, s * 10.1, 10.0) for s in range(1, 5)]
+    records += [fa.StepRecord(s, 6.0 + s * 10.1, 10.0) for s in range(5, 9)]
+    cost = fa.fault_cost(records, 35.0, fa.usual_gap(records))
+    assert (cost.resumed_after, cost.steps_lost) == (4, 0)
+    assert cost.next_step_at == pytest.approx(6.0 + 50.5)
