@@ -174,16 +174,23 @@ def run_mode(
     mode: str,
     args: argparse.Namespace,
     outage: fault_injection.NodeOutage | None,
+    partial: dict[str, Any],
 ) -> dict[str, Any]:
-    """One job through the fault schedule; what each fault cost and the run's goodput."""
+    """One job through the fault schedule; what each fault cost and the run's goodput.
+
+    ``partial`` holds what is known so far (the faults injected, the job's directory), for
+    :func:`partial_summary` when the run is stopped before the job ends.
+    """
     name = f"faults-{mode}"
     job_dir = _job_dir(paths, name)
     shutil.rmtree(job_dir.parent.parent, ignore_errors=True)  # a previous run's claim
     created = time.time()
+    faults: list[dict[str, Any]] = []
+    partial.update(mode=mode, job_dir=job_dir, faults=faults, created=created)
     example.apply(paths, _written(paths, job_for(mode, name, args)))
     tail = fault_analysis.Tail(job_dir / "logs" / "steps.jsonl")
     _watch(paths, name, "the first step", lambda: _last_step(tail) >= 1, 900)
-    faults, checkpoint_before_first = [], None
+    checkpoint_before_first = None
     for index, kind in enumerate(args.faults):
         trigger = args.first + index * args.spacing
         _watch(paths, name, f"step {trigger}", lambda t=trigger: _last_step(tail) >= t, 900)  # type: ignore[misc]
@@ -220,6 +227,16 @@ def run_mode(
         "checkpoint_before_first_fault": checkpoint_before_first,
         "job_dir": str(job_dir),
     }
+
+
+def partial_summary(partial: dict[str, Any]) -> dict[str, Any] | None:
+    """What a mode stopped before its job ended had measured (its faults so far, its goodput)."""
+    if not partial.get("faults"):
+        return None
+    summary = _summarise(
+        partial["mode"], partial["job_dir"], {}, partial["faults"], partial["created"]
+    )
+    return summary | {"stopped_before_the_end": True, "job_dir": str(partial["job_dir"])}
 
 
 def _summarise(
@@ -472,22 +489,28 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     outage = fault_injection.NodeOutage(paths, TARGET_NODE) if "node" in args.faults else None
     signal.signal(signal.SIGTERM, _interrupted)  # the results so far are still written
+    partial: dict[str, Any] = {}
     try:
         for mode in args.modes:
-            runs[mode] = run_mode(paths, mode, args, outage)
+            partial.clear()
+            runs[mode] = run_mode(paths, mode, args, outage, partial)
+            partial.clear()
             example.kubectl(
                 paths, "delete", "tj", f"faults-{mode}", "-n", NAMESPACE, "--wait=false"
             )
             _wait("the job's pods gone", lambda m=mode: not _pods(paths, f"faults-{m}"), 300)  # type: ignore[misc]
         results["runs"] = runs
-        results["speedup"] = speedups(runs)
         results["weights"] = (
             {"compared": False, "why": "--no-weights"}
             if args.no_weights
             else weights_check(paths, runs, args)
         )
     finally:
+        stopped = partial_summary(partial)
+        if stopped is not None:
+            runs[stopped["mode"]] = stopped
         results["runs"] = runs
+        results["speedup"] = speedups(runs)
         results["load_average_after"] = os.getloadavg()
         if outage is not None:
             outage.close()
