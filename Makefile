@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-e2e benchmarks clean \
+.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-e2e benchmarks bench-faults clean \
         chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -84,6 +84,9 @@ lint-chart: bootstrap  ## helm lint --strict the chart
 
 benchmarks: venv  ## run every benchmark; results go to benchmarks/results/
 	$(BIN)/python -m benchmarks
+
+bench-faults: venv bootstrap  ## the sandbox fault benchmark, gang rebuild vs in-place side by side (root; e2e tier, not in `make benchmarks`; BENCH_ARGS=...)
+	$(BIN)/python benchmarks/bench_faults.py $(BENCH_ARGS)
 
 clean:  ## remove build outputs (keeps .venv and the binary cache)
 	rm -rf build dist *.egg-info runs .pytest_cache
