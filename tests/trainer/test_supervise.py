@@ -3,7 +3,7 @@
 Two supervisors play two pods of two local ranks (dp2·pp2, the tiny CPU model).  A rank SIGKILLed
 mid-run is replaced by the spare its pod started before the failure; the healthy ranks keep their
 processes, the supervisors never exit, rank 0 writes the recovery record, and the run ends with
-the weights and optimizer state of an unfaulted run (every checkpoint tensor compared).
+the weights, optimizer and RNG state of an unfaulted run (every checkpoint tensor compared).
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def _logs(out: Path) -> str:
 
 
 def _tensors(directory: Path, scratch: Path) -> dict[str, Any]:
-    """Every entry of a DCP checkpoint, flattened, without the ``rng.*`` states: the global RNG is
-    seeded at random in every process and training never draws from it (its generators are seeded)."""
+    """Every entry of a DCP checkpoint, flattened (the ``rng.<rank>`` states included: the worker
+    seeds the global RNG from the spec's seed and the rank, and a restore sets the saved state)."""
     target = scratch / f"{directory.parent.parent.name}-{directory.name}.pt"
     format_utils.dcp_to_torch_save(str(directory), str(target))
     loaded = torch.load(target, weights_only=False)
@@ -117,7 +117,7 @@ def _tensors(directory: Path, scratch: Path) -> dict[str, Any]:
             flat[prefix[:-1]] = value
 
     walk(loaded, "")
-    return {k: v for k, v in flat.items() if not k.startswith("rng.")}
+    return flat
 
 
 STEPS = 8
@@ -133,12 +133,13 @@ def unfaulted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _same_final_state(out: Path, reference: Path, scratch: Path) -> None:
-    """The run in ``out`` ended with ``reference``'s weights and optimizer state, bit for bit."""
+    """The run in ``out`` ended with ``reference``'s weights, optimizer and RNG states, bit for bit."""
     final = store.scan(out / "checkpoints")[-1]
     assert final.step == STEPS
     ours = _tensors(Path(str(final.path)), scratch)
     theirs = _tensors(reference, scratch)
     assert sorted(ours) == sorted(theirs) and any(k.startswith("model.") for k in ours)
+    assert any(k.startswith("rng.") for k in ours)
     for key, value in theirs.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(ours[key], value), key

@@ -11,6 +11,7 @@ the termination log, because torchrun exits 1 for any failed worker
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -159,6 +160,7 @@ def _session(
     # the gang's process groups are up (a gang record's rejoinedAt)
     rejoined_at = session.rejoined_at if session is not None else time.time()
     mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
+    seed_global_rng(job.training.seed, rank)  # a restore below replaces it with the saved state
     kept = session.tracker if session is not None else None  # one goodput account per process
     recorder = make_recorder(
         job, mesh.layout, rank, args.log_dir, device=device, steps_log=False, tracker=kept
@@ -211,6 +213,18 @@ def _session(
         saver.close()
         if log is not None and session is not None:
             log.close()
+
+
+def seed_global_rng(seed: int, rank: int) -> None:
+    """Seed torch's global generators (CPU and every CUDA device) from ``training.seed`` and the
+    global rank, before the engine is built.
+
+    torch seeds them at random in every process, so without this two runs of one spec (or an
+    in-place recovery, whose ranks rebuild their engines) would save different ``rng.<rank>``
+    states; with it, every rank starts the same stream in every run, a restore carries it on.
+    """
+    digest = hashlib.sha256(f"{seed}/rng/{rank}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 def _checkpoint_failed(err: store.CheckpointError, session: generations.Session | None) -> int:
