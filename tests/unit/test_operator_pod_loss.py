@@ -138,7 +138,7 @@ def test_the_in_place_limit_bounds_the_replacements_of_an_attempt():
     kept = dataclasses.replace(pod(2, "Running"), name="j-r0-2-p10")
     decision = lifecycle.decide(job(spec(), **used), gang(lost, kept), at(5))
     assert status_of(decision)["restarts"] == 1  # 10 replaced: recovery.inPlaceLimit's default
-    # The other tiers' restarts of this attempt count too (status.recovery, gp-kubelet's book).
+    # The other tiers' restarts of this attempt count too (status.recovery, recovery_count's book).
     booked = three(recovery={"attempt": 0, "attemptRestarts": 10})
     decision = lifecycle.decide(job(spec(), **booked), gang(lost), at(5))
     assert status_of(decision)["restarts"] == 1

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.api import limits
-from meshtrain.trainer.telemetry import steplog
+from meshtrain.trainer.telemetry import recoveries, steplog
 
-RECOVERIES = "recoveries.jsonl"
-"""The recovery log next to ``steps.jsonl`` (gp-sup's recovery records; the gang record here)."""
+RECOVERIES = recoveries.FILENAME
+"""The recovery log next to ``steps.jsonl`` (the supervised session's records, `telemetry/recoveries.py`; the gang record here)."""
 
 PHASES = ("detection", "restart", "reload", "recompute")
 """How a failure's lost time is split, in order."""
@@ -133,7 +133,7 @@ class Account:
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
-    """The fields of a recovery record this module reads (the rest is gp-sup's)."""
+    """The fields of a recovery record this module reads (the rest is `telemetry/recoveries.py`'s)."""
 
     tier: str
     """``process`` | ``container`` | ``pod`` | ``gang`` (anything else reads ``unrecorded``)."""
@@ -544,7 +544,7 @@ def note_gang_restart(
     """Append :func:`gang_record` (restoredAt: now) to ``recoveries.jsonl``; the record, or None.
 
     Global rank 0 calls it once after the first restore of a process (not after an in-place
-    recovery, which gp-sup's supervisor records).
+    recovery, which the supervised session records).
     """
     if log_dir is None:
         return None
