@@ -107,7 +107,7 @@ class LostSeconds(base.StatusModel):
 
 
 class Goodput(base.StatusModel):
-    """Productive step time over wall time since the job's first step, across restarts (rank 0's
+    """Productive step time over wall time since the job's creation, across restarts (rank 0's
     steps.jsonl and recoveries.jsonl, docs/telemetry.md, "Goodput")."""
 
     ratio: float | None = Field(None, ge=0, le=1, description="productiveSeconds / wallSeconds.")

@@ -319,8 +319,8 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "goodput",
         "gauge",
         "meshtrain_goodput_ratio",
-        "Productive step time (each step's last run) over wall time since the job's first step,"
-        " across restarts (global rank 0).",
+        "Productive step time (each step's last run) over wall time since the job's start"
+        " (MESHTRAIN_JOB_STARTED_AT, else its first step), across restarts (global rank 0).",
         lazy=True,
     ),
     Declaration(  # global rank 0 only, from its first step
