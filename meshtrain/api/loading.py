@@ -301,10 +301,26 @@ def parse_spec(raw: object, source: str = "spec") -> api_spec.TrainingJobSpec:
     return spec
 
 
-def _header_problems(document: dict[str, Any]) -> list[rules.Problem]:
-    """kind, apiVersion and metadata.name as the API server reads them."""
-    group_version = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+OBJECT_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
+"""The top-level fields of a TrainingJob object; the API server refuses any other."""
+
+
+def _unknown_top_level(document: dict[str, Any]) -> list[rules.Problem]:
+    """A key beside apiVersion, kind, metadata, spec and status, with the closest of them."""
     problems = []
+    for key in list(document)[: MAX_LISTED + 1]:
+        if key not in OBJECT_FIELDS:
+            hint = suggest.did_you_mean(str(key), OBJECT_FIELDS)
+            where = str(key) if len(str(key)) <= limits.MAX_QUOTED else base.quoted(key)
+            message = f"unknown field: not permitted in a TrainingJob; {hint or 'remove it'}"
+            problems.append(rules.Problem(path=where, message=message))
+    return problems
+
+
+def _header_problems(document: dict[str, Any]) -> list[rules.Problem]:
+    """kind, apiVersion, metadata.name and the top-level keys as the API server reads them."""
+    group_version = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+    problems = _unknown_top_level(document)
     if document.get("kind") != api_spec.KIND:
         got = base.quoted(document.get("kind"))
         problems.append(

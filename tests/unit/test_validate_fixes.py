@@ -125,6 +125,18 @@ def test_a_misspelt_section_is_one_line_naming_the_section_and_not_its_subtree(t
     assert "microBatches" not in run.stderr and "mapping" not in run.stderr
 
 
+def test_a_misspelt_top_level_field_is_answered_with_the_objects_field(tmp_path):
+    version = crd.build()["spec"]["versions"][0]
+    assert "spec" in version["schema"]["openAPIV3Schema"]["properties"]  # the object's fields
+    manifest = JobBuilder().manifest()
+    manifest["specs"] = manifest.pop("spec")
+    run = validate(_written(tmp_path, yaml.safe_dump(manifest)))
+    assert run.returncode == 2, run
+    assert (
+        "  - specs: unknown field: not permitted in a TrainingJob; did you mean spec?" in run.stderr
+    )
+
+
 def test_a_duplicate_key_at_any_depth_names_it_both_lines_and_the_file(tmp_path):
     text = yaml.safe_dump(JobBuilder().training(steps=5).manifest(), sort_keys=False)
     lines = text.splitlines()
