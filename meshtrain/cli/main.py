@@ -11,38 +11,15 @@ import importlib
 import sys
 from pathlib import Path
 
-from meshtrain.api import loading, persistence, release
-from meshtrain.api.spec import pod_template
+from meshtrain.api import release
 from meshtrain.cli import plan
+from meshtrain.cli import validate as cli_validate
 from meshtrain.operator import command as operator_command
-from meshtrain.planner import search, snapshots
+from meshtrain.planner import search
 
 
 def _version(args: argparse.Namespace) -> int:
     print(f"meshtrain {release.VERSION}")
-    return 0
-
-
-def _validate(args: argparse.Namespace) -> int:
-    try:
-        job = loading.load_spec_file(args.job)
-    except loading.SpecError as err:
-        print(err, file=sys.stderr)
-        return 2
-    refused = snapshots.snapshot_problems(job)  # in-memory checkpoints the pods cannot hold
-    if refused:
-        print(f"{args.job}: " + "\n".join(refused), file=sys.stderr)
-        return 2
-    for warned in (
-        persistence.warning(job),
-        pod_template.placement_warning(job.pod_template_override),
-    ):
-        if warned is not None:
-            print(f"warning: {warned}", file=sys.stderr)
-    print(
-        f"{args.job}: valid TrainingJob {job.parallelism.layout_string}, world size {job.world_size}, "
-        f"{job.pods} pod(s) of {job.resources.gpus_per_node} GPU(s), global batch {job.global_batch}"
-    )
     return 0
 
 
@@ -221,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("version", help="print the meshtrain version").set_defaults(handler=_version)
 
-    validate = sub.add_parser("validate", help="check a TrainingJob YAML file against every rule")
-    validate.add_argument("job", help="TrainingJob YAML file")
-    validate.set_defaults(handler=_validate)
+    validate_parser = sub.add_parser(
+        "validate", help="check a TrainingJob YAML file against every rule"
+    )
+    cli_validate.configure(validate_parser)
+    validate_parser.set_defaults(handler=cli_validate.main)
 
     _add_run(sub)
 
