@@ -33,8 +33,10 @@ def extras_only() -> set[str]:
     return test_packaging.import_names(dists)
 
 
-def meshtrain(args: list[str], tmp_path: Path, blocked: set[str]) -> subprocess.CompletedProcess:
-    """``meshtrain ARGS`` with ``blocked`` unimportable; the names it tried are in .tried."""
+def meshtrain(
+    args: list[str], tmp_path: Path, blocked: set[str], module: str = "meshtrain.cli.main"
+) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` with ``blocked`` unimportable; the names it tried are in .tried."""
     tried = tmp_path / "tried.txt"
     tried.unlink(missing_ok=True)
     env = dict(
@@ -43,9 +45,10 @@ def meshtrain(args: list[str], tmp_path: Path, blocked: set[str]) -> subprocess.
         MESHTRAIN_BLOCKED_IMPORTS=",".join(sorted(blocked)),
         MESHTRAIN_BLOCKED_REPORT=str(tried),
         MPLBACKEND="Agg",
+        MESHTRAIN_SANDBOX_DIR=str(tmp_path / "sandbox"),
     )
     out = subprocess.run(
-        [sys.executable, "-m", "meshtrain.cli.main", *args],
+        [sys.executable, "-m", module, *args],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -92,6 +95,22 @@ def test_base_commands_run_without_any_extra(case, tmp_path):
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout
     assert not out.tried, f"meshtrain {' '.join(args)} tried to import {sorted(out.tried)}"
+
+
+def test_the_sandbox_commands_parse_their_arguments_without_any_extra(tmp_path):
+    out = meshtrain(["--help"], tmp_path, extras_only(), module="meshtrain.sandbox")
+    assert out.returncode == 0, out.stderr
+    assert "run-example" in out.stdout
+    assert not out.tried, f"the sandbox's --help tried to import {sorted(out.tried)}"
+
+
+def test_the_sandbox_without_its_extra_names_it(tmp_path):
+    out = meshtrain(["up"], tmp_path, extras_only(), module="meshtrain.sandbox")
+    assert out.returncode == extras.EXIT_CODE, (out.returncode, out.stderr)
+    line = (
+        "python -m meshtrain.sandbox up needs the sandbox extra: pip install 'meshtrain[sandbox]'"
+    )
+    assert line in out.stderr and "Traceback" not in out.stderr
 
 
 def test_report_and_timeline_of_a_run_without_any_extra(run_dir, tmp_path):

@@ -311,3 +311,44 @@ def test_the_cli_probes_each_extra_by_its_own_packages():
         assert set(probes) <= import_names(added), f"{extra}: probes outside the extra"
         for dist in added:
             assert import_names({dist}) & set(probes), f"{extra}: nothing probes {dist}"
+
+
+def _image_requirements(*args: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/image-requirements.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "image_extras"),
+    [("trainer/Dockerfile", "trainer,tracking,hf"), ("operator/Dockerfile", "operator")],
+)
+def test_each_image_installs_its_extras_from_pyproject_and_the_lock(dockerfile, image_extras):
+    text = (ROOT / dockerfile).read_text()
+    # the dependency layer's list and the final install name the same extras
+    assert f"image-requirements.py extras pyproject.toml {image_extras} " in text
+    assert f"'meshtrain[{image_extras}]'" in text and "-c /opt/requirements.lock" in text
+    listed = {
+        canonicalize_name(Requirement(r).name)
+        for r in _image_requirements("extras", str(ROOT / "pyproject.toml"), image_extras)
+    }
+    found = declared()
+    assert listed == set().union(found[""], *(found[e] for e in image_extras.split(",")))
+
+
+def test_the_torch_layer_is_constrained_by_the_locks_pins_of_torch_and_its_needs():
+    lock = (ROOT / "requirements.lock").read_text().splitlines()
+    closure = _image_requirements("closure", str(ROOT / "requirements.lock"), "torch")
+    assert set(closure) <= set(lock), "a pin the lock does not hold"
+    names = {line.partition("==")[0] for line in closure}
+    needed = {
+        canonicalize_name(Requirement(r).name)
+        for r in importlib.metadata.requires("torch")
+        if Requirement(r).marker is None or Requirement(r).marker.evaluate({"extra": ""})
+    }
+    assert "torch" in names and needed <= names, sorted(needed - names)
+    assert not names & {"kopf", "cryptography", "tokenizers", "matplotlib"}
