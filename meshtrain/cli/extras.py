@@ -14,7 +14,7 @@ EXIT_CODE = 69
 """Exit status of a command whose extra is not installed (BSD's EX_UNAVAILABLE)."""
 
 PROBES: dict[str, tuple[str, ...]] = {
-    "hf": ("safetensors", "tokenizers", "fsspec", "s3fs"),
+    "hf": ("tokenizers", "safetensors", "fsspec", "s3fs"),
     "trainer": ("torch", "prometheus_client", "safetensors", "tokenizers", "fsspec", "s3fs"),
     "operator": ("kopf", "kubernetes", "kubernetes_asyncio", "aiohttp", "prometheus_client"),
     "sandbox": ("cryptography",),
