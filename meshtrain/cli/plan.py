@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from meshtrain import placement
 from meshtrain.api import limits, loading
 from meshtrain.api import spec as api_spec
+from meshtrain.cli import extras
 from meshtrain.planner import (
     cluster,
     estimate,
@@ -319,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         if args.cluster:
             nodes = cluster.load(args.cluster)
         elif args.from_cluster:
+            extras.require("operator", "meshtrain plan --from-cluster")  # the Kubernetes client
             from meshtrain.cli import cluster_nodes  # noqa: PLC0415 - pulls in the kubernetes client
 
             nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name)

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from meshtrain.cli import extras
 from meshtrain.sandbox import example, supervisor
 
 
@@ -128,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="(internal) the supervisor process that `up` starts")
     serve.set_defaults(handler=lambda paths, _args: supervisor.serve(paths))
     args = parser.parse_args(argv)
+    if args.command in ("up", "run-example", "serve"):  # they start the control plane
+        try:
+            extras.require("sandbox", f"python -m meshtrain.sandbox {args.command}")
+        except extras.MissingExtra as err:
+            print(err, file=sys.stderr)
+            return extras.EXIT_CODE
     paths = supervisor.Paths((args.state_dir or supervisor.default_state_dir()).resolve())
     paths.root.mkdir(parents=True, exist_ok=True)
     return int(args.handler(paths, args))
