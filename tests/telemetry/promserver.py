@@ -75,9 +75,17 @@ class PrometheusServer(PrometheusApi):
     """A prometheus process scraping ``targets`` every second."""
 
     def __init__(
-        self, workdir: Path, targets: list[str], rule_files: list[Path] = (), *, namespace: str
+        self,
+        workdir: Path,
+        targets: list[str],
+        rule_files: list[Path] = (),
+        *,
+        namespace: str,
+        job: str = "meshtrain-trainer",
+        relabel: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Scrape ``targets`` as pods of ``namespace`` (the target label Kubernetes discovery sets)."""
+        """Scrape ``targets`` as pods of ``namespace`` (the target label Kubernetes discovery sets)
+        in the scrape job ``job``, relabelled as the chart's monitor (the trainers' by default)."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError(
@@ -95,9 +103,11 @@ class PrometheusServer(PrometheusApi):
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [
                 {
-                    "job_name": "meshtrain-trainer",
+                    "job_name": job,
                     "static_configs": [{"targets": targets, "labels": {"namespace": namespace}}],
-                    "metric_relabel_configs": sandbox_prometheus.TRAINER_METRIC_RELABEL,
+                    "metric_relabel_configs": (
+                        sandbox_prometheus.TRAINER_METRIC_RELABEL if relabel is None else relabel
+                    ),
                 }
             ],
         }
