@@ -136,3 +136,18 @@ def test_goodput_panels_answer_from_the_scrape(scraped_run):
     )
     assert [r["metric"]["rank"] for r in series] == ["0"]  # global rank 0 alone
     assert scraped_run.progress[-1]["goodput"]["lost_seconds"] == dict.fromkeys(goodput.PHASES, 0.0)
+
+
+def test_every_training_panel_of_the_trainer_answers_from_the_scrape(scraped_run):
+    """The training dashboard's trainer queries, as Grafana sends them (job, namespace selected)."""
+    board = json.loads((REPO / "dashboards" / "meshtrain-training.json").read_text())
+    empty = []
+    for panel in board["panels"]:
+        if panel.get("meshtrainOptional") == "dcgm":
+            continue
+        for query in _panel_queries(panel["title"]):
+            if "meshtrain_operator_" in query:
+                continue  # the operator's series: test_dashboards_live.py
+            if not scraped_run.prom.query(query.replace("$__rate_interval", "10s"), scraped_run.at):
+                empty.append(f"{panel['title']}: {query}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
