@@ -255,10 +255,6 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "stage {{pp}}",
-                f"avg by (pp) (meshtrain_gradient_compression_ratio{{{SEL}}})",
-            ),
-            (
-                "stage {{pp}} from bytes",
                 f'sum by (pp) (rate(meshtrain_gradient_reduction_bytes_total{{{SEL}, stage="uncompressed"}}[{RI}]))'
                 f' / sum by (pp) (rate(meshtrain_gradient_reduction_bytes_total{{{SEL}, stage="sent"}}[{RI}]))',
             ),

@@ -249,17 +249,12 @@ DECLARATIONS: tuple[Declaration, ...] = (
         labels=COMM,
     ),
     Declaration(
-        "compression_ratio",
-        "gauge",
-        "meshtrain_gradient_compression_ratio",
-        "Data-parallel gradient bytes before compression over bytes sent, last step (1: uncompressed).",
-    ),
-    Declaration(
         "gradient_bytes",
         "counter",
         "meshtrain_gradient_reduction_bytes",
         "Payload bytes of the data-parallel gradient reduction: stage=uncompressed (a plain fp32"
-        " all-reduce's) or sent (after parallelism.gradientCompression).",
+        " all-reduce's) or sent (after parallelism.gradientCompression); the compression ratio is"
+        " rate(uncompressed) / rate(sent).",
         labels=("stage",),
     ),
     Declaration(
@@ -404,7 +399,6 @@ class Metrics:
     allreduce_bytes: prometheus_client.Counter
     bus_bytes: prometheus_client.Counter
     busy_seconds: prometheus_client.Counter
-    compression_ratio: prometheus_client.Gauge
     gradient_bytes: prometheus_client.Counter
     memory: prometheus_client.Gauge
     memory_peak: prometheus_client.Gauge
@@ -566,7 +560,6 @@ class Exporter:
             bus_bytes.inc(c.bus_bandwidth * c.busy_seconds)
             busy.inc(c.busy_seconds)
         if stats.dp_sent_bytes:
-            m.compression_ratio.set(stats.compression_ratio)
             m.gradient_bytes.labels(**m.base, stage="uncompressed").inc(stats.dp_uncompressed_bytes)
             m.gradient_bytes.labels(**m.base, stage="sent").inc(stats.dp_sent_bytes)
         if memory is not None:
