@@ -281,7 +281,7 @@ def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(to
     assert "groups:" in text
     monitor = next(d for d in yaml.safe_load_all(text) if d and d["kind"] == "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["honorLabels"] is True and "port" not in endpoint
+    assert "honorLabels" not in endpoint and "port" not in endpoint
     keep = [r for r in endpoint["relabelings"] if r.get("action") == "keep"]
     assert keep == [
         {
@@ -290,6 +290,25 @@ def test_monitoring_objects_render_with_the_selector_label_and_embedded_files(to
             "action": "keep",
         }
     ]
+
+
+def test_no_monitor_honours_the_exporters_labels(tools: dict) -> None:
+    """Prometheus' own job, namespace and pod win: no endpoint of any monitor sets honorLabels."""
+    monitors = ("trainerPodMonitor", "operatorServiceMonitor")
+    sets = [arg for m in monitors for arg in ("--set", f"monitoring.{m}.enabled=true")]
+    rendered = run(tools, "helm", "template", "labels", str(CHART), *sets)
+    assert rendered.returncode == 0, rendered.stderr
+    documents = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    found = [d for d in documents if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert sorted(m["kind"] for m in found) == ["PodMonitor", "ServiceMonitor"]
+    for monitor in found:
+        spec = monitor["spec"]
+        for endpoint in spec.get("endpoints", []) + spec.get("podMetricsEndpoints", []):
+            assert not endpoint.get("honorLabels"), monitor["metadata"]["name"]
+            drops = {
+                r["regex"] for r in endpoint["metricRelabelings"] if r.get("action") == "labeldrop"
+            }
+            assert drops & {"exported_namespace", "exported_(namespace|pod|node)"}, drops
 
 
 def test_install_and_uninstall(tools: dict) -> None:

@@ -62,11 +62,13 @@ def test_monitoring_objects_carry_the_selector_labels() -> None:
     assert '.Files.Get "files/rules.yaml"' in text
 
 
-def test_trainer_pod_monitor_scrapes_every_rank_port_and_honours_the_exporters_labels() -> None:
+def test_trainer_pod_monitor_scrapes_every_rank_port_and_keeps_the_targets_labels() -> None:
     text = _text("monitoring.yaml")
     monitor = text[text.index("kind: PodMonitor") : text.index("kind: PrometheusRule")]
     endpoints = monitor[monitor.index("podMetricsEndpoints:") :]
-    assert "honorLabels: true" in endpoints
+    # Prometheus' job, namespace and pod win, in every monitor
+    assert not re.search(r"^\s*honorLabels:", text, re.M)
+    assert "regex: exported_(namespace|pod|node)" in endpoints
     assert (
         "- port:" not in endpoints and "port: metrics\n" not in endpoints
     )  # not only one rank's port

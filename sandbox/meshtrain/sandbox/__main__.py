@@ -85,8 +85,8 @@ def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
         f"(restarts {final['status'].get('restarts', 0)}, last checkpoint step {final['status'].get('lastCheckpointStep')})"
     )
     print(
-        f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
-        f'(e.g. sum by (job) (meshtrain_tokens_per_second{{job="{name}"}}))'
+        f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_step  "
+        f'(e.g. max(rate(meshtrain_tokens_total{{namespace="{namespace}", trainingjob="{name}"}}[30s])))'
     )
     print(f"pod logs: kubectl logs -n {namespace} -l meshtrain.io/job={name}")
     picture = example.timeline(paths, namespace, name)
