@@ -16,7 +16,10 @@ from typing import Any
 from meshtrain.planner import profiles
 
 
-def _fit(op: str, cpu_call: float, cpu_bandwidth: float, alpha: float, bandwidth: float) -> Any:
+def _fit(
+    op: str, cpu_call: float, cpu_bandwidth: float, alpha: float, bandwidth: float
+) -> profiles.CollectiveFit:
+    """A measured two-member fit of ``op``: CPU seconds per call and per byte, wall alpha and bandwidth."""
     return profiles.CollectiveFit(
         op=op,
         members=2,

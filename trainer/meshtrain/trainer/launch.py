@@ -317,6 +317,7 @@ class _Watch:
             self.phase.status(f"loss {last['loss']:.4f}, {last['tokens_per_second']:,.0f} tokens/s")
 
     def close(self, outcome: str = "") -> None:
+        """End what is shown (``outcome``: why, when the run did not finish)."""
         self.phase.close(outcome)
 
 
