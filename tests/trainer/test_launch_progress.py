@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pty
-import select
-import struct
 import subprocess
 import sys
-import termios
 from pathlib import Path
 
 import mt_harness
@@ -17,31 +12,14 @@ import pytest
 
 from meshtrain.api import console
 from meshtrain.trainer.telemetry import steplog
+from tests import terminal
 from tests.builders import JobBuilder
-
-
-def _follow(master: int, proc: subprocess.Popen[bytes]) -> str:
-    out = b""
-    while True:
-        ready, _, _ = select.select([master], [], [], 0.5)
-        if ready:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif proc.poll() is not None:
-            break
-    return out.decode(errors="replace")
 
 
 @pytest.mark.slow
 def test_run_on_a_terminal_shows_ranks_ready_then_steps(tmp_path: Path) -> None:
     path = mt_harness.write_job(tmp_path, JobBuilder.cpu_run().layout(data=2).raw())
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 160, 0, 0))
+    master, slave = terminal.open_terminal()
     env = {k: v for k, v in os.environ.items() if k != console.FORCE_ENV}
     command = [sys.executable, "-m", "meshtrain.cli.main", "run", str(path), "--steps", "2"]
     proc = subprocess.Popen(
@@ -52,7 +30,7 @@ def test_run_on_a_terminal_shows_ranks_ready_then_steps(tmp_path: Path) -> None:
         env=env,
     )
     os.close(slave)
-    shown = _follow(master, proc)
+    shown = terminal.read_all(master, proc)
     os.close(master)
     assert proc.wait(timeout=600) == 0, shown
     assert "t: 2 of 2 ranks ready" in shown, shown

@@ -4,16 +4,11 @@ start through their own code."""
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import os
-import pty
-import select
-import struct
 import subprocess
 import sys
-import termios
 from pathlib import Path
 
 import pytest
@@ -25,36 +20,12 @@ from meshtrain.api.spec import model as api_model
 from meshtrain.sandbox import watch
 from meshtrain.trainer.interop import to_hf
 from meshtrain.trainer.models import gpt, llama
+from tests import terminal
 
 
 @pytest.fixture(autouse=True)
 def _unforced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(console.FORCE_ENV, raising=False)
-
-
-def _terminal() -> tuple[int, int]:
-    """A pseudo-terminal of 30 rows and 160 columns, as a user's window has (a new one has 0x0)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 160, 0, 0))
-    return master, slave
-
-
-def _read_all(master: int, proc: subprocess.Popen[bytes] | None = None) -> str:
-    """Everything written to the terminal until the child exits (or, without one, what is there)."""
-    out = b""
-    while True:
-        ready, _, _ = select.select([master], [], [], 0.5)
-        if ready:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif proc is None or proc.poll() is not None:
-            break
-    return out.decode(errors="replace")
 
 
 def test_a_phase_off_a_terminal_writes_one_line_when_it_ends() -> None:
@@ -70,14 +41,14 @@ def test_a_phase_off_a_terminal_writes_one_line_when_it_ends() -> None:
 
 
 def test_a_phase_on_a_terminal_is_a_bar_that_counts() -> None:
-    master, slave = _terminal()
-    with os.fdopen(slave, "w") as terminal:
-        assert console.on_terminal(terminal)
-        phase = console.Phase("tiny-cpu", total=8, unit="ranks ready", stream=terminal)
+    master, slave = terminal.open_terminal()
+    with os.fdopen(slave, "w") as screen:
+        assert console.on_terminal(screen)
+        phase = console.Phase("tiny-cpu", total=8, unit="ranks ready", stream=screen)
         phase.to(3)
         phase.close()  # draws the bar as it ends
-        terminal.flush()
-        shown = _read_all(master)
+        screen.flush()
+        shown = terminal.read_all(master)
     os.close(master)
     assert "tiny-cpu: 3 of 8 ranks ready" in shown
 
@@ -86,9 +57,9 @@ def test_the_variable_forces_either_way(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv(console.FORCE_ENV, "bar")
     assert console.on_terminal(io.StringIO())
     monkeypatch.setenv(console.FORCE_ENV, "plain")
-    master, slave = _terminal()
-    with os.fdopen(slave, "w") as terminal:
-        assert not console.on_terminal(terminal)
+    master, slave = terminal.open_terminal()
+    with os.fdopen(slave, "w") as screen:
+        assert not console.on_terminal(screen)
     os.close(master)
 
 
@@ -124,10 +95,10 @@ def _prepare_command(tmp_path: Path) -> list[str]:
 
 def test_data_prepare_shows_a_bar_on_a_terminal_and_one_line_in_a_log(tmp_path: Path) -> None:
     command = _prepare_command(tmp_path)
-    master, slave = _terminal()
+    master, slave = terminal.open_terminal()
     proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave)
     os.close(slave)
-    shown = _read_all(master, proc)
+    shown = terminal.read_all(master, proc)
     os.close(master)
     assert proc.wait(timeout=120) == 0, shown
     assert "tokenising into" in shown and "300 documents" in shown and "\r" in shown
