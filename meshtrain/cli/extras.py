@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 
-EXIT_CODE = 69
-"""Exit status of a command whose extra is not installed (BSD's EX_UNAVAILABLE)."""
+from meshtrain.cli import exitcodes
+
+EXIT_CODE = exitcodes.MISSING_EXTRA
+"""Exit status of a command whose extra is not installed (listed with every code in exitcodes)."""
 
 PROBES: dict[str, tuple[str, ...]] = {
     "hf": ("tokenizers", "safetensors", "fsspec", "s3fs"),

@@ -32,7 +32,7 @@ from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.recovery import generations
-from meshtrain.trainer.telemetry import goodput, progress, steplog
+from meshtrain.trainer.telemetry import goodput, progress, readiness, steplog
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(exitcodes.SPEC, err)
     except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
+    readiness.mark(int(os.environ.get("RANK", "0")))  # meshtrain run: "3 of 8 ranks ready"
     stop = (
         stopping.StopRequest().install()
     )  # before the slow start: a signal during it still stops cleanly
