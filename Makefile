@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements.lock
 venv: $(STAMP)  ## create .venv with the locked dependencies and meshtrain (idempotent)
 
 lock: venv  ## re-resolve requirements.lock from pyproject.toml (the one pin of every dependency)
-	$(BIN)/uv pip compile pyproject.toml --extra test --extra dev --python-version 3.11 \
+	$(BIN)/uv pip compile pyproject.toml --extra test --extra dev --extra tracking --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_28 -o requirements.lock -q
 
 verify: venv  ## static checks CI runs before the tests: ruff lint + format, mypy, import contracts

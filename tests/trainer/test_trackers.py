@@ -26,8 +26,9 @@ pytest.importorskip("tensorboard", reason="the tracking extra (pip install mesht
 pytest.importorskip("wandb", reason="the tracking extra (pip install meshtrain[tracking])")
 pytest.importorskip("mlflow.server", reason="the MLflow server (the test extra)")
 
-from mlflow.tracking import MlflowClient  # noqa: E402 - after the skips
-from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
+from mlflow.tracking import MlflowClient
+from tensorboard.backend.event_processing import event_accumulator
+from wandb.proto import wandb_internal_pb2  # W&B's own record schema
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +81,9 @@ def mlflow_server(tmp_path_factory):
 
 
 def _job(tmp_path: Path, tracking: dict) -> Path:
-    raw = JobBuilder.cpu_run().training(steps=ALL_STEPS).raw()
-    return mt_harness.write_job(tmp_path, {**raw, "tracking": tracking})
+    return mt_harness.write_job(
+        tmp_path, JobBuilder.cpu_run().training(steps=ALL_STEPS).tracking(**tracking).raw()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +211,6 @@ def _wandb_records(path: Path) -> list[bytes]:
 
 
 def test_wandb_offline_history_equals_the_step_log(tracked_run):
-    from wandb.proto import wandb_internal_pb2  # W&B's own record schema
-
     folder = tracked_run["logs"] / "checkpoints" / job_dir.TRACKING_SUBDIR
     run_id = json.loads((folder / "wandb.json").read_text())["run_id"]
     files = sorted(folder.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
