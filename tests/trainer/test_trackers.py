@@ -6,6 +6,7 @@ every series must equal steps.jsonl step by step.  A dead MLflow server costs on
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -65,8 +66,10 @@ def mlflow_server(tmp_path_factory):
     command = [str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--backend-store-uri", f"sqlite:///{root / 'store.db'}"]
     command += ["--artifacts-destination", str(root / "artifacts"), "--workers", "1"]
+    # no job runner: it starts seven task-queue processes that this test never uses
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, server, log)

@@ -1,40 +1,29 @@
-"""Rank 0's step log with the trackers behind it: every record written to steps.jsonl also goes to
-each tracker ``spec.tracking`` turns on, and the end draws the run report for MLflow."""
+"""Rank 0's step log with the trackers behind it: every record written to steps.jsonl also goes,
+as one JSON line, to the trackers' own process (:mod:`.child`), which ``spec.tracking`` starts.
+
+The trainer's side only queues a line; a thread of its own writes it to the pipe, so a tracker
+that stalls fills a bounded queue (steps then dropped, said once) and never holds a step.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
+import subprocess
 import sys
-import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from meshtrain.api import job_dir
 from meshtrain.api import spec as api_spec
-from meshtrain.trainer.telemetry import report, steplog
-from meshtrain.trainer.telemetry.tracking import (
-    backend,
-    mlflow_run,
-    runner,
-    tensorboard_files,
-    wandb_run,
-)
+from meshtrain.trainer.telemetry import steplog
+from meshtrain.trainer.telemetry.tracking import backend, child, runner
 
-REPORT_FILE = "report.html"
-"""The run report's name as an artifact."""
-
-
-def backends(context: backend.Context) -> list[backend.Backend]:
-    """The trackers the spec turns on."""
-    tracking = context.job.tracking
-    chosen: list[backend.Backend] = []
-    if tracking.tensorboard is not None:
-        chosen.append(tensorboard_files.TensorBoardFiles(tracking.tensorboard, context))
-    if tracking.mlflow is not None:
-        chosen.append(mlflow_run.MLflowRun(tracking.mlflow, context))
-    if tracking.wandb is not None:
-        chosen.append(wandb_run.WandbRun(tracking.wandb, context))
-    return chosen
+CHILD_MODULE = "meshtrain.trainer.telemetry.tracking.child"
+EXIT_GRACE_SECONDS = 30.0
+"""Beyond the trackers' own :data:`runner.CLOSE_SECONDS`: how long the end waits for the process."""
 
 
 def context_of(
@@ -53,64 +42,94 @@ def context_of(
 
 
 class TrackedLog:
-    """steps.jsonl (when there is a log directory) and the trackers, one record at a time."""
+    """steps.jsonl (when there is a log directory) and the trackers' process, one record at a time."""
 
-    def __init__(self, context: backend.Context, trackers: list[backend.Backend]) -> None:
+    def __init__(self, context: backend.Context) -> None:
         self.context = context
         self.steps = steplog.StepLog(context.log_dir) if context.log_dir is not None else None
-        self.runners = [runner.Runner(tracker) for tracker in trackers]
         self.last_step = 0
+        self._lines: queue.Queue[str | None] = queue.Queue(maxsize=runner.MAX_PENDING)
+        self._warned = False
         self._closed = False
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", CHILD_MODULE],
+            stdin=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+        )
+        self._lines.put_nowait(json.dumps(child.start_line(context)))
+        self._writer = threading.Thread(
+            target=self._write_lines,
+            args=(self._process.stdin,),
+            name="meshtrain-trackers",
+            daemon=True,
+        )
+        self._writer.start()
 
     def write(self, record: dict[str, Any]) -> None:
-        """One step's record: to the file, then queued for every tracker."""
+        """One step's record: to the file, then queued for the trackers."""
         if self.steps is not None:
             self.steps.write(record)
         self.last_step = int(record["step"])
         values = backend.metrics(record)
-        for one in self.runners:
-            one.log(self.last_step, values, float(record.get("time", 0.0)))
+        self._send({"step": self.last_step, "values": values, "time": record.get("time", 0.0)})
+
+    def _send(self, line: dict[str, Any]) -> None:
+        try:
+            self._lines.put_nowait(json.dumps(line))
+        except queue.Full:
+            self._warn(f"they fell {runner.MAX_PENDING} steps behind; steps are dropped")
+
+    def _write_lines(self, pipe: IO[str] | None) -> None:
+        assert pipe is not None
+        try:
+            while (line := self._lines.get()) is not None:
+                pipe.write(line + "\n")
+                pipe.flush()
+            pipe.close()
+        except OSError as err:  # the process is gone: it said why on stderr
+            self._warn(f"their process stopped reading ({err})")
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            print(f"WARNING: experiment trackers: {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Close the file, draw the report (for a tracker that keeps artifacts), end every run."""
+        """Close the file, end every tracker's run and wait (bounded) for their process."""
         if self._closed:
             return
         self._closed = True
         if self.steps is not None:
             self.steps.close()
         finished = self.last_step >= self.context.job.training.steps
-        with tempfile.TemporaryDirectory(prefix="meshtrain-report-") as scratch:
-            drawn = self._report(Path(scratch)) if self._wants_report() else None
-            for one in self.runners:
-                one.close(drawn, finished)
-
-    def _wants_report(self) -> bool:
-        return any(one.failed is None and one.tracker.name == "mlflow" for one in self.runners)
-
-    def _report(self, scratch: Path) -> Path | None:
-        """``meshtrain report``'s page of this run (None, said on stderr, when it cannot be drawn)."""
-        if self.context.log_dir is None:
-            return None
+        self._send({"end": {"finished": finished}})
+        limit = runner.CLOSE_SECONDS + EXIT_GRACE_SECONDS
         try:
-            return report.write_html(report.load(self.context.log_dir), scratch / REPORT_FILE)
-        except (report.ReportError, OSError, ValueError) as err:
-            print(f"WARNING: no run report for the trackers: {err}", file=sys.stderr)
-            return None
-
-
-def step_log(
-    job: api_spec.TrainingJobSpec, log_dir: str | None, home: Path | None, first_step: int
-) -> steplog.StepLog | TrackedLog | None:
-    """Rank 0's log: a plain step log when no tracker is on (None without a log directory)."""
-    context = context_of(job, log_dir, home, first_step)
-    trackers = backends(context)
-    if trackers:
-        return TrackedLog(context, trackers)
-    return steplog.StepLog(log_dir) if log_dir else None
+            self._lines.put(None, timeout=limit)
+        except queue.Full:
+            pass
+        self._writer.join(limit)
+        try:
+            self._process.wait(limit)
+        except subprocess.TimeoutExpired:
+            self._warn(f"they did not finish within {limit:g} s; stopped")
+            self._process.kill()
+            self._process.wait()
 
 
 Writer = steplog.StepLog | TrackedLog
 """What rank 0 writes its step records to."""
+
+
+def step_log(
+    job: api_spec.TrainingJobSpec, log_dir: str | None, home: Path | None, first_step: int
+) -> Writer | None:
+    """Rank 0's log: a plain step log when no tracker is on (None without a log directory)."""
+    tracking = job.tracking
+    if any(t is not None for t in (tracking.tensorboard, tracking.mlflow, tracking.wandb)):
+        return TrackedLog(context_of(job, log_dir, home, first_step))
+    return steplog.StepLog(log_dir) if log_dir else None
 
 
 def home(checkpoint_dir: object, log_dir: str | None) -> Path | None:

@@ -55,9 +55,13 @@ class MLflowRun:
     def start(self) -> None:
         for key, value in HTTP_ENV.items():
             os.environ.setdefault(key, value)
+        uri = self.tracking_uri()
+        if uri is not None and uri.startswith(
+            "file:"
+        ):  # MLflow keeps its file store behind a switch
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self._entities = importlib.import_module("mlflow.entities")
         client_module = importlib.import_module("mlflow.tracking")
-        uri = self.tracking_uri()
         self._client = client_module.MlflowClient(tracking_uri=uri)
         stored = self.context.stored_id(self.name)
         if stored.get("run_id") and stored.get("tracking_uri", "") == (uri or ""):

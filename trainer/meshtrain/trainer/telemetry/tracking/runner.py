@@ -1,4 +1,5 @@
-"""One tracker on a thread of its own: the training thread only enqueues.
+"""One tracker on a thread of its own (in the trackers' process, :mod:`.child`): the reader of
+the trainer's lines only enqueues.
 
 A backend that raises (server down, bad URI, missing package) is reported once on stderr and
 dropped: the run goes on without it.  The queue is bounded (a stalled backend drops steps rather
