@@ -97,6 +97,15 @@ MAX_IMAGE_LENGTH = 1_024
 MAX_URL_LENGTH = 2_048
 """An endpoint URL (``spec.objectStorage.endpoint``)."""
 
+MAX_TRACKER_NAME_LENGTH = 256
+"""An MLflow experiment or run name (``spec.tracking.mlflow``)."""
+
+MAX_WANDB_PROJECT_LENGTH = 128
+"""A W&B project name (W&B's own limit)."""
+
+MAX_WANDB_ENTITY_LENGTH = 64
+"""A W&B user or team name."""
+
 MAX_LIST_LENGTH = 64
 """Lists the spec does not bound more tightly (tolerations, fabric levels, data sources,
 node selector and label maps)."""
