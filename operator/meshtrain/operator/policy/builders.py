@@ -24,6 +24,7 @@ from meshtrain.operator.policy import (
     node_affinity,
     pod_override,
     replacement,
+    torchrun_tier,
 )
 
 SHUTDOWN_MARGIN_SECONDS = 5
@@ -174,6 +175,7 @@ def _env(
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
         **kubelet_tier.recovery_env(spec),
+        **torchrun_tier.elastic_env(job, spec, attempt, index),
     }
     if job.created:  # the goodput account's wall time starts with the job (docs/telemetry.md)
         plain["MESHTRAIN_JOB_STARTED_AT"] = job.created
