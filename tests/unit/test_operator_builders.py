@@ -539,3 +539,34 @@ def test_a_custom_trainers_torchrun_stays_static_without_in_place_recovery(monke
         REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1)), 0, 0, "n-a"
     )
     assert not any(name.startswith("PET_RDZV") for name in env_of(builtin))
+
+
+def test_a_custom_trainers_pods_but_pod_0_restart_whole_when_torchruns_agent_is_killed():
+    custom = (
+        JobBuilder().layout(data=3, gpus_per_node=1).trainer(type="custom", command=["torchrun"])
+    )
+    first, *others = builders.build_pods(REF, spec_of(custom), 0, ["a", "b", "c"], restart_all=True)
+    assert "restartPolicyRules" not in first["spec"]["containers"][0]  # its agent hosts the store
+    for pod in others:
+        [rule] = pod["spec"]["containers"][0]["restartPolicyRules"]
+        assert rule["action"] == "RestartAllContainers"
+        codes = rule["exitCodes"]["values"]
+        assert 137 in codes and 1 not in codes  # SIGKILL; not torchrun's "workers failed"
+        assert all(code > 128 for code in codes)
+    builtin = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
+    rules = builders.build_pod(REF, builtin, 0, 1, "a", restart_all=True)["spec"]["containers"][0]
+    assert rules["restartPolicyRules"][0]["action"] == "Restart"  # the supervisor's container
+    for builder in (custom, custom.clone().run_policy(recovery={"inPlace": False})):
+        pods = builders.build_pods(REF, spec_of(builder), 0, ["a", "b", "c"], restart_all=False)
+        assert not any("restartPolicyRules" in p["spec"]["containers"][0] for p in pods)
+    off = custom.clone().run_policy(recovery={"inPlace": False})
+    pods = builders.build_pods(REF, spec_of(off), 0, ["a", "b", "c"], restart_all=True)
+    assert not any("restartPolicyRules" in p["spec"]["containers"][0] for p in pods)
+
+
+@pytest.mark.parametrize(
+    ("major", "minor", "served"),
+    [("1", "35", False), ("1", "36", True), ("1", "36+", True), ("1", "", False), ("2", "0", True)],
+)
+def test_restart_all_containers_is_used_from_kubernetes_1_36(major, minor, served):
+    assert kubelet_tier.all_containers_served({"major": major, "minor": minor}) is served
