@@ -207,7 +207,8 @@ def main() -> None:
                 )
     best = {mode: min(r["kill_to_step_s"] for r in results) for mode, results in runs.items()}
     results = {
-        "setup": "2 supervisors x 2 ranks on loopback, dp2·pp2 tiny CPU model, gloo, checkpoint every step",
+        "setup": "2 pods x 2 ranks on loopback (supervisors; torchrun: 2 elastic torchrun agents as the "
+        "operator starts a custom trainer), dp2·pp2 tiny CPU model, gloo, checkpoint every step",
         "kill_at_step": args.kill_at,
         "runs": runs,
         "best_kill_to_step_s": best,
