@@ -8,7 +8,7 @@ CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
 .PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-e2e benchmarks bench-faults clean \
-        chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
+        chart-docs chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements.lock
 venv: $(STAMP)  ## create .venv with the locked dependencies and meshtrain (idempotent)
 
 lock: venv  ## re-resolve requirements.lock from pyproject.toml (the one pin of every dependency)
-	$(BIN)/uv pip compile pyproject.toml --extra test --extra dev --python-version 3.11 \
+	$(BIN)/uv pip compile pyproject.toml --all-extras --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_28 -o requirements.lock -q
 
 verify: venv  ## static checks CI runs before the tests: ruff lint + format, mypy, import contracts
@@ -34,6 +34,7 @@ verify: venv  ## static checks CI runs before the tests: ruff lint + format, myp
 	@$(BIN)/python -m meshtrain.api.crd | diff -u $(CRD) - \
 	  || { echo "$(CRD) is not what the model generates: run make crd"; exit 1; }
 	@scripts/chart-sync.sh --check || { echo "the chart's copies differ: run make chart-sync"; exit 1; }
+	@$(BIN)/python scripts/chart-docs.py --check
 
 bootstrap:  ## build/locate the control plane, kubelet, containerd, CoreDNS, helm; apt: prometheus, runc, CNI, buildah (cached)
 	scripts/bootstrap.sh
@@ -65,6 +66,9 @@ test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 
 test-e2e: venv bootstrap  ## the sandbox tests: real kubelet node, images built and imported (not in CI: see README)
 	$(BIN)/pytest -m e2e tests/e2e tests/telemetry
+
+chart-docs: venv  ## regenerate the values table of charts/meshtrain/README.md from values.yaml's comments
+	$(BIN)/python scripts/chart-docs.py
 
 chart-sync:  ## copy the CRD, dashboards and rules into the chart (make verify checks the copies)
 	scripts/chart-sync.sh

@@ -172,7 +172,8 @@ def run_preset(
     tokens = sum(r.tokens for r in results)
     config = trainer.config
     flops = gpt.flops_per_token(config)
-    peak_flops = peak.resolve_peak_flops(None, device)
+    # per rank: the devices the job uses (GPUs, or this host's cores) over its ranks (meshtrain.planner.mfu)
+    peak_flops = peak.resolve_peak_flops(None, device) * peak.mfu_devices(world, device) / world
     tokens_per_second = tokens / wall
     row: dict[str, Any] = {
         "preset": preset,

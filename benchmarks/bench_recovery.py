@@ -8,6 +8,11 @@ completes:
 * ``in_place``: the supervisors recover in place (a warm spare takes rank 3, the healthy ranks
   rebuild their process groups); the time is the recovery record's ``firstStepAt`` minus the
   kill, with its phases;
+* ``torchrun``: the torchrun tier (``operator.policy.torchrun_tier``): two torchrun agents
+  started with the command and environment the operator builds for a custom trainer's pods
+  (``tests/torchrun_agents.py``), running the same ranks (``torchrun -m meshtrain.trainer``);
+  the agents restart every worker in a new c10d rendezvous round (four new Python processes,
+  no pod replaced); the time is the first step logged after the kill;
 * ``fresh``: ``--no-in-place``: the supervisors stop every worker and exit 75, and the benchmark
   starts two new supervisors at once (every rank a new Python process importing torch, as after
   a gang rebuild, minus Kubernetes' share); the time is the first step the new processes log,
@@ -27,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks import machine
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.telemetry import recoveries, steplog
+from tests import torchrun_agents
 from tests.builders import JobBuilder
 
 JOINED = re.compile(r"meshtrain worker rank 3 pid (\d+): joined generation 0")
@@ -76,24 +83,24 @@ def _logs(out: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(out.glob("sup-*.log")))
 
 
-def _kill_rank3(out: Path, kill_at: int) -> float:
-    """Wait for step ``kill_at``, SIGKILL rank 3's worker; the time of the kill."""
+def _supervised_rank3(out: Path) -> int:
+    """Rank 3's pid, from the supervisors' logs."""
+    return int(_until(lambda: JOINED.search(_logs(out)), "rank 3's pid").group(1))
+
+
+def _kill_rank3(
+    out: Path, kill_at: int, pid_of: Callable[[Path], int] = _supervised_rank3
+) -> float:
+    """Wait for step ``kill_at``, SIGKILL rank 3's worker (``pid_of``); the time of the kill."""
     log = out / "logs" / steplog.FILENAME
     _until(
         lambda: log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= kill_at,
         f"step {kill_at}",
     )
-    pid = int(_until(lambda: JOINED.search(_logs(out)), "rank 3's pid").group(1))
+    pid = pid_of(out)
     at = time.time()
     os.kill(pid, signal.SIGKILL)
     return at
-
-
-def _end(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def in_place(spec: Path, out: Path, kill_at: int) -> dict[str, Any]:
@@ -103,7 +110,7 @@ def in_place(spec: Path, out: Path, kill_at: int) -> dict[str, Any]:
         path = out / "logs" / recoveries.FILENAME
         [record] = _until(lambda: recoveries.read(path), "the recovery record")
     finally:
-        _end(procs)
+        torchrun_agents.end(procs)
     return {
         "kill_to_step_s": record["firstStepAt"] - killed,
         "detect_s": record["detectedAt"] - killed,
@@ -128,7 +135,7 @@ def fresh(spec: Path, out: Path, kill_at: int) -> dict[str, Any]:
             "a step after the restart",
         )[0]
     finally:
-        _end(procs + restarted)
+        torchrun_agents.end(procs + restarted)
     return {
         "kill_to_step_s": first["time"] - killed,
         "stop_s": stopped - killed,
@@ -138,13 +145,47 @@ def fresh(spec: Path, out: Path, kill_at: int) -> dict[str, Any]:
     }
 
 
+def torchrun(spec: Path, out: Path, kill_at: int) -> dict[str, Any]:
+    bin_dir = out / "bin"
+    bin_dir.mkdir()
+    torchrun_agents.shim(bin_dir)
+    port = launch.free_port()
+    custom = (
+        JobBuilder()
+        .layout(data=2, pipeline=2, gpus_per_node=2)
+        .trainer(type="custom", command=["torchrun", "-m", "meshtrain.trainer"])
+    )
+    local = supervise.loopback_env(spec, out)
+    loopback = {k: v for k, v in local.items() if k not in os.environ or k == "OMP_NUM_THREADS"}
+    loopback["MESHTRAIN_TERMINATION_LOG"] = str(out / "termination-log")
+    agents = []
+    for index, pod in enumerate(torchrun_agents.pods(custom)):
+        env = torchrun_agents.loopback_env(pod, port, bin_dir, **loopback)
+        agents.append(torchrun_agents.start(pod, env, out / f"sup-{index}-{port}.log"))
+    log = out / "logs" / steplog.FILENAME
+
+    def rank3(_: Path) -> int:  # the rendezvous deals the ranks: either agent may hold it
+        return int(
+            _until(lambda: torchrun_agents.workers(*(a.pid for a in agents)).get(3), "rank 3")
+        )
+
+    try:
+        killed = _kill_rank3(out, kill_at, rank3)
+        first = _until(
+            lambda: [r for r in steplog.read(log) if r["time"] > killed], "a step after the kill"
+        )[0]
+    finally:
+        torchrun_agents.end(agents)
+    return {"kill_to_step_s": first["time"] - killed, "resumed_step": first["step"] - 1}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="in-place recovery vs. fresh processes")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kill-at", type=int, default=3, help="kill once this step is logged")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {"in_place": [], "fresh": []}
+    runs: dict[str, list[dict[str, Any]]] = {"in_place": [], "torchrun": [], "fresh": []}
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         raw = (
             JobBuilder.cpu_run()
@@ -156,7 +197,7 @@ def main() -> None:
         spec = Path(tmp) / "job.yaml"
         spec.write_text(yaml.safe_dump(raw))
         for repeat in range(args.repeats):
-            for mode, run in (("in_place", in_place), ("fresh", fresh)):
+            for mode, run in (("in_place", in_place), ("torchrun", torchrun), ("fresh", fresh)):
                 out = Path(tmp) / f"{mode}-{repeat}"
                 out.mkdir()
                 result = run(spec, out, args.kill_at)
@@ -166,11 +207,14 @@ def main() -> None:
                 )
     best = {mode: min(r["kill_to_step_s"] for r in results) for mode, results in runs.items()}
     results = {
-        "setup": "2 supervisors x 2 ranks on loopback, dp2·pp2 tiny CPU model, gloo, checkpoint every step",
+        "setup": "2 pods x 2 ranks on loopback (supervisors; torchrun: 2 elastic torchrun agents as the "
+        "operator starts a custom trainer), dp2·pp2 tiny CPU model, gloo, checkpoint every step",
         "kill_at_step": args.kill_at,
         "runs": runs,
         "best_kill_to_step_s": best,
         "fresh_over_in_place": best["fresh"] / best["in_place"],
+        "fresh_over_torchrun": best["fresh"] / best["torchrun"],
+        "torchrun_over_in_place": best["torchrun"] / best["in_place"],
     }
     print(f"fresh / in-place: {results['fresh_over_in_place']:.1f}x")
     print(f"wrote {machine.write_results('recovery', results)}")

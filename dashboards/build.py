@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SEL = 'namespace="$namespace", job="$job", pod=~"$pod", rank=~"$rank"'
-JOBSEL = 'namespace="$namespace", job="$job"'
+SEL = 'namespace="$namespace", trainingjob="$trainingjob", pod=~"$pod", rank=~"$rank"'
+JOBSEL = 'namespace="$namespace", trainingjob="$trainingjob"'
 RI = "$__rate_interval"
 OPTIONAL_DCGM = "Optional: needs the NVIDIA DCGM exporter in the cluster; empty without it."
 TOKENS_PER_SECOND = "suffix: tokens/s"
@@ -81,32 +81,32 @@ def _stat(
     return Panel(title, unit, [(title, expr)], description, "stat", thresholds, width=4, height=4)
 
 
-STEP_MEAN = f"max by (namespace, job) ({_mean('meshtrain_step_seconds', 'namespace, job, rank')})"
+STEP_MEAN = f"max by (namespace, trainingjob) ({_mean('meshtrain_step_seconds', 'namespace, trainingjob, rank')})"
 
 TRAINING_PANELS: list[Panel] = [
     _stat(
         "Tokens/s",
         TOKENS_PER_SECOND,
-        f"max by (namespace, job) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))",
+        f"max by (namespace, trainingjob) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))",
         "Tokens of the global batch per second.",
     ),
     _stat(
         "MFU",
         "percentunit",
-        f"avg by (namespace, job) (meshtrain_model_flops_utilization_ratio{{{SEL}}})",
+        f"avg by (namespace, trainingjob) (meshtrain_model_flops_utilization_ratio{{{SEL}}})",
         "Model FLOPs utilisation of the last step (40 % and more is good for large dense models).",
         thresholds=[(None, "red"), (0.25, "orange"), (0.4, "green")],
     ),
     _stat(
         "Step",
         "none",
-        f"max by (namespace, job) (meshtrain_step{{{SEL}}})",
+        f"max by (namespace, trainingjob) (meshtrain_step{{{SEL}}})",
         "Last completed optimizer step.",
     ),
     _stat(
         "ETA to training.steps",
         "s",
-        f"(max by (namespace, job) (meshtrain_training_steps{{{SEL}}}) - max by (namespace, job) "
+        f"(max by (namespace, trainingjob) (meshtrain_training_steps{{{SEL}}}) - max by (namespace, trainingjob) "
         f"(meshtrain_step{{{SEL}}})) * {STEP_MEAN}",
         "Steps left times the current mean step time.",
     ),
@@ -114,14 +114,14 @@ TRAINING_PANELS: list[Panel] = [
         "Gang restarts",
         "none",
         'max by (namespace, trainingjob) (meshtrain_operator_job_restarts{namespace="$namespace", '
-        'trainingjob="$job"})',
+        'trainingjob="$trainingjob"})',
         "status.restarts, from the operator; each restart loses the steps since the last checkpoint.",
         thresholds=[(None, "green"), (1, "orange"), (3, "red")],
     ),
     _stat(
         "Last checkpoint age",
         "s",
-        f"time() - max by (namespace, job) (meshtrain_checkpoint_last_timestamp_seconds{{{SEL}}})",
+        f"time() - max by (namespace, trainingjob) (meshtrain_checkpoint_last_timestamp_seconds{{{SEL}}})",
         "Since the newest complete checkpoint (or the start of training); the "
         "MeshtrainCheckpointStale alert compares it with twice the interval.",
         thresholds=[(None, "green"), (1800, "orange"), (3600, "red")],
@@ -129,7 +129,12 @@ TRAINING_PANELS: list[Panel] = [
     Panel(
         "Throughput",
         TOKENS_PER_SECOND,
-        [("tokens/s", f"max by (namespace, job) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))")],
+        [
+            (
+                "tokens/s",
+                f"max by (namespace, trainingjob) (rate(meshtrain_tokens_total{{{SEL}}}[{RI}]))",
+            )
+        ],
         "Tokens of the global batch per second (every rank counts the whole job, so max over ranks).",
     ),
     Panel(
@@ -138,7 +143,7 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "MFU",
-                f"avg by (namespace, job) (avg_over_time(meshtrain_model_flops_utilization_ratio{{{SEL}}}[{RI}]))",
+                f"avg by (namespace, trainingjob) (avg_over_time(meshtrain_model_flops_utilization_ratio{{{SEL}}}[{RI}]))",
             )
         ],
         "Model FLOPs (6N + attention, docs/telemetry.md) over world size x peak FLOP/s x step time.",
@@ -148,8 +153,11 @@ TRAINING_PANELS: list[Panel] = [
         "Loss",
         "none",
         [
-            ("loss", f'max by (namespace, job) (meshtrain_loss{{{JOBSEL}, rank="0"}})'),
-            ("eval loss", f'max by (namespace, job) (meshtrain_eval_loss{{{JOBSEL}, rank="0"}})'),
+            ("loss", f'max by (namespace, trainingjob) (meshtrain_loss{{{JOBSEL}, rank="0"}})'),
+            (
+                "eval loss",
+                f'max by (namespace, trainingjob) (meshtrain_eval_loss{{{JOBSEL}, rank="0"}})',
+            ),
         ],
         "Mean training loss of the last step, and the validation loss of the last evaluation "
         "(training.eval); both identical on every rank.",
@@ -160,11 +168,11 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "global batch",
-                f'max by (namespace, job) (meshtrain_global_batch_sequences{{{JOBSEL}, rank="0"}})',
+                f'max by (namespace, trainingjob) (meshtrain_global_batch_sequences{{{JOBSEL}, rank="0"}})',
             ),
             (
                 "noise scale",
-                f'max by (namespace, job) (meshtrain_gradient_noise_scale{{{JOBSEL}, rank="0"}})',
+                f'max by (namespace, trainingjob) (meshtrain_gradient_noise_scale{{{JOBSEL}, rank="0"}})',
             ),
         ],
         "Sequences per step beside the measured gradient noise scale (McCandlish et al. 2018; needs "
@@ -177,7 +185,7 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "goodput",
-                f'max by (namespace, job) (meshtrain_goodput_ratio{{{JOBSEL}, rank="0"}})',
+                f'max by (namespace, trainingjob) (meshtrain_goodput_ratio{{{JOBSEL}, rank="0"}})',
             )
         ],
         "Productive step time (each step's last run) over wall time since the job's start, "
@@ -202,8 +210,11 @@ TRAINING_PANELS: list[Panel] = [
         "Training progress",
         "none",
         [
-            ("step", f"max by (namespace, job) (meshtrain_step{{{SEL}}})"),
-            ("training.steps", f"max by (namespace, job) (meshtrain_training_steps{{{SEL}}})"),
+            ("step", f"max by (namespace, trainingjob) (meshtrain_step{{{SEL}}})"),
+            (
+                "training.steps",
+                f"max by (namespace, trainingjob) (meshtrain_training_steps{{{SEL}}})",
+            ),
         ],
         "Last completed optimizer step, and the step the job ends at.",
     ),
@@ -231,10 +242,12 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "{{group}} {{op}}",
-                f'avg by (group, op) (meshtrain_collective_bus_bandwidth_bytes_per_second{{{SEL}, group=~"dp|tp"}})',
+                f'sum by (group, op) (rate(meshtrain_collective_bus_bytes_total{{{SEL}, group=~"dp|tp"}}[{RI}]))'
+                f' / sum by (group, op) (rate(meshtrain_collective_busy_seconds_total{{{SEL}, group=~"dp|tp"}}[{RI}]))',
             )
         ],
-        "nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (reduce-scatter, all-gather).",
+        "nccl-tests bus bandwidth: algbw x 2(n-1)/n (all-reduce), x (n-1)/n (reduce-scatter, all-gather), "
+        "over the time the group's collectives were in flight.",
     ),
     Panel(
         "Gradient compression ratio",
@@ -242,10 +255,6 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "stage {{pp}}",
-                f"avg by (pp) (meshtrain_gradient_compression_ratio{{{SEL}}})",
-            ),
-            (
-                "stage {{pp}} from bytes",
                 f'sum by (pp) (rate(meshtrain_gradient_reduction_bytes_total{{{SEL}, stage="uncompressed"}}[{RI}]))'
                 f' / sum by (pp) (rate(meshtrain_gradient_reduction_bytes_total{{{SEL}, stage="sent"}}[{RI}]))',
             ),
@@ -278,7 +287,7 @@ TRAINING_PANELS: list[Panel] = [
             ("measured stage {{pp}}", f"avg by (pp) (meshtrain_pipeline_bubble_ratio{{{SEL}}})"),
             (
                 "theoretical",
-                f"max by (namespace, job) (meshtrain_pipeline_bubble_ratio_theoretical{{{SEL}}})",
+                f"max by (namespace, trainingjob) (meshtrain_pipeline_bubble_ratio_theoretical{{{SEL}}})",
             ),
         ],
         "Measured idle share of each stage's step vs (p-1)/(v*m+p-1).",
@@ -312,7 +321,7 @@ TRAINING_PANELS: list[Panel] = [
         [
             (
                 "max/min - 1",
-                f"max by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) / min by (namespace, job) ({_mean('meshtrain_compute_seconds', 'namespace, job, rank')}) - 1",
+                f"max by (namespace, trainingjob) ({_mean('meshtrain_compute_seconds', 'namespace, trainingjob, rank')}) / min by (namespace, trainingjob) ({_mean('meshtrain_compute_seconds', 'namespace, trainingjob, rank')}) - 1",
             )
         ],
         "How much slower the slowest rank computes than the fastest (the straggler alert fires at 25 %).",
@@ -362,18 +371,23 @@ TRAINING_PANELS: list[Panel] = [
 ]
 
 OPSEL = 'namespace=~"$namespace"'
+"""Every operator panel's filter: a job's series carry the job's namespace, the operator's own (reconciles,
+placement, API requests, jobs by phase and queue) the namespace the operator runs in (its scrape target's)."""
+OPERATOR_OWN = (
+    " The operator's own series: labelled with the namespace it runs in (select it, or All)."
+)
 OPERATOR_PANELS: list[Panel] = [
     _stat(
         "Running jobs",
         "none",
-        'sum(meshtrain_operator_jobs{phase="Running"})',
-        "TrainingJobs in phase Running.",
+        f'sum(meshtrain_operator_job_status_phase{{{OPSEL}, phase="Running"}})',
+        "TrainingJobs in phase Running in the selected namespaces.",
     ),
     _stat(
         "Unschedulable jobs",
         "none",
-        "sum(meshtrain_operator_unschedulable_jobs)",
-        "Jobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).",
+        f"count(meshtrain_operator_job_unschedulable_seconds{{{OPSEL}}} > 0) or vector(0)",
+        "Jobs of the selected namespaces waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).",
         thresholds=[(None, "green"), (1, "orange")],
     ),
     _stat(
@@ -386,21 +400,22 @@ OPERATOR_PANELS: list[Panel] = [
     _stat(
         "Operator replicas up",
         "none",
-        'sum(up{job="meshtrain-operator"})',
-        "Scraped operator replicas (the Lease holder acts, the others stand by).",
+        f'sum(up{{job="meshtrain-operator", {OPSEL}}})',
+        "Scraped operator replicas (the Lease holder acts, the others stand by)." + OPERATOR_OWN,
         thresholds=[(None, "red"), (1, "green")],
     ),
     _stat(
         "Apply to Running p50 (1h)",
         "s",
-        "histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket[1h])))",
-        "Median time from a job's creation to its first Running phase over the last hour.",
+        f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket{{{OPSEL}}}[1h])))",
+        "Median time from a job's creation to its first Running phase over the last hour."
+        + OPERATOR_OWN,
     ),
     _stat(
         "API errors/s",
         "reqps",
-        f"sum(rate(meshtrain_operator_api_errors_total[{RI}]))",
-        "Failed Kubernetes API requests of the operator.",
+        f"sum(rate(meshtrain_operator_api_errors_total{{{OPSEL}}}[{RI}]))",
+        "Failed Kubernetes API requests of the operator." + OPERATOR_OWN,
         thresholds=[(None, "green"), (0.1, "orange"), (1, "red")],
     ),
     Panel(
@@ -417,8 +432,15 @@ OPERATOR_PANELS: list[Panel] = [
     Panel(
         "Jobs by phase",
         "none",
-        [("{{phase}} {{queue}}", "sum by (phase, queue) (meshtrain_operator_jobs) > 0")],
-        "TrainingJobs the operator reconciles, by phase and queue (Kueue's queue-name label).",
+        [
+            (
+                "{{phase}} {{queue}}",
+                f"sum by (phase, queue) (meshtrain_operator_jobs{{{OPSEL}}}) > 0",
+            ),
+            ("unschedulable", f"sum(meshtrain_operator_unschedulable_jobs{{{OPSEL}}})"),
+        ],
+        "TrainingJobs the operator reconciles, by phase and queue (Kueue's queue-name label), and those"
+        " waiting for capacity." + OPERATOR_OWN,
     ),
     Panel(
         "Time from apply to Running p50 / p99",
@@ -426,14 +448,15 @@ OPERATOR_PANELS: list[Panel] = [
         [
             (
                 "p50",
-                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket[{RI}])))",
+                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
             (
                 "p99",
-                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket[{RI}])))",
+                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
         ],
-        "From a TrainingJob's creation to its first Running phase (placement, pod start, gang gate).",
+        "From a TrainingJob's creation to its first Running phase (placement, pod start, gang gate)."
+        + OPERATOR_OWN,
     ),
     Panel(
         "Reconcile duration p50 / p99",
@@ -441,20 +464,25 @@ OPERATOR_PANELS: list[Panel] = [
         [
             (
                 "p50",
-                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket[{RI}])))",
+                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
             (
                 "p99",
-                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket[{RI}])))",
+                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
         ],
-        "Time of one reconcile pass of a TrainingJob.",
+        "Time of one reconcile pass of a TrainingJob." + OPERATOR_OWN,
     ),
     Panel(
         "Reconciles per second",
         "ops",
-        [("reconciles/s", f"sum(rate(meshtrain_operator_reconcile_duration_seconds_count[{RI}]))")],
-        "Reconcile rate of the operator.",
+        [
+            (
+                "reconciles/s",
+                f"sum(rate(meshtrain_operator_reconcile_duration_seconds_count{{{OPSEL}}}[{RI}]))",
+            )
+        ],
+        "Reconcile rate of the operator." + OPERATOR_OWN,
     ),
     Panel(
         "Placement duration p50 / p99",
@@ -462,14 +490,14 @@ OPERATOR_PANELS: list[Panel] = [
         [
             (
                 "p50",
-                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket[{RI}])))",
+                f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
             (
                 "p99",
-                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket[{RI}])))",
+                f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
         ],
-        "Time the planner takes to place a gang (list nodes and pods, plan).",
+        "Time the planner takes to place a gang (list nodes and pods, plan)." + OPERATOR_OWN,
     ),
     Panel(
         "Placement failures by reason",
@@ -477,10 +505,11 @@ OPERATOR_PANELS: list[Panel] = [
         [
             (
                 "{{reason}}",
-                f"sum by (reason) (rate(meshtrain_operator_placement_failures_total[{RI}]))",
+                f"sum by (reason) (rate(meshtrain_operator_placement_failures_total{{{OPSEL}}}[{RI}]))",
             )
         ],
-        "Placement attempts that placed nothing (a waiting job is retried at every resync).",
+        "Placement attempts that placed nothing (a waiting job is retried at every resync)."
+        + OPERATOR_OWN,
     ),
     Panel(
         "Gang restarts",
@@ -551,15 +580,16 @@ OPERATOR_PANELS: list[Panel] = [
         [
             (
                 "{{verb}}",
-                f"sum by (verb) (rate(meshtrain_operator_api_requests_total[{RI}]))",
+                f"sum by (verb) (rate(meshtrain_operator_api_requests_total{{{OPSEL}}}[{RI}]))",
             ),
             (
                 "{{verb}} errors",
-                f"sum by (verb) (rate(meshtrain_operator_api_errors_total[{RI}]))",
+                f"sum by (verb) (rate(meshtrain_operator_api_errors_total{{{OPSEL}}}[{RI}]))",
             ),
         ],
         "Requests the operator sends to the API server, and the failed ones (expected NotFound or"
-        " AlreadyExists answers are not errors); the informer cache keeps lists and gets rare.",
+        " AlreadyExists answers are not errors); the informer cache keeps lists and gets rare."
+        + OPERATOR_OWN,
         thresholds=None,
     ),
 ]
@@ -598,11 +628,11 @@ def _spec_annotation(selector: str) -> dict:
 
 
 TRAINING_ANNOTATIONS = [
-    _restart_annotation('namespace="$namespace", trainingjob="$job"'),
-    _spec_annotation('namespace="$namespace", trainingjob="$job"'),
+    _restart_annotation('namespace="$namespace", trainingjob="$trainingjob"'),
+    _spec_annotation('namespace="$namespace", trainingjob="$trainingjob"'),
     _annotation(
         "Checkpoints",
-        f'max by (namespace, job) (changes(meshtrain_checkpoint_last_step{{{JOBSEL}, rank="0"}}[1m])) > 0',
+        f'max by (namespace, trainingjob) (changes(meshtrain_checkpoint_last_step{{{JOBSEL}, rank="0"}}[1m])) > 0',
         "green",
         "checkpoint saved",
     ),
@@ -751,15 +781,17 @@ def build() -> dict[str, dict]:
         [
             _datasource_var(),
             _query_var("namespace", "label_values(meshtrain_step, namespace)"),
-            _query_var("job", 'label_values(meshtrain_step{namespace="$namespace"}, job)'),
+            _query_var(
+                "trainingjob", 'label_values(meshtrain_step{namespace="$namespace"}, trainingjob)'
+            ),
             _query_var(
                 "pod",
-                'label_values(meshtrain_step{namespace="$namespace", job="$job"}, pod)',
+                'label_values(meshtrain_step{namespace="$namespace", trainingjob="$trainingjob"}, pod)',
                 multi=True,
             ),
             _query_var(
                 "rank",
-                'label_values(meshtrain_step{namespace="$namespace", job="$job", pod=~"$pod"}, rank)',
+                'label_values(meshtrain_step{namespace="$namespace", trainingjob="$trainingjob", pod=~"$pod"}, rank)',
                 multi=True,
             ),
         ],
@@ -774,7 +806,8 @@ def build() -> dict[str, dict]:
             _datasource_var(),
             _query_var(
                 "namespace",
-                "label_values(meshtrain_operator_job_status_phase, namespace)",
+                # The jobs' namespaces and the operator's own (its series without a job's).
+                'label_values({__name__=~"meshtrain_operator_job_status_phase|meshtrain_operator_jobs"}, namespace)',
                 multi=True,
             ),
         ],

@@ -1,6 +1,6 @@
 """Draws dashboard panels from a live Prometheus with matplotlib, where no Grafana is at hand.
 
-    python dashboards/render.py --prometheus URL --var namespace=NS --var job=JOB \\
+    python dashboards/render.py --prometheus URL --var namespace=NS --var trainingjob=JOB \\
         [--dashboard meshtrain-training] [--panel TITLE ...] [--minutes 10] -o panels.png
 
 A time-series panel becomes its targets' range queries drawn as lines (legends

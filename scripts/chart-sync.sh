@@ -4,6 +4,8 @@
 #   manifests/crd/*.yaml        -> charts/meshtrain/crds/
 #   dashboards/*.json           -> charts/meshtrain/files/dashboards/
 #   dashboards/rules.yaml       -> charts/meshtrain/files/rules.yaml
+#   manifests/examples/*.yaml   -> charts/meshtrain/files/examples/ (shipped in the packaged
+#                                  chart, so an OCI install has them: NOTES.txt says how)
 # `make verify` fails when a copy differs from its source, so run this
 # (make chart-sync) after changing the CRD or the dashboards.
 #
@@ -37,5 +39,6 @@ sync_file() {  # sync_file SRC DEST
 
 sync_dir manifests/crd '*.yaml' "$CHART/crds"
 sync_dir dashboards '*.json' "$CHART/files/dashboards"
+sync_dir manifests/examples '*.yaml' "$CHART/files/examples"
 if [[ -e dashboards/rules.yaml ]]; then sync_file dashboards/rules.yaml "$CHART/files/rules.yaml"; fi
 exit $status

@@ -192,6 +192,9 @@ class JobBuilder:
     def trainer(self, **values: Any) -> JobBuilder:
         return self._section("trainer", **values)
 
+    def tracking(self, **values: Any) -> JobBuilder:
+        return self._section("tracking", **values)
+
     def object_storage(self, **values: Any) -> JobBuilder:
         return self._section("objectStorage", **values)
 

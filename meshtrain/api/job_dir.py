@@ -34,6 +34,10 @@ GENERATION = re.compile(r"^(\d{8})\.json$")
 MAX_GENERATION = 10**8 - 1
 LOG_SUBDIR = "logs"
 """The job's step log and rank traces, beside its checkpoints (``MESHTRAIN_LOG_DIR`` in pods)."""
+TENSORBOARD_SUBDIR = "tensorboard"
+"""The default folder of ``spec.tracking.tensorboard``'s event files, beside the checkpoints."""
+TRACKING_SUBDIR = "tracking"
+"""The experiment trackers' run ids and W&B's offline runs, beside the checkpoints."""
 HEARTBEAT_SECONDS = 10.0
 """How often the writer refreshes its heartbeat, whatever the save interval (a thread, not a step)."""
 HEARTBEAT_ENV = "MESHTRAIN_OWNER_HEARTBEAT_SECONDS"

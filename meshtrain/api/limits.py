@@ -97,6 +97,15 @@ MAX_IMAGE_LENGTH = 1_024
 MAX_URL_LENGTH = 2_048
 """An endpoint URL (``spec.objectStorage.endpoint``)."""
 
+MAX_TRACKER_NAME_LENGTH = 256
+"""An MLflow experiment or run name (``spec.tracking.mlflow``)."""
+
+MAX_WANDB_PROJECT_LENGTH = 128
+"""A W&B project name (W&B's own limit)."""
+
+MAX_WANDB_ENTITY_LENGTH = 64
+"""A W&B user or team name."""
+
 MAX_LIST_LENGTH = 64
 """Lists the spec does not bound more tightly (tolerations, fabric levels, data sources,
 node selector and label maps)."""
@@ -112,6 +121,19 @@ MAX_DOCUMENT_NODES = 100_000
 
 MAX_QUOTED = 80
 """Characters of a user's value an error message quotes; the rest is elided."""
+
+MAX_HF_JSON_BYTES = 16 * 1_048_576
+"""A Hugging Face directory's ``config.json`` or ``model.safetensors.index.json`` (a few KiB;
+a 400-shard index under 1 MiB)."""
+
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+"""The JSON header of one ``*.safetensors`` file (the safetensors library's own limit)."""
+
+MAX_HF_FILES = 4_096
+"""``*.safetensors`` files a ``model.init.fromHF`` directory holds (a 405B model ships 191)."""
+
+MAX_PATH_MATCHES = 100_000
+"""Files a dataset glob is walked for when ``meshtrain validate`` checks that it matches one."""
 
 MAX_POD_OVERRIDE_BYTES = 65_536
 """``spec.podTemplateOverride.spec`` as JSON: every key and scalar counted (a pod spec of a few

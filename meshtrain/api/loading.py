@@ -12,6 +12,7 @@ error rather than a silent overwrite, and a message quotes only a bounded part o
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pydantic
 import yaml
 from pydantic.alias_generators import to_camel
 
-from meshtrain.api import limits, rules
+from meshtrain.api import limits, rules, suggest
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import base, kube_names
 
@@ -66,16 +67,17 @@ class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no 
             self.depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[tuple[str, str]] = set()
+        seen: dict[tuple[str, str], int] = {}
         for key_node, _ in node.value:
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                 key = (key_node.tag, key_node.value)
+                line = key_node.start_mark.line + 1
                 if key in seen:
                     raise yaml.YAMLError(
-                        f"duplicate key {base.quoted(key_node.value)} at line "
-                        f"{key_node.start_mark.line + 1}: YAML keeps only the last, so say it once"
+                        f"duplicate key {base.quoted(key_node.value)} at line {line} "
+                        f"(first at line {seen[key]}): YAML keeps only the last, so say it once"
                     )
-                seen.add(key)
+                seen[key] = line
         mapping: dict[Any, Any] = super().construct_mapping(node, deep)
         return mapping
 
@@ -147,11 +149,26 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
+def _yaml_message(err: BaseException) -> str:
+    """A YAML error in one line: ``line 25, column 11: expected ',' or ']', but got ':' (while
+    parsing a flow sequence at line 24, column 12)``; other errors as they read."""
+    mark = getattr(err, "problem_mark", None)
+    if not isinstance(err, yaml.MarkedYAMLError) or mark is None:
+        return str(err)
+    message = f"line {mark.line + 1}, column {mark.column + 1}: {err.problem}"
+    if err.context:
+        context = err.context_mark
+        where = f" at line {context.line + 1}, column {context.column + 1}" if context else ""
+        message += f" ({err.context}{where})"
+    return message
+
+
 def load_yaml(text: str, source: str = "spec") -> Any:
     """One YAML document, bounded: no duplicate keys, nesting or alias expansion past the limits."""
     if len(text) > limits.MAX_DOCUMENT_BYTES:
         raise _refused(source, f"longer than {limits.MAX_DOCUMENT_BYTES} characters")
     loader = _BoundedLoader(text)
+    loader.name = source  # PyYAML's marks name the stream: the file, not "<unicode string>"
     try:
         node = loader.get_single_node()
         if node is None:
@@ -163,7 +180,7 @@ def load_yaml(text: str, source: str = "spec") -> Any:
     except (yaml.YAMLError, ValueError, RecursionError, OverflowError) as err:
         if isinstance(err, SpecError):
             raise
-        message = str(err)
+        message = _yaml_message(err)
         if len(message) > 4 * limits.MAX_QUOTED:
             message = message[: 4 * limits.MAX_QUOTED] + " ..."
         raise _refused(source, f"not valid YAML: {message}") from None
@@ -194,13 +211,65 @@ FIXES = {
     "bool_type": "write true or false without quotes",
     "string_type": "write a string (quote it if YAML reads it as something else)",
     "finite_number": "write a finite number (not .inf or .nan)",
-    "extra_forbidden": "remove it or fix its spelling (see kubectl explain trainingjob.spec)",
 }
 """The fix a pydantic error type calls for, added to its message."""
 
 
+MAX_LISTED_FIELDS = 12
+"""Known fields an unknown one's message lists when none is close enough to suggest."""
+
+
+def _model_in(annotation: Any) -> type[pydantic.BaseModel] | None:
+    """The spec model a field's annotation holds (through ``X | None``, lists and mappings)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    for inner in typing.get_args(annotation):
+        model = _model_in(inner)
+        if model is not None:
+            return model
+    return None
+
+
+def known_fields(loc: tuple[int | str, ...]) -> list[str] | None:
+    """The YAML names of the fields at the section ``loc`` (a pydantic location), in declared
+    order; None where ``loc`` is no section of the spec model (a mapping such as nodeSelector)."""
+    model: type[pydantic.BaseModel] = api_spec.TrainingJobSpec
+    for item in loc:
+        if isinstance(item, int):
+            continue  # a list's index: its items are the field's model
+        by_alias = {field.alias or name: field for name, field in model.model_fields.items()}
+        inner = _model_in(by_alias[item].annotation) if item in by_alias else None
+        if inner is None:
+            return None
+        model = inner
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """An unknown field's message: the closest known names, else every known one (bounded)."""
+    section = _location(loc[:-1])
+    known = known_fields(loc[:-1])
+    if not known:
+        return f"unknown field: not permitted in {section}, which has no fields of its own"
+    hint = suggest.did_you_mean(str(loc[-1]), known)
+    if hint:
+        return f"unknown field: not permitted in {section}; {hint}"
+    listed = ", ".join(known[:MAX_LISTED_FIELDS]) + (
+        " ..." if len(known) > MAX_LISTED_FIELDS else ""
+    )
+    return (
+        f"unknown field: not permitted in {section}; remove it or use one of {listed} "
+        f"(kubectl explain trainingjob.{section})"
+    )
+
+
 def _problem(error: Any) -> rules.Problem:
-    """One pydantic error as a problem: the field, pydantic's message, the fix and a bounded quote."""
+    """One pydantic error as a problem: the field, pydantic's message, the fix and a bounded quote.
+
+    An unknown field says which known one is closest, not what it holds (a misspelt section's
+    whole subtree is no part of the fix)."""
+    if error["type"] == "extra_forbidden":
+        return rules.Problem(path=_location(error["loc"]), message=_unknown_field(error["loc"]))
     fix = FIXES.get(error["type"]) or kube_names.PATTERN_HINTS.get(
         (error.get("ctx") or {}).get("pattern", "")
     )
@@ -232,10 +301,26 @@ def parse_spec(raw: object, source: str = "spec") -> api_spec.TrainingJobSpec:
     return spec
 
 
-def _header_problems(document: dict[str, Any]) -> list[rules.Problem]:
-    """kind, apiVersion and metadata.name as the API server reads them."""
-    group_version = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+OBJECT_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
+"""The top-level fields of a TrainingJob object; the API server refuses any other."""
+
+
+def _unknown_top_level(document: dict[str, Any]) -> list[rules.Problem]:
+    """A key beside apiVersion, kind, metadata, spec and status, with the closest of them."""
     problems = []
+    for key in list(document)[: MAX_LISTED + 1]:
+        if key not in OBJECT_FIELDS:
+            hint = suggest.did_you_mean(str(key), OBJECT_FIELDS)
+            where = str(key) if len(str(key)) <= limits.MAX_QUOTED else base.quoted(key)
+            message = f"unknown field: not permitted in a TrainingJob; {hint or 'remove it'}"
+            problems.append(rules.Problem(path=where, message=message))
+    return problems
+
+
+def _header_problems(document: dict[str, Any]) -> list[rules.Problem]:
+    """kind, apiVersion, metadata.name and the top-level keys as the API server reads them."""
+    group_version = f"{api_spec.API_GROUP}/{api_spec.API_VERSION}"
+    problems = _unknown_top_level(document)
     if document.get("kind") != api_spec.KIND:
         got = base.quoted(document.get("kind"))
         problems.append(

@@ -1,48 +1,35 @@
 """The ``meshtrain`` command line: one subcommand per user task, handed to the module that does it.
 
-Those modules are imported when their subcommand runs, so that ``meshtrain --help`` and
-``meshtrain validate`` do not pay for importing torch, kopf or matplotlib.
+Light by construction: this module imports only argparse and :mod:`.extras`, a subcommand's
+parser is built only when that subcommand runs (:data:`COMMANDS`; ``--help`` lists them all from
+one line each), and its module is imported when it runs, so ``meshtrain --help``, ``--version``
+and ``validate`` import no torch, kopf or Kubernetes client (the base install has none).  A
+subcommand that needs an extra that is not installed prints the ``pip install`` line and exits
+with :data:`.extras.EXIT_CODE`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from meshtrain.api import loading, persistence, release
-from meshtrain.api.spec import pod_template
-from meshtrain.cli import plan
-from meshtrain.operator import command as operator_command
-from meshtrain.planner import search, snapshots
+from meshtrain.api import release
+from meshtrain.cli import extras
+
+if TYPE_CHECKING:
+    from meshtrain.cli import plan
+    from meshtrain.planner import search
+
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _version(args: argparse.Namespace) -> int:
     print(f"meshtrain {release.VERSION}")
-    return 0
-
-
-def _validate(args: argparse.Namespace) -> int:
-    try:
-        job = loading.load_spec_file(args.job)
-    except loading.SpecError as err:
-        print(err, file=sys.stderr)
-        return 2
-    refused = snapshots.snapshot_problems(job)  # in-memory checkpoints the pods cannot hold
-    if refused:
-        print(f"{args.job}: " + "\n".join(refused), file=sys.stderr)
-        return 2
-    for warned in (
-        persistence.warning(job),
-        pod_template.placement_warning(job.pod_template_override),
-    ):
-        if warned is not None:
-            print(f"warning: {warned}", file=sys.stderr)
-    print(
-        f"{args.job}: valid TrainingJob {job.parallelism.layout_string}, world size {job.world_size}, "
-        f"{job.pods} pod(s) of {job.resources.gpus_per_node} GPU(s), global batch {job.global_batch}"
-    )
     return 0
 
 
@@ -56,6 +43,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _calibrator() -> plan.Calibrator:
     """``plan --calibrate``'s measurement: torch and processes, so it lives with the trainer."""
+    extras.require("trainer", "meshtrain plan --calibrate")
     calibrator: plan.Calibrator = importlib.import_module(
         "meshtrain.trainer.calibration.measure"
     ).calibrate
@@ -64,6 +52,7 @@ def _calibrator() -> plan.Calibrator:
 
 def _layout_measure() -> search.MeasureLayout:
     """``plan --search --calibrate``'s step-loop runs of the best grids: torch, so with the trainer."""
+    extras.require("trainer", "meshtrain plan --search --calibrate")
     measure: search.MeasureLayout = importlib.import_module(
         "meshtrain.trainer.calibration.measure"
     ).measure_step_loop
@@ -95,11 +84,8 @@ def _crd(args: argparse.Namespace) -> int:
     return code
 
 
-def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _configure_run(run: argparse.ArgumentParser) -> None:
     """``meshtrain run JOB``: train on this machine."""
-    run = sub.add_parser(
-        "run", help="train a TrainingJob on this machine with local processes (no cluster)"
-    )
     run.add_argument("job", help="TrainingJob YAML file")
     run.add_argument("--steps", type=int, default=None, help="override training.steps")
     run.add_argument(
@@ -118,9 +104,8 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.set_defaults(handler=_run)
 
 
-def _add_timeline(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _configure_timeline(timeline: argparse.ArgumentParser) -> None:
     """``meshtrain timeline DIR``: one measured pipeline step as a PNG."""
-    timeline = sub.add_parser("timeline", help="draw one measured pipeline step of a run as a PNG")
     timeline.add_argument("log_dir", help="log directory of a run (holds trace/rank-N.jsonl)")
     timeline.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
     timeline.add_argument(
@@ -129,12 +114,8 @@ def _add_timeline(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     timeline.set_defaults(handler=_timeline)
 
 
-def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _configure_report(report: argparse.ArgumentParser) -> None:
     """``meshtrain report DIR``: a run's pictures."""
-    report = sub.add_parser(
-        "report",
-        help="draw a run (loss, tokens/s, MFU, step time split, all-reduce, per rank) as HTML or PNG",
-    )
     report.add_argument(
         "log_dir", help="log directory of a run (steps.jsonl and trace/rank-N.jsonl)"
     )
@@ -147,12 +128,8 @@ def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     report.set_defaults(handler=_report)
 
 
-def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _configure_export(export: argparse.ArgumentParser) -> None:
     """``meshtrain export CHECKPOINT``: a Hugging Face directory."""
-    export = sub.add_parser(
-        "export",
-        help="write a checkpoint as a Hugging Face model directory (config.json + safetensors)",
-    )
     export.add_argument(
         "checkpoint", help="a step-NNNNNNNN checkpoint, or a checkpoint directory (its newest)"
     )
@@ -180,9 +157,8 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     export.set_defaults(handler=_export)
 
 
-def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _configure_data(data: argparse.ArgumentParser) -> None:
     """``meshtrain data prepare``: tokenise text into a token file."""
-    data = sub.add_parser("data", help="prepare training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION")
     data_sub.required = True
     prepare = data_sub.add_parser(
@@ -212,43 +188,131 @@ def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prepare.set_defaults(handler=_prepare)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _configure_version(version: argparse.ArgumentParser) -> None:
+    version.set_defaults(handler=_version)
+
+
+def _configure_validate(validate: argparse.ArgumentParser) -> None:
+    from meshtrain.cli import validate as cli_validate  # noqa: PLC0415 - the loader only when validate runs
+
+    cli_validate.configure(validate)
+    validate.set_defaults(handler=cli_validate.main)
+
+
+def _configure_plan(parser: argparse.ArgumentParser) -> None:
+    from meshtrain.cli import plan  # noqa: PLC0415 - the planner only when plan runs
+
+    plan.configure(parser)
+    parser.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
+
+
+def _configure_operator(parser: argparse.ArgumentParser) -> None:
+    extras.require("operator", "meshtrain operator")  # its flags' defaults come from kopf's side
+    importlib.import_module("meshtrain.operator.command").configure(parser)
+
+
+def _configure_crd(crd: argparse.ArgumentParser) -> None:
+    crd.set_defaults(handler=_crd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand as ``meshtrain --help`` lists it, and what builds its parser when it runs."""
+
+    name: str
+    """The subcommand (``meshtrain NAME``)."""
+    help: str
+    """Its line in ``meshtrain --help``."""
+    configure: Callable[[argparse.ArgumentParser], None]
+    """Adds its arguments and handler to its parser; called only when it is the one that runs."""
+    extra: str | None = None
+    """The extra (pyproject's optional dependencies) it needs; checked before its handler runs."""
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("version", "print the meshtrain version", _configure_version),
+    Command("validate", "check a TrainingJob YAML file against every rule", _configure_validate),
+    Command(
+        "run",
+        "train a TrainingJob on this machine with local processes (no cluster)",
+        _configure_run,
+        "trainer",
+    ),
+    Command(
+        "plan",
+        "predict memory, communication and step time of a TrainingJob (and its placement)",
+        _configure_plan,
+    ),
+    Command("timeline", "draw one measured pipeline step of a run as a PNG", _configure_timeline),
+    Command(
+        "report",
+        "draw a run (loss, tokens/s, MFU, step time split, all-reduce, per rank) as HTML or PNG",
+        _configure_report,
+    ),
+    Command(
+        "export",
+        "write a checkpoint as a Hugging Face model directory (config.json + safetensors)",
+        _configure_export,
+        "trainer",
+    ),
+    Command("data", "prepare training data", _configure_data, "hf"),
+    Command("operator", "run the TrainingJob operator (kopf)", _configure_operator, "operator"),
+    Command(
+        "crd",
+        "print the TrainingJob CustomResourceDefinition generated from the spec model",
+        _configure_crd,
+    ),
+)
+"""Every subcommand, in ``meshtrain --help``'s order."""
+
+EPILOG = (
+    "A command marked [EXTRA] needs that extra: pip install 'meshtrain[EXTRA]'; without it the "
+    f"command says so and exits {extras.EXIT_CODE}."
+)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with ``only``, the arguments of that subcommand alone (the others listed).
+
+    ``only=None`` builds every subcommand (which imports the planner and the operator's flags).
+    Raises :class:`.extras.MissingExtra` when ``only``'s arguments need a missing extra.
+    """
     parser = argparse.ArgumentParser(
-        prog="meshtrain", description="Topology-aware 3D-parallel training on Kubernetes."
+        prog="meshtrain",
+        description="Topology-aware 3D-parallel training on Kubernetes.",
+        epilog=EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"meshtrain {release.VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
-    sub.add_parser("version", help="print the meshtrain version").set_defaults(handler=_version)
-
-    validate = sub.add_parser("validate", help="check a TrainingJob YAML file against every rule")
-    validate.add_argument("job", help="TrainingJob YAML file")
-    validate.set_defaults(handler=_validate)
-
-    _add_run(sub)
-
-    plan_parser = sub.add_parser(
-        "plan",
-        help="predict memory, communication and step time of a TrainingJob (and its placement)",
-    )
-    plan.configure(plan_parser)
-    plan_parser.set_defaults(calibrator=_calibrator, layout_measure=_layout_measure)
-
-    _add_timeline(sub)
-    _add_report(sub)
-    _add_export(sub)
-    _add_data(sub)
-    operator_command.add_parser(sub)
-
-    sub.add_parser(
-        "crd", help="print the TrainingJob CustomResourceDefinition generated from the spec model"
-    ).set_defaults(handler=_crd)
+    for command in COMMANDS:
+        marked = f"{command.help} [{command.extra}]" if command.extra else command.help
+        built = sub.add_parser(command.name, help=marked, description=command.help)
+        if only is None or only == command.name:
+            command.configure(built)
     return parser
 
 
+def chosen(argv: Sequence[str]) -> str:
+    """The subcommand ``argv`` runs: its first word that is not an option ("" for none).
+
+    The top-level options (``--help``, ``--version``) take no value, so that word is the command.
+    """
+    return next((word for word in argv if not word.startswith("-")), "")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    code: int = args.handler(args)
+    argv = sys.argv[1:] if argv is None else argv
+    name = chosen(argv)
+    try:
+        args = build_parser(name).parse_args(argv)
+        command = next(c for c in COMMANDS if c.name == args.command)
+        if command.extra is not None:
+            extras.require(command.extra, f"meshtrain {command.name}")
+        code: int = args.handler(args)
+    except extras.MissingExtra as err:
+        print(err, file=sys.stderr)
+        return extras.EXIT_CODE
     return code
 
 

@@ -3,7 +3,8 @@
 :func:`run` reads the job, the profile and (optionally) the cluster, calls
 :func:`meshtrain.planner.estimate.make_plan` and prints :mod:`meshtrain.planner.report`'s text or
 JSON.  A bad job, an unknown profile, a malformed cluster file or an unreachable cluster prints
-one message and exits with status 2.
+one message and exits with status 2; a job that does not fit in device memory exits with 3
+(:mod:`meshtrain.cli.exitcodes` lists every code).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -20,10 +22,12 @@ from typing import Any, Protocol
 from meshtrain import placement
 from meshtrain.api import limits, loading
 from meshtrain.api import spec as api_spec
+from meshtrain.cli import exitcodes, extras
 from meshtrain.planner import (
     cluster,
     estimate,
     failures,
+    host_model,
     precision,
     profiles,
     report,
@@ -301,7 +305,7 @@ def _search(
         print(json.dumps(report.search_json(found, world, stated), indent=2, ensure_ascii=False))
     else:
         print(report.search_text(found, world, profile, stated, placed=nodes is not None))
-    return 0 if found else 1
+    return exitcodes.OK if found else exitcodes.NOT_FOUND
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,9 +323,12 @@ def run(args: argparse.Namespace) -> int:
         if args.cluster:
             nodes = cluster.load(args.cluster)
         elif args.from_cluster:
+            extras.require("operator", "meshtrain plan --from-cluster")  # the Kubernetes client
             from meshtrain.cli import cluster_nodes  # noqa: PLC0415 - pulls in the kubernetes client
 
             nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name)
+        if nodes is None:  # the ranks run here (meshtrain run): they share this host's cores
+            profile = host_model.on_host(profile, os.cpu_count() or 1)
         if args.critical_batch_tokens < 1:
             raise ValueError(
                 f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}"
@@ -352,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         RuntimeError,
     ) as err:
         print(f"meshtrain plan: {err}", file=sys.stderr)
-        return 2
+        return exitcodes.INVALID
     plan = dataclasses.replace(
         plan,
         confidence=validation.confidence(
@@ -363,4 +370,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(plan), indent=2, ensure_ascii=False))
     else:
         print(report.to_text(plan))
-    return 0
+    if not plan.memory.fits:
+        print(
+            f"meshtrain plan: the job does not fit (exit {exitcodes.DOES_NOT_FIT}): {plan.warnings[0]}",
+            file=sys.stderr,
+        )
+        return exitcodes.DOES_NOT_FIT
+    return exitcodes.OK

@@ -330,12 +330,30 @@ def _heading(plan: estimate.Plan) -> list[str]:
         + f", m={par.micro_batches}, ZeRO-{par.zero_stage}"
         + (", sequence parallel" if par.sequence_parallel else "")
         + (", activation checkpointing" if job.training.activation_checkpointing else ""),
+        calibration_headline(plan.profile),
         f"device: {plan.profile.name} ({plan.profile.description}); precision {plan.precision}, "
         f"state {mem.scheme.weights}+{mem.scheme.grads}+{mem.scheme.optimizer} bytes/param ({mem.scheme.name})",
         "",
         f"model: {_count(mem.total_params)} parameters ({mem.total_params:,}): layers {shape.layers}, hidden "
         f"{shape.hidden}, heads {shape.heads}, ffn {shape.ffn_hidden}, vocab {shape.vocab}, seq {shape.seq_len}",
     ]
+
+
+def calibration_headline(profile: profiles.Profile) -> str:
+    """The plan's second line: UNCALIBRATED and how to calibrate, or which calibration the figures come from."""
+    if not profile.calibrated:
+        return (
+            f"UNCALIBRATED: profile {profile.name} holds datasheet or placeholder figures, never "
+            "measured on this machine; calibrate with: meshtrain plan JOB.yaml --calibrate"
+        )
+    measured = profile.calibration
+    layout = measured.get("job_layout")
+    return (
+        f"calibrated: profile {profile.name} measured on {measured.get('host', '?')} "
+        f"({measured.get('device', '?')}) at {measured.get('measured_at', '?')}"
+        + (f" for {layout}" if layout else "")
+        + (f", from {profile.path}" if profile.path else "")
+    )
 
 
 def _memory_lines(plan: estimate.Plan) -> list[str]:
@@ -531,7 +549,10 @@ def search_text(
 ) -> str:
     """The table ``meshtrain plan --search`` prints."""
     where = "memory-feasible and placeable" if placed else "memory-feasible"
-    lines = [f"meshtrain plan --search: fastest {where} layouts of {world} ranks on {profile.name}"]
+    lines = [
+        f"meshtrain plan --search: fastest {where} layouts of {world} ranks on {profile.name}",
+        calibration_headline(profile),
+    ]
     if not found:
         return "\n".join(lines + ["  none: no layout passes the spec's rules and fits in memory"])
     rows = [["#", "layout", "step", "bubble", "peak memory", "headroom"]]

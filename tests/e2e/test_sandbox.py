@@ -188,13 +188,15 @@ def test_example_trains_on_planned_nodes_and_exports_metrics(
     series: list[dict] = []
     while time.monotonic() < deadline and not series:
         series = _prometheus(
-            state, f'max by (rank) (max_over_time(meshtrain_tokens_total{{job="{name}"}}[30m]))'
+            state,
+            f'max by (rank) (max_over_time(meshtrain_tokens_total{{trainingjob="{name}"}}[30m]))',
         )
         time.sleep(2)
     assert {s["metric"]["rank"] for s in series} == {"0", "1", "2", "3"}, series
     assert all(float(s["value"][1]) > 0 for s in series)
     scraped = _prometheus(
-        state, f'max by (instance) (max_over_time(meshtrain_tokens_total{{job="{name}"}}[30m]))'
+        state,
+        f'max by (instance) (max_over_time(meshtrain_tokens_total{{trainingjob="{name}"}}[30m]))',
     )
     assert {s["metric"]["instance"].rsplit(":", 1)[0] for s in scraped} == set(pod_ips), (
         "Prometheus scraped the pods at their pod IPs",
@@ -514,7 +516,7 @@ def test_a_pod_outside_the_gang_cannot_connect_while_the_gang_trains(
         time.sleep(10)
         after = (example.job(paths, namespace, name) or {})["status"]
         assert after["phase"] == "Running" and after["progress"]["step"] > before, after
-        assert _prometheus(state, f'meshtrain_tokens_total{{job="{name}"}}'), "not scraped"
+        assert _prometheus(state, f'meshtrain_tokens_total{{trainingjob="{name}"}}'), "not scraped"
     finally:
         example.kubectl(paths, "delete", "trainingjob", name, "-n", namespace, "--wait=false", check=False)  # fmt: skip
         # Its gang stops (a checkpoint, then exit) before the sandbox goes: no container left running.

@@ -90,6 +90,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
         work / "prometheus",
         [f"127.0.0.1:{base + r}" for r in range(world)],
         [fast_rules(RULES, work / "rules.yaml")],
+        namespace=NAMESPACE,
     )
     saved = {k: os.environ.get(k) for k in ("MESHTRAIN_JOB_NAME", "MESHTRAIN_NAMESPACE")}
     os.environ.update(MESHTRAIN_JOB_NAME=JOB, MESHTRAIN_NAMESPACE=NAMESPACE)

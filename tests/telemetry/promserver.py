@@ -2,8 +2,8 @@
 
 :class:`PrometheusApi` queries a running Prometheus;
 :class:`PrometheusServer` writes a config scraping the given
-targets every second (``honor_labels: true``, as docs/telemetry.md asks of
-a cluster's scrape config), loads rule files, starts ``prometheus`` with a
+targets every second as the chart's PodMonitor does (no ``honor_labels``: the
+target's job and namespace win, the exporters' copies are dropped), loads rule files, starts ``prometheus`` with a
 temporary data directory, waits until it is ready and answers instant
 queries through the HTTP API.  :func:`free_port_block` finds consecutive
 free ports for a run's exporters.
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from meshtrain.sandbox import prometheus as sandbox_prometheus
 
 
 def free_port_block(count: int, start: int = 20000, stop: int = 40000) -> int:
@@ -72,7 +74,18 @@ class PrometheusApi:
 class PrometheusServer(PrometheusApi):
     """A prometheus process scraping ``targets`` every second."""
 
-    def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        rule_files: list[Path] = (),
+        *,
+        namespace: str,
+        job: str = "meshtrain-trainer",
+        relabel: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Scrape ``targets`` as pods of ``namespace`` (the target label Kubernetes discovery sets)
+        in the scrape job ``job``, relabelled as the chart's monitor (the trainers' by default)."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError(
@@ -90,9 +103,11 @@ class PrometheusServer(PrometheusApi):
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [
                 {
-                    "job_name": "meshtrain-trainer",
-                    "honor_labels": True,
-                    "static_configs": [{"targets": targets}],
+                    "job_name": job,
+                    "static_configs": [{"targets": targets, "labels": {"namespace": namespace}}],
+                    "metric_relabel_configs": (
+                        sandbox_prometheus.TRAINER_METRIC_RELABEL if relabel is None else relabel
+                    ),
                 }
             ],
         }

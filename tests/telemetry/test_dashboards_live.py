@@ -148,7 +148,9 @@ def operator_names() -> set[str]:
 
 def _resolve(run: LiveRun, board: dict, expr: str) -> str:
     """``expr`` with the board's variables as Grafana would send them (multi-select: a regex of all values)."""
-    values = {"__rate_interval": RATE_INTERVAL, "namespace": NAMESPACE, "job": JOB}
+    values = {"__rate_interval": RATE_INTERVAL, "trainingjob": JOB}
+    if board["uid"] == "meshtrain-training":  # the operator's: All (the job's and the operator's)
+        values["namespace"] = NAMESPACE
     for var in board["templating"]["list"]:
         if var["type"] != "query" or var["name"] in values:
             continue
@@ -296,7 +298,9 @@ def test_the_waiting_job_is_reported_unschedulable(live_run):
 
 
 def test_the_checkpoint_metrics_follow_the_run(live_run):
-    steps = live_run.prom.query(f'max(meshtrain_checkpoint_last_step{{job="{JOB}"}})', live_run.at)
+    steps = live_run.prom.query(
+        f'max(meshtrain_checkpoint_last_step{{trainingjob="{JOB}"}})', live_run.at
+    )
     assert steps, "no checkpoint step scraped"
     assert float(steps[0]["value"][1]) % 100 == 0 and float(steps[0]["value"][1]) >= 100
 
@@ -331,7 +335,8 @@ def test_panels_drawn_without_grafana(live_run, tmp_path):
             live_run.prom.url,
             name,
             titles,
-            {"namespace": NAMESPACE, "job": JOB},
+            # the operator's namespace filter: All (.*), its own series are in meshtrain-system
+            {"namespace": NAMESPACE, "trainingjob": JOB} if name == "meshtrain-training" else {},
             out,
             end=live_run.at,
             minutes=2,

@@ -24,7 +24,7 @@ def test_run_reached_every_exporter(scraped_run):
     up = scraped_run.prom.query('up{job="meshtrain-trainer"}', scraped_run.at)
     assert len(up) == 4 and all(r["value"][1] == "1" for r in up), up
     ranks = scraped_run.prom.query(
-        f'meshtrain_step{{job="{JOB}", namespace="{NAMESPACE}"}}', scraped_run.at
+        f'meshtrain_step{{trainingjob="{JOB}", namespace="{NAMESPACE}"}}', scraped_run.at
     )
     assert sorted(int(r["metric"]["rank"]) for r in ranks) == [0, 1, 2, 3]
     coords = {
@@ -39,8 +39,19 @@ def test_run_reached_every_exporter(scraped_run):
     }
 
 
+def test_job_is_the_scrape_jobs_and_the_trainingjob_is_named_by_trainingjob(scraped_run):
+    """No series of the exporters sets ``job``: every one keeps Prometheus' scrape job."""
+    series = scraped_run.prom.api(
+        "series", **{"match[]": '{__name__=~"meshtrain_.+"}', "start": scraped_run.at - 60}
+    )
+    assert len({s["__name__"] for s in series}) > 20, series
+    labels = {(s["job"], s["trainingjob"], s["namespace"]) for s in series}
+    assert labels == {("meshtrain-trainer", JOB, NAMESPACE)}, labels
+    assert not [s for s in series if any(k.startswith("exported_") for k in s)]
+
+
 def test_memory_of_every_rank_by_component_and_peak(scraped_run):
-    sel = f'job="{JOB}", namespace="{NAMESPACE}"'
+    sel = f'trainingjob="{JOB}", namespace="{NAMESPACE}"'
     state = scraped_run.prom.query(f"meshtrain_memory_bytes{{{sel}}}", scraped_run.at)
     components = {(r["metric"]["rank"], r["metric"]["component"]) for r in state}
     assert components == {
@@ -98,7 +109,7 @@ def test_step_log_has_the_documented_fields(scraped_run):
 def _panel_queries(title: str) -> list[str]:
     board = json.loads((REPO / "dashboards" / "meshtrain-training.json").read_text())
     (panel,) = [p for p in board["panels"] if p["title"] == title]
-    resolved = {"$namespace": NAMESPACE, "$job": JOB, "$pod": ".*", "$rank": ".*"}
+    resolved = {"$namespace": NAMESPACE, "$trainingjob": JOB, "$pod": ".*", "$rank": ".*"}
     queries = []
     for target in panel["targets"]:
         expr = target["expr"]
@@ -120,6 +131,23 @@ def test_goodput_panels_answer_from_the_scrape(scraped_run):
     assert {r["metric"]["phase"]: float(r["value"][1]) for r in lost} == dict.fromkeys(
         goodput.PHASES, 0.0
     )  # a run without failures: every phase at 0
-    series = scraped_run.prom.query(f'meshtrain_goodput_ratio{{job="{JOB}"}}', scraped_run.at)
+    series = scraped_run.prom.query(
+        f'meshtrain_goodput_ratio{{trainingjob="{JOB}"}}', scraped_run.at
+    )
     assert [r["metric"]["rank"] for r in series] == ["0"]  # global rank 0 alone
     assert scraped_run.progress[-1]["goodput"]["lost_seconds"] == dict.fromkeys(goodput.PHASES, 0.0)
+
+
+def test_every_training_panel_of_the_trainer_answers_from_the_scrape(scraped_run):
+    """The training dashboard's trainer queries, as Grafana sends them (job, namespace selected)."""
+    board = json.loads((REPO / "dashboards" / "meshtrain-training.json").read_text())
+    empty = []
+    for panel in board["panels"]:
+        if panel.get("meshtrainOptional") == "dcgm":
+            continue
+        for query in _panel_queries(panel["title"]):
+            if "meshtrain_operator_" in query:
+                continue  # the operator's series: test_dashboards_live.py
+            if not scraped_run.prom.query(query.replace("$__rate_interval", "10s"), scraped_run.at):
+                empty.append(f"{panel['title']}: {query}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)

@@ -210,12 +210,14 @@ def exported_compression(mode: dict) -> dict:
             eng.train_step()
         value = sink.metrics.registry.get_sample_value
         labels = identity.labels()
+        uncompressed = value(
+            "meshtrain_gradient_reduction_bytes_total", {**labels, "stage": "uncompressed"}
+        )
+        sent = value("meshtrain_gradient_reduction_bytes_total", {**labels, "stage": "sent"})
         return {
-            "ratio": value("meshtrain_gradient_compression_ratio", labels),
-            "uncompressed": value(
-                "meshtrain_gradient_reduction_bytes_total", {**labels, "stage": "uncompressed"}
-            ),
-            "sent": value("meshtrain_gradient_reduction_bytes_total", {**labels, "stage": "sent"}),
+            "ratio": uncompressed / sent,  # the dashboard's rate(uncompressed) / rate(sent)
+            "uncompressed": uncompressed,
+            "sent": sent,
             # the truth: the parameters' fp32 bytes, and the dp payload the collectives reported
             "dense_truth": sum(p.numel() * p.element_size() for p in eng.params),
             "sent_truth": sum(c.nbytes for c in recorder.last.collectives if c.group == "dp"),

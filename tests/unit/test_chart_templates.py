@@ -62,11 +62,13 @@ def test_monitoring_objects_carry_the_selector_labels() -> None:
     assert '.Files.Get "files/rules.yaml"' in text
 
 
-def test_trainer_pod_monitor_scrapes_every_rank_port_and_honours_the_exporters_labels() -> None:
+def test_trainer_pod_monitor_scrapes_every_rank_port_and_keeps_the_targets_labels() -> None:
     text = _text("monitoring.yaml")
     monitor = text[text.index("kind: PodMonitor") : text.index("kind: PrometheusRule")]
     endpoints = monitor[monitor.index("podMetricsEndpoints:") :]
-    assert "honorLabels: true" in endpoints
+    # Prometheus' job, namespace and pod win, in every monitor
+    assert not re.search(r"^\s*honorLabels:", text, re.M)
+    assert "regex: exported_(namespace|pod|node)" in endpoints
     assert (
         "- port:" not in endpoints and "port: metrics\n" not in endpoints
     )  # not only one rank's port
@@ -117,13 +119,20 @@ def test_every_template_is_tested() -> None:
         "network-policy.yaml",
         # rendered, projected and read by the operator in test_operator_admission.py
         "profiles.yaml",
+        # every check run through helm template and lint in test_chart_messages.py
+        "validate.yaml",
     }
     assert {p.name for p in TEMPLATES.iterdir()} == tested
 
 
-def test_notes_say_what_to_apply_next() -> None:
+def test_notes_say_what_to_apply_next_from_files_the_packaged_chart_carries() -> None:
+    """NOTES name paths inside the chart (helm pull --untar of an OCI install has them), never
+    the repository's manifests/; test_chart_messages.py renders them and packages the chart."""
     text = _text("NOTES.txt")
-    assert "kubectl apply -f manifests/examples/" in text
+    assert "manifests/" not in text
+    assert "helm pull CHART --version {{ .Chart.Version }} --untar" in text
+    assert "{{ .Chart.Name }}/files/examples/gpt-1.3b-dp8-tp2.yaml" in text
+    assert (CHART / "files" / "examples" / "gpt-1.3b-dp8-tp2.yaml").is_file()
     assert re.search(r"kubectl get trainingjobs -w", text)
 
 

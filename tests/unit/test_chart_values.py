@@ -66,7 +66,40 @@ def test_schema_refuses_unknown_keys_and_bad_watch_modes() -> None:
     assert schema["additionalProperties"] is False
     assert schema["properties"]["replicaCount"]["minimum"] == 0
     assert schema["properties"]["watch"]["properties"]["mode"]["enum"] == ["all", "namespaces"]
-    assert schema["properties"]["watch"]["then"]["properties"]["namespaces"]["minItems"] == 1
+    # watch.mode "namespaces" with none listed: a sentence from templates/validate.yaml, not a
+    # schema if/then (Helm would print "'allOf' failed"); tests/integration/test_chart_messages.py
+    validate = (CHART / "templates" / "validate.yaml").read_text()
+    assert 'eq $v.watch.mode "namespaces"' in validate and "watch.namespaces is empty" in validate
+
+
+def _nodes(node: dict, path: str = "") -> list[tuple[str, dict]]:
+    """Every subschema of the values schema with its path (properties, map values, list items)."""
+    found = [(path, node)]
+    for key, sub in node.get("properties", {}).items():
+        found += _nodes(sub, f"{path}.{key}")
+    for key, suffix in (("additionalProperties", ".*"), ("items", "[]")):
+        if isinstance(node.get(key), dict):
+            found += _nodes(node[key], path + suffix)
+    return found
+
+
+def test_every_schema_node_has_a_description_and_no_combinator() -> None:
+    """Helm prints a combinator's failure as "'allOf' failed" with the real cause nested below it:
+    cross-value rules live in templates/validate.yaml, which says them as a sentence."""
+    nodes = _nodes(_schema())
+    assert [path for path, node in nodes if path and "description" not in node] == []
+    combinators = {"allOf", "anyOf", "oneOf", "not", "if", "then", "else"}
+    assert [path for path, node in nodes if combinators & node.keys()] == []
+    # A bound says itself and why in the description (Helm prints "maximum: got 9, want 5").
+    bounds = {path: node for path, node in nodes if "maximum" in node}
+    assert "replicaCount" in "".join(bounds)
+    unexplained = [
+        p
+        for p, node in bounds.items()
+        if f"{node['maximum']:,}" not in node["description"]
+        and str(node["maximum"]) not in node["description"]
+    ]
+    assert unexplained == []
 
 
 def test_defaults_are_least_surprise() -> None:

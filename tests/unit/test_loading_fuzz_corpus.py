@@ -179,5 +179,7 @@ def test_the_console_script_gives_the_same_verdict(verdicts, name):
 def test_a_job_at_the_bounds_is_accepted(tmp_path, name):
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(fuzz_corpus.VALID_AT_BOUNDS[name]))
-    for run in (_forked("validate", str(path)), _forked("plan", str(path))):
-        assert run.code == 0, run.stderr
+    validate, plan = _forked("validate", str(path)), _forked("plan", str(path))
+    assert validate.code == 0, validate.stderr
+    # accepted: planned, not refused (2); a job at the bounds may not fit a device (exit 3, issue 37)
+    assert plan.code == 0 or (plan.code == 3 and "DOES NOT FIT" in plan.stdout), plan.stderr

@@ -6,6 +6,7 @@ import calendar
 
 import pytest
 import yaml
+from torch.distributed import run as torchrun
 
 from meshtrain.api import exitcodes, loading, release
 from meshtrain.api import spec as api_spec
@@ -482,3 +483,90 @@ def test_where_the_api_server_serves_no_restart_rules_no_pod_carries_them():
 )
 def test_restart_rules_are_used_from_kubernetes_1_35_on(version, served):
     assert kubelet_tier.rules_served(version) is served
+
+
+def _torchrun_reads(pod, monkeypatch):
+    """What torchrun's own parser makes of the pod's environment and command."""
+    for name, value in env_of(pod).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    container = pod["spec"]["containers"][0]
+    return torchrun.get_args_parser().parse_args([*container["command"][1:], *container["args"]])
+
+
+def test_a_custom_trainers_torchrun_restarts_its_workers_in_place_through_its_own_flags(
+    monkeypatch,
+):
+    spec = spec_of(
+        JobBuilder()
+        .layout(data=4, gpus_per_node=2)
+        .trainer(type="custom", command=["torchrun", "/app/train.py"], args=["--epochs", "3"])
+        .run_policy(recovery={"inPlaceLimit": 3})
+    )
+    pods = builders.build_pods(REF, spec, 2, ["n-a", "n-b"])
+    hosts = []
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        assert container["command"] == ["torchrun", "/app/train.py"]  # the user's, untouched
+        assert container["args"] == ["--epochs", "3"]
+        args = _torchrun_reads(pod, monkeypatch)
+        assert args.rdzv_backend == "c10d" and args.max_restarts == 3
+        assert (
+            args.rdzv_endpoint == f"{naming.master_addr('llm', 'research', 2)}:{naming.MASTER_PORT}"
+        )
+        assert args.rdzv_id == "1234-2"  # the job's UID and the gang attempt
+        assert args.training_script == "/app/train.py"
+        conf = dict(kv.split("=") for kv in args.rdzv_conf.split(","))
+        hosts.append(conf["is_host"])
+    assert hosts == ["1", "0"]  # pod 0's agent hosts the store MASTER_ADDR names
+
+
+def test_a_custom_trainers_torchrun_stays_static_without_in_place_recovery(monkeypatch):
+    custom = (
+        JobBuilder()
+        .layout(data=2, gpus_per_node=1)
+        .trainer(type="custom", command=["torchrun", "t.py"])
+    )
+    for builder in (
+        custom.clone().run_policy(recovery={"inPlace": False}),
+        custom.clone().run_policy(recovery={"inPlaceLimit": 0}),
+    ):
+        pod = builders.build_pod(REF, spec_of(builder), 0, 0, "n-a")
+        assert not any(name.startswith("PET_RDZV") for name in env_of(pod))
+        args = _torchrun_reads(pod, monkeypatch)
+        assert args.rdzv_backend == "static" and args.max_restarts == 0
+    builtin = builders.build_pod(
+        REF, spec_of(JobBuilder().layout(data=2, gpus_per_node=1)), 0, 0, "n-a"
+    )
+    assert not any(name.startswith("PET_RDZV") for name in env_of(builtin))
+
+
+def test_a_custom_trainers_pods_but_pod_0_restart_whole_when_torchruns_agent_is_killed():
+    custom = (
+        JobBuilder().layout(data=3, gpus_per_node=1).trainer(type="custom", command=["torchrun"])
+    )
+    first, *others = builders.build_pods(REF, spec_of(custom), 0, ["a", "b", "c"], restart_all=True)
+    assert "restartPolicyRules" not in first["spec"]["containers"][0]  # its agent hosts the store
+    for pod in others:
+        [rule] = pod["spec"]["containers"][0]["restartPolicyRules"]
+        assert rule["action"] == "RestartAllContainers"
+        codes = rule["exitCodes"]["values"]
+        assert 137 in codes and 1 not in codes  # SIGKILL; not torchrun's "workers failed"
+        assert all(code > 128 for code in codes)
+    builtin = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
+    rules = builders.build_pod(REF, builtin, 0, 1, "a", restart_all=True)["spec"]["containers"][0]
+    assert rules["restartPolicyRules"][0]["action"] == "Restart"  # the supervisor's container
+    for builder in (custom, custom.clone().run_policy(recovery={"inPlace": False})):
+        pods = builders.build_pods(REF, spec_of(builder), 0, ["a", "b", "c"], restart_all=False)
+        assert not any("restartPolicyRules" in p["spec"]["containers"][0] for p in pods)
+    off = custom.clone().run_policy(recovery={"inPlace": False})
+    pods = builders.build_pods(REF, spec_of(off), 0, ["a", "b", "c"], restart_all=True)
+    assert not any("restartPolicyRules" in p["spec"]["containers"][0] for p in pods)
+
+
+@pytest.mark.parametrize(
+    ("major", "minor", "served"),
+    [("1", "35", False), ("1", "36", True), ("1", "36+", True), ("1", "", False), ("2", "0", True)],
+)
+def test_restart_all_containers_is_used_from_kubernetes_1_36(major, minor, served):
+    assert kubelet_tier.all_containers_served({"major": major, "minor": minor}) is served

@@ -5,8 +5,9 @@ The import name is the path: each portion root listed in pyproject's
 PEP 420 namespace package, and nothing at the repository root is a package.
 """
 
+import ast
+import email
 import importlib.metadata
-import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,16 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from meshtrain.api import release
+from meshtrain.cli import extras
+
 ROOT = Path(__file__).resolve().parents[2]
+RUNTIME_EXTRAS = ("hf", "trainer", "operator", "tracking", "sandbox")
+"""pyproject's extras a user installs (``test`` and ``dev`` are the project's tools)."""
 
 
 def _portion_roots() -> list[Path]:
@@ -85,16 +95,20 @@ def test_console_script_help_and_version():
         check=True,
     )
     assert "usage: meshtrain" in out.stdout
-    out = subprocess.run(
-        [sys.executable, "-m", "meshtrain.cli.main", "version"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert out.stdout.startswith("meshtrain ")
+    for version in ("version", "--version"):  # the subcommand and the flag
+        out = subprocess.run(
+            [sys.executable, "-m", "meshtrain.cli.main", version],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout == f"meshtrain {release.VERSION}\n"
 
 
-def test_built_wheel_holds_every_portion_and_imports_from_itself(tmp_path):
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory) -> Path:
+    """The wheel ``pip wheel`` builds from a clean copy of the sources."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     # from a clean copy of the sources: an in-tree build/ keeps modules that no longer exist
     source = tmp_path / "source"
     for name in ("pyproject.toml", "README.md"):
@@ -121,7 +135,11 @@ def test_built_wheel_holds_every_portion_and_imports_from_itself(tmp_path):
         ],
         check=True,
     )
-    wheel = next(tmp_path.glob("meshtrain-*.whl"))
+    return next(tmp_path.glob("meshtrain-*.whl"))
+
+
+def test_built_wheel_holds_every_portion_and_imports_from_itself(built_wheel, tmp_path):
+    wheel = built_wheel
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = set().union(*(_modules(root) for root in _portion_roots()))
     assert {n for n in names if n.endswith(".py")} == sources
@@ -164,17 +182,9 @@ def test_every_package_of_the_namespace_is_under_the_import_contracts():
 
 def test_the_model_files_may_import_no_dependency_but_torch():
     """The models contract forbids every third-party dependency of pyproject but torch, by import name."""
-    names = {
-        re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
-        for requirement in _config()["project"]["dependencies"]
-    }
-    imported_as = {
-        module
-        for module, dists in importlib.metadata.packages_distributions().items()
-        if any(d.lower().replace("_", "-") in names - {"torch"} for d in dists)
-        and module.isidentifier()
-        and not module.startswith("_")
-    }
+    found = declared()
+    names = set().union(found[""], *(found[extra] for extra in RUNTIME_EXTRAS))
+    imported_as = import_names(names - {"torch"})
     contract = next(
         c
         for c in _config()["tool"]["importlinter"]["contracts"]
@@ -182,3 +192,163 @@ def test_the_model_files_may_import_no_dependency_but_torch():
     )
     missing = imported_as - set(contract["forbidden_modules"])
     assert not missing, f"add {sorted(missing)} to the models contract's forbidden_modules"
+
+
+def _expanded(lists: dict[str, list[str]], extra: str) -> set[str]:
+    """Canonical distribution names ``extra`` brings, its ``meshtrain[...]`` self-references expanded."""
+    names: set[str] = set()
+    for line in lists[extra]:
+        requirement = Requirement(line)
+        if canonicalize_name(requirement.name) == "meshtrain":
+            names |= set().union(*(_expanded(lists, inner) for inner in requirement.extras))
+        else:
+            names.add(canonicalize_name(requirement.name))
+    return names
+
+
+def declared() -> dict[str, set[str]]:
+    """pyproject's distributions of the base ("") and of each extra (self-references expanded)."""
+    project = _config()["project"]
+    lists = {"": project["dependencies"], **project["optional-dependencies"]}
+    return {extra: _expanded(lists, extra) for extra in lists}
+
+
+def import_names(dists: set[str]) -> set[str]:
+    """Top-level import names of the installed distributions ``dists`` (canonical names)."""
+    return {
+        module
+        for module, owners in importlib.metadata.packages_distributions().items()
+        if any(canonicalize_name(owner) in dists for owner in owners)
+        and module.isidentifier()
+        and not module.startswith("_")
+    }
+
+
+HEAVY = {"torch": "trainer", "kopf": "operator", "cryptography": "sandbox"}
+"""What the base install must not bring, and the extra that brings each."""
+
+
+def test_the_wheel_requires_no_torch_kopf_or_cryptography_but_its_extras_do(built_wheel):
+    archive = zipfile.ZipFile(built_wheel)
+    metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+    requirements = [
+        Requirement(line)
+        for line in email.message_from_bytes(archive.read(metadata)).get_all("Requires-Dist")
+    ]
+    wheel_extras = set(email.message_from_bytes(archive.read(metadata)).get_all("Provides-Extra"))
+    assert wheel_extras >= {*RUNTIME_EXTRAS, "all", "test", "dev"}, wheel_extras
+
+    def brought(extra: str) -> set[str]:
+        names: set[str] = set()
+        for requirement in requirements:
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": extra}):
+                continue
+            if canonicalize_name(requirement.name) == "meshtrain":
+                names |= set().union(*(brought(inner) for inner in requirement.extras))
+            else:
+                names.add(canonicalize_name(requirement.name))
+        return names
+
+    base = brought("")
+    assert not base & {*HEAVY, "kubernetes", "kubernetes-asyncio", "aiohttp"}, sorted(base)
+    for name, extra in HEAVY.items():
+        assert name in brought(extra), f"{name} is not in the {extra} extra"
+        assert name in brought("all")
+    assert {"kubernetes", "kubernetes-asyncio", "aiohttp"} <= brought("operator")
+    assert {"tokenizers", "safetensors"} <= brought("hf") <= brought("trainer")
+    assert brought("all") == set().union(*(brought(e) for e in RUNTIME_EXTRAS))
+    assert not brought("trainer") & {"kopf", "cryptography"}
+    assert not brought("operator") & {"torch", "cryptography"}
+
+
+PORTION_EXTRAS = {
+    ".": (),
+    "trainer": ("trainer", "tracking"),
+    "operator": ("operator",),
+    "sandbox": ("sandbox",),
+}
+"""The extras whose packages each portion's modules may import besides the base's."""
+MODULE_EXTRAS = {"meshtrain/cli/cluster_nodes.py": ("operator",)}
+"""Modules of the base portion that need an extra (``plan --from-cluster`` checks for it first)."""
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """Top-level names of every non-stdlib, non-meshtrain import in ``path`` (lazy ones too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names - set(sys.stdlib_module_names) - {"meshtrain", "__future__"}
+
+
+def test_every_import_of_a_portion_is_declared_in_the_base_or_its_extras():
+    found = declared()
+    owners = importlib.metadata.packages_distributions()
+    wrong = []
+    for root in _portion_roots():
+        allowed_extras = PORTION_EXTRAS[str(root.relative_to(ROOT))]
+        for path in sorted((root / "meshtrain").rglob("*.py")):
+            module = str(path.relative_to(root))
+            allowed = set().union(
+                found[""], *(found[e] for e in MODULE_EXTRAS.get(module, allowed_extras))
+            )
+            for name in sorted(_third_party_imports(path)):
+                dists = {canonicalize_name(d) for d in owners.get(name, [])}
+                if not dists & allowed:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name} ({sorted(dists)})")
+    assert not wrong, "declare these in pyproject (base or the portion's extra):\n" + "\n".join(
+        wrong
+    )
+
+
+def test_the_cli_probes_each_extra_by_its_own_packages():
+    """meshtrain.cli.extras.PROBES: the import names of exactly the packages each extra adds."""
+    found = declared()
+    for extra, probes in extras.PROBES.items():
+        added = found[extra] - found[""]
+        assert set(probes) <= import_names(added), f"{extra}: probes outside the extra"
+        for dist in added:
+            assert import_names({dist}) & set(probes), f"{extra}: nothing probes {dist}"
+
+
+def _image_requirements(*args: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/image-requirements.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "image_extras"),
+    [("trainer/Dockerfile", "trainer,tracking,hf"), ("operator/Dockerfile", "operator")],
+)
+def test_each_image_installs_its_extras_from_pyproject_and_the_lock(dockerfile, image_extras):
+    text = (ROOT / dockerfile).read_text()
+    # the dependency layer's list and the final install name the same extras
+    assert f"image-requirements.py extras pyproject.toml {image_extras} " in text
+    assert f"'meshtrain[{image_extras}]'" in text and "-c /opt/requirements.lock" in text
+    listed = {
+        canonicalize_name(Requirement(r).name)
+        for r in _image_requirements("extras", str(ROOT / "pyproject.toml"), image_extras)
+    }
+    found = declared()
+    assert listed == set().union(found[""], *(found[e] for e in image_extras.split(",")))
+
+
+def test_the_torch_layer_is_constrained_by_the_locks_pins_of_torch_and_its_needs():
+    lock = (ROOT / "requirements.lock").read_text().splitlines()
+    closure = _image_requirements("closure", str(ROOT / "requirements.lock"), "torch")
+    assert set(closure) <= set(lock), "a pin the lock does not hold"
+    names = {line.partition("==")[0] for line in closure}
+    needed = {
+        canonicalize_name(Requirement(r).name)
+        for r in importlib.metadata.requires("torch")
+        if Requirement(r).marker is None or Requirement(r).marker.evaluate({"extra": ""})
+    }
+    assert "torch" in names and needed <= names, sorted(needed - names)
+    assert not names & {"kopf", "cryptography", "tokenizers", "matplotlib"}

@@ -31,6 +31,9 @@ def test_promtool_accepts_the_config(tmp_path: pathlib.Path) -> None:
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert not any(
+        job.get("honor_labels") for job in config["scrape_configs"]
+    )  # targets' labels win
     jobs = [job["file_sd_configs"][0]["files"][0] for job in config["scrape_configs"]]
     assert jobs == [
         str(tmp_path / "meshtrain-trainer.json"),

@@ -82,7 +82,7 @@ def test_json_files_are_what_build_py_generates():
 def test_training_dashboard_variables_and_datasource():
     board = load("meshtrain-training.json")
     variables = [v["name"] for v in board["templating"]["list"]]
-    assert variables == ["datasource", "namespace", "job", "pod", "rank"]
+    assert variables == ["datasource", "namespace", "trainingjob", "pod", "rank"]
     multi = {v["name"] for v in board["templating"]["list"] if v.get("multi")}
     assert multi == {"pod", "rank"}
     for panel in board["panels"]:
@@ -90,7 +90,7 @@ def test_training_dashboard_variables_and_datasource():
         for target in panel["targets"]:
             expr = target["expr"]
             assert 'namespace="$namespace"' in expr, panel["title"]
-            assert 'job="$job"' in expr or 'trainingjob="$job"' in expr, panel["title"]
+            assert 'trainingjob="$trainingjob"' in expr, panel["title"]
 
 
 def test_panels_have_real_units():
@@ -109,9 +109,9 @@ def test_training_dashboard_opens_with_the_stat_row():
 
 
 DCGM_SERIES = """
-      - series: 'meshtrain_step{namespace="ns", job="j", pod="j-0", rank="0"}'
+      - series: 'meshtrain_step{namespace="ns", job="meshtrain-trainer", trainingjob="j", pod="j-0", rank="0"}'
         values: "1x5"
-      - series: 'meshtrain_step{namespace="ns", job="j", pod="j-1", rank="2"}'
+      - series: 'meshtrain_step{namespace="ns", job="meshtrain-trainer", trainingjob="j", pod="j-1", rank="2"}'
         values: "1x5"
       - series: 'DCGM_FI_DEV_GPU_UTIL{namespace="gpu-operator", pod="dcgm-exporter-x", exported_namespace="ns", exported_pod="j-0", gpu="0"}'
         values: "80x5"
@@ -132,7 +132,12 @@ def test_dcgm_join_finds_the_pod_under_pod_or_exported_pod(tmp_path):
         if p["title"] == "GPU utilisation (DCGM)"
     )
     expr = panel["targets"][0]["expr"]
-    for name, value in (("$namespace", "ns"), ("$job", "j"), ("$pod", ".*"), ("$rank", ".*")):
+    for name, value in (
+        ("$namespace", "ns"),
+        ("$trainingjob", "j"),
+        ("$pod", ".*"),
+        ("$rank", ".*"),
+    ):
         expr = expr.replace(name, value)
     (tmp_path / "empty.yaml").write_text("groups: []\n")
     test = {

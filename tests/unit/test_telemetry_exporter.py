@@ -23,7 +23,6 @@ from tests.unit import telemetry_feed
 
 DESIGN_NAMES = {
     "meshtrain_tokens",
-    "meshtrain_tokens_per_second",
     "meshtrain_step_seconds",
     "meshtrain_allreduce_seconds",
     "meshtrain_allreduce_bytes",
@@ -32,7 +31,7 @@ DESIGN_NAMES = {
     "meshtrain_loss",
     "meshtrain_model_flops_utilization_ratio",
 }
-LABELS = {"job", "namespace", "pod", "rank", "dp", "pp", "tp"}
+LABELS = {"trainingjob", "namespace", "pod", "rank", "dp", "pp", "tp"}
 
 
 def free_base(count: int) -> int:
@@ -97,7 +96,11 @@ def test_every_design_metric_is_served_with_the_rank_labels(pipeline):
     for name in DESIGN_NAMES:
         for sample in fams[name].samples:
             assert set(sample.labels) >= LABELS, (name, sample.labels)
-            assert (sample.labels["job"], sample.labels["namespace"], sample.labels["pod"]) == (
+            assert (
+                sample.labels["trainingjob"],
+                sample.labels["namespace"],
+                sample.labels["pod"],
+            ) == (
                 "demo",
                 "team-a",
                 "demo-0",
@@ -108,6 +111,29 @@ def test_every_design_metric_is_served_with_the_rank_labels(pipeline):
                 sample.labels["dp"],
                 sample.labels["tp"],
             ) == ("2", "1", "0", "0")
+
+
+def test_no_series_sets_prometheus_job_label_and_none_duplicates_a_rate(pipeline):
+    """``job`` is the scrape job's (Prometheus sets it); throughput is rate(meshtrain_tokens_total)."""
+    base, _ = pipeline
+    for rank in range(4):
+        fams = families(base, rank)
+        samples = [s for f in fams.values() for s in f.samples]
+        assert samples
+        assert all("job" not in s.labels for s in samples), rank
+        assert all(s.labels["trainingjob"] == "demo" for s in samples)
+        assert all(s.labels["namespace"] == "team-a" for s in samples)
+        # A gauge of <unit>/s beside a counter of <unit> is that counter's rate (the peak FLOP/s is
+        # the device's, no counter's).
+        units = {f.name.rsplit("_", 1)[-1] for f in fams.values() if f.type == "counter"}
+        rates = {
+            f.name
+            for f in fams.values()
+            if f.type == "gauge"
+            and f.name.endswith("_per_second")
+            and f.name.removesuffix("_per_second").rsplit("_", 1)[-1] in units
+        }
+        assert {"tokens", "bytes", "seconds"} <= units and rates == set(), rates
 
 
 def test_values_follow_the_steps(pipeline):
@@ -131,7 +157,11 @@ def test_values_follow_the_steps(pipeline):
     assert value("meshtrain_pipeline_bubble_ratio") == pytest.approx(recorders[0].last.bubble_ratio)
     assert value("meshtrain_loss") == 2.0
     assert value("meshtrain_model_flops_utilization_ratio") == pytest.approx(recorders[0].last.mfu)
-    assert value("meshtrain_collective_bus_bandwidth_bytes_per_second", group="dp") > 0
+    busy = value("meshtrain_collective_busy_seconds", "_total", group="dp", op="all_reduce")
+    bus_bytes = value("meshtrain_collective_bus_bytes", "_total", group="dp", op="all_reduce")
+    payload = value("meshtrain_allreduce_bytes", "_total", group="dp", op="all_reduce")
+    assert busy > 0
+    assert bus_bytes == pytest.approx(payload)  # 2(n-1)/n = 1 of the payload: an all-reduce of 2
     assert value("meshtrain_exposed_comm_seconds", "_sum") == pytest.approx(2 * 3 * 0.002)
     assert value("meshtrain_memory_peak_bytes") > 0
     assert value("meshtrain_step") == 2

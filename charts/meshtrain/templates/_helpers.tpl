@@ -22,6 +22,18 @@ the same verbs.  docs/operator.md lists why the operator needs each verb.
 {{- end }}
 {{- end }}
 
+{{/*
+The name of one of the release's objects: the full name and a component suffix, e.g.
+`include "meshtrain.componentName" (list . "metrics")` is "mt-meshtrain-metrics".  The full
+name is shortened first, so the suffix always survives and the whole stays a DNS label
+(at most 63 characters) whatever the release is called.
+*/}}
+{{- define "meshtrain.componentName" -}}
+{{- $suffix := index . 1 }}
+{{- $prefix := include "meshtrain.fullname" (index . 0) | trunc (int (sub 62 (len $suffix))) | trimSuffix "-" }}
+{{- printf "%s-%s" $prefix $suffix }}
+{{- end }}
+
 {{- define "meshtrain.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}

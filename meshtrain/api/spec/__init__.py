@@ -26,6 +26,7 @@ from meshtrain.api.spec.pod_template import PodTemplateOverride
 from meshtrain.api.spec.resources import Resources
 from meshtrain.api.spec.run_policy import RunPolicy
 from meshtrain.api.spec.topology import Topology
+from meshtrain.api.spec.tracking import Tracking
 from meshtrain.api.spec.trainer import TrainerProgram
 from meshtrain.api.spec.training import Training
 
@@ -71,6 +72,10 @@ class TrainingJobSpec(base.SpecModel):
         default_factory=RunPolicy, description="Restarts, deadlines, TTL and suspend."
     )
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus exporter settings.")
+    tracking: Tracking = Field(
+        default_factory=Tracking,
+        description="Experiment trackers rank 0 logs every step to: TensorBoard, MLflow, Weights & Biases.",
+    )
     trainer: TrainerProgram = Field(
         default_factory=TrainerProgram,
         description="The program the pods run: the built-in trainer, or a custom PyTorch program.",

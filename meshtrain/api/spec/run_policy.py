@@ -95,7 +95,9 @@ class Recovery(base.SpecModel):
     in_place: bool = Field(
         True,
         description="Restart failed trainer processes and containers in place (no pod deleted, no placement "
-        "redone); built-in trainer only: a custom trainer (trainer.type custom) always gets the gang rebuild.",
+        "redone). A custom trainer (trainer.type custom): its torchrun restarts all its workers in a new "
+        "rendezvous round (--max-restarts inPlaceLimit per pod), and on Kubernetes 1.36+ a pod but pod 0 "
+        "whose torchrun is killed restarts whole in place.",
     )
     in_place_limit: int = Field(
         10,

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, profiles
+from meshtrain.planner import comm, mfu, profiles
 from meshtrain.planner.timing import (
     core_share,
     cpu_host,
@@ -44,7 +44,7 @@ class TimePlan:
     world_size: int
     """Ranks in the job."""
     peak_flops: float
-    """Peak FLOP/s of one device."""
+    """Peak FLOP/s of one device, as MFU counts it (:func:`meshtrain.planner.mfu.device_peak`)."""
     pipeline_seconds: float = 0.0
     """The pipeline window with each stage's own times (:mod:`.pipeline_window`): compute, fill, drain, sends."""
     bubble_stage0: float = 0.0
@@ -55,6 +55,8 @@ class TimePlan:
     """The schedule's critical path: pipeline window, exposed reduction, optimizer."""
     host: shared_host.HostLoad | None = None
     """What the step asks of a host whose cores the ranks share (None: each rank has its own device)."""
+    mfu_devices: float = 0.0
+    """Devices the MFU denominator counts (:func:`meshtrain.planner.mfu.devices`; 0: ``world_size``)."""
 
     @property
     def work_bound(self) -> bool:
@@ -111,9 +113,14 @@ class TimePlan:
 
     @property
     def mfu(self) -> float:
-        """Predicted model FLOPs utilisation against the peak."""
-        denominator = self.step_seconds * self.world_size * self.peak_flops
-        return self.model_flops / denominator if denominator > 0 else 0.0
+        """Predicted model FLOPs utilisation (:mod:`meshtrain.planner.mfu`)."""
+        return self.mfu_at(self.step_seconds)
+
+    def mfu_at(self, step_seconds: float) -> float:
+        """MFU of this job's step had it taken ``step_seconds`` (a measured step, for comparison)."""
+        return mfu.ratio(
+            self.model_flops, step_seconds, self.peak_flops, self.mfu_devices or self.world_size
+        )
 
 
 def machine_for(
@@ -177,7 +184,12 @@ def plan_time(
         model_flops=stage_work.model_flops_per_token(shape, span=stage_work.attention_span(job))
         * tokens,
         world_size=job.world_size,
-        peak_flops=profile.peak_flops,
+        peak_flops=mfu.device_peak(
+            profile.peak_flops, on_cpu=profile.cores > 0, configured=job.metrics.peak_flops
+        ),
+        mfu_devices=mfu.devices(
+            job.world_size, ranks_per_host=shared_host.ranks(job), host_cores=profile.cores
+        ),
         pipeline_seconds=piped.window.seconds,
         bubble_stage0=piped.window.idle_share(0, closing=closing[0], exposed=stages[0].dp_exposed),
         rank_flops=on_machine.rank_flops,

@@ -65,8 +65,14 @@ def election(args: argparse.Namespace) -> leadership.Election:
 def add_parser(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
-    """Register ``meshtrain operator`` and its flags on the CLI's subparsers."""
+    """Register ``meshtrain operator`` and its flags on ``sub``."""
     parser = sub.add_parser("operator", help="run the TrainingJob operator (kopf)")
+    configure(parser)
+    return parser
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Give ``meshtrain operator``'s parser its flags and handler (the CLI builds the parser)."""
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument(
         "--namespace",
@@ -96,7 +102,6 @@ def add_parser(
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     parser.set_defaults(handler=run)
-    return parser
 
 
 def _add_election_flags(parser: argparse.ArgumentParser) -> None:

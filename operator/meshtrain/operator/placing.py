@@ -83,6 +83,7 @@ class Placer:
         isolated_namespaces: frozenset[str] = frozenset(),
         gang_peers: builders.GangPeers = builders.NO_PEERS,
         restart_rules: bool = True,
+        restart_all: bool = False,
     ) -> None:
         self.client = client
         self.cache = cache
@@ -95,6 +96,8 @@ class Placer:
         """The operator and Prometheus, admitted by each gang's NetworkPolicy on their ports."""
         self.restart_rules = restart_rules
         """The API server accepts container restart rules (``kubelet_tier``): pods carry them."""
+        self.restart_all = restart_all
+        """And their ``RestartAllContainers`` action (KEP-5532): custom trainers' pods carry it."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
@@ -446,6 +449,7 @@ class Placer:
                     node,
                     default_image=self.trainer_image,
                     restart_rules=self.restart_rules,
+                    restart_all=self.restart_all,
                     pod_group=group["metadata"]["name"] if group else None,
                 ),
                 where,
@@ -531,6 +535,7 @@ class Placer:
                     outcome.nodes,
                     default_image=self.trainer_image,
                     restart_rules=self.restart_rules,
+                    restart_all=self.restart_all,
                     pod_group=group["metadata"]["name"] if group else None,
                 )
             ],

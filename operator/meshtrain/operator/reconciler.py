@@ -81,6 +81,9 @@ class Settings:
     container_restart_rules: bool | None = None
     """Whether trainer pods carry container restart rules (``--container-restart-rules``; the
     kubelet tier, ``kubelet_tier``); None: as the API server's version allows (:func:`resolved`)."""
+    restart_all_containers: bool | None = None
+    """Whether custom trainers' pods carry the ``RestartAllContainers`` rule (KEP-5532); None: as
+    ``container_restart_rules`` when that is forced, else as the server's version allows."""
 
 
 async def resolved(client: kube.Client, settings: Settings) -> Settings:
@@ -96,14 +99,19 @@ async def resolved(client: kube.Client, settings: Settings) -> Settings:
             "(set --container-restart-rules=on to force them)",
             err,
         )
-        return dataclasses.replace(settings, container_restart_rules=False)
+        return dataclasses.replace(
+            settings, container_restart_rules=False, restart_all_containers=False
+        )
     rules = kubelet_tier.rules_served(version)
+    every = kubelet_tier.all_containers_served(version)
     logger.info(
         "API server %s: container restart rules (the kubelet tier of in-place restarts) %s",
         str(version.get("gitVersion") or "of unknown version")[:64],
         "used" if rules else "not served; processes still restart in place, containers do not",
     )
-    return dataclasses.replace(settings, container_restart_rules=rules)
+    return dataclasses.replace(
+        settings, container_restart_rules=rules, restart_all_containers=every
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +146,11 @@ class Reconciler:
             isolated_namespaces=settings.isolated_namespaces,
             gang_peers=settings.gang_peers,
             restart_rules=settings.container_restart_rules is not False,
+            restart_all=(
+                settings.container_restart_rules is True
+                if settings.restart_all_containers is None
+                else settings.restart_all_containers
+            ),
         )
         self.replacer = replacing.Replacer(self.placer)
         self.spares = sparing.Spares(self.placer)

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from meshtrain.cli import extras
 from meshtrain.sandbox import example, supervisor
 
 
@@ -84,8 +85,8 @@ def _cmd_run_example(paths: supervisor.Paths, args: argparse.Namespace) -> int:
         f"(restarts {final['status'].get('restarts', 0)}, last checkpoint step {final['status'].get('lastCheckpointStep')})"
     )
     print(
-        f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_tokens_per_second  "
-        f'(e.g. sum by (job) (meshtrain_tokens_per_second{{job="{name}"}}))'
+        f"metrics: {state['prometheus_url']}/graph?g0.expr=meshtrain_step  "
+        f'(e.g. max(rate(meshtrain_tokens_total{{namespace="{namespace}", trainingjob="{name}"}}[30s])))'
     )
     print(f"pod logs: kubectl logs -n {namespace} -l meshtrain.io/job={name}")
     picture = example.timeline(paths, namespace, name)
@@ -128,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="(internal) the supervisor process that `up` starts")
     serve.set_defaults(handler=lambda paths, _args: supervisor.serve(paths))
     args = parser.parse_args(argv)
+    if args.command in ("up", "run-example", "serve"):  # they start the control plane
+        try:
+            extras.require("sandbox", f"python -m meshtrain.sandbox {args.command}")
+        except extras.MissingExtra as err:
+            print(err, file=sys.stderr)
+            return extras.EXIT_CODE
     paths = supervisor.Paths((args.state_dir or supervisor.default_state_dir()).resolve())
     paths.root.mkdir(parents=True, exist_ok=True)
     return int(args.handler(paths, args))

@@ -34,26 +34,43 @@ OPERATOR_PORTS = r"metrics"
 """Name of the operator's exporter port."""
 
 
+TRAINER_METRIC_RELABEL: list[dict[str, Any]] = [
+    {"action": "labeldrop", "regex": "exported_(namespace|pod|node)"}
+]
+"""A trainer scrape's metric relabelling, as the chart's PodMonitor: the exporters' own namespace,
+pod and node repeat the target's (which Prometheus keeps, honor_labels off) and are dropped."""
+OPERATOR_METRIC_RELABEL: list[dict[str, Any]] = [
+    {"source_labels": ["exported_namespace"], "regex": "(.+)", "target_label": "namespace"},
+    {"action": "labeldrop", "regex": "exported_namespace"},
+]
+"""The operator scrape's, as the chart's ServiceMonitor: a per-job series' namespace is its
+TrainingJob's (moved to exported_namespace by the scrape); the operator's own keep its pod's."""
+
+
 def build_config(*, targets_dir: pathlib.Path, rule_files: list[pathlib.Path]) -> dict[str, Any]:
     """The prometheus.yml of the sandbox: one file_sd job per target file :func:`targets` fills.
 
-    ``honor_labels``, so the exporters' job/namespace/pod labels win; ``rule_files`` are
-    meshtrain's rules (``dashboards/rules.yaml``) when present.
+    No ``honor_labels``: the target's job, namespace and pod win, as with the chart's monitors
+    (docs/telemetry.md, "Labels"); ``rule_files`` are meshtrain's rules (``dashboards/rules.yaml``)
+    when present.
     """
 
-    def job(name: str) -> dict[str, Any]:
+    def job(name: str, relabel: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "job_name": name,
-            "honor_labels": True,
             "file_sd_configs": [
                 {"files": [str(targets_dir / f"{name}.json")], "refresh_interval": "2s"}
             ],
+            "metric_relabel_configs": relabel,
         }
 
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "5s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [job("meshtrain-trainer"), job("meshtrain-operator")],
+        "scrape_configs": [
+            job("meshtrain-trainer", TRAINER_METRIC_RELABEL),
+            job("meshtrain-operator", OPERATOR_METRIC_RELABEL),
+        ],
     }
 
 

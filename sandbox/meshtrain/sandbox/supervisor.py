@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from meshtrain.sandbox import network_policies, nodeconfig, prometheus
+from meshtrain.sandbox import network_policies, nodeconfig, prometheus, watch
 from meshtrain.sandbox import node as node_mod
 from meshtrain.sandbox import nodes as nodes_mod
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
@@ -511,6 +511,7 @@ def up(paths: Paths, *, timeout: float = 3600.0) -> dict[str, Any]:
     paths.logs.mkdir(parents=True, exist_ok=True)
     paths.state.unlink(missing_ok=True)
     started = time.monotonic()
+    shown = watch.StartProgress(paths.logs)  # the steps as they finish, while the user waits
     with open(paths.logs / "supervisor.log", "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshtrain.sandbox", "--state-dir", str(paths.root), "serve"],
@@ -521,16 +522,20 @@ def up(paths: Paths, *, timeout: float = 3600.0) -> dict[str, Any]:
         )
     while time.monotonic() - started < timeout:
         state = read_state(paths)
+        shown.poll()
         if state and state.get("status") == "ready":
             state["up_seconds"] = round(time.monotonic() - started, 1)
+            shown.close("ready")
             return state
         if proc.poll() is not None or (state and state.get("status") == "failed"):
+            shown.close("failed")
             proc.wait()
             tail = (paths.logs / "supervisor.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(
                 f"the sandbox failed to start ({(state or {}).get('error', 'supervisor exited')}):\n{tail}"
             )
         time.sleep(0.5)
+    shown.close("timed out")
     down(paths)
     raise RuntimeError(f"the sandbox was not ready after {timeout:.0f}s; see {paths.logs}")
 

@@ -10,6 +10,9 @@
 2. A running gang whose pod reports (through the status subresource, as a kubelet writes it) a
    trainer container restarted in place is not rebuilt: ``status.recovery`` counts it with its
    cause, an Event names it, and once in-place restarts pass ``inPlaceLimit`` the gang is rebuilt.
+3. A custom trainer's pods but pod 0 carry KEP-5532's ``RestartAllContainers`` action (the whole
+   pod restarts in place when torchrun's agent is killed), used where the API server accepts it,
+   and stored as built; a misspelt action is refused.
 That the kubelet restarts the container by these rules is the sandbox's test
 (tests/e2e/test_sandbox_in_place.py).
 """
@@ -192,3 +195,54 @@ def test_a_container_restarted_in_place_is_counted_and_past_the_budget_the_gang_
     assert status["recovery"]["byTier"]["container"] == 3
     rebuilt = cluster.events(namespace, "inplace", recovery_count.EXHAUSTED)
     assert rebuilt and "inPlaceLimit=2" in rebuilt[0].message
+
+
+def _custom_pods(restart_all: bool) -> list[dict[str, Any]]:
+    job = (
+        JobBuilder()
+        .layout(data=3)
+        .gpus(1)
+        .trainer(type="custom", command=["torchrun", "/app/train.py"])
+        .pod_template(OVERRIDE)
+    )
+    spec = loading.parse_spec(job.raw())
+    return builders.build_pods(REF, spec, 0, ["n0", "n1", "n2"], restart_all=restart_all)
+
+
+def test_a_custom_trainers_pods_restart_whole_in_place_where_the_api_server_serves_it(
+    cluster, namespace
+):
+    """KEP-5532: the ``RestartAllContainers`` action, stored as built (judged, not dropped)."""
+    first, *others = _custom_pods(restart_all=True)
+    assert "restartPolicyRules" not in _trainer(_stored(cluster, namespace, first))
+    for pod in others:
+        stored = _stored(cluster, namespace, pod)
+        trainer = _trainer(stored)
+        assert trainer["command"] == ["torchrun", "/app/train.py"]
+        assert trainer["restartPolicy"] == "Never"
+        assert trainer["restartPolicyRules"] == [
+            {
+                "action": "RestartAllContainers",
+                "exitCodes": {"operator": "In", "values": list(kubelet_tier.POD_RESTART_CODES)},
+            }
+        ]
+        assert 1 not in trainer["restartPolicyRules"][0]["exitCodes"]["values"]
+        assert [c["name"] for c in stored["spec"]["initContainers"]] == ["warm-cache", "ship-logs"]
+    misspelt = others[0]
+    _trainer(misspelt)["restartPolicyRules"][0]["action"] = "RestartAll"
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        _stored(cluster, namespace, misspelt)
+    assert refused.value.status == 422 and "RestartAllContainers" in refused.value.body
+
+
+def test_the_operator_restarts_whole_pods_where_the_api_server_accepts_it(cluster, namespace):
+    try:  # the source of truth: does this API server take a pod with the action?
+        _stored(cluster, namespace, _custom_pods(restart_all=True)[1])
+        accepted = True
+    except kubernetes.client.ApiException as refused:
+        assert refused.status == 422 and "RestartAllContainers" in refused.body
+        accepted = False
+    assert _resolved(cluster, reconciler.Settings()).restart_all_containers is accepted
+    for pod in _custom_pods(restart_all=False):  # accepted by any API server
+        trainer = _trainer(_stored(cluster, namespace, pod))
+        assert "restartPolicy" not in trainer and "restartPolicyRules" not in trainer

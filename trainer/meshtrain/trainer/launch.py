@@ -1,7 +1,8 @@
 """``meshtrain run``: train a TrainingJob on this machine with one process per rank.
 
 :func:`run_local` checks spec and dataset before any process starts, then runs ``world_size``
-processes of ``python -m meshtrain.trainer`` with torchrun's variables behind a progress bar.
+processes of ``python -m meshtrain.trainer`` with torchrun's variables, showing how many ranks are
+ready, then the steps (:class:`_Watch`).
 Its own spawner, not ``torch.distributed.run``: the agent's restarts and rendezvous are what the
 operator does in a cluster, and here we want the opposite (fail fast, one log per rank).
 """
@@ -22,22 +23,23 @@ from types import FrameType
 from typing import IO, Any
 
 import torch
-import tqdm
 
-from meshtrain.api import exitcodes, job_dir, loading
+from meshtrain.api import console, exitcodes, job_dir, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
 from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import config_json, from_hf
-from meshtrain.trainer.telemetry import steplog
+from meshtrain.trainer.telemetry import readiness, steplog
 
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
 """After a rank failed: how long the others get before they are killed."""
 STOP_GRACE_S = 60.0
 """After an interrupt: how long the ranks get to finish a step and save it."""
+READY_DIR = "ready"
+"""Under the log directory: the ranks' ready files (:mod:`.telemetry.readiness`)."""
 
 
 def free_port() -> int:
@@ -193,13 +195,9 @@ def run_local(
             file=sys.stderr,
         )
         return exitcodes.SPEC
+    readiness.reset(log_dir / READY_DIR)
     procs, logs = _start_ranks(job, spec_path, extra, log_dir, identity)
-    bar = tqdm.tqdm(
-        total=job.training.steps,
-        desc=f"{name} {job.parallelism.layout_string}",
-        unit="step",
-        file=sys.stderr,
-    )
+    bar = _Watch(name, job, log_dir / READY_DIR)
     records: list[dict[str, Any]] = []
     # A terminated launcher (Ctrl-C, SIGTERM from CI or a pod) takes its ranks with it.
     previous = (
@@ -212,7 +210,7 @@ def run_local(
         if code != 0:
             return code
     except (KeyboardInterrupt, _Terminated):
-        bar.close()
+        bar.close("interrupted")
         print(
             f"interrupted: asking the ranks to save their last step (up to {STOP_GRACE_S:.0f}s; "
             f"the same command with --log-dir {log_dir} resumes)",
@@ -289,32 +287,59 @@ def _start_ranks(
         for key in (job_dir.NAMESPACE_ENV, job_dir.NAME_ENV, job_dir.UID_ENV):
             env.pop(key, None)  # this run's identity, never one inherited from a pod's environment
         env.update(identity)
+        env[readiness.ENV] = str(log_dir / READY_DIR)
         procs.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     return procs, logs
 
 
+class _Watch:
+    """What a user sees while a local run goes: ``3 of 8 ranks ready``, then the steps with loss
+    and tokens/s (:class:`meshtrain.api.console.Phase`: bars on a terminal, else a line each)."""
+
+    def __init__(self, name: str, job: api_spec.TrainingJobSpec, ready_dir: Path) -> None:
+        self.world, self.ready_dir = job.world_size, ready_dir
+        self.steps_desc, self.total = f"{name} {job.parallelism.layout_string}", job.training.steps
+        self.phase = console.Phase(name, total=self.world, unit="ranks ready")
+        self.stepping = False
+
+    def poll(self, fresh: list[dict[str, Any]]) -> None:
+        """The ready files while ranks start; the step log's new records once they train."""
+        if not self.stepping:
+            self.phase.to(readiness.count(self.ready_dir, self.world))
+            if not fresh and self.phase.n < self.world:
+                return
+            self.phase.close()
+            self.phase = console.Phase(self.steps_desc, total=self.total, unit="steps")
+            self.stepping = True
+        if fresh:
+            last = fresh[-1]
+            self.phase.to(last["step"])  # by step number: a resumed run starts past 0
+            self.phase.status(f"loss {last['loss']:.4f}, {last['tokens_per_second']:,.0f} tokens/s")
+
+    def close(self, outcome: str = "") -> None:
+        """End what is shown (``outcome``: why, when the run did not finish)."""
+        self.phase.close(outcome)
+
+
 def _follow(
     procs: list[subprocess.Popen[bytes]],
-    bar: tqdm.tqdm,
+    bar: _Watch,
     tail: steplog.Tail,
     records: list[dict[str, Any]],
     log_dir: Path,
 ) -> int:
-    """Drive the progress bar from rank 0's step log (appending to ``records``) until every rank
+    """Drive the progress from the ranks' ready files and rank 0's step log (appending to ``records``) until every rank
     exited 0 (returns 0) or one failed: the others are stopped, and its code returned."""
     while True:
         codes = [p.poll() for p in procs]
         fresh = tail.new_records()
-        if fresh:
-            records += fresh
-            last = fresh[-1]
-            bar.update(last["step"] - bar.n)  # by step number: a resumed run starts past 0
-            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}")
+        records += fresh
+        bar.poll(fresh)
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
             stop_processes(procs)
-            bar.close()
+            bar.close(f"rank {rank} exited with code {code}")
             print(
                 f"rank {rank} exited with code {code}; stopped the other ranks. "
                 f"End of {log_dir / f'rank-{rank}.log'}:\n{_tail(log_dir / f'rank-{rank}.log')}",

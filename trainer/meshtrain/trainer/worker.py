@@ -32,8 +32,9 @@ from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.recovery import generations
-from meshtrain.trainer.telemetry import goodput, progress, steplog
+from meshtrain.trainer.telemetry import goodput, progress, readiness
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
+from meshtrain.trainer.telemetry.tracking import log as tracked
 
 CHECKPOINT_DIR_ENV = "MESHTRAIN_CHECKPOINT_DIR"
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(exitcodes.SPEC, err)
     except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
+    readiness.mark(int(os.environ.get("RANK", "0")))  # meshtrain run: "3 of 8 ranks ready"
     stop = (
         stopping.StopRequest().install()
     )  # before the slow start: a signal during it still stops cleanly
@@ -203,7 +205,13 @@ def _session(
             state_bytes.measure(trainer.model, trainer.optimizer, grad_reducer).summary(),
             file=sys.stderr,
         )
-    log = steplog.StepLog(args.log_dir) if rank == 0 and args.log_dir else None
+    log = (  # steps.jsonl and the experiment trackers of spec.tracking
+        tracked.step_log(
+            job, args.log_dir, tracked.home(saver.root, args.log_dir), (restored or 0) + 1
+        )
+        if rank == 0
+        else None
+    )
     try:
         return _train(job, rank, trainer, recorder, saver, snapshots, log, stop, session)
     except store.CheckpointError as err:  # raised on every rank alike (checkpointer._everywhere)
@@ -251,7 +259,7 @@ def _train(
     recorder: TelemetryRecorder,
     saver: checkpointer.Checkpointer,
     snapshots: memory.MemorySnapshots,
-    log: steplog.StepLog | None,
+    log: tracked.Writer | None,
     stop: stopping.StopRequest,
     session: generations.Session | None = None,
 ) -> int:
@@ -362,7 +370,7 @@ def _guard_stop(
     step: int,
     err: loss_guard.LossGuardTripped,
     saver: checkpointer.Checkpointer,
-    log: steplog.StepLog | None,
+    log: tracked.Writer | None,
 ) -> int:
     """The loss guard gave up at ``step``: save nothing and leave, naming the last good checkpoint.
 
@@ -389,7 +397,7 @@ def _stop_after(
     step: int,
     saver: checkpointer.Checkpointer,
     recorder: TelemetryRecorder,
-    log: steplog.StepLog | None,
+    log: tracked.Writer | None,
     stop: stopping.StopRequest,
 ) -> int:
     """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave."""

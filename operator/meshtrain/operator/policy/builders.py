@@ -24,6 +24,7 @@ from meshtrain.operator.policy import (
     node_affinity,
     pod_override,
     replacement,
+    torchrun_tier,
 )
 
 SHUTDOWN_MARGIN_SECONDS = 5
@@ -174,6 +175,7 @@ def _env(
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,
         "PET_SHUTDOWN_TIMEOUT": torchrun_shutdown_timeout(spec),
         **kubelet_tier.recovery_env(spec),
+        **torchrun_tier.elastic_env(job, spec, attempt, index),
     }
     if job.created:  # the goodput account's wall time starts with the job (docs/telemetry.md)
         plain["MESHTRAIN_JOB_STARTED_AT"] = job.created
@@ -311,6 +313,7 @@ def _trainer_container(
     image: str,
     mounts: list[dict[str, Any]],
     restart_rules: bool,
+    restart_all: bool = False,
 ) -> dict[str, Any]:
     """The trainer container: the built-in trainer's supervisor (restarted in place by the kubelet
     when it dies, ``kubelet_tier``, where ``restart_rules``), or the job's own command (torchrun,
@@ -336,7 +339,7 @@ def _trainer_container(
         # Rank 0 writes its final progress here; a failed container reports its log's end instead.
         "terminationMessagePath": naming.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        **kubelet_tier.restart_fields(spec, index, rules=restart_rules),
+        **kubelet_tier.restart_fields(spec, index, rules=restart_rules, all_containers=restart_all),
     }
     if spec.trainer.type == "custom" and spec.trainer.working_dir:
         container["workingDir"] = spec.trainer.working_dir
@@ -364,6 +367,7 @@ def build_pod(
     pod_group: str | None = None,
     name: str | None = None,
     restart_rules: bool = True,
+    restart_all: bool = False,
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
 
@@ -371,7 +375,8 @@ def build_pod(
     With ``pod_group`` the pod names its PodGroup (``spec.schedulingGroup``): the
     scheduler then binds the gang all at once or not at all.  ``name``: a replacement's
     (``naming.replacement_pod_name``), else the gang's own ``<job>-r<attempt>-<index>``.
-    ``restart_rules``: the API server accepts container restart rules (``kubelet_tier``).
+    ``restart_rules``: the API server accepts container restart rules (``kubelet_tier``);
+    ``restart_all``: and their ``RestartAllContainers`` action.
     """
     name = name or naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
@@ -385,7 +390,9 @@ def build_pod(
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
     image = spec.image or default_image
-    container = _trainer_container(job, spec, attempt, index, image, mounts, restart_rules)
+    container = _trainer_container(
+        job, spec, attempt, index, image, mounts, restart_rules, restart_all
+    )
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
@@ -508,6 +515,7 @@ def build_pods(
     default_image: str = naming.DEFAULT_TRAINER_IMAGE,
     pod_group: str | None = None,
     restart_rules: bool = True,
+    restart_all: bool = False,
 ) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
@@ -522,6 +530,7 @@ def build_pods(
             default_image=default_image,
             pod_group=pod_group,
             restart_rules=restart_rules,
+            restart_all=restart_all,
         )
         for index, node in enumerate(nodes)
     ]

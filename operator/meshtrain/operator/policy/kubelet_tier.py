@@ -10,8 +10,16 @@ its supervisor hosts the rendezvous store, which a restart would lose (the other
 75 anyway), so its container dying is a gang rebuild.  An API server before 1.35 refuses
 ``restartPolicy`` on a regular container (1.34 only with the alpha gate): the operator asks the
 server's version once (:func:`rules_served`, ``--container-restart-rules``) and leaves the rules
-out there; the supervisor still recovers processes in place.  A custom trainer keeps torchrun and
-the gang rebuild.  Pure: manifests only.
+out there; the supervisor still recovers processes in place.
+
+A custom trainer keeps torchrun (elastic with ``torchrun_tier``).  When its torchrun agent itself
+dies (killed by a signal: the container's PID 1 is gone), the kubelet restarts every container of
+the pod in place (KEP-5532: the rule action ``RestartAllContainers``, feature gate
+``RestartAllContainersOnContainerExits``, alpha in 1.35, beta and on by default since 1.36): the
+same pod, node, IP and volumes, init containers run again, sidecars restart; the other pods'
+agents meet the restarted one in a new rendezvous round.  Not on pod 0 (its agent hosts the
+rendezvous store), and only where the API server is 1.36 or newer (:func:`all_containers_served`).
+Pure: manifests only.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 
 from meshtrain.api import exitcodes
 from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import torchrun_tier
 
 SUPERVISOR_COMMAND = ("python", "-m", "meshtrain.trainer.supervise")
 """The built-in trainer's command: the supervisor reads torchrun's environment (``PET_*``,
@@ -32,6 +41,14 @@ RESTART_CODES = tuple(sorted(exitcodes.CONTAINER_DIED))
 
 RULES_SINCE = (1, 35)
 """Kubernetes version whose API server accepts ``restartPolicyRules`` by default (KEP-5307 beta)."""
+ALL_CONTAINERS_SINCE = (1, 36)
+"""Kubernetes version whose API server accepts the ``RestartAllContainers`` action by default
+(KEP-5532 beta; 1.35 refuses it unless the alpha gate is on)."""
+RESTART_ALL = "RestartAllContainers"
+POD_RESTART_CODES = tuple(sorted(code for code in exitcodes.CONTAINER_DIED if code > 128))
+"""Exit codes of a custom trainer's container that restart its whole pod in place: killed by a
+signal (torchrun's agent is gone).  Not 1: torchrun exits 1 when its workers failed past
+``--max-restarts``, which asks for the gang rebuild."""
 POD_WITHOUT_RULES = 0
 """Pod index whose container never restarts in place: its supervisor hosts the rendezvous store."""
 
@@ -54,28 +71,45 @@ def command(spec: api_spec.TrainingJobSpec) -> tuple[list[str], list[str]]:
     return list(SUPERVISOR_COMMAND), []
 
 
-def rules_served(version: Mapping[str, Any]) -> bool:
-    """Whether an API server of ``version`` (its ``/version`` document) accepts container restart
-    rules: :data:`RULES_SINCE` or newer (``minor`` may carry a ``+``, e.g. ``"35+"`` on managed
-    clusters).  An unreadable version: False (pods without rules are accepted everywhere)."""
+def _served(version: Mapping[str, Any], since: tuple[int, int]) -> bool:
     try:
         major = int(re.sub(r"\D+$", "", str(version.get("major") or ""))[:8])
         minor = int(re.sub(r"\D+$", "", str(version.get("minor") or ""))[:8])
     except ValueError:
         return False
-    return (major, minor) >= RULES_SINCE
+    return (major, minor) >= since
+
+
+def rules_served(version: Mapping[str, Any]) -> bool:
+    """Whether an API server of ``version`` (its ``/version`` document) accepts container restart
+    rules: :data:`RULES_SINCE` or newer (``minor`` may carry a ``+``, e.g. ``"35+"`` on managed
+    clusters).  An unreadable version: False (pods without rules are accepted everywhere)."""
+    return _served(version, RULES_SINCE)
+
+
+def all_containers_served(version: Mapping[str, Any]) -> bool:
+    """Whether an API server of ``version`` accepts the ``RestartAllContainers`` action:
+    :data:`ALL_CONTAINERS_SINCE` or newer; unreadable: False."""
+    return _served(version, ALL_CONTAINERS_SINCE)
 
 
 def restart_fields(
-    spec: api_spec.TrainingJobSpec, index: int, *, rules: bool = True
+    spec: api_spec.TrainingJobSpec, index: int, *, rules: bool = True, all_containers: bool = False
 ) -> dict[str, Any]:
     """The trainer container's ``restartPolicy`` and ``restartPolicyRules`` for pod ``index``: none
     when not :func:`enabled`, on pod :data:`POD_WITHOUT_RULES`, or where the API server serves no
-    rules (``rules`` False).
+    rules (``rules`` False).  A custom trainer's (``torchrun_tier.enabled``): the whole pod
+    restarts in place on :data:`POD_RESTART_CODES` where the server serves it (``all_containers``).
 
     ``Never`` stays the policy for every other code (rules need an explicit container policy):
     the pod then fails as before and the operator decides (permanent code, gang restart, done).
     """
+    if torchrun_tier.enabled(spec) and index != POD_WITHOUT_RULES and all_containers:
+        codes = {"operator": "In", "values": list(POD_RESTART_CODES)}
+        return {
+            "restartPolicy": "Never",
+            "restartPolicyRules": [{"action": RESTART_ALL, "exitCodes": codes}],
+        }
     if not enabled(spec) or index == POD_WITHOUT_RULES or not rules:
         return {}
     rule = {"action": "Restart", "exitCodes": {"operator": "In", "values": list(RESTART_CODES)}}

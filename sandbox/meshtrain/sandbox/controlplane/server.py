@@ -20,10 +20,13 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
-from meshtrain.sandbox.controlplane import kubeconfig, pki, ports, rest
+from meshtrain.sandbox.controlplane import kubeconfig, ports, rest
+
+if TYPE_CHECKING:  # cryptography (the sandbox extra): imported when the control plane starts
+    from meshtrain.sandbox.controlplane import pki
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -116,6 +119,8 @@ class ControlPlane:
         self._data_dir = pathlib.Path(tempfile.mkdtemp(prefix="meshtrain-cp-", dir=self._data_root))
         (self._data_dir / "logs").mkdir()
         atexit.register(self.stop)
+        from meshtrain.sandbox.controlplane import pki  # noqa: PLC0415 - cryptography, when it starts
+
         try:
             self._pki = pki.generate(
                 self._data_dir / "pki",

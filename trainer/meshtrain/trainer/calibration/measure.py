@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.api import console
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import parameters, profiles
 from meshtrain.planner.timing import network, stage_work
 from meshtrain.trainer import launch
-from meshtrain.trainer.calibration import step_loop
+from meshtrain.trainer.calibration import step_loop, steps
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import mesh, tensor
 
@@ -248,6 +249,8 @@ class _Task:
     repeats: int
     out: str
     port: int
+    progress: Any = None
+    """A queue rank 0 names each finished measurement on (the parent's progress)."""
 
 
 def _worker(rank: int, task: _Task) -> None:
@@ -268,18 +271,21 @@ def _worker(rank: int, task: _Task) -> None:
     sync = torch.cuda.synchronize if use_cuda else (lambda: None)
     dist.barrier()
     gemm = matmul_flops(task.shapes, task.dtype, device, task.budget)
+    steps.done(task.progress, rank, steps.FIXED[0])
     overhead = op_overhead(device, task.budget)
+    steps.done(task.progress, rank, steps.FIXED[1])
     solos = [dist.new_group([r]) for r in range(task.processes)]  # every rank creates every group
     solo = solos[rank]
     assert isinstance(solo, dist.ProcessGroup)  # a member of it: not the non-member sentinel
     flops = block_flops(task.job, task.dtype, device, task.budget, overhead, solo)
+    steps.done(task.progress, rank, steps.FIXED[2])
     element = torch.tensor([], dtype=task.dtype).element_size()
     results: list[dict[str, Any]] = []
     rows, inner, cols = task.shapes[0]  # the block's first GEMM: what a collective follows
     a = torch.randn(rows, inner, dtype=task.dtype, device=device)
     b = torch.randn(inner, cols, dtype=task.dtype, device=device)
     compute = functools.partial(torch.mm, a, b)
-    for groups in task.groups.values():
+    for axis, groups in task.groups.items():
         handles = [dist.new_group(g) for g in groups]  # every rank creates every group
         mine = next(i for i, g in enumerate(groups) if rank in g)
         group, members = handles[mine], groups[mine]
@@ -307,6 +313,7 @@ def _worker(rank: int, task: _Task) -> None:
                         "cpu_seconds": cpu,
                     }
                 )
+                steps.done(task.progress, rank, f"{axis} {op}, {numel * element:,} B, {n} ranks")
         dist.barrier()
     gathered: list[Any] = [None] * task.processes
     dist.all_gather_object(
@@ -417,6 +424,7 @@ def measure(
         for axis in ("dp", "tp", "pp")
         if len(grid.all_groups(axis)[0]) > 1 and processes == job.world_size
     }
+    context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         task = _Task(
             job=job,
@@ -430,13 +438,17 @@ def measure(
             repeats=max(3, round(budget * 18)),
             out=str(Path(tmp) / "out.json"),
             port=launch.free_port(),
+            progress=context.Queue(),
         )
-        context = multiprocessing.get_context("spawn")
         workers = [context.Process(target=_worker, args=(rank, task)) for rank in range(processes)]
         for worker in workers:
             worker.start()
-        for worker in workers:
-            worker.join()
+        with console.Phase(
+            f"calibrating {job.parallelism.layout_string} ({processes} processes)",
+            total=steps.count(len(groups), len(MESSAGE_BYTES)),
+            unit="measurements",
+        ) as phase:
+            steps.follow(workers, task.progress, phase)
         failed = [rank for rank, worker in enumerate(workers) if worker.exitcode]
         if failed:
             raise RuntimeError(f"calibration process(es) {failed} failed; see their output above")
@@ -561,7 +573,8 @@ def measure_step_loop(job: api_spec.TrainingJobSpec, profile: profiles.Profile) 
         activation_message_seconds=0.0,
         gradient_message_seconds=0.0,
     )
-    loop_run = step_loop.run(job)
+    with console.Phase(f"calibrating {job.parallelism.layout_string}: step-loop run", unit="runs"):
+        loop_run = step_loop.run(job)
     # The calls' own costs first: the step loop is what the run spent beyond them.
     fitted = dataclasses.replace(
         micro_benchmarks,

@@ -41,9 +41,16 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
 GUARD_SKIPS = "loss_guard_consecutive_skips"
 """Marker ``extra`` key: updates the loss guard had skipped in a row when the checkpoint was taken (0: good)."""
-IGNORED = {"lost+found", job_dir.LOG_SUBDIR, job_dir.OWNER_FILE, job_dir.OWNER_DIR}
+IGNORED = {
+    "lost+found",
+    job_dir.LOG_SUBDIR,
+    job_dir.OWNER_FILE,
+    job_dir.OWNER_DIR,
+    job_dir.TENSORBOARD_SUBDIR,
+    job_dir.TRACKING_SUBDIR,
+}
 """Entries a checkpoint directory may carry that are not checkpoints and not a problem: ``lost+found``
-of a fresh filesystem, ``logs``, where the operator's pods keep steps.jsonl and the rank traces
+of a fresh filesystem, ``tensorboard`` and ``tracking`` of the experiment trackers, ``logs``, where the operator's pods keep steps.jsonl and the rank traces
 (``MESHTRAIN_LOG_DIR=<checkpoint.path>/<namespace>/<name>/logs``), and the job's owner records."""
 JOB_UID_KEY = "job_uid"
 """Marker ``extra`` key: the UID of the job that wrote the checkpoint (empty for a bare trainer)."""

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tqdm
 from tokenizers import Tokenizer
 
-from meshtrain.api import loading
+from meshtrain.api import console, loading
 from meshtrain.trainer.data import file_modes, special_tokens, token_files, vocab_scan
 
 BATCH_DOCUMENTS = 256
@@ -154,11 +153,11 @@ def prepare(
     try:
         with (
             os.fdopen(fd, "wb") as out,
-            tqdm.tqdm(
+            console.Phase(
+                f"tokenising into {output}",
                 total=total_bytes,
                 unit="B",
-                unit_scale=True,
-                desc="tokenising",
+                scaled=True,
                 disable=not progress,
             ) as bar,
         ):
@@ -175,6 +174,7 @@ def prepare(
                 count += len(flat)
                 max_id = max(max_id, int(flat.max(initial=-1)))
                 bar.update(sum(len(doc.encode("utf-8")) for doc in batch))
+                bar.status(f"{documents_count:,} documents, {count:,} tokens")
         file_modes.publish(tmp)  # mkstemp's 0600 would hide it from pods of another UID
         # the previous run's metadata would describe the new file (its max_id vouching for it)
         meta_path.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from meshtrain.api import exitcodes
+from meshtrain.api import console, exitcodes
 from meshtrain.api.spec import model as api_model
 from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import state, store
@@ -186,8 +186,17 @@ def export(
     sources = tokenizer_sources(tokenizer, marker.extra.get("from_hf"))
     # an earlier export's tokenizer files go when a new tokenizer comes (no stale config beside it)
     replaces = to_hf.WEIGHT_FILES + (TOKENIZER_FILES if sources else ())
-    with to_hf.staged(output, replaces) as staging:
+    with (
+        to_hf.staged(output, replaces) as staging,
+        console.Phase(f"export {output}", unit="B", scaled=True) as phase,
+    ):
         copy_tokenizer(staging, sources, token_ids)
+
+        def written(tensors: int, nbytes: int, total: int) -> None:
+            phase.expect(total)
+            phase.to(nbytes)
+            phase.status(f"{tensors} tensors written")
+
         files = to_hf.write_sharded(
             staging,
             gpt.GPTConfig.from_shape(shape),
@@ -197,6 +206,7 @@ def export(
             token_ids=token_ids,
             max_positions=marker.extra.get("max_position_embeddings"),
             dtype=dtype,
+            written=written,
         )
     return [output / f.name for f in files]
 

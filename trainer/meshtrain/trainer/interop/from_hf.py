@@ -7,67 +7,18 @@ starts, naming the file and the field.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from meshtrain.api import loading, presets
+from meshtrain.api import hf_directory
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.trainer import storage
 from meshtrain.trainer.interop import config_json, name_map
 from meshtrain.trainer.models import gpt, llama
-
-
-def _indexed_files(directory: Path) -> dict[str, Path]:
-    """The ``weight_map`` of ``model.safetensors.index.json``, as transformers loads a sharded model."""
-    index = directory / config_json.WEIGHTS_INDEX
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise config_json.HFError(
-            f"{config_json.FIELD}: {index} is not a safetensors index with a weight_map ({err})"
-        ) from None
-    if not isinstance(weight_map, dict):
-        raise config_json.HFError(
-            f"{config_json.FIELD}: {index}: weight_map is not an object of tensor name -> file"
-        )
-    where = {str(key): directory / str(name) for key, name in weight_map.items()}
-    missing = sorted({str(p) for p in where.values() if not p.is_file()})
-    if missing:
-        raise config_json.HFError(
-            f"{config_json.FIELD}: {index} names files that are not there: {', '.join(missing)}"
-        )
-    return where
-
-
-def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the safetensors file holding it (one file or a sharded set).
-
-    With ``model.safetensors.index.json`` its ``weight_map`` decides (other
-    ``*.safetensors`` files, e.g. a consolidated copy, are not read); without
-    one, every file is read and a tensor in two of them is refused.
-    """
-    if (directory / config_json.WEIGHTS_INDEX).is_file():
-        return _indexed_files(directory)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise config_json.HFError(f"{config_json.FIELD}: {directory} has no *.safetensors file")
-    where: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if key in where:
-                    raise config_json.HFError(
-                        f"{config_json.FIELD}: tensor {key} is in both {where[key]} and {path}: "
-                        f"remove the stale file, or add the {config_json.WEIGHTS_INDEX} that says "
-                        "which to load"
-                    )
-                where[key] = path
-    return where
 
 
 class HFWeights:
@@ -76,7 +27,7 @@ class HFWeights:
     def __init__(self, directory: str | Path, config: gpt.GPTConfig) -> None:
         self.directory = storage.local_path(directory, config_json.FIELD)
         self.config = config
-        self.files = {k: str(v) for k, v in _tensor_files(self.directory).items()}
+        self.files = {k: str(v) for k, v in hf_directory.tensor_files(self.directory).items()}
         """Hugging Face tensor name -> safetensors file."""
 
     def _read(self, key: str) -> torch.Tensor:
@@ -141,15 +92,15 @@ def _hf_shapes(
 
 
 def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
-    """Refuse, before any process starts, a directory whose config or tensors disagree with the spec."""
+    """Refuse, before any process starts, a directory whose config or tensors disagree with the spec:
+    the torch-free checks ``meshtrain validate`` makes (:func:`.hf_directory.check`), then every
+    tensor's shape against the model built on the meta device."""
     try:
         directory = storage.local_path(directory, config_json.FIELD).expanduser()
     except storage.ObjectStorageError as err:
         raise config_json.HFError(str(err)) from None
-    if not directory.is_dir():
-        raise config_json.HFError(f"{config_json.FIELD}: {directory} is not a directory")
-    config_json.check_config(directory, config)
-    files = _tensor_files(directory)
+    hf_directory.check(directory, config)
+    files = hf_directory.tensor_files(directory)
     shapes = {key: (shape, path) for key, shape, path in _hf_shapes(directory, files)}
     with torch.device("meta"):
         expected = name_map.to_hf(config, dict(llama.build(config).named_parameters()))
@@ -197,53 +148,30 @@ def _ignored_by_transformers(config: gpt.GPTConfig, key: str) -> bool:
 
 
 def with_config(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
-    """``job`` with every ``spec.model`` field it leaves out taken from its ``fromHF`` directory's ``config.json``.
-
-    What the spec states wins, and :func:`check_directory` then refuses a
-    stated value that differs from the file's, naming both; a named preset
-    states its values too (the operator plans memory for them); what the
-    spec leaves out is the file's (:func:`.config_json.stated`).
-    A job without ``fromHF``, or whose directory has no readable config, is
-    returned as is (:func:`check_directory` says what is wrong). An ``s3://``
-    directory is read from its local copy (:func:`.storage.local_path`).
-    """
+    """``job`` with every ``spec.model`` field it leaves out taken from its ``fromHF`` directory's
+    ``config.json`` (:func:`.hf_directory.with_config`); an ``s3://`` directory is read from its
+    local copy (:func:`.storage.local_path`).  A job without ``fromHF``, or whose directory cannot
+    be had, is returned as is (:func:`check_directory` says what is wrong)."""
     if not job.model.init.from_hf:
         return job
     try:
         directory = storage.local_path(job.model.init.from_hf, config_json.FIELD).expanduser()
-        stated = config_json.stated(directory)
-    except (config_json.HFError, storage.ObjectStorageError):
+    except storage.ObjectStorageError:
         return job
-    raw = job.model_dump(by_alias=True, exclude_none=True)
-    given = set(raw["model"]) | _preset_fields(job.model)
-    taken = {key: value for key, value in stated.items() if key not in given}
-    if not taken:
-        return job
-    raw["model"] = {**raw["model"], **taken}
-    return loading.parse_spec(raw, f"spec.model with {directory / config_json.CONFIG}'s values")
+    return hf_directory.with_config(job, directory)
 
 
-def _preset_fields(model: api_model.ModelSpec) -> set[str]:
-    """The ``spec.model`` fields (camelCase) the job's named preset states."""
-    if not model.preset:
-        return set()
-    fields = api_model.ModelSpec.model_fields
-    return {fields[name].alias or name for name in presets.PRESETS[model.preset]}
+def _check_shapes(directory: Path, shape: api_model.ModelShape) -> None:
+    check_directory(directory, gpt.GPTConfig.from_shape(shape))
 
 
 def check_spec(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
-    """The job completed from its Hugging Face directory (:func:`with_config`) and checked against it
-    (:func:`check_directory`); a job without ``fromHF`` as it is."""
-    job = with_config(job)
+    """The job completed from its Hugging Face directory and checked against it, tensor by tensor
+    (:func:`.hf_directory.check_spec` with :func:`check_directory`); a job without ``fromHF`` as it is."""
     if not job.model.init.from_hf:
         return job
     try:
-        check_directory(job.model.init.from_hf, gpt.GPTConfig.from_shape(job.model.shape()))
-    except config_json.HFError as err:
-        if not job.model.preset:
-            raise
-        raise config_json.HFError(
-            f"{err} (spec.model.preset={job.model.preset} states the fields the spec does not set: "
-            "set the field, or drop the preset to take config.json's)"
-        ) from None
-    return job
+        directory = storage.local_path(job.model.init.from_hf, config_json.FIELD).expanduser()
+    except storage.ObjectStorageError as err:
+        raise config_json.HFError(str(err)) from None
+    return hf_directory.check_spec(job, directory, _check_shapes)

@@ -233,6 +233,7 @@ def write_sharded(
     token_ids: special_tokens.TokenIds = special_tokens.UNKNOWN,
     max_positions: int | None = None,
     dtype: str = "float32",
+    written: Callable[[int, int, int], None] | None = None,
 ) -> list[Path]:
     """Write the model as Hugging Face safetensors shards of at most ``max_shard_bytes`` into the new
     directory ``directory`` (see :func:`staged`); returns the files.
@@ -244,7 +245,8 @@ def write_sharded(
     shard's parameters at a time, so no more than one shard (plus the
     largest parameter) is in memory.  More than one shard gets
     ``model.safetensors.index.json``; one is ``model.safetensors``.  All of a
-    parameter's pieces (q, k, v of a fused QKV) go to one shard.
+    parameter's pieces (q, k, v of a fused QKV) go to one shard.  ``written`` is told after each
+    shard: (tensors written, bytes written, bytes in all), for the export's progress.
     """
     directory = Path(directory)
     order = {name: i for i, (name, _) in enumerate(_model_order(config))}
@@ -273,6 +275,8 @@ def write_sharded(
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
         files.append(directory / file)
+        if written is not None:
+            written(len(weight_map), total, sum(nbytes for _, nbytes in sizes))
         del dense, tensors
     if len(shards) > 1:
         index_doc = {

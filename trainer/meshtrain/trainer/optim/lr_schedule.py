@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the schedule itself is arithmetic: `meshtrain report` uses it without torch
+    import torch
 
 
 def lr_at(step: int, *, peak: float, minimum: float, warmup: int, total: int) -> float:

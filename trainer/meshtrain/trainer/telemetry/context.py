@@ -47,9 +47,13 @@ class RankIdentity:
     """Node running the pod (empty outside Kubernetes); only the straggler metrics carry it."""
 
     def labels(self) -> dict[str, str]:
-        """Prometheus labels: job, namespace, pod, rank, dp, pp, tp."""
+        """Prometheus labels: trainingjob, namespace, pod, rank, dp, pp, tp.
+
+        ``trainingjob`` as the operator's series name the job: ``job`` is Prometheus' own target
+        label (the scrape job), which an exporter must not set.
+        """
         return {
-            "job": self.job,
+            "trainingjob": self.job,
             "namespace": self.namespace,
             "pod": self.pod,
             "rank": str(self.rank),

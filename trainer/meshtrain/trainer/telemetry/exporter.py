@@ -26,8 +26,9 @@ from meshtrain.trainer.telemetry import progress as progress_mod
 
 log = logging.getLogger(__name__)
 
-LABELS = ("job", "namespace", "pod", "rank", "dp", "pp", "tp")
-"""Labels every meshtrain trainer metric carries."""
+LABELS = ("trainingjob", "namespace", "pod", "rank", "dp", "pp", "tp")
+"""Labels every meshtrain trainer metric carries: ``trainingjob`` and ``namespace`` as the operator's
+series, never ``job`` (Prometheus' scrape job; docs/telemetry.md, "Labels")."""
 
 HOST_ENV = "MESHTRAIN_METRICS_HOST"
 """Environment variable naming the address the HTTP servers bind (default ``0.0.0.0``: every interface)."""
@@ -120,13 +121,8 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "tokens",
         "counter",
         "meshtrain_tokens",
-        "Tokens of the global batches trained (job-wide, as seen by this rank).",
-    ),
-    Declaration(
-        "tokens_per_second",
-        "gauge",
-        "meshtrain_tokens_per_second",
-        "Job throughput in tokens/s over the last step.",
+        "Tokens of the global batches trained (job-wide, as seen by this rank); throughput is its"
+        " rate().",
     ),
     Declaration(
         "step_seconds",
@@ -238,24 +234,27 @@ DECLARATIONS: tuple[Declaration, ...] = (
         labels=COMM,
     ),
     Declaration(
-        "bus_bandwidth",
-        "gauge",
-        "meshtrain_collective_bus_bandwidth_bytes_per_second",
-        "Bus bandwidth of the last step's collectives (nccl-tests convention).",
+        "bus_bytes",
+        "counter",
+        "meshtrain_collective_bus_bytes",
+        "Payload bytes of collectives times the nccl-tests bus factor (2(n-1)/n all-reduce, (n-1)/n"
+        " reduce-scatter and all-gather); its rate() over busy seconds' rate() is the bus bandwidth.",
         labels=COMM,
     ),
     Declaration(
-        "compression_ratio",
-        "gauge",
-        "meshtrain_gradient_compression_ratio",
-        "Data-parallel gradient bytes before compression over bytes sent, last step (1: uncompressed).",
+        "busy_seconds",
+        "counter",
+        "meshtrain_collective_busy_seconds",
+        "Time at least one collective of the group and op was in flight (overlapping calls once).",
+        labels=COMM,
     ),
     Declaration(
         "gradient_bytes",
         "counter",
         "meshtrain_gradient_reduction_bytes",
         "Payload bytes of the data-parallel gradient reduction: stage=uncompressed (a plain fp32"
-        " all-reduce's) or sent (after parallelism.gradientCompression).",
+        " all-reduce's) or sent (after parallelism.gradientCompression); the compression ratio is"
+        " rate(uncompressed) / rate(sent).",
         labels=("stage",),
     ),
     Declaration(
@@ -380,7 +379,6 @@ class Metrics:
     """
 
     tokens: prometheus_client.Counter
-    tokens_per_second: prometheus_client.Gauge
     step_seconds: prometheus_client.Histogram
     compute_seconds: prometheus_client.Histogram
     step: prometheus_client.Gauge
@@ -399,8 +397,8 @@ class Metrics:
     exposed: prometheus_client.Histogram
     allreduce_seconds: prometheus_client.Histogram
     allreduce_bytes: prometheus_client.Counter
-    bus_bandwidth: prometheus_client.Gauge
-    compression_ratio: prometheus_client.Gauge
+    bus_bytes: prometheus_client.Counter
+    busy_seconds: prometheus_client.Counter
     gradient_bytes: prometheus_client.Counter
     memory: prometheus_client.Gauge
     memory_peak: prometheus_client.Gauge
@@ -428,17 +426,18 @@ class Metrics:
         for row in DECLARATIONS:
             family = _register(row, self.registry)
             setattr(self, row.attribute, family.labels(**self.base) if row.series_now else family)
-        self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
-    def comm(self, group: str, op: str) -> tuple[Any, Any, Any]:
-        """(seconds histogram, bytes counter, bus-bandwidth gauge) children of (group, op)."""
+    def comm(self, group: str, op: str) -> tuple[Any, Any, Any, Any]:
+        """(seconds histogram, bytes, bus bytes and busy seconds counters) children of (group, op)."""
         key = (group, op)
         if key not in self._comm_children:
             labels = {**self.base, "group": group, "op": op}
             self._comm_children[key] = (
                 self.allreduce_seconds.labels(**labels, level="flat"),
                 self.allreduce_bytes.labels(**labels),
-                self.bus_bandwidth.labels(**labels),
+                self.bus_bytes.labels(**labels),
+                self.busy_seconds.labels(**labels),
             )
         return self._comm_children[key]
 
@@ -535,7 +534,6 @@ class Exporter:
     ) -> None:
         m = self.metrics
         m.tokens.inc(stats.tokens)
-        m.tokens_per_second.set(stats.tokens_per_second)
         m.step_seconds.observe(stats.seconds)
         m.compute_seconds.observe(stats.compute_seconds)
         m.step.set(stats.step)
@@ -554,12 +552,14 @@ class Exporter:
                 m.allreduce_seconds.labels(
                     **m.base, group=e.group or "?", op=e.kind, level=e.level
                 ).observe(e.end - e.start)
-        for c in stats.collectives:
-            _, nbytes, bus = m.comm(c.group, c.op)
+        for (
+            c
+        ) in stats.collectives:  # bus bandwidth is a ratio of rates: no gauge of the last step's
+            _, nbytes, bus_bytes, busy = m.comm(c.group, c.op)
             nbytes.inc(c.nbytes)
-            bus.set(c.bus_bandwidth)
+            bus_bytes.inc(c.bus_bandwidth * c.busy_seconds)
+            busy.inc(c.busy_seconds)
         if stats.dp_sent_bytes:
-            m.compression_ratio.set(stats.compression_ratio)
             m.gradient_bytes.labels(**m.base, stage="uncompressed").inc(stats.dp_uncompressed_bytes)
             m.gradient_bytes.labels(**m.base, stage="sent").inc(stats.dp_sent_bytes)
         if memory is not None:

@@ -1,17 +1,21 @@
-"""The denominators: peak FLOP/s of a device (for MFU) and peak memory of this process.
+"""The denominators: peak FLOP/s of the devices a rank uses (for MFU) and peak memory of this process.
 
-The peak FLOP/s is ``metrics.peakFlops``, else a known GPU's dense bf16 peak, else a short fp32
-matmul on this CPU thread at start-up (~0.1 s), so CPU MFU reads as "share of what this core does
-on a large matmul".
+MFU has one definition (:mod:`meshtrain.planner.mfu`, shared with ``meshtrain plan``): the peak
+FLOP/s per device is ``metrics.peakFlops``, else a known GPU's dense bf16 peak, else (CPU ranks)
+the built-in ``cpu`` profile's per-core peak; the devices are the GPUs, or the cores the ranks of
+this host get.  A GPU the table does not know is measured with a short fp32 matmul (~0.1 s).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
 
 import torch
+
+from meshtrain.planner import mfu
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
 GPU_BF16_PEAK: tuple[tuple[str, float], ...] = (
@@ -48,16 +52,28 @@ def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
+def _on_gpu(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
 def resolve_peak_flops(configured: float | None, device: torch.device | str | None = None) -> float:
-    """Peak FLOP/s per device for MFU: configured, known GPU, or measured CPU."""
+    """Peak FLOP/s per device for MFU: configured, a known GPU's, a CPU core's (the ``cpu`` profile's),
+    or an unknown GPU's measured."""
     if configured:
         return float(configured)
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
-        known = gpu_peak_flops(torch.cuda.get_device_name(dev))
-        if known:
-            return known
-    return measure_cpu_flops()
+    if not _on_gpu(device):
+        return mfu.cpu_core_peak()
+    known = gpu_peak_flops(torch.cuda.get_device_name(torch.device(device or "cuda")))
+    return known if known else measure_cpu_flops()
+
+
+def mfu_devices(world: int, device: torch.device | str | None = None) -> float:
+    """Devices MFU counts for a job of ``world`` ranks: its GPUs, or on CPU the cores of this host
+    its ``LOCAL_WORLD_SIZE`` ranks share (:func:`meshtrain.planner.mfu.devices`)."""
+    if _on_gpu(device):
+        return float(world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return mfu.devices(world, ranks_per_host=local, host_cores=os.cpu_count() or 1)
 
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:

@@ -183,7 +183,11 @@ class TelemetryRecorder(recording.EventCollector):
 
 
 def job_facts(
-    spec: Any, layout: layout_mod.ParallelLayout, rank: int, peak_flops: float
+    spec: Any,
+    layout: layout_mod.ParallelLayout,
+    rank: int,
+    peak_flops: float,
+    mfu_devices: float = 0.0,
 ) -> stepstats.JobFacts:
     """The :class:`~.stepstats.JobFacts` of a spec."""
     par = spec.parallelism
@@ -197,6 +201,7 @@ def job_facts(
         group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
         flops_per_token=gpt.flops_per_token(config),
         peak_flops=peak_flops,
+        mfu_devices=mfu_devices,
         training_steps=spec.training.steps,
         checkpoint_interval_steps=spec.checkpoint.interval_steps,
         peak_learning_rate=peak_lr,
@@ -228,7 +233,13 @@ def make_recorder(
     directory reads a new one.
     """
     identity = context.RankIdentity.from_env(layout, rank, local_rank)
-    facts = job_facts(spec, layout, rank, peak.resolve_peak_flops(spec.metrics.peak_flops, device))
+    facts = job_facts(
+        spec,
+        layout,
+        rank,
+        peak.resolve_peak_flops(spec.metrics.peak_flops, device),
+        peak.mfu_devices(layout.world_size, device),
+    )
     sinks: list[context.Sink] = []
     document = (
         progress.Progress() if rank == 0 else None

@@ -14,9 +14,10 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from meshtrain.trainer.telemetry import clocks
+if TYPE_CHECKING:  # torch: `meshtrain report` and `timeline` read traces without the trainer extra
+    from meshtrain.trainer.telemetry import clocks
 
 ComputeKind = Literal["forward", "backward"]
 WaitKind = Literal["recv", "send"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from meshtrain.planner import mfu
 from meshtrain.planner.timing import pipeline_window
 from meshtrain.trainer.optim import batch_change, lr_schedule
 from meshtrain.trainer.telemetry import recording
@@ -37,7 +38,9 @@ class JobFacts:
     flops_per_token: float
     """Training FLOPs per token of the whole model (see docs/telemetry.md)."""
     peak_flops: float
-    """Peak FLOP/s of one device."""
+    """Peak FLOP/s of one device, as MFU counts it (:func:`meshtrain.planner.mfu.device_peak`)."""
+    mfu_devices: float = 0.0
+    """Devices the MFU denominator counts (:func:`meshtrain.planner.mfu.devices`; 0: ``world_size``)."""
     training_steps: int = 0
     """training.steps: the step the job ends at (0: unknown)."""
     checkpoint_interval_steps: int = 0
@@ -261,9 +264,9 @@ def summarise(
         bubble = min(1.0, max(0.0, 1.0 - (compute_union + exposed) / window))
     if model_flops is None:
         model_flops = facts.flops_per_token * tokens
-    mfu = 0.0
-    if seconds > 0 and facts.peak_flops > 0:
-        mfu = model_flops / (seconds * facts.world_size * facts.peak_flops)
+    utilisation = mfu.ratio(
+        model_flops, seconds, facts.peak_flops, facts.mfu_devices or facts.world_size
+    )
     return StepStats(
         step=step,
         loss=loss,
@@ -279,6 +282,6 @@ def summarise(
         bubble_ratio_theoretical=facts.bubble_theoretical,
         tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
         model_flops=model_flops,
-        mfu=mfu,
+        mfu=utilisation,
         collectives=collective_stats(events, facts.group_sizes),
     )

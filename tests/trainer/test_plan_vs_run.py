@@ -1,0 +1,79 @@
+"""The README's local example, planned and run through the real command line: the default plan
+prices this host's cores (predicted within 2x of the measured step), plan and run report give
+one MFU for one step time, and ``meshtrain run`` off a terminal prints one plain line per phase."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtrain.api import console, loading
+from meshtrain.planner import estimate, host_model, profiles
+from meshtrain.trainer.telemetry import report, steplog
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu.yaml"
+STEPS = 5
+
+
+def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != console.FORCE_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.cli.main", *args],
+        capture_output=True,  # stderr is a pipe, not a terminal: plain lines
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``meshtrain run`` of the example for a few steps: (log dir, its stderr)."""
+    log_dir = tmp_path_factory.mktemp("tiny-cpu")
+    done = _cli("run", str(EXAMPLE), "--steps", str(STEPS), "--log-dir", str(log_dir), timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return log_dir, done.stderr
+
+
+@pytest.mark.slow
+def test_the_default_plan_is_within_2x_of_the_measured_step(example_run: tuple[Path, str]) -> None:
+    log_dir, _ = example_run
+    records = steplog.read(log_dir / steplog.FILENAME)
+    measured = statistics.median(r["step_seconds"] for r in records[1:])
+    planned = _cli("plan", str(EXAMPLE), "--json", timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    predicted = json.loads(planned.stdout)["time"]["step_seconds"]
+    # generous for a shared 2-core machine; the rank-per-device plan was 23x off
+    assert 0.5 <= measured / predicted <= 2.0, (measured, predicted)
+
+
+@pytest.mark.slow
+def test_plan_and_report_give_one_mfu_for_one_step_time(example_run: tuple[Path, str]) -> None:
+    log_dir, _ = example_run
+    job = loading.load_spec_file(str(EXAMPLE))
+    profile = host_model.on_host(profiles.get("cpu"), os.cpu_count() or 1)  # as `meshtrain plan`
+    plan = estimate.make_plan(job, profile)
+    run = report.load(log_dir)
+    for record in run.steps:  # the trainer's own MFU, step by step
+        assert record["mfu"] == pytest.approx(plan.time.mfu_at(record["step_seconds"]), rel=1e-9)
+    rows = dict(report.summary(run))
+    steady = run.steps[1:]
+    planned = statistics.fmean(plan.time.mfu_at(r["step_seconds"]) for r in steady)
+    assert rows["MFU (mean, after step 1)"] == f"{100 * planned:.2f} %"
+
+
+@pytest.mark.slow
+def test_run_off_a_terminal_prints_one_line_per_phase(example_run: tuple[Path, str]) -> None:
+    _, stderr = example_run
+    assert "\r" not in stderr  # no bar redrawn into the log
+    ready = [line for line in stderr.splitlines() if "ranks ready" in line]
+    assert len(ready) == 1 and ready[0].startswith("tiny-cpu: 8 of 8 ranks ready ("), ready
+    steps = [line for line in stderr.splitlines() if line.startswith("tiny-cpu dp2·pp2·tp2:")]
+    assert len(steps) == 1 and f"{STEPS} of {STEPS} steps, loss " in steps[0], steps

@@ -1,0 +1,195 @@
+"""``meshtrain validate`` names the fix (issue #37 item 5): did-you-mean for unknown fields,
+duplicate keys with both lines, YAML errors with the file, line and column.
+
+The expected field names come from the generated CRD schema (what the API server knows), not
+from the loader's own walk of the model; the CLI runs as a user runs it, in a process of its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from meshtrain.api import crd, loading, suggest
+from tests.builders import JobBuilder
+
+
+def validate(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``meshtrain validate PATH`` through the CLI's module, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.cli.main", "validate", str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _sections(
+    node: dict[str, Any], path: tuple[str | int, ...] = ()
+) -> list[tuple[tuple[str | int, ...], list[str]]]:
+    """(path, field names) of every object of the CRD's spec schema with fields of its own."""
+    found = []
+    if node.get("items"):
+        found += _sections(node["items"], (*path, 0))
+    properties = node.get("properties") or {}
+    if properties:
+        found.append((path, list(properties)))
+    for name, child in properties.items():
+        found += _sections(child, (*path, name))
+    return found
+
+
+SECTIONS = _sections(crd.spec_schema())
+
+
+def _typo(name: str, known: list[str]) -> str | None:
+    """A misspelling of ``name`` no other field has: lower case, else a letter too many."""
+    typo = name.lower() if name.lower() != name else f"{name}x"
+    return None if typo in known else typo
+
+
+def _nested(path: tuple[str | int, ...], leaf: dict[str, Any]) -> Any:
+    """``leaf`` placed at ``path`` (a list index becomes a one-item list)."""
+    value: Any = leaf
+    for item in reversed(path):
+        value = [value] if isinstance(item, int) else {item: value}
+    return value
+
+
+def _where(path: tuple[str | int, ...], key: str) -> str:
+    text = "spec"
+    for item in (*path, key):
+        text += f"[{item}]" if isinstance(item, int) else f".{item}"
+    return text
+
+
+CASES = [
+    (path, name, typo)
+    for path, known in SECTIONS
+    for name in known
+    if (typo := _typo(name, known)) is not None
+]
+
+
+def test_the_schema_has_the_sections_a_user_misspells():
+    paths = {path for path, _ in SECTIONS}
+    assert {(), ("training",), ("parallelism",), ("model",), ("training", "datasets", 0)} <= paths
+    assert len(CASES) > 100
+
+
+@pytest.mark.parametrize("path,name,typo", CASES, ids=[_where(p, t) for p, _, t in CASES])
+def test_every_misspelt_field_is_answered_with_the_real_one(path, name, typo):
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(_nested(path, {typo: 1}))
+    where = _where(path, typo)
+    messages = [p.message for p in err.value.problems if p.path == where]
+    assert messages, (where, [str(p) for p in err.value.problems])
+    suggested = messages[0].split("did you mean ", 1)[1].rstrip("?").split(" or ")
+    assert name in suggested, messages[0]
+    assert set(suggested) <= set(dict(SECTIONS)[path]), messages[0]  # real fields of that section
+
+
+def _written(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_validate_suggests_learning_rate_for_learningrate(tmp_path):
+    known = dict(SECTIONS)[("training",)]
+    assert "learningRate" in known and "learningrate" not in known
+    run = validate(
+        _written(tmp_path, yaml.safe_dump(JobBuilder().training(learningrate=3e-4).manifest()))
+    )
+    assert run.returncode == 2, run
+    assert "spec.training.learningrate: unknown field" in run.stderr
+    assert "did you mean learningRate?" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_misspelt_section_is_one_line_naming_the_section_and_not_its_subtree(tmp_path):
+    assert "parallelism" in dict(SECTIONS)[()]
+    manifest = JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4).manifest()
+    manifest["spec"]["paralelism"] = manifest["spec"].pop("parallelism")
+    run = validate(_written(tmp_path, yaml.safe_dump(manifest)))
+    assert run.returncode == 2, run
+    lines = [line for line in run.stderr.splitlines() if "paralelism" in line]
+    assert lines == [
+        "  - spec.paralelism: unknown field: not permitted in spec; did you mean parallelism?"
+    ]
+    assert "microBatches" not in run.stderr and "mapping" not in run.stderr
+
+
+def test_a_misspelt_top_level_field_is_answered_with_the_objects_field(tmp_path):
+    version = crd.build()["spec"]["versions"][0]
+    assert "spec" in version["schema"]["openAPIV3Schema"]["properties"]  # the object's fields
+    manifest = JobBuilder().manifest()
+    manifest["specs"] = manifest.pop("spec")
+    run = validate(_written(tmp_path, yaml.safe_dump(manifest)))
+    assert run.returncode == 2, run
+    assert (
+        "  - specs: unknown field: not permitted in a TrainingJob; did you mean spec?" in run.stderr
+    )
+
+
+def test_a_duplicate_key_at_any_depth_names_it_both_lines_and_the_file(tmp_path):
+    text = yaml.safe_dump(JobBuilder().training(steps=5).manifest(), sort_keys=False)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip() == "steps: 5")
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    lines.insert(at + 1, f"{indent}steps: 7")
+    path = _written(tmp_path, "\n".join(lines) + "\n")
+    run = validate(path)
+    assert run.returncode == 2, run
+    assert (
+        f"{path}: not valid YAML: duplicate key 'steps' at line {at + 2} (first at line {at + 1})"
+        in run.stderr
+    )
+    assert (
+        yaml.safe_load(path.read_text())["spec"]["training"]["steps"] == 7
+    )  # PyYAML alone keeps the last
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    text = yaml.safe_dump(JobBuilder().manifest(), sort_keys=False).replace("kind: ", "kind: [", 1)
+    path = _written(tmp_path, text)
+    with pytest.raises(yaml.MarkedYAMLError) as plain:  # where PyYAML itself says it is
+        yaml.safe_load(text)
+    mark = plain.value.problem_mark
+    run = validate(path)
+    assert run.returncode == 2, run
+    assert f"{path}: not valid YAML: line {mark.line + 1}, column {mark.column + 1}: " in run.stderr
+    assert "<unicode string>" not in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "name,known,expected",
+    [
+        ("learningrate", ["learningRate", "minLearningRate", "steps"], ["learningRate"]),
+        ("learning_rate", ["learningRate", "minLearningRate"], ["learningRate"]),
+        ("LEARNING-RATE", ["learningRate"], ["learningRate"]),
+        ("paralelism", ["parallelism", "resources", "model"], ["parallelism"]),
+        ("microbatch", ["microBatches", "microBatch"], ["microBatch"]),
+        ("stepz", ["steps", "seed"], ["steps"]),
+        ("zzzz", ["steps", "seed"], []),
+        ("steps", ["steps"], []),  # never the name itself
+        ("x" * 200, ["x" * 199], []),  # a hostile key: no search
+    ],
+)
+def test_closest(name, known, expected):
+    assert suggest.closest(name, known) == expected
+
+
+def test_closest_offers_at_most_the_limit_best_first():
+    names = suggest.closest("dat", ["data", "date", "dato", "datum", "steps"], limit=2)
+    assert len(names) == 2 and set(names) <= {"data", "date", "dato"}
+
+
+def test_did_you_mean():
+    assert suggest.did_you_mean("seqlen", ["seqLen", "layers"]) == "did you mean seqLen?"
+    assert suggest.did_you_mean("qqq", ["seqLen"]) == ""

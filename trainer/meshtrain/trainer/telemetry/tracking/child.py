@@ -1,0 +1,113 @@
+"""The trackers' own process: ``python -m meshtrain.trainer.telemetry.tracking.child``.
+
+Rank 0 starts it and writes JSON lines to its stdin: first the job (:func:`start_line`), then one
+line per step, then the end.  Here each tracker runs on a thread of its own (:mod:`.runner`), and
+the run report is drawn at the end; so their imports, their network calls and the report's
+drawing never take the trainer's interpreter lock.  Warnings go to stderr, rank 0's log.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from meshtrain.api import loading
+from meshtrain.trainer.telemetry import report
+from meshtrain.trainer.telemetry.tracking import (
+    backend,
+    mlflow_run,
+    runner,
+    tensorboard_files,
+    wandb_run,
+)
+
+REPORT_FILE = "report.html"
+"""The run report's name as an artifact."""
+MAX_LINE = 1_048_576
+"""Longest line read from the trainer (a spec is a few KiB, a step record less)."""
+
+
+def start_line(context: backend.Context) -> dict[str, Any]:
+    """The first line: the job and where its files go."""
+    return {
+        "spec": context.spec_document(),
+        "namespace": context.namespace,
+        "name": context.name,
+        "home": str(context.home) if context.home is not None else None,
+        "first_step": context.first_step,
+        "log_dir": str(context.log_dir) if context.log_dir is not None else None,
+    }
+
+
+def context_of(line: dict[str, Any]) -> backend.Context:
+    """The :class:`backend.Context` a :func:`start_line` describes."""
+    return backend.Context(
+        job=loading.parse_spec(line["spec"]),
+        namespace=str(line["namespace"]),
+        name=str(line["name"]),
+        home=Path(line["home"]) if line.get("home") else None,
+        first_step=int(line["first_step"]),
+        log_dir=Path(line["log_dir"]) if line.get("log_dir") else None,
+    )
+
+
+def backends(context: backend.Context) -> list[backend.Backend]:
+    """The trackers the spec turns on."""
+    tracking = context.job.tracking
+    chosen: list[backend.Backend] = []
+    if tracking.tensorboard is not None:
+        chosen.append(tensorboard_files.TensorBoardFiles(tracking.tensorboard, context))
+    if tracking.mlflow is not None:
+        chosen.append(mlflow_run.MLflowRun(tracking.mlflow, context))
+    if tracking.wandb is not None:
+        chosen.append(wandb_run.WandbRun(tracking.wandb, context))
+    return chosen
+
+
+def serve(lines: Iterable[str]) -> None:
+    """Drive the trackers from the trainer's lines until the end line (or the trainer is gone)."""
+    stream = iter(lines)
+    context = context_of(json.loads(next(stream)))
+    runners = [runner.Runner(tracker) for tracker in backends(context)]
+    finished = False
+    for text in stream:
+        line = json.loads(text)
+        if "end" in line:
+            finished = bool(line["end"]["finished"])
+            break
+        for one in runners:
+            one.log(int(line["step"]), dict(line["values"]), float(line["time"]))
+    with tempfile.TemporaryDirectory(prefix="meshtrain-report-") as scratch:
+        wanted = any(r.failed is None and r.tracker.name == "mlflow" for r in runners)
+        drawn = draw_report(context, Path(scratch)) if wanted else None
+        for one in runners:
+            one.close(drawn, finished)
+
+
+def draw_report(context: backend.Context, scratch: Path) -> Path | None:
+    """``meshtrain report``'s page of this run (None, said on stderr, when it cannot be drawn)."""
+    if context.log_dir is None:
+        return None
+    try:
+        return report.write_html(report.load(context.log_dir), scratch / REPORT_FILE)
+    except (report.ReportError, OSError, ValueError) as err:
+        print(f"WARNING: no run report for the trackers: {err}", file=sys.stderr)
+        return None
+
+
+def _bounded(stream: IO[str]) -> Iterable[str]:
+    while line := stream.readline(MAX_LINE):
+        yield line
+
+
+def main() -> int:
+    serve(_bounded(sys.stdin))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Weights & Biases through ``wandb``: one run per job, the spec as its config.
+
+The key (WANDB_API_KEY), server (WANDB_BASE_URL) and the rest come from the environment, as
+W&B documents them; the spec says project, entity and mode.  The run's id is stored beside the
+checkpoints, so a resumed job continues it; its files (offline runs, for ``wandb sync``) go to
+``<checkpoint dir>/tracking/wandb``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from meshtrain.api.spec import tracking as api_tracking
+from meshtrain.trainer.telemetry.tracking import backend
+
+DEFAULT_PROJECT = "meshtrain"
+"""The project when neither the spec nor WANDB_PROJECT names one."""
+INIT_SECONDS = 60.0
+"""How long ``wandb.init`` may take to reach the server."""
+
+
+class WandbRun:
+    """The job's W&B run."""
+
+    name = "wandb"
+
+    def __init__(self, settings: api_tracking.WandB, context: backend.Context) -> None:
+        self.settings = settings
+        self.context = context
+        self._run: Any = None
+
+    def start(self) -> None:
+        wandb = importlib.import_module("wandb")
+        stored = self.context.stored_id(self.name).get("run_id")
+        run_id = stored or uuid.uuid4().hex[:16]
+        folder = self.context.tracking_dir()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=self.settings.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+            entity=self.settings.entity or None,
+            mode=self.settings.mode,
+            id=run_id,
+            resume="allow",
+            name=self.context.run_name,
+            dir=str(folder) if folder is not None else None,
+            config=self.context.spec_document(),
+            tags=[f"namespace:{self.context.namespace}", f"trainingjob:{self.context.name}"],
+            settings=wandb.Settings(console="off", silent=True, init_timeout=INIT_SECONDS),
+        )
+        if not stored:
+            self.context.store_id(self.name, {"run_id": run_id})
+
+    def log(self, step: int, values: dict[str, float], wall_time: float) -> None:
+        self._run.log(values, step=step)
+
+    def finish(self, report: Path | None, finished: bool) -> None:
+        self._run.finish(exit_code=0 if finished else 1)
