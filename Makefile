@@ -8,7 +8,7 @@ CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
 .PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-e2e benchmarks bench-faults clean \
-        chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
+        chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -78,6 +78,10 @@ manifests: bootstrap  ## regenerate manifests/rbac and manifests/operator from t
 
 chart-package: bootstrap  ## helm package the chart into dist/meshtrain-VERSION.tgz (VERSION = meshtrain.api.release.VERSION)
 	scripts/chart-package.sh dist
+
+release:  ## build, tag (meshtrain.api.release.VERSION) and push both images and the chart: make release REGISTRY=ghcr.io/meshtrain [PLAIN_HTTP=1]
+	@test -n "$(REGISTRY)" || { echo "make release needs REGISTRY=registry[:port]/path, e.g. REGISTRY=ghcr.io/meshtrain"; exit 2; }
+	scripts/release.sh "$(REGISTRY)" $(if $(PLAIN_HTTP),--plain-http)
 
 lint-chart: bootstrap  ## helm lint --strict the chart
 	"$$(scripts/bootstrap.sh --print-bin-dir)/helm" lint --strict charts/meshtrain

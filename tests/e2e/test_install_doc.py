@@ -1,0 +1,102 @@
+"""docs/install.md against the sandbox: the cluster path users follow, from a registry.
+
+1. The sandbox's own start went through its registry: the operator's pod runs the image named
+   under the registry (``registry.ALIAS``, which the nodes' containerd maps to the registry's
+   address), and the registry's log shows the nodes fetching the operator's, the trainer's and
+   the pause image's manifests (from a node's address, not the host's).
+2. The page's blocks marked ``install-test`` run in order (``tests/install_doc.py``): ``make
+   release`` to the sandbox's registry, ``helm upgrade --install`` from ``oci://``, and the first
+   job, which must reach Succeeded; its pods' kubelets pulled the trainer image by the
+   registry's address (``Pulling image`` events), the operator rolled to the address's image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+from meshtrain.api import release
+from meshtrain.sandbox import example, registry, supervisor
+from meshtrain.sandbox.controlplane import binaries
+from tests import install_doc
+from tests.e2e.test_sandbox import _events
+from tests.e2e.test_sandbox import sandbox as sandbox  # the module's own sandbox, up once
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
+
+MAX_LOG_BYTES = 50_000_000
+
+
+def _node_fetches(paths: supervisor.Paths, host: str) -> set[str]:
+    """Repositories whose manifests the registry served to anyone but the host (the nodes)."""
+    text = (paths.logs / "registry.log").read_text(errors="replace")[-MAX_LOG_BYTES:]
+    fetched = set()
+    for line in text.splitlines():
+        uri = re.search(r'http\.request\.uri="?/v2/(\S+?)/manifests/', line)
+        remote = re.search(r'http\.request\.remoteaddr="?([0-9.]+):', line)
+        if uri and remote and remote.group(1) != host and "http.response.status=200" in line:
+            fetched.add(uri.group(1))
+    return fetched
+
+
+def test_the_nodes_pull_the_sandbox_images_from_its_registry(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
+    paths, state = sandbox
+    address = state["registry"]
+    names = registry.images()
+    pods = json.loads(
+        example.kubectl(paths, "get", "pods", "-n", supervisor.NAMESPACE, "-o", "json")
+    )["items"]
+    images = {c["image"] for p in pods for c in p["spec"]["containers"]}
+    assert names.operator in images, images
+    fetched = _node_fetches(paths, address.rpartition(":")[0])
+    assert {"meshtrain/operator", "meshtrain/pause"} <= fetched, fetched
+
+
+def _run(name: str, body: str, env: dict[str, str]) -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", body],
+        cwd=install_doc.REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2700,
+    )
+    print(f"install-test {name}: exit {result.returncode} in {time.monotonic() - started:.0f}s")
+    assert result.returncode == 0, (
+        f"docs/install.md block {name} failed:\n{body}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+
+
+def test_install_md_runs_against_the_sandbox(sandbox: tuple[supervisor.Paths, dict]) -> None:
+    paths, state = sandbox
+    prefix = registry.prefix(state["registry"])
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(paths.kubeconfig),
+        "PATH": f"{binaries.cache_bin_dir()}:{install_doc.REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
+    }
+    # The page's first job keeps its checkpoints on this claim (the page says so).
+    example.ensure_claim(paths, namespace="default", claim="sandbox-checkpoints")
+    blocks = install_doc.blocks()
+    for name in install_doc.ORDER:
+        _run(name, install_doc.for_sandbox(name, blocks[name], prefix), env)
+
+    job = example.job(paths, "default", "sandbox-dp2-pp2")
+    assert job is not None and job["status"]["phase"] == "Succeeded"
+    trainer = f"{prefix}/trainer:{release.VERSION}"
+    pulling = [e["message"] for e in _events(paths, "default", "Pulling")]
+    assert any(trainer in message for message in pulling), pulling
+    pulled = [e["message"] for e in _events(paths, "default", "Pulled")]
+    assert any(trainer in message and "Successfully pulled" in message for message in pulled)
+    operator = json.loads(
+        example.kubectl(paths, "get", "deployment", "-n", supervisor.NAMESPACE, "-o", "json")
+    )["items"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert operator == f"{prefix}/operator:{release.VERSION}"
