@@ -59,12 +59,13 @@ die() { printf 'images: error: %s\n' "$*" >&2; exit 1; }
 PUSH_PREFIX=""
 WITH_PAUSE=0
 PUSH_FLAGS=()
+PLAIN_HTTP=0
 while (($#)); do
   case "$1" in
     --print-tags) echo "$OPERATOR_IMAGE $TRAINER_IMAGE $PAUSE_IMAGE"; exit 0 ;;
     --push) PUSH_PREFIX="${2:?--push needs the registry prefix, e.g. ghcr.io/meshtrain}"; shift ;;
     --with-pause) WITH_PAUSE=1 ;;
-    --plain-http) PUSH_FLAGS+=(--tls-verify=false) ;;
+    --plain-http) PUSH_FLAGS+=(--tls-verify=false); PLAIN_HTTP=1 ;;
     --zstd) PUSH_FLAGS+=(--compression-format zstd --compression-level 1) ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e 's/^# \{0,1\}//' -e '/^set -euo/d'; exit 0 ;;
     *) die "unknown argument: $1 (try --help)" ;;
@@ -178,12 +179,27 @@ image_size() {
   bah images --format '{{.Size}}' "$1" | head -n1
 }
 
-# Pushes local image $1 to $2 (a registry reference). buildah skips the layers the registry
-# already has, so a push of an unchanged image sends only its manifest.
+# Pushes local image $1 to $2 (a registry reference), unless the registry already serves $2
+# with this image's config (an unchanged image: buildah stages every layer it pushes, 5 GB of
+# the trainer's, in a temporary file first). buildah skips the layers the registry has.
 push_image() {
   local name="$1" dest="$2" started=$SECONDS
+  if in_registry "$name" "$dest"; then
+    log "$dest is up to date in the registry"
+    return
+  fi
   bah push --quiet "${PUSH_FLAGS[@]}" "$name" "docker://$dest"
   log "pushed $dest in $((SECONDS - started))s"
+}
+
+in_registry() {
+  local id host path tag scheme=https
+  ((PLAIN_HTTP)) && scheme=http
+  id="$(image_id "$1")"
+  host="${2%%/*}"; path="${2#*/}"; tag="${path##*:}"; path="${path%:*}"
+  [[ -n "$id" ]] && curl -fsS --max-time 10 \
+    -H 'Accept: application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json' \
+    "$scheme://$host/v2/$path/manifests/$tag" 2>/dev/null | grep -q "sha256:$id"
 }
 
 mkdir -p "$STORE"
