@@ -81,6 +81,8 @@ def test_install_md_runs_against_the_sandbox(sandbox: tuple[supervisor.Paths, di
     env = {
         **os.environ,
         "KUBECONFIG": str(paths.kubeconfig),
+        # The page's first block exports it for the user's shell; each block runs in a shell of its own.
+        "REGISTRY": prefix,
         "PATH": f"{binaries.cache_bin_dir()}:{install_doc.REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
     }
     # The page's first job keeps its checkpoints on this claim (the page says so).
