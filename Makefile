@@ -35,7 +35,7 @@ verify: venv  ## static checks CI runs before the tests: ruff lint + format, myp
 	  || { echo "$(CRD) is not what the model generates: run make crd"; exit 1; }
 	@scripts/chart-sync.sh --check || { echo "the chart's copies differ: run make chart-sync"; exit 1; }
 
-bootstrap:  ## build/locate the control plane, kubelet, containerd, CoreDNS, helm; apt: prometheus, runc, CNI, buildah (cached)
+bootstrap:  ## build/locate the control plane, kubelet, containerd, CoreDNS, helm, the registry; apt: prometheus, runc, CNI, buildah (cached)
 	scripts/bootstrap.sh
 
 images: bootstrap  ## build the pause, operator and trainer images with buildah (cached; the sandbox does this too)
@@ -63,7 +63,7 @@ test: venv  ## every test but the sandbox's (unit, trainer, integration, telemet
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit
 
-test-e2e: venv bootstrap  ## the sandbox tests: real kubelet node, images built and imported (not in CI: see README)
+test-e2e: venv bootstrap  ## the sandbox tests: real kubelet nodes, images and chart pushed to its registry and pulled from it, docs/install.md run (not in CI: see README)
 	$(BIN)/pytest -m e2e tests/e2e tests/telemetry
 
 chart-sync:  ## copy the CRD, dashboards and rules into the chart (make verify checks the copies)
