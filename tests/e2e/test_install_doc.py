@@ -21,7 +21,7 @@ import time
 import pytest
 
 from meshtrain.api import release
-from meshtrain.sandbox import example, registry, supervisor
+from meshtrain.sandbox import example, publish, registry, supervisor
 from meshtrain.sandbox.controlplane import binaries
 from tests import install_doc
 from tests.e2e.test_sandbox import _events
@@ -44,19 +44,69 @@ def _node_fetches(paths: supervisor.Paths, host: str) -> set[str]:
     return fetched
 
 
+def _held(state: dict, name: str) -> list[str]:
+    """The digests under which each node's containerd holds image ``name`` ("" where it has none)."""
+    ctr = binaries.locate_node().ctr
+    digests = []
+    for node in supervisor.node_states(state):
+        listed = subprocess.run(
+            [
+                str(ctr),
+                "--address",
+                node["socket"],
+                "-n",
+                "k8s.io",
+                "images",
+                "ls",
+                f"name=={name}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.splitlines()[1:]
+        digests.append(listed[0].split()[2] if listed else "")
+    return digests
+
+
 def test_the_nodes_pull_the_sandbox_images_from_its_registry(
     sandbox: tuple[supervisor.Paths, dict],
 ) -> None:
+    """Nothing imports images any more: a node holds one under the registry's name only by pulling it.
+
+    The image stores are shared between sandboxes, so an unchanged image was pulled by an
+    earlier one (the registry's log shows the nodes' requests when this sandbox pulled).
+    """
     paths, state = sandbox
     address = state["registry"]
     names = registry.images()
     pods = json.loads(
         example.kubectl(paths, "get", "pods", "-n", supervisor.NAMESPACE, "-o", "json")
     )["items"]
-    images = {c["image"] for p in pods for c in p["spec"]["containers"]}
-    assert names.operator in images, images
-    fetched = _node_fetches(paths, address.rpartition(":")[0])
-    assert {"meshtrain/operator", "meshtrain/pause"} <= fetched, fetched
+    assert {c["image"] for p in pods for c in p["spec"]["containers"]} == {names.operator}
+    node = pods[0]["spec"]["nodeName"]
+    slot = [n["name"] for n in supervisor.node_states(state)].index(node)
+    for name in (names.operator, names.pause):
+        digest = publish.manifest_digest(address, name)
+        assert _held(state, name)[slot] == digest, (name, digest)
+    print(
+        f"manifests the nodes fetched from the registry: {sorted(_node_fetches(paths, address.rpartition(':')[0]))}"
+    )
+
+
+def _only_operator(paths: supervisor.Paths, image: str, timeout: float = 180.0) -> None:
+    """Until the release namespace's only pod is an operator running ``image``."""
+    deadline = time.monotonic() + timeout
+    images: list[str] = []
+    while time.monotonic() < deadline:
+        pods = json.loads(
+            example.kubectl(paths, "get", "pods", "-n", supervisor.NAMESPACE, "-o", "json")
+        )["items"]
+        images = [c["image"] for p in pods for c in p["spec"]["containers"]]
+        if images == [image]:
+            return
+        time.sleep(1)
+    raise AssertionError(f"the operator did not roll to {image}: pods run {images}")
 
 
 def _run(name: str, body: str, env: dict[str, str]) -> None:
@@ -90,6 +140,8 @@ def test_install_md_runs_against_the_sandbox(sandbox: tuple[supervisor.Paths, di
     blocks = install_doc.blocks()
     for name in install_doc.ORDER:
         _run(name, install_doc.for_sandbox(name, blocks[name], prefix), env)
+        if name == "install":  # the job must meet the new operator, not the one winding down
+            _only_operator(paths, f"{prefix}/operator:{release.VERSION}")
 
     job = example.job(paths, "default", "sandbox-dp2-pp2")
     assert job is not None and job["status"]["phase"] == "Succeeded"
