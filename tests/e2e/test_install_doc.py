@@ -30,6 +30,9 @@ from tests.e2e.test_sandbox import sandbox as sandbox  # the module's own sandbo
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 MAX_LOG_BYTES = 50_000_000
+JOB = "sandbox-dp2-pp2"
+"""The page's first job (manifests/examples/sandbox-dp2-pp2.yaml, namespace default)."""
+BLOCK_SECONDS = 2700
 
 
 def _node_fetches(paths: supervisor.Paths, host: str) -> set[str]:
@@ -109,20 +112,29 @@ def _only_operator(paths: supervisor.Paths, image: str, timeout: float = 180.0) 
     raise AssertionError(f"the operator did not roll to {image}: pods run {images}")
 
 
-def _run(name: str, body: str, env: dict[str, str]) -> None:
+def _run(name: str, body: str, env: dict[str, str], paths: supervisor.Paths) -> None:
+    """One block in a shell of its own; stops it early when the page's job has Failed (its wait would not)."""
     started = time.monotonic()
-    result = subprocess.run(
+    proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", body],
         cwd=install_doc.REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=2700,
     )
-    print(f"install-test {name}: exit {result.returncode} in {time.monotonic() - started:.0f}s")
-    assert result.returncode == 0, (
-        f"docs/install.md block {name} failed:\n{body}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    )
+    failed = None
+    while proc.poll() is None and failed is None and time.monotonic() - started < BLOCK_SECONDS:
+        time.sleep(5)
+        job = example.job(paths, "default", JOB) if name == "job" else None
+        if job and job.get("status", {}).get("phase") == "Failed":
+            failed = json.dumps(job["status"].get("conditions"), indent=2)
+    if proc.poll() is None:
+        proc.kill()
+    output = proc.communicate()[0]
+    print(f"install-test {name}: exit {proc.returncode} in {time.monotonic() - started:.0f}s")
+    assert failed is None, f"the page's job failed:\n{failed}"
+    assert proc.returncode == 0, f"docs/install.md block {name} failed:\n{body}\n{output[-4000:]}"
 
 
 def test_install_md_runs_against_the_sandbox(sandbox: tuple[supervisor.Paths, dict]) -> None:
@@ -139,11 +151,11 @@ def test_install_md_runs_against_the_sandbox(sandbox: tuple[supervisor.Paths, di
     example.ensure_claim(paths, namespace="default", claim="sandbox-checkpoints")
     blocks = install_doc.blocks()
     for name in install_doc.ORDER:
-        _run(name, install_doc.for_sandbox(name, blocks[name], prefix), env)
+        _run(name, install_doc.for_sandbox(name, blocks[name], prefix), env, paths)
         if name == "install":  # the job must meet the new operator, not the one winding down
             _only_operator(paths, f"{prefix}/operator:{release.VERSION}")
 
-    job = example.job(paths, "default", "sandbox-dp2-pp2")
+    job = example.job(paths, "default", JOB)
     assert job is not None and job["status"]["phase"] == "Succeeded"
     trainer = f"{prefix}/trainer:{release.VERSION}"
     pulling = [e["message"] for e in _events(paths, "default", "Pulling")]
