@@ -8,7 +8,7 @@ CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
 .PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-e2e benchmarks bench-faults clean \
-        chart-docs chart-sync chart-package manifests lint-chart sandbox-up sandbox-down sandbox-status
+        chart-docs chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -36,7 +36,7 @@ verify: venv  ## static checks CI runs before the tests: ruff lint + format, myp
 	@scripts/chart-sync.sh --check || { echo "the chart's copies differ: run make chart-sync"; exit 1; }
 	@$(BIN)/python scripts/chart-docs.py --check
 
-bootstrap:  ## build/locate the control plane, kubelet, containerd, CoreDNS, helm; apt: prometheus, runc, CNI, buildah (cached)
+bootstrap:  ## build/locate the control plane, kubelet, containerd, CoreDNS, helm, the registry; apt: prometheus, runc, CNI, buildah (cached)
 	scripts/bootstrap.sh
 
 images: bootstrap  ## build the pause, operator and trainer images with buildah (cached; the sandbox does this too)
@@ -64,7 +64,7 @@ test: venv  ## every test but the sandbox's (unit, trainer, integration, telemet
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit
 
-test-e2e: venv bootstrap  ## the sandbox tests: real kubelet node, images built and imported (not in CI: see README)
+test-e2e: venv bootstrap  ## the sandbox tests: real kubelet nodes, images and chart pushed to its registry and pulled from it, docs/install.md run (not in CI: see README)
 	$(BIN)/pytest -m e2e tests/e2e tests/telemetry
 
 chart-docs: venv  ## regenerate the values table of charts/meshtrain/README.md from values.yaml's comments
@@ -82,6 +82,10 @@ manifests: bootstrap  ## regenerate manifests/rbac and manifests/operator from t
 
 chart-package: bootstrap  ## helm package the chart into dist/meshtrain-VERSION.tgz (VERSION = meshtrain.api.release.VERSION)
 	scripts/chart-package.sh dist
+
+release:  ## build, tag (meshtrain.api.release.VERSION) and push both images and the chart: make release REGISTRY=ghcr.io/meshtrain [PLAIN_HTTP=1]
+	@test -n "$(REGISTRY)" || { echo "make release needs REGISTRY=registry[:port]/path, e.g. REGISTRY=ghcr.io/meshtrain"; exit 2; }
+	scripts/release.sh "$(REGISTRY)" $(if $(PLAIN_HTTP),--plain-http)
 
 lint-chart: bootstrap  ## helm lint --strict the chart
 	"$$(scripts/bootstrap.sh --print-bin-dir)/helm" lint --strict charts/meshtrain

@@ -389,12 +389,14 @@ def weights_check(
 
 
 def image_times(log: pathlib.Path) -> list[str]:
-    """What scripts/images.sh said it built or imported in this sandbox's start, with times."""
+    """What scripts/images.sh said it built or pushed in this sandbox's start, with times."""
     if not log.exists():
         return []
     lines = log.read_text(errors="replace").splitlines()
     return [
-        line for line in lines if re.search(r"\] (built|imported|.* up to date|.* already)", line)
+        line
+        for line in lines
+        if re.search(r"\] (built|pushed|imported|.* up to date|.* already)", line)
     ]
 
 

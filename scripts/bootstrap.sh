@@ -29,6 +29,10 @@
 #   * versitygw, the S3-compatible server the object-storage tests start (its
 #     posix backend serves a directory), from github.com/versity/versitygw at
 #     VERSITYGW_VERSION into $CACHE_ROOT/versitygw-<version>/bin/.
+#   * the container registry the sandbox pushes the images and the chart to and
+#     its kubelets pull from: the CNCF distribution registry, from
+#     github.com/distribution/distribution/v3/cmd/registry at REGISTRY_VERSION,
+#     into $CACHE_ROOT/registry-<version>/bin/ (node only).
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -56,6 +60,7 @@ CONTAINERD_VERSION="${MESHTRAIN_CONTAINERD_VERSION:-v2.4.2}"
 COREDNS_VERSION="${MESHTRAIN_COREDNS_VERSION:-v1.15.0}"
 KUBE_ROUTER_VERSION="${MESHTRAIN_KUBE_ROUTER_VERSION:-v2.1.0}"
 VERSITYGW_VERSION="${MESHTRAIN_VERSITYGW_VERSION:-v1.8.0}"
+REGISTRY_VERSION="${MESHTRAIN_REGISTRY_VERSION:-v3.1.2}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
@@ -325,6 +330,22 @@ build_versitygw() {
     "-X main.Version=$VERSITYGW_VERSION -X main.Build=$VERSITYGW_VERSION -X main.BuildTime=1970-01-01T00:00:00Z"
 }
 
+# The CNCF distribution registry (the OCI registry behind Docker Hub and most private ones),
+# from its Go module into $CACHE_ROOT/registry-<version>/bin/: the sandbox serves it on its
+# nodes' link (plain HTTP), pushes the images and the chart there, and its kubelets pull from
+# it. Node only, like kube-router. The version stamp is the one its Makefile sets.
+build_registry() {
+  local root="$CACHE_ROOT/registry-$REGISTRY_VERSION"
+  if [[ -x "$root/bin/registry" ]]; then
+    log "registry $REGISTRY_VERSION present: $root"
+    return
+  fi
+  build_from_module "$root" registry github.com/distribution/distribution/v3 "$REGISTRY_VERSION" \
+    github.com/distribution/distribution/v3/cmd/registry \
+    "-X github.com/distribution/distribution/v3/version.version=$REGISTRY_VERSION \
+     -X github.com/distribution/distribution/v3/version.revision=$REGISTRY_VERSION"
+}
+
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
 # stamps the version like this.
 build_containerd() {
@@ -464,6 +485,7 @@ main() {
   build_versitygw
 
   ((WITH_NODE)) && build_kube_router
+  ((WITH_NODE)) && build_registry
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

@@ -16,6 +16,6 @@ for key in version appVersion; do
   fi
 done
 scripts/chart-sync.sh --check >/dev/null || { echo "chart-package: chart copies are stale: run make chart-sync" >&2; exit 1; }
-helm="$(scripts/bootstrap.sh --print-bin-dir)/helm"
+helm="${HELM:-$(scripts/bootstrap.sh --print-bin-dir)/helm}"
 mkdir -p "$dest"
 "$helm" package charts/meshtrain --destination "$dest" --version "$version" --app-version "$version"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # images.sh — build the operator and trainer images from operator/Dockerfile
 # and trainer/Dockerfile with buildah, as a user's `docker build` would, and
-# optionally import them into a containerd.
+# optionally push them to a registry (the sandbox's, or a release's).
 #
 # No container registry is reachable here, so the one thing that differs from
 # a registry build is the base image argument (PYTHON_IMAGE): a local image of
@@ -18,10 +18,20 @@
 # with the flags of its Makefile), since registry.k8s.io is not reachable.
 #
 # Usage:
-#   scripts/images.sh                       build base, operator and trainer
-#   scripts/images.sh --import SOCKET       ... and import them into the containerd at SOCKET
-#                                           (repeatable: one archive, imported into each)
+#   scripts/images.sh                       build pause, base, operator and trainer
+#   scripts/images.sh --push PREFIX         ... and push PREFIX/operator:VERSION and
+#                                           PREFIX/trainer:VERSION (buildah push; PREFIX is
+#                                           registry[:port]/path, e.g. ghcr.io/meshtrain)
+#     --with-pause                          also push PREFIX/pause:<k8s version> (the sandbox's
+#                                           nodes pull their pod sandbox image from it too)
+#     --plain-http                          the registry speaks HTTP, not HTTPS (the sandbox's)
+#     --zstd                                compress layers with zstd at level 1 instead of gzip:
+#                                           gzip of gigabytes of CUDA libraries costs minutes of
+#                                           CPU, zstd seconds (containerd >= 1.5 pulls it; a
+#                                           release keeps gzip, which every runtime pulls)
 #   scripts/images.sh --print-tags          print the image names, build nothing
+#
+# VERSION is meshtrain.api.release.VERSION, the one version of package, chart and images.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -46,11 +56,17 @@ START_SECONDS=$SECONDS
 log() { printf '[images %4ds] %s\n' "$((SECONDS - START_SECONDS))" "$*" >&2; }
 die() { printf 'images: error: %s\n' "$*" >&2; exit 1; }
 
-IMPORT_SOCKETS=()
+PUSH_PREFIX=""
+WITH_PAUSE=0
+PUSH_FLAGS=()
+PLAIN_HTTP=0
 while (($#)); do
   case "$1" in
     --print-tags) echo "$OPERATOR_IMAGE $TRAINER_IMAGE $PAUSE_IMAGE"; exit 0 ;;
-    --import) IMPORT_SOCKETS+=("${2:?--import needs the containerd socket}"); shift ;;
+    --push) PUSH_PREFIX="${2:?--push needs the registry prefix, e.g. ghcr.io/meshtrain}"; shift ;;
+    --with-pause) WITH_PAUSE=1 ;;
+    --plain-http) PUSH_FLAGS+=(--tls-verify=false); PLAIN_HTTP=1 ;;
+    --zstd) PUSH_FLAGS+=(--compression-format zstd --compression-level 1) ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e 's/^# \{0,1\}//' -e '/^set -euo/d'; exit 0 ;;
     *) die "unknown argument: $1 (try --help)" ;;
   esac
@@ -163,49 +179,42 @@ image_size() {
   bah images --format '{{.Size}}' "$1" | head -n1
 }
 
-# Skipped for a containerd that already holds this build (its image id is a
-# label of the containerd image).  Otherwise buildah writes an uncompressed
-# OCI archive once (compressing gigabytes of CUDA libraries only to unpack
-# them again costs minutes) and ctr imports and unpacks it into each
-# containerd that lacks it, keeping only the unpacked snapshots (not a second
-# copy of the layers).
-import_image() {
-  local name="$1" socket ctr archive="" id work="" started=$SECONDS
-  shift
-  id="$(image_id "$name")"
-  for socket in "$@"; do
-    ctr=("$("$REPO/scripts/bootstrap.sh" --print-bin-dir)/ctr" --address "$socket" --namespace k8s.io)
-    [[ -x "${ctr[0]}" ]] || die "ctr is missing: run scripts/bootstrap.sh"
-    if "${ctr[@]}" images ls "name==$name" | grep -q "meshtrain.io/image-id=$id"; then
-      log "$name ($id) already in $socket"
-      continue
-    fi
-    if [[ -z "$archive" ]]; then
-      work="$(mktemp -d)"
-      archive="$work/image.tar"
-      # shellcheck disable=SC2064  # expand now: the trap must name this directory
-      trap "rm -rf '$work'" EXIT
-      bah push --quiet --disable-compression "$name" "oci-archive:$archive:$name"
-    fi
-    "${ctr[@]}" images import --local --discard-unpacked-layers "$archive" >/dev/null
-    "${ctr[@]}" images label "$name" "meshtrain.io/image-id=$id" >/dev/null
-    log "imported $name into $socket in $((SECONDS - started))s"
-    started=$SECONDS
-  done
-  if [[ -n "$work" ]]; then
-    rm -rf "$work"
-    trap - EXIT
+# Pushes local image $1 to $2 (a registry reference), unless the registry already serves $2
+# with this image's config (an unchanged image: buildah stages every layer it pushes, 5 GB of
+# the trainer's, in a temporary file first). buildah skips the layers the registry has.
+push_image() {
+  local name="$1" dest="$2" started=$SECONDS
+  if in_registry "$name" "$dest"; then
+    log "$dest is up to date in the registry"
+    return
   fi
+  bah push --quiet "${PUSH_FLAGS[@]}" "$name" "docker://$dest"
+  log "pushed $dest in $((SECONDS - started))s"
+}
+
+in_registry() {
+  local id host path tag scheme=https
+  ((PLAIN_HTTP)) && scheme=http
+  id="$(image_id "$1")"
+  host="${2%%/*}"; path="${2#*/}"; tag="${path##*:}"; path="${path%:*}"
+  [[ -n "$id" ]] && curl -fsS --max-time 10 \
+    -H 'Accept: application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json' \
+    "$scheme://$host/v2/$path/manifests/$tag" 2>/dev/null | grep -q "sha256:$id"
 }
 
 mkdir -p "$STORE"
-build_pause
+# A release pushes no pause image: only the sandbox's nodes need one.
+if [[ -z "$PUSH_PREFIX" ]] || ((WITH_PAUSE)); then
+  build_pause
+fi
 build_base
 build_image "$OPERATOR_IMAGE" "$REPO/operator/Dockerfile"
 build_image "$TRAINER_IMAGE" "$REPO/trainer/Dockerfile"
-if ((${#IMPORT_SOCKETS[@]})); then
-  import_image "$PAUSE_IMAGE" "${IMPORT_SOCKETS[@]}"
-  import_image "$OPERATOR_IMAGE" "${IMPORT_SOCKETS[@]}"
-  import_image "$TRAINER_IMAGE" "${IMPORT_SOCKETS[@]}"
+if [[ -n "$PUSH_PREFIX" ]]; then
+  if ((WITH_PAUSE)); then
+    push_image "$PAUSE_IMAGE" "$PUSH_PREFIX/pause:$K8S_VERSION"
+  fi
+  push_image "$OPERATOR_IMAGE" "$PUSH_PREFIX/operator:$VERSION"
+  push_image "$TRAINER_IMAGE" "$PUSH_PREFIX/trainer:$VERSION"
 fi
 log "done in $((SECONDS - START_SECONDS))s"

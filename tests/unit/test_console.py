@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +144,7 @@ def test_sandbox_up_shows_each_finished_step(
     (tmp_path / "images.log").write_text(
         "[images    0s] building meshtrain-trainer:0.2.0 from trainer/Dockerfile ...\n"
         "[images   41s] built meshtrain-trainer:0.2.0 in 41s (1.2 GB)\n"
-        "[images   45s] imported meshtrain-trainer:0.2.0 into /run/c.sock in 4s\n"
+        "[images   45s] pushed 10.201.1.1:5000/meshtrain/trainer:0.2.0 in 4s\n"
         "[images   46s] done in"  # not a complete line yet
     )
     shown.poll()
@@ -154,8 +155,21 @@ def test_sandbox_up_shows_each_finished_step(
     assert lines == [
         "sandbox up: control plane ready in 12.3s",
         "sandbox up: built meshtrain-trainer:0.2.0 in 41s (1.2 GB)",
-        "sandbox up: imported meshtrain-trainer:0.2.0 into /run/c.sock in 4s",
+        "sandbox up: pushed 10.201.1.1:5000/meshtrain/trainer:0.2.0 in 4s",
         "sandbox up: done in 46s",
         lines[-1],
     ]
     assert lines[-1].startswith("sandbox up: 4 steps, done in 46s, ready (")
+
+
+def test_every_step_images_sh_logs_is_one_the_sandbox_shows() -> None:
+    """Each ``log "..."`` of scripts/images.sh, rendered with its shell expansions filled in, is
+    a finished step (or a started one, ending in ``...``) by watch's patterns: a reworded log line
+    fails here, not silently in the user's progress."""
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "images.sh").read_text()
+    messages = re.findall(r'^\s*log "(.+)"$', script, flags=re.M)
+    assert len(messages) >= 8, messages
+    for message in messages:
+        rendered = re.sub(r"\$\(\(.+?\)\)|\$\(.+?\)|\$\{#?\w+(\[@\])?\}|\$\w+", "7", message)
+        line = f"[images   12s] {rendered}"
+        assert watch.FINISHED.search(line) or watch.STARTED.search(line), line

@@ -207,3 +207,17 @@ def test_the_policy_enforcer_runs_only_its_firewall_in_the_node() -> None:
     assert "--run-firewall=true" in argv
     for other in ("--run-router=false", "--run-service-proxy=false", "--enable-cni=false"):
         assert other in argv  # kube-proxy and the bridge CNI keep their parts
+
+
+def test_containerd_pulls_through_the_registry_host_configuration(tmp_path: pathlib.Path) -> None:
+    text = nodeconfig.containerd_config(
+        root=tmp_path / "root",
+        state=tmp_path / "state",
+        socket=tmp_path / "c.sock",
+        cni_conf_dir=tmp_path / "cni",
+        pause_image="10.201.7.1:5000/meshtrain/pause:1",
+        registry_hosts=tmp_path / "certs.d",
+    )
+    images = tomllib.loads(text)["plugins"]["io.containerd.cri.v1.images"]
+    assert images["registry"]["config_path"] == str(tmp_path / "certs.d")
+    assert images["discard_unpacked_layers"] is True

@@ -22,13 +22,7 @@ NAME = "kube-router"
 
 def locate() -> pathlib.Path:
     """The enforcer's binary, or :class:`binaries.BinariesMissingError` saying how to build it."""
-    binary = binaries.cache_root() / f"{NAME}-{VERSION}" / "bin" / NAME
-    if not (binary.is_file() and os.access(binary, os.X_OK)):
-        raise binaries.BinariesMissingError(
-            f"kube-router {VERSION} is not at {binary}: run `make bootstrap` (scripts/bootstrap.sh "
-            "builds it from the github.com/cloudnativelabs/kube-router/v2 Go module)"
-        )
-    return binary
+    return binaries.module_binary(NAME, VERSION, "github.com/cloudnativelabs/kube-router/v2")
 
 
 def command(

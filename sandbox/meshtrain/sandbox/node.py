@@ -22,6 +22,7 @@ import yaml
 
 from meshtrain.sandbox import nodeconfig
 from meshtrain.sandbox import nodes as nodes_mod
+from meshtrain.sandbox import registry as registry_mod
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -180,10 +181,12 @@ def write_configs(
     pause_image: str,
     containerd_root: pathlib.Path,
     hub: nodeconfig.Addresses,
+    registry_address: str,
 ) -> None:
-    """containerd's config, the CNI conflist, kubelet's and kube-proxy's configs, the Corefile.
+    """containerd's config and registry hosts, the CNI conflist, kubelet's and kube-proxy's configs, the Corefile.
 
-    ``hub``: the first node's network, on whose host end the API server and CoreDNS listen.
+    ``hub``: the first node's network, on whose host end the API server, CoreDNS and the
+    registry (``registry_address``, host:port) listen.
     """
     for directory in ("cni", "containerd/state", "kubelet", "pod-logs"):
         node.path(directory).mkdir(parents=True, exist_ok=True)
@@ -195,8 +198,10 @@ def write_configs(
             socket=node.socket,
             cni_conf_dir=node.path("cni"),
             pause_image=pause_image,
+            registry_hosts=node.path("certs.d"),
         )
     )
+    registry_mod.write_hosts(node.path("certs.d"), registry_address)
     node.path("cni/10-meshtrain.conflist").write_text(
         json.dumps(nodeconfig.cni_config(node.net, node.path("cni-ipam")), indent=2)
     )
@@ -287,39 +292,9 @@ def wait_socket(
     )
 
 
-def import_images(sockets: list[pathlib.Path], log: pathlib.Path) -> None:
-    """Build (cached) and import the pause, operator and trainer images into every node's containerd (scripts/images.sh)."""
-    imports = [arg for socket in sockets for arg in ("--import", str(socket))]
-    with open(log, "ab") as out:
-        build = subprocess.Popen(
-            [str(REPO / "scripts" / "images.sh"), *imports],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            returncode = build.wait()
-        except BaseException:
-            os.killpg(build.pid, signal.SIGKILL)
-            build.wait()
-            raise
-    if returncode != 0:
-        tail = log.read_text(errors="replace")[-2000:]
-        raise NodeSetupError(
-            f"images: scripts/images.sh failed (exit {returncode}): see {log}.\n{tail}\n"
-            "It needs buildah, mmdebstrap and gcc (scripts/bootstrap.sh) and PyPI for the wheels."
-        )
-
-
 def image_names() -> tuple[str, str, str]:
-    """(operator, trainer, pause) image names, as scripts/images.sh tags them."""
-    out = subprocess.run(
-        [str(REPO / "scripts" / "images.sh"), "--print-tags"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return out[0], out[1], out[2]
+    """(operator, trainer, pause) image names as the sandbox's nodes pull them from its registry."""
+    return registry_mod.images().all()
 
 
 # --- teardown ------------------------------------------------------------------------

@@ -167,8 +167,15 @@ def containerd_config(
     socket: pathlib.Path,
     cni_conf_dir: pathlib.Path,
     pause_image: str,
+    registry_hosts: pathlib.Path | None = None,
 ) -> str:
     """containerd 2.x config (version 3): own root, state and socket; runc with cgroupfs; CNI from ``cni_conf_dir``.
+
+    Images come from registries: ``registry_hosts`` is the ``config_path`` whose
+    ``<host:port>/hosts.toml`` files name the sandbox's registry (plain HTTP; None: no
+    registry host configuration), and
+    ``discard_unpacked_layers`` drops a pulled layer's blob once it is unpacked (the
+    snapshot is what containers use), so a node holds gigabytes of the trainer image once.
 
     ``restrict_oom_score_adj``: this host refuses to lower a process's OOM
     score (no CAP_SYS_RESOURCE over it), so the kubelet's negative scores for
@@ -205,10 +212,12 @@ def containerd_config(
             f"  bin_dirs = [{json.dumps(CNI_BIN_DIR)}]",
             f"  conf_dir = {json.dumps(str(cni_conf_dir))}",
             "  max_conf_num = 1",
+            "[plugins.'io.containerd.cri.v1.images']",
+            "  discard_unpacked_layers = true",
             "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
             f"  sandbox = {json.dumps(pause_image)}",
             "[plugins.'io.containerd.cri.v1.images'.registry]",
-            "  config_path = ''",
+            f"  config_path = {json.dumps(str(registry_hosts or ''))}",
             "[plugins.'io.containerd.grpc.v1.cri']",
             "  stream_server_address = '127.0.0.1'",
             "  stream_server_port = '0'",

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from meshtrain.sandbox import network_policies, nodeconfig, prometheus, watch
+from meshtrain.sandbox import network_policies, nodeconfig, prometheus, publish, registry, watch
 from meshtrain.sandbox import node as node_mod
 from meshtrain.sandbox import nodes as nodes_mod
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
@@ -183,14 +183,20 @@ class _Supervisor:
         self._timed("control plane", t0)
 
         t1 = time.monotonic()
-        operator_image, trainer_image, pause_image = node_mod.image_names()
+        address = self._start_registry(hub.host_ip)
+        publish.push_images(address, self.paths.logs / "images.log")
+        names = registry.images()
+        digests = {name: publish.manifest_digest(address, name) for name in names.all()}
+        self._timed("images (build if changed, push to the registry)", t1)
+
+        t2 = time.monotonic()
         env = node_mod.node_env(node_bins.bin_dir)
         commands = {}
         for slot, n in enumerate(self.nodes):
             containerd_root, lock = node_mod.image_store(n, slot)
             if lock is None:
                 log.warning(
-                    "another sandbox holds the shared image store of node slot %d; importing into %s",
+                    "another sandbox holds the shared image store of node slot %d; pulling into %s",
                     slot,
                     containerd_root,
                 )
@@ -200,18 +206,19 @@ class _Supervisor:
                 n,
                 kubeconfig=self.paths.kubeconfig,
                 ca_file=self.plane.ca_file,
-                pause_image=pause_image,
+                pause_image=names.pause,
                 containerd_root=containerd_root,
                 hub=hub,
+                registry_address=address,
             )
             commands[n.spec.name] = node_mod.commands(n, kubeconfig=self.paths.kubeconfig)
             self._start_containerd(
                 n, _process_name("containerd", slot), commands[n.spec.name]["containerd"], env
             )
-        self._timed("containerd", t1)
-        t2 = time.monotonic()
-        node_mod.import_images([n.socket for n in self.nodes], self.paths.logs / "images.log")
-        self._timed("images (build if changed, import)", t2)
+            stale = publish.forget_stale(node_bins.ctr, n.socket, digests, address)
+            if stale:
+                log.info("%s: dropped images to pull afresh: %s", n.spec.name, ", ".join(stale))
+        self._timed("containerd", t2)
 
         t3 = time.monotonic()
         self._spawn("coredns", commands[self.nodes[0].spec.name]["coredns"], env=env)
@@ -235,8 +242,13 @@ class _Supervisor:
         self._start_network_policies()
 
         t4 = time.monotonic()
-        self._helm_install(found.helm, operator_image, trainer_image)
-        self._timed("helm install (operator Deployment)", t4)
+        chart = publish.push_chart(
+            found.helm, address, self.paths.root / "dist", self.paths.logs / "helm.log"
+        )
+        self._timed("chart (package, push to the registry)", t4)
+        t5 = time.monotonic()
+        self._helm_install(found.helm, chart)
+        self._timed("helm install from oci:// (operator Deployment)", t5)
         self._start_prometheus()
         self.state["timings"]["up"] = round(time.monotonic() - t0, 2)
         self.state["status"] = "ready"
@@ -275,32 +287,29 @@ class _Supervisor:
             raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
         return result.stdout
 
-    def _helm_install(self, helm: pathlib.Path, operator_image: str, trainer_image: str) -> None:
-        """The chart as users install it: the operator Deployment runs the built image."""
-        repository, _, tag = operator_image.rpartition(":")
-        trainer_repository, _, trainer_tag = trainer_image.rpartition(":")
+    def _start_registry(self, host: str) -> str:
+        """The registry on the first node's link (:mod:`.registry`); returns its address (host:port)."""
+        directory = self.paths.root / "registry"
+        directory.mkdir(parents=True, exist_ok=True)
+        port = registry.free_port(host)
+        config = registry.config(storage=registry.storage(), host=host, port=port)
+        (directory / "config.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        proc = self._spawn(
+            "registry", registry.command(registry.locate(), directory / "config.yml")
+        )
+        address = f"{host}:{port}"
+        registry.wait_ready(address, alive=lambda: proc.poll() is None)
+        self.state["registry"] = address
+        _write_state(self.paths, self.state)
+        return address
+
+    def _helm_install(self, helm: pathlib.Path, chart: str) -> None:
+        """The chart as users install it, from the registry; the nodes pull both images from it."""
         env = [
             {"name": "MESHTRAIN_PROGRESS_SECONDS", "value": "3"},
             {"name": "MESHTRAIN_RESYNC_SECONDS", "value": "5"},
         ]
-        command = [
-            str(helm),
-            "install",
-            RELEASE,
-            str(REPO / "charts" / "meshtrain"),
-            "--namespace",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            f"image.repository={repository}",
-            "--set",
-            f"image.tag={tag}",
-            "--set",
-            "image.pullPolicy=Never",
-            "--set",
-            f"trainer.image.repository={trainer_repository}",
-            "--set",
-            f"trainer.image.tag={trainer_tag}",
+        overrides = [
             "--set",
             "operator.logFormat=text",
             # The node's "GPUs" are CPU worker processes: plan and admit jobs as such.
@@ -311,17 +320,21 @@ class _Supervisor:
             # Prometheus and the tests run on the host: let its link addresses through.
             "--set-json",
             f'networkPolicy.extraIngressFrom=[{{"ipBlock":{{"cidr":"{nodeconfig.LINK_PREFIX}.0.0/16"}}}}]',
-            "--kubeconfig",
-            str(self.paths.kubeconfig),
-            "--wait",
-            "--timeout",
-            "5m",
         ]
+        command = publish.install_command(
+            helm,
+            chart,
+            host=registry.ALIAS,
+            release_name=RELEASE,
+            kubeconfig=self.paths.kubeconfig,
+            namespace=NAMESPACE,
+            overrides=overrides,
+        )
         with open(self.paths.logs / "helm.log", "ab") as out:
             result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
         if result.returncode != 0:
             raise RuntimeError(
-                f"helm install of charts/meshtrain failed (exit {result.returncode}): see "
+                f"helm install of {chart} failed (exit {result.returncode}): see "
                 f"{self.paths.logs / 'helm.log'} and `kubectl -n {NAMESPACE} describe pods`"
             )
 
@@ -426,6 +439,7 @@ class _Supervisor:
             self._stop_process(_process_name("containerd", slot))
         for n in self.nodes:
             node_mod.teardown(n.to_state())
+        self._stop_process("registry")
         for lock in self.store_locks:
             os.close(lock)
         if self.plane is not None:

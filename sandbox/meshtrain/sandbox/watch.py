@@ -1,7 +1,7 @@
 """What ``python -m meshtrain.sandbox up`` shows while the detached supervisor starts the sandbox.
 
 The supervisor logs each step it finishes (``control plane ready in 12.3s``) and
-``scripts/images.sh`` each image it builds or imports (``[images   40s] built ... in 38s``); the
+``scripts/images.sh`` each image it builds or pushes (``[images   40s] built ... in 38s``); the
 waiting command follows both logs and shows them as a :class:`meshtrain.api.console.Phase`: on a
 terminal a bar with the elapsed time and the latest step, otherwise one plain line per finished
 step.  Reads are bounded: a log grows by at most :data:`READ_BYTES` per look.
@@ -23,9 +23,9 @@ LINE_CHARS = 300
 
 FINISHED = re.compile(
     r"sandbox INFO (?P<supervisor>.+ ready in [\d.]+s)$"
-    r"|^\[images +\d+s\] (?P<images>(built|imported|done in) .+|.+ (is up to date|present|already in) .+)$"
+    r"|^\[images +\d+s\] (?P<images>(built|imported|pushed|done in) .+|.+ (is up to date|present:?|already in) .+)$"
 )
-"""A log line that ends a step: the supervisor's ``... ready in Ns``, images.sh's built/imported/kept."""
+"""A log line that ends a step: the supervisor's ``... ready in Ns``, images.sh's built/pushed/kept."""
 
 STARTED = re.compile(r"^\[images +\d+s\] (?P<images>.+ \.\.\.)$")
 """images.sh starting a long step (``building ... from ... ...``): shown on a bar, never as a line."""

@@ -80,6 +80,20 @@ def cache_root() -> pathlib.Path:
     )
 
 
+def module_binary(name: str, version: str, module: str) -> pathlib.Path:
+    """``<cache>/<name>-<version>/bin/<name>``, a tool scripts/bootstrap.sh builds from Go ``module``.
+
+    :class:`BinariesMissingError` says how to build it when it is not there.
+    """
+    binary = cache_root() / f"{name}-{version}" / "bin" / name
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        raise BinariesMissingError(
+            f"{name} {version} is not at {binary}: run `make bootstrap` (scripts/bootstrap.sh "
+            f"builds it from the {module} Go module; `--no-node` skips it)"
+        )
+    return binary
+
+
 def monitoring_crds() -> list[pathlib.Path]:
     """The Prometheus Operator CRD files the bootstrap fetched, or :class:`BinariesMissingError`."""
     version = os.environ.get(
