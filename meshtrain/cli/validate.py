@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     for warned in (
-        persistence.warning(job),
+        None if args.local else persistence.short_warning(job),  # run keeps them on this disk
         pod_template.placement_warning(job.pod_template_override),
     ):
         if warned is not None:

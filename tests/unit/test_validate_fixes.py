@@ -193,3 +193,18 @@ def test_closest_offers_at_most_the_limit_best_first():
 def test_did_you_mean():
     assert suggest.did_you_mean("seqlen", ["seqLen", "layers"]) == "did you mean seqLen?"
     assert suggest.did_you_mean("qqq", ["seqLen"]) == ""
+
+
+# --- the persistence warning -------------------------------------------------------------------
+
+README_FIRST = Path(__file__).parents[2] / "manifests" / "examples" / "tiny-cpu.yaml"
+
+
+def test_the_cluster_only_persistence_warning_is_one_short_line_and_absent_with_local():
+    cluster = validate(README_FIRST)
+    assert cluster.returncode == 0, cluster
+    [warned] = [line for line in cluster.stderr.splitlines() if line.startswith("warning:")]
+    assert "spec.checkpoint.claimName is not set" in warned and len(warned) <= 200, warned
+    local = validate(README_FIRST, "--local")  # for meshtrain run: checkpoints stay on this disk
+    assert local.returncode == 0, local
+    assert "claimName" not in local.stderr, local.stderr
