@@ -5,7 +5,8 @@ starting a process: the spec's fields and rules (:mod:`meshtrain.api.loading`), 
 checkpoints the pods cannot hold, and the local files (:mod:`meshtrain.api.local_files`): token
 files, and a ``model.init.fromHF`` directory with ``run``'s own torch-free checks.  Several files
 are checked one by one (exit 2 if any fails); a file of several YAML documents (``---``, as
-``kubectl apply -f`` takes a claim and its job) has its TrainingJobs checked and the rest noted.
+``kubectl apply -f`` takes a claim and its job) has its TrainingJob checked and the rest noted;
+several TrainingJobs in one file get ``meshtrain run``'s and ``plan``'s verdict (one per file).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _validate_file(path: str, *, local: bool) -> int:
-    """Check one file: its one document, or each TrainingJob among several."""
+    """Check one file: its one document, or the one TrainingJob among several (others noted)."""
     try:
         documents = loading.load_documents(path)
     except loading.SpecError as err:
@@ -56,15 +57,9 @@ def _validate_file(path: str, *, local: bool) -> int:
     present = [(index, doc) for index, doc in enumerate(documents, 1) if doc is not None]
     if len(present) <= 1:
         return _validate_job(path, present[0][1] if present else None, local=local)
-    jobs = []
-    for index, document in present:
-        source = f"{path} (document {index})"
-        kind = document.get("kind") if isinstance(document, dict) else None
-        if kind == api_spec.KIND:
-            jobs.append((source, document))
-        else:
-            what = f"a {kind}" if isinstance(kind, str) else "a document without a kind"
-            print(f"note: {source}: {what}, not a TrainingJob: not checked", file=sys.stderr)
+    jobs = [(index, doc) for index, doc in present if _kind(doc) == api_spec.KIND]
+    if len(jobs) > 1:  # one TrainingJob per file, as meshtrain run and plan read it: their verdict
+        return _validate_job(path, None, local=local, whole_file=True)
     if not jobs:
         print(
             f"{path}: none of its {len(present)} YAML documents is a TrainingJob "
@@ -72,13 +67,32 @@ def _validate_file(path: str, *, local: bool) -> int:
             file=sys.stderr,
         )
         return exitcodes.SPEC
-    return max(_validate_job(source, document, local=local) for source, document in jobs)
+    for index, document in present:
+        kind = _kind(document)
+        if kind != api_spec.KIND:
+            what = f"a {kind}" if kind else "a document without a kind"
+            print(
+                f"note: {path} (document {index}): {what}, not a TrainingJob: not checked",
+                file=sys.stderr,
+            )
+    [(index, job)] = jobs
+    return _validate_job(f"{path} (document {index})", job, local=local)
 
 
-def _validate_job(source: str, document: Any, *, local: bool) -> int:
-    """Check one TrainingJob document (or bare spec) read from ``source``."""
+def _kind(document: Any) -> str | None:
+    kind = document.get("kind") if isinstance(document, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _validate_job(source: str, document: Any, *, local: bool, whole_file: bool = False) -> int:
+    """Check one TrainingJob document (or bare spec) read from ``source`` (``whole_file``: read
+    ``source`` as ``meshtrain run`` does, one document)."""
     try:
-        job = loading.from_document(document, source)[1]
+        job = (
+            loading.load_spec_file(source)
+            if whole_file
+            else loading.from_document(document, source)[1]
+        )
     except loading.SpecError as err:
         print(err, file=sys.stderr)
         return exitcodes.SPEC
