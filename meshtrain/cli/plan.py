@@ -305,7 +305,14 @@ def _search(
         print(json.dumps(report.search_json(found, world, stated), indent=2, ensure_ascii=False))
     else:
         print(report.search_text(found, world, profile, stated, placed=nodes is not None))
-    return exitcodes.OK if found else exitcodes.NOT_FOUND
+    if not found:
+        print(
+            f"meshtrain plan: no layout of {world} ranks passes the rules and fits "
+            f"(exit {exitcodes.NO_LAYOUT})",
+            file=sys.stderr,
+        )
+        return exitcodes.NO_LAYOUT
+    return exitcodes.OK
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,4 +383,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exitcodes.DOES_NOT_FIT
+    if plan.placement is not None and plan.placement.unschedulable_reason:
+        print(
+            f"meshtrain plan: the gang cannot be placed on these nodes (exit "
+            f"{exitcodes.UNSCHEDULABLE}): {plan.placement.unschedulable_reason}",
+            file=sys.stderr,
+        )
+        return exitcodes.UNSCHEDULABLE
     return exitcodes.OK

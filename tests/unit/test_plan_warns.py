@@ -56,6 +56,20 @@ def test_a_job_that_does_not_fit_exits_3_and_one_that_fits_0(tmp_path: Path) -> 
     assert bad.returncode == exitcodes.INVALID == 2
 
 
+def test_an_unplaceable_gang_exits_4_and_a_fruitless_search_5(tmp_path: Path) -> None:
+    job = _write(tmp_path, JobBuilder().layout(2, 1, 1, gpus_per_node=2))
+    one_gpu = tmp_path / "cluster.yaml"
+    one_gpu.write_text("- {name: only, gpus: 1}\n")  # the gang needs 2 GPUs on a node
+    done = _plan(str(job), "--gpu", "h100-sxm", "--cluster", str(one_gpu))
+    assert done.returncode == exitcodes.UNSCHEDULABLE == 4, done.stdout + done.stderr
+    assert "unschedulable" in done.stdout and "(exit 4)" in done.stderr
+    big = _write(tmp_path, JobBuilder().model(preset="llama3-70b").layout(1, 1, 1, gpus_per_node=1))
+    done = _plan(str(big), "--gpu", "l40s", "--search", "--world", "1")  # 70B on one 48 GB card
+    assert done.returncode == exitcodes.NO_LAYOUT == 5, done.stdout + done.stderr
+    assert "(exit 5)" in done.stderr
+    assert exitcodes.UNEXPECTED == 1 and 1 not in (exitcodes.NO_LAYOUT, exitcodes.UNSCHEDULABLE)
+
+
 def test_every_code_is_documented_once() -> None:
     """The table in docs/planner.md, "Exit codes", has exactly one row per code, both ways."""
     documented = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
