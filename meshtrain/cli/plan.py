@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -335,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
 
             nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name)
         if nodes is None:  # the ranks run here (meshtrain run): they share this host's cores
-            profile = host_model.on_host(profile, os.cpu_count() or 1)
+            profile = host_model.on_host(profile, host_model.host_cores())
         if args.critical_batch_tokens < 1:
             raise ValueError(
                 f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}"

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from meshtrain.planner import mfu
+from meshtrain.planner import host_model, mfu
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def mfu_devices(world: int, device: torch.device | str | None = None) -> float:
     if _on_gpu(device):
         return float(world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
-    return mfu.devices(world, ranks_per_host=local, host_cores=os.cpu_count() or 1)
+    return mfu.devices(world, ranks_per_host=local, host_cores=host_model.host_cores())
 
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:
