@@ -56,7 +56,7 @@ import torch.distributed as dist
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
 from meshtrain.api import loading
-from meshtrain.planner import admission, memory, profiles
+from meshtrain.planner import admission, memory, mfu, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine
 from meshtrain.trainer.calibration import measure
@@ -172,8 +172,10 @@ def run_preset(
     tokens = sum(r.tokens for r in results)
     config = trainer.config
     flops = gpt.flops_per_token(config)
-    # per rank: the devices the job uses (GPUs, or this host's cores) over its ranks (meshtrain.planner.mfu)
-    peak_flops = peak.resolve_peak_flops(None, device) * peak.mfu_devices(world, device) / world
+    device_peak = peak.resolve_peak_flops(None, device)  # 0.0: a GPU no profile names
+    devices = peak.mfu_devices(world, device)  # the GPUs, or this host's cores the ranks use
+    # per rank: the devices the job uses over its ranks (meshtrain.planner.mfu)
+    peak_flops = device_peak * devices / world
     tokens_per_second = tokens / wall
     row: dict[str, Any] = {
         "preset": preset,
@@ -193,11 +195,11 @@ def run_preset(
         "tokens_per_second": tokens_per_second,
         "flops_per_token": flops,
         "peak_flops": peak_flops,
-        "mfu": tokens_per_second * flops / (peak_flops * world),
+        "mfu": mfu.ratio(tokens * flops, wall, device_peak, devices),
         # the causal half of the attention matrix only: what flash attention computes
-        "mfu_causal": tokens_per_second
-        * gpt.flops_per_token(config, causal_half=True)
-        / (peak_flops * world),
+        "mfu_causal": mfu.ratio(
+            tokens * gpt.flops_per_token(config, causal_half=True), wall, device_peak, devices
+        ),
         "first_loss": results[0].loss,
         "last_loss": results[-1].loss,
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30)

@@ -12,7 +12,7 @@ import termios
 
 
 def open_terminal(rows: int = 30, columns: int = 160) -> tuple[int, int]:
-    """(master, slave) of a pseudo-terminal of ``rows`` x ``columns`` (a new one is 0x0: bars draw nothing)."""
+    """(master, slave) of a pseudo-terminal of ``rows`` x ``columns`` (a new one is 0x0: no bar there, :func:`meshtrain.api.console.on_terminal`)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     return master, slave

@@ -23,13 +23,23 @@ FORCE_ENV = "MESHTRAIN_PROGRESS"
 
 
 def on_terminal(stream: IO[str] | None = None) -> bool:
-    """Whether progress on ``stream`` (default stderr) is drawn as a bar: forced, or a terminal."""
+    """Whether progress on ``stream`` (default stderr) is drawn as a bar: forced, or a terminal that
+    has a width.  A 0x0 pseudo-terminal (``script``, ``docker exec -t`` before its first resize,
+    some CI runners) is no terminal here: tqdm would draw nothing at all on it."""
     forced = os.environ.get(FORCE_ENV, "")
     if forced in ("bar", "plain"):
         return forced == "bar"
     target = stream if stream is not None else sys.stderr
     isatty = getattr(target, "isatty", None)
-    return bool(isatty and isatty())
+    return bool(isatty and isatty()) and _columns(target) > 0
+
+
+def _columns(stream: IO[str]) -> int:
+    """The terminal's width in columns, 0 where it is unknown."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # no descriptor, closed, or not a terminal
+        return 0
 
 
 def _amount(n: float, unit: str, scaled: bool) -> str:

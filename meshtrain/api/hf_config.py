@@ -66,6 +66,10 @@ class HFError(ValueError):
     """A Hugging Face directory that does not fit the model; the message names file and field."""
 
 
+class ShapeMismatch(HFError):
+    """The directory's model disagrees with a ``spec.model`` value (a preset may be what states it)."""
+
+
 # (config.json key, GPTConfig attribute, spec field) per family
 LLAMA_FIELDS = (
     ("hidden_size", "hidden", "hidden"),
@@ -178,7 +182,7 @@ def check_config(directory: Path, config: Shape) -> None:
     path = directory / CONFIG
     family = _family(raw)
     if family != config.family:
-        raise HFError(
+        raise ShapeMismatch(
             f"{FIELD}: {path}: model_type={raw.get('model_type')!r} but spec.model.family={config.family}"
             " (llama loads LlamaForCausalLM directories and MistralForCausalLM ones without a sliding"
             " window, gpt GPT2LMHeadModel ones; Qwen2's q/k/v biases are not supported)"
@@ -186,14 +190,14 @@ def check_config(directory: Path, config: Shape) -> None:
     if raw.get("model_type") == "mistral":
         window = raw.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
         if window is not None and window < config.seq_len:
-            raise HFError(
+            raise ShapeMismatch(
                 f"{FIELD}: {path}: sliding_window={window} but spec.model.seqLen={config.seq_len}: "
                 "meshtrain's attention is full causal, the same as Mistral's only while the window "
                 f"covers the sequence (sliding_window null or >= seqLen): train at seqLen <= {window}"
             )
     head_dim = raw.get("head_dim")
     if head_dim is not None and head_dim != config.head_dim:
-        raise HFError(
+        raise ShapeMismatch(
             f"{FIELD}: {path}: head_dim={head_dim} but meshtrain's head dimension is "
             f"spec.model.hidden / heads = {config.head_dim}: a head_dim other than hidden / heads "
             "is not supported"
@@ -208,7 +212,7 @@ def check_config(directory: Path, config: Shape) -> None:
             and abs(value - mine) <= 1e-12
         )
         if value != mine and not close:
-            raise HFError(
+            raise ShapeMismatch(
                 f"{FIELD}: {path}: {key}={value!r} but spec.model.{spec_field}={mine!r}: "
                 f"set spec.model.{spec_field}: {value!r} to train this model, or leave it out "
                 "to take config.json's"
@@ -222,7 +226,7 @@ def check_config(directory: Path, config: Shape) -> None:
         _check_llama_architecture(raw, path, config)
     theta = _rope_theta(raw)
     if family == "llama" and theta != config.rope_theta:
-        raise HFError(
+        raise ShapeMismatch(
             f"{FIELD}: {path}: rope_theta={theta} but spec.model.ropeTheta={config.rope_theta}"
         )
 
@@ -266,7 +270,7 @@ def _check_llama3(rope: dict[str, Any], path: Path, config: Shape) -> None:
     for key, field in LLAMA3_KEYS:
         mine = getattr(scaling, key)
         if rope.get(key) is None or float(rope[key]) != float(mine):
-            raise HFError(
+            raise ShapeMismatch(
                 f"{FIELD}: {path}: rope_scaling {key}={rope.get(key)!r} but "
                 f"spec.model.ropeScaling.{field}={mine!r}: set spec.model.ropeScaling: {{{spec_yaml}}}"
             )

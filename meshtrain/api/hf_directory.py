@@ -150,11 +150,12 @@ def check_spec(
     """The job completed from ``directory`` (:func:`with_config`) and checked against it
     (``check_directory``: :func:`check` here, the trainer's tensor-by-tensor one for a run).
 
-    A preset's values that the file contradicts are named as the preset's, with the fix."""
+    A preset's values that the file contradicts (a :class:`.hf_config.ShapeMismatch`) are named as
+    the preset's, with the fix; other errors (a missing directory, a bad file) are not the preset's."""
     job = with_config(job, directory)
     try:
         check_directory(directory, job.model.shape())
-    except hf_config.HFError as err:
+    except hf_config.ShapeMismatch as err:
         if not job.model.preset:
             raise
         raise hf_config.HFError(

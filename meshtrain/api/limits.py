@@ -119,6 +119,13 @@ MAX_DOCUMENT_DEPTH = 32
 MAX_DOCUMENT_NODES = 100_000
 """Scalars, mappings and lists in a TrainingJob file, aliases expanded: an alias bomb stops here."""
 
+MAX_YAML_DOCUMENTS = 32
+"""YAML documents (``---``) in one file ``meshtrain validate`` reads (a TrainingJob and the objects
+it needs, such as a PersistentVolumeClaim, as ``kubectl apply -f`` takes them)."""
+
+MAX_VALIDATE_FILES = 64
+"""Files one ``meshtrain validate`` checks."""
+
 MAX_QUOTED = 80
 """Characters of a user's value an error message quotes; the rest is elided."""
 

@@ -114,22 +114,23 @@ def _json_numbers(node: Any) -> Any:
     return node
 
 
-def _expanded_size_problem(root: yaml.Node) -> str | None:
-    """Whether ``root``, aliases expanded, holds more than MAX_DOCUMENT_NODES nodes (stops there)."""
+def _expanded_nodes(root: yaml.Node, budget: int) -> int:
+    """Nodes of ``root`` with its aliases expanded, counted up to ``budget + 1`` (stops there)."""
     stack, count = [root], 0
-    while stack:
+    while stack and count <= budget:
         node = stack.pop()
         count += 1
-        if count > limits.MAX_DOCUMENT_NODES:
-            return (
-                f"more than {limits.MAX_DOCUMENT_NODES} values once its aliases (*name) are expanded: "
-                "an alias bomb, or far more than a TrainingJob holds; write the values out"
-            )
         if isinstance(node, yaml.MappingNode):
             stack.extend(part for pair in node.value for part in pair)
         elif isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
-    return None
+    return count
+
+
+TOO_MANY_NODES = (
+    f"more than {limits.MAX_DOCUMENT_NODES} values once its aliases (*name) are expanded: "
+    "an alias bomb, or far more than a TrainingJob holds; write the values out"
+)
 
 
 def _read_text(path: Path) -> str:
@@ -165,18 +166,31 @@ def _yaml_message(err: BaseException) -> str:
 
 def load_yaml(text: str, source: str = "spec") -> Any:
     """One YAML document, bounded: no duplicate keys, nesting or alias expansion past the limits."""
+    [document] = _documents(text, source, single=True) or [None]
+    return document
+
+
+def load_yaml_documents(text: str, source: str = "spec") -> list[Any]:
+    """Every YAML document of ``text`` (``---``-separated), bounded as :func:`load_yaml` is: at most
+    :data:`~meshtrain.api.limits.MAX_YAML_DOCUMENTS`, their nodes counted together."""
+    return _documents(text, source, single=False)
+
+
+def _documents(text: str, source: str, *, single: bool) -> list[Any]:
     if len(text) > limits.MAX_DOCUMENT_BYTES:
         raise _refused(source, f"longer than {limits.MAX_DOCUMENT_BYTES} characters")
     loader = _BoundedLoader(text)
     loader.name = source  # PyYAML's marks name the stream: the file, not "<unicode string>"
+    documents: list[Any] = []
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        problem = _expanded_size_problem(node)
-        if problem:
-            raise _refused(source, problem)
-        return loader.construct_document(node)
+        nodes = [loader.get_single_node()] if single else _nodes(loader, source)
+        counted = 0
+        for node in (n for n in nodes if n is not None):
+            counted += _expanded_nodes(node, limits.MAX_DOCUMENT_NODES - counted)
+            if counted > limits.MAX_DOCUMENT_NODES:  # every document's together
+                raise _refused(source, TOO_MANY_NODES)
+            documents.append(loader.construct_document(node))
+        return documents
     except (yaml.YAMLError, ValueError, RecursionError, OverflowError) as err:
         if isinstance(err, SpecError):
             raise
@@ -186,6 +200,20 @@ def load_yaml(text: str, source: str = "spec") -> Any:
         raise _refused(source, f"not valid YAML: {message}") from None
     finally:
         loader.dispose()
+
+
+def _nodes(loader: _BoundedLoader, source: str) -> list[yaml.Node]:
+    """The documents' nodes, at most MAX_YAML_DOCUMENTS (empty ones, a trailing ``---``, dropped)."""
+    nodes: list[yaml.Node] = []
+    loader.get_event()  # the stream's start
+    while not loader.check_event(yaml.StreamEndEvent):
+        if len(nodes) >= limits.MAX_YAML_DOCUMENTS:
+            raise _refused(
+                source, f"more than {limits.MAX_YAML_DOCUMENTS} YAML documents: split the file"
+            )
+        nodes.append(loader.compose_document())
+    loader.get_event()
+    return nodes
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -270,11 +298,27 @@ def _problem(error: Any) -> rules.Problem:
     whole subtree is no part of the fix)."""
     if error["type"] == "extra_forbidden":
         return rules.Problem(path=_location(error["loc"]), message=_unknown_field(error["loc"]))
-    fix = FIXES.get(error["type"]) or kube_names.PATTERN_HINTS.get(
-        (error.get("ctx") or {}).get("pattern", "")
+    fix = (
+        FIXES.get(error["type"])
+        or kube_names.PATTERN_HINTS.get((error.get("ctx") or {}).get("pattern", ""))
+        or _enum_hint(error)
     )
-    message = f"{error['msg']}{f'; {fix}' if fix else ''} (got {base.quoted(error.get('input'))})"
+    said = str(error["msg"]).removeprefix(VALUE_ERROR_PREFIX)  # a validator's own words stand alone
+    got = f"(got {base.quoted(error.get('input'))})"
+    message = f"{said}{f'; {fix}' if fix else ''}{'' if got in said else f' {got}'}"
     return rules.Problem(path=_location(error["loc"]), message=message)
+
+
+VALUE_ERROR_PREFIX = "Value error, "
+"""What pydantic puts before a validator's ValueError message (its words already name the fix)."""
+
+
+def _enum_hint(error: Any) -> str:
+    """``did you mean 1f1b?`` for a value outside a field's choices (``schedule: 1F1B``), else ''."""
+    if error["type"] not in ("literal_error", "enum") or not isinstance(error.get("input"), str):
+        return ""
+    choices = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+    return suggest.did_you_mean(error["input"], choices)
 
 
 def parse_spec(raw: object, source: str = "spec") -> api_spec.TrainingJobSpec:
@@ -360,20 +404,40 @@ def parse_manifest(
     return document.get("metadata") or {}, spec
 
 
+def _readable(path: Path) -> None:
+    """Refuse a path that is no file, saying what it is instead."""
+    if path.is_dir():
+        message = "is a directory, not a file: name the TrainingJob YAML file in it"
+        raise SpecError([rules.Problem(path=str(path), message=message)], str(path))
+    if not path.is_file():
+        raise SpecError([rules.Problem(path=str(path), message="file not found")], str(path))
+
+
+def from_document(
+    document: Any, source: str = "manifest"
+) -> tuple[dict[str, Any], api_spec.TrainingJobSpec]:
+    """A parsed YAML document as a TrainingJob: the whole object, or just its spec."""
+    if not isinstance(document, dict):
+        raise SpecError(
+            [rules.Problem(path=source, message="expected a YAML mapping (a TrainingJob)")], source
+        )
+    if "kind" in document or "apiVersion" in document:
+        return parse_manifest(document, source)
+    return {}, parse_spec(document, source)
+
+
 def load_manifest(path: str | Path) -> tuple[dict[str, Any], api_spec.TrainingJobSpec]:
     """Read a TrainingJob YAML file: the whole object, or just its spec."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecError([rules.Problem(path=str(path), message="file not found")], str(path))
-    document = load_yaml(_read_text(path), str(path))
-    if not isinstance(document, dict):
-        raise SpecError(
-            [rules.Problem(path=str(path), message="expected a YAML mapping (a TrainingJob)")],
-            str(path),
-        )
-    if "kind" in document or "apiVersion" in document:
-        return parse_manifest(document, str(path))
-    return {}, parse_spec(document, str(path))
+    _readable(path)
+    return from_document(load_yaml(_read_text(path), str(path)), str(path))
+
+
+def load_documents(path: str | Path) -> list[Any]:
+    """Every YAML document of a file (:func:`load_yaml_documents`; empty ones are None)."""
+    path = Path(path)
+    _readable(path)
+    return load_yaml_documents(_read_text(path), str(path))
 
 
 def load_spec_file(path: str | Path) -> api_spec.TrainingJobSpec:

@@ -4,8 +4,9 @@ Without ``checkpoint.claimName`` (or an ``s3://`` ``checkpoint.path``) checkpoin
 lost with the pods: every gang restart, suspend, preemption, re-placement or drain starts again from
 step 0.  Every job takes checkpoints (at least of its last step), and most of those restarts are not
 the run policy's to allow, so every such job is warned about.  The spec is valid all the same (a
-short run may not care); ``meshtrain validate`` warns, and the operator sets the condition
-``CheckpointsNotPersistent``.
+short run may not care); ``meshtrain validate`` warns in one line (:func:`short_warning`; not with
+``--local``, where ``meshtrain run`` keeps checkpoints on this machine's disk), and the operator sets
+the condition ``CheckpointsNotPersistent`` with the whole reason (:func:`warning`).
 """
 
 from __future__ import annotations
@@ -46,4 +47,14 @@ def warning(spec: api_spec.TrainingJobSpec) -> str | None:
         f"pods, so {policy}runPolicy.suspend, a preemption (Kueue), a re-placement after a spec "
         f"change or a node drain starts training again from step 0; set checkpoint.claimName to a "
         f"PersistentVolumeClaim every node can mount, or checkpoint.path to an s3:// URL"
+    )
+
+
+def short_warning(spec: api_spec.TrainingJobSpec) -> str | None:
+    """:func:`warning` in one short line (what ``meshtrain validate`` prints); None when persistent."""
+    if persistent(spec.checkpoint):
+        return None
+    return (
+        "spec.checkpoint.claimName is not set: on a cluster a restart, preemption or drain loses "
+        "the checkpoints (an emptyDir); set checkpoint.claimName or an s3:// checkpoint.path"
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -305,7 +304,14 @@ def _search(
         print(json.dumps(report.search_json(found, world, stated), indent=2, ensure_ascii=False))
     else:
         print(report.search_text(found, world, profile, stated, placed=nodes is not None))
-    return exitcodes.OK if found else exitcodes.NOT_FOUND
+    if not found:
+        print(
+            f"meshtrain plan: no layout of {world} ranks passes the rules and fits "
+            f"(exit {exitcodes.NO_LAYOUT})",
+            file=sys.stderr,
+        )
+        return exitcodes.NO_LAYOUT
+    return exitcodes.OK
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
 
             nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name)
         if nodes is None:  # the ranks run here (meshtrain run): they share this host's cores
-            profile = host_model.on_host(profile, os.cpu_count() or 1)
+            profile = host_model.on_host(profile, host_model.host_cores())
         if args.critical_batch_tokens < 1:
             raise ValueError(
                 f"--critical-batch-tokens must be >= 1, got {args.critical_batch_tokens}"
@@ -376,4 +382,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exitcodes.DOES_NOT_FIT
+    if plan.placement is not None and plan.placement.unschedulable_reason:
+        print(
+            f"meshtrain plan: the gang cannot be placed on these nodes (exit "
+            f"{exitcodes.UNSCHEDULABLE}): {plan.placement.unschedulable_reason}",
+            file=sys.stderr,
+        )
+        return exitcodes.UNSCHEDULABLE
     return exitcodes.OK

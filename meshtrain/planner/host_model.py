@@ -5,12 +5,17 @@ A CPU profile that calibration never measured has no core count and no CPU-time 
 would price each rank as a whole device (the README's local example: 17.8 ms predicted, about
 400 ms measured).  :func:`on_host` gives it the host's core count and the CPU-time figures below,
 so the plan prices the step as CPU work over the cores (:mod:`.timing.cpu_host`); calibration
-(``meshtrain plan --calibrate``) replaces them with this machine's own.
+(``meshtrain plan --calibrate``) replaces them with this machine's own.  The core count is
+:func:`host_cores` (affinity and cgroup quota, not ``os.cpu_count()``), which the trainer's MFU
+counts too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 from meshtrain.planner import profiles
@@ -77,3 +82,54 @@ def on_host(profile: profiles.Profile, cores: int) -> profiles.Profile:
         description=f"{profile.description}; {cores} cores of this host shared by the ranks",
         **HOST_FIGURES,
     )
+
+
+CGROUP_V2_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU limit of this container: ``QUOTA PERIOD`` in microseconds, or ``max PERIOD``."""
+CGROUP_V1_CPU_DIR = Path("/sys/fs/cgroup/cpu")
+"""cgroup v1's CPU controller: ``cpu.cfs_quota_us`` (-1: none) over ``cpu.cfs_period_us``."""
+MAX_CGROUP_FILE_BYTES = 256
+"""A cgroup file holds a line; more is not one."""
+
+
+def host_cores(cpu_max: Path = CGROUP_V2_CPU_MAX, cpu_dir: Path = CGROUP_V1_CPU_DIR) -> int:
+    """Cores this process may run on: its CPU affinity (``taskset``, a cpuset), bounded by the
+    cgroup's CPU quota (v2 ``cpu.max``, else v1's CFS quota; a Kubernetes CPU limit) rounded up,
+    at least 1.  ``os.cpu_count()`` counts the machine's cores, whatever the process may use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota(cpu_max, cpu_dir)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def _cgroup_quota(cpu_max: Path, cpu_dir: Path) -> float | None:
+    """Cores' worth of CPU time the cgroup allows (quota / period), or None when unlimited or unknown."""
+    v2 = _read_words(cpu_max)
+    if v2 is not None:
+        return _ratio(v2[0], v2[1]) if len(v2) == 2 else None
+    quota = _read_words(cpu_dir / "cpu.cfs_quota_us")
+    period = _read_words(cpu_dir / "cpu.cfs_period_us")
+    if quota and period:
+        return _ratio(quota[0], period[0])
+    return None
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        value, per = float(quota), float(period)
+    except ValueError:  # "max": no limit
+        return None
+    return value / per if value > 0 and per > 0 else None
+
+
+def _read_words(path: Path) -> list[str] | None:
+    """A small file's words, or None when it cannot be read."""
+    try:
+        with path.open("rb") as file:
+            return file.read(MAX_CGROUP_FILE_BYTES).decode("ascii", "replace").split()
+    except OSError:
+        return None

@@ -9,6 +9,8 @@ tokens.  The devices are the ones the job actually uses: one GPU per rank at its
 peak in the training precision; CPU ranks sharing a host use its cores (at most ``ranks x
 threads``, :func:`devices`), each at the built-in ``cpu`` profile's stated per-core peak
 (:func:`cpu_core_peak`).  ``metrics.peakFlops`` replaces the per-device peak on both sides.
+Every peak is a built-in profile's ``peak_flops`` (``meshtrain/planner/profiles/*.yaml``): the
+trainer finds a GPU's profile by its CUDA name (:data:`GPU_PROFILES`, :func:`gpu_peak`).
 docs/telemetry.md ("Definitions") and docs/planner.md ("Time") state the same.
 """
 
@@ -16,14 +18,47 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 from meshtrain.planner import profiles
 
+GPU_PROFILES: tuple[tuple[str, str], ...] = (
+    ("H200", "h200"),
+    ("H100 80GB HBM3", "h100-sxm"),
+    ("H100 SXM", "h100-sxm"),
+    ("A100-SXM4-40GB", "a100-40g"),
+    ("A100-PCIE-40GB", "a100-40g"),
+    ("A100", "a100-80g"),
+    ("L40S", "l40s"),
+)
+"""(words of a GPU's CUDA name, the built-in profile whose ``peak_flops`` is its MFU peak); the
+first whose words stand alone in the name wins (``GH200`` is not an ``H200``, an ``H100 PCIe``
+not an SXM).  A GPU none names has no peak here: MFU asks for ``metrics.peakFlops``."""
 
-@functools.lru_cache(maxsize=1)
+
+@functools.lru_cache(maxsize=16)
+def builtin_peak(profile: str) -> float:
+    """``peak_flops`` of the built-in profile ``profile`` (never a user override)."""
+    return profiles.load_file(profiles.BUILTIN_DIR / f"{profile}.yaml").peak_flops
+
+
 def cpu_core_peak() -> float:
-    """fp32 FLOP/s of one CPU core: the built-in ``cpu`` profile's ``peak_flops`` (never a user override)."""
-    return profiles.load_file(profiles.BUILTIN_DIR / "cpu.yaml").peak_flops
+    """fp32 FLOP/s of one CPU core: the built-in ``cpu`` profile's ``peak_flops``."""
+    return builtin_peak("cpu")
+
+
+def gpu_profile(device_name: str) -> str | None:
+    """The built-in profile of a GPU from its CUDA name (:data:`GPU_PROFILES`), or None."""
+    for words, profile in GPU_PROFILES:
+        if re.search(rf"(?<![\w-]){re.escape(words)}(?!\w)", device_name):
+            return profile
+    return None
+
+
+def gpu_peak(device_name: str) -> float | None:
+    """Dense peak FLOP/s of a GPU from its CUDA name (its built-in profile's), or None if unknown."""
+    profile = gpu_profile(device_name)
+    return builtin_peak(profile) if profile else None
 
 
 def devices(world: int, *, ranks_per_host: int = 0, host_cores: int = 0) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pty
 import re
 import subprocess
 import sys
@@ -52,6 +53,22 @@ def test_a_phase_on_a_terminal_is_a_bar_that_counts() -> None:
         shown = terminal.read_all(master)
     os.close(master)
     assert "tiny-cpu: 3 of 8 ranks ready" in shown
+
+
+def test_a_terminal_without_a_size_gets_the_plain_line() -> None:
+    """A fresh pseudo-terminal is 0x0 (``script``, ``docker exec -t`` before a resize): a bar would
+    show nothing there, so it gets the plain line a log gets."""
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as screen:
+        assert os.get_terminal_size(screen.fileno()).columns == 0
+        assert not console.on_terminal(screen)
+        phase = console.Phase("tiny-cpu", total=8, unit="ranks ready", stream=screen)
+        phase.to(8)
+        phase.close()
+        screen.flush()
+        shown = terminal.read_all(master)
+    os.close(master)
+    assert "tiny-cpu: 8 of 8 ranks ready (" in shown, repr(shown)
 
 
 def test_the_variable_forces_either_way(monkeypatch: pytest.MonkeyPatch) -> None:

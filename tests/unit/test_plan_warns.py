@@ -56,6 +56,20 @@ def test_a_job_that_does_not_fit_exits_3_and_one_that_fits_0(tmp_path: Path) -> 
     assert bad.returncode == exitcodes.INVALID == 2
 
 
+def test_an_unplaceable_gang_exits_4_and_a_fruitless_search_5(tmp_path: Path) -> None:
+    job = _write(tmp_path, JobBuilder().layout(2, 1, 1, gpus_per_node=2))
+    one_gpu = tmp_path / "cluster.yaml"
+    one_gpu.write_text("- {name: only, gpus: 1}\n")  # the gang needs 2 GPUs on a node
+    done = _plan(str(job), "--gpu", "h100-sxm", "--cluster", str(one_gpu))
+    assert done.returncode == exitcodes.UNSCHEDULABLE == 4, done.stdout + done.stderr
+    assert "unschedulable" in done.stdout and "(exit 4)" in done.stderr
+    big = _write(tmp_path, JobBuilder().model(preset="llama3-70b").layout(1, 1, 1, gpus_per_node=1))
+    done = _plan(str(big), "--gpu", "l40s", "--search", "--world", "1")  # 70B on one 48 GB card
+    assert done.returncode == exitcodes.NO_LAYOUT == 5, done.stdout + done.stderr
+    assert "(exit 5)" in done.stderr
+    assert exitcodes.UNEXPECTED == 1 and 1 not in (exitcodes.NO_LAYOUT, exitcodes.UNSCHEDULABLE)
+
+
 def test_every_code_is_documented_once() -> None:
     """The table in docs/planner.md, "Exit codes", has exactly one row per code, both ways."""
     documented = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
@@ -101,7 +115,7 @@ def test_the_builtin_cpu_profile_gets_the_hosts_cores() -> None:
 def test_the_plan_prices_this_hosts_cores_by_default() -> None:
     done = _plan(str(EXAMPLE), "--json")
     document = json.loads(done.stdout)
-    assert document["time"]["available_cores"] == float(os.cpu_count() or 1)
+    assert document["time"]["available_cores"] == float(host_model.host_cores())
 
 
 @pytest.mark.parametrize(
@@ -126,3 +140,26 @@ def test_mfu_peak_is_configured_or_a_cpu_core_or_the_device() -> None:
     assert mfu.device_peak(9e14, on_cpu=True, configured=5e10) == 5e10
     assert mfu.ratio(6e9, 2.0, 1e9, 3.0) == pytest.approx(1.0)
     assert mfu.ratio(6e9, 0.0, 1e9, 3.0) == 0.0
+
+
+def test_host_cores_is_the_affinity_bounded_by_the_cgroup_quota(tmp_path: Path) -> None:
+    """``os.cpu_count()`` counts the machine; a pod with a CPU limit or a ``taskset`` gets fewer."""
+    mine = len(os.sched_getaffinity(0))  # what the kernel lets this process run on
+    none = tmp_path / "absent"
+    assert host_model.host_cores(none / "cpu.max", none) == mine
+    v2 = tmp_path / "cpu.max"
+    v2.write_text("max 100000\n")  # no limit
+    assert host_model.host_cores(v2, none) == mine
+    v2.write_text("50000 100000\n")  # half a core: still one
+    assert host_model.host_cores(v2, none) == 1
+    v2.write_text(f"{(mine + 3) * 100000} 100000\n")  # a limit above the cpuset leaves the cpuset
+    assert host_model.host_cores(v2, none) == mine
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "cpu.cfs_quota_us").write_text("150000\n")  # 1.5 cores: two threads can use it
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert host_model.host_cores(none / "cpu.max", v1) == min(mine, 2)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert host_model.host_cores(none / "cpu.max", v1) == mine
+    v2.write_text("x" * 10_000)  # hostile: read bounded, ignored
+    assert host_model.host_cores(v2, none) == mine

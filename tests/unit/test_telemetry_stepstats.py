@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from meshtrain.planner.timing import pipeline_window
@@ -155,6 +157,15 @@ def test_mfu_and_throughput():
     assert stats.model_flops == pytest.approx(6e6 * 8192)
     assert stats.mfu == pytest.approx(6e6 * 8192 / (0.5 * 4 * 1e12))
     assert stats.tokens_per_second == pytest.approx(16384)
+
+
+def test_without_a_peak_mfu_is_nan_and_left_out_of_the_log():
+    """A GPU no profile names: peak 0 (meshtrain.trainer.telemetry.peak), no MFU rather than 0 or inf."""
+    stats = stepstats.summarise(
+        [], facts(peak_flops=0.0), step=1, loss=1.0, tokens=8, seconds=0.5, start=0.0
+    )
+    assert math.isnan(stats.mfu)
+    assert "mfu" not in stats.log_record()
 
 
 def test_log_record_has_the_documented_fields():

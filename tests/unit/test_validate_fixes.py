@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from meshtrain.api import crd, loading, suggest
+from meshtrain.api import crd, limits, loading, suggest
+from meshtrain.cli import main
 from tests.builders import JobBuilder
 
 
@@ -193,3 +194,117 @@ def test_closest_offers_at_most_the_limit_best_first():
 def test_did_you_mean():
     assert suggest.did_you_mean("seqlen", ["seqLen", "layers"]) == "did you mean seqLen?"
     assert suggest.did_you_mean("qqq", ["seqLen"]) == ""
+
+
+# --- the persistence warning -------------------------------------------------------------------
+
+README_FIRST = Path(__file__).parents[2] / "manifests" / "examples" / "tiny-cpu.yaml"
+
+
+def test_the_cluster_only_persistence_warning_is_one_short_line_and_absent_with_local():
+    cluster = validate(README_FIRST)
+    assert cluster.returncode == 0, cluster
+    [warned] = [line for line in cluster.stderr.splitlines() if line.startswith("warning:")]
+    assert "spec.checkpoint.claimName is not set" in warned and len(warned) <= 200, warned
+    local = validate(README_FIRST, "--local")  # for meshtrain run: checkpoints stay on this disk
+    assert local.returncode == 0, local
+    assert "claimName" not in local.stderr, local.stderr
+
+
+# --- input handling: directories, several files, several documents ----------------------------
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``meshtrain validate ARGS`` in this process: (exit code, stdout, stderr)."""
+    code = main.main(["validate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_directory_is_said_to_be_one(tmp_path, capsys):
+    code, _, err = _run(capsys, str(tmp_path))
+    assert code == 2
+    assert "is a directory, not a file" in err and "file not found" not in err, err
+
+
+def test_several_files_are_each_checked_and_any_failure_fails(tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(JobBuilder("good").manifest()))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(JobBuilder("bad").training(steps=-1).manifest()))
+    code, out, err = _run(capsys, str(good), str(good))
+    assert code == 0 and out.count("valid TrainingJob") == 2, (out, err)
+    code, out, err = _run(
+        capsys, str(bad), str(good)
+    )  # the good one after a bad one is checked too
+    assert code == 2
+    assert f"{good}: valid TrainingJob" in out and f"{bad} is not a valid TrainingJob" in err
+
+
+def test_a_file_of_several_documents_has_its_trainingjobs_checked(tmp_path, capsys):
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"}}
+    job = JobBuilder("kept").checkpoint(claimName="ckpt").manifest()
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump_all([claim, job]) + "---\n")  # a trailing --- is an empty one
+    code, out, err = _run(capsys, str(both))
+    assert code == 0, err
+    assert f"{both} (document 2): valid TrainingJob" in out
+    assert f"note: {both} (document 1): a PersistentVolumeClaim, not a TrainingJob" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump_all([claim, JobBuilder("b").training(steps=-1).manifest()]))
+    assert _run(capsys, str(broken))[0] == 2
+    none = tmp_path / "none.yaml"
+    none.write_text(yaml.safe_dump_all([claim, {**claim, "kind": "ConfigMap"}]))
+    code, _, err = _run(capsys, str(none))
+    assert code == 2 and "none of its 2 YAML documents is a TrainingJob" in err, err
+
+
+def test_more_documents_than_the_bound_are_refused(tmp_path, capsys):
+    many = tmp_path / "many.yaml"
+    many.write_text("---\na: 1\n" * (limits.MAX_YAML_DOCUMENTS + 1))
+    code, _, err = _run(capsys, str(many))
+    assert code == 2 and f"more than {limits.MAX_YAML_DOCUMENTS} YAML documents" in err, err
+
+
+# --- enum typos and validators' messages -------------------------------------------------------
+
+
+def _enum(path: tuple[str, ...]) -> list[str]:
+    node = crd.spec_schema()
+    for name in path:
+        node = node["properties"][name]
+    return list(node["enum"])
+
+
+@pytest.mark.parametrize(
+    "path,typo,answer",
+    [
+        (("parallelism", "schedule"), "1F1B", "1f1b"),
+        (("tracking", "wandb", "mode"), "ofline", "offline"),
+    ],
+)
+def test_a_misspelt_choice_is_answered_with_the_closest_of_the_schemas(
+    tmp_path, capsys, path, typo, answer
+):
+    assert answer in _enum(path) and typo not in _enum(path)  # the API server's choices
+    builder = JobBuilder("typo")
+    builder = (
+        builder.parallelism(schedule=typo)
+        if path[0] == "parallelism"
+        else builder.tracking(wandb={"project": "p", "mode": typo})
+    )
+    job = _written(tmp_path, yaml.safe_dump(builder.manifest()))
+    code, _, err = _run(capsys, str(job))
+    assert code == 2
+    [line] = [line for line in err.splitlines() if f"spec.{'.'.join(path)}:" in line]
+    assert f"did you mean {answer}" in line and f"(got '{typo}')" in line, line
+
+
+def test_a_validators_message_is_said_once_without_pydantics_prefix(tmp_path, capsys):
+    job = _written(
+        tmp_path, yaml.safe_dump(JobBuilder("t").tracking(mlflow={"trackingUri": "x"}).manifest())
+    )
+    code, _, err = _run(capsys, str(job))
+    assert code == 2
+    [line] = [line for line in err.splitlines() if "spec.tracking.mlflow.trackingUri:" in line]
+    assert "Value error" not in line and line.count("(got 'x')") == 1, line

@@ -20,6 +20,7 @@ from safetensors import numpy as safetensors_numpy
 from safetensors import safe_open
 
 from meshtrain.api import hf_config, hf_directory, loading
+from meshtrain.api import spec as api_spec
 from meshtrain.trainer.interop import config_json
 from meshtrain.trainer.models import gpt
 from tests.builders import JobBuilder
@@ -214,3 +215,28 @@ def test_a_header_longer_than_the_bound_is_refused_unread(tmp_path):
     path.write_bytes((2**62).to_bytes(8, "little") + b"{}")
     with pytest.raises(hf_config.HFError, match="not a safetensors file"):
         hf_directory.header(path)
+
+
+def _preset_job(directory: Path) -> api_spec.TrainingJobSpec:
+    return loading.parse_spec(
+        JobBuilder.cpu_run().model({"preset": "tiny", "init": {"fromHF": str(directory)}}).raw()
+    )
+
+
+def test_the_preset_hint_is_given_only_where_the_file_contradicts_a_preset_value(tmp_path):
+    job = _preset_job(tmp_path / "hf")
+    missing = tmp_path / "missing"
+    with pytest.raises(hf_config.HFError) as err:
+        hf_directory.check_spec(_preset_job(missing), missing)
+    assert f"{missing} is not a directory" in str(err.value)
+    assert "spec.model.preset" not in str(
+        err.value
+    )  # a missing directory is not the preset's doing
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    config = config_json.hf_config(gpt.GPTConfig.from_shape(job.model.shape()))
+    (directory / hf_config.CONFIG).write_text(json.dumps({**config, "vocab_size": 512}))
+    with pytest.raises(hf_config.HFError) as err:
+        hf_directory.check_spec(job, directory)
+    assert "vocab_size=512 but spec.model.vocab=256" in str(err.value)
+    assert "spec.model.preset=tiny states the fields" in str(err.value)

@@ -22,6 +22,7 @@ WEIGHTS = shared.WEIGHTS
 WEIGHTS_INDEX = shared.WEIGHTS_INDEX
 FIELD = shared.FIELD
 HFError = shared.HFError
+ShapeMismatch = shared.ShapeMismatch
 check_config = shared.check_config
 stated = shared.stated
 

@@ -108,13 +108,13 @@ def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
         if key not in shapes:
             if key.endswith(".bias"):
                 continue  # an absent GPT-2 bias is a zero one
-            raise config_json.HFError(
+            raise config_json.ShapeMismatch(
                 f"{config_json.FIELD}: {directory}: tensor {key} is missing from the "
                 "safetensors files"
             )
         shape, path = shapes[key]
         if shape != tuple(tensor.shape):
-            raise config_json.HFError(
+            raise config_json.ShapeMismatch(
                 f"{config_json.FIELD}: {path}: tensor {key} has shape {list(shape)}, the spec's "
                 f"model needs {list(tensor.shape)} (spec.model: {config.family}, "
                 f"hidden={config.hidden}, heads={config.heads}, kvHeads={config.key_value_heads}, "
@@ -122,7 +122,7 @@ def check_directory(directory: str | Path, config: gpt.GPTConfig) -> None:
             )
     for key in sorted(set(shapes) - set(expected)):
         if not _ignored_by_transformers(config, key):
-            raise config_json.HFError(
+            raise config_json.ShapeMismatch(
                 f"{config_json.FIELD}: {shapes[key][1]}: tensor {key} has no place in the spec's "
                 f"model (spec.model: {config.family}, layers={config.layers}, "
                 f"tieEmbeddings={config.tie_embeddings}); loading it would drop it, so this model's "

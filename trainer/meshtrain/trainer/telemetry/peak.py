@@ -3,53 +3,40 @@
 MFU has one definition (:mod:`meshtrain.planner.mfu`, shared with ``meshtrain plan``): the peak
 FLOP/s per device is ``metrics.peakFlops``, else a known GPU's dense bf16 peak, else (CPU ranks)
 the built-in ``cpu`` profile's per-core peak; the devices are the GPUs, or the cores the ranks of
-this host get.  A GPU the table does not know is measured with a short fp32 matmul (~0.1 s).
+this host get.  Every peak is a built-in planner profile's (:func:`meshtrain.planner.mfu.gpu_peak`),
+so ``plan`` and the run agree; a GPU no profile names gets no MFU (NaN) and one warning asking
+for ``metrics.peakFlops``, rather than a figure against some other peak.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import resource
 import sys
-import time
 
 import torch
 
-from meshtrain.planner import mfu
+from meshtrain.planner import host_model, mfu
 
-# Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
-GPU_BF16_PEAK: tuple[tuple[str, float], ...] = (
-    ("H200", 989.4e12),
-    ("H100 PCIe", 756.5e12),
-    ("H100", 989.4e12),
-    ("GH200", 989.4e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362.05e12),
-    ("A10G", 70e12),
-    ("L4", 121e12),
-)
+log = logging.getLogger(__name__)
 
 
 def gpu_peak_flops(name: str) -> float | None:
-    """bf16 dense peak of a GPU from its marketing name, or None if unknown."""
-    for key, flops in GPU_BF16_PEAK:
-        if key in name:
-            return flops
-    return None
+    """Dense peak FLOP/s of a GPU from its CUDA name: its built-in profile's, or None if unknown."""
+    return mfu.gpu_peak(name)
 
 
-def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
-    """Best fp32 matmul FLOP/s of ``repeats`` ``size``-cubed products on this thread."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch.mm(a, b)  # warm up the kernel choice
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+@functools.lru_cache(maxsize=8)
+def _refuse_mfu(name: str) -> None:
+    """Say once per GPU model that MFU is not reported and what to set."""
+    log.warning(
+        "MFU is not reported: no built-in profile names the GPU %r (known: %s); set "
+        "spec.metrics.peakFlops to its dense peak FLOP/s in the training precision",
+        name,
+        ", ".join(words for words, _ in mfu.GPU_PROFILES),
+    )
 
 
 def _on_gpu(device: torch.device | str | None) -> bool:
@@ -57,14 +44,18 @@ def _on_gpu(device: torch.device | str | None) -> bool:
 
 
 def resolve_peak_flops(configured: float | None, device: torch.device | str | None = None) -> float:
-    """Peak FLOP/s per device for MFU: configured, a known GPU's, a CPU core's (the ``cpu`` profile's),
-    or an unknown GPU's measured."""
+    """Peak FLOP/s per device for MFU: configured, a known GPU's, a CPU core's (the ``cpu`` profile's);
+    0.0 for a GPU no built-in profile names (MFU not reported, one warning naming the setting)."""
     if configured:
         return float(configured)
     if not _on_gpu(device):
         return mfu.cpu_core_peak()
-    known = gpu_peak_flops(torch.cuda.get_device_name(torch.device(device or "cuda")))
-    return known if known else measure_cpu_flops()
+    name = torch.cuda.get_device_name(torch.device(device or "cuda"))
+    known = gpu_peak_flops(name)
+    if known is None:
+        _refuse_mfu(name)
+        return 0.0
+    return known
 
 
 def mfu_devices(world: int, device: torch.device | str | None = None) -> float:
@@ -73,7 +64,7 @@ def mfu_devices(world: int, device: torch.device | str | None = None) -> float:
     if _on_gpu(device):
         return float(world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
-    return mfu.devices(world, ranks_per_host=local, host_cores=os.cpu_count() or 1)
+    return mfu.devices(world, ranks_per_host=local, host_cores=host_model.host_cores())
 
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:

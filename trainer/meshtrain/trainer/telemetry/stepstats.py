@@ -8,6 +8,7 @@ facts about the job.  Unit-tested without processes or clocks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 from meshtrain.planner import mfu
@@ -38,7 +39,8 @@ class JobFacts:
     flops_per_token: float
     """Training FLOPs per token of the whole model (see docs/telemetry.md)."""
     peak_flops: float
-    """Peak FLOP/s of one device, as MFU counts it (:func:`meshtrain.planner.mfu.device_peak`)."""
+    """Peak FLOP/s of one device, as MFU counts it (:func:`meshtrain.planner.mfu.device_peak`; 0:
+    unknown, the steps' MFU is NaN and left out of steps.jsonl)."""
     mfu_devices: float = 0.0
     """Devices the MFU denominator counts (:func:`meshtrain.planner.mfu.devices`; 0: ``world_size``)."""
     training_steps: int = 0
@@ -125,7 +127,7 @@ class StepStats:
     model_flops: float
     """Model FLOPs of the step, whole job."""
     mfu: float
-    """Model FLOPs utilisation of the step, whole job."""
+    """Model FLOPs utilisation of the step, whole job (NaN: no peak known, not reported)."""
     collectives: tuple[CollectiveStats, ...]
     """Per (group, op) totals."""
     dp_uncompressed_bytes: int = 0
@@ -157,7 +159,7 @@ class StepStats:
             "update_seconds": self.update_seconds,
             "bubble_ratio": self.bubble_ratio,
             "bubble_ratio_theoretical": self.bubble_ratio_theoretical,
-            "mfu": self.mfu,
+            **({} if math.isnan(self.mfu) else {"mfu": self.mfu}),
         }
 
 
@@ -264,9 +266,11 @@ def summarise(
         bubble = min(1.0, max(0.0, 1.0 - (compute_union + exposed) / window))
     if model_flops is None:
         model_flops = facts.flops_per_token * tokens
-    utilisation = mfu.ratio(
-        model_flops, seconds, facts.peak_flops, facts.mfu_devices or facts.world_size
-    )
+    utilisation = math.nan  # no peak (a GPU no profile names): MFU is not reported
+    if facts.peak_flops > 0:
+        utilisation = mfu.ratio(
+            model_flops, seconds, facts.peak_flops, facts.mfu_devices or facts.world_size
+        )
     return StepStats(
         step=step,
         loss=loss,
