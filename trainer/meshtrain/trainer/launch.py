@@ -27,6 +27,7 @@ import torch
 from meshtrain.api import console, exitcodes, job_dir, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
+from meshtrain.planner import host_model
 from meshtrain.trainer import storage
 from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.data import dataset
@@ -111,7 +112,7 @@ def rank_env(rank: int, world: int, port: int, log_dir: Path, cuda: bool) -> dic
         MESHTRAIN_DEVICE="cuda" if cuda else "cpu",
     )
     if not cuda:  # share the cores instead of every rank spawning one thread per core
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, host_model.host_cores() // world)))
     return env
 
 

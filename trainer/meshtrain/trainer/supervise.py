@@ -29,6 +29,7 @@ from typing import Any
 
 from meshtrain.api import exitcodes, loading
 from meshtrain.api.spec import run_policy
+from meshtrain.planner import host_model
 from meshtrain.trainer import launch
 from meshtrain.trainer.recovery import generations, rendezvous, spares
 from meshtrain.trainer.telemetry import progress
@@ -176,7 +177,7 @@ class Supervisor:
         ).dumps()
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
         if env.get("MESHTRAIN_DEVICE") == "cpu":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.local)))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, host_model.host_cores() // self.local)))
         return env
 
     def rank_env(self, local_rank: int) -> dict[str, str]:
