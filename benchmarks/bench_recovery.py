@@ -207,7 +207,7 @@ def main() -> None:
                 print(
                     f"{mode:9s} repeat {repeat}: kill -> next step {result['kill_to_step_s']:.2f} s"
                 )
-    best = {
+    median = {
         mode: statistics.median(r["kill_to_step_s"] for r in results)
         for mode, results in runs.items()
     }
@@ -216,12 +216,12 @@ def main() -> None:
         "operator starts a custom trainer), dp2·pp2 tiny CPU model, gloo, checkpoint every step",
         "kill_at_step": args.kill_at,
         "runs": runs,
-        "median_kill_to_step_s": best,
+        "median_kill_to_step_s": median,
         "caveat": "medians of the repeats on a shared 2-core machine; ratios of medians, not a target "
         "check; a GPU cluster's cold torch/CUDA/NCCL start makes the fresh and torchrun rows slower",
-        "fresh_over_in_place": best["fresh"] / best["in_place"],
-        "fresh_over_torchrun": best["fresh"] / best["torchrun"],
-        "torchrun_over_in_place": best["torchrun"] / best["in_place"],
+        "fresh_over_in_place": median["fresh"] / median["in_place"],
+        "fresh_over_torchrun": median["fresh"] / median["torchrun"],
+        "torchrun_over_in_place": median["torchrun"] / median["in_place"],
     }
     print(f"fresh / in-place: {results['fresh_over_in_place']:.1f}x")
     print(f"wrote {machine.write_results('recovery', results)}")
