@@ -714,3 +714,25 @@ def test_opting_out_of_torchruns_restarts_needs_max_restarts_0_too(monkeypatch):
     container["command"] = ["torchrun", *static, "--node-rank=5", "t.py"]
     config, _, _ = torchrun.config_from_args(_torchrun_reads(pod, monkeypatch))
     assert config.rdzv_configs["rank"] == 5  # static's only
+
+
+def test_a_job_whose_torchrun_elastic_cannot_apply_is_told_why():
+    custom = (
+        JobBuilder()
+        .layout(data=2, gpus_per_node=1)
+        .trainer(type="custom", command=["torchrun", "t.py"])
+    )
+    opted = {"torchrunElastic": True}
+    assert torchrun_tier.ignored(spec_of(custom.clone().run_policy(recovery=opted))) is None
+    assert torchrun_tier.ignored(spec_of(custom)) is None, "not asked for"
+    off = custom.clone().run_policy(recovery={**opted, "inPlace": False})
+    assert torchrun_tier.ignored(spec_of(off)) is None, "in-place restarts turned off: its choice"
+    wrapped = custom.clone().trainer(command=["bash", "-c", "torchrun t.py"])
+    said = torchrun_tier.ignored(spec_of(wrapped.run_policy(recovery=opted)))
+    assert said and "does not start torchrun" in said and "'bash'" in said
+    large = custom.clone().layout(data=12, gpus_per_node=1).run_policy(recovery=opted)
+    said = torchrun_tier.ignored(spec_of(large))
+    assert said and "12 pods, more than 10" in said
+    builtin = JobBuilder().layout(data=2, gpus_per_node=1).run_policy(recovery=opted)
+    said = torchrun_tier.ignored(spec_of(builtin))
+    assert said and "trainer.type custom" in said

@@ -48,6 +48,7 @@ from meshtrain.operator.policy import (
     rescheduling,
     resizing,
     retries,
+    torchrun_tier,
     volumes,
 )
 
@@ -529,6 +530,8 @@ class Placer:
                 "%s/%s elastic %s: %s", ref.namespace, ref.name, resized.direction, resized.detail
             )
             await self.writer.emit(body, resized.type, resized.reason, resized.message)
+        if (ignored := torchrun_tier.ignored(spec)) is not None:
+            await self.writer.emit(body, "Warning", torchrun_tier.IGNORED, ignored)
         group = await self._pod_group(ref, spec, attempt)
         refused = await children.ensure(
             self.client,

@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import base
 from meshtrain.operator.policy import identity, naming
 
 ENV_BACKEND = "PET_RDZV_BACKEND"
@@ -79,6 +80,35 @@ def enabled(spec: api_spec.TrainingJobSpec) -> bool:
         and is_torchrun(spec.trainer.command)
         and spec.pods <= MAX_PODS
     )
+
+
+IGNORED = "TorchrunElasticIgnored"
+"""Reason of the Warning Event of a gang whose ``torchrunElastic`` cannot apply (:func:`ignored`)."""
+
+
+def ignored(spec: api_spec.TrainingJobSpec) -> str | None:
+    """Why a job that asks for the tier (``torchrunElastic``) gets the gang rebuild instead, for a
+    Warning Event; None when the tier applies, was not asked for, or ``inPlace``/``inPlaceLimit``
+    turn in-place restarts off (the job's own choice)."""
+    recovery = spec.run_policy.recovery
+    if not recovery.torchrun_elastic or enabled(spec):
+        return None
+    field = "runPolicy.recovery.torchrunElastic"
+    if spec.trainer.type != "custom":
+        return f"{field} is for trainer.type custom; the built-in trainer has its supervisor"
+    if not is_torchrun(spec.trainer.command):
+        return (
+            f"{field} is ignored: trainer.command[0]={base.quoted(spec.trainer.command[0])} does "
+            f"not start torchrun (torchrun ... or python -m {TORCHRUN_MODULE} ...); failures "
+            "rebuild the gang"
+        )
+    if spec.pods > MAX_PODS:
+        return (
+            f"{field} is ignored: the gang has {spec.pods} pods, more than {MAX_PODS} (torchrun's "
+            "c10d ranks nodes by sorted host name, which then differs from the pod index); "
+            "failures rebuild the gang"
+        )
+    return None
 
 
 def rendezvous_id(job: identity.JobRef, attempt: int) -> str:
