@@ -110,6 +110,9 @@ MAX_LIST_LENGTH = 64
 """Lists the spec does not bound more tightly (tolerations, fabric levels, data sources,
 node selector and label maps)."""
 
+MAX_DECLARED_FEATURES = 1_024
+"""Most entries of a Node's ``status.declaredFeatures`` the operator reads."""
+
 MAX_DOCUMENT_BYTES = 1_048_576
 """A TrainingJob file (the API server refuses objects over about 1.5 MiB; the spec is a few KiB)."""
 

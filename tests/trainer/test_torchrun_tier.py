@@ -27,6 +27,8 @@ from tests.builders import JobBuilder
 STEPS = 3000
 """Long enough to SIGKILL a worker twice, short enough to finish in a few seconds."""
 DEADLINE_S = 150.0
+C10D = re.compile(r"\]\s+rdzv_backend\s+: c10d$", re.MULTILINE)
+"""The backend in torchrun's launch configs (torch/distributed/launcher/api.py, at INFO)."""
 
 
 def _job(limit: int) -> JobBuilder:
@@ -38,7 +40,7 @@ def _job(limit: int) -> JobBuilder:
             command=["torchrun", "-m", "meshtrain.examples.ddp"],
             args=["--steps", str(STEPS), "--checkpoint-every", "10"],
         )
-        .run_policy(recovery={"inPlaceLimit": limit})
+        .run_policy(recovery={"inPlaceLimit": limit, "torchrunElastic": True})
     )
 
 
@@ -92,6 +94,9 @@ def test_a_sigkilled_worker_restarts_every_worker_in_place_and_the_run_resumes(t
         torchrun_agents.end(agents)
     first, second = _log(tmp_path, 0), _log(tmp_path, 1)
     assert codes == [0, 0], first[-3000:] + second[-3000:]
+    for log in (first, second):  # c10d's rendezvous, and a second round after the restart
+        assert C10D.search(log), log[-3000:]
+        assert log.count("Rendezvous complete for workers") >= 2, log[-3000:]
     assert f"failed (exitcode: -9) local_rank: 0 (pid: {killed})" in second, second[-3000:]
     # Both agents restarted their workers (one after its failure, one after its own failed
     # collective or the waiting node) and neither agent ended: no pod would be replaced.
@@ -111,7 +116,11 @@ def test_more_failures_than_the_limit_end_torchrun_and_the_operator_rebuilds_the
         code = agents[1].wait(timeout=DEADLINE_S)
     finally:
         torchrun_agents.end(agents)  # the operator deletes the gang's other pods
-    assert code != 0, _log(tmp_path, 1)[-3000:]
+    log = _log(tmp_path, 1)
+    assert code == 1, log[-3000:]  # torchrun's ChildFailedError: its workers failed past the limit
+    assert log.count("attempts left; will restart worker group") == 1, log[-3000:]
+    assert "1/1 attempts left" in log and "ChildFailedError" in log, log[-3000:]
+    assert C10D.search(log), "c10d's rendezvous, not static"
     pod = {
         **pods[1],
         "status": {

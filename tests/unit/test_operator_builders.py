@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import calendar
 
 import pytest
 import yaml
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from meshtrain.api import exitcodes, loading, release
 from meshtrain.api import spec as api_spec
+from meshtrain.operator import command, reconciler
+from meshtrain.operator.cluster import informer
 from meshtrain.operator.policy import (
     builders,
     identity,
@@ -17,6 +22,7 @@ from meshtrain.operator.policy import (
     kubelet_tier,
     naming,
     replacement,
+    torchrun_tier,
 )
 from meshtrain.trainer.telemetry import goodput
 from tests.builders import JobBuilder
@@ -501,7 +507,7 @@ def test_a_custom_trainers_torchrun_restarts_its_workers_in_place_through_its_ow
         JobBuilder()
         .layout(data=4, gpus_per_node=2)
         .trainer(type="custom", command=["torchrun", "/app/train.py"], args=["--epochs", "3"])
-        .run_policy(recovery={"inPlaceLimit": 3})
+        .run_policy(recovery={"inPlaceLimit": 3, "torchrunElastic": True})
     )
     pods = builders.build_pods(REF, spec, 2, ["n-a", "n-b"])
     hosts = []
@@ -527,9 +533,14 @@ def test_a_custom_trainers_torchrun_stays_static_without_in_place_recovery(monke
         .layout(data=2, gpus_per_node=1)
         .trainer(type="custom", command=["torchrun", "t.py"])
     )
+    elastic = {"torchrunElastic": True}
     for builder in (
-        custom.clone().run_policy(recovery={"inPlace": False}),
-        custom.clone().run_policy(recovery={"inPlaceLimit": 0}),
+        custom.clone(),  # not opted in: the default
+        custom.clone().run_policy(recovery={"inPlace": False, **elastic}),
+        custom.clone().run_policy(recovery={"inPlaceLimit": 0, **elastic}),
+        custom.clone()
+        .trainer(type="custom", command=["python", "t.py"])
+        .run_policy(recovery=elastic),  # not torchrun
     ):
         pod = builders.build_pod(REF, spec_of(builder), 0, 0, "n-a")
         assert not any(name.startswith("PET_RDZV") for name in env_of(pod))
@@ -543,7 +554,10 @@ def test_a_custom_trainers_torchrun_stays_static_without_in_place_recovery(monke
 
 def test_a_custom_trainers_pods_but_pod_0_restart_whole_when_torchruns_agent_is_killed():
     custom = (
-        JobBuilder().layout(data=3, gpus_per_node=1).trainer(type="custom", command=["torchrun"])
+        JobBuilder()
+        .layout(data=3, gpus_per_node=1)
+        .trainer(type="custom", command=["torchrun"])
+        .run_policy(recovery={"torchrunElastic": True})
     )
     first, *others = builders.build_pods(REF, spec_of(custom), 0, ["a", "b", "c"], restart_all=True)
     assert "restartPolicyRules" not in first["spec"]["containers"][0]  # its agent hosts the store
@@ -551,7 +565,8 @@ def test_a_custom_trainers_pods_but_pod_0_restart_whole_when_torchruns_agent_is_
         [rule] = pod["spec"]["containers"][0]["restartPolicyRules"]
         assert rule["action"] == "RestartAllContainers"
         codes = rule["exitCodes"]["values"]
-        assert 137 in codes and 1 not in codes  # SIGKILL; not torchrun's "workers failed"
+        assert 134 in codes and 1 not in codes  # SIGABRT; not torchrun's "workers failed"
+        assert 137 not in codes  # an OOM kill: reported as RestartingAllContainers, never counted
         assert all(code > 128 for code in codes)
     builtin = spec_of(JobBuilder().layout(data=2, gpus_per_node=1))
     rules = builders.build_pod(REF, builtin, 0, 1, "a", restart_all=True)["spec"]["containers"][0]
@@ -559,7 +574,7 @@ def test_a_custom_trainers_pods_but_pod_0_restart_whole_when_torchruns_agent_is_
     for builder in (custom, custom.clone().run_policy(recovery={"inPlace": False})):
         pods = builders.build_pods(REF, spec_of(builder), 0, ["a", "b", "c"], restart_all=False)
         assert not any("restartPolicyRules" in p["spec"]["containers"][0] for p in pods)
-    off = custom.clone().run_policy(recovery={"inPlace": False})
+    off = custom.clone().run_policy(recovery={"inPlace": False, "torchrunElastic": True})
     pods = builders.build_pods(REF, spec_of(off), 0, ["a", "b", "c"], restart_all=True)
     assert not any("restartPolicyRules" in p["spec"]["containers"][0] for p in pods)
 
@@ -570,3 +585,154 @@ def test_a_custom_trainers_pods_but_pod_0_restart_whole_when_torchruns_agent_is_
 )
 def test_restart_all_containers_is_used_from_kubernetes_1_36(major, minor, served):
     assert kubelet_tier.all_containers_served({"major": major, "minor": minor}) is served
+
+
+def _node(*features: object) -> dict[str, object]:
+    return {"metadata": {"name": "n"}, "status": {"declaredFeatures": list(features)}}
+
+
+def test_restart_all_containers_needs_every_node_of_the_gang_to_declare_it():
+    """A 1.33-1.35 kubelet under a 1.36 server declares nothing: the scheduler's
+    NodeDeclaredFeatures filter and its admission would refuse a pod with the rule there."""
+    declaring = _node("InPlacePodVerticalScaling", kubelet_tier.NODE_FEATURE)
+    old = {"metadata": {"name": "old"}, "status": {}}  # no status.declaredFeatures at all
+    assert kubelet_tier.declares(declaring)
+    assert kubelet_tier.declares(informer.trim_node(declaring)), "the operator's cache keeps them"
+    assert not kubelet_tier.declares(informer.trim_node(old))
+    for node in (old, _node(), _node("InPlacePodVerticalScaling"), None, _node(7), {"status": 3}):
+        assert not kubelet_tier.declares(node)
+    assert kubelet_tier.declares_all("auto", [declaring, declaring])
+    assert not kubelet_tier.declares_all("auto", [declaring, old]), "none of the gang"
+    assert kubelet_tier.declares_all("on", [old]), "forced: --restart-all-containers=on"
+    assert not kubelet_tier.declares_all("off", [declaring])
+
+
+class _Server:
+    """An API client whose ``/version`` is ``minor`` of 1."""
+
+    def __init__(self, minor: str) -> None:
+        self.minor = minor
+
+    async def server_version(self) -> dict[str, str]:
+        return {"major": "1", "minor": self.minor}
+
+
+@pytest.mark.parametrize(
+    ("minor", "flag", "expected"),
+    [
+        ("36", "auto", "auto"),  # the nodes decide
+        ("35", "auto", "off"),
+        ("34", "on", "on"),  # forced, whatever the server
+        ("36", "off", "off"),
+    ],
+)
+def test_restart_all_containers_has_its_own_flag_apart_from_the_restart_rules(
+    minor, flag, expected
+):
+    parser = argparse.ArgumentParser()
+    command.configure(parser)
+    args = parser.parse_args(["--restart-all-containers", flag])
+    assert args.restart_all_containers == flag
+    for rules in (None, True, False):  # --container-restart-rules never forces it
+        settings = reconciler.Settings(container_restart_rules=rules, restart_all_containers=flag)
+        got = asyncio.run(reconciler.resolved(_Server(minor), settings))  # type: ignore[arg-type]
+        assert got.restart_all_containers == expected
+        assert got.container_restart_rules is (
+            kubelet_tier.rules_served({"major": "1", "minor": minor}) if rules is None else rules
+        )
+
+
+def _torchrun_sorted(fqdns: list[str]) -> list[str]:
+    """The order torchrun's c10d rendezvous gives node ranks in (its own ``_NodeDesc``)."""
+    nodes = [dynamic_rendezvous._NodeDesc(fqdn, 1, 0) for fqdn in fqdns]
+    return [node.addr for node in sorted(nodes)]
+
+
+@pytest.mark.parametrize("pods", [2, 10, 12])
+def test_torchruns_node_ranks_are_the_pod_indexes_or_the_tier_stays_off(pods):
+    spec = spec_of(
+        JobBuilder()
+        .layout(data=pods, gpus_per_node=1)
+        .trainer(type="custom", command=["torchrun", "t.py"])
+        .run_policy(recovery={"torchrunElastic": True})
+    )
+    built = builders.build_pods(REF, spec, 3, [f"n{i}" for i in range(pods)])
+    fqdns = [
+        f"{p['spec']['hostname']}.{p['spec']['subdomain']}.research.svc.cluster.local"
+        for p in built
+    ]
+    in_order = _torchrun_sorted(fqdns) == fqdns
+    assert in_order is (pods <= 10)  # 12 pods: 0, 1, 10, 11, 2, ...
+    elastic = [env_of(p).get("PET_RDZV_BACKEND") for p in built]
+    assert elastic == [("c10d" if in_order else None)] * pods
+    if in_order:
+        assert [env_of(p)["PET_NODE_RANK"] for p in built] == [str(i) for i in range(pods)]
+
+
+@pytest.mark.parametrize(
+    ("command", "torchrun"),
+    [
+        (["torchrun", "t.py"], True),
+        (["/usr/local/bin/torchrun"], True),
+        (["python", "-m", "torch.distributed.run", "t.py"], True),
+        (["python3.11", "-m", "torch.distributed.run"], True),
+        (["python", "t.py"], False),
+        (["bash", "-c", "torchrun t.py"], False),
+        (["python", "-m", "torch.distributed.launch"], False),
+        ([], False),
+    ],
+)
+def test_the_torchrun_tier_is_for_torchrun_commands_only(command, torchrun):
+    assert torchrun_tier.is_torchrun(command) is torchrun
+
+
+def test_opting_out_of_torchruns_restarts_needs_max_restarts_0_too(monkeypatch):
+    """docs/recovery.md's precedence, as torchrun's own parser reads the flags: a user flag wins
+    over its ``PET_*`` default, and only that flag."""
+    spec = spec_of(
+        JobBuilder()
+        .layout(data=2, gpus_per_node=1)
+        .trainer(type="custom", command=["torchrun", "t.py"])
+        .run_policy(recovery={"torchrunElastic": True, "inPlaceLimit": 4})
+    )
+    pod = builders.build_pod(REF, spec, 0, 1, "n-b")
+    container = pod["spec"]["containers"][0]
+    static = ["--rdzv-backend=static"]
+    container["command"] = ["torchrun", *static, "t.py"]
+    args = _torchrun_reads(pod, monkeypatch)
+    assert args.rdzv_backend == "static" and args.max_restarts == 4, "static alone still restarts"
+    container["command"] = ["torchrun", *static, "--max-restarts=0", "t.py"]
+    args = _torchrun_reads(pod, monkeypatch)
+    assert args.rdzv_backend == "static" and args.max_restarts == 0
+    container["command"] = ["torchrun", "--rdzv-conf=timeout=900", "t.py"]
+    args = _torchrun_reads(pod, monkeypatch)
+    assert args.rdzv_conf == "timeout=900", "a user --rdzv-conf replaces is_host and read_timeout"
+    container["command"] = ["torchrun", "--node-rank=5", "t.py"]
+    args = _torchrun_reads(pod, monkeypatch)
+    config, _, _ = torchrun.config_from_args(args)
+    assert config.rdzv_backend == "c10d" and "rank" not in config.rdzv_configs  # ignored
+    container["command"] = ["torchrun", *static, "--node-rank=5", "t.py"]
+    config, _, _ = torchrun.config_from_args(_torchrun_reads(pod, monkeypatch))
+    assert config.rdzv_configs["rank"] == 5  # static's only
+
+
+def test_a_job_whose_torchrun_elastic_cannot_apply_is_told_why():
+    custom = (
+        JobBuilder()
+        .layout(data=2, gpus_per_node=1)
+        .trainer(type="custom", command=["torchrun", "t.py"])
+    )
+    opted = {"torchrunElastic": True}
+    assert torchrun_tier.ignored(spec_of(custom.clone().run_policy(recovery=opted))) is None
+    assert torchrun_tier.ignored(spec_of(custom)) is None, "not asked for"
+    off = custom.clone().run_policy(recovery={**opted, "inPlace": False})
+    assert torchrun_tier.ignored(spec_of(off)) is None, "in-place restarts turned off: its choice"
+    wrapped = custom.clone().trainer(command=["bash", "-c", "torchrun t.py"])
+    said = torchrun_tier.ignored(spec_of(wrapped.run_policy(recovery=opted)))
+    assert said and "does not start torchrun" in said and "'bash'" in said
+    large = custom.clone().layout(data=12, gpus_per_node=1).run_policy(recovery=opted)
+    said = torchrun_tier.ignored(spec_of(large))
+    assert said and "12 pods, more than 10" in said
+    builtin = JobBuilder().layout(data=2, gpus_per_node=1).run_policy(recovery=opted)
+    said = torchrun_tier.ignored(spec_of(builtin))
+    assert said and "trainer.type custom" in said

@@ -95,9 +95,7 @@ class Recovery(base.SpecModel):
     in_place: bool = Field(
         True,
         description="Restart failed trainer processes and containers in place (no pod deleted, no placement "
-        "redone). A custom trainer (trainer.type custom): its torchrun restarts all its workers in a new "
-        "rendezvous round (--max-restarts inPlaceLimit per pod), and on Kubernetes 1.36+ a pod but pod 0 "
-        "whose torchrun is killed restarts whole in place.",
+        "redone). A custom trainer (trainer.type custom) only with torchrunElastic.",
     )
     in_place_limit: int = Field(
         10,
@@ -128,6 +126,14 @@ class Recovery(base.SpecModel):
         le=limits.MAX_SPARE_NODES,
         description="Nodes kept reserved for this job beside its gang, so a pod lost with its node is re-placed "
         "there without waiting for the scheduler; 0: none.",
+    )
+    torchrun_elastic: bool = Field(
+        False,
+        description="A custom trainer whose command is torchrun (or python -m torch.distributed.run), with inPlace: "
+        "its torchrun restarts all its workers in a new c10d rendezvous round (--max-restarts inPlaceLimit per "
+        "agent), and where the operator serves it a pod but pod 0 whose torchrun is killed restarts whole in place "
+        "(unmeasured). These restarts are not counted in status.recovery; gangs of more than 10 pods keep the gang "
+        "rebuild (docs/recovery.md).",
     )
 
 

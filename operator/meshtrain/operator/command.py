@@ -182,6 +182,17 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "decide (env MESHTRAIN_CONTAINER_RESTART_RULES; default: %(default)s)",
     )
     parser.add_argument(
+        "--restart-all-containers",
+        choices=("auto", "on", "off"),
+        default=os.environ.get("MESHTRAIN_RESTART_ALL_CONTAINERS", "auto"),
+        help="give the pods of custom trainers that opt in (runPolicy.recovery.torchrunElastic) the "
+        "RestartAllContainers rule (KEP-5532: the kubelet restarts the whole pod in place when "
+        "torchrun is killed): 'auto' where the API server is 1.36 or newer and every node of the "
+        "gang declares RestartAllContainersOnContainerExits in status.declaredFeatures, 'on' "
+        "always (the server and every kubelet must serve it), 'off' never "
+        "(env MESHTRAIN_RESTART_ALL_CONTAINERS; default: %(default)s)",
+    )
+    parser.add_argument(
         "--default-queue",
         default=os.environ.get("MESHTRAIN_DEFAULT_QUEUE") or None,
         metavar="LOCALQUEUE",
@@ -311,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
             isolated_namespaces=frozenset(args.gang_network_policy_namespace),
             gang_peers=peers,
             container_restart_rules=RESTART_RULES[args.container_restart_rules],
+            restart_all_containers=args.restart_all_containers,
         ),
     )
     clusterwide = not args.namespace

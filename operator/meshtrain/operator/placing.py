@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
@@ -39,6 +39,7 @@ from meshtrain.operator.policy import (
     identity,
     job_actions,
     job_state,
+    kubelet_tier,
     kueue_workload,
     naming,
     placement_outcome,
@@ -47,6 +48,7 @@ from meshtrain.operator.policy import (
     rescheduling,
     resizing,
     retries,
+    torchrun_tier,
     volumes,
 )
 
@@ -83,7 +85,7 @@ class Placer:
         isolated_namespaces: frozenset[str] = frozenset(),
         gang_peers: builders.GangPeers = builders.NO_PEERS,
         restart_rules: bool = True,
-        restart_all: bool = False,
+        restart_all: kubelet_tier.RestartAll = "off",
     ) -> None:
         self.client = client
         self.cache = cache
@@ -97,7 +99,8 @@ class Placer:
         self.restart_rules = restart_rules
         """The API server accepts container restart rules (``kubelet_tier``): pods carry them."""
         self.restart_all = restart_all
-        """And their ``RestartAllContainers`` action (KEP-5532): custom trainers' pods carry it."""
+        """Whether custom trainers' pods carry the ``RestartAllContainers`` rule (KEP-5532):
+        ``auto`` where every node of the gang declares it (:meth:`restart_all_on`)."""
         self.lock = asyncio.Lock()
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
@@ -121,6 +124,11 @@ class Placer:
         self._next_plan.pop(ref.uid, None)
         self._policy_checked.discard(ref.uid)
         self._deferred.discard(ref.uid)
+
+    def restart_all_on(self, nodes: Iterable[str]) -> bool:
+        """Whether pods placed on ``nodes`` carry the ``RestartAllContainers`` rule (cached Nodes)."""
+        cached = (self.cache.nodes.get(("", node)) for node in nodes)
+        return kubelet_tier.declares_all(self.restart_all, cached)
 
     async def check_gang_policy(self, job: job_state.JobState) -> None:
         """Once per job and process, for a gang that has pods: ensure its NetworkPolicy where
@@ -439,6 +447,7 @@ class Placer:
             )
             return await self.writer.set_status(body, job, recovery.status)
         group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
+        every = self.restart_all_on(node for _, node in recovery.nodes)
         pods = [
             kueue_workload.assign(
                 builders.build_pod(
@@ -449,7 +458,7 @@ class Placer:
                     node,
                     default_image=self.trainer_image,
                     restart_rules=self.restart_rules,
-                    restart_all=self.restart_all,
+                    restart_all=every,
                     pod_group=group["metadata"]["name"] if group else None,
                 ),
                 where,
@@ -521,6 +530,8 @@ class Placer:
                 "%s/%s elastic %s: %s", ref.namespace, ref.name, resized.direction, resized.detail
             )
             await self.writer.emit(body, resized.type, resized.reason, resized.message)
+        if (ignored := torchrun_tier.ignored(spec)) is not None:
+            await self.writer.emit(body, "Warning", torchrun_tier.IGNORED, ignored)
         group = await self._pod_group(ref, spec, attempt)
         refused = await children.ensure(
             self.client,
@@ -535,7 +546,7 @@ class Placer:
                     outcome.nodes,
                     default_image=self.trainer_image,
                     restart_rules=self.restart_rules,
-                    restart_all=self.restart_all,
+                    restart_all=self.restart_all_on(outcome.nodes),
                     pod_group=group["metadata"]["name"] if group else None,
                 )
             ],

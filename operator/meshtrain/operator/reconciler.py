@@ -81,33 +81,43 @@ class Settings:
     container_restart_rules: bool | None = None
     """Whether trainer pods carry container restart rules (``--container-restart-rules``; the
     kubelet tier, ``kubelet_tier``); None: as the API server's version allows (:func:`resolved`)."""
-    restart_all_containers: bool | None = None
-    """Whether custom trainers' pods carry the ``RestartAllContainers`` rule (KEP-5532); None: as
-    ``container_restart_rules`` when that is forced, else as the server's version allows."""
+    restart_all_containers: kubelet_tier.RestartAll = "auto"
+    """Whether custom trainers' pods carry the ``RestartAllContainers`` rule (KEP-5532,
+    ``--restart-all-containers``); ``auto``: where the API server's version serves it
+    (:func:`resolved`) and every node of the gang declares it (``kubelet_tier.declares_all``)."""
 
 
 async def resolved(client: kube.Client, settings: Settings) -> Settings:
-    """``settings`` with ``container_restart_rules`` decided: asked of the API server once when
-    None (its ``/version``: 1.35 or newer accepts the rules); unanswered, the rules are left out."""
-    if settings.container_restart_rules is not None:
+    """``settings`` with ``container_restart_rules`` decided and ``restart_all_containers`` off
+    where the API server does not serve it: its ``/version`` asked once when either is ``auto``
+    (1.35 or newer accepts the rules, 1.36 or newer their ``RestartAllContainers`` action);
+    unanswered, both are left out."""
+    rules, every = settings.container_restart_rules, settings.restart_all_containers
+    if rules is not None and every != "auto":
         return settings
     try:
         version = await client.server_version()
     except kube.ApiError as err:
         logger.warning(
             "API server version not read (%s): trainer pods carry no container restart rules "
-            "(set --container-restart-rules=on to force them)",
+            "(set --container-restart-rules=on or --restart-all-containers=on to force them)",
             err,
         )
         return dataclasses.replace(
-            settings, container_restart_rules=False, restart_all_containers=False
+            settings,
+            container_restart_rules=False if rules is None else rules,
+            restart_all_containers="off" if every == "auto" else every,
         )
-    rules = kubelet_tier.rules_served(version)
-    every = kubelet_tier.all_containers_served(version)
+    if rules is None:
+        rules = kubelet_tier.rules_served(version)
+    if every == "auto" and not kubelet_tier.all_containers_served(version):
+        every = "off"
     logger.info(
-        "API server %s: container restart rules (the kubelet tier of in-place restarts) %s",
+        "API server %s: container restart rules (the kubelet tier of in-place restarts) %s; "
+        "RestartAllContainers for custom trainers %s",
         str(version.get("gitVersion") or "of unknown version")[:64],
         "used" if rules else "not served; processes still restart in place, containers do not",
+        {"auto": "where every node declares it", "on": "forced", "off": "off"}[every],
     )
     return dataclasses.replace(
         settings, container_restart_rules=rules, restart_all_containers=every
@@ -146,11 +156,7 @@ class Reconciler:
             isolated_namespaces=settings.isolated_namespaces,
             gang_peers=settings.gang_peers,
             restart_rules=settings.container_restart_rules is not False,
-            restart_all=(
-                settings.container_restart_rules is True
-                if settings.restart_all_containers is None
-                else settings.restart_all_containers
-            ),
+            restart_all=settings.restart_all_containers,
         )
         self.replacer = replacing.Replacer(self.placer)
         self.spares = sparing.Spares(self.placer)

@@ -258,7 +258,7 @@ class Replacer:
             node,
             default_image=self.placer.trainer_image,
             restart_rules=self.placer.restart_rules,
-            restart_all=self.placer.restart_all,
+            restart_all=self.placer.restart_all_on([node]),
             name=name,
         )
         pod["spec"]["schedulingGates"] = [

@@ -20,6 +20,7 @@ That the kubelet restarts the container by these rules is the sandbox's test
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import kubernetes
@@ -112,8 +113,10 @@ def test_the_operator_uses_restart_rules_where_the_api_server_accepts_them(clust
         accepted = False
     detected = _resolved(cluster, reconciler.Settings())
     assert detected.container_restart_rules is accepted
-    told = reconciler.Settings(container_restart_rules=not accepted)
-    assert _resolved(cluster, told) == told, "an explicit --container-restart-rules is not asked"
+    told = reconciler.Settings(container_restart_rules=not accepted, restart_all_containers="on")
+    assert _resolved(cluster, told) == told, "explicit flags are not asked"
+    told = reconciler.Settings(container_restart_rules=not accepted)  # restart-all: auto, asked
+    assert _resolved(cluster, told).container_restart_rules is (not accepted)
     for pod in builders.build_pods(REF, spec, 0, ["n0", "n1"], restart_rules=False):
         trainer = _trainer(_stored(cluster, namespace, pod))  # accepted by any API server
         assert "restartPolicy" not in trainer and "restartPolicyRules" not in trainer
@@ -203,6 +206,7 @@ def _custom_pods(restart_all: bool) -> list[dict[str, Any]]:
         .layout(data=3)
         .gpus(1)
         .trainer(type="custom", command=["torchrun", "/app/train.py"])
+        .run_policy(recovery={"torchrunElastic": True})
         .pod_template(OVERRIDE)
     )
     spec = loading.parse_spec(job.raw())
@@ -242,7 +246,27 @@ def test_the_operator_restarts_whole_pods_where_the_api_server_accepts_it(cluste
     except kubernetes.client.ApiException as refused:
         assert refused.status == 422 and "RestartAllContainers" in refused.body
         accepted = False
-    assert _resolved(cluster, reconciler.Settings()).restart_all_containers is accepted
+    resolved = _resolved(cluster, reconciler.Settings()).restart_all_containers
+    assert resolved == ("auto" if accepted else "off")  # auto: the nodes decide
     for pod in _custom_pods(restart_all=False):  # accepted by any API server
         trainer = _trainer(_stored(cluster, namespace, pod))
         assert "restartPolicy" not in trainer and "restartPolicyRules" not in trainer
+
+
+def test_a_node_declares_restart_all_containers_where_the_api_server_keeps_the_field(
+    cluster, namespace
+):
+    """The field and feature names as the API server stores a Node (``status.declaredFeatures``,
+    kept from 1.36 on, where the NodeDeclaredFeatures gate is on by default)."""
+    code = kubernetes.client.VersionApi(cluster.core.api_client).get_code()
+    served = kubelet_tier.all_containers_served({"major": code.major, "minor": code.minor})
+    stored = []
+    for name, features in (("declaring", [kubelet_tier.NODE_FEATURE]), ("older", None)):
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"{namespace}-{name}"}}
+        if features is not None:
+            node["status"] = {"declaredFeatures": features}
+        created = cluster.core.create_node(node, dry_run="All", _preload_content=False)
+        stored.append(json.loads(created.data))
+    assert kubelet_tier.declares(stored[0]) is served
+    assert not kubelet_tier.declares(stored[1])
+    assert kubelet_tier.declares_all("auto", stored) is False, "none of the gang"

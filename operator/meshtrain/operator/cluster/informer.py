@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+from meshtrain.api import limits
 from meshtrain.operator.cluster import api_errors, kube
 from meshtrain.operator.policy import capacity, feasibility, naming
 
@@ -160,6 +161,8 @@ def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube
         metadata["name"] = _name(source["name"])
     if source.get("labels") is not None:
         metadata["labels"] = {_name(k): _name(v) for k, v in source["labels"].items()}
+    features = status.get("declaredFeatures")  # kubelet_tier.declares reads them
+    declared = features[: limits.MAX_DECLARED_FEATURES] if isinstance(features, list) else []
     return {
         "metadata": metadata,
         "spec": shared(_pick(node.get("spec"), ("unschedulable", "taints"))),
@@ -168,6 +171,7 @@ def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube
             "conditions": shared(
                 [_pick(c, ("type", "status")) for c in status.get("conditions") or []]
             ),
+            "declaredFeatures": shared([_name(f) for f in declared if isinstance(f, str)]),
         },
     }
 

@@ -18,17 +18,21 @@ the pod in place (KEP-5532: the rule action ``RestartAllContainers``, feature ga
 ``RestartAllContainersOnContainerExits``, alpha in 1.35, beta and on by default since 1.36): the
 same pod, node, IP and volumes, init containers run again, sidecars restart; the other pods'
 agents meet the restarted one in a new rendezvous round.  Not on pod 0 (its agent hosts the
-rendezvous store), and only where the API server is 1.36 or newer (:func:`all_containers_served`).
+rendezvous store), only where the API server is 1.36 or newer (:func:`all_containers_served`) and
+every node of the gang declares the feature in ``status.declaredFeatures`` (:func:`declares_all`:
+the scheduler's NodeDeclaredFeatures filter keeps such a pod off a node that does not, and its
+kubelet refuses it at admission; a 1.33-1.35 kubelet under a 1.36 server declares nothing), and
+never on an OOM kill (:data:`POD_RESTART_CODES`).
 Pure: manifests only.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
-from meshtrain.api import exitcodes
+from meshtrain.api import exitcodes, limits
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import torchrun_tier
 
@@ -45,10 +49,24 @@ ALL_CONTAINERS_SINCE = (1, 36)
 """Kubernetes version whose API server accepts the ``RestartAllContainers`` action by default
 (KEP-5532 beta; 1.35 refuses it unless the alpha gate is on)."""
 RESTART_ALL = "RestartAllContainers"
-POD_RESTART_CODES = tuple(sorted(code for code in exitcodes.CONTAINER_DIED if code > 128))
+NODE_FEATURE = "RestartAllContainersOnContainerExits"
+"""The feature a node lists in ``status.declaredFeatures`` when its kubelet runs the
+``RestartAllContainers`` action (k8s.io/component-helpers nodedeclaredfeatures, v1.36.3)."""
+OOM_KILLED = 128 + 9
+"""137: SIGKILL, which is also what the kernel's (cgroup v2 group) OOM kill ends a container with."""
+POD_RESTART_CODES = tuple(
+    sorted(code for code in exitcodes.CONTAINER_DIED if code > 128 and code != OOM_KILLED)
+)
 """Exit codes of a custom trainer's container that restart its whole pod in place: killed by a
 signal (torchrun's agent is gone).  Not 1: torchrun exits 1 when its workers failed past
-``--max-restarts``, which asks for the gang rebuild."""
+``--max-restarts``, which asks for the gang rebuild.  Not 137: after the rule fires the v1.36.3
+kubelet overwrites every container's ``lastState.terminated`` with reason
+``RestartingAllContainers``, so an OOM kill would be counted as an in-place restart and repeated
+until CrashLoopBackOff; an agent SIGKILLed (137) therefore gets the gang rebuild, as an OOM kill."""
+
+RestartAll = Literal["off", "on", "auto"]
+"""``--restart-all-containers``: never; always (no version or node check); where the API server
+serves the action and every node of the gang declares :data:`NODE_FEATURE`."""
 POD_WITHOUT_RULES = 0
 """Pod index whose container never restarts in place: its supervisor hosts the rendezvous store."""
 
@@ -91,6 +109,27 @@ def all_containers_served(version: Mapping[str, Any]) -> bool:
     """Whether an API server of ``version`` accepts the ``RestartAllContainers`` action:
     :data:`ALL_CONTAINERS_SINCE` or newer; unreadable: False."""
     return _served(version, ALL_CONTAINERS_SINCE)
+
+
+def declares(node: Mapping[str, Any] | None) -> bool:
+    """Whether ``node`` (a Node object) lists :data:`NODE_FEATURE` in ``status.declaredFeatures``;
+    an unknown node, or a list that is no list of strings (bounded read): False."""
+    status = (node or {}).get("status")
+    features = status.get("declaredFeatures") if isinstance(status, Mapping) else None
+    if not isinstance(features, list):
+        return False
+    return NODE_FEATURE in (
+        f for f in features[: limits.MAX_DECLARED_FEATURES] if isinstance(f, str)
+    )
+
+
+def declares_all(mode: RestartAll, nodes: Iterable[Mapping[str, Any] | None]) -> bool:
+    """Whether a gang placed on ``nodes`` carries the ``RestartAllContainers`` rule: ``on`` always,
+    ``off`` never, ``auto`` (the API server serves it) when every node :func:`declares` it: else
+    no pod of the gang does (the gang rebuild, as before)."""
+    if mode == "auto":
+        return all(declares(node) for node in nodes)
+    return mode == "on"
 
 
 def restart_fields(

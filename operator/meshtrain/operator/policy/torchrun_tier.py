@@ -1,7 +1,8 @@
 """The torchrun tier of in-place recovery, for a custom trainer (``spec.trainer.type: custom``).
 
-A custom trainer keeps its own command (``[torchrun, /app/train.py]``).  With
-``runPolicy.recovery.inPlace`` (and ``inPlaceLimit`` above 0) the operator makes that torchrun
+A custom trainer keeps its own command (``[torchrun, /app/train.py]``).  When the job opts in
+(``runPolicy.recovery.torchrunElastic`` with ``inPlace`` and ``inPlaceLimit`` above 0), its command
+is torchrun (:func:`is_torchrun`) and the gang has at most :data:`MAX_PODS` pods, the operator makes that torchrun
 elastic through torchrun's own environment defaults: every torchrun flag reads ``PET_<FLAG>``
 when the command does not give it, so the user's command stays as written and a flag it gives
 wins.  The gang meets in a c10d rendezvous whose store pod 0's agent hosts on the same
@@ -15,7 +16,11 @@ operator rebuilds the gang, as before.  Pure: environment only.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import base
 from meshtrain.operator.policy import identity, naming
 
 ENV_BACKEND = "PET_RDZV_BACKEND"
@@ -38,11 +43,72 @@ READ_TIMEOUT_S = 600
 the static rendezvous's own wait, which a custom trainer had before this tier."""
 
 
+MAX_PODS = 10
+"""Largest gang whose torchrun node ranks equal the pod indexes.  c10d's rendezvous ranks its
+agents by their sorted ``_NodeDesc(addr=socket.getfqdn(), pid, local_id)``
+(torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, ``_mark_rendezvous_complete``), not
+by join order nor ``--node-rank``; the pods' FQDNs are ``<job>-r<attempt>-<index>.<service>...``,
+which sort as 0, 1, 10, 2, ... from 11 pods up: node rank != pod index would permute the ranks
+across the placement plan's NVLink domains and leaves.  Larger gangs keep the gang rebuild."""
+TORCHRUN_MODULE = "torch.distributed.run"
+
+
+def is_torchrun(command: Sequence[str]) -> bool:
+    """Whether ``command`` starts torchrun: ``torchrun ...`` (any directory) or
+    ``python[3[.N]] -m torch.distributed.run ...``."""
+    if not command:
+        return False
+    program = command[0].rsplit("/", 1)[-1]
+    if program == "torchrun":
+        return True
+    return re.fullmatch(r"python(\d+(\.\d+)?)?", program) is not None and list(command[1:3]) == [
+        "-m",
+        TORCHRUN_MODULE,
+    ]
+
+
 def enabled(spec: api_spec.TrainingJobSpec) -> bool:
-    """Whether the custom trainer's torchrun restarts its workers in place: ``inPlace`` and a
-    budget above 0 (the built-in trainer has its supervisor instead, ``kubelet_tier``)."""
+    """Whether the custom trainer's torchrun restarts its workers in place: opted in
+    (``torchrunElastic``), ``inPlace``, a budget above 0, a torchrun command and at most
+    :data:`MAX_PODS` pods (the built-in trainer has its supervisor instead, ``kubelet_tier``)."""
     recovery = spec.run_policy.recovery
-    return spec.trainer.type == "custom" and recovery.in_place and recovery.in_place_limit > 0
+    return (
+        spec.trainer.type == "custom"
+        and recovery.torchrun_elastic
+        and recovery.in_place
+        and recovery.in_place_limit > 0
+        and is_torchrun(spec.trainer.command)
+        and spec.pods <= MAX_PODS
+    )
+
+
+IGNORED = "TorchrunElasticIgnored"
+"""Reason of the Warning Event of a gang whose ``torchrunElastic`` cannot apply (:func:`ignored`)."""
+
+
+def ignored(spec: api_spec.TrainingJobSpec) -> str | None:
+    """Why a job that asks for the tier (``torchrunElastic``) gets the gang rebuild instead, for a
+    Warning Event; None when the tier applies, was not asked for, or ``inPlace``/``inPlaceLimit``
+    turn in-place restarts off (the job's own choice)."""
+    recovery = spec.run_policy.recovery
+    if not recovery.torchrun_elastic or enabled(spec):
+        return None
+    field = "runPolicy.recovery.torchrunElastic"
+    if spec.trainer.type != "custom":
+        return f"{field} is for trainer.type custom; the built-in trainer has its supervisor"
+    if not is_torchrun(spec.trainer.command):
+        return (
+            f"{field} is ignored: trainer.command[0]={base.quoted(spec.trainer.command[0])} does "
+            f"not start torchrun (torchrun ... or python -m {TORCHRUN_MODULE} ...); failures "
+            "rebuild the gang"
+        )
+    if spec.pods > MAX_PODS:
+        return (
+            f"{field} is ignored: the gang has {spec.pods} pods, more than {MAX_PODS} (torchrun's "
+            "c10d ranks nodes by sorted host name, which then differs from the pod index); "
+            "failures rebuild the gang"
+        )
+    return None
 
 
 def rendezvous_id(job: identity.JobRef, attempt: int) -> str:
