@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import shutil
 import subprocess
 import tarfile
 from typing import Any
@@ -32,7 +33,7 @@ PREVIOUS_CHARTS = ("2cf42ad", "0070448^")
 
 
 def _render(helm: pathlib.Path, chart: pathlib.Path, *values: str) -> list[dict[str, Any]]:
-    sets = [arg for value in values for arg in ("--set", value)]
+    sets = [a for v in values for a in ((v,) if v.startswith("--") else ("--set", v))]
     rendered = subprocess.run(
         [str(helm), "template", "mt", str(chart), *sets], capture_output=True, text=True
     )
@@ -47,7 +48,10 @@ def _snake(rule: dict[str, Any]) -> dict[str, Any]:
 
 def _endpoint(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     (monitor,) = [d for d in documents if d["kind"] == kind]
-    (endpoint,) = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+    endpoints: list[dict[str, Any]] = (
+        monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+    )
+    (endpoint,) = endpoints
     return endpoint
 
 
@@ -105,7 +109,8 @@ def _dashboard_keys(documents: list[dict[str, Any]]) -> dict[str, set[str]]:
     }
 
 
-def _previous_chart(commit: str, into: pathlib.Path) -> pathlib.Path:
+def previous_chart(commit: str, into: pathlib.Path) -> pathlib.Path:
+    """The chart directory of an earlier commit, unpacked under ``into`` (needs the git history)."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "charts/meshtrain"],
         capture_output=True,
@@ -130,10 +135,57 @@ def test_an_upgrade_deletes_no_dashboard_file_the_new_configmaps_write(
     for name, keys in new.items():
         assert keys == {f"{name}.json"}, "a dashboard's data key is its ConfigMap's name"
     old = _dashboard_keys(
-        _render(helm, _previous_chart(commit, tmp_path), "grafana.dashboards.enabled=true")
+        _render(helm, previous_chart(commit, tmp_path), "grafana.dashboards.enabled=true")
     )
     assert old, commit
     written = set().union(*new.values())
     deleted = {name: keys for name, keys in old.items() if name not in new}
     shared = {name: keys & written for name, keys in deleted.items() if keys & written}
     assert not shared, f"helm deletes these ConfigMaps, and the sidecar their files: {shared}"
+
+
+def _notes(helm: pathlib.Path, into: pathlib.Path, *values: str) -> str:
+    """NOTES.txt rendered with ``values`` (helm renders NOTES only on install: a copy of the
+    chart renders it through ``tpl`` into a ConfigMap instead)."""
+    chart = into / "meshtrain"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "files" / "NOTES.txt")
+    (chart / "templates" / "notes-rendered.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ tpl (.Files.Get "files/NOTES.txt") . | toJson }}}\n'
+    )
+    (rendered,) = [
+        d["data"]["notes"]
+        for d in _render(helm, chart, *values, "--show-only=templates/notes-rendered.yaml")
+    ]
+    return str(rendered)
+
+
+def test_notes_follow_jobs_in_the_watched_namespace_and_name_only_what_is_on(
+    control_plane_binaries: binaries.Binaries, tmp_path: pathlib.Path
+) -> None:
+    helm = control_plane_binaries.helm
+    watched = _notes(helm, tmp_path / "a", "watch.mode=namespaces", "watch.namespaces={team-a}")
+    assert "kubectl get trainingjobs -w -n team-a" in watched
+    assert "kubectl describe tj -n team-a <name>" in watched
+    assert "kubectl apply -n team-a -f" in watched
+    everywhere = _notes(helm, tmp_path / "b", "watch.mode=all")
+    assert (
+        "kubectl get trainingjobs -w " in everywhere
+        and " -n " not in everywhere.split("3. Follow it:")[1]
+    )
+    dashboards = _notes(helm, tmp_path / "c", "grafana.dashboards.enabled=true")
+    assert "Grafana shows the dashboards" in dashboards and "scrapes" not in dashboards
+    scraped = _notes(helm, tmp_path / "d", "monitoring.trainerPodMonitor.enabled=true")
+    assert "Prometheus scrapes the trainer pods" in scraped and "Grafana" not in scraped
+
+
+def test_no_example_names_a_namespace() -> None:
+    """The NOTES apply an example with ``-n <watched namespace>``: a manifest naming another
+    namespace would be refused, so the examples name none."""
+    examples = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
+    assert examples
+    for example in examples:
+        for document in yaml.safe_load_all(example.read_text()):
+            if document:
+                assert "namespace" not in (document.get("metadata") or {}), example.name

@@ -18,6 +18,7 @@ from meshtrain.trainer.telemetry import goodput, progress
 from tests.telemetry.conftest import (
     JOB,
     NAMESPACE,
+    POD,
     REPO,
     RULES,
     SPOOFED_NAMESPACE,
@@ -68,6 +69,7 @@ def test_an_exporter_cannot_choose_its_namespace_or_pod(scraped_run):
     )
     assert len(series) > 20, series
     assert {s.get("namespace") for s in series} == {NAMESPACE}
+    assert {s.get("pod") for s in series if s["__name__"].startswith("meshtrain_")} == {POD}
     spoofed = [s for s in series if {SPOOFED_NAMESPACE, SPOOFED_POD} & set(s.values())]
     assert not spoofed, spoofed[:3]
     assert not [s for s in series if any(k.startswith("exported_") for k in s)]
