@@ -155,8 +155,10 @@ def _metrics(port: int) -> dict[str, float]:
         r'^meshtrain_operator_api_requests_total\{[^}]*verb="(\w+)"[^}]*\} (\S+)$', text, re.M
     ):
         found[verb] = found.get(verb, 0.0) + float(value)
-    passes = re.search(r"^meshtrain_operator_reconcile_duration_seconds_count (\S+)$", text, re.M)
-    found["reconciles"] = float(passes.group(1)) if passes else 0.0
+    passes = re.findall(  # one series per job namespace
+        r"^meshtrain_operator_reconcile_duration_seconds_count(?:\{[^}]*\})? (\S+)$", text, re.M
+    )
+    found["reconciles"] = sum(float(value) for value in passes)
     return found
 
 

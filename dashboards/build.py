@@ -39,7 +39,7 @@ class Panel:
     """(legend, PromQL) per query."""
     description: str
     kind: str = "timeseries"
-    """``timeseries`` or ``stat``."""
+    """``timeseries``, ``stat`` or ``row`` (a heading: the panels after it are its own)."""
     thresholds: list[Threshold] | None = None
     """Colour steps; drawn as dashed lines on time series, as the value colour on stats."""
     width: int = 12
@@ -370,12 +370,15 @@ TRAINING_PANELS: list[Panel] = [
     ),
 ]
 
-OPSEL = 'namespace=~"$namespace"'
-"""Every operator panel's filter: a job's series carry the job's namespace, the operator's own (reconciles,
-placement, API requests, jobs by phase and queue) the namespace the operator runs in (its scrape target's)."""
-OPERATOR_OWN = (
-    " The operator's own series: labelled with the namespace it runs in (select it, or All)."
-)
+OPERATOR_JOB = 'job="meshtrain-operator"'
+"""The operator's scrape job (the chart's ServiceMonitor pins it): a trainer pod's exporter cannot
+pass its own series off as the operator's."""
+OPSEL = f'{OPERATOR_JOB}, namespace=~"$namespace"'
+"""The filter of every per-job operator panel: those series carry the job's namespace."""
+OWNSEL = f'{OPERATOR_JOB}, namespace=~"$operator_namespace"'
+"""The filter of the "Operator" row: the process's own series (up, API requests and errors) carry
+the namespace the operator runs in (its scrape target's)."""
+OPERATOR_OWN = " The operator's own series: filtered by operator_namespace, where it runs."
 OPERATOR_PANELS: list[Panel] = [
     _stat(
         "Running jobs",
@@ -398,25 +401,10 @@ OPERATOR_PANELS: list[Panel] = [
         thresholds=[(None, "green"), (1, "red")],
     ),
     _stat(
-        "Operator replicas up",
-        "none",
-        f'sum(up{{job="meshtrain-operator", {OPSEL}}})',
-        "Scraped operator replicas (the Lease holder acts, the others stand by)." + OPERATOR_OWN,
-        thresholds=[(None, "red"), (1, "green")],
-    ),
-    _stat(
         "Apply to Running p50 (1h)",
         "s",
         f"histogram_quantile(0.5, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket{{{OPSEL}}}[1h])))",
-        "Median time from a job's creation to its first Running phase over the last hour."
-        + OPERATOR_OWN,
-    ),
-    _stat(
-        "API errors/s",
-        "reqps",
-        f"sum(rate(meshtrain_operator_api_errors_total{{{OPSEL}}}[{RI}]))",
-        "Failed Kubernetes API requests of the operator." + OPERATOR_OWN,
-        thresholds=[(None, "green"), (0.1, "orange"), (1, "red")],
+        "Median time from a job's creation to its first Running phase over the last hour.",
     ),
     Panel(
         "Unfinished jobs by restarts left",
@@ -440,7 +428,7 @@ OPERATOR_PANELS: list[Panel] = [
             ("unschedulable", f"sum(meshtrain_operator_unschedulable_jobs{{{OPSEL}}})"),
         ],
         "TrainingJobs the operator reconciles, by phase and queue (Kueue's queue-name label), and those"
-        " waiting for capacity." + OPERATOR_OWN,
+        " waiting for capacity.",
     ),
     Panel(
         "Time from apply to Running p50 / p99",
@@ -455,8 +443,7 @@ OPERATOR_PANELS: list[Panel] = [
                 f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_job_apply_to_running_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
         ],
-        "From a TrainingJob's creation to its first Running phase (placement, pod start, gang gate)."
-        + OPERATOR_OWN,
+        "From a TrainingJob's creation to its first Running phase (placement, pod start, gang gate).",
     ),
     Panel(
         "Reconcile duration p50 / p99",
@@ -471,7 +458,7 @@ OPERATOR_PANELS: list[Panel] = [
                 f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_reconcile_duration_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
         ],
-        "Time of one reconcile pass of a TrainingJob." + OPERATOR_OWN,
+        "Time of one reconcile pass of a TrainingJob.",
     ),
     Panel(
         "Reconciles per second",
@@ -482,7 +469,7 @@ OPERATOR_PANELS: list[Panel] = [
                 f"sum(rate(meshtrain_operator_reconcile_duration_seconds_count{{{OPSEL}}}[{RI}]))",
             )
         ],
-        "Reconcile rate of the operator." + OPERATOR_OWN,
+        "Reconcile rate of the operator.",
     ),
     Panel(
         "Placement duration p50 / p99",
@@ -497,7 +484,7 @@ OPERATOR_PANELS: list[Panel] = [
                 f"histogram_quantile(0.99, sum by (le) (rate(meshtrain_operator_placement_duration_seconds_bucket{{{OPSEL}}}[{RI}])))",
             ),
         ],
-        "Time the planner takes to place a gang (list nodes and pods, plan)." + OPERATOR_OWN,
+        "Time the planner takes to place a gang (list nodes and pods, plan).",
     ),
     Panel(
         "Placement failures by reason",
@@ -508,8 +495,7 @@ OPERATOR_PANELS: list[Panel] = [
                 f"sum by (reason) (rate(meshtrain_operator_placement_failures_total{{{OPSEL}}}[{RI}]))",
             )
         ],
-        "Placement attempts that placed nothing (a waiting job is retried at every resync)."
-        + OPERATOR_OWN,
+        "Placement attempts that placed nothing (a waiting job is retried at every resync).",
     ),
     Panel(
         "Gang restarts",
@@ -574,17 +560,32 @@ OPERATOR_PANELS: list[Panel] = [
         ],
         "How long each unfinished job has waited for capacity (0 once placed).",
     ),
+    Panel("Operator", "none", [], "The operator process: replicas, API requests.", kind="row"),
+    _stat(
+        "Operator replicas up",
+        "none",
+        f"sum(up{{{OWNSEL}}})",
+        "Scraped operator replicas (the Lease holder acts, the others stand by)." + OPERATOR_OWN,
+        thresholds=[(None, "red"), (1, "green")],
+    ),
+    _stat(
+        "API errors/s",
+        "reqps",
+        f"sum(rate(meshtrain_operator_api_errors_total{{{OWNSEL}}}[{RI}]))",
+        "Failed Kubernetes API requests of the operator." + OPERATOR_OWN,
+        thresholds=[(None, "green"), (0.1, "orange"), (1, "red")],
+    ),
     Panel(
         "Kubernetes API requests and errors by verb",
         "reqps",
         [
             (
                 "{{verb}}",
-                f"sum by (verb) (rate(meshtrain_operator_api_requests_total{{{OPSEL}}}[{RI}]))",
+                f"sum by (verb) (rate(meshtrain_operator_api_requests_total{{{OWNSEL}}}[{RI}]))",
             ),
             (
                 "{{verb}} errors",
-                f"sum by (verb) (rate(meshtrain_operator_api_errors_total{{{OPSEL}}}[{RI}]))",
+                f"sum by (verb) (rate(meshtrain_operator_api_errors_total{{{OWNSEL}}}[{RI}]))",
             ),
         ],
         "Requests the operator sends to the API server, and the failed ones (expected NotFound or"
@@ -704,6 +705,18 @@ def _thresholds(steps: list[Threshold] | None) -> dict:
 
 
 def _panel(index: int, panel: Panel, x: int, y: int) -> dict:
+    if panel.kind == "row":
+        return {
+            "id": index + 1,
+            "type": "row",
+            "title": panel.title,
+            "description": panel.description,
+            "collapsed": False,
+            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+            "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+            "panels": [],
+            "targets": [],
+        }
     defaults: dict = {"unit": panel.unit, "thresholds": _thresholds(panel.thresholds)}
     if panel.kind == "stat":
         defaults["color"] = {"mode": "thresholds"}
@@ -740,9 +753,12 @@ def _layout(panels: list[Panel]) -> list[dict]:
     """Panels left to right, wrapping at Grafana's 24 columns."""
     out, x, y, row_height = [], 0, 0, 0
     for index, panel in enumerate(panels):
-        if x + panel.width > 24:
+        if panel.kind == "row" or x + panel.width > 24:
             x, y, row_height = 0, y + row_height, 0
         out.append(_panel(index, panel, x, y))
+        if panel.kind == "row":
+            x, y, row_height = 0, y + 1, 0
+            continue
         x, row_height = x + panel.width, max(row_height, panel.height)
     return out
 
@@ -805,9 +821,13 @@ def build() -> dict[str, dict]:
         [
             _datasource_var(),
             _query_var(
-                "namespace",
-                # The jobs' namespaces and the operator's own (its series without a job's).
-                'label_values({__name__=~"meshtrain_operator_job_status_phase|meshtrain_operator_jobs"}, namespace)',
+                "namespace",  # the jobs' namespaces
+                f"label_values(meshtrain_operator_job_status_phase{{{OPERATOR_JOB}}}, namespace)",
+                multi=True,
+            ),
+            _query_var(
+                "operator_namespace",  # where the operator's replicas run
+                f"label_values(up{{{OPERATOR_JOB}}}, namespace)",
                 multi=True,
             ),
         ],

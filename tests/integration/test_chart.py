@@ -62,10 +62,6 @@ NAMESPACED_ALLOWED = [
     ("patch", "configmaps"),
     ("delete", "configmaps"),
     ("create", "events"),
-    ("get", "networkpolicies.networking.k8s.io"),
-    ("create", "networkpolicies.networking.k8s.io"),
-    ("patch", "networkpolicies.networking.k8s.io"),
-    ("delete", "networkpolicies.networking.k8s.io"),
     ("get", "workloads.kueue.x-k8s.io"),
     ("list", "workloads.kueue.x-k8s.io"),
     ("watch", "workloads.kueue.x-k8s.io"),
@@ -73,6 +69,10 @@ NAMESPACED_ALLOWED = [
     ("delete", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io/status"),
+]
+# Each gang's own NetworkPolicy: only in the namespaces whose gangs get one (a Role there).
+GANG_POLICY_ALLOWED = [
+    (verb, "networkpolicies.networking.k8s.io") for verb in ("get", "create", "patch", "delete")
 ]
 CLUSTER_ALLOWED = [
     ("get", "workloadpriorityclasses.kueue.x-k8s.io"),
@@ -375,7 +375,9 @@ def test_bad_values_fail_at_install_with_the_schema_message(
     assert message in result.stderr, result.stderr
 
 
-def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> bool:
+def can_i(
+    tools: dict, sa: str, verb: str, resource: str, ns: str | None, name: str | None = None
+) -> bool:
     """The API server's authorizer, asked as the ServiceAccount through a SubjectAccessReview.
 
     ``pods/exec`` means the exec subresource; ``workloads.kueue.x-k8s.io`` names its group
@@ -388,6 +390,8 @@ def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> boo
     attributes = {"verb": verb, "resource": plural, "group": group, "subresource": subresource}
     if ns:
         attributes["namespace"] = ns
+    if name:
+        attributes["name"] = name
     review = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SubjectAccessReview",
@@ -408,22 +412,30 @@ def can_i(tools: dict, sa: str, verb: str, resource: str, ns: str | None) -> boo
 
 def test_rbac_all_namespaces_is_sufficient_and_no_more(tools: dict) -> None:
     release_ns = namespace(tools, "chart-rbac")
-    other = namespace(tools, "chart-other")
-    installed = run(tools, "helm", "install", "rbac", str(CHART), "--namespace", release_ns)
+    other, policed = namespace(tools, "chart-other"), namespace(tools, "chart-policed")
+    installed = run(tools, "helm", "install", "rbac", str(CHART), "--namespace", release_ns,
+                    "--set", f"networkPolicy.trainerNamespaces={{{policed}}}")  # fmt: skip
     assert installed.returncode == 0, installed.stderr
     sa = f"system:serviceaccount:{release_ns}:rbac-meshtrain"
+    lease = "leases.coordination.k8s.io"
     try:
         missing = [(v, r) for v, r in NAMESPACED_ALLOWED if not can_i(tools, sa, v, r, other)]
+        missing += [(v, r) for v, r in GANG_POLICY_ALLOWED if not can_i(tools, sa, v, r, policed)]
         missing += [(v, r) for v, r in CLUSTER_ALLOWED if not can_i(tools, sa, v, r, None)]
         missing += [
-            (v, "leases.coordination.k8s.io")
-            for v in ("get", "create", "update")
-            if not can_i(tools, sa, v, "leases.coordination.k8s.io", release_ns)
+            (v, lease)
+            for v in ("get", "update")
+            if not can_i(tools, sa, v, lease, release_ns, name="rbac-meshtrain")
         ]
+        if not can_i(tools, sa, "create", lease, release_ns):
+            missing.append(("create", lease))
         assert not missing, f"the operator needs {missing}"
         extra = [(v, r) for v, r in DENIED if can_i(tools, sa, v, r, other)]
+        extra += [(v, r) for v, r in GANG_POLICY_ALLOWED if can_i(tools, sa, v, r, other)]
         extra += [(v, r) for v, r in CLUSTER_DENIED if can_i(tools, sa, v, r, None)]
-        if can_i(tools, sa, "update", "leases.coordination.k8s.io", other):
+        if can_i(tools, sa, "update", lease, release_ns, name="another-lease"):
+            extra.append(("update", "another Lease"))  # only the operator's own Lease
+        if can_i(tools, sa, "update", lease, other):
             extra.append(("update", f"leases in {other}"))  # the Lease lives in the release ns
         assert not extra, f"the chart grants more than the operator uses: {extra}"
     finally:
@@ -449,8 +461,11 @@ def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> 
     assert result.returncode == 0, result.stderr
     sa = f"system:serviceaccount:{release_ns}:rbacns-meshtrain"
     try:
-        assert all(can_i(tools, sa, v, r, watched) for v, r in NAMESPACED_ALLOWED)
-        assert can_i(tools, sa, "update", "leases.coordination.k8s.io", release_ns)
+        allowed = NAMESPACED_ALLOWED + GANG_POLICY_ALLOWED  # a watched namespace's gangs get one
+        assert all(can_i(tools, sa, v, r, watched) for v, r in allowed)
+        assert can_i(
+            tools, sa, "update", "leases.coordination.k8s.io", release_ns, "rbacns-meshtrain"
+        )
         assert not can_i(tools, sa, "update", "leases.coordination.k8s.io", watched)
         assert not can_i(tools, sa, "create", "pods", other)
         assert not can_i(tools, sa, "patch", "trainingjobs.meshtrain.io/status", other)

@@ -138,6 +138,21 @@ MISTAKES = [
         id="scrape-interval",
     ),
     pytest.param(
+        ["--set", "monitoring.trainerPodMonitor.interval=30s"],
+        ['monitoring.trainerPodMonitor.interval is "30s"', "15s or less"],
+        id="trainer-scrape-interval-above-the-rate-windows",
+    ),
+    pytest.param(
+        ["--set", "nameOverride=Mesh_Train"],
+        ['nameOverride is "Mesh_Train"', "lower-case letters, digits and '-'"],
+        id="name-override",
+    ),
+    pytest.param(
+        ["--set", "fullnameOverride=-platform"],
+        ['fullnameOverride is "-platform"', "lower-case letters, digits and '-'"],
+        id="fullname-override",
+    ),
+    pytest.param(
         ["--set", "operator.planningDeadlineSeconds=0"],
         ["operator.planningDeadlineSeconds is 0", "above 0 and at most 600"],
         id="planning-deadline",
@@ -160,6 +175,33 @@ MISTAKES = [
         ["--set", "replicaCont=2"], ["additional properties 'replicaCont' not allowed"], id="typo"
     ),
 ]
+
+
+VALID = [
+    pytest.param(["--set", "image.tag=null"], id="null-tag-is-the-app-version"),
+    pytest.param(
+        ["--set", "monitoring.operatorServiceMonitor.interval=1m30s"], id="compound-interval"
+    ),
+    pytest.param(
+        ["--set", "monitoring.trainerPodMonitor.interval=500ms"], id="sub-second-interval"
+    ),
+    *(
+        pytest.param(["--set", f"resources.requests.cpu={q}"], id=f"quantity-{q}")
+        for q in ("100u", "250m", "1e3", "0.5", ".5")
+    ),
+    *(
+        pytest.param(["--set", f"resources.limits.memory={q}"], id=f"quantity-{q}")
+        for q in ("1Pi", "1E", "512M", "2Gi")
+    ),
+    pytest.param(["--set", "nameOverride=platform", "--set", "fullnameOverride=ml-2"], id="names"),
+]
+
+
+@pytest.mark.parametrize("values", VALID)
+def test_valid_values_render(control_plane_binaries: binaries.Binaries, values: list[str]) -> None:
+    """Values Kubernetes and the Prometheus Operator accept are not refused by validate.yaml."""
+    rendered = helm(control_plane_binaries, "template", "mt", str(CHART), *values)
+    assert rendered.returncode == 0, rendered.stderr
 
 
 @pytest.mark.parametrize(("values", "says"), MISTAKES)

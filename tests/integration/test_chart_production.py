@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import tarfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from meshtrain.api import crd, release
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
 from tests.builders import JobBuilder
+from tests.integration import test_chart_rendered
 
 pytestmark = pytest.mark.integration
 
@@ -275,26 +275,7 @@ def test_crd_upgrade_path_of_the_chart_readme_works_from_the_previous_release(
     fresh_plane: Tools, tmp_path: pathlib.Path
 ) -> None:
     tools = fresh_plane
-    archive = subprocess.run(
-        [
-            "git",
-            "-C",
-            str(ROOT),
-            "archive",
-            "--format=tar",
-            PREVIOUS_CHART_COMMIT,
-            "charts/meshtrain",
-        ],
-        capture_output=True,
-    )
-    assert archive.returncode == 0, (
-        f"the previous chart release needs the git history ({PREVIOUS_CHART_COMMIT}): run the tests "
-        f"in a full clone, not a shallow one: {archive.stderr.decode()}"
-    )
-    (tmp_path / "previous.tar").write_bytes(archive.stdout)
-    with tarfile.open(tmp_path / "previous.tar") as tar:
-        tar.extractall(tmp_path, filter="data")
-    previous_chart = tmp_path / "charts" / "meshtrain"
+    previous_chart = test_chart_rendered.previous_chart(PREVIOUS_CHART_COMMIT, tmp_path)
     assert yaml.safe_load((previous_chart / "Chart.yaml").read_text())["version"] == "0.1.0"
 
     release_ns = tools.namespace("meshtrain-system")

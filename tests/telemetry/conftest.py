@@ -28,6 +28,11 @@ from tests.telemetry import promserver
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "dashboards" / "rules.yaml"
 JOB, NAMESPACE = "telemetry-e2e", "tests"
+POD = "telemetry-e2e-0"
+"""The scrape target's pod: the four ranks' exporter ports of one pod, as on a 4-GPU node."""
+SPOOFED_NAMESPACE, SPOOFED_POD = "spoofed", "spoofed-pod"
+"""What the exporters are told their namespace and pod are: the scrape target (``NAMESPACE``)
+must win, as a tenant's pod must not choose the namespace its series land in."""
 STEPS = 400  # ~22 s on a quiet 2-core machine: the rate windows need more than 12 s of training
 MICRO_BATCHES = 4
 
@@ -91,9 +96,15 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> ScrapedRun:
         [f"127.0.0.1:{base + r}" for r in range(world)],
         [fast_rules(RULES, work / "rules.yaml")],
         namespace=NAMESPACE,
+        pod=POD,
     )
-    saved = {k: os.environ.get(k) for k in ("MESHTRAIN_JOB_NAME", "MESHTRAIN_NAMESPACE")}
-    os.environ.update(MESHTRAIN_JOB_NAME=JOB, MESHTRAIN_NAMESPACE=NAMESPACE)
+    names = ("MESHTRAIN_JOB_NAME", "MESHTRAIN_NAMESPACE", "MESHTRAIN_POD_NAME")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(
+        MESHTRAIN_JOB_NAME=JOB,
+        MESHTRAIN_NAMESPACE=SPOOFED_NAMESPACE,
+        MESHTRAIN_POD_NAME=SPOOFED_POD,
+    )
     progress: list[dict[str, Any]] = []
     stop = threading.Event()
     poller = threading.Thread(

@@ -83,9 +83,11 @@ class PrometheusServer(PrometheusApi):
         namespace: str,
         job: str = "meshtrain-trainer",
         relabel: list[dict[str, Any]] | None = None,
+        pod: str | None = None,
     ) -> None:
-        """Scrape ``targets`` as pods of ``namespace`` (the target label Kubernetes discovery sets)
-        in the scrape job ``job``, relabelled as the chart's monitor (the trainers' by default)."""
+        """Scrape ``targets`` as pods of ``namespace`` (the target label Kubernetes discovery sets;
+        ``pod`` too when given: the ports of one pod) in the scrape job ``job``, relabelled as the
+        chart's monitor (the trainers' by default)."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError(
@@ -104,7 +106,12 @@ class PrometheusServer(PrometheusApi):
             "scrape_configs": [
                 {
                     "job_name": job,
-                    "static_configs": [{"targets": targets, "labels": {"namespace": namespace}}],
+                    "static_configs": [
+                        {
+                            "targets": targets,
+                            "labels": {"namespace": namespace} | ({"pod": pod} if pod else {}),
+                        }
+                    ],
                     "metric_relabel_configs": (
                         sandbox_prometheus.TRAINER_METRIC_RELABEL if relabel is None else relabel
                     ),

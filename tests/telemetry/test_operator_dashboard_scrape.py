@@ -67,8 +67,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[promserver.Pro
         unschedulable=True,
         placed_condition={"lastTransitionTime": "2026-01-01T00:00:00Z"},
     )
-    metrics.RECONCILE_SECONDS.observe(0.01)
-    metrics.PLACEMENT_SECONDS.observe(0.002)
+    metrics.RECONCILE_SECONDS.labels(namespace=TENANT).observe(0.01)
+    metrics.PLACEMENT_SECONDS.labels(namespace=TENANT).observe(0.002)
     metrics.API_REQUESTS.labels(verb="list", resource="pods").inc()
     port = promserver.free_port_block(1, start=49100, stop=49900)
     server = simple_server.make_server(
@@ -104,54 +104,93 @@ def _board() -> dict:
     return json.loads((conftest.REPO / "dashboards" / "meshtrain-operator.json").read_text())
 
 
-def _targets() -> list[tuple[str, str]]:
-    return [(p["title"], t["expr"]) for p in _board()["panels"] for t in p["targets"]]
+OPERATOR_ROW = {
+    "Operator replicas up",
+    "API errors/s",
+    "Kubernetes API requests and errors by verb",
+}
+"""The panels of the operator process's own series, under the "Operator" row."""
 
 
-def _query(prom: promserver.PrometheusServer, expr: str, namespace: str) -> list[dict]:
-    expr = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$namespace", namespace)
+def _panels() -> list[tuple[str, list[str]]]:
+    return [
+        (p["title"], [t["expr"] for t in p["targets"]])
+        for p in _board()["panels"]
+        if p["type"] != "row"
+    ]
+
+
+def _query(
+    prom: promserver.PrometheusServer, expr: str, namespace: str, operator_namespace: str
+) -> list[dict]:
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL)
+    expr = expr.replace("$operator_namespace", operator_namespace).replace("$namespace", namespace)
     return prom.query(expr, time.time())
 
 
-def test_the_namespace_variable_lists_the_jobs_and_the_operators(scraped):
-    (variable,) = [v for v in _board()["templating"]["list"] if v["name"] == "namespace"]
-    selector = variable["definition"].removeprefix("label_values(").rsplit(",", 1)[0]
-    found = scraped.api("label/namespace/values", **{"match[]": selector})
-    assert {TENANT, OPERATOR_NAMESPACE} <= set(found), found
+def _answers(
+    prom: promserver.PrometheusServer, title: str, exprs: list[str], **chosen: str
+) -> bool:
+    """Whether the panel shows something other than 0 or nothing (a stat of `or vector(0)` reads 0)."""
+    return any(r["value"][1] != "0" for e in exprs for r in _query(prom, e, **chosen)) or any(
+        _query(prom, e, **chosen) for e in exprs if "vector(0)" not in e
+    )
+
+
+def test_the_namespace_variables_list_the_jobs_and_the_operators(scraped):
+    variables = {v["name"]: v for v in _board()["templating"]["list"]}
+
+    def values(name: str) -> set[str]:
+        selector = variables[name]["definition"].removeprefix("label_values(").rsplit(",", 1)[0]
+        return set(scraped.api("label/namespace/values", **{"match[]": selector}))
+
+    assert values("namespace") == {TENANT}
+    assert values("operator_namespace") == {OPERATOR_NAMESPACE}
 
 
 def test_per_job_series_carry_the_jobs_namespace_and_no_exported_label(scraped):
     series = scraped.api("series", **{"match[]": '{__name__=~"meshtrain_operator_.+"}'})
     assert not [s for s in series if any(k.startswith("exported_") for k in s)]
     per_job = [s for s in series if "trainingjob" in s]
-    assert per_job and {s["namespace"] for s in per_job} >= {TENANT}
-    assert OPERATOR_NAMESPACE not in {s["namespace"] for s in per_job}
-    own = {s["namespace"] for s in series if s["__name__"] == "meshtrain_operator_jobs"}
-    assert own == {OPERATOR_NAMESPACE}  # the operator's own: its target's namespace
+    assert per_job and {s["namespace"] for s in per_job} == {TENANT}
+    of = lambda *names: {s["namespace"] for s in series if s["__name__"] in names}  # noqa: E731
+    assert of(
+        "meshtrain_operator_jobs",
+        "meshtrain_operator_unschedulable_jobs",
+        "meshtrain_operator_reconcile_duration_seconds_count",
+        "meshtrain_operator_placement_duration_seconds_count",
+        "meshtrain_operator_placement_failures_total",
+        "meshtrain_operator_job_apply_to_running_seconds_count",
+    ) == {TENANT}
+    assert of("meshtrain_operator_api_requests_total", "meshtrain_operator_api_errors_total") == {
+        OPERATOR_NAMESPACE
+    }
 
 
-def test_every_panel_answers_with_all_namespaces(scraped):
-    empty = [f"{title}: {expr}" for title, expr in _targets() if not _query(scraped, expr, ".*")]
-    assert not empty, "panels without data:\n" + "\n".join(empty)
+def test_the_operator_row_is_the_one_the_test_expects(scraped):
+    titles = [p["title"] for p in _board()["panels"]]
+    row = titles.index("Operator")
+    assert set(titles[row + 1 :]) == OPERATOR_ROW
 
 
-def test_one_tenants_namespace_keeps_the_others_out(scraped):
-    answered = 0
-    for title, expr in _targets():
-        for result in _query(scraped, expr, TENANT):
-            assert result["metric"].get("namespace", TENANT) == TENANT, (title, result)
-            answered += 1
-    assert answered
-    running = _query(scraped, _targets()[0][1], TENANT)  # the "Running jobs" stat
-    assert float(running[0]["value"][1]) >= 1
-
-
-def test_an_empty_namespace_shows_nothing(scraped):
-    """Selecting a namespace without jobs or operator empties every panel (a stat may read 0)."""
-    shown = [
-        f"{title}: {r['metric']} {r['value'][1]}"
-        for title, expr in _targets()
-        for r in _query(scraped, expr, "no-such-namespace")
-        if r["value"][1] != "0"
-    ]
-    assert not shown, "unfiltered panels:\n" + "\n".join(shown)
+def test_each_panel_answers_for_its_own_namespace_only(scraped):
+    """A tenant selected: every per-job panel shows the tenant's jobs, and the Operator row the
+    operator (selected by operator_namespace, never emptied by the tenant's namespace)."""
+    tenant = {"namespace": TENANT, "operator_namespace": OPERATOR_NAMESPACE}
+    elsewhere = {"namespace": "no-such-namespace", "operator_namespace": "no-such-namespace"}
+    silent, leaking = [], []
+    for title, exprs in _panels():
+        if not _answers(scraped, title, exprs, **tenant):
+            silent.append(title)
+        if _answers(scraped, title, exprs, **elsewhere):
+            leaking.append(title)
+        own = title in OPERATOR_ROW
+        other_tenant = {**tenant, "namespace": "no-such-namespace"}
+        if own and not _answers(scraped, title, exprs, **other_tenant):
+            silent.append(f"{title} (with another tenant selected)")
+        if not own and _answers(scraped, title, exprs, **other_tenant):
+            leaking.append(f"{title} (with another tenant selected)")
+    assert not silent, "panels without data for the tenant:\n" + "\n".join(silent)
+    assert not leaking, "panels with data of another namespace:\n" + "\n".join(leaking)
+    (running,) = _panels()[0][1]  # the "Running jobs" stat
+    assert float(_query(scraped, running, **tenant)[0]["value"][1]) >= 1

@@ -15,7 +15,16 @@ import subprocess
 import pytest
 
 from meshtrain.trainer.telemetry import goodput, progress
-from tests.telemetry.conftest import JOB, NAMESPACE, REPO, RULES, STEPS
+from tests.telemetry.conftest import (
+    JOB,
+    NAMESPACE,
+    POD,
+    REPO,
+    RULES,
+    SPOOFED_NAMESPACE,
+    SPOOFED_POD,
+    STEPS,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +56,22 @@ def test_job_is_the_scrape_jobs_and_the_trainingjob_is_named_by_trainingjob(scra
     assert len({s["__name__"] for s in series}) > 20, series
     labels = {(s["job"], s["trainingjob"], s["namespace"]) for s in series}
     assert labels == {("meshtrain-trainer", JOB, NAMESPACE)}, labels
+    assert not [s for s in series if any(k.startswith("exported_") for k in s)]
+
+
+def test_an_exporter_cannot_choose_its_namespace_or_pod(scraped_run):
+    """The exporters ran with MESHTRAIN_NAMESPACE and MESHTRAIN_POD_NAME spoofed: every scraped
+    series carries the target's namespace, none the spoofed values, none an exported_* label
+    (the relabelling the chart's PodMonitor does; test_chart_rendered.py holds them equal)."""
+    series = scraped_run.prom.api(
+        "series",
+        **{"match[]": '{__name__=~".+", job="meshtrain-trainer"}', "start": scraped_run.at - 60},
+    )
+    assert len(series) > 20, series
+    assert {s.get("namespace") for s in series} == {NAMESPACE}
+    assert {s.get("pod") for s in series if s["__name__"].startswith("meshtrain_")} == {POD}
+    spoofed = [s for s in series if {SPOOFED_NAMESPACE, SPOOFED_POD} & set(s.values())]
+    assert not spoofed, spoofed[:3]
     assert not [s for s in series if any(k.startswith("exported_") for k in s)]
 
 

@@ -141,7 +141,11 @@ def test_leader_election_has_its_lease_rbac_and_a_stable_identity() -> None:
     assert "--lease=" in deployment and "--standalone" in deployment
     assert "name: POD_NAME" in deployment and "fieldPath: metadata.name" in deployment
     rbac = _text("rbac.yaml")
-    assert 'resources: ["leases"]' in rbac and 'verbs: ["get", "create", "update"]' in rbac
+    assert 'resources: ["leases"]' in rbac and 'verbs: ["create"]' in rbac
+    # get and update only the Lease the Deployment names (--lease=<fullname>)
+    assert '--lease={{ include "meshtrain.fullname" . }}' in deployment
+    lease_rule = 'resourceNames: [{{ include "meshtrain.fullname" . | quote }}]\n    verbs: ["get", "update"]'
+    assert lease_rule in rbac
 
 
 def test_operator_is_given_the_planning_deadline_the_chart_defaults_to_the_operators() -> None:
@@ -168,7 +172,12 @@ def test_the_operator_isolates_each_gang_where_the_chart_writes_the_trainer_poli
     deployment = _text("deployment.yaml")
     assert 'include "meshtrain.trainerPolicyNamespaces"' in deployment
     assert "- --gang-network-policy-namespace={{ . }}" in deployment
-    assert 'resources: ["networkpolicies"]' in _text("_helpers.tpl")
+    # granted in those namespaces only (a Role each), never with the cluster-wide rules
+    assert 'resources: ["networkpolicies"]' not in _text("_helpers.tpl")
+    rbac = _text("rbac.yaml")
+    policies = rbac[rbac.index('range include "meshtrain.trainerPolicyNamespaces"') :]
+    assert 'resources: ["networkpolicies"]' in policies and "kind: Role\n" in policies
+    assert "ClusterRole" not in policies
 
 
 def test_a_required_queue_is_defaulted_by_the_operator_or_refused_at_admission() -> None:

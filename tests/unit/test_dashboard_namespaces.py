@@ -20,7 +20,15 @@ DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
 KEYWORDS |= {"and", "or", "unless", "atan2", "inf", "nan"}
 LABEL_LISTS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-NAMESPACE = re.compile(r'(^|,)\s*namespace\s*=~?\s*"\$namespace"\s*(,|$)')
+OPERATOR_ROW = "Operator"
+"""The operator dashboard's row of the process's own series, filtered by ``$operator_namespace``."""
+
+
+def _matcher(variable: str) -> re.Pattern[str]:
+    return re.compile(rf'(^|,)\s*namespace\s*=~?\s*"\${variable}"\s*(,|$)')
+
+
+NAMESPACE = _matcher("namespace")
 TOKEN = re.compile(
     r'(?P<string>"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`)'
     r"|(?P<duration>[0-9]+(?:ms|[smhdwy])(?:[0-9]+(?:ms|[smhdwy]))*(?![A-Za-z0-9_]))"
@@ -78,25 +86,45 @@ def selectors(expr: str) -> list[tuple[str, str]]:
     return found
 
 
-def unfiltered(expr: str) -> list[str]:
-    """The selectors of ``expr`` without a ``namespace="$namespace"`` (or ``=~``) matcher."""
-    return [f"{name}{{{m}}}" for name, m in selectors(expr) if not NAMESPACE.search(m)]
+def unfiltered(expr: str, variable: str = "namespace") -> list[str]:
+    """The selectors of ``expr`` without a ``namespace="$<variable>"`` (or ``=~``) matcher."""
+    matcher = _matcher(variable)
+    return [f"{name}{{{m}}}" for name, m in selectors(expr) if not matcher.search(m)]
 
 
-def queries(board: dict) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target, annotation and template variable but the namespace's."""
+def rows(board: dict) -> dict[str, str]:
+    """Panel title -> title of the row it is under ("" above the first row)."""
+    row, out = "", {}
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        out[panel["title"]] = row
+    return out
+
+
+def queries(board: dict) -> list[tuple[str, str, str]]:
+    """(where, PromQL, the namespace variable it must filter by) of every panel target, annotation
+    and template variable but the namespace ones: the operator dashboard's "Operator" row by
+    ``operator_namespace``, everything else by ``namespace``."""
+    row_of = rows(board)
     out = [
-        (f"panel {p['title']!r} {t['refId']}", t["expr"])
+        (
+            f"panel {p['title']!r} {t['refId']}",
+            t["expr"],
+            "operator_namespace" if row_of[p["title"]] == OPERATOR_ROW else "namespace",
+        )
         for p in board["panels"]
         if p.get("meshtrainOptional") != "dcgm"
         for t in p["targets"]
     ]
-    out += [(f"annotation {a['name']!r}", a["expr"]) for a in board["annotations"]["list"]]
+    out += [
+        (f"annotation {a['name']!r}", a["expr"], "namespace") for a in board["annotations"]["list"]
+    ]
     for var in board["templating"]["list"]:
-        if var["type"] == "query" and var["name"] != "namespace":
+        if var["type"] == "query" and var["name"] not in ("namespace", "operator_namespace"):
             inner = re.fullmatch(r"label_values\((.*), \w+\)", var["definition"])
             assert inner, var["definition"]
-            out.append((f"variable {var['name']}", inner.group(1)))
+            out.append((f"variable {var['name']}", inner.group(1), "namespace"))
     return out
 
 
@@ -114,8 +142,32 @@ def test_the_scan_finds_every_selector_and_only_selectors():
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_every_query_filters_by_namespace(path):
     board = json.loads(path.read_text())
-    missing = [f"{where}: {bad}" for where, expr in queries(board) for bad in unfiltered(expr)]
-    assert not missing, "selectors without namespace=$namespace:\n" + "\n".join(missing)
+    missing = [
+        f"{where}: {bad} (wants ${variable})"
+        for where, expr, variable in queries(board)
+        for bad in unfiltered(expr, variable)
+    ]
+    assert not missing, "selectors without their namespace variable:\n" + "\n".join(missing)
+
+
+def test_the_operator_row_holds_exactly_the_operators_own_series():
+    """Process-wide series (up, the API's requests and errors) carry the operator's namespace, the
+    per-job ones the job's: each sits on the side of its own variable, and no per-job panel is
+    filtered by the operator's namespace (a tenant's namespace would empty it)."""
+    board = json.loads((REPO / "dashboards" / "meshtrain-operator.json").read_text())
+    row_of = rows(board)
+    own = re.compile(r"\b(up|meshtrain_operator_api_\w+)\{")
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            process_wide = bool(own.search(target["expr"]))
+            assert process_wide == (row_of[panel["title"]] == OPERATOR_ROW), panel["title"]
+    variables = {
+        v["name"]: v["definition"] for v in board["templating"]["list"] if "definition" in v
+    }
+    assert (
+        variables["operator_namespace"] == 'label_values(up{job="meshtrain-operator"}, namespace)'
+    )
+    assert "meshtrain_operator_jobs" not in variables["namespace"]
 
 
 def test_dcgm_panels_keep_only_the_selected_namespace_through_the_join():

@@ -1,4 +1,4 @@
-"""No stale image pins: examples and docs name meshtrain's images at the one version or not at all.
+"""No stale pins: examples and docs name meshtrain's images and chart at the one version or not at all.
 
 A TrainingJob without ``spec.image`` runs the chart's trainer image, tagged with the chart's
 appVersion (``meshtrain.api.release.VERSION``); an example or a doc that names a meshtrain
@@ -18,6 +18,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 MESHTRAIN_IMAGE = re.compile(r"\bmeshtrain/(operator|trainer):([0-9][\w.+-]*)")
 """A meshtrain image with a literal tag (a ``$VERSION`` placeholder is not one)."""
+CHART_PIN = re.compile(
+    r"\bmeshtrain-([0-9]+\.[0-9]+\.[0-9]+[\w.+-]*?)\.tgz\b"
+    r"|--version[ =]([0-9]+\.[0-9]+\.[0-9]+[\w.+-]*)"
+)
+"""A chart archive or a ``helm --version`` with a literal version, which goes stale at the next bump."""
 
 
 def _examples() -> list[pathlib.Path]:
@@ -36,13 +41,25 @@ def _docs() -> list[pathlib.Path]:
 
 
 def _stale(text: str) -> list[str]:
-    return [m.group(0) for m in MESHTRAIN_IMAGE.finditer(text) if m.group(2) != release.VERSION]
+    images = [m.group(0) for m in MESHTRAIN_IMAGE.finditer(text) if m.group(2) != release.VERSION]
+    charts = [
+        m.group(0)
+        for m in CHART_PIN.finditer(text)
+        if (m.group(1) or m.group(2)) != release.VERSION
+    ]
+    return images + charts
 
 
 def test_the_pattern_finds_a_stale_pin_and_passes_the_version() -> None:
     assert _stale("image: ghcr.io/meshtrain/trainer:0.0.9") == ["meshtrain/trainer:0.0.9"]
     assert _stale(f"-t REGISTRY/meshtrain/operator:{release.VERSION} .") == []
     assert _stale('TRAINER_IMAGE="ghcr.io/meshtrain/trainer:$VERSION"') == []
+    assert _stale("helm install m meshtrain-0.0.9.tgz") == ["meshtrain-0.0.9.tgz"]
+    assert _stale("helm install m oci://r/charts/meshtrain --version 0.0.9 \\") == [
+        "--version 0.0.9"
+    ]
+    assert _stale(f"tar xzf meshtrain-{release.VERSION}.tgz --version {release.VERSION}") == []
+    assert _stale("helm show crds meshtrain-NEW.tgz") == []
 
 
 def test_no_example_or_doc_pins_a_meshtrain_image_of_another_release() -> None:

@@ -17,7 +17,7 @@ def body(name: str, phase: str, **extra: object) -> dict:
     return {
         "metadata": {
             "name": name,
-            "namespace": "ns",
+            "namespace": extra.get("namespace", "ns"),
             "uid": extra.get("uid", name),
             "generation": extra.get("generation", 1),
             "creationTimestamp": "2026-01-01T00:00:00Z",
@@ -74,14 +74,14 @@ def test_a_job_allowed_no_restarts_has_none_left_to_use_up(job_name):
 
 
 def test_unschedulable_time_counts_from_the_placed_condition(job_name):
-    before = sample("meshtrain_operator_unschedulable_jobs")
+    before = sample("meshtrain_operator_unschedulable_jobs", namespace="ns") or 0
     placed = {"type": "Placed", "status": "False", "lastTransitionTime": "2020-01-01T00:00:00Z"}
     metrics.observe_job(body(job_name, "Pending"), unschedulable=True, placed_condition=placed)
     waited = sample(
         "meshtrain_operator_job_unschedulable_seconds", namespace="ns", trainingjob=job_name
     )
     assert waited > 5 * 365 * 86400  # since 2020
-    assert sample("meshtrain_operator_unschedulable_jobs") == before + 1
+    assert sample("meshtrain_operator_unschedulable_jobs", namespace="ns") == before + 1
 
 
 def test_jobs_by_phase_and_queue(job_name):
@@ -89,30 +89,76 @@ def test_jobs_by_phase_and_queue(job_name):
     metrics.observe_job(
         body(job_name, "Placing", labels=labels), unschedulable=False, placed_condition=None
     )
-    assert sample("meshtrain_operator_jobs", phase="Placing", queue="team-a") == 1
-    assert sample("meshtrain_operator_jobs", phase="Running", queue="team-a") == 0
+    key = {"namespace": "ns", "queue": "team-a"}
+    assert sample("meshtrain_operator_jobs", **key, phase="Placing") == 1
+    assert sample("meshtrain_operator_jobs", **key, phase="Running") == 0
+
+
+def test_per_job_operator_series_carry_the_jobs_namespace(job_name):
+    """Jobs by phase, unschedulable jobs, apply-to-Running and placement failures are counted in
+    the job's namespace: another namespace's jobs do not show in this one's series."""
+    other = f"other-{job_name}"
+    placed = {"type": "Placed", "status": "False", "lastTransitionTime": "2020-01-01T00:00:00Z"}
+    in_ns = sample("meshtrain_operator_job_apply_to_running_seconds_count", namespace="ns")
+    try:
+        metrics.observe_job(
+            body(job_name, "Pending", namespace=other), unschedulable=True, placed_condition=placed
+        )
+        metrics.observe_job(
+            body(job_name, "Running", namespace=other, uid=f"{job_name}-b"),
+            unschedulable=False,
+            placed_condition=None,
+            now=1767225600.0 + 7,
+        )
+        assert sample("meshtrain_operator_jobs", namespace=other, phase="Running", queue="") == 1
+        assert sample("meshtrain_operator_unschedulable_jobs", namespace=other) == 0
+        count = "meshtrain_operator_job_apply_to_running_seconds_count"
+        assert sample(count, namespace=other) == 1
+        for reason in metrics.PLACEMENT_FAILURE_REASONS:
+            key = {"namespace": other, "reason": reason}
+            assert sample("meshtrain_operator_placement_failures_total", **key) == 0
+        assert sample(count, namespace="ns") == in_ns  # nothing counted in another namespace
+    finally:
+        metrics.forget(other, job_name)
+    assert sample("meshtrain_operator_jobs", namespace=other, phase="Running", queue="") is None
+
+
+def test_operator_wide_series_have_no_job_namespace():
+    """The process's own series (API requests and errors) stay without a namespace label: the
+    scrape gives them the operator's."""
+    for family in (metrics.API_REQUESTS, metrics.API_ERRORS):
+        assert "namespace" not in family._labelnames
+    for family in (
+        metrics.RECONCILE_SECONDS,
+        metrics.PLACEMENT_SECONDS,
+        metrics.APPLY_TO_RUNNING_SECONDS,
+        metrics.PLACEMENT_FAILURES,
+    ):
+        assert "namespace" in family._labelnames
+        assert "trainingjob" not in family._labelnames
 
 
 def test_first_running_is_timed_from_creation_once(job_name):
     count = "meshtrain_operator_job_apply_to_running_seconds_count"
     total = "meshtrain_operator_job_apply_to_running_seconds_sum"
-    n0, s0 = sample(count), sample(total)
+    n0, s0 = sample(count, namespace="ns") or 0, sample(total, namespace="ns") or 0
     created = 1767225600.0  # 2026-01-01T00:00:00Z
     metrics.observe_job(body(job_name, "Placing"), unschedulable=False, placed_condition=None)
     metrics.observe_job(
         body(job_name, "Running"), unschedulable=False, placed_condition=None, now=created + 42
     )
-    assert sample(count) == n0 + 1 and sample(total) == pytest.approx(s0 + 42)
+    assert sample(count, namespace="ns") == n0 + 1
+    assert sample(total, namespace="ns") == pytest.approx(s0 + 42)
     for phase in ("Restarting", "Running"):  # a gang restart is not a second start
         metrics.observe_job(body(job_name, phase), unschedulable=False, placed_condition=None)
-    assert sample(count) == n0 + 1
+    assert sample(count, namespace="ns") == n0 + 1
 
 
 def test_a_job_already_running_when_first_seen_is_not_timed(job_name):
     count = "meshtrain_operator_job_apply_to_running_seconds_count"
-    n0 = sample(count)
+    n0 = sample(count, namespace="ns")
     metrics.observe_job(body(job_name, "Running"), unschedulable=False, placed_condition=None)
-    assert sample(count) == n0
+    assert sample(count, namespace="ns") == n0
 
 
 def test_api_errors_start_at_zero_for_every_verb_and_count_by_verb():

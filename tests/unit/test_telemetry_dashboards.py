@@ -296,3 +296,16 @@ def test_every_exported_metric_is_documented():
     families = {HISTOGRAM_SUFFIX.sub("", n) for n in exported_names() | operator_names()}
     missing = sorted(f for f in families if f"`{f}" not in documented)
     assert not missing, f"not in docs/telemetry.md: {missing}"
+
+
+def test_the_alert_table_of_the_docs_is_the_rules():
+    """docs/telemetry.md's alert table lists every alert of dashboards/rules.yaml, no other, each
+    with the rule's severity and ``for`` (— without one)."""
+    text = (REPO / "docs" / "telemetry.md").read_text()
+    rows = re.findall(r"^\s*\| `(Meshtrain\w+)` \| (\w+) \| ([\w—]+) \|", text, re.MULTILINE)
+    documented = {name: (severity, held) for name, severity, held in rows}
+    assert len(documented) == len(rows), "an alert is listed twice"
+    alerts = {
+        r["alert"]: (r["labels"]["severity"], r.get("for", "—")) for r in rules() if "alert" in r
+    }
+    assert documented == alerts

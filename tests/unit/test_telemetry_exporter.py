@@ -384,3 +384,33 @@ def test_the_epoch_is_exported_once_given(pipeline):
     recorders[0].health(4, eval_loss=None, skipped="", epoch=2)
     [sample] = families(base, 0)["meshtrain_epoch"].samples
     assert sample.value == 2
+
+
+def test_in_a_pod_the_exporter_leaves_namespace_and_pod_to_service_discovery():
+    """Prometheus' Kubernetes discovery labels every target with its namespace and pod: an
+    exporter in a pod the operator built (``KUBERNETES_SERVICE_HOST`` and ``MESHTRAIN_NODE_NAME``
+    set) serves neither; a local run, scraped without discovery, serves both (tests run in a
+    Kubernetes pod of a CI count as local)."""
+    env = {"MESHTRAIN_JOB_NAME": "j", "MESHTRAIN_NAMESPACE": "ns", "MESHTRAIN_POD_NAME": "j-0"}
+    layout = layout_mod.ParallelLayout(1, 1, 1)
+    local = context.RankIdentity.from_env(layout, 0, 0, env=env)
+    assert {"namespace": "ns", "pod": "j-0"}.items() <= local.labels().items()
+    ci_pod = context.RankIdentity.from_env(
+        layout, 0, 0, env={**env, "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    )
+    assert not ci_pod.in_cluster and "namespace" in ci_pod.labels()
+    in_pod = context.RankIdentity.from_env(
+        layout,
+        0,
+        0,
+        env={**env, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "MESHTRAIN_NODE_NAME": "gpu-7"},
+    )
+    assert in_pod.in_cluster and not {"namespace", "pod"} & set(in_pod.labels())
+    sink = exporter.Exporter(in_pod, telemetry_feed_facts(), port=free_base(1), progress=None)
+    try:
+        samples = [s for family in sink.metrics.registry.collect() for s in family.samples]
+        assert samples
+        assert all(s.labels.get("trainingjob") == "j" for s in samples)
+        assert not [s for s in samples if {"namespace", "pod"} & set(s.labels)], samples[:3]
+    finally:
+        sink.close()

@@ -93,6 +93,8 @@ cluster/kube.py and handlers.py are the callers):
 - events: the reconciler's Events about each job (kopf's own posting is off).
 - persistentvolumeclaims: read (get) to place a job whose checkpoint claim is
   bound to a node-affine volume only on the nodes that volume allows.
+Each gang's own NetworkPolicy is granted apart (rbac.yaml), in the namespaces
+whose gangs get one only, in either watch mode.
 */}}
 {{- define "meshtrain.namespacedRules" -}}
 - apiGroups: ["meshtrain.io"]
@@ -118,12 +120,6 @@ cluster/kube.py and handlers.py are the callers):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if .Values.networkPolicy.enabled }}
-# Each gang's own NetworkPolicy (created with it, brought up to date with it, deleted with it).
-- apiGroups: ["networking.k8s.io"]
-  resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch", "delete"]
-{{- end }}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get"]

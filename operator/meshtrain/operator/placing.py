@@ -506,7 +506,9 @@ class Placer:
         job = dataclasses.replace(job, spec=sized.spec)
         if isinstance(outcome, placement_outcome.WontFit):
             return await self._write_refused(body, job, outcome), None
-        metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
+        metrics.PLACEMENT_SECONDS.labels(namespace=ref.namespace).observe(
+            time.perf_counter() - started
+        )
         if isinstance(outcome, placement_outcome.Unplaced):
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
@@ -515,7 +517,7 @@ class Placer:
                     "%s/%s: planned in %.1f s without a place; next plan in %.0f s at the earliest",
                     *(ref.namespace, ref.name, took, PLAN_SPACING * took),
                 )
-            metrics.PLACEMENT_FAILURES.labels(reason=outcome.reason).inc()
+            metrics.PLACEMENT_FAILURES.labels(namespace=ref.namespace, reason=outcome.reason).inc()
             said = f"{ref.namespace}/{ref.name} unschedulable: {outcome.reason}: {outcome.message}"
             return await self._write_unplaced(body, job, outcome, said), None
         spec = outcome.spec
@@ -569,7 +571,7 @@ class Placer:
     ) -> Step:
         """Write a refusal before placement (the job fails), log it and emit a Warning."""
         logger.info("%s/%s refused: %s", job.ref.namespace, job.ref.name, refused.message)
-        metrics.PLACEMENT_FAILURES.labels(reason=refused.reason).inc()
+        metrics.PLACEMENT_FAILURES.labels(namespace=job.ref.namespace, reason=refused.reason).inc()
         body, job, changed = await self.writer.set_status(body, job, refused.status)
         await self.writer.emit(body, "Warning", refused.reason, refused.message)
         return body, job, changed

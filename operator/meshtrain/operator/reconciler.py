@@ -172,7 +172,9 @@ class Reconciler:
         try:
             return await self._reconcile(namespace, name)
         finally:
-            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+            metrics.RECONCILE_SECONDS.labels(namespace=namespace).observe(
+                time.perf_counter() - started
+            )
 
     async def _reconcile(self, namespace: str, name: str) -> Outcome:
         await self.cache.synced.wait()

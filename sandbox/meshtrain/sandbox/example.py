@@ -100,7 +100,7 @@ def apply(paths: supervisor.Paths, example: pathlib.Path) -> tuple[str, str]:
     claim = ((document.get("spec") or {}).get("checkpoint") or {}).get("claimName")
     if claim:
         ensure_claim(paths, namespace=namespace, claim=claim)
-    kubectl(paths, "apply", "-f", str(example))
+    kubectl(paths, "apply", "-n", namespace, "-f", str(example))
     return namespace, name
 
 

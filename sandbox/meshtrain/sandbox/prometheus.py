@@ -35,15 +35,17 @@ OPERATOR_PORTS = r"metrics"
 
 
 TRAINER_METRIC_RELABEL: list[dict[str, Any]] = [
-    {"action": "labeldrop", "regex": "exported_(namespace|pod|node)"}
+    {"source_labels": ["__name__"], "regex": "meshtrain_operator_.*", "action": "drop"},
+    {"action": "labeldrop", "regex": "exported_(namespace|pod|node)"},
 ]
-"""A trainer scrape's metric relabelling, as the chart's PodMonitor: the exporters' own namespace,
-pod and node repeat the target's (which Prometheus keeps, honor_labels off) and are dropped."""
+"""A trainer scrape's metric relabelling, the chart's PodMonitor's (tests/integration/
+test_chart_rendered.py holds them equal): a pod cannot pass series off as the operator's, and an
+exporter's own namespace, pod and node (a run without Kubernetes) give way to the target's."""
 OPERATOR_METRIC_RELABEL: list[dict[str, Any]] = [
     {"source_labels": ["exported_namespace"], "regex": "(.+)", "target_label": "namespace"},
     {"action": "labeldrop", "regex": "exported_namespace"},
 ]
-"""The operator scrape's, as the chart's ServiceMonitor: a per-job series' namespace is its
+"""The operator scrape's, the chart's ServiceMonitor's: a per-job series' namespace is its
 TrainingJob's (moved to exported_namespace by the scrape); the operator's own keep its pod's."""
 
 

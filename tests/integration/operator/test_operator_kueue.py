@@ -301,12 +301,18 @@ def _pod_object(cluster: Cluster, name: str) -> Any | None:
 
 
 def _reconciles(operator: OperatorProcess) -> float:
-    """How many reconcile passes the operator finished (any job)."""
-    for family in text_string_to_metric_families(operator.metrics()):
-        for sample in family.samples:
-            if sample.name == "meshtrain_operator_reconcile_duration_seconds_count":
-                return sample.value
-    raise AssertionError("the operator exports no meshtrain_operator_reconcile_duration_seconds")
+    """How many reconcile passes the operator finished (any job, in any namespace)."""
+    counts = [
+        sample.value
+        for family in text_string_to_metric_families(operator.metrics())
+        for sample in family.samples
+        if sample.name == "meshtrain_operator_reconcile_duration_seconds_count"
+    ]
+    if not counts:
+        raise AssertionError(
+            "the operator exports no meshtrain_operator_reconcile_duration_seconds"
+        )
+    return sum(counts)
 
 
 def _after_passes_of_every_job(cluster: Cluster, operator: OperatorProcess, what: str) -> None:

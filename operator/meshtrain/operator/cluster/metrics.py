@@ -32,12 +32,14 @@ prometheus_client.disable_created_metrics()  # *_created series only add noise t
 
 RECONCILE_SECONDS = prometheus_client.Histogram(
     "meshtrain_operator_reconcile_duration_seconds",
-    "Duration of one reconcile pass of a TrainingJob.",
+    "Duration of one reconcile pass of a TrainingJob, by the job's namespace.",
+    labelnames=("namespace",),
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 PLACEMENT_SECONDS = prometheus_client.Histogram(
     "meshtrain_operator_placement_duration_seconds",
-    "Duration of planning one gang (list nodes and pods, plan).",
+    "Duration of planning one gang (list nodes and pods, plan), by the job's namespace.",
+    labelnames=("namespace",),
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 API_REQUESTS = prometheus_client.Counter(
@@ -66,14 +68,22 @@ ELASTIC_RESIZES = prometheus_client.Counter(
 )
 APPLY_TO_RUNNING_SECONDS = prometheus_client.Histogram(
     "meshtrain_operator_job_apply_to_running_seconds",
-    "Time from a TrainingJob's creation to its first Running phase.",
+    "Time from a TrainingJob's creation to its first Running phase, by the job's namespace.",
+    labelnames=("namespace",),
     buckets=(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0),
 )
 PLACEMENT_FAILURES = prometheus_client.Counter(
     "meshtrain_operator_placement_failures",
-    "Placement attempts that placed nothing, by reason (a waiting job counts once per attempt).",
-    labelnames=("reason",),
+    "Placement attempts that placed nothing, by the job's namespace and reason (a waiting job"
+    " counts once per attempt).",
+    labelnames=("namespace", "reason"),
 )
+PLACEMENT_FAILURE_REASONS = (
+    placement.INSUFFICIENT_GPUS,
+    placement.TOPOLOGY_UNSATISFIABLE,
+    conditions.WONT_FIT,
+)
+"""Reasons whose series start at 0 in every namespace with a job, so a rate reads 0, not "no data"."""
 API_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 API_ERRORS = prometheus_client.Counter(
     "meshtrain_operator_api_errors",
@@ -83,12 +93,6 @@ API_ERRORS = prometheus_client.Counter(
 )
 for _verb in API_VERBS:  # known label values start at 0, so a rate reads 0, not "no data"
     API_ERRORS.labels(verb=_verb)
-for _reason in (
-    placement.INSUFFICIENT_GPUS,
-    placement.TOPOLOGY_UNSATISFIABLE,
-    conditions.WONT_FIT,
-):
-    PLACEMENT_FAILURES.labels(reason=_reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +163,8 @@ def observe_job(
         data_degree=_data_degree(spec, status),
         straggler_replacements=int(status.get("stragglerReplacements") or 0),
     )
+    for reason in PLACEMENT_FAILURE_REASONS:  # bounded: one series per namespace and reason
+        PLACEMENT_FAILURES.labels(namespace=key[0], reason=reason)
     for tier in RESTART_TIERS:  # each tier's series from 0, not from its first restart
         RESTARTS_BY_TIER.labels(namespace=key[0], trainingjob=key[1], tier=tier)
     if (spec.get("runPolicy") or {}).get(
@@ -172,7 +178,9 @@ def observe_job(
     _reached_running.add(uid)
     created = _unix(metadata.get("creationTimestamp"))
     if previous is not None and previous.phase != phase and created is not None:
-        APPLY_TO_RUNNING_SECONDS.observe(max(0.0, (now or time.time()) - created))
+        APPLY_TO_RUNNING_SECONDS.labels(namespace=key[0]).observe(
+            max(0.0, (now or time.time()) - created)
+        )
 
 
 def _data_degree(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -244,21 +252,7 @@ class _JobCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         now = time.time()
         views = dict(_jobs)
-        queues = sorted({""} | {v.queue for v in views.values()})
-        by_phase = _Tally((v.phase, v.queue) for v in views.values())
-        jobs = GaugeMetricFamily(
-            "meshtrain_operator_jobs", "TrainingJobs by phase and queue.", labels=["phase", "queue"]
-        )
-        for queue in queues:
-            for phase in api_status.Phase:
-                jobs.add_metric([phase.value, queue], by_phase.get((phase.value, queue), 0))
-        yield jobs
-        waiting = GaugeMetricFamily(
-            "meshtrain_operator_unschedulable_jobs",
-            "TrainingJobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable).",
-        )
-        waiting.add_metric([], sum(1 for v in views.values() if v.unschedulable_since is not None))
-        yield waiting
+        yield from _by_namespace(views)
         labels = [*JOB_LABELS]
         phase_of = GaugeMetricFamily(
             "meshtrain_operator_job_status_phase",
@@ -319,6 +313,32 @@ class _JobCollector(Collector):
             since = view.unschedulable_since
             waited.add_metric(key, 0.0 if since is None else max(0.0, now - since))
         yield from (phase_of, restarts, generation, remaining, waited, degree, declared, replaced)
+
+
+def _by_namespace(views: Mapping[tuple[str, str], JobView]) -> Iterator[Metric]:
+    """The jobs of each namespace with a job by phase and queue (every phase from 0 for the
+    namespace's queues and the empty one), and those waiting for capacity."""
+    by_phase = _Tally((ns, v.phase, v.queue) for (ns, _), v in views.items())
+    waiting = _Tally(ns for (ns, _), v in views.items() if v.unschedulable_since is not None)
+    jobs = GaugeMetricFamily(
+        "meshtrain_operator_jobs",
+        "TrainingJobs by namespace, phase and queue.",
+        labels=["namespace", "phase", "queue"],
+    )
+    unschedulable = GaugeMetricFamily(
+        "meshtrain_operator_unschedulable_jobs",
+        "TrainingJobs waiting for capacity (InsufficientGPUs or TopologyUnsatisfiable), by namespace.",
+        labels=["namespace"],
+    )
+    for namespace in sorted({ns for ns, _ in views}):
+        queues = {""} | {v.queue for (ns, _), v in views.items() if ns == namespace}
+        for queue in sorted(queues):
+            for phase in api_status.Phase:
+                count = by_phase.get((namespace, phase.value, queue), 0)
+                jobs.add_metric([namespace, phase.value, queue], count)
+        unschedulable.add_metric([namespace], waiting.get(namespace, 0))
+    yield jobs
+    yield unschedulable
 
 
 prometheus_client.REGISTRY.register(_JobCollector())

@@ -45,17 +45,22 @@ class RankIdentity:
     """(pp, dp, tp) coordinates of the rank."""
     node: str = ""
     """Node running the pod (empty outside Kubernetes); only the straggler metrics carry it."""
+    in_cluster: bool = False
+    """Running in a pod the operator built (``KUBERNETES_SERVICE_HOST`` and the operator's
+    ``MESHTRAIN_NODE_NAME`` set): Prometheus' service discovery gives ``namespace`` and ``pod``,
+    so the exporter leaves them out."""
 
     def labels(self) -> dict[str, str]:
-        """Prometheus labels: trainingjob, namespace, pod, rank, dp, pp, tp.
+        """Prometheus labels: trainingjob, namespace and pod (local runs only), rank, dp, pp, tp.
 
         ``trainingjob`` as the operator's series name the job: ``job`` is Prometheus' own target
-        label (the scrape job), which an exporter must not set.
+        label (the scrape job), which an exporter must not set; in a pod, ``namespace`` and
+        ``pod`` are target labels too (exporter convention: leave them to service discovery).
         """
+        where = {} if self.in_cluster else {"namespace": self.namespace, "pod": self.pod}
         return {
             "trainingjob": self.job,
-            "namespace": self.namespace,
-            "pod": self.pod,
+            **where,
             "rank": str(self.rank),
             "dp": str(self.coords.dp),
             "pp": str(self.coords.pp),
@@ -85,6 +90,7 @@ class RankIdentity:
             local_rank=local_rank,
             coords=layout.coords(rank),
             node=env.get(NODE_ENV, ""),
+            in_cluster=bool(env.get("KUBERNETES_SERVICE_HOST") and env.get(NODE_ENV)),
         )
 
 

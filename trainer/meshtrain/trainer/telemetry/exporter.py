@@ -26,10 +26,6 @@ from meshtrain.trainer.telemetry import progress as progress_mod
 
 log = logging.getLogger(__name__)
 
-LABELS = ("trainingjob", "namespace", "pod", "rank", "dp", "pp", "tp")
-"""Labels every meshtrain trainer metric carries: ``trainingjob`` and ``namespace`` as the operator's
-series, never ``job`` (Prometheus' scrape job; docs/telemetry.md, "Labels")."""
-
 HOST_ENV = "MESHTRAIN_METRICS_HOST"
 """Environment variable naming the address the HTTP servers bind (default ``0.0.0.0``: every interface)."""
 DEFAULT_HOST = "0.0.0.0"
@@ -101,7 +97,7 @@ class Declaration:
     help: str
     """The HELP text."""
     labels: tuple[str, ...] = ()
-    """Labels after the rank's :data:`LABELS`."""
+    """Labels after the rank's (:meth:`context.RankIdentity.labels`)."""
     buckets: tuple[float, ...] = ()
     """A histogram's bucket bounds."""
     lazy: bool = False
@@ -424,7 +420,7 @@ class Metrics:
         self.base = identity.labels()
         """Labels of this rank."""
         for row in DECLARATIONS:
-            family = _register(row, self.registry)
+            family = _register(row, self.registry, tuple(self.base))
             setattr(self, row.attribute, family.labels(**self.base) if row.series_now else family)
         self._comm_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
@@ -443,10 +439,10 @@ class Metrics:
 
 
 def _register(
-    row: Declaration, registry: prometheus_client.CollectorRegistry
+    row: Declaration, registry: prometheus_client.CollectorRegistry, base: tuple[str, ...]
 ) -> prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram:
-    """The family of ``row``, registered in ``registry``."""
-    labelnames = (*LABELS, *row.labels)
+    """The family of ``row``, registered in ``registry`` with the rank's label names ``base``."""
+    labelnames = (*base, *row.labels)
     if row.kind == "histogram":
         return prometheus_client.Histogram(
             row.name, row.help, labelnames, registry=registry, buckets=row.buckets
