@@ -5,4 +5,4 @@ and ``scripts/images.sh`` read it, and a test holds the chart's ``version`` and
 ``appVersion`` equal to it.
 """
 
-VERSION = "0.2.0"
+VERSION = "0.3.0"
