@@ -33,6 +33,8 @@ def test_no_tracker_unless_a_section_is_present():
         "http://127.0.0.1:5000",
         "http://[::1]:5000",
         "file:///var/mlruns",
+        "sqlite:////var/mlflow/store.db",
+        "sqlite:///mlflow.db",
     ],
 )
 def test_tracking_uri_accepted(uri):
@@ -48,6 +50,8 @@ def test_tracking_uri_accepted(uri):
         "ftp://mlflow/",
         "http://mlflow:5000/a b",
         "file:relative/path",
+        "sqlite:///",
+        "sqlite://host/x.db",
         "http://" + "a" * limits.MAX_URL_LENGTH,
     ],
 )

@@ -86,11 +86,15 @@ def serve(lines: Iterable[str]) -> None:
             break
         for one in runners:
             one.log(int(line["step"]), dict(line["values"]), float(line["time"]))
-    deadline = time.monotonic() + runner.close_seconds()  # the report's drawing included
+    budget = runner.close_seconds()
+    deadline = time.monotonic() + budget  # one for all trackers, the report's drawing included
+    # only MLflow takes the report: the others get their end before it is drawn
+    wants = [r for r in runners if r.failed is None and r.tracker.name == mlflow_run.MLflowRun.name]
+    runner.end_all([r for r in runners if r not in wants], None, finished, deadline)
     with tempfile.TemporaryDirectory(prefix="meshtrain-report-") as scratch:
-        wanted = any(r.failed is None and r.tracker.name == "mlflow" for r in runners)
-        drawn = draw_report(context, Path(scratch)) if wanted else None
-        runner.close_all(runners, drawn, finished, deadline)
+        drawn = draw_report(context, Path(scratch)) if wants else None
+        runner.end_all(wants, drawn, finished, deadline)
+        runner.wait_all(runners, deadline, budget)
 
 
 def draw_report(context: backend.Context, scratch: Path) -> Path | None:

@@ -13,6 +13,7 @@ are bounded (:data:`HTTP_ENV`) unless the environment sets them.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -68,6 +69,8 @@ class MLflowRun:
             "file:"
         ):  # MLflow keeps its file store behind a switch
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if uri is not None and uri.startswith("sqlite:"):
+            _require_database_store()
         self._entities = importlib.import_module("mlflow.entities")
         self._errors = importlib.import_module("mlflow.exceptions")
         client_module = importlib.import_module("mlflow.tracking")
@@ -153,3 +156,13 @@ def plan_text(context: backend.Context) -> str:
         return plan_report.to_text(estimate.make_plan(context.job, chosen))
     except (ValueError, KeyError, OSError) as err:
         return f"meshtrain plan could not plan this job: {err}\n"
+
+
+def _require_database_store() -> None:
+    """A ``sqlite:///`` store needs SQLAlchemy and Alembic, which ``mlflow-skinny`` leaves out."""
+    for module in ("sqlalchemy", "alembic"):
+        if importlib.util.find_spec(module) is None:
+            raise RuntimeError(
+                f"a sqlite:/// trackingUri needs {module}: pip install sqlalchemy alembic "
+                "(or the full mlflow) where the trainer runs, or use an MLflow server (http://)"
+            )

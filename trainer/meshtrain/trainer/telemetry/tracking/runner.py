@@ -119,10 +119,20 @@ def _warn(tracker: str, message: str) -> None:
 def close_all(runners: list[Runner], report: Path | None, finished: bool, deadline: float) -> None:
     """End every tracker at once and wait for all of them against one ``deadline``."""
     budget = max(0.0, deadline - time.monotonic())
+    end_all(runners, report, finished, deadline)
+    wait_all(runners, deadline, budget)
+
+
+def end_all(runners: list[Runner], report: Path | None, finished: bool, deadline: float) -> None:
+    """Queue the end for every tracker; a full queue is retried (its steps go first) until ``deadline``."""
     behind = [one for one in runners if not one.end(report, finished)]
-    while behind and time.monotonic() < deadline:  # a full queue: its steps go first
+    while behind and time.monotonic() < deadline:
         time.sleep(END_POLL_SECONDS)
         behind = [one for one in behind if not one.end(report, finished)]
+
+
+def wait_all(runners: list[Runner], deadline: float, budget: float) -> None:
+    """Wait for every tracker's end until ``deadline`` (``budget``: the seconds given, for warnings)."""
     for one in runners:
         one.wait(deadline, budget)
 
