@@ -17,8 +17,9 @@ from meshtrain.api import limits
 from meshtrain.api.spec import base
 
 _SEGMENT = r"([^/.\x00-\x1f\x7f][^/\x00-\x1f\x7f]*|\.[^/.\x00-\x1f\x7f][^/\x00-\x1f\x7f]*|\.\.[^/\x00-\x1f\x7f]+)"
-LOG_DIR = rf"^(/{_SEGMENT})+/?$"
-"""An absolute, normalised directory: no empty, ``.`` or ``..`` segment, no control character."""
+LOG_DIR = rf"^/?{_SEGMENT}(/{_SEGMENT})*/?$"
+"""A normalised directory, absolute or relative (``meshtrain run``: to the working directory; in a
+pod: to the job's checkpoint directory): no empty, ``.`` or ``..`` segment, no control character."""
 TRACKING_URI = (
     r"^(https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/[^\x00-\x20\x7f]*)?"
     r"|file:(//)?/[^\x00-\x20\x7f]*|sqlite:///[^\x00-\x20\x7f]+)$"
@@ -48,8 +49,9 @@ class TensorBoard(base.SpecModel):
         max_length=limits.MAX_STRING_LENGTH,
         json_schema_extra={"pattern": LOG_DIR},
         description="Directory of the event files inside the pod (or on this machine for meshtrain "
-        "run); empty: tensorboard/ in the job's checkpoint directory, so they outlive the pod and a "
-        "resumed job adds to the same run.",
+        "run); a relative one is taken from the job's checkpoint directory in a pod and from the "
+        "working directory for meshtrain run; empty: tensorboard/ in the job's checkpoint "
+        "directory, so they outlive the pod and a resumed job adds to the same run.",
     )
 
     @field_validator("log_dir")
@@ -58,8 +60,9 @@ class TensorBoard(base.SpecModel):
         return _matching(
             value,
             LOG_DIR,
-            "logDir must be an absolute, normalised directory without '.' or '..' segments, '//' "
-            "or control characters, e.g. /checkpoints/tensorboard",
+            "logDir must be a normalised directory (absolute, or relative to the checkpoint or "
+            "working directory) without '.' or '..' segments, '//' or control characters, e.g. "
+            "/checkpoints/tensorboard or tensorboard/lr-3e-4",
         )
 
 

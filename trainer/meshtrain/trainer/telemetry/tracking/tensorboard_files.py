@@ -39,14 +39,16 @@ class TensorBoardFiles:
         self._summaries: Any = None
 
     def directory(self) -> Path:
-        """Where the event files go."""
-        if self.settings.log_dir:
-            return Path(self.settings.log_dir)
+        """Where the event files go: ``logDir`` (a relative one from the working directory for
+        ``meshtrain run``, from the job's checkpoint directory in a pod), else the default."""
+        given = Path(self.settings.log_dir) if self.settings.log_dir else None
+        if given is not None and (given.is_absolute() or self.context.local):
+            return given.absolute()
         if self.context.home is None:
             raise ValueError(
                 "the job has no local checkpoint or log directory: set spec.tracking.tensorboard.logDir"
             )
-        return self.context.home / job_dir.TENSORBOARD_SUBDIR
+        return self.context.home / (given or job_dir.TENSORBOARD_SUBDIR)
 
     def start(self) -> None:
         files = importlib.import_module("tensorboard.summary.writer.event_file_writer")

@@ -51,7 +51,7 @@ def rows(job: api_spec.TrainingJobSpec, home: Path | None) -> list[tuple[str, st
     """The run summary's rows of the trackers ``spec.tracking`` turns on (``home``: the job's
     checkpoint directory, where their run ids are stored)."""
     tracking = job.tracking
-    context = backend.Context(job, "", "", home, first_step=1, log_dir=None)
+    context = backend.Context(job, "", "", home, first_step=1, log_dir=None, local=True)
     out: list[tuple[str, str]] = []
     if tracking.tensorboard is not None:
         try:
