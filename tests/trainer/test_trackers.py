@@ -444,8 +444,10 @@ def _mlflow_attempt(job, home: Path, first: int, last: int) -> mlflow_run.MLflow
     return run
 
 
-def test_a_sqlite_store_and_a_deleted_job_run_start_afresh(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # MLflow's recommended local store
+def test_a_sqlite_store_and_a_deleted_job_run_start_afresh(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"  # MLflow's recommended local store
+    (tmp_path / "store").mkdir()
     job = loading.parse_spec(JobBuilder.cpu_run().tracking(mlflow={"trackingUri": uri}).raw())
     home = tmp_path / "checkpoints"
     first = _mlflow_attempt(job, home, 1, 4)
@@ -458,6 +460,9 @@ def test_a_sqlite_store_and_a_deleted_job_run_start_afresh(tmp_path):
     again = _mlflow_attempt(job, home, 5, 6)
     assert again.parent_id != first.parent_id, "a deleted job run must not turn MLflow off"
     assert client.get_run(again.run_id).data.tags["mlflow.parentRunId"] == again.parent_id
+    assert not (tmp_path / "mlruns").exists(), "artifacts go beside the database, not in ./mlruns"
+    plans = list((tmp_path / "store" / mlflow_run.SQLITE_ARTIFACTS).rglob("plan.txt"))
+    assert len(plans) == 2  # one job run each time
     stored = json.loads((home / job_dir.TRACKING_SUBDIR / "mlflow.json").read_text())
     assert stored == {
         "run_id": again.parent_id,
@@ -475,6 +480,7 @@ def test_ctrl_c_ends_the_mlflow_runs_killed_not_running(tmp_path):
     # its own process group, which Ctrl-C signals as a terminal does
     proc = subprocess.Popen(
         [*command, "--log-dir", str(logs)],
+        cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -37,6 +37,10 @@ PARAMS_PER_BATCH = 100
 """Params in one request (MLflow's limit)."""
 PARENT_TAG = "mlflow.parentRunId"
 """MLflow's tag that nests a run under another (its UI groups an attempt under the job's run)."""
+SQLITE_PREFIX = "sqlite:///"
+"""How a ``sqlite:///`` store's URI starts (the database path follows)."""
+SQLITE_ARTIFACTS = "mlartifacts"
+"""The folder beside a sqlite database where its experiments' artifacts go."""
 PLAN_FILE = "plan.txt"
 """The plan's artifact."""
 
@@ -69,7 +73,7 @@ class MLflowRun:
             "file:"
         ):  # MLflow keeps its file store behind a switch
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        if uri is not None and uri.startswith("sqlite:"):
+        if uri is not None and uri.startswith(SQLITE_PREFIX):
             _require_database_store()
         self._entities = importlib.import_module("mlflow.entities")
         self._errors = importlib.import_module("mlflow.exceptions")
@@ -125,7 +129,11 @@ class MLflowRun:
         )
         found = self._client.get_experiment_by_name(experiment)
         experiment_id = (
-            found.experiment_id if found is not None else self._client.create_experiment(experiment)
+            found.experiment_id
+            if found is not None
+            else self._client.create_experiment(
+                experiment, artifact_location=artifact_location(self.tracking_uri())
+            )
         )
         tags = {"namespace": self.context.namespace, "trainingjob": self.context.name, **extra_tags}
         run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
@@ -156,6 +164,16 @@ def plan_text(context: backend.Context) -> str:
         return plan_report.to_text(estimate.make_plan(context.job, chosen))
     except (ValueError, KeyError, OSError) as err:
         return f"meshtrain plan could not plan this job: {err}\n"
+
+
+def artifact_location(uri: str | None) -> str | None:
+    """Where a new experiment's artifacts go: beside a ``sqlite:///`` database, in
+    :data:`SQLITE_ARTIFACTS` (MLflow's own default is ``./mlruns`` of whatever directory the
+    trainer runs in); None: the server's or store's own default."""
+    if uri is None or not uri.startswith(SQLITE_PREFIX):
+        return None
+    database = Path(uri[len(SQLITE_PREFIX) :]).absolute()
+    return (database.parent / SQLITE_ARTIFACTS).as_uri()
 
 
 def _require_database_store() -> None:
