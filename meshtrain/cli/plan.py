@@ -24,6 +24,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.cli import exitcodes, extras
 from meshtrain.planner import (
     cluster,
+    default_plan,
     estimate,
     failures,
     host_model,
@@ -252,10 +253,6 @@ def _measured_noise_scale(path: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def _default_profile(job: api_spec.TrainingJobSpec) -> str:
-    return "cpu" if job.training.precision == "fp32" else "h100-sxm"
-
-
 def _calibrate(
     job: api_spec.TrainingJobSpec, base: profiles.Profile, args: argparse.Namespace
 ) -> profiles.Profile:
@@ -322,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
             job = loading.apply_overrides(job, args.set)
         if args.calibrate and args.profiles_dir:  # where the calibration goes may not exist yet
             Path(args.profiles_dir[0]).mkdir(parents=True, exist_ok=True)
-        profile = profiles.get(args.gpu or _default_profile(job), args.profiles_dir)
+        profile = profiles.get(args.gpu or default_plan.profile_name(job), args.profiles_dir)
         if args.calibrate:
             profile = _calibrate(job, profile, args)
         nodes = None

@@ -4,6 +4,7 @@ with the field named and the fix said, by the model and by the CRD's schema alik
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -11,6 +12,7 @@ import yaml
 from meshtrain.api import crd, limits, loading
 from meshtrain.api.spec import tracking
 from meshtrain.operator.policy import builders, identity
+from meshtrain.trainer.telemetry.tracking import backend, tensorboard_files
 from tests.builders import JobBuilder
 
 
@@ -33,6 +35,8 @@ def test_no_tracker_unless_a_section_is_present():
         "http://127.0.0.1:5000",
         "http://[::1]:5000",
         "file:///var/mlruns",
+        "sqlite:////var/mlflow/store.db",
+        "sqlite:///mlflow.db",
     ],
 )
 def test_tracking_uri_accepted(uri):
@@ -48,6 +52,8 @@ def test_tracking_uri_accepted(uri):
         "ftp://mlflow/",
         "http://mlflow:5000/a b",
         "file:relative/path",
+        "sqlite:///",
+        "sqlite://host/x.db",
         "http://" + "a" * limits.MAX_URL_LENGTH,
     ],
 )
@@ -59,10 +65,24 @@ def test_tracking_uri_refused_naming_field_and_fix(uri):
         assert "http://, https:// or file:///" in str(err.value)
 
 
-@pytest.mark.parametrize("path", ["tb", "/a/../b", "/a//b", "/a/./b", "/a/\x01"])
-def test_log_dir_must_be_absolute_and_normalised(path):
+@pytest.mark.parametrize("path", ["/a/../b", "/a//b", "/a/./b", "/a/\x01", "../tb", "./tb", "a//b"])
+def test_log_dir_must_be_normalised(path):
     with pytest.raises(loading.SpecError, match=r"spec\.tracking\.tensorboard\.logDir.*absolute"):
         _spec(tensorboard={"logDir": path})
+
+
+def test_a_relative_log_dir_is_taken_from_the_working_or_checkpoint_directory(
+    tmp_path, monkeypatch
+):
+    job = _spec(tensorboard={"logDir": "tb/run-1"})
+    monkeypatch.chdir(tmp_path)
+    for local, expected in ((True, tmp_path / "tb/run-1"), (False, Path("/ckpt/ns/job/tb/run-1"))):
+        context = backend.Context(job, "ns", "job", Path("/ckpt/ns/job"), 1, None, local=local)
+        files = tensorboard_files.TensorBoardFiles(job.tracking.tensorboard, context)
+        assert files.directory() == expected
+    pod = backend.Context(job, "ns", "job", None, 1, None, local=False)
+    with pytest.raises(ValueError, match="logDir"):
+        tensorboard_files.TensorBoardFiles(job.tracking.tensorboard, pod).directory()
 
 
 def test_log_dir_accepts_dots_inside_names():

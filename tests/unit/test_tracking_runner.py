@@ -4,6 +4,7 @@ defensively, and a failing or stalled tracker that warns once and never blocks t
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from meshtrain.api import job_dir, loading
@@ -107,3 +108,46 @@ def test_a_stalled_tracker_drops_steps_instead_of_blocking(capsys, monkeypatch):
     tracker.release.set()
     one.close(None, True, timeout=30)
     assert tracker.steps == [1, 2, 3, 4, 5]
+
+
+class _SlowEnd:
+    """A tracker whose finish takes ``seconds`` (a server that answers late)."""
+
+    def __init__(self, name: str, seconds: float) -> None:
+        self.name = name
+        self.seconds = seconds
+        self.finished = threading.Event()
+
+    def start(self) -> None:
+        pass
+
+    def log(self, step, values, wall_time) -> None:
+        pass
+
+    def finish(self, report, finished) -> None:
+        if self.seconds:
+            time.sleep(self.seconds)
+        self.finished.set()
+
+
+def test_the_end_reaches_every_tracker_at_once_against_one_deadline(capsys):
+    hung, fast = _SlowEnd("hung", 60.0), _SlowEnd("fast", 1.0)
+    runners = [runner.Runner(hung), runner.Runner(fast)]  # the hung one first, as MLflow is
+    started = time.monotonic()
+    runner.close_all(runners, None, True, started + 5.0)
+    waited = time.monotonic() - started
+    assert fast.finished.is_set(), "the fast tracker must get its end while the first one hangs"
+    assert 4.0 <= waited < 30.0  # one deadline: not 5 s per tracker, not the hung one's 60 s
+    err = capsys.readouterr().err
+    assert err.count("WARNING: experiment tracker") == 1 and "tracker hung" in err
+
+
+def test_close_seconds_come_from_the_environment_within_bounds(monkeypatch):
+    monkeypatch.delenv(runner.CLOSE_ENV, raising=False)
+    assert runner.close_seconds() == runner.CLOSE_SECONDS
+    for given, expected in (("7", 7.0), ("0", 1.0), ("1e9", runner.MAX_CLOSE_SECONDS)):
+        monkeypatch.setenv(runner.CLOSE_ENV, given)
+        assert runner.close_seconds() == expected
+    for junk in ("soon", "nan", "inf"):
+        monkeypatch.setenv(runner.CLOSE_ENV, junk)
+        assert runner.close_seconds() == runner.CLOSE_SECONDS

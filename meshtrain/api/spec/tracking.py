@@ -17,14 +17,15 @@ from meshtrain.api import limits
 from meshtrain.api.spec import base
 
 _SEGMENT = r"([^/.\x00-\x1f\x7f][^/\x00-\x1f\x7f]*|\.[^/.\x00-\x1f\x7f][^/\x00-\x1f\x7f]*|\.\.[^/\x00-\x1f\x7f]+)"
-LOG_DIR = rf"^(/{_SEGMENT})+/?$"
-"""An absolute, normalised directory: no empty, ``.`` or ``..`` segment, no control character."""
+LOG_DIR = rf"^/?{_SEGMENT}(/{_SEGMENT})*/?$"
+"""A normalised directory, absolute or relative (``meshtrain run``: to the working directory; in a
+pod: to the job's checkpoint directory): no empty, ``.`` or ``..`` segment, no control character."""
 TRACKING_URI = (
     r"^(https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/[^\x00-\x20\x7f]*)?"
-    r"|file:(//)?/[^\x00-\x20\x7f]*)$"
+    r"|file:(//)?/[^\x00-\x20\x7f]*|sqlite:///[^\x00-\x20\x7f]+)$"
 )
-"""``http(s)://host[:port][/path]`` (no user or password: credentials come from the environment)
-or ``file:///absolute/path``."""
+"""``http(s)://host[:port][/path]`` (no user or password: credentials come from the environment),
+``file:///absolute/path`` or ``sqlite:///path.db`` (MLflow's recommended local store)."""
 NAME = r"^[^\x00-\x1f\x7f]+$"
 """An experiment or run name: any printable text."""
 WANDB_PROJECT = r"^[^/\\#?%:\x00-\x1f\x7f]+$"
@@ -48,8 +49,9 @@ class TensorBoard(base.SpecModel):
         max_length=limits.MAX_STRING_LENGTH,
         json_schema_extra={"pattern": LOG_DIR},
         description="Directory of the event files inside the pod (or on this machine for meshtrain "
-        "run); empty: tensorboard/ in the job's checkpoint directory, so they outlive the pod and a "
-        "resumed job adds to the same run.",
+        "run); a relative one is taken from the job's checkpoint directory in a pod and from the "
+        "working directory for meshtrain run; empty: tensorboard/ in the job's checkpoint "
+        "directory, so they outlive the pod and a resumed job adds to the same run.",
     )
 
     @field_validator("log_dir")
@@ -58,8 +60,9 @@ class TensorBoard(base.SpecModel):
         return _matching(
             value,
             LOG_DIR,
-            "logDir must be an absolute, normalised directory without '.' or '..' segments, '//' "
-            "or control characters, e.g. /checkpoints/tensorboard",
+            "logDir must be a normalised directory (absolute, or relative to the checkpoint or "
+            "working directory) without '.' or '..' segments, '//' or control characters, e.g. "
+            "/checkpoints/tensorboard or tensorboard/lr-3e-4",
         )
 
 
@@ -70,7 +73,8 @@ class MLflow(base.SpecModel):
         None,
         max_length=limits.MAX_URL_LENGTH,
         json_schema_extra={"pattern": TRACKING_URI},
-        description="The tracking server, e.g. http://mlflow.mlflow:5000 (or file:///path); empty: "
+        description="The tracking server, e.g. http://mlflow.mlflow:5000 (or file:///path, or "
+        "sqlite:///path.db: MLflow's local database store); empty: "
         "MLFLOW_TRACKING_URI of the environment. Credentials (MLFLOW_TRACKING_USERNAME, "
         "MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN) come from spec.pod.env, never the URI.",
     )
@@ -94,8 +98,9 @@ class MLflow(base.SpecModel):
         return _matching(
             value,
             TRACKING_URI,
-            "trackingUri must be an http://, https:// or file:/// URL without user or password, "
-            "e.g. http://mlflow.mlflow:5000 (credentials go in spec.pod.env from a Secret)",
+            "trackingUri must be an http://, https:// or file:/// URL without user or password, or "
+            "sqlite:///path.db, e.g. http://mlflow.mlflow:5000 (credentials go in spec.pod.env "
+            "from a Secret)",
         )
 
     @field_validator("experiment_name", "run_name")

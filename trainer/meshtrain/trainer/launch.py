@@ -33,6 +33,7 @@ from meshtrain.trainer.checkpointing import store
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.telemetry import readiness, steplog
+from meshtrain.trainer.telemetry.tracking import terminal as trackers
 
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
@@ -147,7 +148,11 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _summary(
-    job: api_spec.TrainingJobSpec, records: list[dict[str, Any]], seconds: float, log_dir: Path
+    job: api_spec.TrainingJobSpec,
+    records: list[dict[str, Any]],
+    seconds: float,
+    log_dir: Path,
+    identity: dict[str, str] | None = None,
 ) -> str:
     rows = [
         ("layout", job.parallelism.layout_string),
@@ -166,8 +171,21 @@ def _summary(
         ]
     rows.append(("step log", str(log_dir / steplog.FILENAME)))
     rows.append(("pictures", f"meshtrain report {log_dir} -o report.html"))
+    rows += trackers.rows(job, _tracker_home(job, log_dir, identity or {}))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _tracker_home(job: api_spec.TrainingJobSpec, log_dir: Path, identity: dict[str, str]) -> Path:
+    """The job's checkpoint directory as the ranks see it (the trackers' files), else the log dir."""
+    directory = checkpoint_dir(job, log_dir)
+    if not isinstance(directory, Path):
+        return log_dir
+    if not identity:
+        return directory
+    return Path(
+        job_dir.job_dir(str(directory), identity[job_dir.NAMESPACE_ENV], identity[job_dir.NAME_ENV])
+    )
 
 
 def run_local(
@@ -207,7 +225,10 @@ def run_local(
         else None
     )
     try:
-        code = _follow(procs, bar, steplog.Tail(log_dir / steplog.FILENAME), records, log_dir)
+        relay = trackers.Relay(log_dir / "rank-0.log")  # tracker warnings to this terminal
+        code = _follow(
+            procs, bar, steplog.Tail(log_dir / steplog.FILENAME), records, log_dir, relay
+        )
         if code != 0:
             return code
     except (KeyboardInterrupt, _Terminated):
@@ -226,7 +247,8 @@ def run_local(
             handle.close()
     bar.close()
     print(
-        f"meshtrain run {name}: done\n{_summary(job, records, time.monotonic() - started, log_dir)}"
+        f"meshtrain run {name}: done\n"
+        f"{_summary(job, records, time.monotonic() - started, log_dir, identity)}"
     )
     return 0
 
@@ -328,6 +350,7 @@ def _follow(
     tail: steplog.Tail,
     records: list[dict[str, Any]],
     log_dir: Path,
+    relay: trackers.Relay | None = None,
 ) -> int:
     """Drive the progress from the ranks' ready files and rank 0's step log (appending to ``records``) until every rank
     exited 0 (returns 0) or one failed: the others are stopped, and its code returned."""
@@ -335,6 +358,8 @@ def _follow(
         codes = [p.poll() for p in procs]
         fresh = tail.new_records()
         records += fresh
+        if relay is not None:
+            relay.poll()
         bar.poll(fresh)
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:

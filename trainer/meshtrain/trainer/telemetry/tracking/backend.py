@@ -39,6 +39,10 @@ class Context:
     """The first step this process trains (after a restore: the restored step + 1)."""
     log_dir: Path | None
     """Where steps.jsonl and the traces are (the run report is drawn from it)."""
+    device_name: str | None = None
+    """The CUDA device rank 0 trains on (``torch.cuda.get_device_name``); None: a CPU run."""
+    local: bool = False
+    """Every rank runs on this host (``meshtrain run``, not a pod): the plan shares its cores."""
 
     @property
     def run_name(self) -> str:

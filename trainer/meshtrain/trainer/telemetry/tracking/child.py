@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +41,8 @@ def start_line(context: backend.Context) -> dict[str, Any]:
         "home": str(context.home) if context.home is not None else None,
         "first_step": context.first_step,
         "log_dir": str(context.log_dir) if context.log_dir is not None else None,
+        "device_name": context.device_name,
+        "local": context.local,
     }
 
 
@@ -52,6 +55,8 @@ def context_of(line: dict[str, Any]) -> backend.Context:
         home=Path(line["home"]) if line.get("home") else None,
         first_step=int(line["first_step"]),
         log_dir=Path(line["log_dir"]) if line.get("log_dir") else None,
+        device_name=str(line["device_name"]) if line.get("device_name") else None,
+        local=bool(line.get("local")),
     )
 
 
@@ -81,11 +86,15 @@ def serve(lines: Iterable[str]) -> None:
             break
         for one in runners:
             one.log(int(line["step"]), dict(line["values"]), float(line["time"]))
+    budget = runner.close_seconds()
+    deadline = time.monotonic() + budget  # one for all trackers, the report's drawing included
+    # only MLflow takes the report: the others get their end before it is drawn
+    wants = [r for r in runners if r.failed is None and r.tracker.name == mlflow_run.MLflowRun.name]
+    runner.end_all([r for r in runners if r not in wants], None, finished, deadline)
     with tempfile.TemporaryDirectory(prefix="meshtrain-report-") as scratch:
-        wanted = any(r.failed is None and r.tracker.name == "mlflow" for r in runners)
-        drawn = draw_report(context, Path(scratch)) if wanted else None
-        for one in runners:
-            one.close(drawn, finished)
+        drawn = draw_report(context, Path(scratch)) if wants else None
+        runner.end_all(wants, drawn, finished, deadline)
+        runner.wait_all(runners, deadline, budget)
 
 
 def draw_report(context: backend.Context, scratch: Path) -> Path | None:
@@ -95,7 +104,7 @@ def draw_report(context: backend.Context, scratch: Path) -> Path | None:
     try:
         return report.write_html(report.load(context.log_dir), scratch / REPORT_FILE)
     except (report.ReportError, OSError, ValueError) as err:
-        print(f"WARNING: no run report for the trackers: {err}", file=sys.stderr)
+        print(f"{runner.WARNING_PREFIX}s: no run report: {err}", file=sys.stderr, flush=True)
         return None
 
 

@@ -7,12 +7,14 @@ that stalls fills a bounded queue (steps then dropped, said once) and never hold
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,8 +24,10 @@ from meshtrain.trainer.telemetry import steplog
 from meshtrain.trainer.telemetry.tracking import backend, child, runner
 
 CHILD_MODULE = "meshtrain.trainer.telemetry.tracking.child"
+POD_ENV = "KUBERNETES_SERVICE_HOST"
+"""Set by the kubelet in every pod: the job runs in a cluster, not on this host alone."""
 EXIT_GRACE_SECONDS = 30.0
-"""Beyond the trackers' own :data:`runner.CLOSE_SECONDS`: how long the end waits for the process."""
+"""Beyond the trackers' shared :func:`runner.close_seconds`: how long the end waits for the process."""
 
 
 def context_of(
@@ -38,7 +42,18 @@ def context_of(
         home=home,
         first_step=first_step,
         log_dir=logs,
+        device_name=_device_name(),
+        local=POD_ENV not in os.environ,
     )
+
+
+def _device_name() -> str | None:
+    """The CUDA device this rank trains on (None on a CPU run); torch is loaded in the trainer."""
+    if os.environ.get("MESHTRAIN_DEVICE") == "cpu":
+        return None
+    import torch  # noqa: PLC0415 - the trainer's own; kept out of the tracker process
+
+    return str(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 class TrackedLog:
@@ -55,6 +70,7 @@ class TrackedLog:
             [sys.executable, "-m", CHILD_MODULE],
             stdin=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # Ctrl-C reaches the ranks, not this: stdin's end stops it
             encoding="utf-8",
         )
         self._lines.put_nowait(json.dumps(child.start_line(context)))
@@ -93,7 +109,7 @@ class TrackedLog:
     def _warn(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            print(f"WARNING: experiment trackers: {message}", file=sys.stderr, flush=True)
+            print(f"{runner.WARNING_PREFIX}s: {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Close the file, end every tracker's run and wait (bounded) for their process."""
@@ -104,18 +120,24 @@ class TrackedLog:
             self.steps.close()
         finished = self.last_step >= self.context.job.training.steps
         self._send({"end": {"finished": finished}})
-        limit = runner.CLOSE_SECONDS + EXIT_GRACE_SECONDS
+        limit = end_seconds()
+        deadline = time.monotonic() + limit
+        if self._writer.is_alive():  # a dead writer (the process gone) reads no more lines
+            with contextlib.suppress(queue.Full):
+                self._lines.put(None, timeout=limit)
+        self._writer.join(max(0.0, deadline - time.monotonic()))
         try:
-            self._lines.put(None, timeout=limit)
-        except queue.Full:
-            pass
-        self._writer.join(limit)
-        try:
-            self._process.wait(limit)
+            self._process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self._warn(f"they did not finish within {limit:g} s; stopped")
             self._process.kill()
             self._process.wait()
+
+
+def end_seconds() -> float:
+    """The longest rank 0 waits for the trackers at the end (docs/tracking.md): their shared
+    deadline plus :data:`EXIT_GRACE_SECONDS` for the process to exit."""
+    return runner.close_seconds() + EXIT_GRACE_SECONDS
 
 
 Writer = steplog.StepLog | TrackedLog

@@ -1,13 +1,18 @@
-"""TensorBoard event files through ``torch.utils.tensorboard`` (the ``tensorboard`` package).
+"""TensorBoard event files through the ``tensorboard`` package's own writer (no torch: the
+trackers' process stays light).
 
-One folder per job: a resumed job writes a new event file there whose first step purges the
-steps the previous attempt wrote past its checkpoint, so TensorBoard shows one run whose steps
-only increase.
+``tensorboard.summary.Writer`` is marked experimental and has no purge step, so this writes the
+events itself with the pieces ``torch.utils.tensorboard`` uses: ``EventFileWriter`` and the event
+protos, scalars as ``simple_value`` (what TensorBoard's scalar dashboard and ``EventAccumulator``
+read).  One folder per job: a resumed job writes a new event file there that starts with a
+session START at its first step, which makes TensorBoard purge the steps the previous attempt
+wrote past its checkpoint (``purge_step`` in torch's writer), so each step shows once.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,8 @@ from meshtrain.trainer.telemetry.tracking import backend
 
 FLUSH_SECONDS = 10
 """How often the writer flushes its queue to the event file."""
+FILE_VERSION = "brain.Event:2"
+"""The event file format TensorBoard reads (as torch's writer stamps its purge event)."""
 
 
 class TensorBoardFiles:
@@ -28,29 +35,42 @@ class TensorBoardFiles:
         self.settings = settings
         self.context = context
         self._writer: Any = None
+        self._events: Any = None
+        self._summaries: Any = None
 
     def directory(self) -> Path:
-        """Where the event files go."""
-        if self.settings.log_dir:
-            return Path(self.settings.log_dir)
+        """Where the event files go: ``logDir`` (a relative one from the working directory for
+        ``meshtrain run``, from the job's checkpoint directory in a pod), else the default."""
+        given = Path(self.settings.log_dir) if self.settings.log_dir else None
+        if given is not None and (given.is_absolute() or self.context.local):
+            return given.absolute()
         if self.context.home is None:
             raise ValueError(
                 "the job has no local checkpoint or log directory: set spec.tracking.tensorboard.logDir"
             )
-        return self.context.home / job_dir.TENSORBOARD_SUBDIR
+        return self.context.home / (given or job_dir.TENSORBOARD_SUBDIR)
 
     def start(self) -> None:
-        writer_module = importlib.import_module("torch.utils.tensorboard")
+        files = importlib.import_module("tensorboard.summary.writer.event_file_writer")
+        self._events = importlib.import_module("tensorboard.compat.proto.event_pb2")
+        self._summaries = importlib.import_module("tensorboard.compat.proto.summary_pb2")
+        folder = self.directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        self._writer = files.EventFileWriter(str(folder), flush_secs=FLUSH_SECONDS)
         first = self.context.first_step
-        self._writer = writer_module.SummaryWriter(
-            log_dir=str(self.directory()),
-            purge_step=first if first > 1 else None,
-            flush_secs=FLUSH_SECONDS,
-        )
+        if first > 1:  # a resume: purge what the last attempt logged from here on
+            now = time.time()
+            start = self._events.SessionLog(status=self._events.SessionLog.START)
+            self._writer.add_event(
+                self._events.Event(wall_time=now, step=first, file_version=FILE_VERSION)
+            )
+            self._writer.add_event(self._events.Event(wall_time=now, step=first, session_log=start))
 
     def log(self, step: int, values: dict[str, float], wall_time: float) -> None:
-        for key, value in values.items():
-            self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
+        summary = self._summaries.Summary(
+            value=[self._summaries.Summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        )
+        self._writer.add_event(self._events.Event(wall_time=wall_time, step=step, summary=summary))
 
     def finish(self, report: Path | None, finished: bool) -> None:
         self._writer.close()
