@@ -2,7 +2,8 @@
 ``plan.txt`` both choose it here, so the two never disagree.
 
 Without a device name: ``cpu`` for an fp32 job, else ``h100-sxm``.  A rank on a GPU passes what
-``torch.cuda.get_device_name`` says, and a known product picks its own profile.  A local run
+``torch.cuda.get_device_name`` says, and a known product picks its own profile (the same
+lookup MFU's peak uses, :func:`mfu.gpu_profile`).  A local run
 (``meshtrain run``, every rank on this host) prices the built-in CPU profile over the host's
 cores (:func:`host_model.on_host`).
 """
@@ -13,26 +14,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import host_model, profiles
-
-DEVICE_PROFILES = (
-    ("H200", "h200"),
-    ("H100", "h100-sxm"),
-    ("A100-SXM4-40GB", "a100-40g"),
-    ("A100-PCIE-40GB", "a100-40g"),
-    ("A100", "a100-80g"),
-    ("L40S", "l40s"),
-)
-"""Substrings of CUDA device names (upper case, first match wins) and the profile of that product."""
+from meshtrain.planner import host_model, mfu, profiles
 
 
 def profile_name(job: api_spec.TrainingJobSpec, device_name: str | None = None) -> str:
     """The built-in profile for ``job`` on ``device_name`` (None or unknown: by the job's precision)."""
-    if device_name:
-        upper = device_name.upper()
-        for needle, name in DEVICE_PROFILES:
-            if needle in upper:
-                return name
+    known = mfu.gpu_profile(device_name) if device_name else None
+    if known is not None:
+        return known
     return "cpu" if job.training.precision == "fp32" else "h100-sxm"
 
 
