@@ -9,7 +9,10 @@ the trainer tests train on the CPU.  No YAML is copied into tests.
 from __future__ import annotations
 
 import copy
+import pathlib
 from typing import Any
+
+import yaml
 
 from meshtrain.api import limits
 from meshtrain.api import spec as api_spec
@@ -218,3 +221,9 @@ class JobBuilder:
             "metadata": metadata,
             "spec": self.raw(),
         }
+
+    def write(self, directory: pathlib.Path, name: str = "job.yaml") -> pathlib.Path:
+        """The manifest as a YAML file ``directory/name``, as a user hands one to the CLI."""
+        path = directory / name
+        path.write_text(yaml.safe_dump(self.manifest()))
+        return path

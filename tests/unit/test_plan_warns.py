@@ -33,17 +33,16 @@ def _plan(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _write(tmp_path: Path, builder: JobBuilder) -> Path:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(builder.manifest()))
-    return path
-
-
 def test_a_job_that_does_not_fit_exits_3_and_one_that_fits_0(tmp_path: Path) -> None:
-    fits = _write(tmp_path, JobBuilder().layout(2, 1, 1, gpus_per_node=2))
+    fits = JobBuilder().layout(2, 1, 1, gpus_per_node=2).write(tmp_path, "fits.yaml")
     done = _plan(str(fits), "--gpu", "h100-sxm")
     assert done.returncode == exitcodes.OK == 0, done.stderr
-    too_big = _write(tmp_path, JobBuilder().model(preset="1.3b").layout(1, 1, 1, gpus_per_node=1))
+    too_big = (
+        JobBuilder()
+        .model(preset="1.3b")
+        .layout(1, 1, 1, gpus_per_node=1)
+        .write(tmp_path, "too-big.yaml")
+    )
     done = _plan(str(too_big), "--gpu", "l40s", "--set", "training.microBatch=64")
     assert done.returncode == exitcodes.DOES_NOT_FIT == 3, done.stdout + done.stderr
     assert "DOES NOT FIT" in done.stdout  # the report still prints, on stdout
@@ -57,13 +56,13 @@ def test_a_job_that_does_not_fit_exits_3_and_one_that_fits_0(tmp_path: Path) -> 
 
 
 def test_an_unplaceable_gang_exits_4_and_a_fruitless_search_5(tmp_path: Path) -> None:
-    job = _write(tmp_path, JobBuilder().layout(2, 1, 1, gpus_per_node=2))
+    job = JobBuilder().layout(2, 1, 1, gpus_per_node=2).write(tmp_path)
     one_gpu = tmp_path / "cluster.yaml"
     one_gpu.write_text("- {name: only, gpus: 1}\n")  # the gang needs 2 GPUs on a node
     done = _plan(str(job), "--gpu", "h100-sxm", "--cluster", str(one_gpu))
     assert done.returncode == exitcodes.UNSCHEDULABLE == 4, done.stdout + done.stderr
     assert "unschedulable" in done.stdout and "(exit 4)" in done.stderr
-    big = _write(tmp_path, JobBuilder().model(preset="llama3-70b").layout(1, 1, 1, gpus_per_node=1))
+    big = JobBuilder().model(preset="llama3-70b").layout(1, 1, 1, gpus_per_node=1).write(tmp_path)
     done = _plan(str(big), "--gpu", "l40s", "--search", "--world", "1")  # 70B on one 48 GB card
     assert done.returncode == exitcodes.NO_LAYOUT == 5, done.stdout + done.stderr
     assert "(exit 5)" in done.stderr

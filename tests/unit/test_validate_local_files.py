@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from safetensors import numpy as safetensors_numpy
 from safetensors import safe_open
 
@@ -37,12 +36,6 @@ def meshtrain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _job_file(tmp_path: Path, builder: JobBuilder) -> Path:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(builder.manifest()))
-    return path
-
-
 def _dataset(path: str) -> JobBuilder:
     return JobBuilder.cpu_run().training(dataset=path)
 
@@ -51,7 +44,7 @@ def _dataset(path: str) -> JobBuilder:
 
 
 def test_a_missing_relative_dataset_is_refused_naming_the_field_and_path(tmp_path):
-    run = meshtrain(tmp_path, "validate", str(_job_file(tmp_path, _dataset("data/tokens.bin"))))
+    run = meshtrain(tmp_path, "validate", str(_dataset("data/tokens.bin").write(tmp_path)))
     assert run.returncode == 2, run
     assert "spec.training.dataset: token file 'data/tokens.bin' does not exist" in run.stderr
     assert f"(relative to {tmp_path})" in run.stderr
@@ -60,14 +53,14 @@ def test_a_missing_relative_dataset_is_refused_naming_the_field_and_path(tmp_pat
 def test_a_relative_dataset_that_exists_is_valid(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "tokens.bin").write_bytes(bytes(64))
-    run = meshtrain(tmp_path, "validate", str(_job_file(tmp_path, _dataset("data/tokens.bin"))))
+    run = meshtrain(tmp_path, "validate", str(_dataset("data/tokens.bin").write(tmp_path)))
     assert run.returncode == 0, run.stderr
     assert "valid TrainingJob" in run.stdout
 
 
 def test_a_glob_matching_nothing_is_refused_and_one_matching_a_file_is_valid(tmp_path):
     builder = JobBuilder.cpu_run().training(datasets=[{"path": "shards/*.bin", "weight": 1.0}])
-    job = _job_file(tmp_path, builder)
+    job = builder.write(tmp_path)
     run = meshtrain(tmp_path, "validate", str(job))
     assert run.returncode == 2, run
     assert "spec.training.datasets[0].path: the glob 'shards/*.bin' matches no file" in run.stderr
@@ -78,7 +71,7 @@ def test_a_glob_matching_nothing_is_refused_and_one_matching_a_file_is_valid(tmp
 
 def test_an_absolute_path_is_the_pods_unless_local(tmp_path):
     missing = str(tmp_path / "volume" / "tokens.bin")  # not on this machine: a pod's volume
-    job = _job_file(tmp_path, _dataset(missing))
+    job = _dataset(missing).write(tmp_path)
     cluster = meshtrain(tmp_path, "validate", str(job))
     assert cluster.returncode == 0, cluster.stderr
     assert (
@@ -92,7 +85,7 @@ def test_an_absolute_path_is_the_pods_unless_local(tmp_path):
 
 def test_meshtrain_run_refuses_what_validate_local_refuses(tmp_path):
     missing = str(tmp_path / "tokens.bin")
-    job = _job_file(tmp_path, _dataset(missing))
+    job = _dataset(missing).write(tmp_path)
     validate = meshtrain(tmp_path, "validate", "--local", str(job))
     run = meshtrain(tmp_path, "run", str(job), "--log-dir", str(tmp_path / "log"))
     assert validate.returncode == 2 and run.returncode != 0, (validate, run)
@@ -159,7 +152,7 @@ BROKEN = {
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_validate_refuses_a_from_hf_directory_that_does_not_fit(tmp_path, case):
     builder, directory = _from_hf(tmp_path)
-    job = _job_file(tmp_path, builder)
+    job = builder.write(tmp_path)
     assert meshtrain(tmp_path, "validate", str(job)).returncode == 0  # fits before it is broken
     breaks, words = BROKEN[case]
     breaks(directory)
@@ -175,7 +168,7 @@ def test_validate_refuses_a_from_hf_directory_that_does_not_fit(tmp_path, case):
 def test_validate_and_run_refuse_a_from_hf_directory_in_the_same_words(tmp_path, case):
     builder, directory = _from_hf(tmp_path)
     BROKEN[case][0](directory)
-    job = _job_file(tmp_path, builder)
+    job = builder.write(tmp_path)
     validate = meshtrain(tmp_path, "validate", str(job))
     run = meshtrain(tmp_path, "run", str(job), "--log-dir", str(tmp_path / "log"))
     assert (validate.returncode, run.returncode) == (2, 2), (validate, run)
@@ -186,13 +179,13 @@ def test_validate_and_run_refuse_a_from_hf_directory_in_the_same_words(tmp_path,
 def test_validate_takes_what_the_spec_leaves_out_from_config_json_as_run_does(tmp_path):
     builder, directory = _from_hf(tmp_path)
     _rewrite_config(directory, n_inner=96)  # not the default 4 x hidden the spec would get
-    stated = _job_file(tmp_path, builder)
+    stated = builder.write(tmp_path)
     refused = meshtrain(tmp_path, "validate", str(stated))
     assert refused.returncode == 2 and "n_inner=96 but spec.model.ffnHidden=128" in refused.stderr
     raw = builder.raw()
     del raw["model"]["ffnHidden"]
     silent = JobBuilder.from_manifest({"metadata": {"name": "hf"}, "spec": raw})
-    run = meshtrain(tmp_path, "validate", str(_job_file(tmp_path, silent)))
+    run = meshtrain(tmp_path, "validate", str(silent.write(tmp_path)))
     assert run.returncode == 0, run.stderr
 
 
