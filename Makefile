@@ -59,7 +59,8 @@ sandbox-status: venv  ## what the sandbox is running
 
 test: venv  ## every test but the sandbox's (unit, trainer, integration, telemetry); CI runs this
 	scripts/bootstrap.sh --no-node
-	$(BIN)/pytest -m "not e2e" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
+	$(BIN)/pytest -m "not e2e and not alone" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
+	$(BIN)/pytest -m "alone and not e2e" --durations=5  # wall-time comparisons, with the machine to themselves
 
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit

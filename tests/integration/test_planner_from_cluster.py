@@ -23,7 +23,7 @@ BLOCK = "network.topology.nvidia.com/block"
 def gpu_nodes(kube_api: kubernetes.client.ApiClient) -> Iterator[list[str]]:
     """Three Node objects with 4 GPUs each: two in one block, one in another."""
     core = kubernetes.client.CoreV1Api(kube_api)
-    suffix = uuid.uuid4().hex[:6]
+    suffix = f"s{uuid.uuid4().hex[:6]}"  # a letter first: 13e303 would read as a number (YAML 1.2, as kubectl reads it)
     names = [f"plan-{suffix}-{i}" for i in range(3)]
     for name, block in zip(names, ("b1", "b1", "b2")):
         labels = {BLOCK: f"{block}-{suffix}", "meshtrain.io/test": suffix}

@@ -58,6 +58,16 @@ def _job(name: str, phase: str, **status: object) -> dict:
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[promserver.PrometheusServer]:
     running, waiting = f"run-{uuid.uuid4().hex[:5]}", f"wait-{uuid.uuid4().hex[:5]}"
     placed = {"placement": [{"node": "n0"}], "elastic": {"data": 1}}
+    # The registry is process-wide: operator tests that ran earlier in this pytest process
+    # left their namespaces' series in it.  Start as a fresh operator process does, empty.
+    metrics.forget_all()
+    for per_namespace in (
+        metrics.RECONCILE_SECONDS,
+        metrics.PLACEMENT_SECONDS,
+        metrics.APPLY_TO_RUNNING_SECONDS,
+        metrics.PLACEMENT_FAILURES,
+    ):
+        per_namespace.clear()
     metrics.observe_job(_job(running, "Pending"), unschedulable=False, placed_condition=None)
     metrics.observe_job(
         _job(running, "Running", **placed), unschedulable=False, placed_condition=None

@@ -17,6 +17,10 @@ from meshtrain.api import console, loading
 from meshtrain.planner import estimate, host_model, profiles
 from meshtrain.trainer.telemetry import report, steplog
 
+pytestmark = (
+    pytest.mark.alone
+)  # a wall time against a plan for the whole machine: nothing beside it
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu.yaml"
 STEPS = 5
 

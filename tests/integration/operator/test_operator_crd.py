@@ -288,6 +288,7 @@ def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
         "warmSpares": 1,
         "rejoinTimeoutSeconds": 120,
         "spareNodes": 0,
+        "torchrunElastic": False,
     }
 
 

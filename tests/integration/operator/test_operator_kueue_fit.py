@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from tests.integration.operator.cluster import REPO, Cluster, OperatorProcess, w
 pytestmark = pytest.mark.integration
 
 RBAC = pathlib.Path(REPO) / "manifests" / "rbac" / "rbac.yaml"
+DEPLOYMENT = pathlib.Path(REPO) / "manifests" / "operator" / "operator.yaml"
 OPERATOR_NAMESPACE, SERVICE_ACCOUNT = "meshtrain-system", "meshtrain"
 API_VERSION = f"{kueue_workload.GROUP}/{kueue_workload.VERSION}"
 SOLO_NS, SOLO_QUEUE, SPARE_QUEUE = "solo-team", "solo", "spare"
@@ -135,6 +137,13 @@ def _service_account_kubeconfig(plane: controlplane.ControlPlane, cluster: Clust
     return str(path)
 
 
+def _chart_lease() -> str:
+    """The Lease the chart's Deployment elects on (its ``--lease=`` argument)."""
+    text = DEPLOYMENT.read_text()
+    [name] = re.findall(r"--lease=([\w.-]+)", text)
+    return name
+
+
 @pytest.fixture(scope="module")
 def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("kueue-fit")
@@ -166,6 +175,7 @@ def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
             process = OperatorProcess(
                 _service_account_kubeconfig(plane, cluster),
                 str(work / "operator.log"),
+                lease=_chart_lease(),  # the RBAC grants get/update on that Lease only
                 lease_namespace=OPERATOR_NAMESPACE,
             )
             process.start()
