@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.api import console, loading
-from meshtrain.planner import estimate, host_model, profiles
+from meshtrain.planner import default_plan, estimate, host_model
 from meshtrain.trainer.telemetry import report, steplog
 
 pytestmark = (
@@ -62,9 +62,7 @@ def test_the_default_plan_is_within_2x_of_the_measured_step(example_run: tuple[P
 def test_plan_and_report_give_one_mfu_for_one_step_time(example_run: tuple[Path, str]) -> None:
     log_dir, _ = example_run
     job = loading.load_spec_file(str(EXAMPLE))
-    profile = host_model.on_host(
-        profiles.get("cpu"), host_model.host_cores()
-    )  # as `meshtrain plan`
+    profile = default_plan.profile(job, local_cores=host_model.host_cores())  # as `meshtrain plan`
     plan = estimate.make_plan(job, profile)
     run = report.load(log_dir)
     for record in run.steps:  # the trainer's own MFU, step by step
