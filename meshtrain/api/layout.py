@@ -1,11 +1,14 @@
-"""Rank-layout arithmetic for data x pipeline x tensor parallelism: :class:`ParallelLayout`.
+"""Rank-layout arithmetic for data x pipeline x context x tensor parallelism: :class:`ParallelLayout`.
 
 Degrees, world size, a rank's coordinates and each process group's members, in the order the
-design fixes (pipeline outermost, tensor innermost)::
+design fixes (pipeline outermost, tensor innermost, context just outside tensor as Megatron
+orders tp-cp-dp-pp)::
 
-    rank = (pp * data + dp) * tensor + tp
+    rank = ((pp * data + dp) * context + cp) * tensor + tp
 
-so a tensor-parallel group is a block of consecutive local ranks of one pod.
+so a tensor-parallel group is a block of consecutive local ranks of one pod, and a context group
+the next block out (it spans pods once ``tensor x context`` exceeds a pod's ranks).  With
+``context = 1`` this is the 3D formula ``(pp * data + dp) * tensor + tp``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class RankCoords:
-    """Where one rank sits in the (pp, dp, tp) grid."""
+    """Where one rank sits in the (pp, dp, cp, tp) grid."""
 
     pp: int
     """Pipeline stage index."""
@@ -23,11 +26,13 @@ class RankCoords:
     """Data-parallel replica index."""
     tp: int
     """Tensor-parallel shard index."""
+    cp: int = 0
+    """Context-parallel index: which slice of the sequence this rank holds."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    """The degrees of a 3D-parallel job and the arithmetic on them."""
+    """The degrees of a parallel job and the arithmetic on them."""
 
     data: int
     """Data-parallel degree."""
@@ -35,65 +40,88 @@ class ParallelLayout:
     """Pipeline-parallel degree (stages)."""
     tensor: int
     """Tensor-parallel degree."""
+    context: int = 1
+    """Context-parallel degree: ranks that split each sequence."""
 
     def __post_init__(self) -> None:
-        for name in ("data", "pipeline", "tensor"):
+        for name in ("data", "pipeline", "tensor", "context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} degree must be >= 1, got {getattr(self, name)}")
 
     @property
     def world_size(self) -> int:
         """Ranks in the job."""
-        return self.data * self.pipeline * self.tensor
+        return self.data * self.pipeline * self.context * self.tensor
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
-        """Shape of the (pp, dp, tp) device mesh in rank order."""
+        """Shape of the (pp, dp, tp) device mesh in rank order (3D layouts only: see :attr:`mesh_shape_4d`)."""
+        if self.context != 1:
+            raise ValueError(f"{self} has a context axis: use mesh_shape_4d")
         return (self.pipeline, self.data, self.tensor)
 
-    def __str__(self) -> str:
-        return f"dp{self.data}·pp{self.pipeline}·tp{self.tensor}"
+    @property
+    def mesh_shape_4d(self) -> tuple[int, int, int, int]:
+        """Shape of the (pp, dp, cp, tp) device mesh in rank order."""
+        return (self.pipeline, self.data, self.context, self.tensor)
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+    def __str__(self) -> str:
+        context = f"·cp{self.context}" if self.context > 1 else ""
+        return f"dp{self.data}·pp{self.pipeline}{context}·tp{self.tensor}"
+
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         """Global rank at the given coordinates."""
-        if not (0 <= pp < self.pipeline and 0 <= dp < self.data and 0 <= tp < self.tensor):
-            raise ValueError(f"coordinates (pp={pp}, dp={dp}, tp={tp}) outside {self}")
-        return (pp * self.data + dp) * self.tensor + tp
+        inside = (
+            0 <= pp < self.pipeline
+            and 0 <= dp < self.data
+            and 0 <= cp < self.context
+            and 0 <= tp < self.tensor
+        )
+        if not inside:
+            raise ValueError(f"coordinates (pp={pp}, dp={dp}, cp={cp}, tp={tp}) outside {self}")
+        return ((pp * self.data + dp) * self.context + cp) * self.tensor + tp
 
     def coords(self, rank: int) -> RankCoords:
         """Coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size} of {self}")
         tp = rank % self.tensor
-        dp = (rank // self.tensor) % self.data
-        pp = rank // (self.tensor * self.data)
-        return RankCoords(pp=pp, dp=dp, tp=tp)
+        cp = (rank // self.tensor) % self.context
+        dp = (rank // (self.tensor * self.context)) % self.data
+        pp = rank // (self.tensor * self.context * self.data)
+        return RankCoords(pp=pp, dp=dp, tp=tp, cp=cp)
 
     def tp_group(self, rank: int) -> list[int]:
-        """Ranks sharing this rank's layers (same pp, dp)."""
+        """Ranks sharing this rank's layers and sequence slice (same pp, dp, cp)."""
         c = self.coords(rank)
-        return [self.rank_of(c.pp, c.dp, t) for t in range(self.tensor)]
+        return [self.rank_of(c.pp, c.dp, t, c.cp) for t in range(self.tensor)]
+
+    def cp_group(self, rank: int) -> list[int]:
+        """Ranks splitting this rank's sequences, slice 0 first (same pp, dp, tp)."""
+        c = self.coords(rank)
+        return [self.rank_of(c.pp, c.dp, c.tp, k) for k in range(self.context)]
 
     def dp_group(self, rank: int) -> list[int]:
-        """Ranks holding replicas of this rank's shard (same pp, tp)."""
+        """Ranks holding replicas of this rank's shard (same pp, cp, tp)."""
         c = self.coords(rank)
-        return [self.rank_of(c.pp, d, c.tp) for d in range(self.data)]
+        return [self.rank_of(c.pp, d, c.tp, c.cp) for d in range(self.data)]
 
     def pp_group(self, rank: int) -> list[int]:
-        """Ranks forming this rank's pipeline, stage 0 first (same dp, tp)."""
+        """Ranks forming this rank's pipeline, stage 0 first (same dp, cp, tp)."""
         c = self.coords(rank)
-        return [self.rank_of(p, c.dp, c.tp) for p in range(self.pipeline)]
+        return [self.rank_of(p, c.dp, c.tp, c.cp) for p in range(self.pipeline)]
 
     def all_groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis`` ('tp', 'dp' or 'pp'), each listed once, in rank order.
+        """Every group along ``axis`` ('tp', 'cp', 'dp' or 'pp'), each listed once, in rank order.
 
         A group is ``count`` ranks ``stride`` apart from its first (the rank formula), so the
         groups cost O(world) to list rather than O(world x group) to collect rank by rank.
         """
         stride, count = {
             "tp": (1, self.tensor),
-            "dp": (self.tensor, self.data),
-            "pp": (self.tensor * self.data, self.pipeline),
+            "cp": (self.tensor, self.context),
+            "dp": (self.tensor * self.context, self.data),
+            "pp": (self.tensor * self.context * self.data, self.pipeline),
         }[axis]
         firsts = (r for r in range(self.world_size) if (r // stride) % count == 0)
         return [list(range(first, first + stride * count, stride)) for first in firsts]
@@ -143,7 +171,7 @@ class ParallelLayout:
         if self.fills_pods(gpus_per_node):
             return None
         return (
-            f"world size data x pipeline x tensor = {self} = {self.world_size} is not a multiple of "
+            f"world size data x pipeline x context x tensor = {self} = {self.world_size} is not a multiple of "
             f"gpusPerNode={gpus_per_node}; every pod runs gpusPerNode ranks: change the degrees or gpusPerNode"
         )
 
@@ -156,8 +184,8 @@ class ParallelLayout:
         return self.tensor_split_problem(gpus_per_node) or self.pod_fill_problem(gpus_per_node)
 
     def dp_ranks_per_pod(self, gpus_per_node: int) -> int:
-        """Ranks of one data-parallel group in one pod of ``gpus_per_node``: ``gpusPerNode / tensor``, at most ``data``."""
-        return min(max(gpus_per_node // self.tensor, 1), self.data)
+        """Ranks of one data-parallel group in one pod of ``gpus_per_node``: ``gpusPerNode / (tensor x context)``, at most ``data``."""
+        return min(max(gpus_per_node // (self.tensor * self.context), 1), self.data)
 
     def pods(self, gpus_per_node: int) -> int:
         """Pods in the gang, one per node slot of ``gpus_per_node`` ranks."""

@@ -98,3 +98,52 @@ def test_dp_levels_split_every_dp_group_by_pod(data, pipeline, tensor, gpus):
         ]
         assert [g for g in intra if rank in g] == [same_pod]
         assert [g for g in inter if rank in g] == [across]
+
+
+LAYOUTS_4D = [(1, 1, 1, 2), (2, 1, 2, 2), (2, 2, 1, 4), (3, 2, 4, 2), (1, 2, 2, 3)]
+
+
+@pytest.mark.parametrize("data,pipeline,tensor,context", LAYOUTS_4D)
+def test_context_axis_sits_between_tensor_and_data(data, pipeline, tensor, context):
+    """Megatron's tp-cp-dp-pp order: coords invert the rank formula and each group holds the
+    ranks that differ in its own coordinate only."""
+    layout = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor, context=context)
+    assert layout.world_size == data * pipeline * tensor * context
+    grid = itertools.product(range(pipeline), range(data), range(context), range(tensor))
+    for pp, dp, cp, tp in grid:
+        rank = layout.rank_of(pp, dp, tp, cp)
+        assert rank == ((pp * data + dp) * context + cp) * tensor + tp
+        assert layout.coords(rank) == type(layout.coords(0))(pp=pp, dp=dp, tp=tp, cp=cp)
+    member_of = {
+        "tp": layout.tp_group,
+        "cp": layout.cp_group,
+        "dp": layout.dp_group,
+        "pp": layout.pp_group,
+    }
+    for axis, group_of in member_of.items():
+        groups = layout.all_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
+        for group in groups:
+            assert group_of(group[0]) == group
+            fixed = [
+                {k: getattr(layout.coords(r), k) for k in member_of if k != axis} for r in group
+            ]
+            assert all(f == fixed[0] for f in fixed)
+
+
+def test_context_one_is_the_3d_layout_and_names_no_context():
+    flat = ParallelLayout(data=2, pipeline=2, tensor=2)
+    assert flat == ParallelLayout(data=2, pipeline=2, tensor=2, context=1)
+    assert str(flat) == "dp2·pp2·tp2"
+    assert str(ParallelLayout(data=2, pipeline=2, tensor=2, context=4)) == "dp2·pp2·cp4·tp2"
+    assert ParallelLayout(data=2, pipeline=1, tensor=2, context=2).mesh_shape_4d == (1, 2, 2, 2)
+    with pytest.raises(ValueError, match="context"):
+        ParallelLayout(data=1, pipeline=1, tensor=1, context=0)
+
+
+def test_context_groups_span_pods_once_tensor_times_context_exceeds_a_pod():
+    inside = ParallelLayout(data=2, pipeline=1, tensor=2, context=2)
+    assert all(len({inside.pod_of(r, 4) for r in g}) == 1 for g in inside.all_groups("cp"))
+    across = ParallelLayout(data=1, pipeline=1, tensor=4, context=4)
+    assert all(len({across.pod_of(r, 8) for r in g}) == 2 for g in across.all_groups("cp"))
+    assert across.dp_ranks_per_pod(8) == 1
