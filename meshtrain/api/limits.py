@@ -21,6 +21,9 @@ MAX_PIPELINE = 512
 MAX_TENSOR = 64
 """Tensor-parallel degree (a tensor group stays inside one NVLink domain)."""
 
+MAX_CONTEXT = 64
+"""Context-parallel degree: ranks that split each sequence (ring attention)."""
+
 MAX_VIRTUAL_STAGES = 64
 """Model chunks per pipeline rank (interleaved-1f1b)."""
 

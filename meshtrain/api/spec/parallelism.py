@@ -61,6 +61,12 @@ class Parallelism(base.SpecModel):
         le=limits.MAX_TENSOR,
         description="Tensor-parallel degree: GPUs that split every layer.",
     )
+    context: int = Field(
+        1,
+        ge=1,
+        le=limits.MAX_CONTEXT,
+        description="Context-parallel degree: ranks that split each sequence (ring attention).",
+    )
     schedule: Schedule = Field(
         "1f1b",
         description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one backward, bounded activation memory), interleaved-1f1b (virtual stages, smaller bubble).",
@@ -109,7 +115,9 @@ class Parallelism(base.SpecModel):
         Built on each read (three integers): a cached value would survive
         ``model_copy(update=...)``, which copies the instance dict, and go stale.
         """
-        return layout_mod.ParallelLayout(data=self.data, pipeline=self.pipeline, tensor=self.tensor)
+        return layout_mod.ParallelLayout(
+            data=self.data, pipeline=self.pipeline, tensor=self.tensor, context=self.context
+        )
 
     @property
     def world_size(self) -> int:
