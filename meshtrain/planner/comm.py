@@ -14,7 +14,7 @@ import math
 
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
-from meshtrain.planner import gradient_compression, parameters, precision
+from meshtrain.planner import context, gradient_compression, parameters, precision
 
 NORM_BYTES = 8
 """The global gradient norm travels as one fp64 scalar per axis."""
@@ -28,7 +28,7 @@ class Collective:
     """Calls of one collective op over one group during one step on one rank."""
 
     group: str
-    """Axis of the process group: ``dp``, ``tp`` or ``pp``."""
+    """Axis of the process group: ``dp``, ``tp``, ``pp`` or ``cp`` (the context ring's sends)."""
     op: str
     """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``send`` (pipeline point-to-point)."""
     calls: int
@@ -284,14 +284,19 @@ def stage_comm(
     """The collectives of one rank of pipeline ``stage`` in one optimizer step."""
     par = job.parallelism
     chunks = _RankChunks.of(job, stage)
-    dp = _dp_exchange(job, chunks, scheme) if par.data > 1 else _Exchange([])
-    rows = dp.rows + _tp_rows(job, chunks, scheme) + _pp_rows(job, chunks, scheme)
+    # Context ranks hold the same parameters: their gradients are summed with the data-parallel
+    # ones, over data x context ranks (Megatron-Core's dp-cp group).
+    reducers = par.data * par.context
+    dp = _dp_exchange(job, chunks, scheme) if reducers > 1 else _Exchange([])
+    ring = _Row("cp", "send", context.ring_steps(job).calls, context.placement_bytes(job, scheme))
+    rows = dp.rows + _tp_rows(job, chunks, scheme) + _pp_rows(job, chunks, scheme) + [ring]
+    members = {"dp": reducers, "tp": par.tensor, "pp": par.pipeline, "cp": par.context}
     return StageComm(
         stage=stage,
-        collectives=_summed(rows, {"dp": par.data, "tp": par.tensor, "pp": par.pipeline}),
+        collectives=_summed(rows, members),
         dp_exchanges=dp.exchanges,
         dp_last_exchange=tuple(
-            Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=par.data)
+            Collective(group=g, op=op, calls=calls, nbytes=nbytes, members=reducers)
             for g, op, calls, nbytes in dp.last
         ),
     )
@@ -451,7 +456,7 @@ def _tp_rows(
     # Activation checkpointing replays each block's forward in backward, and PyTorch stops the replay once
     # the last tensor backward needs exists: the MLP output's collective (its result saves nothing) is skipped.
     recompute = job.training.activation_checkpointing
-    b, s, h = job.training.micro_batch, shape.seq_len, shape.hidden
+    b, s, h = job.training.micro_batch, shape.seq_len // par.context, shape.hidden
     # a full (B, T, H) residual-stream tensor and a row-parallel output, as they cross the group
     stream = matmul = b * s * h * scheme.wire_bytes
     blocks = chunks.layers * len(chunks.virtuals)
@@ -511,8 +516,7 @@ def _pp_rows(
     if par.pipeline == 1:
         return []
     t, h = par.tensor, shape.hidden
-    seq = shape.seq_len // t if par.sequence_parallel and t > 1 else shape.seq_len
-    message = job.training.micro_batch * seq * h * scheme.wire_bytes
+    message = _stage_message(job, scheme)
     sends = sum((j != chunks.last_virtual) + (j != 0) for j in chunks.virtuals) * par.micro_batches
     rows = [_Row("pp", "send", sends, sends * message)]
     if shape.tie_embeddings and (chunks.holds_first or chunks.holds_last):
@@ -544,8 +548,17 @@ def placement_traffic(
     par = job.parallelism
     if par.pipeline == 1:
         return dp, 0.0
-    shape = job.model.shape()
-    v = par.virtual_stages
-    seq = shape.seq_len // par.tensor if par.sequence_parallel and par.tensor > 1 else shape.seq_len
-    message = job.training.micro_batch * seq * shape.hidden * scheme.wire_bytes
-    return dp, float(2 * par.micro_batches * v * message)
+    message = _stage_message(job, scheme)
+    return dp, float(2 * par.micro_batches * par.virtual_stages * message)
+
+
+def _stage_message(job: api_spec.TrainingJobSpec, scheme: precision.StateScheme) -> float:
+    """Bytes of one activation (or its gradient) between stages: one rank's tokens of a micro-batch.
+
+    ``seqLen / context`` tokens per sequence, of them ``1 / tensor`` under sequence parallelism.
+    """
+    shape, par = job.model.shape(), job.parallelism
+    seq = shape.seq_len // par.context
+    if par.sequence_parallel and par.tensor > 1:
+        seq //= par.tensor
+    return job.training.micro_batch * seq * shape.hidden * scheme.wire_bytes

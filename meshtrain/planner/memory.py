@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.api.spec import parallelism as api_parallelism
-from meshtrain.planner import comm, gradient_compression, parameters, precision, profiles
+from meshtrain.planner import comm, context, gradient_compression, parameters, precision, profiles
 
 # --------------------------------------------------------------------------- model state
 
@@ -390,12 +390,14 @@ class RankMemory:
     exchange: float = 0.0
     """Temporaries of one bucket's compressed or hierarchical exchange: the chains overlap backward,
     so they coexist with its activations and buffers."""
+    ring: float = 0.0
+    """Context parallelism: the ring's K/V and dK/dV blocks of the layer running (:func:`.context.ring_buffer_bytes`)."""
 
     @property
     def total(self) -> float:
         """Peak bytes: the state plus the largest working set (backward, the end of a backward, the optimizer step)."""
         working = max(  # the copies are 0 where reduce_end is not (ZeRO-3 over data ranks)
-            self.activations + self.weight_casts + self.buffers + self.exchange,
+            self.activations + self.weight_casts + self.buffers + self.exchange + self.ring,
             self.other_activations + self.reduce_end,
             self.step_buffers,
         )
@@ -458,7 +460,8 @@ class _LayerBytes:
     @classmethod
     def of(cls, job: api_spec.TrainingJobSpec, scheme: precision.StateScheme) -> _LayerBytes:
         """The figures of ``job``'s blocks."""
-        shape, par, micro_batch = job.model.shape(), job.parallelism, job.training.micro_batch
+        par, micro_batch = job.parallelism, job.training.micro_batch
+        shape = context.local_shape(job)  # a rank's seqLen / context tokens
         sp = par.sequence_parallel
         kept = layer_activation_bytes(
             shape,
@@ -526,6 +529,7 @@ def _rank_memory(
         weight_casts=_weight_casts(job, stage, scheme, flight),
         compression=compression,
         exchange=exchange,
+        ring=context.ring_buffer_bytes(job, scheme),
     )
 
 
@@ -543,7 +547,7 @@ def _activations(
     flight: float,
 ) -> float:
     """Activations at the schedule's peak: ``flight`` micro-batches of the stage's blocks, and the head's."""
-    shape, par = job.model.shape(), job.parallelism
+    shape, par = context.local_shape(job), job.parallelism
     layers = shape.layers // par.pipeline
     if job.training.activation_checkpointing:
         # block inputs kept; one block's working set rebuilt at a time

@@ -62,7 +62,7 @@ def links(
 def axis_links(
     job: api_spec.TrainingJobSpec, kinds: dict[str, Link], pod_domains: Sequence[str] | None
 ) -> dict[str, Link]:
-    """The link of each group axis (``dp``, ``tp``, ``pp``), of ``kinds`` (:func:`links`), by :func:`group_links`."""
+    """The link of each group axis (``dp``, ``tp``, ``pp``; ``cp`` with context), of ``kinds`` (:func:`links`), by :func:`group_links`."""
     return {axis: kinds[kind] for axis, kind in group_links(job, pod_domains).items()}
 
 
@@ -143,7 +143,8 @@ def group_links(
         list(pod_domains) if pod_domains is not None else [f"pod-{i}" for i in range(job.pods)]
     )
     out = {}
-    for axis in ("dp", "tp", "pp"):
+    axes = ("dp", "tp", "pp", "cp") if grid.context > 1 else ("dp", "tp", "pp")
+    for axis in axes:
         spans = any(
             len({domains[grid.pod_of(r, per_node)] for r in group}) > 1
             for group in grid.all_groups(axis)

@@ -12,7 +12,7 @@ import dataclasses
 
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
-from meshtrain.planner import comm, memory, parameters
+from meshtrain.planner import comm, context, memory, parameters
 from meshtrain.planner.timing import network
 
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -145,6 +145,10 @@ class StageTime:
     """Part of ``dp`` not hidden behind the last backward."""
     optimizer: float
     """The optimizer step (memory traffic and per-tensor operations)."""
+    cp: float = 0.0
+    """Context parallelism: the ring's K/V (and dK/dV) transfers not hidden behind the block attentions."""
+    cp_ring: float = 0.0
+    """Context parallelism: every ring transfer of the step, overlapped or not."""
     overhead: float = 0.0
     """Fixed cost of the forward and backward tensor operations of all micro-batches."""
     forward: float = 0.0
@@ -152,13 +156,13 @@ class StageTime:
 
     @property
     def busy(self) -> float:
-        """Compute plus the communication that blocks it (tp, pp)."""
-        return self.compute + self.overhead + self.tp + self.pp
+        """Compute plus the communication that blocks it (tp, pp, the ring's exposed part)."""
+        return self.compute + self.overhead + self.tp + self.pp + self.cp
 
     @property
     def comm(self) -> float:
         """All communication seconds, overlapped or not."""
-        return self.tp + self.pp + self.dp
+        return self.tp + self.pp + self.dp + self.cp_ring
 
     def scaled(self, factor: float) -> StageTime:
         """This stage with every duration multiplied by ``factor`` (CPU seconds to wall seconds)."""
@@ -172,6 +176,8 @@ class StageTime:
             dp=self.dp * factor,
             dp_exposed=self.dp_exposed * factor,
             optimizer=self.optimizer * factor,
+            cp=self.cp * factor,
+            cp_ring=self.cp_ring * factor,
             overhead=self.overhead * factor,
             forward=self.forward * factor,
         )
@@ -235,6 +241,8 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
         dp=seconds["dp"],
         dp_exposed=exposed + after_backward,
         optimizer=_optimizer_seconds(job, stage, prices),
+        cp=_ring_exposed(job, stage_comm, prices),
+        cp_ring=seconds["cp"],
         overhead=(ops_forward + ops_backward) * par.micro_batches * prices.op_seconds,
         forward=(forward_mb / prices.rank_flops + ops_forward * prices.op_seconds)
         * par.micro_batches,
@@ -248,7 +256,21 @@ def _flops_per_microbatch(job: api_spec.TrainingJobSpec, stage: int) -> tuple[fl
     if job.training.activation_checkpointing:
         per_mb += recompute_flops_per_microbatch(shape, par.pipeline, par.tensor, micro_batch)
     forward = rank_forward_flops_per_microbatch(shape, par.pipeline, par.tensor, stage, micro_batch)
-    return per_mb, forward
+    # context ranks each hold seqLen / context tokens, attending over the whole sequence
+    return per_mb / par.context, forward / par.context
+
+
+def _ring_exposed(
+    job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Prices
+) -> float:
+    """The context ring's seconds on the critical path (:func:`~meshtrain.planner.context.ring_exposed_seconds`)."""
+    ring = [c for c in stage_comm.collectives if c.group == "cp"]
+    if not ring:
+        return 0.0
+    block = ring[0].nbytes / context.ring_steps(job).blocks  # one K/V block
+    link = prices.links["cp"].for_op("send", 2)
+    sends = (network.send_seconds(block, link), network.send_seconds(2 * block, link))
+    return context.ring_exposed_seconds(job, sends, prices.rank_flops)
 
 
 def _ops_per_microbatch(job: api_spec.TrainingJobSpec, stage: int) -> tuple[int, int]:
@@ -263,7 +285,7 @@ def _group_seconds(
     job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Prices
 ) -> tuple[dict[str, float], float, int]:
     """Seconds per group axis; of the dp seconds, those after backward; calls of the overlapped dp collectives."""
-    seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    seconds = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0}
     after_backward = 0.0
     dp_calls = 0
     for c in stage_comm.collectives:
