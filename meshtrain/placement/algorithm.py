@@ -163,12 +163,20 @@ def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
     fills whole pods) walks one pipeline (a column of pods, one per stage)
     after another; its unit is one column.  Runs are consecutive in the order,
     so stage-major keeps DP rings together and column-major pipelines;
-    :func:`plan` keeps the one with the lower modelled cost.
+    :func:`plan` keeps the one with the lower modelled cost.  Where a context group spans pods
+    (``tensor x context`` a multiple of ``gpusPerNode``), stage-major is also tried with one
+    context group as its unit, so a stage that no domain holds is cut between context rings
+    rather than through one.
     """
     pods, grid = request.pods, request.layout
-    per_stage = grid.data * grid.tensor
+    per_stage = grid.data * grid.context * grid.tensor
     unit = math.lcm(per_stage, request.gpus_per_node) // request.gpus_per_node
     orders = [(list(range(pods)), unit)]
+    ring = grid.context * grid.tensor
+    if grid.context > 1 and ring % request.gpus_per_node == 0:
+        ring_pods = ring // request.gpus_per_node
+        if 1 < ring_pods < unit:
+            orders.append((list(range(pods)), ring_pods))
     if per_stage % request.gpus_per_node == 0 and unit > 1 and grid.pipeline > 1:
         stages = grid.pipeline
         orders.append(([(q % stages) * unit + q // stages for q in range(pods)], stages))

@@ -1,8 +1,9 @@
 """The traffic and cost model of a placement (docs/placement.md).
 
 :func:`pod_traffic` sums, per pair of pods, the bytes per step their ranks exchange under the
-fixed rank layout: each data-parallel ring in dp order, each rank with its next-stage peer
-(tensor-parallel traffic never leaves a pod, so placement cannot change it and it is not counted).
+fixed rank layout: each data-parallel ring in dp order, each context-parallel ring in cp order
+(ring attention's K/V), each rank with its next-stage peer (tensor-parallel traffic never leaves a
+pod, so placement cannot change it and it is not counted).
 :func:`evaluate` prices them at the highest fabric level the two nodes' paths differ at,
 ``bytes x weight(level)``.
 """
@@ -29,15 +30,22 @@ def pod_traffic(request: values.PlacementRequest) -> list[Edge]:
             key = (pod_a, pod_b) if pod_a < pod_b else (pod_b, pod_a)
             pairs[key] = pairs.get(key, 0.0) + size
 
+    def ring(members: list[int], size: float) -> None:
+        if len(members) > 1:
+            for index, rank in enumerate(members):
+                add(rank, members[(index + 1) % len(members)], size)
+
     for pp in range(grid.pipeline):
-        for tp in range(grid.tensor):
-            ring = [grid.rank_of(pp, dp, tp) for dp in range(grid.data)]
-            if len(ring) > 1:
-                for index, rank in enumerate(ring):
-                    add(rank, ring[(index + 1) % len(ring)], request.dp_bytes_per_step)
-            if pp + 1 < grid.pipeline:
-                for dp, rank in enumerate(ring):
-                    add(rank, grid.rank_of(pp + 1, dp, tp), request.pp_bytes_per_step)
+        for cp in range(grid.context):
+            for tp in range(grid.tensor):
+                peers = [grid.rank_of(pp, dp, tp, cp) for dp in range(grid.data)]
+                ring(peers, request.dp_bytes_per_step)
+                if pp + 1 < grid.pipeline:
+                    for dp, rank in enumerate(peers):
+                        add(rank, grid.rank_of(pp + 1, dp, tp, cp), request.pp_bytes_per_step)
+    if grid.context > 1:
+        for group in grid.all_groups("cp"):
+            ring(group, request.cp_bytes_per_step)
     return [(a, b, size) for (a, b), size in sorted(pairs.items())]
 
 

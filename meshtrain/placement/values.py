@@ -82,6 +82,8 @@ class PlacementRequest:
     """Bytes one rank sends to its data-parallel ring successor per optimizer step."""
     pp_bytes_per_step: float = 0.0
     """Bytes between a rank and its next-stage peer per step (activations and their gradients)."""
+    cp_bytes_per_step: float = 0.0
+    """Bytes one rank sends to its context-parallel ring successor per step (ring attention's K/V and dK/dV)."""
     nvlink_domain_label: str | None = None
     """Node label naming a multi-node NVLink domain; None: each node is its own domain."""
     levels: tuple[FabricLevel, ...] = ()
@@ -95,12 +97,12 @@ class PlacementRequest:
         problem = self.layout.pod_problem(self.gpus_per_node)
         if problem is not None:
             raise ValueError(problem)
-        if self.dp_bytes_per_step < 0 or self.pp_bytes_per_step < 0:
+        if min(self.dp_bytes_per_step, self.pp_bytes_per_step, self.cp_bytes_per_step) < 0:
             raise ValueError("bytes per step must be >= 0")
 
     @property
     def world_size(self) -> int:
-        """Ranks in the job: data x pipeline x tensor."""
+        """Ranks in the job: data x pipeline x context x tensor."""
         return self.layout.world_size
 
     @property

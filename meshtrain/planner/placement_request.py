@@ -2,14 +2,15 @@
 
 The bytes per step placement weighs come from the planner's communication model
 (:func:`meshtrain.planner.comm.placement_traffic`), the one ``meshtrain plan`` reports and tests
-hold equal to the bytes the trainer measures.
+hold equal to the bytes the trainer measures; the context ring's from
+:func:`meshtrain.planner.context.placement_bytes`.
 """
 
 from __future__ import annotations
 
 from meshtrain.api import spec as api_spec
 from meshtrain.placement import values
-from meshtrain.planner import comm, precision
+from meshtrain.planner import comm, context, precision
 
 
 def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
@@ -20,12 +21,14 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
     stages), which is how the trainer runs there.
     """
     trained_in = "fp32" if job.training.precision == "fp32" else "bf16"
-    dp_bytes, pp_bytes = comm.placement_traffic(job, precision.scheme_for(trained_in))
+    scheme = precision.scheme_for(trained_in)
+    dp_bytes, pp_bytes = comm.placement_traffic(job, scheme)
     return values.PlacementRequest(
         gpus_per_node=job.resources.gpus_per_node,
         layout=job.parallelism.layout,
         dp_bytes_per_step=dp_bytes,
         pp_bytes_per_step=pp_bytes,
+        cp_bytes_per_step=context.placement_bytes(job, scheme),
         nvlink_domain_label=job.topology.nvlink_domain_label,
         levels=tuple(
             values.FabricLevel(label=level.label, required=level.mode == "required")

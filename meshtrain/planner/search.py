@@ -51,9 +51,12 @@ Scored = tuple[float, float, dict[str, Any], estimate.Plan]
 """Step seconds, worst stage's memory, the spec change and its plan."""
 
 
-def grid(change: dict[str, Any]) -> tuple[int, int, int]:
-    """The (data, pipeline, tensor) degrees of a layout change."""
-    return change["data"], change["pipeline"], change["tensor"]
+def grid(change: dict[str, Any]) -> tuple[int, ...]:
+    """The (data, pipeline, tensor) degrees of a layout change, and its context degree where above 1."""
+    context = change.get("context", 1)
+    return (change["data"], change["pipeline"], change["tensor"]) + (
+        (context,) if context > 1 else ()
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,31 +69,62 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 def layouts(job: api_spec.TrainingJobSpec, world: int) -> Iterator[dict[str, Any]]:
     """Spec changes (camelCase ``parallelism`` keys, ``microBatch``) of every layout of ``world`` ranks
-    that keeps the job's global batch, valid or not: :func:`candidates` keeps those the rules accept."""
-    sequences = job.global_batch
+    that keeps the job's global batch, valid or not: :func:`candidates` keeps those the rules accept.
+
+    The context degree is the fourth, tried where the sequence splits into ``2 x context`` chunks
+    (ring attention's load balancing); a change names it only where it is above 1 or the job's is.
+    """
     for tensor in _divisors(world):
-        for pipeline in _divisors(world // tensor):
-            data = world // (tensor * pipeline)
-            if sequences % data:
-                continue
-            per_replica = sequences // data
-            sizes = {b for b in (job.training.micro_batch, 1, 2, 4, 8, 16) if b <= per_replica}
-            for micro_batch in sorted(sizes):
-                if per_replica % micro_batch:
-                    continue
-                for schedule in SCHEDULES[1:] if pipeline == 1 else SCHEDULES:
-                    for zero in (0, 1, 2) if data > 1 else (0,):
-                        yield {
-                            "data": data,
-                            "pipeline": pipeline,
-                            "tensor": tensor,
-                            "microBatches": per_replica // micro_batch,
-                            "schedule": schedule,
-                            "zeroStage": zero,
-                            # one chunk per rank unless interleaved, whatever the job declares
-                            "virtualStages": 2 if schedule == "interleaved-1f1b" else 1,
-                            "microBatch": micro_batch,
-                        }
+        for context in context_degrees(job, world // tensor):
+            for pipeline in _divisors(world // (tensor * context)):
+                data = world // (tensor * context * pipeline)
+                for split in _batch_splits(job, data, pipeline):
+                    change = {"data": data, "pipeline": pipeline, "tensor": tensor, **split}
+                    if context > 1 or job.parallelism.context > 1:
+                        change["context"] = context
+                    yield change
+
+
+CONTEXT_MIN_TOKENS = 1024
+"""Fewest tokens of a sequence per context rank the search tries: below it a ring step's attention
+(``(s / c)^2`` work against ``s / c`` bytes) is too small to hide its transfer, and Megatron-Core
+and TorchTitan use context parallelism for long sequences only."""
+
+
+def context_degrees(job: api_spec.TrainingJobSpec, ranks: int) -> list[int]:
+    """Context degrees among the divisors of ``ranks`` whose ``2 x context`` chunks split the job's
+    sequence, each rank keeping at least :data:`CONTEXT_MIN_TOKENS` of it (1 always)."""
+    seq = job.model.shape().seq_len
+    return [
+        c
+        for c in _divisors(ranks)
+        if c == 1 or (seq % (2 * c) == 0 and seq // c >= CONTEXT_MIN_TOKENS)
+    ]
+
+
+def _batch_splits(
+    job: api_spec.TrainingJobSpec, data: int, pipeline: int
+) -> Iterator[dict[str, Any]]:
+    """Micro-batch sizes, schedules and ZeRO stages of ``data`` replicas of ``pipeline`` stages
+    that keep the job's global batch (none when ``data`` does not divide it)."""
+    sequences = job.global_batch
+    if sequences % data:
+        return
+    per_replica = sequences // data
+    sizes = {b for b in (job.training.micro_batch, 1, 2, 4, 8, 16) if b <= per_replica}
+    for micro_batch in sorted(sizes):
+        if per_replica % micro_batch:
+            continue
+        for schedule in SCHEDULES[1:] if pipeline == 1 else SCHEDULES:
+            for zero in (0, 1, 2) if data > 1 else (0,):
+                yield {
+                    "microBatches": per_replica // micro_batch,
+                    "schedule": schedule,
+                    "zeroStage": zero,
+                    # one chunk per rank unless interleaved, whatever the job declares
+                    "virtualStages": 2 if schedule == "interleaved-1f1b" else 1,
+                    "microBatch": micro_batch,
+                }
 
 
 def candidates(
@@ -123,9 +157,10 @@ def _with_layout(raw: dict[str, Any], change: dict[str, Any]) -> api_spec.Traini
 
 
 def label(change: dict[str, Any]) -> str:
-    """``dp2·pp2·tp1 1f1b m=4 b=4 ZeRO-1``."""
+    """``dp2·pp2·tp1 1f1b m=4 b=4 ZeRO-1`` (``dp2·pp2·cp2·tp1 ...`` with context)."""
+    context = f"·cp{change['context']}" if change.get("context", 1) > 1 else ""
     return (
-        f"dp{change['data']}·pp{change['pipeline']}·tp{change['tensor']} {change['schedule']}"
+        f"dp{change['data']}·pp{change['pipeline']}{context}·tp{change['tensor']} {change['schedule']}"
         f" m={change['microBatches']} b={change['microBatch']} ZeRO-{change['zeroStage']}"
     )
 
@@ -151,7 +186,7 @@ def search(
         scored.append((plan.time.step_seconds, plan.memory.worst.total, change, plan))
     scored.sort(key=lambda item: (item[0], item[1]))
     # Only a CPU host's profile has step-loop figures to measure (a GPU's are the datasheet's).
-    by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
+    by_grid: dict[tuple[int, ...], profiles.Profile] = {}
     if measure is not None and profile.cpu_time_model:
         scored, by_grid = _measured_ranking(scored, profile, measure, recipe)
     if (
@@ -187,7 +222,7 @@ def search(
 
 def _measured_ranking(
     scored: list[Scored], profile: profiles.Profile, measure: MeasureLayout, recipe: str
-) -> tuple[list[Scored], dict[tuple[int, int, int], profiles.Profile]]:
+) -> tuple[list[Scored], dict[tuple[int, ...], profiles.Profile]]:
     """``scored`` ranked again until its :data:`MEASURED_GRIDS` best grids are all measured, and their profiles.
 
     Each round measures the best layout of every unmeasured grid among the
@@ -196,9 +231,9 @@ def _measured_ranking(
     twice :data:`MEASURED_GRIDS` grids in all).
     """
     ranked = scored
-    by_grid: dict[tuple[int, int, int], profiles.Profile] = {}
+    by_grid: dict[tuple[int, ...], profiles.Profile] = {}
     while len(by_grid) < 2 * MEASURED_GRIDS:
-        best: dict[tuple[int, int, int], estimate.Plan] = {}
+        best: dict[tuple[int, ...], estimate.Plan] = {}
         for *_, change, plan in ranked:
             if len(best) == MEASURED_GRIDS:
                 break

@@ -330,3 +330,51 @@ def test_request_from_spec() -> None:
     # pipeline traffic: activations forward and gradients back, per micro-batch, in bf16 on the
     # wire under bf16 autocast (2 bytes per element)
     assert pp_bytes == 2 * 4 * (2 * 32 * 64 * 2)
+
+
+# --- context parallelism ----------------------------------------------------------------------
+
+
+def cp_job(data: int, context: int, tensor: int, **extra) -> placement.PlacementRequest:
+    return placement.PlacementRequest(
+        gpus_per_node=8,
+        layout=layout.ParallelLayout(data, 1, tensor, context=context),
+        **{"dp_bytes_per_step": 1.0, "cp_bytes_per_step": 1000.0, **extra},
+    )
+
+
+def test_pod_traffic_counts_context_rings() -> None:
+    # cp4 tp4 on 8-GPU pods: ring k of tp index k is ranks k, k+4, k+8, k+12, pods 0, 0, 1, 1:
+    # it crosses twice (4 -> 8 and 12 -> 0), 4 rings; data 1 has no dp ring
+    assert fabric_cost.pod_traffic(cp_job(1, 4, 4)) == [(0, 1, 2 * 4 * 1000.0)]
+    # dp2 cp2 tp4: a context ring is 8 consecutive ranks, one pod; only the 8 dp rings of two
+    # (both directions) join pod 0 (dp 0) and pod 1 (dp 1)
+    assert fabric_cost.pod_traffic(cp_job(2, 2, 4)) == [(0, 1, 8 * 2 * 1.0)]
+
+
+def test_context_rings_spanning_pods_stay_in_a_leaf_where_one_holds_them() -> None:
+    # dp2 cp4 tp4: two context rings of two pods each; both leaves have three free nodes, so
+    # filling the first leaf with three pods would cut ring 1 across leaves
+    cluster = ClusterBuilder().fabric(1, 1, 2, 4).reserve("n00000", "n00100")
+    result = placed(cluster.plan(cp_job(2, 4, 4, dp_bytes_per_step=1.0, cp_bytes_per_step=1e9)))
+    leaves = leaves_of(result, cluster)
+    assert leaves[0] == leaves[1] and leaves[2] == leaves[3] and leaves[0] != leaves[2]
+    # only the dp rings (pods 0-2 and 1-3, both directions, 8 ranks each) cross leaves
+    assert result.level_bytes[LEAF] == 2 * 2 * 8 * 1.0
+
+
+def test_request_from_spec_carries_the_context_ring() -> None:
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=1, pipeline=1, tensor=1, gpus_per_node=2)
+        .parallelism(context=2, microBatches=4)
+        .model({"layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 32})
+        .training(microBatch=2)
+        .raw()
+    )
+    request = placement_request.request_from_spec(spec)
+    assert request.layout.context == 2 and request.pods == 1
+    # per layer and micro-batch one forward ring step sends a K/V block (2 x 2 sequences x 16
+    # tokens x 64 wide x 2 bytes) and one backward step sends K/V with dK/dV: 3 blocks
+    block = 2 * 2 * 16 * 64 * 2
+    assert request.cp_bytes_per_step == 4 * 4 * 3 * block

@@ -49,8 +49,9 @@ class Case:
     """The job."""
 
 
-def draw(seed: int) -> Case:
-    """A random fragmented cluster and a job that often, not always, fits."""
+def draw(seed: int, *, context: bool = False) -> Case:
+    """A random fragmented cluster and a job that often, not always, fits; with ``context``, a
+    context-parallel degree and ring traffic drawn last (the 3D cases' draws are unchanged)."""
     rng = random.Random(seed)
     family = rng.choice(sorted(FAMILIES))
     labels = FAMILIES[family]
@@ -94,11 +95,13 @@ def draw(seed: int) -> Case:
         if rng.random() < 0.5
         else ()
     )
+    degree, cp_bytes = (rng.choice([2, 4, 8]), rng.choice([2e9, 1e8])) if context else (1, 0.0)
     request = placement.PlacementRequest(
         gpus_per_node=per_node,
-        layout=layout.ParallelLayout(data=data, pipeline=pipeline, tensor=tensor),
+        layout=layout.ParallelLayout(data=data, pipeline=pipeline, tensor=tensor, context=degree),
         dp_bytes_per_step=rng.choice([1e9, 4e8, 1e6]),
         pp_bytes_per_step=rng.choice([5e7, 1e7, 5e9]),
+        cp_bytes_per_step=cp_bytes,
         nvlink_domain_label=CLIQUE if clique else None,
         levels=levels,
     )
@@ -262,3 +265,63 @@ def test_cheaper_than_topology_blind_first_fit_on_fragmented_clusters(cases) -> 
 def _top_bytes(result: placement.Placement) -> float:
     """Bytes crossing the most expensive level the placement was priced with."""
     return next(iter(result.level_bytes.values()))
+
+
+# --- context parallelism: the same invariants with a fourth degree and its ring's traffic --------
+
+
+@pytest.fixture(scope="module")
+def context_cases() -> list[tuple[Case, placement.Placement | placement.Unschedulable]]:
+    drawn = [draw(seed, context=True) for seed in range(CASES // 3)]
+    return [(case, placement.plan(case.request, case.nodes, case.reservations)) for case in drawn]
+
+
+def test_context_jobs_keep_the_placement_invariants(context_cases) -> None:
+    placed = 0
+    for case, result in context_cases:
+        if not isinstance(result, placement.Placement):
+            continue
+        placed += 1
+        request, node_paths = case.request, paths(case)
+        assert len(result.nodes) == request.pods, case.seed
+        used: dict[str, int] = {}
+        for name in result.nodes:
+            used[name] = used.get(name, 0) + 1
+        assert all(pods <= free_slots(case)[name] for name, pods in used.items()), case.seed
+        for group in request.layout.all_groups("tp"):
+            pods = {
+                result.nodes[request.layout.pod_of(rank, request.gpus_per_node)] for rank in group
+            }
+            assert len({node_paths[name] for name in pods}) == 1, case.seed
+        blind = placement.first_fit(case.request, case.nodes, case.reservations)
+        assert isinstance(blind, placement.Placement)
+        assert sum(result.level_bytes.values()) == pytest.approx(sum(blind.level_bytes.values()))
+    assert placed > len(context_cases) // 3  # a context degree multiplies the gang: fewer fit
+
+
+def test_context_rings_that_fit_a_pod_never_cross_one(context_cases) -> None:
+    """The layout puts a context group in ``tensor x context`` consecutive ranks: inside one pod
+    when that divides gpusPerNode, so the ring's traffic never reaches the fabric."""
+    for case, _ in context_cases:
+        request = case.request
+        grid, per_node = request.layout, request.gpus_per_node
+        if per_node % (grid.tensor * grid.context):
+            continue
+        for group in grid.all_groups("cp"):
+            assert len({grid.pod_of(rank, per_node) for rank in group}) == 1, case.seed
+
+
+def test_context_jobs_cost_less_than_topology_blind_first_fit(context_cases) -> None:
+    planned = blind = 0.0
+    for case, result in context_cases:
+        if not isinstance(result, placement.Placement) or any(
+            level.required for level in effective_levels(case)
+        ):
+            continue
+        ordered = sorted(case.nodes, key=lambda node: node.name)
+        other = placement.first_fit(case.request, ordered, case.reservations)
+        assert isinstance(other, placement.Placement)
+        assert result.cost <= other.cost * 1.02 + 1e-6, case.seed
+        planned += result.cost
+        blind += other.cost
+    assert planned < 0.7 * blind, (planned, blind)

@@ -142,12 +142,14 @@ def group_links(
     domains = (
         list(pod_domains) if pod_domains is not None else [f"pod-{i}" for i in range(job.pods)]
     )
-    out = {}
-    axes = ("dp", "tp", "pp", "cp") if grid.context > 1 else ("dp", "tp", "pp")
-    for axis in axes:
-        spans = any(
+    spans = {
+        axis: any(
             len({domains[grid.pod_of(r, per_node)] for r in group}) > 1
             for group in grid.all_groups(axis)
         )
-        out[axis] = "fabric" if spans else "nvlink"
-    return out
+        for axis in ("dp", "tp", "pp", "cp")
+    }
+    # gradients are summed over data x context ranks: across domains if either axis leaves one
+    spans["dp"] = spans["dp"] or spans["cp"]
+    axes = ("dp", "tp", "pp", "cp") if grid.context > 1 else ("dp", "tp", "pp")
+    return {axis: "fabric" if spans[axis] else "nvlink" for axis in axes}
