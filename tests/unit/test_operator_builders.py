@@ -21,6 +21,7 @@ from meshtrain.operator.policy import (
     job_state,
     kubelet_tier,
     naming,
+    placement_outcome,
     replacement,
     torchrun_tier,
 )
@@ -186,6 +187,16 @@ def test_supervisor_command_and_torchruns_env():
         and env["MESHTRAIN_METRICS_PORT"] == "9400"
     )
     assert (env["MESHTRAIN_JOB_NAME"], env["MESHTRAIN_NAMESPACE"]) == ("llm", "research")
+
+
+def test_a_context_parallel_gang_counts_its_fourth_degree_in_pods_and_env():
+    """world = data x pipeline x context x tensor; MESHTRAIN_CP only where context > 1."""
+    builder = JobBuilder().layout(data=2, pipeline=1, tensor=2, gpus_per_node=4)
+    spec = spec_of(builder.clone().parallelism(context=2))
+    env = env_of(builders.build_pod(REF, spec, 0, 1, "n-b"))
+    assert (env["WORLD_SIZE"], env["PET_NNODES"], env["MESHTRAIN_CP"]) == ("8", "2", "2")
+    assert placement_outcome.most_pods(spec) == 2
+    assert "MESHTRAIN_CP" not in env_of(builders.build_pod(REF, spec_of(builder), 0, 0, "n-a"))
 
 
 def test_every_local_rank_exporter_is_a_named_container_port():

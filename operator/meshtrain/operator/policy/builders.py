@@ -177,6 +177,10 @@ def _env(
         **kubelet_tier.recovery_env(spec),
         **torchrun_tier.elastic_env(job, spec, attempt, index),
     }
+    if (
+        p.context > 1
+    ):  # the fourth degree, for a custom program's rank arithmetic (docs/operator.md)
+        plain["MESHTRAIN_CP"] = p.context
     if job.created:  # the goodput account's wall time starts with the job (docs/telemetry.md)
         plain["MESHTRAIN_JOB_STARTED_AT"] = job.created
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]

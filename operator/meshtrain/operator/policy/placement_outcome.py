@@ -81,7 +81,8 @@ def most_pods(declared: api_spec.TrainingJobSpec) -> int:
     """The most pods any size of the job has: the offer :class:`Ask` carries is capped at it."""
     bounds = declared.run_policy.elastic
     data = max(declared.parallelism.data, bounds.max_data if bounds is not None else 0)
-    per_replica = declared.parallelism.pipeline * declared.parallelism.tensor
+    p = declared.parallelism
+    per_replica = p.pipeline * p.context * p.tensor
     return -(-data * per_replica // declared.resources.gpus_per_node)
 
 
