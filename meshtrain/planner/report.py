@@ -17,6 +17,12 @@ SCHEMA = "meshtrain.plan/v1"
 """Name and version of the JSON document."""
 
 GROUPS = ("dp", "tp", "pp")
+"""Group axes every document reports; a job with context parallelism adds ``cp`` (:func:`_groups`)."""
+
+
+def _groups(plan: estimate.Plan) -> tuple[str, ...]:
+    """The group axes of ``plan``'s job: :data:`GROUPS`, and ``cp`` where ``context > 1``."""
+    return GROUPS + (("cp",) if plan.job.parallelism.context > 1 else ())
 
 
 def _finite(value: float) -> float | None:
@@ -26,7 +32,7 @@ def _finite(value: float) -> float | None:
 def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float | str]]:
     stage_comm = plan.comm[stage]
     times = plan.time.stages[stage]
-    seconds = {"dp": times.dp, "tp": times.tp, "pp": times.pp}
+    seconds = {"dp": times.dp, "tp": times.tp, "pp": times.pp, "cp": times.cp_ring}
     return {
         g: {
             "payload_bytes": stage_comm.payload(g),
@@ -34,7 +40,7 @@ def _stage_groups(plan: estimate.Plan, stage: int) -> dict[str, dict[str, float 
             "seconds": seconds[g],
             "link": plan.time.links[g].name,
         }
-        for g in GROUPS
+        for g in _groups(plan)
     }
 
 
@@ -175,6 +181,7 @@ def _memory_json(mem: memory.MemoryPlan) -> dict[str, Any]:
                 "weight_casts_bytes": s.weight_casts,
                 "in_flight_microbatches": s.in_flight,
                 "total_bytes": s.total,
+                **({"ring_bytes": s.ring} if s.ring else {}),  # context parallelism only
             }
             for s in mem.stages
         ],
@@ -183,7 +190,7 @@ def _memory_json(mem: memory.MemoryPlan) -> dict[str, Any]:
 
 def _communication_json(plan: estimate.Plan) -> dict[str, Any]:
     return {
-        "links": {g: plan.time.links[g].name for g in GROUPS},
+        "links": {g: plan.time.links[g].name for g in _groups(plan)},
         "per_stage": [
             {
                 "stage": c.stage,
@@ -231,6 +238,12 @@ def _time_json(timing: step_time.TimePlan) -> dict[str, Any]:
         "verdict": timing.verdict,
         "tokens_per_second": timing.tokens_per_second,
         "mfu": timing.mfu,
+        # with context parallelism only: the ring's transfers and the part its blocks do not hide
+        **(
+            {"cp_seconds": worst.cp_ring, "cp_exposed_seconds": worst.cp}
+            if "cp" in timing.links
+            else {}
+        ),
     }
 
 
@@ -402,7 +415,12 @@ def _time_lines(plan: estimate.Plan) -> list[str]:
         f"  compute {human_seconds(w.compute)} at {timing.rank_flops / 1e12:.3g} TFLOP/s per rank"
         f" + op overhead {human_seconds(w.overhead)}; "
         f"tp {human_seconds(w.tp)}, pp {human_seconds(w.pp)}, dp {human_seconds(w.dp)} "
-        f"(exposed {human_seconds(w.dp_exposed)}), optimizer {human_seconds(w.optimizer)}",
+        f"(exposed {human_seconds(w.dp_exposed)}), optimizer {human_seconds(w.optimizer)}"
+        + (
+            f"; context ring {human_seconds(w.cp_ring)} (exposed {human_seconds(w.cp)})"
+            if par.context > 1
+            else ""
+        ),
         f"  pipeline bubble {timing.bubble:.1%} = (p-1)/(v*m+p-1) with p={par.pipeline}, "
         f"v={par.virtual_stages}, m={par.micro_batches}; "
         f"replayed with each stage's times: stage 0 idle {timing.bubble_stage0:.1%} of "

@@ -9,7 +9,7 @@ import pytest
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import comm, context, estimate, memory, precision, profiles, search
+from meshtrain.planner import comm, context, estimate, memory, precision, profiles, report, search
 from tests.builders import JobBuilder
 
 H200 = profiles.get("h200")
@@ -155,3 +155,22 @@ def test_llama3_8b_trains_at_four_times_the_sequence_one_tp8_group_holds() -> No
     assert not memory.plan_memory(llama(one + SEQ_STEP, 1), H200).fits
     assert memory.plan_memory(llama(4 * one, 4), H200).fits
     assert one == 59392
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def test_the_report_shows_the_ring_only_for_context_jobs() -> None:
+    split = estimate.make_plan(llama(32768, 2, tensor=4), H200)
+    doc = report.to_json(split)
+    stage = split.time.stages[0]
+    assert (doc["time"]["cp_seconds"], doc["time"]["cp_exposed_seconds"]) == (
+        stage.cp_ring,
+        stage.cp,
+    )
+    assert doc["communication"]["links"]["cp"] == "nvlink"  # tp4 x cp2 fills one 8-GPU node
+    assert doc["communication"]["per_stage"][0]["groups"]["cp"]["payload_bytes"] > 0
+    assert doc["memory"]["per_stage"][0]["ring_bytes"] == split.memory.stages[0].ring
+    assert "context ring" in report.to_text(split)
+    whole = report.to_json(estimate.make_plan(llama(8192, 1), H200))
+    assert "cp_seconds" not in whole["time"] and "cp" not in whole["communication"]["links"]
