@@ -23,6 +23,7 @@ from meshtrain.operator.policy import (
     capacity,
     feasibility,
     job_state,
+    kueue_topology,
     placement_outcome,
     rescheduling,
     stragglers,
@@ -116,12 +117,14 @@ class GangFit:
         nodes: list[placement.Node],
         demand: feasibility.Demand,
         cap: int | None = None,
+        topology: kueue_topology.Assignment | None = None,
     ) -> placement_outcome.Sized:
         """The plan at the size ``placement_outcome.choose`` picks among those runPolicy.elastic allows
         (none above ``cap``), planned largest first until one fits, in the planning worker.
 
         Raises ``planning.DeadlineExceeded`` when that takes longer than the worker's deadline, and
-        ``planning.WorkerFailed`` when the worker dies.
+        ``planning.WorkerFailed`` when the worker dies.  ``topology``: Kueue TAS's assignment, the
+        only nodes (and pods per domain) the plan may use.
         """
         assert job.spec is not None
         declared = job.declared or job.spec
@@ -133,6 +136,8 @@ class GangFit:
             pods_wanted=placement_outcome.most_pods(declared),
             claim=self.claims.get(job.ref.uid),
         )
+        if topology is not None:
+            offered = kueue_topology.restrict(offered, topology, declared.resources.gpus_per_node)
         ask = placement_outcome.Ask(
             declared=declared,
             cap=cap,
