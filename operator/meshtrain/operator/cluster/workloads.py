@@ -150,7 +150,13 @@ async def perform(
     if isinstance(action, kueue_workload.CreateWorkload):
         assert job.declared is not None and queue is not None
         template = builders.build_pod(ref, job.declared, 0, 0, "", default_image=trainer_image)
-        levels = await tas_levels(client, ref.namespace, queue.name)
+        try:
+            levels = await tas_levels(client, ref.namespace, queue.name)
+        except kube.ApiError as err:
+            if err.status != 403:
+                raise
+            levels = ()  # an install whose RBAC predates TAS: queued without a topology request
+            logger.warning("%s/%s: no TAS topology request: %s", ref.namespace, ref.name, err)
         manifest = kueue_workload.build_workload(
             ref, job.declared, queue, template, action.priority, levels
         )
