@@ -74,13 +74,18 @@ class GangFit:
         return raw_nodes, nodes, avoid
 
     async def fits_without(
-        self, job: job_state.JobState, slow: frozenset[str], now: datetime.datetime
+        self,
+        job: job_state.JobState,
+        slow: frozenset[str],
+        now: datetime.datetime,
+        topology: kueue_topology.Assignment | None = None,
     ) -> bool:
         """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
         job's excluded nodes, counting its own pods' resources as free.
 
         A smaller elastic size does not count: trading a slow replica for a shrunk gang (and a
-        restart) loses more throughput than the straggler costs.
+        restart) loses more throughput than the straggler costs.  ``topology``: Kueue TAS's
+        assignment, inside which the gang must fit (the slow nodes' places taken elsewhere in it).
         """
         assert job.spec is not None
         declared = job.declared or job.spec
@@ -89,7 +94,7 @@ class GangFit:
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
         running = job.spec.parallelism.data
         try:
-            sized = await self.plan_sizes(job, raw_nodes, nodes, demand, cap=running)
+            sized = await self.plan_sizes(job, raw_nodes, nodes, demand, running, topology)
         except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
             logger.info("%s/%s: straggler node(s) kept: %s", job.ref.namespace, job.ref.name, err)
             return False

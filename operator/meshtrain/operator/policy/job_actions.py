@@ -91,6 +91,8 @@ class ReplaceStraggler:
     nodes: tuple[str, ...]
     replaced: tuple[SetStatus | Emit | DeletePods, ...]
     otherwise: tuple[SetStatus | Emit, ...]
+    topology: kueue_topology.Assignment | None = None
+    """Kueue TAS's topologyAssignment: the placement without the nodes must fit inside it."""
 
 
 @dataclasses.dataclass(frozen=True)
