@@ -301,3 +301,15 @@ def test_gang_pods_are_marked_tas_managed_for_kueue_s_usage_accounting() -> None
         kueue_topology.TAS_POD_ANNOTATION: "true",
     }
     assert pod["metadata"]["annotations"] == {"a": "b"}
+
+
+def test_spares_take_only_what_the_gang_left_of_each_assigned_domain() -> None:
+    # Kueue counted 4 gang pods and 2 spares: rack0=3, rack1=3. The gang holds 3 in rack0 and
+    # 1 in rack1 (two spares allowed short), a spare already sits in rack1: one spare slot is
+    # left, in rack1, whatever room rack0 and rack2 have.
+    offered = _nodes(racks=3, per_rack=3)
+    labels = {n.name: n.labels for n in offered}
+    assignment = _assignment((RACK,), {("rack0",): 3, ("rack1",): 3})
+    free = {n.name: 1 for n in offered if n.name != "r1-n0"}
+    used = ["r0-n0", "r0-n1", "r0-n2", "r1-n0", "r1-n0"]
+    assert kueue_topology.spare_room(free, used, labels, assignment) == {"r1-n1": 1}

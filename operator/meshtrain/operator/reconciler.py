@@ -219,7 +219,8 @@ class Reconciler:
         admitted = kueue.state if kueue is not None else None
         flavors = admitted.flavors if isinstance(admitted, kueue_workload.Admitted) else ()
         count = admitted.count if isinstance(admitted, kueue_workload.Admitted) else None
-        body, job, did = await self.spares.keep(body, job, flavors, count)
+        topology = admitted.topology if isinstance(admitted, kueue_workload.Admitted) else None
+        body, job, did = await self.spares.keep(body, job, flavors, count, topology)
         changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh

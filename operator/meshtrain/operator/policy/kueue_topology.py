@@ -178,6 +178,30 @@ def placed_per_domain(
     return counts
 
 
+def spare_room(
+    free: Mapping[str, int],
+    used: Sequence[str],
+    labels: Mapping[str, Mapping[str, str]],
+    assignment: Assignment,
+) -> dict[str, int]:
+    """The spare pod slots ``free`` (node -> slots) leaves inside what the gang and the spares
+    already held (``used``: their nodes) have not taken of Kueue's assignment.
+
+    Kueue counts the spares in the pod set, so they too go only to the assigned domains, up to
+    each domain's count; nodes in name order, as :func:`restrict`.
+    """
+    taken = placed_per_domain(used, labels, assignment)
+    left = {d.values: d.count - taken.get(d.values, 0) for d in assignment.domains}
+    room = {}
+    for name in sorted(free):
+        values = tuple((labels.get(name) or {}).get(level, "") for level in assignment.levels)
+        slots = min(free[name], left.get(values, 0))
+        if slots > 0:
+            room[name] = slots
+            left[values] -= slots
+    return room
+
+
 def conflict(
     nodes: Sequence[str],
     labels: Mapping[str, Mapping[str, str]],
