@@ -116,6 +116,8 @@ class ReplacePods:
     """The ResourceFlavors Kueue admitted the job with."""
     otherwise: tuple[Action, ...]
     """What ``failure.GANG_FAILED`` decides for the same pass."""
+    topology: kueue_topology.Assignment | None = None
+    """Kueue TAS's topologyAssignment: replacements only where it has room left."""
 
 
 Action = (

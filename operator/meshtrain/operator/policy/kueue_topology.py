@@ -184,11 +184,13 @@ def spare_room(
     labels: Mapping[str, Mapping[str, str]],
     assignment: Assignment,
 ) -> dict[str, int]:
-    """The spare pod slots ``free`` (node -> slots) leaves inside what the gang and the spares
-    already held (``used``: their nodes) have not taken of Kueue's assignment.
+    """The pod slots ``free`` (node -> slots) leaves inside what the pods already held (``used``:
+    their nodes) have not taken of Kueue's assignment.
 
-    Kueue counts the spares in the pod set, so they too go only to the assigned domains, up to
-    each domain's count; nodes in name order, as :func:`restrict`.
+    Kueue counts spares in the pod set, so they too go only to the assigned domains, up to each
+    domain's count, and so does a lost pod's lone replacement (the survivors and the spares it
+    may take in ``used`` / ``free`` as the caller counts them); nodes in name order, as
+    :func:`restrict`.
     """
     taken = placed_per_domain(used, labels, assignment)
     left = {d.values: d.count - taken.get(d.values, 0) for d in assignment.domains}
