@@ -20,13 +20,16 @@ from meshtrain.operator.policy import (
     builders,
     conditions,
     identity,
+    job_actions,
     job_state,
     kueue_topology,
     kueue_workload,
+    lifecycle,
     placement_outcome,
 )
 from meshtrain.planner import placement_request
 from tests.builders import JobBuilder
+from tests.unit import test_operator_lifecycle
 
 NOW = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.UTC)
 RACK, HOST = "network.topology.nvidia.com/leaf", "kubernetes.io/hostname"
@@ -313,3 +316,12 @@ def test_spares_take_only_what_the_gang_left_of_each_assigned_domain() -> None:
     free = {n.name: 1 for n in offered if n.name != "r1-n0"}
     used = ["r0-n0", "r0-n1", "r0-n2", "r1-n0", "r1-n0"]
     assert kueue_topology.spare_room(free, used, labels, assignment) == {"r1-n1": 1}
+
+
+def test_the_admitted_assignment_reaches_the_placement_the_state_machine_decides() -> None:
+    admitted = kueue_workload.state(_admitted_workload(KUEUE_CASES[3][0]))
+    assert isinstance(admitted, kueue_workload.Admitted)
+    lifecycle_job, t0 = test_operator_lifecycle.job(), test_operator_lifecycle.T0
+    decision = lifecycle.decide(lifecycle_job, [], t0, kueue_workload.Gate(admitted))
+    [place] = [a for a in decision.actions if isinstance(a, job_actions.Place)]
+    assert place.topology == admitted.topology
