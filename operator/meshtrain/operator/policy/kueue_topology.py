@@ -129,7 +129,7 @@ def topology_request(
             levels[-2] if len(levels) > 1 and levels[-1] == HOSTNAME else levels[-1]
         )
     grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
-    per_stage = grid.data * grid.tensor
+    per_stage = grid.world_size // grid.pipeline  # every rank of one stage
     stage_pods = per_stage // per_pod if per_stage % per_pod == 0 else 0
     if nvlink and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
         request["podSetSliceRequiredTopology"] = nvlink
