@@ -69,6 +69,7 @@ NAMESPACED_ALLOWED = [
     ("delete", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io/status"),
+    ("get", "localqueues.kueue.x-k8s.io"),
 ]
 # Each gang's own NetworkPolicy: only in the namespaces whose gangs get one (a Role there).
 GANG_POLICY_ALLOWED = [
@@ -77,6 +78,8 @@ GANG_POLICY_ALLOWED = [
 CLUSTER_ALLOWED = [
     ("get", "workloadpriorityclasses.kueue.x-k8s.io"),
     ("get", "resourceflavors.kueue.x-k8s.io"),
+    ("get", "clusterqueues.kueue.x-k8s.io"),
+    ("get", "topologies.kueue.x-k8s.io"),
     ("get", "priorityclasses.scheduling.k8s.io"),
     ("list", "priorityclasses.scheduling.k8s.io"),
     ("get", "nodes"),

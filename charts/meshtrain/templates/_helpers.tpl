@@ -132,6 +132,10 @@ whose gangs get one only, in either watch mode.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]
+# The LocalQueue a queued job names: its ClusterQueue says whether the queue is TAS.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues"]
+  verbs: ["get"]
 {{- end }}
 
 {{/*
@@ -168,9 +172,10 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
 # Kueue: a queued job's WorkloadPriorityClass gives its workload's priority, and the
-# ResourceFlavor Kueue assigned it the nodes (labels) and taints (tolerations) it may use.
+# ResourceFlavor Kueue assigned it the nodes (labels) and taints (tolerations) it may use;
+# a TAS queue (a ClusterQueue whose flavor names a Topology): the levels its Workload asks for.
 - apiGroups: ["kueue.x-k8s.io"]
-  resources: ["workloadpriorityclasses", "resourceflavors"]
+  resources: ["workloadpriorityclasses", "resourceflavors", "clusterqueues", "topologies"]
   verbs: ["get"]
 # Else the pods' PriorityClass, or the cluster's globalDefault one, does (as in Kueue).
 - apiGroups: ["scheduling.k8s.io"]

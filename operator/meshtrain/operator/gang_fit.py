@@ -23,6 +23,7 @@ from meshtrain.operator.policy import (
     capacity,
     feasibility,
     job_state,
+    kueue_topology,
     placement_outcome,
     rescheduling,
     stragglers,
@@ -73,13 +74,18 @@ class GangFit:
         return raw_nodes, nodes, avoid
 
     async def fits_without(
-        self, job: job_state.JobState, slow: frozenset[str], now: datetime.datetime
+        self,
+        job: job_state.JobState,
+        slow: frozenset[str],
+        now: datetime.datetime,
+        topology: kueue_topology.Assignment | None = None,
     ) -> bool:
         """Whether the gang fits now at its running data-parallel degree without the ``slow`` nodes and the
         job's excluded nodes, counting its own pods' resources as free.
 
         A smaller elastic size does not count: trading a slow replica for a shrunk gang (and a
-        restart) loses more throughput than the straggler costs.
+        restart) loses more throughput than the straggler costs.  ``topology``: Kueue TAS's
+        assignment, inside which the gang must fit (the slow nodes' places taken elsewhere in it).
         """
         assert job.spec is not None
         declared = job.declared or job.spec
@@ -88,7 +94,7 @@ class GangFit:
         demand = feasibility.demand_of(builders.build_pod(job.ref, declared, 0, 0, ""))
         running = job.spec.parallelism.data
         try:
-            sized = await self.plan_sizes(job, raw_nodes, nodes, demand, cap=running)
+            sized = await self.plan_sizes(job, raw_nodes, nodes, demand, running, topology)
         except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
             logger.info("%s/%s: straggler node(s) kept: %s", job.ref.namespace, job.ref.name, err)
             return False
@@ -116,12 +122,14 @@ class GangFit:
         nodes: list[placement.Node],
         demand: feasibility.Demand,
         cap: int | None = None,
+        topology: kueue_topology.Assignment | None = None,
     ) -> placement_outcome.Sized:
         """The plan at the size ``placement_outcome.choose`` picks among those runPolicy.elastic allows
         (none above ``cap``), planned largest first until one fits, in the planning worker.
 
         Raises ``planning.DeadlineExceeded`` when that takes longer than the worker's deadline, and
-        ``planning.WorkerFailed`` when the worker dies.
+        ``planning.WorkerFailed`` when the worker dies.  ``topology``: Kueue TAS's assignment, the
+        only nodes (and pods per domain) the plan may use.
         """
         assert job.spec is not None
         declared = job.declared or job.spec
@@ -133,6 +141,8 @@ class GangFit:
             pods_wanted=placement_outcome.most_pods(declared),
             claim=self.claims.get(job.ref.uid),
         )
+        if topology is not None:
+            offered = kueue_topology.restrict(offered, topology, declared.resources.gpus_per_node)
         ask = placement_outcome.Ask(
             declared=declared,
             cap=cap,

@@ -40,6 +40,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kubelet_tier,
+    kueue_topology,
     kueue_workload,
     naming,
     placement_outcome,
@@ -69,6 +70,11 @@ planned again for this long: each plan may cost a fresh worker's start."""
 
 def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
+
+
+def _tas_marked(pod: dict[str, Any], topology: kueue_topology.Assignment | None) -> dict[str, Any]:
+    """``pod``, marked TAS-managed when Kueue TAS assigned the gang (``kueue_topology.mark``)."""
+    return pod if topology is None else kueue_topology.mark(pod)
 
 
 class Placer:
@@ -408,9 +414,11 @@ class Placer:
         async with self.lock:
             if action.missing is not None:
                 return await self._recreate_missing(
-                    action.attempt, action.missing, body, job, template, where
+                    action.attempt, action.missing, body, job, template, where, action.topology
                 )
-            step, placed = await self._place_gang(action.attempt, body, job, template, where, claim)
+            step, placed = await self._place_gang(
+                action.attempt, body, job, template, where, claim, action.topology
+            )
         if placed is not None:
             logger.info(
                 "placed %s/%s %s on %d node(s)",
@@ -430,6 +438,7 @@ class Placer:
         job: job_state.JobState,
         template: dict[str, Any],
         where: kueue_workload.Assignment,
+        topology: kueue_topology.Assignment | None = None,
     ) -> Step:
         """Crash recovery of a gated gang: its missing pods on their recorded nodes, or a new plan."""
         assert job.spec is not None
@@ -449,19 +458,22 @@ class Placer:
         group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
         every = self.restart_all_on(node for _, node in recovery.nodes)
         pods = [
-            kueue_workload.assign(
-                builders.build_pod(
-                    ref,
-                    spec,
-                    attempt,
-                    i,
-                    node,
-                    default_image=self.trainer_image,
-                    restart_rules=self.restart_rules,
-                    restart_all=every,
-                    pod_group=group["metadata"]["name"] if group else None,
+            _tas_marked(
+                kueue_workload.assign(
+                    builders.build_pod(
+                        ref,
+                        spec,
+                        attempt,
+                        i,
+                        node,
+                        default_image=self.trainer_image,
+                        restart_rules=self.restart_rules,
+                        restart_all=every,
+                        pod_group=group["metadata"]["name"] if group else None,
+                    ),
+                    where,
                 ),
-                where,
+                topology,
             )
             for i, node in recovery.nodes
         ]
@@ -481,6 +493,7 @@ class Placer:
         template: dict[str, Any],
         where: kueue_workload.Assignment,
         claim: volumes.Topology | None,
+        topology: kueue_topology.Assignment | None = None,
     ) -> tuple[Step, placement_outcome.Placed | None]:
         """Plan the whole gang, write what the plan comes to and, placed, create the gang's children."""
         assert job.spec is not None
@@ -492,7 +505,7 @@ class Placer:
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         try:
-            sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap)
+            sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap, topology)
         except planning.DeadlineExceeded as exceeded:
             return await self._planning_refused(body, job, exceeded), None
         except planning.WorkerFailed as failed:
@@ -506,6 +519,8 @@ class Placer:
         job = dataclasses.replace(job, spec=sized.spec)
         if isinstance(outcome, placement_outcome.WontFit):
             return await self._write_refused(body, job, outcome), None
+        if topology is not None:  # Kueue TAS assigned the domains: the plan keeps them or waits
+            outcome = placement_outcome.within_assignment(outcome, job, topology, nodes, now)
         metrics.PLACEMENT_SECONDS.labels(namespace=ref.namespace).observe(
             time.perf_counter() - started
         )
@@ -540,7 +555,7 @@ class Placer:
             ref.uid,
             self._shared_children(ref, spec, group),
             [
-                kueue_workload.assign(pod, where)
+                _tas_marked(kueue_workload.assign(pod, where), topology)
                 for pod in builders.build_pods(
                     ref,
                     spec,

@@ -37,6 +37,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kubelet_tier,
+    kueue_topology,
     kueue_workload,
     lifecycle,
     naming,
@@ -218,7 +219,8 @@ class Reconciler:
         admitted = kueue.state if kueue is not None else None
         flavors = admitted.flavors if isinstance(admitted, kueue_workload.Admitted) else ()
         count = admitted.count if isinstance(admitted, kueue_workload.Admitted) else None
-        body, job, did = await self.spares.keep(body, job, flavors, count)
+        topology = admitted.topology if isinstance(admitted, kueue_workload.Admitted) else None
+        body, job, did = await self.spares.keep(body, job, flavors, count, topology)
         changed = changed or did
         phase = (body.get("status") or {}).get("phase") or "Pending"
         if phase == job_state.Phase.RUNNING.value:  # it ran where it was placed: start afresh
@@ -230,6 +232,7 @@ class Reconciler:
         waiting = placed.get("status") == conditions.FALSE and placed.get("reason") in (
             placement.INSUFFICIENT_GPUS,
             placement.TOPOLOGY_UNSATISFIABLE,
+            kueue_topology.CONFLICT,  # room may come back inside Kueue's assignment
         )
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
@@ -289,7 +292,8 @@ class Reconciler:
             replaced = await self.replacer.replace(action, body, job)
             return replaced or await self._all(action.otherwise, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
-            fits = await self.fit.fits_without(job, frozenset(action.nodes), clock.now())
+            slow = frozenset(action.nodes)
+            fits = await self.fit.fits_without(job, slow, clock.now(), action.topology)
             changed = False
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)

@@ -29,6 +29,7 @@ from meshtrain.operator.policy import (
     identity,
     job_actions,
     job_state,
+    kueue_topology,
     kueue_workload,
     naming,
     replacement,
@@ -198,6 +199,10 @@ class Replacer:
         placed = replacement.entries(job.status)
         on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
         every = [placement.node_from_manifest(n, gpu) for n in cache.nodes.values()]
+        if action.topology is not None:  # Kueue TAS: only where the survivors leave it room
+            labels = {node.name: node.labels for node in every}
+            survivors = [node for i, node in enumerate(on) if i not in fresh]
+            free = kueue_topology.spare_room(free, survivors, labels, action.topology)
         request = placement_request.request_from_spec(spec)
         return choice.replace(request, on, fresh, every, free, spares)
 

@@ -27,6 +27,7 @@ from meshtrain.operator.policy import (
     feasibility,
     identity,
     job_state,
+    kueue_topology,
     kueue_workload,
     naming,
     replacement,
@@ -90,9 +91,11 @@ class Spares:
         job: job_state.JobState,
         flavors: tuple[str, ...] = (),
         admitted: int | None = None,
+        topology: kueue_topology.Assignment | None = None,
     ) -> Step:
         """Delete the spares the job no longer holds, reserve the ones it lacks (on the nodes the
-        admitted Kueue ``flavors`` allow, within the ``admitted`` pod count), show them."""
+        admitted Kueue ``flavors`` allow, within the ``admitted`` pod count and Kueue TAS's
+        ``topology`` assignment), show them."""
         placer, ref = self.placer, job.ref
         attempt, want = int(job.status.get("restarts") or 0), wanted(job, admitted)
         pods = owned.owned_pods(placer.cache, ref)
@@ -115,7 +118,9 @@ class Spares:
             where = await workloads.flavors(placer.client, flavors)
             if isinstance(where, kueue_workload.Assignment):
                 async with placer.lock:
-                    made = await self._reserve(job, attempt, want - len(kept), taken, where)
+                    made = await self._reserve(
+                        job, attempt, want - len(kept), taken, where, (topology, kept)
+                    )
                 kept += made
                 changed = changed or bool(made)
                 if len(kept) < want:
@@ -137,8 +142,12 @@ class Spares:
         count: int,
         taken: set[str],
         where: kueue_workload.Assignment,
+        tas: tuple[kueue_topology.Assignment | None, list[dict[str, Any]]] = (None, []),
     ) -> list[dict[str, Any]]:
-        """Create up to ``count`` spare pods on nodes the topology rules pick (fewer without room)."""
+        """Create up to ``count`` spare pods on nodes the topology rules pick (fewer without room).
+
+        ``tas``: Kueue TAS's assignment (None: none) and the spares already held.
+        """
         assert job.spec is not None
         spec, ref, placer = job.spec, job.ref, self.placer
         gpu, per_pod = spec.resources.gpu_resource_name, spec.resources.gpus_per_node
@@ -155,6 +164,10 @@ class Spares:
         placed = replacement.entries(job.status)
         on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
         every = [placement.node_from_manifest(n, gpu) for n in placer.cache.nodes.values()]
+        if tas[0] is not None:  # the spares count in Kueue's pod set: only its domains' rest
+            labels = {node.name: node.labels for node in every}
+            used = [*on, *(identity.planned_node(p) or "" for p in tas[1])]
+            free = kueue_topology.spare_room(free, used, labels, tas[0])
         nodes = choice.spares(placement_request.request_from_spec(spec), on, every, free, count)
         numbers = (
             n for n in range(2 * len(taken) + count + 1) if _name(ref, attempt, n) not in taken
@@ -168,6 +181,8 @@ class Spares:
             )
             for number, node in zip(numbers, nodes)
         ]
+        if tas[0] is not None:  # counted once, in the Workload's TAS usage
+            pods = [kueue_topology.mark(pod) for pod in pods]
         refused = await children.ensure(placer.client, ref.uid, [], pods)
         if refused is not None:
             logger.warning("%s/%s: spare refused: %s", ref.namespace, ref.name, refused.message)

@@ -197,6 +197,27 @@ class Cluster:
                 return None
             raise
 
+    KUEUE_CLUSTER_SCOPED = {
+        "Topology": "topologies",
+        "ResourceFlavor": "resourceflavors",
+        "ClusterQueue": "clusterqueues",
+        "WorkloadPriorityClass": "workloadpriorityclasses",
+    }
+    """Kueue's cluster-scoped kinds and their plurals (the rest are namespaced)."""
+
+    def create_kueue_object(self, body: dict[str, Any], namespace: str) -> None:
+        """Create a Kueue object (kueue.x-k8s.io/v1beta2): cluster-scoped, else a LocalQueue in
+        ``namespace``."""
+        body = {"apiVersion": kueue_workload.API_VERSION, **body}
+        plural = self.KUEUE_CLUSTER_SCOPED.get(body["kind"])
+        group, version = kueue_workload.GROUP, kueue_workload.VERSION
+        if plural is not None:
+            self.custom.create_cluster_custom_object(group, version, plural, body)
+        else:
+            self.custom.create_namespaced_custom_object(
+                group, version, namespace, "localqueues", body
+            )
+
     def workload(self, namespace: str, job: str) -> dict[str, Any] | None:
         """The Kueue Workload of ``job`` (``trainingjob-<job>``), or None."""
         try:

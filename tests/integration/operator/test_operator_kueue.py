@@ -30,22 +30,8 @@ NS = "ml-team"
 QUEUE = "team-queue"
 
 
-PLURALS = {
-    "ResourceFlavor": "resourceflavors",
-    "ClusterQueue": "clusterqueues",
-    "WorkloadPriorityClass": "workloadpriorityclasses",
-}
-
-
 def _kueue_object(cluster: Cluster, body: dict[str, Any]) -> None:
-    if body["kind"] in PLURALS:
-        cluster.custom.create_cluster_custom_object(
-            kueue_workload.GROUP, kueue_workload.VERSION, PLURALS[body["kind"]], body
-        )
-    else:
-        cluster.custom.create_namespaced_custom_object(
-            kueue_workload.GROUP, kueue_workload.VERSION, NS, "localqueues", body
-        )
+    cluster.create_kueue_object(body, NS)
 
 
 @contextlib.contextmanager

@@ -161,3 +161,30 @@ class KueueCalls:
             name,
             ok=(404,),
         )
+
+    async def kueue_object(
+        self, *, plural: str, name: str, namespace: str | None = None
+    ) -> Body | None:
+        """A Kueue LocalQueue (namespaced), ClusterQueue or Topology, or None when it does not exist."""
+        if namespace is not None:
+            return await self._request(
+                "get",
+                plural,
+                self._custom.get_namespaced_custom_object,
+                kueue_workload.GROUP,
+                kueue_workload.VERSION,
+                namespace,
+                plural,
+                name,
+                ok=(404,),
+            )
+        return await self._request(
+            "get",
+            plural,
+            self._custom.get_cluster_custom_object,
+            kueue_workload.GROUP,
+            kueue_workload.VERSION,
+            plural,
+            name,
+            ok=(404,),
+        )

@@ -20,6 +20,7 @@ from meshtrain.operator.policy import (
     feasibility,
     identity,
     job_state,
+    kueue_topology,
     kueue_workload,
     naming,
     pod_state,
@@ -149,8 +150,15 @@ async def perform(
     if isinstance(action, kueue_workload.CreateWorkload):
         assert job.declared is not None and queue is not None
         template = builders.build_pod(ref, job.declared, 0, 0, "", default_image=trainer_image)
+        try:
+            levels = await tas_levels(client, ref.namespace, queue.name)
+        except kube.ApiError as err:
+            if err.status != 403:
+                raise
+            levels = ()  # an install whose RBAC predates TAS: queued without a topology request
+            logger.warning("%s/%s: no TAS topology request: %s", ref.namespace, ref.name, err)
         manifest = kueue_workload.build_workload(
-            ref, job.declared, queue, template, action.priority
+            ref, job.declared, queue, template, action.priority, levels
         )
         try:
             created = await client.create_workload(manifest=manifest)
@@ -214,6 +222,27 @@ async def flavors(
             )
         found.append(flavor)
     return kueue_workload.assignment(found)
+
+
+async def tas_levels(client: kube.Client, namespace: str, queue: str) -> tuple[str, ...]:
+    """The levels of the TAS Topology the queue's ClusterQueue hands out, () when none does.
+
+    LocalQueue -> ClusterQueue -> its flavors -> the first with ``spec.topologyName`` -> that
+    Topology.  Anything missing reads as no TAS: Kueue then says what is wrong in the queue.
+    """
+    local = await client.kueue_object(plural="localqueues", name=queue, namespace=namespace)
+    cluster_queue = ((local or {}).get("spec") or {}).get("clusterQueue")
+    if not cluster_queue:
+        return ()
+    found = await client.kueue_object(plural="clusterqueues", name=cluster_queue)
+    groups = ((found or {}).get("spec") or {}).get("resourceGroups") or []
+    for name in dict.fromkeys(f["name"] for g in groups for f in g.get("flavors") or []):
+        flavor = await client.resource_flavor(name=name)
+        topology = ((flavor or {}).get("spec") or {}).get("topologyName")
+        if topology:
+            found = await client.kueue_object(plural="topologies", name=topology)
+            return kueue_topology.tas_levels(found)
+    return ()
 
 
 async def release_after_pods(

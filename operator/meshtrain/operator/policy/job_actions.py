@@ -6,7 +6,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.operator.policy import job_state, kueue_workload, rescheduling, resizing
+from meshtrain.operator.policy import (
+    job_state,
+    kueue_topology,
+    kueue_workload,
+    rescheduling,
+    resizing,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,8 @@ class Place:
     missing: tuple[int, ...] | None = None
     flavors: tuple[str, ...] = ()
     """The ResourceFlavors Kueue admitted the job with: only nodes they cover, with their tolerations."""
+    topology: kueue_topology.Assignment | None = None
+    """Kueue TAS's topologyAssignment: the gang only in its domains, each with its count."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +91,8 @@ class ReplaceStraggler:
     nodes: tuple[str, ...]
     replaced: tuple[SetStatus | Emit | DeletePods, ...]
     otherwise: tuple[SetStatus | Emit, ...]
+    topology: kueue_topology.Assignment | None = None
+    """Kueue TAS's topologyAssignment: the placement without the nodes must fit inside it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +116,8 @@ class ReplacePods:
     """The ResourceFlavors Kueue admitted the job with."""
     otherwise: tuple[Action, ...]
     """What ``failure.GANG_FAILED`` decides for the same pass."""
+    topology: kueue_topology.Assignment | None = None
+    """Kueue TAS's topologyAssignment: replacements only where it has room left."""
 
 
 Action = (

@@ -19,6 +19,7 @@ from meshtrain.operator.policy import (
     builders,
     conditions,
     identity,
+    kueue_topology,
     naming,
     node_affinity,
     replacement,
@@ -167,8 +168,12 @@ def build_workload(
     queue: Queue,
     pod: Mapping[str, Any],
     priority: Priority,
+    tas_levels: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The Workload of ``job``: one pod set of ``spec.pods`` copies of ``pod``'s requests.
+
+    ``tas_levels``: the levels of the TAS Topology the queue's flavors name (none: no TAS); the
+    pod set then asks Kueue for topology (``kueue_topology.topology_request``).
 
     ``pod`` is a pod of the gang as the builders make it; Kueue sees its containers'
     requests, pod-level resources and overhead, node selector, tolerations and required node
@@ -191,12 +196,12 @@ def build_workload(
         template["spec"]["affinity"] = {
             "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
         }
-    workload_spec: dict[str, Any] = {
-        "queueName": queue.name,
-        # The spare pods request what a gang pod does: the quota counts them (runPolicy.recovery.spareNodes);
-        # spareNodes raised after admission gets no more spares than admitted (sparing.wanted).
-        "podSets": [{"name": POD_SET, "count": spec.pods + _spares(spec), "template": template}],
-    }
+    # The spare pods request what a gang pod does: the quota counts them (runPolicy.recovery.spareNodes);
+    # spareNodes raised after admission gets no more spares than admitted (sparing.wanted).
+    pod_set: dict[str, Any] = {"name": POD_SET, "count": spec.pods + _spares(spec), "template": template}  # fmt: skip
+    if tas_levels:
+        pod_set["topologyRequest"] = kueue_topology.topology_request(spec, tas_levels, pod_set["count"])  # fmt: skip
+    workload_spec: dict[str, Any] = {"queueName": queue.name, "podSets": [pod_set]}
     workload_spec["priority"] = priority.value
     if priority.ref is not None:
         group, kind, name = priority.ref
@@ -235,6 +240,8 @@ class Admitted:
     count: int | None = None
     """The pods Kueue admitted in the gang's pod set (``podSetAssignments[].count``; None: not
     said): the gang's and its spares'; spares past it would run outside the quota."""
+    topology: kueue_topology.Assignment | None = None
+    """Kueue TAS's ``topologyAssignment`` of the pod set: the gang goes only there (None: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,16 +518,18 @@ def state(workload: Mapping[str, Any]) -> State:
             if pod_set.get("name") == POD_SET
             for name in (pod_set.get("flavors") or {}).values()
         ]
-        counts = [
-            pod_set.get("count")
+        ours = [
+            pod_set
             for pod_set in status["admission"].get("podSetAssignments") or []
-            if pod_set.get("name") == POD_SET and type(pod_set.get("count")) is int
+            if pod_set.get("name") == POD_SET
         ]
+        counts = [p["count"] for p in ours if type(p.get("count")) is int]
         return Admitted(
             status["admission"].get("clusterQueue", ""),
             (ready.get("status", ""), ready.get("reason", "")) if ready else None,
             tuple(sorted(set(assigned))),
             counts[0] if counts else None,
+            kueue_topology.read(ours[0].get("topologyAssignment")) if ours else None,
         )
     reserved = conditions.find(status.get("conditions") or [], QUOTA_RESERVED) or {}
     return Waiting(

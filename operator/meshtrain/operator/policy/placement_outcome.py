@@ -20,6 +20,7 @@ from meshtrain.operator.policy import (
     conditions,
     feasibility,
     job_state,
+    kueue_topology,
     memory_admission,
     placement_status,
     pod_state,
@@ -298,3 +299,31 @@ def larger_size(sized: Sized, running: int) -> elastic.Size | None:
     if size is None or size.data <= running or not isinstance(sized.answer, placement.Placement):
         return None
     return size
+
+
+def within_assignment(
+    outcome: Placed | Unplaced,
+    job: job_state.JobState,
+    assignment: kueue_topology.Assignment,
+    nodes: Iterable[placement.Node],
+    now: datetime.datetime,
+) -> Placed | Unplaced:
+    """``outcome`` of a plan made inside Kueue TAS's ``assignment`` (``kueue_topology.restrict``).
+
+    No plan inside the assigned domains, or one that does not fill them with exactly their
+    counts (an elastic size below the admitted one, a required level split across domains),
+    is Placed=False/``kueue_topology.CONFLICT``: the gang never runs outside what Kueue assigned.
+    """
+    declared = job.declared or job.spec
+    assert declared is not None
+    if isinstance(outcome, Unplaced):
+        why = f"{outcome.reason}: {outcome.message}"
+    else:
+        labels = {node.name: node.labels for node in nodes}
+        spares = max(0, assignment.total - declared.pods)
+        found = kueue_topology.conflict(outcome.nodes, labels, assignment, spares)
+        if found is None:
+            return outcome
+        why = found
+    message = kueue_topology.conflict_message(why, assignment)
+    return unplaced(job, kueue_topology.CONFLICT, message, now)

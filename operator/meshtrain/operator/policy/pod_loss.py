@@ -88,6 +88,7 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
         doomed=pod_state.undeleted(lost_pods),
         flavors=seen.flavors,
         otherwise=failure.restart_or_fail(seen, failures).actions,
+        topology=seen.topology,
     )
 
 

@@ -23,6 +23,7 @@ from meshtrain.operator.policy import (
     identity,
     job_actions,
     job_state,
+    kueue_topology,
     kueue_workload,
     pod_failure,
     pod_state,
@@ -158,6 +159,13 @@ class Situation:
         if self.kueue is not None and isinstance(self.kueue.state, kueue_workload.Admitted):
             return self.kueue.state.flavors
         return ()
+
+    @functools.cached_property
+    def topology(self) -> kueue_topology.Assignment | None:
+        """Kueue TAS's topologyAssignment of the admitted gang (None: none, or not queued)."""
+        if self.kueue is not None and isinstance(self.kueue.state, kueue_workload.Admitted):
+            return self.kueue.state.topology
+        return None
 
     @functools.cached_property
     def observed(self) -> gang_status.Observed:

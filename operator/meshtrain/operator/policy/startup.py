@@ -74,7 +74,9 @@ OLD_PODS_LEAVING = situation.UNPLACED.rule(
 PLACE = situation.UNPLACED.rule(
     "no pod of the attempt left: place the gang",
     lambda seen: not seen.current,
-    lambda seen: job_actions.Decision((job_actions.Place(seen.attempt, flavors=seen.flavors),)),
+    lambda seen: job_actions.Decision(
+        (job_actions.Place(seen.attempt, flavors=seen.flavors, topology=seen.topology),)
+    ),
 )
 RECREATE_MISSING = situation.PLACED.rule(
     "pods missing from the still-gated gang, none failed: re-create them on their recorded nodes",

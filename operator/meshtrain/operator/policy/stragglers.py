@@ -355,6 +355,7 @@ def _replaced(seen: situation.Situation) -> job_actions.Decision:
             *([job_actions.set_status(seen.job, **fallback.status)] if fallback.status else []),
             *(job_actions.Emit(*event) for event in fallback.events),
         ),
+        seen.topology,
     )
     return job_actions.Decision((replace,), requeue_after=0)
 

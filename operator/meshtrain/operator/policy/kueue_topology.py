@@ -1,0 +1,252 @@
+"""Kueue Topology-Aware Scheduling (TAS) and meshtrain's placement: one source of placement truth.
+
+When a job's ClusterQueue hands out a ResourceFlavor with a ``topologyName``, its Workload asks
+Kueue for topology (:func:`topology_request`, from ``spec.topology``), and Kueue's answer, the
+pod set's ``topologyAssignment`` (domains and pod counts), bounds the plan: the gang's nodes
+come only from the assigned domains, each domain holding at most its count
+(:func:`restrict`), and a plan that does not put exactly the assigned counts there is refused
+(:func:`conflict`, ``placement_outcome.within_assignment``).  Inside that, meshtrain's cost model still decides which rank block goes
+where.  Pure: the reads are ``cluster.workloads``'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.api import spec as api_spec
+
+CONFLICT = "TopologyAssignmentConflict"
+"""Placed=False reason: meshtrain's rules cannot be met inside Kueue's topologyAssignment."""
+TAS_POD_ANNOTATION = "kueue.x-k8s.io/podset-unconstrained-topology"
+"""Marks a gang pod as TAS-managed, so Kueue counts it once (in the Workload's TAS usage), not
+again as non-TAS usage of its node.  No workload annotation: Kueue's ungater leaves it alone."""
+HOSTNAME = "kubernetes.io/hostname"
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """One domain of Kueue's assignment."""
+
+    values: tuple[str, ...]
+    """The domain's node-label value at each of the assignment's levels."""
+    count: int
+    """Pods Kueue assigned to it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """A pod set's ``topologyAssignment``, expanded from Kueue's compressed slices."""
+
+    levels: tuple[str, ...]
+    """Node labels of the assigned levels, highest first (the lowest is often the hostname)."""
+    domains: tuple[Domain, ...]
+    """Every assigned domain, in Kueue's order."""
+
+    @property
+    def total(self) -> int:
+        return sum(domain.count for domain in self.domains)
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{'/'.join(d.values)}={d.count}" for d in self.domains[:8])
+        more = f" and {len(self.domains) - 8} more" if len(self.domains) > 8 else ""
+        return f"{'/'.join(self.levels)}: {shown}{more}"
+
+
+def _value(level: Mapping[str, Any], index: int) -> str:
+    """The value at domain ``index`` of one slice level (universal, or prefix+root+suffix)."""
+    if level.get("universal") is not None:
+        return str(level["universal"])
+    individual = level.get("individual") or {}
+    roots = individual.get("roots") or []
+    return f"{individual.get('prefix') or ''}{roots[index]}{individual.get('suffix') or ''}"
+
+
+def read(assignment: Mapping[str, Any] | None) -> Assignment | None:
+    """The domains and counts of a ``topologyAssignment`` (Kueue v1beta2's slices), or None.
+
+    Decoded as Kueue's ``tas.InternalSeqFrom`` does: each slice covers ``domainCount``
+    domains; each level's value is universal or prefix + root + suffix; counts universal or
+    individual.
+    """
+    if not assignment:
+        return None
+    levels = tuple(str(level) for level in assignment.get("levels") or [])
+    domains = []
+    for piece in assignment.get("slices") or []:
+        counts = piece.get("podCounts") or {}
+        per_level = piece.get("valuesPerLevel") or []
+        for index in range(int(piece.get("domainCount") or 0)):
+            count = counts.get("universal")
+            domains.append(
+                Domain(
+                    tuple(_value(level, index) for level in per_level),
+                    int(count if count is not None else counts["individual"][index]),
+                )
+            )
+    return Assignment(levels, tuple(domains)) if levels else None
+
+
+def tas_levels(topology: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The node labels of a Kueue Topology's levels, highest first (() for no Topology)."""
+    levels = ((topology or {}).get("spec") or {}).get("levels") or []
+    return tuple(str(level.get("nodeLabel")) for level in levels if level.get("nodeLabel"))
+
+
+def topology_request(
+    spec: api_spec.TrainingJobSpec, levels: Sequence[str], count: int
+) -> dict[str, Any]:
+    """The ``topologyRequest`` of the pod set (``count`` pods) in a queue whose TAS Topology has
+    ``levels``.
+
+    Only levels the Topology has are named (Kueue refuses others).  ``required``: the lowest
+    ``spec.topology`` level with mode required (the whole gang in one domain of it, the same
+    rule the planner keeps).  Else ``preferred``: the lowest fabric level of ``spec.topology``
+    the Topology has, else the NVLink-domain label, else the Topology's own second-lowest
+    level (its lowest is usually the hostname), so Kueue packs the gang as tightly as it can.
+    With the NVLink-domain label among the levels and more than one pipeline stage, each stage's
+    pods (its data-parallel all-reduce, the heaviest traffic; tensor groups never leave a pod)
+    are a PodSet slice required in one NVLink domain (``podSetSliceRequiredTopology`` /
+    ``podSetSliceSize``), when stages fill whole pods and the slices divide ``count`` (spares
+    included).
+    """
+    topology = spec.topology
+    known = set(levels)
+    fabric = [level for level in topology.levels if level.label in known]
+    required = [level.label for level in fabric if level.mode == "required"]
+    nvlink = topology.nvlink_domain_label if topology.nvlink_domain_label in known else None
+    request: dict[str, Any] = {}
+    if required:
+        request["required"] = required[-1]
+    elif fabric:
+        request["preferred"] = fabric[-1].label
+    elif nvlink:
+        request["preferred"] = nvlink
+    elif levels:
+        request["preferred"] = (
+            levels[-2] if len(levels) > 1 and levels[-1] == HOSTNAME else levels[-1]
+        )
+    grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
+    per_stage = grid.world_size // grid.pipeline  # every rank of one stage
+    stage_pods = per_stage // per_pod if per_stage % per_pod == 0 else 0
+    if nvlink and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
+        request["podSetSliceRequiredTopology"] = nvlink
+        request["podSetSliceSize"] = stage_pods
+    return request
+
+
+def _in(node: placement.Node, assignment: Assignment) -> tuple[str, ...] | None:
+    """The assigned domain ``node`` lies in (its values at the assignment's levels), or None."""
+    values = tuple(node.labels.get(level, "") for level in assignment.levels)
+    return values if all(values) else None
+
+
+def restrict(
+    offered: Iterable[placement.Node], assignment: Assignment, gpus_per_pod: int
+) -> list[placement.Node]:
+    """The offered nodes inside the assigned domains, each domain offering at most its count.
+
+    A domain of one node (the hostname level) offers ``min(room, count)`` pods there; a wider
+    domain's nodes are taken in name order until they offer its count (the last one cut to what
+    remains), so no plan can put more pods in a domain than Kueue assigned it.
+    """
+    left = {domain.values: domain.count for domain in assignment.domains}
+    kept = []
+    for node in sorted(offered, key=lambda n: n.name):
+        where = _in(node, assignment)
+        if where is None or left.get(where, 0) <= 0:
+            continue
+        slots = min(node.allocatable_gpus // gpus_per_pod, left[where])
+        left[where] -= slots
+        kept.append(dataclasses.replace(node, allocatable_gpus=slots * gpus_per_pod))
+    return kept
+
+
+def placed_per_domain(
+    nodes: Sequence[str], labels: Mapping[str, Mapping[str, str]], assignment: Assignment
+) -> dict[tuple[str, ...], int]:
+    """Pods per assigned domain of a plan's ``nodes`` (a pod outside any counts under ())."""
+    assigned = {domain.values for domain in assignment.domains}
+    counts: dict[tuple[str, ...], int] = {}
+    for name in nodes:
+        node_labels = labels.get(name) or {}
+        values = tuple(node_labels.get(level, "") for level in assignment.levels)
+        key = values if values in assigned else ()
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def spare_room(
+    free: Mapping[str, int],
+    used: Sequence[str],
+    labels: Mapping[str, Mapping[str, str]],
+    assignment: Assignment,
+) -> dict[str, int]:
+    """The pod slots ``free`` (node -> slots) leaves inside what the pods already held (``used``:
+    their nodes) have not taken of Kueue's assignment.
+
+    Kueue counts spares in the pod set, so they too go only to the assigned domains, up to each
+    domain's count, and so does a lost pod's lone replacement (the survivors and the spares it
+    may take in ``used`` / ``free`` as the caller counts them); nodes in name order, as
+    :func:`restrict`.
+    """
+    taken = placed_per_domain(used, labels, assignment)
+    left = {d.values: d.count - taken.get(d.values, 0) for d in assignment.domains}
+    room = {}
+    for name in sorted(free):
+        values = tuple((labels.get(name) or {}).get(level, "") for level in assignment.levels)
+        slots = min(free[name], left.get(values, 0))
+        if slots > 0:
+            room[name] = slots
+            left[values] -= slots
+    return room
+
+
+def conflict(
+    nodes: Sequence[str],
+    labels: Mapping[str, Mapping[str, str]],
+    assignment: Assignment,
+    spares: int,
+) -> str | None:
+    """Why a plan's ``nodes`` break Kueue's assignment, or None when they keep it.
+
+    The gang must lie in the assigned domains, each receiving exactly its count; ``spares``
+    (the pods Kueue admitted beyond the gang: runPolicy.recovery.spareNodes) may be left
+    over, at most one domain's worth each.
+    """
+    placed = placed_per_domain(nodes, labels, assignment)
+    outside = placed.pop((), 0)
+    if outside:
+        return (
+            f"{outside} pod(s) planned outside Kueue's assigned domains ({assignment.describe()})"
+        )
+    short = {d.values: d.count - placed.get(d.values, 0) for d in assignment.domains}
+    over = {k: v for k, v in short.items() if v < 0}
+    if over:
+        return f"more pods than Kueue assigned in {', '.join('/'.join(k) for k in over)}"
+    missing = sum(short.values())
+    if missing > spares:
+        return (
+            f"{len(nodes)} pod(s) planned where Kueue assigned {assignment.total} "
+            f"({assignment.describe()}); the gang must fill the assignment exactly"
+        )
+    return None
+
+
+def conflict_message(why: str, assignment: Assignment) -> str:
+    """The Placed=False message of a plan that cannot keep Kueue's topologyAssignment."""
+    return (
+        f"meshtrain's placement cannot be met inside Kueue's topologyAssignment "
+        f"({assignment.describe()}): {why}; the gang stays unplaced (Kueue's assignment is never "
+        "ignored): relax spec.topology's required levels or the queue's TAS request, or free the "
+        "assigned nodes"
+    )
+
+
+def mark(pod: dict[str, Any]) -> dict[str, Any]:
+    """``pod`` annotated as TAS-managed (:data:`TAS_POD_ANNOTATION`)."""
+    metadata = dict(pod.get("metadata") or {})
+    metadata["annotations"] = {**(metadata.get("annotations") or {}), TAS_POD_ANNOTATION: "true"}
+    return {**pod, "metadata": metadata}

@@ -1,0 +1,228 @@
+"""A TrainingJob in a Kueue queue whose ResourceFlavor has a TAS Topology: Kueue's
+topologyAssignment bounds meshtrain's placement, on a real Kueue v0.17.0 and API server.
+
+Eight nodes of 8 GPUs in two blocks of two leaves (NVIDIA's network.topology labels, which
+both meshtrain and Kueue's Topology read), the lowest Topology level the hostname.  The job's
+Workload asks Kueue for topology (its required leaf), Kueue admits it with a topologyAssignment,
+and the gang's planned nodes (status.placement, and each pod's node affinity) lie in Kueue's
+domains with Kueue's counts, read from the Workload's status.  A job whose meshtrain rule (a
+required level the Topology does not have) cannot be kept inside Kueue's assignment stays
+unplaced with TopologyAssignmentConflict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from meshtrain.operator.policy import kueue_topology, kueue_workload
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane import kueue
+from tests.builders import POOL_LABEL, JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+NS, QUEUE, POOL = "tas-team", "tas-queue", "tas"
+BLOCK, LEAF = "network.topology.nvidia.com/block", "network.topology.nvidia.com/leaf"
+HOST = "kubernetes.io/hostname"
+ZONE = "example.com/power-zone"
+"""A label meshtrain may require that Kueue's Topology does not know (the conflict case)."""
+
+
+@pytest.fixture(scope="module")
+def tas(control_plane_binaries, tmp_path_factory) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    work = tmp_path_factory.mktemp("kueue-tas")
+    with contextlib.ExitStack() as stack:
+        plane = stack.enter_context(controlplane.ControlPlane(binaries=control_plane_binaries))
+        api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
+        stack.callback(api.close)
+        cluster = Cluster(api, str(plane.kubeconfig_path), str(control_plane_binaries.kubectl))
+        cluster.install_crds()
+        cluster.core.create_namespace({"metadata": {"name": NS}})
+        stack.enter_context(kueue.Kueue(plane, work, [kueue_workload.EXTERNAL_FRAMEWORK]))
+        levels = [{"nodeLabel": label} for label in (BLOCK, LEAF, HOST)]
+        gpu_quota = [{"name": "nvidia.com/gpu", "nominalQuota": 64}]
+        for body in (
+            {"kind": "Topology", "metadata": {"name": "fabric"}, "spec": {"levels": levels}},
+            {
+                "kind": "ResourceFlavor",
+                "metadata": {"name": "tas-gpus"},
+                "spec": {"nodeLabels": {POOL_LABEL: POOL}, "topologyName": "fabric"},
+            },
+            {
+                "kind": "ClusterQueue",
+                "metadata": {"name": "tas-cq"},
+                "spec": {
+                    "namespaceSelector": {},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": ["nvidia.com/gpu"],
+                            "flavors": [{"name": "tas-gpus", "resources": gpu_quota}],
+                        }
+                    ],
+                },
+            },
+            {"kind": "LocalQueue", "metadata": {"name": QUEUE}, "spec": {"clusterQueue": "tas-cq"}},
+        ):
+            cluster.create_kueue_object(body, NS)
+        for block in range(2):
+            for leaf in range(2):
+                for node in range(2):
+                    labels = {
+                        BLOCK: f"b{block}",
+                        LEAF: f"b{block}-l{leaf}",
+                        ZONE: f"z{node}",  # each leaf's two nodes sit in two power zones
+                    }
+                    cluster.add_node(POOL, gpus=8, labels=labels, name=f"b{block}-l{leaf}-n{node}")
+        process = OperatorProcess(str(plane.kubeconfig_path), str(work / "operator.log"))
+        process.start()
+        stack.callback(process.stop)
+        yield cluster, process
+
+
+def _job(name: str, levels: list[dict[str, str]]) -> dict[str, Any]:
+    # dp8 x pp2 on 4-GPU pods: 4 pods, two per node: a whole leaf.
+    body = JobBuilder(name, NS, pool=POOL).layout(data=8, pipeline=2, gpus_per_node=4)
+    body = body.topology(levels=levels).manifest()
+    body["metadata"]["labels"] = {kueue_workload.QUEUE_LABEL: QUEUE}
+    return body
+
+
+def _apply(cluster: Cluster, body: dict[str, Any]) -> None:
+    cluster.custom.create_namespaced_custom_object(
+        "meshtrain.io", "v1alpha1", NS, "trainingjobs", body
+    )
+
+
+def _topology_request(cluster: Cluster, job: str) -> Any:
+    """What the job's Workload asks Kueue for (its one pod set's topologyRequest)."""
+    workload = wait_for(f"{job}'s Workload", lambda: cluster.workload(NS, job), timeout=60)
+    [pod_set] = workload["spec"]["podSets"]
+    return pod_set.get("topologyRequest")
+
+
+def _admitted_assignment(cluster: Cluster, job: str) -> kueue_topology.Assignment:
+    def read() -> Any:
+        workload = cluster.workload(NS, job) or {}
+        for pod_set in ((workload.get("status") or {}).get("admission") or {}).get(
+            "podSetAssignments"
+        ) or []:
+            if pod_set.get("topologyAssignment"):
+                return pod_set["topologyAssignment"]
+        return None
+
+    raw = wait_for(f"{job} admitted by Kueue with a topologyAssignment", read, timeout=90)
+    found = kueue_topology.read(raw)
+    assert found is not None
+    return found
+
+
+def _node_labels(cluster: Cluster) -> dict[str, dict[str, str]]:
+    return {
+        n.metadata.name: dict(n.metadata.labels or {})
+        for n in cluster.core.list_node(label_selector=f"{POOL_LABEL}={POOL}").items
+    }
+
+
+def _per_domain(
+    nodes: list[str], labels: dict[str, dict[str, str]], assignment: kueue_topology.Assignment
+) -> Counter[tuple[str, ...]]:
+    return Counter(tuple(labels[n][level] for level in assignment.levels) for n in nodes)
+
+
+def _affinity_node(pod: Any) -> str:
+    terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    values = [
+        value
+        for term in terms.node_selector_terms
+        for requirement in term.match_fields or []
+        if requirement.key == "metadata.name"
+        for value in requirement.values
+    ]
+    assert len(set(values)) == 1, values  # one pin, repeated in every term
+    return str(values[0])
+
+
+def _blocker(cluster: Cluster) -> kueue_topology.Assignment:
+    """A Workload with no pods that Kueue admits into a leaf: Kueue counts that leaf as used,
+    the nodes show it free, so Kueue's choice for the next job differs from a blind plan's."""
+    container = {"name": "c", "image": "none", "resources": {"requests": {"nvidia.com/gpu": "4"}}}
+    cluster.custom.create_namespaced_custom_object(
+        kueue_workload.GROUP,
+        kueue_workload.VERSION,
+        NS,
+        "workloads",
+        {
+            "apiVersion": kueue_workload.API_VERSION,
+            "kind": "Workload",
+            "metadata": {"name": "trainingjob-blocker"},
+            "spec": {
+                "queueName": QUEUE,
+                "podSets": [
+                    {
+                        "name": "main",
+                        "count": 4,
+                        "template": {"spec": {"containers": [container], "restartPolicy": "Never"}},
+                        "topologyRequest": {"required": LEAF},
+                    }
+                ],
+            },
+        },
+    )
+    return _admitted_assignment(cluster, "blocker")
+
+
+def test_the_gang_lies_in_kueue_s_assigned_domains_with_kueue_s_counts(tas) -> None:
+    cluster, _ = tas
+    labels = _node_labels(cluster)
+    held = _blocker(cluster)
+    held_leaves = {labels[d.values[-1]][LEAF] for d in held.domains}
+    _apply(cluster, _job("fits", [{"label": BLOCK}, {"label": LEAF, "mode": "required"}]))
+    assert _topology_request(cluster, "fits") == {"required": LEAF}
+    assignment = _admitted_assignment(cluster, "fits")
+    expected = Counter({d.values: d.count for d in assignment.domains})
+    assert sum(expected.values()) == 4
+
+    placed = wait_for(
+        "fits placed",
+        lambda: (
+            len(cluster.status(NS, "fits").get("placement") or []) == 4
+            and cluster.status(NS, "fits")["placement"]
+        ),
+        timeout=60,
+    )
+    planned = [entry["node"] for entry in placed]
+    assert _per_domain(planned, labels, assignment) == expected
+    wait_for("fits' pods", lambda: len(cluster.pods(NS, "fits")) == 4, timeout=60)
+    pods = cluster.pods(NS, "fits")
+    assert _per_domain([_affinity_node(p) for p in pods], labels, assignment) == expected
+    # Kueue's required leaf, kept by both: every planned node in one leaf, not the held one.
+    assert len({labels[n][LEAF] for n in planned}) == 1
+    assert not {labels[n][LEAF] for n in planned} & held_leaves
+    for pod in pods:
+        assert pod.metadata.annotations[kueue_topology.TAS_POD_ANNOTATION] == "true"
+
+
+def test_a_rule_meshtrain_cannot_keep_inside_kueue_s_assignment_leaves_the_job_unplaced(
+    tas,
+) -> None:
+    cluster, _ = tas
+    # meshtrain requires one power zone, which Kueue's Topology does not know: Kueue packs the
+    # gang into a leaf (preferred): the gang fills both of its nodes, in two zones.
+    _apply(cluster, _job("split", [{"label": LEAF}, {"label": ZONE, "mode": "required"}]))
+    assert _topology_request(cluster, "split") == {"preferred": LEAF}
+    assignment = _admitted_assignment(cluster, "split")
+    labels = _node_labels(cluster)
+    assigned = {d.values for d in assignment.domains}
+    nodes = [n for n in labels if tuple(labels[n][k] for k in assignment.levels) in assigned]
+    assert len({labels[n][ZONE] for n in nodes}) == 2, assignment.describe()
+    placed = cluster.wait_reason(NS, "split", "Placed", kueue_topology.CONFLICT, timeout=60)
+    assert placed["status"] == "False" and "topologyAssignment" in placed["message"]
+    assert cluster.events(NS, "split", kueue_topology.CONFLICT)
+    assert cluster.pods(NS, "split") == []

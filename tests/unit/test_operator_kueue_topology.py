@@ -1,0 +1,327 @@
+"""Kueue TAS's topologyAssignment bounds meshtrain's plan: decoding, request, restriction, conflicts.
+
+The decoding cases are Kueue v0.17.0's own (pkg/util/tas/tas_assignment_test.go,
+``bothWaysTestCases``): the compressed v1beta2 form on one side, the domains Kueue means on the
+other.  The placement cases plan with the real planner on the restricted nodes and compare
+what lands in each domain with the counts Kueue assigned.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from meshtrain import placement
+from meshtrain.api import loading
+from meshtrain.operator.policy import (
+    builders,
+    conditions,
+    identity,
+    job_actions,
+    job_state,
+    kueue_topology,
+    kueue_workload,
+    lifecycle,
+    placement_outcome,
+)
+from meshtrain.planner import placement_request
+from tests.builders import JobBuilder
+from tests.unit import test_operator_lifecycle
+
+NOW = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.UTC)
+RACK, HOST = "network.topology.nvidia.com/leaf", "kubernetes.io/hostname"
+BLOCK = "network.topology.nvidia.com/block"
+
+# Kueue's bothWaysTestCases: (v1beta2 topologyAssignment, [(values, count)]).
+KUEUE_CASES = [
+    ({"levels": ["a", "b"], "slices": []}, []),
+    (
+        {
+            "levels": ["a", "b"],
+            "slices": [
+                {
+                    "domainCount": 1,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [{"universal": "a1"}, {"universal": "b1"}],
+                }
+            ],
+        },
+        [(("a1", "b1"), 1)],
+    ),
+    (
+        {
+            "levels": ["a", "b"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [
+                        {"individual": {"prefix": "a", "roots": ["1", "2"]}},
+                        {"individual": {"prefix": "b", "roots": ["1", "2"]}},
+                    ],
+                }
+            ],
+        },
+        [(("a1", "b1"), 1), (("a2", "b2"), 1)],
+    ),
+    (
+        {
+            "levels": ["a", "b"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"individual": [1, 2]},
+                    "valuesPerLevel": [
+                        {"individual": {"prefix": "p.a", "suffix": ".s", "roots": ["1", "2"]}},
+                        {"individual": {"prefix": "p.b", "suffix": ".s", "roots": ["1", "2"]}},
+                    ],
+                }
+            ],
+        },
+        [(("p.a1.s", "p.b1.s"), 1), (("p.a2.s", "p.b2.s"), 2)],
+    ),
+    (
+        {
+            "levels": ["a", "b"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"individual": [1, 2]},
+                    "valuesPerLevel": [
+                        {"universal": "a1"},
+                        {"individual": {"roots": ["x", "y"]}},
+                    ],
+                }
+            ],
+        },
+        [(("a1", "x"), 1), (("a1", "y"), 2)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("compressed", "domains"), KUEUE_CASES)
+def test_kueue_s_compressed_assignment_reads_as_kueue_expands_it(
+    compressed: dict[str, Any], domains: list[tuple[tuple[str, ...], int]]
+) -> None:
+    read = kueue_topology.read(compressed)
+    assert read is not None and read.levels == ("a", "b")
+    assert [(d.values, d.count) for d in read.domains] == domains
+
+
+def test_no_assignment_reads_as_none() -> None:
+    assert kueue_topology.read(None) is None
+    assert kueue_topology.read({}) is None
+
+
+def _admitted_workload(assignment: dict[str, Any] | None) -> dict[str, Any]:
+    pod_set: dict[str, Any] = {"name": kueue_workload.POD_SET, "count": 4, "flavors": {"nvidia.com/gpu": "tas"}}  # fmt: skip
+    if assignment is not None:
+        pod_set["topologyAssignment"] = assignment
+    return {
+        "metadata": {"name": "w"},
+        "status": {
+            "conditions": [{"type": kueue_workload.ADMITTED, "status": "True"}],
+            "admission": {"clusterQueue": "cq", "podSetAssignments": [pod_set]},
+        },
+    }
+
+
+def test_an_admitted_workload_carries_its_pod_set_s_topology_assignment() -> None:
+    found = kueue_workload.state(_admitted_workload(KUEUE_CASES[3][0]))
+    assert isinstance(found, kueue_workload.Admitted)
+    assert found.topology is not None and found.topology.total == 3
+    plain = kueue_workload.state(_admitted_workload(None))
+    assert isinstance(plain, kueue_workload.Admitted) and plain.topology is None
+
+
+def _spec(**topology: Any) -> Any:
+    builder = JobBuilder().layout(data=8, pipeline=2, gpus_per_node=4)
+    if topology:
+        builder.topology(**topology)
+    return loading.parse_spec(builder.raw())
+
+
+def test_a_required_fabric_level_is_kueue_s_required_level() -> None:
+    spec = _spec(levels=[{"label": BLOCK, "mode": "required"}, {"label": RACK}])
+    request = kueue_topology.topology_request(spec, (BLOCK, RACK, HOST), 4)
+    assert request == {"required": BLOCK}
+
+
+def test_without_a_required_level_kueue_is_asked_to_prefer_the_lowest_fabric_level() -> None:
+    spec = _spec(levels=[{"label": BLOCK}, {"label": RACK}])
+    assert kueue_topology.topology_request(spec, (BLOCK, RACK, HOST), 4) == {"preferred": RACK}
+    # Levels the Topology lacks are never named (Kueue would refuse the flavor).
+    assert kueue_topology.topology_request(spec, (BLOCK, HOST), 4) == {"preferred": BLOCK}
+    # Nothing in spec.topology: the Topology's lowest level above the hostname.
+    assert kueue_topology.topology_request(_spec(), (BLOCK, RACK, HOST), 4) == {"preferred": RACK}
+
+
+def test_each_pipeline_stage_is_a_slice_required_in_one_nvlink_domain() -> None:
+    clique = "nvidia.com/gpu.clique"
+    raw = JobBuilder().layout(data=8, pipeline=2, gpus_per_node=4)  # 2 pods per stage
+    spec = loading.parse_spec(raw.topology(nvlinkDomainLabel=clique).raw())
+    request = kueue_topology.topology_request(spec, (BLOCK, clique, HOST), 4)
+    assert request == {
+        "preferred": clique,
+        "podSetSliceRequiredTopology": clique,
+        "podSetSliceSize": 2,
+    }
+    # Slices that do not divide the pod set (a spare) are not asked for, nor without the label.
+    assert "podSetSliceSize" not in kueue_topology.topology_request(spec, (clique, HOST), 5)
+    assert "podSetSliceSize" not in kueue_topology.topology_request(spec, (BLOCK, HOST), 4)
+
+
+def test_the_workload_asks_for_topology_only_on_a_tas_queue() -> None:
+    spec = _spec(levels=[{"label": RACK, "mode": "required"}])
+    ref = identity.JobRef("ns", "j", "u1")
+    pod = builders.build_pod(ref, spec, 0, 0, "")
+    queue = kueue_workload.Queue("q", None)
+    priority = kueue_workload.Priority(0)
+    plain = kueue_workload.build_workload(ref, spec, queue, pod, priority)
+    assert "topologyRequest" not in plain["spec"]["podSets"][0]
+    tas = kueue_workload.build_workload(ref, spec, queue, pod, priority, (RACK, HOST))
+    assert tas["spec"]["podSets"][0]["topologyRequest"] == {"required": RACK}
+
+
+def _nodes(racks: int, per_rack: int, gpus: int = 4) -> list[placement.Node]:
+    return [
+        placement.Node(f"r{r}-n{n}", gpus, {RACK: f"rack{r}", HOST: f"r{r}-n{n}"})
+        for r in range(racks)
+        for n in range(per_rack)
+    ]
+
+
+def _assignment(levels: tuple[str, ...], domains: dict[tuple[str, ...], int]) -> Any:
+    return kueue_topology.Assignment(
+        levels, tuple(kueue_topology.Domain(v, c) for v, c in domains.items())
+    )
+
+
+def _per_domain(nodes: tuple[str, ...], offered: list[placement.Node], levels: Any) -> Counter[Any]:
+    labels = {n.name: n.labels for n in offered}
+    return Counter(tuple(labels[name][level] for level in levels) for name in nodes)
+
+
+def test_the_plan_fills_each_assigned_rack_with_exactly_its_count() -> None:
+    spec = _spec(levels=[{"label": RACK}])  # dp8 x pp2 on 4-GPU pods: 4 pods
+    offered = _nodes(racks=3, per_rack=4)
+    assignment = _assignment((RACK,), {("rack0",): 1, ("rack2",): 3})
+    kept = kueue_topology.restrict(offered, assignment, gpus_per_pod=4)
+    plan = placement.plan(placement_request.request_from_spec(spec), kept, [])
+    assert isinstance(plan, placement.Placement)
+    assert _per_domain(plan.nodes, offered, (RACK,)) == {("rack0",): 1, ("rack2",): 3}
+
+
+def test_hostname_domains_cap_each_node_at_its_count_and_the_cost_model_orders_the_ranks() -> None:
+    # Kueue assigns two nodes of rack0 and two of rack1, listed interleaved; inside that the
+    # planner keeps each pipeline stage's data-parallel pods (the all-reduce) in one rack.
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=8, pipeline=2, gpus_per_node=4)
+        .topology(levels=[{"label": RACK}])
+        .raw()
+    )
+    offered = _nodes(racks=2, per_rack=3, gpus=8)
+    hosts = {("r0-n0",): 1, ("r1-n1",): 1, ("r0-n2",): 1, ("r1-n2",): 1}
+    assignment = _assignment((HOST,), hosts)
+    kept = kueue_topology.restrict(offered, assignment, gpus_per_pod=4)
+    assert {n.name: n.allocatable_gpus for n in kept} == {n[0]: 4 for n in hosts}
+    request = placement_request.request_from_spec(spec)
+    plan = placement.plan(request, kept, [])
+    assert isinstance(plan, placement.Placement)
+    assert _per_domain(plan.nodes, offered, (HOST,)) == hosts
+    rack_of = {n.name: n.labels[RACK] for n in offered}
+    layout = spec.parallelism.layout
+    for stage in range(2):
+        pods = [p for p in range(4) if layout.stages_of_pod(p, 4) == [stage]]
+        assert len(pods) == 2 and len({rack_of[plan.nodes[p]] for p in pods}) == 1
+    in_kueue_order = sorted(kept, key=lambda n: list(hosts).index((n.name,)))
+    blind = placement.first_fit(request, in_kueue_order, [])  # pods in Kueue's domain order
+    assert isinstance(blind, placement.Placement)
+    assert plan.level_bytes[RACK] < blind.level_bytes[RACK]
+
+
+def _job(spec_raw: dict[str, Any]) -> job_state.JobState:
+    body = {"metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 1}, "spec": spec_raw, "status": {}}  # fmt: skip
+    return job_state.read(body)
+
+
+def _placed(nodes: tuple[str, ...]) -> placement_outcome.Placed:
+    return placement_outcome.Placed({}, loading.parse_spec(_raw()), nodes, None, "placed")
+
+
+def _raw() -> dict[str, Any]:
+    return (
+        JobBuilder()
+        .layout(data=8, pipeline=2, gpus_per_node=4)
+        .topology(levels=[{"label": RACK, "mode": "required"}])
+        .raw()
+    )
+
+
+def test_a_required_level_kueue_split_is_a_conflict_not_a_silent_placement() -> None:
+    # Kueue assigned two racks; meshtrain requires the whole gang in one: the planner finds no
+    # place inside the assignment, and the job waits with TopologyAssignmentConflict.
+    job = _job(_raw())
+    offered = _nodes(racks=2, per_rack=4)
+    assignment = _assignment((RACK,), {("rack0",): 2, ("rack1",): 2})
+    kept = kueue_topology.restrict(offered, assignment, gpus_per_pod=4)
+    assert job.spec is not None
+    answer = placement.plan(placement_request.request_from_spec(job.spec), kept, [])
+    assert isinstance(answer, placement.Unschedulable)
+    unplaced = placement_outcome.unplaced(job, answer.reason, answer.message, NOW)
+    judged = placement_outcome.within_assignment(unplaced, job, assignment, offered, NOW)
+    assert isinstance(judged, placement_outcome.Unplaced)
+    assert judged.reason == kueue_topology.CONFLICT
+    assert "rack0=2" in judged.message and answer.reason in judged.message
+    placed = conditions.find(judged.status["conditions"], conditions.PLACED)
+    assert placed is not None and placed["reason"] == kueue_topology.CONFLICT
+
+
+def test_a_plan_outside_or_short_of_the_assignment_is_a_conflict() -> None:
+    job = _job(_raw())
+    offered = _nodes(racks=2, per_rack=4)
+    assignment = _assignment((RACK,), {("rack0",): 4})
+    inside = _placed(("r0-n0", "r0-n1", "r0-n2", "r0-n3"))
+    assert placement_outcome.within_assignment(inside, job, assignment, offered, NOW) is inside
+    outside = placement_outcome.within_assignment(_placed(("r0-n0", "r0-n1", "r0-n2", "r1-n0")), job, assignment, offered, NOW)  # fmt: skip
+    assert isinstance(outside, placement_outcome.Unplaced)
+    assert "outside Kueue's assigned domains" in outside.message
+    short = placement_outcome.within_assignment(
+        _placed(("r0-n0", "r0-n1")), job, assignment, offered, NOW
+    )
+    assert isinstance(short, placement_outcome.Unplaced) and "exactly" in short.message
+
+
+def test_gang_pods_are_marked_tas_managed_for_kueue_s_usage_accounting() -> None:
+    pod = {"metadata": {"name": "p", "annotations": {"a": "b"}}, "spec": {}}
+    marked = kueue_topology.mark(pod)
+    assert marked["metadata"]["annotations"] == {
+        "a": "b",
+        kueue_topology.TAS_POD_ANNOTATION: "true",
+    }
+    assert pod["metadata"]["annotations"] == {"a": "b"}
+
+
+def test_spares_take_only_what_the_gang_left_of_each_assigned_domain() -> None:
+    # Kueue counted 4 gang pods and 2 spares: rack0=3, rack1=3. The gang holds 3 in rack0 and
+    # 1 in rack1 (two spares allowed short), a spare already sits in rack1: one spare slot is
+    # left, in rack1, whatever room rack0 and rack2 have.
+    offered = _nodes(racks=3, per_rack=3)
+    labels = {n.name: n.labels for n in offered}
+    assignment = _assignment((RACK,), {("rack0",): 3, ("rack1",): 3})
+    free = {n.name: 1 for n in offered if n.name != "r1-n0"}
+    used = ["r0-n0", "r0-n1", "r0-n2", "r1-n0", "r1-n0"]
+    assert kueue_topology.spare_room(free, used, labels, assignment) == {"r1-n1": 1}
+
+
+def test_the_admitted_assignment_reaches_the_placement_the_state_machine_decides() -> None:
+    admitted = kueue_workload.state(_admitted_workload(KUEUE_CASES[3][0]))
+    assert isinstance(admitted, kueue_workload.Admitted)
+    lifecycle_job, t0 = test_operator_lifecycle.job(), test_operator_lifecycle.T0
+    decision = lifecycle.decide(lifecycle_job, [], t0, kueue_workload.Gate(admitted))
+    [place] = [a for a in decision.actions if isinstance(a, job_actions.Place)]
+    assert place.topology == admitted.topology
