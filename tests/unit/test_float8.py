@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from meshtrain.api import exitcodes, loading
 from meshtrain.api.spec import training as api_training
+from meshtrain.cli import main as cli_main
 from meshtrain.planner import estimate, float8, memory, parameters, profiles
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import float8 as trainer_float8
@@ -64,6 +65,16 @@ def test_fp8_is_refused_naming_the_field_and_the_fix(builder: JobBuilder, words:
 def test_auto_precision_data_pipeline_and_zero_compose_with_fp8() -> None:
     job = fp8_job().layout(data=2, pipeline=2, gpus_per_node=4).parallelism(zeroStage=1)
     assert loading.parse_spec(job.raw()).training.float8 is not None
+
+
+def test_validate_accepts_fp8_and_says_it_cannot_see_the_device(tmp_path, capsys) -> None:
+    assert cli_main.main(["validate", str(fp8_job().write(tmp_path))]) == 0
+    err = capsys.readouterr().err
+    assert "training.float8 needs GPUs of compute capability 8.9" in err
+    assert "validate cannot see the nodes' GPUs" in err
+    bad = fp8_job(precision="fp32").write(tmp_path, "fp32.yaml")
+    assert cli_main.main(["validate", str(bad)]) == exitcodes.SPEC
+    assert "spec.training.float8" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the trainer

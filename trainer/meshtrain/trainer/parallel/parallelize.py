@@ -128,6 +128,7 @@ def parallelize(
     """
     layout, coords = mesh.layout, mesh.coords
     config = model.config
+    float8.check_device(float8_spec, mesh.device)  # before building anything: a clear refusal
 
     # 1. Pipeline first: this stage's chunks (the rest of the model is dropped), so nothing
     # later spends time or memory on layers another stage owns.
@@ -153,7 +154,6 @@ def parallelize(
     # (the spec's rules keep fp8 to tensor 1: torchao swaps torch.nn.Linear, which TP's layers are
     # not), before data parallelism, which hooks (or FSDP2 shards) the Parameters the swap keeps.
     if float8_spec is not None:
-        float8.check_device(float8_spec, mesh.device)
         float8.apply_float8(chunks, float8.config_for(float8_spec))
     tied_across = config.tie_embeddings and layout.pipeline > 1
     tied_group = tied_embedding_group(layout) if tied_across else None
