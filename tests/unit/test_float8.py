@@ -104,13 +104,14 @@ def test_every_block_linear_and_no_head_becomes_torchaos_float8_linear() -> None
     assert not isinstance(model.head, float8_linear.Float8Linear)
 
 
-def test_the_swap_keeps_every_parameter_and_its_name() -> None:
+def test_the_swap_keeps_every_parameter_its_name_and_the_checkpoint_keys() -> None:
     model = tiny_llama()
-    before = dict(model.named_parameters())
+    before, saved = dict(model.named_parameters()), model.state_dict().keys()
     trainer_float8.apply_float8([model], emulated("rowwise"))
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
+    assert model.state_dict().keys() == saved  # checkpoints read and write the same names
 
 
 def test_a_linear_whose_dimensions_the_scaled_matmul_cannot_take_stays() -> None:
