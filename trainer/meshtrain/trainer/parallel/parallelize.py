@@ -1,9 +1,10 @@
 """``parallelize``: turn a dense model into this rank's share of a dp x pp x tp job.
 
 The one function that composes the parallelisms, in the order its comments explain: pipeline
-split, tensor parallel, float8 linears, data parallel (or ZeRO-3), then the executor.  The model may be on the
-``meta`` device, so a rank never holds more than its share plus one dense matrix.  Precision is
-not a module transform: weights stay fp32, and bf16 is an autocast the executor enters.
+split, tensor parallel, float8 linears, data parallel (or ZeRO-3), then the executor.  The model
+may be on the ``meta`` device, so a rank never holds more than its share plus one dense matrix.
+Precision is not a module transform: weights stay fp32, and bf16 is an autocast the executor
+enters (torchao's float8 linears, ``training.float8``, swap modules but keep the weights).
 """
 
 from __future__ import annotations
