@@ -6,12 +6,14 @@ process per GPU builds meshtrain's :class:`~meshtrain.trainer.engine.Engine`
 clipping, data sampler) with ``--micro-batches`` micro-batches a step, so
 the optimizer and the step's one host sync are amortised as in a real run,
 bf16 autocast with fp32 master weights, compiled blocks (``--no-compile``
-turns that off) and optional selective recompute, and trains ``--steps``
+turns that off), optional selective recompute and float8 linears
+(``--float8 tensorwise|rowwise``, torchao's; ``--layers`` changes the preset's depth), and trains ``--steps``
 steps after 3 warm-up steps (the first compiles).  It reports tokens/s and
 MFU = tokens/s x FLOPs per token / (peak x GPUs).  FLOPs per token is
 ``6N + 12 L T H`` (:func:`meshtrain.trainer.models.gpt.flops_per_token`, full
 attention matrix counted); the peak is the GPU's dense bf16 figure
-(:mod:`meshtrain.trainer.telemetry.peak`).  Under ``torchrun`` the GPUs are
+(:mod:`meshtrain.trainer.telemetry.peak`), with ``--float8`` too
+(:mod:`meshtrain.planner.mfu`).  Under ``torchrun`` the GPUs are
 data-parallel ranks (``--nproc-per-node N``), which adds the bucketed
 all-reduce on its side stream.
 
@@ -55,14 +57,14 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import machine
-from meshtrain.api import loading
+from meshtrain.api import exitcodes, loading
 from meshtrain.planner import admission, memory, mfu, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 from meshtrain.trainer import engine
 from meshtrain.trainer.calibration import measure
 from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import float8, pipeline
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import pipeline
 from meshtrain.trainer.telemetry import peak, recording
 
 MICRO_BATCH = {
@@ -89,19 +91,25 @@ def _spec(
     device: str,
     profiled_steps: int,
 ) -> Any:
+    model: dict[str, Any] = {"preset": preset}
+    if args.layers:
+        model["layers"] = args.layers
+    training: dict[str, Any] = {"float8": {"recipe": args.float8}} if args.float8 else {}
     return loading.parse_spec(
         {
-            "model": {"preset": preset},
+            "model": model,
             "parallelism": {"data": world, "microBatches": args.micro_batches},
             "resources": {"gpusPerNode": world},
             "training": {
                 "microBatch": micro_batch,
                 "steps": WARMUP + args.steps + profiled_steps,
                 "warmupSteps": 2,
-                "precision": "bf16" if device == "cuda" else "fp32",
+                # fp8 on a CPU: bf16, so that the trainer's device check refuses it
+                "precision": "bf16" if device == "cuda" or args.float8 else "fp32",
                 "compile": args.compile,
                 "selectiveRecompute": args.selective_recompute,
                 "dataset": "stdlib",
+                **training,
             },
         }
     )
@@ -188,6 +196,8 @@ def run_preset(
         "compiled": trainer.compiled,
         "compile_fallbacks": trainer.compile_fallbacks,
         "selective_recompute": list(args.selective_recompute),
+        "float8": args.float8,
+        "layers": config.layers,
         "tokens_per_step": results[0].tokens,
         "timed_steps": args.steps,
         "wall_seconds": wall,
@@ -487,6 +497,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", action="store_true", help="check the timings against torch.profiler"
     )
     parser.add_argument(
+        "--float8", choices=["tensorwise", "rowwise"], default=None, help="training.float8's recipe"
+    )
+    parser.add_argument("--layers", type=int, default=0, help="the presets' depth (0: theirs)")
+    parser.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     args = parser.parse_args(argv)
@@ -522,7 +536,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows = []
     for preset in args.presets:
-        row = run_preset(preset, args.sizes[preset], args, device)
+        try:
+            row = run_preset(preset, args.sizes[preset], args, device)
+        except float8.Float8Unavailable as err:  # the trainer's own refusal, as a job would see it
+            print(err, file=sys.stderr)
+            dist.destroy_process_group()
+            return exitcodes.SPEC
         rows.append(row)
         if rank0:
             _print_row(row)

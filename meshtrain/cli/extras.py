@@ -17,7 +17,15 @@ EXIT_CODE = exitcodes.MISSING_EXTRA
 
 PROBES: dict[str, tuple[str, ...]] = {
     "hf": ("tokenizers", "safetensors", "fsspec", "s3fs"),
-    "trainer": ("torch", "prometheus_client", "safetensors", "tokenizers", "fsspec", "s3fs"),
+    "trainer": (
+        "torch",
+        "torchao",
+        "prometheus_client",
+        "safetensors",
+        "tokenizers",
+        "fsspec",
+        "s3fs",
+    ),
     "operator": ("kopf", "kubernetes", "kubernetes_asyncio", "aiohttp", "prometheus_client"),
     "sandbox": ("cryptography",),
 }

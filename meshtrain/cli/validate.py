@@ -117,6 +117,13 @@ def _validate_job(source: str, document: Any, *, local: bool, whole_file: bool =
     ):
         if warned is not None:
             print(f"warning: {warned}", file=sys.stderr)
+    if job.training.float8 is not None:  # the spec names no device: the trainer checks it at start
+        print(
+            "note: training.float8 needs GPUs of compute capability 8.9 or newer (H100, H200, L40S); "
+            "validate cannot see the nodes' GPUs: the trainer refuses fp8 at job start on older "
+            "ones and on CPUs (meshtrain plan --profile warns for a profile without float8)",
+            file=sys.stderr,
+        )
     print(
         f"{source}: valid TrainingJob {job.parallelism.layout_string}, world size {job.world_size}, "
         f"{job.pods} pod(s) of {job.resources.gpus_per_node} GPU(s), global batch {job.global_batch}"

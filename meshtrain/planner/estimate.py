@@ -15,6 +15,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.planner import (
     comm,
     failures,
+    float8,
     memory,
     placement_request,
     precision,
@@ -119,6 +120,9 @@ class Plan:
             )
         if self.batch.warning:
             out.append(self.batch.warning)
+        fp8_problem = float8.profile_problem(self.job, self.profile)
+        if fp8_problem:
+            out.append(fp8_problem)
         if self.placement is not None and self.placement.unschedulable_reason:
             out.append(
                 f"unschedulable ({self.placement.unschedulable_reason}): {self.placement.message}"

@@ -14,7 +14,15 @@ from collections.abc import Sequence
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.api.spec import parallelism as api_parallelism
-from meshtrain.planner import comm, context, gradient_compression, parameters, precision, profiles
+from meshtrain.planner import (
+    comm,
+    context,
+    float8,
+    gradient_compression,
+    parameters,
+    precision,
+    profiles,
+)
 
 # --------------------------------------------------------------------------- model state
 
@@ -573,6 +581,10 @@ def _weight_casts(
     shape, par = job.model.shape(), job.parallelism
     if par.zero_stage == 3 and par.data > 1:
         return 0.0
+    if job.training.float8 is not None:  # torchao saves the fp32 Parameter, not a cast
+        return float8.weight_cast_bytes(
+            shape, par.tensor, last=stage == par.pipeline - 1, scheme=scheme
+        )
     return weight_cast_bytes(
         shape,
         par.tensor,

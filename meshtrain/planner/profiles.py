@@ -101,6 +101,9 @@ class Profile:
     """Seconds per message step (alpha) across the fabric."""
     precision: str = "bf16"
     """Training precision the profile implies: ``bf16`` (GPUs) or ``fp32`` (CPU)."""
+    fp8_peak_flops: float = 0.0
+    """Peak dense float8 FLOP/s per device (``training.float8``'s linears); 0: no float8 tensor cores.
+    MFU stays against ``peak_flops`` (:mod:`.mfu`)."""
     reserved_bytes: float = 0.0
     """Of ``memory_bytes``, what a training process's tensors cannot use: the CUDA context, NCCL's
     buffers and library workspaces outside PyTorch's allocator, and on the built-in profiles also
@@ -207,6 +210,8 @@ def from_mapping(data: Mapping[str, Any], origin: str = "<mapping>") -> Profile:
             f"{origin}: 'reserved_bytes' ({values['reserved_bytes']:g}) must be less than "
             f"'memory_bytes' ({values['memory_bytes']:g})"
         )
+    if "fp8_peak_flops" in data:
+        values["fp8_peak_flops"] = _number(data, "fp8_peak_flops", origin)
     values.update(_measured(data, origin))
     return Profile(path=origin, **values)
 

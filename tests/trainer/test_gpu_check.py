@@ -13,6 +13,7 @@ bench_mfu's own option parsing and the spec's validation.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_mfu
+from benchmarks import bench_mfu, gpu_check_issue35
+from meshtrain.planner import memory, profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 MFU_STEPS = ("1.3b-b16", "llama3.2-1b-b2", "1.3b-b8", "125m-b16", "350m-b8")
@@ -126,3 +128,92 @@ def _device_tests() -> int:
         check=True,
     ).stdout
     return sum("::" in line for line in listed.splitlines())
+
+
+ISSUE35_RUNS = {"bf16-compile", "fp8-compile", "bf16-eager", "fp8-eager"}
+
+
+def _dry_run_jobs(out: Path, suite: str) -> list:
+    run = _gpu_check_suite("--dry-run", suite, out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    jobs = []
+    for line in run.stdout.splitlines():
+        if line.startswith("DRY-RUN: python3 benchmarks/bench_mfu.py"):
+            args = bench_mfu.parse_args(shlex.split(line.removeprefix("DRY-RUN: "))[2:])
+            [preset] = args.presets
+            jobs.append((args, bench_mfu._spec(preset, args, args.sizes[preset], 1, "cuda", 0)))
+    assert "NOT MEASURABLE on one GPU" in run.stdout
+    assert "tests/trainer/test_on_device_issue35.py" in run.stdout
+    return jobs
+
+
+def _gpu_check_suite(mode: str, suite: str, out: Path) -> subprocess.CompletedProcess:
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), mode, "--suite", suite, str(out)]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_issue35_suite_trains_the_planners_largest_llama_on_one_h200(tmp_path: Path) -> None:
+    """The llama runs: one shape (Llama 3.1 8B's blocks at seq 8192, as TorchTitan's figures), bf16
+    and fp8, compiled and eager; the planner fits it on an H200 and not one layer more."""
+    jobs = _dry_run_jobs(tmp_path / "out", "issue35")
+    h200 = profiles.get("h200")
+    shapes = {job.model.shape() for _, job in jobs}
+    assert len(jobs) == 4 and len(shapes) == 1
+    [shape] = shapes
+    assert (shape.hidden, shape.ffn_hidden, shape.seq_len) == (4096, 14336, 8192)
+    kinds = {
+        ("fp8" if job.training.float8 else "bf16")
+        + ("-compile" if job.training.compile else "-eager")
+        for _, job in jobs
+    }
+    assert kinds == ISSUE35_RUNS
+    for args, job in jobs:
+        assert job.training.precision == "bf16"
+        assert memory.plan_memory(job, h200).fits, args
+        deeper = bench_mfu._spec("llama3-8b", _deeper(args), 1, 1, "cuda", 0)
+        assert not memory.plan_memory(deeper, h200).fits, "a deeper llama fits: not the largest"
+    assert not (tmp_path / "out" / "llama-bf16-compile").exists(), "a dry run ran something"
+
+
+def _deeper(args):
+    deeper = copy.copy(args)
+    deeper.layers = args.layers + 1
+    return deeper
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * 480 + 120)
+def test_the_issue35_rehearsal_runs_every_step_and_names_the_device(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = _gpu_check_suite("--cpu", "issue35", out)
+    log = (out / "gpu-check-log.txt").read_text()
+    assert run.returncode == 0, log[-4000:]
+    for name in ("bf16-compile", "bf16-eager"):
+        [results] = (out / f"llama-{name}").glob("*.json")
+        [row] = json.loads(results.read_text())["results"]["rows"]
+        assert row["tokens_per_second"] > 0 and row["float8"] is None, name
+    assert log.count("training.float8 is set but this rank runs on cpu") == 2, log[-4000:]
+    [summary] = out.glob("issue35-*.json")
+    written = json.loads(summary.read_text())
+    assert written["device"].startswith("CPU rehearsal")
+    assert set(written["runs"]) == {"bf16-compile", "bf16-eager"}
+    assert set(written["not_measured_runs"]) == {"fp8-compile", "fp8-eager"}
+    assert "multi-rank NCCL" in written["not_measurable_on_one_gpu"]
+    assert written["device_tests"] and not any(
+        v.startswith(("failure", "error")) for v in written["device_tests"].values()
+    ), written["device_tests"]
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
+
+
+@pytest.mark.parametrize(
+    "torch_version,chosen",
+    [("2.11.0+cu130", "0.18.0"), ("2.15.0", "0.18.0"), ("2.9.1", "0.15.0"), ("2.8.0", None)],
+)
+def test_the_torchao_wheel_is_the_newest_built_for_the_devices_torch(
+    tmp_path: Path, torch_version: str, chosen: str | None
+) -> None:
+    for version in ("0.14.1", "0.15.0", "0.18.0"):
+        (tmp_path / f"torchao-{version}-cp39-abi3-manylinux_2_28_x86_64.whl").touch()
+    wheel = gpu_check_issue35.torchao_wheel(tmp_path, torch_version)
+    assert (wheel.name.split("-")[1] if wheel else None) == chosen

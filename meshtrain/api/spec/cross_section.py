@@ -121,6 +121,35 @@ def _powersgd_rank_fits(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+FLOAT8_ALIGNMENT = 16
+"""torch's scaled (float8) matmul needs both dimensions of a weight divisible by 16."""
+
+
+def _float8_without_tensor(spec: TrainingJobSpec) -> str | None:
+    tp = spec.parallelism.tensor
+    if spec.training.float8 is not None and tp > 1:
+        return (
+            f"training.float8 with tensor={tp}: torchao's float8 linears replace torch.nn.Linear, and "
+            "meshtrain's own tensor-parallel layers are not nn.Linear (their weights are shards with "
+            "their own collectives), so fp8 would not reach them: use tensor 1 (data, pipeline and "
+            "ZeRO compose with fp8) or remove training.float8"
+        )
+    return None
+
+
+def _float8_dims(spec: TrainingJobSpec) -> str | None:
+    if spec.training.float8 is None or spec.model.missing_fields():
+        return None
+    shape, n = spec.model.shape(), FLOAT8_ALIGNMENT
+    if shape.hidden % n or shape.ffn_hidden % n:
+        return (
+            f"training.float8 with hidden={shape.hidden} and ffnHidden={shape.ffn_hidden}: torch's float8 "
+            f"matmul needs every linear's dimensions divisible by {n}: choose hidden and ffnHidden "
+            f"multiples of {n} or remove training.float8"
+        )
+    return None
+
+
 def _metrics_ports(spec: TrainingJobSpec) -> str | None:
     first, count = spec.metrics.port, spec.resources.gpus_per_node
     last = first + count - 1
@@ -394,6 +423,21 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "|| self.runPolicy.recovery.warmSpares <= self.resources.gpusPerNode",
         "runPolicy.recovery.warmSpares must be at most resources.gpusPerNode (a pod's ranks)",
         _warm_spares_fit,
+    ),
+    base.Rule(
+        "float8-without-tensor",
+        "spec.training.float8",
+        "!has(self.training.float8) || self.parallelism.tensor == 1",
+        "training.float8 needs parallelism.tensor 1 (meshtrain's tensor-parallel layers are not "
+        "torch.nn.Linear, which torchao's float8 conversion replaces)",
+        _float8_without_tensor,
+    ),
+    base.Rule(
+        "float8-dims",
+        "spec.training.float8",
+        None,
+        "training.float8 needs model.hidden and model.ffnHidden divisible by 16 (torch's float8 matmul)",
+        _float8_dims,
     ),
     base.Rule(
         "object-storage-for-urls",

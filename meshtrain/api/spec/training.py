@@ -15,6 +15,7 @@ from meshtrain.api.spec.parallelism import Parallelism
 Precision = Literal["auto", "fp32", "bf16"]
 TokenDtype = Literal["uint16", "uint32"]
 Sampling = Literal["random", "epochs"]
+Float8Recipe = Literal["tensorwise", "rowwise"]
 
 
 class DatasetSource(base.SpecModel):
@@ -118,6 +119,19 @@ class LossGuard(base.SpecModel):
     )
 
 
+class Float8(base.SpecModel):
+    """fp8 linear layers through torchao's float8 training (``convert_to_float8_training``): the
+    blocks' linears run their matmuls in float8 with dynamic scales; the head, the embedding and the
+    attention core stay bf16.  Needs bf16 precision and a GPU of compute capability 8.9 or newer
+    (H100, H200, L40S); the trainer refuses it at job start anywhere else."""
+
+    recipe: Float8Recipe = Field(
+        "tensorwise",
+        description="torchao's recipe: tensorwise (one scale per tensor, the fastest) or rowwise (a scale "
+        "per row of each operand: more accurate, somewhat slower).",
+    )
+
+
 class Training(base.SpecModel):
     """Optimisation: batch, steps, learning-rate schedule, precision, data."""
 
@@ -181,6 +195,11 @@ class Training(base.SpecModel):
         False,
         description="Compile every transformer block with torch.compile (fuses norms, activations and residual "
         "adds); where the backend cannot compile on the machine the blocks run eagerly, with a warning.",
+    )
+    float8: Float8 | None = Field(
+        None,
+        description="Run the blocks' linear layers in float8 (torchao's float8 training); empty: bf16. "
+        "Needs a GPU of compute capability 8.9+ (H100, H200, L40S).",
     )
     dataset: str = Field(
         "stdlib",
@@ -270,6 +289,15 @@ def _selective_or_full_recompute(t: Training) -> str | None:
     return None
 
 
+def _float8_needs_bf16(t: Training) -> str | None:
+    if t.float8 is not None and t.precision == "fp32":
+        return (
+            "float8 is set with precision=fp32: torchao's float8 linears take bf16 inputs and give bf16 "
+            "outputs; set training.precision: bf16 (or auto, which is bf16 on a GPU) or remove training.float8"
+        )
+    return None
+
+
 def _documents_known(t: Training) -> str | None:
     if t.document_mask and not t.datasets and t.dataset == "stdlib":
         return (
@@ -292,6 +320,13 @@ def _epochs_without_weights(t: Training) -> str | None:
 
 
 RULES: tuple[base.Rule[Training], ...] = (
+    base.Rule(
+        "float8-needs-bf16",
+        "spec.training.float8",
+        "!has(self.training.float8) || !has(self.training.precision) || self.training.precision != 'fp32'",
+        "training.float8 needs training.precision bf16 (or auto, bf16 on a GPU), not fp32",
+        _float8_needs_bf16,
+    ),
     base.Rule(
         "eval-has-data",
         "spec.training.eval",

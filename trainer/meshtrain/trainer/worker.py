@@ -29,8 +29,8 @@ from meshtrain.trainer.checkpointing import checkpointer, memory, recovery, stor
 from meshtrain.trainer.data import dataset
 from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import config_json, from_hf
+from meshtrain.trainer.parallel import float8, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.recovery import generations
 from meshtrain.trainer.telemetry import goodput, progress, readiness
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # before the slow start: a signal during it still stops cleanly
     cuda = use_cuda()
     device = mesh_mod.device_for(int(os.environ.get("LOCAL_RANK", "0")), use_cuda=cuda)
+    try:  # the spec cannot know the device: refused here, before any process group
+        float8.check_device(job.training.float8, device)
+    except float8.Float8Unavailable as err:
+        return _refuse(exitcodes.SPEC, err)
     if generations.supervised():  # under meshtrain.trainer.supervise: one session per generation
         return generations.run(
             lambda session: _session(job, args, stop, device, session),

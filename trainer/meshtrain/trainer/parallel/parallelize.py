@@ -1,9 +1,10 @@
 """``parallelize``: turn a dense model into this rank's share of a dp x pp x tp job.
 
 The one function that composes the parallelisms, in the order its comments explain: pipeline
-split, tensor parallel, data parallel (or ZeRO-3), then the executor.  The model may be on the
-``meta`` device, so a rank never holds more than its share plus one dense matrix.  Precision is
-not a module transform: weights stay fp32, and bf16 is an autocast the executor enters.
+split, tensor parallel, float8 linears, data parallel (or ZeRO-3), then the executor.  The model
+may be on the ``meta`` device, so a rank never holds more than its share plus one dense matrix.
+Precision is not a module transform: weights stay fp32, and bf16 is an autocast the executor
+enters (torchao's float8 linears, ``training.float8``, swap modules but keep the weights).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch.distributed as dist
 
 from meshtrain.api import layout as layout_mod
 from meshtrain.api.spec import parallelism as api_parallelism
+from meshtrain.api.spec import training as api_training
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import (
     clipping,
+    float8,
     hierarchical,
     loss,
     pipeline,
@@ -114,16 +117,19 @@ def parallelize(
     compression: api_parallelism.GradientCompression | None = None,
     all_reduce: str = "flat",
     gpus_per_node: int = 1,
+    float8_spec: api_training.Float8 | None = None,
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
     Every part that reports to ``recorder`` times its work with ``clock``;
     ``wire_dtype`` (bf16 under autocast) is what activations and their
     gradients travel in between pipeline stages and inside the
-    tensor-parallel group.
+    tensor-parallel group.  ``float8_spec`` (``training.float8``) turns the
+    blocks' linears into torchao's float8 linears.
     """
     layout, coords = mesh.layout, mesh.coords
     config = model.config
+    float8.check_device(float8_spec, mesh.device)  # before building anything: a clear refusal
 
     # 1. Pipeline first: this stage's chunks (the rest of the model is dropped), so nothing
     # later spends time or memory on layers another stage owns.
@@ -145,6 +151,11 @@ def parallelize(
     for chunk in chunks:
         gpt.materialize(chunk)
         chunk.to(mesh.device)
+    # 2b. fp8: the blocks' linears become torchao's float8 linears, on their device.  After TP
+    # (the spec's rules keep fp8 to tensor 1: torchao swaps torch.nn.Linear, which TP's layers are
+    # not), before data parallelism, which hooks (or FSDP2 shards) the Parameters the swap keeps.
+    if float8_spec is not None:
+        float8.apply_float8(chunks, float8.config_for(float8_spec))
     tied_across = config.tie_embeddings and layout.pipeline > 1
     tied_group = tied_embedding_group(layout) if tied_across else None
 

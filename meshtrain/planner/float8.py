@@ -1,0 +1,80 @@
+"""fp8 linears (``training.float8``) in the planner: the FLOP rate of a step and the bytes torchao keeps.
+
+Rate: torchao's float8 linears run the blocks' linear matmuls at the device's float8 dense peak
+(``fp8_peak_flops``: twice bf16's on H100, H200 and L40S) times the achievable fraction and
+:data:`LINEAR_EFFICIENCY`;
+the attention core, the head and the rest stay at bf16's rate.  A rank's FLOP/s is the blend of
+the two over the model's FLOPs per token.  Memory: torchao saves the linear's bf16 input (as
+autocast's matmul does) and the fp32 weight Parameter itself, so the blocks keep no bf16 copies of
+their weights; the float8 casts live only around each matmul.  docs/planner.md states both.
+"""
+
+from __future__ import annotations
+
+from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import model as api_model
+from meshtrain.planner import parameters, precision, profiles
+
+TORCHTITAN_LLAMA3_8B = {"bf16+compile": 6667.0, "fp8+compile": 8532.0}
+"""TorchTitan's published tokens/s per GPU for Llama 3.1 8B on 8 H100 at sequence 8192 (FSDP,
+compiled; docs/performance.md of pytorch/torchtitan): what :data:`LINEAR_EFFICIENCY` is fitted to."""
+
+LINEAR_EFFICIENCY = 0.72
+"""Share of the float8 peak (over the profile's achievable fraction) the converted linears realise:
+the casts (amax, scale, cast: memory-bound kernels beside every matmul) take the rest.  Fitted to TorchTitan's
+1.28x (:data:`TORCHTITAN_LLAMA3_8B`): with 72% of llama3-8b's FLOPs in the blocks' linears, that
+speedup needs the linears 1.43x faster, 0.72 of the 2x peak ratio.  An assumption elsewhere."""
+
+CAST_BYTES = 1
+"""Bytes of a float8 element (e4m3 or e5m2)."""
+
+
+def linear_flops_per_token(shape: api_model.ModelShape) -> float:
+    """Training FLOPs per token in the blocks' linears (forward and backward: 6 per weight)."""
+    return 6.0 * shape.layers * sum(parameters.block_matrices(shape))
+
+
+def total_flops_per_token(shape: api_model.ModelShape) -> float:
+    """Training FLOPs per token of the step as priced: the blocks' linears, the head's matmul
+    (tied or not) and attention over the whole window (the kernel's work)."""
+    head = 6.0 * shape.vocab * shape.hidden
+    attention = 12.0 * shape.layers * shape.seq_len * shape.hidden
+    return linear_flops_per_token(shape) + head + attention
+
+
+def rank_flops(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
+    """A rank's achievable FLOP/s: bf16's, or with ``training.float8`` on a device with float8
+    the blend of the linears' float8 rate and bf16's for the rest."""
+    bf16 = profile.achievable_flops
+    if job.training.float8 is None or profile.fp8_peak_flops <= 0:
+        return bf16
+    fp8 = max(bf16, profile.fp8_peak_flops * profile.achievable_fraction * LINEAR_EFFICIENCY)
+    shape = job.model.shape()
+    total, linear = total_flops_per_token(shape), linear_flops_per_token(shape)
+    share = min(1.0, linear / total)
+    return 1.0 / (share / fp8 + (1.0 - share) / bf16)
+
+
+def profile_problem(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> str | None:
+    """Why ``training.float8`` cannot run on ``profile``'s device (None: it can, or it is off)."""
+    if job.training.float8 is None or profile.fp8_peak_flops > 0:
+        return None
+    return (
+        f"training.float8 on {profile.name}: no float8 tensor cores (the profile gives no "
+        "fp8_peak_flops): the trainer refuses fp8 there; planned at bf16's rate"
+    )
+
+
+def weight_cast_bytes(
+    shape: api_model.ModelShape, tensor: int, *, last: bool, scheme: precision.StateScheme
+) -> float:
+    """The weight copies a stage holds under ``training.float8``.
+
+    torchao saves the fp32 weight Parameter for backward, not a cast, so the converted linears
+    keep none across micro-batches; the largest one's float8 cast and its transposed cast live
+    around its matmul (``2 x CAST_BYTES`` per element).  The head stays bf16 under autocast: on
+    the last stage its copy lives for the loss's forward, as without fp8.
+    """
+    largest = max(parameters.local_block_matrices(shape, tensor))
+    head = parameters.vocab_rows(shape, tensor) * shape.hidden * scheme.matmul_bytes if last else 0
+    return float(2 * CAST_BYTES * largest + head)

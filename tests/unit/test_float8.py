@@ -1,0 +1,243 @@
+"""``training.float8``: its rules, the linears torchao converts, the device refusal, torchao's CPU
+emulation against bf16, and the planner's rate and bytes.  fp8 matmuls themselves need a GPU of
+compute capability 8.9+ (``benchmarks/gpu_check.sh`` runs them)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtrain.api import exitcodes, loading
+from meshtrain.api.spec import training as api_training
+from meshtrain.cli import main as cli_main
+from meshtrain.planner import estimate, float8, memory, parameters, profiles
+from meshtrain.trainer.models import gpt, llama
+from meshtrain.trainer.parallel import float8 as trainer_float8
+from tests.builders import LLAMA_TINY, JobBuilder
+
+float8_linear = pytest.importorskip("torchao.float8.float8_linear")
+
+
+def fp8_job(**training: object) -> JobBuilder:
+    return JobBuilder().model(preset="llama3-8b").training(float8={}, **training)
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+def test_presence_enables_the_tensorwise_recipe_and_rowwise_is_torchaos_other_name() -> None:
+    assert loading.parse_spec(fp8_job().raw()).training.float8 == api_training.Float8()
+    assert api_training.Float8().recipe == "tensorwise"
+    rowwise = fp8_job().training(float8={"recipe": "rowwise"})
+    assert loading.parse_spec(rowwise.raw()).training.float8 is not None
+    assert loading.parse_spec(JobBuilder().raw()).training.float8 is None
+    with pytest.raises(loading.SpecError):
+        loading.parse_spec(fp8_job().training(float8={"recipe": "delayed"}).raw())
+
+
+@pytest.mark.parametrize(
+    "builder,words",
+    [
+        (fp8_job(precision="fp32"), ["precision=fp32", "precision: bf16"]),
+        (fp8_job().layout(tensor=2, gpus_per_node=2), ["tensor=2", "use tensor 1"]),
+        (
+            JobBuilder().model(LLAMA_TINY, hidden=72, heads=4).training(float8={}),
+            ["hidden=72", "divisible by 16"],
+        ),
+    ],
+    ids=["fp32", "tensor-parallel", "dims"],
+)
+def test_fp8_is_refused_naming_the_field_and_the_fix(builder: JobBuilder, words: list[str]) -> None:
+    with pytest.raises(loading.SpecError) as err:
+        loading.parse_spec(builder.raw())
+    [problem] = err.value.problems
+    assert problem.path == "spec.training.float8"
+    assert all(word in problem.message for word in words), problem.message
+
+
+def test_auto_precision_data_pipeline_and_zero_compose_with_fp8() -> None:
+    job = fp8_job().layout(data=2, pipeline=2, gpus_per_node=4).parallelism(zeroStage=1)
+    assert loading.parse_spec(job.raw()).training.float8 is not None
+
+
+def test_validate_accepts_fp8_and_says_it_cannot_see_the_device(tmp_path, capsys) -> None:
+    assert cli_main.main(["validate", str(fp8_job().write(tmp_path))]) == 0
+    err = capsys.readouterr().err
+    assert "training.float8 needs GPUs of compute capability 8.9" in err
+    assert "validate cannot see the nodes' GPUs" in err
+    bad = fp8_job(precision="fp32").write(tmp_path, "fp32.yaml")
+    assert cli_main.main(["validate", str(bad)]) == exitcodes.SPEC
+    assert "spec.training.float8" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def tiny_llama() -> gpt.GPT:
+    shape = loading.parse_spec(JobBuilder().model(LLAMA_TINY).raw()).model.shape()
+    model = llama.build(gpt.GPTConfig.from_shape(shape), seed=3)
+    gpt.materialize(model)
+    return model
+
+
+def emulated(recipe: str) -> object:
+    """torchao's config of the recipe with its emulation on (plain torch ops: a CPU runs them)."""
+    config = trainer_float8.config_for(api_training.Float8(recipe=recipe))  # type: ignore[arg-type]
+    return dataclasses.replace(config, emulate=True)
+
+
+def test_every_block_linear_and_no_head_becomes_torchaos_float8_linear() -> None:
+    model = tiny_llama()
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = trainer_float8.apply_float8([model], emulated("tensorwise"))
+    # what torchao itself swapped, read back from the model
+    swapped = {n for n, m in model.named_modules() if isinstance(m, float8_linear.Float8Linear)}
+    assert swapped == set(names) == linears - {"head"}
+    assert len(swapped) == 4 * LLAMA_TINY["layers"]  # qkv, proj, fc, proj of every block
+    assert not isinstance(model.head, float8_linear.Float8Linear)
+
+
+def test_the_swap_keeps_every_parameter_its_name_and_the_checkpoint_keys() -> None:
+    model = tiny_llama()
+    before, saved = dict(model.named_parameters()), model.state_dict().keys()
+    trainer_float8.apply_float8([model], emulated("rowwise"))
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+    assert model.state_dict().keys() == saved  # checkpoints read and write the same names
+
+
+def test_a_linear_whose_dimensions_the_scaled_matmul_cannot_take_stays() -> None:
+    assert trainer_float8.converts(torch.nn.Linear(64, 128), "blocks.0.mlp.fc")
+    assert not trainer_float8.converts(torch.nn.Linear(64, 72), "blocks.0.mlp.fc")
+    assert not trainer_float8.converts(torch.nn.Linear(64, 128), "head")
+
+
+def lm_loss_and_grads(model: gpt.GPT, tokens: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_fp8_matches_bf16_within_fp8s_precision(recipe: str) -> None:
+    """torchao's emulation on a CPU: the loss within 1% of bf16's, every gradient pointing the same
+    way (fp8's e4m3 keeps 3 mantissa bits, bf16 7: a few percent per element, not a direction)."""
+    bf16 = tiny_llama()
+    fp8 = copy.deepcopy(bf16)
+    trainer_float8.apply_float8([fp8], emulated(recipe))
+    tokens = torch.randint(
+        0,
+        LLAMA_TINY["vocab"],
+        (4, LLAMA_TINY["seqLen"] + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
+    loss_bf16, grads_bf16 = lm_loss_and_grads(bf16, tokens)
+    loss_fp8, grads_fp8 = lm_loss_and_grads(fp8, tokens)
+    assert loss_fp8 == pytest.approx(loss_bf16, rel=0.01)
+    assert len(grads_fp8) == len(grads_bf16)
+    for a, b in zip(grads_fp8, grads_bf16):
+        assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
+
+
+def test_the_device_check_refuses_a_cpu_and_a_gpu_below_8_9(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = api_training.Float8()
+    trainer_float8.check_device(None, torch.device("cpu"))  # fp8 off: any device
+    with pytest.raises(trainer_float8.Float8Unavailable, match="runs on cpu"):
+        trainer_float8.check_device(spec, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(
+        trainer_float8.Float8Unavailable, match=r"A100.*capability 8\.0, below 8\.9"
+    ):
+        trainer_float8.check_device(spec, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    trainer_float8.check_device(spec, torch.device("cuda", 0))
+
+
+def test_the_trainer_entry_point_refuses_fp8_on_a_cpu_with_the_spec_exit_code(tmp_path) -> None:
+    job = JobBuilder.cpu_run().model(LLAMA_TINY).training(float8={}, precision="bf16")
+    path = job.write(tmp_path)
+    env = {**os.environ, "MESHTRAIN_DEVICE": "cpu", "MESHTRAIN_LOG_DIR": str(tmp_path)}
+    trainer = [sys.executable, "-m", "meshtrain.trainer", "--spec", str(path)]
+    ran = subprocess.run(trainer, capture_output=True, text=True, env=env, timeout=120)
+    assert ran.returncode == exitcodes.SPEC, ran.stderr[-2000:]
+    assert "training.float8" in ran.stderr and "compute capability 8.9" in ran.stderr
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def plan(job: JobBuilder, profile: str) -> estimate.Plan:
+    return estimate.make_plan(loading.parse_spec(job.raw()), profiles.get(profile))
+
+
+def test_the_planner_prices_fp8_at_torchtitans_published_gain_for_llama3_8b() -> None:
+    """TorchTitan's Llama 3.1 8B on H100 at seq 8192: fp8+compile / bf16+compile = 8532 / 6667."""
+    base = JobBuilder().model(preset="llama3-8b").layout(data=8, gpus_per_node=8)
+    bf16 = plan(base, "h100-sxm").time
+    fp8 = plan(base.clone().training(float8={}), "h100-sxm").time
+    published = float8.TORCHTITAN_LLAMA3_8B
+    speedup = published["fp8+compile"] / published["bf16+compile"]
+    assert fp8.rank_flops / bf16.rank_flops == pytest.approx(speedup, rel=0.02)
+    assert fp8.model_flops == bf16.model_flops  # MFU's numerator and peak stay bf16's
+    assert fp8.peak_flops == bf16.peak_flops == profiles.get("h100-sxm").peak_flops
+
+
+def test_a_device_without_float8_is_warned_and_planned_at_bf16() -> None:
+    job = JobBuilder().model(preset="llama3.2-1b").training(float8={})
+    on_a100 = plan(job, "a100-80g")
+    assert any("no float8 tensor cores" in w for w in on_a100.warnings)
+    assert on_a100.time.rank_flops == profiles.get("a100-80g").achievable_flops
+    assert not any("float8" in w for w in plan(job, "h200").warnings)
+
+
+def saved_weight_copies(model: gpt.GPT, tokens: torch.Tensor) -> int:
+    """Bytes of the weight-shaped tensors autograd saves that are not the Parameters themselves."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {
+        tuple(reversed(p.shape)) for p in model.parameters()
+    }
+    copies: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if tuple(t.shape) in shapes and ptr not in params:
+            copies[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+    ):
+        model.features(tokens)  # the head is the last stage's (not counted here)
+    return sum(copies.values())
+
+
+def test_the_planners_weight_copies_are_what_autograd_saves_under_bf16_and_fp8() -> None:
+    """bf16 autocast saves a bf16 copy of every block matrix per micro-batch; torchao saves the fp32
+    Parameter itself, so fp8's blocks keep none (the planner keeps only the transient casts)."""
+    job = loading.parse_spec(JobBuilder().model(LLAMA_TINY).training(float8={}).raw())
+    shape, scheme = job.model.shape(), memory.precision.AUTOCAST
+    layers = shape.layers
+    bf16 = tiny_llama()
+    fp8 = copy.deepcopy(bf16)
+    trainer_float8.apply_float8([fp8], emulated("tensorwise"))
+    tokens = torch.randint(0, shape.vocab, (1, 24))  # 24 rows: no weight has that dimension
+    predicted_bf16 = memory.weight_cast_bytes(shape, 1, layers, 1.0, last=False, scheme=scheme)
+    assert saved_weight_copies(bf16, tokens) == predicted_bf16
+    assert saved_weight_copies(fp8, tokens) == 0
+    transient = 2 * float8.CAST_BYTES * max(parameters.local_block_matrices(shape, 1))
+    assert float8.weight_cast_bytes(shape, 1, last=False, scheme=scheme) == transient
