@@ -32,6 +32,13 @@ class GradientCompression(base.SpecModel):
     warm_start: bool = Field(
         True, description="powersgd: start each step's power iteration from the previous step's Q."
     )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_STEPS,
+        description="Optimizer steps reduced exactly (the plain fp32 exchange) before compression starts; "
+        "counted from the restored step on resume, so a job resumed past it compresses at once.",
+    )
 
 
 class Parallelism(base.SpecModel):
@@ -153,6 +160,10 @@ def _interleaved_micro_batches(p: Parallelism) -> str | None:
     return None
 
 
+ZERO3_MODES = ("none", "bf16", "fp16")
+"""Compression modes ZeRO-3's reduce-scatter (FSDP2's) takes: the casts, which keep no state."""
+
+
 def _compression_needs_data_parallel(p: Parallelism) -> str | None:
     mode = p.gradient_compression.mode
     if not p.compression_has_peers:
@@ -160,11 +171,12 @@ def _compression_needs_data_parallel(p: Parallelism) -> str | None:
             f"gradientCompression.mode={mode} with data={p.data}: there is no data-parallel reduction "
             "to compress: set data >= 2 or mode none"
         )
-    if mode != "none" and p.zero_stage >= 2:
+    if mode not in ZERO3_MODES and p.zero_stage == 3:
         return (
-            f"gradientCompression.mode={mode} with zeroStage={p.zero_stage}: "
-            f"ZeRO-{p.zero_stage}'s reduce-scatter is not compressed: "
-            "use zeroStage 0 or 1, or mode none"
+            f"gradientCompression.mode={mode} with zeroStage=3: ZeRO-3's reduce-scatter is FSDP2's, "
+            f"which compresses only by casting; {mode}'s error feedback would keep a full-size "
+            "gradient on every rank, the memory ZeRO-3 exists to shard: use mode bf16 or fp16 "
+            "with ZeRO-3, or zeroStage 2 (or zeroStage 0 or 1) for this mode"
         )
     return None
 
@@ -205,8 +217,10 @@ RULES: tuple[base.Rule[Parallelism], ...] = (
         "compression-needs-data-parallel",
         "spec.parallelism.gradientCompression.mode",
         "self.parallelism.gradientCompression.mode == 'none' || "
-        "(self.parallelism.data >= 2 && self.parallelism.zeroStage < 2)",
-        "parallelism.gradientCompression needs parallelism.data >= 2 and zeroStage 0 or 1 (mode none otherwise)",
+        "(self.parallelism.data >= 2 && (self.parallelism.zeroStage < 3 || "
+        "self.parallelism.gradientCompression.mode in ['bf16', 'fp16']))",
+        "parallelism.gradientCompression needs parallelism.data >= 2, and under zeroStage 3 mode bf16 or "
+        "fp16 (mode none otherwise)",
         _compression_needs_data_parallel,
     ),
 )
