@@ -327,6 +327,19 @@ def test_gradient_compression_is_accepted_on_the_reduce_scatter_it_can_compress(
     assert job.parallelism.gradient_compression.warmup_steps == 10
 
 
+@pytest.mark.parametrize(("mode", "warmup"), [("powersgd", 10), ("int8", 0), ("bf16", 0)])
+def test_an_empty_warmup_is_the_swept_default_for_powersgd_only(mode, warmup):
+    job = loading.parse_spec(
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(gradientCompression={"mode": mode})
+        .raw()
+    )
+    compression = job.parallelism.gradient_compression
+    assert compression.warmup_steps is None and compression.exact_steps == warmup
+    assert compression.rank == 8  # docs/trainer.md's sweep
+
+
 def test_recovery_defaults_restart_in_place_with_one_warm_spare():
     recovery = loading.parse_spec(JobBuilder().raw()).run_policy.recovery
     assert (recovery.in_place, recovery.in_place_limit, recovery.warm_spares) == (True, 10, 1)

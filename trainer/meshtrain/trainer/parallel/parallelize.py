@@ -282,7 +282,7 @@ def apply_data_parallel(
             rank=compression.rank,
             topk_ratio=compression.topk_ratio,
             warm_start=compression.warm_start,
-            warmup_steps=compression.warmup_steps,
+            warmup_steps=compression.exact_steps,
         )
         reducer_cls = (
             functools.partial(compression_sharded.CompressedShardedGradReducer, settings=settings)
