@@ -43,9 +43,13 @@ class CompressedShardedGradReducer(compression.Compressing, zero.ShardedGradRedu
         self._dense = 0
         """This step's plain exchanges' payload so far (every micro-batch's reduce-scatters)."""
         for bucket in self.buckets:
-            self.compressor.create_state(
-                bucket.index, self._padded(bucket), compression.shapes(bucket)
-            )
+            full = self._padded(bucket)
+            if sum(p.numel() for p in bucket.params) > full.numel():  # whole members only
+                raise ValueError(
+                    f"bucket {bucket.index} holds part of a parameter: compression on ZeRO-2 needs "
+                    "whole parameters per bucket (PowerSGD compresses whole matrices)"
+                )
+            self.compressor.create_state(bucket.index, full, compression.shapes(bucket))
 
     def _padded(self, bucket: reducer.Bucket) -> torch.Tensor:
         shard = bucket.buffer
