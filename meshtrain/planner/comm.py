@@ -279,9 +279,19 @@ class _Exchange:
 
 
 def stage_comm(
-    job: api_spec.TrainingJobSpec, stage: int, scheme: precision.StateScheme
+    job: api_spec.TrainingJobSpec,
+    stage: int,
+    scheme: precision.StateScheme,
+    *,
+    warmup: bool = False,
 ) -> StageComm:
-    """The collectives of one rank of pipeline ``stage`` in one optimizer step."""
+    """The collectives of one rank of pipeline ``stage`` in one optimizer step.
+
+    A compressing job's step after its warm-up, or with ``warmup`` one of its first
+    ``gradientCompression.warmupSteps`` steps, which reduce exactly (the uncompressed job's).
+    """
+    if warmup:
+        job = gradient_compression.exact_job(job)
     par = job.parallelism
     chunks = _RankChunks.of(job, stage)
     # Context ranks hold the same parameters: their gradients are summed with the data-parallel
@@ -335,11 +345,12 @@ def _dp_exchange(
         for sizes in reversed(chunks.sizes)
         for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
     ]
+    compressed = par.gradient_compression.mode != "none"
     if par.zero_stage == 3:
         exchange = _zero3_exchange(job, chunks, scheme)
-    elif par.zero_stage == 2:
+    elif par.zero_stage == 2 and not compressed:
         exchange = _zero2_exchange(job, buckets, scheme)
-    elif par.gradient_compression.mode != "none":
+    elif compressed:
         exchange = _compressed_exchange(job, chunks, scheme)
     elif par.all_reduce == "hierarchical":
         exchange = _hierarchical_exchange(job, buckets, scheme)
@@ -358,8 +369,11 @@ def _dp_exchange(
 def _zero3_exchange(
     job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
 ) -> _Exchange:
-    """FSDP2's gathers (after backward's overlap) and reduce-scatters (each one exchange)."""
+    """FSDP2's gathers (after backward's overlap) and reduce-scatters (each one exchange), the
+    latter in 2-byte elements under bf16 or fp16 compression (FSDP2's ``reduce_dtype``)."""
     par = job.parallelism
+    if par.gradient_compression.mode in ("bf16", "fp16"):
+        scheme = dataclasses.replace(scheme, grads=gradient_compression.CAST_BYTES)
     rows = [
         _Row(group, op, calls, nbytes, after_backward=op == "all_gather")
         for group, op, calls, nbytes in zero3_collectives(
@@ -401,6 +415,11 @@ def _compressed_exchange(
         for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
     ]
     compression = par.gradient_compression
+    if par.zero_stage == 2:  # every micro-batch, inline in backward's hook: exposed
+        rows = gradient_compression.sharded_collectives(
+            compression, bucket_shapes, par.data, scheme.grads, par.micro_batches
+        )
+        return _Exchange([_Row(*row, after_backward=True) for row in rows], 0)
     rows = gradient_compression.dp_collectives(compression, bucket_shapes, par.data, scheme.grads)
     last = gradient_compression.dp_collectives(
         compression, bucket_shapes[-1:], par.data, scheme.grads

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import parallelism as api_parallelism
 
 CAST_BYTES = 2
@@ -22,7 +23,8 @@ def dp_collectives(
     dp: int,
     grad_bytes: int,
 ) -> list[tuple[str, str, int, int]]:
-    """(group, op, calls, payload bytes) of one step for buckets given as their members' shapes.
+    """(group, op, calls, payload bytes) of one compressed step (after the warm-up) for buckets
+    given as their members' shapes.
 
     Per bucket of ``n`` elements:
 
@@ -38,31 +40,87 @@ def dp_collectives(
     out: list[tuple[str, str, int, int]] = []
     for shapes in buckets:
         n = sum(math.prod(s) for s in shapes)
-        mode = compression.mode
-        if mode in ("bf16", "fp16"):
+        if compression.mode in ("bf16", "fp16"):
             out.append(("dp", "all_reduce", 1, n * CAST_BYTES))
-        elif mode == "int8":
+        elif compression.mode == "int8":
             out.append(("dp", "all_gather", 2, dp * (INT8_SCALE_BYTES + n)))
-        elif mode == "topk":
-            k = max(1, int(compression.topk_ratio * n))
-            out.append(("dp", "all_gather", 2, dp * k * (grad_bytes + INDEX_BYTES)))
-        elif mode == "powersgd":
-            r = compression.rank
-            matrices = [(s[0], math.prod(s) // s[0]) for s in shapes if len(s) >= 2]
-            matrices = [(rows, cols) for rows, cols in matrices if min(rows, cols) > r]
-            rest = n - sum(rows * cols for rows, cols in matrices)
-            if rest:
-                out.append(("dp", "all_reduce", 1, rest * grad_bytes))
-            if matrices:
-                out.append(
-                    ("dp", "all_reduce", 1, sum(rows * r for rows, _ in matrices) * grad_bytes)
-                )
-                out.append(
-                    ("dp", "all_reduce", 1, sum(cols * r for _, cols in matrices) * grad_bytes)
-                )
         else:
-            raise ValueError(f"unknown gradient compression mode {mode!r}")
+            out += _sparse_or_low_rank(compression, shapes, n, dp, grad_bytes)
     return out
+
+
+def sharded_collectives(
+    compression: api_parallelism.GradientCompression,
+    buckets: list[list[tuple[int, ...]]],
+    dp: int,
+    grad_bytes: int,
+    micro_batches: int,
+) -> list[tuple[str, str, int, int]]:
+    """As :func:`dp_collectives` on ZeRO-2's reduce-scatter, which runs after every micro-batch.
+
+    Per micro-batch and bucket, padded to ``p = dp x ceil(n / dp)`` elements
+    (:mod:`meshtrain.trainer.parallel.compression_sharded`):
+
+    * bf16 / fp16: one reduce-scatter of the padded bucket in 2-byte elements;
+    * int8: two all-to-alls: ``dp`` 4-byte scales (one per shard) and ``p`` 1-byte elements;
+    * topk: as on ZeRO 0/1 over the padded bucket; powersgd: as on ZeRO 0/1 (whole matrices).
+    """
+    out: list[tuple[str, str, int, int]] = []
+    for shapes in buckets:
+        p = -(-sum(math.prod(s) for s in shapes) // dp) * dp
+        if compression.mode in ("bf16", "fp16"):
+            out.append(("dp", "reduce_scatter", 1, p * CAST_BYTES))
+        elif compression.mode == "int8":
+            out.append(("dp", "all_to_all", 2, dp * INT8_SCALE_BYTES + p))
+        else:
+            out += _sparse_or_low_rank(compression, shapes, p, dp, grad_bytes)
+    return [(g, op, calls * micro_batches, nbytes * micro_batches) for g, op, calls, nbytes in out]
+
+
+def _sparse_or_low_rank(
+    compression: api_parallelism.GradientCompression,
+    shapes: list[tuple[int, ...]],
+    n: int,
+    dp: int,
+    grad_bytes: int,
+) -> list[tuple[str, str, int, int]]:
+    """topk's or powersgd's collectives of one bucket whose exchange works on ``n`` elements."""
+    if compression.mode == "topk":
+        k = max(1, int(compression.topk_ratio * n))
+        return [("dp", "all_gather", 2, dp * k * (grad_bytes + INDEX_BYTES))]
+    if compression.mode != "powersgd":
+        raise ValueError(f"unknown gradient compression mode {compression.mode!r}")
+    out = []
+    r = compression.rank
+    matrices = [(s[0], math.prod(s) // s[0]) for s in shapes if len(s) >= 2]
+    matrices = [(rows, cols) for rows, cols in matrices if min(rows, cols) > r]
+    rest = sum(math.prod(s) for s in shapes) - sum(rows * cols for rows, cols in matrices)
+    if rest:
+        out.append(("dp", "all_reduce", 1, rest * grad_bytes))
+    if matrices:
+        out.append(("dp", "all_reduce", 1, sum(rows * r for rows, _ in matrices) * grad_bytes))
+        out.append(("dp", "all_reduce", 1, sum(cols * r for _, cols in matrices) * grad_bytes))
+    return out
+
+
+def in_warmup(compression: api_parallelism.GradientCompression, step: int) -> bool:
+    """Whether optimizer step ``step`` (1-based) reduces exactly: the trainer's warm-up rule."""
+    return step <= compression.exact_steps
+
+
+def exact_job(job: api_spec.TrainingJobSpec) -> api_spec.TrainingJobSpec:
+    """``job`` as its warm-up steps run it: gradient compression off."""
+    par = job.parallelism
+    exact = par.model_copy(update={"gradient_compression": api_parallelism.GradientCompression()})
+    return job.model_copy(update={"parallelism": exact})
+
+
+def run_bytes(
+    compression: api_parallelism.GradientCompression, exact: float, compressed: float, steps: int
+) -> float:
+    """Data-parallel payload of a whole run of ``steps``: the warm-up's steps at ``exact`` bytes, the rest at ``compressed``."""
+    warm = min(steps, compression.exact_steps) if compression.mode != "none" else 0
+    return warm * exact + (steps - warm) * compressed
 
 
 FP32_BYTES = 4

@@ -40,7 +40,9 @@ CASES = {
     "bf16": _dp2().parallelism(gradientCompression={"mode": "bf16"}),
     "int8": _dp2().parallelism(gradientCompression={"mode": "int8"}),
     "topk": _dp2().parallelism(gradientCompression={"mode": "topk", "topkRatio": 0.1}),
-    "powersgd": _dp2().parallelism(gradientCompression={"mode": "powersgd", "rank": 2}),
+    "powersgd": _dp2().parallelism(
+        gradientCompression={"mode": "powersgd", "rank": 2, "warmupSteps": 0}
+    ),
 }
 
 
@@ -127,7 +129,9 @@ def test_bucket_exchanges_finish_while_backward_still_runs() -> None:
 
 NUMBER_CASES = {
     "int8": _dp2().parallelism(gradientCompression={"mode": "int8"}),
-    "powersgd": _dp2().parallelism(gradientCompression={"mode": "powersgd", "rank": 2}),
+    "powersgd": _dp2().parallelism(
+        gradientCompression={"mode": "powersgd", "rank": 2, "warmupSteps": 0}
+    ),
     # both ranks on one simulated node: an intra-node group of 2 (reduce-scatter and all-gather
     # carry data) and an inter-node group of 1
     "hierarchical": _dp2().parallelism(allReduce="hierarchical").gpus(2),

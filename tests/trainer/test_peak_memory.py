@@ -164,7 +164,9 @@ COMPRESSED = {
         cpu()
         .model(SHAPE)
         .layout(data=2)
-        .parallelism(microBatches=2, gradientCompression={"mode": "powersgd", "rank": 2})
+        .parallelism(
+            microBatches=2, gradientCompression={"mode": "powersgd", "rank": 2, "warmupSteps": 0}
+        )
     ),
 }
 

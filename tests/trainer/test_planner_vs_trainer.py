@@ -62,10 +62,25 @@ LAYOUTS = [
             "zeroStage": 3,
         },
     ),
-    ("dp2-powersgd", {"data": 2, "gradientCompression": {"mode": "powersgd", "rank": 4}}),
+    (
+        "dp2-powersgd",
+        {"data": 2, "gradientCompression": {"mode": "powersgd", "rank": 4, "warmupSteps": 0}},
+    ),
     ("dp2-pp2-topk", {"data": 2, "pipeline": 2, "gradientCompression": {"mode": "topk"}}),
     ("dp2-int8-zero1", {"data": 2, "zeroStage": 1, "gradientCompression": {"mode": "int8"}}),
     ("dp2-bf16", {"data": 2, "gradientCompression": {"mode": "bf16"}}),
+    # compressed ZeRO-2 reduce-scatters (every micro-batch) and ZeRO-3's 16-bit reduce_dtype
+    ("dp2-int8-zero2", {"data": 2, "zeroStage": 2, "gradientCompression": {"mode": "int8"}}),
+    (
+        "dp2-powersgd-zero2",
+        {
+            "data": 2,
+            "zeroStage": 2,
+            "gradientCompression": {"mode": "powersgd", "rank": 4, "warmupSteps": 0},
+        },
+    ),
+    ("dp2-topk-zero2", {"data": 2, "zeroStage": 2, "gradientCompression": {"mode": "topk"}}),
+    ("dp2-fp16-zero3", {"data": 2, "zeroStage": 3, "gradientCompression": {"mode": "fp16"}}),
     ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
     (
         "dp2-tp2-sp-recompute",

@@ -79,7 +79,10 @@ def scenarios(root: str) -> dict:
     for stage in (0, 2, 3):
         raw = dp2.clone().training(steps=STEPS).parallelism(zeroStage=stage).raw()
         out[f"resume-zero{stage}"] = resume_case(raw, f"{root}/resume-zero{stage}")
-    for mode in ({"mode": "powersgd", "rank": 2}, {"mode": "topk", "topkRatio": 0.1}):
+    for mode in (
+        {"mode": "powersgd", "rank": 2, "warmupSteps": 0},
+        {"mode": "topk", "topkRatio": 0.1},
+    ):
         # error feedback (and PowerSGD's warm-start Q) must come back, or the next step differs
         raw = dp2.clone().training(steps=STEPS).parallelism(gradientCompression=mode).raw()
         out[f"resume-{mode['mode']}"] = resume_case(raw, f"{root}/resume-{mode['mode']}")

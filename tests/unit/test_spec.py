@@ -187,12 +187,12 @@ INVALID = [
         ["mode=bf16", "data=1", "data >= 2"],
     ),
     (
-        "gradient compression with ZeRO-2",
+        "stateful gradient compression with ZeRO-3",
         JobBuilder()
         .layout(2, 1, 1, gpus_per_node=2)
-        .parallelism(zeroStage=2, gradientCompression={"mode": "int8"}),
+        .parallelism(zeroStage=3, gradientCompression={"mode": "int8"}),
         "spec.parallelism.gradientCompression.mode",
-        ["zeroStage=2", "zeroStage 0 or 1"],
+        ["mode=int8", "zeroStage=3", "mode bf16 or fp16", "zeroStage 2"],
     ),
     (
         "hierarchical all-reduce without data parallelism",
@@ -311,6 +311,33 @@ def test_invalid_spec_is_refused_naming_field_and_values(case, builder, path, wo
     message = next(str(p) for p in err.value.problems if p.path == path)
     for word in words:
         assert word in message, f"{case}: {word!r} missing from {message!r}"
+
+
+@pytest.mark.parametrize(
+    ("stage", "mode"),
+    [(2, m) for m in ("bf16", "fp16", "int8", "topk", "powersgd")] + [(3, "bf16"), (3, "fp16")],
+)
+def test_gradient_compression_is_accepted_on_the_reduce_scatter_it_can_compress(stage, mode):
+    job = loading.parse_spec(
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=stage, gradientCompression={"mode": mode, "warmupSteps": 10})
+        .raw()
+    )
+    assert job.parallelism.gradient_compression.warmup_steps == 10
+
+
+@pytest.mark.parametrize(("mode", "warmup"), [("powersgd", 10), ("int8", 0), ("bf16", 0)])
+def test_an_empty_warmup_is_the_swept_default_for_powersgd_only(mode, warmup):
+    job = loading.parse_spec(
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(gradientCompression={"mode": mode})
+        .raw()
+    )
+    compression = job.parallelism.gradient_compression
+    assert compression.warmup_steps is None and compression.exact_steps == warmup
+    assert compression.rank == 8  # docs/trainer.md's sweep
 
 
 def test_recovery_defaults_restart_in_place_with_one_warm_spare():

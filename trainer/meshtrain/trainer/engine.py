@@ -451,6 +451,8 @@ class Engine:
             step, peak=peak, minimum=minimum, warmup=training.warmup_steps, total=training.steps
         ) * self.lr_plan.multiplier(step)
         lr_schedule.set_lr(self.optimizer, lr)
+        if self.model.reducer is not None:  # compression's exact warm-up counts optimizer steps
+            self.model.reducer.start_step(step)
         loss_sum = self.forward_backward()
         clip = (
             self.optimizer.clip_grad_norm

@@ -155,12 +155,13 @@ def compression_entries(engine: Any) -> dict[str, torch.Tensor]:
     those are the same; otherwise the state starts fresh (zero error, the seeded Q), as at step 1.
     """
     grad_reducer = engine.model.reducer
-    if not isinstance(grad_reducer, compression.CompressedGradReducer):
+    if not isinstance(grad_reducer, compression.Compressing):
         return {}
     par = engine.spec.parallelism
+    sharded = "-z2" if par.zero_stage == 2 else ""  # ZeRO-2's error covers the padded bucket
     run = (
         f"{grad_reducer.mode}-r{grad_reducer.rank}-k{grad_reducer.topk_ratio}-"
-        f"dp{par.data}pp{par.pipeline}tp{par.tensor}v{par.virtual_stages}-b{par.bucket_mb}"
+        f"dp{par.data}pp{par.pipeline}tp{par.tensor}v{par.virtual_stages}-b{par.bucket_mb}{sharded}"
     ).replace(".", "_")
     rank = dist.get_rank()
     return {f"compression.{run}.{rank}.{key}": t for key, t in grad_reducer.state.items()}

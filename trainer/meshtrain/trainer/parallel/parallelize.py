@@ -24,6 +24,7 @@ from meshtrain.api.spec import training as api_training
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import (
     clipping,
+    compression_sharded,
     float8,
     hierarchical,
     loss,
@@ -263,7 +264,8 @@ def apply_data_parallel(
     layout = mesh.layout
     if layout.data == 1:
         return None
-    if zero_stage == 3:
+    compressed = compression is not None and compression.mode != "none"
+    if zero_stage == 3:  # the spec's rules keep ZeRO-3's compression to the 16-bit casts
         zero3.apply_zero3(
             chunks,
             mesh.device_mesh["dp"],
@@ -271,10 +273,11 @@ def apply_data_parallel(
             clock=clock,
             param_dtype=wire_dtype,
             pipelined=layout.pipeline > 1,
+            reduce_dtype=compression_mod.CAST.get(compression.mode) if compression else None,
         )
         return None
-    # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce,
-    # compressed when asked (the spec's rules keep compression off ZeRO-2).
+    # ZeRO-2 keeps only this rank's gradient shard (reduce-scatter); stages 0/1 all-reduce;
+    # either compressed when asked.
     reducer_cls: Callable[..., reducer.GradReducer] = (
         zero.ShardedGradReducer if zero_stage == 2 else reducer.GradReducer
     )
@@ -283,13 +286,21 @@ def apply_data_parallel(
         reducer_cls = functools.partial(
             hierarchical.HierarchicalGradReducer, intra=intra, inter=inter
         )
-    if compression is not None and compression.mode != "none":
-        reducer_cls = functools.partial(
-            compression_mod.CompressedGradReducer,
+    if compressed:
+        assert compression is not None
+        settings = compression_mod.Settings(
             mode=compression.mode,
             rank=compression.rank,
             topk_ratio=compression.topk_ratio,
             warm_start=compression.warm_start,
+            warmup_steps=compression.exact_steps,
+        )
+        reducer_cls = (
+            functools.partial(compression_sharded.CompressedShardedGradReducer, settings=settings)
+            if zero_stage == 2
+            else functools.partial(
+                compression_mod.CompressedGradReducer, **dataclasses.asdict(settings)
+            )
         )
     return reducer_cls(
         [list(chunk.parameters()) for chunk in chunks],

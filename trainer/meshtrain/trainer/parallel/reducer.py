@@ -118,6 +118,9 @@ class GradReducer:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
+    def start_step(self, step: int) -> None:
+        """Optimizer step ``step`` (1-based; the restored count on resume) begins (compression's warm-up reads it)."""
+
     def set_sync(self, final: bool) -> None:
         """Say whether the coming backward produces final gradients (last micro-batch)."""
         self.sync = final

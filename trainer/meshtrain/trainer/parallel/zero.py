@@ -150,15 +150,8 @@ class ShardedGradReducer(reducer.GradReducer):
         while len(self._in_flight) >= IN_FLIGHT_BUCKETS:  # bound the packed buffers alive
             self._settle(self._in_flight[0])
         start = self.clock.now()
-        shard = bucket.buffer
-        full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
-        offset = 0
-        for p in bucket.params:
-            if p.grad is not None:
-                full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
-                p.grad = None
-            offset += p.numel()
-        reduced = torch.empty_like(shard)
+        full = self._pack(bucket)
+        reduced = torch.empty_like(bucket.buffer)
         # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
         # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
         self._pending[bucket.index] = (
@@ -171,6 +164,18 @@ class ShardedGradReducer(reducer.GradReducer):
         )
         self._in_flight.append(bucket)
         bucket.ready = 0
+
+    def _pack(self, bucket: reducer.Bucket) -> torch.Tensor:
+        """The members' gradients packed into a full-size (padded) buffer, their ``.grad`` released."""
+        shard = bucket.buffer
+        full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
+        offset = 0
+        for p in bucket.params:
+            if p.grad is not None:
+                full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
+                p.grad = None
+            offset += p.numel()
+        return full
 
     def _settle(self, bucket: reducer.Bucket) -> None:
         """Wait for the bucket's collective in flight, if any, and add its result to the shard."""

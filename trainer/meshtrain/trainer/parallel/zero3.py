@@ -72,17 +72,22 @@ def apply_zero3(
     clock: clocks.Clock,
     param_dtype: torch.dtype | None = None,
     pipelined: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """Shard every chunk's parameters over ``dp_mesh`` in the FSDP2 units of :func:`units`.
 
     Gradients are reduce-scattered after every micro-batch's backward (FSDP2's default), so
     only the gradient shard accumulates.  ``param_dtype`` (bf16 under bf16 training) is what
     the units gather and compute with; the shards, the optimizer and the reduce-scatter stay fp32
-    (Megatron's and DeepSpeed's recipe: half the all-gather bytes).
+    (Megatron's and DeepSpeed's recipe: half the all-gather bytes).  ``reduce_dtype`` (bf16 or
+    fp16 under ``gradientCompression``) makes the reduce-scatter 16-bit: FSDP2's own
+    ``reduce_dtype``: the collective runs in 16 bits, the gradient shard stays fp32.
     """
     all_gather = _RecordedAllGather(recorder, clock)
     reduce_scatter = _RecordedReduceScatter(recorder, clock)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype or torch.float32
+    )
     for chunk in chunks:
         for modules, reshard in units(chunk, pipelined=pipelined):
             fully_shard(modules, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
