@@ -435,7 +435,9 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
     base.Rule(
         "float8-dims",
         "spec.training.float8",
-        None,
+        # A preset's shape is known only to Python; CEL judges the fields written out.
+        "!has(self.training.float8) || ((!has(self.model.hidden) || self.model.hidden % 16 == 0) "
+        "&& (!has(self.model.ffnHidden) || self.model.ffnHidden % 16 == 0))",
         "training.float8 needs model.hidden and model.ffnHidden divisible by 16 (torch's float8 matmul)",
         _float8_dims,
     ),
