@@ -1,4 +1,4 @@
-"""``spec.parallelism``: how a job is split (data x pipeline x tensor), how each axis runs, and the
+"""``spec.parallelism``: how a job is split (data x pipeline x context x tensor), how each axis runs, and the
 rules on the section alone.  The rank arithmetic is :class:`~meshtrain.api.layout.ParallelLayout`,
 which :attr:`Parallelism.layout` hands to placement, the planner and the trainer."""
 
@@ -35,7 +35,7 @@ class GradientCompression(base.SpecModel):
 
 
 class Parallelism(base.SpecModel):
-    """How the job is split: data x pipeline x tensor, and how each axis runs.
+    """How the job is split: data x pipeline x context x tensor, and how each axis runs.
 
     A spec read through :mod:`meshtrain.api.loading` keeps every rule, so its consumers
     do not check them again: ``virtual_stages`` is the model chunks per pipeline rank
@@ -60,6 +60,13 @@ class Parallelism(base.SpecModel):
         ge=1,
         le=limits.MAX_TENSOR,
         description="Tensor-parallel degree: GPUs that split every layer.",
+    )
+    context: int = Field(
+        1,
+        ge=1,
+        le=limits.MAX_CONTEXT,
+        description="Context-parallel degree: GPUs that split every sequence (ring attention, load-balanced "
+        "for the causal mask); seqLen must be divisible by 2 x context.",
     )
     schedule: Schedule = Field(
         "1f1b",
@@ -109,11 +116,13 @@ class Parallelism(base.SpecModel):
         Built on each read (three integers): a cached value would survive
         ``model_copy(update=...)``, which copies the instance dict, and go stale.
         """
-        return layout_mod.ParallelLayout(data=self.data, pipeline=self.pipeline, tensor=self.tensor)
+        return layout_mod.ParallelLayout(
+            data=self.data, pipeline=self.pipeline, tensor=self.tensor, context=self.context
+        )
 
     @property
     def world_size(self) -> int:
-        """Processes in the job: data x pipeline x tensor."""
+        """Processes in the job: data x pipeline x context x tensor."""
         return self.layout.world_size
 
     @property
@@ -172,7 +181,8 @@ def _compression_needs_data_parallel(p: Parallelism) -> str | None:
 def _world_size_bound(p: Parallelism) -> str | None:
     if p.world_size > limits.MAX_WORLD_SIZE:
         return (
-            f"data x pipeline x tensor = {p.data} x {p.pipeline} x {p.tensor} = {p.world_size} ranks is "
+            f"data x pipeline x context x tensor = {p.data} x {p.pipeline} x {p.context} x {p.tensor} = "
+            f"{p.world_size} ranks is "
             f"above the largest job, {limits.MAX_WORLD_SIZE}: lower a degree"
         )
     return None
@@ -182,9 +192,11 @@ RULES: tuple[base.Rule[Parallelism], ...] = (
     base.Rule(
         "world-size-bound",
         "spec.parallelism.data",
-        "self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor <= "
+        "self.parallelism.data * self.parallelism.pipeline * "
+        "(has(self.parallelism.context) ? self.parallelism.context : 1) * "
+        f"self.parallelism.tensor <= {limits.MAX_WORLD_SIZE}",
+        "parallelism.data x pipeline x context x tensor (the world size) must be at most "
         f"{limits.MAX_WORLD_SIZE}",
-        f"parallelism.data x pipeline x tensor (the world size) must be at most {limits.MAX_WORLD_SIZE}",
         _world_size_bound,
     ),
     base.Rule(

@@ -38,6 +38,21 @@ def _dry_run(cluster, namespace: str, body: dict):
 
 INVALID = [
     (
+        "sequence not divisible by 2 x context",
+        _valid().parallelism(context=2).model(seqLen=66).gpus(8).manifest(),
+        _rule("sequence-split-over-context"),
+    ),
+    (
+        "context parallelism with ZeRO-3",
+        _valid().parallelism(context=2, zeroStage=3).gpus(8).manifest(),
+        _rule("context-parallel-supported"),
+    ),
+    (
+        "world with context not a multiple of gpusPerNode",
+        _valid().parallelism(context=3).gpus(16).manifest(),
+        _rule("world-multiple-of-gpus-per-node"),
+    ),
+    (
         "kvHeads and tensor divide neither way",
         _valid()
         .parallelism(tensor=4)  # 6 kv heads: neither split nor replicated evenly

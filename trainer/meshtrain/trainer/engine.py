@@ -23,7 +23,15 @@ from meshtrain.trainer.guards import loss_guard, noise_scale
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.models import documents, gpt, llama
 from meshtrain.trainer.optim import adamw, batch_change, lr_schedule
-from meshtrain.trainer.parallel import clipping, compilation, loss, parallelize, zero, zero3
+from meshtrain.trainer.parallel import (
+    clipping,
+    compilation,
+    context,
+    loss,
+    parallelize,
+    zero,
+    zero3,
+)
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -270,7 +278,8 @@ class Engine:
         reducer = self.model.reducer
         par, data_degree = self.spec.parallelism, self.mesh.layout.data
         partial = (
-            par.sequence_parallel
+            par.context > 1  # a cp rank's gradient is its share of the tokens'
+            or par.sequence_parallel
             or (self.model.tp_plan is not None and self.model.tp_plan.kv_replicas > 1)
             or (self.config.tie_embeddings and par.pipeline > 1)
         )
@@ -340,7 +349,11 @@ class Engine:
         return rows / (self.mesh.layout.tensor * self.mesh.layout.pipeline)
 
     def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A batch tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
+        """This rank's part of a batch tensor (its slices of the sequence under context
+        parallelism) on the device without a host sync (pinned, non-blocking copy on CUDA)."""
+        layout = self.mesh.layout
+        if layout.context > 1:
+            tokens = context.shard(tokens, self.mesh.coords.cp, layout.context)
         if self.mesh.device.type != "cuda":
             return tokens
         return tokens.pin_memory().to(self.mesh.device, non_blocking=True)
@@ -395,7 +408,7 @@ class Engine:
         single read of (loss, stop, shares, norm) together.  Only the last stage holds
         a loss, each of its tensor-parallel ranks the same one: dividing by
         tensor x data before the sum leaves the mean over the data-parallel
-        replicas.  ``norm`` is already global (the clip reduced it).  Each rank
+        replicas (and x context: each cp rank holds the mean over its equal share of the tokens).  ``norm`` is already global (the clip reduced it).  Each rank
         writes its share into its own slot of a zero vector, so the sum is the
         gathered vector.  ``local_square`` (this rank's part of its replica's own
         squared gradient norm) rides along: summed over the world and divided by
@@ -404,7 +417,8 @@ class Engine:
         too: the world sum is the global batch's (None when not counted).
         """
         layout = self.mesh.layout
-        loss_share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
+        ranks_per_loss = layout.tensor * layout.data * layout.context
+        loss_share = loss_sum.detach().double().reshape(1) / ranks_per_loss
         flag = torch.full(
             (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=loss_share.device
         )
@@ -513,10 +527,11 @@ class Engine:
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for index in range(self.spec.training.eval.batches):
             micro = self.eval_sampler.at(index)
-            inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
-            targets = [mb.targets for mb in micro] if executor.holds_loss else None
+            inputs = [self._on_device(mb.inputs) for mb in micro] if executor.needs_inputs else None
+            targets = [self._on_device(mb.targets) for mb in micro] if executor.holds_loss else None
             total += executor.forward_only(inputs, targets, self._documents(micro)).double()
         layout = self.mesh.layout
-        share = total / (layout.tensor * layout.data * self.spec.training.eval.batches)
+        ranks = layout.tensor * layout.data * layout.context
+        share = total / (ranks * self.spec.training.eval.batches)
         dist.all_reduce(share)  # only last-stage ranks hold a loss, each tp rank the same one
         return share.item()
