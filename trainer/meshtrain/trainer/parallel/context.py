@@ -147,16 +147,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
     return s
 
 
-def _blocks(rank: int, step: int, size: int, local: int) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal) of the pair at ``step`` of the ring: rank ``rank``'s queries
-    against the keys of rank ``(rank - step) mod size``; the rest of the pair is fully masked."""
-    half = local // 2
+def _tiles(rank: int, step: int, size: int, local: int) -> list[tuple[slice, slice, bool]]:
+    """The (query rows, key rows, causal) tiles, one chunk by one chunk, of the pair at ``step`` of
+    the ring: rank ``rank``'s queries against the keys of rank ``(rank - step) mod size``; the
+    rest of the pair is fully masked.  Chunk by chunk keeps the transient scores (B, h, c, c)."""
+    c = local // 2
+    first, second = slice(0, c), slice(c, local)
     source = (rank - step) % size
-    if step == 0:  # own chunks: causal over the concatenation (chunk order is position order)
-        return slice(0, local), slice(0, local), True
+    if step == 0:  # own chunks: chunk order is position order
+        return [(first, first, True), (second, first, False), (second, second, True)]
     if source < rank:  # its first chunk precedes both of ours, its second follows both
-        return slice(0, local), slice(0, half), False
-    return slice(half, local), slice(0, local), False  # only our second chunk follows both of its
+        return [(first, first, False), (second, first, False)]
+    return [(second, first, False), (second, second, False)]  # only our second follows both of its
 
 
 class _RingAttention(torch.autograd.Function):
@@ -176,17 +178,8 @@ class _RingAttention(torch.autograd.Function):
             pending = None
             if step < ctx.size - 1:
                 pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
-            rows, cols, causal = _blocks(ctx.rank, step, ctx.size, local)
-            s = _scores(gq[..., rows, :], kv[0][..., cols, :], causal)
-            block_lse = torch.logsumexp(s, dim=-1)  # (B, kv, g, t)
-            block_out = torch.matmul(
-                torch.exp(s - block_lse.unsqueeze(-1)), kv[1][..., cols, :].unsqueeze(2).to(acc)
-            )
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(
-                -1
-            ) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-            lse[..., rows] = merged
+            for rows, cols, causal in _tiles(ctx.rank, step, ctx.size, local):
+                _merge_tile(out, lse, gq, kv, rows, cols, causal)
             if pending is not None:
                 (works, received), start = pending
                 _finish(works, kv, ctx, start)
@@ -214,17 +207,18 @@ class _RingAttention(torch.autograd.Function):
             pending = None
             if step < ctx.size - 1:
                 pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
-            rows, cols, causal = _blocks(ctx.rank, step, ctx.size, local)
-            block_dq, contribution = _block_backward(
-                gq[..., rows, :],
-                kv[..., cols, :],
-                causal,
-                dout[..., rows, :],
-                lse[..., rows],
-                delta[..., rows],
-            )
-            dq[..., rows, :] += block_dq
-            contribution = _padded_rows(contribution, cols, local)
+            contribution = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            for rows, cols, causal in _tiles(ctx.rank, step, ctx.size, local):
+                tile_dq, tile_dkv = _tile_backward(
+                    gq[..., rows, :],
+                    kv[..., cols, :],
+                    causal,
+                    dout[..., rows, :],
+                    lse[..., rows],
+                    delta[..., rows],
+                )
+                dq[..., rows, :] += tile_dq
+                contribution[..., cols, :] += tile_dkv
             if grads_in is not None:  # the sum so far of the ranks this key/value block visited
                 (works, received), start = grads_in
                 _finish(works, received, ctx, start)
@@ -241,16 +235,30 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype).view(q.shape), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
-def _padded_rows(block: torch.Tensor, cols: slice, local: int) -> torch.Tensor:
-    """A (2, B, kv, s, d) key/value block gradient as the whole (2, B, kv, local, d) one (zero elsewhere)."""
-    if block.shape[-2] == local:
-        return block
-    full = block.new_zeros((*block.shape[:-2], local, block.shape[-1]))
-    full[..., cols, :] = block
-    return full
+def _merge_tile(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    gq: torch.Tensor,
+    kv: torch.Tensor,
+    rows: slice,
+    cols: slice,
+    causal: bool,
+) -> None:
+    """Attend ``rows`` of the grouped queries to ``cols`` of ``kv`` and merge the tile into the
+    running output and log-sum-exp in place (online softmax)."""
+    s = _scores(gq[..., rows, :], kv[0][..., cols, :], causal)
+    tile_lse = torch.logsumexp(s, dim=-1)  # (B, kv, g, t)
+    tile_out = torch.matmul(
+        torch.exp(s - tile_lse.unsqueeze(-1)), kv[1][..., cols, :].unsqueeze(2).to(out.dtype)
+    )
+    merged = torch.logaddexp(lse[..., rows], tile_lse)
+    out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(
+        -1
+    ) + tile_out * torch.exp(tile_lse - merged).unsqueeze(-1)
+    lse[..., rows] = merged
 
 
-def _block_backward(
+def _tile_backward(
     q: torch.Tensor,
     kv: torch.Tensor,
     causal: bool,
@@ -258,7 +266,7 @@ def _block_backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's gradients, recomputed from the whole attention's log-sum-exp ``lse`` and
+    """One tile's gradients, recomputed from the whole attention's log-sum-exp ``lse`` and
     ``delta`` = rowsum(dO * O): the grouped queries' (B, kv, g, t, d) and the key/value rows'
     (2, B, kv, s, d), both in ``dout``'s accumulation dtype."""
     k, v = kv[0], kv[1]
