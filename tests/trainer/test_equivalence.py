@@ -102,6 +102,15 @@ CASES_2 = {
 # context parallelism composed with each other degree (ring attention over two ranks)
 CASES_4 = {
     "dp2-cp2-zero1": cpu().layout(data=2, context=2).parallelism(microBatches=2, zeroStage=1),
+    "dp2-cp2-zero2-recompute": (
+        cpu()
+        .layout(data=2, context=2)
+        .parallelism(microBatches=2, bucketMb=0.05, zeroStage=2)
+        .training(activationCheckpointing=True)
+    ),
+    "llama-dp2-cp2-zero3-accum2": (
+        cpu().model(LLAMA_TINY).layout(data=2, context=2).parallelism(microBatches=2, zeroStage=3)
+    ),
     "cp2-tp2-sp": cpu().layout(context=2, tensor=2).parallelism(sequenceParallel=True),
     "pp2-cp2-1f1b": cpu().layout(pipeline=2, context=2).parallelism(microBatches=2),
     "llama-mqa-cp2-tp2": cpu().model(LLAMA_MQA).layout(context=2, tensor=2),

@@ -61,12 +61,6 @@ INVALID = [
         ["documentMask", "context 1"],
     ),
     (
-        "context parallelism with ZeRO-3",
-        JobBuilder().layout(data=2, context=2).parallelism(zeroStage=3),
-        "spec.parallelism.context",
-        ["zeroStage 3", "zeroStage 0, 1 or 2"],
-    ),
-    (
         "context parallelism with the hierarchical all-reduce",
         JobBuilder().layout(data=2, context=2).parallelism(allReduce="hierarchical"),
         "spec.parallelism.context",

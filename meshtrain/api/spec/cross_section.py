@@ -90,11 +90,6 @@ def _context_parallel_supported(spec: TrainingJobSpec) -> str | None:
             f"context={p.context} with training.documentMask: ring attention runs the causal mask only, "
             "not the per-document one: set documentMask false or context 1"
         )
-    if p.zero_stage == 3:
-        return (
-            f"context={p.context} with zeroStage 3: FSDP2 shards parameters over the data-parallel group "
-            "only, not over data x context: use zeroStage 0, 1 or 2, or context 1"
-        )
     if p.all_reduce == "hierarchical":
         return (
             f"context={p.context} with allReduce hierarchical: the gradient reduction spans data x context "
@@ -353,9 +348,8 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "spec.parallelism.context",
         "!has(self.parallelism.context) || self.parallelism.context == 1 || "
         "((!has(self.training.documentMask) || !self.training.documentMask) && "
-        "(!has(self.parallelism.zeroStage) || self.parallelism.zeroStage < 3) && "
         "(!has(self.parallelism.allReduce) || self.parallelism.allReduce == 'flat'))",
-        "parallelism.context > 1 needs training.documentMask false, parallelism.zeroStage 0-2 and allReduce flat",
+        "parallelism.context > 1 needs training.documentMask false and parallelism.allReduce flat",
         _context_parallel_supported,
     ),
     base.Rule(

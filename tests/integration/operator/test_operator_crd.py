@@ -43,8 +43,8 @@ INVALID = [
         _rule("sequence-split-over-context"),
     ),
     (
-        "context parallelism with ZeRO-3",
-        _valid().parallelism(context=2, zeroStage=3).gpus(8).manifest(),
+        "context parallelism with the hierarchical all-reduce",
+        _valid().parallelism(context=2, allReduce="hierarchical").gpus(8).manifest(),
         _rule("context-parallel-supported"),
     ),
     (

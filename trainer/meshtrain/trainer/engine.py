@@ -97,9 +97,13 @@ def norm_groups(mesh: mesh_mod.Mesh, zero_stage: int) -> list[tuple[str, dist.Pr
     """The axes whose ranks hold different parts of the gradient, for its global norm."""
     layout = mesh.layout
     sharded_axes = (("tp", layout.tensor), ("pp", layout.pipeline))
-    if zero_stage == 3:  # each data-parallel rank holds other rows of every gradient
-        sharded_axes = (("dp", layout.data), *sharded_axes)
-    return [(axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1]
+    groups = [(axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1]
+    group, size = mesh.grad_group
+    if (
+        zero_stage == 3 and size > 1
+    ):  # each data (x context) rank holds other rows of every gradient
+        groups.insert(0, ("dp", group))
+    return groups
 
 
 def scan_share(device: torch.device) -> token_files.Share | None:

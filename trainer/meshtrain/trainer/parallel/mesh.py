@@ -95,6 +95,14 @@ class Mesh:
             return self.group("dp"), self.layout.data
         return self.dp_cp_group, self.layout.data * self.layout.context
 
+    def grad_mesh(self) -> torch.distributed.device_mesh.DeviceMesh:
+        """The 1D DeviceMesh of :attr:`grad_group`, over which ZeRO-3 (FSDP2) shards parameters."""
+        if self.dp_cp_group is None:
+            return self.device_mesh["dp"]
+        return device_mesh.DeviceMesh.from_group(
+            self.dp_cp_group, self.device.type, mesh_dim_names=("dp_cp",)
+        )
+
     def dp_level_groups(self, gpus_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """This rank's data-parallel peers on its node, and its peers at the same position on the other nodes.
 

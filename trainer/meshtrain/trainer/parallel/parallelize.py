@@ -267,7 +267,7 @@ def apply_data_parallel(
 ) -> reducer.GradReducer | None:
     """Reduce gradients over the data-parallel group (data x context ranks with context
     parallelism): the gradient reducer of ``zero_stage``, or None without data parallelism or
-    under ZeRO-3 (FSDP2 shards the chunks and reduces; the spec keeps it off context parallelism)."""
+    under ZeRO-3 (FSDP2 shards the chunks over the same ranks and reduces)."""
     layout = mesh.layout
     group, group_size = mesh.grad_group
     if group_size == 1:
@@ -275,7 +275,7 @@ def apply_data_parallel(
     if zero_stage == 3:
         zero3.apply_zero3(
             chunks,
-            mesh.device_mesh["dp"],
+            mesh.grad_mesh(),
             recorder=recorder,
             clock=clock,
             param_dtype=wire_dtype,
