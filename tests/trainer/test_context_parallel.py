@@ -1,6 +1,7 @@
 """Context parallelism's pieces: the load-balanced split of a sequence, and ring attention against
 torch's own ``scaled_dot_product_attention`` over the whole sequence (output and q, k, v gradients,
-fp64, grouped-query heads) on real gloo rings of 2 and 4 ranks.  The trainer's layouts against one
+fp64, grouped-query heads; causal, or with one device's document mask) on real gloo rings of 2
+and 4 ranks.  The trainer's layouts against one
 device are in test_equivalence.py."""
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ def test_each_rank_holds_chunk_k_and_its_mirror_and_every_token_once():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "heads", "kv_heads"), [(2, 4, 4), (4, 4, 2)])
-def test_ring_attention_equals_whole_sequence_sdpa(world, heads, kv_heads):
+@pytest.mark.parametrize(
+    ("world", "heads", "kv_heads", "masked"),
+    [(2, 4, 4, False), (4, 4, 2, False), (2, 4, 2, True), (4, 2, 2, True)],
+    ids=["cp2", "cp4-gqa", "cp2-gqa-documents", "cp4-documents"],
+)
+def test_ring_attention_equals_whole_sequence_sdpa(world, heads, kv_heads, masked):
     results = mt_harness.run_distributed(
-        mt_context_workers.ring_vs_sdpa, world, heads, kv_heads, 8 * world
+        mt_context_workers.ring_vs_sdpa, world, heads, kv_heads, 8 * world, masked
     )
     for rank_result in results:
         out, ref = rank_result["out"]

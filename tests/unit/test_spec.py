@@ -55,12 +55,6 @@ INVALID = [
         ["seqLen / context", "tensor=4"],
     ),
     (
-        "context parallelism with the document mask",
-        JobBuilder().layout(context=2).training(documentMask=True),
-        "spec.parallelism.context",
-        ["documentMask", "context 1"],
-    ),
-    (
         "context parallelism with the hierarchical all-reduce",
         JobBuilder().layout(data=2, context=2).parallelism(allReduce="hierarchical"),
         "spec.parallelism.context",

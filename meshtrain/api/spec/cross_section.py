@@ -82,14 +82,9 @@ def _sequence_split_over_context(spec: TrainingJobSpec) -> str | None:
 
 
 def _context_parallel_supported(spec: TrainingJobSpec) -> str | None:
-    p, t = spec.parallelism, spec.training
+    p = spec.parallelism
     if p.context == 1:
         return None
-    if t.document_mask:
-        return (
-            f"context={p.context} with training.documentMask: ring attention runs the causal mask only, "
-            "not the per-document one: set documentMask false or context 1"
-        )
     if p.all_reduce == "hierarchical":
         return (
             f"context={p.context} with allReduce hierarchical: the gradient reduction spans data x context "
@@ -347,9 +342,8 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "context-parallel-supported",
         "spec.parallelism.context",
         "!has(self.parallelism.context) || self.parallelism.context == 1 || "
-        "((!has(self.training.documentMask) || !self.training.documentMask) && "
-        "(!has(self.parallelism.allReduce) || self.parallelism.allReduce == 'flat'))",
-        "parallelism.context > 1 needs training.documentMask false and parallelism.allReduce flat",
+        "!has(self.parallelism.allReduce) || self.parallelism.allReduce == 'flat'",
+        "parallelism.context > 1 needs parallelism.allReduce flat",
         _context_parallel_supported,
     ),
     base.Rule(

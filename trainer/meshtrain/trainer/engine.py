@@ -339,24 +339,32 @@ class Engine:
         if eos is None:
             return None
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32  # attention's queries
+        layout, cp = self.mesh.layout, self.mesh.coords.cp
+        if layout.context > 1:  # this rank's queries against every cp rank's keys
+            return lambda index: context.documents_of(
+                self._on_device(micro[index].inputs, whole=True), eos, dtype, cp, layout.context
+            )
         return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos, dtype)
 
     def _document_squares(self, micro: list[batches.MicroBatch]) -> float | None:
         """This rank's share of the step's sum of squared document lengths (None without a mask).
 
-        Each data-parallel replica's stages and tensor ranks hold the same rows: each adds
-        1 / (tensor x pipeline) of them, so the world sum (:meth:`_agree`) counts every row once.
+        Each data-parallel replica's stages, context and tensor ranks hold the same rows: each
+        adds 1 / (tensor x context x pipeline) of them, so the world sum (:meth:`_agree`) counts
+        every row once.
         """
         if self.document_end is None:
             return None
         rows = sum(documents.squares(mb.inputs, self.document_end) for mb in micro)
-        return rows / (self.mesh.layout.tensor * self.mesh.layout.pipeline)
-
-    def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a batch tensor (its slices of the sequence under context
-        parallelism) on the device without a host sync (pinned, non-blocking copy on CUDA)."""
         layout = self.mesh.layout
-        if layout.context > 1:
+        return rows / (layout.tensor * layout.context * layout.pipeline)
+
+    def _on_device(self, tokens: torch.Tensor, *, whole: bool = False) -> torch.Tensor:
+        """This rank's part of a batch tensor (its slices of the sequence under context
+        parallelism, unless ``whole``) on the device without a host sync (pinned, non-blocking
+        copy on CUDA)."""
+        layout = self.mesh.layout
+        if layout.context > 1 and not whole:
             tokens = context.shard(tokens, self.mesh.coords.cp, layout.context)
         if self.mesh.device.type != "cuda":
             return tokens

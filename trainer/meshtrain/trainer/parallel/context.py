@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.trainer.models import documents as documents_mod
 from meshtrain.trainer.models import gpt
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -79,20 +80,40 @@ def global_positions(rank: int, size: int, local: int, device: torch.device) -> 
     )
 
 
+def documents_of(
+    tokens: torch.Tensor, eos: int, dtype: torch.dtype, rank: int, size: int
+) -> documents_mod.Documents:
+    """The documents of cp rank ``rank``'s share of the whole rows ``tokens`` (B, T).
+
+    Positions are the rank's slices of the per-document positions; the mask (B, 1, T / C, T) is
+    the rank's queries against every rank's keys in ring order (rank j's two chunks at columns
+    ``j T / C``...): 0 where the key is in the query's document and not after it, -inf elsewhere.
+    Built from the token ids every cp rank already holds, so nothing travels; 1 / C of one
+    device's (B, 1, T, T) mask.
+    """
+    local = tokens.shape[1] // size
+    doc = documents_mod.document_index(tokens, eos)  # (B, T)
+    rows = global_positions(rank, size, local, tokens.device)  # (T / C,)
+    cols = torch.cat([global_positions(j, size, local, tokens.device) for j in range(size)])
+    allowed = (doc[:, rows, None] == doc[:, None, cols]) & (rows[:, None] >= cols[None, :])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
+    positions = shard(documents_mod.positions_in_documents(tokens, eos), rank, size)
+    return documents_mod.Documents(
+        positions=positions, mask=mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+    )
+
+
 def apply_context_parallel(chunks: list[gpt.GPT], ctx: CPContext) -> None:
     """Give every chunk's embedding and attention this rank's global positions, and the ring as attention."""
 
     def positions(local: int, device: torch.device) -> torch.Tensor:
         return global_positions(ctx.rank, ctx.size, local, device)
 
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         """:func:`.gpt.attend`'s call; ``recompute`` is moot (the ring keeps only q, k, v, output
-        and log-sum-exp) and grouped-query attention is read from the head counts."""
-        if (
-            options.get("mask") is not None
-        ):  # the spec's rules keep documentMask off context parallelism
-            raise ValueError("context parallelism runs the causal mask only (no documentMask)")
-        out: torch.Tensor = _RingAttention.apply(q, k, v, ctx)
+        and log-sum-exp), grouped-query attention is read from the head counts, and ``mask`` is
+        :func:`documents_of`'s (B, 1, T / C, T) in ring order."""
+        out: torch.Tensor = _RingAttention.apply(q, k, v, ctx, options.get("mask"))
         return out
 
     for chunk in chunks:
@@ -137,28 +158,46 @@ def _accumulation(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """fp32 scaled scores (B, kv, g, Tq, Tk) of grouped q against k (B, kv, Tk, d); causal: the local diagonal block."""
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 scaled scores (B, kv, g, Tq, Tk) of grouped q against k (B, kv, Tk, d), plus the
+    additive ``bias`` (Tq, Tk) or (B, 1, Tq, Tk) where the tile is masked."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
     s = s.to(_accumulation(q)) / math.sqrt(q.shape[-1])
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
+    if bias is None:
+        return s
+    return s + (bias.unsqueeze(2) if bias.dim() == 4 else bias)
 
 
-def _tiles(rank: int, step: int, size: int, local: int) -> list[tuple[slice, slice, bool]]:
-    """The (query rows, key rows, causal) tiles, one chunk by one chunk, of the pair at ``step`` of
-    the ring: rank ``rank``'s queries against the keys of rank ``(rank - step) mod size``; the
-    rest of the pair is fully masked.  Chunk by chunk keeps the transient scores (B, h, c, c)."""
+Tile = tuple[slice, slice, "torch.Tensor | None"]
+"""(query rows, key rows, additive bias or None where every pair attends)."""
+
+
+def _tiles(
+    rank: int, step: int, size: int, local: int, mask: torch.Tensor | None, like: torch.Tensor
+) -> list[Tile]:
+    """The tiles, one chunk by one chunk, of the pair at ``step`` of the ring: rank ``rank``'s
+    queries against the keys of rank ``(rank - step) mod size``; the rest of the pair is fully
+    masked.  Chunk by chunk keeps the transient scores (B, h, c, c).  Biases: causal on the
+    diagonal tiles, or with ``mask`` (:func:`documents_of`) its slice on every tile.  Own
+    diagonal tiles come first, so every query row has a finite log-sum-exp before the rest."""
     c = local // 2
     first, second = slice(0, c), slice(c, local)
     source = (rank - step) % size
     if step == 0:  # own chunks: chunk order is position order
-        return [(first, first, True), (second, first, False), (second, second, True)]
-    if source < rank:  # its first chunk precedes both of ours, its second follows both
-        return [(first, first, False), (second, first, False)]
-    return [(second, first, False), (second, second, False)]  # only our second follows both of its
+        tiles = [(first, first, True), (second, second, True), (second, first, False)]
+    elif source < rank:  # its first chunk precedes both of ours, its second follows both
+        tiles = [(first, first, False), (second, first, False)]
+    else:  # only our second chunk follows both of its
+        tiles = [(second, first, False), (second, second, False)]
+    if mask is not None:
+        offset = source * local
+        return [
+            (rows, cols, mask[..., rows, offset + cols.start : offset + cols.stop])
+            for rows, cols, _ in tiles
+        ]
+    causal = torch.full((c, c), float("-inf"), dtype=_accumulation(like), device=like.device)
+    causal = causal.triu(1)
+    return [(rows, cols, causal if diagonal else None) for rows, cols, diagonal in tiles]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -166,7 +205,12 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        fctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext
+        fctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: CPContext,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         kv_heads, local = k.shape[1], q.shape[2]
         gq = _grouped(q, kv_heads)  # (B, kv, g, T, d)
@@ -178,21 +222,21 @@ class _RingAttention(torch.autograd.Function):
             pending = None
             if step < ctx.size - 1:
                 pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
-            for rows, cols, causal in _tiles(ctx.rank, step, ctx.size, local):
-                _merge_tile(out, lse, gq, kv, rows, cols, causal)
+            for rows, cols, bias in _tiles(ctx.rank, step, ctx.size, local, mask, q):
+                _merge_tile(out, lse, gq, kv, rows, cols, bias)
             if pending is not None:
                 (works, received), start = pending
                 _finish(works, kv, ctx, start)
                 kv = received
         result = out.to(q.dtype).view(q.shape)
         fctx.save_for_backward(q, k, v, result, lse)
-        fctx.ctx = ctx
+        fctx.ctx, fctx.mask = ctx, mask
         return result
 
     @staticmethod
     def backward(
         fctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = fctx.saved_tensors
         ctx: CPContext = fctx.ctx
         kv_heads, local = k.shape[1], q.shape[2]
@@ -208,11 +252,11 @@ class _RingAttention(torch.autograd.Function):
             if step < ctx.size - 1:
                 pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
             contribution = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            for rows, cols, causal in _tiles(ctx.rank, step, ctx.size, local):
+            for rows, cols, bias in _tiles(ctx.rank, step, ctx.size, local, fctx.mask, q):
                 tile_dq, tile_dkv = _tile_backward(
                     gq[..., rows, :],
                     kv[..., cols, :],
-                    causal,
+                    bias,
                     dout[..., rows, :],
                     lse[..., rows],
                     delta[..., rows],
@@ -232,7 +276,7 @@ class _RingAttention(torch.autograd.Function):
         assert grads_in is not None
         (works, own), start = grads_in  # after the last step: this rank's own keys' gradient
         _finish(works, own, ctx, start)
-        return dq.to(q.dtype).view(q.shape), own[0].to(k.dtype), own[1].to(v.dtype), None
+        return dq.to(q.dtype).view(q.shape), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
 def _merge_tile(
@@ -242,14 +286,16 @@ def _merge_tile(
     kv: torch.Tensor,
     rows: slice,
     cols: slice,
-    causal: bool,
+    bias: torch.Tensor | None,
 ) -> None:
     """Attend ``rows`` of the grouped queries to ``cols`` of ``kv`` and merge the tile into the
-    running output and log-sum-exp in place (online softmax)."""
-    s = _scores(gq[..., rows, :], kv[0][..., cols, :], causal)
+    running output and log-sum-exp in place (online softmax).  A row the tile masks whole
+    (another document) adds nothing: its -inf log-sum-exp is not subtracted."""
+    s = _scores(gq[..., rows, :], kv[0][..., cols, :], bias)
     tile_lse = torch.logsumexp(s, dim=-1)  # (B, kv, g, t)
+    finite = torch.where(torch.isinf(tile_lse), 0.0, tile_lse)
     tile_out = torch.matmul(
-        torch.exp(s - tile_lse.unsqueeze(-1)), kv[1][..., cols, :].unsqueeze(2).to(out.dtype)
+        torch.exp(s - finite.unsqueeze(-1)), kv[1][..., cols, :].unsqueeze(2).to(out.dtype)
     )
     merged = torch.logaddexp(lse[..., rows], tile_lse)
     out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(
@@ -261,7 +307,7 @@ def _merge_tile(
 def _tile_backward(
     q: torch.Tensor,
     kv: torch.Tensor,
-    causal: bool,
+    bias: torch.Tensor | None,
     dout: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
@@ -271,7 +317,7 @@ def _tile_backward(
     (2, B, kv, s, d), both in ``dout``'s accumulation dtype."""
     k, v = kv[0], kv[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))  # (B, kv, g, t, s): the softmax
+    p = torch.exp(_scores(q, k, bias) - lse.unsqueeze(-1))  # (B, kv, g, t, s): the softmax
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)  # (B, kv, s, d)
     acc = dout.dtype
     dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2).to(acc))
