@@ -314,6 +314,13 @@ def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):
     assert yaml.safe_load(result.stdout)["spec"]["trainer"]["progressPort"] == 9500
 
 
+def test_a_context_parallel_job_is_accepted(cluster, namespace):
+    body = _valid("cp").parallelism(context=2).gpus(8).manifest()
+    result = _dry_run(cluster, namespace, body)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["spec"]["parallelism"]["context"] == 2
+
+
 @pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_spec_is_refused_by_kubectl_apply(cluster, namespace, case, body, message):
     result = cluster.kubectl(
