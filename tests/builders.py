@@ -130,11 +130,21 @@ class JobBuilder:
         return self
 
     def layout(
-        self, data: int = 1, pipeline: int = 1, tensor: int = 1, gpus_per_node: int | None = None
+        self,
+        data: int = 1,
+        pipeline: int = 1,
+        tensor: int = 1,
+        gpus_per_node: int | None = None,
+        context: int = 1,
     ) -> JobBuilder:
-        """The degrees; one pod holds the whole world unless ``gpus_per_node`` (or :meth:`gpus`) says otherwise."""
-        self._section("parallelism", data=data, pipeline=pipeline, tensor=tensor)
-        return self._section("resources", gpusPerNode=gpus_per_node or data * pipeline * tensor)
+        """The degrees; one pod holds the whole world unless ``gpus_per_node`` (or :meth:`gpus`)
+        says otherwise.  ``context`` is written only when above 1 (specs without it stay as they were)."""
+        degrees = dict(data=data, pipeline=pipeline, tensor=tensor)
+        if context > 1:
+            degrees["context"] = context
+        self._section("parallelism", **degrees)
+        world = data * pipeline * context * tensor
+        return self._section("resources", gpusPerNode=gpus_per_node or world)
 
     def gpus(self, per_node: int) -> JobBuilder:
         return self._section("resources", gpusPerNode=per_node)

@@ -10,7 +10,7 @@ training run on record; raise one only together with a benchmark of the planning
 from __future__ import annotations
 
 MAX_WORLD_SIZE = 65_536
-"""GPUs (ranks) in one job: data x pipeline x tensor."""
+"""GPUs (ranks) in one job: data x pipeline x context x tensor."""
 
 MAX_DATA = MAX_WORLD_SIZE
 """Data-parallel degree."""
@@ -21,8 +21,8 @@ MAX_PIPELINE = 512
 MAX_TENSOR = 64
 """Tensor-parallel degree (a tensor group stays inside one NVLink domain)."""
 
-MAX_CONTEXT = 64
-"""Context-parallel degree: ranks that split each sequence (ring attention)."""
+MAX_CONTEXT = 256
+"""Context-parallel degree: ranks one sequence is split over (a ring of this many ranks per layer)."""
 
 MAX_VIRTUAL_STAGES = 64
 """Model chunks per pipeline rank (interleaved-1f1b)."""

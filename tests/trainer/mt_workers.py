@@ -47,9 +47,9 @@ def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:
 
 
 def _gather_grad_shards(eng: engine.Engine) -> dict[str, torch.Tensor]:
-    """ZeRO-2 keeps only this rank's shard of every gradient bucket: all-gather them over dp, by name."""
+    """ZeRO-2 keeps only this rank's shard of every gradient bucket: all-gather them over dp (x cp), by name."""
     names = {id(p): n for n, p in eng.model.named_params}
-    group, size = eng.mesh.group("dp"), eng.mesh.layout.data
+    group, size = eng.mesh.grad_group
     out = {}
     for bucket in eng.model.reducer.buckets:
         full = torch.empty(bucket.buffer.numel() * size, dtype=bucket.buffer.dtype)

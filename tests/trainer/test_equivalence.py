@@ -91,9 +91,34 @@ CASES_2 = {
         .layout(pipeline=2)
         .parallelism(schedule="1f1b", microBatches=4)
     ),
+    # context parallelism: each sequence over two ranks (ring attention, load-balanced chunks)
+    "cp2-accum2": cpu().layout(context=2).parallelism(microBatches=2),
+    "llama-cp2": cpu().model(LLAMA_TINY).layout(context=2),
     # top-k keeping every element is the one exact compression mode
     "dp2-topk-all": (
         cpu().layout(data=2).parallelism(gradientCompression={"mode": "topk", "topkRatio": 1.0})
+    ),
+}
+# context parallelism composed with each other degree (ring attention over two ranks)
+CASES_4 = {
+    "dp2-cp2-zero1": cpu().layout(data=2, context=2).parallelism(microBatches=2, zeroStage=1),
+    "dp2-cp2-zero2-recompute": (
+        cpu()
+        .layout(data=2, context=2)
+        .parallelism(microBatches=2, bucketMb=0.05, zeroStage=2)
+        .training(activationCheckpointing=True)
+    ),
+    "llama-dp2-cp2-zero3-accum2": (
+        cpu().model(LLAMA_TINY).layout(data=2, context=2).parallelism(microBatches=2, zeroStage=3)
+    ),
+    "cp2-tp2-sp": cpu().layout(context=2, tensor=2).parallelism(sequenceParallel=True),
+    "pp2-cp2-1f1b": cpu().layout(pipeline=2, context=2).parallelism(microBatches=2),
+    "llama-mqa-cp2-tp2": cpu().model(LLAMA_MQA).layout(context=2, tensor=2),
+    "llama-tied-pp2-cp2-1f1b": (
+        cpu()
+        .model(LLAMA_TINY, tieEmbeddings=True)
+        .layout(pipeline=2, context=2)
+        .parallelism(microBatches=2)
     ),
 }
 CASES_8 = {
@@ -139,7 +164,9 @@ CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = (
 @pytest.fixture(scope="module")
 def references():
     """The single-device reference of each model of the tables, by its case's model dict."""
-    models = {repr(b.raw()["model"]): b.raw()["model"] for b in {**CASES_2, **CASES_8}.values()}
+    models = {
+        repr(b.raw()["model"]): b.raw()["model"] for b in {**CASES_2, **CASES_4, **CASES_8}.values()
+    }
     return {key: mt_workers.reference(cpu().model(m).raw(), STEPS) for key, m in models.items()}
 
 
@@ -161,6 +188,11 @@ def _run(table: dict, world: int) -> dict:
 @pytest.fixture(scope="module")
 def world2():
     return _run(CASES_2, 2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return _run(CASES_4, 4)
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +233,12 @@ def _compare(result: dict, reference: dict) -> None:
 @pytest.mark.parametrize("case", list(CASES_2))
 def test_two_rank_layouts_match_single_device(case, world2, references):
     _compare(world2[case], _reference_of(CASES_2, case, references))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES_4))
+def test_context_parallel_layouts_match_single_device(case, world4, references):
+    _compare(world4[case], _reference_of(CASES_4, case, references))
 
 
 @pytest.mark.slow

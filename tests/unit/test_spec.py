@@ -28,8 +28,50 @@ def test_the_layout_is_the_parallelism_sections_and_follows_a_copy():
     assert resized.layout.data == 4 and resized.world_size == 16
 
 
+def test_context_is_a_fourth_degree_of_the_layout_and_the_world():
+    job = loading.parse_spec(
+        JobBuilder().layout(2, 2, 2, gpus_per_node=8, context=4).model(preset="7b").raw()
+    )
+    assert job.parallelism.layout == layout.ParallelLayout(data=2, pipeline=2, tensor=2, context=4)
+    assert job.parallelism.layout_string == "dp2·pp2·cp4·tp2"
+    assert job.world_size == 32 and job.pods == 4
+
+
 # (case, builder, field path the message must name, words the message must contain)
 INVALID = [
+    (
+        "sequence not divisible by 2 x context",
+        JobBuilder().layout(context=4).model(preset="tiny", seqLen=36),
+        "spec.model.seqLen",
+        ["context=4", "seqLen=36", "2 x context = 8"],
+    ),
+    (
+        "sequence parallel slice not divisible by tensor under context",
+        JobBuilder()
+        .layout(tensor=4, context=2)
+        .model(preset="tiny", seqLen=36)
+        .parallelism(sequenceParallel=True),
+        "spec.model.seqLen",
+        ["seqLen / context", "tensor=4"],
+    ),
+    (
+        "context parallelism with the hierarchical all-reduce",
+        JobBuilder().layout(data=2, context=2).parallelism(allReduce="hierarchical"),
+        "spec.parallelism.context",
+        ["allReduce hierarchical", "allReduce flat"],
+    ),
+    (
+        "context past its bound",
+        JobBuilder().layout(context=512, gpus_per_node=8),
+        "spec.parallelism.context",
+        ["less than or equal to 256"],
+    ),
+    (
+        "world with context not a multiple of gpusPerNode",
+        JobBuilder().layout(data=3, context=2, gpus_per_node=4),
+        "spec.parallelism",
+        ["context", "= 6", "gpusPerNode=4"],
+    ),
     (
         "tensor does not divide gpusPerNode",
         JobBuilder()

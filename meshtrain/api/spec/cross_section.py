@@ -63,6 +63,36 @@ def _sequence_split_over_tensor(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _sequence_split_over_context(spec: TrainingJobSpec) -> str | None:
+    shape, p = spec.model.shape(), spec.parallelism
+    if p.context == 1:
+        return None
+    if shape.seq_len % (2 * p.context):
+        return (
+            f"context={p.context} splits each sequence into 2 x context = {2 * p.context} chunks (two per "
+            f"rank, balanced for the causal mask): seqLen={shape.seq_len} is not divisible by it; choose "
+            "seqLen a multiple of 2 x context"
+        )
+    if p.sequence_parallel and (shape.seq_len // p.context) % p.tensor:
+        return (
+            f"sequenceParallel with context={p.context} splits each rank's {shape.seq_len // p.context} "
+            f"tokens (seqLen / context) over tensor={p.tensor}: make seqLen / context divisible by tensor"
+        )
+    return None
+
+
+def _context_parallel_supported(spec: TrainingJobSpec) -> str | None:
+    p = spec.parallelism
+    if p.context == 1:
+        return None
+    if p.all_reduce == "hierarchical":
+        return (
+            f"context={p.context} with allReduce hierarchical: the gradient reduction spans data x context "
+            "ranks, which the node-split all-reduce does not group: use allReduce flat, or context 1"
+        )
+    return None
+
+
 def _kv_heads_split_over_tensor(spec: TrainingJobSpec) -> str | None:
     kv, tp = spec.model.shape().key_value_heads, spec.parallelism.tensor
     if kv % tp and tp % kv:
@@ -289,8 +319,8 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
     base.Rule(
         "world-multiple-of-gpus-per-node",
         "spec.parallelism",
-        "(self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor) % self.resources.gpusPerNode == 0",
-        "world size data x pipeline x tensor must be a multiple of resources.gpusPerNode (one pod runs gpusPerNode ranks)",
+        "(self.parallelism.data * self.parallelism.pipeline * (has(self.parallelism.context) ? self.parallelism.context : 1) * self.parallelism.tensor) % self.resources.gpusPerNode == 0",
+        "world size data x pipeline x context x tensor must be a multiple of resources.gpusPerNode (one pod runs gpusPerNode ranks)",
         _world_multiple_of_node,
     ),
     base.Rule(
@@ -327,6 +357,23 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "!self.parallelism.sequenceParallel || !has(self.model.seqLen) || self.model.seqLen % self.parallelism.tensor == 0",
         "sequenceParallel needs model.seqLen divisible by parallelism.tensor",
         _sequence_split_over_tensor,
+    ),
+    base.Rule(
+        "sequence-split-over-context",
+        "spec.model.seqLen",
+        "!has(self.parallelism.context) || self.parallelism.context == 1 || !has(self.model.seqLen) || "
+        "(self.model.seqLen % (2 * self.parallelism.context) == 0 && (!self.parallelism.sequenceParallel || "
+        "(self.model.seqLen / self.parallelism.context) % self.parallelism.tensor == 0))",
+        "parallelism.context needs model.seqLen divisible by 2 x context (and seqLen / context by tensor under sequenceParallel)",
+        _sequence_split_over_context,
+    ),
+    base.Rule(
+        "context-parallel-supported",
+        "spec.parallelism.context",
+        "!has(self.parallelism.context) || self.parallelism.context == 1 || "
+        "!has(self.parallelism.allReduce) || self.parallelism.allReduce == 'flat'",
+        "parallelism.context > 1 needs parallelism.allReduce flat",
+        _context_parallel_supported,
     ),
     base.Rule(
         "kv-heads-split-over-tensor",

@@ -1,4 +1,4 @@
-"""``spec.parallelism``: how a job is split (data x pipeline x tensor), how each axis runs, and the
+"""``spec.parallelism``: how a job is split (data x pipeline x context x tensor), how each axis runs, and the
 rules on the section alone.  The rank arithmetic is :class:`~meshtrain.api.layout.ParallelLayout`,
 which :attr:`Parallelism.layout` hands to placement, the planner and the trainer."""
 
@@ -61,7 +61,7 @@ class GradientCompression(base.SpecModel):
 
 
 class Parallelism(base.SpecModel):
-    """How the job is split: data x pipeline x tensor, and how each axis runs.
+    """How the job is split: data x pipeline x context x tensor, and how each axis runs.
 
     A spec read through :mod:`meshtrain.api.loading` keeps every rule, so its consumers
     do not check them again: ``virtual_stages`` is the model chunks per pipeline rank
@@ -91,7 +91,8 @@ class Parallelism(base.SpecModel):
         1,
         ge=1,
         le=limits.MAX_CONTEXT,
-        description="Context-parallel degree: ranks that split each sequence (ring attention).",
+        description="Context-parallel degree: GPUs that split every sequence (ring attention, load-balanced "
+        "for the causal mask); seqLen must be divisible by 2 x context.",
     )
     schedule: Schedule = Field(
         "1f1b",
@@ -147,7 +148,7 @@ class Parallelism(base.SpecModel):
 
     @property
     def world_size(self) -> int:
-        """Processes in the job: data x pipeline x tensor."""
+        """Processes in the job: data x pipeline x context x tensor."""
         return self.layout.world_size
 
     @property
@@ -211,7 +212,8 @@ def _compression_needs_data_parallel(p: Parallelism) -> str | None:
 def _world_size_bound(p: Parallelism) -> str | None:
     if p.world_size > limits.MAX_WORLD_SIZE:
         return (
-            f"data x pipeline x tensor = {p.data} x {p.pipeline} x {p.tensor} = {p.world_size} ranks is "
+            f"data x pipeline x context x tensor = {p.data} x {p.pipeline} x {p.context} x {p.tensor} = "
+            f"{p.world_size} ranks is "
             f"above the largest job, {limits.MAX_WORLD_SIZE}: lower a degree"
         )
     return None
@@ -221,9 +223,11 @@ RULES: tuple[base.Rule[Parallelism], ...] = (
     base.Rule(
         "world-size-bound",
         "spec.parallelism.data",
-        "self.parallelism.data * self.parallelism.pipeline * self.parallelism.tensor <= "
+        "self.parallelism.data * self.parallelism.pipeline * "
+        "(has(self.parallelism.context) ? self.parallelism.context : 1) * "
+        f"self.parallelism.tensor <= {limits.MAX_WORLD_SIZE}",
+        "parallelism.data x pipeline x context x tensor (the world size) must be at most "
         f"{limits.MAX_WORLD_SIZE}",
-        f"parallelism.data x pipeline x tensor (the world size) must be at most {limits.MAX_WORLD_SIZE}",
         _world_size_bound,
     ),
     base.Rule(

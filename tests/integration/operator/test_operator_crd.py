@@ -38,6 +38,21 @@ def _dry_run(cluster, namespace: str, body: dict):
 
 INVALID = [
     (
+        "sequence not divisible by 2 x context",
+        _valid().parallelism(context=2).model(seqLen=66).gpus(8).manifest(),
+        _rule("sequence-split-over-context"),
+    ),
+    (
+        "context parallelism with the hierarchical all-reduce",
+        _valid().parallelism(context=2, allReduce="hierarchical").gpus(8).manifest(),
+        _rule("context-parallel-supported"),
+    ),
+    (
+        "world with context not a multiple of gpusPerNode",
+        _valid().parallelism(context=3).gpus(16).manifest(),
+        _rule("world-multiple-of-gpus-per-node"),
+    ),
+    (
         "kvHeads and tensor divide neither way",
         _valid()
         .parallelism(tensor=4)  # 6 kv heads: neither split nor replicated evenly
@@ -297,6 +312,13 @@ def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):
     result = _dry_run(cluster, namespace, body)
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["spec"]["trainer"]["progressPort"] == 9500
+
+
+def test_a_context_parallel_job_is_accepted(cluster, namespace):
+    body = _valid("cp").parallelism(context=2).gpus(8).manifest()
+    result = _dry_run(cluster, namespace, body)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["spec"]["parallelism"]["context"] == 2
 
 
 @pytest.mark.parametrize(("case", "body", "message"), INVALID, ids=[c[0] for c in INVALID])

@@ -23,7 +23,15 @@ from meshtrain.trainer.guards import loss_guard, noise_scale
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.models import documents, gpt, llama
 from meshtrain.trainer.optim import adamw, batch_change, lr_schedule
-from meshtrain.trainer.parallel import clipping, compilation, loss, parallelize, zero, zero3
+from meshtrain.trainer.parallel import (
+    clipping,
+    compilation,
+    context,
+    loss,
+    parallelize,
+    zero,
+    zero3,
+)
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import clocks, recording
 
@@ -89,9 +97,13 @@ def norm_groups(mesh: mesh_mod.Mesh, zero_stage: int) -> list[tuple[str, dist.Pr
     """The axes whose ranks hold different parts of the gradient, for its global norm."""
     layout = mesh.layout
     sharded_axes = (("tp", layout.tensor), ("pp", layout.pipeline))
-    if zero_stage == 3:  # each data-parallel rank holds other rows of every gradient
-        sharded_axes = (("dp", layout.data), *sharded_axes)
-    return [(axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1]
+    groups = [(axis, mesh.group(axis)) for axis, degree in sharded_axes if degree > 1]
+    group, size = mesh.grad_group
+    if (
+        zero_stage == 3 and size > 1
+    ):  # each data (x context) rank holds other rows of every gradient
+        groups.insert(0, ("dp", group))
+    return groups
 
 
 def scan_share(device: torch.device) -> token_files.Share | None:
@@ -271,7 +283,8 @@ class Engine:
         reducer = self.model.reducer
         par, data_degree = self.spec.parallelism, self.mesh.layout.data
         partial = (
-            par.sequence_parallel
+            par.context > 1  # a cp rank's gradient is its share of the tokens'
+            or par.sequence_parallel
             or (self.model.tp_plan is not None and self.model.tp_plan.kv_replicas > 1)
             or (self.config.tie_embeddings and par.pipeline > 1)
         )
@@ -327,21 +340,33 @@ class Engine:
         if eos is None:
             return None
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32  # attention's queries
+        layout, cp = self.mesh.layout, self.mesh.coords.cp
+        if layout.context > 1:  # this rank's queries against every cp rank's keys
+            return lambda index: context.documents_of(
+                self._on_device(micro[index].inputs, whole=True), eos, dtype, cp, layout.context
+            )
         return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos, dtype)
 
     def _document_squares(self, micro: list[batches.MicroBatch]) -> float | None:
         """This rank's share of the step's sum of squared document lengths (None without a mask).
 
-        Each data-parallel replica's stages and tensor ranks hold the same rows: each adds
-        1 / (tensor x pipeline) of them, so the world sum (:meth:`_agree`) counts every row once.
+        Each data-parallel replica's stages, context and tensor ranks hold the same rows: each
+        adds 1 / (tensor x context x pipeline) of them, so the world sum (:meth:`_agree`) counts
+        every row once.
         """
         if self.document_end is None:
             return None
         rows = sum(documents.squares(mb.inputs, self.document_end) for mb in micro)
-        return rows / (self.mesh.layout.tensor * self.mesh.layout.pipeline)
+        layout = self.mesh.layout
+        return rows / (layout.tensor * layout.context * layout.pipeline)
 
-    def _on_device(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A batch tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
+    def _on_device(self, tokens: torch.Tensor, *, whole: bool = False) -> torch.Tensor:
+        """This rank's part of a batch tensor (its slices of the sequence under context
+        parallelism, unless ``whole``) on the device without a host sync (pinned, non-blocking
+        copy on CUDA)."""
+        layout = self.mesh.layout
+        if layout.context > 1 and not whole:
+            tokens = context.shard(tokens, self.mesh.coords.cp, layout.context)
         if self.mesh.device.type != "cuda":
             return tokens
         return tokens.pin_memory().to(self.mesh.device, non_blocking=True)
@@ -396,7 +421,7 @@ class Engine:
         single read of (loss, stop, shares, norm) together.  Only the last stage holds
         a loss, each of its tensor-parallel ranks the same one: dividing by
         tensor x data before the sum leaves the mean over the data-parallel
-        replicas.  ``norm`` is already global (the clip reduced it).  Each rank
+        replicas (and x context: each cp rank holds the mean over its equal share of the tokens).  ``norm`` is already global (the clip reduced it).  Each rank
         writes its share into its own slot of a zero vector, so the sum is the
         gathered vector.  ``local_square`` (this rank's part of its replica's own
         squared gradient norm) rides along: summed over the world and divided by
@@ -405,7 +430,8 @@ class Engine:
         too: the world sum is the global batch's (None when not counted).
         """
         layout = self.mesh.layout
-        loss_share = loss_sum.detach().double().reshape(1) / (layout.tensor * layout.data)
+        ranks_per_loss = layout.tensor * layout.data * layout.context
+        loss_share = loss_sum.detach().double().reshape(1) / ranks_per_loss
         flag = torch.full(
             (1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=loss_share.device
         )
@@ -516,10 +542,11 @@ class Engine:
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for index in range(self.spec.training.eval.batches):
             micro = self.eval_sampler.at(index)
-            inputs = [mb.inputs for mb in micro] if executor.needs_inputs else None
-            targets = [mb.targets for mb in micro] if executor.holds_loss else None
+            inputs = [self._on_device(mb.inputs) for mb in micro] if executor.needs_inputs else None
+            targets = [self._on_device(mb.targets) for mb in micro] if executor.holds_loss else None
             total += executor.forward_only(inputs, targets, self._documents(micro)).double()
         layout = self.mesh.layout
-        share = total / (layout.tensor * layout.data * self.spec.training.eval.batches)
+        ranks = layout.tensor * layout.data * layout.context
+        share = total / (ranks * self.spec.training.eval.batches)
         dist.all_reduce(share)  # only last-stage ranks hold a loss, each tp rank the same one
         return share.item()

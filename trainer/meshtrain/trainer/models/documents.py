@@ -49,12 +49,6 @@ def of_tokens(tokens: torch.Tensor, eos: int, dtype: torch.dtype = torch.float32
     (the dtype attention's queries have: bf16 under bf16 autocast)."""
     batch, seq = tokens.shape
     doc = document_index(tokens, eos)  # (B, T)
-    index = torch.arange(seq, device=tokens.device).expand(batch, seq)  # (B, T)
-    starts = torch.ones_like(tokens, dtype=torch.bool)  # a token after an end-of-text starts one
-    starts[:, 1:] = tokens[:, :-1] == eos
-    first = torch.cummax(
-        torch.where(starts, index, 0), dim=1
-    ).values  # (B, T): its document's start
     same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
     allowed = (same & causal).unsqueeze(1)  # (B, 1, T, T)
@@ -64,7 +58,22 @@ def of_tokens(tokens: torch.Tensor, eos: int, dtype: torch.dtype = torch.float32
         batch, 1, seq, seq + (-seq) % MASK_ALIGNMENT, dtype=dtype, device=tokens.device
     )
     bias = padded[..., :seq]  # (B, 1, T, T) view
-    return Documents(positions=index - first, mask=bias.masked_fill_(~allowed, float("-inf")))
+    return Documents(
+        positions=positions_in_documents(tokens, eos),
+        mask=bias.masked_fill_(~allowed, float("-inf")),
+    )
+
+
+def positions_in_documents(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B, T) int64: each token's index inside its document (0 at a document's first token)."""
+    batch, seq = tokens.shape
+    index = torch.arange(seq, device=tokens.device).expand(batch, seq)  # (B, T)
+    starts = torch.ones_like(tokens, dtype=torch.bool)  # a token after an end-of-text starts one
+    starts[:, 1:] = tokens[:, :-1] == eos
+    first = torch.cummax(
+        torch.where(starts, index, 0), dim=1
+    ).values  # (B, T): its document's start
+    return index - first
 
 
 def squares(tokens: torch.Tensor, eos: int) -> int:

@@ -175,6 +175,20 @@ def attend(
     return core(q, k, v)
 
 
+AttentionCore = Callable[..., torch.Tensor]
+"""What an attention module calls on its q, k and v: :func:`attend`'s signature (context
+parallelism swaps in its ring, :mod:`meshtrain.trainer.parallel.context`)."""
+
+TokenPositions = Callable[[int, torch.device], torch.Tensor]
+"""Positions (T,) of the ``T`` tokens a module sees (context parallelism: the global positions of
+this rank's slices of the sequence)."""
+
+
+def natural_positions(seq: int, device: torch.device) -> torch.Tensor:
+    """Positions 0 .. seq-1: a module that sees the whole sequence."""
+    return torch.arange(seq, device=device)
+
+
 def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA with an additive mask, on the device's :data:`MASKED_KERNELS` only."""
     with sdpa_kernel(MASKED_KERNELS.get(q.device.type, MASKED_KERNELS["cpu"])):
@@ -200,6 +214,8 @@ class Attention(nn.Module):
         self.qkv_sizes = (config.hidden,) * 3
         """Dense rows of the fused output's blocks (q, k, v): tensor parallelism splits each alone."""
         self.proj = nn.Linear(config.hidden, config.hidden, bias=False)
+        self.core: AttentionCore = attend
+        """The attention on q, k and v (replaced from outside, e.g. by ring attention)."""
 
     def forward(
         self, x: torch.Tensor, documents: documents_mod.Documents | None = None
@@ -210,7 +226,7 @@ class Attention(nn.Module):
         qkv = qkv.view(batch, seq, 3, local_heads, self.head_dim)  # (B, T, 3, h, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, T, hd)
         mask = documents.mask if documents is not None else None
-        y = attend(q, k, v, recompute=self.recompute_core, mask=mask)  # (B, h, T, hd)
+        y = self.core(q, k, v, recompute=self.recompute_core, mask=mask)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim)  # (B, T, h * hd)
         return self.proj(y)
 
@@ -305,6 +321,8 @@ class GPT(nn.Module):
         """Seed of the initial weights."""
         self.recompute_blocks = recompute_blocks
         """Activation checkpointing: keep only each block's input and recompute the block in backward."""
+        self.positions: TokenPositions = natural_positions
+        """The positions of the tokens this model sees (without documents)."""
         self.tok_emb: nn.Module | None = nn.Embedding(config.vocab, config.hidden)
         self.pos_emb: nn.Module | None = nn.Embedding(config.seq_len, config.hidden)
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})
@@ -328,7 +346,7 @@ class GPT(nn.Module):
         positions = (
             documents.positions  # (B, T)
             if documents is not None
-            else torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+            else self.positions(tokens.shape[1], tokens.device)  # (T,)
         )
         return self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, H)
 

@@ -168,6 +168,10 @@ class Attention(nn.Module):
         self.qkv_sizes = (q_rows, kv_rows, kv_rows)
         """Dense rows of the fused output's blocks (q, k, v): tensor parallelism splits each alone."""
         self.proj = nn.Linear(q_rows, config.hidden, bias=False)
+        self.core: gpt.AttentionCore = gpt.attend
+        """The attention on q, k and v (replaced from outside, e.g. by ring attention)."""
+        self.positions: gpt.TokenPositions = gpt.natural_positions
+        """The positions of the tokens this attention sees (without documents): its rotations."""
 
     def forward(
         self, x: torch.Tensor, documents: documents_mod.Documents | None = None
@@ -179,7 +183,9 @@ class Attention(nn.Module):
         if documents is not None and documents.rope is not None:  # shared by every layer
             cos, sin = documents.rope
         else:
-            positions = documents.positions if documents is not None else None
+            positions = (
+                documents.positions if documents is not None else self.positions(seq, x.device)
+            )
             cos, sin = rope_tables(
                 seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions
             )
@@ -196,7 +202,7 @@ class Attention(nn.Module):
             # enable_gqa: k and v repeated to every query head, (B, h, T, hd) each
             k = k.repeat_interleave(self.group, dim=1)
             v = v.repeat_interleave(self.group, dim=1)
-        y = gpt.attend(
+        y = self.core(
             q,
             k,
             v,
@@ -246,6 +252,7 @@ class Llama(gpt.GPT):
         self.config = config
         self.seed = seed
         self.recompute_blocks = recompute_blocks
+        self.positions: gpt.TokenPositions = gpt.natural_positions
         self.tok_emb: nn.Module | None = nn.Embedding(config.vocab, config.hidden)
         self.pos_emb: nn.Module | None = None  # positions are rotary, inside attention
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.layers)})

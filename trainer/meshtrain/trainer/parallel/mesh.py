@@ -1,9 +1,11 @@
-"""Process groups: the default group from torchrun's environment and the (pp, dp, tp) mesh.
+"""Process groups: the default group from torchrun's environment and the (pp, dp, [cp,] tp) mesh.
 
 :func:`build_mesh` creates the DeviceMesh of shape ``(pipeline, data, tensor)``, whose row-major
-order is DESIGN's ``rank = (pp*data + dp)*tensor + tp``; :class:`Mesh` checks it against
-:class:`meshtrain.api.layout.ParallelLayout` and adds a second pipeline group, so activations and
-gradients travel apart.  Groups time out, so a dead peer is an error, not a hang.
+order is DESIGN's ``rank = (pp*data + dp)*tensor + tp`` (with context parallelism
+``(pipeline, data, context, tensor)`` named ``(pp, dp, cp, tp)``, ``rank = ((pp*data + dp)*context
++ cp)*tensor + tp``); :class:`Mesh` checks it against :class:`meshtrain.api.layout.ParallelLayout`
+and adds a second pipeline group, so activations and gradients travel apart, and the data x
+context group that reduces gradients.  Groups time out, so a dead peer is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -66,13 +68,15 @@ class Mesh:
     rank: int
     """Global rank."""
     coords: layout_mod.RankCoords
-    """(pp, dp, tp) of this rank."""
+    """(pp, dp, cp, tp) of this rank."""
     device_mesh: device_mesh.DeviceMesh
-    """The DeviceMesh named (pp, dp, tp)."""
+    """The DeviceMesh named (pp, dp, tp), or (pp, dp, cp, tp) with context parallelism."""
     device: torch.device
     """Where this rank computes."""
     pp_backward_group: dist.ProcessGroup
     """A second pipeline group, for gradients."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """The data x context ranks holding this rank's parameters (None without context parallelism)."""
 
     dp_levels: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = dataclasses.field(
         default_factory=dict
@@ -80,8 +84,24 @@ class Mesh:
     """(intra-node, inter-node) data-parallel groups by ranks per node, made on first use."""
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group along ``axis`` ('pp', 'dp' or 'tp')."""
+        """The process group along ``axis`` ('pp', 'dp', 'tp', or 'cp' with context parallelism)."""
         return self.device_mesh.get_group(axis)
+
+    @property
+    def grad_group(self) -> tuple[dist.ProcessGroup, int]:
+        """The group that sums replicated parameters' gradients, and its size: data-parallel ranks,
+        times context-parallel ones (which hold the same parameters and other tokens)."""
+        if self.dp_cp_group is None:
+            return self.group("dp"), self.layout.data
+        return self.dp_cp_group, self.layout.data * self.layout.context
+
+    def grad_mesh(self) -> torch.distributed.device_mesh.DeviceMesh:
+        """The 1D DeviceMesh of :attr:`grad_group`, over which ZeRO-3 (FSDP2) shards parameters."""
+        if self.dp_cp_group is None:
+            return self.device_mesh["dp"]
+        return device_mesh.DeviceMesh.from_group(
+            self.dp_cp_group, self.device.type, mesh_dim_names=("dp_cp",)
+        )
 
     def dp_level_groups(self, gpus_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """This rank's data-parallel peers on its node, and its peers at the same position on the other nodes.
@@ -139,16 +159,24 @@ def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
         raise RuntimeError(
             f"WORLD_SIZE={world} but the layout {layout} needs {layout.world_size} processes"
         )
-    mesh = device_mesh.init_device_mesh(
-        device.type, layout.mesh_shape, mesh_dim_names=("pp", "dp", "tp")
+    context = layout.context > 1
+    shape, names = (
+        (layout.mesh_shape_4d, ("pp", "dp", "cp", "tp"))
+        if context
+        else (layout.mesh_shape, ("pp", "dp", "tp"))
     )
+    mesh = device_mesh.init_device_mesh(device.type, shape, mesh_dim_names=names)
     coords = layout.coords(rank)
-    got = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_local_rank("tp"))
-    if got != (coords.pp, coords.dp, coords.tp):
+    got = tuple(mesh.get_local_rank(name) for name in names)
+    want = tuple(getattr(coords, name) for name in names)
+    if got != want:
         raise RuntimeError(
             f"DeviceMesh places rank {rank} at {got}, meshtrain.api.layout at {coords}"
         )
     backward_group, _ = dist.new_subgroups_by_enumeration(layout.all_groups("pp"))
+    dp_cp_group = None
+    if context:  # the dp x cp block of each (pp, tp): data and context are adjacent in the rank
+        dp_cp_group, _ = dist.new_subgroups_by_enumeration(dp_cp_groups(layout))
     return Mesh(
         layout=layout,
         rank=rank,
@@ -156,4 +184,18 @@ def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
         device_mesh=mesh,
         device=device,
         pp_backward_group=backward_group,
+        dp_cp_group=dp_cp_group,
     )
+
+
+def dp_cp_groups(layout: layout_mod.ParallelLayout) -> list[list[int]]:
+    """Every group of ranks with the same (pp, tp): the data x context ranks that hold the same parameters."""
+    return [
+        [
+            layout.rank_of(pp, dp, tp, cp)
+            for dp in range(layout.data)
+            for cp in range(layout.context)
+        ]
+        for pp in range(layout.pipeline)
+        for tp in range(layout.tensor)
+    ]

@@ -1,10 +1,10 @@
-"""``parallelize``: turn a dense model into this rank's share of a dp x pp x tp job.
+"""``parallelize``: turn a dense model into this rank's share of a dp x pp x cp x tp job.
 
 The one function that composes the parallelisms, in the order its comments explain: pipeline
-split, tensor parallel, float8 linears, data parallel (or ZeRO-3), then the executor.  The model
-may be on the ``meta`` device, so a rank never holds more than its share plus one dense matrix.
-Precision is not a module transform: weights stay fp32, and bf16 is an autocast the executor
-enters (torchao's float8 linears, ``training.float8``, swap modules but keep the weights).
+split, tensor parallel, context parallel, float8 linears, data parallel (or ZeRO-3), then the
+executor.  The model may be on the ``meta`` device, so a rank never holds more than its share plus
+one dense matrix.  Precision is not a module transform: weights stay fp32, and bf16 is an autocast
+the executor enters (torchao's float8 linears, ``training.float8``, swap modules but keep the weights).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import (
     clipping,
     compression_sharded,
+    context,
     float8,
     hierarchical,
     loss,
@@ -76,11 +77,12 @@ class ParallelModel:
 
 
 def tied_embedding_group(layout: layout_mod.ParallelLayout) -> dist.ProcessGroup | None:
-    """This rank's pair (first stage, last stage) with its (dp, tp) (collective: every rank creates every pair)."""
+    """This rank's pair (first stage, last stage) with its (dp, cp, tp) (collective: every rank creates every pair)."""
     last = layout.pipeline - 1
     pairs = [
-        [layout.rank_of(0, dp, tp), layout.rank_of(last, dp, tp)]
+        [layout.rank_of(0, dp, tp, cp), layout.rank_of(last, dp, tp, cp)]
         for dp in range(layout.data)
+        for cp in range(layout.context)
         for tp in range(layout.tensor)
     ]
     group, _ = dist.new_subgroups_by_enumeration(pairs)
@@ -160,7 +162,22 @@ def parallelize(
     tied_across = config.tie_embeddings and layout.pipeline > 1
     tied_group = tied_embedding_group(layout) if tied_across else None
 
-    # 3. Data parallel: hook the final parameters, or (ZeRO-3) shard them with FSDP2, which then
+    # 3. Context parallel: global positions and the ring as every attention's core (no parameters
+    # change: the cp ranks hold the same ones, and join the data-parallel gradient reduction).
+    if layout.context > 1:
+        context.apply_context_parallel(
+            chunks,
+            context.CPContext(
+                group=mesh.group("cp"),
+                rank=coords.cp,
+                size=layout.context,
+                peers=tuple(layout.cp_group(mesh.rank)),
+                recorder=recorder,
+                clock=clock,
+            ),
+        )
+
+    # 4. Data parallel: hook the final parameters, or (ZeRO-3) shard them with FSDP2, which then
     # owns the gradient reduction.
     grad_reducer = apply_data_parallel(
         chunks,
@@ -180,8 +197,9 @@ def parallelize(
         (gpt.logical_name(config, n), p) for chunk in chunks for n, p in chunk.named_parameters()
     ]
 
-    # 4. The schedule executor around it all.
-    seq = config.seq_len // layout.tensor if (tp_ctx and sequence_parallel) else config.seq_len
+    # 5. The schedule executor around it all.
+    seq = config.seq_len // layout.context  # this rank's slices of the sequence
+    seq = seq // layout.tensor if (tp_ctx and sequence_parallel) else seq
     executor = build_executor(
         chunks,
         mesh,
@@ -259,16 +277,18 @@ def apply_data_parallel(
     clock: clocks.Clock,
     wire_dtype: torch.dtype | None,
 ) -> reducer.GradReducer | None:
-    """Reduce gradients over the data-parallel group: the gradient reducer of ``zero_stage``,
-    or None without data parallelism or under ZeRO-3 (FSDP2 shards the chunks and reduces)."""
+    """Reduce gradients over the data-parallel group (data x context ranks with context
+    parallelism): the gradient reducer of ``zero_stage``, or None without data parallelism or
+    under ZeRO-3 (FSDP2 shards the chunks over the same ranks and reduces)."""
     layout = mesh.layout
-    if layout.data == 1:
+    group, group_size = mesh.grad_group
+    if group_size == 1:
         return None
     compressed = compression is not None and compression.mode != "none"
     if zero_stage == 3:  # the spec's rules keep ZeRO-3's compression to the 16-bit casts
         zero3.apply_zero3(
             chunks,
-            mesh.device_mesh["dp"],
+            mesh.grad_mesh(),
             recorder=recorder,
             clock=clock,
             param_dtype=wire_dtype,
@@ -304,8 +324,8 @@ def apply_data_parallel(
         )
     return reducer_cls(
         [list(chunk.parameters()) for chunk in chunks],
-        group=mesh.group("dp"),
-        group_size=layout.data,
+        group=group,
+        group_size=group_size,
         bucket_mb=bucket_mb,
         recorder=recorder,
         clock=clock,
@@ -329,7 +349,7 @@ def build_executor(
     ctx = pipeline.PipelineContext(
         stage=coords.pp,
         stages=layout.pipeline,
-        ranks=[layout.rank_of(s, coords.dp, coords.tp) for s in range(layout.pipeline)],
+        ranks=layout.pp_group(mesh.rank),
         forward_group=mesh.group("pp") if many else None,
         backward_group=mesh.pp_backward_group if many else None,
     )

@@ -223,6 +223,15 @@ DECLARATIONS: tuple[Declaration, ...] = (
         buckets=COMM_BUCKETS,
     ),
     Declaration(
+        "ring_seconds",
+        "histogram",
+        "meshtrain_context_ring_seconds",
+        "Duration of one context-parallel ring transfer (keys and values to the next cp rank, or"
+        " their gradients back), from its launch beside a block's attention to its completion.",
+        labels=COMM,
+        buckets=COMM_BUCKETS,
+    ),
+    Declaration(
         "allreduce_bytes",
         "counter",
         "meshtrain_allreduce_bytes",
@@ -392,6 +401,7 @@ class Metrics:
     wait: prometheus_client.Counter
     exposed: prometheus_client.Histogram
     allreduce_seconds: prometheus_client.Histogram
+    ring_seconds: prometheus_client.Histogram
     allreduce_bytes: prometheus_client.Counter
     bus_bytes: prometheus_client.Counter
     busy_seconds: prometheus_client.Counter
@@ -429,8 +439,13 @@ class Metrics:
         key = (group, op)
         if key not in self._comm_children:
             labels = {**self.base, "group": group, "op": op}
+            seconds = (  # point-to-point ring transfers are not collective calls
+                self.ring_seconds.labels(**labels)
+                if op == recording.RING_OP
+                else self.allreduce_seconds.labels(**labels, level="flat")
+            )
             self._comm_children[key] = (
-                self.allreduce_seconds.labels(**labels, level="flat"),
+                seconds,
                 self.allreduce_bytes.labels(**labels),
                 self.bus_bytes.labels(**labels),
                 self.busy_seconds.labels(**labels),

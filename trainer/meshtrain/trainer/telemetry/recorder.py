@@ -198,7 +198,12 @@ def job_facts(
         micro_batches=par.micro_batches,
         virtual_stages=par.virtual_stages,
         world_size=layout.world_size,
-        group_sizes={"dp": layout.data, "tp": layout.tensor, "pp": layout.pipeline},
+        group_sizes={
+            "dp": layout.data * layout.context,  # cp ranks join the gradient reduction
+            "tp": layout.tensor,
+            "pp": layout.pipeline,
+            "cp": layout.context,
+        },
         flops_per_token=gpt.flops_per_token(config),
         peak_flops=peak_flops,
         mfu_devices=mfu_devices,

@@ -21,7 +21,11 @@ if TYPE_CHECKING:  # torch: `meshtrain report` and `timeline` read traces withou
 
 ComputeKind = Literal["forward", "backward"]
 WaitKind = Literal["recv", "send"]
-Group = Literal["dp", "tp", "pp"]
+Group = Literal["dp", "tp", "pp", "cp"]
+RING_OP = "ring_send_recv"
+"""The op of one context-parallel ring transfer (group ``cp``): a send to the next cp rank and a
+receive from the previous one, launched beside a block's attention; point-to-point, not a
+reduction, so the exporter reports it apart from the collectives' durations."""
 Level = Literal["flat", "intra", "inter"]
 """Where a collective runs: its whole group, or (hierarchical all-reduce) inside a node or across nodes."""
 
