@@ -18,10 +18,14 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def tp_layers(sequence_parallel: bool) -> dict[str, float]:
+def tp_layers(sequence_parallel: bool, overlap: bool = False) -> dict[str, float]:
     rank, size = dist.get_rank(), dist.get_world_size()
     ctx = tensor.TPContext(
-        group=dist.group.WORLD, rank=rank, size=size, sequence_parallel=sequence_parallel
+        group=dist.group.WORLD,
+        rank=rank,
+        size=size,
+        sequence_parallel=sequence_parallel,
+        overlap=overlap,
     )
     out: dict[str, float] = {}
     torch.manual_seed(0)  # same dense tensors on every rank
@@ -144,4 +148,10 @@ def reducer_counts(tensors: int, bucket_mb: float) -> dict:
 
 def all_checks() -> dict:
     """Everything above in one process group (spawning dominates the test's cost)."""
-    return {"tp": tp_layers(False), "tp+sp": tp_layers(True), "reducer": reducer_counts(120, 0.004)}
+    return {
+        "tp": tp_layers(False),
+        "tp+sp": tp_layers(True),
+        "tp+overlap": tp_layers(False, overlap=True),
+        "tp+sp+overlap": tp_layers(True, overlap=True),
+        "reducer": reducer_counts(120, 0.004),
+    }

@@ -14,7 +14,7 @@ def checks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "tp+sp"])
+@pytest.mark.parametrize("mode", ["tp", "tp+sp", "tp+overlap", "tp+sp+overlap"])
 def test_tensor_parallel_layers_equal_dense(mode, checks):
     for rank, result in enumerate(checks):
         diffs = result[mode]

@@ -209,6 +209,7 @@ class Engine:
             compression=par.gradient_compression,
             all_reduce=par.all_reduce,
             gpus_per_node=spec.resources.gpus_per_node,
+            overlap_tensor=par.overlap.tensor,
         )
 
     def _optimizer(self) -> torch.optim.AdamW | zero.ZeroAdamW:

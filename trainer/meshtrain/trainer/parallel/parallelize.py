@@ -114,13 +114,15 @@ def parallelize(
     compression: api_parallelism.GradientCompression | None = None,
     all_reduce: str = "flat",
     gpus_per_node: int = 1,
+    overlap_tensor: bool = False,
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
     Every part that reports to ``recorder`` times its work with ``clock``;
     ``wire_dtype`` (bf16 under autocast) is what activations and their
     gradients travel in between pipeline stages and inside the
-    tensor-parallel group.
+    tensor-parallel group; ``overlap_tensor`` runs its collectives beside the matmuls
+    (``parallelism.overlap.tensor``).
     """
     layout, coords = mesh.layout, mesh.coords
     config = model.config
@@ -141,6 +143,7 @@ def parallelize(
         recorder=recorder,
         clock=clock,
         wire_dtype=wire_dtype,
+        overlap=overlap_tensor,
     )
     for chunk in chunks:
         gpt.materialize(chunk)
@@ -205,6 +208,7 @@ def apply_tensor_parallel(
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
     wire_dtype: torch.dtype | None,
+    overlap: bool = False,
 ) -> tuple[tensor.TPContext | None, tensor.TPPlan | None, dist.ProcessGroup | None]:
     """Swap every chunk's linears and embeddings for tensor-parallel ones.
 
@@ -221,6 +225,7 @@ def apply_tensor_parallel(
         recorder=recorder,
         clock=clock,
         wire_dtype=wire_dtype,
+        overlap=overlap,
     )
     plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
     tp_plan = tensor.TPPlan(

@@ -20,7 +20,11 @@ if TYPE_CHECKING:  # torch: `meshtrain report` and `timeline` read traces withou
     from meshtrain.trainer.telemetry import clocks
 
 ComputeKind = Literal["forward", "backward"]
-WaitKind = Literal["recv", "send"]
+WaitKind = Literal["recv", "send", "tp"]
+"""Blocked on a pipeline receive, on draining pipeline sends, or on a tensor-parallel collective
+(a blocking one whole, an overlapped one for what was not hidden: its exposed time)."""
+PIPELINE_WAITS = ("recv", "send")
+"""The wait kinds of pipeline point-to-point traffic."""
 Group = Literal["dp", "tp", "pp"]
 Level = Literal["flat", "intra", "inter"]
 """Where a collective runs: its whole group, or (hierarchical all-reduce) inside a node or across nodes."""
@@ -38,7 +42,8 @@ class StepRecorder(Protocol):
         """A forward or backward of one micro-batch through one model chunk (virtual stage)."""
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
-        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends; on CUDA, the stream's)."""
+        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends) or on a
+        tensor-parallel collective (``tp``); on CUDA, the stream's."""
 
     def collective(
         self,
@@ -243,14 +248,19 @@ class MemoryRecorder(EventCollector):
         )
 
     def summary(self) -> dict[str, float]:
-        """Per-step totals: compute, wait and collective seconds and bytes per group."""
+        """Per-step totals: compute, pipeline wait, exposed tensor-parallel, and collective seconds and bytes per group."""
         events = self.snapshot()
-        out: dict[str, float] = {"compute_seconds": 0.0, "wait_seconds": 0.0}
+        out: dict[str, float] = {
+            "compute_seconds": 0.0,
+            "wait_seconds": 0.0,
+            "tp_exposed_seconds": 0.0,
+        }
         for e in events:
             if e.what == "compute":
                 out["compute_seconds"] += e.end - e.start
             elif e.what == "wait":
-                out["wait_seconds"] += e.end - e.start
+                key = "wait_seconds" if e.kind in PIPELINE_WAITS else "tp_exposed_seconds"
+                out[key] += e.end - e.start
             else:
                 key = f"{e.group}_collective"
                 out[f"{key}_seconds"] = out.get(f"{key}_seconds", 0.0) + (e.end - e.start)
