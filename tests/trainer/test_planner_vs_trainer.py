@@ -67,6 +67,13 @@ LAYOUTS = [
     ("dp2-int8-zero1", {"data": 2, "zeroStage": 1, "gradientCompression": {"mode": "int8"}}),
     ("dp2-bf16", {"data": 2, "gradientCompression": {"mode": "bf16"}}),
     ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
+    # parallelism.overlap.tensor off: one call per collective, none in the MLP's replay
+    ("dp2-tp2-serial", {"data": 2, "tensor": 2, "overlap": {"tensor": False}}),
+    (
+        "dp2-tp2-sp-recompute-serial",
+        {"data": 2, "tensor": 2, "sequenceParallel": True, "overlap": {"tensor": False}},
+        {"activationCheckpointing": True},
+    ),
     (
         "dp2-tp2-sp-recompute",
         {"data": 2, "tensor": 2, "sequenceParallel": True},
