@@ -161,12 +161,9 @@ def kv_replicas(kv_heads: int, size: int) -> int:
 
 
 def _timed(ctx: TPContext, op: str, tensor: torch.Tensor, fn) -> None:  # noqa: ANN001 - a closure
-    """Run a blocking collective: recorded as a ``tp`` collective and, all of it exposed, as a ``tp`` wait."""
-    start = ctx.clock.now()
     recording.blocking_collective(
         ctx.recorder, ctx.clock, "tp", op, tensor.numel() * tensor.element_size(), fn
     )
-    ctx.recorder.wait("tp", start, ctx.clock.now())
 
 
 def all_reduce(

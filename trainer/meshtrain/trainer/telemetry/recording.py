@@ -118,13 +118,17 @@ def blocking_collective(
     waits, so they are what gloo's threads spent on it.  None where other
     communication of the process ran meanwhile (an asynchronous bucket, an
     exchange chain: :meth:`.clocks.HostClock.cpu_now`) and on CUDA.
-    Calibration prices a tensor-parallel call's CPU with them.
+    Calibration prices a tensor-parallel call's CPU with them.  A ``tp`` call is also
+    recorded as a ``tp`` wait: the compute thread was held for all of it.
     """
     start, cpu_start = clock.now(), clock.cpu_now()
     call()
     end, cpu_end = clock.now(), clock.cpu_now()
     cpu = None if cpu_start is None or cpu_end is None else cpu_end - cpu_start
     # stamps are floats on the host clock, CUDA events for the DeferredRecorder (see clocks)
+    if group == "tp":  # held for all of it: its exposed time (overlapped ones: tensor_overlap)
+        wait: Callable[..., None] = recorder.wait
+        wait("tp", start, end)
     record: Callable[..., None] = recorder.collective
     record(group, op, nbytes, start, end, cpu_seconds=cpu)
 
