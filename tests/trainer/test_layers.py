@@ -24,6 +24,15 @@ def test_tensor_parallel_layers_equal_dense(mode, checks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bf16 overlap", "bf16 sp overlap"])
+def test_overlapped_layers_equal_the_serial_ones_under_bf16_autocast(mode, checks):
+    """The same bf16 matmuls and bf16 sums over ranks: equal to the serial path, dtypes too."""
+    for rank, result in enumerate(checks):
+        for check, diff in result[mode].items():
+            assert diff == 0.0, f"rank {rank}: {check} differs by {diff:.2e}"
+
+
+@pytest.mark.slow
 def test_reducer_one_collective_per_bucket_after_last_microbatch(checks):
     for result in (r["reducer"] for r in checks):
         assert result["counts"][0] == 0, "gradients were communicated before the last micro-batch"

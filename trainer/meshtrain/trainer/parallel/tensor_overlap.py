@@ -134,7 +134,7 @@ class _CopyLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         y = F.linear(x, weight)
         fctx.tp, fctx.x_dtype = ctx, x.dtype
-        fctx.save_for_backward(x, weight)
+        fctx.save_for_backward(x.to(y.dtype), weight)  # as autocast keeps it: in the matmul's dtype
         return y
 
     @staticmethod
@@ -159,13 +159,15 @@ class _LinearAllReduce(torch.autograd.Function):
             _all_reduce(ctx, F.linear(x.narrow(1, start, n), weight))
             for start, n in _spans(x.shape[1])
         ]
-        fctx.save_for_backward(x, weight)
-        return torch.cat([_land(ctx, f) for f in flights], dim=1)
+        y = torch.cat([_land(ctx, f) for f in flights], dim=1)
+        fctx.x_dtype = x.dtype
+        fctx.save_for_backward(x.to(y.dtype), weight)
+        return y
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight = fctx.saved_tensors
-        grad_x = grad.matmul(weight.to(grad.dtype)).to(x.dtype)
+        grad_x = grad.matmul(weight.to(grad.dtype)).to(fctx.x_dtype)
         return grad_x, _weight_grad(grad, x, weight), None
 
 
@@ -220,12 +222,13 @@ class _LinearReduceScatter(torch.autograd.Function):
         rows = x.shape[1] // ctx.size
         by_rank = x.transpose(0, 1).unflatten(0, (ctx.size, rows))  # (tp, T/tp, B, in/tp)
         spans = _spans(rows)
-        flights = []
+        flights, dtype = [], x.dtype
         for start, n in spans:
             partial = F.linear(by_rank.narrow(1, start, n), weight)  # (tp, n, B, H)
+            dtype = partial.dtype
             flights.append(_reduce_scatter(ctx, ctx.on_wire(partial).flatten(0, 1).contiguous()))
-        fctx.tp, fctx.spans = ctx, spans
-        fctx.save_for_backward(x, weight)
+        fctx.tp, fctx.spans, fctx.x_dtype = ctx, spans, x.dtype
+        fctx.save_for_backward(x.to(dtype), weight)  # as autocast keeps it: in the matmul's dtype
         return torch.cat([_land(ctx, f) for f in flights], dim=0).transpose(0, 1)  # (B, T/tp, H)
 
     @staticmethod
@@ -242,7 +245,7 @@ class _LinearReduceScatter(torch.autograd.Function):
             grads_x.append(piece.matmul(w))  # (tp, n, B, in/tp)
         grad_x = torch.cat(grads_x, dim=1).flatten(0, 1).transpose(0, 1)  # (B, T, in/tp)
         full = torch.cat(pieces, dim=1).flatten(0, 1).transpose(0, 1)  # (B, T, H)
-        return grad_x.to(x.dtype), _weight_grad(full, x, weight), None
+        return grad_x.to(fctx.x_dtype), _weight_grad(full, x, weight), None
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, ctx: tensor.TPContext) -> torch.Tensor:
