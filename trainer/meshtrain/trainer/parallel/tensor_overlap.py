@@ -113,9 +113,12 @@ def _all_reduce(ctx: tensor.TPContext, x: torch.Tensor) -> _InFlight:
 
 
 def _spans(extent: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each chunk of ``extent`` rows (fewer chunks than rows: one a row)."""
-    pieces = torch.arange(extent).tensor_split(min(layout.TP_OVERLAP_CHUNKS, max(extent, 1)))
-    return [(int(p[0]), len(p)) for p in pieces if len(p)]
+    """``(start, length)`` of each chunk of ``extent`` rows, as ``tensor_split`` cuts them (fewer
+    chunks than rows: one a row); plain integers, so nothing reads the device."""
+    chunks = min(layout.TP_OVERLAP_CHUNKS, max(extent, 1))
+    base, extra = divmod(extent, chunks)
+    lengths = [base + 1 if i < extra else base for i in range(chunks)]
+    return [(sum(lengths[:i]), n) for i, n in enumerate(lengths) if n]
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
