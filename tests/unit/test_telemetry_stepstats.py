@@ -213,3 +213,4 @@ def test_tp_waits_are_exposed_tp_time_not_pipeline_waits():
     record = stats.log_record()
     assert record["tp_exposed_seconds"] == pytest.approx(1.5)
     assert record["tp_allreduce_seconds"] == pytest.approx(3.0)
+    assert record["pipeline_wait_seconds"] == pytest.approx(0.25)

@@ -158,6 +158,7 @@ class StepStats:
             "allreduce_seconds": self.allreduce_seconds("dp"),
             "tp_allreduce_seconds": self.allreduce_seconds("tp"),
             "tp_exposed_seconds": self.tp_exposed_seconds,
+            "pipeline_wait_seconds": self.wait_seconds,
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "compute_seconds": self.compute_seconds,
             "update_seconds": self.update_seconds,
