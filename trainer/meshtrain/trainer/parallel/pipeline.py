@@ -109,7 +109,9 @@ class SendReaper:
             self._polled.append((works, tensor))
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._wait_each, name="pipeline-sends")
+            self._thread = threading.Thread(
+                target=self._wait_each, name="pipeline-sends", daemon=True
+            )  # daemon: a step that fails midway must not hold the interpreter at exit
             self._thread.start()
         self._queue.put((works, tensor))
 
