@@ -43,7 +43,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.planner import estimate, profiles, search, validation
 from meshtrain.trainer import launch
 from meshtrain.trainer.calibration import measure, step_loop
-from meshtrain.trainer.telemetry import loop_trace, steplog, stepstats, trace
+from meshtrain.trainer.telemetry import loop_trace, recording, steplog, stepstats, trace
 
 MODEL = {"preset": "tiny", "layers": 4, "hidden": 128, "heads": 4, "seqLen": 128}
 TRAINING = {"microBatch": 4, "precision": "fp32", "dataset": "stdlib", "warmupSteps": 1}
@@ -163,7 +163,11 @@ def breakdown(lines: list[dict[str, Any]]) -> dict[str, float]:
             "compute": stepstats.union_seconds(
                 (e["start"], e["end"]) for e in events if e["what"] == "compute"
             ),
-            "wait": sum(e["end"] - e["start"] for e in events if e["what"] == "wait"),
+            "wait": sum(  # the pipeline's waits (a tp wait is inside its collective)
+                e["end"] - e["start"]
+                for e in events
+                if e["what"] == "wait" and e["kind"] in recording.PIPELINE_WAITS
+            ),
             "collective": sum(e["end"] - e["start"] for e in events if e["what"] == "collective"),
             "outside_events": loop_trace.outside_events(events),
             "actions": sum(e["what"] == "compute" for e in events),

@@ -204,6 +204,11 @@ class ParallelLayout:
         return sorted({self.coords(r).pp for r in self.ranks_of_pod(pod, gpus_per_node)})
 
 
+TP_OVERLAP_CHUNKS = 2
+"""Chunks an overlapped tensor-parallel linear splits its sequence into (``parallelism.overlap.tensor``):
+chunk k's collective runs beside chunk k+1's matmul, so about 1/k of it stays exposed.  The trainer
+runs it and the planner prices it."""
+
 VOCAB_ALIGNMENT = 64
 """Rows of a vocabulary shard are a multiple of this when the vocabulary has to be padded (GPU tiles)."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from meshtrain.api import layout
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.planner import context, gradient_compression, parameters, precision
@@ -40,6 +41,9 @@ class Collective:
     after_backward: bool = False
     """A dp collective outside the gradient buckets' exchanges (ZeRO's parameter gathers, the norm):
     not overlapped with backward, so charged as exposed."""
+    overlapped: bool = False
+    """A tp collective of the linears run in chunks beside their matmuls (``parallelism.overlap.tensor``):
+    only what the matmuls do not hide is exposed (:mod:`meshtrain.planner.timing.tp_overlap`)."""
 
     @property
     def wire_bytes(self) -> float:
@@ -221,6 +225,8 @@ class _Row:
     """Payload bytes of those calls."""
     after_backward: bool = False
     """Outside the overlapped bucket exchanges (:attr:`Collective.after_backward`)."""
+    overlapped: bool = False
+    """A tensor-parallel linear's collective beside its matmul (:attr:`Collective.overlapped`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,12 +319,13 @@ def stage_comm(
 
 
 def _summed(rows: list[_Row], members: dict[str, int]) -> tuple[Collective, ...]:
-    """One :class:`Collective` per (group, op, after backward), in that order, its rows' calls and bytes summed."""
-    out: dict[tuple[str, str, bool], list[int]] = {}
+    """One :class:`Collective` per (group, op, after backward, overlapped), in that order, its rows' calls and bytes summed."""
+    out: dict[tuple[str, str, bool, bool], list[int]] = {}
     for row in rows:
         if row.calls <= 0:
             continue
-        entry = out.setdefault((row.group, row.op, row.after_backward), [0, 0])
+        key = (row.group, row.op, row.after_backward, row.overlapped)
+        entry = out.setdefault(key, [0, 0])
         entry[0] += row.calls
         entry[1] += int(row.nbytes)
     return tuple(
@@ -329,8 +336,9 @@ def _summed(rows: list[_Row], members: dict[str, int]) -> tuple[Collective, ...]
             nbytes=nbytes,
             members=2 if op == "send" else members[g],
             after_backward=after,
+            overlapped=overlapped,
         )
-        for (g, op, after), (calls, nbytes) in sorted(out.items())
+        for (g, op, after, overlapped), (calls, nbytes) in sorted(out.items())
     )
 
 
@@ -483,16 +491,33 @@ def _tp_rows(
     per_block = (
         2 * blocks * m * (stream + matmul)
     )  # each sub-layer: a stream tensor and a matmul output
-    rows = [  # (applies, op, calls, payload bytes)
+    # parallelism.overlap.tensor: a linear's collective in chunks along the sequence, the same bytes;
+    # the checkpoint replay runs a fused linear whole, so the MLP output's reduction too
+    k = tp_chunks(job)
+    replayed = 2 if k > 1 else 1
+    linears = [  # (applies, op, calls, payload bytes): the linears' collectives
         # Per sub-layer, SP: gather in / reduce-scatter out forward, the reverse backward.
-        (sp, "all_gather", 4 * blocks * m, per_block),
-        (sp, "reduce_scatter", 4 * blocks * m, per_block),
+        (sp, "all_gather", 4 * blocks * m * k, per_block),
+        (sp, "reduce_scatter", 4 * blocks * m * k, per_block),
         # the replayed forward: both gathers, and the attention output's reduce-scatter
-        (sp and recompute, "all_gather", 2 * blocks * m, 2 * blocks * m * stream),
-        (sp and recompute, "reduce_scatter", blocks * m, blocks * m * matmul),
-        # Without SP: reduce the row-parallel output forward, the column-parallel input gradient backward.
-        (not sp, "all_reduce", 4 * blocks * m, per_block),
-        (not sp and recompute, "all_reduce", blocks * m, blocks * m * matmul),
+        (sp and recompute, "all_gather", 2 * blocks * m * k, 2 * blocks * m * stream),
+        (
+            sp and recompute,
+            "reduce_scatter",
+            replayed * blocks * m * k,
+            replayed * blocks * m * matmul,
+        ),
+        # Without SP: reduce the row-parallel output forward (in chunks), the column-parallel input
+        # gradient backward (whole, beside the weight gradient).
+        (not sp, "all_reduce", 2 * blocks * m * (k + 1), per_block),
+        (
+            not sp and recompute,
+            "all_reduce",
+            replayed * blocks * m * k,
+            replayed * blocks * m * matmul,
+        ),
+    ]
+    rows = [  # (applies, op, calls, payload bytes)
         # vocabulary-parallel embedding: the sum of the partial lookups
         (first and sp, "reduce_scatter", m, m * stream),
         (first and sp, "all_gather", m, m * stream),
@@ -513,7 +538,25 @@ def _tp_rows(
         ),
         (True, "all_reduce", 1, NORM_BYTES),
     ]
-    return [_Row("tp", op, calls, nbytes) for applies, op, calls, nbytes in rows if applies]
+    return [
+        _Row("tp", op, calls, nbytes, overlapped=k > 1)
+        for applies, op, calls, nbytes in linears
+        if applies
+    ] + [_Row("tp", op, calls, nbytes) for applies, op, calls, nbytes in rows if applies]
+
+
+def tp_chunks(job: api_spec.TrainingJobSpec) -> int:
+    """Chunks a tensor-parallel linear's collective runs in (1: serial, ``parallelism.overlap.tensor`` off).
+
+    The trainer splits the sequence a rank holds (``seqLen / tensor`` under sequence parallelism)
+    into :data:`~meshtrain.api.layout.TP_OVERLAP_CHUNKS`, at most one a token.
+    """
+    par = job.parallelism
+    if not par.overlap.tensor or par.tensor == 1:
+        return 1
+    seq = job.model.shape().seq_len
+    rows = seq // par.tensor if par.sequence_parallel else seq
+    return min(layout.TP_OVERLAP_CHUNKS, max(rows, 1))
 
 
 def _replicated_params(shape: api_model.ModelShape, chunks: _RankChunks) -> int:

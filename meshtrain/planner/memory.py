@@ -577,13 +577,19 @@ def _activations(
 def _weight_casts(
     job: api_spec.TrainingJobSpec, stage: int, scheme: precision.StateScheme, flight: float
 ) -> float:
-    """Autocast's copies of the stage's weights (:func:`weight_cast_bytes`); none under FSDP2, which gathers bf16."""
+    """Autocast's copies of the stage's weights (:func:`weight_cast_bytes`); none under FSDP2, which gathers bf16,
+    and only the head's under ``parallelism.overlap.tensor``."""
     shape, par = job.model.shape(), job.parallelism
     if par.zero_stage == 3 and par.data > 1:
         return 0.0
     if job.training.float8 is not None:  # torchao saves the fp32 Parameter, not a cast
         return float8.weight_cast_bytes(
             shape, par.tensor, last=stage == par.pipeline - 1, scheme=scheme
+        )
+    if par.tensor > 1 and par.overlap.tensor:
+        # the overlapped linears keep the weight itself and cast it again in backward: the head's only
+        return weight_cast_bytes(
+            shape, par.tensor, 0, 0.0, last=stage == par.pipeline - 1, scheme=scheme
         )
     return weight_cast_bytes(
         shape,

@@ -18,10 +18,14 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def tp_layers(sequence_parallel: bool) -> dict[str, float]:
+def tp_layers(sequence_parallel: bool, overlap: bool = False) -> dict[str, float]:
     rank, size = dist.get_rank(), dist.get_world_size()
     ctx = tensor.TPContext(
-        group=dist.group.WORLD, rank=rank, size=size, sequence_parallel=sequence_parallel
+        group=dist.group.WORLD,
+        rank=rank,
+        size=size,
+        sequence_parallel=sequence_parallel,
+        overlap=overlap,
     )
     out: dict[str, float] = {}
     torch.manual_seed(0)  # same dense tensors on every rank
@@ -142,6 +146,54 @@ def reducer_counts(tensors: int, bucket_mb: float) -> dict:
     return {"counts": counts, "buckets": len(red.buckets), "grad diff": worst}
 
 
+def tp_bf16_overlap_equals_serial(sequence_parallel: bool) -> dict[str, float]:
+    """Under bf16 autocast (bf16 on the wire), the overlapped MLP's outputs and gradients against the serial one's."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    h, f, b, t = 8, 16, 2, 8
+    w1, w2, x, probe = (
+        torch.randn(f, h),
+        torch.randn(h, f),
+        torch.randn(b, t, h),
+        torch.randn(b, t, h),
+    )
+    seq = slice(rank * t // size, (rank + 1) * t // size) if sequence_parallel else slice(None)
+    results = []
+    for overlap in (False, True):
+        ctx = tensor.TPContext(
+            group=dist.group.WORLD,
+            rank=rank,
+            size=size,
+            sequence_parallel=sequence_parallel,
+            wire_dtype=torch.bfloat16,
+            overlap=overlap,
+        )
+        col = tensor.ColumnParallelLinear(tensor.shard(w1, tensor.ShardSpec(0), rank, size), ctx)
+        row = tensor.RowParallelLinear(tensor.shard(w2, tensor.ShardSpec(1), rank, size), ctx)
+        px = x[:, seq].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            py = row(F.gelu(col(px)))
+        (py.float() * probe[:, seq]).sum().backward()
+        results.append((py.float(), px.grad, col.weight.grad, row.weight.grad))
+    (serial, overlapped) = results
+    out = {
+        name: _diff(a, b)
+        for name, a, b in zip(
+            ("output", "input grad", "column weight grad", "row weight grad"), serial, overlapped
+        )
+    }
+    out["dtypes differ"] = float(any(a.dtype != b.dtype for a, b in zip(serial, overlapped)))
+    return out
+
+
 def all_checks() -> dict:
     """Everything above in one process group (spawning dominates the test's cost)."""
-    return {"tp": tp_layers(False), "tp+sp": tp_layers(True), "reducer": reducer_counts(120, 0.004)}
+    return {
+        "tp": tp_layers(False),
+        "tp+sp": tp_layers(True),
+        "tp+overlap": tp_layers(False, overlap=True),
+        "tp+sp+overlap": tp_layers(True, overlap=True),
+        "bf16 overlap": tp_bf16_overlap_equals_serial(False),
+        "bf16 sp overlap": tp_bf16_overlap_equals_serial(True),
+        "reducer": reducer_counts(120, 0.004),
+    }

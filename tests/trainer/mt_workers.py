@@ -23,8 +23,23 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.data import batches, dataset
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import tensor, zero
-from meshtrain.trainer.telemetry import recording
+from meshtrain.trainer.parallel import state_bytes, tensor, zero
+from meshtrain.trainer.telemetry import live_bytes, recording
+
+
+def second_step_peak(raw: dict) -> tuple[int, int]:
+    """This rank's pipeline stage and the peak live bytes of its second training step of job ``raw``
+    (the training state registered first; the first step creates what is created lazily)."""
+    job = loading.parse_spec(raw)
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
+    eng = engine.Engine(job, mesh)
+    tracker = live_bytes.LiveBytes()
+    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    with tracker:
+        eng.train_step()  # creates what is lazily created (AdamW's moments)
+        tracker.reset_peak()
+        eng.train_step()
+    return mesh.coords.pp, tracker.peak
 
 
 def dense_grads(eng: engine.Engine) -> dict[str, torch.Tensor]:

@@ -35,6 +35,11 @@ CASES_2 = {
     ),
     "tp2": cpu().layout(tensor=2),
     "tp2-sp-accum2": cpu().layout(tensor=2).parallelism(sequenceParallel=True, microBatches=2),
+    # parallelism.overlap.tensor off: each tensor-parallel collective blocks (the other tp rows overlap)
+    "tp2-serial": cpu().layout(tensor=2).parallelism(overlap={"tensor": False}),
+    "tp2-sp-serial": (
+        cpu().layout(tensor=2).parallelism(sequenceParallel=True, overlap={"tensor": False})
+    ),
     "tp2-sp-recompute": (
         cpu()
         .layout(tensor=2)

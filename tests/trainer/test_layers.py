@@ -14,13 +14,22 @@ def checks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "tp+sp"])
+@pytest.mark.parametrize("mode", ["tp", "tp+sp", "tp+overlap", "tp+sp+overlap"])
 def test_tensor_parallel_layers_equal_dense(mode, checks):
     for rank, result in enumerate(checks):
         diffs = result[mode]
         assert len(diffs) == 15
         for check, diff in diffs.items():
             assert diff < 1e-5, f"rank {rank}: {check} differs by {diff:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bf16 overlap", "bf16 sp overlap"])
+def test_overlapped_layers_equal_the_serial_ones_under_bf16_autocast(mode, checks):
+    """The same bf16 matmuls and bf16 sums over ranks: equal to the serial path, dtypes too."""
+    for rank, result in enumerate(checks):
+        for check, diff in result[mode].items():
+            assert diff == 0.0, f"rank {rank}: {check} differs by {diff:.2e}"
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ planner counts.
 from __future__ import annotations
 
 import mt_harness
+import mt_workers
 import pytest
 import torch
 
@@ -126,16 +127,8 @@ def peaks(run: JobBuilder, stages: tuple[int, ...] = STAGES) -> dict[int, dict]:
     """On every rank: per ZeRO stage, the pipeline stage and the peak live bytes of step 2."""
     out = {}
     for stage in stages:
-        job = loading.parse_spec(_raw(run, stage))
-        mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
-        eng = engine.Engine(job, mesh)
-        tracker = live_bytes.LiveBytes()
-        tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
-        with tracker:
-            eng.train_step()  # creates what is lazily created (AdamW's moments)
-            tracker.reset_peak()
-            eng.train_step()
-        out[stage] = {"pp": mesh.coords.pp, "peak": tracker.peak}
+        pp, peak = mt_workers.second_step_peak(_raw(run, stage))
+        out[stage] = {"pp": pp, "peak": peak}
     return out
 
 

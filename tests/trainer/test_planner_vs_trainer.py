@@ -82,6 +82,13 @@ LAYOUTS = [
     ("dp2-topk-zero2", {"data": 2, "zeroStage": 2, "gradientCompression": {"mode": "topk"}}),
     ("dp2-fp16-zero3", {"data": 2, "zeroStage": 3, "gradientCompression": {"mode": "fp16"}}),
     ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
+    # parallelism.overlap.tensor off: one call per collective, none in the MLP's replay
+    ("dp2-tp2-serial", {"data": 2, "tensor": 2, "overlap": {"tensor": False}}),
+    (
+        "dp2-tp2-sp-recompute-serial",
+        {"data": 2, "tensor": 2, "sequenceParallel": True, "overlap": {"tensor": False}},
+        {"activationCheckpointing": True},
+    ),
     (
         "dp2-tp2-sp-recompute",
         {"data": 2, "tensor": 2, "sequenceParallel": True},

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.api import loading
+from meshtrain.api import layout, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.planner import comm, memory, parameters, precision, profiles
@@ -259,16 +259,19 @@ def test_interleaved_first_stage_matches_korthikantis_factor() -> None:
     )
 
 
-def test_comm_payloads_per_group() -> None:
-    spec = job(data=2, tensor=2, microBatches=3)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_comm_payloads_per_group(overlap: bool) -> None:
+    spec = job(data=2, tensor=2, microBatches=3, overlap={"tensor": overlap})
     shape = spec.model.shape()
     stage = comm.stage_comm(spec, 0, precision.FP32)
     b, s, h = spec.training.micro_batch, shape.seq_len, shape.hidden
     keys = stage.by_key()
     assert keys[("dp", "all_reduce")].nbytes == parameters.rank_params(shape, 1, 2, 0) * 4
-    # 4 reductions per block per micro-batch, the embedding, the head and the loss (3 floats per token), the norm.
+    # 4 reductions per block per micro-batch, the embedding, the head and the loss (3 floats per token), the norm;
+    # overlapped, the two row-parallel outputs' in chunks (the same bytes)
+    per_block = 2 * layout.TP_OVERLAP_CHUNKS + 2 if overlap else 4
     tp = keys[("tp", "all_reduce")]
-    assert tp.calls == 4 * shape.layers * 3 + 3 + 3 + 2 * 3 + 1
+    assert tp.calls == per_block * shape.layers * 3 + 3 + 3 + 2 * 3 + 1
     assert tp.nbytes == (4 * shape.layers + 2) * 3 * b * s * h * 4 + 3 * 3 * b * s * 4 + 8
     assert tp.wire_bytes == pytest.approx(tp.nbytes)  # 2 (n-1)/n = 1 for n = 2
     assert stage.payload("pp") == 0

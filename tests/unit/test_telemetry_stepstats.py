@@ -192,3 +192,25 @@ def test_theoretical_bubble_falls_with_micro_batches_and_virtual_stages():
     values = [pipeline_window.bubble_ratio(4, m, v) for v in (1, 2) for m in (4, 8, 16)]
     assert values[:3] == sorted(values[:3], reverse=True)
     assert all(values[3 + i] < values[i] for i in range(3))
+
+
+def test_tp_waits_are_exposed_tp_time_not_pipeline_waits():
+    """An overlapped tp collective's flight (launch to seen done) is tp time; only its wait is exposed."""
+    events = [
+        recording.Event("compute", "forward", 0.0, 10.0, microbatch=0, chunk=0),
+        recording.Event("collective", "all_gather", 1.0, 3.0, group="tp", nbytes=8),
+        recording.Event("wait", "tp", 2.5, 3.0),  # the matmul hid 1.5 s of the 2 s flight
+        recording.Event("collective", "all_reduce", 4.0, 5.0, group="tp", nbytes=8),
+        recording.Event("wait", "tp", 4.0, 5.0),  # a blocking one: held for all of it
+        recording.Event("wait", "recv", 6.0, 6.25),
+    ]
+    stats = stepstats.summarise(
+        events, facts(), step=1, loss=1.0, tokens=8, seconds=10.0, start=0.0
+    )
+    assert stats.tp_exposed_seconds == pytest.approx(1.5)
+    assert stats.allreduce_seconds("tp") == pytest.approx(3.0)
+    assert stats.wait_seconds == pytest.approx(0.25)
+    record = stats.log_record()
+    assert record["tp_exposed_seconds"] == pytest.approx(1.5)
+    assert record["tp_allreduce_seconds"] == pytest.approx(3.0)
+    assert record["pipeline_wait_seconds"] == pytest.approx(0.25)

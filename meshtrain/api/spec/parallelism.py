@@ -60,6 +60,17 @@ class GradientCompression(base.SpecModel):
         return POWERSGD_WARMUP_STEPS if self.mode == "powersgd" else 0
 
 
+class Overlap(base.SpecModel):
+    """Which communication runs beside compute instead of before or after it (off: the serial path)."""
+
+    tensor: bool = Field(
+        True,
+        description="Tensor-parallel collectives split into chunks along the sequence, each chunk's all-gather, "
+        "reduce-scatter or all-reduce in flight while the next chunk's matmul runs (and a column-parallel "
+        "input gradient's all-reduce beside the weight-gradient matmul); false: each collective blocks.",
+    )
+
+
 class Parallelism(base.SpecModel):
     """How the job is split: data x pipeline x context x tensor, and how each axis runs.
 
@@ -133,6 +144,10 @@ class Parallelism(base.SpecModel):
     gradient_compression: GradientCompression = Field(
         default_factory=GradientCompression,
         description="Compression of the data-parallel gradient reduction.",
+    )
+    overlap: Overlap = Field(
+        default_factory=Overlap,
+        description="Communication overlapped with compute, per kind.",
     )
 
     @property

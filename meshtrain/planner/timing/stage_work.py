@@ -13,7 +13,7 @@ import dataclasses
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
 from meshtrain.planner import comm, context, memory, parameters
-from meshtrain.planner.timing import network
+from meshtrain.planner.timing import network, tp_overlap
 
 OPTIMIZER_BYTES_PER_PARAM = 32
 """AdamW reads weight, gradient and both moments and writes weight and moments (7 x 4 B), plus the norm pass (4 B)."""
@@ -136,7 +136,7 @@ class StageTime:
     compute: float
     """Forward and backward matmul FLOPs of all micro-batches at the rank's FLOP/s."""
     tp: float
-    """Tensor-parallel collectives (on the critical path)."""
+    """Tensor-parallel collectives, overlapped or not."""
     pp: float
     """Pipeline sends and the norm reduction over the pipeline group."""
     dp: float
@@ -153,11 +153,18 @@ class StageTime:
     """Fixed cost of the forward and backward tensor operations of all micro-batches."""
     forward: float = 0.0
     """The forward part of ``compute + overhead`` (the rest is backward)."""
+    tp_hidden: float = 0.0
+    """Part of ``tp`` hidden behind the linears' matmuls (``parallelism.overlap.tensor``, :mod:`.tp_overlap`)."""
+
+    @property
+    def tp_exposed(self) -> float:
+        """Tensor-parallel seconds on the critical path: ``tp`` less what the matmuls hide."""
+        return self.tp - self.tp_hidden
 
     @property
     def busy(self) -> float:
-        """Compute plus the communication that blocks it (tp, pp, the ring's exposed part)."""
-        return self.compute + self.overhead + self.tp + self.pp + self.cp
+        """Compute plus the communication that blocks it (exposed tp, pp, the ring's exposed part)."""
+        return self.compute + self.overhead + self.tp_exposed + self.pp + self.cp
 
     @property
     def comm(self) -> float:
@@ -180,6 +187,7 @@ class StageTime:
             cp_ring=self.cp_ring * factor,
             overhead=self.overhead * factor,
             forward=self.forward * factor,
+            tp_hidden=self.tp_hidden * factor,
         )
 
 
@@ -233,6 +241,14 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
     exposed = _exposed_reduction(
         job, stage_comm, prices, seconds["dp"] - after_backward, dp_calls, backward
     )
+    layers = job.model.shape().layers // par.pipeline  # the rank's blocks, over all its chunks
+    hiding = tp_overlap.hiding_flops(job) * layers * par.micro_batches / prices.rank_flops
+    overlapped = sum(
+        prices.collective(job, c)
+        for c in stage_comm.collectives
+        if c.group == "tp" and c.overlapped
+    )
+    tp_hidden = overlapped - tp_overlap.exposed(overlapped, hiding, comm.tp_chunks(job))
     return StageTime(
         stage=stage,
         compute=per_mb * par.micro_batches / prices.rank_flops,
@@ -246,6 +262,7 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
         overhead=(ops_forward + ops_backward) * par.micro_batches * prices.op_seconds,
         forward=(forward_mb / prices.rank_flops + ops_forward * prices.op_seconds)
         * par.micro_batches,
+        tp_hidden=tp_hidden,
     )
 
 

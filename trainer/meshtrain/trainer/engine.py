@@ -222,6 +222,7 @@ class Engine:
             all_reduce=par.all_reduce,
             gpus_per_node=spec.resources.gpus_per_node,
             float8_spec=training.float8,
+            overlap_tensor=par.overlap.tensor,
         )
 
     def _optimizer(self) -> torch.optim.AdamW | zero.ZeroAdamW:

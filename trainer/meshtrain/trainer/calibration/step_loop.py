@@ -56,7 +56,7 @@ def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
 
     Same ranks, groups, schedule, micro-batches and telemetry as the job, so
     its step loop costs what the job's does; its tensor work is one block per
-    stage.  It reads the bundled corpus and starts from random weights, so it
+    stage, its tensor-parallel calls serial.  It reads the bundled corpus and starts from random weights, so it
     runs wherever the plan is made.
     """
     raw = job.model_dump(by_alias=True, exclude_none=True)
@@ -70,6 +70,10 @@ def loop_job(job: api_spec.TrainingJobSpec, checkpoints: str) -> dict[str, Any]:
         raw["training"].pop(key, None)
     raw["checkpoint"] = {"path": checkpoints, "intervalSteps": 0}
     raw["resources"] = {**raw.get("resources", {}), "gpusPerNode": job.world_size}
+    # each tensor-parallel call blocks, so it times its own wall and CPU seconds (the planner
+    # prices what parallelism.overlap.tensor hides of them)
+    overlap = raw["parallelism"].get("overlap", {})
+    raw["parallelism"]["overlap"] = {**overlap, "tensor": False}
     return raw
 
 

@@ -121,13 +121,15 @@ def parallelize(
     all_reduce: str = "flat",
     gpus_per_node: int = 1,
     float8_spec: api_training.Float8 | None = None,
+    overlap_tensor: bool = False,
 ) -> ParallelModel:
     """Apply pipeline, tensor and data parallelism to ``model`` (consumed) for this rank.
 
     Every part that reports to ``recorder`` times its work with ``clock``;
     ``wire_dtype`` (bf16 under autocast) is what activations and their
     gradients travel in between pipeline stages and inside the
-    tensor-parallel group.  ``float8_spec`` (``training.float8``) turns the
+    tensor-parallel group; ``overlap_tensor`` runs its collectives beside the matmuls
+    (``parallelism.overlap.tensor``).  ``float8_spec`` (``training.float8``) turns the
     blocks' linears into torchao's float8 linears.
     """
     layout, coords = mesh.layout, mesh.coords
@@ -150,6 +152,7 @@ def parallelize(
         recorder=recorder,
         clock=clock,
         wire_dtype=wire_dtype,
+        overlap=overlap_tensor,
     )
     for chunk in chunks:
         gpt.materialize(chunk)
@@ -235,6 +238,7 @@ def apply_tensor_parallel(
     recorder: recording.StepRecorder,
     clock: clocks.Clock,
     wire_dtype: torch.dtype | None,
+    overlap: bool = False,
 ) -> tuple[tensor.TPContext | None, tensor.TPPlan | None, dist.ProcessGroup | None]:
     """Swap every chunk's linears and embeddings for tensor-parallel ones.
 
@@ -251,6 +255,7 @@ def apply_tensor_parallel(
         recorder=recorder,
         clock=clock,
         wire_dtype=wire_dtype,
+        overlap=overlap,
     )
     plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
     tp_plan = tensor.TPPlan(

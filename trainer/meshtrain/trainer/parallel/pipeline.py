@@ -3,8 +3,10 @@
 :func:`split_model` cuts the model into this rank's chunks; :class:`PipelineExecutor` walks the
 :mod:`.schedules` action list of one step, reporting every forward, backward and wait.  Sends and
 receives go through ``batch_isend_irecv`` on two process groups (one per direction, each its own
-FIFO) and sends stay in flight until the step ends, so a valid schedule cannot deadlock
-(docs/trainer.md, "Pipeline parallel", also on why not ``torch.distributed.pipelining``).
+FIFO) and no send is waited for until the step ends, so a valid schedule cannot deadlock
+(docs/trainer.md, "Pipeline parallel", also on why not ``torch.distributed.pipelining``).  A sent
+tensor is dropped as soon as its send is seen complete (polled, never waited, before each action),
+so sent activations and input gradients no longer pile up over the micro-batches of a step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import queue
+import threading
 from collections.abc import Callable
 
 import torch
@@ -81,6 +85,65 @@ class PipelineContext:
     """Group carrying gradients (None when stages == 1)."""
 
 
+class SendReaper:
+    """Sends in flight, each tensor dropped as soon as its send is seen complete.
+
+    The schedule never waits for a send mid-step (the deadlock freedom above), so
+    completion is learnt without blocking it: NCCL's works answer ``is_completed``
+    (polled before each action); gloo's point-to-point works report completion only
+    once waited for, so a thread of the step waits for them in send order (a send
+    waits for its peer's receive, which the peer posts in its own time).
+    """
+
+    def __init__(self, threaded: bool) -> None:
+        self.threaded = threaded
+        """Whether a thread waits for the sends (gloo), rather than polling them (NCCL)."""
+        self._polled: list[tuple[list[dist.Work], torch.Tensor]] = []
+        self._queue: queue.Queue[tuple[list[dist.Work], torch.Tensor] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._errors: list[BaseException] = []
+
+    def add(self, works: list[dist.Work], tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` alive until ``works`` (its send) are done."""
+        if not self.threaded:
+            self._polled.append((works, tensor))
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._wait_each, name="pipeline-sends", daemon=True
+            )  # daemon: a step that fails midway must not hold the interpreter at exit
+            self._thread.start()
+        self._queue.put((works, tensor))
+
+    def poll(self) -> None:
+        """Drop the sends seen complete (never blocks)."""
+        self._polled = [
+            (works, t) for works, t in self._polled if not all(w.is_completed() for w in works)
+        ]
+
+    def drain(self) -> None:
+        """Wait until every send is done (the step's end)."""
+        for works, _ in self._polled:
+            for work in works:
+                work.wait()
+        self._polled = []
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._errors:
+            raise self._errors.pop()
+
+    def _wait_each(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                for work in item[0]:
+                    work.wait()
+            except BaseException as error:  # noqa: BLE001 - re-raised on the schedule's thread
+                self._errors.append(error)
+            item = None  # the works and the tensor die here, not at the next send
+
+
 @dataclasses.dataclass
 class _Posted:
     """A receive in flight: the works of its batch and the buffer it fills."""
@@ -128,6 +191,8 @@ class PipelineExecutor:
         self.grad_sync = grad_sync
         self.autocast = autocast
         self.last_virtual = ctx.stages * self.virtual_stages - 1
+        self.sends = SendReaper(threaded=self._gloo())
+        """Sends in flight, each freed when done."""
         for group in (ctx.forward_group, ctx.backward_group):
             if group is not None and dist.get_backend(group) != "gloo":
                 # NCCL creates a communicator on its first call, which every member must join:
@@ -226,7 +291,11 @@ class PipelineExecutor:
         interleaved schedule, whose p = 2 sends both ways on one group) the
         receive is posted when needed.
         """
-        if self.virtual_stages != 1 or self.ctx.forward_group is None:
+        return self.virtual_stages == 1 and self._gloo()
+
+    def _gloo(self) -> bool:
+        """Whether this pipeline's traffic runs over gloo (False without a pipeline)."""
+        if self.ctx.forward_group is None:
             return False
         return all(
             dist.get_backend(g) == "gloo" for g in (self.ctx.forward_group, self.ctx.backward_group)
@@ -246,9 +315,9 @@ class PipelineExecutor:
         """
         m, p = self.micro_batches, self.ctx.stages
         loss_sum = torch.zeros((), device=self.device)
-        in_flight: list[tuple[list[dist.Work], torch.Tensor]] = []
         for microbatch in range(m):
             for chunk in range(self.virtual_stages):
+                self.sends.poll()
                 j = schedules.virtual_stage(self.ctx.stage, chunk, p)
                 if j == 0:
                     x = inputs[microbatch].to(self.device)
@@ -270,10 +339,9 @@ class PipelineExecutor:
                 if j != self.last_virtual:
                     sent = out.to(self.wire_dtype).contiguous()
                     send = dist.P2POp(dist.isend, sent, self._peer(j + 1), self.ctx.forward_group)
-                    in_flight.append((dist.batch_isend_irecv([send]), sent))
-        for works, _ in in_flight:
-            for work in works:
-                work.wait()
+                    self.sends.add(dist.batch_isend_irecv([send]), sent)
+                    del sent
+        self.sends.drain()
         return loss_sum
 
     def run(
@@ -292,11 +360,12 @@ class PipelineExecutor:
         """
         m, p = self.micro_batches, self.ctx.stages
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        in_flight: list[tuple[list[dist.Work], torch.Tensor]] = []  # sent tensors live until done
+        sending = False  # whether this step sent anything (waited for at its end)
         loss_sum = torch.zeros((), device=self.device)
         prefetch = self._prefetch()
         posted: dict[int, _Posted | None] = {}  # action index -> its receive
         for index, action in enumerate(self.actions):
+            self.sends.poll()
             j = schedules.virtual_stage(self.ctx.stage, action.chunk, p)
             key = (action.microbatch, action.chunk)
             recv = posted.pop(index) if index in posted else self._post_recv(index)
@@ -327,9 +396,12 @@ class PipelineExecutor:
                     works, batched = self._send(
                         sent, self._peer(j + 1), self.ctx.forward_group, batch_with
                     )
-                    in_flight.append((works, sent))
+                    self.sends.add(works, sent)
+                    sending = True
+                    del sent, works
                     if batched is not None:
                         posted[index + 1] = batched
+                del x, out, recv  # saved keeps what backward needs
             else:
                 x, out = saved.pop(key)
                 grad = None if j == self.last_virtual else self._wait_recv(recv).to(out.dtype)
@@ -345,13 +417,14 @@ class PipelineExecutor:
                     works, batched = self._send(
                         sent, self._peer(j - 1), self.ctx.backward_group, batch_with
                     )
-                    in_flight.append((works, sent))
+                    self.sends.add(works, sent)
+                    sending = True
+                    del sent, works
                     if batched is not None:
                         posted[index + 1] = batched
-        if in_flight:
+                del x, out, grad, recv  # the received gradient and the input die with the backward
+        if sending:
             start = self.clock.now()
-            for works, _ in in_flight:
-                for work in works:
-                    work.wait()
+            self.sends.drain()
             self.recorder.wait("send", start, self.clock.now())
         return loss_sum

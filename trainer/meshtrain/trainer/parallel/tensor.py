@@ -20,6 +20,7 @@ from torch import nn
 
 from meshtrain.api import layout
 from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import tensor_overlap
 from meshtrain.trainer.telemetry import clocks, recording
 
 _Fn = typing.TypeVar("_Fn", bound=Callable[..., torch.Tensor])
@@ -43,6 +44,9 @@ class TPContext:
     """What times them (the engine's)."""
     wire_dtype: torch.dtype | None = None
     """Element type activations and their gradients cross the group in (bf16 under autocast; None: as computed)."""
+    overlap: bool = False
+    """Run the linears' collectives beside their matmuls, chunk by chunk (:mod:`.tensor_overlap`,
+    ``parallelism.overlap.tensor``); False: each collective blocks before or after its matmul."""
 
     def on_wire(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as it is sent: cast to :attr:`wire_dtype` when one is set."""
@@ -259,6 +263,9 @@ def leave_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     return _ReduceScatterSeq.apply(x, ctx) if ctx.sequence_parallel else _ReduceFromTP.apply(x, ctx)
 
 
+_overlapped_column = _graph_break(tensor_overlap.column_linear)
+_overlapped_row = _graph_break(tensor_overlap.row_linear)
+
 # --- layers -------------------------------------------------------------------
 
 
@@ -271,6 +278,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.overlap:
+            return _overlapped_column(x, self.weight, self.tp)
         return F.linear(enter_region(x, self.tp), self.weight)
 
 
@@ -283,6 +292,8 @@ class RowParallelLinear(nn.Module):
         self.tp = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.overlap:
+            return _overlapped_row(x, self.weight, self.tp)
         return leave_region(F.linear(x, self.weight), self.tp)
 
 

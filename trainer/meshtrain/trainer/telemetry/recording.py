@@ -20,7 +20,11 @@ if TYPE_CHECKING:  # torch: `meshtrain report` and `timeline` read traces withou
     from meshtrain.trainer.telemetry import clocks
 
 ComputeKind = Literal["forward", "backward"]
-WaitKind = Literal["recv", "send"]
+WaitKind = Literal["recv", "send", "tp"]
+"""Blocked on a pipeline receive, on draining pipeline sends, or on a tensor-parallel collective
+(a blocking one whole, an overlapped one for what was not hidden: its exposed time)."""
+PIPELINE_WAITS = ("recv", "send")
+"""The wait kinds of pipeline point-to-point traffic."""
 Group = Literal["dp", "tp", "pp", "cp"]
 RING_OP = "ring_send_recv"
 """The op of one context-parallel ring transfer (group ``cp``): a send to the next cp rank and a
@@ -42,7 +46,8 @@ class StepRecorder(Protocol):
         """A forward or backward of one micro-batch through one model chunk (virtual stage)."""
 
     def wait(self, kind: WaitKind, start: float, end: float) -> None:
-        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends; on CUDA, the stream's)."""
+        """Time blocked on pipeline point-to-point traffic (a receive, or draining sends) or on a
+        tensor-parallel collective (``tp``); on CUDA, the stream's."""
 
     def collective(
         self,
@@ -117,13 +122,17 @@ def blocking_collective(
     waits, so they are what gloo's threads spent on it.  None where other
     communication of the process ran meanwhile (an asynchronous bucket, an
     exchange chain: :meth:`.clocks.HostClock.cpu_now`) and on CUDA.
-    Calibration prices a tensor-parallel call's CPU with them.
+    Calibration prices a tensor-parallel call's CPU with them.  A ``tp`` call is also
+    recorded as a ``tp`` wait: the compute thread was held for all of it.
     """
     start, cpu_start = clock.now(), clock.cpu_now()
     call()
     end, cpu_end = clock.now(), clock.cpu_now()
     cpu = None if cpu_start is None or cpu_end is None else cpu_end - cpu_start
     # stamps are floats on the host clock, CUDA events for the DeferredRecorder (see clocks)
+    if group == "tp":  # held for all of it: its exposed time (overlapped ones: tensor_overlap)
+        wait: Callable[..., None] = recorder.wait
+        wait("tp", start, end)
     record: Callable[..., None] = recorder.collective
     record(group, op, nbytes, start, end, cpu_seconds=cpu)
 
@@ -247,14 +256,19 @@ class MemoryRecorder(EventCollector):
         )
 
     def summary(self) -> dict[str, float]:
-        """Per-step totals: compute, wait and collective seconds and bytes per group."""
+        """Per-step totals: compute, pipeline wait, exposed tensor-parallel, and collective seconds and bytes per group."""
         events = self.snapshot()
-        out: dict[str, float] = {"compute_seconds": 0.0, "wait_seconds": 0.0}
+        out: dict[str, float] = {
+            "compute_seconds": 0.0,
+            "wait_seconds": 0.0,
+            "tp_exposed_seconds": 0.0,
+        }
         for e in events:
             if e.what == "compute":
                 out["compute_seconds"] += e.end - e.start
             elif e.what == "wait":
-                out["wait_seconds"] += e.end - e.start
+                key = "wait_seconds" if e.kind in PIPELINE_WAITS else "tp_exposed_seconds"
+                out[key] += e.end - e.start
             else:
                 key = f"{e.group}_collective"
                 out[f"{key}_seconds"] = out.get(f"{key}_seconds", 0.0) + (e.end - e.start)

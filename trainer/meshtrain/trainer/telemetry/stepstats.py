@@ -114,6 +114,9 @@ class StepStats:
     """Union of compute intervals."""
     wait_seconds: float
     """Time blocked on pipeline sends and receives."""
+    tp_exposed_seconds: float
+    """Time blocked on tensor-parallel collectives: all of each blocking one, the part of an
+    overlapped one (``parallelism.overlap.tensor``) its matmuls did not hide."""
     exposed_comm_seconds: float
     """Gradient reduction not hidden behind backward compute."""
     update_seconds: float
@@ -154,6 +157,8 @@ class StepStats:
             "tokens_per_second": self.tokens_per_second,
             "allreduce_seconds": self.allreduce_seconds("dp"),
             "tp_allreduce_seconds": self.allreduce_seconds("tp"),
+            "tp_exposed_seconds": self.tp_exposed_seconds,
+            "pipeline_wait_seconds": self.wait_seconds,
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "compute_seconds": self.compute_seconds,
             "update_seconds": self.update_seconds,
@@ -279,7 +284,14 @@ def summarise(
         forward_seconds=sum(e.end - e.start for e in compute if e.kind == "forward"),
         backward_seconds=sum(e.end - e.start for e in compute if e.kind == "backward"),
         compute_seconds=compute_union,
-        wait_seconds=sum(e.end - e.start for e in events if e.what == "wait"),
+        wait_seconds=sum(
+            e.end - e.start
+            for e in events
+            if e.what == "wait" and e.kind in recording.PIPELINE_WAITS
+        ),
+        tp_exposed_seconds=sum(
+            e.end - e.start for e in events if e.what == "wait" and e.kind == "tp"
+        ),
         exposed_comm_seconds=exposed,
         update_seconds=max(0.0, seconds - window),
         bubble_ratio=bubble,
