@@ -227,9 +227,9 @@ def _call(
     if op == "all_reduce":
         dist.all_reduce(full, group=group)
     elif op == "all_gather":
-        dist.all_gather_single(full, shard, group=group)
+        dist.all_gather_into_tensor(full, shard, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(shard, full, group=group)
+        dist.reduce_scatter_tensor(shard, full, group=group)
     elif peer is not None:  # ping-pong between pipeline neighbours: one way is half
         first, second = (dist.send, dist.recv) if sends_first else (dist.recv, dist.send)
         first(full, peer, group=group)
