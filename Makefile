@@ -69,7 +69,7 @@ test: venv  ## every test but the sandbox's (unit, trainer, integration, telemet
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit
 
-test-torch-oldest:  ## the trainer subset of scripts/test-torch-oldest.sh on the oldest supported torch (its own ~5 GB venv under ~/.cache/meshtrain)
+test-torch-oldest:  ## the trainer subset of scripts/test-torch-oldest.sh on the oldest supported torch (its own ~7 GB venv under ~/.cache/meshtrain)
 	scripts/test-torch-oldest.sh
 
 test-e2e: venv bootstrap  ## the sandbox tests: real kubelet nodes, images and chart pushed to its registry and pulled from it, docs/install.md run (not in CI: see README)
