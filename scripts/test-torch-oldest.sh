@@ -21,13 +21,14 @@ VENV="$CACHE_ROOT/venv-${TORCH/==/-}"
 # The subset (<= 10 minutes on 2 quiet cores): gloo's reduce-scatter and all-gather and the
 # tensor-parallel layers; every layout family against one device (dp, the pipeline schedules,
 # tp with sequence parallelism, ZeRO 1-3, the hierarchical all-reduce, dp2·pp2·tp2); ZeRO's
-# stages against stage 0; a checkpoint saved and resumed at ZeRO 0, 2 and 3; `meshtrain run`;
-# the shipped DDP example under torchrun.
+# stages against stage 0; a checkpoint saved and resumed at ZeRO 0, 2 and 3; `meshtrain plan
+# --calibrate` (every collective timed); `meshtrain run`; the shipped DDP example under torchrun.
 SUBSET=(
   tests/trainer/test_layers.py
   tests/trainer/test_equivalence.py
   tests/trainer/test_zero_stages.py
   tests/trainer/test_resume_exact.py::test_resume_gives_identical_losses_dp2
+  tests/trainer/test_calibrate_progress.py
   tests/trainer/test_launch.py
   tests/trainer/test_ddp_example.py
 )

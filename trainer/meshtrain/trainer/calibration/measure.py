@@ -255,6 +255,9 @@ class _Task:
 
 def _worker(rank: int, task: _Task) -> None:
     """One of the job's processes: matmuls and small ops while all run at once, then every collective."""
+    # stdout is the command's result (the plan): what the process group's C++ side prints goes to
+    # stderr (torch 2.10's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" on stdout).
+    os.dup2(2, 1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(task.port))
     torch.set_num_threads(task.threads)
     use_cuda = task.backend == "nccl"
