@@ -39,7 +39,8 @@ if [[ "${1:-}" == "--remove" ]]; then
   exit 0
 fi
 
-STAMP="$VENV/.installed-$(cat pyproject.toml "$LOCK" | sha1sum | cut -c1-12)"
+# the checkout is part of the stamp: the editable install points at the one the target runs from
+STAMP="$VENV/.installed-$({ echo "$ROOT"; cat pyproject.toml "$LOCK"; } | sha1sum | cut -c1-12)"
 if [[ ! -e "$STAMP" ]]; then
   test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
