@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-e2e benchmarks bench-faults clean \
+.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e benchmarks bench-faults clean \
         chart-docs chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -22,9 +22,13 @@ $(STAMP): pyproject.toml requirements.lock
 
 venv: $(STAMP)  ## create .venv with the locked dependencies and meshtrain (idempotent)
 
-lock: venv  ## re-resolve requirements.lock from pyproject.toml (the one pin of every dependency)
+lock: venv  ## re-resolve requirements.lock (CUDA 13) and requirements-cu12.lock (CUDA 12, torch 2.10) from pyproject.toml (one pin of every dependency each)
 	$(BIN)/uv pip compile pyproject.toml --all-extras --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_28 -o requirements.lock -q
+	@# the CUDA 13 pins are the preferences: the CUDA 12 lock differs only where torch 2.10 needs it
+	cp requirements.lock requirements-cu12.lock
+	$(BIN)/uv pip compile pyproject.toml --all-extras -c requirements-cu12.in --python-version 3.11 \
+	  --python-platform x86_64-manylinux_2_28 -o requirements-cu12.lock -q
 
 verify: venv  ## static checks CI runs before the tests: ruff lint + format, mypy, import contracts
 	$(BIN)/ruff check .
@@ -64,6 +68,9 @@ test: venv  ## every test but the sandbox's (unit, trainer, integration, telemet
 
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit
+
+test-torch-oldest:  ## the trainer subset of scripts/test-torch-oldest.sh on the oldest supported torch (its own ~7 GB venv under ~/.cache/meshtrain)
+	scripts/test-torch-oldest.sh
 
 test-e2e: venv bootstrap  ## the sandbox tests: real kubelet nodes, images and chart pushed to its registry and pulled from it, docs/install.md run (not in CI: see README)
 	$(BIN)/pytest -m e2e tests/e2e tests/telemetry

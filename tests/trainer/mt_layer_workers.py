@@ -186,6 +186,34 @@ def tp_bf16_overlap_equals_serial(sequence_parallel: bool) -> dict[str, float]:
     return out
 
 
+def collectives() -> dict[str, float]:
+    """``reduce_scatter_tensor`` and ``all_gather_into_tensor``, asynchronous as the trainer calls
+    them, on this torch's gloo for the dtypes the trainer sends, against ``all_reduce`` and the
+    list ``all_gather`` (no fallback: a torch or dtype without them raises here)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    diffs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        full = torch.randn(size * 6, 3, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        shard = torch.empty(6, 3, dtype=dtype)  # this rank's (6, 3) of the (size * 6, 3) sum
+        work = dist.reduce_scatter_tensor(shard, full.clone(), async_op=True)
+        assert work is not None
+        work.wait()
+        total = full.clone()
+        dist.all_reduce(total)
+        diffs[f"reduce_scatter {dtype}"] = _diff(
+            shard.float(), total[rank * 6 : rank * 6 + 6].float()
+        )
+        local = full[:6].contiguous()
+        gathered = torch.empty(size * 6, 3, dtype=dtype)
+        work = dist.all_gather_into_tensor(gathered, local, async_op=True)
+        assert work is not None
+        work.wait()
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local)
+        diffs[f"all_gather {dtype}"] = _diff(gathered.float(), torch.cat(parts).float())
+    return diffs
+
+
 def all_checks() -> dict:
     """Everything above in one process group (spawning dominates the test's cost)."""
     return {
@@ -196,4 +224,5 @@ def all_checks() -> dict:
         "bf16 overlap": tp_bf16_overlap_equals_serial(False),
         "bf16 sp overlap": tp_bf16_overlap_equals_serial(True),
         "reducer": reducer_counts(120, 0.004),
+        "collectives": collectives(),
     }

@@ -39,3 +39,14 @@ def test_reducer_one_collective_per_bucket_after_last_microbatch(checks):
         assert 1 < result["buckets"] < 120
         assert result["counts"][1] == result["buckets"]
         assert result["grad diff"] < 1e-6
+
+
+@pytest.mark.slow
+def test_gloo_reduce_scatter_and_all_gather_into_tensor_for_fp32_and_bf16(checks):
+    """The collectives ZeRO, sequence parallelism and the hierarchical all-reduce call, on this
+    torch's gloo (make test-torch-oldest runs it on the oldest supported torch)."""
+    for rank, result in enumerate(checks):
+        diffs = result["collectives"]
+        assert len(diffs) == 4
+        for check, diff in diffs.items():
+            assert diff == 0.0, f"rank {rank}: {check} differs by {diff:.2e}"

@@ -38,6 +38,8 @@ ROOT_FILES = {
     "Makefile",
     "pyproject.toml",
     "requirements.lock",
+    "requirements-cu12.lock",
+    "requirements-cu12.in",
     "README.md",
     "LICENSE",
     "CHANGELOG.md",

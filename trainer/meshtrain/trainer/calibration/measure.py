@@ -227,9 +227,9 @@ def _call(
     if op == "all_reduce":
         dist.all_reduce(full, group=group)
     elif op == "all_gather":
-        dist.all_gather_single(full, shard, group=group)
+        dist.all_gather_into_tensor(full, shard, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(shard, full, group=group)
+        dist.reduce_scatter_tensor(shard, full, group=group)
     elif peer is not None:  # ping-pong between pipeline neighbours: one way is half
         first, second = (dist.send, dist.recv) if sends_first else (dist.recv, dist.send)
         first(full, peer, group=group)
@@ -255,6 +255,9 @@ class _Task:
 
 def _worker(rank: int, task: _Task) -> None:
     """One of the job's processes: matmuls and small ops while all run at once, then every collective."""
+    # stdout is the command's result (the plan): what the process group's C++ side prints goes to
+    # stderr (torch 2.10's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" on stdout).
+    os.dup2(2, 1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(task.port))
     torch.set_num_threads(task.threads)
     use_cuda = task.backend == "nccl"

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+
+try:  # the public module (torch 2.15)
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+except ImportError:  # torch 2.10 has only the private one (2.15 deprecates it)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 

@@ -45,7 +45,7 @@ class HierarchicalGradReducer(exchanges.QueuedGradReducer):
             "intra",
             full,
             bucket,
-            lambda: dist.reduce_scatter_single(shard, full, group=self.intra),
+            lambda: dist.reduce_scatter_tensor(shard, full, group=self.intra),
         )
         self._timed(
             "all_reduce", "inter", shard, bucket, lambda: dist.all_reduce(shard, group=self.inter)
@@ -55,7 +55,7 @@ class HierarchicalGradReducer(exchanges.QueuedGradReducer):
             "intra",
             full,
             bucket,
-            lambda: dist.all_gather_single(full, shard, group=self.intra),
+            lambda: dist.all_gather_into_tensor(full, shard, group=self.intra),
         )
         buffer.copy_(full.narrow(0, 0, buffer.numel()))
 

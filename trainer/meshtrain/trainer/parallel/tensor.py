@@ -179,7 +179,7 @@ def _gather_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """(B, T/tp, H) on each rank -> (B, T, H) on each rank."""
     local = ctx.on_wire(x).transpose(0, 1).contiguous()  # (T/tp, B, H): the split dim first
     out = local.new_empty((local.shape[0] * ctx.size, *local.shape[1:]))  # (T, B, H)
-    _timed(ctx, "all_gather", out, lambda: dist.all_gather_single(out, local, group=ctx.group))
+    _timed(ctx, "all_gather", out, lambda: dist.all_gather_into_tensor(out, local, group=ctx.group))
     return out.transpose(0, 1)  # (B, T, H)
 
 
@@ -188,7 +188,7 @@ def _reduce_scatter_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     full = ctx.on_wire(x).transpose(0, 1).contiguous()  # (T, B, H)
     out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))  # (T/tp, B, H)
     _timed(
-        ctx, "reduce_scatter", full, lambda: dist.reduce_scatter_single(out, full, group=ctx.group)
+        ctx, "reduce_scatter", full, lambda: dist.reduce_scatter_tensor(out, full, group=ctx.group)
     )
     return out.transpose(0, 1)  # (B, T/tp, H)
 

@@ -83,13 +83,15 @@ def _reduce_scatter(
 ) -> dist.Work:
     """Sum ``full`` over the group, leaving this rank's 1/size slice in ``out`` (asynchronous).
 
-    torch 2.13's gloo implements ``reduce_scatter_single`` for fp32 and bf16
-    CPU tensors; for a backend or dtype that lacks it, the fallback
+    gloo implements ``reduce_scatter_tensor`` for fp32 and bf16 CPU tensors on
+    every supported torch (2.10 to 2.15); for a backend or dtype that lacks it, the fallback
     all-reduces ``full`` and copies the slice when waited on (same sums,
     more traffic).
     """
     try:
-        return dist.reduce_scatter_single(out, full, group=group, async_op=True)
+        work = dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+        assert work is not None  # async_op=True returns the Work (the stub says Work | None)
+        return work
     except (RuntimeError, NotImplementedError):
         work = dist.all_reduce(full, group=group, async_op=True)
         work.wait()
@@ -438,7 +440,7 @@ class ZeroAdamW:
         else:
             full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
             start = self.clock.now()
-            dist.all_gather_single(full, work, group=self.group)
+            dist.all_gather_into_tensor(full, work, group=self.group)
             self.recorder.collective(
                 "dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now()
             )

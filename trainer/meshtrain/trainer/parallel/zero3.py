@@ -42,7 +42,7 @@ class _RecordedAllGather(_Recorded, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         start = self.clock.now()
-        dist.all_gather_single(output_tensor, input_tensor, group=group)
+        dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
         nbytes = output_tensor.numel() * output_tensor.element_size()
         self.recorder.collective("dp", "all_gather", nbytes, start, self.clock.now())  # type: ignore[arg-type]
         return None  # done: FSDP2 waits only on a returned Work
@@ -58,7 +58,7 @@ class _RecordedReduceScatter(_Recorded, ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         start = self.clock.now()
-        dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, group=group, op=op)
         nbytes = input_tensor.numel() * input_tensor.element_size()
         self.recorder.collective("dp", "reduce_scatter", nbytes, start, self.clock.now())  # type: ignore[arg-type]
         return None
