@@ -34,6 +34,17 @@ class GradientCompression(base.SpecModel):
     )
 
 
+class Overlap(base.SpecModel):
+    """Which communication runs beside compute; turning one off gives the serial path."""
+
+    param_gather: bool = Field(
+        True,
+        description="ZeRO-1/2: all-gather the updated weights asynchronously after the optimizer step and "
+        "wait for each layer's bucket just before that layer's next forward (false: every bucket is "
+        "gathered, blocking, inside the step).",
+    )
+
+
 class Parallelism(base.SpecModel):
     """How the job is split: data x pipeline x tensor, and how each axis runs.
 
@@ -100,6 +111,10 @@ class Parallelism(base.SpecModel):
     gradient_compression: GradientCompression = Field(
         default_factory=GradientCompression,
         description="Compression of the data-parallel gradient reduction.",
+    )
+    overlap: Overlap = Field(
+        default_factory=Overlap,
+        description="Communication overlapped with compute (each switch off gives the serial path).",
     )
 
     @property

@@ -10,13 +10,14 @@ the owned gradients.  The fp32 weights are the master copy, so stage 1 shards ju
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import clipping, reducer
+from meshtrain.trainer.parallel import clipping, param_gather, reducer
 from meshtrain.trainer.telemetry import clocks, recording
 
 
@@ -225,6 +226,14 @@ class _BucketState:
     """Elements of the bucket."""
 
 
+def _write(state: _BucketState, full: torch.Tensor) -> None:
+    """Copy a gathered bucket into its members."""
+    offset = 0
+    for p in state.params:
+        p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))
+        offset += p.numel()
+
+
 class ZeroAdamW:
     """AdamW whose moments and update are sharded over the data-parallel group (ZeRO stage 1 or 2).
 
@@ -249,7 +258,10 @@ class ZeroAdamW:
         eps: float = 1e-8,
         recorder: recording.StepRecorder | None = None,
         clock: clocks.Clock | None = None,
+        prefetch_into: list[torch.nn.Module] | None = None,
     ) -> None:
+        """``prefetch_into``: the model chunks whose layers wait for their weights' all-gathers
+        (``parallelism.overlap.paramGather``); None: every bucket is gathered inside :meth:`step`."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroAdamW is for ZeRO stages 1 and 2, got {stage}")
         if stage == 2 and not isinstance(grad_reducer, ShardedGradReducer):
@@ -285,6 +297,41 @@ class ZeroAdamW:
                     exp_avg_sq=torch.zeros(s, dtype=like.dtype, device=like.device),
                 )
             )
+        self.gathers = param_gather.GatherQueue(self.group, self.size, self.recorder, self.clock)
+        """Prefetched all-gathers not yet written into the parameters."""
+        self.serial_waits: list[tuple[clocks.Stamp, clocks.Stamp]] = []
+        """Blocking all-gathers of the serial path since the last :meth:`take_gather_waits`."""
+        self.prefetch = prefetch_into is not None and self.size > 1
+        """Whether the updated weights are gathered during the next forward."""
+        self._hooks = []
+        if self.prefetch and prefetch_into is not None:
+            self._hooks = self._hook_layers(prefetch_into)
+
+    def _hook_layers(self, chunks: list[torch.nn.Module]) -> list[Any]:
+        """A forward pre-hook on every layer: wait for (and write) its buckets' gathers."""
+        buckets_of: dict[int, set[int]] = {}
+        for index, state in enumerate(self.buckets):
+            for p in state.params:
+                buckets_of.setdefault(id(p), set()).add(index)
+
+        def hook_for(needs: set[int]) -> Any:
+            def pre_hook(_module: torch.nn.Module, _args: Any) -> None:
+                if self.gathers:
+                    self.gathers.settle(needs)
+
+            return pre_hook
+
+        waits = param_gather.layer_waits(chunks, lambda p: buckets_of.get(id(p), set()))
+        return [module.register_forward_pre_hook(hook_for(needs)) for module, needs in waits]
+
+    def wait_gathers(self) -> None:
+        """Write every prefetched gather into the parameters (before anything reads them outside a forward)."""
+        self.gathers.settle_all()
+
+    def take_gather_waits(self) -> list[tuple[clocks.Stamp, clocks.Stamp]]:
+        """Intervals the training thread blocked on parameter all-gathers since the last call (cleared)."""
+        waits, self.serial_waits = self.serial_waits + self.gathers.take_waits(), []
+        return waits
 
     # --- gradients of the owned range ------------------------------------------
 
@@ -386,7 +433,12 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the owned elements, then all-gather every bucket's weights."""
+        """AdamW on the owned elements, then all-gather every bucket's weights.
+
+        With prefetch the gathers are queued in forward order (the reverse of the buckets')
+        and written by the layers' pre-hooks; any still pending from before are written first.
+        """
+        self.wait_gathers()
         self.step_count += 1
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
@@ -396,7 +448,9 @@ class ZeroAdamW:
             "decay": self.param_groups[0]["weight_decay"],
             "no_decay": self.param_groups[1]["weight_decay"],
         }
-        for index, state in enumerate(self.buckets):
+        order = range(len(self.buckets))
+        for index in reversed(order) if self.prefetch else order:
+            state = self.buckets[index]
             s = state.exp_avg.numel()
             owned = state.stop - state.start
             work = torch.zeros(
@@ -424,23 +478,26 @@ class ZeroAdamW:
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(eps)
             w.addcdiv_(m, denom, value=-lr / bias1)
-            self._gather(state, work)
+            if self.prefetch:
+                write = functools.partial(_write, state)
+                self.gathers.put(param_gather.Gather(index=index, shard=work, write=write))
+            else:
+                self._gather(state, work)
 
     def _gather(self, state: _BucketState, work: torch.Tensor) -> None:
-        """All-gather the owned weights of a bucket and write them into every member."""
+        """All-gather the owned weights of a bucket (blocking) and write them into every member."""
         if self.size == 1:
             full = work
         else:
             full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
             start = self.clock.now()
-            dist.all_gather_single(full, work, group=self.group)
+            dist.all_gather_into_tensor(full, work, group=self.group)
+            end = self.clock.now()
             self.recorder.collective(
-                "dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now()
+                "dp", "all_gather", full.numel() * full.element_size(), start, end
             )
-        offset = 0
-        for p in state.params:
-            p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))
-            offset += p.numel()
+            self.serial_waits.append((start, end))
+        _write(state, full)
 
     def zero_grad(self) -> None:
         """Gradients live in the reducer; it zeroes them."""
