@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from meshtrain.trainer.telemetry import clocks, recording
 
-IN_FLIGHT = 2
-"""Gathered (full-size) buckets alive at once: the one a layer waits for and the next."""
+IN_FLIGHT = 1
+"""Gathers running at once: while a layer computes on its bucket, the next bucket is gathered
+(each holds a full-size bucket, as the serial path holds one at a time)."""
 
 
 @dataclasses.dataclass
@@ -29,10 +30,12 @@ class Gather:
 
     index: int
     """The bucket's index."""
-    shard: torch.Tensor
-    """This rank's updated elements (shard-sized)."""
+    shard: Callable[[], torch.Tensor]
+    """Packs this rank's updated elements (shard-sized), from where the step left them."""
     write: Callable[[torch.Tensor], None]
     """Copies the gathered bucket into its parameters."""
+    packed: torch.Tensor | None = None
+    """The packed shard, kept alive while the collective reads it."""
     full: torch.Tensor | None = None
     """The gathered bucket (allocated at launch)."""
     launch: clocks.Launch | None = None
@@ -74,7 +77,7 @@ class GatherQueue:
     def _fill(self) -> None:
         while self._queued and len(self._flying) < IN_FLIGHT:
             gather = self._queued.pop(0)
-            shard = gather.shard
+            shard = gather.packed = gather.shard()
             gather.full = torch.empty(
                 shard.numel() * self.size, dtype=shard.dtype, device=shard.device
             )
@@ -111,6 +114,7 @@ class GatherQueue:
         record: Callable[..., None] = self.recorder.collective
         record("dp", "all_gather", full.numel() * full.element_size(), gather.launch.start, end)
         gather.write(full)
+        gather.packed = gather.full = None
 
     def take_waits(self) -> list[tuple[clocks.Stamp, clocks.Stamp]]:
         """The blocked intervals since the last call (cleared)."""

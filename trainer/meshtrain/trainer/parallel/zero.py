@@ -99,22 +99,44 @@ def _reduce_scatter(
         return work
 
 
-IN_FLIGHT_BUCKETS = 2
-"""ZeRO-2 reduce-scatters in flight at once: each holds a packed, full-size bucket until it is done."""
+IN_FLIGHT_BUCKETS = 1
+"""ZeRO-2 reduce-scatters in flight at once, beside the bucket being packed: each holds a packed,
+full-size bucket until it is done."""
+MIN_BUCKETS = 16
+"""ZeRO-2 cuts a rank's gradients into at least this many buckets (fewer only where ``bucketMb``
+already does), so the packed buckets alive at once stay a small part of the gradients it saves."""
+
+
+def plan_spans(sizes: list[int], bucket: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive tensors (flat sizes ``sizes``) cut into buckets of exactly ``bucket`` elements
+    (the last may hold fewer): per bucket, (tensor index, first element, elements) of each slice."""
+    buckets: list[list[tuple[int, int, int]]] = [[]]
+    room = bucket
+    for index, numel in enumerate(sizes):
+        first = 0
+        while first < numel:
+            if room == 0:
+                buckets.append([])
+                room = bucket
+            take = min(room, numel - first)
+            buckets[-1].append((index, first, take))
+            first, room = first + take, room - take
+    return [b for b in buckets if b]
 
 
 class ShardedGradReducer(reducer.GradReducer):
     """ZeRO-2 gradient reduction: reduce-scatter per bucket; a rank keeps only its owned gradient range.
 
-    ``bucket.buffer`` is the rank's gradient shard (``ceil(n/N)`` elements),
-    not a full-size buffer, and parameters' ``.grad`` are not views into it:
-    autograd allocates them during backward, and as soon as every member of a
-    bucket has its gradient from this backward they are packed, released and
-    reduce-scattered, and the result is added to the shard.  That happens
-    after *every* micro-batch's backward, not only the last (DeepSpeed's
-    stage 2 does the same): keeping ``.grad`` across micro-batches would hold
-    the full gradients, which is what ZeRO-2 exists to avoid.  The price is
-    one reduce-scatter per bucket per micro-batch.
+    ``bucket.buffer`` is the rank's gradient shard (``ceil(n/N)`` elements), not a full-size
+    buffer.  Autograd allocates a parameter's ``.grad`` in backward; as soon as it is final for
+    this micro-batch it is copied into the packed, full-size buffer of each bucket holding a slice
+    of it and released (DeepSpeed's stage 2 copies into its reduce bucket the same way), and a
+    bucket whose slices have all arrived is reduce-scattered and its result added to the shard.
+    That happens after *every* micro-batch's backward: keeping ``.grad`` across micro-batches
+    would hold the full gradients, which is what ZeRO-2 exists to avoid.  Buckets hold exactly
+    ``bucketMb`` (at most 1/:data:`MIN_BUCKETS` of the gradients), so a large tensor (the
+    embedding, the head) is split over several; one bucket is packed while at most
+    :data:`IN_FLIGHT_BUCKETS` are reduced.
     """
 
     def __init__(
@@ -123,50 +145,72 @@ class ShardedGradReducer(reducer.GradReducer):
         **reducer_args: Any,
     ) -> None:
         """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
+        flat = [p for chunk in params for p in (chunk if isinstance(chunk, list) else [chunk])]
+        self._total = sum(p.numel() for p in flat if p.requires_grad)
         # bucket index -> (packed full buffer, reduced shard, start) of its collective in flight
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp]] = {}
+        self._packing: dict[int, torch.Tensor] = {}  # bucket index -> full buffer being filled
         self._in_flight: list[reducer.Bucket] = []  # launch order
+        self._slices: dict[int, list[tuple[reducer.Bucket, int, int, int]]] = {}
+        """id(param) -> (bucket, offset in the bucket, first element, elements) of its slices."""
         super().__init__(params, **reducer_args)
 
-    def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
-        numel = sum(p.numel() for p in members)
-        shard = torch.zeros(
-            shard_size(numel, self.group_size), dtype=members[0].dtype, device=members[0].device
-        )
-        bucket = reducer.Bucket(index=len(self.buckets), params=members, buffer=shard)
-        for p in members:
-            p.grad = None
-            self._bucket_of[id(p)] = bucket
-        self.buckets.append(bucket)
+    def _add_buckets(
+        self, members: list[torch.nn.Parameter], element_size: int, bucket_bytes: int
+    ) -> None:
+        size = max(1, min(bucket_bytes // element_size, -(-self._total // MIN_BUCKETS)))
+        for planned in plan_spans([p.numel() for p in members], size):
+            numel = sum(n for _, _, n in planned)
+            shard = torch.zeros(
+                shard_size(numel, self.group_size),
+                dtype=members[0].dtype,
+                device=members[0].device,
+            )
+            bucket = reducer.Bucket(
+                index=len(self.buckets),
+                params=[members[i] for i, _, _ in planned],
+                buffer=shard,
+                spans=[(first, n) for _, first, n in planned],
+            )
+            offset = 0
+            for p, first, n in bucket.members():
+                p.grad = None
+                self._bucket_of[id(p)] = bucket
+                self._slices.setdefault(id(p), []).append((bucket, offset, first, n))
+                offset += n
+            self.buckets.append(bucket)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        bucket = self._bucket_of[id(param)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        grad = param.grad
+        if grad is None:
+            return
+        flat = grad.reshape(-1)
+        complete = []
+        for bucket, offset, first, n in self._slices[id(param)]:
+            if bucket.index not in self._packing:
+                shard = bucket.buffer
+                self._packing[bucket.index] = torch.zeros(
+                    shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device
+                )
+            self._packing[bucket.index].narrow(0, offset, n).copy_(flat.narrow(0, first, n))
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                complete.append(bucket)
+        param.grad = None
+        for bucket in complete:
             self._launch(bucket)
 
     def _launch(self, bucket: reducer.Bucket) -> None:
-        """Pack the members' gradients, release them, and reduce-scatter the packed buffer."""
+        """Reduce-scatter the bucket's packed buffer (at most IN_FLIGHT_BUCKETS others still running)."""
         self._settle(bucket)
         while len(self._in_flight) >= IN_FLIGHT_BUCKETS:  # bound the packed buffers alive
             self._settle(self._in_flight[0])
+        full = self._packing.pop(bucket.index)
         start = self.clock.now()
-        shard = bucket.buffer
-        full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
-        offset = 0
-        for p in bucket.params:
-            if p.grad is not None:
-                full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
-                p.grad = None
-            offset += p.numel()
-        reduced = torch.empty_like(shard)
-        # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
-        # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
-        self._pending[bucket.index] = (
-            full,
-            reduced,
-            start,
-        )  # both live until the collective is done
+        reduced = torch.empty_like(bucket.buffer)
+        # gloo's reduce-scatter work has no future to hang a callback on: time it from the launch to
+        # the end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
+        self._pending[bucket.index] = (full, reduced, start)  # both live until it is done
         bucket.work = self.clock.launch(
             lambda: _reduce_scatter(reduced, full, self.group, self.group_size)
         )
@@ -194,7 +238,7 @@ class ShardedGradReducer(reducer.GradReducer):
     def finish(self) -> None:
         """Reduce what is left, wait for every bucket and turn sums into means; only shards remain."""
         for bucket in self.buckets:
-            if any(p.grad is not None for p in bucket.params):
+            if bucket.index in self._packing:  # some member had no gradient this micro-batch
                 self._launch(bucket)
         for bucket in self.buckets:
             self._settle(bucket)
@@ -213,6 +257,8 @@ class _BucketState:
 
     params: list[torch.nn.Parameter]
     """The bucket's members, in flat order."""
+    spans: list[tuple[int, int]]
+    """(first element, elements) of each member's slice in the bucket."""
     start: int
     """Owned flat range of the bucket: [start, stop)."""
     stop: int
@@ -227,11 +273,24 @@ class _BucketState:
 
 
 def _write(state: _BucketState, full: torch.Tensor) -> None:
-    """Copy a gathered bucket into its members."""
+    """Copy a gathered bucket into its members' slices."""
     offset = 0
-    for p in state.params:
-        p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))
-        offset += p.numel()
+    for p, (first, n) in zip(state.params, state.spans):
+        p.detach().view(-1).narrow(0, first, n).copy_(full.narrow(0, offset, n))
+        offset += n
+
+
+def _owned(state: _BucketState, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The owned weights of a bucket packed flat (shard-sized), or written back from ``work``."""
+    packed = torch.zeros_like(state.exp_avg) if work is None else work
+    for seg in state.segments:
+        weights = state.params[seg.member].detach().view(-1).narrow(0, seg.start, seg.numel)
+        target = packed.narrow(0, seg.shard_offset, seg.numel)
+        if work is None:
+            target.copy_(weights)
+        else:
+            weights.copy_(target)
+    return packed
 
 
 class ZeroAdamW:
@@ -281,14 +340,23 @@ class ZeroAdamW:
         """Optimizer steps taken (AdamW's bias-correction step)."""
         self.buckets: list[_BucketState] = []
         for bucket in grad_reducer.buckets:
-            numel = sum(p.numel() for p in bucket.params)
+            members = bucket.members()
+            numel = sum(n for _, _, n in members)
             start, stop = shard_range(numel, self.rank, self.size)
-            segs = segments([p.numel() for p in bucket.params], start, stop)
+            segs = [  # in each parameter's own flat order, past the slices other buckets hold
+                dataclasses.replace(
+                    seg,
+                    start=seg.start + members[seg.member][1],
+                    stop=seg.stop + members[seg.member][1],
+                )
+                for seg in segments([n for _, _, n in members], start, stop)
+            ]
             s = shard_size(numel, self.size)
             like = bucket.params[0]
             self.buckets.append(
                 _BucketState(
                     params=bucket.params,
+                    spans=[(first, n) for _, first, n in members],
                     start=start,
                     stop=stop,
                     segments=segs,
@@ -451,15 +519,8 @@ class ZeroAdamW:
         order = range(len(self.buckets))
         for index in reversed(order) if self.prefetch else order:
             state = self.buckets[index]
-            s = state.exp_avg.numel()
             owned = state.stop - state.start
-            work = torch.zeros(
-                s, dtype=state.exp_avg.dtype, device=state.exp_avg.device
-            )  # owned weights, flat
-            for seg in state.segments:
-                work.narrow(0, seg.shard_offset, seg.numel).copy_(
-                    state.params[seg.member].detach().reshape(-1).narrow(0, seg.start, seg.numel)
-                )
+            work = _owned(state)  # owned weights, flat
             for seg in state.segments:
                 wd = (
                     decay_of["decay"]
@@ -478,9 +539,10 @@ class ZeroAdamW:
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(eps)
             w.addcdiv_(m, denom, value=-lr / bias1)
-            if self.prefetch:
-                write = functools.partial(_write, state)
-                self.gathers.put(param_gather.Gather(index=index, shard=work, write=write))
+            if self.prefetch:  # owned weights wait in the parameters, packed again at launch
+                _owned(state, work)
+                pack, write = functools.partial(_owned, state), functools.partial(_write, state)
+                self.gathers.put(param_gather.Gather(index=index, shard=pack, write=write))
             else:
                 self._gather(state, work)
 
