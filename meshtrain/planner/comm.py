@@ -139,6 +139,28 @@ def bucket_members(sizes: list[int], element_size: int, bucket_mb: float) -> lis
     return buckets
 
 
+ZERO2_MIN_BUCKETS = 16
+"""ZeRO-2 cuts a rank's gradients into at least this many buckets (``zero.MIN_BUCKETS``)."""
+
+
+def zero2_bucket(params: int, element_size: int, bucket_mb: float) -> int:
+    """Elements of a ZeRO-2 bucket: exactly ``bucket_mb`` MiB, at most 1/ZERO2_MIN_BUCKETS of ``params``."""
+    return max(1, min(int(bucket_mb * 2**20) // element_size, -(-params // ZERO2_MIN_BUCKETS)))
+
+
+def zero2_bucket_numels(
+    chunk_sizes: list[list[int]], element_size: int, bucket_mb: float
+) -> list[int]:
+    """Element counts of ZeRO-2's buckets, in launch order: each chunk's tensors cut into buckets of
+    :func:`zero2_bucket` elements, large tensors split over several (the last of a chunk may be smaller)."""
+    size = zero2_bucket(sum(map(sum, chunk_sizes)), element_size, bucket_mb)
+    out = []
+    for sizes in reversed(chunk_sizes):
+        whole, rest = divmod(sum(sizes), size)
+        out += [size] * whole + ([rest] if rest else [])
+    return out
+
+
 def bucket_numels(sizes: list[int], element_size: int, bucket_mb: float) -> list[int]:
     """Element counts of the gradient reducer's buckets, in launch order."""
     return [sum(sizes[i] for i in b) for b in bucket_members(sizes, element_size, bucket_mb)]
@@ -330,6 +352,8 @@ def _dp_exchange(
         for sizes in reversed(chunks.sizes)
         for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
     ]
+    if par.zero_stage == 2:
+        buckets = zero2_bucket_numels(chunks.sizes, scheme.grads, par.bucket_mb)
     if par.zero_stage == 3:
         exchange = _zero3_exchange(job, chunks, scheme)
     elif par.zero_stage == 2:
