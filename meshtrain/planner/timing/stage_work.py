@@ -222,7 +222,7 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
     ops_forward, ops_backward = _ops_per_microbatch(job, stage)
     seconds, after_backward, dp_calls = _group_seconds(job, stage_comm, prices)
     forward_one = forward_mb / prices.rank_flops + ops_forward * prices.op_seconds
-    after_backward -= _hidden_gathers(job, stage_comm, prices, forward_one)
+    hidden = _hidden_gathers(job, stage_comm, prices, forward_one)
     backward = (per_mb - forward_mb) / prices.rank_flops  # one micro-batch's backward
     if par.zero_stage == 2:  # each micro-batch reduce-scatters its buckets behind its own backward
         backward *= par.micro_batches
@@ -235,7 +235,7 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
         tp=seconds["tp"],
         pp=seconds["pp"],
         dp=seconds["dp"],
-        dp_exposed=exposed + after_backward,
+        dp_exposed=exposed + after_backward - hidden,
         optimizer=_optimizer_seconds(job, stage, prices),
         overhead=(ops_forward + ops_backward) * par.micro_batches * prices.op_seconds,
         forward=(forward_mb / prices.rank_flops + ops_forward * prices.op_seconds)
