@@ -10,6 +10,8 @@ trains one step, then measures ``--steps`` steps with the trainer's own clocks a
 * tp: the tensor-parallel collectives' busy time (they block the matmuls unless overlapped);
 * pp: the time blocked on pipeline sends and receives.
 
+Beside the dp rows, the planner's exposed dp time (``StageTime.dp_exposed``, the ``cpu`` profile).
+
 A row whose switch the spec does not have (``overlap.tensor`` until the tp part lands, a pipeline
 switch) runs once and says so.  Then the peak of live tensor bytes of a step (the second, as
 ``bench_zero3.py``) at dp2 for ZeRO-1 against ZeRO-2 at 4 and 16 micro-batches, beside the
@@ -36,7 +38,7 @@ from benchmarks import bench_zero3, machine, ranks
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import parallelism as api_parallelism
-from meshtrain.planner import memory, profiles
+from meshtrain.planner import estimate, memory, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh, state_bytes, zero
 from meshtrain.trainer.telemetry import live_bytes, recording, stepstats
@@ -154,6 +156,9 @@ def timing_rows(steps: int) -> list[dict[str, Any]]:
             world *= parallelism.get("pipeline", 1)
             load = os.getloadavg()[0]
             measured = ranks.spawn(_timing_rank, world, parallelism, overlap, steps)
+            plan = estimate.make_plan(
+                _spec(parallelism, overlap, MICRO_BATCHES, steps), profiles.get("cpu")
+            )
             rows.append(
                 {
                     "row": name,
@@ -162,6 +167,7 @@ def timing_rows(steps: int) -> list[dict[str, Any]]:
                     "note": "" if present else "toggle not present",
                     "exposed_seconds": {a: measured[a] for a in ("dp", "tp", "pp")},
                     "median_step_seconds": measured["step_seconds"],
+                    "planned_dp_exposed_seconds": plan.time.stages[0].dp_exposed,
                     "load_average_1m_before": load,
                 }
             )
@@ -200,12 +206,16 @@ def _axis(row: dict[str, Any]) -> str:
 
 def print_tables(timing: list[dict[str, Any]], mem: list[dict[str, Any]]) -> None:
     print(f"exposed communication per step, ms (worst rank's median); model {MODEL}, CPU gloo")
-    print(f"{'layout':>10} {'switch':>20} {'overlap':>8} | {'exposed':>8} | {'step s':>7} | note")
+    print(
+        f"{'layout':>10} {'switch':>20} {'overlap':>8} | {'exposed':>8} {'planned':>8} | {'step s':>7} | note"
+    )
     for r in timing:
         setting = {None: "-", False: "off", True: "on"}[r["overlap"]]
+        planned = f"{r['planned_dp_exposed_seconds'] * 1e3:>8.1f}" if _axis(r) == "dp" else " " * 8
         print(
             f"{r['row']:>10} {r['switch']:>20} {setting:>8} | "
-            f"{r['exposed_seconds'][_axis(r)] * 1e3:>8.1f} | {r['median_step_seconds']:>7.3f} | {r['note']}"
+            f"{r['exposed_seconds'][_axis(r)] * 1e3:>8.1f} {planned} | "
+            f"{r['median_step_seconds']:>7.3f} | {r['note']}"
         )
     print("peak live tensor MiB per rank at dp2 (step 2)")
     print(f"{'zero':>4} {'micro':>5} | {'peak':>8} {'planned':>8} | {'vs ZeRO-1':>9}")

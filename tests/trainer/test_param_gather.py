@@ -2,8 +2,8 @@
 
 At dp2 with several buckets, each stage with the prefetch on and off trains like one device (losses
 against torch's own loop, :func:`mt_workers.reference`), the two paths end on bit-identical weights,
-and with the prefetch on every gather of a later step was launched before the step began and
-waited for inside its forward.
+and with the prefetch on every gather of a later step is recorded inside that step and waited for
+in its forward, before the first backward (serial: inside the optimizer step, after the last).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import param_gather
 from meshtrain.trainer.telemetry import recording
 from tests.builders import JobBuilder
 
@@ -57,11 +56,11 @@ def train(cases: dict[str, dict]) -> dict[str, dict]:
         losses, gathers = [], []
         for _ in range(STEPS):
             losses.append(eng.train_step().loss)
-            started = recorder.step_started
-            forwards = [e.start for e in recorder.events if e.what == "compute"]
+            backward = [e for e in recorder.events if e.what == "compute" and e.kind == "backward"]
+            first, last = min(e.start for e in backward), max(e.end for e in backward)
             gathers.append(
                 [
-                    (e.start < started, e.end >= min(forwards))
+                    (e.end <= first, e.start >= last, recorder.step_started <= e.start)
                     for e in recorder.events
                     if e.what == "collective" and e.kind == "all_gather"
                 ]
@@ -96,12 +95,10 @@ def test_prefetched_gathers_are_awaited_inside_the_next_forward(runs) -> None:
         for stage in (1, 2):
             prefetch = rank[f"zero{stage}-prefetch"]["gathers"]
             assert prefetch[0] == []  # nothing to gather before the first step
-            for step in prefetch[1:]:  # the first ones launched after the last step's update
-                assert len(step) > param_gather.IN_FLIGHT
-                assert [launched for launched, _ in step] == [
-                    i < param_gather.IN_FLIGHT for i in range(len(step))
-                ]
-                assert all(in_forward for _, in_forward in step)
+            for step in prefetch[1:]:  # every gather done before the first backward, in the step
+                assert len(step) > 1 and all(
+                    in_forward and inside for in_forward, _, inside in step
+                )
             serial = rank[f"zero{stage}-serial"]["gathers"]
-            for step in serial:  # launched and done inside the step, after its forward
-                assert len(step) > 1 and not any(launched for launched, _ in step)
+            for step in serial:  # inside the optimizer step, after the last backward
+                assert len(step) > 1 and all(after and inside for _, after, inside in step)

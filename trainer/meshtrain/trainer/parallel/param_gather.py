@@ -40,6 +40,10 @@ class Gather:
     """The gathered bucket (allocated at launch)."""
     launch: clocks.Launch | None = None
     """The collective in flight."""
+    looked: clocks.Stamp | None = None
+    """When the next step first waited for a gather, if this one was launched before that step:
+    its recorded start, so that a step's events lie inside the step (the part before ran while
+    the last step ended and this one began, hidden)."""
 
 
 def _all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -65,6 +69,15 @@ class GatherQueue:
         self._flying: dict[int, Gather] = {}  # bucket index -> launched, not yet written
         self.waits: list[tuple[clocks.Stamp, clocks.Stamp]] = []
         """Intervals the training thread blocked on a gather (drained by :meth:`take_waits`)."""
+        self._fresh = False  # gathers were queued by a step and no one has waited since
+
+    def _look(self) -> None:
+        """The first wait after a step's queueing: the gathers in flight are recorded from now."""
+        if self._fresh:
+            self._fresh = False
+            now = self.clock.now()
+            for gather in self._flying.values():
+                gather.looked = now
 
     def __bool__(self) -> bool:
         return bool(self._queued or self._flying)
@@ -72,6 +85,7 @@ class GatherQueue:
     def put(self, gather: Gather) -> None:
         """Queue ``gather``; it starts as soon as fewer than :data:`IN_FLIGHT` are running."""
         self._queued.append(gather)
+        self._fresh = True
         self._fill()
 
     def _fill(self) -> None:
@@ -89,6 +103,7 @@ class GatherQueue:
     def settle(self, indices: Iterable[int]) -> None:
         """Wait for the gathers of bucket ``indices`` (launching them first if still queued) and write them."""
         wanted = set(indices)
+        self._look()
         while wanted & ({g.index for g in self._queued} | set(self._flying)):
             flying = [i for i in self._flying if i in wanted]
             if not flying:  # still queued: wait for the oldest in flight to make room
@@ -98,6 +113,7 @@ class GatherQueue:
 
     def settle_all(self) -> None:
         """Wait for and write every queued and in-flight gather."""
+        self._look()
         while self:
             if not self._flying:
                 self._fill()
@@ -112,7 +128,8 @@ class GatherQueue:
         full = gather.full
         # stamps are floats on the host clock, CUDA events for the DeferredRecorder (see clocks)
         record: Callable[..., None] = self.recorder.collective
-        record("dp", "all_gather", full.numel() * full.element_size(), gather.launch.start, end)
+        start = gather.launch.start if gather.looked is None else gather.looked
+        record("dp", "all_gather", full.numel() * full.element_size(), start, end)
         gather.write(full)
         gather.packed = gather.full = None
 
