@@ -123,7 +123,10 @@ class GatherQueue:
     def _land(self, gather: Gather) -> None:
         assert gather.launch is not None and gather.full is not None
         blocked = self.clock.now()
-        end = gather.launch.wait()
+        gather.launch.wait()
+        end = (
+            self.clock.now()
+        )  # on CUDA, where the compute stream passes the wait (after ``looked``)
         self.waits.append((blocked, end))
         full = gather.full
         # stamps are floats on the host clock, CUDA events for the DeferredRecorder (see clocks)
