@@ -301,8 +301,8 @@ def working_buffers(
     """(backward's transient buffers, the optimizer step's temporaries) of one rank, in bytes.
 
     * ZeRO-2 copies each gradient into its bucket's packed, full-size buffer as
-      it arrives (buckets of :func:`.comm.zero2_bucket` elements, large tensors
-      split): one bucket packing, ``ZERO2_BUCKETS_IN_FLIGHT`` reduce-scattering
+      it arrives (buckets up to :func:`.comm.zero2_bucket`'s cap, large
+      tensors split): one bucket packing, ``ZERO2_BUCKETS_IN_FLIGHT`` reduce-scattering
       with their reduced shards, and autograd's gradient of the largest tensor
       before it is copied.
     * ``overlap.paramGather`` (ZeRO-1/2): one gathered bucket is alive during
@@ -318,7 +318,8 @@ def working_buffers(
     sharded_grads = par.zero_stage == 2 and par.data > 1
     backward = 0.0
     if sharded_grads:
-        bucket = comm.zero2_bucket(params, scheme.grads, par.bucket_mb)
+        target, cap = comm.zero2_bucket(params, scheme.grads, par.bucket_mb)
+        bucket = min(params, cap, target + largest)  # overshoots by at most one slice
         packed = (
             ZERO2_BUCKETS_IN_FLIGHT + 1
         ) * bucket + ZERO2_BUCKETS_IN_FLIGHT * bucket / par.data

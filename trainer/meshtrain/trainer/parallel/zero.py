@@ -107,20 +107,23 @@ MIN_BUCKETS = 16
 already does), so the packed buckets alive at once stay a small part of the gradients it saves."""
 
 
-def plan_spans(sizes: list[int], bucket: int) -> list[list[tuple[int, int, int]]]:
-    """Consecutive tensors (flat sizes ``sizes``) cut into buckets of exactly ``bucket`` elements
-    (the last may hold fewer): per bucket, (tensor index, first element, elements) of each slice."""
+def plan_spans(sizes: list[int], bucket: int, cap: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive tensors (flat sizes ``sizes``) in buckets of at least ``bucket`` elements (the
+    last may hold fewer) and at most ``cap`` (>= 2 x ``bucket``): a bucket closes once it holds
+    ``bucket``, as :func:`.reducer.plan_buckets` closes a whole-tensor one, and a tensor that
+    would take it past ``cap`` is cut there and goes on in the next.  Per bucket, (tensor index,
+    first element, elements) of each slice."""
     buckets: list[list[tuple[int, int, int]]] = [[]]
-    room = bucket
+    filled = 0
     for index, numel in enumerate(sizes):
         first = 0
         while first < numel:
-            if room == 0:
+            if buckets[-1] and filled >= bucket:
                 buckets.append([])
-                room = bucket
-            take = min(room, numel - first)
+                filled = 0
+            take = min(numel - first, cap - filled)
             buckets[-1].append((index, first, take))
-            first, room = first + take, room - take
+            filled, first = filled + take, first + take
     return [b for b in buckets if b]
 
 
@@ -133,10 +136,11 @@ class ShardedGradReducer(reducer.GradReducer):
     of it and released (DeepSpeed's stage 2 copies into its reduce bucket the same way), and a
     bucket whose slices have all arrived is reduce-scattered and its result added to the shard.
     That happens after *every* micro-batch's backward: keeping ``.grad`` across micro-batches
-    would hold the full gradients, which is what ZeRO-2 exists to avoid.  Buckets hold exactly
-    ``bucketMb`` (at most 1/:data:`MIN_BUCKETS` of the gradients), so a large tensor (the
-    embedding, the head) is split over several; one bucket is packed while at most
-    :data:`IN_FLIGHT_BUCKETS` are reduced.
+    would hold the full gradients, which is what ZeRO-2 exists to avoid.  Buckets hold at least
+    ``bucketMb`` (at most 1/:data:`MIN_BUCKETS` of the gradients) and at most the larger of twice
+    that and 1/:data:`MIN_BUCKETS` of the gradients, so a large tensor (the embedding, the head)
+    is split over several (:func:`plan_spans`); one bucket is
+    packed while at most :data:`IN_FLIGHT_BUCKETS` are reduced.
     """
 
     def __init__(
@@ -158,8 +162,9 @@ class ShardedGradReducer(reducer.GradReducer):
     def _add_buckets(
         self, members: list[torch.nn.Parameter], element_size: int, bucket_bytes: int
     ) -> None:
-        size = max(1, min(bucket_bytes // element_size, -(-self._total // MIN_BUCKETS)))
-        for planned in plan_spans([p.numel() for p in members], size):
+        share = -(-self._total // MIN_BUCKETS)
+        size = max(1, min(bucket_bytes // element_size, share))
+        for planned in plan_spans([p.numel() for p in members], size, max(2 * size, share)):
             numel = sum(n for _, _, n in planned)
             shard = torch.zeros(
                 shard_size(numel, self.group_size),
