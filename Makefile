@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e benchmarks bench-faults clean \
+.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e benchmarks bench-overlap bench-faults clean \
         chart-docs chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -100,6 +100,9 @@ lint-chart: bootstrap  ## helm lint --strict the chart
 
 benchmarks: venv  ## run every benchmark; results go to benchmarks/results/
 	$(BIN)/python -m benchmarks
+
+bench-overlap: venv  ## communication overlap before/after (tp2, dp2 ZeRO-1/2, pp2) and ZeRO-2 vs ZeRO-1 peak memory, one run (BENCH_ARGS=...)
+	$(BIN)/python benchmarks/bench_overlap.py $(BENCH_ARGS)
 
 bench-faults: venv bootstrap  ## the sandbox fault benchmark, gang rebuild vs in-place side by side (root; e2e tier, not in `make benchmarks`; BENCH_ARGS=...)
 	$(BIN)/python benchmarks/bench_faults.py $(BENCH_ARGS)

@@ -143,6 +143,41 @@ def bucket_members(sizes: list[int], element_size: int, bucket_mb: float) -> lis
     return buckets
 
 
+ZERO2_MIN_BUCKETS = 16
+"""ZeRO-2 cuts a rank's gradients into at least this many buckets (``zero.MIN_BUCKETS``)."""
+
+
+def zero2_bucket(params: int, element_size: int, bucket_mb: float) -> tuple[int, int]:
+    """A ZeRO-2 bucket's (target, cap) in elements: it closes once it holds ``bucket_mb`` MiB (at
+    most 1/ZERO2_MIN_BUCKETS of ``params``) and never holds more than the larger of twice that and
+    1/ZERO2_MIN_BUCKETS of ``params``."""
+    share = -(-params // ZERO2_MIN_BUCKETS)
+    size = max(1, min(int(bucket_mb * 2**20) // element_size, share))
+    return size, max(2 * size, share)
+
+
+def zero2_bucket_numels(
+    chunk_sizes: list[list[int]], element_size: int, bucket_mb: float
+) -> list[int]:
+    """Element counts of ZeRO-2's buckets, in launch order (``zero.plan_spans``): each chunk's
+    tensors, last first; a bucket closes once it holds the :func:`zero2_bucket` target, and a
+    tensor that would take it past the cap is cut there and goes on in the next."""
+    size, cap = zero2_bucket(sum(map(sum, chunk_sizes)), element_size, bucket_mb)
+    out: list[int] = []
+    for sizes in reversed(chunk_sizes):
+        filled = 0
+        for numel in reversed(sizes):
+            first = 0
+            while first < numel:
+                if not filled or filled >= size:
+                    out.append(0)
+                    filled = 0
+                take = min(numel - first, cap - filled)
+                out[-1] += take
+                filled, first = filled + take, first + take
+    return out
+
+
 def bucket_numels(sizes: list[int], element_size: int, bucket_mb: float) -> list[int]:
     """Element counts of the gradient reducer's buckets, in launch order."""
     return [sum(sizes[i] for i in b) for b in bucket_members(sizes, element_size, bucket_mb)]
@@ -354,6 +389,8 @@ def _dp_exchange(
         for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
     ]
     compressed = par.gradient_compression.mode != "none"
+    if par.zero_stage == 2:
+        buckets = zero2_bucket_numels(chunks.sizes, scheme.grads, par.bucket_mb)
     if par.zero_stage == 3:
         exchange = _zero3_exchange(job, chunks, scheme)
     elif par.zero_stage == 2 and not compressed:

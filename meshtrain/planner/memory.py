@@ -287,8 +287,9 @@ def in_flight_microbatches(
 
 # --------------------------------------------------------------------------- working buffers
 
-ZERO2_BUCKETS_IN_FLIGHT = 2
-"""Reduce-scatters the trainer's ZeRO-2 reducer keeps in flight (``zero.IN_FLIGHT_BUCKETS``)."""
+ZERO2_BUCKETS_IN_FLIGHT = 1
+"""Reduce-scatters the trainer's ZeRO-2 reducer keeps in flight beside the bucket it packs
+(``zero.IN_FLIGHT_BUCKETS``)."""
 
 MOMENT_BYTES = 4
 """Adam moments are fp32 in every recipe."""
@@ -307,9 +308,14 @@ def working_buffers(
 ) -> tuple[float, float]:
     """(backward's transient buffers, the optimizer step's temporaries) of one rank, in bytes.
 
-    * ZeRO-2 packs a bucket's gradients into a full-size buffer for its
-      reduce-scatter: up to ``ZERO2_BUCKETS_IN_FLIGHT`` packed buckets in
-      flight plus the gradients autograd is filling for the next one.
+    * ZeRO-2 copies each gradient into its bucket's packed, full-size buffer as
+      it arrives (buckets up to :func:`.comm.zero2_bucket`'s cap, large
+      tensors split): one bucket packing, ``ZERO2_BUCKETS_IN_FLIGHT`` reduce-scattering
+      with their reduced shards, and autograd's gradient of the largest tensor
+      before it is copied.
+    * ``overlap.paramGather`` (ZeRO-1/2): one gathered bucket is alive during
+      the forward, up to its end beside nearly all the activations (ZeRO-2's
+      packing comes after it, in backward: the larger of the two counts).
     * The optimizer step without ZeRO is ``torch.optim.AdamW`` (foreach): it
       builds the square root of every second moment at once (one fp32 moment
       of temporaries).  ZeRO-1/2 update bucket by bucket: the owned weights and
@@ -318,7 +324,16 @@ def working_buffers(
     """
     bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)  # elements
     sharded_grads = par.zero_stage == 2 and par.data > 1
-    backward = (ZERO2_BUCKETS_IN_FLIGHT + 1) * bucket * scheme.grads if sharded_grads else 0.0
+    backward = 0.0
+    if sharded_grads:
+        target, cap = comm.zero2_bucket(params, scheme.grads, par.bucket_mb)
+        bucket = min(params, cap, target + largest)  # overshoots by at most one slice
+        packed = (
+            ZERO2_BUCKETS_IN_FLIGHT + 1
+        ) * bucket + ZERO2_BUCKETS_IN_FLIGHT * bucket / par.data
+        backward = (packed + largest) * scheme.grads
+    if par.zero_stage in (1, 2) and par.data > 1 and par.overlap.param_gather:
+        backward = max(backward, bucket * scheme.weights)
     if par.zero_stage == 3 and par.data > 1:
         step = params / par.data * MOMENT_BYTES
     elif par.zero_stage >= 1 and par.data > 1:

@@ -70,9 +70,10 @@ def _gather_grad_shards(eng: engine.Engine) -> dict[str, torch.Tensor]:
         full = torch.empty(bucket.buffer.numel() * size, dtype=bucket.buffer.dtype)
         dist.all_gather_into_tensor(full, bucket.buffer, group=group)
         offset = 0
-        for p in bucket.params:
-            out[names[id(p)]] = full[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        for p, first, numel in bucket.members():  # a large parameter spans several buckets
+            grad = out.setdefault(names[id(p)], torch.zeros_like(p))
+            grad.view(-1)[first : first + numel] = full[offset : offset + numel]
+            offset += numel
     return out
 
 

@@ -61,13 +61,20 @@ class GradientCompression(base.SpecModel):
 
 
 class Overlap(base.SpecModel):
-    """Which communication runs beside compute instead of before or after it (off: the serial path)."""
+    """Which communication runs beside compute instead of before or after it (each switch off gives the serial path)."""
 
     tensor: bool = Field(
         True,
         description="Tensor-parallel collectives split into chunks along the sequence, each chunk's all-gather, "
         "reduce-scatter or all-reduce in flight while the next chunk's matmul runs (and a column-parallel "
         "input gradient's all-reduce beside the weight-gradient matmul); false: each collective blocks.",
+    )
+
+    param_gather: bool = Field(
+        True,
+        description="ZeRO-1/2: all-gather the updated weights asynchronously after the optimizer step and "
+        "wait for each layer's bucket just before that layer's next forward (false: every bucket is "
+        "gathered, blocking, inside the step).",
     )
 
 
@@ -147,7 +154,7 @@ class Parallelism(base.SpecModel):
     )
     overlap: Overlap = Field(
         default_factory=Overlap,
-        description="Communication overlapped with compute, per kind.",
+        description="Communication overlapped with compute (each switch off gives the serial path).",
     )
 
     @property

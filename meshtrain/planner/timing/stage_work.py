@@ -235,6 +235,8 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
     per_mb, forward_mb = _flops_per_microbatch(job, stage)
     ops_forward, ops_backward = _ops_per_microbatch(job, stage)
     seconds, after_backward, dp_calls = _group_seconds(job, stage_comm, prices)
+    forward_one = forward_mb / prices.rank_flops + ops_forward * prices.op_seconds
+    hidden = _hidden_gathers(job, stage_comm, prices, forward_one)
     backward = (per_mb - forward_mb) / prices.rank_flops  # one micro-batch's backward
     if par.zero_stage == 2:  # each micro-batch reduce-scatters its buckets behind its own backward
         backward *= par.micro_batches
@@ -255,7 +257,7 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
         tp=seconds["tp"],
         pp=seconds["pp"],
         dp=seconds["dp"],
-        dp_exposed=exposed + after_backward,
+        dp_exposed=exposed + after_backward - hidden,
         optimizer=_optimizer_seconds(job, stage, prices),
         cp=_ring_exposed(job, stage_comm, prices),
         cp_ring=seconds["cp"],
@@ -264,6 +266,25 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
         * par.micro_batches,
         tp_hidden=tp_hidden,
     )
+
+
+def _hidden_gathers(
+    job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Prices, forward: float
+) -> float:
+    """Seconds of ZeRO-1/2's weight gathers hidden behind the next step's first forward (``forward``).
+
+    Under ``overlap.paramGather`` the gathers run one bucket ahead of the layers: the first
+    bucket's is exposed whole and the rest hide behind the forward as far as it lasts; 0 for the
+    serial path, whose gathers block inside the step.
+    """
+    par = job.parallelism
+    if par.zero_stage not in (1, 2) or par.data == 1 or not par.overlap.param_gather:
+        return 0.0
+    for c in stage_comm.collectives:
+        if c.group == "dp" and c.op == "all_gather" and c.after_backward:
+            spent = prices.collective(job, c)
+            return min(spent - spent / c.calls, forward)
+    return 0.0
 
 
 def _flops_per_microbatch(job: api_spec.TrainingJobSpec, stage: int) -> tuple[float, float]:

@@ -229,7 +229,8 @@ class Engine:
         """AdamW, with its moments sharded over the data-parallel group under ZeRO-1/2."""
         training, stage = self.spec.training, self.spec.parallelism.zero_stage
         if stage in (1, 2) and self.model.reducer is not None:
-            return zero.ZeroAdamW(
+            prefetch = self.spec.parallelism.overlap.param_gather
+            optimizer = zero.ZeroAdamW(
                 self.model.named_params,
                 self.model.reducer,
                 stage=stage,
@@ -237,7 +238,11 @@ class Engine:
                 weight_decay=training.weight_decay,
                 recorder=self.recorder,
                 clock=self.clock,
+                prefetch_into=list(self.model.chunks) if prefetch else None,
             )
+            if optimizer.prefetch:
+                self.model.before_read = optimizer.wait_gathers
+            return optimizer
         return adamw.build_adamw(
             self.model.named_params,
             lr=training.learning_rate,

@@ -30,6 +30,8 @@ from meshtrain.trainer.parallel import compression, reducer, zero
 class CompressedShardedGradReducer(compression.Compressing, zero.ShardedGradReducer):
     """ZeRO-2's gradient reduction with a compressed reduce-scatter, after an exact warm-up."""
 
+    split_tensors = False
+
     def __init__(
         self,
         params: list[torch.nn.Parameter] | list[list[torch.nn.Parameter]],

@@ -46,8 +46,8 @@ class ParallelModel:
 
     chunks: list[gpt.GPT]
     """Model chunks of this pipeline stage (one per virtual stage)."""
-    named_params: list[tuple[str, torch.nn.Parameter]]
-    """Every parameter of this rank, by its dense-model name."""
+    named: list[tuple[str, torch.nn.Parameter]]
+    """Every parameter of this rank, by its dense-model name (read through :attr:`named_params`)."""
     tp_plan: tensor.TPPlan | None
     """How parameters are sharded over TP (None without TP)."""
     executor: pipeline.PipelineExecutor
@@ -63,6 +63,16 @@ class ParallelModel:
     embedding group), which sum the matrix's gradients; None where this rank holds no copy."""
     tied_copy: bool = False
     """This rank holds the last stage's copy of the tied matrix (its gradient is counted on the first stage)."""
+    before_read: Callable[[], None] | None = None
+    """Makes the parameters current before they are read outside a forward (ZeRO's prefetched
+    all-gathers, written by the layers' pre-hooks otherwise); None: always current."""
+
+    @property
+    def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Every parameter of this rank, by its dense-model name, with its current values."""
+        if self.before_read is not None:
+            self.before_read()
+        return self.named
 
     def norm_counted(self, tp_rank: int) -> list[clipping.Counted]:
         """Per parameter: what this rank counts of it in the global gradient norm (see ``TPPlan.norm_counted``)."""
@@ -219,7 +229,7 @@ def parallelize(
     holds_tied = tied_across and coords.pp in (0, layout.pipeline - 1)
     return ParallelModel(
         chunks=chunks,
-        named_params=named,
+        named=named,
         tp_plan=tp_plan,
         executor=executor,
         reducer=grad_reducer,

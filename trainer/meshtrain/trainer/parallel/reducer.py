@@ -31,6 +31,15 @@ class Bucket:
     """Members whose final gradient arrived this step."""
     work: clocks.Launch | None = None
     """The in-flight collective (launched through the clock), if launched."""
+    spans: list[tuple[int, int]] | None = None
+    """(first element, elements) of each member's flat slice in this bucket, when a member is
+    split over buckets (ZeRO-2); None: every member whole."""
+
+    def members(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """(parameter, first element, elements) of each member's slice, in flat order."""
+        if self.spans is None:
+            return [(p, 0, p.numel()) for p in self.params]
+        return [(p, first, n) for p, (first, n) in zip(self.params, self.spans)]
 
 
 def plan_buckets(sizes: list[int], element_size: int, bucket_bytes: int) -> list[list[int]]:
@@ -86,10 +95,7 @@ class GradReducer:
                     by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, members in by_dtype.items():
                 element = torch.empty((), dtype=dtype).element_size()
-                for indices in plan_buckets(
-                    [p.numel() for p in members], element, int(bucket_mb * 2**20)
-                ):
-                    self._add_bucket([members[i] for i in indices])
+                self._add_buckets(members, element, int(bucket_mb * 2**20))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
         self._measured: set[int] | None = None
         self.local_square: torch.Tensor | None = None
@@ -102,6 +108,13 @@ class GradReducer:
         small-batch norm); :meth:`take_local_square` reads and resets it.
         """
         self._measured = {id(p) for p in params}
+
+    def _add_buckets(
+        self, members: list[torch.nn.Parameter], element_size: int, bucket_bytes: int
+    ) -> None:
+        """Bucket consecutive ``members`` (one chunk, one dtype) by :func:`plan_buckets`."""
+        for indices in plan_buckets([p.numel() for p in members], element_size, bucket_bytes):
+            self._add_bucket([members[i] for i in indices])
 
     def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
         buffer = torch.zeros(
@@ -181,7 +194,7 @@ class GradReducer:
 
     def payload_bytes(self) -> tuple[int, int]:
         """(uncompressed, sent) payload bytes of a step's gradient reduction: equal without compression."""
-        dense = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
+        dense = sum(n * p.element_size() for b in self.buckets for p, _, n in b.members())
         return dense, dense
 
     def discard_step(self) -> None:

@@ -10,13 +10,14 @@ the owned gradients.  The fp32 weights are the master copy, so stage 1 shards ju
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.trainer.parallel import clipping, reducer
+from meshtrain.trainer.parallel import clipping, param_gather, reducer
 from meshtrain.trainer.telemetry import clocks, recording
 
 
@@ -100,23 +101,53 @@ def _reduce_scatter(
         return work
 
 
-IN_FLIGHT_BUCKETS = 2
-"""ZeRO-2 reduce-scatters in flight at once: each holds a packed, full-size bucket until it is done."""
+IN_FLIGHT_BUCKETS = 1
+"""ZeRO-2 reduce-scatters in flight at once, beside the bucket being packed: each holds a packed,
+full-size bucket until it is done."""
+MIN_BUCKETS = 16
+"""ZeRO-2 cuts a rank's gradients into at least this many buckets (fewer only where ``bucketMb``
+already does), so the packed buckets alive at once stay a small part of the gradients it saves."""
+
+
+def plan_spans(sizes: list[int], bucket: int, cap: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive tensors (flat sizes ``sizes``) in buckets of at least ``bucket`` elements (the
+    last may hold fewer) and at most ``cap`` (>= 2 x ``bucket``): a bucket closes once it holds
+    ``bucket``, as :func:`.reducer.plan_buckets` closes a whole-tensor one, and a tensor that
+    would take it past ``cap`` is cut there and goes on in the next.  Per bucket, (tensor index,
+    first element, elements) of each slice."""
+    buckets: list[list[tuple[int, int, int]]] = [[]]
+    filled = 0
+    for index, numel in enumerate(sizes):
+        first = 0
+        while first < numel:
+            if buckets[-1] and filled >= bucket:
+                buckets.append([])
+                filled = 0
+            take = min(numel - first, cap - filled)
+            buckets[-1].append((index, first, take))
+            filled, first = filled + take, first + take
+    return [b for b in buckets if b]
 
 
 class ShardedGradReducer(reducer.GradReducer):
     """ZeRO-2 gradient reduction: reduce-scatter per bucket; a rank keeps only its owned gradient range.
 
-    ``bucket.buffer`` is the rank's gradient shard (``ceil(n/N)`` elements),
-    not a full-size buffer, and parameters' ``.grad`` are not views into it:
-    autograd allocates them during backward, and as soon as every member of a
-    bucket has its gradient from this backward they are packed, released and
-    reduce-scattered, and the result is added to the shard.  That happens
-    after *every* micro-batch's backward, not only the last (DeepSpeed's
-    stage 2 does the same): keeping ``.grad`` across micro-batches would hold
-    the full gradients, which is what ZeRO-2 exists to avoid.  The price is
-    one reduce-scatter per bucket per micro-batch.
+    ``bucket.buffer`` is the rank's gradient shard (``ceil(n/N)`` elements), not a full-size
+    buffer.  Autograd allocates a parameter's ``.grad`` in backward; as soon as it is final for
+    this micro-batch it is copied into the packed, full-size buffer of each bucket holding a slice
+    of it and released (DeepSpeed's stage 2 copies into its reduce bucket the same way), and a
+    bucket whose slices have all arrived is reduce-scattered and its result added to the shard.
+    That happens after *every* micro-batch's backward: keeping ``.grad`` across micro-batches
+    would hold the full gradients, which is what ZeRO-2 exists to avoid.  Buckets hold at least
+    ``bucketMb`` (at most 1/:data:`MIN_BUCKETS` of the gradients) and at most the larger of twice
+    that and 1/:data:`MIN_BUCKETS` of the gradients, so a large tensor (the embedding, the head)
+    is split over several (:func:`plan_spans`); one bucket is
+    packed while at most :data:`IN_FLIGHT_BUCKETS` are reduced.
     """
+
+    split_tensors = True
+    """Whether a tensor past a bucket's cap is cut across buckets (False keeps whole tensors: a
+    compressor that works on whole matrices, such as PowerSGD, needs them)."""
 
     def __init__(
         self,
@@ -124,43 +155,74 @@ class ShardedGradReducer(reducer.GradReducer):
         **reducer_args: Any,
     ) -> None:
         """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
+        flat = [p for chunk in params for p in (chunk if isinstance(chunk, list) else [chunk])]
+        self._total = sum(p.numel() for p in flat if p.requires_grad)
         # bucket index -> (packed full buffer, reduced shard, start) of its collective in flight
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp]] = {}
+        self._packing: dict[int, torch.Tensor] = {}  # bucket index -> full buffer being filled
         self._in_flight: list[reducer.Bucket] = []  # launch order
+        self._slices: dict[int, list[tuple[reducer.Bucket, int, int, int]]] = {}
+        """id(param) -> (bucket, offset in the bucket, first element, elements) of its slices."""
         super().__init__(params, **reducer_args)
 
-    def _add_bucket(self, members: list[torch.nn.Parameter]) -> None:
-        numel = sum(p.numel() for p in members)
-        shard = torch.zeros(
-            shard_size(numel, self.group_size), dtype=members[0].dtype, device=members[0].device
-        )
-        bucket = reducer.Bucket(index=len(self.buckets), params=members, buffer=shard)
-        for p in members:
-            p.grad = None
-            self._bucket_of[id(p)] = bucket
-        self.buckets.append(bucket)
+    def _add_buckets(
+        self, members: list[torch.nn.Parameter], element_size: int, bucket_bytes: int
+    ) -> None:
+        share = -(-self._total // MIN_BUCKETS)
+        size = max(1, min(bucket_bytes // element_size, share))
+        cap = max(2 * size, share) if self.split_tensors else self._total
+        for planned in plan_spans([p.numel() for p in members], size, cap):
+            numel = sum(n for _, _, n in planned)
+            shard = torch.zeros(
+                shard_size(numel, self.group_size),
+                dtype=members[0].dtype,
+                device=members[0].device,
+            )
+            bucket = reducer.Bucket(
+                index=len(self.buckets),
+                params=[members[i] for i, _, _ in planned],
+                buffer=shard,
+                spans=[(first, n) for _, first, n in planned],
+            )
+            offset = 0
+            for p, first, n in bucket.members():
+                p.grad = None
+                self._bucket_of[id(p)] = bucket
+                self._slices.setdefault(id(p), []).append((bucket, offset, first, n))
+                offset += n
+            self.buckets.append(bucket)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        bucket = self._bucket_of[id(param)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        grad = param.grad
+        if grad is None:
+            return
+        flat = grad.reshape(-1)
+        complete = []
+        for bucket, offset, first, n in self._slices[id(param)]:
+            if bucket.index not in self._packing:
+                shard = bucket.buffer
+                self._packing[bucket.index] = torch.zeros(
+                    shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device
+                )
+            self._packing[bucket.index].narrow(0, offset, n).copy_(flat.narrow(0, first, n))
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                complete.append(bucket)
+        param.grad = None
+        for bucket in complete:
             self._launch(bucket)
 
     def _launch(self, bucket: reducer.Bucket) -> None:
-        """Pack the members' gradients, release them, and reduce-scatter the packed buffer."""
+        """Reduce-scatter the bucket's packed buffer (at most IN_FLIGHT_BUCKETS others still running)."""
         self._settle(bucket)
         while len(self._in_flight) >= IN_FLIGHT_BUCKETS:  # bound the packed buffers alive
             self._settle(self._in_flight[0])
-        start = self.clock.now()
         full = self._pack(bucket)
+        start = self.clock.now()
         reduced = torch.empty_like(bucket.buffer)
-        # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
-        # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
-        self._pending[bucket.index] = (
-            full,
-            reduced,
-            start,
-        )  # both live until the collective is done
+        # gloo's reduce-scatter work has no future to hang a callback on: time it from the launch to
+        # the end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
+        self._pending[bucket.index] = (full, reduced, start)  # both live until it is done
         bucket.work = self.clock.launch(
             lambda: _reduce_scatter(reduced, full, self.group, self.group_size)
         )
@@ -168,15 +230,14 @@ class ShardedGradReducer(reducer.GradReducer):
         bucket.ready = 0
 
     def _pack(self, bucket: reducer.Bucket) -> torch.Tensor:
-        """The members' gradients packed into a full-size (padded) buffer, their ``.grad`` released."""
-        shard = bucket.buffer
-        full = torch.zeros(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
-        offset = 0
-        for p in bucket.params:
-            if p.grad is not None:
-                full.narrow(0, offset, p.numel()).copy_(p.grad.reshape(-1))
-                p.grad = None
-            offset += p.numel()
+        """The bucket's packed, full-size (padded) buffer, filled as its members' gradients arrived
+        (zeros where a member had none this micro-batch); the reducer lets go of it."""
+        full = self._packing.pop(bucket.index, None)
+        if full is None:
+            shard = bucket.buffer
+            full = torch.zeros(
+                shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device
+            )
         return full
 
     def _settle(self, bucket: reducer.Bucket) -> None:
@@ -200,7 +261,7 @@ class ShardedGradReducer(reducer.GradReducer):
     def finish(self) -> None:
         """Reduce what is left, wait for every bucket and turn sums into means; only shards remain."""
         for bucket in self.buckets:
-            if any(p.grad is not None for p in bucket.params):
+            if bucket.index in self._packing:  # some member had no gradient this micro-batch
                 self._launch(bucket)
         for bucket in self.buckets:
             self._settle(bucket)
@@ -219,6 +280,8 @@ class _BucketState:
 
     params: list[torch.nn.Parameter]
     """The bucket's members, in flat order."""
+    spans: list[tuple[int, int]]
+    """(first element, elements) of each member's slice in the bucket."""
     start: int
     """Owned flat range of the bucket: [start, stop)."""
     stop: int
@@ -230,6 +293,27 @@ class _BucketState:
     """Second moment of the owned range."""
     numel: int
     """Elements of the bucket."""
+
+
+def _write(state: _BucketState, full: torch.Tensor) -> None:
+    """Copy a gathered bucket into its members' slices."""
+    offset = 0
+    for p, (first, n) in zip(state.params, state.spans):
+        p.detach().view(-1).narrow(0, first, n).copy_(full.narrow(0, offset, n))
+        offset += n
+
+
+def _owned(state: _BucketState, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The owned weights of a bucket packed flat (shard-sized), or written back from ``work``."""
+    packed = torch.zeros_like(state.exp_avg) if work is None else work
+    for seg in state.segments:
+        weights = state.params[seg.member].detach().view(-1).narrow(0, seg.start, seg.numel)
+        target = packed.narrow(0, seg.shard_offset, seg.numel)
+        if work is None:
+            target.copy_(weights)
+        else:
+            weights.copy_(target)
+    return packed
 
 
 class ZeroAdamW:
@@ -256,7 +340,10 @@ class ZeroAdamW:
         eps: float = 1e-8,
         recorder: recording.StepRecorder | None = None,
         clock: clocks.Clock | None = None,
+        prefetch_into: list[torch.nn.Module] | None = None,
     ) -> None:
+        """``prefetch_into``: the model chunks whose layers wait for their weights' all-gathers
+        (``parallelism.overlap.paramGather``); None: every bucket is gathered inside :meth:`step`."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroAdamW is for ZeRO stages 1 and 2, got {stage}")
         if stage == 2 and not isinstance(grad_reducer, ShardedGradReducer):
@@ -276,14 +363,23 @@ class ZeroAdamW:
         """Optimizer steps taken (AdamW's bias-correction step)."""
         self.buckets: list[_BucketState] = []
         for bucket in grad_reducer.buckets:
-            numel = sum(p.numel() for p in bucket.params)
+            members = bucket.members()
+            numel = sum(n for _, _, n in members)
             start, stop = shard_range(numel, self.rank, self.size)
-            segs = segments([p.numel() for p in bucket.params], start, stop)
+            segs = [  # in each parameter's own flat order, past the slices other buckets hold
+                dataclasses.replace(
+                    seg,
+                    start=seg.start + members[seg.member][1],
+                    stop=seg.stop + members[seg.member][1],
+                )
+                for seg in segments([n for _, _, n in members], start, stop)
+            ]
             s = shard_size(numel, self.size)
             like = bucket.params[0]
             self.buckets.append(
                 _BucketState(
                     params=bucket.params,
+                    spans=[(first, n) for _, first, n in members],
                     start=start,
                     stop=stop,
                     segments=segs,
@@ -292,6 +388,41 @@ class ZeroAdamW:
                     exp_avg_sq=torch.zeros(s, dtype=like.dtype, device=like.device),
                 )
             )
+        self.gathers = param_gather.GatherQueue(self.group, self.size, self.recorder, self.clock)
+        """Prefetched all-gathers not yet written into the parameters."""
+        self.serial_waits: list[tuple[clocks.Stamp, clocks.Stamp]] = []
+        """Blocking all-gathers of the serial path since the last :meth:`take_gather_waits`."""
+        self.prefetch = prefetch_into is not None and self.size > 1
+        """Whether the updated weights are gathered during the next forward."""
+        self._hooks = []
+        if self.prefetch and prefetch_into is not None:
+            self._hooks = self._hook_layers(prefetch_into)
+
+    def _hook_layers(self, chunks: list[torch.nn.Module]) -> list[Any]:
+        """A forward pre-hook on every layer: wait for (and write) its buckets' gathers."""
+        buckets_of: dict[int, set[int]] = {}
+        for index, state in enumerate(self.buckets):
+            for p in state.params:
+                buckets_of.setdefault(id(p), set()).add(index)
+
+        def hook_for(needs: set[int]) -> Any:
+            def pre_hook(_module: torch.nn.Module, _args: Any) -> None:
+                if self.gathers:
+                    self.gathers.settle(needs)
+
+            return pre_hook
+
+        waits = param_gather.layer_waits(chunks, lambda p: buckets_of.get(id(p), set()))
+        return [module.register_forward_pre_hook(hook_for(needs)) for module, needs in waits]
+
+    def wait_gathers(self) -> None:
+        """Write every prefetched gather into the parameters (before anything reads them outside a forward)."""
+        self.gathers.settle_all()
+
+    def take_gather_waits(self) -> list[tuple[clocks.Stamp, clocks.Stamp]]:
+        """Intervals the training thread blocked on parameter all-gathers since the last call (cleared)."""
+        waits, self.serial_waits = self.serial_waits + self.gathers.take_waits(), []
+        return waits
 
     # --- gradients of the owned range ------------------------------------------
 
@@ -393,7 +524,12 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the owned elements, then all-gather every bucket's weights."""
+        """AdamW on the owned elements, then all-gather every bucket's weights.
+
+        With prefetch the gathers are queued in forward order (the reverse of the buckets')
+        and written by the layers' pre-hooks; any still pending from before are written first.
+        """
+        self.wait_gathers()
         self.step_count += 1
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
@@ -403,16 +539,11 @@ class ZeroAdamW:
             "decay": self.param_groups[0]["weight_decay"],
             "no_decay": self.param_groups[1]["weight_decay"],
         }
-        for index, state in enumerate(self.buckets):
-            s = state.exp_avg.numel()
+        order = range(len(self.buckets))
+        for index in reversed(order) if self.prefetch else order:
+            state = self.buckets[index]
             owned = state.stop - state.start
-            work = torch.zeros(
-                s, dtype=state.exp_avg.dtype, device=state.exp_avg.device
-            )  # owned weights, flat
-            for seg in state.segments:
-                work.narrow(0, seg.shard_offset, seg.numel).copy_(
-                    state.params[seg.member].detach().reshape(-1).narrow(0, seg.start, seg.numel)
-                )
+            work = _owned(state)  # owned weights, flat
             for seg in state.segments:
                 wd = (
                     decay_of["decay"]
@@ -431,23 +562,27 @@ class ZeroAdamW:
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(eps)
             w.addcdiv_(m, denom, value=-lr / bias1)
-            self._gather(state, work)
+            if self.prefetch:  # owned weights wait in the parameters, packed again at launch
+                _owned(state, work)
+                pack, write = functools.partial(_owned, state), functools.partial(_write, state)
+                self.gathers.put(param_gather.Gather(index=index, shard=pack, write=write))
+            else:
+                self._gather(state, work)
 
     def _gather(self, state: _BucketState, work: torch.Tensor) -> None:
-        """All-gather the owned weights of a bucket and write them into every member."""
+        """All-gather the owned weights of a bucket (blocking) and write them into every member."""
         if self.size == 1:
             full = work
         else:
             full = torch.empty(work.numel() * self.size, dtype=work.dtype, device=work.device)
             start = self.clock.now()
             dist.all_gather_into_tensor(full, work, group=self.group)
+            end = self.clock.now()
             self.recorder.collective(
-                "dp", "all_gather", full.numel() * full.element_size(), start, self.clock.now()
+                "dp", "all_gather", full.numel() * full.element_size(), start, end
             )
-        offset = 0
-        for p in state.params:
-            p.detach().copy_(full.narrow(0, offset, p.numel()).view_as(p))
-            offset += p.numel()
+            self.serial_waits.append((start, end))
+        _write(state, full)
 
     def zero_grad(self) -> None:
         """Gradients live in the reducer; it zeroes them."""
