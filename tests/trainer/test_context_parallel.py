@@ -1,7 +1,7 @@
 """Context parallelism's pieces: the load-balanced split of a sequence, and ring attention against
 torch's own ``scaled_dot_product_attention`` over the whole sequence (output and q, k, v gradients,
-fp64, grouped-query heads; causal, or with one device's document mask) on real gloo rings of 2
-and 4 ranks.  The trainer's layouts against one
+fp64 to 1e-12, and fp32 / bf16 with that dtype's tolerance; grouped-query heads; causal, or with
+one device's document mask) on real gloo rings of 2 and 4 ranks.  The trainer's layouts against one
 device are in test_equivalence.py."""
 
 from __future__ import annotations
