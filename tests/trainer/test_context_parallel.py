@@ -1,7 +1,7 @@
 """Context parallelism's pieces: the load-balanced split of a sequence, and ring attention against
 torch's own ``scaled_dot_product_attention`` over the whole sequence (output and q, k, v gradients,
-fp64, grouped-query heads; causal, or with one device's document mask) on real gloo rings of 2
-and 4 ranks.  The trainer's layouts against one
+fp64 to 1e-12, and fp32 / bf16 with that dtype's tolerance; grouped-query heads; causal, or with
+one device's document mask) on real gloo rings of 2 and 4 ranks.  The trainer's layouts against one
 device are in test_equivalence.py."""
 
 from __future__ import annotations
@@ -46,3 +46,31 @@ def test_ring_attention_equals_whole_sequence_sdpa(world, heads, kv_heads, maske
             )
         # keys and values: world - 1 transfers forward and again in backward; their gradients: world
         assert rank_result["transfers"] == 3 * world - 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "tolerance", "masked"),
+    [
+        (torch.float32, 1e-5, False),
+        (torch.bfloat16, 2e-2, False),
+        (torch.bfloat16, 2e-2, True),
+    ],
+    ids=["fp32", "bf16", "bf16-documents"],
+)
+def test_ring_attention_in_training_dtypes_is_close_to_whole_sequence_sdpa(
+    dtype, tolerance, masked
+):
+    """The same ring against torch's own SDPA in the same dtype: the ring merges per-tile outputs
+    rounded to ``dtype`` (as TorchTitan's does), so the two agree to that dtype's rounding."""
+    results = mt_harness.run_distributed(
+        mt_context_workers.ring_vs_sdpa, 2, 4, 2, 32, masked, 0, dtype
+    )
+    for rank_result in results:
+        out, ref = rank_result["out"]
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, ref, rtol=tolerance, atol=tolerance)
+        for name, (grad, ref_grad) in zip("qkv", rank_result["grads"]):
+            torch.testing.assert_close(
+                grad, ref_grad, rtol=tolerance, atol=tolerance, msg=lambda m, n=name: f"d{n}: {m}"
+            )

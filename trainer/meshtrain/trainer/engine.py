@@ -349,7 +349,7 @@ class Engine:
         layout, cp = self.mesh.layout, self.mesh.coords.cp
         if layout.context > 1:  # this rank's queries against every cp rank's keys
             return lambda index: context.documents_of(
-                self._on_device(micro[index].inputs, whole=True), eos, dtype, cp, layout.context
+                self._on_device(micro[index].inputs, whole=True), eos, cp, layout.context
             )
         return lambda index: documents.of_tokens(self._on_device(micro[index].inputs), eos, dtype)
 

@@ -32,7 +32,8 @@ class Documents:
     """(B, T) int64: each token's index inside its document (0 at a document's first token)."""
     mask: torch.Tensor
     """(B, 1, T, T) additive, in the attention's dtype: 0 where query t may attend key s (same
-    document and s <= t), -inf elsewhere."""
+    document and s <= t), -inf elsewhere.  Under context parallelism the ring's document indices
+    (B, T) instead (``parallel.context.documents_of``), from which it builds each tile's mask."""
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     """Llama's rotary cos and sin of ``positions`` (each (B, T, head_dim), fp32), computed once
     per micro-batch by the model and shared by its layers; None until then."""

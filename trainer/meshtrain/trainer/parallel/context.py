@@ -13,7 +13,6 @@ says why this and not ``torch.distributed.tensor.experimental.context_parallel``
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from meshtrain.trainer.models import documents as documents_mod
 from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import ring_tiles
 from meshtrain.trainer.telemetry import clocks, recording
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -80,27 +80,19 @@ def global_positions(rank: int, size: int, local: int, device: torch.device) -> 
     )
 
 
-def documents_of(
-    tokens: torch.Tensor, eos: int, dtype: torch.dtype, rank: int, size: int
-) -> documents_mod.Documents:
+def documents_of(tokens: torch.Tensor, eos: int, rank: int, size: int) -> documents_mod.Documents:
     """The documents of cp rank ``rank``'s share of the whole rows ``tokens`` (B, T).
 
-    Positions are the rank's slices of the per-document positions; the mask (B, 1, T / C, T) is
-    the rank's queries against every rank's keys in ring order (rank j's two chunks at columns
-    ``j T / C``...): 0 where the key is in the query's document and not after it, -inf elsewhere.
-    Built from the token ids every cp rank already holds, so nothing travels; 1 / C of one
-    device's (B, 1, T, T) mask.
+    Positions are the rank's slices of the per-document positions.  ``mask`` is not a dense mask
+    here but every token's document index (B, T) int64 in ring order (rank j's two chunks at
+    columns ``j T / C``...): the ring builds each tile's (t x s) mask from it inside its tile
+    loop (:func:`_document_bias`), so no (B, 1, T / C, T) mask exists.  Built from the token ids
+    every cp rank already holds, so nothing travels.
     """
-    local = tokens.shape[1] // size
     doc = documents_mod.document_index(tokens, eos)  # (B, T)
-    rows = global_positions(rank, size, local, tokens.device)  # (T / C,)
-    cols = torch.cat([global_positions(j, size, local, tokens.device) for j in range(size)])
-    allowed = (doc[:, rows, None] == doc[:, None, cols]) & (rows[:, None] >= cols[None, :])
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
+    ids = torch.cat([shard(doc, j, size) for j in range(size)], dim=1)
     positions = shard(documents_mod.positions_in_documents(tokens, eos), rank, size)
-    return documents_mod.Documents(
-        positions=positions, mask=mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
-    )
+    return documents_mod.Documents(positions=positions, mask=ids)
 
 
 def apply_context_parallel(chunks: list[gpt.GPT], ctx: CPContext) -> None:
@@ -112,7 +104,7 @@ def apply_context_parallel(chunks: list[gpt.GPT], ctx: CPContext) -> None:
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         """:func:`.gpt.attend`'s call; ``recompute`` is moot (the ring keeps only q, k, v, output
         and log-sum-exp), grouped-query attention is read from the head counts, and ``mask`` is
-        :func:`documents_of`'s (B, 1, T / C, T) in ring order."""
+        :func:`documents_of`'s document indices (B, T) in ring order."""
         out: torch.Tensor = _RingAttention.apply(q, k, v, ctx, options.get("mask"))
         return out
 
@@ -147,39 +139,45 @@ def _finish(works: list[Any], buffer: torch.Tensor, ctx: CPContext, start: clock
     record("cp", recording.RING_OP, nbytes, start, ctx.clock.now())
 
 
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, h, T, d) -> (B, kv, h / kv, T, d): query heads by the key/value head they read."""
-    batch, heads, seq, dim = q.shape
-    return q.view(batch, kv_heads, heads // kv_heads, seq, dim)
-
-
 def _accumulation(t: torch.Tensor) -> torch.dtype:
-    """Where softmax and the merged output live: fp32, or the inputs' dtype if wider (fp64 tests)."""
+    """Where the merged output and log-sum-exp live: fp32, or the inputs' dtype if wider (fp64 tests)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 scaled scores (B, kv, g, Tq, Tk) of grouped q against k (B, kv, Tk, d), plus the
-    additive ``bias`` (Tq, Tk) or (B, 1, Tq, Tk) where the tile is masked."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))
-    s = s.to(_accumulation(q)) / math.sqrt(q.shape[-1])
-    if bias is None:
-        return s
-    return s + (bias.unsqueeze(2) if bias.dim() == 4 else bias)
+Tile = tuple[slice, slice, bool, "torch.Tensor | None"]
+"""(query rows, key rows, causal (a diagonal tile), additive document bias or None)."""
 
 
-Tile = tuple[slice, slice, "torch.Tensor | None"]
-"""(query rows, key rows, additive bias or None where every pair attends)."""
+def _document_bias(
+    ids: torch.Tensor, rank: int, source: int, rows: slice, cols: slice, like: torch.Tensor
+) -> torch.Tensor:
+    """The tile's additive mask (B, 1, t, s) in ``like``'s dtype from the document indices
+    ``ids`` (B, T) in ring order (:func:`documents_of`): 0 where the key is in the query's
+    document and not after it, -inf elsewhere.  Rows padded to a multiple of 16 keys, as
+    :func:`.documents.of_tokens` does (what CUDA's memory-efficient kernel wants)."""
+    size = ids.shape[1] // like.shape[2]
+    local = like.shape[2]
+    doc_q = ids[:, rank * local : (rank + 1) * local][:, rows]
+    doc_k = ids[:, source * local : (source + 1) * local][:, cols]
+    pos_q = global_positions(rank, size, local, ids.device)[rows]
+    pos_k = global_positions(source, size, local, ids.device)[cols]
+    allowed = (doc_q[:, :, None] == doc_k[:, None, :]) & (pos_q[:, None] >= pos_k[None, :])
+    batch, t, s = allowed.shape
+    padded = torch.zeros(
+        batch, 1, t, s + (-s) % documents_mod.MASK_ALIGNMENT, dtype=like.dtype, device=like.device
+    )
+    return padded[..., :s].masked_fill_(~allowed.unsqueeze(1), float("-inf"))
 
 
 def _tiles(
-    rank: int, step: int, size: int, local: int, mask: torch.Tensor | None, like: torch.Tensor
+    rank: int, step: int, size: int, ids: torch.Tensor | None, like: torch.Tensor
 ) -> list[Tile]:
     """The tiles, one chunk by one chunk, of the pair at ``step`` of the ring: rank ``rank``'s
-    queries against the keys of rank ``(rank - step) mod size``; the rest of the pair is fully
-    masked.  Chunk by chunk keeps the transient scores (B, h, c, c).  Biases: causal on the
-    diagonal tiles, or with ``mask`` (:func:`documents_of`) its slice on every tile.  Own
-    diagonal tiles come first, so every query row has a finite log-sum-exp before the rest."""
+    queries ``like`` (B, h, T / C, d) against the keys of rank ``(rank - step) mod size``; the
+    rest of the pair is fully masked.  Causal on the diagonal tiles, or with document indices
+    ``ids`` (:func:`documents_of`) each tile's own mask, built here per tile.  Own diagonal tiles
+    come first, so every query row has a finite log-sum-exp before the rest."""
+    local = like.shape[2]
     c = local // 2
     first, second = slice(0, c), slice(c, local)
     source = (rank - step) % size
@@ -189,15 +187,17 @@ def _tiles(
         tiles = [(first, first, False), (second, first, False)]
     else:  # only our second chunk follows both of its
         tiles = [(second, first, False), (second, second, False)]
-    if mask is not None:
-        offset = source * local
-        return [
-            (rows, cols, mask[..., rows, offset + cols.start : offset + cols.stop])
-            for rows, cols, _ in tiles
-        ]
-    causal = torch.full((c, c), float("-inf"), dtype=_accumulation(like), device=like.device)
-    causal = causal.triu(1)
-    return [(rows, cols, causal if diagonal else None) for rows, cols, diagonal in tiles]
+    if ids is None:
+        return [(rows, cols, diagonal, None) for rows, cols, diagonal in tiles]
+    return [
+        (rows, cols, False, _document_bias(ids, rank, source, rows, cols, like))
+        for rows, cols, _ in tiles
+    ]
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows (dim 2, the sequence) of a (B, h, T, ...) or (B, h, T) tensor, contiguous for the kernels."""
+    return t[:, :, rows].contiguous()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -210,27 +210,28 @@ class _RingAttention(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         ctx: CPContext,
-        mask: torch.Tensor | None,
+        ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        kv_heads, local = k.shape[1], q.shape[2]
-        gq = _grouped(q, kv_heads)  # (B, kv, g, T, d)
         acc = _accumulation(q)
-        out = torch.zeros(gq.shape, dtype=acc, device=q.device)
-        lse = torch.full(gq.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # what travels: (2, B, kv, T, d)
         for step in range(ctx.size):
             pending = None
             if step < ctx.size - 1:
                 pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
-            for rows, cols, bias in _tiles(ctx.rank, step, ctx.size, local, mask, q):
-                _merge_tile(out, lse, gq, kv, rows, cols, bias)
+            for rows, cols, causal, bias in _tiles(ctx.rank, step, ctx.size, ids, q):
+                tile_out, tile_lse = ring_tiles.forward(
+                    _rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols), causal, bias
+                )
+                _merge(out, lse, rows, tile_out, tile_lse)
             if pending is not None:
                 (works, received), start = pending
                 _finish(works, kv, ctx, start)
                 kv = received
-        result = out.to(q.dtype).view(q.shape)
+        result = out.to(q.dtype)
         fctx.save_for_backward(q, k, v, result, lse)
-        fctx.ctx, fctx.mask = ctx, mask
+        fctx.ctx, fctx.ids = ctx, ids
         return result
 
     @staticmethod
@@ -239,11 +240,9 @@ class _RingAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = fctx.saved_tensors
         ctx: CPContext = fctx.ctx
-        kv_heads, local = k.shape[1], q.shape[2]
         acc = _accumulation(q)
-        gq, dout = _grouped(q, kv_heads), _grouped(grad, kv_heads).to(acc)
-        delta = (dout * _grouped(out, kv_heads).to(acc)).sum(-1)  # (B, kv, g, T): rowsum(dO * O)
-        dq = torch.zeros(gq.shape, dtype=acc, device=q.device)
+        dout = grad.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv: torch.Tensor | None = None  # the travelling key/value gradient, once one arrived
         grads_in: tuple[tuple[list[Any], torch.Tensor], clocks.Stamp] | None = None
@@ -252,17 +251,20 @@ class _RingAttention(torch.autograd.Function):
             if step < ctx.size - 1:
                 pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
             contribution = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            for rows, cols, bias in _tiles(ctx.rank, step, ctx.size, local, fctx.mask, q):
-                tile_dq, tile_dkv = _tile_backward(
-                    gq[..., rows, :],
-                    kv[..., cols, :],
+            for rows, cols, causal, bias in _tiles(ctx.rank, step, ctx.size, fctx.ids, q):
+                tile_dq, tile_dk, tile_dv = ring_tiles.backward(
+                    _rows(dout, rows),
+                    _rows(q, rows),
+                    _rows(kv[0], cols),
+                    _rows(kv[1], cols),
+                    _rows(out, rows),
+                    _rows(lse, rows),
+                    causal,
                     bias,
-                    dout[..., rows, :],
-                    lse[..., rows],
-                    delta[..., rows],
                 )
-                dq[..., rows, :] += tile_dq
-                contribution[..., cols, :] += tile_dkv
+                dq[:, :, rows] += tile_dq
+                contribution[0][:, :, cols] += tile_dk
+                contribution[1][:, :, cols] += tile_dv
             if grads_in is not None:  # the sum so far of the ranks this key/value block visited
                 (works, received), start = grads_in
                 _finish(works, received, ctx, start)
@@ -276,52 +278,21 @@ class _RingAttention(torch.autograd.Function):
         assert grads_in is not None
         (works, own), start = grads_in  # after the last step: this rank's own keys' gradient
         _finish(works, own, ctx, start)
-        return dq.to(q.dtype).view(q.shape), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
-def _merge_tile(
+def _merge(
     out: torch.Tensor,
     lse: torch.Tensor,
-    gq: torch.Tensor,
-    kv: torch.Tensor,
     rows: slice,
-    cols: slice,
-    bias: torch.Tensor | None,
+    tile_out: torch.Tensor,
+    tile_lse: torch.Tensor,
 ) -> None:
-    """Attend ``rows`` of the grouped queries to ``cols`` of ``kv`` and merge the tile into the
-    running output and log-sum-exp in place (online softmax).  A row the tile masks whole
-    (another document) adds nothing: its -inf log-sum-exp is not subtracted."""
-    s = _scores(gq[..., rows, :], kv[0][..., cols, :], bias)
-    tile_lse = torch.logsumexp(s, dim=-1)  # (B, kv, g, t)
-    finite = torch.where(torch.isinf(tile_lse), 0.0, tile_lse)
-    tile_out = torch.matmul(
-        torch.exp(s - finite.unsqueeze(-1)), kv[1][..., cols, :].unsqueeze(2).to(out.dtype)
-    )
-    merged = torch.logaddexp(lse[..., rows], tile_lse)
-    out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(
+    """Merge one tile's output (B, h, t, d) and log-sum-exp (B, h, t) into the running output
+    and log-sum-exp of ``rows`` in place (online softmax).  A row the tile masks whole (another
+    document: log-sum-exp -inf) adds nothing."""
+    merged = torch.logaddexp(lse[:, :, rows], tile_lse)
+    out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(
         -1
-    ) + tile_out * torch.exp(tile_lse - merged).unsqueeze(-1)
-    lse[..., rows] = merged
-
-
-def _tile_backward(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    bias: torch.Tensor | None,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's gradients, recomputed from the whole attention's log-sum-exp ``lse`` and
-    ``delta`` = rowsum(dO * O): the grouped queries' (B, kv, g, t, d) and the key/value rows'
-    (2, B, kv, s, d), both in ``dout``'s accumulation dtype."""
-    k, v = kv[0], kv[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    p = torch.exp(_scores(q, k, bias) - lse.unsqueeze(-1))  # (B, kv, g, t, s): the softmax
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)  # (B, kv, s, d)
-    acc = dout.dtype
-    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2).to(acc))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2).to(acc)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)).sum(2) * scale  # (B, kv, s, d)
-    return dq, torch.stack([dk, dv])
+    ) + tile_out.to(out.dtype) * torch.exp(tile_lse - merged).unsqueeze(-1)
+    lse[:, :, rows] = merged
