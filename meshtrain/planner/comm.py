@@ -331,6 +331,8 @@ def stage_comm(
     A compressing job's step after its warm-up, or with ``warmup`` one of its first
     ``gradientCompression.warmupSteps`` steps, which reduce exactly (the uncompressed job's).
     """
+    # A compressing reducer packs whole tensors, in its warm-up too (only its exchange is exact).
+    whole_tensors = job.parallelism.gradient_compression.mode != "none"
     if warmup:
         job = gradient_compression.exact_job(job)
     par = job.parallelism
@@ -338,7 +340,7 @@ def stage_comm(
     # Context ranks hold the same parameters: their gradients are summed with the data-parallel
     # ones, over data x context ranks (Megatron-Core's dp-cp group).
     reducers = par.data * par.context
-    dp = _dp_exchange(job, chunks, scheme) if reducers > 1 else _Exchange([])
+    dp = _dp_exchange(job, chunks, scheme, whole_tensors) if reducers > 1 else _Exchange([])
     ring = _Row("cp", "send", context.ring_steps(job).calls, context.placement_bytes(job, scheme))
     rows = dp.rows + _tp_rows(job, chunks, scheme) + _pp_rows(job, chunks, scheme) + [ring]
     members = {"dp": reducers, "tp": par.tensor, "pp": par.pipeline, "cp": par.context}
@@ -378,7 +380,10 @@ def _summed(rows: list[_Row], members: dict[str, int]) -> tuple[Collective, ...]
 
 
 def _dp_exchange(
-    job: api_spec.TrainingJobSpec, chunks: _RankChunks, scheme: precision.StateScheme
+    job: api_spec.TrainingJobSpec,
+    chunks: _RankChunks,
+    scheme: precision.StateScheme,
+    whole_tensors: bool = False,
 ) -> _Exchange:
     """The gradient buckets' exchanges of the job's kind, and under ZeRO the gather of the updated weights."""
     par = job.parallelism
@@ -389,7 +394,7 @@ def _dp_exchange(
         for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
     ]
     compressed = par.gradient_compression.mode != "none"
-    if par.zero_stage == 2:
+    if par.zero_stage == 2 and not (compressed or whole_tensors):  # compressing: whole tensors
         buckets = zero2_bucket_numels(chunks.sizes, scheme.grads, par.bucket_mb)
     if par.zero_stage == 3:
         exchange = _zero3_exchange(job, chunks, scheme)

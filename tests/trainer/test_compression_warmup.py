@@ -31,11 +31,17 @@ MODES = [
 ]
 
 
+class _WholeTensorZero2(zero.ShardedGradReducer):
+    """ZeRO-2's exact reduce-scatter on the compressing reducer's buckets (whole tensors)."""
+
+    split_tensors = False
+
+
 def _build(kind: str, **kw) -> tuple[reducer.GradReducer, list[torch.nn.Parameter]]:
     params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
     cls = {
         "plain": reducer.GradReducer,
-        "zero2": zero.ShardedGradReducer,
+        "zero2": _WholeTensorZero2,
         "compressed": compression.CompressedGradReducer,
         "compressed-zero2": compression_sharded.CompressedShardedGradReducer,
     }[kind]

@@ -168,9 +168,12 @@ class ShardedGradReducer(reducer.GradReducer):
     def _add_buckets(
         self, members: list[torch.nn.Parameter], element_size: int, bucket_bytes: int
     ) -> None:
-        share = -(-self._total // MIN_BUCKETS)
-        size = max(1, min(bucket_bytes // element_size, share))
-        cap = max(2 * size, share) if self.split_tensors else self._total
+        if self.split_tensors:
+            share = -(-self._total // MIN_BUCKETS)
+            size = max(1, min(bucket_bytes // element_size, share))
+            cap = max(2 * size, share)
+        else:  # whole tensors in bucketMb buckets, as plain data parallelism packs them
+            size, cap = max(1, bucket_bytes // element_size), self._total
         for planned in plan_spans([p.numel() for p in members], size, cap):
             numel = sum(n for _, _, n in planned)
             shard = torch.zeros(
@@ -260,6 +263,10 @@ class ShardedGradReducer(reducer.GradReducer):
 
     def finish(self) -> None:
         """Reduce what is left, wait for every bucket and turn sums into means; only shards remain."""
+        for bucket in self.buckets:  # gradients assigned outside autograd (no hook fired) pack now
+            for p in bucket.params:
+                if p.grad is not None:
+                    self._on_grad(p)
         for bucket in self.buckets:
             if bucket.index in self._packing:  # some member had no gradient this micro-batch
                 self._launch(bucket)
