@@ -63,9 +63,15 @@ class FakeEvent:
 class FakeDevice:
     """The ``torch.cuda`` functions CudaClock calls, on a host time source."""
 
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        now: Callable[[], float] = time.perf_counter,
+        names: tuple[str, ...] = ("side", "exchange"),
+    ) -> None:
         self.now = now
         """Where event times come from (seconds)."""
+        self.names = names
+        """The names of the streams made, in order (then "other")."""
         self.log: list[tuple[str, ...]] = []
         """Stream operations in issue order."""
         self.compute = FakeStream("compute", self)
@@ -86,9 +92,11 @@ class FakeDevice:
         return FakeEvent(self, enable_timing)
 
     def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 - torch.cuda.Stream
-        """The clock's first stream is "side", its second (the bucket exchanges') "exchange"."""
+        """The n-th stream made is named ``names[n]``: by default the clock's first is "side" (the
+        data-parallel lane's), its second (the bucket exchanges') "exchange"."""
         self._streams += 1
-        return FakeStream(("side", "exchange", "other")[min(self._streams, 3) - 1], self)
+        name = self.names[self._streams - 1] if self._streams <= len(self.names) else "other"
+        return FakeStream(name, self)
 
     @contextlib.contextmanager
     def device(self, device: Any = None) -> Iterator[None]:

@@ -152,7 +152,7 @@ def test_cuda_launch_times_the_collective_on_the_side_stream():
     assert reports == [(launch.start, launch.end)]  # at once: the events are timed on the device
     del device.log[:]
     assert launch.wait() is launch.end
-    assert device.log == [("wait_stream", "compute", "side")]  # where the reducer needs the result
+    assert device.log == [("wait_event", "compute", "side")]  # where the reducer needs the result
 
 
 # --- the deferred recorder ----------------------------------------------------

@@ -11,8 +11,13 @@ expression of the totals.  The matmuls that can hide a collective, per block and
   reduce-scatter after the row-parallel ones); backward, the column-parallel ones' input and weight
   gradients (their reduce-scatter) and the row-parallel ones' input gradients (their gather);
 * without it: forward, the row-parallel ones (their all-reduce); backward, the column-parallel
-  ones' weight gradients (their input gradient's all-reduce, one chunk: ``k = 1`` there, priced
-  by the same expression).
+  ones' weight gradients (their input gradient's all-reduce, one chunk).
+
+One chunk (``k = 1``) is a collective that runs whole beside an independent matmul (the
+column-parallel input gradient's all-reduce beside the weight-gradient matmul): only what the
+matmul does not cover is exposed, ``max(0, C - M)``.  The stage sums price all overlapped
+collectives together with the sequence's ``k`` (:func:`meshtrain.planner.comm.tp_chunks`), the
+one-chunk all-reduce without SP included: an approximation, not split out.
 """
 
 from __future__ import annotations
@@ -34,6 +39,6 @@ def hiding_flops(job: api_spec.TrainingJobSpec) -> float:
 
 def exposed(collective: float, hiding: float, chunks: int) -> float:
     """Seconds of ``collective`` (in ``chunks`` chunks) left exposed beside ``hiding`` seconds of matmuls."""
-    if chunks <= 1:
-        return collective
+    if chunks <= 1:  # one collective beside one matmul it does not depend on
+        return max(0.0, collective - hiding)
     return collective / chunks + (chunks - 1) / chunks * max(0.0, collective - hiding)

@@ -130,13 +130,18 @@ def _exchange(buffer: torch.Tensor, ctx: CPContext, tag: int) -> tuple[list[Any]
 
 
 def _finish(works: list[Any], buffer: torch.Tensor, ctx: CPContext, start: clocks.Stamp) -> None:
-    """Wait for one exchange and report it (from its launch to its end) to the recorder."""
+    """Wait for one exchange and report it: its flight (launch to the wait's return, the attention
+    beside it included) as a ``cp`` collective, the time the wait held compute as a ``cp`` wait."""
+    held = ctx.clock.now()
     for work in works:
         work.wait()
+    released = ctx.clock.now()
     nbytes = buffer.numel() * buffer.element_size()
     # stamps are floats on the host clock, CUDA events for the DeferredRecorder (see clocks)
     record: Callable[..., None] = ctx.recorder.collective
-    record("cp", recording.RING_OP, nbytes, start, ctx.clock.now())
+    record("cp", recording.RING_OP, nbytes, start, released)
+    wait: Callable[..., None] = ctx.recorder.wait
+    wait("cp", held, released)
 
 
 def _accumulation(t: torch.Tensor) -> torch.dtype:

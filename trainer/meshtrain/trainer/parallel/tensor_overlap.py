@@ -5,8 +5,10 @@ activation along the sequence into :data:`meshtrain.api.layout.TP_OVERLAP_CHUNKS
 k's collective is in flight (``async_op``) while chunk k+1's matmul runs; a column-parallel
 linear's input-gradient all-reduce runs beside its weight-gradient matmul (Megatron's trick).
 Every row is computed by the same matmul as the serial path's, and every sum over ranks by the
-same collective, so the results are the serial path's.  Why chunks, not torch's micro-pipelined
-``fused_all_gather_matmul``: docs/trainer.md, "Tensor-parallel overlap".
+same collective: equal to the serial path exactly on CPU/gloo at tp2, up to rounding elsewhere
+(cuBLAS and NCCL pick kernels by shape and size).  On NCCL each chunk's input is held until the
+compute stream waits for its collective, on the tp lane's own side stream.  Why chunks, not
+torch's micro-pipelined ``fused_all_gather_matmul``: docs/trainer.md, "Tensor-parallel overlap".
 """
 
 from __future__ import annotations
@@ -38,23 +40,31 @@ class _InFlight:
     """Its payload per rank, as recorded."""
     out: torch.Tensor
     """Its output buffer."""
+    payload: torch.Tensor | None
+    """Its input, held until :func:`_land` has ordered the compute stream after the collective:
+    on NCCL the input was allocated on the compute stream and ``work.wait()`` drops NCCL's own
+    reference, so freeing it earlier would let the next chunk's matmul reuse memory NCCL still
+    reads.  None once landed."""
 
 
 def _launch(
     ctx: tensor.TPContext,
     op: str,
-    payload: torch.Tensor,
+    recorded: torch.Tensor,
+    sent: torch.Tensor,
     out: torch.Tensor,
     call: Callable[[], dist.Work | None],
 ) -> _InFlight:
-    """Start ``call`` (an ``async_op`` collective filling ``out``)."""
+    """Start ``call`` (an ``async_op`` collective sending ``sent`` and filling ``out``), recorded
+    with ``recorded``'s bytes; ``sent`` stays referenced until the flight lands."""
 
     def started() -> dist.Work:
         work = call()
         assert work is not None  # async_op=True returns its handle
         return work
 
-    return _InFlight(ctx.clock.launch(started), op, payload.numel() * payload.element_size(), out)
+    launch = ctx.clock.launch(started, lane="tp")  # its own side stream: never behind a dp bucket
+    return _InFlight(launch, op, recorded.numel() * recorded.element_size(), out, sent)
 
 
 def _land(ctx: tensor.TPContext, flight: _InFlight) -> torch.Tensor:
@@ -68,6 +78,7 @@ def _land(ctx: tensor.TPContext, flight: _InFlight) -> torch.Tensor:
     held = ctx.clock.now()
     end = flight.launch.wait()
     released = ctx.clock.now()
+    flight.payload = None  # the compute stream now runs after the collective: its input may go
     record: Callable[..., None] = ctx.recorder.collective  # stamps: floats, or CUDA events (clocks)
     record("tp", flight.op, flight.nbytes, flight.launch.start, end)
     wait: Callable[..., None] = ctx.recorder.wait
@@ -93,12 +104,14 @@ def _sharded(ctx: tensor.TPContext, x: torch.Tensor, *, gather: bool) -> _InFlig
             ctx,
             "all_gather",
             out,
+            x,
             out,
             lambda: dist.all_gather_into_tensor(out, x, group=ctx.group, async_op=True),
         )
     return _launch(
         ctx,
         "reduce_scatter",
+        x,
         x,
         out,
         lambda: dist.reduce_scatter_tensor(out, x, group=ctx.group, async_op=True),
@@ -108,7 +121,7 @@ def _sharded(ctx: tensor.TPContext, x: torch.Tensor, *, gather: bool) -> _InFlig
 def _all_reduce(ctx: tensor.TPContext, x: torch.Tensor) -> _InFlight:
     """Start summing ``x`` (contiguous) over the ranks, in place."""
     return _launch(
-        ctx, "all_reduce", x, x, lambda: dist.all_reduce(x, group=ctx.group, async_op=True)
+        ctx, "all_reduce", x, x, x, lambda: dist.all_reduce(x, group=ctx.group, async_op=True)
     )
 
 

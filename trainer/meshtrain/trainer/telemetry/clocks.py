@@ -15,11 +15,13 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+Lane = Literal["dp", "tp"]
+"""Whose collective a launch is: each lane has its own side stream on CUDA (one per process group)."""
 Stamp = float | torch.cuda.Event
 """A point in time: host seconds (:class:`HostClock`) or a recorded CUDA event (:class:`CudaClock`)."""
 
@@ -97,8 +99,8 @@ class HostClock:
 
         return release
 
-    def launch(self, collective: Callable[[], dist.Work]) -> HostLaunch:
-        """Start ``collective`` (an ``async_op=True`` call)."""
+    def launch(self, collective: Callable[[], dist.Work], *, lane: Lane = "dp") -> HostLaunch:
+        """Start ``collective`` (an ``async_op=True`` call); ``lane`` matters on CUDA only."""
         start = time.perf_counter()
         launched = HostLaunch(work=collective(), start=start, landed=self._landed)
         with self._lock:
@@ -131,7 +133,7 @@ class DeviceLaunch:
     end: torch.cuda.Event
     """Recorded on the side stream after it waited for the collective."""
     stream: torch.cuda.Stream
-    """The side stream."""
+    """Its lane's side stream."""
     clock: CudaClock
     """The clock that issued it."""
 
@@ -142,8 +144,14 @@ class DeviceLaunch:
         report(self.start, self.end)
 
     def wait(self) -> torch.cuda.Event:
-        """Make the compute stream wait for the collective (the host does not wait); returns the end stamp."""
-        self.clock.compute_stream().wait_stream(self.stream)
+        """Make the compute stream wait for this collective (the host does not wait); returns the end stamp.
+
+        It waits on the end event, not the whole side stream: collectives launched after this one
+        on the same lane (the next chunks) stay in flight beside the compute stream.  Once this
+        returns, work the compute stream issues is ordered after the collective, so its input may
+        be freed (the caching allocator reuses blocks in compute-stream order).
+        """
+        self.clock.compute_stream().wait_event(self.end)
         return self.end
 
 
@@ -160,6 +168,7 @@ class CudaClock:
         self._api = device_api
         self._side = device_api.Stream(device=device)
         self._exchange: torch.cuda.Stream | None = None
+        self._lanes: dict[str, torch.cuda.Stream] = {"dp": self._side}
         self._reference: torch.cuda.Event | None = None
         self._reference_host = 0.0
 
@@ -190,15 +199,29 @@ class CudaClock:
         self._reference = self.now()
         return self._reference_host
 
-    def launch(self, collective: Callable[[], dist.Work]) -> DeviceLaunch:
-        """Issue ``collective`` (an ``async_op=True`` call) from the side stream; the compute stream runs on."""
-        self._side.wait_stream(self.compute_stream())
-        with self._api.stream(self._side):
+    def launch(self, collective: Callable[[], dist.Work], *, lane: Lane = "dp") -> DeviceLaunch:
+        """Issue ``collective`` (an ``async_op=True`` call) from ``lane``'s side stream; the compute stream runs on.
+
+        Each lane (process group) has its own side stream, so a tensor-parallel chunk never
+        queues behind a data-parallel bucket launched before it (each stream's ``work.wait()``
+        holds everything issued on it after), and each flight is timed on its own group's stream.
+        The caller keeps the collective's input alive until :meth:`DeviceLaunch.wait` has ordered
+        the compute stream after it: since torch 2.7 ``work.wait()`` drops NCCL's own reference.
+        """
+        side = self._lane(lane)
+        side.wait_stream(self.compute_stream())
+        with self._api.stream(side):
             start = self.now()
             work = collective()
             work.wait()  # the side stream waits for NCCL's stream; the host and the compute stream do not
             end = self.now()
-        return DeviceLaunch(start=start, end=end, stream=self._side, clock=self)
+        return DeviceLaunch(start=start, end=end, stream=side, clock=self)
+
+    def _lane(self, lane: Lane) -> torch.cuda.Stream:
+        """``lane``'s side stream, made on first use."""
+        if lane not in self._lanes:
+            self._lanes[lane] = self._api.Stream(device=self.device)
+        return self._lanes[lane]
 
     def mark_ready(self) -> torch.cuda.Event:
         """An event on the compute stream where a bucket's gradients are final."""

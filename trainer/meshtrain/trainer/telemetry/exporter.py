@@ -227,7 +227,9 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "histogram",
         "meshtrain_context_ring_seconds",
         "Duration of one context-parallel ring transfer (keys and values to the next cp rank, or"
-        " their gradients back), from its launch beside a block's attention to its completion.",
+        " their gradients back), from its launch beside a block's attention until its wait"
+        " returned: an upper bound on the transfer, the attention beside it included (the exposed"
+        " part is cp_exposed_seconds in steps.jsonl).",
         labels=COMM,
         buckets=COMM_BUCKETS,
     ),

@@ -20,9 +20,10 @@ if TYPE_CHECKING:  # torch: `meshtrain report` and `timeline` read traces withou
     from meshtrain.trainer.telemetry import clocks
 
 ComputeKind = Literal["forward", "backward"]
-WaitKind = Literal["recv", "send", "tp"]
-"""Blocked on a pipeline receive, on draining pipeline sends, or on a tensor-parallel collective
-(a blocking one whole, an overlapped one for what was not hidden: its exposed time)."""
+WaitKind = Literal["recv", "send", "tp", "cp"]
+"""Blocked on a pipeline receive, on draining pipeline sends, on a tensor-parallel collective
+(a blocking one whole, an overlapped one for what was not hidden: its exposed time), or on a
+context-parallel ring transfer (what the attention beside it did not hide)."""
 PIPELINE_WAITS = ("recv", "send")
 """The wait kinds of pipeline point-to-point traffic."""
 Group = Literal["dp", "tp", "pp", "cp"]
@@ -256,7 +257,8 @@ class MemoryRecorder(EventCollector):
         )
 
     def summary(self) -> dict[str, float]:
-        """Per-step totals: compute, pipeline wait, exposed tensor-parallel, and collective seconds and bytes per group."""
+        """Per-step totals: compute, pipeline wait, exposed tensor-parallel (and, when a ring ran,
+        context-parallel), and collective seconds and bytes per group."""
         events = self.snapshot()
         out: dict[str, float] = {
             "compute_seconds": 0.0,
@@ -267,8 +269,8 @@ class MemoryRecorder(EventCollector):
             if e.what == "compute":
                 out["compute_seconds"] += e.end - e.start
             elif e.what == "wait":
-                key = "wait_seconds" if e.kind in PIPELINE_WAITS else "tp_exposed_seconds"
-                out[key] += e.end - e.start
+                key = "wait_seconds" if e.kind in PIPELINE_WAITS else f"{e.kind}_exposed_seconds"
+                out[key] = out.get(key, 0.0) + (e.end - e.start)
             else:
                 key = f"{e.group}_collective"
                 out[f"{key}_seconds"] = out.get(f"{key}_seconds", 0.0) + (e.end - e.start)

@@ -117,6 +117,9 @@ class StepStats:
     tp_exposed_seconds: float
     """Time blocked on tensor-parallel collectives: all of each blocking one, the part of an
     overlapped one (``parallelism.overlap.tensor``) its matmuls did not hide."""
+    cp_exposed_seconds: float
+    """Time blocked on context-parallel ring transfers: what the attention beside them did not
+    hide (their flight is the ``cp`` collectives')."""
     exposed_comm_seconds: float
     """Gradient reduction not hidden behind backward compute."""
     update_seconds: float
@@ -158,6 +161,7 @@ class StepStats:
             "allreduce_seconds": self.allreduce_seconds("dp"),
             "tp_allreduce_seconds": self.allreduce_seconds("tp"),
             "tp_exposed_seconds": self.tp_exposed_seconds,
+            **({"cp_exposed_seconds": self.cp_exposed_seconds} if self.cp_exposed_seconds else {}),
             "pipeline_wait_seconds": self.wait_seconds,
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "compute_seconds": self.compute_seconds,
@@ -291,6 +295,9 @@ def summarise(
         ),
         tp_exposed_seconds=sum(
             e.end - e.start for e in events if e.what == "wait" and e.kind == "tp"
+        ),
+        cp_exposed_seconds=sum(
+            e.end - e.start for e in events if e.what == "wait" and e.kind == "cp"
         ),
         exposed_comm_seconds=exposed,
         update_seconds=max(0.0, seconds - window),
