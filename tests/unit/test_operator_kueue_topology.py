@@ -8,7 +8,9 @@ what lands in each domain with the counts Kueue assigned.
 
 from __future__ import annotations
 
+import ast
 import datetime
+import pathlib
 from collections import Counter
 from typing import Any
 
@@ -34,6 +36,7 @@ from tests.unit import test_operator_lifecycle
 NOW = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.UTC)
 RACK, HOST = "network.topology.nvidia.com/leaf", "kubernetes.io/hostname"
 BLOCK = "network.topology.nvidia.com/block"
+OPERATOR = pathlib.Path(__file__).parents[2] / "operator" / "meshtrain" / "operator"
 
 # Kueue's bothWaysTestCases: (v1beta2 topologyAssignment, [(values, count)]).
 KUEUE_CASES = [
@@ -296,14 +299,75 @@ def test_a_plan_outside_or_short_of_the_assignment_is_a_conflict() -> None:
     assert isinstance(short, placement_outcome.Unplaced) and "exactly" in short.message
 
 
-def test_gang_pods_are_marked_tas_managed_for_kueue_s_usage_accounting() -> None:
+def test_gang_pods_are_marked_tas_managed_and_as_pods_of_their_workload() -> None:
+    # Kueue finds a Workload's pods on a node only by the kueue.x-k8s.io/workload annotation
+    # (v0.17.0 pkg/controller/core/indexer IndexPodWorkloadSliceName), which it sets on its own
+    # TAS pods (jobframework/reconciler.go getPodSetsInfoFromStatus) to the Workload's name.
     pod = {"metadata": {"name": "p", "annotations": {"a": "b"}}, "spec": {}}
-    marked = kueue_topology.mark(pod)
+    marked = kueue_topology.mark(pod, "trainingjob-j")
     assert marked["metadata"]["annotations"] == {
         "a": "b",
-        kueue_topology.TAS_POD_ANNOTATION: "true",
+        "kueue.x-k8s.io/podset-unconstrained-topology": "true",
+        "kueue.x-k8s.io/workload": "trainingjob-j",
     }
     assert pod["metadata"]["annotations"] == {"a": "b"}
+
+
+def test_a_created_pod_is_marked_under_an_assignment_and_only_then() -> None:
+    pod = {"metadata": {"name": "p"}, "spec": {"containers": []}}
+    where = kueue_workload.Assignment({"pool": "a"})
+    assignment = _assignment((RACK,), {("rack0",): 4})
+    under = kueue_workload.gang_pod(pod, where, job="j", topology=assignment)
+    assert under["metadata"]["annotations"]["kueue.x-k8s.io/workload"] == (
+        kueue_workload.workload_name("j")
+    )
+    assert under["spec"]["nodeSelector"] == {"pool": "a"}
+    plain = kueue_workload.gang_pod(pod, where, job="j", topology=None)
+    assert "annotations" not in plain["metadata"]
+    assert plain == kueue_workload.assign(pod, where)
+
+
+# Every path that creates pods (module: the functions that build them) and must pass Kueue's
+# assignment on: the gang (Place), crash recovery, spares, lone replacements.
+POD_CREATORS = {
+    "placing.py": {"_place_gang", "_recreate_missing"},
+    "sparing.py": {"_reserve"},
+    "replacing.py": {"_pod"},
+}
+
+
+def _calls(tree: ast.AST, module: str, name: str) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == module
+    ]
+
+
+@pytest.mark.parametrize("module", sorted(POD_CREATORS))
+def test_every_pod_creating_path_marks_its_pods_under_an_assignment(module: str) -> None:
+    # A pod the operator creates is either a demand template (never created) or goes through
+    # kueue_workload.gang_pod with the action's assignment: a lone replacement left unmarked is
+    # counted twice by Kueue (TAS usage of the Workload and non-TAS usage of its node).
+    tree = ast.parse((OPERATOR / module).read_text())
+    functions = {
+        node.name: node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    for name in POD_CREATORS[module]:
+        created = _calls(functions[name], "kueue_workload", "gang_pod")
+        assert created, f"{module}:{name} creates pods without kueue_workload.gang_pod"
+        for call in created:
+            topology = [k.value for k in call.keywords if k.arg == "topology"]
+            assert topology and not (
+                isinstance(topology[0], ast.Constant) and topology[0].value is None
+            ), f"{module}:{name} drops Kueue's assignment"
+        assert not _calls(functions[name], "kueue_topology", "mark")
 
 
 def test_spares_take_only_what_the_gang_left_of_each_assigned_domain() -> None:

@@ -72,11 +72,6 @@ def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
 
 
-def _tas_marked(pod: dict[str, Any], topology: kueue_topology.Assignment | None) -> dict[str, Any]:
-    """``pod``, marked TAS-managed when Kueue TAS assigned the gang (``kueue_topology.mark``)."""
-    return pod if topology is None else kueue_topology.mark(pod)
-
-
 class Placer:
     """Places, grows and re-places the gangs of every job of the process, one at a time."""
 
@@ -458,22 +453,21 @@ class Placer:
         group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
         every = self.restart_all_on(node for _, node in recovery.nodes)
         pods = [
-            _tas_marked(
-                kueue_workload.assign(
-                    builders.build_pod(
-                        ref,
-                        spec,
-                        attempt,
-                        i,
-                        node,
-                        default_image=self.trainer_image,
-                        restart_rules=self.restart_rules,
-                        restart_all=every,
-                        pod_group=group["metadata"]["name"] if group else None,
-                    ),
-                    where,
+            kueue_workload.gang_pod(
+                builders.build_pod(
+                    ref,
+                    spec,
+                    attempt,
+                    i,
+                    node,
+                    default_image=self.trainer_image,
+                    restart_rules=self.restart_rules,
+                    restart_all=every,
+                    pod_group=group["metadata"]["name"] if group else None,
                 ),
-                topology,
+                where,
+                job=ref.name,
+                topology=topology,
             )
             for i, node in recovery.nodes
         ]
@@ -555,7 +549,7 @@ class Placer:
             ref.uid,
             self._shared_children(ref, spec, group),
             [
-                _tas_marked(kueue_workload.assign(pod, where), topology)
+                kueue_workload.gang_pod(pod, where, job=ref.name, topology=topology)
                 for pod in builders.build_pods(
                     ref,
                     spec,

@@ -207,6 +207,8 @@ def test_the_gang_lies_in_kueue_s_assigned_domains_with_kueue_s_counts(tas) -> N
     assert not {labels[n][LEAF] for n in planned} & held_leaves
     for pod in pods:
         assert pod.metadata.annotations[kueue_topology.TAS_POD_ANNOTATION] == "true"
+        workload = pod.metadata.annotations[kueue_topology.WORKLOAD_ANNOTATION]
+        assert workload == kueue_workload.workload_name("fits")
 
 
 def test_a_rule_meshtrain_cannot_keep_inside_kueue_s_assignment_leaves_the_job_unplaced(

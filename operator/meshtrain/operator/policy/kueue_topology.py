@@ -21,8 +21,14 @@ from meshtrain.api import spec as api_spec
 CONFLICT = "TopologyAssignmentConflict"
 """Placed=False reason: meshtrain's rules cannot be met inside Kueue's topologyAssignment."""
 TAS_POD_ANNOTATION = "kueue.x-k8s.io/podset-unconstrained-topology"
-"""Marks a gang pod as TAS-managed, so Kueue counts it once (in the Workload's TAS usage), not
-again as non-TAS usage of its node.  No workload annotation: Kueue's ungater leaves it alone."""
+"""Marks a gang pod as TAS-managed, so Kueue's TAS cache counts it in the Workload's TAS usage,
+not again as non-TAS usage of its node."""
+WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"
+"""The pod's Workload, as Kueue sets it on its own TAS pods: Kueue finds a Workload's pods on a
+node by it (its ``WorkloadSliceNameKey`` index), so a cordon, an untolerated taint or a brief
+NotReady of a node the gang runs on does not make Kueue move the assignment away from the
+running pods.  Kueue's topology ungater lists these pods too, but only ungates pods carrying its
+own scheduling gate, which meshtrain's never do."""
 HOSTNAME = "kubernetes.io/hostname"
 
 
@@ -245,8 +251,13 @@ def conflict_message(why: str, assignment: Assignment) -> str:
     )
 
 
-def mark(pod: dict[str, Any]) -> dict[str, Any]:
-    """``pod`` annotated as TAS-managed (:data:`TAS_POD_ANNOTATION`)."""
+def mark(pod: dict[str, Any], workload: str) -> dict[str, Any]:
+    """``pod`` annotated as TAS-managed (:data:`TAS_POD_ANNOTATION`) and as a pod of Kueue
+    Workload ``workload`` (:data:`WORKLOAD_ANNOTATION`)."""
     metadata = dict(pod.get("metadata") or {})
-    metadata["annotations"] = {**(metadata.get("annotations") or {}), TAS_POD_ANNOTATION: "true"}
+    metadata["annotations"] = {
+        **(metadata.get("annotations") or {}),
+        TAS_POD_ANNOTATION: "true",
+        WORKLOAD_ANNOTATION: workload,
+    }
     return {**pod, "metadata": metadata}
