@@ -177,6 +177,33 @@ def test_each_pipeline_stage_is_a_slice_required_in_one_nvlink_domain() -> None:
     assert "podSetSliceSize" not in kueue_topology.topology_request(spec, (BLOCK, HOST), 4)
 
 
+def test_the_slice_is_never_asked_above_the_pod_set_s_level() -> None:
+    # Kueue v0.17.0 refuses a podSetSliceRequiredTopology above the pod set's level
+    # (tas_flavor_snapshot.go: "podset slice topology X is above the podset topology Y") and
+    # never admits the job: with the leaf required, the clique above it is no slice level.
+    clique = "nvidia.com/gpu.clique"
+    raw = JobBuilder().layout(data=8, pipeline=2, gpus_per_node=4)
+    spec = loading.parse_spec(
+        raw.topology(nvlinkDomainLabel=clique, levels=[{"label": RACK, "mode": "required"}]).raw()
+    )
+    request = kueue_topology.topology_request(spec, (BLOCK, clique, RACK, HOST), 4)
+    assert request == {"required": RACK}
+    # The clique below the required leaf: the slice is asked for.
+    below = kueue_topology.topology_request(spec, (BLOCK, RACK, clique, HOST), 4)
+    assert below == {
+        "required": RACK,
+        "podSetSliceRequiredTopology": clique,
+        "podSetSliceSize": 2,
+    }
+
+
+def test_the_lowest_level_is_the_topology_s_lowest_whatever_the_spec_s_order() -> None:
+    required = _spec(levels=[{"label": RACK, "mode": "required"}, {"label": BLOCK, "mode": "required"}])  # fmt: skip
+    assert kueue_topology.topology_request(required, (BLOCK, RACK, HOST), 4) == {"required": RACK}
+    preferred = _spec(levels=[{"label": RACK}, {"label": BLOCK}])
+    assert kueue_topology.topology_request(preferred, (BLOCK, RACK, HOST), 4) == {"preferred": RACK}
+
+
 def test_the_workload_asks_for_topology_only_on_a_tas_queue() -> None:
     spec = _spec(levels=[{"label": RACK, "mode": "required"}])
     ref = identity.JobRef("ns", "j", "u1")

@@ -107,27 +107,27 @@ def topology_request(
     """The ``topologyRequest`` of the pod set (``count`` pods) in a queue whose TAS Topology has
     ``levels``.
 
-    Only levels the Topology has are named (Kueue refuses others).  ``required``: the lowest
-    ``spec.topology`` level with mode required (the whole gang in one domain of it, the same
-    rule the planner keeps).  Else ``preferred``: the lowest fabric level of ``spec.topology``
-    the Topology has, else the NVLink-domain label, else the Topology's own second-lowest
-    level (its lowest is usually the hostname), so Kueue packs the gang as tightly as it can.
-    With the NVLink-domain label among the levels and more than one pipeline stage, each stage's
-    pods (its data-parallel all-reduce, the heaviest traffic; tensor groups never leave a pod)
-    are a PodSet slice required in one NVLink domain (``podSetSliceRequiredTopology`` /
+    Only levels the Topology has are named; "lowest" is in the Topology's order of ``levels``,
+    whatever the order of ``spec.topology``.  ``required``: the lowest ``spec.topology`` level
+    with mode required (the whole gang in one domain of it, the same rule the planner keeps).
+    Else ``preferred``: the lowest fabric level of ``spec.topology`` the Topology has, else the
+    NVLink-domain label, else the Topology's own second-lowest level (its lowest is usually the
+    hostname), so Kueue packs the gang as tightly as it can.  With the NVLink-domain label among
+    the levels, at or below that level, and more than one pipeline stage, each stage's pods (its
+    data-parallel all-reduce, the heaviest traffic; tensor groups never leave a pod) are a
+    PodSet slice required in one NVLink domain (``podSetSliceRequiredTopology`` /
     ``podSetSliceSize``), when stages fill whole pods and the slices divide ``count`` (spares
     included).
     """
-    topology = spec.topology
-    known = set(levels)
-    fabric = [level for level in topology.levels if level.label in known]
+    topology, order = spec.topology, list(levels)
+    fabric = [level for level in topology.levels if level.label in order]
     required = [level.label for level in fabric if level.mode == "required"]
-    nvlink = topology.nvlink_domain_label if topology.nvlink_domain_label in known else None
+    nvlink = topology.nvlink_domain_label if topology.nvlink_domain_label in order else None
     request: dict[str, Any] = {}
     if required:
-        request["required"] = required[-1]
+        request["required"] = max(required, key=order.index)  # lowest in the Topology
     elif fabric:
-        request["preferred"] = fabric[-1].label
+        request["preferred"] = max((level.label for level in fabric), key=order.index)
     elif nvlink:
         request["preferred"] = nvlink
     elif levels:
@@ -137,7 +137,11 @@ def topology_request(
     grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
     per_stage = grid.world_size // grid.pipeline  # every rank of one stage
     stage_pods = per_stage // per_pod if per_stage % per_pod == 0 else 0
-    if nvlink and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
+    level = request.get("required") or request.get("preferred")
+    # Kueue refuses a slice level above the pod set's level (tas_flavor_snapshot.go: "podset
+    # slice topology X is above the podset topology Y"): the job would never be admitted.
+    below = nvlink is not None and level is not None and order.index(nvlink) >= order.index(level)
+    if below and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
         request["podSetSliceRequiredTopology"] = nvlink
         request["podSetSliceSize"] = stage_pods
     return request
