@@ -9,6 +9,7 @@ what lands in each domain with the counts Kueue assigned.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import datetime
 import pathlib
 from collections import Counter
@@ -24,6 +25,7 @@ from meshtrain.operator.policy import (
     identity,
     job_actions,
     job_state,
+    kueue_reassigned,
     kueue_topology,
     kueue_workload,
     lifecycle,
@@ -416,3 +418,81 @@ def test_the_admitted_assignment_reaches_the_placement_the_state_machine_decides
     decision = lifecycle.decide(lifecycle_job, [], t0, kueue_workload.Gate(admitted))
     [place] = [a for a in decision.actions if isinstance(a, job_actions.Place)]
     assert place.topology == admitted.topology
+
+
+def _hosts(*hosts: str) -> kueue_topology.Assignment:
+    return kueue_topology.Assignment((HOST,), tuple(kueue_topology.Domain((h,), 1) for h in hosts))
+
+
+HOST_LABELS = {f"n{i}": {HOST: f"n{i}"} for i in range(4)}
+
+
+def test_pods_outside_or_beyond_the_assignment_are_misplaced() -> None:
+    racks = _assignment((RACK,), {("rack0",): 2, ("rack1",): 1})
+    labels = {"a": {RACK: "rack0"}, "b": {RACK: "rack0"}, "c": {RACK: "rack1"}, "d": {RACK: "rack2"}}  # fmt: skip
+    # Pod 3 outside; pod 2 the third in rack0 (two assigned): the lower indices keep their slots.
+    assert kueue_topology.misplaced({0: "a", 1: "b", 2: "a", 3: "d"}, labels, racks) == (2, 3)
+    assert kueue_topology.misplaced({0: "a", 1: "b", 2: "c"}, labels, racks) == ()
+    # A node not known here (gone: another rule's) is not judged.
+    assert kueue_topology.misplaced({0: "a", 1: "gone"}, labels, racks) == ()
+
+
+def _running_under(
+    assignment: kueue_topology.Assignment, **run_policy: Any
+) -> tuple[job_state.JobState, list[Any], kueue_workload.Gate]:
+    raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(**run_policy).raw()
+    status = test_operator_lifecycle.placed_status(
+        phase="Running", placement=[{"podIndex": i, "node": f"n{i}"} for i in range(3)]
+    )
+    job = test_operator_lifecycle.job(raw, **status)
+    pods = [
+        dataclasses.replace(test_operator_lifecycle.pod(i, "Running"), rejoins=True)
+        for i in range(3)
+    ]
+    gate = kueue_workload.Gate(kueue_workload.Admitted("cq", topology=assignment))
+    return job, pods, gate
+
+
+def test_a_pod_kueue_moved_out_of_the_assignment_is_replaced_alone_inside_the_new_one() -> None:
+    # Kueue's TASFailedNodeReplacement rewrote the assignment: n2 -> n3 while pod 2 runs on n2.
+    moved = _hosts("n0", "n1", "n3")
+    job, pods, gate = _running_under(moved)
+    at = test_operator_lifecycle.at(5)
+    decision = lifecycle.decide(job, pods, at, gate, node_labels=HOST_LABELS)
+    [replace] = [a for a in decision.actions if isinstance(a, job_actions.ReplacePods)]
+    assert replace.indices == (2,) and replace.doomed == ("j-r0-2",)
+    assert replace.avoid == ("n2",) and replace.topology == moved
+    assert [c[2].split(":")[0] for c in replace.causes] == [kueue_reassigned.REASSIGNED]
+    # The replacement's room is what the survivors left of the new assignment: n3 only.
+    free = {"n2": 1, "n3": 1}
+    assert kueue_topology.spare_room(free, ["n0", "n1"], HOST_LABELS, moved) == {"n3": 1}
+    # Where no node takes it, the gang is rebuilt (a disruption: not counted in backoffLimit).
+    otherwise = test_operator_lifecycle.status_of(job_actions.Decision(replace.otherwise))
+    assert otherwise["restarts"] == 1
+    # Inside the assignment nothing is replaced.
+    kept = lifecycle.decide(job, pods, at, kueue_workload.Gate(kueue_workload.Admitted("cq", topology=_hosts("n0", "n1", "n2"))), node_labels=HOST_LABELS)  # fmt: skip
+    assert not [a for a in kept.actions if isinstance(a, job_actions.ReplacePods)]
+    assert test_operator_lifecycle.status_of(kept).get("restarts") is None
+
+
+def test_pod_0_or_a_gang_that_cannot_rejoin_moved_by_kueue_rebuilds_the_gang() -> None:
+    at = test_operator_lifecycle.at(5)
+    job, pods, gate = _running_under(_hosts("n3", "n1", "n2"))  # pod 0's node left
+    decision = lifecycle.decide(job, pods, at, gate, node_labels=HOST_LABELS)
+    assert not [a for a in decision.actions if isinstance(a, job_actions.ReplacePods)]
+    status = test_operator_lifecycle.status_of(decision)
+    assert status["restarts"] == 1 and status["disruptionRestarts"] == 1
+    deleted = [a for a in decision.actions if isinstance(a, job_actions.DeletePods)]
+    assert deleted and set(deleted[0].names) == {"j-r0-0", "j-r0-1", "j-r0-2"}
+    job, pods, gate = _running_under(_hosts("n0", "n1", "n3"), recovery={"inPlace": False})
+    decision = lifecycle.decide(job, pods, at, gate, node_labels=HOST_LABELS)
+    assert not [a for a in decision.actions if isinstance(a, job_actions.ReplacePods)]
+    assert test_operator_lifecycle.status_of(decision)["restarts"] == 1
+
+
+def test_crash_recovery_does_not_reuse_a_recorded_node_kueue_moved_away_from() -> None:
+    job, _, _ = _running_under(_hosts("n0", "n1", "n3"))
+    nodes = {f"n{i}": {"metadata": {"name": f"n{i}", "labels": {HOST: f"n{i}"}}} for i in range(4)}
+    moved = kueue_reassigned.recorded_outside(job, (1, 2), nodes.get, _hosts("n0", "n1", "n3"))
+    assert list(moved) == ["n2"] and "topologyAssignment" in moved["n2"]
+    assert kueue_reassigned.recorded_outside(job, (1, 2), nodes.get, _hosts("n0", "n1", "n2")) == {}

@@ -40,6 +40,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kubelet_tier,
+    kueue_reassigned,
     kueue_topology,
     kueue_workload,
     naming,
@@ -425,6 +426,9 @@ class Placer:
             await self.writer.emit(step[0], "Normal", conditions.GANG_PLACED, placed.message)
         return step
 
+    def _node(self, name: str) -> dict[str, Any] | None:
+        return self.cache.nodes.get(("", name))
+
     async def _recreate_missing(
         self,
         attempt: int,
@@ -443,6 +447,9 @@ class Placer:
         demand = feasibility.demand_of(template)
         wanted = placement_status.missing_per_node(job, missing)
         blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
+        if topology is not None:  # Kueue may have moved the gang's domains meanwhile
+            moved = kueue_reassigned.recorded_outside(job, missing, self._node, topology)
+            blocked = {**blocked, **moved}
         recovery = placement_status.recover_missing(job, missing, blocked, now)
         if isinstance(recovery, placement_status.Replan):
             live = [p for p in owned.owned_pods(self.cache, ref) if feasibility.holds_resources(p)]

@@ -37,6 +37,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kubelet_tier,
+    kueue_reassigned,
     kueue_topology,
     kueue_workload,
     lifecycle,
@@ -198,7 +199,9 @@ class Reconciler:
         if states and job.status.get("phase") not in job_state.FINAL:
             await self.placer.check_gang_policy(job)
         spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
-        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares)
+        on = {n for n in planned if isinstance(n, str)} | {s.node for s in states if s.node}
+        labels = kueue_reassigned.node_labels(on, lambda n: self.cache.nodes.get(("", n)))
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares, labels)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):

@@ -188,6 +188,26 @@ def placed_per_domain(
     return counts
 
 
+def misplaced(
+    nodes: Mapping[int, str], labels: Mapping[str, Mapping[str, str]], assignment: Assignment
+) -> tuple[int, ...]:
+    """The pod indices of ``nodes`` (index -> node) outside ``assignment``: on a node of no
+    assigned domain, or beyond its domain's count (lower indices keep their slots first).  A
+    node without ``labels`` (unknown here: a node gone is another rule's) is not judged."""
+    left = {domain.values: domain.count for domain in assignment.domains}
+    out = []
+    for index in sorted(nodes):
+        node_labels = labels.get(nodes[index])
+        if node_labels is None:
+            continue
+        values = tuple(node_labels.get(level, "") for level in assignment.levels)
+        if left.get(values, 0) > 0:
+            left[values] -= 1
+        else:
+            out.append(index)
+    return tuple(out)
+
+
 def spare_room(
     free: Mapping[str, int],
     used: Sequence[str],
