@@ -9,6 +9,7 @@ what lands in each domain with the counts Kueue assigned.
 from __future__ import annotations
 
 import ast
+import asyncio
 import dataclasses
 import datetime
 import pathlib
@@ -19,6 +20,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import loading
+from meshtrain.operator.cluster import api_errors, workloads
 from meshtrain.operator.policy import (
     builders,
     conditions,
@@ -496,3 +498,31 @@ def test_crash_recovery_does_not_reuse_a_recorded_node_kueue_moved_away_from() -
     moved = kueue_reassigned.recorded_outside(job, (1, 2), nodes.get, _hosts("n0", "n1", "n3"))
     assert list(moved) == ["n2"] and "topologyAssignment" in moved["n2"]
     assert kueue_reassigned.recorded_outside(job, (1, 2), nodes.get, _hosts("n0", "n1", "n2")) == {}
+
+
+def test_a_403_reading_kueue_tas_queues_the_workload_and_warns_the_job() -> None:
+    # An install whose RBAC predates TAS: the Workload is created without a topologyRequest,
+    # and the job carries a Warning Event saying so (not only the operator's log).
+    class _Client:
+        created: list[dict[str, Any]] = []
+
+        async def kueue_object(self, **_: Any) -> dict[str, Any]:
+            raise api_errors.ApiError(403, "get", "localqueues", "forbidden")
+
+        async def create_workload(self, *, manifest: dict[str, Any]) -> dict[str, Any]:
+            self.created.append(manifest)
+            return manifest
+
+    warned: list[tuple[str, str]] = []
+
+    async def warn(reason: str, message: str) -> None:
+        warned.append((reason, message))
+
+    job = test_operator_lifecycle.job()
+    client: Any = _Client()
+    action = kueue_workload.CreateWorkload(kueue_workload.Priority(0))
+    queue = kueue_workload.Queue("q", None)
+    did = asyncio.run(workloads.perform(client, action, job, queue, None, "img", warn))
+    assert did and "topologyRequest" not in client.created[0]["spec"]["podSets"][0]
+    [(reason, message)] = warned
+    assert reason == kueue_topology.UNREAD and "RBAC" in message and "403" in message

@@ -10,6 +10,7 @@ job's children.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -207,7 +208,13 @@ class Reconciler:
             if isinstance(action, workloads.ACTIONS):
                 try:
                     did = await workloads.perform(
-                        self.client, action, job, queue, workload, self.settings.trainer_image
+                        self.client,
+                        action,
+                        job,
+                        queue,
+                        workload,
+                        self.settings.trainer_image,
+                        functools.partial(self.writer.emit, body, "Warning"),
                     )
                 except workloads.Rejected as err:
                     did = refused_now = self._workload_refused(job, str(err))

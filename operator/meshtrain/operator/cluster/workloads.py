@@ -10,7 +10,7 @@ it is policy: ``policy.kueue_workload`` and ``policy.kueue``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
@@ -144,8 +144,11 @@ async def perform(
     queue: kueue_workload.Queue | None,
     workload: dict[str, Any] | None,
     trainer_image: str,
+    warn: Callable[[str, str], Awaitable[None]] | None = None,
 ) -> bool:
-    """Carry out one Workload action of the lifecycle; whether it changed anything."""
+    """Carry out one Workload action of the lifecycle; whether it changed anything.
+
+    ``warn(reason, message)``: a Warning Event of the job (an RBAC too old to read Kueue TAS)."""
     ref = job.ref
     if isinstance(action, kueue_workload.CreateWorkload):
         assert job.declared is not None and queue is not None
@@ -156,7 +159,10 @@ async def perform(
             if err.status != 403:
                 raise
             levels = ()  # an install whose RBAC predates TAS: queued without a topology request
-            logger.warning("%s/%s: no TAS topology request: %s", ref.namespace, ref.name, err)
+            message = kueue_topology.unread_message(str(err))
+            logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
+            if warn is not None:
+                await warn(kueue_topology.UNREAD, message)
         manifest = kueue_workload.build_workload(
             ref, job.declared, queue, template, action.priority, levels
         )

@@ -30,6 +30,8 @@ NotReady of a node the gang runs on does not make Kueue move the assignment away
 running pods.  Kueue's topology ungater lists these pods too, but only ungates pods carrying its
 own scheduling gate, which meshtrain's never do."""
 HOSTNAME = "kubernetes.io/hostname"
+UNREAD = "TopologyNotRead"
+"""Warning Event reason: the operator may not read the queue's TAS Topology (RBAC: 403)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +265,16 @@ def conflict(
             f"({assignment.describe()}); the gang must fill the assignment exactly"
         )
     return None
+
+
+def unread_message(error: str) -> str:
+    """The Warning Event of a Workload created without a topology request after a 403."""
+    return (
+        f"Kueue TAS topology not read ({error}): the operator's RBAC lacks get on LocalQueues, "
+        "ClusterQueues or Topologies (an install older than its chart); the Workload is queued "
+        "without a topologyRequest, so Kueue's own choice (implied TAS in a TAS-only queue) "
+        "bounds the gang: apply the chart's RBAC (manifests/rbac)"
+    )
 
 
 def conflict_message(why: str, assignment: Assignment) -> str:
