@@ -526,3 +526,17 @@ def test_a_403_reading_kueue_tas_queues_the_workload_and_warns_the_job() -> None
     assert did and "topologyRequest" not in client.created[0]["spec"]["podSets"][0]
     [(reason, message)] = warned
     assert reason == kueue_topology.UNREAD and "RBAC" in message and "403" in message
+
+
+def test_a_replacement_never_overfills_a_domain_a_spare_holds() -> None:
+    # Kueue counted 3 gang pods and a spare: rack0=2 (pod 0 and the spare), rack1=2 (pods 1, 2).
+    # Pod 1 is lost. The spare's GPUs count as free (they are the replacement's), so counting
+    # only the survivors would offer a third slot in rack0 (r0-n1): Kueue's count there is 2.
+    offered = _nodes(racks=2, per_rack=3)
+    labels = {n.name: n.labels for n in offered}
+    assignment = _assignment((RACK,), {("rack0",): 2, ("rack1",): 2})
+    free = {"r0-n1": 1, "r0-n2": 1, "r1-n1": 1}
+    room = kueue_topology.replacement_room(free, ["r0-n0", "r1-n0"], ["r0-n2"], labels, assignment)
+    # rack1's lost slot, and the spare's own node (a swap); never r0-n1.
+    assert room == {"r0-n2": 1, "r1-n1": 1}
+    assert kueue_topology.spare_room(free, ["r0-n0", "r1-n0"], labels, assignment)["r0-n1"] == 1

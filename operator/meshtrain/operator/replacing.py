@@ -202,7 +202,8 @@ class Replacer:
         if action.topology is not None:  # Kueue TAS: only where the survivors leave it room
             labels = {node.name: node.labels for node in every}
             survivors = [node for i, node in enumerate(on) if i not in fresh]
-            free = kueue_topology.spare_room(free, survivors, labels, action.topology)
+            held = [identity.planned_node(p) or "" for p in spare_pods]
+            free = kueue_topology.replacement_room(free, survivors, held, labels, action.topology)
         request = placement_request.request_from_spec(spec)
         return choice.replace(request, on, fresh, every, free, spares)
 

@@ -236,6 +236,27 @@ def spare_room(
     return room
 
 
+def replacement_room(
+    free: Mapping[str, int],
+    survivors: Sequence[str],
+    spares: Iterable[str],
+    labels: Mapping[str, Mapping[str, str]],
+    assignment: Assignment,
+) -> dict[str, int]:
+    """The pod slots ``free`` leaves a lost pod's replacement inside Kueue's ``assignment``: what
+    the surviving gang pods (``survivors``: their nodes) and the spares (``spares``: theirs)
+    left of each domain, plus one slot on each spare's own node (a swap: the spare leaves, the
+    replacement takes its place in the same domain).  ``free`` counts the spares' GPUs as free
+    (they are the replacement's), so the spares must be counted here, or a domain holding one
+    would be overfilled."""
+    held = list(spares)
+    room = spare_room(free, [*survivors, *held], labels, assignment)
+    for node in held:
+        if free.get(node, 0) > 0:
+            room[node] = max(room.get(node, 0), 1)
+    return room
+
+
 def conflict(
     nodes: Sequence[str],
     labels: Mapping[str, Mapping[str, str]],
