@@ -108,13 +108,152 @@ KUEUE_CASES = [
     ),
 ]
 
+# Kueue's bothWaysTestCases (the other five): one level, shrinking prefixes and suffixes.
+KUEUE_CASES += [
+    (
+        {
+            "levels": ["a"],
+            "slices": [
+                {
+                    "domainCount": 4,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [
+                        {"individual": {"roots": ["23", "2", "", "3"], "prefix": "a1"}}
+                    ],
+                }
+            ],
+        },
+        [(("a123",), 1), (("a12",), 1), (("a1",), 1), (("a13",), 1)],
+    ),
+    (
+        {
+            "levels": ["a"],
+            "slices": [
+                {
+                    "domainCount": 4,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [
+                        {"individual": {"roots": ["12", "2", "", "1"], "suffix": "3b"}}
+                    ],
+                }
+            ],
+        },
+        [(("123b",), 1), (("23b",), 1), (("3b",), 1), (("13b",), 1)],
+    ),
+    (
+        {
+            "levels": ["a"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [
+                        {"individual": {"roots": ["ac", ""], "prefix": "ab", "suffix": "acada"}}
+                    ],
+                }
+            ],
+        },
+        [(("abacacada",), 1), (("abacada",), 1)],
+    ),
+    (
+        {
+            "levels": ["a"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [{"individual": {"roots": ["ab", ""], "suffix": "aba"}}],
+                }
+            ],
+        },
+        [(("ababa",), 1), (("aba",), 1)],
+    ),
+    (
+        {
+            "levels": ["a"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"universal": 1},
+                    "valuesPerLevel": [{"individual": {"roots": ["", "ab"], "suffix": "aba"}}],
+                }
+            ],
+        },
+        [(("aba",), 1), (("ababa",), 1)],
+    ),
+]
+# Kueue's oneWayTestCases: several slices (forms Kueue reads, though it does not write them yet).
+KUEUE_CASES += [
+    (
+        {
+            "levels": ["a", "b"],
+            "slices": [
+                {
+                    "domainCount": 1,
+                    "podCounts": {"individual": [1]},
+                    "valuesPerLevel": [
+                        {"individual": {"roots": ["a"]}},
+                        {"individual": {"roots": ["b"]}},
+                    ],
+                },
+                {
+                    "domainCount": 2,
+                    "podCounts": {"individual": [2, 3]},
+                    "valuesPerLevel": [
+                        {"individual": {"roots": ["c", "e"]}},
+                        {"individual": {"roots": ["d", "f"]}},
+                    ],
+                },
+            ],
+        },
+        [(("a", "b"), 1), (("c", "d"), 2), (("e", "f"), 3)],
+    ),
+    (
+        {
+            "levels": ["a", "b"],
+            "slices": [
+                {
+                    "domainCount": 2,
+                    "podCounts": {"individual": [2, 3]},
+                    "valuesPerLevel": [
+                        {"universal": "a1"},
+                        {"individual": {"roots": ["1", "2"], "prefix": "b", "suffix": "-s"}},
+                    ],
+                },
+                {
+                    "domainCount": 3,
+                    "podCounts": {"universal": 5},
+                    "valuesPerLevel": [
+                        {"individual": {"roots": ["2", "3", "4"], "prefix": "a"}},
+                        {"individual": {"roots": ["x", "y", "z"], "suffix": "-t"}},
+                    ],
+                },
+                {
+                    "domainCount": 2,
+                    "podCounts": {"universal": 10},
+                    "valuesPerLevel": [{"universal": "a10"}, {"universal": "b10"}],
+                },
+            ],
+        },
+        [
+            (("a1", "b1-s"), 2),
+            (("a1", "b2-s"), 3),
+            (("a2", "x-t"), 5),
+            (("a3", "y-t"), 5),
+            (("a4", "z-t"), 5),
+            (("a10", "b10"), 10),
+            (("a10", "b10"), 10),
+        ],
+    ),
+]
+
 
 @pytest.mark.parametrize(("compressed", "domains"), KUEUE_CASES)
 def test_kueue_s_compressed_assignment_reads_as_kueue_expands_it(
     compressed: dict[str, Any], domains: list[tuple[tuple[str, ...], int]]
 ) -> None:
     read = kueue_topology.read(compressed)
-    assert read is not None and read.levels == ("a", "b")
+    assert read is not None and read.levels == tuple(compressed["levels"])
     assert [(d.values, d.count) for d in read.domains] == domains
 
 
@@ -540,3 +679,14 @@ def test_a_replacement_never_overfills_a_domain_a_spare_holds() -> None:
     # rack1's lost slot, and the spare's own node (a swap); never r0-n1.
     assert room == {"r0-n2": 1, "r1-n1": 1}
     assert kueue_topology.spare_room(free, ["r0-n0", "r1-n0"], labels, assignment)["r0-n1"] == 1
+
+
+def test_a_domain_kueue_lists_twice_holds_both_counts() -> None:
+    # Kueue's last oneWayTestCase lists (a10, b10) twice, 10 pods each: 20 pods there.
+    read = kueue_topology.read(KUEUE_CASES[-1][0])
+    assert read is not None and read.counts()[("a10", "b10")] == 20
+    labels = {f"n{i}": {"a": "a10", "b": "b10"} for i in range(20)}
+    nodes = {i: f"n{i}" for i in range(20)}
+    assert kueue_topology.misplaced(nodes, labels, read) == ()
+    free = {f"n{i}": 1 for i in range(20)}
+    assert len(kueue_topology.spare_room(free, [], labels, read)) == 20

@@ -57,6 +57,13 @@ class Assignment:
     def total(self) -> int:
         return sum(domain.count for domain in self.domains)
 
+    def counts(self) -> dict[tuple[str, ...], int]:
+        """Pods per domain, a domain Kueue lists twice (its slices may) counted with both."""
+        found: dict[tuple[str, ...], int] = {}
+        for domain in self.domains:
+            found[domain.values] = found.get(domain.values, 0) + domain.count
+        return found
+
     def describe(self) -> str:
         shown = ", ".join(f"{'/'.join(d.values)}={d.count}" for d in self.domains[:8])
         more = f" and {len(self.domains) - 8} more" if len(self.domains) > 8 else ""
@@ -164,7 +171,7 @@ def restrict(
     domain's nodes are taken in name order until they offer its count (the last one cut to what
     remains), so no plan can put more pods in a domain than Kueue assigned it.
     """
-    left = {domain.values: domain.count for domain in assignment.domains}
+    left = assignment.counts()
     kept = []
     for node in sorted(offered, key=lambda n: n.name):
         where = _in(node, assignment)
@@ -196,7 +203,7 @@ def misplaced(
     """The pod indices of ``nodes`` (index -> node) outside ``assignment``: on a node of no
     assigned domain, or beyond its domain's count (lower indices keep their slots first).  A
     node without ``labels`` (unknown here: a node gone is another rule's) is not judged."""
-    left = {domain.values: domain.count for domain in assignment.domains}
+    left = assignment.counts()
     out = []
     for index in sorted(nodes):
         node_labels = labels.get(nodes[index])
@@ -225,7 +232,7 @@ def spare_room(
     :func:`restrict`.
     """
     taken = placed_per_domain(used, labels, assignment)
-    left = {d.values: d.count - taken.get(d.values, 0) for d in assignment.domains}
+    left = {values: count - taken.get(values, 0) for values, count in assignment.counts().items()}
     room = {}
     for name in sorted(free):
         values = tuple((labels.get(name) or {}).get(level, "") for level in assignment.levels)
@@ -275,7 +282,7 @@ def conflict(
         return (
             f"{outside} pod(s) planned outside Kueue's assigned domains ({assignment.describe()})"
         )
-    short = {d.values: d.count - placed.get(d.values, 0) for d in assignment.domains}
+    short = {values: count - placed.get(values, 0) for values, count in assignment.counts().items()}
     over = {k: v for k, v in short.items() if v < 0}
     if over:
         return f"more pods than Kueue assigned in {', '.join('/'.join(k) for k in over)}"
