@@ -108,79 +108,28 @@ KUEUE_CASES = [
     ),
 ]
 
+
+def _one_level(level: dict[str, Any], *values: str) -> tuple[dict[str, Any], list[Any]]:
+    """A one-level, one-slice case of one pod per domain: ``level``'s values, and the domains."""
+    piece = {"domainCount": len(values), "podCounts": {"universal": 1}, "valuesPerLevel": [level]}
+    return {"levels": ["a"], "slices": [piece]}, [((value,), 1) for value in values]
+
+
 # Kueue's bothWaysTestCases (the other five): one level, shrinking prefixes and suffixes.
 KUEUE_CASES += [
-    (
-        {
-            "levels": ["a"],
-            "slices": [
-                {
-                    "domainCount": 4,
-                    "podCounts": {"universal": 1},
-                    "valuesPerLevel": [
-                        {"individual": {"roots": ["23", "2", "", "3"], "prefix": "a1"}}
-                    ],
-                }
-            ],
-        },
-        [(("a123",), 1), (("a12",), 1), (("a1",), 1), (("a13",), 1)],
-    ),
-    (
-        {
-            "levels": ["a"],
-            "slices": [
-                {
-                    "domainCount": 4,
-                    "podCounts": {"universal": 1},
-                    "valuesPerLevel": [
-                        {"individual": {"roots": ["12", "2", "", "1"], "suffix": "3b"}}
-                    ],
-                }
-            ],
-        },
-        [(("123b",), 1), (("23b",), 1), (("3b",), 1), (("13b",), 1)],
-    ),
-    (
-        {
-            "levels": ["a"],
-            "slices": [
-                {
-                    "domainCount": 2,
-                    "podCounts": {"universal": 1},
-                    "valuesPerLevel": [
-                        {"individual": {"roots": ["ac", ""], "prefix": "ab", "suffix": "acada"}}
-                    ],
-                }
-            ],
-        },
-        [(("abacacada",), 1), (("abacada",), 1)],
-    ),
-    (
-        {
-            "levels": ["a"],
-            "slices": [
-                {
-                    "domainCount": 2,
-                    "podCounts": {"universal": 1},
-                    "valuesPerLevel": [{"individual": {"roots": ["ab", ""], "suffix": "aba"}}],
-                }
-            ],
-        },
-        [(("ababa",), 1), (("aba",), 1)],
-    ),
-    (
-        {
-            "levels": ["a"],
-            "slices": [
-                {
-                    "domainCount": 2,
-                    "podCounts": {"universal": 1},
-                    "valuesPerLevel": [{"individual": {"roots": ["", "ab"], "suffix": "aba"}}],
-                }
-            ],
-        },
-        [(("aba",), 1), (("ababa",), 1)],
-    ),
+    _one_level(
+        {"individual": {"prefix": "a1", "roots": ["23", "2", "", "3"]}}, "a123", "a12", "a1", "a13"
+    ),  # fmt: skip
+    _one_level(
+        {"individual": {"suffix": "3b", "roots": ["12", "2", "", "1"]}}, "123b", "23b", "3b", "13b"
+    ),  # fmt: skip
+    _one_level(
+        {"individual": {"prefix": "ab", "suffix": "acada", "roots": ["ac", ""]}},
+        "abacacada",
+        "abacada",
+    ),  # fmt: skip
+    _one_level({"individual": {"suffix": "aba", "roots": ["ab", ""]}}, "ababa", "aba"),
+    _one_level({"individual": {"suffix": "aba", "roots": ["", "ab"]}}, "aba", "ababa"),
 ]
 # Kueue's oneWayTestCases: several slices (forms Kueue reads, though it does not write them yet).
 KUEUE_CASES += [
