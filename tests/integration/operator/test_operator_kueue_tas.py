@@ -228,3 +228,32 @@ def test_a_rule_meshtrain_cannot_keep_inside_kueue_s_assignment_leaves_the_job_u
     assert placed["status"] == "False" and "topologyAssignment" in placed["message"]
     assert cluster.events(NS, "split", kueue_topology.CONFLICT)
     assert cluster.pods(NS, "split") == []
+
+
+def test_kueue_accepts_the_per_stage_slice_request_and_the_gang_keeps_its_counts(tas) -> None:
+    # Each pipeline stage (two 4-GPU pods) a PodSet slice required in one NVLink domain, here
+    # the host (a level of the Topology, at the request's own level): Kueue v0.17.0 accepts
+    # the request and admits the job with an assignment the gang then fills exactly.
+    cluster, _ = tas
+    body = JobBuilder("sliced", NS, pool=POOL).layout(data=8, pipeline=2, gpus_per_node=4)
+    body = body.topology(nvlinkDomainLabel=HOST).manifest()
+    body["metadata"]["labels"] = {kueue_workload.QUEUE_LABEL: QUEUE}
+    _apply(cluster, body)
+    assert _topology_request(cluster, "sliced") == {
+        "preferred": HOST,
+        "podSetSliceRequiredTopology": HOST,
+        "podSetSliceSize": 2,
+    }
+    assignment = _admitted_assignment(cluster, "sliced")
+    expected = Counter({d.values: d.count for d in assignment.domains})
+    assert sum(expected.values()) == 4 and all(count % 2 == 0 for count in expected.values())
+    placed = wait_for(
+        "sliced placed",
+        lambda: (
+            len(cluster.status(NS, "sliced").get("placement") or []) == 4
+            and cluster.status(NS, "sliced")["placement"]
+        ),
+        timeout=60,
+    )
+    labels = _node_labels(cluster)
+    assert _per_domain([e["node"] for e in placed], labels, assignment) == expected
