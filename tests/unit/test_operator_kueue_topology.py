@@ -639,3 +639,25 @@ def test_a_domain_kueue_lists_twice_holds_both_counts() -> None:
     assert kueue_topology.misplaced(nodes, labels, read) == ()
     free = {f"n{i}": 1 for i in range(20)}
     assert len(kueue_topology.spare_room(free, [], labels, read)) == 20
+
+
+def test_the_request_names_only_levels_every_tas_flavor_s_topology_has() -> None:
+    # Kueue may admit the Workload with either TAS flavor of the ClusterQueue, and skips one
+    # whose Topology lacks a requested level: only the levels both Topologies have are named.
+    flavors = {"a": "fabric", "plain": None, "b": "hosts"}
+    topologies = {"fabric": (BLOCK, RACK, HOST), "hosts": (BLOCK, HOST)}
+
+    class _Client:
+        async def kueue_object(self, *, plural: str, name: str, **_: Any) -> dict[str, Any]:
+            if plural == "localqueues":
+                return {"spec": {"clusterQueue": "cq"}}
+            if plural == "clusterqueues":
+                group = {"flavors": [{"name": f} for f in flavors]}
+                return {"spec": {"resourceGroups": [group]}}
+            return {"spec": {"levels": [{"nodeLabel": label} for label in topologies[name]]}}
+
+        async def resource_flavor(self, *, name: str) -> dict[str, Any]:
+            return {"spec": {"topologyName": flavors[name]} if flavors[name] else {}}
+
+    client: Any = _Client()
+    assert asyncio.run(workloads.tas_levels(client, "ns", "q")) == (BLOCK, HOST)

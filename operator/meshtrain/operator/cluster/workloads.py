@@ -233,8 +233,10 @@ async def flavors(
 async def tas_levels(client: kube.Client, namespace: str, queue: str) -> tuple[str, ...]:
     """The levels of the TAS Topology the queue's ClusterQueue hands out, () when none does.
 
-    LocalQueue -> ClusterQueue -> its flavors -> the first with ``spec.topologyName`` -> that
-    Topology.  Anything missing reads as no TAS: Kueue then says what is wrong in the queue.
+    LocalQueue -> ClusterQueue -> its flavors -> those with ``spec.topologyName`` -> their
+    Topologies: the levels every one of them has, in the first one's order (Kueue may pick any
+    of the TAS flavors, and skips one whose Topology lacks a level the request names).
+    Anything missing reads as no TAS: Kueue then says what is wrong in the queue.
     """
     local = await client.kueue_object(plural="localqueues", name=queue, namespace=namespace)
     cluster_queue = ((local or {}).get("spec") or {}).get("clusterQueue")
@@ -242,13 +244,14 @@ async def tas_levels(client: kube.Client, namespace: str, queue: str) -> tuple[s
         return ()
     found = await client.kueue_object(plural="clusterqueues", name=cluster_queue)
     groups = ((found or {}).get("spec") or {}).get("resourceGroups") or []
+    every: list[tuple[str, ...]] = []
     for name in dict.fromkeys(f["name"] for g in groups for f in g.get("flavors") or []):
         flavor = await client.resource_flavor(name=name)
         topology = ((flavor or {}).get("spec") or {}).get("topologyName")
         if topology:
             found = await client.kueue_object(plural="topologies", name=topology)
-            return kueue_topology.tas_levels(found)
-    return ()
+            every.append(kueue_topology.tas_levels(found))
+    return tuple(level for level in every[0] if all(level in o for o in every)) if every else ()
 
 
 async def release_after_pods(
