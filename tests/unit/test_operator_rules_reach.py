@@ -20,6 +20,7 @@ from meshtrain.operator.policy import (
     conditions,
     identity,
     job_state,
+    kueue_topology,
     kueue_workload,
     lifecycle,
     pod_state,
@@ -255,8 +256,26 @@ def _restarted(side: random.Random, gang: list[pod_state.PodState]) -> list[pod_
     ]
 
 
+def _tas(
+    tas: random.Random, gate: kueue_workload.Gate | None, pods: int
+) -> tuple[kueue_workload.Gate | None, dict[str, dict[str, str]]]:
+    """Now and then Kueue TAS's assignment (one pod per hostname domain, node n<i> for pod i)
+    on an admitted gang, and the nodes' labels; half the time Kueue moved the last pod's domain
+    elsewhere.  Drawn from ``tas``, so the main stream stays."""
+    if gate is None or not isinstance(gate.state, kueue_workload.Admitted) or tas.random() >= 0.3:
+        return gate, {}
+    host = "kubernetes.io/hostname"
+    hosts = [f"n{i}" for i in range(pods)]
+    if hosts and tas.random() < 0.5:
+        hosts[-1] = "elsewhere"
+    domains = tuple(kueue_topology.Domain((h,), 1) for h in hosts)
+    state = dataclasses.replace(gate.state, topology=kueue_topology.Assignment((host,), domains))
+    labels = {f"n{i}": {host: f"n{i}"} for i in range(pods)}
+    return dataclasses.replace(gate, state=state), labels
+
+
 def situations(seed: int, count: int) -> Iterator[situation.Situation]:
-    r, side = random.Random(seed), random.Random(seed + 1)
+    r, side, tas = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
     for _ in range(count):
         running = r.random() < 0.2  # a running gang now and then: the last rows need one
         job, pods = _job(r, running)
@@ -264,7 +283,8 @@ def situations(seed: int, count: int) -> Iterator[situation.Situation]:
         gang = _restarted(side, _pods(r, pods, attempt, running))
         gone = frozenset(f"n{i}" for i in range(pods) if r.random() < 0.05)
         now = at(r.choice([0, 5, 11, 61, 400, 1200]))
-        yield situation.Situation(job, tuple(gang), now, _kueue(r, running), gone)
+        gate, labels = _tas(tas, _kueue(r, running), pods)
+        yield situation.Situation(job, tuple(gang), now, gate, gone, node_labels=labels)
 
 
 def deciding(seen: situation.Situation) -> int:

@@ -40,6 +40,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kubelet_tier,
+    kueue_reassigned,
     kueue_topology,
     kueue_workload,
     naming,
@@ -70,11 +71,6 @@ planned again for this long: each plan may cost a fresh worker's start."""
 
 def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
-
-
-def _tas_marked(pod: dict[str, Any], topology: kueue_topology.Assignment | None) -> dict[str, Any]:
-    """``pod``, marked TAS-managed when Kueue TAS assigned the gang (``kueue_topology.mark``)."""
-    return pod if topology is None else kueue_topology.mark(pod)
 
 
 class Placer:
@@ -430,6 +426,9 @@ class Placer:
             await self.writer.emit(step[0], "Normal", conditions.GANG_PLACED, placed.message)
         return step
 
+    def _node(self, name: str) -> dict[str, Any] | None:
+        return self.cache.nodes.get(("", name))
+
     async def _recreate_missing(
         self,
         attempt: int,
@@ -448,6 +447,9 @@ class Placer:
         demand = feasibility.demand_of(template)
         wanted = placement_status.missing_per_node(job, missing)
         blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
+        if topology is not None:  # Kueue may have moved the gang's domains meanwhile
+            moved = kueue_reassigned.recorded_outside(job, missing, self._node, topology)
+            blocked = {**blocked, **moved}
         recovery = placement_status.recover_missing(job, missing, blocked, now)
         if isinstance(recovery, placement_status.Replan):
             live = [p for p in owned.owned_pods(self.cache, ref) if feasibility.holds_resources(p)]
@@ -458,22 +460,21 @@ class Placer:
         group = await self._pod_group(ref, spec, attempt, job.status.get("specHash"))
         every = self.restart_all_on(node for _, node in recovery.nodes)
         pods = [
-            _tas_marked(
-                kueue_workload.assign(
-                    builders.build_pod(
-                        ref,
-                        spec,
-                        attempt,
-                        i,
-                        node,
-                        default_image=self.trainer_image,
-                        restart_rules=self.restart_rules,
-                        restart_all=every,
-                        pod_group=group["metadata"]["name"] if group else None,
-                    ),
-                    where,
+            kueue_workload.gang_pod(
+                builders.build_pod(
+                    ref,
+                    spec,
+                    attempt,
+                    i,
+                    node,
+                    default_image=self.trainer_image,
+                    restart_rules=self.restart_rules,
+                    restart_all=every,
+                    pod_group=group["metadata"]["name"] if group else None,
                 ),
-                topology,
+                where,
+                job=ref.name,
+                topology=topology,
             )
             for i, node in recovery.nodes
         ]
@@ -555,7 +556,7 @@ class Placer:
             ref.uid,
             self._shared_children(ref, spec, group),
             [
-                _tas_marked(kueue_workload.assign(pod, where), topology)
+                kueue_workload.gang_pod(pod, where, job=ref.name, topology=topology)
                 for pod in builders.build_pods(
                     ref,
                     spec,

@@ -10,6 +10,7 @@ job's children.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -37,6 +38,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kubelet_tier,
+    kueue_reassigned,
     kueue_topology,
     kueue_workload,
     lifecycle,
@@ -198,13 +200,21 @@ class Reconciler:
         if states and job.status.get("phase") not in job_state.FINAL:
             await self.placer.check_gang_policy(job)
         spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
-        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares)
+        on = {n for n in planned if isinstance(n, str)} | {s.node for s in states if s.node}
+        labels = kueue_reassigned.node_labels(on, lambda n: self.cache.nodes.get(("", n)))
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares, labels)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
                 try:
                     did = await workloads.perform(
-                        self.client, action, job, queue, workload, self.settings.trainer_image
+                        self.client,
+                        action,
+                        job,
+                        queue,
+                        workload,
+                        self.settings.trainer_image,
+                        functools.partial(self.writer.emit, body, "Warning"),
                     )
                 except workloads.Rejected as err:
                     did = refused_now = self._workload_refused(job, str(err))

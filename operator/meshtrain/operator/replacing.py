@@ -83,7 +83,7 @@ class Replacer:
             ready = self._vacated(job, action.attempt, chosen)
             # A spare holds its node until the replacement that takes it can be created.
             await self._release(job, action.attempt, tuple(chosen[i][1] for i in ready))
-            pods = [self._pod(job, action.attempt, i, *chosen[i], where) for i in ready]
+            pods = [self._pod(job, action, i, *chosen[i], where) for i in ready]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
             if refused is None and ready:
                 created = replacement.created(job.status, ready)
@@ -202,7 +202,8 @@ class Replacer:
         if action.topology is not None:  # Kueue TAS: only where the survivors leave it room
             labels = {node.name: node.labels for node in every}
             survivors = [node for i, node in enumerate(on) if i not in fresh]
-            free = kueue_topology.spare_room(free, survivors, labels, action.topology)
+            held = [identity.planned_node(p) or "" for p in spare_pods]
+            free = kueue_topology.replacement_room(free, survivors, held, labels, action.topology)
         request = placement_request.request_from_spec(spec)
         return choice.replace(request, on, fresh, every, free, spares)
 
@@ -246,19 +247,20 @@ class Replacer:
     def _pod(
         self,
         job: job_state.JobState,
-        attempt: int,
+        action: job_actions.ReplacePods,
         index: int,
         name: str,
         node: str,
         where: kueue_workload.Assignment,
     ) -> dict[str, Any]:
         """The replacement: the gang's pod ``index`` under its own name, released at once (the
-        gang it joins runs; a PodGroup's gang was bound long ago, so it names none)."""
+        gang it joins runs; a PodGroup's gang was bound long ago, so it names none); a TAS pod of
+        the Workload under Kueue's assignment, as the gang's."""
         assert job.spec is not None
         pod = builders.build_pod(
             job.ref,
             job.spec,
-            attempt,
+            action.attempt,
             index,
             node,
             default_image=self.placer.trainer_image,
@@ -269,4 +271,4 @@ class Replacer:
         pod["spec"]["schedulingGates"] = [
             g for g in pod["spec"].get("schedulingGates") or [] if g.get("name") != naming.GANG_GATE
         ]
-        return kueue_workload.assign(pod, where)
+        return kueue_workload.gang_pod(pod, where, job=job.ref.name, topology=action.topology)

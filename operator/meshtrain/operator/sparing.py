@@ -173,16 +173,16 @@ class Spares:
             n for n in range(2 * len(taken) + count + 1) if _name(ref, attempt, n) not in taken
         )
         pods = [
-            kueue_workload.assign(
+            kueue_workload.gang_pod(
                 builders.build_spare_pod(
                     ref, spec, attempt, number, node, default_image=placer.trainer_image
                 ),
                 where,
+                job=ref.name,
+                topology=tas[0],
             )
             for number, node in zip(numbers, nodes)
         ]
-        if tas[0] is not None:  # counted once, in the Workload's TAS usage
-            pods = [kueue_topology.mark(pod) for pod in pods]
         refused = await children.ensure(placer.client, ref.uid, [], pods)
         if refused is not None:
             logger.warning("%s/%s: spare refused: %s", ref.namespace, ref.name, refused.message)

@@ -136,6 +136,16 @@ def _per_domain(
     return Counter(tuple(labels[n][level] for level in assignment.levels) for n in nodes)
 
 
+def _placed(cluster: Cluster, job: str) -> list[dict[str, Any]]:
+    """The job's ``status.placement`` once it names its 4 pods."""
+
+    def read() -> Any:
+        placement = cluster.status(NS, job).get("placement") or []
+        return len(placement) == 4 and placement
+
+    return list(wait_for(f"{job} placed", read, timeout=60))
+
+
 def _affinity_node(pod: Any) -> str:
     terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
     values = [
@@ -189,14 +199,7 @@ def test_the_gang_lies_in_kueue_s_assigned_domains_with_kueue_s_counts(tas) -> N
     expected = Counter({d.values: d.count for d in assignment.domains})
     assert sum(expected.values()) == 4
 
-    placed = wait_for(
-        "fits placed",
-        lambda: (
-            len(cluster.status(NS, "fits").get("placement") or []) == 4
-            and cluster.status(NS, "fits")["placement"]
-        ),
-        timeout=60,
-    )
+    placed = _placed(cluster, "fits")
     planned = [entry["node"] for entry in placed]
     assert _per_domain(planned, labels, assignment) == expected
     wait_for("fits' pods", lambda: len(cluster.pods(NS, "fits")) == 4, timeout=60)
@@ -207,6 +210,8 @@ def test_the_gang_lies_in_kueue_s_assigned_domains_with_kueue_s_counts(tas) -> N
     assert not {labels[n][LEAF] for n in planned} & held_leaves
     for pod in pods:
         assert pod.metadata.annotations[kueue_topology.TAS_POD_ANNOTATION] == "true"
+        workload = pod.metadata.annotations[kueue_topology.WORKLOAD_ANNOTATION]
+        assert workload == kueue_workload.workload_name("fits")
 
 
 def test_a_rule_meshtrain_cannot_keep_inside_kueue_s_assignment_leaves_the_job_unplaced(
@@ -226,3 +231,25 @@ def test_a_rule_meshtrain_cannot_keep_inside_kueue_s_assignment_leaves_the_job_u
     assert placed["status"] == "False" and "topologyAssignment" in placed["message"]
     assert cluster.events(NS, "split", kueue_topology.CONFLICT)
     assert cluster.pods(NS, "split") == []
+
+
+def test_kueue_accepts_the_per_stage_slice_request_and_the_gang_keeps_its_counts(tas) -> None:
+    # Each pipeline stage (two 4-GPU pods) a PodSet slice required in one NVLink domain, here
+    # the host (a level of the Topology, at the request's own level): Kueue v0.17.0 accepts
+    # the request and admits the job with an assignment the gang then fills exactly.
+    cluster, _ = tas
+    body = JobBuilder("sliced", NS, pool=POOL).layout(data=8, pipeline=2, gpus_per_node=4)
+    body = body.topology(nvlinkDomainLabel=HOST).manifest()
+    body["metadata"]["labels"] = {kueue_workload.QUEUE_LABEL: QUEUE}
+    _apply(cluster, body)
+    assert _topology_request(cluster, "sliced") == {
+        "preferred": HOST,
+        "podSetSliceRequiredTopology": HOST,
+        "podSetSliceSize": 2,
+    }
+    assignment = _admitted_assignment(cluster, "sliced")
+    expected = Counter({d.values: d.count for d in assignment.domains})
+    assert sum(expected.values()) == 4 and all(count % 2 == 0 for count in expected.values())
+    placed = _placed(cluster, "sliced")
+    labels = _node_labels(cluster)
+    assert _per_domain([e["node"] for e in placed], labels, assignment) == expected

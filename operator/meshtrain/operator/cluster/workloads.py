@@ -10,7 +10,7 @@ it is policy: ``policy.kueue_workload`` and ``policy.kueue``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
@@ -144,8 +144,11 @@ async def perform(
     queue: kueue_workload.Queue | None,
     workload: dict[str, Any] | None,
     trainer_image: str,
+    warn: Callable[[str, str], Awaitable[None]] | None = None,
 ) -> bool:
-    """Carry out one Workload action of the lifecycle; whether it changed anything."""
+    """Carry out one Workload action of the lifecycle; whether it changed anything.
+
+    ``warn(reason, message)``: a Warning Event of the job (an RBAC too old to read Kueue TAS)."""
     ref = job.ref
     if isinstance(action, kueue_workload.CreateWorkload):
         assert job.declared is not None and queue is not None
@@ -156,7 +159,10 @@ async def perform(
             if err.status != 403:
                 raise
             levels = ()  # an install whose RBAC predates TAS: queued without a topology request
-            logger.warning("%s/%s: no TAS topology request: %s", ref.namespace, ref.name, err)
+            message = kueue_topology.unread_message(str(err))
+            logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
+            if warn is not None:
+                await warn(kueue_topology.UNREAD, message)
         manifest = kueue_workload.build_workload(
             ref, job.declared, queue, template, action.priority, levels
         )
@@ -227,8 +233,10 @@ async def flavors(
 async def tas_levels(client: kube.Client, namespace: str, queue: str) -> tuple[str, ...]:
     """The levels of the TAS Topology the queue's ClusterQueue hands out, () when none does.
 
-    LocalQueue -> ClusterQueue -> its flavors -> the first with ``spec.topologyName`` -> that
-    Topology.  Anything missing reads as no TAS: Kueue then says what is wrong in the queue.
+    LocalQueue -> ClusterQueue -> its flavors -> those with ``spec.topologyName`` -> their
+    Topologies: the levels every one of them has, in the first one's order (Kueue may pick any
+    of the TAS flavors, and skips one whose Topology lacks a level the request names).
+    Anything missing reads as no TAS: Kueue then says what is wrong in the queue.
     """
     local = await client.kueue_object(plural="localqueues", name=queue, namespace=namespace)
     cluster_queue = ((local or {}).get("spec") or {}).get("clusterQueue")
@@ -236,13 +244,14 @@ async def tas_levels(client: kube.Client, namespace: str, queue: str) -> tuple[s
         return ()
     found = await client.kueue_object(plural="clusterqueues", name=cluster_queue)
     groups = ((found or {}).get("spec") or {}).get("resourceGroups") or []
+    every: list[tuple[str, ...]] = []
     for name in dict.fromkeys(f["name"] for g in groups for f in g.get("flavors") or []):
         flavor = await client.resource_flavor(name=name)
         topology = ((flavor or {}).get("spec") or {}).get("topologyName")
         if topology:
             found = await client.kueue_object(plural="topologies", name=topology)
-            return kueue_topology.tas_levels(found)
-    return ()
+            every.append(kueue_topology.tas_levels(found))
+    return tuple(level for level in every[0] if all(level in o for o in every)) if every else ()
 
 
 async def release_after_pods(

@@ -21,9 +21,17 @@ from meshtrain.api import spec as api_spec
 CONFLICT = "TopologyAssignmentConflict"
 """Placed=False reason: meshtrain's rules cannot be met inside Kueue's topologyAssignment."""
 TAS_POD_ANNOTATION = "kueue.x-k8s.io/podset-unconstrained-topology"
-"""Marks a gang pod as TAS-managed, so Kueue counts it once (in the Workload's TAS usage), not
-again as non-TAS usage of its node.  No workload annotation: Kueue's ungater leaves it alone."""
+"""Marks a gang pod as TAS-managed, so Kueue's TAS cache counts it in the Workload's TAS usage,
+not again as non-TAS usage of its node."""
+WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"
+"""The pod's Workload, as Kueue sets it on its own TAS pods: Kueue finds a Workload's pods on a
+node by it (its ``WorkloadSliceNameKey`` index), so a cordon, an untolerated taint or a brief
+NotReady of a node the gang runs on does not make Kueue move the assignment away from the
+running pods.  Kueue's topology ungater lists these pods too, but only ungates pods carrying its
+own scheduling gate, which meshtrain's never do."""
 HOSTNAME = "kubernetes.io/hostname"
+UNREAD = "TopologyNotRead"
+"""Warning Event reason: the operator may not read the queue's TAS Topology (RBAC: 403)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,13 @@ class Assignment:
     @property
     def total(self) -> int:
         return sum(domain.count for domain in self.domains)
+
+    def counts(self) -> dict[tuple[str, ...], int]:
+        """Pods per domain, a domain Kueue lists twice (its slices may) counted with both."""
+        found: dict[tuple[str, ...], int] = {}
+        for domain in self.domains:
+            found[domain.values] = found.get(domain.values, 0) + domain.count
+        return found
 
     def describe(self) -> str:
         shown = ", ".join(f"{'/'.join(d.values)}={d.count}" for d in self.domains[:8])
@@ -101,27 +116,27 @@ def topology_request(
     """The ``topologyRequest`` of the pod set (``count`` pods) in a queue whose TAS Topology has
     ``levels``.
 
-    Only levels the Topology has are named (Kueue refuses others).  ``required``: the lowest
-    ``spec.topology`` level with mode required (the whole gang in one domain of it, the same
-    rule the planner keeps).  Else ``preferred``: the lowest fabric level of ``spec.topology``
-    the Topology has, else the NVLink-domain label, else the Topology's own second-lowest
-    level (its lowest is usually the hostname), so Kueue packs the gang as tightly as it can.
-    With the NVLink-domain label among the levels and more than one pipeline stage, each stage's
-    pods (its data-parallel all-reduce, the heaviest traffic; tensor groups never leave a pod)
-    are a PodSet slice required in one NVLink domain (``podSetSliceRequiredTopology`` /
+    Only levels the Topology has are named; "lowest" is in the Topology's order of ``levels``,
+    whatever the order of ``spec.topology``.  ``required``: the lowest ``spec.topology`` level
+    with mode required (the whole gang in one domain of it, the same rule the planner keeps).
+    Else ``preferred``: the lowest fabric level of ``spec.topology`` the Topology has, else the
+    NVLink-domain label, else the Topology's own second-lowest level (its lowest is usually the
+    hostname), so Kueue packs the gang as tightly as it can.  With the NVLink-domain label among
+    the levels, at or below that level, and more than one pipeline stage, each stage's pods (its
+    data-parallel all-reduce, the heaviest traffic; tensor groups never leave a pod) are a
+    PodSet slice required in one NVLink domain (``podSetSliceRequiredTopology`` /
     ``podSetSliceSize``), when stages fill whole pods and the slices divide ``count`` (spares
     included).
     """
-    topology = spec.topology
-    known = set(levels)
-    fabric = [level for level in topology.levels if level.label in known]
+    topology, order = spec.topology, list(levels)
+    fabric = [level for level in topology.levels if level.label in order]
     required = [level.label for level in fabric if level.mode == "required"]
-    nvlink = topology.nvlink_domain_label if topology.nvlink_domain_label in known else None
+    nvlink = topology.nvlink_domain_label if topology.nvlink_domain_label in order else None
     request: dict[str, Any] = {}
     if required:
-        request["required"] = required[-1]
+        request["required"] = max(required, key=order.index)  # lowest in the Topology
     elif fabric:
-        request["preferred"] = fabric[-1].label
+        request["preferred"] = max((level.label for level in fabric), key=order.index)
     elif nvlink:
         request["preferred"] = nvlink
     elif levels:
@@ -131,7 +146,11 @@ def topology_request(
     grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
     per_stage = grid.world_size // grid.pipeline  # every rank of one stage
     stage_pods = per_stage // per_pod if per_stage % per_pod == 0 else 0
-    if nvlink and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
+    level = request.get("required") or request.get("preferred")
+    # Kueue refuses a slice level above the pod set's level (tas_flavor_snapshot.go: "podset
+    # slice topology X is above the podset topology Y"): the job would never be admitted.
+    below = nvlink is not None and level is not None and order.index(nvlink) >= order.index(level)
+    if below and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
         request["podSetSliceRequiredTopology"] = nvlink
         request["podSetSliceSize"] = stage_pods
     return request
@@ -152,7 +171,7 @@ def restrict(
     domain's nodes are taken in name order until they offer its count (the last one cut to what
     remains), so no plan can put more pods in a domain than Kueue assigned it.
     """
-    left = {domain.values: domain.count for domain in assignment.domains}
+    left = assignment.counts()
     kept = []
     for node in sorted(offered, key=lambda n: n.name):
         where = _in(node, assignment)
@@ -178,6 +197,26 @@ def placed_per_domain(
     return counts
 
 
+def misplaced(
+    nodes: Mapping[int, str], labels: Mapping[str, Mapping[str, str]], assignment: Assignment
+) -> tuple[int, ...]:
+    """The pod indices of ``nodes`` (index -> node) outside ``assignment``: on a node of no
+    assigned domain, or beyond its domain's count (lower indices keep their slots first).  A
+    node without ``labels`` (unknown here: a node gone is another rule's) is not judged."""
+    left = assignment.counts()
+    out = []
+    for index in sorted(nodes):
+        node_labels = labels.get(nodes[index])
+        if node_labels is None:
+            continue
+        values = tuple(node_labels.get(level, "") for level in assignment.levels)
+        if left.get(values, 0) > 0:
+            left[values] -= 1
+        else:
+            out.append(index)
+    return tuple(out)
+
+
 def spare_room(
     free: Mapping[str, int],
     used: Sequence[str],
@@ -193,7 +232,7 @@ def spare_room(
     :func:`restrict`.
     """
     taken = placed_per_domain(used, labels, assignment)
-    left = {d.values: d.count - taken.get(d.values, 0) for d in assignment.domains}
+    left = {values: count - taken.get(values, 0) for values, count in assignment.counts().items()}
     room = {}
     for name in sorted(free):
         values = tuple((labels.get(name) or {}).get(level, "") for level in assignment.levels)
@@ -201,6 +240,27 @@ def spare_room(
         if slots > 0:
             room[name] = slots
             left[values] -= slots
+    return room
+
+
+def replacement_room(
+    free: Mapping[str, int],
+    survivors: Sequence[str],
+    spares: Iterable[str],
+    labels: Mapping[str, Mapping[str, str]],
+    assignment: Assignment,
+) -> dict[str, int]:
+    """The pod slots ``free`` leaves a lost pod's replacement inside Kueue's ``assignment``: what
+    the surviving gang pods (``survivors``: their nodes) and the spares (``spares``: theirs)
+    left of each domain, plus one slot on each spare's own node (a swap: the spare leaves, the
+    replacement takes its place in the same domain).  ``free`` counts the spares' GPUs as free
+    (they are the replacement's), so the spares must be counted here, or a domain holding one
+    would be overfilled."""
+    held = list(spares)
+    room = spare_room(free, [*survivors, *held], labels, assignment)
+    for node in held:
+        if free.get(node, 0) > 0:
+            room[node] = max(room.get(node, 0), 1)
     return room
 
 
@@ -222,7 +282,7 @@ def conflict(
         return (
             f"{outside} pod(s) planned outside Kueue's assigned domains ({assignment.describe()})"
         )
-    short = {d.values: d.count - placed.get(d.values, 0) for d in assignment.domains}
+    short = {values: count - placed.get(values, 0) for values, count in assignment.counts().items()}
     over = {k: v for k, v in short.items() if v < 0}
     if over:
         return f"more pods than Kueue assigned in {', '.join('/'.join(k) for k in over)}"
@@ -235,6 +295,16 @@ def conflict(
     return None
 
 
+def unread_message(error: str) -> str:
+    """The Warning Event of a Workload created without a topology request after a 403."""
+    return (
+        f"Kueue TAS topology not read ({error}): the operator's RBAC lacks get on LocalQueues, "
+        "ClusterQueues or Topologies (an install older than its chart); the Workload is queued "
+        "without a topologyRequest, so Kueue's own choice (implied TAS in a TAS-only queue) "
+        "bounds the gang: apply the chart's RBAC (manifests/rbac)"
+    )
+
+
 def conflict_message(why: str, assignment: Assignment) -> str:
     """The Placed=False message of a plan that cannot keep Kueue's topologyAssignment."""
     return (
@@ -245,8 +315,13 @@ def conflict_message(why: str, assignment: Assignment) -> str:
     )
 
 
-def mark(pod: dict[str, Any]) -> dict[str, Any]:
-    """``pod`` annotated as TAS-managed (:data:`TAS_POD_ANNOTATION`)."""
+def mark(pod: dict[str, Any], workload: str) -> dict[str, Any]:
+    """``pod`` annotated as TAS-managed (:data:`TAS_POD_ANNOTATION`) and as a pod of Kueue
+    Workload ``workload`` (:data:`WORKLOAD_ANNOTATION`)."""
     metadata = dict(pod.get("metadata") or {})
-    metadata["annotations"] = {**(metadata.get("annotations") or {}), TAS_POD_ANNOTATION: "true"}
+    metadata["annotations"] = {
+        **(metadata.get("annotations") or {}),
+        TAS_POD_ANNOTATION: "true",
+        WORKLOAD_ANNOTATION: workload,
+    }
     return {**pod, "metadata": metadata}

@@ -280,6 +280,21 @@ def assignment(flavors: Sequence[Mapping[str, Any]]) -> Assignment:
     return Assignment(selector, tuple(tolerations))
 
 
+def gang_pod(
+    pod: Mapping[str, Any],
+    where: Assignment,
+    *,
+    job: str,
+    topology: kueue_topology.Assignment | None,
+) -> dict[str, Any]:
+    """A pod the operator creates for job ``job`` (gang pod, recovered pod, spare or lone
+    replacement): :func:`assign`, and marked as a TAS pod of the job's Workload
+    (``kueue_topology.mark``) when Kueue TAS assigned the pod set (``topology``), so Kueue
+    counts it once and finds it on its node.  Every pod-creating path goes through here."""
+    assigned = assign(pod, where)
+    return assigned if topology is None else kueue_topology.mark(assigned, workload_name(job))
+
+
 def assign(pod: Mapping[str, Any], where: Assignment) -> dict[str, Any]:
     """``pod`` with the flavors' node selector and tolerations added (Kueue's pod set info merge)."""
     spec = dict(pod["spec"])

@@ -9,7 +9,7 @@ rows above leave for them).  The phases and transitions: docs/operator.md, "Life
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from meshtrain.operator.policy import (
     disruption_budget,
@@ -19,6 +19,7 @@ from meshtrain.operator.policy import (
     job_actions,
     job_state,
     kueue,
+    kueue_reassigned,
     kueue_workload,
     pod_loss,
     pod_state,
@@ -63,6 +64,7 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     startup.RECREATE_MISSING,
     # GANG_EXISTS: every pod of the gang exists, none failed.
     finish.SUCCEEDED,
+    kueue_reassigned.FOLLOWED,
     startup.GANG_EVENTS,
     startup.GATES_LIFTED,
     startup.SCHEDULER_REFUSED,
@@ -87,6 +89,7 @@ def decide(
     kueue: kueue_workload.Gate | None = None,
     nodes_gone: frozenset[str] = frozenset(),
     spares_holding: int = 0,
+    node_labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> job_actions.Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
 
@@ -99,8 +102,11 @@ def decide(
     admits it.  ``nodes_gone``: nodes of ``status.placement`` that no longer exist (a pod that
     vanished with its node, as PodGC force-deletes it, is a disruption).  ``spares_holding``: the
     job's spare pods that still hold resources (no pods of the gang; the quota waits for them).
+    ``node_labels``: labels of the nodes the pods are on or planned on (Kueue TAS's assignment).
     """
-    seen = situation.Situation(job, tuple(pods), now, kueue, nodes_gone, spares_holding)
+    seen = situation.Situation(
+        job, tuple(pods), now, kueue, nodes_gone, spares_holding, dict(node_labels or {})
+    )
     owed: list[job_actions.Action] = []
     for row in RULES:
         if isinstance(row, situation.Note):

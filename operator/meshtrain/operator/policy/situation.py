@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from meshtrain.api import spec as api_spec
@@ -52,6 +52,9 @@ class Situation:
     spares_holding: int = 0
     """The job's spare pods (``runPolicy.recovery.spareNodes``) that still hold resources: they
     are no pods of the gang, but hold GPUs (and Kueue quota) until they are gone."""
+    node_labels: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    """Labels of the nodes the job's pods are on or planned on (a node not here is not judged
+    against Kueue TAS's assignment)."""
     _facts: dict[Callable[[Situation], Any], Any] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
     )
