@@ -184,20 +184,43 @@ def plan(job: JobBuilder, profile: str) -> estimate.Plan:
     return estimate.make_plan(loading.parse_spec(job.raw()), profiles.get(profile))
 
 
-def test_the_planner_prices_fp8_at_torchtitans_published_gain_for_llama3_8b() -> None:
-    """TorchTitan's Llama 3.1 8B on H100 at seq 8192: fp8+compile / bf16+compile = 8532 / 6667."""
-    base = JobBuilder().model(preset="llama3-8b").layout(data=8, gpus_per_node=8)
+def test_the_planners_step_for_torchtitans_llama3_8b_run_is_its_published_fp8_gain() -> None:
+    """TorchTitan's Llama 3.1 8B on 8 H100 at seq 8192 (FSDP: ZeRO-3, local batch 2, compiled):
+    bf16+compile / fp8+compile step time is 8532 / 6667 tokens/s.  LINEAR_EFFICIENCY is fitted to
+    this one figure (an assumption elsewhere); the check is that the whole step, its
+    communication and the unconverted FLOPs included, lands on it."""
+    base = (
+        JobBuilder()
+        .model(preset="llama3-8b")
+        .layout(data=8, gpus_per_node=8)
+        .parallelism(zeroStage=3)
+        .training(microBatch=2, compile=True)
+    )
     bf16 = plan(base, "h100-sxm").time
     fp8 = plan(base.clone().training(float8={}), "h100-sxm").time
     published = float8.TORCHTITAN_LLAMA3_8B
     speedup = published["fp8+compile"] / published["bf16+compile"]
-    assert fp8.rank_flops / bf16.rank_flops == pytest.approx(speedup, rel=0.02)
+    assert bf16.step_seconds / fp8.step_seconds == pytest.approx(speedup, rel=0.03)
     assert fp8.model_flops == bf16.model_flops  # MFU's numerator and peak stay bf16's
     assert fp8.peak_flops == bf16.peak_flops == profiles.get("h100-sxm").peak_flops
 
 
+def test_eager_fp8_is_planned_at_bf16s_rate_and_warned() -> None:
+    """torchao's float8 linears without compile run their casts unfused and are slower than bf16
+    (pytorch/ao#685): the plan gives them no speedup and says to compile."""
+    base = JobBuilder().model(preset="llama3-8b").layout(data=8, gpus_per_node=8)
+    bf16 = plan(base.clone().training(compile=False), "h100-sxm")
+    eager = plan(base.clone().training(compile=False, float8={}), "h100-sxm")
+    compiled = plan(base.clone().training(compile=True, float8={}), "h100-sxm")
+    assert eager.time.rank_flops == bf16.time.rank_flops
+    assert compiled.time.rank_flops > eager.time.rank_flops
+    [warning] = [w for w in eager.warnings if "float8" in w]
+    assert "training.compile" in warning and "bf16" in warning
+    assert not any("float8" in w for w in compiled.warnings)
+
+
 def test_a_device_without_float8_is_warned_and_planned_at_bf16() -> None:
-    job = JobBuilder().model(preset="llama3.2-1b").training(float8={})
+    job = JobBuilder().model(preset="llama3.2-1b").training(float8={}, compile=True)
     on_a100 = plan(job, "a100-80g")
     assert any("no float8 tensor cores" in w for w in on_a100.warnings)
     assert on_a100.time.rank_flops == profiles.get("a100-80g").achievable_flops
