@@ -167,6 +167,22 @@ def test_the_device_check_refuses_a_cpu_and_a_gpu_below_8_9(
     trainer_float8.check_device(spec, torch.device("cuda", 0))
 
 
+def test_fp8_is_refused_on_a_torch_older_than_torchaos_or_without_torchao(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA 12 image's torch 2.10 cannot run torchao 0.18's float8: refused naming the field
+    and the fix, as the device check is (before any process group)."""
+    said = trainer_float8.library_problem("2.10.0+cu128")
+    assert said and "training.float8" in said and "torch 2.11" in said and "CUDA 13" in said
+    assert trainer_float8.library_problem(torch.__version__) is None  # this venv's torch + torchao
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # torchao absent: import fails
+    said = trainer_float8.library_problem("2.15.0")
+    assert said and "training.float8" in said and "torchao>=0.18" in said
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(trainer_float8.Float8Unavailable, match="torchao"):
+        trainer_float8.check_device(api_training.Float8(), torch.device("cuda", 0))
+
+
 def test_the_trainer_entry_point_refuses_fp8_on_a_cpu_with_the_spec_exit_code(tmp_path) -> None:
     job = JobBuilder.cpu_run().model(LLAMA_TINY).training(float8={}, precision="bf16")
     path = job.write(tmp_path)
