@@ -30,6 +30,15 @@ TORCHTITAN = {
 }
 """TorchTitan's published per-GPU throughput for Llama 3.1 8B at sequence 8192."""
 
+TORCHTITAN_H200 = {
+    "source": "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025): "
+    "Llama 3.1 8B, 32 H200 (4 hosts), FSDP with float8 all-gather, local batch 2, compiled, float8 "
+    "converters, seq 8192 (its llama3_8b.toml), TPS/GPU sampled at step 100",
+    "tokens_per_second_per_gpu": {"fp8+compile": 10938},
+    "layers": 32,
+}
+"""TorchTitan's H200 figure: the only fp8+compile row on the device the suite is sized for."""
+
 TARGETS = {"bf16_mfu": 0.50, "fp8_over_bf16_compiled": 1.25}
 """The issue's targets on one H100/H200: MFU of the llama shape in bf16, and fp8+compile over bf16+compile."""
 
@@ -115,6 +124,9 @@ def summary(results: Path) -> Path:
             "last_loss": row.get("last_loss"),
             "tokens_per_second_at_32_layers": row["tokens_per_second"] * scale,
             "torchtitan_tokens_per_second_per_gpu": titan,
+            "torchtitan_h200_tokens_per_second_per_gpu": TORCHTITAN_H200[
+                "tokens_per_second_per_gpu"
+            ].get(RUNS[name]),
         }
     ratio = _ratio(rows, "tokens_per_second")
     predicted = _predictions(rows, machine.get("gpu"))
@@ -129,6 +141,7 @@ def summary(results: Path) -> Path:
         "targets": TARGETS,
         "verdicts": _verdicts(rows, ratio),
         "torchtitan": TORCHTITAN,
+        "torchtitan_h200": TORCHTITAN_H200,
         "device_tests": _tests(results),
         "not_measurable_on_one_gpu": NOT_MEASURABLE,
     }

@@ -286,3 +286,8 @@ def test_the_issue35_summary_sets_the_planners_predictions_beside_the_measuremen
     assert ratio["predicted"] == pytest.approx(planned["bf16-compile"] / planned["fp8-compile"])
     assert written["verdicts"]["bf16_mfu"] == {"target": 0.5, "measured": 0.45, "passed": False}
     assert written["verdicts"]["fp8_over_bf16_compiled"]["passed"] is True
+    titan = {
+        name: run["torchtitan_h200_tokens_per_second_per_gpu"]
+        for name, run in written["runs"].items()
+    }
+    assert titan == {"bf16-compile": None, "fp8-compile": 10938}  # H100's rows beside it
