@@ -51,8 +51,12 @@ def test_presence_enables_the_tensorwise_recipe_and_rowwise_is_torchaos_other_na
             JobBuilder().model(LLAMA_TINY, hidden=72, heads=4).training(float8={}),
             ["hidden=72", "divisible by 16"],
         ),
+        (
+            JobBuilder().model(LLAMA_TINY, hidden=64, heads=16, kvHeads=1).training(float8={}),
+            ["fused QKV", "72 outputs", "kvHeads"],
+        ),
     ],
-    ids=["fp32", "tensor-parallel", "dims"],
+    ids=["fp32", "tensor-parallel", "dims", "qkv-dims"],
 )
 def test_fp8_is_refused_naming_the_field_and_the_fix(builder: JobBuilder, words: list[str]) -> None:
     with pytest.raises(loading.SpecError) as err:
@@ -112,6 +116,30 @@ def test_the_swap_keeps_every_parameter_its_name_and_the_checkpoint_keys() -> No
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
     assert model.state_dict().keys() == saved  # checkpoints read and write the same names
+
+
+@pytest.mark.parametrize(
+    "model",
+    [dict(LLAMA_TINY), {**LLAMA_TINY, "hidden": 64, "heads": 16, "kvHeads": 1}],
+    ids=["aligned", "qkv-misaligned"],
+)
+def test_the_spec_admits_fp8_exactly_where_every_block_linear_converts(model: dict) -> None:
+    """The planner prices every block matrix in float8: the spec must refuse a shape where the
+    converter (torchao's filter, :func:`converts`) would leave one in bf16."""
+    shape = loading.parse_spec(JobBuilder().model(model).raw()).model.shape()
+    built = llama.build(gpt.GPTConfig.from_shape(shape), seed=3)
+    blocks = [
+        (fqn, m)
+        for fqn, m in built.named_modules()
+        if isinstance(m, torch.nn.Linear) and fqn != "head"
+    ]
+    every = all(trainer_float8.converts(m, fqn) for fqn, m in blocks)
+    admitted = True
+    try:
+        loading.parse_spec(JobBuilder().model(model).training(float8={}).raw())
+    except loading.SpecError:
+        admitted = False
+    assert admitted == every
 
 
 def test_a_linear_whose_dimensions_the_scaled_matmul_cannot_take_stays() -> None:
