@@ -8,7 +8,7 @@ the casts run as separate unfused kernels and torchao's float8 is slower than bf
 TorchTitan requires compile for it): no measured factor exists, so the plan prices bf16's rate
 (an upper bound) and warns.  Memory: torchao saves the linear's bf16 input (as
 autocast's matmul does) and the fp32 weight Parameter itself, so the blocks keep no bf16 copies of
-their weights; the float8 casts live only around each matmul.  docs/planner.md states both.
+their weights; the float8 casts (weight, input, grad_output) live only around each matmul.  docs/planner.md states both.
 """
 
 from __future__ import annotations
@@ -77,16 +77,30 @@ def profile_problem(job: api_spec.TrainingJobSpec, profile: profiles.Profile) ->
     return None
 
 
+def linear_cast_bytes(outputs: int, inputs: int, tokens: int) -> int:
+    """The float8 copies alive at once around one float8 linear's backward (torchao's casts, read
+    back from its emulation): the weight's, the input's, and grad_output's twice (once for the
+    input gradient's matmul, once for the weight gradient's)."""
+    return CAST_BYTES * (outputs * inputs + tokens * inputs + 2 * tokens * outputs)
+
+
 def weight_cast_bytes(
-    shape: api_model.ModelShape, tensor: int, *, last: bool, scheme: precision.StateScheme
+    shape: api_model.ModelShape,
+    tensor: int,
+    *,
+    tokens: int,
+    last: bool,
+    scheme: precision.StateScheme,
 ) -> float:
-    """The weight copies a stage holds under ``training.float8``.
+    """The transient copies a stage holds under ``training.float8`` (``tokens``: a micro-batch's
+    tokens on the rank).
 
     torchao saves the fp32 weight Parameter for backward, not a cast, so the converted linears
-    keep none across micro-batches; the largest one's float8 cast and its transposed cast live
-    around its matmul (``2 x CAST_BYTES`` per element).  The head stays bf16 under autocast: on
-    the last stage its copy lives for the loss's forward, as without fp8.
+    keep none across micro-batches; the largest linear's float8 casts (:func:`linear_cast_bytes`:
+    at sequence 8192 grad_output's outweigh the weight's) live around its matmuls.  The head
+    stays bf16 under autocast: on the last stage its copy lives for the loss's forward, as
+    without fp8.  fp8 runs at tensor 1 (the spec refuses more): the blocks' linears are whole.
     """
-    largest = max(parameters.local_block_matrices(shape, tensor))
+    largest = max(linear_cast_bytes(o, i, tokens) for o, i in parameters.block_matrix_dims(shape))
     head = parameters.vocab_rows(shape, tensor) * shape.hidden * scheme.matmul_bytes if last else 0
-    return float(2 * CAST_BYTES * largest + head)
+    return float(largest + head)

@@ -9,10 +9,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.api import exitcodes, loading
 from meshtrain.api.spec import training as api_training
@@ -306,5 +309,60 @@ def test_the_planners_weight_copies_are_what_autograd_saves_under_bf16_and_fp8()
     predicted_bf16 = memory.weight_cast_bytes(shape, 1, layers, 1.0, last=False, scheme=scheme)
     assert saved_weight_copies(bf16, tokens) == predicted_bf16
     assert saved_weight_copies(fp8, tokens) == 0
-    transient = 2 * float8.CAST_BYTES * max(parameters.local_block_matrices(shape, 1))
-    assert float8.weight_cast_bytes(shape, 1, last=False, scheme=scheme) == transient
+    measured = [
+        live_float8_peak(torch.nn.Linear(inputs, outputs, bias=False), FLOAT8_TOKENS)
+        for outputs, inputs in parameters.block_matrix_dims(shape)
+    ]
+    planned = float8.weight_cast_bytes(shape, 1, tokens=FLOAT8_TOKENS, last=False, scheme=scheme)
+    assert planned == max(measured)
+
+
+FLOAT8_TOKENS = 48
+"""Rows of the float8 peak's input: more than the tiny llama's weight dimensions, so the
+activations' casts decide, as they do at sequence 8192."""
+
+
+class _LiveFloat8(TorchDispatchMode):
+    """The most float8 bytes alive at once among the tensors torch's ops return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype in FLOAT8_DTYPES:
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    weakref.finalize(storage, self.live.pop, key, None)
+                    self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def live_float8_peak(linear: torch.nn.Linear, tokens: int) -> int:
+    """torchao's float8 copies alive at once over one float8 linear's forward and backward
+    (emulated: the same casts, the matmul in plain torch ops)."""
+    model = torch.nn.Sequential(linear)
+    trainer_float8.apply_float8([model], emulated("tensorwise"))
+    x = torch.randn(tokens, linear.in_features, requires_grad=True)
+    with _LiveFloat8() as seen:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().sum().backward()
+    return seen.peak
+
+
+@pytest.mark.parametrize("outputs,inputs,tokens", [(192, 64, 48), (64, 192, 512), (256, 256, 16)])
+def test_the_planners_float8_casts_of_a_linear_are_torchaos_peak(
+    outputs: int, inputs: int, tokens: int
+) -> None:
+    """Read back from torchao: the weight's, the input's and grad_output's two casts, at once."""
+    measured = live_float8_peak(torch.nn.Linear(inputs, outputs, bias=False), tokens)
+    assert float8.linear_cast_bytes(outputs, inputs, tokens) == measured
