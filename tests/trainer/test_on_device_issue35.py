@@ -3,6 +3,9 @@ runs them on a lent GPU (``MESHTRAIN_TEST_DEVICE=cuda``; ``cpu`` by default, as 
 
 * fp8 (``training.float8``): on a GPU, 200 compiled steps of the 350m preset in fp8 end within 1%
   of the same run in bf16 (the issue's bar); on the CPU, the engine refuses fp8, naming the field.
+  What the planner's fp8 memory rests on, read back on the device's own float8 path (a CPU runs
+  torchao's emulation): autograd saves no weight copy under float8 linears, and the float8
+  bytes alive at once around each block linear are the planner's.
 * the overlap toggle (``parallelism.overlap.tensor``) and the ``context=1`` path: on one rank
   there is no collective to overlap and no sequence to split, so each must give exactly the run
   of the default spec.
@@ -15,6 +18,7 @@ data 2) is reported as not measurable by the suite's results file.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import mt_harness
@@ -23,7 +27,11 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api.spec import parallelism as api_parallelism
+from meshtrain.api.spec import training as api_training
+from meshtrain.planner import float8 as planner_float8
+from meshtrain.planner import parameters
 from meshtrain.trainer import engine
+from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import float8
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from tests.builders import LLAMA_TINY, JobBuilder
@@ -100,6 +108,44 @@ def test_context_1_is_the_plain_path_on_one_rank(device_kind):
         losses, 1, device_kind, runs, 3, timeout_s=180, use_cuda=device_kind == "cuda"
     )[0]
     assert context_1 == default
+
+
+FP8_ROWS = 48
+"""Tokens through the float8 linears: a multiple of 16 (the scaled matmul's), no weight's dimension."""
+
+
+def fp8_memory(device_kind: str) -> tuple[int, list[tuple[int, int, int]]]:
+    """Weight copies autograd saves in a float8 tiny llama's blocks, and the float8 bytes alive at
+    once around each of its block linears: (bytes, [(outputs, inputs, bytes)])."""
+    unit = importlib.import_module("tests.unit.test_float8")  # its readers of autograd and torchao
+    device = torch.device(device_kind)
+    config = float8.config_for(api_training.Float8())
+    if device_kind == "cpu":
+        config = unit.emulated("tensorwise")
+    shape = loading.parse_spec(JobBuilder().model(LLAMA_TINY).raw()).model.shape()
+    model = llama.build(gpt.GPTConfig.from_shape(shape), seed=3)
+    gpt.materialize(model)
+    model.to(device)
+    float8.apply_float8([model], config)
+    tokens = torch.randint(0, shape.vocab, (1, FP8_ROWS), device=device)
+    copies = unit.saved_weight_copies(model, tokens)
+    peaks = []
+    for outputs, inputs in parameters.block_matrix_dims(shape):
+        linear = torch.nn.Linear(inputs, outputs, bias=False, device=device)
+        peaks.append((outputs, inputs, unit.live_float8_peak(linear, FP8_ROWS, config)))
+    return copies, peaks
+
+
+def test_fp8_keeps_no_weight_copy_and_its_casts_are_the_planners(device_kind):
+    copies, peaks = mt_harness.run_distributed(
+        fp8_memory, 1, device_kind, timeout_s=120, use_cuda=device_kind == "cuda"
+    )[0]
+    assert copies == 0  # torchao saves the fp32 Parameter, not a cast
+    for outputs, inputs, measured in peaks:
+        assert planner_float8.linear_cast_bytes(outputs, inputs, FP8_ROWS) == measured, (
+            outputs,
+            inputs,
+        )
 
 
 def fp8_350m(recipe: str | None) -> dict:

@@ -290,7 +290,7 @@ def saved_weight_copies(model: gpt.GPT, tokens: torch.Tensor) -> int:
 
     with (
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+        torch.autocast(tokens.device.type, dtype=torch.bfloat16, cache_enabled=False),
     ):
         model.features(tokens)  # the head is the last stage's (not counted here)
     return sum(copies.values())
@@ -346,14 +346,16 @@ class _LiveFloat8(TorchDispatchMode):
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def live_float8_peak(linear: torch.nn.Linear, tokens: int) -> int:
-    """torchao's float8 copies alive at once over one float8 linear's forward and backward
-    (emulated: the same casts, the matmul in plain torch ops)."""
+def live_float8_peak(linear: torch.nn.Linear, tokens: int, config: object = None) -> int:
+    """torchao's float8 copies alive at once over one float8 linear's forward and backward, on
+    the linear's device (``config`` None: emulated, the same casts with the matmul in plain
+    torch ops, as a CPU needs)."""
     model = torch.nn.Sequential(linear)
-    trainer_float8.apply_float8([model], emulated("tensorwise"))
-    x = torch.randn(tokens, linear.in_features, requires_grad=True)
+    trainer_float8.apply_float8([model], config or emulated("tensorwise"))
+    device = linear.weight.device
+    x = torch.randn(tokens, linear.in_features, requires_grad=True, device=device)
     with _LiveFloat8() as seen:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             y = model(x)
         y.float().sum().backward()
     return seen.peak
