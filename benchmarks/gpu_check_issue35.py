@@ -1,13 +1,15 @@
 """Helpers of ``benchmarks/gpu_check.sh --suite issue35``: the torchao wheel for the device's torch,
-and the run's one results file (the device named, the figures beside TorchTitan's and the issue's
-targets, what one GPU cannot measure).
+and the run's one results file (the device named, the figures beside TorchTitan's, the planner's
+predictions beside the measurements, the issue's targets passed or failed, what one GPU cannot
+measure).
 
-    python3 benchmarks/gpu_check_issue35.py torchao-wheel WHEEL_DIR   the wheel to install, or exit 1
-    python3 benchmarks/gpu_check_issue35.py summary RESULTS_DIR       write issue35-<device>.json there
+    python3 benchmarks/gpu_check_issue35.py torchao-wheel WHEEL_DIR     the wheel to install, or exit 1
+    python3 -m benchmarks.gpu_check_issue35 summary RESULTS_DIR         write issue35-<device>.json there
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -27,6 +29,15 @@ TORCHTITAN = {
     "layers": 32,
 }
 """TorchTitan's published per-GPU throughput for Llama 3.1 8B at sequence 8192."""
+
+TORCHTITAN_H200 = {
+    "source": "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025): "
+    "Llama 3.1 8B, 32 H200 (4 hosts), FSDP with float8 all-gather, local batch 2, compiled, float8 "
+    "converters, seq 8192 (its llama3_8b.toml), TPS/GPU sampled at step 100",
+    "tokens_per_second_per_gpu": {"fp8+compile": 10938},
+    "layers": 32,
+}
+"""TorchTitan's H200 figure: the only fp8+compile row on the device the suite is sized for."""
 
 TARGETS = {"bf16_mfu": 0.50, "fp8_over_bf16_compiled": 1.25}
 """The issue's targets on one H100/H200: MFU of the llama shape in bf16, and fp8+compile over bf16+compile."""
@@ -80,11 +91,13 @@ def _rows(results: Path) -> dict[str, dict[str, Any]]:
 
 def _tests(results: Path) -> dict[str, str]:
     """Each device test's outcome from the JUnit report (empty when it did not run)."""
-    path = results / "test-on-device-issue35.xml"
-    if not path.exists():
-        return {}
     outcomes = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
+    cases = (
+        case
+        for path in sorted(results.glob("test-on-device-issue35*.xml"))
+        for case in ET.parse(path).getroot().iter("testcase")
+    )
+    for case in cases:
         verdict = "passed"
         for kind in ("failure", "error", "skipped"):
             found = case.find(kind)
@@ -111,10 +124,12 @@ def summary(results: Path) -> Path:
             "last_loss": row.get("last_loss"),
             "tokens_per_second_at_32_layers": row["tokens_per_second"] * scale,
             "torchtitan_tokens_per_second_per_gpu": titan,
+            "torchtitan_h200_tokens_per_second_per_gpu": TORCHTITAN_H200[
+                "tokens_per_second_per_gpu"
+            ].get(RUNS[name]),
         }
-    ratio = None
-    if "bf16-compile" in rows and "fp8-compile" in rows:
-        ratio = rows["fp8-compile"]["tokens_per_second"] / rows["bf16-compile"]["tokens_per_second"]
+    ratio = _ratio(rows, "tokens_per_second")
+    predicted = _predictions(rows, machine.get("gpu"))
     out = {
         "device": device,
         "torch": machine.get("torch"),
@@ -122,8 +137,11 @@ def summary(results: Path) -> Path:
         "runs": runs,
         "not_measured_runs": [name for name in RUNS if name not in rows],
         "fp8_over_bf16_compiled": ratio,
+        "planner": predicted,
         "targets": TARGETS,
+        "verdicts": _verdicts(rows, ratio),
         "torchtitan": TORCHTITAN,
+        "torchtitan_h200": TORCHTITAN_H200,
         "device_tests": _tests(results),
         "not_measurable_on_one_gpu": NOT_MEASURABLE,
     }
@@ -131,6 +149,70 @@ def summary(results: Path) -> Path:
     path = results / f"issue35-{slug}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     return path
+
+
+def _ratio(rows: dict[str, dict[str, Any]], key: str) -> float | None:
+    """fp8+compile over bf16+compile of ``key`` (None: a run is missing)."""
+    if "bf16-compile" not in rows or "fp8-compile" not in rows:
+        return None
+    return float(rows["fp8-compile"][key]) / float(rows["bf16-compile"][key])
+
+
+def _predictions(rows: dict[str, dict[str, Any]], gpu: str | None) -> dict[str, Any]:
+    """The planner's step time, tokens/s and fp8/bf16 ratio of each run beside the measured ones."""
+    from benchmarks import bench_mfu  # noqa: PLC0415 - torch and the trainer, only for the summary
+    from meshtrain.planner import estimate, mfu, profiles  # noqa: PLC0415
+
+    profile = mfu.gpu_profile(gpu) if gpu else None
+    if profile is None:
+        return {"not_predicted": f"no built-in planner profile for {gpu or 'a CPU'}"}
+    out: dict[str, Any] = {"profile": profile}
+    predicted: dict[str, dict[str, float]] = {}
+    for name, row in rows.items():
+        args = argparse.Namespace(
+            layers=row["layers"],
+            float8=row["float8"],
+            micro_batches=row["micro_batches"],
+            steps=row["timed_steps"],
+            compile=row["compiled"],
+            selective_recompute=row["selective_recompute"],
+        )
+        job = bench_mfu._spec(row["preset"], args, row["micro_batch"], 1, "cuda", 0)
+        step = estimate.make_plan(job, profiles.get(profile)).time.step_seconds
+        tokens = row["tokens_per_step"] / step
+        predicted[name] = {"step_seconds": step, "tokens_per_second": tokens}
+        out[name] = {
+            "predicted_step_seconds": step,
+            "measured_step_seconds": row["median_step_seconds"],
+            "step_seconds_relative_error": step / row["median_step_seconds"] - 1,
+            "predicted_tokens_per_second": tokens,
+            "measured_tokens_per_second": row["tokens_per_second"],
+            "tokens_per_second_relative_error": tokens / row["tokens_per_second"] - 1,
+        }
+    ratio_predicted = _ratio(predicted, "tokens_per_second")
+    ratio_measured = _ratio(rows, "tokens_per_second")
+    out["fp8_over_bf16_compiled"] = {
+        "predicted": ratio_predicted,
+        "measured": ratio_measured,
+        "relative_error": ratio_predicted / ratio_measured - 1
+        if ratio_predicted and ratio_measured
+        else None,
+    }
+    return out
+
+
+def _verdicts(rows: dict[str, dict[str, Any]], ratio: float | None) -> dict[str, Any]:
+    """Each of :data:`TARGETS` passed or failed (None: its runs did not measure)."""
+    bf16 = rows.get("bf16-compile")
+    measured = {"bf16_mfu": bf16["mfu"] if bf16 else None, "fp8_over_bf16_compiled": ratio}
+    return {
+        name: {
+            "target": target,
+            "measured": measured[name],
+            "passed": None if measured[name] is None else measured[name] >= target,
+        }
+        for name, target in TARGETS.items()
+    }
 
 
 def _flops_of_32_layers(row: dict[str, Any]) -> float:

@@ -1,12 +1,14 @@
 """fp8 linears (``training.float8``) in the planner: the FLOP rate of a step and the bytes torchao keeps.
 
-Rate: torchao's float8 linears run the blocks' linear matmuls at the device's float8 dense peak
-(``fp8_peak_flops``: twice bf16's on H100, H200 and L40S) times the achievable fraction and
-:data:`LINEAR_EFFICIENCY`;
-the attention core, the head and the rest stay at bf16's rate.  A rank's FLOP/s is the blend of
-the two over the model's FLOPs per token.  Memory: torchao saves the linear's bf16 input (as
+Rate: compiled (``training.compile``), torchao's float8 linears run the blocks' linear matmuls at
+the device's float8 dense peak (``fp8_peak_flops``: twice bf16's on H100, H200 and L40S) times the
+achievable fraction and :data:`LINEAR_EFFICIENCY`; the attention core, the head and the rest stay
+at bf16's rate.  A rank's FLOP/s is the blend of the two over the model's FLOPs per token.  Eager,
+the casts run as separate unfused kernels and torchao's float8 is slower than bf16 (pytorch/ao#685;
+TorchTitan requires compile for it): no measured factor exists, so the plan prices bf16's rate
+(an upper bound) and warns.  Memory: torchao saves the linear's bf16 input (as
 autocast's matmul does) and the fp32 weight Parameter itself, so the blocks keep no bf16 copies of
-their weights; the float8 casts live only around each matmul.  docs/planner.md states both.
+their weights; the float8 casts (weight, input, grad_output) live only around each matmul.  docs/planner.md states both.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ LINEAR_EFFICIENCY = 0.72
 """Share of the float8 peak (over the profile's achievable fraction) the converted linears realise:
 the casts (amax, scale, cast: memory-bound kernels beside every matmul) take the rest.  Fitted to TorchTitan's
 1.28x (:data:`TORCHTITAN_LLAMA3_8B`): with 72% of llama3-8b's FLOPs in the blocks' linears, that
-speedup needs the linears 1.43x faster, 0.72 of the 2x peak ratio.  An assumption elsewhere."""
+speedup needs the linears 1.43x faster, 0.72 of the 2x peak ratio.  A fitted assumption: one
+end-to-end figure (8 H100, FSDP, compiled, tensorwise), applied to every recipe, shape and device
+until a lent GPU measures it (``benchmarks/gpu_check.sh --suite issue35``)."""
 
 CAST_BYTES = 1
 """Bytes of a float8 element (e4m3 or e5m2)."""
@@ -43,10 +47,10 @@ def total_flops_per_token(shape: api_model.ModelShape) -> float:
 
 
 def rank_flops(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
-    """A rank's achievable FLOP/s: bf16's, or with ``training.float8`` on a device with float8
-    the blend of the linears' float8 rate and bf16's for the rest."""
+    """A rank's achievable FLOP/s: bf16's, or with ``training.float8`` compiled on a device with
+    float8 the blend of the linears' float8 rate and bf16's for the rest (eager: bf16's)."""
     bf16 = profile.achievable_flops
-    if job.training.float8 is None or profile.fp8_peak_flops <= 0:
+    if job.training.float8 is None or profile.fp8_peak_flops <= 0 or not job.training.compile:
         return bf16
     fp8 = max(bf16, profile.fp8_peak_flops * profile.achievable_fraction * LINEAR_EFFICIENCY)
     shape = job.model.shape()
@@ -57,24 +61,46 @@ def rank_flops(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> floa
 
 def profile_problem(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> str | None:
     """Why ``training.float8`` cannot run on ``profile``'s device (None: it can, or it is off)."""
-    if job.training.float8 is None or profile.fp8_peak_flops > 0:
+    if job.training.float8 is None:
         return None
-    return (
-        f"training.float8 on {profile.name}: no float8 tensor cores (the profile gives no "
-        "fp8_peak_flops): the trainer refuses fp8 there; planned at bf16's rate"
-    )
+    if profile.fp8_peak_flops <= 0:
+        return (
+            f"training.float8 on {profile.name}: no float8 tensor cores (the profile gives no "
+            "fp8_peak_flops): the trainer refuses fp8 there; planned at bf16's rate"
+        )
+    if not job.training.compile:
+        return (
+            "training.float8 with training.compile false: eager float8 linears run their casts "
+            "unfused and are slower than bf16; planned at bf16's rate (at best); set "
+            "training.compile: true for fp8's speedup"
+        )
+    return None
+
+
+def linear_cast_bytes(outputs: int, inputs: int, tokens: int) -> int:
+    """The float8 copies alive at once around one float8 linear's backward (torchao's casts, read
+    back from its emulation): the weight's, the input's, and grad_output's twice (once for the
+    input gradient's matmul, once for the weight gradient's)."""
+    return CAST_BYTES * (outputs * inputs + tokens * inputs + 2 * tokens * outputs)
 
 
 def weight_cast_bytes(
-    shape: api_model.ModelShape, tensor: int, *, last: bool, scheme: precision.StateScheme
+    shape: api_model.ModelShape,
+    tensor: int,
+    *,
+    tokens: int,
+    last: bool,
+    scheme: precision.StateScheme,
 ) -> float:
-    """The weight copies a stage holds under ``training.float8``.
+    """The transient copies a stage holds under ``training.float8`` (``tokens``: a micro-batch's
+    tokens on the rank).
 
     torchao saves the fp32 weight Parameter for backward, not a cast, so the converted linears
-    keep none across micro-batches; the largest one's float8 cast and its transposed cast live
-    around its matmul (``2 x CAST_BYTES`` per element).  The head stays bf16 under autocast: on
-    the last stage its copy lives for the loss's forward, as without fp8.
+    keep none across micro-batches; the largest linear's float8 casts (:func:`linear_cast_bytes`:
+    at sequence 8192 grad_output's outweigh the weight's) live around its matmuls.  The head
+    stays bf16 under autocast: on the last stage its copy lives for the loss's forward, as
+    without fp8.  fp8 runs at tensor 1 (the spec refuses more): the blocks' linears are whole.
     """
-    largest = max(parameters.local_block_matrices(shape, tensor))
+    largest = max(linear_cast_bytes(o, i, tokens) for o, i in parameters.block_matrix_dims(shape))
     head = parameters.vocab_rows(shape, tensor) * shape.hidden * scheme.matmul_bytes if last else 0
-    return float(2 * CAST_BYTES * largest + head)
+    return float(largest + head)

@@ -598,8 +598,9 @@ def _weight_casts(
     if par.zero_stage == 3 and par.data > 1:
         return 0.0
     if job.training.float8 is not None:  # torchao saves the fp32 Parameter, not a cast
+        tokens = job.training.micro_batch * shape.seq_len // par.context
         return float8.weight_cast_bytes(
-            shape, par.tensor, last=stage == par.pipeline - 1, scheme=scheme
+            shape, par.tensor, tokens=tokens, last=stage == par.pipeline - 1, scheme=scheme
         )
     if par.tensor > 1 and par.overlap.tensor:
         # the overlapped linears keep the weight itself and cast it again in backward: the head's only

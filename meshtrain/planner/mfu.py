@@ -6,8 +6,8 @@ report and the benchmarks.
 Model FLOPs are ``6 N + 12 L s h`` per token (``N`` the non-embedding parameters; the trainer's
 ``gpt.flops_per_token``, the planner's ``stage_work.model_flops_per_token``), times the step's
 tokens.  The devices are the ones the job actually uses: one GPU per rank at its datasheet dense
-bf16 peak, with ``training.float8`` too (TorchTitan's convention: an fp8 MFU above bf16's means
-a faster step, not a share of the float8 peak, twice as high on H100/H200); CPU ranks sharing a
+bf16 peak, with ``training.float8`` too (meshtrain's own convention: one denominator for both, so
+an fp8 MFU above bf16's means a faster step, not a share of the float8 peak); CPU ranks sharing a
 host use its cores (at most ``ranks x threads``, :func:`devices`), each at the built-in ``cpu``
 profile's stated per-core peak (:func:`cpu_core_peak`).  ``metrics.peakFlops`` replaces the per-device peak on both sides.
 Every peak is a built-in profile's ``peak_flops`` (``meshtrain/planner/profiles/*.yaml``): the

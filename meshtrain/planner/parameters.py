@@ -16,17 +16,22 @@ def norm_params(shape: api_model.ModelShape) -> int:
     return shape.hidden if shape.family == "llama" else 2 * shape.hidden
 
 
-def block_matrices(shape: api_model.ModelShape) -> list[int]:
-    """Dense sizes of one block's matrices in registration order: QKV, attention proj, MLP in, MLP out.
+def block_matrix_dims(shape: api_model.ModelShape) -> list[tuple[int, int]]:
+    """(outputs, inputs) of one block's linears in registration order: QKV, attention proj, MLP in, MLP out.
 
-    gpt: QKV 3h^2 and a GELU MLP (f h twice); llama: grouped-query QKV
-    (h + 2 kv hd) h and SwiGLU (gate and up fused, 2 f h, then f h).
+    gpt: QKV 3h x h and a GELU MLP (f x h, h x f); llama: grouped-query QKV
+    (h + 2 kv hd) x h and SwiGLU (gate and up fused, 2f x h, then h x f).
     """
     h, f = shape.hidden, shape.ffn_hidden
     if shape.family == "llama":
         kv = shape.key_value_heads * shape.head_dim
-        return [(h + 2 * kv) * h, h * h, 2 * f * h, f * h]
-    return [3 * h * h, h * h, f * h, h * f]
+        return [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)]
+    return [(3 * h, h), (h, h), (f, h), (h, f)]
+
+
+def block_matrices(shape: api_model.ModelShape) -> list[int]:
+    """Dense sizes of one block's matrices (:func:`block_matrix_dims`)."""
+    return [rows * cols for rows, cols in block_matrix_dims(shape)]
 
 
 def kv_heads_per_rank(shape: api_model.ModelShape, tensor: int) -> int:

@@ -9,10 +9,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.api import exitcodes, loading
 from meshtrain.api.spec import training as api_training
@@ -51,8 +54,12 @@ def test_presence_enables_the_tensorwise_recipe_and_rowwise_is_torchaos_other_na
             JobBuilder().model(LLAMA_TINY, hidden=72, heads=4).training(float8={}),
             ["hidden=72", "divisible by 16"],
         ),
+        (
+            JobBuilder().model(LLAMA_TINY, hidden=64, heads=16, kvHeads=1).training(float8={}),
+            ["fused QKV", "72 outputs", "kvHeads"],
+        ),
     ],
-    ids=["fp32", "tensor-parallel", "dims"],
+    ids=["fp32", "tensor-parallel", "dims", "qkv-dims"],
 )
 def test_fp8_is_refused_naming_the_field_and_the_fix(builder: JobBuilder, words: list[str]) -> None:
     with pytest.raises(loading.SpecError) as err:
@@ -114,6 +121,30 @@ def test_the_swap_keeps_every_parameter_its_name_and_the_checkpoint_keys() -> No
     assert model.state_dict().keys() == saved  # checkpoints read and write the same names
 
 
+@pytest.mark.parametrize(
+    "model",
+    [dict(LLAMA_TINY), {**LLAMA_TINY, "hidden": 64, "heads": 16, "kvHeads": 1}],
+    ids=["aligned", "qkv-misaligned"],
+)
+def test_the_spec_admits_fp8_exactly_where_every_block_linear_converts(model: dict) -> None:
+    """The planner prices every block matrix in float8: the spec must refuse a shape where the
+    converter (torchao's filter, :func:`converts`) would leave one in bf16."""
+    shape = loading.parse_spec(JobBuilder().model(model).raw()).model.shape()
+    built = llama.build(gpt.GPTConfig.from_shape(shape), seed=3)
+    blocks = [
+        (fqn, m)
+        for fqn, m in built.named_modules()
+        if isinstance(m, torch.nn.Linear) and fqn != "head"
+    ]
+    every = all(trainer_float8.converts(m, fqn) for fqn, m in blocks)
+    admitted = True
+    try:
+        loading.parse_spec(JobBuilder().model(model).training(float8={}).raw())
+    except loading.SpecError:
+        admitted = False
+    assert admitted == every
+
+
 def test_a_linear_whose_dimensions_the_scaled_matmul_cannot_take_stays() -> None:
     assert trainer_float8.converts(torch.nn.Linear(64, 128), "blocks.0.mlp.fc")
     assert not trainer_float8.converts(torch.nn.Linear(64, 72), "blocks.0.mlp.fc")
@@ -167,6 +198,22 @@ def test_the_device_check_refuses_a_cpu_and_a_gpu_below_8_9(
     trainer_float8.check_device(spec, torch.device("cuda", 0))
 
 
+def test_fp8_is_refused_on_a_torch_older_than_torchaos_or_without_torchao(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA 12 image's torch 2.10 cannot run torchao 0.18's float8: refused naming the field
+    and the fix, as the device check is (before any process group)."""
+    said = trainer_float8.library_problem("2.10.0+cu128")
+    assert said and "training.float8" in said and "torch 2.11" in said and "CUDA 13" in said
+    assert trainer_float8.library_problem(torch.__version__) is None  # this venv's torch + torchao
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # torchao absent: import fails
+    said = trainer_float8.library_problem("2.15.0")
+    assert said and "training.float8" in said and "torchao>=0.18" in said
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(trainer_float8.Float8Unavailable, match="torchao"):
+        trainer_float8.check_device(api_training.Float8(), torch.device("cuda", 0))
+
+
 def test_the_trainer_entry_point_refuses_fp8_on_a_cpu_with_the_spec_exit_code(tmp_path) -> None:
     job = JobBuilder.cpu_run().model(LLAMA_TINY).training(float8={}, precision="bf16")
     path = job.write(tmp_path)
@@ -184,20 +231,43 @@ def plan(job: JobBuilder, profile: str) -> estimate.Plan:
     return estimate.make_plan(loading.parse_spec(job.raw()), profiles.get(profile))
 
 
-def test_the_planner_prices_fp8_at_torchtitans_published_gain_for_llama3_8b() -> None:
-    """TorchTitan's Llama 3.1 8B on H100 at seq 8192: fp8+compile / bf16+compile = 8532 / 6667."""
-    base = JobBuilder().model(preset="llama3-8b").layout(data=8, gpus_per_node=8)
+def test_the_planners_step_for_torchtitans_llama3_8b_run_is_its_published_fp8_gain() -> None:
+    """TorchTitan's Llama 3.1 8B on 8 H100 at seq 8192 (FSDP: ZeRO-3, local batch 2, compiled):
+    bf16+compile / fp8+compile step time is 8532 / 6667 tokens/s.  LINEAR_EFFICIENCY is fitted to
+    this one figure (an assumption elsewhere); the check is that the whole step, its
+    communication and the unconverted FLOPs included, lands on it."""
+    base = (
+        JobBuilder()
+        .model(preset="llama3-8b")
+        .layout(data=8, gpus_per_node=8)
+        .parallelism(zeroStage=3)
+        .training(microBatch=2, compile=True)
+    )
     bf16 = plan(base, "h100-sxm").time
     fp8 = plan(base.clone().training(float8={}), "h100-sxm").time
     published = float8.TORCHTITAN_LLAMA3_8B
     speedup = published["fp8+compile"] / published["bf16+compile"]
-    assert fp8.rank_flops / bf16.rank_flops == pytest.approx(speedup, rel=0.02)
+    assert bf16.step_seconds / fp8.step_seconds == pytest.approx(speedup, rel=0.03)
     assert fp8.model_flops == bf16.model_flops  # MFU's numerator and peak stay bf16's
     assert fp8.peak_flops == bf16.peak_flops == profiles.get("h100-sxm").peak_flops
 
 
+def test_eager_fp8_is_planned_at_bf16s_rate_and_warned() -> None:
+    """torchao's float8 linears without compile run their casts unfused and are slower than bf16
+    (pytorch/ao#685): the plan gives them no speedup and says to compile."""
+    base = JobBuilder().model(preset="llama3-8b").layout(data=8, gpus_per_node=8)
+    bf16 = plan(base.clone().training(compile=False), "h100-sxm")
+    eager = plan(base.clone().training(compile=False, float8={}), "h100-sxm")
+    compiled = plan(base.clone().training(compile=True, float8={}), "h100-sxm")
+    assert eager.time.rank_flops == bf16.time.rank_flops
+    assert compiled.time.rank_flops > eager.time.rank_flops
+    [warning] = [w for w in eager.warnings if "float8" in w]
+    assert "training.compile" in warning and "bf16" in warning
+    assert not any("float8" in w for w in compiled.warnings)
+
+
 def test_a_device_without_float8_is_warned_and_planned_at_bf16() -> None:
-    job = JobBuilder().model(preset="llama3.2-1b").training(float8={})
+    job = JobBuilder().model(preset="llama3.2-1b").training(float8={}, compile=True)
     on_a100 = plan(job, "a100-80g")
     assert any("no float8 tensor cores" in w for w in on_a100.warnings)
     assert on_a100.time.rank_flops == profiles.get("a100-80g").achievable_flops
@@ -220,7 +290,7 @@ def saved_weight_copies(model: gpt.GPT, tokens: torch.Tensor) -> int:
 
     with (
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+        torch.autocast(tokens.device.type, dtype=torch.bfloat16, cache_enabled=False),
     ):
         model.features(tokens)  # the head is the last stage's (not counted here)
     return sum(copies.values())
@@ -239,5 +309,62 @@ def test_the_planners_weight_copies_are_what_autograd_saves_under_bf16_and_fp8()
     predicted_bf16 = memory.weight_cast_bytes(shape, 1, layers, 1.0, last=False, scheme=scheme)
     assert saved_weight_copies(bf16, tokens) == predicted_bf16
     assert saved_weight_copies(fp8, tokens) == 0
-    transient = 2 * float8.CAST_BYTES * max(parameters.local_block_matrices(shape, 1))
-    assert float8.weight_cast_bytes(shape, 1, last=False, scheme=scheme) == transient
+    measured = [
+        live_float8_peak(torch.nn.Linear(inputs, outputs, bias=False), FLOAT8_TOKENS)
+        for outputs, inputs in parameters.block_matrix_dims(shape)
+    ]
+    planned = float8.weight_cast_bytes(shape, 1, tokens=FLOAT8_TOKENS, last=False, scheme=scheme)
+    assert planned == max(measured)
+
+
+FLOAT8_TOKENS = 48
+"""Rows of the float8 peak's input: more than the tiny llama's weight dimensions, so the
+activations' casts decide, as they do at sequence 8192."""
+
+
+class _LiveFloat8(TorchDispatchMode):
+    """The most float8 bytes alive at once among the tensors torch's ops return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype in FLOAT8_DTYPES:
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    weakref.finalize(storage, self.live.pop, key, None)
+                    self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def live_float8_peak(linear: torch.nn.Linear, tokens: int, config: object = None) -> int:
+    """torchao's float8 copies alive at once over one float8 linear's forward and backward, on
+    the linear's device (``config`` None: emulated, the same casts with the matmul in plain
+    torch ops, as a CPU needs)."""
+    model = torch.nn.Sequential(linear)
+    trainer_float8.apply_float8([model], config or emulated("tensorwise"))
+    device = linear.weight.device
+    x = torch.randn(tokens, linear.in_features, requires_grad=True, device=device)
+    with _LiveFloat8() as seen:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = model(x)
+        y.float().sum().backward()
+    return seen.peak
+
+
+@pytest.mark.parametrize("outputs,inputs,tokens", [(192, 64, 48), (64, 192, 512), (256, 256, 16)])
+def test_the_planners_float8_casts_of_a_linear_are_torchaos_peak(
+    outputs: int, inputs: int, tokens: int
+) -> None:
+    """Read back from torchao: the weight's, the input's and grad_output's two casts, at once."""
+    measured = live_float8_peak(torch.nn.Linear(inputs, outputs, bias=False), tokens)
+    assert float8.linear_cast_bytes(outputs, inputs, tokens) == measured

@@ -177,6 +177,15 @@ def _float8_dims(spec: TrainingJobSpec) -> str | None:
             f"matmul needs every linear's dimensions divisible by {n}: choose hidden and ffnHidden "
             f"multiples of {n} or remove training.float8"
         )
+    # llama fuses Q, K and V into one linear of (heads + 2 x kvHeads) x headDim outputs
+    qkv = shape.hidden + 2 * shape.key_value_heads * shape.head_dim
+    if shape.family == "llama" and qkv % n:
+        return (
+            f"training.float8 with hidden={shape.hidden}, kvHeads={shape.key_value_heads} and headDim="
+            f"{shape.head_dim}: the fused QKV linear's {qkv} outputs are not divisible by {n}, so torch's "
+            f"float8 matmul cannot take it: choose heads and kvHeads with 2 x kvHeads x headDim a "
+            f"multiple of {n} or remove training.float8"
+        )
     return None
 
 

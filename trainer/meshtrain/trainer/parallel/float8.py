@@ -8,12 +8,14 @@ new.  As TorchTitan does, the head (the loss is sensitive to it) and the embeddi
 and so does every linear whose dimensions the scaled matmul cannot take (not multiples of 16).
 
 torchao is imported only when a job asks for fp8: every other job runs without it, on any torch
-the trainer supports (torchao 0.18 needs torch 2.11 or newer).
+the trainer supports (torchao 0.18 needs torch 2.11 or newer: the CUDA 12 image, on torch 2.10,
+refuses fp8 with the fix named, before any process group).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +28,8 @@ MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first GPUs with float8 tensor cores (Ada L40S 8.9, Hopper 9.0)."""
 ALIGNMENT = 16
 """torch's scaled matmul needs both dimensions of a weight divisible by this."""
+MIN_TORCH = (2, 11)
+"""The oldest torch torchao 0.18 (the version pyproject's trainer extra pins) builds its float8 for."""
 KEPT_BF16 = ("head",)
 """Linears left in bf16 by name (TorchTitan leaves its ``output`` projection)."""
 
@@ -53,9 +57,31 @@ def device_problem(device: torch.device) -> str | None:
     return None
 
 
+def library_problem(torch_version: str) -> str | None:
+    """Why torchao's float8 training cannot run beside torch ``torch_version`` (None: it can)."""
+    found = re.match(r"(\d+)\.(\d+)", torch_version)
+    need = ".".join(map(str, MIN_TORCH))
+    if found is not None and (int(found[1]), int(found[2])) < MIN_TORCH:
+        return (
+            f"training.float8 is set but this rank has torch {torch_version}: torchao's float8 "
+            f"training needs torch {need} or newer (the CUDA 12 image ships torch 2.10); remove "
+            "training.float8 or use the CUDA 13 image (a torch 2.11+ build with torchao)"
+        )
+    try:
+        importlib.import_module("torchao.float8")
+    except ImportError as err:
+        return (
+            f"training.float8 is set but torchao's float8 training does not import ({err}): "
+            "install meshtrain[trainer] (torchao>=0.18) beside torch "
+            f"{need}+ or remove training.float8"
+        )
+    return None
+
+
 def check_device(spec: api_training.Float8 | None, device: torch.device) -> None:
-    """Raise :class:`Float8Unavailable` when ``spec`` asks for fp8 on a device without it."""
-    problem = device_problem(device) if spec is not None else None
+    """Raise :class:`Float8Unavailable` when ``spec`` asks for fp8 on a device without it, or
+    where torch or torchao cannot run torchao's float8 training."""
+    problem = (device_problem(device) or library_problem(torch.__version__)) if spec else None
     if problem is not None:
         raise Float8Unavailable(problem)
 
