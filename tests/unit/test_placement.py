@@ -374,7 +374,8 @@ def test_request_from_spec_carries_the_context_ring() -> None:
     )
     request = placement_request.request_from_spec(spec)
     assert request.layout.context == 2 and request.pods == 1
-    # per layer and micro-batch one forward ring step sends a K/V block (2 x 2 sequences x 16
-    # tokens x 64 wide x 2 bytes) and one backward step sends K/V with dK/dV: 3 blocks
+    # per layer and micro-batch (trainer/parallel/context.py at cp2) forward sends a K/V block
+    # (2 x 2 sequences x 16 tokens x 64 wide x 2 bytes), backward the K/V again and the fp32
+    # dK/dV twice (to the peer, then home): 2 blocks and 2 of twice the bytes
     block = 2 * 2 * 16 * 64 * 2
-    assert request.cp_bytes_per_step == 4 * 4 * 3 * block
+    assert request.cp_bytes_per_step == 4 * 4 * (2 * block + 2 * 2 * block)
