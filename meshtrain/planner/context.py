@@ -85,6 +85,18 @@ def ring_buffer_bytes(job: api_spec.TrainingJobSpec, scheme: precision.StateSche
     )
 
 
+def ring_saved_bytes(job: api_spec.TrainingJobSpec, scheme: precision.StateScheme) -> float:
+    """What the ring's attention keeps for backward per block and micro-batch beyond fused
+    attention's: its output (B, h / t, s / c, d) in the queries' dtype, a storage of its own (the
+    merged fp32 output cast, or itself in fp32).  0 without context; measured by
+    ``tests/trainer/test_peak_memory.py`` (case ``cp2``)."""
+    shape, par = job.model.shape(), job.parallelism
+    if par.context == 1:
+        return 0.0
+    tokens = job.training.micro_batch * shape.seq_len / par.context
+    return tokens * shape.hidden / par.tensor * scheme.matmul_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class RingSteps:
     """The ring exchanges of one rank of one stage in one step, as ``trainer/parallel/context.py``

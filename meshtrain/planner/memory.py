@@ -471,8 +471,8 @@ class _LayerBytes:
         """The figures of ``job``'s blocks."""
         par, micro_batch = job.parallelism, job.training.micro_batch
         shape = context.local_shape(job)  # a rank's seqLen / context tokens
-        sp = par.sequence_parallel
-        kept = layer_activation_bytes(
+        sp, ring = par.sequence_parallel, context.ring_saved_bytes(job, scheme)
+        kept = ring + layer_activation_bytes(
             shape,
             micro_batch,
             par.tensor,
@@ -480,7 +480,9 @@ class _LayerBytes:
             sequence_parallel=sp,
             recompute=job.training.selective_recompute,
         )
-        whole = layer_activation_bytes(shape, micro_batch, par.tensor, scheme, sequence_parallel=sp)
+        whole = ring + layer_activation_bytes(
+            shape, micro_batch, par.tensor, scheme, sequence_parallel=sp
+        )
         return cls(
             kept=kept,
             rebuilt=whole - kept,
