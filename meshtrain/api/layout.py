@@ -102,9 +102,22 @@ class ParallelLayout:
         return [self.rank_of(c.pp, c.dp, c.tp, k) for k in range(self.context)]
 
     def dp_group(self, rank: int) -> list[int]:
-        """Ranks holding replicas of this rank's shard (same pp, cp, tp)."""
+        """Ranks holding replicas of this rank's shard and the same sequence slice (same pp, cp, tp).
+
+        With context parallelism the ranks holding replicas of the shard are :meth:`dp_cp_group`'s
+        (data x context): they sum its gradients.
+        """
         c = self.coords(rank)
         return [self.rank_of(c.pp, d, c.tp, c.cp) for d in range(self.data)]
+
+    def dp_cp_group(self, rank: int) -> list[int]:
+        """Ranks holding replicas of this rank's shard, whatever their sequence slice (same pp, tp), in
+        rank order (dp-major, cp-minor): the group that sums its gradients (Megatron-Core's dp-cp);
+        :meth:`dp_group` without context parallelism."""
+        c = self.coords(rank)
+        return [
+            self.rank_of(c.pp, d, c.tp, k) for d in range(self.data) for k in range(self.context)
+        ]
 
     def pp_group(self, rank: int) -> list[int]:
         """Ranks forming this rank's pipeline, stage 0 first (same dp, cp, tp)."""
@@ -112,7 +125,7 @@ class ParallelLayout:
         return [self.rank_of(p, c.dp, c.tp, c.cp) for p in range(self.pipeline)]
 
     def all_groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis`` ('tp', 'cp', 'dp' or 'pp'), each listed once, in rank order.
+        """Every group along ``axis`` ('tp', 'cp', 'dp', 'dp_cp' or 'pp'), each listed once, in rank order.
 
         A group is ``count`` ranks ``stride`` apart from its first (the rank formula), so the
         groups cost O(world) to list rather than O(world x group) to collect rank by rank.
@@ -121,6 +134,7 @@ class ParallelLayout:
             "tp": (1, self.tensor),
             "cp": (self.tensor, self.context),
             "dp": (self.tensor * self.context, self.data),
+            "dp_cp": (self.tensor, self.data * self.context),  # data and context are adjacent
             "pp": (self.tensor * self.context * self.data, self.pipeline),
         }[axis]
         firsts = (r for r in range(self.world_size) if (r // stride) % count == 0)

@@ -1,8 +1,9 @@
 """The traffic and cost model of a placement (docs/placement.md).
 
 :func:`pod_traffic` sums, per pair of pods, the bytes per step their ranks exchange under the
-fixed rank layout: each data-parallel ring in dp order, each context-parallel ring in cp order
-(ring attention's K/V), each rank with its next-stage peer (tensor-parallel traffic never leaves a
+fixed rank layout: each gradient ring over the data x context ranks holding the same parameters
+(``dp_cp`` groups, rank order: the data-parallel ring without context parallelism), each
+context-parallel ring in cp order (ring attention's K/V), each rank with its next-stage peer (tensor-parallel traffic never leaves a
 pod, so placement cannot change it and it is not counted).
 :func:`evaluate` prices them at the highest fabric level the two nodes' paths differ at,
 ``bytes x weight(level)``.
@@ -35,14 +36,12 @@ def pod_traffic(request: values.PlacementRequest) -> list[Edge]:
             for index, rank in enumerate(members):
                 add(rank, members[(index + 1) % len(members)], size)
 
-    for pp in range(grid.pipeline):
-        for cp in range(grid.context):
-            for tp in range(grid.tensor):
-                peers = [grid.rank_of(pp, dp, tp, cp) for dp in range(grid.data)]
-                ring(peers, request.dp_bytes_per_step)
-                if pp + 1 < grid.pipeline:
-                    for dp, rank in enumerate(peers):
-                        add(rank, grid.rank_of(pp + 1, dp, tp, cp), request.pp_bytes_per_step)
+    for stages in grid.all_groups("pp"):  # each rank with its next-stage peer
+        for rank, following in zip(stages, stages[1:]):
+            add(rank, following, request.pp_bytes_per_step)
+    # the gradients are summed over data x context ranks (dp_bytes_per_step is priced so)
+    for group in grid.all_groups("dp_cp"):
+        ring(group, request.dp_bytes_per_step)
     if grid.context > 1:
         for group in grid.all_groups("cp"):
             ring(group, request.cp_bytes_per_step)

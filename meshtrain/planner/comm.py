@@ -339,7 +339,7 @@ def stage_comm(
     chunks = _RankChunks.of(job, stage)
     # Context ranks hold the same parameters: their gradients are summed with the data-parallel
     # ones, over data x context ranks (Megatron-Core's dp-cp group).
-    reducers = par.data * par.context
+    reducers = context.reducers(par)
     dp = _dp_exchange(job, chunks, scheme, whole_tensors) if reducers > 1 else _Exchange([])
     ring = _Row("cp", "send", context.ring_steps(job).calls, context.placement_bytes(job, scheme))
     rows = dp.rows + _tp_rows(job, chunks, scheme) + _pp_rows(job, chunks, scheme) + [ring]
@@ -429,7 +429,7 @@ def _zero3_exchange(
         for group, op, calls, nbytes in zero3_collectives(
             job.model.shape(),
             par.tensor,
-            par.data,
+            context.reducers(par),
             par.micro_batches,
             list(chunks.virtuals),
             chunks.layers,
@@ -445,7 +445,7 @@ def _zero2_exchange(
     job: api_spec.TrainingJobSpec, buckets: list[int], scheme: precision.StateScheme
 ) -> _Exchange:
     """Every micro-batch's backward reduce-scatters each bucket, padded to the group (so no full-size gradient outlives a micro-batch)."""
-    d, m = job.parallelism.data, job.parallelism.micro_batches
+    d, m = context.reducers(job.parallelism), job.parallelism.micro_batches
     nbytes = m * sum(padded(n, d) for n in buckets) * scheme.grads
     return _Exchange(
         [_Row("dp", "reduce_scatter", m * len(buckets), nbytes)],
@@ -464,15 +464,15 @@ def _compressed_exchange(
         for sizes, shapes in zip(reversed(chunks.sizes), reversed(chunks.shapes))
         for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
     ]
-    compression = par.gradient_compression
+    compression, reducers = par.gradient_compression, context.reducers(par)
     if par.zero_stage == 2:  # every micro-batch, inline in backward's hook: exposed
         rows = gradient_compression.sharded_collectives(
-            compression, bucket_shapes, par.data, scheme.grads, par.micro_batches
+            compression, bucket_shapes, reducers, scheme.grads, par.micro_batches
         )
         return _Exchange([_Row(*row, after_backward=True) for row in rows], 0)
-    rows = gradient_compression.dp_collectives(compression, bucket_shapes, par.data, scheme.grads)
+    rows = gradient_compression.dp_collectives(compression, bucket_shapes, reducers, scheme.grads)
     last = gradient_compression.dp_collectives(
-        compression, bucket_shapes[-1:], par.data, scheme.grads
+        compression, bucket_shapes[-1:], reducers, scheme.grads
     )
     return _Exchange([_Row(*row) for row in rows], len(bucket_shapes), tuple(last))
 
@@ -508,7 +508,7 @@ def _zero_after_backward(
     if par.zero_stage == 3:
         return [norm]
     if par.zero_stage >= 1:
-        weights = sum(padded(n, par.data) for n in buckets) * scheme.weights
+        weights = sum(padded(n, context.reducers(par)) for n in buckets) * scheme.weights
         return [_Row("dp", "all_gather", len(buckets), weights, after_backward=True), norm]
     return []
 
@@ -596,7 +596,7 @@ def tp_chunks(job: api_spec.TrainingJobSpec) -> int:
     par = job.parallelism
     if not par.overlap.tensor or par.tensor == 1:
         return 1
-    seq = job.model.shape().seq_len
+    seq = job.model.shape().seq_len // par.context  # the tokens a context rank holds
     rows = seq // par.tensor if par.sequence_parallel else seq
     return min(layout.TP_OVERLAP_CHUNKS, max(rows, 1))
 

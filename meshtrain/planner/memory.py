@@ -323,21 +323,22 @@ def working_buffers(
       ``torch.optim.AdamW`` on the shards: one fp32 moment of this rank's shard.
     """
     bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)  # elements
-    sharded_grads = par.zero_stage == 2 and par.data > 1
+    reducers = context.reducers(par)
+    sharded_grads = par.zero_stage == 2 and reducers > 1
     backward = 0.0
     if sharded_grads:
         target, cap = comm.zero2_bucket(params, scheme.grads, par.bucket_mb)
         bucket = min(params, cap, target + largest)  # overshoots by at most one slice
         packed = (
             ZERO2_BUCKETS_IN_FLIGHT + 1
-        ) * bucket + ZERO2_BUCKETS_IN_FLIGHT * bucket / par.data
+        ) * bucket + ZERO2_BUCKETS_IN_FLIGHT * bucket / reducers
         backward = (packed + largest) * scheme.grads
-    if par.zero_stage in (1, 2) and par.data > 1 and par.overlap.param_gather:
+    if par.zero_stage in (1, 2) and reducers > 1 and par.overlap.param_gather:
         backward = max(backward, bucket * scheme.weights)
-    if par.zero_stage == 3 and par.data > 1:
-        step = params / par.data * MOMENT_BYTES
-    elif par.zero_stage >= 1 and par.data > 1:
-        step = bucket * scheme.weights + 2 * bucket / par.data * MOMENT_BYTES
+    if par.zero_stage == 3 and reducers > 1:
+        step = params / reducers * MOMENT_BYTES
+    elif par.zero_stage >= 1 and reducers > 1:
+        step = bucket * scheme.weights + 2 * bucket / reducers * MOMENT_BYTES
     else:
         step = params * MOMENT_BYTES
     return backward, step
@@ -485,8 +486,8 @@ class _LayerBytes:
         """The figures of ``job``'s blocks."""
         par, micro_batch = job.parallelism, job.training.micro_batch
         shape = context.local_shape(job)  # a rank's seqLen / context tokens
-        sp = par.sequence_parallel
-        kept = layer_activation_bytes(
+        sp, ring = par.sequence_parallel, context.ring_saved_bytes(job, scheme)
+        kept = ring + layer_activation_bytes(
             shape,
             micro_batch,
             par.tensor,
@@ -494,7 +495,9 @@ class _LayerBytes:
             sequence_parallel=sp,
             recompute=job.training.selective_recompute,
         )
-        whole = layer_activation_bytes(shape, micro_batch, par.tensor, scheme, sequence_parallel=sp)
+        whole = ring + layer_activation_bytes(
+            shape, micro_batch, par.tensor, scheme, sequence_parallel=sp
+        )
         return cls(
             kept=kept,
             rebuilt=whole - kept,
@@ -527,14 +530,15 @@ def _rank_memory(
     """The peak memory of one rank of ``stage``, by component."""
     shape, par = job.model.shape(), job.parallelism
     params = parameters.rank_params(shape, par.pipeline, par.tensor, stage)
-    state = state_bytes(params, scheme, par.zero_stage, par.data)
+    state = state_bytes(params, scheme, par.zero_stage, context.reducers(par))
     virtual = par.virtual_stages
     flight = in_flight_microbatches(_schedule(job), par.pipeline, par.micro_batches, stage, virtual)
     activations = _activations(job, stage, scheme, layer, flight)
     largest = largest_param(shape, par.tensor, first=stage == 0, last=stage == par.pipeline - 1)
     buffers, step_buffers = working_buffers(params, largest, par, scheme)
     reduce_end = 0.0
-    if par.zero_stage == 3 and par.data > 1:  # FSDP2's gathered units, not ZeRO-2's buckets
+    # FSDP2's gathered units, not ZeRO-2's buckets
+    if par.zero_stage == 3 and context.reducers(par) > 1:
         buffers, reduce_end = _zero3_units(job, stage, params, scheme)
     compression, exchange = exchange_bytes(job, stage, params, largest, scheme)
     return RankMemory(
@@ -595,7 +599,7 @@ def _weight_casts(
     """Autocast's copies of the stage's weights (:func:`weight_cast_bytes`); none under FSDP2, which gathers bf16,
     and only the head's under ``parallelism.overlap.tensor``."""
     shape, par = job.model.shape(), job.parallelism
-    if par.zero_stage == 3 and par.data > 1:
+    if par.zero_stage == 3 and context.reducers(par) > 1:
         return 0.0
     if job.training.float8 is not None:  # torchao saves the fp32 Parameter, not a cast
         tokens = job.training.micro_batch * shape.seq_len // par.context
@@ -629,7 +633,7 @@ def _zero3_units(
     own_unit = stage == 0 and not shape.tie_embeddings and par.pipeline == 1
     tables = parameters.embedding_params(shape, par.tensor) if own_unit else 0
     root = params - shape.layers // par.pipeline * block - tables
-    return zero3_gathered(block, root, tables, par.data, scheme)
+    return zero3_gathered(block, root, tables, context.reducers(par), scheme)
 
 
 def exchange_bytes(
@@ -641,7 +645,7 @@ def exchange_bytes(
 ) -> tuple[float, float]:
     """Gradient compression's state between steps and one bucket's exchange temporaries (none without dp)."""
     shape, par = job.model.shape(), job.parallelism
-    if par.data == 1:
+    if context.reducers(par) == 1:
         return 0.0, 0.0
     bucket = min(params, par.bucket_mb * 2**20 / scheme.grads + largest)
     compression, exchange = gradient_compression.memory_bytes(
@@ -649,7 +653,7 @@ def exchange_bytes(
         params,
         parameters.rank_matrices(shape, par.pipeline, par.tensor, stage),
         bucket,
-        par.data,
+        context.reducers(par),
         scheme.grads,
     )
     if par.all_reduce == "hierarchical" and not exchange:

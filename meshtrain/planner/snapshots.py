@@ -9,7 +9,7 @@ import math
 
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import resources as resources_mod
-from meshtrain.planner import memory, parameters, precision
+from meshtrain.planner import context, memory, parameters, precision
 
 SNAPSHOT_SCHEME = precision.FP32
 """What a snapshot holds per parameter: the trainer keeps fp32 weights and Adam moments in bf16
@@ -25,7 +25,7 @@ def snapshot_bytes(job: api_spec.TrainingJobSpec) -> float:
     largest = 0.0
     for stage in range(par.pipeline):  # at most limits.MAX_PIPELINE
         params = parameters.rank_params(shape, par.pipeline, par.tensor, stage)
-        state = memory.state_bytes(params, scheme, par.zero_stage, par.data)
+        state = memory.state_bytes(params, scheme, par.zero_stage, context.reducers(par))
         last = stage == par.pipeline - 1
         biggest = memory.largest_param(shape, par.tensor, first=stage == 0, last=last)
         compression, _ = memory.exchange_bytes(job, stage, params, biggest, scheme)

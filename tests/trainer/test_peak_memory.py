@@ -32,7 +32,7 @@ import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
-from meshtrain.planner import memory, precision, profiles
+from meshtrain.planner import context, memory, precision, profiles
 from meshtrain.trainer import engine
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.parallel import state_bytes
@@ -48,6 +48,8 @@ BLOCK_LAYOUTS = {
     "dp2": cpu().layout(data=2),
     "tp2": cpu().layout(tensor=2),
     "tp2-sp": cpu().layout(tensor=2).parallelism(sequenceParallel=True),
+    # context parallelism: the block holds s / c tokens; the ring keeps q, k, v, output, lse
+    "cp2": cpu().layout(data=1, gpus_per_node=2).parallelism(context=2),
 }
 # (layout, model, selective recompute): every model on every layout, then recompute
 BLOCK_CASES = [(lay, model, ()) for lay in BLOCK_LAYOUTS for model in MODELS] + [
@@ -80,7 +82,7 @@ def block_activations(cases: list[tuple]) -> list[int]:
         chunk = eng.model.chunks[0]
         block = next(iter(chunk.blocks.values()))
         shape, par = job.model.shape(), job.parallelism
-        seq = shape.seq_len // (par.tensor if par.sequence_parallel else 1)  # this rank's tokens
+        seq = shape.seq_len // par.context // (par.tensor if par.sequence_parallel else 1)
         x = torch.randn(job.training.micro_batch, seq, shape.hidden, requires_grad=True)
         out.append(_saved_bytes(block, x))
     return out
@@ -109,13 +111,13 @@ def test_planner_counts_what_a_block_keeps_for_backward() -> None:
         job = _block_job(case)
         par = job.parallelism
         planned = memory.layer_activation_bytes(
-            job.model.shape(),
+            context.local_shape(job),  # a context rank's s / c tokens
             job.training.micro_batch,
             par.tensor,
             precision.FP32,
             sequence_parallel=par.sequence_parallel,
             recompute=job.training.selective_recompute,
-        )
+        ) + context.ring_saved_bytes(job, precision.FP32)
         assert planned == pytest.approx(kept, rel=0.02), f"{case}: planned {planned}, kept {kept}"
 
 

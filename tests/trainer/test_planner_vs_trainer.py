@@ -7,7 +7,8 @@ the test then checks, rank by rank:
 
 * the collectives of the planner's communication model
   (:func:`meshtrain.planner.comm.stage_comm`) equal the recorded ones
-  exactly: same (group, op) keys, same number of calls, same bytes;
+  exactly: same (group, op) keys, same number of calls, same bytes (the
+  context ring's exchanges included; pipeline sends are not recorded as collectives);
 * the planner's weights, gradients and optimizer bytes
   (:func:`meshtrain.planner.memory.plan_memory`) are within 10% of the measured ones.
 
@@ -29,6 +30,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, precision, profiles
 from meshtrain.sandbox.controlplane.ports import pick_free_port
+from meshtrain.trainer.telemetry import recording
 
 STEPS = 2
 TIMEOUT_S = 300
@@ -118,6 +120,17 @@ LAYOUTS = [
         {"activationCheckpointing": True},
         {**LLAMA, "tieEmbeddings": True},
     ),
+    # context parallelism: the ring's exchanges, the gradients summed (ZeRO: sharded) over data x
+    # context ranks, tensor-parallel collectives over s / c tokens
+    ("cp2", {"data": 1, "context": 2}),
+    ("dp2-cp2-zero1", {"data": 2, "context": 2, "zeroStage": 1}),
+    (
+        "llama-cp2-tp2-zero2",
+        {"context": 2, "tensor": 2, "zeroStage": 2},
+        {},
+        LLAMA,
+    ),
+    ("cp2-recompute", {"data": 1, "context": 2}, {"activationCheckpointing": True}),
 ]
 
 
@@ -245,6 +258,11 @@ def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
             for (group, op), c in predicted.by_key().items()
             if op != "send"
         }
+        ring = predicted.by_key().get(("cp", "send"))
+        if (
+            ring is not None
+        ):  # the context ring's exchanges, as trainer/parallel/context.py records them
+            expected[f"cp/{recording.RING_OP}"] = [ring.calls, ring.nbytes]
         assert rank["collectives"] == expected, f"rank {rank['rank']} (stage {rank['stage']})"
         if job.parallelism.zero_stage == 3 and job.training.precision == "bf16":
             # FSDP2 gathers the weights in bf16: half the bytes of the same elements in fp32

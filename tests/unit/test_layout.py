@@ -147,3 +147,26 @@ def test_context_groups_span_pods_once_tensor_times_context_exceeds_a_pod():
     across = ParallelLayout(data=1, pipeline=1, tensor=4, context=4)
     assert all(len({across.pod_of(r, 8) for r in g}) == 2 for g in across.all_groups("cp"))
     assert across.dp_ranks_per_pod(8) == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "pipeline", "tensor", "context"),
+    [(2, 1, 1, 2), (1, 2, 2, 4), (2, 2, 2, 2), (3, 1, 2, 1)],
+)
+def test_dp_cp_groups_are_the_ranks_of_each_pp_tp_in_rank_order(data, pipeline, tensor, context):
+    """The gradient group: every (dp, cp) of one (pp, tp), as the trainer's Mesh.grad_group sums."""
+    lay = ParallelLayout(data=data, pipeline=pipeline, tensor=tensor, context=context)
+    groups = lay.all_groups("dp_cp")
+    assert len(groups) == pipeline * tensor
+    assert sorted(r for g in groups for r in g) == list(range(lay.world_size))
+    for group in groups:
+        assert group == sorted(group) and len(group) == data * context
+        coords = [lay.coords(r) for r in group]
+        assert {(c.pp, c.tp) for c in coords} == {(coords[0].pp, coords[0].tp)}
+        assert {(c.dp, c.cp) for c in coords} == {
+            (d, k) for d in range(data) for k in range(context)
+        }
+        for rank in group:
+            assert lay.dp_cp_group(rank) == group
+    if context == 1:
+        assert groups == lay.all_groups("dp")

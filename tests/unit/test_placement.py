@@ -345,11 +345,12 @@ def cp_job(data: int, context: int, tensor: int, **extra) -> placement.Placement
 
 def test_pod_traffic_counts_context_rings() -> None:
     # cp4 tp4 on 8-GPU pods: ring k of tp index k is ranks k, k+4, k+8, k+12, pods 0, 0, 1, 1:
-    # it crosses twice (4 -> 8 and 12 -> 0), 4 rings; data 1 has no dp ring
-    assert fabric_cost.pod_traffic(cp_job(1, 4, 4)) == [(0, 1, 2 * 4 * 1000.0)]
-    # dp2 cp2 tp4: a context ring is 8 consecutive ranks, one pod; only the 8 dp rings of two
-    # (both directions) join pod 0 (dp 0) and pod 1 (dp 1)
-    assert fabric_cost.pod_traffic(cp_job(2, 2, 4)) == [(0, 1, 8 * 2 * 1.0)]
+    # it crosses twice (4 -> 8 and 12 -> 0), 4 rings; at data 1 the gradient ring is the same
+    # ranks (the data x context ranks of tp index k sum its gradients)
+    assert fabric_cost.pod_traffic(cp_job(1, 4, 4)) == [(0, 1, 2 * 4 * 1000.0 + 2 * 4 * 1.0)]
+    # dp2 cp2 tp4: a context ring is 8 consecutive ranks, one pod; only the 4 gradient rings
+    # (k, k+4 in pod 0; k+8, k+12 in pod 1) cross, twice each
+    assert fabric_cost.pod_traffic(cp_job(2, 2, 4)) == [(0, 1, 4 * 2 * 1.0)]
 
 
 def test_context_rings_spanning_pods_stay_in_a_leaf_where_one_holds_them() -> None:
@@ -359,8 +360,9 @@ def test_context_rings_spanning_pods_stay_in_a_leaf_where_one_holds_them() -> No
     result = placed(cluster.plan(cp_job(2, 4, 4, dp_bytes_per_step=1.0, cp_bytes_per_step=1e9)))
     leaves = leaves_of(result, cluster)
     assert leaves[0] == leaves[1] and leaves[2] == leaves[3] and leaves[0] != leaves[2]
-    # only the dp rings (pods 0-2 and 1-3, both directions, 8 ranks each) cross leaves
-    assert result.level_bytes[LEAF] == 2 * 2 * 8 * 1.0
+    # only the 4 gradient rings (8 ranks each, through pods 0, 0, 1, 1, 2, 2, 3, 3) cross leaves,
+    # at 1 -> 2 and 3 -> 0
+    assert result.level_bytes[LEAF] == 4 * 2 * 1.0
 
 
 def test_request_from_spec_carries_the_context_ring() -> None:
@@ -374,7 +376,8 @@ def test_request_from_spec_carries_the_context_ring() -> None:
     )
     request = placement_request.request_from_spec(spec)
     assert request.layout.context == 2 and request.pods == 1
-    # per layer and micro-batch one forward ring step sends a K/V block (2 x 2 sequences x 16
-    # tokens x 64 wide x 2 bytes) and one backward step sends K/V with dK/dV: 3 blocks
+    # per layer and micro-batch (trainer/parallel/context.py at cp2) forward sends a K/V block
+    # (2 x 2 sequences x 16 tokens x 64 wide x 2 bytes), backward the K/V again and the fp32
+    # dK/dV twice (to the peer, then home): 2 blocks and 2 of twice the bytes
     block = 2 * 2 * 16 * 64 * 2
-    assert request.cp_bytes_per_step == 4 * 4 * 3 * block
+    assert request.cp_bytes_per_step == 4 * 4 * (2 * block + 2 * 2 * block)

@@ -16,14 +16,20 @@ H200 = profiles.get("h200")
 
 
 def llama(
-    seq: int, context_: int, tensor: int = 8, *, data: int = 1, checkpointing: bool = False
+    seq: int,
+    context_: int,
+    tensor: int = 8,
+    *,
+    data: int = 1,
+    checkpointing: bool = False,
+    zero: int = 0,
 ) -> api_spec.TrainingJobSpec:
     """llama3-8b in bf16, one sequence per micro-batch, ``tensor x context`` ranks per 8-GPU pod or fewer."""
     return loading.parse_spec(
         JobBuilder()
         .model(preset="llama3-8b", seqLen=seq)
         .layout(data=data, tensor=tensor, gpus_per_node=min(8, data * tensor * context_))
-        .parallelism(context=context_)
+        .parallelism(context=context_, zeroStage=zero)
         .training(microBatch=1, precision="bf16", activationCheckpointing=checkpointing)
         .raw()
     )
@@ -37,9 +43,10 @@ def worst(job: api_spec.TrainingJobSpec) -> memory.RankMemory:
 
 
 def test_a_context_rank_keeps_the_activations_of_its_share_of_the_sequence() -> None:
-    """A rank of cp4 at 32k tokens holds 8k tokens of each sequence: the activations of an 8k run."""
+    """A rank of cp4 at 32k tokens holds 8k tokens of each sequence: the activations of an 8k run,
+    and per layer the ring's own output (8192 tokens x 4096 / tp8 wide in bf16: 8 MiB)."""
     split, short = worst(llama(32768, 4)), worst(llama(8192, 1))
-    assert split.activations == pytest.approx(short.activations)
+    assert split.activations == pytest.approx(short.activations + 32 * 8 * 2**20)
     whole = worst(llama(32768, 1))
     # about a quarter: the head's fp32 weight gradient and one loss chunk's logits do not shrink
     assert split.activations / whole.activations == pytest.approx(1 / 4, rel=0.05)
@@ -51,10 +58,10 @@ def test_a_context_rank_keeps_the_activations_of_its_share_of_the_sequence() -> 
     )
 
 
-def test_the_ring_buffers_are_two_kv_blocks_and_their_gradients() -> None:
-    # llama3-8b: 8 key/value heads of 128 over tp8, one per rank; 32k / cp4 tokens, bf16 on the wire
-    block = 2 * 1 * (32768 // 4) * 1 * 128 * 2
-    assert worst(llama(32768, 4)).ring == 2 * 2 * block
+def test_the_ring_buffers_are_two_kv_blocks_and_three_fp32_gradient_blocks() -> None:
+    # llama3-8b: 8 key/value heads of 128 over tp8, one per rank; 32k / cp4 = 8192 tokens;
+    # K and V in bf16 (2 x 8192 x 128 x 2 bytes = 4 MiB), dK/dV in fp32 (8 MiB)
+    assert worst(llama(32768, 4)).ring == 2 * 4 * 2**20 + 3 * 8 * 2**20
     assert worst(llama(32768, 1)).ring == 0
 
 
@@ -71,8 +78,13 @@ def test_flops_per_rank_fall_by_the_context_degree_and_the_model_flops_do_not() 
 def test_the_ring_hides_behind_long_blocks_on_nvlink() -> None:
     # tp2 x cp4 fills one 8-GPU node: the ring runs on NVLink, each 8k-token block's attention
     # outlasts its K/V transfer
-    stage = estimate.make_plan(llama(32768, 4, tensor=2), H200).time.stages[0]
-    assert stage.cp_ring > 0 and stage.cp == 0
+    # outlasts its K/V transfer; only the last dK/dV hop of each layer, bringing a rank's own
+    # gradient home, runs behind nothing: 4 of the 32 x (6 K/V + 4 dK/dV) blocks' bytes
+    # (bf16 K/V of 8192 tokens x 4 heads x 128: 16 MiB; fp32 dK/dV: 32 MiB)
+    job = llama(32768, 4, tensor=2)
+    stage = estimate.make_plan(job, H200).time.stages[0]
+    assert stage.cp_ring > 0
+    assert stage.cp / stage.cp_ring == pytest.approx(32 / (6 * 16 + 4 * 32), rel=0.05)
 
 
 def test_a_slow_ring_is_exposed_by_what_its_blocks_do_not_hide() -> None:
@@ -82,28 +94,31 @@ def test_a_slow_ring_is_exposed_by_what_its_blocks_do_not_hide() -> None:
     assert plan.time.links["cp"].name == "fabric"
     stage = plan.time.stages[0]
     steps = context.ring_steps(job)
-    # every step's transfer outlasts its block here, so exposed = transfers - block attention
-    hidden = (steps.forward + 2 * steps.backward) * context.block_attention_flops(job)
+    # every step's transfer outlasts its block here, so exposed = transfers - block attention:
+    # 16k tokens a rank, two 8k chunks a block, 2 b L^2 h / t = 2 x 16384^2 x 4096 / 8 FLOPs
+    assert context.block_attention_flops(job) == 2 * 16384**2 * 4096 / 8
+    hidden = (steps.forward + 2.5 * steps.backward) * context.block_attention_flops(job)
     assert stage.cp == pytest.approx(stage.cp_ring - hidden / plan.time.rank_flops)
+    # the ring's exposed time joins the stage's critical path beside the matmuls' exposed TP time
     assert stage.busy == pytest.approx(
-        stage.compute + stage.overhead + stage.tp + stage.pp + stage.cp
+        stage.compute + stage.overhead + stage.tp_exposed + stage.pp + stage.cp
     )
     fast = estimate.make_plan(job, H200).time
     assert plan.time.step_seconds > fast.step_seconds
 
 
-def test_the_ring_sends_per_step_are_one_kv_block_forward_and_two_backward_per_layer() -> None:
+def test_the_ring_sends_kv_forward_and_back_and_fp32_gradients_home_per_layer() -> None:
+    """trainer/parallel/context.py per layer: 3 K/V hops forward, 3 again in backward (it
+    recomputes), 4 dK/dV hops (the last brings a rank's own gradient home)."""
     job = llama(32768, 4)
     (ring,) = [
         c
         for c in comm.plan_comm(job, precision.scheme_for("bf16"))[0].collectives
         if c.group == "cp"
     ]
-    layers, steps = 32, 4 - 1
-    assert ring.calls == 2 * layers * steps
-    assert ring.nbytes == 3 * layers * steps * context.kv_block_bytes(
-        job, precision.scheme_for("bf16")
-    )
+    layers, kv, grad = 32, 4 * 2**20, 8 * 2**20  # bf16 K/V and fp32 dK/dV of 8192 tokens
+    assert ring.calls == layers * (3 + 3 + 4)
+    assert ring.nbytes == layers * ((3 + 3) * kv + 4 * grad)
 
 
 # --- search ------------------------------------------------------------------------------------
@@ -135,26 +150,35 @@ SEQ_STEP = 1024
 """Granularity of the longest-sequence search."""
 
 
-def longest_fitting(context_: int) -> int:
+def longest_fitting(context_: int, zero: int = 0) -> int:
     """Longest multiple of :data:`SEQ_STEP` tokens that llama3-8b at tp8 x ``context`` fits on H200s."""
     low, high = SEQ_STEP, 1024 * SEQ_STEP
     while high - low > SEQ_STEP:
         middle = (low + high) // 2 // SEQ_STEP * SEQ_STEP
         low, high = (
             (middle, high)
-            if memory.plan_memory(llama(middle, context_), H200).fits
+            if memory.plan_memory(llama(middle, context_, zero=zero), H200).fits
             else (low, middle)
         )
     return low
 
 
 def test_llama3_8b_trains_at_four_times_the_sequence_one_tp8_group_holds() -> None:
-    """The numbers docs/planner.md quotes: 59,392 tokens at cp1, 237,568 (4x) at cp4."""
+    """The numbers docs/planner.md quotes: 60,416 tokens at cp1; at cp4 the ring's outputs kept
+    for backward and its buffers stop short of 4x (237,568); with the optimizer state sharded
+    over the four context ranks (ZeRO-1 over the dp-cp group), 4x fits."""
     one = longest_fitting(1)
-    assert memory.plan_memory(llama(one, 1), H200).fits
+    assert one == 60416
     assert not memory.plan_memory(llama(one + SEQ_STEP, 1), H200).fits
-    assert memory.plan_memory(llama(4 * one, 4), H200).fits
-    assert one == 59392
+    # ZeRO-1 without data or context ranks shards nothing: one rank holds the same either way
+    assert longest_fitting(1, zero=1) == one
+    assert longest_fitting(4) == 237568
+    four = memory.plan_memory(llama(4 * one, 4, zero=1), H200)
+    assert four.fits
+    # the activations at 4x over cp4 are the cp1 run's (the tokens each rank holds are the same)
+    # and 32 layers of the ring's bf16 output, 60,416 tokens x 4096 / tp8 wide
+    one_rank = memory.plan_memory(llama(one, 1), H200).worst.activations
+    assert four.worst.activations == pytest.approx(one_rank + 32 * 60416 * 512 * 2)
 
 
 # --- report ------------------------------------------------------------------------------------

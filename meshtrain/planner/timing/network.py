@@ -147,9 +147,9 @@ def group_links(
             len({domains[grid.pod_of(r, per_node)] for r in group}) > 1
             for group in grid.all_groups(axis)
         )
-        for axis in ("dp", "tp", "pp", "cp")
+        for axis in ("dp_cp", "tp", "pp", "cp")
     }
-    # gradients are summed over data x context ranks: across domains if either axis leaves one
-    spans["dp"] = spans["dp"] or spans["cp"]
+    # gradients are summed over data x context ranks (the dp_cp groups): the planner's "dp" axis
+    spans["dp"] = spans.pop("dp_cp")
     axes = ("dp", "tp", "pp", "cp") if grid.context > 1 else ("dp", "tp", "pp")
     return {axis: "fabric" if spans[axis] else "nvlink" for axis in axes}

@@ -12,7 +12,7 @@ import dataclasses
 
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import model as api_model
-from meshtrain.planner import comm, context, memory, parameters
+from meshtrain.planner import comm, context, memory, parameters, precision
 from meshtrain.planner.timing import network, tp_overlap
 
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -305,9 +305,11 @@ def _ring_exposed(
     ring = [c for c in stage_comm.collectives if c.group == "cp"]
     if not ring:
         return 0.0
-    block = ring[0].nbytes / context.ring_steps(job).blocks  # one K/V block
+    steps = context.ring_steps(job)
+    grad = context.kv_block_bytes(job, precision.FP32, grads=True)  # fp32 whatever the scheme
+    kv = (ring[0].nbytes - steps.grad_blocks * grad) / steps.kv_blocks  # one K/V block
     link = prices.links["cp"].for_op("send", 2)
-    sends = (network.send_seconds(block, link), network.send_seconds(2 * block, link))
+    sends = (network.send_seconds(kv, link), network.send_seconds(grad, link))
     return context.ring_exposed_seconds(job, sends, prices.rank_flops)
 
 
@@ -363,7 +365,7 @@ def _optimizer_seconds(job: api_spec.TrainingJobSpec, stage: int, prices: Prices
     """The optimizer step: its bytes through memory and its operations per parameter tensor."""
     shape, par = job.model.shape(), job.parallelism
     params = parameters.rank_params(shape, par.pipeline, par.tensor, stage)
-    updated = params / par.data if par.zero_stage >= 1 else params
+    updated = params / context.reducers(par) if par.zero_stage >= 1 else params
     tensors = len(
         comm.chunk_param_sizes(
             shape,

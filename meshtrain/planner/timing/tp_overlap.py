@@ -30,7 +30,7 @@ def hiding_flops(job: api_spec.TrainingJobSpec) -> float:
     """Matmul FLOPs of one rank's blocks per micro-batch and block that run beside the linears' collectives."""
     shape, par = job.model.shape(), job.parallelism
     qkv, proj, fc, down = parameters.local_block_matrices(shape, par.tensor)
-    tokens = job.training.micro_batch * shape.seq_len
+    tokens = job.training.micro_batch * shape.seq_len // par.context  # a context rank's share
     one = 2 * tokens  # FLOPs per matrix element for one matmul over the micro-batch's tokens
     if par.sequence_parallel:
         return one * ((qkv + proj + fc + down) + 2 * (qkv + fc) + (proj + down))
