@@ -224,6 +224,19 @@ def _compression_needs_data_parallel(p: Parallelism) -> str | None:
     return None
 
 
+def _zero3_casts_have_no_warmup(p: Parallelism) -> str | None:
+    compression = p.gradient_compression
+    if p.zero_stage == 3 and compression.mode in ZERO3_MODES[1:] and compression.exact_steps > 0:
+        return (
+            f"gradientCompression.warmupSteps={compression.exact_steps} with mode={compression.mode} and "
+            "zeroStage=3: ZeRO-3's reduce-scatter is FSDP2's, whose reduce dtype is fixed when the "
+            f"model is sharded (torch offers no way to change it later), so it would reduce in "
+            f"{compression.mode} from step 1: set warmupSteps 0 (or leave it empty) with ZeRO-3, "
+            "or use zeroStage 2 for an exact warm-up before the 16-bit exchange"
+        )
+    return None
+
+
 def _world_size_bound(p: Parallelism) -> str | None:
     if p.world_size > limits.MAX_WORLD_SIZE:
         return (
@@ -268,6 +281,17 @@ RULES: tuple[base.Rule[Parallelism], ...] = (
         "parallelism.gradientCompression needs parallelism.data >= 2, and under zeroStage 3 mode bf16 or "
         "fp16 (mode none otherwise)",
         _compression_needs_data_parallel,
+    ),
+    base.Rule(
+        "zero3-casts-have-no-warmup",
+        "spec.parallelism.gradientCompression.warmupSteps",
+        "self.parallelism.zeroStage < 3 || "
+        "!(self.parallelism.gradientCompression.mode in ['bf16', 'fp16']) || "
+        "!has(self.parallelism.gradientCompression.warmupSteps) || "
+        "self.parallelism.gradientCompression.warmupSteps == 0",
+        "parallelism.gradientCompression.warmupSteps must be 0 or empty with zeroStage 3 and mode bf16 or fp16 "
+        "(FSDP2 fixes its reduce dtype at sharding); use zeroStage 2 for an exact warm-up",
+        _zero3_casts_have_no_warmup,
     ),
 )
 """Rules on the parallelism section alone (the ones that read other sections are in
