@@ -237,6 +237,19 @@ def _zero3_casts_have_no_warmup(p: Parallelism) -> str | None:
     return None
 
 
+def _zero2_whole_bucket_modes_once_per_step(p: Parallelism) -> str | None:
+    mode, m = p.gradient_compression.mode, p.micro_batches
+    if p.zero_stage == 2 and mode in ("topk", "powersgd") and m > 1:
+        return (
+            f"gradientCompression.mode={mode} with zeroStage=2 and microBatches={m}: ZeRO-2 reduces after "
+            f"every micro-batch, so {mode} would exchange {m}x its payload per step inline in backward, "
+            "while its error feedback keeps the full-size gradient ZeRO-2 exists to shard: use zeroStage 1 "
+            "(the same memory, one compressed exchange per step overlapped with backward), microBatches 1, "
+            "or mode bf16, fp16 or int8 with ZeRO-2"
+        )
+    return None
+
+
 def _world_size_bound(p: Parallelism) -> str | None:
     if p.world_size > limits.MAX_WORLD_SIZE:
         return (
@@ -292,6 +305,15 @@ RULES: tuple[base.Rule[Parallelism], ...] = (
         "parallelism.gradientCompression.warmupSteps must be 0 or empty with zeroStage 3 and mode bf16 or fp16 "
         "(FSDP2 fixes its reduce dtype at sharding); use zeroStage 2 for an exact warm-up",
         _zero3_casts_have_no_warmup,
+    ),
+    base.Rule(
+        "zero2-whole-bucket-modes-once-per-step",
+        "spec.parallelism.gradientCompression.mode",
+        "self.parallelism.zeroStage != 2 || self.parallelism.microBatches <= 1 || "
+        "!(self.parallelism.gradientCompression.mode in ['topk', 'powersgd'])",
+        "parallelism.gradientCompression.mode topk or powersgd with zeroStage 2 needs microBatches 1 "
+        "(ZeRO-2 reduces every micro-batch): use zeroStage 1, or mode bf16, fp16 or int8",
+        _zero2_whole_bucket_modes_once_per_step,
     ),
 )
 """Rules on the parallelism section alone (the ones that read other sections are in
