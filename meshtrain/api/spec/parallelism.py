@@ -17,10 +17,13 @@ Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
 POWERSGD_RANK = 8
 """PowerSGD's default rank: the smallest whose final loss stayed within 0.25% of uncompressed on both
-model sizes of the committed sweep (with the default warm-up); rank 4 ended 0.5% above it on the
-larger model (2% without the warm-up)."""
+model sizes and all three seeds of the committed sweep (with the default warm-up); rank 4 ended
+0.22-1.25% above it on the larger model (1.81-2.37% without the warm-up)."""
 POWERSGD_WARMUP_STEPS = 10
-"""PowerSGD's default exact warm-up (same sweep): it took rank 8 from +0.63% to +0.13% of uncompressed."""
+"""PowerSGD's default exact warm-up (same sweep): it took rank 8 from +0.83-2.63% to +0.11-0.14% of
+uncompressed on the larger model.  A small-run value (a quarter of the sweep's 40 steps): on a
+real run set ``warmupSteps`` to about 10% of the steps and no fewer than the learning-rate
+warm-up's (torch's PowerSGD hook: ``start_powerSGD_iter=1000``), docs/trainer.md."""
 
 
 class GradientCompression(base.SpecModel):
@@ -49,7 +52,8 @@ class GradientCompression(base.SpecModel):
         le=limits.MAX_STEPS,
         description="Optimizer steps reduced exactly (the plain fp32 exchange) before compression starts; "
         "counted from the restored step on resume, so a job resumed past it compresses at once. "
-        f"Empty: {POWERSGD_WARMUP_STEPS} for powersgd (the measured sweep in docs/trainer.md), 0 for the other modes.",
+        f"Empty: {POWERSGD_WARMUP_STEPS} for powersgd (a small-run value from the measured sweep in docs/trainer.md; "
+        "on a real run about 10% of the steps, no fewer than training.warmupSteps), 0 for the other modes.",
     )
 
     @property
