@@ -393,13 +393,18 @@ def _dp_exchange(
         for sizes in reversed(chunks.sizes)
         for n in bucket_numels(sizes, scheme.grads, par.bucket_mb)
     ]
-    compressed = par.gradient_compression.mode != "none"
+    mode = par.gradient_compression.mode
+    compressed = mode != "none"
+    cast = mode in ("bf16", "fp16")
     if par.zero_stage == 2 and not (compressed or whole_tensors):  # compressing: whole tensors
         buckets = zero2_bucket_numels(chunks.sizes, scheme.grads, par.bucket_mb)
     if par.zero_stage == 3:
         exchange = _zero3_exchange(job, chunks, scheme)
-    elif par.zero_stage == 2 and not compressed:
-        exchange = _zero2_exchange(job, buckets, scheme)
+    elif par.zero_stage == 2 and (cast or not compressed):  # the casts ride ZeRO-2's async launch
+        wire = (
+            dataclasses.replace(scheme, grads=gradient_compression.CAST_BYTES) if cast else scheme
+        )
+        exchange = _zero2_exchange(job, buckets, wire)
     elif compressed:
         exchange = _compressed_exchange(job, chunks, scheme)
     elif par.all_reduce == "hierarchical":
@@ -465,7 +470,9 @@ def _compressed_exchange(
         for members in bucket_members(sizes, scheme.grads, par.bucket_mb)
     ]
     compression, reducers = par.gradient_compression, context.reducers(par)
-    if par.zero_stage == 2:  # every micro-batch, inline in backward's hook: exposed
+    if (
+        par.zero_stage == 2
+    ):  # int8, topk, powersgd: every micro-batch, inline in backward's hook: exposed
         rows = gradient_compression.sharded_collectives(
             compression, bucket_shapes, reducers, scheme.grads, par.micro_batches
         )

@@ -78,10 +78,14 @@ LAYOUTS = [
         {
             "data": 2,
             "zeroStage": 2,
+            "microBatches": 1,  # the spec refuses powersgd and topk on ZeRO-2 with more
             "gradientCompression": {"mode": "powersgd", "rank": 4, "warmupSteps": 0},
         },
     ),
-    ("dp2-topk-zero2", {"data": 2, "zeroStage": 2, "gradientCompression": {"mode": "topk"}}),
+    (
+        "dp2-topk-zero2",
+        {"data": 2, "zeroStage": 2, "microBatches": 1, "gradientCompression": {"mode": "topk"}},
+    ),
     ("dp2-fp16-zero3", {"data": 2, "zeroStage": 3, "gradientCompression": {"mode": "fp16"}}),
     ("dp2-tp2-recompute", {"data": 2, "tensor": 2}, {"activationCheckpointing": True}),
     # parallelism.overlap.tensor off: one call per collective, none in the MLP's replay

@@ -3,7 +3,8 @@
 The trainer's side of each prediction (collectives call for call) is checked on real runs in
 tests/trainer/test_compression_zero.py and test_planner_vs_trainer.py; here, what the planner
 derives from it: a warm-up step is the uncompressed job's step, a run's bytes count the warm-up at
-the exact price, and ZeRO-2's compressed exchange, which runs inline in backward, is all exposed.
+the exact price, ZeRO-2's int8/topk/powersgd exchange, which runs inline in backward after every
+micro-batch, is all exposed, and its 16-bit casts overlap backward as its plain reduce-scatter does.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from meshtrain.planner import comm, estimate, gradient_compression, precision, p
 from tests.builders import JobBuilder
 
 
-def _job(stage: int, mode: dict):
+def _job(stage: int, mode: dict, micro: int = 1):
     raw = (
         JobBuilder()
         .layout(16, 1, 1, gpus_per_node=8)
         .model(preset="1.3b")
-        .parallelism(zeroStage=stage, gradientCompression=mode)
+        .parallelism(zeroStage=stage, gradientCompression=mode, microBatches=micro)
         .training(microBatch=64)
         .raw()
     )
@@ -51,13 +52,38 @@ def test_a_runs_bytes_count_the_warmup_at_the_exact_price() -> None:
     assert gradient_compression.run_bytes(compression, 4.0, 1.0, 5) == 5 * 4.0
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "powersgd"])
+@pytest.mark.parametrize("mode", ["int8", "powersgd"])
 def test_zero2s_compressed_reduce_scatter_is_priced_exposed_and_smaller(mode: str) -> None:
     h100 = profiles.get("h100-sxm")
     compressed = estimate.make_plan(_job(2, {"mode": mode}), h100).time.stages[0]
     plain = estimate.make_plan(_job(2, {"mode": "none"}), h100).time.stages[0]
     assert compressed.dp_exposed == pytest.approx(compressed.dp, rel=1e-12)  # inline in backward
     assert compressed.dp < plain.dp
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+@pytest.mark.parametrize("micro", [1, 4])
+def test_zero2s_cast_is_its_overlapped_reduce_scatter_at_half_the_bytes(
+    mode: str, micro: int
+) -> None:
+    """The casts ride ZeRO-2's asynchronous launch: the plain job's collectives in 2-byte elements,
+    overlapped with backward as the plain reduce-scatters are (not all exposed)."""
+    cast_job, plain_job = _job(2, {"mode": mode}, micro), _job(2, {"mode": "none"}, micro)
+    cast = comm.stage_comm(cast_job, 0, precision.FP32).by_key()
+    plain = comm.stage_comm(plain_job, 0, precision.FP32).by_key()
+    rs = cast["dp", "reduce_scatter"]
+    assert 2 * rs.nbytes == plain["dp", "reduce_scatter"].nbytes
+    assert rs.calls == plain["dp", "reduce_scatter"].calls and not rs.after_backward
+    h100 = profiles.get("h100-sxm")
+    timed = estimate.make_plan(cast_job, h100).time.stages[0]
+    assert timed.dp_exposed < timed.dp
+
+
+def test_zero2s_inline_compressed_traffic_is_counted_per_micro_batch() -> None:
+    one = comm.stage_comm(_job(2, {"mode": "int8"}), 0, precision.FP32).by_key()
+    four = comm.stage_comm(_job(2, {"mode": "int8"}, 4), 0, precision.FP32).by_key()
+    assert four["dp", "all_to_all"].nbytes == 4 * one["dp", "all_to_all"].nbytes
+    assert four["dp", "all_to_all"].calls == 4 * one["dp", "all_to_all"].calls
 
 
 def test_zero3s_cast_halves_the_reduce_scatter() -> None:

@@ -237,6 +237,29 @@ INVALID = [
         ["mode=int8", "zeroStage=3", "mode bf16 or fp16", "zeroStage 2"],
     ),
     (
+        "an exact warm-up before ZeRO-3's 16-bit reduce-scatter",
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=3, gradientCompression={"mode": "bf16", "warmupSteps": 5}),
+        "spec.parallelism.gradientCompression.warmupSteps",
+        ["warmupSteps=5", "mode=bf16", "zeroStage=3", "FSDP2", "warmupSteps 0", "zeroStage 2"],
+    ),
+    (
+        "PowerSGD on ZeRO-2's every-micro-batch reduce-scatter",
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=2, microBatches=4, gradientCompression={"mode": "powersgd"}),
+        "spec.parallelism.gradientCompression.mode",
+        [
+            "mode=powersgd",
+            "zeroStage=2",
+            "microBatches=4",
+            "4x",
+            "zeroStage 1",
+            "bf16, fp16 or int8",
+        ],
+    ),
+    (
         "hierarchical all-reduce without data parallelism",
         JobBuilder().parallelism(allReduce="hierarchical"),
         "spec.parallelism.allReduce",
@@ -356,17 +379,33 @@ def test_invalid_spec_is_refused_naming_field_and_values(case, builder, path, wo
 
 
 @pytest.mark.parametrize(
-    ("stage", "mode"),
-    [(2, m) for m in ("bf16", "fp16", "int8", "topk", "powersgd")] + [(3, "bf16"), (3, "fp16")],
+    ("stage", "mode", "warmup"),
+    [(2, m, 10) for m in ("bf16", "fp16", "int8", "topk", "powersgd")]
+    + [(3, "bf16", 0), (3, "fp16", 0)],  # FSDP2's reduce dtype is fixed: no warm-up on ZeRO-3
 )
-def test_gradient_compression_is_accepted_on_the_reduce_scatter_it_can_compress(stage, mode):
+def test_gradient_compression_is_accepted_on_the_reduce_scatter_it_can_compress(
+    stage, mode, warmup
+):
     job = loading.parse_spec(
         JobBuilder()
         .layout(2, 1, 1, gpus_per_node=2)
-        .parallelism(zeroStage=stage, gradientCompression={"mode": mode, "warmupSteps": 10})
+        .parallelism(zeroStage=stage, gradientCompression={"mode": mode, "warmupSteps": warmup})
         .raw()
     )
-    assert job.parallelism.gradient_compression.warmup_steps == 10
+    assert job.parallelism.gradient_compression.warmup_steps == warmup
+
+
+@pytest.mark.parametrize(
+    ("stage", "mode"), [(2, "bf16"), (2, "fp16"), (2, "int8"), (1, "powersgd"), (1, "topk")]
+)
+def test_zero2s_per_micro_batch_modes_and_zero1s_whole_bucket_modes_take_micro_batches(stage, mode):
+    job = loading.parse_spec(
+        JobBuilder()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=stage, microBatches=4, gradientCompression={"mode": mode})
+        .raw()
+    )
+    assert job.parallelism.micro_batches == 4
 
 
 @pytest.mark.parametrize(("mode", "warmup"), [("powersgd", 10), ("int8", 0), ("bf16", 0)])

@@ -17,10 +17,13 @@ Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
 POWERSGD_RANK = 8
 """PowerSGD's default rank: the smallest whose final loss stayed within 0.25% of uncompressed on both
-model sizes of the committed sweep (with the default warm-up); rank 4 ended 0.5% above it on the
-larger model (2% without the warm-up)."""
+model sizes and all three seeds of the committed sweep (with the default warm-up); rank 4 ended
+0.22-1.25% above it on the larger model (1.81-2.37% without the warm-up)."""
 POWERSGD_WARMUP_STEPS = 10
-"""PowerSGD's default exact warm-up (same sweep): it took rank 8 from +0.63% to +0.13% of uncompressed."""
+"""PowerSGD's default exact warm-up (same sweep): it took rank 8 from +0.83-2.63% to +0.11-0.14% of
+uncompressed on the larger model.  A small-run value (a quarter of the sweep's 40 steps): on a
+real run set ``warmupSteps`` to about 10% of the steps and no fewer than the learning-rate
+warm-up's (torch's PowerSGD hook: ``start_powerSGD_iter=1000``), docs/trainer.md."""
 
 
 class GradientCompression(base.SpecModel):
@@ -49,7 +52,8 @@ class GradientCompression(base.SpecModel):
         le=limits.MAX_STEPS,
         description="Optimizer steps reduced exactly (the plain fp32 exchange) before compression starts; "
         "counted from the restored step on resume, so a job resumed past it compresses at once. "
-        f"Empty: {POWERSGD_WARMUP_STEPS} for powersgd (the measured sweep in docs/trainer.md), 0 for the other modes.",
+        f"Empty: {POWERSGD_WARMUP_STEPS} for powersgd (a small-run value from the measured sweep in docs/trainer.md; "
+        "on a real run about 10% of the steps, no fewer than training.warmupSteps), 0 for the other modes.",
     )
 
     @property
@@ -231,6 +235,32 @@ def _compression_needs_data_parallel(p: Parallelism) -> str | None:
     return None
 
 
+def _zero3_casts_have_no_warmup(p: Parallelism) -> str | None:
+    compression = p.gradient_compression
+    if p.zero_stage == 3 and compression.mode in ZERO3_MODES[1:] and compression.exact_steps > 0:
+        return (
+            f"gradientCompression.warmupSteps={compression.exact_steps} with mode={compression.mode} and "
+            "zeroStage=3: ZeRO-3's reduce-scatter is FSDP2's, whose reduce dtype is fixed when the "
+            f"model is sharded (torch offers no way to change it later), so it would reduce in "
+            f"{compression.mode} from step 1: set warmupSteps 0 (or leave it empty) with ZeRO-3, "
+            "or use zeroStage 2 for an exact warm-up before the 16-bit exchange"
+        )
+    return None
+
+
+def _zero2_whole_bucket_modes_once_per_step(p: Parallelism) -> str | None:
+    mode, m = p.gradient_compression.mode, p.micro_batches
+    if p.zero_stage == 2 and mode in ("topk", "powersgd") and m > 1:
+        return (
+            f"gradientCompression.mode={mode} with zeroStage=2 and microBatches={m}: ZeRO-2 reduces after "
+            f"every micro-batch, so {mode} would exchange {m}x its payload per step inline in backward, "
+            "while its error feedback keeps the full-size gradient ZeRO-2 exists to shard: use zeroStage 1 "
+            "(the same memory, one compressed exchange per step overlapped with backward), microBatches 1, "
+            "or mode bf16, fp16 or int8 with ZeRO-2"
+        )
+    return None
+
+
 def _world_size_bound(p: Parallelism) -> str | None:
     if p.world_size > limits.MAX_WORLD_SIZE:
         return (
@@ -275,6 +305,26 @@ RULES: tuple[base.Rule[Parallelism], ...] = (
         "parallelism.gradientCompression needs parallelism.data >= 2, and under zeroStage 3 mode bf16 or "
         "fp16 (mode none otherwise)",
         _compression_needs_data_parallel,
+    ),
+    base.Rule(
+        "zero3-casts-have-no-warmup",
+        "spec.parallelism.gradientCompression.warmupSteps",
+        "self.parallelism.zeroStage < 3 || "
+        "!(self.parallelism.gradientCompression.mode in ['bf16', 'fp16']) || "
+        "!has(self.parallelism.gradientCompression.warmupSteps) || "
+        "self.parallelism.gradientCompression.warmupSteps == 0",
+        "parallelism.gradientCompression.warmupSteps must be 0 or empty with zeroStage 3 and mode bf16 or fp16 "
+        "(FSDP2 fixes its reduce dtype at sharding); use zeroStage 2 for an exact warm-up",
+        _zero3_casts_have_no_warmup,
+    ),
+    base.Rule(
+        "zero2-whole-bucket-modes-once-per-step",
+        "spec.parallelism.gradientCompression.mode",
+        "self.parallelism.zeroStage != 2 || self.parallelism.microBatches <= 1 || "
+        "!(self.parallelism.gradientCompression.mode in ['topk', 'powersgd'])",
+        "parallelism.gradientCompression.mode topk or powersgd with zeroStage 2 needs microBatches 1 "
+        "(ZeRO-2 reduces every micro-batch): use zeroStage 1, or mode bf16, fp16 or int8",
+        _zero2_whole_bucket_modes_once_per_step,
     ),
 )
 """Rules on the parallelism section alone (the ones that read other sections are in

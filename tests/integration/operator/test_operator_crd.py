@@ -38,6 +38,22 @@ def _dry_run(cluster, namespace: str, body: dict):
 
 INVALID = [
     (
+        "an exact warm-up before ZeRO-3's 16-bit reduce-scatter",
+        _valid()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=3, gradientCompression={"mode": "bf16", "warmupSteps": 5})
+        .manifest(),
+        _rule("zero3-casts-have-no-warmup"),
+    ),
+    (
+        "PowerSGD on ZeRO-2's every-micro-batch reduce-scatter",
+        _valid()
+        .layout(2, 1, 1, gpus_per_node=2)
+        .parallelism(zeroStage=2, microBatches=4, gradientCompression={"mode": "powersgd"})
+        .manifest(),
+        _rule("zero2-whole-bucket-modes-once-per-step"),
+    ),
+    (
         "sequence not divisible by 2 x context",
         _valid().parallelism(context=2).model(seqLen=66).gpus(8).manifest(),
         _rule("sequence-split-over-context"),

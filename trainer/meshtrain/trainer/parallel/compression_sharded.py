@@ -3,7 +3,8 @@
 ZeRO-2 reduce-scatters every bucket after every micro-batch's backward (:class:`~.zero.ShardedGradReducer`);
 here that exchange is compressed, per mode:
 
-* bf16 / fp16: the reduce-scatter itself in 16 bits (the mean taken first: no fp16 overflow);
+* bf16 / fp16: the reduce-scatter itself in 16 bits (the mean taken first: no fp16 overflow), on
+  ZeRO-2's own asynchronous launch, overlapped with backward as the plain reduce-scatter is;
 * int8: each rank quantises each destination's shard on its own scale (one per shard, not one
   per bucket) and an all-to-all sends each rank only its shard: ``n`` int8 bytes and ``N`` scales
   per rank, where ZeRO 0/1's int8 gathers ``N x n``; the owner sums in fp32;
@@ -13,8 +14,10 @@ here that exchange is compressed, per mode:
   factors describe whole matrices, and a matrix straddles the shard boundaries.
 
 Error feedback is kept for the whole (padded) bucket, as under ZeRO 0/1: it is what this rank's
-compression dropped, which no other rank knows.  The exchange runs inline in backward's hook
-(not overlapped); the warm-up's exact steps keep ZeRO-2's own asynchronous reduce-scatter.
+compression dropped, which no other rank knows.  int8, topk and powersgd run inline in backward's
+hook (not overlapped), once per micro-batch as ZeRO-2 reduces after every backward: ``M`` times
+ZeRO 0/1's payload per step with ``M`` micro-batches; the warm-up's exact steps and the casts keep
+ZeRO-2's own asynchronous reduce-scatter.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ class CompressedShardedGradReducer(compression.Compressing, zero.ShardedGradRedu
         return torch.empty(shard.numel() * self.group_size, dtype=shard.dtype, device=shard.device)
 
     def _launch(self, bucket: reducer.Bucket) -> None:
-        """Warm-up: ZeRO-2's exact reduce-scatter; after it, pack, compress and add the mean shard."""
-        if self.exact:
+        """Warm-up and the 16-bit casts: ZeRO-2's asynchronous reduce-scatter (:meth:`_on_wire` casts);
+        int8, topk and powersgd: pack, compress and add the mean shard inline."""
+        if self.exact or self.settings.mode in compression.CAST:
             super()._launch(bucket)
             return
         full = self._pack(bucket)
@@ -68,19 +72,21 @@ class CompressedShardedGradReducer(compression.Compressing, zero.ShardedGradRedu
         bucket.buffer.add_(shard, alpha=self.group_size)  # finish() divides the sums
         bucket.ready = 0
 
+    def _on_wire(self, full: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """After the warm-up a 16-bit cast sends the mean (no fp16 overflow); the shard takes it times N."""
+        if self.exact or self.settings.mode not in compression.CAST:
+            return super()._on_wire(full)
+        self._dense += full.numel() * full.element_size()
+        low = full.div_(self.group_size).to(compression.CAST[self.settings.mode])
+        self.compressor.sending += low.numel() * low.element_size()
+        return low, float(self.group_size)
+
     def _scatter_mean(
         self, index: int, full: torch.Tensor, shapes: list[torch.Size]
     ) -> torch.Tensor:
-        """This rank's shard of the compressed mean of ``full`` (every rank's packed bucket)."""
+        """This rank's shard of the int8, topk or powersgd mean of ``full`` (every rank's packed bucket)."""
         mode, size = self.settings.mode, self.group_size
         s = full.numel() // size
-        if mode in compression.CAST:
-            low = full.div(size).to(compression.CAST[mode])  # mean first: no fp16 overflow
-            out = torch.empty(s, dtype=low.dtype, device=low.device)
-            start = self.clock.now()
-            dist.reduce_scatter_tensor(out, low, group=self.group)
-            self.compressor.record("reduce_scatter", low, start, index)
-            return out.to(full.dtype)
         if mode == "int8":
             return self._scatter_int8(index, full.view(size, s))
         self.compressor.mean(index, full, shapes)  # topk, powersgd: the whole mean ...

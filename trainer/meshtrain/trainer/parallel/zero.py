@@ -157,8 +157,8 @@ class ShardedGradReducer(reducer.GradReducer):
         """``reducer_args`` are :class:`~.reducer.GradReducer`'s (group, group_size, bucket_mb, recorder, clock)."""
         flat = [p for chunk in params for p in (chunk if isinstance(chunk, list) else [chunk])]
         self._total = sum(p.numel() for p in flat if p.requires_grad)
-        # bucket index -> (packed full buffer, reduced shard, start) of its collective in flight
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp]] = {}
+        # bucket index -> (wire buffer, reduced shard, start, scale) of its collective in flight
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, clocks.Stamp, float]] = {}
         self._packing: dict[int, torch.Tensor] = {}  # bucket index -> full buffer being filled
         self._in_flight: list[reducer.Bucket] = []  # launch order
         self._slices: dict[int, list[tuple[reducer.Bucket, int, int, int]]] = {}
@@ -220,14 +220,19 @@ class ShardedGradReducer(reducer.GradReducer):
         self._settle(bucket)
         while len(self._in_flight) >= IN_FLIGHT_BUCKETS:  # bound the packed buffers alive
             self._settle(self._in_flight[0])
-        full = self._pack(bucket)
         start = self.clock.now()
-        reduced = torch.empty_like(bucket.buffer)
-        # gloo's reduce-scatter work has no future to hang a callback on: time it from the launch to
-        # the end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
-        self._pending[bucket.index] = (full, reduced, start)  # both live until it is done
+        wire, scale = self._on_wire(self._pack(bucket))
+        reduced = torch.empty(bucket.buffer.numel(), dtype=wire.dtype, device=wire.device)
+        # gloo's reduce-scatter work has no future to hang a callback on: time it from packing to the
+        # end the clock's wait returns (the host's at wait; on CUDA the side stream's end event).
+        self._pending[bucket.index] = (
+            wire,
+            reduced,
+            start,
+            scale,
+        )  # live until the collective is done
         bucket.work = self.clock.launch(
-            lambda: _reduce_scatter(reduced, full, self.group, self.group_size)
+            lambda: _reduce_scatter(reduced, wire, self.group, self.group_size)
         )
         self._in_flight.append(bucket)
         bucket.ready = 0
@@ -243,22 +248,28 @@ class ShardedGradReducer(reducer.GradReducer):
             )
         return full
 
+    def _on_wire(self, full: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """What the reduce-scatter carries for the packed bucket ``full``, and the factor its result
+        is added to the shard with: ``full`` itself and 1 here (a 16-bit cast's mean and the group size
+        in :mod:`.compression_sharded`)."""
+        return full, 1.0
+
     def _settle(self, bucket: reducer.Bucket) -> None:
         """Wait for the bucket's collective in flight, if any, and add its result to the shard."""
         if bucket.work is None:
             return
         end = bucket.work.wait()
         self._in_flight.remove(bucket)
-        full, reduced, start = self._pending.pop(bucket.index)
+        wire, reduced, start, scale = self._pending.pop(bucket.index)
         self.recorder.collective(
             "dp",
             "reduce_scatter",
-            full.numel() * full.element_size(),
+            wire.numel() * wire.element_size(),
             start,
             end,
             bucket=bucket.index,
         )
-        bucket.buffer.add_(reduced)
+        bucket.buffer.add_(reduced, alpha=scale)
         bucket.work = None
 
     def finish(self) -> None:
