@@ -40,8 +40,16 @@ def _docs() -> list[pathlib.Path]:
     ]
 
 
+CUDA_VARIANT = re.compile(r"-cu[0-9]+$")
+"""The trainer image built for another CUDA major (``--build-arg CUDA=12``) carries ``-cu12``."""
+
+
 def _stale(text: str) -> list[str]:
-    images = [m.group(0) for m in MESHTRAIN_IMAGE.finditer(text) if m.group(2) != release.VERSION]
+    images = [
+        m.group(0)
+        for m in MESHTRAIN_IMAGE.finditer(text)
+        if CUDA_VARIANT.sub("", m.group(2)) != release.VERSION
+    ]
     charts = [
         m.group(0)
         for m in CHART_PIN.finditer(text)
@@ -60,6 +68,8 @@ def test_the_pattern_finds_a_stale_pin_and_passes_the_version() -> None:
     ]
     assert _stale(f"tar xzf meshtrain-{release.VERSION}.tgz --version {release.VERSION}") == []
     assert _stale("helm show crds meshtrain-NEW.tgz") == []
+    assert _stale(f"-t meshtrain/trainer:{release.VERSION}-cu12 .") == []
+    assert _stale("-t meshtrain/trainer:0.0.9-cu12 .") == ["meshtrain/trainer:0.0.9-cu12"]
 
 
 def test_no_example_or_doc_pins_a_meshtrain_image_of_another_release() -> None:

@@ -16,12 +16,12 @@ from meshtrain.planner import comm, estimate, gradient_compression, precision, p
 from tests.builders import JobBuilder
 
 
-def _job(stage: int, mode: dict, micro: int = 1):
+def _job(stage: int, mode: dict, micro: int = 1, **extra: object):
     raw = (
         JobBuilder()
         .layout(16, 1, 1, gpus_per_node=8)
         .model(preset="1.3b")
-        .parallelism(zeroStage=stage, gradientCompression=mode, microBatches=micro)
+        .parallelism(zeroStage=stage, gradientCompression=mode, microBatches=micro, **extra)
         .training(microBatch=64)
         .raw()
     )
@@ -33,7 +33,14 @@ def test_a_warmup_step_is_the_uncompressed_jobs_step(stage: int) -> None:
     compressed = _job(stage, {"mode": "powersgd", "rank": 8, "warmupSteps": 10})
     plain = _job(stage, {"mode": "none"})
     warm = comm.stage_comm(compressed, 0, precision.FP32, warmup=True)
-    assert warm == comm.stage_comm(plain, 0, precision.FP32)
+    exact = comm.stage_comm(plain, 0, precision.FP32)
+    if stage < 2:
+        assert warm == exact
+    else:  # the compressing reducer buckets whole tensors (PowerSGD needs whole matrices), the
+        # plain ZeRO-2 one cuts large tensors: the same exact collectives and bytes, other calls
+        assert {k: c.nbytes for k, c in warm.by_key().items()} == {
+            k: c.nbytes for k, c in exact.by_key().items()
+        }
     after = comm.stage_comm(compressed, 0, precision.FP32)
     assert sum(c.nbytes for c in after.collectives if c.group == "dp") < sum(
         c.nbytes for c in warm.collectives if c.group == "dp"
@@ -55,8 +62,10 @@ def test_a_runs_bytes_count_the_warmup_at_the_exact_price() -> None:
 @pytest.mark.parametrize("mode", ["int8", "powersgd"])
 def test_zero2s_compressed_reduce_scatter_is_priced_exposed_and_smaller(mode: str) -> None:
     h100 = profiles.get("h100-sxm")
-    compressed = estimate.make_plan(_job(2, {"mode": mode}), h100).time.stages[0]
-    plain = estimate.make_plan(_job(2, {"mode": "none"}), h100).time.stages[0]
+    # the weights' all-gathers serial (overlap.paramGather off), so what is hidden is the reduction's
+    serial = {"overlap": {"paramGather": False}}
+    compressed = estimate.make_plan(_job(2, {"mode": mode}, **serial), h100).time.stages[0]
+    plain = estimate.make_plan(_job(2, {"mode": "none"}, **serial), h100).time.stages[0]
     assert compressed.dp_exposed == pytest.approx(compressed.dp, rel=1e-12)  # inline in backward
     assert compressed.dp < plain.dp
 
@@ -73,7 +82,7 @@ def test_zero2s_cast_is_its_overlapped_reduce_scatter_at_half_the_bytes(
     plain = comm.stage_comm(plain_job, 0, precision.FP32).by_key()
     rs = cast["dp", "reduce_scatter"]
     assert 2 * rs.nbytes == plain["dp", "reduce_scatter"].nbytes
-    assert rs.calls == plain["dp", "reduce_scatter"].calls and not rs.after_backward
+    assert not rs.after_backward  # calls differ: the compressing reducer keeps whole tensors
     h100 = profiles.get("h100-sxm")
     timed = estimate.make_plan(cast_job, h100).time.stages[0]
     assert timed.dp_exposed < timed.dp
