@@ -40,8 +40,8 @@ from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import parallelism as api_parallelism
 from meshtrain.planner import estimate, memory, profiles
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import mesh, state_bytes, zero
-from meshtrain.trainer.telemetry import live_bytes, recording, stepstats
+from meshtrain.trainer.parallel import mesh, zero
+from meshtrain.trainer.telemetry import recording, stepstats
 
 MODEL = bench_zero3.MODEL
 """The committed ZeRO benchmark's model (docs/planner.md), so the memory rows compare with it."""
@@ -134,14 +134,8 @@ def _memory_rank(
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec({"data": world, "zeroStage": stage}, {}, micro_batches, 2)
     eng = engine.Engine(job, mesh.build_mesh(job.parallelism.layout, torch.device("cpu")))
-    eng.train_step()
-    tracker = live_bytes.LiveBytes()
-    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
-    with tracker:
-        eng.train_step()
-    peak = torch.tensor([tracker.peak], dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    ranks.leave({"peak_bytes": int(peak.item())}, out)
+    peak = ranks.second_step_peak(eng)
+    ranks.leave({"peak_bytes": peak}, out)
 
 
 def timing_rows(steps: int) -> list[dict[str, Any]]:

@@ -29,8 +29,7 @@ from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
-from meshtrain.trainer.parallel import mesh, state_bytes
-from meshtrain.trainer.telemetry import live_bytes
+from meshtrain.trainer.parallel import mesh
 
 MODEL = {"layers": 8, "hidden": 256, "heads": 8, "vocab": 8192, "seqLen": 128, "ffnHidden": 1024}
 """Small enough for a 2-core CPU, large enough that weights and optimizer state dominate activations."""
@@ -58,18 +57,10 @@ def _rank(
     ranks.join(rank, world, port, threads=ranks.cores_per_rank(world), timeout_s=900)
     job = _spec(world, stage, micro_batches, steps)
     eng = engine.Engine(job, mesh.build_mesh(job.parallelism.layout, torch.device("cpu")))
-    eng.train_step()
-    tracker = live_bytes.LiveBytes()
-    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
-    with tracker:
-        eng.train_step()
-    peak = torch.tensor([tracker.peak], dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = ranks.second_step_peak(eng)
     seconds = ranks.timed_steps(eng.train_step, steps)
     if rank == 0:
-        torch.save(
-            {"peak_bytes": int(peak.item()), "step_seconds": seconds}, Path(out) / ranks.RESULT
-        )
+        torch.save({"peak_bytes": peak, "step_seconds": seconds}, Path(out) / ranks.RESULT)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshtrain.sandbox.controlplane.ports import pick_free_port
+from meshtrain.trainer.parallel import state_bytes
+from meshtrain.trainer.telemetry import live_bytes
 
 RESULT = "result.pt"
 
@@ -37,6 +39,19 @@ def timed_steps(step: Callable[[], object], steps: int) -> list[float]:
         step()
         seconds.append(time.perf_counter() - start)
     return seconds
+
+
+def second_step_peak(eng: Any) -> int:
+    """The peak live bytes of an engine's second step beyond its training state, the largest over
+    the ranks (the first step builds the optimizer state and warms the allocator)."""
+    eng.train_step()
+    tracker = live_bytes.LiveBytes()
+    tracker.track(state_bytes.state_tensors(eng.model, eng.optimizer, eng.model.reducer))
+    with tracker:
+        eng.train_step()
+    peak = torch.tensor([tracker.peak], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
 
 
 def spawn(rank_fn: Callable[..., None], world: int, *args: Any) -> Any:
