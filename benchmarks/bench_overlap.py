@@ -7,13 +7,14 @@ trains one step, then measures ``--steps`` steps with the trainer's own clocks a
 * dp: the gradient reduction's tail after the last backward (``stepstats.exposed_comm`` over the
   reductions) plus the time the training thread blocked on the weights' all-gathers (the whole
   blocking gather in the serial path; the layers' waits with ``paramGather``);
-* tp: the tensor-parallel collectives' busy time (they block the matmuls unless overlapped);
+* tp: the time the training thread was held on tensor-parallel collectives (the trainer's ``tp``
+  waits: a blocking collective whole, an overlapped one for what its matmul did not hide);
 * pp: the time blocked on pipeline sends and receives.
 
 Beside the dp rows, the planner's exposed dp time (``StageTime.dp_exposed``, the ``cpu`` profile).
 
-A row whose switch the spec does not have (``overlap.tensor`` until the tp part lands, a pipeline
-switch) runs once and says so.  Then the peak of live tensor bytes of a step (the second, as
+A row whose switch the spec does not have (a pipeline switch: the pipeline's change is memory, its
+sends freed when done) runs once and says so.  Then the peak of live tensor bytes of a step (the second, as
 ``bench_zero3.py``) at dp2 for ZeRO-1 against ZeRO-2 at 4 and 16 micro-batches, beside the
 planner's peak.  Each figure is the worst rank's median over the steps.  Writes
 ``benchmarks/results/overlap-<host>.json``.
@@ -86,11 +87,11 @@ def _spec(
 def exposed(events: list[recording.Event], gather_waits: float) -> dict[str, float]:
     """One step's exposed communication seconds by axis (see the module docstring)."""
     reductions = [e for e in events if not (e.what == "collective" and e.kind == "all_gather")]
-    tp = [(e.start, e.end) for e in events if e.what == "collective" and e.group == "tp"]
+    waits = [e for e in events if e.what == "wait"]
     return {
         "dp": stepstats.exposed_comm(reductions) + gather_waits,
-        "tp": stepstats.union_seconds(tp),
-        "pp": sum(e.end - e.start for e in events if e.what == "wait"),
+        "tp": sum(e.end - e.start for e in waits if e.kind == "tp"),
+        "pp": sum(e.end - e.start for e in waits if e.kind in recording.PIPELINE_WAITS),
     }
 
 
