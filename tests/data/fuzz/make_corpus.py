@@ -426,7 +426,7 @@ KUBECTL: dict[str, tuple[str, str]] = {
         _COLLAPSED + " (data: 65537)",
     ),
     "duplicate-spec.yaml": (
-        "spec.parallelism: Invalid value: world size data x pipeline x tensor must be a multiple of resources.gpusPerNode",
+        "spec.parallelism: Invalid value: world size data x pipeline x context x tensor must be a multiple of resources.gpusPerNode",
         _COLLAPSED + " (the second spec, without resources)",
     ),
     "data-null-map.yaml": (
