@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_zero3, machine, ranks
-from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import parallelism as api_parallelism
 from meshtrain.planner import estimate, memory, profiles
@@ -69,18 +68,8 @@ def _spec(
     world = (
         parallelism.get("data", 1) * parallelism.get("tensor", 1) * parallelism.get("pipeline", 1)
     )
-    return loading.parse_spec(
-        {
-            "parallelism": {**parallelism, "microBatches": micro_batches, "overlap": switch},
-            "resources": {"gpusPerNode": world},
-            "model": MODEL,
-            "training": {
-                "microBatch": 1,
-                "steps": steps + 2,
-                "precision": "fp32",
-                "dataset": "stdlib",
-            },
-        }
+    return bench_zero3.job_spec(
+        {**parallelism, "microBatches": micro_batches, "overlap": switch}, world, steps
     )
 
 

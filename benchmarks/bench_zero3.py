@@ -36,10 +36,17 @@ MODEL = {"layers": 8, "hidden": 256, "heads": 8, "vocab": 8192, "seqLen": 128, "
 
 
 def _spec(dp: int, stage: int, micro_batches: int, steps: int) -> api_spec.TrainingJobSpec:
+    return job_spec({"data": dp, "zeroStage": stage, "microBatches": micro_batches}, dp, steps)
+
+
+def job_spec(
+    parallelism: dict[str, object], gpus_per_node: int, steps: int
+) -> api_spec.TrainingJobSpec:
+    """A CPU job of :data:`MODEL` with ``parallelism``, one pod of ``gpusPerNode`` ranks, fp32."""
     return loading.parse_spec(
         {
-            "parallelism": {"data": dp, "zeroStage": stage, "microBatches": micro_batches},
-            "resources": {"gpusPerNode": dp},
+            "parallelism": parallelism,
+            "resources": {"gpusPerNode": gpus_per_node},
             "model": MODEL,
             "training": {
                 "microBatch": 1,
