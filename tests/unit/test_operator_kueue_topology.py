@@ -661,3 +661,20 @@ def test_the_request_names_only_levels_every_tas_flavor_s_topology_has() -> None
 
     client: Any = _Client()
     assert asyncio.run(workloads.tas_levels(client, "ns", "q")) == (BLOCK, HOST)
+
+
+def test_a_status_claiming_more_domains_than_a_gang_can_have_is_read_only_to_the_bound() -> None:
+    """``domainCount`` comes from a Workload's status: the decoder stops where no gang reaches."""
+    huge = {
+        "levels": ["kubernetes.io/hostname"],
+        "slices": [
+            {
+                "domainCount": 10**12,
+                "podCounts": {"universal": 1},
+                "valuesPerLevel": [{"universal": "node-a"}],
+            }
+        ],
+    }
+    read = kueue_topology.read(huge)
+    assert read is not None
+    assert len(read.domains) == kueue_topology.MAX_DOMAINS

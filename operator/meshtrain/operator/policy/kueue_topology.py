@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from meshtrain import placement
+from meshtrain.api import limits
 from meshtrain.api import spec as api_spec
 
 CONFLICT = "TopologyAssignmentConflict"
@@ -79,6 +80,11 @@ def _value(level: Mapping[str, Any], index: int) -> str:
     return f"{individual.get('prefix') or ''}{roots[index]}{individual.get('suffix') or ''}"
 
 
+MAX_DOMAINS = limits.MAX_WORLD_SIZE + limits.MAX_SPARE_NODES
+"""Domains decoded from one assignment at most: each holds a pod, and a gang and its spares have no
+more; a longer status is not a gang's, and its counts then fail the plan's check (a conflict)."""
+
+
 def read(assignment: Mapping[str, Any] | None) -> Assignment | None:
     """The domains and counts of a ``topologyAssignment`` (Kueue v1beta2's slices), or None.
 
@@ -89,11 +95,12 @@ def read(assignment: Mapping[str, Any] | None) -> Assignment | None:
     if not assignment:
         return None
     levels = tuple(str(level) for level in assignment.get("levels") or [])
-    domains = []
+    domains: list[Domain] = []
     for piece in assignment.get("slices") or []:
         counts = piece.get("podCounts") or {}
         per_level = piece.get("valuesPerLevel") or []
-        for index in range(int(piece.get("domainCount") or 0)):
+        room = MAX_DOMAINS - len(domains)
+        for index in range(max(0, min(int(piece.get("domainCount") or 0), room))):
             count = counts.get("universal")
             domains.append(
                 Domain(
