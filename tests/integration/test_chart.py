@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -122,6 +123,31 @@ CLUSTER_DENIED = [
 ]
 
 
+def _wait_established(kubectl: str, env: dict[str, str], name: str, timeout: float = 180) -> None:
+    """Poll the CRD's Established condition; on timeout fail with what the server last said.
+
+    ``kubectl wait`` hides its reason behind exit status 1, and a loaded CI machine has taken
+    longer than its 60 s to answer a 135 KB CRD's apply."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        result = subprocess.run(
+            [kubectl, "get", f"crd/{name}", "-o", "jsonpath={.status.conditions}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        last = (result.stdout + result.stderr).strip()
+        if result.returncode == 0 and any(
+            c.get("type") == "Established" and c.get("status") == "True"
+            for c in json.loads(result.stdout or "[]")
+        ):
+            return
+        time.sleep(1)
+    pytest.fail(f"CRD {name} not Established after {timeout:.0f}s; last answer: {last}")
+
+
 @pytest.fixture(scope="module")
 def tools(
     control_plane: controlplane.ControlPlane, control_plane_binaries: binaries.Binaries
@@ -139,18 +165,7 @@ def tools(
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    subprocess.run(
-        [
-            str(control_plane_binaries.kubectl),
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/trainingjobs.meshtrain.io",
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+    _wait_established(str(control_plane_binaries.kubectl), env, "trainingjobs.meshtrain.io")
     return {
         "helm": str(control_plane_binaries.helm),
         "kubectl": str(control_plane_binaries.kubectl),

@@ -25,7 +25,7 @@ import kubernetes
 from meshtrain.api import crd
 from meshtrain.operator import reconciler
 from meshtrain.operator.cluster import informer, kube
-from meshtrain.operator.policy import kueue_workload
+from meshtrain.operator.policy import kueue_workload, naming
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
 from meshtrain.sandbox.controlplane.ports import pick_free_port
@@ -291,10 +291,18 @@ class Cluster:
     def wait_gang(
         self, namespace: str, job: str, count: int, timeout: float = 30, attempt: int = 0
     ) -> list[Any]:
-        """Wait until ``count`` pods of ``attempt`` exist, none gated, none older left; returns them."""
+        """Wait until ``count`` pods of ``attempt`` exist, none gated, none older left; returns them.
+
+        A spare node's placeholder pod carries the job's label too but is no member of the gang:
+        it may appear before or after the gang is ungated, so it is never counted.
+        """
 
         def ready() -> list[Any] | None:
-            pods = self.pods(namespace, job)
+            pods = [
+                p
+                for p in self.pods(namespace, job)
+                if naming.LABEL_SPARE not in (p.metadata.labels or {})
+            ]
             if len(pods) != count or any(
                 p.metadata.labels["meshtrain.io/attempt"] != str(attempt) for p in pods
             ):
