@@ -161,3 +161,20 @@ MAX_POD_OVERRIDE_VOLUMES = 64
 MAX_POD_ANNOTATION_BYTES = 65_536
 """Keys and values of ``spec.pod.annotations`` and ``spec.podTemplateOverride.metadata.annotations``
 together (the API server takes 256 KiB of annotations per object; the operator adds its own)."""
+
+# Dynamic Resource Allocation (issue #39): the operator's reads of ResourceSlices, ResourceClaims
+# and DeviceClasses, bounded as resource.k8s.io/v1 validation bounds them.
+MAX_CEL_EXPRESSION_LENGTH = 10 * 1024
+"""Longest DRA CEL selector evaluated (the API server's limit on one expression)."""
+
+MAX_DEVICES_PER_SLICE = 128
+"""Devices read from one ResourceSlice (resource.k8s.io/v1's limit)."""
+
+MAX_DEVICE_FIELDS = 32
+"""Attributes plus capacities read from one device (resource.k8s.io/v1's limit)."""
+
+MAX_CLASS_SELECTORS = 32
+"""Selectors read from one DeviceClass (resource.k8s.io/v1's limit)."""
+
+MAX_CLAIM_RESULTS = 32
+"""Allocated devices read from one ResourceClaim (resource.k8s.io/v1's limit)."""

@@ -86,7 +86,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     )
     settings.watching.server_timeout = 300
     client = await kube.Client.connect(kubeconfig=memo.kubeconfig)
-    cache = informer.Cache()
+    cache = informer.Cache(follow_devices=True)
     resolved = await reconciler.resolved(client, memo.settings)
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
     memo.wakeups = Wakeups()

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from meshtrain.api import limits
-from meshtrain.operator.cluster import api_errors, kube
-from meshtrain.operator.policy import capacity, feasibility, naming
+from meshtrain.operator.cluster import api_errors, device_cache, kube
+from meshtrain.operator.policy import capacity, devices, feasibility, naming
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -325,13 +325,18 @@ class Store:
 class Cache:
     """The pod, node and TrainingJob informers of one operator process."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, follow_devices: bool = False) -> None:
+        """``follow_devices``: follow ResourceSlices, ResourceClaims and DeviceClasses too (DRA)."""
         shared = Shared()
         self.pods = Store(
             functools.partial(trim_pod, shared=shared), by_job=True, on_change=self._count
         )
         self.nodes = Store(functools.partial(trim_node, shared=shared))
         self.jobs = Store(trim_job, on_change=self._job_changed)
+        self._devices = device_cache.RESOURCES if follow_devices else ()
+        self.dra = {name: Store(trim) for name, trim in device_cache.TRIMS.items()}
+        """ResourceSlices, ResourceClaims and DeviceClasses (``device_cache.RESOURCES``)."""
+        self._inventory: tuple[tuple[int, ...], devices.Inventory] = ((), devices.EMPTY)
         self._live: dict[Key, capacity.Owner] = {}
         """(namespace, job) -> the live TrainingJob of that name (``capacity.live_owner``)."""
         self._requested: dict[str, Counter[str]] = {}
@@ -343,7 +348,7 @@ class Cache:
         self.synced = asyncio.Event()
         """Set once every store holds a full list."""
         self._synced: set[str] = set()
-        self._expected: set[str] = {"pods", "nodes"}
+        self._expected: set[str] = {"pods", "nodes", *self._devices}
         """What :meth:`run` follows: the lists ``synced`` waits for."""
 
     def job_pods(self, namespace: str, job: str) -> list[kube.Body]:
@@ -359,6 +364,14 @@ class Cache:
         owner = self._live.get((_key(pod)[0], job)) if job else None
         return capacity.counted_node(pod, owner)
 
+    def inventory(self) -> devices.Inventory:
+        """The devices of the cluster (``devices.inventory``), rebuilt only after a change."""
+        key = tuple(self.dra[name].changes for name in device_cache.RESOURCES)
+        if self._inventory[0] != key:
+            slices, claims, classes = (self.dra[n].values() for n in device_cache.RESOURCES)
+            self._inventory = (key, devices.inventory(slices, claims, classes))
+        return self._inventory[1]
+
     def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
         for pod, sign in ((old, -1), (new, 1)):
             if pod is not None:
@@ -370,7 +383,7 @@ class Cache:
         requested = self._requested.get(node)
         if requested is None:
             requested = self._requested[node] = Counter()
-        for resource, amount in feasibility.pod_requests(pod).items():
+        for resource, amount in _charged(pod).items():
             requested[resource] += sign * amount
         self._pods_on[node] += sign
         self._usage_of.pop(node, None)
@@ -404,7 +417,7 @@ class Cache:
             node = self._node_of(pod)
             if node and node in self._requested:
                 left_out.setdefault(node, Counter())
-                left_out[node].update(feasibility.pod_requests(pod))
+                left_out[node].update(_charged(pod))
                 left_out[node]["\0pods"] += 1
         return _UsageView(self, left_out)
 
@@ -460,7 +473,7 @@ class Cache:
         waker = waker or _Asleep()
         watched: list[str | None] = [*namespaces] or [None]
         scopes = {f"trainingjobs in {n or 'all namespaces'}": n for n in watched}
-        self._expected = {"pods", "nodes", *scopes}
+        self._expected = {"pods", "nodes", *scopes, *self._devices}
         jobs = [
             self._follow(
                 what, client.list_jobs, client.watch_jobs, self.jobs, waker, {"namespace": n}
@@ -473,6 +486,17 @@ class Cache:
             ),
             self._follow("nodes", client.list_nodes, client.watch_nodes, self.nodes, waker, {}),
             *jobs,
+            *(
+                self._follow(
+                    name,
+                    client.list_devices,
+                    client.watch_devices,
+                    self.dra[name],
+                    waker,
+                    {"resource": name},
+                )
+                for name in self._devices
+            ),
         )
 
     async def _follow(
@@ -518,6 +542,12 @@ class Cache:
                 if err.status == 410:
                     version = None  # too old: list again and replace the store
                     continue
+                if err.status == 404 and version is None and what in device_cache.RESOURCES:
+                    self._synced.add(what)  # not served (no DRA): no devices; asked again later
+                    if self._synced >= self._expected:
+                        self.synced.set()
+                    await asyncio.sleep(RETRY_CAP_SECONDS)
+                    continue
                 failures += 1
                 logger.warning("watch of %s failed: %s", what, err)
                 await asyncio.sleep(_retry_delay(err, failures))
@@ -556,8 +586,15 @@ class _UsageView(Mapping[str, feasibility.Usage]):
         return len(self._cache._requested)
 
 
+def _charged(pod: kube.Body) -> dict[str, int]:
+    """What a pod holds on its node: its requests, and the devices it holds before its claims are
+    allocated (``devices.HELD``)."""
+    held = devices.held_by(pod)
+    return {**feasibility.pod_requests(pod), **({devices.HELD: held} if held else {})}
+
+
 def _wake(waker: Waker, what: str, type_: str, obj: kube.Body) -> None:
-    if what == "nodes":
+    if what == "nodes" or what in device_cache.RESOURCES:
         waker.poke_waiting()
         return
     job = job_of(obj)

@@ -27,6 +27,7 @@ from meshtrain.operator.cluster.api_errors import (
     error_message,
     transport_error,
 )
+from meshtrain.operator.cluster.dra_calls import DraCalls
 from meshtrain.operator.cluster.kueue_calls import KueueCalls
 from meshtrain.operator.policy import naming
 
@@ -89,7 +90,7 @@ async def connection(kubeconfig: str | None = None) -> dict[str, Any]:
     }
 
 
-class Client(KueueCalls):
+class Client(KueueCalls, DraCalls):
     """Async API client; one per process (:meth:`connect`), closed with :meth:`close`."""
 
     def __init__(self, *, api: k8s.ApiClient, refresher: asyncio.Task[None] | None) -> None:
@@ -99,6 +100,7 @@ class Client(KueueCalls):
         self._core = k8s.CoreV1Api(api)
         self._custom = k8s.CustomObjectsApi(api)
         self._networking = k8s.NetworkingV1Api(api)
+        self._resource = k8s.ResourceV1Api(api)
         self._refresher = refresher
         self._limit = asyncio.Semaphore(CONCURRENCY)
         self.on_write: Callable[[str, Body], None] | None = None

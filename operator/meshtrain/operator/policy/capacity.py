@@ -18,7 +18,7 @@ from typing import Any
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import feasibility, naming, volumes
+from meshtrain.operator.policy import devices, feasibility, naming, volumes
 
 NOTHING = feasibility.Usage()
 """Usage of a node no pod holds resources on."""
@@ -182,13 +182,15 @@ def offered_nodes(
     gpus_per_pod: int,
     pods_wanted: int,
     claim: volumes.Topology | None = None,
+    ask: devices.Ask | None = None,
 ) -> tuple[list[placement.Node], list[str]]:
     """The nodes as the planner should see them, and why the others take no pod.
 
     A node offers ``slots x gpus_per_pod`` GPUs, where ``slots`` is how many
     pods of ``demand`` kube-scheduler would bind there together (every filter,
-    every resource; :mod:`feasibility`; the nodes ``claim`` allows, :mod:`volumes`),
-    so the planner needs no reservations.
+    every resource; :mod:`feasibility`; the nodes ``claim`` allows, :mod:`volumes`;
+    the free devices ``ask`` judges, :mod:`devices`), so the planner needs no reservations.
+    A node whose devices report one NVLink domain carries it as ``DEVICE_CLIQUE_LABEL``.
     """
     offered, refused = [], []
     # Nodes mostly share their conditions, spec and allocatable (one object each in the
@@ -208,23 +210,76 @@ def offered_nodes(
         refused_by = feasibility.with_selector(demand, node, state[2]) or volumes.refusal(
             claim, node
         )
+        judged = devices.NodeDevices(None)
         if refused_by is None:
             source = status.get("allocatable")
             parsed = amounts.get(id(source))
             if parsed is None or parsed[0] is not source:
                 parsed = amounts[id(source)] = (source, feasibility.allocatable(node))
-            slots = feasibility.room(demand, parsed[1], taken, pods_wanted)
+            if ask is not None:
+                judged = devices.judge(ask, metadata.get("name", ""), parsed[1], taken.requested)
+            slots = feasibility.room(_served(demand, ask, judged), parsed[1], taken, pods_wanted)
+            slots = slots if judged.slots is None else min(slots, judged.slots)
         if slots == 0:
-            refused.append(refused_by or feasibility.verdict(demand, node, taken) or "no room")
+            refused.append(
+                refused_by
+                or feasibility.verdict(_served(demand, ask, judged), node, taken)
+                or judged.reason
+                or "no room"
+            )
             continue
         offered.append(
             placement.Node(
                 name=metadata.get("name", ""),
                 allocatable_gpus=slots * gpus_per_pod,
-                labels=metadata.get("labels") or {},  # read only: no copy per node and placement
+                labels=_with_domain(metadata.get("labels") or {}, judged.domain),
             )
         )
     return offered, refused
+
+
+DEVICE_CLIQUE_LABEL = "nvidia.com/gpu.clique"
+"""The node label a node's devices' NVLink domain (``devices.CLIQUE``) stands in for: the label
+NVIDIA's GPU feature discovery writes, whose value has the same form."""
+
+
+def _with_domain(labels: Mapping[str, str], domain: str | None) -> Mapping[str, str]:
+    """The node's labels (read only: no copy per node and placement), the devices' NVLink domain
+    in ``DEVICE_CLIQUE_LABEL`` where they report one (the label stays the fallback)."""
+    if domain is None or labels.get(DEVICE_CLIQUE_LABEL) == domain:
+        return labels
+    return {**labels, DEVICE_CLIQUE_LABEL: domain}
+
+
+def _served(
+    demand: feasibility.Demand, ask: devices.Ask | None, judged: devices.NodeDevices
+) -> feasibility.Demand:
+    """``demand`` as NodeResourcesFit checks it: less the extended resource that a DeviceClass
+    serves from the node's slices (KEP-5004; DynamicResources checks those)."""
+    if ask is None or not judged.serves_extended:
+        return demand
+    kept = {r: a for r, a in demand.requests.items() if r != ask.gpu_resource}
+    return dataclasses.replace(demand, requests=kept)
+
+
+def verdict(
+    demand: feasibility.Demand,
+    node: Mapping[str, Any],
+    used: feasibility.Usage,
+    ask: devices.Ask | None = None,
+    count: int = 1,
+) -> str | None:
+    """Why ``count`` more pods of ``demand`` would not be bound to ``node`` now (None: they fit),
+    their devices (``ask``) included."""
+    name = (node.get("metadata") or {}).get("name", "")
+    judged = devices.NodeDevices(None)
+    if ask is not None:
+        judged = devices.judge(ask, name, feasibility.allocatable(node), used.requested)
+    served = _served(demand, ask, judged)
+    reason = feasibility.refusal(served, node) or feasibility.shortage(served, node, used, count)
+    if reason is None and judged.slots is not None and judged.slots < count:
+        return judged.reason
+    return reason
 
 
 def infeasible_nodes(
@@ -232,6 +287,7 @@ def infeasible_nodes(
     planned: Mapping[str, int],
     nodes: Iterable[dict[str, Any]],
     used: Mapping[str, feasibility.Usage],
+    ask: devices.Ask | None = None,
 ) -> dict[str, str]:
     """Planned nodes (name -> pods of the gang there) that can no longer take those pods, with why."""
     by_name = {(n.get("metadata") or {}).get("name"): n for n in nodes}
@@ -241,9 +297,7 @@ def infeasible_nodes(
         if node is None:
             problems[name] = "node deleted"
             continue
-        reason = feasibility.refusal(demand, node) or feasibility.shortage(
-            demand, node, used.get(name, NOTHING), count
-        )
+        reason = verdict(demand, node, used.get(name, NOTHING), ask, count)
         if reason:
             problems[name] = reason
     return problems

@@ -1,0 +1,278 @@
+"""The operator's device verdict against the real kube-scheduler, which allocates DRA claims itself.
+
+Random small clusters publish ResourceSlices by hand (no driver runs: a slice is an API object
+with a driver name and a nodeName) with random GPUs (product, memory, NVLink clique, PCIe root),
+and random claims already hold some of them (an allocation written to the claim's status, as
+the scheduler writes it).  For every node, a probe pod pinned to it asks, through a
+ResourceClaim, a random number of devices of a random DeviceClass with random CEL selectors
+and, at random, a ``matchAttribute`` constraint.  kube-scheduler binding the probe (it allocated
+the claim) or reporting it Unschedulable is the truth; ``capacity.verdict`` with the devices the
+operator's own cache read (``informer.Cache.inventory``) must agree on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from meshtrain.operator.cluster import informer, kube
+from meshtrain.operator.policy import capacity, devices, feasibility
+from tests.integration.operator.cluster import Cluster, wait_for
+from tests.integration.operator.test_feasibility_vs_scheduler import (
+    _ignore_missing,
+    _scheduler_verdict,
+)
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 10
+DRIVER = "gpu.sim.meshtrain.io"
+CLASSES = {
+    DRIVER: [f'device.driver == "{DRIVER}"'],
+    "h200.sim.meshtrain.io": [
+        f'device.driver == "{DRIVER}"',
+        f'device.attributes["{DRIVER}"].productName == "NVIDIA H200"',
+    ],
+}
+"""The DeviceClasses: the driver's own, and one selecting a product."""
+SELECTORS = (
+    f'device.attributes["{DRIVER}"].productName == "NVIDIA H200"',
+    f'device.capacity["{DRIVER}"].memory.compareTo(quantity("100Gi")) >= 0',
+    f'device.capacity["{DRIVER}"].memory.isLessThan(quantity("100Gi"))',
+    f'device.attributes["{DRIVER}"].index >= 2',
+    f'device.attributes["{DRIVER}"].cliqueId == "clique-0"',
+    f'device.attributes["{DRIVER}"].productName.startsWith("NVIDIA")',
+)
+"""Request selectors (what ``resources.dra.selectors`` holds)."""
+MATCH = (None, None, devices.PCIE_ROOT, f"{DRIVER}/cliqueId")
+"""A request's matchAttribute (often none)."""
+
+
+@pytest.fixture(scope="module")
+def scheduled(control_plane_binaries) -> Iterator[Cluster]:
+    """An API server with kube-scheduler and the TrainingJob CRD (the operator's cache lists
+    TrainingJobs), the DeviceClasses and a namespace for the probes."""
+    with Cluster.private(control_plane_binaries) as found:
+        api = found.core.api_client
+        resource = kubernetes.client.ResourceV1Api(api)
+        found.core.create_namespace({"metadata": {"name": "probe"}})
+        for name, selectors in CLASSES.items():
+            spec = {"selectors": [{"cel": {"expression": s}} for s in selectors]}
+            resource.create_device_class({"metadata": {"name": name}, "spec": spec})
+        wait_for(
+            "namespace active",
+            lambda: found.core.read_namespace("probe").status.phase == "Active",
+        )
+        yield found
+
+
+def _slice(rng: random.Random, node: str) -> dict[str, Any]:
+    """A slice of 1-8 random GPUs on ``node``, as a DRA driver would publish them."""
+    product = rng.choice(["NVIDIA H200", "NVIDIA A100"])
+    gpus = []
+    for index in range(rng.randint(1, 8)):
+        attributes = {
+            "type": {"string": "gpu"},
+            "index": {"int": index},
+            "uuid": {"string": f"GPU-{uuid.uuid4()}"},
+            "productName": {"string": product if rng.random() < 0.8 else "NVIDIA L40S"},
+            "cliqueId": {"string": rng.choice(["clique-0", "clique-1"])},
+            "numaNode": {"int": index // 4},
+            devices.PCIE_ROOT: {"string": f"pci0000:{rng.choice(['00', '40'])}"},
+        }
+        memory = rng.choice(["80Gi", "141Gi"])
+        gpus.append(
+            {
+                "name": f"gpu-{index}",
+                "attributes": attributes,
+                "capacity": {"memory": {"value": memory}},
+            }
+        )
+    spec = {
+        "driver": DRIVER,
+        "nodeName": node,
+        "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+        "devices": gpus,
+    }
+    return {"metadata": {"name": f"{node}-gpus"}, "spec": spec}
+
+
+def _claim(
+    name: str, device_class: str, count: int, selectors: list[str], match: str | None
+) -> dict[str, Any]:
+    exactly: dict[str, Any] = {
+        "deviceClassName": device_class,
+        "allocationMode": "ExactCount",
+        "count": count,
+    }
+    if selectors:
+        exactly["selectors"] = [{"cel": {"expression": s}} for s in selectors]
+    spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpus", "exactly": exactly}]}}
+    if match:
+        spec["devices"]["constraints"] = [{"requests": ["gpus"], "matchAttribute": match}]
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+def _hold(resource: kubernetes.client.ResourceV1Api, node: str, gpus: list[str]) -> str:
+    """A claim whose allocation (written as the scheduler writes it) holds ``gpus`` of ``node``."""
+    name = f"held-{uuid.uuid4().hex[:8]}"
+    resource.create_namespaced_resource_claim("probe", _claim(name, DRIVER, len(gpus), [], None))
+    results = [{"request": "gpus", "driver": DRIVER, "pool": node, "device": g} for g in gpus]
+    selector = {
+        "nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        ]
+    }
+    allocation = {"devices": {"results": results}, "nodeSelector": selector}
+    resource.patch_namespaced_resource_claim_status(
+        name, "probe", {"status": {"allocation": allocation}}
+    )
+    return name
+
+
+def _probe(name: str, node: str, claim: str) -> dict[str, Any]:
+    """A pod pinned to ``node`` (the operator's required node affinity) using ``claim``."""
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+        }
+    }
+    container = {
+        "name": "trainer",
+        "image": "pause",
+        "resources": {"requests": {"cpu": "100m"}, "claims": [{"name": "gpus"}]},
+    }
+    spec = {
+        "affinity": affinity,
+        "resourceClaims": [{"name": "gpus", "resourceClaimName": claim}],
+        "containers": [container],
+    }
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+def _operator_view(kubeconfig: str) -> tuple[devices.Inventory, dict[str, feasibility.Usage]]:
+    """The devices and usage the operator's own cache reads from the API server."""
+
+    async def read() -> tuple[devices.Inventory, dict[str, feasibility.Usage]]:
+        client = await kube.Client.connect(kubeconfig=kubeconfig)
+        cache = informer.Cache(follow_devices=True)
+        follow = asyncio.create_task(cache.run(client))
+        try:
+            await asyncio.wait_for(cache.synced.wait(), 30)
+            return cache.inventory(), dict(cache.usage())
+        finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+            await client.close()
+
+    return asyncio.run(read())
+
+
+def _random_request(rng: random.Random) -> devices.Request:
+    selectors = tuple(rng.sample(SELECTORS, rng.choice([0, 0, 1, 1, 2])))
+    return devices.Request(
+        device_class=rng.choice(list(CLASSES)),
+        selectors=selectors,
+        count=rng.choice([1, 2, 2, 4]),
+        match_attribute=rng.choice(MATCH),
+    )
+
+
+def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
+    """One random cluster; every node's verdicts (the operator's and the scheduler's)."""
+    core = cluster.core
+    api = core.api_client
+    resource = kubernetes.client.ResourceV1Api(api)
+    names = [f"n{uuid.uuid4().hex[:6]}" for _ in range(rng.randint(3, 5))]
+    claims: list[str] = []
+    probes: dict[str, str] = {}
+    asked: dict[str, devices.Request] = {}
+    try:
+        for name in names:
+            cluster.add_node("dra", gpus=0, name=name)  # no extended-resource GPU
+            published = _slice(rng, name)
+            resource.create_resource_slice(published)
+            gpus = [d["name"] for d in published["spec"]["devices"]]
+            if rng.random() < 0.6:
+                claims.append(_hold(resource, name, rng.sample(gpus, rng.randint(1, len(gpus)))))
+        time.sleep(1.0)  # the scheduler's informers follow slices and claims
+        inventory, usage = _operator_view(cluster.kubeconfig)
+        for name in names:
+            asked[name] = _random_request(rng)
+            want = asked[name]
+            claim = f"probe-{uuid.uuid4().hex[:8]}"
+            body = _claim(
+                claim, want.device_class, want.count, list(want.selectors), want.match_attribute
+            )
+            resource.create_namespaced_resource_claim("probe", body)
+            claims.append(claim)
+            probes[name] = f"p-{claim}"
+            core.create_namespaced_pod("probe", _probe(probes[name], name, claim))
+        decided = {
+            name: wait_for(
+                f"scheduler decision on {pod}",
+                lambda p=pod: _scheduler_verdict(core, p),
+                timeout=30,
+            )
+            for name, pod in probes.items()
+        }
+        results = []
+        for name, truth in decided.items():
+            pod = api.sanitize_for_serialization(core.read_namespaced_pod(probes[name], "probe"))
+            node_obj = api.sanitize_for_serialization(core.read_node(name))
+            ask = devices.Ask(inventory, "nvidia.com/gpu", asked[name].count, asked[name])
+            reason = capacity.verdict(
+                feasibility.demand_of(pod), node_obj, usage.get(name, capacity.NOTHING), ask
+            )
+            results.append(
+                {
+                    "node": name,
+                    "request": asked[name],
+                    "scheduler_binds": truth[0],
+                    "scheduler_message": truth[1],
+                    "operator_reason": reason,
+                }
+            )
+        return results
+    finally:
+        for pod in probes.values():
+            _ignore_missing(core.delete_namespaced_pod, pod, "probe", grace_period_seconds=0)
+        for claim in claims:
+            # no controller-manager deallocates: the scheduler's delete protection is lifted here
+            _ignore_missing(
+                resource.patch_namespaced_resource_claim,
+                claim,
+                "probe",
+                {"metadata": {"finalizers": None}},
+            )
+            _ignore_missing(resource.delete_namespaced_resource_claim, claim, "probe")
+        for name in names:
+            _ignore_missing(resource.delete_resource_slice, f"{name}-gpus")
+            _ignore_missing(core.delete_node, name)
+
+
+def test_operator_device_verdict_equals_the_scheduler_on_every_node(scheduled):
+    rng = random.Random(20261130)
+    results: list[dict[str, Any]] = []
+    for _ in range(ROUNDS):
+        results.extend(_round(scheduled, rng))
+    wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
+    assert wrong == [], wrong
+    refused = [r for r in results if not r["scheduler_binds"]]
+    # the scheduler's message names the same filter: its DynamicResources plugin
+    assert all(devices.CANNOT_ALLOCATE in r["scheduler_message"] for r in refused), refused
+    # both answers, with selectors and with matchAttribute, or agreement proves little
+    assert len(refused) >= 5 and len(results) - len(refused) >= 5, collections.Counter(
+        r["operator_reason"] for r in results
+    )
+    constrained = [r for r in results if r["request"].match_attribute]
+    assert {r["scheduler_binds"] for r in constrained} == {True, False}, constrained

@@ -1,0 +1,221 @@
+"""Devices from ResourceSlices: CEL selectors, free devices per node, coexistence with the
+extended resource (the differential test against kube-scheduler is
+tests/integration/operator/test_devices_vs_scheduler.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshtrain.operator.policy import capacity, device_cel, devices, feasibility
+
+DRIVER = "gpu.sim.meshtrain.io"
+CLASS = {
+    "metadata": {"name": DRIVER, "creationTimestamp": "2026-01-01T00:00:00Z"},
+    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+}
+
+
+def gpu(
+    index: int, clique: str = "c0", root: str | None = None, memory: str = "141Gi"
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "type": {"string": "gpu"},
+        "index": {"int": index},
+        "productName": {"string": "NVIDIA H200"},
+        "cliqueId": {"string": clique},
+        "resource.kubernetes.io/pcieRoot": {"string": root or f"pci000{index // 4}"},
+    }
+    return {
+        "name": f"gpu-{index}",
+        "attributes": attributes,
+        "capacity": {"memory": {"value": memory}},
+    }
+
+
+def slice_of(
+    node: str, gpus: list[dict[str, Any]], generation: int = 1, count: int = 1
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"{node}-{generation}-{len(gpus)}"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": count},
+            "devices": gpus,
+        },
+    }
+
+
+def claim_holding(node: str, *names: str) -> dict[str, Any]:
+    results = [{"request": "gpus", "driver": DRIVER, "pool": node, "device": n} for n in names]
+    return {
+        "metadata": {"name": "held"},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def request(count: int, *selectors: str, match: str | None = None) -> devices.Request:
+    return devices.Request(DRIVER, tuple(selectors), count, match)
+
+
+def device(**attributes: Any) -> dict[str, Any]:
+    typed = {
+        k: ({"int": v} if isinstance(v, int) else {"string": v}) for k, v in attributes.items()
+    }
+    return device_cel.activation(DRIVER, {DRIVER: typed}, {DRIVER: {"memory": "80Gi"}})
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        (f'device.driver == "{DRIVER}"', True),
+        (f'device.attributes["{DRIVER}"].productName == "NVIDIA H200"', True),
+        (f'device.capacity["{DRIVER}"].memory.compareTo(quantity("40Gi")) >= 0', True),
+        (f'device.capacity["{DRIVER}"].memory.isGreaterThan(quantity("81920Mi"))', False),
+        (f'device.capacity["{DRIVER}"].memory == quantity("81920Mi")', True),
+        (f'device.attributes["{DRIVER}"].index < 4', True),
+        ('"x" in device.attributes["other.example.com"]', False),  # an unknown domain is empty
+        (f'device.attributes["{DRIVER}"].productName.startsWith("NVIDIA")', True),
+    ],
+)
+def test_selectors_evaluate_in_the_dra_environment(expression: str, expected: bool) -> None:
+    assert device_cel.evaluate(expression, device(productName="NVIDIA H200", index=2)) is expected
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        f'device.attributes["{DRIVER}"].missing == "x"',  # a runtime error, as in Kubernetes
+        "device.driver ==",  # does not parse
+        "noSuchFunction(device.driver)",
+        '"not a boolean"',
+        "x" * (device_cel.MAX_EXPRESSION_LENGTH + 1),
+    ],
+)
+def test_what_cannot_be_evaluated_is_unknown_with_a_reason(expression: str) -> None:
+    verdict = device_cel.evaluate(expression, device(productName="NVIDIA H200"))
+    assert isinstance(verdict, device_cel.Unknown)
+    assert verdict.reason and len(verdict.describe()) < 400
+
+
+def test_free_devices_are_published_minus_allocated_and_held() -> None:
+    found = devices.inventory(
+        [slice_of("n1", [gpu(i) for i in range(8)])],
+        [claim_holding("n1", "gpu-0", "gpu-1")],
+        [CLASS],
+    )
+    assert devices.fit(request(2), found, "n1").slots == 3
+    assert devices.fit(request(2), found, "n1", held=2).slots == 2
+    assert devices.fit(request(2), found, "elsewhere").reason == devices.CANNOT_ALLOCATE
+    assert devices.fit(devices.Request("nope", (), 1), found, "n1").reason == (
+        "device class nope not found"
+    )
+
+
+def test_only_the_newest_complete_generation_of_a_pool_counts() -> None:
+    old = slice_of("n1", [gpu(i) for i in range(8)], generation=1)
+    partial = slice_of("n1", [gpu(i) for i in range(4)], generation=2, count=2)
+    assert devices.inventory([old, partial], [], [CLASS]).devices == {}
+    newest = slice_of("n1", [gpu(i) for i in range(4)], generation=2)
+    assert len(devices.inventory([old, newest], [], [CLASS]).devices["n1"]) == 4
+
+
+def test_selectors_and_match_attribute_shape_the_slots() -> None:
+    gpus = [gpu(i, memory="80Gi" if i < 2 else "141Gi") for i in range(8)]
+    found = devices.inventory([slice_of("n1", gpus)], [claim_holding("n1", "gpu-4")], [CLASS])
+    big = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("100Gi")) >= 0'
+    assert devices.fit(request(1, big), found, "n1").free == 5
+    # PCIe roots: gpu-0..3 on pci0000, gpu-4..7 on pci0001 (gpu-4 taken): 4 + 3 devices
+    assert devices.fit(request(4, match=devices.PCIE_ROOT), found, "n1").slots == 1
+    assert devices.fit(request(3, match=devices.PCIE_ROOT), found, "n1").slots == 2
+    assert devices.fit(request(3, match=devices.PCIE_ROOT), found, "n1", held=1).slots == 1
+
+
+def test_an_unevaluable_selector_makes_the_node_unknown_never_a_crash() -> None:
+    found = devices.inventory([slice_of("n1", [gpu(0)])], [], [CLASS])
+    fitted = devices.fit(request(1, f'device.attributes["{DRIVER}"].nope'), found, "n1")
+    assert fitted.slots == 0 and fitted.reason is not None
+    assert fitted.reason.startswith("device verdict unknown: selector")
+
+
+def _node(name: str, gpus: int = 0) -> dict[str, Any]:
+    allocatable = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    if gpus:
+        allocatable["nvidia.com/gpu"] = str(gpus)
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "status": {
+            "allocatable": allocatable,
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+def _demand(gpus: int = 0) -> feasibility.Demand:
+    requests = {"cpu": 1000, **({"nvidia.com/gpu": gpus} if gpus else {})}
+    return feasibility.Demand(requests=requests, tolerations=(), node_selector={})
+
+
+def test_placement_sees_free_devices_and_their_nvlink_domain() -> None:
+    found = devices.inventory(
+        [slice_of("dra", [gpu(i, clique="nvl72-a.3") for i in range(8)])], [], [CLASS]
+    )
+    ask = devices.Ask(found, "nvidia.com/gpu", 4, request(4))
+    offered, refused = capacity.offered_nodes(
+        _demand(), [_node("dra"), _node("plugin", 8)], {}, gpus_per_pod=4, pods_wanted=4, ask=ask
+    )
+    assert [(n.name, n.allocatable_gpus) for n in offered] == [("dra", 8)]
+    assert offered[0].labels[capacity.DEVICE_CLIQUE_LABEL] == "nvl72-a.3"
+    assert refused == [devices.CANNOT_ALLOCATE]  # a device-plugin node is no DRA capacity
+
+
+def test_gpus_seen_by_a_device_plugin_and_by_dra_are_counted_once() -> None:
+    serving = {**CLASS, "spec": {**CLASS["spec"], "extendedResourceName": "nvidia.com/gpu"}}
+    found = devices.inventory(
+        [slice_of("both", [gpu(i) for i in range(8)])],
+        [claim_holding("both", "gpu-0", "gpu-1")],
+        [serving],
+    )
+    plugin_pods = feasibility.Usage(requested={"nvidia.com/gpu": 4}, pods=1)
+    extended = devices.Ask(found, "nvidia.com/gpu", 2)
+    node = _node("both", 8)
+    # 8 advertised, 4 taken by device-plugin pods, 2 by claims: one 2-GPU pod fits, not two
+    assert capacity.verdict(_demand(2), node, plugin_pods, extended) is None
+    assert capacity.verdict(_demand(2), node, plugin_pods, extended, count=2) == (
+        "Insufficient nvidia.com/gpu"
+    )
+    dra = devices.Ask(found, "nvidia.com/gpu", 2, request(2))
+    assert capacity.verdict(_demand(), node, plugin_pods, dra) is None
+    assert capacity.verdict(_demand(), node, plugin_pods, dra, count=2) == devices.CANNOT_ALLOCATE
+
+
+def test_a_plain_gpu_request_is_served_from_slices_where_a_class_maps_it() -> None:
+    serving = {**CLASS, "spec": {**CLASS["spec"], "extendedResourceName": "nvidia.com/gpu"}}
+    found = devices.inventory([slice_of("dra", [gpu(i) for i in range(8)])], [], [serving])
+    ask = devices.Ask(found, "nvidia.com/gpu", 4)
+    offered, _ = capacity.offered_nodes(
+        _demand(4), [_node("dra")], {}, gpus_per_pod=4, pods_wanted=4, ask=ask
+    )
+    assert [(n.name, n.allocatable_gpus) for n in offered] == [("dra", 8)]
+    unmapped = devices.Ask(
+        devices.inventory([slice_of("dra", [gpu(0)])], [], [CLASS]), "nvidia.com/gpu", 4
+    )
+    offered, refused = capacity.offered_nodes(
+        _demand(4), [_node("dra")], {}, gpus_per_pod=4, pods_wanted=4, ask=unmapped
+    )
+    assert offered == [] and refused == ["Insufficient nvidia.com/gpu"]
+
+
+def test_the_operators_gated_pods_hold_devices_until_their_claims_are_allocated() -> None:
+    env = [{"name": devices.NPROC_ENV, "value": "4"}]
+    pod: dict[str, Any] = {
+        "spec": {
+            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "j-gpus"}],
+            "containers": [{"name": "trainer", "env": env}],
+        }
+    }
+    assert devices.held_by(pod) == 4
+    assert devices.held_by({**pod, "spec": {**pod["spec"], "nodeName": "n1"}}) == 0
+    assert devices.held_by({"spec": {"containers": [{"name": "t", "env": env}]}}) == 0
