@@ -55,12 +55,12 @@ class _Ordered:
     key: Any
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.key == other.key  # type: ignore[attr-defined]
+        return type(other) is type(self) and self.key == other.key
 
     def __lt__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return bool(self.key < other.key)  # type: ignore[attr-defined]
+        return bool(self.key < other.key)
 
     def __hash__(self) -> int:
         return hash(self.key)
