@@ -9,14 +9,17 @@ driver runs: no device is allocated, and no pod is bound (the scheduler waits fo
 
 from __future__ import annotations
 
+import pathlib
 import re
 import time
 from collections.abc import Iterator
 
 import pytest
+import yaml
 
+from meshtrain.api import loading
 from meshtrain.operator.cluster import children
-from meshtrain.operator.policy import conditions
+from meshtrain.operator.policy import builders, conditions, identity
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, reconcile_passes, wait_for
 
@@ -132,6 +135,25 @@ def test_a_compute_domain_on_a_cluster_without_nvidia_s_driver_is_told_and_retri
     assert (
         cluster.status(namespace, "imex").get("phase") != "Failed"
     )  # the cluster's, not the spec's
+
+
+EXAMPLE = pathlib.Path(__file__).parents[3] / "manifests" / "examples" / "gpt-1.3b-dra-h200.yaml"
+
+
+def test_the_dra_example_and_its_claim_template_pass_the_api_server_s_validation(
+    cluster, namespace
+):
+    document = yaml.safe_load(EXAMPLE.read_text())
+    applied = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(EXAMPLE))
+    assert applied.returncode == 0, applied.stderr
+    spec = loading.parse_spec(document["spec"])
+    ref = identity.JobRef(name=document["metadata"]["name"], namespace=namespace, uid="dry-run")
+    [template] = builders.build_device_claims(ref, spec)
+    template["metadata"].pop("ownerReferences")  # no such job: a dry run of the template alone
+    created = cluster.custom.create_namespaced_custom_object(  # its CEL compiled by the server
+        *RESOURCE, namespace, "resourceclaimtemplates", template, dry_run="All"
+    )
+    assert created["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 8
 
 
 NAMESPACE = "dra"
