@@ -184,3 +184,10 @@ MAX_CLASS_SELECTORS = 32
 
 MAX_CLAIM_RESULTS = 32
 """Allocated devices read from one ResourceClaim (resource.k8s.io/v1's limit)."""
+
+MAX_CLUSTER_FILE_BYTES = 256 * 1_048_576
+"""Largest ``meshtrain plan --cluster`` file read (``kubectl get nodes,resourceslices -o yaml`` of
+a large cluster)."""
+
+MAX_CLUSTER_OBJECTS = 200_000
+"""Most Kubernetes objects read from one cluster file."""

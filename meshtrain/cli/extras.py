@@ -26,7 +26,14 @@ PROBES: dict[str, tuple[str, ...]] = {
         "fsspec",
         "s3fs",
     ),
-    "operator": ("kopf", "kubernetes", "kubernetes_asyncio", "aiohttp", "prometheus_client"),
+    "operator": (
+        "kopf",
+        "kubernetes",
+        "kubernetes_asyncio",
+        "aiohttp",
+        "prometheus_client",
+        "celpy",
+    ),
     "sandbox": ("cryptography",),
 }
 """Import names of each extra's packages (tests/unit/test_packaging.py holds them to pyproject's)."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from meshtrain import placement
 from meshtrain.api import limits, loading
 from meshtrain.api import spec as api_spec
-from meshtrain.cli import exitcodes, extras
+from meshtrain.cli import cluster_objects, exitcodes, extras
 from meshtrain.planner import (
     cluster,
     default_plan,
@@ -53,7 +53,8 @@ CLUSTER_SOURCES: tuple[tuple[str, dict[str, Any]], ...] = (
         "--cluster",
         {
             "metavar": "CLUSTER.yaml",
-            "help": "nodes to place the job on (list of name, gpus, labels; see docs/planner.md)",
+            "help": "nodes to place the job on (list of name, gpus, labels; or kubectl get "
+            "nodes,resourceslices,deviceclasses -o yaml; see docs/planner.md)",
         },
     ),
     (
@@ -324,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             profile = _calibrate(job, profile, args)
         nodes = None
         if args.cluster:
-            nodes = cluster.load(args.cluster)
+            nodes = cluster_objects.load(args.cluster, job)
         elif args.from_cluster:
             extras.require("operator", "meshtrain plan --from-cluster")  # the Kubernetes client
             from meshtrain.cli import cluster_nodes  # noqa: PLC0415 - pulls in the kubernetes client

@@ -10,6 +10,7 @@ cost model and the algorithm.  A spec becomes a request a layer up, in
 from meshtrain.placement.algorithm import first_fit, plan
 from meshtrain.placement.manifests import node_from_manifest, resource_count
 from meshtrain.placement.values import (
+    DEVICE_CLIQUE_LABEL,
     INSUFFICIENT_GPUS,
     TOPOLOGY_UNSATISFIABLE,
     FabricLevel,
@@ -21,6 +22,7 @@ from meshtrain.placement.values import (
 )
 
 __all__ = [
+    "DEVICE_CLIQUE_LABEL",
     "INSUFFICIENT_GPUS",
     "TOPOLOGY_UNSATISFIABLE",
     "FabricLevel",

@@ -24,6 +24,10 @@ NVLINK = "nvlink"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 """Level key of traffic that leaves an NVLink domain when the domain is the node."""
 
+DEVICE_CLIQUE_LABEL = "nvidia.com/gpu.clique"
+"""The NVLink domain of a DRA job's nodes: the node label NVIDIA's GPU feature discovery writes,
+or the ``cliqueId`` the node's devices report in a ResourceSlice (which wins; same form)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Node:

@@ -135,7 +135,7 @@ def _pod_domains(
 ) -> list[str]:
     """NVLink domain of each pod: the node's clique label value when the job names one, else the node."""
     by_name = {node.name: node for node in nodes}
-    label = job.topology.nvlink_domain_label
+    label = placement_request.nvlink_domain_label(job)
     out = []
     for name in chosen:
         labels = by_name[name].labels

@@ -13,6 +13,16 @@ from meshtrain.placement import values
 from meshtrain.planner import comm, context, precision
 
 
+def nvlink_domain_label(job: api_spec.TrainingJobSpec) -> str | None:
+    """The node label naming a pod's NVLink domain: ``topology.nvlinkDomainLabel``; for a DRA job
+    without one, the clique its devices report (``DEVICE_CLIQUE_LABEL``, the node is the domain
+    where they report none)."""
+    label = job.topology.nvlink_domain_label
+    if label is None and job.resources.dra is not None:
+        return values.DEVICE_CLIQUE_LABEL
+    return label
+
+
 def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
     """The placement request of a (validated) TrainingJob spec.
 
@@ -29,7 +39,7 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
         dp_bytes_per_step=dp_bytes,
         pp_bytes_per_step=pp_bytes,
         cp_bytes_per_step=context.placement_bytes(job, scheme),
-        nvlink_domain_label=job.topology.nvlink_domain_label,
+        nvlink_domain_label=nvlink_domain_label(job),
         levels=tuple(
             values.FabricLevel(label=level.label, required=level.mode == "required")
             for level in job.topology.levels

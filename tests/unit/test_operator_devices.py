@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from meshtrain import placement
 from meshtrain.operator.policy import capacity, device_cel, devices, feasibility
 
 DRIVER = "gpu.sim.meshtrain.io"
@@ -167,7 +168,7 @@ def test_placement_sees_free_devices_and_their_nvlink_domain() -> None:
         _demand(), [_node("dra"), _node("plugin", 8)], {}, gpus_per_pod=4, pods_wanted=4, ask=ask
     )
     assert [(n.name, n.allocatable_gpus) for n in offered] == [("dra", 8)]
-    assert offered[0].labels[capacity.DEVICE_CLIQUE_LABEL] == "nvl72-a.3"
+    assert offered[0].labels[placement.DEVICE_CLIQUE_LABEL] == "nvl72-a.3"
     assert refused == [devices.CANNOT_ALLOCATE]  # a device-plugin node is no DRA capacity
 
 

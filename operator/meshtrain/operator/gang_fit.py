@@ -21,6 +21,7 @@ from meshtrain.operator.cluster import informer, owned
 from meshtrain.operator.policy import (
     builders,
     capacity,
+    devices,
     feasibility,
     job_state,
     kueue_topology,
@@ -140,6 +141,7 @@ class GangFit:
             gpus_per_pod=declared.resources.gpus_per_node,
             pods_wanted=placement_outcome.most_pods(declared),
             claim=self.claims.get(job.ref.uid),
+            ask=devices.ask_of(declared, self.cache.inventory()),
         )
         if topology is not None:
             offered = kueue_topology.restrict(offered, topology, declared.resources.gpus_per_node)

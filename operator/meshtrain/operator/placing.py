@@ -34,6 +34,7 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     conditions,
+    devices,
     failure,
     feasibility,
     identity,
@@ -244,6 +245,7 @@ class Placer:
             planned,
             [n for n in nodes if n is not None],
             self.cache.usage(without=self.fit.freed_by_replacing(job)),
+            devices.ask_of(job.spec, self.cache.inventory()) if job.spec is not None else None,
         )
 
     async def _replace(
@@ -446,7 +448,8 @@ class Placer:
         raw_nodes, _, _ = self.fit.candidates(job, spec.resources.gpu_resource_name, now)
         demand = feasibility.demand_of(template)
         wanted = placement_status.missing_per_node(job, missing)
-        blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage())
+        ask = devices.ask_of(spec, self.cache.inventory())
+        blocked = capacity.infeasible_nodes(demand, wanted, raw_nodes, self.cache.usage(), ask)
         if topology is not None:  # Kueue may have moved the gang's domains meanwhile
             moved = kueue_reassigned.recorded_outside(job, missing, self._node, topology)
             blocked = {**blocked, **moved}

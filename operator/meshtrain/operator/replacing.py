@@ -25,6 +25,7 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     conditions,
+    devices,
     feasibility,
     identity,
     job_actions,
@@ -127,7 +128,8 @@ class Replacer:
         cache = self.placer.cache
         spares = sparing.held(owned.owned_pods(cache, ref), action.attempt)  # theirs to take
         raw = list(cache.nodes.values())
-        blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=spares))
+        ask = devices.ask_of(job.spec, cache.inventory()) if job.spec is not None else None
+        blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=spares), ask)
         return {i: pn for i, pn in found.items() if pn[1] not in blocked}
 
     def _recovery_changed(
@@ -194,6 +196,7 @@ class Replacer:
             gpus_per_pod=per_pod,
             pods_wanted=len(fresh),
             claim=fit.claims.get(job.ref.uid),
+            ask=devices.ask_of(spec, cache.inventory()),
         )
         free = {n.name: n.allocatable_gpus // per_pod for n in offered}
         placed = replacement.entries(job.status)

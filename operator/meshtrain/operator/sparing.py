@@ -24,6 +24,7 @@ from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     builders,
     capacity,
+    devices,
     feasibility,
     identity,
     job_state,
@@ -159,6 +160,7 @@ class Spares:
             gpus_per_pod=per_pod,
             pods_wanted=1,
             claim=placer.fit.claims.get(ref.uid),
+            ask=devices.ask_of(spec, placer.cache.inventory()),
         )
         free = {n.name: n.allocatable_gpus // per_pod for n in offered}
         placed = replacement.entries(job.status)

@@ -190,7 +190,7 @@ def offered_nodes(
     pods of ``demand`` kube-scheduler would bind there together (every filter,
     every resource; :mod:`feasibility`; the nodes ``claim`` allows, :mod:`volumes`;
     the free devices ``ask`` judges, :mod:`devices`), so the planner needs no reservations.
-    A node whose devices report one NVLink domain carries it as ``DEVICE_CLIQUE_LABEL``.
+    A node whose devices report one NVLink domain carries it as ``placement.DEVICE_CLIQUE_LABEL``.
     """
     offered, refused = [], []
     # Nodes mostly share their conditions, spec and allocatable (one object each in the
@@ -238,17 +238,12 @@ def offered_nodes(
     return offered, refused
 
 
-DEVICE_CLIQUE_LABEL = "nvidia.com/gpu.clique"
-"""The node label a node's devices' NVLink domain (``devices.CLIQUE``) stands in for: the label
-NVIDIA's GPU feature discovery writes, whose value has the same form."""
-
-
 def _with_domain(labels: Mapping[str, str], domain: str | None) -> Mapping[str, str]:
     """The node's labels (read only: no copy per node and placement), the devices' NVLink domain
-    in ``DEVICE_CLIQUE_LABEL`` where they report one (the label stays the fallback)."""
-    if domain is None or labels.get(DEVICE_CLIQUE_LABEL) == domain:
+    in ``placement.DEVICE_CLIQUE_LABEL`` where they report one (the label stays the fallback)."""
+    if domain is None or labels.get(placement.DEVICE_CLIQUE_LABEL) == domain:
         return labels
-    return {**labels, DEVICE_CLIQUE_LABEL: domain}
+    return {**labels, placement.DEVICE_CLIQUE_LABEL: domain}
 
 
 def _served(

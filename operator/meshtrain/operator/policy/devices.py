@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import limits
+from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import device_cel
 
 GROUP = "resource.k8s.io"
@@ -352,6 +353,22 @@ class NodeDevices:
     serves_extended: bool = False
     """True when slices serve the job's extended resource on this node (KEP-5004): its
     allocatable, which lacks the resource, is not what limits the job."""
+
+
+def ask_of(spec: api_spec.TrainingJobSpec, found: Inventory) -> Ask:
+    """What a job's pods ask of the cluster's devices: its ``resources.dra`` claim, or its
+    extended resource (which a KEP-5004 DeviceClass may serve from slices)."""
+    resources = spec.resources
+    dra = resources.dra
+    request = None
+    if dra is not None:
+        request = Request(
+            device_class=dra.device_class_name,
+            selectors=tuple(dra.selectors),
+            count=resources.gpus_per_node,
+            match_attribute=dra.match_attribute,
+        )
+    return Ask(found, resources.gpu_resource_name, resources.gpus_per_node, request)
 
 
 def judge(
