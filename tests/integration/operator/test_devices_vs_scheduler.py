@@ -5,7 +5,8 @@ with a driver name and a nodeName) with random GPUs (product, memory, NVLink cli
 and random claims already hold some of them (an allocation written to the claim's status, as
 the scheduler writes it).  For every node, a probe pod pinned to it asks, through a
 ResourceClaim, a random number of devices of a random DeviceClass with random CEL selectors
-and, at random, a ``matchAttribute`` constraint.  kube-scheduler binding the probe (it allocated
+and, at random, a ``matchAttribute`` constraint: the pod and the claim the operator's own
+ResourceClaimTemplate makes for a random DRA job.  kube-scheduler binding the probe (it allocated
 the claim) or reporting it Unschedulable is the truth; ``capacity.verdict`` with the devices the
 operator's own cache read (``informer.Cache.inventory``) must agree on every node.
 """
@@ -23,8 +24,19 @@ from typing import Any
 import kubernetes
 import pytest
 
+from meshtrain.api import loading
+from meshtrain.api import spec as api_spec
 from meshtrain.operator.cluster import informer, kube
-from meshtrain.operator.policy import capacity, devices, feasibility
+from meshtrain.operator.policy import (
+    builders,
+    capacity,
+    device_claims,
+    devices,
+    feasibility,
+    identity,
+    naming,
+)
+from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, wait_for
 from tests.integration.operator.test_feasibility_vs_scheduler import (
     _ignore_missing,
@@ -138,25 +150,42 @@ def _hold(resource: kubernetes.client.ResourceV1Api, node: str, gpus: list[str])
     return name
 
 
-def _probe(name: str, node: str, claim: str) -> dict[str, Any]:
-    """A pod pinned to ``node`` (the operator's required node affinity) using ``claim``."""
-    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
-    affinity = {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
-        }
+def _probe(
+    core: kubernetes.client.CoreV1Api,
+    resource: kubernetes.client.ResourceV1Api,
+    node: str,
+    spec: api_spec.TrainingJobSpec,
+) -> tuple[dict[str, Any], str]:
+    """The operator's gated pod 0 of a DRA job, planned onto ``node``, with its claim made from the
+    job's ResourceClaimTemplate spec as the resourceclaim controller makes it (none runs here);
+    then its gate lifted as the operator lifts it.  The pod and its claim's name."""
+    ref = identity.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
+    pod = builders.build_pod(ref, spec, 0, 0, node)
+    pod["metadata"].pop("ownerReferences")
+    made = core.create_namespaced_pod("probe", pod)
+    claim = f"{made.metadata.name}-{naming.GPU_CLAIM}"
+    owner = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": made.metadata.name,
+        "uid": made.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
     }
-    container = {
-        "name": "trainer",
-        "image": "pause",
-        "resources": {"requests": {"cpu": "100m"}, "claims": [{"name": "gpus"}]},
+    metadata = {
+        "name": claim,
+        "ownerReferences": [owner],
+        "annotations": {"resource.kubernetes.io/pod-claim-name": naming.GPU_CLAIM},
     }
-    spec = {
-        "affinity": affinity,
-        "resourceClaims": [{"name": "gpus", "resourceClaimName": claim}],
-        "containers": [container],
-    }
-    return {"metadata": {"name": name}, "spec": spec}
+    body = {"metadata": metadata, "spec": device_claims.template_spec(spec)["spec"]}
+    resource.create_namespaced_resource_claim("probe", body)
+    statuses = [{"name": naming.GPU_CLAIM, "resourceClaimName": claim}]
+    core.patch_namespaced_pod_status(
+        made.metadata.name, "probe", {"status": {"resourceClaimStatuses": statuses}}
+    )
+    lift = [{"name": naming.GANG_GATE, "$patch": "delete"}]  # as kube.Client.lift_gates
+    core.patch_namespaced_pod(made.metadata.name, "probe", {"spec": {"schedulingGates": lift}})
+    return pod, claim
 
 
 def _operator_view(kubeconfig: str) -> tuple[devices.Inventory, dict[str, feasibility.Usage]]:
@@ -177,14 +206,13 @@ def _operator_view(kubeconfig: str) -> tuple[devices.Inventory, dict[str, feasib
     return asyncio.run(read())
 
 
-def _random_request(rng: random.Random) -> devices.Request:
-    selectors = tuple(rng.sample(SELECTORS, rng.choice([0, 0, 1, 1, 2])))
-    return devices.Request(
-        device_class=rng.choice(list(CLASSES)),
-        selectors=selectors,
-        count=rng.choice([1, 2, 2, 4]),
-        match_attribute=rng.choice(MATCH),
-    )
+def _random_job(rng: random.Random) -> api_spec.TrainingJobSpec:
+    """A DRA job of one pod: random class, selectors, GPUs per pod and matchAttribute."""
+    gpus = rng.choice([1, 2, 2, 4])
+    selectors = rng.sample(SELECTORS, rng.choice([0, 0, 1, 1, 2]))
+    job = JobBuilder().layout(data=gpus, gpus_per_node=gpus).resources(cpu="100m")
+    job.dra(rng.choice(list(CLASSES)), *selectors, match_attribute=rng.choice(MATCH))
+    return loading.parse_spec(job.raw())
 
 
 def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
@@ -195,7 +223,7 @@ def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
     names = [f"n{uuid.uuid4().hex[:6]}" for _ in range(rng.randint(3, 5))]
     claims: list[str] = []
     probes: dict[str, str] = {}
-    asked: dict[str, devices.Request] = {}
+    asked: dict[str, api_spec.TrainingJobSpec] = {}
     try:
         for name in names:
             cluster.add_node("dra", gpus=0, name=name)  # no extended-resource GPU
@@ -207,16 +235,10 @@ def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
         time.sleep(1.0)  # the scheduler's informers follow slices and claims
         inventory, usage = _operator_view(cluster.kubeconfig)
         for name in names:
-            asked[name] = _random_request(rng)
-            want = asked[name]
-            claim = f"probe-{uuid.uuid4().hex[:8]}"
-            body = _claim(
-                claim, want.device_class, want.count, list(want.selectors), want.match_attribute
-            )
-            resource.create_namespaced_resource_claim("probe", body)
+            asked[name] = _random_job(rng)
+            pod, claim = _probe(core, resource, name, asked[name])
+            probes[name] = pod["metadata"]["name"]
             claims.append(claim)
-            probes[name] = f"p-{claim}"
-            core.create_namespaced_pod("probe", _probe(probes[name], name, claim))
         decided = {
             name: wait_for(
                 f"scheduler decision on {pod}",
@@ -229,14 +251,14 @@ def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
         for name, truth in decided.items():
             pod = api.sanitize_for_serialization(core.read_namespaced_pod(probes[name], "probe"))
             node_obj = api.sanitize_for_serialization(core.read_node(name))
-            ask = devices.Ask(inventory, "nvidia.com/gpu", asked[name].count, asked[name])
+            ask = devices.ask_of(asked[name], inventory)
             reason = capacity.verdict(
                 feasibility.demand_of(pod), node_obj, usage.get(name, capacity.NOTHING), ask
             )
             results.append(
                 {
                     "node": name,
-                    "request": asked[name],
+                    "request": ask.request,
                     "scheduler_binds": truth[0],
                     "scheduler_message": truth[1],
                     "operator_reason": reason,
