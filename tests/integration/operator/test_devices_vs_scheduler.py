@@ -18,7 +18,7 @@ import collections
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes
@@ -150,6 +150,18 @@ def _hold(resource: kubernetes.client.ResourceV1Api, node: str, gpus: list[str])
     return name
 
 
+def _probe_extended(
+    core: kubernetes.client.CoreV1Api, node: str, spec: api_spec.TrainingJobSpec
+) -> dict[str, Any]:
+    """The operator's pod 0 of a job asking ``nvidia.com/gpu``, planned onto ``node``, ungated."""
+    ref = identity.JobRef(name=f"j{uuid.uuid4().hex[:6]}", namespace="probe", uid="")
+    pod = builders.build_pod(ref, spec, 0, 0, node)
+    pod["metadata"].pop("ownerReferences")
+    pod["spec"].pop("schedulingGates")
+    core.create_namespaced_pod("probe", pod)
+    return pod
+
+
 def _probe(
     core: kubernetes.client.CoreV1Api,
     resource: kubernetes.client.ResourceV1Api,
@@ -215,8 +227,13 @@ def _random_job(rng: random.Random) -> api_spec.TrainingJobSpec:
     return loading.parse_spec(job.raw())
 
 
-def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
-    """One random cluster; every node's verdicts (the operator's and the scheduler's)."""
+def _round(
+    cluster: Cluster,
+    rng: random.Random,
+    job: Callable[[random.Random], api_spec.TrainingJobSpec],
+) -> list[dict[str, Any]]:
+    """One random cluster; every node's verdicts (the operator's and the scheduler's) on the
+    pod of a ``job``."""
     core = cluster.core
     api = core.api_client
     resource = kubernetes.client.ResourceV1Api(api)
@@ -235,7 +252,10 @@ def _round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
         time.sleep(1.0)  # the scheduler's informers follow slices and claims
         inventory, usage = _operator_view(cluster.kubeconfig)
         for name in names:
-            asked[name] = _random_job(rng)
+            asked[name] = job(rng)
+            if asked[name].resources.dra is None:
+                probes[name] = _probe_extended(core, name, asked[name])["metadata"]["name"]
+                continue
             pod, claim = _probe(core, resource, name, asked[name])
             probes[name] = pod["metadata"]["name"]
             claims.append(claim)
@@ -286,7 +306,7 @@ def test_operator_device_verdict_equals_the_scheduler_on_every_node(scheduled):
     rng = random.Random(20261130)
     results: list[dict[str, Any]] = []
     for _ in range(ROUNDS):
-        results.extend(_round(scheduled, rng))
+        results.extend(_round(scheduled, rng, _random_job))
     wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
     assert wrong == [], wrong
     refused = [r for r in results if not r["scheduler_binds"]]
@@ -298,3 +318,37 @@ def test_operator_device_verdict_equals_the_scheduler_on_every_node(scheduled):
     )
     constrained = [r for r in results if r["request"].match_attribute]
     assert {r["scheduler_binds"] for r in constrained} == {True, False}, constrained
+
+
+SERVING = "plain.sim.meshtrain.io"
+"""A DeviceClass serving ``nvidia.com/gpu`` from slices (KEP-5004, beta and on in 1.36)."""
+
+
+def _extended_job(rng: random.Random) -> api_spec.TrainingJobSpec:
+    """A job of one pod asking 1-4 ``nvidia.com/gpu`` the usual way (no ``resources.dra``)."""
+    gpus = rng.choice([1, 2, 2, 4])
+    job = JobBuilder().layout(data=gpus, gpus_per_node=gpus).resources(cpu="100m")
+    return loading.parse_spec(job.raw())
+
+
+def test_a_plain_gpu_request_served_from_slices_gets_the_schedulers_verdict(scheduled):
+    """Nodes whose GPUs only DRA publishes; a DeviceClass with extendedResourceName
+    nvidia.com/gpu (selecting H200s) lets kube-scheduler allocate a plain GPU request from them."""
+    resource = kubernetes.client.ResourceV1Api(scheduled.core.api_client)
+    selectors = [*CLASSES[DRIVER], SELECTORS[0]]
+    spec = {
+        "selectors": [{"cel": {"expression": s}} for s in selectors],
+        "extendedResourceName": "nvidia.com/gpu",
+    }
+    resource.create_device_class({"metadata": {"name": SERVING}, "spec": spec})
+    try:
+        rng = random.Random(20261201)
+        results: list[dict[str, Any]] = []
+        for _ in range(ROUNDS // 2):
+            results.extend(_round(scheduled, rng, _extended_job))
+    finally:
+        resource.delete_device_class(SERVING)
+    wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
+    assert wrong == [], wrong
+    refused = sum(1 for r in results if not r["scheduler_binds"])
+    assert refused >= 3 and len(results) - refused >= 3, results
