@@ -115,6 +115,13 @@ def test_free_devices_are_published_minus_allocated_and_held() -> None:
     )
 
 
+def test_a_tainted_device_is_not_free() -> None:
+    tainted = {**gpu(0), "taints": [{"key": "example.com/ecc", "effect": "NoSchedule"}]}
+    noted = {**gpu(1), "taints": [{"key": "example.com/warm", "effect": "None"}]}
+    found = devices.inventory([slice_of("n1", [tainted, noted])], [], [CLASS])
+    assert devices.fit(request(1), found, "n1").free == 1
+
+
 def test_only_the_newest_complete_generation_of_a_pool_counts() -> None:
     old = slice_of("n1", [gpu(i) for i in range(8)], generation=1)
     partial = slice_of("n1", [gpu(i) for i in range(4)], generation=2, count=2)

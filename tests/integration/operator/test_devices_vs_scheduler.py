@@ -1,7 +1,7 @@
 """The operator's device verdict against the real kube-scheduler, which allocates DRA claims itself.
 
 Random small clusters publish ResourceSlices by hand (no driver runs: a slice is an API object
-with a driver name and a nodeName) with random GPUs (product, memory, NVLink clique, PCIe root),
+with a driver name and a nodeName) with random GPUs (product, memory, NVLink clique, PCIe root; a few tainted),
 and random claims already hold some of them (an allocation written to the claim's status, as
 the scheduler writes it).  For every node, a probe pod pinned to it asks, through a
 ResourceClaim, a random number of devices of a random DeviceClass with random CEL selectors
@@ -89,7 +89,7 @@ def scheduled(control_plane_binaries) -> Iterator[Cluster]:
 def _slice(rng: random.Random, node: str) -> dict[str, Any]:
     """A slice of 1-8 random GPUs on ``node``, as a DRA driver would publish them."""
     product = rng.choice(["NVIDIA H200", "NVIDIA A100"])
-    gpus = []
+    gpus: list[dict[str, Any]] = []
     for index in range(rng.randint(1, 8)):
         attributes = {
             "type": {"string": "gpu"},
@@ -100,14 +100,11 @@ def _slice(rng: random.Random, node: str) -> dict[str, Any]:
             "numaNode": {"int": index // 4},
             devices.PCIE_ROOT: {"string": f"pci0000:{rng.choice(['00', '40'])}"},
         }
-        memory = rng.choice(["80Gi", "141Gi"])
-        gpus.append(
-            {
-                "name": f"gpu-{index}",
-                "attributes": attributes,
-                "capacity": {"memory": {"value": memory}},
-            }
-        )
+        memory = {"memory": {"value": rng.choice(["80Gi", "141Gi"])}}
+        device = {"name": f"gpu-{index}", "attributes": attributes, "capacity": memory}
+        if rng.random() < 0.3:  # DRADeviceTaints (beta, on): the scheduler allocates it to no one
+            device["taints"] = [{"key": "example.com/unhealthy", "effect": "NoSchedule"}]
+        gpus.append(device)
     spec = {
         "driver": DRIVER,
         "nodeName": node,
@@ -333,11 +330,10 @@ def _extended_job(rng: random.Random) -> api_spec.TrainingJobSpec:
 
 def test_a_plain_gpu_request_served_from_slices_gets_the_schedulers_verdict(scheduled):
     """Nodes whose GPUs only DRA publishes; a DeviceClass with extendedResourceName
-    nvidia.com/gpu (selecting H200s) lets kube-scheduler allocate a plain GPU request from them."""
+    nvidia.com/gpu lets kube-scheduler allocate a plain GPU request from them."""
     resource = kubernetes.client.ResourceV1Api(scheduled.core.api_client)
-    selectors = [*CLASSES[DRIVER], SELECTORS[0]]
     spec = {
-        "selectors": [{"cel": {"expression": s}} for s in selectors],
+        "selectors": [{"cel": {"expression": s}} for s in CLASSES[DRIVER]],
         "extendedResourceName": "nvidia.com/gpu",
     }
     resource.create_device_class({"metadata": {"name": SERVING}, "spec": spec})

@@ -34,6 +34,12 @@ def trim_slice(obj: kube.Body) -> kube.Body:
         for part in ("attributes", "capacity"):
             if isinstance(raw.get(part), dict):
                 device[part] = dict(list(raw[part].items())[: limits.MAX_DEVICE_FIELDS])
+        if isinstance(raw.get("taints"), list):
+            device["taints"] = [
+                {"effect": t.get("effect")}
+                for t in raw["taints"][: limits.MAX_DEVICE_FIELDS]
+                if isinstance(t, dict)
+            ]
         kept_devices.append(device)
     kept_spec = {k: spec[k] for k in ("driver", "pool", "nodeName") if k in spec}
     return {

@@ -32,6 +32,9 @@ HELD = "\0devices"
 CANNOT_ALLOCATE = "cannot allocate all claims"
 """Reason worded as kube-scheduler's DynamicResources filter words it."""
 
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
+"""Device taint effects that keep a device from claims that do not tolerate them."""
+
 Key = tuple[str, str, str]
 """(driver, pool, device): a device's identity in allocation results."""
 
@@ -50,6 +53,9 @@ class Device:
     """Domain -> attribute name -> the slice's typed value (``{"string": ...}``, ``int``, ...)."""
     capacity: Mapping[str, Mapping[str, str]]
     """Domain -> capacity name -> quantity."""
+    tainted: bool = False
+    """A NoSchedule or NoExecute device taint (DRADeviceTaints): no claim of the operator's, which
+    tolerates none, gets the device."""
 
     @property
     def key(self) -> Key:
@@ -153,12 +159,17 @@ def device_of(driver: str, pool: str, raw: Mapping[str, Any]) -> Device:
         domain, _, name = str(qualified).rpartition("/")
         if isinstance(value, Mapping) and "value" in value:
             capacity[domain or driver][name] = str(value["value"])
+    taints = raw.get("taints") if isinstance(raw.get("taints"), list) else []
     return Device(
         driver=driver,
         pool=pool,
         name=str(raw.get("name") or ""),
         attributes=dict(attributes),
         capacity=dict(capacity),
+        tainted=any(
+            isinstance(t, Mapping) and t.get("effect") in TAINT_EFFECTS
+            for t in taints[: limits.MAX_DEVICE_FIELDS]
+        ),
     )
 
 
@@ -256,7 +267,7 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
     selectors = (*known.selectors, *request.selectors)
     free: list[Device] = []
     for device in found.devices.get(node, ()):
-        if device.key in found.allocated:
+        if device.key in found.allocated or device.tainted:
             continue
         verdict = matches(device, selectors)
         if isinstance(verdict, device_cel.Unknown):
