@@ -159,7 +159,8 @@ def device_of(driver: str, pool: str, raw: Mapping[str, Any]) -> Device:
         domain, _, name = str(qualified).rpartition("/")
         if isinstance(value, Mapping) and "value" in value:
             capacity[domain or driver][name] = str(value["value"])
-    taints = raw.get("taints") if isinstance(raw.get("taints"), list) else []
+    found = raw.get("taints")
+    taints: list[Any] = found if isinstance(found, list) else []
     return Device(
         driver=driver,
         pool=pool,
