@@ -170,9 +170,6 @@ together (the API server takes 256 KiB of annotations per object; the operator a
 
 # Dynamic Resource Allocation (issue #39): the operator's reads of ResourceSlices, ResourceClaims
 # and DeviceClasses, bounded as resource.k8s.io/v1 validation bounds them.
-MAX_CEL_EXPRESSION_LENGTH = 10 * 1024
-"""Longest DRA CEL selector evaluated (the API server's limit on one expression)."""
-
 MAX_DEVICES_PER_SLICE = 128
 """Devices read from one ResourceSlice (resource.k8s.io/v1's limit)."""
 

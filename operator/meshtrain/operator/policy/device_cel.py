@@ -23,7 +23,7 @@ from kubernetes.utils import quantity as k8s_quantity
 
 from meshtrain.api import limits
 
-MAX_EXPRESSION_LENGTH = limits.MAX_CEL_EXPRESSION_LENGTH
+MAX_EXPRESSION_LENGTH = limits.MAX_DRA_SELECTOR_LENGTH
 """Longest selector evaluated (the API server's bound on a DRA CEL expression)."""
 MAX_REASON = 200
 """Characters of a library error kept in a reason."""
