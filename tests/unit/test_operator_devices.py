@@ -141,6 +141,14 @@ def test_selectors_and_match_attribute_shape_the_slots() -> None:
     assert devices.fit(request(3, match=devices.PCIE_ROOT), found, "n1", held=1).slots == 1
 
 
+def test_a_selector_this_library_cannot_compile_is_left_to_the_api_server_and_scheduler() -> None:
+    found = devices.inventory([slice_of("n1", [gpu(0)])], [], [CLASS])
+    fitted = devices.fit(request(1, "device.driver =="), found, "n1")
+    assert fitted.deferred and fitted.reason is not None and "does not compile" in fitted.reason
+    ask = devices.Ask(found, "nvidia.com/gpu", 1, request(1, "device.driver =="))
+    assert devices.judge(ask, "n1", {}, {}) == devices.NodeDevices(None)
+
+
 def test_an_unevaluable_selector_makes_the_node_unknown_never_a_crash() -> None:
     found = devices.inventory([slice_of("n1", [gpu(0)])], [], [CLASS])
     fitted = devices.fit(request(1, f'device.attributes["{DRIVER}"].nope'), found, "n1")

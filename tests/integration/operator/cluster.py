@@ -32,6 +32,8 @@ from meshtrain.sandbox.controlplane.ports import pick_free_port
 from tests.builders import POOL_LABEL, JobBuilder
 
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
+SIM_DRIVER = "gpu.sim.meshtrain.io"
+"""The simulated DRA driver's name, and its DeviceClass's (tests publish its slices by hand)."""
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -189,6 +191,38 @@ class Cluster:
     def delete_nodes(self, pool: str) -> None:
         for node in self.core.list_node(label_selector=f"{POOL_LABEL}={pool}").items:
             self.core.delete_node(node.metadata.name)
+        resource = kubernetes.client.ResourceV1Api(self.core.api_client)
+        resource.delete_collection_resource_slice(label_selector=f"{POOL_LABEL}={pool}")
+
+    def publish_gpus(self, node: str, count: int, pool: str) -> None:
+        """A ResourceSlice of ``count`` simulated H200s (141Gi, one PCIe root and NVLink clique) on
+        ``node``, as the simulated DRA driver publishes them (no driver runs), and its DeviceClass."""
+        resource = kubernetes.client.ResourceV1Api(self.core.api_client)
+        selector = {"cel": {"expression": f'device.driver == "{SIM_DRIVER}"'}}
+        try:
+            resource.create_device_class(
+                {"metadata": {"name": SIM_DRIVER}, "spec": {"selectors": [selector]}}
+            )
+        except kubernetes.client.ApiException as err:
+            if err.status != 409:
+                raise
+        attributes = {
+            "productName": {"string": "NVIDIA H200"},
+            "cliqueId": {"string": f"{pool}.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+        }
+        memory = {"memory": {"value": "141Gi"}}
+        devices = [
+            {"name": f"gpu-{i}", "attributes": attributes, "capacity": memory} for i in range(count)
+        ]
+        spec = {
+            "driver": SIM_DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        }
+        metadata = {"name": f"{node}-gpus", "labels": {POOL_LABEL: pool}}
+        resource.create_resource_slice({"metadata": metadata, "spec": spec})
 
     # Jobs
     def apply(self, job: JobBuilder) -> dict[str, Any]:
@@ -476,7 +510,7 @@ def reconcile_passes(cluster: Cluster, namespace: str, name: str, passes: int = 
 
     async def run() -> None:
         client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
-        cache = informer.Cache()
+        cache = informer.Cache(follow_devices=True)  # as the operator (handlers.py)
         follow = asyncio.create_task(cache.run(client))
         try:
             worker = reconciler.Reconciler(
@@ -506,7 +540,7 @@ class Reconciling:
 
     async def _start(self, kubeconfig: str) -> tuple[reconciler.Reconciler, asyncio.Task[None]]:
         client = await kube.Client.connect(kubeconfig=kubeconfig)
-        cache = informer.Cache()
+        cache = informer.Cache(follow_devices=True)  # as the operator (handlers.py)
         follow = asyncio.create_task(cache.run(client))
         worker = reconciler.Reconciler(client=client, cache=cache, settings=reconciler.Settings())
         return worker, follow

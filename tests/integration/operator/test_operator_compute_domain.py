@@ -62,7 +62,7 @@ def _job(name: str, data: int = 4) -> JobBuilder:
 def test_nvidia_s_crd_accepts_the_operator_s_domain_and_pods_claim_its_channel(with_domains):
     cluster = with_domains
     for _ in range(2):
-        cluster.add_node("imex", gpus=2)
+        cluster.publish_gpus(cluster.add_node("imex", gpus=2), 2, "imex")  # placement sees devices
     cluster.apply(_job("nvl"))
     reconcile_passes(cluster, NAMESPACE, "nvl")
     domain = cluster.custom.get_namespaced_custom_object(

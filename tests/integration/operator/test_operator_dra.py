@@ -54,7 +54,7 @@ def test_a_dra_gang_claims_its_gpus_from_one_owned_template_kept_across_restarts
     cluster, operator, namespace, pool
 ):
     for _ in range(2):
-        cluster.add_node(pool, gpus=4)
+        cluster.publish_gpus(cluster.add_node(pool, gpus=4), 4, pool)  # placement sees devices
     cluster.apply(_dra_job("claims", namespace, pool, H200, MEMORY))
     pods = cluster.wait_gang(namespace, "claims", 2)
     job = cluster.job(namespace, "claims")
@@ -97,7 +97,7 @@ def test_a_selector_the_api_server_cannot_compile_is_told_by_its_field_and_fails
     names resources.dra.selectors[i], retries back off, and the job fails as InvalidSpec after
     children.INVALID_TRIES refusals — never a hot loop, and never a pod."""
     for _ in range(2):
-        cluster.add_node(pool, gpus=4)
+        cluster.publish_gpus(cluster.add_node(pool, gpus=4), 4, pool)  # placement sees devices
     broken = "device.attributes['gpu.sim.meshtrain.io'].productName =="  # no right-hand side
     cluster.apply(_dra_job("uncompiled", namespace, pool, H200, broken))
     placed = cluster.wait_reason(
@@ -120,7 +120,7 @@ def test_a_selector_the_api_server_cannot_compile_is_told_by_its_field_and_fails
 def test_a_compute_domain_on_a_cluster_without_nvidia_s_driver_is_told_and_retried_slowly(
     cluster, operator, namespace, pool
 ):
-    cluster.add_node(pool, gpus=4)
+    cluster.publish_gpus(cluster.add_node(pool, gpus=4), 4, pool)  # placement sees devices
     job = JobBuilder("imex", namespace, pool).layout(data=4, gpus_per_node=4)
     cluster.apply(job.dra("gpu.sim.meshtrain.io", compute_domain=True))
     placed = cluster.wait_reason(namespace, "imex", conditions.PLACED, conditions.CREATE_REJECTED)
@@ -176,7 +176,7 @@ def test_the_claim_controller_claims_from_the_template_and_the_collector_deletes
 ):
     cluster = with_controllers
     for _ in range(2):
-        cluster.add_node("dra", gpus=4)
+        cluster.publish_gpus(cluster.add_node("dra", gpus=4), 4, "dra")  # placement sees devices
     cluster.apply(_dra_job("collected", NAMESPACE, "dra", H200))
     reconcile_passes(cluster, NAMESPACE, "collected")
     template = _template(cluster, NAMESPACE, "collected-gpus")

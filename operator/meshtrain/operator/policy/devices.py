@@ -132,6 +132,9 @@ class Fit:
     """The NVLink domains (``cliqueId``) of the matching devices, sorted."""
     missing_class: str | None = None
     """The request's DeviceClass when no such class exists."""
+    deferred: bool = False
+    """A selector this library cannot compile: the API server judges it when the claim template
+    is created (refusing it by its spec field if it is invalid), kube-scheduler the devices."""
 
     @property
     def reason(self) -> str | None:
@@ -266,6 +269,10 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
     if known is None:
         return Fit(slots=0, free=0, missing_class=request.device_class)
     selectors = (*known.selectors, *request.selectors)
+    for expression in selectors:
+        compiled = device_cel.compile_selector(expression)
+        if isinstance(compiled, device_cel.Unknown):
+            return Fit(slots=0, free=0, unknown=compiled.describe(), deferred=True)
     free: list[Device] = []
     for device in found.devices.get(node, ()):
         if device.key in found.allocated or device.tainted:
@@ -398,6 +405,8 @@ def judge(
     if ask.request is not None:
         doubled = used.get(ask.gpu_resource, 0) if plugin > 0 and published else 0
         fitted = fit(ask.request, ask.inventory, node, held + doubled)
+        if fitted.deferred:
+            return NodeDevices(None)
         reason = fitted.reason or CANNOT_ALLOCATE
         return NodeDevices(fitted.slots, reason, nvlink_domain(fitted))
     serving = serving_class(ask.inventory, ask.gpu_resource)
