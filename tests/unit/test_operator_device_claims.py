@@ -177,3 +177,14 @@ def test_an_override_s_own_claims_are_added_to_the_gpus_never_instead_of_them():
         {"name": "gpus"},
         {"name": "nic"},
     ]
+
+
+def test_a_refusal_quotes_a_bounded_part_of_the_server_s_message():
+    long = "spec.spec.devices.requests[0].exactly.selectors[0].cel.expression: " + "x" * 400_000
+    said = device_claims.refusal("ResourceClaimTemplate", 422, long)
+    assert said is not None and len(said) < device_claims.SERVER_MESSAGE_CHARS + 400
+    assert said.startswith(
+        "the API server refused the job's ResourceClaimTemplate, built from resources.dra: "
+        "resources.dra.selectors[0]: xxx"
+    )
+    assert f"... ({len('resources.dra.selectors[0]: ') + 400_000} characters)" in said
