@@ -160,3 +160,31 @@ def test_an_unserved_api_is_told_with_what_to_do():
     assert said is not None and "resources.dra.computeDomain" in said and "NVIDIA" in said
     said = device_claims.refusal("ResourceClaimTemplate", 404, "not found")
     assert said is not None and "resource.k8s.io/v1" in said and "drop resources.dra" in said
+
+
+def test_an_override_s_own_claims_are_added_to_the_gpus_never_instead_of_them():
+    nic = {"name": "nic", "resourceClaimTemplateName": "rdma-nic"}
+    override = {
+        "resourceClaims": [nic],
+        "containers": [{"name": naming.CONTAINER, "resources": {"claims": [{"name": "nic"}]}}],
+    }
+    pod = builders.build_pod(REF, spec_of(_dra().pod_template(override)), 0, 0, "n-a")
+    assert pod["spec"]["resourceClaims"] == [
+        {"name": "gpus", "resourceClaimTemplateName": "llm-gpus"},
+        nic,
+    ]
+    assert pod["spec"]["containers"][0]["resources"]["claims"] == [
+        {"name": "gpus"},
+        {"name": "nic"},
+    ]
+
+
+def test_a_refusal_quotes_a_bounded_part_of_the_server_s_message():
+    long = "spec.spec.devices.requests[0].exactly.selectors[0].cel.expression: " + "x" * 400_000
+    said = device_claims.refusal("ResourceClaimTemplate", 422, long)
+    assert said is not None and len(said) < device_claims.SERVER_MESSAGE_CHARS + 400
+    assert said.startswith(
+        "the API server refused the job's ResourceClaimTemplate, built from resources.dra: "
+        "resources.dra.selectors[0]: xxx"
+    )
+    assert f"... ({len('resources.dra.selectors[0]: ') + 400_000} characters)" in said

@@ -8,7 +8,6 @@ never Ready, and its channel template is not made (NVIDIA's controller would mak
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 from collections.abc import Iterator
 
@@ -17,11 +16,15 @@ import pytest
 import yaml
 
 from meshtrain.api import loading
-from meshtrain.operator.cluster import children, kube
 from meshtrain.operator.policy import builders, identity, naming
 from meshtrain.sandbox.controlplane import binaries
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, reconcile_passes, wait_for
+from tests.integration.operator.cluster import (
+    Cluster,
+    ensure_children,
+    reconcile_passes,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.nvidia_crd]
 
@@ -96,16 +99,9 @@ def test_a_domain_whose_spec_changed_is_replaced_because_nvidia_s_crd_refuses_a_
             o for o in builders.build_device_claims(ref, spec) if o["kind"] == "ComputeDomain"
         )
 
-    async def ensure(manifest: dict) -> children.Refused | None:
-        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
-        try:
-            return await children.ensure(client, ref.uid, [manifest], [])
-        finally:
-            await client.close()
-
-    assert asyncio.run(ensure(domain_of(4))) is None
+    assert ensure_children(cluster, ref.uid, [domain_of(4)]) is None
     first = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
-    assert asyncio.run(ensure(domain_of(4))) is None  # the same spec: kept
+    assert ensure_children(cluster, ref.uid, [domain_of(4)]) is None  # the same spec: kept
     kept = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
     assert kept["metadata"]["uid"] == first["metadata"]["uid"]
     # NVIDIA's CRD refuses to change a domain in place ...
@@ -115,7 +111,7 @@ def test_a_domain_whose_spec_changed_is_replaced_because_nvidia_s_crd_refuses_a_
         )
     assert refused.value.status == 422 and "immutable" in refused.value.body
     # ... so a resized gang's domain (four pods) is a new one
-    assert asyncio.run(ensure(domain_of(8))) is None
+    assert ensure_children(cluster, ref.uid, [domain_of(8)]) is None
     replaced = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
     assert replaced["metadata"]["uid"] != first["metadata"]["uid"]
     assert replaced["spec"]["numNodes"] == 4

@@ -140,6 +140,10 @@ FIXES = {
 }
 """What to change when the API server refuses a kind as invalid."""
 
+SERVER_MESSAGE_CHARS = 2_048
+"""Characters of the API server's message a refusal quotes: it may quote every selector (32 of up
+to 10,240 characters), and the condition and Event need only the first problems."""
+
 NOT_SERVED = {
     CLAIM_TEMPLATE: "the cluster does not serve resource.k8s.io/v1 ResourceClaimTemplates "
     "(Dynamic Resource Allocation, Kubernetes 1.34 and later): drop resources.dra to ask for "
@@ -157,12 +161,16 @@ def refusal(kind: str, status: int, server_message: str) -> str | None:
     if kind not in KINDS:
         return None
     if status == 404:
-        return f"{NOT_SERVED[kind]} (the API server answered: {server_message})"
+        return (
+            f"{NOT_SERVED[kind]} (the API server answered: {server_message[:SERVER_MESSAGE_CHARS]})"
+        )
     if status != 422:
         return None
     said = server_message
     for pattern, field in SPEC_PATHS:
         said = pattern.sub(field, said)
+    if len(said) > SERVER_MESSAGE_CHARS:
+        said = f"{said[:SERVER_MESSAGE_CHARS]}... ({len(said)} characters)"
     return (
         f"the API server refused the job's {kind}, built from resources.dra: {said}; {FIXES[kind]}"
     )
