@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
             extras.require("operator", "meshtrain plan --from-cluster")  # the Kubernetes client
             from meshtrain.cli import cluster_nodes  # noqa: PLC0415 - pulls in the kubernetes client
 
-            nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name)
+            nodes = cluster_nodes.list_nodes(gpu_resource=job.resources.gpu_resource_name, job=job)
         if nodes is None:  # the ranks run here (meshtrain run): they share this host's cores
             profile = host_model.on_host(profile, host_model.host_cores())
         if args.critical_batch_tokens < 1:

@@ -18,11 +18,25 @@ import pytest
 import yaml
 
 from meshtrain.cli import main
+from meshtrain.operator.policy import devices
 from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
 
 DRIVER = "gpu.sim.meshtrain.io"
+H200 = f'device.attributes["{DRIVER}"].productName == "NVIDIA H200"'
+
+
+def _job() -> JobBuilder:
+    """Two pods of 4 GPUs (tensor 2, pipeline 2, data 2)."""
+    return JobBuilder().layout(2, 2, 2, gpus_per_node=4).parallelism(microBatches=4)
+
+
+def _write(tmp_path: Path, job: JobBuilder) -> Path:
+    """The job's TrainingJob manifest as ``tmp_path/job.yaml``."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job.manifest()))
+    return path
 
 
 def _slice(node: str, product: str, clique: str, label: dict[str, str]) -> dict[str, object]:
@@ -99,27 +113,25 @@ def test_plan_places_a_dra_job_on_the_devices_kubectl_lists(
         text=True,
     ).stdout
     (tmp_path / "cluster.yaml").write_text(listed)
-    h200 = f'device.attributes["{DRIVER}"].productName == "NVIDIA H200"'
-    raw = (
-        JobBuilder()
-        .layout(2, 2, 2, gpus_per_node=4)
-        .parallelism(microBatches=4)
-        .dra(DRIVER, h200, match_attribute="resource.kubernetes.io/pcieRoot")
-        .raw()
-    )
-    job = tmp_path / "job.yaml"
-    document = {
-        "apiVersion": "meshtrain.io/v1alpha1",
-        "kind": "TrainingJob",
-        "metadata": {"name": "p"},
-    }
-    job.write_text(yaml.safe_dump({**document, "spec": raw}))
+    job = _write(tmp_path, _job().dra(DRIVER, H200, match_attribute=devices.PCIE_ROOT))
     # 4 GPUs per pod on one PCIe root: no node has 4 on one root (2 per root)
     assert main.main(["plan", str(job), "--cluster", str(tmp_path / "cluster.yaml"), "--json"]) == 4
     capsys.readouterr()
-    raw["resources"]["dra"].pop("matchAttribute")
-    job.write_text(yaml.safe_dump({**document, "spec": raw}))
+    _write(tmp_path, _job().dra(DRIVER, H200))
     assert main.main(["plan", str(job), "--cluster", str(tmp_path / "cluster.yaml"), "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)["placement"]
     # the H200 nodes of clique a: the A100 node matches no selector, the clique-b node is farther
+    assert sorted(placement["nodes"]) == sorted([names[0], names[3]])
+
+
+def test_plan_from_cluster_reads_the_slices_too(
+    published, control_plane, tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suffix, names = published
+    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig_path))
+    job = _write(
+        tmp_path, _job().resources(nodeSelector={"meshtrain.io/test": suffix}).dra(DRIVER, H200)
+    )
+    assert main.main(["plan", str(job), "--from-cluster", "--json"]) == 0
+    placement = json.loads(capsys.readouterr().out)["placement"]
     assert sorted(placement["nodes"]) == sorted([names[0], names[3]])
