@@ -235,3 +235,15 @@ def test_the_operators_gated_pods_hold_devices_until_their_claims_are_allocated(
     assert devices.held_by(pod) == 4
     assert devices.held_by({**pod, "spec": {**pod["spec"], "nodeName": "n1"}}) == 0
     assert devices.held_by({"spec": {"containers": [{"name": "t", "env": env}]}}) == 0
+
+
+def test_devices_alike_in_what_selectors_read_share_one_verdict_and_only_those() -> None:
+    big = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("100Gi")) >= 0'
+    gpus = [gpu(i, memory="80Gi" if i % 2 else "141Gi") for i in range(8)]
+    found = devices.inventory([slice_of("n1", gpus)], [], [CLASS])
+    assert devices.fit(request(1, big), found, "n1").free == 4
+    assert devices.fit(request(1, big), found, "n1").free == 4  # remembered, the same answer
+    counted = f'size(device.attributes["{DRIVER}"]) == 5'  # reads the whole map: every device
+    odd = {**gpu(8), "attributes": {**gpu(8)["attributes"], "extra": {"bool": True}}}
+    found = devices.inventory([slice_of("n2", [gpu(0), odd])], [], [CLASS])
+    assert devices.fit(request(1, counted), found, "n2").free == 1

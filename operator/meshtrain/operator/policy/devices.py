@@ -251,16 +251,58 @@ def device_class(obj: Mapping[str, Any]) -> DeviceClass:
     )
 
 
+WHOLE_MAP_READS = ("exists", "all(", "map(", "filter(", "size(", "string(")
+"""CEL that may read an attribute without naming it (macros iterate a map's keys, ``size`` counts
+them): selectors holding one are evaluated on every device."""
+MAX_VERDICTS = 65_536
+"""Verdicts :func:`matches` remembers (a bound: the table is emptied when full)."""
+_verdicts: dict[tuple[Any, ...], device_cel.Verdict] = {}
+
+
+def _read_by(device: Device, selectors: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """What of ``device`` the selectors can read: its driver and the attributes and capacities
+    whose names occur in their text; None when they may read a whole map (``WHOLE_MAP_READS``)."""
+    text = "\n".join(selectors)
+    if any(whole in text for whole in WHOLE_MAP_READS):
+        return None
+    attributes = tuple(
+        (domain, name, repr(value))
+        for domain, names in sorted(device.attributes.items())
+        for name, value in sorted(names.items())
+        if name in text
+    )
+    capacity = tuple(
+        (domain, name, value)
+        for domain, names in sorted(device.capacity.items())
+        for name, value in sorted(names.items())
+        if name in text
+    )
+    return selectors, device.driver, attributes, capacity
+
+
 def matches(device: Device, selectors: Sequence[str]) -> device_cel.Verdict:
-    """The selectors in order, as the allocator evaluates them: the first that is not true decides."""
+    """The selectors in order, as the allocator evaluates them: the first that is not true decides.
+
+    Devices alike in everything the selectors read get one evaluation (a cluster's GPUs differ
+    in uuid, index and PCIe root, which product and memory selectors never read).
+    """
     if not selectors:
         return True
+    key = _read_by(device, tuple(selectors))
+    found = _verdicts.get(key) if key is not None else None
+    if found is not None:
+        return found
     variables = device_cel.activation(device.driver, device.attributes, device.capacity)
+    verdict: device_cel.Verdict = True
     for expression in selectors:
         verdict = device_cel.evaluate(expression, variables)
         if verdict is not True:
-            return verdict
-    return True
+            break
+    if key is not None:
+        if len(_verdicts) >= MAX_VERDICTS:
+            _verdicts.clear()
+        _verdicts[key] = verdict
+    return verdict
 
 
 def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
