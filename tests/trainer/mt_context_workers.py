@@ -49,6 +49,7 @@ def ring_vs_sdpa(
     recorder = recording.MemoryRecorder()
     ctx = context.CPContext(
         group=dist.group.WORLD,
+        grad_group=dist.new_group(list(range(world))),  # the gradient ring's own, as build_mesh makes it
         rank=rank,
         size=world,
         peers=tuple(range(world)),
