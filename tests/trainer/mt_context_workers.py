@@ -49,7 +49,8 @@ def ring_vs_sdpa(
     recorder = recording.MemoryRecorder()
     ctx = context.CPContext(
         group=dist.group.WORLD,
-        grad_group=dist.new_group(list(range(world))),  # the gradient ring's own, as build_mesh makes it
+        # the gradient ring's own group of the same ranks, as build_mesh makes it
+        grad_group=dist.new_group(list(range(world))),
         rank=rank,
         size=world,
         peers=tuple(range(world)),

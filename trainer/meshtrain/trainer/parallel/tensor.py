@@ -292,9 +292,11 @@ class RowParallelLinear(nn.Module):
         self.tp = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.overlap:
-            return _overlapped_row(x, self.weight, self.tp)
-        return leave_region(F.linear(x, self.weight), self.tp)
+        if not self.tp.overlap:
+            return leave_region(F.linear(x, self.weight), self.tp)
+        if tensor_overlap.replaying():  # a checkpoint's recompute: the sum after the save
+            return leave_region(_overlapped_row(x, self.weight, self.tp, reduce=False), self.tp)
+        return _overlapped_row(x, self.weight, self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
