@@ -44,6 +44,9 @@ class Collective:
     overlapped: bool = False
     """A tp collective of the linears run in chunks beside their matmuls (``parallelism.overlap.tensor``):
     only what the matmuls do not hide is exposed (:mod:`meshtrain.planner.timing.tp_overlap`)."""
+    whole: bool = False
+    """An overlapped collective run in one piece beside a matmul it does not feed (without SP the
+    column-parallel input gradient's all-reduce beside the weight gradient): one chunk."""
 
     @property
     def wire_bytes(self) -> float:
@@ -262,6 +265,8 @@ class _Row:
     """Outside the overlapped bucket exchanges (:attr:`Collective.after_backward`)."""
     overlapped: bool = False
     """A tensor-parallel linear's collective beside its matmul (:attr:`Collective.overlapped`)."""
+    whole: bool = False
+    """In one piece beside an independent matmul (:attr:`Collective.whole`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,12 +361,12 @@ def stage_comm(
 
 
 def _summed(rows: list[_Row], members: dict[str, int]) -> tuple[Collective, ...]:
-    """One :class:`Collective` per (group, op, after backward, overlapped), in that order, its rows' calls and bytes summed."""
-    out: dict[tuple[str, str, bool, bool], list[int]] = {}
+    """One :class:`Collective` per (group, op, after backward, overlapped, whole), in that order, its rows' calls and bytes summed."""
+    out: dict[tuple[str, str, bool, bool, bool], list[int]] = {}
     for row in rows:
         if row.calls <= 0:
             continue
-        key = (row.group, row.op, row.after_backward, row.overlapped)
+        key = (row.group, row.op, row.after_backward, row.overlapped, row.whole)
         entry = out.setdefault(key, [0, 0])
         entry[0] += row.calls
         entry[1] += int(row.nbytes)
@@ -374,8 +379,9 @@ def _summed(rows: list[_Row], members: dict[str, int]) -> tuple[Collective, ...]
             members=2 if op == "send" else members[g],
             after_backward=after,
             overlapped=overlapped,
+            whole=whole,
         )
-        for (g, op, after, overlapped), (calls, nbytes) in sorted(out.items())
+        for (g, op, after, overlapped, whole), (calls, nbytes) in sorted(out.items())
     )
 
 
@@ -531,6 +537,8 @@ def _tp_rows(
     sp = par.sequence_parallel
     # Activation checkpointing replays each block's forward in backward, and PyTorch stops the replay once
     # the last tensor backward needs exists: the MLP output's collective (its result saves nothing) is skipped.
+    # The overlapped row linear's replay does the same: its collective runs whole after the matmul
+    # (trainer/parallel/tensor_overlap.py, replaying), so only the attention output's is replayed, whole.
     recompute = job.training.activation_checkpointing
     b, s, h = job.training.micro_batch, shape.seq_len // par.context, shape.hidden
     # a full (B, T, H) residual-stream tensor and a row-parallel output, as they cross the group
@@ -540,31 +548,25 @@ def _tp_rows(
     per_block = (
         2 * blocks * m * (stream + matmul)
     )  # each sub-layer: a stream tensor and a matmul output
-    # parallelism.overlap.tensor: a linear's collective in chunks along the sequence, the same bytes;
-    # the checkpoint replay runs a fused linear whole, so the MLP output's reduction too
-    k = tp_chunks(job)
-    replayed = 2 if k > 1 else 1
-    linears = [  # (applies, op, calls, payload bytes): the linears' collectives
+    # parallelism.overlap.tensor: a linear's collective in chunks along the sequence, the same bytes
+    k, fused = tp_chunks(job), par.overlap.tensor
+    chunked, whole = (fused and k > 1, "chunked"), (fused, "whole")  # (overlapped, how)
+    serial = (False, "chunked")
+    linears = [  # (applies, op, calls, payload bytes, overlap): the linears' collectives
         # Per sub-layer, SP: gather in / reduce-scatter out forward, the reverse backward.
-        (sp, "all_gather", 4 * blocks * m * k, per_block),
-        (sp, "reduce_scatter", 4 * blocks * m * k, per_block),
+        (sp, "all_gather", 4 * blocks * m * k, per_block, chunked),
+        (sp, "reduce_scatter", 4 * blocks * m * k, per_block, chunked),
+        # SP, overlapped: the column-parallel linears keep their input's shard and gather it again
+        # in backward, beside their input-gradient matmuls
+        (sp and fused, "all_gather", 2 * blocks * m * k, 2 * blocks * m * stream, chunked),
         # the replayed forward: both gathers, and the attention output's reduce-scatter
-        (sp and recompute, "all_gather", 2 * blocks * m * k, 2 * blocks * m * stream),
-        (
-            sp and recompute,
-            "reduce_scatter",
-            replayed * blocks * m * k,
-            replayed * blocks * m * matmul,
-        ),
-        # Without SP: reduce the row-parallel output forward (in chunks), the column-parallel input
-        # gradient backward (whole, beside the weight gradient).
-        (not sp, "all_reduce", 2 * blocks * m * (k + 1), per_block),
-        (
-            not sp and recompute,
-            "all_reduce",
-            replayed * blocks * m * k,
-            replayed * blocks * m * matmul,
-        ),
+        (sp and recompute, "all_gather", 2 * blocks * m * k, 2 * blocks * m * stream, chunked),
+        (sp and recompute, "reduce_scatter", blocks * m, blocks * m * matmul, serial),
+        # Without SP: reduce the row-parallel outputs forward (in chunks), the column-parallel
+        # input gradients backward (whole, beside the weight gradient: overlapped even in one chunk)
+        (not sp, "all_reduce", 2 * blocks * m * k, 2 * blocks * m * matmul, chunked),
+        (not sp, "all_reduce", 2 * blocks * m, 2 * blocks * m * stream, whole),
+        (not sp and recompute, "all_reduce", blocks * m, blocks * m * matmul, serial),
     ]
     rows = [  # (applies, op, calls, payload bytes)
         # vocabulary-parallel embedding: the sum of the partial lookups
@@ -588,8 +590,8 @@ def _tp_rows(
         (True, "all_reduce", 1, NORM_BYTES),
     ]
     return [
-        _Row("tp", op, calls, nbytes, overlapped=k > 1)
-        for applies, op, calls, nbytes in linears
+        _Row("tp", op, calls, nbytes, overlapped=overlapped, whole=overlapped and how == "whole")
+        for applies, op, calls, nbytes, (overlapped, how) in linears
         if applies
     ] + [_Row("tp", op, calls, nbytes) for applies, op, calls, nbytes in rows if applies]
 

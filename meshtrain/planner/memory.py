@@ -81,6 +81,7 @@ def layer_activation_bytes(
     sequence_parallel: bool,
     fused_attention: bool = True,
     recompute: Sequence[str] = (),
+    gathered_inputs: bool = True,
 ) -> float:
     """Activation bytes one block keeps for backward, per micro-batch, on one TP rank.
 
@@ -90,9 +91,11 @@ def layer_activation_bytes(
     * the two norms' inputs (``scheme.stream_bytes``) and their fp32
       statistics (:data:`NORM_STATISTICS`), sharded by sequence parallelism;
     * the two norms' outputs as the QKV and MLP-in matmuls keep them: the
-      matmul-dtype copy (autocast's), or under sequence parallelism the
-      gathered whole sequence in the wire dtype (the trainer keeps it rather
-      than gathering again in backward as Megatron-LM does), never sharded;
+      matmul-dtype copy (autocast's), or under sequence parallelism in the
+      wire dtype: with ``gathered_inputs`` (the serial path,
+      ``parallelism.overlap.tensor`` off) the gathered whole sequence, else
+      (the overlapped linears) the rank's shard, gathered again in backward as
+      Megatron-LM does;
     * matmul outputs (``scheme.matmul_bytes``) split over TP: Q, K, V (Llama:
       rotated q and k, and v, one tensor), the attention output, and the MLP's
       up-projection and GELU (gpt) or gate, up, SiLU and product (llama);
@@ -123,9 +126,11 @@ def layer_activation_bytes(
     )
     if sequence_parallel:
         norm_inputs /= tensor
-    norm_outputs = (
+    norm_outputs: float = (
         kept_norms * h * (scheme.wire_bytes if sequence_parallel else scheme.matmul_bytes)
     )
+    if sequence_parallel and not gathered_inputs:
+        norm_outputs /= tensor
     if llama:  # rotated q, attention output; rotated k and v: this rank's key/value heads
         kv = parameters.kv_heads_per_rank(shape, tensor) * shape.head_dim
         matmul_outputs = 2 * h / tensor + 2 * kv
@@ -487,6 +492,7 @@ class _LayerBytes:
         par, micro_batch = job.parallelism, job.training.micro_batch
         shape = context.local_shape(job)  # a rank's seqLen / context tokens
         sp, ring = par.sequence_parallel, context.ring_saved_bytes(job, scheme)
+        gathered = not (par.overlap.tensor and par.tensor > 1)  # the serial path keeps it whole
         kept = ring + layer_activation_bytes(
             shape,
             micro_batch,
@@ -494,9 +500,10 @@ class _LayerBytes:
             scheme,
             sequence_parallel=sp,
             recompute=job.training.selective_recompute,
+            gathered_inputs=gathered,
         )
         whole = ring + layer_activation_bytes(
-            shape, micro_batch, par.tensor, scheme, sequence_parallel=sp
+            shape, micro_batch, par.tensor, scheme, sequence_parallel=sp, gathered_inputs=gathered
         )
         return cls(
             kept=kept,

@@ -49,6 +49,8 @@ def ring_vs_sdpa(
     recorder = recording.MemoryRecorder()
     ctx = context.CPContext(
         group=dist.group.WORLD,
+        # the gradient ring's own group of the same ranks, as build_mesh makes it
+        grad_group=dist.new_group(list(range(world))),
         rank=rank,
         size=world,
         peers=tuple(range(world)),

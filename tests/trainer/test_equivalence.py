@@ -40,6 +40,8 @@ CASES_2 = {
     "tp2-sp-serial": (
         cpu().layout(tensor=2).parallelism(sequenceParallel=True, overlap={"tensor": False})
     ),
+    # the overlapped row linears' recompute: their reduction after the save (tensor_overlap.replaying)
+    "tp2-recompute": cpu().layout(tensor=2).training(activationCheckpointing=True),
     "tp2-sp-recompute": (
         cpu()
         .layout(tensor=2)

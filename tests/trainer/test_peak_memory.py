@@ -4,8 +4,9 @@
   rank (the bytes of the storages autograd's saved-tensor hook sees, a
   view's whole storage, weights left out; not the live bytes after the
   forward, which may still hold a collective's buffer that gloo's worker
-  thread has yet to release), on dp2, tp2 and
-  tp2 with sequence parallelism, for GPT, Llama with grouped-query attention
+  thread has yet to release), on dp2, tp2 and tp2 with sequence
+  parallelism (its overlapped linears keep their input's shard, the serial
+  ones the gathered sequence), for GPT, Llama with grouped-query attention
   and Llama with one (replicated) key/value head, and with selective
   recompute, equal the planner's
   :func:`~meshtrain.planner.memory.layer_activation_bytes` within 2% (fp32).
@@ -48,6 +49,10 @@ BLOCK_LAYOUTS = {
     "dp2": cpu().layout(data=2),
     "tp2": cpu().layout(tensor=2),
     "tp2-sp": cpu().layout(tensor=2).parallelism(sequenceParallel=True),
+    # the serial linears keep the gathered sequence, the overlapped ones (above) their shard
+    "tp2-sp-serial": cpu()
+    .layout(tensor=2)
+    .parallelism(sequenceParallel=True, overlap={"tensor": False}),
     # context parallelism: the block holds s / c tokens; the ring keeps q, k, v, output, lse
     "cp2": cpu().layout(data=1, gpus_per_node=2).parallelism(context=2),
 }
@@ -117,6 +122,7 @@ def test_planner_counts_what_a_block_keeps_for_backward() -> None:
             precision.FP32,
             sequence_parallel=par.sequence_parallel,
             recompute=job.training.selective_recompute,
+            gathered_inputs=not par.overlap.tensor,
         ) + context.ring_saved_bytes(job, precision.FP32)
         assert planned == pytest.approx(kept, rel=0.02), f"{case}: planned {planned}, kept {kept}"
 

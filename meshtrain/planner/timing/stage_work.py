@@ -244,13 +244,17 @@ def price(job: api_spec.TrainingJobSpec, stage_comm: comm.StageComm, prices: Pri
         job, stage_comm, prices, seconds["dp"] - after_backward, dp_calls, backward
     )
     layers = job.model.shape().layers // par.pipeline  # the rank's blocks, over all its chunks
-    hiding = tp_overlap.hiding_flops(job) * layers * par.micro_batches / prices.rank_flops
-    overlapped = sum(
-        prices.collective(job, c)
-        for c in stage_comm.collectives
-        if c.group == "tp" and c.overlapped
-    )
-    tp_hidden = overlapped - tp_overlap.exposed(overlapped, hiding, comm.tp_chunks(job))
+    tp_hidden = 0.0
+    for whole, flops, chunks in zip(
+        (False, True), tp_overlap.hiding_flops(job), (comm.tp_chunks(job), 1)
+    ):
+        hiding = flops * layers * par.micro_batches / prices.rank_flops
+        overlapped = sum(
+            prices.collective(job, c)
+            for c in stage_comm.collectives
+            if c.group == "tp" and c.overlapped and c.whole == whole
+        )
+        tp_hidden += overlapped - tp_overlap.exposed(overlapped, hiding, chunks)
     return StageTime(
         stage=stage,
         compute=per_mb * par.micro_batches / prices.rank_flops,

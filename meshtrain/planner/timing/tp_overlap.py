@@ -13,11 +13,11 @@ expression of the totals.  The matmuls that can hide a collective, per block and
 * without it: forward, the row-parallel ones (their all-reduce); backward, the column-parallel
   ones' weight gradients (their input gradient's all-reduce, one chunk).
 
-One chunk (``k = 1``) is a collective that runs whole beside an independent matmul (the
-column-parallel input gradient's all-reduce beside the weight-gradient matmul): only what the
-matmul does not cover is exposed, ``max(0, C - M)``.  The stage sums price all overlapped
-collectives together with the sequence's ``k`` (:func:`meshtrain.planner.comm.tp_chunks`), the
-one-chunk all-reduce without SP included: an approximation, not split out.
+One chunk (``k = 1``) is a collective that runs whole beside an independent matmul: without
+sequence parallelism the column-parallel input gradient's all-reduce beside the weight-gradient
+matmul, whatever ``k`` the other linears use (:attr:`meshtrain.planner.comm.Collective.whole`);
+only what the matmul does not cover is exposed, ``max(0, C - M)``.  :func:`hiding_flops` gives
+the matmuls of each kind apart, and the stage prices each kind's collectives beside its own.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from meshtrain.api import spec as api_spec
 from meshtrain.planner import parameters
 
 
-def hiding_flops(job: api_spec.TrainingJobSpec) -> float:
-    """Matmul FLOPs of one rank's blocks per micro-batch and block that run beside the linears' collectives."""
+def hiding_flops(job: api_spec.TrainingJobSpec) -> tuple[float, float]:
+    """Matmul FLOPs of one rank's blocks per micro-batch and block that run beside the linears'
+    collectives: (beside the chunked ones, beside the whole ones)."""
     shape, par = job.model.shape(), job.parallelism
     qkv, proj, fc, down = parameters.local_block_matrices(shape, par.tensor)
     tokens = job.training.micro_batch * shape.seq_len // par.context  # a context rank's share
     one = 2 * tokens  # FLOPs per matrix element for one matmul over the micro-batch's tokens
     if par.sequence_parallel:
-        return one * ((qkv + proj + fc + down) + 2 * (qkv + fc) + (proj + down))
-    return one * ((proj + down) + (qkv + fc))
+        return one * ((qkv + proj + fc + down) + 2 * (qkv + fc) + (proj + down)), 0.0
+    return one * (proj + down), one * (qkv + fc)
 
 
 def exposed(collective: float, hiding: float, chunks: int) -> float:

@@ -6,8 +6,10 @@ has the same work).  Tokens take their global positions (learned table, rotation
 (:class:`_RingAttention`) passes each rank's keys and values around the ring with async
 send/recv while the block in hand is computed, merges the blocks with their log-sum-exp (online
 softmax) and in backward recomputes every block from the saved q, k, v, output and log-sum-exp,
-sending each block's key/value gradients back around the ring to their owner.  docs/trainer.md
-says why this and not ``torch.distributed.tensor.experimental.context_parallel``.
+sending each block's key/value gradients back around the ring to their owner.  The two rings run
+on two process groups: NCCL ignores point-to-point tags, so on one group a rank's gradient send
+could match its peer's key/value receive.  docs/trainer.md says why this and not
+``torch.distributed.tensor.experimental.context_parallel``.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from meshtrain.trainer.models import gpt
 from meshtrain.trainer.parallel import ring_tiles
 from meshtrain.trainer.telemetry import clocks, recording
 
-KV_TAG, GRAD_TAG = 0, 1
-"""Message tags of the ring's two streams: keys and values forward, their gradients backward."""
-
 
 @dataclasses.dataclass(frozen=True)
 class CPContext:
     """This rank's place in its context-parallel ring."""
 
     group: dist.ProcessGroup
-    """The cp group (same pp, dp, tp)."""
+    """The cp group (same pp, dp, tp): the key/value ring."""
+    grad_group: dist.ProcessGroup
+    """A second group of the same ranks: the key/value gradients' ring in backward.  Apart
+    because NCCL matches point-to-point messages by peer and order only (it ignores tags): on one
+    group both rings' messages would have to be issued in the same order on every rank."""
     rank: int
     """Index in the group: which two chunks of each sequence this rank holds."""
     size: int
@@ -119,12 +122,15 @@ def apply_context_parallel(chunks: list[gpt.GPT], ctx: CPContext) -> None:
 # --- the ring ------------------------------------------------------------------
 
 
-def _exchange(buffer: torch.Tensor, ctx: CPContext, tag: int) -> tuple[list[Any], torch.Tensor]:
-    """Send ``buffer`` to the next rank and receive the previous rank's into a new tensor (async)."""
+def _exchange(
+    buffer: torch.Tensor, ctx: CPContext, group: dist.ProcessGroup
+) -> tuple[list[Any], torch.Tensor]:
+    """Send ``buffer`` to the next rank and receive the previous rank's into a new tensor (async),
+    on ``group`` (the ring's: :attr:`CPContext.group` or :attr:`CPContext.grad_group`)."""
     received = torch.empty_like(buffer)
     ops = [
-        dist.P2POp(dist.isend, buffer, ctx.next_peer, ctx.group, tag),
-        dist.P2POp(dist.irecv, received, ctx.prev_peer, ctx.group, tag),
+        dist.P2POp(dist.isend, buffer, ctx.next_peer, group),
+        dist.P2POp(dist.irecv, received, ctx.prev_peer, group),
     ]
     return dist.batch_isend_irecv(ops), received
 
@@ -224,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ctx.size):
             pending = None
             if step < ctx.size - 1:
-                pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
+                pending = (_exchange(kv, ctx, ctx.group), ctx.clock.now())
             for rows, cols, causal, bias in _tiles(ctx.rank, step, ctx.size, ids, q):
                 tile_out, tile_lse = ring_tiles.forward(
                     _rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols), causal, bias
@@ -254,7 +260,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ctx.size):
             pending = None
             if step < ctx.size - 1:
-                pending = (_exchange(kv, ctx, KV_TAG), ctx.clock.now())
+                pending = (_exchange(kv, ctx, ctx.group), ctx.clock.now())
             contribution = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             for rows, cols, causal, bias in _tiles(ctx.rank, step, ctx.size, fctx.ids, q):
                 tile_dq, tile_dk, tile_dv = ring_tiles.backward(
@@ -275,7 +281,7 @@ class _RingAttention(torch.autograd.Function):
                 _finish(works, received, ctx, start)
                 dkv = received
             dkv = contribution if dkv is None else dkv + contribution
-            grads_in = (_exchange(dkv, ctx, GRAD_TAG), ctx.clock.now())
+            grads_in = (_exchange(dkv, ctx, ctx.grad_group), ctx.clock.now())
             if pending is not None:
                 (works, received), start = pending
                 _finish(works, kv, ctx, start)

@@ -4,8 +4,8 @@
 order is DESIGN's ``rank = (pp*data + dp)*tensor + tp`` (with context parallelism
 ``(pipeline, data, context, tensor)`` named ``(pp, dp, cp, tp)``, ``rank = ((pp*data + dp)*context
 + cp)*tensor + tp``); :class:`Mesh` checks it against :class:`meshtrain.api.layout.ParallelLayout`
-and adds a second pipeline group, so activations and gradients travel apart, and the data x
-context group that reduces gradients.  Groups time out, so a dead peer is an error, not a hang.
+and adds a second pipeline group and a second context group, so activations and gradients travel
+apart (NCCL ignores point-to-point tags), and the data x context group that reduces gradients.  Groups time out, so a dead peer is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class Mesh:
     """A second pipeline group, for gradients."""
     dp_cp_group: dist.ProcessGroup | None = None
     """The data x context ranks holding this rank's parameters (None without context parallelism)."""
+    cp_backward_group: dist.ProcessGroup | None = None
+    """A second context group, for the ring's key/value gradients (None without context parallelism)."""
 
     dp_levels: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = dataclasses.field(
         default_factory=dict
@@ -174,9 +176,10 @@ def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
             f"DeviceMesh places rank {rank} at {got}, meshtrain.api.layout at {coords}"
         )
     backward_group, _ = dist.new_subgroups_by_enumeration(layout.all_groups("pp"))
-    dp_cp_group = None
+    dp_cp_group = cp_backward_group = None
     if context:  # the dp x cp block of each (pp, tp): data and context are adjacent in the rank
         dp_cp_group, _ = dist.new_subgroups_by_enumeration(dp_cp_groups(layout))
+        cp_backward_group, _ = dist.new_subgroups_by_enumeration(layout.all_groups("cp"))
     return Mesh(
         layout=layout,
         rank=rank,
@@ -185,6 +188,7 @@ def build_mesh(layout: layout_mod.ParallelLayout, device: torch.device) -> Mesh:
         device=device,
         pp_backward_group=backward_group,
         dp_cp_group=dp_cp_group,
+        cp_backward_group=cp_backward_group,
     )
 
 

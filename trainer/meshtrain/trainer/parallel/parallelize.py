@@ -178,10 +178,12 @@ def parallelize(
     # 3. Context parallel: global positions and the ring as every attention's core (no parameters
     # change: the cp ranks hold the same ones, and join the data-parallel gradient reduction).
     if layout.context > 1:
+        assert mesh.cp_backward_group is not None  # build_mesh makes it with context parallelism
         context.apply_context_parallel(
             chunks,
             context.CPContext(
                 group=mesh.group("cp"),
+                grad_group=mesh.cp_backward_group,
                 rank=coords.cp,
                 size=layout.context,
                 peers=tuple(layout.cp_group(mesh.rank)),

@@ -264,7 +264,16 @@ def leave_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
 
 
 _overlapped_column = _graph_break(tensor_overlap.column_linear)
-_overlapped_row = _graph_break(tensor_overlap.row_linear)
+
+
+@_graph_break
+def _overlapped_row(x: torch.Tensor, weight: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """The overlapped row-parallel linear; in an activation checkpoint's recompute its partial
+    sums, reduced after the checkpoint saw its input (:func:`.tensor_overlap.replaying`)."""
+    if tensor_overlap.replaying():
+        return leave_region(tensor_overlap.row_linear(x, weight, ctx, reduce=False), ctx)
+    return tensor_overlap.row_linear(x, weight, ctx)
+
 
 # --- layers -------------------------------------------------------------------
 
