@@ -159,7 +159,7 @@ def _wait_established(kubectl: str, env: dict[str, str], name: str, timeout: flo
         last = (result.stdout + result.stderr).strip()
         if result.returncode == 0 and any(
             c.get("type") == "Established" and c.get("status") == "True"
-            for c in json.loads(result.stdout or "[]")
+            for c in json.loads(result.stdout or "null") or []  # null before any condition
         ):
             return
         time.sleep(1)
