@@ -26,6 +26,13 @@
 #     module at PROMETHEUS_OPERATOR_VERSION (its example/prometheus-operator-crd
 #     files), so the chart's monitoring objects are dry-run against the real
 #     schemas. They land in $CACHE_ROOT/crds/prometheus-operator-<version>/.
+#   * NVIDIA's ComputeDomain CRD (computedomains.resource.nvidia.com), from the
+#     github.com/NVIDIA/k8s-dra-driver-gpu Go module at NVIDIA_DRA_DRIVER_VERSION
+#     (a pseudo-version of its v25.8.1 tag: the module's v25 tags carry no /v25
+#     path; nothing compiled), into $CACHE_ROOT/crds/nvidia-dra-driver-gpu-<version>/,
+#     so the operator's ComputeDomains are created against the real schema
+#     (make test-nvidia-crd). Node only; a proxy that refuses the module is
+#     reported and does not stop the rest of the bootstrap.
 #   * versitygw, the S3-compatible server the object-storage tests start (its
 #     posix backend serves a directory), from github.com/versity/versitygw at
 #     VERSITYGW_VERSION into $CACHE_ROOT/versitygw-<version>/bin/.
@@ -67,6 +74,7 @@ COREDNS_VERSION="${MESHTRAIN_COREDNS_VERSION:-v1.15.0}"
 KUBE_ROUTER_VERSION="${MESHTRAIN_KUBE_ROUTER_VERSION:-v2.1.0}"
 VERSITYGW_VERSION="${MESHTRAIN_VERSITYGW_VERSION:-v1.8.0}"
 REGISTRY_VERSION="${MESHTRAIN_REGISTRY_VERSION:-v3.1.2}"
+NVIDIA_DRA_DRIVER_VERSION="${MESHTRAIN_NVIDIA_DRA_DRIVER_VERSION:-v0.0.0-20251216103315-fc69d9852802}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
@@ -81,6 +89,8 @@ CONTAINERD_BINARIES=(containerd containerd-shim-runc-v2 ctr)
 NODE_DEBIAN_PACKAGES=(runc containernetworking-plugins buildah mmdebstrap iptables gcc libc6-dev ipset)
 MONITORING_CRD_DIR="$CACHE_ROOT/crds/prometheus-operator-$PROMETHEUS_OPERATOR_VERSION"
 MONITORING_CRDS=(podmonitors servicemonitors prometheusrules)
+NVIDIA_CRD_DIR="$CACHE_ROOT/crds/nvidia-dra-driver-gpu-$NVIDIA_DRA_DRIVER_VERSION"
+NVIDIA_CRD_FILE=resource.nvidia.com_computedomains.yaml
 
 WITH_PROMETHEUS=1
 WITH_NODE=1
@@ -471,6 +481,26 @@ fetch_monitoring_crds() {
   log "Prometheus Operator $PROMETHEUS_OPERATOR_VERSION CRDs: $MONITORING_CRD_DIR"
 }
 
+# NVIDIA's ComputeDomain CRD from its DRA driver's Go module (downloaded, not built). A module
+# proxy that refuses the module is logged: the CRD test names this script when the file is absent.
+fetch_nvidia_crds() {
+  [[ -s "$NVIDIA_CRD_DIR/$NVIDIA_CRD_FILE" ]] && { log "NVIDIA ComputeDomain CRD present: $NVIDIA_CRD_DIR"; return; }
+  require_go
+  local json module_root found
+  if ! json="$(go mod download -json "github.com/NVIDIA/k8s-dra-driver-gpu@$NVIDIA_DRA_DRIVER_VERSION" 2>&1)" \
+      || ! grep -q '"Dir"' <<<"$json"; then
+    log "WARNING: github.com/NVIDIA/k8s-dra-driver-gpu@$NVIDIA_DRA_DRIVER_VERSION is not served by $(go env GOPROXY); the ComputeDomain CRD test (make test-nvidia-crd) fails until it is: $(tr -d '\n' <<<"$json" | head -c 300)"
+    return
+  fi
+  module_root="$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$json")"
+  found="$(find "$module_root/deployments/helm" -name "$NVIDIA_CRD_FILE" | head -n 1)"
+  [[ -n "$found" ]] || die "no $NVIDIA_CRD_FILE under $module_root/deployments/helm"
+  mkdir -p "$NVIDIA_CRD_DIR"
+  cp "$found" "$NVIDIA_CRD_DIR/"
+  chmod u+w "$NVIDIA_CRD_DIR/$NVIDIA_CRD_FILE"  # the module cache is read-only
+  log "NVIDIA DRA driver $NVIDIA_DRA_DRIVER_VERSION ComputeDomain CRD: $NVIDIA_CRD_DIR"
+}
+
 # --- main -----------------------------------------------------------------------
 
 main() {
@@ -523,6 +553,7 @@ main() {
   ((WITH_NODE)) && build_kube_router
   ((WITH_NODE)) && build_registry
   ((WITH_NODE)) && build_dra_driver
+  ((WITH_NODE)) && fetch_nvidia_crds
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

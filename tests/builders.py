@@ -164,6 +164,21 @@ class JobBuilder:
     def resources(self, **values: Any) -> JobBuilder:
         return self._section("resources", **values)
 
+    def dra(
+        self,
+        device_class: str = "gpu.sim.meshtrain.io",
+        *selectors: str,
+        match_attribute: str | None = None,
+        compute_domain: bool = False,
+    ) -> JobBuilder:
+        """``resources.dra``: the GPUs as DRA claims of ``device_class`` devices matching ``selectors``."""
+        claims: dict[str, Any] = {"deviceClassName": device_class, "selectors": list(selectors)}
+        if match_attribute is not None:
+            claims["matchAttribute"] = match_attribute
+        if compute_domain:
+            claims["computeDomain"] = True
+        return self._section("resources", dra=claims)
+
     def image(self, image: str, pull_policy: str | None = None) -> JobBuilder:
         """``spec.image`` and, when given, ``spec.imagePullPolicy``."""
         self._raw["image"] = image

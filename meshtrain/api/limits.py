@@ -132,6 +132,12 @@ it needs, such as a PersistentVolumeClaim, as ``kubectl apply -f`` takes them)."
 MAX_VALIDATE_FILES = 64
 """Files one ``meshtrain validate`` checks."""
 
+MAX_DRA_SELECTORS = 32
+"""CEL selectors of ``resources.dra`` (the API server's own limit on one request's selectors)."""
+
+MAX_DRA_SELECTOR_LENGTH = 10_240
+"""Characters of one CEL selector (the API server's own limit on a selector expression)."""
+
 MAX_QUOTED = 80
 """Characters of a user's value an error message quotes; the rest is elided."""
 

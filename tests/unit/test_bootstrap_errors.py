@@ -121,6 +121,10 @@ def test_script_and_python_pin_the_same_versions() -> None:
         f'{binaries.DEFAULT_PROMETHEUS_OPERATOR_VERSION}}}"'
     ) in text
     assert f"MONITORING_CRDS=({' '.join(binaries.MONITORING_CRDS)})" in text
+    assert (
+        f'NVIDIA_DRA_DRIVER_VERSION="${{MESHTRAIN_NVIDIA_DRA_DRIVER_VERSION:-'
+        f'{binaries.DEFAULT_NVIDIA_DRA_DRIVER_VERSION}}}"'
+    ) in text
     assert f'KUEUE_VERSION="${{MESHTRAIN_KUEUE_VERSION:-{kueue.DEFAULT_KUEUE_VERSION}}}"' in text
     assert (
         f'KUBE_ROUTER_VERSION="${{MESHTRAIN_KUBE_ROUTER_VERSION:-'

@@ -15,6 +15,24 @@ def test_defaults_give_a_valid_single_process_job():
     assert job.model.shape().ffn_hidden == 4 * job.model.shape().hidden
 
 
+def test_dra_claims_are_optional_and_read_from_camel_case():
+    assert loading.parse_spec(JobBuilder().raw()).resources.dra is None
+    job = loading.parse_spec(
+        JobBuilder()
+        .dra(
+            "gpu.nvidia.com",
+            "device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H200'",
+            match_attribute="resource.kubernetes.io/pcieRoot",
+            compute_domain=True,
+        )
+        .raw()
+    )
+    claims = job.resources.dra
+    assert claims is not None and claims.device_class_name == "gpu.nvidia.com"
+    assert claims.match_attribute == "resource.kubernetes.io/pcieRoot" and claims.compute_domain
+    assert claims.selectors == ["device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H200'"]
+
+
 def test_layout_string_and_pods():
     job = loading.parse_spec(JobBuilder().layout(2, 4, 8, gpus_per_node=8).model(preset="7b").raw())
     assert job.parallelism.layout_string == "dp2·pp4·tp8"
@@ -339,6 +357,42 @@ INVALID = [
         JobBuilder().gpus(2).resources(extraResources={"nvidia.com/gpu": "8"}),
         "spec.resources.extraResources",
         ["gpuResourceName", "'nvidia.com/gpu'", "'8'", "gpusPerNode=2"],
+    ),
+    (
+        "DRA claims beside another GPU extended resource name",
+        JobBuilder().dra("gpu.nvidia.com").resources(gpuResourceName="amd.com/gpu"),
+        "spec.resources.gpuResourceName",
+        ["resources.dra", "'amd.com/gpu'", "deviceClassName"],
+    ),
+    (
+        "DRA claims beside a GPU asked in extraResources",
+        JobBuilder().dra("gpu.nvidia.com").resources(extraResources={"amd.com/gpu": "1"}),
+        "spec.resources.extraResources",
+        ["resources.dra", "'amd.com/gpu'", "twice"],
+    ),
+    (
+        "a DRA device class that is no object name",
+        JobBuilder().dra("GPU_Class"),
+        "spec.resources.dra.deviceClassName",
+        ["GPU_Class"],
+    ),
+    (
+        "a DRA match attribute without its domain",
+        JobBuilder().dra("gpu.nvidia.com", match_attribute="pcieRoot"),
+        "spec.resources.dra.matchAttribute",
+        ["pcieRoot"],
+    ),
+    (
+        "more DRA selectors than the API server takes",
+        JobBuilder().dra("gpu.nvidia.com", *(["device.driver != ''"] * 33)),
+        "spec.resources.dra.selectors",
+        ["32"],
+    ),
+    (
+        "a DRA selector past its length",
+        JobBuilder().dra("gpu.nvidia.com", "x" * 10_241),
+        "spec.resources.dra.selectors[0]",
+        ["10240"],
     ),
     (
         "more warm spares than a pod's ranks",

@@ -1,6 +1,6 @@
 """``spec.resources``: what each pod (one per node slot) asks of its node, and the rules on the
 section alone: quantities the API server would refuse in every pod, and the GPUs asked only
-through ``gpusPerNode``."""
+through ``gpusPerNode`` (as an extended resource, or through DRA claims with ``dra``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,61 @@ class Toleration(base.SpecModel):
 QUANTITY_MAX_LENGTH = 32
 """Longest quantity string (bounds the cost of the CEL isQuantity rules)."""
 
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+"""The GPUs' extended resource name unless ``gpuResourceName`` says otherwise."""
+
+DEVICE_ATTRIBUTE = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z_][A-Za-z0-9_]*$"
+)
+"""A fully qualified device attribute name (resource.k8s.io): a DNS domain, '/', a C identifier."""
+
+DEVICE_ATTRIBUTE_MAX_LENGTH = 63 + 1 + 32
+"""The domain (63), the slash and the identifier (32), as the API server bounds them."""
+
+
+Selector = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=limits.MAX_DRA_SELECTOR_LENGTH,
+        description="A CEL expression over one device (device.driver, device.attributes, device.capacity).",
+    ),
+]
+
+
+class DeviceClaims(base.SpecModel):
+    """GPUs through Dynamic Resource Allocation: each pod claims ``gpusPerNode`` devices of a
+    DeviceClass from a ResourceClaimTemplate the operator creates and owns (``<job>-gpus``)."""
+
+    device_class_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=kube_names.DNS_1123_SUBDOMAIN,
+        description="DeviceClass the GPUs come from, e.g. gpu.nvidia.com (NVIDIA's DRA driver).",
+    )
+    selectors: list[Selector] = Field(
+        default_factory=list,
+        max_length=limits.MAX_DRA_SELECTORS,
+        description="CEL expressions a device must all satisfy, e.g. "
+        "device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H200' or "
+        "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('80Gi')) >= 0; the API "
+        "server compiles them when the operator creates the claim template.",
+    )
+    match_attribute: str | None = Field(
+        None,
+        max_length=DEVICE_ATTRIBUTE_MAX_LENGTH,
+        pattern=DEVICE_ATTRIBUTE,
+        description="Fully qualified device attribute all GPUs of one pod share, e.g. "
+        "resource.kubernetes.io/pcieRoot (one PCIe switch) or gpu.nvidia.com/cliqueId; empty: "
+        "no constraint.",
+    )
+    compute_domain: bool = Field(
+        False,
+        description="Also create a ComputeDomain (resource.nvidia.com, NVIDIA's DRA driver) for the "
+        "job's pods, so that tensor-parallel groups may span the nodes of one multi-node NVLink "
+        "domain (IMEX); each pod claims its channel.",
+    )
+
 
 class Resources(base.SpecModel):
     """What each pod (one per node slot) asks of its node."""
@@ -50,11 +105,16 @@ class Resources(base.SpecModel):
         description="GPUs per pod; one pod per node runs torchrun --nproc-per-node=gpusPerNode.",
     )
     gpu_resource_name: str = Field(
-        "nvidia.com/gpu",
+        DEFAULT_GPU_RESOURCE,
         min_length=1,
         max_length=kube_names.QUALIFIED_NAME_MAX_LENGTH,
         pattern=kube_names.QUALIFIED_NAME,
-        description="Extended resource name of a GPU.",
+        description="Extended resource name of a GPU (unused with dra).",
+    )
+    dra: DeviceClaims | None = Field(
+        None,
+        description="Ask the GPUs through Dynamic Resource Allocation claims instead of the "
+        "extended resource gpuResourceName; empty: the extended resource.",
     )
     node_selector: dict[str, kube_names.LabelValue] = Field(
         default_factory=dict,
@@ -195,6 +255,33 @@ def _node_selector_keys_qualified(r: Resources) -> str | None:
     return f"{NODE_SELECTOR_MESSAGE}; got {base.quoted(bad[0])}" if bad else None
 
 
+DRA_GPU_NAME_MESSAGE = (
+    "resources.dra asks for the GPUs through DRA claims, and resources.gpuResourceName names them "
+    f"as an extended resource: set one; with resources.dra leave gpuResourceName at {DEFAULT_GPU_RESOURCE} "
+    "(unused) and choose the GPUs with resources.dra.deviceClassName and resources.dra.selectors"
+)
+
+
+def _dra_leaves_gpu_resource_name(r: Resources) -> str | None:
+    if r.dra is not None and r.gpu_resource_name != DEFAULT_GPU_RESOURCE:
+        return f"{DRA_GPU_NAME_MESSAGE}; got gpuResourceName={base.quoted(r.gpu_resource_name)}"
+    return None
+
+
+DRA_EXTRA_GPU_MESSAGE = (
+    "resources.extraResources may not name an extended GPU resource (a name ending in /gpu) beside "
+    "resources.dra: the pods would ask for GPUs twice; the GPUs per pod are resources.gpusPerNode "
+    "devices of resources.dra.deviceClassName"
+)
+
+
+def _dra_extra_resources_leave_the_gpus(r: Resources) -> str | None:
+    named = [k for k in r.extra_resources if k.endswith("/gpu")]
+    if r.dra is not None and named:
+        return f"{DRA_EXTRA_GPU_MESSAGE}; got extraResources[{base.quoted(named[0])}]"
+    return None
+
+
 RULES: tuple[base.Rule[Resources], ...] = (
     base.Rule(
         "node-selector-keys-qualified",
@@ -221,6 +308,20 @@ RULES: tuple[base.Rule[Resources], ...] = (
         EXTRA_GPU_MESSAGE,
         _extra_resources_leave_the_gpu_to_gpus_per_node,
     ),
+    base.Rule(
+        "dra-leaves-gpu-resource-name",
+        "spec.resources.gpuResourceName",
+        f"!has(self.resources.dra) || self.resources.gpuResourceName == '{DEFAULT_GPU_RESOURCE}'",
+        DRA_GPU_NAME_MESSAGE,
+        _dra_leaves_gpu_resource_name,
+    ),
+    base.Rule(
+        "dra-extra-resources-leave-the-gpus",
+        "spec.resources.extraResources",
+        "!has(self.resources.dra) || !self.resources.extraResources.exists(k, k.endsWith('/gpu'))",
+        DRA_EXTRA_GPU_MESSAGE,
+        _dra_extra_resources_leave_the_gpus,
+    ),
 )
-"""Quantities the pods carry (malformed, they would make the API server refuse every pod) and the
-GPU resource left to ``gpusPerNode``."""
+"""Quantities the pods carry (malformed, they would make the API server refuse every pod), the
+GPU resource left to ``gpusPerNode``, and the GPUs asked one way only (extended resource or DRA)."""

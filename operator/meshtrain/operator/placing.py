@@ -618,7 +618,7 @@ class Placer:
         self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
     ) -> list[dict[str, Any]]:
         """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup if
-        served, NetworkPolicy in an isolated namespace.
+        served, NetworkPolicy in an isolated namespace, DRA claim objects with resources.dra.
 
         Crash recovery ensures them again with the missing pods (they exist: each is read, and
         brought up to date when it is the job's), so a recovered gang never rests on how far the
@@ -630,4 +630,5 @@ class Placer:
             builders.build_service(ref, spec),
             *([builders.build_network_policy(ref, spec, self.gang_peers)] if isolated else []),
             *([group] if group else []),
+            *builders.build_device_claims(ref, spec),
         ]

@@ -54,11 +54,14 @@ class Cluster:
 
     @classmethod
     @contextlib.contextmanager
-    def private(cls, found: binaries.Binaries, *, gang_api: bool = False) -> Iterator[Cluster]:
+    def private(
+        cls, found: binaries.Binaries, *, gang_api: bool = False, controller_manager: bool = False
+    ) -> Iterator[Cluster]:
         """A control plane of the caller's own (apiserver, etcd, scheduler), CRDs installed.
 
         ``gang_api``: the native gang API on (``GenericWorkload``, ``GangScheduling``,
-        scheduling.k8s.io/v1alpha2 served).
+        scheduling.k8s.io/v1alpha2 served).  ``controller_manager``: kube-controller-manager
+        runs too (garbage collection, ResourceClaims from templates, ServiceAccounts).
         """
         gates = "--feature-gates=GenericWorkload=true,GangScheduling=true"
         options: dict[str, Any] = (
@@ -69,7 +72,12 @@ class Cluster:
             if gang_api
             else {}
         )
-        with controlplane.ControlPlane(binaries=found, with_scheduler=True, **options) as plane:
+        with controlplane.ControlPlane(
+            binaries=found,
+            with_scheduler=True,
+            with_controller_manager=controller_manager,
+            **options,
+        ) as plane:
             api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig_path))
             try:
                 cluster = cls(api, str(plane.kubeconfig_path), str(found.kubectl))

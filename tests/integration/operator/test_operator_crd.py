@@ -108,6 +108,16 @@ INVALID = [
         .manifest(),
         _rule("interleaved-micro-batches"),
     ),
+    (
+        "DRA claims beside another GPU extended resource name",
+        _valid().dra("gpu.nvidia.com").resources(gpuResourceName="amd.com/gpu").manifest(),
+        _rule("dra-leaves-gpu-resource-name"),
+    ),
+    (
+        "DRA claims beside a GPU in extraResources",
+        _valid().dra("gpu.nvidia.com").resources(extraResources={"amd.com/gpu": "1"}).manifest(),
+        _rule("dra-extra-resources-leave-the-gpus"),
+    ),
     ("layers over stages", _valid().model(layers=3).manifest(), _rule("layers-split-over-stages")),
     ("heads over tensor", _valid().model(heads=3).manifest(), _rule("heads-split-over-tensor")),
     ("hidden over heads", _valid().model(hidden=66).manifest(), _rule("hidden-split-over-heads")),

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.operator.cluster import kube
-from meshtrain.operator.policy import conditions
+from meshtrain.operator.policy import conditions, device_claims, naming
 
 RETRY_BASE_SECONDS = 2.0
 """Wait after the first refused create."""
@@ -26,8 +26,8 @@ _TRANSIENT = (409, 429)
 INVALID = 422
 """The API server's answer to an object its validation refuses (not Pod Security's 403)."""
 INVALID_TRIES = 3
-"""Refusals of a pod as invalid, for one spec generation, after which the job fails (InvalidSpec):
-the merged pod is the spec's, and it would be refused for ever."""
+"""Refusals of a pod or DRA claim object as invalid, for one spec generation, after which the job
+fails (InvalidSpec): they are the spec's, and would be refused for ever."""
 
 
 def retry_delay(failures: int) -> float:
@@ -49,7 +49,8 @@ class Refused:
     message: str
     """Which object, and the API server's message or the owner that holds the name."""
     invalid: bool = False
-    """The API server's validation refused a pod (422): the spec, not the cluster, is at fault."""
+    """The API server's validation refused a pod or DRA claim object (422): the spec, not the
+    cluster, is at fault."""
 
 
 def owner_uids(obj: Mapping[str, Any]) -> list[str]:
@@ -77,6 +78,45 @@ the operator's new peers); pods and PodGroups are immutable where it matters and
 instead."""
 
 
+REPLACED = device_claims.KINDS
+"""Kinds whose spec is immutable: one of the job's whose ``meshtrain.io/spec-hash`` differs from
+the job's (a changed resources.dra, a resized gang's ComputeDomain) is deleted and created anew;
+one of the same hash is kept (a restarted gang claims from the same template)."""
+
+
+def _stamp(obj: Mapping[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_SPEC_HASH)
+
+
+async def _replace(
+    client: kube.Client, manifest: dict[str, Any], existing: Mapping[str, Any]
+) -> Refused | None:
+    """Replace the job's own ``existing`` object of an outdated spec by ``manifest``."""
+    kind, metadata = manifest["kind"], manifest["metadata"]
+    where = f"{metadata['namespace']}/{metadata['name']}"
+    await client.delete(
+        kind=kind,
+        namespace=metadata["namespace"],
+        name=metadata["name"],
+        uid=existing["metadata"]["uid"],
+    )
+    if await client.create(manifest=manifest) is not None:
+        return None
+    return Refused(  # still being deleted (a finalizer): the next try after the backoff creates it
+        conditions.CREATE_REJECTED,
+        f"{kind} {where} of an earlier spec is still being deleted; the job's new one follows",
+    )
+
+
+def _rejected(kind: str, metadata: Mapping[str, Any], err: kube.ApiError) -> Refused:
+    said = f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
+    return Refused(
+        conditions.CREATE_REJECTED,
+        device_claims.refusal(kind, err.status, err.body) or f"{said}{err.body}",
+        invalid=kind in ("Pod", *device_claims.KINDS) and err.status == INVALID,
+    )
+
+
 async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Refused | None:
     kind, metadata = manifest["kind"], manifest["metadata"]
     update = kind in UPDATED
@@ -90,6 +130,8 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
             return None
         if uid not in owner_uids(existing):
             return _conflict(kind, existing)
+        if kind in REPLACED and _stamp(existing) != _stamp(manifest):
+            return await _replace(client, manifest, existing)
         if (
             update
         ):  # that very object: a Conflict if it was re-created since (the next pass reads again)
@@ -102,12 +144,7 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
     except kube.ApiError as err:
         if err.status < 400 or err.status >= 500 or err.status in _TRANSIENT:
             raise
-        return Refused(
-            conditions.CREATE_REJECTED,
-            f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
-            f"{err.body}",
-            invalid=kind == "Pod" and err.status == INVALID,
-        )
+        return _rejected(kind, metadata, err)
 
 
 async def ensure(
@@ -116,7 +153,8 @@ async def ensure(
     shared: Sequence[dict[str, Any]],
     pods: Sequence[dict[str, Any]],
 ) -> Refused | None:
-    """Create ``shared`` objects (ConfigMap, Service, NetworkPolicy — updated when the job owns them —, PodGroup), then ``pods``.
+    """Create ``shared`` objects (ConfigMap, Service, NetworkPolicy — updated when the job owns them —,
+    PodGroup, DRA claim objects — replaced when their spec changed —), then ``pods``.
 
     Two waves, each concurrent: a pod exists only once every shared object does, so an
     operator killed between the calls leaves at worst shared objects without pods (crash

@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 
-from meshtrain.operator.cluster import api_errors, clock, metrics
+from meshtrain.operator.cluster import api_errors, clock, dra_calls, metrics
 from meshtrain.operator.cluster import kubeconfig as clientconfig
 from meshtrain.operator.cluster.api_errors import (
     ApiError,
@@ -89,7 +89,7 @@ async def connection(kubeconfig: str | None = None) -> dict[str, Any]:
     }
 
 
-class Client(KueueCalls):
+class Client(KueueCalls, dra_calls.DraCalls):
     """Async API client; one per process (:meth:`connect`), closed with :meth:`close`."""
 
     def __init__(self, *, api: k8s.ApiClient, refresher: asyncio.Task[None] | None) -> None:
@@ -374,7 +374,10 @@ class Client(KueueCalls):
         return any(r.get("name") == POD_GROUP_PLURAL for r in (found or {}).get("resources") or [])
 
     async def create(self, *, manifest: Body) -> Body | None:
-        """Create a job's child (Pod, Service, ConfigMap, PodGroup, NetworkPolicy); None when it already exists."""
+        """Create a job's child (Pod, Service, ConfigMap, PodGroup, NetworkPolicy, DRA claim
+        object); None when it already exists."""
+        if manifest["kind"] in dra_calls.APIS:
+            return await self.create_claim_object(manifest=manifest)
         resource, call = self._collection(manifest)
         return await self._request(
             "create", resource, call, manifest["metadata"]["namespace"], manifest, ok=(409,)
@@ -460,7 +463,10 @@ class Client(KueueCalls):
     }
 
     async def read(self, *, kind: str, namespace: str, name: str) -> Body | None:
-        """A Pod, Service, ConfigMap, PodGroup or NetworkPolicy, or None when there is none of that name."""
+        """A Pod, Service, ConfigMap, PodGroup, NetworkPolicy or DRA claim object, or None when
+        there is none of that name."""
+        if kind in dra_calls.APIS:
+            return await self.read_claim_object(kind=kind, namespace=namespace, name=name)
         calls = {
             "Pod": self._core.read_namespaced_pod,
             "Service": self._core.read_namespaced_service,
@@ -496,7 +502,12 @@ class Client(KueueCalls):
         )
 
     async def delete(self, *, kind: str, namespace: str, name: str, uid: str) -> None:
-        """Delete the Service, ConfigMap or NetworkPolicy ``name`` if it is still the object ``uid`` (a precondition)."""
+        """Delete the Service, ConfigMap, NetworkPolicy or DRA claim object ``name`` if it is
+        still the object ``uid`` (a precondition)."""
+        if kind in dra_calls.APIS:
+            return await self.delete_claim_object(
+                kind=kind, namespace=namespace, name=name, uid=uid
+            )
         calls = {
             "Service": self._core.delete_namespaced_service,
             "ConfigMap": self._core.delete_namespaced_config_map,

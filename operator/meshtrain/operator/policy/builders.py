@@ -1,5 +1,5 @@
 """Manifests of a TrainingJob's children: gang pods, headless Service, spec ConfigMap, PodGroup,
-NetworkPolicy.
+NetworkPolicy, DRA claim objects.
 
 Pure ``build_*`` functions from a job (its identity, validated spec, gang attempt and planned
 nodes) to plain dict manifests, each with an owner reference to the job.  What a pod carries
@@ -18,6 +18,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import object_storage as api_object_storage
 from meshtrain.api.spec import pod as api_pod
 from meshtrain.operator.policy import (
+    device_claims,
     identity,
     kubelet_tier,
     naming,
@@ -229,7 +230,8 @@ def torchrun_shutdown_timeout(spec: api_spec.TrainingJobSpec) -> int:
 
 def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     r = spec.resources
-    amounts: dict[str, str] = {r.gpu_resource_name: str(r.gpus_per_node), **r.extra_resources}
+    gpus = {} if r.dra else {r.gpu_resource_name: str(r.gpus_per_node)}  # DRA: claims instead
+    amounts: dict[str, str] = {**gpus, **r.extra_resources}
     if spec.pod.rdma and spec.pod.rdma_resource:
         amounts.setdefault(spec.pod.rdma_resource, "1")
     if r.cpu:
@@ -237,6 +239,22 @@ def _resources(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     if r.memory:
         amounts["memory"] = r.memory
     return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def build_device_claims(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec
+) -> list[dict[str, Any]]:
+    """With ``resources.dra``: the GPU ResourceClaimTemplate and, asked, the ComputeDomain
+    (``device_claims``), each labelled with the hash of its immutable spec."""
+    return [
+        {
+            "apiVersion": api_version,
+            "kind": kind,
+            "metadata": _metadata(job, name, {naming.LABEL_SPEC_HASH: device_claims.stamp(body)}),
+            "spec": body,
+        }
+        for api_version, kind, name, body in device_claims.objects(job.name, spec)
+    ]
 
 
 def _volumes(
@@ -337,7 +355,10 @@ def _trainer_container(
             ),
             {"name": "rendezvous", "containerPort": naming.MASTER_PORT},
         ],
-        "resources": _resources(spec),
+        "resources": _resources(spec)
+        | (
+            {"claims": claims} if (claims := device_claims.container_claims(job.name, spec)) else {}
+        ),
         "volumeMounts": mounts,
         "securityContext": _container_security(spec),
         # Rank 0 writes its final progress here; a failed container reports its log's end instead.
@@ -424,6 +445,8 @@ def build_pod(
         ]
     if pod_group:
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
+    if claims := device_claims.pod_claims(job.name, spec):
+        pod_spec["resourceClaims"] = claims
     _apply_pod_settings(spec.pod, metadata, container, pod_spec)
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
     return pod_override.merge(pod, spec.pod_template_override, node)

@@ -1,7 +1,7 @@
 """Names, labels and annotations the operator puts on the objects it owns.
 
 The constants and the few pure functions that name a job's children (pods, headless Service,
-ConfigMap) and read the operator's own labels back.
+ConfigMap, DRA claim templates and ComputeDomain) and read the operator's own labels back.
 """
 
 from __future__ import annotations
@@ -115,6 +115,27 @@ def service_name(job: str) -> str:
 def network_policy_name(job: str) -> str:
     """The NetworkPolicy admitting the gang's own pods, and no other pod, to its pods."""
     return f"{job}-gang"
+
+
+GPU_CLAIM = "gpus"
+"""With ``resources.dra``: the pod's claim on its GPUs, and the one request of its template."""
+CHANNEL_CLAIM = "channel"
+"""With ``resources.dra.computeDomain``: the pod's claim on its ComputeDomain's IMEX channel."""
+
+
+def gpu_claim_template_name(job: str) -> str:
+    """The job's ResourceClaimTemplate (resource.k8s.io) each pod claims its GPUs from."""
+    return f"{job}-gpus"
+
+
+def compute_domain_name(job: str) -> str:
+    """The job's ComputeDomain (resource.nvidia.com) shared by its pods."""
+    return job
+
+
+def channel_claim_template_name(job: str) -> str:
+    """The ResourceClaimTemplate the ComputeDomain creates for its channel; each pod claims from it."""
+    return f"{job}-channel"
 
 
 def configmap_name(job: str) -> str:

@@ -1,7 +1,7 @@
-"""Find what ``scripts/bootstrap.sh`` provides: binaries at the pinned versions, the Prometheus Operator CRDs.
+"""Find what ``scripts/bootstrap.sh`` provides: binaries at the pinned versions, third-party CRDs.
 
 :func:`locate` finds the control plane's binaries, :func:`locate_node` the sandbox node's,
-:func:`monitoring_crds` the CRD files.  Nothing is built or downloaded here: a missing binary
+:func:`monitoring_crds` and :func:`nvidia_compute_domain_crd` the CRD files.  Nothing is built or downloaded here: a missing binary
 raises :class:`BinariesMissingError` telling the user to run ``make bootstrap``.
 """
 
@@ -108,6 +108,31 @@ def monitoring_crds() -> list[pathlib.Path]:
             "Run `make bootstrap` (or `scripts/bootstrap.sh`) to fetch them from the Go module proxy."
         )
     return files
+
+
+#: NVIDIA's DRA driver module whose ComputeDomain CRD the operator's ComputeDomains are checked
+#: against (same check as the versions above).
+DEFAULT_NVIDIA_DRA_DRIVER_VERSION = "v0.0.0-20251216103315-fc69d9852802"
+
+
+def nvidia_compute_domain_crd() -> pathlib.Path:
+    """NVIDIA's ComputeDomain CRD file the full bootstrap fetched, or :class:`BinariesMissingError`."""
+    version = os.environ.get(
+        "MESHTRAIN_NVIDIA_DRA_DRIVER_VERSION", DEFAULT_NVIDIA_DRA_DRIVER_VERSION
+    )
+    crd = (
+        cache_root()
+        / "crds"
+        / f"nvidia-dra-driver-gpu-{version}"
+        / "resource.nvidia.com_computedomains.yaml"
+    )
+    if not crd.is_file():
+        raise BinariesMissingError(
+            f"NVIDIA's ComputeDomain CRD is not at {crd}: run `scripts/bootstrap.sh` (without "
+            "--no-node), which fetches it from the github.com/NVIDIA/k8s-dra-driver-gpu Go module "
+            f"at {version}, and read its log if the module proxy refused the module."
+        )
+    return crd
 
 
 def locate() -> Binaries:
