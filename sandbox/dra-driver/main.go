@@ -60,7 +60,8 @@ func run(ctx context.Context, nodeName, kubeconfig, configPath, kubeletRoot, cdi
 		return err
 	}
 	pluginDir := filepath.Join(kubeletRoot, "plugins", driverName)
-	for _, dir := range []string{pluginDir, cdiDir} {
+	registrarDir := filepath.Join(kubeletRoot, "plugins_registry")
+	for _, dir := range []string{pluginDir, registrarDir, cdiDir} {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
@@ -81,7 +82,7 @@ func run(ctx context.Context, nodeName, kubeconfig, configPath, kubeletRoot, cdi
 		kubeletplugin.DriverName(driverName),
 		kubeletplugin.NodeName(nodeName),
 		kubeletplugin.KubeClient(client),
-		kubeletplugin.RegistrarDirectoryPath(filepath.Join(kubeletRoot, "plugins_registry")),
+		kubeletplugin.RegistrarDirectoryPath(registrarDir),
 		kubeletplugin.PluginDataDirectoryPath(pluginDir),
 	)
 	if err != nil {

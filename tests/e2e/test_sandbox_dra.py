@@ -12,6 +12,11 @@ driver's code.
    a CEL selector, all on one PCIe root): they run to Succeeded, and each container's env
    names exactly the devices (and uuids) the scheduler allocated on the pod's node; no device
    is given to two pods.
+3. The example TrainingJob with ``resources.dra`` (the class, a productName selector, one PCIe
+   root per pod): it succeeds; its pods ran on the nodes of the operator's plan
+   (``status.placement``), each with ``gpusPerNode`` devices of that node's slice allocated to
+   its claim ``gpus`` from the operator's template, and the env in each running trainer
+   container (``kubectl exec``) names exactly those devices.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from typing import Any
 
 import pytest
 
+from meshtrain.operator.policy import naming
 from meshtrain.sandbox import dra, example, node, supervisor
+from tests.e2e.test_sandbox import _example, _written
 from tests.e2e.test_sandbox import sandbox as sandbox  # the module's own sandbox, up once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -227,3 +234,61 @@ def test_hand_written_claims_get_the_allocated_devices_in_their_env(
             assert (r["pool"], r["device"]) not in taken, f"{r['device']} given twice"
             taken[(r["pool"], r["device"])] = name
     example.kubectl(paths, "delete", "namespace", namespace, "--wait=false")
+
+
+def test_dra_example_job_succeeds_with_the_planned_nodes_devices(
+    sandbox: tuple[supervisor.Paths, dict[str, Any]],
+) -> None:
+    """The example job with ``resources.dra``: the operator's template, the scheduler's allocation
+    on each planned node, and the driver's env in each running trainer container agree."""
+    paths, _state = sandbox
+    name = "sandbox-dra"
+    product = f'device.attributes["{dra.DRIVER}"].productName == "{dra.PRODUCT}"'
+    job = _example(name, "dra-checkpoints").dra(dra.DRIVER, product, match_attribute=PCIE_ROOT)
+    namespace, _ = example.apply(paths, _written(paths, job))
+    seen: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]] = {}
+
+    def record(line: str) -> None:
+        print(line)
+        listed = _get(paths, "pods", "-n", namespace, "-l", f"meshtrain.io/job={name}")
+        for pod in listed["items"]:
+            pod_name = pod["metadata"]["name"]
+            if pod_name in seen or pod["status"].get("phase") != "Running":
+                continue
+            shown = example.kubectl(
+                paths,
+                "exec",
+                "-n",
+                namespace,
+                pod_name,
+                "--",
+                "python",
+                "-c",
+                PRINT_ENV,
+                check=False,
+            )
+            if shown.strip():  # the claim and the env while the pod (and its claim) exist
+                seen[pod_name] = (pod, allocated(paths, pod, naming.GPU_CLAIM), json.loads(shown))
+
+    final = example.follow(paths, namespace, name, timeout=900, on_change=record)
+    status = final["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
+    template = _get(
+        paths, "resourceclaimtemplate", naming.gpu_claim_template_name(name), "-n", namespace
+    )
+    owner = template["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("TrainingJob", name, True)
+    planned = {p["podIndex"]: p["node"] for p in status["placement"]}
+    gpus_per_node = job.manifest()["spec"]["resources"]["gpusPerNode"]
+    slices = _slices(paths)
+    assert len(seen) == len(planned) == 2, sorted(seen)
+    for pod_name, (pod, results, env) in seen.items():
+        index = int(pod_name.rsplit("-", 1)[1])
+        node_name = pod["spec"]["nodeName"]
+        assert node_name == planned[index], (pod_name, node_name, planned)
+        assert "nvidia.com/gpu" not in json.dumps(pod["spec"]["containers"])
+        assert len(results) == gpus_per_node and {r["request"] for r in results} == {"gpus"}
+        devices = [slices[node_name][r["device"]] for r in results]
+        assert {d["productName"] for d in devices} == {dra.PRODUCT}
+        assert len({d[PCIE_ROOT] for d in devices}) == 1, devices
+        check_env_names_allocation(env, results, node_name=node_name, slices=slices)
