@@ -22,7 +22,10 @@ def _print_ready(paths: supervisor.Paths, state: dict[str, Any]) -> None:
         f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
         f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}"
     )
-    nodes = ", ".join(f"{node.name} ({node.gpus} nvidia.com/gpu)" for node in supervisor.NODES)
+    nodes = ", ".join(
+        f"{node.name} ({node.gpus} nvidia.com/gpu; {dra.GPUS_PER_NODE} {dra.DRIVER} devices)"
+        for node in supervisor.NODES
+    )
     print(
         f"kubelet nodes {nodes}, each with its containerd; the operator runs from its "
         "image as the chart's Deployment; kubectl logs/exec/describe work."
