@@ -45,7 +45,9 @@ PRINT_ENV = (
     "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
     "if k.startswith('MESHTRAIN_SIM_')}))"
 )
-"""The container's program: its simulated-GPU env, as one JSON line in its log."""
+"""A program that prints the container's simulated-GPU env as one JSON line."""
+HOLD_SECONDS = 30
+"""How long the hand-written pods run after printing: the claim of a pod that ended is deleted."""
 
 
 def _get(paths: supervisor.Paths, *args: str) -> Any:
@@ -68,6 +70,24 @@ def _slices(paths: supervisor.Paths) -> dict[str, dict[str, dict[str, Any]]]:
     return found
 
 
+def _while_running(
+    paths: supervisor.Paths, namespace: str, name: str, timeout: float
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
+    """Once the pod runs and printed its env: (pod, its claim's allocated devices, the env)."""
+    deadline = time.monotonic() + timeout
+    pod: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        pod = _get(paths, "pod", name, "-n", namespace)
+        phase = pod["status"].get("phase")
+        assert phase in ("Pending", "Running"), f"pod {namespace}/{name} {phase} before it was read"
+        shown = example.kubectl(paths, "logs", "-n", namespace, name, check=False).strip()
+        if phase == "Running" and shown:
+            return pod, allocated(paths, pod, "gpus"), json.loads(shown)
+        time.sleep(1)
+    described = example.kubectl(paths, "describe", "pod", name, "-n", namespace, check=False)
+    raise AssertionError(f"pod {namespace}/{name} did not run in {timeout}s:\n{described}")
+
+
 def _wait_phase(paths: supervisor.Paths, namespace: str, name: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     phase = ""
@@ -78,8 +98,7 @@ def _wait_phase(paths: supervisor.Paths, namespace: str, name: str, timeout: flo
         if phase in ("Succeeded", "Failed"):
             return phase
         time.sleep(1)
-    described = example.kubectl(paths, "describe", "pod", name, "-n", namespace, check=False)
-    raise AssertionError(f"pod {namespace}/{name} still {phase!r} after {timeout}s:\n{described}")
+    raise AssertionError(f"pod {namespace}/{name} still {phase!r} after {timeout}s")
 
 
 def allocated(paths: supervisor.Paths, pod: dict[str, Any], claim: str) -> list[dict[str, Any]]:
@@ -196,7 +215,11 @@ def _pod(namespace: str, name: str, node_name: str) -> dict[str, Any]:
                     "name": "main",
                     "image": trainer_image,
                     "imagePullPolicy": "IfNotPresent",
-                    "command": ["python", "-c", PRINT_ENV],
+                    "command": [
+                        "python",
+                        "-c",
+                        f"{PRINT_ENV}; import time; time.sleep({HOLD_SECONDS})",
+                    ],
                     "resources": {"claims": [{"name": "gpus"}]},
                     "securityContext": RESTRICTED_CONTAINER,
                 }
@@ -221,18 +244,17 @@ def test_hand_written_claims_get_the_allocated_devices_in_their_env(
     slices = _slices(paths)
     taken: dict[tuple[str, str], str] = {}
     for name, node_name in placed:
-        assert _wait_phase(paths, namespace, name, timeout=300) == "Succeeded"
-        pod = _get(paths, "pod", name, "-n", namespace)
+        pod, results, env = _while_running(paths, namespace, name, timeout=300)
         assert pod["spec"]["nodeName"] == node_name
-        results = allocated(paths, pod, "gpus")
         assert len(results) == 2
         roots = {slices[node_name][r["device"]][PCIE_ROOT] for r in results}
         assert len(roots) == 1, f"matchAttribute {PCIE_ROOT} not kept: {roots}"
-        env = json.loads(example.kubectl(paths, "logs", "-n", namespace, name).strip())
         check_env_names_allocation(env, results, node_name=node_name, slices=slices)
         for r in results:
             assert (r["pool"], r["device"]) not in taken, f"{r['device']} given twice"
             taken[(r["pool"], r["device"])] = name
+    for name, _node_name in placed:
+        assert _wait_phase(paths, namespace, name, timeout=120) == "Succeeded"
     example.kubectl(paths, "delete", "namespace", namespace, "--wait=false")
 
 
