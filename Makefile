@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e benchmarks bench-overlap bench-faults clean \
+.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e test-nvidia-crd benchmarks bench-overlap bench-faults clean \
         chart-docs chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -63,7 +63,7 @@ sandbox-status: venv  ## what the sandbox is running
 
 test: venv  ## every test but the sandbox's (unit, trainer, integration, telemetry); CI runs this
 	scripts/bootstrap.sh --no-node
-	$(BIN)/pytest -m "not e2e and not alone" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
+	$(BIN)/pytest -m "not e2e and not alone and not nvidia_crd" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
 	$(BIN)/pytest -m "alone and not e2e" --durations=5  # wall-time comparisons, with the machine to themselves
 
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
@@ -74,6 +74,9 @@ test-torch-oldest:  ## the trainer subset of scripts/test-torch-oldest.sh on the
 
 test-e2e: venv bootstrap  ## the sandbox tests: real kubelet nodes, images and chart pushed to its registry and pulled from it, docs/install.md run (not in CI: see README)
 	$(BIN)/pytest -m e2e tests/e2e tests/telemetry
+
+test-nvidia-crd: venv bootstrap  ## the operator's ComputeDomains against NVIDIA's real CRD, which the full bootstrap fetches from its Go module (not in CI: see docs/operator.md, "GPUs through DRA")
+	$(BIN)/pytest -m nvidia_crd tests/integration/operator
 
 chart-docs: venv  ## regenerate the values table of charts/meshtrain/README.md from values.yaml's comments
 	$(BIN)/python scripts/chart-docs.py

@@ -71,6 +71,11 @@ NAMESPACED_ALLOWED = [
     ("patch", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io/status"),
     ("get", "localqueues.kueue.x-k8s.io"),
+    *(
+        (verb, "resourceclaimtemplates.resource.k8s.io")
+        for verb in ("get", "list", "watch", "create", "delete")
+    ),
+    *((verb, "computedomains.resource.nvidia.com") for verb in ("get", "create", "delete")),
 ]
 # Each gang's own NetworkPolicy: only in the namespaces whose gangs get one (a Role there).
 GANG_POLICY_ALLOWED = [
@@ -95,6 +100,11 @@ CLUSTER_ALLOWED = [
     ("watch", "namespaces"),
     ("list", "customresourcedefinitions.apiextensions.k8s.io"),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+    *(
+        (verb, f"{kind}.resource.k8s.io")
+        for kind in ("resourceslices", "deviceclasses", "resourceclaims")
+        for verb in ("get", "list", "watch")
+    ),
 ]
 DENIED = [
     ("get", "secrets"),
@@ -108,6 +118,10 @@ DENIED = [
     ("update", "configmaps"),
     ("delete", "podgroups.scheduling.k8s.io"),
     ("update", "networkpolicies.networking.k8s.io"),
+    ("update", "resourceclaimtemplates.resource.k8s.io"),
+    ("create", "resourceclaims.resource.k8s.io"),
+    ("delete", "resourceclaims.resource.k8s.io"),
+    ("patch", "computedomains.resource.nvidia.com"),
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"),
     ("create", "serviceaccounts/token"),
@@ -120,6 +134,10 @@ CLUSTER_DENIED = [
     ("patch", "persistentvolumeclaims"),
     ("create", "namespaces"),
     ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "resourceslices.resource.k8s.io"),
+    ("update", "resourceslices.resource.k8s.io"),
+    ("create", "deviceclasses.resource.k8s.io"),
+    ("update", "resourceclaims.resource.k8s.io/status"),
 ]
 
 

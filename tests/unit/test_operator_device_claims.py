@@ -160,3 +160,20 @@ def test_an_unserved_api_is_told_with_what_to_do():
     assert said is not None and "resources.dra.computeDomain" in said and "NVIDIA" in said
     said = device_claims.refusal("ResourceClaimTemplate", 404, "not found")
     assert said is not None and "resource.k8s.io/v1" in said and "drop resources.dra" in said
+
+
+def test_an_override_s_own_claims_are_added_to_the_gpus_never_instead_of_them():
+    nic = {"name": "nic", "resourceClaimTemplateName": "rdma-nic"}
+    override = {
+        "resourceClaims": [nic],
+        "containers": [{"name": naming.CONTAINER, "resources": {"claims": [{"name": "nic"}]}}],
+    }
+    pod = builders.build_pod(REF, spec_of(_dra().pod_template(override)), 0, 0, "n-a")
+    assert pod["spec"]["resourceClaims"] == [
+        {"name": "gpus", "resourceClaimTemplateName": "llm-gpus"},
+        nic,
+    ]
+    assert pod["spec"]["containers"][0]["resources"]["claims"] == [
+        {"name": "gpus"},
+        {"name": "nic"},
+    ]

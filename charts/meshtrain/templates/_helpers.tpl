@@ -136,6 +136,15 @@ whose gangs get one only, in either watch mode.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["localqueues"]
   verbs: ["get"]
+# DRA (resources.dra): each job's ResourceClaimTemplate <job>-gpus its pods claim their GPUs
+# from (created before them, kept across gang restarts, replaced when its spec changes, deleted
+# with the job), and with resources.dra.computeDomain its ComputeDomain (NVIDIA's DRA driver).
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceclaimtemplates"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: ["resource.nvidia.com"]
+  resources: ["computedomains"]
+  verbs: ["get", "create", "delete"]
 {{- end }}
 
 {{/*
@@ -151,6 +160,9 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
   GPUs.
 - customresourcedefinitions, namespaces: kopf's resource and namespace
   discovery.
+- resourceslices, deviceclasses, resourceclaims (resource.k8s.io): the DRA
+  devices of every node, the classes jobs ask for, and the devices allocated
+  to claims in any namespace (free devices, as pods are for extended GPUs).
 */}}
 {{- define "meshtrain.clusterRules" -}}
 - apiGroups: [""]
@@ -181,6 +193,11 @@ Rules on cluster-scoped reads (always a ClusterRole, whatever the watch mode):
 - apiGroups: ["scheduling.k8s.io"]
   resources: ["priorityclasses"]
   verbs: ["get", "list"]
+# DRA: the devices each node publishes (ResourceSlices), the classes jobs name (DeviceClasses)
+# and the devices claims in every namespace hold (ResourceClaims), as pods are read for GPUs.
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceslices", "deviceclasses", "resourceclaims"]
+  verbs: ["get", "list", "watch"]
 {{- end }}
 
 {{/* The trainer image the operator gives jobs whose spec.image is empty. */}}

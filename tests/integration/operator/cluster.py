@@ -24,7 +24,7 @@ import kubernetes
 
 from meshtrain.api import crd
 from meshtrain.operator import reconciler
-from meshtrain.operator.cluster import informer, kube
+from meshtrain.operator.cluster import children, informer, kube
 from meshtrain.operator.policy import kueue_workload, naming
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
@@ -489,6 +489,21 @@ def reconcile_passes(cluster: Cluster, namespace: str, name: str, passes: int = 
             await client.close()
 
     asyncio.run(run())
+
+
+def ensure_children(
+    cluster: Cluster, uid: str, shared: list[dict[str, Any]]
+) -> children.Refused | None:
+    """``children.ensure`` of these objects for the job ``uid`` (no pods), as a placement does."""
+
+    async def run() -> children.Refused | None:
+        client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
+        try:
+            return await children.ensure(client, uid, shared, [])
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
 
 
 class Reconciling:

@@ -9,16 +9,25 @@ driver runs: no device is allocated, and no pod is bound (the scheduler waits fo
 
 from __future__ import annotations
 
+import pathlib
 import re
 import time
 from collections.abc import Iterator
 
+import kubernetes
 import pytest
+import yaml
 
+from meshtrain.api import loading
 from meshtrain.operator.cluster import children
-from meshtrain.operator.policy import conditions
+from meshtrain.operator.policy import builders, conditions, identity
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, reconcile_passes, wait_for
+from tests.integration.operator.cluster import (
+    Cluster,
+    ensure_children,
+    reconcile_passes,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +141,56 @@ def test_a_compute_domain_on_a_cluster_without_nvidia_s_driver_is_told_and_retri
     assert (
         cluster.status(namespace, "imex").get("phase") != "Failed"
     )  # the cluster's, not the spec's
+
+
+def test_a_template_whose_spec_changed_is_replaced_because_the_api_server_refuses_a_change(
+    cluster, namespace
+):
+    job = cluster.apply(_dra_job("changed", namespace, None, H200))
+    ref = identity.JobRef(name="changed", namespace=namespace, uid=job["metadata"]["uid"])
+
+    def template_of(*selectors: str) -> dict:
+        spec = loading.parse_spec(_dra_job("changed", namespace, None, *selectors).raw())
+        [template] = builders.build_device_claims(ref, spec)
+        return template
+
+    assert ensure_children(cluster, ref.uid, [template_of(H200)]) is None
+    first = _template(cluster, namespace, "changed-gpus")
+    assert ensure_children(cluster, ref.uid, [template_of(H200)]) is None  # the same spec: kept
+    assert (
+        _template(cluster, namespace, "changed-gpus")["metadata"]["uid"] == first["metadata"]["uid"]
+    )
+    # The API server refuses to change a claim template in place ...
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        cluster.custom.patch_namespaced_custom_object(
+            *RESOURCE, namespace, "resourceclaimtemplates", "changed-gpus", template_of(MEMORY)
+        )
+    assert refused.value.status == 422 and "immutable" in refused.value.body
+    # ... so a job whose resources.dra changed gets a new one
+    assert ensure_children(cluster, ref.uid, [template_of(MEMORY)]) is None
+    replaced = _template(cluster, namespace, "changed-gpus")
+    assert replaced["metadata"]["uid"] != first["metadata"]["uid"]
+    [request] = replaced["spec"]["spec"]["devices"]["requests"]
+    assert [s["cel"]["expression"] for s in request["exactly"]["selectors"]] == [MEMORY]
+
+
+EXAMPLE = pathlib.Path(__file__).parents[3] / "manifests" / "examples" / "gpt-1.3b-dra-h200.yaml"
+
+
+def test_the_dra_example_and_its_claim_template_pass_the_api_server_s_validation(
+    cluster, namespace
+):
+    document = yaml.safe_load(EXAMPLE.read_text())
+    applied = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(EXAMPLE))
+    assert applied.returncode == 0, applied.stderr
+    spec = loading.parse_spec(document["spec"])
+    ref = identity.JobRef(name=document["metadata"]["name"], namespace=namespace, uid="dry-run")
+    [template] = builders.build_device_claims(ref, spec)
+    template["metadata"].pop("ownerReferences")  # no such job: a dry run of the template alone
+    created = cluster.custom.create_namespaced_custom_object(  # its CEL compiled by the server
+        *RESOURCE, namespace, "resourceclaimtemplates", template, dry_run="All"
+    )
+    assert created["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 8
 
 
 NAMESPACE = "dra"

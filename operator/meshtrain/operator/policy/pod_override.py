@@ -3,7 +3,7 @@
 The override's metadata adds labels and annotations; its partial PodSpec adds to the pod: lists
 are appended (volumes, init containers, tolerations, ...), mappings merged (securityContext),
 and the container named like the trainer merges into it (env, envFrom, volumeMounts, ports
-appended; resources and securityContext merged, capabilities deep) while other containers are
+appended; resources and securityContext merged, capabilities deep, resource claims appended) while other containers are
 added, each over the restricted container defaults (no privilege escalation, every capability
 dropped) that its own securityContext may add to.  A required
 node affinity is ANDed with the operator's pin to the planned node (:mod:`node_affinity`).  What
@@ -118,11 +118,14 @@ def _containers(spec: dict[str, Any], containers: list[dict[str, Any]]) -> None:
 
 
 def _resources(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, Any]:
-    """Requests and limits merged amount by amount; other keys (``claims``) as the override says."""
+    """Requests and limits merged amount by amount; ``claims`` appended to the operator's (a DRA
+    job's ``gpus`` claim stays); other keys as the override says."""
     merged = {**ours, **theirs}
     for kind in ("requests", "limits"):
         if isinstance(theirs.get(kind), Mapping):
             merged[kind] = {**(ours.get(kind) or {}), **theirs[kind]}
+    if isinstance(theirs.get("claims"), list) and ours.get("claims"):
+        merged["claims"] = [*ours["claims"], *theirs["claims"]]
     return merged
 
 
