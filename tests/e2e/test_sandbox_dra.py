@@ -266,7 +266,8 @@ def test_dra_example_job_succeeds_with_the_planned_nodes_devices(
     paths, _state = sandbox
     name = "sandbox-dra"
     product = f'device.attributes["{dra.DRIVER}"].productName == "{dra.PRODUCT}"'
-    job = _example(name, "dra-checkpoints").dra(dra.DRIVER, product, match_attribute=PCIE_ROOT)
+    job = _example(name, "dra-checkpoints").training(steps=6)
+    job = job.dra(dra.DRIVER, product, match_attribute=PCIE_ROOT)
     namespace, _ = example.apply(paths, _written(paths, job))
     seen: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]] = {}
 
