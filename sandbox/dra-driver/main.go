@@ -24,6 +24,14 @@ import (
 // driverName is the DRA driver name, the devices' attribute domain and the DeviceClass's name.
 const driverName = "gpu.sim.meshtrain.io"
 
+// Socket names shorter than the driver's: a unix socket's path holds at most 107 bytes, and the
+// sandbox's kubelet root dirs are deep (the kubelet finds the plugin by any socket name in
+// plugins_registry; GetInfo tells it the driver's name and the DRA socket's path).
+const (
+	registrarSocket = "gpu-sim.sock"
+	pluginDirName   = "gpu-sim"
+)
+
 func main() {
 	klog.InitFlags(nil)
 	nodeName := flag.String("node-name", "", "the node this plugin runs on (the pool is named after it)")
@@ -59,7 +67,7 @@ func run(ctx context.Context, nodeName, kubeconfig, configPath, kubeletRoot, cdi
 	if err != nil {
 		return err
 	}
-	pluginDir := filepath.Join(kubeletRoot, "plugins", driverName)
+	pluginDir := filepath.Join(kubeletRoot, "plugins", pluginDirName)
 	registrarDir := filepath.Join(kubeletRoot, "plugins_registry")
 	for _, dir := range []string{pluginDir, registrarDir, cdiDir} {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -83,6 +91,7 @@ func run(ctx context.Context, nodeName, kubeconfig, configPath, kubeletRoot, cdi
 		kubeletplugin.NodeName(nodeName),
 		kubeletplugin.KubeClient(client),
 		kubeletplugin.RegistrarDirectoryPath(registrarDir),
+		kubeletplugin.RegistrarSocketFilename(registrarSocket),
 		kubeletplugin.PluginDataDirectoryPath(pluginDir),
 	)
 	if err != nil {

@@ -67,3 +67,13 @@ def test_slice_summary_lists_the_drivers_devices_per_node() -> None:
         {"spec": {"driver": "other.example.com", "nodeName": "n0", "devices": [device]}},
     ]
     assert dra.slice_summary(slices) == {"n0": ["gpu-3 pci0000:40 numa0 clique c.0"]}
+
+
+def test_socket_paths_fit_a_pytest_state_dir_and_a_deeper_one_is_named() -> None:
+    """A unix socket's path holds 107 bytes: the e2e tests' state dirs fit, a deeper one is refused."""
+    pytest_root = pathlib.Path(
+        "/tmp/pytest-of-root/pytest-10000/sandbox0/nodes/gpu-b0-l0-n0/kubelet"
+    )
+    assert dra.long_socket_paths(pytest_root) == []
+    deeper = pytest_root.parent / ("x" * 40) / "kubelet"
+    assert dra.long_socket_paths(deeper) == [str(deeper / name) for name in dra.SOCKETS]

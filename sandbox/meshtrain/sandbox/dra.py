@@ -38,6 +38,16 @@ ENV_NODE = "MESHTRAIN_SIM_GPU_NODE"
 """Env the CDI spec sets: the node (the pool) the devices belong to."""
 SOURCE = pathlib.Path(__file__).resolve().parents[2] / "dra-driver"
 """The driver's Go module."""
+SOCKETS = ("plugins_registry/gpu-sim.sock", "plugins/gpu-sim/dra.sock")
+"""The driver's registration and DRA sockets under the kubelet's root dir (sandbox/dra-driver/main.go)."""
+MAX_SOCKET_PATH = 107
+"""Bytes a unix socket's path may have (sun_path holds 108 with the NUL)."""
+
+
+def long_socket_paths(kubelet_root: pathlib.Path) -> list[str]:
+    """The driver's socket paths under ``kubelet_root`` that no process could bind or dial."""
+    paths = [str(kubelet_root / name) for name in SOCKETS]
+    return [p for p in paths if len(p.encode()) > MAX_SOCKET_PATH]
 
 
 def staging_version() -> str:

@@ -256,6 +256,13 @@ def write_dra_config(node: Node, ordinal: int) -> pathlib.Path:
 def commands(node: Node, *, kubeconfig: pathlib.Path) -> dict[str, list[str]]:
     """Command lines of containerd, kubelet, kube-proxy (in the namespace), CoreDNS and the DRA driver (on the host)."""
     found = binaries_mod.locate_node()
+    too_long = dra.long_socket_paths(node.path("kubelet"))
+    if too_long:
+        raise NodeSetupError(
+            f"the DRA driver's sockets {too_long} are over {dra.MAX_SOCKET_PATH} bytes, the "
+            "limit of a unix socket's path: use a shorter state dir (--state-dir or "
+            "MESHTRAIN_SANDBOX_DIR)"
+        )
     labels = ",".join(f"{k}={v}" for k, v in nodeconfig.node_labels(node.spec).items())
     return {
         "containerd": _in_netns(
