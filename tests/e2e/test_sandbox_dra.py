@@ -16,7 +16,7 @@ driver's code.
    root per pod): it succeeds; its pods ran on the nodes of the operator's plan
    (``status.placement``), each with ``gpusPerNode`` devices of that node's slice allocated to
    its claim ``gpus`` from the operator's template, and the env in each running trainer
-   container (``kubectl exec``) names exactly those devices.
+   container (``kubectl exec``) names exactly those devices; no device serves two pods.
 """
 
 from __future__ import annotations
@@ -315,3 +315,5 @@ def test_dra_example_job_succeeds_with_the_planned_nodes_devices(
         assert {d["productName"] for d in devices} == {dra.PRODUCT}
         assert len({d[PCIE_ROOT] for d in devices}) == 1, devices
         check_env_names_allocation(env, results, node_name=node_name, slices=slices)
+    given = [(r["pool"], r["device"]) for _pod, results, _env in seen.values() for r in results]
+    assert len(given) == len(set(given)), f"a device given to two pods: {given}"
