@@ -40,6 +40,12 @@
 #     its kubelets pull from: the CNCF distribution registry, from
 #     github.com/distribution/distribution/v3/cmd/registry at REGISTRY_VERSION,
 #     into $CACHE_ROOT/registry-<version>/bin/ (node only).
+#   * the sandbox's simulated GPU DRA driver (a kubelet plugin publishing 8
+#     GPUs per node as ResourceSlices): the repository's own Go module
+#     sandbox/dra-driver, on k8s.io/dynamic-resource-allocation at the staging
+#     version of the Kubernetes release (v0.X.Y), into
+#     $CACHE_ROOT/dra-driver-<v0.X.Y>/bin/ (node only; ~3 min on 2 cores with
+#     the Kubernetes modules already downloaded, rebuilt when its sources change).
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -70,6 +76,7 @@ VERSITYGW_VERSION="${MESHTRAIN_VERSITYGW_VERSION:-v1.8.0}"
 REGISTRY_VERSION="${MESHTRAIN_REGISTRY_VERSION:-v3.1.2}"
 NVIDIA_DRA_DRIVER_VERSION="${MESHTRAIN_NVIDIA_DRA_DRIVER_VERSION:-v0.0.0-20251216103315-fc69d9852802}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
 KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
@@ -356,6 +363,35 @@ build_registry() {
      -X github.com/distribution/distribution/v3/version.revision=$REGISTRY_VERSION"
 }
 
+# The sandbox's simulated GPU DRA driver, from the repository's own module sandbox/dra-driver
+# (docs/operator.md, "DRA in the sandbox"), into $CACHE_ROOT/dra-driver-<staging version>/bin/.
+# Its go.mod must pin k8s.io/dynamic-resource-allocation at the Kubernetes release's staging
+# version. A `source.sha256` beside the binary records the sources it was built from: changed
+# sources are rebuilt, and the sandbox refuses a stale binary. Node only.
+build_dra_driver() {
+  local staging_version="v0.${K8S_VERSION#v1.}" source="$REPO_ROOT/sandbox/dra-driver" root hash pinned
+  root="$CACHE_ROOT/dra-driver-$staging_version"
+  hash="$(dra_driver_source_hash "$source")"
+  if [[ -x "$root/bin/dra-driver" && "$(cat "$root/source.sha256" 2>/dev/null)" == "$hash" ]]; then
+    log "dra-driver ($staging_version) present: $root"
+    return
+  fi
+  pinned="$(sed -n 's#^[[:space:]]*k8s\.io/dynamic-resource-allocation \(v[^ ]*\)$#\1#p' "$source/go.mod")"
+  [[ "$pinned" == "$staging_version" ]] || die "sandbox/dra-driver/go.mod pins k8s.io/dynamic-resource-allocation ${pinned:-(none)}, not $staging_version (Kubernetes $K8S_VERSION).
+  Set every k8s.io/* require there to $staging_version and run \`go mod tidy\` in sandbox/dra-driver."
+  require_go
+  mkdir -p "$root/bin"
+  BIN_DIR="$root/bin" build_binary dra-driver "$source" . ""
+  echo "$hash" >"$root/source.sha256"
+}
+
+# sha256 of the driver module's go.mod, go.sum and *.go, in that order (byte-sorted names);
+# meshtrain.sandbox.dra computes the same to tell a stale binary.
+dra_driver_source_hash() {
+  local dir="$1"
+  (cd "$dir" && cat go.mod go.sum $(LC_ALL=C ls -1 -- *.go) | sha256sum | cut -d' ' -f1)
+}
+
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
 # stamps the version like this.
 build_containerd() {
@@ -516,6 +552,7 @@ main() {
 
   ((WITH_NODE)) && build_kube_router
   ((WITH_NODE)) && build_registry
+  ((WITH_NODE)) && build_dra_driver
   ((WITH_NODE)) && fetch_nvidia_crds
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus

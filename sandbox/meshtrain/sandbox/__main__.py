@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from meshtrain.cli import extras
-from meshtrain.sandbox import example, supervisor
+from meshtrain.sandbox import dra, example, supervisor
 
 
 def _print_ready(paths: supervisor.Paths, state: dict[str, Any]) -> None:
@@ -22,7 +22,10 @@ def _print_ready(paths: supervisor.Paths, state: dict[str, Any]) -> None:
         f"sandbox ready in {state.get('up_seconds', state.get('timings', {}).get('up', '?'))}s "
         f"(state in {paths.root}); timings: {json.dumps(state.get('timings', {}))}"
     )
-    nodes = ", ".join(f"{node.name} ({node.gpus} nvidia.com/gpu)" for node in supervisor.NODES)
+    nodes = ", ".join(
+        f"{node.name} ({node.gpus} nvidia.com/gpu; {dra.GPUS_PER_NODE} {dra.DRIVER} devices)"
+        for node in supervisor.NODES
+    )
     print(
         f"kubelet nodes {nodes}, each with its containerd; the operator runs from its "
         "image as the chart's Deployment; kubectl logs/exec/describe work."
@@ -55,16 +58,15 @@ def _cmd_down(paths: supervisor.Paths, args: argparse.Namespace) -> int:
 
 def _cmd_status(paths: supervisor.Paths, args: argparse.Namespace) -> int:
     state = supervisor.status(paths)
-    print(
-        json.dumps(
-            {
-                k: state.get(k)
-                for k in ("status", "kubeconfig", "prometheus_url", "timings", "alive", "exited")
-                if k in state
-            },
-            indent=2,
-        )
-    )
+    shown: dict[str, Any] = {
+        k: state.get(k)
+        for k in ("status", "kubeconfig", "prometheus_url", "timings", "alive", "exited")
+        if k in state
+    }
+    if state.get("status") == "ready":  # the DRA driver's devices, per node
+        out = example.kubectl(paths, "get", "resourceslices", "-o", "json", check=False)
+        shown["resourceSlices"] = dra.slice_summary(json.loads(out)["items"]) if out else {}
+    print(json.dumps(shown, indent=2))
     return 0 if state.get("status") == "ready" else 3
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import yaml
 
-from meshtrain.sandbox import nodeconfig
+from meshtrain.sandbox import dra, nodeconfig
 from meshtrain.sandbox import nodes as nodes_mod
 from meshtrain.sandbox import registry as registry_mod
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
@@ -47,6 +47,11 @@ class Node:
     def socket(self) -> pathlib.Path:
         """containerd's CRI socket."""
         return self.root / "containerd.sock"
+
+    @property
+    def cdi_dir(self) -> pathlib.Path:
+        """The node's CDI spec directory: its DRA driver writes there, its containerd reads."""
+        return self.root / "cdi"
 
     @property
     def cgroup_root(self) -> str:
@@ -188,7 +193,7 @@ def write_configs(
     ``hub``: the first node's network, on whose host end the API server, CoreDNS and the
     registry (``registry_address``, host:port) listen.
     """
-    for directory in ("cni", "containerd/state", "kubelet", "pod-logs"):
+    for directory in ("cni", "cdi", "containerd/state", "kubelet", "pod-logs"):
         node.path(directory).mkdir(parents=True, exist_ok=True)
     containerd_root.mkdir(parents=True, exist_ok=True)
     node.path("containerd.toml").write_text(
@@ -199,6 +204,7 @@ def write_configs(
             cni_conf_dir=node.path("cni"),
             pause_image=pause_image,
             registry_hosts=node.path("certs.d"),
+            cdi_spec_dir=node.cdi_dir,
         )
     )
     registry_mod.write_hosts(node.path("certs.d"), registry_address)
@@ -240,9 +246,23 @@ def _in_netns(net: nodeconfig.Addresses, argv: list[str]) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{net.netns}", "--", *argv]
 
 
+def write_dra_config(node: Node, ordinal: int) -> pathlib.Path:
+    """The DRA driver's config file of the ``ordinal``-th node (:func:`.dra.node_config`)."""
+    path = node.path("dra-driver.json")
+    path.write_text(json.dumps(dra.node_config(ordinal), indent=2))
+    return path
+
+
 def commands(node: Node, *, kubeconfig: pathlib.Path) -> dict[str, list[str]]:
-    """Command lines of containerd, kubelet, kube-proxy (in the namespace) and CoreDNS (on the host)."""
+    """Command lines of containerd, kubelet, kube-proxy (in the namespace), CoreDNS and the DRA driver (on the host)."""
     found = binaries_mod.locate_node()
+    too_long = dra.long_socket_paths(node.path("kubelet"))
+    if too_long:
+        raise NodeSetupError(
+            f"the DRA driver's sockets {too_long} are over {dra.MAX_SOCKET_PATH} bytes, the "
+            "limit of a unix socket's path: use a shorter state dir (--state-dir or "
+            "MESHTRAIN_SANDBOX_DIR)"
+        )
     labels = ",".join(f"{k}={v}" for k, v in nodeconfig.node_labels(node.spec).items())
     return {
         "containerd": _in_netns(
@@ -266,6 +286,14 @@ def commands(node: Node, *, kubeconfig: pathlib.Path) -> dict[str, list[str]]:
             node.net, [str(found.kube_proxy), f"--config={node.path('kube-proxy.yaml')}"]
         ),
         "coredns": [str(found.coredns), "-conf", str(node.path("Corefile"))],
+        "dra-driver": dra.command(
+            dra.locate(),
+            node=node.spec,
+            kubeconfig=kubeconfig,
+            config=node.path("dra-driver.json"),
+            kubelet_root=node.path("kubelet"),
+            cdi_dir=node.cdi_dir,
+        ),
     }
 
 

@@ -168,8 +168,13 @@ def containerd_config(
     cni_conf_dir: pathlib.Path,
     pause_image: str,
     registry_hosts: pathlib.Path | None = None,
+    cdi_spec_dir: pathlib.Path | None = None,
 ) -> str:
     """containerd 2.x config (version 3): own root, state and socket; runc with cgroupfs; CNI from ``cni_conf_dir``.
+
+    ``cdi_spec_dir``: the node's own CDI directory, where its DRA driver writes the specs of the
+    claims it prepares (containerd 2.x applies CDI devices by default; None: its default
+    /etc/cdi and /var/run/cdi, which every node on the host would share).
 
     Images come from registries: ``registry_hosts`` is the ``config_path`` whose
     ``<host:port>/hosts.toml`` files name the sandbox's registry (plain HTTP; None: no
@@ -200,6 +205,7 @@ def containerd_config(
             f"[{cri_runtime}]",
             "  netns_mounts_under_state_dir = true",
             "  restrict_oom_score_adj = true",
+            *([f"  cdi_spec_dirs = [{json.dumps(str(cdi_spec_dir))}]"] if cdi_spec_dir else []),
             f"[{cri_runtime}.containerd]",
             "  default_runtime_name = 'runc'",
             f"[{cri_runtime}.containerd.runtimes.runc]",

@@ -22,7 +22,15 @@ from typing import Any
 
 import yaml
 
-from meshtrain.sandbox import network_policies, nodeconfig, prometheus, publish, registry, watch
+from meshtrain.sandbox import (
+    dra,
+    network_policies,
+    nodeconfig,
+    prometheus,
+    publish,
+    registry,
+    watch,
+)
 from meshtrain.sandbox import node as node_mod
 from meshtrain.sandbox import nodes as nodes_mod
 from meshtrain.sandbox.controlplane import binaries as binaries_mod
@@ -211,6 +219,7 @@ class _Supervisor:
                 hub=hub,
                 registry_address=address,
             )
+            node_mod.write_dra_config(n, slot)
             commands[n.spec.name] = node_mod.commands(n, kubeconfig=self.paths.kubeconfig)
             self._start_containerd(
                 n, _process_name("containerd", slot), commands[n.spec.name]["containerd"], env
@@ -240,6 +249,7 @@ class _Supervisor:
             )
         self._timed("kubelet nodes Ready", t3)
         self._start_network_policies()
+        self._start_dra_drivers(found.kubectl, commands)
 
         t4 = time.monotonic()
         chart = publish.push_chart(
@@ -264,6 +274,29 @@ class _Supervisor:
             log=self.paths.logs / f"{name}.log",
         )
 
+    def _start_dra_drivers(
+        self, kubectl: pathlib.Path, commands: dict[str, dict[str, list[str]]]
+    ) -> None:
+        """The simulated GPU DRA driver on every node, its DeviceClass, and until each node's slice is published."""
+        started = time.monotonic()
+        for slot, n in enumerate(self.nodes):
+            self._spawn(_process_name("dra-driver", slot), commands[n.spec.name]["dra-driver"])
+        self._kubectl(kubectl, "apply", "-f", "-", stdin=json.dumps(dra.device_class()))
+        deadline = time.monotonic() + 120.0
+        published: dict[str, list[str]] = {}
+        while time.monotonic() < deadline:
+            published = dra.slice_summary(
+                json.loads(self._kubectl(kubectl, "get", "resourceslices", "-o", "json"))["items"]
+            )
+            if all(len(published.get(n.spec.name, [])) == dra.GPUS_PER_NODE for n in self.nodes):
+                self._timed("DRA driver: ResourceSlices published", started)
+                return
+            time.sleep(1.0)
+        raise RuntimeError(
+            f"the DRA driver did not publish {dra.GPUS_PER_NODE} devices per node in 120s "
+            f"(published: {published}); see {self.paths.logs / 'dra-driver.log'} and the kubelet's log"
+        )
+
     def _start_network_policies(self) -> None:
         """The NetworkPolicy enforcer on every node (:mod:`.network_policies`)."""
         binary = network_policies.locate()
@@ -277,9 +310,10 @@ class _Supervisor:
             )
             self._spawn(_process_name("network-policies", slot), argv)
 
-    def _kubectl(self, kubectl: pathlib.Path, *args: str) -> str:
+    def _kubectl(self, kubectl: pathlib.Path, *args: str, stdin: str | None = None) -> str:
         result = subprocess.run(
             [str(kubectl), "--kubeconfig", str(self.paths.kubeconfig), *args],
+            input=stdin,
             capture_output=True,
             text=True,
         )
@@ -429,7 +463,7 @@ class _Supervisor:
         for slot in range(len(self.nodes)):
             # Its rules go with the node's namespace: nothing to wind down, no slow shutdown.
             self._stop_process(_process_name("network-policies", slot), grace_seconds=1.0)
-        for component in ("kube-proxy", "kubelet"):
+        for component in ("dra-driver", "kube-proxy", "kubelet"):
             for slot in range(len(self.nodes)):
                 self._stop_process(_process_name(component, slot))
         self._stop_process("coredns")
