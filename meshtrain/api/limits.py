@@ -161,3 +161,7 @@ MAX_POD_OVERRIDE_VOLUMES = 64
 MAX_POD_ANNOTATION_BYTES = 65_536
 """Keys and values of ``spec.pod.annotations`` and ``spec.podTemplateOverride.metadata.annotations``
 together (the API server takes 256 KiB of annotations per object; the operator adds its own)."""
+
+MAX_GANG_SCHEDULE_TIMEOUT_SECONDS = 3_600
+"""``--gang-schedule-timeout-seconds``: how long a coscheduled pod may wait in the second
+scheduler's Permit for its siblings, holding its node's resources in that scheduler's cache."""

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.operator.cluster import kube
-from meshtrain.operator.policy import conditions
+from meshtrain.operator.policy import conditions, gang_backend
 
 RETRY_BASE_SECONDS = 2.0
 """Wait after the first refused create."""
@@ -84,7 +84,10 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
         if await client.create(manifest=manifest) is not None:
             return None
         existing = await client.read(
-            kind=kind, namespace=metadata["namespace"], name=metadata["name"]
+            kind=kind,
+            namespace=metadata["namespace"],
+            name=metadata["name"],
+            api_version=manifest.get("apiVersion"),
         )
         if existing is None:  # gone between the two calls: the next pass creates it
             return None
@@ -102,10 +105,11 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
     except kube.ApiError as err:
         if err.status < 400 or err.status >= 500 or err.status in _TRANSIENT:
             raise
+        unserved = kind == "PodGroup" and err.status == 404  # the gang backend's API is missing
         return Refused(
             conditions.CREATE_REJECTED,
             f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
-            f"{err.body}",
+            f"{err.body}" + (f" ({gang_backend.missing_api(manifest)})" if unserved else ""),
             invalid=kind == "Pod" and err.status == INVALID,
         )
 
