@@ -362,7 +362,7 @@ build_registry() {
 # copies those lines (a dependency's replaces are ignored), as build_kubernetes does. The
 # gang-backend tests (make test-gang-backends) and the churn measurement run it; node only.
 build_scheduler_plugins() {
-  local root="$CACHE_ROOT/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION" module_dir_ replaces
+  local root="$CACHE_ROOT/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION" module_dir_ replaces kube_version
   local module=sigs.k8s.io/scheduler-plugins wrapper
   if [[ -x "$root/bin/kube-scheduler" && -s "$root/crds/scheduling.x-k8s.io_podgroups.yaml" ]]; then
     log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION present: $root"
@@ -377,9 +377,13 @@ build_scheduler_plugins() {
   wrapper="$BUILD_ROOT/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
   write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$module_dir_/go.mod")" \
     "$(printf '\t%s %s\n' "$module" "$SCHEDULER_PLUGINS_VERSION")" "$replaces"
+  # The version stamp is the Kubernetes release it is built from: the scheduler derives its
+  # emulation version from it (scheduler-plugins' own tag there makes it refuse to start).
+  kube_version="$(sed -n 's#^[[:space:]]*k8s\.io/kubernetes => k8s\.io/kubernetes \(v[^ ]*\)$#\1#p' "$module_dir_/go.mod")"
+  [[ -n "$kube_version" ]] || die "found no k8s.io/kubernetes replace in $module_dir_/go.mod"
   mkdir -p "$root/bin" "$root/crds"
   BIN_DIR="$root/bin" build_binary kube-scheduler "$wrapper" "$module/cmd/scheduler" \
-    "-X k8s.io/component-base/version.gitVersion=$SCHEDULER_PLUGINS_VERSION"
+    "-X k8s.io/component-base/version.gitVersion=$kube_version"
   cp "$module_dir_/manifests/coscheduling/crd.yaml" "$root/crds/scheduling.x-k8s.io_podgroups.yaml"
   chmod u+w "$root"/crds/*.yaml  # the module cache is read-only
   log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION: $root"
