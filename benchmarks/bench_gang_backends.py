@@ -10,8 +10,10 @@ kubelet runs what binds there, and the same seeded trace is replayed:
   gang is bound (or at the end);
 * other tenants' pods (8 GPUs each, no meshtrain label, ``default-scheduler``) arrive faster and
   leave after a few seconds.  They race the operator's plans: kube-scheduler does not count gated
-  pods, so a foreign pod can take a planned node before the gang's gates are lifted — the window a
-  gang scheduler closes.
+  pods, so a foreign pod can take a planned node before the gang's gates are lifted;
+* with ``--race P``, for a share P of the gangs a pod bound by ``nodeName`` (a DaemonSet's or a
+  static pod's: no scheduler) takes one of its planned nodes the moment its gates are lifted, and
+  leaves after 5-20 s: the window a gang scheduler closes and the operator's check cannot.
 
 A sampler lists the namespace's pods every ``--sample`` seconds: a gang (job, attempt) with some
 pods bound and some not is partial; one partial for ``--stuck-after`` seconds in a row (binding a
@@ -20,7 +22,8 @@ episode are GPU-seconds held by a partial gang.  It also counts node-seconds ove
 schedulers binding onto one node from different caches).  Gangs bound are the gangs seen whole.
 
 Run: ``python benchmarks/bench_gang_backends.py [--seconds 150 --nodes 10]``; needs the full
-bootstrap (scheduler-plugins).  Results: ``benchmarks/results/gang_backends-<host>.json``.
+bootstrap (scheduler-plugins).  Results: ``benchmarks/results/gang_backends-<host>.json``
+(``gang_backends_race-<host>.json`` with ``--race``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import os
 import pathlib
 import random
 import sys
@@ -67,14 +71,14 @@ class Arrival:
 
 
 def trace(seed: int, seconds: float, job_every: float, foreign_every: float) -> list[Arrival]:
-    """Poisson arrivals of jobs (1-4 pods, 10-40 s) and foreign pods (2-8 s), by time."""
+    """Poisson arrivals of jobs (1-4 pods, 5-20 s once bound) and foreign pods (2-8 s), by time."""
     rng = random.Random(seed)
     events: list[Arrival] = []
     for kind, every in (("job", job_every), ("foreign", foreign_every)):
         at = rng.expovariate(1 / every)
         while at < seconds:
             if kind == "job":
-                events.append(Arrival(at, kind, rng.randint(1, 4), rng.uniform(10, 40)))
+                events.append(Arrival(at, kind, rng.randint(1, 4), rng.uniform(5, 20)))
             else:
                 events.append(Arrival(at, kind, 1, rng.uniform(2, 8)))
             at += rng.expovariate(1 / every)
@@ -142,7 +146,7 @@ class Sampler(threading.Thread):
         for pod in pods:
             labels = pod.metadata.labels or {}
             live = pod.status.phase not in ("Succeeded", "Failed")
-            if pod.spec.node_name and live:
+            if pod.spec.node_name and live and labels.get("bench") != "race":
                 per_node[pod.spec.node_name] += GPUS
             job = labels.get("meshtrain.io/job")
             member = job and job not in self.deleted and "meshtrain.io/spare" not in labels
@@ -160,6 +164,86 @@ class Sampler(threading.Thread):
         for key in [k for k in self.episodes if k not in gangs or k in self._settled(gangs)]:
             self.close(key, now)
         self.overcommitted_node_seconds += dt * sum(1 for n in per_node.values() if n > GPUS)
+
+
+class Racer(threading.Thread):
+    """Another tenant's pods bound by ``nodeName`` (a DaemonSet's, a static pod's: no scheduler
+    involved) that take one planned node of a gang the moment its gates are lifted, for a share
+    ``--race`` of the gangs: the window the operator's own check cannot close, under churn."""
+
+    def __init__(self, cluster: Cluster, namespace: str, args: argparse.Namespace) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.namespace = cluster, namespace
+        self.rng = random.Random(args.seed + 1)
+        self.share = args.race
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.leaving: list[tuple[float, str]] = []
+        """(monotonic time to delete, pod) of each pod it created."""
+        self.seen: set[tuple[str, str]] = set()
+        self.raced = 0
+
+    def run(self) -> None:
+        core = self.cluster.core
+        version = core.list_namespaced_pod(self.namespace).metadata.resource_version
+        watch = kubernetes.watch.Watch()
+        while not self.stop.is_set():
+            try:
+                for event in watch.stream(
+                    core.list_namespaced_pod,
+                    self.namespace,
+                    resource_version=version,
+                    timeout_seconds=1,
+                ):
+                    pod = event["object"]
+                    version = pod.metadata.resource_version
+                    self._maybe_race(pod)
+            except kubernetes.client.ApiException as err:
+                if err.status != 410:
+                    raise
+                version = core.list_namespaced_pod(self.namespace).metadata.resource_version
+
+    def _maybe_race(self, pod: Any) -> None:
+        labels = pod.metadata.labels or {}
+        node = (pod.metadata.annotations or {}).get("meshtrain.io/planned-node")
+        job = labels.get("meshtrain.io/job")
+        if not job or not node or "meshtrain.io/spare" in labels or pod.spec.node_name:
+            return
+        if pod.spec.scheduling_gates or pod.metadata.deletion_timestamp:
+            return
+        key = (job, labels.get("meshtrain.io/attempt", ""))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        if self.rng.random() >= self.share:
+            return
+        self.raced += 1
+        name = f"race-{self.raced}"
+        body = {
+            "metadata": {"name": name, "labels": {"bench": "race"}},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 0,
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "pause",
+                        "resources": {"limits": {"nvidia.com/gpu": str(GPUS)}},
+                    }
+                ],
+            },
+        }
+        _tolerant(self.cluster.core.create_namespaced_pod, self.namespace, body, ok=409)
+        with self.lock:
+            self.leaving.append((time.monotonic() + self.rng.uniform(5, 20), name))
+
+    def due(self) -> list[str]:
+        """Its pods whose time is up (removed from the list)."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [name for when, name in self.leaving if when <= now]
+            self.leaving = [(when, name) for when, name in self.leaving if when > now]
+        return gone
 
 
 def _tolerant(call: Any, *args: Any, ok: int) -> None:
@@ -209,11 +293,14 @@ def replay(
     )
     sizes: dict[str, int] = {}
     sampler = Sampler(cluster, namespace, sizes, args)
+    racer = Racer(cluster, namespace, args)
     leaving: list[tuple[float, str, str]] = []  # (when, kind, name)
     stays: dict[str, float] = {}
     with Kubelet(cluster, namespace=namespace):
         operator.start()
         sampler.start()
+        if args.race > 0:
+            racer.start()
         start = time.monotonic()
         pending = list(events)
         try:
@@ -233,6 +320,7 @@ def replay(
                 for job, seen in list(sampler.whole.items()):
                     if job in stays:
                         leaving.append((seen - start + stays.pop(job), "job", job))
+                leaving += [(now, "foreign", name) for name in racer.due()]
                 for item in [i for i in leaving if i[0] <= now]:
                     leaving.remove(item)
                     if item[1] == "job":
@@ -245,12 +333,15 @@ def replay(
                         _tolerant(delete, item[2], namespace, ok=404)
                 time.sleep(0.1)
         finally:
+            racer.stop.set()
             sampler.stop.set()
             sampler.join(timeout=30)
             operator.stop()
     return {
         "backend": backend,
+        "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
         "jobs_arrived": len(sizes),
+        "gangs_raced": racer.raced,
         "gangs_bound_whole": len(sampler.whole),
         "gangs_ever_half_bound": len(sampler.partial),
         "gangs_seen_partly_bound_in_one_sample": len(sampler.transient),
@@ -276,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="a gang partly bound this many seconds in a row is half-bound (binding takes a moment)",
     )
+    parser.add_argument(
+        "--race",
+        type=float,
+        default=0.0,
+        help="share of gangs one of whose planned nodes a node-bound foreign pod takes the moment "
+        "its gates are lifted (0: churn alone)",
+    )
     parser.add_argument("--seed", type=int, default=36)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     args = parser.parse_args(argv)
@@ -295,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(result, flush=True)
             runs.append(result)
     path = machine.write_results(
-        "gang_backends",
+        "gang_backends_race" if args.race > 0 else "gang_backends",
         {
             "command": "python benchmarks/bench_gang_backends.py " + " ".join(argv or sys.argv[1:]),
             "settings": vars(args),

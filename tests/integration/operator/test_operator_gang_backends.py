@@ -167,6 +167,17 @@ def test_a_gang_that_fits_binds_whole_through_the_operators_own_passes(cluster, 
     assert {_binder(cluster, namespace, p.metadata.name) for p in pods} == {SCHEDULER}
 
 
+def test_native_where_the_api_is_not_served_is_refused_naming_the_feature_gates(cluster, namespace):
+    pool = f"x{uuid.uuid4().hex[:5]}"
+    cluster.add_node(pool, gpus=2)
+    cluster.apply(JobBuilder("solo", namespace, pool).layout(data=2).gpus(2))
+    native = gang_backend.GangBackend(kind="native")
+    reconcile_passes(cluster, namespace, "solo", settings=_settings(native))
+    (event, *_) = cluster.events(namespace, "solo", "CreateRejected")
+    assert "PodGroup" in event.message and "GenericWorkload and GangScheduling" in event.message
+    assert cluster.pods(namespace, "solo") == []  # no pod without its gang's PodGroup
+
+
 @pytest.fixture(scope="module")
 def operated(cluster, tmp_path_factory) -> Iterator[OperatorProcess]:
     """An operator process with ``--gang-backend coscheduling`` (from its env, as the chart sets
