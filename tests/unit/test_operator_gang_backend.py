@@ -3,6 +3,9 @@ each builds, and how a pod joins it (the real schedulers' verdicts: tests/integr
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
 from meshtrain.api import limits, loading
@@ -10,6 +13,7 @@ from meshtrain.cli import main
 from meshtrain.operator.policy import builders, gang_backend, identity
 from tests.builders import JobBuilder
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 REF = identity.JobRef(name="llm", namespace="research", uid="1234")
 SPEC = loading.parse_spec(JobBuilder().layout(data=16, tensor=2, gpus_per_node=4).raw())
 COSCHEDULING = gang_backend.GangBackend(
@@ -105,3 +109,12 @@ def test_the_operator_takes_its_gang_backend_from_flags_or_env_and_refuses_volca
     monkeypatch.setenv("MESHTRAIN_GANG_BACKEND", "kai")
     assert main.main(["operator"]) == 2
     assert "is none of auto, native, coscheduling, volcano, none" in capsys.readouterr().err
+
+
+def test_the_charts_schema_bounds_the_timeout_as_the_operator_does() -> None:
+    schema = json.loads((ROOT / "charts" / "meshtrain" / "values.schema.json").read_text())
+    gang = schema["properties"]["gang"]["properties"]
+    timeout = gang["scheduleTimeoutSeconds"]
+    assert (timeout["minimum"], timeout["maximum"]) == (1, limits.MAX_GANG_SCHEDULE_TIMEOUT_SECONDS)
+    assert gang["backend"]["enum"] == list(gang_backend.KINDS)
+    assert gang["schedulerName"]["maxLength"] == 253
