@@ -23,7 +23,7 @@ schedulers binding onto one node from different caches).  Gangs bound are the ga
 
 Run: ``python benchmarks/bench_gang_backends.py [--seconds 150 --nodes 10]``; needs the full
 bootstrap (scheduler-plugins).  Results: ``benchmarks/results/gang_backends-<host>.json``
-(``gang_backends_race-<host>.json`` with ``--race``).
+(``gang_backends_race<percent>-<host>.json`` with ``--race``).
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(result, flush=True)
             runs.append(result)
     path = machine.write_results(
-        "gang_backends_race" if args.race > 0 else "gang_backends",
+        f"gang_backends_race{round(args.race * 100)}" if args.race > 0 else "gang_backends",
         {
             "command": "python benchmarks/bench_gang_backends.py " + " ".join(argv or sys.argv[1:]),
             "settings": vars(args),
