@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e test-nvidia-crd benchmarks bench-overlap bench-faults clean \
+.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e test-nvidia-crd test-gang-backends benchmarks bench-overlap bench-faults clean \
         chart-docs chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -63,8 +63,11 @@ sandbox-status: venv  ## what the sandbox is running
 
 test: venv  ## every test but the sandbox's (unit, trainer, integration, telemetry); CI runs this
 	scripts/bootstrap.sh --no-node
-	$(BIN)/pytest -m "not e2e and not alone and not nvidia_crd" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
+	$(BIN)/pytest -m "not e2e and not alone and not nvidia_crd and not gang_backends" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
 	$(BIN)/pytest -m "alone and not e2e" --durations=5  # wall-time comparisons, with the machine to themselves
+
+test-gang-backends: venv  ## the gang backends against real schedulers: scheduler-plugins' Coscheduling as a second scheduler vs none (needs the full bootstrap's build_scheduler_plugins)
+	$(BIN)/pytest -m gang_backends tests/integration/operator/test_operator_gang_backends.py
 
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit

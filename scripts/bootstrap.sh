@@ -46,6 +46,12 @@
 #     version of the Kubernetes release (v0.X.Y), into
 #     $CACHE_ROOT/dra-driver-<v0.X.Y>/bin/ (node only; ~3 min on 2 cores with
 #     the Kubernetes modules already downloaded, rebuilt when its sources change).
+#   * scheduler-plugins' kube-scheduler (the Coscheduling plugin, a second
+#     scheduler the gang-backend tests run beside kube-scheduler) and its
+#     PodGroup CRD (scheduling.x-k8s.io), from sigs.k8s.io/scheduler-plugins at
+#     SCHEDULER_PLUGINS_VERSION into $CACHE_ROOT/scheduler-plugins-<version>/
+#     (node only). Its k8s.io deps are pinned with the `replace` lines of the
+#     module's own go.mod, as build_kubernetes pins the staging modules.
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -75,6 +81,9 @@ KUBE_ROUTER_VERSION="${MESHTRAIN_KUBE_ROUTER_VERSION:-v2.1.0}"
 VERSITYGW_VERSION="${MESHTRAIN_VERSITYGW_VERSION:-v1.8.0}"
 REGISTRY_VERSION="${MESHTRAIN_REGISTRY_VERSION:-v3.1.2}"
 NVIDIA_DRA_DRIVER_VERSION="${MESHTRAIN_NVIDIA_DRA_DRIVER_VERSION:-v0.0.0-20251216103315-fc69d9852802}"
+# The newest scheduler-plugins tag the module proxy serves here (v0.35.0 is refused); built
+# against its own Kubernetes v1.34.1 libraries, it schedules on the v1.36 control plane (skew 2).
+SCHEDULER_PLUGINS_VERSION="${MESHTRAIN_SCHEDULER_PLUGINS_VERSION:-v0.34.1-devel}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
@@ -392,6 +401,40 @@ dra_driver_source_hash() {
   (cd "$dir" && cat go.mod go.sum $(LC_ALL=C ls -1 -- *.go) | sha256sum | cut -d' ' -f1)
 }
 
+# scheduler-plugins' scheduler (kube-scheduler with its out-of-tree plugins, Coscheduling among
+# them) and its PodGroup CRD, from the sigs.k8s.io/scheduler-plugins module into
+# $CACHE_ROOT/scheduler-plugins-<version>/ (bin/kube-scheduler, crds/). The module requires
+# k8s.io/kubernetes, whose staging modules only its own go.mod's `replace` block pins: the wrapper
+# copies those lines (a dependency's replaces are ignored), as build_kubernetes does. The
+# gang-backend tests (make test-gang-backends) and the churn measurement run it; node only.
+build_scheduler_plugins() {
+  local root="$CACHE_ROOT/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION" module_dir_ replaces kube_version
+  local module=sigs.k8s.io/scheduler-plugins wrapper
+  if [[ -x "$root/bin/kube-scheduler" && -s "$root/crds/scheduling.x-k8s.io_podgroups.yaml" ]]; then
+    log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION present: $root"
+    return
+  fi
+  require_go
+  export GONOSUMDB="${GONOSUMDB:+$GONOSUMDB,}$module"
+  module_dir_="$(module_dir "$module" "$SCHEDULER_PLUGINS_VERSION")"
+  replaces="$(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \(k8s\.io/[^ ]* v[^ ]*\)$#\t\1 => \2#p; s#^replace \(k8s\.io/[^ ]*\) => \(k8s\.io/[^ ]* v[^ ]*\)$#\t\1 => \2#p' \
+              "$module_dir_/go.mod")"
+  [[ -n "$replaces" ]] || die "found no k8s.io replaces in $module_dir_/go.mod"
+  wrapper="$BUILD_ROOT/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
+  write_wrapper "$wrapper" "$(sed -n 's/^go //p' "$module_dir_/go.mod")" \
+    "$(printf '\t%s %s\n' "$module" "$SCHEDULER_PLUGINS_VERSION")" "$replaces"
+  # The version stamp is the Kubernetes release it is built from: the scheduler derives its
+  # emulation version from it (scheduler-plugins' own tag there makes it refuse to start).
+  kube_version="$(sed -n 's#^[[:space:]]*k8s\.io/kubernetes => k8s\.io/kubernetes \(v[^ ]*\)$#\1#p' "$module_dir_/go.mod")"
+  [[ -n "$kube_version" ]] || die "found no k8s.io/kubernetes replace in $module_dir_/go.mod"
+  mkdir -p "$root/bin" "$root/crds"
+  BIN_DIR="$root/bin" build_binary kube-scheduler "$wrapper" "$module/cmd/scheduler" \
+    "-X k8s.io/component-base/version.gitVersion=$kube_version"
+  cp "$module_dir_/manifests/coscheduling/crd.yaml" "$root/crds/scheduling.x-k8s.io_podgroups.yaml"
+  chmod u+w "$root"/crds/*.yaml  # the module cache is read-only
+  log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION: $root"
+}
+
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
 # stamps the version like this.
 build_containerd() {
@@ -554,6 +597,7 @@ main() {
   ((WITH_NODE)) && build_registry
   ((WITH_NODE)) && build_dra_driver
   ((WITH_NODE)) && fetch_nvidia_crds
+  ((WITH_NODE)) && build_scheduler_plugins
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

@@ -188,3 +188,7 @@ a large cluster)."""
 
 MAX_CLUSTER_OBJECTS = 200_000
 """Most Kubernetes objects read from one cluster file."""
+
+MAX_GANG_SCHEDULE_TIMEOUT_SECONDS = 3_600
+"""``--gang-schedule-timeout-seconds``: how long a coscheduled pod may wait in the second
+scheduler's Permit for its siblings, holding its node's resources in that scheduler's cache."""

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from meshtrain.api import limits, loading
+from meshtrain.cli import main
 from meshtrain.operator import command
 from meshtrain.operator.policy import builders, identity
 from meshtrain.sandbox import controlplane
@@ -117,6 +118,7 @@ DENIED = [
     ("create", "pods/exec"),
     ("update", "configmaps"),
     ("delete", "podgroups.scheduling.k8s.io"),
+    ("create", "podgroups.scheduling.x-k8s.io"),  # only with gang.backend=coscheduling
     ("update", "networkpolicies.networking.k8s.io"),
     ("update", "resourceclaimtemplates.resource.k8s.io"),
     ("create", "resourceclaims.resource.k8s.io"),
@@ -512,6 +514,52 @@ def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> 
         assert not can_i(tools, sa, "get", "secrets", watched)
     finally:
         run(tools, "helm", "uninstall", "rbacns", "--namespace", release_ns, "--wait")
+
+
+def test_the_coscheduling_backend_gets_its_flags_and_podgroups_and_volcano_is_refused(
+    tools: dict,
+) -> None:
+    def rendered(*values: str) -> subprocess.CompletedProcess[str]:
+        return run(tools, "helm", "template", "gb", str(CHART), "--namespace", "ops", *values)
+
+    plain = rendered()
+    assert plain.returncode == 0, plain.stderr
+    assert "--gang-backend=auto" in plain.stdout and "scheduling.x-k8s.io" not in plain.stdout
+    chosen = rendered(
+        "--set", "gang.backend=coscheduling", "--set", "gang.schedulerName=gangs",
+        "--set", "gang.scheduleTimeoutSeconds=90",
+    )  # fmt: skip
+    assert chosen.returncode == 0, chosen.stderr
+    documents = [d for d in yaml.safe_load_all(chosen.stdout) if d]
+    args = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    flags = ("--gang-backend=coscheduling", "--gang-scheduler-name=gangs")
+    assert {*flags, "--gang-schedule-timeout-seconds=90"} <= set(args)
+    gang_flags = [a for a in args if a.startswith("--gang-")]
+    parsed = command.gang(main.build_parser().parse_args(["operator", *gang_flags]))
+    assert (parsed.kind, parsed.scheduler_name, parsed.schedule_timeout_seconds) == (
+        "coscheduling", "gangs", 90,
+    )  # fmt: skip
+    rules = [
+        rule
+        for d in documents
+        if d["kind"] == "ClusterRole"
+        for rule in d.get("rules") or []
+        if rule.get("apiGroups") == ["scheduling.x-k8s.io"]
+    ]
+    assert rules == [
+        {
+            "apiGroups": ["scheduling.x-k8s.io"],
+            "resources": ["podgroups"],
+            "verbs": ["get", "create"],
+        }
+    ]
+    volcano = rendered("--set", "gang.backend=volcano")
+    assert volcano.returncode != 0
+    assert "Volcano's scheduler has not been built or tested" in volcano.stderr, volcano.stderr
+    unknown = rendered("--set", "gang.backend=kai")
+    assert unknown.returncode != 0 and "/gang/backend" in unknown.stderr, unknown.stderr
 
 
 def test_plain_manifests_equal_fresh_helm_template(tools: dict) -> None:

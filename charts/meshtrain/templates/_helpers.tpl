@@ -117,6 +117,12 @@ whose gangs get one only, in either watch mode.
 - apiGroups: ["scheduling.k8s.io"]
   resources: ["podgroups"]
   verbs: ["get", "create"]
+{{- if eq .Values.gang.backend "coscheduling" }}
+# gang.backend coscheduling: each gang's scheduler-plugins PodGroup.
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create"]
+{{- end }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

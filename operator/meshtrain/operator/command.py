@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from meshtrain.operator import planning
-from meshtrain.operator.policy import builders, kueue_workload, naming
+from meshtrain.operator.policy import builders, gang_backend, kueue_workload, naming
 from meshtrain.planner import admission, profiles
 
 if TYPE_CHECKING:
@@ -214,6 +214,7 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         "Prometheus in; env MESHTRAIN_GANG_NETWORK_POLICY_NAMESPACES, comma-separated; "
         "default: none)",
     )
+    _add_gang_flags(parser)
     for kind, who in (("operator", "the operator's pods"), ("metrics", "Prometheus")):
         parser.add_argument(
             f"--gang-network-policy-{kind}-peers",
@@ -223,6 +224,49 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
             f"on the job's {'progress port' if kind == 'operator' else 'exporter ports'} (env "
             f"MESHTRAIN_GANG_NETWORK_POLICY_{kind.upper()}_PEERS; default: none)",
         )
+
+
+def _add_gang_flags(parser: argparse.ArgumentParser) -> None:
+    """Who binds each gang all or nothing (``gang_backend``; docs/operator.md, "Gang backends")."""
+    parser.add_argument(
+        "--gang-backend",
+        choices=gang_backend.KINDS,
+        default=os.environ.get("MESHTRAIN_GANG_BACKEND") or "auto",
+        help="who binds a gang whole once its gates are lifted: 'auto' the native Workload API "
+        "where the API server serves it, else nobody; 'native' that API; 'coscheduling' "
+        "scheduler-plugins' Coscheduling plugin in the second scheduler --gang-scheduler-name; "
+        "'none' nobody (half a gang can bind); 'volcano' is refused (untested) "
+        "(env MESHTRAIN_GANG_BACKEND; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gang-scheduler-name",
+        default=os.environ.get("MESHTRAIN_GANG_SCHEDULER_NAME")
+        or gang_backend.DEFAULT_SCHEDULER_NAME,
+        metavar="NAME",
+        help="schedulerName of every pod under --gang-backend coscheduling: the second scheduler "
+        "running the Coscheduling plugin (env MESHTRAIN_GANG_SCHEDULER_NAME; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gang-schedule-timeout-seconds",
+        type=int,
+        default=int(
+            os.environ.get("MESHTRAIN_GANG_SCHEDULE_TIMEOUT_SECONDS")
+            or gang_backend.DEFAULT_SCHEDULE_TIMEOUT_SECONDS
+        ),
+        metavar="SECONDS",
+        help="scheduleTimeoutSeconds of each coscheduling PodGroup: how long a gang's pods wait in "
+        "the scheduler for their siblings (env MESHTRAIN_GANG_SCHEDULE_TIMEOUT_SECONDS; "
+        "default: %(default)s)",
+    )
+
+
+def gang(args: argparse.Namespace) -> gang_backend.GangBackend:
+    """The gang backend of the flags (checked with ``gang_backend.invalid``)."""
+    return gang_backend.GangBackend(
+        kind=args.gang_backend,
+        scheduler_name=args.gang_scheduler_name,
+        schedule_timeout_seconds=args.gang_schedule_timeout_seconds,
+    )
 
 
 RESTART_RULES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
@@ -285,6 +329,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    backend = gang(args)
+    if (refused := gang_backend.invalid(backend)) is not None:
+        print(f"meshtrain operator: {refused}", file=sys.stderr)
+        return 2
     try:
         peers = gang_peers(args)
     except ValueError as err:
@@ -323,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
             gang_peers=peers,
             container_restart_rules=RESTART_RULES[args.container_restart_rules],
             restart_all_containers=args.restart_all_containers,
+            gang=backend,
         ),
     )
     clusterwide = not args.namespace

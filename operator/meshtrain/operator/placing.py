@@ -37,6 +37,7 @@ from meshtrain.operator.policy import (
     devices,
     failure,
     feasibility,
+    gang_backend,
     identity,
     job_actions,
     job_state,
@@ -89,6 +90,7 @@ class Placer:
         gang_peers: builders.GangPeers = builders.NO_PEERS,
         restart_rules: bool = True,
         restart_all: kubelet_tier.RestartAll = "off",
+        gang: gang_backend.GangBackend = gang_backend.AUTO,
     ) -> None:
         self.client = client
         self.cache = cache
@@ -112,8 +114,11 @@ class Placer:
         plan again (:data:`PLAN_SPACING`, :data:`FAILED_PLAN_RETRY_SECONDS`)."""
         self._deferred: set[str] = set()
         """Jobs (by UID) a pass found spaced out: planned again as their spacing ends."""
-        self._gang_api: bool | None = None
-        """Whether PodGroups are served (None: not asked yet)."""
+        self.gang = gang
+        """Who binds each gang whole (``--gang-backend``)."""
+        self._gang: gang_backend.Resolved | None = None
+        """What ``gang`` comes to on this cluster (None: not decided yet; ``auto`` asks whether
+        the native PodGroups are served, once)."""
         self.create_failures = retries.Backoff(children.retry_delay)
         """Jobs (by UID: a namesake re-created is a new job) whose children were refused: when they may try again."""
         self._policy_checked: set[str] = set()
@@ -345,6 +350,16 @@ class Placer:
         waiting = placement_outcome.old_gang_leaving(job, pods, clock.now())
         return await self.writer.set_status(body, job, waiting.status)
 
+    async def resolved_gang(self) -> gang_backend.Resolved:
+        """The gang backend on this cluster, decided once (``auto``: one discovery request)."""
+        if self._gang is None:
+            served = self.gang.kind == "auto" and await self.client.serves_pod_groups()
+            self._gang = gang_backend.resolve(self.gang.kind, served)
+            logger.info(
+                "gang backend %s: %s", self.gang.kind, gang_backend.described(self._gang, self.gang)
+            )
+        return self._gang
+
     async def _pod_group(
         self,
         ref: identity.JobRef,
@@ -352,14 +367,18 @@ class Placer:
         attempt: int,
         stamped: str | None = None,
     ) -> dict[str, Any] | None:
-        """The gang's PodGroup where the API server serves the native gang API (asked once), else None."""
-        if self._gang_api is None:
-            self._gang_api = await self.client.serves_pod_groups()
-            logger.info(
-                "native gang scheduling (scheduling.k8s.io/v1alpha2 PodGroup): %s",
-                "served, used" if self._gang_api else "not served; gang held by scheduling gates",
-            )
-        return builders.build_pod_group(ref, spec, attempt, stamped) if self._gang_api else None
+        """The gang's PodGroup under the cluster's gang backend, else None."""
+        resolved = await self.resolved_gang()
+        return gang_backend.build_pod_group(resolved, self.gang, ref, spec, attempt, stamped)
+
+    async def gang_pod(
+        self, pod: dict[str, Any], group: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """``pod`` as the gang backend schedules it: a member of ``group`` (a gang pod), or of no
+        group (a spare, a replacement: their gang is bound)."""
+        resolved = await self.resolved_gang()
+        name = None if group is None else str(group["metadata"]["name"])
+        return gang_backend.join(pod, resolved, self.gang, name)
 
     async def _refused(
         self, body: dict[str, Any], job: job_state.JobState, refused: children.Refused
@@ -464,16 +483,19 @@ class Placer:
         every = self.restart_all_on(node for _, node in recovery.nodes)
         pods = [
             kueue_workload.gang_pod(
-                builders.build_pod(
-                    ref,
-                    spec,
-                    attempt,
-                    i,
-                    node,
-                    default_image=self.trainer_image,
-                    restart_rules=self.restart_rules,
-                    restart_all=every,
-                    pod_group=group["metadata"]["name"] if group else None,
+                await self.gang_pod(
+                    builders.build_pod(
+                        ref,
+                        spec,
+                        attempt,
+                        i,
+                        node,
+                        default_image=self.trainer_image,
+                        restart_rules=self.restart_rules,
+                        restart_all=every,
+                        pod_group=gang_backend.native_group(group),
+                    ),
+                    group,
                 ),
                 where,
                 job=ref.name,
@@ -559,7 +581,9 @@ class Placer:
             ref.uid,
             self._shared_children(ref, spec, group),
             [
-                kueue_workload.gang_pod(pod, where, job=ref.name, topology=topology)
+                kueue_workload.gang_pod(
+                    await self.gang_pod(pod, group), where, job=ref.name, topology=topology
+                )
                 for pod in builders.build_pods(
                     ref,
                     spec,
@@ -568,7 +592,7 @@ class Placer:
                     default_image=self.trainer_image,
                     restart_rules=self.restart_rules,
                     restart_all=self.restart_all_on(outcome.nodes),
-                    pod_group=group["metadata"]["name"] if group else None,
+                    pod_group=gang_backend.native_group(group),
                 )
             ],
         )
@@ -620,8 +644,9 @@ class Placer:
     def _shared_children(
         self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
     ) -> list[dict[str, Any]]:
-        """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup if
-        served, NetworkPolicy in an isolated namespace, DRA claim objects with resources.dra.
+        """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup of the
+        gang backend (``gang_backend``), NetworkPolicy in an isolated namespace, DRA claim objects
+        with resources.dra.
 
         Crash recovery ensures them again with the missing pods (they exist: each is read, and
         brought up to date when it is the job's), so a recovered gang never rests on how far the

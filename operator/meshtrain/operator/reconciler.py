@@ -34,6 +34,7 @@ from meshtrain.operator.policy import (
     checkpoint_condition,
     conditions,
     feasibility,
+    gang_backend,
     identity,
     job_actions,
     job_state,
@@ -88,6 +89,8 @@ class Settings:
     """Whether custom trainers' pods carry the ``RestartAllContainers`` rule (KEP-5532,
     ``--restart-all-containers``); ``auto``: where the API server's version serves it
     (:func:`resolved`) and every node of the gang declares it (``kubelet_tier.declares_all``)."""
+    gang: gang_backend.GangBackend = gang_backend.AUTO
+    """Who binds each gang all or nothing (``--gang-backend`` and its settings)."""
 
 
 async def resolved(client: kube.Client, settings: Settings) -> Settings:
@@ -160,6 +163,7 @@ class Reconciler:
             gang_peers=settings.gang_peers,
             restart_rules=settings.container_restart_rules is not False,
             restart_all=settings.restart_all_containers,
+            gang=settings.gang,
         )
         self.replacer = replacing.Replacer(self.placer)
         self.spares = sparing.Spares(self.placer)

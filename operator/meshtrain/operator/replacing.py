@@ -84,7 +84,9 @@ class Replacer:
             ready = self._vacated(job, action.attempt, chosen)
             # A spare holds its node until the replacement that takes it can be created.
             await self._release(job, action.attempt, tuple(chosen[i][1] for i in ready))
-            pods = [self._pod(job, action, i, *chosen[i], where) for i in ready]
+            pods = [
+                await placer.gang_pod(self._pod(job, action, i, *chosen[i], where)) for i in ready
+            ]
             refused = await children.ensure(placer.client, ref.uid, [], pods)
             if refused is None and ready:
                 created = replacement.created(job.status, ready)
@@ -257,7 +259,8 @@ class Replacer:
         where: kueue_workload.Assignment,
     ) -> dict[str, Any]:
         """The replacement: the gang's pod ``index`` under its own name, released at once (the
-        gang it joins runs; a PodGroup's gang was bound long ago, so it names none); a TAS pod of
+        gang it joins runs; a PodGroup's gang was bound long ago, so it names none, and binds alone
+        through the gang backend's scheduler: ``Placer.gang_pod``); a TAS pod of
         the Workload under Kueue's assignment, as the gang's."""
         assert job.spec is not None
         pod = builders.build_pod(

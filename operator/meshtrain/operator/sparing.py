@@ -176,8 +176,10 @@ class Spares:
         )
         pods = [
             kueue_workload.gang_pod(
-                builders.build_spare_pod(
-                    ref, spec, attempt, number, node, default_image=placer.trainer_image
+                await placer.gang_pod(
+                    builders.build_spare_pod(
+                        ref, spec, attempt, number, node, default_image=placer.trainer_image
+                    )
                 ),
                 where,
                 job=ref.name,

@@ -505,8 +505,15 @@ class OperatorProcess:
         self.process = None
 
 
-def reconcile_passes(cluster: Cluster, namespace: str, name: str, passes: int = 1) -> None:
-    """Run ``passes`` reconcile passes of one job in this process (a reconciler with its cache)."""
+def reconcile_passes(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    passes: int = 1,
+    settings: reconciler.Settings | None = None,
+) -> None:
+    """Run ``passes`` reconcile passes of one job in this process (a reconciler with its cache;
+    ``settings``: the operator's flags, default its defaults)."""
 
     async def run() -> None:
         client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
@@ -514,7 +521,7 @@ def reconcile_passes(cluster: Cluster, namespace: str, name: str, passes: int = 
         follow = asyncio.create_task(cache.run(client))
         try:
             worker = reconciler.Reconciler(
-                client=client, cache=cache, settings=reconciler.Settings()
+                client=client, cache=cache, settings=settings or reconciler.Settings()
             )
             for _ in range(passes):
                 await worker.reconcile(namespace=namespace, name=name)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.operator.cluster import kube
-from meshtrain.operator.policy import conditions, device_claims, naming
+from meshtrain.operator.policy import conditions, device_claims, gang_backend, naming
 
 RETRY_BASE_SECONDS = 2.0
 """Wait after the first refused create."""
@@ -108,11 +108,14 @@ async def _replace(
     )
 
 
-def _rejected(kind: str, metadata: Mapping[str, Any], err: kube.ApiError) -> Refused:
+def _rejected(manifest: dict[str, Any], err: kube.ApiError) -> Refused:
+    kind, metadata = manifest["kind"], manifest["metadata"]
     said = f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
+    unserved = kind == "PodGroup" and err.status == 404  # the gang backend's API is missing
+    missing = f" ({gang_backend.missing_api(manifest)})" if unserved else ""
     return Refused(
         conditions.CREATE_REJECTED,
-        device_claims.refusal(kind, err.status, err.body) or f"{said}{err.body}",
+        device_claims.refusal(kind, err.status, err.body) or f"{said}{err.body}{missing}",
         invalid=kind in ("Pod", *device_claims.KINDS) and err.status == INVALID,
     )
 
@@ -124,7 +127,10 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
         if await client.create(manifest=manifest) is not None:
             return None
         existing = await client.read(
-            kind=kind, namespace=metadata["namespace"], name=metadata["name"]
+            kind=kind,
+            namespace=metadata["namespace"],
+            name=metadata["name"],
+            api_version=manifest.get("apiVersion"),
         )
         if existing is None:  # gone between the two calls: the next pass creates it
             return None
@@ -144,7 +150,7 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
     except kube.ApiError as err:
         if err.status < 400 or err.status >= 500 or err.status in _TRANSIENT:
             raise
-        return _rejected(kind, metadata, err)
+        return _rejected(manifest, err)
 
 
 async def ensure(

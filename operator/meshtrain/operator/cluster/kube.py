@@ -10,6 +10,7 @@ delete are answers, not errors.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -50,6 +51,14 @@ PLURAL = "trainingjobs"
 
 POD_GROUP_API = ("scheduling.k8s.io", "v1alpha2")
 POD_GROUP_PLURAL = "podgroups"
+
+
+def _group_version(api_version: str | None) -> tuple[str, str]:
+    """A PodGroup's (group, version): the native one's, or the ``apiVersion`` of the gang backend's."""
+    if not api_version or "/" not in api_version:
+        return POD_GROUP_API
+    group, version = api_version.split("/", 1)
+    return group, version
 
 
 async def _send(
@@ -348,15 +357,18 @@ class Client(KueueCalls, dra_calls.DraCalls, DeviceReads):
             return "networkpolicies", self._networking.create_namespaced_network_policy
         raise ValueError(f"no create call for kind {kind}")
 
-    # PodGroups (scheduling.k8s.io/v1alpha2, the native gang API where it is served).
+    # PodGroups of the gang backend: the native gang API (scheduling.k8s.io/v1alpha2) where it is
+    # served, scheduler-plugins' (scheduling.x-k8s.io/v1alpha1); each by its ``apiVersion``.
     async def _create_pod_group(self, namespace: str, body: Body, **kwargs: Any) -> Any:
         return await self._custom.create_namespaced_custom_object(
-            *POD_GROUP_API, namespace, POD_GROUP_PLURAL, body, **kwargs
+            *_group_version(body.get("apiVersion")), namespace, POD_GROUP_PLURAL, body, **kwargs
         )
 
-    async def _read_pod_group(self, name: str, namespace: str, **kwargs: Any) -> Any:
+    async def _read_pod_group(
+        self, name: str, namespace: str, api_version: str | None = None, **kwargs: Any
+    ) -> Any:
         return await self._custom.get_namespaced_custom_object(
-            *POD_GROUP_API, namespace, POD_GROUP_PLURAL, name, **kwargs
+            *_group_version(api_version), namespace, POD_GROUP_PLURAL, name, **kwargs
         )
 
     async def server_version(self) -> Body:
@@ -464,16 +476,18 @@ class Client(KueueCalls, dra_calls.DraCalls, DeviceReads):
         "NetworkPolicy": "networkpolicies",
     }
 
-    async def read(self, *, kind: str, namespace: str, name: str) -> Body | None:
-        """A Pod, Service, ConfigMap, PodGroup, NetworkPolicy or DRA claim object, or None when
-        there is none of that name."""
+    async def read(
+        self, *, kind: str, namespace: str, name: str, api_version: str | None = None
+    ) -> Body | None:
+        """A Pod, Service, ConfigMap, PodGroup (of ``api_version``; default the native one),
+        NetworkPolicy or DRA claim object, or None when there is none of that name."""
         if kind in dra_calls.APIS:
             return await self.read_claim_object(kind=kind, namespace=namespace, name=name)
-        calls = {
+        calls: dict[str, Callable[..., Awaitable[Any]]] = {
             "Pod": self._core.read_namespaced_pod,
             "Service": self._core.read_namespaced_service,
             "ConfigMap": self._core.read_namespaced_config_map,
-            "PodGroup": self._read_pod_group,
+            "PodGroup": functools.partial(self._read_pod_group, api_version=api_version),
             "NetworkPolicy": self._networking.read_namespaced_network_policy,
         }
         return await self._request("get", self._READ[kind], calls[kind], name, namespace, ok=(404,))
