@@ -1,0 +1,1 @@
+"""The simulated GPU fleet benchmarks (issue #36): KWOK nodes, a workload trace, the runners."""
