@@ -6,8 +6,9 @@ and :func:`queue_objects` the Topology, ResourceFlavor, ClusterQueue and LocalQu
 The TAS annotations (:func:`annotations`) ask Kueue for what meshtrain's placement is after:
 tensor groups never leave a pod, so each pipeline stage's pods are a PodSet slice required inside
 one NVLink domain (where domains span nodes) or one rack, where one such domain holds a stage;
-the job as a whole prefers the lowest level (Kueue climbs from there).  A one-stage job is a
-single slice: the whole PodSet is required there instead.
+the job as a whole prefers that level (Kueue climbs from there), or the lowest where no domain
+holds a stage.  A one-stage job is a single slice: the whole PodSet is required there instead;
+a stage of one pod needs no slice.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ def annotations(job: api_spec.TrainingJobSpec, fabric: Fabric) -> dict[str, str]
     lowest = candidates[-1] if candidates else HOSTNAME
     if stage_gpus % per_pod or not fits:  # stages share pods, or none fits a domain: prefer
         return {PREFERRED: lowest}
-    stage_level = fits[-1]
+    stage_level, stage_pods = fits[-1], stage_gpus // per_pod
     if grid.pipeline == 1:
         return {REQUIRED: stage_level}
+    if stage_pods == 1:  # a stage on one pod is never split: a slice of one asks nothing
+        return {PREFERRED: stage_level}
     # Kueue refuses a slice level above the PodSet's, so the job prefers the stage's level
     return {
         PREFERRED: stage_level,
         SLICE_REQUIRED: stage_level,
-        SLICE_SIZE: str(stage_gpus // per_pod),
+        SLICE_SIZE: str(stage_pods),
     }
 
 

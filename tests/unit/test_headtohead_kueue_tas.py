@@ -50,6 +50,8 @@ def spec(data: int, pipeline: int, tensor: int = 8, per_node: int = 8, clique: b
         (spec(4, 1), {kueue_tas.REQUIRED: RACK}),
         # a 64-GPU stage fits no rack: the job only prefers racks
         (spec(8, 2), {kueue_tas.PREFERRED: RACK}),
+        # a stage of one pod is never split: no slice, the job prefers the stage's domain
+        (spec(1, 4, clique=True), {kueue_tas.PREFERRED: CLIQUE}),
         # stages of 4 GPUs share 8-GPU pods: no slice can be a stage
         (spec(1, 4, tensor=4), {kueue_tas.PREFERRED: RACK}),
     ],
