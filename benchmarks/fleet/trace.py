@@ -53,6 +53,8 @@ FAILURES_PER_NODE_DAY = 419 / (16_384 / kwok.GPUS_PER_NODE) / 54
 MODEL = "1.3b"
 """The model every job trains (its size matters to the operator's memory admission only)."""
 NAMESPACE = "fleet"
+HELD_SECONDS = 30 * 24 * 3600.0
+"""How long the pods of :func:`held` run: longer than any run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,3 +175,15 @@ def jobs(trace: Trace) -> Iterator[Job]:
             fail_after=fails_at * 3600 / trace.compression if fails_at < hours else None,
         )
         index += 1
+
+
+def held(trace: Trace, waiting: int) -> list[Job]:
+    """The trace's burst at time 0 and ``waiting`` more jobs at once, none of them ever ending:
+    the fleet fills and ``waiting`` jobs (about) queue, for the operator's memory at rest."""
+    burst = [j for j in jobs(trace) if j.arrival == 0.0]
+    more = jobs(dataclasses.replace(trace, seed=trace.seed + 1, initial_fill=1e9))
+    extra = [next(more) for _ in range(waiting)]
+    renamed = [dataclasses.replace(j, name=f"w{i:05d}-{j.gpus}") for i, j in enumerate(extra)]
+    return [
+        dataclasses.replace(j, run_seconds=HELD_SECONDS, fail_after=None) for j in burst + renamed
+    ]
