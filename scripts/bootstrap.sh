@@ -33,6 +33,9 @@
 #     its kubelets pull from: the CNCF distribution registry, from
 #     github.com/distribution/distribution/v3/cmd/registry at REGISTRY_VERSION,
 #     into $CACHE_ROOT/registry-<version>/bin/ (node only).
+#   * KWOK's `kwok` controller, which simulates the fleet benchmarks' GPU nodes
+#     and their pods' lifecycles (benchmarks/fleet), from sigs.k8s.io/kwok at
+#     KWOK_VERSION into $CACHE_ROOT/kwok-<version>/bin/ (node only).
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -61,6 +64,7 @@ COREDNS_VERSION="${MESHTRAIN_COREDNS_VERSION:-v1.15.0}"
 KUBE_ROUTER_VERSION="${MESHTRAIN_KUBE_ROUTER_VERSION:-v2.1.0}"
 VERSITYGW_VERSION="${MESHTRAIN_VERSITYGW_VERSION:-v1.8.0}"
 REGISTRY_VERSION="${MESHTRAIN_REGISTRY_VERSION:-v3.1.2}"
+KWOK_VERSION="${MESHTRAIN_KWOK_VERSION:-v0.8.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
 BUILD_ROOT="$CACHE_ROOT/build"
@@ -346,6 +350,20 @@ build_registry() {
      -X github.com/distribution/distribution/v3/version.revision=$REGISTRY_VERSION"
 }
 
+# KWOK's controller (`kwok`, not the `kwokctl` cluster manager), from its Go module into
+# $CACHE_ROOT/kwok-<version>/bin/: benchmarks/fleet runs it against its own control plane to
+# simulate thousands of GPU nodes whose pods the real kube-scheduler binds. Node only (the
+# benchmarks' full bootstrap), like the registry. The version stamp is the one its Makefile sets.
+build_kwok() {
+  local root="$CACHE_ROOT/kwok-$KWOK_VERSION"
+  if [[ -x "$root/bin/kwok" ]]; then
+    log "kwok $KWOK_VERSION present: $root"
+    return
+  fi
+  build_from_module "$root" kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok \
+    "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+}
+
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
 # stamps the version like this.
 build_containerd() {
@@ -486,6 +504,7 @@ main() {
 
   ((WITH_NODE)) && build_kube_router
   ((WITH_NODE)) && build_registry
+  ((WITH_NODE)) && build_kwok
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"
