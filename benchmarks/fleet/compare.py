@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from benchmarks.fleet import observe
 from meshtrain.api import spec as api_spec
 from meshtrain.placement import fabric_cost, values
 from meshtrain.planner import placement_request
@@ -97,7 +98,10 @@ def by_size(
         row: dict[str, Any] = {"jobs": len(names), "bound_by_both": len(both)}
         for system, outcomes in (("meshtrain", meshtrain), ("kueue", kueue)):
             starts = [s for n in names if (s := outcomes[n].start_seconds) is not None]
-            entry: dict[str, Any] = {"started": len(starts), "start_seconds": _percentiles(starts)}
+            entry: dict[str, Any] = {
+                "started": len(starts),
+                "start_seconds": observe.percentiles(starts),
+            }
             for field in ("leaf", "block", "spine", "cross_leaf", "cross_block"):
                 per_job = [getattr(outcomes[n].bytes, field) for n in both]
                 entry[f"{field}_bytes_per_step"] = statistics.fmean(per_job) if per_job else None
@@ -110,18 +114,6 @@ def by_size(
             }
         rows[str(size)] = row
     return rows
-
-
-def _percentiles(values_: Sequence[float]) -> dict[str, float | int]:
-    if not values_:
-        return {"count": 0}
-    ordered = sorted(values_)
-    return {
-        "count": len(ordered),
-        "p50": statistics.median(ordered),
-        "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
-        "max": ordered[-1],
-    }
 
 
 def utilisation(
