@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import pathlib
 import sys
@@ -40,7 +41,7 @@ from typing import Any
 
 import kubernetes
 
-from benchmarks import bench_operator, machine
+from benchmarks import bench_operator, bench_operator_scale, machine
 from benchmarks.fleet import compare, kueue_tas, kwok, observe, trace
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
@@ -177,6 +178,16 @@ def _meshtrain(api: kubernetes.client.ApiClient, plane: Any, jobs: list[trace.Jo
                 bench_operator.GROUP, bench_operator.VERSION, trace.NAMESPACE, bench_operator.PLURAL, job.manifest()
             )  # fmt: skip
 
+        # Ready as Kueue is when its phase starts: caches filled, the planning worker (started
+        # by the first plan, seconds of imports) running; the warm-up job is gone before the trace.
+        bench_operator_scale._wait_log(log, "cache of pods filled", 600)
+        submit(trace.Job("warmup", 0.0, kwok.GPUS_PER_NODE, 1.0, None))
+        bench_operator_scale._wait_log(log, "planning worker started", 600)
+        custom.delete_namespaced_custom_object(
+            bench_operator.GROUP, bench_operator.VERSION, trace.NAMESPACE, bench_operator.PLURAL, "warmup"
+        )  # fmt: skip
+        core = kubernetes.client.CoreV1Api(api)
+        _wait_empty("the warm-up's pods", lambda: core.list_namespaced_pod(trace.NAMESPACE, limit=1).items)  # fmt: skip
         found = _drive(api, jobs, submit, shape, seconds)
         custom.delete_collection_namespaced_custom_object(
             bench_operator.GROUP, bench_operator.VERSION, trace.NAMESPACE, bench_operator.PLURAL
@@ -341,6 +352,30 @@ def _print(results: dict[str, Any]) -> None:
         print(f"{name}: utilisation {results[name]['utilisation']:.1%}, {results[name]['minutes_above_80_percent']:.1f} min above 80%")  # fmt: skip
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """docs/operator.md's comparison table of a results file (meshtrain / Kueue TAS per cell)."""
+    lines = [
+        "| job GPUs | jobs | bound by both | started (m / k) | time to start p50 s (m / k) | p95 s (m / k) | cross-leaf GB/step (m / k) | cross-block GB/step (m / k) | leaf GB/step (m / k) |",  # fmt: skip
+        "|---:|---:|---:|---|---|---|---|---|---|",
+    ]
+
+    def pair(row: dict[str, Any], read: Callable[[dict[str, Any]], Any], unit: float = 1.0) -> str:
+        found = [read(row[name]) for name in ("meshtrain", "kueue")]
+        return " / ".join("-" if v is None else f"{v / unit:.2f}" if unit != 1.0 else f"{v:.1f}" for v in found)  # fmt: skip
+
+    for size, row in results["by_size"].items():
+        starts = f"{row['meshtrain']['started']} / {row['kueue']['started']}"
+        p50 = pair(row, lambda e: e["start_seconds"].get("p50"))
+        p95 = pair(row, lambda e: e["start_seconds"].get("p95"))
+        leaf_out = pair(row, lambda e: e["cross_leaf_bytes_per_step"], 1e9)
+        block_out = pair(row, lambda e: e["cross_block_bytes_per_step"], 1e9)
+        leaf = pair(row, lambda e: e["leaf_bytes_per_step"], 1e9)
+        lines.append(f"| {size} | {row['jobs']} | {row['bound_by_both']} | {starts} | {p50} | {p95} | {leaf_out} | {block_out} | {leaf} |")  # fmt: skip
+    use = " / ".join(f"{results[name]['utilisation']:.1%}" for name in ("meshtrain", "kueue"))
+    lines.append(f"\nUtilisation over each phase (meshtrain / Kueue TAS): {use}.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=256)
@@ -357,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--name", default="headtohead", help="results file name (<name>-<host>.json)"
     )
+    parser.add_argument("--table", type=pathlib.Path, help="print docs/operator.md's table of a results file and exit")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(markdown(json.loads(args.table.read_text())["results"]))
+        return 0
     results = run(args)
     path = machine.write_results(args.name, results)
     _print(results)
