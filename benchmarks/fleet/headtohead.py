@@ -355,7 +355,7 @@ def _print(results: dict[str, Any]) -> None:
 def markdown(results: dict[str, Any]) -> str:
     """docs/operator.md's comparison table of a results file (meshtrain / Kueue TAS per cell)."""
     lines = [
-        "| job GPUs | jobs | bound by both | started (m / k) | time to start p50 s (m / k) | p95 s (m / k) | cross-leaf GB/step (m / k) | cross-block GB/step (m / k) | leaf GB/step (m / k) |",  # fmt: skip
+        "| job GPUs | jobs | bound by both | started (m / k) | time to start p50 s (m / k) | p95 s (m / k) | cross-leaf GB/step (m / k) | cross-block GB/step (m / k) | inside a leaf GB/step (m / k) |",  # fmt: skip
         "|---:|---:|---:|---|---|---|---|---|---|",
     ]
 
